@@ -1,0 +1,369 @@
+"""ConversationStore: the read paths and the admin operations on stored conversations.
+
+Every read is a plain `find` on an index, sorted by the index: no aggregation
+and no reordering at read time. Calls that take `user_id` as a scope only see
+(and only change) that user's conversations.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+from pymongo import ReturnDocument
+
+from app.collections import CONVERSATIONS, MESSAGES, Database
+from app.errors import Conflict, InvalidInput, NotFound, storage_errors
+from app.models import (
+    AgentMessage,
+    Conversation,
+    ConversationPage,
+    MessagePage,
+    PendingHitl,
+    message_adapter,
+)
+from app.turns import validate_identifier
+
+MAX_PAGE_SIZE = 200
+MAX_TRANSCRIPT_MESSAGES = 10_000
+MAX_SEARCH_QUERY_CHARS = 500
+SortOrder = Literal["asc", "desc"]
+
+
+class SearchHit(BaseModel):
+    """One message that matched a search, with its relevance."""
+
+    model_config = ConfigDict(frozen=True)
+
+    message: AgentMessage
+    rank: int
+    """1 for the best match."""
+
+
+class Deleted(BaseModel):
+    """How many documents an erase removed."""
+
+    conversations: int
+    messages: int
+
+
+class Claimed(BaseModel):
+    """How many documents a claim moved to the new owner."""
+
+    conversations: int
+    messages: int
+
+
+class ConversationExport(BaseModel):
+    """One conversation with its whole transcript."""
+
+    conversation: Conversation
+    messages: list[AgentMessage]
+
+
+def _page_size(limit: int) -> int:
+    if not 1 <= limit <= MAX_PAGE_SIZE:
+        raise InvalidInput(f"invalid limit {limit}: it must be between 1 and {MAX_PAGE_SIZE}")
+    return limit
+
+
+def encode_cursor(conversation: Conversation) -> str:
+    millis = int(conversation.updated_at.timestamp() * 1000)
+    raw = json.dumps([millis, conversation.id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        millis, conversation_id = json.loads(base64.urlsafe_b64decode(padded.encode()))
+        if not isinstance(millis, int) or not isinstance(conversation_id, str):
+            raise ValueError
+        return datetime.fromtimestamp(millis / 1000, UTC), conversation_id
+    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError) as exc:
+        raise InvalidInput(
+            "invalid cursor: pass back the `next_cursor` of a previous page unchanged"
+        ) from exc
+
+
+class ConversationStore:
+    """Reads and administers conversations. Takes the same database handles as the logger."""
+
+    def __init__(self, db: Database) -> None:
+        self._messages = db[MESSAGES]
+        self._conversations = db[CONVERSATIONS]
+
+    # -- conversations ---------------------------------------------------------------
+
+    async def list_conversations(
+        self, user_id: str, *, limit: int = 20, cursor: str | None = None
+    ) -> ConversationPage:
+        """A user's conversations, most recently updated first."""
+        user_id = validate_identifier(user_id, "user_id")
+        limit = _page_size(limit)
+        query: dict[str, Any] = {"user_id": user_id}
+        if cursor is not None:
+            updated_at, last_id = decode_cursor(cursor)
+            query["$or"] = [
+                {"updated_at": {"$lt": updated_at}},
+                {"updated_at": updated_at, "_id": {"$lt": last_id}},
+            ]
+        with storage_errors("list conversations"):
+            docs = await (
+                self._conversations.find(query, {"recent_turns": 0})
+                .sort([("updated_at", -1), ("_id", -1)])
+                .limit(limit + 1)
+                .to_list(None)
+            )
+        conversations = [Conversation.model_validate(d) for d in docs[:limit]]
+        has_more = len(docs) > limit
+        return ConversationPage(
+            data=conversations,
+            has_more=has_more,
+            first_id=conversations[0].id if conversations else None,
+            last_id=conversations[-1].id if conversations else None,
+            next_cursor=encode_cursor(conversations[-1]) if has_more else None,
+        )
+
+    async def get_conversation(
+        self, conversation_id: str, *, user_id: str | None = None
+    ) -> Conversation:
+        """One conversation document; NotFound if it is missing or not `user_id`'s."""
+        with storage_errors("read the conversation"):
+            doc = await self._conversations.find_one(self._scope(conversation_id, user_id))
+        if doc is None:
+            raise NotFound(f"conversation {conversation_id!r} was not found")
+        return Conversation.model_validate(doc)
+
+    async def turn_count(self, conversation_id: str, *, user_id: str | None = None) -> int:
+        with storage_errors("read the turn count"):
+            doc = await self._conversations.find_one(
+                self._scope(conversation_id, user_id), {"turn_count": 1}
+            )
+        if doc is None:
+            raise NotFound(f"conversation {conversation_id!r} was not found")
+        return int(doc.get("turn_count", 0))
+
+    async def rename(
+        self, conversation_id: str, name: str, *, user_id: str | None = None
+    ) -> Conversation:
+        """Set a person's name for the conversation; automatic names never replace it."""
+        clean = " ".join(name.split())
+        if not clean or len(clean) > 200:
+            raise InvalidInput("invalid name: it must have 1 to 200 characters besides white space")
+        with storage_errors("rename the conversation"):
+            doc = await self._conversations.find_one_and_update(
+                self._scope(conversation_id, user_id),
+                {"$set": {"name": clean, "name_source": "set"}},
+                return_document=ReturnDocument.AFTER,
+            )
+        if doc is None:
+            raise NotFound(f"conversation {conversation_id!r} was not found")
+        return Conversation.model_validate(doc)
+
+    async def delete(self, conversation_id: str, *, user_id: str | None = None) -> Deleted:
+        """Delete a conversation and all its messages.
+
+        Messages go first, so a crash part-way leaves a conversation that a
+        repeated delete finishes, never messages without their conversation.
+        """
+        await self.get_conversation(conversation_id, user_id=user_id)
+        with storage_errors("delete the conversation"):
+            messages = await self._messages.delete_many({"conversation_id": conversation_id})
+            conversations = await self._conversations.delete_one({"_id": conversation_id})
+        return Deleted(conversations=conversations.deleted_count, messages=messages.deleted_count)
+
+    # -- messages --------------------------------------------------------------------
+
+    async def transcript(
+        self, conversation_id: str, *, user_id: str | None = None
+    ) -> list[AgentMessage]:
+        """Every message of a conversation in `seq` order, in one round trip."""
+        query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
+        if user_id is not None:
+            query["user_id"] = validate_identifier(user_id, "user_id")
+        with storage_errors("read the transcript"):
+            docs = await (
+                self._messages.find(query)
+                .sort("seq", 1)
+                .limit(MAX_TRANSCRIPT_MESSAGES)
+                .batch_size(MAX_TRANSCRIPT_MESSAGES)
+                .to_list(None)
+            )
+        if not docs:
+            # Tell an empty conversation from a missing one (costs a lookup only here).
+            await self.get_conversation(conversation_id, user_id=user_id)
+        return [message_adapter.validate_python(d) for d in docs]
+
+    async def messages_page(
+        self,
+        conversation_id: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: SortOrder = "asc",
+        user_id: str | None = None,
+    ) -> MessagePage:
+        """A page of messages by `seq`, starting after the message id `after`."""
+        limit = _page_size(limit)
+        if order not in ("asc", "desc"):
+            raise InvalidInput(f"invalid order {order!r}: use 'asc' or 'desc'")
+        query: dict[str, Any] = {
+            "conversation_id": validate_identifier(conversation_id, "conversation_id")
+        }
+        if user_id is not None:
+            query["user_id"] = validate_identifier(user_id, "user_id")
+        if after is not None:
+            query["seq"] = {"$gt" if order == "asc" else "$lt": await self._seq_of(after, query)}
+        with storage_errors("read messages"):
+            docs = await (
+                self._messages.find(query)
+                .sort("seq", 1 if order == "asc" else -1)
+                .limit(limit + 1)
+                .to_list(None)
+            )
+        if not docs and after is None:
+            await self.get_conversation(conversation_id, user_id=user_id)
+        messages = [message_adapter.validate_python(d) for d in docs[:limit]]
+        return MessagePage(
+            data=messages,
+            has_more=len(docs) > limit,
+            first_id=messages[0].id if messages else None,
+            last_id=messages[-1].id if messages else None,
+        )
+
+    async def _seq_of(self, message_id: str, scope: dict[str, Any]) -> int:
+        message_id = validate_identifier(message_id, "after")
+        with storage_errors("find the cursor message"):
+            doc = await self._messages.find_one({"_id": message_id, **scope}, {"seq": 1})
+        if doc is None:
+            raise InvalidInput(f"invalid after: message {message_id!r} is not in this conversation")
+        return int(doc["seq"])
+
+    # -- human in the loop -----------------------------------------------------------
+
+    async def pending_hitl(
+        self, conversation_id: str, *, user_id: str | None = None
+    ) -> PendingHitl | None:
+        """The conversation's unresolved HITL prompt, in one lookup."""
+        with storage_errors("read the pending prompt"):
+            doc = await self._conversations.find_one(
+                self._scope(conversation_id, user_id), {"pending_hitl": 1}
+            )
+        if doc is None:
+            raise NotFound(f"conversation {conversation_id!r} was not found")
+        pending = doc.get("pending_hitl")
+        return PendingHitl.model_validate(pending) if pending else None
+
+    async def resolve_hitl(
+        self, conversation_id: str, request_id: str, *, user_id: str | None = None
+    ) -> None:
+        """Clear the pending prompt if it is the one named; Conflict if another is pending."""
+        scope = self._scope(conversation_id, user_id)
+        with storage_errors("resolve the pending prompt"):
+            result = await self._conversations.update_one(
+                {**scope, "pending_hitl.request_id": request_id},
+                {"$set": {"pending_hitl": None}},
+            )
+        if result.matched_count:
+            return
+        pending = await self.pending_hitl(conversation_id, user_id=user_id)
+        raise Conflict(
+            f"no pending prompt {request_id!r} in conversation {conversation_id!r}"
+            + (f"; the pending one is {pending.request_id!r}" if pending else "")
+        )
+
+    # -- search ----------------------------------------------------------------------
+
+    async def search(
+        self,
+        text: str,
+        *,
+        user_id: str | None = None,
+        conversation_id: str | None = None,
+        limit: int = 20,
+    ) -> list[SearchHit]:
+        """Messages matching `text`, best first, within one user's or one conversation's."""
+        limit = _page_size(limit)
+        text = " ".join(text.split())
+        if not text or len(text) > MAX_SEARCH_QUERY_CHARS:
+            raise InvalidInput(
+                f"invalid search: the query must have 1 to {MAX_SEARCH_QUERY_CHARS} characters"
+            )
+        if user_id is None and conversation_id is None:
+            raise InvalidInput("invalid search: scope it to a user_id or a conversation_id")
+        query: dict[str, Any] = {"$text": {"$search": text}}
+        if user_id is not None:
+            query["user_id"] = validate_identifier(user_id, "user_id")
+        if conversation_id is not None:
+            query["conversation_id"] = validate_identifier(conversation_id, "conversation_id")
+        with storage_errors("search messages"):
+            # Sorting by the text score needs no projection of it (MongoDB 4.4+); projecting
+            # it would also trim documents on some MongoDB-compatible servers.
+            docs = await (
+                self._messages.find(query)
+                .sort([("score", {"$meta": "textScore"})])
+                .limit(limit)
+                .to_list(None)
+            )
+        return [
+            SearchHit(message=message_adapter.validate_python(d), rank=rank)
+            for rank, d in enumerate(docs, start=1)
+        ]
+
+    # -- per user --------------------------------------------------------------------
+
+    async def erase_user(self, user_id: str) -> Deleted:
+        """Delete every conversation and message of a user. Re-runnable after a crash."""
+        user_id = validate_identifier(user_id, "user_id")
+        with storage_errors("erase the user's data"):
+            messages = await self._messages.delete_many({"user_id": user_id})
+            conversations = await self._conversations.delete_many({"user_id": user_id})
+            # Messages logged between the two deletes would otherwise be orphans.
+            late = await self._messages.delete_many({"user_id": user_id})
+        return Deleted(
+            conversations=conversations.deleted_count,
+            messages=messages.deleted_count + late.deleted_count,
+        )
+
+    async def claim(self, from_user_id: str, to_user_id: str) -> Claimed:
+        """Move every conversation and message of one user id to another.
+
+        Conversations move first: a turn logged meanwhile takes its owner from
+        the conversation document, so it is stamped with the new owner.
+        """
+        from_user_id = validate_identifier(from_user_id, "from_user_id")
+        to_user_id = validate_identifier(to_user_id, "to_user_id")
+        if from_user_id == to_user_id:
+            raise InvalidInput("invalid claim: the two user ids are the same")
+        with storage_errors("claim the conversations"):
+            conversations = await self._conversations.update_many(
+                {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
+            )
+            messages = await self._messages.update_many(
+                {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
+            )
+        return Claimed(conversations=conversations.modified_count, messages=messages.modified_count)
+
+    async def export_user(self, user_id: str) -> AsyncIterator[ConversationExport]:
+        """Every conversation of a user with its transcript, one at a time."""
+        user_id = validate_identifier(user_id, "user_id")
+        with storage_errors("export the user's data"):
+            async for doc in self._conversations.find({"user_id": user_id}).sort("_id", 1):
+                conversation = Conversation.model_validate(doc)
+                yield ConversationExport(
+                    conversation=conversation,
+                    messages=await self.transcript(conversation.id, user_id=user_id),
+                )
+
+    @staticmethod
+    def _scope(conversation_id: str, user_id: str | None) -> dict[str, Any]:
+        scope: dict[str, Any] = {"_id": validate_identifier(conversation_id, "conversation_id")}
+        if user_id is not None:
+            scope["user_id"] = validate_identifier(user_id, "user_id")
+        return scope

@@ -1,0 +1,44 @@
+"""`python -m app.schema`: write the JSON Schema of the stored documents into `schemas/`.
+
+The TypeScript app's types are generated from these files; a test checks they are current.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import TypeAdapter
+
+from app.models import AgentMessage, Conversation, ConversationPage, MessagePage
+
+SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
+
+SCHEMAS: dict[str, TypeAdapter[Any]] = {
+    "agent-message.schema.json": TypeAdapter(AgentMessage),
+    "agent-conversation.schema.json": TypeAdapter(Conversation),
+    "message-page.schema.json": TypeAdapter(MessagePage),
+    "conversation-page.schema.json": TypeAdapter(ConversationPage),
+}
+
+
+def render() -> dict[str, str]:
+    """File name → JSON text of every schema, as the models define them now."""
+    return {
+        name: json.dumps(adapter.json_schema(mode="serialization"), indent=2, sort_keys=True) + "\n"
+        for name, adapter in SCHEMAS.items()
+    }
+
+
+def main() -> int:
+    SCHEMA_DIR.mkdir(exist_ok=True)
+    for name, text in render().items():
+        (SCHEMA_DIR / name).write_text(text)
+        print(f"wrote schemas/{name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The running service's resources: the database connection and the store objects."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+from pymongo import AsyncMongoClient
+
+from app.collections import Database
+from app.conversations import ConversationStore
+from app.embedded import embedded_mongodb
+from app.errors import storage_errors
+from app.logger import AgentMessageLogger
+from app.settings import Settings
+
+
+@dataclass(frozen=True)
+class Store:
+    """What request handlers use: the logger and the conversation store on one database."""
+
+    logger: AgentMessageLogger
+    conversations: ConversationStore
+
+    @classmethod
+    def on(cls, db: Database, settings: Settings) -> Store:
+        return cls(
+            logger=AgentMessageLogger(db, rules=settings.turn_rules()),
+            conversations=ConversationStore(db),
+        )
+
+
+@asynccontextmanager
+async def open_store(settings: Settings) -> AsyncIterator[Store]:
+    """Connect (starting the embedded server when no URI is set) and prepare the indexes."""
+    async with AsyncExitStack() as stack:
+        uri = settings.mongodb_uri or await stack.enter_async_context(
+            embedded_mongodb(settings.data_dir)
+        )
+        client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
+            uri, tz_aware=True, serverSelectionTimeoutMS=10_000
+        )
+        stack.push_async_callback(client.close)
+        with storage_errors("connect to the database"):
+            await client.admin.command("ping")
+        store = Store.on(client[settings.database], settings)
+        await store.logger.ensure_indexes()
+        yield store

@@ -1,0 +1,244 @@
+"""Plan a turn: validate its messages and work out what it changes. Pure, no I/O.
+
+The logger turns a plan into exactly two writes (reserve `seq` on the
+conversation, then insert the messages); everything it needs to know is
+computed here first, so a rejected turn writes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from app.errors import InvalidInput, describe_validation_error
+from app.models import (
+    AgentMessage,
+    Identifier,
+    PendingHitl,
+    Usage,
+    messages_adapter,
+)
+from app.text import (
+    DEFAULT_MARKERS,
+    RuntimeContextMarkers,
+    auto_name,
+    message_text,
+    search_text,
+    shorten,
+    strip_runtime_context,
+)
+from app.truncation import DEFAULT_MAX_MESSAGE_BYTES, bound_message
+
+_identifier: TypeAdapter[str] = TypeAdapter(Identifier)
+
+MAX_MESSAGES_PER_TURN = 1000
+
+
+@dataclass(frozen=True)
+class TurnRules:
+    """How turns are stored; the logger's configuration."""
+
+    markers: RuntimeContextMarkers = DEFAULT_MARKERS
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    preview_chars: int = 200
+    name_chars: int = 60
+    recent_turns_kept: int = 64
+
+
+@dataclass(frozen=True)
+class KeepPendingHitl:
+    """The turn neither raises nor answers a HITL prompt."""
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """Everything one turn writes, before `seq` values are known."""
+
+    conversation_id: str
+    turn_id: str
+    messages: tuple[AgentMessage, ...]
+    turn_starts: int
+    """How many turns this call starts: runs of user/system messages."""
+    updated_at: datetime
+    preview: str | None
+    usage: Usage
+    pending_hitl: PendingHitl | KeepPendingHitl | None = field(default_factory=KeepPendingHitl)
+    """The prompt left pending after the turn; None clears it."""
+    auto_name: str | None = None
+    """A name from the first user text, used only while the conversation has none."""
+
+
+def validate_identifier(value: object, what: str) -> str:
+    try:
+        return _identifier.validate_python(value)
+    except ValidationError as exc:
+        raise InvalidInput(describe_validation_error(exc, subject=what)) from exc
+
+
+def parse_messages(raw: Sequence[AgentMessage | Mapping[str, Any]]) -> list[AgentMessage]:
+    """Validate a turn's messages, given as models or as dicts."""
+    if isinstance(raw, str | bytes | Mapping) or not isinstance(raw, Sequence):
+        raise InvalidInput("invalid turn: messages must be a list of messages")
+    if not raw:
+        raise InvalidInput("invalid turn: a turn needs at least one message")
+    if len(raw) > MAX_MESSAGES_PER_TURN:
+        raise InvalidInput(
+            f"invalid turn: {len(raw)} messages; one turn holds at most {MAX_MESSAGES_PER_TURN}"
+        )
+    try:
+        return messages_adapter.validate_python(
+            [m if isinstance(m, Mapping) else m.model_dump(by_alias=True) for m in raw]
+        )
+    except ValidationError as exc:
+        raise InvalidInput(describe_validation_error(exc, subject="turn")) from exc
+
+
+def derive_turn_id(conversation_id: str, messages: Sequence[AgentMessage]) -> str:
+    """A turn id from the turn's content and timestamps, so a retry of it maps to the same id."""
+    canonical = json.dumps(
+        [conversation_id]
+        + [
+            m.model_dump(mode="json", exclude={"seq", "user_id", "turn_id", "search_text"})
+            for m in messages
+        ],
+        sort_keys=True,
+        ensure_ascii=False,
+    )
+    return "turn-" + hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def message_id(conversation_id: str, turn_id: str, index: int) -> str:
+    """The stable id of the `index`-th message of a turn."""
+    digest = hashlib.sha256(f"{conversation_id}\0{turn_id}\0{index}".encode()).hexdigest()
+    return "msg-" + digest[:32]
+
+
+def _check_tool_pairing(messages: Sequence[AgentMessage]) -> None:
+    calls_seen: set[str] = set()
+    calls_later = {c.id for m in messages for c in m.tool_calls or ()}
+    answered: set[str] = set()
+    for index, message in enumerate(messages):
+        for call in message.tool_calls or ():
+            if call.id in calls_seen:
+                raise InvalidInput(f"invalid turn: tool call id {call.id!r} is used twice")
+            calls_seen.add(call.id)
+        if message.role == "tool":
+            call_id = message.tool_call_id
+            assert call_id is not None
+            if call_id in answered:
+                raise InvalidInput(
+                    f"invalid turn: message {index} answers tool call {call_id!r} a second time"
+                )
+            if call_id in calls_later and call_id not in calls_seen:
+                raise InvalidInput(
+                    f"invalid turn: message {index} answers tool call {call_id!r} "
+                    "before the assistant message that makes it"
+                )
+            answered.add(call_id)
+
+
+def _clean(message: AgentMessage, rules: TurnRules) -> AgentMessage:
+    if message.role == "user" and message.content:
+        stripped = strip_runtime_context(message.content, rules.markers)
+        if stripped != message.content:
+            message = message.model_copy(update={"content": stripped})
+    return message
+
+
+def plan_turn(
+    conversation_id: str,
+    raw_messages: Sequence[AgentMessage | Mapping[str, Any]],
+    *,
+    turn_id: str | None = None,
+    rules: TurnRules = TurnRules(),
+) -> TurnPlan:
+    """Validate a turn and compute what it writes. Raises InvalidInput and nothing else."""
+    conversation_id = validate_identifier(conversation_id, "conversation_id")
+    messages = [_clean(m, rules) for m in parse_messages(raw_messages)]
+    for index, message in enumerate(messages):
+        if message.conversation_id not in (None, conversation_id):
+            raise InvalidInput(
+                f"invalid turn: message {index} belongs to conversation "
+                f"{message.conversation_id!r}, not {conversation_id!r}"
+            )
+    _check_tool_pairing(messages)
+    turn_id = (
+        validate_identifier(turn_id, "turn_id")
+        if turn_id is not None
+        else derive_turn_id(conversation_id, messages)
+    )
+
+    stored: list[AgentMessage] = []
+    for index, message in enumerate(messages):
+        prepared = message.model_copy(
+            update={
+                "id": message.id or message_id(conversation_id, turn_id, index),
+                "conversation_id": conversation_id,
+                "turn_id": turn_id,
+                "search_text": search_text(message),
+            }
+        )
+        stored.append(bound_message(prepared, rules.max_message_bytes))
+
+    return TurnPlan(
+        conversation_id=conversation_id,
+        turn_id=turn_id,
+        messages=tuple(stored),
+        turn_starts=_turn_starts(stored),
+        updated_at=max(m.created_at for m in stored),
+        preview=_preview(stored, rules.preview_chars),
+        usage=_usage(stored),
+        pending_hitl=_pending_hitl(stored),
+        auto_name=next(
+            (name for m in stored if m.upload is None and (name := auto_name(m, rules.name_chars))),
+            None,
+        ),
+    )
+
+
+def _turn_starts(messages: Sequence[AgentMessage]) -> int:
+    starts, previous = 0, None
+    for message in messages:
+        if message.role in ("user", "system") and previous not in ("user", "system"):
+            starts += 1
+        previous = message.role
+    return starts
+
+
+def _preview(messages: Sequence[AgentMessage], limit: int) -> str | None:
+    for message in reversed(messages):
+        if message.role in ("user", "assistant") and (text := message_text(message)):
+            return shorten(text, limit)
+    return None
+
+
+def _usage(messages: Sequence[AgentMessage]) -> Usage:
+    used = [m.token_usage for m in messages if m.token_usage is not None]
+    return Usage(
+        input_tokens=sum(u.input_tokens for u in used),
+        output_tokens=sum(u.output_tokens for u in used),
+    )
+
+
+def _pending_hitl(messages: Sequence[AgentMessage]) -> PendingHitl | KeepPendingHitl | None:
+    outcome: PendingHitl | KeepPendingHitl | None = KeepPendingHitl()
+    for message in messages:
+        if message.role == "user" and message.upload is not None:
+            outcome = None
+        if message.hitl_action is not None:
+            assert message.id is not None
+            outcome = PendingHitl(
+                request_id=message.hitl_action.request_id,
+                action=message.hitl_action.action,
+                params=message.hitl_action.params,
+                prompt=message.content,
+                message_id=message.id,
+                created_at=message.created_at,
+            )
+    return outcome

@@ -1,0 +1,154 @@
+"""Backends as a fixture parameter: every storage test runs on each of them.
+
+- `mongomock`: mongomock-motor, in-process (fast, default).
+- `wire`: mongoeco's MongoDB wire server on a free port, through PyMongo's AsyncMongoClient.
+- `wire-motor`: the same server through a Motor client, as existing runtimes hold.
+- `uri`: the server at MONGODB_URI, only when that variable is set.
+Wire backends need Python 3.13+ (mongoeco); `-m "not wire"` selects the fast suite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient, monitoring
+
+WIRE_AVAILABLE = sys.version_info >= (3, 13)
+MONGODB_URI = os.environ.get("MONGODB_URI")
+
+
+def _backend_params(*, wire_only: bool = False) -> list[Any]:
+    params: list[Any] = [] if wire_only else ["mongomock"]
+    if WIRE_AVAILABLE:
+        params += [
+            pytest.param("wire", marks=pytest.mark.wire),
+            pytest.param("wire-motor", marks=pytest.mark.wire),
+        ]
+    if MONGODB_URI:
+        params.append(pytest.param("uri", marks=pytest.mark.wire))
+    return params
+
+
+class CommandLog(monitoring.CommandListener):
+    """Counts the commands a client sends: one per database round trip."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name not in ("hello", "ismaster", "isMaster", "ping", "endSessions"):
+            self.names.append(event.command_name)
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+    def clear(self) -> None:
+        self.names.clear()
+
+
+@dataclass
+class Backend:
+    name: str
+    db: Any
+    commands: CommandLog | None = None
+    """Commands sent, on backends that speak the wire protocol."""
+    lacks: dict[str, str] = field(default_factory=dict)
+    """Features this backend does not have, with the reason."""
+
+    def skip_if_lacking(self, feature: str) -> None:
+        if feature in self.lacks:
+            pytest.skip(f"{self.name}: {self.lacks[feature]}")
+
+
+class _WireServer:
+    """mongoeco's wire server on its own event loop in a thread, for the whole test session."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.server: Any = None
+        self.uri = ""
+
+    def start(self) -> str:
+        from mongoeco.engines.memory import MemoryEngine
+        from mongoeco.wire.proxy import AsyncMongoEcoProxyServer
+
+        self.thread.start()
+        self.server = AsyncMongoEcoProxyServer(
+            engine=MemoryEngine(),
+            host="127.0.0.1",
+            port=0,
+            mongodb_dialect="7.0",
+            pymongo_profile="auto-installed",
+        )
+        address = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
+        self.uri = f"mongodb://{address.host}:{address.port}/?directConnection=true"
+        return self.uri
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="session")
+def wire_uri() -> Iterator[str]:
+    server = _WireServer()
+    yield server.start()
+    server.stop()
+
+
+async def _open(name: str, request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    db_name = f"test_{uuid.uuid4().hex[:12]}"
+    if name == "mongomock":
+        from mongomock_motor import AsyncMongoMockClient
+
+        no_text = "mongomock does not implement $text"
+        yield Backend(
+            name,
+            AsyncMongoMockClient(tz_aware=True)[db_name],
+            lacks={"text_search": no_text, "text_ranking": no_text},
+        )
+        return
+    uri = MONGODB_URI if name == "uri" else request.getfixturevalue("wire_uri")
+    commands = CommandLog()
+    lacks = {} if name == "uri" else {"text_ranking": "mongoeco sorts textScore lowest first"}
+    if name == "wire-motor":
+        from motor.motor_asyncio import AsyncIOMotorClient
+
+        client: Any = AsyncIOMotorClient(uri, tz_aware=True, event_listeners=[commands])
+    else:
+        client = AsyncMongoClient(uri, tz_aware=True, event_listeners=[commands])
+    try:
+        yield Backend(name, client[db_name], commands, lacks)
+    finally:
+        await client.drop_database(db_name)
+        result = client.close()
+        if asyncio.iscoroutine(result):
+            await result
+
+
+@pytest.fixture(params=_backend_params())
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    """Each storage test runs once per backend."""
+    async for opened in _open(request.param, request):
+        yield opened
+
+
+@pytest.fixture(params=_backend_params(wire_only=True))
+async def wire_backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    """Backends that speak the wire protocol, where round trips can be counted."""
+    async for opened in _open(request.param, request):
+        yield opened

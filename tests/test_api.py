@@ -1,0 +1,85 @@
+"""The service's first routes: health, and a transcript behind a service token."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from app.api import create_app
+from app.examples import EXAMPLE_CONVERSATION_ID, example_turns
+from app.service import Store
+from app.settings import Settings
+from tests.conftest import Backend
+
+TOKEN = "service-token-for-tests"
+
+
+@pytest.fixture
+async def client(backend: Backend) -> AsyncIterator[httpx.AsyncClient]:
+    settings = Settings(service_tokens=[TOKEN, "second-token"])
+    store = Store.on(backend.db, settings)
+    for turn_id, messages in example_turns():
+        await store.logger.log_messages(EXAMPLE_CONVERSATION_ID, messages, turn_id=turn_id)
+    app = create_app(settings, store=store)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as http:
+        yield http
+
+
+def transcript_url(conversation_id: str = EXAMPLE_CONVERSATION_ID) -> str:
+    return f"/v1/conversations/{conversation_id}/transcript"
+
+
+async def test_health_needs_no_token(client: httpx.AsyncClient) -> None:
+    response = await client.get("/health")
+    assert response.json() == {"status": "ok"}
+
+
+async def test_transcript_returns_every_message_in_order(client: httpx.AsyncClient) -> None:
+    response = await client.get(transcript_url(), headers={"Authorization": f"Bearer {TOKEN}"})
+    assert response.status_code == 200
+    data = response.json()["data"]
+    assert [m["seq"] for m in data] == list(range(12))
+    assert data[0]["content"] == "What's the weather in Paris and in Lyon?"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        pytest.param({}, id="no-token"),
+        pytest.param({"Authorization": "Bearer wrong"}, id="wrong-token"),
+        pytest.param({"Authorization": f"Basic {TOKEN}"}, id="wrong-scheme"),
+    ],
+)
+async def test_transcript_without_a_valid_service_token_is_refused(
+    client: httpx.AsyncClient, headers: dict[str, str]
+) -> None:
+    response = await client.get(transcript_url(), headers=headers)
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "unauthorized"
+
+
+async def test_any_configured_token_is_accepted(client: httpx.AsyncClient) -> None:
+    response = await client.get(transcript_url(), headers={"Authorization": "Bearer second-token"})
+    assert response.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("conversation_id", "status", "code"),
+    [
+        pytest.param("missing", 404, "not_found", id="missing"),
+        pytest.param("bad id with spaces", 422, "invalid_input", id="invalid"),
+    ],
+)
+async def test_transcript_errors_are_json_with_a_stable_code(
+    client: httpx.AsyncClient, conversation_id: str, status: int, code: str
+) -> None:
+    response = await client.get(
+        transcript_url(conversation_id), headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    assert response.status_code == status
+    assert response.json()["error"]["code"] == code
+    assert response.json()["error"]["message"]

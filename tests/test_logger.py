@@ -1,0 +1,308 @@
+"""The write path: what a logged turn stores, and that retries never duplicate it."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+import pytest
+
+from app import AgentMessageLogger, Conflict, ConversationStore, InvalidInput
+from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
+from app.models import message_adapter
+from tests.conftest import Backend
+
+CID = "conv-1"
+
+
+async def log_example(logger: AgentMessageLogger) -> None:
+    for turn_id, messages in example_turns():
+        await logger.log_messages(
+            EXAMPLE_CONVERSATION_ID, messages, user_id=EXAMPLE_USER_ID, turn_id=turn_id
+        )
+
+
+def expected_example() -> list[dict[str, Any]]:
+    """The example's messages as they must read back: validated, with runtime context removed."""
+    flat = [m for _, messages in example_turns() for m in messages]
+    expected = [
+        message_adapter.validate_python(m).model_dump(exclude={"id", "seq", "search_text"})
+        for m in flat
+    ]
+    expected[0]["content"] = "What's the weather in Paris and in Lyon?"
+    return expected
+
+
+async def test_example_conversation_is_stored_and_read_back_exactly(backend: Backend) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.ensure_indexes()
+    await log_example(logger)
+
+    transcript = await store.transcript(EXAMPLE_CONVERSATION_ID)
+
+    assert len(transcript) == 12
+    assert [m.seq for m in transcript] == list(range(12))
+    expected = expected_example()
+    for index, message in enumerate(transcript):
+        assert message.model_dump(exclude={"id", "seq", "search_text"}) | {
+            "conversation_id": None,
+            "user_id": None,
+            "turn_id": None,
+        } == expected[index] | {"conversation_id": None, "user_id": None, "turn_id": None}
+        assert message.conversation_id == EXAMPLE_CONVERSATION_ID
+        assert message.user_id == EXAMPLE_USER_ID
+    conversation = await store.get_conversation(EXAMPLE_CONVERSATION_ID)
+    assert conversation.turn_count == 4
+    assert conversation.message_count == 12
+    assert conversation.usage.input_tokens == 120 + 190 + 240 + 300
+    assert conversation.usage.output_tokens == 31 + 18 + 25 + 22
+    assert conversation.pending_hitl is None  # raised in turn 2, cleared by the upload of turn 3
+    assert conversation.last_message_preview == "Booking service unavailable (HTTP 503)"
+    assert conversation.updated_at == transcript[-1].created_at
+
+
+async def test_stored_documents_hold_exactly_the_contract_fields(backend: Backend) -> None:
+    await log_example(AgentMessageLogger(backend.db))
+    message = await backend.db.agent_messages.find_one({"seq": 0})
+    assert set(message) == {
+        "_id", "conversation_id", "role", "content", "tool_calls", "tool_call_id",
+        "hitl_action", "error", "upload", "created_at", "token_usage", "latency_ms",
+        "seq", "user_id", "turn_id", "search_text", "truncated",
+    }  # fmt: skip
+    conversation = await backend.db.agent_conversations.find_one()
+    assert set(conversation) == {
+        "_id", "conversation_id", "user_id", "name", "name_source", "created_at", "updated_at",
+        "turn_count", "last_message_preview", "message_count", "pending_hitl", "usage",
+        "recent_turns",
+    }  # fmt: skip
+
+
+async def test_hidden_runtime_context_is_never_stored(backend: Backend) -> None:
+    await log_example(AgentMessageLogger(backend.db))
+    raw = [d async for d in backend.db.agent_messages.find()]
+    assert raw
+    assert not [d for d in raw if "RUNTIME CONTEXT" in str(d)]
+    conversation = await backend.db.agent_conversations.find_one()
+    assert "RUNTIME CONTEXT" not in str(conversation)
+
+
+async def test_retrying_a_logged_turn_stores_nothing_twice(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    turn_id, messages = example_turns()[0]
+    first = await logger.log_messages(CID, messages, user_id="u1", turn_id=turn_id)
+    again = await logger.log_messages(CID, messages, user_id="u1", turn_id=turn_id)
+
+    assert not first.replayed
+    assert again.replayed
+    assert [m.id for m in again.messages] == [m.id for m in first.messages]
+    assert await backend.db.agent_messages.count_documents({}) == len(messages)
+    assert (await ConversationStore(backend.db).get_conversation(CID)).turn_count == 1
+
+
+async def test_retry_without_turn_id_is_recognised_by_its_content(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    _, messages = example_turns()[1]
+    await logger.log_messages(CID, messages)
+    again = await logger.log_messages(CID, messages)
+    assert again.replayed
+    assert await backend.db.agent_messages.count_documents({}) == len(messages)
+
+
+class CrashBeforeInsert(Exception):
+    pass
+
+
+async def test_retry_after_crash_between_the_two_writes_stores_each_message_once(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    turn_id, messages = example_turns()[0]
+
+    async def crash(self: AgentMessageLogger, stored: object) -> None:
+        raise CrashBeforeInsert
+
+    with monkeypatch.context() as patch:
+        patch.setattr(AgentMessageLogger, "_insert", crash)
+        with pytest.raises(CrashBeforeInsert):
+            await logger.log_messages(CID, messages, turn_id=turn_id)
+    assert await backend.db.agent_messages.count_documents({}) == 0
+
+    retried = await logger.log_messages(CID, messages, turn_id=turn_id)
+
+    assert retried.replayed
+    stored = await ConversationStore(backend.db).transcript(CID)
+    assert [m.seq for m in stored] == list(range(len(messages)))
+    conversation = await ConversationStore(backend.db).get_conversation(CID)
+    assert conversation.turn_count == 1
+    assert conversation.message_count == len(messages)
+
+
+async def test_retry_after_a_partial_insert_adds_only_the_missing_messages(
+    backend: Backend,
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    turn_id, messages = example_turns()[0]
+    first = await logger.log_messages(CID, messages, turn_id=turn_id)
+    # As if the crash had come after the first two documents reached the server.
+    await backend.db.agent_messages.delete_many({"seq": {"$gte": 2}})
+
+    await logger.log_messages(CID, messages, turn_id=turn_id)
+
+    stored = await ConversationStore(backend.db).transcript(CID)
+    assert [m.id for m in stored] == [m.id for m in first.messages]
+
+
+async def test_turn_id_reused_for_different_messages_is_a_conflict(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "hi"}], turn_id="t1")
+    with pytest.raises(Conflict, match=re.escape("turn 't1' was logged with 1 messages")):
+        await logger.log_messages(
+            CID,
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+            turn_id="t1",
+        )
+
+
+async def test_concurrent_turns_get_unique_increasing_seq_and_exact_turn_count(
+    backend: Backend,
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+
+    async def turn(n: int) -> None:
+        await logger.log_messages(
+            CID,
+            [
+                {"role": "user", "content": f"question {n}"},
+                {"role": "assistant", "content": f"answer {n}"},
+            ],
+            turn_id=f"turn-{n}",
+        )
+
+    await asyncio.gather(*(turn(n) for n in range(20)))
+
+    stored = await ConversationStore(backend.db).transcript(CID)
+    assert [m.seq for m in stored] == list(range(40))
+    # Each turn's two messages are adjacent and in order.
+    for user, assistant in zip(stored[::2], stored[1::2], strict=True):
+        assert user.turn_id == assistant.turn_id
+        assert (user.role, assistant.role) == ("user", "assistant")
+    conversation = await ConversationStore(backend.db).get_conversation(CID)
+    assert conversation.turn_count == 20
+
+
+@pytest.mark.parametrize(
+    ("messages", "error"),
+    [
+        pytest.param(
+            [{"role": "tool", "content": "42"}],
+            "a tool message needs `tool_call_id`",
+            id="tool-without-call-id",
+        ),
+        pytest.param(
+            [{"role": "user", "content": "hi", "token_usage": {"input_tokens": 1}}],
+            "`token_usage` is not allowed on a user message",
+            id="usage-on-user",
+        ),
+        pytest.param(
+            [{"role": "narrator", "content": "hi"}],
+            "does not match any of the expected tags",
+            id="unknown-role",
+        ),
+        pytest.param(
+            [
+                {"role": "tool", "tool_call_id": "c1", "content": "early"},
+                {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f"}}]},
+            ],
+            "answers tool call 'c1' before the assistant message that makes it",
+            id="result-before-call",
+        ),
+        pytest.param(
+            [
+                {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f"}}]},
+                {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "g"}}]},
+            ],
+            "tool call id 'c1' is used twice",
+            id="repeated-call-id",
+        ),
+        pytest.param([], "a turn needs at least one message", id="empty"),
+        pytest.param(
+            [{"role": "user", "content": "hi", "created_at": "yesterday"}],
+            "created_at",
+            id="bad-date",
+        ),
+    ],
+)
+async def test_invalid_turn_raises_a_clear_error_and_writes_nothing(
+    backend: Backend, messages: list[dict[str, Any]], error: str
+) -> None:
+    with pytest.raises(InvalidInput, match=re.escape(error)):
+        await AgentMessageLogger(backend.db).log_messages(CID, messages)
+    assert await backend.db.agent_messages.count_documents({}) == 0
+    assert await backend.db.agent_conversations.count_documents({}) == 0
+
+
+async def test_hostile_conversation_id_is_refused(backend: Backend) -> None:
+    with pytest.raises(InvalidInput, match="conversation_id"):
+        await AgentMessageLogger(backend.db).log_messages(
+            {"$ne": None},  # type: ignore[arg-type]
+            [{"role": "user", "content": "hi"}],
+        )
+    assert await backend.db.agent_conversations.count_documents({}) == 0
+
+
+async def test_oversize_message_is_truncated_marked_and_stored(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    huge = "word " * 4_000_000  # 20 MB: larger than MongoDB's 16 MiB document limit
+    logged = await logger.log_messages(
+        CID, [{"role": "user", "content": huge}, {"role": "assistant", "content": "ok"}]
+    )
+    stored = (await ConversationStore(backend.db).transcript(CID))[0]
+    assert stored.truncated == {"content": len(huge)}
+    assert stored.content is not None
+    assert len(stored.content.encode()) < logger.rules.max_message_bytes
+    assert stored.content.endswith("[truncated]")
+    assert len(logged.messages) == 2
+
+
+async def test_pending_hitl_is_set_by_the_prompt_and_cleared_by_an_upload(backend: Backend) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    turns = example_turns()
+    for turn_id, messages in turns[:2]:
+        await logger.log_messages(CID, messages, turn_id=turn_id)
+    pending = await store.pending_hitl(CID)
+    assert pending is not None
+    assert (pending.request_id, pending.action) == ("req-booking-1", "confirm_booking")
+    assert pending.prompt is not None
+    assert pending.prompt.startswith("The 09:04 TGV")
+
+    await logger.log_messages(CID, turns[2][1], turn_id=turns[2][0])
+
+    assert await store.pending_hitl(CID) is None
+
+
+async def test_conversation_owner_is_stamped_on_every_message(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.upsert_conversation(CID, user_id="owner")
+    logged = await logger.log_messages(CID, [{"role": "user", "content": "hi"}], user_id="someone")
+    assert {m.user_id for m in logged.messages} == {"owner"}
+
+
+async def test_owner_only_logging_refuses_another_users_conversation(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.upsert_conversation(CID, user_id="owner")
+    with pytest.raises(Exception, match="not found"):
+        await logger.log_messages(
+            CID, [{"role": "user", "content": "hi"}], user_id="intruder", owner_only=True
+        )
+    assert await backend.db.agent_messages.count_documents({}) == 0
+
+
+async def test_upsert_conversation_refuses_to_change_the_owner(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.upsert_conversation(CID, user_id="owner", name="Trip")
+    with pytest.raises(Conflict, match="belongs to another user"):
+        await logger.upsert_conversation(CID, user_id="intruder")
+    conversation = await logger.upsert_conversation(CID)
+    assert (conversation.user_id, conversation.name) == ("owner", "Trip")

@@ -1,0 +1,168 @@
+"""The message contract: what each role may carry, and how values are normalized."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+
+from app.errors import InvalidInput
+from app.models import AssistantMessage, Conversation, TurnRecord, message_adapter
+from app.schema import SCHEMA_DIR, render
+from app.turns import parse_messages
+
+
+def parse(raw: dict[str, Any]) -> Any:
+    return parse_messages([raw])[0]
+
+
+def test_a_dict_of_arguments_is_stored_as_a_json_string() -> None:
+    message = parse(
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": {"a": [1, "é"]}}}],
+        }
+    )
+    arguments = message.tool_calls[0].function.arguments
+    assert isinstance(arguments, str)
+    assert json.loads(arguments) == {"a": [1, "é"]}
+
+
+def test_a_model_string_that_is_not_json_is_kept_as_it_came() -> None:
+    message = parse(
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{oops"}}],
+        }
+    )
+    assert message.tool_calls[0].function.arguments == "{oops"
+
+
+def test_datetimes_become_aware_utc_at_millisecond_precision() -> None:
+    paris = timezone(timedelta(hours=1))
+    message = parse(
+        {
+            "role": "user",
+            "content": "hi",
+            "created_at": datetime(2026, 1, 1, 10, 0, 0, 123456, paris),
+        }
+    )
+    assert message.created_at == datetime(2026, 1, 1, 9, 0, 0, 123000, UTC)
+    naive = parse({"role": "user", "content": "hi", "created_at": datetime(2026, 1, 1, 9)})
+    assert naive.created_at.tzinfo is UTC
+
+
+@pytest.mark.parametrize(
+    ("raw", "error"),
+    [
+        pytest.param(
+            {"role": "tool", "content": "x"},
+            "a tool message needs `tool_call_id`",
+            id="tool-needs-call-id",
+        ),
+        pytest.param(
+            {"role": "user", "content": "x", "tool_call_id": "c"},
+            "`tool_call_id` is not allowed on a user message",
+            id="call-id-on-user",
+        ),
+        pytest.param(
+            {"role": "system", "content": "x", "token_usage": {}},
+            "`token_usage` is not allowed on a system message",
+            id="usage-on-system",
+        ),
+        pytest.param(
+            {"role": "tool", "tool_call_id": "c", "content": "x", "token_usage": {}},
+            "`token_usage` is not allowed on a tool message",
+            id="usage-on-tool",
+        ),
+        pytest.param(
+            {"role": "user"}, "a user message needs `content` or an `upload`", id="empty-user"
+        ),
+        pytest.param(
+            {"role": "assistant"},
+            "an assistant message needs `content`, `tool_calls`",
+            id="empty-assistant",
+        ),
+        pytest.param(
+            {"role": "assistant", "tool_calls": []},
+            "`tool_calls` must be null or hold at least one call",
+            id="no-calls",
+        ),
+        pytest.param(
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "c", "function": {"name": "f"}},
+                    {"id": "c", "function": {"name": "f"}},
+                ],
+            },
+            "tool call ids repeat within one message: ['c']",
+            id="repeated-ids",
+        ),
+        pytest.param(
+            {"role": "user", "content": "x", "seq": -1},
+            "seq: Input should be greater than or equal to 0",
+            id="negative-seq",
+        ),
+        pytest.param(
+            {"role": "user", "content": "x", "surprise": 1},
+            "surprise: Extra inputs are not permitted",
+            id="unknown-field",
+        ),
+        pytest.param(
+            {"role": "user", "content": "x", "_id": "$where"},
+            "_id: String should match pattern",
+            id="operator-id",
+        ),
+    ],
+)
+def test_messages_breaking_the_contract_are_refused_with_the_reason(
+    raw: dict[str, Any], error: str
+) -> None:
+    with pytest.raises(InvalidInput, match=re.escape(error)):
+        parse(raw)
+
+
+def test_every_role_dumps_the_same_keys() -> None:
+    keys = {
+        frozenset(message_adapter.dump_python(parse(raw), by_alias=True))
+        for raw in [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"},
+            {"role": "tool", "tool_call_id": "c", "content": "t"},
+        ]
+    }
+    assert len(keys) == 1
+
+
+def test_a_turns_first_seq_is_found_from_the_records_after_it() -> None:
+    conversation = Conversation(
+        _id="c",
+        conversation_id="c",
+        created_at=datetime.now(UTC),
+        updated_at=datetime.now(UTC),
+        message_count=10,
+        recent_turns=[
+            TurnRecord(turn_id="a", count=4),
+            TurnRecord(turn_id="b", count=5),
+            TurnRecord(turn_id="c", count=1),
+        ],
+    )
+    assert [conversation.first_seq_of(t) for t in "abc"] == [0, 4, 9]
+    assert conversation.first_seq_of("gone") is None
+
+
+def test_assistant_message_is_a_model_too() -> None:
+    message = AssistantMessage(content="hello")
+    assert message.role == "assistant"
+
+
+def test_exported_json_schemas_are_current() -> None:
+    for name, text in render().items():
+        path = SCHEMA_DIR / name
+        assert path.exists(), f"schemas/{name} is missing: run `make schema`"
+        assert path.read_text() == text, f"schemas/{name} is stale: run `make schema`"

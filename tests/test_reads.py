@@ -1,0 +1,240 @@
+"""The read paths and admin operations, on every backend."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from app import (
+    AgentMessageLogger,
+    Conflict,
+    ConversationStore,
+    InvalidInput,
+    NotFound,
+    Unsupported,
+)
+from app.examples import EXAMPLE_CONVERSATION_ID as CID
+from app.examples import EXAMPLE_USER_ID as OWNER
+from app.examples import example_turns
+from tests.conftest import Backend
+
+
+@pytest.fixture
+async def store(backend: Backend) -> ConversationStore:
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    for turn_id, messages in example_turns():
+        await logger.log_messages(CID, messages, user_id=OWNER, turn_id=turn_id)
+    return ConversationStore(backend.db)
+
+
+async def make_conversations(backend: Backend, user_id: str, count: int) -> list[str]:
+    logger = AgentMessageLogger(backend.db)
+    ids = [f"{user_id}-c{n:02d}" for n in range(count)]
+    for n, conversation_id in enumerate(ids):
+        await logger.log_messages(
+            conversation_id,
+            [{"role": "user", "content": f"hello {n}", "created_at": f"2026-01-01T00:{n:02d}:00Z"}],
+            user_id=user_id,
+        )
+    return ids
+
+
+async def test_conversations_are_listed_newest_first_across_pages(backend: Backend) -> None:
+    ids = await make_conversations(backend, "lister", 7)
+    await make_conversations(backend, "other", 2)
+    store = ConversationStore(backend.db)
+
+    seen, cursor, pages = [], None, 0
+    while True:
+        page = await store.list_conversations("lister", limit=3, cursor=cursor)
+        seen += [c.id for c in page.data]
+        pages += 1
+        if not page.has_more:
+            assert page.next_cursor is None
+            break
+        cursor = page.next_cursor
+
+    assert seen == list(reversed(ids))
+    assert pages == 3
+
+
+async def test_conversations_with_equal_update_times_are_paged_without_gaps(
+    backend: Backend,
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    for n in range(5):
+        await logger.log_messages(
+            f"tie-{n}",
+            [{"role": "user", "content": "same time", "created_at": "2026-01-01T00:00:00Z"}],
+            user_id="tied",
+        )
+    store = ConversationStore(backend.db)
+    first = await store.list_conversations("tied", limit=2)
+    second = await store.list_conversations("tied", limit=2, cursor=first.next_cursor)
+    third = await store.list_conversations("tied", limit=2, cursor=second.next_cursor)
+    ids = [c.id for page in (first, second, third) for c in page.data]
+    assert ids == ["tie-4", "tie-3", "tie-2", "tie-1", "tie-0"]
+
+
+async def test_a_forged_cursor_is_refused_with_a_clear_error(backend: Backend) -> None:
+    with pytest.raises(InvalidInput, match="invalid cursor"):
+        await ConversationStore(backend.db).list_conversations("u", cursor="eyIkbmUiOiAxfQ")
+
+
+async def test_message_pages_walk_the_transcript_in_both_orders(store: ConversationStore) -> None:
+    transcript = await store.transcript(CID)
+    forward, after = [], None
+    while True:
+        page = await store.messages_page(CID, after=after, limit=5)
+        forward += page.data
+        assert page.first_id == page.data[0].id
+        assert page.last_id == page.data[-1].id
+        if not page.has_more:
+            break
+        after = page.last_id
+    assert [m.id for m in forward] == [m.id for m in transcript]
+
+    backward = await store.messages_page(CID, limit=3, order="desc")
+    assert [m.seq for m in backward.data] == [11, 10, 9]
+    older = await store.messages_page(CID, after=backward.last_id, limit=3, order="desc")
+    assert [m.seq for m in older.data] == [8, 7, 6]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"limit": 0}, "invalid limit 0"),
+        ({"limit": 10_000}, "invalid limit 10000"),
+        ({"order": "sideways"}, "invalid order 'sideways'"),
+        ({"after": "msg-not-here"}, "invalid after: message 'msg-not-here' is not in this"),
+    ],
+)
+async def test_bad_page_requests_are_refused(
+    store: ConversationStore, kwargs: dict[str, object], error: str
+) -> None:
+    with pytest.raises(InvalidInput, match=re.escape(error)):
+        await store.messages_page(CID, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_user_scope_hides_other_users_conversations(store: ConversationStore) -> None:
+    assert len(await store.transcript(CID, user_id=OWNER)) == 12
+    with pytest.raises(NotFound):
+        await store.transcript(CID, user_id="mallory")
+    with pytest.raises(NotFound):
+        await store.get_conversation(CID, user_id="mallory")
+    with pytest.raises(NotFound):
+        await store.rename(CID, "mine now", user_id="mallory")
+    with pytest.raises(NotFound):
+        await store.delete(CID, user_id="mallory")
+    assert (await store.get_conversation(CID)).name != "mine now"
+
+
+async def test_missing_conversation_is_not_found(backend: Backend) -> None:
+    store = ConversationStore(backend.db)
+    with pytest.raises(NotFound, match="conversation 'nope' was not found"):
+        await store.transcript("nope")
+
+
+async def test_turn_count_and_rename(store: ConversationStore) -> None:
+    assert await store.turn_count(CID) == 4
+    renamed = await store.rename(CID, "  Train   to Lyon ")
+    assert renamed.name == "Train to Lyon"
+    assert renamed.name_source == "set"
+
+
+async def test_delete_removes_the_conversation_and_all_its_messages(
+    store: ConversationStore, backend: Backend
+) -> None:
+    deleted = await store.delete(CID)
+    assert (deleted.conversations, deleted.messages) == (1, 12)
+    assert await backend.db.agent_messages.count_documents({}) == 0
+    with pytest.raises(NotFound):
+        await store.get_conversation(CID)
+
+
+async def test_resolving_a_hitl_prompt_needs_its_request_id(backend: Backend) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for turn_id, messages in example_turns()[:2]:
+        await logger.log_messages(CID, messages, turn_id=turn_id)
+    with pytest.raises(Conflict, match="the pending one is 'req-booking-1'"):
+        await store.resolve_hitl(CID, "req-other")
+    await store.resolve_hitl(CID, "req-booking-1")
+    assert await store.pending_hitl(CID) is None
+
+
+async def test_search_finds_messages_within_the_scope_only(
+    store: ConversationStore, backend: Backend
+) -> None:
+    backend.skip_if_lacking("text_search")
+    await AgentMessageLogger(backend.db).log_messages(
+        "elsewhere", [{"role": "user", "content": "Lyon again"}], user_id="stranger"
+    )
+    hits = await store.search("Lyon", user_id=OWNER)
+    assert hits
+    assert {h.message.conversation_id for h in hits} == {CID}
+    assert all("lyon" in (h.message.search_text or "").lower() for h in hits)
+    in_conversation = await store.search("Lyon", conversation_id="elsewhere")
+    assert [h.message.content for h in in_conversation] == ["Lyon again"]
+
+
+async def test_search_ranks_the_best_match_first(
+    store: ConversationStore, backend: Backend
+) -> None:
+    backend.skip_if_lacking("text_ranking")
+    await AgentMessageLogger(backend.db).log_messages(
+        "ranked",
+        [
+            {"role": "user", "content": "lyon"},
+            {"role": "assistant", "content": "lyon lyon cloudy cloudy"},
+        ],
+    )
+    hits = await store.search("lyon cloudy", conversation_id="ranked")
+    assert [h.message.content for h in hits] == ["lyon lyon cloudy cloudy", "lyon"]
+    assert [h.rank for h in hits] == [1, 2]
+
+
+async def test_search_on_a_database_without_text_search_says_so() -> None:
+    from mongomock_motor import AsyncMongoMockClient
+
+    db = AsyncMongoMockClient()["no_text"]
+    with pytest.raises(Unsupported, match="this database does not support it"):
+        await ConversationStore(db).search("x", user_id="u")
+
+
+async def test_search_must_be_scoped(backend: Backend) -> None:
+    with pytest.raises(InvalidInput, match="scope it to a user_id or a conversation_id"):
+        await ConversationStore(backend.db).search("Lyon")
+
+
+async def test_erase_user_removes_only_that_users_data(
+    store: ConversationStore, backend: Backend
+) -> None:
+    await make_conversations(backend, "keeper", 2)
+    erased = await store.erase_user(OWNER)
+    assert (erased.conversations, erased.messages) == (1, 12)
+    assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
+    assert await backend.db.agent_messages.count_documents({"user_id": "keeper"}) == 2
+
+
+async def test_claim_moves_every_conversation_and_message(
+    store: ConversationStore, backend: Backend
+) -> None:
+    claimed = await store.claim(OWNER, "user-registered")
+    assert (claimed.conversations, claimed.messages) == (1, 12)
+    assert [c.id for c in (await store.list_conversations("user-registered")).data] == [CID]
+    assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
+    # A turn logged afterwards by a runtime still holding the old id lands with the new owner.
+    logged = await AgentMessageLogger(backend.db).log_messages(
+        CID, [{"role": "user", "content": "still me"}], user_id=OWNER
+    )
+    assert logged.messages[0].user_id == "user-registered"
+
+
+async def test_export_user_yields_each_conversation_with_its_transcript(
+    store: ConversationStore,
+) -> None:
+    exported = [e async for e in store.export_user(OWNER)]
+    assert [e.conversation.id for e in exported] == [CID]
+    assert len(exported[0].messages) == 12

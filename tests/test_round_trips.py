@@ -1,0 +1,52 @@
+"""Database round trips, counted with a command listener on the wire backends."""
+
+from __future__ import annotations
+
+from app import AgentMessageLogger, ConversationStore
+from app.examples import example_turns
+from tests.conftest import Backend
+
+CID = "round-trips"
+
+
+async def test_logging_a_turn_costs_two_round_trips(wire_backend: Backend) -> None:
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db)
+    await logger.ensure_indexes()
+    for turn_id, messages in example_turns():
+        wire_backend.commands.clear()
+        await logger.log_messages(CID, messages, turn_id=turn_id)
+        assert wire_backend.commands.names == ["findAndModify", "insert"]
+
+
+async def test_a_300_message_transcript_is_read_in_one_round_trip(wire_backend: Backend) -> None:
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db)
+    await logger.ensure_indexes()
+    turn = [
+        {"role": "user", "content": "question " + "x" * 200},
+        {"role": "assistant", "content": "answer " + "y" * 400},
+        {"role": "assistant", "content": "more " + "z" * 300},
+    ]
+    for n in range(100):
+        await logger.log_messages(CID, turn, turn_id=f"t{n}")
+    wire_backend.commands.clear()
+
+    transcript = await ConversationStore(wire_backend.db).transcript(CID)
+
+    assert len(transcript) == 300
+    assert wire_backend.commands.names == ["find"]
+
+
+async def test_a_retry_after_a_crash_costs_three_round_trips(wire_backend: Backend) -> None:
+    """The retry path: a refused reservation, one read of the block, the insert."""
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db)
+    turn_id, messages = example_turns()[0]
+    await logger.log_messages(CID, messages, turn_id=turn_id)
+    await wire_backend.db.agent_messages.delete_many({})
+    wire_backend.commands.clear()
+
+    await logger.log_messages(CID, messages, turn_id=turn_id)
+
+    assert wire_backend.commands.names == ["findAndModify", "find", "insert"]
