@@ -1,6 +1,9 @@
 # Every target creates what it needs on a fresh clone.
-PYTHON ?= $(shell command -v python3.13 2>/dev/null || ls -d $$HOME/.pyenv/versions/3.13*/bin/python3.13 2>/dev/null | tail -n 1)
-PYTHON311 ?= $(shell command -v python3.11 2>/dev/null || ls -d $$HOME/.pyenv/versions/3.11*/bin/python3.11 2>/dev/null | tail -n 1)
+# The first interpreter of that version that actually runs (a pyenv shim may not).
+find_python = $(shell for p in python$(1) $$HOME/.pyenv/versions/$(1)*/bin/python$(1) /usr/bin/python$(1); do \
+	$$p -c 'import sys; print(sys.executable)' 2>/dev/null && break; done)
+PYTHON ?= $(call find_python,3.13)
+PYTHON311 ?= $(call find_python,3.11)
 VENV := .venv
 VENV311 := .venv311
 BIN := $(VENV)/bin
