@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from app import AgentMessageLogger, ConversationStore
 from app.examples import example_turns
 from tests.conftest import Backend
+
+pytestmark = pytest.mark.wire
 
 CID = "round-trips"
 
