@@ -30,7 +30,9 @@ from app.models import (
 from app.turns import validate_identifier
 
 MAX_PAGE_SIZE = 200
-MAX_TRANSCRIPT_MESSAGES = 10_000
+# Messages in the first reply of a transcript read: a 300-message transcript is one round
+# trip. Longer ones continue in further batches (never cut); the server caps each at 16 MiB.
+TRANSCRIPT_BATCH = 10_000
 MAX_SEARCH_QUERY_CHARS = 500
 SortOrder = Literal["asc", "desc"]
 
@@ -191,8 +193,7 @@ class ConversationStore:
             docs = await (
                 self._messages.find(query)
                 .sort("seq", 1)
-                .limit(MAX_TRANSCRIPT_MESSAGES)
-                .batch_size(MAX_TRANSCRIPT_MESSAGES)
+                .batch_size(TRANSCRIPT_BATCH)
                 .to_list(None)
             )
         if not docs:
