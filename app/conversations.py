@@ -191,10 +191,7 @@ class ConversationStore:
             query["user_id"] = validate_identifier(user_id, "user_id")
         with storage_errors("read the transcript"):
             docs = await (
-                self._messages.find(query)
-                .sort("seq", 1)
-                .batch_size(TRANSCRIPT_BATCH)
-                .to_list(None)
+                self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH).to_list(None)
             )
         if not docs:
             # Tell an empty conversation from a missing one (costs a lookup only here).

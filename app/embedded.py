@@ -8,17 +8,23 @@ slow on large collections, and its full-text ranking differs from MongoDB's.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 from app.errors import Unsupported
 
 
 @asynccontextmanager
-async def embedded_mongodb(data_dir: Path) -> AsyncIterator[str]:
-    """Start the embedded server for as long as the context lasts; yields its URI."""
+async def embedded_mongodb(data_dir: Path | None) -> AsyncIterator[str]:
+    """Start the embedded server for as long as the context lasts; yields its URI.
+
+    `data_dir` holds its SQLite file; None keeps everything in memory (tests).
+    """
     try:
+        from mongoeco.engines.memory import MemoryEngine
         from mongoeco.engines.sqlite import SQLiteEngine
         from mongoeco.wire.proxy import AsyncMongoEcoProxyServer
     except ImportError as exc:
@@ -26,9 +32,14 @@ async def embedded_mongodb(data_dir: Path) -> AsyncIterator[str]:
             "the embedded server needs Python 3.13+ with the `embedded` extra "
             "(pip install 'agent-conversation-store[embedded]'); or set MONGODB_URI"
         ) from exc
-    data_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, at start-up
+    engine: object
+    if data_dir is None:
+        engine = MemoryEngine()
+    else:
+        data_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, at start-up
+        engine = SQLiteEngine(str(data_dir / "agent_store.sqlite3"))
     server = AsyncMongoEcoProxyServer(
-        engine=SQLiteEngine(str(data_dir / "agent_store.sqlite3")),
+        engine=engine,
         host="127.0.0.1",
         port=0,
         mongodb_dialect="7.0",
@@ -39,3 +50,33 @@ async def embedded_mongodb(data_dir: Path) -> AsyncIterator[str]:
         yield f"mongodb://{address.host}:{address.port}/?directConnection=true"
     finally:
         await server.close()
+
+
+class ServerThread:
+    """The embedded server on an event loop of its own, in a daemon thread.
+
+    For callers that have no loop running all the time (tests, scripts): the
+    server answers whatever the calling thread is doing. `data_dir` None keeps
+    the data in memory.
+    """
+
+    def __init__(self, data_dir: Path | None = None) -> None:
+        self._data_dir = data_dir
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._stack = AsyncExitStack()
+        self.uri = ""
+
+    def start(self) -> str:
+        self._thread.start()
+        self.uri = asyncio.run_coroutine_threadsafe(self._open(), self._loop).result(60)
+        return self.uri
+
+    async def _open(self) -> str:
+        return await self._stack.enter_async_context(embedded_mongodb(self._data_dir))
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._stack.aclose(), self._loop).result(60)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()

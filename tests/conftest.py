@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -71,41 +70,12 @@ class Backend:
             pytest.skip(f"{self.name}: {self.lacks[feature]}")
 
 
-class _WireServer:
-    """mongoeco's wire server on its own event loop in a thread, for the whole test session."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.server: Any = None
-        self.uri = ""
-
-    def start(self) -> str:
-        from mongoeco.engines.memory import MemoryEngine
-        from mongoeco.wire.proxy import AsyncMongoEcoProxyServer
-
-        self.thread.start()
-        self.server = AsyncMongoEcoProxyServer(
-            engine=MemoryEngine(),
-            host="127.0.0.1",
-            port=0,
-            mongodb_dialect="7.0",
-            pymongo_profile="auto-installed",
-        )
-        address = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
-        self.uri = f"mongodb://{address.host}:{address.port}/?directConnection=true"
-        return self.uri
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
 @pytest.fixture(scope="session")
 def wire_uri() -> Iterator[str]:
-    server = _WireServer()
+    """mongoeco's wire server, in memory, for the whole test session."""
+    from app.embedded import ServerThread
+
+    server = ServerThread()
     yield server.start()
     server.stop()
 
