@@ -216,15 +216,27 @@ class DeclarationRenderer:
         return lines
 
     def message_variant(self, model: type[BaseModel]) -> list[str]:
+        """A role's interface: the flat one, with `role` fixed and its forbidden fields `null`."""
         definition = model.__name__
-        role = self.definitions[definition]["properties"]["role"].get("const")
+        schema = self.definitions[definition]
+        role = schema["properties"]["role"]["const"]
         aliases = {name: field.alias or name for name, field in model.model_fields.items()}
-        forbidden: tuple[str, ...] = getattr(model, "forbidden_fields", ())
-        overrides = {
-            aliases[field]: ("null", f"Always `null` when `role` is `{role}`.")
-            for field in forbidden
+        forbidden = {aliases[field] for field in getattr(model, "forbidden_fields", ())}
+        narrowed = {
+            prop: prop_schema
+            for prop, prop_schema in schema["properties"].items()
+            if prop == "role" or prop in forbidden
         }
-        return self.interface(definition, overrides=overrides)
+        overrides = {
+            prop: ("null", f"Always `null` when `role` is `{role}`.") for prop in forbidden
+        }
+        return self._declare(
+            f"{interface_name(definition)}{self._parameters(definition)} "
+            f"extends {self._reference(FLAT_MESSAGE, self.holds_dates(definition))}",
+            schema.get("description"),
+            narrowed,
+            overrides,
+        )
 
     def flat_message(self) -> list[str]:
         """Every message field on one interface, `role` open to every role."""

@@ -27,7 +27,13 @@ from app.models import (
     ToolMessage,
     UserMessage,
 )
-from app.typescript import OUTPUT, DeclarationRenderer, UnsupportedSchema, render
+from app.typescript import (
+    OUTPUT,
+    DeclarationRenderer,
+    UnsupportedSchema,
+    model_definitions,
+    render,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,11 +66,7 @@ def test_rendering_does_not_depend_on_the_process() -> None:
 @pytest.mark.parametrize(
     ("interface", "model"),
     [
-        pytest.param("ISystemMessage", SystemMessage, id="system"),
-        pytest.param("IUserMessage", UserMessage, id="user"),
-        pytest.param("IAssistantMessage", AssistantMessage, id="assistant"),
-        pytest.param("IToolMessage", ToolMessage, id="tool"),
-        pytest.param("IAgentMessage", UserMessage, id="flat"),
+        pytest.param("IAgentMessage", UserMessage, id="message"),
         pytest.param("IAgentConversation", Conversation, id="conversation"),
         pytest.param("IToolCall", ToolCall, id="tool-call"),
         pytest.param("IHitlAction", HitlAction, id="hitl-action"),
@@ -82,15 +84,18 @@ def test_each_interface_declares_exactly_the_keys_a_dump_holds(
 
 
 @pytest.mark.parametrize("model", [SystemMessage, UserMessage, AssistantMessage, ToolMessage])
-def test_fields_a_role_forbids_are_declared_null(model: type[SystemMessage]) -> None:
-    declared = declared_properties(interface_block(render(), "I" + model.__name__))
-    flat = declared_properties(interface_block(render(), "IAgentMessage"))
+def test_a_role_narrows_the_flat_message_to_its_role_and_nulls_what_it_forbids(
+    model: type[SystemMessage],
+) -> None:
+    text = render()
+    block = interface_block(text, "I" + model.__name__)
+    assert "extends IAgentMessage<TDate> {" in block.splitlines()[0]
+    declared = declared_properties(block)
+    role = model.model_fields["role"].default
     assert model.forbidden_fields
-    for field in model.forbidden_fields:
-        assert declared[field] == "null"
-        assert flat[field] != "null"
-    allowed = set(declared) - set(model.forbidden_fields) - {"role"}
-    assert all(declared[field] == flat[field] for field in allowed)
+    assert declared == {"role": f'"{role}"'} | {field: "null" for field in model.forbidden_fields}
+    flat = declared_properties(interface_block(text, "IAgentMessage"))
+    assert all(flat[field] != "null" for field in model.forbidden_fields)
 
 
 def test_dates_are_a_type_parameter_defaulting_to_date_for_documents_and_string_for_pages() -> None:
@@ -125,3 +130,12 @@ def test_field_docstrings_become_jsdoc_comments() -> None:
 def test_a_schema_without_a_typescript_form_is_refused(schema: dict[str, object]) -> None:
     with pytest.raises(UnsupportedSchema, match=re.escape("no TypeScript type for the JSON")):
         DeclarationRenderer({}).type_of(schema)
+
+
+def test_roles_that_disagree_on_a_shared_field_are_refused() -> None:
+    definitions = model_definitions()
+    definitions["UserMessage"]["properties"]["content"] = {"type": "integer"}
+    with pytest.raises(
+        UnsupportedSchema, match=re.escape("UserMessage differs from SystemMessage")
+    ):
+        DeclarationRenderer(definitions).flat_message()

@@ -60,129 +60,51 @@ export type AgentMessageByRole<TDate extends DateLike = Date> =
   | IToolMessage<TDate>;
 
 /** A system prompt or a system-triggered turn. */
-export interface ISystemMessage<TDate extends DateLike = Date> {
-  /** Stable message id (extension). Assigned by the logger when not given. */
-  _id: string | null;
-  /** The conversation this message belongs to. Set by the logger. */
-  conversation_id: string | null;
+export interface ISystemMessage<TDate extends DateLike = Date> extends IAgentMessage<TDate> {
   role: "system";
-  content: string | null;
   /** Always `null` when `role` is `system`. */
   tool_calls: null;
   /** Always `null` when `role` is `system`. */
   tool_call_id: null;
   /** Always `null` when `role` is `system`. */
   hitl_action: null;
-  error: IMessageError | null;
-  upload: IFileUpload | null;
-  created_at: TDate;
   /** Always `null` when `role` is `system`. */
   token_usage: null;
-  latency_ms: number | null;
-  /** Position in the conversation (extension). Assigned by the logger. */
-  seq: number | null;
-  /** The conversation's owner, denormalized (extension). Set by the logger. */
-  user_id: string | null;
-  /** The turn that logged this message (extension). Set by the logger. */
-  turn_id: string | null;
-  /** Text extracted at write time for full-text search (extension). */
-  search_text: string | null;
-  /** Fields cut to keep the document bounded, with their original length (extension). */
-  truncated: Record<string, number> | null;
 }
 
 /** What the user typed or uploaded. */
-export interface IUserMessage<TDate extends DateLike = Date> {
-  /** Stable message id (extension). Assigned by the logger when not given. */
-  _id: string | null;
-  /** The conversation this message belongs to. Set by the logger. */
-  conversation_id: string | null;
+export interface IUserMessage<TDate extends DateLike = Date> extends IAgentMessage<TDate> {
   role: "user";
-  content: string | null;
   /** Always `null` when `role` is `user`. */
   tool_calls: null;
   /** Always `null` when `role` is `user`. */
   tool_call_id: null;
   /** Always `null` when `role` is `user`. */
   hitl_action: null;
-  error: IMessageError | null;
-  upload: IFileUpload | null;
-  created_at: TDate;
   /** Always `null` when `role` is `user`. */
   token_usage: null;
-  latency_ms: number | null;
-  /** Position in the conversation (extension). Assigned by the logger. */
-  seq: number | null;
-  /** The conversation's owner, denormalized (extension). Set by the logger. */
-  user_id: string | null;
-  /** The turn that logged this message (extension). Set by the logger. */
-  turn_id: string | null;
-  /** Text extracted at write time for full-text search (extension). */
-  search_text: string | null;
-  /** Fields cut to keep the document bounded, with their original length (extension). */
-  truncated: Record<string, number> | null;
 }
 
 /** A model response: text, tool calls, a HITL prompt or an error. */
-export interface IAssistantMessage<TDate extends DateLike = Date> {
-  /** Stable message id (extension). Assigned by the logger when not given. */
-  _id: string | null;
-  /** The conversation this message belongs to. Set by the logger. */
-  conversation_id: string | null;
+export interface IAssistantMessage<TDate extends DateLike = Date> extends IAgentMessage<TDate> {
   role: "assistant";
-  content: string | null;
-  tool_calls: IToolCall[] | null;
   /** Always `null` when `role` is `assistant`. */
   tool_call_id: null;
-  hitl_action: IHitlAction | null;
-  error: IMessageError | null;
   /** Always `null` when `role` is `assistant`. */
   upload: null;
-  created_at: TDate;
-  token_usage: ITokenUsage | null;
-  latency_ms: number | null;
-  /** Position in the conversation (extension). Assigned by the logger. */
-  seq: number | null;
-  /** The conversation's owner, denormalized (extension). Set by the logger. */
-  user_id: string | null;
-  /** The turn that logged this message (extension). Set by the logger. */
-  turn_id: string | null;
-  /** Text extracted at write time for full-text search (extension). */
-  search_text: string | null;
-  /** Fields cut to keep the document bounded, with their original length (extension). */
-  truncated: Record<string, number> | null;
 }
 
 /** The result of one tool call, answering it by `tool_call_id`. */
-export interface IToolMessage<TDate extends DateLike = Date> {
-  /** Stable message id (extension). Assigned by the logger when not given. */
-  _id: string | null;
-  /** The conversation this message belongs to. Set by the logger. */
-  conversation_id: string | null;
+export interface IToolMessage<TDate extends DateLike = Date> extends IAgentMessage<TDate> {
   role: "tool";
-  content: string | null;
   /** Always `null` when `role` is `tool`. */
   tool_calls: null;
-  tool_call_id: string | null;
   /** Always `null` when `role` is `tool`. */
   hitl_action: null;
-  error: IMessageError | null;
   /** Always `null` when `role` is `tool`. */
   upload: null;
-  created_at: TDate;
   /** Always `null` when `role` is `tool`. */
   token_usage: null;
-  latency_ms: number | null;
-  /** Position in the conversation (extension). Assigned by the logger. */
-  seq: number | null;
-  /** The conversation's owner, denormalized (extension). Set by the logger. */
-  user_id: string | null;
-  /** The turn that logged this message (extension). Set by the logger. */
-  turn_id: string | null;
-  /** Text extracted at write time for full-text search (extension). */
-  search_text: string | null;
-  /** Fields cut to keep the document bounded, with their original length (extension). */
-  truncated: Record<string, number> | null;
 }
 
 /** One conversation document. */
