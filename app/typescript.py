@@ -112,7 +112,7 @@ class DeclarationRenderer:
 
     def holds_dates(self, definition: str) -> bool:
         if definition not in self._dated:
-            self._dated[definition] = False  # breaks cycles; the walk below settles it
+            self._dated[definition] = False  # the models hold no cycles; this only ends a loop
             self._dated[definition] = any(
                 self._schema_holds_dates(s)
                 for s in self.definitions[definition].get("properties", {}).values()
