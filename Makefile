@@ -9,7 +9,7 @@ VENV311 := .venv311
 BIN := $(VENV)/bin
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-py311 lint format schema
+.PHONY: help install run test test-py311 lint format schema types types-check
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -31,7 +31,7 @@ lint: $(VENV)/.installed ## Ruff (lint and format check) and mypy (strict on app
 	$(BIN)/ruff format --check app migrations tests scripts
 	$(BIN)/mypy
 
-test: lint ## Lint, type-check and run every test (each storage test on every backend)
+test: lint types-check ## Lint, type-check and run every test (each storage test on every backend)
 	$(BIN)/pytest
 
 $(VENV311)/.installed: pyproject.toml
@@ -50,3 +50,18 @@ format: $(VENV)/.installed ## Apply ruff's fixes and formatting
 
 schema: $(VENV)/.installed ## Regenerate the JSON Schemas in schemas/
 	$(BIN)/python -m app.schema
+
+TS_DIR := clients/typescript
+
+# npm ci writes node_modules/.package-lock.json: reinstall when the lock file changes.
+$(TS_DIR)/node_modules/.package-lock.json: $(TS_DIR)/package.json $(TS_DIR)/package-lock.json
+	@command -v node >/dev/null && command -v npm >/dev/null || { \
+		echo "node and npm not found: install Node.js 20+ to check the TypeScript declarations"; exit 1; }
+	cd $(TS_DIR) && npm ci --no-audit --no-fund
+	touch $@
+
+types: $(VENV)/.installed ## Regenerate clients/typescript/agent-message.d.ts from the models
+	$(BIN)/python -m app.typescript
+
+types-check: $(TS_DIR)/node_modules/.package-lock.json ## Compile the TypeScript example with tsc --strict
+	$(TS_DIR)/node_modules/.bin/tsc --strict --noEmit -p $(TS_DIR)

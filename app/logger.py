@@ -146,9 +146,10 @@ class AgentMessageLogger:
 
         `turn_id` defaults to a digest of the messages (content and timestamps),
         so retrying the same call is safe even without one. `name` is a name the
-        runtime generated; it replaces an automatic name but never one a person
-        set. With `owner_only`, a conversation owned by someone other than
-        `user_id` is treated as missing (the API uses this for user tokens).
+        runtime generated; it replaces an automatic name or an earlier runtime
+        name, never one a person set. With `owner_only`, a conversation owned by
+        someone other than `user_id` is treated as missing (the API uses this for
+        user tokens).
         Raises InvalidInput, writing nothing, when the turn breaks the contract.
         """
         plan = plan_turn(conversation_id, messages, turn_id=turn_id, rules=self.rules)
@@ -296,7 +297,13 @@ def _reservation(
         ),
     }
     if runtime_name is not None:
-        replaceable = {"$or": [name_is_unset, {"$eq": ["$name_source", "auto"]}]}
+        replaceable = {
+            "$or": [
+                name_is_unset,
+                {"$eq": ["$name_source", "auto"]},
+                {"$eq": ["$name_source", "runtime"]},
+            ]
+        }
         stage["name"] = {"$cond": [replaceable, literal(runtime_name), "$name"]}
         stage["name_source"] = {"$cond": [replaceable, "runtime", "$name_source"]}
     elif plan.auto_name is not None:

@@ -1,6 +1,6 @@
 """`python -m app.schema`: write the JSON Schema of the stored documents into `schemas/`.
 
-The TypeScript app's types are generated from these files; a test checks they are current.
+A test checks they are current; `app/typescript.py` derives the TypeScript types the same way.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ class Settings(BaseSettings):
     max_message_bytes: PositiveInt = DEFAULT_MAX_MESSAGE_BYTES
     runtime_context_start: str = "[RUNTIME CONTEXT]"
     runtime_context_end: str = "[/RUNTIME CONTEXT]"
-    name_chars: PositiveInt = 60
+    name_chars: int = Field(default=60, ge=2, le=200)
+    """The longest automatic conversation name, ellipsis included (a name holds at most 200)."""
 
     def turn_rules(self) -> TurnRules:
         return TurnRules(

@@ -1,0 +1,225 @@
+// Declarations of the documents in `agent_messages` and `agent_conversations`
+// and of the admin API's JSON, derived from the pydantic models in app/models.py.
+// Do not edit: run `make types`; a test fails when this file is stale.
+//
+// Every key is present in every document and every API object; a missing
+// value is `null`, never `undefined`.
+
+/**
+ * How a date reaches the reader.
+ *
+ * MongoDB stores dates as BSON dates, which the Node.js driver returns as
+ * `Date`; the admin API's JSON carries them as ISO 8601 strings in UTC
+ * (`"2026-01-31T09:30:00.123000Z"`, which `new Date(...)` parses). Every type
+ * holding a date takes it as the parameter `TDate`: it defaults to `Date`
+ * for documents read from the collections and to `string` for API pages, so
+ * write `IAgentConversation<string>` for a conversation from the API.
+ */
+export type DateLike = Date | string;
+
+/** Who speaks a message, as in the OpenAI chat format. */
+export type MessageRole = "system" | "user" | "assistant" | "tool";
+
+/**
+ * Any message, as one flat interface: every role has every field.
+ *
+ * Narrow to the role's own interface with `AgentMessageByRole`.
+ */
+export interface IAgentMessage<TDate extends DateLike = Date> {
+  /** Stable message id (extension). Assigned by the logger when not given. */
+  _id: string | null;
+  /** The conversation this message belongs to. Set by the logger. */
+  conversation_id: string | null;
+  role: MessageRole;
+  content: string | null;
+  tool_calls: IToolCall[] | null;
+  tool_call_id: string | null;
+  hitl_action: IHitlAction | null;
+  error: IMessageError | null;
+  upload: IFileUpload | null;
+  created_at: TDate;
+  token_usage: ITokenUsage | null;
+  latency_ms: number | null;
+  /** Position in the conversation (extension). Assigned by the logger. */
+  seq: number | null;
+  /** The conversation's owner, denormalized (extension). Set by the logger. */
+  user_id: string | null;
+  /** The turn that logged this message (extension). Set by the logger. */
+  turn_id: string | null;
+  /** Text extracted at write time for full-text search (extension). */
+  search_text: string | null;
+  /** Fields cut to keep the document bounded, with their original length (extension). */
+  truncated: Record<string, number> | null;
+}
+
+/** Any message, told apart by `role`: `switch (message.role)` narrows it. */
+export type AgentMessageByRole<TDate extends DateLike = Date> =
+  | ISystemMessage<TDate>
+  | IUserMessage<TDate>
+  | IAssistantMessage<TDate>
+  | IToolMessage<TDate>;
+
+/** A system prompt or a system-triggered turn. */
+export interface ISystemMessage<TDate extends DateLike = Date> extends IAgentMessage<TDate> {
+  role: "system";
+  /** Always `null` when `role` is `system`. */
+  tool_calls: null;
+  /** Always `null` when `role` is `system`. */
+  tool_call_id: null;
+  /** Always `null` when `role` is `system`. */
+  hitl_action: null;
+  /** Always `null` when `role` is `system`. */
+  token_usage: null;
+}
+
+/** What the user typed or uploaded. */
+export interface IUserMessage<TDate extends DateLike = Date> extends IAgentMessage<TDate> {
+  role: "user";
+  /** Always `null` when `role` is `user`. */
+  tool_calls: null;
+  /** Always `null` when `role` is `user`. */
+  tool_call_id: null;
+  /** Always `null` when `role` is `user`. */
+  hitl_action: null;
+  /** Always `null` when `role` is `user`. */
+  token_usage: null;
+}
+
+/** A model response: text, tool calls, a HITL prompt or an error. */
+export interface IAssistantMessage<TDate extends DateLike = Date> extends IAgentMessage<TDate> {
+  role: "assistant";
+  /** Always `null` when `role` is `assistant`. */
+  tool_call_id: null;
+  /** Always `null` when `role` is `assistant`. */
+  upload: null;
+}
+
+/** The result of one tool call, answering it by `tool_call_id`. */
+export interface IToolMessage<TDate extends DateLike = Date> extends IAgentMessage<TDate> {
+  role: "tool";
+  /** Always `null` when `role` is `tool`. */
+  tool_calls: null;
+  /** Always `null` when `role` is `tool`. */
+  hitl_action: null;
+  /** Always `null` when `role` is `tool`. */
+  upload: null;
+  /** Always `null` when `role` is `tool`. */
+  token_usage: null;
+}
+
+/** One conversation document. */
+export interface IAgentConversation<TDate extends DateLike = Date> {
+  /** Equal to `conversation_id`. */
+  _id: string;
+  conversation_id: string;
+  /** The owner; `null` for a conversation nobody owns yet. */
+  user_id: string | null;
+  name: string | null;
+  /** Who chose `name` (extension): automatic names yield to a runtime's, both to a person's. */
+  name_source: "auto" | "runtime" | "set" | null;
+  created_at: TDate;
+  /** The time of the last message. */
+  updated_at: TDate;
+  turn_count: number;
+  last_message_preview: string;
+  /** The next free `seq` (extension). */
+  message_count: number;
+  pending_hitl: IPendingHitl<TDate> | null;
+  usage: IUsage;
+  /** The last turns logged, for idempotent retries (extension). */
+  recent_turns: ITurnRecord[];
+}
+
+/** A page of a conversation's messages. */
+export interface IMessagePage<TDate extends DateLike = string> {
+  data: AgentMessageByRole<TDate>[];
+  has_more: boolean;
+  first_id: string | null;
+  last_id: string | null;
+}
+
+/** A page of a user's conversations, newest first. */
+export interface IConversationPage<TDate extends DateLike = string> {
+  data: IAgentConversation<TDate>[];
+  has_more: boolean;
+  first_id: string | null;
+  last_id: string | null;
+  /** Pass as `cursor` to read the next page; null on the last page. */
+  next_cursor: string | null;
+}
+
+/** A file the user uploaded with a message. */
+export interface IFileUpload {
+  filename: string;
+  file_type: string;
+  size: number;
+  parsed_text: string | null;
+}
+
+/** The function an assistant asks to call. */
+export interface IFunctionCall {
+  /** The tool's name. */
+  name: string;
+  /**
+   * The arguments as a JSON string; a dict is accepted and serialized.
+   *
+   * As in the OpenAI format, a string the model produced is kept as it is,
+   * even when it is not valid JSON, so that a turn is never lost over it.
+   */
+  arguments: string;
+}
+
+/** A human-in-the-loop prompt the assistant raised. */
+export interface IHitlAction {
+  action: string;
+  params: Record<string, unknown>;
+  request_id: string;
+}
+
+/** An error the runtime reported instead of an answer. */
+export interface IMessageError {
+  message: string;
+}
+
+/** The unresolved HITL prompt of a conversation (extension). */
+export interface IPendingHitl<TDate extends DateLike = Date> {
+  request_id: string;
+  action: string;
+  params: Record<string, unknown>;
+  /** The assistant's text that asked the question. */
+  prompt: string | null;
+  /** The assistant message that raised it. */
+  message_id: string;
+  created_at: TDate;
+}
+
+/** Tokens one model response used. */
+export interface ITokenUsage {
+  input_tokens: number;
+  output_tokens: number;
+}
+
+/** One tool call of an assistant message. */
+export interface IToolCall {
+  /** Unique within the conversation; a `tool` message answers it by this id. */
+  id: string;
+  type: "function";
+  function: IFunctionCall;
+}
+
+/**
+ * One logged turn: its id and how many `seq` values it reserved (extension).
+ *
+ * Records are kept in reservation order, so a turn's first `seq` is the
+ * conversation's `message_count` less the counts of this and every later record.
+ */
+export interface ITurnRecord {
+  turn_id: string;
+  count: number;
+}
+
+/** Token usage summed over a conversation (extension). */
+export interface IUsage {
+  input_tokens: number;
+  output_tokens: number;
+}

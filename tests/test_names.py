@@ -1,0 +1,250 @@
+"""Conversation names: automatic from the first real user text, never over a chosen one."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from app import AgentMessageLogger, ConversationStore, InvalidInput
+from app.models import UserMessage
+from app.settings import Settings
+from app.text import ELLIPSIS, auto_name, collapse_whitespace
+from app.turns import TurnRules
+from tests.conftest import Backend
+
+CID = "conv-names"
+
+Turn = list[dict[str, Any]]
+
+
+def user(content: str) -> dict[str, Any]:
+    return {"role": "user", "content": content}
+
+
+def answer(content: str = "Sure.") -> dict[str, Any]:
+    return {"role": "assistant", "content": content}
+
+
+UPLOAD = {"filename": "invoice.pdf", "file_type": "application/pdf", "size": 1024}
+
+UNNAMING_TURNS = [
+    pytest.param([{"role": "system", "content": "Daily summary trigger"}, answer()], id="system"),
+    pytest.param([{"role": "user", "upload": UPLOAD}], id="upload-only"),
+    pytest.param([{"role": "user", "content": "Here it is", "upload": UPLOAD}], id="upload"),
+    pytest.param(
+        [user("[RUNTIME CONTEXT]user tz=Europe/Paris[/RUNTIME CONTEXT]"), answer()],
+        id="runtime-context-only",
+    ),
+    pytest.param([user("  \n\t ")], id="white-space-only"),
+    pytest.param([answer("Welcome back!")], id="assistant-only"),
+    pytest.param([{"role": "user", "error": {"message": "upload failed"}}], id="error-only"),
+]
+
+
+async def name_of(backend: Backend) -> tuple[str | None, str | None]:
+    conversation = await ConversationStore(backend.db).get_conversation(CID)
+    return conversation.name, conversation.name_source
+
+
+async def test_a_conversation_is_unnamed_until_its_first_user_text(backend: Backend) -> None:
+    created = await AgentMessageLogger(backend.db).upsert_conversation(CID, user_id="u1")
+    assert (created.name, created.name_source) == (None, None)
+
+
+async def test_the_first_user_text_names_the_conversation(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(
+        CID,
+        [
+            user("[RUNTIME CONTEXT]tz=UTC; plan=pro[/RUNTIME CONTEXT]  Weather   in\n\tParis? "),
+            answer(),
+        ],
+    )
+    assert await name_of(backend) == ("Weather in Paris?", "auto")
+
+
+async def test_a_long_first_text_is_cut_at_a_word_boundary_with_an_ellipsis(
+    backend: Backend,
+) -> None:
+    text = "Plan a three day trip to Lyon with museums, markets and a cooking class"
+    await AgentMessageLogger(backend.db).log_messages(CID, [user(text)])
+    name, _ = await name_of(backend)
+    assert name == "Plan a three day trip to Lyon with museums, markets and a…"
+    assert len(name) <= 60
+
+
+async def test_the_name_length_is_configurable(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(name_chars=20))
+    await logger.log_messages(CID, [user("Book a table for four tonight at eight")])
+    assert await name_of(backend) == ("Book a table for…", "auto")
+
+
+def test_settings_carry_the_name_length_to_the_logger(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().turn_rules().name_chars == 60
+    monkeypatch.setenv("AGENT_STORE_NAME_CHARS", "24")
+    assert Settings().turn_rules().name_chars == 24
+
+
+@pytest.mark.parametrize("bad_length", ["1", "201"])
+def test_a_name_length_without_room_for_a_name_is_refused_at_start_up(
+    monkeypatch: pytest.MonkeyPatch, bad_length: str
+) -> None:
+    monkeypatch.setenv("AGENT_STORE_NAME_CHARS", bad_length)
+    with pytest.raises(ValidationError, match="name_chars"):
+        Settings()
+
+
+@pytest.mark.parametrize("turn", UNNAMING_TURNS)
+async def test_a_turn_without_real_user_text_leaves_the_conversation_unnamed(
+    backend: Backend, turn: Turn
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, turn, turn_id="t1")
+    assert await name_of(backend) == (None, None)
+
+    await logger.log_messages(CID, [user("And now a real question"), answer()], turn_id="t2")
+    assert await name_of(backend) == ("And now a real question", "auto")
+
+
+async def test_the_first_real_user_text_of_a_turn_names_it(backend: Backend) -> None:
+    await AgentMessageLogger(backend.db).log_messages(
+        CID,
+        [
+            {"role": "system", "content": "Reminder trigger"},
+            {"role": "user", "content": "Attached", "upload": UPLOAD},
+            user("[RUNTIME CONTEXT]hidden[/RUNTIME CONTEXT]"),
+            user("First words"),
+            user("Second words"),
+        ],
+    )
+    assert await name_of(backend) == ("First words", "auto")
+
+
+async def test_later_user_texts_keep_the_automatic_name(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [user("First question"), answer()], turn_id="t1")
+    await logger.log_messages(CID, [user("Second question"), answer()], turn_id="t2")
+    assert await name_of(backend) == ("First question", "auto")
+
+
+async def test_a_name_set_before_the_first_message_is_never_overwritten(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.upsert_conversation(CID, user_id="u1", name="Trip to Lyon")
+    await logger.log_messages(CID, [user("Weather in Paris?")], user_id="u1", turn_id="t1")
+    await logger.log_messages(CID, [user("Museums?")], name="Museum plans", turn_id="t2")
+    assert await name_of(backend) == ("Trip to Lyon", "set")
+
+
+async def test_a_rename_wins_over_every_later_turn(backend: Backend) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [user("Weather in Paris?")], turn_id="t1")
+    renamed = await store.rename(CID, "  Paris   weekend ")
+    assert (renamed.name, renamed.name_source) == ("Paris weekend", "set")
+
+    await logger.log_messages(CID, [user("And Lyon?")], turn_id="t2")
+    await logger.log_messages(CID, [user("Thanks")], name="Weather chat", turn_id="t3")
+    await logger.upsert_conversation(CID)
+    assert await name_of(backend) == ("Paris weekend", "set")
+
+
+async def test_upsert_conversation_with_a_name_replaces_any_name(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [user("Weather in Paris?")], name="Weather", turn_id="t1")
+    assert await name_of(backend) == ("Weather", "runtime")
+    await logger.upsert_conversation(CID, name="Paris")
+    await logger.upsert_conversation(CID, name="Paris again")
+    assert await name_of(backend) == ("Paris again", "set")
+
+
+async def test_a_runtime_name_replaces_an_automatic_name(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [user("weather paris pls"), answer()], turn_id="t1")
+    assert await name_of(backend) == ("weather paris pls", "auto")
+    await logger.log_messages(CID, [user("and lyon")], name=" Weather in\nFrance ", turn_id="t2")
+    assert await name_of(backend) == ("Weather in France", "runtime")
+
+
+async def test_a_runtime_name_on_the_first_turn_is_used_instead_of_the_automatic_one(
+    backend: Backend,
+) -> None:
+    await AgentMessageLogger(backend.db).log_messages(
+        CID, [user("weather paris pls")], name="Paris weather"
+    )
+    assert await name_of(backend) == ("Paris weather", "runtime")
+
+
+async def test_a_later_runtime_name_replaces_an_earlier_one(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [user("weather paris pls")], name="Weather", turn_id="t1")
+    await logger.log_messages(CID, [user("and a hotel")], name="Paris trip", turn_id="t2")
+    await logger.log_messages(CID, [user("cheaper one")], turn_id="t3")
+    assert await name_of(backend) == ("Paris trip", "runtime")
+
+
+async def test_a_retried_turn_does_not_name_again(backend: Backend) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    turn = [user("Weather in Paris?")]
+    await logger.log_messages(CID, turn, turn_id="t1")
+    await store.rename(CID, "Paris")
+
+    retried = await logger.log_messages(CID, turn, turn_id="t1", name="Weather")
+
+    assert retried.replayed
+    assert await name_of(backend) == ("Paris", "set")
+
+
+@pytest.mark.parametrize("bad_name", ["", "   \n", "x" * 201])
+async def test_an_invalid_runtime_name_is_refused_and_nothing_is_written(
+    backend: Backend, bad_name: str
+) -> None:
+    with pytest.raises(InvalidInput, match=re.escape("invalid name: it must have 1 to 200")):
+        await AgentMessageLogger(backend.db).log_messages(CID, [user("hi")], name=bad_name)
+    assert await backend.db.agent_conversations.count_documents({}) == 0
+    assert await backend.db.agent_messages.count_documents({}) == 0
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    ("turn", "name"),
+    [
+        pytest.param([user("Weather in Paris?"), answer()], None, id="names"),
+        pytest.param([user("Weather in Paris?")], "Paris weather", id="runtime-name"),
+        pytest.param([{"role": "system", "content": "Trigger"}, answer()], None, id="unnamed"),
+    ],
+)
+async def test_naming_costs_no_extra_round_trip(
+    wire_backend: Backend, turn: Turn, name: str | None
+) -> None:
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db)
+    wire_backend.commands.clear()
+    await logger.log_messages(CID, turn, name=name, turn_id="t1")
+    await logger.log_messages(CID, [user("Later text"), answer()], turn_id="t2")
+    assert wire_backend.commands.names == ["findAndModify", "insert"] * 2
+    assert await name_of(wire_backend) != (None, None)
+
+
+@given(text=st.text(alphabet=st.sampled_from("ab é\n\t."), max_size=80), limit=st.integers(2, 70))
+def test_an_automatic_name_is_a_word_boundary_prefix_of_the_collapsed_text(
+    text: str, limit: int
+) -> None:
+    name = auto_name(UserMessage(content=text), limit)
+    collapsed = collapse_whitespace(text)
+    if not collapsed:
+        assert name is None
+        return
+    assert name is not None
+    assert len(name) <= limit
+    if len(collapsed) <= limit:
+        assert name == collapsed
+        return
+    kept = name.removesuffix(ELLIPSIS)
+    assert name.endswith(ELLIPSIS)
+    assert kept
+    assert collapsed.startswith(kept)
+    assert collapsed[len(kept)] == " " or " " not in kept  # a word cut only when it is the first

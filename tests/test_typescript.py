@@ -1,0 +1,141 @@
+"""The TypeScript declarations: current, deterministic, and faithful to the models.
+
+That they compile under `tsc --strict` with the example is checked by
+`make types-check`, which `make test` runs before pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from app.models import (
+    AssistantMessage,
+    Conversation,
+    ConversationPage,
+    FileUpload,
+    HitlAction,
+    MessagePage,
+    SystemMessage,
+    ToolCall,
+    ToolMessage,
+    UserMessage,
+)
+from app.typescript import (
+    OUTPUT,
+    DeclarationRenderer,
+    UnsupportedSchema,
+    model_definitions,
+    render,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def interface_block(text: str, name: str) -> str:
+    match = re.search(rf"^export interface {name}\b[^{{]*\{{\n(.*?)^\}}", text, re.M | re.S)
+    assert match, f"interface {name} is missing"
+    return match.group(0)
+
+
+def declared_properties(block: str) -> dict[str, str]:
+    return dict(re.findall(r"^  (\w+): (.+);$", block, re.M))
+
+
+def test_typescript_declarations_are_current() -> None:
+    assert OUTPUT.exists(), "clients/typescript/agent-message.d.ts is missing: run `make types`"
+    assert OUTPUT.read_text() == render(), "agent-message.d.ts is stale: run `make types`"
+
+
+def test_rendering_does_not_depend_on_the_process() -> None:
+    env = os.environ | {"PYTHONHASHSEED": "12345"}
+    other = subprocess.run(
+        [sys.executable, "-c", "import sys; from app.typescript import render; "
+         "sys.stdout.write(render())"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert other.stdout == render()
+
+
+@pytest.mark.parametrize(
+    ("interface", "model"),
+    [
+        pytest.param("IAgentMessage", UserMessage, id="message"),
+        pytest.param("IAgentConversation", Conversation, id="conversation"),
+        pytest.param("IToolCall", ToolCall, id="tool-call"),
+        pytest.param("IHitlAction", HitlAction, id="hitl-action"),
+        pytest.param("IFileUpload", FileUpload, id="file-upload"),
+        pytest.param("IMessagePage", MessagePage, id="message-page"),
+        pytest.param("IConversationPage", ConversationPage, id="conversation-page"),
+    ],
+)
+def test_each_interface_declares_exactly_the_keys_a_dump_holds(
+    interface: str, model: type[BaseModel]
+) -> None:
+    block = interface_block(render(), interface)
+    keys = [field.alias or name for name, field in model.model_fields.items()]
+    assert list(declared_properties(block)) == keys
+
+
+@pytest.mark.parametrize("model", [SystemMessage, UserMessage, AssistantMessage, ToolMessage])
+def test_a_role_narrows_the_flat_message_to_its_role_and_nulls_what_it_forbids(
+    model: type[SystemMessage],
+) -> None:
+    text = render()
+    block = interface_block(text, "I" + model.__name__)
+    assert "extends IAgentMessage<TDate> {" in block.splitlines()[0]
+    declared = declared_properties(block)
+    role = model.model_fields["role"].default
+    assert model.forbidden_fields
+    assert declared == {"role": f'"{role}"'} | {field: "null" for field in model.forbidden_fields}
+    flat = declared_properties(interface_block(text, "IAgentMessage"))
+    assert all(flat[field] != "null" for field in model.forbidden_fields)
+
+
+def test_dates_are_a_type_parameter_defaulting_to_date_for_documents_and_string_for_pages() -> None:
+    text = render()
+    assert "export interface IAgentMessage<TDate extends DateLike = Date> {" in text
+    assert "export interface IAgentConversation<TDate extends DateLike = Date> {" in text
+    assert "export interface IMessagePage<TDate extends DateLike = string> {" in text
+    assert "export interface IToolCall {" in text  # holds no date, takes no parameter
+    conversation = declared_properties(interface_block(text, "IAgentConversation"))
+    assert conversation["created_at"] == conversation["updated_at"] == "TDate"
+    assert conversation["pending_hitl"] == "IPendingHitl<TDate> | null"
+    page = declared_properties(interface_block(text, "IMessagePage"))
+    assert page["data"] == "AgentMessageByRole<TDate>[]"
+
+
+def test_field_docstrings_become_jsdoc_comments() -> None:
+    block = interface_block(render(), "IConversationPage")
+    assert (
+        "  /** Pass as `cursor` to read the next page; null on the last page. */\n"
+        "  next_cursor: string | null;"
+    ) in block
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        pytest.param({"type": "object", "properties": {"a": {"type": "string"}}}, id="inline"),
+        pytest.param({"not": {"type": "string"}}, id="not"),
+        pytest.param({"type": "array"}, id="array-without-items"),
+    ],
+)
+def test_a_schema_without_a_typescript_form_is_refused(schema: dict[str, object]) -> None:
+    with pytest.raises(UnsupportedSchema, match=re.escape("no TypeScript type for the JSON")):
+        DeclarationRenderer({}).type_of(schema)
+
+
+def test_roles_that_disagree_on_a_shared_field_are_refused() -> None:
+    definitions = model_definitions()
+    definitions["UserMessage"]["properties"]["content"] = {"type": "integer"}
+    with pytest.raises(
+        UnsupportedSchema, match=re.escape("UserMessage differs from SystemMessage")
+    ):
+        DeclarationRenderer(definitions).flat_message()
