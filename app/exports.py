@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from app.conversations import ConversationExport, ConversationStore
 from app.errors import InvalidInput, describe_validation_error
 from app.models import AgentMessage, AssistantMessage, ToolMessage, messages_adapter
+from app.text import DEFAULT_MARKERS, RuntimeContextMarkers, strip_runtime_context
 
 Dangling = Literal["synthesize", "drop"]
 """For a call no stored result answers: a marked stand-in answers it, or it is dropped."""
@@ -68,7 +69,10 @@ def _answers(messages: Sequence[AgentMessage]) -> dict[tuple[int, str], ToolMess
 
 
 def chat_completions(
-    messages: Sequence[AgentMessage | Mapping[str, Any]], *, dangling: Dangling = "synthesize"
+    messages: Sequence[AgentMessage | Mapping[str, Any]],
+    *,
+    dangling: Dangling = "synthesize",
+    markers: RuntimeContextMarkers = DEFAULT_MARKERS,
 ) -> list[dict[str, Any]]:
     """A stored conversation as OpenAI Chat Completions messages that replay without errors.
 
@@ -79,7 +83,9 @@ def chat_completions(
     removed. A call id used again later in the conversation is renamed
     `<id>_<n>` so ids stay unique. Assistant messages the model never said —
     an `error` or a HITL action with no text — are left out, and a user
-    message with only an upload becomes a short note naming the file.
+    message with only an upload becomes a short note naming the file. Hidden
+    runtime context (between `markers`) is removed from user text, as the
+    logger does, should the messages not come from the store.
     """
     if dangling not in ("synthesize", "drop"):
         raise InvalidInput(f"invalid dangling {dangling!r}: use 'synthesize' or 'drop'")
@@ -94,6 +100,8 @@ def chat_completions(
             text = message.content
             if text is None and message.upload is not None:
                 text = f"[uploaded {message.upload.filename} ({message.upload.file_type})]"
+            elif text is not None and message.role == "user":
+                text = strip_runtime_context(text, markers)
             if text is not None:
                 exported.append({"role": message.role, "content": text})
             continue
@@ -133,12 +141,17 @@ def _unique(call_id: str, used: set[str]) -> str:
 
 
 def responses_items(
-    messages: Sequence[AgentMessage | Mapping[str, Any]], *, dangling: Dangling = "synthesize"
+    messages: Sequence[AgentMessage | Mapping[str, Any]],
+    *,
+    dangling: Dangling = "synthesize",
+    markers: RuntimeContextMarkers = DEFAULT_MARKERS,
 ) -> list[dict[str, Any]]:
-    """The conversation as OpenAI Responses input items: `message`, `function_call`,
-    `function_call_output`, paired as `chat_completions` pairs them."""
+    """The conversation as OpenAI Responses input items, paired as `chat_completions` pairs them.
+
+    Items are `message` (role and text), `function_call` and `function_call_output`.
+    """
     items: list[dict[str, Any]] = []
-    for message in chat_completions(messages, dangling=dangling):
+    for message in chat_completions(messages, dangling=dangling, markers=markers):
         if message["role"] == "tool":
             items.append(
                 {
