@@ -23,8 +23,8 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
   conversation; providers drop or re-sign it across turns, and storing it as
   content would replay it as if the model had said it.
 - framework bookkeeping parts (instruction and capability deltas,
-  compaction) are not stored; a non-text user prompt item is kept as a
-  `[kind]` note.
+  compaction) and provider-native tool parts (a provider's own web search,
+  say) are not stored; a non-text user prompt item is kept as a `[kind]` note.
 """
 
 from __future__ import annotations
