@@ -57,13 +57,7 @@ from app.stream_events import (
     parse_metadata_events,
     parse_sse_events,
 )
-from app.tool_outcomes import (
-    ToolOutcome,
-    denied_result,
-    interrupted_result,
-    interruption_notice,
-    outcome_error,
-)
+from app.tool_outcomes import ToolOutcome, interruption_notice, outcome_error, stand_in_result
 
 
 @dataclass(frozen=True)
@@ -139,25 +133,18 @@ class TurnAssembler:
         if block is self._open:
             self._open = None  # what the model says next, it says after seeing the result
 
-    def hitl(
-        self,
-        *,
-        action: str,
-        params: dict[str, Any],
-        request_id: str,
-        prompt: str | None,
-        at: datetime | None = None,
-        tool_call_id: str | None = None,
-    ) -> None:
+    def hitl(self, prompt: HitlEvent | ConfirmRequired) -> None:
+        """A HITL prompt; a confirmation request may name the tool call it holds back."""
+        action = HitlAction(
+            action=prompt.action, params=prompt.params, request_id=prompt.request_id
+        )
         self._finished_message(
             AssistantMessage(
-                content=prompt,
-                hitl_action=HitlAction(action=action, params=params, request_id=request_id),
-                created_at=at or self._now,
+                content=prompt.prompt, hitl_action=action, created_at=prompt.at or self._now
             )
         )
-        if tool_call_id is not None:
-            self._confirmed_call[request_id] = tool_call_id
+        if isinstance(prompt, ConfirmRequired) and prompt.tool_call_id is not None:
+            self._confirmed_call[prompt.request_id] = prompt.tool_call_id
 
     def resolve(self, request_id: str, *, approved: bool) -> None:
         self._resolved.append(request_id)
@@ -193,8 +180,8 @@ class TurnAssembler:
             for call in block.calls:
                 answer = block.results.get(call.id)
                 if answer is None:
-                    stand_in = denied_result if call.id in self._denied else interrupted_result
-                    answer = stand_in(call.id, block.created_at)
+                    outcome: ToolOutcome = "denied" if call.id in self._denied else "interrupted"
+                    answer = stand_in_result(call.id, block.created_at, outcome)
                 messages.append(answer)
         if not complete:
             messages.append(interruption_notice(self._now))
@@ -240,13 +227,7 @@ def turn_from_sse(events: Iterable[Any], *, received_at: datetime | None = None)
             outcome: ToolOutcome | None = "failed" if event.is_error else None
             assembler.result(event.tool_call_id, event.result, event.at, outcome=outcome)
         elif isinstance(event, HitlEvent):
-            assembler.hitl(
-                action=event.action,
-                params=event.params,
-                request_id=event.request_id,
-                prompt=event.prompt,
-                at=event.at,
-            )
+            assembler.hitl(event)
         elif isinstance(event, ErrorEvent):
             assembler.error(event.message, event.at)
         else:
@@ -290,14 +271,7 @@ def turn_from_metadata(
             else:
                 assembler.result(call_id, event.error, event.at, outcome="failed")
         elif isinstance(event, ConfirmRequired):
-            assembler.hitl(
-                action=event.action,
-                params=event.params,
-                request_id=event.request_id,
-                prompt=event.prompt,
-                at=event.at,
-                tool_call_id=event.tool_call_id,
-            )
+            assembler.hitl(event)
         elif isinstance(event, ConfirmResolved):
             assembler.resolve(event.request_id, approved=event.approved)
         else:

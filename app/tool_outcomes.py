@@ -60,21 +60,20 @@ def feedback_cause(message: UserMessage) -> tuple[bool, str | None]:
     return (match is not None), (match.group(1) if match else None)
 
 
-def interrupted_result(tool_call_id: str, created_at: datetime) -> ToolMessage:
-    """A stand-in result for a call that never got one, marked so it is never taken as real."""
-    return ToolMessage(
-        tool_call_id=tool_call_id,
-        content=INTERRUPTED_RESULT,
-        error=outcome_error("interrupted"),
-        created_at=created_at,
-    )
+_STAND_IN_TEXT: dict[ToolOutcome, str] = {
+    "interrupted": INTERRUPTED_RESULT,
+    "denied": DENIED_RESULT,
+}
 
 
-def denied_result(tool_call_id: str, created_at: datetime) -> ToolMessage:
+def stand_in_result(
+    tool_call_id: str, created_at: datetime, outcome: ToolOutcome = "interrupted"
+) -> ToolMessage:
+    """A result for a call that never got one (`interrupted` or `denied`), marked as such."""
     return ToolMessage(
         tool_call_id=tool_call_id,
-        content=DENIED_RESULT,
-        error=outcome_error("denied"),
+        content=_STAND_IN_TEXT[outcome],
+        error=outcome_error(outcome),
         created_at=created_at,
     )
 

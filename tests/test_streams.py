@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from app import AgentMessageLogger, ConversationStore, InvalidInput, TurnRules
+from app import AgentMessageLogger, ConversationStore, InvalidInput, LoggedTurn, TurnRules
 from app.exports import chat_completions, check_chat_completions
 from app.models import messages_adapter
 from app.stream_events import parse_sse_text
@@ -43,6 +43,19 @@ def comparable(messages: Any) -> list[dict[str, Any]]:
         [m if isinstance(m, dict) else m.model_dump(by_alias=True) for m in messages]
     )
     return [m.model_dump(mode="json", exclude={"created_at"}) for m in validated]
+
+
+async def log_recorded(
+    logger: AgentMessageLogger, store: ConversationStore, name: str, prompt: str
+) -> LoggedTurn:
+    return await log_streamed_turn(
+        logger=logger,
+        store=store,
+        conversation_id=CID,
+        turn=recorded(name),
+        turn_id="turn-1",
+        prompt=prompt,
+    )
 
 
 CASES = sorted(p.name.removesuffix(".expected.json") for p in STREAMS.glob("*.expected.json"))
@@ -111,13 +124,8 @@ def test_sse_body_with_data_that_is_not_json_is_refused() -> None:
 async def test_denied_confirmation_is_stored_and_leaves_nothing_pending(backend: Backend) -> None:
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
 
-    logged = await log_streamed_turn(
-        logger=logger,
-        store=store,
-        conversation_id=CID,
-        turn=recorded("metadata_denied_confirmation"),
-        turn_id="turn-1",
-        prompt="Book me the 09:04 to Lyon.",
+    logged = await log_recorded(
+        logger, store, "metadata_denied_confirmation", "Book me the 09:04 to Lyon."
     )
 
     assert [m.role for m in logged.messages] == [
@@ -137,14 +145,7 @@ async def test_unresolved_prompt_stays_pending_and_a_later_stream_resolves_it(
     backend: Backend,
 ) -> None:
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
-    await log_streamed_turn(
-        logger=logger,
-        store=store,
-        conversation_id=CID,
-        turn=recorded("sse_hitl_then_error"),
-        turn_id="turn-1",
-        prompt="Trains to Lyon?",
-    )
+    await log_recorded(logger, store, "sse_hitl_then_error", "Trains to Lyon?")
     pending = await store.pending_hitl(CID)
     assert pending is not None
     assert pending.request_id == "req-7"
@@ -167,14 +168,7 @@ async def test_unresolved_prompt_stays_pending_and_a_later_stream_resolves_it(
 async def test_cut_off_stream_is_stored_marked_interrupted(backend: Backend) -> None:
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
 
-    await log_streamed_turn(
-        logger=logger,
-        store=store,
-        conversation_id=CID,
-        turn=recorded("sse_cut_off"),
-        turn_id="turn-1",
-        prompt="Book it.",
-    )
+    await log_recorded(logger, store, "sse_cut_off", "Book it.")
 
     stored = await store.transcript(CID)
     assert stored[-1].error is not None
