@@ -120,8 +120,13 @@ def _from_request_part(part: Any) -> list[AgentMessage]:
     if isinstance(part, pai.RetryPromptPart):  # deprecated; only in histories built by hand
         cause = "model_retry" if isinstance(part.content, str) else "validation_error"
         if part.tool_name is None:
-            error = feedback_error(cause)
-            return [UserMessage(content=_retry_text(part.content), error=error)]
+            return [
+                UserMessage(
+                    content=_retry_text(part.content),
+                    error=feedback_error(cause),
+                    created_at=part.timestamp,
+                )
+            ]
         return [
             ToolMessage(
                 tool_call_id=part.tool_call_id,

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from pydantic_ai import Agent, ModelRetry
+from pydantic_ai._warnings import PydanticAIDeprecationWarning
 from pydantic_ai.messages import (
     ModelMessage,
     ModelMessagesTypeAdapter,
@@ -13,6 +14,7 @@ from pydantic_ai.messages import (
     ModelResponse,
     RetryFeedbackPart,
     RetryInfo,
+    RetryPromptPart,
     TextPart,
     ThinkingPart,
     ToolCallPart,
@@ -207,6 +209,30 @@ def test_retry_feedback_is_a_marked_user_message_and_comes_back_as_feedback() ->
     part = rebuilt[2].parts[0]
     assert isinstance(part, RetryFeedbackPart)
     assert (part.content, part.retry.cause) == ("Answer with a number.", "model_retry")
+
+
+def test_deprecated_retry_prompts_are_stored_as_the_parts_they_stand_for() -> None:
+    with pytest.warns(PydanticAIDeprecationWarning):
+        for_tool = RetryPromptPart("Bad zone.", tool_name="get_time", tool_call_id="call_t")
+    with pytest.warns(PydanticAIDeprecationWarning):
+        for_output = RetryPromptPart("Answer with a number.")
+    run = [
+        ModelResponse(parts=[ToolCallPart("get_time", {"zone": "x"}, tool_call_id="call_t")]),
+        ModelRequest(parts=[for_tool, for_output]),
+    ]
+
+    tool, feedback = messages_from_run(run)[1:]
+
+    assert (tool.role, tool.tool_call_id, tool.content) == ("tool", "call_t", "Bad zone.")
+    assert tool.error is not None
+    assert tool.error.message == "tool call retried: model_retry"
+    assert (feedback.role, feedback.content) == ("user", "Answer with a number.")
+    assert feedback.error is not None
+    assert feedback.error.message == "retry feedback: model_retry"
+    rebuilt = history_from_messages(messages_from_run(run))[1].parts
+    assert isinstance(rebuilt[0], ToolReturnPart)
+    assert rebuilt[0].outcome == "retried"
+    assert isinstance(rebuilt[1], RetryFeedbackPart)
 
 
 def test_unanswered_call_comes_back_answered_as_interrupted() -> None:
