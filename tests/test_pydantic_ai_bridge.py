@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 from pydantic_ai import Agent, ModelRetry
-from pydantic_ai._warnings import PydanticAIDeprecationWarning
 from pydantic_ai.messages import (
     ModelMessage,
     ModelMessagesTypeAdapter,
@@ -212,9 +211,9 @@ def test_retry_feedback_is_a_marked_user_message_and_comes_back_as_feedback() ->
 
 
 def test_deprecated_retry_prompts_are_stored_as_the_parts_they_stand_for() -> None:
-    with pytest.warns(PydanticAIDeprecationWarning):
+    with pytest.warns(UserWarning, match="`RetryPromptPart` is deprecated"):
         for_tool = RetryPromptPart("Bad zone.", tool_name="get_time", tool_call_id="call_t")
-    with pytest.warns(PydanticAIDeprecationWarning):
+    with pytest.warns(UserWarning, match="`RetryPromptPart` is deprecated"):
         for_output = RetryPromptPart("Answer with a number.")
     run = [
         ModelResponse(parts=[ToolCallPart("get_time", {"zone": "x"}, tool_call_id="call_t")]),
