@@ -1,0 +1,289 @@
+"""Replay-safe exports of stored conversations, and the checker of the pairing rules they keep.
+
+- `chat_completions`: OpenAI Chat Completions messages, extensions removed,
+  every tool call answered right after the message that makes it.
+- `responses_items`: the same history as OpenAI Responses input items.
+- `conversation_jsonl`, `user_jsonl`: every stored field, one JSON document a line.
+
+Pure, except `user_jsonl`, which reads through a `ConversationStore`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from app.conversations import ConversationExport, ConversationStore
+from app.errors import InvalidInput, describe_validation_error
+from app.models import AgentMessage, AssistantMessage, ToolMessage, messages_adapter
+from app.text import DEFAULT_MARKERS, RuntimeContextMarkers, strip_runtime_context
+
+Dangling = Literal["synthesize", "drop"]
+"""For a call no stored result answers: a marked stand-in answers it, or it is dropped."""
+
+SYNTHETIC_RESULT = json.dumps(
+    {"error": "no result was recorded for this tool call", "synthetic": True},
+    separators=(",", ":"),
+)
+"""The content of a stand-in result; `synthetic: true` says it never came from the tool."""
+
+_ALLOWED_KEYS = {
+    "system": {"role", "content", "name"},
+    "developer": {"role", "content", "name"},
+    "user": {"role", "content", "name"},
+    "assistant": {"role", "content", "tool_calls", "name", "refusal"},
+    "tool": {"role", "content", "tool_call_id"},
+}
+
+
+def _validated(messages: Sequence[AgentMessage | Mapping[str, Any]]) -> list[AgentMessage]:
+    try:
+        return messages_adapter.validate_python(
+            [m if isinstance(m, Mapping) else m.model_dump(by_alias=True) for m in messages]
+        )
+    except ValidationError as exc:
+        raise InvalidInput(describe_validation_error(exc, subject="conversation")) from exc
+
+
+def _answers(messages: Sequence[AgentMessage]) -> dict[tuple[int, str], ToolMessage]:
+    """Each tool message paired with the latest earlier call of its id that is still unanswered.
+
+    A tool message answering no such call (none made, or answered already) pairs with nothing.
+    """
+    latest_call: dict[str, int] = {}
+    answers: dict[tuple[int, str], ToolMessage] = {}
+    for index, message in enumerate(messages):
+        if isinstance(message, AssistantMessage):
+            for call in message.tool_calls or ():
+                latest_call[call.id] = index
+        elif isinstance(message, ToolMessage):
+            assert message.tool_call_id is not None
+            made_at = latest_call.get(message.tool_call_id)
+            key = (made_at if made_at is not None else -1, message.tool_call_id)
+            if made_at is not None and key not in answers:
+                answers[key] = message
+    return answers
+
+
+def chat_completions(
+    messages: Sequence[AgentMessage | Mapping[str, Any]],
+    *,
+    dangling: Dangling = "synthesize",
+    markers: RuntimeContextMarkers = DEFAULT_MARKERS,
+) -> list[dict[str, Any]]:
+    """A stored conversation as OpenAI Chat Completions messages that replay without errors.
+
+    Only `role`, `content`, `tool_calls` and `tool_call_id` are kept. Each
+    call's result follows the assistant message that makes it (results stored
+    later are moved up); a result that answers no call is left out; a call
+    with no result gets `SYNTHETIC_RESULT` or, with `dangling="drop"`, is
+    removed. A call id used again later in the conversation is renamed
+    `<id>_<n>` so ids stay unique. Assistant messages the model never said —
+    an `error` or a HITL action with no text — are left out, and a user
+    message with only an upload becomes a short note naming the file. Hidden
+    runtime context (between `markers`) is removed from user text, as the
+    logger does, should the messages not come from the store.
+    """
+    if dangling not in ("synthesize", "drop"):
+        raise InvalidInput(f"invalid dangling {dangling!r}: use 'synthesize' or 'drop'")
+    stored = _validated(messages)
+    answers = _answers(stored)
+    used_ids: set[str] = set()
+    exported: list[dict[str, Any]] = []
+    for index, message in enumerate(stored):
+        if isinstance(message, ToolMessage):
+            continue  # placed with the call it answers
+        if not isinstance(message, AssistantMessage):
+            text = message.content
+            if text is None and message.upload is not None:
+                text = f"[uploaded {message.upload.filename} ({message.upload.file_type})]"
+            elif text is not None and message.role == "user":
+                text = strip_runtime_context(text, markers)
+            if text is not None:
+                exported.append({"role": message.role, "content": text})
+            continue
+        calls: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = []
+        for call in message.tool_calls or ():
+            answer = answers.get((index, call.id))
+            if answer is None and dangling == "drop":
+                continue
+            call_id = _unique(call.id, used_ids)
+            calls.append(
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+            )
+            content = SYNTHETIC_RESULT if answer is None else (answer.content or "")
+            results.append({"role": "tool", "tool_call_id": call_id, "content": content})
+        if message.content is None and not calls:
+            continue
+        exported.append(
+            {"role": "assistant", "content": message.content}
+            | ({"tool_calls": calls} if calls else {})
+        )
+        exported.extend(results)
+    return exported
+
+
+def _unique(call_id: str, used: set[str]) -> str:
+    candidate, n = call_id, 1
+    while candidate in used:
+        n += 1
+        candidate = f"{call_id}_{n}"
+    used.add(candidate)
+    return candidate
+
+
+def responses_items(
+    messages: Sequence[AgentMessage | Mapping[str, Any]],
+    *,
+    dangling: Dangling = "synthesize",
+    markers: RuntimeContextMarkers = DEFAULT_MARKERS,
+) -> list[dict[str, Any]]:
+    """The conversation as OpenAI Responses input items, paired as `chat_completions` pairs them.
+
+    Items are `message` (role and text), `function_call` and `function_call_output`.
+    """
+    items: list[dict[str, Any]] = []
+    for message in chat_completions(messages, dangling=dangling, markers=markers):
+        if message["role"] == "tool":
+            items.append(
+                {
+                    "type": "function_call_output",
+                    "call_id": message["tool_call_id"],
+                    "output": message["content"],
+                }
+            )
+            continue
+        if message["content"]:
+            items.append(
+                {"type": "message", "role": message["role"], "content": message["content"]}
+            )
+        for call in message.get("tool_calls", ()):
+            items.append(
+                {
+                    "type": "function_call",
+                    "call_id": call["id"],
+                    "name": call["function"]["name"],
+                    "arguments": call["function"]["arguments"],
+                }
+            )
+    return items
+
+
+def chat_completions_problems(messages: Sequence[Any]) -> list[str]:
+    """Every way a Chat Completions history breaks the API's rules; empty when it replays.
+
+    The rules: only the API's keys per role; tool calls well formed with ids
+    unique in the history; the messages right after an assistant message with
+    tool calls are tool messages answering each of those calls exactly once,
+    and nothing else is a tool message.
+    """
+    problems: list[str] = []
+    seen_ids: set[str] = set()
+    waiting: set[str] = set()
+    answerable: set[str] = set()
+
+    def close(at: str) -> None:
+        if waiting:
+            problems.append(f"{at}: tool calls {sorted(waiting)} are left unanswered")
+            waiting.clear()
+        answerable.clear()
+
+    for index, message in enumerate(messages):
+        where = f"message {index}"
+        role = message.get("role") if isinstance(message, Mapping) else None
+        if role not in _ALLOWED_KEYS:
+            problems.append(f"{where}: unknown role {role!r}")
+            continue
+        extra = set(message) - _ALLOWED_KEYS[role]
+        if extra:
+            problems.append(f"{where}: keys the API does not take: {sorted(extra)}")
+        content = message.get("content")
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(content, str):
+                problems.append(f"{where}: a tool message needs string content")
+            if call_id not in answerable:
+                problems.append(
+                    f"{where}: tool message for {call_id!r} answers no call of the "
+                    "assistant message right before it"
+                )
+            elif call_id not in waiting:
+                problems.append(f"{where}: tool call {call_id!r} is answered twice")
+            waiting.discard(call_id)
+            continue
+        close(f"before {where}")
+        if role != "assistant":
+            if not isinstance(content, str):
+                problems.append(f"{where}: a {role} message needs string content")
+            continue
+        calls = message.get("tool_calls")
+        if calls is None:
+            if not isinstance(content, str):
+                problems.append(f"{where}: an assistant message needs content or tool calls")
+            continue
+        if content is not None and not isinstance(content, str):
+            problems.append(f"{where}: assistant content must be a string or null")
+        if not isinstance(calls, list) or not calls:
+            problems.append(f"{where}: tool_calls must be a non-empty list")
+            continue
+        for call in calls:
+            problem = _call_problem(call)
+            if problem:
+                problems.append(f"{where}: {problem}")
+                continue
+            if call["id"] in seen_ids:
+                problems.append(f"{where}: tool call id {call['id']!r} is used again")
+            seen_ids.add(call["id"])
+            waiting.add(call["id"])
+            answerable.add(call["id"])
+    close("at the end")
+    return problems
+
+
+def _call_problem(call: Any) -> str | None:
+    if not isinstance(call, Mapping) or set(call) != {"id", "type", "function"}:
+        return "a tool call needs exactly `id`, `type` and `function`"
+    function = call["function"]
+    if not isinstance(call["id"], str) or not call["id"] or call["type"] != "function":
+        return "a tool call needs a string id and type 'function'"
+    if not isinstance(function, Mapping) or set(function) != {"name", "arguments"}:
+        return "a tool call's function needs exactly `name` and `arguments`"
+    if not function["name"] or not isinstance(function["arguments"], str):
+        return "a tool call's function needs a name and string arguments"
+    return None
+
+
+def check_chat_completions(messages: Sequence[Any]) -> None:
+    """Raise InvalidInput listing every broken rule (see `chat_completions_problems`)."""
+    problems = chat_completions_problems(messages)
+    if problems:
+        raise InvalidInput("history does not replay: " + "; ".join(problems))
+
+
+# -- JSONL ----------------------------------------------------------------------------
+
+
+def conversation_jsonl(export: ConversationExport) -> Iterator[str]:
+    """A conversation as JSON lines: `{"conversation": …}`, then `{"message": …}` by `seq`."""
+    yield _line({"conversation": export.conversation.model_dump(mode="json", by_alias=True)})
+    for message in export.messages:
+        yield _line({"message": message.model_dump(mode="json", by_alias=True)})
+
+
+async def user_jsonl(store: ConversationStore, user_id: str) -> AsyncIterator[str]:
+    """All of a user's data as JSON lines, conversation after conversation (see `export_user`)."""
+    async for export in store.export_user(user_id):
+        for line in conversation_jsonl(export):
+            yield line
+
+
+def _line(document: dict[str, Any]) -> str:
+    return json.dumps(document, ensure_ascii=False, separators=(",", ":")) + "\n"

@@ -1,0 +1,339 @@
+"""Pydantic AI runs in, Pydantic AI history out. Pure converters, plus one logging call.
+
+`messages_from_run(result.new_messages())` gives the stored messages of a
+turn; `history_from_messages(await store.transcript(cid))` gives back the
+`message_history` for the next run, so a runtime keeps no cache and no
+per-turn history blob. Needs the `pydantic-ai` extra; the rest of the
+package does not import this module.
+
+What the OpenAI-format store keeps of each part (see README, "Runtime integration"):
+
+- system prompt, user prompt, text, tool call (with Pydantic AI's own
+  `tool_call_id`), tool return: as the matching OpenAI message, one assistant
+  message per model response with `token_usage` and `latency_ms` (the time
+  from the request being sent to the response).
+- a tool return that is not a success (`failed`, `denied`, `interrupted`,
+  `retried` — a tool retry prompt is a retried return): a `tool` message with
+  the content the model was shown and an `error` marker naming the outcome,
+  so it still answers its call in any replay.
+- retry feedback that answers no call (an output retry): a `user` message
+  marked `error: {message: "retry feedback: <cause>"}`, because the model
+  receives it in the user's voice; it is never shown as a person's words.
+- thinking: not stored. It is the model's private reasoning, not part of the
+  conversation; providers drop or re-sign it across turns, and storing it as
+  content would replay it as if the model had said it.
+- framework bookkeeping parts (instruction and capability deltas,
+  compaction) and provider-native tool parts (a provider's own web search,
+  say) are not stored; a non-text user prompt item is kept as a `[kind]` note.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import pydantic_core
+
+try:
+    from pydantic_ai import messages as pai
+    from pydantic_ai.usage import RequestUsage
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "app.pydantic_ai_bridge needs Pydantic AI: install agent-conversation-store[pydantic-ai]"
+    ) from exc
+
+from app.logger import AgentMessageLogger, LoggedTurn
+from app.models import (
+    AgentMessage,
+    AssistantMessage,
+    FunctionCall,
+    SystemMessage,
+    TokenUsage,
+    ToolCall,
+    ToolMessage,
+    UserMessage,
+    utc_now,
+)
+from app.tool_outcomes import (
+    INTERRUPTED_RESULT,
+    feedback_cause,
+    feedback_error,
+    outcome_error,
+    tool_outcome,
+)
+from app.turns import parse_messages
+
+__all__ = ["history_from_messages", "log_run", "messages_from_run"]
+
+_TOOL_RETRY_CAUSES: dict[str, pai.ToolRetryCause] = {
+    cause: cause
+    for cause in ("validation_error", "model_retry", "unknown_tool", "unavailable_tool")
+}
+_FEEDBACK_CAUSES: dict[str, pai.RetryFeedbackCause] = {
+    cause: cause for cause in ("validation_error", "no_output", "model_retry")
+}
+
+
+# -- a run into stored messages -------------------------------------------------------
+
+
+def messages_from_run(messages: Sequence[pai.ModelMessage]) -> list[AgentMessage]:
+    """The stored messages of an agent run's messages (`result.new_messages()`), in order."""
+    stored: list[AgentMessage] = []
+    sent_at: datetime | None = None
+    for message in messages:
+        if isinstance(message, pai.ModelRequest):
+            sent_at = message.timestamp
+            for part in message.parts:
+                stored.extend(_from_request_part(part))
+        else:
+            stored.append(_from_response(message, sent_at))
+    return stored
+
+
+def _from_request_part(part: Any) -> list[AgentMessage]:
+    if isinstance(part, pai.SystemPromptPart):
+        return [SystemMessage(content=part.content, created_at=part.timestamp)]
+    if isinstance(part, pai.UserPromptPart):
+        return [UserMessage(content=_user_text(part.content), created_at=part.timestamp)]
+    if isinstance(part, pai.ToolReturnPart):
+        outcome = part.outcome if part.outcome != "success" else None
+        cause = part.retry.cause if part.retry is not None else None
+        return [
+            ToolMessage(
+                tool_call_id=part.tool_call_id,
+                content=part.model_response_str(wrap_if_error=False),
+                error=outcome_error(outcome, cause) if outcome else None,
+                created_at=part.timestamp,
+            )
+        ]
+    if isinstance(part, pai.RetryFeedbackPart):
+        return [
+            UserMessage(
+                content=_retry_text(part.content),
+                error=feedback_error(part.retry.cause),
+                created_at=part.timestamp,
+            )
+        ]
+    if isinstance(part, pai.RetryPromptPart):  # deprecated; only in histories built by hand
+        cause = "model_retry" if isinstance(part.content, str) else "validation_error"
+        if part.tool_name is None:
+            return [
+                UserMessage(
+                    content=_retry_text(part.content),
+                    error=feedback_error(cause),
+                    created_at=part.timestamp,
+                )
+            ]
+        return [
+            ToolMessage(
+                tool_call_id=part.tool_call_id,
+                content=_retry_text(part.content),
+                error=outcome_error("retried", cause),
+                created_at=part.timestamp,
+            )
+        ]
+    return []
+
+
+def _from_response(response: pai.ModelResponse, sent_at: datetime | None) -> AssistantMessage:
+    texts = [p.content for p in response.parts if isinstance(p, pai.TextPart)]
+    calls = [
+        ToolCall(
+            id=p.tool_call_id,
+            function=FunctionCall(name=p.tool_name, arguments=p.args_as_json_str()),
+        )
+        for p in response.parts
+        if isinstance(p, pai.ToolCallPart)
+    ]
+    latency = None
+    if sent_at is not None and response.timestamp >= sent_at:
+        latency = int((response.timestamp - sent_at).total_seconds() * 1000)
+    return AssistantMessage(
+        # A response of thinking alone still took a request and its tokens: keep it as "".
+        content="".join(texts) if texts or not calls else None,
+        tool_calls=calls or None,
+        token_usage=TokenUsage(
+            input_tokens=response.usage.input_tokens, output_tokens=response.usage.output_tokens
+        ),
+        latency_ms=latency,
+        created_at=response.timestamp,
+    )
+
+
+def _user_text(content: str | Sequence[Any]) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n".join(
+        item if isinstance(item, str) else f"[{getattr(item, 'kind', type(item).__name__)}]"
+        for item in content
+    )
+
+
+def _retry_text(content: str | Sequence[Any]) -> str:
+    if isinstance(content, str):
+        return content
+    return _compact_json(list(content))
+
+
+def _compact_json(value: Any) -> str:
+    """JSON as Pydantic AI renders a value for the model: compact, unescaped UTF-8."""
+    return pydantic_core.to_json(value, fallback=str).decode()
+
+
+# -- stored messages into a history ---------------------------------------------------
+
+
+def history_from_messages(
+    stored: Sequence[AgentMessage | Mapping[str, Any]],
+) -> list[pai.ModelMessage]:
+    """The Pydantic AI history of a stored conversation, to pass as `message_history`.
+
+    Messages the model never produced or received are left out: an assistant
+    message carrying only an `error` or a HITL action (the runtime's, not the
+    model's). A tool message answering no earlier call is left out, and a call
+    left unanswered gets an `interrupted` return, so the history always replays.
+    """
+    messages = parse_messages(stored) if stored else []
+    history: list[pai.ModelMessage] = []
+    parts: list[Any] = []
+    tool_names: dict[str, str] = {}
+    unanswered: list[str] = []
+
+    def flush_request() -> None:
+        now = parts[0].timestamp if parts else utc_now()
+        answers = [_interrupted_return(tool_names[i], i, now) for i in unanswered]
+        unanswered.clear()
+        request_parts = answers + parts
+        # Tool returns must come first: a provider sends them right after the calls.
+        request_parts.sort(key=lambda p: not isinstance(p, pai.ToolReturnPart))
+        if request_parts:
+            history.append(pai.ModelRequest(parts=request_parts, timestamp=now))
+        parts.clear()
+
+    for message in messages:
+        if isinstance(message, AssistantMessage):
+            response = _to_response(message)
+            if response is None:
+                continue
+            flush_request()
+            history.append(response)
+            for call in message.tool_calls or ():
+                tool_names[call.id] = call.function.name
+                unanswered.append(call.id)
+        elif isinstance(message, ToolMessage):
+            assert message.tool_call_id is not None
+            if message.tool_call_id not in unanswered:
+                continue
+            unanswered.remove(message.tool_call_id)
+            parts.append(_to_tool_return(message, tool_names[message.tool_call_id]))
+        elif isinstance(message, SystemMessage):
+            parts.append(pai.SystemPromptPart(message.content or "", timestamp=message.created_at))
+        else:
+            parts.append(_to_user_part(message))
+    if parts or unanswered:
+        flush_request()
+    return history
+
+
+def _to_response(message: AssistantMessage) -> pai.ModelResponse | None:
+    if message.content is None and message.tool_calls is None:
+        return None
+    response_parts: list[pai.ModelResponsePart] = []
+    if message.content:
+        response_parts.append(pai.TextPart(message.content))
+    for call in message.tool_calls or ():
+        response_parts.append(
+            pai.ToolCallPart(
+                call.function.name, _json_or_text(call.function.arguments), tool_call_id=call.id
+            )
+        )
+    usage = message.token_usage or TokenUsage()
+    return pai.ModelResponse(
+        parts=response_parts,
+        usage=RequestUsage(input_tokens=usage.input_tokens, output_tokens=usage.output_tokens),
+        timestamp=message.created_at,
+    )
+
+
+def _to_tool_return(message: ToolMessage, tool_name: str) -> pai.ToolReturnPart:
+    assert message.tool_call_id is not None
+    marked = tool_outcome(message)
+    outcome, cause = marked if marked is not None else (None, None)
+    retry_cause = _TOOL_RETRY_CAUSES.get(cause or "", "model_retry")
+    return pai.ToolReturnPart(
+        tool_name,
+        _json_or_text(message.content or ""),
+        tool_call_id=message.tool_call_id,
+        timestamp=message.created_at,
+        outcome=outcome or "success",
+        retry=pai.RetryInfo(retry_cause) if outcome == "retried" else None,
+    )
+
+
+def _to_user_part(message: UserMessage) -> Any:
+    is_feedback, cause = feedback_cause(message)
+    if is_feedback:
+        return pai.RetryFeedbackPart(
+            _json_or_text(message.content or ""),
+            retry=pai.RetryInfo(_FEEDBACK_CAUSES.get(cause or "", "model_retry")),
+            timestamp=message.created_at,
+        )
+    text = message.content
+    if text is None and message.upload is not None:
+        text = f"[uploaded {message.upload.filename} ({message.upload.file_type})]"
+    return pai.UserPromptPart(text or "", timestamp=message.created_at)
+
+
+def _interrupted_return(tool_name: str, tool_call_id: str, at: datetime) -> pai.ToolReturnPart:
+    return pai.ToolReturnPart(
+        tool_name,
+        INTERRUPTED_RESULT,
+        tool_call_id=tool_call_id,
+        timestamp=at,
+        outcome="interrupted",
+    )
+
+
+def _json_or_text(text: str) -> Any:
+    """Structured JSON back as a value when that sends the model the very same text.
+
+    The store keeps tool arguments and results as text; Pydantic AI renders a
+    value as compact JSON. Returning the value only when it renders back to
+    the same text keeps what the model is sent identical either way.
+    """
+    if not text.startswith(("{", "[")):
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if _compact_json(value) == text else text
+
+
+# -- logging --------------------------------------------------------------------------
+
+
+async def log_run(
+    logger: AgentMessageLogger,
+    conversation_id: str,
+    messages: Sequence[pai.ModelMessage],
+    *,
+    turn_id: str,
+    user_id: str | None = None,
+    name: str | None = None,
+) -> LoggedTurn:
+    """Store an agent run's new messages as one turn (idempotent by `turn_id`).
+
+    The logger strips hidden runtime context from user text by its rules'
+    markers, so only what the user saw is stored.
+    """
+    return await logger.log_messages(
+        conversation_id,
+        messages_from_run(messages),
+        user_id=user_id,
+        turn_id=turn_id,
+        name=name,
+    )

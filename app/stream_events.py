@@ -1,0 +1,203 @@
+"""The events of the two streaming protocols a turn can be ingested from (docs/STREAMING.md).
+
+- `SseEvent`: the runtime's server-sent events, `event: <type>` and a JSON `data:` line.
+- `MetadataEvent`: the other runtime's streaming metadata, one JSON object per event with `type`.
+
+Each is a union discriminated on `type`; unknown types and missing fields are
+refused with an error naming them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, TypeAdapter, ValidationError
+
+from app.errors import InvalidInput, describe_validation_error
+from app.models import TokenUsage, UtcDatetime
+
+CallId = Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, use_attribute_docstrings=True)
+
+    at: UtcDatetime | None = None
+    """When the runtime emitted the event; the builder's clock when absent."""
+
+
+# -- the runtime's SSE events ---------------------------------------------------------
+
+
+class TextDelta(_Event):
+    """A piece of the assistant's text."""
+
+    type: Literal["text_delta"] = "text_delta"
+    delta: str
+
+
+class ToolCallEvent(_Event):
+    """The model called a tool."""
+
+    type: Literal["tool_call"] = "tool_call"
+    tool_call_id: CallId
+    tool_name: str = Field(min_length=1)
+    args: dict[str, Any] | str = Field(default_factory=dict)
+
+
+class ToolResultEvent(_Event):
+    """A tool returned; may arrive after `done`."""
+
+    type: Literal["tool_result"] = "tool_result"
+    tool_call_id: CallId
+    tool_name: str | None = None
+    result: Any = None
+    is_error: bool = False
+    """The tool failed and `result` is its error."""
+
+
+class HitlEvent(_Event):
+    """The assistant asks a person to act before it goes on."""
+
+    type: Literal["hitl"] = "hitl"
+    action: str = Field(min_length=1)
+    params: dict[str, Any] = Field(default_factory=dict)
+    request_id: CallId
+    prompt: str | None = None
+
+
+class ErrorEvent(_Event):
+    """The run failed; in both protocols."""
+
+    type: Literal["error"] = "error"
+    message: str
+
+
+class DoneEvent(_Event):
+    """The run ended normally. Tool results may still follow."""
+
+    type: Literal["done"] = "done"
+    usage: TokenUsage | None = None
+    latency_ms: NonNegativeInt | None = None
+
+
+SseEvent = Annotated[
+    TextDelta | ToolCallEvent | ToolResultEvent | HitlEvent | ErrorEvent | DoneEvent,
+    Field(discriminator="type"),
+]
+"""One event of the runtime's SSE stream."""
+
+
+# -- the other runtime's streaming metadata -------------------------------------------
+
+
+class StreamToken(_Event):
+    """A piece of the assistant's text."""
+
+    type: Literal["stream_token"] = "stream_token"
+    token: str
+
+
+class ToolStart(_Event):
+    """A tool call begins. Without an id, it is matched to its end by tool name, in order."""
+
+    type: Literal["tool_start"] = "tool_start"
+    tool_name: str = Field(min_length=1)
+    tool_call_id: CallId | None = None
+    args: dict[str, Any] | str = Field(default_factory=dict)
+
+
+class ToolEnd(_Event):
+    """A tool call returned."""
+
+    type: Literal["tool_end"] = "tool_end"
+    tool_name: str = Field(min_length=1)
+    tool_call_id: CallId | None = None
+    result: Any = None
+
+
+class ToolError(_Event):
+    """A tool call failed."""
+
+    type: Literal["tool_error"] = "tool_error"
+    tool_name: str = Field(min_length=1)
+    tool_call_id: CallId | None = None
+    error: str
+
+
+class ConfirmRequired(_Event):
+    """The runtime needs a person's confirmation, usually of the tool call named."""
+
+    type: Literal["confirm_required"] = "confirm_required"
+    request_id: CallId
+    action: str = Field(min_length=1)
+    params: dict[str, Any] = Field(default_factory=dict)
+    prompt: str | None = None
+    tool_call_id: CallId | None = None
+
+
+class ConfirmResolved(_Event):
+    """A person answered a confirmation request, of this turn or an earlier one."""
+
+    type: Literal["confirm_resolved"] = "confirm_resolved"
+    request_id: CallId
+    approved: bool
+
+
+MetadataEvent = Annotated[
+    StreamToken | ToolStart | ToolEnd | ToolError | ConfirmRequired | ConfirmResolved | ErrorEvent,
+    Field(discriminator="type"),
+]
+"""One event of the streaming-metadata protocol."""
+
+sse_events_adapter: TypeAdapter[list[SseEvent]] = TypeAdapter(list[SseEvent])
+metadata_events_adapter: TypeAdapter[list[MetadataEvent]] = TypeAdapter(list[MetadataEvent])
+
+
+def parse_sse_events(raw: list[Any]) -> list[SseEvent]:
+    """Validate SSE events given as dicts (with `type`) or models."""
+    return _validated(sse_events_adapter, raw, "SSE stream")
+
+
+def parse_metadata_events(raw: list[Any]) -> list[MetadataEvent]:
+    """Validate streaming-metadata events given as dicts (with `type`) or models."""
+    return _validated(metadata_events_adapter, raw, "metadata stream")
+
+
+def parse_sse_text(text: str) -> list[SseEvent]:
+    """The events of a recorded SSE body: blocks of `event:` and `data:` lines.
+
+    A block's `event:` is its type; a block without one must carry `type` in
+    its data. Comments (`:`) and other fields (`id:`, `retry:`) are ignored.
+    """
+    raw: list[Any] = []
+    for number, block in enumerate(text.replace("\r\n", "\n").split("\n\n"), start=1):
+        name, data = None, []
+        for line in block.split("\n"):
+            field, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if field == "event":
+                name = value
+            elif field == "data":
+                data.append(value)
+        if not data and name is None:
+            continue
+        try:
+            payload = json.loads("\n".join(data)) if data else {}
+        except ValueError as exc:
+            raise InvalidInput(
+                f"invalid SSE stream: event {number} has data that is not JSON"
+            ) from exc
+        if not isinstance(payload, dict):
+            raise InvalidInput(f"invalid SSE stream: event {number} has data that is not an object")
+        raw.append({"type": name, **payload} if name is not None else payload)
+    return parse_sse_events(raw)
+
+
+def _validated(adapter: TypeAdapter[list[Any]], raw: list[Any], subject: str) -> list[Any]:
+    items = [e.model_dump() if isinstance(e, BaseModel) else e for e in raw]
+    try:
+        return adapter.validate_python(items)
+    except ValidationError as exc:
+        raise InvalidInput(describe_validation_error(exc, subject=subject)) from exc

@@ -1,0 +1,319 @@
+"""Build a turn's messages from the events a runtime streamed while it answered.
+
+Pure, except `log_streamed_turn`, which stores the result.
+
+Both protocols feed one `TurnAssembler`, which keeps the OpenAI pairing rules
+whatever order events arrive in:
+
+- text and tool calls accumulate into one assistant message until a tool
+  result arrives; text after a result starts the next assistant message;
+- every tool result is placed right after the message that made its call,
+  in call order, even when it arrives after the run ended;
+- a HITL prompt or an error is an assistant message of its own;
+- a call left without a result gets a synthetic one, marked in `error` as
+  `tool call interrupted` (or `tool call denied` when its confirmation was
+  refused), so no stored turn can break a replay;
+- a stream cut off before its end keeps what arrived and ends with an
+  assistant message `error: {message: "stream interrupted"}`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from app.conversations import ConversationStore
+from app.errors import Conflict, InvalidInput
+from app.logger import AgentMessageLogger, LoggedTurn
+from app.models import (
+    AgentMessage,
+    AssistantMessage,
+    FunctionCall,
+    HitlAction,
+    MessageError,
+    TokenUsage,
+    ToolCall,
+    ToolMessage,
+    UserMessage,
+    utc_now,
+)
+from app.stream_events import (
+    ConfirmRequired,
+    ConfirmResolved,
+    DoneEvent,
+    ErrorEvent,
+    HitlEvent,
+    StreamToken,
+    TextDelta,
+    ToolCallEvent,
+    ToolEnd,
+    ToolError,
+    ToolResultEvent,
+    ToolStart,
+    parse_metadata_events,
+    parse_sse_events,
+)
+from app.tool_outcomes import ToolOutcome, interruption_notice, outcome_error, stand_in_result
+
+
+@dataclass(frozen=True)
+class StreamedTurn:
+    """What a stream amounts to: the turn's messages and what it resolved."""
+
+    messages: tuple[AgentMessage, ...]
+    interrupted: bool
+    """The stream was cut off before its end; the last message says so."""
+    resolved_request_ids: tuple[str, ...] = ()
+    """HITL prompts a person answered during the stream, to clear once the turn is logged."""
+
+
+@dataclass
+class _Block:
+    """One assistant message and the results of its calls."""
+
+    created_at: datetime
+    text: list[str] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
+    results: dict[str, ToolMessage] = field(default_factory=dict)
+    message: AssistantMessage | None = None
+    """A finished message (HITL prompt, error) instead of text and calls."""
+
+
+class TurnAssembler:
+    """Collects a turn's events in arrival order; `finish` gives the messages in replay order."""
+
+    def __init__(self, *, received_at: datetime | None = None) -> None:
+        self._now = received_at or utc_now()
+        self._blocks: list[_Block] = []
+        self._open: _Block | None = None
+        self._block_of_call: dict[str, _Block] = {}
+        self._denied: set[str] = set()
+        self._resolved: list[str] = []
+        self._confirmed_call: dict[str, str] = {}
+
+    def text(self, delta: str, at: datetime | None = None) -> None:
+        self._accepting(at).text.append(delta)
+
+    def call(
+        self, tool_call_id: str, tool_name: str, args: Any, at: datetime | None = None
+    ) -> None:
+        if tool_call_id in self._block_of_call:
+            raise InvalidInput(f"invalid stream: tool call id {tool_call_id!r} is used twice")
+        block = self._accepting(at)
+        block.calls.append(
+            ToolCall(id=tool_call_id, function=FunctionCall(name=tool_name, arguments=args))
+        )
+        self._block_of_call[tool_call_id] = block
+
+    def result(
+        self,
+        tool_call_id: str,
+        content: Any,
+        at: datetime | None = None,
+        *,
+        outcome: ToolOutcome | None = None,
+    ) -> None:
+        block = self._block_of_call.get(tool_call_id)
+        if block is None:
+            raise InvalidInput(
+                f"invalid stream: a tool result answers {tool_call_id!r}, which no call made"
+            )
+        if tool_call_id in block.results:
+            raise InvalidInput(f"invalid stream: tool call {tool_call_id!r} has two results")
+        block.results[tool_call_id] = ToolMessage(
+            tool_call_id=tool_call_id,
+            content=content if isinstance(content, str) else _json(content),
+            error=outcome_error(outcome) if outcome else None,
+            created_at=at or self._now,
+        )
+        if block is self._open:
+            self._open = None  # what the model says next, it says after seeing the result
+
+    def hitl(self, prompt: HitlEvent | ConfirmRequired) -> None:
+        """A HITL prompt; a confirmation request may name the tool call it holds back."""
+        action = HitlAction(
+            action=prompt.action, params=prompt.params, request_id=prompt.request_id
+        )
+        self._finished_message(
+            AssistantMessage(
+                content=prompt.prompt, hitl_action=action, created_at=prompt.at or self._now
+            )
+        )
+        if isinstance(prompt, ConfirmRequired) and prompt.tool_call_id is not None:
+            self._confirmed_call[prompt.request_id] = prompt.tool_call_id
+
+    def resolve(self, request_id: str, *, approved: bool) -> None:
+        self._resolved.append(request_id)
+        call_id = self._confirmed_call.get(request_id)
+        if not approved and call_id is not None:
+            self._denied.add(call_id)
+
+    def error(self, message: str, at: datetime | None = None) -> None:
+        self._finished_message(
+            AssistantMessage(error=MessageError(message=message), created_at=at or self._now)
+        )
+
+    def finish(
+        self,
+        *,
+        complete: bool,
+        usage: TokenUsage | None = None,
+        latency_ms: int | None = None,
+    ) -> StreamedTurn:
+        """The turn's messages; `complete` is False for a stream cut off before its end."""
+        messages: list[AgentMessage] = []
+        for block in self._blocks:
+            if block.message is not None:
+                messages.append(block.message)
+                continue
+            messages.append(
+                AssistantMessage(
+                    content="".join(block.text) if block.text or not block.calls else None,
+                    tool_calls=block.calls or None,
+                    created_at=block.created_at,
+                )
+            )
+            for call in block.calls:
+                answer = block.results.get(call.id)
+                if answer is None:
+                    outcome: ToolOutcome = "denied" if call.id in self._denied else "interrupted"
+                    answer = stand_in_result(call.id, block.created_at, outcome)
+                messages.append(answer)
+        if not complete:
+            messages.append(interruption_notice(self._now))
+        if usage is not None or latency_ms is not None:
+            last = max(i for i, m in enumerate(messages) if m.role == "assistant")
+            messages[last] = messages[last].model_copy(
+                update={"token_usage": usage, "latency_ms": latency_ms}
+            )
+        return StreamedTurn(
+            messages=tuple(messages),
+            interrupted=not complete,
+            resolved_request_ids=tuple(dict.fromkeys(self._resolved)),
+        )
+
+    def _accepting(self, at: datetime | None) -> _Block:
+        if self._open is None:
+            self._open = _Block(created_at=at or self._now)
+            self._blocks.append(self._open)
+        return self._open
+
+    def _finished_message(self, message: AssistantMessage) -> None:
+        self._open = None
+        self._blocks.append(_Block(created_at=message.created_at, message=message))
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+def turn_from_sse(events: Iterable[Any], *, received_at: datetime | None = None) -> StreamedTurn:
+    """The turn of a runtime SSE stream; it is complete when a `done` event arrived.
+
+    Events are models or dicts with `type` (see `parse_sse_text` for a raw body).
+    """
+    assembler = TurnAssembler(received_at=received_at)
+    done: DoneEvent | None = None
+    for event in parse_sse_events(list(events)):
+        if isinstance(event, TextDelta):
+            assembler.text(event.delta, event.at)
+        elif isinstance(event, ToolCallEvent):
+            assembler.call(event.tool_call_id, event.tool_name, event.args, event.at)
+        elif isinstance(event, ToolResultEvent):
+            outcome: ToolOutcome | None = "failed" if event.is_error else None
+            assembler.result(event.tool_call_id, event.result, event.at, outcome=outcome)
+        elif isinstance(event, HitlEvent):
+            assembler.hitl(event)
+        elif isinstance(event, ErrorEvent):
+            assembler.error(event.message, event.at)
+        else:
+            done = event
+    return assembler.finish(
+        complete=done is not None,
+        usage=done.usage if done else None,
+        latency_ms=done.latency_ms if done else None,
+    )
+
+
+def turn_from_metadata(
+    events: Iterable[Any],
+    *,
+    complete: bool,
+    received_at: datetime | None = None,
+    usage: TokenUsage | None = None,
+    latency_ms: int | None = None,
+) -> StreamedTurn:
+    """The turn of a streaming-metadata stream.
+
+    The protocol has no end event, so the caller says whether the stream
+    closed normally (`complete`). A tool event without `tool_call_id` is given
+    `<tool_name>-<n>` and ends the oldest open call of that tool.
+    """
+    assembler = TurnAssembler(received_at=received_at)
+    open_calls: dict[str, list[str]] = {}
+    started = 0
+    for event in parse_metadata_events(list(events)):
+        if isinstance(event, StreamToken):
+            assembler.text(event.token, event.at)
+        elif isinstance(event, ToolStart):
+            started += 1
+            call_id = event.tool_call_id or f"{event.tool_name}-{started}"
+            open_calls.setdefault(event.tool_name, []).append(call_id)
+            assembler.call(call_id, event.tool_name, event.args, event.at)
+        elif isinstance(event, ToolEnd | ToolError):
+            call_id = _ended_call(event.tool_name, event.tool_call_id, open_calls)
+            if isinstance(event, ToolEnd):
+                assembler.result(call_id, event.result, event.at)
+            else:
+                assembler.result(call_id, event.error, event.at, outcome="failed")
+        elif isinstance(event, ConfirmRequired):
+            assembler.hitl(event)
+        elif isinstance(event, ConfirmResolved):
+            assembler.resolve(event.request_id, approved=event.approved)
+        else:
+            assembler.error(event.message, event.at)
+    return assembler.finish(complete=complete, usage=usage, latency_ms=latency_ms)
+
+
+def _ended_call(tool_name: str, tool_call_id: str | None, open_calls: dict[str, list[str]]) -> str:
+    waiting = open_calls.get(tool_name, [])
+    if tool_call_id is None:
+        if not waiting:
+            raise InvalidInput(f"invalid stream: {tool_name!r} ended but no call of it is open")
+        return waiting.pop(0)
+    if tool_call_id in waiting:
+        waiting.remove(tool_call_id)
+    return tool_call_id
+
+
+async def log_streamed_turn(
+    *,
+    logger: AgentMessageLogger,
+    store: ConversationStore,
+    conversation_id: str,
+    turn: StreamedTurn,
+    turn_id: str,
+    prompt: str | AgentMessage | Mapping[str, Any] | None = None,
+    user_id: str | None = None,
+) -> LoggedTurn:
+    """Log a streamed turn (after the user's `prompt`, if given), then clear what it resolved.
+
+    Idempotent by `turn_id` like any turn. Hidden runtime context is stripped
+    from the prompt by the logger's rules. A resolved prompt that is no longer
+    pending (a retry, or a later prompt replaced it) is left as it is.
+    """
+    messages: list[AgentMessage | Mapping[str, Any]] = []
+    if isinstance(prompt, str):
+        messages.append(UserMessage(content=prompt))
+    elif prompt is not None:
+        messages.append(prompt)
+    messages.extend(turn.messages)
+    logged = await logger.log_messages(conversation_id, messages, user_id=user_id, turn_id=turn_id)
+    for request_id in turn.resolved_request_ids:
+        with contextlib.suppress(Conflict):  # no longer pending: nothing to clear
+            await store.resolve_hitl(conversation_id, request_id)
+    return logged

@@ -1,0 +1,83 @@
+"""How a tool result that is not a plain success, and a retry note, are told apart in the store.
+
+The OpenAI chat format has no field for "this call failed" or "this is the
+framework asking the model to try again", and the contract adds none. The
+message's `error` field carries a short, fixed marker instead; its `content`
+stays exactly what the model was shown, so exports and replays send the same
+text. Pure, no I/O: the Pydantic AI bridge, the stream builders and the
+exports share these markers.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Literal, get_args
+
+from app.models import AssistantMessage, MessageError, ToolMessage, UserMessage
+
+ToolOutcome = Literal["failed", "denied", "interrupted", "retried"]
+"""Why a tool result is not a plain success (the outcomes Pydantic AI knows, too)."""
+
+TOOL_OUTCOMES: tuple[ToolOutcome, ...] = get_args(ToolOutcome)
+_BY_NAME: dict[str, ToolOutcome] = {outcome: outcome for outcome in TOOL_OUTCOMES}
+
+RETRY_FEEDBACK = "retry feedback"
+STREAM_INTERRUPTED = "stream interrupted"
+
+INTERRUPTED_RESULT = "No result: the run ended before this tool call returned."
+DENIED_RESULT = "The user denied this tool call."
+
+_OUTCOME_MARKER = re.compile(r"^tool call (failed|denied|interrupted|retried)(?:: ([A-Za-z_]+))?$")
+_FEEDBACK_MARKER = re.compile(r"^retry feedback(?:: ([A-Za-z_]+))?$")
+
+
+def outcome_error(outcome: ToolOutcome, cause: str | None = None) -> MessageError:
+    """The `error` marker of a tool result with this outcome: `tool call retried: model_retry`."""
+    return MessageError(message=f"tool call {outcome}" + (f": {cause}" if cause else ""))
+
+
+def tool_outcome(message: ToolMessage) -> tuple[ToolOutcome, str | None] | None:
+    """The outcome and cause a tool message is marked with, or None for a plain result."""
+    if message.error is None:
+        return None
+    match = _OUTCOME_MARKER.match(message.error.message)
+    if match is None:
+        return ("failed", None)  # an error written by someone else is still a failure
+    return _BY_NAME[match.group(1)], match.group(2)
+
+
+def feedback_error(cause: str | None = None) -> MessageError:
+    """The `error` marker of a user message that is the framework's retry note, not a person."""
+    return MessageError(message=RETRY_FEEDBACK + (f": {cause}" if cause else ""))
+
+
+def feedback_cause(message: UserMessage) -> tuple[bool, str | None]:
+    """Whether a user message is a retry note, and its cause."""
+    if message.error is None:
+        return False, None
+    match = _FEEDBACK_MARKER.match(message.error.message)
+    return (match is not None), (match.group(1) if match else None)
+
+
+_STAND_IN_TEXT: dict[ToolOutcome, str] = {
+    "interrupted": INTERRUPTED_RESULT,
+    "denied": DENIED_RESULT,
+}
+
+
+def stand_in_result(
+    tool_call_id: str, created_at: datetime, outcome: ToolOutcome = "interrupted"
+) -> ToolMessage:
+    """A result for a call that never got one (`interrupted` or `denied`), marked as such."""
+    return ToolMessage(
+        tool_call_id=tool_call_id,
+        content=_STAND_IN_TEXT[outcome],
+        error=outcome_error(outcome),
+        created_at=created_at,
+    )
+
+
+def interruption_notice(created_at: datetime) -> AssistantMessage:
+    """The message that ends a turn whose stream was cut off."""
+    return AssistantMessage(error=MessageError(message=STREAM_INTERRUPTED), created_at=created_at)

@@ -1,0 +1,269 @@
+"""Exports replay: every Chat Completions history keeps the API's pairing rules."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app import AgentMessageLogger, ConversationStore, InvalidInput
+from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
+from app.exports import (
+    SYNTHETIC_RESULT,
+    chat_completions,
+    chat_completions_problems,
+    check_chat_completions,
+    responses_items,
+    user_jsonl,
+)
+from app.models import AgentMessage, messages_adapter
+from tests.conftest import Backend
+
+CALL_IDS = ["c1", "c2", "c3", "c4"]
+TOOLS = ["get_weather", "book"]
+
+
+def example_messages() -> list[AgentMessage]:
+    return messages_adapter.validate_python([m for _, turn in example_turns() for m in turn])
+
+
+def test_example_conversation_exports_to_plain_chat_completions() -> None:
+    exported = chat_completions(example_messages())
+
+    check_chat_completions(exported)
+    assert {key for m in exported for key in m} <= {"role", "content", "tool_calls", "tool_call_id"}
+    # The error-only answer of turn 3 is not there: the model never said it.
+    roles = ["user", "assistant", "tool", "tool", "assistant", "user", "assistant", "tool"]
+    assert [m["role"] for m in exported] == [*roles, "assistant", "user", "system"]
+    assert exported[0]["content"] == "What's the weather in Paris and in Lyon?"
+
+
+def test_trailing_result_is_moved_right_after_its_call_and_orphans_are_left_out() -> None:
+    stored = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "a", "function": {"name": "get_weather", "arguments": "{}"}},
+                {"id": "b", "function": {"name": "get_weather", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "a", "content": "18"},
+        {"role": "assistant", "content": "Paris 18."},
+        {"role": "tool", "tool_call_id": "b", "content": "21"},
+        {"role": "tool", "tool_call_id": "nobody", "content": "?"},
+    ]
+    exported = chat_completions(stored)
+    check_chat_completions(exported)
+    assert [(m["role"], m.get("tool_call_id")) for m in exported] == [
+        ("user", None), ("assistant", None), ("tool", "a"), ("tool", "b"), ("assistant", None),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("dangling", "calls", "results"),
+    [("synthesize", ["a", "b"], ["18", SYNTHETIC_RESULT]), ("drop", ["a"], ["18"])],
+)
+def test_dangling_call_is_answered_by_a_marked_stand_in_or_dropped(
+    dangling: Any, calls: list[str], results: list[str]
+) -> None:
+    stored = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "a", "function": {"name": "get_weather"}},
+                {"id": "b", "function": {"name": "book"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "a", "content": "18"},
+    ]
+    exported = chat_completions(stored, dangling=dangling)
+    check_chat_completions(exported)
+    assert [c["id"] for c in exported[1]["tool_calls"]] == calls
+    assert [m["content"] for m in exported if m["role"] == "tool"] == results
+    assert json.loads(SYNTHETIC_RESULT)["synthetic"] is True
+
+
+def test_assistant_left_with_no_call_and_no_text_is_dropped_whole() -> None:
+    stored = [
+        {"role": "user", "content": "Book"},
+        {"role": "assistant", "tool_calls": [{"id": "x", "function": {"name": "book"}}]},
+        {"role": "user", "content": "Hello?"},
+    ]
+    assert chat_completions(stored, dangling="drop") == [
+        {"role": "user", "content": "Book"},
+        {"role": "user", "content": "Hello?"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("history", "problem"),
+    [
+        pytest.param(
+            [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        _c := {
+                            "id": "a",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{}"},
+                        }
+                    ],
+                }
+            ],
+            "at the end: tool calls ['a'] are left unanswered",
+            id="unanswered",
+        ),
+        pytest.param(
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "tool", "tool_call_id": "a", "content": ""},
+            ],
+            "message 1: tool message for 'a' answers no call of the assistant message right",
+            id="tool-without-call",
+        ),
+        pytest.param(
+            [
+                {"role": "assistant", "content": None, "tool_calls": [_c]},
+                {"role": "user", "content": "hi"},
+                {"role": "tool", "tool_call_id": "a", "content": ""},
+            ],
+            "before message 1: tool calls ['a'] are left unanswered",
+            id="answer-after-another-message",
+        ),
+        pytest.param(
+            [
+                {"role": "assistant", "content": None, "tool_calls": [_c]},
+                {"role": "tool", "tool_call_id": "a", "content": "1"},
+                {"role": "tool", "tool_call_id": "a", "content": "2"},
+            ],
+            "message 2: tool call 'a' is answered twice",
+            id="answered-twice",
+        ),
+        pytest.param(
+            [{"role": "user", "content": "hi", "seq": 0}],
+            "message 0: keys the API does not take: ['seq']",
+            id="extension-left-in",
+        ),
+    ],
+)
+def test_checker_names_each_broken_pairing_rule(history: list[Any], problem: str) -> None:
+    assert any(problem in found for found in chat_completions_problems(history))
+    with pytest.raises(InvalidInput, match=re.escape(problem)):
+        check_chat_completions(history)
+
+
+def test_unknown_dangling_option_is_refused() -> None:
+    with pytest.raises(InvalidInput, match="invalid dangling 'keep'"):
+        chat_completions([], dangling="keep")  # type: ignore[arg-type]
+
+
+# -- generated conversations ----------------------------------------------------------
+
+call = st.fixed_dictionaries(
+    {
+        "id": st.sampled_from(CALL_IDS),
+        "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(TOOLS), "arguments": st.sampled_from(["{}", '{"x":1}'])}
+        ),
+    }
+)
+message = st.one_of(
+    st.builds(lambda t: {"role": "user", "content": t}, st.sampled_from(["hi", "more"])),
+    st.just({"role": "system", "content": "Be brief."}),
+    st.builds(lambda t: {"role": "assistant", "content": t}, st.sampled_from(["ok", ""])),
+    st.builds(
+        lambda calls, text: {"role": "assistant", "content": text, "tool_calls": calls},
+        st.lists(call, min_size=1, max_size=3, unique_by=lambda c: c["id"]),
+        st.sampled_from([None, "Checking."]),
+    ),
+    st.builds(
+        lambda i, n: {"role": "tool", "tool_call_id": i, "content": f"result {n}"},
+        st.sampled_from(CALL_IDS),
+        st.integers(0, 99),
+    ),
+    st.just({"role": "assistant", "error": {"message": "boom"}}),
+    st.just({"role": "assistant", "hitl_action": {"action": "confirm", "request_id": "r1"}}),
+)
+conversations = st.lists(message, max_size=14)
+
+
+def real_answers(stored: list[dict[str, Any]]) -> int:
+    """How many stored results answer a call: the latest earlier call of their id, once."""
+    latest: dict[str, int] = {}
+    answered: set[tuple[int, str]] = set()
+    for index, m in enumerate(stored):
+        for c in m.get("tool_calls") or ():
+            latest[c["id"]] = index
+        if m["role"] == "tool" and m["tool_call_id"] in latest:
+            answered.add((latest[m["tool_call_id"]], m["tool_call_id"]))
+    return len(answered)
+
+
+@settings(max_examples=300, deadline=None)
+@given(conversations, st.sampled_from(["synthesize", "drop"]))
+def test_every_generated_conversation_exports_to_a_history_that_replays(
+    stored: list[dict[str, Any]], dangling: Any
+) -> None:
+    exported = chat_completions(stored, dangling=dangling)
+
+    assert chat_completions_problems(exported) == []
+    tool_contents = [m["content"] for m in exported if m["role"] == "tool"]
+    real = [c for c in tool_contents if c != SYNTHETIC_RESULT]
+    assert len(real) == real_answers(stored)  # no real result lost, none invented
+    stored_calls = sum(len(m.get("tool_calls") or ()) for m in stored)
+    exported_calls = sum(len(m.get("tool_calls", ())) for m in exported)
+    if dangling == "synthesize":
+        assert exported_calls == stored_calls
+    else:
+        assert SYNTHETIC_RESULT not in tool_contents
+        assert exported_calls == len(real)
+
+
+@settings(max_examples=200, deadline=None)
+@given(conversations)
+def test_every_function_call_item_is_followed_by_its_one_output(
+    stored: list[dict[str, Any]],
+) -> None:
+    items = responses_items(stored)
+
+    assert {i["type"] for i in items} <= {"message", "function_call", "function_call_output"}
+    called: list[str] = []
+    for item in items:
+        if item["type"] == "function_call":
+            called.append(item["call_id"])
+        elif item["type"] == "function_call_output":
+            assert item["call_id"] in called
+    outputs = [i["call_id"] for i in items if i["type"] == "function_call_output"]
+    assert sorted(outputs) == sorted(called)
+    assert len(set(called)) == len(called)
+
+
+async def test_user_jsonl_holds_every_conversation_and_message_of_the_user(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for turn_id, turn in example_turns():
+        await logger.log_messages(
+            EXAMPLE_CONVERSATION_ID, turn, user_id=EXAMPLE_USER_ID, turn_id=turn_id
+        )
+    await logger.log_messages(
+        "conv-2", [{"role": "user", "content": "Hi"}], user_id=EXAMPLE_USER_ID
+    )
+    await logger.log_messages("conv-x", [{"role": "user", "content": "Not mine"}], user_id="other")
+
+    lines = [json.loads(line) async for line in user_jsonl(store, EXAMPLE_USER_ID)]
+
+    conversations = [line["conversation"]["_id"] for line in lines if "conversation" in line]
+    assert sorted(conversations) == sorted([EXAMPLE_CONVERSATION_ID, "conv-2"])
+    messages = [line["message"] for line in lines if "message" in line]
+    assert len(messages) == 13
+    assert all(m["user_id"] == EXAMPLE_USER_ID for m in messages)
+    assert messages_adapter.validate_python(messages)  # every stored field, loadable again

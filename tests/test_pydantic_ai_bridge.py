@@ -1,0 +1,282 @@
+"""A real Pydantic AI agent on a FunctionModel: turns stored, history rebuilt from the store."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic_ai import Agent, ModelRetry
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelMessagesTypeAdapter,
+    ModelRequest,
+    ModelResponse,
+    RetryFeedbackPart,
+    RetryInfo,
+    RetryPromptPart,
+    TextPart,
+    ThinkingPart,
+    ToolCallPart,
+    ToolReturnPart,
+    UserPromptPart,
+)
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.usage import RequestUsage
+
+from app import AgentMessageLogger, ConversationStore, TurnRules
+from app.pydantic_ai_bridge import history_from_messages, log_run, messages_from_run
+from app.text import RuntimeContextMarkers
+from tests.conftest import Backend
+
+CID = "conv-pai"
+
+
+def scripted_model(received: list[list[ModelMessage]]) -> FunctionModel:
+    """Turn 1: two weather calls and a clock call, then one retry of the clock, then text.
+
+    Turn 2: a plain answer. Every history the model is given is recorded.
+    """
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        received.append(list(messages))
+        responses = sum(isinstance(m, ModelResponse) for m in messages)
+        if responses == 0:
+            return ModelResponse(
+                parts=[
+                    ThinkingPart("Two cities, and the time."),
+                    TextPart("Checking."),
+                    ToolCallPart("get_weather", {"city": "Paris"}, tool_call_id="call_w1"),
+                    ToolCallPart("get_weather", {"city": "Lyon"}, tool_call_id="call_w2"),
+                    ToolCallPart("get_time", {"zone": "Mars"}, tool_call_id="call_t1"),
+                ],
+                usage=RequestUsage(input_tokens=50, output_tokens=20),
+            )
+        if responses == 1:
+            return ModelResponse(
+                parts=[ToolCallPart("get_time", {"zone": "Europe/Paris"}, tool_call_id="call_t2")],
+                usage=RequestUsage(input_tokens=80, output_tokens=9),
+            )
+        if responses == 2:
+            return ModelResponse(
+                parts=[TextPart("Paris 18 °C, Lyon 21 °C, 09:00.")],
+                usage=RequestUsage(input_tokens=95, output_tokens=12),
+            )
+        return ModelResponse(parts=[TextPart(f"You asked {responses // 3} question(s) before.")])
+
+    return FunctionModel(respond)
+
+
+def make_agent(received: list[list[ModelMessage]]) -> Agent[None, str]:
+    agent: Agent[None, str] = Agent(scripted_model(received), system_prompt="Answer briefly.")
+
+    @agent.tool_plain
+    def get_weather(city: str) -> dict[str, Any]:
+        return {"city": city, "temp_c": {"Paris": 18, "Lyon": 21}[city]}
+
+    @agent.tool_plain
+    def get_time(zone: str) -> str:
+        if zone == "Mars":
+            raise ModelRetry("Unknown time zone 'Mars'; use an IANA zone.")
+        return "09:00"
+
+    return agent
+
+
+_UNSTORED_KEYS = {
+    # Bookkeeping of the run that produced a message; the model is not sent any of it.
+    "timestamp", "run_id", "conversation_id", "model_name", "model_id", "provider_name",
+    "provider_url", "provider_details", "provider_response_id", "finish_reason", "metadata",
+    "state", "canonical_system", "workspace_ref", "history_digest", "failed_attempts",
+    "instructions",
+}  # fmt: skip
+
+
+def model_view(history: list[ModelMessage]) -> list[dict[str, Any]]:
+    """A history as the model sees it: run bookkeeping and usage detail removed.
+
+    Kept: every part's kind and content, tool names, call ids, arguments,
+    outcomes and retry causes, and the input/output token counts. Removed:
+    timestamps (the store keeps milliseconds; the run, microseconds) and the
+    fields in `_UNSTORED_KEYS`, usage fields beyond input/output tokens, and a
+    retry's attempt counters, which Pydantic AI documents as never sent to the model.
+    """
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, dict):
+            cleaned = {k: clean(v) for k, v in value.items() if k not in _UNSTORED_KEYS}
+            if "usage" in cleaned:
+                cleaned["usage"] = {
+                    k: cleaned["usage"][k] for k in ("input_tokens", "output_tokens")
+                }
+            if isinstance(cleaned.get("retry"), dict):
+                cleaned["retry"] = {"cause": cleaned["retry"]["cause"]}
+            return cleaned
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    dumped = ModelMessagesTypeAdapter.dump_python(history, mode="json")
+    return [clean(message) for message in dumped]
+
+
+def without_thinking(history: list[ModelMessage]) -> list[ModelMessage]:
+    """Thinking is deliberately not stored (see app.pydantic_ai_bridge)."""
+    return [
+        ModelResponse(
+            parts=[p for p in m.parts if not isinstance(p, ThinkingPart)],
+            usage=m.usage,
+            timestamp=m.timestamp,
+        )
+        if isinstance(m, ModelResponse)
+        else m
+        for m in history
+    ]
+
+
+async def test_history_rebuilt_from_the_store_gives_the_model_the_same_second_turn(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+
+    in_memory: list[list[ModelMessage]] = []
+    agent = make_agent(in_memory)
+    first = await agent.run("Weather in Paris and Lyon, and the time?")
+    await agent.run("And how many questions was that?", message_history=first.all_messages())
+
+    from_store: list[list[ModelMessage]] = []
+    agent = make_agent(from_store)
+    first_again = await agent.run("Weather in Paris and Lyon, and the time?")
+    await log_run(logger, CID, first_again.new_messages(), turn_id="run-1", user_id="u1")
+    history = history_from_messages(await store.transcript(CID))
+    await agent.run("And how many questions was that?", message_history=history)
+
+    turn_two_in_memory, turn_two_from_store = in_memory[-1], from_store[-1]
+    assert len(turn_two_from_store) == len(turn_two_in_memory) == 7
+    assert model_view(turn_two_from_store) == model_view(without_thinking(turn_two_in_memory))
+    # The comparison covers what matters: two calls of one tool, a retried call, ids kept.
+    returns = [p for m in turn_two_from_store for p in m.parts if isinstance(p, ToolReturnPart)]
+    assert [(r.tool_call_id, r.outcome) for r in returns] == [
+        ("call_w1", "success"),
+        ("call_w2", "success"),
+        ("call_t1", "retried"),
+        ("call_t2", "success"),
+    ]
+    assert returns[0].content == {"city": "Paris", "temp_c": 18}
+
+
+async def test_a_run_is_stored_with_ids_usage_latency_and_marked_retries(backend: Backend) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    result = await make_agent([]).run("Weather in Paris and Lyon, and the time?")
+
+    await log_run(logger, CID, result.new_messages(), turn_id="run-1")
+    stored = await store.transcript(CID)
+
+    assert [m.role for m in stored] == [
+        "system", "user", "assistant", "tool", "tool", "tool", "assistant", "tool", "assistant",
+    ]  # fmt: skip
+    first_response = stored[2]
+    assert first_response.content == "Checking."  # the thinking is not stored
+    assert [c.id for c in first_response.tool_calls or ()] == ["call_w1", "call_w2", "call_t1"]
+    assert first_response.tool_calls is not None
+    assert first_response.tool_calls[0].function.arguments == '{"city":"Paris"}'
+    assert first_response.token_usage is not None
+    assert first_response.token_usage.model_dump() == {"input_tokens": 50, "output_tokens": 20}
+    assert all(m.latency_ms is not None for m in stored if m.role == "assistant")
+    retried = stored[5]
+    assert retried.tool_call_id == "call_t1"
+    assert retried.content == "Unknown time zone 'Mars'; use an IANA zone."
+    assert retried.error is not None
+    assert retried.error.message == "tool call retried: model_retry"
+    conversation = await store.get_conversation(CID)
+    assert conversation.usage.input_tokens == 50 + 80 + 95
+
+
+def test_retry_feedback_is_a_marked_user_message_and_comes_back_as_feedback() -> None:
+    feedback = RetryFeedbackPart("Answer with a number.", retry=RetryInfo("model_retry"))
+    run = [
+        ModelRequest(parts=[UserPromptPart("How many?")]),
+        ModelResponse(parts=[TextPart("Several.")]),
+        ModelRequest(parts=[feedback]),
+        ModelResponse(parts=[TextPart("3")]),
+    ]
+    stored = messages_from_run(run)
+    assert stored[2].role == "user"
+    assert stored[2].error is not None
+    assert stored[2].error.message == "retry feedback: model_retry"
+
+    rebuilt = history_from_messages(stored)
+    part = rebuilt[2].parts[0]
+    assert isinstance(part, RetryFeedbackPart)
+    assert (part.content, part.retry.cause) == ("Answer with a number.", "model_retry")
+
+
+def test_deprecated_retry_prompts_are_stored_as_the_parts_they_stand_for() -> None:
+    with pytest.warns(UserWarning, match="`RetryPromptPart` is deprecated"):
+        for_tool = RetryPromptPart("Bad zone.", tool_name="get_time", tool_call_id="call_t")
+    with pytest.warns(UserWarning, match="`RetryPromptPart` is deprecated"):
+        for_output = RetryPromptPart("Answer with a number.")
+    run = [
+        ModelResponse(parts=[ToolCallPart("get_time", {"zone": "x"}, tool_call_id="call_t")]),
+        ModelRequest(parts=[for_tool, for_output]),
+    ]
+
+    tool, feedback = messages_from_run(run)[1:]
+
+    assert (tool.role, tool.tool_call_id, tool.content) == ("tool", "call_t", "Bad zone.")
+    assert tool.error is not None
+    assert tool.error.message == "tool call retried: model_retry"
+    assert (feedback.role, feedback.content) == ("user", "Answer with a number.")
+    assert feedback.error is not None
+    assert feedback.error.message == "retry feedback: model_retry"
+    rebuilt = history_from_messages(messages_from_run(run))[1].parts
+    assert isinstance(rebuilt[0], ToolReturnPart)
+    assert rebuilt[0].outcome == "retried"
+    assert isinstance(rebuilt[1], RetryFeedbackPart)
+
+
+def test_unanswered_call_comes_back_answered_as_interrupted() -> None:
+    stored = messages_from_run(
+        [
+            ModelRequest(parts=[UserPromptPart("Book it")]),
+            ModelResponse(parts=[ToolCallPart("book", {"id": 7}, tool_call_id="call_b")]),
+        ]
+    )
+    history = history_from_messages([*stored, {"role": "user", "content": "Still there?"}])
+    last = history[-1]
+    assert isinstance(last, ModelRequest)
+    first, second = last.parts
+    assert isinstance(first, ToolReturnPart)
+    assert (first.tool_call_id, first.outcome) == ("call_b", "interrupted")
+    assert isinstance(second, UserPromptPart)
+
+
+def test_runtime_only_messages_are_not_replayed_to_the_model() -> None:
+    history = history_from_messages(
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "error": {"message": "Booking service unavailable"}},
+            {"role": "tool", "tool_call_id": "nobody_called_me", "content": "{}"},
+            {"role": "user", "content": "Hello?"},
+        ]
+    )
+    assert len(history) == 1
+    assert [p.content for p in history[0].parts if isinstance(p, UserPromptPart)] == [
+        "Hi",
+        "Hello?",
+    ]
+
+
+@pytest.mark.parametrize("markers", [None, RuntimeContextMarkers("<ctx>", "</ctx>")])
+async def test_runtime_context_in_a_prompt_is_not_stored(
+    backend: Backend, markers: RuntimeContextMarkers | None
+) -> None:
+    rules = TurnRules(markers=markers) if markers else TurnRules()
+    start, end = rules.markers.start, rules.markers.end
+    result = await make_agent([]).run(f"{start}plan=pro; tz=Europe/Paris{end}Weather?")
+
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await log_run(logger, CID, result.new_messages(), turn_id="t")
+    stored = await ConversationStore(backend.db).transcript(CID)
+
+    assert stored[1].content == "Weather?"
+    assert not any("plan=pro" in (m.content or "") for m in stored)

@@ -1,0 +1,199 @@
+"""Recorded streams of both protocols become the expected turns, and are stored replay-safe."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app import AgentMessageLogger, ConversationStore, InvalidInput, LoggedTurn, TurnRules
+from app.exports import chat_completions, check_chat_completions
+from app.models import messages_adapter
+from app.stream_events import parse_sse_text
+from app.streams import StreamedTurn, log_streamed_turn, turn_from_metadata, turn_from_sse
+from app.text import RuntimeContextMarkers
+from tests.conftest import Backend
+
+STREAMS = Path(__file__).parent / "streams"
+RECEIVED_AT = datetime(2026, 3, 2, 9, 0, 10, tzinfo=UTC)
+CID = "conv-stream"
+
+
+def recorded(name: str) -> StreamedTurn:
+    """Build the turn of a recorded stream file (`.sse` body or `.jsonl` metadata events)."""
+    path = next(STREAMS.glob(f"{name}.*[!n]"))  # the stream, not its .expected.json
+    if path.suffix == ".sse":
+        return turn_from_sse(parse_sse_text(path.read_text()), received_at=RECEIVED_AT)
+    events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    complete = expected_of(name)["complete"]
+    return turn_from_metadata(events, complete=complete, received_at=RECEIVED_AT)
+
+
+def expected_of(name: str) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads((STREAMS / f"{name}.expected.json").read_text())
+    return result
+
+
+def comparable(messages: Any) -> list[dict[str, Any]]:
+    validated = messages_adapter.validate_python(
+        [m if isinstance(m, dict) else m.model_dump(by_alias=True) for m in messages]
+    )
+    return [m.model_dump(mode="json", exclude={"created_at"}) for m in validated]
+
+
+async def log_recorded(
+    logger: AgentMessageLogger, store: ConversationStore, name: str, prompt: str
+) -> LoggedTurn:
+    return await log_streamed_turn(
+        logger=logger,
+        store=store,
+        conversation_id=CID,
+        turn=recorded(name),
+        turn_id="turn-1",
+        prompt=prompt,
+    )
+
+
+CASES = sorted(p.name.removesuffix(".expected.json") for p in STREAMS.glob("*.expected.json"))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_recorded_stream_builds_the_expected_turn(name: str) -> None:
+    turn, expected = recorded(name), expected_of(name)
+
+    assert comparable(turn.messages) == comparable(expected["messages"])
+    assert turn.interrupted is expected["interrupted"]
+    assert list(turn.resolved_request_ids) == expected["resolved_request_ids"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_recorded_turn_replays_without_repair(name: str) -> None:
+    turn = recorded(name)
+    exported = chat_completions(turn.messages, dangling="drop")
+    check_chat_completions(exported)
+    # Nothing needed dropping: every call the turn holds is answered in place.
+    calls = [c for m in turn.messages for c in m.tool_calls or ()]
+    assert sum(len(m.get("tool_calls", ())) for m in exported) == len(calls)
+
+
+def test_trailing_result_keeps_its_own_time_but_sits_after_its_call() -> None:
+    turn = recorded("sse_trailing_result")
+    lyon = turn.messages[2]
+    assert lyon.tool_call_id == "call_w2"
+    assert lyon.created_at == datetime(2026, 3, 2, 9, 0, 5, tzinfo=UTC)
+    assert turn.messages[0].created_at == datetime(2026, 3, 2, 9, 0, 1, tzinfo=UTC)
+    assert turn.messages[-1].created_at == datetime(2026, 3, 2, 9, 0, 3, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("events", "problem"),
+    [
+        pytest.param(
+            [{"type": "tool_result", "tool_call_id": "ghost", "result": 1}],
+            "a tool result answers 'ghost', which no call made",
+            id="result-without-call",
+        ),
+        pytest.param(
+            [
+                {"type": "tool_call", "tool_call_id": "c", "tool_name": "f"},
+                {"type": "tool_call", "tool_call_id": "c", "tool_name": "f"},
+            ],
+            "tool call id 'c' is used twice",
+            id="repeated-call-id",
+        ),
+        pytest.param([{"type": "telepathy"}], "telepathy", id="unknown-event"),
+        pytest.param([{"type": "tool_call", "tool_name": "f"}], "tool_call_id", id="missing-id"),
+    ],
+)
+def test_a_malformed_stream_is_refused_naming_the_problem(
+    events: list[dict[str, Any]], problem: str
+) -> None:
+    with pytest.raises(InvalidInput, match=re.escape(problem)):
+        turn_from_sse(events)
+
+
+def test_sse_body_with_data_that_is_not_json_is_refused() -> None:
+    with pytest.raises(InvalidInput, match="event 1 has data that is not JSON"):
+        parse_sse_text("event: text_delta\ndata: {oops\n\n")
+
+
+async def test_denied_confirmation_is_stored_and_leaves_nothing_pending(backend: Backend) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+
+    logged = await log_recorded(
+        logger, store, "metadata_denied_confirmation", "Book me the 09:04 to Lyon."
+    )
+
+    assert [m.role for m in logged.messages] == [
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "assistant",
+    ]
+    assert await store.pending_hitl(CID) is None
+    stored = await store.transcript(CID)
+    assert stored[3].hitl_action is not None
+    check_chat_completions(chat_completions(stored))
+
+
+async def test_unresolved_prompt_stays_pending_and_a_later_stream_resolves_it(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await log_recorded(logger, store, "sse_hitl_then_error", "Trains to Lyon?")
+    pending = await store.pending_hitl(CID)
+    assert pending is not None
+    assert pending.request_id == "req-7"
+
+    answer = turn_from_metadata(
+        [
+            {"type": "confirm_resolved", "request_id": "req-7", "approved": True},
+            {"type": "stream_token", "token": "Booked."},
+        ],
+        complete=True,
+    )
+    for _ in range(2):  # a retry of the same turn changes nothing
+        await log_streamed_turn(
+            logger=logger, store=store, conversation_id=CID, turn=answer, turn_id="turn-2"
+        )
+    assert await store.pending_hitl(CID) is None
+    assert len(await store.transcript(CID)) == 6
+
+
+async def test_cut_off_stream_is_stored_marked_interrupted(backend: Backend) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+
+    await log_recorded(logger, store, "sse_cut_off", "Book it.")
+
+    stored = await store.transcript(CID)
+    assert stored[-1].error is not None
+    assert stored[-1].error.message == "stream interrupted"
+    assert stored[2].tool_call_id == "call_b1"
+    check_chat_completions(chat_completions(stored, dangling="drop"))
+
+
+@pytest.mark.parametrize("markers", [None, RuntimeContextMarkers("<<ctx>>", "<</ctx>>")])
+async def test_runtime_context_in_the_prompt_of_a_streamed_turn_is_not_stored(
+    backend: Backend, markers: RuntimeContextMarkers | None
+) -> None:
+    rules = TurnRules(markers=markers) if markers else TurnRules()
+    logger, store = AgentMessageLogger(backend.db, rules=rules), ConversationStore(backend.db)
+    hidden = f"{rules.markers.start}user_tier=gold{rules.markers.end}"
+
+    await log_streamed_turn(
+        logger=logger,
+        store=store,
+        conversation_id=CID,
+        turn=recorded("sse_trailing_result"),
+        turn_id="turn-1",
+        prompt=f"{hidden}Weather in Paris and Lyon?",
+    )
+
+    stored = await store.transcript(CID)
+    assert stored[0].content == "Weather in Paris and Lyon?"
+    assert (await store.get_conversation(CID)).name == "Weather in Paris and Lyon?"
