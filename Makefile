@@ -9,7 +9,7 @@ VENV311 := .venv311
 BIN := $(VENV)/bin
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-py311 lint format schema
+.PHONY: help install run test test-py311 lint format schema bench index-sizes
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -50,3 +50,13 @@ format: $(VENV)/.installed ## Apply ruff's fixes and formatting
 
 schema: $(VENV)/.installed ## Regenerate the JSON Schemas in schemas/
 	$(BIN)/python -m app.schema
+
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[dev,embedded,bench]'
+	touch $@
+
+bench: $(VENV)/.bench-installed ## Benchmark writes and reads against a raw driver and langchain-mongodb
+	$(BIN)/python -m scripts.bench
+
+index-sizes: $(VENV)/.installed ## Estimate index sizes per million messages (docs/SCALING.md)
+	$(BIN)/python -m scripts.index_sizes
