@@ -445,6 +445,7 @@ class Sizes:
     conversations: int
     turns_per_conversation: int
     repetitions: int
+    read_repetitions: int
     transcript_messages: int
 
 
@@ -454,7 +455,8 @@ def default_sizes(backend: str, args: argparse.Namespace) -> Sizes:
     return Sizes(
         conversations=args.conversations or (2 if small else 8),
         turns_per_conversation=args.turns or (3 if small else 5),
-        repetitions=args.repetitions or (5 if small else 7),
+        repetitions=args.repetitions or (7 if small else 9),
+        read_repetitions=args.read_repetitions or 15,
         transcript_messages=args.transcript_messages,
     )
 
@@ -470,7 +472,7 @@ async def run_backend(name: str, sizes: Sizes) -> dict[str, Any]:
     started = time.perf_counter()
     async with open_backend(name) as backend:
         writes = await bench_writes(backend, workload, sizes.repetitions, name)
-        reads, checks = await bench_reads(backend, long_conversation, sizes.repetitions, name)
+        reads, checks = await bench_reads(backend, long_conversation, sizes.read_repetitions, name)
         in_process = backend.database_in_process
     return {
         "backend": name,
@@ -533,8 +535,9 @@ def print_report(result: dict[str, Any]) -> None:
     sizes = result["sizes"]
     print(
         f"\n== {result['backend']} — {sizes['conversations']} conversations x "
-        f"{sizes['turns_per_conversation']} turns, {sizes['repetitions']} repetitions "
-        f"(+1 warm-up), {result['seconds']} s; load average "
+        f"{sizes['turns_per_conversation']} turns, {sizes['repetitions']} write and "
+        f"{sizes['read_repetitions']} read repetitions (+1 warm-up), {result['seconds']} s; "
+        "load average "
         f"{result['load_average_before'][0]:.2f} → {result['load_average_after'][0]:.2f}"
     )
     if result["database_in_process"]:
@@ -587,6 +590,7 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conversations", type=int, help="conversations written per repetition")
     parser.add_argument("--turns", type=int, help="turns per conversation")
     parser.add_argument("--repetitions", type=int, help="measured repetitions (after a warm-up)")
+    parser.add_argument("--read-repetitions", type=int, help="measured transcript reads each")
     parser.add_argument("--transcript-messages", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
