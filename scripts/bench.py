@@ -520,12 +520,12 @@ def goals(result: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
         ),
         (
             f"logger wall ≤ {GOAL_WRITE_RATIO}x raw insert_many",
-            f"{write_ratio:.2f}x",
+            f"{write_ratio:.3f}x",
             write_ratio <= GOAL_WRITE_RATIO,
         ),
         (
             f"transcript ≤ {GOAL_READ_RATIO}x raw find",
-            f"{read_ratio:.2f}x",
+            f"{read_ratio:.3f}x",
             read_ratio <= GOAL_READ_RATIO,
         ),
     ]
