@@ -20,6 +20,8 @@ pymongo CommandListener; wire backends only) and client CPU per message
 separate process, so that CPU is the client's alone: our code, the driver and
 the event loop. On mongomock the database runs inside this process and its
 CPU is included; nothing is subtracted.
+
+On MONGODB_URI it creates and drops databases named `bench_*`.
 """
 
 from __future__ import annotations
