@@ -9,7 +9,7 @@ VENV311 := .venv311
 BIN := $(VENV)/bin
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-py311 lint format schema types types-check
+.PHONY: help install run test test-py311 lint format schema types types-check bench index-sizes
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -65,3 +65,13 @@ types: $(VENV)/.installed ## Regenerate clients/typescript/agent-message.d.ts fr
 
 types-check: $(TS_DIR)/node_modules/.package-lock.json ## Compile the TypeScript example with tsc --strict
 	$(TS_DIR)/node_modules/.bin/tsc --strict --noEmit -p $(TS_DIR)
+
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[dev,embedded,bench]'
+	touch $@
+
+bench: $(VENV)/.bench-installed ## Benchmark writes and reads against a raw driver and langchain-mongodb
+	$(BIN)/python -m scripts.bench
+
+index-sizes: $(VENV)/.installed ## Estimate index sizes per million messages (docs/SCALING.md)
+	$(BIN)/python -m scripts.index_sizes

@@ -1,0 +1,177 @@
+"""Legacy turn documents (DESIGN §4) for the read-path comparison: write them, read them back.
+
+`to_legacy_turn` renders one logged turn the way the old design stored it: one
+document with the user text and a flat list of response parts. Results stay
+after their round of calls, since with trailing results two rounds of calls
+could no longer be told apart. `read_legacy_transcript` is the old read path:
+fetch a conversation's turns by time, explode each into messages and place each
+tool result after its call (found by id, else by tool name).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from app.models import AgentMessage, message_adapter
+
+LEGACY_COLLECTION = "agent_conversations_deprecated"
+
+
+def _json_or_text(text: str | None) -> Any:
+    try:
+        return json.loads(text or "")
+    except ValueError:
+        return text
+
+
+def to_legacy_turn(messages: list[dict[str, Any]], *, name: str | None) -> dict[str, Any]:
+    """One legacy turn document from the stored message documents of a turn."""
+    first = messages[0]
+    parts: list[dict[str, Any]] = []
+    tool_names: dict[str, str] = {}
+    usage = {"input_tokens": 0, "output_tokens": 0}
+    latency = 0
+    for message in messages[1:]:
+        if message["role"] == "tool":
+            parts.append(
+                {
+                    "type": "tool_result",
+                    "tool_name": tool_names.get(message["tool_call_id"], "unknown"),
+                    "result": _json_or_text(message["content"]),
+                    "tool_call_id": message["tool_call_id"],
+                }
+            )
+            continue
+        for call in message["tool_calls"] or ():
+            tool_names[call["id"]] = call["function"]["name"]
+            parts.append(
+                {
+                    "type": "tool_call",
+                    "tool_name": call["function"]["name"],
+                    "args": _json_or_text(call["function"]["arguments"]),
+                    "tool_call_id": call["id"],
+                }
+            )
+        if message["hitl_action"]:
+            parts.append({"type": "hitl", **message["hitl_action"], "prompt": message["content"]})
+        elif message["error"]:
+            parts.append({"type": "error", "message": message["error"]["message"]})
+        elif message["content"] is not None:
+            parts.append({"type": "text", "content": message["content"]})
+        for key in usage:
+            usage[key] += (message["token_usage"] or {}).get(key, 0)
+        latency += message["latency_ms"] or 0
+    turn: dict[str, Any] = {
+        "conversation_id": first["conversation_id"],
+        "user_id": first["user_id"],
+        "name": name,
+        "created_at": first["created_at"],
+        "is_system": first["role"] == "system",
+        "user_message": first["content"] or "",
+        "response_parts": parts,
+        "tool_calls": [
+            {"tool_name": p["tool_name"], "args": p["args"]}
+            for p in parts
+            if p["type"] == "tool_call"
+        ],
+        "response_text": "\n".join(p["content"] for p in parts if p["type"] == "text"),
+        "token_usage": usage,
+        "latency_ms": latency,
+    }
+    if first["upload"]:
+        turn["upload_result"] = first["upload"]
+    return turn
+
+
+def explode_turn(turn: dict[str, Any]) -> list[dict[str, Any]]:
+    """The messages of one legacy turn, each tool result placed right after its call."""
+    common = {"conversation_id": turn["conversation_id"], "user_id": turn.get("user_id")}
+    at = turn["created_at"]
+    first: dict[str, Any] = {
+        "role": "system" if turn.get("is_system") else "user",
+        "content": turn.get("user_message") or None,
+        "created_at": at,
+        **common,
+    }
+    if turn.get("upload_result"):
+        first["upload"] = turn["upload_result"]
+    messages = [first]
+    parts = turn.get("response_parts") or []
+    results = {
+        p.get("tool_call_id") or p["tool_name"]: p for p in parts if p["type"] == "tool_result"
+    }
+    calls: list[dict[str, Any]] = []
+
+    def flush_calls() -> None:
+        if not calls:
+            return
+        messages.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": c["tool_call_id"],
+                        "function": {"name": c["tool_name"], "arguments": c["args"]},
+                    }
+                    for c in calls
+                ],
+                "created_at": at,
+                **common,
+            }
+        )
+        for call in calls:
+            result = results.pop(call["tool_call_id"], None) or results.pop(call["tool_name"], None)
+            if result is not None:
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": call["tool_call_id"],
+                        "content": json.dumps(result["result"]),
+                        "created_at": at,
+                        **common,
+                    }
+                )
+        calls.clear()
+
+    for part in parts:
+        kind = part["type"]
+        if kind == "tool_call":
+            calls.append(part)
+            continue
+        flush_calls()
+        if kind == "text":
+            messages.append({"role": "assistant", "content": part["content"], "created_at": at})
+        elif kind == "hitl":
+            hitl = {k: part[k] for k in ("action", "params", "request_id")}
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": part.get("prompt"),
+                    "hitl_action": hitl,
+                    "created_at": at,
+                }
+            )
+        elif kind == "error":
+            messages.append(
+                {"role": "assistant", "error": {"message": part["message"]}, "created_at": at}
+            )
+    flush_calls()
+    for message in messages:
+        message.update(common)
+    return messages
+
+
+async def read_legacy_transcript(db: Any, conversation_id: str) -> list[AgentMessage]:
+    """The old read path: turns by time, exploded and re-ordered into one transcript."""
+    turns = await (
+        db[LEGACY_COLLECTION]
+        .find({"conversation_id": conversation_id})
+        .sort([("created_at", 1), ("_id", 1)])
+        .batch_size(10_000)
+        .to_list(None)
+    )
+    return [
+        message_adapter.validate_python(message) for turn in turns for message in explode_turn(turn)
+    ]

@@ -1,0 +1,227 @@
+"""What a turn survives: a failure at each write point, writers racing, hostile text.
+
+Failures are injected at the one seam between the logger and the driver: a
+collection wrapper that makes a single named call fail with the driver's own
+network error, either before the server sees it or after the server applied it
+(the reply is lost, as on a timeout). The caller sees StorageUnavailable and
+retries the same turn, as the runtime does; every message must then be stored
+exactly once and the turn counted once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pymongo import AsyncMongoClient
+from pymongo.errors import AutoReconnect
+
+from app import AgentMessageLogger, ConversationStore, InvalidInput, StorageUnavailable
+from app.examples import example_turns
+from app.turns import plan_turn
+from tests.conftest import WIRE_AVAILABLE, Backend
+
+CID = "conv-reliability"
+
+
+class FailOnce:
+    """A collection whose `method` fails once with a network error, before or after applying."""
+
+    def __init__(self, collection: Any, method: str, *, after_applying: bool) -> None:
+        self._collection = collection
+        self._method = method
+        self._after_applying = after_applying
+        self.failed = False
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._collection, name)
+        if name != self._method or self.failed:
+            return real
+
+        async def fail(*args: Any, **kwargs: Any) -> Any:
+            self.failed = True
+            if self._after_applying:
+                await real(*args, **kwargs)
+            raise AutoReconnect(f"connection lost during {name} (injected)")
+
+        return fail
+
+
+WRITE_POINTS = [
+    pytest.param("_conversations", "find_one_and_update", False, id="reserve-not-applied"),
+    pytest.param("_conversations", "find_one_and_update", True, id="reserve-applied-reply-lost"),
+    pytest.param("_messages", "insert_many", False, id="insert-not-applied"),
+    pytest.param("_messages", "insert_many", True, id="insert-applied-reply-lost"),
+]
+
+
+@pytest.mark.parametrize(("collection", "method", "after_applying"), WRITE_POINTS)
+async def test_a_turn_retried_after_a_failure_at_any_write_point_is_stored_once(
+    backend: Backend, collection: str, method: str, after_applying: bool
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    turns = example_turns()
+    for turn_id, messages in turns[:1]:
+        await logger.log_messages(CID, messages, turn_id=turn_id)
+    turn_id, messages = turns[1]
+    failing = FailOnce(getattr(logger, collection), method, after_applying=after_applying)
+    setattr(logger, collection, failing)
+
+    with pytest.raises(StorageUnavailable, match="injected"):
+        await logger.log_messages(CID, messages, turn_id=turn_id)
+    retried = await logger.log_messages(CID, messages, turn_id=turn_id)
+
+    assert failing.failed
+    store = ConversationStore(backend.db)
+    stored = await store.transcript(CID)
+    expected = len(turns[0][1]) + len(messages)
+    assert [m.seq for m in stored] == list(range(expected))
+    assert [m.id for m in stored[-len(messages) :]] == [m.id for m in retried.messages]
+    conversation = await store.get_conversation(CID)
+    assert (conversation.turn_count, conversation.message_count) == (2, expected)
+
+
+async def test_the_same_turn_logged_by_two_writers_at_once_is_stored_once(
+    backend: Backend,
+) -> None:
+    """Two pods retrying one turn at the same moment: one reserves, the other replays."""
+    await AgentMessageLogger(backend.db).ensure_indexes()
+    turn_id, messages = example_turns()[0]
+    first, second = AgentMessageLogger(backend.db), AgentMessageLogger(backend.db)
+
+    results = await asyncio.gather(
+        first.log_messages(CID, messages, turn_id=turn_id),
+        second.log_messages(CID, messages, turn_id=turn_id),
+    )
+
+    assert sorted(r.replayed for r in results) == [False, True]
+    assert await backend.db.agent_messages.count_documents({}) == len(messages)
+    conversation = await ConversationStore(backend.db).get_conversation(CID)
+    assert (conversation.turn_count, conversation.message_count) == (1, len(messages))
+
+
+@pytest.mark.wire
+@pytest.mark.skipif(not WIRE_AVAILABLE, reason="the wire server needs Python 3.13+")
+async def test_writers_on_separate_connections_share_one_seq_sequence(wire_uri: str) -> None:
+    """Three clients (as three pods) log 4 turns each into one conversation, all at once."""
+    clients = [AsyncMongoClient(wire_uri, tz_aware=True) for _ in range(3)]
+    db_name = "pods_sharing_a_conversation"
+    try:
+        loggers = [AgentMessageLogger(client[db_name]) for client in clients]
+        await loggers[0].ensure_indexes()
+
+        async def pod(number: int, logger: AgentMessageLogger) -> None:
+            for turn in range(4):
+                await logger.log_messages(
+                    CID,
+                    [
+                        {"role": "user", "content": f"pod {number} asks {turn}"},
+                        {"role": "assistant", "content": f"pod {number} answers {turn}"},
+                    ],
+                    turn_id=f"pod{number}-turn{turn}",
+                )
+
+        await asyncio.gather(*(pod(n, logger) for n, logger in enumerate(loggers)))
+
+        store = ConversationStore(clients[0][db_name])
+        stored = await store.transcript(CID)
+        assert [m.seq for m in stored] == list(range(24))
+        for question, answer in zip(stored[::2], stored[1::2], strict=True):
+            assert question.turn_id == answer.turn_id
+        conversation = await store.get_conversation(CID)
+        assert (conversation.turn_count, conversation.message_count) == (12, 24)
+    finally:
+        await clients[0].drop_database(db_name)
+        for client in clients:
+            await client.close()
+
+
+async def test_an_unreachable_database_is_reported_as_retryable_and_nothing_is_lost() -> None:
+    client: AsyncMongoClient[Any] = AsyncMongoClient(
+        "mongodb://127.0.0.1:9/?directConnection=true", serverSelectionTimeoutMS=200
+    )
+    try:
+        with pytest.raises(StorageUnavailable, match="could not reserve the turn: the database"):
+            await AgentMessageLogger(client["down"]).log_messages(
+                CID, [{"role": "user", "content": "hello?"}], turn_id="t1"
+            )
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param("$message_count", id="field-path"),
+        pytest.param("$$ROOT", id="variable"),
+        pytest.param('{"$where": "sleep(1000)"}', id="js-operator"),
+    ],
+)
+async def test_text_that_looks_like_an_operator_is_stored_as_it_was_typed(
+    backend: Backend, text: str
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(
+        CID,
+        [
+            {"role": "user", "content": text},
+            {
+                "role": "assistant",
+                "content": text,
+                "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": text}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": text},
+        ],
+        name=text,
+        turn_id="t1",
+    )
+    store = ConversationStore(backend.db)
+    conversation = await store.get_conversation(CID)
+    assert (conversation.name, conversation.last_message_preview) == (text, text)
+    assert conversation.message_count == 3
+    stored = await store.transcript(CID)
+    assert [m.content for m in stored] == [text, text, text]
+    assert stored[1].tool_calls is not None
+    assert stored[1].tool_calls[0].function.arguments == text
+
+
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.text(max_size=20), st.floats(allow_nan=False)
+)
+_field_values = st.one_of(
+    _scalars,
+    st.lists(_scalars, max_size=3),
+    st.dictionaries(st.text(max_size=8), _scalars, max_size=3),
+)
+_message_like = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "narrator", ""])},
+    optional={
+        key: _field_values
+        for key in (
+            "content", "tool_calls", "tool_call_id", "hitl_action", "error", "upload",
+            "created_at", "token_usage", "latency_ms", "seq", "_id", "$set", "surprise",
+        )
+    },
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(turn=st.lists(_message_like, max_size=5))
+def test_any_malformed_turn_is_planned_or_refused_with_invalid_input(
+    turn: list[dict[str, Any]],
+) -> None:
+    """Planning is the gate before any write: it accepts a turn or raises InvalidInput only."""
+    refused: InvalidInput | None = None
+    try:
+        plan = plan_turn(CID, turn, turn_id="t1")
+    except InvalidInput as error:
+        refused = error
+    if refused is not None:
+        assert refused.message.startswith("invalid")
+    else:
+        assert len(plan.messages) == len(turn)
+        assert all(m.conversation_id == CID and m.id for m in plan.messages)
