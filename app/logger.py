@@ -230,10 +230,13 @@ class AgentMessageLogger:
         if any(e.get("code") != DUPLICATE_KEY for e in write_errors):
             raise error
         failed = {documents[e["index"]]["_id"]: documents[e["index"]] for e in write_errors}
+        # The conversation id keeps this lookup on one shard of a sharded cluster.
+        conversation_id = documents[0]["conversation_id"]
         stored = {
             doc["_id"]: doc
             async for doc in self._messages.find(
-                {"_id": {"$in": list(failed)}}, {"conversation_id": 1, "seq": 1}
+                {"conversation_id": conversation_id, "_id": {"$in": list(failed)}},
+                {"conversation_id": 1, "seq": 1},
             )
         }
         for message_id, wanted in failed.items():
