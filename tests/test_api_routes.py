@@ -59,7 +59,9 @@ async def test_list_conversations_pages_newest_first_with_a_cursor(api: Served) 
     first = (await api.http.get(url, params={"limit": 2}, headers=SERVICE)).json()
     assert first["has_more"] is True and len(first["data"]) == 2
     second = (
-        await api.http.get(url, params={"limit": 2, "cursor": first["next_cursor"]}, headers=SERVICE)
+        await api.http.get(
+            url, params={"limit": 2, "cursor": first["next_cursor"]}, headers=SERVICE
+        )
     ).json()
     ids = [c["_id"] for c in first["data"] + second["data"]]
     assert sorted(ids) == sorted([OWNER_CONVERSATION, "demo-recipe-ideas", OWNER_HITL_CONVERSATION])
