@@ -52,7 +52,8 @@ def api_settings(**overrides: Any) -> Settings:
 
 
 def user_token(
-    sub: str,
+    sub: str | None,
+    /,
     *,
     key: Any = JWT_SECRET,
     algorithm: str = "HS256",
@@ -60,7 +61,7 @@ def user_token(
     **claims: Any,
 ) -> str:
     payload = {"sub": sub, "aud": AUDIENCE, "iss": ISSUER, "exp": int(time.time()) + expires_in}
-    payload.update(claims)
+    payload.update(claims)  # a claim given as None is left out
     return jwt.encode({k: v for k, v in payload.items() if v is not None}, key, algorithm)
 
 

@@ -1,4 +1,4 @@
-"""Every route × every kind of caller: another user's data is never returned or changed."""
+"""Every route and every kind of caller: another user's data is never returned or changed."""
 
 from __future__ import annotations
 
@@ -176,6 +176,7 @@ async def test_search_answers_each_caller_as_authorized(backend: Backend, caller
             headers=headers_for(caller),
         )
         if caller == "other-user":
-            assert scoped.status_code == 200 and scoped.json()["data"] == []
+            assert scoped.status_code == 200
+            assert scoped.json()["data"] == []
         for secret in OWNER_SECRETS if caller not in ("owner", "service") else ():
             assert secret not in response.text + scoped.text

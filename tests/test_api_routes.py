@@ -57,7 +57,8 @@ async def test_ready_pings_the_database(api: Served) -> None:
 async def test_list_conversations_pages_newest_first_with_a_cursor(api: Served) -> None:
     url = f"/v1/users/{OWNER}/conversations"
     first = (await api.http.get(url, params={"limit": 2}, headers=SERVICE)).json()
-    assert first["has_more"] is True and len(first["data"]) == 2
+    assert first["has_more"] is True
+    assert len(first["data"]) == 2
     second = (
         await api.http.get(
             url, params={"limit": 2, "cursor": first["next_cursor"]}, headers=SERVICE
@@ -65,7 +66,8 @@ async def test_list_conversations_pages_newest_first_with_a_cursor(api: Served) 
     ).json()
     ids = [c["_id"] for c in first["data"] + second["data"]]
     assert sorted(ids) == sorted([OWNER_CONVERSATION, "demo-recipe-ideas", OWNER_HITL_CONVERSATION])
-    assert second["has_more"] is False and second["next_cursor"] is None
+    assert second["has_more"] is False
+    assert second["next_cursor"] is None
     updated = [c["updated_at"] for c in first["data"] + second["data"]]
     assert updated == sorted(updated, reverse=True)
 
@@ -85,19 +87,22 @@ async def test_transcript_returns_every_message_by_seq(api: Served) -> None:
 async def test_messages_page_follows_after_and_order(api: Served) -> None:
     url = f"{CONV}/messages"
     first = (await api.http.get(url, params={"limit": 5}, headers=SERVICE)).json()
-    assert [m["seq"] for m in first["data"]] == [0, 1, 2, 3, 4] and first["has_more"]
+    assert [m["seq"] for m in first["data"]] == [0, 1, 2, 3, 4]
+    assert first["has_more"]
     after = first["last_id"]
     nxt = (await api.http.get(url, params={"after": after, "limit": 5}, headers=SERVICE)).json()
     assert [m["seq"] for m in nxt["data"]] == [5, 6, 7, 8, 9]
     back = (
         await api.http.get(url, params={"after": after, "order": "desc"}, headers=SERVICE)
     ).json()
-    assert [m["seq"] for m in back["data"]] == [3, 2, 1, 0] and not back["has_more"]
+    assert [m["seq"] for m in back["data"]] == [3, 2, 1, 0]
+    assert not back["has_more"]
 
 
 async def test_rename_sets_the_name(api: Served) -> None:
     response = await api.http.patch(CONV, json={"name": "  Trip   to Lyon "}, headers=SERVICE)
-    assert response.status_code == 200 and response.json()["name"] == "Trip to Lyon"
+    assert response.status_code == 200
+    assert response.json()["name"] == "Trip to Lyon"
     stored = await api.store.conversations.get_conversation(OWNER_CONVERSATION)
     assert (stored.name, stored.name_source) == ("Trip to Lyon", "set")
 
@@ -120,7 +125,8 @@ async def test_posting_a_turn_twice_stores_it_once(api: Served) -> None:
     first = await api.http.post(f"{CONV}/turns", json=turn, headers=SERVICE)
     again = await api.http.post(f"{CONV}/turns", json=turn, headers=SERVICE)
     assert (first.status_code, again.status_code) == (201, 200)
-    assert first.json()["replayed"] is False and again.json()["replayed"] is True
+    assert first.json()["replayed"] is False
+    assert again.json()["replayed"] is True
     assert [m["seq"] for m in first.json()["messages"]] == [12, 13]
     assert [m["_id"] for m in again.json()["messages"]] == [
         m["_id"] for m in first.json()["messages"]
@@ -316,4 +322,5 @@ async def test_named_tokens_work_and_every_request_leaves_one_audit_line(
     ]
     assert lines[1]["service"].startswith("token-sha256:")
     assert all(line["method"] == "GET" and line["path"] == CONV for line in lines)
-    assert "service-token-for-tests" not in caplog.text and NAMED_TOKEN not in caplog.text
+    assert "service-token-for-tests" not in caplog.text
+    assert NAMED_TOKEN not in caplog.text
