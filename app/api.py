@@ -7,7 +7,7 @@ Starlette route, validates its path, query and body, and feeds `/openapi.json`.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -454,27 +454,41 @@ async def parse_body(request: Request, model: type[B], limit: int) -> B:
     if not isinstance(document, dict):
         raise InvalidJson("the body must be a JSON object")
     try:
-        return model.model_validate(document)
+        # Strict, as JSON Schema reads the body: `false` is no integer, `"1"` no number.
+        return model.model_validate_json(raw, strict=True)
     except ValidationError as exc:
         raise InvalidRequest(describe_validation_error(exc, subject="body")) from exc
 
 
-def _route(endpoint: Endpoint) -> Route:
-    async def run(request: Request) -> Response:
-        state = request.app.state
-        caller = Caller(service="")
-        if endpoint.authenticated:
-            caller = state.authenticator.authenticate(request.headers, audit_record(request.scope))
-        path = {name: validate_identifier(v, name) for name, v in request.path_params.items()}
-        query = parse_query(request, endpoint.query)
-        body = (
-            NoBody()
-            if endpoint.body is NoBody
-            else await parse_body(request, endpoint.body, state.max_request_bytes)
-        )
-        return await endpoint.handler(Call(request, state.store, caller, path, query, body))
+async def _run(endpoint: Endpoint, request: Request) -> Response:
+    state = request.app.state
+    caller = Caller(service="")
+    if endpoint.authenticated:
+        caller = state.authenticator.authenticate(request.headers, audit_record(request.scope))
+    path = {name: validate_identifier(v, name) for name, v in request.path_params.items()}
+    query = parse_query(request, endpoint.query)
+    body = (
+        NoBody()
+        if endpoint.body is NoBody
+        else await parse_body(request, endpoint.body, state.max_request_bytes)
+    )
+    return await endpoint.handler(Call(request, state.store, caller, path, query, body))
 
-    return Route(endpoint.path, run, methods=[endpoint.method])
+
+def _routes(endpoints: Sequence[Endpoint]) -> list[BaseRoute]:
+    """One Starlette route per path, so a 405 names every method the path accepts."""
+    by_path: dict[str, dict[str, Endpoint]] = {}
+    for endpoint in endpoints:
+        by_path.setdefault(endpoint.path, {})[endpoint.method] = endpoint
+
+    def route(path: str, methods: dict[str, Endpoint]) -> Route:
+        async def dispatch(request: Request) -> Response:
+            method = "GET" if request.method == "HEAD" else request.method
+            return await _run(methods[method], request)
+
+        return Route(path, dispatch, methods=list(methods))
+
+    return [route(path, methods) for path, methods in by_path.items()]
 
 
 async def openapi_document(request: Request) -> Response:
@@ -500,7 +514,7 @@ def create_app(settings: Settings, *, store: Store | None = None) -> Starlette:
                 await load_demo(opened)
             yield
 
-    routes: list[BaseRoute] = [_route(endpoint) for endpoint in ENDPOINTS]
+    routes = _routes(ENDPOINTS)
     routes.append(Route("/openapi.json", openapi_document, methods=["GET"]))
     routes += viewer_routes()
     app = Starlette(

@@ -6,9 +6,11 @@ import json
 import logging
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 
 from app.conversations import MAX_PAGE_SIZE
+from app.errors import StorageUnavailable
 from app.http_errors import ERROR_CODES
 from tests.api_harness import (
     NAMED_TOKEN,
@@ -324,3 +326,28 @@ async def test_named_tokens_work_and_every_request_leaves_one_audit_line(
     assert all(line["method"] == "GET" and line["path"] == CONV for line in lines)
     assert "service-token-for-tests" not in caplog.text
     assert NAMED_TOKEN not in caplog.text
+
+
+async def test_an_unreachable_database_makes_ready_answer_503(
+    api: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def unreachable() -> None:
+        raise StorageUnavailable("could not reach the database: the database is unreachable")
+
+    monkeypatch.setattr(api.store.conversations, "ping", unreachable)
+    response = await api.http.get("/ready", headers=SERVICE)
+    assert (response.status_code, error_code(response)) == (503, "storage_unavailable")
+
+
+async def test_an_unexpected_failure_is_a_json_500_without_details(
+    api: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("secret internal detail")
+
+    monkeypatch.setattr(api.store.conversations, "get_conversation", broken)
+    transport = httpx.ASGITransport(app=api.http._transport.app, raise_app_exceptions=False)  # type: ignore[attr-defined]
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        response = await http.get(CONV, headers=SERVICE)
+    assert (response.status_code, error_code(response)) == (500, "internal_error")
+    assert "secret internal detail" not in response.text
