@@ -9,7 +9,7 @@ VENV311 := .venv311
 BIN := $(VENV)/bin
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-py311 lint format schema
+.PHONY: help install run test test-py311 lint format schema test-api test-browser
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -50,3 +50,10 @@ format: $(VENV)/.installed ## Apply ruff's fixes and formatting
 
 schema: $(VENV)/.installed ## Regenerate the JSON Schemas in schemas/
 	$(BIN)/python -m app.schema
+
+test-api: $(VENV)/.installed ## The admin API, auth, attacks, schemathesis and viewer tests
+	$(BIN)/pytest tests/test_api.py tests/test_api_routes.py tests/test_api_authorization.py \
+		tests/test_api_attacks.py tests/test_api_schemathesis.py tests/test_viewer.py
+
+test-browser: $(VENV)/.installed ## The viewer in headless Chromium; screenshots in tests/output/
+	$(BIN)/pytest -m browser

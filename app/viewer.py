@@ -44,7 +44,9 @@ _SECURITY_HEADERS = {
         "frame-ancestors 'none'; base-uri 'none'"
     ),
     "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
+    # `same-origin`, not `no-referrer`: with the latter Chromium sends `Origin: null` on
+    # form posts, and the sign-in form checks its Origin.
+    "Referrer-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
 
@@ -149,9 +151,15 @@ async def logout(request: Request) -> Response:
     return response
 
 
-async def stylesheet(request: Request) -> Response:
-    css = (_TEMPLATES / "viewer.css").read_text()
-    return Response(css, media_type="text/css", headers=_SECURITY_HEADERS)
+_STATIC = {"viewer.css": "text/css", "icon.svg": "image/svg+xml"}
+
+
+async def static_file(request: Request) -> Response:
+    name = request.path_params["name"]
+    if name not in _STATIC:
+        return Response("not found", 404, media_type="text/plain")
+    content = (_TEMPLATES / name).read_bytes()
+    return Response(content, media_type=_STATIC[name], headers=_SECURITY_HEADERS)
 
 
 async def index(request: Request, store: Store) -> Response:
@@ -216,7 +224,7 @@ def viewer_routes() -> list[BaseRoute]:
         Route("/viewer/login", login_form, methods=["GET"]),
         Route("/viewer/login", login, methods=["POST"]),
         Route("/viewer/logout", logout, methods=["POST"]),
-        Route("/viewer/static/viewer.css", stylesheet, methods=["GET"]),
+        Route("/viewer/static/{name}", static_file, methods=["GET"]),
         Route("/viewer", _signed_in(index), methods=["GET"]),
         Route("/viewer/users/{user_id}", _signed_in(conversations), methods=["GET"]),
         Route("/viewer/conversations/{conversation_id}", _signed_in(transcript), methods=["GET"]),
