@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from app.collections import LEGACY_TURNS
+from app.collections import CONVERSATIONS, LEGACY_TURNS
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
 from app.service import Store
 
@@ -163,7 +163,7 @@ def legacy_example_turns() -> list[dict[str, Any]]:
 
 async def load_demo(store: Store) -> bool:
     """Log the demo conversations if the store holds none; True when it loaded them."""
-    if await store.db["agent_conversations"].find_one({}, {"_id": 1}) is not None:
+    if await store.db[CONVERSATIONS].find_one({}, {"_id": 1}) is not None:
         return False
     for conversation_id, user_id, turns in demo_conversations():
         for turn_id, messages in turns:
