@@ -204,3 +204,16 @@ def test_legacy_turns_are_read_leniently() -> None:
     assert view.parts[1].title == "Tool result: ?"
     assert view.other_fields == ["mystery"]
     assert legacy_turn_view({}).parts == []
+
+
+async def test_a_conversation_not_migrated_yet_shows_its_legacy_turns_alone(api: Served) -> None:
+    await api.db["agent_conversations_deprecated"].insert_one(
+        {"conversation_id": "conv-old", "user_message": "Hello from 2024", "response_parts": []}
+    )
+    await sign_in(api.http)
+    page = await api.http.get("/viewer/conversations/conv-old/legacy")
+    assert page.status_code == 200
+    assert "Hello from 2024" in page.text
+    assert "Not migrated yet" in page.text
+    missing = await api.http.get("/viewer/conversations/conv-none/legacy")
+    assert missing.status_code == 404
