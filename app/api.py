@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -103,7 +103,6 @@ class Endpoint:
     errors: tuple[str, ...] = ()
     """Error codes besides the ones every route may give."""
     authenticated: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _json(model: BaseModel, status: int = 200) -> JSONResponse:
