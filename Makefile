@@ -9,7 +9,8 @@ VENV311 := .venv311
 BIN := $(VENV)/bin
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-py311 lint format schema types types-check bench index-sizes
+.PHONY: help install run test test-py311 lint format schema types types-check bench index-sizes \
+	test-api test-browser
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -75,3 +76,10 @@ bench: $(VENV)/.bench-installed ## Benchmark writes and reads against a raw driv
 
 index-sizes: $(VENV)/.installed ## Estimate index sizes per million messages (docs/SCALING.md)
 	$(BIN)/python -m scripts.index_sizes
+
+test-api: $(VENV)/.installed ## The admin API, auth, attacks, schemathesis and viewer tests
+	$(BIN)/pytest tests/test_api.py tests/test_api_routes.py tests/test_api_authorization.py \
+		tests/test_api_attacks.py tests/test_api_schemathesis.py tests/test_viewer.py
+
+test-browser: $(VENV)/.installed ## The viewer in headless Chromium; screenshots in tests/output/
+	$(BIN)/pytest -m browser

@@ -1,71 +1,502 @@
-"""The HTTP face of the store (Starlette). Routes are thin: parse, call one method, shape."""
+"""The HTTP face of the store (Starlette). Routes are thin: parse, call one method, shape.
+
+Routes are declared as data (`ENDPOINTS`): the same declaration builds the
+Starlette route, validates its path, query and body, and feeds `/openapi.json`.
+"""
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import AsyncIterator, Sequence
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
 
-from app.errors import StoreError
-from app.models import messages_adapter
+from app.api_models import (
+    ClaimBody,
+    ConversationListQuery,
+    ExportQuery,
+    Health,
+    HitlResolved,
+    LogTurnBody,
+    MessagePageQuery,
+    NoBody,
+    NoQuery,
+    PendingHitlState,
+    Readiness,
+    RenameBody,
+    ResolveHitlBody,
+    SearchQuery,
+    SearchResults,
+    Transcript,
+    UserExport,
+)
+from app.auth import AuditMiddleware, Authenticator, Caller, audit_record
+from app.conversations import Claimed, ConversationExport, Deleted
+from app.demo import load_demo
+from app.errors import describe_validation_error
+from app.http_errors import (
+    EXCEPTION_HANDLERS,
+    Forbidden,
+    InvalidJson,
+    InvalidRequest,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
+from app.logger import LoggedTurn
+from app.models import Conversation, ConversationPage, MessagePage
+from app.openapi import build_openapi
 from app.service import Store, open_store
 from app.settings import Settings
+from app.turns import validate_identifier
+from app.viewer import viewer_routes
+
+Q = TypeVar("Q", bound=BaseModel)
+B = TypeVar("B", bound=BaseModel)
 
 
-class ApiError(BaseModel):
-    code: str
-    message: str
+@dataclass(frozen=True)
+class Call(Generic[Q, B]):
+    """One validated request, as a handler sees it."""
+
+    request: Request
+    store: Store
+    caller: Caller
+    path: dict[str, str]
+    """Path parameters, each a validated identifier."""
+    query: Q
+    body: B
+
+    @property
+    def conversation_id(self) -> str:
+        return self.path["conversation_id"]
+
+    @property
+    def scope(self) -> str | None:
+        """The user whose data this request may see: None for a service acting alone."""
+        return self.caller.user_id
 
 
-def error_response(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": ApiError(code=code, message=message).model_dump()}, status)
+Handler = Callable[[Call[Any, Any]], Awaitable[Response]]
+ResponseShapes = Mapping[int, type[BaseModel] | Mapping[str, type[BaseModel]]]
 
 
-async def _store_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, StoreError)
-    return error_response(exc.status, exc.code, exc.message)
+@dataclass(frozen=True)
+class Endpoint:
+    """One route: how to call it, what it accepts and returns, and which errors it may give."""
+
+    method: str
+    path: str
+    handler: Handler
+    summary: str
+    tag: str
+    responses: ResponseShapes
+    query: type[BaseModel] = NoQuery
+    body: type[BaseModel] = NoBody
+    errors: tuple[str, ...] = ()
+    """Error codes besides the ones every route may give."""
+    authenticated: bool = True
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}
-    return error_response(exc.status_code, code.get(exc.status_code, "http_error"), exc.detail)
+def _json(model: BaseModel, status: int = 200) -> JSONResponse:
+    return JSONResponse(model.model_dump(mode="json", by_alias=True), status)
 
 
-def _authorize(request: Request) -> None:
-    tokens: Sequence[str] = request.app.state.service_tokens
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    presented = token.strip().encode()
-    # Compare with every configured token so timing does not reveal which one nearly matched.
-    matches = [hmac.compare_digest(presented, t.encode()) for t in tokens]
-    if scheme.lower() != "bearer" or not any(matches):
-        raise HTTPException(401, "a valid service bearer token is required")
+# -- handlers --------------------------------------------------------------------------
 
 
-def _store(request: Request) -> Store:
-    _authorize(request)
-    store: Store = request.app.state.store
-    return store
+async def health(call: Call[NoQuery, NoBody]) -> Response:
+    return _json(Health())
 
 
-async def health(request: Request) -> Response:
-    return JSONResponse({"status": "ok"})
+async def ready(call: Call[NoQuery, NoBody]) -> Response:
+    await call.store.conversations.ping()
+    return _json(Readiness())
 
 
-async def transcript(request: Request) -> Response:
-    store = _store(request)
-    conversation_id = request.path_params["conversation_id"]
-    messages = await store.conversations.transcript(conversation_id)
-    data: list[Any] = messages_adapter.dump_python(messages, mode="json", by_alias=True)
-    return JSONResponse({"conversation_id": conversation_id, "data": data})
+async def list_conversations(call: Call[ConversationListQuery, NoBody]) -> Response:
+    user_id = call.path["user_id"]
+    call.caller.require_user(user_id)
+    page = await call.store.conversations.list_conversations(
+        user_id, limit=call.query.limit, cursor=call.query.cursor
+    )
+    return _json(page)
+
+
+async def get_conversation(call: Call[NoQuery, NoBody]) -> Response:
+    conversation = await call.store.conversations.get_conversation(
+        call.conversation_id, user_id=call.scope
+    )
+    return _json(conversation)
+
+
+async def rename_conversation(call: Call[NoQuery, RenameBody]) -> Response:
+    conversation = await call.store.conversations.rename(
+        call.conversation_id, call.body.name, user_id=call.scope
+    )
+    return _json(conversation)
+
+
+async def delete_conversation(call: Call[NoQuery, NoBody]) -> Response:
+    deleted = await call.store.conversations.delete(call.conversation_id, user_id=call.scope)
+    return _json(deleted)
+
+
+async def transcript(call: Call[NoQuery, NoBody]) -> Response:
+    messages = await call.store.conversations.transcript(call.conversation_id, user_id=call.scope)
+    return _json(Transcript(conversation_id=call.conversation_id, data=messages))
+
+
+async def messages_page(call: Call[MessagePageQuery, NoBody]) -> Response:
+    page = await call.store.conversations.messages_page(
+        call.conversation_id,
+        after=call.query.after,
+        limit=call.query.limit,
+        order=call.query.order,
+        user_id=call.scope,
+    )
+    return _json(page)
+
+
+async def log_turn(call: Call[NoQuery, LogTurnBody]) -> Response:
+    body = call.body
+    if body.user_id is not None:
+        call.caller.require_user(body.user_id)
+    logged = await call.store.logger.log_messages(
+        call.conversation_id,
+        body.messages,
+        user_id=call.scope or body.user_id,
+        turn_id=body.turn_id,
+        name=body.name,
+        owner_only=call.scope is not None,
+    )
+    return _json(logged, 200 if logged.replayed else 201)
+
+
+async def pending_hitl(call: Call[NoQuery, NoBody]) -> Response:
+    pending = await call.store.conversations.pending_hitl(call.conversation_id, user_id=call.scope)
+    return _json(PendingHitlState(pending=pending))
+
+
+async def resolve_hitl(call: Call[NoQuery, ResolveHitlBody]) -> Response:
+    await call.store.conversations.resolve_hitl(
+        call.conversation_id, call.body.request_id, user_id=call.scope
+    )
+    return _json(HitlResolved(request_id=call.body.request_id))
+
+
+async def search(call: Call[SearchQuery, NoBody]) -> Response:
+    query = call.query
+    if query.user_id is not None:
+        call.caller.require_user(query.user_id)
+    hits = await call.store.conversations.search(
+        query.q,
+        user_id=call.scope or query.user_id,
+        conversation_id=query.conversation_id,
+        limit=query.limit,
+    )
+    return _json(SearchResults(data=hits))
+
+
+async def export_user(call: Call[ExportQuery, NoBody]) -> Response:
+    user_id = call.path["user_id"]
+    call.caller.require_user(user_id)
+    exports = call.store.conversations.export_user(user_id)
+    disposition = {
+        "Content-Disposition": f'attachment; filename="{user_id}.{call.query.format}"',
+    }
+    if call.query.format == "jsonl":
+        return StreamingResponse(
+            _jsonl(exports), media_type="application/x-ndjson", headers=disposition
+        )
+    return StreamingResponse(
+        _json_document(user_id, exports), media_type="application/json", headers=disposition
+    )
+
+
+async def _jsonl(exports: AsyncIterator[ConversationExport]) -> AsyncIterator[str]:
+    async for item in exports:
+        yield item.model_dump_json(by_alias=True) + "\n"
+
+
+async def _json_document(
+    user_id: str, exports: AsyncIterator[ConversationExport]
+) -> AsyncIterator[str]:
+    # One conversation in memory at a time, yet the whole stream is one UserExport document.
+    yield '{"user_id":' + json.dumps(user_id) + ',"conversations":['
+    separator = ""
+    async for item in exports:
+        yield separator + item.model_dump_json(by_alias=True)
+        separator = ","
+    yield "]}"
+
+
+async def erase_user(call: Call[NoQuery, NoBody]) -> Response:
+    user_id = call.path["user_id"]
+    call.caller.require_user(user_id)
+    return _json(await call.store.conversations.erase_user(user_id))
+
+
+async def claim(call: Call[NoQuery, ClaimBody]) -> Response:
+    if call.scope is not None:
+        raise Forbidden(
+            "a claim moves data between two users; only a service (without a user token) "
+            "may claim, since only it knows both accounts belong to one person"
+        )
+    claimed = await call.store.conversations.claim(call.body.from_user_id, call.body.to_user_id)
+    return _json(claimed)
+
+
+CONVERSATION = "/v1/conversations/{conversation_id}"
+USER = "/v1/users/{user_id}"
+
+ENDPOINTS: tuple[Endpoint, ...] = (
+    Endpoint(
+        "GET",
+        "/health",
+        health,
+        "Liveness: the process answers",
+        "service",
+        {200: Health},
+        authenticated=False,
+    ),
+    Endpoint(
+        "GET",
+        "/ready",
+        ready,
+        "Readiness: the database answers a lookup",
+        "service",
+        {200: Readiness},
+    ),
+    Endpoint(
+        "GET",
+        f"{USER}/conversations",
+        list_conversations,
+        "A user's conversations, most recently updated first",
+        "conversations",
+        {200: ConversationPage},
+        query=ConversationListQuery,
+        errors=("forbidden",),
+    ),
+    Endpoint(
+        "GET",
+        CONVERSATION,
+        get_conversation,
+        "One conversation",
+        "conversations",
+        {200: Conversation},
+        errors=("not_found",),
+    ),
+    Endpoint(
+        "PATCH",
+        CONVERSATION,
+        rename_conversation,
+        "Rename a conversation",
+        "conversations",
+        {200: Conversation},
+        body=RenameBody,
+        errors=("not_found",),
+    ),
+    Endpoint(
+        "DELETE",
+        CONVERSATION,
+        delete_conversation,
+        "Delete a conversation and its messages",
+        "conversations",
+        {200: Deleted},
+        errors=("not_found",),
+    ),
+    Endpoint(
+        "GET",
+        f"{CONVERSATION}/transcript",
+        transcript,
+        "Every message of a conversation, by seq",
+        "messages",
+        {200: Transcript},
+        errors=("not_found",),
+    ),
+    Endpoint(
+        "GET",
+        f"{CONVERSATION}/messages",
+        messages_page,
+        "A page of a conversation's messages",
+        "messages",
+        {200: MessagePage},
+        query=MessagePageQuery,
+        errors=("not_found",),
+    ),
+    Endpoint(
+        "POST",
+        f"{CONVERSATION}/turns",
+        log_turn,
+        "Log one turn (idempotent by turn_id)",
+        "messages",
+        {201: LoggedTurn, 200: LoggedTurn},
+        body=LogTurnBody,
+        errors=("not_found", "conflict", "forbidden"),
+    ),
+    Endpoint(
+        "GET",
+        f"{CONVERSATION}/hitl",
+        pending_hitl,
+        "The conversation's pending human-in-the-loop prompt",
+        "hitl",
+        {200: PendingHitlState},
+        errors=("not_found",),
+    ),
+    Endpoint(
+        "POST",
+        f"{CONVERSATION}/hitl/resolve",
+        resolve_hitl,
+        "Resolve the pending prompt named by request_id",
+        "hitl",
+        {200: HitlResolved},
+        body=ResolveHitlBody,
+        errors=("not_found", "conflict"),
+    ),
+    Endpoint(
+        "GET",
+        "/v1/search",
+        search,
+        "Full-text search in a user's or a conversation's messages",
+        "messages",
+        {200: SearchResults},
+        query=SearchQuery,
+        errors=("forbidden", "unsupported"),
+    ),
+    Endpoint(
+        "GET",
+        f"{USER}/export",
+        export_user,
+        "Export every conversation of a user with its messages",
+        "users",
+        {200: {"application/x-ndjson": ConversationExport, "application/json": UserExport}},
+        query=ExportQuery,
+        errors=("forbidden",),
+    ),
+    Endpoint(
+        "DELETE",
+        USER,
+        erase_user,
+        "Erase every conversation and message of a user",
+        "users",
+        {200: Deleted},
+        errors=("forbidden",),
+    ),
+    Endpoint(
+        "POST",
+        "/v1/claims",
+        claim,
+        "Move every conversation of one user id to another (account claim)",
+        "users",
+        {200: Claimed},
+        body=ClaimBody,
+        errors=("forbidden",),
+    ),
+)
+
+
+# -- request parsing -------------------------------------------------------------------
+
+
+def parse_query(request: Request, model: type[Q]) -> Q:
+    items = request.query_params.multi_items()
+    names = [name for name, _ in items]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise InvalidRequest(f"invalid query: parameters given more than once: {repeated}")
+    try:
+        return model.model_validate(dict(items))
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation_error(exc, subject="query")) from exc
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing with 413 as soon as it is known to be over `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise InvalidRequest(f"invalid Content-Length {declared!r}")
+        if int(declared) > limit:
+            raise PayloadTooLarge(f"the body has {declared} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+async def parse_body(request: Request, model: type[B], limit: int) -> B:
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise UnsupportedMediaType(
+            f"the body must be application/json, not {media_type or 'missing'!r}"
+        )
+    raw = await read_body(request, limit)
+    try:
+        document = json.loads(raw, parse_constant=_refuse_constant)
+    except ValueError as exc:
+        raise InvalidJson(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(document, dict):
+        raise InvalidJson("the body must be a JSON object")
+    try:
+        # Strict, as JSON Schema reads the body: `false` is no integer, `"1"` no number.
+        return model.model_validate_json(raw, strict=True)
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation_error(exc, subject="body")) from exc
+
+
+async def _run(endpoint: Endpoint, request: Request) -> Response:
+    state = request.app.state
+    caller = Caller(service="")
+    if endpoint.authenticated:
+        caller = state.authenticator.authenticate(request.headers, audit_record(request.scope))
+    path = {name: validate_identifier(v, name) for name, v in request.path_params.items()}
+    query = parse_query(request, endpoint.query)
+    body = (
+        NoBody()
+        if endpoint.body is NoBody
+        else await parse_body(request, endpoint.body, state.max_request_bytes)
+    )
+    return await endpoint.handler(Call(request, state.store, caller, path, query, body))
+
+
+def _routes(endpoints: Sequence[Endpoint]) -> list[BaseRoute]:
+    """One Starlette route per path, so a 405 names every method the path accepts."""
+    by_path: dict[str, dict[str, Endpoint]] = {}
+    for endpoint in endpoints:
+        by_path.setdefault(endpoint.path, {})[endpoint.method] = endpoint
+
+    def route(path: str, methods: dict[str, Endpoint]) -> Route:
+        async def dispatch(request: Request) -> Response:
+            method = "GET" if request.method == "HEAD" else request.method
+            return await _run(methods[method], request)
+
+        return Route(path, dispatch, methods=list(methods))
+
+    return [route(path, methods) for path, methods in by_path.items()]
+
+
+async def openapi_document(request: Request) -> Response:
+    audit = audit_record(request.scope)
+    request.app.state.authenticator.authenticate(request.headers, audit)
+    return JSONResponse(request.app.state.openapi)
+
+
+# -- the application -------------------------------------------------------------------
 
 
 def create_app(settings: Settings, *, store: Store | None = None) -> Starlette:
@@ -78,17 +509,22 @@ def create_app(settings: Settings, *, store: Store | None = None) -> Starlette:
             return
         async with open_store(settings) as opened:
             app.state.store = opened
+            if settings.demo_data:
+                await load_demo(opened)
             yield
 
+    routes = _routes(ENDPOINTS)
+    routes.append(Route("/openapi.json", openapi_document, methods=["GET"]))
+    routes += viewer_routes()
     app = Starlette(
-        routes=[
-            Route("/health", health),
-            Route("/v1/conversations/{conversation_id}/transcript", transcript),
-        ],
-        exception_handlers={StoreError: _store_error, HTTPException: _http_error},
+        routes=routes,
+        exception_handlers=dict(EXCEPTION_HANDLERS),
+        middleware=[Middleware(AuditMiddleware)],
         lifespan=lifespan,
     )
-    app.state.service_tokens = list(settings.service_tokens)
+    app.state.authenticator = Authenticator(settings)
+    app.state.max_request_bytes = settings.max_request_bytes
+    app.state.openapi = build_openapi(ENDPOINTS)
     if store is not None:
         app.state.store = store
     return app

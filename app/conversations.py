@@ -100,6 +100,11 @@ class ConversationStore:
         self._messages = db[MESSAGES]
         self._conversations = db[CONVERSATIONS]
 
+    async def ping(self) -> None:
+        """One indexed lookup: raises StorageUnavailable when the database does not answer."""
+        with storage_errors("reach the database"):
+            await self._conversations.find_one({}, {"_id": 1})
+
     # -- conversations ---------------------------------------------------------------
 
     async def list_conversations(

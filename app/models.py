@@ -69,7 +69,12 @@ class FunctionCall(_Model):
 
     name: Annotated[str, StringConstraints(min_length=1)]
     """The tool's name."""
-    arguments: Annotated[str, BeforeValidator(_arguments_as_json_string)] = "{}"
+    arguments: Annotated[
+        str,
+        BeforeValidator(
+            _arguments_as_json_string, json_schema_input_type=str | dict[str, Any] | list[Any]
+        ),
+    ] = "{}"
     """The arguments as a JSON string; a dict is accepted and serialized.
 
     As in the OpenAI format, a string the model produced is kept as it is,

@@ -22,12 +22,15 @@ class Store:
 
     logger: AgentMessageLogger
     conversations: ConversationStore
+    db: Database = None
+    """The database itself, for what has no store method (the viewer's raw legacy turns)."""
 
     @classmethod
     def on(cls, db: Database, settings: Settings) -> Store:
         return cls(
             logger=AgentMessageLogger(db, rules=settings.turn_rules()),
             conversations=ConversationStore(db),
+            db=db,
         )
 
 

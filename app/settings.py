@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import AliasChoices, Field, PositiveInt
+from pydantic import AliasChoices, Field, PositiveInt, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.text import RuntimeContextMarkers
 from app.truncation import DEFAULT_MAX_MESSAGE_BYTES
 from app.turns import TurnRules
+
+JwtAlgorithm = Literal["HS256", "HS384", "HS512", "RS256", "RS384", "RS512"]
+
+
+def _hs256_only() -> list[JwtAlgorithm]:
+    return ["HS256"]
 
 
 class Settings(BaseSettings):
@@ -28,6 +35,32 @@ class Settings(BaseSettings):
     port: PositiveInt = 8000
     service_tokens: list[str] = Field(default_factory=list)
     """Bearer tokens accepted from services (a JSON list in the environment)."""
+    named_service_tokens: dict[str, str] = Field(default_factory=dict)
+    """More bearer tokens, by the service's name (a JSON object); audit lines name the service."""
+    jwt_algorithms: list[JwtAlgorithm] = Field(default_factory=_hs256_only)
+    """The only algorithms accepted for `X-User-JWT`; all HMAC or all RSA, never both."""
+    jwt_secret: SecretStr | None = None
+    """The shared secret of HMAC user tokens."""
+    jwt_public_key: str | None = None
+    """The PEM public key of RSA user tokens."""
+    jwt_audience: str = "agent-store"
+    jwt_issuer: str | None = None
+    """Required `iss` of user tokens; user tokens are refused while it is unset."""
+    max_request_bytes: PositiveInt = 1_048_576 + 65_536
+    """Request bodies over this are refused with 413 (a 1 MiB message plus its envelope)."""
+    demo_data: bool = False
+    """Load demo conversations at start-up when the store is empty (`python -m app` sets it)."""
+
+    @model_validator(mode="after")
+    def _one_jwt_family(self) -> Settings:
+        families = {algorithm[:2] for algorithm in self.jwt_algorithms}
+        if len(families) > 1:
+            raise ValueError(
+                "jwt_algorithms mixes HMAC (HS*) and RSA (RS*) algorithms; pick one family "
+                "so a public key can never be used as an HMAC secret"
+            )
+        return self
+
     max_message_bytes: PositiveInt = DEFAULT_MAX_MESSAGE_BYTES
     runtime_context_start: str = "[RUNTIME CONTEXT]"
     runtime_context_end: str = "[/RUNTIME CONTEXT]"

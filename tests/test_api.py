@@ -83,3 +83,30 @@ async def test_transcript_errors_are_json_with_a_stable_code(
     assert response.status_code == status
     assert response.json()["error"]["code"] == code
     assert response.json()["error"]["message"]
+
+
+async def test_routes_work_on_every_backend(backend: Backend) -> None:
+    from tests.api_harness import OTHER, OWNER, auth_headers, serve
+
+    async with serve(backend.db) as api:
+        turn = {"turn_id": "run-7", "messages": [{"role": "user", "content": "Zanzibar trip?"}]}
+        url = f"/v1/conversations/{EXAMPLE_CONVERSATION_ID}"
+        posted = [
+            (await api.http.post(f"{url}/turns", json=turn, headers=auth_headers(user=OWNER)))
+            for _ in range(2)
+        ]
+        assert [p.status_code for p in posted] == [201, 200]
+        transcript = await api.http.get(f"{url}/transcript", headers=auth_headers())
+        assert [m["seq"] for m in transcript.json()["data"]] == list(range(13))
+        listed = await api.http.get(f"/v1/users/{OWNER}/conversations", headers=auth_headers())
+        assert listed.json()["data"][0]["_id"] == EXAMPLE_CONVERSATION_ID
+        hidden = await api.http.get(url, headers=auth_headers(user=OTHER))
+        assert hidden.status_code == 404
+        if "text_search" in backend.lacks:
+            return
+        for user, expected in ((OWNER, 1), (OTHER, 0)):
+            found = await api.http.get(
+                "/v1/search", params={"q": "Zanzibar"}, headers=auth_headers(user=user)
+            )
+            assert found.status_code == 200, found.text
+            assert len(found.json()["data"]) == expected

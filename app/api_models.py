@@ -1,0 +1,121 @@
+"""The shapes the HTTP API accepts and returns; `/openapi.json` is built from these models.
+
+Query and body models forbid unknown fields and type every field, so no client
+value reaches a database filter other than as a plain, validated scalar.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from app.conversations import (
+    MAX_PAGE_SIZE,
+    MAX_SEARCH_QUERY_CHARS,
+    ConversationExport,
+    SearchHit,
+)
+from app.models import AgentMessage, Identifier, PendingHitl
+from app.turns import MAX_MESSAGES_PER_TURN
+
+PageSize = Annotated[int, Field(ge=1, le=MAX_PAGE_SIZE)]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+
+
+class _Input(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class NoQuery(_Input):
+    """The route takes no query parameters."""
+
+
+class NoBody(_Input):
+    """The route takes no body."""
+
+
+class ConversationListQuery(_Input):
+    limit: PageSize = 20
+    cursor: Annotated[str, StringConstraints(min_length=1, max_length=500)] | None = None
+    """The `next_cursor` of the previous page."""
+
+
+class MessagePageQuery(_Input):
+    after: Identifier | None = None
+    """A message id: the page starts after it (in `order`)."""
+    limit: PageSize = 20
+    order: Literal["asc", "desc"] = "asc"
+
+
+class SearchQuery(_Input):
+    q: Annotated[str, StringConstraints(min_length=1, max_length=MAX_SEARCH_QUERY_CHARS)]
+    """Words to find (full-text)."""
+    user_id: Identifier | None = None
+    """Search this user's conversations (a user token implies its own)."""
+    conversation_id: Identifier | None = None
+    """Search one conversation."""
+    limit: PageSize = 20
+
+
+class ExportQuery(_Input):
+    format: Literal["jsonl", "json"] = "jsonl"
+    """`jsonl`: one conversation with its messages per line; `json`: one document."""
+
+
+class RenameBody(_Input):
+    name: Name
+
+
+class ResolveHitlBody(_Input):
+    request_id: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+    """The `request_id` of the pending prompt being answered."""
+
+
+class LogTurnBody(_Input):
+    messages: Annotated[list[AgentMessage], Field(min_length=1, max_length=MAX_MESSAGES_PER_TURN)]
+    turn_id: Identifier | None = None
+    """The runtime's id of the turn: a retried POST with it stores nothing twice."""
+    user_id: Identifier | None = None
+    """The owner of a new conversation (a user token implies its own)."""
+    name: Name | None = None
+    """A name the runtime chose; never replaces one a person set."""
+
+
+class ClaimBody(_Input):
+    from_user_id: Identifier
+    to_user_id: Identifier
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(BaseModel):
+    status: Literal["ready"] = "ready"
+    database: Literal["reachable"] = "reachable"
+
+
+class Transcript(BaseModel):
+    conversation_id: str
+    data: list[AgentMessage]
+
+
+class PendingHitlState(BaseModel):
+    pending: PendingHitl | None
+
+
+class HitlResolved(BaseModel):
+    request_id: str
+    resolved: Literal[True] = True
+
+
+class SearchResults(BaseModel):
+    data: list[SearchHit]
+
+
+class UserExport(BaseModel):
+    """Everything stored for one user (the `json` export format)."""
+
+    user_id: str
+    conversations: list[ConversationExport]

@@ -1,0 +1,139 @@
+"""Errors of the HTTP layer and the one place that turns every error into a JSON response.
+
+Every error body is `{"error": {"code", "message"}}`; codes are stable and listed in `ERROR_CODES`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from app.errors import StoreError
+
+log = logging.getLogger("agent_store.api")
+
+ERROR_CODES: dict[str, tuple[int, str]] = {
+    "invalid_json": (400, "the body is not a JSON object"),
+    "unauthorized": (401, "no valid service token, or an invalid user token"),
+    "forbidden": (403, "the user token may not act on this user's data"),
+    "not_found": (404, "no such route, or no such conversation visible to the caller"),
+    "method_not_allowed": (405, "the route exists but not with this method"),
+    "conflict": (409, "the request contradicts what is stored"),
+    "payload_too_large": (413, "the body is over the configured limit"),
+    "unsupported_media_type": (415, "a body must be application/json"),
+    "invalid_input": (422, "a path, query or body value is invalid; the message names it"),
+    "internal_error": (500, "an unexpected failure; the server log has details"),
+    "storage_failure": (500, "the database refused an operation"),
+    "unsupported": (501, "the connected database cannot do this"),
+    "storage_unavailable": (503, "the database is unreachable; retry"),
+}
+"""code → (HTTP status, when it is used)."""
+
+
+class ApiErrorDetail(BaseModel):
+    code: str
+    """Stable, machine-readable; see the README's table."""
+    message: str
+    """What was wrong, for a person."""
+
+
+class ApiErrorBody(BaseModel):
+    """The body of every error response."""
+
+    error: ApiErrorDetail
+
+
+class HttpProblem(Exception):
+    """A request refused by the HTTP layer itself (before or besides the store)."""
+
+    code = "invalid_input"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    @property
+    def status(self) -> int:
+        return ERROR_CODES[self.code][0]
+
+
+class InvalidJson(HttpProblem):
+    code = "invalid_json"
+
+
+class Unauthorized(HttpProblem):
+    code = "unauthorized"
+
+
+class Forbidden(HttpProblem):
+    code = "forbidden"
+
+
+class PayloadTooLarge(HttpProblem):
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(HttpProblem):
+    code = "unsupported_media_type"
+
+
+class InvalidRequest(HttpProblem):
+    """A query parameter or body field failed validation."""
+
+    code = "invalid_input"
+
+
+def error_response(status: int, code: str, message: str) -> JSONResponse:
+    body = ApiErrorBody(error=ApiErrorDetail(code=code, message=message))
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body.model_dump(), status, headers=headers)
+
+
+async def _store_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StoreError)
+    return error_response(exc.status, exc.code, exc.message)
+
+
+async def _http_problem(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HttpProblem)
+    return error_response(exc.status, exc.code, exc.message)
+
+
+_STARLETTE_CODES = {
+    400: "invalid_json",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_input",
+}
+
+
+async def _starlette_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = _STARLETTE_CODES.get(exc.status_code, "invalid_input")
+    message = {
+        404: f"no route {request.url.path!r}",
+        405: f"{request.url.path!r} does not accept {request.method}",
+    }.get(exc.status_code, exc.detail)
+    response = error_response(exc.status_code, code, message)
+    if exc.headers:
+        response.headers.update(exc.headers)
+    return response
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal_error", "an unexpected error occurred")
+
+
+EXCEPTION_HANDLERS = {
+    StoreError: _store_error,
+    HttpProblem: _http_problem,
+    HTTPException: _starlette_error,
+    Exception: _unexpected,
+}

@@ -1,0 +1,259 @@
+"""How stored messages and legacy turn documents read on the viewer's pages. Pure, no I/O.
+
+Legacy documents are whatever old code wrote, so every field is optional here
+and anything unknown is shown raw rather than dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from app.models import AgentMessage
+
+ROLE_LABELS = {
+    "system": "System trigger",
+    "user": "User",
+    "assistant": "Assistant",
+    "tool": "Tool result",
+}
+
+
+def pretty_json(value: Any) -> str:
+    """JSON (given parsed or as text) indented for reading; other text as it is."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return str(value)
+    try:
+        return json.dumps(value, indent=2, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def human_size(size: int) -> str:
+    amount = float(size)
+    for unit in ("bytes", "KiB", "MiB"):
+        if amount < 1024 or unit == "MiB":
+            return f"{size} bytes" if unit == "bytes" else f"{amount:.1f} {unit}"
+        amount /= 1024
+    return f"{size} bytes"
+
+
+def when(value: Any) -> str:
+    if isinstance(value, datetime):
+        return value.strftime("%Y-%m-%d %H:%M:%S UTC")
+    return "" if value is None else str(value)
+
+
+def usage_text(usage: Mapping[str, Any] | None, latency_ms: Any) -> str:
+    parts = []
+    if usage:
+        parts.append(
+            f"{usage.get('input_tokens', 0)} tokens in · {usage.get('output_tokens', 0)} out"
+        )
+    if latency_ms is not None:
+        parts.append(f"{latency_ms} ms")
+    return " · ".join(parts)
+
+
+@dataclass(frozen=True)
+class ToolCallView:
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class UploadView:
+    filename: str
+    file_type: str
+    size: str
+    parsed_text: str | None
+
+
+@dataclass(frozen=True)
+class HitlView:
+    action: str
+    params: str
+    request_id: str
+    pending: bool
+
+
+@dataclass(frozen=True)
+class MessageView:
+    """One message as a person reads it."""
+
+    seq: int | None
+    role: str
+    label: str
+    created_at: str
+    turn_id: str | None
+    content: str | None
+    tool_calls: list[ToolCallView] = field(default_factory=list)
+    answers: str | None = None
+    """For a tool result: the call it answers, as `name (id)`."""
+    hitl: HitlView | None = None
+    error: str | None = None
+    upload: UploadView | None = None
+    usage: str = ""
+    truncated: list[str] = field(default_factory=list)
+
+
+def message_views(
+    messages: Sequence[AgentMessage], *, pending_request_id: str | None = None
+) -> list[MessageView]:
+    names = {c.id: c.function.name for m in messages for c in m.tool_calls or ()}
+    views = []
+    for m in messages:
+        content = m.content
+        if m.role == "tool" and content is not None:
+            content = pretty_json(content)
+        answers = None
+        if m.tool_call_id is not None:
+            answers = f"{names.get(m.tool_call_id, 'unknown tool')} ({m.tool_call_id})"
+        views.append(
+            MessageView(
+                seq=m.seq,
+                role=m.role,
+                label=ROLE_LABELS[m.role],
+                created_at=when(m.created_at),
+                turn_id=m.turn_id,
+                content=content,
+                tool_calls=[
+                    ToolCallView(c.id, c.function.name, pretty_json(c.function.arguments))
+                    for c in m.tool_calls or ()
+                ],
+                answers=answers,
+                hitl=(
+                    HitlView(
+                        m.hitl_action.action,
+                        pretty_json(m.hitl_action.params),
+                        m.hitl_action.request_id,
+                        m.hitl_action.request_id == pending_request_id,
+                    )
+                    if m.hitl_action
+                    else None
+                ),
+                error=m.error.message if m.error else None,
+                upload=(
+                    UploadView(
+                        m.upload.filename,
+                        m.upload.file_type,
+                        human_size(m.upload.size),
+                        m.upload.parsed_text,
+                    )
+                    if m.upload
+                    else None
+                ),
+                usage=usage_text(
+                    m.token_usage.model_dump() if m.token_usage else None, m.latency_ms
+                ),
+                truncated=[f"{k} (was {v} characters)" for k, v in (m.truncated or {}).items()],
+            )
+        )
+    return views
+
+
+@dataclass(frozen=True)
+class LegacyPartView:
+    kind: str
+    title: str
+    body: str
+
+
+@dataclass(frozen=True)
+class LegacyTurnView:
+    """One legacy turn document, readable."""
+
+    id: str
+    created_at: str
+    is_system: bool
+    user_message: str
+    name: str | None
+    upload: UploadView | None
+    parts: list[LegacyPartView]
+    usage: str
+    other_fields: list[str]
+    """Top-level keys the viewer does not render (shown so nothing is hidden)."""
+
+
+_KNOWN_TURN_KEYS = {
+    "_id",
+    "conversation_id",
+    "user_id",
+    "name",
+    "created_at",
+    "is_system",
+    "user_message",
+    "upload_result",
+    "response_parts",
+    "tool_calls",
+    "response_text",
+    "token_usage",
+    "latency_ms",
+    "message_history_json",
+}
+
+
+def _upload(value: Any) -> UploadView | None:
+    if not isinstance(value, Mapping):
+        return None
+    size = value.get("size")
+    return UploadView(
+        str(value.get("filename", "?")),
+        str(value.get("file_type", "?")),
+        human_size(size) if isinstance(size, int) else str(size),
+        value.get("parsed_text"),
+    )
+
+
+def legacy_part_view(part: Any) -> LegacyPartView:
+    if not isinstance(part, Mapping):
+        return LegacyPartView("unknown", "Unreadable part", pretty_json(part))
+    kind = str(part.get("type", "unknown"))
+    call_id = f" ({part['tool_call_id']})" if part.get("tool_call_id") else ""
+    if kind == "text":
+        return LegacyPartView(kind, "Text", str(part.get("content", "")))
+    if kind == "tool_call":
+        title = f"Tool call: {part.get('tool_name', '?')}{call_id}"
+        return LegacyPartView(kind, title, pretty_json(part.get("args", {})))
+    if kind == "tool_result":
+        title = f"Tool result: {part.get('tool_name', '?')}{call_id}"
+        return LegacyPartView(kind, title, pretty_json(part.get("result")))
+    if kind == "file_upload":
+        upload = _upload(part)
+        assert upload is not None
+        return LegacyPartView(
+            kind, f"File: {upload.filename}", f"{upload.file_type}, {upload.size}"
+        )
+    if kind == "hitl":
+        title = f"HITL prompt: {part.get('action', '?')} [{part.get('request_id', '?')}]"
+        body = (part.get("prompt") or "") + "\n" + pretty_json(part.get("params", {}))
+        return LegacyPartView(kind, title, body.strip())
+    if kind == "error":
+        return LegacyPartView(kind, "Error", str(part.get("message", "")))
+    raw = {k: v for k, v in part.items() if k != "type"}
+    return LegacyPartView("unknown", f"Unknown part type {kind!r}", pretty_json(raw))
+
+
+def legacy_turn_view(doc: Mapping[str, Any]) -> LegacyTurnView:
+    parts = doc.get("response_parts")
+    return LegacyTurnView(
+        id=str(doc.get("_id", "")),
+        created_at=when(doc.get("created_at")),
+        is_system=bool(doc.get("is_system")),
+        user_message=str(doc.get("user_message") or ""),
+        name=doc.get("name"),
+        upload=_upload(doc.get("upload_result")),
+        parts=[legacy_part_view(p) for p in parts] if isinstance(parts, list) else [],
+        usage=usage_text(
+            doc.get("token_usage") if isinstance(doc.get("token_usage"), Mapping) else None,
+            doc.get("latency_ms"),
+        ),
+        other_fields=sorted(str(k) for k in doc if k not in _KNOWN_TURN_KEYS),
+    )

@@ -1,0 +1,234 @@
+"""The viewer: server-rendered pages to browse a user's conversations and read transcripts.
+
+A browser signs in once with a service token on a form; the service answers
+with a signed, HttpOnly, SameSite=Strict session cookie scoped to `/viewer`
+that names the service (never holds the token). Tokens never travel in URLs.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, quote
+
+import jinja2
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from app.auth import Authenticator, audit_record
+from app.collections import LEGACY_TURNS
+from app.errors import NotFound, StoreError, storage_errors
+from app.presentation import legacy_turn_view, message_views, when
+from app.service import Store
+from app.turns import validate_identifier
+
+SESSION_COOKIE = "agent_store_viewer"
+SESSION_SECONDS = 8 * 3600
+MAX_LOGIN_BYTES = 4096
+MAX_LEGACY_TURNS = 2000
+_TEMPLATES = Path(__file__).resolve().parent / "templates"
+_environment = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(_TEMPLATES), autoescape=True, undefined=jinja2.StrictUndefined
+)
+_environment.filters["when"] = when
+_SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
+        "frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    # `same-origin`, not `no-referrer`: with the latter Chromium sends `Origin: null` on
+    # form posts, and the sign-in form checks its Origin.
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+
+
+def _session_key(authenticator: Authenticator) -> bytes:
+    # Derived from the accepted tokens: rotating them signs every viewer out.
+    return hmac.new(
+        b"agent-store viewer session", b"".join(sorted(authenticator.secrets)), hashlib.sha256
+    ).digest()
+
+
+def issue_session(authenticator: Authenticator, service: str, now: float) -> str:
+    payload = base64.urlsafe_b64encode(
+        json.dumps({"service": service, "expires": int(now) + SESSION_SECONDS}).encode()
+    ).decode()
+    signature = hmac.new(_session_key(authenticator), payload.encode(), hashlib.sha256).hexdigest()
+    return f"{payload}.{signature}"
+
+
+def session_service(authenticator: Authenticator, cookie: str | None, now: float) -> str | None:
+    """The service a valid, unexpired session cookie names; None otherwise."""
+    if not cookie or "." not in cookie:
+        return None
+    payload, _, signature = cookie.rpartition(".")
+    expected = hmac.new(_session_key(authenticator), payload.encode(), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(signature.encode(), expected.encode()):
+        return None
+    try:
+        claims = json.loads(base64.urlsafe_b64decode(payload.encode()))
+        service, expires = str(claims["service"]), int(claims["expires"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    return service if now < expires else None
+
+
+def render(template: str, status: int = 200, **context: Any) -> HTMLResponse:
+    html = _environment.get_template(template).render(**context)
+    return HTMLResponse(html, status, headers=_SECURITY_HEADERS)
+
+
+def _same_origin(request: Request) -> bool:
+    origin = request.headers.get("origin")
+    return origin is None or origin == f"{request.url.scheme}://{request.url.netloc}"
+
+
+Page = Callable[[Request, Store], Awaitable[Response]]
+
+
+def _signed_in(page: Page) -> Callable[[Request], Awaitable[Response]]:
+    async def run(request: Request) -> Response:
+        authenticator: Authenticator = request.app.state.authenticator
+        service = session_service(authenticator, request.cookies.get(SESSION_COOKIE), time.time())
+        if service is None:
+            return RedirectResponse("/viewer/login", 303, headers=_SECURITY_HEADERS)
+        audit_record(request.scope).service = service
+        try:
+            return await page(request, request.app.state.store)
+        except StoreError as exc:
+            return render("error.html", exc.status, code=exc.code, message=exc.message)
+
+    return run
+
+
+async def login_form(request: Request) -> Response:
+    return render("login.html")
+
+
+async def login(request: Request) -> Response:
+    if not _same_origin(request):
+        return render("login.html", 403, problem="Sign-in must come from this site's own form.")
+    declared = request.headers.get("content-length", "0")
+    if not declared.isdigit() or int(declared) > MAX_LOGIN_BYTES:
+        return render("login.html", 413, problem="The sign-in form was too large.")
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_LOGIN_BYTES:
+            return render("login.html", 413, problem="The sign-in form was too large.")
+    token = parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0].strip()
+    authenticator: Authenticator = request.app.state.authenticator
+    service = authenticator.service_actor(token)
+    if service is None:
+        return render("login.html", 401, problem="That token is not accepted.")
+    audit_record(request.scope).service = service
+    response = RedirectResponse("/viewer", 303, headers=_SECURITY_HEADERS)
+    response.set_cookie(
+        SESSION_COOKIE,
+        issue_session(authenticator, service, time.time()),
+        max_age=SESSION_SECONDS,
+        path="/viewer",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+    return response
+
+
+async def logout(request: Request) -> Response:
+    response = RedirectResponse("/viewer/login", 303, headers=_SECURITY_HEADERS)
+    if _same_origin(request):
+        response.delete_cookie(SESSION_COOKIE, path="/viewer", httponly=True, samesite="strict")
+    return response
+
+
+_STATIC = {"viewer.css": "text/css", "icon.svg": "image/svg+xml"}
+
+
+async def static_file(request: Request) -> Response:
+    name = request.path_params["name"]
+    if name not in _STATIC:
+        return Response("not found", 404, media_type="text/plain")
+    content = (_TEMPLATES / name).read_bytes()
+    return Response(content, media_type=_STATIC[name], headers=_SECURITY_HEADERS)
+
+
+async def index(request: Request, store: Store) -> Response:
+    user_id = request.query_params.get("user_id")
+    if user_id:
+        user_id = validate_identifier(user_id.strip(), "user_id")
+        return RedirectResponse(f"/viewer/users/{quote(user_id)}", 303)
+    return render("index.html")
+
+
+async def conversations(request: Request, store: Store) -> Response:
+    user_id = validate_identifier(request.path_params["user_id"], "user_id")
+    cursor = request.query_params.get("cursor")
+    page = await store.conversations.list_conversations(user_id, limit=50, cursor=cursor)
+    return render("conversations.html", user_id=user_id, page=page)
+
+
+async def transcript(request: Request, store: Store) -> Response:
+    conversation = await store.conversations.get_conversation(
+        request.path_params["conversation_id"]
+    )
+    messages = await store.conversations.transcript(conversation.id)
+    pending = conversation.pending_hitl.request_id if conversation.pending_hitl else None
+    return render(
+        "transcript.html",
+        conversation=conversation,
+        messages=message_views(messages, pending_request_id=pending),
+    )
+
+
+async def legacy(request: Request, store: Store) -> Response:
+    conversation_id = validate_identifier(request.path_params["conversation_id"], "conversation_id")
+    with storage_errors("read the legacy turns"):
+        turns = await (
+            store.db[LEGACY_TURNS]
+            .find({"conversation_id": conversation_id})
+            .sort([("created_at", 1), ("_id", 1)])
+            .limit(MAX_LEGACY_TURNS)
+            .to_list(None)
+        )
+    try:
+        conversation = await store.conversations.get_conversation(conversation_id)
+        messages = await store.conversations.transcript(conversation_id)
+    except NotFound:
+        if not turns:
+            raise
+        conversation, messages = None, []  # not migrated yet: show the legacy side alone
+    pending = (
+        conversation.pending_hitl.request_id if conversation and conversation.pending_hitl else None
+    )
+    return render(
+        "legacy.html",
+        conversation_id=conversation_id,
+        conversation=conversation,
+        turns=[legacy_turn_view(t) for t in turns],
+        messages=message_views(messages, pending_request_id=pending),
+    )
+
+
+def viewer_routes() -> list[BaseRoute]:
+    return [
+        Route("/viewer/login", login_form, methods=["GET"]),
+        Route("/viewer/login", login, methods=["POST"]),
+        Route("/viewer/logout", logout, methods=["POST"]),
+        Route("/viewer/static/{name}", static_file, methods=["GET"]),
+        Route("/viewer", _signed_in(index), methods=["GET"]),
+        Route("/viewer/users/{user_id}", _signed_in(conversations), methods=["GET"]),
+        Route("/viewer/conversations/{conversation_id}", _signed_in(transcript), methods=["GET"]),
+        Route(
+            "/viewer/conversations/{conversation_id}/legacy", _signed_in(legacy), methods=["GET"]
+        ),
+    ]

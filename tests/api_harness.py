@@ -1,0 +1,133 @@
+"""What the API tests share: settings, tokens, a seeded store served in-process, digests.
+
+The store is seeded with the demo data (the DESIGN example for `user-ada`, a
+second conversation of hers, one of `user-grace`) and one conversation per
+user with a pending HITL prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import jwt
+
+from app.api import create_app
+from app.collections import CONVERSATIONS, LEGACY_TURNS, MESSAGES
+from app.demo import OTHER_USER_ID, load_demo
+from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID
+from app.service import Store
+from app.settings import Settings
+
+SERVICE_TOKEN = "service-token-for-tests"
+NAMED_TOKEN = "admin-ui-token-for-tests"
+JWT_SECRET = "a-shared-secret-for-user-tokens-in-tests"
+ISSUER = "https://auth.example.test"
+AUDIENCE = "agent-store"
+OWNER = EXAMPLE_USER_ID
+OTHER = OTHER_USER_ID
+OWNER_CONVERSATION = EXAMPLE_CONVERSATION_ID
+OWNER_HITL_CONVERSATION = "conv-ada-hitl"
+OTHER_HITL_CONVERSATION = "conv-grace-hitl"
+OWNER_SECRETS = ("ADA LOVELACE", "Paris: 18", "id-card.pdf")
+"""Text only the owner's conversations hold: must never reach another user."""
+
+
+def api_settings(**overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "service_tokens": [SERVICE_TOKEN],
+        "named_service_tokens": {"admin-ui": NAMED_TOKEN},
+        "jwt_secret": JWT_SECRET,
+        "jwt_issuer": ISSUER,
+        "jwt_audience": AUDIENCE,
+    }
+    return Settings(**(values | overrides))
+
+
+def user_token(
+    sub: str | None,
+    /,
+    *,
+    key: Any = JWT_SECRET,
+    algorithm: str = "HS256",
+    expires_in: int = 300,
+    **claims: Any,
+) -> str:
+    payload = {"sub": sub, "aud": AUDIENCE, "iss": ISSUER, "exp": int(time.time()) + expires_in}
+    payload.update(claims)  # a claim given as None is left out
+    return jwt.encode({k: v for k, v in payload.items() if v is not None}, key, algorithm)
+
+
+def auth_headers(*, token: str | None = SERVICE_TOKEN, user: str | None = None) -> dict[str, str]:
+    headers = {}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    if user is not None:
+        headers["X-User-JWT"] = user_token(user)
+    return headers
+
+
+def hitl_turn(request_id: str) -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": "Please pay the invoice."},
+        {
+            "role": "assistant",
+            "content": "Shall I pay 120 EUR?",
+            "hitl_action": {"action": "confirm_payment", "params": {}, "request_id": request_id},
+        },
+    ]
+
+
+async def seed(store: Store) -> None:
+    await store.logger.ensure_indexes()
+    await load_demo(store)
+    await store.logger.log_messages(
+        OWNER_HITL_CONVERSATION, hitl_turn("req-ada"), user_id=OWNER, turn_id="t-hitl"
+    )
+    await store.logger.log_messages(
+        OTHER_HITL_CONVERSATION, hitl_turn("req-grace"), user_id=OTHER, turn_id="t-hitl"
+    )
+
+
+async def digest(db: Any) -> str:
+    """A fingerprint of every stored document: equal before and after means nothing changed."""
+    hasher = hashlib.sha256()
+    for name in (CONVERSATIONS, MESSAGES, LEGACY_TURNS):
+        docs = await db[name].find({}).sort("_id", 1).to_list(None)
+        hasher.update(json.dumps(docs, sort_keys=True, default=str).encode())
+    return hasher.hexdigest()
+
+
+@dataclass
+class Served:
+    http: httpx.AsyncClient
+    store: Store
+    db: Any
+
+    async def digest(self) -> str:
+        return await digest(self.db)
+
+
+def mongomock_db() -> Any:
+    from mongomock_motor import AsyncMongoMockClient
+
+    return AsyncMongoMockClient(tz_aware=True)[f"api_{uuid.uuid4().hex[:12]}"]
+
+
+@asynccontextmanager
+async def serve(db: Any, settings: Settings | None = None) -> AsyncIterator[Served]:
+    """The app on `db`, seeded, behind an in-process ASGI client."""
+    settings = settings or api_settings()
+    store = Store.on(db, settings)
+    await seed(store)
+    app = create_app(settings, store=store)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        yield Served(http, store, db)

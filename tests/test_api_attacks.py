@@ -1,0 +1,270 @@
+"""Hostile requests: operator injection, forged user tokens, oversize bodies and pages.
+
+Each is refused with a 4xx and leaves every collection exactly as it was.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from tests.api_harness import (
+    AUDIENCE,
+    ISSUER,
+    OTHER,
+    OWNER,
+    OWNER_CONVERSATION,
+    OWNER_HITL_CONVERSATION,
+    Served,
+    api_settings,
+    auth_headers,
+    mongomock_db,
+    serve,
+    user_token,
+)
+
+CONV = f"/v1/conversations/{OWNER_CONVERSATION}"
+HITL = f"/v1/conversations/{OWNER_HITL_CONVERSATION}/hitl/resolve"
+USER = f"/v1/users/{OWNER}"
+SERVICE = auth_headers()
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[Served]:
+    async with serve(mongomock_db()) as served:
+        yield served
+
+
+async def assert_refused_and_unchanged(
+    api: Served, method: str, url: str, *, status: int | None = None, **kwargs: Any
+) -> None:
+    before = await api.digest()
+    response = await api.http.request(method, url, **kwargs)
+    assert 400 <= response.status_code < 500, response.text
+    if status is not None:
+        assert response.status_code == status, response.text
+    assert set(response.json()) == {"error"}
+    assert await api.digest() == before
+
+
+def user_turn(**overrides: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "hi"} | overrides]}
+
+
+QUERY_INJECTIONS = [
+    pytest.param(f"{USER}/conversations?limit[$gt]=0", id="limit-operator-key"),
+    pytest.param(f'{USER}/conversations?limit={{"$gt":0}}', id="limit-operator-json"),
+    pytest.param(f'{USER}/conversations?cursor={{"$ne":null}}', id="cursor-operator"),
+    pytest.param('/v1/users/{"$ne":null}/conversations', id="user-path-json"),
+    pytest.param("/v1/users/$ne/conversations", id="user-path-dollar"),
+    pytest.param('/v1/conversations/{"$gt":""}/transcript', id="conversation-path-json"),
+    pytest.param(f"{CONV}/messages?after[$gt]=", id="after-operator-key"),
+    pytest.param(f'{CONV}/messages?after={{"$gt":""}}', id="after-operator-json"),
+    pytest.param(f"{CONV}/messages?order[$ne]=asc", id="order-operator"),
+    pytest.param("/v1/search?q=x&user_id[$ne]=nobody", id="search-user-operator-key"),
+    pytest.param('/v1/search?q=x&user_id={"$ne":"nobody"}', id="search-user-operator-json"),
+    pytest.param("/v1/search?q[$regex]=.*&user_id=u", id="search-regex"),
+    pytest.param('/v1/search?q=x&conversation_id={"$where":"sleep(100)"}', id="search-where"),
+    pytest.param(f"{USER}/export?format[$ne]=x", id="export-operator"),
+    pytest.param(f"{USER}/conversations?user_id={OWNER}&user_id[$ne]=x", id="extra-scope"),
+    pytest.param("/v1/search?q=x&user_id=a&user_id=b", id="repeated-parameter"),
+]
+
+
+@pytest.mark.parametrize("url", QUERY_INJECTIONS)
+async def test_operator_injection_in_the_query_is_refused(api: Served, url: str) -> None:
+    await assert_refused_and_unchanged(api, "GET", url, status=422, headers=SERVICE)
+
+
+BODY_INJECTIONS = [
+    pytest.param("PATCH", CONV, {"name": {"$ne": ""}}, id="rename-operator"),
+    pytest.param("PATCH", CONV, {"name": "x", "$set": {"user_id": OTHER}}, id="rename-extra-set"),
+    pytest.param("POST", HITL, {"request_id": {"$ne": None}}, id="resolve-ne"),
+    pytest.param("POST", HITL, {"request_id": {"$gt": ""}}, id="resolve-gt"),
+    pytest.param(
+        "POST", "/v1/claims", {"from_user_id": {"$ne": "x"}, "to_user_id": "m"}, id="claim-ne"
+    ),
+    pytest.param(
+        "POST",
+        "/v1/claims",
+        {"from_user_id": {"$regex": ".*"}, "to_user_id": "m"},
+        id="claim-regex",
+    ),
+    pytest.param(
+        "POST", "/v1/claims", {"from_user_id": OWNER, "to_user_id": "$where"}, id="claim-dollar"
+    ),
+    pytest.param(
+        "POST",
+        "/v1/claims",
+        {"from_user_id": OWNER, "to_user_id": {"$where": "this.user_id"}},
+        id="claim-where",
+    ),
+    pytest.param("POST", f"{CONV}/turns", user_turn(content={"$ne": ""}), id="turn-content-ne"),
+    pytest.param(
+        "POST",
+        f"{CONV}/turns",
+        user_turn() | {"user_id": {"$in": [OWNER, OTHER]}},
+        id="turn-user-in",
+    ),
+    pytest.param("POST", f"{CONV}/turns", {"messages": {"$where": "1"}}, id="turn-messages-where"),
+    pytest.param(
+        "POST", f"{CONV}/turns", user_turn(conversation_id={"$ne": None}), id="turn-conversation-ne"
+    ),
+    pytest.param("POST", f"{CONV}/turns", user_turn(_id={"$gt": ""}), id="turn-message-id-gt"),
+    pytest.param(
+        "POST", f"{CONV}/turns", user_turn(user_id={"$exists": True}), id="turn-message-user"
+    ),
+    pytest.param("POST", f"{CONV}/turns", user_turn() | {"turn_id": {"$ne": "x"}}, id="turn-id-ne"),
+    pytest.param(
+        "POST",
+        f"{CONV}/turns",
+        user_turn(upload={"filename": "a", "file_type": "b", "size": {"$gt": 0}}),
+        id="turn-nested-upload",
+    ),
+]
+
+
+@pytest.mark.parametrize(("method", "url", "body"), BODY_INJECTIONS)
+async def test_operator_injection_in_the_body_is_refused(
+    api: Served, method: str, url: str, body: dict[str, Any]
+) -> None:
+    await assert_refused_and_unchanged(api, method, url, status=422, json=body, headers=SERVICE)
+
+
+async def test_a_body_that_is_not_an_object_is_refused(api: Served) -> None:
+    await assert_refused_and_unchanged(
+        api, "POST", "/v1/claims", status=400, json=[{"$where": "1"}], headers=SERVICE
+    )
+
+
+# -- forged user tokens ---------------------------------------------------------------------
+
+
+def _b64(data: dict[str, Any]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(data).encode()).decode().rstrip("=")
+
+
+def unsigned_token(sub: str) -> str:
+    claims = {"sub": sub, "aud": AUDIENCE, "iss": ISSUER, "exp": int(time.time()) + 300}
+    return f"{_b64({'alg': 'none', 'typ': 'JWT'})}.{_b64(claims)}."
+
+
+@pytest.fixture(scope="module")
+def rsa_keys() -> tuple[bytes, bytes]:
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    private = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    public = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return private, public
+
+
+FORGED = {
+    "alg-none": lambda keys: unsigned_token(OTHER),
+    "alg-none-uppercase": lambda keys: unsigned_token(OTHER).replace(
+        _b64({"alg": "none", "typ": "JWT"}), _b64({"alg": "None", "typ": "JWT"})
+    ),
+    "wrong-secret": lambda keys: user_token(OTHER, key="another-secret-of-enough-length!!"),
+    "expired": lambda keys: user_token(OTHER, expires_in=-3600),
+    "no-exp": lambda keys: user_token(OTHER, exp=None),
+    "wrong-audience": lambda keys: user_token(OTHER, aud="another-service"),
+    "no-audience": lambda keys: user_token(OTHER, aud=None),
+    "wrong-issuer": lambda keys: user_token(OTHER, iss="https://evil.example"),
+    "no-issuer": lambda keys: user_token(OTHER, iss=None),
+    "no-subject": lambda keys: user_token(None),
+    "operator-subject": lambda keys: user_token({"$ne": None}),  # type: ignore[arg-type]
+    "rs256-with-attackers-key": lambda keys: user_token(OTHER, key=keys[0], algorithm="RS256"),
+    "garbage": lambda keys: "not.a.token",
+}
+
+
+@pytest.mark.parametrize("forge", list(FORGED))
+async def test_forged_user_tokens_are_refused(
+    api: Served, forge: str, rsa_keys: tuple[bytes, bytes]
+) -> None:
+    token = FORGED[forge](rsa_keys)
+    headers = SERVICE | {"X-User-JWT": token}
+    await assert_refused_and_unchanged(
+        api, "DELETE", f"/v1/users/{OTHER}", status=401, headers=headers
+    )
+    await assert_refused_and_unchanged(api, "DELETE", CONV, status=401, headers=headers)
+
+
+async def test_hs256_signed_with_the_public_key_is_refused_by_an_rs256_service(
+    rsa_keys: tuple[bytes, bytes],
+) -> None:
+    private, public = rsa_keys
+    settings = api_settings(
+        jwt_algorithms=["RS256"], jwt_public_key=public.decode(), jwt_secret=None
+    )
+    async with serve(mongomock_db(), settings) as api:
+        genuine = user_token(OWNER, key=private, algorithm="RS256")
+        ok = await api.http.get(CONV, headers=SERVICE | {"X-User-JWT": genuine})
+        assert ok.status_code == 200
+        # The classic confusion: the public key, known to all, used as an HMAC secret.
+        claims = {"sub": OWNER, "aud": AUDIENCE, "iss": ISSUER, "exp": int(time.time()) + 300}
+        signed = f"{_b64({'alg': 'HS256', 'typ': 'JWT'})}.{_b64(claims)}"
+        signature = hmac.new(public, signed.encode(), hashlib.sha256).digest()
+        forged = f"{signed}." + base64.urlsafe_b64encode(signature).decode().rstrip("=")
+        await assert_refused_and_unchanged(
+            api, "DELETE", CONV, status=401, headers=SERVICE | {"X-User-JWT": forged}
+        )
+
+
+def test_settings_refuse_mixing_hmac_and_rsa_algorithms() -> None:
+    with pytest.raises(ValueError, match="mixes HMAC"):
+        api_settings(jwt_algorithms=["HS256", "RS256"])
+
+
+async def test_user_tokens_are_refused_when_no_key_is_configured() -> None:
+    async with serve(mongomock_db(), api_settings(jwt_secret=None)) as api:
+        await assert_refused_and_unchanged(
+            api, "DELETE", CONV, status=401, headers=auth_headers(user=OWNER)
+        )
+
+
+# -- sizes ----------------------------------------------------------------------------------
+
+
+async def test_an_oversize_body_is_refused_before_it_is_read(api: Served) -> None:
+    big = user_turn(content="x" * (2 * 1024 * 1024))
+    await assert_refused_and_unchanged(
+        api, "POST", f"{CONV}/turns", status=413, json=big, headers=SERVICE
+    )
+
+
+async def test_an_oversize_body_without_a_length_is_cut_off(api: Served) -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(40):
+            yield b"y" * 65536
+        yield b'"}]}'
+
+    await assert_refused_and_unchanged(
+        api,
+        "POST",
+        f"{CONV}/turns",
+        status=413,
+        content=chunks(),
+        headers=SERVICE | {"Content-Type": "application/json"},
+    )
+
+
+@pytest.mark.parametrize("limit", ["201", "100000", "-1", "0"])
+async def test_an_over_limit_page_size_is_refused(api: Served, limit: str) -> None:
+    await assert_refused_and_unchanged(
+        api, "GET", f"{USER}/conversations?limit={limit}", status=422, headers=SERVICE
+    )

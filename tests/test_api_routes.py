@@ -1,0 +1,353 @@
+"""Every route of the admin API and its error paths, through an in-process ASGI client."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from app.conversations import MAX_PAGE_SIZE
+from app.errors import StorageUnavailable
+from app.http_errors import ERROR_CODES
+from tests.api_harness import (
+    NAMED_TOKEN,
+    OTHER,
+    OTHER_HITL_CONVERSATION,
+    OWNER,
+    OWNER_CONVERSATION,
+    OWNER_HITL_CONVERSATION,
+    Served,
+    auth_headers,
+    mongomock_db,
+    serve,
+)
+
+SERVICE = auth_headers()
+CONV = f"/v1/conversations/{OWNER_CONVERSATION}"
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[Served]:
+    async with serve(mongomock_db()) as served:
+        yield served
+
+
+def error_code(response: object) -> str:
+    body = response.json()  # type: ignore[attr-defined]
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"code", "message"}
+    assert body["error"]["message"]
+    code: str = body["error"]["code"]
+    assert code in ERROR_CODES
+    assert ERROR_CODES[code][0] == response.status_code  # type: ignore[attr-defined]
+    return code
+
+
+async def test_health_answers_without_a_token(api: Served) -> None:
+    response = await api.http.get("/health")
+    assert (response.status_code, response.json()) == (200, {"status": "ok"})
+
+
+async def test_ready_pings_the_database(api: Served) -> None:
+    response = await api.http.get("/ready", headers=SERVICE)
+    assert response.json() == {"status": "ready", "database": "reachable"}
+
+
+async def test_list_conversations_pages_newest_first_with_a_cursor(api: Served) -> None:
+    url = f"/v1/users/{OWNER}/conversations"
+    first = (await api.http.get(url, params={"limit": 2}, headers=SERVICE)).json()
+    assert first["has_more"] is True
+    assert len(first["data"]) == 2
+    second = (
+        await api.http.get(
+            url, params={"limit": 2, "cursor": first["next_cursor"]}, headers=SERVICE
+        )
+    ).json()
+    ids = [c["_id"] for c in first["data"] + second["data"]]
+    assert sorted(ids) == sorted([OWNER_CONVERSATION, "demo-recipe-ideas", OWNER_HITL_CONVERSATION])
+    assert second["has_more"] is False
+    assert second["next_cursor"] is None
+    updated = [c["updated_at"] for c in first["data"] + second["data"]]
+    assert updated == sorted(updated, reverse=True)
+
+
+async def test_get_conversation_returns_the_document(api: Served) -> None:
+    body = (await api.http.get(CONV, headers=SERVICE)).json()
+    assert body["_id"] == OWNER_CONVERSATION
+    assert (body["user_id"], body["turn_count"], body["message_count"]) == (OWNER, 4, 12)
+
+
+async def test_transcript_returns_every_message_by_seq(api: Served) -> None:
+    body = (await api.http.get(f"{CONV}/transcript", headers=SERVICE)).json()
+    assert [m["seq"] for m in body["data"]] == list(range(12))
+    assert {m["role"] for m in body["data"]} == {"system", "user", "assistant", "tool"}
+
+
+async def test_messages_page_follows_after_and_order(api: Served) -> None:
+    url = f"{CONV}/messages"
+    first = (await api.http.get(url, params={"limit": 5}, headers=SERVICE)).json()
+    assert [m["seq"] for m in first["data"]] == [0, 1, 2, 3, 4]
+    assert first["has_more"]
+    after = first["last_id"]
+    nxt = (await api.http.get(url, params={"after": after, "limit": 5}, headers=SERVICE)).json()
+    assert [m["seq"] for m in nxt["data"]] == [5, 6, 7, 8, 9]
+    back = (
+        await api.http.get(url, params={"after": after, "order": "desc"}, headers=SERVICE)
+    ).json()
+    assert [m["seq"] for m in back["data"]] == [3, 2, 1, 0]
+    assert not back["has_more"]
+
+
+async def test_rename_sets_the_name(api: Served) -> None:
+    response = await api.http.patch(CONV, json={"name": "  Trip   to Lyon "}, headers=SERVICE)
+    assert response.status_code == 200
+    assert response.json()["name"] == "Trip to Lyon"
+    stored = await api.store.conversations.get_conversation(OWNER_CONVERSATION)
+    assert (stored.name, stored.name_source) == ("Trip to Lyon", "set")
+
+
+async def test_delete_removes_the_conversation_and_its_messages(api: Served) -> None:
+    response = await api.http.delete(CONV, headers=SERVICE)
+    assert response.json() == {"conversations": 1, "messages": 12}
+    missing = await api.http.get(CONV, headers=SERVICE)
+    assert (missing.status_code, error_code(missing)) == (404, "not_found")
+
+
+async def test_posting_a_turn_twice_stores_it_once(api: Served) -> None:
+    turn = {
+        "turn_id": "run-http-1",
+        "messages": [
+            {"role": "user", "content": "And tomorrow?"},
+            {"role": "assistant", "content": "Sunny.", "token_usage": {"input_tokens": 5}},
+        ],
+    }
+    first = await api.http.post(f"{CONV}/turns", json=turn, headers=SERVICE)
+    again = await api.http.post(f"{CONV}/turns", json=turn, headers=SERVICE)
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.json()["replayed"] is False
+    assert again.json()["replayed"] is True
+    assert [m["seq"] for m in first.json()["messages"]] == [12, 13]
+    assert [m["_id"] for m in again.json()["messages"]] == [
+        m["_id"] for m in first.json()["messages"]
+    ]
+    transcript = await api.store.conversations.transcript(OWNER_CONVERSATION)
+    assert len(transcript) == 14
+    assert (await api.store.conversations.turn_count(OWNER_CONVERSATION)) == 5
+
+
+async def test_a_turn_id_reused_for_other_messages_is_a_conflict(api: Served) -> None:
+    url = f"{CONV}/turns"
+    await api.http.post(
+        url, json={"turn_id": "t", "messages": [{"role": "user", "content": "a"}]}, headers=SERVICE
+    )
+    response = await api.http.post(
+        url,
+        json={"turn_id": "t", "messages": [{"role": "user", "content": "a"}] * 2},
+        headers=SERVICE,
+    )
+    assert (response.status_code, error_code(response)) == (409, "conflict")
+
+
+async def test_a_turn_breaking_the_contract_is_refused_naming_the_problem(api: Served) -> None:
+    before = await api.digest()
+    response = await api.http.post(
+        f"{CONV}/turns",
+        json={"messages": [{"role": "tool", "content": "orphan"}]},
+        headers=SERVICE,
+    )
+    assert (response.status_code, error_code(response)) == (422, "invalid_input")
+    assert "tool_call_id" in response.json()["error"]["message"]
+    assert await api.digest() == before
+
+
+async def test_a_user_token_logs_into_a_new_conversation_it_then_owns(api: Served) -> None:
+    response = await api.http.post(
+        "/v1/conversations/conv-new/turns",
+        json={"messages": [{"role": "user", "content": "hi"}]},
+        headers=auth_headers(user=OTHER),
+    )
+    assert response.status_code == 201
+    assert (await api.store.conversations.get_conversation("conv-new")).user_id == OTHER
+
+
+async def test_pending_hitl_is_read_and_resolved_by_request_id(api: Served) -> None:
+    url = f"/v1/conversations/{OWNER_HITL_CONVERSATION}/hitl"
+    pending = (await api.http.get(url, headers=SERVICE)).json()["pending"]
+    assert (pending["request_id"], pending["action"]) == ("req-ada", "confirm_payment")
+    wrong = await api.http.post(f"{url}/resolve", json={"request_id": "req-x"}, headers=SERVICE)
+    assert (wrong.status_code, error_code(wrong)) == (409, "conflict")
+    assert "req-ada" in wrong.json()["error"]["message"]
+    right = await api.http.post(f"{url}/resolve", json={"request_id": "req-ada"}, headers=SERVICE)
+    assert right.json() == {"request_id": "req-ada", "resolved": True}
+    assert (await api.http.get(url, headers=SERVICE)).json() == {"pending": None}
+
+
+async def test_search_needs_a_scope(api: Served) -> None:
+    response = await api.http.get("/v1/search", params={"q": "Lyon"}, headers=SERVICE)
+    assert (response.status_code, error_code(response)) == (422, "invalid_input")
+
+
+@pytest.mark.parametrize("export_format", ["jsonl", "json"])
+async def test_export_streams_every_conversation_with_its_messages(
+    api: Served, export_format: str
+) -> None:
+    response = await api.http.get(
+        f"/v1/users/{OWNER}/export", params={"format": export_format}, headers=SERVICE
+    )
+    assert response.status_code == 200
+    if export_format == "jsonl":
+        assert response.headers["content-type"] == "application/x-ndjson"
+        items = [json.loads(line) for line in response.text.splitlines()]
+    else:
+        document = response.json()
+        assert document["user_id"] == OWNER
+        items = document["conversations"]
+    by_id = {item["conversation"]["_id"]: len(item["messages"]) for item in items}
+    assert by_id == {OWNER_CONVERSATION: 12, "demo-recipe-ideas": 2, OWNER_HITL_CONVERSATION: 2}
+
+
+async def test_erase_removes_only_that_users_data(api: Served) -> None:
+    response = await api.http.delete(f"/v1/users/{OWNER}", headers=SERVICE)
+    assert response.json() == {"conversations": 3, "messages": 16}
+    listed = await api.http.get(f"/v1/users/{OWNER}/conversations", headers=SERVICE)
+    assert listed.json()["data"] == []
+    others = await api.http.get(f"/v1/users/{OTHER}/conversations", headers=SERVICE)
+    assert len(others.json()["data"]) == 2
+
+
+async def test_claim_moves_every_conversation_to_the_new_user(api: Served) -> None:
+    response = await api.http.post(
+        "/v1/claims", json={"from_user_id": OTHER, "to_user_id": "user-grace-2"}, headers=SERVICE
+    )
+    assert response.json() == {"conversations": 2, "messages": 6}
+    moved = await api.http.get("/v1/users/user-grace-2/conversations", headers=SERVICE)
+    assert {c["_id"] for c in moved.json()["data"]} == {
+        "demo-invoice-check",
+        OTHER_HITL_CONVERSATION,
+    }
+
+
+async def test_openapi_document_lists_every_route(api: Served) -> None:
+    document = (await api.http.get("/openapi.json", headers=SERVICE)).json()
+    assert document["openapi"].startswith("3.1")
+    operations = {
+        (method.upper(), path) for path, item in document["paths"].items() for method in item
+    }
+    routes = {
+        (method, route.path)  # type: ignore[attr-defined]
+        for route in api.http._transport.app.routes  # type: ignore[attr-defined]
+        for method in route.methods or ()  # type: ignore[attr-defined]
+        if route.path.startswith("/v1") and method != "HEAD"  # type: ignore[attr-defined]
+    }
+    assert routes <= operations
+    assert "LogTurnBody" in document["components"]["schemas"]
+
+
+# -- error paths -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "status", "code"),
+    [
+        pytest.param("GET", "/nowhere", 404, "not_found", id="unknown-route"),
+        pytest.param("PUT", CONV, 405, "method_not_allowed", id="wrong-method"),
+        pytest.param("GET", "/v1/conversations/missing", 404, "not_found", id="missing"),
+        pytest.param("GET", "/v1/conversations/bad%20id", 422, "invalid_input", id="bad-id"),
+        pytest.param("GET", f"{CONV}/messages?limit=abc", 422, "invalid_input", id="limit-text"),
+        pytest.param("GET", f"{CONV}/messages?order=sideways", 422, "invalid_input", id="order"),
+        pytest.param("GET", f"{CONV}/messages?after=nope", 422, "invalid_input", id="after"),
+        pytest.param("GET", f"{CONV}?unexpected=1", 422, "invalid_input", id="unknown-param"),
+        pytest.param(
+            "GET", f"/v1/users/{OWNER}/conversations?cursor=xyz", 422, "invalid_input", id="cursor"
+        ),
+        pytest.param(
+            "GET", f"/v1/users/{OWNER}/export?format=xml", 422, "invalid_input", id="format"
+        ),
+    ],
+)
+async def test_errors_are_json_with_a_stable_code(
+    api: Served, method: str, url: str, status: int, code: str
+) -> None:
+    response = await api.http.request(method, url, headers=SERVICE)
+    assert response.status_code == status
+    assert error_code(response) == code
+
+
+@pytest.mark.parametrize("limit", [0, MAX_PAGE_SIZE + 1, 10**9])
+@pytest.mark.parametrize(
+    "url", [f"/v1/users/{OWNER}/conversations", f"{CONV}/messages", "/v1/search?q=a&user_id=u"]
+)
+async def test_page_sizes_over_the_cap_are_refused(api: Served, url: str, limit: int) -> None:
+    response = await api.http.get(url, params={"limit": limit}, headers=SERVICE)
+    assert (response.status_code, error_code(response)) == (422, "invalid_input")
+    assert "limit" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type", "status", "code"),
+    [
+        pytest.param(b"{not json", "application/json", 400, "invalid_json", id="malformed"),
+        pytest.param(b"[1, 2]", "application/json", 400, "invalid_json", id="array"),
+        pytest.param(b'{"name": NaN}', "application/json", 400, "invalid_json", id="nan"),
+        pytest.param(b"", "application/json", 400, "invalid_json", id="empty"),
+        pytest.param(b'{"name": "x"}', "text/plain", 415, "unsupported_media_type", id="text"),
+        pytest.param(b'{"name": ""}', "application/json", 422, "invalid_input", id="empty-name"),
+        pytest.param(b'{"name": 7}', "application/json", 422, "invalid_input", id="number"),
+    ],
+)
+async def test_bad_bodies_are_refused_and_change_nothing(
+    api: Served, content: bytes, content_type: str, status: int, code: str
+) -> None:
+    before = await api.digest()
+    response = await api.http.patch(
+        CONV, content=content, headers=SERVICE | {"Content-Type": content_type}
+    )
+    assert (response.status_code, error_code(response)) == (status, code)
+    assert await api.digest() == before
+
+
+async def test_named_tokens_work_and_every_request_leaves_one_audit_line(
+    api: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="agent_store.audit"):
+        await api.http.get(CONV, headers={"Authorization": f"Bearer {NAMED_TOKEN}"})
+        await api.http.get(CONV, headers=auth_headers(user=OWNER))
+        await api.http.get(CONV, headers={"Authorization": "Bearer wrong"})
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "agent_store.audit"]
+    assert [(line["status"], line["service"], line["user"]) for line in lines] == [
+        (200, "admin-ui", None),
+        (200, lines[1]["service"], OWNER),
+        (401, None, None),
+    ]
+    assert lines[1]["service"].startswith("token-sha256:")
+    assert all(line["method"] == "GET" and line["path"] == CONV for line in lines)
+    assert "service-token-for-tests" not in caplog.text
+    assert NAMED_TOKEN not in caplog.text
+
+
+async def test_an_unreachable_database_makes_ready_answer_503(
+    api: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def unreachable() -> None:
+        raise StorageUnavailable("could not reach the database: the database is unreachable")
+
+    monkeypatch.setattr(api.store.conversations, "ping", unreachable)
+    response = await api.http.get("/ready", headers=SERVICE)
+    assert (response.status_code, error_code(response)) == (503, "storage_unavailable")
+
+
+async def test_an_unexpected_failure_is_a_json_500_without_details(
+    api: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("secret internal detail")
+
+    monkeypatch.setattr(api.store.conversations, "get_conversation", broken)
+    transport = httpx.ASGITransport(app=api.http._transport.app, raise_app_exceptions=False)  # type: ignore[attr-defined]
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        response = await http.get(CONV, headers=SERVICE)
+    assert (response.status_code, error_code(response)) == (500, "internal_error")
+    assert "secret internal detail" not in response.text

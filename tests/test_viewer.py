@@ -1,0 +1,219 @@
+"""The viewer's pages through an in-process client: sign-in, sessions, rendering, escaping."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from app.auth import Authenticator
+from app.presentation import legacy_turn_view, pretty_json
+from app.viewer import SESSION_COOKIE, SESSION_SECONDS, issue_session, session_service
+from tests.api_harness import (
+    OWNER,
+    OWNER_CONVERSATION,
+    SERVICE_TOKEN,
+    Served,
+    api_settings,
+    mongomock_db,
+    serve,
+)
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[Served]:
+    async with serve(mongomock_db()) as served:
+        yield served
+
+
+async def sign_in(http: httpx.AsyncClient, token: str = SERVICE_TOKEN) -> httpx.Response:
+    return await http.post("/viewer/login", data={"token": token})
+
+
+async def test_pages_redirect_to_the_sign_in_form_without_a_session(api: Served) -> None:
+    for url in ("/viewer", f"/viewer/users/{OWNER}", f"/viewer/conversations/{OWNER_CONVERSATION}"):
+        response = await api.http.get(url)
+        assert (response.status_code, response.headers["location"]) == (303, "/viewer/login")
+    form = await api.http.get("/viewer/login")
+    assert 'type="password"' in form.text
+
+
+async def test_signing_in_sets_a_strict_httponly_cookie_that_holds_no_token(api: Served) -> None:
+    response = await sign_in(api.http)
+    assert (response.status_code, response.headers["location"]) == (303, "/viewer")
+    cookie = response.headers["set-cookie"]
+    assert "HttpOnly" in cookie
+    assert "SameSite=strict" in cookie
+    assert "Path=/viewer" in cookie
+    assert SERVICE_TOKEN not in cookie
+    page = await api.http.get("/viewer")
+    assert page.status_code == 200
+    assert "Browse a user" in page.text
+
+
+async def test_a_wrong_token_does_not_sign_in(api: Served) -> None:
+    response = await sign_in(api.http, "wrong")
+    assert response.status_code == 401
+    assert "not accepted" in response.text
+    assert "set-cookie" not in response.headers
+
+
+async def test_a_sign_in_posted_from_another_site_is_refused(api: Served) -> None:
+    response = await api.http.post(
+        "/viewer/login", data={"token": SERVICE_TOKEN}, headers={"Origin": "https://evil.example"}
+    )
+    assert response.status_code == 403
+    assert "set-cookie" not in response.headers
+
+
+async def test_a_token_in_the_url_signs_nobody_in(api: Served) -> None:
+    response = await api.http.get(f"/viewer?token={SERVICE_TOKEN}")
+    assert response.status_code == 303
+    response = await api.http.post(f"/viewer/login?token={SERVICE_TOKEN}")
+    assert response.status_code == 401
+
+
+async def test_a_tampered_session_is_ignored(api: Served) -> None:
+    await sign_in(api.http)
+    value = api.http.cookies[SESSION_COOKIE]
+    api.http.cookies.clear()
+    api.http.cookies.set(SESSION_COOKIE, value[:-2] + "00", path="/viewer")
+    assert (await api.http.get("/viewer")).status_code == 303
+
+
+def test_sessions_expire_and_die_with_the_token_that_opened_them() -> None:
+    authenticator = Authenticator(api_settings())
+    now = time.time()
+    cookie = issue_session(authenticator, "admin-ui", now)
+    assert session_service(authenticator, cookie, now + 10) == "admin-ui"
+    assert session_service(authenticator, cookie, now + SESSION_SECONDS + 1) is None
+    rotated = Authenticator(api_settings(service_tokens=["a-new-token"], named_service_tokens={}))
+    assert session_service(rotated, cookie, now + 10) is None
+
+
+async def test_the_list_page_shows_the_users_conversations(api: Served) -> None:
+    await sign_in(api.http)
+    page = await api.http.get(f"/viewer/users/{OWNER}")
+    assert page.status_code == 200
+    assert page.text.count("data-conversation=") == 3
+    assert "What&#39;s the weather in Paris and in Lyon?" in page.text
+    assert "awaiting confirm_payment" in page.text
+    redirect = await api.http.get("/viewer", params={"user_id": OWNER})
+    assert redirect.headers["location"] == f"/viewer/users/{OWNER}"
+
+
+async def test_the_transcript_renders_every_role_as_a_person_reads_it(api: Served) -> None:
+    await sign_in(api.http)
+    page = await api.http.get(f"/viewer/conversations/{OWNER_CONVERSATION}")
+    assert page.status_code == 200
+    html = page.text
+    for role in ("system", "user", "assistant", "tool"):
+        assert f'data-role="{role}"' in html
+    expected = [
+        "System trigger",
+        "Scheduled follow-up: retry the pending booking.",
+        "Calls <code>get_weather</code>",
+        "&#34;city&#34;: &#34;Paris&#34;",  # arguments, pretty-printed and escaped
+        "answers get_weather (call_w1)",
+        "&#34;temp_c&#34;: 18",
+        "Needs a person: <code>confirm_booking</code>",
+        "req-booking-1",
+        "Uploaded id-card.pdf",
+        "47.1 KiB",
+        "ADA LOVELACE 1815-12-10",
+        "Booking service unavailable (HTTP 503)",
+        "120 tokens in · 31 out · 640 ms",
+    ]
+    for text in expected:
+        assert text in html, text
+    assert "RUNTIME CONTEXT" not in html
+    assert page.headers["content-security-policy"].startswith("default-src 'none'")
+
+
+async def test_stored_text_is_escaped_not_run(api: Served) -> None:
+    await api.store.logger.log_messages(
+        "conv-xss",
+        [{"role": "user", "content": "<script>alert('x')</script><img src=x onerror=alert(1)>"}],
+        user_id=OWNER,
+    )
+    await sign_in(api.http)
+    for url in ("/viewer/conversations/conv-xss", f"/viewer/users/{OWNER}"):
+        html = (await api.http.get(url)).text
+        assert "<script>alert" not in html
+        assert "<img src=x" not in html
+        assert "&lt;script&gt;" in html
+
+
+async def test_the_legacy_page_shows_old_turns_beside_the_messages(api: Served) -> None:
+    await sign_in(api.http)
+    page = await api.http.get(f"/viewer/conversations/{OWNER_CONVERSATION}/legacy")
+    assert page.status_code == 200
+    assert page.text.count("data-legacy-turn=") == 2
+    assert page.text.count("data-role=") == 12
+    for text in (
+        "Tool call: get_weather",
+        "Tool result: search_trains (call_t1)",
+        "HITL prompt: confirm_booking [req-booking-1]",
+        "Unknown part type &#39;sticker&#39;",
+    ):
+        assert text in page.text, text
+
+
+async def test_a_missing_conversation_is_a_readable_404_page(api: Served) -> None:
+    await sign_in(api.http)
+    page = await api.http.get("/viewer/conversations/nope")
+    assert page.status_code == 404
+    assert "was not found" in page.text
+    assert page.headers["content-type"].startswith("text/html")
+
+
+async def test_signing_out_clears_the_session(api: Served) -> None:
+    await sign_in(api.http)
+    response = await api.http.post("/viewer/logout")
+    assert response.status_code == 303
+    assert (await api.http.get("/viewer")).status_code == 303
+
+
+def test_legacy_turns_are_read_leniently() -> None:
+    view = legacy_turn_view(
+        {
+            "_id": "t1",
+            "is_system": True,
+            "response_parts": [
+                {"type": "tool_call", "tool_name": "lookup", "args": '{"q": 1}'},
+                {"type": "tool_result", "result": {"ok": True}},
+                "not a part",
+                {"type": "error", "message": "boom"},
+                {"type": "file_upload", "filename": "a.txt", "file_type": "text/plain", "size": 3},
+            ],
+            "mystery": 1,
+        }
+    )
+    assert view.is_system
+    assert view.user_message == ""
+    assert [p.kind for p in view.parts] == [
+        "tool_call",
+        "tool_result",
+        "unknown",
+        "error",
+        "file_upload",
+    ]
+    assert view.parts[0].body == pretty_json({"q": 1})
+    assert view.parts[1].title == "Tool result: ?"
+    assert view.other_fields == ["mystery"]
+    assert legacy_turn_view({}).parts == []
+
+
+async def test_a_conversation_not_migrated_yet_shows_its_legacy_turns_alone(api: Served) -> None:
+    await api.db["agent_conversations_deprecated"].insert_one(
+        {"conversation_id": "conv-old", "user_message": "Hello from 2024", "response_parts": []}
+    )
+    await sign_in(api.http)
+    page = await api.http.get("/viewer/conversations/conv-old/legacy")
+    assert page.status_code == 200
+    assert "Hello from 2024" in page.text
+    assert "Not migrated yet" in page.text
+    missing = await api.http.get("/viewer/conversations/conv-none/legacy")
+    assert missing.status_code == 404
