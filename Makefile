@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 
 .DEFAULT_GOAL := help
 .PHONY: help install run test test-py311 lint format schema types types-check bench index-sizes \
-	test-api test-browser
+	test-api test-browser load
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -83,3 +83,6 @@ test-api: $(VENV)/.installed ## The admin API, auth, attacks, schemathesis and v
 
 test-browser: $(VENV)/.installed ## The viewer in headless Chromium; screenshots in tests/output/
 	$(BIN)/pytest -m browser
+
+load: $(VENV)/.installed ## API load test on loopback: list and transcript vs a plain route (ARGS=...)
+	$(BIN)/python -m scripts.load_api $(ARGS)

@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -49,6 +48,7 @@ from app import AgentMessageLogger, ConversationStore
 from app.collections import create_indexes
 from scripts.corpus import Conversation, Corpus
 from scripts.legacy_turns import LEGACY_COLLECTION, read_legacy_transcript, to_legacy_turn
+from scripts.wire_server import start_wire_server
 
 GOAL_ROUND_TRIPS = 2
 GOAL_WRITE_RATIO = 1.25
@@ -398,18 +398,6 @@ async def bench_reads(
 
 
 # -- backends --------------------------------------------------------------------------
-
-
-def start_wire_server() -> tuple[subprocess.Popen[str], str]:
-    """mongoeco's wire server in a process of its own, so its CPU is not the client's."""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "scripts.wire_server"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert server.stdout is not None
-    return server, server.stdout.readline().strip()
 
 
 @contextlib.asynccontextmanager

@@ -1,33 +1,35 @@
-"""Run mongoeco's wire server (in memory) as a process of its own, for measurements.
+"""Run the embedded wire server (in memory) as a process of its own, for measurements.
 
 Prints its URI on the first line of stdout, then serves until stdin closes or the
 process is terminated. A separate process keeps the database's CPU out of the
-client's `time.process_time()`.
+client's `time.process_time()` and out of its interpreter lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
+
+from app.embedded import embedded_mongodb
+
+
+def start_wire_server() -> tuple[subprocess.Popen[str], str]:
+    """Start this module in a child process; returns it and the server's URI."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "scripts.wire_server"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert server.stdout is not None
+    return server, server.stdout.readline().strip()
 
 
 async def serve() -> None:
-    from mongoeco.engines.memory import MemoryEngine
-    from mongoeco.wire.proxy import AsyncMongoEcoProxyServer
-
-    server = AsyncMongoEcoProxyServer(
-        engine=MemoryEngine(),
-        host="127.0.0.1",
-        port=0,
-        mongodb_dialect="7.0",
-        pymongo_profile="auto-installed",
-    )
-    address = await server.start()
-    print(f"mongodb://{address.host}:{address.port}/?directConnection=true", flush=True)
-    try:
+    async with embedded_mongodb(None) as uri:
+        print(uri, flush=True)
         await asyncio.to_thread(sys.stdin.read)  # returns when the parent closes stdin
-    finally:
-        await server.close()
 
 
 if __name__ == "__main__":
