@@ -868,7 +868,9 @@ def pending_from_session_hitl(
             request_id=newest["request_id"],
             action=str(newest.get("action") or (raised and raised.hitl_action and
                                                 raised.hitl_action.action) or "unknown"),
-            params=params if isinstance(params, dict) else {},
+            params=params
+            if isinstance(params, dict)
+            else (raised.hitl_action.params if raised and raised.hitl_action else {}),
             prompt=newest.get("prompt") or (raised.content if raised else None),
             message_id=raised.id if raised is not None and raised.id else "",
             created_at=when(newest) if when(newest) != _EPOCH else (
