@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from pymongo import MongoClient
 from pymongo.database import Database
-from pymongo.errors import ConfigurationError, PyMongoError, ServerSelectionTimeoutError
+from pymongo.errors import ConfigurationError, PyMongoError
 
 from app.collections import CONVERSATIONS, INDEXES, LEGACY_TURNS, MESSAGES
 from migrations import explode, lease, relocate
@@ -68,7 +68,7 @@ class Progress:
             self.bar.close()
 
 
-def connect(args: argparse.Namespace) -> Database[dict[str, Any]]:
+def connect(args: argparse.Namespace) -> MongoClient[dict[str, Any]]:
     uri = args.uri or os.environ.get("MONGODB_URI")
     if not uri:
         raise Misuse("no database given: pass --uri or set MONGODB_URI")
@@ -76,14 +76,16 @@ def connect(args: argparse.Namespace) -> Database[dict[str, Any]]:
         client: MongoClient[dict[str, Any]] = MongoClient(
             uri, tz_aware=True, serverSelectionTimeoutMS=int(args.timeout * 1000)
         )
-        client.admin.command("ping")
     except ConfigurationError as exc:
         raise Unreachable(f"invalid MongoDB URI {uri!r}: {exc}") from exc
-    except (ServerSelectionTimeoutError, PyMongoError) as exc:
+    try:
+        client.admin.command("ping")
+    except PyMongoError as exc:
+        client.close()
         raise Unreachable(
             f"cannot reach MongoDB at {uri!r} within {args.timeout:g}s: {exc}"
         ) from exc
-    return client[args.database]
+    return client
 
 
 def ensure_store_indexes(db: Database[dict[str, Any]]) -> None:
@@ -296,12 +298,16 @@ COMMANDS = {"status": cmd_status, "run": cmd_run, "verify": cmd_verify, "finish"
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    client = None
     try:
-        db = connect(args)
-        return COMMANDS[args.command](db, args)
+        client = connect(args)
+        return COMMANDS[args.command](client[args.database], args)
     except MigrationError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.exit_code
     except PyMongoError as exc:
         print(f"error: the database failed: {exc}", file=sys.stderr)
         return 4
+    finally:
+        if client is not None:
+            client.close()
