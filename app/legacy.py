@@ -879,3 +879,115 @@ def pending_from_session_hitl(
         ),
         notes,
     )  # fmt: skip
+
+
+# -- dual write: a logged turn as the legacy writer would have stored it -----------------
+
+
+def legacy_turn_id(conversation_id: str, turn_id: str) -> str:
+    """The `_id` of a dual-written legacy turn: a rewrite of the same turn replaces it."""
+    digest = hashlib.sha256(f"{conversation_id}\0{turn_id}".encode()).hexdigest()
+    return "dual-" + digest[:32]
+
+
+def _loaded(text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _as_found(text: str | None, *, compact: bool) -> Any:
+    """JSON text as a value when the converter turns that value back into the very same
+    text, else the text itself: a round trip through the legacy format changes nothing."""
+    loaded = _loaded(text)
+    if text is None or isinstance(loaded, str) or _dumps(loaded, compact=compact)[0] != text:
+        return text
+    return loaded
+
+
+def legacy_turn_document(
+    conversation_id: str,
+    turn_id: str,
+    messages: Sequence[AgentMessage],
+    *,
+    user_id: str | None,
+    name: str | None,
+) -> dict[str, Any]:
+    """One logged turn as a legacy turn document (DESIGN §4), for rollback to the old reader.
+
+    Marked `dual_write: true`: the migration skips these, their messages are already stored.
+    """
+    user_texts: list[str] = []
+    uploads: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    names: dict[str, str] = {}
+    is_system = False
+    for message in messages:
+        if message.role in ("user", "system"):
+            is_system = is_system or message.role == "system"
+            if message.content:
+                user_texts.append(message.content)
+            if message.upload is not None:
+                uploads.append(message.upload.model_dump())
+        elif message.role == "tool":
+            parts.append(
+                {
+                    "type": "tool_result",
+                    "tool_name": names.get(message.tool_call_id or "", ""),
+                    "result": _as_found(message.content, compact=False),
+                    "tool_call_id": message.tool_call_id,
+                }
+            )
+        else:
+            for call in message.tool_calls or ():
+                names[call.id] = call.function.name
+                parts.append(
+                    {
+                        "type": "tool_call",
+                        "tool_name": call.function.name,
+                        "args": _as_found(call.function.arguments, compact=True),
+                        "tool_call_id": call.id,
+                    }
+                )
+            if message.hitl_action is not None:
+                parts.append(
+                    {"type": "hitl", **message.hitl_action.model_dump(), "prompt": message.content}
+                )
+            elif message.error is not None:
+                parts.append({"type": "error", "message": message.error.message})
+            elif message.content:
+                parts.append({"type": "text", "content": message.content})
+    usage = [m.token_usage for m in messages if m.token_usage is not None]
+    latency = [m.latency_ms for m in messages if m.latency_ms is not None]
+    parts += [{"type": "file_upload", **u} for u in uploads[1:]]
+    document: dict[str, Any] = {
+        "_id": legacy_turn_id(conversation_id, turn_id),
+        "conversation_id": conversation_id,
+        "user_id": user_id,
+        "name": name,
+        "created_at": messages[0].created_at,
+        "is_system": is_system,
+        "user_message": "\n\n".join(user_texts),
+        "response_parts": parts,
+        "tool_calls": [
+            {"tool_name": p["tool_name"], "args": p["args"]}
+            for p in parts
+            if p["type"] == "tool_call"
+        ],
+        "response_text": "".join(p["content"] for p in parts if p["type"] == "text"),
+        "dual_write": True,
+        "turn_id": turn_id,
+    }
+    if uploads:
+        document["upload_result"] = uploads[0]
+    if usage:
+        document["token_usage"] = {
+            "input_tokens": sum(u.input_tokens for u in usage),
+            "output_tokens": sum(u.output_tokens for u in usage),
+        }
+    if latency:
+        document["latency_ms"] = sum(latency)
+    return document

@@ -12,7 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
-from app.legacy import Problem, convert, convert_conversation, pending_from_session_hitl
+from app.legacy import (
+    Problem,
+    convert,
+    convert_conversation,
+    legacy_turn_document,
+    pending_from_session_hitl,
+)
 from app.models import AgentMessage, message_adapter
 from tests.test_logger import expected_example
 
@@ -466,3 +472,31 @@ def test_converting_twice_gives_identical_documents(turns: list[dict[str, Any]])
     assert first.conversation == second.conversation
     assert first.problems == second.problems
     assert [m.seq for m in first.messages] == list(range(len(first.messages)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(legacy_conversations())
+def test_messages_written_back_as_legacy_turns_convert_to_the_same_messages(
+    turns: list[dict[str, Any]],
+) -> None:
+    """What the dual write stores is read back by the migration as the same conversation."""
+    messages, _ = convert_conversation(turns)
+    by_turn: dict[str, list[AgentMessage]] = {}
+    for message in messages:
+        by_turn.setdefault(message.turn_id or "", []).append(message)
+    written = [
+        legacy_turn_document(CID, turn_id, group, user_id="user-1", name=None)
+        for turn_id, group in by_turn.items()
+    ]
+    again, problems = convert_conversation(written) if written else ([], [])
+
+    assert problems == []
+
+    def visible(ms: list[AgentMessage]) -> list[Any]:
+        """One entry per tool call: runs of call-only messages may merge on the way back."""
+        ignored = {"id", "turn_id", "search_text", "token_usage", "latency_ms", "seq", "tool_calls"}
+        return [
+            (m.model_dump(exclude=ignored), call) for m in ms for call in (m.tool_calls or [None])
+        ]
+
+    assert visible(again) == visible(messages)
