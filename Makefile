@@ -9,7 +9,7 @@ VENV311 := .venv311
 BIN := $(VENV)/bin
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-py311 lint format schema
+.PHONY: help install run test test-py311 lint format schema migrate bench-migration
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -50,3 +50,9 @@ format: $(VENV)/.installed ## Apply ruff's fixes and formatting
 
 schema: $(VENV)/.installed ## Regenerate the JSON Schemas in schemas/
 	$(BIN)/python -m app.schema
+
+migrate: $(VENV)/.installed ## Legacy-turns migration: make migrate ARGS="run --dry-run" (default: status)
+	$(BIN)/python -m migrations $(or $(ARGS),status)
+
+bench-migration: $(VENV)/.installed ## Migration turns/s and peak RSS for two corpus sizes (a few minutes)
+	$(BIN)/python scripts/bench_migration.py $(ARGS)

@@ -68,9 +68,7 @@ def cli(wire_uri: str, db: Database[dict[str, Any]], *args: str) -> int:
     )
 
 
-pytestmark = pytest.mark.wire
-
-
+@pytest.mark.wire
 def test_run_rerun_and_verify_converge_on_the_wire_backend(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -98,6 +96,7 @@ def test_run_rerun_and_verify_converge_on_the_wire_backend(
     assert cli(wire_uri, database, "finish") == 0
 
 
+@pytest.mark.wire
 def test_verify_reports_each_difference_with_its_conversation_id(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -118,6 +117,7 @@ def test_verify_reports_each_difference_with_its_conversation_id(
     assert lines[-1].startswith("verified 1 conversations: 0 match, 1 differ")
 
 
+@pytest.mark.wire
 def test_dry_run_writes_nothing(wire_uri: str, database: Database[dict[str, Any]]) -> None:
     seed(database)
     before = digest(database)
@@ -126,6 +126,7 @@ def test_dry_run_writes_nothing(wire_uri: str, database: Database[dict[str, Any]
     assert "agent_migrations" not in database.list_collection_names()
 
 
+@pytest.mark.wire
 def test_limit_and_conversation_migrate_part_and_a_later_run_resumes(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -140,6 +141,7 @@ def test_limit_and_conversation_migrate_part_and_a_later_run_resumes(
     assert database[CONVERSATIONS].count_documents({}) == 5
 
 
+@pytest.mark.wire
 def test_no_legacy_data_is_a_clear_error(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -148,6 +150,7 @@ def test_no_legacy_data_is_a_clear_error(
     assert cli(wire_uri, database, "verify") == 2
 
 
+@pytest.mark.wire
 def test_a_held_lock_stops_a_second_run_until_forced_or_expired(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -183,6 +186,7 @@ def test_no_uri_at_all_is_misuse(
     assert "pass --uri or set MONGODB_URI" in capsys.readouterr().err
 
 
+@pytest.mark.wire
 def test_a_conversation_logged_before_its_migration_is_reported_not_merged(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -212,6 +216,7 @@ def test_move_aside_renames_where_the_server_allows_it() -> None:
     assert relocate.relocate(db).how == "already moved"
 
 
+@pytest.mark.wire
 def test_move_aside_copies_when_the_server_refuses_the_rename(
     database: Database[dict[str, Any]],
 ) -> None:
@@ -264,6 +269,7 @@ def run_process(
     return process.returncode
 
 
+@pytest.mark.wire
 def test_killing_the_migration_at_any_point_then_resuming_gives_the_uninterrupted_result(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:
