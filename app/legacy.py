@@ -43,15 +43,11 @@ from app.models import (
 from app.text import collapse_whitespace, shorten
 from app.turns import TurnPlan, TurnRules, plan_turn, validate_identifier
 
-LEGACY_TURN_FIELDS = ("user_message", "response_parts")
-"""A document holding either field is a legacy turn, not a conversation document."""
+LEGACY_TURN_FIELDS = ("user_message", "response_parts", "response_text", "upload_result")
+"""A document holding any of these fields is a legacy turn, not a conversation document."""
 
 _IDENTIFIER = re.compile(r"^[A-Za-z0-9_.:@|-]{1,100}$")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-def is_legacy_turn(document: Mapping[str, Any]) -> bool:
-    return any(name in document for name in LEGACY_TURN_FIELDS)
 
 
 class _Lenient(BaseModel):

@@ -21,6 +21,7 @@ from pymongo.database import Database
 from pymongo.errors import ConfigurationError, PyMongoError
 
 from app.collections import CONVERSATIONS, INDEXES, LEGACY_TURNS, MESSAGES
+from app.turns import TurnRules
 from migrations import explode, lease, relocate
 from migrations.errors import MigrationError, Misuse, Unreachable
 from migrations.verify import verify
@@ -138,6 +139,10 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     if not args.dry_run:
         held = lease.Lease(db, run_id, timedelta(seconds=args.lease_seconds))
         held.acquire(force=args.force_unlock)
+        # Holding the lock, no other run is alive: records still "running" were killed.
+        db[lease.STATE].update_many(
+            {"kind": "run", "status": "running"}, {"$set": {"status": "interrupted"}}
+        )
     try:
         source = LEGACY_TURNS
         if args.dry_run:
@@ -154,6 +159,10 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
             raise Misuse(
                 f"no legacy data: neither {CONVERSATIONS} nor {LEGACY_TURNS} holds turn documents"
             )
+        if args.conversation is not None and (
+            db[source].find_one({"conversation_id": args.conversation}, {"_id": 1}) is None
+        ):
+            raise Misuse(f"no legacy turns for conversation {args.conversation!r} in {source}")
         if not args.dry_run:
             # The only change made to the legacy collection: an index to read it by conversation.
             db[LEGACY_TURNS].create_index(LEGACY_INDEX, name="migration_conversation_id")
@@ -222,15 +231,25 @@ def cmd_finish(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     if relocate.holds_turns(db, CONVERSATIONS):
         print(f"{CONVERSATIONS} still holds legacy turns: run the migration first")
         return 1
-    missing = 0
+    missing = empty = 0
     for batch in explode.batches(explode.conversation_ids(db), 500):
-        ids = [str(i) for i in batch]
-        present = {d["_id"] for d in db[CONVERSATIONS].find({"_id": {"$in": ids}}, {"_id": 1})}
-        missing += len(set(ids) - present)
+        present = {
+            d["_id"]
+            for d in db[CONVERSATIONS].find({"_id": {"$in": [str(i) for i in batch]}}, {"_id": 1})
+        }
+        absent = [i for i in batch if str(i) not in present]
+        if absent:
+            # Conversations whose turns hold no message (or no valid id) have no document.
+            conversions, failed, _ = explode.convert_batch(db, absent, TurnRules())
+            empty += len(failed) + sum(1 for c in conversions if c.conversation is None)
+            missing += sum(1 for c in conversions if c.conversation is not None)
     if missing:
         print(f"{missing} legacy conversations have no conversation document yet: run again")
         return 1
-    print("every legacy conversation is migrated")
+    print(
+        "every legacy conversation is migrated"
+        + (f" ({empty} hold nothing to migrate; see {explode.PROBLEMS})" if empty else "")
+    )
     db[lease.STATE].update_one(
         {"_id": explode.STATE_ID}, {"$set": {"finished_at": lease.now()}}, upsert=True
     )

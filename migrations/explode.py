@@ -39,12 +39,13 @@ from app.legacy import LegacyConversion, Problem, convert, pending_from_session_
 from app.models import message_adapter
 from app.turns import TurnRules
 from migrations.lease import STATE, Lease, now
+from migrations.relocate import TURN_FILTER
 
 PROBLEMS = "agent_migration_problems"
 STATE_ID = "state:legacy-turns"
 DUPLICATE_KEY = 11000
-DUAL_WRITE_FILTER: dict[str, Any] = {"dual_write": {"$ne": True}}
-"""Turns the new logger wrote for rollback are already in the new collections."""
+LEGACY_FILTER: dict[str, Any] = {**TURN_FILTER, "dual_write": {"$ne": True}}
+"""Legacy turns, but not those the new logger wrote for rollback: their messages are stored."""
 
 
 @dataclass
@@ -79,7 +80,7 @@ def conversation_ids(
 ) -> Iterator[Any]:
     """Every legacy conversation id, sorted, streamed from the server."""
     pipeline: list[dict[str, Any]] = [
-        {"$match": DUAL_WRITE_FILTER},
+        {"$match": LEGACY_FILTER},
         {"$group": {"_id": "$conversation_id"}},
         {"$sort": {"_id": 1}},
     ]
@@ -91,7 +92,7 @@ def conversation_ids(
 
 def count_conversations(db: Database[dict[str, Any]], *, source: str = LEGACY_TURNS) -> int:
     pipeline: list[dict[str, Any]] = [
-        {"$match": DUAL_WRITE_FILTER},
+        {"$match": LEGACY_FILTER},
         {"$group": {"_id": "$conversation_id"}},
         {"$count": "n"},
     ]
@@ -115,7 +116,7 @@ def read_turns(
 ) -> dict[Any, list[dict[str, Any]]]:
     """The turns of some conversations, each list in stored order."""
     grouped: dict[Any, list[dict[str, Any]]] = {i: [] for i in ids}
-    for doc in db[source].find({"conversation_id": {"$in": ids}, **DUAL_WRITE_FILTER}):
+    for doc in db[source].find({"conversation_id": {"$in": ids}, **LEGACY_FILTER}):
         grouped.setdefault(doc["conversation_id"], []).append(doc)
     return grouped
 
@@ -243,7 +244,7 @@ class Explosion:
         if after is not None:
             done = self.db[self.source].aggregate(
                 [
-                    {"$match": {"conversation_id": {"$lte": after}, **DUAL_WRITE_FILTER}},
+                    {"$match": {"conversation_id": {"$lte": after}, **LEGACY_FILTER}},
                     {"$group": {"_id": "$conversation_id"}},
                     {"$count": "n"},
                 ]
