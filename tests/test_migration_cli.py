@@ -94,6 +94,11 @@ def test_run_rerun_and_verify_converge_on_the_wire_backend(
     out = capsys.readouterr().out
     assert "verified 5 conversations: 5 match, 0 differ" in out
     assert cli(wire_uri, database, "finish") == 0
+    assert cli(wire_uri, database, "status") == 0
+    status = capsys.readouterr().out
+    assert "lock: free" in status
+    assert "progress: complete" in status
+    assert "completed" in status.splitlines()[-1]
 
 
 @pytest.mark.wire
@@ -135,6 +140,7 @@ def test_limit_and_conversation_migrate_part_and_a_later_run_resumes(
     assert database[CONVERSATIONS].distinct("_id") == [EXAMPLE_CONVERSATION_ID]
     assert cli(wire_uri, database, "run", "--limit", "2", "--batch-size", "1") == 0
     assert database[CONVERSATIONS].count_documents({}) in (2, 3)
+    assert cli(wire_uri, database, "finish") == 1
     capsys.readouterr()
     assert cli(wire_uri, database, "run") == 0
     assert "resuming after conversation" in capsys.readouterr().out
@@ -148,6 +154,9 @@ def test_no_legacy_data_is_a_clear_error(
     assert cli(wire_uri, database, "run") == 2
     assert "no legacy data" in capsys.readouterr().err
     assert cli(wire_uri, database, "verify") == 2
+    seed(database)
+    assert cli(wire_uri, database, "run", "--conversation", "no-such-conversation") == 2
+    assert "no legacy turns for conversation 'no-such-conversation'" in capsys.readouterr().err
 
 
 @pytest.mark.wire
@@ -296,3 +305,5 @@ def test_killing_the_migration_at_any_point_then_resuming_gives_the_uninterrupte
     assert run_process(wire_uri, database.name, "--force-unlock") == 0
 
     assert digest(database) == expected
+    statuses = [r["status"] for r in database["agent_migrations"].find({"kind": "run"})]
+    assert sorted(set(statuses)) == ["completed", "interrupted"]
