@@ -42,7 +42,7 @@ class Progress:
         if self.mode == "bar":
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit=unit, file=stream, dynamic_ncols=True)
+            self.bar = tqdm(total=total, unit=unit, file=stream)
 
     def advance(self, count: int, turns: int | None = None) -> None:
         self.done += count

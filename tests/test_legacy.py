@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -11,6 +12,7 @@ from bson import ObjectId
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from app.errors import InvalidInput
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from app.legacy import (
     Problem,
@@ -420,8 +422,6 @@ def legacy_conversations(draw: st.DrawFn) -> list[dict[str, Any]]:
 
 
 def markers_in(value: Any) -> list[str]:
-    import re
-
     return re.findall(r"<[a-z]\d+>", json.dumps(value, default=str))
 
 
@@ -500,3 +500,11 @@ def test_messages_written_back_as_legacy_turns_convert_to_the_same_messages(
         ]
 
     assert visible(again) == visible(messages)
+
+
+def test_turns_of_an_invalid_conversation_id_are_refused_naming_it() -> None:
+    bad = [turn(1) | {"conversation_id": "has spaces"}]
+    with pytest.raises(InvalidInput, match=re.escape("invalid conversation_id")):
+        convert(bad)
+    with pytest.raises(InvalidInput, match="2 conversation ids"):
+        convert([turn(1), turn(2) | {"conversation_id": "other"}])
