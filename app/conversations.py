@@ -201,8 +201,22 @@ class ConversationStore:
                 return_document=ReturnDocument.AFTER,
             )
         if doc is None:
-            raise NotFound(f"conversation {conversation_id!r} was not found")
+            await self._refuse_unmigrated(conversation_id, user_id, "renamed")
         return Conversation.model_validate(doc)
+
+    async def _refuse_unmigrated(
+        self, conversation_id: str, user_id: str | None, what: str
+    ) -> None:
+        """NotFound, or Conflict for a conversation that exists only as legacy turns.
+
+        The legacy turns are read-only until the migration has run: changing them here
+        would be undone, or lost, by the migration.
+        """
+        await self._legacy(conversation_id, user_id)
+        raise Conflict(
+            f"conversation {conversation_id!r} is not migrated yet; it can be {what} once "
+            "`python -m migrations run` has migrated it"
+        )
 
     async def delete(self, conversation_id: str, *, user_id: str | None = None) -> Deleted:
         """Delete a conversation and all its messages.
@@ -210,7 +224,12 @@ class ConversationStore:
         Messages go first, so a crash part-way leaves a conversation that a
         repeated delete finishes, never messages without their conversation.
         """
-        await self.get_conversation(conversation_id, user_id=user_id)
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(
+                self._scope(conversation_id, user_id), {"_id": 1}
+            )
+        if found is None:
+            await self._refuse_unmigrated(conversation_id, user_id, "deleted")
         with storage_errors("delete the conversation"):
             messages = await self._messages.delete_many({"conversation_id": conversation_id})
             conversations = await self._conversations.delete_one({"_id": conversation_id})

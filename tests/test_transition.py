@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app import AgentMessageLogger, ConversationStore, NotFound
+from app import AgentMessageLogger, Conflict, ConversationStore, NotFound
 from app.collections import LEGACY_TURNS, SESSION_HITL
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_legacy_turns
 from app.legacy import convert
@@ -87,6 +87,20 @@ async def test_reads_of_an_unmigrated_conversation_fall_back_to_its_legacy_turns
         await ConversationStore(backend.db, legacy_fallback=False).transcript(
             EXAMPLE_CONVERSATION_ID
         )
+
+
+async def test_an_unmigrated_conversation_cannot_be_renamed_or_deleted_yet(
+    backend: Backend,
+) -> None:
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    store = ConversationStore(backend.db)
+    with pytest.raises(Conflict, match="is not migrated yet; it can be deleted once"):
+        await store.delete(EXAMPLE_CONVERSATION_ID)
+    with pytest.raises(Conflict, match="is not migrated yet; it can be renamed once"):
+        await store.rename(EXAMPLE_CONVERSATION_ID, "New name")
+    with pytest.raises(NotFound):
+        await store.delete("never-existed")
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 4
 
 
 async def test_a_migrated_conversation_is_read_from_the_new_collections(backend: Backend) -> None:
