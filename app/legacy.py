@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from bson import ObjectId
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from app.errors import InvalidInput, describe_validation_error
 from app.models import (
@@ -48,6 +48,7 @@ LEGACY_TURN_FIELDS = ("user_message", "response_parts", "response_text", "upload
 
 _IDENTIFIER = re.compile(r"^[A-Za-z0-9_.:@|-]{1,100}$")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_upload_adapter: TypeAdapter[FileUpload] = TypeAdapter(FileUpload)
 
 
 class _Lenient(BaseModel):
@@ -230,6 +231,22 @@ def _aligned(history: list[str], occurrence: int, total: int) -> str | None:
 # -- the conversion ----------------------------------------------------------------------
 
 
+def _real_id(
+    part: dict[str, Any],
+    history: dict[str, list[str]],
+    seen: dict[str, int],
+    totals: dict[str, int],
+) -> tuple[Any, str | None]:
+    """The part's tool name, and its real call id: its own, or the history's aligned one."""
+    name = part.get("tool_name") or part.get("name")
+    occurrence = seen[str(name)]
+    seen[str(name)] += 1
+    real = part.get("tool_call_id") or _aligned(
+        history.get(str(name), []), occurrence, totals[str(name)]
+    )
+    return name, real if isinstance(real, str) else None
+
+
 def _generated_call_id(legacy_key: str, part_index: int) -> str:
     digest = hashlib.sha256(f"{legacy_key}\0{part_index}".encode()).hexdigest()
     return "call_legacy_" + digest[:24]
@@ -288,19 +305,28 @@ class _Converter:
             )
         )
 
-    def valid(self, turn: LegacyTurn, message: dict[str, Any], part_index: int | None) -> bool:
+    def checked(
+        self,
+        turn: LegacyTurn,
+        adapter: TypeAdapter[Any],
+        value: Any,
+        *,
+        kind: str,
+        part_index: int | None,
+    ) -> Any:
+        """`value` validated by `adapter`; else None, the value kept in a problem."""
         try:
-            message_adapter.validate_python(message)
+            return adapter.validate_python(value)
         except ValidationError as exc:
+            subject = "upload" if kind == "invalid_upload" else "message"
             self.problem(
                 turn,
-                "invalid_part",
-                describe_validation_error(exc, subject="message"),
+                kind,
+                describe_validation_error(exc, subject=subject),
                 part_index=part_index,
-                content=message,
+                content=value,
             )
-            return False
-        return True
+            return None
 
     # One turn -> items in order; tool results are attached to their call groups.
     def turn_items(self, turn: LegacyTurn, at: datetime) -> list[Item]:
@@ -330,12 +356,7 @@ class _Converter:
                 current = None
             if kind == "tool_call":
                 assert isinstance(part, dict)
-                name = part.get("tool_name") or part.get("name")
-                occurrence = seen_calls[str(name)]
-                seen_calls[str(name)] += 1
-                real = part.get("tool_call_id") or _aligned(
-                    history_calls.get(str(name), []), occurrence, call_totals[str(name)]
-                )
+                name, real = _real_id(part, history_calls, seen_calls, call_totals)
                 call = self._call(turn, index, part, name, real)
                 if call is None:
                     continue
@@ -349,7 +370,6 @@ class _Converter:
                         },
                         calls=[],
                     )
-                    current.message["_legacy_index"] = index
                     items.append(current)
                     turn_groups.append(current)
                 current.message["tool_calls"].append(call)
@@ -357,13 +377,8 @@ class _Converter:
                 self.calls_by_id[call["id"]] = current
             elif kind == "tool_result":
                 assert isinstance(part, dict)
-                name = part.get("tool_name") or part.get("name")
-                occurrence = seen_results[str(name)]
-                seen_results[str(name)] += 1
-                real = part.get("tool_call_id") or _aligned(
-                    history_returns.get(str(name), []), occurrence, result_totals[str(name)]
-                )
-                pending_results.append((index, part, real if isinstance(real, str) else None))
+                _, real = _real_id(part, history_returns, seen_results, result_totals)
+                pending_results.append((index, part, real))
             elif kind == "text":
                 assert isinstance(part, dict)
                 text = part.get("content", part.get("text"))
@@ -466,17 +481,12 @@ class _Converter:
         elif text:
             items.append({"role": "user", "content": text, "created_at": at})
         for upload_index, upload in uploads:
-            try:
-                checked = FileUpload.model_validate(upload).model_dump()
-            except ValidationError as exc:
-                self.problem(
-                    turn,
-                    "invalid_upload",
-                    describe_validation_error(exc, subject="upload"),
-                    part_index=upload_index,
-                    content=upload,
-                )
+            valid = self.checked(
+                turn, _upload_adapter, upload, kind="invalid_upload", part_index=upload_index
+            )
+            if valid is None:
                 continue
+            checked = valid.model_dump()
             first = items[0] if items else None
             if isinstance(first, dict) and first["role"] == "user" and "upload" not in first:
                 first["upload"] = checked
@@ -585,7 +595,6 @@ class _Converter:
             "tool_call_id": call_id,
             "content": content,
             "created_at": at,
-            "_legacy_index": index,
         }
         group.results[call_id] = message
 
@@ -618,8 +627,8 @@ class _Converter:
         at: datetime,
     ) -> None:
         message = {**message, "created_at": at}
-        if self.valid(turn, message, index):
-            items.append({**message, "_legacy_index": index})
+        if self.checked(turn, message_adapter, message, kind="invalid_part", part_index=index):
+            items.append(message)
 
     def _usage(self, turn: LegacyTurn, items: list[Item]) -> None:
         usage = turn.token_usage if isinstance(turn.token_usage, dict) else None
@@ -745,11 +754,10 @@ def convert(
         wanted = _flatten(items)
         if not wanted:
             continue
-        clean = [{k: v for k, v in m.items() if k != "_legacy_index"} for m in wanted]
         try:
-            plan = plan_turn(conversation_id, clean, turn_id=turn.turn_id, rules=rules)
+            plan = plan_turn(conversation_id, wanted, turn_id=turn.turn_id, rules=rules)
         except InvalidInput as exc:
-            converter.problem(turn, "invalid_turn", exc.message, content=clean)
+            converter.problem(turn, "invalid_turn", exc.message, content=wanted)
             continue
         plans.append(plan)
         messages += plan.messages
