@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 
 .DEFAULT_GOAL := help
 .PHONY: help install run test test-py311 lint format schema types types-check bench index-sizes \
-	test-api test-browser load
+	test-api test-browser load migrate bench-migration
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -86,3 +86,9 @@ test-browser: $(VENV)/.installed ## The viewer in headless Chromium; screenshots
 
 load: $(VENV)/.installed ## API load test on loopback: list and transcript vs a plain route (ARGS=...)
 	$(BIN)/python -m scripts.load_api $(ARGS)
+
+migrate: $(VENV)/.installed ## Legacy-turns migration: make migrate ARGS="run --dry-run" (default: status)
+	$(BIN)/python -m migrations $(or $(ARGS),status)
+
+bench-migration: $(VENV)/.installed ## Migration turns/s and peak RSS for two corpus sizes (a few minutes)
+	$(BIN)/python scripts/bench_migration.py $(ARGS)

@@ -17,8 +17,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 from pymongo import ReturnDocument
 
-from app.collections import CONVERSATIONS, MESSAGES, Database
+from app.collections import CONVERSATIONS, LEGACY_TURNS, MESSAGES, SESSION_HITL, Database
 from app.errors import Conflict, InvalidInput, NotFound, storage_errors
+from app.legacy import LegacyConversion, convert, pending_from_session_hitl
 from app.models import (
     AgentMessage,
     Conversation,
@@ -27,7 +28,7 @@ from app.models import (
     PendingHitl,
     message_adapter,
 )
-from app.turns import validate_identifier
+from app.turns import TurnRules, validate_identifier
 
 MAX_PAGE_SIZE = 200
 # Messages in the first reply of a transcript read: a 300-message transcript is one round
@@ -96,9 +97,44 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
 class ConversationStore:
     """Reads and administers conversations. Takes the same database handles as the logger."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(
+        self, db: Database, *, legacy_fallback: bool = True, rules: TurnRules | None = None
+    ) -> None:
         self._messages = db[MESSAGES]
         self._conversations = db[CONVERSATIONS]
+        self._legacy_turns = db[LEGACY_TURNS] if legacy_fallback else None
+        self._session_hitl = db[SESSION_HITL]
+        self._rules = rules or TurnRules()
+
+    async def _legacy(self, conversation_id: str, user_id: str | None) -> LegacyConversion:
+        """A conversation not migrated yet, converted from its legacy turns; else NotFound.
+
+        Only reached when the new collections have nothing under this id, so reads of
+        migrated conversations keep their round-trip counts.
+        """
+        missing = NotFound(f"conversation {conversation_id!r} was not found")
+        if self._legacy_turns is None:
+            raise missing
+        with storage_errors("read the legacy turns"):
+            turns = await self._legacy_turns.find({"conversation_id": conversation_id}).to_list(
+                None
+            )
+        if not turns:
+            raise missing
+        conversion = convert(turns, rules=self._rules)
+        if conversion.conversation is None or (
+            user_id is not None and conversion.conversation.user_id != user_id
+        ):
+            raise missing
+        with storage_errors("read the pending prompt"):
+            prompts = await self._session_hitl.find(
+                {"$or": [{"conversation_id": conversation_id}, {"session_id": conversation_id}]}
+            ).to_list(None)
+        pending, _ = pending_from_session_hitl(prompts, conversion.messages)
+        conversion.conversation = conversion.conversation.model_copy(
+            update={"pending_hitl": pending}
+        )
+        return conversion
 
     async def ping(self) -> None:
         """One indexed lookup: raises StorageUnavailable when the database does not answer."""
@@ -144,7 +180,9 @@ class ConversationStore:
         with storage_errors("read the conversation"):
             doc = await self._conversations.find_one(self._scope(conversation_id, user_id))
         if doc is None:
-            raise NotFound(f"conversation {conversation_id!r} was not found")
+            legacy = (await self._legacy(conversation_id, user_id)).conversation
+            assert legacy is not None
+            return legacy
         return Conversation.model_validate(doc)
 
     async def turn_count(self, conversation_id: str, *, user_id: str | None = None) -> int:
@@ -153,7 +191,7 @@ class ConversationStore:
                 self._scope(conversation_id, user_id), {"turn_count": 1}
             )
         if doc is None:
-            raise NotFound(f"conversation {conversation_id!r} was not found")
+            return (await self.get_conversation(conversation_id, user_id=user_id)).turn_count
         return int(doc.get("turn_count", 0))
 
     async def rename(
@@ -170,8 +208,22 @@ class ConversationStore:
                 return_document=ReturnDocument.AFTER,
             )
         if doc is None:
-            raise NotFound(f"conversation {conversation_id!r} was not found")
+            await self._refuse_unmigrated(conversation_id, user_id, "renamed")
         return Conversation.model_validate(doc)
+
+    async def _refuse_unmigrated(
+        self, conversation_id: str, user_id: str | None, what: str
+    ) -> None:
+        """NotFound, or Conflict for a conversation that exists only as legacy turns.
+
+        The legacy turns are read-only until the migration has run: changing them here
+        would be undone, or lost, by the migration.
+        """
+        await self._legacy(conversation_id, user_id)
+        raise Conflict(
+            f"conversation {conversation_id!r} is not migrated yet; it can be {what} once "
+            "`python -m migrations run` has migrated it"
+        )
 
     async def delete(self, conversation_id: str, *, user_id: str | None = None) -> Deleted:
         """Delete a conversation and all its messages.
@@ -179,7 +231,12 @@ class ConversationStore:
         Messages go first, so a crash part-way leaves a conversation that a
         repeated delete finishes, never messages without their conversation.
         """
-        await self.get_conversation(conversation_id, user_id=user_id)
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(
+                self._scope(conversation_id, user_id), {"_id": 1}
+            )
+        if found is None:
+            await self._refuse_unmigrated(conversation_id, user_id, "deleted")
         with storage_errors("delete the conversation"):
             messages = await self._messages.delete_many({"conversation_id": conversation_id})
             conversations = await self._conversations.delete_one({"_id": conversation_id})
@@ -199,8 +256,14 @@ class ConversationStore:
                 self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH).to_list(None)
             )
         if not docs:
-            # Tell an empty conversation from a missing one (costs a lookup only here).
-            await self.get_conversation(conversation_id, user_id=user_id)
+            # Tell an empty conversation from a missing or not yet migrated one (costs a
+            # lookup only here).
+            with storage_errors("read the conversation"):
+                found = await self._conversations.find_one(
+                    self._scope(conversation_id, user_id), {"_id": 1}
+                )
+            if found is None:
+                return (await self._legacy(conversation_id, user_id)).messages
         return [message_adapter.validate_python(d) for d in docs]
 
     async def messages_page(
@@ -222,7 +285,16 @@ class ConversationStore:
         if user_id is not None:
             query["user_id"] = validate_identifier(user_id, "user_id")
         if after is not None:
-            query["seq"] = {"$gt" if order == "asc" else "$lt": await self._seq_of(after, query)}
+            try:
+                seq = await self._seq_of(after, query)
+            except InvalidInput:
+                if self._legacy_turns is None or not after.startswith("msg-"):
+                    raise
+                legacy = await self._legacy_page(conversation_id, after, limit, order, user_id)
+                if legacy is None:
+                    raise
+                return legacy
+            query["seq"] = {"$gt" if order == "asc" else "$lt": seq}
         with storage_errors("read messages"):
             docs = await (
                 self._messages.find(query)
@@ -231,13 +303,49 @@ class ConversationStore:
                 .to_list(None)
             )
         if not docs and after is None:
-            await self.get_conversation(conversation_id, user_id=user_id)
+            with storage_errors("read the conversation"):
+                found = await self._conversations.find_one(
+                    self._scope(conversation_id, user_id), {"_id": 1}
+                )
+            if found is None:
+                legacy = await self._legacy_page(conversation_id, None, limit, order, user_id)
+                if legacy is None:
+                    raise NotFound(f"conversation {conversation_id!r} was not found")
+                return legacy
         messages = [message_adapter.validate_python(d) for d in docs[:limit]]
         return MessagePage(
             data=messages,
             has_more=len(docs) > limit,
             first_id=messages[0].id if messages else None,
             last_id=messages[-1].id if messages else None,
+        )
+
+    async def _legacy_page(
+        self,
+        conversation_id: str,
+        after: str | None,
+        limit: int,
+        order: SortOrder,
+        user_id: str | None,
+    ) -> MessagePage | None:
+        """A page of a not yet migrated conversation, or None if it has no legacy turns."""
+        try:
+            messages = (await self._legacy(conversation_id, user_id)).messages
+        except NotFound:
+            return None
+        if order == "desc":
+            messages = messages[::-1]
+        if after is not None:
+            ids = [m.id for m in messages]
+            if after not in ids:
+                return None
+            messages = messages[ids.index(after) + 1 :]
+        page = messages[:limit]
+        return MessagePage(
+            data=page,
+            has_more=len(messages) > limit,
+            first_id=page[0].id if page else None,
+            last_id=page[-1].id if page else None,
         )
 
     async def _seq_of(self, message_id: str, scope: dict[str, Any]) -> int:
@@ -259,7 +367,7 @@ class ConversationStore:
                 self._scope(conversation_id, user_id), {"pending_hitl": 1}
             )
         if doc is None:
-            raise NotFound(f"conversation {conversation_id!r} was not found")
+            return (await self.get_conversation(conversation_id, user_id=user_id)).pending_hitl
         pending = doc.get("pending_hitl")
         return PendingHitl.model_validate(pending) if pending else None
 

@@ -142,3 +142,122 @@ def example_turns() -> list[tuple[str, list[dict[str, Any]]]]:
             ],
         ),
     ]
+
+
+EXAMPLE_LEGACY_IDS = [
+    "65e2e9f0a1b2c3d4e5f60001",
+    "65e2e9f0a1b2c3d4e5f60002",
+    "65e2e9f0a1b2c3d4e5f60003",
+    "65e2e9f0a1b2c3d4e5f60004",
+]
+
+
+def example_legacy_turns() -> list[dict[str, Any]]:
+    """The example conversation as the old writer stored it: one document per turn (DESIGN §4).
+
+    Token usage and latency were kept per turn, so each turn holds the sum of its responses.
+    """
+    from bson import ObjectId
+
+    common = {"conversation_id": EXAMPLE_CONVERSATION_ID, "user_id": EXAMPLE_USER_ID}
+    return [
+        {
+            "_id": ObjectId(EXAMPLE_LEGACY_IDS[0]),
+            **common,
+            "name": None,
+            "created_at": _at(0),
+            "user_message": "[RUNTIME CONTEXT]timezone=Europe/Paris; plan=pro[/RUNTIME CONTEXT]"
+            "What's the weather in Paris and in Lyon?",
+            "response_parts": [
+                {
+                    "type": "tool_call",
+                    "tool_name": "get_weather",
+                    "args": {"city": "Paris"},
+                    "tool_call_id": "call_w1",
+                },
+                {
+                    "type": "tool_call",
+                    "tool_name": "get_weather",
+                    "args": '{"city": "Lyon"}',
+                    "tool_call_id": "call_w2",
+                },
+                {
+                    "type": "tool_result",
+                    "tool_name": "get_weather",
+                    "result": {"temp_c": 18, "sky": "clear"},
+                },
+                {
+                    "type": "tool_result",
+                    "tool_name": "get_weather",
+                    "result": {"temp_c": 21, "sky": "cloudy"},
+                },
+                {"type": "text", "content": "Paris: 18 °C and clear. Lyon: 21 °C and cloudy."},
+            ],
+            "tool_calls": [
+                {"tool_name": "get_weather", "args": {"city": "Paris"}},
+                {"tool_name": "get_weather", "args": '{"city": "Lyon"}'},
+            ],
+            "response_text": "Paris: 18 °C and clear. Lyon: 21 °C and cloudy.",
+            "token_usage": {"input_tokens": 310, "output_tokens": 49},
+            "latency_ms": 1050,
+        },
+        {
+            "_id": ObjectId(EXAMPLE_LEGACY_IDS[1]),
+            **common,
+            "created_at": _at(60),
+            "user_message": "Book me a train to Lyon tomorrow morning.",
+            "response_parts": [
+                {
+                    "type": "tool_call",
+                    "tool_name": "search_trains",
+                    "args": {"to": "Lyon", "date": "2026-03-03"},
+                },
+                {
+                    "type": "tool_result",
+                    "tool_name": "search_trains",
+                    "result": [{"train": "TGV 6601", "departs": "09:04", "price_eur": 35}],
+                },
+                {
+                    "type": "hitl",
+                    "action": "confirm_booking",
+                    "params": {"train": "TGV 6601", "price_eur": 35},
+                    "request_id": "req-booking-1",
+                    "prompt": "The 09:04 TGV costs €35. Shall I book it? Upload an ID first.",
+                },
+            ],
+            "message_history_json": (
+                '[{"kind": "response", "parts": [{"part_kind": "tool-call", '
+                '"tool_name": "search_trains", "args": {"to": "Lyon", "date": "2026-03-03"}, '
+                '"tool_call_id": "call_t1"}]}, {"kind": "request", "parts": [{"part_kind": '
+                '"tool-return", "tool_name": "search_trains", "content": [], '
+                '"tool_call_id": "call_t1"}]}]'
+            ),
+            "token_usage": {"input_tokens": 540, "output_tokens": 47},
+            "latency_ms": 530,
+        },
+        {
+            "_id": ObjectId(EXAMPLE_LEGACY_IDS[2]),
+            **common,
+            "name": "Trip to Lyon",
+            "created_at": _at(120),
+            "user_message": "Here is my ID card.",
+            "upload_result": {
+                "filename": "id-card.pdf",
+                "file_type": "application/pdf",
+                "size": 48213,
+                "parsed_text": "ADA LOVELACE 1815-12-10",
+            },
+            "response_parts": [
+                {"type": "error", "message": "Booking service unavailable (HTTP 503)"}
+            ],
+            "response_text": "",
+        },
+        {
+            "_id": ObjectId(EXAMPLE_LEGACY_IDS[3]),
+            **common,
+            "created_at": _at(3600),
+            "is_system": True,
+            "user_message": "Scheduled follow-up: retry the pending booking.",
+            "response_parts": [],
+        },
+    ]

@@ -23,8 +23,9 @@ from pydantic import BaseModel, ConfigDict
 from pymongo import ReturnDocument
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
-from app.collections import CONVERSATIONS, MESSAGES, Database, IndexSetup
+from app.collections import CONVERSATIONS, LEGACY_TURNS, MESSAGES, Database, IndexSetup
 from app.errors import Conflict, InvalidInput, NotFound, StorageFailure, storage_errors
+from app.legacy import legacy_turn_document
 from app.models import AgentMessage, Conversation, utc_now
 from app.turns import KeepPendingHitl, TurnPlan, TurnRules, plan_turn, validate_identifier
 
@@ -57,11 +58,16 @@ class AgentMessageLogger:
     connection nor reads the environment itself.
     """
 
-    def __init__(self, db: Database, *, rules: TurnRules | None = None) -> None:
+    def __init__(
+        self, db: Database, *, rules: TurnRules | None = None, legacy_dual_write: bool = False
+    ) -> None:
         self.rules = rules or TurnRules()
         self._messages = db[MESSAGES]
         self._conversations = db[CONVERSATIONS]
         self._indexes = IndexSetup(db)
+        # During the migration's rollback window every turn is also kept as a legacy turn
+        # document: a third round trip per turn, only while the flag is on.
+        self._legacy_turns = db[LEGACY_TURNS] if legacy_dual_write else None
 
     async def ensure_indexes(self) -> None:
         """Create the store's indexes (idempotent; retried after a failure)."""
@@ -164,6 +170,8 @@ class AgentMessageLogger:
             for index, message in enumerate(plan.messages)
         ]
         await self._insert(stored)
+        if self._legacy_turns is not None:
+            await self._write_legacy_turn(plan, stored, conversation)
         return LoggedTurn(
             conversation_id=plan.conversation_id,
             turn_id=plan.turn_id,
@@ -213,6 +221,21 @@ class AgentMessageLogger:
         raise StorageFailure(
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
         )
+
+    async def _write_legacy_turn(
+        self, plan: TurnPlan, stored: list[AgentMessage], conversation: Conversation
+    ) -> None:
+        """Upsert the turn as a legacy document; a retried turn rewrites the same one."""
+        assert self._legacy_turns is not None
+        document = legacy_turn_document(
+            plan.conversation_id,
+            plan.turn_id,
+            stored,
+            user_id=conversation.user_id,
+            name=conversation.name,
+        )
+        with storage_errors("write the legacy turn (dual write)"):
+            await self._legacy_turns.replace_one({"_id": document["_id"]}, document, upsert=True)
 
     async def _insert(self, messages: list[AgentMessage]) -> None:
         documents = [m.model_dump(by_alias=True) for m in messages]

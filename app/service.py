@@ -28,8 +28,12 @@ class Store:
     @classmethod
     def on(cls, db: Database, settings: Settings) -> Store:
         return cls(
-            logger=AgentMessageLogger(db, rules=settings.turn_rules()),
-            conversations=ConversationStore(db),
+            logger=AgentMessageLogger(
+                db, rules=settings.turn_rules(), legacy_dual_write=settings.legacy_dual_write
+            ),
+            conversations=ConversationStore(
+                db, legacy_fallback=settings.legacy_read_fallback, rules=settings.turn_rules()
+            ),
             db=db,
         )
 

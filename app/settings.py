@@ -66,6 +66,11 @@ class Settings(BaseSettings):
     runtime_context_end: str = "[/RUNTIME CONTEXT]"
     name_chars: int = Field(default=60, ge=2, le=200)
     """The longest automatic conversation name, ellipsis included (a name holds at most 200)."""
+    legacy_dual_write: bool = False
+    """Also keep each logged turn as a legacy turn document (`AGENT_STORE_LEGACY_DUAL_WRITE`),
+    so the old service can take over again during the migration's rollback window."""
+    legacy_read_fallback: bool = True
+    """Serve conversations not migrated yet from the legacy turns (`…_LEGACY_READ_FALLBACK`)."""
 
     def turn_rules(self) -> TurnRules:
         return TurnRules(

@@ -1,0 +1,5 @@
+"""`python -m migrations`: see migrations/cli.py."""
+
+from migrations.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,332 @@
+"""`python -m migrations <status|run|verify|finish>`: the legacy-turns migration for operators.
+
+Exit codes: 0 success; 1 `verify` found differences or `finish` found work left;
+2 misuse (bad options, no legacy data); 3 the lock is held; 4 the database is
+unreachable or the URI is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, TextIO
+
+from pymongo import MongoClient
+from pymongo.database import Database
+from pymongo.errors import ConfigurationError, PyMongoError
+
+from app.collections import CONVERSATIONS, INDEXES, LEGACY_TURNS, MESSAGES
+from app.turns import TurnRules
+from migrations import explode, lease, relocate
+from migrations.errors import MigrationError, Misuse, Unreachable
+from migrations.verify import verify
+
+LEGACY_INDEX = [("conversation_id", 1)]
+
+
+class Progress:
+    """Progress on stderr: a tqdm bar on a terminal, else one line per batch."""
+
+    def __init__(self, total: int, unit: str, mode: str, stream: TextIO = sys.stderr) -> None:
+        self.total, self.unit, self.stream = total, unit, stream
+        self.mode = ("bar" if stream.isatty() else "lines") if mode == "auto" else mode
+        self.done = 0
+        self.turns = 0
+        self.started = time.monotonic()
+        self.bar: Any = None
+        if self.mode == "bar":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit=unit, file=stream)
+
+    def advance(self, count: int, turns: int | None = None) -> None:
+        self.done += count
+        if turns is not None:
+            self.turns = turns
+        if self.bar is not None:
+            self.bar.update(count)
+            if turns is not None:
+                self.bar.set_postfix(turns=turns, refresh=False)
+        elif self.mode == "lines":
+            elapsed = max(time.monotonic() - self.started, 1e-9)
+            rate = self.done / elapsed
+            eta = (self.total - self.done) / rate if rate else 0.0
+            turn_rate = f", {self.turns / elapsed:.1f} turns/s" if turns is not None else ""
+            print(
+                f"progress: {self.done}/{self.total} {self.unit}, {rate:.1f} {self.unit}/s"
+                f"{turn_rate}, ETA {eta:.0f}s",
+                file=self.stream,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def connect(args: argparse.Namespace) -> MongoClient[dict[str, Any]]:
+    uri = args.uri or os.environ.get("MONGODB_URI")
+    if not uri:
+        raise Misuse("no database given: pass --uri or set MONGODB_URI")
+    try:
+        client: MongoClient[dict[str, Any]] = MongoClient(
+            uri, tz_aware=True, serverSelectionTimeoutMS=int(args.timeout * 1000)
+        )
+    except ConfigurationError as exc:
+        raise Unreachable(f"invalid MongoDB URI {uri!r}: {exc}") from exc
+    try:
+        client.admin.command("ping")
+    except PyMongoError as exc:
+        client.close()
+        raise Unreachable(
+            f"cannot reach MongoDB at {uri!r} within {args.timeout:g}s: {exc}"
+        ) from exc
+    return client
+
+
+def ensure_store_indexes(db: Database[dict[str, Any]]) -> None:
+    for collection, specs in INDEXES.items():
+        for keys, options in specs:
+            db[collection].create_index(keys, **options)
+
+
+# -- commands -----------------------------------------------------------------------------
+
+
+def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
+    in_place = relocate.holds_turns(db, CONVERSATIONS)
+    legacy = db[LEGACY_TURNS].estimated_document_count()
+    print(f"legacy turns not yet moved aside (in {CONVERSATIONS}): {'yes' if in_place else 'no'}")
+    print(f"documents in {LEGACY_TURNS}: {legacy}")
+    print(f"conversations in {CONVERSATIONS}: {db[CONVERSATIONS].estimated_document_count()}")
+    print(f"messages in {MESSAGES}: {db[MESSAGES].estimated_document_count()}")
+    print(f"lock: {lease.describe(lease.current(db))}")
+    state = db[lease.STATE].find_one({"_id": explode.STATE_ID})
+    if state:
+        where = "complete" if state.get("complete") else f"after {state.get('checkpoint')!r}"
+        print(f"progress: {where} (run {state.get('run_id')})")
+    last = db[lease.STATE].find_one({"kind": "run"}, sort=[("started_at", -1)])
+    if last:
+        counts = last.get("counts", {})
+        print(
+            f"last run: {last['_id']} {last.get('status')}, started {last.get('started_at')}, "
+            f"{last.get('seconds')}s, {counts.get('conversations')} conversations, "
+            f"{counts.get('turns')} turns, {counts.get('inserted')} messages inserted, "
+            f"{counts.get('problems')} problems {counts.get('problems_by_kind')}"
+        )
+    if not in_place and legacy == 0:
+        print("no legacy data found")
+    return 0
+
+
+def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
+    if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
+        raise Misuse("--batch-size and --limit must be at least 1")
+    run_id = time.strftime("run-%Y%m%dT%H%M%SZ-", time.gmtime()) + uuid.uuid4().hex[:6]
+    options = explode.Options(
+        dry_run=args.dry_run,
+        limit=args.limit,
+        conversation=args.conversation,
+        batch_size=args.batch_size,
+        restart=args.restart,
+    )
+    held: lease.Lease | None = None
+    if not args.dry_run:
+        held = lease.Lease(db, run_id, timedelta(seconds=args.lease_seconds))
+        held.acquire(force=args.force_unlock)
+        # Holding the lock, no other run is alive: records still "running" were killed.
+        db[lease.STATE].update_many(
+            {"kind": "run", "status": "running"}, {"$set": {"status": "interrupted"}}
+        )
+    try:
+        source = LEGACY_TURNS
+        if args.dry_run:
+            if relocate.holds_turns(db, CONVERSATIONS):
+                source = CONVERSATIONS
+                print(f"dry run: would move the turns of {CONVERSATIONS} to {LEGACY_TURNS}")
+        else:
+            moved = relocate.relocate(db, batch_size=max(args.batch_size, 100))
+            if moved.how in ("renamed", "copied"):
+                print(f"moved {moved.moved} turn documents to {LEGACY_TURNS} ({moved.how})")
+                if moved.detail:
+                    print(f"  {moved.detail}")
+        if not relocate.holds_turns(db, source):
+            raise Misuse(
+                f"no legacy data: neither {CONVERSATIONS} nor {LEGACY_TURNS} holds turn documents"
+            )
+        if args.conversation is not None and (
+            db[source].find_one({"conversation_id": args.conversation}, {"_id": 1}) is None
+        ):
+            raise Misuse(f"no legacy turns for conversation {args.conversation!r} in {source}")
+        if not args.dry_run:
+            # The only change made to the legacy collection: an index to read it by conversation.
+            db[LEGACY_TURNS].create_index(LEGACY_INDEX, name="migration_conversation_id")
+            ensure_store_indexes(db)
+        run = explode.Explosion(db, options, lease=held, source=source)
+        after = run.resume_point()
+        if after is not None:
+            print(f"resuming after conversation {after!r} (pass --restart to start over)")
+        progress = Progress(run.total(after), "conversations", args.progress)
+        run.on_batch = progress.advance
+        try:
+            counts = run.run(after)
+        finally:
+            progress.close()
+    finally:
+        if held is not None:
+            held.release()
+    verb = "would write" if args.dry_run else "inserted"
+    print(
+        f"{'dry run' if args.dry_run else run.run_id}: {counts.conversations} conversations, "
+        f"{counts.turns} turns -> {counts.messages} messages ({verb} "
+        f"{counts.inserted if not args.dry_run else counts.messages}), "
+        f"{counts.conversations_written} conversation documents written, "
+        f"{counts.live_skipped} already live, {counts.problems} problems"
+        + (f" {counts.problems_by_kind} (see {explode.PROBLEMS})" if counts.problems else "")
+    )
+    elapsed = time.monotonic() - run.started
+    print(f"took {elapsed:.1f}s, {counts.turns / max(elapsed, 1e-9):.1f} turns/s")
+    return 0
+
+
+def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
+    if not relocate.holds_turns(db, LEGACY_TURNS):
+        raise Misuse(f"no legacy data in {LEGACY_TURNS}: run `python -m migrations run` first")
+    total = (
+        1
+        if args.conversation
+        else min(args.sample, explode.count_conversations(db))
+        if args.sample
+        else explode.count_conversations(db)
+    )
+    progress = Progress(total, "conversations", args.progress)
+    try:
+        result = verify(
+            db,
+            conversation=args.conversation,
+            sample_size=args.sample,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            on_batch=progress.advance,
+        )
+    finally:
+        progress.close()
+    for conversation_id, found in result.differences.items():
+        for difference in found:
+            print(f"{conversation_id}: {difference}")
+    print(
+        f"verified {result.conversations} conversations: {result.matched} match, "
+        f"{len(result.differences)} differ; {result.unplaced} legacy parts were recorded as "
+        f"problems and left out (see {explode.PROBLEMS})"
+    )
+    return 0 if result.ok else 1
+
+
+def cmd_finish(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
+    if relocate.holds_turns(db, CONVERSATIONS):
+        print(f"{CONVERSATIONS} still holds legacy turns: run the migration first")
+        return 1
+    missing = empty = 0
+    for batch in explode.batches(explode.conversation_ids(db), 500):
+        present = {
+            d["_id"]
+            for d in db[CONVERSATIONS].find({"_id": {"$in": [str(i) for i in batch]}}, {"_id": 1})
+        }
+        absent = [i for i in batch if str(i) not in present]
+        if absent:
+            # Conversations whose turns hold no message (or no valid id) have no document.
+            conversions, failed, _ = explode.convert_batch(db, absent, TurnRules())
+            empty += len(failed) + sum(1 for c in conversions if c.conversation is None)
+            missing += sum(1 for c in conversions if c.conversation is not None)
+    if missing:
+        print(f"{missing} legacy conversations have no conversation document yet: run again")
+        return 1
+    print(
+        "every legacy conversation is migrated"
+        + (f" ({empty} hold nothing to migrate; see {explode.PROBLEMS})" if empty else "")
+    )
+    db[lease.STATE].update_one(
+        {"_id": explode.STATE_ID}, {"$set": {"finished_at": lease.now()}}, upsert=True
+    )
+    if args.drop_legacy:
+        if not args.yes:
+            raise Misuse("--drop-legacy deletes the rollback copy: add --yes to confirm")
+        db[LEGACY_TURNS].drop()
+        print(f"dropped {LEGACY_TURNS}; rollback to the legacy service is no longer possible")
+    else:
+        print(
+            f"keep {LEGACY_TURNS} for the rollback window; then `finish --drop-legacy --yes` "
+            "and unset AGENT_STORE_LEGACY_DUAL_WRITE"
+        )
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--uri", help="MongoDB connection string (default: $MONGODB_URI)")
+    common.add_argument(
+        "--database",
+        default=os.environ.get("AGENT_STORE_DATABASE", "agent_store"),
+        help="database name (default: $AGENT_STORE_DATABASE or agent_store)",
+    )
+    common.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)"
+    )
+    common.add_argument(
+        "--progress",
+        choices=["auto", "bar", "lines", "none"],
+        default="auto",
+        help="progress on stderr: a bar on a terminal, else lines (default auto)",
+    )
+    top = argparse.ArgumentParser(
+        prog="python -m migrations",
+        description="Migrate legacy turn documents into agent_messages and agent_conversations.",
+    )
+    commands = top.add_subparsers(dest="command", required=True)
+    commands.add_parser("status", parents=[common], help="what is migrated, the lock, last run")
+    run = commands.add_parser("run", parents=[common], help="move aside, then migrate")
+    run.add_argument("--dry-run", action="store_true", help="convert and count; write nothing")
+    run.add_argument("--limit", type=int, help="migrate at most N conversations")
+    run.add_argument("--conversation", metavar="ID", help="migrate only this conversation")
+    run.add_argument("--batch-size", type=int, default=100, help="conversations per batch")
+    run.add_argument("--restart", action="store_true", help="ignore the saved checkpoint")
+    run.add_argument(
+        "--force-unlock", action="store_true", help="take the lock from a run known to be dead"
+    )
+    run.add_argument(
+        "--lease-seconds", type=float, default=120.0, help="lock lease, renewed every batch"
+    )
+    check = commands.add_parser("verify", parents=[common], help="compare legacy and new")
+    check.add_argument("--sample", type=int, help="verify a random sample of N conversations")
+    check.add_argument("--seed", type=int, default=0, help="seed of the sample")
+    check.add_argument("--conversation", metavar="ID", help="verify only this conversation")
+    check.add_argument("--batch-size", type=int, default=100)
+    finish = commands.add_parser("finish", parents=[common], help="check all is migrated")
+    finish.add_argument("--drop-legacy", action="store_true", help="drop the legacy collection")
+    finish.add_argument("--yes", action="store_true", help="confirm --drop-legacy")
+    return top
+
+
+COMMANDS = {"status": cmd_status, "run": cmd_run, "verify": cmd_verify, "finish": cmd_finish}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    client = None
+    try:
+        client = connect(args)
+        return COMMANDS[args.command](client[args.database], args)
+    except MigrationError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return exc.exit_code
+    except PyMongoError as exc:
+        print(f"error: the database failed: {exc}", file=sys.stderr)
+        return 4
+    finally:
+        if client is not None:
+            client.close()

@@ -1,0 +1,510 @@
+"""The legacy converter: golden example, each kind of mess, and properties over generated data."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from bson import ObjectId
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from app.errors import InvalidInput
+from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
+from app.legacy import (
+    Problem,
+    convert,
+    convert_conversation,
+    legacy_turn_document,
+    pending_from_session_hitl,
+)
+from app.models import AgentMessage, message_adapter
+from tests.test_logger import expected_example
+
+CID = "legacy-conv"
+T0 = datetime(2025, 5, 1, 12, 0, tzinfo=UTC)
+
+
+def turn(n: int, parts: list[Any] | None = None, **fields: Any) -> dict[str, Any]:
+    """A legacy turn document; `n` makes its id and its time."""
+    return {
+        "_id": ObjectId(f"{n:024x}"),
+        "conversation_id": CID,
+        "user_id": "user-1",
+        "created_at": T0 + timedelta(minutes=n),
+        "user_message": f"question {n}",
+        "response_parts": parts if parts is not None else [],
+        **fields,
+    }
+
+
+def shape(messages: list[AgentMessage]) -> list[tuple[Any, ...]]:
+    """Role and the visible payload of each message."""
+    return [
+        (
+            m.role,
+            m.content,
+            [(c.function.name, c.function.arguments) for c in m.tool_calls or ()] or None,
+            m.tool_call_id,
+            m.error.message if m.error else None,
+        )
+        for m in messages
+    ]
+
+
+def call_ids(messages: list[AgentMessage]) -> list[str]:
+    return [c.id for m in messages for c in m.tool_calls or ()]
+
+
+def test_example_conversation_as_legacy_turns_converts_to_its_twelve_messages() -> None:
+    messages, problems = convert_conversation(example_legacy_turns())
+
+    assert problems == []
+    assert len(messages) == 12
+    assert [m.seq for m in messages] == list(range(12))
+    ignored = {"id", "seq", "search_text", "created_at", "token_usage", "latency_ms"}
+    ignored |= {"conversation_id", "user_id", "turn_id"}
+    got = [m.model_dump(exclude=ignored) for m in messages]
+    assert got == [{k: v for k, v in m.items() if k not in ignored} for m in expected_example()]
+    # Usage was kept per turn: it lands on the turn's last assistant message.
+    assert [m.token_usage.input_tokens for m in messages if m.token_usage] == [310, 540]
+    assert {m.conversation_id for m in messages} == {EXAMPLE_CONVERSATION_ID}
+    assert {m.user_id for m in messages} == {"user-ada"}
+
+
+def test_example_conversation_document_sums_the_turns() -> None:
+    conversion = convert(example_legacy_turns())
+    conversation = conversion.conversation
+    assert conversation is not None
+    assert conversation.turn_count == 4
+    assert conversation.message_count == 12
+    assert conversation.usage.input_tokens == 850
+    assert conversation.name == "Trip to Lyon"
+    assert conversation.last_message_preview == "Booking service unavailable (HTTP 503)"
+    assert conversation.recent_turns == []
+    assert conversation.updated_at == conversion.messages[-1].created_at
+
+
+def test_converted_messages_validate_against_the_store_models() -> None:
+    messages, _ = convert_conversation(example_legacy_turns())
+    for message in messages:
+        document = message.model_dump(by_alias=True)
+        assert message_adapter.validate_python(document) == message
+
+
+MESS: list[Any] = [
+    pytest.param(
+        [
+            {"_id": ObjectId(f"{1:024x}"), "conversation_id": CID},
+            {
+                "_id": ObjectId(f"{2:024x}"),
+                "conversation_id": CID,
+                "response_parts": [{"type": "text", "content": "hello"}],
+            },
+        ],
+        [("assistant", "hello", None, None, None)],
+        ["missing_created_at", "missing_created_at"],
+        id="missing-fields",
+    ),
+    pytest.param(
+        [
+            turn(
+                1,
+                [
+                    {"type": "tool_call", "tool_name": "f", "args": '{"a": 1}'},
+                    {"type": "tool_call", "tool_name": "g", "args": {"b": 2}},
+                    {"type": "tool_result", "tool_name": "f", "result": 1},
+                    {"type": "tool_result", "tool_name": "g", "result": 2},
+                ],
+            )
+        ],
+        [
+            ("user", "question 1", None, None, None),
+            ("assistant", None, [("f", '{"a": 1}'), ("g", '{"b":2}')], "#0", None),
+            ("tool", "1", None, "#0", None),
+            ("tool", "2", None, "#1", None),
+        ],
+        [],
+        id="args-as-string-or-dict",
+    ),
+    pytest.param(
+        [
+            turn(
+                1,
+                [
+                    {"type": "tool_call", "tool_name": "f", "args": {}},
+                    {"type": "text", "content": "thinking"},
+                    {"type": "tool_call", "tool_name": "g", "args": {}},
+                    {"type": "text", "content": "done"},
+                    {"type": "tool_result", "tool_name": "g", "result": "G"},
+                    {"type": "tool_result", "tool_name": "f", "result": "F"},
+                ],
+            )
+        ],
+        [
+            ("user", "question 1", None, None, None),
+            ("assistant", None, [("f", "{}")], None, None),
+            ("tool", "F", None, "#0", None),
+            ("assistant", "thinking", None, None, None),
+            ("assistant", None, [("g", "{}")], None, None),
+            ("tool", "G", None, "#1", None),
+            ("assistant", "done", None, None, None),
+        ],
+        [],
+        id="trailing-results-move-right-after-their-calls",
+    ),
+    pytest.param(
+        [
+            turn(
+                1,
+                [
+                    {"type": "tool_call", "tool_name": "f", "args": {"n": 1}},
+                    {"type": "tool_call", "tool_name": "f", "args": {"n": 2}},
+                    {"type": "tool_result", "tool_name": "f", "result": "one"},
+                    {"type": "tool_result", "tool_name": "f", "result": "two"},
+                ],
+            )
+        ],
+        [
+            ("user", "question 1", None, None, None),
+            ("assistant", None, [("f", '{"n":1}'), ("f", '{"n":2}')], None, None),
+            ("tool", "one", None, "#0", None),
+            ("tool", "two", None, "#1", None),
+        ],
+        [],
+        id="repeated-tool-names-pair-in-order-with-distinct-ids",
+    ),
+    pytest.param(
+        [turn(1, [{"type": "tool_result", "tool_name": "f", "result": {"lost": "no"}}])],
+        [("user", "question 1", None, None, None)],
+        ["unplaced_tool_result"],
+        id="result-without-call-goes-to-problems",
+    ),
+    pytest.param(
+        [turn(1, [{"type": "tool_call", "tool_name": "f", "args": {}}])],
+        [
+            ("user", "question 1", None, None, None),
+            ("assistant", None, [("f", "{}")], None, None),
+        ],
+        [],
+        id="call-without-result-is-kept",
+    ),
+    pytest.param(
+        [turn(1, [{"type": "thinking", "content": "hmm"}, {"type": "text", "content": "hi"}])],
+        [("user", "question 1", None, None, None), ("assistant", "hi", None, None, None)],
+        ["unknown_part"],
+        id="unknown-part-type-goes-to-problems",
+    ),
+    pytest.param(
+        [
+            turn(
+                1,
+                [
+                    {"type": "tool_call", "tool_name": "f", "args": {"at": T0}},
+                    {
+                        "type": "tool_result",
+                        "tool_name": "f",
+                        "result": {"when": T0, "id": ObjectId(f"{9:024x}"), "x": float("nan")},
+                    },
+                ],
+            )
+        ],
+        [
+            ("user", "question 1", None, None, None),
+            ("assistant", None, [("f", '{"at":"2025-05-01T12:00:00+00:00"}')], None, None),
+            (
+                "tool",
+                '{"when": "2025-05-01T12:00:00+00:00", "id": "000000000000000000000009", '
+                '"x": "nan"}',
+                None,
+                "#0",
+                None,
+            ),
+        ],
+        ["non_json_value", "non_json_value"],
+        id="non-json-values-in-results-become-strings",
+    ),
+    pytest.param(
+        [
+            turn(2, user_message="second, same time", created_at=T0),
+            turn(1, user_message="first, same time", created_at=T0),
+            turn(0, user_message="earliest", created_at=T0 - timedelta(seconds=1)),
+        ],
+        [
+            ("user", "earliest", None, None, None),
+            ("user", "second, same time", None, None, None),
+            ("user", "first, same time", None, None, None),
+        ],
+        [],
+        id="identical-created-at-keeps-stored-order",
+    ),
+    pytest.param(
+        [turn(1, None, tool_calls=[{"tool_name": "f", "args": {}}], response_text="answer")],
+        [
+            ("user", "question 1", None, None, None),
+            ("assistant", None, [("f", "{}")], None, None),
+            ("assistant", "answer", None, None, None),
+        ],
+        [],
+        id="no-parts-falls-back-to-summary-fields",
+    ),
+    pytest.param(
+        [turn(1, [{"type": "text", "content": "a"}], response_text="something else")],
+        [("user", "question 1", None, None, None), ("assistant", "a", None, None, None)],
+        ["response_text_not_in_parts"],
+        id="response-text-that-no-part-holds-is-reported",
+    ),
+    pytest.param(
+        [turn(1, [{"type": "error"}, {"type": "tool_call", "args": {}}, "just a string"])],
+        [
+            ("user", "question 1", None, None, None),
+            ("assistant", None, None, None, '{"type": "error"}'),
+        ],
+        ["invalid_part", "unknown_part"],
+        id="malformed-parts-are-kept-as-problems",
+    ),
+]
+
+
+@pytest.mark.parametrize(("turns", "expected", "problem_kinds"), MESS)
+def test_messy_legacy_data_converts_without_losing_content(
+    turns: list[dict[str, Any]], expected: list[tuple[Any, ...]], problem_kinds: list[str]
+) -> None:
+    messages, problems = convert_conversation(turns)
+
+    ids = call_ids(messages)
+    resolved = [
+        tuple(ids[int(v[1:])] if isinstance(v, str) and v.startswith("#") else v for v in row)
+        for row in expected
+    ]
+    got = shape(messages)
+    # "#n" in an expectation names the n-th tool call id of the conversation.
+    assert [r[:3] + r[4:] for r in got] == [r[:3] + r[4:] for r in resolved]
+    assert [r[3] for r in got if r[0] == "tool"] == [r[3] for r in resolved if r[0] == "tool"]
+    assert [p.kind for p in problems] == problem_kinds
+    assert len(set(ids)) == len(ids)
+    for problem in problems:
+        assert problem.conversation_id == CID
+
+
+def test_name_set_on_some_turns_only_uses_the_last_name() -> None:
+    turns = [turn(1, name="First"), turn(2), turn(3, name="Renamed"), turn(4, name="")]
+    conversation = convert(turns).conversation
+    assert conversation is not None
+    assert (conversation.name, conversation.name_source) == ("Renamed", "runtime")
+
+
+def test_without_any_name_the_first_user_text_names_the_conversation() -> None:
+    conversation = convert([turn(1), turn(2)]).conversation
+    assert conversation is not None
+    assert (conversation.name, conversation.name_source) == ("question 1", "auto")
+
+
+def test_real_ids_from_parts_and_message_history_win_over_generated_ones() -> None:
+    history = [
+        {"parts": [{"part_kind": "tool-call", "tool_name": "f", "tool_call_id": "old_1"}]},
+        {"parts": [{"part_kind": "tool-call", "tool_name": "f", "tool_call_id": "real_f"},
+                   {"part_kind": "tool-call", "tool_name": "g", "tool_call_id": "real_g"}]},
+        {"parts": [{"part_kind": "tool-return", "tool_name": "f", "tool_call_id": "real_f"}]},
+    ]  # fmt: skip
+    parts = [
+        {"type": "tool_call", "tool_name": "f", "args": {}},
+        {"type": "tool_call", "tool_name": "g", "args": {}},
+        {"type": "tool_call", "tool_name": "h", "args": {}, "tool_call_id": "part_h"},
+        {"type": "tool_result", "tool_name": "h", "result": "H", "tool_call_id": "part_h"},
+        {"type": "tool_result", "tool_name": "f", "result": "F"},
+    ]
+    messages, problems = convert_conversation(
+        [turn(1, parts, message_history_json=json.dumps(history))]
+    )
+    assert problems == []
+    assert call_ids(messages) == ["real_f", "real_g", "part_h"]
+    assert [m.tool_call_id for m in messages if m.role == "tool"] == ["real_f", "part_h"]
+
+
+def test_a_real_id_reused_in_a_later_turn_gets_a_generated_one() -> None:
+    call = {"type": "tool_call", "tool_name": "f", "args": {}, "tool_call_id": "call_0"}
+    result = {"type": "tool_result", "tool_name": "f", "result": "r", "tool_call_id": "call_0"}
+    messages, problems = convert_conversation([turn(1, [call, result]), turn(2, [call, result])])
+    ids = call_ids(messages)
+    assert ids[0] == "call_0"
+    assert ids[1] != "call_0"
+    assert [m.tool_call_id for m in messages if m.role == "tool"] == ids
+    assert [p.kind for p in problems] == ["duplicate_tool_call_id"]
+
+
+def test_a_result_naming_an_earlier_turns_call_is_placed_after_that_call() -> None:
+    call = {"type": "tool_call", "tool_name": "approve", "args": {}, "tool_call_id": "call_a"}
+    late = {"type": "tool_result", "tool_name": "approve", "result": "ok", "tool_call_id": "call_a"}
+    messages, problems = convert_conversation([turn(1, [call]), turn(2, [late])])
+    assert problems == []
+    assert [m.role for m in messages] == ["user", "assistant", "tool", "user"]
+
+
+def test_runtime_context_is_stripped_from_legacy_user_text() -> None:
+    text = "[RUNTIME CONTEXT]secret=1[/RUNTIME CONTEXT]Hello"
+    messages, _ = convert_conversation([turn(1, user_message=text)])
+    assert messages[0].content == "Hello"
+    assert "secret" not in (messages[0].search_text or "")
+
+
+def test_pending_prompt_comes_from_session_hitl() -> None:
+    messages, _ = convert_conversation(example_legacy_turns())
+    session = [
+        {"conversation_id": EXAMPLE_CONVERSATION_ID, "request_id": "req-booking-1",
+         "action": "confirm_booking", "status": "pending", "created_at": T0},
+        {"conversation_id": EXAMPLE_CONVERSATION_ID, "request_id": "req-old", "resolved": True},
+    ]  # fmt: skip
+    pending, notes = pending_from_session_hitl(session, messages)
+    assert notes == []
+    assert pending is not None
+    assert pending.request_id == "req-booking-1"
+    assert pending.message_id == messages[8].id
+    assert pending.prompt == messages[8].content
+    assert pending_from_session_hitl(session[1:], messages) == (None, [])
+
+
+# -- properties ----------------------------------------------------------------------------
+
+TOOLS = ["f", "g"]
+
+
+@st.composite
+def legacy_conversations(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Legacy turns whose every piece of content carries a unique marker `<kN>`."""
+    counter = iter(range(10_000))
+
+    def marker(kind: str) -> str:
+        return f"<{kind}{next(counter)}>"
+
+    turns = []
+    for n in range(draw(st.integers(1, 4))):
+        parts: list[Any] = []
+        for _ in range(draw(st.integers(0, 6))):
+            kind = draw(st.sampled_from(["text", "call", "result", "upload", "hitl", "error", "x"]))
+            tool = draw(st.sampled_from(TOOLS))
+            if kind == "text":
+                parts.append({"type": "text", "content": marker("t")})
+            elif kind == "call":
+                args: Any = {"m": marker("c")}
+                if draw(st.booleans()):
+                    args = json.dumps(args)
+                parts.append({"type": "tool_call", "tool_name": tool, "args": args})
+            elif kind == "result":
+                parts.append({"type": "tool_result", "tool_name": tool, "result": marker("r")})
+            elif kind == "upload":
+                parts.append(
+                    {"type": "file_upload", "filename": marker("u"), "file_type": "text/plain",
+                     "size": 1}
+                )  # fmt: skip
+            elif kind == "hitl":
+                parts.append({"type": "hitl", "action": "ok", "request_id": marker("h")})
+            elif kind == "error":
+                parts.append({"type": "error", "message": marker("e")})
+            else:
+                parts.append({"type": "mystery", "content": marker("x")})
+        fields: dict[str, Any] = {
+            "created_at": T0 + timedelta(minutes=draw(st.integers(0, 2))),
+            "user_message": marker("q") if draw(st.booleans()) else "",
+            "is_system": draw(st.booleans()),
+        }
+        if draw(st.booleans()):
+            fields["upload_result"] = {
+                "filename": marker("u"),
+                "file_type": "text/plain",
+                "size": 3,
+            }
+        turns.append(turn(n, parts, **fields))
+    return turns
+
+
+def markers_in(value: Any) -> list[str]:
+    return re.findall(r"<[a-z]\d+>", json.dumps(value, default=str))
+
+
+def all_markers(turns: list[dict[str, Any]]) -> list[str]:
+    return sorted(markers_in([{k: v for k, v in t.items() if k != "_id"} for t in turns]))
+
+
+def placed_markers(messages: list[AgentMessage], problems: list[Problem]) -> list[str]:
+    found = markers_in(
+        [m.model_dump(mode="json", exclude={"search_text", "id", "turn_id"}) for m in messages]
+    )
+    found += markers_in([p.content for p in problems if not p.placed])
+    return sorted(found)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(legacy_conversations())
+def test_every_part_appears_exactly_once(turns: list[dict[str, Any]]) -> None:
+    messages, problems = convert_conversation(turns)
+    assert placed_markers(messages, problems) == all_markers(turns)
+
+
+@settings(max_examples=150, deadline=None)
+@given(legacy_conversations())
+def test_every_tool_message_follows_its_call(turns: list[dict[str, Any]]) -> None:
+    messages, _ = convert_conversation(turns)
+    for index, message in enumerate(messages):
+        if message.role != "tool":
+            continue
+        before = messages[:index]
+        owner = next(
+            i
+            for i, m in enumerate(before)
+            if any(c.id == message.tool_call_id for c in m.tool_calls or ())
+        )
+        assert all(m.role == "tool" for m in before[owner + 1 :])
+    ids = call_ids(messages)
+    assert len(ids) == len(set(ids))
+
+
+@settings(max_examples=100, deadline=None)
+@given(legacy_conversations())
+def test_converting_twice_gives_identical_documents(turns: list[dict[str, Any]]) -> None:
+    first = convert(turns)
+    second = convert(list(turns))
+    dump = [m.model_dump(by_alias=True) for m in first.messages]
+    assert dump == [m.model_dump(by_alias=True) for m in second.messages]
+    assert first.conversation == second.conversation
+    assert first.problems == second.problems
+    assert [m.seq for m in first.messages] == list(range(len(first.messages)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(legacy_conversations())
+def test_messages_written_back_as_legacy_turns_convert_to_the_same_messages(
+    turns: list[dict[str, Any]],
+) -> None:
+    """What the dual write stores is read back by the migration as the same conversation."""
+    messages, _ = convert_conversation(turns)
+    by_turn: dict[str, list[AgentMessage]] = {}
+    for message in messages:
+        by_turn.setdefault(message.turn_id or "", []).append(message)
+    written = [
+        legacy_turn_document(CID, turn_id, group, user_id="user-1", name=None)
+        for turn_id, group in by_turn.items()
+    ]
+    again, problems = convert_conversation(written) if written else ([], [])
+
+    assert problems == []
+
+    def visible(ms: list[AgentMessage]) -> list[Any]:
+        """One entry per tool call: runs of call-only messages may merge on the way back."""
+        ignored = {"id", "turn_id", "search_text", "token_usage", "latency_ms", "seq", "tool_calls"}
+        return [
+            (m.model_dump(exclude=ignored), call) for m in ms for call in (m.tool_calls or [None])
+        ]
+
+    assert visible(again) == visible(messages)
+
+
+def test_turns_of_an_invalid_conversation_id_are_refused_naming_it() -> None:
+    bad = [turn(1) | {"conversation_id": "has spaces"}]
+    with pytest.raises(InvalidInput, match=re.escape("invalid conversation_id")):
+        convert(bad)
+    with pytest.raises(InvalidInput, match="2 conversation ids"):
+        convert([turn(1), turn(2) | {"conversation_id": "other"}])

@@ -1,0 +1,309 @@
+"""`python -m migrations` end to end on the wire backend, misuse, and kills at any moment."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import mongomock
+import pytest
+from pymongo import MongoClient
+from pymongo.database import Database
+
+from app.collections import CONVERSATIONS, LEGACY_TURNS, MESSAGES, SESSION_HITL
+from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
+from migrations import relocate
+from migrations.cli import main
+from migrations.explode import PROBLEMS
+from migrations.lease import Lease
+from scripts.legacy_corpus import legacy_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGESTED = (CONVERSATIONS, MESSAGES, PROBLEMS, LEGACY_TURNS)
+
+
+def corpus(conversations: int = 4) -> list[dict[str, Any]]:
+    return example_legacy_turns() + list(legacy_corpus(conversations, turns=3, text_chars=20))
+
+
+@pytest.fixture
+def database(wire_uri: str) -> Iterator[Database[dict[str, Any]]]:
+    client: MongoClient[dict[str, Any]] = MongoClient(wire_uri, tz_aware=True)
+    name = f"mig_{uuid.uuid4().hex[:10]}"
+    yield client[name]
+    client.drop_database(name)
+    client.close()
+
+
+def seed(db: Database[dict[str, Any]], conversations: int = 4) -> None:
+    db[CONVERSATIONS].insert_many(corpus(conversations))
+    db[SESSION_HITL].insert_one(
+        {"conversation_id": EXAMPLE_CONVERSATION_ID, "request_id": "req-booking-1",
+         "action": "confirm_booking", "status": "pending"}
+    )  # fmt: skip
+
+
+def digest(db: Database[dict[str, Any]]) -> dict[str, str]:
+    """A digest of each collection the migration writes or moves, independent of order."""
+    found = {}
+    for name in DIGESTED:
+        docs = sorted(json.dumps(d, sort_keys=True, default=str) for d in db[name].find())
+        found[name] = hashlib.sha256("\n".join(docs).encode()).hexdigest()[:16] + f"/{len(docs)}"
+    return found
+
+
+def cli(wire_uri: str, db: Database[dict[str, Any]], *args: str) -> int:
+    return main(
+        [args[0], "--uri", wire_uri, "--database", db.name, "--progress", "none", *args[1:]]
+    )
+
+
+@pytest.mark.wire
+def test_run_rerun_and_verify_converge_on_the_wire_backend(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    seed(database)
+    legacy_count = database[CONVERSATIONS].count_documents({})
+
+    assert cli(wire_uri, database, "run") == 0
+    first = digest(database)
+    assert cli(wire_uri, database, "run") == 0
+    out = capsys.readouterr().out
+
+    assert digest(database) == first
+    assert "(inserted 0)" in out.splitlines()[-2]
+    assert database[LEGACY_TURNS].count_documents({}) == legacy_count
+    assert database[CONVERSATIONS].count_documents({"user_message": {"$exists": True}}) == 0
+    conversation = database[CONVERSATIONS].find_one({"_id": EXAMPLE_CONVERSATION_ID})
+    assert conversation is not None
+    assert conversation["message_count"] == 12
+    assert conversation["pending_hitl"]["request_id"] == "req-booking-1"
+    assert database[MESSAGES].count_documents({"conversation_id": EXAMPLE_CONVERSATION_ID}) == 12
+
+    assert cli(wire_uri, database, "verify") == 0
+    out = capsys.readouterr().out
+    assert "verified 5 conversations: 5 match, 0 differ" in out
+    assert cli(wire_uri, database, "finish") == 0
+    assert cli(wire_uri, database, "status") == 0
+    status = capsys.readouterr().out
+    assert "lock: free" in status
+    assert "progress: complete" in status
+    assert "completed" in status.splitlines()[-1]
+
+
+@pytest.mark.wire
+def test_verify_reports_each_difference_with_its_conversation_id(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    seed(database)
+    assert cli(wire_uri, database, "run") == 0
+    database[MESSAGES].update_one(
+        {"conversation_id": EXAMPLE_CONVERSATION_ID, "seq": 4}, {"$set": {"content": "edited"}}
+    )
+    database[MESSAGES].delete_one({"conversation_id": EXAMPLE_CONVERSATION_ID, "seq": 2})
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify", "--sample", "3", "--seed", "1") in (0, 1)
+    assert cli(wire_uri, database, "verify", "--conversation", EXAMPLE_CONVERSATION_ID) == 1
+    lines = capsys.readouterr().out.splitlines()
+    reported = [line for line in lines if line.startswith(EXAMPLE_CONVERSATION_ID)]
+    assert any("edited" in line for line in reported)
+    assert any("tool result missing from new" in line and "18" in line for line in reported)
+    assert lines[-1].startswith("verified 1 conversations: 0 match, 1 differ")
+
+
+@pytest.mark.wire
+def test_dry_run_writes_nothing(wire_uri: str, database: Database[dict[str, Any]]) -> None:
+    seed(database)
+    before = digest(database)
+    assert cli(wire_uri, database, "run", "--dry-run") == 0
+    assert digest(database) == before
+    assert "agent_migrations" not in database.list_collection_names()
+
+
+@pytest.mark.wire
+def test_limit_and_conversation_migrate_part_and_a_later_run_resumes(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    seed(database)
+    assert cli(wire_uri, database, "run", "--conversation", EXAMPLE_CONVERSATION_ID) == 0
+    assert database[CONVERSATIONS].distinct("_id") == [EXAMPLE_CONVERSATION_ID]
+    assert cli(wire_uri, database, "run", "--limit", "2", "--batch-size", "1") == 0
+    assert database[CONVERSATIONS].count_documents({}) in (2, 3)
+    assert cli(wire_uri, database, "finish") == 1
+    capsys.readouterr()
+    assert cli(wire_uri, database, "run") == 0
+    assert "resuming after conversation" in capsys.readouterr().out
+    assert database[CONVERSATIONS].count_documents({}) == 5
+
+
+@pytest.mark.wire
+def test_no_legacy_data_is_a_clear_error(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli(wire_uri, database, "run") == 2
+    assert "no legacy data" in capsys.readouterr().err
+    assert cli(wire_uri, database, "verify") == 2
+    seed(database)
+    assert cli(wire_uri, database, "run", "--conversation", "no-such-conversation") == 2
+    assert "no legacy turns for conversation 'no-such-conversation'" in capsys.readouterr().err
+
+
+@pytest.mark.wire
+def test_a_held_lock_stops_a_second_run_until_forced_or_expired(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    seed(database)
+    Lease(database, "run-elsewhere", timedelta(minutes=5)).acquire()
+
+    assert cli(wire_uri, database, "run") == 3
+    err = capsys.readouterr().err
+    assert "another migration run holds the lock" in err
+    assert "run-elsewhere" in err
+    assert "--force-unlock" in err
+    assert database[MESSAGES].count_documents({}) == 0
+
+    assert cli(wire_uri, database, "run", "--force-unlock") == 0
+    Lease(database, "run-killed", timedelta(milliseconds=1)).acquire()
+    time.sleep(0.01)
+    assert cli(wire_uri, database, "run") == 0  # the killed run's lease has expired
+
+
+def test_an_unreachable_server_or_a_bad_uri_exits_4(capsys: pytest.CaptureFixture[str]) -> None:
+    closed = "mongodb://127.0.0.1:9/?directConnection=true"
+    assert main(["status", "--uri", closed, "--timeout", "0.2"]) == 4
+    assert "cannot reach MongoDB" in capsys.readouterr().err
+    assert main(["status", "--uri", "postgres://nope"]) == 4
+    assert "invalid MongoDB URI" in capsys.readouterr().err
+
+
+def test_no_uri_at_all_is_misuse(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("MONGODB_URI", raising=False)
+    assert main(["status"]) == 2
+    assert "pass --uri or set MONGODB_URI" in capsys.readouterr().err
+
+
+@pytest.mark.wire
+def test_a_conversation_logged_before_its_migration_is_reported_not_merged(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    seed(database)
+    relocate.relocate(database)
+    database[MESSAGES].insert_one(
+        {"_id": "live-0", "conversation_id": EXAMPLE_CONVERSATION_ID, "seq": 0, "role": "user",
+         "content": "logged live first"}
+    )  # fmt: skip
+    assert cli(wire_uri, database, "run") == 0
+    assert "1 already live" in capsys.readouterr().out
+    problem = database[PROBLEMS].find_one({"kind": "conversation_already_live"})
+    assert problem is not None
+    assert problem["conversation_id"] == EXAMPLE_CONVERSATION_ID
+    assert database[MESSAGES].count_documents({"conversation_id": EXAMPLE_CONVERSATION_ID}) == 1
+
+
+# -- moving the legacy collection aside ----------------------------------------------------
+
+
+def test_move_aside_renames_where_the_server_allows_it() -> None:
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[CONVERSATIONS].insert_many(corpus())
+    moved = relocate.relocate(db)
+    assert (moved.how, moved.moved) == ("renamed", len(corpus()))
+    assert db[LEGACY_TURNS].count_documents({}) == len(corpus())
+    assert relocate.relocate(db).how == "already moved"
+
+
+@pytest.mark.wire
+def test_move_aside_copies_when_the_server_refuses_the_rename(
+    database: Database[dict[str, Any]],
+) -> None:
+    seed(database)
+    moved = relocate.relocate(database, batch_size=7)
+    assert moved.how == "copied"
+    assert "refused the rename" in moved.detail
+    assert database[LEGACY_TURNS].count_documents({}) == len(corpus())
+    assert database[CONVERSATIONS].count_documents({}) == 0
+
+
+def test_move_aside_copies_only_turns_when_conversations_are_mixed_in() -> None:
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[CONVERSATIONS].insert_many([*corpus(), {"_id": "new-conv", "conversation_id": "new-conv"}])
+    db[LEGACY_TURNS].insert_one(corpus()[0])  # as left by a copy killed part-way
+    moved = relocate.relocate(db, batch_size=5)
+    assert moved.how == "copied"
+    assert db[CONVERSATIONS].distinct("_id") == ["new-conv"]
+    assert db[LEGACY_TURNS].count_documents({}) == len(corpus())
+
+
+# -- kills at any moment -------------------------------------------------------------------
+
+
+def run_process(
+    wire_uri: str,
+    db_name: str,
+    *args: str,
+    kill_after_lines: int | None = None,
+    kill_after_seconds: float | None = None,
+) -> int:
+    command = [sys.executable, "-m", "migrations", "run", "--database", db_name]
+    command += ["--batch-size", "1", "--progress", "lines", *args]
+    env = {**os.environ, "MONGODB_URI": wire_uri}
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stderr is not None
+    if kill_after_seconds is not None:
+        time.sleep(kill_after_seconds)
+        process.send_signal(signal.SIGKILL)
+    elif kill_after_lines is not None:
+        seen = 0
+        for line in process.stderr:
+            seen += line.startswith("progress:")
+            if seen >= kill_after_lines:
+                process.send_signal(signal.SIGKILL)
+                break
+    process.communicate(timeout=120)
+    return process.returncode
+
+
+@pytest.mark.wire
+def test_killing_the_migration_at_any_point_then_resuming_gives_the_uninterrupted_result(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    client = database.client
+    reference = client[database.name + "_ref"]
+    try:
+        seed(reference, conversations=12)
+        assert run_process(wire_uri, reference.name) == 0
+        expected = digest(reference)
+    finally:
+        client.drop_database(reference.name)
+
+    seed(database, conversations=12)
+    # While moving the legacy turns aside (or starting), then after each resumed run's first batch.
+    assert run_process(wire_uri, database.name, kill_after_seconds=0.8) == -signal.SIGKILL
+    states = [digest(database)]
+    for kill_after in (1, 1, 1):
+        killed = run_process(wire_uri, database.name, "--force-unlock", kill_after_lines=kill_after)
+        assert killed == -signal.SIGKILL
+        states.append(digest(database))
+    assert states[-1] != expected  # the last kill, too, stopped a run part-way
+    # The killed run's lease has not expired: a plain run is refused, the operator forces it.
+    assert run_process(wire_uri, database.name) == 3
+    assert run_process(wire_uri, database.name, "--force-unlock") == 0
+
+    assert digest(database) == expected
+    statuses = [r["status"] for r in database["agent_migrations"].find({"kind": "run"})]
+    assert sorted(set(statuses)) == ["completed", "interrupted"]

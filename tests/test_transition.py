@@ -1,0 +1,121 @@
+"""The migration's transition: dual write of legacy turns, and reads of unmigrated conversations."""
+
+from __future__ import annotations
+
+import pytest
+
+from app import AgentMessageLogger, Conflict, ConversationStore, NotFound
+from app.collections import LEGACY_TURNS, SESSION_HITL
+from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_legacy_turns
+from app.legacy import convert
+from app.models import AgentMessage
+from tests.conftest import Backend
+from tests.test_logger import log_example
+
+
+def visible(messages: list[AgentMessage]) -> list[tuple[object, ...]]:
+    return [
+        (m.role, m.content, m.tool_calls, m.tool_call_id, m.hitl_action, m.error, m.upload)
+        for m in messages
+    ]
+
+
+async def test_dual_write_keeps_each_turn_as_a_legacy_turn_that_converts_back(
+    backend: Backend,
+) -> None:
+    logger = AgentMessageLogger(backend.db, legacy_dual_write=True)
+    await log_example(logger)
+    await log_example(logger)  # retried turns rewrite the same legacy documents
+
+    legacy = await backend.db[LEGACY_TURNS].find().to_list(None)
+    transcript = await ConversationStore(backend.db).transcript(EXAMPLE_CONVERSATION_ID)
+
+    assert len(legacy) == 4
+    assert all(doc["dual_write"] for doc in legacy)
+    assert {doc["user_id"] for doc in legacy} == {EXAMPLE_USER_ID}
+    converted = convert(legacy)
+    assert converted.problems == []
+    assert visible(converted.messages) == visible(transcript)
+    assert [m.created_at for m in converted.messages if m.role == "user"] == [
+        m.created_at for m in transcript if m.role == "user"
+    ]
+
+
+async def test_dual_write_is_off_unless_asked_for(backend: Backend) -> None:
+    await log_example(AgentMessageLogger(backend.db))
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
+
+
+@pytest.mark.wire
+async def test_dual_write_costs_one_more_round_trip(wire_backend: Backend) -> None:
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db, legacy_dual_write=True)
+    wire_backend.commands.clear()
+    await logger.log_messages("dual", [{"role": "user", "content": "hi"}], turn_id="t1")
+    assert wire_backend.commands.names == ["findAndModify", "insert", "update"]
+
+
+async def test_reads_of_an_unmigrated_conversation_fall_back_to_its_legacy_turns(
+    backend: Backend,
+) -> None:
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    await backend.db[SESSION_HITL].insert_one(
+        {"conversation_id": EXAMPLE_CONVERSATION_ID, "request_id": "req-booking-1",
+         "action": "confirm_booking"}
+    )  # fmt: skip
+    store = ConversationStore(backend.db)
+    expected = convert(example_legacy_turns())
+
+    transcript = await store.transcript(EXAMPLE_CONVERSATION_ID)
+    conversation = await store.get_conversation(EXAMPLE_CONVERSATION_ID, user_id=EXAMPLE_USER_ID)
+    first = await store.messages_page(EXAMPLE_CONVERSATION_ID, limit=5)
+    second = await store.messages_page(EXAMPLE_CONVERSATION_ID, limit=10, after=first.last_id)
+    newest = await store.messages_page(EXAMPLE_CONVERSATION_ID, limit=1, order="desc")
+
+    assert transcript == expected.messages
+    assert conversation.turn_count == 4
+    assert await store.turn_count(EXAMPLE_CONVERSATION_ID) == 4
+    pending = await store.pending_hitl(EXAMPLE_CONVERSATION_ID)
+    assert pending is not None
+    assert pending.request_id == "req-booking-1"
+    assert first.data + second.data == transcript
+    assert (first.has_more, second.has_more) == (True, False)
+    assert newest.data == [transcript[-1]]
+    with pytest.raises(NotFound):
+        await store.transcript(EXAMPLE_CONVERSATION_ID, user_id="someone-else")
+    with pytest.raises(NotFound):
+        await ConversationStore(backend.db, legacy_fallback=False).transcript(
+            EXAMPLE_CONVERSATION_ID
+        )
+
+
+async def test_an_unmigrated_conversation_cannot_be_renamed_or_deleted_yet(
+    backend: Backend,
+) -> None:
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    store = ConversationStore(backend.db)
+    with pytest.raises(Conflict, match="is not migrated yet; it can be deleted once"):
+        await store.delete(EXAMPLE_CONVERSATION_ID)
+    with pytest.raises(Conflict, match="is not migrated yet; it can be renamed once"):
+        await store.rename(EXAMPLE_CONVERSATION_ID, "New name")
+    with pytest.raises(NotFound):
+        await store.delete("never-existed")
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 4
+
+
+async def test_a_migrated_conversation_is_read_from_the_new_collections(backend: Backend) -> None:
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    await log_example(AgentMessageLogger(backend.db))
+    store = ConversationStore(backend.db)
+    transcript = await store.transcript(EXAMPLE_CONVERSATION_ID)
+    assert transcript[0].turn_id == "turn-1"
+
+
+@pytest.mark.wire
+async def test_a_migrated_transcript_still_costs_one_round_trip(wire_backend: Backend) -> None:
+    assert wire_backend.commands is not None
+    await wire_backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    await log_example(AgentMessageLogger(wire_backend.db))
+    wire_backend.commands.clear()
+    await ConversationStore(wire_backend.db).transcript(EXAMPLE_CONVERSATION_ID)
+    assert wire_backend.commands.names == ["find"]
