@@ -49,10 +49,12 @@ class SearchHit(BaseModel):
 
 
 class Deleted(BaseModel):
-    """How many documents an erase removed."""
+    """How many documents a delete or an erase removed."""
 
     conversations: int
     messages: int
+    legacy_turns: int = 0
+    """Legacy turn documents removed too, so a migration or a rollback cannot bring them back."""
 
 
 class Claimed(BaseModel):
@@ -60,6 +62,7 @@ class Claimed(BaseModel):
 
     conversations: int
     messages: int
+    legacy_turns: int = 0
 
 
 class ConversationExport(BaseModel):
@@ -103,6 +106,8 @@ class ConversationStore:
         self._messages = db[MESSAGES]
         self._conversations = db[CONVERSATIONS]
         self._legacy_turns = db[LEGACY_TURNS] if legacy_fallback else None
+        # Deletes and erasures reach the legacy turns whether or not reads fall back to them.
+        self._legacy_for_erasure = db[LEGACY_TURNS]
         self._session_hitl = db[SESSION_HITL]
         self._rules = rules or TurnRules()
 
@@ -174,12 +179,17 @@ class ConversationStore:
         )
 
     async def get_conversation(
-        self, conversation_id: str, *, user_id: str | None = None
+        self, conversation_id: str, *, user_id: str | None = None, fallback: bool = True
     ) -> Conversation:
-        """One conversation document; NotFound if it is missing or not `user_id`'s."""
+        """One conversation document; NotFound if it is missing or not `user_id`'s.
+
+        With `fallback=False`, a conversation not migrated yet is NotFound.
+        """
         with storage_errors("read the conversation"):
             doc = await self._conversations.find_one(self._scope(conversation_id, user_id))
         if doc is None:
+            if not fallback:
+                raise NotFound(f"conversation {conversation_id!r} was not found")
             legacy = (await self._legacy(conversation_id, user_id)).conversation
             assert legacy is not None
             return legacy
@@ -226,28 +236,43 @@ class ConversationStore:
         )
 
     async def delete(self, conversation_id: str, *, user_id: str | None = None) -> Deleted:
-        """Delete a conversation and all its messages.
+        """Delete a conversation: its messages, its document and its legacy turns.
 
-        Messages go first, so a crash part-way leaves a conversation that a
-        repeated delete finishes, never messages without their conversation.
+        Legacy turns go first, then messages, then the conversation document: a
+        crash part-way leaves something a repeated delete finishes, never
+        messages without their conversation, and never legacy turns that a
+        migration re-run or the read fallback would bring back to life.
         """
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
                 self._scope(conversation_id, user_id), {"_id": 1}
             )
         if found is None:
-            await self._refuse_unmigrated(conversation_id, user_id, "deleted")
+            await self._legacy(conversation_id, user_id)  # NotFound unless it is legacy-only
+        by_conversation = {"conversation_id": conversation_id}
         with storage_errors("delete the conversation"):
-            messages = await self._messages.delete_many({"conversation_id": conversation_id})
+            legacy = await self._legacy_for_erasure.delete_many(by_conversation)
+            await self._session_hitl.delete_many(
+                {"$or": [by_conversation, {"session_id": conversation_id}]}
+            )
+            messages = await self._messages.delete_many(by_conversation)
             conversations = await self._conversations.delete_one({"_id": conversation_id})
-        return Deleted(conversations=conversations.deleted_count, messages=messages.deleted_count)
+        return Deleted(
+            conversations=conversations.deleted_count,
+            messages=messages.deleted_count,
+            legacy_turns=legacy.deleted_count,
+        )
 
     # -- messages --------------------------------------------------------------------
 
     async def transcript(
-        self, conversation_id: str, *, user_id: str | None = None
+        self, conversation_id: str, *, user_id: str | None = None, fallback: bool = True
     ) -> list[AgentMessage]:
-        """Every message of a conversation in `seq` order, in one round trip."""
+        """Every message of a conversation in `seq` order, in one round trip.
+
+        With `fallback=False`, a conversation not migrated yet has no messages
+        rather than those converted from its legacy turns.
+        """
         query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
         if user_id is not None:
             query["user_id"] = validate_identifier(user_id, "user_id")
@@ -263,7 +288,8 @@ class ConversationStore:
                     self._scope(conversation_id, user_id), {"_id": 1}
                 )
             if found is None:
-                return (await self._legacy(conversation_id, user_id)).messages
+                conversion = await self._legacy(conversation_id, user_id)
+                return conversion.messages if fallback else []
         return [message_adapter.validate_python(d) for d in docs]
 
     async def messages_page(
@@ -433,6 +459,13 @@ class ConversationStore:
         """Delete every conversation and message of a user. Re-runnable after a crash."""
         user_id = validate_identifier(user_id, "user_id")
         with storage_errors("erase the user's data"):
+            # Whole legacy conversations, including their turns that carry no user id.
+            legacy_ids = await self._legacy_for_erasure.distinct(
+                "conversation_id", {"user_id": user_id}
+            )
+            legacy = await self._legacy_for_erasure.delete_many(
+                {"$or": [{"user_id": user_id}, {"conversation_id": {"$in": legacy_ids}}]}
+            )
             messages = await self._messages.delete_many({"user_id": user_id})
             conversations = await self._conversations.delete_many({"user_id": user_id})
             # Messages logged between the two deletes would otherwise be orphans.
@@ -440,6 +473,7 @@ class ConversationStore:
         return Deleted(
             conversations=conversations.deleted_count,
             messages=messages.deleted_count + late.deleted_count,
+            legacy_turns=legacy.deleted_count,
         )
 
     async def claim(self, from_user_id: str, to_user_id: str) -> Claimed:
@@ -459,7 +493,15 @@ class ConversationStore:
             messages = await self._messages.update_many(
                 {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
             )
-        return Claimed(conversations=conversations.modified_count, messages=messages.modified_count)
+            # Not migrated yet, or kept for rollback: they must follow their owner too.
+            legacy = await self._legacy_for_erasure.update_many(
+                {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
+            )
+        return Claimed(
+            conversations=conversations.modified_count,
+            messages=messages.modified_count,
+            legacy_turns=legacy.modified_count,
+        )
 
     async def export_user(self, user_id: str) -> AsyncIterator[ConversationExport]:
         """Every conversation of a user with its transcript, one at a time."""

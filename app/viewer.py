@@ -201,8 +201,8 @@ async def legacy(request: Request, store: Store) -> Response:
             .to_list(None)
         )
     try:
-        conversation = await store.conversations.get_conversation(conversation_id)
-        messages = await store.conversations.transcript(conversation_id)
+        conversation = await store.conversations.get_conversation(conversation_id, fallback=False)
+        messages = await store.conversations.transcript(conversation_id, fallback=False)
     except NotFound:
         if not turns:
             raise

@@ -109,9 +109,12 @@ async def test_rename_sets_the_name(api: Served) -> None:
     assert (stored.name, stored.name_source) == ("Trip to Lyon", "set")
 
 
-async def test_delete_removes_the_conversation_and_its_messages(api: Served) -> None:
+async def test_delete_removes_the_conversation_its_messages_and_its_legacy_turns(
+    api: Served,
+) -> None:
     response = await api.http.delete(CONV, headers=SERVICE)
-    assert response.json() == {"conversations": 1, "messages": 12}
+    # The harness also keeps the example's two legacy turns: they must not come back.
+    assert response.json() == {"conversations": 1, "messages": 12, "legacy_turns": 2}
     missing = await api.http.get(CONV, headers=SERVICE)
     assert (missing.status_code, error_code(missing)) == (404, "not_found")
 
@@ -211,7 +214,7 @@ async def test_export_streams_every_conversation_with_its_messages(
 
 async def test_erase_removes_only_that_users_data(api: Served) -> None:
     response = await api.http.delete(f"/v1/users/{OWNER}", headers=SERVICE)
-    assert response.json() == {"conversations": 3, "messages": 16}
+    assert response.json() == {"conversations": 3, "messages": 16, "legacy_turns": 2}
     listed = await api.http.get(f"/v1/users/{OWNER}/conversations", headers=SERVICE)
     assert listed.json()["data"] == []
     others = await api.http.get(f"/v1/users/{OTHER}/conversations", headers=SERVICE)
@@ -222,7 +225,7 @@ async def test_claim_moves_every_conversation_to_the_new_user(api: Served) -> No
     response = await api.http.post(
         "/v1/claims", json={"from_user_id": OTHER, "to_user_id": "user-grace-2"}, headers=SERVICE
     )
-    assert response.json() == {"conversations": 2, "messages": 6}
+    assert response.json() == {"conversations": 2, "messages": 6, "legacy_turns": 0}
     moved = await api.http.get("/v1/users/user-grace-2/conversations", headers=SERVICE)
     assert {c["_id"] for c in moved.json()["data"]} == {
         "demo-invoice-check",

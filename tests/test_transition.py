@@ -89,18 +89,50 @@ async def test_reads_of_an_unmigrated_conversation_fall_back_to_its_legacy_turns
         )
 
 
-async def test_an_unmigrated_conversation_cannot_be_renamed_or_deleted_yet(
-    backend: Backend,
-) -> None:
+async def test_an_unmigrated_conversation_cannot_be_renamed_yet(backend: Backend) -> None:
     await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
     store = ConversationStore(backend.db)
-    with pytest.raises(Conflict, match="is not migrated yet; it can be deleted once"):
-        await store.delete(EXAMPLE_CONVERSATION_ID)
     with pytest.raises(Conflict, match="is not migrated yet; it can be renamed once"):
         await store.rename(EXAMPLE_CONVERSATION_ID, "New name")
     with pytest.raises(NotFound):
         await store.delete("never-existed")
     assert await backend.db[LEGACY_TURNS].count_documents({}) == 4
+
+
+async def test_deleting_an_unmigrated_conversation_removes_its_legacy_turns(
+    backend: Backend,
+) -> None:
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    store = ConversationStore(backend.db)
+    deleted = await store.delete(EXAMPLE_CONVERSATION_ID)
+    assert (deleted.conversations, deleted.messages, deleted.legacy_turns) == (0, 0, 4)
+    with pytest.raises(NotFound):
+        await store.transcript(EXAMPLE_CONVERSATION_ID)
+
+
+async def test_a_deleted_migrated_conversation_does_not_come_back_from_its_legacy_turns(
+    backend: Backend,
+) -> None:
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    await log_example(AgentMessageLogger(backend.db))
+    store = ConversationStore(backend.db)
+    deleted = await store.delete(EXAMPLE_CONVERSATION_ID)
+    assert (deleted.conversations, deleted.messages, deleted.legacy_turns) == (1, 12, 4)
+    with pytest.raises(NotFound):
+        await store.get_conversation(EXAMPLE_CONVERSATION_ID)
+
+
+async def test_erase_and_claim_reach_the_legacy_turns(backend: Backend) -> None:
+    turns = example_legacy_turns()
+    owner = turns[0]["user_id"]
+    turns[1]["user_id"] = None  # real data: some turns carry no owner
+    await backend.db[LEGACY_TURNS].insert_many(turns)
+    store = ConversationStore(backend.db)
+    claimed = await store.claim(owner, "user-claimed")
+    assert claimed.legacy_turns == 3
+    erased = await store.erase_user("user-claimed")
+    assert erased.legacy_turns == 4
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
 
 
 async def test_a_migrated_conversation_is_read_from_the_new_collections(backend: Backend) -> None:
