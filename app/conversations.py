@@ -27,6 +27,7 @@ from app.models import (
     MessagePage,
     PendingHitl,
     message_adapter,
+    messages_adapter,
 )
 from app.turns import TurnRules, validate_identifier
 
@@ -290,7 +291,7 @@ class ConversationStore:
             if found is None:
                 conversion = await self._legacy(conversation_id, user_id)
                 return conversion.messages if fallback else []
-        return [message_adapter.validate_python(d) for d in docs]
+        return messages_adapter.validate_python(docs)
 
     async def messages_page(
         self,
@@ -338,7 +339,7 @@ class ConversationStore:
                 if legacy is None:
                     raise NotFound(f"conversation {conversation_id!r} was not found")
                 return legacy
-        messages = [message_adapter.validate_python(d) for d in docs[:limit]]
+        messages = messages_adapter.validate_python(docs[:limit])
         return MessagePage(
             data=messages,
             has_more=len(docs) > limit,

@@ -35,8 +35,13 @@ def to_utc_millis(value: datetime) -> datetime:
     """
     if value.tzinfo is None:
         value = value.replace(tzinfo=UTC)
-    value = value.astimezone(UTC)
-    return value.replace(microsecond=value.microsecond // 1000 * 1000)
+    elif value.utcoffset():
+        value = value.astimezone(UTC)
+    if value.microsecond % 1000:
+        value = value.replace(microsecond=value.microsecond // 1000 * 1000)
+    if value.tzinfo is not UTC:
+        value = value.replace(tzinfo=UTC)
+    return value
 
 
 def utc_now() -> datetime:
