@@ -46,8 +46,9 @@ from pymongo import AsyncMongoClient, MongoClient, monitoring
 
 from app import AgentMessageLogger, ConversationStore
 from app.collections import create_indexes
+from app.legacy import legacy_turn_document
 from scripts.corpus import Conversation, Corpus
-from scripts.legacy_turns import LEGACY_COLLECTION, read_legacy_transcript, to_legacy_turn
+from scripts.legacy_turns import LEGACY_COLLECTION, read_legacy_transcript
 from scripts.wire_server import start_wire_server
 
 GOAL_ROUND_TRIPS = 2
@@ -322,7 +323,15 @@ async def load_read_fixture(backend: Backend, conversation: Conversation, db_nam
             conversation.conversation_id, messages, user_id=conversation.user_id, turn_id=turn_id
         )
         documents = [m.model_dump(by_alias=True) for m in logged.messages]
-        legacy_turns.append(to_legacy_turn(documents, name="Bench" if number == 0 else None))
+        legacy_turns.append(
+            legacy_turn_document(
+                conversation.conversation_id,
+                turn_id,
+                logged.messages,
+                user_id=conversation.user_id,
+                name="Bench" if number == 0 else None,
+            )
+        )
         langchain_docs += [
             {"SessionId": conversation.conversation_id, "History": json.dumps(message_to_dict(m))}
             for m in to_langchain(documents)

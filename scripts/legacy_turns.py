@@ -1,9 +1,8 @@
 """Legacy turn documents (DESIGN §4) for the read-path comparison: write them, read them back.
 
-`to_legacy_turn` renders one logged turn the way the old design stored it: one
-document with the user text and a flat list of response parts. Results stay
-after their round of calls, since with trailing results two rounds of calls
-could no longer be told apart. `read_legacy_transcript` is the old read path:
+The turns are written with `app.legacy.legacy_turn_document` (the dual write's
+mapping: one document with the user text and a flat list of response parts,
+results after their round of calls). `read_legacy_transcript` is the old read path:
 fetch a conversation's turns by time, explode each into messages and place each
 tool result after its call (found by id, else by tool name).
 """
@@ -16,72 +15,6 @@ from typing import Any
 from app.models import AgentMessage, message_adapter
 
 LEGACY_COLLECTION = "agent_conversations_deprecated"
-
-
-def _json_or_text(text: str | None) -> Any:
-    try:
-        return json.loads(text or "")
-    except ValueError:
-        return text
-
-
-def to_legacy_turn(messages: list[dict[str, Any]], *, name: str | None) -> dict[str, Any]:
-    """One legacy turn document from the stored message documents of a turn."""
-    first = messages[0]
-    parts: list[dict[str, Any]] = []
-    tool_names: dict[str, str] = {}
-    usage = {"input_tokens": 0, "output_tokens": 0}
-    latency = 0
-    for message in messages[1:]:
-        if message["role"] == "tool":
-            parts.append(
-                {
-                    "type": "tool_result",
-                    "tool_name": tool_names.get(message["tool_call_id"], "unknown"),
-                    "result": _json_or_text(message["content"]),
-                    "tool_call_id": message["tool_call_id"],
-                }
-            )
-            continue
-        for call in message["tool_calls"] or ():
-            tool_names[call["id"]] = call["function"]["name"]
-            parts.append(
-                {
-                    "type": "tool_call",
-                    "tool_name": call["function"]["name"],
-                    "args": _json_or_text(call["function"]["arguments"]),
-                    "tool_call_id": call["id"],
-                }
-            )
-        if message["hitl_action"]:
-            parts.append({"type": "hitl", **message["hitl_action"], "prompt": message["content"]})
-        elif message["error"]:
-            parts.append({"type": "error", "message": message["error"]["message"]})
-        elif message["content"] is not None:
-            parts.append({"type": "text", "content": message["content"]})
-        for key in usage:
-            usage[key] += (message["token_usage"] or {}).get(key, 0)
-        latency += message["latency_ms"] or 0
-    turn: dict[str, Any] = {
-        "conversation_id": first["conversation_id"],
-        "user_id": first["user_id"],
-        "name": name,
-        "created_at": first["created_at"],
-        "is_system": first["role"] == "system",
-        "user_message": first["content"] or "",
-        "response_parts": parts,
-        "tool_calls": [
-            {"tool_name": p["tool_name"], "args": p["args"]}
-            for p in parts
-            if p["type"] == "tool_call"
-        ],
-        "response_text": "\n".join(p["content"] for p in parts if p["type"] == "text"),
-        "token_usage": usage,
-        "latency_ms": latency,
-    }
-    if first["upload"]:
-        turn["upload_result"] = first["upload"]
-    return turn
 
 
 def explode_turn(turn: dict[str, Any]) -> list[dict[str, Any]]:
