@@ -141,6 +141,22 @@ async def test_posting_a_turn_twice_stores_it_once(api: Served) -> None:
     assert (await api.store.conversations.turn_count(OWNER_CONVERSATION)) == 5
 
 
+async def test_a_turn_posted_over_http_never_stores_hidden_runtime_context(api: Served) -> None:
+    turn = {
+        "turn_id": "run-http-context",
+        "messages": [
+            {"role": "user", "content": "[RUNTIME CONTEXT]plan=pro[/RUNTIME CONTEXT]Rain later?"}
+        ],
+    }
+    response = await api.http.post("/v1/conversations/fresh-http/turns", json=turn, headers=SERVICE)
+    assert response.status_code == 201
+    assert response.json()["messages"][0]["content"] == "Rain later?"
+    stored = await api.store.conversations.transcript("fresh-http")
+    assert [m.content for m in stored] == ["Rain later?"]
+    conversation = await api.store.conversations.get_conversation("fresh-http")
+    assert "plan=pro" not in f"{conversation.name} {conversation.last_message_preview}"
+
+
 async def test_a_turn_id_reused_for_other_messages_is_a_conflict(api: Served) -> None:
     url = f"{CONV}/turns"
     await api.http.post(
