@@ -103,6 +103,8 @@ class Endpoint:
     errors: tuple[str, ...] = ()
     """Error codes besides the ones every route may give."""
     authenticated: bool = True
+    carries_turns: bool = False
+    """The body holds a whole turn: capped at `max_turn_bytes`, not `max_request_bytes`."""
 
 
 def _json(model: BaseModel, status: int = 200) -> JSONResponse:
@@ -341,6 +343,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         {201: LoggedTurn, 200: LoggedTurn},
         body=LogTurnBody,
         errors=("not_found", "conflict", "forbidden"),
+        carries_turns=True,
     ),
     Endpoint(
         "GET",
@@ -466,11 +469,8 @@ async def _run(endpoint: Endpoint, request: Request) -> Response:
         caller = state.authenticator.authenticate(request.headers, audit_record(request.scope))
     path = {name: validate_identifier(v, name) for name, v in request.path_params.items()}
     query = parse_query(request, endpoint.query)
-    body = (
-        NoBody()
-        if endpoint.body is NoBody
-        else await parse_body(request, endpoint.body, state.max_request_bytes)
-    )
+    limit = state.max_turn_bytes if endpoint.carries_turns else state.max_request_bytes
+    body = NoBody() if endpoint.body is NoBody else await parse_body(request, endpoint.body, limit)
     return await endpoint.handler(Call(request, state.store, caller, path, query, body))
 
 
@@ -524,6 +524,7 @@ def create_app(settings: Settings, *, store: Store | None = None) -> Starlette:
     )
     app.state.authenticator = Authenticator(settings)
     app.state.max_request_bytes = settings.max_request_bytes
+    app.state.max_turn_bytes = settings.max_turn_bytes
     app.state.openapi = build_openapi(ENDPOINTS)
     if store is not None:
         app.state.store = store

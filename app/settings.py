@@ -48,6 +48,10 @@ class Settings(BaseSettings):
     """Required `iss` of user tokens; user tokens are refused while it is unset."""
     max_request_bytes: PositiveInt = 1_048_576 + 65_536
     """Request bodies over this are refused with 413 (a 1 MiB message plus its envelope)."""
+    max_turn_bytes: PositiveInt = 16 * 1_048_576
+    """The cap for a turn posted to be logged. Larger than `max_request_bytes` because a
+    turn may carry big tool results or parsed uploads: the logger stores them truncated
+    to `max_message_bytes` each rather than losing the turn."""
     demo_data: bool = False
     """Load demo conversations at start-up when the store is empty (`python -m app` sets it)."""
 

@@ -240,7 +240,13 @@ async def test_user_tokens_are_refused_when_no_key_is_configured() -> None:
 
 
 async def test_an_oversize_body_is_refused_before_it_is_read(api: Served) -> None:
-    big = user_turn(content="x" * (2 * 1024 * 1024))
+    await assert_refused_and_unchanged(
+        api, "PATCH", CONV, status=413, json={"name": "x" * (2 * 1024 * 1024)}, headers=SERVICE
+    )
+
+
+async def test_an_oversize_turn_is_refused_before_it_is_read(api: Served) -> None:
+    big = user_turn(content="x" * (17 * 1024 * 1024))
     await assert_refused_and_unchanged(
         api, "POST", f"{CONV}/turns", status=413, json=big, headers=SERVICE
     )
@@ -249,7 +255,7 @@ async def test_an_oversize_body_is_refused_before_it_is_read(api: Served) -> Non
 async def test_an_oversize_body_without_a_length_is_cut_off(api: Served) -> None:
     async def chunks() -> AsyncIterator[bytes]:
         yield b'{"messages": [{"role": "user", "content": "'
-        for _ in range(40):
+        for _ in range(17 * 16):  # 17 MiB, over the turn cap
             yield b"y" * 65536
         yield b'"}]}'
 

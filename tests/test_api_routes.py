@@ -157,6 +157,31 @@ async def test_a_turn_posted_over_http_never_stores_hidden_runtime_context(api: 
     assert "plan=pro" not in f"{conversation.name} {conversation.last_message_preview}"
 
 
+async def test_a_turn_with_a_message_over_the_size_bound_is_stored_truncated(api: Served) -> None:
+    huge = "word " * 600_000  # 3 MB of text in one tool result
+    turn = {
+        "turn_id": "run-http-huge",
+        "messages": [
+            {"role": "user", "content": "Summarise the log"},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "c-log", "function": {"name": "read_log", "arguments": "{}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c-log", "content": huge},
+            {"role": "assistant", "content": "It is long."},
+        ],
+    }
+    response = await api.http.post("/v1/conversations/huge-http/turns", json=turn, headers=SERVICE)
+    assert response.status_code == 201
+    stored = await api.store.conversations.transcript("huge-http")
+    assert [m.role for m in stored] == ["user", "assistant", "tool", "assistant"]
+    assert stored[2].truncated == {"content": len(huge)}
+    assert stored[2].content is not None
+    assert stored[2].content.startswith("word word")
+
+
 async def test_a_turn_id_reused_for_other_messages_is_a_conflict(api: Served) -> None:
     url = f"{CONV}/turns"
     await api.http.post(
