@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 	test-api test-browser load migrate bench-migration
 
 help: ## List the targets
-	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "python3.13 not found: set PYTHON=/path/to/python3.13"; exit 1; }
