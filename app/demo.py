@@ -11,7 +11,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from app.collections import CONVERSATIONS, LEGACY_TURNS
-from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
+from app.examples import (
+    EXAMPLE_CONVERSATION_ID,
+    EXAMPLE_USER_ID,
+    example_legacy_turns,
+    example_turns,
+)
 from app.service import Store
 
 OTHER_USER_ID = "user-grace"
@@ -101,64 +106,14 @@ def demo_conversations() -> list[tuple[str, str, list[tuple[str, list[dict[str, 
 
 
 def legacy_example_turns() -> list[dict[str, Any]]:
-    """The example's first two turns as the old one-document-per-turn model stored them."""
-    start = datetime(2026, 3, 2, 9, 0, tzinfo=UTC)
-    return [
-        {
-            "conversation_id": EXAMPLE_CONVERSATION_ID,
-            "user_id": EXAMPLE_USER_ID,
-            "name": "What's the weather in Paris and in Lyon?",
-            "created_at": start,
-            "user_message": "What's the weather in Paris and in Lyon?",
-            "response_parts": [
-                {"type": "tool_call", "tool_name": "get_weather", "args": {"city": "Paris"}},
-                {"type": "tool_call", "tool_name": "get_weather", "args": '{"city": "Lyon"}'},
-                {
-                    "type": "tool_result",
-                    "tool_name": "get_weather",
-                    "result": {"temp_c": 18, "sky": "clear"},
-                },
-                {
-                    "type": "tool_result",
-                    "tool_name": "get_weather",
-                    "result": {"temp_c": 21, "sky": "cloudy"},
-                },
-                {"type": "text", "content": "Paris: 18 °C and clear. Lyon: 21 °C and cloudy."},
-            ],
-            "response_text": "Paris: 18 °C and clear. Lyon: 21 °C and cloudy.",
-            "token_usage": {"input_tokens": 310, "output_tokens": 49},
-            "latency_ms": 1050,
-        },
-        {
-            "conversation_id": EXAMPLE_CONVERSATION_ID,
-            "user_id": EXAMPLE_USER_ID,
-            "created_at": start + timedelta(seconds=60),
-            "user_message": "Book me a train to Lyon tomorrow morning.",
-            "response_parts": [
-                {
-                    "type": "tool_call",
-                    "tool_name": "search_trains",
-                    "args": {"to": "Lyon", "date": "2026-03-03"},
-                    "tool_call_id": "call_t1",
-                },
-                {
-                    "type": "tool_result",
-                    "tool_name": "search_trains",
-                    "tool_call_id": "call_t1",
-                    "result": [{"train": "TGV 6601", "departs": "09:04", "price_eur": 35}],
-                },
-                {
-                    "type": "hitl",
-                    "action": "confirm_booking",
-                    "request_id": "req-booking-1",
-                    "params": {"train": "TGV 6601", "price_eur": 35},
-                    "prompt": "The 09:04 TGV costs €35. Shall I book it? Upload an ID first.",
-                },
-                {"type": "sticker", "emoji": "🚄"},
-            ],
-            "latency_ms": 530,
-        },
-    ]
+    """The example as the old one-document-per-turn model stored it, for the legacy page.
+
+    One part of a kind the old writer never documented is added, to show how the
+    viewer presents what the converter cannot place.
+    """
+    turns = example_legacy_turns()
+    turns[1]["response_parts"].append({"type": "sticker", "emoji": "🚄"})
+    return turns
 
 
 async def load_demo(store: Store) -> bool:

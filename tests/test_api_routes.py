@@ -113,8 +113,8 @@ async def test_delete_removes_the_conversation_its_messages_and_its_legacy_turns
     api: Served,
 ) -> None:
     response = await api.http.delete(CONV, headers=SERVICE)
-    # The harness also keeps the example's two legacy turns: they must not come back.
-    assert response.json() == {"conversations": 1, "messages": 12, "legacy_turns": 2}
+    # The harness also keeps the example's four legacy turns: they must not come back.
+    assert response.json() == {"conversations": 1, "messages": 12, "legacy_turns": 4}
     missing = await api.http.get(CONV, headers=SERVICE)
     assert (missing.status_code, error_code(missing)) == (404, "not_found")
 
@@ -255,7 +255,7 @@ async def test_export_streams_every_conversation_with_its_messages(
 
 async def test_erase_removes_only_that_users_data(api: Served) -> None:
     response = await api.http.delete(f"/v1/users/{OWNER}", headers=SERVICE)
-    assert response.json() == {"conversations": 3, "messages": 16, "legacy_turns": 2}
+    assert response.json() == {"conversations": 3, "messages": 16, "legacy_turns": 4}
     listed = await api.http.get(f"/v1/users/{OWNER}/conversations", headers=SERVICE)
     assert listed.json()["data"] == []
     others = await api.http.get(f"/v1/users/{OTHER}/conversations", headers=SERVICE)

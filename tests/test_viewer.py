@@ -150,11 +150,11 @@ async def test_the_legacy_page_shows_old_turns_beside_the_messages(api: Served) 
     await sign_in(api.http)
     page = await api.http.get(f"/viewer/conversations/{OWNER_CONVERSATION}/legacy")
     assert page.status_code == 200
-    assert page.text.count("data-legacy-turn=") == 2
+    assert page.text.count("data-legacy-turn=") == 4
     assert page.text.count("data-role=") == 12
     for text in (
         "Tool call: get_weather",
-        "Tool result: search_trains (call_t1)",
+        "Tool result: search_trains",
         "HITL prompt: confirm_booking [req-booking-1]",
         "Unknown part type &#39;sticker&#39;",
     ):

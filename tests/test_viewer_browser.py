@@ -116,7 +116,7 @@ def test_a_person_signs_in_browses_and_reads_every_role(served_url: str, browser
     page.screenshot(path=str(OUTPUT / "viewer-transcript.png"), full_page=True)
 
     page.click("text=compare with legacy turns")
-    expect(page.locator("article[data-legacy-turn]")).to_have_count(2)
+    expect(page.locator("article[data-legacy-turn]")).to_have_count(4)
     expect(page.locator(".legacy")).to_contain_text("Unknown part type 'sticker'")
     page.screenshot(path=str(OUTPUT / "viewer-legacy.png"), full_page=True)
 
