@@ -27,10 +27,13 @@ install: $(VENV)/.installed ## Create .venv with the service and its development
 run: $(VENV)/.installed ## Serve the API (embedded database unless MONGODB_URI is set)
 	$(BIN)/python -m app
 
-lint: $(VENV)/.installed ## Ruff (lint and format check) and mypy (strict on app/)
-	$(BIN)/ruff check app migrations tests scripts
-	$(BIN)/ruff format --check app migrations tests scripts
+CODE := agent_store app migrations tests scripts
+
+lint: $(VENV)/.installed ## Ruff, mypy (strict) and the import-linter layering contract
+	$(BIN)/ruff check $(CODE)
+	$(BIN)/ruff format --check $(CODE)
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: lint types-check ## Lint, type-check and run every test (each storage test on every backend)
 	$(BIN)/pytest
@@ -46,11 +49,11 @@ test-py311: $(VENV311)/.installed ## The fast suite (in-process backend) on Pyth
 	$(VENV311)/bin/pytest -m "not wire"
 
 format: $(VENV)/.installed ## Apply ruff's fixes and formatting
-	$(BIN)/ruff check --fix app migrations tests scripts
-	$(BIN)/ruff format app migrations tests scripts
+	$(BIN)/ruff check --fix $(CODE)
+	$(BIN)/ruff format $(CODE)
 
 schema: $(VENV)/.installed ## Regenerate the JSON Schemas in schemas/
-	$(BIN)/python -m app.schema
+	$(BIN)/python -m scripts.schema
 
 TS_DIR := clients/typescript
 
@@ -62,7 +65,7 @@ $(TS_DIR)/node_modules/.package-lock.json: $(TS_DIR)/package.json $(TS_DIR)/pack
 	touch $@
 
 types: $(VENV)/.installed ## Regenerate clients/typescript/agent-message.d.ts from the models
-	$(BIN)/python -m app.typescript
+	$(BIN)/python -m scripts.typescript
 
 types-check: $(TS_DIR)/node_modules/.package-lock.json ## Compile the TypeScript example with tsc --strict
 	$(TS_DIR)/node_modules/.bin/tsc --strict --noEmit -p $(TS_DIR)

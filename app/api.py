@@ -1,24 +1,23 @@
 """The HTTP face of the store (Starlette). Routes are thin: parse, call one method, shape.
 
-Routes are declared as data (`ENDPOINTS`): the same declaration builds the
-Starlette route, validates its path, query and body, and feeds `/openapi.json`.
+Routes are declared as data (`ENDPOINTS`, see app/routing.py).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import BaseRoute, Route
+from starlette.routing import Route
 
+from agent_store.core import Conversation, ConversationPage, MessagePage
+from agent_store.store import Claimed, ConversationExport, Deleted, LoggedTurn
 from app.api_models import (
     ClaimBody,
     ConversationListQuery,
@@ -38,73 +37,14 @@ from app.api_models import (
     Transcript,
     UserExport,
 )
-from app.auth import AuditMiddleware, Authenticator, Caller, audit_record
-from app.conversations import Claimed, ConversationExport, Deleted
+from app.auth import AuditMiddleware, Authenticator, audit_record
 from app.demo import load_demo
-from app.errors import describe_validation_error
-from app.http_errors import (
-    EXCEPTION_HANDLERS,
-    Forbidden,
-    InvalidJson,
-    InvalidRequest,
-    PayloadTooLarge,
-    UnsupportedMediaType,
-)
-from app.logger import LoggedTurn
-from app.models import Conversation, ConversationPage, MessagePage
+from app.http_errors import EXCEPTION_HANDLERS, Forbidden
 from app.openapi import build_openapi
+from app.routing import Call, Endpoint, routes_of
 from app.service import Store, open_store
 from app.settings import Settings
-from app.turns import validate_identifier
 from app.viewer import viewer_routes
-
-Q = TypeVar("Q", bound=BaseModel)
-B = TypeVar("B", bound=BaseModel)
-
-
-@dataclass(frozen=True)
-class Call(Generic[Q, B]):
-    """One validated request, as a handler sees it."""
-
-    request: Request
-    store: Store
-    caller: Caller
-    path: dict[str, str]
-    """Path parameters, each a validated identifier."""
-    query: Q
-    body: B
-
-    @property
-    def conversation_id(self) -> str:
-        return self.path["conversation_id"]
-
-    @property
-    def scope(self) -> str | None:
-        """The user whose data this request may see: None for a service acting alone."""
-        return self.caller.user_id
-
-
-Handler = Callable[[Call[Any, Any]], Awaitable[Response]]
-ResponseShapes = Mapping[int, type[BaseModel] | Mapping[str, type[BaseModel]]]
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """One route: how to call it, what it accepts and returns, and which errors it may give."""
-
-    method: str
-    path: str
-    handler: Handler
-    summary: str
-    tag: str
-    responses: ResponseShapes
-    query: type[BaseModel] = NoQuery
-    body: type[BaseModel] = NoBody
-    errors: tuple[str, ...] = ()
-    """Error codes besides the ones every route may give."""
-    authenticated: bool = True
-    carries_turns: bool = False
-    """The body holds a whole turn: capped at `max_turn_bytes`, not `max_request_bytes`."""
 
 
 def _json(model: BaseModel, status: int = 200) -> JSONResponse:
@@ -406,90 +346,6 @@ ENDPOINTS: tuple[Endpoint, ...] = (
 )
 
 
-# -- request parsing -------------------------------------------------------------------
-
-
-def parse_query(request: Request, model: type[Q]) -> Q:
-    items = request.query_params.multi_items()
-    names = [name for name, _ in items]
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise InvalidRequest(f"invalid query: parameters given more than once: {repeated}")
-    try:
-        return model.model_validate(dict(items))
-    except ValidationError as exc:
-        raise InvalidRequest(describe_validation_error(exc, subject="query")) from exc
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing with 413 as soon as it is known to be over `limit` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise InvalidRequest(f"invalid Content-Length {declared!r}")
-        if int(declared) > limit:
-            raise PayloadTooLarge(f"the body has {declared} bytes; the limit is {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-async def parse_body(request: Request, model: type[B], limit: int) -> B:
-    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if media_type != "application/json":
-        raise UnsupportedMediaType(
-            f"the body must be application/json, not {media_type or 'missing'!r}"
-        )
-    raw = await read_body(request, limit)
-    try:
-        document = json.loads(raw, parse_constant=_refuse_constant)
-    except ValueError as exc:
-        raise InvalidJson(f"the body is not valid JSON: {exc}") from exc
-    if not isinstance(document, dict):
-        raise InvalidJson("the body must be a JSON object")
-    try:
-        # Strict, as JSON Schema reads the body: `false` is no integer, `"1"` no number.
-        return model.model_validate_json(raw, strict=True)
-    except ValidationError as exc:
-        raise InvalidRequest(describe_validation_error(exc, subject="body")) from exc
-
-
-async def _run(endpoint: Endpoint, request: Request) -> Response:
-    state = request.app.state
-    caller = Caller(service="")
-    if endpoint.authenticated:
-        caller = state.authenticator.authenticate(request.headers, audit_record(request.scope))
-    path = {name: validate_identifier(v, name) for name, v in request.path_params.items()}
-    query = parse_query(request, endpoint.query)
-    limit = state.max_turn_bytes if endpoint.carries_turns else state.max_request_bytes
-    body = NoBody() if endpoint.body is NoBody else await parse_body(request, endpoint.body, limit)
-    return await endpoint.handler(Call(request, state.store, caller, path, query, body))
-
-
-def _routes(endpoints: Sequence[Endpoint]) -> list[BaseRoute]:
-    """One Starlette route per path, so a 405 names every method the path accepts."""
-    by_path: dict[str, dict[str, Endpoint]] = {}
-    for endpoint in endpoints:
-        by_path.setdefault(endpoint.path, {})[endpoint.method] = endpoint
-
-    def route(path: str, methods: dict[str, Endpoint]) -> Route:
-        async def dispatch(request: Request) -> Response:
-            method = "GET" if request.method == "HEAD" else request.method
-            return await _run(methods[method], request)
-
-        return Route(path, dispatch, methods=list(methods))
-
-    return [route(path, methods) for path, methods in by_path.items()]
-
-
 async def openapi_document(request: Request) -> Response:
     audit = audit_record(request.scope)
     request.app.state.authenticator.authenticate(request.headers, audit)
@@ -513,7 +369,7 @@ def create_app(settings: Settings, *, store: Store | None = None) -> Starlette:
                 await load_demo(opened)
             yield
 
-    routes = _routes(ENDPOINTS)
+    routes = routes_of(ENDPOINTS)
     routes.append(Route("/openapi.json", openapi_document, methods=["GET"]))
     routes += viewer_routes()
     app = Starlette(

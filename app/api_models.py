@@ -10,14 +10,14 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from app.conversations import (
+from agent_store.core import AgentMessage, Identifier, PendingHitl
+from agent_store.store import (
+    MAX_MESSAGES_PER_TURN,
     MAX_PAGE_SIZE,
     MAX_SEARCH_QUERY_CHARS,
     ConversationExport,
     SearchHit,
 )
-from app.models import AgentMessage, Identifier, PendingHitl
-from app.turns import MAX_MESSAGES_PER_TURN
 
 PageSize = Annotated[int, Field(ge=1, le=MAX_PAGE_SIZE)]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]

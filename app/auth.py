@@ -18,10 +18,10 @@ import jwt
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import InvalidInput
+from agent_store.core import InvalidInput
+from agent_store.store import validate_identifier
 from app.http_errors import Forbidden, Unauthorized
 from app.settings import Settings
-from app.turns import validate_identifier
 
 audit_log = logging.getLogger("agent_store.audit")
 

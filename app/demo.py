@@ -10,7 +10,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from app.collections import CONVERSATIONS, LEGACY_TURNS
+from agent_store.legacy import LEGACY_TURNS
+from agent_store.store import CONVERSATIONS
 from app.examples import (
     EXAMPLE_CONVERSATION_ID,
     EXAMPLE_USER_ID,

@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from app.errors import StoreError
+from agent_store.core import StoreError
 
 log = logging.getLogger("agent_store.api")
 

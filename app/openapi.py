@@ -8,18 +8,19 @@ so the document cannot drift from what the service does.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
+from agent_store.core import Identifier
 from app.http_errors import ERROR_CODES, ApiErrorBody
-from app.models import Identifier
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from app.api import Endpoint
+    from app.routing import Endpoint
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 _COMMON_ERRORS = ("internal_error", "storage_failure", "storage_unavailable")
@@ -42,6 +43,72 @@ def _error_codes(endpoint: Endpoint) -> list[str]:
     return codes + list(endpoint.errors) + list(_COMMON_ERRORS)
 
 
+Refs = Mapping[tuple[Any, JsonSchemaMode], dict[str, Any]]
+
+
+def _parameters(endpoint: Endpoint, schemas: dict[str, Any]) -> list[dict[str, Any]]:
+    """Path parameters (identifiers) and the query model's fields; its `$defs` go to `schemas`."""
+    identifier = TypeAdapter(Identifier).json_schema()
+    parameters: list[dict[str, Any]] = [
+        {"name": name, "in": "path", "required": True, "schema": identifier}
+        for name in _PATH_PARAM.findall(endpoint.path)
+    ]
+    query_schema = endpoint.query.model_json_schema(ref_template=REF_TEMPLATE)
+    schemas.update(query_schema.pop("$defs", {}))
+    required = set(query_schema.get("required", []))
+    for name, prop in query_schema.get("properties", {}).items():
+        parameter = {"name": name, "in": "query", "required": name in required}
+        if "description" in prop:
+            parameter["description"] = prop["description"]
+        parameters.append(parameter | {"schema": prop})
+    return parameters
+
+
+def _responses(endpoint: Endpoint, refs: Refs) -> dict[str, Any]:
+    """Success shapes by status and media type, then every error code the route may give."""
+    responses: dict[str, Any] = {}
+    for status, shape in sorted(endpoint.responses.items()):
+        by_media: dict[str, type[BaseModel]] = (
+            dict(shape) if isinstance(shape, dict) else {"application/json": shape}  # type: ignore[dict-item]
+        )
+        responses[str(status)] = {
+            "description": "OK" if status == 200 else "Created",
+            "content": {
+                media: {"schema": refs[(model, "serialization")]}
+                for media, model in by_media.items()
+            },
+        }
+    error_schema = refs[(ApiErrorBody, "serialization")]
+    for code in dict.fromkeys(_error_codes(endpoint)):
+        status, meaning = ERROR_CODES[code]
+        entry = responses.setdefault(
+            str(status),
+            {"description": "", "content": {"application/json": {"schema": error_schema}}},
+        )
+        entry["description"] = "; ".join(
+            filter(None, [entry["description"], f"`{code}`: {meaning}"])
+        )
+    return responses
+
+
+def _operation(endpoint: Endpoint, refs: Refs, schemas: dict[str, Any]) -> dict[str, Any]:
+    operation: dict[str, Any] = {
+        "operationId": _operation_id(endpoint.method, endpoint.path),
+        "summary": endpoint.summary,
+        "tags": [endpoint.tag],
+        "parameters": _parameters(endpoint, schemas),
+        "responses": _responses(endpoint, refs),
+    }
+    if endpoint.body.model_fields:
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": refs[(endpoint.body, "validation")]}},
+        }
+    if not endpoint.authenticated:
+        operation["security"] = []
+    return operation
+
+
 def build_openapi(endpoints: Sequence[Endpoint]) -> dict[str, Any]:
     """The OpenAPI 3.1 document of `endpoints`."""
     wanted: list[tuple[type[BaseModel], JsonSchemaMode]] = [(ApiErrorBody, "serialization")]
@@ -53,60 +120,9 @@ def build_openapi(endpoints: Sequence[Endpoint]) -> dict[str, Any]:
             wanted += [(model, "serialization") for model in models]  # type: ignore[misc]
     refs, definitions = models_json_schema(list(dict.fromkeys(wanted)), ref_template=REF_TEMPLATE)
     schemas: dict[str, Any] = dict(definitions.get("$defs", {}))
-    identifier = TypeAdapter(Identifier).json_schema()
-
     paths: dict[str, dict[str, Any]] = {}
     for endpoint in endpoints:
-        parameters: list[dict[str, Any]] = [
-            {"name": name, "in": "path", "required": True, "schema": identifier}
-            for name in _PATH_PARAM.findall(endpoint.path)
-        ]
-        query_schema = endpoint.query.model_json_schema(ref_template=REF_TEMPLATE)
-        schemas.update(query_schema.pop("$defs", {}))
-        required = set(query_schema.get("required", []))
-        for name, prop in query_schema.get("properties", {}).items():
-            parameter = {"name": name, "in": "query", "required": name in required}
-            if "description" in prop:
-                parameter["description"] = prop["description"]
-            parameters.append(parameter | {"schema": prop})
-
-        responses: dict[str, Any] = {}
-        for status, shape in sorted(endpoint.responses.items()):
-            by_media: dict[str, type[BaseModel]] = (
-                dict(shape) if isinstance(shape, dict) else {"application/json": shape}  # type: ignore[dict-item]
-            )
-            responses[str(status)] = {
-                "description": "OK" if status == 200 else "Created",
-                "content": {
-                    media: {"schema": refs[(model, "serialization")]}
-                    for media, model in by_media.items()
-                },
-            }
-        error_schema = refs[(ApiErrorBody, "serialization")]
-        for code in dict.fromkeys(_error_codes(endpoint)):
-            status, meaning = ERROR_CODES[code]
-            entry = responses.setdefault(
-                str(status),
-                {"description": "", "content": {"application/json": {"schema": error_schema}}},
-            )
-            entry["description"] = "; ".join(
-                filter(None, [entry["description"], f"`{code}`: {meaning}"])
-            )
-
-        operation: dict[str, Any] = {
-            "operationId": _operation_id(endpoint.method, endpoint.path),
-            "summary": endpoint.summary,
-            "tags": [endpoint.tag],
-            "parameters": parameters,
-            "responses": responses,
-        }
-        if endpoint.body.model_fields:
-            operation["requestBody"] = {
-                "required": True,
-                "content": {"application/json": {"schema": refs[(endpoint.body, "validation")]}},
-            }
-        if not endpoint.authenticated:
-            operation["security"] = []
+        operation = _operation(endpoint, refs, schemas)
         paths.setdefault(endpoint.path, {})[endpoint.method.lower()] = operation
 
     return {

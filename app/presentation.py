@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from app.models import AgentMessage
+from agent_store.core import AgentMessage
+from agent_store.legacy import normalize_part
 
 ROLE_LABELS = {
     "system": "System trigger",
@@ -212,33 +213,35 @@ def _upload(value: Any) -> UploadView | None:
     )
 
 
-def legacy_part_view(part: Any) -> LegacyPartView:
-    if not isinstance(part, Mapping):
-        return LegacyPartView("unknown", "Unreadable part", pretty_json(part))
-    kind = str(part.get("type", "unknown"))
-    call_id = f" ({part['tool_call_id']})" if part.get("tool_call_id") else ""
-    if kind == "text":
-        return LegacyPartView(kind, "Text", str(part.get("content", "")))
-    if kind == "tool_call":
-        title = f"Tool call: {part.get('tool_name', '?')}{call_id}"
-        return LegacyPartView(kind, title, pretty_json(part.get("args", {})))
-    if kind == "tool_result":
-        title = f"Tool result: {part.get('tool_name', '?')}{call_id}"
-        return LegacyPartView(kind, title, pretty_json(part.get("result")))
-    if kind == "file_upload":
-        upload = _upload(part)
+def legacy_part_view(raw: Any) -> LegacyPartView:
+    """One legacy response part, read through the converter's own part reader."""
+    part = normalize_part(raw)
+    call_id = f" ({part.tool_call_id})" if part.tool_call_id else ""
+    if part.kind == "text":
+        return LegacyPartView(part.kind, "Text", str(part.content or ""))
+    if part.kind == "tool_call":
+        title = f"Tool call: {part.tool_name or '?'}{call_id}"
+        return LegacyPartView(part.kind, title, pretty_json(part.args or {}))
+    if part.kind == "tool_result":
+        title = f"Tool result: {part.tool_name or '?'}{call_id}"
+        return LegacyPartView(part.kind, title, pretty_json(part.result))
+    if part.kind == "file_upload":
+        upload = _upload(part.upload)
         assert upload is not None
         return LegacyPartView(
-            kind, f"File: {upload.filename}", f"{upload.file_type}, {upload.size}"
+            part.kind, f"File: {upload.filename}", f"{upload.file_type}, {upload.size}"
         )
-    if kind == "hitl":
-        title = f"HITL prompt: {part.get('action', '?')} [{part.get('request_id', '?')}]"
-        body = (part.get("prompt") or "") + "\n" + pretty_json(part.get("params", {}))
-        return LegacyPartView(kind, title, body.strip())
-    if kind == "error":
-        return LegacyPartView(kind, "Error", str(part.get("message", "")))
-    raw = {k: v for k, v in part.items() if k != "type"}
-    return LegacyPartView("unknown", f"Unknown part type {kind!r}", pretty_json(raw))
+    if part.kind == "hitl":
+        title = f"HITL prompt: {part.action or '?'} [{part.request_id or '?'}]"
+        prompt = part.content if isinstance(part.content, str) else ""
+        body = prompt + "\n" + pretty_json(part.params or {})
+        return LegacyPartView(part.kind, title, body.strip())
+    if part.kind == "error":
+        return LegacyPartView(part.kind, "Error", str(part.content or ""))
+    if not isinstance(raw, Mapping):
+        return LegacyPartView("unknown", "Unreadable part", pretty_json(raw))
+    fields = {k: v for k, v in raw.items() if k not in ("type", "part_kind")}
+    return LegacyPartView("unknown", f"Unknown part type {part.declared!r}", pretty_json(fields))
 
 
 def legacy_turn_view(doc: Mapping[str, Any]) -> LegacyTurnView:

@@ -8,11 +8,9 @@ from dataclasses import dataclass
 
 from pymongo import AsyncMongoClient
 
-from app.collections import Database
-from app.conversations import ConversationStore
-from app.embedded import embedded_mongodb
-from app.errors import storage_errors
-from app.logger import AgentMessageLogger
+from agent_store.embedded import embedded_mongodb
+from agent_store.legacy import LegacyTurns
+from agent_store.store import AgentMessageLogger, ConversationStore, Database, storage_errors
 from app.settings import Settings
 
 
@@ -27,13 +25,17 @@ class Store:
 
     @classmethod
     def on(cls, db: Database, settings: Settings) -> Store:
+        """The logger and the store on `db`, with the legacy turns wired as `settings` say."""
+        rules = settings.turn_rules()
+        legacy = LegacyTurns(
+            db,
+            rules=rules,
+            read_fallback=settings.legacy_read_fallback,
+            dual_write=settings.legacy_dual_write,
+        )
         return cls(
-            logger=AgentMessageLogger(
-                db, rules=settings.turn_rules(), legacy_dual_write=settings.legacy_dual_write
-            ),
-            conversations=ConversationStore(
-                db, legacy_fallback=settings.legacy_read_fallback, rules=settings.turn_rules()
-            ),
+            logger=AgentMessageLogger(db, rules=rules, observers=[legacy]),
+            conversations=ConversationStore(db, legacy=legacy),
             db=db,
         )
 

@@ -8,9 +8,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, PositiveInt, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from app.text import RuntimeContextMarkers
-from app.truncation import DEFAULT_MAX_MESSAGE_BYTES
-from app.turns import TurnRules
+from agent_store.store import DEFAULT_MAX_MESSAGE_BYTES, RuntimeContextMarkers, TurnRules
 
 JwtAlgorithm = Literal["HS256", "HS384", "HS512", "RS256", "RS384", "RS512"]
 

@@ -22,12 +22,12 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from agent_store.core import NotFound, StoreError
+from agent_store.legacy import LEGACY_TURNS
+from agent_store.store import storage_errors, validate_identifier
 from app.auth import Authenticator, audit_record
-from app.collections import LEGACY_TURNS
-from app.errors import NotFound, StoreError, storage_errors
 from app.presentation import legacy_turn_view, message_views, when
 from app.service import Store
-from app.turns import validate_identifier
 
 SESSION_COOKIE = "agent_store_viewer"
 SESSION_SECONDS = 8 * 3600

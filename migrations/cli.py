@@ -20,8 +20,9 @@ from pymongo import MongoClient
 from pymongo.database import Database
 from pymongo.errors import ConfigurationError, PyMongoError
 
-from app.collections import CONVERSATIONS, INDEXES, LEGACY_TURNS, MESSAGES
-from app.turns import TurnRules
+from agent_store.core import utc_now
+from agent_store.legacy import LEGACY_TURNS
+from agent_store.store import CONVERSATIONS, MESSAGES, TurnRules, create_indexes_sync
 from migrations import explode, lease, relocate
 from migrations.errors import MigrationError, Misuse, Unreachable
 from migrations.verify import verify
@@ -89,12 +90,6 @@ def connect(args: argparse.Namespace) -> MongoClient[dict[str, Any]]:
     return client
 
 
-def ensure_store_indexes(db: Database[dict[str, Any]]) -> None:
-    for collection, specs in INDEXES.items():
-        for keys, options in specs:
-            db[collection].create_index(keys, **options)
-
-
 # -- commands -----------------------------------------------------------------------------
 
 
@@ -124,10 +119,37 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
-    if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
-        raise Misuse("--batch-size and --limit must be at least 1")
-    run_id = time.strftime("run-%Y%m%dT%H%M%SZ-", time.gmtime()) + uuid.uuid4().hex[:6]
+def _source(db: Database[dict[str, Any]], args: argparse.Namespace) -> str:
+    """Move the legacy turns aside (a dry run only says it would); where to read them from."""
+    source = LEGACY_TURNS
+    if args.dry_run:
+        if relocate.holds_turns(db, CONVERSATIONS):
+            source = CONVERSATIONS
+            print(f"dry run: would move the turns of {CONVERSATIONS} to {LEGACY_TURNS}")
+    else:
+        moved = relocate.relocate(db, batch_size=max(args.batch_size, 100))
+        if moved.how in ("renamed", "copied"):
+            print(f"moved {moved.moved} turn documents to {LEGACY_TURNS} ({moved.how})")
+            if moved.detail:
+                print(f"  {moved.detail}")
+    if not relocate.holds_turns(db, source):
+        raise Misuse(
+            f"no legacy data: neither {CONVERSATIONS} nor {LEGACY_TURNS} holds turn documents"
+        )
+    if args.conversation is not None and (
+        db[source].find_one({"conversation_id": args.conversation}, {"_id": 1}) is None
+    ):
+        raise Misuse(f"no legacy turns for conversation {args.conversation!r} in {source}")
+    if not args.dry_run:
+        # The only change made to the legacy collection: an index to read it by conversation.
+        db[LEGACY_TURNS].create_index(LEGACY_INDEX, name="migration_conversation_id")
+        create_indexes_sync(db)
+    return source
+
+
+def _explode(
+    db: Database[dict[str, Any]], args: argparse.Namespace, held: lease.Lease | None
+) -> explode.Explosion:
     options = explode.Options(
         dry_run=args.dry_run,
         limit=args.limit,
@@ -135,6 +157,23 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         restart=args.restart,
     )
+    run = explode.Explosion(db, options, lease=held, source=_source(db, args))
+    after = run.resume_point()
+    if after is not None:
+        print(f"resuming after conversation {after!r} (pass --restart to start over)")
+    progress = Progress(run.total(after), "conversations", args.progress)
+    run.on_batch = progress.advance
+    try:
+        run.run(after)
+    finally:
+        progress.close()
+    return run
+
+
+def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
+    if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
+        raise Misuse("--batch-size and --limit must be at least 1")
+    run_id = time.strftime("run-%Y%m%dT%H%M%SZ-", time.gmtime()) + uuid.uuid4().hex[:6]
     held: lease.Lease | None = None
     if not args.dry_run:
         held = lease.Lease(db, run_id, timedelta(seconds=args.lease_seconds))
@@ -144,42 +183,11 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
             {"kind": "run", "status": "running"}, {"$set": {"status": "interrupted"}}
         )
     try:
-        source = LEGACY_TURNS
-        if args.dry_run:
-            if relocate.holds_turns(db, CONVERSATIONS):
-                source = CONVERSATIONS
-                print(f"dry run: would move the turns of {CONVERSATIONS} to {LEGACY_TURNS}")
-        else:
-            moved = relocate.relocate(db, batch_size=max(args.batch_size, 100))
-            if moved.how in ("renamed", "copied"):
-                print(f"moved {moved.moved} turn documents to {LEGACY_TURNS} ({moved.how})")
-                if moved.detail:
-                    print(f"  {moved.detail}")
-        if not relocate.holds_turns(db, source):
-            raise Misuse(
-                f"no legacy data: neither {CONVERSATIONS} nor {LEGACY_TURNS} holds turn documents"
-            )
-        if args.conversation is not None and (
-            db[source].find_one({"conversation_id": args.conversation}, {"_id": 1}) is None
-        ):
-            raise Misuse(f"no legacy turns for conversation {args.conversation!r} in {source}")
-        if not args.dry_run:
-            # The only change made to the legacy collection: an index to read it by conversation.
-            db[LEGACY_TURNS].create_index(LEGACY_INDEX, name="migration_conversation_id")
-            ensure_store_indexes(db)
-        run = explode.Explosion(db, options, lease=held, source=source)
-        after = run.resume_point()
-        if after is not None:
-            print(f"resuming after conversation {after!r} (pass --restart to start over)")
-        progress = Progress(run.total(after), "conversations", args.progress)
-        run.on_batch = progress.advance
-        try:
-            counts = run.run(after)
-        finally:
-            progress.close()
+        run = _explode(db, args, held)
     finally:
         if held is not None:
             held.release()
+    counts = run.counts
     verb = "would write" if args.dry_run else "inserted"
     print(
         f"{'dry run' if args.dry_run else run.run_id}: {counts.conversations} conversations, "
@@ -251,7 +259,7 @@ def cmd_finish(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         + (f" ({empty} hold nothing to migrate; see {explode.PROBLEMS})" if empty else "")
     )
     db[lease.STATE].update_one(
-        {"_id": explode.STATE_ID}, {"$set": {"finished_at": lease.now()}}, upsert=True
+        {"_id": explode.STATE_ID}, {"$set": {"finished_at": utc_now()}}, upsert=True
     )
     if args.drop_legacy:
         if not args.yes:

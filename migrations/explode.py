@@ -33,17 +33,21 @@ from pymongo import ReplaceOne
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError
 
-from app.collections import CONVERSATIONS, LEGACY_TURNS, MESSAGES, SESSION_HITL
-from app.errors import InvalidInput
-from app.legacy import LegacyConversion, Problem, convert, pending_from_session_hitl
-from app.models import message_adapter
-from app.turns import TurnRules
-from migrations.lease import STATE, Lease, now
+from agent_store.core import InvalidInput, message_adapter, utc_now
+from agent_store.legacy import (
+    LEGACY_TURNS,
+    SESSION_HITL,
+    LegacyConversion,
+    Problem,
+    convert,
+    with_session_prompts,
+)
+from agent_store.store import CONVERSATIONS, DUPLICATE_KEY, MESSAGES, TurnRules
+from migrations.lease import STATE, Lease
 from migrations.relocate import TURN_FILTER
 
 PROBLEMS = "agent_migration_problems"
 STATE_ID = "state:legacy-turns"
-DUPLICATE_KEY = 11000
 LEGACY_FILTER: dict[str, Any] = {**TURN_FILTER, "dual_write": {"$ne": True}}
 """Legacy turns, but not those the new logger wrote for rollback: their messages are stored."""
 
@@ -156,23 +160,7 @@ def convert_batch(
             )
     hitl = read_session_hitl(db, [c.conversation_id for c in conversions])
     for conversion in conversions:
-        pending, notes = pending_from_session_hitl(
-            hitl.get(conversion.conversation_id, []), conversion.messages
-        )
-        if conversion.conversation is not None:
-            conversion.conversation = conversion.conversation.model_copy(
-                update={"pending_hitl": pending}
-            )
-        conversion.problems += [
-            Problem(
-                conversation_id=conversion.conversation_id,
-                legacy_id="session_hitl",
-                kind="pending_hitl_without_message",
-                detail=note,
-                placed=True,
-            )
-            for note in notes
-        ]
+        with_session_prompts(conversion, hitl.get(conversion.conversation_id, []))
     return conversions, failed, turns
 
 
@@ -210,12 +198,12 @@ class Explosion:
                 "$set": {
                     "kind": "run",
                     "status": status,
-                    "updated_at": now(),
+                    "updated_at": utc_now(),
                     "seconds": round(time.monotonic() - self.started, 3),
                     "counts": self.counts.as_document(),
                     **extra,
                 },
-                "$setOnInsert": {"started_at": now(), "options": self.options.__dict__},
+                "$setOnInsert": {"started_at": utc_now(), "options": self.options.__dict__},
             },
             upsert=True,
         )
@@ -282,10 +270,10 @@ class Explosion:
                     next(conversation_ids(self.db, after=last, source=self.source), None) is None
                 )
         except BaseException as exc:
-            self._record("failed", error=f"{type(exc).__name__}: {exc}", finished_at=now())
+            self._record("failed", error=f"{type(exc).__name__}: {exc}", finished_at=utc_now())
             raise
         self._checkpoint(None if exhausted else last, complete=exhausted)
-        self._record("completed" if exhausted else "stopped", finished_at=now())
+        self._record("completed" if exhausted else "stopped", finished_at=utc_now())
         return self.counts
 
     def batch(self, ids: list[Any]) -> None:

@@ -12,12 +12,13 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from pymongo.database import Database
 from pymongo.errors import DuplicateKeyError
 
+from agent_store.core import utc_now
 from migrations.errors import LockHeld, MigrationError
 
 STATE = "agent_migrations"
@@ -25,16 +26,11 @@ LOCK_ID = "lock:legacy-turns"
 DEFAULT_LEASE = timedelta(minutes=2)
 
 
-def now() -> datetime:
-    value = datetime.now(UTC)
-    return value.replace(microsecond=value.microsecond // 1000 * 1000)
-
-
 def describe(lock: dict[str, Any] | None) -> str:
     if lock is None:
         return "free"
     expires = lock.get("expires_at")
-    state = "expired" if isinstance(expires, datetime) and expires < now() else "held"
+    state = "expired" if isinstance(expires, datetime) and expires < utc_now() else "held"
     return (
         f"{state} by {lock.get('host')} pid {lock.get('pid')} (run {lock.get('run_id')}) "
         f"since {lock.get('acquired_at')}, lease until {expires}"
@@ -53,7 +49,7 @@ class Lease:
         collection = self.db[STATE]
         if force:
             collection.delete_one({"_id": LOCK_ID})
-        at = now()
+        at = utc_now()
         try:
             collection.find_one_and_update(
                 {"_id": LOCK_ID, "$or": [{"expires_at": {"$lt": at}}, {"owner": self.owner}]},
@@ -80,7 +76,7 @@ class Lease:
     def renew(self) -> None:
         result = self.db[STATE].update_one(
             {"_id": LOCK_ID, "owner": self.owner},
-            {"$set": {"expires_at": now() + self.duration}},
+            {"$set": {"expires_at": utc_now() + self.duration}},
         )
         if result.matched_count == 0:
             raise MigrationError(

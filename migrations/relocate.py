@@ -18,11 +18,10 @@ from typing import Any
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError, OperationFailure
 
-from app.collections import CONVERSATIONS, LEGACY_TURNS
-from app.legacy import LEGACY_TURN_FIELDS
+from agent_store.legacy import LEGACY_TURN_FIELDS, LEGACY_TURNS
+from agent_store.store import CONVERSATIONS, DUPLICATE_KEY
 from migrations.errors import MigrationError
 
-DUPLICATE_KEY = 11000
 TURN_FILTER: dict[str, Any] = {"$or": [{f: {"$exists": True}} for f in LEGACY_TURN_FIELDS]}
 """Legacy turns; conversation documents have neither field."""
 

@@ -16,9 +16,17 @@ from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any
 
-from app.legacy import LegacyTurn, Problem, _dumps, _part_type, sort_turns
-from app.models import AgentMessage
-from app.text import strip_runtime_context
+from agent_store.core import AgentMessage
+from agent_store.legacy import (
+    LegacyPart,
+    LegacyTurn,
+    Problem,
+    as_text,
+    dumps,
+    normalize_part,
+    sort_turns,
+)
+from agent_store.store import strip_runtime_context
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,34 @@ def _upload(upload: Any) -> str:
     return f"upload: {upload.get('filename')} ({upload.get('file_type')}, {upload.get('size')} B)"
 
 
+def _part_line(part: LegacyPart) -> str | None:
+    """The transcript line of a part other than a tool result or an upload."""
+    if part.kind == "text" and part.content:
+        return f"assistant: {as_text(part.content)}"
+    if part.kind == "tool_call":
+        args = part.args
+        rendered = _json(args) if isinstance(args, str) else _json(dumps(args or {})[0])
+        return f"call {part.tool_name}({rendered})"
+    if part.kind == "hitl":
+        prompt = part.content if isinstance(part.content, str) else ""
+        return f"hitl {part.action}: {prompt}"
+    if part.kind == "error":
+        said = part.content if isinstance(part.content, str) else dumps(part.raw)[0]
+        return f"error: {said}"
+    return None
+
+
+def _turn_parts(turn: LegacyTurn) -> list[LegacyPart]:
+    """The turn's parts, or those rebuilt from its summary fields when it has none."""
+    if isinstance(turn.response_parts, list) and turn.response_parts:
+        return [normalize_part(p) for p in turn.response_parts]
+    calls = turn.tool_calls if isinstance(turn.tool_calls, list) else []
+    rebuilt = [normalize_part({"type": "tool_call", **c}) for c in calls if isinstance(c, dict)]
+    if isinstance(turn.response_text, str) and turn.response_text:
+        rebuilt.append(normalize_part({"type": "text", "content": turn.response_text}))
+    return rebuilt
+
+
 def from_legacy(turns: Iterable[LegacyTurn], unplaced: Sequence[Problem] = ()) -> Transcript:
     """Render legacy turns; parts the converter reported as unplaced are left out."""
     skipped = {(p.legacy_id, p.part_index) for p in unplaced}
@@ -52,44 +88,22 @@ def from_legacy(turns: Iterable[LegacyTurn], unplaced: Sequence[Problem] = ()) -
             lines.append(f"system: {text or ''}")
         elif text and (clean := strip_runtime_context(text)):
             lines.append(f"user: {clean}")
-        parts = turn.response_parts if isinstance(turn.response_parts, list) else []
+        parts = _turn_parts(turn)
         uploads = []
         if turn.upload_result and (legacy_id, None) not in skipped:
             uploads.append(turn.upload_result)
         for index, part in enumerate(parts):
-            if _part_type(part) in ("file_upload", "upload") and (legacy_id, index) not in skipped:
-                body = {k: v for k, v in part.items() if k not in ("type", "part_kind")}
-                if body not in uploads:
-                    uploads.append(body)
+            skip = (legacy_id, index) in skipped or part.upload in uploads
+            if part.kind == "file_upload" and not skip:
+                uploads.append(part.upload)
         lines += [_upload(u) for u in uploads]
-        if not parts:
-            parts = [
-                {"type": "tool_call", **c} for c in turn.tool_calls or () if isinstance(c, dict)
-            ]
-            if isinstance(turn.response_text, str) and turn.response_text:
-                parts.append({"type": "text", "content": turn.response_text})
         for index, part in enumerate(parts):
-            if (legacy_id, index) in skipped or not isinstance(part, dict):
+            if (legacy_id, index) in skipped:
                 continue
-            kind = _part_type(part)
-            if kind == "text" and (said := part.get("content", part.get("text"))):
-                lines.append(f"assistant: {said if isinstance(said, str) else _dumps(said)[0]}")
-            elif kind == "tool_call":
-                args = part.get("args")
-                rendered = _json(args) if isinstance(args, str) else _json(_dumps(args or {})[0])
-                lines.append(f"call {part.get('tool_name')}({rendered})")
-            elif kind in ("tool_result", "tool_return"):
-                value = part["result"] if "result" in part else part.get("content")
-                content = value if isinstance(value, str) else _dumps(value)[0]
-                results.append(f"{part.get('tool_name')} -> {_json(content)}")
-            elif kind == "hitl":
-                prompt = part.get("prompt", part.get("content"))
-                lines.append(
-                    f"hitl {part.get('action')}: {prompt if isinstance(prompt, str) else ''}"
-                )
-            elif kind == "error":
-                said = part.get("message", part.get("error", part.get("content")))
-                lines.append(f"error: {said if isinstance(said, str) else _dumps(part)[0]}")
+            if part.kind == "tool_result":
+                results.append(f"{part.tool_name} -> {_json(as_text(part.result))}")
+            elif (line := _part_line(part)) is not None:
+                lines.append(line)
     return Transcript(tuple(lines), tuple(sorted(results)))
 
 

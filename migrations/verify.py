@@ -10,10 +10,9 @@ from typing import Any
 
 from pymongo.database import Database
 
-from app.collections import LEGACY_TURNS, MESSAGES
-from app.errors import InvalidInput
-from app.legacy import convert, parse_turns
-from app.models import message_adapter
+from agent_store.core import InvalidInput, message_adapter
+from agent_store.legacy import LEGACY_TURNS, convert, parse_turns
+from agent_store.store import MESSAGES
 from migrations.explode import batches, conversation_ids, read_turns
 from migrations.transcript import differences, from_legacy, from_messages
 

@@ -44,9 +44,9 @@ from typing import Any
 
 from pymongo import AsyncMongoClient, MongoClient, monitoring
 
-from app import AgentMessageLogger, ConversationStore
-from app.collections import create_indexes
-from app.legacy import legacy_turn_document
+from agent_store import AgentMessageLogger, ConversationStore
+from agent_store.legacy import legacy_turn_document
+from agent_store.store import create_indexes
 from scripts.corpus import Conversation, Corpus
 from scripts.legacy_turns import LEGACY_COLLECTION, read_legacy_transcript
 from scripts.wire_server import start_wire_server

@@ -36,7 +36,7 @@ from pymongo import MongoClient
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.collections import LEGACY_TURNS  # noqa: E402
+from agent_store.legacy import LEGACY_TURNS  # noqa: E402
 from scripts.legacy_corpus import legacy_corpus  # noqa: E402
 
 # The migration's own peak RSS: VmHWM of its address space, which starts at exec. (A

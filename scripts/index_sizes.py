@@ -31,7 +31,7 @@ from typing import Any
 
 import bson
 
-from app import AgentMessageLogger
+from agent_store import AgentMessageLogger
 from scripts.corpus import Corpus
 
 RECORD_ID_BYTES = 4

@@ -1,6 +1,6 @@
 """Legacy turn documents (DESIGN §4) for the read-path comparison: write them, read them back.
 
-The turns are written with `app.legacy.legacy_turn_document` (the dual write's
+The turns are written with `agent_store.legacy.legacy_turn_document` (the dual write's
 mapping: one document with the user text and a flat list of response parts,
 results after their round of calls). `read_legacy_transcript` is the old read path:
 fetch a conversation's turns by time, explode each into messages and place each
@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.models import AgentMessage, message_adapter
+from agent_store.core import AgentMessage, message_adapter
+from agent_store.legacy import LEGACY_TURNS, LegacyPart, normalize_part
 
-LEGACY_COLLECTION = "agent_conversations_deprecated"
+LEGACY_COLLECTION = LEGACY_TURNS
 
 
 def explode_turn(turn: dict[str, Any]) -> list[dict[str, Any]]:
@@ -30,11 +31,9 @@ def explode_turn(turn: dict[str, Any]) -> list[dict[str, Any]]:
     if turn.get("upload_result"):
         first["upload"] = turn["upload_result"]
     messages = [first]
-    parts = turn.get("response_parts") or []
-    results = {
-        p.get("tool_call_id") or p["tool_name"]: p for p in parts if p["type"] == "tool_result"
-    }
-    calls: list[dict[str, Any]] = []
+    parts = [normalize_part(p) for p in turn.get("response_parts") or []]
+    results = {p.tool_call_id or p.tool_name: p for p in parts if p.kind == "tool_result"}
+    calls: list[LegacyPart] = []
 
     def flush_calls() -> None:
         if not calls:
@@ -44,10 +43,7 @@ def explode_turn(turn: dict[str, Any]) -> list[dict[str, Any]]:
                 "role": "assistant",
                 "content": None,
                 "tool_calls": [
-                    {
-                        "id": c["tool_call_id"],
-                        "function": {"name": c["tool_name"], "arguments": c["args"]},
-                    }
+                    {"id": c.tool_call_id, "function": {"name": c.tool_name, "arguments": c.args}}
                     for c in calls
                 ],
                 "created_at": at,
@@ -55,13 +51,13 @@ def explode_turn(turn: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
         for call in calls:
-            result = results.pop(call["tool_call_id"], None) or results.pop(call["tool_name"], None)
+            result = results.pop(call.tool_call_id, None) or results.pop(call.tool_name, None)
             if result is not None:
                 messages.append(
                     {
                         "role": "tool",
-                        "tool_call_id": call["tool_call_id"],
-                        "content": json.dumps(result["result"]),
+                        "tool_call_id": call.tool_call_id,
+                        "content": json.dumps(result.result),
                         "created_at": at,
                         **common,
                     }
@@ -69,26 +65,25 @@ def explode_turn(turn: dict[str, Any]) -> list[dict[str, Any]]:
         calls.clear()
 
     for part in parts:
-        kind = part["type"]
-        if kind == "tool_call":
+        if part.kind == "tool_call":
             calls.append(part)
             continue
         flush_calls()
-        if kind == "text":
-            messages.append({"role": "assistant", "content": part["content"], "created_at": at})
-        elif kind == "hitl":
-            hitl = {k: part[k] for k in ("action", "params", "request_id")}
+        if part.kind == "text":
+            messages.append({"role": "assistant", "content": part.content, "created_at": at})
+        elif part.kind == "hitl":
+            hitl = {"action": part.action, "params": part.params, "request_id": part.request_id}
             messages.append(
                 {
                     "role": "assistant",
-                    "content": part.get("prompt"),
+                    "content": part.content,
                     "hitl_action": hitl,
                     "created_at": at,
                 }
             )
-        elif kind == "error":
+        elif part.kind == "error":
             messages.append(
-                {"role": "assistant", "error": {"message": part["message"]}, "created_at": at}
+                {"role": "assistant", "error": {"message": part.content}, "created_at": at}
             )
     flush_calls()
     for message in messages:

@@ -17,8 +17,8 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from app import AgentMessageLogger
-from app import logger as logger_module
+from agent_store import AgentMessageLogger
+from agent_store.store import _logger as logger_module
 from scripts.bench import open_backend, prepare_workload
 from scripts.corpus import Corpus
 

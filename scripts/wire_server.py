@@ -11,7 +11,7 @@ import asyncio
 import subprocess
 import sys
 
-from app.embedded import embedded_mongodb
+from agent_store.embedded import embedded_mongodb
 
 
 def start_wire_server() -> tuple[subprocess.Popen[str], str]:

@@ -19,8 +19,9 @@ from typing import Any
 import httpx
 import jwt
 
+from agent_store.legacy import LEGACY_TURNS
+from agent_store.store import CONVERSATIONS, MESSAGES
 from app.api import create_app
-from app.collections import CONVERSATIONS, LEGACY_TURNS, MESSAGES
 from app.demo import OTHER_USER_ID, load_demo
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID
 from app.service import Store

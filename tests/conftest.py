@@ -73,7 +73,7 @@ class Backend:
 @pytest.fixture(scope="session")
 def wire_uri() -> Iterator[str]:
     """mongoeco's wire server, in memory, for the whole test session."""
-    from app.embedded import ServerThread
+    from agent_store.embedded import ServerThread
 
     server = ServerThread()
     yield server.start()

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from app.conversations import MAX_PAGE_SIZE
-from app.errors import StorageUnavailable
+from agent_store.core import StorageUnavailable
+from agent_store.store import MAX_PAGE_SIZE
 from app.http_errors import ERROR_CODES
 from tests.api_harness import (
     NAMED_TOKEN,

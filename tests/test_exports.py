@@ -10,17 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app import AgentMessageLogger, ConversationStore, InvalidInput
-from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
-from app.exports import (
-    SYNTHETIC_RESULT,
+from agent_store import AgentMessageLogger, ConversationStore, InvalidInput
+from agent_store.core import INTERRUPTED_RESULT, AgentMessage, messages_adapter
+from agent_store.integrations.exports import (
     chat_completions,
     chat_completions_problems,
     check_chat_completions,
     responses_items,
     user_jsonl,
 )
-from app.models import AgentMessage, messages_adapter
+from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
 from tests.conftest import Backend
 
 CALL_IDS = ["c1", "c2", "c3", "c4"]
@@ -66,7 +65,7 @@ def test_trailing_result_is_moved_right_after_its_call_and_orphans_are_left_out(
 
 @pytest.mark.parametrize(
     ("dangling", "calls", "results"),
-    [("synthesize", ["a", "b"], ["18", SYNTHETIC_RESULT]), ("drop", ["a"], ["18"])],
+    [("synthesize", ["a", "b"], ["18", INTERRUPTED_RESULT]), ("drop", ["a"], ["18"])],
 )
 def test_dangling_call_is_answered_by_a_marked_stand_in_or_dropped(
     dangling: Any, calls: list[str], results: list[str]
@@ -86,7 +85,7 @@ def test_dangling_call_is_answered_by_a_marked_stand_in_or_dropped(
     check_chat_completions(exported)
     assert [c["id"] for c in exported[1]["tool_calls"]] == calls
     assert [m["content"] for m in exported if m["role"] == "tool"] == results
-    assert json.loads(SYNTHETIC_RESULT)["synthetic"] is True
+    assert INTERRUPTED_RESULT.startswith("No result")
 
 
 def test_assistant_left_with_no_call_and_no_text_is_dropped_whole() -> None:
@@ -216,14 +215,14 @@ def test_every_generated_conversation_exports_to_a_history_that_replays(
 
     assert chat_completions_problems(exported) == []
     tool_contents = [m["content"] for m in exported if m["role"] == "tool"]
-    real = [c for c in tool_contents if c != SYNTHETIC_RESULT]
+    real = [c for c in tool_contents if c != INTERRUPTED_RESULT]
     assert len(real) == real_answers(stored)  # no real result lost, none invented
     stored_calls = sum(len(m.get("tool_calls") or ()) for m in stored)
     exported_calls = sum(len(m.get("tool_calls", ())) for m in exported)
     if dangling == "synthesize":
         assert exported_calls == stored_calls
     else:
-        assert SYNTHETIC_RESULT not in tool_contents
+        assert INTERRUPTED_RESULT not in tool_contents
         assert exported_calls == len(real)
 
 

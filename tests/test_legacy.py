@@ -12,20 +12,23 @@ from bson import ObjectId
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.errors import InvalidInput
-from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
-from app.legacy import (
+from agent_store.core import AgentMessage, InvalidInput, message_adapter
+from agent_store.legacy import (
     Problem,
     convert,
-    convert_conversation,
     legacy_turn_document,
     pending_from_session_hitl,
 )
-from app.models import AgentMessage, message_adapter
+from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from tests.test_logger import expected_example
 
 CID = "legacy-conv"
 T0 = datetime(2025, 5, 1, 12, 0, tzinfo=UTC)
+
+
+def convert_conversation(turns: Any) -> tuple[list[AgentMessage], list[Problem]]:
+    conversion = convert(turns)
+    return conversion.messages, conversion.problems
 
 
 def turn(n: int, parts: list[Any] | None = None, **fields: Any) -> dict[str, Any]:

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from app import AgentMessageLogger, Conflict, ConversationStore, InvalidInput
+from agent_store import AgentMessageLogger, Conflict, ConversationStore, InvalidInput
+from agent_store.core import message_adapter
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
-from app.models import message_adapter
 from tests.conftest import Backend
 
 CID = "conv-1"

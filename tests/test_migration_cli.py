@@ -20,7 +20,8 @@ import pytest
 from pymongo import MongoClient
 from pymongo.database import Database
 
-from app.collections import CONVERSATIONS, LEGACY_TURNS, MESSAGES, SESSION_HITL
+from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
+from agent_store.store import CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from migrations import relocate
 from migrations.cli import main

@@ -9,10 +9,15 @@ from typing import Any
 
 import pytest
 
-from app.errors import InvalidInput
-from app.models import AssistantMessage, Conversation, TurnRecord, message_adapter
-from app.schema import SCHEMA_DIR, render
-from app.turns import parse_messages
+from agent_store.core import (
+    AssistantMessage,
+    Conversation,
+    InvalidInput,
+    TurnRecord,
+    message_adapter,
+)
+from agent_store.store import parse_messages
+from scripts.schema import SCHEMA_DIR, render
 
 
 def parse(raw: dict[str, Any]) -> Any:

@@ -10,11 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from app import AgentMessageLogger, ConversationStore, InvalidInput
-from app.models import UserMessage
+from agent_store import AgentMessageLogger, ConversationStore, InvalidInput
+from agent_store.core import UserMessage
+from agent_store.store import ELLIPSIS, TurnRules, auto_name, collapse_whitespace
 from app.settings import Settings
-from app.text import ELLIPSIS, auto_name, collapse_whitespace
-from app.turns import TurnRules
 from tests.conftest import Backend
 
 CID = "conv-names"

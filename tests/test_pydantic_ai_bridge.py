@@ -23,9 +23,9 @@ from pydantic_ai.messages import (
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.usage import RequestUsage
 
-from app import AgentMessageLogger, ConversationStore, TurnRules
-from app.pydantic_ai_bridge import history_from_messages, log_run, messages_from_run
-from app.text import RuntimeContextMarkers
+from agent_store import AgentMessageLogger, ConversationStore, TurnRules
+from agent_store.integrations.pydantic_ai import history_from_messages, log_run, messages_from_run
+from agent_store.store import RuntimeContextMarkers
 from tests.conftest import Backend
 
 CID = "conv-pai"

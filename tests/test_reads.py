@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from app import (
+from agent_store import (
     AgentMessageLogger,
     Conflict,
     ConversationStore,

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from pymongo import AsyncMongoClient
 from pymongo.errors import AutoReconnect
 
-from app import AgentMessageLogger, ConversationStore, InvalidInput, StorageUnavailable
+from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, StorageUnavailable
+from agent_store.store import plan_turn
 from app.examples import example_turns
-from app.turns import plan_turn
 from tests.conftest import WIRE_AVAILABLE, Backend
 
 CID = "conv-reliability"

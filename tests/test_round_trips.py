@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app import AgentMessageLogger, ConversationStore
+from agent_store import AgentMessageLogger, ConversationStore
 from app.examples import example_turns
 from tests.conftest import Backend
 

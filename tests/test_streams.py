@@ -10,12 +10,17 @@ from typing import Any
 
 import pytest
 
-from app import AgentMessageLogger, ConversationStore, InvalidInput, LoggedTurn, TurnRules
-from app.exports import chat_completions, check_chat_completions
-from app.models import messages_adapter
-from app.stream_events import parse_sse_text
-from app.streams import StreamedTurn, log_streamed_turn, turn_from_metadata, turn_from_sse
-from app.text import RuntimeContextMarkers
+from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, LoggedTurn, TurnRules
+from agent_store.core import messages_adapter
+from agent_store.integrations.exports import chat_completions, check_chat_completions
+from agent_store.integrations.streams import (
+    StreamedTurn,
+    log_streamed_turn,
+    parse_sse_text,
+    turn_from_metadata,
+    turn_from_sse,
+)
+from agent_store.store import RuntimeContextMarkers
 from tests.conftest import Backend
 
 STREAMS = Path(__file__).parent / "streams"

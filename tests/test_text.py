@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from app.text import RuntimeContextMarkers, shorten, strip_runtime_context
-from app.truncation import bound_message, document_size
-from app.turns import parse_messages, plan_turn
+from agent_store.store import (
+    RuntimeContextMarkers,
+    bound_message,
+    document_size,
+    parse_messages,
+    plan_turn,
+    shorten,
+    strip_runtime_context,
+)
 
 
 @pytest.mark.parametrize(

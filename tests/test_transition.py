@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from app import AgentMessageLogger, Conflict, ConversationStore, NotFound
-from app.collections import LEGACY_TURNS, SESSION_HITL
+from agent_store import AgentMessageLogger, Conflict, ConversationStore, LegacyTurns, NotFound
+from agent_store.core import AgentMessage
+from agent_store.legacy import LEGACY_TURNS, SESSION_HITL, convert
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_legacy_turns
-from app.legacy import convert
-from app.models import AgentMessage
 from tests.conftest import Backend
 from tests.test_logger import log_example
 
@@ -23,12 +22,14 @@ def visible(messages: list[AgentMessage]) -> list[tuple[object, ...]]:
 async def test_dual_write_keeps_each_turn_as_a_legacy_turn_that_converts_back(
     backend: Backend,
 ) -> None:
-    logger = AgentMessageLogger(backend.db, legacy_dual_write=True)
+    logger = AgentMessageLogger(backend.db, observers=[LegacyTurns(backend.db, dual_write=True)])
     await log_example(logger)
     await log_example(logger)  # retried turns rewrite the same legacy documents
 
     legacy = await backend.db[LEGACY_TURNS].find().to_list(None)
-    transcript = await ConversationStore(backend.db).transcript(EXAMPLE_CONVERSATION_ID)
+    transcript = await ConversationStore(backend.db, legacy=LegacyTurns(backend.db)).transcript(
+        EXAMPLE_CONVERSATION_ID
+    )
 
     assert len(legacy) == 4
     assert all(doc["dual_write"] for doc in legacy)
@@ -49,7 +50,9 @@ async def test_dual_write_is_off_unless_asked_for(backend: Backend) -> None:
 @pytest.mark.wire
 async def test_dual_write_costs_one_more_round_trip(wire_backend: Backend) -> None:
     assert wire_backend.commands is not None
-    logger = AgentMessageLogger(wire_backend.db, legacy_dual_write=True)
+    logger = AgentMessageLogger(
+        wire_backend.db, observers=[LegacyTurns(wire_backend.db, dual_write=True)]
+    )
     wire_backend.commands.clear()
     await logger.log_messages("dual", [{"role": "user", "content": "hi"}], turn_id="t1")
     assert wire_backend.commands.names == ["findAndModify", "insert", "update"]
@@ -63,7 +66,7 @@ async def test_reads_of_an_unmigrated_conversation_fall_back_to_its_legacy_turns
         {"conversation_id": EXAMPLE_CONVERSATION_ID, "request_id": "req-booking-1",
          "action": "confirm_booking"}
     )  # fmt: skip
-    store = ConversationStore(backend.db)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
     expected = convert(example_legacy_turns())
 
     transcript = await store.transcript(EXAMPLE_CONVERSATION_ID)
@@ -84,14 +87,14 @@ async def test_reads_of_an_unmigrated_conversation_fall_back_to_its_legacy_turns
     with pytest.raises(NotFound):
         await store.transcript(EXAMPLE_CONVERSATION_ID, user_id="someone-else")
     with pytest.raises(NotFound):
-        await ConversationStore(backend.db, legacy_fallback=False).transcript(
-            EXAMPLE_CONVERSATION_ID
-        )
+        await ConversationStore(
+            backend.db, legacy=LegacyTurns(backend.db, read_fallback=False)
+        ).transcript(EXAMPLE_CONVERSATION_ID)
 
 
 async def test_an_unmigrated_conversation_cannot_be_renamed_yet(backend: Backend) -> None:
     await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
-    store = ConversationStore(backend.db)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
     with pytest.raises(Conflict, match="is not migrated yet; it can be renamed once"):
         await store.rename(EXAMPLE_CONVERSATION_ID, "New name")
     with pytest.raises(NotFound):
@@ -103,7 +106,7 @@ async def test_deleting_an_unmigrated_conversation_removes_its_legacy_turns(
     backend: Backend,
 ) -> None:
     await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
-    store = ConversationStore(backend.db)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
     deleted = await store.delete(EXAMPLE_CONVERSATION_ID)
     assert (deleted.conversations, deleted.messages, deleted.legacy_turns) == (0, 0, 4)
     with pytest.raises(NotFound):
@@ -115,7 +118,7 @@ async def test_a_deleted_migrated_conversation_does_not_come_back_from_its_legac
 ) -> None:
     await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
     await log_example(AgentMessageLogger(backend.db))
-    store = ConversationStore(backend.db)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
     deleted = await store.delete(EXAMPLE_CONVERSATION_ID)
     assert (deleted.conversations, deleted.messages, deleted.legacy_turns) == (1, 12, 4)
     with pytest.raises(NotFound):
@@ -127,7 +130,7 @@ async def test_erase_and_claim_reach_the_legacy_turns(backend: Backend) -> None:
     owner = turns[0]["user_id"]
     turns[1]["user_id"] = None  # real data: some turns carry no owner
     await backend.db[LEGACY_TURNS].insert_many(turns)
-    store = ConversationStore(backend.db)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
     claimed = await store.claim(owner, "user-claimed")
     assert claimed.legacy_turns == 3
     erased = await store.erase_user("user-claimed")
@@ -138,7 +141,7 @@ async def test_erase_and_claim_reach_the_legacy_turns(backend: Backend) -> None:
 async def test_a_migrated_conversation_is_read_from_the_new_collections(backend: Backend) -> None:
     await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
     await log_example(AgentMessageLogger(backend.db))
-    store = ConversationStore(backend.db)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
     transcript = await store.transcript(EXAMPLE_CONVERSATION_ID)
     assert transcript[0].turn_id == "turn-1"
 
@@ -149,5 +152,7 @@ async def test_a_migrated_transcript_still_costs_one_round_trip(wire_backend: Ba
     await wire_backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
     await log_example(AgentMessageLogger(wire_backend.db))
     wire_backend.commands.clear()
-    await ConversationStore(wire_backend.db).transcript(EXAMPLE_CONVERSATION_ID)
+    await ConversationStore(wire_backend.db, legacy=LegacyTurns(wire_backend.db)).transcript(
+        EXAMPLE_CONVERSATION_ID
+    )
     assert wire_backend.commands.names == ["find"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from app.models import (
+from agent_store.core import (
     AssistantMessage,
     Conversation,
     ConversationPage,
@@ -27,7 +27,7 @@ from app.models import (
     ToolMessage,
     UserMessage,
 )
-from app.typescript import (
+from scripts.typescript import (
     OUTPUT,
     DeclarationRenderer,
     UnsupportedSchema,
@@ -56,7 +56,7 @@ def test_typescript_declarations_are_current() -> None:
 def test_rendering_does_not_depend_on_the_process() -> None:
     env = os.environ | {"PYTHONHASHSEED": "12345"}
     other = subprocess.run(
-        [sys.executable, "-c", "import sys; from app.typescript import render; "
+        [sys.executable, "-c", "import sys; from scripts.typescript import render; "
          "sys.stdout.write(render())"],
         cwd=ROOT, env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip

@@ -1,5 +1,5 @@
 // Declarations of the documents in `agent_messages` and `agent_conversations`
-// and of the admin API's JSON, derived from the pydantic models in app/models.py.
+// and of the admin API's JSON, derived from the pydantic models in agent_store/core/_models.py.
 // Do not edit: run `make types`; a test fails when this file is stale.
 //
 // Every key is present in every document and every API object; a missing

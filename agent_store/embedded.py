@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
-from app.errors import Unsupported
+from agent_store.core import Unsupported
 
 
 @asynccontextmanager
@@ -68,6 +68,7 @@ class ServerThread:
         self.uri = ""
 
     def start(self) -> str:
+        """Start the server; returns its URI."""
         self._thread.start()
         self.uri = asyncio.run_coroutine_threadsafe(self._open(), self._loop).result(60)
         return self.uri
@@ -76,6 +77,7 @@ class ServerThread:
         return await self._stack.enter_async_context(embedded_mongodb(self._data_dir))
 
     def stop(self) -> None:
+        """Stop the server and its thread."""
         asyncio.run_coroutine_threadsafe(self._stack.aclose(), self._loop).result(60)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)

@@ -16,15 +16,16 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from app.errors import InvalidInput, describe_validation_error
-from app.models import (
+from agent_store.core import (
     AgentMessage,
     Identifier,
+    InvalidInput,
     PendingHitl,
     Usage,
+    describe_validation_error,
     messages_adapter,
 )
-from app.text import (
+from agent_store.store._text import (
     DEFAULT_MARKERS,
     RuntimeContextMarkers,
     auto_name,
@@ -33,7 +34,7 @@ from app.text import (
     shorten,
     strip_runtime_context,
 )
-from app.truncation import DEFAULT_MAX_MESSAGE_BYTES, bound_message
+from agent_store.store._truncation import DEFAULT_MAX_MESSAGE_BYTES, bound_message
 
 _identifier: TypeAdapter[str] = TypeAdapter(Identifier)
 

@@ -14,8 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, TypeAdapter, ValidationError
 
-from app.errors import InvalidInput, describe_validation_error
-from app.models import TokenUsage, UtcDatetime
+from agent_store.core import InvalidInput, TokenUsage, UtcDatetime, describe_validation_error
 
 CallId = Annotated[str, Field(min_length=1, max_length=200)]
 

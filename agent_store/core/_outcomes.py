@@ -14,7 +14,7 @@ import re
 from datetime import datetime
 from typing import Literal, get_args
 
-from app.models import AssistantMessage, MessageError, ToolMessage, UserMessage
+from agent_store.core._models import AssistantMessage, MessageError, ToolMessage, UserMessage
 
 ToolOutcome = Literal["failed", "denied", "interrupted", "retried"]
 """Why a tool result is not a plain success (the outcomes Pydantic AI knows, too)."""

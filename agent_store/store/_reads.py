@@ -17,19 +17,23 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 from pymongo import ReturnDocument
 
-from app.collections import CONVERSATIONS, LEGACY_TURNS, MESSAGES, SESSION_HITL, Database
-from app.errors import Conflict, InvalidInput, NotFound, storage_errors
-from app.legacy import LegacyConversion, convert, pending_from_session_hitl
-from app.models import (
+from agent_store.core import (
     AgentMessage,
+    Conflict,
     Conversation,
     ConversationPage,
+    InvalidInput,
     MessagePage,
+    NotFound,
     PendingHitl,
     message_adapter,
     messages_adapter,
 )
-from app.turns import TurnRules, validate_identifier
+from agent_store.store._driver import Database, storage_errors
+from agent_store.store._indexes import CONVERSATIONS, MESSAGES
+from agent_store.store._legacy_seam import FallbackConversation, LegacySource
+from agent_store.store._text import clean_name
+from agent_store.store._turns import validate_identifier
 
 MAX_PAGE_SIZE = 200
 # Messages in the first reply of a transcript read: a 300-message transcript is one round
@@ -101,46 +105,27 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
 class ConversationStore:
     """Reads and administers conversations. Takes the same database handles as the logger."""
 
-    def __init__(
-        self, db: Database, *, legacy_fallback: bool = True, rules: TurnRules | None = None
-    ) -> None:
+    def __init__(self, db: Database, *, legacy: LegacySource | None = None) -> None:
+        """Read and administer `db`. `legacy` serves conversations not migrated yet (when its
+        `read_fallback` is on) and is reached by deletes, erasures and claims."""
         self._messages = db[MESSAGES]
         self._conversations = db[CONVERSATIONS]
-        self._legacy_turns = db[LEGACY_TURNS] if legacy_fallback else None
-        # Deletes and erasures reach the legacy turns whether or not reads fall back to them.
-        self._legacy_for_erasure = db[LEGACY_TURNS]
-        self._session_hitl = db[SESSION_HITL]
-        self._rules = rules or TurnRules()
+        self._legacy_source = legacy
 
-    async def _legacy(self, conversation_id: str, user_id: str | None) -> LegacyConversion:
+    async def _legacy(self, conversation_id: str, user_id: str | None) -> FallbackConversation:
         """A conversation not migrated yet, converted from its legacy turns; else NotFound.
 
         Only reached when the new collections have nothing under this id, so reads of
         migrated conversations keep their round-trip counts.
         """
         missing = NotFound(f"conversation {conversation_id!r} was not found")
-        if self._legacy_turns is None:
+        source = self._legacy_source
+        if source is None or not source.read_fallback:
             raise missing
-        with storage_errors("read the legacy turns"):
-            turns = await self._legacy_turns.find({"conversation_id": conversation_id}).to_list(
-                None
-            )
-        if not turns:
+        found = await source.conversation(conversation_id)
+        if found is None or (user_id is not None and found.conversation.user_id != user_id):
             raise missing
-        conversion = convert(turns, rules=self._rules)
-        if conversion.conversation is None or (
-            user_id is not None and conversion.conversation.user_id != user_id
-        ):
-            raise missing
-        with storage_errors("read the pending prompt"):
-            prompts = await self._session_hitl.find(
-                {"$or": [{"conversation_id": conversation_id}, {"session_id": conversation_id}]}
-            ).to_list(None)
-        pending, _ = pending_from_session_hitl(prompts, conversion.messages)
-        conversion.conversation = conversion.conversation.model_copy(
-            update={"pending_hitl": pending}
-        )
-        return conversion
+        return found
 
     async def ping(self) -> None:
         """One indexed lookup: raises StorageUnavailable when the database does not answer."""
@@ -191,9 +176,7 @@ class ConversationStore:
         if doc is None:
             if not fallback:
                 raise NotFound(f"conversation {conversation_id!r} was not found")
-            legacy = (await self._legacy(conversation_id, user_id)).conversation
-            assert legacy is not None
-            return legacy
+            return (await self._legacy(conversation_id, user_id)).conversation
         return Conversation.model_validate(doc)
 
     async def turn_count(self, conversation_id: str, *, user_id: str | None = None) -> int:
@@ -209,9 +192,7 @@ class ConversationStore:
         self, conversation_id: str, name: str, *, user_id: str | None = None
     ) -> Conversation:
         """Set a person's name for the conversation; automatic names never replace it."""
-        clean = " ".join(name.split())
-        if not clean or len(clean) > 200:
-            raise InvalidInput("invalid name: it must have 1 to 200 characters besides white space")
+        clean = clean_name(name)
         with storage_errors("rename the conversation"):
             doc = await self._conversations.find_one_and_update(
                 self._scope(conversation_id, user_id),
@@ -250,18 +231,16 @@ class ConversationStore:
             )
         if found is None:
             await self._legacy(conversation_id, user_id)  # NotFound unless it is legacy-only
-        by_conversation = {"conversation_id": conversation_id}
+        legacy = 0
+        if self._legacy_source is not None:
+            legacy = await self._legacy_source.delete(conversation_id)
         with storage_errors("delete the conversation"):
-            legacy = await self._legacy_for_erasure.delete_many(by_conversation)
-            await self._session_hitl.delete_many(
-                {"$or": [by_conversation, {"session_id": conversation_id}]}
-            )
-            messages = await self._messages.delete_many(by_conversation)
+            messages = await self._messages.delete_many({"conversation_id": conversation_id})
             conversations = await self._conversations.delete_one({"_id": conversation_id})
         return Deleted(
             conversations=conversations.deleted_count,
             messages=messages.deleted_count,
-            legacy_turns=legacy.deleted_count,
+            legacy_turns=legacy,
         )
 
     # -- messages --------------------------------------------------------------------
@@ -315,7 +294,7 @@ class ConversationStore:
             try:
                 seq = await self._seq_of(after, query)
             except InvalidInput:
-                if self._legacy_turns is None or not after.startswith("msg-"):
+                if not after.startswith("msg-"):
                     raise
                 legacy = await self._legacy_page(conversation_id, after, limit, order, user_id)
                 if legacy is None:
@@ -459,14 +438,10 @@ class ConversationStore:
     async def erase_user(self, user_id: str) -> Deleted:
         """Delete every conversation and message of a user. Re-runnable after a crash."""
         user_id = validate_identifier(user_id, "user_id")
+        legacy = 0
+        if self._legacy_source is not None:
+            legacy = await self._legacy_source.erase_user(user_id)
         with storage_errors("erase the user's data"):
-            # Whole legacy conversations, including their turns that carry no user id.
-            legacy_ids = await self._legacy_for_erasure.distinct(
-                "conversation_id", {"user_id": user_id}
-            )
-            legacy = await self._legacy_for_erasure.delete_many(
-                {"$or": [{"user_id": user_id}, {"conversation_id": {"$in": legacy_ids}}]}
-            )
             messages = await self._messages.delete_many({"user_id": user_id})
             conversations = await self._conversations.delete_many({"user_id": user_id})
             # Messages logged between the two deletes would otherwise be orphans.
@@ -474,7 +449,7 @@ class ConversationStore:
         return Deleted(
             conversations=conversations.deleted_count,
             messages=messages.deleted_count + late.deleted_count,
-            legacy_turns=legacy.deleted_count,
+            legacy_turns=legacy,
         )
 
     async def claim(self, from_user_id: str, to_user_id: str) -> Claimed:
@@ -494,14 +469,14 @@ class ConversationStore:
             messages = await self._messages.update_many(
                 {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
             )
-            # Not migrated yet, or kept for rollback: they must follow their owner too.
-            legacy = await self._legacy_for_erasure.update_many(
-                {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
-            )
+        # Not migrated yet, or kept for rollback: they must follow their owner too.
+        legacy = 0
+        if self._legacy_source is not None:
+            legacy = await self._legacy_source.claim(from_user_id, to_user_id)
         return Claimed(
             conversations=conversations.modified_count,
             messages=messages.modified_count,
-            legacy_turns=legacy.modified_count,
+            legacy_turns=legacy,
         )
 
     async def export_user(self, user_id: str) -> AsyncIterator[ConversationExport]:

@@ -16,19 +16,26 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from app.conversations import ConversationExport, ConversationStore
-from app.errors import InvalidInput, describe_validation_error
-from app.models import AgentMessage, AssistantMessage, ToolMessage, messages_adapter
-from app.text import DEFAULT_MARKERS, RuntimeContextMarkers, strip_runtime_context
+from agent_store.core import (
+    INTERRUPTED_RESULT,
+    AgentMessage,
+    AssistantMessage,
+    InvalidInput,
+    ToolMessage,
+    describe_validation_error,
+    messages_adapter,
+)
+from agent_store.store import (
+    DEFAULT_MARKERS,
+    ConversationExport,
+    ConversationStore,
+    RuntimeContextMarkers,
+    strip_runtime_context,
+)
 
 Dangling = Literal["synthesize", "drop"]
 """For a call no stored result answers: a marked stand-in answers it, or it is dropped."""
 
-SYNTHETIC_RESULT = json.dumps(
-    {"error": "no result was recorded for this tool call", "synthetic": True},
-    separators=(",", ":"),
-)
-"""The content of a stand-in result; `synthetic: true` says it never came from the tool."""
 
 _ALLOWED_KEYS = {
     "system": {"role", "content", "name"},
@@ -79,7 +86,7 @@ def chat_completions(
     Only `role`, `content`, `tool_calls` and `tool_call_id` are kept. Each
     call's result follows the assistant message that makes it (results stored
     later are moved up); a result that answers no call is left out; a call
-    with no result gets `SYNTHETIC_RESULT` or, with `dangling="drop"`, is
+    with no result gets `INTERRUPTED_RESULT` or, with `dangling="drop"`, is
     removed. A call id used again later in the conversation is renamed
     `<id>_<n>` so ids stay unique. Assistant messages the model never said —
     an `error` or a HITL action with no text — are left out, and a user
@@ -94,41 +101,46 @@ def chat_completions(
     used_ids: set[str] = set()
     exported: list[dict[str, Any]] = []
     for index, message in enumerate(stored):
-        if isinstance(message, ToolMessage):
-            continue  # placed with the call it answers
-        if not isinstance(message, AssistantMessage):
-            text = message.content
-            if text is None and message.upload is not None:
-                text = f"[uploaded {message.upload.filename} ({message.upload.file_type})]"
-            elif text is not None and message.role == "user":
-                text = strip_runtime_context(text, markers)
-            if text is not None:
-                exported.append({"role": message.role, "content": text})
-            continue
-        calls: list[dict[str, Any]] = []
-        results: list[dict[str, Any]] = []
-        for call in message.tool_calls or ():
-            answer = answers.get((index, call.id))
-            if answer is None and dangling == "drop":
-                continue
-            call_id = _unique(call.id, used_ids)
-            calls.append(
-                {
-                    "id": call_id,
-                    "type": "function",
-                    "function": {"name": call.function.name, "arguments": call.function.arguments},
-                }
-            )
-            content = SYNTHETIC_RESULT if answer is None else (answer.content or "")
-            results.append({"role": "tool", "tool_call_id": call_id, "content": content})
-        if message.content is None and not calls:
-            continue
-        exported.append(
-            {"role": "assistant", "content": message.content}
-            | ({"tool_calls": calls} if calls else {})
-        )
-        exported.extend(results)
+        if isinstance(message, AssistantMessage):
+            exported += _exported_response(index, message, answers, used_ids, dangling)
+        elif not isinstance(message, ToolMessage):  # a tool message goes with its call
+            exported += _exported_prompt(message, markers)
     return exported
+
+
+def _exported_prompt(message: AgentMessage, markers: RuntimeContextMarkers) -> list[dict[str, Any]]:
+    """A system or user message: its text, or a note naming an uploaded file."""
+    text = message.content
+    if text is None and message.upload is not None:
+        text = f"[uploaded {message.upload.filename} ({message.upload.file_type})]"
+    elif text is not None and message.role == "user":
+        text = strip_runtime_context(text, markers)
+    return [] if text is None else [{"role": message.role, "content": text}]
+
+
+def _exported_response(
+    index: int,
+    message: AssistantMessage,
+    answers: dict[tuple[int, str], ToolMessage],
+    used_ids: set[str],
+    dangling: Dangling,
+) -> list[dict[str, Any]]:
+    """An assistant message followed by the answer of each of its calls."""
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for call in message.tool_calls or ():
+        answer = answers.get((index, call.id))
+        if answer is None and dangling == "drop":
+            continue
+        call_id = _unique(call.id, used_ids)
+        function = {"name": call.function.name, "arguments": call.function.arguments}
+        calls.append({"id": call_id, "type": "function", "function": function})
+        content = INTERRUPTED_RESULT if answer is None else (answer.content or "")
+        results.append({"role": "tool", "tool_call_id": call_id, "content": content})
+    if message.content is None and not calls:
+        return []
+    response = {"role": "assistant", "content": message.content}
+    return [response | ({"tool_calls": calls} if calls else {}), *results]
 
 
 def _unique(call_id: str, used: set[str]) -> str:
@@ -177,6 +189,74 @@ def responses_items(
     return items
 
 
+class _ReplayCheck:
+    """Walks a Chat Completions history once, noting every rule it breaks."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self.seen_ids: set[str] = set()
+        self.waiting: set[str] = set()
+        self.answerable: set[str] = set()
+
+    def close(self, at: str) -> None:
+        if self.waiting:
+            self.problems.append(f"{at}: tool calls {sorted(self.waiting)} are left unanswered")
+            self.waiting.clear()
+        self.answerable.clear()
+
+    def message(self, where: str, message: Any) -> None:
+        role = message.get("role") if isinstance(message, Mapping) else None
+        if role not in _ALLOWED_KEYS:
+            self.problems.append(f"{where}: unknown role {role!r}")
+            return
+        extra = set(message) - _ALLOWED_KEYS[role]
+        if extra:
+            self.problems.append(f"{where}: keys the API does not take: {sorted(extra)}")
+        if role == "tool":
+            self.tool(where, message)
+            return
+        self.close(f"before {where}")
+        if role == "assistant":
+            self.assistant(where, message)
+        elif not isinstance(message.get("content"), str):
+            self.problems.append(f"{where}: a {role} message needs string content")
+
+    def tool(self, where: str, message: Mapping[str, Any]) -> None:
+        call_id = message.get("tool_call_id")
+        if not isinstance(message.get("content"), str):
+            self.problems.append(f"{where}: a tool message needs string content")
+        if call_id not in self.answerable:
+            self.problems.append(
+                f"{where}: tool message for {call_id!r} answers no call of the "
+                "assistant message right before it"
+            )
+        elif call_id not in self.waiting:
+            self.problems.append(f"{where}: tool call {call_id!r} is answered twice")
+        self.waiting.discard(call_id)
+
+    def assistant(self, where: str, message: Mapping[str, Any]) -> None:
+        content, calls = message.get("content"), message.get("tool_calls")
+        if calls is None:
+            if not isinstance(content, str):
+                self.problems.append(f"{where}: an assistant message needs content or tool calls")
+            return
+        if content is not None and not isinstance(content, str):
+            self.problems.append(f"{where}: assistant content must be a string or null")
+        if not isinstance(calls, list) or not calls:
+            self.problems.append(f"{where}: tool_calls must be a non-empty list")
+            return
+        for call in calls:
+            problem = _call_problem(call)
+            if problem:
+                self.problems.append(f"{where}: {problem}")
+                continue
+            if call["id"] in self.seen_ids:
+                self.problems.append(f"{where}: tool call id {call['id']!r} is used again")
+            self.seen_ids.add(call["id"])
+            self.waiting.add(call["id"])
+            self.answerable.add(call["id"])
+
+
 def chat_completions_problems(messages: Sequence[Any]) -> list[str]:
     """Every way a Chat Completions history breaks the API's rules; empty when it replays.
 
@@ -185,67 +265,11 @@ def chat_completions_problems(messages: Sequence[Any]) -> list[str]:
     tool calls are tool messages answering each of those calls exactly once,
     and nothing else is a tool message.
     """
-    problems: list[str] = []
-    seen_ids: set[str] = set()
-    waiting: set[str] = set()
-    answerable: set[str] = set()
-
-    def close(at: str) -> None:
-        if waiting:
-            problems.append(f"{at}: tool calls {sorted(waiting)} are left unanswered")
-            waiting.clear()
-        answerable.clear()
-
+    check = _ReplayCheck()
     for index, message in enumerate(messages):
-        where = f"message {index}"
-        role = message.get("role") if isinstance(message, Mapping) else None
-        if role not in _ALLOWED_KEYS:
-            problems.append(f"{where}: unknown role {role!r}")
-            continue
-        extra = set(message) - _ALLOWED_KEYS[role]
-        if extra:
-            problems.append(f"{where}: keys the API does not take: {sorted(extra)}")
-        content = message.get("content")
-        if role == "tool":
-            call_id = message.get("tool_call_id")
-            if not isinstance(content, str):
-                problems.append(f"{where}: a tool message needs string content")
-            if call_id not in answerable:
-                problems.append(
-                    f"{where}: tool message for {call_id!r} answers no call of the "
-                    "assistant message right before it"
-                )
-            elif call_id not in waiting:
-                problems.append(f"{where}: tool call {call_id!r} is answered twice")
-            waiting.discard(call_id)
-            continue
-        close(f"before {where}")
-        if role != "assistant":
-            if not isinstance(content, str):
-                problems.append(f"{where}: a {role} message needs string content")
-            continue
-        calls = message.get("tool_calls")
-        if calls is None:
-            if not isinstance(content, str):
-                problems.append(f"{where}: an assistant message needs content or tool calls")
-            continue
-        if content is not None and not isinstance(content, str):
-            problems.append(f"{where}: assistant content must be a string or null")
-        if not isinstance(calls, list) or not calls:
-            problems.append(f"{where}: tool_calls must be a non-empty list")
-            continue
-        for call in calls:
-            problem = _call_problem(call)
-            if problem:
-                problems.append(f"{where}: {problem}")
-                continue
-            if call["id"] in seen_ids:
-                problems.append(f"{where}: tool call id {call['id']!r} is used again")
-            seen_ids.add(call["id"])
-            waiting.add(call["id"])
-            answerable.add(call["id"])
-    close("at the end")
-    return problems
+        check.message(f"message {index}", message)
+    check.close("at the end")
+    return check.problems
 
 
 def _call_problem(call: Any) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from app.models import AgentMessage
+from agent_store.core import AgentMessage, InvalidInput
 
 ELLIPSIS = "…"
 
@@ -86,3 +86,19 @@ def auto_name(message: AgentMessage, limit: int) -> str | None:
         return None
     name = shorten(message.content, limit)
     return name or None
+
+
+MAX_NAME_CHARS = 200
+
+
+def clean_name(name: str) -> str:
+    """A conversation name a person or runtime gave: whitespace collapsed, 1-200 characters.
+
+    Raises InvalidInput for a name that is empty once collapsed, or too long.
+    """
+    cleaned = collapse_whitespace(name)
+    if not cleaned or len(cleaned) > MAX_NAME_CHARS:
+        raise InvalidInput(
+            f"invalid name: it must have 1 to {MAX_NAME_CHARS} characters besides white space"
+        )
+    return cleaned

@@ -41,11 +41,12 @@ try:
     from pydantic_ai.usage import RequestUsage
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "app.pydantic_ai_bridge needs Pydantic AI: install agent-conversation-store[pydantic-ai]"
+        "agent_store.integrations.pydantic_ai needs Pydantic AI: "
+        "install agent-conversation-store[pydantic-ai]"
     ) from exc
 
-from app.logger import AgentMessageLogger, LoggedTurn
-from app.models import (
+from agent_store.core import (
+    INTERRUPTED_RESULT,
     AgentMessage,
     AssistantMessage,
     FunctionCall,
@@ -54,16 +55,13 @@ from app.models import (
     ToolCall,
     ToolMessage,
     UserMessage,
-    utc_now,
-)
-from app.tool_outcomes import (
-    INTERRUPTED_RESULT,
     feedback_cause,
     feedback_error,
     outcome_error,
     tool_outcome,
+    utc_now,
 )
-from app.turns import parse_messages
+from agent_store.store import AgentMessageLogger, LoggedTurn, parse_messages
 
 __all__ = ["history_from_messages", "log_run", "messages_from_run"]
 

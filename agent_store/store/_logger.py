@@ -17,19 +17,24 @@ the conversation once to learn the reserved block, and inserts what is missing.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
 from pymongo import ReturnDocument
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
-from app.collections import CONVERSATIONS, LEGACY_TURNS, MESSAGES, Database, IndexSetup
-from app.errors import Conflict, InvalidInput, NotFound, StorageFailure, storage_errors
-from app.legacy import legacy_turn_document
-from app.models import AgentMessage, Conversation, utc_now
-from app.turns import KeepPendingHitl, TurnPlan, TurnRules, plan_turn, validate_identifier
+from agent_store.core import AgentMessage, Conflict, Conversation, NotFound, StorageFailure, utc_now
+from agent_store.store._driver import DUPLICATE_KEY, Database, storage_errors
+from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
+from agent_store.store._text import clean_name
+from agent_store.store._turns import (
+    KeepPendingHitl,
+    TurnPlan,
+    TurnRules,
+    plan_turn,
+    validate_identifier,
+)
 
-DUPLICATE_KEY = 11000
 _RESERVE_ATTEMPTS = 3
 
 
@@ -51,6 +56,14 @@ class LoggedTurn(BaseModel):
     """True when the turn had been reserved before: this call was a retry."""
 
 
+class TurnObserver(Protocol):
+    """Told of every logged turn, after its messages are stored (e.g. the legacy dual write)."""
+
+    async def turn_logged(self, turn: LoggedTurn, conversation: Conversation) -> None:
+        """Record the turn elsewhere; a retried turn must rewrite the same record."""
+        ...
+
+
 class AgentMessageLogger:
     """Logs agent turns into `agent_messages` and `agent_conversations`.
 
@@ -59,15 +72,19 @@ class AgentMessageLogger:
     """
 
     def __init__(
-        self, db: Database, *, rules: TurnRules | None = None, legacy_dual_write: bool = False
+        self,
+        db: Database,
+        *,
+        rules: TurnRules | None = None,
+        observers: Sequence[TurnObserver] = (),
     ) -> None:
+        """Log into `db`. `observers` are told of each stored turn (e.g. the legacy dual write,
+        which costs a third round trip per turn while it is on)."""
         self.rules = rules or TurnRules()
         self._messages = db[MESSAGES]
         self._conversations = db[CONVERSATIONS]
         self._indexes = IndexSetup(db)
-        # During the migration's rollback window every turn is also kept as a legacy turn
-        # document: a third round trip per turn, only while the flag is on.
-        self._legacy_turns = db[LEGACY_TURNS] if legacy_dual_write else None
+        self._observers = tuple(observers)
 
     async def ensure_indexes(self) -> None:
         """Create the store's indexes (idempotent; retried after a failure)."""
@@ -101,7 +118,7 @@ class AgentMessageLogger:
             "$set": {"user_id": user_id} if user_id is not None else {},
         }
         if name is not None:
-            update["$set"] |= {"name": _checked_name(name), "name_source": "set"}
+            update["$set"] |= {"name": clean_name(name), "name_source": "set"}
         else:
             update["$setOnInsert"] |= {"name": None, "name_source": None}
         if not update["$set"]:
@@ -161,7 +178,7 @@ class AgentMessageLogger:
         plan = plan_turn(conversation_id, messages, turn_id=turn_id, rules=self.rules)
         if user_id is not None:
             user_id = validate_identifier(user_id, "user_id")
-        runtime_name = _checked_name(name) if name is not None else None
+        runtime_name = clean_name(name) if name is not None else None
         conversation, replayed = await self._reserve(plan, user_id, runtime_name, owner_only)
         first_seq = conversation.first_seq_of(plan.turn_id)
         assert first_seq is not None
@@ -170,14 +187,15 @@ class AgentMessageLogger:
             for index, message in enumerate(plan.messages)
         ]
         await self._insert(stored)
-        if self._legacy_turns is not None:
-            await self._write_legacy_turn(plan, stored, conversation)
-        return LoggedTurn(
+        logged = LoggedTurn(
             conversation_id=plan.conversation_id,
             turn_id=plan.turn_id,
             messages=stored,
             replayed=replayed,
         )
+        for observer in self._observers:
+            await observer.turn_logged(logged, conversation)
+        return logged
 
     async def _reserve(
         self, plan: TurnPlan, user_id: str | None, name: str | None, owner_only: bool
@@ -222,21 +240,6 @@ class AgentMessageLogger:
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
         )
 
-    async def _write_legacy_turn(
-        self, plan: TurnPlan, stored: list[AgentMessage], conversation: Conversation
-    ) -> None:
-        """Upsert the turn as a legacy document; a retried turn rewrites the same one."""
-        assert self._legacy_turns is not None
-        document = legacy_turn_document(
-            plan.conversation_id,
-            plan.turn_id,
-            stored,
-            user_id=conversation.user_id,
-            name=conversation.name,
-        )
-        with storage_errors("write the legacy turn (dual write)"):
-            await self._legacy_turns.replace_one({"_id": document["_id"]}, document, upsert=True)
-
     async def _insert(self, messages: list[AgentMessage]) -> None:
         documents = [m.model_dump(by_alias=True) for m in messages]
         with storage_errors("insert the messages"):
@@ -272,13 +275,6 @@ class AgentMessageLogger:
                     f"message id {message_id!r} or seq {wanted['seq']} of conversation "
                     f"{wanted['conversation_id']!r} is already taken by another message"
                 )
-
-
-def _checked_name(name: str) -> str:
-    name = " ".join(name.split())
-    if not name or len(name) > 200:
-        raise InvalidInput("invalid name: it must have 1 to 200 characters besides white space")
-    return name
 
 
 def _reservation(

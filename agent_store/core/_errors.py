@@ -1,12 +1,8 @@
-"""The store's own errors, and the one place that translates driver errors into them."""
+"""The store's own errors: one base class, one subclass per cause, each with a stable code."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 from pydantic import ValidationError
-from pymongo import errors as mongo_errors
 
 
 class StoreError(Exception):
@@ -74,24 +70,3 @@ def describe_validation_error(error: ValidationError, *, subject: str = "input")
 
 
 _UNION_TAGS = {"system", "user", "assistant", "tool"}
-
-
-@contextmanager
-def storage_errors(action: str) -> Iterator[None]:
-    """Re-raise driver errors met while doing `action` as the store's own errors."""
-    try:
-        yield
-    except StoreError:
-        raise
-    except (mongo_errors.ServerSelectionTimeoutError, mongo_errors.AutoReconnect) as exc:
-        raise StorageUnavailable(
-            f"could not {action}: the database is unreachable ({exc})"
-        ) from exc
-    except (mongo_errors.NetworkTimeout, mongo_errors.ExecutionTimeout) as exc:
-        raise StorageUnavailable(f"could not {action}: the database timed out ({exc})") from exc
-    except mongo_errors.DocumentTooLarge as exc:
-        raise InvalidInput(f"could not {action}: a document is too large ({exc})") from exc
-    except mongo_errors.PyMongoError as exc:
-        raise StorageFailure(f"could not {action}: {exc}") from exc
-    except NotImplementedError as exc:
-        raise Unsupported(f"could not {action}: this database does not support it ({exc})") from exc

@@ -1,6 +1,6 @@
-"""`python -m app.schema`: write the JSON Schema of the stored documents into `schemas/`.
+"""`python -m scripts.schema`: write the JSON Schema of the stored documents into `schemas/`.
 
-A test checks they are current; `app/typescript.py` derives the TypeScript types the same way.
+A test checks they are current; `scripts/typescript.py` derives the TypeScript types the same way.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from app.models import AgentMessage, Conversation, ConversationPage, MessagePage
+from agent_store.core import AgentMessage, Conversation, ConversationPage, MessagePage
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
 

@@ -26,27 +26,32 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from app.conversations import ConversationStore
-from app.errors import Conflict, InvalidInput
-from app.logger import AgentMessageLogger, LoggedTurn
-from app.models import (
+from agent_store.core import (
     AgentMessage,
     AssistantMessage,
+    Conflict,
     FunctionCall,
     HitlAction,
+    InvalidInput,
     MessageError,
     TokenUsage,
     ToolCall,
     ToolMessage,
+    ToolOutcome,
     UserMessage,
+    interruption_notice,
+    outcome_error,
+    stand_in_result,
     utc_now,
 )
-from app.stream_events import (
+from agent_store.integrations._stream_events import (
     ConfirmRequired,
     ConfirmResolved,
     DoneEvent,
     ErrorEvent,
     HitlEvent,
+    MetadataEvent,
+    SseEvent,
     StreamToken,
     TextDelta,
     ToolCallEvent,
@@ -56,8 +61,34 @@ from app.stream_events import (
     ToolStart,
     parse_metadata_events,
     parse_sse_events,
+    parse_sse_text,
 )
-from app.tool_outcomes import ToolOutcome, interruption_notice, outcome_error, stand_in_result
+
+__all__ = [
+    "ConfirmRequired",
+    "ConfirmResolved",
+    "DoneEvent",
+    "ErrorEvent",
+    "HitlEvent",
+    "MetadataEvent",
+    "SseEvent",
+    "StreamToken",
+    "StreamedTurn",
+    "TextDelta",
+    "ToolCallEvent",
+    "ToolEnd",
+    "ToolError",
+    "ToolResultEvent",
+    "ToolStart",
+    "TurnAssembler",
+    "log_streamed_turn",
+    "parse_metadata_events",
+    "parse_sse_events",
+    "parse_sse_text",
+    "turn_from_metadata",
+    "turn_from_sse",
+]
+from agent_store.store import AgentMessageLogger, ConversationStore, LoggedTurn
 
 
 @dataclass(frozen=True)
@@ -96,11 +127,13 @@ class TurnAssembler:
         self._confirmed_call: dict[str, str] = {}
 
     def text(self, delta: str, at: datetime | None = None) -> None:
+        """A piece of the assistant's text."""
         self._accepting(at).text.append(delta)
 
     def call(
         self, tool_call_id: str, tool_name: str, args: Any, at: datetime | None = None
     ) -> None:
+        """The model called a tool."""
         if tool_call_id in self._block_of_call:
             raise InvalidInput(f"invalid stream: tool call id {tool_call_id!r} is used twice")
         block = self._accepting(at)
@@ -117,6 +150,7 @@ class TurnAssembler:
         *,
         outcome: ToolOutcome | None = None,
     ) -> None:
+        """A tool returned (or failed, with `outcome`); placed after the message that called it."""
         block = self._block_of_call.get(tool_call_id)
         if block is None:
             raise InvalidInput(
@@ -147,12 +181,14 @@ class TurnAssembler:
             self._confirmed_call[prompt.request_id] = prompt.tool_call_id
 
     def resolve(self, request_id: str, *, approved: bool) -> None:
+        """A person answered a confirmation request of this turn or an earlier one."""
         self._resolved.append(request_id)
         call_id = self._confirmed_call.get(request_id)
         if not approved and call_id is not None:
             self._denied.add(call_id)
 
     def error(self, message: str, at: datetime | None = None) -> None:
+        """The run failed: an assistant message carrying the error."""
         self._finished_message(
             AssistantMessage(error=MessageError(message=message), created_at=at or self._now)
         )

@@ -12,7 +12,7 @@ from typing import Any
 
 import bson
 
-from app.models import AgentMessage, message_adapter
+from agent_store.core import AgentMessage, message_adapter
 
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024
 TRUNCATION_MARK = "\n…[truncated]"

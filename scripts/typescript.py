@@ -1,8 +1,8 @@
-"""`python -m app.typescript`: write the TypeScript declarations of the documents and API pages.
+"""`python -m scripts.typescript`: write the TypeScript declarations of the documents and API pages.
 
 The declarations are derived from the models' JSON Schemas (serialization
 mode), so the TypeScript readers of `agent_messages`, `agent_conversations`
-and the API cannot drift from `app/models.py`: a test fails when the
+and the API cannot drift from `agent_store/core/_models.py`: a test fails when the
 committed file differs from what this module renders.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from app.models import (
+from agent_store.core import (
     AssistantMessage,
     Conversation,
     ConversationPage,
@@ -48,7 +48,7 @@ DATE_LIKE = "DateLike"
 
 HEADER = f"""\
 // Declarations of the documents in `agent_messages` and `agent_conversations`
-// and of the admin API's JSON, derived from the pydantic models in app/models.py.
+// and of the admin API's JSON, derived from the pydantic models in agent_store/core/_models.py.
 // Do not edit: run `make types`; a test fails when this file is stale.
 //
 // Every key is present in every document and every API object; a missing

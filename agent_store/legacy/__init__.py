@@ -1,0 +1,43 @@
+"""Legacy turn documents: the one reader of their format, the converter, the dual write and
+the read fallback. Built on the store; the store never imports it."""
+
+from agent_store.legacy._convert import LegacyConversion, Problem, convert
+from agent_store.legacy._documents import (
+    LEGACY_TURN_FIELDS,
+    LEGACY_TURNS,
+    SESSION_HITL,
+    LegacyTurn,
+    as_text,
+    dumps,
+    parse_turns,
+    sort_turns,
+    turn_times,
+)
+from agent_store.legacy._dual_write import legacy_turn_document, legacy_turn_id
+from agent_store.legacy._parts import LegacyPart, PartKind, normalize_part, part_kind
+from agent_store.legacy._session_hitl import pending_from_session_hitl, with_session_prompts
+from agent_store.legacy._source import LegacyTurns
+
+__all__ = [
+    "LEGACY_TURNS",
+    "LEGACY_TURN_FIELDS",
+    "SESSION_HITL",
+    "LegacyConversion",
+    "LegacyPart",
+    "LegacyTurn",
+    "LegacyTurns",
+    "PartKind",
+    "Problem",
+    "as_text",
+    "convert",
+    "dumps",
+    "legacy_turn_document",
+    "legacy_turn_id",
+    "normalize_part",
+    "parse_turns",
+    "part_kind",
+    "pending_from_session_hitl",
+    "sort_turns",
+    "turn_times",
+    "with_session_prompts",
+]

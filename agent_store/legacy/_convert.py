@@ -1,0 +1,709 @@
+"""Legacy turns into stored messages: the converter (DESIGN §4). Pure, no I/O.
+
+Mapping, per turn (turns by time, ties in stored order): system turn ->
+`system`; user text and uploads -> `user`; text part -> `assistant` content;
+a run of tool_call parts -> one `assistant` with `tool_calls`; tool_result ->
+`tool`, placed right after its call's message; hitl -> `assistant` with
+`hitl_action` and the prompt as content; error -> `assistant` with `error`.
+Token usage and latency go on the turn's last assistant message.
+
+Whatever the converter cannot place as it is becomes a `Problem` carrying the
+content, never a silent loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+
+from agent_store.core import (
+    AgentMessage,
+    Conversation,
+    FileUpload,
+    InvalidInput,
+    Usage,
+    describe_validation_error,
+    message_adapter,
+    utc_now,
+)
+from agent_store.legacy._documents import (
+    LegacyTurn,
+    as_text,
+    dumps,
+    parse_turns,
+    sort_turns,
+    turn_times,
+)
+from agent_store.legacy._parts import LegacyPart, PartKind, normalize_part
+from agent_store.store import (
+    TurnPlan,
+    TurnRules,
+    collapse_whitespace,
+    plan_turn,
+    shorten,
+    validate_identifier,
+)
+
+_upload_adapter: TypeAdapter[FileUpload] = TypeAdapter(FileUpload)
+
+
+class Problem(BaseModel):
+    """Something in a legacy conversation the converter could not place as it is."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    conversation_id: str
+    legacy_id: str
+    """`_id` of the turn document, as a string."""
+    part_index: int | None = None
+    """Index in `response_parts`, when the problem is one part."""
+    kind: str
+    """What went wrong, e.g. `unknown_part` or `unplaced_tool_result`."""
+    detail: str
+    """What went wrong, for a person."""
+    content: Any = None
+    """The content concerned, as found."""
+    placed: bool = False
+    """True when the content was still converted (e.g. with a generated id); False when
+    this problem is the only place the content is kept."""
+
+
+@dataclass
+class LegacyConversion:
+    """One conversation converted: its messages by `seq`, its document and its problems."""
+
+    conversation_id: str
+    messages: list[AgentMessage]
+    conversation: Conversation | None
+    """None when no turn produced a message."""
+    problems: list[Problem]
+    turns: int
+
+    @property
+    def unplaced(self) -> list[Problem]:
+        """Problems holding content that no message holds."""
+        return [p for p in self.problems if not p.placed]
+
+
+# -- real tool-call ids from Pydantic AI's message history -------------------------------
+
+
+@dataclass
+class _HistoryIds:
+    """Tool-call ids by tool name, from a turn's `message_history_json`."""
+
+    calls: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    returns: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    readable: bool = True
+
+
+def _history_ids(raw: Any) -> _HistoryIds:
+    found = _HistoryIds()
+    if raw in (None, ""):
+        return found
+    try:
+        history = json.loads(raw) if isinstance(raw, str | bytes) else raw
+    except ValueError:
+        history = None
+    if not isinstance(history, list):
+        found.readable = False
+        return found
+    for message in history:
+        parts = message.get("parts") if isinstance(message, dict) else None
+        for part in map(normalize_part, parts if isinstance(parts, list) else ()):
+            call_id, name = part.tool_call_id, part.tool_name
+            if not isinstance(call_id, str) or not call_id or not isinstance(name, str):
+                continue
+            if part.kind == "tool_call":
+                found.calls[name].append(call_id)
+            elif part.kind == "tool_result":
+                found.returns[name].append(call_id)
+    return found
+
+
+def _aligned(history: list[str], occurrence: int, total: int) -> str | None:
+    """The history id of the `occurrence`-th of `total` same-named parts of a turn.
+
+    A history may hold the whole conversation so far or only the turn: the
+    turn's parts are its last ones, so the two are aligned at the end.
+    """
+    offset = len(history) - total if len(history) >= total else 0
+    index = offset + occurrence
+    return history[index] if 0 <= index < len(history) else None
+
+
+class _RealIds:
+    """Hands out each tool part's real call id: its own, or the history's aligned one."""
+
+    def __init__(self, history: dict[str, list[str]], parts: Sequence[LegacyPart]) -> None:
+        self._history = history
+        self._totals: dict[str, int] = defaultdict(int)
+        self._seen: dict[str, int] = defaultdict(int)
+        for part in parts:
+            self._totals[str(part.tool_name)] += 1
+
+    def of(self, part: LegacyPart) -> str | None:
+        name = str(part.tool_name)
+        occurrence = self._seen[name]
+        self._seen[name] += 1
+        real = part.tool_call_id or _aligned(
+            self._history.get(name, []), occurrence, self._totals[name]
+        )
+        return real if isinstance(real, str) else None
+
+
+def _generated_call_id(legacy_key: str, part_index: int) -> str:
+    digest = hashlib.sha256(f"{legacy_key}\0{part_index}".encode()).hexdigest()
+    return "call_legacy_" + digest[:24]
+
+
+# -- one turn ----------------------------------------------------------------------------
+
+
+@dataclass
+class _CallGroup:
+    """An assistant message of tool calls, and the results placed after it."""
+
+    message: dict[str, Any]
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    """(id, tool name) in call order."""
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+Item = dict[str, Any] | _CallGroup
+
+
+@dataclass
+class _TurnState:
+    """What the handlers of one turn's parts share."""
+
+    turn: LegacyTurn
+    at: datetime
+    items: list[Item]
+    calls: _RealIds
+    results: _RealIds
+    groups: list[_CallGroup] = field(default_factory=list)
+    open_group: _CallGroup | None = None
+    pending_results: list[tuple[int, LegacyPart, str | None]] = field(default_factory=list)
+
+
+class _Converter:
+    """Converts the turns of one conversation, collecting problems as it goes."""
+
+    def __init__(self, conversation_id: str, rules: TurnRules) -> None:
+        self.conversation_id = conversation_id
+        self.rules = rules
+        self.problems: list[Problem] = []
+        self.used_call_ids: set[str] = set()
+        self.calls_by_id: dict[str, _CallGroup] = {}
+
+    def problem(
+        self,
+        turn: LegacyTurn,
+        kind: str,
+        detail: str,
+        *,
+        part_index: int | None = None,
+        content: Any = None,
+        unplaced: bool = True,
+    ) -> None:
+        self.problems.append(
+            Problem(
+                conversation_id=self.conversation_id,
+                legacy_id=str(turn.id),
+                part_index=part_index,
+                kind=kind,
+                detail=detail,
+                content=content,
+                placed=not unplaced,
+            )
+        )
+
+    def checked(
+        self,
+        turn: LegacyTurn,
+        adapter: TypeAdapter[Any],
+        value: Any,
+        *,
+        kind: str,
+        index: int | None,
+    ) -> Any:
+        """`value` validated by `adapter`; else None, the value kept in a problem."""
+        try:
+            return adapter.validate_python(value)
+        except ValidationError as exc:
+            subject = "upload" if kind == "invalid_upload" else "message"
+            self.problem(
+                turn,
+                kind,
+                describe_validation_error(exc, subject=subject),
+                part_index=index,
+                content=value,
+            )
+            return None
+
+    def turn_items(self, turn: LegacyTurn, at: datetime) -> list[Item]:
+        """One turn's items in order; tool results are attached to their call groups."""
+        parts = self._parts(turn)
+        history = _history_ids(turn.message_history_json)
+        if not history.readable:
+            self.problem(
+                turn,
+                "unreadable_history",
+                "message_history_json is not Pydantic AI messages JSON; ids are generated",
+                content=str(turn.message_history_json)[:200],
+                unplaced=False,
+            )
+        normalized = [p for _, p in parts]
+        state = _TurnState(
+            turn=turn,
+            at=at,
+            items=self._opening(turn, at),
+            calls=_RealIds(history.calls, [p for p in normalized if p.kind == "tool_call"]),
+            results=_RealIds(history.returns, [p for p in normalized if p.kind == "tool_result"]),
+        )
+        for index, part in parts:
+            if part.kind != "tool_call":
+                state.open_group = None
+            self._HANDLERS[part.kind](self, state, index, part)
+        for index, part, real in state.pending_results:
+            self._place_result(state, index, part, real)
+        self._usage(turn, state.items)
+        return state.items
+
+    # -- the parts of a turn, one handler per kind -----------------------------------------
+
+    def _on_tool_call(self, state: _TurnState, index: int, part: LegacyPart) -> None:
+        call = self._call(state.turn, index, part, state.calls.of(part))
+        if call is None:
+            return
+        if state.open_group is None:
+            state.open_group = _CallGroup(
+                message={
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [],
+                    "created_at": state.at,
+                }
+            )
+            state.items.append(state.open_group)
+            state.groups.append(state.open_group)
+        state.open_group.message["tool_calls"].append(call)
+        state.open_group.calls.append((call["id"], call["function"]["name"]))
+        self.calls_by_id[call["id"]] = state.open_group
+
+    def _on_tool_result(self, state: _TurnState, index: int, part: LegacyPart) -> None:
+        state.pending_results.append((index, part, state.results.of(part)))
+
+    def _on_text(self, state: _TurnState, index: int, part: LegacyPart) -> None:
+        if part.content is None or part.content == "":
+            return
+        self._add(state, index, {"role": "assistant", "content": as_text(part.content)})
+
+    def _on_hitl(self, state: _TurnState, index: int, part: LegacyPart) -> None:
+        params = part.params
+        if params is None:
+            params = {}
+        elif not isinstance(params, dict):
+            params = {"value": params}
+        request_id = part.request_id
+        if not isinstance(request_id, str) or not request_id:
+            request_id = f"req-{state.turn.key}-{index}"
+        prompt = part.content
+        message = {
+            "role": "assistant",
+            "content": prompt if isinstance(prompt, str) and prompt else None,
+            "hitl_action": {"action": part.action, "params": params, "request_id": request_id},
+        }
+        self._add(state, index, message)
+
+    def _on_error(self, state: _TurnState, index: int, part: LegacyPart) -> None:
+        text = part.content if isinstance(part.content, str) else dumps(part.raw)[0]
+        self._add(state, index, {"role": "assistant", "content": None, "error": {"message": text}})
+
+    def _on_file_upload(self, state: _TurnState, index: int, part: LegacyPart) -> None:
+        """Placed with the user's message by `_opening`."""
+
+    def _on_unknown(self, state: _TurnState, index: int, part: LegacyPart) -> None:
+        self.problem(
+            state.turn,
+            "unknown_part",
+            f"part type {part.declared!r} has no message equivalent",
+            part_index=index,
+            content=part.raw,
+        )
+
+    _HANDLERS: ClassVar[
+        Mapping[PartKind, Callable[[_Converter, _TurnState, int, LegacyPart], None]]
+    ] = {
+        "tool_call": _on_tool_call,
+        "tool_result": _on_tool_result,
+        "text": _on_text,
+        "hitl": _on_hitl,
+        "error": _on_error,
+        "file_upload": _on_file_upload,
+        "unknown": _on_unknown,
+    }
+
+    def _add(self, state: _TurnState, index: int, message: dict[str, Any]) -> None:
+        message = {**message, "created_at": state.at}
+        if self.checked(state.turn, message_adapter, message, kind="invalid_part", index=index):
+            state.items.append(message)
+
+    # -- what surrounds the parts ------------------------------------------------------
+
+    def _parts(self, turn: LegacyTurn) -> list[tuple[int, LegacyPart]]:
+        raw = turn.response_parts
+        if isinstance(raw, list) and raw:
+            parts = [(index, normalize_part(part)) for index, part in enumerate(raw)]
+            self._check_response_text(turn, [p for _, p in parts])
+            return parts
+        if raw not in (None, []):
+            self.problem(turn, "invalid_part", "response_parts is not a list", content=raw)
+        # No parts: rebuild them from the summary fields the old writer also kept.
+        rebuilt: list[tuple[int, LegacyPart]] = []
+        for n, call in enumerate(turn.tool_calls if isinstance(turn.tool_calls, list) else ()):
+            if isinstance(call, dict):
+                rebuilt.append((-1 - n, normalize_part({"type": "tool_call", **call})))
+        if isinstance(turn.response_text, str) and turn.response_text:
+            text_part = normalize_part({"type": "text", "content": turn.response_text})
+            rebuilt.append((-1 - len(rebuilt), text_part))
+        return rebuilt
+
+    def _check_response_text(self, turn: LegacyTurn, parts: list[LegacyPart]) -> None:
+        text = turn.response_text
+        if not isinstance(text, str) or not text.strip():
+            return
+        texts = [str(p.content or "") for p in parts if p.kind in ("text", "hitl")]
+        wanted = collapse_whitespace(text)
+        if wanted not in (
+            collapse_whitespace("".join(texts)),
+            collapse_whitespace(" ".join(texts)),
+        ):
+            self.problem(
+                turn,
+                "response_text_not_in_parts",
+                "response_text differs from the text parts; the parts were converted",
+                content=text,
+            )
+
+    def _opening(self, turn: LegacyTurn, at: datetime) -> list[Item]:
+        """The turn's system or user message(s): its text and every upload."""
+        text = turn.user_message
+        if text is not None:
+            text = as_text(text)
+        uploads: list[tuple[int | None, Any]] = []
+        if turn.upload_result not in (None, {}):
+            uploads.append((None, turn.upload_result))
+        raw_parts = turn.response_parts if isinstance(turn.response_parts, list) else []
+        for index, part in enumerate(map(normalize_part, raw_parts)):
+            if part.kind == "file_upload":
+                if any(part.upload == u for _, u in uploads):
+                    continue  # the same file recorded twice: once as upload_result
+                uploads.append((index, part.upload))
+        items: list[Item] = []
+        if turn.is_system:
+            items.append({"role": "system", "content": text or None, "created_at": at})
+        elif text:
+            items.append({"role": "user", "content": text, "created_at": at})
+        for upload_index, upload in uploads:
+            valid = self.checked(
+                turn, _upload_adapter, upload, kind="invalid_upload", index=upload_index
+            )
+            if valid is None:
+                continue
+            checked = valid.model_dump()
+            first = items[0] if items else None
+            if isinstance(first, dict) and first["role"] == "user" and "upload" not in first:
+                first["upload"] = checked
+            else:
+                items.append({"role": "user", "content": None, "upload": checked, "created_at": at})
+        return items
+
+    def _call(
+        self, turn: LegacyTurn, index: int, part: LegacyPart, real: str | None
+    ) -> dict[str, Any] | None:
+        name = part.tool_name
+        if not isinstance(name, str) or not name:
+            self.problem(
+                turn,
+                "invalid_part",
+                "a tool call without a tool name",
+                part_index=index,
+                content=part.raw,
+            )
+            return None
+        return {
+            "id": self._call_id(turn, index, real),
+            "type": "function",
+            "function": {"name": name, "arguments": self._arguments(turn, index, part)},
+        }
+
+    def _arguments(self, turn: LegacyTurn, index: int, part: LegacyPart) -> str:
+        if part.args is None:
+            return "{}"
+        if isinstance(part.args, str):
+            return part.args
+        arguments, plain = dumps(part.args, compact=True)
+        if not plain:
+            self.problem(
+                turn,
+                "non_json_value",
+                f"arguments of {part.tool_name!r} held values JSON cannot encode; stored as "
+                "strings",
+                part_index=index,
+                content=part.args,
+                unplaced=False,
+            )
+        return arguments
+
+    def _call_id(self, turn: LegacyTurn, index: int, real: str | None) -> str:
+        call_id = real if real is not None and 0 < len(real) <= 200 else None
+        if call_id is not None and call_id in self.used_call_ids:
+            self.problem(
+                turn,
+                "duplicate_tool_call_id",
+                f"tool call id {call_id!r} was already used in this conversation; a new one is "
+                "generated",
+                part_index=index,
+                unplaced=False,
+            )
+            call_id = None
+        if call_id is None:
+            call_id = _generated_call_id(turn.key, index)
+        self.used_call_ids.add(call_id)
+        return call_id
+
+    def _answered_call(
+        self, state: _TurnState, name: Any, real: str | None
+    ) -> tuple[_CallGroup, str] | None:
+        """The call a result answers: by its real id (this turn or an earlier one), else the
+        first unanswered call of the same tool in this turn."""
+        if real is not None:
+            for group in state.groups:
+                if any(cid == real for cid, _ in group.calls) and real not in group.results:
+                    return group, real
+            earlier = self.calls_by_id.get(real)
+            if earlier is not None and real not in earlier.results:
+                return earlier, real
+        for group in state.groups:
+            for cid, call_name in group.calls:
+                if call_name == name and cid not in group.results:
+                    return group, cid
+        return None
+
+    def _place_result(
+        self, state: _TurnState, index: int, part: LegacyPart, real: str | None
+    ) -> None:
+        name = part.tool_name
+        answered = self._answered_call(state, name, real)
+        if answered is None:
+            self.problem(
+                state.turn,
+                "unplaced_tool_result",
+                f"a result of {name!r} answers no call of this conversation",
+                part_index=index,
+                content=part.raw,
+            )
+            return
+        group, call_id = answered
+        content, plain = (part.result, True) if isinstance(part.result, str) else dumps(part.result)
+        if not plain:
+            self.problem(
+                state.turn,
+                "non_json_value",
+                f"the result of {name!r} held values JSON cannot encode; stored as strings",
+                part_index=index,
+                content=part.result,
+                unplaced=False,
+            )
+        group.results[call_id] = {
+            "role": "tool",
+            "tool_call_id": call_id,
+            "content": content,
+            "created_at": state.at,
+        }
+
+    def _usage(self, turn: LegacyTurn, items: list[Item]) -> None:
+        usage = turn.token_usage if isinstance(turn.token_usage, dict) else None
+        latency = turn.latency_ms
+        if usage is None and latency is None:
+            return
+        last = next(
+            (
+                it.message if isinstance(it, _CallGroup) else it
+                for it in reversed(items)
+                if isinstance(it, _CallGroup) or it["role"] == "assistant"
+            ),
+            None,
+        )
+        if last is None:
+            self.problem(
+                turn,
+                "usage_without_response",
+                "token usage or latency on a turn without an assistant message",
+                content={"token_usage": turn.token_usage, "latency_ms": latency},
+            )
+            return
+        if usage is not None:
+            last["token_usage"] = {
+                "input_tokens": _count(usage.get("input_tokens", usage.get("request_tokens"))),
+                "output_tokens": _count(usage.get("output_tokens", usage.get("response_tokens"))),
+            }
+        if isinstance(latency, int | float) and latency >= 0:
+            last["latency_ms"] = int(latency)
+
+
+def _count(value: Any) -> int:
+    return int(value) if isinstance(value, int | float) and value >= 0 else 0
+
+
+def _flatten(items: Iterable[Item]) -> list[dict[str, Any]]:
+    """Messages in order: each call group followed by its results, in call order."""
+    messages: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, _CallGroup):
+            messages.append(item.message)
+            messages += [item.results[cid] for cid, _ in item.calls if cid in item.results]
+        else:
+            messages.append(item)
+    return messages
+
+
+# -- a whole conversation ----------------------------------------------------------------
+
+
+def convert(
+    documents: Iterable[Mapping[str, Any] | LegacyTurn],
+    *,
+    rules: TurnRules | None = None,
+    undated_at: datetime | None = None,
+) -> LegacyConversion:
+    """Convert one conversation's legacy turns into stored messages and its document.
+
+    `undated_at` is the time given to turns when no turn of the conversation has
+    a readable time (default: now). Raises InvalidInput only when the turns name
+    no (or more than one, or an invalid) conversation id; every other oddity
+    becomes a `Problem`.
+    """
+    rules = rules or TurnRules()
+    turns = sort_turns([t if isinstance(t, LegacyTurn) else parse_turns([t])[0] for t in documents])
+    ids = {t.conversation_id for t in turns}
+    if len(ids) != 1:
+        raise InvalidInput(
+            f"invalid legacy conversation: the turns name {len(ids)} conversation ids {sorted(ids)}"
+        )
+    conversation_id = validate_identifier(ids.pop(), "conversation_id")
+    converter = _Converter(conversation_id, rules)
+    messages, plans = _convert_turns(converter, turns, undated_at or utc_now())
+    owner = _owner(converter, turns)
+    messages = [
+        m.model_copy(update={"seq": seq, "user_id": owner}) for seq, m in enumerate(messages)
+    ]
+    conversation = _conversation(conversation_id, turns, plans, messages, owner) if plans else None
+    return LegacyConversion(
+        conversation_id=conversation_id,
+        messages=messages,
+        conversation=conversation,
+        problems=converter.problems,
+        turns=len(turns),
+    )
+
+
+def _convert_turns(
+    converter: _Converter, turns: list[LegacyTurn], undated_at: datetime
+) -> tuple[list[AgentMessage], list[TurnPlan]]:
+    turn_items: list[tuple[LegacyTurn, list[Item]]] = []
+    for turn, at in zip(turns, turn_times(turns), strict=True):
+        if turn.time() is None:
+            converter.problem(
+                turn,
+                "missing_created_at",
+                "created_at is missing or unreadable; the previous turn's time is used",
+                content=turn.created_at,
+                unplaced=False,
+            )
+        turn_items.append((turn, converter.turn_items(turn, at or undated_at)))
+    messages: list[AgentMessage] = []
+    plans: list[TurnPlan] = []
+    for turn, items in turn_items:
+        wanted = _flatten(items)
+        if not wanted:
+            continue
+        try:
+            plan = plan_turn(
+                converter.conversation_id, wanted, turn_id=turn.turn_id, rules=converter.rules
+            )
+        except InvalidInput as exc:
+            converter.problem(turn, "invalid_turn", exc.message, content=wanted)
+            continue
+        plans.append(plan)
+        messages += plan.messages
+    return messages, plans
+
+
+def _owner(converter: _Converter, turns: list[LegacyTurn]) -> str | None:
+    """The last user id the turns name; None when it is not an identifier."""
+    user_ids = [t.user_id for t in turns if t.user_id]
+    owner = user_ids[-1] if user_ids else None
+    if len(set(user_ids)) > 1:
+        converter.problem(
+            turns[-1],
+            "mixed_user_ids",
+            f"turns name several users {sorted(set(user_ids))}; the last one, {owner!r}, owns it",
+            unplaced=False,
+        )
+    if owner is None:
+        return None
+    try:
+        return validate_identifier(owner, "user_id")
+    except InvalidInput:
+        converter.problem(
+            turns[-1],
+            "invalid_user_id",
+            f"user id {owner!r} is not an identifier; left unowned",
+            unplaced=False,
+        )
+        return None
+
+
+def _conversation(
+    conversation_id: str,
+    turns: Sequence[LegacyTurn],
+    plans: Sequence[TurnPlan],
+    messages: Sequence[AgentMessage],
+    owner: str | None,
+) -> Conversation:
+    names = [t.name for t in turns if t.name]
+    name, source = (shorten(names[-1], 200), "runtime") if names else (None, None)
+    if name is None:
+        name = next((p.auto_name for p in plans if p.auto_name), None)
+        source = "auto" if name else None
+    previews = [p.preview for p in plans if p.preview is not None]
+    return Conversation.model_validate(
+        {
+            "_id": conversation_id,
+            "conversation_id": conversation_id,
+            "user_id": owner,
+            "name": name,
+            "name_source": source,
+            "created_at": messages[0].created_at,
+            "updated_at": max(m.created_at for m in messages),
+            "turn_count": sum(p.turn_starts for p in plans),
+            "last_message_preview": previews[-1] if previews else "",
+            "message_count": len(messages),
+            "pending_hitl": None,
+            "usage": Usage(
+                input_tokens=sum(p.usage.input_tokens for p in plans),
+                output_tokens=sum(p.usage.output_tokens for p in plans),
+            ),
+            "recent_turns": [],
+        }
+    )

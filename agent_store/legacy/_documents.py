@@ -1,0 +1,183 @@
+"""Legacy turn documents (DESIGN §4) as found, and the coercions every reader of them shares.
+
+Real documents are messy, so `LegacyTurn` accepts almost anything: each
+reader decides what a field means through the functions here (the text of a
+value, the time of a turn), so the converter and the migration's verify
+read the same document the same way.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from bson import ObjectId
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from agent_store.core import InvalidInput, describe_validation_error, to_utc_millis
+
+LEGACY_TURNS = "agent_conversations_deprecated"
+"""Where the legacy turns live once moved aside (DESIGN §5, step 1)."""
+SESSION_HITL = "session_hitl"
+"""The legacy collection of pending HITL prompts."""
+LEGACY_TURN_FIELDS = ("user_message", "response_parts", "response_text", "upload_result")
+"""A document holding any of these fields is a legacy turn, not a conversation document."""
+
+_KEY = re.compile(r"^[A-Za-z0-9_.:@|-]{1,100}$")
+"""A document id short enough to appear as it is in the ids derived from it."""
+
+
+class LegacyTurn(BaseModel):
+    """One legacy turn document, as found: every field may be missing or odd."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, arbitrary_types_allowed=True)
+
+    id: Any = Field(default=None, alias="_id")
+    conversation_id: str
+    user_id: str | None = None
+    name: str | None = None
+    created_at: Any = None
+    is_system: bool = False
+    user_message: Any = None
+    upload_result: Any = None
+    response_parts: Any = None
+    tool_calls: Any = None
+    response_text: Any = None
+    token_usage: Any = None
+    latency_ms: Any = None
+    message_history_json: Any = None
+
+    @field_validator("conversation_id", mode="before")
+    @classmethod
+    def _id_as_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, ObjectId | int) else value
+
+    @field_validator("user_id", "name", mode="before")
+    @classmethod
+    def _blank_is_none(cls, value: Any) -> Any:
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return None
+        return str(value)
+
+    @field_validator("is_system", mode="before")
+    @classmethod
+    def _truthy(cls, value: Any) -> bool:
+        return bool(value)
+
+    @property
+    def key(self) -> str:
+        """The document id as a short identifier-safe string (hashed when it is not one)."""
+        text = str(self.id)
+        if _KEY.match(text):
+            return text
+        return "h" + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    @property
+    def turn_id(self) -> str:
+        """The id the turn's messages are stored under."""
+        return f"legacy-{self.key}"
+
+    def time(self) -> datetime | None:
+        """`created_at` as aware UTC, from a datetime or an ISO string; None if unreadable."""
+        value = self.created_at
+        if isinstance(value, str):
+            try:
+                value = datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                return None
+        if isinstance(value, datetime):
+            return to_utc_millis(value)
+        return None
+
+    def id_time(self) -> datetime | None:
+        """When the document was created, from its ObjectId; None for other ids."""
+        return to_utc_millis(self.id.generation_time) if isinstance(self.id, ObjectId) else None
+
+
+def parse_turns(documents: Iterable[Mapping[str, Any]]) -> list[LegacyTurn]:
+    """Legacy documents as models. Raises InvalidInput when one lacks `conversation_id`."""
+    turns = []
+    for document in documents:
+        try:
+            turns.append(LegacyTurn.model_validate(dict(document)))
+        except ValidationError as exc:
+            raise InvalidInput(
+                describe_validation_error(exc, subject=f"legacy turn {document.get('_id')!r}")
+            ) from exc
+    return turns
+
+
+def turn_times(turns: Iterable[LegacyTurn]) -> list[datetime | None]:
+    """Each turn's time: its own, else its ObjectId's, else the next readable turn's.
+
+    None only when no turn of the conversation has a readable time at all.
+    """
+    own = [turn.time() or turn.id_time() for turn in turns]
+    times: list[datetime | None] = list(own)
+    following: datetime | None = None
+    for index in range(len(times) - 1, -1, -1):
+        if times[index] is None:
+            times[index] = following
+        else:
+            following = times[index]
+    previous: datetime | None = None
+    for index, at in enumerate(times):
+        if at is None:
+            times[index] = previous  # no later time: the previous one
+        previous = times[index]
+    return times
+
+
+def sort_turns(turns: Iterable[LegacyTurn]) -> list[LegacyTurn]:
+    """By time (see `turn_times`); ties and turns without any time keep the stored order."""
+    ordered = list(turns)
+    times = turn_times(ordered)
+    floor = datetime.min.replace(tzinfo=UTC)
+    keyed = sorted(range(len(ordered)), key=lambda i: times[i] or floor)
+    return [ordered[i] for i in keyed]
+
+
+# -- text of odd values ------------------------------------------------------------------
+
+
+def _jsonable(value: Any) -> Any:
+    """A JSON stand-in for a value json cannot encode (dates, ObjectIds, bytes...)."""
+    if isinstance(value, datetime):
+        return to_utc_millis(value).isoformat()
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    if isinstance(value, set | frozenset | tuple):
+        return list(value)
+    return str(value)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def dumps(value: Any, *, compact: bool = False) -> tuple[str, bool]:
+    """JSON text of `value`, and whether it is plain JSON (False: some values became strings)."""
+    separators = (",", ":") if compact else (", ", ": ")
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=separators, allow_nan=False), True
+    except (TypeError, ValueError):
+        text = json.dumps(
+            _finite(value), ensure_ascii=False, separators=separators, default=_jsonable
+        )
+        return text, False
+
+
+def as_text(value: Any) -> str:
+    """A legacy value as the text a message holds: a string as it is, anything else as JSON."""
+    return value if isinstance(value, str) else dumps(value)[0]

@@ -1,0 +1,129 @@
+"""A logged turn as the legacy writer would have stored it, for rollback. Pure, no I/O."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent_store.core import AgentMessage
+from agent_store.legacy._documents import dumps
+
+
+def legacy_turn_id(conversation_id: str, turn_id: str) -> str:
+    """The `_id` of a dual-written legacy turn: a rewrite of the same turn replaces it."""
+    digest = hashlib.sha256(f"{conversation_id}\0{turn_id}".encode()).hexdigest()
+    return "dual-" + digest[:32]
+
+
+def _as_found(text: str | None, *, compact: bool) -> Any:
+    """JSON text as a value when the converter turns that value back into the very same
+    text, else the text itself: a round trip through the legacy format changes nothing."""
+    if text is None:
+        return None
+    try:
+        loaded = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(loaded, str) or dumps(loaded, compact=compact)[0] != text:
+        return text
+    return loaded
+
+
+@dataclass
+class _Turn:
+    """What one legacy document gathers from a turn's messages."""
+
+    user_texts: list[str] = field(default_factory=list)
+    uploads: list[dict[str, Any]] = field(default_factory=list)
+    parts: list[dict[str, Any]] = field(default_factory=list)
+    names: dict[str, str] = field(default_factory=dict)
+    is_system: bool = False
+
+    def add(self, message: AgentMessage) -> None:
+        if message.role in ("user", "system"):
+            self.is_system = self.is_system or message.role == "system"
+            if message.content:
+                self.user_texts.append(message.content)
+            if message.upload is not None:
+                self.uploads.append(message.upload.model_dump())
+        elif message.role == "tool":
+            self.parts.append(
+                {
+                    "type": "tool_result",
+                    "tool_name": self.names.get(message.tool_call_id or "", ""),
+                    "result": _as_found(message.content, compact=False),
+                    "tool_call_id": message.tool_call_id,
+                }
+            )
+        else:
+            self._add_response(message)
+
+    def _add_response(self, message: AgentMessage) -> None:
+        for call in message.tool_calls or ():
+            self.names[call.id] = call.function.name
+            self.parts.append(
+                {
+                    "type": "tool_call",
+                    "tool_name": call.function.name,
+                    "args": _as_found(call.function.arguments, compact=True),
+                    "tool_call_id": call.id,
+                }
+            )
+        if message.hitl_action is not None:
+            hitl = message.hitl_action.model_dump()
+            self.parts.append({"type": "hitl", **hitl, "prompt": message.content})
+        elif message.error is not None:
+            self.parts.append({"type": "error", "message": message.error.message})
+        elif message.content:
+            self.parts.append({"type": "text", "content": message.content})
+
+
+def legacy_turn_document(
+    conversation_id: str,
+    turn_id: str,
+    messages: Sequence[AgentMessage],
+    *,
+    user_id: str | None,
+    name: str | None,
+) -> dict[str, Any]:
+    """One logged turn as a legacy turn document (DESIGN §4), for rollback to the old reader.
+
+    Marked `dual_write: true`: the migration skips these, their messages are already stored.
+    """
+    turn = _Turn()
+    for message in messages:
+        turn.add(message)
+    parts = turn.parts + [{"type": "file_upload", **u} for u in turn.uploads[1:]]
+    document: dict[str, Any] = {
+        "_id": legacy_turn_id(conversation_id, turn_id),
+        "conversation_id": conversation_id,
+        "user_id": user_id,
+        "name": name,
+        "created_at": messages[0].created_at,
+        "is_system": turn.is_system,
+        "user_message": "\n\n".join(turn.user_texts),
+        "response_parts": parts,
+        "tool_calls": [
+            {"tool_name": p["tool_name"], "args": p["args"]}
+            for p in parts
+            if p["type"] == "tool_call"
+        ],
+        "response_text": "".join(p["content"] for p in parts if p["type"] == "text"),
+        "dual_write": True,
+        "turn_id": turn_id,
+    }
+    if turn.uploads:
+        document["upload_result"] = turn.uploads[0]
+    usage = [m.token_usage for m in messages if m.token_usage is not None]
+    if usage:
+        document["token_usage"] = {
+            "input_tokens": sum(u.input_tokens for u in usage),
+            "output_tokens": sum(u.output_tokens for u in usage),
+        }
+    latency = [m.latency_ms for m in messages if m.latency_ms is not None]
+    if latency:
+        document["latency_ms"] = sum(latency)
+    return document

@@ -1,0 +1,123 @@
+"""The one reader of a legacy response part: every spelling of a kind and of its fields.
+
+Old writers spelt the same part many ways: `type` or Pydantic AI's
+`part_kind`, `Text` or `text_part`, `tool-return` for a result, `name` for
+`tool_name`, `arguments` for `args`, `text` for `content`. The converter, the
+migration's verify, the viewer and the benchmarks all read parts through
+`normalize_part`, so they can never disagree on what a part is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+PartKind = Literal["text", "tool_call", "tool_result", "file_upload", "hitl", "error", "unknown"]
+"""What a legacy part is, once its spelling is normalized."""
+
+_KINDS: dict[str, PartKind] = {
+    "text": "text",
+    "text_part": "text",
+    "tool_call": "tool_call",
+    "tool_result": "tool_result",
+    "tool_return": "tool_result",
+    "file_upload": "file_upload",
+    "upload": "file_upload",
+    "hitl": "hitl",
+    "error": "error",
+}
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class LegacyPart:
+    """One response part in canonical names. Values are as found: they may have any type."""
+
+    kind: PartKind
+    declared: str | None
+    """The type as the document spelt it (`type` or `part_kind`), or None."""
+    raw: Any
+    """The part as found."""
+    content: Any = None
+    """A text part's text, a HITL prompt, or an error's message."""
+    tool_name: Any = None
+    args: Any = None
+    """A tool call's arguments (a dict, a JSON string, or missing: None)."""
+    result: Any = None
+    """A tool result's value."""
+    tool_call_id: Any = None
+    upload: dict[str, Any] | None = None
+    """A file upload's fields (`filename`, `file_type`, `size`, `parsed_text`)."""
+    action: Any = None
+    params: Any = None
+    request_id: Any = None
+
+
+def part_kind(part: Any) -> PartKind:
+    """The kind of a part: its declared type or `part_kind`, any case, `-` or `_`."""
+    declared = _declared(part)
+    if declared is None:
+        return "unknown"
+    return _KINDS.get(declared.strip().lower().replace("-", "_"), "unknown")
+
+
+def _declared(part: Any) -> str | None:
+    if not isinstance(part, Mapping):
+        return None
+    kind = part.get("type", part.get("part_kind"))
+    return kind if isinstance(kind, str) else None
+
+
+def _first(part: Mapping[str, Any], *names: str) -> Any:
+    """The value of the first of `names` the part has (even when it is null), else None."""
+    for name in names:
+        value = part.get(name, _MISSING)
+        if value is not _MISSING:
+            return value
+    return None
+
+
+def normalize_part(part: Any) -> LegacyPart:
+    """A legacy part in canonical names; a part that is not a mapping is `unknown`."""
+    kind = part_kind(part)
+    if not isinstance(part, Mapping):
+        return LegacyPart("unknown", None, part)
+    declared = _declared(part)
+    tool_name = part.get("tool_name") or part.get("name") or None
+    if kind == "text":
+        return LegacyPart(kind, declared, part, content=_first(part, "content", "text"))
+    if kind == "tool_call":
+        return LegacyPart(
+            kind,
+            declared,
+            part,
+            tool_name=tool_name,
+            args=_first(part, "args", "arguments"),
+            tool_call_id=part.get("tool_call_id"),
+        )
+    if kind == "tool_result":
+        return LegacyPart(
+            kind,
+            declared,
+            part,
+            tool_name=tool_name,
+            result=_first(part, "result", "content"),
+            tool_call_id=part.get("tool_call_id"),
+        )
+    if kind == "file_upload":
+        body = {k: v for k, v in part.items() if k not in ("type", "part_kind")}
+        return LegacyPart(kind, declared, part, upload=body)
+    if kind == "hitl":
+        return LegacyPart(
+            kind,
+            declared,
+            part,
+            content=_first(part, "prompt", "content"),
+            action=part.get("action"),
+            params=part.get("params"),
+            request_id=part.get("request_id"),
+        )
+    if kind == "error":
+        return LegacyPart(kind, declared, part, content=_first(part, "message", "error", "content"))
+    return LegacyPart("unknown", declared, part)

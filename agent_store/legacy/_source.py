@@ -1,0 +1,104 @@
+"""The legacy turns behind the store's seam: read fallback, dual write, and the deletes,
+erasures and claims that must reach them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent_store.core import Conversation
+from agent_store.legacy._convert import convert
+from agent_store.legacy._documents import LEGACY_TURNS, SESSION_HITL
+from agent_store.legacy._dual_write import legacy_turn_document
+from agent_store.legacy._session_hitl import with_session_prompts
+from agent_store.store import (
+    Database,
+    FallbackConversation,
+    LoggedTurn,
+    TurnRules,
+    storage_errors,
+)
+
+
+def _prompts_of(conversation_id: str) -> dict[str, Any]:
+    """`session_hitl` documents name their conversation under one of two keys."""
+    return {"$or": [{"conversation_id": conversation_id}, {"session_id": conversation_id}]}
+
+
+class LegacyTurns:
+    """Legacy turn documents (`agent_conversations_deprecated`) for the store.
+
+    Pass it to `ConversationStore(db, legacy=…)` to serve conversations not
+    migrated yet and to reach their turns when deleting, erasing or claiming;
+    to `AgentMessageLogger(db, observers=[…])` with `dual_write=True` to keep
+    every logged turn as a legacy turn too, during the rollback window.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        rules: TurnRules | None = None,
+        read_fallback: bool = True,
+        dual_write: bool = False,
+    ) -> None:
+        """Work on `db`'s legacy collections; `rules` are the logger's (names, markers)."""
+        self._turns = db[LEGACY_TURNS]
+        self._prompts = db[SESSION_HITL]
+        self._rules = rules or TurnRules()
+        self.read_fallback = read_fallback
+        self.dual_write = dual_write
+
+    async def conversation(self, conversation_id: str) -> FallbackConversation | None:
+        """The conversation converted from its legacy turns and prompts; None if it has none."""
+        with storage_errors("read the legacy turns"):
+            turns = await self._turns.find({"conversation_id": conversation_id}).to_list(None)
+        if not turns:
+            return None
+        conversion = convert(turns, rules=self._rules)
+        if conversion.conversation is None:
+            return None
+        with storage_errors("read the pending prompt"):
+            prompts = await self._prompts.find(_prompts_of(conversation_id)).to_list(None)
+        conversion = with_session_prompts(conversion, prompts)
+        assert conversion.conversation is not None
+        return FallbackConversation(conversion.conversation, conversion.messages)
+
+    async def delete(self, conversation_id: str) -> int:
+        """Delete the conversation's legacy turns and prompts; how many turns went."""
+        with storage_errors("delete the legacy turns"):
+            deleted = await self._turns.delete_many({"conversation_id": conversation_id})
+            await self._prompts.delete_many(_prompts_of(conversation_id))
+        return int(deleted.deleted_count)
+
+    async def erase_user(self, user_id: str) -> int:
+        """Delete every legacy conversation that names the user, whole; how many turns went."""
+        with storage_errors("erase the user's legacy turns"):
+            # Whole conversations, including their turns that carry no user id.
+            ids = await self._turns.distinct("conversation_id", {"user_id": user_id})
+            query: dict[str, Any] = {"user_id": user_id}
+            if ids:
+                query = {"$or": [query, {"conversation_id": {"$in": ids}}]}
+            deleted = await self._turns.delete_many(query)
+        return int(deleted.deleted_count)
+
+    async def claim(self, from_user_id: str, to_user_id: str) -> int:
+        """Move the user's legacy turns to another user id; how many turns moved."""
+        with storage_errors("claim the legacy turns"):
+            moved = await self._turns.update_many(
+                {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
+            )
+        return int(moved.modified_count)
+
+    async def turn_logged(self, turn: LoggedTurn, conversation: Conversation) -> None:
+        """With `dual_write`, upsert the turn as a legacy turn; a retry rewrites the same one."""
+        if not self.dual_write:
+            return
+        document = legacy_turn_document(
+            turn.conversation_id,
+            turn.turn_id,
+            turn.messages,
+            user_id=conversation.user_id,
+            name=conversation.name,
+        )
+        with storage_errors("write the legacy turn (dual write)"):
+            await self._turns.replace_one({"_id": document["_id"]}, document, upsert=True)

@@ -1,0 +1,45 @@
+"""What the read paths ask of legacy turn documents, without knowing their format.
+
+`agent_store.legacy.LegacyTurns` implements `LegacySource` (and the logger's
+`TurnObserver`, for the dual write); the store takes it as a constructor
+argument, so the core paths never import the legacy reader, and a deployment
+without legacy data passes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from agent_store.core import AgentMessage, Conversation
+
+
+@dataclass(frozen=True)
+class FallbackConversation:
+    """A conversation not migrated yet, read from its legacy turns."""
+
+    conversation: Conversation
+    messages: list[AgentMessage]
+
+
+class LegacySource(Protocol):
+    """Legacy turns as the read paths and the admin operations see them."""
+
+    read_fallback: bool
+    """Serve conversations not migrated yet from their legacy turns."""
+
+    async def conversation(self, conversation_id: str) -> FallbackConversation | None:
+        """The conversation converted from its legacy turns; None if it has none."""
+        ...
+
+    async def delete(self, conversation_id: str) -> int:
+        """Delete the conversation's legacy turns and prompts; how many turns went."""
+        ...
+
+    async def erase_user(self, user_id: str) -> int:
+        """Delete every legacy conversation the user owns; how many turns went."""
+        ...
+
+    async def claim(self, from_user_id: str, to_user_id: str) -> int:
+        """Move the user's legacy turns to another user id; how many turns moved."""
+        ...

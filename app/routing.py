@@ -1,0 +1,156 @@
+"""Routes declared as data: how one endpoint is called, validated and described.
+
+The same `Endpoint` declaration builds the Starlette route, validates its
+path, query and body, and feeds `/openapi.json` (app/openapi.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from agent_store.core import describe_validation_error
+from agent_store.store import validate_identifier
+from app.api_models import NoBody, NoQuery
+from app.auth import Caller, audit_record
+from app.http_errors import InvalidJson, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
+from app.service import Store
+
+Q = TypeVar("Q", bound=BaseModel)
+B = TypeVar("B", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Call(Generic[Q, B]):
+    """One validated request, as a handler sees it."""
+
+    request: Request
+    store: Store
+    caller: Caller
+    path: dict[str, str]
+    """Path parameters, each a validated identifier."""
+    query: Q
+    body: B
+
+    @property
+    def conversation_id(self) -> str:
+        return self.path["conversation_id"]
+
+    @property
+    def scope(self) -> str | None:
+        """The user whose data this request may see: None for a service acting alone."""
+        return self.caller.user_id
+
+
+Handler = Callable[[Call[Any, Any]], Awaitable[Response]]
+ResponseShapes = Mapping[int, type[BaseModel] | Mapping[str, type[BaseModel]]]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One route: how to call it, what it accepts and returns, and which errors it may give."""
+
+    method: str
+    path: str
+    handler: Handler
+    summary: str
+    tag: str
+    responses: ResponseShapes
+    query: type[BaseModel] = NoQuery
+    body: type[BaseModel] = NoBody
+    errors: tuple[str, ...] = ()
+    """Error codes besides the ones every route may give."""
+    authenticated: bool = True
+    carries_turns: bool = False
+    """The body holds a whole turn: capped at `max_turn_bytes`, not `max_request_bytes`."""
+
+
+# -- request parsing -------------------------------------------------------------------
+
+
+def parse_query(request: Request, model: type[Q]) -> Q:
+    items = request.query_params.multi_items()
+    names = [name for name, _ in items]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise InvalidRequest(f"invalid query: parameters given more than once: {repeated}")
+    try:
+        return model.model_validate(dict(items))
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation_error(exc, subject="query")) from exc
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing with 413 as soon as it is known to be over `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise InvalidRequest(f"invalid Content-Length {declared!r}")
+        if int(declared) > limit:
+            raise PayloadTooLarge(f"the body has {declared} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+async def parse_body(request: Request, model: type[B], limit: int) -> B:
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise UnsupportedMediaType(
+            f"the body must be application/json, not {media_type or 'missing'!r}"
+        )
+    raw = await read_body(request, limit)
+    try:
+        document = json.loads(raw, parse_constant=_refuse_constant)
+    except ValueError as exc:
+        raise InvalidJson(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(document, dict):
+        raise InvalidJson("the body must be a JSON object")
+    try:
+        # Strict, as JSON Schema reads the body: `false` is no integer, `"1"` no number.
+        return model.model_validate_json(raw, strict=True)
+    except ValidationError as exc:
+        raise InvalidRequest(describe_validation_error(exc, subject="body")) from exc
+
+
+async def _run(endpoint: Endpoint, request: Request) -> Response:
+    state = request.app.state
+    caller = Caller(service="")
+    if endpoint.authenticated:
+        caller = state.authenticator.authenticate(request.headers, audit_record(request.scope))
+    path = {name: validate_identifier(v, name) for name, v in request.path_params.items()}
+    query = parse_query(request, endpoint.query)
+    limit = state.max_turn_bytes if endpoint.carries_turns else state.max_request_bytes
+    body = NoBody() if endpoint.body is NoBody else await parse_body(request, endpoint.body, limit)
+    return await endpoint.handler(Call(request, state.store, caller, path, query, body))
+
+
+def routes_of(endpoints: Sequence[Endpoint]) -> list[BaseRoute]:
+    """One Starlette route per path, so a 405 names every method the path accepts."""
+    by_path: dict[str, dict[str, Endpoint]] = {}
+    for endpoint in endpoints:
+        by_path.setdefault(endpoint.path, {})[endpoint.method] = endpoint
+
+    def route(path: str, methods: dict[str, Endpoint]) -> Route:
+        async def dispatch(request: Request) -> Response:
+            method = "GET" if request.method == "HEAD" else request.method
+            return await _run(methods[method], request)
+
+        return Route(path, dispatch, methods=list(methods))
+
+    return [route(path, methods) for path, methods in by_path.items()]
