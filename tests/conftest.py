@@ -80,6 +80,18 @@ def wire_uri() -> Iterator[str]:
     server.stop()
 
 
+@pytest.fixture
+def database(wire_uri: str) -> Iterator[Any]:
+    """A fresh database on the wire server through the synchronous driver (the migration's)."""
+    from pymongo import MongoClient
+
+    client: MongoClient[dict[str, Any]] = MongoClient(wire_uri, tz_aware=True)
+    name = f"sync_{uuid.uuid4().hex[:10]}"
+    yield client[name]
+    client.drop_database(name)
+    client.close()
+
+
 async def _open(name: str, request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     db_name = f"test_{uuid.uuid4().hex[:12]}"
     if name == "mongomock":

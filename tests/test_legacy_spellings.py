@@ -3,13 +3,10 @@ the migration's verify and the viewer; one identifier rule for users everywhere.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from pymongo import MongoClient
 from pymongo.database import Database
 
 from agent_store.legacy import convert
@@ -60,15 +57,6 @@ def test_the_viewer_reads_every_spelling_as_its_kind() -> None:
 
     assert [p.kind for p in view.parts] == ["text", "tool_call", "tool_result", "text"]
     assert not any("Unknown part type" in p.title for p in view.parts)
-
-
-@pytest.fixture
-def database(wire_uri: str) -> Iterator[Database[dict[str, Any]]]:
-    client: MongoClient[dict[str, Any]] = MongoClient(wire_uri, tz_aware=True)
-    name = f"spell_{uuid.uuid4().hex[:10]}"
-    yield client[name]
-    client.drop_database(name)
-    client.close()
 
 
 def cli(wire_uri: str, db: Database[dict[str, Any]], *args: str) -> int:

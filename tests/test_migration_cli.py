@@ -9,15 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import mongomock
 import pytest
-from pymongo import MongoClient
 from pymongo.database import Database
 
 from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
@@ -35,15 +32,6 @@ DIGESTED = (CONVERSATIONS, MESSAGES, PROBLEMS, LEGACY_TURNS)
 
 def corpus(conversations: int = 4) -> list[dict[str, Any]]:
     return example_legacy_turns() + list(legacy_corpus(conversations, turns=3, text_chars=20))
-
-
-@pytest.fixture
-def database(wire_uri: str) -> Iterator[Database[dict[str, Any]]]:
-    client: MongoClient[dict[str, Any]] = MongoClient(wire_uri, tz_aware=True)
-    name = f"mig_{uuid.uuid4().hex[:10]}"
-    yield client[name]
-    client.drop_database(name)
-    client.close()
 
 
 def seed(db: Database[dict[str, Any]], conversations: int = 4) -> None:
