@@ -34,8 +34,8 @@ class Store:
             dual_write=settings.legacy_dual_write,
         )
         return cls(
-            logger=AgentMessageLogger(db, rules=rules, observers=[legacy]),
-            conversations=ConversationStore(db, legacy=legacy),
+            logger=AgentMessageLogger(db, rules=rules, observers=[legacy], legacy=legacy),
+            conversations=ConversationStore(db, legacy=legacy, rules=rules),
             db=db,
         )
 

@@ -302,7 +302,7 @@ class Explosion:
         ids = [c.conversation_id for c in wanted]
         existing = {
             d["_id"]: d
-            for d in self.db[CONVERSATIONS].find({"_id": {"$in": ids}}, {"recent_turns": 1})
+            for d in self.db[CONVERSATIONS].find({"_id": {"$in": ids}}, {"turns": {"$slice": 1}})
         }
         taken: dict[tuple[str, int], str] = {}
         for doc in self.db[MESSAGES].find(
@@ -326,13 +326,13 @@ class Explosion:
                 ready.append(conversion)
         upserts = [
             ReplaceOne(
-                {"_id": c.conversation_id, "recent_turns": {"$size": 0}},
+                {"_id": c.conversation_id, "turns.0": {"$exists": False}},  # not live
                 c.conversation.model_dump(by_alias=True),
                 upsert=True,
             )
             for c in ready
             if c.conversation is not None
-            and not (existing.get(c.conversation_id) or {}).get("recent_turns")
+            and not (existing.get(c.conversation_id) or {}).get("turns")
         ]
         if upserts:
             try:

@@ -87,7 +87,7 @@ def test_example_conversation_document_sums_the_turns() -> None:
     assert conversation.usage.input_tokens == 850
     assert conversation.name == "Trip to Lyon"
     assert conversation.last_message_preview == "Booking service unavailable (HTTP 503)"
-    assert conversation.recent_turns == []
+    assert conversation.turns == []
     assert conversation.updated_at == conversion.messages[-1].created_at
 
 

@@ -74,7 +74,7 @@ async def test_stored_documents_hold_exactly_the_contract_fields(backend: Backen
     assert set(conversation) == {
         "_id", "conversation_id", "user_id", "name", "name_source", "created_at", "updated_at",
         "turn_count", "last_message_preview", "message_count", "pending_hitl", "usage",
-        "recent_turns",
+        "turns", "turns_dropped",
     }  # fmt: skip
 
 
@@ -119,11 +119,11 @@ async def test_retry_after_crash_between_the_two_writes_stores_each_message_once
     logger = AgentMessageLogger(backend.db)
     turn_id, messages = example_turns()[0]
 
-    async def crash(self: AgentMessageLogger, stored: object) -> None:
+    async def crash(self: AgentMessageLogger, plan: object, reserved: object) -> None:
         raise CrashBeforeInsert
 
     with monkeypatch.context() as patch:
-        patch.setattr(AgentMessageLogger, "_insert", crash)
+        patch.setattr(AgentMessageLogger, "_store", crash)
         with pytest.raises(CrashBeforeInsert):
             await logger.log_messages(CID, messages, turn_id=turn_id)
     assert await backend.db.agent_messages.count_documents({}) == 0
@@ -156,7 +156,7 @@ async def test_retry_after_a_partial_insert_adds_only_the_missing_messages(
 async def test_turn_id_reused_for_different_messages_is_a_conflict(backend: Backend) -> None:
     logger = AgentMessageLogger(backend.db)
     await logger.log_messages(CID, [{"role": "user", "content": "hi"}], turn_id="t1")
-    with pytest.raises(Conflict, match=re.escape("turn 't1' was logged with 1 messages")):
+    with pytest.raises(Conflict, match=re.escape("turn 't1' was logged with other content")):
         await logger.log_messages(
             CID,
             [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
@@ -285,8 +285,18 @@ async def test_pending_hitl_is_set_by_the_prompt_and_cleared_by_an_upload(backen
 async def test_conversation_owner_is_stamped_on_every_message(backend: Backend) -> None:
     logger = AgentMessageLogger(backend.db)
     await logger.upsert_conversation(CID, user_id="owner")
-    logged = await logger.log_messages(CID, [{"role": "user", "content": "hi"}], user_id="someone")
+    logged = await logger.log_messages(CID, [{"role": "user", "content": "hi"}])
     assert {m.user_id for m in logged.messages} == {"owner"}
+
+
+async def test_a_service_turn_naming_another_user_than_the_owner_is_a_conflict(
+    backend: Backend,
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.upsert_conversation(CID, user_id="owner")
+    with pytest.raises(Conflict, match="belongs to another user than 'someone'"):
+        await logger.log_messages(CID, [{"role": "user", "content": "hi"}], user_id="someone")
+    assert await backend.db.agent_messages.count_documents({}) == 0
 
 
 async def test_owner_only_logging_refuses_another_users_conversation(backend: Backend) -> None:

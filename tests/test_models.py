@@ -11,12 +11,11 @@ import pytest
 
 from agent_store.core import (
     AssistantMessage,
-    Conversation,
     InvalidInput,
-    TurnRecord,
     message_adapter,
 )
 from agent_store.store import parse_messages
+from agent_store.store._reservation import recorded_block
 from scripts.schema import SCHEMA_DIR, render
 
 
@@ -144,21 +143,23 @@ def test_every_role_dumps_the_same_keys() -> None:
     assert len(keys) == 1
 
 
-def test_a_turns_first_seq_is_found_from_the_records_after_it() -> None:
-    conversation = Conversation(
-        _id="c",
-        conversation_id="c",
-        created_at=datetime.now(UTC),
-        updated_at=datetime.now(UTC),
-        message_count=10,
-        recent_turns=[
-            TurnRecord(turn_id="a", count=4),
-            TurnRecord(turn_id="b", count=5),
-            TurnRecord(turn_id="c", count=1),
+def test_a_turns_block_runs_from_its_record_to_the_next_one() -> None:
+    at = datetime.now(UTC)
+    document = {
+        "message_count": 10,
+        "turns": [
+            {"k": 11, "f": 0, "d": 1, "a": at},
+            {"k": 22, "f": 4, "d": 2, "a": at},
+            {"k": 33, "f": 9, "d": 3, "a": at},
         ],
-    )
-    assert [conversation.first_seq_of(t) for t in "abc"] == [0, 4, 9]
-    assert conversation.first_seq_of("gone") is None
+    }
+    blocks = [recorded_block(document, key) for key in (11, 22, 33)]
+    assert [(b.first_seq, b.count, b.digest) for b in blocks if b] == [
+        (0, 4, 1),
+        (4, 5, 2),
+        (9, 1, 3),
+    ]
+    assert recorded_block(document, 44) is None
 
 
 def test_assistant_message_is_a_model_too() -> None:

@@ -225,9 +225,12 @@ async def test_claim_moves_every_conversation_and_message(
     assert (claimed.conversations, claimed.messages) == (1, 12)
     assert [c.id for c in (await store.list_conversations("user-registered")).data] == [CID]
     assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
-    # A turn logged afterwards by a runtime still holding the old id lands with the new owner.
-    logged = await AgentMessageLogger(backend.db).log_messages(
-        CID, [{"role": "user", "content": "still me"}], user_id=OWNER
+    # A runtime still naming the old id is told; with the new one its turn is the owner's.
+    logger = AgentMessageLogger(backend.db)
+    with pytest.raises(Conflict, match="belongs to another user"):
+        await logger.log_messages(CID, [{"role": "user", "content": "still me"}], user_id=OWNER)
+    logged = await logger.log_messages(
+        CID, [{"role": "user", "content": "still me"}], user_id="user-registered"
     )
     assert logged.messages[0].user_id == "user-registered"
 

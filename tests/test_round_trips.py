@@ -43,7 +43,7 @@ async def test_a_300_message_transcript_is_read_in_one_round_trip(wire_backend: 
 
 
 async def test_a_retry_after_a_crash_costs_three_round_trips(wire_backend: Backend) -> None:
-    """The retry path: a refused reservation, one read of the block, the insert."""
+    """The retry path: a refused reservation, one read of the turn's record, the insert."""
     assert wire_backend.commands is not None
     logger = AgentMessageLogger(wire_backend.db)
     turn_id, messages = example_turns()[0]
@@ -54,3 +54,16 @@ async def test_a_retry_after_a_crash_costs_three_round_trips(wire_backend: Backe
     await logger.log_messages(CID, messages, turn_id=turn_id)
 
     assert wire_backend.commands.names == ["findAndModify", "find", "insert"]
+
+
+async def test_a_replay_of_a_stored_turn_costs_four_round_trips(wire_backend: Backend) -> None:
+    """A refused reservation, the record, the insert refused on every id, the stored messages."""
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db)
+    turn_id, messages = example_turns()[0]
+    await logger.log_messages(CID, messages, turn_id=turn_id)
+    wire_backend.commands.clear()
+
+    await logger.log_messages(CID, messages, turn_id=turn_id)
+
+    assert wire_backend.commands.names == ["findAndModify", "find", "insert", "find"]

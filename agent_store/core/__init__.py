@@ -14,10 +14,12 @@ from agent_store.core._errors import (
     describe_validation_error,
 )
 from agent_store.core._models import (
+    MAX_SAFE_INTEGER,
     AgentMessage,
     AssistantMessage,
     Conversation,
     ConversationPage,
+    Count,
     FileUpload,
     FunctionCall,
     HitlAction,
@@ -58,6 +60,7 @@ from agent_store.core._outcomes import (
 __all__ = [
     "DENIED_RESULT",
     "INTERRUPTED_RESULT",
+    "MAX_SAFE_INTEGER",
     "RETRY_FEEDBACK",
     "STREAM_INTERRUPTED",
     "TOOL_OUTCOMES",
@@ -66,6 +69,7 @@ __all__ = [
     "Conflict",
     "Conversation",
     "ConversationPage",
+    "Count",
     "FileUpload",
     "FunctionCall",
     "HitlAction",

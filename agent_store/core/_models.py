@@ -17,9 +17,11 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    JsonValue,
     NonNegativeInt,
     StringConstraints,
     TypeAdapter,
+    ValidationError,
     model_validator,
 )
 
@@ -36,7 +38,10 @@ def to_utc_millis(value: datetime) -> datetime:
     if value.tzinfo is None:
         value = value.replace(tzinfo=UTC)
     elif value.utcoffset():
-        value = value.astimezone(UTC)
+        try:
+            value = value.astimezone(UTC)
+        except OverflowError as exc:
+            raise ValueError(f"{value.isoformat()} is out of range in UTC") from exc
     if value.microsecond % 1000:
         value = value.replace(microsecond=value.microsecond // 1000 * 1000)
     if value.tzinfo is not UTC:
@@ -45,11 +50,21 @@ def to_utc_millis(value: datetime) -> datetime:
 
 
 def utc_now() -> datetime:
+    """The store's clock: now, aware UTC, at millisecond precision."""
     return to_utc_millis(datetime.now(UTC))
 
 
 UtcDatetime = Annotated[datetime, AfterValidator(to_utc_millis)]
 """A timezone-aware UTC datetime, truncated to milliseconds."""
+
+MAX_SAFE_INTEGER = 2**53 - 1
+"""The largest integer the store accepts or keeps: JavaScript readers hold it exactly."""
+
+Count = Annotated[int, Field(ge=0, le=MAX_SAFE_INTEGER)]
+"""A non-negative integer a JavaScript reader can hold exactly (at most 2**53 - 1)."""
+
+MAX_PARAMS_DEPTH = 32
+"""How deeply HITL params may nest: far below MongoDB's limit of 100 levels per document."""
 
 Identifier = Annotated[
     str, StringConstraints(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:@|-]+$")
@@ -59,7 +74,41 @@ Identifier = Annotated[
 
 def _arguments_as_json_string(value: Any) -> Any:
     if isinstance(value, dict | list):
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        try:
+            return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise ValueError(f"arguments must hold JSON values only: {exc}") from exc
+    return value
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+def _keys(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [*value, *(k for item in value.values() for k in _keys(item))]
+    if isinstance(value, list):
+        return [k for item in value for k in _keys(item)]
+    return []
+
+
+_json_values: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(dict[str, JsonValue])
+
+
+def _plain_json(value: dict[str, Any]) -> dict[str, Any]:
+    if _depth(value) > MAX_PARAMS_DEPTH:
+        raise ValueError(f"params nest deeper than {MAX_PARAMS_DEPTH} levels")
+    if any("\x00" in key for key in _keys(value)):
+        raise ValueError("params keys must not contain NUL characters")
+    try:
+        _json_values.validate_python(value, strict=True)
+    except ValidationError as exc:
+        raise ValueError(f"params must hold JSON values only ({exc.errors()[0]['msg']})") from exc
     return value
 
 
@@ -100,7 +149,8 @@ class HitlAction(_Model):
     """A human-in-the-loop prompt the assistant raised."""
 
     action: Annotated[str, StringConstraints(min_length=1)]
-    params: dict[str, Any] = Field(default_factory=dict)
+    params: Annotated[dict[str, Any], AfterValidator(_plain_json)] = Field(default_factory=dict)
+    """Plain JSON values, nested at most `MAX_PARAMS_DEPTH` levels."""
     request_id: Annotated[str, StringConstraints(min_length=1, max_length=200)]
 
 
@@ -115,15 +165,15 @@ class FileUpload(_Model):
 
     filename: str
     file_type: str
-    size: NonNegativeInt
+    size: Count
     parsed_text: str | None = None
 
 
 class TokenUsage(_Model):
     """Tokens one model response used."""
 
-    input_tokens: NonNegativeInt = 0
-    output_tokens: NonNegativeInt = 0
+    input_tokens: Count = 0
+    output_tokens: Count = 0
 
 
 class _MessageBase(_Model):
@@ -148,8 +198,8 @@ class _MessageBase(_Model):
     upload: FileUpload | None = None
     created_at: UtcDatetime = Field(default_factory=utc_now)
     token_usage: TokenUsage | None = None
-    latency_ms: NonNegativeInt | None = None
-    seq: NonNegativeInt | None = None
+    latency_ms: Count | None = None
+    seq: Count | None = None
     """Position in the conversation (extension). Assigned by the logger."""
     user_id: Identifier | None = None
     """The conversation's owner, denormalized (extension). Set by the logger."""
@@ -250,21 +300,24 @@ class PendingHitl(_Model):
 
 
 class Usage(_Model):
-    """Token usage summed over a conversation (extension)."""
+    """Token usage summed over a conversation (extension); each sum stops at 2**53 - 1."""
 
-    input_tokens: NonNegativeInt = 0
-    output_tokens: NonNegativeInt = 0
+    input_tokens: Count = 0
+    output_tokens: Count = 0
 
 
 class TurnRecord(_Model):
-    """One logged turn: its id and how many `seq` values it reserved (extension).
+    """One logged turn, kept on its conversation so a retry of any age is recognised
+    (extension; the store's bookkeeping, never served). Short keys keep it small."""
 
-    Records are kept in reservation order, so a turn's first `seq` is the
-    conversation's `message_count` less the counts of this and every later record.
-    """
-
-    turn_id: str
-    count: NonNegativeInt
+    key: int = Field(alias="k")
+    """A 64-bit digest of the turn id."""
+    first_seq: Count = Field(alias="f")
+    """The first `seq` the turn reserved; it reserved up to the next record's."""
+    digest: int = Field(alias="d")
+    """A 64-bit digest of the turn's messages (timestamps aside): a replay must match it."""
+    at: UtcDatetime = Field(alias="a")
+    """When the turn was reserved."""
 
 
 class Conversation(_Model):
@@ -274,30 +327,24 @@ class Conversation(_Model):
     """Equal to `conversation_id`."""
     conversation_id: str
     user_id: str | None = None
-    """The owner; `null` for a conversation nobody owns yet."""
+    """The owner; `null` for a conversation only services write to."""
     name: str | None = None
     name_source: Literal["auto", "runtime", "set"] | None = None
     """Who chose `name` (extension): automatic names yield to a runtime's, both to a person's."""
     created_at: UtcDatetime
     updated_at: UtcDatetime
     """The time of the last message."""
-    turn_count: NonNegativeInt = 0
+    turn_count: Count = 0
     last_message_preview: str = ""
-    message_count: NonNegativeInt = 0
+    message_count: Count = 0
     """The next free `seq` (extension)."""
     pending_hitl: PendingHitl | None = None
     usage: Usage = Field(default_factory=Usage)
-    recent_turns: list[TurnRecord] = Field(default_factory=list)
-    """The last turns logged, for idempotent retries (extension)."""
-
-    def first_seq_of(self, turn_id: str) -> int | None:
-        """The first `seq` a recently logged turn reserved, or None if it is not recent."""
-        following = 0
-        for record in reversed(self.recent_turns):
-            following += record.count
-            if record.turn_id == turn_id:
-                return self.message_count - following
-        return None
+    turns: list[TurnRecord] = Field(default_factory=list, exclude=True)
+    """Every logged turn in reservation order, up to `TurnRules.turns_recorded` (extension;
+    the store's bookkeeping, never served)."""
+    turns_dropped: Count = Field(default=0, exclude=True)
+    """How many of the oldest turn records were dropped to keep the document bounded."""
 
 
 T = TypeVar("T")
@@ -316,6 +363,10 @@ class Page(BaseModel, Generic[T]):
 
 class MessagePage(Page[AgentMessage]):
     """A page of a conversation's messages."""
+
+    pending_seq: int | None = None
+    """The `seq` of a message reserved by a turn still being written: an ascending page stops
+    before it, so a reader following the conversation asks again with the same `after`."""
 
 
 class ConversationPage(Page[Conversation]):

@@ -37,6 +37,8 @@ from agent_store.legacy._documents import (
     LegacyTurn,
     as_text,
     dumps,
+    named_users,
+    owner_of,
     parse_turns,
     sort_turns,
     turn_times,
@@ -650,28 +652,25 @@ def _convert_turns(
 
 
 def _owner(converter: _Converter, turns: list[LegacyTurn]) -> str | None:
-    """The last user id the turns name; None when it is not an identifier."""
-    user_ids = [t.user_id for t in turns if t.user_id]
-    owner = user_ids[-1] if user_ids else None
+    """The conversation's owner (`owner_of`), with a problem where the turns disagree on it."""
+    user_ids = named_users(turns)
+    owner = owner_of(turns)
     if len(set(user_ids)) > 1:
         converter.problem(
             turns[-1],
             "mixed_user_ids",
-            f"turns name several users {sorted(set(user_ids))}; the last one, {owner!r}, owns it",
+            f"turns name several users {sorted(set(user_ids))}; the last one, "
+            f"{user_ids[-1]!r}, owns it",
             unplaced=False,
         )
-    if owner is None:
-        return None
-    try:
-        return validate_identifier(owner, "user_id")
-    except InvalidInput:
+    if user_ids and owner is None:
         converter.problem(
             turns[-1],
             "invalid_user_id",
-            f"user id {owner!r} is not an identifier; left unowned",
+            f"user id {user_ids[-1]!r} is not an identifier; left unowned",
             unplaced=False,
         )
-        return None
+    return owner
 
 
 def _conversation(
@@ -704,6 +703,5 @@ def _conversation(
                 input_tokens=sum(p.usage.input_tokens for p in plans),
                 output_tokens=sum(p.usage.output_tokens for p in plans),
             ),
-            "recent_turns": [],
         }
     )

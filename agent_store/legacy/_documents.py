@@ -20,6 +20,7 @@ from bson import ObjectId
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agent_store.core import InvalidInput, describe_validation_error, to_utc_millis
+from agent_store.store import validate_identifier
 
 LEGACY_TURNS = "agent_conversations_deprecated"
 """Where the legacy turns live once moved aside (DESIGN §5, step 1)."""
@@ -140,6 +141,22 @@ def sort_turns(turns: Iterable[LegacyTurn]) -> list[LegacyTurn]:
     floor = datetime.min.replace(tzinfo=UTC)
     keyed = sorted(range(len(ordered)), key=lambda i: times[i] or floor)
     return [ordered[i] for i in keyed]
+
+
+def named_users(turns: Iterable[LegacyTurn]) -> list[str]:
+    """The user ids the turns name, in time order (turns without one left out)."""
+    return [t.user_id for t in sort_turns(turns) if t.user_id]
+
+
+def owner_of(turns: Iterable[LegacyTurn]) -> str | None:
+    """Who owns a legacy conversation: the last user its turns name, if that is an identifier."""
+    users = named_users(turns)
+    if not users:
+        return None
+    try:
+        return validate_identifier(users[-1], "user_id")
+    except InvalidInput:
+        return None
 
 
 # -- text of odd values ------------------------------------------------------------------

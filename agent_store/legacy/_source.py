@@ -7,12 +7,13 @@ from typing import Any
 
 from agent_store.core import Conversation
 from agent_store.legacy._convert import convert
-from agent_store.legacy._documents import LEGACY_TURNS, SESSION_HITL
+from agent_store.legacy._documents import LEGACY_TURNS, SESSION_HITL, owner_of, parse_turns
 from agent_store.legacy._dual_write import legacy_turn_document
 from agent_store.legacy._session_hitl import with_session_prompts
 from agent_store.store import (
     Database,
     FallbackConversation,
+    LegacyHolder,
     LoggedTurn,
     TurnRules,
     storage_errors,
@@ -62,6 +63,17 @@ class LegacyTurns:
         conversion = with_session_prompts(conversion, prompts)
         assert conversion.conversation is not None
         return FallbackConversation(conversion.conversation, conversion.messages)
+
+    async def holder(self, conversation_id: str) -> LegacyHolder | None:
+        """Whether the id exists as legacy turns, and their owner; None if it does not."""
+        fields = {"conversation_id": 1, "user_id": 1, "created_at": 1}
+        with storage_errors("read the legacy turns"):
+            found = await self._turns.find({"conversation_id": conversation_id}, fields).to_list(
+                None
+            )
+        if not found:
+            return None
+        return LegacyHolder(owner_of(parse_turns(found)))
 
     async def delete(self, conversation_id: str) -> int:
         """Delete the conversation's legacy turns and prompts; how many turns went."""

@@ -13,7 +13,7 @@ from agent_store.store._indexes import (
     create_indexes,
     create_indexes_sync,
 )
-from agent_store.store._legacy_seam import FallbackConversation, LegacySource
+from agent_store.store._legacy_seam import FallbackConversation, LegacyHolder, LegacySource
 from agent_store.store._logger import AgentMessageLogger, LoggedTurn, TurnObserver
 from agent_store.store._reads import (
     MAX_PAGE_SIZE,
@@ -72,6 +72,7 @@ __all__ = [
     "FallbackConversation",
     "IndexSetup",
     "KeepPendingHitl",
+    "LegacyHolder",
     "LegacySource",
     "LoggedTurn",
     "RuntimeContextMarkers",

@@ -22,14 +22,25 @@ class FallbackConversation:
     messages: list[AgentMessage]
 
 
+@dataclass(frozen=True)
+class LegacyHolder:
+    """A conversation id that exists as legacy turns, and the user those name (the owner)."""
+
+    user_id: str | None
+
+
 class LegacySource(Protocol):
-    """Legacy turns as the read paths and the admin operations see them."""
+    """Legacy turns as the write path, the read paths and the admin operations see them."""
 
     read_fallback: bool
     """Serve conversations not migrated yet from their legacy turns."""
 
     async def conversation(self, conversation_id: str) -> FallbackConversation | None:
         """The conversation converted from its legacy turns; None if it has none."""
+        ...
+
+    async def holder(self, conversation_id: str) -> LegacyHolder | None:
+        """Whether the id exists as legacy turns, and their owner; None if it does not."""
         ...
 
     async def delete(self, conversation_id: str) -> int:

@@ -1,46 +1,73 @@
-"""AgentMessageLogger: persists turns, each in at most two round trips, idempotently.
+"""AgentMessageLogger: persists turns in two round trips, idempotently however late a retry.
 
 Write path of one turn:
 1. Reserve: one `find_one_and_update` (an update pipeline, upserting) on the
    conversation document adds the turn's message count to `message_count`,
-   records the turn id in `recent_turns` and updates every summary field. Its
-   filter excludes conversations that already record this turn id, so a retry
+   appends the turn's record (a digest of its id, its first `seq`, a digest of
+   its content, the time) to `turns` and updates every summary field. Its
+   filter excludes a conversation that records the turn already, so a retry
    cannot reserve twice: the upsert then collides with the existing `_id`.
 2. Insert: one unordered `insert_many` of the messages with `seq` values from
-   the reserved block. Messages a crashed attempt already stored collide on
+   the reserved block. Messages an earlier attempt already stored collide on
    their stable `_id`; those duplicate-key errors are the only ones swallowed.
 
-A retry after a crash between the two writes finds its turn recorded, reads
-the conversation once to learn the reserved block, and inserts what is missing.
+A retry finds its turn's record, refuses other content (`Conflict`), reads
+what of its block is stored, inserts what is missing and answers with the
+stored messages. Records are kept for the last `TurnRules.turns_recorded`
+turns; past them a new turn costs one more round trip (a lookup of its first
+message) before it may reserve.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
 from pymongo import ReturnDocument
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
-from agent_store.core import AgentMessage, Conflict, Conversation, NotFound, StorageFailure, utc_now
+from agent_store.core import (
+    AgentMessage,
+    Conflict,
+    Conversation,
+    NotFound,
+    StorageFailure,
+    messages_adapter,
+    utc_now,
+)
 from agent_store.store._driver import DUPLICATE_KEY, Database, storage_errors
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
+from agent_store.store._legacy_seam import LegacySource
+from agent_store.store._reservation import (
+    SUMMARY,
+    Actor,
+    RecordedBlock,
+    recorded_block,
+    reservation,
+    reservation_filter,
+)
 from agent_store.store._text import clean_name
 from agent_store.store._turns import (
-    KeepPendingHitl,
     TurnPlan,
     TurnRules,
+    content_digest,
+    message_id,
     plan_turn,
     validate_identifier,
 )
 
-_RESERVE_ATTEMPTS = 3
+_RESERVE_ATTEMPTS = 4
 
 
-def literal(value: Any) -> dict[str, Any]:
-    """A constant inside an update pipeline: strings starting with `$` stay strings."""
-    return {"$literal": value}
+@dataclass(frozen=True)
+class _Reserved:
+    """A turn's block, and whether an earlier attempt had reserved it."""
+
+    conversation: Conversation
+    first_seq: int
+    replayed: bool
 
 
 class LoggedTurn(BaseModel):
@@ -77,14 +104,19 @@ class AgentMessageLogger:
         *,
         rules: TurnRules | None = None,
         observers: Sequence[TurnObserver] = (),
+        legacy: LegacySource | None = None,
     ) -> None:
         """Log into `db`. `observers` are told of each stored turn (e.g. the legacy dual write,
-        which costs a third round trip per turn while it is on)."""
+        which costs a third round trip per turn while it is on). With `legacy`, a new
+        conversation is first checked against the legacy turns: an id that exists only there
+        is refused until it is migrated (two more round trips, on a conversation's first turn
+        only)."""
         self.rules = rules or TurnRules()
         self._messages = db[MESSAGES]
         self._conversations = db[CONVERSATIONS]
         self._indexes = IndexSetup(db)
         self._observers = tuple(observers)
+        self._legacy = legacy
 
     async def ensure_indexes(self) -> None:
         """Create the store's indexes (idempotent; retried after a failure)."""
@@ -113,7 +145,6 @@ class AgentMessageLogger:
                 "message_count": 0,
                 "pending_hitl": None,
                 "usage": {"input_tokens": 0, "output_tokens": 0},
-                "recent_turns": [],
             },
             "$set": {"user_id": user_id} if user_id is not None else {},
         }
@@ -125,13 +156,15 @@ class AgentMessageLogger:
             del update["$set"]
         if user_id is None:
             update["$setOnInsert"]["user_id"] = None
-        owner_filter = {"user_id": {"$in": [None, user_id]}} if user_id is not None else {}
+        actor = Actor(user_id)
+        await self._refuse_unmigrated(conversation_id, actor)
         with storage_errors("upsert the conversation"):
             try:
                 doc = await self._conversations.find_one_and_update(
-                    {"_id": conversation_id, **owner_filter},
+                    {"_id": conversation_id, **actor.owner_filter()},
                     update,
                     upsert=True,
+                    projection=SUMMARY,
                     return_document=ReturnDocument.AFTER,
                 )
             except DuplicateKeyError as exc:
@@ -168,90 +201,165 @@ class AgentMessageLogger:
         """Log one turn's messages in order, idempotently by `turn_id`.
 
         `turn_id` defaults to a digest of the messages (content and timestamps),
-        so retrying the same call is safe even without one. `name` is a name the
-        runtime generated; it replaces an automatic name or an earlier runtime
-        name, never one a person set. With `owner_only`, a conversation owned by
-        someone other than `user_id` is treated as missing (the API uses this for
-        user tokens).
+        so retrying the same call is safe even without one. A retry of any age
+        stores nothing twice and answers with the stored messages; a retry with
+        other content raises Conflict. `name` is a name the runtime generated; it
+        replaces an automatic name or an earlier runtime name, never one a person
+        set. `owner_only` says the caller is the user `user_id` itself (a user
+        token): it writes only to its own conversations or to a new id, and
+        anything else is NotFound to it. A service naming `user_id` may write to
+        that user's conversations or to unowned ones (which it then assigns).
         Raises InvalidInput, writing nothing, when the turn breaks the contract.
         """
         plan = plan_turn(conversation_id, messages, turn_id=turn_id, rules=self.rules)
         if user_id is not None:
             user_id = validate_identifier(user_id, "user_id")
+        if owner_only and user_id is None:
+            raise NotFound(f"conversation {plan.conversation_id!r} was not found")
         runtime_name = clean_name(name) if name is not None else None
-        conversation, replayed = await self._reserve(plan, user_id, runtime_name, owner_only)
-        first_seq = conversation.first_seq_of(plan.turn_id)
-        assert first_seq is not None
-        stored = [
-            message.model_copy(update={"seq": first_seq + index, "user_id": conversation.user_id})
-            for index, message in enumerate(plan.messages)
-        ]
-        await self._insert(stored)
+        actor = Actor(user_id, as_user=owner_only)
+        reserved = await self._reserve(plan, actor, runtime_name)
+        stored = await self._store(plan, reserved)
         logged = LoggedTurn(
             conversation_id=plan.conversation_id,
             turn_id=plan.turn_id,
             messages=stored,
-            replayed=replayed,
+            replayed=reserved.replayed,
         )
         for observer in self._observers:
-            await observer.turn_logged(logged, conversation)
+            await observer.turn_logged(logged, reserved.conversation)
         return logged
 
-    async def _reserve(
-        self, plan: TurnPlan, user_id: str | None, name: str | None, owner_only: bool
-    ) -> tuple[Conversation, bool]:
+    # -- reserving -------------------------------------------------------------------
+
+    async def _reserve(self, plan: TurnPlan, actor: Actor, name: str | None) -> _Reserved:
         """Reserve the turn's `seq` block, or find the block an earlier attempt reserved."""
-        count = len(plan.messages)
-        query: dict[str, Any] = {
-            "_id": plan.conversation_id,
-            "recent_turns.turn_id": {"$ne": plan.turn_id},
-        }
-        if owner_only:
-            query["user_id"] = {"$in": [None, user_id]}
+        complete = True
+        create = self._legacy is None
         for _ in range(_RESERVE_ATTEMPTS):
-            with storage_errors("reserve the turn"):
-                try:
-                    doc = await self._conversations.find_one_and_update(
-                        query,
-                        [{"$set": _reservation(plan, user_id, name, self.rules)}],
-                        upsert=True,
-                        return_document=ReturnDocument.AFTER,
-                    )
-                    return Conversation.model_validate(doc), False
-                except DuplicateKeyError:
-                    doc = await self._conversations.find_one({"_id": plan.conversation_id})
-            if doc is None:
-                continue  # deleted meanwhile: reserve again
-            conversation = Conversation.model_validate(doc)
-            if owner_only and conversation.user_id not in (None, user_id):
-                raise NotFound(f"conversation {plan.conversation_id!r} was not found")
-            recorded = next(
-                (r for r in conversation.recent_turns if r.turn_id == plan.turn_id), None
-            )
-            if recorded is None:
-                continue  # lost a race to create the conversation: reserve again
-            if recorded.count != count:
-                raise Conflict(
-                    f"turn {plan.turn_id!r} was logged with {recorded.count} messages; "
-                    f"this call has {count}. Use a new turn_id for a new turn"
-                )
-            return conversation, True
+            query = reservation_filter(plan, actor, records_complete=complete)
+            doc = await self._try_reserve(plan, actor, name, query, upsert=create)
+            if doc is not None:
+                conversation = Conversation.model_validate(doc)
+                first = conversation.message_count - len(plan.messages)
+                return _Reserved(conversation, first, replayed=False)
+            with storage_errors("read the conversation"):
+                found = await self._conversations.find_one({"_id": plan.conversation_id})
+            if found is None:
+                await self._refuse_unmigrated(plan.conversation_id, actor)
+                create = True
+                continue
+            refusal = actor.refusal(plan.conversation_id, found.get("user_id"))
+            if refusal is not None:
+                raise refusal
+            block = recorded_block(found, plan.key)
+            if block is None and found.get("turns_dropped"):
+                block = await self._block_of_an_old_turn(plan)
+                if block is None:
+                    complete = False  # past the records, the lookup proved the turn new
+                    continue
+            if block is not None:
+                return _replay(plan, block, found)
+            # Otherwise a race was lost (the conversation was just created): reserve again.
         raise StorageFailure(
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
         )
 
-    async def _insert(self, messages: list[AgentMessage]) -> None:
-        documents = [m.model_dump(by_alias=True) for m in messages]
+    async def _try_reserve(
+        self,
+        plan: TurnPlan,
+        actor: Actor,
+        name: str | None,
+        query: dict[str, Any],
+        *,
+        upsert: bool,
+    ) -> dict[str, Any] | None:
+        """One reservation: the conversation's summary, or None when the filter matched none."""
+        pipeline = reservation(plan, actor, name, self.rules, utc_now())
+        with storage_errors("reserve the turn"):
+            try:
+                doc: dict[str, Any] | None = await self._conversations.find_one_and_update(
+                    query,
+                    pipeline,
+                    upsert=upsert,
+                    projection=SUMMARY,
+                    return_document=ReturnDocument.AFTER,
+                )
+            except DuplicateKeyError:
+                return None
+        return doc
+
+    async def _refuse_unmigrated(self, conversation_id: str, actor: Actor) -> None:
+        """Refuse a new conversation whose id exists as legacy turns not migrated yet."""
+        if self._legacy is None:
+            return
+        holder = await self._legacy.holder(conversation_id)
+        if holder is None:
+            return
+        if actor.as_user and holder.user_id != actor.user_id:
+            raise NotFound(f"conversation {conversation_id!r} was not found")
+        raise Conflict(
+            f"conversation {conversation_id!r} exists as legacy turns not migrated yet; it can "
+            "be written once `python -m migrations run` has migrated it"
+        )
+
+    async def _block_of_an_old_turn(self, plan: TurnPlan) -> RecordedBlock | None:
+        """Past the kept records: the block of a turn whose first message is stored, else None."""
+        with storage_errors("look up the turn"):
+            first = await self._messages.find_one(
+                {
+                    "_id": message_id(plan.conversation_id, plan.turn_id, 0),
+                    "conversation_id": plan.conversation_id,
+                },
+                {"seq": 1},
+            )
+        if first is None:
+            return None
+        block = RecordedBlock(int(first["seq"]), len(plan.messages), plan.digest)
+        stored = await self._stored_in(plan, block)
+        if len(stored) != block.count or content_digest(stored) != plan.digest:
+            raise _other_content(plan)
+        return block
+
+    # -- storing ---------------------------------------------------------------------
+
+    async def _store(self, plan: TurnPlan, reserved: _Reserved) -> list[AgentMessage]:
+        """Insert the turn's messages into its block; answer with them as stored.
+
+        A message an earlier attempt stored collides on its `_id` and is read back, so
+        a retry answers with the stored timestamps, not its own.
+        """
+        owner = reserved.conversation.user_id
+        documents = [
+            {**m.model_dump(by_alias=True), "seq": reserved.first_seq + i, "user_id": owner}
+            for i, m in enumerate(plan.messages)
+        ]
         with storage_errors("insert the messages"):
             try:
                 await self._messages.insert_many(documents, ordered=False)
             except BulkWriteError as exc:
-                await self._accept_only_own_duplicates(exc, documents)
+                stored = await self._own_duplicates(exc, documents)
+                documents = [stored.get(d["_id"], d) for d in documents]
+        return messages_adapter.validate_python(documents)
 
-    async def _accept_only_own_duplicates(
+    async def _stored_in(self, plan: TurnPlan, block: RecordedBlock) -> list[dict[str, Any]]:
+        """The turn's messages already stored in its block."""
+        with storage_errors("read the turn's messages"):
+            found: list[dict[str, Any]] = await self._messages.find(
+                {
+                    "conversation_id": plan.conversation_id,
+                    "seq": {"$gte": block.first_seq, "$lt": block.first_seq + block.count},
+                }
+            ).to_list(None)
+        if any(d.get("turn_id") != plan.turn_id for d in found):
+            raise Conflict(f"the seq block of turn {plan.turn_id!r} holds messages of another turn")
+        return found
+
+    async def _own_duplicates(
         self, error: BulkWriteError, documents: list[dict[str, Any]]
-    ) -> None:
-        """Swallow duplicate-key errors of messages already stored by an earlier attempt."""
+    ) -> dict[str, dict[str, Any]]:
+        """The stored messages an earlier attempt of the turn wrote, by id; anything else that
+        collided raises (the only write errors swallowed are these duplicate keys)."""
         write_errors = error.details.get("writeErrors", [])
         if any(e.get("code") != DUPLICATE_KEY for e in write_errors):
             raise error
@@ -261,77 +369,28 @@ class AgentMessageLogger:
         stored = {
             doc["_id"]: doc
             async for doc in self._messages.find(
-                {"conversation_id": conversation_id, "_id": {"$in": list(failed)}},
-                {"conversation_id": 1, "seq": 1},
+                {"conversation_id": conversation_id, "_id": {"$in": list(failed)}}
             )
         }
-        for message_id, wanted in failed.items():
-            found = stored.get(message_id)
-            if found is None or (found["conversation_id"], found["seq"]) != (
-                wanted["conversation_id"],
-                wanted["seq"],
-            ):
+        for message_id_, wanted in failed.items():
+            found = stored.get(message_id_)
+            if found is None or found["seq"] != wanted["seq"]:
                 raise Conflict(
-                    f"message id {message_id!r} or seq {wanted['seq']} of conversation "
-                    f"{wanted['conversation_id']!r} is already taken by another message"
+                    f"message {message_id_!r} or seq {wanted['seq']} of conversation "
+                    f"{conversation_id!r} is already taken by another message"
                 )
+        return stored
 
 
-def _reservation(
-    plan: TurnPlan, user_id: str | None, runtime_name: str | None, rules: TurnRules
-) -> dict[str, Any]:
-    """The `$set` stage that records one turn on its conversation document."""
+def _replay(plan: TurnPlan, block: RecordedBlock, conversation: dict[str, Any]) -> _Reserved:
+    """The block an earlier attempt of the turn reserved, if this attempt sends the same."""
+    if block.count != len(plan.messages) or block.digest != plan.digest:
+        raise _other_content(plan)
+    return _Reserved(Conversation.model_validate(conversation), block.first_seq, replayed=True)
 
-    def plus(field: str, amount: int) -> dict[str, Any]:
-        return {"$add": [{"$ifNull": [f"${field}", 0]}, amount]}
 
-    def kept(field: str, default: Any) -> dict[str, Any]:
-        return {"$ifNull": [f"${field}", literal(default)]}
-
-    name_is_unset = {"$eq": [kept("name", None), None]}
-    stage: dict[str, Any] = {
-        "conversation_id": literal(plan.conversation_id),
-        "user_id": kept("user_id", user_id),
-        "created_at": kept("created_at", plan.messages[0].created_at),
-        "updated_at": {"$max": ["$updated_at", literal(plan.updated_at)]},
-        "turn_count": plus("turn_count", plan.turn_starts),
-        "message_count": plus("message_count", len(plan.messages)),
-        "usage.input_tokens": plus("usage.input_tokens", plan.usage.input_tokens),
-        "usage.output_tokens": plus("usage.output_tokens", plan.usage.output_tokens),
-        "recent_turns": {
-            "$slice": [
-                {
-                    "$concatArrays": [
-                        kept("recent_turns", []),
-                        literal([{"turn_id": plan.turn_id, "count": len(plan.messages)}]),
-                    ]
-                },
-                -rules.recent_turns_kept,
-            ]
-        },
-        "last_message_preview": (
-            literal(plan.preview) if plan.preview is not None else kept("last_message_preview", "")
-        ),
-        "pending_hitl": (
-            kept("pending_hitl", None)
-            if isinstance(plan.pending_hitl, KeepPendingHitl)
-            else literal(plan.pending_hitl and plan.pending_hitl.model_dump())
-        ),
-    }
-    if runtime_name is not None:
-        replaceable = {
-            "$or": [
-                name_is_unset,
-                {"$eq": ["$name_source", "auto"]},
-                {"$eq": ["$name_source", "runtime"]},
-            ]
-        }
-        stage["name"] = {"$cond": [replaceable, literal(runtime_name), "$name"]}
-        stage["name_source"] = {"$cond": [replaceable, "runtime", "$name_source"]}
-    elif plan.auto_name is not None:
-        stage["name"] = {"$cond": [name_is_unset, literal(plan.auto_name), "$name"]}
-        stage["name_source"] = {"$cond": [name_is_unset, "auto", "$name_source"]}
-    else:
-        stage["name"] = kept("name", None)
-        stage["name_source"] = kept("name_source", None)
-    return stage
+def _other_content(plan: TurnPlan) -> Conflict:
+    return Conflict(
+        f"turn {plan.turn_id!r} was logged with other content ({len(plan.messages)} messages "
+        "now); a retry must send the same messages. Use a new turn_id for a new turn"
+    )

@@ -26,14 +26,17 @@ from agent_store.core import (
     MessagePage,
     NotFound,
     PendingHitl,
+    TurnRecord,
     message_adapter,
     messages_adapter,
+    utc_now,
 )
 from agent_store.store._driver import Database, storage_errors
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource
+from agent_store.store._reservation import SUMMARY
 from agent_store.store._text import clean_name
-from agent_store.store._turns import validate_identifier
+from agent_store.store._turns import TurnRules, validate_identifier
 
 MAX_PAGE_SIZE = 200
 # Messages in the first reply of a transcript read: a 300-message transcript is one round
@@ -105,9 +108,13 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
 class ConversationStore:
     """Reads and administers conversations. Takes the same database handles as the logger."""
 
-    def __init__(self, db: Database, *, legacy: LegacySource | None = None) -> None:
+    def __init__(
+        self, db: Database, *, legacy: LegacySource | None = None, rules: TurnRules | None = None
+    ) -> None:
         """Read and administer `db`. `legacy` serves conversations not migrated yet (when its
-        `read_fallback` is on) and is reached by deletes, erasures and claims."""
+        `read_fallback` is on) and is reached by deletes, erasures and claims. `rules` are the
+        logger's (how long a tail read waits for a turn still being written)."""
+        self._rules = rules or TurnRules()
         self._messages = db[MESSAGES]
         self._conversations = db[CONVERSATIONS]
         self._legacy_source = legacy
@@ -149,7 +156,7 @@ class ConversationStore:
             ]
         with storage_errors("list conversations"):
             docs = await (
-                self._conversations.find(query, {"recent_turns": 0})
+                self._conversations.find(query, SUMMARY)
                 .sort([("updated_at", -1), ("_id", -1)])
                 .limit(limit + 1)
                 .to_list(None)
@@ -172,7 +179,7 @@ class ConversationStore:
         With `fallback=False`, a conversation not migrated yet is NotFound.
         """
         with storage_errors("read the conversation"):
-            doc = await self._conversations.find_one(self._scope(conversation_id, user_id))
+            doc = await self._conversations.find_one(self._scope(conversation_id, user_id), SUMMARY)
         if doc is None:
             if not fallback:
                 raise NotFound(f"conversation {conversation_id!r} was not found")
@@ -197,6 +204,7 @@ class ConversationStore:
             doc = await self._conversations.find_one_and_update(
                 self._scope(conversation_id, user_id),
                 {"$set": {"name": clean, "name_source": "set"}},
+                projection=SUMMARY,
                 return_document=ReturnDocument.AFTER,
             )
         if doc is None:
@@ -318,13 +326,55 @@ class ConversationStore:
                 if legacy is None:
                     raise NotFound(f"conversation {conversation_id!r} was not found")
                 return legacy
-        messages = messages_adapter.validate_python(docs[:limit])
+        has_more, pending = len(docs) > limit, None
+        docs = docs[:limit]
+        if order == "asc":
+            first = query["seq"]["$gt"] + 1 if after is not None else 0
+            docs, pending = await self._committed(query["conversation_id"], docs, first)
+        messages = messages_adapter.validate_python(docs)
         return MessagePage(
             data=messages,
-            has_more=len(docs) > limit,
+            has_more=has_more or pending is not None,
             first_id=messages[0].id if messages else None,
             last_id=messages[-1].id if messages else None,
+            pending_seq=pending,
         )
+
+    async def _committed(
+        self, conversation_id: str, docs: list[dict[str, Any]], first: int
+    ) -> tuple[list[dict[str, Any]], int | None]:
+        """The page up to the first `seq` a turn still being written holds, and that `seq`.
+
+        Turns commit out of `seq` order (reserve, then insert), so a `seq` missing
+        below a stored one may still arrive. It is waited for while the turn that
+        reserved it is younger than `TurnRules.abandon_after`, and passed after.
+        Costs one lookup of the conversation, only when the page has a hole.
+        """
+        expected, records = first, None
+        for index, doc in enumerate(docs):
+            if doc["seq"] != expected:
+                if records is None:
+                    records = await self._turn_records(conversation_id)
+                if not self._abandoned(records, expected):
+                    return docs[:index], expected
+            expected = doc["seq"] + 1
+        return docs, None
+
+    async def _turn_records(self, conversation_id: str) -> list[TurnRecord]:
+        with storage_errors("read the conversation's turns"):
+            doc = await self._conversations.find_one({"_id": conversation_id}, {"turns": 1})
+        return [TurnRecord.model_validate(r) for r in (doc or {}).get("turns") or ()]
+
+    def _abandoned(self, records: list[TurnRecord], seq: int) -> bool:
+        """Whether the turn that reserved `seq` is older than `abandon_after`.
+
+        A block older than every kept record is at least as old as the oldest one;
+        a conversation without records (migrated, never logged to) has no turn in flight.
+        """
+        if not records:
+            return True
+        covering = next((r for r in reversed(records) if r.first_seq <= seq), records[0])
+        return utc_now() - covering.at >= self._rules.abandon_after
 
     async def _legacy_page(
         self,
@@ -483,7 +533,7 @@ class ConversationStore:
         """Every conversation of a user with its transcript, one at a time."""
         user_id = validate_identifier(user_id, "user_id")
         with storage_errors("export the user's data"):
-            async for doc in self._conversations.find({"user_id": user_id}).sort("_id", 1):
+            async for doc in self._conversations.find({"user_id": user_id}, SUMMARY).sort("_id", 1):
                 conversation = Conversation.model_validate(doc)
                 yield ConversationExport(
                     conversation=conversation,

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from agent_store.core import AgentMessage, InvalidInput
+from agent_store.store._values import storable
 
 ELLIPSIS = "…"
 
@@ -91,12 +92,15 @@ def auto_name(message: AgentMessage, limit: int) -> str | None:
 MAX_NAME_CHARS = 200
 
 
-def clean_name(name: str) -> str:
+def clean_name(name: object) -> str:
     """A conversation name a person or runtime gave: whitespace collapsed, 1-200 characters.
 
-    Raises InvalidInput for a name that is empty once collapsed, or too long.
+    Raises InvalidInput for a name that is not text, is empty once collapsed, is too long,
+    or cannot be stored (a lone surrogate).
     """
-    cleaned = collapse_whitespace(name)
+    if not isinstance(name, str):
+        raise InvalidInput(f"invalid name: it must be a string, not {type(name).__name__}")
+    cleaned = collapse_whitespace(storable(name, "name"))
     if not cleaned or len(cleaned) > MAX_NAME_CHARS:
         raise InvalidInput(
             f"invalid name: it must have 1 to {MAX_NAME_CHARS} characters besides white space"

@@ -11,10 +11,11 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from bson.errors import InvalidDocument
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from agent_store.core import (
     AgentMessage,
@@ -24,6 +25,7 @@ from agent_store.core import (
     Usage,
     describe_validation_error,
     messages_adapter,
+    utc_now,
 )
 from agent_store.store._text import (
     DEFAULT_MARKERS,
@@ -35,6 +37,7 @@ from agent_store.store._text import (
     strip_runtime_context,
 )
 from agent_store.store._truncation import DEFAULT_MAX_MESSAGE_BYTES, bound_message
+from agent_store.store._values import check_time, storable
 
 _identifier: TypeAdapter[str] = TypeAdapter(Identifier)
 
@@ -49,7 +52,12 @@ class TurnRules:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     preview_chars: int = 200
     name_chars: int = 60
-    recent_turns_kept: int = 64
+    turns_recorded: int = 10_000
+    """Turn records kept on a conversation; past them, a new turn costs one more round trip."""
+    abandon_after: timedelta = timedelta(minutes=5)
+    """A reserved `seq` block still empty after this is passed by tail readers."""
+    future_leeway: timedelta = timedelta(days=1)
+    """How far ahead of the store's clock a message's `created_at` may be (clock skew)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,10 @@ class TurnPlan:
     """The prompt left pending after the turn; None clears it."""
     auto_name: str | None = None
     """A name from the first user text, used only while the conversation has none."""
+    key: int = 0
+    """A 64-bit digest of the turn id: how the conversation's turn records name it."""
+    digest: int = 0
+    """A 64-bit digest of the messages (timestamps aside): a replay must carry the same."""
 
 
 def validate_identifier(value: object, what: str) -> str:
@@ -82,8 +94,23 @@ def validate_identifier(value: object, what: str) -> str:
         raise InvalidInput(describe_validation_error(exc, subject=what)) from exc
 
 
+def _as_mapping(item: object, index: int) -> Mapping[str, Any]:
+    if isinstance(item, Mapping):
+        return item
+    if isinstance(item, BaseModel):
+        return item.model_dump(by_alias=True)
+    raise InvalidInput(
+        f"invalid turn: message {index} is a {type(item).__name__}; a message is an object "
+        "with a `role`"
+    )
+
+
 def parse_messages(raw: Sequence[AgentMessage | Mapping[str, Any]]) -> list[AgentMessage]:
-    """Validate a turn's messages, given as models or as dicts."""
+    """Validate a turn's messages, given as models or as dicts.
+
+    Surrogate pairs split by a JavaScript runtime are joined; a lone surrogate, or
+    anything else that is not a message, raises InvalidInput naming where it is.
+    """
     if isinstance(raw, str | bytes | Mapping) or not isinstance(raw, Sequence):
         raise InvalidInput("invalid turn: messages must be a list of messages")
     if not raw:
@@ -92,12 +119,15 @@ def parse_messages(raw: Sequence[AgentMessage | Mapping[str, Any]]) -> list[Agen
         raise InvalidInput(
             f"invalid turn: {len(raw)} messages; one turn holds at most {MAX_MESSAGES_PER_TURN}"
         )
+    items = [
+        storable(_as_mapping(item, index), f"message {index}") for index, item in enumerate(raw)
+    ]
     try:
-        return messages_adapter.validate_python(
-            [m if isinstance(m, Mapping) else m.model_dump(by_alias=True) for m in raw]
-        )
+        return messages_adapter.validate_python(items)
     except ValidationError as exc:
         raise InvalidInput(describe_validation_error(exc, subject="turn")) from exc
+    except RecursionError as exc:
+        raise InvalidInput("invalid turn: a value nests too deeply") from exc
 
 
 def derive_turn_id(conversation_id: str, messages: Sequence[AgentMessage]) -> str:
@@ -112,6 +142,66 @@ def derive_turn_id(conversation_id: str, messages: Sequence[AgentMessage]) -> st
         ensure_ascii=False,
     )
     return "turn-" + hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def _digest64(text: str) -> int:
+    """The first 8 bytes of the text's SHA-256, as a signed 64-bit integer (a BSON long)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big", signed=True)
+
+
+def turn_key(turn_id: str) -> int:
+    """How a conversation's turn records name a turn: a 64-bit digest of its id."""
+    return _digest64(turn_id)
+
+
+_DIGEST_EXCLUDES = {"created_at", "seq", "user_id"}
+
+
+def content_digest(documents: Sequence[Mapping[str, Any]]) -> int:
+    """A 64-bit digest of a turn's stored documents, timestamps and `seq` aside.
+
+    Computed the same way from a plan and from the messages read back, so a
+    replay can be checked against what is stored.
+    """
+    canonical = json.dumps(
+        [{k: v for k, v in d.items() if k not in _DIGEST_EXCLUDES} for d in documents],
+        sort_keys=True,
+        ensure_ascii=False,
+        default=str,
+    )
+    return _digest64(canonical)
+
+
+def _refuse_store_fields(messages: Sequence[AgentMessage]) -> None:
+    for index, message in enumerate(messages):
+        if message.id is not None:
+            raise InvalidInput(
+                f"invalid turn: message {index} carries `_id` {message.id!r}; message ids are "
+                "the store's (derived from the turn): leave `_id` out"
+            )
+        if message.truncated is not None:
+            raise InvalidInput(
+                f"invalid turn: message {index} carries `truncated`; `truncated` is the store's "
+                "to set when it cuts a field"
+            )
+
+
+def _check_times(messages: Sequence[AgentMessage], rules: TurnRules) -> None:
+    now = utc_now()
+    for index, message in enumerate(messages):
+        check_time(
+            message.created_at,
+            f"turn: message {index} created_at",
+            leeway=rules.future_leeway,
+            now=now,
+        )
+
+
+def _bounded(message: AgentMessage, index: int, rules: TurnRules) -> AgentMessage:
+    try:
+        return bound_message(message, rules.max_message_bytes)
+    except (InvalidDocument, OverflowError, ValueError, RecursionError) as exc:
+        raise InvalidInput(f"invalid turn: message {index} cannot be stored: {exc}") from exc
 
 
 def message_id(conversation_id: str, turn_id: str, index: int) -> str:
@@ -162,6 +252,8 @@ def plan_turn(
     """Validate a turn and compute what it writes. Raises InvalidInput and nothing else."""
     conversation_id = validate_identifier(conversation_id, "conversation_id")
     messages = [_clean(m, rules) for m in parse_messages(raw_messages)]
+    _refuse_store_fields(messages)
+    _check_times(messages, rules)
     for index, message in enumerate(messages):
         if message.conversation_id not in (None, conversation_id):
             raise InvalidInput(
@@ -179,13 +271,13 @@ def plan_turn(
     for index, message in enumerate(messages):
         prepared = message.model_copy(
             update={
-                "id": message.id or message_id(conversation_id, turn_id, index),
+                "id": message_id(conversation_id, turn_id, index),
                 "conversation_id": conversation_id,
                 "turn_id": turn_id,
                 "search_text": search_text(message),
             }
         )
-        stored.append(bound_message(prepared, rules.max_message_bytes))
+        stored.append(_bounded(prepared, index, rules))
 
     return TurnPlan(
         conversation_id=conversation_id,
@@ -200,6 +292,8 @@ def plan_turn(
             (name for m in stored if m.upload is None and (name := auto_name(m, rules.name_chars))),
             None,
         ),
+        key=turn_key(turn_id),
+        digest=content_digest([m.model_dump(by_alias=True) for m in stored]),
     )
 
 

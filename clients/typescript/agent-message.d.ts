@@ -112,7 +112,7 @@ export interface IAgentConversation<TDate extends DateLike = Date> {
   /** Equal to `conversation_id`. */
   _id: string;
   conversation_id: string;
-  /** The owner; `null` for a conversation nobody owns yet. */
+  /** The owner; `null` for a conversation only services write to. */
   user_id: string | null;
   name: string | null;
   /** Who chose `name` (extension): automatic names yield to a runtime's, both to a person's. */
@@ -126,8 +126,6 @@ export interface IAgentConversation<TDate extends DateLike = Date> {
   message_count: number;
   pending_hitl: IPendingHitl<TDate> | null;
   usage: IUsage;
-  /** The last turns logged, for idempotent retries (extension). */
-  recent_turns: ITurnRecord[];
 }
 
 /** A page of a conversation's messages. */
@@ -136,6 +134,11 @@ export interface IMessagePage<TDate extends DateLike = string> {
   has_more: boolean;
   first_id: string | null;
   last_id: string | null;
+  /**
+   * The `seq` of a message reserved by a turn still being written: an ascending page stops
+   * before it, so a reader following the conversation asks again with the same `after`.
+   */
+  pending_seq: number | null;
 }
 
 /** A page of a user's conversations, newest first. */
@@ -172,6 +175,7 @@ export interface IFunctionCall {
 /** A human-in-the-loop prompt the assistant raised. */
 export interface IHitlAction {
   action: string;
+  /** Plain JSON values, nested at most `MAX_PARAMS_DEPTH` levels. */
   params: Record<string, unknown>;
   request_id: string;
 }
@@ -207,18 +211,7 @@ export interface IToolCall {
   function: IFunctionCall;
 }
 
-/**
- * One logged turn: its id and how many `seq` values it reserved (extension).
- *
- * Records are kept in reservation order, so a turn's first `seq` is the
- * conversation's `message_count` less the counts of this and every later record.
- */
-export interface ITurnRecord {
-  turn_id: string;
-  count: number;
-}
-
-/** Token usage summed over a conversation (extension). */
+/** Token usage summed over a conversation (extension); each sum stops at 2**53 - 1. */
 export interface IUsage {
   input_tokens: number;
   output_tokens: number;

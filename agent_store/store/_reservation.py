@@ -1,0 +1,170 @@
+"""The reservation of a turn on its conversation document, and the reading of its record.
+
+Pure, no I/O: the update pipeline the logger sends, the filter that makes it
+refuse a turn already recorded, and where a recorded turn's `seq` block is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from agent_store.core import MAX_SAFE_INTEGER, Conflict, NotFound, StoreError, TurnRecord
+from agent_store.store._turns import KeepPendingHitl, TurnPlan, TurnRules
+
+SUMMARY: dict[str, Any] = {"turns": 0}
+"""What a reservation returns: the conversation without its turn records."""
+
+
+@dataclass(frozen=True)
+class Actor:
+    """Who logs a turn, and so which conversations it may write to."""
+
+    user_id: str | None
+    """The owner named by the call: a user token's subject, or the user a service names."""
+    as_user: bool = False
+    """A user token: it writes only to its own conversations and never adopts one."""
+
+    def owner_filter(self) -> dict[str, Any]:
+        """The part of a reservation's filter that keeps the conversation's owner."""
+        if self.as_user:
+            return {"user_id": self.user_id}
+        if self.user_id is not None:
+            return {"user_id": {"$in": [None, self.user_id]}}
+        return {}
+
+    def refusal(self, conversation_id: str, owner: str | None) -> StoreError | None:
+        """Why this actor may not write to a conversation `owner` holds; None if it may."""
+        if self.as_user and owner != self.user_id:
+            return NotFound(f"conversation {conversation_id!r} was not found")
+        if not self.as_user and self.user_id is not None and owner not in (None, self.user_id):
+            return Conflict(
+                f"conversation {conversation_id!r} belongs to another user than "
+                f"{self.user_id!r}; use claim to move it"
+            )
+        return None
+
+
+@dataclass(frozen=True)
+class RecordedBlock:
+    """Where a recorded turn's messages go, and what it was logged with."""
+
+    first_seq: int
+    count: int
+    digest: int
+
+
+def recorded_block(document: Mapping[str, Any], key: int) -> RecordedBlock | None:
+    """The block of the turn recorded under `key`, from a conversation's records; else None."""
+    records = [TurnRecord.model_validate(r) for r in document.get("turns") or ()]
+    for index, record in enumerate(records):
+        if record.key == key:
+            following = records[index + 1].first_seq if index + 1 < len(records) else None
+            end = following if following is not None else int(document["message_count"])
+            return RecordedBlock(record.first_seq, end - record.first_seq, record.digest)
+    return None
+
+
+def reservation_filter(
+    plan: TurnPlan, actor: Actor, *, records_complete: bool = True
+) -> dict[str, Any]:
+    """Match the conversation unless it records this turn already (or is another's).
+
+    With `records_complete`, also unless some of its oldest records were dropped:
+    only then does the absence of a record prove the turn is new.
+    """
+    query: dict[str, Any] = {
+        "_id": plan.conversation_id,
+        "turns.k": {"$ne": plan.key},
+        **actor.owner_filter(),
+    }
+    if records_complete:
+        query["turns_dropped"] = {"$in": [None, 0]}
+    return query
+
+
+def literal(value: Any) -> dict[str, Any]:
+    """A constant inside an update pipeline: strings starting with `$` stay strings."""
+    return {"$literal": value}
+
+
+def _plus(field: str, amount: int) -> dict[str, Any]:
+    return {"$add": [{"$ifNull": [f"${field}", 0]}, amount]}
+
+
+def _kept(field: str, default: Any) -> dict[str, Any]:
+    return {"$ifNull": [f"${field}", literal(default)]}
+
+
+def _capped(field: str, amount: int) -> dict[str, Any]:
+    """A running sum that stops at 2**53 - 1, so one huge value cannot jam later turns."""
+    return {"$min": [_plus(field, amount), MAX_SAFE_INTEGER]}
+
+
+def _records(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str, Any]:
+    record = {
+        "k": literal(plan.key),
+        "f": {"$ifNull": ["$message_count", 0]},
+        "d": literal(plan.digest),
+        "a": literal(now),
+    }
+    # A one-element array built by `$map`: some MongoDB-compatible servers (mongomock) keep an
+    # array literal's elements unevaluated.
+    appended = {"$concatArrays": [_kept("turns", []), {"$map": {"input": [0], "in": record}}]}
+    overflow = {"$subtract": [{"$add": [{"$size": _kept("turns", [])}, 1]}, rules.turns_recorded]}
+    return {
+        "turns": {"$slice": [appended, -rules.turns_recorded]},
+        "turns_dropped": {"$add": [_kept("turns_dropped", 0), {"$max": [0, overflow]}]},
+    }
+
+
+def _names(plan: TurnPlan, runtime_name: str | None) -> dict[str, Any]:
+    """Automatic names yield to a runtime's, and both to a person's (`name_source`)."""
+    name_is_unset = {"$eq": [_kept("name", None), None]}
+    if runtime_name is not None:
+        replaceable = {
+            "$or": [
+                name_is_unset,
+                {"$eq": ["$name_source", "auto"]},
+                {"$eq": ["$name_source", "runtime"]},
+            ]
+        }
+        return {
+            "name": {"$cond": [replaceable, literal(runtime_name), "$name"]},
+            "name_source": {"$cond": [replaceable, "runtime", "$name_source"]},
+        }
+    if plan.auto_name is not None:
+        return {
+            "name": {"$cond": [name_is_unset, literal(plan.auto_name), "$name"]},
+            "name_source": {"$cond": [name_is_unset, "auto", "$name_source"]},
+        }
+    return {"name": _kept("name", None), "name_source": _kept("name_source", None)}
+
+
+def reservation(
+    plan: TurnPlan, actor: Actor, runtime_name: str | None, rules: TurnRules, now: datetime
+) -> list[dict[str, Any]]:
+    """The update pipeline that records one turn on its conversation document."""
+    stage: dict[str, Any] = {
+        "conversation_id": literal(plan.conversation_id),
+        "user_id": _kept("user_id", actor.user_id),
+        "created_at": _kept("created_at", plan.messages[0].created_at),
+        "updated_at": {"$max": ["$updated_at", literal(plan.updated_at)]},
+        "turn_count": _plus("turn_count", plan.turn_starts),
+        "message_count": _plus("message_count", len(plan.messages)),
+        "usage.input_tokens": _capped("usage.input_tokens", plan.usage.input_tokens),
+        "usage.output_tokens": _capped("usage.output_tokens", plan.usage.output_tokens),
+        "last_message_preview": (
+            literal(plan.preview) if plan.preview is not None else _kept("last_message_preview", "")
+        ),
+        "pending_hitl": (
+            _kept("pending_hitl", None)
+            if isinstance(plan.pending_hitl, KeepPendingHitl)
+            else literal(plan.pending_hitl and plan.pending_hitl.model_dump())
+        ),
+        **_records(plan, rules, now),
+        **_names(plan, runtime_name),
+    }
+    return [{"$set": stage}]

@@ -1,0 +1,323 @@
+"""A turn is stored exactly as sent, once, or not at all: retries of any age, replays that must
+match, values that cannot jam a conversation, and tail reads that never skip."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from agent_store import (
+    AgentMessageLogger,
+    Conflict,
+    ConversationStore,
+    InvalidInput,
+    TurnRules,
+)
+from agent_store.store import CONVERSATIONS, MESSAGES
+from tests.conftest import Backend
+
+CID = "conv-integrity"
+MAX_SAFE = 2**53 - 1
+
+
+def turn(text: str, *, usage: int = 1) -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": f"{text}?"},
+        {
+            "role": "assistant",
+            "content": f"{text}!",
+            "token_usage": {"input_tokens": usage, "output_tokens": usage},
+        },
+    ]
+
+
+async def digest(db: Any) -> str:
+    hasher = hashlib.sha256()
+    for name in sorted(await db.list_collection_names()):
+        docs = await db[name].find({}).sort("_id", 1).to_list(None)
+        hasher.update(name.encode() + json.dumps(docs, sort_keys=True, default=str).encode())
+    return hasher.hexdigest()
+
+
+async def check_conversation(db: Any, cid: str = CID) -> dict[str, Any]:
+    """An independent checker: gapless seq, no duplicate, counters equal to what is stored."""
+    messages = await db[MESSAGES].find({"conversation_id": cid}).sort("seq", 1).to_list(None)
+    conversation = await db[CONVERSATIONS].find_one({"_id": cid})
+    assert conversation is not None
+    seqs = [m["seq"] for m in messages]
+    assert seqs == list(range(len(messages))), f"holes or duplicates in seq: {seqs}"
+    assert len({m["_id"] for m in messages}) == len(messages)
+    assert conversation["message_count"] == len(messages)
+    turns = {m["turn_id"] for m in messages}
+    assert conversation["turn_count"] == len(turns)
+    used = [m["token_usage"] for m in messages if m.get("token_usage")]
+    assert conversation["usage"] == {
+        "input_tokens": min(sum(u["input_tokens"] for u in used), MAX_SAFE),
+        "output_tokens": min(sum(u["output_tokens"] for u in used), MAX_SAFE),
+    }
+    return conversation
+
+
+# -- 1. replays of any age ---------------------------------------------------------------
+
+
+async def test_a_retry_after_more_than_64_later_turns_is_recognised_as_a_replay(
+    backend: Backend,
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, turn("first"), turn_id="t-first")
+    for n in range(70):
+        await logger.log_messages(CID, turn(f"later {n}"), turn_id=f"t-{n}")
+
+    retried = await logger.log_messages(CID, turn("first"), turn_id="t-first")
+
+    assert retried.replayed
+    assert [m.seq for m in retried.messages] == [0, 1]
+    conversation = await check_conversation(backend.db)
+    assert (conversation["turn_count"], conversation["message_count"]) == (71, 142)
+
+
+async def test_a_turn_whose_insert_never_happened_is_stored_in_its_own_block_however_late(
+    backend: Backend,
+) -> None:
+    """A crash between the two writes, and a retry only after 70 later turns: no hole."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, turn("lost"), turn_id="t-lost")
+    await backend.db[MESSAGES].delete_many({"turn_id": "t-lost"})  # as if never inserted
+    for n in range(70):
+        await logger.log_messages(CID, turn(f"later {n}"), turn_id=f"t-{n}")
+
+    retried = await logger.log_messages(CID, turn("lost"), turn_id="t-lost")
+
+    assert retried.replayed
+    assert [m.seq for m in retried.messages] == [0, 1]
+    conversation = await check_conversation(backend.db)
+    assert conversation["turn_count"] == 71
+
+
+# -- 2. a replay must match --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("age", [0, 70], ids=["recent", "after-70-turns"])
+async def test_a_retry_with_other_content_is_a_conflict_and_writes_nothing(
+    backend: Backend, age: int
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, turn("original"), turn_id="t1")
+    for n in range(age):
+        await logger.log_messages(CID, turn(f"later {n}"), turn_id=f"t-{n}")
+    before = await digest(backend.db)
+
+    with pytest.raises(Conflict, match="turn 't1' was logged with other content"):
+        await logger.log_messages(CID, turn("changed"), turn_id="t1")
+
+    assert await digest(backend.db) == before
+
+
+async def test_a_replay_answers_with_the_stored_messages_not_the_retrys_timestamps(
+    backend: Backend,
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    first = await logger.log_messages(CID, turn("hello"), turn_id="t1")
+    await asyncio.sleep(0.01)  # the retry's messages get later default timestamps
+    retried = await logger.log_messages(CID, turn("hello"), turn_id="t1")
+
+    assert retried.replayed
+    assert [m.created_at for m in retried.messages] == [m.created_at for m in first.messages]
+
+
+# -- 3. message ids are the store's --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [pytest.param(["m-1", "m-2"], id="chosen"), pytest.param(["m-1", "m-1"], id="twice")],
+)
+async def test_message_ids_from_callers_are_refused_before_any_write(
+    backend: Backend, ids: list[str]
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    before = await digest(backend.db)
+    messages = [{**m, "_id": i} for m, i in zip(turn("hi"), ids, strict=True)]
+
+    with pytest.raises(InvalidInput, match="message ids are the store's"):
+        await logger.log_messages(CID, messages, turn_id="t1")
+
+    assert await digest(backend.db) == before
+
+
+async def test_a_truncated_map_is_the_stores_to_set(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    message = {"role": "user", "content": "short", "truncated": {"content": 999}}
+
+    with pytest.raises(InvalidInput, match="`truncated` is the store's"):
+        await logger.log_messages(CID, [message], turn_id="t1")
+
+
+# -- 5. and 6. every check before the first write; counters that cannot jam -------------------
+
+
+BAD_TURNS = [
+    pytest.param([{"role": "user", "content": "x", "latency_ms": 2**63}], "latency_ms", id="int64"),
+    pytest.param(
+        [{"role": "assistant", "content": "x", "token_usage": {"input_tokens": 2**53}}],
+        "input_tokens",
+        id="beyond-js-safe",
+    ),
+    pytest.param([{"role": "user", "content": "a \ud800"}], "surrogate", id="lone-surrogate"),
+    pytest.param([None], "message 0", id="none-item"),
+    pytest.param([42], "message 0", id="int-item"),
+    pytest.param(["hello"], "message 0", id="str-item"),
+    pytest.param(
+        [{"role": "assistant", "tool_calls": [
+            {"id": "c", "function": {"name": "f", "arguments": {"when": datetime.now(UTC)}}}]}],
+        "arguments",
+        id="datetime-in-arguments",
+    ),
+    pytest.param(
+        [{"role": "assistant", "tool_calls": [
+            {"id": "c", "function": {"name": "f", "arguments": {"raw": b"\x00"}}}]}],
+        "arguments",
+        id="bytes-in-arguments",
+    ),
+    pytest.param(
+        [{"role": "assistant", "tool_calls": [
+            {"id": "c", "function": {"name": "f", "arguments": {"s": {1, 2}}}}]}],
+        "arguments",
+        id="set-in-arguments",
+    ),
+    pytest.param(
+        [{"role": "assistant", "content": "ok?",
+          "hitl_action": {"action": "a", "request_id": "r", "params": {"k\x00ey": 1}}}],
+        "params",
+        id="nul-in-key",
+    ),
+    pytest.param(
+        [{"role": "user", "content": "x", "created_at": datetime(9999, 1, 1, tzinfo=UTC)}],
+        "created_at",
+        id="year-9999",
+    ),
+    pytest.param(
+        [{"role": "user", "content": "x",
+          "created_at": datetime(1, 1, 1, tzinfo=UTC).replace(tzinfo=None)}],
+        "created_at",
+        id="year-1",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("messages", "named"), BAD_TURNS)
+async def test_a_malformed_turn_is_refused_with_invalid_input_naming_the_problem(
+    backend: Backend, messages: list[Any], named: str
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, turn("before"), turn_id="t0")
+    before = await digest(backend.db)
+
+    with pytest.raises(InvalidInput, match=named):
+        await logger.log_messages(CID, messages, turn_id="t1")
+
+    assert await digest(backend.db) == before
+
+
+@pytest.mark.parametrize("name", [5, "bad \udfff name", ["list"]], ids=["int", "surrogate", "list"])
+async def test_a_malformed_name_is_refused_with_invalid_input(backend: Backend, name: Any) -> None:
+    logger = AgentMessageLogger(backend.db)
+    with pytest.raises(InvalidInput, match="name"):
+        await logger.log_messages(CID, turn("hi"), turn_id="t1", name=name)
+    assert await backend.db[CONVERSATIONS].count_documents({}) == 0
+
+
+async def test_a_surrogate_pair_split_across_tokens_is_stored_joined(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    smile = "\ud83d\ude00"  # "😀" as a JavaScript runtime slices it: two UTF-16 halves
+
+    logged = await logger.log_messages(CID, [{"role": "user", "content": smile}], turn_id="t1")
+
+    assert logged.messages[0].content == "😀"
+    assert (await ConversationStore(backend.db).transcript(CID))[0].content == "😀"
+
+
+async def test_usage_saturates_so_one_huge_message_cannot_jam_later_turns(
+    backend: Backend,
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, turn("big", usage=MAX_SAFE), turn_id="t1")
+    await logger.log_messages(CID, turn("bigger", usage=MAX_SAFE), turn_id="t2")
+    await logger.log_messages(CID, turn("small"), turn_id="t3")
+
+    conversation = await check_conversation(backend.db)
+    assert conversation["usage"]["input_tokens"] == MAX_SAFE
+
+
+# -- 4. tail reads that never skip ---------------------------------------------------------
+
+
+class SlowInsert:
+    """Holds a logger's insert until released: a writer whose second write is slow (or lost)."""
+
+    def __init__(self, logger: AgentMessageLogger) -> None:
+        self.reserved = asyncio.Event()
+        self.release = asyncio.Event()
+        real = logger._messages  # the seam between the logger and the driver
+
+        class Held:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            async def insert_many(inner, *args: Any, **kwargs: Any) -> Any:
+                self.reserved.set()
+                await self.release.wait()
+                return await real.insert_many(*args, **kwargs)
+
+        logger._messages = Held()
+
+
+async def test_a_tail_reader_never_skips_messages_committed_out_of_seq_order(
+    backend: Backend,
+) -> None:
+    fast = AgentMessageLogger(backend.db)
+    first = await fast.log_messages(CID, [{"role": "user", "content": "m0"}], turn_id="t0")
+    slow = AgentMessageLogger(backend.db)
+    held = SlowInsert(slow)
+    writer_a = asyncio.create_task(slow.log_messages(CID, turn("A"), turn_id="tA"))
+    await held.reserved.wait()  # A holds seq 1-2
+    await fast.log_messages(CID, [{"role": "user", "content": "B1"}], turn_id="tB")  # seq 3
+    store = ConversationStore(backend.db)
+
+    page = await store.messages_page(CID, after=first.messages[0].id, limit=10)
+    assert page.data == []
+    assert page.pending_seq == 1
+
+    held.release.set()
+    await writer_a
+    page = await store.messages_page(CID, after=first.messages[0].id, limit=10)
+    assert [m.content for m in page.data] == ["A?", "A!", "B1"]
+    assert page.pending_seq is None
+
+
+async def test_a_reservation_abandoned_for_longer_than_the_rules_allow_is_passed(
+    backend: Backend,
+) -> None:
+    rules = TurnRules(abandon_after=timedelta(0))
+    fast = AgentMessageLogger(backend.db, rules=rules)
+    first = await fast.log_messages(CID, [{"role": "user", "content": "m0"}], turn_id="t0")
+    slow = AgentMessageLogger(backend.db, rules=rules)
+    held = SlowInsert(slow)
+    writer_a = asyncio.create_task(slow.log_messages(CID, turn("A"), turn_id="tA"))
+    await held.reserved.wait()
+    await fast.log_messages(CID, [{"role": "user", "content": "B1"}], turn_id="tB")
+
+    page = await ConversationStore(backend.db, rules=rules).messages_page(
+        CID, after=first.messages[0].id, limit=10
+    )
+
+    assert [m.content for m in page.data] == ["B1"]
+    writer_a.cancel()
