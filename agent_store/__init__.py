@@ -48,11 +48,13 @@ from agent_store.store import (
     LegacyHolder,
     LegacySource,
     LoggedTurn,
+    RetryPolicy,
     RuntimeContextMarkers,
     SearchHit,
     SortOrder,
     TurnObserver,
     TurnRules,
+    with_retries,
 )
 
 __all__ = [
@@ -81,6 +83,7 @@ __all__ = [
     "NotFound",
     "Page",
     "PendingHitl",
+    "RetryPolicy",
     "Role",
     "RuntimeContextMarkers",
     "SearchHit",
@@ -99,4 +102,5 @@ __all__ = [
     "Unsupported",
     "Usage",
     "UserMessage",
+    "with_retries",
 ]

@@ -4,8 +4,10 @@ match, values that cannot jam a conversation, and tail reads that never skip."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
+import random
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -53,8 +55,16 @@ async def check_conversation(db: Any, cid: str = CID) -> dict[str, Any]:
     assert seqs == list(range(len(messages))), f"holes or duplicates in seq: {seqs}"
     assert len({m["_id"] for m in messages}) == len(messages)
     assert conversation["message_count"] == len(messages)
-    turns = {m["turn_id"] for m in messages}
-    assert conversation["turn_count"] == len(turns)
+    by_turn: dict[str, list[str]] = {}
+    for message in messages:
+        by_turn.setdefault(message["turn_id"], []).append(message["role"])
+    starts = sum(
+        1
+        for roles in by_turn.values()
+        for previous, role in zip([None, *roles], roles, strict=False)
+        if role in ("user", "system") and previous not in ("user", "system")
+    )
+    assert conversation["turn_count"] == starts
     used = [m["token_usage"] for m in messages if m.get("token_usage")]
     assert conversation["usage"] == {
         "input_tokens": min(sum(u["input_tokens"] for u in used), MAX_SAFE),
@@ -321,3 +331,149 @@ async def test_a_reservation_abandoned_for_longer_than_the_rules_allow_is_passed
 
     assert [m.content for m in page.data] == ["B1"]
     writer_a.cancel()
+
+
+# -- a property: anything a caller sends is stored faithfully or refused whole ----------------
+
+
+def _valid_turn(rng: random.Random) -> list[dict[str, Any]]:
+    call = {"id": f"c{rng.randint(0, 9)}", "function": {"name": "f", "arguments": {"q": "x"}}}
+    pool: list[list[dict[str, Any]]] = [
+        turn("plain"),
+        [{"role": "user", "content": "look", "upload": {"filename": "a.pdf", "file_type": "pdf",
+                                                         "size": 10}}],
+        [{"role": "user", "content": "go"}, {"role": "assistant", "tool_calls": [call]},
+         {"role": "tool", "tool_call_id": call["id"], "content": "{}"}],
+        [{"role": "assistant", "content": "ok?", "hitl_action": {
+            "action": "confirm", "request_id": "r1", "params": {"a": [1, {"b": 2}]}}}],
+        [{"role": "system", "content": "boot"}],
+    ]  # fmt: skip
+    return json.loads(json.dumps(rng.choice(pool)))
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+BAD_VALUES: list[Any] = [
+    None, 0, -1, 2**53, 2**63, 2**64, 1.5, float("nan"), True, "", "\ud800", "\udc00x",
+    "a\x00b", b"bytes", {1, 2}, [], {}, [None], {"$set": 1}, {"a\x00": 1}, "x" * 70_000,
+    datetime(9999, 12, 31, tzinfo=UTC), datetime(1, 1, 1), datetime.now(UTC), "2026-01-01",
+    {"deep": _nested(40)},
+    "msg-0123", {"content": 5}, ["role"],
+]  # fmt: skip
+BENIGN_VALUES: list[Any] = [
+    "plain text", "\ud83d\ude00 joined", "$where", "{\"$gt\": 1}", "ünïcødé ✓", "x" * 70_000,
+    None, 0, 12, {"input_tokens": 1, "output_tokens": 2},
+]  # fmt: skip
+FIELDS = [
+    "role", "content", "tool_calls", "tool_call_id", "hitl_action", "error", "upload",
+    "created_at", "token_usage", "latency_ms", "_id", "seq", "user_id", "turn_id",
+    "search_text", "truncated", "conversation_id", "surprise", "$where",
+]  # fmt: skip
+
+
+def _malformed(rng: random.Random) -> list[Any]:
+    """A valid turn with one to three values replaced by hostile ones, anywhere in it."""
+    messages: list[Any] = _valid_turn(rng)
+    for _ in range(1 if rng.random() < 0.6 else rng.randint(2, 3)):
+        target = rng.randrange(len(messages))
+        if rng.random() < 0.1:
+            messages[target] = copy.deepcopy(rng.choice(BAD_VALUES))
+            continue
+        message = messages[target]
+        if not isinstance(message, dict):
+            continue
+        holder = message
+        nested = [v for v in message.values() if isinstance(v, dict)]
+        if nested and rng.random() < 0.4:
+            holder = rng.choice(nested)
+            key = rng.choice([*holder, "extra"])
+        else:
+            key = rng.choice(FIELDS)
+        values = BENIGN_VALUES if rng.random() < 0.6 else BAD_VALUES
+        holder[key] = copy.deepcopy(rng.choice(values))
+    return messages
+
+
+def _visible(message: Any) -> dict[str, Any]:
+    """What a caller sent that must come back as it was (what the store adds left out)."""
+    if hasattr(message, "model_dump"):
+        message = message.model_dump(mode="json", by_alias=True)
+    dumped = message
+    return {k: dumped.get(k) for k in ("role", "content", "tool_call_id", "upload", "error")}
+
+
+async def test_a_thousand_malformed_turns_are_stored_faithfully_or_refused_whole(
+    backend: Backend,
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, turn("existing"), turn_id="t-existing", user_id="owner")
+    store = ConversationStore(backend.db)
+    rng = random.Random(2026)
+    refused = stored = 0
+    for number in range(1000):
+        messages = _malformed(rng)
+        target = CID if number % 2 else f"conv-fresh-{number}"
+        before = await digest(backend.db)
+        try:
+            logged = await logger.log_messages(target, messages, turn_id=f"t{number}")
+        except InvalidInput as error:
+            message = error.message
+            refused += 1
+            assert message.startswith("invalid"), message
+            assert await digest(backend.db) == before, f"example {number} wrote: {messages!r}"
+            continue
+        transcript = await store.transcript(target)
+        assert [_visible(m) for m in transcript[-len(logged.messages) :]] == [
+            _visible(m) for m in logged.messages
+        ]
+        stored += 1
+        if target != CID:  # keep the database small, so every digest stays cheap
+            await backend.db[MESSAGES].delete_many({"conversation_id": target})
+            await backend.db[CONVERSATIONS].delete_one({"_id": target})
+    await check_conversation(backend.db)
+    assert refused > 400, (refused, stored)
+    assert stored > 60, (refused, stored)  # both outcomes exercised
+
+
+# -- past the kept turn records ----------------------------------------------------------------
+
+
+async def test_past_the_kept_records_a_retry_is_still_recognised_by_its_stored_messages(
+    backend: Backend,
+) -> None:
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(turns_recorded=4))
+    for n in range(10):
+        await logger.log_messages(CID, turn(f"turn {n}"), turn_id=f"t{n}")
+
+    retried = await logger.log_messages(CID, turn("turn 1"), turn_id="t1")
+    await logger.log_messages(CID, turn("turn 10"), turn_id="t10")
+
+    assert retried.replayed
+    assert [m.seq for m in retried.messages] == [2, 3]
+    with pytest.raises(Conflict, match="other content"):
+        await logger.log_messages(CID, turn("changed"), turn_id="t2")
+    conversation = await check_conversation(backend.db)
+    assert conversation["turns_dropped"] == 7
+    assert len(conversation["turns"]) == 4
+
+
+async def test_past_the_kept_records_a_new_turn_costs_one_lookup_more(
+    wire_backend: Backend,
+) -> None:
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db, rules=TurnRules(turns_recorded=2))
+    for n in range(3):
+        await logger.log_messages(CID, turn(f"turn {n}"), turn_id=f"t{n}")
+    wire_backend.commands.clear()
+
+    await logger.log_messages(CID, turn("turn 3"), turn_id="t3")
+
+    assert wire_backend.commands.names == [
+        "findAndModify", "find", "find", "findAndModify", "insert",
+    ]  # fmt: skip

@@ -25,6 +25,7 @@ from agent_store.store._reads import (
     SearchHit,
     SortOrder,
 )
+from agent_store.store._retry import RetryPolicy, with_retries
 from agent_store.store._text import (
     DEFAULT_MARKERS,
     ELLIPSIS,
@@ -75,6 +76,7 @@ __all__ = [
     "LegacyHolder",
     "LegacySource",
     "LoggedTurn",
+    "RetryPolicy",
     "RuntimeContextMarkers",
     "SearchHit",
     "SortOrder",
@@ -98,4 +100,5 @@ __all__ = [
     "storage_errors",
     "strip_runtime_context",
     "validate_identifier",
+    "with_retries",
 ]

@@ -119,10 +119,10 @@ def parse_messages(raw: Sequence[AgentMessage | Mapping[str, Any]]) -> list[Agen
         raise InvalidInput(
             f"invalid turn: {len(raw)} messages; one turn holds at most {MAX_MESSAGES_PER_TURN}"
         )
-    items = [
-        storable(_as_mapping(item, index), f"message {index}") for index, item in enumerate(raw)
-    ]
     try:
+        items = [
+            storable(_as_mapping(item, index), f"message {index}") for index, item in enumerate(raw)
+        ]
         return messages_adapter.validate_python(items)
     except ValidationError as exc:
         raise InvalidInput(describe_validation_error(exc, subject="turn")) from exc

@@ -1,0 +1,178 @@
+"""The ownership model, cell by cell: every conversation state, every kind of caller, every
+route that reads, writes or deletes one conversation.
+
+A conversation is owned by a user, unowned (only services write to it), exists
+only as legacy turns (owned by the user they name), or exists nowhere. A user
+token acts only on what it owns or on ids that exist nowhere; a service acts on
+anything, but a turn naming another user than the owner is a conflict, and an
+id that exists only as legacy turns waits for its migration. Each cell's status
+is written out below; a digest of every collection proves that a refused call
+changed nothing and an accepted one changed only its own conversation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import pytest
+
+from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
+from agent_store.store import CONVERSATIONS, MESSAGES
+from tests.api_harness import OTHER, OWNER, Served, auth_headers, hitl_turn, mongomock_db, serve
+
+MALLORY = "user-mallory"
+STATES = ("mine", "another", "unowned", "legacy-another", "legacy-mine", "absent")
+CALLERS = ("service", "service-naming-another", "owner-token", "another-token")
+ROUTES = (
+    "get", "rename", "delete", "transcript", "messages", "log-turn", "pending", "resolve",
+)  # fmt: skip
+
+# Rows: routes; columns: STATES. One table per caller.
+EXPECTED: dict[str, dict[str, tuple[int, ...]]] = {
+    "service": {
+        #              mine another unowned legacy-another legacy-mine absent
+        "get":        (200, 200, 200, 200, 200, 404),
+        "rename":     (200, 200, 200, 409, 409, 404),
+        "delete":     (200, 200, 200, 200, 200, 404),
+        "transcript": (200, 200, 200, 200, 200, 404),
+        "messages":   (200, 200, 200, 200, 200, 404),
+        "log-turn":   (201, 201, 201, 409, 409, 201),
+        "pending":    (200, 200, 200, 200, 200, 404),
+        "resolve":    (200, 200, 200, 409, 409, 404),
+    },
+    "service-naming-another": {  # the service names MALLORY as the turn's user
+        "get":        (200, 200, 200, 200, 200, 404),
+        "rename":     (200, 200, 200, 409, 409, 404),
+        "delete":     (200, 200, 200, 200, 200, 404),
+        "transcript": (200, 200, 200, 200, 200, 404),
+        "messages":   (200, 200, 200, 200, 200, 404),
+        "log-turn":   (409, 409, 201, 409, 409, 201),
+        "pending":    (200, 200, 200, 200, 200, 404),
+        "resolve":    (200, 200, 200, 409, 409, 404),
+    },
+    "owner-token": {
+        "get":        (200, 404, 404, 404, 200, 404),
+        "rename":     (200, 404, 404, 404, 409, 404),
+        "delete":     (200, 404, 404, 404, 200, 404),
+        "transcript": (200, 404, 404, 404, 200, 404),
+        "messages":   (200, 404, 404, 404, 200, 404),
+        "log-turn":   (201, 404, 404, 404, 409, 201),
+        "pending":    (200, 404, 404, 404, 200, 404),
+        "resolve":    (200, 404, 404, 404, 409, 404),
+    },
+    "another-token": {  # MALLORY's token: owns none of these
+        "get":        (404, 404, 404, 404, 404, 404),
+        "rename":     (404, 404, 404, 404, 404, 404),
+        "delete":     (404, 404, 404, 404, 404, 404),
+        "transcript": (404, 404, 404, 404, 404, 404),
+        "messages":   (404, 404, 404, 404, 404, 404),
+        "log-turn":   (404, 404, 404, 404, 404, 201),
+        "pending":    (404, 404, 404, 404, 404, 404),
+        "resolve":    (404, 404, 404, 404, 404, 404),
+    },
+}  # fmt: skip
+
+
+def conversation_id(state: str) -> str:
+    return f"conv-state-{state}"
+
+
+async def seed_states(api: Served) -> None:
+    logger = api.store.logger
+    owners = {"mine": OWNER, "another": OTHER, "unowned": None}
+    for state, owner in owners.items():
+        await logger.log_messages(
+            conversation_id(state), hitl_turn(f"req-{state}"), user_id=owner, turn_id="t-1"
+        )
+    for state, owner in (("legacy-another", OTHER), ("legacy-mine", OWNER)):
+        await api.db[LEGACY_TURNS].insert_one(
+            {
+                "_id": f"legacy-{state}",
+                "conversation_id": conversation_id(state),
+                "user_id": owner,
+                "user_message": "secret of the legacy owner",
+                "response_parts": [{"type": "text", "content": "a legacy answer"}],
+            }
+        )
+
+
+def request_for(route: str, state: str, caller: str) -> tuple[str, str, dict[str, Any] | None]:
+    url = f"/v1/conversations/{conversation_id(state)}"
+    turn: dict[str, Any] = {"turn_id": "t-matrix", "messages": [{"role": "user", "content": "hi"}]}
+    if caller == "service-naming-another":
+        turn["user_id"] = MALLORY
+    return {
+        "get": ("GET", url, None),
+        "rename": ("PATCH", url, {"name": "Renamed"}),
+        "delete": ("DELETE", url, None),
+        "transcript": ("GET", f"{url}/transcript", None),
+        "messages": ("GET", f"{url}/messages?limit=5", None),
+        "log-turn": ("POST", f"{url}/turns", turn),
+        "pending": ("GET", f"{url}/hitl", None),
+        "resolve": ("POST", f"{url}/hitl/resolve", {"request_id": f"req-{state}"}),
+    }[route]
+
+
+def headers_for(caller: str) -> dict[str, str]:
+    if caller == "owner-token":
+        return auth_headers(user=OWNER)
+    if caller == "another-token":
+        return auth_headers(user=MALLORY)
+    return auth_headers()
+
+
+async def digests(db: Any, excluding: str | None = None) -> str:
+    """Every collection's documents, leaving out those of conversation `excluding`."""
+    hasher = hashlib.sha256()
+    for name in (CONVERSATIONS, MESSAGES, LEGACY_TURNS, SESSION_HITL):
+        for doc in await db[name].find({}).sort("_id", 1).to_list(None):
+            if excluding is not None and excluding in (doc.get("_id"), doc.get("conversation_id")):
+                continue
+            hasher.update(json.dumps(doc, sort_keys=True, default=str).encode())
+    return hasher.hexdigest()
+
+
+@pytest.mark.parametrize("state", STATES)
+@pytest.mark.parametrize("caller", CALLERS)
+@pytest.mark.parametrize("route", ROUTES)
+async def test_each_caller_gets_the_status_the_ownership_model_gives(
+    route: str, caller: str, state: str
+) -> None:
+    expected = EXPECTED[caller][route][STATES.index(state)]
+    async with serve(mongomock_db()) as api:
+        await seed_states(api)
+        target = conversation_id(state)
+        everything, others = await digests(api.db), await digests(api.db, excluding=target)
+        method, url, body = request_for(route, state, caller)
+
+        response = await api.http.request(method, url, json=body, headers=headers_for(caller))
+
+        assert response.status_code == expected, response.text
+        if expected >= 400:
+            assert await digests(api.db) == everything, "a refused call changed data"
+        else:
+            assert await digests(api.db, excluding=target) == others, "another conversation changed"
+        if caller == "another-token" or (caller == "owner-token" and "another" in state):
+            assert "secret of the legacy owner" not in response.text
+            assert "Please pay the invoice" not in response.text
+
+
+@pytest.mark.parametrize("message_id", ["msg-taken", "msg-unused"])
+async def test_a_chosen_message_id_is_refused_alike_whether_it_exists_or_not(
+    message_id: str,
+) -> None:
+    """No existence oracle: the answer does not depend on what is stored."""
+    async with serve(mongomock_db()) as api:
+        await api.db[MESSAGES].insert_one({"_id": "msg-taken", "conversation_id": "elsewhere"})
+        before = await digests(api.db)
+        body = {"messages": [{"role": "user", "content": "hi", "_id": message_id}]}
+
+        response = await api.http.post(
+            "/v1/conversations/conv-squat/turns", json=body, headers=auth_headers(user=MALLORY)
+        )
+
+        assert response.status_code == 422
+        assert "message ids are the store's" in response.json()["error"]["message"]
+        assert await digests(api.db) == before
