@@ -26,8 +26,8 @@ from agent_store import (
     with_retries,
 )
 from agent_store.store import CONVERSATIONS, MESSAGES, shorten
+from scripts.faulty_proxy import FaultyProxy
 from tests.conftest import Backend
-from tests.faults import FaultyProxy
 
 CID = "conv-crowd"
 

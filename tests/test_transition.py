@@ -138,6 +138,22 @@ async def test_erase_and_claim_reach_the_legacy_turns(backend: Backend) -> None:
     assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
 
 
+async def test_erasing_a_user_leaves_the_legacy_conversations_others_own(backend: Backend) -> None:
+    """Only the user's own turns go from a conversation another user owns."""
+    turns = example_legacy_turns()
+    owner = turns[-1]["user_id"]
+    turns[0]["user_id"] = "user-guest"  # the guest spoke first; the owner named the last turn
+    await backend.db[LEGACY_TURNS].insert_many(turns)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+    erased = await store.erase_user("user-guest")
+
+    assert erased.legacy_turns == 1
+    remaining = await backend.db[LEGACY_TURNS].find({}).to_list(None)
+    assert {t["user_id"] for t in remaining} == {owner}
+    assert len(remaining) == len(turns) - 1
+
+
 async def test_a_migrated_conversation_is_read_from_the_new_collections(backend: Backend) -> None:
     await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
     await log_example(AgentMessageLogger(backend.db))

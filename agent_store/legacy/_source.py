@@ -83,13 +83,27 @@ class LegacyTurns:
         return int(deleted.deleted_count)
 
     async def erase_user(self, user_id: str) -> int:
-        """Delete every legacy conversation that names the user, whole; how many turns went."""
+        """Delete the legacy conversations the user owns, whole, and every turn naming the user
+        elsewhere; how many turns went."""
+        fields = {"conversation_id": 1, "user_id": 1, "created_at": 1}
         with storage_errors("erase the user's legacy turns"):
-            # Whole conversations, including their turns that carry no user id.
             ids = await self._turns.distinct("conversation_id", {"user_id": user_id})
-            query: dict[str, Any] = {"user_id": user_id}
+            owned: list[str] = []
             if ids:
-                query = {"$or": [query, {"conversation_id": {"$in": ids}}]}
+                found = await self._turns.find({"conversation_id": {"$in": ids}}, fields).to_list(
+                    None
+                )
+                by_conversation: dict[str, list[Any]] = {}
+                for doc in found:
+                    by_conversation.setdefault(doc["conversation_id"], []).append(doc)
+                owned = [
+                    cid
+                    for cid, docs in by_conversation.items()
+                    if owner_of(parse_turns(docs)) == user_id
+                ]
+            query: dict[str, Any] = {"user_id": user_id}
+            if owned:
+                query = {"$or": [query, {"conversation_id": {"$in": owned}}]}
             deleted = await self._turns.delete_many(query)
         return int(deleted.deleted_count)
 
