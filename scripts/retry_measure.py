@@ -83,9 +83,8 @@ async def run(args: argparse.Namespace, upstream: str, first_delay: float, seed:
     await client.close()
     await direct.close()
     await proxy.close()
-    return Outcome(
-        first_delay, attempts, given_up, seconds, sum(proxy.dropped.values()), consistent
-    )
+    dropped = sum(proxy.dropped.values())
+    return Outcome(first_delay, attempts, len(given_up), seconds, dropped, consistent)
 
 
 async def check(db: Any) -> bool:

@@ -320,6 +320,14 @@ class TurnRecord(_Model):
     """When the turn was reserved."""
 
 
+class ForkOrigin(_Model):
+    """Where a forked conversation came from (extension)."""
+
+    conversation_id: str
+    seq: Count
+    """The last `seq` of the original the fork copied."""
+
+
 class Conversation(_Model):
     """One conversation document."""
 
@@ -340,11 +348,15 @@ class Conversation(_Model):
     """The next free `seq` (extension)."""
     pending_hitl: PendingHitl | None = None
     usage: Usage = Field(default_factory=Usage)
+    forked_from: ForkOrigin | None = None
+    """The conversation and `seq` this one was forked from (extension); null if it was not."""
     turns: list[TurnRecord] = Field(default_factory=list, exclude=True)
     """Every logged turn in reservation order, up to `TurnRules.turns_recorded` (extension;
     the store's bookkeeping, never served)."""
     turns_dropped: Count = Field(default=0, exclude=True)
     """How many of the oldest turn records were dropped to keep the document bounded."""
+    inbox: dict[str, Any] = Field(default_factory=dict, exclude=True)
+    """Open steering inboxes of running turns, by turn (the store's bookkeeping, never served)."""
 
 
 T = TypeVar("T")

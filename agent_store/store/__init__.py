@@ -5,6 +5,7 @@ write reach it through the protocols in `LegacySource` and `TurnObserver`.
 """
 
 from agent_store.store._driver import DUPLICATE_KEY, Database, storage_errors
+from agent_store.store._inbox import SteeringInbox
 from agent_store.store._indexes import (
     CONVERSATIONS,
     INDEXES,
@@ -80,6 +81,7 @@ __all__ = [
     "RuntimeContextMarkers",
     "SearchHit",
     "SortOrder",
+    "SteeringInbox",
     "TurnObserver",
     "TurnPlan",
     "TurnRules",

@@ -20,8 +20,9 @@ message) before it may reserve.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
@@ -34,16 +35,19 @@ from agent_store.core import (
     Conversation,
     NotFound,
     StorageFailure,
+    StoreError,
     messages_adapter,
     utc_now,
 )
 from agent_store.store._driver import DUPLICATE_KEY, Database, storage_errors
+from agent_store.store._fork import fork_copies, fork_end, fork_turn_id
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
 from agent_store.store._legacy_seam import LegacySource
 from agent_store.store._reservation import (
     SUMMARY,
     Actor,
     RecordedBlock,
+    literal,
     recorded_block,
     reservation,
     reservation_filter,
@@ -59,6 +63,20 @@ from agent_store.store._turns import (
 )
 
 _RESERVE_ATTEMPTS = 4
+
+
+@dataclass(frozen=True)
+class Condition:
+    """A rule a reservation must meet atomically with it, and what the update adds."""
+
+    filter: dict[str, Any]
+    """Added to the reservation's filter."""
+    stage: Callable[[datetime], dict[str, Any]]
+    """Fields the update sets besides the reservation's, given the time of the update."""
+    refusal: StoreError
+    """Raised when the conversation exists, the turn is new, and the filter does not match."""
+    create: bool = False
+    """Whether the reservation may create the conversation."""
 
 
 @dataclass(frozen=True)
@@ -230,15 +248,84 @@ class AgentMessageLogger:
             await observer.turn_logged(logged, reserved.conversation)
         return logged
 
+    async def fork(
+        self,
+        conversation_id: str,
+        at_seq: int,
+        new_conversation_id: str,
+        *,
+        user_id: str | None = None,
+        owner_only: bool = False,
+    ) -> LoggedTurn:
+        """Start `new_conversation_id` with copies of the messages up to `at_seq`.
+
+        The copies get new ids and `seq` 0…n in the same order; a fork between a
+        tool call and its result moves to the end of the pair. The new conversation
+        has its own summary fields, the same owner and `forked_from`; the original
+        is untouched. The same fork retried is stored once; an existing
+        `new_conversation_id` is a Conflict.
+        """
+        conversation_id = validate_identifier(conversation_id, "conversation_id")
+        actor = Actor(user_id, as_user=owner_only)
+        with storage_errors("read the conversation"):
+            source = await self._conversations.find_one({"_id": conversation_id}, {"user_id": 1})
+            if source is not None and actor.refusal(conversation_id, source.get("user_id")):
+                source = None
+            stored = await (
+                self._messages.find({"conversation_id": conversation_id}).sort("seq", 1)
+            ).to_list(None)
+        if source is None:
+            raise NotFound(f"conversation {conversation_id!r} was not found")
+        messages = messages_adapter.validate_python(stored)
+        end = fork_end(messages, at_seq)
+        plan = plan_turn(
+            new_conversation_id,
+            fork_copies(messages, end),
+            turn_id=fork_turn_id(conversation_id, end),
+            rules=self.rules,
+            copied=True,
+        )
+        origin = {"conversation_id": conversation_id, "seq": end}
+        condition = Condition(
+            {"created_at": {"$exists": False}},
+            lambda now: {"forked_from": literal(origin)},
+            Conflict(f"conversation {plan.conversation_id!r} exists already; fork into a new id"),
+            create=True,
+        )
+        owner = Actor(source.get("user_id"), as_user=owner_only)
+        reserved = await self._reserve(plan, owner, None, condition)
+        return LoggedTurn(
+            conversation_id=plan.conversation_id,
+            turn_id=plan.turn_id,
+            messages=await self._store(plan, reserved),
+            replayed=reserved.replayed,
+        )
+
     # -- reserving -------------------------------------------------------------------
 
-    async def _reserve(self, plan: TurnPlan, actor: Actor, name: str | None) -> _Reserved:
-        """Reserve the turn's `seq` block, or find the block an earlier attempt reserved."""
+    async def _reserve(
+        self,
+        plan: TurnPlan,
+        actor: Actor,
+        name: str | None,
+        condition: Condition | None = None,
+    ) -> _Reserved:
+        """Reserve the turn's `seq` block, or find the block an earlier attempt reserved.
+
+        A `condition` adds to the reservation's filter and update; when the
+        conversation exists but does not meet it, its `refusal` is raised.
+        """
         complete = True
-        create = self._legacy is None
+        may_create = condition is None or condition.create
+        # Wired to legacy turns, a new conversation is first checked against them.
+        create = may_create and self._legacy is None
         for _ in range(_RESERVE_ATTEMPTS):
             query = reservation_filter(plan, actor, records_complete=complete)
-            doc = await self._try_reserve(plan, actor, name, query, upsert=create)
+            if condition is not None:
+                query |= condition.filter
+            doc = await self._try_reserve(
+                plan, actor, name, query, upsert=create, condition=condition
+            )
             if doc is not None:
                 conversation = Conversation.model_validate(doc)
                 first = conversation.message_count - len(plan.messages)
@@ -246,6 +333,9 @@ class AgentMessageLogger:
             with storage_errors("read the conversation"):
                 found = await self._conversations.find_one({"_id": plan.conversation_id})
             if found is None:
+                if not may_create:
+                    assert condition is not None
+                    raise condition.refusal
                 await self._refuse_unmigrated(plan.conversation_id, actor)
                 create = True
                 continue
@@ -260,6 +350,8 @@ class AgentMessageLogger:
                     continue
             if block is not None:
                 return _replay(plan, block, found)
+            if condition is not None:
+                raise condition.refusal
             # Otherwise a race was lost (the conversation was just created): reserve again.
         raise StorageFailure(
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
@@ -273,9 +365,13 @@ class AgentMessageLogger:
         query: dict[str, Any],
         *,
         upsert: bool,
+        condition: Condition | None = None,
     ) -> dict[str, Any] | None:
         """One reservation: the conversation's summary, or None when the filter matched none."""
-        pipeline = reservation(plan, actor, name, self.rules, utc_now())
+        now = utc_now()
+        pipeline = reservation(plan, actor, name, self.rules, now)
+        if condition is not None:
+            pipeline[0]["$set"] |= condition.stage(now)
         with storage_errors("reserve the turn"):
             try:
                 doc: dict[str, Any] | None = await self._conversations.find_one_and_update(

@@ -172,14 +172,14 @@ def content_digest(documents: Sequence[Mapping[str, Any]]) -> int:
     return _digest64(canonical)
 
 
-def _refuse_store_fields(messages: Sequence[AgentMessage]) -> None:
+def _refuse_store_fields(messages: Sequence[AgentMessage], *, copied: bool) -> None:
     for index, message in enumerate(messages):
         if message.id is not None:
             raise InvalidInput(
                 f"invalid turn: message {index} carries `_id` {message.id!r}; message ids are "
                 "the store's (derived from the turn): leave `_id` out"
             )
-        if message.truncated is not None:
+        if message.truncated is not None and not copied:
             raise InvalidInput(
                 f"invalid turn: message {index} carries `truncated`; `truncated` is the store's "
                 "to set when it cuts a field"
@@ -248,11 +248,16 @@ def plan_turn(
     *,
     turn_id: str | None = None,
     rules: TurnRules = TurnRules(),
+    copied: bool = False,
 ) -> TurnPlan:
-    """Validate a turn and compute what it writes. Raises InvalidInput and nothing else."""
+    """Validate a turn and compute what it writes. Raises InvalidInput and nothing else.
+
+    `copied` says the messages are copies of stored ones (a fork): their
+    `truncated` maps, which only the store sets, are kept.
+    """
     conversation_id = validate_identifier(conversation_id, "conversation_id")
     messages = [_clean(m, rules) for m in parse_messages(raw_messages)]
-    _refuse_store_fields(messages)
+    _refuse_store_fields(messages, copied=copied)
     _check_times(messages, rules)
     for index, message in enumerate(messages):
         if message.conversation_id not in (None, conversation_id):

@@ -1,0 +1,34 @@
+"""Where a fork of a conversation ends, and the messages it copies. Pure, no I/O."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from agent_store.core import AgentMessage, InvalidInput
+
+_STORE_FIELDS = {"id", "seq", "user_id", "conversation_id", "turn_id", "search_text"}
+
+
+def fork_end(messages: Sequence[AgentMessage], at_seq: int) -> int:
+    """The last `seq` a fork at `at_seq` copies: `at_seq`, moved past the results of the calls
+    made at or before it, so a tool call and its result are never cut apart."""
+    if not any(m.seq == at_seq for m in messages):
+        raise InvalidInput(f"invalid fork: the conversation has no message with seq {at_seq}")
+    calls = {c.id for m in messages if (m.seq or 0) <= at_seq for c in m.tool_calls or ()}
+    answers = [m.seq or 0 for m in messages if m.role == "tool" and m.tool_call_id in calls]
+    return max([at_seq, *answers])
+
+
+def fork_copies(messages: Sequence[AgentMessage], end: int) -> list[dict[str, Any]]:
+    """The messages up to `end` as a new turn would take them: what the store set, left out."""
+    return [
+        m.model_dump(by_alias=True, exclude=_STORE_FIELDS) for m in messages if (m.seq or 0) <= end
+    ]
+
+
+def fork_turn_id(conversation_id: str, end: int) -> str:
+    """The id of the turn that holds a fork's copies: the same fork, retried, is one turn."""
+    digest = hashlib.sha256(f"{conversation_id}\0{end}".encode()).hexdigest()
+    return "fork-" + digest[:32]

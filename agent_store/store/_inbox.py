@@ -1,0 +1,221 @@
+"""A steering inbox into a running turn: a person's message reaches the runtime mid-turn, or is
+refused to the sender — never stored and unseen.
+
+The handshake lives on the conversation document, in the same update that
+allocates `seq`, so it needs no transaction:
+- `open_turn` adds an inbox entry `inbox.<key>` for the running turn;
+- `try_deliver` reserves the message's `seq` only while that entry exists, and
+  appends the `seq` to it in the same atomic update (a delivery is a turn of
+  its own, so a retried delivery is stored once);
+- `close_inbox` removes the entry only if no delivery arrived after what the
+  runtime last saw (a version counter, compared in the filter); otherwise it
+  returns the new messages and the inbox stays open.
+A delivery retried after its inbox closed, whose message was never stored, is
+refused: it cannot come back unseen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from pymongo import ReturnDocument
+
+from agent_store.core import (
+    AgentMessage,
+    NotFound,
+    StorageUnavailable,
+    StoreError,
+    messages_adapter,
+    utc_now,
+)
+from agent_store.store._driver import storage_errors
+from agent_store.store._logger import AgentMessageLogger, Condition
+from agent_store.store._reservation import Actor, literal
+from agent_store.store._turns import plan_turn, turn_key, validate_identifier
+
+_WAIT_STEP = 0.05
+_WAIT_FOR_IN_FLIGHT = 2.0
+
+
+class _InboxClosed(StoreError):
+    """The turn's inbox is closed (or was never opened): the delivery is refused."""
+
+    code = "inbox_closed"
+    status = 409
+
+
+def _entry(turn_id: str) -> str:
+    return f"inbox.t{turn_key(turn_id) & 0xFFFFFFFFFFFF:x}"
+
+
+class SteeringInbox:
+    """Messages delivered into a running turn, on the logger's database and rules."""
+
+    def __init__(self, logger: AgentMessageLogger) -> None:
+        """Deliver and drain through `logger` (its rules decide when a delivery is abandoned)."""
+        self._logger = logger
+        self._conversations = logger._conversations
+        self._messages = logger._messages
+
+    async def open_turn(
+        self,
+        conversation_id: str,
+        turn_id: str,
+        *,
+        user_id: str | None = None,
+        owner_only: bool = False,
+    ) -> None:
+        """Mark `turn_id` running with an open inbox (idempotent). The conversation must exist
+        and be the caller's (the same ownership rules as logging)."""
+        conversation_id = validate_identifier(conversation_id, "conversation_id")
+        turn_id = validate_identifier(turn_id, "turn_id")
+        actor = Actor(user_id, as_user=owner_only)
+        field = _entry(turn_id)
+        with storage_errors("open the turn's inbox"):
+            doc = await self._conversations.find_one_and_update(
+                {"_id": conversation_id, **actor.owner_filter()},
+                [{"$set": {field: {"$ifNull": [f"${field}", literal(
+                    {"turn_id": turn_id, "v": 0, "seqs": [], "opened_at": utc_now()})]}}}],
+                projection={"_id": 1},
+            )  # fmt: skip
+        if doc is None:
+            await self._explain_missing(conversation_id, actor)
+
+    async def try_deliver(
+        self,
+        conversation_id: str,
+        turn_id: str,
+        message: AgentMessage | Mapping[str, Any],
+        *,
+        delivery_id: str | None = None,
+        user_id: str | None = None,
+        owner_only: bool = False,
+    ) -> bool:
+        """Store `message` in the conversation (next `seq`) if `turn_id`'s inbox is open: True.
+        False when it is closed: nothing was stored, start a new turn with the message.
+
+        `delivery_id` names the delivery (default: a digest of the message), so a retried
+        delivery is stored once and answers True again.
+        """
+        plan = plan_turn(conversation_id, [message], turn_id=delivery_id, rules=self._logger.rules)
+        field = _entry(turn_id)
+        actor = Actor(user_id, as_user=owner_only)
+
+        def stage(now: datetime) -> dict[str, Any]:
+            added = {"$map": {"input": [0], "in": {"s": "$message_count", "a": literal(now)}}}
+            return {
+                f"{field}.seqs": {"$concatArrays": [f"${field}.seqs", added]},
+                f"{field}.v": {"$add": [f"${field}.v", 1]},
+            }
+
+        condition = Condition({field: {"$exists": True}}, stage, _InboxClosed("inbox closed"))
+        try:
+            reserved = await self._logger._reserve(plan, actor, None, condition)
+        except _InboxClosed:
+            return False
+        if reserved.replayed and not await self._still_deliverable(plan, reserved, field):
+            return False
+        await self._logger._store(plan, reserved)
+        return True
+
+    async def _still_deliverable(self, plan: Any, reserved: Any, field: str) -> bool:
+        """A replayed delivery may be stored only if it is stored already or its inbox is open."""
+        with storage_errors("read the turn's inbox"):
+            stored = await self._messages.find_one(
+                {"conversation_id": plan.conversation_id, "seq": reserved.first_seq}, {"_id": 1}
+            )
+            if stored is not None:
+                return True
+            open_inbox = await self._conversations.find_one(
+                {"_id": plan.conversation_id, field: {"$exists": True}}, {"_id": 1}
+            )
+        return open_inbox is not None
+
+    async def drain(
+        self, conversation_id: str, turn_id: str, after_seq: int = -1
+    ) -> list[AgentMessage]:
+        """The messages delivered into `turn_id`'s inbox after `after_seq`, by `seq`."""
+        entry = await self._read_entry(conversation_id, turn_id)
+        if entry is None:
+            return []
+        messages, _ = await self._delivered(conversation_id, entry, after_seq)
+        return messages
+
+    async def close_inbox(
+        self, conversation_id: str, turn_id: str, last_seen_seq: int
+    ) -> list[AgentMessage]:
+        """Close the inbox if nothing arrived after `last_seen_seq`, and return [];
+        else return what arrived, in `seq` order, and leave it open.
+
+        A delivery still being written is waited for briefly; if it is still not
+        stored, `StorageUnavailable` asks the caller to close again. One given up
+        by its sender for longer than the rules' `abandon_after` is passed.
+        """
+        field = _entry(turn_id)
+        for _ in range(4):
+            entry = await self._read_entry(conversation_id, turn_id)
+            if entry is None:
+                return []
+            messages, in_flight = await self._delivered(conversation_id, entry, last_seen_seq)
+            if messages:
+                return messages
+            if in_flight:
+                raise StorageUnavailable(
+                    f"a message delivered into turn {turn_id!r} is still being written; "
+                    "close the inbox again"
+                )
+            with storage_errors("close the turn's inbox"):
+                closed = await self._conversations.find_one_and_update(
+                    {"_id": conversation_id, f"{field}.v": entry["v"]},
+                    {"$unset": {field: ""}},
+                    projection={"_id": 1},
+                    return_document=ReturnDocument.BEFORE,
+                )
+            if closed is not None:
+                return []
+        raise StorageUnavailable(f"deliveries into turn {turn_id!r} keep arriving; close again")
+
+    async def _read_entry(self, conversation_id: str, turn_id: str) -> dict[str, Any] | None:
+        conversation_id = validate_identifier(conversation_id, "conversation_id")
+        field = _entry(validate_identifier(turn_id, "turn_id"))
+        with storage_errors("read the turn's inbox"):
+            doc = await self._conversations.find_one({"_id": conversation_id}, {field: 1})
+        if doc is None:
+            raise NotFound(f"conversation {conversation_id!r} was not found")
+        entry: dict[str, Any] | None = doc.get("inbox", {}).get(field.split(".")[1])
+        return entry
+
+    async def _delivered(
+        self, conversation_id: str, entry: dict[str, Any], after_seq: int
+    ) -> tuple[list[AgentMessage], bool]:
+        """The stored deliveries after `after_seq`, and whether one is still in flight."""
+        wanted = {d["s"]: d["a"] for d in entry.get("seqs", ()) if d["s"] > after_seq}
+        waited = 0.0
+        while True:
+            with storage_errors("read the delivered messages"):
+                found = (
+                    await self._messages.find(
+                        {"conversation_id": conversation_id, "seq": {"$in": sorted(wanted)}}
+                    )
+                    .sort("seq", 1)
+                    .to_list(None)
+                )
+            missing = set(wanted) - {d["seq"] for d in found}
+            abandon_after = self._logger.rules.abandon_after
+            in_flight = {s for s in missing if utc_now() - wanted[s] < abandon_after}
+            if found or not in_flight or waited >= _WAIT_FOR_IN_FLIGHT:
+                return messages_adapter.validate_python(found), bool(in_flight)
+            await asyncio.sleep(_WAIT_STEP)
+            waited += _WAIT_STEP
+
+    async def _explain_missing(self, conversation_id: str, actor: Actor) -> None:
+        with storage_errors("read the conversation"):
+            doc = await self._conversations.find_one({"_id": conversation_id}, {"user_id": 1})
+        if doc is None:
+            raise NotFound(f"conversation {conversation_id!r} was not found")
+        refusal = actor.refusal(conversation_id, doc.get("user_id"))
+        if refusal is not None:
+            raise refusal

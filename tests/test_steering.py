@@ -1,0 +1,278 @@
+"""Live conversations: messages steered into a running turn, and forks at any message.
+
+The inbox's guarantee: every delivered message is either returned to the runtime
+(by `drain` or `close_inbox`) or refused to its sender — never both, never neither.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient
+
+from agent_store import (
+    AgentMessageLogger,
+    Conflict,
+    ConversationStore,
+    NotFound,
+    RetryPolicy,
+    SteeringInbox,
+    with_retries,
+)
+from agent_store.store import CONVERSATIONS, MESSAGES
+from scripts.faulty_proxy import FaultyProxy
+from tests.conftest import Backend
+
+CID = "conv-live"
+TURN = "turn-running"
+
+
+@dataclass
+class Outcomes:
+    returned: list[str] = field(default_factory=list)
+    accepted: set[str] = field(default_factory=set)
+    refused: set[str] = field(default_factory=set)
+
+
+async def run_turn(inbox: SteeringInbox, logger: AgentMessageLogger, steps: int, rng: random.Random,
+                   outcomes: Outcomes, retry: Callable[[Any], Awaitable[Any]]) -> None:  # fmt: skip
+    """A runtime: opens the inbox, drains between steps, closes, then logs its answer."""
+    await retry(partial(inbox.open_turn, CID, TURN))
+    seen = -1
+
+    def take(messages: list[Any]) -> None:
+        nonlocal seen
+        for message in messages:
+            outcomes.returned.append(message.content)
+            seen = max(seen, message.seq)
+
+    for _ in range(steps):
+        await asyncio.sleep(rng.random() / 50)
+        take(await retry(partial(inbox.drain, CID, TURN, seen)))
+    while late := await retry(partial(inbox.close_inbox, CID, TURN, seen)):
+        take(late)
+    answer = [{"role": "assistant", "content": "done"}]
+    await retry(partial(logger.log_messages, CID, answer, turn_id=TURN))
+
+
+async def send(inbox: SteeringInbox, sender: int, count: int, rng: random.Random,
+               outcomes: Outcomes, retry: Callable[[Any], Awaitable[Any]]) -> None:  # fmt: skip
+    for n in range(count):
+        await asyncio.sleep(rng.random() / 30)
+        text = f"steer {sender}/{n}"
+        message = {"role": "user", "content": text}
+        delivered = await retry(
+            partial(inbox.try_deliver, CID, TURN, message, delivery_id=f"d-{sender}-{n}")
+        )
+        (outcomes.accepted if delivered else outcomes.refused).add(text)
+
+
+async def check(db: Any, outcomes: Outcomes, sent: int) -> None:
+    assert len(outcomes.returned) == len(set(outcomes.returned)), "a message returned twice"
+    assert set(outcomes.returned) == outcomes.accepted, "delivered but unseen, or seen but refused"
+    assert not outcomes.accepted & outcomes.refused
+    assert len(outcomes.accepted | outcomes.refused) == sent
+    stored = await db[MESSAGES].find({"conversation_id": CID}).sort("seq", 1).to_list(None)
+    assert [m["seq"] for m in stored] == list(range(len(stored)))
+    steered = {m["content"] for m in stored if m["content"].startswith("steer")}
+    assert steered == outcomes.accepted, "a refused message was stored"
+    conversation = await db[CONVERSATIONS].find_one({"_id": CID})
+    assert conversation["message_count"] == len(stored)
+
+
+async def direct(call: Any) -> Any:
+    return await call()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+async def test_every_steered_message_is_returned_to_the_runtime_or_refused_to_its_sender(
+    wire_backend: Backend, seed: int
+) -> None:
+    logger = AgentMessageLogger(wire_backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    inbox, rng, outcomes = SteeringInbox(logger), random.Random(seed), Outcomes()
+
+    await asyncio.gather(
+        run_turn(inbox, logger, 5, rng, outcomes, direct),
+        *(send(inbox, s, 4, rng, outcomes, direct) for s in range(5)),
+    )
+
+    await check(wire_backend.db, outcomes, sent=20)
+    assert outcomes.accepted, "nothing was delivered: the test proves nothing"
+
+
+@pytest.mark.wire
+async def test_the_handshake_holds_behind_a_network_that_drops_connections(wire_uri: str) -> None:
+    upstream = wire_uri.removeprefix("mongodb://").split("/")[0]
+    proxy = FaultyProxy(upstream, drop_rate=0.05, seed=5)
+    uri = await proxy.start()
+    faulty: AsyncMongoClient[Any] = AsyncMongoClient(
+        uri, tz_aware=True, serverSelectionTimeoutMS=3000, connectTimeoutMS=3000
+    )
+    healthy: AsyncMongoClient[Any] = AsyncMongoClient(wire_uri, tz_aware=True)
+    policy = RetryPolicy(attempts=12, first_delay=0.2, max_delay=1.0)
+    rng = random.Random(9)
+
+    async def retry(call: Any) -> Any:
+        return await with_retries(call, policy=policy, rng=rng)
+
+    try:
+        logger = AgentMessageLogger(faulty["steering"])
+        await AgentMessageLogger(healthy["steering"]).log_messages(
+            CID, [{"role": "user", "content": "start"}], turn_id="t0"
+        )
+        inbox, outcomes = SteeringInbox(logger), Outcomes()
+        await asyncio.gather(
+            run_turn(inbox, logger, 6, rng, outcomes, retry),
+            *(send(inbox, s, 4, rng, outcomes, retry) for s in range(4)),
+        )
+        await check(healthy["steering"], outcomes, sent=16)
+        assert sum(proxy.dropped.values()) > 0
+    finally:
+        await healthy.drop_database("steering")
+        await faulty.close()
+        await healthy.close()
+        await proxy.close()
+
+
+async def test_a_delivery_to_a_closed_or_unknown_inbox_stores_nothing(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    inbox = SteeringInbox(logger)
+    message = {"role": "user", "content": "too late"}
+
+    assert not await inbox.try_deliver(CID, "never-opened", message)
+    await inbox.open_turn(CID, TURN)
+    assert await inbox.close_inbox(CID, TURN, last_seen_seq=0) == []
+    assert not await inbox.try_deliver(CID, TURN, message)
+
+    assert await backend.db[MESSAGES].count_documents({"content": "too late"}) == 0
+
+
+async def test_a_delivered_message_retried_is_stored_once_and_still_acknowledged(
+    backend: Backend,
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    inbox = SteeringInbox(logger)
+    await inbox.open_turn(CID, TURN)
+    message = {"role": "user", "content": "wait, use metric units"}
+
+    assert await inbox.try_deliver(CID, TURN, message, delivery_id="d1")
+    assert await inbox.try_deliver(CID, TURN, message, delivery_id="d1")
+    late = await inbox.close_inbox(CID, TURN, last_seen_seq=0)
+
+    assert [m.content for m in late] == ["wait, use metric units"]
+    assert await backend.db[MESSAGES].count_documents({"content": message["content"]}) == 1
+    assert await inbox.close_inbox(CID, TURN, last_seen_seq=late[-1].seq or 0) == []
+
+
+async def test_a_stranger_cannot_open_or_deliver_into_anothers_turn(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(
+        CID, [{"role": "user", "content": "start"}], turn_id="t0", user_id="user-ada"
+    )
+    inbox = SteeringInbox(logger)
+    await inbox.open_turn(CID, TURN, user_id="user-ada", owner_only=True)
+
+    with pytest.raises(NotFound):
+        await inbox.open_turn(CID, "t-x", user_id="user-mallory", owner_only=True)
+    with pytest.raises(NotFound):
+        await inbox.try_deliver(
+            CID, TURN, {"role": "user", "content": "x"}, user_id="user-mallory", owner_only=True
+        )
+    assert await inbox.try_deliver(
+        CID, TURN, {"role": "user", "content": "mine"}, user_id="user-ada", owner_only=True
+    )
+
+
+# -- forks ---------------------------------------------------------------------------------------
+
+
+def weather_turn(city: str) -> list[dict[str, Any]]:
+    call = f"call-{city}"
+    return [
+        {"role": "user", "content": f"Weather in {city}?"},
+        {"role": "assistant", "tool_calls": [{"id": call, "function": {"name": "weather"}}],
+         "token_usage": {"input_tokens": 10, "output_tokens": 2}},
+        {"role": "tool", "tool_call_id": call, "content": '{"temp_c": 18}'},
+        {"role": "assistant", "content": f"18 °C in {city}.",
+         "token_usage": {"input_tokens": 20, "output_tokens": 5}},
+    ]  # fmt: skip
+
+
+async def test_a_fork_copies_the_messages_up_to_a_seq_with_its_own_summary(
+    backend: Backend,
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    for n, city in enumerate(["Paris", "Lyon", "Nice"]):
+        await logger.log_messages(CID, weather_turn(city), turn_id=f"t{n}", user_id="user-ada")
+    store = ConversationStore(backend.db)
+    original = await store.transcript(CID)
+
+    forked = await logger.fork(CID, 5, "conv-fork")  # seq 5 is Lyon's call: moved past its result
+
+    copies = await store.transcript("conv-fork")
+    assert [m.id for m in copies] == [m.id for m in forked.messages]
+    assert [(m.role, m.content, m.tool_call_id) for m in copies] == [
+        (m.role, m.content, m.tool_call_id) for m in original[:7]
+    ]
+    assert [m.seq for m in copies] == list(range(7))
+    assert not {m.id for m in copies} & {m.id for m in original}
+    conversation = await store.get_conversation("conv-fork")
+    assert conversation.user_id == "user-ada"
+    assert conversation.forked_from is not None
+    assert (conversation.forked_from.conversation_id, conversation.forked_from.seq) == (CID, 6)
+    assert (conversation.turn_count, conversation.message_count) == (2, 7)
+    assert conversation.usage.input_tokens == 10 + 20 + 10
+    assert conversation.last_message_preview == "Weather in Lyon?"
+
+
+async def test_writing_to_a_fork_or_its_original_never_changes_the_other(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, weather_turn("Paris"), turn_id="t0")
+    await logger.fork(CID, 3, "conv-fork")
+    store = ConversationStore(backend.db)
+
+    await logger.log_messages("conv-fork", weather_turn("Rome"), turn_id="t1")
+    await logger.log_messages(CID, weather_turn("Oslo"), turn_id="t1")
+    await store.rename("conv-fork", "A fork")
+
+    fork, original = await store.transcript("conv-fork"), await store.transcript(CID)
+    assert [m.content for m in fork][-1] == "18 °C in Rome."
+    assert [m.content for m in original][-1] == "18 °C in Oslo."
+    assert (await store.get_conversation(CID)).name != "A fork"
+
+
+async def test_a_fork_retried_is_stored_once_and_an_existing_id_is_a_conflict(
+    backend: Backend,
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, weather_turn("Paris"), turn_id="t0")
+    first = await logger.fork(CID, 3, "conv-fork")
+    again = await logger.fork(CID, 3, "conv-fork")
+
+    assert again.replayed
+    assert [m.id for m in again.messages] == [m.id for m in first.messages]
+    with pytest.raises(Conflict, match="exists already"):
+        await logger.fork(CID, 1, "conv-fork")
+    with pytest.raises(Conflict, match="exists already"):
+        await logger.fork("conv-fork", 1, CID)
+
+
+async def test_only_the_owner_may_fork_and_the_fork_is_theirs(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, weather_turn("Paris"), turn_id="t0", user_id="user-ada")
+
+    with pytest.raises(NotFound):
+        await logger.fork(CID, 3, "conv-stolen", user_id="user-mallory", owner_only=True)
+    forked = await logger.fork(CID, 3, "conv-mine", user_id="user-ada", owner_only=True)
+
+    assert {m.user_id for m in forked.messages} == {"user-ada"}
+    assert await backend.db[CONVERSATIONS].count_documents({"_id": "conv-stolen"}) == 0
