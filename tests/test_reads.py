@@ -14,6 +14,7 @@ from agent_store import (
     NotFound,
     Unsupported,
 )
+from agent_store.store import TEXT_INDEX
 from app.examples import EXAMPLE_CONVERSATION_ID as CID
 from app.examples import EXAMPLE_USER_ID as OWNER
 from app.examples import example_turns
@@ -241,3 +242,14 @@ async def test_export_user_yields_each_conversation_with_its_transcript(
     exported = [e async for e in store.export_user(OWNER)]
     assert [e.conversation.id for e in exported] == [CID]
     assert len(exported[0].messages) == 12
+
+
+async def test_an_earlier_text_index_is_replaced_by_the_compound_one(backend: Backend) -> None:
+    """A collection holds one text index: the user-first one replaces an earlier version's."""
+    await backend.db.agent_messages.create_index([("search_text", "text")], default_language="none")
+
+    await AgentMessageLogger(backend.db).ensure_indexes()
+
+    names = set(await backend.db.agent_messages.index_information())
+    assert TEXT_INDEX in names
+    assert "search_text_text" not in names

@@ -191,23 +191,29 @@ class SteeringInbox:
     async def _delivered(
         self, conversation_id: str, entry: dict[str, Any], after_seq: int
     ) -> tuple[list[AgentMessage], bool]:
-        """The stored deliveries after `after_seq`, and whether one is still in flight."""
+        """The stored deliveries after `after_seq` up to the first one still being written,
+        and whether there is such a one.
+
+        Deliveries commit out of `seq` order, so returning one past a delivery in flight
+        would let the runtime's `after_seq` pass it for good.
+        """
         wanted = {d["s"]: d["a"] for d in entry.get("seqs", ()) if d["s"] > after_seq}
         waited = 0.0
         while True:
             with storage_errors("read the delivered messages"):
-                found = (
-                    await self._messages.find(
-                        {"conversation_id": conversation_id, "seq": {"$in": sorted(wanted)}}
-                    )
-                    .sort("seq", 1)
-                    .to_list(None)
-                )
-            missing = set(wanted) - {d["seq"] for d in found}
-            abandon_after = self._logger.rules.abandon_after
-            in_flight = {s for s in missing if utc_now() - wanted[s] < abandon_after}
-            if found or not in_flight or waited >= _WAIT_FOR_IN_FLIGHT:
-                return messages_adapter.validate_python(found), bool(in_flight)
+                found = await self._messages.find(
+                    {"conversation_id": conversation_id, "seq": {"$in": sorted(wanted)}}
+                ).to_list(None)
+            by_seq = {d["seq"]: d for d in found}
+            ready, in_flight = [], False
+            for seq in sorted(wanted):
+                if seq in by_seq:
+                    ready.append(by_seq[seq])
+                elif utc_now() - wanted[seq] < self._logger.rules.abandon_after:
+                    in_flight = True
+                    break
+            if ready or not in_flight or waited >= _WAIT_FOR_IN_FLIGHT:
+                return messages_adapter.validate_python(ready), in_flight
             await asyncio.sleep(_WAIT_STEP)
             waited += _WAIT_STEP
 

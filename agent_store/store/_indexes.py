@@ -12,11 +12,29 @@ from agent_store.store._driver import Database, storage_errors
 MESSAGES = "agent_messages"
 CONVERSATIONS = "agent_conversations"
 
+SHARD_KEYS: dict[str, dict[str, Any]] = {
+    MESSAGES: {"conversation_id": 1, "seq": 1},
+    CONVERSATIONS: {"_id": "hashed"},
+}
+"""The shard keys docs/SCALING.md recommends; the sharding contract test holds the store to them.
+
+Messages: a transcript is one range of the key, a turn one insert on one shard.
+Conversations: every single-document operation names `_id`; `user_id` is not in
+the key because claims change it for many documents at once.
+"""
+
+TEXT_INDEX = "user_id_1_search_text_text"
+
 INDEXES: dict[str, list[IndexModel]] = {
     MESSAGES: [
         IndexModel([("conversation_id", ASCENDING), ("seq", ASCENDING)], unique=True),
         IndexModel([("user_id", ASCENDING)]),
-        IndexModel([("search_text", TEXT)], default_language="none"),
+        # Compound on the owner first: a search reads one user's postings, not everyone's.
+        IndexModel(
+            [("user_id", ASCENDING), ("search_text", TEXT)],
+            name=TEXT_INDEX,
+            default_language="none",
+        ),
     ],
     CONVERSATIONS: [
         IndexModel([("user_id", ASCENDING), ("updated_at", DESCENDING), ("_id", DESCENDING)]),
@@ -25,9 +43,26 @@ INDEXES: dict[str, list[IndexModel]] = {
 """Every index the store relies on, by collection."""
 
 
+def _outdated_text_indexes(existing: list[dict[str, Any]]) -> list[str]:
+    """Text indexes other than ours (a collection holds one): earlier versions' to replace."""
+
+    def is_text(key: list[tuple[str, Any]]) -> bool:
+        # MongoDB lists a text index's key as `_fts`/`_ftsx`; some servers as `field: "text"`.
+        return any(field == "_fts" or kind == "text" for field, kind in key)
+
+    return [
+        index["name"]
+        for index in existing
+        if index["name"] != TEXT_INDEX and is_text(list(index.get("key", [])))
+    ]
+
+
 async def create_indexes(db: Database) -> None:
     """Create every index of `INDEXES` on an async handle. Existing indexes are kept."""
     with storage_errors("create indexes"):
+        existing = await db[MESSAGES].index_information()
+        for name in _outdated_text_indexes([{"name": k, **v} for k, v in existing.items()]):
+            await db[MESSAGES].drop_index(name)
         for collection, models in INDEXES.items():
             await db[collection].create_indexes(models)
 
@@ -35,6 +70,9 @@ async def create_indexes(db: Database) -> None:
 def create_indexes_sync(db: Any) -> None:
     """The same indexes through a synchronous PyMongo `Database` (the migration tool's)."""
     with storage_errors("create indexes"):
+        existing = db[MESSAGES].index_information()
+        for name in _outdated_text_indexes([{"name": k, **v} for k, v in existing.items()]):
+            db[MESSAGES].drop_index(name)
         for collection, models in INDEXES.items():
             db[collection].create_indexes(models)
 

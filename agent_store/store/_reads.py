@@ -465,10 +465,14 @@ class ConversationStore:
         if user_id is None and conversation_id is None:
             raise InvalidInput("invalid search: scope it to a user_id or a conversation_id")
         query: dict[str, Any] = {"$text": {"$search": text}}
-        if user_id is not None:
-            query["user_id"] = validate_identifier(user_id, "user_id")
         if conversation_id is not None:
             query["conversation_id"] = validate_identifier(conversation_id, "conversation_id")
+        if user_id is not None:
+            query["user_id"] = validate_identifier(user_id, "user_id")
+        else:
+            # The text index is compound on `user_id` first: every search names the owner,
+            # so it reads one user's postings, never the whole collection's.
+            query["user_id"] = await self._owner_of(query["conversation_id"])
         with storage_errors("search messages"):
             # Sorting by the text score needs no projection of it (MongoDB 4.4+); projecting
             # it would also trim documents on some MongoDB-compatible servers.
@@ -482,6 +486,14 @@ class ConversationStore:
             SearchHit(message=message_adapter.validate_python(d), rank=rank)
             for rank, d in enumerate(docs, start=1)
         ]
+
+    async def _owner_of(self, conversation_id: str) -> str | None:
+        with storage_errors("read the conversation"):
+            doc = await self._conversations.find_one({"_id": conversation_id}, {"user_id": 1})
+        if doc is None:
+            raise NotFound(f"conversation {conversation_id!r} was not found")
+        owner: str | None = doc.get("user_id")
+        return owner
 
     # -- per user --------------------------------------------------------------------
 

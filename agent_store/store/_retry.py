@@ -8,7 +8,7 @@ replays it). `InvalidInput`, `NotFound`, `Conflict` and `StorageFailure` give
 the same answer every time.
 
 PyMongo pauses a connection pool after a dropped connection, so the calls
-right after it fail at once: a first delay of half a second rides that out
+right after it fail at once: a first delay of a second rides that out
 (docs/RELIABILITY.md has the measurements).
 """
 
@@ -32,7 +32,7 @@ class RetryPolicy:
 
     attempts: int = 8
     """Attempts in all, the first included."""
-    first_delay: float = 0.5
+    first_delay: float = 1.0
     """Seconds before the second attempt, at most."""
     max_delay: float = 8.0
     """No wait is longer than this many seconds."""

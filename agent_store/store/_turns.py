@@ -52,7 +52,7 @@ class TurnRules:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     preview_chars: int = 200
     name_chars: int = 60
-    turns_recorded: int = 10_000
+    turns_recorded: int = 1_000
     """Turn records kept on a conversation; past them, a new turn costs one more round trip."""
     abandon_after: timedelta = timedelta(minutes=5)
     """A reserved `seq` block still empty after this is passed by tail readers."""

@@ -126,6 +126,8 @@ export interface IAgentConversation<TDate extends DateLike = Date> {
   message_count: number;
   pending_hitl: IPendingHitl<TDate> | null;
   usage: IUsage;
+  /** The conversation and `seq` this one was forked from (extension); null if it was not. */
+  forked_from: IForkOrigin | null;
 }
 
 /** A page of a conversation's messages. */
@@ -157,6 +159,13 @@ export interface IFileUpload {
   file_type: string;
   size: number;
   parsed_text: string | null;
+}
+
+/** Where a forked conversation came from (extension). */
+export interface IForkOrigin {
+  conversation_id: string;
+  /** The last `seq` of the original the fork copied. */
+  seq: number;
 }
 
 /** The function an assistant asks to call. */
