@@ -126,6 +126,16 @@ class TokenUsage(_Model):
     output_tokens: NonNegativeInt = 0
 
 
+class Truncation(_Model):
+    """Where a text cut to bound its message is kept whole (extension)."""
+
+    length: NonNegativeInt
+    """The text's original length, in characters."""
+    blob_id: str | None = None
+    """The GridFS file (bucket `agent_message_blobs`) holding the whole text; None when it
+    was not kept (`search_text`, which is derived from the other fields)."""
+
+
 class _MessageBase(_Model):
     """Every field of the message interface, on every role.
 
@@ -157,8 +167,9 @@ class _MessageBase(_Model):
     """The turn that logged this message (extension). Set by the logger."""
     search_text: str | None = None
     """Text extracted at write time for full-text search (extension)."""
-    truncated: dict[str, NonNegativeInt] | None = None
-    """Fields cut to keep the document bounded, with their original length (extension)."""
+    truncated: dict[str, Truncation | NonNegativeInt] | None = None
+    """Fields cut to keep the document bounded, by path, with where each is kept whole
+    (extension). A bare number is the older shape: the original length, not kept whole."""
 
     @model_validator(mode="after")
     def _role_fields(self) -> _MessageBase:
@@ -289,6 +300,9 @@ class Conversation(_Model):
     usage: Usage = Field(default_factory=Usage)
     recent_turns: list[TurnRecord] = Field(default_factory=list)
     """The last turns logged, for idempotent retries (extension)."""
+    legacy_conversation_id: str | None = None
+    """The id its legacy turns named, when that was not an identifier and the migration gave
+    the conversation a derived one (extension)."""
 
     def first_seq_of(self, turn_id: str) -> int | None:
         """The first `seq` a recently logged turn reserved, or None if it is not recent."""

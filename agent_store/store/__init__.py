@@ -4,8 +4,20 @@ It imports only `agent_store.core` and the driver. Legacy turns and the dual
 write reach it through the protocols in `LegacySource` and `TurnObserver`.
 """
 
+from agent_store.store._blobs import (
+    CHUNK_BYTES,
+    FullTextStore,
+    blob_documents,
+    kept_blob_ids,
+    stored_blob_ids,
+    text_of,
+    with_texts,
+)
 from agent_store.store._driver import DUPLICATE_KEY, Database, storage_errors
 from agent_store.store._indexes import (
+    BLOB_BUCKET,
+    BLOB_CHUNKS,
+    BLOB_FILES,
     CONVERSATIONS,
     INDEXES,
     MESSAGES,
@@ -38,7 +50,15 @@ from agent_store.store._text import (
     shorten,
     strip_runtime_context,
 )
-from agent_store.store._truncation import DEFAULT_MAX_MESSAGE_BYTES, bound_message, document_size
+from agent_store.store._truncation import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    BoundedMessage,
+    FullText,
+    blob_id,
+    bound,
+    bound_message,
+    document_size,
+)
 from agent_store.store._turns import (
     MAX_MESSAGES_PER_TURN,
     KeepPendingHitl,
@@ -52,6 +72,10 @@ from agent_store.store._turns import (
 )
 
 __all__ = [
+    "BLOB_BUCKET",
+    "BLOB_CHUNKS",
+    "BLOB_FILES",
+    "CHUNK_BYTES",
     "CONVERSATIONS",
     "DEFAULT_MARKERS",
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -64,12 +88,15 @@ __all__ = [
     "MAX_SEARCH_QUERY_CHARS",
     "MESSAGES",
     "AgentMessageLogger",
+    "BoundedMessage",
     "Claimed",
     "ConversationExport",
     "ConversationStore",
     "Database",
     "Deleted",
     "FallbackConversation",
+    "FullText",
+    "FullTextStore",
     "IndexSetup",
     "KeepPendingHitl",
     "LegacySource",
@@ -81,6 +108,9 @@ __all__ = [
     "TurnPlan",
     "TurnRules",
     "auto_name",
+    "blob_documents",
+    "blob_id",
+    "bound",
     "bound_message",
     "clean_name",
     "collapse_whitespace",
@@ -88,6 +118,7 @@ __all__ = [
     "create_indexes_sync",
     "derive_turn_id",
     "document_size",
+    "kept_blob_ids",
     "message_id",
     "message_text",
     "parse_messages",
@@ -95,6 +126,9 @@ __all__ = [
     "search_text",
     "shorten",
     "storage_errors",
+    "stored_blob_ids",
     "strip_runtime_context",
+    "text_of",
     "validate_identifier",
+    "with_texts",
 ]

@@ -24,6 +24,7 @@ from pymongo import ReturnDocument
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
 from agent_store.core import AgentMessage, Conflict, Conversation, NotFound, StorageFailure, utc_now
+from agent_store.store._blobs import FullTextStore
 from agent_store.store._driver import DUPLICATE_KEY, Database, storage_errors
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
 from agent_store.store._text import clean_name
@@ -85,6 +86,7 @@ class AgentMessageLogger:
         self._conversations = db[CONVERSATIONS]
         self._indexes = IndexSetup(db)
         self._observers = tuple(observers)
+        self._full_texts = FullTextStore(db)
 
     async def ensure_indexes(self) -> None:
         """Create the store's indexes (idempotent; retried after a failure)."""
@@ -186,6 +188,7 @@ class AgentMessageLogger:
             message.model_copy(update={"seq": first_seq + index, "user_id": conversation.user_id})
             for index, message in enumerate(plan.messages)
         ]
+        await self._full_texts.keep(plan.full_texts)  # only a turn with a cut message: 2 more
         await self._insert(stored)
         logged = LoggedTurn(
             conversation_id=plan.conversation_id,

@@ -34,7 +34,7 @@ from agent_store.store._text import (
     shorten,
     strip_runtime_context,
 )
-from agent_store.store._truncation import DEFAULT_MAX_MESSAGE_BYTES, bound_message
+from agent_store.store._truncation import DEFAULT_MAX_MESSAGE_BYTES, FullText, bound
 
 _identifier: TypeAdapter[str] = TypeAdapter(Identifier)
 
@@ -73,6 +73,8 @@ class TurnPlan:
     """The prompt left pending after the turn; None clears it."""
     auto_name: str | None = None
     """A name from the first user text, used only while the conversation has none."""
+    full_texts: tuple[FullText, ...] = ()
+    """Whole texts of the fields cut to bound the messages, kept before they are inserted."""
 
 
 def validate_identifier(value: object, what: str) -> str:
@@ -176,6 +178,7 @@ def plan_turn(
     )
 
     stored: list[AgentMessage] = []
+    full_texts: list[FullText] = []
     for index, message in enumerate(messages):
         prepared = message.model_copy(
             update={
@@ -185,7 +188,9 @@ def plan_turn(
                 "search_text": search_text(message),
             }
         )
-        stored.append(bound_message(prepared, rules.max_message_bytes))
+        bounded = bound(prepared, rules.max_message_bytes)
+        stored.append(bounded.message)
+        full_texts += bounded.full_texts
 
     return TurnPlan(
         conversation_id=conversation_id,
@@ -200,6 +205,7 @@ def plan_turn(
             (name for m in stored if m.upload is None and (name := auto_name(m, rules.name_chars))),
             None,
         ),
+        full_texts=tuple(full_texts),
     )
 
 
