@@ -9,8 +9,17 @@ from typing import Any
 
 from bson import ObjectId
 
-from agent_store.legacy import convert, derived_conversation_id
+from agent_store import ConversationStore, LegacyTurns
+from agent_store.legacy import (
+    LEGACY_TURNS,
+    convert,
+    derived_conversation_id,
+    group_conversations,
+    parse_turns,
+)
+from agent_store.store import CONVERSATIONS, MESSAGES
 from scripts.legacy_corpus import MESSY_START, NOT_AN_IDENTIFIER, messy_corpus
+from tests.conftest import Backend
 
 
 def conversation(conversation_id: str) -> list[dict[str, Any]]:
@@ -145,3 +154,27 @@ def test_each_problem_names_the_field_it_concerns() -> None:
     conversion = convert(conversation("mess-odd-values"))
     fields = {(p.kind, p.field, p.part_index) for p in conversion.problems}
     assert fields == {("invalid_part", "response_parts", None)}
+
+
+async def test_deleting_a_conversation_migrated_under_a_derived_id_reaches_its_legacy_turns(
+    backend: Backend,
+) -> None:
+    orphan_turn = {"_id": "lost-1", "user_message": "where am I?", "created_at": MESSY_START}
+    documents = [*conversation(NOT_AN_IDENTIFIER), orphan_turn]
+    await backend.db[LEGACY_TURNS].insert_many([dict(d) for d in documents])
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    for group in group_conversations(parse_turns(documents)).values():
+        conversion = convert(group)  # as the migration stores it
+        assert conversion.conversation is not None
+        await backend.db[CONVERSATIONS].insert_one(
+            conversion.conversation.model_dump(by_alias=True)
+        )
+        await backend.db[MESSAGES].insert_many(
+            [m.model_dump(by_alias=True) for m in conversion.messages]
+        )
+
+    deleted = await store.delete(derived_conversation_id(NOT_AN_IDENTIFIER))
+    assert (deleted.legacy_turns, deleted.messages) == (2, 4)
+    orphan = derived_conversation_id(None, turn_key="lost-1")
+    assert (await store.delete(orphan)).legacy_turns == 1
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
