@@ -286,7 +286,7 @@ class _Converter:
         state = _TurnState(
             turn=turn,
             at=at,
-            items=self._opening(turn, at),
+            items=self._opening(turn, parts, at),
             calls=_RealIds(history.calls, [p for p in normalized if p.kind == "tool_call"]),
             results=_RealIds(history.returns, [p for p in normalized if p.kind == "tool_result"]),
         )
@@ -415,14 +415,15 @@ class _Converter:
                 content=text,
             )
 
-    def _opening(self, turn: LegacyTurn, at: datetime) -> list[Item]:
+    def _opening(
+        self, turn: LegacyTurn, parts: list[tuple[int, LegacyPart]], at: datetime
+    ) -> list[Item]:
         """The turn's system or user message(s): its text and every upload."""
         text = user_text(turn)
         uploads: list[tuple[int | None, Any]] = []
         if turn.upload_result not in (None, {}):
             uploads.append((None, turn.upload_result))
-        raw_parts = turn.response_parts if isinstance(turn.response_parts, list) else []
-        for index, part in enumerate(map(normalize_part, raw_parts)):
+        for index, part in parts:
             if part.kind == "file_upload":
                 if any(part.upload == u for _, u in uploads):
                     continue  # the same file recorded twice: once as upload_result

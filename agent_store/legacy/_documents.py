@@ -177,6 +177,8 @@ def dated_turns(turns: Iterable[LegacyTurn]) -> list[TurnTime]:
     previous readable turn's; with no readable turn at all, none."""
     ordered = list(turns)
     own = [_own_time(turn) for turn in ordered]
+    if all(own):
+        return [found for found in own if found is not None]
     times: list[TurnTime | None] = list(own)
     for step, indexes in (
         ("next", reversed(range(len(ordered)))),

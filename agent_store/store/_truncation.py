@@ -72,12 +72,13 @@ def _text_fields(doc: dict[str, Any]) -> list[tuple[str, str]]:
     if doc.get("hitl_action"):
         params = json.dumps(doc["hitl_action"]["params"], ensure_ascii=False, default=str)
         found.append(("hitl_action.params", params))
-    return sorted(found, key=lambda item: len(item[1].encode()), reverse=True)
+    # Largest first, by characters: encoding megabytes only to sort them costs more than it tells.
+    return sorted(found, key=lambda item: len(item[1]), reverse=True)
 
 
-def _cut(text: str, max_bytes: int) -> str:
+def _cut(data: bytes, max_bytes: int) -> str:
     budget = max(max_bytes - len(TRUNCATION_MARK.encode()), 0)
-    return text.encode()[:budget].decode(errors="ignore") + TRUNCATION_MARK
+    return data[:budget].decode(errors="ignore") + TRUNCATION_MARK
 
 
 def put_text(doc: dict[str, Any], path: str, text: str, *, cut: bool) -> None:
@@ -107,9 +108,9 @@ def bound(message: AgentMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> 
     for path, text in _text_fields(doc):
         if size <= max_bytes:
             break
-        encoded_length = len(text.encode())
-        keep = max(encoded_length - (size - max_bytes) - _SLACK_BYTES, 0)
-        put_text(doc, path, _cut(text, keep), cut=True)
+        data = text.encode()
+        keep = max(len(data) - (size - max_bytes) - _SLACK_BYTES, 0)
+        put_text(doc, path, _cut(data, keep), cut=True)
         kept = None
         if path not in DERIVED_FIELDS and message.id is not None:
             kept = blob_id(message.id, path)
