@@ -250,6 +250,7 @@ class Explosion:
         self.run_id = lease.run_id if lease else kind + uuid.uuid4().hex[:8]
         self.started = time.monotonic()
         self.undated_at = undated_time(db, record=not options.dry_run)
+        self.earlier_problems = db[problem_report.PROBLEMS].find_one({}, {"_id": 1}) is not None
 
     # -- the run record ------------------------------------------------------------------
 
@@ -363,5 +364,6 @@ class Explosion:
                 found,
                 at=self.undated_at,
                 bounds=self.options.bounds,
+                earlier=self.earlier_problems,
             )
         self.counts.add(planned, found, messages_written=inserted)

@@ -346,3 +346,21 @@ def test_the_cli_opens_the_embedded_database_itself_when_no_service_runs(
     out = capsys.readouterr().out
     assert "the embedded database" in out
     assert "legacy turns not yet moved aside (in agent_conversations): yes" in out
+
+
+@pytest.mark.wire
+def test_a_rerun_replaces_the_problems_an_earlier_run_recorded(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    seed_mess(database, "mess-hitl", "mess-unplaced")
+    assert cli(wire_uri, database, "run") == 0
+    recorded = sorted(database[PROBLEMS].distinct("_id"))
+    # As an older version of the converter would have reported it.
+    database[PROBLEMS].insert_one(
+        {"_id": "mess-hitl|response_text_not_in_parts|0", "conversation_id": "mess-hitl",
+         "kind": "response_text_not_in_parts", "placed": False}
+    )  # fmt: skip
+
+    assert cli(wire_uri, database, "run", "--restart") == 0
+
+    assert sorted(database[PROBLEMS].distinct("_id")) == recorded
