@@ -16,9 +16,9 @@ import pytest
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
-from agent_store.legacy import LEGACY_TURNS, derived_conversation_id
+from agent_store.legacy import LEGACY_TURNS, convert, derived_conversation_id
 from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES
-from app.examples import EXAMPLE_CONVERSATION_ID
+from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from migrations import explode, relocate
 from migrations.cli import main
 from migrations.lease import Lease
@@ -364,3 +364,35 @@ def test_a_rerun_replaces_the_problems_an_earlier_run_recorded(
     assert cli(wire_uri, database, "run", "--restart") == 0
 
     assert sorted(database[PROBLEMS].distinct("_id")) == recorded
+
+
+@pytest.mark.wire
+def test_a_conversation_logged_live_with_its_legacy_content_verifies_and_passes_the_gate(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo store: the example logged live, and its legacy turns beside it."""
+    turns = example_legacy_turns()
+    database[CONVERSATIONS].insert_many(turns)
+    relocate.relocate(database)
+    live = convert(turns)
+    assert live.conversation is not None
+    database[CONVERSATIONS].insert_one(
+        live.conversation.model_dump(by_alias=True)
+        | {"recent_turns": [{"turn_id": "turn-1", "count": len(live.messages)}]}
+    )
+    database[MESSAGES].insert_many(
+        [
+            m.model_dump(by_alias=True) | {"_id": f"live-{m.seq}", "turn_id": "turn-1"}
+            for m in live.messages
+        ]
+    )
+
+    assert cli(wire_uri, database, "run", "--dry-run") == 0
+    assert cli(wire_uri, database, "run") == 0
+    out = capsys.readouterr().out
+    assert [summary(part)["already live"] for part in out.split("took")[:2]] == [1, 1]
+    problem = database[PROBLEMS].find_one({"kind": "conversation_already_live"})
+    assert problem is not None
+    assert problem["placed"] is True
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
