@@ -9,19 +9,55 @@ slow on large collections, and its full-text ranking differs from MongoDB's.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import threading
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from pathlib import Path
 
 from agent_store.core import Unsupported
+
+DATABASE_FILE = "agent_store.sqlite3"
+"""The embedded server's SQLite file, in its data directory."""
+URI_FILE = "embedded-mongodb.json"
+"""Where a running embedded server publishes its URI (and its process id), in its data
+directory, so other processes (`python -m migrations`) reach the same data."""
+
+
+def published_uri(data_dir: Path) -> str | None:
+    """The URI a running embedded server published in `data_dir`; None when there is none or
+    the process that published it is gone."""
+    try:
+        published = json.loads((data_dir / URI_FILE).read_text())
+        uri, pid = str(published["uri"]), int(published["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # alive, under another user
+    return uri
+
+
+def _publish(data_dir: Path, uri: str) -> None:
+    (data_dir / URI_FILE).write_text(json.dumps({"uri": uri, "pid": os.getpid()}))
+
+
+def _withdraw(data_dir: Path, uri: str) -> None:
+    with suppress(OSError, ValueError, KeyError):
+        if json.loads((data_dir / URI_FILE).read_text())["uri"] == uri:
+            (data_dir / URI_FILE).unlink()
 
 
 @asynccontextmanager
 async def embedded_mongodb(data_dir: Path | None) -> AsyncIterator[str]:
     """Start the embedded server for as long as the context lasts; yields its URI.
 
-    `data_dir` holds its SQLite file; None keeps everything in memory (tests).
+    `data_dir` holds its SQLite file and, while it runs, the published URI
+    (`URI_FILE`); None keeps everything in memory (tests).
     """
     try:
         from mongoeco.engines.memory import MemoryEngine
@@ -37,7 +73,7 @@ async def embedded_mongodb(data_dir: Path | None) -> AsyncIterator[str]:
         engine = MemoryEngine()
     else:
         data_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, at start-up
-        engine = SQLiteEngine(str(data_dir / "agent_store.sqlite3"))
+        engine = SQLiteEngine(str(data_dir / DATABASE_FILE))
     server = AsyncMongoEcoProxyServer(
         engine=engine,
         host="127.0.0.1",
@@ -46,9 +82,14 @@ async def embedded_mongodb(data_dir: Path | None) -> AsyncIterator[str]:
         pymongo_profile="auto-installed",
     )
     address = await server.start()
+    uri = f"mongodb://{address.host}:{address.port}/?directConnection=true"
     try:
-        yield f"mongodb://{address.host}:{address.port}/?directConnection=true"
+        if data_dir is not None:
+            _publish(data_dir, uri)  # a few bytes, once, at start-up
+        yield uri
     finally:
+        if data_dir is not None:
+            _withdraw(data_dir, uri)
         await server.close()
 
 

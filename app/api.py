@@ -35,6 +35,7 @@ from app.api_models import (
     SearchQuery,
     SearchResults,
     Transcript,
+    TranscriptQuery,
     UserExport,
 )
 from app.auth import AuditMiddleware, Authenticator, audit_record
@@ -91,8 +92,10 @@ async def delete_conversation(call: Call[NoQuery, NoBody]) -> Response:
     return _json(deleted)
 
 
-async def transcript(call: Call[NoQuery, NoBody]) -> Response:
+async def transcript(call: Call[TranscriptQuery, NoBody]) -> Response:
     messages = await call.store.conversations.transcript(call.conversation_id, user_id=call.scope)
+    if call.query.full:
+        messages = await call.store.conversations.with_full_texts(messages)
     return _json(Transcript(conversation_id=call.conversation_id, data=messages))
 
 
@@ -150,7 +153,7 @@ async def search(call: Call[SearchQuery, NoBody]) -> Response:
 async def export_user(call: Call[ExportQuery, NoBody]) -> Response:
     user_id = call.path["user_id"]
     call.caller.require_user(user_id)
-    exports = call.store.conversations.export_user(user_id)
+    exports = call.store.conversations.export_user(user_id, full=call.query.full)
     disposition = {
         "Content-Disposition": f'attachment; filename="{user_id}.{call.query.format}"',
     }
@@ -262,6 +265,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "Every message of a conversation, by seq",
         "messages",
         {200: Transcript},
+        query=TranscriptQuery,
         errors=("not_found",),
     ),
     Endpoint(

@@ -58,9 +58,16 @@ class SearchQuery(_Input):
     limit: PageSize = 20
 
 
+class TranscriptQuery(_Input):
+    full: bool = False
+    """Put back whole every field that was cut to bound its message (kept in GridFS)."""
+
+
 class ExportQuery(_Input):
     format: Literal["jsonl", "json"] = "jsonl"
     """`jsonl`: one conversation with its messages per line; `json`: one document."""
+    full: bool = False
+    """Put back whole every field that was cut to bound its message (kept in GridFS)."""
 
 
 class RenameBody(_Input):

@@ -103,6 +103,8 @@ class MessageView:
     upload: UploadView | None = None
     usage: str = ""
     truncated: list[str] = field(default_factory=list)
+    kept_whole: bool = False
+    """Some cut field's whole text is kept: the transcript can show it (`?full=true`)."""
 
 
 def message_views(
@@ -154,7 +156,14 @@ def message_views(
                 usage=usage_text(
                     m.token_usage.model_dump() if m.token_usage else None, m.latency_ms
                 ),
-                truncated=[f"{k} (was {v} characters)" for k, v in (m.truncated or {}).items()],
+                truncated=[
+                    f"{path} (was {v if isinstance(v, int) else v.length} characters"
+                    + (", kept whole)" if not isinstance(v, int) and v.blob_id else ")")
+                    for path, v in (m.truncated or {}).items()
+                ],
+                kept_whole=any(
+                    not isinstance(v, int) and v.blob_id for v in (m.truncated or {}).values()
+                ),
             )
         )
     return views

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 from pymongo import AsyncMongoClient
 
-from agent_store.embedded import embedded_mongodb
+from agent_store.embedded import URI_FILE, embedded_mongodb
 from agent_store.legacy import LegacyTurns
 from agent_store.store import AgentMessageLogger, ConversationStore, Database, storage_errors
 from app.settings import Settings
@@ -47,6 +48,12 @@ async def open_store(settings: Settings) -> AsyncIterator[Store]:
         uri = settings.mongodb_uri or await stack.enter_async_context(
             embedded_mongodb(settings.data_dir)
         )
+        if settings.mongodb_uri is None:
+            logging.getLogger("agent_store.embedded").info(
+                "embedded database at %s, published in %s for `make migrate`",
+                uri,
+                settings.data_dir / URI_FILE,
+            )
         client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
             uri, tz_aware=True, serverSelectionTimeoutMS=10_000
         )

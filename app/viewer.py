@@ -182,11 +182,15 @@ async def transcript(request: Request, store: Store) -> Response:
         request.path_params["conversation_id"]
     )
     messages = await store.conversations.transcript(conversation.id)
+    full = request.query_params.get("full") == "true"
+    if full:
+        messages = await store.conversations.with_full_texts(messages)
     pending = conversation.pending_hitl.request_id if conversation.pending_hitl else None
     return render(
         "transcript.html",
         conversation=conversation,
         messages=message_views(messages, pending_request_id=pending),
+        full=full,
     )
 
 

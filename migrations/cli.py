@@ -16,18 +16,22 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, TextIO
 
-from pymongo import MongoClient
 from pymongo.database import Database
-from pymongo.errors import ConfigurationError, PyMongoError
+from pymongo.errors import PyMongoError
 
 from agent_store.core import utc_now
 from agent_store.legacy import LEGACY_TURNS
-from agent_store.store import CONVERSATIONS, MESSAGES, TurnRules, create_indexes_sync
-from migrations import explode, lease, relocate
-from migrations.errors import MigrationError, Misuse, Unreachable
+from agent_store.store import CONVERSATIONS, MESSAGES, create_indexes_sync
+from migrations import explode, gate, lease, relocate
+from migrations import problems as problem_report
+from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS
+from migrations.connection import database
+from migrations.errors import MigrationError, Misuse
 from migrations.verify import verify
 
 LEGACY_INDEX = [("conversation_id", 1)]
+MAX_LISTED = 100
+"""Conversations with work left that `finish` names one by one."""
 
 
 class Progress:
@@ -70,26 +74,6 @@ class Progress:
             self.bar.close()
 
 
-def connect(args: argparse.Namespace) -> MongoClient[dict[str, Any]]:
-    uri = args.uri or os.environ.get("MONGODB_URI")
-    if not uri:
-        raise Misuse("no database given: pass --uri or set MONGODB_URI")
-    try:
-        client: MongoClient[dict[str, Any]] = MongoClient(
-            uri, tz_aware=True, serverSelectionTimeoutMS=int(args.timeout * 1000)
-        )
-    except ConfigurationError as exc:
-        raise Unreachable(f"invalid MongoDB URI {uri!r}: {exc}") from exc
-    try:
-        client.admin.command("ping")
-    except PyMongoError as exc:
-        client.close()
-        raise Unreachable(
-            f"cannot reach MongoDB at {uri!r} within {args.timeout:g}s: {exc}"
-        ) from exc
-    return client
-
-
 # -- commands -----------------------------------------------------------------------------
 
 
@@ -111,9 +95,9 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         print(
             f"last run: {last['_id']} {last.get('status')}, started {last.get('started_at')}, "
             f"{last.get('seconds')}s, {counts.get('conversations')} conversations, "
-            f"{counts.get('turns')} turns, {counts.get('inserted')} messages inserted, "
-            f"{counts.get('problems')} problems {counts.get('problems_by_kind')}"
+            f"{counts.get('turns')} turns, {counts.get('messages_written')} messages written"
         )
+    problem_report.print_summary(db, sys.stdout)
     if not in_place and legacy == 0:
         print("no legacy data found")
     return 0
@@ -156,6 +140,8 @@ def _explode(
         conversation=args.conversation,
         batch_size=args.batch_size,
         restart=args.restart,
+        max_command_documents=args.max_command_documents,
+        max_command_bytes=args.max_command_bytes,
     )
     run = explode.Explosion(db, options, lease=held, source=_source(db, args))
     after = run.resume_point()
@@ -170,14 +156,32 @@ def _explode(
     return run
 
 
+def summary_line(label: str, counts: explode.Counts) -> str:
+    """What a run did, or what a dry run predicts it would do: the same line, the same counts."""
+    return (
+        f"{label}: {counts.conversations} conversations, {counts.turns} turns -> "
+        f"{counts.messages} messages; {counts.messages_written} messages written, "
+        f"{counts.conversations_written} conversation documents written, "
+        f"{counts.full_texts_written} full texts written; {counts.live_skipped} already live; "
+        f"{counts.problems} problems, {counts.unplaced} not placed"
+        + (f" {counts.problems_by_kind}" if counts.problems else "")
+    )
+
+
 def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
         raise Misuse("--batch-size and --limit must be at least 1")
+    if args.max_command_documents < 1 or args.max_command_bytes < 1:
+        raise Misuse("--max-command-documents and --max-command-bytes must be at least 1")
     run_id = time.strftime("run-%Y%m%dT%H%M%SZ-", time.gmtime()) + uuid.uuid4().hex[:6]
     held: lease.Lease | None = None
     if not args.dry_run:
         held = lease.Lease(db, run_id, timedelta(seconds=args.lease_seconds))
-        held.acquire(force=args.force_unlock)
+        held.acquire(
+            force=args.force_unlock,
+            wait=timedelta(seconds=args.wait_seconds),
+            say=lambda text: print(text, file=sys.stderr, flush=True),
+        )
         # Holding the lock, no other run is alive: records still "running" were killed.
         db[lease.STATE].update_many(
             {"kind": "run", "status": "running"}, {"$set": {"status": "interrupted"}}
@@ -187,18 +191,12 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     finally:
         if held is not None:
             held.release()
-    counts = run.counts
-    verb = "would write" if args.dry_run else "inserted"
-    print(
-        f"{'dry run' if args.dry_run else run.run_id}: {counts.conversations} conversations, "
-        f"{counts.turns} turns -> {counts.messages} messages ({verb} "
-        f"{counts.inserted if not args.dry_run else counts.messages}), "
-        f"{counts.conversations_written} conversation documents written, "
-        f"{counts.live_skipped} already live, {counts.problems} problems"
-        + (f" {counts.problems_by_kind} (see {explode.PROBLEMS})" if counts.problems else "")
-    )
+    label = "dry run (what a run would do)" if args.dry_run else run.run_id
+    print(summary_line(label, run.counts))
+    if run.counts.problems and not args.dry_run:
+        print(f"problems are in {problem_report.PROBLEMS}; `status` summarizes them by kind")
     elapsed = time.monotonic() - run.started
-    print(f"took {elapsed:.1f}s, {counts.turns / max(elapsed, 1e-9):.1f} turns/s")
+    print(f"took {elapsed:.1f}s, {run.counts.turns / max(elapsed, 1e-9):.1f} turns/s")
     return 0
 
 
@@ -230,57 +228,76 @@ def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     print(
         f"verified {result.conversations} conversations: {result.matched} match, "
         f"{len(result.differences)} differ; {result.unplaced} legacy parts were recorded as "
-        f"problems and left out (see {explode.PROBLEMS})"
+        f"problems and left out (see {problem_report.PROBLEMS})"
     )
     return 0 if result.ok else 1
+
+
+def _report(found: gate.Gate) -> None:
+    print(
+        f"checked {found.conversations} legacy conversations: "
+        f"{found.conversations - len(found.left)} migrated"
+        + (f" ({found.empty} hold nothing to migrate)" if found.empty else "")
+        + (f", {len(found.accepted)} with unplaced content accepted" if found.accepted else "")
+    )
+    if found.left:
+        print(f"work left in {len(found.left)} conversations:")
+        for item in found.left[:MAX_LISTED]:
+            print(f"  {item.conversation_id}: {'; '.join(item.reasons)}")
+        if len(found.left) > MAX_LISTED:
+            print(f"  … and {len(found.left) - MAX_LISTED} more")
 
 
 def cmd_finish(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     if relocate.holds_turns(db, CONVERSATIONS):
         print(f"{CONVERSATIONS} still holds legacy turns: run the migration first")
         return 1
-    missing = empty = 0
-    for batch in explode.batches(explode.conversation_ids(db), 500):
-        present = {
-            d["_id"]
-            for d in db[CONVERSATIONS].find({"_id": {"$in": [str(i) for i in batch]}}, {"_id": 1})
-        }
-        absent = [i for i in batch if str(i) not in present]
-        if absent:
-            # Conversations whose turns hold no message (or no valid id) have no document.
-            conversions, failed, _ = explode.convert_batch(db, absent, TurnRules())
-            empty += len(failed) + sum(1 for c in conversions if c.conversation is None)
-            missing += sum(1 for c in conversions if c.conversation is not None)
-    if missing:
-        print(f"{missing} legacy conversations have no conversation document yet: run again")
+    if args.drop_legacy and not args.yes:
+        raise Misuse("--drop-legacy deletes the rollback copy: add --yes to confirm")
+    for conversation_id in args.accept or ():
+        problem_report.accept(db, conversation_id, args.note)
+        print(f"recorded: the unplaced content of {conversation_id!r} is accepted ({args.note})")
+    found = gate.check(db, undated_at=explode.undated_time(db, record=False))
+    _report(found)
+    problem_report.print_summary(db, sys.stdout)
+    if not found.open:
+        if args.drop_legacy:
+            print(
+                f"refusing to drop {LEGACY_TURNS}: the conversations above hold content that "
+                "is not in the new collections"
+            )
         return 1
-    print(
-        "every legacy conversation is migrated"
-        + (f" ({empty} hold nothing to migrate; see {explode.PROBLEMS})" if empty else "")
-    )
     db[lease.STATE].update_one(
         {"_id": explode.STATE_ID}, {"$set": {"finished_at": utc_now()}}, upsert=True
     )
     if args.drop_legacy:
-        if not args.yes:
-            raise Misuse("--drop-legacy deletes the rollback copy: add --yes to confirm")
         db[LEGACY_TURNS].drop()
         print(f"dropped {LEGACY_TURNS}; rollback to the legacy service is no longer possible")
     else:
         print(
-            f"keep {LEGACY_TURNS} for the rollback window; then `finish --drop-legacy --yes` "
-            "and unset AGENT_STORE_LEGACY_DUAL_WRITE"
+            f"every legacy conversation is migrated; keep {LEGACY_TURNS} for the rollback "
+            "window, then `finish --drop-legacy --yes` and unset AGENT_STORE_LEGACY_DUAL_WRITE"
         )
     return 0
 
 
 def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--uri", help="MongoDB connection string (default: $MONGODB_URI)")
+    common.add_argument(
+        "--uri",
+        help="MongoDB connection string (default: $MONGODB_URI, else the embedded database "
+        "of --data-dir)",
+    )
     common.add_argument(
         "--database",
         default=os.environ.get("AGENT_STORE_DATABASE", "agent_store"),
         help="database name (default: $AGENT_STORE_DATABASE or agent_store)",
+    )
+    common.add_argument(
+        "--data-dir",
+        default=os.environ.get("AGENT_STORE_DATA_DIR", "data"),
+        help="the embedded database's directory, used without a URI (default: "
+        "$AGENT_STORE_DATA_DIR or data)",
     )
     common.add_argument(
         "--timeout", type=float, default=5.0, help="seconds to wait for the server (default 5)"
@@ -296,9 +313,28 @@ def parser() -> argparse.ArgumentParser:
         description="Migrate legacy turn documents into agent_messages and agent_conversations.",
     )
     commands = top.add_subparsers(dest="command", required=True)
-    commands.add_parser("status", parents=[common], help="what is migrated, the lock, last run")
-    run = commands.add_parser("run", parents=[common], help="move aside, then migrate")
-    run.add_argument("--dry-run", action="store_true", help="convert and count; write nothing")
+    commands.add_parser("status", parents=[common], help="what is migrated, the lock, problems")
+    _run_parser(commands.add_parser("run", parents=[common], help="move aside, then migrate"))
+    check = commands.add_parser("verify", parents=[common], help="compare legacy and new")
+    check.add_argument("--sample", type=int, help="verify a random sample of N conversations")
+    check.add_argument("--seed", type=int, default=0, help="seed of the sample")
+    check.add_argument("--conversation", metavar="ID", help="verify only this conversation")
+    check.add_argument("--batch-size", type=int, default=100)
+    finish = commands.add_parser("finish", parents=[common], help="the exit gate, then the drop")
+    finish.add_argument("--drop-legacy", action="store_true", help="drop the legacy collection")
+    finish.add_argument("--yes", action="store_true", help="confirm --drop-legacy")
+    finish.add_argument(
+        "--accept",
+        action="append",
+        metavar="ID",
+        help="record that this conversation's unplaced content is kept elsewhere (repeatable)",
+    )
+    finish.add_argument("--note", help="where the accepted content is kept (recorded)")
+    return top
+
+
+def _run_parser(run: argparse.ArgumentParser) -> None:
+    run.add_argument("--dry-run", action="store_true", help="plan every write; write nothing")
     run.add_argument("--limit", type=int, help="migrate at most N conversations")
     run.add_argument("--conversation", metavar="ID", help="migrate only this conversation")
     run.add_argument("--batch-size", type=int, default=100, help="conversations per batch")
@@ -309,15 +345,24 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--lease-seconds", type=float, default=120.0, help="lock lease, renewed every batch"
     )
-    check = commands.add_parser("verify", parents=[common], help="compare legacy and new")
-    check.add_argument("--sample", type=int, help="verify a random sample of N conversations")
-    check.add_argument("--seed", type=int, default=0, help="seed of the sample")
-    check.add_argument("--conversation", metavar="ID", help="verify only this conversation")
-    check.add_argument("--batch-size", type=int, default=100)
-    finish = commands.add_parser("finish", parents=[common], help="check all is migrated")
-    finish.add_argument("--drop-legacy", action="store_true", help="drop the legacy collection")
-    finish.add_argument("--yes", action="store_true", help="confirm --drop-legacy")
-    return top
+    run.add_argument(
+        "--wait-seconds",
+        type=float,
+        default=lease.DEFAULT_WAIT.total_seconds(),
+        help="wait for a held lock whose lease ends within this (default 150)",
+    )
+    run.add_argument(
+        "--max-command-documents",
+        type=int,
+        default=MAX_COMMAND_DOCUMENTS,
+        help=f"documents per write command (default {MAX_COMMAND_DOCUMENTS})",
+    )
+    run.add_argument(
+        "--max-command-bytes",
+        type=int,
+        default=MAX_COMMAND_BYTES,
+        help=f"bytes per write command (default {MAX_COMMAND_BYTES})",
+    )
 
 
 COMMANDS = {"status": cmd_status, "run": cmd_run, "verify": cmd_verify, "finish": cmd_finish}
@@ -325,16 +370,14 @@ COMMANDS = {"status": cmd_status, "run": cmd_run, "verify": cmd_verify, "finish"
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    client = None
     try:
-        client = connect(args)
-        return COMMANDS[args.command](client[args.database], args)
+        with database(args) as (client, where):
+            if where not in ("--uri", "MONGODB_URI"):
+                print(f"database {args.database!r} on {where}")
+            return COMMANDS[args.command](client[args.database], args)
     except MigrationError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.exit_code
     except PyMongoError as exc:
         print(f"error: the database failed: {exc}", file=sys.stderr)
         return 4
-    finally:
-        if client is not None:
-            client.close()

@@ -6,19 +6,21 @@ read with one `find` on the `conversation_id` index. Memory holds one batch of
 conversations at a time: bounded by `--batch-size` times the largest
 conversation, not by the corpus.
 
-Per batch, writes are few and idempotent:
-1. conversation documents by upsert (`ReplaceOne`, only over documents the
+Per batch, the writes are planned first from what is stored (`writes.plan`),
+so a dry run reports exactly what a run does; then made, each in bounded
+commands (`bounds`), all idempotent:
+1. whole texts of cut messages, as GridFS files with deterministic ids;
+2. conversation documents by upsert (`ReplaceOne`, only over documents the
    migration wrote itself: a conversation the live logger has already written
    to is never overwritten);
-2. messages with their deterministic ids by one unordered `insert_many`;
-   duplicate-key errors of identical documents (a rerun, or a resumed kill)
-   are the only errors accepted;
-3. problems by upsert, with ids from the conversation and their position;
-4. the run record (counts, checkpoint) and the lock's lease.
+3. messages with their deterministic ids by unordered `insert_many`;
+   duplicate-key errors of identical documents are the only errors accepted;
+4. the batch's problems, replacing those an earlier run recorded for it;
+5. the run record (counts, checkpoint) and the lock's lease.
 
-Conversation documents go first, so a turn the live logger logs meanwhile
-reserves `seq` values after the migrated ones. A kill between any two writes
-is repaired by the next run, which recomputes the same documents.
+Conversation documents go before their messages, so a turn the live logger
+logs meanwhile reserves `seq` values after the migrated ones. A kill between
+any two writes is repaired by the next run, which recomputes the same documents.
 """
 
 from __future__ import annotations
@@ -27,26 +29,31 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
-from pymongo import ReplaceOne
+from pymongo import ReturnDocument
 from pymongo.database import Database
-from pymongo.errors import BulkWriteError
 
-from agent_store.core import InvalidInput, message_adapter, utc_now
+from agent_store.core import InvalidInput, to_utc_millis, utc_now
 from agent_store.legacy import (
     LEGACY_TURNS,
     SESSION_HITL,
-    LegacyConversion,
+    LegacyTurn,
     Problem,
     convert,
+    group_conversations,
+    parse_turns,
     with_session_prompts,
 )
-from agent_store.store import CONVERSATIONS, DUPLICATE_KEY, MESSAGES, TurnRules
+from agent_store.store import TurnRules
+from migrations import problems as problem_report
+from migrations import writes
+from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS, Bounds
 from migrations.lease import STATE, Lease
 from migrations.relocate import TURN_FILTER
+from migrations.writes import Converted
 
-PROBLEMS = "agent_migration_problems"
 STATE_ID = "state:legacy-turns"
 LEGACY_FILTER: dict[str, Any] = {**TURN_FILTER, "dual_write": {"$ne": True}}
 """Legacy turns, but not those the new logger wrote for rollback: their messages are stored."""
@@ -59,6 +66,12 @@ class Options:
     conversation: str | None = None
     batch_size: int = 100
     restart: bool = False
+    max_command_documents: int = MAX_COMMAND_DOCUMENTS
+    max_command_bytes: int = MAX_COMMAND_BYTES
+
+    @property
+    def bounds(self) -> Bounds:
+        return Bounds(self.max_command_documents, self.max_command_bytes)
 
 
 @dataclass
@@ -67,16 +80,46 @@ class Counts:
     turns: int = 0
     messages: int = 0
     """Messages the legacy turns convert to."""
-    inserted: int = 0
+    messages_written: int = 0
     """Messages written by this run (the rest were already there)."""
     conversations_written: int = 0
+    full_texts_written: int = 0
     live_skipped: int = 0
     """Conversations whose first `seq` values already hold other messages."""
     problems: int = 0
+    unplaced: int = 0
+    """Problems holding content no message holds."""
     problems_by_kind: dict[str, int] = field(default_factory=dict)
 
     def as_document(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def add(self, planned: writes.Planned, found: list[Problem], *, messages_written: int) -> None:
+        self.messages_written += messages_written
+        self.conversations_written += len(planned.conversations)
+        self.full_texts_written += len(planned.full_texts)
+        self.live_skipped += len(planned.live)
+        self.problems += len(found)
+        self.unplaced += sum(1 for p in found if not p.placed)
+        for problem in found:
+            self.problems_by_kind[problem.kind] = self.problems_by_kind.get(problem.kind, 0) + 1
+
+
+def undated_time(db: Database[dict[str, Any]], *, record: bool) -> datetime:
+    """The time of conversations without any readable time: the first run's start, recorded
+    in the migration state so every rerun gives them the same (a dry run only reads it)."""
+    now = utc_now()
+    if not record:
+        state = db[STATE].find_one({"_id": STATE_ID}, {"undated_at": 1}) or {}
+        found = state.get("undated_at")
+        return to_utc_millis(found) if isinstance(found, datetime) else now
+    recorded = db[STATE].find_one_and_update(
+        {"_id": STATE_ID},
+        [{"$set": {"undated_at": {"$ifNull": ["$undated_at", {"$literal": now}]}}}],
+        upsert=True,
+        return_document=ReturnDocument.AFTER,
+    )
+    return to_utc_millis(recorded["undated_at"]) if recorded else now
 
 
 def conversation_ids(
@@ -121,7 +164,7 @@ def read_turns(
     """The turns of some conversations, each list in stored order."""
     grouped: dict[Any, list[dict[str, Any]]] = {i: [] for i in ids}
     for doc in db[source].find({"conversation_id": {"$in": ids}, **LEGACY_FILTER}):
-        grouped.setdefault(doc["conversation_id"], []).append(doc)
+        grouped.setdefault(doc.get("conversation_id"), []).append(doc)
     return grouped
 
 
@@ -135,33 +178,52 @@ def read_session_hitl(db: Database[dict[str, Any]], ids: list[str]) -> dict[str,
     return found
 
 
+def _parsed(
+    raw_id: Any, documents: list[dict[str, Any]], source: str
+) -> list[LegacyTurn] | Problem:
+    try:
+        return parse_turns(documents)
+    except InvalidInput as exc:
+        return Problem(
+            conversation_id=str(raw_id),
+            legacy_id=str(documents[0].get("_id")),
+            kind="invalid_conversation",
+            detail=exc.message + f"; its {len(documents)} turns stay in {source}",
+            content=documents,
+        )
+
+
 def convert_batch(
-    db: Database[dict[str, Any]], ids: list[Any], rules: TurnRules, *, source: str = LEGACY_TURNS
-) -> tuple[list[LegacyConversion], list[Problem], int]:
-    """Read and convert a batch: conversions, problems of unconvertible ones, turns read."""
-    grouped = read_turns(db, ids, source=source)
-    conversions: list[LegacyConversion] = []
+    db: Database[dict[str, Any]],
+    ids: list[Any],
+    rules: TurnRules,
+    *,
+    source: str = LEGACY_TURNS,
+    undated_at: datetime | None = None,
+) -> tuple[list[Converted], list[Problem], int]:
+    """Read and convert a batch: conversions, problems of unconvertible ones, turns read.
+
+    Turns are grouped by the id they are stored under: a legacy id that is not an
+    identifier gets a derived one, and each turn naming no conversation is one.
+    """
+    converted: list[Converted] = []
     failed: list[Problem] = []
     turns = 0
-    for conversation_id, documents in grouped.items():
+    for raw_id, documents in read_turns(db, ids, source=source).items():
         turns += len(documents)
         if not documents:
             continue
-        try:
-            conversions.append(convert(documents, rules=rules))
-        except InvalidInput as exc:
-            failed.append(
-                Problem(
-                    conversation_id=str(conversation_id),
-                    legacy_id=str(documents[0].get("_id")),
-                    kind="invalid_conversation",
-                    detail=exc.message + f"; its {len(documents)} turns stay in {source}",
-                )
-            )
-    hitl = read_session_hitl(db, [c.conversation_id for c in conversions])
-    for conversion in conversions:
-        with_session_prompts(conversion, hitl.get(conversion.conversation_id, []))
-    return conversions, failed, turns
+        parsed = _parsed(raw_id, documents, source)
+        if isinstance(parsed, Problem):
+            failed.append(parsed)
+            continue
+        for group in group_conversations(parsed).values():
+            conversion = convert(group, rules=rules, undated_at=undated_at)
+            converted.append(Converted(group, conversion))
+    hitl = read_session_hitl(db, [c.conversion.conversation_id for c in converted])
+    for item in converted:
+        with_session_prompts(item.conversion, hitl.get(item.conversion.conversation_id, []))
+    return converted, failed, turns
 
 
 class Explosion:
@@ -184,8 +246,11 @@ class Explosion:
         self.source = source
         self.on_batch = on_batch
         self.counts = Counts()
-        self.run_id = lease.run_id if lease else "dry-run-" + uuid.uuid4().hex[:8]
+        kind = "dry-run-" if options.dry_run else "run-"
+        self.run_id = lease.run_id if lease else kind + uuid.uuid4().hex[:8]
         self.started = time.monotonic()
+        self.undated_at = undated_time(db, record=not options.dry_run)
+        self.earlier_problems = db[problem_report.PROBLEMS].find_one({}, {"_id": 1}) is not None
 
     # -- the run record ------------------------------------------------------------------
 
@@ -277,140 +342,28 @@ class Explosion:
         return self.counts
 
     def batch(self, ids: list[Any]) -> None:
-        conversions, failed, turns = convert_batch(self.db, ids, self.rules, source=self.source)
+        converted, failed, turns = convert_batch(
+            self.db, ids, self.rules, source=self.source, undated_at=self.undated_at
+        )
         self.counts.conversations += len(ids)
         self.counts.turns += turns
-        problems = list(failed)
-        for conversion in conversions:
-            self.counts.messages += len(conversion.messages)
-            problems += conversion.problems
+        found = list(failed)
+        for item in converted:
+            self.counts.messages += len(item.conversion.messages)
+            found += item.conversion.problems
+        planned = writes.plan(self.db, converted)
+        found += planned.live
+        inserted = len(planned.messages)
         if not self.options.dry_run:
-            problems += self._write(conversions)
-        self.counts.problems += len(problems)
-        for problem in problems:
-            kinds = self.counts.problems_by_kind
-            kinds[problem.kind] = kinds.get(problem.kind, 0) + 1
-        if problems and not self.options.dry_run:
-            self._store_problems(problems)
-
-    # -- writes --------------------------------------------------------------------------
-
-    def _write(self, conversions: list[LegacyConversion]) -> list[Problem]:
-        wanted = [c for c in conversions if c.conversation is not None]
-        if not wanted:
-            return []
-        ids = [c.conversation_id for c in wanted]
-        existing = {
-            d["_id"]: d
-            for d in self.db[CONVERSATIONS].find({"_id": {"$in": ids}}, {"turns": {"$slice": 1}})
-        }
-        taken: dict[tuple[str, int], str] = {}
-        for doc in self.db[MESSAGES].find(
-            {"$or": [{"conversation_id": c.conversation_id, "seq": {"$lt": len(c.messages)}}
-                     for c in wanted]},
-            {"conversation_id": 1, "seq": 1},
-        ):  # fmt: skip
-            taken[(doc["conversation_id"], doc["seq"])] = doc["_id"]
-        problems: list[Problem] = []
-        ready: list[LegacyConversion] = []
-        for conversion in wanted:
-            foreign = [
-                m.seq
-                for m in conversion.messages
-                if taken.get((conversion.conversation_id, m.seq or 0), m.id) != m.id
-            ]
-            if foreign:
-                self.counts.live_skipped += 1
-                problems.append(_live_problem(conversion, foreign))
-            else:
-                ready.append(conversion)
-        upserts = [
-            ReplaceOne(
-                {"_id": c.conversation_id, "turns.0": {"$exists": False}},  # not live
-                c.conversation.model_dump(by_alias=True),
-                upsert=True,
+            inserted, raced = writes.apply(self.db, planned, self.options.bounds)
+            found += raced
+            batch_ids = [c.conversion.conversation_id for c in converted]
+            problem_report.replace(
+                self.db,
+                batch_ids + [p.conversation_id for p in failed],
+                found,
+                at=self.undated_at,
+                bounds=self.options.bounds,
+                earlier=self.earlier_problems,
             )
-            for c in ready
-            if c.conversation is not None
-            and not (existing.get(c.conversation_id) or {}).get("turns")
-        ]
-        if upserts:
-            try:
-                result = self.db[CONVERSATIONS].bulk_write(upserts, ordered=False)
-                self.counts.conversations_written += result.upserted_count + result.modified_count
-            except BulkWriteError as exc:
-                # Only a conversation that went live meanwhile: the logger's document stays.
-                if any(e.get("code") != DUPLICATE_KEY for e in exc.details["writeErrors"]):
-                    raise
-        documents = [
-            m.model_dump(by_alias=True)
-            for c in ready
-            for m in c.messages
-            if (c.conversation_id, m.seq) not in taken
-        ]
-        if documents:
-            try:
-                self.db[MESSAGES].insert_many(documents, ordered=False)
-                self.counts.inserted += len(documents)
-            except BulkWriteError as exc:
-                problems += self._accept_identical(exc, documents)
-        return problems
-
-    def _accept_identical(
-        self, error: BulkWriteError, documents: list[dict[str, Any]]
-    ) -> list[Problem]:
-        """Duplicates of identical documents are a resumed run; other collisions a live race."""
-        errors = error.details.get("writeErrors", [])
-        if any(e.get("code") != DUPLICATE_KEY for e in errors):
-            raise error
-        self.counts.inserted += len(documents) - len(errors)
-        failed = [documents[e["index"]] for e in errors]
-        stored = {
-            d["_id"]: d
-            for d in self.db[MESSAGES].find({"_id": {"$in": [f["_id"] for f in failed]}})
-        }
-        problems: list[Problem] = []
-        for wanted in failed:
-            found = stored.get(wanted["_id"])
-            same = found is not None and message_adapter.validate_python(
-                found
-            ) == message_adapter.validate_python(wanted)
-            if not same:
-                problems.append(
-                    Problem(
-                        conversation_id=wanted["conversation_id"],
-                        legacy_id=str(wanted.get("turn_id")),
-                        kind="live_conflict",
-                        detail=f"seq {wanted['seq']} was taken by another message during the run",
-                        content=wanted,
-                    )
-                )
-        return problems
-
-    def _store_problems(self, problems: list[Problem]) -> None:
-        ordinal: dict[str, int] = {}
-        operations = []
-        for problem in problems:
-            n = ordinal.get(problem.conversation_id, 0)
-            ordinal[problem.conversation_id] = n + 1
-            operations.append(
-                ReplaceOne(
-                    {"_id": f"{problem.conversation_id}|{problem.kind}|{n}"},
-                    problem.model_dump(),
-                    upsert=True,
-                )
-            )
-        self.db[PROBLEMS].bulk_write(operations, ordered=False)
-
-
-def _live_problem(conversion: LegacyConversion, foreign: list[int | None]) -> Problem:
-    return Problem(
-        conversation_id=conversion.conversation_id,
-        legacy_id="*",
-        kind="conversation_already_live",
-        detail=(
-            f"{len(foreign)} of the first {len(conversion.messages)} seq values already hold "
-            "messages the migration did not write (the conversation was logged to before it was "
-            "migrated); its legacy turns were not merged"
-        ),
-    )
+        self.counts.add(planned, found, messages_written=inserted)

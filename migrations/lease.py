@@ -2,15 +2,21 @@
 lock expires by itself.
 
 A run renews its lease after every batch. A run killed with SIGKILL cannot
-release it; the next run waits for the lease to expire (default 2 minutes) or
-takes it over with `--force-unlock` once the operator knows the other run is gone.
+release it. The next run waits for that lease to expire when it expires within
+`--wait-seconds` (default: a little more than the 2-minute lease), then takes
+the lock; if the holder renews it meanwhile, the holder is alive and the run
+stops (exit 3). A lease further away than that stops the run at once.
+`--force-unlock` takes the lock over without waiting, once the operator knows
+the other run is gone.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -24,6 +30,7 @@ from migrations.errors import LockHeld, MigrationError
 STATE = "agent_migrations"
 LOCK_ID = "lock:legacy-turns"
 DEFAULT_LEASE = timedelta(minutes=2)
+DEFAULT_WAIT = DEFAULT_LEASE + timedelta(seconds=30)
 
 
 def describe(lock: dict[str, Any] | None) -> str:
@@ -44,11 +51,44 @@ class Lease:
     duration: timedelta = DEFAULT_LEASE
     owner: str = field(default_factory=lambda: uuid.uuid4().hex)
 
-    def acquire(self, *, force: bool = False) -> None:
-        """Take the lock, or raise LockHeld naming who holds it and until when."""
-        collection = self.db[STATE]
+    def acquire(
+        self,
+        *,
+        force: bool = False,
+        wait: timedelta = timedelta(0),
+        say: Callable[[str], None] = lambda _: None,
+    ) -> None:
+        """Take the lock. A lease that expires within `wait` is waited for (`say` tells the
+        operator); raise LockHeld naming who holds it and until when otherwise, or when
+        its holder renewed it meanwhile."""
         if force:
-            collection.delete_one({"_id": LOCK_ID})
+            self.db[STATE].delete_one({"_id": LOCK_ID})
+        deadline = utc_now() + wait
+        seen: Any = None
+        while True:
+            try:
+                self._take()
+                return
+            except LockHeld as exc:
+                lock = current(self.db) or {}
+                expires = lock.get("expires_at")
+                if seen is not None and expires != seen:
+                    raise LockHeld(
+                        "the run holding the lock renewed its lease while this one waited: it is "
+                        "alive. " + describe(lock)
+                    ) from exc
+                if not isinstance(expires, datetime) or expires > deadline:
+                    raise
+                if seen is None:
+                    say(
+                        f"the lock is held ({describe(lock)}); waiting for its lease to end at "
+                        f"{expires}: a live run renews it, a killed one cannot"
+                    )
+                seen = expires
+                time.sleep(min(max((expires - utc_now()).total_seconds(), 0) + 0.05, 5.0))
+
+    def _take(self) -> None:
+        collection = self.db[STATE]
         at = utc_now()
         try:
             collection.find_one_and_update(

@@ -1,10 +1,14 @@
 """One canonical transcript per conversation, rendered from legacy turns or from messages.
 
-The two renderings are written independently of the converter, so comparing
-them checks the conversion itself: no content lost or repeated, visible text
-in the same order, every tool result attached to a call of the same tool.
-Tool results are compared as a multiset, since the migration moves each one
-right after its call.
+The two renderings are written apart from the converter's placement logic, so
+comparing them checks the conversion itself: no content lost or repeated,
+visible text in the same order, every tool result attached to a call of the
+same tool. Tool results are compared as a multiset, since the migration moves
+each one right after its call. What a legacy value *says* (a part's kind and
+fields, the text of a number, a call's arguments) is read by the same
+functions the converter uses (`agent_store.legacy`), so the two can never
+disagree on that; what the converter reported as not placed is left out by the
+exact field it concerns.
 """
 
 from __future__ import annotations
@@ -12,19 +16,25 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from typing import Any
 
-from agent_store.core import AgentMessage
+from pydantic import ValidationError
+
+from agent_store.core import AgentMessage, FileUpload
 from agent_store.legacy import (
     LegacyPart,
     LegacyTurn,
     Problem,
-    as_text,
-    dumps,
+    call_arguments,
+    error_text,
     normalize_part,
+    part_text,
+    result_text,
     sort_turns,
+    turn_parts,
+    user_text,
 )
 from agent_store.store import strip_runtime_context
 
@@ -37,6 +47,30 @@ class Transcript:
     """Tool results as `tool name -> content`, sorted."""
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """What the converter reported as not placed, by the exact place it concerns."""
+
+    turns: set[str] = field(default_factory=set)
+    """Whole turns (`field` None)."""
+    uploads: set[str] = field(default_factory=set)
+    """Turns whose `upload_result` was not placed."""
+    parts: set[tuple[str, int]] = field(default_factory=set)
+    """(turn, index) of parts not placed."""
+
+    @classmethod
+    def of(cls, unplaced: Iterable[Problem]) -> Skipped:
+        skipped = cls()
+        for problem in unplaced:
+            if problem.field is None:
+                skipped.turns.add(problem.legacy_id)
+            elif problem.field == "upload_result":
+                skipped.uploads.add(problem.legacy_id)
+            elif problem.field == "response_parts" and problem.part_index is not None:
+                skipped.parts.add((problem.legacy_id, problem.part_index))
+        return skipped
+
+
 def _json(text: str) -> str:
     try:
         return json.dumps(json.loads(text), sort_keys=True, ensure_ascii=False)
@@ -45,65 +79,76 @@ def _json(text: str) -> str:
 
 
 def _upload(upload: Any) -> str:
-    return f"upload: {upload.get('filename')} ({upload.get('file_type')}, {upload.get('size')} B)"
+    try:
+        found = FileUpload.model_validate(upload)
+    except ValidationError:
+        return f"upload: {upload!r}"
+    return f"upload: {found.filename} ({found.file_type}, {found.size} B)"
 
 
 def _part_line(part: LegacyPart) -> str | None:
     """The transcript line of a part other than a tool result or an upload."""
-    if part.kind == "text" and part.content:
-        return f"assistant: {as_text(part.content)}"
+    if part.kind == "text" and (text := part_text(part)) is not None:
+        return f"assistant: {text}"
     if part.kind == "tool_call":
-        args = part.args
-        rendered = _json(args) if isinstance(args, str) else _json(dumps(args or {})[0])
-        return f"call {part.tool_name}({rendered})"
+        return f"call {part.tool_name}({_json(call_arguments(part)[0])})"
     if part.kind == "hitl":
         prompt = part.content if isinstance(part.content, str) else ""
         return f"hitl {part.action}: {prompt}"
     if part.kind == "error":
-        said = part.content if isinstance(part.content, str) else dumps(part.raw)[0]
-        return f"error: {said}"
+        return f"error: {error_text(part)}"
     return None
 
 
-def _turn_parts(turn: LegacyTurn) -> list[LegacyPart]:
-    """The turn's parts, or those rebuilt from its summary fields when it has none."""
-    if isinstance(turn.response_parts, list) and turn.response_parts:
-        return [normalize_part(p) for p in turn.response_parts]
-    calls = turn.tool_calls if isinstance(turn.tool_calls, list) else []
-    rebuilt = [normalize_part({"type": "tool_call", **c}) for c in calls if isinstance(c, dict)]
-    if isinstance(turn.response_text, str) and turn.response_text:
-        rebuilt.append(normalize_part({"type": "text", "content": turn.response_text}))
-    return rebuilt
+def _uploads(turn: LegacyTurn, skipped: Skipped) -> list[Any]:
+    """The turn's uploads as the converter gathers them, less those it could not place."""
+    legacy_id = str(turn.id)
+    found: list[tuple[int | None, Any]] = []
+    if turn.upload_result not in (None, {}):
+        found.append((None, turn.upload_result))
+    raw = turn.response_parts if isinstance(turn.response_parts, list) else []
+    for index, part in enumerate(map(normalize_part, raw)):
+        if part.kind == "file_upload" and not any(part.upload == u for _, u in found):
+            found.append((index, part.upload))
+    return [
+        upload
+        for index, upload in found
+        if not (index is None and legacy_id in skipped.uploads)
+        and (legacy_id, index if index is not None else -1) not in skipped.parts
+    ]
+
+
+def _turn_lines(turn: LegacyTurn, skipped: Skipped) -> tuple[list[str], list[str]]:
+    legacy_id = str(turn.id)
+    lines: list[str] = []
+    results: list[str] = []
+    text = user_text(turn)
+    if turn.is_system:
+        lines.append(f"system: {text or ''}")
+    elif text and (clean := strip_runtime_context(text)):
+        lines.append(f"user: {clean}")
+    lines += [_upload(u) for u in _uploads(turn, skipped)]
+    for index, part in turn_parts(turn):
+        if (legacy_id, index) in skipped.parts:
+            continue
+        if part.kind == "tool_result":
+            results.append(f"{part.tool_name} -> {_json(result_text(part)[0])}")
+        elif (line := _part_line(part)) is not None:
+            lines.append(line)
+    return lines, results
 
 
 def from_legacy(turns: Iterable[LegacyTurn], unplaced: Sequence[Problem] = ()) -> Transcript:
-    """Render legacy turns; parts the converter reported as unplaced are left out."""
-    skipped = {(p.legacy_id, p.part_index) for p in unplaced}
+    """Render legacy turns; what the converter reported as not placed is left out."""
+    skipped = Skipped.of(unplaced)
     lines: list[str] = []
     results: list[str] = []
     for turn in sort_turns(turns):
-        legacy_id = str(turn.id)
-        text = turn.user_message if isinstance(turn.user_message, str) else None
-        if turn.is_system:
-            lines.append(f"system: {text or ''}")
-        elif text and (clean := strip_runtime_context(text)):
-            lines.append(f"user: {clean}")
-        parts = _turn_parts(turn)
-        uploads = []
-        if turn.upload_result and (legacy_id, None) not in skipped:
-            uploads.append(turn.upload_result)
-        for index, part in enumerate(parts):
-            skip = (legacy_id, index) in skipped or part.upload in uploads
-            if part.kind == "file_upload" and not skip:
-                uploads.append(part.upload)
-        lines += [_upload(u) for u in uploads]
-        for index, part in enumerate(parts):
-            if (legacy_id, index) in skipped:
-                continue
-            if part.kind == "tool_result":
-                results.append(f"{part.tool_name} -> {_json(as_text(part.result))}")
-            elif (line := _part_line(part)) is not None:
-                lines.append(line)
+        if str(turn.id) in skipped.turns:
+            continue
+        turn_lines, turn_results = _turn_lines(turn, skipped)
+        lines += turn_lines
+        results += turn_results
     return Transcript(tuple(lines), tuple(sorted(results)))
 
 
@@ -151,3 +196,11 @@ def differences(legacy: Transcript, new: Transcript) -> list[str]:
     found += [f"tool result missing from new: {r!r} (x{n})" for r, n in sorted(missing.items())]
     found += [f"tool result only in new: {r!r} (x{n})" for r, n in sorted(extra.items())]
     return found
+
+
+def contains(new: Transcript, legacy: Transcript) -> bool:
+    """Whether `new` holds all of `legacy`: its lines in the same order (others may come
+    between or after) and its tool results."""
+    remaining = iter(new.lines)
+    in_order = all(any(line == other for other in remaining) for line in legacy.lines)
+    return in_order and not Counter(legacy.results) - Counter(new.results)

@@ -1,5 +1,11 @@
 """Step 3 of the protocol: compare every (or a sample of) migrated conversation with its
-legacy turns, as canonical transcripts."""
+legacy turns, as canonical transcripts.
+
+The new side is read with cut fields put back whole from GridFS, so a whole
+text that is missing or altered is a difference. A conversation logged to
+live before its migration (its legacy turns were not merged) matches when its
+live messages hold the legacy transcript in order.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +16,16 @@ from typing import Any
 
 from pymongo.database import Database
 
-from agent_store.core import InvalidInput, message_adapter
-from agent_store.legacy import LEGACY_TURNS, convert, parse_turns
-from agent_store.store import MESSAGES
-from migrations.explode import batches, conversation_ids, read_turns
-from migrations.transcript import differences, from_legacy, from_messages
+from agent_store.core import AgentMessage, message_adapter
+from agent_store.legacy import LEGACY_TURNS
+from agent_store.store import MESSAGES, TurnRules
+from migrations import full_texts
+from migrations.explode import batches, conversation_ids, convert_batch
+from migrations.transcript import contains, differences, from_legacy, from_messages
+from migrations.writes import Converted
+
+LEGACY_TURN_IDS = "^legacy-"
+"""Turn ids of migrated messages."""
 
 
 @dataclass
@@ -42,6 +53,30 @@ def sample(ids: Iterator[Any], size: int, seed: int) -> list[Any]:
     return sorted(chosen, key=str)
 
 
+def _stored(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, list[AgentMessage]]:
+    """Every stored message of these conversations by `seq`, cut fields put back whole."""
+    stored: dict[str, list[AgentMessage]] = {i: [] for i in ids}
+    query = {"conversation_id": {"$in": ids}}
+    for doc in db[MESSAGES].find(query).sort([("conversation_id", 1), ("seq", 1)]):
+        stored[doc["conversation_id"]].append(message_adapter.validate_python(doc))
+    return {cid: full_texts.restore(db, messages) for cid, messages in stored.items()}
+
+
+def _compare(item: Converted, stored: list[AgentMessage]) -> list[str]:
+    conversion = item.conversion
+    legacy = from_legacy(item.turns, conversion.unplaced)
+    migrated = [m for m in stored if (m.turn_id or "").startswith("legacy-")]
+    if migrated or not stored:
+        return differences(legacy, from_messages(migrated))
+    # Logged to live before its migration: its legacy turns were not merged.
+    if contains(from_messages(stored), legacy):
+        return []
+    return [
+        "logged to live before its migration, and its live messages do not hold its legacy "
+        "turns: " + "; ".join(differences(legacy, from_messages(stored))[:5])
+    ]
+
+
 def verify(
     db: Database[dict[str, Any]],
     *,
@@ -60,35 +95,25 @@ def verify(
     else:
         ids = conversation_ids(db)
     for batch in batches(ids, batch_size):
-        legacy = read_turns(db, batch, source=LEGACY_TURNS)
-        stored: dict[str, list[Any]] = {str(i): [] for i in batch}
-        query = {
-            "conversation_id": {"$in": [str(i) for i in batch]},
-            "turn_id": {"$regex": "^legacy-"},
-        }
-        for doc in db[MESSAGES].find(query).sort([("conversation_id", 1), ("seq", 1)]):
-            stored[doc["conversation_id"]].append(message_adapter.validate_python(doc))
-        for raw_id, documents in legacy.items():
-            conversation_id = str(raw_id)
+        converted, failed, _ = convert_batch(db, batch, TurnRules(), source=LEGACY_TURNS)
+        for problem in failed:
             result.conversations += 1
-            if not documents:
-                result.differences[conversation_id] = ["no legacy turns under this id"]
-                continue
-            try:
-                conversion = convert(documents)
-            except InvalidInput as exc:
-                result.differences[conversation_id] = [f"cannot be converted: {exc.message}"]
-                continue
-            unplaced = conversion.unplaced
-            result.unplaced += len(unplaced)
-            found = differences(
-                from_legacy(parse_turns(documents), unplaced),
-                from_messages(stored.get(conversation_id, [])),
-            )
+            result.differences[problem.conversation_id] = [f"cannot be converted: {problem.detail}"]
+        stored = _stored(db, [c.conversion.conversation_id for c in converted])
+        for item in converted:
+            conversation_id = item.conversion.conversation_id
+            result.conversations += 1
+            result.unplaced += len(item.conversion.unplaced)
+            found = _compare(item, stored[conversation_id])
             if found:
                 result.differences[conversation_id] = found
             else:
                 result.matched += 1
+        seen = {c.turns[0].conversation_id for c in converted} | {p.conversation_id for p in failed}
+        for raw_id in batch:
+            if (None if raw_id is None else str(raw_id)) not in seen:
+                result.conversations += 1
+                result.differences[str(raw_id)] = ["no legacy turns under this id"]
         if on_batch is not None:
             on_batch(len(batch))
     return result

@@ -1,4 +1,9 @@
-"""Benchmark the migration: turns per second and peak RSS of `python -m migrations run`.
+"""Benchmark the migration: the pure converter's turns per second of CPU, then turns per
+second and peak RSS of `python -m migrations run`.
+
+The converter figure is CPU time in this process (one core) to parse and convert a mixed
+corpus: the messy corpus of the exit-gate tests (every kind of mess, a 5.3 MB tool result)
+and generated conversations; best of five rounds. The target is at least 3,500 turns/s.
 
 The database lives outside the measured process: MONGODB_URI if set, else a
 mongoeco wire server started here (in this process, not in the migration's).
@@ -13,6 +18,7 @@ would stall the driver's heartbeats. Against a real MongoDB pass larger sizes
 with --sizes and a larger --batch-size.
 
     python scripts/bench_migration.py [--sizes 14,150] [--turns 3] [--batch-size 10]
+    python scripts/bench_migration.py --converter-only
 """
 
 from __future__ import annotations
@@ -36,8 +42,16 @@ from pymongo import MongoClient
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent_store.legacy import LEGACY_TURNS  # noqa: E402
-from scripts.legacy_corpus import legacy_corpus  # noqa: E402
+from agent_store.legacy import (  # noqa: E402
+    LEGACY_TURNS,
+    convert,
+    group_conversations,
+    parse_turns,
+)
+from scripts.legacy_corpus import legacy_corpus, messy_corpus  # noqa: E402
+
+CONVERTER_TARGET = 3_500
+"""Turns per second of CPU, per core, the converter must keep."""
 
 # The migration's own peak RSS: VmHWM of its address space, which starts at exec. (A
 # child's ru_maxrss would also count the pages it shared with this process before exec.)
@@ -80,6 +94,28 @@ def database_server() -> Iterator[str]:
         thread.join(10)
 
 
+def converter_throughput(rounds: int = 5) -> dict[str, Any]:
+    """Turns per second of CPU time to parse and convert a mixed corpus (best of `rounds`)."""
+    corpus = messy_corpus() + list(legacy_corpus(150, turns=3, text_chars=1000))
+    best = float("inf")
+    turns = messages = 0
+    for _ in range(rounds):
+        started = time.process_time()
+        conversions = [
+            convert(group) for group in group_conversations(parse_turns(corpus)).values()
+        ]
+        best = min(best, time.process_time() - started)
+        turns = sum(c.turns for c in conversions)
+        messages = sum(len(c.messages) for c in conversions)
+    return {
+        "conversations": len(conversions),
+        "turns": turns,
+        "messages": messages,
+        "cpu_seconds": best,
+        "turns_per_s": turns / best,
+    }
+
+
 def measure(uri: str, conversations: int, turns: int, batch_size: int) -> dict[str, Any]:
     client: MongoClient[dict[str, Any]] = MongoClient(uri)
     name = f"bench_migration_{uuid.uuid4().hex[:8]}"
@@ -119,7 +155,18 @@ def main() -> None:
     parser.add_argument("--sizes", default="14,150", help="conversation counts, comma-separated")
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation (about)")
     parser.add_argument("--batch-size", type=int, default=10)
+    parser.add_argument("--converter-only", action="store_true", help="skip the database runs")
     args = parser.parse_args()
+    c = converter_throughput()
+    verdict = "met" if c["turns_per_s"] >= CONVERTER_TARGET else "MISSED"
+    print(
+        f"converter: {c['conversations']} conversations, {c['turns']} turns -> "
+        f"{c['messages']} messages in {c['cpu_seconds']:.3f} s of CPU: "
+        f"{c['turns_per_s']:,.0f} turns/s per core (target {CONVERTER_TARGET:,}: {verdict})",
+        flush=True,
+    )
+    if args.converter_only:
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
     with database_server() as uri:
         where = "MONGODB_URI" if os.environ.get("MONGODB_URI") else "mongoeco (memory engine)"

@@ -136,6 +136,8 @@ def violations(commands: list[Command]) -> list[str]:
         if command.multi and shard_fields & set(command.sets):
             found.append(f"{where} updates many documents and sets a shard-key field")
     for collection, models in INDEXES.items():
+        if collection not in SHARD_KEYS:
+            continue  # not sharded: GridFS buckets stay on the primary shard
         prefix = list(SHARD_KEYS[collection])
         for model in models:
             document = model.document

@@ -15,6 +15,7 @@ from typing import Any
 from pymongo import AsyncMongoClient, MongoClient
 
 import migrations.cli
+import migrations.connection
 from agent_store import AgentMessageLogger, ConversationStore, LegacyTurns, SteeringInbox
 from agent_store.legacy import LEGACY_TURNS
 from app.examples import example_legacy_turns, example_turns
@@ -93,15 +94,15 @@ def _migration(uri: str, name: str, log: CommandLog) -> None:
     sync: MongoClient[dict[str, Any]] = MongoClient(uri)
     sync[name]["agent_conversations"].insert_many(example_legacy_turns())
     sync.close()
-    real = migrations.cli.MongoClient
-    migrations.cli.MongoClient = partial(real, event_listeners=[log])  # type: ignore[misc]
+    real = migrations.connection.MongoClient
+    migrations.connection.MongoClient = partial(real, event_listeners=[log])  # type: ignore[misc]
     try:
         for command in ("run", "verify", "finish", "status"):
             arguments = [command, "--uri", uri, "--database", name, "--progress", "none"]
             with log.operation(f"migration {command}"), contextlib.redirect_stdout(io.StringIO()):
                 migrations.cli.main(arguments)
     finally:
-        migrations.cli.MongoClient = real  # type: ignore[misc]
+        migrations.connection.MongoClient = real  # type: ignore[misc]
 
 
 async def exercise(uri: str) -> CommandLog:

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from agent_store import AgentMessageLogger, Conflict, ConversationStore, InvalidInput
+from agent_store import AgentMessageLogger, Conflict, ConversationStore, InvalidInput, Truncation
 from agent_store.core import message_adapter
+from agent_store.store import blob_id
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
 from tests.conftest import Backend
 
@@ -259,7 +260,10 @@ async def test_oversize_message_is_truncated_marked_and_stored(backend: Backend)
         CID, [{"role": "user", "content": huge}, {"role": "assistant", "content": "ok"}]
     )
     stored = (await ConversationStore(backend.db).transcript(CID))[0]
-    assert stored.truncated == {"content": len(huge)}
+    assert stored.truncated is not None
+    assert stored.truncated["content"] == Truncation(
+        length=len(huge), blob_id=blob_id(logged.messages[0].id or "", "content")
+    )
     assert stored.content is not None
     assert len(stored.content.encode()) < logger.rules.max_message_bytes
     assert stored.content.endswith("[truncated]")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from agent_store import Truncation
 from agent_store.store import (
     RuntimeContextMarkers,
+    blob_id,
+    bound,
     bound_message,
     document_size,
     parse_messages,
@@ -84,9 +87,23 @@ def test_a_message_over_the_bound_keeps_the_start_of_its_text_and_says_so() -> N
     ]
     bounded = bound_message(message, max_bytes=64 * 1024)
     assert document_size(bounded.model_dump(by_alias=True)) <= 64 * 1024
-    assert bounded.truncated == {"content": 3_000_000}
+    # Without a message id there is no file to name: the length alone is recorded.
+    assert bounded.truncated == {"content": Truncation(length=3_000_000)}
     assert bounded.content is not None
     assert bounded.content.startswith("abcabc")
+
+
+def test_a_cut_message_with_an_id_hands_over_its_whole_text_under_a_derived_blob_id() -> None:
+    message = parse_messages(
+        [{"_id": "m-1", "role": "tool", "tool_call_id": "c", "content": "abc" * 1_000_000}]
+    )[0]
+    bounded = bound(message, max_bytes=64 * 1024)
+    [full] = bounded.full_texts
+    assert (full.message_id, full.path, full.text) == ("m-1", "content", "abc" * 1_000_000)
+    assert full.blob_id == blob_id("m-1", "content")
+    assert bounded.message.truncated == {
+        "content": Truncation(length=3_000_000, blob_id=full.blob_id)
+    }
 
 
 def test_cut_tool_arguments_stay_a_json_string() -> None:

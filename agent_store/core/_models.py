@@ -176,6 +176,16 @@ class TokenUsage(_Model):
     output_tokens: Count = 0
 
 
+class Truncation(_Model):
+    """Where a text cut to bound its message is kept whole (extension)."""
+
+    length: Count
+    """The text's original length, in characters."""
+    blob_id: str | None = None
+    """The GridFS file (bucket `agent_message_blobs`) holding the whole text; None when it
+    was not kept (`search_text`, which is derived from the other fields)."""
+
+
 class _MessageBase(_Model):
     """Every field of the message interface, on every role.
 
@@ -207,8 +217,9 @@ class _MessageBase(_Model):
     """The turn that logged this message (extension). Set by the logger."""
     search_text: str | None = None
     """Text extracted at write time for full-text search (extension)."""
-    truncated: dict[str, NonNegativeInt] | None = None
-    """Fields cut to keep the document bounded, with their original length (extension)."""
+    truncated: dict[str, Truncation | NonNegativeInt] | None = None
+    """Fields cut to keep the document bounded, by path, with where each is kept whole
+    (extension). A bare number is the older shape: the original length, not kept whole."""
 
     @model_validator(mode="after")
     def _role_fields(self) -> _MessageBase:
@@ -357,6 +368,9 @@ class Conversation(_Model):
     """How many of the oldest turn records were dropped to keep the document bounded."""
     inbox: dict[str, Any] = Field(default_factory=dict, exclude=True)
     """Open steering inboxes of running turns, by turn (the store's bookkeeping, never served)."""
+    legacy_conversation_id: str | None = None
+    """The id its legacy turns named, when that was not an identifier and the migration gave
+    the conversation a derived one (extension)."""
 
 
 T = TypeVar("T")

@@ -35,19 +35,29 @@ from agent_store.core import (
 )
 from agent_store.legacy._documents import (
     LegacyTurn,
-    as_text,
-    dumps,
+    TurnTime,
+    as_count,
+    dated_turns,
     named_users,
     owner_of,
     parse_turns,
     sort_turns,
-    turn_times,
 )
-from agent_store.legacy._parts import LegacyPart, PartKind, normalize_part
+from agent_store.legacy._parts import (
+    LegacyPart,
+    PartKind,
+    call_arguments,
+    error_text,
+    normalize_part,
+    part_text,
+    result_text,
+    turn_parts,
+    user_text,
+)
 from agent_store.store import (
+    FullText,
     TurnPlan,
     TurnRules,
-    collapse_whitespace,
     plan_turn,
     shorten,
     validate_identifier,
@@ -64,6 +74,9 @@ class Problem(BaseModel):
     conversation_id: str
     legacy_id: str
     """`_id` of the turn document, as a string."""
+    field: str | None = None
+    """The turn's field concerned (`response_parts`, `upload_result`, `token_usage`…); None
+    when it is the whole turn (or, with `legacy_id` `*`, the whole conversation)."""
     part_index: int | None = None
     """Index in `response_parts`, when the problem is one part."""
     kind: str
@@ -73,8 +86,8 @@ class Problem(BaseModel):
     content: Any = None
     """The content concerned, as found."""
     placed: bool = False
-    """True when the content was still converted (e.g. with a generated id); False when
-    this problem is the only place the content is kept."""
+    """True when the content was still converted, changed as `detail` says (e.g. given a
+    generated id); False when this problem is the only place the content is kept."""
 
 
 @dataclass
@@ -87,6 +100,8 @@ class LegacyConversion:
     """None when no turn produced a message."""
     problems: list[Problem]
     turns: int
+    full_texts: list[FullText] = field(default_factory=list)
+    """Whole texts of the fields cut to bound the messages, to keep in GridFS."""
 
     @property
     def unplaced(self) -> list[Problem]:
@@ -205,6 +220,8 @@ class _Converter:
         self.problems: list[Problem] = []
         self.used_call_ids: set[str] = set()
         self.calls_by_id: dict[str, _CallGroup] = {}
+        self.unanswered_usage = Usage()
+        """Token usage of turns without an assistant message: counted on the conversation."""
 
     def problem(
         self,
@@ -212,6 +229,7 @@ class _Converter:
         kind: str,
         detail: str,
         *,
+        field: str | None,
         part_index: int | None = None,
         content: Any = None,
         unplaced: bool = True,
@@ -220,6 +238,7 @@ class _Converter:
             Problem(
                 conversation_id=self.conversation_id,
                 legacy_id=str(turn.id),
+                field=field,
                 part_index=part_index,
                 kind=kind,
                 detail=detail,
@@ -241,11 +260,12 @@ class _Converter:
         try:
             return adapter.validate_python(value)
         except ValidationError as exc:
-            subject = "upload" if kind == "invalid_upload" else "message"
+            upload = kind == "invalid_upload"
             self.problem(
                 turn,
                 kind,
-                describe_validation_error(exc, subject=subject),
+                describe_validation_error(exc, subject="upload" if upload else "message"),
+                field="upload_result" if upload and index is None else "response_parts",
                 part_index=index,
                 content=value,
             )
@@ -260,6 +280,7 @@ class _Converter:
                 turn,
                 "unreadable_history",
                 "message_history_json is not Pydantic AI messages JSON; ids are generated",
+                field="message_history_json",
                 content=str(turn.message_history_json)[:200],
                 unplaced=False,
             )
@@ -267,7 +288,7 @@ class _Converter:
         state = _TurnState(
             turn=turn,
             at=at,
-            items=self._opening(turn, at),
+            items=self._opening(turn, parts, at),
             calls=_RealIds(history.calls, [p for p in normalized if p.kind == "tool_call"]),
             results=_RealIds(history.returns, [p for p in normalized if p.kind == "tool_result"]),
         )
@@ -277,6 +298,7 @@ class _Converter:
             self._HANDLERS[part.kind](self, state, index, part)
         for index, part, real in state.pending_results:
             self._place_result(state, index, part, real)
+        self._check_response_text(turn, state.items)
         self._usage(turn, state.items)
         return state.items
 
@@ -305,9 +327,9 @@ class _Converter:
         state.pending_results.append((index, part, state.results.of(part)))
 
     def _on_text(self, state: _TurnState, index: int, part: LegacyPart) -> None:
-        if part.content is None or part.content == "":
-            return
-        self._add(state, index, {"role": "assistant", "content": as_text(part.content)})
+        text = part_text(part)
+        if text is not None:
+            self._add(state, index, {"role": "assistant", "content": text})
 
     def _on_hitl(self, state: _TurnState, index: int, part: LegacyPart) -> None:
         params = part.params
@@ -327,8 +349,8 @@ class _Converter:
         self._add(state, index, message)
 
     def _on_error(self, state: _TurnState, index: int, part: LegacyPart) -> None:
-        text = part.content if isinstance(part.content, str) else dumps(part.raw)[0]
-        self._add(state, index, {"role": "assistant", "content": None, "error": {"message": text}})
+        message = {"role": "assistant", "content": None, "error": {"message": error_text(part)}}
+        self._add(state, index, message)
 
     def _on_file_upload(self, state: _TurnState, index: int, part: LegacyPart) -> None:
         """Placed with the user's message by `_opening`."""
@@ -338,6 +360,7 @@ class _Converter:
             state.turn,
             "unknown_part",
             f"part type {part.declared!r} has no message equivalent",
+            field="response_parts",
             part_index=index,
             content=part.raw,
         )
@@ -363,49 +386,46 @@ class _Converter:
 
     def _parts(self, turn: LegacyTurn) -> list[tuple[int, LegacyPart]]:
         raw = turn.response_parts
-        if isinstance(raw, list) and raw:
-            parts = [(index, normalize_part(part)) for index, part in enumerate(raw)]
-            self._check_response_text(turn, [p for _, p in parts])
-            return parts
-        if raw not in (None, []):
-            self.problem(turn, "invalid_part", "response_parts is not a list", content=raw)
-        # No parts: rebuild them from the summary fields the old writer also kept.
-        rebuilt: list[tuple[int, LegacyPart]] = []
-        for n, call in enumerate(turn.tool_calls if isinstance(turn.tool_calls, list) else ()):
-            if isinstance(call, dict):
-                rebuilt.append((-1 - n, normalize_part({"type": "tool_call", **call})))
-        if isinstance(turn.response_text, str) and turn.response_text:
-            text_part = normalize_part({"type": "text", "content": turn.response_text})
-            rebuilt.append((-1 - len(rebuilt), text_part))
-        return rebuilt
+        if not isinstance(raw, list) and raw is not None:
+            self.problem(
+                turn,
+                "invalid_part",
+                "response_parts is not a list",
+                field="response_parts",
+                content=raw,
+            )
+        return turn_parts(turn)
 
-    def _check_response_text(self, turn: LegacyTurn, parts: list[LegacyPart]) -> None:
+    def _check_response_text(self, turn: LegacyTurn, items: list[Item]) -> None:
+        """`response_text` summed up the answer: a problem only when some of it is nowhere."""
         text = turn.response_text
         if not isinstance(text, str) or not text.strip():
             return
-        texts = [str(p.content or "") for p in parts if p.kind in ("text", "hitl")]
-        wanted = collapse_whitespace(text)
-        if wanted not in (
-            collapse_whitespace("".join(texts)),
-            collapse_whitespace(" ".join(texts)),
-        ):
+        said = [
+            found
+            for m in _flatten(items)
+            if m["role"] == "assistant"
+            for found in (m.get("content"), (m.get("error") or {}).get("message"))
+            if isinstance(found, str) and found
+        ]
+        if not _told_by(text, said):
             self.problem(
                 turn,
                 "response_text_not_in_parts",
-                "response_text differs from the text parts; the parts were converted",
+                "response_text holds text no part holds; the parts were converted",
+                field="response_text",
                 content=text,
             )
 
-    def _opening(self, turn: LegacyTurn, at: datetime) -> list[Item]:
+    def _opening(
+        self, turn: LegacyTurn, parts: list[tuple[int, LegacyPart]], at: datetime
+    ) -> list[Item]:
         """The turn's system or user message(s): its text and every upload."""
-        text = turn.user_message
-        if text is not None:
-            text = as_text(text)
+        text = user_text(turn)
         uploads: list[tuple[int | None, Any]] = []
         if turn.upload_result not in (None, {}):
             uploads.append((None, turn.upload_result))
-        raw_parts = turn.response_parts if isinstance(turn.response_parts, list) else []
-        for index, part in enumerate(map(normalize_part, raw_parts)):
+        for index, part in parts:
             if part.kind == "file_upload":
                 if any(part.upload == u for _, u in uploads):
                     continue  # the same file recorded twice: once as upload_result
@@ -438,6 +458,7 @@ class _Converter:
                 turn,
                 "invalid_part",
                 "a tool call without a tool name",
+                field="response_parts",
                 part_index=index,
                 content=part.raw,
             )
@@ -449,17 +470,14 @@ class _Converter:
         }
 
     def _arguments(self, turn: LegacyTurn, index: int, part: LegacyPart) -> str:
-        if part.args is None:
-            return "{}"
-        if isinstance(part.args, str):
-            return part.args
-        arguments, plain = dumps(part.args, compact=True)
+        arguments, plain = call_arguments(part)
         if not plain:
             self.problem(
                 turn,
                 "non_json_value",
                 f"arguments of {part.tool_name!r} held values JSON cannot encode; stored as "
                 "strings",
+                field="response_parts",
                 part_index=index,
                 content=part.args,
                 unplaced=False,
@@ -474,7 +492,9 @@ class _Converter:
                 "duplicate_tool_call_id",
                 f"tool call id {call_id!r} was already used in this conversation; a new one is "
                 "generated",
+                field="response_parts",
                 part_index=index,
+                content=call_id,
                 unplaced=False,
             )
             call_id = None
@@ -511,17 +531,19 @@ class _Converter:
                 state.turn,
                 "unplaced_tool_result",
                 f"a result of {name!r} answers no call of this conversation",
+                field="response_parts",
                 part_index=index,
                 content=part.raw,
             )
             return
         group, call_id = answered
-        content, plain = (part.result, True) if isinstance(part.result, str) else dumps(part.result)
+        content, plain = result_text(part)
         if not plain:
             self.problem(
                 state.turn,
                 "non_json_value",
                 f"the result of {name!r} held values JSON cannot encode; stored as strings",
+                field="response_parts",
                 part_index=index,
                 content=part.result,
                 unplaced=False,
@@ -533,38 +555,82 @@ class _Converter:
             "created_at": state.at,
         }
 
+    # -- token usage and latency -------------------------------------------------------
+
+    def _count(self, turn: LegacyTurn, field: str, value: Any) -> int | None:
+        """A count read leniently; an unreadable one is a problem holding it (`field`)."""
+        try:
+            return as_count(value)
+        except ValueError as exc:
+            whole = turn.token_usage if field == "token_usage" else value
+            self.problem(turn, "unreadable_number", f"{field}: {exc}", field=field, content=whole)
+            return None
+
+    def _token_usage(self, turn: LegacyTurn) -> dict[str, int] | None:
+        usage = turn.token_usage
+        if usage is None or usage == "":
+            return None
+        if not isinstance(usage, dict):
+            self.problem(
+                turn,
+                "unreadable_number",
+                "token_usage is not an object of input_tokens and output_tokens",
+                field="token_usage",
+                content=usage,
+            )
+            return None
+        names = (("input_tokens", "request_tokens"), ("output_tokens", "response_tokens"))
+        counts = [self._count(turn, "token_usage", usage.get(n, usage.get(a))) for n, a in names]
+        return {"input_tokens": counts[0] or 0, "output_tokens": counts[1] or 0}
+
     def _usage(self, turn: LegacyTurn, items: list[Item]) -> None:
-        usage = turn.token_usage if isinstance(turn.token_usage, dict) else None
-        latency = turn.latency_ms
-        if usage is None and latency is None:
+        """Usage and latency on the turn's last assistant message; without one, latency on its
+        last message and usage on the conversation's total."""
+        usage = self._token_usage(turn)
+        latency = self._count(turn, "latency_ms", turn.latency_ms)
+        messages = _flatten(items)
+        answer = next((m for m in reversed(messages) if m["role"] == "assistant"), None)
+        if answer is not None:
+            if usage is not None:
+                answer["token_usage"] = usage
+            if latency is not None:
+                answer["latency_ms"] = latency
             return
-        last = next(
-            (
-                it.message if isinstance(it, _CallGroup) else it
-                for it in reversed(items)
-                if isinstance(it, _CallGroup) or it["role"] == "assistant"
-            ),
-            None,
-        )
-        if last is None:
+        if latency is not None and messages:
+            messages[-1]["latency_ms"] = latency
+        elif latency is not None:
             self.problem(
                 turn,
                 "usage_without_response",
-                "token usage or latency on a turn without an assistant message",
-                content={"token_usage": turn.token_usage, "latency_ms": latency},
+                "latency on a turn without any message",
+                field="latency_ms",
+                content=turn.latency_ms,
             )
-            return
-        if usage is not None:
-            last["token_usage"] = {
-                "input_tokens": _count(usage.get("input_tokens", usage.get("request_tokens"))),
-                "output_tokens": _count(usage.get("output_tokens", usage.get("response_tokens"))),
-            }
-        if isinstance(latency, int | float) and latency >= 0:
-            last["latency_ms"] = int(latency)
+        if usage is not None and any(usage.values()):
+            self.unanswered_usage = Usage(
+                input_tokens=self.unanswered_usage.input_tokens + usage["input_tokens"],
+                output_tokens=self.unanswered_usage.output_tokens + usage["output_tokens"],
+            )
+            self.problem(
+                turn,
+                "usage_without_response",
+                "token usage on a turn without an assistant message; counted on the "
+                "conversation's usage only",
+                field="token_usage",
+                content=turn.token_usage,
+                unplaced=False,
+            )
 
 
-def _count(value: Any) -> int:
-    return int(value) if isinstance(value, int | float) and value >= 0 else 0
+def _told_by(summary: str, texts: Sequence[str]) -> bool:
+    """Whether a summary is some of the texts one after another, or lies within them
+    (white space aside: writers joined parts with and without separators)."""
+    remaining = "".join(summary.split())
+    pieces = ["".join(t.split()) for t in texts]
+    for piece in pieces:
+        if piece and remaining.startswith(piece):
+            remaining = remaining[len(piece) :]
+    return not remaining or "".join(summary.split()) in "".join(pieces)
 
 
 def _flatten(items: Iterable[Item]) -> list[dict[str, Any]]:
@@ -590,49 +656,99 @@ def convert(
 ) -> LegacyConversion:
     """Convert one conversation's legacy turns into stored messages and its document.
 
-    `undated_at` is the time given to turns when no turn of the conversation has
-    a readable time (default: now). Raises InvalidInput only when the turns name
-    no (or more than one, or an invalid) conversation id; every other oddity
-    becomes a `Problem`.
+    A conversation id that is not an identifier (or a turn naming none) is stored
+    under a derived one (`derived_conversation_id`), recorded in a problem and on
+    the conversation document. `undated_at` is the time given to turns when no
+    turn of the conversation has a readable time (default: now). Raises
+    InvalidInput only when the turns belong to more than one conversation; every
+    other oddity becomes a `Problem`.
     """
     rules = rules or TurnRules()
     turns = sort_turns([t if isinstance(t, LegacyTurn) else parse_turns([t])[0] for t in documents])
-    ids = {t.conversation_id for t in turns}
+    ids = {t.stored_conversation_id for t in turns}
     if len(ids) != 1:
         raise InvalidInput(
             f"invalid legacy conversation: the turns name {len(ids)} conversation ids {sorted(ids)}"
         )
     conversation_id = validate_identifier(ids.pop(), "conversation_id")
     converter = _Converter(conversation_id, rules)
+    original = _original_id(converter, turns[0])
     messages, plans = _convert_turns(converter, turns, undated_at or utc_now())
     owner = _owner(converter, turns)
     messages = [
         m.model_copy(update={"seq": seq, "user_id": owner}) for seq, m in enumerate(messages)
     ]
-    conversation = _conversation(conversation_id, turns, plans, messages, owner) if plans else None
+    conversation = None
+    if plans:
+        conversation = _conversation(conversation_id, turns, plans, messages, owner)
+        conversation = conversation.model_copy(
+            update={
+                "legacy_conversation_id": original,
+                "usage": _plus(conversation.usage, converter.unanswered_usage),
+            }
+        )
     return LegacyConversion(
         conversation_id=conversation_id,
         messages=messages,
         conversation=conversation,
         problems=converter.problems,
         turns=len(turns),
+        full_texts=[full for plan in plans for full in plan.full_texts],
     )
+
+
+def _original_id(converter: _Converter, turn: LegacyTurn) -> str | None:
+    """The legacy id when the conversation is stored under a derived one, else None."""
+    if turn.conversation_id == converter.conversation_id:
+        return None
+    named = "names no conversation" if turn.conversation_id is None else "is not an identifier"
+    converter.problem(
+        turn,
+        "derived_conversation_id",
+        f"the conversation id {turn.conversation_id!r} {named}; migrated as "
+        f"{converter.conversation_id!r}",
+        field="conversation_id",
+        content=turn.conversation_id,
+        unplaced=False,
+    )
+    return turn.conversation_id
+
+
+def _plus(one: Usage, other: Usage) -> Usage:
+    return Usage(
+        input_tokens=one.input_tokens + other.input_tokens,
+        output_tokens=one.output_tokens + other.output_tokens,
+    )
+
+
+def _dated(
+    converter: _Converter, turn: LegacyTurn, found: TurnTime, undated_at: datetime
+) -> datetime:
+    """The turn's time; a problem says where it came from when it is not its own."""
+    if found.source == "its created_at":
+        return found.at or undated_at
+    source = found.source or (
+        f"no turn of the conversation has a readable time, so {undated_at.isoformat()}"
+    )
+    detail = f"created_at is missing or unreadable; {source} is used"
+    converter.problem(
+        turn,
+        "missing_created_at",
+        detail,
+        field="created_at",
+        content=turn.created_at,
+        unplaced=False,
+    )
+    return found.at or undated_at
 
 
 def _convert_turns(
     converter: _Converter, turns: list[LegacyTurn], undated_at: datetime
 ) -> tuple[list[AgentMessage], list[TurnPlan]]:
     turn_items: list[tuple[LegacyTurn, list[Item]]] = []
-    for turn, at in zip(turns, turn_times(turns), strict=True):
-        if turn.time() is None:
-            converter.problem(
-                turn,
-                "missing_created_at",
-                "created_at is missing or unreadable; the previous turn's time is used",
-                content=turn.created_at,
-                unplaced=False,
-            )
-        turn_items.append((turn, converter.turn_items(turn, at or undated_at)))
+    for turn, found in zip(turns, dated_turns(turns), strict=True):
+        at = _dated(converter, turn, found, undated_at)
+        turn_items.append((turn, converter.turn_items(turn, at)))
     messages: list[AgentMessage] = []
     plans: list[TurnPlan] = []
     for turn, items in turn_items:
@@ -644,7 +760,7 @@ def _convert_turns(
                 converter.conversation_id, wanted, turn_id=turn.turn_id, rules=converter.rules
             )
         except InvalidInput as exc:
-            converter.problem(turn, "invalid_turn", exc.message, content=wanted)
+            converter.problem(turn, "invalid_turn", exc.message, field=None, content=wanted)
             continue
         plans.append(plan)
         messages += plan.messages
@@ -661,6 +777,7 @@ def _owner(converter: _Converter, turns: list[LegacyTurn]) -> str | None:
             "mixed_user_ids",
             f"turns name several users {sorted(set(user_ids))}; the last one, "
             f"{user_ids[-1]!r}, owns it",
+            field="user_id",
             unplaced=False,
         )
     if user_ids and owner is None:
@@ -668,6 +785,8 @@ def _owner(converter: _Converter, turns: list[LegacyTurn]) -> str | None:
             turns[-1],
             "invalid_user_id",
             f"user id {user_ids[-1]!r} is not an identifier; left unowned",
+            field="user_id",
+            content=user_ids[-1],
             unplaced=False,
         )
     return owner

@@ -11,8 +11,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -31,6 +33,26 @@ LEGACY_TURN_FIELDS = ("user_message", "response_parts", "response_text", "upload
 
 _KEY = re.compile(r"^[A-Za-z0-9_.:@|-]{1,100}$")
 """A document id short enough to appear as it is in the ids derived from it."""
+_IDENTIFIER = re.compile(r"^[A-Za-z0-9_.:@|-]{1,200}$")
+"""What `agent_store.core.Identifier` accepts."""
+MAX_COUNT = 2**63 - 1
+"""The largest count BSON stores as an integer."""
+
+
+DERIVED_CONVERSATION_PREFIX = "legacy-conversation-"
+DERIVED_TURN_PREFIX = "legacy-turn-"
+
+
+def derived_conversation_id(original: str | None, *, turn_key: str = "") -> str:
+    """The stable identifier a conversation is stored under when its legacy id is not one.
+
+    A turn naming no conversation at all becomes a conversation of its own, by its
+    document id (`turn_key`).
+    """
+    if original is None:
+        return DERIVED_TURN_PREFIX + turn_key
+    digest = hashlib.sha256(original.encode("utf-8", "surrogatepass")).hexdigest()
+    return DERIVED_CONVERSATION_PREFIX + digest[:32]
 
 
 class LegacyTurn(BaseModel):
@@ -39,7 +61,8 @@ class LegacyTurn(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True, arbitrary_types_allowed=True)
 
     id: Any = Field(default=None, alias="_id")
-    conversation_id: str
+    conversation_id: str | None = None
+    """The id as found (as text); None when the turn names none."""
     user_id: str | None = None
     name: str | None = None
     created_at: Any = None
@@ -56,7 +79,9 @@ class LegacyTurn(BaseModel):
     @field_validator("conversation_id", mode="before")
     @classmethod
     def _id_as_text(cls, value: Any) -> Any:
-        return str(value) if isinstance(value, ObjectId | int) else value
+        if value is None or isinstance(value, str):
+            return value
+        return str(value) if isinstance(value, ObjectId | int | float) else as_text(value)
 
     @field_validator("user_id", "name", mode="before")
     @classmethod
@@ -83,6 +108,15 @@ class LegacyTurn(BaseModel):
         """The id the turn's messages are stored under."""
         return f"legacy-{self.key}"
 
+    @property
+    def stored_conversation_id(self) -> str:
+        """The conversation id its messages are stored under: the legacy one when it is an
+        identifier, else one derived from it (see `derived_conversation_id`)."""
+        found = self.conversation_id
+        if found is not None and _IDENTIFIER.match(found):
+            return found
+        return derived_conversation_id(found, turn_key=self.key)
+
     def time(self) -> datetime | None:
         """`created_at` as aware UTC, from a datetime or an ISO string; None if unreadable."""
         value = self.created_at
@@ -101,7 +135,7 @@ class LegacyTurn(BaseModel):
 
 
 def parse_turns(documents: Iterable[Mapping[str, Any]]) -> list[LegacyTurn]:
-    """Legacy documents as models. Raises InvalidInput when one lacks `conversation_id`."""
+    """Legacy documents as models. Raises InvalidInput only for a document no model holds."""
     turns = []
     for document in documents:
         try:
@@ -113,25 +147,57 @@ def parse_turns(documents: Iterable[Mapping[str, Any]]) -> list[LegacyTurn]:
     return turns
 
 
-def turn_times(turns: Iterable[LegacyTurn]) -> list[datetime | None]:
-    """Each turn's time: its own, else its ObjectId's, else the next readable turn's.
+def group_conversations(turns: Iterable[LegacyTurn]) -> dict[str, list[LegacyTurn]]:
+    """Turns by the conversation id they are stored under, each group in stored order."""
+    grouped: dict[str, list[LegacyTurn]] = {}
+    for turn in turns:
+        grouped.setdefault(turn.stored_conversation_id, []).append(turn)
+    return grouped
 
-    None only when no turn of the conversation has a readable time at all.
-    """
-    own = [turn.time() or turn.id_time() for turn in turns]
-    times: list[datetime | None] = list(own)
-    following: datetime | None = None
-    for index in range(len(times) - 1, -1, -1):
-        if times[index] is None:
-            times[index] = following
-        else:
-            following = times[index]
-    previous: datetime | None = None
-    for index, at in enumerate(times):
-        if at is None:
-            times[index] = previous  # no later time: the previous one
-        previous = times[index]
-    return times
+
+@dataclass(frozen=True)
+class TurnTime:
+    """The time a turn's messages get, and where it came from."""
+
+    at: datetime | None
+    """None only when no turn of the conversation has a readable time."""
+    source: str
+    """Where the time came from, for a person: `its created_at`, `its ObjectId's time`, …"""
+
+
+def _own_time(turn: LegacyTurn) -> TurnTime | None:
+    if (at := turn.time()) is not None:
+        return TurnTime(at, "its created_at")
+    if (at := turn.id_time()) is not None:
+        return TurnTime(at, "its ObjectId's time")
+    return None
+
+
+def dated_turns(turns: Iterable[LegacyTurn]) -> list[TurnTime]:
+    """Each turn's time: its own, else its ObjectId's, else the next readable turn's, else the
+    previous readable turn's; with no readable turn at all, none."""
+    ordered = list(turns)
+    own = [_own_time(turn) for turn in ordered]
+    if all(own):
+        return [found for found in own if found is not None]
+    times: list[TurnTime | None] = list(own)
+    for step, indexes in (
+        ("next", reversed(range(len(ordered)))),
+        ("previous", range(len(ordered))),
+    ):
+        donor: TurnTime | None = None
+        for index in indexes:
+            if (found := own[index]) is not None:
+                turn = str(ordered[index].id)
+                donor = TurnTime(found.at, f"the {step} readable turn's time (turn {turn!r})")
+            elif times[index] is None:
+                times[index] = donor
+    return [found or TurnTime(None, "") for found in times]
+
+
+def turn_times(turns: Iterable[LegacyTurn]) -> list[datetime | None]:
+    """Each turn's time (see `dated_turns`); None only when no turn has a readable time."""
+    return [found.at for found in dated_turns(turns)]
 
 
 def sort_turns(turns: Iterable[LegacyTurn]) -> list[LegacyTurn]:
@@ -198,3 +264,29 @@ def dumps(value: Any, *, compact: bool = False) -> tuple[str, bool]:
 def as_text(value: Any) -> str:
     """A legacy value as the text a message holds: a string as it is, anything else as JSON."""
     return value if isinstance(value, str) else dumps(value)[0]
+
+
+def as_count(value: Any) -> int | None:
+    """A count (tokens, milliseconds) from a number or a numeric string, rounded.
+
+    None for a missing value (None or a blank string). Raises ValueError for
+    anything else: a word, a negative or non-finite number, a bool, one too large.
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a count")
+    number: float | int
+    if isinstance(value, str):
+        text = value.strip()
+        number = int(text) if text.isdigit() else float(text)
+    elif isinstance(value, int | float):
+        number = value
+    else:
+        raise ValueError(f"{value!r} is not a count")
+    if isinstance(number, float) and not math.isfinite(number):
+        raise ValueError(f"{value!r} is not a count")
+    rounded = round(number)
+    if not 0 <= rounded <= MAX_COUNT:
+        raise ValueError(f"{value!r} is not a count from 0 to {MAX_COUNT}")
+    return rounded

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from agent_store.legacy._documents import LegacyTurn, as_text, dumps
+
 PartKind = Literal["text", "tool_call", "tool_result", "file_upload", "hitl", "error", "unknown"]
 """What a legacy part is, once its spelling is normalized."""
 
@@ -121,3 +123,56 @@ def normalize_part(part: Any) -> LegacyPart:
     if kind == "error":
         return LegacyPart(kind, declared, part, content=_first(part, "message", "error", "content"))
     return LegacyPart("unknown", declared, part)
+
+
+# -- what a part says, for every reader ------------------------------------------------
+
+
+def turn_parts(turn: LegacyTurn) -> list[tuple[int, LegacyPart]]:
+    """A turn's parts with their index in `response_parts`.
+
+    A turn without a list of parts has them rebuilt from the summary fields the
+    old writer also kept (`tool_calls`, then `response_text`), at negative indexes.
+    """
+    raw = turn.response_parts
+    if isinstance(raw, list) and raw:
+        return [(index, normalize_part(part)) for index, part in enumerate(raw)]
+    rebuilt: list[tuple[int, LegacyPart]] = []
+    for n, call in enumerate(turn.tool_calls if isinstance(turn.tool_calls, list) else ()):
+        if isinstance(call, dict):
+            rebuilt.append((-1 - n, normalize_part({"type": "tool_call", **call})))
+    if isinstance(turn.response_text, str) and turn.response_text:
+        text_part = normalize_part({"type": "text", "content": turn.response_text})
+        rebuilt.append((-1 - len(rebuilt), text_part))
+    return rebuilt
+
+
+def user_text(turn: LegacyTurn) -> str | None:
+    """The turn's user (or system) text as a message holds it; None when it has none."""
+    return None if turn.user_message is None else as_text(turn.user_message)
+
+
+def part_text(part: LegacyPart) -> str | None:
+    """A text part's text as a message holds it; None for an empty one."""
+    if part.content is None or part.content == "":
+        return None
+    return as_text(part.content)
+
+
+def call_arguments(part: LegacyPart) -> tuple[str, bool]:
+    """A tool call's arguments as a JSON string, and whether they were plain JSON values."""
+    if part.args is None:
+        return "{}", True
+    if isinstance(part.args, str):
+        return part.args, True
+    return dumps(part.args, compact=True)
+
+
+def result_text(part: LegacyPart) -> tuple[str, bool]:
+    """A tool result's value as the text a tool message holds, and whether it was plain JSON."""
+    return (part.result, True) if isinstance(part.result, str) else dumps(part.result)
+
+
+def error_text(part: LegacyPart) -> str:
+    """An error part's message: its text, else the whole part as JSON."""
+    return part.content if isinstance(part.content, str) else dumps(part.raw)[0]

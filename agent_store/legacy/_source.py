@@ -5,12 +5,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from bson import ObjectId
+
 from agent_store.core import Conversation
 from agent_store.legacy._convert import convert
-from agent_store.legacy._documents import LEGACY_TURNS, SESSION_HITL, owner_of, parse_turns
+from agent_store.legacy._documents import (
+    DERIVED_CONVERSATION_PREFIX,
+    DERIVED_TURN_PREFIX,
+    LEGACY_TURNS,
+    SESSION_HITL,
+    owner_of,
+    parse_turns,
+)
 from agent_store.legacy._dual_write import legacy_turn_document
 from agent_store.legacy._session_hitl import with_session_prompts
 from agent_store.store import (
+    CONVERSATIONS,
     Database,
     FallbackConversation,
     LegacyHolder,
@@ -45,6 +55,7 @@ class LegacyTurns:
         """Work on `db`'s legacy collections; `rules` are the logger's (names, markers)."""
         self._turns = db[LEGACY_TURNS]
         self._prompts = db[SESSION_HITL]
+        self._conversations = db[CONVERSATIONS]
         self._rules = rules or TurnRules()
         self.read_fallback = read_fallback
         self.dual_write = dual_write
@@ -76,18 +87,38 @@ class LegacyTurns:
         return LegacyHolder(owner_of(parse_turns(found)))
 
     async def delete(self, conversation_id: str) -> int:
-        """Delete the conversation's legacy turns and prompts; how many turns went."""
+        """Delete the conversation's legacy turns and prompts; how many turns went.
+
+        A conversation migrated under a derived id reaches the turns of the id they
+        named (one more lookup, only for such ids).
+        """
         with storage_errors("delete the legacy turns"):
-            deleted = await self._turns.delete_many({"conversation_id": conversation_id})
+            deleted = await self._turns.delete_many(await self._turns_of(conversation_id))
             await self._prompts.delete_many(_prompts_of(conversation_id))
         return int(deleted.deleted_count)
+
+    async def _turns_of(self, conversation_id: str) -> dict[str, Any]:
+        """The filter of a conversation's legacy turns, derived ids included."""
+        if conversation_id.startswith(DERIVED_TURN_PREFIX):
+            key = conversation_id.removeprefix(DERIVED_TURN_PREFIX)
+            ids: list[Any] = [key, ObjectId(key)] if ObjectId.is_valid(key) else [key]
+            return {"_id": {"$in": ids}, "conversation_id": None}
+        if conversation_id.startswith(DERIVED_CONVERSATION_PREFIX):
+            found = await self._conversations.find_one(
+                {"_id": conversation_id}, {"legacy_conversation_id": 1}
+            )
+            original = (found or {}).get("legacy_conversation_id")
+            if isinstance(original, str):
+                return {"conversation_id": {"$in": [conversation_id, original]}}
+        return {"conversation_id": conversation_id}
 
     async def erase_user(self, user_id: str) -> int:
         """Delete the legacy conversations the user owns, whole, and every turn naming the user
         elsewhere; how many turns went."""
         fields = {"conversation_id": 1, "user_id": 1, "created_at": 1}
         with storage_errors("erase the user's legacy turns"):
-            ids = await self._turns.distinct("conversation_id", {"user_id": user_id})
+            named = await self._turns.distinct("conversation_id", {"user_id": user_id})
+            ids = [i for i in named if i is not None]
             owned: list[str] = []
             if ids:
                 found = await self._turns.find({"conversation_id": {"$in": ids}}, fields).to_list(

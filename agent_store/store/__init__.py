@@ -4,9 +4,21 @@ It imports only `agent_store.core` and the driver. Legacy turns and the dual
 write reach it through the protocols in `LegacySource` and `TurnObserver`.
 """
 
+from agent_store.store._blobs import (
+    CHUNK_BYTES,
+    FullTextStore,
+    blob_documents,
+    kept_blob_ids,
+    stored_blob_ids,
+    text_of,
+    with_texts,
+)
 from agent_store.store._driver import DUPLICATE_KEY, Database, storage_errors
 from agent_store.store._inbox import SteeringInbox
 from agent_store.store._indexes import (
+    BLOB_BUCKET,
+    BLOB_CHUNKS,
+    BLOB_FILES,
     CONVERSATIONS,
     INDEXES,
     MESSAGES,
@@ -42,7 +54,15 @@ from agent_store.store._text import (
     shorten,
     strip_runtime_context,
 )
-from agent_store.store._truncation import DEFAULT_MAX_MESSAGE_BYTES, bound_message, document_size
+from agent_store.store._truncation import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    BoundedMessage,
+    FullText,
+    blob_id,
+    bound,
+    bound_message,
+    document_size,
+)
 from agent_store.store._turns import (
     MAX_MESSAGES_PER_TURN,
     KeepPendingHitl,
@@ -56,6 +76,10 @@ from agent_store.store._turns import (
 )
 
 __all__ = [
+    "BLOB_BUCKET",
+    "BLOB_CHUNKS",
+    "BLOB_FILES",
+    "CHUNK_BYTES",
     "CONVERSATIONS",
     "DEFAULT_MARKERS",
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -70,12 +94,15 @@ __all__ = [
     "SHARD_KEYS",
     "TEXT_INDEX",
     "AgentMessageLogger",
+    "BoundedMessage",
     "Claimed",
     "ConversationExport",
     "ConversationStore",
     "Database",
     "Deleted",
     "FallbackConversation",
+    "FullText",
+    "FullTextStore",
     "IndexSetup",
     "KeepPendingHitl",
     "LegacyHolder",
@@ -90,6 +117,9 @@ __all__ = [
     "TurnPlan",
     "TurnRules",
     "auto_name",
+    "blob_documents",
+    "blob_id",
+    "bound",
     "bound_message",
     "clean_name",
     "collapse_whitespace",
@@ -97,6 +127,7 @@ __all__ = [
     "create_indexes_sync",
     "derive_turn_id",
     "document_size",
+    "kept_blob_ids",
     "message_id",
     "message_text",
     "parse_messages",
@@ -104,7 +135,10 @@ __all__ = [
     "search_text",
     "shorten",
     "storage_errors",
+    "stored_blob_ids",
     "strip_runtime_context",
+    "text_of",
     "validate_identifier",
     "with_retries",
+    "with_texts",
 ]

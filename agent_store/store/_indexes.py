@@ -11,6 +11,10 @@ from agent_store.store._driver import Database, storage_errors
 
 MESSAGES = "agent_messages"
 CONVERSATIONS = "agent_conversations"
+BLOB_BUCKET = "agent_message_blobs"
+"""The GridFS bucket of whole texts of cut messages (collections `….files`, `….chunks`)."""
+BLOB_FILES = f"{BLOB_BUCKET}.files"
+BLOB_CHUNKS = f"{BLOB_BUCKET}.chunks"
 
 SHARD_KEYS: dict[str, dict[str, Any]] = {
     MESSAGES: {"conversation_id": 1, "seq": 1},
@@ -39,6 +43,9 @@ INDEXES: dict[str, list[IndexModel]] = {
     CONVERSATIONS: [
         IndexModel([("user_id", ASCENDING), ("updated_at", DESCENDING), ("_id", DESCENDING)]),
     ],
+    # The two indexes GridFS drivers expect on a bucket.
+    BLOB_FILES: [IndexModel([("filename", ASCENDING), ("uploadDate", ASCENDING)])],
+    BLOB_CHUNKS: [IndexModel([("files_id", ASCENDING), ("n", ASCENDING)], unique=True)],
 }
 """Every index the store relies on, by collection."""
 

@@ -39,6 +39,7 @@ from agent_store.core import (
     messages_adapter,
     utc_now,
 )
+from agent_store.store._blobs import FullTextStore
 from agent_store.store._driver import DUPLICATE_KEY, Database, storage_errors
 from agent_store.store._fork import fork_copies, fork_end, fork_turn_id
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
@@ -135,6 +136,7 @@ class AgentMessageLogger:
         self._indexes = IndexSetup(db)
         self._observers = tuple(observers)
         self._legacy = legacy
+        self._full_texts = FullTextStore(db)
 
     async def ensure_indexes(self) -> None:
         """Create the store's indexes (idempotent; retried after a failure)."""
@@ -425,6 +427,7 @@ class AgentMessageLogger:
         A message an earlier attempt stored collides on its `_id` and is read back, so
         a retry answers with the stored timestamps, not its own.
         """
+        await self._full_texts.keep(plan.full_texts)  # a turn with a cut message: 2 more commands
         owner = reserved.conversation.user_id
         documents = [
             {**m.model_dump(by_alias=True), "seq": reserved.first_seq + i, "user_id": owner}

@@ -31,6 +31,7 @@ from agent_store.core import (
     messages_adapter,
     utc_now,
 )
+from agent_store.store._blobs import FullTextStore
 from agent_store.store._driver import Database, storage_errors
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource
@@ -118,6 +119,7 @@ class ConversationStore:
         self._messages = db[MESSAGES]
         self._conversations = db[CONVERSATIONS]
         self._legacy_source = legacy
+        self._full_texts = FullTextStore(db)
 
     async def _legacy(self, conversation_id: str, user_id: str | None) -> FallbackConversation:
         """A conversation not migrated yet, converted from its legacy turns; else NotFound.
@@ -242,6 +244,7 @@ class ConversationStore:
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.delete(conversation_id)
+        await self._full_texts.forget({"conversation_id": conversation_id})
         with storage_errors("delete the conversation"):
             messages = await self._messages.delete_many({"conversation_id": conversation_id})
             conversations = await self._conversations.delete_one({"_id": conversation_id})
@@ -279,6 +282,14 @@ class ConversationStore:
                 conversion = await self._legacy(conversation_id, user_id)
                 return conversion.messages if fallback else []
         return messages_adapter.validate_python(docs)
+
+    async def with_full_texts(self, messages: list[AgentMessage]) -> list[AgentMessage]:
+        """The messages with every field cut to bound them put back whole, from GridFS.
+
+        Costs two lookups when any message was cut, none otherwise. A field whose
+        whole text is not found stays cut and listed in `truncated`.
+        """
+        return await self._full_texts.restore(messages)
 
     async def messages_page(
         self,
@@ -503,6 +514,7 @@ class ConversationStore:
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.erase_user(user_id)
+        await self._full_texts.forget({"user_id": user_id})
         with storage_errors("erase the user's data"):
             messages = await self._messages.delete_many({"user_id": user_id})
             conversations = await self._conversations.delete_many({"user_id": user_id})
@@ -541,16 +553,21 @@ class ConversationStore:
             legacy_turns=legacy,
         )
 
-    async def export_user(self, user_id: str) -> AsyncIterator[ConversationExport]:
-        """Every conversation of a user with its transcript, one at a time."""
+    async def export_user(
+        self, user_id: str, *, full: bool = False
+    ) -> AsyncIterator[ConversationExport]:
+        """Every conversation of a user with its transcript, one at a time.
+
+        With `full`, fields cut to bound a message come whole (see `with_full_texts`).
+        """
         user_id = validate_identifier(user_id, "user_id")
         with storage_errors("export the user's data"):
             async for doc in self._conversations.find({"user_id": user_id}, SUMMARY).sort("_id", 1):
                 conversation = Conversation.model_validate(doc)
-                yield ConversationExport(
-                    conversation=conversation,
-                    messages=await self.transcript(conversation.id, user_id=user_id),
-                )
+                messages = await self.transcript(conversation.id, user_id=user_id)
+                if full:
+                    messages = await self.with_full_texts(messages)
+                yield ConversationExport(conversation=conversation, messages=messages)
 
     @staticmethod
     def _scope(conversation_id: str, user_id: str | None) -> dict[str, Any]:

@@ -1,23 +1,56 @@
-"""Keep every stored message under a size bound by cutting its largest texts.
+"""Keep every stored message under a size bound by cutting its largest texts, never losing them.
 
 MongoDB refuses documents over 16 MiB; a turn must never be lost to that, so a
 message over the configured bound is stored with its largest text fields cut
-and a `truncated` map naming each cut field and its original length.
+and a `truncated` map naming each cut field, its original length and the
+GridFS file its whole text goes to (`FullText`, written by `_blobs`). Pure, no I/O.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import bson
 
-from agent_store.core import AgentMessage, message_adapter
+from agent_store.core import AgentMessage, Truncation, message_adapter
 
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024
 TRUNCATION_MARK = "\n…[truncated]"
 # Room left for the marks and field names a cut adds.
 _SLACK_BYTES = 4096
+DERIVED_FIELDS = frozenset({"search_text"})
+"""Fields computed from the others: cut without keeping a copy."""
+
+
+@dataclass(frozen=True)
+class FullText:
+    """A text cut from a stored message, to be kept whole in GridFS under `blob_id`."""
+
+    blob_id: str
+    conversation_id: str | None
+    message_id: str
+    path: str
+    """Where the text sits in the message, e.g. `content` or `tool_calls.0.function.arguments`."""
+    text: str
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class BoundedMessage:
+    """A message within its size bound, and the whole texts of the fields that were cut."""
+
+    message: AgentMessage
+    full_texts: tuple[FullText, ...] = ()
+
+
+def blob_id(message_id: str, path: str) -> str:
+    """The GridFS file id of a message's cut field: a retry or a rerun writes the same file."""
+    digest = hashlib.sha256(f"{message_id}\0{path}".encode()).hexdigest()
+    return "blob-" + digest[:32]
 
 
 def document_size(document: dict[str, Any]) -> int:
@@ -39,44 +72,59 @@ def _text_fields(doc: dict[str, Any]) -> list[tuple[str, str]]:
     if doc.get("hitl_action"):
         params = json.dumps(doc["hitl_action"]["params"], ensure_ascii=False, default=str)
         found.append(("hitl_action.params", params))
-    return sorted(found, key=lambda item: len(item[1].encode()), reverse=True)
+    # Largest first, by characters: encoding megabytes only to sort them costs more than it tells.
+    return sorted(found, key=lambda item: len(item[1]), reverse=True)
 
 
-def _cut(text: str, max_bytes: int) -> str:
+def _cut(data: bytes, max_bytes: int) -> str:
     budget = max(max_bytes - len(TRUNCATION_MARK.encode()), 0)
-    return text.encode()[:budget].decode(errors="ignore") + TRUNCATION_MARK
+    return data[:budget].decode(errors="ignore") + TRUNCATION_MARK
 
 
-def _put(doc: dict[str, Any], path: str, text: str) -> None:
+def put_text(doc: dict[str, Any], path: str, text: str, *, cut: bool) -> None:
+    """Set the text at `path` of a message document: a cut text, or a whole one put back."""
     parts = path.split(".")
     if parts[0] == "hitl_action":
-        doc["hitl_action"]["params"] = {"truncated_json": text}
+        doc["hitl_action"]["params"] = {"truncated_json": text} if cut else json.loads(text)
         return
     target: Any = doc
     for part in parts[:-1]:
         target = target[int(part)] if part.isdigit() else target[part]
-    if parts[-1] == "arguments":
+    if parts[-1] == "arguments" and cut:
         # Keep arguments a JSON string even when cut.
         text = json.dumps({"truncated_arguments": text}, ensure_ascii=False)
     target[parts[-1]] = text
 
 
-def bound_message(
-    message: AgentMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-) -> AgentMessage:
-    """Return the message unchanged if it fits in `max_bytes` of BSON, else a cut copy."""
+def bound(message: AgentMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> BoundedMessage:
+    """The message as it is if it fits in `max_bytes` of BSON, else a cut copy and the whole
+    texts it lost (every cut field but `search_text`, which is derived)."""
     doc = message.model_dump(by_alias=True)
     size = document_size(doc)
     if size <= max_bytes:
-        return message
-    truncated: dict[str, int] = dict(message.truncated or {})
+        return BoundedMessage(message)
+    truncated: dict[str, Truncation | int] = dict(message.truncated or {})
+    full_texts: list[FullText] = []
     for path, text in _text_fields(doc):
         if size <= max_bytes:
             break
-        encoded_length = len(text.encode())
-        keep = max(encoded_length - (size - max_bytes) - _SLACK_BYTES, 0)
-        _put(doc, path, _cut(text, keep))
-        truncated[path] = len(text)
+        data = text.encode()
+        keep = max(len(data) - (size - max_bytes) - _SLACK_BYTES, 0)
+        put_text(doc, path, _cut(data, keep), cut=True)
+        kept = None
+        if path not in DERIVED_FIELDS and message.id is not None:
+            kept = blob_id(message.id, path)
+            full_texts.append(
+                FullText(kept, message.conversation_id, message.id, path, text, message.created_at)
+            )
+        truncated[path] = Truncation(length=len(text), blob_id=kept)
         size = document_size(doc)
-    doc["truncated"] = truncated
-    return message_adapter.validate_python(doc)
+    doc["truncated"] = {path: entry for path, entry in truncated.items()}
+    return BoundedMessage(message_adapter.validate_python(doc), tuple(full_texts))
+
+
+def bound_message(
+    message: AgentMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> AgentMessage:
+    """The message within `max_bytes` (see `bound`), without the whole texts of what was cut."""
+    return bound(message, max_bytes).message

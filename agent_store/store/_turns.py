@@ -36,7 +36,12 @@ from agent_store.store._text import (
     shorten,
     strip_runtime_context,
 )
-from agent_store.store._truncation import DEFAULT_MAX_MESSAGE_BYTES, bound_message
+from agent_store.store._truncation import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    BoundedMessage,
+    FullText,
+    bound,
+)
 from agent_store.store._values import check_time, storable
 
 _identifier: TypeAdapter[str] = TypeAdapter(Identifier)
@@ -85,6 +90,8 @@ class TurnPlan:
     """A 64-bit digest of the turn id: how the conversation's turn records name it."""
     digest: int = 0
     """A 64-bit digest of the messages (timestamps aside): a replay must carry the same."""
+    full_texts: tuple[FullText, ...] = ()
+    """Whole texts of the fields cut to bound the messages, kept before they are inserted."""
 
 
 def validate_identifier(value: object, what: str) -> str:
@@ -197,11 +204,32 @@ def _check_times(messages: Sequence[AgentMessage], rules: TurnRules) -> None:
         )
 
 
-def _bounded(message: AgentMessage, index: int, rules: TurnRules) -> AgentMessage:
+def _bounded(message: AgentMessage, index: int, rules: TurnRules) -> BoundedMessage:
     try:
-        return bound_message(message, rules.max_message_bytes)
+        return bound(message, rules.max_message_bytes)
     except (InvalidDocument, OverflowError, ValueError, RecursionError) as exc:
         raise InvalidInput(f"invalid turn: message {index} cannot be stored: {exc}") from exc
+
+
+def _prepared(
+    conversation_id: str, turn_id: str, messages: Sequence[AgentMessage], rules: TurnRules
+) -> tuple[list[AgentMessage], list[FullText]]:
+    """The messages as stored (ids, turn, search text, bounded), and the texts cut to bound them."""
+    stored: list[AgentMessage] = []
+    full_texts: list[FullText] = []
+    for index, message in enumerate(messages):
+        prepared = message.model_copy(
+            update={
+                "id": message_id(conversation_id, turn_id, index),
+                "conversation_id": conversation_id,
+                "turn_id": turn_id,
+                "search_text": search_text(message),
+            }
+        )
+        bounded = _bounded(prepared, index, rules)
+        stored.append(bounded.message)
+        full_texts += bounded.full_texts
+    return stored, full_texts
 
 
 def message_id(conversation_id: str, turn_id: str, index: int) -> str:
@@ -272,18 +300,7 @@ def plan_turn(
         else derive_turn_id(conversation_id, messages)
     )
 
-    stored: list[AgentMessage] = []
-    for index, message in enumerate(messages):
-        prepared = message.model_copy(
-            update={
-                "id": message_id(conversation_id, turn_id, index),
-                "conversation_id": conversation_id,
-                "turn_id": turn_id,
-                "search_text": search_text(message),
-            }
-        )
-        stored.append(_bounded(prepared, index, rules))
-
+    stored, full_texts = _prepared(conversation_id, turn_id, messages, rules)
     return TurnPlan(
         conversation_id=conversation_id,
         turn_id=turn_id,
@@ -299,6 +316,7 @@ def plan_turn(
         ),
         key=turn_key(turn_id),
         digest=content_digest([m.model_dump(by_alias=True) for m in stored]),
+        full_texts=tuple(full_texts),
     )
 
 

@@ -48,8 +48,11 @@ export interface IAgentMessage<TDate extends DateLike = Date> {
   turn_id: string | null;
   /** Text extracted at write time for full-text search (extension). */
   search_text: string | null;
-  /** Fields cut to keep the document bounded, with their original length (extension). */
-  truncated: Record<string, number> | null;
+  /**
+   * Fields cut to keep the document bounded, by path, with where each is kept whole
+   * (extension). A bare number is the older shape: the original length, not kept whole.
+   */
+  truncated: Record<string, ITruncation | number> | null;
 }
 
 /** Any message, told apart by `role`: `switch (message.role)` narrows it. */
@@ -128,6 +131,11 @@ export interface IAgentConversation<TDate extends DateLike = Date> {
   usage: IUsage;
   /** The conversation and `seq` this one was forked from (extension); null if it was not. */
   forked_from: IForkOrigin | null;
+  /**
+   * The id its legacy turns named, when that was not an identifier and the migration gave
+   * the conversation a derived one (extension).
+   */
+  legacy_conversation_id: string | null;
 }
 
 /** A page of a conversation's messages. */
@@ -218,6 +226,17 @@ export interface IToolCall {
   id: string;
   type: "function";
   function: IFunctionCall;
+}
+
+/** Where a text cut to bound its message is kept whole (extension). */
+export interface ITruncation {
+  /** The text's original length, in characters. */
+  length: number;
+  /**
+   * The GridFS file (bucket `agent_message_blobs`) holding the whole text; None when it
+   * was not kept (`search_text`, which is derived from the other fields).
+   */
+  blob_id: string | null;
 }
 
 /** Token usage summed over a conversation (extension); each sum stops at 2**53 - 1. */

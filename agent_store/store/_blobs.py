@@ -1,0 +1,156 @@
+"""Whole texts of cut messages, kept in GridFS (bucket `agent_message_blobs`).
+
+The documents follow the GridFS format (a `files` document, `chunks` of
+255 KiB with `files_id` and `n`), so `gridfs.GridFSBucket` and every
+MongoDB tool reads them. They are written with plain inserts rather than
+through a bucket: ids are deterministic (from the message id and the field's
+path), so a retried turn or a rerun migration writes the same file once, and
+all the files of a turn cost two commands (chunks, then the files documents
+that make them visible) on every backend the store supports, mongomock included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from pymongo.errors import BulkWriteError
+
+from agent_store.core import AgentMessage, Truncation, message_adapter
+from agent_store.store._driver import DUPLICATE_KEY, Database, storage_errors
+from agent_store.store._indexes import BLOB_CHUNKS, BLOB_FILES, MESSAGES
+from agent_store.store._truncation import FullText, put_text
+
+CHUNK_BYTES = 255 * 1024
+"""GridFS's default chunk size."""
+
+
+def blob_documents(full: FullText) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The GridFS `files` document and `chunks` of one whole text (UTF-8)."""
+    data = full.text.encode()
+    chunks = [
+        {"_id": f"{full.blob_id}:{n}", "files_id": full.blob_id, "n": n, "data": data[start:end]}
+        for n, (start, end) in enumerate(
+            (start, start + CHUNK_BYTES) for start in range(0, max(len(data), 1), CHUNK_BYTES)
+        )
+    ]
+    files = {
+        "_id": full.blob_id,
+        "length": len(data),
+        "chunkSize": CHUNK_BYTES,
+        # The message's time, not the write's: a rerun writes the very same document.
+        "uploadDate": full.created_at,
+        "filename": f"{full.message_id}/{full.path}",
+        "metadata": {
+            "conversation_id": full.conversation_id,
+            "message_id": full.message_id,
+            "path": full.path,
+            "content_type": "text/plain; charset=utf-8",
+        },
+    }
+    return files, chunks
+
+
+def text_of(files: Mapping[str, Any], chunks: Iterable[Mapping[str, Any]]) -> str | None:
+    """The whole text of a file from its chunks; None when chunks are missing or short."""
+    ordered = sorted(chunks, key=lambda c: int(c["n"]))
+    data = b"".join(bytes(c["data"]) for c in ordered)
+    complete = [int(c["n"]) for c in ordered] == list(range(len(ordered)))
+    if not complete or len(data) != files.get("length"):
+        return None
+    return data.decode()
+
+
+def kept_blob_ids(message: AgentMessage) -> dict[str, str]:
+    """The blob id of each cut field of a message that was kept whole, by path."""
+    return {
+        path: entry.blob_id
+        for path, entry in (message.truncated or {}).items()
+        if isinstance(entry, Truncation) and entry.blob_id
+    }
+
+
+def stored_blob_ids(document: Mapping[str, Any]) -> list[str]:
+    """The blob ids a stored message document's `truncated` map names."""
+    entries = document.get("truncated") or {}
+    return [
+        entry["blob_id"]
+        for entry in entries.values()
+        if isinstance(entry, Mapping) and isinstance(entry.get("blob_id"), str)
+    ]
+
+
+def with_texts(message: AgentMessage, texts: Mapping[str, str]) -> AgentMessage:
+    """The message with each cut field whose whole text is in `texts` (by blob id) put back.
+
+    Restored fields leave `truncated`; fields not found there stay cut and listed.
+    """
+    kept = {path: texts[b] for path, b in kept_blob_ids(message).items() if b in texts}
+    if not kept:
+        return message
+    doc = message.model_dump(by_alias=True)
+    for path, text in kept.items():
+        put_text(doc, path, text, cut=False)
+    left = {p: e for p, e in (message.truncated or {}).items() if p not in kept}
+    doc["truncated"] = left or None
+    return message_adapter.validate_python(doc)
+
+
+def _only_duplicates(error: BulkWriteError) -> None:
+    """Files and chunks are identical for identical ids: a duplicate is a retry's, fine."""
+    if any(e.get("code") != DUPLICATE_KEY for e in error.details.get("writeErrors", [])):
+        raise error
+
+
+class FullTextStore:
+    """Writes, reads and deletes the whole texts of cut messages on an async database."""
+
+    def __init__(self, db: Database) -> None:
+        self._files = db[BLOB_FILES]
+        self._chunks = db[BLOB_CHUNKS]
+        self._messages = db[MESSAGES]
+
+    async def keep(self, full_texts: Sequence[FullText]) -> None:
+        """Write the texts: chunks first, then the files documents that make them visible."""
+        if not full_texts:
+            return
+        built = [blob_documents(full) for full in full_texts]
+        with storage_errors("keep the whole texts of cut messages"):
+            for collection, documents in (
+                (self._chunks, [c for _, chunks in built for c in chunks]),
+                (self._files, [files for files, _ in built]),
+            ):
+                try:
+                    await collection.insert_many(documents, ordered=False)
+                except BulkWriteError as exc:
+                    _only_duplicates(exc)
+
+    async def texts(self, blob_ids: Iterable[str]) -> dict[str, str]:
+        """The whole texts found, by blob id (a missing or incomplete file is left out)."""
+        wanted = sorted(set(blob_ids))
+        if not wanted:
+            return {}
+        with storage_errors("read the whole texts of cut messages"):
+            files = await self._files.find({"_id": {"$in": wanted}}).to_list(None)
+            chunks = await self._chunks.find({"files_id": {"$in": wanted}}).to_list(None)
+        by_file: dict[str, list[Mapping[str, Any]]] = {}
+        for chunk in chunks:
+            by_file.setdefault(chunk["files_id"], []).append(chunk)
+        found = {f["_id"]: text_of(f, by_file.get(f["_id"], [])) for f in files}
+        return {blob: text for blob, text in found.items() if text is not None}
+
+    async def restore(self, messages: Sequence[AgentMessage]) -> list[AgentMessage]:
+        """The messages with every cut field that was kept whole put back."""
+        texts = await self.texts(b for m in messages for b in kept_blob_ids(m).values())
+        return [with_texts(m, texts) for m in messages]
+
+    async def forget(self, messages_filter: Mapping[str, Any]) -> None:
+        """Delete the whole texts of the messages `messages_filter` selects (before them)."""
+        with storage_errors("delete the whole texts of cut messages"):
+            cut = await self._messages.find(
+                {**messages_filter, "truncated": {"$ne": None}}, {"truncated": 1}
+            ).to_list(None)
+            ids = sorted({b for doc in cut for b in stored_blob_ids(doc)})
+            if ids:
+                await self._files.delete_many({"_id": {"$in": ids}})
+                await self._chunks.delete_many({"files_id": {"$in": ids}})

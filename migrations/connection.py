@@ -1,0 +1,62 @@
+"""Which database the migration works on, and the connection to it.
+
+In order: `--uri`; `MONGODB_URI`; the embedded server a running service
+(`make run`) publishes in its data directory (`AGENT_STORE_DATA_DIR`, default
+`data/`); else the embedded database of that directory opened here, for as
+long as the command runs. So `make migrate` after `make run` works on the
+same data whether the service is still running or not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+from pymongo import MongoClient
+from pymongo.errors import ConfigurationError, PyMongoError
+
+from agent_store.embedded import DATABASE_FILE, URI_FILE, ServerThread, published_uri
+from migrations.errors import Misuse, Unreachable
+
+
+def _embedded(data_dir: Path, stack: ExitStack) -> tuple[str, str]:
+    uri = published_uri(data_dir)
+    if uri is not None:
+        return uri, f"the embedded server at {uri} (published in {data_dir / URI_FILE})"
+    if not (data_dir / DATABASE_FILE).exists():
+        raise Misuse(
+            "no database given: pass --uri or set MONGODB_URI (or run `make run` first, "
+            f"for the embedded database in {data_dir}/)"
+        )
+    server = ServerThread(data_dir)
+    uri = server.start()
+    stack.callback(server.stop)
+    return uri, f"the embedded database in {data_dir}/ (opened here, at {uri})"
+
+
+@contextmanager
+def database(args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
+    """The client and a description of where it points, for the duration of a command."""
+    with ExitStack() as stack:
+        uri = args.uri or os.environ.get("MONGODB_URI")
+        where = "MONGODB_URI" if uri and not args.uri else "--uri"
+        if not uri:
+            uri, where = _embedded(Path(args.data_dir), stack)
+        try:
+            client: MongoClient[dict[str, Any]] = MongoClient(
+                uri, tz_aware=True, serverSelectionTimeoutMS=int(args.timeout * 1000)
+            )
+        except ConfigurationError as exc:
+            raise Unreachable(f"invalid MongoDB URI {uri!r}: {exc}") from exc
+        stack.callback(client.close)
+        try:
+            client.admin.command("ping")
+        except PyMongoError as exc:
+            raise Unreachable(
+                f"cannot reach MongoDB at {uri!r} within {args.timeout:g}s: {exc}"
+            ) from exc
+        yield client, where

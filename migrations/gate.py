@@ -1,0 +1,160 @@
+"""The exit gate (`finish`): is every legacy conversation's content in the new collections?
+
+For each legacy conversation the converter runs again (it is pure and fast) and
+the gate checks, against what is stored: its conversation document, every one
+of its messages by id, the whole text of every cut message, and that whatever
+it holds that no message can hold (an unplaced problem) is recorded in
+`agent_migration_problems` and accepted by an operator (`finish --accept`). A
+conversation logged to live before its migration passes only if the live
+messages hold its legacy content. Anything else is work left, and the legacy
+collection must not be dropped.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from pymongo.database import Database
+
+from agent_store.store import CONVERSATIONS, MESSAGES, TurnRules
+from migrations import full_texts
+from migrations import problems as problem_report
+from migrations.explode import batches, conversation_ids, convert_batch
+from migrations.writes import Converted
+
+LIVE_KINDS = ("conversation_already_live", "live_conflict")
+"""Problems only a run can find (they depend on what the live service stored)."""
+
+
+@dataclass
+class WorkLeft:
+    conversation_id: str
+    reasons: list[str]
+
+
+@dataclass
+class Gate:
+    """What `finish` found."""
+
+    conversations: int = 0
+    empty: int = 0
+    """Conversations whose turns hold nothing to migrate."""
+    accepted: list[str] = field(default_factory=list)
+    """Conversations whose unplaced content an operator accepted."""
+    left: list[WorkLeft] = field(default_factory=list)
+
+    @property
+    def open(self) -> bool:
+        """True when every legacy conversation is migrated (or accepted): a drop is safe."""
+        return not self.left
+
+
+def _present(
+    db: Database[dict[str, Any]],
+    name: str,
+    ids: Iterable[str],
+    scope: dict[str, Any] | None = None,
+) -> set[str]:
+    """Which of `ids` exist in `name`; `scope` narrows the lookup (to the batch's conversations,
+    so it stays on their shards)."""
+    wanted = sorted(set(ids))
+    found: set[str] = set()
+    for start in range(0, len(wanted), 10_000):
+        chunk = wanted[start : start + 10_000]
+        query = {"_id": {"$in": chunk}, **(scope or {})}
+        found |= {d["_id"] for d in db[name].find(query, {"_id": 1})}
+    return found
+
+
+@dataclass
+class _Stored:
+    """What is stored for one batch of conversations."""
+
+    conversations: set[str]
+    messages: set[str]
+    texts: set[str]
+    recorded: dict[str, list[str]]
+    """Kinds of the unplaced problems recorded, by conversation."""
+    live: dict[str, bool]
+    """Conversations recorded as already live, and whether the live messages hold them."""
+
+
+def _stored(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> _Stored:
+    conversions = [item.conversion for item in batch]
+    ids = [c.conversation_id for c in conversions]
+    live = {
+        d["conversation_id"]: bool(d.get("placed"))
+        for d in db[problem_report.PROBLEMS].find(
+            {"conversation_id": {"$in": ids}, "kind": "conversation_already_live"}
+        )
+    }
+    return _Stored(
+        conversations=_present(db, CONVERSATIONS, ids),
+        messages=_present(
+            db,
+            MESSAGES,
+            (m.id or "" for c in conversions for m in c.messages),
+            {"conversation_id": {"$in": ids}},
+        ),
+        texts=full_texts.present(db, (f.blob_id for c in conversions for f in c.full_texts)),
+        recorded=problem_report.unplaced(db, ids),
+        live=live,
+    )
+
+
+def _reasons(item: Converted, stored: _Stored, accepted: dict[str, list[str]]) -> list[str]:
+    conversion = item.conversion
+    cid = conversion.conversation_id
+    reasons: list[str] = []
+    if cid in stored.live:
+        if not stored.live[cid]:
+            reasons.append("logged to live before its migration; its legacy turns are not merged")
+    else:
+        if conversion.conversation is not None and cid not in stored.conversations:
+            reasons.append("no conversation document")
+        missing = sum(1 for m in conversion.messages if m.id not in stored.messages)
+        if missing:
+            reasons.append(f"{missing} of {len(conversion.messages)} messages missing")
+        lost = sum(1 for f in conversion.full_texts if f.blob_id not in stored.texts)
+        if lost:
+            reasons.append(f"{lost} whole texts of cut messages missing")
+    unplaced = Counter(p.kind for p in conversion.unplaced)
+    recorded = Counter(k for k in stored.recorded.get(cid, []) if k not in LIVE_KINDS)
+    if unplaced - recorded:
+        reasons.append("problems not recorded yet: run the migration again")
+    elif unplaced and unplaced - Counter(accepted.get(cid, [])):
+        kinds = ", ".join(sorted(unplaced))
+        reasons.append(
+            f"content only the legacy turns hold ({kinds}; see {problem_report.PROBLEMS}): "
+            f"once it is kept elsewhere, `finish --accept {cid}`"
+        )
+    return reasons
+
+
+def check(
+    db: Database[dict[str, Any]], *, batch_size: int = 200, undated_at: datetime | None = None
+) -> Gate:
+    """Check every legacy conversation against what is stored."""
+    gate = Gate()
+    accepted = problem_report.accepted(db)
+    for ids in batches(conversation_ids(db), batch_size):
+        converted, failed, _ = convert_batch(db, ids, TurnRules(), undated_at=undated_at)
+        gate.left += [
+            WorkLeft(p.conversation_id, [f"cannot be converted: {p.detail}"]) for p in failed
+        ]
+        stored = _stored(db, converted)
+        for item in converted:
+            gate.conversations += 1
+            reasons = _reasons(item, stored, accepted)
+            cid = item.conversion.conversation_id
+            if reasons:
+                gate.left.append(WorkLeft(cid, reasons))
+            elif item.conversion.conversation is None:
+                gate.empty += 1
+            elif cid in accepted and item.conversion.unplaced:
+                gate.accepted.append(cid)
+    return gate

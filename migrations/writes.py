@@ -1,0 +1,193 @@
+"""What one batch writes, worked out before anything is written, so a dry run reports exactly
+what a run does; then the writes themselves, each in bounded commands.
+
+Planning reads what is already there (conversation documents, messages at the
+batch's `seq` values, whole-text files) and keeps only what is missing or
+different. A conversation whose first `seq` values hold messages the
+migration did not write was logged to before it was migrated: its legacy
+turns are not merged, and the problem says whether the live messages already
+hold their content (placed) or not (content only the legacy turns hold).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import bson
+from pymongo import ReplaceOne
+from pymongo.database import Database
+from pymongo.errors import BulkWriteError
+
+from agent_store.core import Conversation, message_adapter
+from agent_store.legacy import LegacyConversion, LegacyTurn, Problem
+from agent_store.store import CONVERSATIONS, DUPLICATE_KEY, MESSAGES, FullText
+from migrations import full_texts
+from migrations.bounds import Bounds, bounded
+from migrations.transcript import contains, from_legacy, from_messages
+
+
+@dataclass
+class Converted:
+    """One conversation's legacy turns and what the converter made of them."""
+
+    turns: list[LegacyTurn]
+    conversion: LegacyConversion
+
+
+@dataclass
+class Planned:
+    """The writes of one batch, in the order they are made."""
+
+    full_texts: list[FullText] = field(default_factory=list)
+    conversations: list[dict[str, Any]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    live: list[Problem] = field(default_factory=list)
+    """Problems of conversations already live: their legacy turns are not merged."""
+
+
+def _taken(
+    db: Database[dict[str, Any]], wanted: Sequence[LegacyConversion]
+) -> dict[tuple[str, int], str]:
+    """(conversation id, seq) -> message id of what is stored at the batch's seq values."""
+    clauses = [
+        {"conversation_id": c.conversation_id, "seq": {"$lt": len(c.messages)}} for c in wanted
+    ]
+    taken: dict[tuple[str, int], str] = {}
+    for doc in db[MESSAGES].find({"$or": clauses}, {"conversation_id": 1, "seq": 1}):
+        taken[(doc["conversation_id"], doc["seq"])] = doc["_id"]
+    return taken
+
+
+def _live_problem(db: Database[dict[str, Any]], item: Converted, foreign: int) -> Problem:
+    conversion = item.conversion
+    live = [
+        message_adapter.validate_python(d)
+        for d in db[MESSAGES].find({"conversation_id": conversion.conversation_id}).sort("seq", 1)
+    ]
+    held = contains(
+        from_messages(full_texts.restore(db, live)), from_legacy(item.turns, conversion.unplaced)
+    )
+    detail = (
+        f"{foreign} of the first {len(conversion.messages)} seq values already hold messages the "
+        "migration did not write (the conversation was logged to before it was migrated); its "
+        "legacy turns were not merged"
+    )
+    return Problem(
+        conversation_id=conversion.conversation_id,
+        legacy_id="*",
+        kind="conversation_already_live",
+        detail=detail + ("; the live messages hold their content" if held else ""),
+        content=None
+        if held
+        else [m.model_dump(mode="json", by_alias=True) for m in conversion.messages],
+        placed=held,
+    )
+
+
+def _changed(existing: dict[str, Any] | None, wanted: Conversation) -> bool:
+    """Whether the stored document differs from the wanted one (and is the migration's)."""
+    if existing is None:
+        return True
+    if existing.get("turns"):
+        return False  # the live logger has written to it: it is never overwritten
+    return Conversation.model_validate(existing) != wanted
+
+
+def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
+    """Read what is stored and work out the batch's writes."""
+    planned = Planned()
+    wanted = [item for item in batch if item.conversion.conversation is not None]
+    if not wanted:
+        return planned
+    ids = [item.conversion.conversation_id for item in wanted]
+    existing = {d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": ids}})}
+    taken = _taken(db, [item.conversion for item in wanted])
+    for item in wanted:
+        conversion = item.conversion
+        assert conversion.conversation is not None
+        at = {m.seq: m for m in conversion.messages}
+        foreign = [
+            seq
+            for seq, m in at.items()
+            if taken.get((conversion.conversation_id, seq or 0), m.id) != m.id
+        ]
+        if foreign:
+            planned.live.append(_live_problem(db, item, len(foreign)))
+            continue
+        if _changed(existing.get(conversion.conversation_id), conversion.conversation):
+            planned.conversations.append(conversion.conversation.model_dump(by_alias=True))
+        planned.full_texts += conversion.full_texts
+        planned.messages += [
+            m.model_dump(by_alias=True)
+            for m in conversion.messages
+            if (conversion.conversation_id, m.seq) not in taken
+        ]
+    kept = full_texts.present(db, (f.blob_id for f in planned.full_texts))
+    planned.full_texts = [f for f in planned.full_texts if f.blob_id not in kept]
+    return planned
+
+
+def apply(
+    db: Database[dict[str, Any]], planned: Planned, bounds: Bounds
+) -> tuple[int, list[Problem]]:
+    """Make the planned writes: whole texts, conversation documents, then messages. Returns
+    how many messages were inserted, and the problems of races with the live service."""
+    full_texts.keep(db, planned.full_texts, bounds)
+    upserts = [
+        # Only over a document the migration wrote: the logger's have turn records.
+        ReplaceOne({"_id": d["_id"], "turns.0": {"$exists": False}}, d, upsert=True)
+        for d in planned.conversations
+    ]
+    for batch in bounded(upserts, [len(bson.encode(d)) for d in planned.conversations], bounds):
+        try:
+            db[CONVERSATIONS].bulk_write(batch, ordered=False)
+        except BulkWriteError as exc:
+            # Only a conversation that went live meanwhile: the logger's document stays.
+            if any(e.get("code") != DUPLICATE_KEY for e in exc.details["writeErrors"]):
+                raise
+    problems: list[Problem] = []
+    inserted = 0
+    sizes = [len(bson.encode(d)) for d in planned.messages]
+    for run in bounded(planned.messages, sizes, bounds):
+        try:
+            db[MESSAGES].insert_many(run, ordered=False)
+            inserted += len(run)
+        except BulkWriteError as exc:
+            inserted += len(run) - len(exc.details.get("writeErrors", []))
+            problems += _accept_identical(db, exc, run)
+    return inserted, problems
+
+
+def _accept_identical(
+    db: Database[dict[str, Any]], error: BulkWriteError, documents: list[dict[str, Any]]
+) -> list[Problem]:
+    """Duplicates of identical documents are a resumed run; other collisions a live race."""
+    errors = error.details.get("writeErrors", [])
+    if any(e.get("code") != DUPLICATE_KEY for e in errors):
+        raise error
+    failed = [documents[e["index"]] for e in errors]
+    # The conversation ids keep this lookup on the shards that hold them.
+    query = {
+        "conversation_id": {"$in": sorted({f["conversation_id"] for f in failed})},
+        "_id": {"$in": [f["_id"] for f in failed]},
+    }
+    stored = {d["_id"]: d for d in db[MESSAGES].find(query)}
+    problems: list[Problem] = []
+    for wanted in failed:
+        found = stored.get(wanted["_id"])
+        same = found is not None and message_adapter.validate_python(
+            found
+        ) == message_adapter.validate_python(wanted)
+        if not same:
+            problems.append(
+                Problem(
+                    conversation_id=wanted["conversation_id"],
+                    legacy_id=str(wanted.get("turn_id")),
+                    kind="live_conflict",
+                    detail=f"seq {wanted['seq']} was taken by another message during the run",
+                    content=wanted,
+                )
+            )
+    return problems

@@ -1,0 +1,159 @@
+"""Truncated, never lost: a message cut to bound its document keeps its full text in GridFS,
+where the store, the API (`?full=true`) and the viewer fetch it; a retry writes it once; a
+delete or an erasure removes it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import gridfs
+import pytest
+from pymongo import MongoClient
+
+from agent_store import AgentMessageLogger, ConversationStore, Truncation
+from agent_store.core import message_adapter
+from agent_store.store import BLOB_BUCKET
+from tests.api_harness import SERVICE_TOKEN, Served, mongomock_db, serve
+from tests.conftest import Backend
+
+CID = "full-texts"
+HUGE = "word " * 600_000  # 3 MB: three times the default bound of 1 MiB
+FILES, CHUNKS = f"{BLOB_BUCKET}.files", f"{BLOB_BUCKET}.chunks"
+
+
+def oversized_turn() -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": "Summarise the log"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "c-log", "function": {"name": "read_log", "arguments": {"path": HUGE}}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c-log", "content": HUGE},
+        {"role": "assistant", "content": "It is long."},
+    ]
+
+
+async def test_a_cut_message_says_where_its_full_text_is_and_the_store_fetches_it(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, oversized_turn(), user_id="user-f", turn_id="t-1")
+
+    stored = await store.transcript(CID)
+    cut = stored[2]
+    assert cut.truncated is not None
+    entry = cut.truncated["content"]
+    assert isinstance(entry, Truncation)
+    assert entry.length == len(HUGE)
+    assert entry.blob_id
+    assert cut.content is not None
+    assert len(cut.content) < 1024 * 1024
+
+    full = await store.with_full_texts(stored)
+    assert full[2].content == HUGE
+    assert full[2].truncated is None
+    assert full[1].tool_calls is not None
+    assert full[1].tool_calls[0].function.arguments == '{"path":"' + HUGE + '"}'
+    assert full[0] == stored[0]
+
+
+async def test_a_retried_turn_writes_its_full_text_once(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, oversized_turn(), turn_id="t-1")
+    files = await backend.db[FILES].count_documents({})
+    chunks = await backend.db[CHUNKS].count_documents({})
+    await backend.db.agent_messages.delete_many({})  # as a crash before the insert leaves it
+
+    await logger.log_messages(CID, oversized_turn(), turn_id="t-1")
+
+    assert files == 2
+    assert await backend.db[FILES].count_documents({}) == files
+    assert await backend.db[CHUNKS].count_documents({}) == chunks
+    assert await backend.db.agent_messages.count_documents({}) == 4
+
+
+async def test_deleting_or_erasing_removes_the_full_texts(backend: Backend) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, oversized_turn(), user_id="user-f", turn_id="t-1")
+    await logger.log_messages("other", oversized_turn(), user_id="user-f", turn_id="t-1")
+    assert await backend.db[FILES].count_documents({}) == 4
+
+    await store.delete(CID)
+    assert await backend.db[FILES].count_documents({}) == 2
+    await store.erase_user("user-f")
+    assert await backend.db[FILES].count_documents({}) == 0
+    assert await backend.db[CHUNKS].count_documents({}) == 0
+
+
+async def test_the_old_shape_of_truncated_is_still_read(backend: Backend) -> None:
+    document = {
+        "_id": "old-cut",
+        "conversation_id": CID,
+        "role": "user",
+        "content": "abc\n…[truncated]",
+        "seq": 0,
+        "truncated": {"content": 3_000_000},
+    }
+    message = message_adapter.validate_python(document)
+    assert message.truncated == {"content": 3_000_000}
+    store = ConversationStore(backend.db)
+    assert await store.with_full_texts([message]) == [message]
+
+
+@pytest.mark.wire
+async def test_the_full_text_is_a_gridfs_file_and_costs_its_turn_two_more_round_trips(
+    wire_backend: Backend, wire_uri: str
+) -> None:
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db)
+    await logger.ensure_indexes()
+    wire_backend.commands.clear()
+
+    logged = await logger.log_messages(CID, oversized_turn(), turn_id="t-1")
+
+    # chunks, then the files documents, then the messages that name them
+    assert wire_backend.commands.names == ["findAndModify", "insert", "insert", "insert"]
+    tool = logged.messages[2]
+    assert tool.truncated is not None
+    entry = tool.truncated["content"]
+    assert isinstance(entry, Truncation)
+    client: MongoClient[dict[str, Any]] = MongoClient(wire_uri)
+    try:
+        bucket = gridfs.GridFSBucket(client[wire_backend.db.name], bucket_name=BLOB_BUCKET)
+        assert bucket.open_download_stream(entry.blob_id).read().decode() == HUGE
+    finally:
+        client.close()
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[Served]:
+    async with serve(mongomock_db()) as served:
+        await served.store.logger.log_messages(CID, oversized_turn(), turn_id="t-1")
+        yield served
+
+
+SERVICE = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
+
+
+async def test_the_transcript_route_returns_full_texts_on_request(api: Served) -> None:
+    cut = await api.http.get(f"/v1/conversations/{CID}/transcript", headers=SERVICE)
+    full = await api.http.get(f"/v1/conversations/{CID}/transcript?full=true", headers=SERVICE)
+    assert (cut.status_code, full.status_code) == (200, 200)
+    assert cut.json()["data"][2]["truncated"]["content"]["length"] == len(HUGE)
+    assert len(cut.json()["data"][2]["content"]) < len(HUGE)
+    assert full.json()["data"][2]["content"] == HUGE
+    assert full.json()["data"][2]["truncated"] is None
+
+
+async def test_the_viewer_links_a_cut_message_to_its_full_text(api: Served) -> None:
+    await api.http.post("/viewer/login", data={"token": SERVICE_TOKEN})
+    page = await api.http.get(f"/viewer/conversations/{CID}")
+    assert page.status_code == 200
+    assert f'href="/viewer/conversations/{CID}?full=true"' in page.text
+    full = await api.http.get(f"/viewer/conversations/{CID}?full=true")
+    assert full.status_code == 200
+    assert HUGE[:1000] in full.text
+    assert "[truncated]" not in full.text

@@ -1,0 +1,180 @@
+"""The converter's problem report: a problem only where content was not placed as it was, or
+was changed; derived ids for conversations whose id is not an identifier; lenient numbers;
+the time an undated turn gets, and the problem saying which."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from bson import ObjectId
+
+from agent_store import ConversationStore, LegacyTurns
+from agent_store.legacy import (
+    LEGACY_TURNS,
+    convert,
+    derived_conversation_id,
+    group_conversations,
+    parse_turns,
+)
+from agent_store.store import CONVERSATIONS, MESSAGES
+from scripts.legacy_corpus import MESSY_START, NOT_AN_IDENTIFIER, messy_corpus
+from tests.conftest import Backend
+
+
+def conversation(conversation_id: str) -> list[dict[str, Any]]:
+    return [d for d in messy_corpus() if d["conversation_id"] == conversation_id]
+
+
+def test_a_conversation_id_that_is_not_an_identifier_gets_a_derived_stable_one() -> None:
+    first = convert(conversation(NOT_AN_IDENTIFIER))
+    again = convert(conversation(NOT_AN_IDENTIFIER))
+
+    derived = derived_conversation_id(NOT_AN_IDENTIFIER)
+    assert first.conversation_id == derived == again.conversation_id
+    assert first.conversation is not None
+    assert first.conversation.id == derived
+    assert first.conversation.legacy_conversation_id == NOT_AN_IDENTIFIER
+    assert [m.content for m in first.messages][-1].startswith("yes")
+    assert {m.conversation_id for m in first.messages} == {derived}
+    [problem] = first.problems
+    assert (problem.kind, problem.placed, problem.content) == (
+        "derived_conversation_id",
+        True,
+        NOT_AN_IDENTIFIER,
+    )
+    assert derived in problem.detail
+
+
+def test_turns_without_a_conversation_id_become_a_conversation_each() -> None:
+    orphan = {"_id": "lost-1", "user_message": "where am I?", "created_at": MESSY_START}
+    conversion = convert([orphan])
+    assert conversion.conversation_id == derived_conversation_id(None, turn_key="lost-1")
+    assert [m.content for m in conversion.messages] == ["where am I?"]
+    assert [p.kind for p in conversion.problems] == ["derived_conversation_id"]
+
+
+def test_numbers_written_as_strings_are_read() -> None:
+    conversion = convert(conversation("mess-numbers-dates"))
+    usage = [(m.token_usage, m.latency_ms) for m in conversion.messages if m.role == "assistant"]
+    assert [(u.input_tokens, u.output_tokens) if u else None for u, _ in usage] == [
+        (1200, 35),
+        (10, 7),
+    ]
+    assert [latency for _, latency in usage] == [850, 13]
+    assert conversion.conversation is not None
+    assert conversion.conversation.usage.input_tokens == 1210
+    assert "unreadable_number" not in [p.kind for p in conversion.problems]
+
+
+def test_a_number_that_cannot_be_read_is_a_problem_holding_it() -> None:
+    [turn] = conversation("mess-unplaced")
+    conversion = convert([turn])
+    [problem] = [p for p in conversion.problems if p.kind == "unreadable_number"]
+    assert problem.field == "token_usage"
+    assert problem.placed is False
+    assert problem.content == turn["token_usage"]
+
+
+def test_a_first_turn_without_a_time_takes_the_next_turns_and_the_problem_says_so() -> None:
+    conversion = convert(conversation("mess-numbers-dates"))
+    second_turn_time = MESSY_START + timedelta(minutes=5)
+    assert conversion.messages[0].created_at == second_turn_time
+    assert conversion.conversation is not None
+    assert conversion.conversation.created_at == second_turn_time
+    [problem] = [p for p in conversion.problems if p.kind == "missing_created_at"]
+    assert problem.legacy_id == "turn-first"
+    assert "the next readable turn's time" in problem.detail
+    assert "turn-second" in problem.detail
+    assert "previous" not in problem.detail
+
+
+def test_a_turn_without_a_time_of_its_own_takes_its_object_ids_and_says_so() -> None:
+    at = datetime(2024, 2, 3, 4, 5, 6, tzinfo=UTC)
+    turn = {"_id": ObjectId.from_datetime(at), "conversation_id": "c-oid", "user_message": "hi"}
+    conversion = convert([turn])
+    assert conversion.messages[0].created_at == at
+    [problem] = conversion.problems
+    assert "its ObjectId's time" in problem.detail
+
+
+def test_a_conversation_without_any_time_takes_the_time_it_is_given() -> None:
+    given = datetime(2020, 1, 1, tzinfo=UTC)
+    conversion = convert(conversation("mess-undated"), undated_at=given)
+    assert {m.created_at for m in conversion.messages} == {given}
+    [problem] = conversion.problems
+    assert "no turn of the conversation has a readable time, so 2020-01-01" in problem.detail
+
+
+def test_a_hitl_turn_whose_response_text_is_its_prompt_is_not_a_problem() -> None:
+    conversion = convert(conversation("mess-hitl"))
+    assert conversion.problems == []
+
+
+def test_latency_of_a_turn_without_an_answer_goes_on_its_last_message() -> None:
+    conversion = convert(conversation("mess-hitl"))
+    upload = conversion.messages[-1]
+    assert upload.upload is not None
+    assert upload.latency_ms == 300
+
+
+def test_token_usage_of_a_turn_without_an_answer_counts_on_the_conversation() -> None:
+    turn = {
+        "_id": "u-1",
+        "conversation_id": "c-usage",
+        "created_at": MESSY_START,
+        "user_message": "hello",
+        "token_usage": {"input_tokens": 5, "output_tokens": 0},
+    }
+    conversion = convert([turn])
+    assert conversion.conversation is not None
+    assert conversion.conversation.usage.input_tokens == 5
+    [problem] = conversion.problems
+    assert (problem.kind, problem.placed) == ("usage_without_response", True)
+
+
+def test_response_text_that_no_message_holds_is_still_a_problem() -> None:
+    turn = {
+        "_id": "r-1",
+        "conversation_id": "c-text",
+        "created_at": MESSY_START,
+        "user_message": "hello",
+        "response_parts": [{"type": "text", "content": "one thing"}],
+        "response_text": "something else entirely",
+    }
+    [problem] = convert([turn]).problems
+    assert (problem.kind, problem.field, problem.placed) == (
+        "response_text_not_in_parts",
+        "response_text",
+        False,
+    )
+
+
+def test_each_problem_names_the_field_it_concerns() -> None:
+    conversion = convert(conversation("mess-odd-values"))
+    fields = {(p.kind, p.field, p.part_index) for p in conversion.problems}
+    assert fields == {("invalid_part", "response_parts", None)}
+
+
+async def test_deleting_a_conversation_migrated_under_a_derived_id_reaches_its_legacy_turns(
+    backend: Backend,
+) -> None:
+    orphan_turn = {"_id": "lost-1", "user_message": "where am I?", "created_at": MESSY_START}
+    documents = [*conversation(NOT_AN_IDENTIFIER), orphan_turn]
+    await backend.db[LEGACY_TURNS].insert_many([dict(d) for d in documents])
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    for group in group_conversations(parse_turns(documents)).values():
+        conversion = convert(group)  # as the migration stores it
+        assert conversion.conversation is not None
+        await backend.db[CONVERSATIONS].insert_one(
+            conversion.conversation.model_dump(by_alias=True)
+        )
+        await backend.db[MESSAGES].insert_many(
+            [m.model_dump(by_alias=True) for m in conversion.messages]
+        )
+
+    deleted = await store.delete(derived_conversation_id(NOT_AN_IDENTIFIER))
+    assert (deleted.legacy_turns, deleted.messages) == (2, 4)
+    orphan = derived_conversation_id(None, turn_key="lost-1")
+    assert (await store.delete(orphan)).legacy_turns == 1
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 0

@@ -1,0 +1,398 @@
+"""The migration's exit gate: `verify` exits 0 on a correct migration and 1 on a broken one,
+`finish` counts unplaced content as work left and never lets a drop delete content that exists
+nowhere else; dry runs predict runs; commands stay bounded; the lock waits for a dead run."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import bson
+import gridfs
+import pytest
+from pymongo import MongoClient, monitoring
+from pymongo.database import Database
+
+from agent_store.legacy import LEGACY_TURNS, convert, derived_conversation_id
+from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES
+from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
+from migrations import explode, relocate
+from migrations.cli import main
+from migrations.lease import Lease
+from migrations.problems import PROBLEMS
+from scripts.legacy_corpus import BIG_RESULT_CHARS, NOT_AN_IDENTIFIER, messy_corpus
+from tests.test_migration_cli import cli, corpus, digest
+
+MARK = re.compile(r"«m\d+»")
+
+
+def seed_mess(db: Database[dict[str, Any]], *only: str) -> list[dict[str, Any]]:
+    """Legacy turns of the messy corpus (only the named conversations, if any are named)."""
+    docs = [d for d in messy_corpus() if not only or d["conversation_id"] in only]
+    db[CONVERSATIONS].insert_many(docs)
+    return docs
+
+
+def kept_text(db: Database[dict[str, Any]]) -> str:
+    """Everything the new collections keep: messages, full texts (read as GridFS) and problems."""
+    bucket = gridfs.GridFSBucket(db, bucket_name=BLOB_BUCKET)
+    texts = [json.dumps(d, default=str, ensure_ascii=False) for d in db[MESSAGES].find()]
+    files = db[f"{BLOB_BUCKET}.files"].find()
+    texts += [bucket.open_download_stream(f["_id"]).read().decode() for f in files]
+    texts += [json.dumps(d, default=str, ensure_ascii=False) for d in db[PROBLEMS].find()]
+    return "\n".join(texts)
+
+
+def summary(out: str) -> dict[str, int]:
+    """The counts of a run's (or a dry run's) summary line, by what they count."""
+    line = next(ln for ln in out.splitlines() if " turns -> " in ln)
+    body = line.split(": ", 1)[1]
+    return {what: int(n) for n, what in re.findall(r"(\d+) ([a-z][a-z ]*[a-z])", body)}
+
+
+@pytest.mark.wire
+def test_the_runbooks_gate_is_safe_on_a_corpus_of_every_mess(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    docs = seed_mess(database) + corpus()
+    database[CONVERSATIONS].insert_many(docs[len(messy_corpus()) :])
+    marks = set(MARK.findall(json.dumps(docs, default=str, ensure_ascii=False)))
+    legacy_count = len(docs)
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
+    capsys.readouterr()
+    # Content only the legacy turns hold: finish says so, and a drop is refused.
+    assert cli(wire_uri, database, "finish") == 1
+    out = capsys.readouterr().out
+    unplaced = sorted(database[PROBLEMS].distinct("conversation_id", {"placed": False}))
+    assert "mess-unplaced" in unplaced
+    assert "mess-odd-values" in unplaced
+    assert all(cid in out for cid in unplaced)
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert database[LEGACY_TURNS].count_documents({}) == legacy_count
+
+    accept = [arg for cid in unplaced for arg in ("--accept", cid)]
+    assert cli(wire_uri, database, "finish", *accept, "--note", "kept in the problems") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+    assert LEGACY_TURNS not in database.list_collection_names()
+    assert marks - set(MARK.findall(kept_text(database))) == set()
+
+
+@pytest.mark.wire
+def test_a_conversation_id_that_is_not_an_identifier_is_migrated_not_dropped(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    seed_mess(database, NOT_AN_IDENTIFIER)
+    assert cli(wire_uri, database, "run") == 0
+    conversation = database[CONVERSATIONS].find_one({"legacy_conversation_id": NOT_AN_IDENTIFIER})
+    assert conversation is not None
+    assert conversation["_id"] == derived_conversation_id(NOT_AN_IDENTIFIER)
+    assert database[MESSAGES].count_documents({"conversation_id": conversation["_id"]}) == 4
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+
+@pytest.mark.wire
+def test_finish_counts_conversations_with_unplaced_content_as_work_left(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    seed_mess(database, "mess-unplaced", "mess-hitl")
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+
+    out = capsys.readouterr().out
+    assert "mess-unplaced" in out
+    assert "mess-hitl" not in out
+    assert "unknown_part" in out
+    assert database[LEGACY_TURNS].count_documents({}) == 3
+    assert cli(wire_uri, database, "finish", "--accept", "mess-unplaced", "--note", "archived") == 0
+    accepted = database["agent_migrations"].find_one({"kind": "acceptance"})
+    assert accepted is not None
+    assert (accepted["conversation_id"], accepted["note"]) == ("mess-unplaced", "archived")
+    assert accepted["accepted_by"]
+    assert accepted["accepted_at"]
+
+
+@pytest.mark.wire
+def test_finish_counts_a_conversation_whose_messages_are_missing_as_work_left(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    database[CONVERSATIONS].insert_many(corpus(2))
+    assert cli(wire_uri, database, "run") == 0
+    # As a run killed between a batch's conversation documents and its messages leaves it.
+    database[MESSAGES].delete_many({"conversation_id": EXAMPLE_CONVERSATION_ID, "seq": {"$gt": 5}})
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+
+    assert EXAMPLE_CONVERSATION_ID in capsys.readouterr().out
+    assert database[LEGACY_TURNS].count_documents({}) > 0
+
+
+@pytest.mark.wire
+def test_a_migrated_result_over_the_bound_is_kept_whole_as_gridfs(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    [turn] = seed_mess(database, "mess-big-result")
+    assert cli(wire_uri, database, "run") == 0
+
+    tool = database[MESSAGES].find_one({"conversation_id": "mess-big-result", "role": "tool"})
+    assert tool is not None
+    original = turn["response_parts"][1]["result"]
+    assert tool["truncated"]["content"]["length"] == len(original) > BIG_RESULT_CHARS
+    assert len(tool["content"]) < 1024 * 1024
+    bucket = gridfs.GridFSBucket(database, bucket_name=BLOB_BUCKET)
+    blob_id = tool["truncated"]["content"]["blob_id"]
+    assert bucket.open_download_stream(blob_id).read().decode() == original
+    assert database[PROBLEMS].count_documents({"conversation_id": "mess-big-result"}) == 0
+
+
+def _swap_first_and_fifth(db: Database[dict[str, Any]]) -> None:
+    where = {"conversation_id": EXAMPLE_CONVERSATION_ID}
+    db[MESSAGES].update_one({**where, "seq": 0}, {"$set": {"seq": -1}})
+    db[MESSAGES].update_one({**where, "seq": 4}, {"$set": {"seq": 0}})
+    db[MESSAGES].update_one({**where, "seq": -1}, {"$set": {"seq": 4}})
+
+
+def _alter_a_full_text(db: Database[dict[str, Any]]) -> None:
+    chunk = db[f"{BLOB_BUCKET}.chunks"].find_one({"n": 0})
+    assert chunk is not None
+    db[f"{BLOB_BUCKET}.chunks"].update_one(
+        {"_id": chunk["_id"]}, {"$set": {"data": b"X" + chunk["data"][1:]}}
+    )
+
+
+BROKEN: dict[str, Any] = {
+    "dropped": lambda db: db[MESSAGES].delete_one(
+        {"conversation_id": EXAMPLE_CONVERSATION_ID, "seq": 4}
+    ),
+    "reordered": _swap_first_and_fifth,
+    "altered": lambda db: db[MESSAGES].update_one(
+        {"conversation_id": EXAMPLE_CONVERSATION_ID, "seq": 8}, {"$set": {"content": "edited"}}
+    ),
+    "altered full text": _alter_a_full_text,
+    "full text lost": lambda db: db[f"{BLOB_BUCKET}.files"].delete_many({}),
+}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("breakage", sorted(BROKEN))
+def test_verify_catches_a_broken_migration(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    breakage: str,
+) -> None:
+    database[CONVERSATIONS].insert_many(corpus(1))
+    seed_mess(database, "mess-big-result")
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    capsys.readouterr()
+
+    BROKEN[breakage](database)
+
+    assert cli(wire_uri, database, "verify") == 1
+    out = capsys.readouterr().out
+    broken = "mess-big-result" if "full text" in breakage else EXAMPLE_CONVERSATION_ID
+    assert any(line.startswith(broken + ":") for line in out.splitlines())
+    assert "1 differ" in out.splitlines()[-1]
+
+
+@pytest.mark.wire
+def test_a_conversation_without_any_time_converges_across_reruns(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    seed_mess(database, "mess-undated")
+    assert cli(wire_uri, database, "run") == 0
+    first = digest(database)
+    assert cli(wire_uri, database, "run", "--restart") == 0
+    assert digest(database) == first
+
+
+@pytest.mark.wire
+def test_status_and_finish_summarize_problems_by_kind(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    seed_mess(database, "mess-unplaced", NOT_AN_IDENTIFIER)
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    for command in ("status", "finish"):
+        cli(wire_uri, database, command)
+        out = capsys.readouterr().out
+        assert re.search(r"unknown_part\s+1\s+not placed", out), out
+        assert re.search(r"unplaced_tool_result\s+1\s+not placed", out), out
+        assert re.search(r"derived_conversation_id\s+1\s+placed", out), out
+
+
+@pytest.mark.wire
+def test_a_dry_run_predicts_exactly_what_the_run_does(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    database[CONVERSATIONS].insert_many(corpus(4))
+    seed_mess(database, NOT_AN_IDENTIFIER, "mess-undated")
+    relocate.relocate(database)
+    database[MESSAGES].insert_one(
+        {"_id": "live-0", "conversation_id": EXAMPLE_CONVERSATION_ID, "seq": 0, "role": "user",
+         "content": "logged live first"}
+    )  # fmt: skip
+    assert cli(wire_uri, database, "run", "--limit", "2", "--batch-size", "1") == 0
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run", "--dry-run", "--restart") == 0
+    predicted = summary(capsys.readouterr().out)
+    assert cli(wire_uri, database, "run", "--restart") == 0
+    done = summary(capsys.readouterr().out)
+
+    assert predicted == done
+    assert done["already live"] == 1
+    assert done["messages written"] > 0
+
+
+class InsertLog(monitoring.CommandListener):
+    def __init__(self) -> None:
+        self.inserts: list[list[dict[str, Any]]] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name == "insert":
+            self.inserts.append(list(event.command["documents"]))
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+@pytest.mark.wire
+def test_each_insert_holds_at_most_n_documents_and_m_bytes(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    log = InsertLog()
+    client: MongoClient[dict[str, Any]] = MongoClient(
+        wire_uri, tz_aware=True, event_listeners=[log]
+    )
+    db = client[database.name]
+    db[CONVERSATIONS].insert_many(corpus(6))
+    seed_mess(db, "mess-big-result")
+    relocate.relocate(db)
+    log.inserts.clear()
+    options = explode.Options(batch_size=100, max_command_documents=5, max_command_bytes=64_000)
+    explode.Explosion(db, options, lease=None).run(None)
+    client.close()
+
+    sizes = [(len(docs), sum(len(bson.encode(d)) for d in docs)) for docs in log.inserts]
+    assert sizes
+    assert all(count <= 5 for count, _ in sizes)
+    assert all(count == 1 or size <= 64_000 for count, size in sizes)
+    messages = sum(len(docs) for docs in log.inserts if "seq" in docs[0])
+    assert messages == database[MESSAGES].count_documents({}) > 5
+
+
+@pytest.mark.wire
+def test_a_dead_runs_lock_is_waited_for_then_taken(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    database[CONVERSATIONS].insert_many(corpus(1))
+    Lease(database, "run-killed", timedelta(seconds=2)).acquire()  # never renewed: it died
+
+    assert cli(wire_uri, database, "run") == 0
+
+    assert "waiting" in capsys.readouterr().err
+    assert database[MESSAGES].count_documents({}) > 0
+
+
+def test_the_cli_finds_the_embedded_database_a_running_service_publishes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agent_store.embedded import ServerThread
+
+    monkeypatch.delenv("MONGODB_URI", raising=False)
+    monkeypatch.setenv("AGENT_STORE_DATA_DIR", str(tmp_path))
+    server = ServerThread(tmp_path)  # as `make run` starts it
+    uri = server.start()
+    try:
+        client: MongoClient[dict[str, Any]] = MongoClient(uri, tz_aware=True)
+        client["agent_store"][CONVERSATIONS].insert_many(corpus(1))
+        assert main(["run", "--progress", "none"]) == 0
+        assert client["agent_store"][MESSAGES].count_documents({}) > 0
+        client.close()
+    finally:
+        server.stop()
+    assert uri in capsys.readouterr().out
+
+
+def test_the_cli_opens_the_embedded_database_itself_when_no_service_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agent_store.embedded import ServerThread
+
+    monkeypatch.delenv("MONGODB_URI", raising=False)
+    monkeypatch.setenv("AGENT_STORE_DATA_DIR", str(tmp_path))
+    server = ServerThread(tmp_path)
+    client: MongoClient[dict[str, Any]] = MongoClient(server.start(), tz_aware=True)
+    client["agent_store"][CONVERSATIONS].insert_many(corpus(1))
+    client.close()
+    server.stop()
+
+    assert main(["status", "--progress", "none"]) == 0
+
+    out = capsys.readouterr().out
+    assert "the embedded database" in out
+    assert "legacy turns not yet moved aside (in agent_conversations): yes" in out
+
+
+@pytest.mark.wire
+def test_a_rerun_replaces_the_problems_an_earlier_run_recorded(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    seed_mess(database, "mess-hitl", "mess-unplaced")
+    assert cli(wire_uri, database, "run") == 0
+    recorded = sorted(database[PROBLEMS].distinct("_id"))
+    # As an older version of the converter would have reported it.
+    database[PROBLEMS].insert_one(
+        {"_id": "mess-hitl|response_text_not_in_parts|0", "conversation_id": "mess-hitl",
+         "kind": "response_text_not_in_parts", "placed": False}
+    )  # fmt: skip
+
+    assert cli(wire_uri, database, "run", "--restart") == 0
+
+    assert sorted(database[PROBLEMS].distinct("_id")) == recorded
+
+
+@pytest.mark.wire
+def test_a_conversation_logged_live_with_its_legacy_content_verifies_and_passes_the_gate(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The demo store: the example logged live, and its legacy turns beside it."""
+    turns = example_legacy_turns()
+    database[CONVERSATIONS].insert_many(turns)
+    relocate.relocate(database)
+    live = convert(turns)
+    assert live.conversation is not None
+    database[CONVERSATIONS].insert_one(
+        live.conversation.model_dump(by_alias=True)
+        | {"turns": [{"k": 1, "f": 0, "d": 1, "a": live.conversation.created_at}]}
+    )
+    database[MESSAGES].insert_many(
+        [
+            m.model_dump(by_alias=True) | {"_id": f"live-{m.seq}", "turn_id": "turn-1"}
+            for m in live.messages
+        ]
+    )
+
+    assert cli(wire_uri, database, "run", "--dry-run") == 0
+    assert cli(wire_uri, database, "run") == 0
+    out = capsys.readouterr().out
+    assert [summary(part)["already live"] for part in out.split("took")[:2]] == [1, 1]
+    problem = database[PROBLEMS].find_one({"kind": "conversation_already_live"})
+    assert problem is not None
+    assert problem["placed"] is True
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
