@@ -280,3 +280,30 @@ async def test_runtime_context_in_a_prompt_is_not_stored(
 
     assert stored[1].content == "Weather?"
     assert not any("plan=pro" in (m.content or "") for m in stored)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        pytest.param(["[RUNTIME CON", "TEXT]plan=pro[/RUNTIME CONTEXT]", "Weather?"], id="start"),
+        pytest.param(["[RUNTIME CONTEXT]plan=pro[/RUNTIME", " CONTEXT]Weather?"], id="end"),
+        pytest.param(
+            [
+                "[RUNTIME CONTEXT]a [RUNTIME CONTEXT]plan=pro[/RUNTIME CONTEXT]",
+                " plan=pro",
+                "[/RUNTIME CONTEXT]Weather?",
+            ],
+            id="nested-across-items",
+        ),
+    ],
+)
+async def test_a_runtime_context_marker_cut_across_prompt_items_is_not_stored(
+    backend: Backend, prompt: list[str]
+) -> None:
+    result = await make_agent([]).run(prompt)
+
+    await log_run(AgentMessageLogger(backend.db), CID, result.new_messages(), turn_id="t")
+    stored = await ConversationStore(backend.db).transcript(CID)
+
+    assert stored[1].content == "Weather?"
+    assert not any("plan=pro" in (m.content or "") for m in stored)

@@ -61,7 +61,15 @@ from agent_store.core import (
     tool_outcome,
     utc_now,
 )
-from agent_store.store import AgentMessageLogger, LoggedTurn, parse_messages
+from agent_store.store import (
+    DEFAULT_MARKERS,
+    AgentMessageLogger,
+    LoggedTurn,
+    RuntimeContextMarkers,
+    parse_messages,
+    strip_runtime_context,
+    strip_runtime_context_pieces,
+)
 
 __all__ = ["history_from_messages", "log_run", "messages_from_run"]
 
@@ -77,25 +85,32 @@ _FEEDBACK_CAUSES: dict[str, pai.RetryFeedbackCause] = {
 # -- a run into stored messages -------------------------------------------------------
 
 
-def messages_from_run(messages: Sequence[pai.ModelMessage]) -> list[AgentMessage]:
-    """The stored messages of an agent run's messages (`result.new_messages()`), in order."""
+def messages_from_run(
+    messages: Sequence[pai.ModelMessage], *, markers: RuntimeContextMarkers = DEFAULT_MARKERS
+) -> list[AgentMessage]:
+    """The stored messages of an agent run's messages (`result.new_messages()`), in order.
+
+    Hidden runtime context (between `markers`) is removed from each user
+    prompt, its text items read as one text, so a block or a marker cut
+    across items is removed too.
+    """
     stored: list[AgentMessage] = []
     sent_at: datetime | None = None
     for message in messages:
         if isinstance(message, pai.ModelRequest):
             sent_at = message.timestamp
             for part in message.parts:
-                stored.extend(_from_request_part(part))
+                stored.extend(_from_request_part(part, markers))
         else:
             stored.append(_from_response(message, sent_at))
     return stored
 
 
-def _from_request_part(part: Any) -> list[AgentMessage]:
+def _from_request_part(part: Any, markers: RuntimeContextMarkers) -> list[AgentMessage]:
     if isinstance(part, pai.SystemPromptPart):
         return [SystemMessage(content=part.content, created_at=part.timestamp)]
     if isinstance(part, pai.UserPromptPart):
-        return [UserMessage(content=_user_text(part.content), created_at=part.timestamp)]
+        return [UserMessage(content=_user_text(part.content, markers), created_at=part.timestamp)]
     if isinstance(part, pai.ToolReturnPart):
         outcome = part.outcome if part.outcome != "success" else None
         cause = part.retry.cause if part.retry is not None else None
@@ -161,13 +176,16 @@ def _from_response(response: pai.ModelResponse, sent_at: datetime | None) -> Ass
     )
 
 
-def _user_text(content: str | Sequence[Any]) -> str:
+def _user_text(content: str | Sequence[Any], markers: RuntimeContextMarkers) -> str:
+    """A user prompt as stored text: non-text items as `[kind]` notes, hidden context removed."""
     if isinstance(content, str):
-        return content
-    return "\n".join(
-        item if isinstance(item, str) else f"[{getattr(item, 'kind', type(item).__name__)}]"
+        return strip_runtime_context(content, markers)
+    texts = iter(strip_runtime_context_pieces([i for i in content if isinstance(i, str)], markers))
+    items = [
+        next(texts) if isinstance(item, str) else f"[{getattr(item, 'kind', type(item).__name__)}]"
         for item in content
-    )
+    ]
+    return "\n".join(item for item in items if item)
 
 
 def _retry_text(content: str | Sequence[Any]) -> str:
@@ -325,12 +343,12 @@ async def log_run(
 ) -> LoggedTurn:
     """Store an agent run's new messages as one turn (idempotent by `turn_id`).
 
-    The logger strips hidden runtime context from user text by its rules'
+    Hidden runtime context is stripped from user text by the logger's rules'
     markers, so only what the user saw is stored.
     """
     return await logger.log_messages(
         conversation_id,
-        messages_from_run(messages),
+        messages_from_run(messages, markers=logger.rules.markers),
         user_id=user_id,
         turn_id=turn_id,
         name=name,

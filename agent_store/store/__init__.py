@@ -37,6 +37,7 @@ from agent_store.store._text import (
     search_text,
     shorten,
     strip_runtime_context,
+    strip_runtime_context_pieces,
 )
 from agent_store.store._truncation import DEFAULT_MAX_MESSAGE_BYTES, bound_message, document_size
 from agent_store.store._turns import (
@@ -96,5 +97,6 @@ __all__ = [
     "shorten",
     "storage_errors",
     "strip_runtime_context",
+    "strip_runtime_context_pieces",
     "validate_identifier",
 ]
