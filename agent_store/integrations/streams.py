@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -52,6 +52,7 @@ from agent_store.integrations._stream_events import (
     HitlEvent,
     MetadataEvent,
     SseEvent,
+    SseEvents,
     StreamToken,
     TextDelta,
     ToolCallEvent,
@@ -72,6 +73,7 @@ __all__ = [
     "HitlEvent",
     "MetadataEvent",
     "SseEvent",
+    "SseEvents",
     "StreamToken",
     "StreamedTurn",
     "TextDelta",
@@ -250,11 +252,16 @@ def _json(value: Any) -> str:
 def turn_from_sse(events: Iterable[Any], *, received_at: datetime | None = None) -> StreamedTurn:
     """The turn of a runtime SSE stream; it is complete when a `done` event arrived.
 
-    Events are models or dicts with `type` (see `parse_sse_text` for a raw body).
+    Events are models or dicts with `type` (see `parse_sse_text` for a raw
+    body; a body it read as cut off makes the turn interrupted, `done` or
+    not). An event whose `id` was read before is a replay and is skipped.
+    Usage and latency are the first `done`'s; a later `done` fills in only
+    what the first did not say.
     """
     assembler = TurnAssembler(received_at=received_at)
-    done: DoneEvent | None = None
-    for event in parse_sse_events(list(events)):
+    cut_off = isinstance(events, SseEvents) and events.cut_off
+    done: list[DoneEvent] = []
+    for event in _first_of_each_id(parse_sse_events(list(events))):
         if isinstance(event, TextDelta):
             assembler.text(event.delta, event.at)
         elif isinstance(event, ToolCallEvent):
@@ -267,12 +274,22 @@ def turn_from_sse(events: Iterable[Any], *, received_at: datetime | None = None)
         elif isinstance(event, ErrorEvent):
             assembler.error(event.message, event.at)
         else:
-            done = event
+            done.append(event)
     return assembler.finish(
-        complete=done is not None,
-        usage=done.usage if done else None,
-        latency_ms=done.latency_ms if done else None,
+        complete=bool(done) and not cut_off,
+        usage=next((d.usage for d in done if d.usage is not None), None),
+        latency_ms=next((d.latency_ms for d in done if d.latency_ms is not None), None),
     )
+
+
+def _first_of_each_id(events: list[SseEvent]) -> Iterator[SseEvent]:
+    seen: set[str] = set()
+    for event in events:
+        if event.id is not None:
+            if event.id in seen:
+                continue
+            seen.add(event.id)
+        yield event
 
 
 def turn_from_metadata(
