@@ -266,3 +266,21 @@ async def test_user_jsonl_holds_every_conversation_and_message_of_the_user(
     assert len(messages) == 13
     assert all(m["user_id"] == EXAMPLE_USER_ID for m in messages)
     assert messages_adapter.validate_python(messages)  # every stored field, loadable again
+
+
+def test_an_assistant_message_left_with_no_text_once_its_calls_are_dropped_is_left_out() -> None:
+    stored = [
+        {"role": "user", "content": "Book"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "x", "function": {"name": "b"}}],
+        },
+        {"role": "user", "content": "Hello?"},
+    ]
+    exported = chat_completions(stored, dangling="drop")
+    assert exported == [{"role": "user", "content": "Book"}, {"role": "user", "content": "Hello?"}]
+    assert responses_items(stored, dangling="drop") == [
+        {"type": "message", "role": "user", "content": "Book"},
+        {"type": "message", "role": "user", "content": "Hello?"},
+    ]

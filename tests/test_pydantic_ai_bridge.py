@@ -7,6 +7,8 @@ from typing import Any
 import pytest
 from pydantic_ai import Agent, ModelRetry
 from pydantic_ai.messages import (
+    BinaryContent,
+    FilePart,
     ModelMessage,
     ModelMessagesTypeAdapter,
     ModelRequest,
@@ -307,3 +309,15 @@ async def test_a_runtime_context_marker_cut_across_prompt_items_is_not_stored(
 
     assert stored[1].content == "Weather?"
     assert not any("plan=pro" in (m.content or "") for m in stored)
+
+
+def test_a_response_holding_only_a_file_is_stored_as_a_note_naming_the_file() -> None:
+    image = BinaryContent(data=b"\x89PNG...", media_type="image/png")
+    stored = messages_from_run(
+        [
+            ModelRequest(parts=[UserPromptPart("Draw a train")]),
+            ModelResponse(parts=[FilePart(image)]),
+        ]
+    )
+    assert stored[1].role == "assistant"
+    assert stored[1].content == "[file image/png]"

@@ -89,7 +89,8 @@ def chat_completions(
     with no result gets `INTERRUPTED_RESULT` or, with `dangling="drop"`, is
     removed. A call id used again later in the conversation is renamed
     `<id>_<n>` so ids stay unique. Assistant messages the model never said —
-    an `error` or a HITL action with no text — are left out, and a user
+    an `error` or a HITL action with no text, or no text once its calls were
+    dropped — are left out, and a user
     message with only an upload becomes a short note naming the file. Hidden
     runtime context (between `markers`) is removed from user text, as the
     logger does, should the messages not come from the store.
@@ -137,8 +138,8 @@ def _exported_response(
         calls.append({"id": call_id, "type": "function", "function": function})
         content = INTERRUPTED_RESULT if answer is None else (answer.content or "")
         results.append({"role": "tool", "tool_call_id": call_id, "content": content})
-    if message.content is None and not calls:
-        return []
+    if not message.content and not calls:
+        return []  # nothing the model said is left
     response = {"role": "assistant", "content": message.content}
     return [response | ({"tool_calls": calls} if calls else {}), *results]
 

@@ -24,7 +24,8 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
   content would replay it as if the model had said it.
 - framework bookkeeping parts (instruction and capability deltas,
   compaction) and provider-native tool parts (a provider's own web search,
-  say) are not stored; a non-text user prompt item is kept as a `[kind]` note.
+  say) are not stored; a non-text user prompt item is kept as a `[kind]` note,
+  and a file the model produced as a `[file <media type>]` note in its text.
 """
 
 from __future__ import annotations
@@ -152,7 +153,11 @@ def _from_request_part(part: Any, markers: RuntimeContextMarkers) -> list[AgentM
 
 
 def _from_response(response: pai.ModelResponse, sent_at: datetime | None) -> AssistantMessage:
-    texts = [p.content for p in response.parts if isinstance(p, pai.TextPart)]
+    texts = [
+        p.content if isinstance(p, pai.TextPart) else f"[file {p.content.media_type}]"
+        for p in response.parts
+        if isinstance(p, pai.TextPart | pai.FilePart)
+    ]
     calls = [
         ToolCall(
             id=p.tool_call_id,

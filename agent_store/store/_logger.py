@@ -23,7 +23,15 @@ from pydantic import BaseModel, ConfigDict
 from pymongo import ReturnDocument
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
-from agent_store.core import AgentMessage, Conflict, Conversation, NotFound, StorageFailure, utc_now
+from agent_store.core import (
+    AgentMessage,
+    Conflict,
+    Conversation,
+    NotFound,
+    StorageFailure,
+    message_adapter,
+    utc_now,
+)
 from agent_store.store._driver import DUPLICATE_KEY, Database, storage_errors
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
 from agent_store.store._text import clean_name
@@ -186,7 +194,7 @@ class AgentMessageLogger:
             message.model_copy(update={"seq": first_seq + index, "user_id": conversation.user_id})
             for index, message in enumerate(plan.messages)
         ]
-        await self._insert(stored)
+        stored = await self._insert(stored)
         logged = LoggedTurn(
             conversation_id=plan.conversation_id,
             turn_id=plan.turn_id,
@@ -240,18 +248,24 @@ class AgentMessageLogger:
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
         )
 
-    async def _insert(self, messages: list[AgentMessage]) -> None:
+    async def _insert(self, messages: list[AgentMessage]) -> list[AgentMessage]:
+        """Insert the messages; returns them as stored, an earlier attempt's copy where one was."""
         documents = [m.model_dump(by_alias=True) for m in messages]
         with storage_errors("insert the messages"):
             try:
                 await self._messages.insert_many(documents, ordered=False)
             except BulkWriteError as exc:
-                await self._accept_only_own_duplicates(exc, documents)
+                earlier = await self._accept_only_own_duplicates(exc, documents)
+                return [earlier.get(m.id or "", m) for m in messages]
+        return messages
 
     async def _accept_only_own_duplicates(
         self, error: BulkWriteError, documents: list[dict[str, Any]]
-    ) -> None:
-        """Swallow duplicate-key errors of messages already stored by an earlier attempt."""
+    ) -> dict[str, AgentMessage]:
+        """Swallow duplicate-key errors of messages already stored by an earlier attempt.
+
+        Returns those messages as the earlier attempt stored them, by id.
+        """
         write_errors = error.details.get("writeErrors", [])
         if any(e.get("code") != DUPLICATE_KEY for e in write_errors):
             raise error
@@ -261,8 +275,7 @@ class AgentMessageLogger:
         stored = {
             doc["_id"]: doc
             async for doc in self._messages.find(
-                {"conversation_id": conversation_id, "_id": {"$in": list(failed)}},
-                {"conversation_id": 1, "seq": 1},
+                {"conversation_id": conversation_id, "_id": {"$in": list(failed)}}
             )
         }
         for message_id, wanted in failed.items():
@@ -275,6 +288,7 @@ class AgentMessageLogger:
                     f"message id {message_id!r} or seq {wanted['seq']} of conversation "
                     f"{wanted['conversation_id']!r} is already taken by another message"
                 )
+        return {i: message_adapter.validate_python(doc) for i, doc in stored.items()}
 
 
 def _reservation(
