@@ -47,6 +47,15 @@ def tool_outcome(message: ToolMessage) -> tuple[ToolOutcome, str | None] | None:
     return _BY_NAME[match.group(1)], match.group(2)
 
 
+def is_stand_in(message: ToolMessage) -> bool:
+    """Whether a tool message only stands in for a result that never came (`interrupted`).
+
+    A real result stored for the same call, however late, wins over it in every replay.
+    """
+    marked = tool_outcome(message)
+    return marked is not None and marked[0] == "interrupted"
+
+
 def feedback_error(cause: str | None = None) -> MessageError:
     """The `error` marker of a user message that is the framework's retry note, not a person."""
     return MessageError(message=RETRY_FEEDBACK + (f": {cause}" if cause else ""))

@@ -25,6 +25,7 @@ from agent_store.core import (
     describe_validation_error,
     messages_adapter,
 )
+from agent_store.integrations._pairing import CallKey, answers_to_calls
 from agent_store.store import (
     DEFAULT_MARKERS,
     ConversationExport,
@@ -55,26 +56,6 @@ def _validated(messages: Sequence[AgentMessage | Mapping[str, Any]]) -> list[Age
         raise InvalidInput(describe_validation_error(exc, subject="conversation")) from exc
 
 
-def _answers(messages: Sequence[AgentMessage]) -> dict[tuple[int, str], ToolMessage]:
-    """Each tool message paired with the latest earlier call of its id that is still unanswered.
-
-    A tool message answering no such call (none made, or answered already) pairs with nothing.
-    """
-    latest_call: dict[str, int] = {}
-    answers: dict[tuple[int, str], ToolMessage] = {}
-    for index, message in enumerate(messages):
-        if isinstance(message, AssistantMessage):
-            for call in message.tool_calls or ():
-                latest_call[call.id] = index
-        elif isinstance(message, ToolMessage):
-            assert message.tool_call_id is not None
-            made_at = latest_call.get(message.tool_call_id)
-            key = (made_at if made_at is not None else -1, message.tool_call_id)
-            if made_at is not None and key not in answers:
-                answers[key] = message
-    return answers
-
-
 def chat_completions(
     messages: Sequence[AgentMessage | Mapping[str, Any]],
     *,
@@ -85,7 +66,8 @@ def chat_completions(
 
     Only `role`, `content`, `tool_calls` and `tool_call_id` are kept. Each
     call's result follows the assistant message that makes it (results stored
-    later are moved up); a result that answers no call is left out; a call
+    later are moved up, and a real result stored later wins over an
+    `interrupted` stand-in); a result that answers no call is left out; a call
     with no result gets `INTERRUPTED_RESULT` or, with `dangling="drop"`, is
     removed. A call id used again later in the conversation is renamed
     `<id>_<n>` so ids stay unique. Assistant messages the model never said —
@@ -98,7 +80,7 @@ def chat_completions(
     if dangling not in ("synthesize", "drop"):
         raise InvalidInput(f"invalid dangling {dangling!r}: use 'synthesize' or 'drop'")
     stored = _validated(messages)
-    answers = _answers(stored)
+    answers = answers_to_calls(stored)
     used_ids: set[str] = set()
     exported: list[dict[str, Any]] = []
     for index, message in enumerate(stored):
@@ -122,7 +104,7 @@ def _exported_prompt(message: AgentMessage, markers: RuntimeContextMarkers) -> l
 def _exported_response(
     index: int,
     message: AssistantMessage,
-    answers: dict[tuple[int, str], ToolMessage],
+    answers: dict[CallKey, ToolMessage],
     used_ids: set[str],
     dangling: Dangling,
 ) -> list[dict[str, Any]]:

@@ -60,8 +60,8 @@ from agent_store.core import (
     feedback_error,
     outcome_error,
     tool_outcome,
-    utc_now,
 )
+from agent_store.integrations._pairing import CallKey, answers_to_calls
 from agent_store.store import (
     DEFAULT_MARKERS,
     AgentMessageLogger,
@@ -214,49 +214,64 @@ def history_from_messages(
 
     Messages the model never produced or received are left out: an assistant
     message carrying only an `error` or a HITL action (the runtime's, not the
-    model's). A tool message answering no earlier call is left out, and a call
-    left unanswered gets an `interrupted` return, so the history always replays.
+    model's). Each call is answered right after its response by the result
+    stored for it, wherever it was stored (a real result wins over an
+    `interrupted` stand-in); a tool message answering no earlier call is left
+    out. A call with no stored result gets an `interrupted` return when the
+    conversation went on after it; when nothing followed, it is left open, as
+    Pydantic AI leaves a call awaiting approval, so that a run given
+    `deferred_tool_results` resumes it from this history alone.
     """
     messages = parse_messages(stored) if stored else []
+    answers = answers_to_calls(messages)
     history: list[pai.ModelMessage] = []
     parts: list[Any] = []
-    tool_names: dict[str, str] = {}
-    unanswered: list[str] = []
+    answering: list[tuple[int, AssistantMessage]] = []
+    """The last response, whose calls the next request answers."""
 
-    def flush_request() -> None:
-        now = parts[0].timestamp if parts else utc_now()
-        answers = [_interrupted_return(tool_names[i], i, now) for i in unanswered]
-        unanswered.clear()
-        request_parts = answers + parts
-        # Tool returns must come first: a provider sends them right after the calls.
-        request_parts.sort(key=lambda p: not isinstance(p, pai.ToolReturnPart))
-        if request_parts:
-            history.append(pai.ModelRequest(parts=request_parts, timestamp=now))
+    def flush_request(*, at_end: bool = False) -> None:
+        returns = _returns(answering, answers, leave_open=at_end and not parts)
+        request_parts = [*returns, *parts]
+        answering.clear()
         parts.clear()
+        if request_parts:
+            history.append(
+                pai.ModelRequest(parts=request_parts, timestamp=request_parts[0].timestamp)
+            )
 
-    for message in messages:
+    for index, message in enumerate(messages):
         if isinstance(message, AssistantMessage):
             response = _to_response(message)
             if response is None:
                 continue
             flush_request()
             history.append(response)
-            for call in message.tool_calls or ():
-                tool_names[call.id] = call.function.name
-                unanswered.append(call.id)
-        elif isinstance(message, ToolMessage):
-            assert message.tool_call_id is not None
-            if message.tool_call_id not in unanswered:
-                continue
-            unanswered.remove(message.tool_call_id)
-            parts.append(_to_tool_return(message, tool_names[message.tool_call_id]))
+            answering.append((index, message))
         elif isinstance(message, SystemMessage):
             parts.append(pai.SystemPromptPart(message.content or "", timestamp=message.created_at))
-        else:
+        elif isinstance(message, UserMessage):
             parts.append(_to_user_part(message))
-    if parts or unanswered:
-        flush_request()
+        # A tool message is placed with the call it answers, by `_returns`.
+    flush_request(at_end=True)
     return history
+
+
+def _returns(
+    responses: Sequence[tuple[int, AssistantMessage]],
+    answers: Mapping[CallKey, ToolMessage],
+    *,
+    leave_open: bool,
+) -> list[pai.ToolReturnPart]:
+    """The returns of a response's calls, in call order; unanswered ones as `interrupted`."""
+    returns = []
+    for index, message in responses:
+        for call in message.tool_calls or ():
+            answer = answers.get((index, call.id))
+            if answer is not None:
+                returns.append(_to_tool_return(answer, call.function.name))
+            elif not leave_open:
+                returns.append(_interrupted_return(call.function.name, call.id, message.created_at))
+    return returns
 
 
 def _to_response(message: AssistantMessage) -> pai.ModelResponse | None:
