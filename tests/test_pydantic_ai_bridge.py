@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pydantic_ai import Agent, ModelRetry
+from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, ModelRetry, ToolDenied
 from pydantic_ai.messages import (
     BinaryContent,
     FilePart,
@@ -321,3 +321,76 @@ def test_a_response_holding_only_a_file_is_stored_as_a_note_naming_the_file() ->
     )
     assert stored[1].role == "assistant"
     assert stored[1].content == "[file image/png]"
+
+
+# -- a run that ends awaiting approval, resumed in a later turn -----------------------
+
+
+def approval_agent(received: list[list[ModelMessage]]) -> Agent[None, str | DeferredToolRequests]:
+    """Turn 1 books a train (needs approval) and reads the weather; later turns echo results."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        received.append(list(messages))
+        responses = sum(isinstance(m, ModelResponse) for m in messages)
+        if responses == 0:
+            return ModelResponse(
+                parts=[
+                    TextPart("Booking it, and checking Lyon."),
+                    ToolCallPart("book_train", {"train": "TGV 6601"}, tool_call_id="tc-9"),
+                    ToolCallPart("get_weather", {"city": "Lyon"}, tool_call_id="tc-10"),
+                ],
+                usage=RequestUsage(input_tokens=40, output_tokens=18),
+            )
+        returns = [p for m in messages for p in m.parts if isinstance(p, ToolReturnPart)]
+        said = "; ".join(f"{r.tool_name}: {r.model_response_str()}" for r in returns)
+        return ModelResponse(parts=[TextPart(f"[{responses}] {said}")])
+
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        FunctionModel(respond), output_type=[str, DeferredToolRequests]
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def book_train(train: str) -> str:
+        return f"booked {train}"
+
+    @agent.tool_plain
+    def get_weather(city: str) -> dict[str, Any]:
+        return {"city": city, "temp_c": 21}
+
+    return agent
+
+
+@pytest.mark.parametrize(
+    "decision",
+    [pytest.param(True, id="approved"), pytest.param(ToolDenied("Not that one."), id="denied")],
+)
+async def test_a_run_awaiting_approval_resumes_from_the_store_as_from_memory(
+    backend: Backend, decision: bool | ToolDenied
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    approvals = DeferredToolResults(approvals={"tc-9": decision})
+
+    in_memory: list[list[ModelMessage]] = []
+    agent = approval_agent(in_memory)
+    first = await agent.run("Book the 09:04 to Lyon; weather there?")
+    resumed = await agent.run(message_history=first.all_messages(), deferred_tool_results=approvals)
+    await agent.run("What did I book?", message_history=resumed.all_messages())
+
+    from_store: list[list[ModelMessage]] = []
+    agent = approval_agent(from_store)
+    first = await agent.run("Book the 09:04 to Lyon; weather there?")
+    assert isinstance(first.output, DeferredToolRequests)
+    await log_run(logger, CID, first.new_messages(), turn_id="run-1")
+    history = history_from_messages(await store.transcript(CID))
+    resumed = await agent.run(message_history=history, deferred_tool_results=approvals)
+    await log_run(logger, CID, resumed.new_messages(), turn_id="run-2")
+    history = history_from_messages(await store.transcript(CID))
+    await agent.run("What did I book?", message_history=history)
+
+    assert len(from_store) == len(in_memory) == 3
+    for seen_from_store, seen_in_memory in zip(from_store, in_memory, strict=True):
+        assert model_view(seen_from_store) == model_view(seen_in_memory)
+    booking = next(p for p in from_store[1][-1].parts if isinstance(p, ToolReturnPart))
+    assert (booking.tool_call_id, booking.outcome) == (
+        ("tc-9", "success") if decision is True else ("tc-9", "denied")
+    )
