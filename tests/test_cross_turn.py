@@ -3,21 +3,179 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 from pydantic_ai.messages import ModelRequest, ToolReturnPart
 
-from agent_store import AgentMessageLogger, ConversationStore
+from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, LoggedTurn
+from agent_store.core import DENIED_RESULT, PENDING_RESULT
 from agent_store.integrations.exports import (
     chat_completions,
     check_chat_completions,
     responses_items,
 )
 from agent_store.integrations.pydantic_ai import history_from_messages
-from agent_store.integrations.streams import log_streamed_turn, parse_sse_text, turn_from_sse
+from agent_store.integrations.streams import (
+    log_streamed_turn,
+    parse_sse_text,
+    turn_from_metadata,
+    turn_from_sse,
+)
+from tests.api_harness import auth_headers, serve
 from tests.conftest import Backend
 
 STREAMS = Path(__file__).parent / "streams"
 CID = "conv-cross"
+
+ASKS_TO_BOOK = [
+    {"type": "stream_token", "token": "I can book the 09:04 TGV."},
+    {"type": "tool_start", "tool_name": "book_train", "tool_call_id": "tc-9",
+     "args": {"train": "TGV 6601"}},
+    {"type": "confirm_required", "request_id": "confirm-9", "action": "book_train",
+     "params": {"train": "TGV 6601", "price_eur": 35}, "prompt": "Pay €35 for the 09:04 TGV?",
+     "tool_call_id": "tc-9"},
+]  # fmt: skip
+APPROVED = {"type": "confirm_resolved", "request_id": "confirm-9", "approved": True}
+DENIED = {"type": "confirm_resolved", "request_id": "confirm-9", "approved": False}
+BOOKED = {"type": "tool_end", "tool_name": "book_train", "tool_call_id": "tc-9",
+          "result": {"booking": "B-42"}}  # fmt: skip
+
+
+class Runtime:
+    """A runtime streaming turns of one conversation in the metadata protocol, as documented."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.logger = AgentMessageLogger(backend.db)
+        self.store = ConversationStore(backend.db)
+        self.turns = 0
+
+    async def stream(self, events: list[dict[str, Any]], prompt: str | None = None) -> LoggedTurn:
+        self.turns += 1
+        pending = await self.store.pending_calls(CID) if self.turns > 1 else []
+        turn = turn_from_metadata(events, complete=True, pending=pending)
+        return await log_streamed_turn(
+            logger=self.logger,
+            store=self.store,
+            conversation_id=CID,
+            turn=turn,
+            turn_id=f"turn-{self.turns}",
+            prompt=prompt,
+        )
+
+    async def answers_of(self, call_id: str) -> list[tuple[str | None, str | None]]:
+        return [
+            (m.content, m.error.message if m.error else None)
+            for m in await self.store.transcript(CID)
+            if m.tool_call_id == call_id
+        ]
+
+
+# -- a confirmation resolved in a later turn ------------------------------------------
+
+
+async def test_a_call_awaiting_confirmation_is_stored_unanswered_and_pending(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+
+    assert await runtime.answers_of("tc-9") == []  # no stand-in in storage
+    pending = await runtime.store.pending_hitl(CID)
+    assert pending is not None
+    assert pending.request_id == "confirm-9"
+    calls = await runtime.store.pending_calls(CID)
+    assert [(c.tool_call_id, c.tool_name, c.request_id) for c in calls] == [
+        ("tc-9", "book_train", "confirm-9")
+    ]
+    exported = chat_completions(await runtime.store.transcript(CID))
+    check_chat_completions(exported)  # the export answers it, marked, in the replay only
+    assert [m["content"] for m in exported if m["role"] == "tool"] == [PENDING_RESULT]
+
+
+async def test_a_confirmation_approved_in_a_later_streamed_turn_stores_the_result_as_its_answer(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+
+    await runtime.stream(
+        [APPROVED, BOOKED, {"type": "stream_token", "token": "Booked: B-42."}], prompt="Yes."
+    )
+
+    assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
+    assert await runtime.store.pending_hitl(CID) is None
+    assert await runtime.store.pending_calls(CID) == []
+    exported = chat_completions(await runtime.store.transcript(CID))
+    check_chat_completions(exported)
+    assert [m["content"] for m in exported if m["role"] == "tool"] == ['{"booking":"B-42"}']
+
+
+async def test_a_confirmation_denied_in_a_later_turn_answers_the_call_as_denied(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+
+    await runtime.stream([DENIED, {"type": "stream_token", "token": "Okay, nothing was booked."}])
+
+    assert await runtime.answers_of("tc-9") == [(DENIED_RESULT, "tool call denied")]
+    assert await runtime.store.pending_hitl(CID) is None
+    assert await runtime.store.pending_calls(CID) == []
+
+
+async def test_a_turn_holding_only_the_resolution_is_logged_and_the_result_follows_later(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+
+    await runtime.stream([APPROVED])
+    assert await runtime.store.pending_hitl(CID) is None
+    assert [c.tool_call_id for c in await runtime.store.pending_calls(CID)] == ["tc-9"]
+
+    # The booking returns a turn later; the event names the tool only.
+    await runtime.stream([{"type": "tool_end", "tool_name": "book_train", "result": "B-42"}])
+    assert await runtime.answers_of("tc-9") == [("B-42", None)]
+    assert await runtime.store.pending_calls(CID) == []
+
+
+async def test_a_result_answering_no_call_of_the_turn_nor_any_pending_one_is_refused(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    ghost = {"type": "tool_end", "tool_name": "book_train", "tool_call_id": "tc-404"}
+
+    with pytest.raises(InvalidInput, match="a tool result answers 'tc-404', which no call made"):
+        await runtime.stream([APPROVED, ghost])
+    assert [c.tool_call_id for c in await runtime.store.pending_calls(CID)] == ["tc-9"]
+
+
+async def test_an_answer_posted_over_http_in_a_later_turn_resolves_the_pending_call(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+
+    async with serve(backend.db, seeded=False) as api:
+        response = await api.http.post(
+            f"/v1/conversations/{CID}/turns",
+            json={
+                "turn_id": "turn-http",
+                "messages": [
+                    {"role": "tool", "tool_call_id": "tc-9", "content": "B-42"},
+                    {"role": "assistant", "content": "Booked."},
+                ],
+            },
+            headers=auth_headers(),
+        )
+
+    assert response.status_code == 201
+    assert await runtime.answers_of("tc-9") == [("B-42", None)]
+    assert await runtime.store.pending_calls(CID) == []
+    assert await runtime.store.pending_hitl(CID) is None  # the call it held back is answered
 
 
 # -- a late real result wins over the stand-in ----------------------------------------

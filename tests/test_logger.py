@@ -73,8 +73,8 @@ async def test_stored_documents_hold_exactly_the_contract_fields(backend: Backen
     conversation = await backend.db.agent_conversations.find_one()
     assert set(conversation) == {
         "_id", "conversation_id", "user_id", "name", "name_source", "created_at", "updated_at",
-        "turn_count", "last_message_preview", "message_count", "pending_hitl", "usage",
-        "recent_turns",
+        "turn_count", "last_message_preview", "message_count", "pending_hitl", "pending_calls",
+        "usage", "recent_turns",
     }  # fmt: skip
 
 

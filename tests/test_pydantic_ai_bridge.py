@@ -381,9 +381,12 @@ async def test_a_run_awaiting_approval_resumes_from_the_store_as_from_memory(
     first = await agent.run("Book the 09:04 to Lyon; weather there?")
     assert isinstance(first.output, DeferredToolRequests)
     await log_run(logger, CID, first.new_messages(), turn_id="run-1")
+    assert [c.tool_call_id for c in await store.pending_calls(CID)] == ["tc-9"]
+    assert not any(m.tool_call_id == "tc-9" for m in await store.transcript(CID))
     history = history_from_messages(await store.transcript(CID))
     resumed = await agent.run(message_history=history, deferred_tool_results=approvals)
     await log_run(logger, CID, resumed.new_messages(), turn_id="run-2")
+    assert await store.pending_calls(CID) == []
     history = history_from_messages(await store.transcript(CID))
     await agent.run("What did I book?", message_history=history)
 

@@ -25,6 +25,7 @@ from agent_store.core._models import (
     MessageError,
     MessagePage,
     Page,
+    PendingCall,
     PendingHitl,
     Role,
     SystemMessage,
@@ -43,6 +44,7 @@ from agent_store.core._models import (
 from agent_store.core._outcomes import (
     DENIED_RESULT,
     INTERRUPTED_RESULT,
+    PENDING_RESULT,
     RETRY_FEEDBACK,
     STREAM_INTERRUPTED,
     TOOL_OUTCOMES,
@@ -59,6 +61,7 @@ from agent_store.core._outcomes import (
 __all__ = [
     "DENIED_RESULT",
     "INTERRUPTED_RESULT",
+    "PENDING_RESULT",
     "RETRY_FEEDBACK",
     "STREAM_INTERRUPTED",
     "TOOL_OUTCOMES",
@@ -76,6 +79,7 @@ __all__ = [
     "MessagePage",
     "NotFound",
     "Page",
+    "PendingCall",
     "PendingHitl",
     "Role",
     "StorageFailure",

@@ -27,6 +27,8 @@ STREAM_INTERRUPTED = "stream interrupted"
 
 INTERRUPTED_RESULT = "No result: the run ended before this tool call returned."
 DENIED_RESULT = "The user denied this tool call."
+PENDING_RESULT = "No result yet: this tool call awaits approval or its result."
+"""What an export answers a pending call with, in the replay it produces; never stored."""
 
 _OUTCOME_MARKER = re.compile(r"^tool call (failed|denied|interrupted|retried)(?:: ([A-Za-z_]+))?$")
 _FEEDBACK_MARKER = re.compile(r"^retry feedback(?:: ([A-Za-z_]+))?$")

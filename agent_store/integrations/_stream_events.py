@@ -69,6 +69,8 @@ class HitlEvent(_SseEvent):
     params: dict[str, Any] = Field(default_factory=dict)
     request_id: CallId
     prompt: str | None = None
+    tool_call_id: CallId | None = None
+    """The tool call the prompt holds back, if any: it stays pending until answered."""
 
 
 class ErrorEvent(_SseEvent):

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from agent_store.core import (
-    INTERRUPTED_RESULT,
+    PENDING_RESULT,
     AgentMessage,
     AssistantMessage,
     InvalidInput,
@@ -35,7 +35,8 @@ from agent_store.store import (
 )
 
 Dangling = Literal["synthesize", "drop"]
-"""For a call no stored result answers: a marked stand-in answers it, or it is dropped."""
+"""For a call no stored result answers (a pending call): `PENDING_RESULT` answers it in the
+export, or the call is dropped from it."""
 
 
 _ALLOWED_KEYS = {
@@ -68,14 +69,14 @@ def chat_completions(
     call's result follows the assistant message that makes it (results stored
     later are moved up, and a real result stored later wins over an
     `interrupted` stand-in); a result that answers no call is left out; a call
-    with no result gets `INTERRUPTED_RESULT` or, with `dangling="drop"`, is
-    removed. A call id used again later in the conversation is renamed
-    `<id>_<n>` so ids stay unique. Assistant messages the model never said —
-    an `error` or a HITL action with no text, or no text once its calls were
-    dropped — are left out, and a user
-    message with only an upload becomes a short note naming the file. Hidden
-    runtime context (between `markers`) is removed from user text, as the
-    logger does, should the messages not come from the store.
+    with no stored result — a pending call — gets `PENDING_RESULT` in the
+    export only or, with `dangling="drop"`, is removed. A call id used again
+    later in the conversation is renamed `<id>_<n>` so ids stay unique.
+    Assistant messages the model never said — an `error` or a HITL action
+    with no text, or no text once its calls were dropped — are left out, and
+    a user message with only an upload becomes a short note naming the file.
+    Hidden runtime context (between `markers`) is removed from user text, as
+    the logger does, should the messages not come from the store.
     """
     if dangling not in ("synthesize", "drop"):
         raise InvalidInput(f"invalid dangling {dangling!r}: use 'synthesize' or 'drop'")
@@ -118,7 +119,7 @@ def _exported_response(
         call_id = _unique(call.id, used_ids)
         function = {"name": call.function.name, "arguments": call.function.arguments}
         calls.append({"id": call_id, "type": "function", "function": function})
-        content = INTERRUPTED_RESULT if answer is None else (answer.content or "")
+        content = PENDING_RESULT if answer is None else (answer.content or "")
         results.append({"role": "tool", "tool_call_id": call_id, "content": content})
     if not message.content and not calls:
         return []  # nothing the model said is left

@@ -20,6 +20,7 @@ from agent_store.core import (
     AgentMessage,
     Identifier,
     InvalidInput,
+    PendingCall,
     PendingHitl,
     Usage,
     describe_validation_error,
@@ -73,6 +74,10 @@ class TurnPlan:
     """The prompt left pending after the turn; None clears it."""
     auto_name: str | None = None
     """A name from the first user text, used only while the conversation has none."""
+    opened_calls: tuple[PendingCall, ...] = ()
+    """Calls the turn leaves without an answer: pending until a later turn answers them."""
+    answered_calls: tuple[str, ...] = ()
+    """Ids of calls of earlier turns that this turn answers: no longer pending."""
 
 
 def validate_identifier(value: object, what: str) -> str:
@@ -187,6 +192,7 @@ def plan_turn(
         )
         stored.append(bound_message(prepared, rules.max_message_bytes))
 
+    opened_calls, answered_calls = _pending_calls(stored)
     return TurnPlan(
         conversation_id=conversation_id,
         turn_id=turn_id,
@@ -200,6 +206,8 @@ def plan_turn(
             (name for m in stored if m.upload is None and (name := auto_name(m, rules.name_chars))),
             None,
         ),
+        opened_calls=opened_calls,
+        answered_calls=answered_calls,
     )
 
 
@@ -243,3 +251,33 @@ def _pending_hitl(messages: Sequence[AgentMessage]) -> PendingHitl | KeepPending
                 created_at=message.created_at,
             )
     return outcome
+
+
+def _pending_calls(
+    messages: Sequence[AgentMessage],
+) -> tuple[tuple[PendingCall, ...], tuple[str, ...]]:
+    """The calls a turn leaves open, and the ids of calls of earlier turns it answers.
+
+    A call with no `tool` message in its turn is pending; the first HITL
+    prompt its turn raises from there on holds it back. A `tool` message
+    answering a call its turn did not make answers a call of an earlier turn.
+    """
+    made = {call.id for m in messages for call in m.tool_calls or ()}
+    answers = [m.tool_call_id for m in messages if m.role == "tool" and m.tool_call_id]
+    opened: list[PendingCall] = []
+    for index, message in enumerate(messages):
+        for call in message.tool_calls or ():
+            if call.id in answers:
+                continue
+            prompt = next((m.hitl_action for m in messages[index:] if m.hitl_action), None)
+            assert message.id is not None
+            opened.append(
+                PendingCall(
+                    tool_call_id=call.id,
+                    tool_name=call.function.name,
+                    message_id=message.id,
+                    request_id=prompt.request_id if prompt else None,
+                    created_at=message.created_at,
+                )
+            )
+    return tuple(opened), tuple(i for i in answers if i not in made)
