@@ -213,3 +213,28 @@ async def test_a_late_real_result_is_what_every_replay_uses(backend: Backend) ->
     assert [(r.tool_call_id, r.content, r.outcome) for r in returns] == [
         ("call_b1", {"booked": "TGV 6601"}, "success")
     ]
+
+
+# -- ids that stay unique -------------------------------------------------------------
+
+
+async def test_ids_generated_for_calls_without_one_are_unique_within_the_conversation(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    weather = [
+        {"type": "tool_start", "tool_name": "get_weather", "args": {"city": "Paris"}},
+        {"type": "tool_end", "tool_name": "get_weather", "result": {"temp_c": 18}},
+        {"type": "stream_token", "token": "18 °C."},
+    ]
+
+    await runtime.stream(weather, prompt="Weather in Paris?")
+    await runtime.stream(weather, prompt="And now?")  # the same events, a turn later
+
+    stored = await runtime.store.transcript(CID)
+    call_ids = [c.id for m in stored for c in m.tool_calls or ()]
+    assert len(call_ids) == 2
+    assert len(set(call_ids)) == 2
+    assert all(i.startswith("get_weather-") for i in call_ids)
+    exported = chat_completions(stored)
+    assert [c["id"] for m in exported for c in m.get("tool_calls", ())] == call_ids  # no renaming

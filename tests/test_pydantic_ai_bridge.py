@@ -397,3 +397,49 @@ async def test_a_run_awaiting_approval_resumes_from_the_store_as_from_memory(
     assert (booking.tool_call_id, booking.outcome) == (
         ("tc-9", "success") if decision is True else ("tc-9", "denied")
     )
+
+
+def test_a_call_id_a_provider_reuses_within_a_run_is_renamed_and_the_renaming_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def weather(city: str) -> ToolCallPart:
+        return ToolCallPart("get_weather", {"city": city}, tool_call_id="call_0")
+
+    def returned(temp: int) -> ToolReturnPart:
+        return ToolReturnPart("get_weather", {"temp_c": temp}, tool_call_id="call_0")
+
+    run = [
+        ModelRequest(parts=[UserPromptPart("Paris, then Lyon?")]),
+        ModelResponse(parts=[weather("Paris")]),
+        ModelRequest(parts=[returned(18)]),
+        ModelResponse(parts=[weather("Lyon")]),  # the provider numbers calls per response
+        ModelRequest(parts=[returned(21)]),
+        ModelResponse(parts=[TextPart("18 and 21.")]),
+    ]
+
+    with caplog.at_level("WARNING", logger="agent_store"):
+        stored = messages_from_run(run)
+
+    calls = [(c.id, c.function.arguments) for m in stored for c in m.tool_calls or ()]
+    assert calls == [("call_0", '{"city":"Paris"}'), ("call_0_2", '{"city":"Lyon"}')]
+    answers = [(m.tool_call_id, m.content) for m in stored if m.role == "tool"]
+    assert answers == [("call_0", '{"temp_c":18}'), ("call_0_2", '{"temp_c":21}')]
+    assert "'call_0' is used again within the run; stored as 'call_0_2'" in caplog.text
+
+
+async def test_a_run_reusing_a_call_id_is_logged_whole(backend: Backend) -> None:
+    call = ToolCallPart("get_time", {}, tool_call_id="0")
+    run = [
+        ModelRequest(parts=[UserPromptPart("Time, twice?")]),
+        ModelResponse(parts=[call]),
+        ModelRequest(parts=[ToolReturnPart("get_time", "09:00", tool_call_id="0")]),
+        ModelResponse(parts=[call]),
+        ModelRequest(parts=[ToolReturnPart("get_time", "09:01", tool_call_id="0")]),
+        ModelResponse(parts=[TextPart("09:01.")]),
+    ]
+
+    await log_run(AgentMessageLogger(backend.db), CID, run, turn_id="run-1")
+
+    stored = await ConversationStore(backend.db).transcript(CID)
+    assert len(stored) == 6
+    assert len({c.id for m in stored for c in m.tool_calls or ()}) == 2

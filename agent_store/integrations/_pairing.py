@@ -1,4 +1,6 @@
-"""Which stored tool message answers which call: one rule for every replay. Pure, no I/O.
+"""Which stored tool message answers which call, and how a repeated call id is renamed.
+
+One rule for every replay and every ingest path. Pure, no I/O.
 
 The exports and the Pydantic AI history both place each call's answer right
 after the message that makes the call, wherever the answer was stored:
@@ -39,3 +41,13 @@ def answers_to_calls(messages: Sequence[AgentMessage]) -> dict[CallKey, ToolMess
             if current is None or (is_stand_in(current) and not is_stand_in(message)):
                 answers[key] = message
     return answers
+
+
+def unique_call_id(call_id: str, used: set[str]) -> str:
+    """`call_id`, or `<call_id>_<n>` with the lowest n from 2 not in `used`; added to `used`."""
+    candidate, n = call_id, 1
+    while candidate in used:
+        n += 1
+        candidate = f"{call_id}_{n}"
+    used.add(candidate)
+    return candidate

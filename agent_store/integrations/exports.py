@@ -25,7 +25,7 @@ from agent_store.core import (
     describe_validation_error,
     messages_adapter,
 )
-from agent_store.integrations._pairing import CallKey, answers_to_calls
+from agent_store.integrations._pairing import CallKey, answers_to_calls, unique_call_id
 from agent_store.store import (
     DEFAULT_MARKERS,
     ConversationExport,
@@ -116,7 +116,7 @@ def _exported_response(
         answer = answers.get((index, call.id))
         if answer is None and dangling == "drop":
             continue
-        call_id = _unique(call.id, used_ids)
+        call_id = unique_call_id(call.id, used_ids)
         function = {"name": call.function.name, "arguments": call.function.arguments}
         calls.append({"id": call_id, "type": "function", "function": function})
         content = PENDING_RESULT if answer is None else (answer.content or "")
@@ -125,15 +125,6 @@ def _exported_response(
         return []  # nothing the model said is left
     response = {"role": "assistant", "content": message.content}
     return [response | ({"tool_calls": calls} if calls else {}), *results]
-
-
-def _unique(call_id: str, used: set[str]) -> str:
-    candidate, n = call_id, 1
-    while candidate in used:
-        n += 1
-        candidate = f"{call_id}_{n}"
-    used.add(candidate)
-    return candidate
 
 
 def responses_items(

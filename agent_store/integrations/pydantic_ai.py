@@ -31,6 +31,7 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -61,7 +62,7 @@ from agent_store.core import (
     outcome_error,
     tool_outcome,
 )
-from agent_store.integrations._pairing import CallKey, answers_to_calls
+from agent_store.integrations._pairing import CallKey, answers_to_calls, unique_call_id
 from agent_store.store import (
     DEFAULT_MARKERS,
     AgentMessageLogger,
@@ -73,6 +74,8 @@ from agent_store.store import (
 )
 
 __all__ = ["history_from_messages", "log_run", "messages_from_run"]
+
+_log = logging.getLogger("agent_store.integrations.pydantic_ai")
 
 _TOOL_RETRY_CAUSES: dict[str, pai.ToolRetryCause] = {
     cause: cause
@@ -93,7 +96,8 @@ def messages_from_run(
 
     Hidden runtime context (between `markers`) is removed from each user
     prompt, its text items read as one text, so a block or a marker cut
-    across items is removed too.
+    across items is removed too. A call id the provider used again within
+    the run is renamed `<id>_<n>` (with its result), and a warning logged.
     """
     stored: list[AgentMessage] = []
     sent_at: datetime | None = None
@@ -104,7 +108,38 @@ def messages_from_run(
                 stored.extend(_from_request_part(part, markers))
         else:
             stored.append(_from_response(message, sent_at))
-    return stored
+    return _with_unique_call_ids(stored)
+
+
+def _with_unique_call_ids(messages: list[AgentMessage]) -> list[AgentMessage]:
+    """Rename a call id used again within the run `<id>_<n>`, as the exports do, and log it.
+
+    Some providers number calls per response, so one run can hold `call_0`
+    twice. A result answers the oldest call of its id not answered yet, which
+    is the order Pydantic AI returns them in.
+    """
+    used: set[str] = set()
+    unanswered: dict[str, list[str]] = {}
+    renamed: list[AgentMessage] = []
+    for message in messages:
+        if message.tool_calls:
+            calls = [
+                c.model_copy(update={"id": unique_call_id(c.id, used)}) for c in message.tool_calls
+            ]
+            for original, call in zip(message.tool_calls, calls, strict=True):
+                unanswered.setdefault(original.id, []).append(call.id)
+                if call.id != original.id:
+                    _log.warning(
+                        "tool call id %r is used again within the run; stored as %r",
+                        original.id,
+                        call.id,
+                    )
+            message = message.model_copy(update={"tool_calls": calls})
+        elif message.tool_call_id and unanswered.get(message.tool_call_id):
+            answered = unanswered[message.tool_call_id].pop(0)
+            message = message.model_copy(update={"tool_call_id": answered})
+        renamed.append(message)
+    return renamed
 
 
 def _from_request_part(part: Any, markers: RuntimeContextMarkers) -> list[AgentMessage]:
