@@ -22,6 +22,7 @@ from agent_store.integrations.streams import (
     turn_from_metadata,
     turn_from_sse,
 )
+from agent_store.store import PENDING_CALLS_KEPT
 from tests.api_harness import auth_headers, serve
 from tests.conftest import Backend
 
@@ -238,3 +239,17 @@ async def test_ids_generated_for_calls_without_one_are_unique_within_the_convers
     assert all(i.startswith("get_weather-") for i in call_ids)
     exported = chat_completions(stored)
     assert [c["id"] for m in exported for c in m.get("tool_calls", ())] == call_ids  # no renaming
+
+
+async def test_a_conversation_lists_a_bounded_number_of_pending_calls(backend: Backend) -> None:
+    calls = [
+        {"id": f"c{n}", "function": {"name": "fire_and_forget", "arguments": "{}"}}
+        for n in range(PENDING_CALLS_KEPT + 5)
+    ]
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+
+    await logger.log_messages(CID, [{"role": "assistant", "tool_calls": calls}], turn_id="t1")
+
+    pending = await store.pending_calls(CID)
+    assert len(pending) == PENDING_CALLS_KEPT
+    assert pending[-1].tool_call_id == f"c{PENDING_CALLS_KEPT + 4}"  # the newest are kept

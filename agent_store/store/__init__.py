@@ -42,6 +42,7 @@ from agent_store.store._text import (
 from agent_store.store._truncation import DEFAULT_MAX_MESSAGE_BYTES, bound_message, document_size
 from agent_store.store._turns import (
     MAX_MESSAGES_PER_TURN,
+    PENDING_CALLS_KEPT,
     KeepPendingHitl,
     TurnPlan,
     TurnRules,
@@ -64,6 +65,7 @@ __all__ = [
     "MAX_PAGE_SIZE",
     "MAX_SEARCH_QUERY_CHARS",
     "MESSAGES",
+    "PENDING_CALLS_KEPT",
     "AgentMessageLogger",
     "Claimed",
     "ConversationExport",

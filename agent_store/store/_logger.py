@@ -36,6 +36,7 @@ from agent_store.store._driver import DUPLICATE_KEY, Database, storage_errors
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
 from agent_store.store._text import clean_name
 from agent_store.store._turns import (
+    PENDING_CALLS_KEPT,
     KeepPendingHitl,
     TurnPlan,
     TurnRules,
@@ -351,8 +352,9 @@ def _pending_state(plan: TurnPlan) -> dict[str, Any]:
     """`pending_calls` and `pending_hitl` after the turn, in the reservation's `$set` stage.
 
     Calls the turn answers leave `pending_calls` and the calls it leaves open
-    join it. A prompt stays pending unless the turn raises a new one, clears
-    it (an upload), or answers a call the prompt held back.
+    join it (the newest `PENDING_CALLS_KEPT` are kept). A prompt stays
+    pending unless the turn raises a new one, clears it (an upload), or
+    answers a call the prompt held back.
     """
     calls: Any = {"$ifNull": ["$pending_calls", literal([])]}
     hitl: Any = {"$ifNull": ["$pending_hitl", None]}
@@ -372,4 +374,5 @@ def _pending_state(plan: TurnPlan) -> dict[str, Any]:
             "$cond": [{"$in": [{"$ifNull": ["$pending_hitl.request_id", None]}, held]}, None, hitl]
         }
     opened = literal([call.model_dump() for call in plan.opened_calls])
-    return {"pending_calls": {"$concatArrays": [answered(False), opened]}, "pending_hitl": hitl}
+    kept = {"$slice": [{"$concatArrays": [answered(False), opened]}, -PENDING_CALLS_KEPT]}
+    return {"pending_calls": kept, "pending_hitl": hitl}

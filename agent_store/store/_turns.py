@@ -40,6 +40,12 @@ from agent_store.store._truncation import DEFAULT_MAX_MESSAGE_BYTES, bound_messa
 _identifier: TypeAdapter[str] = TypeAdapter(Identifier)
 
 MAX_MESSAGES_PER_TURN = 1000
+PENDING_CALLS_KEPT = 100
+"""A conversation lists at most this many pending calls; older ones are dropped from the list.
+
+A runtime that never logs its tools' results would otherwise grow the
+conversation document with every turn.
+"""
 
 
 @dataclass(frozen=True)
