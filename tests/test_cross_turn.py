@@ -253,3 +253,65 @@ async def test_a_conversation_lists_a_bounded_number_of_pending_calls(backend: B
     pending = await store.pending_calls(CID)
     assert len(pending) == PENDING_CALLS_KEPT
     assert pending[-1].tool_call_id == f"c{PENDING_CALLS_KEPT + 4}"  # the newest are kept
+
+
+async def test_an_sse_prompt_naming_its_call_leaves_it_pending_for_a_later_result(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    asks = [
+        {"type": "tool_call", "tool_call_id": "call_p1", "tool_name": "pay_invoice"},
+        {"type": "hitl", "action": "confirm_payment", "request_id": "req-p1",
+         "prompt": "Pay 120 EUR?", "tool_call_id": "call_p1"},
+        {"type": "done"},
+    ]  # fmt: skip
+    await log_streamed_turn(
+        logger=logger, store=store, conversation_id=CID, turn=turn_from_sse(asks),
+        turn_id="t1", prompt="Pay the invoice.",
+    )  # fmt: skip
+    assert [c.request_id for c in await store.pending_calls(CID)] == ["req-p1"]
+
+    paid = [
+        {"type": "tool_result", "tool_call_id": "call_p1", "result": {"paid": True}},
+        {"type": "text_delta", "delta": "Paid."},
+        {"type": "done"},
+    ]
+    turn = turn_from_sse(paid, pending=await store.pending_calls(CID))
+    await log_streamed_turn(
+        logger=logger, store=store, conversation_id=CID, turn=turn, turn_id="t2", prompt="Yes."
+    )
+
+    assert await store.pending_calls(CID) == []
+    assert await store.pending_hitl(CID) is None
+    exported = chat_completions(await store.transcript(CID))
+    check_chat_completions(exported)
+    assert [m["content"] for m in exported if m["role"] == "tool"] == ['{"paid":true}']
+
+
+# -- text BSON can store (the store-level rule lands with the write-path work) --------
+
+SURROGATES = "store-level surrogate handling lands with the write-path work"
+
+
+@pytest.mark.xfail(strict=True, reason=SURROGATES)
+async def test_a_surrogate_pair_split_across_two_stream_tokens_is_stored_joined(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    tokens = ["Trains ", "\ud83d", "\ude84 leave at 9."]  # a JavaScript runtime sliced 🚄
+
+    await runtime.stream([{"type": "stream_token", "token": t} for t in tokens], prompt="When?")
+
+    stored = await runtime.store.transcript(CID)
+    assert stored[-1].content == "Trains 🚄 leave at 9."
+
+
+@pytest.mark.xfail(strict=True, reason=SURROGATES)
+async def test_a_lone_surrogate_in_a_stream_is_refused_and_nothing_is_stored(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+
+    with pytest.raises(InvalidInput, match="surrogate"):
+        await runtime.stream([{"type": "stream_token", "token": "cut \ud83d"}], prompt="When?")
+    assert await backend.db.agent_messages.count_documents({}) == 0
