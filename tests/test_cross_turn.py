@@ -53,7 +53,7 @@ class Runtime:
 
     async def stream(self, events: list[dict[str, Any]], prompt: str | None = None) -> LoggedTurn:
         self.turns += 1
-        pending = await self.store.pending_calls(CID) if self.turns > 1 else []
+        pending = await self.store.pending_calls(CID)  # none before the first turn
         turn = turn_from_metadata(events, complete=True, pending=pending)
         return await log_streamed_turn(
             logger=self.logger,

@@ -384,15 +384,15 @@ class ConversationStore:
         """The conversation's tool calls awaiting an answer from a later turn, in one lookup.
 
         Pass them to the stream builders (`pending=`) so a later turn's
-        result, denial or id-less result can answer them.
+        result or denial can answer them. A conversation that does not exist
+        yet (or is not the user's) awaits nothing: the list is empty.
         """
         with storage_errors("read the pending calls"):
             doc = await self._conversations.find_one(
                 self._scope(conversation_id, user_id), {"pending_calls": 1}
             )
-        if doc is None:
-            return (await self.get_conversation(conversation_id, user_id=user_id)).pending_calls
-        return [PendingCall.model_validate(call) for call in doc.get("pending_calls") or ()]
+        calls = doc.get("pending_calls") if doc is not None else None
+        return [PendingCall.model_validate(call) for call in calls or ()]
 
     async def resolve_hitl(
         self, conversation_id: str, request_id: str, *, user_id: str | None = None
