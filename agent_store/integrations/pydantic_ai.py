@@ -19,6 +19,10 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
 - retry feedback that answers no call (an output retry): a `user` message
   marked `error: {message: "retry feedback: <cause>"}`, because the model
   receives it in the user's voice; it is never shown as a person's words.
+- a call the run left unanswered (a tool that requires approval, or a
+  deferred call: the run ended with `DeferredToolRequests`): stored without
+  an answer, so the conversation lists it as pending; the next run's return
+  for it (`deferred_tool_results`) is stored as its answer.
 - thinking: not stored. It is the model's private reasoning, not part of the
   conversation; providers drop or re-sign it across turns, and storing it as
   content would replay it as if the model had said it.

@@ -10,9 +10,13 @@ whatever order events arrive in:
 - every tool result is placed right after the message that made its call,
   in call order, even when it arrives after the run ended;
 - a HITL prompt or an error is an assistant message of its own;
-- a call left without a result gets a synthetic one, marked in `error` as
-  `tool call interrupted` (or `tool call denied` when its confirmation was
-  refused), so no stored turn can break a replay;
+- a call a HITL prompt holds back (it names the call) and that got no
+  result stays pending: no `tool` message, so the conversation's
+  `pending_calls` lists it until a later turn answers it — with its result,
+  or `tool call denied` when its confirmation is refused, in any later
+  turn built with `pending=`;
+- any other call left without a result gets a synthetic one, marked in
+  `error` as `tool call interrupted`, so no stored turn breaks a replay;
 - a stream cut off before its end keeps what arrived and ends with an
   assistant message `error: {message: "stream interrupted"}`.
 """
