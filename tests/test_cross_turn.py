@@ -315,3 +315,18 @@ async def test_a_lone_surrogate_in_a_stream_is_refused_and_nothing_is_stored(
     with pytest.raises(InvalidInput, match="surrogate"):
         await runtime.stream([{"type": "stream_token", "token": "cut \ud83d"}], prompt="When?")
     assert await backend.db.agent_messages.count_documents({}) == 0
+
+
+@pytest.mark.wire
+async def test_answering_a_pending_call_still_costs_two_round_trips(wire_backend: Backend) -> None:
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db)
+    call = {"id": "tc-9", "function": {"name": "book_train", "arguments": "{}"}}
+    await logger.log_messages(CID, [{"role": "assistant", "tool_calls": [call]}], turn_id="t1")
+    wire_backend.commands.clear()
+
+    answer = [{"role": "tool", "tool_call_id": "tc-9", "content": "B-42"}]
+    await logger.log_messages(CID, answer, turn_id="t2")
+
+    assert wire_backend.commands.names == ["findAndModify", "insert"]
+    assert await ConversationStore(wire_backend.db).pending_calls(CID) == []
