@@ -123,11 +123,14 @@ def mongomock_db() -> Any:
 
 
 @asynccontextmanager
-async def serve(db: Any, settings: Settings | None = None) -> AsyncIterator[Served]:
-    """The app on `db`, seeded, behind an in-process ASGI client."""
+async def serve(
+    db: Any, settings: Settings | None = None, *, seeded: bool = True
+) -> AsyncIterator[Served]:
+    """The app on `db` (seeded unless told otherwise) behind an in-process ASGI client."""
     settings = settings or api_settings()
     store = Store.on(db, settings)
-    await seed(store)
+    if seeded:
+        await seed(store)
     app = create_app(settings, store=store)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:

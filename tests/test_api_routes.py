@@ -24,6 +24,7 @@ from tests.api_harness import (
     mongomock_db,
     serve,
 )
+from tests.conftest import Backend
 
 SERVICE = auth_headers()
 CONV = f"/v1/conversations/{OWNER_CONVERSATION}"
@@ -139,6 +140,24 @@ async def test_posting_a_turn_twice_stores_it_once(api: Served) -> None:
     transcript = await api.store.conversations.transcript(OWNER_CONVERSATION)
     assert len(transcript) == 14
     assert (await api.store.conversations.turn_count(OWNER_CONVERSATION)) == 5
+
+
+async def test_a_replayed_turn_answers_with_the_stored_messages(backend: Backend) -> None:
+    def turn(at: str) -> dict[str, object]:
+        return {
+            "turn_id": "run-retried",
+            "messages": [{"role": "user", "content": "Hi", "created_at": at}],
+        }
+
+    async with serve(backend.db, seeded=False) as api:
+        url = "/v1/conversations/conv-retried/turns"
+        first = await api.http.post(url, json=turn("2026-03-02T09:00:00Z"), headers=SERVICE)
+        # The runtime timed out and sent the turn again, stamped anew.
+        again = await api.http.post(url, json=turn("2026-03-02T09:00:07Z"), headers=SERVICE)
+
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert again.json()["messages"] == first.json()["messages"]
+    assert again.json()["messages"][0]["created_at"].startswith("2026-03-02T09:00:00")
 
 
 async def test_a_turn_posted_over_http_never_stores_hidden_runtime_context(api: Served) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -11,7 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent_store import AgentMessageLogger, ConversationStore, InvalidInput
-from agent_store.core import INTERRUPTED_RESULT, AgentMessage, messages_adapter
+from agent_store.core import (
+    INTERRUPTED_RESULT,
+    PENDING_RESULT,
+    AgentMessage,
+    messages_adapter,
+    stand_in_result,
+)
 from agent_store.integrations.exports import (
     chat_completions,
     chat_completions_problems,
@@ -23,6 +30,7 @@ from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
 from tests.conftest import Backend
 
 CALL_IDS = ["c1", "c2", "c3", "c4"]
+NOW = datetime(2026, 3, 2, 9, 0, tzinfo=UTC)
 TOOLS = ["get_weather", "book"]
 
 
@@ -65,7 +73,7 @@ def test_trailing_result_is_moved_right_after_its_call_and_orphans_are_left_out(
 
 @pytest.mark.parametrize(
     ("dangling", "calls", "results"),
-    [("synthesize", ["a", "b"], ["18", INTERRUPTED_RESULT]), ("drop", ["a"], ["18"])],
+    [("synthesize", ["a", "b"], ["18", PENDING_RESULT]), ("drop", ["a"], ["18"])],
 )
 def test_dangling_call_is_answered_by_a_marked_stand_in_or_dropped(
     dangling: Any, calls: list[str], results: list[str]
@@ -85,7 +93,7 @@ def test_dangling_call_is_answered_by_a_marked_stand_in_or_dropped(
     check_chat_completions(exported)
     assert [c["id"] for c in exported[1]["tool_calls"]] == calls
     assert [m["content"] for m in exported if m["role"] == "tool"] == results
-    assert INTERRUPTED_RESULT.startswith("No result")
+    assert PENDING_RESULT.startswith("No result yet")
 
 
 def test_assistant_left_with_no_call_and_no_text_is_dropped_whole() -> None:
@@ -188,6 +196,7 @@ message = st.one_of(
         st.sampled_from(CALL_IDS),
         st.integers(0, 99),
     ),
+    st.builds(lambda i: stand_in_result(i, NOW).model_dump(), st.sampled_from(CALL_IDS)),
     st.just({"role": "assistant", "error": {"message": "boom"}}),
     st.just({"role": "assistant", "hitl_action": {"action": "confirm", "request_id": "r1"}}),
 )
@@ -195,13 +204,13 @@ conversations = st.lists(message, max_size=14)
 
 
 def real_answers(stored: list[dict[str, Any]]) -> int:
-    """How many stored results answer a call: the latest earlier call of their id, once."""
+    """How many calls a real stored result answers (the latest earlier call of its id)."""
     latest: dict[str, int] = {}
     answered: set[tuple[int, str]] = set()
     for index, m in enumerate(stored):
         for c in m.get("tool_calls") or ():
             latest[c["id"]] = index
-        if m["role"] == "tool" and m["tool_call_id"] in latest:
+        if m["role"] == "tool" and m["tool_call_id"] in latest and m.get("error") is None:
             answered.add((latest[m["tool_call_id"]], m["tool_call_id"]))
     return len(answered)
 
@@ -215,15 +224,15 @@ def test_every_generated_conversation_exports_to_a_history_that_replays(
 
     assert chat_completions_problems(exported) == []
     tool_contents = [m["content"] for m in exported if m["role"] == "tool"]
-    real = [c for c in tool_contents if c != INTERRUPTED_RESULT]
-    assert len(real) == real_answers(stored)  # no real result lost, none invented
+    real = [c for c in tool_contents if c not in (PENDING_RESULT, INTERRUPTED_RESULT)]
+    assert len(real) == real_answers(stored)  # no real result lost or hidden, none invented
     stored_calls = sum(len(m.get("tool_calls") or ()) for m in stored)
     exported_calls = sum(len(m.get("tool_calls", ())) for m in exported)
     if dangling == "synthesize":
         assert exported_calls == stored_calls
     else:
-        assert INTERRUPTED_RESULT not in tool_contents
-        assert exported_calls == len(real)
+        assert PENDING_RESULT not in tool_contents
+        assert exported_calls == len([c for c in tool_contents if c != PENDING_RESULT])
 
 
 @settings(max_examples=200, deadline=None)
@@ -266,3 +275,21 @@ async def test_user_jsonl_holds_every_conversation_and_message_of_the_user(
     assert len(messages) == 13
     assert all(m["user_id"] == EXAMPLE_USER_ID for m in messages)
     assert messages_adapter.validate_python(messages)  # every stored field, loadable again
+
+
+def test_an_assistant_message_left_with_no_text_once_its_calls_are_dropped_is_left_out() -> None:
+    stored = [
+        {"role": "user", "content": "Book"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "x", "function": {"name": "b"}}],
+        },
+        {"role": "user", "content": "Hello?"},
+    ]
+    exported = chat_completions(stored, dangling="drop")
+    assert exported == [{"role": "user", "content": "Book"}, {"role": "user", "content": "Hello?"}]
+    assert responses_items(stored, dangling="drop") == [
+        {"type": "message", "role": "user", "content": "Book"},
+        {"type": "message", "role": "user", "content": "Hello?"},
+    ]

@@ -74,8 +74,8 @@ async def test_stored_documents_hold_exactly_the_contract_fields(backend: Backen
     conversation = await backend.db.agent_conversations.find_one()
     assert set(conversation) == {
         "_id", "conversation_id", "user_id", "name", "name_source", "created_at", "updated_at",
-        "turn_count", "last_message_preview", "message_count", "pending_hitl", "usage",
-        "turns", "turns_dropped",
+        "turn_count", "last_message_preview", "message_count", "pending_hitl", "pending_calls",
+        "usage", "turns", "turns_dropped",
     }  # fmt: skip
 
 
@@ -320,3 +320,16 @@ async def test_upsert_conversation_refuses_to_change_the_owner(backend: Backend)
         await logger.upsert_conversation(CID, user_id="intruder")
     conversation = await logger.upsert_conversation(CID)
     assert (conversation.user_id, conversation.name) == ("owner", "Trip")
+
+
+async def test_an_integer_too_wide_for_bson_is_refused_naming_it_and_nothing_is_written(
+    backend: Backend,
+) -> None:
+    prompt = {
+        "role": "assistant",
+        "hitl_action": {"action": "pay", "request_id": "r1", "params": {"cents": 2**63}},
+    }
+    with pytest.raises(InvalidInput, match=re.escape("hitl_action.params.cents is an integer")):
+        await AgentMessageLogger(backend.db).log_messages(CID, [prompt])
+    assert await backend.db.agent_messages.count_documents({}) == 0
+    assert await backend.db.agent_conversations.count_documents({}) == 0

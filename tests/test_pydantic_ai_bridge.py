@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pydantic_ai import Agent, ModelRetry
+from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, ModelRetry, ToolDenied
 from pydantic_ai.messages import (
+    BinaryContent,
+    FilePart,
     ModelMessage,
     ModelMessagesTypeAdapter,
     ModelRequest,
@@ -280,3 +282,164 @@ async def test_runtime_context_in_a_prompt_is_not_stored(
 
     assert stored[1].content == "Weather?"
     assert not any("plan=pro" in (m.content or "") for m in stored)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        pytest.param(["[RUNTIME CON", "TEXT]plan=pro[/RUNTIME CONTEXT]", "Weather?"], id="start"),
+        pytest.param(["[RUNTIME CONTEXT]plan=pro[/RUNTIME", " CONTEXT]Weather?"], id="end"),
+        pytest.param(
+            [
+                "[RUNTIME CONTEXT]a [RUNTIME CONTEXT]plan=pro[/RUNTIME CONTEXT]",
+                " plan=pro",
+                "[/RUNTIME CONTEXT]Weather?",
+            ],
+            id="nested-across-items",
+        ),
+    ],
+)
+async def test_a_runtime_context_marker_cut_across_prompt_items_is_not_stored(
+    backend: Backend, prompt: list[str]
+) -> None:
+    result = await make_agent([]).run(prompt)
+
+    await log_run(AgentMessageLogger(backend.db), CID, result.new_messages(), turn_id="t")
+    stored = await ConversationStore(backend.db).transcript(CID)
+
+    assert stored[1].content == "Weather?"
+    assert not any("plan=pro" in (m.content or "") for m in stored)
+
+
+def test_a_response_holding_only_a_file_is_stored_as_a_note_naming_the_file() -> None:
+    image = BinaryContent(data=b"\x89PNG...", media_type="image/png")
+    stored = messages_from_run(
+        [
+            ModelRequest(parts=[UserPromptPart("Draw a train")]),
+            ModelResponse(parts=[FilePart(image)]),
+        ]
+    )
+    assert stored[1].role == "assistant"
+    assert stored[1].content == "[file image/png]"
+
+
+# -- a run that ends awaiting approval, resumed in a later turn -----------------------
+
+
+def approval_agent(received: list[list[ModelMessage]]) -> Agent[None, str | DeferredToolRequests]:
+    """Turn 1 books a train (needs approval) and reads the weather; later turns echo results."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        received.append(list(messages))
+        responses = sum(isinstance(m, ModelResponse) for m in messages)
+        if responses == 0:
+            return ModelResponse(
+                parts=[
+                    TextPart("Booking it, and checking Lyon."),
+                    ToolCallPart("book_train", {"train": "TGV 6601"}, tool_call_id="tc-9"),
+                    ToolCallPart("get_weather", {"city": "Lyon"}, tool_call_id="tc-10"),
+                ],
+                usage=RequestUsage(input_tokens=40, output_tokens=18),
+            )
+        returns = [p for m in messages for p in m.parts if isinstance(p, ToolReturnPart)]
+        said = "; ".join(f"{r.tool_name}: {r.model_response_str()}" for r in returns)
+        return ModelResponse(parts=[TextPart(f"[{responses}] {said}")])
+
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        FunctionModel(respond), output_type=[str, DeferredToolRequests]
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def book_train(train: str) -> str:
+        return f"booked {train}"
+
+    @agent.tool_plain
+    def get_weather(city: str) -> dict[str, Any]:
+        return {"city": city, "temp_c": 21}
+
+    return agent
+
+
+@pytest.mark.parametrize(
+    "decision",
+    [pytest.param(True, id="approved"), pytest.param(ToolDenied("Not that one."), id="denied")],
+)
+async def test_a_run_awaiting_approval_resumes_from_the_store_as_from_memory(
+    backend: Backend, decision: bool | ToolDenied
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    approvals = DeferredToolResults(approvals={"tc-9": decision})
+
+    in_memory: list[list[ModelMessage]] = []
+    agent = approval_agent(in_memory)
+    first = await agent.run("Book the 09:04 to Lyon; weather there?")
+    resumed = await agent.run(message_history=first.all_messages(), deferred_tool_results=approvals)
+    await agent.run("What did I book?", message_history=resumed.all_messages())
+
+    from_store: list[list[ModelMessage]] = []
+    agent = approval_agent(from_store)
+    first = await agent.run("Book the 09:04 to Lyon; weather there?")
+    assert isinstance(first.output, DeferredToolRequests)
+    await log_run(logger, CID, first.new_messages(), turn_id="run-1")
+    assert [c.tool_call_id for c in await store.pending_calls(CID)] == ["tc-9"]
+    assert not any(m.tool_call_id == "tc-9" for m in await store.transcript(CID))
+    history = history_from_messages(await store.transcript(CID))
+    resumed = await agent.run(message_history=history, deferred_tool_results=approvals)
+    await log_run(logger, CID, resumed.new_messages(), turn_id="run-2")
+    assert await store.pending_calls(CID) == []
+    history = history_from_messages(await store.transcript(CID))
+    await agent.run("What did I book?", message_history=history)
+
+    assert len(from_store) == len(in_memory) == 3
+    for seen_from_store, seen_in_memory in zip(from_store, in_memory, strict=True):
+        assert model_view(seen_from_store) == model_view(seen_in_memory)
+    booking = next(p for p in from_store[1][-1].parts if isinstance(p, ToolReturnPart))
+    assert (booking.tool_call_id, booking.outcome) == (
+        ("tc-9", "success") if decision is True else ("tc-9", "denied")
+    )
+
+
+def test_a_call_id_a_provider_reuses_within_a_run_is_renamed_and_the_renaming_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def weather(city: str) -> ToolCallPart:
+        return ToolCallPart("get_weather", {"city": city}, tool_call_id="call_0")
+
+    def returned(temp: int) -> ToolReturnPart:
+        return ToolReturnPart("get_weather", {"temp_c": temp}, tool_call_id="call_0")
+
+    run = [
+        ModelRequest(parts=[UserPromptPart("Paris, then Lyon?")]),
+        ModelResponse(parts=[weather("Paris")]),
+        ModelRequest(parts=[returned(18)]),
+        ModelResponse(parts=[weather("Lyon")]),  # the provider numbers calls per response
+        ModelRequest(parts=[returned(21)]),
+        ModelResponse(parts=[TextPart("18 and 21.")]),
+    ]
+
+    with caplog.at_level("WARNING", logger="agent_store"):
+        stored = messages_from_run(run)
+
+    calls = [(c.id, c.function.arguments) for m in stored for c in m.tool_calls or ()]
+    assert calls == [("call_0", '{"city":"Paris"}'), ("call_0_2", '{"city":"Lyon"}')]
+    answers = [(m.tool_call_id, m.content) for m in stored if m.role == "tool"]
+    assert answers == [("call_0", '{"temp_c":18}'), ("call_0_2", '{"temp_c":21}')]
+    assert "'call_0' is used again within the run; stored as 'call_0_2'" in caplog.text
+
+
+async def test_a_run_reusing_a_call_id_is_logged_whole(backend: Backend) -> None:
+    call = ToolCallPart("get_time", {}, tool_call_id="0")
+    run = [
+        ModelRequest(parts=[UserPromptPart("Time, twice?")]),
+        ModelResponse(parts=[call]),
+        ModelRequest(parts=[ToolReturnPart("get_time", "09:00", tool_call_id="0")]),
+        ModelResponse(parts=[call]),
+        ModelRequest(parts=[ToolReturnPart("get_time", "09:01", tool_call_id="0")]),
+        ModelResponse(parts=[TextPart("09:01.")]),
+    ]
+
+    await log_run(AgentMessageLogger(backend.db), CID, run, turn_id="run-1")
+
+    stored = await ConversationStore(backend.db).transcript(CID)
+    assert len(stored) == 6
+    assert len({c.id for m in stored for c in m.tool_calls or ()}) == 2

@@ -202,3 +202,79 @@ async def test_runtime_context_in_the_prompt_of_a_streamed_turn_is_not_stored(
     stored = await store.transcript(CID)
     assert stored[0].content == "Weather in Paris and Lyon?"
     assert (await store.get_conversation(CID)).name == "Weather in Paris and Lyon?"
+
+
+# -- SSE bodies as the SSE rules read them --------------------------------------------
+
+COMPLETE_BLOCKS = (
+    'event: text_delta\ndata: {"delta": "Booking the 09:04"}\n\n'
+    'event: tool_call\ndata: {"tool_call_id": "call_b1", "tool_name": "book_train"}\n\n'
+)
+
+
+@pytest.mark.parametrize(
+    "cut",
+    [
+        pytest.param('event: text_delta\ndata: {"delta": " TGV n', id="inside-json"),
+        pytest.param('event: text_delta\ndata: {"delta": " TGV now"}\n', id="before-blank-line"),
+        pytest.param(
+            'event: done\ndata: {}\n\nevent: tool_result\ndata: {"tool_ca', id="after-done"
+        ),
+    ],
+)
+async def test_an_sse_body_cut_mid_event_is_stored_with_what_arrived_marked_interrupted(
+    backend: Backend, cut: str
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+
+    turn = turn_from_sse(parse_sse_text(COMPLETE_BLOCKS + cut), received_at=RECEIVED_AT)
+    await log_streamed_turn(
+        logger=logger, store=store, conversation_id=CID, turn=turn, turn_id="t1", prompt="Book"
+    )
+
+    assert turn.interrupted
+    stored = await store.transcript(CID)
+    assert stored[1].content == "Booking the 09:04"  # the unterminated block is not read
+    assert stored[-1].error is not None
+    assert stored[-1].error.message == "stream interrupted"
+
+
+def test_sse_events_replayed_after_a_reconnect_are_read_once() -> None:
+    body = (
+        'id: 1\nevent: text_delta\ndata: {"delta": "Hello"}\n\n'
+        'id: 2\nevent: text_delta\ndata: {"delta": " world"}\n\n'
+        ": reconnected with Last-Event-ID: 1; the server sends 2 again\n"
+        'id: 2\nevent: text_delta\ndata: {"delta": " world"}\n\n'
+        "id: 3\nevent: done\ndata: {}\n\n"
+    )
+    turn = turn_from_sse(parse_sse_text(body))
+
+    assert [m.content for m in turn.messages] == ["Hello world"]
+    assert not turn.interrupted
+
+
+def test_sse_events_given_as_dicts_are_deduplicated_by_their_id() -> None:
+    delta = {"type": "text_delta", "delta": "Hi", "id": "e1"}
+    turn = turn_from_sse([delta, delta, {"type": "done"}])
+    assert [m.content for m in turn.messages] == ["Hi"]
+
+
+def test_the_sse_event_name_decides_the_type_over_a_type_in_the_data() -> None:
+    body = 'event: text_delta\ndata: {"type": "error", "delta": "Hi"}\n\nevent: done\ndata: {}\n\n'
+    turn = turn_from_sse(parse_sse_text(body))
+    assert [(m.content, m.error) for m in turn.messages] == [("Hi", None)]
+
+
+def test_a_second_done_event_keeps_the_first_ones_usage() -> None:
+    usage = {"input_tokens": 310, "output_tokens": 42}
+    turn = turn_from_sse(
+        [
+            {"type": "text_delta", "delta": "Hi"},
+            {"type": "done", "usage": usage},
+            {"type": "done", "latency_ms": 900},
+        ]
+    )
+    answer = turn.messages[-1]
+    assert answer.token_usage is not None
+    assert answer.token_usage.model_dump() == usage
+    assert answer.latency_ms == 900

@@ -15,6 +15,7 @@ from agent_store.store import (
     plan_turn,
     shorten,
     strip_runtime_context,
+    strip_runtime_context_pieces,
 )
 
 
@@ -40,6 +41,42 @@ from agent_store.store import (
 )
 def test_hidden_runtime_context_is_stripped(raw: str, shown: str) -> None:
     assert strip_runtime_context(raw) == shown
+
+
+RC, END = "[RUNTIME CONTEXT]", "[/RUNTIME CONTEXT]"
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        pytest.param(f"{RC}outer {RC}inner S1{END} S2{END}visible", "visible", id="nested-block"),
+        pytest.param(f"{RC}a {RC}b {RC}c{END}{END}{END} Hi", "Hi", id="three-deep"),
+        pytest.param(
+            f"{RC}a{END} kept {RC}b {RC}c{END} S2{END} also kept", "kept  also kept", id="siblings"
+        ),
+        pytest.param(f"Q {RC}outer {RC}inner{END} never closed S", "Q", id="nested-unclosed"),
+        pytest.param(
+            f"S1 of a block whose start was cut off{END}visible", "visible", id="stray-end-hides"
+        ),
+    ],
+)
+def test_hidden_context_is_removed_through_its_matching_end_marker(raw: str, shown: str) -> None:
+    assert strip_runtime_context(raw) == shown
+
+
+@pytest.mark.parametrize(
+    ("pieces", "shown"),
+    [
+        pytest.param(["[RUNTIME CON", f"TEXT]S1{END}", "Hi"], ["", "", "Hi"], id="start-split"),
+        pytest.param([f"{RC}S1[/RUNTIME", " CONTEXT]Hi"], ["", "Hi"], id="end-split"),
+        pytest.param([f"{RC}S1", f"S2{END}Hi", "there"], ["", "Hi", "there"], id="block-spans"),
+        pytest.param([" Hi ", "there"], [" Hi ", "there"], id="untouched"),
+    ],
+)
+def test_pieces_are_stripped_as_one_text_whatever_the_cut(
+    pieces: list[str], shown: list[str]
+) -> None:
+    assert strip_runtime_context_pieces(pieces) == shown
 
 
 def test_runtime_context_markers_are_configurable() -> None:

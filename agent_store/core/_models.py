@@ -310,6 +310,24 @@ class PendingHitl(_Model):
     created_at: UtcDatetime
 
 
+class PendingCall(_Model):
+    """A tool call left without an answer, awaiting one from a later turn (extension).
+
+    Its turn ended with the call open: it awaits a person's approval or
+    confirmation, or a result computed elsewhere. The `tool` message a later
+    turn logs for it is its answer, and it is then no longer pending.
+    """
+
+    tool_call_id: str
+    tool_name: str
+    message_id: str
+    """The assistant message that made the call."""
+    request_id: str | None = None
+    """The HITL prompt that holds the call back: the first one its turn raised after it."""
+    created_at: UtcDatetime
+    """When the call was made."""
+
+
 class Usage(_Model):
     """Token usage summed over a conversation (extension); each sum stops at 2**53 - 1."""
 
@@ -358,6 +376,8 @@ class Conversation(_Model):
     message_count: Count = 0
     """The next free `seq` (extension)."""
     pending_hitl: PendingHitl | None = None
+    pending_calls: list[PendingCall] = Field(default_factory=list)
+    """Tool calls awaiting an answer from a later turn, oldest first (extension)."""
     usage: Usage = Field(default_factory=Usage)
     forked_from: ForkOrigin | None = None
     """The conversation and `seq` this one was forked from (extension); null if it was not."""

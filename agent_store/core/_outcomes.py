@@ -27,6 +27,8 @@ STREAM_INTERRUPTED = "stream interrupted"
 
 INTERRUPTED_RESULT = "No result: the run ended before this tool call returned."
 DENIED_RESULT = "The user denied this tool call."
+PENDING_RESULT = "No result yet: this tool call awaits approval or its result."
+"""What an export answers a pending call with, in the replay it produces; never stored."""
 
 _OUTCOME_MARKER = re.compile(r"^tool call (failed|denied|interrupted|retried)(?:: ([A-Za-z_]+))?$")
 _FEEDBACK_MARKER = re.compile(r"^retry feedback(?:: ([A-Za-z_]+))?$")
@@ -45,6 +47,15 @@ def tool_outcome(message: ToolMessage) -> tuple[ToolOutcome, str | None] | None:
     if match is None:
         return ("failed", None)  # an error written by someone else is still a failure
     return _BY_NAME[match.group(1)], match.group(2)
+
+
+def is_stand_in(message: ToolMessage) -> bool:
+    """Whether a tool message only stands in for a result that never came (`interrupted`).
+
+    A real result stored for the same call, however late, wins over it in every replay.
+    """
+    marked = tool_outcome(message)
+    return marked is not None and marked[0] == "interrupted"
 
 
 def feedback_error(cause: str | None = None) -> MessageError:

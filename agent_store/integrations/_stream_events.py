@@ -29,14 +29,19 @@ class _Event(BaseModel):
 # -- the runtime's SSE events ---------------------------------------------------------
 
 
-class TextDelta(_Event):
+class _SseEvent(_Event):
+    id: Annotated[str, Field(max_length=200)] | None = None
+    """The SSE event id (`id:` line): an event whose id was read before is a replay, read once."""
+
+
+class TextDelta(_SseEvent):
     """A piece of the assistant's text."""
 
     type: Literal["text_delta"] = "text_delta"
     delta: str
 
 
-class ToolCallEvent(_Event):
+class ToolCallEvent(_SseEvent):
     """The model called a tool."""
 
     type: Literal["tool_call"] = "tool_call"
@@ -45,7 +50,7 @@ class ToolCallEvent(_Event):
     args: dict[str, Any] | str = Field(default_factory=dict)
 
 
-class ToolResultEvent(_Event):
+class ToolResultEvent(_SseEvent):
     """A tool returned; may arrive after `done`."""
 
     type: Literal["tool_result"] = "tool_result"
@@ -56,7 +61,7 @@ class ToolResultEvent(_Event):
     """The tool failed and `result` is its error."""
 
 
-class HitlEvent(_Event):
+class HitlEvent(_SseEvent):
     """The assistant asks a person to act before it goes on."""
 
     type: Literal["hitl"] = "hitl"
@@ -64,16 +69,18 @@ class HitlEvent(_Event):
     params: dict[str, Any] = Field(default_factory=dict)
     request_id: CallId
     prompt: str | None = None
+    tool_call_id: CallId | None = None
+    """The tool call the prompt holds back, if any: it stays pending until answered."""
 
 
-class ErrorEvent(_Event):
+class ErrorEvent(_SseEvent):
     """The run failed; in both protocols."""
 
     type: Literal["error"] = "error"
     message: str
 
 
-class DoneEvent(_Event):
+class DoneEvent(_SseEvent):
     """The run ended normally. Tool results may still follow."""
 
     type: Literal["done"] = "done"
@@ -164,34 +171,61 @@ def parse_metadata_events(raw: list[Any]) -> list[MetadataEvent]:
     return _validated(metadata_events_adapter, raw, "metadata stream")
 
 
-def parse_sse_text(text: str) -> list[SseEvent]:
-    """The events of a recorded SSE body: blocks of `event:` and `data:` lines.
+class SseEvents(list[SseEvent]):
+    """The events of an SSE body, and whether the body was cut off inside an event."""
 
-    A block's `event:` is its type; a block without one must carry `type` in
-    its data. Comments (`:`) and other fields (`id:`, `retry:`) are ignored.
+    def __init__(self, events: list[SseEvent], *, cut_off: bool = False) -> None:
+        super().__init__(events)
+        self.cut_off = cut_off
+        """The body ended inside an event: that event was not read and the turn is interrupted."""
+
+
+def parse_sse_text(text: str) -> SseEvents:
+    """The events of a recorded SSE body, read as the SSE rules read a stream.
+
+    A block ends at a blank line; a last block with no blank line after it
+    was cut off and is not read (`SseEvents.cut_off` says so). A block's
+    `event:` name is its type, whatever `type` its data holds; a block
+    without one must carry `type` in its data. Its `id:` becomes the event's
+    `id`, so that a block sent again after a reconnect is read once. Comments
+    (`:`) and `retry:` lines are ignored.
     """
-    raw: list[Any] = []
-    for number, block in enumerate(text.replace("\r\n", "\n").split("\n\n"), start=1):
-        name, data = None, []
-        for line in block.split("\n"):
-            field, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if field == "event":
-                name = value
-            elif field == "data":
-                data.append(value)
-        if not data and name is None:
+    blocks = text.replace("\r\n", "\n").replace("\r", "\n").split("\n\n")
+    unterminated = _fields(blocks.pop())  # what follows the last blank line
+    raw = [
+        _event_dict(number, fields)
+        for number, block in enumerate(blocks, start=1)
+        if (fields := _fields(block))
+    ]
+    return SseEvents(parse_sse_events(raw), cut_off=bool(unterminated))
+
+
+def _fields(block: str) -> list[tuple[str, str]]:
+    """A block's `(field, value)` lines, or none if it holds no `event:` nor `data:`."""
+    fields = []
+    for line in block.split("\n"):
+        if not line or line.startswith(":"):
             continue
-        try:
-            payload = json.loads("\n".join(data)) if data else {}
-        except ValueError as exc:
-            raise InvalidInput(
-                f"invalid SSE stream: event {number} has data that is not JSON"
-            ) from exc
-        if not isinstance(payload, dict):
-            raise InvalidInput(f"invalid SSE stream: event {number} has data that is not an object")
-        raw.append({"type": name, **payload} if name is not None else payload)
-    return parse_sse_events(raw)
+        field, _, value = line.partition(":")
+        fields.append((field, value[1:] if value.startswith(" ") else value))
+    return fields if any(field in ("event", "data") for field, _ in fields) else []
+
+
+def _event_dict(number: int, fields: list[tuple[str, str]]) -> dict[str, Any]:
+    names = [value for field, value in fields if field == "event"]
+    ids = [value for field, value in fields if field == "id"]
+    data = [value for field, value in fields if field == "data"]
+    try:
+        payload = json.loads("\n".join(data)) if data else {}
+    except ValueError as exc:
+        raise InvalidInput(f"invalid SSE stream: event {number} has data that is not JSON") from exc
+    if not isinstance(payload, dict):
+        raise InvalidInput(f"invalid SSE stream: event {number} has data that is not an object")
+    if names:
+        payload["type"] = names[-1]  # the event name is the type, whatever the data says
+    if ids:
+        payload["id"] = ids[-1]
+    return payload
 
 
 def _validated(adapter: TypeAdapter[list[Any]], raw: list[Any], subject: str) -> list[Any]:

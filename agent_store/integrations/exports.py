@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from agent_store.core import (
-    INTERRUPTED_RESULT,
+    PENDING_RESULT,
     AgentMessage,
     AssistantMessage,
     InvalidInput,
@@ -25,6 +25,7 @@ from agent_store.core import (
     describe_validation_error,
     messages_adapter,
 )
+from agent_store.integrations._pairing import CallKey, answers_to_calls, unique_call_id
 from agent_store.store import (
     DEFAULT_MARKERS,
     ConversationExport,
@@ -34,7 +35,8 @@ from agent_store.store import (
 )
 
 Dangling = Literal["synthesize", "drop"]
-"""For a call no stored result answers: a marked stand-in answers it, or it is dropped."""
+"""For a call no stored result answers (a pending call): `PENDING_RESULT` answers it in the
+export, or the call is dropped from it."""
 
 
 _ALLOWED_KEYS = {
@@ -55,26 +57,6 @@ def _validated(messages: Sequence[AgentMessage | Mapping[str, Any]]) -> list[Age
         raise InvalidInput(describe_validation_error(exc, subject="conversation")) from exc
 
 
-def _answers(messages: Sequence[AgentMessage]) -> dict[tuple[int, str], ToolMessage]:
-    """Each tool message paired with the latest earlier call of its id that is still unanswered.
-
-    A tool message answering no such call (none made, or answered already) pairs with nothing.
-    """
-    latest_call: dict[str, int] = {}
-    answers: dict[tuple[int, str], ToolMessage] = {}
-    for index, message in enumerate(messages):
-        if isinstance(message, AssistantMessage):
-            for call in message.tool_calls or ():
-                latest_call[call.id] = index
-        elif isinstance(message, ToolMessage):
-            assert message.tool_call_id is not None
-            made_at = latest_call.get(message.tool_call_id)
-            key = (made_at if made_at is not None else -1, message.tool_call_id)
-            if made_at is not None and key not in answers:
-                answers[key] = message
-    return answers
-
-
 def chat_completions(
     messages: Sequence[AgentMessage | Mapping[str, Any]],
     *,
@@ -85,19 +67,21 @@ def chat_completions(
 
     Only `role`, `content`, `tool_calls` and `tool_call_id` are kept. Each
     call's result follows the assistant message that makes it (results stored
-    later are moved up); a result that answers no call is left out; a call
-    with no result gets `INTERRUPTED_RESULT` or, with `dangling="drop"`, is
-    removed. A call id used again later in the conversation is renamed
-    `<id>_<n>` so ids stay unique. Assistant messages the model never said —
-    an `error` or a HITL action with no text — are left out, and a user
-    message with only an upload becomes a short note naming the file. Hidden
-    runtime context (between `markers`) is removed from user text, as the
-    logger does, should the messages not come from the store.
+    later are moved up, and a real result stored later wins over an
+    `interrupted` stand-in); a result that answers no call is left out; a call
+    with no stored result — a pending call — gets `PENDING_RESULT` in the
+    export only or, with `dangling="drop"`, is removed. A call id used again
+    later in the conversation is renamed `<id>_<n>` so ids stay unique.
+    Assistant messages the model never said — an `error` or a HITL action
+    with no text, or no text once its calls were dropped — are left out, and
+    a user message with only an upload becomes a short note naming the file.
+    Hidden runtime context (between `markers`) is removed from user text, as
+    the logger does, should the messages not come from the store.
     """
     if dangling not in ("synthesize", "drop"):
         raise InvalidInput(f"invalid dangling {dangling!r}: use 'synthesize' or 'drop'")
     stored = _validated(messages)
-    answers = _answers(stored)
+    answers = answers_to_calls(stored)
     used_ids: set[str] = set()
     exported: list[dict[str, Any]] = []
     for index, message in enumerate(stored):
@@ -121,7 +105,7 @@ def _exported_prompt(message: AgentMessage, markers: RuntimeContextMarkers) -> l
 def _exported_response(
     index: int,
     message: AssistantMessage,
-    answers: dict[tuple[int, str], ToolMessage],
+    answers: dict[CallKey, ToolMessage],
     used_ids: set[str],
     dangling: Dangling,
 ) -> list[dict[str, Any]]:
@@ -132,24 +116,15 @@ def _exported_response(
         answer = answers.get((index, call.id))
         if answer is None and dangling == "drop":
             continue
-        call_id = _unique(call.id, used_ids)
+        call_id = unique_call_id(call.id, used_ids)
         function = {"name": call.function.name, "arguments": call.function.arguments}
         calls.append({"id": call_id, "type": "function", "function": function})
-        content = INTERRUPTED_RESULT if answer is None else (answer.content or "")
+        content = PENDING_RESULT if answer is None else (answer.content or "")
         results.append({"role": "tool", "tool_call_id": call_id, "content": content})
-    if message.content is None and not calls:
-        return []
+    if not message.content and not calls:
+        return []  # nothing the model said is left
     response = {"role": "assistant", "content": message.content}
     return [response | ({"tool_calls": calls} if calls else {}), *results]
-
-
-def _unique(call_id: str, used: set[str]) -> str:
-    candidate, n = call_id, 1
-    while candidate in used:
-        n += 1
-        candidate = f"{call_id}_{n}"
-    used.add(candidate)
-    return candidate
 
 
 def responses_items(

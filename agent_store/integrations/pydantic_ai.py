@@ -19,17 +19,23 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
 - retry feedback that answers no call (an output retry): a `user` message
   marked `error: {message: "retry feedback: <cause>"}`, because the model
   receives it in the user's voice; it is never shown as a person's words.
+- a call the run left unanswered (a tool that requires approval, or a
+  deferred call: the run ended with `DeferredToolRequests`): stored without
+  an answer, so the conversation lists it as pending; the next run's return
+  for it (`deferred_tool_results`) is stored as its answer.
 - thinking: not stored. It is the model's private reasoning, not part of the
   conversation; providers drop or re-sign it across turns, and storing it as
   content would replay it as if the model had said it.
 - framework bookkeeping parts (instruction and capability deltas,
   compaction) and provider-native tool parts (a provider's own web search,
-  say) are not stored; a non-text user prompt item is kept as a `[kind]` note.
+  say) are not stored; a non-text user prompt item is kept as a `[kind]` note,
+  and a file the model produced as a `[file <media type>]` note in its text.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -59,11 +65,21 @@ from agent_store.core import (
     feedback_error,
     outcome_error,
     tool_outcome,
-    utc_now,
 )
-from agent_store.store import AgentMessageLogger, LoggedTurn, parse_messages
+from agent_store.integrations._pairing import CallKey, answers_to_calls, unique_call_id
+from agent_store.store import (
+    DEFAULT_MARKERS,
+    AgentMessageLogger,
+    LoggedTurn,
+    RuntimeContextMarkers,
+    parse_messages,
+    strip_runtime_context,
+    strip_runtime_context_pieces,
+)
 
 __all__ = ["history_from_messages", "log_run", "messages_from_run"]
+
+_log = logging.getLogger("agent_store.integrations.pydantic_ai")
 
 _TOOL_RETRY_CAUSES: dict[str, pai.ToolRetryCause] = {
     cause: cause
@@ -77,25 +93,64 @@ _FEEDBACK_CAUSES: dict[str, pai.RetryFeedbackCause] = {
 # -- a run into stored messages -------------------------------------------------------
 
 
-def messages_from_run(messages: Sequence[pai.ModelMessage]) -> list[AgentMessage]:
-    """The stored messages of an agent run's messages (`result.new_messages()`), in order."""
+def messages_from_run(
+    messages: Sequence[pai.ModelMessage], *, markers: RuntimeContextMarkers = DEFAULT_MARKERS
+) -> list[AgentMessage]:
+    """The stored messages of an agent run's messages (`result.new_messages()`), in order.
+
+    Hidden runtime context (between `markers`) is removed from each user
+    prompt, its text items read as one text, so a block or a marker cut
+    across items is removed too. A call id the provider used again within
+    the run is renamed `<id>_<n>` (with its result), and a warning logged.
+    """
     stored: list[AgentMessage] = []
     sent_at: datetime | None = None
     for message in messages:
         if isinstance(message, pai.ModelRequest):
             sent_at = message.timestamp
             for part in message.parts:
-                stored.extend(_from_request_part(part))
+                stored.extend(_from_request_part(part, markers))
         else:
             stored.append(_from_response(message, sent_at))
-    return stored
+    return _with_unique_call_ids(stored)
 
 
-def _from_request_part(part: Any) -> list[AgentMessage]:
+def _with_unique_call_ids(messages: list[AgentMessage]) -> list[AgentMessage]:
+    """Rename a call id used again within the run `<id>_<n>`, as the exports do, and log it.
+
+    Some providers number calls per response, so one run can hold `call_0`
+    twice. A result answers the oldest call of its id not answered yet, which
+    is the order Pydantic AI returns them in.
+    """
+    used: set[str] = set()
+    unanswered: dict[str, list[str]] = {}
+    renamed: list[AgentMessage] = []
+    for message in messages:
+        if message.tool_calls:
+            calls = [
+                c.model_copy(update={"id": unique_call_id(c.id, used)}) for c in message.tool_calls
+            ]
+            for original, call in zip(message.tool_calls, calls, strict=True):
+                unanswered.setdefault(original.id, []).append(call.id)
+                if call.id != original.id:
+                    _log.warning(
+                        "tool call id %r is used again within the run; stored as %r",
+                        original.id,
+                        call.id,
+                    )
+            message = message.model_copy(update={"tool_calls": calls})
+        elif message.tool_call_id and unanswered.get(message.tool_call_id):
+            answered = unanswered[message.tool_call_id].pop(0)
+            message = message.model_copy(update={"tool_call_id": answered})
+        renamed.append(message)
+    return renamed
+
+
+def _from_request_part(part: Any, markers: RuntimeContextMarkers) -> list[AgentMessage]:
     if isinstance(part, pai.SystemPromptPart):
         return [SystemMessage(content=part.content, created_at=part.timestamp)]
     if isinstance(part, pai.UserPromptPart):
-        return [UserMessage(content=_user_text(part.content), created_at=part.timestamp)]
+        return [UserMessage(content=_user_text(part.content, markers), created_at=part.timestamp)]
     if isinstance(part, pai.ToolReturnPart):
         outcome = part.outcome if part.outcome != "success" else None
         cause = part.retry.cause if part.retry is not None else None
@@ -137,7 +192,11 @@ def _from_request_part(part: Any) -> list[AgentMessage]:
 
 
 def _from_response(response: pai.ModelResponse, sent_at: datetime | None) -> AssistantMessage:
-    texts = [p.content for p in response.parts if isinstance(p, pai.TextPart)]
+    texts = [
+        p.content if isinstance(p, pai.TextPart) else f"[file {p.content.media_type}]"
+        for p in response.parts
+        if isinstance(p, pai.TextPart | pai.FilePart)
+    ]
     calls = [
         ToolCall(
             id=p.tool_call_id,
@@ -161,13 +220,16 @@ def _from_response(response: pai.ModelResponse, sent_at: datetime | None) -> Ass
     )
 
 
-def _user_text(content: str | Sequence[Any]) -> str:
+def _user_text(content: str | Sequence[Any], markers: RuntimeContextMarkers) -> str:
+    """A user prompt as stored text: non-text items as `[kind]` notes, hidden context removed."""
     if isinstance(content, str):
-        return content
-    return "\n".join(
-        item if isinstance(item, str) else f"[{getattr(item, 'kind', type(item).__name__)}]"
+        return strip_runtime_context(content, markers)
+    texts = iter(strip_runtime_context_pieces([i for i in content if isinstance(i, str)], markers))
+    items = [
+        next(texts) if isinstance(item, str) else f"[{getattr(item, 'kind', type(item).__name__)}]"
         for item in content
-    )
+    ]
+    return "\n".join(item for item in items if item)
 
 
 def _retry_text(content: str | Sequence[Any]) -> str:
@@ -191,49 +253,64 @@ def history_from_messages(
 
     Messages the model never produced or received are left out: an assistant
     message carrying only an `error` or a HITL action (the runtime's, not the
-    model's). A tool message answering no earlier call is left out, and a call
-    left unanswered gets an `interrupted` return, so the history always replays.
+    model's). Each call is answered right after its response by the result
+    stored for it, wherever it was stored (a real result wins over an
+    `interrupted` stand-in); a tool message answering no earlier call is left
+    out. A call with no stored result gets an `interrupted` return when the
+    conversation went on after it; when nothing followed, it is left open, as
+    Pydantic AI leaves a call awaiting approval, so that a run given
+    `deferred_tool_results` resumes it from this history alone.
     """
     messages = parse_messages(stored) if stored else []
+    answers = answers_to_calls(messages)
     history: list[pai.ModelMessage] = []
     parts: list[Any] = []
-    tool_names: dict[str, str] = {}
-    unanswered: list[str] = []
+    answering: list[tuple[int, AssistantMessage]] = []
+    """The last response, whose calls the next request answers."""
 
-    def flush_request() -> None:
-        now = parts[0].timestamp if parts else utc_now()
-        answers = [_interrupted_return(tool_names[i], i, now) for i in unanswered]
-        unanswered.clear()
-        request_parts = answers + parts
-        # Tool returns must come first: a provider sends them right after the calls.
-        request_parts.sort(key=lambda p: not isinstance(p, pai.ToolReturnPart))
-        if request_parts:
-            history.append(pai.ModelRequest(parts=request_parts, timestamp=now))
+    def flush_request(*, at_end: bool = False) -> None:
+        returns = _returns(answering, answers, leave_open=at_end and not parts)
+        request_parts = [*returns, *parts]
+        answering.clear()
         parts.clear()
+        if request_parts:
+            history.append(
+                pai.ModelRequest(parts=request_parts, timestamp=request_parts[0].timestamp)
+            )
 
-    for message in messages:
+    for index, message in enumerate(messages):
         if isinstance(message, AssistantMessage):
             response = _to_response(message)
             if response is None:
                 continue
             flush_request()
             history.append(response)
-            for call in message.tool_calls or ():
-                tool_names[call.id] = call.function.name
-                unanswered.append(call.id)
-        elif isinstance(message, ToolMessage):
-            assert message.tool_call_id is not None
-            if message.tool_call_id not in unanswered:
-                continue
-            unanswered.remove(message.tool_call_id)
-            parts.append(_to_tool_return(message, tool_names[message.tool_call_id]))
+            answering.append((index, message))
         elif isinstance(message, SystemMessage):
             parts.append(pai.SystemPromptPart(message.content or "", timestamp=message.created_at))
-        else:
+        elif isinstance(message, UserMessage):
             parts.append(_to_user_part(message))
-    if parts or unanswered:
-        flush_request()
+        # A tool message is placed with the call it answers, by `_returns`.
+    flush_request(at_end=True)
     return history
+
+
+def _returns(
+    responses: Sequence[tuple[int, AssistantMessage]],
+    answers: Mapping[CallKey, ToolMessage],
+    *,
+    leave_open: bool,
+) -> list[pai.ToolReturnPart]:
+    """The returns of a response's calls, in call order; unanswered ones as `interrupted`."""
+    returns = []
+    for index, message in responses:
+        for call in message.tool_calls or ():
+            answer = answers.get((index, call.id))
+            if answer is not None:
+                returns.append(_to_tool_return(answer, call.function.name))
+            elif not leave_open:
+                returns.append(_interrupted_return(call.function.name, call.id, message.created_at))
+    return returns
 
 
 def _to_response(message: AssistantMessage) -> pai.ModelResponse | None:
@@ -325,12 +402,12 @@ async def log_run(
 ) -> LoggedTurn:
     """Store an agent run's new messages as one turn (idempotent by `turn_id`).
 
-    The logger strips hidden runtime context from user text by its rules'
+    Hidden runtime context is stripped from user text by the logger's rules'
     markers, so only what the user saw is stored.
     """
     return await logger.log_messages(
         conversation_id,
-        messages_from_run(messages),
+        messages_from_run(messages, markers=logger.rules.markers),
         user_id=user_id,
         turn_id=turn_id,
         name=name,

@@ -10,9 +10,13 @@ whatever order events arrive in:
 - every tool result is placed right after the message that made its call,
   in call order, even when it arrives after the run ended;
 - a HITL prompt or an error is an assistant message of its own;
-- a call left without a result gets a synthetic one, marked in `error` as
-  `tool call interrupted` (or `tool call denied` when its confirmation was
-  refused), so no stored turn can break a replay;
+- a call a HITL prompt holds back (it names the call) and that got no
+  result stays pending: no `tool` message, so the conversation's
+  `pending_calls` lists it until a later turn answers it — with its result,
+  or `tool call denied` when its confirmation is refused, in any later
+  turn built with `pending=`;
+- any other call left without a result gets a synthetic one, marked in
+  `error` as `tool call interrupted`, so no stored turn breaks a replay;
 - a stream cut off before its end keeps what arrived and ends with an
   assistant message `error: {message: "stream interrupted"}`.
 """
@@ -20,11 +24,14 @@ whatever order events arrive in:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
+
+from pydantic import BaseModel
 
 from agent_store.core import (
     AgentMessage,
@@ -34,6 +41,7 @@ from agent_store.core import (
     HitlAction,
     InvalidInput,
     MessageError,
+    PendingCall,
     TokenUsage,
     ToolCall,
     ToolMessage,
@@ -52,6 +60,7 @@ from agent_store.integrations._stream_events import (
     HitlEvent,
     MetadataEvent,
     SseEvent,
+    SseEvents,
     StreamToken,
     TextDelta,
     ToolCallEvent,
@@ -72,6 +81,7 @@ __all__ = [
     "HitlEvent",
     "MetadataEvent",
     "SseEvent",
+    "SseEvents",
     "StreamToken",
     "StreamedTurn",
     "TextDelta",
@@ -88,7 +98,12 @@ __all__ = [
     "turn_from_metadata",
     "turn_from_sse",
 ]
-from agent_store.store import AgentMessageLogger, ConversationStore, LoggedTurn
+from agent_store.store import (
+    AgentMessageLogger,
+    ConversationStore,
+    LoggedTurn,
+    validate_identifier,
+)
 
 
 @dataclass(frozen=True)
@@ -115,16 +130,28 @@ class _Block:
 
 
 class TurnAssembler:
-    """Collects a turn's events in arrival order; `finish` gives the messages in replay order."""
+    """Collects a turn's events in arrival order; `finish` gives the messages in replay order.
 
-    def __init__(self, *, received_at: datetime | None = None) -> None:
+    `pending` are the calls earlier turns left open (`ConversationStore.pending_calls`):
+    a result or a refused confirmation may answer them in this turn.
+    """
+
+    def __init__(
+        self, *, received_at: datetime | None = None, pending: Sequence[PendingCall] = ()
+    ) -> None:
         self._now = received_at or utc_now()
         self._blocks: list[_Block] = []
         self._open: _Block | None = None
         self._block_of_call: dict[str, _Block] = {}
+        self._earlier = {call.tool_call_id: call for call in pending}
+        self._earlier_answers: dict[str, ToolMessage] = {}
         self._denied: set[str] = set()
         self._resolved: list[str] = []
-        self._confirmed_call: dict[str, str] = {}
+        self._held_by: dict[str, list[str]] = {}
+        """The calls each confirmation request holds back, of this turn or an earlier one."""
+        for call in pending:
+            if call.request_id is not None:
+                self._held_by.setdefault(call.request_id, []).append(call.tool_call_id)
 
     def text(self, delta: str, at: datetime | None = None) -> None:
         """A piece of the assistant's text."""
@@ -134,7 +161,7 @@ class TurnAssembler:
         self, tool_call_id: str, tool_name: str, args: Any, at: datetime | None = None
     ) -> None:
         """The model called a tool."""
-        if tool_call_id in self._block_of_call:
+        if tool_call_id in self._block_of_call or tool_call_id in self._earlier:
             raise InvalidInput(f"invalid stream: tool call id {tool_call_id!r} is used twice")
         block = self._accepting(at)
         block.calls.append(
@@ -150,25 +177,29 @@ class TurnAssembler:
         *,
         outcome: ToolOutcome | None = None,
     ) -> None:
-        """A tool returned (or failed, with `outcome`); placed after the message that called it."""
+        """A tool returned (or failed, with `outcome`); placed after the message that called it.
+
+        The result of a call an earlier turn left pending opens the turn.
+        """
         block = self._block_of_call.get(tool_call_id)
-        if block is None:
+        if block is None and tool_call_id not in self._earlier:
             raise InvalidInput(
                 f"invalid stream: a tool result answers {tool_call_id!r}, which no call made"
             )
-        if tool_call_id in block.results:
+        results = block.results if block is not None else self._earlier_answers
+        if tool_call_id in results:
             raise InvalidInput(f"invalid stream: tool call {tool_call_id!r} has two results")
-        block.results[tool_call_id] = ToolMessage(
+        results[tool_call_id] = ToolMessage(
             tool_call_id=tool_call_id,
             content=content if isinstance(content, str) else _json(content),
             error=outcome_error(outcome) if outcome else None,
             created_at=at or self._now,
         )
-        if block is self._open:
+        if block is not None and block is self._open:
             self._open = None  # what the model says next, it says after seeing the result
 
     def hitl(self, prompt: HitlEvent | ConfirmRequired) -> None:
-        """A HITL prompt; a confirmation request may name the tool call it holds back."""
+        """A HITL prompt; it may name the tool call it holds back, which then stays pending."""
         action = HitlAction(
             action=prompt.action, params=prompt.params, request_id=prompt.request_id
         )
@@ -177,15 +208,18 @@ class TurnAssembler:
                 content=prompt.prompt, hitl_action=action, created_at=prompt.at or self._now
             )
         )
-        if isinstance(prompt, ConfirmRequired) and prompt.tool_call_id is not None:
-            self._confirmed_call[prompt.request_id] = prompt.tool_call_id
+        if prompt.tool_call_id is not None:
+            self._held_by.setdefault(prompt.request_id, []).append(prompt.tool_call_id)
 
     def resolve(self, request_id: str, *, approved: bool) -> None:
-        """A person answered a confirmation request of this turn or an earlier one."""
+        """A person answered a confirmation request of this turn or an earlier one.
+
+        A refusal answers the calls the request held back as denied, unless
+        their result arrived anyway; an approval leaves them awaiting their result.
+        """
         self._resolved.append(request_id)
-        call_id = self._confirmed_call.get(request_id)
-        if not approved and call_id is not None:
-            self._denied.add(call_id)
+        if not approved:
+            self._denied.update(self._held_by.get(request_id, ()))
 
     def error(self, message: str, at: datetime | None = None) -> None:
         """The run failed: an assistant message carrying the error."""
@@ -200,8 +234,13 @@ class TurnAssembler:
         usage: TokenUsage | None = None,
         latency_ms: int | None = None,
     ) -> StreamedTurn:
-        """The turn's messages; `complete` is False for a stream cut off before its end."""
-        messages: list[AgentMessage] = []
+        """The turn's messages; `complete` is False for a stream cut off before its end.
+
+        A call without a result is answered as denied when its confirmation
+        was refused, left open (pending) while a confirmation holds it back,
+        and otherwise answered by an `interrupted` stand-in.
+        """
+        messages: list[AgentMessage] = self._earlier_answered()
         for block in self._blocks:
             if block.message is not None:
                 messages.append(block.message)
@@ -213,12 +252,7 @@ class TurnAssembler:
                     created_at=block.created_at,
                 )
             )
-            for call in block.calls:
-                answer = block.results.get(call.id)
-                if answer is None:
-                    outcome: ToolOutcome = "denied" if call.id in self._denied else "interrupted"
-                    answer = stand_in_result(call.id, block.created_at, outcome)
-                messages.append(answer)
+            messages += [a for c in block.calls if (a := self._answer(block, c.id)) is not None]
         if not complete:
             messages.append(interruption_notice(self._now))
         if usage is not None or latency_ms is not None:
@@ -231,6 +265,25 @@ class TurnAssembler:
             interrupted=not complete,
             resolved_request_ids=tuple(dict.fromkeys(self._resolved)),
         )
+
+    def _answer(self, block: _Block, call_id: str) -> ToolMessage | None:
+        if call_id in block.results:
+            return block.results[call_id]
+        if call_id in self._denied:
+            return stand_in_result(call_id, block.created_at, "denied")
+        if any(call_id in held for held in self._held_by.values()):
+            return None  # awaits its confirmation, or its result once confirmed: pending
+        return stand_in_result(call_id, block.created_at, "interrupted")
+
+    def _earlier_answered(self) -> list[AgentMessage]:
+        """Answers to calls of earlier turns, in the order those calls were made."""
+        answers: list[AgentMessage] = []
+        for call_id in self._earlier:
+            if call_id in self._earlier_answers:
+                answers.append(self._earlier_answers[call_id])
+            elif call_id in self._denied:
+                answers.append(stand_in_result(call_id, self._now, "denied"))
+        return answers
 
     def _accepting(self, at: datetime | None) -> _Block:
         if self._open is None:
@@ -247,14 +300,25 @@ def _json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
-def turn_from_sse(events: Iterable[Any], *, received_at: datetime | None = None) -> StreamedTurn:
+def turn_from_sse(
+    events: Iterable[Any],
+    *,
+    received_at: datetime | None = None,
+    pending: Sequence[PendingCall] = (),
+) -> StreamedTurn:
     """The turn of a runtime SSE stream; it is complete when a `done` event arrived.
 
-    Events are models or dicts with `type` (see `parse_sse_text` for a raw body).
+    Events are models or dicts with `type` (see `parse_sse_text` for a raw
+    body; a body it read as cut off makes the turn interrupted, `done` or
+    not). An event whose `id` was read before is a replay and is skipped.
+    Usage and latency are the first `done`'s; a later `done` fills in only
+    what the first did not say. `pending` are the calls earlier turns left
+    open (`ConversationStore.pending_calls`), which this stream may answer.
     """
-    assembler = TurnAssembler(received_at=received_at)
-    done: DoneEvent | None = None
-    for event in parse_sse_events(list(events)):
+    assembler = TurnAssembler(received_at=received_at, pending=pending)
+    cut_off = isinstance(events, SseEvents) and events.cut_off
+    done: list[DoneEvent] = []
+    for event in _first_of_each_id(parse_sse_events(list(events))):
         if isinstance(event, TextDelta):
             assembler.text(event.delta, event.at)
         elif isinstance(event, ToolCallEvent):
@@ -267,12 +331,22 @@ def turn_from_sse(events: Iterable[Any], *, received_at: datetime | None = None)
         elif isinstance(event, ErrorEvent):
             assembler.error(event.message, event.at)
         else:
-            done = event
+            done.append(event)
     return assembler.finish(
-        complete=done is not None,
-        usage=done.usage if done else None,
-        latency_ms=done.latency_ms if done else None,
+        complete=bool(done) and not cut_off,
+        usage=next((d.usage for d in done if d.usage is not None), None),
+        latency_ms=next((d.latency_ms for d in done if d.latency_ms is not None), None),
     )
+
+
+def _first_of_each_id(events: list[SseEvent]) -> Iterator[SseEvent]:
+    seen: set[str] = set()
+    for event in events:
+        if event.id is not None:
+            if event.id in seen:
+                continue
+            seen.add(event.id)
+        yield event
 
 
 def turn_from_metadata(
@@ -282,26 +356,31 @@ def turn_from_metadata(
     received_at: datetime | None = None,
     usage: TokenUsage | None = None,
     latency_ms: int | None = None,
+    pending: Sequence[PendingCall] = (),
 ) -> StreamedTurn:
     """The turn of a streaming-metadata stream.
 
     The protocol has no end event, so the caller says whether the stream
-    closed normally (`complete`). A tool event without `tool_call_id` is given
-    `<tool_name>-<n>` and ends the oldest open call of that tool.
+    closed normally (`complete`). `pending` are the calls earlier turns left
+    open (`ConversationStore.pending_calls`), which this stream may answer or
+    deny. A `tool_start` without `tool_call_id` is given
+    `<tool_name>-<digest>-<n>`, the digest taken from the stream and
+    `received_at`, so generated ids never repeat within a conversation; a
+    `tool_end` or `tool_error` without one ends the oldest open call of that
+    tool in this turn, else the oldest pending call of that tool.
     """
-    assembler = TurnAssembler(received_at=received_at)
-    open_calls: dict[str, list[str]] = {}
-    started = 0
-    for event in parse_metadata_events(list(events)):
+    received_at = received_at or utc_now()
+    parsed = parse_metadata_events(list(events))
+    assembler = TurnAssembler(received_at=received_at, pending=pending)
+    calls = _OpenCalls(pending, stamp=_stream_digest(received_at, parsed))
+    for event in parsed:
         if isinstance(event, StreamToken):
             assembler.text(event.token, event.at)
         elif isinstance(event, ToolStart):
-            started += 1
-            call_id = event.tool_call_id or f"{event.tool_name}-{started}"
-            open_calls.setdefault(event.tool_name, []).append(call_id)
+            call_id = calls.started(event.tool_name, event.tool_call_id)
             assembler.call(call_id, event.tool_name, event.args, event.at)
         elif isinstance(event, ToolEnd | ToolError):
-            call_id = _ended_call(event.tool_name, event.tool_call_id, open_calls)
+            call_id = calls.ended(event.tool_name, event.tool_call_id)
             if isinstance(event, ToolEnd):
                 assembler.result(call_id, event.result, event.at)
             else:
@@ -315,15 +394,39 @@ def turn_from_metadata(
     return assembler.finish(complete=complete, usage=usage, latency_ms=latency_ms)
 
 
-def _ended_call(tool_name: str, tool_call_id: str | None, open_calls: dict[str, list[str]]) -> str:
-    waiting = open_calls.get(tool_name, [])
-    if tool_call_id is None:
-        if not waiting:
+def _stream_digest(received_at: datetime, events: Sequence[BaseModel]) -> str:
+    """Eight hex digits of a stream and the time it was received."""
+    dumped = json.dumps([e.model_dump(mode="json") for e in events], sort_keys=True)
+    return hashlib.sha256(f"{received_at.isoformat()}\0{dumped}".encode()).hexdigest()[:8]
+
+
+class _OpenCalls:
+    """Which call a metadata tool event means, and the ids of calls that came without one."""
+
+    def __init__(self, pending: Sequence[PendingCall], *, stamp: str) -> None:
+        self._stamp = stamp
+        self._started = 0
+        self._this_turn: dict[str, list[str]] = {}
+        self._earlier: dict[str, list[str]] = {}
+        for call in pending:
+            self._earlier.setdefault(call.tool_name, []).append(call.tool_call_id)
+
+    def started(self, tool_name: str, tool_call_id: str | None) -> str:
+        self._started += 1
+        call_id = tool_call_id or f"{tool_name}-{self._stamp}-{self._started}"
+        self._this_turn.setdefault(tool_name, []).append(call_id)
+        return call_id
+
+    def ended(self, tool_name: str, tool_call_id: str | None) -> str:
+        for waiting in (self._this_turn.get(tool_name, []), self._earlier.get(tool_name, [])):
+            if tool_call_id is None and waiting:
+                return waiting.pop(0)
+            if tool_call_id in waiting:
+                waiting.remove(tool_call_id)
+                return tool_call_id
+        if tool_call_id is None:
             raise InvalidInput(f"invalid stream: {tool_name!r} ended but no call of it is open")
-        return waiting.pop(0)
-    if tool_call_id in waiting:
-        waiting.remove(tool_call_id)
-    return tool_call_id
+        return tool_call_id
 
 
 async def log_streamed_turn(
@@ -340,7 +443,9 @@ async def log_streamed_turn(
 
     Idempotent by `turn_id` like any turn. Hidden runtime context is stripped
     from the prompt by the logger's rules. A resolved prompt that is no longer
-    pending (a retry, or a later prompt replaced it) is left as it is.
+    pending (a retry, or a later prompt replaced it) is left as it is. A turn
+    that only resolved prompts (an approval whose result comes later) stores
+    no message: the answer it gave is the prompt's resolution.
     """
     messages: list[AgentMessage | Mapping[str, Any]] = []
     if isinstance(prompt, str):
@@ -348,7 +453,17 @@ async def log_streamed_turn(
     elif prompt is not None:
         messages.append(prompt)
     messages.extend(turn.messages)
-    logged = await logger.log_messages(conversation_id, messages, user_id=user_id, turn_id=turn_id)
+    if messages or not turn.resolved_request_ids:
+        logged = await logger.log_messages(
+            conversation_id, messages, user_id=user_id, turn_id=turn_id
+        )
+    else:
+        logged = LoggedTurn(
+            conversation_id=validate_identifier(conversation_id, "conversation_id"),
+            turn_id=validate_identifier(turn_id, "turn_id"),
+            messages=[],
+            replayed=False,
+        )
     for request_id in turn.resolved_request_ids:
         with contextlib.suppress(Conflict):  # no longer pending: nothing to clear
             await store.resolve_hitl(conversation_id, request_id)

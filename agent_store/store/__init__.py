@@ -53,6 +53,7 @@ from agent_store.store._text import (
     search_text,
     shorten,
     strip_runtime_context,
+    strip_runtime_context_pieces,
 )
 from agent_store.store._truncation import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -65,6 +66,7 @@ from agent_store.store._truncation import (
 )
 from agent_store.store._turns import (
     MAX_MESSAGES_PER_TURN,
+    PENDING_CALLS_KEPT,
     KeepPendingHitl,
     TurnPlan,
     TurnRules,
@@ -91,6 +93,7 @@ __all__ = [
     "MAX_PAGE_SIZE",
     "MAX_SEARCH_QUERY_CHARS",
     "MESSAGES",
+    "PENDING_CALLS_KEPT",
     "SHARD_KEYS",
     "TEXT_INDEX",
     "AgentMessageLogger",
@@ -137,6 +140,7 @@ __all__ = [
     "storage_errors",
     "stored_blob_ids",
     "strip_runtime_context",
+    "strip_runtime_context_pieces",
     "text_of",
     "validate_identifier",
     "with_retries",

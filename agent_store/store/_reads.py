@@ -25,6 +25,7 @@ from agent_store.core import (
     InvalidInput,
     MessagePage,
     NotFound,
+    PendingCall,
     PendingHitl,
     TurnRecord,
     message_adapter,
@@ -437,6 +438,22 @@ class ConversationStore:
             return (await self.get_conversation(conversation_id, user_id=user_id)).pending_hitl
         pending = doc.get("pending_hitl")
         return PendingHitl.model_validate(pending) if pending else None
+
+    async def pending_calls(
+        self, conversation_id: str, *, user_id: str | None = None
+    ) -> list[PendingCall]:
+        """The conversation's tool calls awaiting an answer from a later turn, in one lookup.
+
+        Pass them to the stream builders (`pending=`) so a later turn's
+        result or denial can answer them. A conversation that does not exist
+        yet (or is not the user's) awaits nothing: the list is empty.
+        """
+        with storage_errors("read the pending calls"):
+            doc = await self._conversations.find_one(
+                self._scope(conversation_id, user_id), {"pending_calls": 1}
+            )
+        calls = doc.get("pending_calls") if doc is not None else None
+        return [PendingCall.model_validate(call) for call in calls or ()]
 
     async def resolve_hitl(
         self, conversation_id: str, request_id: str, *, user_id: str | None = None

@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from agent_store.core import MAX_SAFE_INTEGER, Conflict, NotFound, StoreError, TurnRecord
-from agent_store.store._turns import KeepPendingHitl, TurnPlan, TurnRules
+from agent_store.store._turns import PENDING_CALLS_KEPT, KeepPendingHitl, TurnPlan, TurnRules
 
 SUMMARY: dict[str, Any] = {"turns": 0}
 """What a reservation returns: the conversation without its turn records."""
@@ -159,12 +159,38 @@ def reservation(
         "last_message_preview": (
             literal(plan.preview) if plan.preview is not None else _kept("last_message_preview", "")
         ),
-        "pending_hitl": (
-            _kept("pending_hitl", None)
-            if isinstance(plan.pending_hitl, KeepPendingHitl)
-            else literal(plan.pending_hitl and plan.pending_hitl.model_dump())
-        ),
+        **_pending_state(plan),
         **_records(plan, rules, now),
         **_names(plan, runtime_name),
     }
     return [{"$set": stage}]
+
+
+def _pending_state(plan: TurnPlan) -> dict[str, Any]:
+    """`pending_calls` and `pending_hitl` after the turn, in the reservation's `$set` stage.
+
+    Calls the turn answers leave `pending_calls` and the calls it leaves open
+    join it (the newest `PENDING_CALLS_KEPT` are kept). A prompt stays
+    pending unless the turn raises a new one, clears it (an upload), or
+    answers a call the prompt held back.
+    """
+    calls: Any = {"$ifNull": ["$pending_calls", literal([])]}
+    hitl: Any = {"$ifNull": ["$pending_hitl", None]}
+    if not isinstance(plan.pending_hitl, KeepPendingHitl):
+        hitl = literal(plan.pending_hitl and plan.pending_hitl.model_dump())
+    if not plan.answered_calls and not plan.opened_calls:
+        return {"pending_calls": calls, "pending_hitl": hitl}
+
+    def answered(wanted: bool) -> dict[str, Any]:
+        is_answered = {"$in": ["$$call.tool_call_id", literal(list(plan.answered_calls))]}
+        # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+        return {"$filter": {"input": calls, "as": "call", "cond": {"$eq": [is_answered, wanted]}}}
+
+    if isinstance(plan.pending_hitl, KeepPendingHitl) and plan.answered_calls:
+        held = {"$map": {"input": answered(True), "as": "call", "in": "$$call.request_id"}}
+        hitl = {
+            "$cond": [{"$in": [{"$ifNull": ["$pending_hitl.request_id", None]}, held]}, None, hitl]
+        }
+    opened = literal([call.model_dump() for call in plan.opened_calls])
+    kept = {"$slice": [{"$concatArrays": [answered(False), opened]}, -PENDING_CALLS_KEPT]}
+    return {"pending_calls": kept, "pending_hitl": hitl}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agent_store.core import AgentMessage, InvalidInput
@@ -26,18 +27,75 @@ class RuntimeContextMarkers:
 DEFAULT_MARKERS = RuntimeContextMarkers()
 
 
+def _visible_spans(text: str, markers: RuntimeContextMarkers) -> list[tuple[int, int]]:
+    """The `(start, end)` ranges of `text` outside every hidden block, in order.
+
+    Blocks nest: a block ends at the end marker that matches its start
+    marker, however many blocks open inside it. Where the markers do not
+    balance, more is hidden, never less: a block never closed hides the rest
+    of the text, and an end marker whose start is not in the text (cut off,
+    or in a part the runtime sent before) hides everything before it.
+    """
+    tokens = re.compile(f"({re.escape(markers.end)})|{re.escape(markers.start)}")
+    spans: list[tuple[int, int]] = []
+    depth, visible_from = 0, 0
+    for token in tokens.finditer(text):
+        is_end = token.group(1) is not None
+        if not is_end:
+            if depth == 0:
+                spans.append((visible_from, token.start()))
+            depth += 1
+        elif depth == 0:  # a block whose start is missing: all before it may be hidden
+            spans.clear()
+            visible_from = token.end()
+        else:
+            depth -= 1
+            if depth == 0:
+                visible_from = token.end()
+    if depth == 0:
+        spans.append((visible_from, len(text)))
+    return [(start, end) for start, end in spans if end > start]
+
+
+def _has_marker(text: str, markers: RuntimeContextMarkers) -> bool:
+    return markers.start in text or markers.end in text
+
+
 def strip_runtime_context(text: str, markers: RuntimeContextMarkers = DEFAULT_MARKERS) -> str:
     """Remove every hidden runtime-context block; only what the user saw remains.
 
-    A block that is opened but never closed hides everything after its start:
-    leaking hidden context is worse than storing less of a malformed message.
+    Blocks may nest; each ends at its matching end marker. Malformed markers
+    hide more rather than less (see `strip_runtime_context_pieces`): leaking
+    hidden context is worse than storing less of a malformed message.
     """
-    if markers.start not in text:
+    if not _has_marker(text, markers):
         return text
-    pattern = re.compile(
-        re.escape(markers.start) + r".*?(?:" + re.escape(markers.end) + r"|\Z)", re.DOTALL
-    )
-    return pattern.sub("", text).strip()
+    return "".join(text[start:end] for start, end in _visible_spans(text, markers)).strip()
+
+
+def strip_runtime_context_pieces(
+    pieces: Sequence[str], markers: RuntimeContextMarkers = DEFAULT_MARKERS
+) -> list[str]:
+    """Strip pieces of one prompt (a runtime's list of text items) as if they were one text.
+
+    A block, or a marker itself, may be cut across pieces; each piece keeps
+    only its own visible text, whitespace-trimmed once anything was hidden.
+    Pieces without a marker anywhere come back unchanged. Rules for
+    unbalanced markers: a block never closed hides the rest; an end marker
+    with no start before it hides everything before it.
+    """
+    joined = "".join(pieces)
+    if not _has_marker(joined, markers):
+        return list(pieces)
+    spans = _visible_spans(joined, markers)
+    shown: list[str] = []
+    offset = 0
+    for piece in pieces:
+        low, high = offset, offset + len(piece)
+        kept = (joined[max(a, low) : min(b, high)] for a, b in spans if a < high and b > low)
+        shown.append("".join(kept).strip())
+        offset = high
+    return shown
 
 
 def collapse_whitespace(text: str) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 import bson
 
-from agent_store.core import AgentMessage, Truncation, message_adapter
+from agent_store.core import AgentMessage, InvalidInput, Truncation, message_adapter
 
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024
 TRUNCATION_MARK = "\n…[truncated]"
@@ -55,6 +55,18 @@ def blob_id(message_id: str, path: str) -> str:
 
 def document_size(document: dict[str, Any]) -> int:
     return len(bson.encode(document))
+
+
+def _wide_int_path(value: Any, path: str = "") -> str:
+    """Where in a document an integer too wide for BSON is (its dotted path)."""
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in items:
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(item, int) and not -(2**63) <= item < 2**63:
+            return where
+        if isinstance(item, dict | list) and (found := _wide_int_path(item, where)):
+            return found
+    return ""
 
 
 def _text_fields(doc: dict[str, Any]) -> list[tuple[str, str]]:
@@ -100,7 +112,12 @@ def bound(message: AgentMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> 
     """The message as it is if it fits in `max_bytes` of BSON, else a cut copy and the whole
     texts it lost (every cut field but `search_text`, which is derived)."""
     doc = message.model_dump(by_alias=True)
-    size = document_size(doc)
+    try:
+        size = document_size(doc)
+    except OverflowError as exc:
+        raise InvalidInput(
+            f"invalid turn: {_wide_int_path(doc)} is an integer outside BSON's 64-bit range"
+        ) from exc
     if size <= max_bytes:
         return BoundedMessage(message)
     truncated: dict[str, Truncation | int] = dict(message.truncated or {})

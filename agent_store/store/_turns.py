@@ -21,6 +21,7 @@ from agent_store.core import (
     AgentMessage,
     Identifier,
     InvalidInput,
+    PendingCall,
     PendingHitl,
     Usage,
     describe_validation_error,
@@ -47,6 +48,12 @@ from agent_store.store._values import check_time, storable
 _identifier: TypeAdapter[str] = TypeAdapter(Identifier)
 
 MAX_MESSAGES_PER_TURN = 1000
+PENDING_CALLS_KEPT = 100
+"""A conversation lists at most this many pending calls; older ones are dropped from the list.
+
+A runtime that never logs its tools' results would otherwise grow the
+conversation document with every turn.
+"""
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,10 @@ class TurnPlan:
     """A 64-bit digest of the messages (timestamps aside): a replay must carry the same."""
     full_texts: tuple[FullText, ...] = ()
     """Whole texts of the fields cut to bound the messages, kept before they are inserted."""
+    opened_calls: tuple[PendingCall, ...] = ()
+    """Calls the turn leaves without an answer: pending until a later turn answers them."""
+    answered_calls: tuple[str, ...] = ()
+    """Ids of calls of earlier turns that this turn answers: no longer pending."""
 
 
 def validate_identifier(value: object, what: str) -> str:
@@ -301,6 +312,7 @@ def plan_turn(
     )
 
     stored, full_texts = _prepared(conversation_id, turn_id, messages, rules)
+    opened_calls, answered_calls = _pending_calls(stored)
     return TurnPlan(
         conversation_id=conversation_id,
         turn_id=turn_id,
@@ -317,6 +329,8 @@ def plan_turn(
         key=turn_key(turn_id),
         digest=content_digest([m.model_dump(by_alias=True) for m in stored]),
         full_texts=tuple(full_texts),
+        opened_calls=opened_calls,
+        answered_calls=answered_calls,
     )
 
 
@@ -360,3 +374,33 @@ def _pending_hitl(messages: Sequence[AgentMessage]) -> PendingHitl | KeepPending
                 created_at=message.created_at,
             )
     return outcome
+
+
+def _pending_calls(
+    messages: Sequence[AgentMessage],
+) -> tuple[tuple[PendingCall, ...], tuple[str, ...]]:
+    """The calls a turn leaves open, and the ids of calls of earlier turns it answers.
+
+    A call with no `tool` message in its turn is pending; the first HITL
+    prompt its turn raises from there on holds it back. A `tool` message
+    answering a call its turn did not make answers a call of an earlier turn.
+    """
+    made = {call.id for m in messages for call in m.tool_calls or ()}
+    answers = [m.tool_call_id for m in messages if m.role == "tool" and m.tool_call_id]
+    opened: list[PendingCall] = []
+    for index, message in enumerate(messages):
+        for call in message.tool_calls or ():
+            if call.id in answers:
+                continue
+            prompt = next((m.hitl_action for m in messages[index:] if m.hitl_action), None)
+            assert message.id is not None
+            opened.append(
+                PendingCall(
+                    tool_call_id=call.id,
+                    tool_name=call.function.name,
+                    message_id=message.id,
+                    request_id=prompt.request_id if prompt else None,
+                    created_at=message.created_at,
+                )
+            )
+    return tuple(opened), tuple(i for i in answers if i not in made)

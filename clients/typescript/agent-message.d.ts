@@ -128,6 +128,8 @@ export interface IAgentConversation<TDate extends DateLike = Date> {
   /** The next free `seq` (extension). */
   message_count: number;
   pending_hitl: IPendingHitl<TDate> | null;
+  /** Tool calls awaiting an answer from a later turn, oldest first (extension). */
+  pending_calls: IPendingCall<TDate>[];
   usage: IUsage;
   /** The conversation and `seq` this one was forked from (extension); null if it was not. */
   forked_from: IForkOrigin | null;
@@ -200,6 +202,24 @@ export interface IHitlAction {
 /** An error the runtime reported instead of an answer. */
 export interface IMessageError {
   message: string;
+}
+
+/**
+ * A tool call left without an answer, awaiting one from a later turn (extension).
+ *
+ * Its turn ended with the call open: it awaits a person's approval or
+ * confirmation, or a result computed elsewhere. The `tool` message a later
+ * turn logs for it is its answer, and it is then no longer pending.
+ */
+export interface IPendingCall<TDate extends DateLike = Date> {
+  tool_call_id: string;
+  tool_name: string;
+  /** The assistant message that made the call. */
+  message_id: string;
+  /** The HITL prompt that holds the call back: the first one its turn raised after it. */
+  request_id: string | null;
+  /** When the call was made. */
+  created_at: TDate;
 }
 
 /** The unresolved HITL prompt of a conversation (extension). */

@@ -1,0 +1,53 @@
+"""Which stored tool message answers which call, and how a repeated call id is renamed.
+
+One rule for every replay and every ingest path. Pure, no I/O.
+
+The exports and the Pydantic AI history both place each call's answer right
+after the message that makes the call, wherever the answer was stored:
+
+- a tool message answers the latest earlier call of its id (ids are unique
+  within a conversation; the exports rename the odd repeat of older data);
+- a tool message answering no earlier call answers nothing and is left out;
+- the first answer of a call is its answer, except a stand-in (a result
+  marked `interrupted`, stored because the run ended before the call
+  returned): a real result stored later for the same call wins over it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from agent_store.core import AgentMessage, AssistantMessage, ToolMessage, is_stand_in
+
+CallKey = tuple[int, str]
+"""A call: the index of the assistant message that makes it, and its id."""
+
+
+def answers_to_calls(messages: Sequence[AgentMessage]) -> dict[CallKey, ToolMessage]:
+    """Each call's answer by the rules above; a call without one is not in the result."""
+    latest_call: dict[str, int] = {}
+    answers: dict[CallKey, ToolMessage] = {}
+    for index, message in enumerate(messages):
+        if isinstance(message, AssistantMessage):
+            for call in message.tool_calls or ():
+                latest_call[call.id] = index
+        elif isinstance(message, ToolMessage):
+            assert message.tool_call_id is not None
+            made_at = latest_call.get(message.tool_call_id)
+            if made_at is None:
+                continue
+            key = (made_at, message.tool_call_id)
+            current = answers.get(key)
+            if current is None or (is_stand_in(current) and not is_stand_in(message)):
+                answers[key] = message
+    return answers
+
+
+def unique_call_id(call_id: str, used: set[str]) -> str:
+    """`call_id`, or `<call_id>_<n>` with the lowest n from 2 not in `used`; added to `used`."""
+    candidate, n = call_id, 1
+    while candidate in used:
+        n += 1
+        candidate = f"{call_id}_{n}"
+    used.add(candidate)
+    return candidate

@@ -1,0 +1,328 @@
+"""State that spans turns: calls left pending, answers and late results in later turns, ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic_ai.messages import ModelRequest, ToolReturnPart
+
+from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, LoggedTurn
+from agent_store.core import DENIED_RESULT, PENDING_RESULT
+from agent_store.integrations.exports import (
+    chat_completions,
+    check_chat_completions,
+    responses_items,
+)
+from agent_store.integrations.pydantic_ai import history_from_messages
+from agent_store.integrations.streams import (
+    log_streamed_turn,
+    parse_sse_text,
+    turn_from_metadata,
+    turn_from_sse,
+)
+from agent_store.store import PENDING_CALLS_KEPT
+from tests.api_harness import auth_headers, serve
+from tests.conftest import Backend
+
+STREAMS = Path(__file__).parent / "streams"
+CID = "conv-cross"
+
+ASKS_TO_BOOK = [
+    {"type": "stream_token", "token": "I can book the 09:04 TGV."},
+    {"type": "tool_start", "tool_name": "book_train", "tool_call_id": "tc-9",
+     "args": {"train": "TGV 6601"}},
+    {"type": "confirm_required", "request_id": "confirm-9", "action": "book_train",
+     "params": {"train": "TGV 6601", "price_eur": 35}, "prompt": "Pay €35 for the 09:04 TGV?",
+     "tool_call_id": "tc-9"},
+]  # fmt: skip
+APPROVED = {"type": "confirm_resolved", "request_id": "confirm-9", "approved": True}
+DENIED = {"type": "confirm_resolved", "request_id": "confirm-9", "approved": False}
+BOOKED = {"type": "tool_end", "tool_name": "book_train", "tool_call_id": "tc-9",
+          "result": {"booking": "B-42"}}  # fmt: skip
+
+
+class Runtime:
+    """A runtime streaming turns of one conversation in the metadata protocol, as documented."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.logger = AgentMessageLogger(backend.db)
+        self.store = ConversationStore(backend.db)
+        self.turns = 0
+
+    async def stream(self, events: list[dict[str, Any]], prompt: str | None = None) -> LoggedTurn:
+        self.turns += 1
+        pending = await self.store.pending_calls(CID)  # none before the first turn
+        turn = turn_from_metadata(events, complete=True, pending=pending)
+        return await log_streamed_turn(
+            logger=self.logger,
+            store=self.store,
+            conversation_id=CID,
+            turn=turn,
+            turn_id=f"turn-{self.turns}",
+            prompt=prompt,
+        )
+
+    async def answers_of(self, call_id: str) -> list[tuple[str | None, str | None]]:
+        return [
+            (m.content, m.error.message if m.error else None)
+            for m in await self.store.transcript(CID)
+            if m.tool_call_id == call_id
+        ]
+
+
+# -- a confirmation resolved in a later turn ------------------------------------------
+
+
+async def test_a_call_awaiting_confirmation_is_stored_unanswered_and_pending(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+
+    assert await runtime.answers_of("tc-9") == []  # no stand-in in storage
+    pending = await runtime.store.pending_hitl(CID)
+    assert pending is not None
+    assert pending.request_id == "confirm-9"
+    calls = await runtime.store.pending_calls(CID)
+    assert [(c.tool_call_id, c.tool_name, c.request_id) for c in calls] == [
+        ("tc-9", "book_train", "confirm-9")
+    ]
+    exported = chat_completions(await runtime.store.transcript(CID))
+    check_chat_completions(exported)  # the export answers it, marked, in the replay only
+    assert [m["content"] for m in exported if m["role"] == "tool"] == [PENDING_RESULT]
+
+
+async def test_a_confirmation_approved_in_a_later_streamed_turn_stores_the_result_as_its_answer(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+
+    await runtime.stream(
+        [APPROVED, BOOKED, {"type": "stream_token", "token": "Booked: B-42."}], prompt="Yes."
+    )
+
+    assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
+    assert await runtime.store.pending_hitl(CID) is None
+    assert await runtime.store.pending_calls(CID) == []
+    exported = chat_completions(await runtime.store.transcript(CID))
+    check_chat_completions(exported)
+    assert [m["content"] for m in exported if m["role"] == "tool"] == ['{"booking":"B-42"}']
+
+
+async def test_a_confirmation_denied_in_a_later_turn_answers_the_call_as_denied(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+
+    await runtime.stream([DENIED, {"type": "stream_token", "token": "Okay, nothing was booked."}])
+
+    assert await runtime.answers_of("tc-9") == [(DENIED_RESULT, "tool call denied")]
+    assert await runtime.store.pending_hitl(CID) is None
+    assert await runtime.store.pending_calls(CID) == []
+
+
+async def test_a_turn_holding_only_the_resolution_is_logged_and_the_result_follows_later(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+
+    await runtime.stream([APPROVED])
+    assert await runtime.store.pending_hitl(CID) is None
+    assert [c.tool_call_id for c in await runtime.store.pending_calls(CID)] == ["tc-9"]
+
+    # The booking returns a turn later; the event names the tool only.
+    await runtime.stream([{"type": "tool_end", "tool_name": "book_train", "result": "B-42"}])
+    assert await runtime.answers_of("tc-9") == [("B-42", None)]
+    assert await runtime.store.pending_calls(CID) == []
+
+
+async def test_a_result_answering_no_call_of_the_turn_nor_any_pending_one_is_refused(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    ghost = {"type": "tool_end", "tool_name": "book_train", "tool_call_id": "tc-404"}
+
+    with pytest.raises(InvalidInput, match="a tool result answers 'tc-404', which no call made"):
+        await runtime.stream([APPROVED, ghost])
+    assert [c.tool_call_id for c in await runtime.store.pending_calls(CID)] == ["tc-9"]
+
+
+async def test_an_answer_posted_over_http_in_a_later_turn_resolves_the_pending_call(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+
+    async with serve(backend.db, seeded=False) as api:
+        response = await api.http.post(
+            f"/v1/conversations/{CID}/turns",
+            json={
+                "turn_id": "turn-http",
+                "messages": [
+                    {"role": "tool", "tool_call_id": "tc-9", "content": "B-42"},
+                    {"role": "assistant", "content": "Booked."},
+                ],
+            },
+            headers=auth_headers(),
+        )
+
+    assert response.status_code == 201
+    assert await runtime.answers_of("tc-9") == [("B-42", None)]
+    assert await runtime.store.pending_calls(CID) == []
+    assert await runtime.store.pending_hitl(CID) is None  # the call it held back is answered
+
+
+# -- a late real result wins over the stand-in ----------------------------------------
+
+
+async def test_a_late_real_result_is_what_every_replay_uses(backend: Backend) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    cut_off = turn_from_sse(parse_sse_text((STREAMS / "sse_cut_off.sse").read_text()))
+    await log_streamed_turn(
+        logger=logger, store=store, conversation_id=CID, turn=cut_off, turn_id="t1", prompt="Book"
+    )
+    # The booking finished after the stream dropped; the runtime logs its result later.
+    await logger.log_messages(
+        CID,
+        [
+            {"role": "tool", "tool_call_id": "call_b1", "content": '{"booked":"TGV 6601"}'},
+            {"role": "assistant", "content": "Booked: TGV 6601."},
+        ],
+        turn_id="t2",
+    )
+    stored = await store.transcript(CID)
+
+    exported = chat_completions(stored)
+    check_chat_completions(exported)
+    assert [m["content"] for m in exported if m["role"] == "tool"] == ['{"booked":"TGV 6601"}']
+    outputs = [i["output"] for i in responses_items(stored) if i["type"] == "function_call_output"]
+    assert outputs == ['{"booked":"TGV 6601"}']
+    returns = [
+        p
+        for m in history_from_messages(stored)
+        if isinstance(m, ModelRequest)
+        for p in m.parts
+        if isinstance(p, ToolReturnPart)
+    ]
+    assert [(r.tool_call_id, r.content, r.outcome) for r in returns] == [
+        ("call_b1", {"booked": "TGV 6601"}, "success")
+    ]
+
+
+# -- ids that stay unique -------------------------------------------------------------
+
+
+async def test_ids_generated_for_calls_without_one_are_unique_within_the_conversation(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    weather = [
+        {"type": "tool_start", "tool_name": "get_weather", "args": {"city": "Paris"}},
+        {"type": "tool_end", "tool_name": "get_weather", "result": {"temp_c": 18}},
+        {"type": "stream_token", "token": "18 °C."},
+    ]
+
+    await runtime.stream(weather, prompt="Weather in Paris?")
+    await runtime.stream(weather, prompt="And now?")  # the same events, a turn later
+
+    stored = await runtime.store.transcript(CID)
+    call_ids = [c.id for m in stored for c in m.tool_calls or ()]
+    assert len(call_ids) == 2
+    assert len(set(call_ids)) == 2
+    assert all(i.startswith("get_weather-") for i in call_ids)
+    exported = chat_completions(stored)
+    assert [c["id"] for m in exported for c in m.get("tool_calls", ())] == call_ids  # no renaming
+
+
+async def test_a_conversation_lists_a_bounded_number_of_pending_calls(backend: Backend) -> None:
+    calls = [
+        {"id": f"c{n}", "function": {"name": "fire_and_forget", "arguments": "{}"}}
+        for n in range(PENDING_CALLS_KEPT + 5)
+    ]
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+
+    await logger.log_messages(CID, [{"role": "assistant", "tool_calls": calls}], turn_id="t1")
+
+    pending = await store.pending_calls(CID)
+    assert len(pending) == PENDING_CALLS_KEPT
+    assert pending[-1].tool_call_id == f"c{PENDING_CALLS_KEPT + 4}"  # the newest are kept
+
+
+async def test_an_sse_prompt_naming_its_call_leaves_it_pending_for_a_later_result(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    asks = [
+        {"type": "tool_call", "tool_call_id": "call_p1", "tool_name": "pay_invoice"},
+        {"type": "hitl", "action": "confirm_payment", "request_id": "req-p1",
+         "prompt": "Pay 120 EUR?", "tool_call_id": "call_p1"},
+        {"type": "done"},
+    ]  # fmt: skip
+    await log_streamed_turn(
+        logger=logger, store=store, conversation_id=CID, turn=turn_from_sse(asks),
+        turn_id="t1", prompt="Pay the invoice.",
+    )  # fmt: skip
+    assert [c.request_id for c in await store.pending_calls(CID)] == ["req-p1"]
+
+    paid = [
+        {"type": "tool_result", "tool_call_id": "call_p1", "result": {"paid": True}},
+        {"type": "text_delta", "delta": "Paid."},
+        {"type": "done"},
+    ]
+    turn = turn_from_sse(paid, pending=await store.pending_calls(CID))
+    await log_streamed_turn(
+        logger=logger, store=store, conversation_id=CID, turn=turn, turn_id="t2", prompt="Yes."
+    )
+
+    assert await store.pending_calls(CID) == []
+    assert await store.pending_hitl(CID) is None
+    exported = chat_completions(await store.transcript(CID))
+    check_chat_completions(exported)
+    assert [m["content"] for m in exported if m["role"] == "tool"] == ['{"paid":true}']
+
+
+# -- text BSON can store (the store-level rule lands with the write-path work) --------
+
+
+async def test_a_surrogate_pair_split_across_two_stream_tokens_is_stored_joined(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    tokens = ["Trains ", "\ud83d", "\ude84 leave at 9."]  # a JavaScript runtime sliced 🚄
+
+    await runtime.stream([{"type": "stream_token", "token": t} for t in tokens], prompt="When?")
+
+    stored = await runtime.store.transcript(CID)
+    assert stored[-1].content == "Trains 🚄 leave at 9."
+
+
+async def test_a_lone_surrogate_in_a_stream_is_refused_and_nothing_is_stored(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+
+    with pytest.raises(InvalidInput, match="surrogate"):
+        await runtime.stream([{"type": "stream_token", "token": "cut \ud83d"}], prompt="When?")
+    assert await backend.db.agent_messages.count_documents({}) == 0
+
+
+@pytest.mark.wire
+async def test_answering_a_pending_call_still_costs_two_round_trips(wire_backend: Backend) -> None:
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db)
+    call = {"id": "tc-9", "function": {"name": "book_train", "arguments": "{}"}}
+    await logger.log_messages(CID, [{"role": "assistant", "tool_calls": [call]}], turn_id="t1")
+    wire_backend.commands.clear()
+
+    answer = [{"role": "tool", "tool_call_id": "tc-9", "content": "B-42"}]
+    await logger.log_messages(CID, answer, turn_id="t2")
+
+    assert wire_backend.commands.names == ["findAndModify", "insert"]
+    assert await ConversationStore(wire_backend.db).pending_calls(CID) == []

@@ -1,0 +1,252 @@
+"""Hidden runtime context is never stored, whatever the nesting, on every ingest path.
+
+Prompts are generated from visible words and hidden blocks holding secrets:
+blocks nested in blocks, blocks never closed, blocks whose start was cut off,
+and (for Pydantic AI's list prompts) prompts cut into items anywhere, inside
+a marker too. Each prompt is logged through the logger, the Pydantic AI
+bridge, both stream protocols and the HTTP API, with the legacy dual write
+on; then every stored document and the replay exports are scanned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic_ai import Agent
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+from agent_store import AgentMessageLogger, ConversationStore, LegacyTurns
+from agent_store.integrations.exports import chat_completions, responses_items
+from agent_store.integrations.pydantic_ai import log_run
+from agent_store.integrations.streams import (
+    log_streamed_turn,
+    parse_sse_text,
+    turn_from_metadata,
+    turn_from_sse,
+)
+from agent_store.legacy import LEGACY_TURNS
+from agent_store.store import CONVERSATIONS, MESSAGES
+from app.api import create_app
+from app.service import Store
+from tests.api_harness import api_settings, auth_headers, mongomock_db
+from tests.conftest import Backend
+
+START, END = "[RUNTIME CONTEXT]", "[/RUNTIME CONTEXT]"
+VISIBLE = ["Weather", "in", "Lyon", "tomorrow", "please", "thanks", "?"]
+CID = "conv-hidden"
+
+
+@dataclass
+class Prompt:
+    """A generated prompt: its pieces, the secrets it hides, and what the user saw."""
+
+    pieces: list[str] = field(default_factory=list)
+    secrets: set[str] = field(default_factory=set)
+    shown: list[str] = field(default_factory=list)
+    exact: bool = True
+    """Every block is opened and closed: the stored prompt must be exactly the visible words."""
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+secret = st.integers(0, 10**6).map(lambda n: f"s3cr3t{n:07d}")
+
+
+@st.composite
+def hidden_block(draw: st.DrawFn, depth: int = 0) -> tuple[str, set[str]]:
+    """`[RUNTIME CONTEXT] … [/RUNTIME CONTEXT]` holding secrets, and maybe blocks in it."""
+    found: set[str] = set()
+    inner: list[str] = []
+    for _ in range(draw(st.integers(1, 3))):
+        if depth < 3 and draw(st.booleans()):
+            text, nested = draw(hidden_block(depth + 1))
+            inner.append(text)
+            found |= nested
+        else:
+            word = draw(secret)
+            inner.append(word)
+            found.add(word)
+    return START + " ".join(inner) + END, found
+
+
+@st.composite
+def prompts(draw: st.DrawFn) -> Prompt:
+    prompt = Prompt()
+    if draw(st.booleans()):  # a block whose start was cut off: all before its end is hidden
+        words = draw(st.lists(secret, min_size=1, max_size=2))
+        prompt.pieces.append(" ".join(words) + END + " ")
+        prompt.secrets |= set(words)
+        prompt.exact = False
+    for _ in range(draw(st.integers(1, 5))):
+        if draw(st.booleans()):
+            text, found = draw(hidden_block())
+            prompt.pieces.append(text + " ")
+            prompt.secrets |= found
+        else:
+            word = draw(st.sampled_from(VISIBLE))
+            prompt.pieces.append(word + " ")
+            prompt.shown.append(word)
+    if draw(st.booleans()):  # a block never closed, maybe with a closed one inside
+        text, found = draw(hidden_block())
+        tail = draw(secret)
+        prompt.pieces.append(START + text + " " + tail)
+        prompt.secrets |= found | {tail}
+        prompt.exact = False
+    return prompt
+
+
+def cut_anywhere(text: str, cuts: list[int]) -> list[str]:
+    """The text in items, cut at the given offsets (inside markers too)."""
+    points = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    return [text[a:b] for a, b in itertools.pairwise(points) if b > a]
+
+
+# -- the ingest paths -----------------------------------------------------------------
+
+
+def replying_agent() -> Agent[None, str]:
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        return ModelResponse(parts=[TextPart("Sure.")])
+
+    return Agent(FunctionModel(respond))
+
+
+def dual_writing_logger(db: Any) -> AgentMessageLogger:
+    return AgentMessageLogger(db, observers=[LegacyTurns(db, dual_write=True)])
+
+
+async def via_logger(db: Any, prompt: Prompt, items: list[str]) -> None:
+    await dual_writing_logger(db).log_messages(
+        CID,
+        [{"role": "user", "content": prompt.text}, {"role": "assistant", "content": "Sure."}],
+        turn_id="t1",
+    )
+
+
+async def via_bridge(db: Any, prompt: Prompt, items: list[str]) -> None:
+    result = await replying_agent().run(items)
+    await log_run(dual_writing_logger(db), CID, result.new_messages(), turn_id="t1")
+
+
+async def via_sse(db: Any, prompt: Prompt, items: list[str]) -> None:
+    body = 'event: text_delta\ndata: {"delta": "Sure."}\n\nevent: done\ndata: {}\n\n'
+    await log_streamed_turn(
+        logger=dual_writing_logger(db),
+        store=ConversationStore(db),
+        conversation_id=CID,
+        turn=turn_from_sse(parse_sse_text(body)),
+        turn_id="t1",
+        prompt=prompt.text,
+    )
+
+
+async def via_metadata(db: Any, prompt: Prompt, items: list[str]) -> None:
+    await log_streamed_turn(
+        logger=dual_writing_logger(db),
+        store=ConversationStore(db),
+        conversation_id=CID,
+        turn=turn_from_metadata([{"type": "stream_token", "token": "Sure."}], complete=True),
+        turn_id="t1",
+        prompt=prompt.text,
+    )
+
+
+async def via_http(db: Any, prompt: Prompt, items: list[str]) -> None:
+    settings = api_settings(legacy_dual_write=True)
+    app = create_app(settings, store=Store.on(db, settings))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        response = await http.post(
+            f"/v1/conversations/{CID}/turns",
+            json={
+                "turn_id": "t1",
+                "messages": [
+                    {"role": "user", "content": prompt.text},
+                    {"role": "assistant", "content": "Sure."},
+                ],
+            },
+            headers=auth_headers(),
+        )
+    assert response.status_code == 201, response.text
+
+
+Ingest = Callable[[Any, Prompt, list[str]], Awaitable[None]]
+PATHS: dict[str, Ingest] = {
+    "logger": via_logger,
+    "bridge": via_bridge,
+    "sse": via_sse,
+    "metadata": via_metadata,
+    "http": via_http,
+}
+
+
+async def everything_stored(db: Any) -> str:
+    """Every stored document of both collections and the legacy one, and both exports."""
+    documents = []
+    for name in (MESSAGES, CONVERSATIONS, LEGACY_TURNS):
+        documents += await db[name].find({}).to_list(None)
+    assert any(d.get("dual_write") for d in documents), "the legacy dual write did not run"
+    transcript = await ConversationStore(db).transcript(CID)
+    exported = [chat_completions(transcript), responses_items(transcript)]
+    return json.dumps([documents, exported], default=str, ensure_ascii=False)
+
+
+async def check_every_path(make_db: Callable[[], Any], prompt: Prompt, items: list[str]) -> None:
+    for path, ingest in PATHS.items():
+        db = make_db()
+        await ingest(db, prompt, items)
+        stored = await everything_stored(db)
+        leaked = sorted(s for s in prompt.secrets if s in stored)
+        assert not leaked, f"{path} stored hidden context: {leaked}"
+        assert "RUNTIME CONTEXT" not in stored, f"{path} stored a marker"
+        assert "RUNTIME CON" not in stored.replace(" ", ""), f"{path} stored part of a marker"
+        user = await ConversationStore(db).transcript(CID)
+        if prompt.exact:  # spaces aside: the bridge joins a list prompt's items by new lines
+            assert "".join((user[0].content or "").split()) == "".join(prompt.shown), path
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(prompts(), st.lists(st.integers(0, 10_000), max_size=4))
+def test_no_generated_hidden_context_reaches_any_stored_document(
+    prompt: Prompt, cuts: list[int]
+) -> None:
+    asyncio.run(check_every_path(mongomock_db, prompt, cut_anywhere(prompt.text, cuts)))
+
+
+S1, S2, S3 = "s3cr3t0000001", "s3cr3t0000002", "s3cr3t0000003"
+NAMED_CASES = {
+    "nested": (f"{START}outer {START}inner {S1}{END} {S2}{END}visible", 7, "visible"),
+    "three-deep": (f"{START}a {START}b {START}{S1}{END}{END} {S2}{END} Hi", 25, "Hi"),
+    "unclosed": (f"Hi {START}{S1} {START}{S2}{END} {S3}", 12, "Hi"),
+    "start-cut-off": (f"{S1}{END}Hi", 16, "Hi"),
+}
+"""Each prompt, where a list prompt is cut in two (inside a marker), and what the user saw."""
+
+
+@pytest.mark.parametrize("name", NAMED_CASES)
+async def test_nested_split_and_unclosed_blocks_are_never_stored_on_any_backend(
+    backend: Backend, name: str
+) -> None:
+    text, cut, shown = NAMED_CASES[name]
+    prompt = Prompt([text], set(re.findall(r"s3cr3t\d{7}", text)), [shown])
+    databases = iter([backend.db, *(backend.db.client[f"{backend.db.name}_{n}"] for n in range(4))])
+    try:
+        await check_every_path(lambda: next(databases), prompt, [text[:cut], text[cut:]])
+    finally:
+        for n in range(4):
+            await backend.db.client.drop_database(f"{backend.db.name}_{n}")
