@@ -87,7 +87,12 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     print(f"lock: {lease.describe(lease.current(db))}")
     state = db[lease.STATE].find_one({"_id": explode.STATE_ID})
     if state:
-        where = "complete" if state.get("complete") else f"after {state.get('checkpoint')!r}"
+        done = state.get("done") or {}
+        where = (
+            "complete"
+            if state.get("complete")
+            else f"{len(done)} of {len(state.get('ranges') or [None])} id ranges under way"
+        )
         print(f"progress: {where} (run {state.get('run_id')})")
     last = db[lease.STATE].find_one({"kind": "run"}, sort=[("started_at", -1)])
     if last:
@@ -142,15 +147,20 @@ def _explode(
         restart=args.restart,
         max_command_documents=args.max_command_documents,
         max_command_bytes=args.max_command_bytes,
+        spread=args.spread,
     )
     run = explode.Explosion(db, options, lease=held, source=_source(db, args))
     after = run.resume_point()
     if after is not None:
-        print(f"resuming after conversation {after!r} (pass --restart to start over)")
-    progress = Progress(run.total(after), "conversations", args.progress)
+        print(
+            f"resuming where the last run stopped in each of {len(after.starts)} ranges of ids "
+            "(pass --restart to start over)"
+        )
+    ranges = run.plan(after)
+    progress = Progress(run.total(ranges), "conversations", args.progress)
     run.on_batch = progress.advance
     try:
-        run.run(after)
+        run.run(ranges)
     finally:
         progress.close()
     return run
@@ -339,6 +349,13 @@ def _run_parser(run: argparse.ArgumentParser) -> None:
     run.add_argument("--conversation", metavar="ID", help="migrate only this conversation")
     run.add_argument("--batch-size", type=int, default=100, help="conversations per batch")
     run.add_argument("--restart", action="store_true", help="ignore the saved checkpoint")
+    run.add_argument(
+        "--spread",
+        type=int,
+        default=16,
+        help="ranges of the id space each batch draws from in turn, so the writes of a batch "
+        "spread over a sharded cluster's chunks (default 16; 1: sorted order)",
+    )
     run.add_argument(
         "--force-unlock", action="store_true", help="take the lock from a run known to be dead"
     )

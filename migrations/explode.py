@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from pymongo import ReturnDocument
 from pymongo.database import Database
@@ -51,12 +51,16 @@ from migrations import problems as problem_report
 from migrations import writes
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS, Bounds
 from migrations.lease import STATE, Lease
+from migrations.order import Ranges, plan_ranges, spread_ids
 from migrations.relocate import TURN_FILTER
 from migrations.writes import Converted
 
 STATE_ID = "state:legacy-turns"
 LEGACY_FILTER: dict[str, Any] = {**TURN_FILTER, "dual_write": {"$ne": True}}
 """Legacy turns, but not those the new logger wrote for rollback: their messages are stored."""
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -68,6 +72,8 @@ class Options:
     restart: bool = False
     max_command_documents: int = MAX_COMMAND_DOCUMENTS
     max_command_bytes: int = MAX_COMMAND_BYTES
+    spread: int = 16
+    """Ranges of the id space each batch takes its ids from in turn (1: sorted order)."""
 
     @property
     def bounds(self) -> Bounds:
@@ -147,8 +153,8 @@ def count_conversations(db: Database[dict[str, Any]], *, source: str = LEGACY_TU
     return int(found[0]["n"]) if found else 0
 
 
-def batches(ids: Iterator[Any], size: int) -> Iterator[list[Any]]:
-    batch: list[Any] = []
+def batches(ids: Iterator[T], size: int) -> Iterator[list[T]]:
+    batch: list[T] = []
     for conversation_id in ids:
         batch.append(conversation_id)
         if len(batch) >= size:
@@ -273,71 +279,70 @@ class Explosion:
             upsert=True,
         )
 
-    def resume_point(self) -> Any:
+    def resume_point(self) -> Ranges | None:
+        """Where an unfinished earlier run stopped: its ranges and the last id done in each."""
         if self.options.restart or self.options.conversation is not None:
             return None
         state = self.db[STATE].find_one({"_id": STATE_ID}) or {}
-        return None if state.get("complete", True) else state.get("checkpoint")
+        if state.get("complete", True) or "ranges" not in state:
+            return None
+        return Ranges(list(state["ranges"]), dict(state.get("done") or {}))
 
-    def _checkpoint(self, last: Any, *, complete: bool) -> None:
+    def plan(self, after: Ranges | None) -> Ranges:
+        """The ranges this run goes through: the resumed run's, or a new cut of the id space."""
+        if after is not None:
+            return after
+        return plan_ranges(self.db, self.source, LEGACY_FILTER, self.options.spread)
+
+    def _checkpoint(self, ranges: Ranges, *, complete: bool) -> None:
         if self.options.dry_run or self.options.conversation is not None:
             return
+        checkpoint = {"ranges": ranges.starts, "done": ranges.done, "complete": complete}
         self.db[STATE].update_one(
-            {"_id": STATE_ID},
-            {"$set": {"checkpoint": last, "complete": complete, "run_id": self.run_id}},
-            upsert=True,
+            {"_id": STATE_ID}, {"$set": {**checkpoint, "run_id": self.run_id}}, upsert=True
         )
 
     # -- the loop ------------------------------------------------------------------------
 
-    def total(self, after: Any) -> int:
+    def total(self, ranges: Ranges) -> int:
+        """How many conversations this run has to go through."""
         if self.options.conversation is not None:
             return 1
-        total = count_conversations(self.db, source=self.source)
-        if after is not None:
-            done = self.db[self.source].aggregate(
-                [
-                    {"$match": {"conversation_id": {"$lte": after}, **LEGACY_FILTER}},
-                    {"$group": {"_id": "$conversation_id"}},
-                    {"$count": "n"},
-                ]
-            )
-            total -= next((int(d["n"]) for d in done), 0)
+        total = sum(1 for _ in spread_ids(self.db, self.source, LEGACY_FILTER, ranges))
         if self.options.limit is not None:
             total = min(total, self.options.limit)
         return total
 
-    def ids(self, after: Any) -> Iterator[Any]:
+    def ids(self, ranges: Ranges) -> Iterator[tuple[int, Any]]:
+        """(range, conversation id) of every conversation this run goes through, in order."""
         if self.options.conversation is not None:
-            return iter([self.options.conversation])
-        ids = conversation_ids(self.db, after=after, source=self.source)
+            return iter([(-1, self.options.conversation)])
+        ids = spread_ids(self.db, self.source, LEGACY_FILTER, ranges)
         if self.options.limit is None:
             return ids
         limit = self.options.limit
-        return (i for n, i in enumerate(ids) if n < limit)
+        return (pair for n, pair in enumerate(ids) if n < limit)
 
-    def run(self, after: Any) -> Counts:
-        self._record("running", checkpoint_at_start=after)
-        exhausted = True
-        last = after
+    def run(self, ranges: Ranges) -> Counts:
+        """Migrate every conversation not done yet, batch by batch, checkpointing each."""
+        self._record("running", checkpoint_at_start=dict(ranges.done))
         try:
-            for batch in batches(self.ids(after), self.options.batch_size):
-                self.batch(batch)
-                last = batch[-1]
-                self._checkpoint(last, complete=False)
-                self._record("running", checkpoint=last)
+            for pairs in batches(self.ids(ranges), self.options.batch_size):
+                self.batch([conversation_id for _, conversation_id in pairs])
+                ranges.done.update({str(index): cid for index, cid in pairs if index >= 0})
+                self._checkpoint(ranges, complete=False)
+                self._record("running", checkpoint=dict(ranges.done))
                 if self.lease is not None and not self.options.dry_run:
                     self.lease.renew()
                 if self.on_batch is not None:
-                    self.on_batch(len(batch), self.counts.turns)
-            if self.options.limit is not None and self.options.conversation is None:
-                exhausted = (
-                    next(conversation_ids(self.db, after=last, source=self.source), None) is None
-                )
+                    self.on_batch(len(pairs), self.counts.turns)
+            exhausted = self.options.conversation is not None or (
+                next(spread_ids(self.db, self.source, LEGACY_FILTER, ranges), None) is None
+            )
         except BaseException as exc:
             self._record("failed", error=f"{type(exc).__name__}: {exc}", finished_at=utc_now())
             raise
-        self._checkpoint(None if exhausted else last, complete=exhausted)
+        self._checkpoint(ranges, complete=exhausted)
         self._record("completed" if exhausted else "stopped", finished_at=utc_now())
         return self.counts
 

@@ -66,10 +66,19 @@ def relocate(
     elif target_exists:
         reason = f"{LEGACY_TURNS} already exists (an interrupted copy); resuming the copy"
     moved = 0
+    last: Any = None
     while True:
-        batch = list(source.find(TURN_FILTER).sort("_id", 1).limit(batch_size))
+        # After the last `_id` moved: a scan that restarted from the first document would read
+        # every conversation document mixed in again for each batch. `$gt` compares within one
+        # BSON type, so an empty page is read again from the start once, for ids of other types.
+        after = {} if last is None else {"_id": {"$gt": last}}
+        batch = list(source.find({**after, **TURN_FILTER}).sort("_id", 1).limit(batch_size))
+        if not batch and last is not None:
+            last = None
+            continue
         if not batch:
             break
+        last = batch[-1]["_id"]
         ids = [doc["_id"] for doc in batch]
         try:
             target.insert_many(batch, ordered=False)

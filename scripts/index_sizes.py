@@ -71,9 +71,9 @@ MESSAGE_INDEXES: dict[str, IndexEstimate] = {
         entry(d["conversation_id"], d["seq"]),
     ),
     "user_id_1": lambda d: (1, entry(d["user_id"])),
-    "search_text_text": lambda d: (
+    "user_id_1_search_text_text (user first)": lambda d: (
         len(terms := text_terms(d["search_text"])),
-        sum(entry(term, 1.0) for term in terms),
+        sum(entry(d["user_id"], term, 1.0) for term in terms),
     ),
 }
 CONVERSATION_INDEXES: dict[str, IndexEstimate] = {
@@ -82,7 +82,6 @@ CONVERSATION_INDEXES: dict[str, IndexEstimate] = {
         1,
         entry(d["user_id"], d["updated_at"], d["_id"]),
     ),
-    "sharded on {user_id: 1, _id: 1}: its index": lambda d: (1, entry(d["user_id"], d["_id"])),
     "sharded on {_id: hashed}: its index": lambda d: (1, entry(0x7FFF_FFFF_FFFF_FFFF)),
 }
 
@@ -105,6 +104,22 @@ async def logged_corpus(conversations: int, turns: int) -> tuple[list[dict[str, 
         messages += await db.agent_messages.find().to_list(None)
         conversation_docs += await db.agent_conversations.find().to_list(None)
     return messages, conversation_docs
+
+
+async def conversation_sizes(counts: tuple[int, ...]) -> dict[int, int]:
+    """The BSON size of one conversation document after that many short turns."""
+    from mongomock_motor import AsyncMongoMockClient
+
+    db = AsyncMongoMockClient(tz_aware=True)["sizes"]
+    logger = AgentMessageLogger(db)
+    sizes: dict[int, int] = {}
+    for turn in range(max(counts)):
+        message = {"role": "user", "content": f"question {turn}"}
+        await logger.log_messages("conv-long", [message], turn_id=f"t{turn}")
+        if turn + 1 in counts:
+            document = await db.agent_conversations.find_one({"_id": "conv-long"})
+            sizes[turn + 1] = len(bson.encode(document))
+    return sizes
 
 
 def measure(docs: list[dict[str, Any]], indexes: dict[str, IndexEstimate]) -> dict[str, Any]:
@@ -166,6 +181,10 @@ async def main(argv: list[str] | None = None) -> int:
                 f"{index['bytes_per_document']:>11.0f}"
                 f"{mib(index['bytes_per_document'] * count):>12}"
             )
+    result["conversation_document_by_turns"] = await conversation_sizes((10, 100, 1_000, 1_500))
+    print("\nagent_conversations document size by turns logged (turn records kept: 1,000):")
+    for turns, size in result["conversation_document_by_turns"].items():
+        print(f"  {turns:>6,} turns: {size:>8,} B of BSON")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\nwritten: {args.out}")

@@ -9,18 +9,20 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import mongomock
 import pytest
+from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
 from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
 from agent_store.store import CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
-from migrations import relocate
+from migrations import explode, relocate
 from migrations.cli import main
 from migrations.lease import Lease
 from migrations.problems import PROBLEMS
@@ -135,7 +137,7 @@ def test_limit_and_conversation_migrate_part_and_a_later_run_resumes(
     assert cli(wire_uri, database, "finish") == 1
     capsys.readouterr()
     assert cli(wire_uri, database, "run") == 0
-    assert "resuming after conversation" in capsys.readouterr().out
+    assert "resuming where the last run stopped" in capsys.readouterr().out
     assert database[CONVERSATIONS].count_documents({}) == 5
 
 
@@ -240,6 +242,45 @@ def test_move_aside_copies_only_turns_when_conversations_are_mixed_in() -> None:
     assert db[LEGACY_TURNS].count_documents({}) == len(corpus())
 
 
+@pytest.mark.wire
+def test_the_copy_resumes_each_batch_after_the_last_id_it_moved(wire_uri: str) -> None:
+    """With conversation documents mixed in, a scan from the start per batch is quadratic."""
+    log = Finds()
+    client: MongoClient[dict[str, Any]] = MongoClient(wire_uri, event_listeners=[log])
+    db = client[f"copy_{uuid.uuid4().hex[:8]}"]
+    try:
+        db[CONVERSATIONS].insert_many([{"_id": f"a-conv-{n}", "conversation_id": "x"}
+                                       for n in range(5)])  # fmt: skip
+        db[CONVERSATIONS].insert_many(corpus())
+        log.filters.clear()
+        relocate.relocate(db, batch_size=5, allow_rename=False)
+        scans = [f for f in log.filters if "$or" in f]
+        assert "_id" not in scans[0]
+        assert all("$gt" in f.get("_id", {}) for f in scans[1:-1])
+        assert db[LEGACY_TURNS].count_documents({}) == len(corpus())
+    finally:
+        client.drop_database(db.name)
+        client.close()
+
+
+class Finds(monitoring.CommandListener):
+    """The filters of the sorted `find` commands (the copy's scans) on the conversations."""
+
+    def __init__(self) -> None:
+        self.filters: list[dict[str, Any]] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        command = event.command
+        if event.command_name == "find" and command["find"] == CONVERSATIONS and "sort" in command:
+            self.filters.append(dict(event.command.get("filter", {})))
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
 # -- kills at any moment -------------------------------------------------------------------
 
 
@@ -300,3 +341,31 @@ def test_killing_the_migration_at_any_point_then_resuming_gives_the_uninterrupte
     assert digest(database) == expected
     statuses = [r["status"] for r in database["agent_migrations"].find({"kind": "run"})]
     assert sorted(set(statuses)) == ["completed", "interrupted"]
+
+
+@pytest.mark.wire
+def test_each_batch_draws_its_conversations_from_across_the_id_space(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """Sorted order would send a batch's writes to one chunk of a sharded agent_messages."""
+    database[CONVERSATIONS].insert_many(list(legacy_corpus(32, turns=1, text_chars=5)))
+    relocate.relocate(database)
+    everything = sorted(database[LEGACY_TURNS].distinct("conversation_id"))
+    seen: list[list[str]] = []
+    run = explode.Explosion(database, explode.Options(batch_size=4, spread=4, limit=12), lease=None)
+    real_batch = run.batch
+    run.batch = lambda ids: (seen.append(list(ids)), real_batch(ids))[1]  # type: ignore[method-assign]
+
+    run.run(run.plan(None))
+    resumed = explode.Explosion(database, explode.Options(batch_size=4, spread=4), lease=None)
+    resumed.batch = lambda ids: (seen.append(list(ids)), real_batch(ids))[1]  # type: ignore[method-assign]
+    ranges = resumed.resume_point()
+    assert ranges is not None
+    resumed.run(resumed.plan(ranges))
+
+    done = [cid for batch in seen for cid in batch]
+    assert sorted(done) == everything  # each conversation once, after a stop and a resume
+    quarter = len(everything) // 4
+    for batch in seen[:3]:
+        positions = sorted(everything.index(cid) for cid in batch)
+        assert len({p // quarter for p in positions}) == 4, positions  # one id from each quarter

@@ -284,7 +284,8 @@ def test_each_insert_holds_at_most_n_documents_and_m_bytes(
     relocate.relocate(db)
     log.inserts.clear()
     options = explode.Options(batch_size=100, max_command_documents=5, max_command_bytes=64_000)
-    explode.Explosion(db, options, lease=None).run(None)
+    run = explode.Explosion(db, options, lease=None)
+    run.run(run.plan(None))
     client.close()
 
     sizes = [(len(docs), sum(len(bson.encode(d)) for d in docs)) for docs in log.inserts]

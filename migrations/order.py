@@ -1,0 +1,100 @@
+"""The order conversations are migrated in: spread over the id space, resumable exactly.
+
+Processing ids in sorted order would send every batch to one chunk of a
+sharded `agent_messages` (the shard key starts with `conversation_id`): a
+freshly sharded, empty collection would take the whole corpus on one shard.
+Instead the id space is cut into up to `spread` ranges of about equal size
+(one `$bucketAuto` pass over the distinct ids, recorded in the migration
+state so a resumed run cuts the same way), and each batch takes its ids in
+turn from every range. Within a range ids go in sorted order, so the
+checkpoint is the last id done in each range and a resume continues each
+range right after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pymongo.database import Database
+from pymongo.errors import OperationFailure
+
+_END = object()
+
+
+@dataclass
+class Ranges:
+    """Where each range of conversation ids starts (the first is open below)."""
+
+    starts: list[Any] = field(default_factory=lambda: [None])
+    done: dict[str, Any] = field(default_factory=dict)
+    """The last id migrated in each range, by the range's index as a string."""
+
+    def bounds(self, index: int) -> dict[str, Any]:
+        """The filter on a grouped conversation id of range `index`, past its checkpoint."""
+        condition: dict[str, Any] = {}
+        if self.starts[index] is not None:
+            condition["$gte"] = self.starts[index]
+        if index + 1 < len(self.starts):
+            condition["$lt"] = self.starts[index + 1]
+        if str(index) in self.done:
+            condition["$gt"] = self.done[str(index)]
+        return condition
+
+
+def plan_ranges(
+    db: Database[dict[str, Any]], source: str, match: dict[str, Any], spread: int
+) -> Ranges:
+    """Cut the distinct conversation ids of `source` into up to `spread` ranges.
+
+    One range (plain sorted order) when `spread` is 1, when the server cannot
+    `$bucketAuto`, or when the ids are not all strings (ranges of mixed types
+    would not compare across types).
+    """
+    if spread <= 1:
+        return Ranges()
+    pipeline: list[dict[str, Any]] = [
+        {"$match": match},
+        {"$group": {"_id": "$conversation_id"}},
+        {"$bucketAuto": {"groupBy": "$_id", "buckets": spread}},
+    ]
+    try:
+        buckets = list(db[source].aggregate(pipeline, allowDiskUse=True))
+    except OperationFailure:
+        return Ranges()
+    edges = [b["_id"]["min"] for b in buckets] + [b["_id"]["max"] for b in buckets[-1:]]
+    if len(buckets) < 2 or not all(isinstance(edge, str) for edge in edges):
+        return Ranges()
+    return Ranges([None] + [b["_id"]["min"] for b in buckets[1:]])
+
+
+def _range_ids(
+    db: Database[dict[str, Any]], source: str, match: dict[str, Any], bounds: dict[str, Any]
+) -> Iterator[Any]:
+    pipeline: list[dict[str, Any]] = [
+        {"$match": match},
+        {"$group": {"_id": "$conversation_id"}},
+    ]
+    if bounds:
+        pipeline.append({"$match": {"_id": bounds}})
+    pipeline.append({"$sort": {"_id": 1}})
+    for doc in db[source].aggregate(pipeline, allowDiskUse=True, batchSize=1000):
+        yield doc["_id"]
+
+
+def spread_ids(
+    db: Database[dict[str, Any]], source: str, match: dict[str, Any], ranges: Ranges
+) -> Iterator[tuple[int, Any]]:
+    """(range, id) of every conversation not done yet, taking one id from each range in turn."""
+    cursors = {
+        index: _range_ids(db, source, match, ranges.bounds(index))
+        for index in range(len(ranges.starts))
+    }
+    while cursors:
+        for index in list(cursors):
+            conversation_id = next(cursors[index], _END)
+            if conversation_id is _END:
+                del cursors[index]
+            else:
+                yield index, conversation_id
