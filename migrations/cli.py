@@ -22,7 +22,7 @@ from pymongo.errors import PyMongoError
 from agent_store.core import utc_now
 from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import CONVERSATIONS, MESSAGES, create_indexes_sync
-from migrations import explode, gate, lease, relocate
+from migrations import explode, gate, lease, order, relocate
 from migrations import problems as problem_report
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS
 from migrations.connection import database
@@ -103,9 +103,28 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
             f"{counts.get('turns')} turns, {counts.get('messages_written')} messages written"
         )
     problem_report.print_summary(db, sys.stdout)
+    _report_id_clustering(db, CONVERSATIONS if in_place else LEGACY_TURNS)
     if not in_place and legacy == 0:
         print("no legacy data found")
     return 0
+
+
+def _report_id_clustering(db: Database[dict[str, Any]], source: str, sample: int = 1000) -> None:
+    """Warn when legacy conversation ids are time-ordered: they cluster on a sharded cluster."""
+    ids = (doc["_id"] for doc in db[source].aggregate(
+        [{"$match": explode.LEGACY_FILTER}, {"$group": {"_id": "$conversation_id"}},
+         {"$limit": sample}]))  # fmt: skip
+    seen, kinds = order.id_clustering(ids)
+    if seen and sum(kinds.values()) * 2 > seen:
+        found = ", ".join(f"{n} {kind}" for kind, n in kinds.most_common())
+        print(
+            f"conversation ids: {sum(kinds.values())} of {seen} looked at are time-ordered "
+            f"({found}): sharded on {{conversation_id: 1, seq: 1}}, new conversations with such "
+            "ids all land in the last chunk; see docs/SCALING.md, 'Migrating into a sharded "
+            "cluster'"
+        )
+    elif seen:
+        print(f"conversation ids: {seen} looked at, spread evenly (random ids)")
 
 
 def _source(db: Database[dict[str, Any]], args: argparse.Namespace) -> str:

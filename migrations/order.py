@@ -13,7 +13,9 @@ range right after it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,3 +100,32 @@ def spread_ids(
                 del cursors[index]
             else:
                 yield index, conversation_id
+
+
+_TIME_ORDERED = (
+    (
+        "a UUID of version 1, 6 or 7",
+        re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[167][0-9a-f]{3}-", re.I),
+    ),
+    ("an ObjectId", re.compile(r"^[0-9a-f]{24}$", re.I)),
+    ("a ULID", re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")),
+    ("a number", re.compile(r"^\d+$")),
+)
+
+
+def id_clustering(ids: Iterable[Any]) -> tuple[int, Counter[str]]:
+    """How many ids were looked at, and how many of them are time-ordered, by kind.
+
+    Time-ordered ids (UUIDv1/v6/v7, ObjectIds, ULIDs, counters) sort new
+    conversations after old ones, so on `agent_messages` sharded by
+    `{conversation_id, seq}` every new conversation lands in the last chunk.
+    """
+    kinds: Counter[str] = Counter()
+    seen = 0
+    for conversation_id in ids:
+        seen += 1
+        text = str(conversation_id)
+        kind = next((name for name, pattern in _TIME_ORDERED if pattern.match(text)), None)
+        if kind is not None or not isinstance(conversation_id, str):
+            kinds[kind or f"a {type(conversation_id).__name__}"] += 1
+    return seen, kinds

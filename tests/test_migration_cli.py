@@ -23,7 +23,7 @@ from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
 from agent_store.store import CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from migrations import explode, relocate
-from migrations.cli import main
+from migrations.cli import _report_id_clustering, main
 from migrations.lease import Lease
 from migrations.problems import PROBLEMS
 from scripts.legacy_corpus import legacy_corpus
@@ -369,3 +369,26 @@ def test_each_batch_draws_its_conversations_from_across_the_id_space(
     for batch in seen[:3]:
         positions = sorted(everything.index(cid) for cid in batch)
         assert len({p // quarter for p in positions}) == 4, positions  # one id from each quarter
+
+
+@pytest.mark.parametrize(
+    ("ids", "warned"),
+    [
+        pytest.param([f"{n:024x}" for n in range(40)], True, id="object-ids"),
+        pytest.param(
+            [f"0190{n:04x}-aaaa-7bbb-8ccc-000000000000" for n in range(40)], True, id="uuid-v7"
+        ),
+        pytest.param([str(uuid.uuid4()) for _ in range(40)], False, id="uuid-v4"),
+    ],
+)
+def test_status_reports_legacy_ids_that_would_cluster_on_a_sharded_cluster(
+    ids: list[str], warned: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db: Any = mongomock.MongoClient()["legacy"]
+    db[LEGACY_TURNS].insert_many(
+        [{"conversation_id": cid, "user_message": "hi", "response_parts": []} for cid in ids]
+    )
+    _report_id_clustering(db, LEGACY_TURNS)
+    out = capsys.readouterr().out
+    assert ("time-ordered" in out) is warned
+    assert ("spread evenly" in out) is not warned
