@@ -123,3 +123,22 @@ async def test_reading_the_last_messages_costs_one_round_trip(wire_backend: Back
     everything = await store.recent_messages(CID)
     assert wire_backend.commands.names == ["find"]
     assert len(everything) == 150
+
+
+async def test_popping_costs_two_round_trips_and_four_for_a_message_that_started_a_turn(
+    wire_backend: Backend,
+) -> None:
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db)
+    call = {"id": "call_1", "function": {"name": "lookup", "arguments": "{}"}}
+    await logger.log_messages(CID, [user("look it up"), {"role": "assistant", "tool_calls": [call]}])
+    await logger.log_messages(CID, [user("never mind")])
+    store = ConversationStore(wire_backend.db)
+
+    wire_backend.commands.clear()
+    await store.pop_last_message(CID)  # the user message: it started a turn and is the preview
+    assert wire_backend.commands.names == ["findAndModify", "find", "find", "update"]
+
+    wire_backend.commands.clear()
+    await store.pop_last_message(CID)  # the tool call: neither
+    assert wire_backend.commands.names == ["findAndModify", "update"]

@@ -390,7 +390,7 @@ async def test_a_session_of_one_user_neither_reads_nor_writes_anothers(backend: 
     assert await intruder.pop_item() is None
 
 
-async def test_adding_costs_two_round_trips_and_reading_one(wire_backend: Backend) -> None:
+async def test_adding_costs_two_round_trips_reading_one_and_clearing_three(wire_backend: Backend) -> None:
     assert wire_backend.commands is not None
     session = ConversationSession(CID, wire_backend.db)
     model = ScriptedModel()
@@ -407,3 +407,7 @@ async def test_adding_costs_two_round_trips_and_reading_one(wire_backend: Backen
         wire_backend.commands.clear()
         await session.get_items(limit)
         assert wire_backend.commands.names == ["find"]
+
+    wire_backend.commands.clear()
+    await session.clear_session()
+    assert wire_backend.commands.names == ["find", "delete", "delete"]
