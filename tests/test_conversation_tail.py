@@ -131,7 +131,9 @@ async def test_popping_costs_two_round_trips_and_four_for_a_message_that_started
     assert wire_backend.commands is not None
     logger = AgentMessageLogger(wire_backend.db)
     call = {"id": "call_1", "function": {"name": "lookup", "arguments": "{}"}}
-    await logger.log_messages(CID, [user("look it up"), {"role": "assistant", "tool_calls": [call]}])
+    await logger.log_messages(
+        CID, [user("look it up"), {"role": "assistant", "tool_calls": [call]}]
+    )
     await logger.log_messages(CID, [user("never mind")])
     store = ConversationStore(wire_backend.db)
 

@@ -390,7 +390,9 @@ async def test_a_session_of_one_user_neither_reads_nor_writes_anothers(backend: 
     assert await intruder.pop_item() is None
 
 
-async def test_adding_costs_two_round_trips_reading_one_and_clearing_three(wire_backend: Backend) -> None:
+async def test_adding_costs_two_round_trips_reading_one_and_clearing_three(
+    wire_backend: Backend,
+) -> None:
     assert wire_backend.commands is not None
     session = ConversationSession(CID, wire_backend.db)
     model = ScriptedModel()
