@@ -25,7 +25,13 @@ from openai.types.responses import (
 from openai.types.responses.response_function_web_search import ActionSearch
 from openai.types.responses.response_reasoning_item import Summary
 
-from agent_store import AgentMessageLogger, Conflict, ConversationStore, StorageUnavailable
+from agent_store import (
+    AgentMessageLogger,
+    Conflict,
+    ConversationStore,
+    InvalidInput,
+    StorageUnavailable,
+)
 from agent_store.integrations.exports import chat_completions
 from agent_store.integrations.openai_agents import (
     ConversationSession,
@@ -246,10 +252,12 @@ def test_every_item_comes_back_exactly_as_it_came(item: dict[str, Any]) -> None:
 
 
 def test_items_without_what_their_kind_needs_are_refused_naming_the_item() -> None:
-    with pytest.raises(Exception, match=r"invalid item 2 \(function_call\)"):
+    with pytest.raises(InvalidInput, match=r"invalid item 2 \(function_call\)"):
         message_from_item({"type": "function_call", "name": "f", "arguments": "{}"}, index=2)
-    with pytest.raises(Exception, match=r"invalid item 0: a message with unknown role 'robot'"):
+    with pytest.raises(InvalidInput, match=r"invalid item 0: a message with unknown role 'robot'"):
         message_from_item({"role": "robot", "content": "beep"})
+    with pytest.raises(InvalidInput, match=r"invalid item 1: it has neither a `type` nor a `role`"):
+        message_from_item({"content": "who says this?"}, index=1)
 
 
 async def test_hidden_runtime_context_is_stripped_before_anything_is_stored(

@@ -88,6 +88,8 @@ def message_from_item(
     if not isinstance(item, Mapping):
         raise InvalidInput(f"invalid item {index}: a {type(item).__name__}, not an item object")
     kind = item.get("type", "message" if "role" in item else None)
+    if not isinstance(kind, str) or not kind:
+        raise InvalidInput(f"invalid item {index}: it has neither a `type` nor a `role`")
     if kind == "message" and item.get("role") == "user":
         item = _without_hidden_context(item, markers)
     try:
@@ -101,7 +103,7 @@ def message_from_item(
     return with_native(message, FORMAT, item, _rebuilt(message)[0])
 
 
-def _chat_message(kind: Any, item: Mapping[str, Any], index: int) -> AgentMessage | None:
+def _chat_message(kind: str, item: Mapping[str, Any], index: int) -> AgentMessage | None:
     """The message whose chat fields hold the item, or None for an item they cannot hold."""
     if kind == "message":
         text = _text_of(item.get("content"))
