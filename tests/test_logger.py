@@ -69,7 +69,7 @@ async def test_stored_documents_hold_exactly_the_contract_fields(backend: Backen
     assert set(message) == {
         "_id", "conversation_id", "role", "content", "tool_calls", "tool_call_id",
         "hitl_action", "error", "upload", "created_at", "token_usage", "latency_ms",
-        "seq", "user_id", "turn_id", "search_text", "truncated",
+        "seq", "user_id", "turn_id", "search_text", "truncated", "native",
     }  # fmt: skip
     conversation = await backend.db.agent_conversations.find_one()
     assert set(conversation) == {

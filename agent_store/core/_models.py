@@ -186,6 +186,31 @@ class Truncation(_Model):
     was not kept (`search_text`, which is derived from the other fields)."""
 
 
+def _native_keys(value: dict[str, Any]) -> dict[str, Any]:
+    refused = sorted(key for key in value if key.startswith("$"))
+    if refused:
+        raise ValueError(f"native keys must not start with `$`: {refused}")
+    return _plain_json(value)
+
+
+class NativeForm(_Model):
+    """A runtime's own form of a message, kept as its difference from the form the message's
+    chat fields rebuild (extension), so that runtime gets back exactly what it stored.
+
+    The runtime's form is the rebuilt one with `set` applied and the keys in `unset`
+    removed. An item the chat format has no place for (an Agents SDK reasoning item, a
+    web search or computer-use call) is an assistant message with no content whose `set`
+    holds the whole item; only the runtime named by `format` is given it back.
+    """
+
+    format: Annotated[str, StringConstraints(min_length=1, max_length=100)]
+    """Whose form: `openai-agents` (an Agents SDK item) or `langchain` (a LangChain message)."""
+    set: Annotated[dict[str, Any], AfterValidator(_native_keys)] = Field(default_factory=dict)
+    """Top-level keys whose values the rebuilt form lacks or holds otherwise; plain JSON."""
+    unset: list[str] = Field(default_factory=list)
+    """Keys of the rebuilt form that the runtime's form does not have."""
+
+
 class _MessageBase(_Model):
     """Every field of the message interface, on every role.
 
@@ -220,6 +245,9 @@ class _MessageBase(_Model):
     truncated: dict[str, Truncation | NonNegativeInt] | None = None
     """Fields cut to keep the document bounded, by path, with where each is kept whole
     (extension). A bare number is the older shape: the original length, not kept whole."""
+    native: NativeForm | None = None
+    """The runtime's own form of the message where the chat fields cannot rebuild it
+    (extension; see `NativeForm`)."""
 
     @model_validator(mode="after")
     def _role_fields(self) -> _MessageBase:
@@ -268,9 +296,11 @@ class AssistantMessage(_MessageBase):
             and self.tool_calls is None
             and self.hitl_action is None
             and self.error is None
+            and self.native is None
         ):
             raise ValueError(
-                "an assistant message needs `content`, `tool_calls`, `hitl_action` or `error`"
+                "an assistant message needs `content`, `tool_calls`, `hitl_action`, `error` "
+                "or `native`"
             )
         return self
 

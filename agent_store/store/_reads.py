@@ -37,6 +37,13 @@ from agent_store.store._driver import Database, storage_errors
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource
 from agent_store.store._reservation import SUMMARY
+from agent_store.store._tail import (
+    preview_of,
+    quoted_in_preview,
+    starts_a_turn,
+    text_before,
+    unlogged,
+)
 from agent_store.store._text import clean_name
 from agent_store.store._turns import TurnRules, validate_identifier
 
@@ -291,6 +298,69 @@ class ConversationStore:
         whole text is not found stays cut and listed in `truncated`.
         """
         return await self._full_texts.restore(messages)
+
+    async def recent_messages(
+        self, conversation_id: str, *, limit: int | None = None, user_id: str | None = None
+    ) -> list[AgentMessage]:
+        """The last `limit` messages of a conversation (all with None), in `seq` order.
+
+        One round trip for up to 10,000 messages; a conversation that does not exist has
+        none. No legacy fallback: for runtimes that keep their own history here.
+        """
+        query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
+        if user_id is not None:
+            query["user_id"] = validate_identifier(user_id, "user_id")
+        if limit is not None and (isinstance(limit, bool) or limit < 1):
+            raise InvalidInput(f"invalid limit {limit!r}: it must be at least 1, or None for all")
+        with storage_errors("read the last messages"):
+            if limit is None:
+                cursor = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
+                docs = await cursor.to_list(None)
+            else:
+                cursor = self._messages.find(query).sort("seq", -1).limit(limit)
+                docs = (await cursor.batch_size(min(limit, TRANSCRIPT_BATCH)).to_list(None))[::-1]
+        return messages_adapter.validate_python(docs)
+
+    async def pop_last_message(
+        self, conversation_id: str, *, user_id: str | None = None
+    ) -> AgentMessage | None:
+        """Remove the conversation's last message and return it; None when it has none.
+
+        The conversation's summary is corrected as if the message had never been logged
+        (see `agent_store.store._tail`): its turn, tokens, preview and pending prompt, and
+        `message_count`, which gives the `seq` back unless another turn reserved past it.
+        Two to four round trips: the removal, the summary update, and the messages
+        before it when it started a turn or was the preview's source.
+        """
+        query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
+        if user_id is not None:
+            query["user_id"] = validate_identifier(user_id, "user_id")
+        with storage_errors("remove the last message"):
+            doc = await self._messages.find_one_and_delete(query, sort=[("seq", -1)])
+        if doc is None:
+            return None
+        popped = message_adapter.validate_python(doc)
+        assert popped.seq is not None
+        assert popped.conversation_id is not None
+        started, preview = False, None
+        with storage_errors("read the messages before the last one"):
+            if popped.role in ("user", "system"):
+                previous = await self._messages.find_one(
+                    {"conversation_id": popped.conversation_id, "seq": popped.seq - 1}
+                )
+                started = starts_a_turn(popped, previous)
+            if quoted_in_preview(popped):
+                source = await self._messages.find_one(
+                    text_before(popped.conversation_id, popped.seq), sort=[("seq", -1)]
+                )
+                source_message = message_adapter.validate_python(source) if source else None
+                preview = preview_of(source_message, self._rules.preview_chars)
+        with storage_errors("update the conversation"):
+            await self._conversations.update_one(
+                self._scope(conversation_id, user_id),
+                unlogged(popped, started_turn=started, preview=preview),
+            )
+        return popped
 
     async def messages_page(
         self,

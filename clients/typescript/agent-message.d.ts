@@ -53,6 +53,11 @@ export interface IAgentMessage<TDate extends DateLike = Date> {
    * (extension). A bare number is the older shape: the original length, not kept whole.
    */
   truncated: Record<string, ITruncation | number> | null;
+  /**
+   * The runtime's own form of the message where the chat fields cannot rebuild it
+   * (extension; see `NativeForm`).
+   */
+  native: INativeForm | null;
 }
 
 /** Any message, told apart by `role`: `switch (message.role)` narrows it. */
@@ -202,6 +207,24 @@ export interface IHitlAction {
 /** An error the runtime reported instead of an answer. */
 export interface IMessageError {
   message: string;
+}
+
+/**
+ * A runtime's own form of a message, kept as its difference from the form the message's
+ * chat fields rebuild (extension), so that runtime gets back exactly what it stored.
+ *
+ * The runtime's form is the rebuilt one with `set` applied and the keys in `unset`
+ * removed. An item the chat format has no place for (an Agents SDK reasoning item, a
+ * web search or computer-use call) is an assistant message with no content whose `set`
+ * holds the whole item; only the runtime named by `format` is given it back.
+ */
+export interface INativeForm {
+  /** Whose form: `openai-agents` (an Agents SDK item) or `langchain` (a LangChain message). */
+  format: string;
+  /** Top-level keys whose values the rebuilt form lacks or holds otherwise; plain JSON. */
+  set: Record<string, unknown>;
+  /** Keys of the rebuilt form that the runtime's form does not have. */
+  unset: string[];
 }
 
 /**

@@ -79,6 +79,7 @@ const trigger: ISystemMessage = {
   turn_id: "turn-1",
   search_text: "Daily summary",
   truncated: null,
+  native: null,
 };
 
 // @ts-expect-error a system message never carries tool calls

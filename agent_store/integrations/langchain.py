@@ -1,0 +1,332 @@
+"""LangChain chat history on the store: `ConversationChatHistory` is a `BaseChatMessageHistory`
+whose messages are a stored conversation, ordered by `seq`. Needs the `langchain` extra; the rest
+of the package does not import this module.
+
+- `HumanMessage`: a `user` message with its text (hidden runtime context stripped first);
+- `AIMessage`: an `assistant` message with its text, its `tool_calls` (ids kept, `args` as
+  JSON) and its `usage_metadata` as `token_usage`;
+- `ToolMessage`: a `tool` message answering its `tool_call_id`; `status="error"` is marked
+  as a failed call;
+- `SystemMessage`: a `system` message.
+
+What a message holds beyond the chat fields (its `id`, `name`, `additional_kwargs`,
+`response_metadata`, content blocks) is kept in the `native` extension, so the messages read
+back equal the ones written. Messages other writers stored come back as the messages their
+chat fields make; items only another runtime can take (an Agents SDK reasoning item) are
+left out.
+
+One `aadd_messages` call is one logged turn (two round trips); `aget_messages` is one round
+trip. The async methods need an async database (PyMongo `AsyncDatabase`, Motor); the sync
+ones (`messages`, `add_messages`, `clear`) need a synchronous PyMongo `Database`, and with
+one the async methods run them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from typing import Any
+
+try:
+    from langchain_core.chat_history import BaseChatMessageHistory
+    from langchain_core.messages import (
+        AIMessage,
+        BaseMessage,
+        HumanMessage,
+        messages_from_dict,
+    )
+    from langchain_core.messages import SystemMessage as LangChainSystemMessage
+    from langchain_core.messages import ToolMessage as LangChainToolMessage
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "agent_store.integrations.langchain needs LangChain: "
+        "install agent-conversation-store[langchain]"
+    ) from exc
+
+from pydantic import ValidationError
+from pymongo.database import Database as SyncPyMongoDatabase
+
+from agent_store.core import (
+    AgentMessage,
+    AssistantMessage,
+    FunctionCall,
+    InvalidInput,
+    NotFound,
+    SystemMessage,
+    TokenUsage,
+    ToolCall,
+    ToolMessage,
+    Unsupported,
+    UserMessage,
+    describe_validation_error,
+    outcome_error,
+    tool_outcome,
+)
+from agent_store.integrations._appends import Appends
+from agent_store.integrations._native import native_form, with_native
+from agent_store.integrations._sync_driver import SyncDatabase, run_sync
+from agent_store.store import (
+    DEFAULT_MARKERS,
+    AgentMessageLogger,
+    ConversationStore,
+    Database,
+    RuntimeContextMarkers,
+    TurnRules,
+    strip_runtime_context,
+    validate_identifier,
+)
+
+__all__ = ["FORMAT", "ConversationChatHistory", "langchain_from_message", "message_from_langchain"]
+
+FORMAT = "langchain"
+"""The `native.format` of messages made from LangChain messages."""
+
+
+# -- LangChain messages into stored messages ------------------------------------------
+
+
+def message_from_langchain(
+    message: BaseMessage, *, index: int = 0, markers: RuntimeContextMarkers = DEFAULT_MARKERS
+) -> AgentMessage:
+    """The stored message of a LangChain message. Raises InvalidInput naming the message
+    when it is of another kind than the four above or lacks what its kind needs."""
+    if isinstance(message, HumanMessage):
+        message = message.model_copy(update={"content": _visible(message.content, markers)})
+    if isinstance(message, AIMessage):
+        missing = [n for n, call in enumerate(message.tool_calls) if not call.get("id")]
+        if missing:
+            raise InvalidInput(
+                f"invalid message {index} (ai): tool call {missing[0]} has no id, so no tool "
+                "message could answer it"
+            )
+    native = message.model_dump(mode="json")
+    try:
+        stored = _chat_message(message)
+    except ValidationError as exc:
+        subject = f"message {index} ({message.type})"
+        raise InvalidInput(describe_validation_error(exc, subject=subject)) from exc
+    if stored is None:
+        raise InvalidInput(
+            f"invalid message {index}: a {type(message).__name__}; the store takes "
+            "HumanMessage, AIMessage, ToolMessage and SystemMessage"
+        )
+    rebuilt = _rebuilt(stored)
+    assert rebuilt is not None
+    return with_native(stored, FORMAT, native, rebuilt.model_dump(mode="json"))
+
+
+def _chat_message(message: BaseMessage) -> AgentMessage | None:
+    text = _text_of(message.content)
+    if isinstance(message, HumanMessage):
+        return UserMessage(content=text)
+    if isinstance(message, LangChainSystemMessage):
+        return SystemMessage(content=text)
+    if isinstance(message, LangChainToolMessage):
+        failed = outcome_error("failed") if message.status == "error" else None
+        return ToolMessage(tool_call_id=message.tool_call_id, content=text, error=failed)
+    if isinstance(message, AIMessage):
+        calls = [
+            ToolCall(
+                id=call["id"] or "",
+                function=FunctionCall(name=call["name"], arguments=call["args"]),
+            )
+            for call in message.tool_calls
+        ]
+        usage = message.usage_metadata
+        return AssistantMessage(
+            content=None if calls and not text else text,
+            tool_calls=calls or None,
+            token_usage=TokenUsage(
+                input_tokens=usage["input_tokens"], output_tokens=usage["output_tokens"]
+            )
+            if usage
+            else None,
+        )
+    return None
+
+
+def _text_of(content: str | list[Any]) -> str:
+    """The readable text of LangChain content: a string, or its text blocks and `[type]` notes."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for block in content:
+        if isinstance(block, str):
+            texts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            texts.append(str(block.get("text", "")))
+        else:
+            texts.append(f"[{block.get('type') if isinstance(block, dict) else 'block'}]")
+    return "\n".join(texts)
+
+
+def _visible(content: str | list[Any], markers: RuntimeContextMarkers) -> str | list[Any]:
+    """Content with hidden runtime context removed from every text in it."""
+    if isinstance(content, str):
+        return strip_runtime_context(content, markers)
+    return [
+        strip_runtime_context(block, markers)
+        if isinstance(block, str)
+        else {**block, "text": strip_runtime_context(block["text"], markers)}
+        if isinstance(block, dict) and isinstance(block.get("text"), str)
+        else block
+        for block in content
+    ]
+
+
+# -- stored messages into LangChain messages ------------------------------------------
+
+
+def _rebuilt(message: AgentMessage) -> BaseMessage | None:
+    """The LangChain message a stored message's chat fields make; None for one no model said."""
+    if isinstance(message, UserMessage):
+        text = message.content
+        if text is None and message.upload is not None:
+            text = f"[uploaded {message.upload.filename} ({message.upload.file_type})]"
+        return HumanMessage(content=text or "")
+    if isinstance(message, SystemMessage):
+        return LangChainSystemMessage(content=message.content or "")
+    if isinstance(message, ToolMessage):
+        outcome = tool_outcome(message)
+        return LangChainToolMessage(
+            content=message.content or "",
+            tool_call_id=message.tool_call_id or "",
+            status="error" if outcome is not None and outcome[0] == "failed" else "success",
+        )
+    if message.content is None and message.tool_calls is None:
+        return None  # an error note, a HITL action alone, another runtime's item
+    usage = message.token_usage
+    return AIMessage(
+        content=message.content or "",
+        tool_calls=[
+            {"name": c.function.name, "args": _arguments(c.function.arguments), "id": c.id}
+            for c in message.tool_calls or ()
+        ],
+        usage_metadata={
+            "input_tokens": usage.input_tokens,
+            "output_tokens": usage.output_tokens,
+            "total_tokens": usage.input_tokens + usage.output_tokens,
+        }
+        if usage is not None
+        else None,
+    )
+
+
+def _arguments(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+def langchain_from_message(message: AgentMessage) -> BaseMessage | None:
+    """The LangChain message of a stored one: exactly the one it was made from, or for a
+    message another writer stored, the one its chat fields make. None for a message no
+    model said or can take (an error note, another runtime's reasoning item)."""
+    rebuilt = _rebuilt(message)
+    if message.native is None or message.native.format != FORMAT:
+        return rebuilt
+    base = rebuilt.model_dump(mode="json") if rebuilt is not None else {}
+    form = native_form(FORMAT, message, base)
+    return messages_from_dict([{"type": form["type"], "data": form}])[0]
+
+
+# -- the history ----------------------------------------------------------------------
+
+
+class ConversationChatHistory(BaseChatMessageHistory):
+    """A LangChain `BaseChatMessageHistory` keeping its messages as a stored conversation.
+
+    Use it as `RunnableWithMessageHistory`'s history. With `user_id`, the conversation
+    is that user's (created for them, refused when another user owns it) and only theirs
+    is read.
+    """
+
+    def __init__(
+        self,
+        conversation_id: str,
+        db: Database | SyncPyMongoDatabase[Any],
+        *,
+        user_id: str | None = None,
+        rules: TurnRules | None = None,
+    ) -> None:
+        """A history of conversation `conversation_id` in `db`: an async database (PyMongo
+        `AsyncDatabase`, Motor) for the async methods, or a synchronous PyMongo `Database`."""
+        self.conversation_id = validate_identifier(conversation_id, "conversation_id")
+        self.user_id = validate_identifier(user_id, "user_id") if user_id is not None else None
+        self._sync = isinstance(db, SyncPyMongoDatabase)
+        handle = SyncDatabase(db) if self._sync else db
+        self.logger = AgentMessageLogger(handle, rules=rules)
+        self.store = ConversationStore(handle, rules=rules)
+        self._appends = Appends(
+            self.logger, self.conversation_id, user_id=self.user_id, prefix="langchain"
+        )
+
+    # -- async -----------------------------------------------------------------------
+
+    async def aget_messages(self) -> list[BaseMessage]:
+        """The conversation's messages in `seq` order (one round trip)."""
+        if self._sync:
+            return await asyncio.to_thread(lambda: self.messages)
+        return await self._read()
+
+    async def aadd_messages(self, messages: Sequence[BaseMessage]) -> None:
+        """Store the messages as one turn (idempotent when a failed call is repeated)."""
+        if self._sync:
+            await asyncio.to_thread(self.add_messages, messages)
+            return
+        await self._append(messages)
+
+    async def aclear(self) -> None:
+        """Delete the conversation: its messages and its document."""
+        if self._sync:
+            await asyncio.to_thread(self.clear)
+            return
+        await self._clear()
+
+    # -- sync ------------------------------------------------------------------------
+
+    @property
+    def messages(self) -> list[BaseMessage]:  # type: ignore[override]
+        """The conversation's messages in `seq` order (needs a synchronous database)."""
+        return run_sync(self._read()) if self._check_sync("messages") else []
+
+    def add_messages(self, messages: Sequence[BaseMessage]) -> None:
+        """Store the messages as one turn (needs a synchronous database)."""
+        if self._check_sync("add_messages"):
+            run_sync(self._append(messages))
+
+    def clear(self) -> None:
+        """Delete the conversation (needs a synchronous database)."""
+        if self._check_sync("clear"):
+            run_sync(self._clear())
+
+    def _check_sync(self, method: str) -> bool:
+        if not self._sync:
+            raise Unsupported(
+                f"{method} needs a synchronous pymongo Database; this history holds an async "
+                "one: use aget_messages, aadd_messages and aclear"
+            )
+        return True
+
+    # -- shared ----------------------------------------------------------------------
+
+    async def _read(self) -> list[BaseMessage]:
+        stored = await self.store.recent_messages(self.conversation_id, user_id=self.user_id)
+        return [m for m in map(langchain_from_message, stored) if m is not None]
+
+    async def _append(self, messages: Sequence[BaseMessage]) -> None:
+        if not messages:
+            return
+        markers = self.logger.rules.markers
+        await self._appends.append(
+            [message_from_langchain(m, index=i, markers=markers) for i, m in enumerate(messages)]
+        )
+
+    async def _clear(self) -> None:
+        try:
+            await self.store.delete(self.conversation_id, user_id=self.user_id)
+        except NotFound:
+            return

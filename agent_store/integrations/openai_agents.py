@@ -1,0 +1,292 @@
+"""OpenAI Agents SDK sessions on the store: `ConversationSession` is a `Session` whose history
+is a stored conversation. Needs the `openai-agents` extra; the rest of the package does not
+import this module.
+
+One item is one message, so `get_items(limit)` reads the last `limit` messages
+and `pop_item` removes the last one:
+
+- a user, system or developer message item: a `user` or `system` message with
+  its text (hidden runtime context stripped first);
+- an assistant message item: an `assistant` message with its text;
+- a `function_call`: an `assistant` message with one tool call, under the
+  item's own `call_id`; a `function_call_output`: a `tool` message answering it;
+- any other item (reasoning, web search, file search, computer-use, MCP,
+  shell, custom tool calls and their outputs, compaction): an `assistant`
+  message with no content, holding the whole item in its `native` extension.
+  The readers that build another model's input (exports, the Pydantic AI and
+  LangChain histories) skip it; this session gives it back as it came.
+
+Whatever an item holds beyond the chat fields (its `id`, `status`, content
+parts) is kept in `native`, so `get_items` gives back exactly the items added.
+Messages other writers stored are given back as the items their chat fields
+make.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+try:
+    from agents.items import TResponseInputItem
+    from agents.memory import SessionSettings
+    from agents.memory.session_settings import resolve_session_limit
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "agent_store.integrations.openai_agents needs the OpenAI Agents SDK: "
+        "install agent-conversation-store[openai-agents]"
+    ) from exc
+
+import contextlib
+
+from pydantic import ValidationError
+
+from agent_store.core import (
+    AgentMessage,
+    AssistantMessage,
+    FunctionCall,
+    InvalidInput,
+    NativeForm,
+    NotFound,
+    SystemMessage,
+    ToolCall,
+    ToolMessage,
+    UserMessage,
+    describe_validation_error,
+)
+from agent_store.integrations._appends import Appends
+from agent_store.integrations._native import native_form, with_native
+from agent_store.store import (
+    DEFAULT_MARKERS,
+    AgentMessageLogger,
+    ConversationStore,
+    Database,
+    RuntimeContextMarkers,
+    TurnRules,
+    strip_runtime_context,
+    validate_identifier,
+)
+
+__all__ = ["FORMAT", "ConversationSession", "item_from_message", "message_from_item"]
+
+FORMAT = "openai-agents"
+"""The `native.format` of messages made from Agents SDK items."""
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+# -- items into messages --------------------------------------------------------------
+
+
+def message_from_item(
+    item: Mapping[str, Any], *, index: int = 0, markers: RuntimeContextMarkers = DEFAULT_MARKERS
+) -> AgentMessage:
+    """The stored message of one Agents SDK input item (a dict, as the SDK hands a session).
+
+    Raises InvalidInput naming the item when it is not an item or lacks what its kind needs.
+    """
+    if not isinstance(item, Mapping):
+        raise InvalidInput(f"invalid item {index}: a {type(item).__name__}, not an item object")
+    kind = item.get("type", "message" if "role" in item else None)
+    if not isinstance(kind, str) or not kind:
+        raise InvalidInput(f"invalid item {index}: it has neither a `type` nor a `role`")
+    if kind == "message" and item.get("role") == "user":
+        item = _without_hidden_context(item, markers)
+    try:
+        message = _chat_message(kind, item, index)
+        if message is None:
+            return AssistantMessage(native=NativeForm(format=FORMAT, set=dict(item)))
+    except ValidationError as exc:
+        raise InvalidInput(
+            describe_validation_error(exc, subject=f"item {index} ({kind})")
+        ) from exc
+    return with_native(message, FORMAT, item, _rebuilt(message)[0])
+
+
+def _chat_message(kind: str, item: Mapping[str, Any], index: int) -> AgentMessage | None:
+    """The message whose chat fields hold the item, or None for an item they cannot hold."""
+    if kind == "message":
+        text = _text_of(item.get("content"))
+        role = item.get("role")
+        if role == "user":
+            return UserMessage(content=text)
+        if role in ("system", "developer"):
+            return SystemMessage(content=text)
+        if role == "assistant":
+            return AssistantMessage(content=text)
+        raise InvalidInput(f"invalid item {index}: a message with unknown role {role!r}")
+    if kind == "function_call":
+        call = ToolCall(
+            id=item.get("call_id"),
+            function=FunctionCall(name=item.get("name"), arguments=item.get("arguments", "{}")),
+        )
+        return AssistantMessage(tool_calls=[call])
+    if kind == "function_call_output":
+        return ToolMessage(tool_call_id=item.get("call_id"), content=_text_of(item.get("output")))
+    return None
+
+
+def _text_of(content: Any) -> str:
+    """The readable text of an item's content: a string, or its parts' texts and `[kind]` notes."""
+    if isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for part in content if isinstance(content, list) else ():
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind in _TEXT_PARTS:
+            texts.append(str(part.get("text", "")))
+        elif kind == "refusal":
+            texts.append(str(part.get("refusal", "")))
+        else:
+            texts.append(f"[{kind}]")
+    return "\n".join(texts)
+
+
+def _without_hidden_context(
+    item: Mapping[str, Any], markers: RuntimeContextMarkers
+) -> dict[str, Any]:
+    """A user item with hidden runtime context removed from its text, wherever it is."""
+    content = item.get("content")
+    if isinstance(content, str):
+        return {**item, "content": strip_runtime_context(content, markers)}
+    if isinstance(content, list):
+        parts = [
+            {**part, "text": strip_runtime_context(part["text"], markers)}
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str)
+            else part
+            for part in content
+        ]
+        return {**item, "content": parts}
+    return dict(item)
+
+
+# -- messages into items --------------------------------------------------------------
+
+
+def _rebuilt(message: AgentMessage) -> list[dict[str, Any]]:
+    """The items a message's chat fields make, before its native form is applied."""
+    if isinstance(message, ToolMessage):
+        return [
+            {
+                "type": "function_call_output",
+                "call_id": message.tool_call_id,
+                "output": message.content or "",
+            }
+        ]
+    if isinstance(message, AssistantMessage):
+        items: list[dict[str, Any]] = []
+        if message.content is not None:
+            part = {"type": "output_text", "text": message.content, "annotations": []}
+            items.append(
+                {"type": "message", "role": "assistant", "status": "completed", "content": [part]}
+            )
+        for call in message.tool_calls or ():
+            items.append(
+                {
+                    "type": "function_call",
+                    "call_id": call.id,
+                    "name": call.function.name,
+                    "arguments": call.function.arguments,
+                }
+            )
+        return items or [{}]
+    text = message.content
+    if text is None and message.upload is not None:
+        text = f"[uploaded {message.upload.filename} ({message.upload.file_type})]"
+    return [{"role": message.role, "content": text or ""}]
+
+
+def item_from_message(message: AgentMessage) -> list[dict[str, Any]]:
+    """The Agents SDK items of a stored message, in order: exactly the item it was made from,
+    or for a message another writer stored, the items its chat fields make.
+
+    An assistant message carrying only an error or a HITL action, which no model said, has none.
+    """
+    rebuilt = _rebuilt(message)
+    if message.native is not None and message.native.format == FORMAT:
+        return [native_form(FORMAT, message, rebuilt[0])]
+    return [item for item in rebuilt if item]
+
+
+def items_from_messages(messages: Sequence[AgentMessage]) -> list[dict[str, Any]]:
+    """The Agents SDK items of stored messages, in order."""
+    return [item for message in messages for item in item_from_message(message)]
+
+
+# -- the session ----------------------------------------------------------------------
+
+
+class ConversationSession:
+    """An Agents SDK `Session` keeping its history as a stored conversation.
+
+    Pass it as `Runner.run(agent, input, session=...)`. `session_id` is the
+    conversation id; with `user_id`, the conversation is that user's (created
+    for them, refused when another user owns it) and only theirs is read.
+    Each `add_items` call is one logged turn: two round trips, and a repeat
+    of a call that raised is stored once. `get_items` is one round trip.
+    """
+
+    session_settings: SessionSettings | None
+
+    def __init__(
+        self,
+        session_id: str,
+        db: Database,
+        *,
+        user_id: str | None = None,
+        rules: TurnRules | None = None,
+        session_settings: SessionSettings | None = None,
+    ) -> None:
+        """A session on conversation `session_id` of `db` (a PyMongo `AsyncDatabase` or Motor)."""
+        self.session_id = validate_identifier(session_id, "session_id")
+        self.user_id = validate_identifier(user_id, "user_id") if user_id is not None else None
+        self.session_settings = session_settings
+        self.logger = AgentMessageLogger(db, rules=rules)
+        self.store = ConversationStore(db, rules=rules)
+        self._appends = Appends(self.logger, self.session_id, user_id=self.user_id, prefix="agents")
+
+    async def get_items(self, limit: int | None = None) -> list[TResponseInputItem]:
+        """The last `limit` items (all with None, or the settings' limit), oldest first."""
+        limit = resolve_session_limit(limit, self.session_settings)
+        if limit is not None and limit <= 0:
+            return []
+        messages = await self.store.recent_messages(
+            self.session_id, limit=limit, user_id=self.user_id
+        )
+        items = items_from_messages(messages)
+        return cast(list[TResponseInputItem], items[-limit:] if limit else items)
+
+    async def add_items(self, items: list[TResponseInputItem]) -> None:
+        """Store the items as one turn (idempotent when a failed call is repeated)."""
+        if not items:
+            return
+        markers = self.logger.rules.markers
+        messages = [
+            message_from_item(cast(Mapping[str, Any], item), index=index, markers=markers)
+            for index, item in enumerate(items)
+        ]
+        await self._appends.append(messages)
+
+    async def pop_item(self) -> TResponseInputItem | None:
+        """Remove the last stored message and return its item; None when there is none.
+
+        A message that makes no item (another writer's error note) is removed on the way.
+        """
+        while True:
+            message = await self.store.pop_last_message(self.session_id, user_id=self.user_id)
+            if message is None:
+                return None
+            items = item_from_message(message)
+            if items:
+                return cast(TResponseInputItem, items[-1])
+
+    async def clear_session(self) -> None:
+        """Delete the conversation: its messages and its document."""
+        with contextlib.suppress(NotFound):
+            await self.store.delete(self.session_id, user_id=self.user_id)
+
+
+if TYPE_CHECKING:
+    from agents.memory import Session
+
+    _conforms: type[Session] = ConversationSession

@@ -1,0 +1,424 @@
+"""The Agents SDK's own Runner on a scripted model, with its history in the store.
+
+Every comparison is against the SDK's in-memory `SQLiteSession(":memory:")`
+given the same calls: what the model is sent, and what the session answers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+from agents import Agent, Runner, SQLiteSession, Usage, function_tool, set_tracing_disabled
+from agents.items import ModelResponse, TResponseInputItem
+from agents.memory import Session
+from agents.models.interface import Model
+from openai.types.responses import (
+    ResponseFunctionToolCall,
+    ResponseFunctionWebSearch,
+    ResponseOutputMessage,
+    ResponseOutputText,
+    ResponseReasoningItem,
+)
+from openai.types.responses.response_function_web_search import ActionSearch
+from openai.types.responses.response_reasoning_item import Summary
+
+from agent_store import (
+    AgentMessageLogger,
+    Conflict,
+    ConversationStore,
+    InvalidInput,
+    StorageUnavailable,
+)
+from agent_store.integrations.exports import chat_completions
+from agent_store.integrations.openai_agents import (
+    ConversationSession,
+    item_from_message,
+    message_from_item,
+)
+from tests.conftest import Backend
+
+CID = "conv-agents"
+
+set_tracing_disabled(True)  # no trace export: the tests never reach the network
+
+
+@pytest.fixture
+def in_memory() -> Iterator[SQLiteSession]:
+    """The SDK's own in-memory session, the reference every comparison is made against."""
+    session = SQLiteSession("s", ":memory:")
+    yield session
+    session.close()
+
+
+def text(content: str, item_id: str) -> ResponseOutputMessage:
+    part = ResponseOutputText(type="output_text", text=content, annotations=[])
+    return ResponseOutputMessage(
+        id=item_id, type="message", role="assistant", status="completed", content=[part]
+    )
+
+
+def call(name: str, arguments: dict[str, Any], call_id: str) -> ResponseFunctionToolCall:
+    return ResponseFunctionToolCall(
+        type="function_call",
+        name=name,
+        arguments=json.dumps(arguments),
+        call_id=call_id,
+        id=f"fc_{call_id}",
+        status="completed",
+    )
+
+
+def script() -> list[list[Any]]:
+    """Three runs: two parallel weather calls (after reasoning and a web search), then a clock
+    call, then a plain answer. One list of output items per model call."""
+    reasoning = ResponseReasoningItem(
+        id="rs_1", type="reasoning", summary=[Summary(type="summary_text", text="Two cities.")]
+    )
+    search = ResponseFunctionWebSearch(
+        id="ws_1",
+        type="web_search_call",
+        status="completed",
+        action=ActionSearch(type="search", query="weather Paris Lyon"),
+    )
+    return [
+        [
+            reasoning,
+            search,
+            call("get_weather", {"city": "Paris"}, "call_w1"),
+            call("get_weather", {"city": "Lyon"}, "call_w2"),
+        ],
+        [text("Paris 18 °C, Lyon 21 °C.", "msg_1")],
+        [call("get_time", {"zone": "Europe/Paris"}, "call_t1")],
+        [text("It is 09:00.", "msg_2")],
+        [text("You're welcome.", "msg_3")],
+    ]
+
+
+class ScriptedModel(Model):
+    """A `Model` answering from a script, recording the input of every call."""
+
+    def __init__(self) -> None:
+        self.steps = script()
+        self.inputs: list[list[dict[str, Any]]] = []
+
+    async def get_response(self, *args: Any, **kwargs: Any) -> ModelResponse:
+        given = kwargs.get("input", args[1] if len(args) > 1 else None)
+        assert isinstance(given, list)
+        self.inputs.append(json.loads(json.dumps(given)))
+        usage = Usage(requests=1, input_tokens=10, output_tokens=5, total_tokens=15)
+        return ModelResponse(output=self.steps.pop(0), usage=usage, response_id=None)
+
+    def stream_response(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        raise NotImplementedError
+
+
+@function_tool
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return json.dumps({"city": city, "temp_c": {"Paris": 18, "Lyon": 21}[city]})
+
+
+@function_tool
+def get_time(zone: str) -> str:
+    """The time in a zone."""
+    return "09:00"
+
+
+PROMPTS = ["Weather in Paris and Lyon?", "And the time?", "Thanks!"]
+
+
+async def three_runs(session: Session) -> ScriptedModel:
+    model = ScriptedModel()
+    agent = Agent(
+        name="assistant", instructions="Be brief.", model=model, tools=[get_weather, get_time]
+    )
+    for prompt in PROMPTS:
+        await Runner.run(agent, prompt, session=session)
+    return model
+
+
+async def test_the_third_run_sends_the_model_what_an_in_memory_session_sends(
+    backend: Backend, in_memory: SQLiteSession
+) -> None:
+    reference = await three_runs(in_memory)
+    stored = await three_runs(ConversationSession(CID, backend.db))
+
+    assert len(stored.inputs) == len(reference.inputs) == 5
+    assert stored.inputs[-1] == reference.inputs[-1]
+    assert stored.inputs == reference.inputs
+    kinds = [item.get("type", item.get("role")) for item in stored.inputs[-1]]
+    assert kinds == [
+        "user", "reasoning", "web_search_call", "function_call", "function_call",
+        "function_call_output", "function_call_output", "message",
+        "user", "function_call", "function_call_output", "message", "user",
+    ]  # fmt: skip
+
+
+async def test_items_are_stored_as_chat_messages_with_the_real_call_ids(backend: Backend) -> None:
+    await three_runs(ConversationSession(CID, backend.db, user_id="u1"))
+    transcript = await ConversationStore(backend.db).transcript(CID)
+
+    assert [m.role for m in transcript[:8]] == [
+        "user", "assistant", "assistant", "assistant", "assistant", "tool", "tool", "assistant",
+    ]  # fmt: skip
+    first_call = transcript[3]
+    assert first_call.tool_calls is not None
+    assert first_call.tool_calls[0].id == "call_w1"
+    assert first_call.tool_calls[0].function.arguments == '{"city": "Paris"}'
+    assert transcript[5].tool_call_id == "call_w1"
+    assert transcript[7].content == "Paris 18 °C, Lyon 21 °C."
+    # Reasoning and the web search are kept whole, in the extension, with no content.
+    assert transcript[1].content is None
+    assert transcript[1].native is not None
+    assert transcript[1].native.set["type"] == "reasoning"
+    conversation = await ConversationStore(backend.db).get_conversation(CID, user_id="u1")
+    assert conversation.turn_count == 3
+
+
+async def test_items_the_chat_format_cannot_hold_are_never_shown_to_other_readers(
+    backend: Backend,
+) -> None:
+    await three_runs(ConversationSession(CID, backend.db))
+    exported = chat_completions(await ConversationStore(backend.db).transcript(CID))
+
+    assert [m["role"] for m in exported[:5]] == ["user", "assistant", "tool", "assistant", "tool"]
+    assert "reasoning" not in json.dumps(exported)
+    assert "web_search_call" not in json.dumps(exported)
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        pytest.param({"role": "developer", "content": "Be terse."}, id="developer"),
+        pytest.param(
+            {
+                "type": "message",
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "What is on this picture?"},
+                    {
+                        "type": "input_image",
+                        "image_url": "https://example.test/a.png",
+                        "detail": "auto",
+                    },
+                ],
+            },
+            id="user-parts",
+        ),
+        pytest.param(
+            {
+                "type": "computer_call",
+                "id": "cu_1",
+                "call_id": "call_c1",
+                "status": "completed",
+                "action": {"type": "click", "button": "left", "x": 10, "y": 20},
+                "pending_safety_checks": [],
+            },
+            id="computer-call",
+        ),
+        pytest.param(
+            {
+                "type": "computer_call_output",
+                "call_id": "call_c1",
+                "output": {
+                    "type": "computer_screenshot",
+                    "image_url": "data:image/png;base64,AAAA",
+                },
+            },
+            id="computer-call-output",
+        ),
+        pytest.param(
+            {
+                "type": "function_call_output",
+                "call_id": "call_9",
+                "output": [{"type": "input_text", "text": "a chart"}],
+            },
+            id="tool-output-parts",
+        ),
+        pytest.param(
+            {"type": "reasoning", "id": "rs_9", "summary": [], "encrypted_content": "gAAAA"},
+            id="encrypted-reasoning",
+        ),
+    ],
+)
+def test_every_item_comes_back_exactly_as_it_came(item: dict[str, Any]) -> None:
+    message = message_from_item(item)
+    stored_again = type(message).model_validate(message.model_dump(mode="json", by_alias=True))
+
+    assert item_from_message(stored_again) == [item]
+
+
+def test_items_without_what_their_kind_needs_are_refused_naming_the_item() -> None:
+    with pytest.raises(InvalidInput, match=r"invalid item 2 \(function_call\)"):
+        message_from_item({"type": "function_call", "name": "f", "arguments": "{}"}, index=2)
+    with pytest.raises(InvalidInput, match=r"invalid item 0: a message with unknown role 'robot'"):
+        message_from_item({"role": "robot", "content": "beep"})
+    with pytest.raises(InvalidInput, match=r"invalid item 1: it has neither a `type` nor a `role`"):
+        message_from_item({"content": "who says this?"}, index=1)
+
+
+async def test_hidden_runtime_context_is_stripped_before_anything_is_stored(
+    backend: Backend,
+) -> None:
+    session = ConversationSession(CID, backend.db)
+    hidden = "[RUNTIME CONTEXT]plan=gold[/RUNTIME CONTEXT]"
+    await session.add_items(
+        [
+            {"role": "user", "content": f"{hidden} Hello"},
+            {"type": "message", "role": "user",
+             "content": [{"type": "input_text", "text": f"{hidden}Look"},
+                         {"type": "input_image", "image_url": "https://example.test/b.png",
+                          "detail": "auto"}]},
+        ]
+    )  # fmt: skip
+
+    items = await session.get_items()
+    assert items[0] == {"role": "user", "content": "Hello"}
+    assert items[1]["content"][0] == {"type": "input_text", "text": "Look"}  # type: ignore[index,typeddict-item]
+    documents = await backend.db.agent_messages.find({}).to_list(None)
+    assert "plan=gold" not in json.dumps(documents, default=str)
+
+
+# -- pop_item and clear_session, call for call against the SDK's SQLite session ------------
+
+Calls = Callable[[Session], Awaitable[list[Any]]]
+
+
+async def pop_twice_after_runs(session: Session) -> list[Any]:
+    await three_runs(session)
+    return [await session.pop_item(), await session.pop_item(), await session.get_items()]
+
+
+async def pop_everything(session: Session) -> list[Any]:
+    await session.add_items([{"role": "user", "content": "hi"}])
+    await session.add_items([{"role": "assistant", "content": "hello"}])
+    return [await session.pop_item(), await session.pop_item(), await session.pop_item(),
+            await session.get_items()]  # fmt: skip
+
+
+async def pop_then_add(session: Session) -> list[Any]:
+    await session.add_items(
+        [{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]
+    )
+    popped = await session.pop_item()
+    await session.add_items([{"role": "user", "content": "three"}])
+    return [popped, await session.get_items(), await session.get_items(limit=1)]
+
+
+async def clear_then_add(session: Session) -> list[Any]:
+    await three_runs(session)
+    await session.clear_session()
+    emptied = await session.get_items()
+    await session.clear_session()
+    await session.add_items([{"role": "user", "content": "again"}])
+    return [emptied, await session.get_items(), await session.pop_item(), await session.pop_item()]
+
+
+async def limits(session: Session) -> list[Any]:
+    await three_runs(session)
+    return [await session.get_items(limit=n) for n in (1, 3, 100)] + [
+        await session.get_items(limit=0)
+    ]
+
+
+@pytest.mark.parametrize(
+    "calls", [pop_twice_after_runs, pop_everything, pop_then_add, clear_then_add, limits]
+)
+async def test_the_session_answers_as_the_sdks_sqlite_session(
+    backend: Backend, in_memory: SQLiteSession, calls: Calls
+) -> None:
+    expected = await calls(in_memory)
+    answered = await calls(ConversationSession(CID, backend.db))
+
+    assert answered == expected
+
+
+async def test_popping_keeps_the_conversations_counters_true(backend: Backend) -> None:
+    session = ConversationSession(CID, backend.db)
+    await three_runs(session)
+    store = ConversationStore(backend.db)
+    before = await store.get_conversation(CID)
+
+    await session.pop_item()  # "You're welcome."
+    await session.pop_item()  # "Thanks!", which started the third turn
+    after = await store.get_conversation(CID)
+
+    assert after.message_count == before.message_count - 2
+    assert after.turn_count == before.turn_count - 1 == 2
+    assert after.last_message_preview == "It is 09:00."
+    await session.add_items([{"role": "user", "content": "Thanks again!"}])
+    assert [m.seq for m in await store.recent_messages(CID, limit=2)] == [
+        after.message_count - 1, after.message_count,
+    ]  # fmt: skip
+
+
+# -- retries, owners, round trips ------------------------------------------------------
+
+
+class LosesOneAcknowledgement(AgentMessageLogger):
+    """Stores the first turn, then fails as if the reply had been lost on the network."""
+
+    lost = False
+
+    async def log_messages(self, *args: Any, **kwargs: Any) -> Any:
+        logged = await super().log_messages(*args, **kwargs)
+        if not self.lost:
+            self.lost = True
+            raise StorageUnavailable("the reply was lost")
+        return logged
+
+
+async def test_repeating_an_add_that_failed_stores_it_once(backend: Backend) -> None:
+    session = ConversationSession(CID, backend.db)
+    session.logger = LosesOneAcknowledgement(backend.db)
+    session._appends.logger = session.logger
+    items: list[TResponseInputItem] = [{"role": "user", "content": "hi"}]
+
+    with pytest.raises(StorageUnavailable):
+        await session.add_items(items)
+    await session.add_items(items)
+    assert await session.get_items() == items
+
+    await session.add_items(items)  # the same words again, after a success: a new turn
+    assert await session.get_items() == items + items
+
+
+async def test_a_session_of_one_user_neither_reads_nor_writes_anothers(backend: Backend) -> None:
+    await ConversationSession(CID, backend.db, user_id="alice").add_items(
+        [{"role": "user", "content": "mine"}]
+    )
+    intruder = ConversationSession(CID, backend.db, user_id="mallory")
+
+    assert await intruder.get_items() == []
+    with pytest.raises(Conflict):
+        await intruder.add_items([{"role": "user", "content": "yours now"}])
+    assert await intruder.pop_item() is None
+
+
+async def test_adding_costs_two_round_trips_reading_one_and_clearing_four(
+    wire_backend: Backend,
+) -> None:
+    assert wire_backend.commands is not None
+    session = ConversationSession(CID, wire_backend.db)
+    model = ScriptedModel()
+    agent = Agent(name="assistant", model=model, tools=[get_weather, get_time])
+    await Runner.run(agent, PROMPTS[0], session=session)
+
+    wire_backend.commands.clear()
+    await session.add_items(
+        [{"role": "user", "content": "one more"}, {"role": "user", "content": "and another"}]
+    )
+    assert wire_backend.commands.names == ["findAndModify", "insert"]
+
+    for limit in (None, 3):
+        wire_backend.commands.clear()
+        await session.get_items(limit)
+        assert wire_backend.commands.names == ["find"]
+
+    wire_backend.commands.clear()
+    await session.clear_session()
+    # The conversation, its cut texts' files (none here), its messages, its document.
+    assert wire_backend.commands.names == ["find", "find", "delete", "delete"]
