@@ -62,6 +62,7 @@ class Authenticator:
         self._algorithms = list(settings.jwt_algorithms)
         self._audience = settings.jwt_audience
         self._issuer = settings.jwt_issuer
+        self._max_lifetime = settings.max_user_token_seconds
         self._key: str | None
         if self._algorithms[0].startswith("HS"):
             self._key = settings.jwt_secret.get_secret_value() if settings.jwt_secret else None
@@ -111,10 +112,16 @@ class Authenticator:
                 audience=self._audience,
                 issuer=self._issuer,
                 leeway=_JWT_LEEWAY_SECONDS,
-                options={"require": ["exp", "aud", "iss", "sub"]},
+                options={"require": ["exp", "iat", "aud", "iss", "sub"]},
             )
         except jwt.PyJWTError as exc:
             raise Unauthorized(f"invalid user token: {exc}") from exc
+        lifetime = claims["exp"] - claims["iat"]
+        if lifetime > self._max_lifetime:
+            raise Unauthorized(
+                f"invalid user token: its lifetime (exp - iat) is {lifetime:.0f} s; "
+                f"at most {self._max_lifetime} s are accepted"
+            )
         try:
             return validate_identifier(claims["sub"], "user token sub")
         except InvalidInput as exc:

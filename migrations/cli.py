@@ -22,7 +22,13 @@ from pymongo.errors import ConfigurationError, PyMongoError
 
 from agent_store.core import utc_now
 from agent_store.legacy import LEGACY_TURNS
-from agent_store.store import CONVERSATIONS, MESSAGES, TurnRules, create_indexes_sync
+from agent_store.store import (
+    CONVERSATIONS,
+    MESSAGES,
+    TurnRules,
+    create_indexes_sync,
+    redact_uri,
+)
 from migrations import explode, lease, relocate
 from migrations.errors import MigrationError, Misuse, Unreachable
 from migrations.verify import verify
@@ -79,13 +85,13 @@ def connect(args: argparse.Namespace) -> MongoClient[dict[str, Any]]:
             uri, tz_aware=True, serverSelectionTimeoutMS=int(args.timeout * 1000)
         )
     except ConfigurationError as exc:
-        raise Unreachable(f"invalid MongoDB URI {uri!r}: {exc}") from exc
+        raise Unreachable(f"invalid MongoDB URI {redact_uri(uri)!r}: {exc}") from exc
     try:
         client.admin.command("ping")
     except PyMongoError as exc:
         client.close()
         raise Unreachable(
-            f"cannot reach MongoDB at {uri!r} within {args.timeout:g}s: {exc}"
+            f"cannot reach MongoDB at {redact_uri(uri)!r} within {args.timeout:g}s: {exc}"
         ) from exc
     return client
 

@@ -4,7 +4,7 @@ It imports only `agent_store.core` and the driver. Legacy turns and the dual
 write reach it through the protocols in `LegacySource` and `TurnObserver`.
 """
 
-from agent_store.store._driver import DUPLICATE_KEY, Database, storage_errors
+from agent_store.store._driver import DUPLICATE_KEY, Database, redact_uri, storage_errors
 from agent_store.store._indexes import (
     CONVERSATIONS,
     INDEXES,
@@ -92,6 +92,7 @@ __all__ = [
     "message_text",
     "parse_messages",
     "plan_turn",
+    "redact_uri",
     "search_text",
     "shorten",
     "storage_errors",

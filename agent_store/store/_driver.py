@@ -3,6 +3,7 @@ re-raises driver errors as the store's own."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,6 +26,30 @@ They share the awaitable collection API the store uses, but no common type.
 
 DUPLICATE_KEY = 11000
 """The server's code for a duplicate-key error: the only write error the store swallows."""
+
+
+_SECRET_OPTION = re.compile(r"(?i)password|secret|token|authmechanismproperties")
+
+
+def redact_uri(uri: str) -> str:
+    """`uri` fit to print: its password and the values of secret-bearing options are `***`."""
+    scheme, separator, rest = uri.partition("://")
+    if not separator:
+        return "***"
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    authority, tail = rest[:cut], rest[cut:]
+    userinfo, at, hosts = authority.rpartition("@")
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        authority = f"{user}{':***' if colon else ''}@{hosts}"
+    path, question, options = tail.partition("?")
+    if question:
+        kept = []
+        for option in options.split("&"):
+            name, equals, _ = option.partition("=")
+            kept.append(f"{name}=***" if equals and _SECRET_OPTION.search(name) else option)
+        tail = f"{path}?{'&'.join(kept)}"
+    return f"{scheme}://{authority}{tail}"
 
 
 @contextmanager
