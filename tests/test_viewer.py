@@ -89,7 +89,11 @@ def test_sessions_expire_and_die_with_the_token_that_opened_them() -> None:
     cookie = issue_session(authenticator, "admin-ui", now)
     assert session_service(authenticator, cookie, now + 10) == "admin-ui"
     assert session_service(authenticator, cookie, now + SESSION_SECONDS + 1) is None
-    rotated = Authenticator(api_settings(service_tokens=["a-new-token-after-rotation-0123456789"], named_service_tokens={}))
+    rotated = Authenticator(
+        api_settings(
+            service_tokens=["a-new-token-after-rotation-0123456789"], named_service_tokens={}
+        )
+    )
     assert session_service(rotated, cookie, now + 10) is None
 
 
