@@ -95,6 +95,9 @@ def error_response(status: int, code: str, message: str) -> JSONResponse:
 
 async def _store_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StoreError)
+    if exc.status >= 500:
+        # The client gets the store's words; the driver's error (the cause) goes to the log.
+        log.error("%s on %s %s", exc.code, request.method, request.url.path, exc_info=exc)
     return error_response(exc.status, exc.code, exc.message)
 
 

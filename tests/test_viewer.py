@@ -221,3 +221,37 @@ async def test_a_conversation_not_migrated_yet_shows_its_legacy_turns_alone(api:
     assert "Not migrated yet" in page.text
     missing = await api.http.get("/viewer/conversations/conv-none/legacy")
     assert missing.status_code == 404
+
+
+@pytest.mark.parametrize("depth", [50_000, 2_000])
+async def test_the_viewer_shows_stored_text_however_deeply_it_nests(
+    api: Served, depth: int
+) -> None:
+    deep = "[" * depth + "]" * depth
+    await api.store.logger.log_messages(
+        "conv-deep",
+        [
+            {"role": "user", "content": "Nest it"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c1", "function": {"name": "nest", "arguments": deep}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": deep},
+        ],
+        user_id=OWNER,
+    )
+    await api.db["agent_conversations_deprecated"].insert_one(
+        {
+            "conversation_id": "conv-deep",
+            "user_message": "Nest it",
+            "response_parts": [
+                {"type": "tool_call", "tool_name": "nest", "args": deep},
+                {"type": "tool_result", "tool_name": "nest", "result": deep},
+            ],
+        }
+    )
+    await sign_in(api.http)
+    for url in ("/viewer/conversations/conv-deep", "/viewer/conversations/conv-deep/legacy"):
+        page = await api.http.get(url)
+        assert page.status_code == 200, url
+        assert page.text.count(deep) >= 2, url

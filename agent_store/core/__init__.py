@@ -12,6 +12,7 @@ from agent_store.core._errors import (
     StoreError,
     Unsupported,
     describe_validation_error,
+    location_text,
 )
 from agent_store.core._models import (
     AgentMessage,
@@ -94,6 +95,7 @@ __all__ = [
     "feedback_cause",
     "feedback_error",
     "interruption_notice",
+    "location_text",
     "message_adapter",
     "messages_adapter",
     "outcome_error",

@@ -54,20 +54,22 @@ def redact_uri(uri: str) -> str:
 
 @contextmanager
 def storage_errors(action: str) -> Iterator[None]:
-    """Re-raise driver errors met while doing `action` as the store's own errors."""
+    """Re-raise driver errors met while doing `action` as the store's own errors.
+
+    The message says what failed in the store's words only; the driver's error, whose
+    text may quote documents, commands or hosts, stays attached as `__cause__` for logs.
+    """
     try:
         yield
     except StoreError:
         raise
     except (mongo_errors.ServerSelectionTimeoutError, mongo_errors.AutoReconnect) as exc:
-        raise StorageUnavailable(
-            f"could not {action}: the database is unreachable ({exc})"
-        ) from exc
+        raise StorageUnavailable(f"could not {action}: the database is unreachable") from exc
     except (mongo_errors.NetworkTimeout, mongo_errors.ExecutionTimeout) as exc:
-        raise StorageUnavailable(f"could not {action}: the database timed out ({exc})") from exc
+        raise StorageUnavailable(f"could not {action}: the database timed out") from exc
     except mongo_errors.DocumentTooLarge as exc:
-        raise InvalidInput(f"could not {action}: a document is too large ({exc})") from exc
+        raise InvalidInput(f"could not {action}: a document is too large") from exc
     except mongo_errors.PyMongoError as exc:
-        raise StorageFailure(f"could not {action}: {exc}") from exc
+        raise StorageFailure(f"could not {action}: the database refused the operation") from exc
     except NotImplementedError as exc:
-        raise Unsupported(f"could not {action}: this database does not support it ({exc})") from exc
+        raise Unsupported(f"could not {action}: this database does not support it") from exc

@@ -32,7 +32,7 @@ from agent_store.core import (
 from agent_store.store._driver import Database, storage_errors
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource
-from agent_store.store._text import clean_name
+from agent_store.store._text import clean_name, has_positive_term
 from agent_store.store._turns import validate_identifier
 
 MAX_PAGE_SIZE = 200
@@ -411,6 +411,11 @@ class ConversationStore:
         if not text or len(text) > MAX_SEARCH_QUERY_CHARS:
             raise InvalidInput(
                 f"invalid search: the query must have 1 to {MAX_SEARCH_QUERY_CHARS} characters"
+            )
+        if not has_positive_term(text):
+            raise InvalidInput(
+                "invalid search: the query needs at least one word to find, not only words "
+                "excluded with '-'"
             )
         if user_id is None and conversation_id is None:
             raise InvalidInput("invalid search: scope it to a user_id or a conversation_id")
