@@ -39,6 +39,7 @@ from app.api_models import (
 )
 from app.auth import AuditMiddleware, Authenticator, audit_record
 from app.demo import load_demo
+from app.headers import SecurityHeadersMiddleware
 from app.http_errors import EXCEPTION_HANDLERS, Forbidden
 from app.openapi import build_openapi
 from app.routing import Call, Endpoint, routes_of
@@ -375,7 +376,7 @@ def create_app(settings: Settings, *, store: Store | None = None) -> Starlette:
     app = Starlette(
         routes=routes,
         exception_handlers=dict(EXCEPTION_HANDLERS),
-        middleware=[Middleware(AuditMiddleware)],
+        middleware=[Middleware(SecurityHeadersMiddleware), Middleware(AuditMiddleware)],
         lifespan=lifespan,
     )
     app.state.authenticator = Authenticator(settings)

@@ -142,14 +142,22 @@ def audit_record(scope: Scope) -> AuditRecord:
     return record
 
 
+UNAUDITED_PATHS = frozenset({"/health"})
+"""Liveness probes: polled every few seconds, they would drown the audit log."""
+
+
 class AuditMiddleware:
-    """Writes one structured line per HTTP request to the `agent_store.audit` logger."""
+    """Writes one structured line per HTTP request to the `agent_store.audit` logger.
+
+    The line holds the path without its query string (search text, or a token pasted
+    into a URL, stays out of logs); it replaces uvicorn's access log, which is off.
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in UNAUDITED_PATHS:
             await self.app(scope, receive, send)
             return
         record = audit_record(scope)

@@ -78,6 +78,10 @@ class Endpoint:
 def parse_query(request: Request, model: type[Q]) -> Q:
     items = request.query_params.multi_items()
     names = [name for name, _ in items]
+    known = sorted(model.model_fields)
+    if any(name not in model.model_fields for name in names):
+        accepted = ", ".join(known) if known else "none"
+        raise InvalidRequest(f"invalid query: an unknown parameter; this route accepts {accepted}")
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
         raise InvalidRequest(f"invalid query: parameters given more than once: {repeated}")
@@ -92,7 +96,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
-            raise InvalidRequest(f"invalid Content-Length {declared!r}")
+            raise InvalidRequest("invalid Content-Length: it must be a number of bytes")
         if int(declared) > limit:
             raise PayloadTooLarge(f"the body has {declared} bytes; the limit is {limit}")
     chunks, size = [], 0
@@ -108,7 +112,8 @@ async def parse_body(request: Request, model: type[B], limit: int) -> B:
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media_type != "application/json":
         raise UnsupportedMediaType(
-            f"the body must be application/json, not {media_type or 'missing'!r}"
+            "the body must be application/json"
+            + ("" if media_type else "; the Content-Type header is missing")
         )
     raw = await read_body(request, limit)
     decode_body(raw)  # the rules pydantic cannot apply: depth, 64-bit numbers
