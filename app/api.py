@@ -44,7 +44,9 @@ from app.http_errors import EXCEPTION_HANDLERS, Forbidden
 from app.openapi import build_openapi
 from app.routing import Call, Endpoint, routes_of
 from app.service import Store, open_store
+from app.sessions import ViewerSessions
 from app.settings import Settings
+from app.throttle import SignInLimiter
 from app.viewer import viewer_routes
 
 
@@ -365,7 +367,8 @@ def create_app(settings: Settings, *, store: Store | None = None) -> Starlette:
             yield
             return
         async with open_store(settings) as opened:
-            app.state.store = opened
+            _serve(app, opened)
+            await app.state.viewer_sessions.ensure_indexes()
             if settings.demo_data:
                 await load_demo(opened)
             yield
@@ -380,9 +383,15 @@ def create_app(settings: Settings, *, store: Store | None = None) -> Starlette:
         lifespan=lifespan,
     )
     app.state.authenticator = Authenticator(settings)
+    app.state.sign_in_limiter = SignInLimiter()
     app.state.max_request_bytes = settings.max_request_bytes
     app.state.max_turn_bytes = settings.max_turn_bytes
     app.state.openapi = build_openapi(ENDPOINTS)
     if store is not None:
-        app.state.store = store
+        _serve(app, store)
     return app
+
+
+def _serve(app: Starlette, store: Store) -> None:
+    app.state.store = store
+    app.state.viewer_sessions = ViewerSessions(store.db, app.state.authenticator)
