@@ -5,7 +5,6 @@ Routes are declared as data (`ENDPOINTS`, see app/routing.py).
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -46,6 +45,7 @@ from app.routing import Call, Endpoint, routes_of
 from app.service import Store, open_store
 from app.sessions import ViewerSessions
 from app.settings import Settings
+from app.streamed_json import export_document, export_lines, transcript_document
 from app.throttle import SignInLimiter
 from app.viewer import viewer_routes
 
@@ -95,8 +95,10 @@ async def delete_conversation(call: Call[NoQuery, NoBody]) -> Response:
 
 
 async def transcript(call: Call[NoQuery, NoBody]) -> Response:
-    messages = await call.store.conversations.transcript(call.conversation_id, user_id=call.scope)
-    return _json(Transcript(conversation_id=call.conversation_id, data=messages))
+    batches = call.store.conversations.stream_transcript(call.conversation_id, user_id=call.scope)
+    first = await anext(batches)  # a missing conversation is a 404 before any byte is sent
+    document = transcript_document(call.conversation_id, first, batches)
+    return StreamingResponse(document, media_type="application/json")
 
 
 async def messages_page(call: Call[MessagePageQuery, NoBody]) -> Response:
@@ -153,34 +155,14 @@ async def search(call: Call[SearchQuery, NoBody]) -> Response:
 async def export_user(call: Call[ExportQuery, NoBody]) -> Response:
     user_id = call.path["user_id"]
     call.caller.require_user(user_id)
-    exports = call.store.conversations.export_user(user_id)
     disposition = {
         "Content-Disposition": f'attachment; filename="{user_id}.{call.query.format}"',
     }
     if call.query.format == "jsonl":
-        return StreamingResponse(
-            _jsonl(exports), media_type="application/x-ndjson", headers=disposition
-        )
-    return StreamingResponse(
-        _json_document(user_id, exports), media_type="application/json", headers=disposition
-    )
-
-
-async def _jsonl(exports: AsyncIterator[ConversationExport]) -> AsyncIterator[str]:
-    async for item in exports:
-        yield item.model_dump_json(by_alias=True) + "\n"
-
-
-async def _json_document(
-    user_id: str, exports: AsyncIterator[ConversationExport]
-) -> AsyncIterator[str]:
-    # One conversation in memory at a time, yet the whole stream is one UserExport document.
-    yield '{"user_id":' + json.dumps(user_id) + ',"conversations":['
-    separator = ""
-    async for item in exports:
-        yield separator + item.model_dump_json(by_alias=True)
-        separator = ","
-    yield "]}"
+        lines = export_lines(call.store.conversations, user_id)
+        return StreamingResponse(lines, media_type="application/x-ndjson", headers=disposition)
+    document = export_document(call.store.conversations, user_id)
+    return StreamingResponse(document, media_type="application/json", headers=disposition)
 
 
 async def erase_user(call: Call[NoQuery, NoBody]) -> Response:
