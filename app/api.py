@@ -229,7 +229,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "conversations",
         {200: Conversation},
         body=RenameBody,
-        errors=("not_found",),
+        errors=("not_found", "conflict"),
     ),
     Endpoint(
         "DELETE",
