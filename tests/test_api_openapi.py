@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import AsyncIterator
 from typing import Any
 
-import jsonschema
+import jsonschema_rs
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -166,8 +165,8 @@ async def test_every_status_a_route_gives_is_documented(api: Served, case: str) 
 def body_schema(document: dict[str, Any], name: str) -> dict[str, Any]:
     """A body model's JSON Schema, with the document's definitions to resolve its refs."""
     schema = dict(document["components"]["schemas"][name])
-    schema["components"] = document["components"]
-    return json.loads(json.dumps(schema).replace("#/components/", "#/components/"))
+    schema["components"] = document["components"]  # where its `$ref`s point
+    return schema
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
@@ -179,6 +178,6 @@ async def test_a_name_the_schema_allows_is_a_name_the_service_takes(name: str) -
     async with serve(mongomock_db()) as api:
         document = (await api.http.get("/openapi.json", headers=SERVICE)).json()
         schema = body_schema(document, "RenameBody")
-        allowed = jsonschema.Draft202012Validator(schema).is_valid({"name": name})
+        allowed = jsonschema_rs.Draft202012Validator(schema).is_valid({"name": name})
         response = await api.http.patch(CONV, json={"name": name}, headers=SERVICE)
         assert (response.status_code == 200) == allowed, (repr(name), response.text)
