@@ -82,7 +82,9 @@ index-sizes: $(VENV)/.installed ## Estimate index sizes per million messages (do
 
 test-api: $(VENV)/.installed ## The admin API, auth, attacks, schemathesis and viewer tests
 	$(BIN)/pytest tests/test_api.py tests/test_api_routes.py tests/test_api_authorization.py \
-		tests/test_api_attacks.py tests/test_api_schemathesis.py tests/test_viewer.py
+		tests/test_api_attacks.py tests/test_api_client_input.py tests/test_api_logs_and_headers.py \
+		tests/test_api_streaming.py tests/test_api_openapi.py tests/test_api_schemathesis.py \
+		tests/test_config.py tests/test_viewer.py
 
 test-browser: $(VENV)/.installed ## The viewer in headless Chromium; screenshots in tests/output/
 	$(BIN)/pytest -m browser

@@ -2,40 +2,73 @@
 
 On the embedded database an empty store gets demo conversations, so a first run
 shows a working product; set AGENT_STORE_DEMO_DATA=false to start empty.
+Weak or incomplete configuration stops it before it serves (exit status 2).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import secrets
+import sys
 
 import uvicorn
+from pydantic import ValidationError
 
+from agent_store.core import describe_validation_error
+from agent_store.store import redact_uri
 from app.api import create_app
 from app.examples import EXAMPLE_USER_ID
-from app.settings import Settings
+from app.settings import ConfigurationError, Settings, serving_settings
+
+CONFIGURATION_REFUSED = 2
+
+
+def start_banner(settings: Settings, *, dev_token: str | None) -> list[str]:
+    """What `python -m app` prints when it starts: URLs, never a password."""
+    lines = []
+    if dev_token is not None:
+        lines.append(
+            f"No AGENT_STORE_SERVICE_TOKENS set; development token for this run: {dev_token}"
+        )
+    where = (
+        redact_uri(settings.mongodb_uri)
+        if settings.mongodb_uri
+        else f"the embedded server ({settings.data_dir}/)"
+    )
+    base = f"http://{settings.host}:{settings.port}"
+    lines += [
+        f"Serving on {base} with data in {where}",
+        f"  API:    {base}/v1/users/{EXAMPLE_USER_ID}/conversations  (Authorization: Bearer …)",
+        f"  Schema: {base}/openapi.json",
+        f"  Viewer: {base}/viewer  (sign in with the token)",
+    ]
+    if settings.demo_data:
+        lines.append("  Demo conversations are loaded if the store is empty.")
+    return lines
 
 
 def main() -> None:
-    # Audit lines (logger `agent_store.audit`) go to stderr beside uvicorn's access log.
+    # One JSON audit line per request (logger `agent_store.audit`) replaces uvicorn's access
+    # log, which would keep query strings (search text, a token pasted into a URL).
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    settings = Settings()
-    if settings.mongodb_uri is None and "AGENT_STORE_DEMO_DATA" not in os.environ:
-        settings = settings.model_copy(update={"demo_data": True})
-    if not settings.service_tokens and not settings.named_service_tokens:
-        token = "dev-" + secrets.token_urlsafe(24)
-        settings = settings.model_copy(update={"service_tokens": [token]})
-        print(f"No AGENT_STORE_SERVICE_TOKENS set; development token for this run: {token}")
-    where = settings.mongodb_uri or f"the embedded server ({settings.data_dir}/)"
-    base = f"http://{settings.host}:{settings.port}"
-    print(f"Serving on {base} with data in {where}")
-    print(f"  API:    {base}/v1/users/{EXAMPLE_USER_ID}/conversations  (Authorization: Bearer …)")
-    print(f"  Schema: {base}/openapi.json")
-    print(f"  Viewer: {base}/viewer  (sign in with the token)")
-    if settings.demo_data:
-        print("  Demo conversations are loaded if the store is empty.")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port)
+    try:
+        settings, dev_token = serving_settings(
+            Settings(), demo_explicit="AGENT_STORE_DEMO_DATA" in os.environ
+        )
+    except ValidationError as exc:
+        print(describe_validation_error(exc, subject="configuration"), file=sys.stderr)
+        sys.exit(CONFIGURATION_REFUSED)
+    except ConfigurationError as exc:
+        print(f"invalid configuration: {exc}", file=sys.stderr)
+        sys.exit(CONFIGURATION_REFUSED)
+    print("\n".join(start_banner(settings, dev_token=dev_token)), flush=True)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        access_log=False,
+        server_header=False,
+    )
 
 
 if __name__ == "__main__":

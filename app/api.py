@@ -5,7 +5,6 @@ Routes are declared as data (`ENDPOINTS`, see app/routing.py).
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -40,11 +39,15 @@ from app.api_models import (
 )
 from app.auth import AuditMiddleware, Authenticator, audit_record
 from app.demo import load_demo
+from app.headers import SecurityHeadersMiddleware
 from app.http_errors import EXCEPTION_HANDLERS, Forbidden
 from app.openapi import build_openapi
 from app.routing import Call, Endpoint, routes_of
 from app.service import Store, open_store
+from app.sessions import ViewerSessions
 from app.settings import Settings
+from app.streamed_json import export_document, export_lines, transcript_document
+from app.throttle import SignInLimiter
 from app.viewer import viewer_routes
 
 
@@ -93,10 +96,12 @@ async def delete_conversation(call: Call[NoQuery, NoBody]) -> Response:
 
 
 async def transcript(call: Call[TranscriptQuery, NoBody]) -> Response:
-    messages = await call.store.conversations.transcript(call.conversation_id, user_id=call.scope)
-    if call.query.full:
-        messages = await call.store.conversations.with_full_texts(messages)
-    return _json(Transcript(conversation_id=call.conversation_id, data=messages))
+    batches = call.store.conversations.stream_transcript(
+        call.conversation_id, user_id=call.scope, full=call.query.full
+    )
+    first = await anext(batches)  # a missing conversation is a 404 before any byte is sent
+    document = transcript_document(call.conversation_id, first, batches)
+    return StreamingResponse(document, media_type="application/json")
 
 
 async def messages_page(call: Call[MessagePageQuery, NoBody]) -> Response:
@@ -153,34 +158,14 @@ async def search(call: Call[SearchQuery, NoBody]) -> Response:
 async def export_user(call: Call[ExportQuery, NoBody]) -> Response:
     user_id = call.path["user_id"]
     call.caller.require_user(user_id)
-    exports = call.store.conversations.export_user(user_id, full=call.query.full)
     disposition = {
         "Content-Disposition": f'attachment; filename="{user_id}.{call.query.format}"',
     }
     if call.query.format == "jsonl":
-        return StreamingResponse(
-            _jsonl(exports), media_type="application/x-ndjson", headers=disposition
-        )
-    return StreamingResponse(
-        _json_document(user_id, exports), media_type="application/json", headers=disposition
-    )
-
-
-async def _jsonl(exports: AsyncIterator[ConversationExport]) -> AsyncIterator[str]:
-    async for item in exports:
-        yield item.model_dump_json(by_alias=True) + "\n"
-
-
-async def _json_document(
-    user_id: str, exports: AsyncIterator[ConversationExport]
-) -> AsyncIterator[str]:
-    # One conversation in memory at a time, yet the whole stream is one UserExport document.
-    yield '{"user_id":' + json.dumps(user_id) + ',"conversations":['
-    separator = ""
-    async for item in exports:
-        yield separator + item.model_dump_json(by_alias=True)
-        separator = ","
-    yield "]}"
+        lines = export_lines(call.store.conversations, user_id, full=call.query.full)
+        return StreamingResponse(lines, media_type="application/x-ndjson", headers=disposition)
+    document = export_document(call.store.conversations, user_id, full=call.query.full)
+    return StreamingResponse(document, media_type="application/json", headers=disposition)
 
 
 async def erase_user(call: Call[NoQuery, NoBody]) -> Response:
@@ -247,7 +232,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "conversations",
         {200: Conversation},
         body=RenameBody,
-        errors=("not_found",),
+        errors=("not_found", "conflict"),
     ),
     Endpoint(
         "DELETE",
@@ -316,7 +301,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "messages",
         {200: SearchResults},
         query=SearchQuery,
-        errors=("forbidden", "unsupported"),
+        errors=("forbidden", "not_found", "unsupported"),
     ),
     Endpoint(
         "GET",
@@ -368,7 +353,8 @@ def create_app(settings: Settings, *, store: Store | None = None) -> Starlette:
             yield
             return
         async with open_store(settings) as opened:
-            app.state.store = opened
+            _serve(app, opened)
+            await app.state.viewer_sessions.ensure_indexes()
             if settings.demo_data:
                 await load_demo(opened)
             yield
@@ -379,13 +365,19 @@ def create_app(settings: Settings, *, store: Store | None = None) -> Starlette:
     app = Starlette(
         routes=routes,
         exception_handlers=dict(EXCEPTION_HANDLERS),
-        middleware=[Middleware(AuditMiddleware)],
+        middleware=[Middleware(SecurityHeadersMiddleware), Middleware(AuditMiddleware)],
         lifespan=lifespan,
     )
     app.state.authenticator = Authenticator(settings)
+    app.state.sign_in_limiter = SignInLimiter()
     app.state.max_request_bytes = settings.max_request_bytes
     app.state.max_turn_bytes = settings.max_turn_bytes
     app.state.openapi = build_openapi(ENDPOINTS)
     if store is not None:
-        app.state.store = store
+        _serve(app, store)
     return app
+
+
+def _serve(app: Starlette, store: Store) -> None:
+    app.state.store = store
+    app.state.viewer_sessions = ViewerSessions(store.db, app.state.authenticator)

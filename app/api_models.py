@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from agent_store.core import AgentMessage, Identifier, PendingHitl
 from agent_store.store import (
     MAX_MESSAGES_PER_TURN,
+    MAX_NAME_CHARS,
     MAX_PAGE_SIZE,
     MAX_SEARCH_QUERY_CHARS,
     ConversationExport,
@@ -20,7 +21,13 @@ from agent_store.store import (
 )
 
 PageSize = Annotated[int, Field(ge=1, le=MAX_PAGE_SIZE)]
-Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+# A name holds something besides white space (as `str.split` reads it, which the store uses to
+# collapse names): one character outside that set, spelled out so JSON Schema reads it alike.
+_WHITE_SPACE = "".join(c for c in map(chr, range(0x3001)) if c.isspace())
+Name = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=MAX_NAME_CHARS, pattern=f"[^{_WHITE_SPACE}]"),
+]
 
 
 class _Input(BaseModel):

@@ -62,6 +62,7 @@ class Authenticator:
         self._algorithms = list(settings.jwt_algorithms)
         self._audience = settings.jwt_audience
         self._issuer = settings.jwt_issuer
+        self._max_lifetime = settings.max_user_token_seconds
         self._key: str | None
         if self._algorithms[0].startswith("HS"):
             self._key = settings.jwt_secret.get_secret_value() if settings.jwt_secret else None
@@ -111,10 +112,16 @@ class Authenticator:
                 audience=self._audience,
                 issuer=self._issuer,
                 leeway=_JWT_LEEWAY_SECONDS,
-                options={"require": ["exp", "aud", "iss", "sub"]},
+                options={"require": ["exp", "iat", "aud", "iss", "sub"]},
             )
         except jwt.PyJWTError as exc:
             raise Unauthorized(f"invalid user token: {exc}") from exc
+        lifetime = claims["exp"] - claims["iat"]
+        if lifetime > self._max_lifetime:
+            raise Unauthorized(
+                f"invalid user token: its lifetime (exp - iat) is {lifetime:.0f} s; "
+                f"at most {self._max_lifetime} s are accepted"
+            )
         try:
             return validate_identifier(claims["sub"], "user token sub")
         except InvalidInput as exc:
@@ -135,14 +142,22 @@ def audit_record(scope: Scope) -> AuditRecord:
     return record
 
 
+UNAUDITED_PATHS = frozenset({"/health"})
+"""Liveness probes: polled every few seconds, they would drown the audit log."""
+
+
 class AuditMiddleware:
-    """Writes one structured line per HTTP request to the `agent_store.audit` logger."""
+    """Writes one structured line per HTTP request to the `agent_store.audit` logger.
+
+    The line holds the path without its query string (search text, or a token pasted
+    into a URL, stays out of logs); it replaces uvicorn's access log, which is off.
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in UNAUDITED_PATHS:
             await self.app(scope, receive, send)
             return
         record = audit_record(scope)

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from agent_store.core import StoreError
+from app.headers import SECURITY_HEADERS
 
 log = logging.getLogger("agent_store.api")
 
@@ -89,12 +90,18 @@ class InvalidRequest(HttpProblem):
 
 def error_response(status: int, code: str, message: str) -> JSONResponse:
     body = ApiErrorBody(error=ApiErrorDetail(code=code, message=message))
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    # Set here too: a 500 is sent from outside every middleware.
+    headers = dict(SECURITY_HEADERS)
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse(body.model_dump(), status, headers=headers)
 
 
 async def _store_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StoreError)
+    if exc.status >= 500:
+        # The client gets the store's words; the driver's error (the cause) goes to the log.
+        log.error("%s on %s %s", exc.code, request.method, request.url.path, exc_info=exc)
     return error_response(exc.status, exc.code, exc.message)
 
 
@@ -116,9 +123,13 @@ _STARLETTE_CODES = {
 async def _starlette_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = _STARLETTE_CODES.get(exc.status_code, "invalid_input")
+    # Never the raw path or method: an error message does not repeat what the client sent.
+    allowed = ", ".join(
+        sorted(m for m in (exc.headers or {}).get("Allow", "").split(", ") if m != "HEAD")
+    )
     message = {
-        404: f"no route {request.url.path!r}",
-        405: f"{request.url.path!r} does not accept {request.method}",
+        404: "no such route",
+        405: f"this route accepts {allowed}",
     }.get(exc.status_code, exc.detail)
     response = error_response(exc.status_code, code, message)
     if exc.headers:

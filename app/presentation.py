@@ -14,7 +14,10 @@ from typing import Any
 
 from agent_store.core import AgentMessage
 from agent_store.legacy import normalize_part
+from app.json_body import nests_deeper_than
 
+PRETTY_DEPTH = 32
+"""JSON nested deeper than this is shown as stored rather than indented."""
 ROLE_LABELS = {
     "system": "System trigger",
     "user": "User",
@@ -24,16 +27,24 @@ ROLE_LABELS = {
 
 
 def pretty_json(value: Any) -> str:
-    """JSON (given parsed or as text) indented for reading; other text as it is."""
-    if isinstance(value, str):
+    """JSON (given parsed or as text) indented for reading; other text as it is.
+
+    Text too deeply nested to parse or indent is shown as it was stored: a page must
+    render whatever a tool wrote.
+    """
+    text = value if isinstance(value, str) else None
+    if text is not None:
         try:
-            value = json.loads(value)
-        except ValueError:
-            return str(value)
+            value = json.loads(text)
+        except (ValueError, RecursionError):
+            return text
     try:
+        if nests_deeper_than(value, PRETTY_DEPTH):
+            # Indenting grows with the square of the depth: deep values are shown as stored.
+            return text if text is not None else json.dumps(value, ensure_ascii=False, default=str)
         return json.dumps(value, indent=2, ensure_ascii=False, default=str)
-    except (TypeError, ValueError):
-        return str(value)
+    except (TypeError, ValueError, RecursionError):
+        return text if text is not None else str(value)
 
 
 def human_size(size: int) -> str:

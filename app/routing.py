@@ -6,7 +6,6 @@ path, query and body, and feeds `/openapi.json` (app/openapi.py).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -20,7 +19,8 @@ from agent_store.core import describe_validation_error
 from agent_store.store import validate_identifier
 from app.api_models import NoBody, NoQuery
 from app.auth import Caller, audit_record
-from app.http_errors import InvalidJson, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
+from app.http_errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
+from app.json_body import decode_body
 from app.service import Store
 
 Q = TypeVar("Q", bound=BaseModel)
@@ -78,6 +78,10 @@ class Endpoint:
 def parse_query(request: Request, model: type[Q]) -> Q:
     items = request.query_params.multi_items()
     names = [name for name, _ in items]
+    known = sorted(model.model_fields)
+    if any(name not in model.model_fields for name in names):
+        accepted = ", ".join(known) if known else "none"
+        raise InvalidRequest(f"invalid query: an unknown parameter; this route accepts {accepted}")
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
         raise InvalidRequest(f"invalid query: parameters given more than once: {repeated}")
@@ -92,7 +96,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
-            raise InvalidRequest(f"invalid Content-Length {declared!r}")
+            raise InvalidRequest("invalid Content-Length: it must be a number of bytes")
         if int(declared) > limit:
             raise PayloadTooLarge(f"the body has {declared} bytes; the limit is {limit}")
     chunks, size = [], 0
@@ -104,23 +108,15 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
 async def parse_body(request: Request, model: type[B], limit: int) -> B:
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media_type != "application/json":
         raise UnsupportedMediaType(
-            f"the body must be application/json, not {media_type or 'missing'!r}"
+            "the body must be application/json"
+            + ("" if media_type else "; the Content-Type header is missing")
         )
     raw = await read_body(request, limit)
-    try:
-        document = json.loads(raw, parse_constant=_refuse_constant)
-    except ValueError as exc:
-        raise InvalidJson(f"the body is not valid JSON: {exc}") from exc
-    if not isinstance(document, dict):
-        raise InvalidJson("the body must be a JSON object")
+    decode_body(raw)  # the rules pydantic cannot apply: depth, 64-bit numbers
     try:
         # Strict, as JSON Schema reads the body: `false` is no integer, `"1"` no number.
         return model.model_validate_json(raw, strict=True)

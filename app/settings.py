@@ -2,15 +2,40 @@
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, PositiveInt, SecretStr, model_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    PositiveInt,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from agent_store.store import DEFAULT_MAX_MESSAGE_BYTES, RuntimeContextMarkers, TurnRules
 
 JwtAlgorithm = Literal["HS256", "HS384", "HS512", "RS256", "RS384", "RS512"]
+MIN_SERVICE_TOKEN_CHARS = 32
+HMAC_KEY_BYTES = {"HS256": 32, "HS384": 48, "HS512": 64}
+"""RFC 7518 §3.2: an HMAC key at least as long as the hash it signs with."""
+
+
+class ConfigurationError(ValueError):
+    """The settings are valid one by one, but the service must not start with them."""
+
+
+def _check_service_token(token: str) -> str:
+    # Never repeat the token in the message: it ends up in logs.
+    if len(token) < MIN_SERVICE_TOKEN_CHARS or not token.isprintable() or " " in token:
+        raise ValueError(
+            f"a service token must have at least {MIN_SERVICE_TOKEN_CHARS} printable characters "
+            f"and no spaces; one configured token has {len(token)} characters or contains a space"
+        )
+    return token
 
 
 def _hs256_only() -> list[JwtAlgorithm]:
@@ -20,7 +45,10 @@ def _hs256_only() -> list[JwtAlgorithm]:
 class Settings(BaseSettings):
     """Every setting; environment variables are prefixed `AGENT_STORE_` unless noted."""
 
-    model_config = SettingsConfigDict(env_prefix="AGENT_STORE_", extra="ignore")
+    # Inputs stay out of error messages: a refused token or secret must not reach a log.
+    model_config = SettingsConfigDict(
+        env_prefix="AGENT_STORE_", extra="ignore", hide_input_in_errors=True
+    )
 
     mongodb_uri: str | None = Field(
         default=None, validation_alias=AliasChoices("MONGODB_URI", "AGENT_STORE_MONGODB_URI")
@@ -53,6 +81,23 @@ class Settings(BaseSettings):
     demo_data: bool = False
     """Load demo conversations at start-up when the store is empty (`python -m app` sets it)."""
 
+    max_user_token_seconds: PositiveInt = 3600
+    """The longest lifetime (`exp` - `iat`) of a user token accepted; longer ones are refused."""
+
+    @field_validator("service_tokens")
+    @classmethod
+    def _strong_tokens(cls, tokens: list[str]) -> list[str]:
+        return [_check_service_token(token) for token in tokens]
+
+    @field_validator("named_service_tokens")
+    @classmethod
+    def _strong_named_tokens(cls, tokens: dict[str, str]) -> dict[str, str]:
+        for name, token in tokens.items():
+            if not name.strip():
+                raise ValueError("every named service token needs a name (audit lines show it)")
+            _check_service_token(token)
+        return tokens
+
     @model_validator(mode="after")
     def _one_jwt_family(self) -> Settings:
         families = {algorithm[:2] for algorithm in self.jwt_algorithms}
@@ -60,6 +105,19 @@ class Settings(BaseSettings):
             raise ValueError(
                 "jwt_algorithms mixes HMAC (HS*) and RSA (RS*) algorithms; pick one family "
                 "so a public key can never be used as an HMAC secret"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _strong_hmac_secret(self) -> Settings:
+        needed = max((HMAC_KEY_BYTES.get(a, 0) for a in self.jwt_algorithms), default=0)
+        if self.jwt_secret is None or not needed:
+            return self
+        size = len(self.jwt_secret.get_secret_value().encode())
+        if size < needed:
+            raise ValueError(
+                f"jwt_secret has {size} bytes; {'/'.join(self.jwt_algorithms)} needs at least "
+                f"{needed} bytes (RFC 7518 §3.2): use a random secret, e.g. 64 hex digits"
             )
         return self
 
@@ -80,3 +138,25 @@ class Settings(BaseSettings):
             max_message_bytes=self.max_message_bytes,
             name_chars=self.name_chars,
         )
+
+
+def serving_settings(settings: Settings, *, demo_explicit: bool) -> tuple[Settings, str | None]:
+    """The settings `python -m app` serves with, and the development token it invented, if any.
+
+    The embedded database gets demo data unless `demo_explicit` (the environment chose), and
+    a random token when none is configured. A real database (`MONGODB_URI`) gets neither: it
+    is refused without configured tokens rather than served behind a token printed to a log.
+    """
+    if settings.mongodb_uri is None and not demo_explicit:
+        settings = settings.model_copy(update={"demo_data": True})
+    if settings.service_tokens or settings.named_service_tokens:
+        return settings, None
+    if settings.mongodb_uri is not None:
+        raise ConfigurationError(
+            "MONGODB_URI is set but no service token is configured: set "
+            "AGENT_STORE_SERVICE_TOKENS (a JSON list of tokens of at least "
+            f"{MIN_SERVICE_TOKEN_CHARS} characters) or AGENT_STORE_NAMED_SERVICE_TOKENS; "
+            "a development token is only made up for the embedded database"
+        )
+    token = "dev-" + secrets.token_urlsafe(32)
+    return settings.model_copy(update={"service_tokens": [token]}), token

@@ -1,21 +1,20 @@
 """The viewer: server-rendered pages to browse a user's conversations and read transcripts.
 
-A browser signs in once with a service token on a form; the service answers
-with a signed, HttpOnly, SameSite=Strict session cookie scoped to `/viewer`
-that names the service (never holds the token). Tokens never travel in URLs.
+A browser signs in once with a service token on a form (posted from this
+site, a limited number of wrong tries per client); the service answers with a
+signed, HttpOnly, SameSite=Strict session cookie scoped to `/viewer` that
+names a server-side session (never holds the token). Signing out ends that
+session on the server. Tokens never travel in URLs.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
-import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, quote
+from urllib.parse import parse_qs, quote, urlsplit
 
 import jinja2
 from starlette.requests import Request
@@ -28,9 +27,10 @@ from agent_store.store import storage_errors, validate_identifier
 from app.auth import Authenticator, audit_record
 from app.presentation import legacy_turn_view, message_views, when
 from app.service import Store
+from app.sessions import SESSION_COOKIE, SESSION_SECONDS, ViewerSessions
+from app.throttle import SignInLimiter
 
-SESSION_COOKIE = "agent_store_viewer"
-SESSION_SECONDS = 8 * 3600
+log = logging.getLogger("agent_store.api")
 MAX_LOGIN_BYTES = 4096
 MAX_LEGACY_TURNS = 2000
 _TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -51,45 +51,33 @@ _SECURITY_HEADERS = {
 }
 
 
-def _session_key(authenticator: Authenticator) -> bytes:
-    # Derived from the accepted tokens: rotating them signs every viewer out.
-    return hmac.new(
-        b"agent-store viewer session", b"".join(sorted(authenticator.secrets)), hashlib.sha256
-    ).digest()
-
-
-def issue_session(authenticator: Authenticator, service: str, now: float) -> str:
-    payload = base64.urlsafe_b64encode(
-        json.dumps({"service": service, "expires": int(now) + SESSION_SECONDS}).encode()
-    ).decode()
-    signature = hmac.new(_session_key(authenticator), payload.encode(), hashlib.sha256).hexdigest()
-    return f"{payload}.{signature}"
-
-
-def session_service(authenticator: Authenticator, cookie: str | None, now: float) -> str | None:
-    """The service a valid, unexpired session cookie names; None otherwise."""
-    if not cookie or "." not in cookie:
-        return None
-    payload, _, signature = cookie.rpartition(".")
-    expected = hmac.new(_session_key(authenticator), payload.encode(), hashlib.sha256).hexdigest()
-    if not hmac.compare_digest(signature.encode(), expected.encode()):
-        return None
-    try:
-        claims = json.loads(base64.urlsafe_b64decode(payload.encode()))
-        service, expires = str(claims["service"]), int(claims["expires"])
-    except (ValueError, KeyError, TypeError):
-        return None
-    return service if now < expires else None
-
-
 def render(template: str, status: int = 200, **context: Any) -> HTMLResponse:
     html = _environment.get_template(template).render(**context)
     return HTMLResponse(html, status, headers=_SECURITY_HEADERS)
 
 
 def _same_origin(request: Request) -> bool:
+    """Whether a form post names this site as its origin: by `Origin`, else by `Referer`.
+
+    A post with neither is refused: a browser always sends one of them (the pages set
+    `Referrer-Policy: same-origin`), so only a forged request lacks both.
+    """
+    own = f"{request.url.scheme}://{request.url.netloc}"
     origin = request.headers.get("origin")
-    return origin is None or origin == f"{request.url.scheme}://{request.url.netloc}"
+    if origin is not None:
+        return origin == own
+    referer = urlsplit(request.headers.get("referer", ""))
+    return bool(referer.scheme) and f"{referer.scheme}://{referer.netloc}" == own
+
+
+def _client(request: Request) -> str:
+    return request.client.host if request.client else "unknown"
+
+
+def _store_error_page(request: Request, exc: StoreError) -> Response:
+    if exc.status >= 500:
+        log.error("%s on %s %s", exc.code, request.method, request.url.path, exc_info=exc)
+    return render("error.html", exc.status, code=exc.code, message=exc.message)
 
 
 Page = Callable[[Request, Store], Awaitable[Response]]
@@ -97,15 +85,16 @@ Page = Callable[[Request, Store], Awaitable[Response]]
 
 def _signed_in(page: Page) -> Callable[[Request], Awaitable[Response]]:
     async def run(request: Request) -> Response:
-        authenticator: Authenticator = request.app.state.authenticator
-        service = session_service(authenticator, request.cookies.get(SESSION_COOKIE), time.time())
-        if service is None:
-            return RedirectResponse("/viewer/login", 303, headers=_SECURITY_HEADERS)
-        audit_record(request.scope).service = service
+        sessions: ViewerSessions = request.app.state.viewer_sessions
         try:
+            cookie = request.cookies.get(SESSION_COOKIE)
+            service = await sessions.service_of(cookie, time.time())
+            if service is None:
+                return RedirectResponse("/viewer/login", 303, headers=_SECURITY_HEADERS)
+            audit_record(request.scope).service = service
             return await page(request, request.app.state.store)
         except StoreError as exc:
-            return render("error.html", exc.status, code=exc.code, message=exc.message)
+            return _store_error_page(request, exc)
 
     return run
 
@@ -114,27 +103,46 @@ async def login_form(request: Request) -> Response:
     return render("login.html")
 
 
-async def login(request: Request) -> Response:
-    if not _same_origin(request):
-        return render("login.html", 403, problem="Sign-in must come from this site's own form.")
+async def _posted_token(request: Request) -> str | None:
+    """The form's token; None when the form is over `MAX_LOGIN_BYTES`."""
     declared = request.headers.get("content-length", "0")
     if not declared.isdigit() or int(declared) > MAX_LOGIN_BYTES:
-        return render("login.html", 413, problem="The sign-in form was too large.")
+        return None
     body = b""
     async for chunk in request.stream():
         body += chunk
         if len(body) > MAX_LOGIN_BYTES:
-            return render("login.html", 413, problem="The sign-in form was too large.")
-    token = parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0].strip()
+            return None
+    return parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0].strip()
+
+
+async def login(request: Request) -> Response:
+    if not _same_origin(request):
+        return render("login.html", 403, problem="Sign-in must come from this site's own form.")
+    limiter: SignInLimiter = request.app.state.sign_in_limiter
+    wait = limiter.retry_after(_client(request))
+    if wait:
+        limited = render("login.html", 429, problem=f"Too many wrong tokens: wait {wait} s.")
+        limited.headers["Retry-After"] = str(wait)
+        return limited
+    token = await _posted_token(request)
+    if token is None:
+        return render("login.html", 413, problem="The sign-in form was too large.")
     authenticator: Authenticator = request.app.state.authenticator
     service = authenticator.service_actor(token)
     if service is None:
+        limiter.failed(_client(request))
         return render("login.html", 401, problem="That token is not accepted.")
+    limiter.succeeded(_client(request))
     audit_record(request.scope).service = service
+    try:
+        cookie = await request.app.state.viewer_sessions.open(service, time.time())
+    except StoreError as exc:
+        return _store_error_page(request, exc)
     response = RedirectResponse("/viewer", 303, headers=_SECURITY_HEADERS)
     response.set_cookie(
         SESSION_COOKIE,
-        issue_session(authenticator, service, time.time()),
+        cookie,
         max_age=SESSION_SECONDS,
         path="/viewer",
         httponly=True,
@@ -145,9 +153,16 @@ async def login(request: Request) -> Response:
 
 
 async def logout(request: Request) -> Response:
+    if not _same_origin(request):
+        message = "Sign-out must come from this site's own pages."
+        return render("error.html", 403, code="forbidden", message=message)
+    sessions: ViewerSessions = request.app.state.viewer_sessions
+    try:
+        await sessions.close(request.cookies.get(SESSION_COOKIE), time.time())
+    except StoreError as exc:
+        return _store_error_page(request, exc)
     response = RedirectResponse("/viewer/login", 303, headers=_SECURITY_HEADERS)
-    if _same_origin(request):
-        response.delete_cookie(SESSION_COOKIE, path="/viewer", httponly=True, samesite="strict")
+    response.delete_cookie(SESSION_COOKIE, path="/viewer", httponly=True, samesite="strict")
     return response
 
 

@@ -20,6 +20,7 @@ from pymongo import MongoClient
 from pymongo.errors import ConfigurationError, PyMongoError
 
 from agent_store.embedded import DATABASE_FILE, URI_FILE, ServerThread, published_uri
+from agent_store.store import redact_uri
 from migrations.errors import Misuse, Unreachable
 
 
@@ -51,12 +52,12 @@ def database(args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
                 uri, tz_aware=True, serverSelectionTimeoutMS=int(args.timeout * 1000)
             )
         except ConfigurationError as exc:
-            raise Unreachable(f"invalid MongoDB URI {uri!r}: {exc}") from exc
+            raise Unreachable(f"invalid MongoDB URI {redact_uri(uri)!r}: {exc}") from exc
         stack.callback(client.close)
         try:
             client.admin.command("ping")
         except PyMongoError as exc:
             raise Unreachable(
-                f"cannot reach MongoDB at {uri!r} within {args.timeout:g}s: {exc}"
+                f"cannot reach MongoDB at {redact_uri(uri)!r} within {args.timeout:g}s: {exc}"
             ) from exc
         yield client, where

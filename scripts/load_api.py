@@ -40,7 +40,7 @@ from app.service import Store
 from app.settings import Settings
 from scripts.wire_server import start_wire_server
 
-TOKEN = "load-test-token"
+TOKEN = "load-test-token-0123456789abcdefghij"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 # The routes measured: name -> path on the service.
 ROUTES = {

@@ -27,8 +27,8 @@ from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID
 from app.service import Store
 from app.settings import Settings
 
-SERVICE_TOKEN = "service-token-for-tests"
-NAMED_TOKEN = "admin-ui-token-for-tests"
+SERVICE_TOKEN = "service-token-for-tests-0123456789abcdef"
+NAMED_TOKEN = "admin-ui-token-for-tests-0123456789abcdef"
 JWT_SECRET = "a-shared-secret-for-user-tokens-in-tests"
 ISSUER = "https://auth.example.test"
 AUDIENCE = "agent-store"
@@ -61,7 +61,8 @@ def user_token(
     expires_in: int = 300,
     **claims: Any,
 ) -> str:
-    payload = {"sub": sub, "aud": AUDIENCE, "iss": ISSUER, "exp": int(time.time()) + expires_in}
+    now = int(time.time())
+    payload = {"sub": sub, "aud": AUDIENCE, "iss": ISSUER, "iat": now, "exp": now + expires_in}
     payload.update(claims)  # a claim given as None is left out
     return jwt.encode({k: v for k, v in payload.items() if v is not None}, key, algorithm)
 

@@ -13,12 +13,13 @@ from app.service import Store
 from app.settings import Settings
 from tests.conftest import Backend
 
-TOKEN = "service-token-for-tests"
+TOKEN = "service-token-for-tests-0123456789abcdef"
+SECOND_TOKEN = "second-service-token-0123456789abcdef"
 
 
 @pytest.fixture
 async def client(backend: Backend) -> AsyncIterator[httpx.AsyncClient]:
-    settings = Settings(service_tokens=[TOKEN, "second-token"])
+    settings = Settings(service_tokens=[TOKEN, SECOND_TOKEN])
     store = Store.on(backend.db, settings)
     for turn_id, messages in example_turns():
         await store.logger.log_messages(EXAMPLE_CONVERSATION_ID, messages, turn_id=turn_id)
@@ -63,7 +64,9 @@ async def test_transcript_without_a_valid_service_token_is_refused(
 
 
 async def test_any_configured_token_is_accepted(client: httpx.AsyncClient) -> None:
-    response = await client.get(transcript_url(), headers={"Authorization": "Bearer second-token"})
+    response = await client.get(
+        transcript_url(), headers={"Authorization": f"Bearer {SECOND_TOKEN}"}
+    )
     assert response.status_code == 200
 
 

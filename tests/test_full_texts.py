@@ -149,7 +149,9 @@ async def test_the_transcript_route_returns_full_texts_on_request(api: Served) -
 
 
 async def test_the_viewer_links_a_cut_message_to_its_full_text(api: Served) -> None:
-    await api.http.post("/viewer/login", data={"token": SERVICE_TOKEN})
+    await api.http.post(
+        "/viewer/login", data={"token": SERVICE_TOKEN}, headers={"Origin": "http://test"}
+    )
     page = await api.http.get(f"/viewer/conversations/{CID}")
     assert page.status_code == 200
     assert f'href="/viewer/conversations/{CID}?full=true"' in page.text

@@ -71,8 +71,11 @@ async def test_a_turn_retried_after_a_failure_at_any_write_point_is_stored_once(
     failing = FailOnce(getattr(logger, collection), method, after_applying=after_applying)
     setattr(logger, collection, failing)
 
-    with pytest.raises(StorageUnavailable, match="injected"):
+    with pytest.raises(StorageUnavailable, match="the database is unreachable") as raised:
         await logger.log_messages(CID, messages, turn_id=turn_id)
+    # The driver's words stay on the cause, for logs, never in the message.
+    assert "injected" in str(raised.value.__cause__)
+    assert "injected" not in raised.value.message
     retried = await logger.log_messages(CID, messages, turn_id=turn_id)
 
     assert failing.failed

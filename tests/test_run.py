@@ -8,9 +8,12 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from pathlib import Path
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -39,12 +42,32 @@ def _free_port() -> int:
         return port
 
 
-@pytest.mark.wire
-@pytest.mark.skipif(sys.version_info < (3, 13), reason="the embedded server needs Python 3.13+")
-def test_run_serves_demo_conversations_and_prints_the_url_and_a_token(tmp_path: Path) -> None:
+@dataclass
+class Running:
+    """`python -m app` on the embedded database, with everything it printed so far."""
+
+    base: str
+    token: str
+    output: list[str]
+
+    def get(self, path: str) -> Any:
+        request = urllib.request.Request(
+            self.base + path, headers={"Authorization": f"Bearer {self.token}"}
+        )
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return json.load(response)
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    if sys.version_info < (3, 13):
+        pytest.skip("the embedded server needs Python 3.13+")
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_STORE_", "MONGODB"))}
-    env |= {"AGENT_STORE_DATA_DIR": str(tmp_path), "AGENT_STORE_PORT": str(port)}
+    env |= {
+        "AGENT_STORE_DATA_DIR": str(tmp_path_factory.mktemp("run")),
+        "AGENT_STORE_PORT": str(port),
+    }
     process = subprocess.Popen(
         [sys.executable, "-m", "app"],
         env=env,
@@ -52,32 +75,57 @@ def test_run_serves_demo_conversations_and_prints_the_url_and_a_token(tmp_path: 
         stderr=subprocess.STDOUT,
         text=True,
     )
+    assert process.stdout is not None
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")))  # type: ignore[union-attr]
+    reader.start()
     try:
-        assert process.stdout is not None
-        printed = ""
-        while "Viewer:" not in printed:
-            line = process.stdout.readline()
-            assert line, f"python -m app ended early:\n{printed}"
-            printed += line
-        token = re.search(r"development token for this run: (\S+)", printed)
-        assert token, printed
-        assert f"http://127.0.0.1:{port}/viewer" in printed
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/users/{EXAMPLE_USER_ID}/conversations",
-            headers={"Authorization": f"Bearer {token.group(1)}"},
-        )
         deadline = time.monotonic() + 60
+        while not any("Viewer:" in line for line in output):
+            assert process.poll() is None, "python -m app ended early:\n" + "".join(output)
+            assert time.monotonic() < deadline, "python -m app printed no URL in 60 s"
+            time.sleep(0.05)
+        token = re.search(r"development token for this run: (\S+)", "".join(output))
+        assert token, "".join(output)
+        app = Running(f"http://127.0.0.1:{port}", token.group(1), output)
         while True:
             try:
-                with urllib.request.urlopen(request, timeout=5) as response:
-                    page = json.load(response)
+                app.get("/health")
                 break
             except OSError:
                 assert time.monotonic() < deadline, "the service did not answer in 60 s"
                 time.sleep(0.2)
-        assert EXAMPLE_CONVERSATION_ID in {c["_id"] for c in page["data"]}
+        yield app
     finally:
         process.terminate()
         process.wait(20)
-        if process.stdout is not None:
-            process.stdout.close()
+        reader.join(10)
+        process.stdout.close()
+
+
+@pytest.mark.wire
+def test_run_serves_demo_conversations_and_prints_the_url_and_a_token(running: Running) -> None:
+    assert f"{running.base}/viewer" in "".join(running.output)
+    page = running.get(f"/v1/users/{EXAMPLE_USER_ID}/conversations")
+    assert EXAMPLE_CONVERSATION_ID in {c["_id"] for c in page["data"]}
+
+
+@pytest.mark.wire
+def test_run_logs_one_audit_line_per_request_without_its_query(running: Running) -> None:
+    start = len(running.output)
+    running.get("/v1/users/user-audited/conversations?limit=7")
+    for _ in range(3):
+        running.get("/health")
+    running.get("/ready")  # its audit line comes after those of every request before it
+    deadline = time.monotonic() + 10
+    while not any('"path":"/ready"' in line for line in running.output[start:]):
+        assert time.monotonic() < deadline, "".join(running.output)
+        time.sleep(0.05)
+    printed = running.output[start:]
+    mine = [line for line in printed if "user-audited" in line]
+    assert len(mine) == 1, printed  # one line per request, from the audit logger only
+    assert "agent_store.audit" in mine[0]
+    assert '"path":"/v1/users/user-audited/conversations"' in mine[0]
+    assert not any('"GET /' in line for line in printed), printed  # no uvicorn access line
+    assert "/health" not in "".join(printed)
+    assert "limit=7" not in "".join(printed)

@@ -161,3 +161,25 @@ def test_cut_tool_arguments_stay_a_json_string() -> None:
     assert "truncated_arguments" in json.loads(bounded.tool_calls[0].function.arguments)
     assert bounded.truncated is not None
     assert "tool_calls.0.function.arguments" in bounded.truncated
+
+
+@pytest.mark.parametrize(
+    ("query", "positive"),
+    [
+        ("paris", True),
+        ("paris -lyon", True),
+        ("- paris", True),
+        ('"-in paris"', True),
+        ("été", True),
+        ("-a -b", False),
+        ("-", False),
+        ("!!! ???", False),
+        ('-"in paris"', False),
+        ("--a", False),
+        ('""', False),
+    ],
+)
+def test_a_search_needs_a_word_that_is_not_excluded(query: str, positive: bool) -> None:
+    from agent_store.store._text import has_positive_term
+
+    assert has_positive_term(query) is positive

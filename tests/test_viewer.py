@@ -10,7 +10,8 @@ import pytest
 
 from app.auth import Authenticator
 from app.presentation import legacy_turn_view, pretty_json
-from app.viewer import SESSION_COOKIE, SESSION_SECONDS, issue_session, session_service
+from app.sessions import SESSION_COOKIE, SESSION_SECONDS, issue_session, session_service
+from app.throttle import SignInLimiter
 from tests.api_harness import (
     OWNER,
     OWNER_CONVERSATION,
@@ -28,8 +29,11 @@ async def api() -> AsyncIterator[Served]:
         yield served
 
 
+SAME_ORIGIN = {"Origin": "http://test"}
+
+
 async def sign_in(http: httpx.AsyncClient, token: str = SERVICE_TOKEN) -> httpx.Response:
-    return await http.post("/viewer/login", data={"token": token})
+    return await http.post("/viewer/login", data={"token": token}, headers=SAME_ORIGIN)
 
 
 async def test_pages_redirect_to_the_sign_in_form_without_a_session(api: Served) -> None:
@@ -71,7 +75,7 @@ async def test_a_sign_in_posted_from_another_site_is_refused(api: Served) -> Non
 async def test_a_token_in_the_url_signs_nobody_in(api: Served) -> None:
     response = await api.http.get(f"/viewer?token={SERVICE_TOKEN}")
     assert response.status_code == 303
-    response = await api.http.post(f"/viewer/login?token={SERVICE_TOKEN}")
+    response = await api.http.post(f"/viewer/login?token={SERVICE_TOKEN}", headers=SAME_ORIGIN)
     assert response.status_code == 401
 
 
@@ -89,7 +93,11 @@ def test_sessions_expire_and_die_with_the_token_that_opened_them() -> None:
     cookie = issue_session(authenticator, "admin-ui", now)
     assert session_service(authenticator, cookie, now + 10) == "admin-ui"
     assert session_service(authenticator, cookie, now + SESSION_SECONDS + 1) is None
-    rotated = Authenticator(api_settings(service_tokens=["a-new-token"], named_service_tokens={}))
+    rotated = Authenticator(
+        api_settings(
+            service_tokens=["a-new-token-after-rotation-0123456789"], named_service_tokens={}
+        )
+    )
     assert session_service(rotated, cookie, now + 10) is None
 
 
@@ -171,7 +179,7 @@ async def test_a_missing_conversation_is_a_readable_404_page(api: Served) -> Non
 
 async def test_signing_out_clears_the_session(api: Served) -> None:
     await sign_in(api.http)
-    response = await api.http.post("/viewer/logout")
+    response = await api.http.post("/viewer/logout", headers=SAME_ORIGIN)
     assert response.status_code == 303
     assert (await api.http.get("/viewer")).status_code == 303
 
@@ -217,3 +225,121 @@ async def test_a_conversation_not_migrated_yet_shows_its_legacy_turns_alone(api:
     assert "Not migrated yet" in page.text
     missing = await api.http.get("/viewer/conversations/conv-none/legacy")
     assert missing.status_code == 404
+
+
+@pytest.mark.parametrize("depth", [50_000, 2_000])
+async def test_the_viewer_shows_stored_text_however_deeply_it_nests(
+    api: Served, depth: int
+) -> None:
+    deep = "[" * depth + "]" * depth
+    await api.store.logger.log_messages(
+        "conv-deep",
+        [
+            {"role": "user", "content": "Nest it"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c1", "function": {"name": "nest", "arguments": deep}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": deep},
+        ],
+        user_id=OWNER,
+    )
+    await api.db["agent_conversations_deprecated"].insert_one(
+        {
+            "conversation_id": "conv-deep",
+            "user_message": "Nest it",
+            "response_parts": [
+                {"type": "tool_call", "tool_name": "nest", "args": deep},
+                {"type": "tool_result", "tool_name": "nest", "result": deep},
+            ],
+        }
+    )
+    await sign_in(api.http)
+    for url in ("/viewer/conversations/conv-deep", "/viewer/conversations/conv-deep/legacy"):
+        page = await api.http.get(url)
+        assert page.status_code == 200, url
+        assert page.text.count(deep) >= 2, url
+
+
+# -- sessions on the server, sign-in limits, origins -----------------------------------------
+
+
+async def test_signing_out_revokes_the_session_on_the_server(api: Served) -> None:
+    await sign_in(api.http)
+    kept = api.http.cookies[SESSION_COOKIE]
+    assert (await api.http.get("/viewer")).status_code == 200
+    await api.http.post("/viewer/logout", headers=SAME_ORIGIN)
+    # A copy of the cookie taken before signing out (a stolen one, say) opens nothing.
+    api.http.cookies.set(SESSION_COOKIE, kept, path="/viewer")
+    response = await api.http.get("/viewer")
+    assert (response.status_code, response.headers["location"]) == (303, "/viewer/login")
+
+
+async def test_sessions_of_other_sign_ins_survive_a_sign_out(api: Served) -> None:
+    await sign_in(api.http)
+    other = api.http.cookies[SESSION_COOKIE]
+    api.http.cookies.clear()
+    await sign_in(api.http)
+    await api.http.post("/viewer/logout", headers=SAME_ORIGIN)
+    api.http.cookies.set(SESSION_COOKIE, other, path="/viewer")
+    assert (await api.http.get("/viewer")).status_code == 200
+
+
+def client_at(api: Served, address: str) -> httpx.AsyncClient:
+    app = api.http._transport.app  # type: ignore[attr-defined]
+    transport = httpx.ASGITransport(app=app, client=(address, 40000))
+    return httpx.AsyncClient(transport=transport, base_url="http://test")
+
+
+async def test_sign_in_attempts_are_limited_per_client(api: Served) -> None:
+    limiter: SignInLimiter = api.http._transport.app.state.sign_in_limiter  # type: ignore[attr-defined]
+    now = [1000.0]
+    limiter.clock = lambda: now[0]
+    async with client_at(api, "203.0.113.7") as attacker, client_at(api, "198.51.100.2") as other:
+        for attempt in range(limiter.max_failures):
+            wrong = await sign_in(attacker, f"wrong-token-number-{attempt:02d}-0123456789abcdef")
+            assert wrong.status_code == 401
+        refused = await sign_in(attacker)  # even the right token, until the window passes
+        assert refused.status_code == 429
+        assert int(refused.headers["retry-after"]) > 0
+        assert "set-cookie" not in refused.headers
+        assert (await sign_in(other)).status_code == 303  # another client is not held up
+        now[0] += limiter.window_seconds + 1
+        assert (await sign_in(attacker)).status_code == 303
+
+
+def test_the_sign_in_limiter_forgets_the_oldest_clients_beyond_its_capacity() -> None:
+    limiter = SignInLimiter(max_failures=2, window_seconds=60, max_clients=3)
+    limiter.clock = lambda: 0.0
+    for client in ("a", "b", "c", "d"):
+        limiter.failed(client)
+        limiter.failed(client)
+    assert limiter.retry_after("d") > 0
+    assert limiter.retry_after("a") == 0
+    assert len(limiter) == 3
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        pytest.param({}, 403, id="neither-origin-nor-referer"),
+        pytest.param({"Origin": "null"}, 403, id="null-origin"),
+        pytest.param({"Origin": "http://test.evil.example"}, 403, id="lookalike-origin"),
+        pytest.param({"Referer": "https://evil.example/viewer/login"}, 403, id="foreign-referer"),
+        pytest.param({"Referer": "http://test/viewer/login"}, 303, id="own-referer"),
+        pytest.param({"Origin": "http://test"}, 303, id="own-origin"),
+    ],
+)
+async def test_a_sign_in_must_come_from_this_sites_own_form(
+    api: Served, headers: dict[str, str], status: int
+) -> None:
+    response = await api.http.post("/viewer/login", data={"token": SERVICE_TOKEN}, headers=headers)
+    assert response.status_code == status
+    assert ("set-cookie" in response.headers) == (status == 303)
+
+
+async def test_a_sign_out_from_another_site_is_refused(api: Served) -> None:
+    await sign_in(api.http)
+    response = await api.http.post("/viewer/logout", headers={"Origin": "https://evil.example"})
+    assert response.status_code == 403
+    assert (await api.http.get("/viewer")).status_code == 200

@@ -12,6 +12,7 @@ from agent_store.core._errors import (
     StoreError,
     Unsupported,
     describe_validation_error,
+    location_text,
 )
 from agent_store.core._models import (
     MAX_SAFE_INTEGER,
@@ -110,6 +111,7 @@ __all__ = [
     "feedback_error",
     "interruption_notice",
     "is_stand_in",
+    "location_text",
     "message_adapter",
     "messages_adapter",
     "outcome_error",

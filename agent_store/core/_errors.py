@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 from pydantic import ValidationError
 
 
@@ -58,15 +61,29 @@ class StorageFailure(StoreError):
     status = 500
 
 
+def location_text(parts: Sequence[str | int]) -> str:
+    """Where in a document a problem is, as `a.0.b`, fit to show to whoever sent it.
+
+    Keys that are not plain names (the sender's own text, say) are shown as `<key>`, so
+    an error message never repeats arbitrary input back.
+    """
+    return ".".join(
+        str(part) if _PLAIN_NAME.fullmatch(str(part)) else "<key>"
+        for part in parts
+        if part not in _UNION_TAGS
+    )
+
+
 def describe_validation_error(error: ValidationError, *, subject: str = "input") -> str:
     """One line per problem: where it is and what is wrong, without pydantic's URLs."""
     problems = []
     for item in error.errors(include_url=False):
         # Discriminated unions put the role's tag in the path; it only adds noise.
-        location = ".".join(str(part) for part in item["loc"] if part not in _UNION_TAGS)
+        location = location_text(item["loc"])
         text = str(item["msg"]).removeprefix("Value error, ")
         problems.append(f"{location}: {text}" if location else text)
     return f"invalid {subject}: " + "; ".join(problems)
 
 
 _UNION_TAGS = {"system", "user", "assistant", "tool"}
+_PLAIN_NAME = re.compile(r"[\w$.:@|-]{1,64}")

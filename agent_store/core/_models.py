@@ -63,7 +63,7 @@ MAX_SAFE_INTEGER = 2**53 - 1
 Count = Annotated[int, Field(ge=0, le=MAX_SAFE_INTEGER)]
 """A non-negative integer a JavaScript reader can hold exactly (at most 2**53 - 1)."""
 
-MAX_PARAMS_DEPTH = 32
+MAX_PARAMS_DEPTH = 64
 """How deeply HITL params may nest: far below MongoDB's limit of 100 levels per document."""
 
 Identifier = Annotated[

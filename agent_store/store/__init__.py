@@ -13,7 +13,7 @@ from agent_store.store._blobs import (
     text_of,
     with_texts,
 )
-from agent_store.store._driver import DUPLICATE_KEY, Database, storage_errors
+from agent_store.store._driver import DUPLICATE_KEY, Database, redact_uri, storage_errors
 from agent_store.store._inbox import SteeringInbox
 from agent_store.store._indexes import (
     BLOB_BUCKET,
@@ -135,6 +135,7 @@ __all__ = [
     "message_text",
     "parse_messages",
     "plan_turn",
+    "redact_uri",
     "search_text",
     "shorten",
     "storage_errors",

@@ -3,6 +3,7 @@ re-raises driver errors as the store's own."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,22 +28,48 @@ DUPLICATE_KEY = 11000
 """The server's code for a duplicate-key error: the only write error the store swallows."""
 
 
+_SECRET_OPTION = re.compile(r"(?i)password|secret|token|authmechanismproperties")
+
+
+def redact_uri(uri: str) -> str:
+    """`uri` fit to print: its password and the values of secret-bearing options are `***`."""
+    scheme, separator, rest = uri.partition("://")
+    if not separator:
+        return "***"
+    cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    authority, tail = rest[:cut], rest[cut:]
+    userinfo, at, hosts = authority.rpartition("@")
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        authority = f"{user}{':***' if colon else ''}@{hosts}"
+    path, question, options = tail.partition("?")
+    if question:
+        kept = []
+        for option in options.split("&"):
+            name, equals, _ = option.partition("=")
+            kept.append(f"{name}=***" if equals and _SECRET_OPTION.search(name) else option)
+        tail = f"{path}?{'&'.join(kept)}"
+    return f"{scheme}://{authority}{tail}"
+
+
 @contextmanager
 def storage_errors(action: str) -> Iterator[None]:
-    """Re-raise driver errors met while doing `action` as the store's own errors."""
+    """Re-raise driver errors met while doing `action` as the store's own errors.
+
+    The message says what failed in the store's words only; the driver's error, whose
+    text may quote documents, commands or hosts, stays attached as `__cause__` for logs.
+    """
     try:
         yield
     except StoreError:
         raise
     except (mongo_errors.ServerSelectionTimeoutError, mongo_errors.AutoReconnect) as exc:
-        raise StorageUnavailable(
-            f"could not {action}: the database is unreachable ({exc})"
-        ) from exc
+        raise StorageUnavailable(f"could not {action}: the database is unreachable") from exc
     except (mongo_errors.NetworkTimeout, mongo_errors.ExecutionTimeout) as exc:
-        raise StorageUnavailable(f"could not {action}: the database timed out ({exc})") from exc
+        raise StorageUnavailable(f"could not {action}: the database timed out") from exc
     except mongo_errors.DocumentTooLarge as exc:
-        raise InvalidInput(f"could not {action}: a document is too large ({exc})") from exc
+        raise InvalidInput(f"could not {action}: a document is too large") from exc
     except mongo_errors.PyMongoError as exc:
-        raise StorageFailure(f"could not {action}: {exc}") from exc
+        raise StorageFailure(f"could not {action}: the database refused the operation") from exc
     except NotImplementedError as exc:
-        raise Unsupported(f"could not {action}: this database does not support it ({exc})") from exc
+        raise Unsupported(f"could not {action}: this database does not support it") from exc

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -44,13 +44,18 @@ from agent_store.store._tail import (
     text_before,
     unlogged,
 )
-from agent_store.store._text import clean_name
+from agent_store.store._text import clean_name, has_positive_term
 from agent_store.store._turns import TurnRules, validate_identifier
 
 MAX_PAGE_SIZE = 200
 # Messages in the first reply of a transcript read: a 300-message transcript is one round
 # trip. Longer ones continue in further batches (never cut); the server caps each at 16 MiB.
 TRANSCRIPT_BATCH = 10_000
+# Streamed transcripts: the first batch is short (its messages' sizes are unknown), the
+# next ones hold about STREAM_BATCH_BYTES of the largest message seen, at most STREAM_BATCH.
+STREAM_FIRST_BATCH = 32
+STREAM_BATCH = 1000
+STREAM_BATCH_BYTES = 1_048_576
 MAX_SEARCH_QUERY_CHARS = 500
 SortOrder = Literal["asc", "desc"]
 
@@ -560,6 +565,11 @@ class ConversationStore:
             raise InvalidInput(
                 f"invalid search: the query must have 1 to {MAX_SEARCH_QUERY_CHARS} characters"
             )
+        if not has_positive_term(text):
+            raise InvalidInput(
+                "invalid search: the query needs at least one word to find, not only words "
+                "excluded with '-'"
+            )
         if user_id is None and conversation_id is None:
             raise InvalidInput("invalid search: scope it to a user_id or a conversation_id")
         query: dict[str, Any] = {"$text": {"$search": text}}
@@ -662,3 +672,79 @@ class ConversationStore:
         if user_id is not None:
             scope["user_id"] = validate_identifier(user_id, "user_id")
         return scope
+
+    # -- streamed reads: memory bounded by a batch, not by the conversation ----------
+
+    async def stream_transcript(
+        self,
+        conversation_id: str,
+        *,
+        user_id: str | None = None,
+        batch_size: int = STREAM_BATCH,
+        batch_bytes: int = STREAM_BATCH_BYTES,
+        full: bool = False,
+    ) -> AsyncGenerator[list[AgentMessage], None]:
+        """Every message of a conversation in `seq` order, a batch (one round trip) at a time.
+
+        What `transcript` returns, without holding it whole: the first batch holds up to
+        `STREAM_FIRST_BATCH` messages, each next one as many as fit in about `batch_bytes`
+        by the size of the largest message so far, at most `batch_size`. A conversation
+        with no messages here (empty, not migrated yet, missing, not `user_id`'s) is
+        answered by `transcript` itself, as one batch or its error, before anything else.
+        With `full`, fields cut to bound a message come whole (see `with_full_texts`).
+        """
+        if not 1 <= batch_size <= TRANSCRIPT_BATCH:
+            raise InvalidInput(f"invalid batch_size {batch_size}: 1 to {TRANSCRIPT_BATCH}")
+        query: dict[str, Any] = {
+            "conversation_id": validate_identifier(conversation_id, "conversation_id")
+        }
+        if user_id is not None:
+            query["user_id"] = validate_identifier(user_id, "user_id")
+        size, after = min(STREAM_FIRST_BATCH, batch_size), -1
+        while True:
+            with storage_errors("read the transcript"):
+                docs = await (
+                    self._messages.find({**query, "seq": {"$gt": after}})
+                    .sort("seq", 1)
+                    .limit(size)
+                    .to_list(None)
+                )
+            if not docs and after < 0:
+                messages = await self.transcript(conversation_id, user_id=user_id)
+                yield await self.with_full_texts(messages) if full else messages
+            if not docs:
+                return
+            after, largest = int(docs[-1]["seq"]), max(map(_approximate_size, docs))
+            batch = messages_adapter.validate_python(docs)
+            yield await self.with_full_texts(batch) if full else batch
+            if len(docs) < size:
+                return
+            size = max(1, min(batch_size, batch_bytes // max(largest, 1)))
+
+    async def stream_user_conversations(self, user_id: str) -> AsyncGenerator[Conversation, None]:
+        """Every conversation document of a user, by id, one at a time (no transcripts)."""
+        user_id = validate_identifier(user_id, "user_id")
+        cursor = self._conversations.find({"user_id": user_id}).sort("_id", 1)
+        try:
+            with storage_errors("read the user's conversations"):
+                async for doc in cursor:
+                    yield Conversation.model_validate(doc)
+        finally:
+            await cursor.close()
+
+
+def _approximate_size(document: Any) -> int:
+    """Roughly how many bytes a stored document takes: its text, plus a little per value."""
+    size, stack = 0, [document]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            size += len(value)
+        elif isinstance(value, dict):
+            size += 16 * len(value)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        else:
+            size += 8
+    return size

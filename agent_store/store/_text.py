@@ -164,3 +164,22 @@ def clean_name(name: object) -> str:
             f"invalid name: it must have 1 to {MAX_NAME_CHARS} characters besides white space"
         )
     return cleaned
+
+
+# A quoted phrase (negated by a `-` before its quote), or a word up to the next space.
+_SEARCH_TERM = re.compile(r'(-?)"([^"]*)"?|(\S+)')
+
+
+def has_positive_term(query: str) -> bool:
+    """Whether a `$text` query has a word to look for, not only words excluded with `-`.
+
+    MongoDB (and compatible servers) refuse or match nothing for a query of only
+    negated terms or punctuation; a positive term holds a letter or a digit.
+    """
+    for match in _SEARCH_TERM.finditer(query):
+        negated, phrase, word = match.groups()
+        term = phrase if phrase is not None else word
+        excluded = bool(negated) if phrase is not None else word.startswith("-")
+        if not excluded and any(character.isalnum() for character in term):
+            return True
+    return False

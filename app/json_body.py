@@ -1,0 +1,78 @@
+"""The rules every JSON request body meets before a model reads it.
+
+What pydantic cannot refuse on its own, because it happens while parsing or
+only fails once stored: nesting deep enough to exhaust the parser's recursion,
+integers MongoDB cannot hold (BSON keeps 64 bits), numbers that parse to
+infinity (JSON responses cannot carry them back).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from agent_store.core import location_text
+from app.http_errors import InvalidJson, InvalidRequest
+
+MAX_BODY_DEPTH = 64
+"""The deepest nesting of objects and arrays a body may have (MongoDB stores 100 at most)."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _problem(value: Any) -> str | None:
+    """What is wrong with a scalar, if anything."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+        return "the integer is outside the 64-bit range the store keeps"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "the number is outside the 64-bit floating-point range the store keeps"
+    return None
+
+
+def nests_deeper_than(value: Any, limit: int) -> bool:
+    """Whether objects and arrays in `value` nest more than `limit` levels (without recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def _check_numbers(document: Any) -> None:
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(document, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict | list):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack.extend((child, (*path, key)) for key, child in items)
+            continue
+        problem = _problem(value)
+        if problem is not None:
+            where = location_text(path)
+            raise InvalidRequest(f"invalid body: {where}: {problem}")
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object within the rules above; InvalidJson or InvalidRequest if not."""
+    try:
+        document = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError as exc:
+        raise InvalidJson(f"the body nests deeper than {MAX_BODY_DEPTH} levels") from exc
+    except ValueError as exc:
+        raise InvalidJson(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(document, dict):
+        raise InvalidJson("the body must be a JSON object")
+    if nests_deeper_than(document, MAX_BODY_DEPTH):
+        raise InvalidJson(f"the body nests deeper than {MAX_BODY_DEPTH} levels")
+    _check_numbers(document)
+    return document

@@ -1,0 +1,109 @@
+"""JSON documents written piece by piece, so a transcript or an export is never held whole.
+
+Each writer yields the bytes of one document (`Transcript`, `ConversationExport`
+lines, `UserExport`) in chunks of about `CHUNK_BYTES`, reading messages a batch
+at a time from the store's streamed reads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+
+from agent_store.core import AgentMessage, message_adapter
+from agent_store.store import ConversationStore
+
+CHUNK_BYTES = 64 * 1024
+Batches = AsyncGenerator[list[AgentMessage], None]
+
+
+async def _chunks(pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Join small pieces into chunks of about `CHUNK_BYTES`: fewer, larger writes."""
+    buffer = bytearray()
+    async for piece in pieces:
+        buffer += piece
+        if len(buffer) >= CHUNK_BYTES:
+            yield bytes(buffer)
+            buffer.clear()
+    if buffer:
+        yield bytes(buffer)
+
+
+async def _array(first: Sequence[AgentMessage], rest: Batches) -> AsyncIterator[bytes]:
+    """A JSON array of every message of `first`, then of each batch of `rest`."""
+    yield b"["
+    separator = b""
+    batch = first
+    while True:
+        for message in batch:
+            yield separator + message_adapter.dump_json(message, by_alias=True)
+            separator = b","
+        next_batch = await anext(rest, None)
+        if next_batch is None:
+            break
+        batch = next_batch
+    yield b"]"
+
+
+async def transcript_document(
+    conversation_id: str, first: Sequence[AgentMessage], rest: Batches
+) -> AsyncIterator[bytes]:
+    """The `Transcript` document: `first` is the batch already read (and checked)."""
+
+    async def pieces() -> AsyncIterator[bytes]:
+        yield b'{"conversation_id":' + json.dumps(conversation_id).encode() + b',"data":'
+        async for piece in _array(first, rest):
+            yield piece
+        yield b"}"
+
+    try:
+        async for chunk in _chunks(pieces()):
+            yield chunk
+    finally:
+        await rest.aclose()
+
+
+async def _conversation_exports(
+    store: ConversationStore, user_id: str, *, between: bytes, after: bytes, full: bool
+) -> AsyncIterator[bytes]:
+    """Each of the user's conversations as a `ConversationExport` object."""
+    before = b""
+    async for conversation in store.stream_user_conversations(user_id):
+        batches = store.stream_transcript(conversation.id, user_id=user_id, full=full)
+        try:
+            first = await anext(batches)
+            yield (
+                before + b'{"conversation":' + conversation.model_dump_json(by_alias=True).encode()
+            )
+            yield b',"messages":'
+            async for piece in _array(first, batches):
+                yield piece
+            yield b"}" + after
+        finally:
+            await batches.aclose()
+        before = between
+
+
+async def export_lines(
+    store: ConversationStore, user_id: str, *, full: bool = False
+) -> AsyncIterator[bytes]:
+    """JSON Lines: one `ConversationExport` per line."""
+    exports = _conversation_exports(store, user_id, between=b"", after=b"\n", full=full)
+    async for chunk in _chunks(exports):
+        yield chunk
+
+
+async def export_document(
+    store: ConversationStore, user_id: str, *, full: bool = False
+) -> AsyncIterator[bytes]:
+    """The `UserExport` document."""
+
+    async def pieces() -> AsyncIterator[bytes]:
+        yield b'{"user_id":' + json.dumps(user_id).encode() + b',"conversations":['
+        exports = _conversation_exports(store, user_id, between=b",", after=b"", full=full)
+        async for piece in exports:
+            yield piece
+        yield b"]}"
+
+    async for chunk in _chunks(pieces()):
+        yield chunk

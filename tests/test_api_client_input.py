@@ -1,0 +1,259 @@
+"""No client input gets a 500, and no error carries the database driver's text.
+
+Each hostile input is answered with a 4xx naming what was wrong, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from pymongo import AsyncMongoClient, monitoring
+
+from agent_store.store import MESSAGES
+from app.json_body import MAX_BODY_DEPTH
+from tests.api_harness import (
+    OTHER,
+    OWNER,
+    OWNER_CONVERSATION,
+    OWNER_HITL_CONVERSATION,
+    Served,
+    auth_headers,
+    mongomock_db,
+    serve,
+)
+from tests.conftest import Backend
+
+SERVICE = auth_headers()
+CONV = f"/v1/conversations/{OWNER_CONVERSATION}"
+TURNS = f"{CONV}/turns"
+JSON = SERVICE | {"Content-Type": "application/json"}
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[Served]:
+    async with serve(mongomock_db()) as served:
+        yield served
+
+
+async def refused(api: Served, method: str, url: str, content: bytes, status: int) -> str:
+    """Send `content` as a JSON body; assert it is refused with `status` and changes nothing."""
+    before = await api.digest()
+    response = await api.http.request(method, url, content=content, headers=JSON)
+    assert response.status_code == status, response.text[:500]
+    assert set(response.json()) == {"error"}
+    assert await api.digest() == before
+    message: str = response.json()["error"]["message"]
+    return message
+
+
+def nested(depth: int, leaf: str = "1") -> str:
+    return "[" * depth + leaf + "]" * depth
+
+
+def turn_with_params(params_json: str) -> bytes:
+    hitl = f'{{"action": "confirm", "request_id": "r-1", "params": {params_json}}}'
+    message = f'{{"role": "assistant", "content": "ok?", "hitl_action": {hitl}}}'
+    return f'{{"turn_id": "t-hostile", "messages": [{message}]}}'.encode()
+
+
+# -- nesting ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [100_000, 5_000, MAX_BODY_DEPTH])
+async def test_a_body_nested_deeper_than_the_limit_is_refused_with_400(
+    api: Served, depth: int
+) -> None:
+    # `params` opens at depth 5 of the body; `depth` more levels take it over the limit.
+    message = await refused(api, "POST", TURNS, turn_with_params(f'{{"a": {nested(depth)}}}'), 400)
+    assert f"nests deeper than {MAX_BODY_DEPTH} levels" in message
+    message = await refused(api, "PATCH", CONV, f'{{"name": {nested(depth)}}}'.encode(), 400)
+    assert f"nests deeper than {MAX_BODY_DEPTH} levels" in message
+
+
+async def test_a_body_nested_within_the_limit_is_accepted(api: Served) -> None:
+    params = f'{{"a": {nested(MAX_BODY_DEPTH - 7)}}}'
+    response = await api.http.post(TURNS, content=turn_with_params(params), headers=JSON)
+    assert response.status_code == 201, response.text[:500]
+
+
+# -- numbers ---------------------------------------------------------------------------------
+
+HUGE_NUMBERS = [
+    pytest.param(
+        '{"role": "user", "content": "x", "upload": '
+        f'{{"filename": "a.pdf", "file_type": "application/pdf", "size": {2**63}}}}}',
+        "messages.0.upload.size",
+        id="upload-size-2**63",
+    ),
+    pytest.param(
+        '{"role": "assistant", "content": "x", "token_usage": '
+        f'{{"input_tokens": {2**64}, "output_tokens": 1}}}}',
+        "messages.0.token_usage.input_tokens",
+        id="token-usage-2**64",
+    ),
+    pytest.param(
+        f'{{"role": "assistant", "content": "x", "latency_ms": {-(2**63) - 1}}}',
+        "messages.0.latency_ms",
+        id="latency-below-int64",
+    ),
+    pytest.param(
+        '{"role": "assistant", "content": "x", "hitl_action": {"action": "pay", '
+        f'"request_id": "r", "params": {{"amount": {10**30}}}}}}}',
+        "messages.0.hitl_action.params.amount",
+        id="hitl-param-10**30",
+    ),
+    pytest.param(
+        '{"role": "assistant", "content": "x", "hitl_action": {"action": "pay", '
+        '"request_id": "r", "params": {"amount": 1e400}}}',
+        "messages.0.hitl_action.params.amount",
+        id="hitl-param-1e400",
+    ),
+]
+
+
+@pytest.mark.parametrize(("message", "where"), HUGE_NUMBERS)
+async def test_numbers_outside_64_bits_are_refused_with_422(
+    backend: Backend, message: str, where: str
+) -> None:
+    async with serve(backend.db) as api:
+        body = f'{{"turn_id": "t-big", "messages": [{message}]}}'.encode()
+        text = await refused(api, "POST", TURNS, body, 422)
+        assert where in text
+        assert "64-bit" in text
+
+
+# -- search ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("q", ["-a -b", "-paris", "-", "!!!", '-"in paris"', "--a", "- -"])
+async def test_a_search_without_a_positive_term_is_refused_with_422(
+    backend: Backend, q: str
+) -> None:
+    async with serve(backend.db) as api:
+        response = await api.http.get(
+            "/v1/search", params={"q": q, "user_id": OWNER}, headers=SERVICE
+        )
+        assert response.status_code == 422, response.text
+        assert "at least one word" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("q", ["paris -lyon", '"in paris"', "- paris", "the"])
+async def test_a_search_with_a_positive_term_is_run(backend: Backend, q: str) -> None:
+    backend.skip_if_lacking("text_search")
+    async with serve(backend.db) as api:
+        response = await api.http.get(
+            "/v1/search", params={"q": q, "user_id": OWNER}, headers=SERVICE
+        )
+        assert response.status_code == 200, response.text
+
+
+# -- the driver's text -----------------------------------------------------------------------
+
+
+async def test_a_database_error_reaches_the_client_without_the_drivers_text(
+    wire_backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with serve(wire_backend.db) as api:
+        # Without its text index, the database refuses every search.
+        indexes = await api.db[MESSAGES].index_information()
+        text_index = next(name for name, spec in indexes.items() if "text" in str(spec["key"]))
+        await api.db[MESSAGES].drop_index(text_index)
+        with caplog.at_level(logging.ERROR, logger="agent_store.api"):
+            response = await api.http.get(
+                "/v1/search", params={"q": "Paris", "user_id": OWNER}, headers=SERVICE
+            )
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert error == {
+            "code": "storage_failure",
+            "message": "could not search messages: the database refused the operation",
+        }
+        assert "errmsg" not in response.text
+        # The operator still finds the driver's words in the server log.
+        assert "text index" in caplog.text.lower()
+
+
+# -- erasing and empty $in lists -------------------------------------------------------------
+
+
+async def test_erasing_users_after_a_migration_works_on_every_backend(backend: Backend) -> None:
+    async with serve(backend.db) as api:
+        # The harness keeps the example's legacy turns beside its migrated messages.
+        erased = await api.http.delete(f"/v1/users/{OWNER}", headers=SERVICE)
+        assert erased.status_code == 200, erased.text
+        assert erased.json()["legacy_turns"] == 4
+        no_legacy = await api.http.delete(f"/v1/users/{OTHER}", headers=SERVICE)
+        assert no_legacy.status_code == 200, no_legacy.text
+        assert no_legacy.json()["legacy_turns"] == 0
+
+
+class EmptyInLists(monitoring.CommandListener):
+    """Remembers every command that holds an `$in` with an empty list."""
+
+    def __init__(self) -> None:
+        self.found: list[str] = []
+
+    @staticmethod
+    def _holds_empty_in(value: Any) -> bool:
+        stack = [value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, dict):
+                if item.get("$in") == []:
+                    return True
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
+        return False
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if self._holds_empty_in(dict(event.command)):
+            self.found.append(json.dumps(dict(event.command), default=str)[:300])
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+@pytest.mark.wire
+async def test_no_route_sends_an_empty_in_list(wire_uri: str) -> None:
+    listener = EmptyInLists()
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+        wire_uri, tz_aware=True, event_listeners=[listener]
+    )
+    db = client["empty_in_lists"]
+    hitl = f"/v1/conversations/{OWNER_HITL_CONVERSATION}/hitl"
+    requests: list[tuple[str, str, dict[str, Any] | None]] = [
+        ("GET", f"/v1/users/{OWNER}/conversations", None),
+        ("GET", CONV, None),
+        ("GET", f"{CONV}/transcript", None),
+        ("GET", f"{CONV}/messages", None),
+        ("GET", f"/v1/users/{OWNER}/export", None),
+        ("GET", "/v1/search?q=Paris&user_id=user-ada", None),
+        ("POST", TURNS, {"messages": [{"role": "user", "content": "again"}]}),
+        ("PATCH", CONV, {"name": "Renamed"}),
+        ("GET", hitl, None),
+        ("POST", f"{hitl}/resolve", {"request_id": "req-ada"}),
+        ("POST", "/v1/claims", {"from_user_id": OTHER, "to_user_id": "user-grace-2"}),
+        ("DELETE", CONV, None),
+        ("DELETE", f"/v1/users/{OWNER}", None),
+        ("DELETE", "/v1/users/user-nobody", None),
+        ("GET", "/v1/conversations/missing/transcript", None),
+    ]
+    try:
+        async with serve(db) as api:
+            for user in (None, OWNER):
+                for method, url, body in requests:
+                    headers = auth_headers(user=user)
+                    response = await api.http.request(method, url, json=body, headers=headers)
+                    assert response.status_code < 500, (method, url, response.text)
+    finally:
+        await client.drop_database("empty_in_lists")
+        await client.close()
+    assert listener.found == []

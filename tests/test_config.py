@@ -1,0 +1,200 @@
+"""Configuration the service refuses to start with, and what it prints when it does start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import jwt
+import pytest
+from pydantic import ValidationError
+
+from agent_store.store import redact_uri
+from app.__main__ import start_banner
+from app.settings import ConfigurationError, Settings, serving_settings
+from tests.api_harness import (
+    AUDIENCE,
+    ISSUER,
+    JWT_SECRET,
+    OWNER_CONVERSATION,
+    api_settings,
+    auth_headers,
+    mongomock_db,
+    serve,
+)
+
+STRONG = "s" * 32
+
+
+def refusal(**values: Any) -> str:
+    with pytest.raises(ValidationError) as caught:
+        Settings(**values)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        pytest.param("", id="empty"),
+        pytest.param("short", id="short"),
+        pytest.param("x" * 31, id="31-characters"),
+        pytest.param(" " * 40, id="spaces"),
+        pytest.param("a-long-enough-token with a space inside", id="inner-space"),
+    ],
+)
+def test_a_weak_service_token_is_refused_without_being_echoed(token: str) -> None:
+    for values in ({"service_tokens": [STRONG, token]}, {"named_service_tokens": {"ui": token}}):
+        message = refusal(**values)
+        assert "at least 32" in message
+        if token.strip():
+            assert token not in message
+
+
+def test_an_empty_token_list_from_the_environment_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("AGENT_STORE_SERVICE_TOKENS", '[""]')
+    with pytest.raises(ValidationError, match="at least 32"):
+        Settings()
+
+
+def test_a_named_token_needs_a_name() -> None:
+    assert "name" in refusal(named_service_tokens={"": STRONG})
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "weak", "enough"),
+    [("HS256", 31, 32), ("HS384", 47, 48), ("HS512", 63, 64)],
+)
+def test_an_hmac_secret_shorter_than_its_hash_is_refused(
+    algorithm: str, weak: int, enough: int
+) -> None:
+    message = refusal(jwt_algorithms=[algorithm], jwt_secret="k" * weak)
+    assert f"at least {enough} bytes" in message
+    assert "k" * weak not in message
+    Settings(jwt_algorithms=[algorithm], jwt_secret="k" * enough)
+
+
+def test_a_three_byte_jwt_secret_is_refused() -> None:
+    assert "at least 32 bytes" in refusal(jwt_secret="abc")
+
+
+def test_a_dev_token_is_invented_only_for_the_embedded_database() -> None:
+    with pytest.raises(ConfigurationError, match="AGENT_STORE_SERVICE_TOKENS"):
+        serving_settings(Settings(mongodb_uri="mongodb://db.example:27017"), demo_explicit=False)
+    settings, dev_token = serving_settings(Settings(), demo_explicit=False)
+    assert dev_token is not None
+    assert len(dev_token) >= 32
+    assert settings.service_tokens == [dev_token]
+    configured, none = serving_settings(
+        Settings(mongodb_uri="mongodb://db", service_tokens=[STRONG]), demo_explicit=False
+    )
+    assert none is None
+    assert configured.service_tokens == [STRONG]
+
+
+@pytest.mark.parametrize(
+    ("uri", "redacted"),
+    [
+        ("mongodb://ada:s3cret@db1:27017,db2/?replicaSet=rs0", "mongodb://ada:***@db1:27017,db2/"),
+        ("mongodb+srv://ada:p%40ss@cluster.example/app", "mongodb+srv://ada:***@cluster.example/"),
+        ("mongodb://db/?tlsCertificateKeyFilePassword=hunter2", "mongodb://db/?"),
+        (
+            "mongodb://key@db/?authMechanism=MONGODB-AWS&authMechanismProperties="
+            "AWS_SESSION_TOKEN:tok",
+            "authMechanismProperties=***",
+        ),
+        ("mongodb://localhost", "mongodb://localhost"),
+    ],
+)
+def test_printed_uris_hide_their_credentials(uri: str, redacted: str) -> None:
+    printed = redact_uri(uri)
+    assert redacted in printed
+    for secret in ("s3cret", "p%40ss", "hunter2", ":tok"):
+        assert secret not in printed
+
+
+def test_the_start_banner_prints_no_password() -> None:
+    settings = Settings(mongodb_uri="mongodb://ada:s3cret@db.example/", service_tokens=[STRONG])
+    banner = "\n".join(start_banner(settings, dev_token=None))
+    assert "mongodb://ada:***@db.example/" in banner
+    assert "s3cret" not in banner
+    assert STRONG not in banner
+
+
+def _run_app(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_STORE_", "MONGODB"))}
+    return subprocess.run(
+        [sys.executable, "-m", "app"],
+        env=clean | env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_the_service_will_not_invent_a_token_for_a_real_database() -> None:
+    finished = _run_app({"MONGODB_URI": "mongodb://ada:s3cret@127.0.0.1:9/"})
+    assert finished.returncode == 2
+    assert "AGENT_STORE_SERVICE_TOKENS" in finished.stderr
+    assert "development token" not in finished.stdout
+    assert "s3cret" not in finished.stdout + finished.stderr
+
+
+def test_the_service_will_not_start_with_a_weak_token() -> None:
+    finished = _run_app({"AGENT_STORE_SERVICE_TOKENS": '["hunter2"]'})
+    assert finished.returncode == 2
+    assert "at least 32" in finished.stderr
+    assert "hunter2" not in finished.stdout + finished.stderr
+
+
+def _token_living(seconds: int, **claims: Any) -> str:
+    now = int(time.time())
+    payload = {"sub": "user-ada", "aud": AUDIENCE, "iss": ISSUER, "iat": now, "exp": now + seconds}
+    payload.update(claims)
+    return jwt.encode({k: v for k, v in payload.items() if v is not None}, JWT_SECRET, "HS256")
+
+
+@pytest.mark.parametrize(
+    ("max_seconds", "lifetime", "status"),
+    [
+        pytest.param(3600, 300, 200, id="short-lived"),
+        pytest.param(3600, 3600, 200, id="exactly-the-maximum"),
+        pytest.param(3600, 2 * 3600, 401, id="two-hours-by-default"),
+        pytest.param(4 * 3600, 2 * 3600, 200, id="two-hours-when-allowed"),
+        pytest.param(3600, 365 * 86400, 401, id="a-year"),
+    ],
+)
+async def test_user_tokens_living_longer_than_the_maximum_are_refused(
+    max_seconds: int, lifetime: int, status: int
+) -> None:
+    settings = api_settings(max_user_token_seconds=max_seconds)
+    async with serve(mongomock_db(), settings) as api:
+        headers = auth_headers() | {"X-User-JWT": _token_living(lifetime)}
+        response = await api.http.get(f"/v1/conversations/{OWNER_CONVERSATION}", headers=headers)
+        assert response.status_code == status, response.text
+        if status == 401:
+            assert "lifetime" in response.json()["error"]["message"]
+
+
+async def test_a_user_token_without_an_issue_time_is_refused() -> None:
+    async with serve(mongomock_db()) as api:
+        headers = auth_headers() | {"X-User-JWT": _token_living(300, iat=None)}
+        response = await api.http.get(f"/v1/conversations/{OWNER_CONVERSATION}", headers=headers)
+        assert response.status_code == 401
+        assert "iat" in response.json()["error"]["message"]
+
+
+def test_the_migration_tool_prints_no_password(capsys: pytest.CaptureFixture[str]) -> None:
+    from migrations.cli import main
+
+    closed = "mongodb://ada:s3cret@127.0.0.1:9/?directConnection=true"
+    assert main(["status", "--uri", closed, "--timeout", "0.2"]) == 4
+    assert main(["status", "--uri", "mongodb://ada:s3cret@/?bogus"]) == 4
+    printed = capsys.readouterr()
+    assert "mongodb://ada:***@127.0.0.1:9/" in printed.err
+    assert "s3cret" not in printed.out + printed.err
