@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from pydantic import BaseModel
 from starlette.applications import Starlette
@@ -16,13 +17,21 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agent_store.core import Conversation, ConversationPage, MessagePage
-from agent_store.store import Claimed, ConversationExport, Deleted, LoggedTurn
+from agent_store.store import Claimed, ConversationExport, Deleted, LoggedTurn, SteeringInbox
 from app.api_models import (
     ClaimBody,
+    CloseInboxBody,
     ConversationListQuery,
+    DeliverBody,
+    Delivered,
+    Delivery,
     ExportQuery,
+    ForkBody,
     Health,
     HitlResolved,
+    InboxClosing,
+    InboxOpened,
+    InboxQuery,
     LogTurnBody,
     MessagePageQuery,
     NoBody,
@@ -128,6 +137,57 @@ async def log_turn(call: Call[NoQuery, LogTurnBody]) -> Response:
         owner_only=call.scope is not None,
     )
     return _json(logged, 200 if logged.replayed else 201)
+
+
+def _inbox(call: Call[Any, Any]) -> SteeringInbox:
+    return SteeringInbox(call.store.logger)
+
+
+async def open_inbox(call: Call[NoQuery, NoBody]) -> Response:
+    turn_id = call.path["turn_id"]
+    await _inbox(call).open_turn(
+        call.conversation_id, turn_id, user_id=call.scope, owner_only=call.scope is not None
+    )
+    return _json(InboxOpened(conversation_id=call.conversation_id, turn_id=turn_id))
+
+
+async def deliver(call: Call[NoQuery, DeliverBody]) -> Response:
+    delivered = await _inbox(call).try_deliver(
+        call.conversation_id,
+        call.path["turn_id"],
+        call.body.message,
+        delivery_id=call.body.delivery_id,
+        user_id=call.scope,
+        owner_only=call.scope is not None,
+    )
+    return _json(Delivery(delivered=delivered))
+
+
+async def drain_inbox(call: Call[InboxQuery, NoBody]) -> Response:
+    await call.store.conversations.get_conversation(call.conversation_id, user_id=call.scope)
+    messages = await _inbox(call).drain(
+        call.conversation_id, call.path["turn_id"], call.query.after_seq
+    )
+    return _json(Delivered(data=messages))
+
+
+async def close_inbox(call: Call[NoQuery, CloseInboxBody]) -> Response:
+    await call.store.conversations.get_conversation(call.conversation_id, user_id=call.scope)
+    late = await _inbox(call).close_inbox(
+        call.conversation_id, call.path["turn_id"], call.body.last_seen_seq
+    )
+    return _json(InboxClosing(closed=not late, data=late))
+
+
+async def fork(call: Call[NoQuery, ForkBody]) -> Response:
+    forked = await call.store.logger.fork(
+        call.conversation_id,
+        call.body.at_seq,
+        call.body.new_conversation_id,
+        user_id=call.scope,
+        owner_only=call.scope is not None,
+    )
+    return _json(forked, 200 if forked.replayed else 201)
 
 
 async def pending_hitl(call: Call[NoQuery, NoBody]) -> Response:
@@ -273,6 +333,56 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         body=LogTurnBody,
         errors=("not_found", "conflict", "forbidden"),
         carries_turns=True,
+    ),
+    Endpoint(
+        "POST",
+        f"{CONVERSATION}/turns/{{turn_id}}/inbox",
+        open_inbox,
+        "Open the steering inbox of a running turn (idempotent)",
+        "live",
+        {200: InboxOpened},
+        errors=("not_found", "conflict"),
+    ),
+    Endpoint(
+        "POST",
+        f"{CONVERSATION}/turns/{{turn_id}}/inbox/messages",
+        deliver,
+        "Deliver a message into a running turn, or learn that its inbox is closed",
+        "live",
+        {200: Delivery},
+        body=DeliverBody,
+        errors=("not_found", "conflict"),
+        carries_turns=True,
+    ),
+    Endpoint(
+        "GET",
+        f"{CONVERSATION}/turns/{{turn_id}}/inbox",
+        drain_inbox,
+        "The messages delivered into a running turn after a seq",
+        "live",
+        {200: Delivered},
+        query=InboxQuery,
+        errors=("not_found",),
+    ),
+    Endpoint(
+        "POST",
+        f"{CONVERSATION}/turns/{{turn_id}}/inbox/close",
+        close_inbox,
+        "Close a running turn's inbox, or get what arrived since the runtime last looked",
+        "live",
+        {200: InboxClosing},
+        body=CloseInboxBody,
+        errors=("not_found", "storage_unavailable"),
+    ),
+    Endpoint(
+        "POST",
+        f"{CONVERSATION}/forks",
+        fork,
+        "Start a new conversation from this one's messages up to a seq",
+        "live",
+        {201: LoggedTurn, 200: LoggedTurn},
+        body=ForkBody,
+        errors=("not_found", "conflict"),
     ),
     Endpoint(
         "GET",

@@ -96,6 +96,30 @@ class LogTurnBody(_Input):
     """A name the runtime chose; never replaces one a person set."""
 
 
+class DeliverBody(_Input):
+    message: AgentMessage
+    """The message a person sends into the running turn."""
+    delivery_id: Identifier | None = None
+    """The sender's id of this delivery: a retried POST with it stores the message once."""
+
+
+class InboxQuery(_Input):
+    after_seq: Annotated[int, Field(ge=-1, le=2**53 - 1)] = -1
+    """Return the messages delivered after this `seq` (-1: all)."""
+
+
+class CloseInboxBody(_Input):
+    last_seen_seq: Annotated[int, Field(ge=-1, le=2**53 - 1)]
+    """The last `seq` the runtime has seen: the inbox closes only if nothing came after it."""
+
+
+class ForkBody(_Input):
+    at_seq: Annotated[int, Field(ge=0, le=2**53 - 1)]
+    """Copy the messages up to this `seq` (moved past a tool call's results)."""
+    new_conversation_id: Identifier
+    """The id of the new conversation; random (UUIDv4) ids spread a sharded cluster's writes."""
+
+
 class ClaimBody(_Input):
     from_user_id: Identifier
     to_user_id: Identifier
@@ -126,6 +150,30 @@ class HitlResolved(BaseModel):
 
 class SearchResults(BaseModel):
     data: list[SearchHit]
+
+
+class InboxOpened(BaseModel):
+    conversation_id: str
+    turn_id: str
+    open: Literal[True] = True
+
+
+class Delivery(BaseModel):
+    delivered: bool
+    """True: the message is stored and the runtime will get it. False: the turn's inbox is
+    closed, nothing was stored; start a new turn with the message."""
+
+
+class Delivered(BaseModel):
+    data: list[AgentMessage]
+    """The messages delivered into the turn after `after_seq`, by `seq`."""
+
+
+class InboxClosing(BaseModel):
+    closed: bool
+    """True: nothing arrived after `last_seen_seq` and the inbox is closed."""
+    data: list[AgentMessage]
+    """What arrived after `last_seen_seq` (the inbox stays open): the runtime handles it."""
 
 
 class UserExport(BaseModel):

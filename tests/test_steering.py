@@ -25,6 +25,7 @@ from agent_store import (
     SteeringInbox,
     with_retries,
 )
+from agent_store.integrations.streams import turn_from_sse
 from agent_store.store import CONVERSATIONS, MESSAGES
 from scripts.faulty_proxy import FaultyProxy
 from tests.conftest import Backend
@@ -279,3 +280,17 @@ async def test_only_the_owner_may_fork_and_the_fork_is_theirs(backend: Backend) 
 
     assert {m.user_id for m in forked.messages} == {"user-ada"}
     assert await backend.db[CONVERSATIONS].count_documents({"_id": "conv-stolen"}) == 0
+
+
+def test_a_stream_marks_where_the_model_was_fed_a_steered_message() -> None:
+    turn = turn_from_sse(
+        [
+            {"type": "text_delta", "delta": "Looking up Paris…"},
+            {"type": "delivered", "seq": 5},
+            {"type": "text_delta", "delta": "In metric, then: 18 °C."},
+            {"type": "done"},
+        ]
+    )
+
+    assert [m.content for m in turn.messages] == ["Looking up Paris…", "In metric, then: 18 °C."]
+    assert turn.delivered_seqs == (5,)

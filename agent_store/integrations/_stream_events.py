@@ -80,6 +80,14 @@ class ErrorEvent(_SseEvent):
     message: str
 
 
+class DeliveredEvent(_SseEvent):
+    """A message a person steered into the running turn was fed to the model; in both
+    protocols. The message is stored already (`SteeringInbox.try_deliver`), under `seq`."""
+
+    type: Literal["delivered"] = "delivered"
+    seq: NonNegativeInt
+
+
 class DoneEvent(_SseEvent):
     """The run ended normally. Tool results may still follow."""
 
@@ -89,7 +97,13 @@ class DoneEvent(_SseEvent):
 
 
 SseEvent = Annotated[
-    TextDelta | ToolCallEvent | ToolResultEvent | HitlEvent | ErrorEvent | DoneEvent,
+    TextDelta
+    | ToolCallEvent
+    | ToolResultEvent
+    | HitlEvent
+    | ErrorEvent
+    | DeliveredEvent
+    | DoneEvent,
     Field(discriminator="type"),
 ]
 """One event of the runtime's SSE stream."""
@@ -152,7 +166,14 @@ class ConfirmResolved(_Event):
 
 
 MetadataEvent = Annotated[
-    StreamToken | ToolStart | ToolEnd | ToolError | ConfirmRequired | ConfirmResolved | ErrorEvent,
+    StreamToken
+    | ToolStart
+    | ToolEnd
+    | ToolError
+    | ConfirmRequired
+    | ConfirmResolved
+    | ErrorEvent
+    | DeliveredEvent,
     Field(discriminator="type"),
 ]
 """One event of the streaming-metadata protocol."""

@@ -55,6 +55,7 @@ from agent_store.core import (
 from agent_store.integrations._stream_events import (
     ConfirmRequired,
     ConfirmResolved,
+    DeliveredEvent,
     DoneEvent,
     ErrorEvent,
     HitlEvent,
@@ -76,6 +77,7 @@ from agent_store.integrations._stream_events import (
 __all__ = [
     "ConfirmRequired",
     "ConfirmResolved",
+    "DeliveredEvent",
     "DoneEvent",
     "ErrorEvent",
     "HitlEvent",
@@ -115,6 +117,9 @@ class StreamedTurn:
     """The stream was cut off before its end; the last message says so."""
     resolved_request_ids: tuple[str, ...] = ()
     """HITL prompts a person answered during the stream, to clear once the turn is logged."""
+    delivered_seqs: tuple[int, ...] = ()
+    """Messages a person steered into the running turn (`SteeringInbox`), already stored,
+    that the model was fed during the stream: the turn's messages go around them."""
 
 
 @dataclass
@@ -147,6 +152,7 @@ class TurnAssembler:
         self._earlier_answers: dict[str, ToolMessage] = {}
         self._denied: set[str] = set()
         self._resolved: list[str] = []
+        self._delivered: list[int] = []
         self._held_by: dict[str, list[str]] = {}
         """The calls each confirmation request holds back, of this turn or an earlier one."""
         for call in pending:
@@ -221,6 +227,12 @@ class TurnAssembler:
         if not approved:
             self._denied.update(self._held_by.get(request_id, ()))
 
+    def delivered(self, seq: int) -> None:
+        """The model was fed a message steered into the turn (stored already, at `seq`):
+        what it says next it says after seeing it, in a new assistant message."""
+        self._open = None
+        self._delivered.append(seq)
+
     def error(self, message: str, at: datetime | None = None) -> None:
         """The run failed: an assistant message carrying the error."""
         self._finished_message(
@@ -264,6 +276,7 @@ class TurnAssembler:
             messages=tuple(messages),
             interrupted=not complete,
             resolved_request_ids=tuple(dict.fromkeys(self._resolved)),
+            delivered_seqs=tuple(dict.fromkeys(self._delivered)),
         )
 
     def _answer(self, block: _Block, call_id: str) -> ToolMessage | None:
@@ -330,6 +343,8 @@ def turn_from_sse(
             assembler.hitl(event)
         elif isinstance(event, ErrorEvent):
             assembler.error(event.message, event.at)
+        elif isinstance(event, DeliveredEvent):
+            assembler.delivered(event.seq)
         else:
             done.append(event)
     return assembler.finish(
@@ -389,6 +404,8 @@ def turn_from_metadata(
             assembler.hitl(event)
         elif isinstance(event, ConfirmResolved):
             assembler.resolve(event.request_id, approved=event.approved)
+        elif isinstance(event, DeliveredEvent):
+            assembler.delivered(event.seq)
         else:
             assembler.error(event.message, event.at)
     return assembler.finish(complete=complete, usage=usage, latency_ms=latency_ms)

@@ -1,0 +1,83 @@
+"""The steering inbox and forks over HTTP: the same handshake, the same ownership rules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.api_harness import (
+    OTHER,
+    OWNER,
+    OWNER_CONVERSATION,
+    auth_headers,
+    mongomock_db,
+    serve,
+)
+
+INBOX = f"/v1/conversations/{OWNER_CONVERSATION}/turns/t-running/inbox"
+
+
+def steer(text: str, delivery_id: str) -> dict[str, Any]:
+    return {"message": {"role": "user", "content": text}, "delivery_id": delivery_id}
+
+
+async def test_a_runtime_opens_drains_and_closes_while_a_person_steers() -> None:
+    async with serve(mongomock_db()) as api:
+        runtime, person = auth_headers(), auth_headers(user=OWNER)
+        assert (await api.http.post(INBOX, headers=runtime)).status_code == 200
+
+        sent = await api.http.post(f"{INBOX}/messages", json=steer("metric, please", "d1"),
+                                   headers=person)  # fmt: skip
+        again = await api.http.post(f"{INBOX}/messages", json=steer("metric, please", "d1"),
+                                    headers=person)  # fmt: skip
+        drained = (await api.http.get(f"{INBOX}?after_seq=-1", headers=runtime)).json()["data"]
+        seen = drained[-1]["seq"]
+        closing = await api.http.post(f"{INBOX}/close", json={"last_seen_seq": seen},
+                                      headers=runtime)  # fmt: skip
+        late = await api.http.post(f"{INBOX}/messages", json=steer("too late", "d2"),
+                                   headers=person)  # fmt: skip
+
+        assert sent.json() == again.json() == {"delivered": True}
+        assert [m["content"] for m in drained] == ["metric, please"]
+        assert closing.json() == {"closed": True, "data": []}
+        assert late.json() == {"delivered": False}
+        count = await api.db.agent_messages.count_documents({"content": "metric, please"})
+        assert count == 1
+        assert await api.db.agent_messages.count_documents({"content": "too late"}) == 0
+
+
+async def test_another_users_token_reaches_no_inbox_and_forks_nothing() -> None:
+    async with serve(mongomock_db()) as api:
+        await api.http.post(INBOX, headers=auth_headers())
+        before = await api.digest()
+        stranger = auth_headers(user=OTHER)
+
+        answers = [
+            await api.http.post(INBOX, headers=stranger),
+            await api.http.post(f"{INBOX}/messages", json=steer("x", "d9"), headers=stranger),
+            await api.http.get(INBOX, headers=stranger),
+            await api.http.post(f"{INBOX}/close", json={"last_seen_seq": 0}, headers=stranger),
+            await api.http.post(
+                f"/v1/conversations/{OWNER_CONVERSATION}/forks",
+                json={"at_seq": 3, "new_conversation_id": "conv-stolen"},
+                headers=stranger,
+            ),
+        ]
+
+        assert [a.status_code for a in answers] == [404] * 5
+        assert await api.digest() == before
+
+
+async def test_a_fork_over_http_is_created_once_and_belongs_to_the_owner() -> None:
+    async with serve(mongomock_db()) as api:
+        owner = auth_headers(user=OWNER)
+        body = {"at_seq": 3, "new_conversation_id": "conv-fork-http"}
+        url = f"/v1/conversations/{OWNER_CONVERSATION}/forks"
+
+        first = await api.http.post(url, json=body, headers=owner)
+        again = await api.http.post(url, json=body, headers=owner)
+        taken = await api.http.post(url, json={**body, "at_seq": 0}, headers=owner)
+
+        assert (first.status_code, again.status_code, taken.status_code) == (201, 200, 409)
+        forked = await api.http.get("/v1/conversations/conv-fork-http", headers=owner)
+        assert forked.json()["forked_from"]["conversation_id"] == OWNER_CONVERSATION
+        assert forked.json()["user_id"] == OWNER
