@@ -1,0 +1,370 @@
+"""Where a LangGraph thread's messages live: its conversation's transcript, each message once.
+
+`TranscriptLink.place` turns a checkpoint's messages into segments of the
+transcript, logging only the messages the transcript does not hold yet (one
+idempotent turn per checkpoint, through `AgentMessageLogger`);
+`TranscriptLink.materialize` turns segments back into the messages. A small
+per-thread cache keeps the messages already read or written, so a graph that
+appends pays for its new messages only, however long the conversation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from langchain_core.messages import BaseMessage
+from pydantic import ValidationError
+from pymongo.errors import BulkWriteError
+
+from agent_store.core import AgentMessage, InvalidInput, StorageFailure
+from agent_store.integrations._langgraph_documents import (
+    MESSAGE_EXTRAS,
+    Deserialize,
+    Inline,
+    Segment,
+    SeqRange,
+    Serialize,
+    place_all,
+)
+from agent_store.integrations._langgraph_messages import extras_of, from_stored, to_stored
+from agent_store.store import (
+    DUPLICATE_KEY,
+    MAX_MESSAGES_PER_TURN,
+    AgentMessageLogger,
+    ConversationStore,
+    Database,
+    storage_errors,
+    validate_identifier,
+)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who a graph runs for: a user (writes and reads only its own threads) or a service."""
+
+    user_id: str | None = None
+
+
+@dataclass(frozen=True)
+class _Head:
+    """The messages of the checkpoint last written or read for a thread, and their segments."""
+
+    checkpoint_id: str
+    messages: list[BaseMessage]
+    segments: list[Segment]
+
+
+@dataclass
+class _Thread:
+    """What this process knows of one thread's transcript."""
+
+    by_seq: dict[int, BaseMessage] = field(default_factory=dict)
+    seq_by_id: dict[str, int] = field(default_factory=dict)
+    loaded_until: int = 0
+    """Every stored message below this `seq` is in `by_seq`."""
+    head: _Head | None = None
+    admitted: set[str | None] = field(default_factory=set)
+    """Owners whose right to write this thread was checked."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def remember(self, seq: int, message: BaseMessage) -> None:
+        self.by_seq[seq] = message
+        if message.id is not None:
+            self.seq_by_id[message.id] = seq
+
+
+@dataclass(frozen=True)
+class _New:
+    """A message the transcript does not hold yet."""
+
+    message: BaseMessage
+    stored: AgentMessage
+
+
+class TranscriptLink:
+    """Logs and reads a thread's messages through the store, with a bounded per-thread cache."""
+
+    def __init__(
+        self,
+        db: Database,
+        logger: AgentMessageLogger,
+        store: ConversationStore,
+        *,
+        dump: Serialize,
+        load: Deserialize,
+        cache_threads: int,
+    ) -> None:
+        self._extras = db[MESSAGE_EXTRAS]
+        self._logger = logger
+        self._store = store
+        self._dumps = dump
+        self._loads = load
+        self._cache_threads = cache_threads
+        self._threads: OrderedDict[str, _Thread] = OrderedDict()
+
+    def thread(self, thread_id: str) -> _Thread:
+        """The cache of one thread (created empty), most recently used last."""
+        state = self._threads.pop(thread_id, None) or _Thread()
+        self._threads[thread_id] = state
+        while len(self._threads) > self._cache_threads:
+            self._threads.popitem(last=False)
+        return state
+
+    def forget(self, thread_id: str) -> None:
+        """Drop what this process knows of a thread (after it was deleted or rewritten)."""
+        self._threads.pop(thread_id, None)
+
+    # -- writing -----------------------------------------------------------------------------
+
+    async def place(
+        self,
+        thread_id: str,
+        messages: Sequence[BaseMessage],
+        *,
+        checkpoint_id: str,
+        parent_id: str | None,
+        owner: Owner,
+    ) -> list[Segment]:
+        """The segments of a checkpoint's messages, logging the ones not stored yet.
+
+        When the messages extend the parent checkpoint's (the common case), only the
+        new tail is looked at. Otherwise every message is matched by its LangChain id
+        against the transcript: a stored, unchanged message is referenced by its `seq`,
+        an edited one (same id, other content) is held inline, an unknown one is logged.
+        """
+        state = self.thread(thread_id)
+        async with state.lock:
+            head = state.head
+            if (
+                head is not None
+                and head.checkpoint_id == parent_id
+                and messages[: len(head.messages)] == head.messages
+            ):
+                segments, rest, matched = head.segments, messages[len(head.messages) :], True
+            else:
+                await self._load(state, thread_id, owner, start=state.loaded_until, stop=None)
+                segments, rest, matched = [], messages, False
+            places = [_place(state, message, appended=matched) for message in rest]
+            new = [p for p in places if isinstance(p, _New)]
+            seqs = iter(await self._log(state, thread_id, checkpoint_id, new, owner) if new else ())
+            resolved = [next(seqs) if isinstance(p, _New) else p for p in places]
+            segments = place_all(segments, resolved)
+            state.head = _Head(checkpoint_id, list(messages), segments)
+            return segments
+
+    async def _log(
+        self,
+        state: _Thread,
+        thread_id: str,
+        checkpoint_id: str,
+        new: Sequence[_New],
+        owner: Owner,
+    ) -> list[int]:
+        """Log new messages as one turn of the checkpoint, and what the format lacks beside."""
+        logged = await self._logger.log_messages(
+            thread_id,
+            [n.stored for n in new],
+            user_id=owner.user_id,
+            owner_only=owner.user_id is not None,
+            turn_id=_turn_id("lg", checkpoint_id),
+        )
+        extras = []
+        for item, stored in zip(new, logged.messages, strict=True):
+            assert stored.seq is not None
+            kind, data = self._dumps(extras_of(item.message, stored))
+            extras.append(
+                {
+                    "_id": stored.id,
+                    "conversation_id": thread_id,
+                    "seq": stored.seq,
+                    "type": kind,
+                    "data": data,
+                }
+            )
+            state.remember(stored.seq, item.message)
+        await insert_new(self._extras, extras, "store the messages' LangChain fields")
+        seqs = [m.seq for m in logged.messages if m.seq is not None]
+        if seqs and state.loaded_until == seqs[0]:
+            state.loaded_until = seqs[-1] + 1
+        return seqs
+
+    # -- reading -----------------------------------------------------------------------------
+
+    async def materialize(
+        self,
+        thread_id: str,
+        segments: Sequence[Segment],
+        *,
+        checkpoint_id: str,
+        owner: Owner,
+        as_head: bool,
+    ) -> list[BaseMessage]:
+        """The messages of a checkpoint's segments, read from the transcript when not cached."""
+        state = self.thread(thread_id)
+        async with state.lock:
+            head = state.head
+            if (
+                head is not None
+                and head.checkpoint_id == checkpoint_id
+                and head.segments == list(segments)
+            ):
+                return list(head.messages)
+            stop = max((s.stop for s in segments if isinstance(s, SeqRange)), default=0)
+            if stop > state.loaded_until:
+                await self._load(state, thread_id, owner, start=state.loaded_until, stop=stop)
+            messages = _assemble(state, thread_id, segments)
+            if as_head:
+                state.head = _Head(checkpoint_id, list(messages), list(segments))
+            return messages
+
+    async def _load(
+        self, state: _Thread, thread_id: str, owner: Owner, *, start: int, stop: int | None
+    ) -> None:
+        """Read the transcript's messages from `start` (to `stop`) into the thread's cache."""
+        stored = await self._store.messages_by_seq(
+            thread_id, start=start, stop=stop, user_id=owner.user_id
+        )
+        seq_filter: dict[str, int] = {"$gte": start}
+        if stop is not None:
+            seq_filter["$lt"] = stop
+        query = {"conversation_id": thread_id, "seq": seq_filter}
+        with storage_errors("read the messages' LangChain fields"):
+            extras = {
+                doc["_id"]: self._loads((doc["type"], doc["data"]))
+                async for doc in self._extras.find(query)
+            }
+        for message in stored:
+            assert message.seq is not None
+            if message.seq not in state.by_seq:  # keep the graph's own objects
+                state.remember(message.seq, from_stored(message, extras.get(message.id)))
+        last = stored[-1].seq if stored else None
+        end = stop if stop is not None else (last + 1 if last is not None else start)
+        state.loaded_until = max(state.loaded_until, end)
+
+    async def forget_thread_documents(self, thread_id: str) -> None:
+        """Delete the thread's extras (its messages go with its conversation)."""
+        with storage_errors("delete the messages' LangChain fields"):
+            await self._extras.delete_many({"conversation_id": thread_id})
+        self.forget(thread_id)
+
+    # -- forking -----------------------------------------------------------------------------
+
+    async def copy(self, source_id: str, target_id: str) -> dict[int, int]:
+        """Copy a thread's transcript and extras into another conversation: a fork.
+
+        The copy is logged through the logger, turn by turn of the source, so it has
+        documents of its own (nothing shared to corrupt) and the source's owner.
+        Answers where each source `seq` went. Re-running it after a crash converges.
+        """
+        stored = await self._store.messages_by_seq(source_id)
+        if not stored:
+            return {}
+        source = await self._store.get_conversation(source_id, fallback=False)
+        with storage_errors("read the messages' LangChain fields"):
+            extras = {
+                doc["_id"]: doc async for doc in self._extras.find({"conversation_id": source_id})
+            }
+        seq_map: dict[int, int] = {}
+        for chunk in _turn_chunks(stored):
+            logged = await self._logger.log_messages(
+                target_id,
+                [_as_new(m) for m in chunk],
+                user_id=source.user_id,
+                turn_id=_turn_id("fork", f"{source_id}\0{chunk[0].id}"),
+            )
+            documents = []
+            for old, new in zip(chunk, logged.messages, strict=True):
+                assert old.seq is not None
+                assert new.seq is not None
+                seq_map[old.seq] = new.seq
+                if (found := extras.get(old.id)) is not None:
+                    documents.append(
+                        found | {"_id": new.id, "conversation_id": target_id, "seq": new.seq}
+                    )
+            await insert_new(self._extras, documents, "copy the messages' LangChain fields")
+        self.forget(target_id)
+        return seq_map
+
+
+async def insert_new(collection: Any, documents: list[dict[str, Any]], action: str) -> None:
+    """Insert documents; those already there (a retry's) are the only errors swallowed."""
+    if not documents:
+        return
+    with storage_errors(action):
+        try:
+            await collection.insert_many(documents, ordered=False)
+        except BulkWriteError as exc:
+            if any(e.get("code") != DUPLICATE_KEY for e in exc.details.get("writeErrors", [])):
+                raise
+
+
+def _place(state: _Thread, message: BaseMessage, *, appended: bool) -> int | BaseMessage | _New:
+    """Where one message of a checkpoint lives: a `seq`, inline, or to be logged."""
+    seq = state.seq_by_id.get(message.id) if message.id is not None else None
+    if seq is not None:
+        return seq if state.by_seq[seq] == message else message
+    if message.id is None and not appended:
+        return message  # no id to match it by: keep it inline rather than log it twice
+    try:
+        stored = to_stored(message)
+    except ValidationError:
+        return message  # the format cannot hold it (say, an over-long tool call id)
+    return _New(message, stored) if stored is not None else message
+
+
+def _assemble(state: _Thread, thread_id: str, segments: Sequence[Segment]) -> list[BaseMessage]:
+    messages: list[BaseMessage] = []
+    for segment in segments:
+        if isinstance(segment, Inline):
+            messages.extend(segment.messages)
+            continue
+        try:
+            messages.extend(state.by_seq[s] for s in range(segment.start, segment.stop))
+        except KeyError as exc:
+            raise StorageFailure(
+                f"thread {thread_id!r}: a checkpoint refers to message seq {exc.args[0]} of its "
+                "conversation, which is no longer stored (was the conversation deleted outside "
+                "the checkpointer? delete the thread to start it over)"
+            ) from exc
+    return messages
+
+
+def _turn_id(prefix: str, name: str) -> str:
+    """A turn id naming a checkpoint (or a forked turn): readable when it can be."""
+    candidate = f"{prefix}:{name}"
+    try:
+        return validate_identifier(candidate, "turn_id")
+    except InvalidInput:
+        return f"{prefix}-" + hashlib.sha256(name.encode()).hexdigest()[:32]
+
+
+_STORE_FIELDS = {"_id", "conversation_id", "seq", "user_id", "turn_id", "search_text", "truncated"}
+
+
+def _as_new(message: AgentMessage) -> Mapping[str, Any]:
+    """A stored message as a caller sends it again: without the fields the store sets."""
+    return {k: v for k, v in message.model_dump(by_alias=True).items() if k not in _STORE_FIELDS}
+
+
+def _turn_chunks(messages: Sequence[AgentMessage]) -> list[list[AgentMessage]]:
+    """The messages in chunks that one turn can log: whole source turns where they fit."""
+    turns: list[list[AgentMessage]] = []
+    for message in messages:
+        if turns and turns[-1][-1].turn_id == message.turn_id:
+            turns[-1].append(message)
+        else:
+            turns.append([message])
+    chunks: list[list[AgentMessage]] = [[]]
+    for turn in turns:
+        if len(chunks[-1]) + len(turn) > MAX_MESSAGES_PER_TURN:
+            chunks.append([])
+        for message in turn:
+            if len(chunks[-1]) == MAX_MESSAGES_PER_TURN:
+                chunks.append([])
+            chunks[-1].append(message)
+    return chunks
