@@ -38,7 +38,8 @@ class ScriptedModel(BaseChatModel):
 
     @staticmethod
     def reply(messages: list[BaseMessage]) -> AIMessage:
-        asked = sum(isinstance(m, HumanMessage) for m in messages)
+        humans = [m for m in messages if isinstance(m, HumanMessage)]
+        asked = int(str(humans[-1].id).removeprefix("human-")) if humans else 0
         last = messages[-1]
         usage = {"input_tokens": 10 * len(messages), "output_tokens": 7, "total_tokens": 0}
         usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
@@ -66,8 +67,9 @@ def tool_agent(checkpointer: BaseCheckpointSaver[Any]) -> CompiledStateGraph[Any
     """agent -> tools -> agent, until the model answers without a tool call."""
     model = ScriptedModel()
 
-    async def agent(state: MessagesState) -> dict[str, list[BaseMessage]]:
-        return {"messages": [await model.ainvoke(state["messages"])]}
+    def agent(state: MessagesState) -> dict[str, list[BaseMessage]]:
+        # A plain function: the same graph runs under `invoke` and `ainvoke`.
+        return {"messages": [model.invoke(state["messages"])]}
 
     builder = StateGraph(MessagesState)
     builder.add_node("agent", agent)

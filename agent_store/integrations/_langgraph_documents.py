@@ -4,7 +4,7 @@ Pure, no I/O. A checkpoint's messages channel is stored as segments: runs of
 `seq` values of the thread's transcript in `agent_messages` (`SeqRange`),
 and runs of messages held in the checkpoint itself (`Inline`: an edited
 message, or one the OpenAI format cannot hold). A graph that only appends is
-one range, `[first, high-water)`; anything else says so in its metadata.
+one range, `[0, high-water)`; anything else says so in its metadata.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ CHECKPOINTS = "langgraph_checkpoints"
 MESSAGE_EXTRAS = "langgraph_message_extras"
 """Per stored message, what a LangChain message holds beyond the OpenAI format (extension)."""
 REWRITTEN = "agent_store_messages"
-"""The metadata key set to "rewritten" when a checkpoint's messages are not one transcript run."""
+"""The metadata key set to "rewritten" when a checkpoint's messages are not the transcript up
+to a high-water `seq`."""
 
 Serialize = Callable[[Any], tuple[str, bytes]]
 Deserialize = Callable[[tuple[str, bytes]], Any]
@@ -70,8 +71,11 @@ def _append_range(out: list[Segment], start: int, stop: int) -> None:
 
 
 def is_rewritten(segments: Sequence[Segment]) -> bool:
-    """Whether the value is anything but one run of the transcript (or empty)."""
-    return len(segments) > 1 or any(isinstance(s, Inline) for s in segments)
+    """Whether the value is anything but the transcript up to a high-water `seq` (or empty)."""
+    if not segments:
+        return False
+    first = segments[0]
+    return len(segments) > 1 or not isinstance(first, SeqRange) or first.start != 0
 
 
 def encode_segments(segments: Sequence[Segment], dump: Serialize) -> list[dict[str, Any]]:
