@@ -19,9 +19,9 @@ from agent_store import ConversationStore, InvalidInput, NotFound, StorageUnavai
 from agent_store.integrations._langgraph_documents import CHECKPOINTS, MESSAGE_EXTRAS
 from agent_store.integrations.langgraph import REWRITTEN, AgentStoreSaver
 from agent_store.store import MESSAGES
+from scripts.langgraph_agent import comparable, question, tool_agent
 from tests.api_harness import SERVICE_TOKEN, serve
 from tests.conftest import WIRE_AVAILABLE, Backend
-from tests.langgraph_agent import comparable, question, tool_agent
 
 TURNS = 50
 
@@ -464,3 +464,39 @@ async def test_a_list_filter_with_an_operator_is_refused(backend: Backend) -> No
     for bad in ({"$where": "1"}, {"source": {"$ne": "x"}}, {"a.b": 1}):
         with pytest.raises(InvalidInput, match="invalid filter key"):
             [t async for t in saver.alist(thread(), filter=bad)]
+
+
+async def test_a_step_rerun_after_a_crash_before_its_checkpoint_stores_its_messages_once(
+    backend: Backend,
+) -> None:
+    config = thread()
+    saver = AgentStoreSaver(backend.db)
+    graph = tool_agent(saver)
+    await run_turns(graph, config, range(1, 2))
+    checkpoints = saver._checkpoints
+    writes: list[str] = []
+
+    class CrashOnTheSecondCheckpoint:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(checkpoints, name)
+
+        async def update_one(self, query: Any, update: Any, **kwargs: Any) -> Any:
+            if "$set" in update:
+                writes.append(update["$set"]["checkpoint_id"])
+                if len(writes) == 2:  # the step that logs the question: messages stored first
+                    raise StorageUnavailable("the process died here")
+            return await checkpoints.update_one(query, update, **kwargs)
+
+    saver._checkpoints = CrashOnTheSecondCheckpoint()
+    with pytest.raises(StorageUnavailable):
+        await graph.ainvoke(question(2), config)
+    saver._checkpoints = checkpoints
+    resumed = tool_agent(AgentStoreSaver(backend.db))  # a new process picks the thread up
+    await resumed.ainvoke(None, config)
+
+    state = (await resumed.aget_state(config)).values["messages"]
+    reference = tool_agent(InMemorySaver())
+    await run_turns(reference, config, range(1, 3))
+    assert comparable(state) == comparable((await reference.aget_state(config)).values["messages"])
+    transcript = await ConversationStore(backend.db).transcript(config["configurable"]["thread_id"])
+    assert [m.content for m in transcript] == [m.content or None for m in state]

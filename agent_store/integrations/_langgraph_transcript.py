@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -138,6 +139,7 @@ class TranscriptLink:
         an edited one (same id, other content) is held inline, an unknown one is logged.
         """
         state = self.thread(thread_id)
+        messages = messages if isinstance(messages, list) else list(messages)
         async with state.lock:
             head = state.head
             if (
@@ -151,7 +153,7 @@ class TranscriptLink:
                 segments, rest, matched = [], messages, False
             places = [_place(state, message, appended=matched) for message in rest]
             new = [p for p in places if isinstance(p, _New)]
-            seqs = iter(await self._log(state, thread_id, checkpoint_id, new, owner) if new else ())
+            seqs = iter(await self._log(state, thread_id, parent_id, new, owner) if new else ())
             resolved = [next(seqs) if isinstance(p, _New) else p for p in places]
             segments = place_all(segments, resolved)
             state.head = _Head(checkpoint_id, list(messages), segments)
@@ -161,17 +163,24 @@ class TranscriptLink:
         self,
         state: _Thread,
         thread_id: str,
-        checkpoint_id: str,
+        parent_id: str | None,
         new: Sequence[_New],
         owner: Owner,
     ) -> list[int]:
-        """Log new messages as one turn of the checkpoint, and what the format lacks beside."""
+        """Log new messages as one turn, and beside them what the format lacks.
+
+        The turn is named by the checkpoint it extends and the new messages' content,
+        not by the new checkpoint's id: when LangGraph re-runs a step after a crash
+        between this write and the checkpoint's, the same messages are recognised as
+        that turn (the logger replays it) instead of being stored again.
+        """
+        stored_new = [n.stored for n in new]
         logged = await self._logger.log_messages(
             thread_id,
-            [n.stored for n in new],
+            stored_new,
             user_id=owner.user_id,
             owner_only=owner.user_id is not None,
-            turn_id=_turn_id("lg", checkpoint_id),
+            turn_id=_step_turn_id(parent_id, stored_new),
         )
         extras = []
         for item, stored in zip(new, logged.messages, strict=True):
@@ -187,6 +196,9 @@ class TranscriptLink:
                 }
             )
             state.remember(stored.seq, item.message)
+        if logged.replayed:  # the messages now carry this attempt's LangChain ids
+            with storage_errors("replace the messages' LangChain fields"):
+                await self._extras.delete_many({"_id": {"$in": [e["_id"] for e in extras]}})
         await insert_new(self._extras, extras, "store the messages' LangChain fields")
         seqs = [m.seq for m in logged.messages if m.seq is not None]
         if seqs and state.loaded_until == seqs[0]:
@@ -332,6 +344,13 @@ def _assemble(state: _Thread, thread_id: str, segments: Sequence[Segment]) -> li
                 "the checkpointer? delete the thread to start it over)"
             ) from exc
     return messages
+
+
+def _step_turn_id(parent_id: str | None, messages: Sequence[AgentMessage]) -> str:
+    """The turn of the messages a checkpoint adds to its parent's: named by both."""
+    content = [m.model_dump(mode="json", exclude={"created_at"}) for m in messages]
+    named = json.dumps([parent_id, content], sort_keys=True, ensure_ascii=False)
+    return "lg-" + hashlib.sha256(named.encode()).hexdigest()[:32]
 
 
 def _turn_id(prefix: str, name: str) -> str:

@@ -1,5 +1,8 @@
-"""A real LangGraph tool agent for the checkpointer tests: `StateGraph(MessagesState)`, a
-`ToolNode` and a scripted chat model, so two runs of the same turns say the same things."""
+"""A real LangGraph tool agent for the checkpointer's tests and benchmark.
+
+`StateGraph(MessagesState)`, a `ToolNode` and a scripted chat model, so two runs of the same
+turns say the same things.
+"""
 
 from __future__ import annotations
 
