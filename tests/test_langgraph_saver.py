@@ -16,9 +16,8 @@ from langgraph.checkpoint.base.id import uuid6
 from langgraph.checkpoint.memory import InMemorySaver
 
 from agent_store import ConversationStore, InvalidInput, NotFound, StorageUnavailable
-from agent_store.integrations._langgraph_documents import CHECKPOINTS, MESSAGE_EXTRAS
-from agent_store.integrations.langgraph import REWRITTEN, AgentStoreSaver
-from agent_store.store import MESSAGES
+from agent_store.integrations.langgraph import CHECKPOINTS, REWRITTEN, AgentStoreSaver
+from agent_store.store import CONVERSATIONS, MESSAGES
 from scripts.langgraph_agent import comparable, question, tool_agent
 from tests.api_harness import SERVICE_TOKEN, serve
 from tests.conftest import WIRE_AVAILABLE, Backend
@@ -231,8 +230,10 @@ async def test_a_turn_costs_the_same_round_trips_however_long_the_thread(
     # Background writes interleave, so commands are compared as counts, not as a sequence.
     assert counts[8] == counts[4]
     assert counts[7] == counts[3]
-    # A question and an answer: the saver's reads and writes, and the logger's two per message.
-    assert counts[7].total() == 12
+    # Reading the thread (1), the input checkpoint and its writes (2), then per step that adds
+    # messages the logger's reservation and insert and the checkpoint (3), per task's writes (1).
+    assert counts[7].total() == 1 + 2 + 3 + 1 + 3  # a question answered at once
+    assert counts[8].total() == 1 + 2 + 3 + (1 + 3) * 3  # agent, tool, agent
 
 
 # -- each message once -----------------------------------------------------------------------
@@ -298,7 +299,7 @@ async def test_hidden_runtime_context_stays_out_of_the_conversation_but_in_the_s
 
 async def _counts(db: Any) -> tuple[int, ...]:
     return tuple(
-        [await db[name].count_documents({}) for name in (CHECKPOINTS, MESSAGE_EXTRAS, MESSAGES)]
+        [await db[name].count_documents({}) for name in (CHECKPOINTS, MESSAGES, CONVERSATIONS)]
     )
 
 
@@ -372,8 +373,9 @@ async def test_a_copied_thread_is_a_fork_that_shares_no_document(backend: Backen
     assert len(forked) > len(before)
     assert not {m.id for m in forked} & {m.id for m in after}
     assert (await store.get_conversation(target_id)).user_id == "user-ada"
-    extras = await backend.db[MESSAGE_EXTRAS].find({"conversation_id": target_id}).to_list(None)
-    assert len(extras) == len(forked)
+    kept = await backend.db[CHECKPOINTS].find({"thread_id": target_id}).to_list(None)
+    extras = [entry["_id"] for doc in kept for entry in doc.get("extras", ())]
+    assert sorted(extras) == sorted(m.id for m in forked)
 
     await saver.adelete_thread(target_id)
     assert await store.transcript(source_id) == before
@@ -399,13 +401,32 @@ async def test_pruning_keeps_the_conversation_and_the_latest_state(backend: Back
     await run_turns(graph, config, range(1, 4))
     state = (await graph.aget_state(config)).values
     await AgentStoreSaver(backend.db).aprune([config["configurable"]["thread_id"]])
-    assert await backend.db[CHECKPOINTS].count_documents({}) == 1
+    assert [t async for t in AgentStoreSaver(backend.db).alist(config)] == [
+        await AgentStoreSaver(backend.db).aget_tuple(config)
+    ]
     cold = tool_agent(AgentStoreSaver(backend.db))
     assert (await cold.aget_state(config)).values == state
     await run_turns(cold, config, range(4, 5))
     transcript = await ConversationStore(backend.db).transcript(config["configurable"]["thread_id"])
     # The even turn 4 adds a question, a tool call, its result and the answer.
     assert len(transcript) == len(state["messages"]) + 4
+
+
+async def test_deleting_a_runs_checkpoints_keeps_what_later_checkpoints_refer_to(
+    backend: Backend,
+) -> None:
+    config = thread()
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    for turn in (1, 2):
+        run = {"configurable": config["configurable"] | {"run_id": f"run-{turn}"}}
+        await run_turns(graph, run, range(turn, turn + 1))
+    state = (await graph.aget_state(config)).values
+    await AgentStoreSaver(backend.db).adelete_for_runs(["run-1"])
+    cold = AgentStoreSaver(backend.db)
+    assert {t.metadata["run_id"] async for t in cold.alist(config)} == {"run-2"}
+    assert (await tool_agent(cold).aget_state(config)).values == state
+    transcript = await ConversationStore(backend.db).transcript(config["configurable"]["thread_id"])
+    assert len(transcript) == len(state["messages"])
 
 
 # -- the synchronous API ---------------------------------------------------------------------

@@ -20,9 +20,8 @@ from langchain_core.messages import BaseMessage
 from agent_store.core import InvalidInput
 
 CHECKPOINTS = "langgraph_checkpoints"
-"""One document per checkpoint, its pending writes inside (extension collection)."""
-MESSAGE_EXTRAS = "langgraph_message_extras"
-"""Per stored message, what a LangChain message holds beyond the OpenAI format (extension)."""
+"""One document per checkpoint, its pending writes and the extras of the messages it logged
+inside (extension collection)."""
 REWRITTEN = "agent_store_messages"
 """The metadata key set to "rewritten" when a checkpoint's messages are not the transcript up
 to a high-water `seq`."""

@@ -2,7 +2,9 @@
 
 `TranscriptLink.place` turns a checkpoint's messages into segments of the
 transcript, logging only the messages the transcript does not hold yet (one
-idempotent turn per checkpoint, through `AgentMessageLogger`);
+idempotent turn per checkpoint, through `AgentMessageLogger`), and answers the
+extras of the messages it logged: what the OpenAI format does not hold, which
+the checkpoint document that logged them keeps (`extras`).
 `TranscriptLink.materialize` turns segments back into the messages. A small
 per-thread cache keeps the messages already read or written, so a graph that
 appends pays for its new messages only, however long the conversation.
@@ -24,7 +26,7 @@ from pymongo.errors import BulkWriteError
 
 from agent_store.core import AgentMessage, InvalidInput, StorageFailure
 from agent_store.integrations._langgraph_documents import (
-    MESSAGE_EXTRAS,
+    CHECKPOINTS,
     Deserialize,
     Inline,
     Segment,
@@ -100,7 +102,7 @@ class TranscriptLink:
         load: Deserialize,
         cache_threads: int,
     ) -> None:
-        self._extras = db[MESSAGE_EXTRAS]
+        self._checkpoints = db[CHECKPOINTS]
         self._logger = logger
         self._store = store
         self._dumps = dump
@@ -130,8 +132,9 @@ class TranscriptLink:
         checkpoint_id: str,
         parent_id: str | None,
         owner: Owner,
-    ) -> list[Segment]:
-        """The segments of a checkpoint's messages, logging the ones not stored yet.
+    ) -> tuple[list[Segment], list[dict[str, Any]]]:
+        """The segments of a checkpoint's messages, logging the ones not stored yet, and the
+        extras of the messages logged (for the checkpoint's document).
 
         When the messages extend the parent checkpoint's (the common case), only the
         new tail is looked at. Otherwise every message is matched by its LangChain id
@@ -153,11 +156,12 @@ class TranscriptLink:
                 segments, rest, matched = [], messages, False
             places = [_place(state, message, appended=matched) for message in rest]
             new = [p for p in places if isinstance(p, _New)]
-            seqs = iter(await self._log(state, thread_id, parent_id, new, owner) if new else ())
+            extras = await self._log(state, thread_id, parent_id, new, owner) if new else []
+            seqs = iter(int(e["seq"]) for e in extras)
             resolved = [next(seqs) if isinstance(p, _New) else p for p in places]
             segments = place_all(segments, resolved)
             state.head = _Head(checkpoint_id, list(messages), segments)
-            return segments
+            return segments, extras
 
     async def _log(
         self,
@@ -166,8 +170,8 @@ class TranscriptLink:
         parent_id: str | None,
         new: Sequence[_New],
         owner: Owner,
-    ) -> list[int]:
-        """Log new messages as one turn, and beside them what the format lacks.
+    ) -> list[dict[str, Any]]:
+        """Log new messages as one turn; answer, per message, what the format lacks.
 
         The turn is named by the checkpoint it extends and the new messages' content,
         not by the new checkpoint's id: when LangGraph re-runs a step after a crash
@@ -182,28 +186,16 @@ class TranscriptLink:
             owner_only=owner.user_id is not None,
             turn_id=_step_turn_id(parent_id, stored_new),
         )
-        extras = []
+        extras: list[dict[str, Any]] = []
         for item, stored in zip(new, logged.messages, strict=True):
             assert stored.seq is not None
             kind, data = self._dumps(extras_of(item.message, stored))
-            extras.append(
-                {
-                    "_id": stored.id,
-                    "conversation_id": thread_id,
-                    "seq": stored.seq,
-                    "type": kind,
-                    "data": data,
-                }
-            )
+            extras.append({"_id": stored.id, "seq": stored.seq, "type": kind, "data": data})
             state.remember(stored.seq, item.message)
-        if logged.replayed:  # the messages now carry this attempt's LangChain ids
-            with storage_errors("replace the messages' LangChain fields"):
-                await self._extras.delete_many({"_id": {"$in": [e["_id"] for e in extras]}})
-        await insert_new(self._extras, extras, "store the messages' LangChain fields")
-        seqs = [m.seq for m in logged.messages if m.seq is not None]
+        seqs = [int(e["seq"]) for e in extras]
         if seqs and state.loaded_until == seqs[0]:
             state.loaded_until = seqs[-1] + 1
-        return seqs
+        return extras
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -244,12 +236,10 @@ class TranscriptLink:
         seq_filter: dict[str, int] = {"$gte": start}
         if stop is not None:
             seq_filter["$lt"] = stop
-        query = {"conversation_id": thread_id, "seq": seq_filter}
-        with storage_errors("read the messages' LangChain fields"):
-            extras = {
-                doc["_id"]: self._loads((doc["type"], doc["data"]))
-                async for doc in self._extras.find(query)
-            }
+        extras = {
+            entry["_id"]: self._loads((entry["type"], entry["data"]))
+            for entry in await self._extras_between(thread_id, seq_filter)
+        }
         for message in stored:
             assert message.seq is not None
             if message.seq not in state.by_seq:  # keep the graph's own objects
@@ -258,30 +248,39 @@ class TranscriptLink:
         end = stop if stop is not None else (last + 1 if last is not None else start)
         state.loaded_until = max(state.loaded_until, end)
 
-    async def forget_thread_documents(self, thread_id: str) -> None:
-        """Delete the thread's extras (its messages go with its conversation)."""
-        with storage_errors("delete the messages' LangChain fields"):
-            await self._extras.delete_many({"conversation_id": thread_id})
-        self.forget(thread_id)
+    async def _extras_between(
+        self, thread_id: str, seq_filter: Mapping[str, int]
+    ) -> list[dict[str, Any]]:
+        """The extras the thread's checkpoint documents keep for messages in a `seq` range,
+        oldest document first (a later one, from a re-run step, wins)."""
+        query = {"thread_id": thread_id, "extras.seq": seq_filter}
+        with storage_errors("read the messages' LangChain fields"):
+            docs = await (
+                self._checkpoints.find(query, {"extras": 1}).sort("checkpoint_id", 1).to_list(None)
+            )
+        low, high = seq_filter["$gte"], seq_filter.get("$lt")
+        return [
+            entry
+            for doc in docs
+            for entry in doc["extras"]
+            if entry["seq"] >= low and (high is None or entry["seq"] < high)
+        ]
 
     # -- forking -----------------------------------------------------------------------------
 
-    async def copy(self, source_id: str, target_id: str) -> dict[int, int]:
-        """Copy a thread's transcript and extras into another conversation: a fork.
+    async def copy(self, source_id: str, target_id: str) -> dict[int, tuple[int, str]]:
+        """Copy a thread's transcript into another conversation: a fork.
 
         The copy is logged through the logger, turn by turn of the source, so it has
         documents of its own (nothing shared to corrupt) and the source's owner.
-        Answers where each source `seq` went. Re-running it after a crash converges.
+        Answers where each source `seq` went, with its new message id. Re-running it
+        after a crash converges.
         """
         stored = await self._store.messages_by_seq(source_id)
         if not stored:
             return {}
         source = await self._store.get_conversation(source_id, fallback=False)
-        with storage_errors("read the messages' LangChain fields"):
-            extras = {
-                doc["_id"]: doc async for doc in self._extras.find({"conversation_id": source_id})
-            }
-        seq_map: dict[int, int] = {}
+        moved: dict[int, tuple[int, str]] = {}
         for chunk in _turn_chunks(stored):
             logged = await self._logger.log_messages(
                 target_id,
@@ -289,18 +288,13 @@ class TranscriptLink:
                 user_id=source.user_id,
                 turn_id=_turn_id("fork", f"{source_id}\0{chunk[0].id}"),
             )
-            documents = []
             for old, new in zip(chunk, logged.messages, strict=True):
                 assert old.seq is not None
                 assert new.seq is not None
-                seq_map[old.seq] = new.seq
-                if (found := extras.get(old.id)) is not None:
-                    documents.append(
-                        found | {"_id": new.id, "conversation_id": target_id, "seq": new.seq}
-                    )
-            await insert_new(self._extras, documents, "copy the messages' LangChain fields")
+                assert new.id is not None
+                moved[old.seq] = (new.seq, new.id)
         self.forget(target_id)
-        return seq_map
+        return moved
 
 
 async def insert_new(collection: Any, documents: list[dict[str, Any]], action: str) -> None:

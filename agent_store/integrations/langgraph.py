@@ -54,7 +54,6 @@ from pymongo import ASCENDING, DESCENDING, IndexModel
 from agent_store.core import InvalidInput, NotFound
 from agent_store.integrations._langgraph_documents import (
     CHECKPOINTS,
-    MESSAGE_EXTRAS,
     REWRITTEN,
     check_metadata_keys,
     checkpoint_key,
@@ -75,7 +74,7 @@ from agent_store.store import (
     validate_identifier,
 )
 
-__all__ = ["CHECKPOINTS", "MESSAGE_EXTRAS", "REWRITTEN", "AgentStoreSaver"]
+__all__ = ["CHECKPOINTS", "REWRITTEN", "AgentStoreSaver"]
 
 T = TypeVar("T")
 
@@ -85,8 +84,8 @@ CHECKPOINT_INDEXES: dict[str, list[IndexModel]] = {
             [("thread_id", ASCENDING), ("checkpoint_ns", ASCENDING), ("checkpoint_id", DESCENDING)]
         ),
         IndexModel([("metadata.run_id", ASCENDING)], sparse=True),
+        IndexModel([("thread_id", ASCENDING), ("extras.seq", ASCENDING)], sparse=True),
     ],
-    MESSAGE_EXTRAS: [IndexModel([("conversation_id", ASCENDING), ("seq", ASCENDING)])],
 }
 """The saver's own indexes, beside the store's."""
 
@@ -254,11 +253,13 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             "metadata": stored_metadata,
         }
         if messages is not None:
-            segments = await self._transcripts.place(
+            segments, extras = await self._transcripts.place(
                 thread_id, messages, checkpoint_id=checkpoint_id, parent_id=parent_id, owner=owner
             )
             encoded = encode_segments(segments, self.serde.dumps_typed)
             document["messages"] = {"channel": self.messages_key, "segments": encoded}
+            if extras:
+                document["extras"] = extras
             if is_rewritten(segments):
                 stored_metadata[REWRITTEN] = "rewritten"
         key = checkpoint_key(thread_id, checkpoint_ns, checkpoint_id)
@@ -315,17 +316,15 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         thread_id = _thread_id(thread_id)
         with storage_errors("delete the thread's checkpoints"):
             await self._checkpoints.delete_many({"thread_id": thread_id})
-        await self._transcripts.forget_thread_documents(thread_id)
+        self._transcripts.forget(thread_id)
         with contextlib.suppress(NotFound):
             await self.store.delete(thread_id)
 
     async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
         """Delete the checkpoints (and their writes) the given runs made; messages stay."""
         ids = [_text(run_id, "run_id") for run_id in run_ids]
-        if not ids:
-            return
-        with storage_errors("delete the runs' checkpoints"):
-            await self._checkpoints.delete_many({"metadata.run_id": {"$in": ids}})
+        if ids:
+            await self._retire({"metadata.run_id": {"$in": ids}}, "delete the runs' checkpoints")
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         """Keep each namespace's latest checkpoint (`keep_latest`) or none (`delete`).
@@ -354,8 +353,17 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             for head in heads:
                 latest.setdefault((head["thread_id"], head["checkpoint_ns"]), head["_id"])
             query["_id"] = {"$nin": list(latest.values())}
-        with storage_errors("prune checkpoints"):
-            await self._checkpoints.delete_many(query)
+        await self._retire(query, "prune checkpoints")
+
+    async def _retire(self, query: dict[str, Any], action: str) -> None:
+        """Delete checkpoints; one that keeps the extras of messages it logged is emptied
+        instead (no longer a checkpoint to any read), as the messages stay."""
+        with storage_errors(action):
+            await self._checkpoints.delete_many(query | {"extras": {"$exists": False}})
+            await self._checkpoints.update_many(
+                query | {"extras": {"$exists": True}},
+                {"$unset": {field: "" for field in _CHECKPOINT_FIELDS}},
+            )
 
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Fork a thread: its checkpoints, conversation, messages and extras, all copied."""
@@ -367,12 +375,15 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             docs = await self._checkpoints.find({"thread_id": source}).to_list(None)
         if not docs:
             return
-        seq_map = await self._transcripts.copy(source, target)
-        copies = [self._rekeyed(doc, target, seq_map) for doc in docs]
+        moved = await self._transcripts.copy(source, target)
+        copies = [self._rekeyed(doc, target, moved) for doc in docs]
         await insert_new(self._checkpoints, copies, "copy the thread's checkpoints")
         self._transcripts.forget(target)
 
-    def _rekeyed(self, doc: dict[str, Any], target: str, seq_map: dict[int, int]) -> dict[str, Any]:
+    def _rekeyed(
+        self, doc: dict[str, Any], target: str, moved: dict[int, tuple[int, str]]
+    ) -> dict[str, Any]:
+        """A checkpoint document of the fork: its references moved to the fork's messages."""
         copy = doc | {
             "_id": checkpoint_key(target, doc["checkpoint_ns"], doc["checkpoint_id"]),
             "thread_id": target,
@@ -380,8 +391,16 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         stored = doc.get("messages")
         if stored is not None:
             segments = decode_segments(stored["segments"], self.serde.loads_typed)
-            moved = remap_segments(segments, seq_map)
-            copy["messages"] = stored | {"segments": encode_segments(moved, self.serde.dumps_typed)}
+            remapped = remap_segments(segments, {old: new for old, (new, _) in moved.items()})
+            copy["messages"] = stored | {
+                "segments": encode_segments(remapped, self.serde.dumps_typed)
+            }
+        if "extras" in doc:
+            copy["extras"] = [
+                entry | {"_id": moved[entry["seq"]][1], "seq": moved[entry["seq"]][0]}
+                for entry in doc["extras"]
+                if entry["seq"] in moved
+            ]
         return copy
 
     # -- owners ------------------------------------------------------------------------------
@@ -502,6 +521,17 @@ class _LoopThread:
         thread = threading.Thread(target=self.loop.run_forever, name="agent-store-saver")
         thread.daemon = True
         thread.start()
+
+
+_CHECKPOINT_FIELDS = (
+    "parent_checkpoint_id",
+    "type",
+    "checkpoint",
+    "messages",
+    "metadata",
+    "writes",
+)
+"""What makes a document a checkpoint; the rest (its names, `extras`) outlives it."""
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
