@@ -15,9 +15,11 @@ server, in memory, in a process of its own. Per turn it records
   findAndModify, delete), from a pymongo CommandListener;
 * round trips: the commands sent.
 
-It prints each figure as the mean of the ten turns ending at `--early` and at the last turn
-(each window holds five tool turns and five direct answers), their ratio, and LangGraph's
-conformance suite result for both savers on the same server.
+The contenders' turns are interleaved, turn by turn, so the machine's other load falls on
+both alike. It prints each figure as the mean of the ten turns ending at `--early` and at
+the last turn (each window holds five tool turns and five direct answers), their ratio, and
+LangGraph's conformance suite result for both savers on the same server. The JSON output
+(`--out`) also holds every turn's figures.
 """
 
 from __future__ import annotations
@@ -167,28 +169,50 @@ def peer(uri: str, wire: Wire, clock: SaverClock) -> tuple[Any, Callable[[], Awa
 CONTENDERS = {"agent_store": ours, "langgraph-checkpoint-mongodb": peer}
 
 
-async def run(name: str, uri: str, turns: int) -> Run:
-    wire, clock = Wire(), SaverClock()
-    saver, close = CONTENDERS[name](uri, wire, clock)
-    graph = tool_agent(saver)
-    config = {"configurable": {"thread_id": f"bench-{uuid.uuid4().hex[:8]}"}}
-    result = Run(name)
+@dataclass
+class Contender:
+    """One saver under measurement, its graph and its thread."""
+
+    result: Run
+    graph: Any
+    wire: Wire
+    clock: SaverClock
+    close: Callable[[], Awaitable[None]]
+    config: dict[str, Any] = field(
+        default_factory=lambda: {"configurable": {"thread_id": f"bench-{uuid.uuid4().hex[:8]}"}}
+    )
+
+    async def turn(self, turn: int) -> None:
+        commands, written, saver_cpu = self.wire.commands, self.wire.written, self.clock.seconds
+        start = time.process_time()
+        await self.graph.ainvoke(question(turn), self.config)
+        self.result.turns.append(
+            Turn(
+                saver_cpu_ms=(self.clock.seconds - saver_cpu) * 1e3,
+                client_cpu_ms=(time.process_time() - start) * 1e3,
+                bytes_written=self.wire.written - written,
+                round_trips=self.wire.commands - commands,
+            )
+        )
+
+
+async def run(names: list[str], uri: str, turns: int) -> list[Run]:
+    """Every contender's turns, interleaved turn by turn (the order rotating), so that the
+    machine's other load falls on all of them alike."""
+    contenders = []
+    for name in names:
+        wire, clock = Wire(), SaverClock()
+        saver, close = CONTENDERS[name](uri, wire, clock)
+        contenders.append(Contender(Run(name), tool_agent(saver), wire, clock, close))
     try:
         for turn in range(1, turns + 1):
-            commands, written, saver_cpu = wire.commands, wire.written, clock.seconds
-            start = time.process_time()
-            await graph.ainvoke(question(turn), config)
-            result.turns.append(
-                Turn(
-                    saver_cpu_ms=(clock.seconds - saver_cpu) * 1e3,
-                    client_cpu_ms=(time.process_time() - start) * 1e3,
-                    bytes_written=wire.written - written,
-                    round_trips=wire.commands - commands,
-                )
-            )
+            shift = turn % len(contenders)
+            for contender in contenders[shift:] + contenders[:shift]:
+                await contender.turn(turn)
     finally:
-        await close()
-    return result
+        for contender in contenders:
+            await contender.close()
+    return [c.result for c in contenders]
 
 
 # -- conformance -----------------------------------------------------------------------------
@@ -234,6 +258,7 @@ def report(runs: list[Run], early: int, conformed: dict[str, dict[str, Any]]) ->
             "early": first,
             "last": last,
             "turns": len(result.turns),
+            "per_turn": [vars(turn) for turn in result.turns],
         }
         for figure in first:
             ratio = last[figure] / first[figure] if first[figure] else float("nan")
@@ -253,11 +278,14 @@ async def main() -> None:
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--early", type=int, default=14, help="last turn of the early window")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=CONTENDERS)
+    parser.add_argument("--no-conformance", action="store_true")
     args = parser.parse_args()
     server, uri = start_wire_server()
     try:
-        runs = [await run(name, uri, args.turns) for name in CONTENDERS]
-        summary = report(runs, args.early, await conformance(uri))
+        runs = await run(list(args.contenders), uri, args.turns)
+        conformed = {} if args.no_conformance else await conformance(uri)
+        summary = report(runs, args.early, conformed)
     finally:
         assert server.stdin is not None
         server.stdin.close()

@@ -521,3 +521,17 @@ async def test_a_step_rerun_after_a_crash_before_its_checkpoint_stores_its_messa
     assert comparable(state) == comparable((await reference.aget_state(config)).values["messages"])
     transcript = await ConversationStore(backend.db).transcript(config["configurable"]["thread_id"])
     assert [m.content for m in transcript] == [m.content or None for m in state]
+
+
+async def test_a_saver_with_a_wider_allowlist_shares_the_threads_and_the_cache(
+    backend: Backend,
+) -> None:
+    config = thread()
+    saver = AgentStoreSaver(backend.db)
+    wider = saver.with_allowlist([("tests.test_langgraph_saver", "Anything")])
+    assert isinstance(wider, AgentStoreSaver)
+    assert wider.serde is not saver.serde
+    await run_turns(tool_agent(wider), config, range(1, 3))
+    assert (await tool_agent(saver).aget_state(config)).values == (
+        await tool_agent(wider).aget_state(config)
+    ).values

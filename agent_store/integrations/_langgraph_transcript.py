@@ -13,6 +13,7 @@ appends pays for its new messages only, however long the conversation.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
 from collections import OrderedDict
@@ -22,7 +23,6 @@ from typing import Any
 
 from langchain_core.messages import BaseMessage
 from pydantic import ValidationError
-from pymongo.errors import BulkWriteError
 
 from agent_store.core import AgentMessage, InvalidInput, StorageFailure
 from agent_store.integrations._langgraph_documents import (
@@ -36,7 +36,6 @@ from agent_store.integrations._langgraph_documents import (
 )
 from agent_store.integrations._langgraph_messages import extras_of, from_stored, to_stored
 from agent_store.store import (
-    DUPLICATE_KEY,
     MAX_MESSAGES_PER_TURN,
     AgentMessageLogger,
     ConversationStore,
@@ -109,6 +108,12 @@ class TranscriptLink:
         self._loads = load
         self._cache_threads = cache_threads
         self._threads: OrderedDict[str, _Thread] = OrderedDict()
+
+    def with_serde(self, dump: Serialize, load: Deserialize) -> TranscriptLink:
+        """The same link (and cache) with another serializer."""
+        clone = copy.copy(self)
+        clone._dumps, clone._loads = dump, load
+        return clone
 
     def thread(self, thread_id: str) -> _Thread:
         """The cache of one thread (created empty), most recently used last."""
@@ -295,18 +300,6 @@ class TranscriptLink:
                 moved[old.seq] = (new.seq, new.id)
         self.forget(target_id)
         return moved
-
-
-async def insert_new(collection: Any, documents: list[dict[str, Any]], action: str) -> None:
-    """Insert documents; those already there (a retry's) are the only errors swallowed."""
-    if not documents:
-        return
-    with storage_errors(action):
-        try:
-            await collection.insert_many(documents, ordered=False)
-        except BulkWriteError as exc:
-            if any(e.get("code") != DUPLICATE_KEY for e in exc.details.get("writeErrors", [])):
-                raise
 
 
 def _place(state: _Thread, message: BaseMessage, *, appended: bool) -> int | BaseMessage | _New:

@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Collection, Coroutine, Iterator, Sequence
+from itertools import repeat
 from typing import Any, TypeVar
 
 from bson import encode as bson_encode
@@ -50,6 +51,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from pymongo import ASCENDING, DESCENDING, IndexModel
+from pymongo.errors import BulkWriteError
 
 from agent_store.core import InvalidInput, NotFound
 from agent_store.integrations._langgraph_documents import (
@@ -65,8 +67,9 @@ from agent_store.integrations._langgraph_documents import (
     remap_segments,
     write_entries,
 )
-from agent_store.integrations._langgraph_transcript import Owner, TranscriptLink, insert_new
+from agent_store.integrations._langgraph_transcript import Owner, TranscriptLink
 from agent_store.store import (
+    DUPLICATE_KEY,
     AgentMessageLogger,
     ConversationStore,
     Database,
@@ -133,6 +136,17 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         self._ready = False
         self._loop = loop or _running_loop()
         self._own_loop: _LoopThread | None = None
+
+    def with_allowlist(self, extra_allowlist: Collection[tuple[str, ...]]) -> AgentStoreSaver:
+        """A clone whose serializer accepts more types (LangGraph's strict msgpack); it
+        shares this saver's per-thread cache."""
+        clone = super().with_allowlist(extra_allowlist)
+        assert isinstance(clone, AgentStoreSaver)
+        if clone is not self:
+            clone._transcripts = self._transcripts.with_serde(
+                clone.serde.dumps_typed, clone.serde.loads_typed
+            )
+        return clone
 
     async def setup(self) -> None:
         """Create the store's indexes and the saver's (idempotent; done on first use too)."""
@@ -377,7 +391,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             return
         moved = await self._transcripts.copy(source, target)
         copies = [self._rekeyed(doc, target, moved) for doc in docs]
-        await insert_new(self._checkpoints, copies, "copy the thread's checkpoints")
+        await _insert_new(self._checkpoints, copies, "copy the thread's checkpoints")
         self._transcripts.forget(target)
 
     def _rekeyed(
@@ -534,6 +548,18 @@ _CHECKPOINT_FIELDS = (
 """What makes a document a checkpoint; the rest (its names, `extras`) outlives it."""
 
 
+async def _insert_new(collection: Any, documents: list[dict[str, Any]], action: str) -> None:
+    """Insert documents; those already there (a retry's) are the only errors swallowed."""
+    if not documents:
+        return
+    with storage_errors(action):
+        try:
+            await collection.insert_many(documents, ordered=False)
+        except BulkWriteError as exc:
+            if any(e.get("code") != DUPLICATE_KEY for e in exc.details.get("writeErrors", [])):
+                raise
+
+
 def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
         return asyncio.get_running_loop()
@@ -567,7 +593,7 @@ def _text(value: Any, what: str) -> str:
 
 
 def _is_messages(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(m, BaseMessage) for m in value)
+    return isinstance(value, list) and all(map(isinstance, value, repeat(BaseMessage)))
 
 
 def _storable_metadata(metadata: CheckpointMetadata) -> dict[str, Any]:
