@@ -14,6 +14,7 @@ from langchain_core.messages import AIMessage, HumanMessage, RemoveMessage
 from langgraph.checkpoint.base import copy_checkpoint, empty_checkpoint
 from langgraph.checkpoint.base.id import uuid6
 from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
 from agent_store import ConversationStore, InvalidInput, NotFound, StorageUnavailable
 from agent_store.integrations.langgraph import CHECKPOINTS, REWRITTEN, AgentStoreSaver
@@ -527,7 +528,8 @@ async def test_a_saver_with_a_wider_allowlist_shares_the_threads_and_the_cache(
     backend: Backend,
 ) -> None:
     config = thread()
-    saver = AgentStoreSaver(backend.db)
+    # Strict msgpack: only the types LangGraph deems safe (LangChain messages among them).
+    saver = AgentStoreSaver(backend.db, serde=JsonPlusSerializer(allowed_msgpack_modules=None))
     wider = saver.with_allowlist([("tests.test_langgraph_saver", "Anything")])
     assert isinstance(wider, AgentStoreSaver)
     assert wider.serde is not saver.serde
