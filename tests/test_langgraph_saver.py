@@ -16,7 +16,13 @@ from langgraph.checkpoint.base.id import uuid6
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
-from agent_store import ConversationStore, InvalidInput, NotFound, StorageUnavailable
+from agent_store import (
+    Conflict,
+    ConversationStore,
+    InvalidInput,
+    NotFound,
+    StorageUnavailable,
+)
 from agent_store.integrations.langgraph import CHECKPOINTS, REWRITTEN, AgentStoreSaver
 from agent_store.store import CONVERSATIONS, MESSAGES
 from scripts.langgraph_agent import comparable, question, tool_agent
@@ -381,6 +387,21 @@ async def test_a_copied_thread_is_a_fork_that_shares_no_document(backend: Backen
     await saver.adelete_thread(target_id)
     assert await store.transcript(source_id) == before
     assert len((await graph.aget_state(source)).values["messages"]) == len(before)
+
+
+async def test_a_fork_into_another_users_thread_is_refused_before_anything_is_copied(
+    backend: Backend,
+) -> None:
+    ada, grace = thread("user-ada"), thread("user-grace")
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    for config in (ada, grace):
+        await run_turns(graph, config, range(1, 2))
+    before = await _counts(backend.db)
+    with pytest.raises(Conflict, match="belongs to another user"):
+        await AgentStoreSaver(backend.db).acopy_thread(
+            ada["configurable"]["thread_id"], grace["configurable"]["thread_id"]
+        )
+    assert await _counts(backend.db) == before
 
 
 async def test_deleting_a_thread_deletes_its_conversation_and_everything_kept_for_it(

@@ -24,7 +24,7 @@ from typing import Any
 from langchain_core.messages import BaseMessage
 from pydantic import ValidationError
 
-from agent_store.core import AgentMessage, InvalidInput, StorageFailure
+from agent_store.core import AgentMessage, InvalidInput, NotFound, StorageFailure
 from agent_store.integrations._langgraph_documents import (
     CHECKPOINTS,
     Deserialize,
@@ -277,14 +277,17 @@ class TranscriptLink:
         """Copy a thread's transcript into another conversation: a fork.
 
         The copy is logged through the logger, turn by turn of the source, so it has
-        documents of its own (nothing shared to corrupt) and the source's owner.
+        documents of its own (nothing shared to corrupt) and the source's owner (a
+        target that belongs to another user is a Conflict, before anything is copied).
         Answers where each source `seq` went, with its new message id. Re-running it
         after a crash converges.
         """
-        stored = await self._store.messages_by_seq(source_id)
-        if not stored:
+        try:
+            source = await self._store.get_conversation(source_id, fallback=False)
+        except NotFound:
             return {}
-        source = await self._store.get_conversation(source_id, fallback=False)
+        await self._logger.upsert_conversation(target_id, user_id=source.user_id)
+        stored = await self._store.messages_by_seq(source_id)
         moved: dict[int, tuple[int, str]] = {}
         for chunk in _turn_chunks(stored):
             logged = await self._logger.log_messages(
@@ -365,7 +368,7 @@ def _turn_chunks(messages: Sequence[AgentMessage]) -> list[list[AgentMessage]]:
             turns[-1].append(message)
         else:
             turns.append([message])
-    chunks: list[list[AgentMessage]] = [[]]
+    chunks: list[list[AgentMessage]] = [[]] if turns else []
     for turn in turns:
         if len(chunks[-1]) + len(turn) > MAX_MESSAGES_PER_TURN:
             chunks.append([])
