@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 
 .DEFAULT_GOAL := help
 .PHONY: help install run test test-py311 lint format schema types types-check bench index-sizes \
-	test-api test-browser load migrate bench-migration
+	test-api test-browser load migrate bench-migration bench-langgraph
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -76,6 +76,9 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 
 bench: $(VENV)/.bench-installed ## Benchmark writes and reads against a raw driver and langchain-mongodb
 	$(BIN)/python -m scripts.bench
+
+bench-langgraph: $(VENV)/.bench-installed ## LangGraph checkpointer vs langgraph-checkpoint-mongodb, 200 turns (ARGS=...)
+	$(BIN)/python -m scripts.bench_langgraph $(ARGS)
 
 index-sizes: $(VENV)/.installed ## Estimate index sizes per million messages (docs/SCALING.md)
 	$(BIN)/python -m scripts.index_sizes

@@ -367,6 +367,37 @@ class ConversationStore:
             )
         return popped
 
+    async def messages_by_seq(
+        self,
+        conversation_id: str,
+        *,
+        start: int = 0,
+        stop: int | None = None,
+        user_id: str | None = None,
+    ) -> list[AgentMessage]:
+        """The stored messages with `start <= seq < stop` (to the end without `stop`), by `seq`.
+
+        One range scan of the `{conversation_id, seq}` index, for callers that keep a
+        position in the transcript (the LangGraph checkpointer). A `seq` reserved but not
+        stored is simply absent. No legacy fallback: legacy turns have no `seq`.
+        """
+        if start < 0 or (stop is not None and stop < start):
+            raise InvalidInput(f"invalid seq range {start}..{stop}: need 0 <= start <= stop")
+        seq: dict[str, int] = {"$gte": start}
+        if stop is not None:
+            seq["$lt"] = stop
+        query: dict[str, Any] = {
+            "conversation_id": validate_identifier(conversation_id, "conversation_id"),
+            "seq": seq,
+        }
+        if user_id is not None:
+            query["user_id"] = validate_identifier(user_id, "user_id")
+        with storage_errors("read messages"):
+            docs = await (
+                self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH).to_list(None)
+            )
+        return messages_adapter.validate_python(docs)
+
     async def messages_page(
         self,
         conversation_id: str,

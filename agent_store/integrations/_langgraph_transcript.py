@@ -1,0 +1,379 @@
+"""Where a LangGraph thread's messages live: its conversation's transcript, each message once.
+
+`TranscriptLink.place` turns a checkpoint's messages into segments of the
+transcript, logging only the messages the transcript does not hold yet (one
+idempotent turn per checkpoint, through `AgentMessageLogger`), and answers the
+extras of the messages it logged: what the OpenAI format does not hold, which
+the checkpoint document that logged them keeps (`extras`).
+`TranscriptLink.materialize` turns segments back into the messages. A small
+per-thread cache keeps the messages already read or written, so a graph that
+appends pays for its new messages only, however long the conversation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from langchain_core.messages import BaseMessage
+from pydantic import ValidationError
+
+from agent_store.core import AgentMessage, InvalidInput, NotFound, StorageFailure
+from agent_store.integrations._langgraph_documents import (
+    CHECKPOINTS,
+    Deserialize,
+    Inline,
+    Segment,
+    SeqRange,
+    Serialize,
+    place_all,
+)
+from agent_store.integrations._langgraph_messages import extras_of, from_stored, to_stored
+from agent_store.store import (
+    MAX_MESSAGES_PER_TURN,
+    AgentMessageLogger,
+    ConversationStore,
+    Database,
+    storage_errors,
+    validate_identifier,
+)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who a graph runs for: a user (writes and reads only its own threads) or a service."""
+
+    user_id: str | None = None
+
+
+@dataclass(frozen=True)
+class _Head:
+    """The messages of the checkpoint last written or read for a thread, and their segments."""
+
+    checkpoint_id: str
+    messages: list[BaseMessage]
+    segments: list[Segment]
+
+
+@dataclass
+class _Thread:
+    """What this process knows of one thread's transcript."""
+
+    by_seq: dict[int, BaseMessage] = field(default_factory=dict)
+    seq_by_id: dict[str, int] = field(default_factory=dict)
+    loaded_until: int = 0
+    """Every stored message below this `seq` is in `by_seq`."""
+    head: _Head | None = None
+    admitted: set[str | None] = field(default_factory=set)
+    """Owners whose right to write this thread was checked."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def remember(self, seq: int, message: BaseMessage) -> None:
+        self.by_seq[seq] = message
+        if message.id is not None:
+            self.seq_by_id[message.id] = seq
+
+
+@dataclass(frozen=True)
+class _New:
+    """A message the transcript does not hold yet."""
+
+    message: BaseMessage
+    stored: AgentMessage
+
+
+class TranscriptLink:
+    """Logs and reads a thread's messages through the store, with a bounded per-thread cache."""
+
+    def __init__(
+        self,
+        db: Database,
+        logger: AgentMessageLogger,
+        store: ConversationStore,
+        *,
+        dump: Serialize,
+        load: Deserialize,
+        cache_threads: int,
+    ) -> None:
+        self._checkpoints = db[CHECKPOINTS]
+        self._logger = logger
+        self._store = store
+        self._dumps = dump
+        self._loads = load
+        self._cache_threads = cache_threads
+        self._threads: OrderedDict[str, _Thread] = OrderedDict()
+
+    def with_serde(self, dump: Serialize, load: Deserialize) -> TranscriptLink:
+        """The same link (and cache) with another serializer."""
+        clone = copy.copy(self)
+        clone._dumps, clone._loads = dump, load
+        return clone
+
+    def thread(self, thread_id: str) -> _Thread:
+        """The cache of one thread (created empty), most recently used last."""
+        state = self._threads.pop(thread_id, None) or _Thread()
+        self._threads[thread_id] = state
+        while len(self._threads) > self._cache_threads:
+            self._threads.popitem(last=False)
+        return state
+
+    def forget(self, thread_id: str) -> None:
+        """Drop what this process knows of a thread (after it was deleted or rewritten)."""
+        self._threads.pop(thread_id, None)
+
+    # -- writing -----------------------------------------------------------------------------
+
+    async def place(
+        self,
+        thread_id: str,
+        messages: Sequence[BaseMessage],
+        *,
+        checkpoint_id: str,
+        parent_id: str | None,
+        owner: Owner,
+    ) -> tuple[list[Segment], list[dict[str, Any]]]:
+        """The segments of a checkpoint's messages, logging the ones not stored yet, and the
+        extras of the messages logged (for the checkpoint's document).
+
+        When the messages extend the parent checkpoint's (the common case), only the
+        new tail is looked at. Otherwise every message is matched by its LangChain id
+        against the transcript: a stored, unchanged message is referenced by its `seq`,
+        an edited one (same id, other content) is held inline, an unknown one is logged.
+        """
+        state = self.thread(thread_id)
+        messages = messages if isinstance(messages, list) else list(messages)
+        async with state.lock:
+            head = state.head
+            if (
+                head is not None
+                and head.checkpoint_id == parent_id
+                and messages[: len(head.messages)] == head.messages
+            ):
+                segments, rest, matched = head.segments, messages[len(head.messages) :], True
+            else:
+                await self._load(state, thread_id, owner, start=state.loaded_until, stop=None)
+                segments, rest, matched = [], messages, False
+            places = [_place(state, message, appended=matched) for message in rest]
+            new = [p for p in places if isinstance(p, _New)]
+            extras = await self._log(state, thread_id, parent_id, new, owner) if new else []
+            seqs = iter(int(e["seq"]) for e in extras)
+            resolved = [next(seqs) if isinstance(p, _New) else p for p in places]
+            segments = place_all(segments, resolved)
+            state.head = _Head(checkpoint_id, list(messages), segments)
+            return segments, extras
+
+    async def _log(
+        self,
+        state: _Thread,
+        thread_id: str,
+        parent_id: str | None,
+        new: Sequence[_New],
+        owner: Owner,
+    ) -> list[dict[str, Any]]:
+        """Log new messages as one turn; answer, per message, what the format lacks.
+
+        The turn is named by the checkpoint it extends and the new messages' content,
+        not by the new checkpoint's id: when LangGraph re-runs a step after a crash
+        between this write and the checkpoint's, the same messages are recognised as
+        that turn (the logger replays it) instead of being stored again.
+        """
+        stored_new = [n.stored for n in new]
+        logged = await self._logger.log_messages(
+            thread_id,
+            stored_new,
+            user_id=owner.user_id,
+            owner_only=owner.user_id is not None,
+            turn_id=_step_turn_id(parent_id, stored_new),
+        )
+        extras: list[dict[str, Any]] = []
+        for item, stored in zip(new, logged.messages, strict=True):
+            assert stored.seq is not None
+            kind, data = self._dumps(extras_of(item.message, stored))
+            extras.append({"_id": stored.id, "seq": stored.seq, "type": kind, "data": data})
+            state.remember(stored.seq, item.message)
+        seqs = [int(e["seq"]) for e in extras]
+        if seqs and state.loaded_until == seqs[0]:
+            state.loaded_until = seqs[-1] + 1
+        return extras
+
+    # -- reading -----------------------------------------------------------------------------
+
+    async def materialize(
+        self,
+        thread_id: str,
+        segments: Sequence[Segment],
+        *,
+        checkpoint_id: str,
+        owner: Owner,
+        as_head: bool,
+    ) -> list[BaseMessage]:
+        """The messages of a checkpoint's segments, read from the transcript when not cached."""
+        state = self.thread(thread_id)
+        async with state.lock:
+            head = state.head
+            if (
+                head is not None
+                and head.checkpoint_id == checkpoint_id
+                and head.segments == list(segments)
+            ):
+                return list(head.messages)
+            stop = max((s.stop for s in segments if isinstance(s, SeqRange)), default=0)
+            if stop > state.loaded_until:
+                await self._load(state, thread_id, owner, start=state.loaded_until, stop=stop)
+            messages = _assemble(state, thread_id, segments)
+            if as_head:
+                state.head = _Head(checkpoint_id, list(messages), list(segments))
+            return messages
+
+    async def _load(
+        self, state: _Thread, thread_id: str, owner: Owner, *, start: int, stop: int | None
+    ) -> None:
+        """Read the transcript's messages from `start` (to `stop`) into the thread's cache."""
+        stored = await self._store.messages_by_seq(
+            thread_id, start=start, stop=stop, user_id=owner.user_id
+        )
+        seq_filter: dict[str, int] = {"$gte": start}
+        if stop is not None:
+            seq_filter["$lt"] = stop
+        extras = {
+            entry["_id"]: self._loads((entry["type"], entry["data"]))
+            for entry in await self._extras_between(thread_id, seq_filter)
+        }
+        for message in stored:
+            assert message.seq is not None
+            if message.seq not in state.by_seq:  # keep the graph's own objects
+                state.remember(message.seq, from_stored(message, extras.get(message.id)))
+        last = stored[-1].seq if stored else None
+        end = stop if stop is not None else (last + 1 if last is not None else start)
+        state.loaded_until = max(state.loaded_until, end)
+
+    async def _extras_between(
+        self, thread_id: str, seq_filter: Mapping[str, int]
+    ) -> list[dict[str, Any]]:
+        """The extras the thread's checkpoint documents keep for messages in a `seq` range,
+        oldest document first (a later one, from a re-run step, wins)."""
+        query = {"thread_id": thread_id, "extras.seq": seq_filter}
+        with storage_errors("read the messages' LangChain fields"):
+            docs = await (
+                self._checkpoints.find(query, {"extras": 1}).sort("checkpoint_id", 1).to_list(None)
+            )
+        low, high = seq_filter["$gte"], seq_filter.get("$lt")
+        return [
+            entry
+            for doc in docs
+            for entry in doc["extras"]
+            if entry["seq"] >= low and (high is None or entry["seq"] < high)
+        ]
+
+    # -- forking -----------------------------------------------------------------------------
+
+    async def copy(self, source_id: str, target_id: str) -> dict[int, tuple[int, str]]:
+        """Copy a thread's transcript into another conversation: a fork.
+
+        The copy is logged through the logger, turn by turn of the source, so it has
+        documents of its own (nothing shared to corrupt) and the source's owner (a
+        target that belongs to another user is a Conflict, before anything is copied).
+        Answers where each source `seq` went, with its new message id. Re-running it
+        after a crash converges.
+        """
+        try:
+            source = await self._store.get_conversation(source_id, fallback=False)
+        except NotFound:
+            return {}
+        await self._logger.upsert_conversation(target_id, user_id=source.user_id)
+        stored = await self._store.messages_by_seq(source_id)
+        moved: dict[int, tuple[int, str]] = {}
+        for chunk in _turn_chunks(stored):
+            logged = await self._logger.log_messages(
+                target_id,
+                [_as_new(m) for m in chunk],
+                user_id=source.user_id,
+                turn_id=_turn_id("fork", f"{source_id}\0{chunk[0].id}"),
+            )
+            for old, new in zip(chunk, logged.messages, strict=True):
+                assert old.seq is not None
+                assert new.seq is not None
+                assert new.id is not None
+                moved[old.seq] = (new.seq, new.id)
+        self.forget(target_id)
+        return moved
+
+
+def _place(state: _Thread, message: BaseMessage, *, appended: bool) -> int | BaseMessage | _New:
+    """Where one message of a checkpoint lives: a `seq`, inline, or to be logged."""
+    seq = state.seq_by_id.get(message.id) if message.id is not None else None
+    if seq is not None:
+        return seq if state.by_seq[seq] == message else message
+    if message.id is None and not appended:
+        return message  # no id to match it by: keep it inline rather than log it twice
+    try:
+        stored = to_stored(message)
+    except ValidationError:
+        return message  # the format cannot hold it (say, an over-long tool call id)
+    return _New(message, stored) if stored is not None else message
+
+
+def _assemble(state: _Thread, thread_id: str, segments: Sequence[Segment]) -> list[BaseMessage]:
+    messages: list[BaseMessage] = []
+    for segment in segments:
+        if isinstance(segment, Inline):
+            messages.extend(segment.messages)
+            continue
+        try:
+            messages.extend(state.by_seq[s] for s in range(segment.start, segment.stop))
+        except KeyError as exc:
+            raise StorageFailure(
+                f"thread {thread_id!r}: a checkpoint refers to message seq {exc.args[0]} of its "
+                "conversation, which is no longer stored (was the conversation deleted outside "
+                "the checkpointer? delete the thread to start it over)"
+            ) from exc
+    return messages
+
+
+def _step_turn_id(parent_id: str | None, messages: Sequence[AgentMessage]) -> str:
+    """The turn of the messages a checkpoint adds to its parent's: named by both."""
+    content = [m.model_dump(mode="json", exclude={"created_at"}) for m in messages]
+    named = json.dumps([parent_id, content], sort_keys=True, ensure_ascii=False)
+    return "lg-" + hashlib.sha256(named.encode()).hexdigest()[:32]
+
+
+def _turn_id(prefix: str, name: str) -> str:
+    """A turn id naming a checkpoint (or a forked turn): readable when it can be."""
+    candidate = f"{prefix}:{name}"
+    try:
+        return validate_identifier(candidate, "turn_id")
+    except InvalidInput:
+        return f"{prefix}-" + hashlib.sha256(name.encode()).hexdigest()[:32]
+
+
+_STORE_FIELDS = {"_id", "conversation_id", "seq", "user_id", "turn_id", "search_text", "truncated"}
+
+
+def _as_new(message: AgentMessage) -> Mapping[str, Any]:
+    """A stored message as a caller sends it again: without the fields the store sets."""
+    return {k: v for k, v in message.model_dump(by_alias=True).items() if k not in _STORE_FIELDS}
+
+
+def _turn_chunks(messages: Sequence[AgentMessage]) -> list[list[AgentMessage]]:
+    """The messages in chunks that one turn can log: whole source turns where they fit."""
+    turns: list[list[AgentMessage]] = []
+    for message in messages:
+        if turns and turns[-1][-1].turn_id == message.turn_id:
+            turns[-1].append(message)
+        else:
+            turns.append([message])
+    chunks: list[list[AgentMessage]] = [[]] if turns else []
+    for turn in turns:
+        if len(chunks[-1]) + len(turn) > MAX_MESSAGES_PER_TURN:
+            chunks.append([])
+        for message in turn:
+            if len(chunks[-1]) == MAX_MESSAGES_PER_TURN:
+                chunks.append([])
+            chunks[-1].append(message)
+    return chunks

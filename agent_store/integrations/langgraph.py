@@ -1,0 +1,607 @@
+"""A LangGraph checkpointer on the store: the thread is the conversation, each message stored once.
+
+`AgentStoreSaver(db)` is a `BaseCheckpointSaver` (async and sync methods).
+A checkpoint's messages channel is not serialized into the checkpoint: the
+messages it adds are logged into `agent_messages` as one idempotent turn
+through `AgentMessageLogger` (ordering, tool pairing, hidden-context
+stripping, truncation and the conversation summary all apply), and the
+checkpoint refers to the transcript by `seq`. A graph that rewrites history
+(`RemoveMessage`, an edited message) gets a checkpoint that lists its
+messages whole, by `seq` where the transcript holds them and inline where it
+does not, marked `agent_store_messages: "rewritten"` in its metadata. Every
+other channel, pending writes, metadata, parent links and namespaces are kept
+in the `langgraph_checkpoints` collection with LangGraph's serializer.
+
+The thread's owner is `config["configurable"]["user_id"]` (see `owner_key`):
+such a graph reads and writes only that user's threads, as a user token does.
+Without it the saver acts as a service. Needs the `langgraph` extra; see
+docs/LANGGRAPH.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Collection, Coroutine, Iterator, Sequence
+from itertools import repeat
+from typing import Any, TypeVar
+
+from bson import encode as bson_encode
+from bson.errors import InvalidDocument
+
+try:
+    from langchain_core.messages import BaseMessage
+    from langchain_core.runnables import RunnableConfig
+    from langgraph.checkpoint.base import (
+        WRITES_IDX_MAP,
+        BaseCheckpointSaver,
+        ChannelVersions,
+        Checkpoint,
+        CheckpointMetadata,
+        CheckpointTuple,
+        get_checkpoint_id,
+        get_checkpoint_metadata,
+    )
+    from langgraph.checkpoint.serde.base import SerializerProtocol
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "agent_store.integrations.langgraph needs LangGraph: "
+        "install agent-conversation-store[langgraph]"
+    ) from exc
+
+from pymongo import ASCENDING, DESCENDING, IndexModel
+from pymongo.errors import BulkWriteError
+
+from agent_store.core import InvalidInput, NotFound
+from agent_store.integrations._langgraph_documents import (
+    CHECKPOINTS,
+    REWRITTEN,
+    check_metadata_keys,
+    checkpoint_key,
+    decode_segments,
+    encode_segments,
+    is_rewritten,
+    metadata_filter,
+    pending_writes,
+    remap_segments,
+    write_entries,
+)
+from agent_store.integrations._langgraph_transcript import Owner, TranscriptLink
+from agent_store.store import (
+    DUPLICATE_KEY,
+    AgentMessageLogger,
+    ConversationStore,
+    Database,
+    storage_errors,
+    validate_identifier,
+)
+
+__all__ = ["CHECKPOINTS", "REWRITTEN", "AgentStoreSaver"]
+
+T = TypeVar("T")
+
+CHECKPOINT_INDEXES: dict[str, list[IndexModel]] = {
+    CHECKPOINTS: [
+        IndexModel(
+            [("thread_id", ASCENDING), ("checkpoint_ns", ASCENDING), ("checkpoint_id", DESCENDING)]
+        ),
+        IndexModel([("metadata.run_id", ASCENDING)], sparse=True),
+        IndexModel([("thread_id", ASCENDING), ("extras.seq", ASCENDING)], sparse=True),
+    ],
+}
+"""The saver's own indexes, beside the store's."""
+
+
+class AgentStoreSaver(BaseCheckpointSaver[int]):
+    """LangGraph checkpoints in MongoDB, the messages channel in the conversation store.
+
+    Takes the same database handles as the store (PyMongo `AsyncDatabase`, Motor).
+    The synchronous methods run the asynchronous ones on the event loop the saver
+    was created in (or `loop`), from another thread; created outside any loop, the
+    saver runs its own loop in a background thread.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        logger: AgentMessageLogger | None = None,
+        store: ConversationStore | None = None,
+        owner_key: str = "user_id",
+        messages_key: str = "messages",
+        cache_threads: int = 256,
+        serde: SerializerProtocol | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        """Keep checkpoints in `db`. `logger` and `store` default to plain ones on `db`;
+        `owner_key` names the `configurable` entry holding the user a graph runs for;
+        `messages_key` the channel kept in the transcript; `cache_threads` how many
+        threads' messages this process keeps in memory."""
+        super().__init__(serde=serde)
+        self._checkpoints = db[CHECKPOINTS]
+        self._db = db
+        self.logger = logger or AgentMessageLogger(db)
+        self.store = store or ConversationStore(db)
+        self.owner_key = owner_key
+        self.messages_key = messages_key
+        self._transcripts = TranscriptLink(
+            db,
+            self.logger,
+            self.store,
+            dump=self.serde.dumps_typed,
+            load=self.serde.loads_typed,
+            cache_threads=cache_threads,
+        )
+        self._ready = False
+        self._loop = loop or _running_loop()
+        self._own_loop: _LoopThread | None = None
+
+    def with_allowlist(self, extra_allowlist: Collection[tuple[str, ...]]) -> AgentStoreSaver:
+        """A clone whose serializer accepts more types (LangGraph's strict msgpack); it
+        shares this saver's per-thread cache."""
+        clone = super().with_allowlist(extra_allowlist)
+        assert isinstance(clone, AgentStoreSaver)
+        if clone is not self:
+            clone._transcripts = self._transcripts.with_serde(
+                clone.serde.dumps_typed, clone.serde.loads_typed
+            )
+        return clone
+
+    async def setup(self) -> None:
+        """Create the store's indexes and the saver's (idempotent; done on first use too)."""
+        if self._ready:
+            return
+        await self.logger.ensure_indexes()
+        with storage_errors("create the checkpoint indexes"):
+            for name, models in CHECKPOINT_INDEXES.items():
+                await self._db[name].create_indexes(models)
+        self._ready = True
+
+    # -- reading -----------------------------------------------------------------------------
+
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """The checkpoint named by `config`, or the thread's latest; None if there is none."""
+        thread_id, checkpoint_ns, checkpoint_id = _address(config)
+        owner = self._owner(config)
+        if not await self._visible(thread_id, owner):
+            return None
+        query: dict[str, Any] = {
+            "thread_id": thread_id,
+            "checkpoint_ns": checkpoint_ns,
+            "type": {"$exists": True},
+        }
+        if checkpoint_id is not None:
+            query["checkpoint_id"] = checkpoint_id
+        with storage_errors("read the checkpoint"):
+            docs = await (
+                self._checkpoints.find(query).sort("checkpoint_id", -1).limit(1).to_list(None)
+            )
+        if not docs:
+            return None
+        return await self._tuple(docs[0], owner, as_head=True)
+
+    async def alist(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> AsyncIterator[CheckpointTuple]:
+        """Checkpoints matching `config`, a metadata `filter` and `before`, newest first."""
+        query = {"type": {"$exists": True}} | metadata_filter(filter)
+        configurable = (config or {}).get("configurable") or {}
+        owner = self._owner(config or {})
+        if "thread_id" in configurable:
+            query["thread_id"] = _thread_id(configurable["thread_id"])
+        elif owner.user_id is not None:
+            raise InvalidInput("invalid list: a user's checkpoints are listed one thread at a time")
+        if "checkpoint_ns" in configurable:
+            query["checkpoint_ns"] = _text(configurable["checkpoint_ns"], "checkpoint_ns")
+        if configurable.get("checkpoint_id") is not None:
+            query["checkpoint_id"] = _text(configurable["checkpoint_id"], "checkpoint_id")
+        if before is not None:
+            query["checkpoint_id"] = {"$lt": _text(get_checkpoint_id(before), "before")}
+        if "thread_id" in query and not await self._visible(query["thread_id"], owner):
+            return
+        cursor = self._checkpoints.find(query).sort("checkpoint_id", -1)
+        if limit is not None:
+            cursor = cursor.limit(limit)
+        with storage_errors("list checkpoints"):
+            docs = await cursor.to_list(None)
+        for doc in docs:
+            yield await self._tuple(doc, owner, as_head=False)
+
+    async def _tuple(self, doc: dict[str, Any], owner: Owner, *, as_head: bool) -> CheckpointTuple:
+        checkpoint: Checkpoint = self.serde.loads_typed((doc["type"], doc["checkpoint"]))
+        stored = doc.get("messages")
+        if stored is not None:
+            segments = decode_segments(stored["segments"], self.serde.loads_typed)
+            checkpoint["channel_values"][stored["channel"]] = await self._transcripts.materialize(
+                doc["thread_id"],
+                segments,
+                checkpoint_id=doc["checkpoint_id"],
+                owner=owner,
+                as_head=as_head,
+            )
+        address = {"thread_id": doc["thread_id"], "checkpoint_ns": doc["checkpoint_ns"]}
+        parent = doc.get("parent_checkpoint_id")
+        return CheckpointTuple(
+            config={"configurable": address | {"checkpoint_id": doc["checkpoint_id"]}},
+            checkpoint=checkpoint,
+            metadata=doc["metadata"],
+            parent_config={"configurable": address | {"checkpoint_id": parent}} if parent else None,
+            pending_writes=pending_writes(doc.get("writes") or (), self.serde.loads_typed),
+        )
+
+    # -- writing -----------------------------------------------------------------------------
+
+    async def aput(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        """Store a checkpoint; its messages channel goes to the transcript (new messages only)."""
+        thread_id, checkpoint_ns, parent_id = _address(config)
+        checkpoint_id = _text(checkpoint["id"], "checkpoint id")
+        owner = self._owner(config)
+        values = dict(checkpoint["channel_values"])
+        messages = values.pop(self.messages_key, None) if checkpoint_ns == "" else None
+        if messages is not None and not _is_messages(messages):
+            values[self.messages_key], messages = messages, None
+        kind, blob = self.serde.dumps_typed({**checkpoint, "channel_values": values})
+        stored_metadata = _storable_metadata(get_checkpoint_metadata(config, metadata))
+        await self.setup()
+        await self._admit(thread_id, owner)
+        document: dict[str, Any] = {
+            "thread_id": thread_id,
+            "checkpoint_ns": checkpoint_ns,
+            "checkpoint_id": checkpoint_id,
+            "parent_checkpoint_id": parent_id,
+            "type": kind,
+            "checkpoint": blob,
+            "messages": None,
+            "metadata": stored_metadata,
+        }
+        if messages is not None:
+            segments, extras = await self._transcripts.place(
+                thread_id, messages, checkpoint_id=checkpoint_id, parent_id=parent_id, owner=owner
+            )
+            encoded = encode_segments(segments, self.serde.dumps_typed)
+            document["messages"] = {"channel": self.messages_key, "segments": encoded}
+            if extras:
+                document["extras"] = extras
+            if is_rewritten(segments):
+                stored_metadata[REWRITTEN] = "rewritten"
+        key = checkpoint_key(thread_id, checkpoint_ns, checkpoint_id)
+        with storage_errors("store the checkpoint"):
+            await self._checkpoints.update_one({"_id": key}, {"$set": document}, upsert=True)
+        return {
+            "configurable": {
+                "thread_id": thread_id,
+                "checkpoint_ns": checkpoint_ns,
+                "checkpoint_id": checkpoint_id,
+            }
+        }
+
+    async def aput_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        """Append a task's writes to its checkpoint's document (one round trip)."""
+        thread_id, checkpoint_ns, checkpoint_id = _address(config)
+        if checkpoint_id is None:
+            raise InvalidInput("invalid writes: the config names no checkpoint_id")
+        entries = write_entries(
+            writes,
+            _text(task_id, "task_id"),
+            _text(task_path, "task_path"),
+            WRITES_IDX_MAP,
+            self.serde.dumps_typed,
+        )
+        if not entries:
+            return
+        await self.setup()
+        await self._admit(thread_id, self._owner(config))
+        with storage_errors("store the pending writes"):
+            await self._checkpoints.update_one(
+                {"_id": checkpoint_key(thread_id, checkpoint_ns, checkpoint_id)},
+                {
+                    "$push": {"writes": {"$each": entries}},
+                    "$setOnInsert": {
+                        "thread_id": thread_id,
+                        "checkpoint_ns": checkpoint_ns,
+                        "checkpoint_id": checkpoint_id,
+                    },
+                },
+                upsert=True,
+            )
+
+    # -- administering -----------------------------------------------------------------------
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        """Delete the thread: its checkpoints, then its conversation and messages."""
+        thread_id = _thread_id(thread_id)
+        with storage_errors("delete the thread's checkpoints"):
+            await self._checkpoints.delete_many({"thread_id": thread_id})
+        self._transcripts.forget(thread_id)
+        with contextlib.suppress(NotFound):
+            await self.store.delete(thread_id)
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Delete the checkpoints (and their writes) the given runs made; messages stay."""
+        ids = [_text(run_id, "run_id") for run_id in run_ids]
+        if ids:
+            await self._retire({"metadata.run_id": {"$in": ids}}, "delete the runs' checkpoints")
+
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """Keep each namespace's latest checkpoint (`keep_latest`) or none (`delete`).
+
+        The conversation and its messages stay: they are the record of what was said.
+        """
+        ids = [_thread_id(t) for t in thread_ids]
+        if strategy not in ("keep_latest", "delete"):
+            raise InvalidInput(
+                f"invalid prune strategy {strategy!r}: use 'keep_latest' or 'delete'"
+            )
+        if not ids:
+            return
+        query: dict[str, Any] = {"thread_id": {"$in": ids}}
+        if strategy == "keep_latest":
+            with storage_errors("find the latest checkpoints"):
+                heads = await (
+                    self._checkpoints.find(
+                        query | {"type": {"$exists": True}},
+                        {"thread_id": 1, "checkpoint_ns": 1, "checkpoint_id": 1},
+                    )
+                    .sort("checkpoint_id", -1)
+                    .to_list(None)
+                )
+            latest: dict[tuple[str, str], Any] = {}
+            for head in heads:
+                latest.setdefault((head["thread_id"], head["checkpoint_ns"]), head["_id"])
+            query["_id"] = {"$nin": list(latest.values())}
+        await self._retire(query, "prune checkpoints")
+
+    async def _retire(self, query: dict[str, Any], action: str) -> None:
+        """Delete checkpoints; one that keeps the extras of messages it logged is emptied
+        instead (no longer a checkpoint to any read), as the messages stay."""
+        with storage_errors(action):
+            await self._checkpoints.delete_many(query | {"extras": {"$exists": False}})
+            await self._checkpoints.update_many(
+                query | {"extras": {"$exists": True}},
+                {"$unset": {field: "" for field in _CHECKPOINT_FIELDS}},
+            )
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Fork a thread: its checkpoints, conversation, messages and extras, all copied."""
+        source, target = _thread_id(source_thread_id), _thread_id(target_thread_id)
+        if source == target:
+            raise InvalidInput("invalid copy: the source and target threads are the same")
+        await self.setup()
+        with storage_errors("read the thread's checkpoints"):
+            docs = await self._checkpoints.find({"thread_id": source}).to_list(None)
+        if not docs:
+            return
+        moved = await self._transcripts.copy(source, target)
+        copies = [self._rekeyed(doc, target, moved) for doc in docs]
+        await _insert_new(self._checkpoints, copies, "copy the thread's checkpoints")
+        self._transcripts.forget(target)
+
+    def _rekeyed(
+        self, doc: dict[str, Any], target: str, moved: dict[int, tuple[int, str]]
+    ) -> dict[str, Any]:
+        """A checkpoint document of the fork: its references moved to the fork's messages."""
+        copy = doc | {
+            "_id": checkpoint_key(target, doc["checkpoint_ns"], doc["checkpoint_id"]),
+            "thread_id": target,
+        }
+        stored = doc.get("messages")
+        if stored is not None:
+            segments = decode_segments(stored["segments"], self.serde.loads_typed)
+            remapped = remap_segments(segments, {old: new for old, (new, _) in moved.items()})
+            copy["messages"] = stored | {
+                "segments": encode_segments(remapped, self.serde.dumps_typed)
+            }
+        if "extras" in doc:
+            copy["extras"] = [
+                entry | {"_id": moved[entry["seq"]][1], "seq": moved[entry["seq"]][0]}
+                for entry in doc["extras"]
+                if entry["seq"] in moved
+            ]
+        return copy
+
+    # -- owners ------------------------------------------------------------------------------
+
+    def _owner(self, config: RunnableConfig) -> Owner:
+        user_id = (config.get("configurable") or {}).get(self.owner_key)
+        if user_id is None:
+            return Owner()
+        return Owner(validate_identifier(user_id, self.owner_key))
+
+    async def _visible(self, thread_id: str, owner: Owner) -> bool:
+        """Whether the owner may read the thread: a service always, a user only its own."""
+        if owner.user_id is None:
+            return True
+        try:
+            await self.store.get_conversation(thread_id, user_id=owner.user_id, fallback=False)
+        except NotFound:
+            return False
+        return True
+
+    async def _admit(self, thread_id: str, owner: Owner) -> None:
+        """Make sure the thread's conversation exists and the owner may write it (once per
+        thread and owner in this process). A user never writes another's or a service's."""
+        state = self._transcripts.thread(thread_id)
+        if owner.user_id in state.admitted:
+            return
+        if owner.user_id is None:
+            await self.logger.upsert_conversation(thread_id)
+        else:
+            try:
+                found = await self.store.get_conversation(thread_id, fallback=False)
+            except NotFound:
+                found = await self.logger.upsert_conversation(thread_id, user_id=owner.user_id)
+            if found.user_id != owner.user_id:
+                raise NotFound(
+                    f"conversation {thread_id!r} was not found for user {owner.user_id!r}: "
+                    "a user writes only to its own threads"
+                )
+        state.admitted.add(owner.user_id)
+
+    # -- synchronous API ---------------------------------------------------------------------
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """Synchronous `aget_tuple`."""
+        return self._run(self.aget_tuple(config))
+
+    def list(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> Iterator[CheckpointTuple]:
+        """Synchronous `alist`."""
+
+        async def collect() -> list[CheckpointTuple]:
+            found = self.alist(config, filter=filter, before=before, limit=limit)
+            return [item async for item in found]
+
+        return iter(self._run(collect()))
+
+    def put(
+        self,
+        config: RunnableConfig,
+        checkpoint: Checkpoint,
+        metadata: CheckpointMetadata,
+        new_versions: ChannelVersions,
+    ) -> RunnableConfig:
+        """Synchronous `aput`."""
+        return self._run(self.aput(config, checkpoint, metadata, new_versions))
+
+    def put_writes(
+        self,
+        config: RunnableConfig,
+        writes: Sequence[tuple[str, Any]],
+        task_id: str,
+        task_path: str = "",
+    ) -> None:
+        """Synchronous `aput_writes`."""
+        self._run(self.aput_writes(config, writes, task_id, task_path))
+
+    def delete_thread(self, thread_id: str) -> None:
+        """Synchronous `adelete_thread`."""
+        self._run(self.adelete_thread(thread_id))
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Synchronous `adelete_for_runs`."""
+        self._run(self.adelete_for_runs(run_ids))
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Synchronous `acopy_thread`."""
+        self._run(self.acopy_thread(source_thread_id, target_thread_id))
+
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """Synchronous `aprune`."""
+        self._run(self.aprune(thread_ids, strategy=strategy))
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        loop = self._loop
+        if loop is None:
+            self._own_loop = self._own_loop or _LoopThread()
+            loop = self._own_loop.loop
+        if _running_loop() is loop:
+            coroutine.close()
+            raise asyncio.InvalidStateError(
+                "AgentStoreSaver's synchronous methods cannot run on its own event loop: use "
+                "the async methods (ainvoke, astream) there, or call from another thread"
+            )
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
+
+
+class _LoopThread:
+    """An event loop running in a daemon thread, for a saver used only synchronously."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=self.loop.run_forever, name="agent-store-saver")
+        thread.daemon = True
+        thread.start()
+
+
+_CHECKPOINT_FIELDS = (
+    "parent_checkpoint_id",
+    "type",
+    "checkpoint",
+    "messages",
+    "metadata",
+    "writes",
+)
+"""What makes a document a checkpoint; the rest (its names, `extras`) outlives it."""
+
+
+async def _insert_new(collection: Any, documents: list[dict[str, Any]], action: str) -> None:
+    """Insert documents; those already there (a retry's) are the only errors swallowed."""
+    if not documents:
+        return
+    with storage_errors(action):
+        try:
+            await collection.insert_many(documents, ordered=False)
+        except BulkWriteError as exc:
+            if any(e.get("code") != DUPLICATE_KEY for e in exc.details.get("writeErrors", [])):
+                raise
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _address(config: RunnableConfig) -> tuple[str, str, str | None]:
+    """The thread, namespace and checkpoint id a config names (identifiers checked)."""
+    configurable = config.get("configurable") or {}
+    if "thread_id" not in configurable:
+        raise InvalidInput("invalid config: `configurable` needs a thread_id")
+    checkpoint_id = get_checkpoint_id(config)
+    return (
+        _thread_id(configurable["thread_id"]),
+        _text(configurable.get("checkpoint_ns", ""), "checkpoint_ns"),
+        _text(checkpoint_id, "checkpoint_id") if checkpoint_id is not None else None,
+    )
+
+
+def _thread_id(value: Any) -> str:
+    """A thread id is a conversation id: 1-200 letters, digits and `_.:@|-`."""
+    return validate_identifier(value, "thread_id")
+
+
+def _text(value: Any, what: str) -> str:
+    """A name that goes into a query: a plain string, never an operator document."""
+    if not isinstance(value, str):
+        raise InvalidInput(f"invalid {what}: expected a string, got {type(value).__name__}")
+    return value
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and all(map(isinstance, value, repeat(BaseMessage)))
+
+
+def _storable_metadata(metadata: CheckpointMetadata) -> dict[str, Any]:
+    """The metadata as a plain document, so `list` can filter on it; refused if it cannot be."""
+    stored = dict(metadata)
+    check_metadata_keys(stored)
+    try:
+        bson_encode(stored)
+    except (InvalidDocument, OverflowError) as exc:
+        raise InvalidInput(f"invalid checkpoint metadata: it cannot be stored ({exc})") from exc
+    return stored

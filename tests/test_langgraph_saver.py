@@ -1,0 +1,560 @@
+"""The LangGraph checkpointer on a real tool agent: the state LangGraph's own saver would give,
+each message stored once in the conversation, histories rewritten, forks, owners, round trips."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, RemoveMessage
+from langgraph.checkpoint.base import copy_checkpoint, empty_checkpoint
+from langgraph.checkpoint.base.id import uuid6
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+
+from agent_store import (
+    Conflict,
+    ConversationStore,
+    InvalidInput,
+    NotFound,
+    StorageUnavailable,
+)
+from agent_store.integrations.langgraph import CHECKPOINTS, REWRITTEN, AgentStoreSaver
+from agent_store.store import CONVERSATIONS, MESSAGES
+from scripts.langgraph_agent import comparable, question, tool_agent
+from tests.api_harness import SERVICE_TOKEN, serve
+from tests.conftest import WIRE_AVAILABLE, Backend
+
+TURNS = 50
+
+
+def thread(user_id: str | None = None, thread_id: str | None = None) -> dict[str, Any]:
+    configurable: dict[str, Any] = {"thread_id": thread_id or f"thread-{uuid.uuid4().hex[:12]}"}
+    if user_id is not None:
+        configurable["user_id"] = user_id
+    return {"configurable": configurable}
+
+
+async def run_turns(graph: Any, config: dict[str, Any], turns: range) -> None:
+    for turn in turns:
+        await graph.ainvoke(question(turn), config)
+
+
+# Fifty turns write ~900 documents: one wire driver is enough at the wire server's pace.
+@pytest.mark.parametrize(
+    "backend",
+    ["mongomock", *([pytest.param("wire", marks=pytest.mark.wire)] if WIRE_AVAILABLE else [])],
+    indirect=True,
+)
+async def test_fifty_turns_end_in_the_state_langgraphs_in_memory_saver_gives(
+    backend: Backend,
+) -> None:
+    config = thread()
+    saver = AgentStoreSaver(backend.db)
+    await run_turns(tool_agent(saver), config, range(1, TURNS + 1))
+    reference = tool_agent(InMemorySaver())
+    await run_turns(reference, config, range(1, TURNS + 1))
+
+    ours = (await tool_agent(saver).aget_state(config)).values["messages"]
+    theirs = (await reference.aget_state(config)).values["messages"]
+    assert comparable(ours) == comparable(theirs)
+    assert len(ours) == TURNS + TURNS // 2 * 3 + TURNS // 2
+
+    # A saver that has seen nothing of the thread reads back the very same messages, ids too.
+    cold = (await tool_agent(AgentStoreSaver(backend.db)).aget_state(config)).values["messages"]
+    assert cold == ours
+
+
+async def test_the_conversation_holds_every_message_once_with_tool_calls_paired(
+    backend: Backend,
+) -> None:
+    config = thread()
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    await run_turns(graph, config, range(1, 11))
+    state = (await graph.aget_state(config)).values["messages"]
+
+    thread_id = config["configurable"]["thread_id"]
+    transcript = await ConversationStore(backend.db).transcript(thread_id)
+    assert [(m.role, m.content) for m in transcript] == [
+        (_role(m), m.content or None if isinstance(m, AIMessage) and m.tool_calls else m.content)
+        for m in state
+    ]
+    assert [m.seq for m in transcript] == list(range(len(state)))
+    calls_made: set[str] = set()
+    for message in transcript:
+        if message.role == "tool":
+            assert message.tool_call_id in calls_made
+        calls_made |= {call.id for call in message.tool_calls or ()}
+    conversation = await ConversationStore(backend.db).get_conversation(thread_id)
+    assert conversation.turn_count == 10
+    assert conversation.usage.output_tokens == 7 * sum(isinstance(m, AIMessage) for m in state)
+
+
+def _role(message: Any) -> str:
+    return {"human": "user", "ai": "assistant", "tool": "tool", "system": "system"}[message.type]
+
+
+async def test_the_viewer_shows_a_langgraph_thread() -> None:
+    from tests.api_harness import mongomock_db
+
+    db = mongomock_db()
+    config = thread()
+    await run_turns(tool_agent(AgentStoreSaver(db)), config, range(1, 3))
+    async with serve(db) as served:
+        await served.http.post("/viewer/login", data={"token": SERVICE_TOKEN})
+        page = await served.http.get(f"/viewer/conversations/{config['configurable']['thread_id']}")
+    assert page.status_code == 200
+    for text in (
+        "Question 1: how is the weather?",
+        "Answer 1: noted",
+        "City 2",
+        "Answer 2: City 2",
+    ):
+        assert text in _unescaped(page)
+
+
+def _unescaped(page: httpx.Response) -> str:
+    import html
+
+    return html.unescape(page.text)
+
+
+# -- histories rewritten ---------------------------------------------------------------------
+
+
+async def both(config: dict[str, Any], db: Any) -> tuple[Any, Any]:
+    """The agent on this store and on LangGraph's in-memory saver, three turns in."""
+    ours, theirs = tool_agent(AgentStoreSaver(db)), tool_agent(InMemorySaver())
+    for graph in (ours, theirs):
+        await run_turns(graph, config, range(1, 4))
+    return ours, theirs
+
+
+async def test_removing_a_message_keeps_it_in_the_conversation_and_marks_the_checkpoint(
+    backend: Backend,
+) -> None:
+    config = thread()
+    ours, theirs = await both(config, backend.db)
+    for graph in (ours, theirs):
+        await graph.aupdate_state(config, {"messages": [RemoveMessage(id="human-1")]})
+        await run_turns(graph, config, range(4, 5))
+
+    state = await ours.aget_state(config)
+    assert comparable(state.values["messages"]) == comparable(
+        (await theirs.aget_state(config)).values["messages"]
+    )
+    assert "human-1" not in [m.id for m in state.values["messages"]]
+    assert state.metadata is not None
+    assert state.metadata[REWRITTEN] == "rewritten"
+    transcript = await ConversationStore(backend.db).transcript(config["configurable"]["thread_id"])
+    assert transcript[0].content == "Question 1: how is the weather?"
+    assert len(transcript) == len(state.values["messages"]) + 1
+    # Only references: the checkpoint holds no message of its own.
+    latest = await _latest_document(backend.db, config)
+    assert all("from" in segment for segment in latest["messages"]["segments"])
+
+
+async def test_an_edited_message_is_held_by_the_checkpoint_and_the_conversation_keeps_the_original(
+    backend: Backend,
+) -> None:
+    config = thread()
+    ours, theirs = await both(config, backend.db)
+    edit = AIMessage(content="Answer 1, corrected", id="ai-1-answer")
+    for graph in (ours, theirs):
+        await graph.aupdate_state(config, {"messages": [edit]})
+        await run_turns(graph, config, range(4, 5))
+
+    mine = (await ours.aget_state(config)).values["messages"]
+    assert comparable(mine) == comparable((await theirs.aget_state(config)).values["messages"])
+    assert edit in mine
+    cold = (await tool_agent(AgentStoreSaver(backend.db)).aget_state(config)).values["messages"]
+    assert cold == mine
+    transcript = await ConversationStore(backend.db).transcript(config["configurable"]["thread_id"])
+    assert "Answer 1: noted" in [m.content for m in transcript]
+    assert "Answer 1, corrected" not in [m.content for m in transcript]
+    latest = await _latest_document(backend.db, config)
+    assert sum("data" in segment for segment in latest["messages"]["segments"]) == 1
+
+
+async def test_a_graph_that_only_appends_is_never_marked_rewritten(backend: Backend) -> None:
+    config = thread()
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    await run_turns(graph, config, range(1, 5))
+    async for snapshot in graph.aget_state_history(config):
+        assert REWRITTEN not in snapshot.metadata
+    latest = await _latest_document(backend.db, config)
+    messages = (await graph.aget_state(config)).values["messages"]
+    assert latest["messages"]["segments"] == [{"from": 0, "to": len(messages)}]
+
+
+async def _latest_document(db: Any, config: dict[str, Any]) -> dict[str, Any]:
+    docs = (
+        await db[CHECKPOINTS]
+        .find({"thread_id": config["configurable"]["thread_id"], "checkpoint_ns": ""})
+        .sort("checkpoint_id", -1)
+        .limit(1)
+        .to_list(None)
+    )
+    return dict(docs[0])
+
+
+# -- what a turn costs -----------------------------------------------------------------------
+
+
+async def test_a_turn_writes_the_same_checkpoint_bytes_at_turn_3_and_at_turn_21() -> None:
+    from bson import encode
+
+    from tests.api_harness import mongomock_db
+
+    db, config = mongomock_db(), thread()
+    graph = tool_agent(AgentStoreSaver(db))
+    sizes: dict[int, int] = {}
+    seen: set[Any] = set()
+    for turn in range(1, 22):
+        await run_turns(graph, config, range(turn, turn + 1))
+        docs = await db[CHECKPOINTS].find({}).to_list(None)
+        sizes[turn] = sum(len(encode(d)) for d in docs if d["_id"] not in seen)
+        seen |= {d["_id"] for d in docs}
+    # Odd turns have the same shape (question, answer); the conversation grew sevenfold.
+    assert sizes[21] <= sizes[3] * 1.05
+
+
+async def test_a_turn_costs_the_same_round_trips_however_long_the_thread(
+    wire_backend: Backend,
+) -> None:
+    assert wire_backend.commands is not None
+    config = thread()
+    graph = tool_agent(AgentStoreSaver(wire_backend.db))
+    counts: dict[int, Counter[str]] = {}
+    for turn in range(1, 9):
+        wire_backend.commands.clear()
+        await run_turns(graph, config, range(turn, turn + 1))
+        counts[turn] = Counter(wire_backend.commands.names)
+    # Background writes interleave, so commands are compared as counts, not as a sequence.
+    assert counts[8] == counts[4]
+    assert counts[7] == counts[3]
+    # Reading the thread (1), the input checkpoint and its writes (2), then per step that adds
+    # messages the logger's reservation and insert and the checkpoint (3), per task's writes (1).
+    assert counts[7].total() == 1 + 2 + 3 + 1 + 3  # a question answered at once
+    assert counts[8].total() == 1 + 2 + 3 + (1 + 3) * 3  # agent, tool, agent
+
+
+# -- each message once -----------------------------------------------------------------------
+
+
+async def test_a_put_retried_after_a_lost_reply_stores_each_message_once(
+    backend: Backend,
+) -> None:
+    config = thread()
+    saver = AgentStoreSaver(backend.db)
+    await run_turns(tool_agent(saver), config, range(1, 2))
+    latest = await saver.aget_tuple(config)
+    assert latest is not None
+    checkpoint = copy_checkpoint(latest.checkpoint)
+    checkpoint["id"] = str(uuid6())
+    checkpoint["channel_values"]["messages"] = [
+        *checkpoint["channel_values"]["messages"],
+        HumanMessage("And tomorrow?", id="human-2"),
+        AIMessage("Rain.", id="ai-2"),
+    ]
+    logged = saver.logger.log_messages
+    replies: list[bool] = []
+
+    async def reply_lost(*args: Any, **kwargs: Any) -> Any:
+        turn = await logged(*args, **kwargs)
+        replies.append(turn.replayed)
+        if len(replies) == 1:
+            raise StorageUnavailable("the reply was lost")
+        return turn
+
+    saver.logger.log_messages = reply_lost  # type: ignore[method-assign]
+    with pytest.raises(StorageUnavailable):
+        await saver.aput(latest.config, checkpoint, latest.metadata, {})
+    await saver.aput(latest.config, checkpoint, latest.metadata, {})
+    assert replies == [False, True]
+    transcript = await ConversationStore(backend.db).transcript(config["configurable"]["thread_id"])
+    assert [m.content for m in transcript] == [
+        "Question 1: how is the weather?",
+        "Answer 1: noted",
+        "And tomorrow?",
+        "Rain.",
+    ]
+    cold = await AgentStoreSaver(backend.db).aget_tuple(config)
+    assert cold is not None
+    assert cold.checkpoint["channel_values"]["messages"] == checkpoint["channel_values"]["messages"]
+
+
+async def test_hidden_runtime_context_stays_out_of_the_conversation_but_in_the_state(
+    backend: Backend,
+) -> None:
+    config = thread()
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    said = "[RUNTIME CONTEXT]account 4411, tier gold[/RUNTIME CONTEXT] Question 1: how is it?"
+    await graph.ainvoke({"messages": [HumanMessage(said, id="human-1")]}, config)
+    transcript = await ConversationStore(backend.db).transcript(config["configurable"]["thread_id"])
+    assert transcript[0].content == "Question 1: how is it?"
+    cold = (await tool_agent(AgentStoreSaver(backend.db)).aget_state(config)).values["messages"]
+    assert cold[0].content == said
+
+
+# -- owners ----------------------------------------------------------------------------------
+
+
+async def _counts(db: Any) -> tuple[int, ...]:
+    return tuple(
+        [await db[name].count_documents({}) for name in (CHECKPOINTS, MESSAGES, CONVERSATIONS)]
+    )
+
+
+async def test_a_users_thread_is_that_users_conversation_and_no_one_elses(
+    backend: Backend,
+) -> None:
+    ada = thread("user-ada")
+    thread_id = ada["configurable"]["thread_id"]
+    grace = thread("user-grace", thread_id)
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    await run_turns(graph, ada, range(1, 3))
+    store = ConversationStore(backend.db)
+    assert (await store.get_conversation(thread_id)).user_id == "user-ada"
+    assert {m.user_id for m in await store.transcript(thread_id)} == {"user-ada"}
+
+    before = await _counts(backend.db)
+    for saver in (AgentStoreSaver(backend.db), graph.checkpointer):
+        other = tool_agent(saver)
+        assert (await other.aget_state(grace)).values == {}
+        assert [s async for s in other.aget_state_history(grace)] == []
+        with pytest.raises(NotFound, match="a user writes only to its own threads"):
+            await other.ainvoke(question(3), grace)
+    assert await _counts(backend.db) == before
+    # A service (no user in the config) reads it.
+    service = thread(thread_id=thread_id)
+    assert len((await graph.aget_state(service)).values["messages"]) == 6
+
+
+async def test_a_user_never_adopts_a_thread_a_service_started(backend: Backend) -> None:
+    service = thread()
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    await run_turns(graph, service, range(1, 2))
+    ada = thread("user-ada", service["configurable"]["thread_id"])
+    assert (await graph.aget_state(ada)).values == {}
+    with pytest.raises(NotFound):
+        await graph.ainvoke(question(2), ada)
+    conversation = await ConversationStore(backend.db).get_conversation(
+        service["configurable"]["thread_id"]
+    )
+    assert conversation.user_id is None
+
+
+async def test_a_users_list_names_its_thread(backend: Backend) -> None:
+    saver = AgentStoreSaver(backend.db)
+    with pytest.raises(InvalidInput, match="one thread at a time"):
+        [t async for t in saver.alist({"configurable": {"user_id": "user-ada"}})]
+
+
+# -- forks, deletes, prunes ------------------------------------------------------------------
+
+
+async def test_a_copied_thread_is_a_fork_that_shares_no_document(backend: Backend) -> None:
+    source = thread("user-ada")
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    await run_turns(graph, source, range(1, 4))
+    source_id = source["configurable"]["thread_id"]
+    target = thread("user-ada")
+    target_id = target["configurable"]["thread_id"]
+    saver = AgentStoreSaver(backend.db)
+    await saver.acopy_thread(source_id, target_id)
+    store = ConversationStore(backend.db)
+    before = await store.transcript(source_id)
+
+    copied = (await tool_agent(AgentStoreSaver(backend.db)).aget_state(target)).values
+    assert copied == (await graph.aget_state(source)).values
+    await run_turns(graph, target, range(4, 6))
+    after = await store.transcript(source_id)
+    assert after == before
+    forked = await store.transcript(target_id)
+    assert [m.content for m in forked[: len(before)]] == [m.content for m in before]
+    assert len(forked) > len(before)
+    assert not {m.id for m in forked} & {m.id for m in after}
+    assert (await store.get_conversation(target_id)).user_id == "user-ada"
+    kept = await backend.db[CHECKPOINTS].find({"thread_id": target_id}).to_list(None)
+    extras = [entry["_id"] for doc in kept for entry in doc.get("extras", ())]
+    assert sorted(extras) == sorted(m.id for m in forked)
+
+    await saver.adelete_thread(target_id)
+    assert await store.transcript(source_id) == before
+    assert len((await graph.aget_state(source)).values["messages"]) == len(before)
+
+
+async def test_a_fork_into_another_users_thread_is_refused_before_anything_is_copied(
+    backend: Backend,
+) -> None:
+    ada, grace = thread("user-ada"), thread("user-grace")
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    for config in (ada, grace):
+        await run_turns(graph, config, range(1, 2))
+    before = await _counts(backend.db)
+    with pytest.raises(Conflict, match="belongs to another user"):
+        await AgentStoreSaver(backend.db).acopy_thread(
+            ada["configurable"]["thread_id"], grace["configurable"]["thread_id"]
+        )
+    assert await _counts(backend.db) == before
+
+
+async def test_deleting_a_thread_deletes_its_conversation_and_everything_kept_for_it(
+    backend: Backend,
+) -> None:
+    config = thread()
+    saver = AgentStoreSaver(backend.db)
+    await run_turns(tool_agent(saver), config, range(1, 3))
+    await saver.adelete_thread(config["configurable"]["thread_id"])
+    assert await _counts(backend.db) == (0, 0, 0)
+    with pytest.raises(NotFound):
+        await ConversationStore(backend.db).get_conversation(config["configurable"]["thread_id"])
+    assert await saver.aget_tuple(config) is None
+
+
+async def test_pruning_keeps_the_conversation_and_the_latest_state(backend: Backend) -> None:
+    config = thread()
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    await run_turns(graph, config, range(1, 4))
+    state = (await graph.aget_state(config)).values
+    await AgentStoreSaver(backend.db).aprune([config["configurable"]["thread_id"]])
+    assert [t async for t in AgentStoreSaver(backend.db).alist(config)] == [
+        await AgentStoreSaver(backend.db).aget_tuple(config)
+    ]
+    cold = tool_agent(AgentStoreSaver(backend.db))
+    assert (await cold.aget_state(config)).values == state
+    await run_turns(cold, config, range(4, 5))
+    transcript = await ConversationStore(backend.db).transcript(config["configurable"]["thread_id"])
+    # The even turn 4 adds a question, a tool call, its result and the answer.
+    assert len(transcript) == len(state["messages"]) + 4
+
+
+async def test_deleting_a_runs_checkpoints_keeps_what_later_checkpoints_refer_to(
+    backend: Backend,
+) -> None:
+    config = thread()
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    for turn in (1, 2):
+        run = {"configurable": config["configurable"] | {"run_id": f"run-{turn}"}}
+        await run_turns(graph, run, range(turn, turn + 1))
+    state = (await graph.aget_state(config)).values
+    await AgentStoreSaver(backend.db).adelete_for_runs(["run-1"])
+    cold = AgentStoreSaver(backend.db)
+    assert {t.metadata["run_id"] async for t in cold.alist(config)} == {"run-2"}
+    assert (await tool_agent(cold).aget_state(config)).values == state
+    transcript = await ConversationStore(backend.db).transcript(config["configurable"]["thread_id"])
+    assert len(transcript) == len(state["messages"])
+
+
+# -- the synchronous API ---------------------------------------------------------------------
+
+
+async def test_invoke_runs_the_graph_through_the_synchronous_methods(backend: Backend) -> None:
+    config = thread()
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    await asyncio.to_thread(lambda: [graph.invoke(question(t), config) for t in (1, 2)])
+    reference = tool_agent(InMemorySaver())
+    await run_turns(reference, config, range(1, 3))
+    ours = await asyncio.to_thread(graph.get_state, config)
+    assert comparable(ours.values["messages"]) == comparable(
+        (await reference.aget_state(config)).values["messages"]
+    )
+    with pytest.raises(asyncio.InvalidStateError, match="use the async methods"):
+        graph.get_state(config)
+
+
+def test_a_saver_made_outside_any_event_loop_runs_a_synchronous_graph() -> None:
+    from tests.api_harness import mongomock_db
+
+    config = thread()
+    graph = tool_agent(AgentStoreSaver(mongomock_db()))
+    for turn in (1, 2):
+        graph.invoke(question(turn), config)
+    assert len(graph.get_state(config).values["messages"]) == 6
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+async def test_a_thread_id_that_is_no_conversation_id_is_refused_before_anything_is_written(
+    backend: Backend,
+) -> None:
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    with pytest.raises(InvalidInput, match="thread_id"):
+        await graph.ainvoke(question(1), {"configurable": {"thread_id": "has spaces"}})
+    assert await _counts(backend.db) == (0, 0, 0)
+
+
+async def test_metadata_a_document_cannot_hold_is_refused_before_the_messages_are_logged(
+    backend: Backend,
+) -> None:
+    saver = AgentStoreSaver(backend.db)
+    config = thread()
+    checkpoint = empty_checkpoint()
+    checkpoint["channel_values"] = {"messages": [HumanMessage("hi", id="h1")]}
+    with pytest.raises(InvalidInput, match=r"metadata key '\$where'"):
+        await saver.aput(config, checkpoint, {"$where": "1"}, {})  # type: ignore[typeddict-unknown-key]
+    assert await _counts(backend.db) == (0, 0, 0)
+
+
+async def test_a_list_filter_with_an_operator_is_refused(backend: Backend) -> None:
+    saver = AgentStoreSaver(backend.db)
+    for bad in ({"$where": "1"}, {"source": {"$ne": "x"}}, {"a.b": 1}):
+        with pytest.raises(InvalidInput, match="invalid filter key"):
+            [t async for t in saver.alist(thread(), filter=bad)]
+
+
+async def test_a_step_rerun_after_a_crash_before_its_checkpoint_stores_its_messages_once(
+    backend: Backend,
+) -> None:
+    config = thread()
+    saver = AgentStoreSaver(backend.db)
+    graph = tool_agent(saver)
+    await run_turns(graph, config, range(1, 2))
+    checkpoints = saver._checkpoints
+    writes: list[str] = []
+
+    class CrashOnTheSecondCheckpoint:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(checkpoints, name)
+
+        async def update_one(self, query: Any, update: Any, **kwargs: Any) -> Any:
+            if "$set" in update:
+                writes.append(update["$set"]["checkpoint_id"])
+                if len(writes) == 2:  # the step that logs the question: messages stored first
+                    raise StorageUnavailable("the process died here")
+            return await checkpoints.update_one(query, update, **kwargs)
+
+    saver._checkpoints = CrashOnTheSecondCheckpoint()
+    with pytest.raises(StorageUnavailable):
+        await graph.ainvoke(question(2), config)
+    saver._checkpoints = checkpoints
+    resumed = tool_agent(AgentStoreSaver(backend.db))  # a new process picks the thread up
+    await resumed.ainvoke(None, config)
+
+    state = (await resumed.aget_state(config)).values["messages"]
+    reference = tool_agent(InMemorySaver())
+    await run_turns(reference, config, range(1, 3))
+    assert comparable(state) == comparable((await reference.aget_state(config)).values["messages"])
+    transcript = await ConversationStore(backend.db).transcript(config["configurable"]["thread_id"])
+    assert [m.content for m in transcript] == [m.content or None for m in state]
+
+
+async def test_a_saver_with_a_wider_allowlist_shares_the_threads_and_the_cache(
+    backend: Backend,
+) -> None:
+    config = thread()
+    # Strict msgpack: only the types LangGraph deems safe (LangChain messages among them).
+    saver = AgentStoreSaver(backend.db, serde=JsonPlusSerializer(allowed_msgpack_modules=None))
+    wider = saver.with_allowlist([("tests.test_langgraph_saver", "Anything")])
+    assert isinstance(wider, AgentStoreSaver)
+    assert wider.serde is not saver.serde
+    await run_turns(tool_agent(wider), config, range(1, 3))
+    assert (await tool_agent(saver).aget_state(config)).values == (
+        await tool_agent(wider).aget_state(config)
+    ).values
