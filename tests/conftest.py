@@ -70,6 +70,16 @@ class Backend:
             pytest.skip(f"{self.name}: {self.lacks[feature]}")
 
 
+WIRE_FIXTURES = {"wire_uri", "database"}
+"""Fixtures that need a wire server: a test using one is marked `wire` by itself."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if WIRE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.wire)
+
+
 @pytest.fixture(scope="session")
 def wire_uri() -> Iterator[str]:
     """mongoeco's wire server, in memory, for the whole test session."""

@@ -309,6 +309,7 @@ def test_a_dead_runs_lock_is_waited_for_then_taken(
     assert database[MESSAGES].count_documents({}) > 0
 
 
+@pytest.mark.wire
 def test_the_cli_finds_the_embedded_database_a_running_service_publishes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -329,6 +330,7 @@ def test_the_cli_finds_the_embedded_database_a_running_service_publishes(
     assert uri in capsys.readouterr().out
 
 
+@pytest.mark.wire
 def test_the_cli_opens_the_embedded_database_itself_when_no_service_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
