@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from pymongo import MongoClient
 
 from app.demo import demo_conversations, load_demo
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID
@@ -41,7 +42,7 @@ def _free_port() -> int:
 
 @pytest.mark.wire
 @pytest.mark.skipif(sys.version_info < (3, 13), reason="the embedded server needs Python 3.13+")
-def test_run_serves_demo_conversations_and_prints_the_url_and_a_token(tmp_path: Path) -> None:
+def test_run_serves_demo_conversations_and_prints_the_urls_and_a_token(tmp_path: Path) -> None:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_STORE_", "MONGODB"))}
     env |= {"AGENT_STORE_DATA_DIR": str(tmp_path), "AGENT_STORE_PORT": str(port)}
@@ -62,6 +63,8 @@ def test_run_serves_demo_conversations_and_prints_the_url_and_a_token(tmp_path: 
         token = re.search(r"development token for this run: (\S+)", printed)
         assert token, printed
         assert f"http://127.0.0.1:{port}/viewer" in printed
+        mongodb = re.search(r"MongoDB: (mongodb://\S+)", printed)
+        assert mongodb, f"the embedded database's URI is not printed:\n{printed}"
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/users/{EXAMPLE_USER_ID}/conversations",
             headers={"Authorization": f"Bearer {token.group(1)}"},
@@ -76,6 +79,13 @@ def test_run_serves_demo_conversations_and_prints_the_url_and_a_token(tmp_path: 
                 assert time.monotonic() < deadline, "the service did not answer in 60 s"
                 time.sleep(0.2)
         assert EXAMPLE_CONVERSATION_ID in {c["_id"] for c in page["data"]}
+        client: MongoClient[dict[str, object]] = MongoClient(mongodb.group(1))
+        with client:
+            stored = client["agent_store"]["agent_conversations"].find_one(
+                {"_id": EXAMPLE_CONVERSATION_ID}
+            )
+        assert stored is not None
+        assert stored["user_id"] == EXAMPLE_USER_ID
     finally:
         process.terminate()
         process.wait(20)
