@@ -134,7 +134,7 @@ async def embedded_mongodb(data_dir: Path | None) -> AsyncIterator[str]:
         pymongo_profile="auto-installed",
     )
     # The one seam into mongoeco's internals: the executor its connections call.
-    server._executor = _Int64CursorIds(server._executor)
+    server._executor = _Int64CursorIds(server._executor)  # type: ignore[assignment]
     address = await server.start()
     uri = f"mongodb://{address.host}:{address.port}/?directConnection=true"
     try:
