@@ -294,11 +294,16 @@ function schemasAreStrict(schemas: Map<string, Schema>, message: AgentMessageByR
   conversation: unknown): void {
   // [4] Every key is required, and a role's forbidden fields are null.
   const validateMessage = validator(schemas, "api/agent-message");
+  // A refusal means something only if the unchanged values are accepted.
+  const control = message.map(validateMessage).filter((e) => e !== null);
+  check("4", "the served messages conform as they are", message.length > 0 && control.length === 0,
+    control[0] ?? "");
   const keysOptional = message.flatMap((m) => Object.keys(m).filter((key) => {
     const { [key]: _dropped, ...rest } = m as unknown as Record<string, unknown>;
     return validateMessage(rest) === null;
   }).map((key) => `${m.role}.${key}`));
-  check("4", "a served message missing any key is refused", message.length > 0 && keysOptional.length === 0,
+  check("4", "a served message missing any key is refused", control.length === 0 &&
+    message.length > 0 && keysOptional.length === 0,
     [...new Set(keysOptional)].slice(0, 8).join(", "));
   const samples: Record<string, unknown> = {
     tool_calls: [{ id: "c1", type: "function", function: { name: "f", arguments: "{}" } }],
@@ -321,15 +326,18 @@ function schemasAreStrict(schemas: Map<string, Schema>, message: AgentMessageByR
   }
   const roles = new Set(message.map((m) => m.role));
   check("4", `a field its role forbids is refused (roles seen: ${[...roles].join(", ")})`,
-    roles.size === 4 && accepted.length === 0, [...new Set(accepted)].join(", "));
+    control.length === 0 && roles.size === 4 && accepted.length === 0, [...new Set(accepted)].join(", "));
   const validateConversation = validator(schemas, "api/agent-conversation");
   const record = (conversation ?? {}) as Record<string, unknown>;
+  const conversationControl = validateConversation(record);
+  check("4", "the served conversation conforms as it is", conversationControl === null,
+    conversationControl ?? "");
   const optional = Object.keys(record).filter((key) => {
     const { [key]: _dropped, ...rest } = record;
     return validateConversation(rest) === null;
   });
-  check("4", "a served conversation missing any key is refused", Object.keys(record).length > 0 &&
-    optional.length === 0, optional.join(", "));
+  check("4", "a served conversation missing any key is refused", conversationControl === null &&
+    Object.keys(record).length > 0 && optional.length === 0, optional.join(", "));
 }
 
 async function main(): Promise<void> {
