@@ -192,7 +192,6 @@ async function readCollections(db: Db, conversationId: string, schemas: Map<stri
 async function readApi(
   api: AdminApi,
   ids: { conversation: string; user: string },
-  schemas: Map<string, Schema>,
   stored: { messages: AgentMessageDocument[] } | null,
 ) {
   const served: [string, unknown][] = [];
@@ -211,7 +210,7 @@ async function readApi(
     await got("3", "message-page", "GET messages (page 2)", () =>
       api.messages(ids.conversation, 5, first.last_id ?? undefined));
   }
-  const hitl = await got("3", "pending-hitl-state", "GET hitl", () => api.pendingHitl(ids.conversation));
+  await got("3", "pending-hitl-state", "GET hitl", () => api.pendingHitl(ids.conversation));
   await got("3", "search-results", "GET search", () => api.search("Lyon", ids.user));
   const exported = await got("3", "user-export", "GET export (json)", () => api.exportUser(ids.user));
   const lines = await attempt("3", "GET export (jsonl)", () => api.exportUserLines(ids.user));
@@ -236,7 +235,7 @@ async function readApi(
   return { served, transcript, conversation };
 }
 
-async function writeThroughApi(api: AdminApi, schemas: Map<string, Schema>, served: [string, unknown][]) {
+async function writeThroughApi(api: AdminApi, served: [string, unknown][]) {
   const owner = `smoke-${Date.now()}`;
   const id = `${owner}-conversation`;
   const at = new Date(Date.UTC(2026, 2, 3, 8, 0, 0, 120)).toISOString();
@@ -351,8 +350,8 @@ async function main(): Promise<void> {
     await client.close();
   }
   const api = new AdminApi(env("API_BASE"), env("API_TOKEN"));
-  const { served, transcript, conversation } = await readApi(api, ids, schemas, stored);
-  const written = await writeThroughApi(api, schemas, served);
+  const { served, transcript, conversation } = await readApi(api, ids, stored);
+  const written = await writeThroughApi(api, served);
 
   const bySchema = new Map<string, unknown[]>();
   for (const [name, value] of served) bySchema.set(name, [...(bySchema.get(name) ?? []), value]);
