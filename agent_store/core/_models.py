@@ -293,8 +293,8 @@ class _MessageBase(_Model):
         schema = handler(core_schema)
         properties = handler.resolve_ref_schema(schema)["properties"]
         key = {name: field.alias or name for name, field in cls.model_fields.items()}
+        role = cls.model_fields["role"].default
         for name in cls.forbidden_fields:
-            role = cls.model_fields["role"].default
             properties[key[name]] = _only_null(properties[key[name]], role)
         if handler.mode == "serialization":
             for name in cls.assigned_by_store:
