@@ -15,6 +15,9 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from pathlib import Path
+from typing import Any
+
+from bson import Int64
 
 from agent_store.core import Unsupported
 
@@ -52,6 +55,55 @@ def _withdraw(data_dir: Path, uri: str) -> None:
             (data_dir / URI_FILE).unlink()
 
 
+_CURSOR_ID_LISTS = ("cursorsKilled", "cursorsNotFound", "cursorsAlive", "cursorsUnknown")
+
+
+def _plain_cursor_id(value: Any) -> Any:
+    """A cursor id a client sent, as the int mongoeco's cursor store keys cursors by."""
+    return getattr(value, "value", value)  # mongoeco decodes a BSON int64 to `BsonInt64(value)`
+
+
+def _int64(value: Any) -> Any:
+    return Int64(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class _Int64CursorIds:
+    """mongoeco's command executor, with cursor ids as the wire protocol defines them: int64.
+
+    mongoeco numbers cursors with plain Python ints, which BSON writes as int32
+    when they fit; MongoDB sends every cursor id as an int64, and the official
+    Node.js driver reads `cursor.id` only as one (an int32 there fails every
+    `find`, `aggregate` and `listCollections` with "BSON element "id" is
+    missing"). PyMongo accepts either and echoes what it got, so it never
+    noticed. In turn a client sends `getMore` and `killCursors` ids as int64,
+    which mongoeco's validation refuses; they are narrowed to plain ints here.
+    """
+
+    def __init__(self, executor: Any) -> None:
+        self._executor = executor
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._executor, name)
+
+    def _build_request_context(self, body: dict[str, Any], **options: Any) -> Any:
+        body = dict(body)
+        if "getMore" in body:
+            body["getMore"] = _plain_cursor_id(body["getMore"])
+        if "killCursors" in body and isinstance(body.get("cursors"), list):
+            body["cursors"] = [_plain_cursor_id(i) for i in body["cursors"]]
+        return self._executor._build_request_context(body, **options)
+
+    async def execute_prepared(self, context: Any) -> Any:
+        reply = await self._executor.execute_prepared(context)
+        cursor = reply.get("cursor") if isinstance(reply, dict) else None
+        if isinstance(cursor, dict) and "id" in cursor:
+            cursor["id"] = _int64(cursor["id"])
+        for key in _CURSOR_ID_LISTS:
+            if isinstance(reply, dict) and isinstance(reply.get(key), list):
+                reply[key] = [_int64(i) for i in reply[key]]
+        return reply
+
+
 @asynccontextmanager
 async def embedded_mongodb(data_dir: Path | None) -> AsyncIterator[str]:
     """Start the embedded server for as long as the context lasts; yields its URI.
@@ -81,6 +133,8 @@ async def embedded_mongodb(data_dir: Path | None) -> AsyncIterator[str]:
         mongodb_dialect="7.0",
         pymongo_profile="auto-installed",
     )
+    # The one seam into mongoeco's internals: the executor its connections call.
+    server._executor = _Int64CursorIds(server._executor)  # type: ignore[assignment]
     address = await server.start()
     uri = f"mongodb://{address.host}:{address.port}/?directConnection=true"
     try:

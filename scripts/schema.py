@@ -1,6 +1,12 @@
-"""`python -m scripts.schema`: write the JSON Schema of the stored documents into `schemas/`.
+"""`python -m scripts.schema`: write the JSON Schemas of the wire contract into `schemas/`.
 
-A test checks they are current; `scripts/typescript.py` derives the TypeScript types the same way.
+- `schemas/api/`: one file per API response (the served form), e.g.
+  `transcript.schema.json`, `agent-conversation.schema.json`.
+- `schemas/stored/`: the documents of `agent_messages` and `agent_conversations`
+  in canonical Extended JSON, which keeps the BSON types.
+
+Both come from scripts/contract.py, as the TypeScript declarations do; a test
+checks the files are current.
 """
 
 from __future__ import annotations
@@ -10,32 +16,42 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import TypeAdapter
-
-from agent_store.core import AgentMessage, Conversation, ConversationPage, MessagePage
+from scripts.contract import MESSAGE, file_stem, served, standalone, stored
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
 
-SCHEMAS: dict[str, TypeAdapter[Any]] = {
-    "agent-message.schema.json": TypeAdapter(AgentMessage),
-    "agent-conversation.schema.json": TypeAdapter(Conversation),
-    "message-page.schema.json": TypeAdapter(MessagePage),
-    "conversation-page.schema.json": TypeAdapter(ConversationPage),
-}
+TITLES = {MESSAGE: "A message, any role", "Conversation": "A conversation"}
+
+
+def _text(schema: dict[str, Any]) -> str:
+    return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
 
 
 def render() -> dict[str, str]:
-    """File name → JSON text of every schema, as the models define them now."""
-    return {
-        name: json.dumps(adapter.json_schema(mode="serialization"), indent=2, sort_keys=True) + "\n"
-        for name, adapter in SCHEMAS.items()
+    """Path under `schemas/` → JSON text of every schema, as the models define them now."""
+    roots, definitions = served()
+    files = {
+        f"api/{file_stem(name)}.schema.json": _text(
+            standalone(root, definitions, TITLES.get(name, name))
+        )
+        for name, root in roots.items()
     }
+    files |= {
+        f"stored/{file_stem(name)}.schema.json": _text(schema) for name, schema in stored().items()
+    }
+    return files
 
 
 def main() -> int:
-    SCHEMA_DIR.mkdir(exist_ok=True)
-    for name, text in render().items():
-        (SCHEMA_DIR / name).write_text(text)
+    rendered = render()
+    for old in SCHEMA_DIR.glob("**/*.schema.json"):
+        if str(old.relative_to(SCHEMA_DIR)) not in rendered:
+            old.unlink()
+            print(f"removed schemas/{old.relative_to(SCHEMA_DIR)}")
+    for name, text in rendered.items():
+        path = SCHEMA_DIR / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
         print(f"wrote schemas/{name}")
     return 0
 

@@ -1,9 +1,15 @@
-"""`python -m scripts.typescript`: write the TypeScript declarations of the documents and API pages.
+"""`python -m scripts.typescript`: write the TypeScript declarations of the documents and the API.
 
-The declarations are derived from the models' JSON Schemas (serialization
-mode), so the TypeScript readers of `agent_messages`, `agent_conversations`
-and the API cannot drift from `agent_store/core/_models.py`: a test fails when the
-committed file differs from what this module renders.
+The declarations are rendered from the wire contract's JSON Schema definitions
+(scripts/contract.py), the same ones `schemas/` is written from, so the
+TypeScript readers of `agent_messages`, `agent_conversations` and the API
+cannot drift from the models: a test fails when the committed file differs
+from what this module renders.
+
+Types shared by the documents and the API (messages, the conversation and
+their parts) take the type of a time as a parameter without a default:
+`Date` for what the Node.js driver returns, `string` for the API's JSON.
+Types only the API returns hold `string` times and take no parameter.
 """
 
 from __future__ import annotations
@@ -14,55 +20,41 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-from pydantic.json_schema import models_json_schema
-
-from agent_store.core import (
-    AssistantMessage,
-    Conversation,
-    ConversationPage,
-    MessagePage,
-    SystemMessage,
-    ToolMessage,
-    UserMessage,
-)
+from scripts.contract import BOOKKEEPING, MESSAGE, bookkeeping, referenced, served
 
 OUTPUT = Path(__file__).resolve().parent.parent / "clients" / "typescript" / "agent-message.d.ts"
 
-MESSAGE_MODELS: tuple[type[SystemMessage | UserMessage | AssistantMessage | ToolMessage], ...] = (
-    SystemMessage,
-    UserMessage,
-    AssistantMessage,
-    ToolMessage,
-)
-DOCUMENT_MODELS: tuple[type[BaseModel], ...] = (Conversation,)
-API_MODELS: tuple[type[BaseModel], ...] = (MessagePage, ConversationPage)
-"""Shapes only the API returns: their dates default to ISO strings, not `Date`."""
-
+MESSAGE_VARIANTS = ("SystemMessage", "UserMessage", "AssistantMessage", "ToolMessage")
 RENAMED = {"Conversation": "IAgentConversation"}
 FLAT_MESSAGE = "IAgentMessage"
 MESSAGE_UNION = "AgentMessageByRole"
+MESSAGE_DOCUMENT = "AgentMessageDocument"
+CONVERSATION_DOCUMENT = "IAgentConversationDocument"
 ROLE_TYPE = "MessageRole"
 DATE_PARAM = "TDate"
 DATE_LIKE = "DateLike"
+API_DATE = "string"
 
 HEADER = f"""\
 // Declarations of the documents in `agent_messages` and `agent_conversations`
-// and of the admin API's JSON, derived from the pydantic models in agent_store/core/_models.py.
-// Do not edit: run `make types`; a test fails when this file is stale.
+// and of every JSON response of the admin API, derived from the pydantic models
+// (agent_store/core/_models.py, app/api_models.py) through the same JSON Schemas
+// as schemas/. Do not edit: run `make types`; a test fails when this file is stale.
 //
 // Every key is present in every document and every API object; a missing
-// value is `null`, never `undefined`.
+// value is `null`, never `undefined`. Integers are at most 2**53 - 1.
 
 /**
- * How a date reaches the reader.
+ * How a time reaches the reader.
  *
- * MongoDB stores dates as BSON dates, which the Node.js driver returns as
- * `Date`; the admin API's JSON carries them as ISO 8601 strings in UTC
- * (`"2026-01-31T09:30:00.123000Z"`, which `new Date(...)` parses). Every type
- * holding a date takes it as the parameter `{DATE_PARAM}`: it defaults to `Date`
- * for documents read from the collections and to `string` for API pages, so
- * write `IAgentConversation<string>` for a conversation from the API.
+ * The collections hold BSON dates, which the Node.js driver returns as `Date`;
+ * the API's JSON carries RFC 3339 strings in UTC with exactly three fractional
+ * digits (`"2026-01-31T09:30:00.000Z"`, what `Date.prototype.toISOString()`
+ * gives, so they sort as the times do). A type shared by both takes the type
+ * of a time as the parameter `{DATE_PARAM}`, with no default: write
+ * `IAgentConversation<Date>` for a document (or `{CONVERSATION_DOCUMENT}`) and
+ * `IAgentConversation<string>` for the API's. The API's own responses
+ * (`ITranscript`, `IMessagePage`, …) hold strings and take no parameter.
  */
 export type {DATE_LIKE} = Date | string;
 """
@@ -70,15 +62,6 @@ export type {DATE_LIKE} = Date | string;
 
 class UnsupportedSchema(ValueError):
     """A JSON Schema construct the declarations have no TypeScript form for."""
-
-
-def model_definitions() -> dict[str, dict[str, Any]]:
-    models = (*MESSAGE_MODELS, *DOCUMENT_MODELS, *API_MODELS)
-    _, schema = models_json_schema(
-        [(model, "serialization") for model in models], ref_template="#/$defs/{model}"
-    )
-    definitions: dict[str, dict[str, Any]] = schema["$defs"]
-    return definitions
 
 
 def _ref_name(ref: str) -> str:
@@ -99,13 +82,24 @@ def _jsdoc(text: str | None, indent: str = "") -> list[str]:
     return [f"{indent}/**", *body, f"{indent} */"]
 
 
-class DeclarationRenderer:
-    """Turns the models' JSON Schema definitions into TypeScript declarations."""
+def _only_null(schema: Mapping[str, Any]) -> bool:
+    return schema.get("type") == "null"
 
-    def __init__(self, definitions: dict[str, dict[str, Any]]) -> None:
+
+class DeclarationRenderer:
+    """Turns the contract's JSON Schema definitions into TypeScript declarations."""
+
+    def __init__(
+        self, definitions: dict[str, dict[str, Any]], roots: Mapping[str, Any] | None = None
+    ) -> None:
         self.definitions = definitions
-        self.message_variants = [model.__name__ for model in MESSAGE_MODELS]
-        self.api_shapes = {model.__name__ for model in API_MODELS}
+        self.roots = dict(roots or {})
+        shared: set[str] = set()
+        for document in (MESSAGE, "Conversation"):
+            if document in self.roots:
+                shared |= set(referenced(self.roots[document], definitions))
+        self.shared = shared
+        """Definitions the documents hold: generic over the type of a time."""
         self._dated: dict[str, bool] = {}
 
     # -- which definitions hold dates ------------------------------------------------
@@ -130,32 +124,34 @@ class DeclarationRenderer:
                 nested.append(schema[key])
         return any(self._schema_holds_dates(s) for s in nested)
 
-    def _reference(self, name: str, dated: bool) -> str:
-        return f"{name}<{DATE_PARAM}>" if dated else name
+    def generic(self, definition: str) -> bool:
+        """Whether the interface takes the type of a time as a parameter."""
+        return definition in self.shared and self.holds_dates(definition)
+
+    def _reference(self, definition: str, dates: str) -> str:
+        name = interface_name(definition)
+        return f"{name}<{dates}>" if self.generic(definition) else name
 
     def _parameters(self, definition: str) -> str:
-        if not self.holds_dates(definition):
-            return ""
-        default = "string" if definition in self.api_shapes else "Date"
-        return f"<{DATE_PARAM} extends {DATE_LIKE} = {default}>"
+        return f"<{DATE_PARAM} extends {DATE_LIKE}>" if self.generic(definition) else ""
 
     # -- types -----------------------------------------------------------------------
 
-    def type_of(self, schema: Mapping[str, Any]) -> str:
-        """The TypeScript type of one JSON Schema; unknown constructs raise."""
+    def type_of(self, schema: Mapping[str, Any], dates: str = DATE_PARAM) -> str:
+        """The TypeScript type of one JSON Schema, times typed `dates`; unknown constructs
+        raise."""
         if "$ref" in schema:
-            definition = _ref_name(schema["$ref"])
-            return self._reference(interface_name(definition), self.holds_dates(definition))
+            return self._reference(_ref_name(schema["$ref"]), dates)
         for key in ("oneOf", "anyOf"):
             if key in schema:
-                return self._union(schema[key])
+                return self._union(schema[key], dates)
         if "const" in schema:
             return json.dumps(schema["const"], ensure_ascii=False)
         if "enum" in schema:
             return " | ".join(json.dumps(v, ensure_ascii=False) for v in schema["enum"])
         kind = schema.get("type")
         if kind == "string":
-            return DATE_PARAM if schema.get("format") == "date-time" else "string"
+            return dates if schema.get("format") == "date-time" else "string"
         if kind in ("integer", "number"):
             return "number"
         if kind == "boolean":
@@ -163,134 +159,153 @@ class DeclarationRenderer:
         if kind == "null":
             return "null"
         if kind == "array" and isinstance(schema.get("items"), Mapping):
-            item = self.type_of(schema["items"])
+            item = self.type_of(schema["items"], dates)
             return f"({item})[]" if " | " in item else f"{item}[]"
         if kind == "object" and "properties" not in schema:
             values = schema.get("additionalProperties", True)
-            value = self.type_of(values) if isinstance(values, Mapping) else "unknown"
+            value = self.type_of(values, dates) if isinstance(values, Mapping) else "unknown"
             return f"Record<string, {value}>"
         if not schema:
             return "unknown"
         raise UnsupportedSchema(f"no TypeScript type for the JSON Schema {dict(schema)!r}")
 
-    def _union(self, members: list[Mapping[str, Any]]) -> str:
+    def _union(self, members: list[Mapping[str, Any]], dates: str) -> str:
         refs = [_ref_name(m["$ref"]) for m in members if "$ref" in m]
-        if len(refs) == len(members) and sorted(refs) == sorted(self.message_variants):
-            return self._reference(MESSAGE_UNION, dated=True)
+        if len(refs) == len(members) and sorted(refs) == sorted(MESSAGE_VARIANTS):
+            return f"{MESSAGE_UNION}<{dates}>"
         types: list[str] = []
         for member in members:
-            if (rendered := self.type_of(member)) not in types:
+            if (rendered := self.type_of(member, dates)) not in types:
                 types.append(rendered)
         return " | ".join(types)
 
     # -- declarations ----------------------------------------------------------------
 
-    def interface(
-        self, definition: str, *, overrides: Mapping[str, tuple[str, str]] | None = None
-    ) -> list[str]:
-        """One interface; `overrides` maps a property to (its type, a note for its doc)."""
+    def interface(self, definition: str) -> list[str]:
+        """One interface: times typed by its parameter, or strings for an API-only shape."""
         schema = self.definitions[definition]
         if "properties" not in schema:
             raise UnsupportedSchema(f"{definition} is not an object with properties")
+        dates = DATE_PARAM if self.generic(definition) else API_DATE
         return self._declare(
             f"{interface_name(definition)}{self._parameters(definition)}",
             schema.get("description"),
-            schema["properties"],
-            overrides or {},
+            {
+                prop: (self.type_of(prop_schema, dates), prop_schema.get("description"))
+                for prop, prop_schema in schema["properties"].items()
+            },
         )
 
+    @staticmethod
     def _declare(
-        self,
-        head: str,
-        description: str | None,
-        properties: Mapping[str, Mapping[str, Any]],
-        overrides: Mapping[str, tuple[str, str]],
+        head: str, description: str | None, properties: Mapping[str, tuple[str, str | None]]
     ) -> list[str]:
         lines = [*_jsdoc(description), f"export interface {head} {{"]
-        for prop, prop_schema in properties.items():
-            prop_type, note = overrides.get(prop, (self.type_of(prop_schema), ""))
-            doc = "\n\n".join(p for p in (prop_schema.get("description"), note) if p)
+        for prop, (prop_type, doc) in properties.items():
             lines += _jsdoc(doc, indent="  ")
             lines.append(f"  {prop}: {prop_type};")
         lines.append("}")
         return lines
 
-    def message_variant(self, model: type[BaseModel]) -> list[str]:
-        """A role's interface: the flat one, with `role` fixed and its forbidden fields `null`."""
-        definition = model.__name__
-        schema = self.definitions[definition]
-        role = schema["properties"]["role"]["const"]
-        aliases = {name: field.alias or name for name, field in model.model_fields.items()}
-        forbidden = {aliases[field] for field in getattr(model, "forbidden_fields", ())}
-        narrowed = {
-            prop: prop_schema
-            for prop, prop_schema in schema["properties"].items()
-            if prop == "role" or prop in forbidden
-        }
-        overrides = {
-            prop: ("null", f"Always `null` when `role` is `{role}`.") for prop in forbidden
-        }
-        return self._declare(
-            f"{interface_name(definition)}{self._parameters(definition)} "
-            f"extends {self._reference(FLAT_MESSAGE, self.holds_dates(definition))}",
-            schema.get("description"),
-            narrowed,
-            overrides,
-        )
+    def _variants(self) -> list[Mapping[str, Any]]:
+        return [self.definitions[v]["properties"] for v in MESSAGE_VARIANTS]
 
     def flat_message(self) -> list[str]:
-        """Every message field on one interface, `role` open to every role."""
-        variants = [self.definitions[v] for v in self.message_variants]
-        first = variants[0]["properties"]
-        for name, variant in zip(self.message_variants[1:], variants[1:], strict=True):
-            props = variant["properties"]
-            same = list(props) == list(first) and all(
-                self.type_of(props[p]) == self.type_of(first[p]) for p in first if p != "role"
-            )
-            if not same:
+        """Every message field on one interface, `role` open to every role; a field one role
+        forbids has the type the roles that allow it give it."""
+        variants = self._variants()
+        for name, props in zip(MESSAGE_VARIANTS[1:], variants[1:], strict=True):
+            if list(props) != list(variants[0]):
                 raise UnsupportedSchema(
-                    f"{name} differs from {self.message_variants[0]} in more than `role`: "
+                    f"{name} has other fields than {MESSAGE_VARIANTS[0]}: "
                     "the flat message interface cannot hold both"
                 )
+        properties: dict[str, tuple[str, str | None]] = {}
+        for prop in variants[0]:
+            allowed = [v[prop] for v in variants if not _only_null(v[prop])]
+            types = {self.type_of(s) for s in allowed}
+            if prop != "role" and len(types) != 1:
+                raise UnsupportedSchema(
+                    f"the roles disagree on the type of `{prop}`: {sorted(types)}"
+                )
+            properties[prop] = (
+                ROLE_TYPE if prop == "role" else types.pop(),
+                allowed[0].get("description"),
+            )
         doc = (
-            "Any message, as one flat interface: every role has every field.\n\n"
+            "Any stored or served message, as one flat interface: every role has every field.\n\n"
             f"Narrow to the role's own interface with `{MESSAGE_UNION}`."
         )
+        return self._declare(f"{FLAT_MESSAGE}<{DATE_PARAM} extends {DATE_LIKE}>", doc, properties)
+
+    def message_variant(self, definition: str) -> list[str]:
+        """A role's interface: the flat one, with `role` fixed and its forbidden fields `null`."""
+        schema = self.definitions[definition]
+        narrowed = {
+            prop: (self.type_of(s), s.get("description"))
+            for prop, s in schema["properties"].items()
+            if prop == "role" or _only_null(s)
+        }
         return self._declare(
-            f"{FLAT_MESSAGE}{self._parameters(self.message_variants[0])}",
-            doc,
-            first,
-            {"role": (ROLE_TYPE, "")},
+            f"{interface_name(definition)}<{DATE_PARAM} extends {DATE_LIKE}> "
+            f"extends {FLAT_MESSAGE}<{DATE_PARAM}>",
+            schema.get("description"),
+            narrowed,
         )
 
     def role_type(self) -> list[str]:
-        roles = [self.definitions[v]["properties"]["role"]["const"] for v in self.message_variants]
+        roles = [self.definitions[v]["properties"]["role"]["const"] for v in MESSAGE_VARIANTS]
         return [
             *_jsdoc("Who speaks a message, as in the OpenAI chat format."),
             f"export type {ROLE_TYPE} = " + " | ".join(json.dumps(r) for r in roles) + ";",
         ]
 
     def message_union(self) -> list[str]:
-        members = [
-            self._reference(interface_name(v), self.holds_dates(v)) for v in self.message_variants
-        ]
+        members = [f"{interface_name(v)}<{DATE_PARAM}>" for v in MESSAGE_VARIANTS]
         return [
             *_jsdoc("Any message, told apart by `role`: `switch (message.role)` narrows it."),
-            f"export type {MESSAGE_UNION}<{DATE_PARAM} extends {DATE_LIKE} = Date> =",
+            f"export type {MESSAGE_UNION}<{DATE_PARAM} extends {DATE_LIKE}> =",
             *(f"  | {member}" for member in members[:-1]),
             f"  | {members[-1]};",
+        ]
+
+    def documents(self) -> list[str]:
+        """The collections' documents as the Node.js driver returns them."""
+        extra = bookkeeping()
+        kinds = {"array": "unknown[]", "integer": "number", "object": "Record<string, unknown>"}
+        optional = {
+            f"{name}?": (
+                kinds[extra[name]["type"]],
+                f"{extra[name]['description']}\n\nThe store's own: absent until it is used "
+                "(a conversation created empty or by the migration has none); read none of it.",
+            )
+            for name in BOOKKEEPING
+        }
+        return [
+            *_jsdoc("A document of `agent_messages`, as the Node.js driver returns it."),
+            f"export type {MESSAGE_DOCUMENT} = {MESSAGE_UNION}<Date>;",
+            "",
+            *self._declare(
+                f"{CONVERSATION_DOCUMENT} extends {interface_name('Conversation')}<Date>",
+                "A document of `agent_conversations`, as the Node.js driver returns it: what the "
+                "API serves\nand the store's bookkeeping, which the API never serves.",
+                optional,
+            ),
         ]
 
     def declarations(self) -> Iterator[list[str]]:
         yield self.role_type()
         yield self.flat_message()
         yield self.message_union()
-        for model in MESSAGE_MODELS:
-            yield self.message_variant(model)
-        leading = [m.__name__ for m in (*DOCUMENT_MODELS, *API_MODELS)]
-        for definition in leading:
+        for definition in MESSAGE_VARIANTS:
+            yield self.message_variant(definition)
+        yield self.interface("Conversation")
+        yield self.documents()
+        placed = {*MESSAGE_VARIANTS, "Conversation"}
+        api = [name for name in self.roots if name not in (MESSAGE, "Conversation")]
+        for definition in api:
             yield self.interface(definition)
-        placed = {*self.message_variants, *leading}
+        placed |= set(api)
         rest = sorted((d for d in self.definitions if d not in placed), key=interface_name)
         for definition in rest:
             yield self.interface(definition)
@@ -298,7 +313,8 @@ class DeclarationRenderer:
 
 def render() -> str:
     """The declaration file as the models define it now."""
-    renderer = DeclarationRenderer(model_definitions())
+    roots, definitions = served()
+    renderer = DeclarationRenderer(definitions, roots)
     blocks = ["\n".join(block) for block in renderer.declarations()]
     return HEADER + "\n" + "\n\n".join(blocks) + "\n"
 

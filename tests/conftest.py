@@ -70,7 +70,7 @@ class Backend:
             pytest.skip(f"{self.name}: {self.lacks[feature]}")
 
 
-WIRE_FIXTURES = {"wire_uri", "database"}
+WIRE_FIXTURES = {"wire_uri", "database", "running"}
 """Fixtures that need a wire server: a test using one is marked `wire` by itself."""
 
 

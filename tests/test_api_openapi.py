@@ -6,10 +6,10 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
-import jsonschema_rs
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jsonschema import Draft202012Validator
 
 from agent_store.legacy import LEGACY_TURNS
 from tests.api_harness import (
@@ -178,6 +178,6 @@ async def test_a_name_the_schema_allows_is_a_name_the_service_takes(name: str) -
     async with serve(mongomock_db()) as api:
         document = (await api.http.get("/openapi.json", headers=SERVICE)).json()
         schema = body_schema(document, "RenameBody")
-        allowed = jsonschema_rs.Draft202012Validator(schema).is_valid({"name": name})
+        allowed = Draft202012Validator(schema).is_valid({"name": name})
         response = await api.http.patch(CONV, json={"name": name}, headers=SERVICE)
         assert (response.status_code == 200) == allowed, (repr(name), response.text)

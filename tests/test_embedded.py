@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+from bson import Int64
 
 from app.service import open_store
 from app.settings import Settings
@@ -22,3 +24,30 @@ async def test_embedded_server_keeps_data_across_restarts(tmp_path: Path) -> Non
         transcript = await store.conversations.transcript("persisted")
 
     assert [m.content for m in transcript] == ["remember me"]
+
+
+def test_cursor_ids_go_out_as_int64_as_the_wire_protocol_defines_them(database: Any) -> None:
+    # The official Node driver reads `cursor.id` only as a BSON int64; PyMongo decodes an
+    # int64 as `Int64` and an int32 as a plain `int`, so the type seen here is the wire type.
+    database.things.insert_many([{"_id": i} for i in range(5)])
+    first = database.command({"find": "things", "batchSize": 2})
+    assert type(first["cursor"]["id"]) is Int64
+    assert first["cursor"]["id"] != 0
+    rest = database.command({"getMore": first["cursor"]["id"], "collection": "things"})
+    assert type(rest["cursor"]["id"]) is Int64
+    assert [d["_id"] for d in first["cursor"]["firstBatch"] + rest["cursor"]["nextBatch"]] == [
+        0, 1, 2, 3, 4,
+    ]  # fmt: skip
+    exhausted = database.command({"find": "things"})
+    assert type(exhausted["cursor"]["id"]) is Int64
+    assert exhausted["cursor"]["id"] == 0
+
+
+def test_an_int64_cursor_id_continues_and_kills_a_cursor(database: Any) -> None:
+    database.things.insert_many([{"_id": i} for i in range(5)])
+    cursor_id = Int64(database.command({"find": "things", "batchSize": 1})["cursor"]["id"])
+    more = database.command({"getMore": cursor_id, "collection": "things", "batchSize": 1})
+    assert [d["_id"] for d in more["cursor"]["nextBatch"]] == [1]
+    killed = database.command({"killCursors": "things", "cursors": [cursor_id]})
+    assert killed["cursorsKilled"] == [cursor_id]
+    assert all(type(i) is Int64 for i in killed["cursorsKilled"])

@@ -75,7 +75,7 @@ async def test_stored_documents_hold_exactly_the_contract_fields(backend: Backen
     assert set(conversation) == {
         "_id", "conversation_id", "user_id", "name", "name_source", "created_at", "updated_at",
         "turn_count", "last_message_preview", "message_count", "pending_hitl", "pending_calls",
-        "usage", "turns", "turns_dropped",
+        "usage", "forked_from", "legacy_conversation_id", "turns", "turns_dropped",
     }  # fmt: skip
 
 

@@ -16,7 +16,6 @@ from agent_store.core import (
 )
 from agent_store.store import parse_messages
 from agent_store.store._reservation import recorded_block
-from scripts.schema import SCHEMA_DIR, render
 
 
 def parse(raw: dict[str, Any]) -> Any:
@@ -165,10 +164,3 @@ def test_a_turns_block_runs_from_its_record_to_the_next_one() -> None:
 def test_assistant_message_is_a_model_too() -> None:
     message = AssistantMessage(content="hello")
     assert message.role == "assistant"
-
-
-def test_exported_json_schemas_are_current() -> None:
-    for name, text in render().items():
-        path = SCHEMA_DIR / name
-        assert path.exists(), f"schemas/{name} is missing: run `make schema`"
-        assert path.read_text() == text, f"schemas/{name} is stale: run `make schema`"

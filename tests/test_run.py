@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from pymongo import MongoClient
 
 from app.demo import demo_conversations, load_demo
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID
@@ -60,8 +61,6 @@ class Running:
 
 @pytest.fixture(scope="module")
 def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
-    if sys.version_info < (3, 13):
-        pytest.skip("the embedded server needs Python 3.13+")
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENT_STORE_", "MONGODB"))}
     env |= {
@@ -104,10 +103,20 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
 
 
 @pytest.mark.wire
-def test_run_serves_demo_conversations_and_prints_the_url_and_a_token(running: Running) -> None:
-    assert f"{running.base}/viewer" in "".join(running.output)
+def test_run_serves_demo_conversations_and_prints_the_urls_and_a_token(running: Running) -> None:
+    printed = "".join(running.output)
+    assert f"{running.base}/viewer" in printed
     page = running.get(f"/v1/users/{EXAMPLE_USER_ID}/conversations")
     assert EXAMPLE_CONVERSATION_ID in {c["_id"] for c in page["data"]}
+    mongodb = re.search(r"MongoDB: (mongodb://\S+)", printed)
+    assert mongodb, f"the embedded database's URI is not printed:\n{printed}"
+    client: MongoClient[dict[str, object]] = MongoClient(mongodb.group(1))
+    with client:
+        stored = client["agent_store"]["agent_conversations"].find_one(
+            {"_id": EXAMPLE_CONVERSATION_ID}
+        )
+    assert stored is not None
+    assert stored["user_id"] == EXAMPLE_USER_ID
 
 
 @pytest.mark.wire

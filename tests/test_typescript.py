@@ -27,11 +27,15 @@ from agent_store.core import (
     ToolMessage,
     UserMessage,
 )
+from agent_store.store import LoggedTurn
+from app.api_models import Transcript, UserExport
+from app.http_errors import ApiErrorBody
+from scripts.contract import response_models, served
 from scripts.typescript import (
     OUTPUT,
     DeclarationRenderer,
     UnsupportedSchema,
-    model_definitions,
+    interface_name,
     render,
 )
 
@@ -45,7 +49,7 @@ def interface_block(text: str, name: str) -> str:
 
 
 def declared_properties(block: str) -> dict[str, str]:
-    return dict(re.findall(r"^  (\w+): (.+);$", block, re.M))
+    return dict(re.findall(r"^  (\w+\??): (.+);$", block, re.M))
 
 
 def test_typescript_declarations_are_current() -> None:
@@ -73,6 +77,10 @@ def test_rendering_does_not_depend_on_the_process() -> None:
         pytest.param("IFileUpload", FileUpload, id="file-upload"),
         pytest.param("IMessagePage", MessagePage, id="message-page"),
         pytest.param("IConversationPage", ConversationPage, id="conversation-page"),
+        pytest.param("ITranscript", Transcript, id="transcript"),
+        pytest.param("ILoggedTurn", LoggedTurn, id="logged-turn"),
+        pytest.param("IUserExport", UserExport, id="user-export"),
+        pytest.param("IApiErrorBody", ApiErrorBody, id="error"),
     ],
 )
 def test_each_interface_declares_exactly_the_keys_a_dump_holds(
@@ -81,6 +89,12 @@ def test_each_interface_declares_exactly_the_keys_a_dump_holds(
     block = interface_block(render(), interface)
     keys = [field.alias or name for name, field in model.model_fields.items() if not field.exclude]
     assert list(declared_properties(block)) == keys
+
+
+def test_every_api_response_has_an_interface() -> None:
+    text = render()
+    for model in response_models():
+        assert re.search(rf"^export interface {interface_name(model.__name__)}\b", text, re.M)
 
 
 @pytest.mark.parametrize("model", [SystemMessage, UserMessage, AssistantMessage, ToolMessage])
@@ -98,17 +112,39 @@ def test_a_role_narrows_the_flat_message_to_its_role_and_nulls_what_it_forbids(
     assert all(flat[field] != "null" for field in model.forbidden_fields)
 
 
-def test_dates_are_a_type_parameter_defaulting_to_date_for_documents_and_string_for_pages() -> None:
+def test_a_stored_or_served_message_has_its_ids_seq_and_turn() -> None:
+    flat = declared_properties(interface_block(render(), "IAgentMessage"))
+    assert {k: flat[k] for k in ("_id", "conversation_id", "seq", "turn_id")} == {
+        "_id": "string", "conversation_id": "string", "seq": "number", "turn_id": "string",
+    }  # fmt: skip
+    assert flat["user_id"] == "string | null"  # a conversation may have no owner
+
+
+def test_shared_types_take_the_time_type_without_a_default_and_api_types_hold_strings() -> None:
     text = render()
-    assert "export interface IAgentMessage<TDate extends DateLike = Date> {" in text
-    assert "export interface IAgentConversation<TDate extends DateLike = Date> {" in text
-    assert "export interface IMessagePage<TDate extends DateLike = string> {" in text
+    assert "export interface IAgentMessage<TDate extends DateLike> {" in text
+    assert "export interface IAgentConversation<TDate extends DateLike> {" in text
+    assert "= Date>" not in text
+    assert "= string>" not in text
     assert "export interface IToolCall {" in text  # holds no date, takes no parameter
     conversation = declared_properties(interface_block(text, "IAgentConversation"))
     assert conversation["created_at"] == conversation["updated_at"] == "TDate"
     assert conversation["pending_hitl"] == "IPendingHitl<TDate> | null"
-    page = declared_properties(interface_block(text, "IMessagePage"))
-    assert page["data"] == "AgentMessageByRole<TDate>[]"
+    assert declared_properties(interface_block(text, "IMessagePage"))["data"] == (
+        "AgentMessageByRole<string>[]"
+    )
+    assert declared_properties(interface_block(text, "IConversationPage"))["data"] == (
+        "IAgentConversation<string>[]"
+    )
+    assert "export type AgentMessageDocument = AgentMessageByRole<Date>;" in text
+
+
+def test_the_conversation_document_declares_the_bookkeeping_as_optional() -> None:
+    block = interface_block(render(), "IAgentConversationDocument")
+    assert "extends IAgentConversation<Date> {" in block.splitlines()[0]
+    assert declared_properties(block) == {
+        "turns?": "unknown[]", "turns_dropped?": "number", "inbox?": "Record<string, unknown>",
+    }  # fmt: skip
 
 
 def test_field_docstrings_become_jsdoc_comments() -> None:
@@ -133,9 +169,7 @@ def test_a_schema_without_a_typescript_form_is_refused(schema: dict[str, object]
 
 
 def test_roles_that_disagree_on_a_shared_field_are_refused() -> None:
-    definitions = model_definitions()
+    roots, definitions = served()
     definitions["UserMessage"]["properties"]["content"] = {"type": "integer"}
-    with pytest.raises(
-        UnsupportedSchema, match=re.escape("UserMessage differs from SystemMessage")
-    ):
-        DeclarationRenderer(definitions).flat_message()
+    with pytest.raises(UnsupportedSchema, match=re.escape("the roles disagree on the type of")):
+        DeclarationRenderer(definitions, roots).flat_message()

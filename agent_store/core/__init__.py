@@ -44,6 +44,7 @@ from agent_store.core._models import (
     UtcDatetime,
     message_adapter,
     messages_adapter,
+    rfc3339_millis,
     to_utc_millis,
     utc_now,
 )
@@ -115,6 +116,7 @@ __all__ = [
     "message_adapter",
     "messages_adapter",
     "outcome_error",
+    "rfc3339_millis",
     "stand_in_result",
     "to_utc_millis",
     "tool_outcome",

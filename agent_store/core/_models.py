@@ -11,19 +11,25 @@ import json
 from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
+from bson import Int64
 from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    GetJsonSchemaHandler,
     JsonValue,
-    NonNegativeInt,
+    PlainSerializer,
+    SerializationInfo,
     StringConstraints,
     TypeAdapter,
     ValidationError,
+    WithJsonSchema,
     model_validator,
 )
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 Role = Literal["system", "user", "assistant", "tool"]
 """Who speaks a message, as in the OpenAI chat format."""
@@ -54,14 +60,52 @@ def utc_now() -> datetime:
     return to_utc_millis(datetime.now(UTC))
 
 
-UtcDatetime = Annotated[datetime, AfterValidator(to_utc_millis)]
-"""A timezone-aware UTC datetime, truncated to milliseconds."""
+def rfc3339_millis(value: datetime) -> str:
+    """How a time is written in JSON: RFC 3339 in UTC with exactly three fractional digits,
+    `2026-01-31T09:30:00.000Z`, what JavaScript's `Date.prototype.toISOString()` gives.
+
+    One width for every time, so the strings sort as the times do.
+    """
+    return to_utc_millis(value).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+RFC3339_MILLIS_PATTERN = r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z$"
+"""The one shape of a time in the JSON the store serves (`rfc3339_millis`)."""
+
+UtcDatetime = Annotated[
+    datetime,
+    AfterValidator(to_utc_millis),
+    PlainSerializer(rfc3339_millis, return_type=str, when_used="json"),
+    WithJsonSchema(
+        {"type": "string", "format": "date-time", "pattern": RFC3339_MILLIS_PATTERN},
+        mode="serialization",
+    ),
+]
+"""A timezone-aware UTC datetime, truncated to milliseconds; in JSON, `rfc3339_millis`."""
 
 MAX_SAFE_INTEGER = 2**53 - 1
 """The largest integer the store accepts or keeps: JavaScript readers hold it exactly."""
 
-Count = Annotated[int, Field(ge=0, le=MAX_SAFE_INTEGER)]
-"""A non-negative integer a JavaScript reader can hold exactly (at most 2**53 - 1)."""
+
+def _stored_width(value: int, info: SerializationInfo) -> int:
+    """Every integer of a document is a BSON int64, whatever its size: one width per field.
+
+    PyMongo writes a Python int as an int32 when it fits, so a field would be
+    an int32 in one document and an int64 in the next.
+    """
+    return value if info.mode_is_json() else Int64(value)
+
+
+Count = Annotated[
+    int,
+    Field(ge=0, le=MAX_SAFE_INTEGER),
+    PlainSerializer(_stored_width, return_type=int),
+    WithJsonSchema(
+        {"type": "integer", "minimum": 0, "maximum": MAX_SAFE_INTEGER}, mode="serialization"
+    ),
+]
+"""A non-negative integer a JavaScript reader can hold exactly (at most 2**53 - 1), stored as
+a BSON int64."""
 
 MAX_PARAMS_DEPTH = 64
 """How deeply HITL params may nest: far below MongoDB's limit of 100 levels per document."""
@@ -114,7 +158,12 @@ def _plain_json(value: dict[str, Any]) -> dict[str, Any]:
 
 class _Model(BaseModel):
     model_config = ConfigDict(
-        extra="forbid", populate_by_name=True, frozen=True, use_attribute_docstrings=True
+        extra="forbid",
+        populate_by_name=True,
+        frozen=True,
+        use_attribute_docstrings=True,
+        # Every key is in every stored document and served object, defaults included.
+        json_schema_serialization_defaults_required=True,
     )
 
 
@@ -211,6 +260,18 @@ class NativeForm(_Model):
     """Keys of the rebuilt form that the runtime's form does not have."""
 
 
+def _only_null(schema: JsonSchemaValue, role: str) -> JsonSchemaValue:
+    described: dict[str, Any] = {k: schema[k] for k in ("title", "description") if k in schema}
+    return {**described, "type": "null", "description": f"Always `null` when `role` is `{role}`."}
+
+
+def _never_null(schema: JsonSchemaValue) -> JsonSchemaValue:
+    kept = [s for s in schema["anyOf"] if s != {"type": "null"}]
+    (value,) = kept
+    described: dict[str, Any] = {k: schema[k] for k in ("title", "description") if k in schema}
+    return {**value, **described}
+
+
 class _MessageBase(_Model):
     """Every field of the message interface, on every role.
 
@@ -221,7 +282,7 @@ class _MessageBase(_Model):
     forbidden_fields: ClassVar[tuple[str, ...]] = ()
 
     id: Identifier | None = Field(default=None, alias="_id")
-    """Stable message id (extension). Assigned by the logger when not given."""
+    """Stable message id (extension), derived by the store from the turn: never a caller's."""
     conversation_id: Identifier | None = None
     """The conversation this message belongs to. Set by the logger."""
     role: Role
@@ -242,12 +303,31 @@ class _MessageBase(_Model):
     """The turn that logged this message (extension). Set by the logger."""
     search_text: str | None = None
     """Text extracted at write time for full-text search (extension)."""
-    truncated: dict[str, Truncation | NonNegativeInt] | None = None
+    truncated: dict[str, Truncation | Count] | None = None
     """Fields cut to keep the document bounded, by path, with where each is kept whole
     (extension). A bare number is the older shape: the original length, not kept whole."""
     native: NativeForm | None = None
     """The runtime's own form of the message where the chat fields cannot rebuild it
     (extension; see `NativeForm`)."""
+
+    assigned_by_store: ClassVar[tuple[str, ...]] = ("id", "conversation_id", "seq", "turn_id")
+    """Set on every stored and served message; null only in what a caller sends."""
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        """The role's forbidden fields are `null`; served, the store's fields are never null."""
+        schema = handler(core_schema)
+        properties = handler.resolve_ref_schema(schema)["properties"]
+        key = {name: field.alias or name for name, field in cls.model_fields.items()}
+        role = cls.model_fields["role"].default
+        for name in cls.forbidden_fields:
+            properties[key[name]] = _only_null(properties[key[name]], role)
+        if handler.mode == "serialization":
+            for name in cls.assigned_by_store:
+                properties[key[name]] = _never_null(properties[key[name]])
+        return schema
 
     @model_validator(mode="after")
     def _role_fields(self) -> _MessageBase:
@@ -429,7 +509,9 @@ T = TypeVar("T")
 class Page(BaseModel, Generic[T]):
     """A page of a list, in the OpenAI list shape."""
 
-    model_config = ConfigDict(use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        use_attribute_docstrings=True, json_schema_serialization_defaults_required=True
+    )
 
     data: list[T]
     has_more: bool
@@ -440,7 +522,7 @@ class Page(BaseModel, Generic[T]):
 class MessagePage(Page[AgentMessage]):
     """A page of a conversation's messages."""
 
-    pending_seq: int | None = None
+    pending_seq: Count | None = None
     """The `seq` of a message reserved by a turn still being written: an ascending page stops
     before it, so a reader following the conversation asks again with the same `after`."""
 

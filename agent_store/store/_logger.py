@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
+from bson import Int64
 from pydantic import BaseModel, ConfigDict
 from pymongo import ReturnDocument
 from pymongo.errors import BulkWriteError, DuplicateKeyError
@@ -33,6 +34,7 @@ from agent_store.core import (
     AgentMessage,
     Conflict,
     Conversation,
+    ForkOrigin,
     NotFound,
     StorageFailure,
     StoreError,
@@ -155,27 +157,17 @@ class AgentMessageLogger:
         if user_id is not None:
             user_id = validate_identifier(user_id, "user_id")
         now = utc_now()
-        update: dict[str, Any] = {
-            "$setOnInsert": {
-                "conversation_id": conversation_id,
-                "created_at": now,
-                "updated_at": now,
-                "turn_count": 0,
-                "last_message_preview": "",
-                "message_count": 0,
-                "pending_hitl": None,
-                "usage": {"input_tokens": 0, "output_tokens": 0},
-            },
-            "$set": {"user_id": user_id} if user_id is not None else {},
-        }
+        changed: dict[str, Any] = {} if user_id is None else {"user_id": user_id}
         if name is not None:
-            update["$set"] |= {"name": clean_name(name), "name_source": "set"}
-        else:
-            update["$setOnInsert"] |= {"name": None, "name_source": None}
-        if not update["$set"]:
-            del update["$set"]
-        if user_id is None:
-            update["$setOnInsert"]["user_id"] = None
+            changed |= {"name": clean_name(name), "name_source": "set"}
+        # A new document holds every key it is served with, as the model writes them.
+        fresh = Conversation(
+            id=conversation_id, conversation_id=conversation_id, created_at=now, updated_at=now
+        ).model_dump(by_alias=True, exclude={"id"})
+        on_insert = {k: v for k, v in fresh.items() if k not in changed}
+        update: dict[str, Any] = {"$setOnInsert": on_insert}
+        if changed:
+            update["$set"] = changed
         actor = Actor(user_id)
         await self._refuse_unmigrated(conversation_id, actor)
         with storage_errors("upsert the conversation"):
@@ -287,7 +279,7 @@ class AgentMessageLogger:
             rules=self.rules,
             copied=True,
         )
-        origin = {"conversation_id": conversation_id, "seq": end}
+        origin = ForkOrigin(conversation_id=conversation_id, seq=end).model_dump()
         condition = Condition(
             {"created_at": {"$exists": False}},
             lambda now: {"forked_from": literal(origin)},
@@ -430,7 +422,7 @@ class AgentMessageLogger:
         await self._full_texts.keep(plan.full_texts)  # a turn with a cut message: 2 more commands
         owner = reserved.conversation.user_id
         documents = [
-            {**m.model_dump(by_alias=True), "seq": reserved.first_seq + i, "user_id": owner}
+            {**m.model_dump(by_alias=True), "seq": Int64(reserved.first_seq + i), "user_id": owner}
             for i, m in enumerate(plan.messages)
         ]
         with storage_errors("insert the messages"):

@@ -22,6 +22,7 @@ from agent_store.core import (
     Conflict,
     Conversation,
     ConversationPage,
+    Count,
     InvalidInput,
     MessagePage,
     NotFound,
@@ -66,25 +67,25 @@ class SearchHit(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     message: AgentMessage
-    rank: int
+    rank: Count
     """1 for the best match."""
 
 
 class Deleted(BaseModel):
     """How many documents a delete or an erase removed."""
 
-    conversations: int
-    messages: int
-    legacy_turns: int = 0
+    conversations: Count
+    messages: Count
+    legacy_turns: Count = 0
     """Legacy turn documents removed too, so a migration or a rollback cannot bring them back."""
 
 
 class Claimed(BaseModel):
     """How many documents a claim moved to the new owner."""
 
-    conversations: int
-    messages: int
-    legacy_turns: int = 0
+    conversations: Count
+    messages: Count
+    legacy_turns: Count = 0
 
 
 class ConversationExport(BaseModel):

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from bson import Int64
+
 from agent_store.core import MAX_SAFE_INTEGER, Conflict, NotFound, StoreError, TurnRecord
 from agent_store.store._turns import PENDING_CALLS_KEPT, KeepPendingHitl, TurnPlan, TurnRules
 
@@ -90,8 +92,18 @@ def literal(value: Any) -> dict[str, Any]:
     return {"$literal": value}
 
 
-def _plus(field: str, amount: int) -> dict[str, Any]:
+def _int64(expression: Any) -> dict[str, Any]:
+    """An integer the pipeline computes, stored as a BSON int64 as the models write every
+    integer (one width per field); some servers narrow a sum that fits to an int32."""
+    return {"$toLong": expression}
+
+
+def _sum(field: str, amount: int) -> dict[str, Any]:
     return {"$add": [{"$ifNull": [f"${field}", 0]}, amount]}
+
+
+def _plus(field: str, amount: int) -> dict[str, Any]:
+    return _int64(_sum(field, amount))
 
 
 def _kept(field: str, default: Any) -> dict[str, Any]:
@@ -100,14 +112,14 @@ def _kept(field: str, default: Any) -> dict[str, Any]:
 
 def _capped(field: str, amount: int) -> dict[str, Any]:
     """A running sum that stops at 2**53 - 1, so one huge value cannot jam later turns."""
-    return {"$min": [_plus(field, amount), MAX_SAFE_INTEGER]}
+    return _int64({"$min": [_sum(field, amount), MAX_SAFE_INTEGER]})
 
 
 def _records(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str, Any]:
     record = {
-        "k": literal(plan.key),
-        "f": {"$ifNull": ["$message_count", 0]},
-        "d": literal(plan.digest),
+        "k": literal(Int64(plan.key)),
+        "f": _int64({"$ifNull": ["$message_count", 0]}),
+        "d": literal(Int64(plan.digest)),
         "a": literal(now),
     }
     # A one-element array built by `$map`: some MongoDB-compatible servers (mongomock) keep an
@@ -116,7 +128,7 @@ def _records(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str, Any]:
     overflow = {"$subtract": [{"$add": [{"$size": _kept("turns", [])}, 1]}, rules.turns_recorded]}
     return {
         "turns": {"$slice": [appended, -rules.turns_recorded]},
-        "turns_dropped": {"$add": [_kept("turns_dropped", 0), {"$max": [0, overflow]}]},
+        "turns_dropped": _int64({"$add": [_kept("turns_dropped", 0), {"$max": [0, overflow]}]}),
     }
 
 
@@ -159,6 +171,9 @@ def reservation(
         "last_message_preview": (
             literal(plan.preview) if plan.preview is not None else _kept("last_message_preview", "")
         ),
+        # Kept as they are, null when unset: a document holds every key it is served with.
+        "forked_from": _kept("forked_from", None),
+        "legacy_conversation_id": _kept("legacy_conversation_id", None),
         **_pending_state(plan),
         **_records(plan, rules, now),
         **_names(plan, runtime_name),

@@ -1,19 +1,22 @@
 // Declarations of the documents in `agent_messages` and `agent_conversations`
-// and of the admin API's JSON, derived from the pydantic models in agent_store/core/_models.py.
-// Do not edit: run `make types`; a test fails when this file is stale.
+// and of every JSON response of the admin API, derived from the pydantic models
+// (agent_store/core/_models.py, app/api_models.py) through the same JSON Schemas
+// as schemas/. Do not edit: run `make types`; a test fails when this file is stale.
 //
 // Every key is present in every document and every API object; a missing
-// value is `null`, never `undefined`.
+// value is `null`, never `undefined`. Integers are at most 2**53 - 1.
 
 /**
- * How a date reaches the reader.
+ * How a time reaches the reader.
  *
- * MongoDB stores dates as BSON dates, which the Node.js driver returns as
- * `Date`; the admin API's JSON carries them as ISO 8601 strings in UTC
- * (`"2026-01-31T09:30:00.123000Z"`, which `new Date(...)` parses). Every type
- * holding a date takes it as the parameter `TDate`: it defaults to `Date`
- * for documents read from the collections and to `string` for API pages, so
- * write `IAgentConversation<string>` for a conversation from the API.
+ * The collections hold BSON dates, which the Node.js driver returns as `Date`;
+ * the API's JSON carries RFC 3339 strings in UTC with exactly three fractional
+ * digits (`"2026-01-31T09:30:00.000Z"`, what `Date.prototype.toISOString()`
+ * gives, so they sort as the times do). A type shared by both takes the type
+ * of a time as the parameter `TDate`, with no default: write
+ * `IAgentConversation<Date>` for a document (or `IAgentConversationDocument`) and
+ * `IAgentConversation<string>` for the API's. The API's own responses
+ * (`ITranscript`, `IMessagePage`, …) hold strings and take no parameter.
  */
 export type DateLike = Date | string;
 
@@ -21,15 +24,15 @@ export type DateLike = Date | string;
 export type MessageRole = "system" | "user" | "assistant" | "tool";
 
 /**
- * Any message, as one flat interface: every role has every field.
+ * Any stored or served message, as one flat interface: every role has every field.
  *
  * Narrow to the role's own interface with `AgentMessageByRole`.
  */
-export interface IAgentMessage<TDate extends DateLike = Date> {
-  /** Stable message id (extension). Assigned by the logger when not given. */
-  _id: string | null;
+export interface IAgentMessage<TDate extends DateLike> {
+  /** Stable message id (extension), derived by the store from the turn: never a caller's. */
+  _id: string;
   /** The conversation this message belongs to. Set by the logger. */
-  conversation_id: string | null;
+  conversation_id: string;
   role: MessageRole;
   content: string | null;
   tool_calls: IToolCall[] | null;
@@ -41,11 +44,11 @@ export interface IAgentMessage<TDate extends DateLike = Date> {
   token_usage: ITokenUsage | null;
   latency_ms: number | null;
   /** Position in the conversation (extension). Assigned by the logger. */
-  seq: number | null;
+  seq: number;
   /** The conversation's owner, denormalized (extension). Set by the logger. */
   user_id: string | null;
   /** The turn that logged this message (extension). Set by the logger. */
-  turn_id: string | null;
+  turn_id: string;
   /** Text extracted at write time for full-text search (extension). */
   search_text: string | null;
   /**
@@ -61,14 +64,14 @@ export interface IAgentMessage<TDate extends DateLike = Date> {
 }
 
 /** Any message, told apart by `role`: `switch (message.role)` narrows it. */
-export type AgentMessageByRole<TDate extends DateLike = Date> =
+export type AgentMessageByRole<TDate extends DateLike> =
   | ISystemMessage<TDate>
   | IUserMessage<TDate>
   | IAssistantMessage<TDate>
   | IToolMessage<TDate>;
 
 /** A system prompt or a system-triggered turn. */
-export interface ISystemMessage<TDate extends DateLike = Date> extends IAgentMessage<TDate> {
+export interface ISystemMessage<TDate extends DateLike> extends IAgentMessage<TDate> {
   role: "system";
   /** Always `null` when `role` is `system`. */
   tool_calls: null;
@@ -81,7 +84,7 @@ export interface ISystemMessage<TDate extends DateLike = Date> extends IAgentMes
 }
 
 /** What the user typed or uploaded. */
-export interface IUserMessage<TDate extends DateLike = Date> extends IAgentMessage<TDate> {
+export interface IUserMessage<TDate extends DateLike> extends IAgentMessage<TDate> {
   role: "user";
   /** Always `null` when `role` is `user`. */
   tool_calls: null;
@@ -94,7 +97,7 @@ export interface IUserMessage<TDate extends DateLike = Date> extends IAgentMessa
 }
 
 /** A model response: text, tool calls, a HITL prompt or an error. */
-export interface IAssistantMessage<TDate extends DateLike = Date> extends IAgentMessage<TDate> {
+export interface IAssistantMessage<TDate extends DateLike> extends IAgentMessage<TDate> {
   role: "assistant";
   /** Always `null` when `role` is `assistant`. */
   tool_call_id: null;
@@ -103,7 +106,7 @@ export interface IAssistantMessage<TDate extends DateLike = Date> extends IAgent
 }
 
 /** The result of one tool call, answering it by `tool_call_id`. */
-export interface IToolMessage<TDate extends DateLike = Date> extends IAgentMessage<TDate> {
+export interface IToolMessage<TDate extends DateLike> extends IAgentMessage<TDate> {
   role: "tool";
   /** Always `null` when `role` is `tool`. */
   tool_calls: null;
@@ -116,7 +119,7 @@ export interface IToolMessage<TDate extends DateLike = Date> extends IAgentMessa
 }
 
 /** One conversation document. */
-export interface IAgentConversation<TDate extends DateLike = Date> {
+export interface IAgentConversation<TDate extends DateLike> {
   /** Equal to `conversation_id`. */
   _id: string;
   conversation_id: string;
@@ -145,9 +148,68 @@ export interface IAgentConversation<TDate extends DateLike = Date> {
   legacy_conversation_id: string | null;
 }
 
+/** A document of `agent_messages`, as the Node.js driver returns it. */
+export type AgentMessageDocument = AgentMessageByRole<Date>;
+
+/**
+ * A document of `agent_conversations`, as the Node.js driver returns it: what the API serves
+ * and the store's bookkeeping, which the API never serves.
+ */
+export interface IAgentConversationDocument extends IAgentConversation<Date> {
+  /**
+   * Every logged turn in reservation order, up to `TurnRules.turns_recorded` (extension; the store's bookkeeping, never served).
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  turns?: unknown[];
+  /**
+   * How many of the oldest turn records were dropped to keep the document bounded.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  turns_dropped?: number;
+  /**
+   * Open steering inboxes of running turns, by turn (the store's bookkeeping, never served).
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  inbox?: Record<string, unknown>;
+}
+
+export interface IHealth {
+  status: "ok";
+}
+
+export interface IReadiness {
+  status: "ready";
+  database: "reachable";
+}
+
+/** A page of a user's conversations, newest first. */
+export interface IConversationPage {
+  data: IAgentConversation<string>[];
+  has_more: boolean;
+  first_id: string | null;
+  last_id: string | null;
+  /** Pass as `cursor` to read the next page; null on the last page. */
+  next_cursor: string | null;
+}
+
+/** How many documents a delete or an erase removed. */
+export interface IDeleted {
+  conversations: number;
+  messages: number;
+  legacy_turns: number;
+}
+
+export interface ITranscript {
+  conversation_id: string;
+  data: AgentMessageByRole<string>[];
+}
+
 /** A page of a conversation's messages. */
-export interface IMessagePage<TDate extends DateLike = string> {
-  data: AgentMessageByRole<TDate>[];
+export interface IMessagePage {
+  data: AgentMessageByRole<string>[];
   has_more: boolean;
   first_id: string | null;
   last_id: string | null;
@@ -158,14 +220,73 @@ export interface IMessagePage<TDate extends DateLike = string> {
   pending_seq: number | null;
 }
 
-/** A page of a user's conversations, newest first. */
-export interface IConversationPage<TDate extends DateLike = string> {
-  data: IAgentConversation<TDate>[];
-  has_more: boolean;
-  first_id: string | null;
-  last_id: string | null;
-  /** Pass as `cursor` to read the next page; null on the last page. */
-  next_cursor: string | null;
+/** What `log_messages` stored. */
+export interface ILoggedTurn {
+  conversation_id: string;
+  turn_id: string;
+  messages: AgentMessageByRole<string>[];
+  replayed: boolean;
+}
+
+export interface IInboxOpened {
+  conversation_id: string;
+  turn_id: string;
+  open: true;
+}
+
+export interface IDelivery {
+  delivered: boolean;
+}
+
+export interface IDelivered {
+  data: AgentMessageByRole<string>[];
+}
+
+export interface IInboxClosing {
+  closed: boolean;
+  data: AgentMessageByRole<string>[];
+}
+
+export interface IPendingHitlState {
+  pending: IPendingHitl<string> | null;
+}
+
+export interface IHitlResolved {
+  request_id: string;
+  resolved: true;
+}
+
+export interface ISearchResults {
+  data: ISearchHit[];
+}
+
+/** One conversation with its whole transcript. */
+export interface IConversationExport {
+  conversation: IAgentConversation<string>;
+  messages: AgentMessageByRole<string>[];
+}
+
+/** Everything stored for one user (the `json` export format). */
+export interface IUserExport {
+  user_id: string;
+  conversations: IConversationExport[];
+}
+
+/** How many documents a claim moved to the new owner. */
+export interface IClaimed {
+  conversations: number;
+  messages: number;
+  legacy_turns: number;
+}
+
+/** The body of every error response. */
+export interface IApiErrorBody {
+  error: IApiErrorDetail;
+}
+
+export interface IApiErrorDetail {
+  code: string;
+  message: string;
 }
 
 /** A file the user uploaded with a message. */
@@ -234,7 +355,7 @@ export interface INativeForm {
  * confirmation, or a result computed elsewhere. The `tool` message a later
  * turn logs for it is its answer, and it is then no longer pending.
  */
-export interface IPendingCall<TDate extends DateLike = Date> {
+export interface IPendingCall<TDate extends DateLike> {
   tool_call_id: string;
   tool_name: string;
   /** The assistant message that made the call. */
@@ -246,7 +367,7 @@ export interface IPendingCall<TDate extends DateLike = Date> {
 }
 
 /** The unresolved HITL prompt of a conversation (extension). */
-export interface IPendingHitl<TDate extends DateLike = Date> {
+export interface IPendingHitl<TDate extends DateLike> {
   request_id: string;
   action: string;
   params: Record<string, unknown>;
@@ -255,6 +376,12 @@ export interface IPendingHitl<TDate extends DateLike = Date> {
   /** The assistant message that raised it. */
   message_id: string;
   created_at: TDate;
+}
+
+/** One message that matched a search, with its relevance. */
+export interface ISearchHit {
+  message: AgentMessageByRole<string>;
+  rank: number;
 }
 
 /** Tokens one model response used. */

@@ -1,0 +1,161 @@
+"""The published JSON Schemas (schemas/): current, as strict as the types, and true of the data.
+
+`schemas/api/` holds the served form of every API response, `schemas/stored/`
+the documents of both collections in canonical Extended JSON. The Node smoke
+test (tests/test_node_client.py) validates real documents and payloads with
+Ajv; these check the same rules from Python, on every wire backend.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from typing import Any
+
+import pytest
+from bson import Int64
+from bson.json_util import CANONICAL_JSON_OPTIONS, dumps
+from jsonschema import Draft202012Validator, FormatChecker
+
+from agent_store.core import MAX_SAFE_INTEGER, rfc3339_millis
+from app.examples import EXAMPLE_CONVERSATION_ID
+from scripts.contract import digits_at_most, walk
+from scripts.schema import SCHEMA_DIR, render
+from tests.conftest import Backend
+from tests.test_stored_shapes import stored, write_every_kind_of_document
+
+
+def schema(name: str) -> Draft202012Validator:
+    document = json.loads((SCHEMA_DIR / f"{name}.schema.json").read_text())
+    Draft202012Validator.check_schema(document)
+    return Draft202012Validator(document, format_checker=FormatChecker())
+
+
+def errors(validator: Draft202012Validator, value: Any) -> list[str]:
+    return [e.message for e in validator.iter_errors(value)]
+
+
+MESSAGE = {
+    "_id": "msg-1", "conversation_id": "c-1", "role": "system", "content": "Daily summary",
+    "tool_calls": None, "tool_call_id": None, "hitl_action": None, "error": None, "upload": None,
+    "created_at": "2026-03-02T09:00:00.000Z", "token_usage": None, "latency_ms": None, "seq": 0,
+    "user_id": "u-1", "turn_id": "t-1", "search_text": "Daily summary", "truncated": None,
+    "native": None,
+}  # fmt: skip
+
+
+def test_published_schemas_are_current_and_none_is_left_over() -> None:
+    rendered = render()
+    on_disk = {str(p.relative_to(SCHEMA_DIR)) for p in SCHEMA_DIR.glob("**/*.schema.json")}
+    assert on_disk == set(rendered), "schemas/ is stale: run `make schema`"
+    for name, text in rendered.items():
+        assert (SCHEMA_DIR / name).read_text() == text, f"schemas/{name} is stale"
+
+
+def test_a_served_message_conforms() -> None:
+    assert errors(schema("api/agent-message"), MESSAGE) == []
+
+
+@pytest.mark.parametrize("key", list(MESSAGE))
+def test_a_served_message_missing_any_key_is_refused(key: str) -> None:
+    message = {k: v for k, v in MESSAGE.items() if k != key}
+    assert errors(schema("api/agent-message"), message)
+
+
+@pytest.mark.parametrize(
+    ("role", "field", "value"),
+    [
+        pytest.param("system", "tool_calls", [], id="system-tool-calls"),
+        pytest.param("user", "tool_call_id", "c1", id="user-tool-call-id"),
+        pytest.param(
+            "tool", "token_usage", {"input_tokens": 1, "output_tokens": 1}, id="tool-usage"
+        ),
+        pytest.param("assistant", "upload", {}, id="assistant-upload"),
+    ],
+)
+def test_a_field_its_role_forbids_is_refused(role: str, field: str, value: Any) -> None:
+    message = MESSAGE | {"role": role, "tool_call_id": "c1" if role == "tool" else None}
+    assert errors(schema("api/agent-message"), message) == []
+    assert errors(schema("api/agent-message"), message | {field: value})
+
+
+@pytest.mark.parametrize("key", ["_id", "conversation_id", "seq", "turn_id"])
+def test_a_served_message_never_lacks_its_store_fields(key: str) -> None:
+    assert errors(schema("api/agent-message"), MESSAGE | {key: None})
+
+
+@pytest.mark.parametrize(
+    "created_at",
+    ["2026-03-02T09:00:00Z", "2026-03-02T09:00:00.123000Z", "2026-03-02T10:00:00.000+01:00"],
+)
+def test_a_time_in_another_format_than_to_iso_string_is_refused(created_at: str) -> None:
+    assert errors(schema("api/agent-message"), MESSAGE | {"created_at": created_at})
+
+
+def test_times_are_written_as_to_iso_string_writes_them() -> None:
+    from datetime import UTC, datetime
+
+    assert rfc3339_millis(datetime(2026, 3, 2, 9, tzinfo=UTC)) == "2026-03-02T09:00:00.000Z"
+    assert rfc3339_millis(datetime(2026, 3, 2, 9, 0, 0, 123456, UTC)) == "2026-03-02T09:00:00.123Z"
+
+
+def test_an_integer_past_what_javascript_holds_is_refused() -> None:
+    assert errors(schema("api/agent-message"), MESSAGE | {"seq": MAX_SAFE_INTEGER}) == []
+    assert errors(schema("api/agent-message"), MESSAGE | {"seq": MAX_SAFE_INTEGER + 1})
+
+
+def test_every_integer_of_every_schema_is_bounded_to_what_javascript_holds() -> None:
+    unbounded = [
+        (name, node)
+        for name, text in render().items()
+        for node in walk(json.loads(text))
+        if node.get("type") == "integer"
+        and not (node.get("minimum") is not None and node.get("maximum", 2**64) <= MAX_SAFE_INTEGER)
+    ]
+    assert unbounded == []
+
+
+@pytest.mark.parametrize("limit", [0, 7, 10, 99, 100, 305, 4096, 10010])
+def test_the_int64_pattern_holds_exactly_the_integers_up_to_its_limit(limit: int) -> None:
+    pattern = re.compile(digits_at_most(limit))
+    assert [n for n in range(limit * 3 + 20) if pattern.match(str(n))] == list(range(limit + 1))
+    assert not pattern.match(f"0{limit}")
+
+
+def test_the_stored_int64_pattern_stops_at_2_to_the_53_minus_1() -> None:
+    pattern = re.compile(digits_at_most(MAX_SAFE_INTEGER))
+    assert pattern.match(str(MAX_SAFE_INTEGER))
+    assert not pattern.match(str(MAX_SAFE_INTEGER + 1))
+    assert not pattern.match(str(2**63 - 1))
+
+
+def canonical(document: dict[str, Any]) -> Any:
+    return json.loads(dumps(document, json_options=CANONICAL_JSON_OPTIONS))
+
+
+async def test_stored_documents_conform_to_the_stored_schemas(wire_backend: Backend) -> None:
+    await write_every_kind_of_document(wire_backend)
+    for collection, name in (
+        ("agent_messages", "message"),
+        ("agent_conversations", "conversation"),
+    ):
+        validator = schema(f"stored/agent-{name}")
+        documents = await stored(wire_backend, collection)
+        assert documents
+        assert {d["_id"]: errors(validator, canonical(d)) for d in documents} == {
+            d["_id"]: [] for d in documents
+        }
+
+
+async def test_a_stored_int32_or_a_missing_key_is_refused(wire_backend: Backend) -> None:
+    await write_every_kind_of_document(wire_backend)
+    validator = schema("stored/agent-conversation")
+    document = canonical(
+        await wire_backend.db.agent_conversations.find_one({"_id": EXAMPLE_CONVERSATION_ID})
+    )
+    assert errors(validator, document) == []
+    narrow = copy.deepcopy(document) | {"turn_count": {"$numberInt": "4"}}
+    assert errors(validator, narrow)
+    assert errors(validator, {k: v for k, v in document.items() if k != "forked_from"})
+    assert errors(validator, document | {"message_count": canonical({"n": Int64(2**53)})["n"]})
