@@ -3,22 +3,20 @@
 On the embedded database an empty store gets demo conversations, so a first run
 shows a working product; set AGENT_STORE_DEMO_DATA=false to start empty.
 Weak or incomplete configuration stops it before it serves (exit status 2).
+The same application is what `uvicorn --factory app.api:create_app` serves.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 
 import uvicorn
-from pydantic import ValidationError
 
-from agent_store.core import describe_validation_error
 from agent_store.store import redact_uri
 from app.api import create_app
 from app.examples import EXAMPLE_USER_ID
-from app.settings import ConfigurationError, Settings, serving_settings
+from app.logs import configure_logging
+from app.settings import ConfigurationError, Settings, settings_from_environment, uvicorn_options
 
 CONFIGURATION_REFUSED = 2
 
@@ -38,37 +36,28 @@ def start_banner(settings: Settings, *, dev_token: str | None) -> list[str]:
     base = f"http://{settings.host}:{settings.port}"
     lines += [
         f"Serving on {base} with data in {where}",
-        f"  API:    {base}/v1/users/{EXAMPLE_USER_ID}/conversations  (Authorization: Bearer …)",
-        f"  Schema: {base}/openapi.json",
-        f"  Viewer: {base}/viewer  (sign in with the token)",
+        f"  API:     {base}/v1/users/{EXAMPLE_USER_ID}/conversations  (Authorization: Bearer …)",
     ]
+    if settings.expose_docs:
+        lines.append(f"  Docs:    {base}/docs")
+    if settings.metrics != "off":
+        lines.append(f"  Metrics: {base}/metrics")
+    lines.append(f"  Viewer:  {base}/viewer  (sign in with the token)")
     if settings.demo_data:
         lines.append("  Demo conversations are loaded if the store is empty.")
     return lines
 
 
 def main() -> None:
-    # One JSON audit line per request (logger `agent_store.audit`) replaces uvicorn's access
-    # log, which would keep query strings (search text, a token pasted into a URL).
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        settings, dev_token = serving_settings(
-            Settings(), demo_explicit="AGENT_STORE_DEMO_DATA" in os.environ
-        )
-    except ValidationError as exc:
-        print(describe_validation_error(exc, subject="configuration"), file=sys.stderr)
-        sys.exit(CONFIGURATION_REFUSED)
+        settings, dev_token = settings_from_environment()
+        target = "app.api:create_app" if settings.workers > 1 else create_app(settings)
     except ConfigurationError as exc:
         print(f"invalid configuration: {exc}", file=sys.stderr)
         sys.exit(CONFIGURATION_REFUSED)
+    configure_logging(settings.log_level)
     print("\n".join(start_banner(settings, dev_token=dev_token)), flush=True)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        access_log=False,
-        server_header=False,
-    )
+    uvicorn.run(target, **uvicorn_options(settings))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from agent_store.core import NotFound, StoreError
 from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import storage_errors, validate_identifier
 from app.auth import Authenticator, audit_record
+from app.metrics import count_store_error
 from app.presentation import legacy_turn_view, message_views, when
 from app.service import Store
 from app.sessions import SESSION_COOKIE, SESSION_SECONDS, ViewerSessions
@@ -75,6 +76,7 @@ def _client(request: Request) -> str:
 
 
 def _store_error_page(request: Request, exc: StoreError) -> Response:
+    count_store_error(request, exc)
     if exc.status >= 500:
         log.error("%s on %s %s", exc.code, request.method, request.url.path, exc_info=exc)
     return render("error.html", exc.status, code=exc.code, message=exc.message)
