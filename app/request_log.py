@@ -1,8 +1,9 @@
 """One measurement per HTTP request: a JSON audit line in the log and the request metrics.
 
 The line holds the path without its query string (search text, or a token pasted
-into a URL, stays out of logs), the route template, the status, who called and
-how long it took. It replaces uvicorn's access log. Probes and scrapes
+into a URL, stays out of logs), the route template, the status, who called (the
+client's address, as a trusted proxy forwards it, and the service and user
+tokens' names) and how long it took. It replaces uvicorn's access log. Probes and scrapes
 (`PROBE_PATHS`) are counted in the metrics but not logged: polled every few
 seconds, they would drown the log.
 """
@@ -71,6 +72,7 @@ class RequestLogMiddleware:
                     "path": scope["path"],
                     "route": route,
                     "status": status,
+                    "client": scope["client"][0] if scope.get("client") else None,
                     "service": record.service,
                     "user": record.user,
                     "ms": round(seconds * 1000, 1),
