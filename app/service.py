@@ -24,6 +24,8 @@ class Store:
     conversations: ConversationStore
     db: Database = None
     """The database itself, for what has no store method (the viewer's raw legacy turns)."""
+    legacy: LegacyTurns | None = None
+    """The legacy turns (the viewer links to them where a conversation has some)."""
 
     @classmethod
     def on(cls, db: Database, settings: Settings) -> Store:
@@ -39,6 +41,7 @@ class Store:
             logger=AgentMessageLogger(db, rules=rules, observers=[legacy], legacy=legacy),
             conversations=ConversationStore(db, legacy=legacy, rules=rules),
             db=db,
+            legacy=legacy,
         )
 
 
