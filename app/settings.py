@@ -167,10 +167,10 @@ class Settings(BaseSettings):
     name_chars: int = Field(default=60, ge=2, le=200)
     """The longest automatic conversation name, ellipsis included (a name holds at most 200)."""
     legacy_dual_write: bool = False
-    """Also keep each logged turn as a legacy turn document (`AGENT_STORE_LEGACY_DUAL_WRITE`),
-    so the old service can take over again during the migration's rollback window."""
+    """Also keep each logged turn as a legacy turn document, so the old service can take over
+    again during the migration's rollback window."""
     legacy_read_fallback: bool = True
-    """Serve conversations not migrated yet from the legacy turns (`…_LEGACY_READ_FALLBACK`)."""
+    """Serve conversations not migrated yet from the legacy turns."""
 
     @model_validator(mode="after")
     def _docs_need_the_schema(self) -> Settings:

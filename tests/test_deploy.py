@@ -105,8 +105,18 @@ def test_uvicorn_factory_reads_the_environment_and_answers_probes_without_a_toke
     port = _free_port()
     command = [sys.executable, "-m", "uvicorn", "--factory", "app.api:create_app"]
     command += ["--host", "127.0.0.1", "--port", str(port)]
-    with _started(command, _environment(tmp_path), port) as base:
+    output: list[str] = []
+    with _started(command, _environment(tmp_path), port, output) as base:
         _probe_every_public_route(base)
+    # uvicorn's own access log is on by default; the factory leaves one JSON line per request.
+    requests = [json.loads(line) for line in output if '"agent_store.audit"' in line]
+    assert [(r["path"], r["status"]) for r in requests] == [
+        ("/docs", 200),
+        ("/openapi.json", 200),
+        ("/v1/users/user-ada/conversations", 401),
+        ("/v1/users/user-ada/conversations", 200),
+    ]
+    assert not any('"GET /' in line for line in output), output
 
 
 @pytest.mark.wire
