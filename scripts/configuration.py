@@ -76,6 +76,9 @@ Tracing also follows OpenTelemetry's own variables (`OTEL_EXPORTER_OTLP_ENDPOINT
 """
 
 
+TABLE_HEAD = "| variable | type | default | meaning |"
+
+
 def variables(name: str, field: FieldInfo) -> list[str]:
     """The environment variables that set `name`, in the order they are looked up."""
     alias = field.validation_alias
@@ -130,7 +133,7 @@ def render() -> str:
         raise SystemExit(f"settings without a section in scripts/configuration.py: {unplaced}")
     lines = [HEADER]
     for section, names in SECTIONS.items():
-        lines += [f"## {section}", "", "| variable | type | default | meaning |", "|---|---|---|---|"]
+        lines += [f"## {section}", "", TABLE_HEAD, "|---|---|---|---|"]
         for name in names:
             field = fields[name]
             if not field.description:
