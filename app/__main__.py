@@ -38,6 +38,8 @@ def start_banner(settings: Settings, *, dev_token: str | None) -> list[str]:
         f"Serving on {base} with data in {where}",
         f"  API:     {base}/v1/users/{EXAMPLE_USER_ID}/conversations  (Authorization: Bearer …)",
     ]
+    if settings.expose_openapi:
+        lines.append(f"  Schema:  {base}/openapi.json")
     if settings.expose_docs:
         lines.append(f"  Docs:    {base}/docs")
     if settings.metrics != "off":

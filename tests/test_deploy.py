@@ -130,6 +130,25 @@ def test_gunicorn_uvicorn_workers_serve_the_factory(tmp_path: Path) -> None:
 
 
 @pytest.mark.wire
+def test_python_m_app_serves_several_workers_on_a_real_database(
+    tmp_path: Path, wire_uri: str
+) -> None:
+    port = _free_port()
+    env = _environment(
+        tmp_path,
+        MONGODB_URI=wire_uri,
+        AGENT_STORE_DATABASE=f"deploy_{port}",
+        AGENT_STORE_PORT=str(port),
+        AGENT_STORE_WORKERS="2",
+    )
+    output: list[str] = []
+    with _started([sys.executable, "-m", "app"], env, port, output) as base:
+        _probe_every_public_route(base)
+    started = [line for line in output if "Started server process" in line]
+    assert len(started) == 2, output  # two worker processes served the factory
+
+
+@pytest.mark.wire
 @pytest.mark.parametrize(
     ("trusted", "client"),
     [

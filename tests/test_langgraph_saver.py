@@ -105,7 +105,10 @@ async def test_the_viewer_shows_a_langgraph_thread() -> None:
     config = thread()
     await run_turns(tool_agent(AgentStoreSaver(db)), config, range(1, 3))
     async with serve(db) as served:
-        await served.http.post("/viewer/login", data={"token": SERVICE_TOKEN})
+        signed_in = await served.http.post(
+            "/viewer/login", data={"token": SERVICE_TOKEN}, headers={"Origin": "http://test"}
+        )
+        assert signed_in.status_code == 303
         page = await served.http.get(f"/viewer/conversations/{config['configurable']['thread_id']}")
     assert page.status_code == 200
     for text in (
