@@ -9,22 +9,31 @@ VENV311 := .venv311
 BIN := $(VENV)/bin
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-py311 lint format schema types types-check bench index-sizes \
+.PHONY: help install run test test-py311 lint format schema types types-check types-compile \
+	configuration bench index-sizes \
 	test-api test-browser load migrate bench-migration bench-langgraph
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
-$(VENV)/.installed: pyproject.toml
+$(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "python3.13 not found: set PYTHON=/path/to/python3.13"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,embedded]'
+
+# The service and the embedded server only: what `make run` needs.
+$(VENV)/.service-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[service,embedded]'
 	touch $@
+
+# Everything: the service, every integration, the test and lint tools (a superset of the above).
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[dev,embedded]'
+	touch $@ $(VENV)/.service-installed
 
 install: $(VENV)/.installed ## Create .venv with the service and its development tools
 
-run: $(VENV)/.installed ## Serve the API (embedded database unless MONGODB_URI is set)
+run: $(VENV)/.service-installed ## Serve the API (embedded database unless MONGODB_URI is set); installs the service only
 	$(BIN)/python -m app
 
 CODE := agent_store app migrations tests scripts
@@ -55,6 +64,9 @@ format: $(VENV)/.installed ## Apply ruff's fixes and formatting
 schema: $(VENV)/.installed ## Regenerate the JSON Schemas in schemas/
 	$(BIN)/python -m scripts.schema
 
+configuration: $(VENV)/.installed ## Regenerate docs/CONFIGURATION.md from the settings class
+	$(BIN)/python -m scripts.configuration
+
 TS_DIR := clients/typescript
 
 # npm ci writes node_modules/.package-lock.json: reinstall when the lock file changes.
@@ -67,7 +79,17 @@ $(TS_DIR)/node_modules/.package-lock.json: $(TS_DIR)/package.json $(TS_DIR)/pack
 types: $(VENV)/.installed ## Regenerate clients/typescript/agent-message.d.ts from the models
 	$(BIN)/python -m scripts.typescript
 
-types-check: $(TS_DIR)/node_modules/.package-lock.json ## Compile the TypeScript example with tsc --strict
+# Outside CI a machine without Node.js skips this check, saying so; in CI (CI set) it fails.
+types-check: ## Compile the TypeScript example with tsc --strict (needs Node.js 20+ and npm)
+	@if command -v node >/dev/null && command -v npm >/dev/null; then \
+		$(MAKE) --no-print-directory types-compile; \
+	elif [ -n "$$CI" ]; then \
+		echo "node and npm not found: install Node.js 20+ (.ci/run does)"; exit 1; \
+	else \
+		echo "types-check SKIPPED: Node.js 20+ and npm not found (CI installs them and runs it)"; \
+	fi
+
+types-compile: $(TS_DIR)/node_modules/.package-lock.json
 	$(TS_DIR)/node_modules/.bin/tsc --strict --noEmit -p $(TS_DIR)
 
 $(VENV)/.bench-installed: $(VENV)/.installed

@@ -5,26 +5,24 @@ shows a working product; set AGENT_STORE_DEMO_DATA=false to start empty. The
 embedded server starts before the API, so the banner prints its URI beside the
 API's: any MongoDB client (the Node.js driver of a TypeScript app, `mongosh`)
 reads the same data. Weak or incomplete configuration stops it before it serves
-(exit status 2).
+(exit status 2). The same application is what `uvicorn --factory
+app.api:create_app` serves.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
 import sys
 from contextlib import AsyncExitStack
 
 import uvicorn
-from pydantic import ValidationError
 
-from agent_store.core import describe_validation_error
 from agent_store.embedded import URI_FILE, embedded_mongodb
 from agent_store.store import redact_uri
 from app.api import create_app
 from app.examples import EXAMPLE_USER_ID
-from app.settings import ConfigurationError, Settings, serving_settings
+from app.logs import configure_logging
+from app.settings import ConfigurationError, Settings, settings_from_environment, uvicorn_options
 
 CONFIGURATION_REFUSED = 2
 
@@ -53,49 +51,44 @@ def start_banner(
             f"  MongoDB: {embedded_uri}  (database `{settings.database}`; "
             f"also in {settings.data_dir / URI_FILE})"
         )
-    lines += [
-        f"  Schema:  {base}/openapi.json",
-        f"  Viewer:  {base}/viewer  (sign in with the token)",
-    ]
+    if settings.expose_openapi:
+        lines.append(f"  Schema:  {base}/openapi.json")
+    if settings.expose_docs:
+        lines.append(f"  Docs:    {base}/docs")
+    if settings.metrics != "off":
+        lines.append(f"  Metrics: {base}/metrics")
+    lines.append(f"  Viewer:  {base}/viewer  (sign in with the token)")
     if settings.demo_data:
         lines.append("  Demo conversations are loaded if the store is empty.")
     return lines
 
 
 async def serve(settings: Settings, *, dev_token: str | None) -> None:
-    """Start the embedded server when no URI is set, print where everything is, serve."""
+    """One process: start the embedded server when no URI is set, print where, serve."""
     async with AsyncExitStack() as stack:
         embedded_uri = None
         if settings.mongodb_uri is None:
             embedded_uri = await stack.enter_async_context(embedded_mongodb(settings.data_dir))
             settings = settings.model_copy(update={"mongodb_uri": embedded_uri})
+        app = create_app(settings)
         banner = start_banner(settings, dev_token=dev_token, embedded_uri=embedded_uri)
         print("\n".join(banner), flush=True)
-        config = uvicorn.Config(
-            create_app(settings),
-            host=settings.host,
-            port=settings.port,
-            access_log=False,
-            server_header=False,
-        )
-        await uvicorn.Server(config).serve()
+        options = uvicorn_options(settings) | {"workers": 1, "factory": False}
+        await uvicorn.Server(uvicorn.Config(app, **options)).serve()
 
 
 def main() -> None:
-    # One JSON audit line per request (logger `agent_store.audit`) replaces uvicorn's access
-    # log, which would keep query strings (search text, a token pasted into a URL).
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        settings, dev_token = serving_settings(
-            Settings(), demo_explicit="AGENT_STORE_DEMO_DATA" in os.environ
-        )
-    except ValidationError as exc:
-        print(describe_validation_error(exc, subject="configuration"), file=sys.stderr)
-        sys.exit(CONFIGURATION_REFUSED)
+        settings, dev_token = settings_from_environment()
+        configure_logging(settings.log_level)
+        if settings.workers > 1:  # a real database only (settings refuse the embedded one)
+            print("\n".join(start_banner(settings, dev_token=dev_token)), flush=True)
+            uvicorn.run("app.api:create_app", **uvicorn_options(settings))
+        else:
+            asyncio.run(serve(settings, dev_token=dev_token))
     except ConfigurationError as exc:
         print(f"invalid configuration: {exc}", file=sys.stderr)
         sys.exit(CONFIGURATION_REFUSED)
-    asyncio.run(serve(settings, dev_token=dev_token))
 
 
 if __name__ == "__main__":

@@ -5,16 +5,18 @@ Routes are declared as data (`ENDPOINTS`, see app/routing.py).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 from agent_store.core import Conversation, ConversationPage, MessagePage
 from agent_store.store import Claimed, ConversationExport, Deleted, LoggedTurn, SteeringInbox
@@ -46,17 +48,22 @@ from app.api_models import (
     TranscriptQuery,
     UserExport,
 )
-from app.auth import AuditMiddleware, Authenticator, audit_record
+from app.auth import Authenticator
 from app.demo import load_demo
 from app.headers import SecurityHeadersMiddleware
 from app.http_errors import EXCEPTION_HANDLERS, Forbidden
+from app.logs import configure_logging
+from app.metrics import ServiceMetrics, TurnCounter
 from app.openapi import build_openapi
+from app.public_pages import public_routes
+from app.request_log import RequestLogMiddleware
 from app.routing import Call, Endpoint, routes_of
 from app.service import Store, open_store
 from app.sessions import ViewerSessions
-from app.settings import Settings
+from app.settings import Settings, settings_from_environment
 from app.streamed_json import export_document, export_lines, transcript_document
 from app.throttle import SignInLimiter
+from app.tracing import Tracing
 from app.viewer import viewer_routes
 
 
@@ -264,6 +271,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "Readiness: the database answers a lookup",
         "service",
         {200: Readiness},
+        authenticated=False,
     ),
     Endpoint(
         "GET",
@@ -445,24 +453,33 @@ ENDPOINTS: tuple[Endpoint, ...] = (
 )
 
 
-async def openapi_document(request: Request) -> Response:
-    audit = audit_record(request.scope)
-    request.app.state.authenticator.authenticate(request.headers, audit)
-    return JSONResponse(request.app.state.openapi)
-
-
 # -- the application -------------------------------------------------------------------
 
 
-def create_app(settings: Settings, *, store: Store | None = None) -> Starlette:
-    """The application. Pass `store` to serve an existing one (tests do); else it connects."""
+def create_app(
+    settings: Settings | None = None,
+    *,
+    store: Store | None = None,
+    tracer_provider: TracerProvider | None = None,
+) -> Starlette:
+    """The application: what `uvicorn --factory app.api:create_app` and gunicorn serve.
+
+    Without `settings` it reads them from the environment (as `python -m app` does) and
+    sets up the process's JSON logs. Pass `store` to serve an existing one (tests do); else
+    it connects. `tracer_provider` traces with that OpenTelemetry provider (tests pass one
+    with an in-memory exporter); otherwise `settings.tracing` decides.
+    """
+    if settings is None:
+        settings = _settings_for_this_process()
+    tracing = Tracing.configure(settings, tracer_provider)
+    listeners = [tracing.command_listener()] if tracing else []
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if store is not None:
             yield
             return
-        async with open_store(settings) as opened:
+        async with open_store(settings, command_listeners=listeners) as opened:
             _serve(app, opened)
             await app.state.viewer_sessions.ensure_indexes()
             if settings.demo_data:
@@ -470,12 +487,15 @@ def create_app(settings: Settings, *, store: Store | None = None) -> Starlette:
             yield
 
     routes = routes_of(ENDPOINTS)
-    routes.append(Route("/openapi.json", openapi_document, methods=["GET"]))
+    routes += public_routes(settings)
     routes += viewer_routes()
+    middleware = [Middleware(SecurityHeadersMiddleware), Middleware(RequestLogMiddleware)]
+    if tracing is not None:
+        middleware.insert(0, tracing.middleware())
     app = Starlette(
         routes=routes,
         exception_handlers=dict(EXCEPTION_HANDLERS),
-        middleware=[Middleware(SecurityHeadersMiddleware), Middleware(AuditMiddleware)],
+        middleware=middleware,
         lifespan=lifespan,
     )
     app.state.authenticator = Authenticator(settings)
@@ -483,11 +503,26 @@ def create_app(settings: Settings, *, store: Store | None = None) -> Starlette:
     app.state.max_request_bytes = settings.max_request_bytes
     app.state.max_turn_bytes = settings.max_turn_bytes
     app.state.openapi = build_openapi(ENDPOINTS)
+    app.state.metrics = ServiceMetrics()
+    app.state.metrics_exposure = settings.metrics
     if store is not None:
         _serve(app, store)
     return app
 
 
+def _settings_for_this_process() -> Settings:
+    """Read and check the environment's settings, set up JSON logs, announce a dev token."""
+    settings, dev_token = settings_from_environment()
+    configure_logging(settings.log_level)
+    if dev_token is not None:
+        logging.getLogger("agent_store.api").warning(
+            "No AGENT_STORE_SERVICE_TOKENS set; development token for this process: %s",
+            dev_token,
+        )
+    return settings
+
+
 def _serve(app: Starlette, store: Store) -> None:
     app.state.store = store
+    store.logger.add_observer(TurnCounter(app.state.metrics))
     app.state.viewer_sessions = ViewerSessions(store.db, app.state.authenticator)

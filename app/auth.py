@@ -1,29 +1,26 @@
-"""Who is calling: a service bearer token, optionally a user token, and one audit line per request.
+"""Who is calling: a service bearer token, optionally a user token, noted for the audit line.
 
-Every route but `/health` needs a service token. A request that also carries
-`X-User-JWT` acts for that user only: its `sub` is the only `user_id` it sees.
+Every route but the probes (`/health`, `/ready`) and the public documents
+(`/openapi.json`, `/docs`, `/metrics` as configured) needs a service token. A
+request that also carries `X-User-JWT` acts for that user only: its `sub` is
+the only `user_id` it sees.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import json
-import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import jwt
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Scope
 
 from agent_store.core import InvalidInput
 from agent_store.store import validate_identifier
 from app.http_errors import Forbidden, Unauthorized
 from app.settings import Settings
-
-audit_log = logging.getLogger("agent_store.audit")
 
 USER_TOKEN_HEADER = "x-user-jwt"
 AUDIT_SCOPE_KEY = "agent_store.audit"
@@ -140,45 +137,3 @@ def audit_record(scope: Scope) -> AuditRecord:
     record = scope.setdefault(AUDIT_SCOPE_KEY, AuditRecord())
     assert isinstance(record, AuditRecord)
     return record
-
-
-UNAUDITED_PATHS = frozenset({"/health"})
-"""Liveness probes: polled every few seconds, they would drown the audit log."""
-
-
-class AuditMiddleware:
-    """Writes one structured line per HTTP request to the `agent_store.audit` logger.
-
-    The line holds the path without its query string (search text, or a token pasted
-    into a URL, stays out of logs); it replaces uvicorn's access log, which is off.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in UNAUDITED_PATHS:
-            await self.app(scope, receive, send)
-            return
-        record = audit_record(scope)
-        status = 500
-        started = time.perf_counter()
-
-        async def send_and_note(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_note)
-        finally:
-            line = {
-                "method": scope["method"],
-                "path": scope["path"],
-                "status": status,
-                "service": record.service,
-                "user": record.user,
-                "ms": round((time.perf_counter() - started) * 1000, 1),
-            }
-            audit_log.info(json.dumps(line, separators=(",", ":")))

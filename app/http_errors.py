@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 from agent_store.core import StoreError
 from app.headers import SECURITY_HEADERS
+from app.metrics import count_store_error
 
 log = logging.getLogger("agent_store.api")
 
@@ -99,6 +100,7 @@ def error_response(status: int, code: str, message: str) -> JSONResponse:
 
 async def _store_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StoreError)
+    count_store_error(request, exc)
     if exc.status >= 500:
         # The client gets the store's words; the driver's error (the cause) goes to the log.
         log.error("%s on %s %s", exc.code, request.method, request.url.path, exc_info=exc)

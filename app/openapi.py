@@ -131,8 +131,9 @@ def build_openapi(endpoints: Sequence[Endpoint]) -> dict[str, Any]:
             "title": "Agent conversation store",
             "version": "1",
             "description": (
-                "Admin API of the conversation store. Every route but /health needs a service "
-                "bearer token; a request that also carries X-User-JWT sees only that user's data."
+                "Admin API of the conversation store. Every /v1 route needs a service bearer "
+                "token (Authorize); a request that also carries X-User-JWT sees only that user's "
+                "data. The probes /health and /ready answer without a token."
             ),
         },
         "paths": paths,

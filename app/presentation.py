@@ -14,8 +14,10 @@ from typing import Any
 
 from agent_store.core import AgentMessage
 from agent_store.legacy import normalize_part
+from agent_store.store import SearchHit, message_text, shorten
 from app.json_body import nests_deeper_than
 
+SNIPPET_CHARS = 300
 PRETTY_DEPTH = 32
 """JSON nested deeper than this is shown as stored rather than indented."""
 ROLE_LABELS = {
@@ -178,6 +180,60 @@ def message_views(
             )
         )
     return views
+
+
+@dataclass(frozen=True)
+class TranscriptPages:
+    """Where one page of a long transcript sits: it starts at `from_seq`."""
+
+    from_seq: int
+    first_seq: int | None
+    last_seq: int | None
+    previous_from: int | None
+    """Where the page before starts (None on the first page)."""
+    next_from: int | None
+    """Where the page after starts (None on the last page)."""
+
+    @classmethod
+    def of(
+        cls, conversation_id: str, messages: Sequence[AgentMessage], from_seq: int, per_page: int
+    ) -> TranscriptPages:
+        """The pages around `messages`: up to `per_page` shown, one more read to tell if more."""
+        shown = messages[:per_page]
+        more = messages[per_page:]
+        return cls(
+            from_seq=from_seq,
+            first_seq=shown[0].seq if shown else None,
+            last_seq=shown[-1].seq if shown else None,
+            previous_from=max(0, from_seq - per_page) if from_seq > 0 else None,
+            next_from=more[0].seq if more else None,
+        )
+
+    @property
+    def paged(self) -> bool:
+        return self.previous_from is not None or self.next_from is not None
+
+
+@dataclass(frozen=True)
+class SearchHitView:
+    """One message found by full-text search, with where it sits."""
+
+    conversation_id: str
+    seq: int | None
+    label: str
+    created_at: str
+    snippet: str
+
+
+def search_hit_view(hit: SearchHit) -> SearchHitView:
+    message = hit.message
+    return SearchHitView(
+        conversation_id=message.conversation_id or "",
+        seq=message.seq,
+        label=ROLE_LABELS[message.role],
+        created_at=when(message.created_at),
+        snippet=shorten(message_text(message), SNIPPET_CHARS),
+    )
 
 
 @dataclass(frozen=True)

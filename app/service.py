@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 from pymongo import AsyncMongoClient
+from pymongo.monitoring import CommandListener
 
 from agent_store.embedded import URI_FILE, embedded_mongodb
 from agent_store.legacy import LegacyTurns
@@ -23,6 +24,8 @@ class Store:
     conversations: ConversationStore
     db: Database = None
     """The database itself, for what has no store method (the viewer's raw legacy turns)."""
+    legacy: LegacyTurns | None = None
+    """The legacy turns (the viewer links to them where a conversation has some)."""
 
     @classmethod
     def on(cls, db: Database, settings: Settings) -> Store:
@@ -38,12 +41,18 @@ class Store:
             logger=AgentMessageLogger(db, rules=rules, observers=[legacy], legacy=legacy),
             conversations=ConversationStore(db, legacy=legacy, rules=rules),
             db=db,
+            legacy=legacy,
         )
 
 
 @asynccontextmanager
-async def open_store(settings: Settings) -> AsyncIterator[Store]:
-    """Connect (starting the embedded server when no URI is set) and prepare the indexes."""
+async def open_store(
+    settings: Settings, *, command_listeners: Sequence[CommandListener] = ()
+) -> AsyncIterator[Store]:
+    """Connect (starting the embedded server when no URI is set) and prepare the indexes.
+
+    `command_listeners` see every command the client sends (tracing).
+    """
     async with AsyncExitStack() as stack:
         uri = settings.mongodb_uri or await stack.enter_async_context(
             embedded_mongodb(settings.data_dir)
@@ -55,7 +64,10 @@ async def open_store(settings: Settings) -> AsyncIterator[Store]:
                 settings.data_dir / URI_FILE,
             )
         client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
-            uri, tz_aware=True, serverSelectionTimeoutMS=10_000
+            uri,
+            tz_aware=True,
+            serverSelectionTimeoutMS=10_000,
+            event_listeners=list(command_listeners),
         )
         stack.push_async_callback(client.close)
         with storage_errors("connect to the database"):

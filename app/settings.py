@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     AliasChoices,
     Field,
     PositiveInt,
     SecretStr,
+    ValidationError,
     field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from agent_store.core import describe_validation_error
 from agent_store.store import DEFAULT_MAX_MESSAGE_BYTES, RuntimeContextMarkers, TurnRules
 
 JwtAlgorithm = Literal["HS256", "HS384", "HS512", "RS256", "RS384", "RS512"]
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+MetricsExposure = Literal["public", "token", "off"]
 MIN_SERVICE_TOKEN_CHARS = 32
 HMAC_KEY_BYTES = {"HS256": 32, "HS384": 48, "HS512": 64}
 """RFC 7518 §3.2: an HMAC key at least as long as the hash it signs with."""
@@ -42,12 +47,20 @@ def _hs256_only() -> list[JwtAlgorithm]:
     return ["HS256"]
 
 
+def _loopback_only() -> list[str]:
+    return ["127.0.0.1"]
+
+
 class Settings(BaseSettings):
     """Every setting; environment variables are prefixed `AGENT_STORE_` unless noted."""
 
     # Inputs stay out of error messages: a refused token or secret must not reach a log.
+    # Each field's docstring is its description in docs/CONFIGURATION.md (scripts/configuration.py).
     model_config = SettingsConfigDict(
-        env_prefix="AGENT_STORE_", extra="ignore", hide_input_in_errors=True
+        env_prefix="AGENT_STORE_",
+        extra="ignore",
+        hide_input_in_errors=True,
+        use_attribute_docstrings=True,
     )
 
     mongodb_uri: str | None = Field(
@@ -55,10 +68,32 @@ class Settings(BaseSettings):
     )
     """A MongoDB connection string (`MONGODB_URI`). Unset: start the embedded server."""
     database: str = "agent_store"
+    """The database holding the store's collections."""
     data_dir: Path = Path("data")
     """Where the embedded server keeps its SQLite file."""
     host: str = "127.0.0.1"
+    """The address `python -m app` binds (`0.0.0.0` for every interface, in a container)."""
     port: PositiveInt = 8000
+    """The port `python -m app` listens on."""
+    workers: PositiveInt = 1
+    """Worker processes of `python -m app`; more than one needs `MONGODB_URI` (the embedded
+    server belongs to one process)."""
+    trusted_proxies: list[str] = Field(default_factory=_loopback_only)
+    """Addresses (or networks, or `*`) of proxies whose `X-Forwarded-For` and
+    `X-Forwarded-Proto` are believed: the client address (sign-in limits, logs) and the
+    scheme (secure cookies) come from them. A JSON list."""
+    log_level: LogLevel = "info"
+    """The lowest level logged: `debug`, `info`, `warning`, `error` or `critical`."""
+    expose_openapi: bool = True
+    """Serve `/openapi.json` without a token."""
+    expose_docs: bool = True
+    """Serve the interactive API page at `/docs` (Swagger UI from the `swagger-ui-bundle-v2`
+    package's files, no CDN); needs `expose_openapi`."""
+    metrics: MetricsExposure = "public"
+    """`/metrics` for Prometheus: `public` (no token), `token` (a service token) or `off`."""
+    tracing: bool = False
+    """Trace HTTP requests and MongoDB commands with OpenTelemetry (the `otel` extra), sent
+    where the standard `OTEL_EXPORTER_OTLP_*` variables say."""
     service_tokens: list[str] = Field(default_factory=list)
     """Bearer tokens accepted from services (a JSON list in the environment)."""
     named_service_tokens: dict[str, str] = Field(default_factory=dict)
@@ -70,6 +105,7 @@ class Settings(BaseSettings):
     jwt_public_key: str | None = None
     """The PEM public key of RSA user tokens."""
     jwt_audience: str = "agent-store"
+    """Required `aud` of user tokens."""
     jwt_issuer: str | None = None
     """Required `iss` of user tokens; user tokens are refused while it is unset."""
     max_request_bytes: PositiveInt = 1_048_576 + 65_536
@@ -122,15 +158,28 @@ class Settings(BaseSettings):
         return self
 
     max_message_bytes: PositiveInt = DEFAULT_MAX_MESSAGE_BYTES
+    """A stored message is cut to this size; the whole text of a cut field is kept in GridFS."""
     runtime_context_start: str = "[RUNTIME CONTEXT]"
+    """Where runtime context injected into a user message starts (left out of names, previews
+    and search)."""
     runtime_context_end: str = "[/RUNTIME CONTEXT]"
+    """Where that runtime context ends."""
     name_chars: int = Field(default=60, ge=2, le=200)
     """The longest automatic conversation name, ellipsis included (a name holds at most 200)."""
     legacy_dual_write: bool = False
-    """Also keep each logged turn as a legacy turn document (`AGENT_STORE_LEGACY_DUAL_WRITE`),
-    so the old service can take over again during the migration's rollback window."""
+    """Also keep each logged turn as a legacy turn document, so the old service can take over
+    again during the migration's rollback window."""
     legacy_read_fallback: bool = True
-    """Serve conversations not migrated yet from the legacy turns (`…_LEGACY_READ_FALLBACK`)."""
+    """Serve conversations not migrated yet from the legacy turns."""
+
+    @model_validator(mode="after")
+    def _docs_need_the_schema(self) -> Settings:
+        if self.expose_docs and not self.expose_openapi:
+            raise ValueError(
+                "expose_docs needs expose_openapi: the API page reads /openapi.json; "
+                "set AGENT_STORE_EXPOSE_DOCS=false too"
+            )
+        return self
 
     def turn_rules(self) -> TurnRules:
         return TurnRules(
@@ -147,6 +196,11 @@ def serving_settings(settings: Settings, *, demo_explicit: bool) -> tuple[Settin
     a random token when none is configured. A real database (`MONGODB_URI`) gets neither: it
     is refused without configured tokens rather than served behind a token printed to a log.
     """
+    if settings.mongodb_uri is None and settings.workers > 1:
+        raise ConfigurationError(
+            f"AGENT_STORE_WORKERS is {settings.workers} but MONGODB_URI is unset: the embedded "
+            "server belongs to one process; set MONGODB_URI to run several workers"
+        )
     if settings.mongodb_uri is None and not demo_explicit:
         settings = settings.model_copy(update={"demo_data": True})
     if settings.service_tokens or settings.named_service_tokens:
@@ -160,3 +214,35 @@ def serving_settings(settings: Settings, *, demo_explicit: bool) -> tuple[Settin
         )
     token = "dev-" + secrets.token_urlsafe(32)
     return settings.model_copy(update={"service_tokens": [token]}), token
+
+
+def settings_from_environment() -> tuple[Settings, str | None]:
+    """The settings a server process starts with (`python -m app`, `uvicorn --factory`).
+
+    Raises ConfigurationError naming what is wrong (never the refused value).
+    """
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        described = describe_validation_error(exc, subject="configuration")
+        raise ConfigurationError(described.removeprefix("invalid configuration: ")) from None
+    return serving_settings(settings, demo_explicit="AGENT_STORE_DEMO_DATA" in os.environ)
+
+
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """How `python -m app` runs uvicorn: bind address, workers, proxies, log level.
+
+    uvicorn's access log stays off: the service writes one JSON line per request itself.
+    """
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "workers": settings.workers,
+        # Several workers import the factory each (`app.api:create_app`); one serves the app.
+        "factory": settings.workers > 1,
+        "proxy_headers": True,
+        "forwarded_allow_ips": ",".join(settings.trusted_proxies),
+        "log_level": settings.log_level,
+        "access_log": False,
+        "server_header": False,
+    }

@@ -1,8 +1,8 @@
 """How many wrong tokens one client may try at the viewer's sign-in before it must wait.
 
 Counted per client address, in this process's memory: behind several
-processes each keeps its own count (set uvicorn's `--forwarded-allow-ips`
-behind a proxy, so the address is the browser's, not the proxy's).
+processes each keeps its own count (list the proxy in
+`AGENT_STORE_TRUSTED_PROXIES`, so the address is the browser's, not the proxy's).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,18 +22,34 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from agent_store.core import NotFound, StoreError
+from agent_store.core import AgentMessage, InvalidInput, NotFound, StoreError, Unsupported
 from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import storage_errors, validate_identifier
 from app.auth import Authenticator, audit_record
-from app.presentation import legacy_turn_view, message_views, when
+from app.metrics import count_store_error
+from app.presentation import (
+    TranscriptPages,
+    legacy_turn_view,
+    message_views,
+    search_hit_view,
+    when,
+)
 from app.service import Store
 from app.sessions import SESSION_COOKIE, SESSION_SECONDS, ViewerSessions
 from app.throttle import SignInLimiter
 
 log = logging.getLogger("agent_store.api")
-MAX_LOGIN_BYTES = 4096
+MAX_FORM_BYTES = 4096
 MAX_LEGACY_TURNS = 2000
+CONVERSATIONS_PER_PAGE = 25
+MESSAGES_PER_PAGE = 100
+"""A transcript longer than this is shown in pages, by `seq`."""
+SEARCH_HITS = 50
+NO_TEXT_INDEX = (
+    "This database cannot search messages: full-text search needs the store's text index, "
+    "which it does not have (MongoDB builds it at start-up; an in-process test database "
+    "has none). Browse by user instead."
+)
 _TEMPLATES = Path(__file__).resolve().parent / "templates"
 _environment = jinja2.Environment(
     loader=jinja2.FileSystemLoader(_TEMPLATES), autoescape=True, undefined=jinja2.StrictUndefined
@@ -75,6 +92,7 @@ def _client(request: Request) -> str:
 
 
 def _store_error_page(request: Request, exc: StoreError) -> Response:
+    count_store_error(request, exc)
     if exc.status >= 500:
         log.error("%s on %s %s", exc.code, request.method, request.url.path, exc_info=exc)
     return render("error.html", exc.status, code=exc.code, message=exc.message)
@@ -103,17 +121,18 @@ async def login_form(request: Request) -> Response:
     return render("login.html")
 
 
-async def _posted_token(request: Request) -> str | None:
-    """The form's token; None when the form is over `MAX_LOGIN_BYTES`."""
+async def _posted_form(request: Request) -> dict[str, str] | None:
+    """A small urlencoded form's fields (the first value of each); None over `MAX_FORM_BYTES`."""
     declared = request.headers.get("content-length", "0")
-    if not declared.isdigit() or int(declared) > MAX_LOGIN_BYTES:
+    if not declared.isdigit() or int(declared) > MAX_FORM_BYTES:
         return None
     body = b""
     async for chunk in request.stream():
         body += chunk
-        if len(body) > MAX_LOGIN_BYTES:
+        if len(body) > MAX_FORM_BYTES:
             return None
-    return parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0].strip()
+    fields = parse_qs(body.decode("utf-8", "replace"))
+    return {name: values[0].strip() for name, values in fields.items()}
 
 
 async def login(request: Request) -> Response:
@@ -125,9 +144,10 @@ async def login(request: Request) -> Response:
         limited = render("login.html", 429, problem=f"Too many wrong tokens: wait {wait} s.")
         limited.headers["Retry-After"] = str(wait)
         return limited
-    token = await _posted_token(request)
-    if token is None:
+    form = await _posted_form(request)
+    if form is None:
         return render("login.html", 413, problem="The sign-in form was too large.")
+    token = form.get("token", "")
     authenticator: Authenticator = request.app.state.authenticator
     service = authenticator.service_actor(token)
     if service is None:
@@ -177,26 +197,86 @@ async def static_file(request: Request) -> Response:
     return Response(content, media_type=_STATIC[name], headers=_SECURITY_HEADERS)
 
 
+async def _with_legacy_turns(store: Store, conversation_ids: list[str]) -> set[str]:
+    """Which conversations have legacy turns to compare with (their link is shown)."""
+    if store.legacy is None:
+        return set()
+    return await store.legacy.with_turns(conversation_ids)
+
+
 async def index(request: Request, store: Store) -> Response:
     user_id = request.query_params.get("user_id")
     if user_id:
         user_id = validate_identifier(user_id.strip(), "user_id")
         return RedirectResponse(f"/viewer/users/{quote(user_id)}", 303)
-    return render("index.html")
+    cursor = request.query_params.get("cursor")
+    page = await store.conversations.recent_conversations(
+        limit=CONVERSATIONS_PER_PAGE, cursor=cursor
+    )
+    legacy = await _with_legacy_turns(store, [c.id for c in page.data])
+    return render("index.html", page=page, legacy=legacy, paged=cursor is not None)
 
 
 async def conversations(request: Request, store: Store) -> Response:
     user_id = validate_identifier(request.path_params["user_id"], "user_id")
     cursor = request.query_params.get("cursor")
-    page = await store.conversations.list_conversations(user_id, limit=50, cursor=cursor)
-    return render("conversations.html", user_id=user_id, page=page)
+    page = await store.conversations.list_conversations(
+        user_id, limit=CONVERSATIONS_PER_PAGE, cursor=cursor
+    )
+    legacy = await _with_legacy_turns(store, [c.id for c in page.data])
+    return render("conversations.html", user_id=user_id, page=page, legacy=legacy)
+
+
+async def search(request: Request, store: Store) -> Response:
+    text = request.query_params.get("q", "").strip()
+    user_id = request.query_params.get("user_id", "").strip()
+    context: dict[str, Any] = {"q": text, "user_id": user_id, "hits": [], "note": None}
+    if not text or not user_id:
+        context["note"] = "Type words to find and the user whose messages to search."
+        return render("search.html", **context)
+    user_id = validate_identifier(user_id, "user_id")
+    try:
+        hits = await store.conversations.search(text, user_id=user_id, limit=SEARCH_HITS)
+    except Unsupported:
+        context["note"] = NO_TEXT_INDEX
+        return render("search.html", 501, **context)
+    except InvalidInput as exc:
+        context["note"] = exc.message
+        return render("search.html", 422, **context)
+    context["hits"] = [search_hit_view(hit) for hit in hits]
+    return render("search.html", **context)
+
+
+def _from_seq(request: Request) -> int:
+    raw = request.query_params.get("from_seq", "0")
+    if not raw.isdigit() or len(raw) > 15:
+        raise InvalidInput("invalid from_seq: it must be a seq, a whole number from 0")
+    return int(raw)
+
+
+async def _message_page(store: Store, conversation_id: str, from_seq: int) -> list[AgentMessage]:
+    """Up to `MESSAGES_PER_PAGE + 1` messages from `from_seq` on (one more tells of a next page).
+
+    A conversation not migrated yet has no stored messages: its converted legacy turns
+    are read whole and cut the same way.
+    """
+    page = await store.conversations.messages_by_seq(
+        conversation_id, start=from_seq, limit=MESSAGES_PER_PAGE + 1
+    )
+    if page or from_seq > 0:
+        return page
+    converted = await store.conversations.transcript(conversation_id)
+    return converted[: MESSAGES_PER_PAGE + 1]
 
 
 async def transcript(request: Request, store: Store) -> Response:
     conversation = await store.conversations.get_conversation(
         request.path_params["conversation_id"]
     )
-    messages = await store.conversations.transcript(conversation.id)
+    from_seq = _from_seq(request)
+    messages = await _message_page(store, conversation.id, from_seq)
+    pages = TranscriptPages.of(conversation.id, messages, from_seq, MESSAGES_PER_PAGE)
+    messages = messages[:MESSAGES_PER_PAGE]
     full = request.query_params.get("full") == "true"
     if full:
         messages = await store.conversations.with_full_texts(messages)
@@ -206,6 +286,25 @@ async def transcript(request: Request, store: Store) -> Response:
         conversation=conversation,
         messages=message_views(messages, pending_request_id=pending),
         full=full,
+        pages=pages,
+        has_legacy=bool(await _with_legacy_turns(store, [conversation.id])),
+    )
+
+
+async def fork(request: Request, store: Store) -> Response:
+    """ "Continue from here": a new conversation with the messages up to a seq, then its page."""
+    if not _same_origin(request):
+        message = "A fork must come from this site's own pages."
+        return render("error.html", 403, code="forbidden", message=message)
+    form = await _posted_form(request)
+    at_seq = (form or {}).get("at_seq", "")
+    if not at_seq.isdigit() or len(at_seq) > 15:
+        raise InvalidInput("invalid at_seq: it must be the seq of a message")
+    forked = await store.logger.fork(
+        request.path_params["conversation_id"], int(at_seq), str(uuid.uuid4())
+    )
+    return RedirectResponse(
+        f"/viewer/conversations/{quote(forked.conversation_id)}", 303, headers=_SECURITY_HEADERS
     )
 
 
@@ -246,7 +345,9 @@ def viewer_routes() -> list[BaseRoute]:
         Route("/viewer/static/{name}", static_file, methods=["GET"]),
         Route("/viewer", _signed_in(index), methods=["GET"]),
         Route("/viewer/users/{user_id}", _signed_in(conversations), methods=["GET"]),
+        Route("/viewer/search", _signed_in(search), methods=["GET"]),
         Route("/viewer/conversations/{conversation_id}", _signed_in(transcript), methods=["GET"]),
+        Route("/viewer/conversations/{conversation_id}/forks", _signed_in(fork), methods=["POST"]),
         Route(
             "/viewer/conversations/{conversation_id}/legacy", _signed_in(legacy), methods=["GET"]
         ),

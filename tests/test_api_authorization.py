@@ -34,11 +34,15 @@ class RouteCase:
     """What the owner's user token gets."""
     other_status: int = 404
     """What another user's token gets: hidden (404) or refused (403)."""
+    public: bool = False
+    """Answers every caller, tokens or none (probes and the API's own documents)."""
 
 
 ROUTES = {
-    "ready": RouteCase("GET", "/ready", other_status=200),
-    "openapi": RouteCase("GET", "/openapi.json", other_status=200),
+    "ready": RouteCase("GET", "/ready", public=True),
+    "openapi": RouteCase("GET", "/openapi.json", public=True),
+    "docs": RouteCase("GET", "/docs", public=True),
+    "metrics": RouteCase("GET", "/metrics", public=True),
     "list": RouteCase("GET", f"/v1/users/{OWNER}/conversations", other_status=403),
     "get": RouteCase("GET", CONV),
     "rename": RouteCase("PATCH", CONV, {"name": "Mine now"}, mutates=True),
@@ -87,6 +91,8 @@ def headers_for(caller: str) -> dict[str, str]:
 
 
 def expected_status(route: RouteCase, caller: str) -> int:
+    if route.public:
+        return 200
     if caller in ("no-token", "wrong-token", "wrong-scheme"):
         return 401
     if caller == "service":

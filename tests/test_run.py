@@ -120,21 +120,27 @@ def test_run_serves_demo_conversations_and_prints_the_urls_and_a_token(running: 
 
 
 @pytest.mark.wire
-def test_run_logs_one_audit_line_per_request_without_its_query(running: Running) -> None:
+def test_run_logs_one_json_line_per_request_without_its_query(running: Running) -> None:
     start = len(running.output)
     running.get("/v1/users/user-audited/conversations?limit=7")
     for _ in range(3):
         running.get("/health")
-    running.get("/ready")  # its audit line comes after those of every request before it
+        running.get("/ready")
+    running.get("/v1/users/user-last/conversations")  # logged after every request before it
     deadline = time.monotonic() + 10
-    while not any('"path":"/ready"' in line for line in running.output[start:]):
+    while not any("user-last" in line for line in running.output[start:]):
         assert time.monotonic() < deadline, "".join(running.output)
         time.sleep(0.05)
     printed = running.output[start:]
     mine = [line for line in printed if "user-audited" in line]
     assert len(mine) == 1, printed  # one line per request, from the audit logger only
-    assert "agent_store.audit" in mine[0]
-    assert '"path":"/v1/users/user-audited/conversations"' in mine[0]
+    line = json.loads(mine[0])  # the whole line is one JSON object
+    assert line["logger"] == "agent_store.audit"
+    assert line["path"] == "/v1/users/user-audited/conversations"
+    assert line["route"] == "/v1/users/{user_id}/conversations"
+    assert (line["status"], line["user"]) == (200, None)
+    assert line["service"].startswith("token-sha256:")
     assert not any('"GET /' in line for line in printed), printed  # no uvicorn access line
-    assert "/health" not in "".join(printed)
+    assert "/health" not in "".join(printed)  # probes are not logged
+    assert "/ready" not in "".join(printed)
     assert "limit=7" not in "".join(printed)

@@ -54,7 +54,7 @@ async def test_signing_in_sets_a_strict_httponly_cookie_that_holds_no_token(api:
     assert SERVICE_TOKEN not in cookie
     page = await api.http.get("/viewer")
     assert page.status_code == 200
-    assert "Browse a user" in page.text
+    assert "Recent conversations" in page.text
 
 
 async def test_a_wrong_token_does_not_sign_in(api: Served) -> None:

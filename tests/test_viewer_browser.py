@@ -1,20 +1,27 @@
 """The viewer in a real browser: Debian's headless Chromium against the app served by uvicorn.
 
-Screenshots land in tests/output/. A missing /usr/bin/chromium fails the test
-(`.ci/run` installs it), so the browser check never silently disappears.
+Screenshots land in tests/output/. Without /usr/bin/chromium these tests skip
+with the reason, except in CI (`CI` set, as `.ci/run` does after installing
+Chromium), where they fail: the browser check never silently disappears there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import socket
 import threading
 import time
+import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
+from starlette.applications import Starlette
 
 from app.api import create_app
 from app.service import Store
@@ -38,16 +45,20 @@ def served_url() -> Iterator[str]:
     settings = api_settings()
     store = Store.on(mongomock_db(), settings)
     asyncio.run(seed(store))  # mongomock-motor is bound to no event loop
+    yield from serve_in_thread(create_app(settings, store=store))
+
+
+def serve_in_thread(app: Starlette) -> Iterator[str]:
+    """`app` under uvicorn on a free loopback port, in a thread, until the generator closes."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings, store=store), log_level="warning", lifespan="on")
-    )
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while not server.started:
+        assert thread.is_alive(), "uvicorn stopped while starting"
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.05)
     yield f"http://127.0.0.1:{port}"
@@ -59,10 +70,13 @@ def served_url() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
     if not CHROMIUM.exists():
-        pytest.fail(
+        missing = (
             "/usr/bin/chromium is missing: install Debian's package "
             "(apt-get install -y chromium; .ci/run does it)"
         )
+        if os.environ.get("CI"):
+            pytest.fail(missing)
+        pytest.skip(missing)
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -121,4 +135,128 @@ def test_a_person_signs_in_browses_and_reads_every_role(served_url: str, browser
     page.screenshot(path=str(OUTPUT / "viewer-legacy.png"), full_page=True)
 
     assert errors == []  # e.g. a style or script blocked by the Content-Security-Policy
+    context.close()
+
+
+LONG = "conv-browser-long"
+CUT = "conv-browser-cut"
+
+
+def _post_turn(base: str, conversation_id: str, messages: list[dict[str, str]]) -> None:
+    body = json.dumps({"user_id": OWNER, "messages": messages}).encode()
+    request = urllib.request.Request(
+        f"{base}/v1/conversations/{conversation_id}/turns",
+        data=body,
+        headers={"Authorization": f"Bearer {SERVICE_TOKEN}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 201
+
+
+@pytest.fixture(scope="module")
+def wire_served_url(wire_uri: str) -> Iterator[str]:
+    """The app as deployed: it opens its own store on the wire server and loads the demo."""
+    settings = api_settings(
+        mongodb_uri=wire_uri,
+        database=f"browser_{uuid.uuid4().hex[:10]}",
+        demo_data=True,
+        max_message_bytes=4096,
+    )
+    for base in serve_in_thread(create_app(settings)):
+        messages = [{"role": "user", "content": f"Step {n} of a long session"} for n in range(230)]
+        _post_turn(base, LONG, messages)
+        _post_turn(base, CUT, [{"role": "user", "content": "a long pasted text " * 400}])
+        yield base
+
+
+def _signed_in_page(browser: object, base: str) -> tuple[Any, list[str]]:
+    from playwright.sync_api import Browser
+
+    assert isinstance(browser, Browser)
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.goto(f"{base}/viewer/login")
+    page.fill("#token", SERVICE_TOKEN)
+    page.click("main button[type=submit]")
+    page.wait_for_url(f"{base}/viewer")
+    return page, errors
+
+
+@pytest.mark.wire
+def test_a_person_starts_from_recent_conversations_searches_pages_and_forks(
+    wire_served_url: str, browser: object
+) -> None:
+    from playwright.sync_api import expect
+
+    base = wire_served_url
+    OUTPUT.mkdir(exist_ok=True)
+    page, errors = _signed_in_page(browser, base)
+
+    expect(page.locator("h1")).to_have_text("Recent conversations")
+    rows = page.locator("tr[data-conversation]")
+    expect(rows.first).to_have_attribute("data-conversation", CUT)  # the last logged first
+    assert rows.count() >= 5
+    expect(page.locator("a.legacy-link")).to_have_count(1)  # only the example has legacy turns
+    expect(
+        page.locator(f"tr[data-conversation='{OWNER_CONVERSATION}'] a.legacy-link")
+    ).to_be_visible()
+    page.screenshot(path=str(OUTPUT / "viewer-landing.png"), full_page=True)
+
+    page.fill("#q", "Paris")
+    page.fill("#search_user", OWNER)
+    page.click("form.search button[type=submit]")
+    expect(page.locator("li.hit").first).to_be_visible()
+    expect(page.locator("li.hit").first).to_have_attribute("data-conversation", OWNER_CONVERSATION)
+    page.screenshot(path=str(OUTPUT / "viewer-search.png"), full_page=True)
+
+    page.goto(f"{base}/viewer/conversations/{LONG}")
+    expect(page.locator("article.message")).to_have_count(100)
+    page.click("a[rel=next] >> nth=0")
+    expect(page).to_have_url(f"{base}/viewer/conversations/{LONG}?from_seq=100")
+    expect(page.locator("article.message").first).to_have_attribute("data-seq", "100")
+    page.screenshot(path=str(OUTPUT / "viewer-transcript-paged.png"), full_page=True)
+
+    page.goto(f"{base}/viewer/conversations/{CUT}")
+    page.click("text=show the full text")
+    expect(page.locator("article.message .content")).to_contain_text("a long pasted text " * 50)
+    expect(page.locator("text=show the full text")).to_have_count(0)
+
+    page.goto(f"{base}/viewer/conversations/{OWNER_CONVERSATION}")
+    said = page.locator("article[data-role='user']").nth(1)  # a person's message mid-way
+    seq = int(said.get_attribute("data-seq") or "")
+    said.locator("form.fork button").click()
+    expect(page.locator("p.forked")).to_contain_text(
+        f"Continued from {OWNER_CONVERSATION} at #{seq}"
+    )
+    expect(page.locator("article.message")).to_have_count(seq + 1)
+    page.screenshot(path=str(OUTPUT / "viewer-fork.png"), full_page=True)
+    assert errors == []
+
+
+def test_the_api_page_renders_every_operation_from_bundled_files(
+    served_url: str, browser: object
+) -> None:
+    from playwright.sync_api import Browser, expect
+
+    assert isinstance(browser, Browser)
+    OUTPUT.mkdir(exist_ok=True)
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    errors: list[str] = []
+    elsewhere: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on(
+        "request",
+        lambda r: None if r.url.startswith((served_url, "data:")) else elsewhere.append(r.url),
+    )
+    page.goto(f"{served_url}/docs")
+    expect(page.locator(".opblock").first).to_be_visible(timeout=20_000)
+    turns = "/v1/conversations/{conversation_id}/turns"
+    expect(page.locator(f".opblock-summary-path[data-path='{turns}']")).to_be_visible()
+    assert page.locator(".opblock").count() >= 20
+    page.screenshot(path=str(OUTPUT / "api-docs.png"), full_page=False)
+    assert errors == []  # e.g. a script blocked by the Content-Security-Policy
+    assert elsewhere == []  # no CDN: every file comes from the service
     context.close()

@@ -3,6 +3,7 @@ erasures and claims that must reach them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from bson import ObjectId
@@ -74,6 +75,16 @@ class LegacyTurns:
         conversion = with_session_prompts(conversion, prompts)
         assert conversion.conversation is not None
         return FallbackConversation(conversion.conversation, conversion.messages)
+
+    async def with_turns(self, conversation_ids: Sequence[str]) -> set[str]:
+        """Which of `conversation_ids` have legacy turns (one lookup; none for no ids)."""
+        if not conversation_ids:
+            return set()
+        with storage_errors("read the legacy turns"):
+            found = await self._turns.distinct(
+                "conversation_id", {"conversation_id": {"$in": list(conversation_ids)}}
+            )
+        return {str(conversation_id) for conversation_id in found}
 
     async def holder(self, conversation_id: str) -> LegacyHolder | None:
         """Whether the id exists as legacy turns, and their owner; None if it does not."""

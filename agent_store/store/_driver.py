@@ -26,6 +26,8 @@ They share the awaitable collection API the store uses, but no common type.
 
 DUPLICATE_KEY = 11000
 """The server's code for a duplicate-key error: the only write error the store swallows."""
+INDEX_NOT_FOUND = 27
+"""The server's code for a query that needs an index the collection lacks (`$text`)."""
 
 
 _SECRET_OPTION = re.compile(r"(?i)password|secret|token|authmechanismproperties")
@@ -69,6 +71,13 @@ def storage_errors(action: str) -> Iterator[None]:
         raise StorageUnavailable(f"could not {action}: the database timed out") from exc
     except mongo_errors.DocumentTooLarge as exc:
         raise InvalidInput(f"could not {action}: a document is too large") from exc
+    except mongo_errors.OperationFailure as exc:
+        if exc.code == INDEX_NOT_FOUND:
+            raise Unsupported(
+                f"could not {action}: the database lacks the index it needs "
+                "(a full-text search needs the store's text index)"
+            ) from exc
+        raise StorageFailure(f"could not {action}: the database refused the operation") from exc
     except mongo_errors.PyMongoError as exc:
         raise StorageFailure(f"could not {action}: the database refused the operation") from exc
     except NotImplementedError as exc:

@@ -42,6 +42,8 @@ INDEXES: dict[str, list[IndexModel]] = {
     ],
     CONVERSATIONS: [
         IndexModel([("user_id", ASCENDING), ("updated_at", DESCENDING), ("_id", DESCENDING)]),
+        # Every user's conversations, most recent first (the viewer's landing page).
+        IndexModel([("updated_at", DESCENDING), ("_id", DESCENDING)]),
     ],
     # The two indexes GridFS drivers expect on a bucket.
     BLOB_FILES: [IndexModel([("filename", ASCENDING), ("uploadDate", ASCENDING)])],

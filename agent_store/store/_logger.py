@@ -140,6 +140,10 @@ class AgentMessageLogger:
         self._legacy = legacy
         self._full_texts = FullTextStore(db)
 
+    def add_observer(self, observer: TurnObserver) -> None:
+        """Tell `observer` too of every turn stored from now on (e.g. a service's metrics)."""
+        self._observers += (observer,)
+
     async def ensure_indexes(self) -> None:
         """Create the store's indexes (idempotent; retried after a failure)."""
         await self._indexes.ensure()

@@ -162,8 +162,18 @@ class ConversationStore:
     ) -> ConversationPage:
         """A user's conversations, most recently updated first."""
         user_id = validate_identifier(user_id, "user_id")
+        return await self._conversation_page({"user_id": user_id}, limit, cursor)
+
+    async def recent_conversations(
+        self, *, limit: int = 20, cursor: str | None = None
+    ) -> ConversationPage:
+        """Every user's conversations, most recently updated first (an operator's view)."""
+        return await self._conversation_page({}, limit, cursor)
+
+    async def _conversation_page(
+        self, query: dict[str, Any], limit: int, cursor: str | None
+    ) -> ConversationPage:
         limit = _page_size(limit)
-        query: dict[str, Any] = {"user_id": user_id}
         if cursor is not None:
             updated_at, last_id = decode_cursor(cursor)
             query["$or"] = [
@@ -374,9 +384,11 @@ class ConversationStore:
         *,
         start: int = 0,
         stop: int | None = None,
+        limit: int | None = None,
         user_id: str | None = None,
     ) -> list[AgentMessage]:
-        """The stored messages with `start <= seq < stop` (to the end without `stop`), by `seq`.
+        """The stored messages with `start <= seq < stop` (to the end without `stop`), by `seq`;
+        the first `limit` of them when given (a page of a long transcript).
 
         One range scan of the `{conversation_id, seq}` index, for callers that keep a
         position in the transcript (the LangGraph checkpointer). A `seq` reserved but not
@@ -393,10 +405,13 @@ class ConversationStore:
         }
         if user_id is not None:
             query["user_id"] = validate_identifier(user_id, "user_id")
+        if limit is not None and limit < 1:
+            raise InvalidInput(f"invalid limit {limit}: it must be at least 1")
+        found = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
+        if limit is not None:
+            found = found.limit(limit)
         with storage_errors("read messages"):
-            docs = await (
-                self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH).to_list(None)
-            )
+            docs = await found.to_list(None)
         return messages_adapter.validate_python(docs)
 
     async def messages_page(

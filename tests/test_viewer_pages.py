@@ -1,0 +1,243 @@
+"""The viewer starts somewhere: recent conversations, searches, paged transcripts, forks."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from markupsafe import escape
+from pymongo.errors import OperationFailure
+
+from agent_store.core import Unsupported
+from agent_store.store import storage_errors
+from app.demo import OTHER_USER_ID
+from app.viewer import CONVERSATIONS_PER_PAGE, MESSAGES_PER_PAGE, NO_TEXT_INDEX
+from tests.api_harness import (
+    OWNER,
+    OWNER_CONVERSATION,
+    OWNER_HITL_CONVERSATION,
+    SERVICE_TOKEN,
+    Served,
+    api_settings,
+    mongomock_db,
+    serve,
+)
+from tests.conftest import Backend
+
+SAME_ORIGIN = {"Origin": "http://test"}
+
+
+async def signed_in(api: Served) -> httpx.AsyncClient:
+    response = await api.http.post(
+        "/viewer/login", data={"token": SERVICE_TOKEN}, headers=SAME_ORIGIN
+    )
+    assert response.status_code == 303
+    return api.http
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[Served]:
+    async with serve(mongomock_db(), api_settings(max_message_bytes=4096)) as served:
+        await signed_in(served)
+        yield served
+
+
+def rows(html: str) -> list[str]:
+    return re.findall(r'<tr data-conversation="([^"]+)"', html)
+
+
+def legacy_links(html: str) -> set[str]:
+    return set(re.findall(r'href="/viewer/conversations/([^"/]+)/legacy"', html))
+
+
+def seqs(html: str) -> list[int]:
+    return [
+        int(seq) for seq in re.findall(r'<article class="message[^"]*"[^>]*data-seq="(\d+)"', html)
+    ]
+
+
+async def test_the_landing_page_lists_every_users_recent_conversations(api: Served) -> None:
+    page = await api.http.get("/viewer")
+    assert page.status_code == 200
+    listed = rows(page.text)
+    assert OWNER_CONVERSATION in listed
+    assert OWNER_HITL_CONVERSATION in listed
+    assert f'href="/viewer/users/{OTHER_USER_ID}"' in page.text  # another user's, with its owner
+    assert 'id="user_id"' in page.text  # find a user
+    assert 'action="/viewer/search"' in page.text  # search messages
+
+
+async def test_recent_conversations_come_in_pages_most_recent_first(api: Served) -> None:
+    for n in range(CONVERSATIONS_PER_PAGE + 5):
+        await api.store.logger.log_messages(
+            f"conv-many-{n:02d}", [{"role": "user", "content": f"hello {n}"}], user_id="user-many"
+        )
+    first = await api.http.get("/viewer")
+    listed = rows(first.text)
+    assert len(listed) == CONVERSATIONS_PER_PAGE
+    newest = [f"conv-many-{n:02d}" for n in range(CONVERSATIONS_PER_PAGE + 4, 4, -1)]
+    assert listed == newest  # the last logged first
+    cursor = re.search(r'href="\?cursor=([^"]+)"', first.text)
+    assert cursor, "no link to older conversations"
+    second = await api.http.get(f"/viewer?cursor={cursor.group(1)}")
+    older = rows(second.text)
+    assert older[:5] == [f"conv-many-{n:02d}" for n in range(4, -1, -1)]
+    assert not set(older) & set(listed)
+    assert 'href="/viewer">' in second.text  # back to the most recent
+
+
+async def test_the_legacy_link_shows_only_where_legacy_turns_exist(api: Served) -> None:
+    for url in ("/viewer", f"/viewer/users/{OWNER}"):
+        page = await api.http.get(url)
+        assert legacy_links(page.text) == {OWNER_CONVERSATION}, url
+    with_legacy = await api.http.get(f"/viewer/conversations/{OWNER_CONVERSATION}")
+    assert "compare with legacy turns" in with_legacy.text
+    without = await api.http.get(f"/viewer/conversations/{OWNER_HITL_CONVERSATION}")
+    assert "compare with legacy turns" not in without.text
+
+
+async def test_a_long_transcript_is_paged_by_seq(api: Served) -> None:
+    total = 2 * MESSAGES_PER_PAGE + 50
+    messages = [{"role": "user", "content": f"message {n}"} for n in range(total)]
+    await api.store.logger.log_messages("conv-long", messages, user_id=OWNER, turn_id="t-long")
+    first = await api.http.get("/viewer/conversations/conv-long")
+    assert seqs(first.text) == list(range(MESSAGES_PER_PAGE))
+    assert 'rel="prev"' not in first.text
+    later = re.search(r'rel="next" href="([^"]+)"', first.text)
+    assert later
+    assert later.group(1).endswith(f"?from_seq={MESSAGES_PER_PAGE}")
+    second = await api.http.get(later.group(1))
+    assert seqs(second.text) == list(range(MESSAGES_PER_PAGE, 2 * MESSAGES_PER_PAGE))
+    assert re.search(r'rel="prev" href="[^"]+\?from_seq=0"', second.text)
+    last = await api.http.get(f"/viewer/conversations/conv-long?from_seq={2 * MESSAGES_PER_PAGE}")
+    assert seqs(last.text) == list(range(2 * MESSAGES_PER_PAGE, total))
+    assert 'rel="next"' not in last.text
+    bad = await api.http.get("/viewer/conversations/conv-long?from_seq=-1")
+    assert bad.status_code == 422
+    assert "from_seq" in bad.text
+
+
+async def test_a_short_transcript_has_no_pages(api: Served) -> None:
+    page = await api.http.get(f"/viewer/conversations/{OWNER_CONVERSATION}")
+    assert len(seqs(page.text)) == 12
+    assert 'aria-label="Pages"' not in page.text
+
+
+async def test_a_truncated_field_offers_its_full_text_where_the_store_kept_it(api: Served) -> None:
+    whole = "word " * 3000  # over max_message_bytes (4096): stored cut, kept whole aside
+    await api.store.logger.log_messages(
+        "conv-cut", [{"role": "user", "content": whole}], user_id=OWNER, turn_id="t-cut"
+    )
+    cut = await api.http.get("/viewer/conversations/conv-cut")
+    assert "Truncated: content" in cut.text
+    link = re.search(r'href="([^"]+full=true)">show the full text', cut.text)
+    assert link, cut.text
+    full = await api.http.get(link.group(1).replace("&amp;", "&"))
+    assert whole.strip() in full.text
+    assert "show the full text" not in full.text
+
+
+async def test_continue_from_here_forks_the_conversation_at_that_message(api: Served) -> None:
+    page = await api.http.get(f"/viewer/conversations/{OWNER_CONVERSATION}")
+    assert page.text.count("Continue from here") == 12
+    forked = await api.http.post(
+        f"/viewer/conversations/{OWNER_CONVERSATION}/forks",
+        data={"at_seq": "3"},
+        headers=SAME_ORIGIN,
+    )
+    assert forked.status_code == 303
+    new_id = forked.headers["location"].removeprefix("/viewer/conversations/")
+    assert new_id != OWNER_CONVERSATION
+    copy = await api.store.conversations.get_conversation(new_id)
+    assert copy.user_id == OWNER  # the fork keeps the owner
+    assert copy.forked_from is not None
+    assert (copy.forked_from.conversation_id, copy.message_count) == (OWNER_CONVERSATION, 4)
+    shown = await api.http.get(forked.headers["location"])
+    assert "Continued from" in shown.text
+    assert seqs(shown.text) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("headers", "form"),
+    [
+        pytest.param({"Origin": "https://evil.example"}, {"at_seq": "3"}, id="another-site"),
+        pytest.param(SAME_ORIGIN, {"at_seq": "three"}, id="not-a-seq"),
+    ],
+)
+async def test_a_fork_from_elsewhere_or_without_a_seq_writes_nothing(
+    api: Served, headers: dict[str, str], form: dict[str, str]
+) -> None:
+    before = await api.digest()
+    response = await api.http.post(
+        f"/viewer/conversations/{OWNER_CONVERSATION}/forks", data=form, headers=headers
+    )
+    assert response.status_code in (403, 422)
+    assert await api.digest() == before
+
+
+async def test_a_fork_needs_a_session(api: Served) -> None:
+    api.http.cookies.clear()
+    response = await api.http.post(
+        f"/viewer/conversations/{OWNER_CONVERSATION}/forks",
+        data={"at_seq": "3"},
+        headers=SAME_ORIGIN,
+    )
+    assert (response.status_code, response.headers["location"]) == (303, "/viewer/login")
+
+
+async def search_page(api: Served, **query: str) -> httpx.Response:
+    return await api.http.get("/viewer/search", params=query)
+
+
+async def test_full_text_search_lists_the_matching_messages(backend: Backend) -> None:
+    backend.skip_if_lacking("text_search")
+    async with serve(backend.db) as api:
+        await signed_in(api)
+        response = await search_page(api, q="Paris", user_id=OWNER)
+    assert response.status_code == 200, response.text
+    hits = re.findall(
+        r'<li class="hit" data-conversation="([^"]+)" data-seq="(\d+)"', response.text
+    )
+    assert hits
+    assert {conversation for conversation, _ in hits} == {OWNER_CONVERSATION}
+    assert "Paris" in response.text
+    assert f"?from_seq={hits[0][1]}#seq-{hits[0][1]}" in response.text
+
+
+async def test_a_database_without_a_text_index_gets_a_clear_note(
+    api: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_text_index(**_: object) -> Unsupported:
+        try:
+            with storage_errors("search messages"):
+                raise OperationFailure("text index required for $text query", code=27)
+        except Unsupported as exc:
+            return exc
+        raise AssertionError("storage_errors did not translate IndexNotFound")
+
+    async def search(*args: object, **kwargs: object) -> None:
+        raise no_text_index()
+
+    monkeypatch.setattr(api.store.conversations, "search", search)
+    response = await search_page(api, q="Paris", user_id=OWNER)
+    assert response.status_code == 501
+    assert str(escape(NO_TEXT_INDEX)) in response.text
+
+
+@pytest.mark.parametrize(
+    ("query", "status", "says"),
+    [
+        pytest.param({"q": "Paris"}, 200, "Type words to find", id="no-user"),
+        pytest.param({"q": "-paris", "user_id": OWNER}, 422, "at least one word", id="excluded"),
+        pytest.param({"q": "x", "user_id": "not a user"}, 422, "user_id", id="bad-user"),
+    ],
+)
+async def test_a_search_that_cannot_run_says_what_is_missing(
+    api: Served, query: dict[str, Any], status: int, says: str
+) -> None:
+    response = await search_page(api, **query)
+    assert response.status_code == status, response.text
+    assert says in response.text
