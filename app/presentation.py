@@ -14,7 +14,7 @@ from typing import Any
 
 from agent_store.core import AgentMessage
 from agent_store.legacy import normalize_part
-from agent_store.store import SearchHit, message_text, shorten
+from agent_store.store import DERIVED_FIELDS, SearchHit, message_text, shorten
 from app.json_body import nests_deeper_than
 
 SNIPPET_CHARS = 300
@@ -120,6 +120,16 @@ class MessageView:
     """Some cut field's whole text is kept: the transcript can show it (`?full=true`)."""
 
 
+def _cut_fields(message: AgentMessage) -> list[str]:
+    """The fields a reader sees that were cut, with their lengths (derived ones are not seen)."""
+    return [
+        f"{path} (was {v if isinstance(v, int) else v.length} characters"
+        + (", kept whole)" if not isinstance(v, int) and v.blob_id else ")")
+        for path, v in (message.truncated or {}).items()
+        if path not in DERIVED_FIELDS
+    ]
+
+
 def message_views(
     messages: Sequence[AgentMessage], *, pending_request_id: str | None = None
 ) -> list[MessageView]:
@@ -169,11 +179,7 @@ def message_views(
                 usage=usage_text(
                     m.token_usage.model_dump() if m.token_usage else None, m.latency_ms
                 ),
-                truncated=[
-                    f"{path} (was {v if isinstance(v, int) else v.length} characters"
-                    + (", kept whole)" if not isinstance(v, int) and v.blob_id else ")")
-                    for path, v in (m.truncated or {}).items()
-                ],
+                truncated=_cut_fields(m),
                 kept_whole=any(
                     not isinstance(v, int) and v.blob_id for v in (m.truncated or {}).values()
                 ),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -143,8 +142,6 @@ async def test_a_conversation_not_migrated_yet_is_streamed_from_its_legacy_turns
 def big_database() -> Iterator[str]:
     """A wire server in a child process (its memory is not this process's), holding
     conversations of 2 MB and 20 MB in 50 KB messages; yields its URI."""
-    if sys.version_info < (3, 13):
-        pytest.skip("the wire server needs Python 3.13+")
     server, uri = start_wire_server()
 
     async def seed() -> None:

@@ -27,7 +27,7 @@ from agent_store.integrations.langgraph import CHECKPOINTS, REWRITTEN, AgentStor
 from agent_store.store import CONVERSATIONS, MESSAGES
 from scripts.langgraph_agent import comparable, question, tool_agent
 from tests.api_harness import SERVICE_TOKEN, serve
-from tests.conftest import WIRE_AVAILABLE, Backend
+from tests.conftest import Backend
 
 TURNS = 50
 
@@ -47,7 +47,7 @@ async def run_turns(graph: Any, config: dict[str, Any], turns: range) -> None:
 # Fifty turns write ~900 documents: one wire driver is enough at the wire server's pace.
 @pytest.mark.parametrize(
     "backend",
-    ["mongomock", *([pytest.param("wire", marks=pytest.mark.wire)] if WIRE_AVAILABLE else [])],
+    ["mongomock", pytest.param("wire", marks=pytest.mark.wire)],
     indirect=True,
 )
 async def test_fifty_turns_end_in_the_state_langgraphs_in_memory_saver_gives(

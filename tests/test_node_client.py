@@ -27,10 +27,7 @@ import pytest
 
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID
 
-pytestmark = [
-    pytest.mark.wire,
-    pytest.mark.skipif(sys.version_info < (3, 13), reason="the embedded server needs Python 3.13+"),
-]
+pytestmark = pytest.mark.wire  # the embedded server (Python 3.13+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = ROOT / "clients" / "typescript"

@@ -24,7 +24,7 @@ from pymongo.errors import AutoReconnect
 from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, StorageUnavailable
 from agent_store.store import plan_turn
 from app.examples import example_turns
-from tests.conftest import WIRE_AVAILABLE, Backend
+from tests.conftest import Backend
 
 CID = "conv-reliability"
 
@@ -110,7 +110,6 @@ async def test_the_same_turn_logged_by_two_writers_at_once_is_stored_once(
 
 
 @pytest.mark.wire
-@pytest.mark.skipif(not WIRE_AVAILABLE, reason="the wire server needs Python 3.13+")
 async def test_writers_on_separate_connections_share_one_seq_sequence(wire_uri: str) -> None:
     """Three clients (as three pods) log 4 turns each into one conversation, all at once."""
     clients = [AsyncMongoClient(wire_uri, tz_aware=True) for _ in range(3)]

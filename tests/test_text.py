@@ -6,6 +6,7 @@ import pytest
 
 from agent_store import Truncation
 from agent_store.store import (
+    TRUNCATION_MARK,
     RuntimeContextMarkers,
     blob_id,
     bound,
@@ -161,6 +162,46 @@ def test_cut_tool_arguments_stay_a_json_string() -> None:
     assert "truncated_arguments" in json.loads(bounded.tool_calls[0].function.arguments)
     assert bounded.truncated is not None
     assert "tool_calls.0.function.arguments" in bounded.truncated
+
+
+def test_a_message_just_over_its_bound_keeps_most_of_its_text_visible_and_searchable() -> None:
+    """A 7.6 kB question under a 4 kB bound once kept none of its content."""
+    text = "word " * 1520
+    (message,) = plan_turn("c", [{"role": "user", "content": text}], turn_id="t").messages
+    bounded = bound_message(message, max_bytes=4096)
+    assert document_size(bounded.model_dump(by_alias=True)) <= 4096
+    assert bounded.content is not None
+    assert bounded.search_text is not None
+    shown = bounded.content.removesuffix(TRUNCATION_MARK)
+    assert len(shown) > 4096 // 3, "the bound is shared by the text and its search copy"
+    assert text.startswith(shown)
+    assert bounded.search_text.removesuffix(TRUNCATION_MARK) == shown  # the same words
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        pytest.param({"quote": '"' * 100_000}, id="escaped-twice-as-long"),
+        pytest.param({"control": "\x01" * 30_000}, id="escaped-six-times-as-long"),
+        pytest.param({"a": "x" * 9_000, "b": "é" * 9_000}, id="two-byte-characters"),
+    ],
+)
+def test_a_cut_message_fits_its_bound_whatever_its_text_escapes_to(
+    arguments: dict[str, str],
+) -> None:
+    (message,) = parse_messages(
+        [
+            {
+                "role": "assistant",
+                "content": "Calling the tool." * 500,
+                "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": arguments}}],
+            }
+        ]
+    )
+    bounded = bound_message(message, max_bytes=16 * 1024)
+    assert document_size(bounded.model_dump(by_alias=True)) <= 16 * 1024
+    assert bounded.truncated is not None
+    assert {"content", "tool_calls.0.function.arguments"} <= set(bounded.truncated)
 
 
 @pytest.mark.parametrize(

@@ -57,6 +57,8 @@ from agent_store.store._text import (
 )
 from agent_store.store._truncation import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    DERIVED_FIELDS,
+    TRUNCATION_MARK,
     BoundedMessage,
     FullText,
     blob_id,
@@ -85,6 +87,7 @@ __all__ = [
     "CONVERSATIONS",
     "DEFAULT_MARKERS",
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "DERIVED_FIELDS",
     "DUPLICATE_KEY",
     "ELLIPSIS",
     "INDEXES",
@@ -96,6 +99,7 @@ __all__ = [
     "PENDING_CALLS_KEPT",
     "SHARD_KEYS",
     "TEXT_INDEX",
+    "TRUNCATION_MARK",
     "AgentMessageLogger",
     "BoundedMessage",
     "Claimed",

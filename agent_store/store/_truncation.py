@@ -20,8 +20,8 @@ from agent_store.core import AgentMessage, InvalidInput, Truncation, message_ada
 
 DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024
 TRUNCATION_MARK = "\n…[truncated]"
-# Room left for the marks and field names a cut adds.
-_SLACK_BYTES = 4096
+_MARGIN_BYTES = 64
+"""Cut this much more per text than a document is over: room for the mark of a cut."""
 DERIVED_FIELDS = frozenset({"search_text"})
 """Fields computed from the others: cut without keeping a copy."""
 
@@ -70,7 +70,7 @@ def _wide_int_path(value: Any, path: str = "") -> str:
 
 
 def _text_fields(doc: dict[str, Any]) -> list[tuple[str, str]]:
-    """(path, text) of every free-text field a message can carry, largest first."""
+    """(path, text) of every free-text field a message can carry."""
     found: list[tuple[str, str]] = []
     for path in ("content", "search_text", "upload.parsed_text", "error.message"):
         head, _, tail = path.partition(".")
@@ -84,13 +84,12 @@ def _text_fields(doc: dict[str, Any]) -> list[tuple[str, str]]:
     if doc.get("hitl_action"):
         params = json.dumps(doc["hitl_action"]["params"], ensure_ascii=False, default=str)
         found.append(("hitl_action.params", params))
-    # Largest first, by characters: encoding megabytes only to sort them costs more than it tells.
-    return sorted(found, key=lambda item: len(item[1]), reverse=True)
+    return found
 
 
-def _cut(data: bytes, max_bytes: int) -> str:
-    budget = max(max_bytes - len(TRUNCATION_MARK.encode()), 0)
-    return data[:budget].decode(errors="ignore") + TRUNCATION_MARK
+def _cut(data: bytes, keep: int) -> str:
+    """The first `keep` bytes of a text (never half a character) and the mark of a cut."""
+    return data[:keep].decode(errors="ignore") + TRUNCATION_MARK
 
 
 def put_text(doc: dict[str, Any], path: str, text: str, *, cut: bool) -> None:
@@ -110,7 +109,12 @@ def put_text(doc: dict[str, Any], path: str, text: str, *, cut: bool) -> None:
 
 def bound(message: AgentMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> BoundedMessage:
     """The message as it is if it fits in `max_bytes` of BSON, else a cut copy and the whole
-    texts it lost (every cut field but `search_text`, which is derived)."""
+    texts it lost (every cut field but `search_text`, which is derived).
+
+    Texts are cut to one common length, the longest that fits: every text longer than it
+    keeps its first that many bytes. So a message just over the bound keeps nearly all of
+    its text, and the searchable part of a cut message is the part a reader sees.
+    """
     doc = message.model_dump(by_alias=True)
     try:
         size = document_size(doc)
@@ -120,24 +124,53 @@ def bound(message: AgentMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> 
         ) from exc
     if size <= max_bytes:
         return BoundedMessage(message)
+    texts = dict(_text_fields(doc))
+    encoded = {path: text.encode() for path, text in texts.items()}
     truncated: dict[str, Truncation | int] = dict(message.truncated or {})
-    full_texts: list[FullText] = []
-    for path, text in _text_fields(doc):
-        if size <= max_bytes:
-            break
-        data = text.encode()
-        keep = max(len(data) - (size - max_bytes) - _SLACK_BYTES, 0)
-        put_text(doc, path, _cut(data, keep), cut=True)
-        kept = None
-        if path not in DERIVED_FIELDS and message.id is not None:
-            kept = blob_id(message.id, path)
-            full_texts.append(
-                FullText(kept, message.conversation_id, message.id, path, text, message.created_at)
-            )
-        truncated[path] = Truncation(length=len(text), blob_id=kept)
+    cut: set[str] = set()
+    reduction, length = 0, None
+    while size > max_bytes and length != 0:
+        # Usually once; again when escaping or the `truncated` map took more room.
+        reduction += size - max_bytes + _MARGIN_BYTES * len(encoded)
+        length = common_length([len(data) for data in encoded.values()], reduction)
+        for path, data in encoded.items():
+            if len(data) > length:
+                put_text(doc, path, _cut(data, length), cut=True)
+                cut.add(path)
+                kept = None if path in DERIVED_FIELDS or message.id is None else message.id
+                truncated[path] = Truncation(
+                    length=len(texts[path]), blob_id=kept and blob_id(kept, path)
+                )
+        doc["truncated"] = {
+            path: entry.model_dump() if isinstance(entry, Truncation) else entry
+            for path, entry in truncated.items()
+        }
         size = document_size(doc)
-    doc["truncated"] = {path: entry for path, entry in truncated.items()}
-    return BoundedMessage(message_adapter.validate_python(doc), tuple(full_texts))
+    return _kept_whole(message, doc, {path: texts[path] for path in cut})
+
+
+def _kept_whole(message: AgentMessage, doc: dict[str, Any], cut: dict[str, str]) -> BoundedMessage:
+    """The cut message and the whole texts of its cut fields but derived ones."""
+    at, conversation_id, message_id = message.created_at, message.conversation_id, message.id
+    full_texts = tuple(
+        FullText(blob_id(message_id, path), conversation_id, message_id, path, text, at)
+        for path, text in cut.items()
+        if path not in DERIVED_FIELDS and message_id is not None
+    )
+    return BoundedMessage(message_adapter.validate_python(doc), full_texts)
+
+
+def common_length(lengths: list[int], reduction: int) -> int:
+    """The longest length L such that cutting every length over L to L removes `reduction`."""
+    ordered = sorted(lengths, reverse=True)
+    total = 0
+    for count, longest in enumerate(ordered, start=1):
+        total += longest
+        length = (total - reduction) // count
+        following = ordered[count] if count < len(ordered) else 0
+        if length >= following:
+            return max(length, 0)
+    return 0
 
 
 def bound_message(
