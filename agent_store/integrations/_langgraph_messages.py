@@ -26,15 +26,12 @@ from langchain_core.messages import (
 from agent_store.core import (
     AgentMessage,
     AssistantMessage,
-    FunctionCall,
-    TokenUsage,
-    ToolCall,
     UserMessage,
-    outcome_error,
     tool_outcome,
 )
 from agent_store.core import SystemMessage as StoredSystemMessage
 from agent_store.core import ToolMessage as StoredToolMessage
+from agent_store.integrations._langchain_messages import chat_message
 
 WHOLE = "whole"
 """The extras key holding a whole message, when its fields alone would not rebuild it."""
@@ -52,51 +49,11 @@ def to_stored(message: BaseMessage) -> AgentMessage | None:
     """The store's message for a LangChain message, or None when the format cannot hold it."""
     if type(message) not in MAPPED_CLASSES:
         return None
-    text = content_text(message.content)
-    if isinstance(message, HumanMessage):
-        return UserMessage(content=text)
-    if isinstance(message, SystemMessage):
-        return StoredSystemMessage(content=text)
-    if isinstance(message, ToolMessage):
-        failed = message.status == "error"
-        return StoredToolMessage(
-            tool_call_id=message.tool_call_id,
-            content=text,
-            error=outcome_error("failed") if failed else None,
-        )
-    assert isinstance(message, AIMessage)
-    calls = [
-        ToolCall(
-            id=call.get("id") or f"call-{message.id}-{index}",
-            function=FunctionCall(name=call["name"], arguments=_arguments(call["args"])),
-        )
-        for index, call in enumerate(message.tool_calls)
-    ]
-    usage = message.usage_metadata
-    return AssistantMessage(
-        content=text if text or not calls else None,
-        tool_calls=calls or None,
-        token_usage=(
-            TokenUsage(input_tokens=usage["input_tokens"], output_tokens=usage["output_tokens"])
-            if usage
-            else None
-        ),
+    return chat_message(
+        message,
+        call_id=lambda index, call: call.get("id") or f"call-{message.id}-{index}",
+        arguments=_arguments,
     )
-
-
-def content_text(content: str | list[str | dict[str, Any]]) -> str:
-    """The text of a message's content: text blocks joined, other blocks as `[kind]` notes."""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for block in content:
-        if isinstance(block, str):
-            parts.append(block)
-        elif block.get("type") == "text" and isinstance(block.get("text"), str):
-            parts.append(block["text"])
-        else:
-            parts.append(f"[{block.get('type', 'block')}]")
-    return "\n".join(parts)
 
 
 def _arguments(args: Any) -> str:

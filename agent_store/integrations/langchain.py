@@ -49,21 +49,17 @@ from pymongo.database import Database as SyncPyMongoDatabase
 
 from agent_store.core import (
     AgentMessage,
-    AssistantMessage,
-    FunctionCall,
     InvalidInput,
     NotFound,
     SystemMessage,
-    TokenUsage,
-    ToolCall,
     ToolMessage,
     Unsupported,
     UserMessage,
     describe_validation_error,
-    outcome_error,
     tool_outcome,
 )
 from agent_store.integrations._appends import Appends
+from agent_store.integrations._langchain_messages import chat_message
 from agent_store.integrations._native import native_form, with_native
 from agent_store.integrations._sync_driver import SyncDatabase, run_sync
 from agent_store.store import (
@@ -102,7 +98,7 @@ def message_from_langchain(
             )
     native = message.model_dump(mode="json")
     try:
-        stored = _chat_message(message)
+        stored = chat_message(message, call_id=lambda _, call: call["id"] or "")
     except ValidationError as exc:
         subject = f"message {index} ({message.type})"
         raise InvalidInput(describe_validation_error(exc, subject=subject)) from exc
@@ -114,51 +110,6 @@ def message_from_langchain(
     rebuilt = _rebuilt(stored)
     assert rebuilt is not None
     return with_native(stored, FORMAT, native, rebuilt.model_dump(mode="json"))
-
-
-def _chat_message(message: BaseMessage) -> AgentMessage | None:
-    text = _text_of(message.content)
-    if isinstance(message, HumanMessage):
-        return UserMessage(content=text)
-    if isinstance(message, LangChainSystemMessage):
-        return SystemMessage(content=text)
-    if isinstance(message, LangChainToolMessage):
-        failed = outcome_error("failed") if message.status == "error" else None
-        return ToolMessage(tool_call_id=message.tool_call_id, content=text, error=failed)
-    if isinstance(message, AIMessage):
-        calls = [
-            ToolCall(
-                id=call["id"] or "",
-                function=FunctionCall(name=call["name"], arguments=call["args"]),
-            )
-            for call in message.tool_calls
-        ]
-        usage = message.usage_metadata
-        return AssistantMessage(
-            content=None if calls and not text else text,
-            tool_calls=calls or None,
-            token_usage=TokenUsage(
-                input_tokens=usage["input_tokens"], output_tokens=usage["output_tokens"]
-            )
-            if usage
-            else None,
-        )
-    return None
-
-
-def _text_of(content: str | list[Any]) -> str:
-    """The readable text of LangChain content: a string, or its text blocks and `[type]` notes."""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for block in content:
-        if isinstance(block, str):
-            texts.append(block)
-        elif isinstance(block, dict) and block.get("type") == "text":
-            texts.append(str(block.get("text", "")))
-        else:
-            texts.append(f"[{block.get('type') if isinstance(block, dict) else 'block'}]")
-    return "\n".join(texts)
 
 
 def _visible(content: str | list[Any], markers: RuntimeContextMarkers) -> str | list[Any]:
