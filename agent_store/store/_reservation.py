@@ -16,6 +16,7 @@ from agent_store.store._turns import PENDING_CALLS_KEPT, KeepPendingHitl, TurnPl
 
 SUMMARY: dict[str, Any] = {"turns": 0}
 """What a reservation returns: the conversation without its turn records."""
+RESERVED = SUMMARY
 
 
 @dataclass(frozen=True)
