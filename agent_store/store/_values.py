@@ -39,19 +39,31 @@ def _joined(text: str, where: str) -> str:
 
 
 def storable(value: Any, where: str) -> Any:
-    """`value` with every string (keys included) joined as `_joined` does; containers copied.
+    """`value` with every string (keys included) joined as `_joined` does.
 
-    Raises InvalidInput naming the path of a string that cannot be stored.
+    Containers are copied only where a string changed (a split pair joined); ASCII text,
+    nearly all of it, is passed by one C-level check. Raises InvalidInput naming the path
+    of a string that cannot be stored.
     """
     if isinstance(value, str):
-        return _joined(value, where)
+        return value if value.isascii() else _joined(value, where)
     if isinstance(value, Mapping):
-        return {
-            storable(key, f"{where} key"): storable(item, f"{where}.{key}")
-            for key, item in value.items()
-        }
+        changed: dict[Any, Any] | None = None if type(value) is dict else {}
+        for index, (key, item) in enumerate(value.items()):
+            new_key = key if type(key) is not str or key.isascii() else _joined(key, f"{where} key")
+            new_item = item if type(item) is str and item.isascii() else None
+            if new_item is None:
+                new_item = storable(item, f"{where}.{key}")
+            if changed is None and (new_key is not key or new_item is not item):
+                changed = dict(list(value.items())[:index])
+            if changed is not None:
+                changed[new_key] = new_item
+        return value if changed is None else changed
     if isinstance(value, list | tuple):
-        return [storable(item, f"{where}.{index}") for index, item in enumerate(value)]
+        items = [storable(item, f"{where}.{index}") for index, item in enumerate(value)]
+        if type(value) is list and all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        return items
     return value
 
 
