@@ -6,6 +6,7 @@ shows a working product; set AGENT_STORE_DEMO_DATA=false to start empty.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import secrets
@@ -15,6 +16,11 @@ import uvicorn
 from app.api import create_app
 from app.examples import EXAMPLE_USER_ID
 from app.settings import Settings
+
+
+def event_loop() -> str:
+    """uvloop when it is installed (`pip install '.[uvloop]'`), else asyncio's own loop."""
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
 def main() -> None:
@@ -35,7 +41,8 @@ def main() -> None:
     print(f"  Viewer: {base}/viewer  (sign in with the token)")
     if settings.demo_data:
         print("  Demo conversations are loaded if the store is empty.")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port)
+    print(f"  Event loop: {event_loop()}")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, loop=event_loop())
 
 
 if __name__ == "__main__":

@@ -81,3 +81,22 @@ def test_run_serves_demo_conversations_and_prints_the_url_and_a_token(tmp_path: 
         process.wait(20)
         if process.stdout is not None:
             process.stdout.close()
+
+
+@pytest.mark.parametrize(
+    ("installed", "loop"), [(True, "uvloop"), (False, "asyncio")], ids=["uvloop", "no-uvloop"]
+)
+def test_python_m_app_runs_on_uvloop_when_it_is_installed(
+    monkeypatch: pytest.MonkeyPatch, installed: bool, loop: str
+) -> None:
+    import app.__main__ as entry
+
+    served: dict[str, object] = {}
+    monkeypatch.setattr(entry.uvicorn, "run", lambda app, **options: served.update(options))
+    monkeypatch.setenv("AGENT_STORE_SERVICE_TOKENS", '["a-token"]')
+    if not installed:
+        monkeypatch.setitem(sys.modules, "uvloop", None)  # as if it were not installed
+
+    entry.main()
+
+    assert served["loop"] == loop
