@@ -23,6 +23,7 @@ from pymongo import AsyncMongoClient, monitoring
 from agent_store import AgentMessageLogger
 from agent_store.core import message_adapter, messages_adapter
 from agent_store.core._models import _MessageBase
+from agent_store.store._text import search_text
 from app.examples import example_turns
 
 CID = "cost-1"
@@ -212,3 +213,26 @@ def test_the_cheap_size_bound_is_never_below_the_encoded_size(
             size_bound(document)
         return
     assert size_bound(document) >= exact
+
+
+@settings(max_examples=200, deadline=None)
+@given(_messages)
+def test_the_bound_of_a_whole_turn_is_never_below_its_encoded_size(message: dict[str, Any]) -> None:
+    from agent_store.store._truncation import turn_size_bound
+    from agent_store.store._turns import _canonical
+
+    document = message_adapter.validate_python(message).model_dump(by_alias=True)
+    canonical = _canonical([document])
+    document |= {
+        "_id": "msg-" + "0" * 32,
+        "conversation_id": "c" * 200,
+        "turn_id": "t" * 200,
+        "search_text": search_text(message_adapter.validate_python(message)),
+        "seq": 2**53 - 1,
+        "user_id": "u" * 200,
+    }
+    try:
+        exact = len(bson.encode(document))
+    except OverflowError:
+        return  # refused by the per-message bound (HITL params are always walked)
+    assert turn_size_bound(canonical, [document["search_text"]]) >= exact

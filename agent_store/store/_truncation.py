@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -88,6 +89,23 @@ _FIELD_BYTES = 32
 _STORED_FIELDS_BYTES = 1024
 _TEXTS = ("_id", "conversation_id", "role", "content", "tool_call_id", "turn_id", "search_text")
 _NESTED_EXACTLY = ("hitl_action", "truncated")
+
+
+# BSON spends at most this many bytes per character of a value's `repr`: 4 bytes of UTF-8
+# per character of text, and for each element (at least 3 characters of `repr`: a key and
+# its quotes, or a list item and its separator) its type, key and framing.
+_REPR_FACTOR = 16
+# Per message, what a turn's canonical text leaves out: `_id`, conversation, turn and owner
+# ids (200 characters at most), `created_at` and `seq`, and the framing of `search_text`.
+_LEFT_OUT_BYTES = 4096
+
+
+def turn_size_bound(canonical: str, search_texts: Sequence[str | None]) -> int:
+    """An upper bound of the BSON size of a turn's message documents together, from the
+    `repr` of their content (`canonical`, without ids, times and search texts) and the
+    lengths of their search texts. Reads only lengths: no message is walked or encoded."""
+    searched = sum(len(text) for text in search_texts if text is not None)
+    return _REPR_FACTOR * len(canonical) + 4 * searched + _LEFT_OUT_BYTES * len(search_texts)
 
 
 def _calls_bound(calls: list[dict[str, Any]]) -> int:

@@ -44,6 +44,7 @@ from agent_store.store._truncation import (
     FullText,
     bound,
     size_bound,
+    turn_size_bound,
 )
 from agent_store.store._values import check_time, storable
 
@@ -313,24 +314,35 @@ def _prepared(
     turn_id: str,
     messages: Sequence[AgentMessage],
     documents: list[dict[str, Any]],
+    canonical: str,
     rules: TurnRules,
 ) -> _Prepared:
     """The documents as stored (ids, turn, search text, bounded), and the texts cut to bound
-    them. `documents` are the messages' dumps; they are completed in place."""
+    them. `documents` are the messages' dumps, `canonical` their content as one text; the
+    documents are completed in place.
+
+    A bound of the whole turn's size, from lengths alone, clears nearly every turn; past it
+    each message gets a cheap bound of its own, and an exact size only near the limit.
+    """
     out = _Prepared()
+    texts = [search_text(m) for m in messages]
+    all_fit = turn_size_bound(canonical, texts) <= rules.max_message_bytes
     for index, (message, document) in enumerate(zip(messages, documents, strict=True)):
         update = {
             "id": message_id(conversation_id, turn_id, index),
             "conversation_id": conversation_id,
             "turn_id": turn_id,
-            "search_text": search_text(message),
+            "search_text": texts[index],
         }
         document["_id"] = update["id"]
         document["conversation_id"] = conversation_id
         document["turn_id"] = turn_id
         document["search_text"] = update["search_text"]
         source = message
-        if not _fits(document, rules):  # near the bound: measured exactly, cut if over
+        # HITL params, plain JSON of any shape, are always walked: an integer BSON cannot
+        # hold is refused here, before any write.
+        checked = all_fit and message.hitl_action is None
+        if not checked and not _fits(document, rules):  # measured exactly, cut if over
             whole = message.model_copy(update=update)
             bounded = _bounded(whole, index, rules)
             if bounded.message is not whole:
@@ -404,7 +416,7 @@ def plan_turn(
         if turn_id is not None
         else _turn_id_from(conversation_id, canonical, messages)
     )
-    prepared = _prepared(conversation_id, turn_id, messages, documents, rules)
+    prepared = _prepared(conversation_id, turn_id, messages, documents, canonical, rules)
     sources = prepared.sources
     ids = [str(d["_id"]) for d in prepared.documents]
     opened_calls, answered_calls = _pending_calls(sources, ids)

@@ -38,32 +38,50 @@ def _joined(text: str, where: str) -> str:
         ) from exc
 
 
-def storable(value: Any, where: str) -> Any:
-    """`value` with every string (keys included) joined as `_joined` does.
+def _plain(value: Any) -> bool:
+    """Whether every string in `value` (keys included) is valid Unicode already and every
+    container a plain dict or list: nothing to join, copy or refuse."""
+    kind = type(value)
+    if kind is str:
+        return value.isascii() or _encodable(value)
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str or not (key.isascii() or _encodable(key)):
+                return False
+            if not (type(item) is str and item.isascii()) and not _plain(item):
+                return False
+        return True
+    if kind is list:
+        return all(_plain(item) for item in value)
+    return not isinstance(value, Mapping | tuple)
 
-    Containers are copied only where a string changed (a split pair joined); ASCII text,
-    nearly all of it, is passed by one C-level check. Raises InvalidInput naming the path
-    of a string that cannot be stored.
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def storable(value: Any, where: str) -> Any:
+    """`value` with every string (keys included) joined as `_joined` does; containers copied.
+
+    A value whose strings are all valid already comes back as it is, after one walk
+    that names no path. Raises InvalidInput naming the path of a string that cannot be
+    stored.
     """
+    if _plain(value):
+        return value
     if isinstance(value, str):
-        return value if value.isascii() else _joined(value, where)
+        return _joined(value, where)
     if isinstance(value, Mapping):
-        changed: dict[Any, Any] | None = None if type(value) is dict else {}
-        for index, (key, item) in enumerate(value.items()):
-            new_key = key if type(key) is not str or key.isascii() else _joined(key, f"{where} key")
-            new_item = item if type(item) is str and item.isascii() else None
-            if new_item is None:
-                new_item = storable(item, f"{where}.{key}")
-            if changed is None and (new_key is not key or new_item is not item):
-                changed = dict(list(value.items())[:index])
-            if changed is not None:
-                changed[new_key] = new_item
-        return value if changed is None else changed
+        return {
+            storable(key, f"{where} key"): storable(item, f"{where}.{key}")
+            for key, item in value.items()
+        }
     if isinstance(value, list | tuple):
-        items = [storable(item, f"{where}.{index}") for index, item in enumerate(value)]
-        if type(value) is list and all(a is b for a, b in zip(items, value, strict=True)):
-            return value
-        return items
+        return [storable(item, f"{where}.{index}") for index, item in enumerate(value)]
     return value
 
 
