@@ -140,7 +140,10 @@ async def bench_growth(deployment: Deployment, args: argparse.Namespace) -> dict
     deployment.proxy.latency_ms = args.growth_latency
     out: dict[str, Any] = {"latency_ms": args.growth_latency, "contenders": {}}
     async with connect(deployment) as clients:
-        for name, turns in (("logger", args.growth_turns), ("langgraph", args.langgraph_growth_turns)):
+        for name, turns in (
+            ("logger", args.growth_turns),
+            ("langgraph", args.langgraph_growth_turns),
+        ):
             if turns <= 0:
                 continue
             workload = _first_turns(full, turns)
@@ -181,13 +184,17 @@ async def bench_sizes(deployment: Deployment, args: argparse.Namespace) -> dict[
     async with connect(deployment) as clients:
         for size in args.sizes:
             corpus = Corpus(seed=31 + size)
-            workload = await prepare_workload([corpus.conversation_of_turn_size(args.size_turns, size)])
+            workload = await prepare_workload(
+                [corpus.conversation_of_turn_size(args.size_turns, size)]
+            )
             series = await _interleaved(
                 clients, workload, ["logger", "raw two"], args.size_repetitions, f"s{size}"
             )
             net = [
                 (mine.ours - raw.ours) / workload.turns * 1e6
-                for mine, raw in zip(series["logger"].samples, series["raw two"].samples, strict=True)
+                for mine, raw in zip(
+                    series["logger"].samples, series["raw two"].samples, strict=True
+                )
             ]
             rows.append(
                 {
@@ -239,7 +246,11 @@ def bench_loops(deployment: Deployment, args: argparse.Namespace) -> dict[str, A
     return {
         "logger_cpu_us_per_message": {n: statistics.median(v) for n, v in cpu.items()},
         "transcript_cpu_us_per_message": {n: statistics.median(v) for n, v in reads.items()},
-        "uvloop_vs_asyncio_logger": {"median": statistics.median(ratio), "min": min(ratio), "max": max(ratio)},
+        "uvloop_vs_asyncio_logger": {
+            "median": statistics.median(ratio),
+            "min": min(ratio),
+            "max": max(ratio),
+        },
         "uvloop_vs_asyncio_transcript": {
             "median": statistics.median(read_ratio),
             "min": min(read_ratio),
@@ -278,14 +289,18 @@ async def _loop_round(deployment: Deployment, conversations: list[Any]) -> tuple
 
 
 def machine() -> dict[str, Any]:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    ) if Path("/proc/cpuinfo").exists() else platform.processor()
+    model = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
     import pymongo
 
     return {

@@ -7,9 +7,9 @@
 - `raw insert`     one `insert_many` of the stored documents: no conversation document at all.
 - `langchain`      langchain-mongodb's MongoDBChatMessageHistory.add_messages (synchronous
                    PyMongo, one `insert_one` per message).
-- `langgraph`      a LangGraph `StateGraph(MessagesState)` compiled with langgraph-checkpoint-mongodb's
-                   MongoDBSaver (synchronous PyMongo): the user message goes in, one node returns
-                   the rest of the turn, the checkpointer saves the whole state.
+- `langgraph`      a LangGraph `StateGraph(MessagesState)` compiled with the MongoDBSaver of
+                   langgraph-checkpoint-mongodb (synchronous PyMongo): the user message goes in,
+                   one node returns the rest of the turn, the checkpointer saves the whole state.
 - `librechat`      LibreChat's way: every message upserted on its own (`findOneAndUpdate` by
                    message id, as its saveMessage does), then the conversation upserted
                    (saveConvo); no validation.
@@ -29,12 +29,11 @@ from typing import Any
 from pymongo import ReturnDocument
 
 from agent_store import AgentMessageLogger
+from agent_store.core import utc_now
 from agent_store.store import create_indexes
 from agent_store.store._reservation import RESERVED, Actor, reservation, reservation_filter
 from agent_store.store._turns import TurnRules, plan_turn
-from agent_store.core import utc_now
 from scripts.corpus import Conversation
-
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,10 @@ def _print_writes(data: dict[str, Any]) -> None:
 
 def _print_growth(data: dict[str, Any]) -> None:
     print(f"\n== growth: cost per turn by turn number, {data['latency_ms']:g} ms round trips")
-    print(f"   {'contender':<11}{'turn':>6}{'ours us':>10}{'driver us':>11}{'net ms':>9}{'wall ms':>9}")
+    print(
+        f"   {'contender':<11}{'turn':>6}{'ours us':>10}{'driver us':>11}"
+        f"{'net ms':>9}{'wall ms':>9}"
+    )
     for name, block in data["contenders"].items():
         for turn, values in block["at_turn"].items():
             print(

@@ -33,6 +33,7 @@ from pymongo.synchronous import command_cursor as sync_command_cursor
 from pymongo.synchronous import cursor as sync_cursor
 
 _COLLECTION_METHODS = (
+    "find",
     "insert_one",
     "insert_many",
     "update_one",
@@ -61,7 +62,7 @@ _TARGETS: tuple[tuple[type, tuple[str, ...]], ...] = (
 
 
 class DriverClock:
-    """Adds up the thread CPU time spent inside PyMongo while installed (`with clock.installed():`)."""
+    """Adds up the thread CPU spent inside PyMongo while installed (`with clock.installed():`)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -106,16 +107,17 @@ class DriverClock:
     @contextmanager
     def installed(self) -> Iterator[DriverClock]:
         """Wrap PyMongo's entry points; put the originals back on exit."""
-        originals: list[tuple[type, str, Any]] = []
+        originals: list[tuple[tuple[type, str], str, Any]] = []
         try:
-            for cls, names in _TARGETS:
+            for target, names in _TARGETS:
                 for name in names:
-                    original = cls.__dict__.get(name)
-                    if original is None:
+                    # Where the method is defined: a base class of several cursors, say.
+                    owner = next((c for c in target.__mro__ if name in c.__dict__), None)
+                    if owner is None or any(o == (owner, name) for o, n, _ in originals):
                         continue
-                    originals.append((cls, name, original))
-                    setattr(cls, name, self._wrap(original))
+                    originals.append(((owner, name), name, owner.__dict__[name]))
+                    setattr(owner, name, self._wrap(owner.__dict__[name]))
             yield self
         finally:
-            for cls, name, original in reversed(originals):
-                setattr(cls, name, original)
+            for (owner, _), name, original in reversed(originals):
+                setattr(owner, name, original)

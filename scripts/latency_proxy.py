@@ -161,7 +161,9 @@ def _serve(upstream: str, shared: _Shared, ports: Any) -> None:
     ports.send(listener.getsockname()[1])
     while True:
         client, _ = listener.accept()
-        threading.Thread(target=_pump, args=(client, (host, int(port)), shared), daemon=True).start()
+        threading.Thread(
+            target=_pump, args=(client, (host, int(port)), shared), daemon=True
+        ).start()
 
 
 class LatencyProxy:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import bson
@@ -81,10 +80,10 @@ class Spies:
 
 
 @pytest.fixture
-def spies(monkeypatch: pytest.MonkeyPatch) -> Iterator[Spies]:
+def spies(monkeypatch: pytest.MonkeyPatch) -> Spies:
     spies = Spies()
     spies.install(monkeypatch)
-    yield spies
+    return spies
 
 
 async def test_each_message_of_a_turn_is_validated_copied_and_dumped_once_and_never_encoded(
@@ -106,7 +105,7 @@ async def test_a_turn_without_a_turn_id_dumps_nothing_more_to_derive_one(spies: 
     from mongomock_motor import AsyncMongoMockClient
 
     logger = AgentMessageLogger(AsyncMongoMockClient(tz_aware=True)["cost"])
-    turn_id, turn = copy.deepcopy(corpus_turns()[0])
+    _, turn = copy.deepcopy(corpus_turns()[0])
 
     await logger.log_messages(CID, turn, user_id="u-1")
 
