@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import functools
 import json
 import os
 import platform
@@ -133,36 +134,70 @@ def _window(samples: list[Any], turn: int, metric: str, half: int = 5) -> float 
     return statistics.median(s.metric(metric) for s in chosen) * scale
 
 
+async def _logger_growth(clients: Any, conversation: Any, turns: int) -> list[tuple[Any, Any]]:
+    """Per turn of one long conversation, that turn and a control: the same messages logged
+    right after as the first turn of a new conversation, in the same database. Both meet the
+    same server and the same waits (the stand-in slows down as its collection grows, and a
+    long wait leaves this process's caches cold); only the conversation's length differs."""
+    from agent_store import AgentMessageLogger
+
+    db = clients.async_client["bench_growth_logger"]
+    logger = AgentMessageLogger(db)
+    await logger.ensure_indexes()
+    long_turns = copy.deepcopy(conversation.turns[:turns])
+    control_turns = copy.deepcopy(conversation.turns[:turns])
+    cid, user = conversation.conversation_id, conversation.user_id
+    pairs = []
+    try:
+        for t in range(turns):
+            turn_id, messages = long_turns[t]
+            _, same = control_turns[t]
+            log = functools.partial(logger.log_messages, user_id=user, turn_id=turn_id)
+            long_sample = await clients.meter.measure(functools.partial(log, cid, messages))
+            control = await clients.meter.measure(functools.partial(log, f"control-{t}", same))
+            pairs.append((long_sample, control))
+    finally:
+        await clients.async_client.drop_database("bench_growth_logger")
+    return pairs
+
+
+def _at_turns(samples: list[Any], turns: int) -> dict[str, Any]:
+    points = [p for p in (1, 10, 50, 100, 250, 500) if p <= turns]
+    metrics = ("ours", "driver", "network_wall", "wall", "commands")
+    return {str(p): {m: _window(samples, p, m) for m in metrics} for p in points}
+
+
 async def bench_growth(deployment: Deployment, args: argparse.Namespace) -> dict[str, Any]:
     corpus = Corpus(seed=23)
     conversation = corpus.conversation(max(args.growth_turns, args.langgraph_growth_turns))
-    full = await prepare_workload([conversation])
     deployment.proxy.latency_ms = args.growth_latency
     out: dict[str, Any] = {"latency_ms": args.growth_latency, "contenders": {}}
     async with connect(deployment) as clients:
-        for name, turns in (
-            ("logger", args.growth_turns),
-            ("langgraph", args.langgraph_growth_turns),
-        ):
-            if turns <= 0:
-                continue
-            workload = _first_turns(full, turns)
-            samples = await _per_turn(clients, workload, name, f"growth_{name}")
-            points = [p for p in (1, 10, 50, 100, 250, 500) if p <= turns]
-            out["contenders"][name] = {
-                "turns": turns,
-                "at_turn": {
-                    str(p): {
-                        m: _window(samples, p, m)
-                        for m in ("ours", "driver", "network_wall", "wall", "commands")
-                    }
-                    for p in points
-                },
+        if args.growth_turns > 0:
+            pairs = await _logger_growth(clients, conversation, args.growth_turns)
+            at = _at_turns([long for long, _ in pairs], args.growth_turns)
+            controls = _at_turns([control for _, control in pairs], args.growth_turns)
+            ratios = [long.ours / control.ours for long, control in pairs]
+            for turn, values in at.items():
+                values["control_ours"] = controls[turn]["ours"]
+                window = ratios[max(int(turn) - 5, 0) : int(turn) + 5]
+                values["ours_vs_control"] = statistics.median(window)
+            out["contenders"]["logger"] = {"turns": args.growth_turns, "at_turn": at}
+        if args.langgraph_growth_turns > 0:
+            full = await prepare_workload([conversation])
+            workload = _first_turns(full, args.langgraph_growth_turns)
+            samples = await _per_turn(clients, workload, "langgraph", "growth_langgraph")
+            out["contenders"]["langgraph"] = {
+                "turns": args.langgraph_growth_turns,
+                "at_turn": _at_turns(samples, args.langgraph_growth_turns),
             }
-    logger = out["contenders"].get("logger")
-    if logger and str(args.growth_turns) in logger["at_turn"] and "10" in logger["at_turn"]:
-        last = logger["at_turn"][str(args.growth_turns)]["ours"]
-        out["logger_ours_last_vs_turn_10"] = last / logger["at_turn"]["10"]["ours"]
+    logger = out["contenders"].get("logger", {}).get("at_turn", {})
+    last = logger.get(str(args.growth_turns))
+    if last and "10" in logger:
+        out["logger_ours_last_vs_turn_10"] = last["ours"] / logger["10"]["ours"]
+        out["logger_controlled_last_vs_turn_10"] = (
+            last["ours_vs_control"] / logger["10"]["ours_vs_control"]
+        )
     return out
 
 
@@ -230,7 +265,7 @@ def bench_loops(deployment: Deployment, args: argparse.Namespace) -> dict[str, A
     factories = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
     deployment.proxy.latency_ms = args.latencies[0]
     corpus = Corpus(seed=41)
-    conversations = [corpus.conversation(args.turns) for _ in range(args.conversations)]
+    conversations = [corpus.conversation(args.loop_turns) for _ in range(args.loop_conversations)]
     cpu: dict[str, list[float]] = {name: [] for name in factories}
     reads: dict[str, list[float]] = {name: [] for name in factories}
     for repetition in range(-1, args.loop_repetitions):
@@ -332,7 +367,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--size-repetitions", type=int, default=5)
     add("--transcript-messages", type=int, default=1000)
     add("--read-repetitions", type=int, default=15)
-    add("--loop-repetitions", type=int, default=5)
+    add("--loop-repetitions", type=int, default=7)
+    add("--loop-conversations", type=int, default=6)
+    add("--loop-turns", type=int, default=5)
+    add("--loop", default="asyncio", choices=["asyncio", "uvloop"], help="event loop of the run")
     add("--out", type=Path, default=DEFAULT_OUT)
     return parser.parse_args(argv)
 
@@ -344,9 +382,15 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "backend": args.backend,
+        "loop": args.loop,
         "load_average_before": os.getloadavg(),
         "method": __doc__,
     }
+    loop_factory = asyncio.new_event_loop
+    if args.loop == "uvloop":
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
     started = time.perf_counter()
     deployment = Deployment(args.backend)
     try:
@@ -357,10 +401,12 @@ def main(argv: list[str] | None = None) -> int:
             ("reads", bench_reads),
         ):
             if name in sections:
-                report[name] = asyncio.run(run(deployment, args))
+                report[name] = asyncio.run(run(deployment, args), loop_factory=loop_factory)
                 print_section(name, report[name])
         if "reads" in sections:
-            report["reads_mongomock"] = asyncio.run(bench_reads_mongomock(args))
+            report["reads_mongomock"] = asyncio.run(
+                bench_reads_mongomock(args), loop_factory=loop_factory
+            )
             print_section("reads_mongomock", report["reads_mongomock"])
         if "loops" in sections:
             report["loops"] = bench_loops(deployment, args)
