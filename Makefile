@@ -74,8 +74,8 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e '.[dev,embedded,bench]'
 	touch $@
 
-bench: $(VENV)/.bench-installed ## Benchmark writes and reads against a raw driver and langchain-mongodb
-	$(BIN)/python -m scripts.bench
+bench: $(VENV)/.bench-installed ## Writes and reads across a simulated network vs raw PyMongo and peers (ARGS=...)
+	$(BIN)/python -m scripts.bench $(ARGS)
 
 index-sizes: $(VENV)/.installed ## Estimate index sizes per million messages (docs/SCALING.md)
 	$(BIN)/python -m scripts.index_sizes

@@ -181,3 +181,107 @@ def verdicts(report: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
                 _range(ratio), ratio["median"] <= GOALS["transcript_cpu"],
             ))  # fmt: skip
     return found
+
+
+def _md_writes(report: dict[str, Any]) -> list[str]:
+    lines = [
+        "| round trip | contender | wall ms/turn (range) | network wall ms/turn | round trips/turn "
+        "| client CPU µs/msg | ours | driver |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for latency, block in report["writes"]["by_latency_ms"].items():
+        for row in block["contenders"]:
+            wall = row["wall"]
+            lines.append(
+                f"| {latency} ms | {row['contender']} | {wall['median']:.2f} "
+                f"({wall['min']:.2f}-{wall['max']:.2f}) | {row['network_wall']['median']:.2f} | "
+                f"{row['round_trips_per_unit']:.2f} | {row['cpu_us_per_message']:.0f} | "
+                f"{row['ours_us_per_message']:.0f} | {row['driver_us_per_message']:.0f} |"
+            )
+    return lines
+
+
+def _md_growth(report: dict[str, Any]) -> list[str]:
+    lines = [
+        "| contender | turn | ours µs/turn | driver µs/turn | network wall ms | wall ms "
+        "| control turn: ours µs | ours / control |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, block in report["growth"]["contenders"].items():
+        for turn, v in block["at_turn"].items():
+            control = v.get("control_ours")
+            extra = (
+                "| — | — |"
+                if control is None
+                else f"| {control:.0f} | {v['ours_vs_control']:.2f} |"
+            )
+            lines.append(
+                f"| {name} | {turn} | {v['ours']:.0f} | {v['driver']:.0f} | "
+                f"{v['network_wall']:.2f} | {v['wall']:.1f} " + extra
+            )
+    return lines
+
+
+def _md_sizes(report: dict[str, Any]) -> list[str]:
+    lines = [
+        "| messages/turn | logger: ours µs/turn | less the harness | logger: driver µs/turn "
+        "| raw two: driver µs/turn |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for row in report["sizes"]["rows"]:
+        lines.append(
+            f"| {row['messages_per_turn']} | {row['logger']['ours']['median']:.0f} | "
+            f"{row['logger_ours_net_us']:.0f} | {row['logger']['driver']['median']:.0f} | "
+            f"{row['raw two']['driver']['median']:.0f} |"
+        )
+    return lines
+
+
+def _md_reads(report: dict[str, Any]) -> list[str]:
+    lines = [
+        "| stand-in | reader | wall ms/read (range) | client CPU µs/msg | ours | driver |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for key, where in (("reads", "mongoeco wire"), ("reads_mongomock", "mongomock")):
+        for row in report.get(key, {}).get("contenders", []):
+            wall = row["wall"]
+            driver = "—" if key == "reads_mongomock" else f"{row['driver_us_per_message']:.0f}"
+            ours = "—" if key == "reads_mongomock" else f"{row['ours_us_per_message']:.0f}"
+            lines.append(
+                f"| {where} | {row['contender']} | {wall['median']:.1f} "
+                f"({wall['min']:.1f}-{wall['max']:.1f}) | {row['cpu_us_per_message']:.1f} | "
+                f"{ours} | {driver} |"
+            )
+    return lines
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report's tables and verdicts in Markdown (docs/BENCHMARKS.md quotes them)."""
+    machine = report["machine"]
+    out = [
+        f"Run {report['date']} on {machine['cpu']} ({machine['cpus']} CPUs), Python "
+        f"{machine['python']}, PyMongo {machine['pymongo']}, event loop {report.get('loop')}; "
+        f"load average {report['load_average_before'][0]:.2f} before, "
+        f"{report['load_average_after'][0]:.2f} after; {report['seconds']} s.",
+        "",
+    ]
+    for title, section, build in (
+        ("Writes", "writes", _md_writes),
+        ("Growth with the conversation", "growth", _md_growth),
+        ("Growth with the turn", "sizes", _md_sizes),
+        ("Reads", "reads", _md_reads),
+    ):
+        if section in report:
+            out += [f"**{title}**", "", *build(report), ""]
+    out += ["**Targets**", "", "| target | measured | verdict |", "|---|---:|---|"]
+    for goal, value, met in report["verdicts"]:
+        out.append(f"| {goal} | {value} | {'n/a' if met is None else 'met' if met else 'missed'} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    from pathlib import Path
+
+    print(markdown(json.loads(Path(sys.argv[1]).read_text())))
