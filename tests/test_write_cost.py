@@ -235,3 +235,36 @@ def test_the_bound_of_a_whole_turn_is_never_below_its_encoded_size(message: dict
     except OverflowError:
         return  # refused by the per-message bound (HITL params are always walked)
     assert turn_size_bound(canonical, [document["search_text"]]) >= exact
+
+
+async def test_a_turn_recorded_with_the_earlier_digest_is_still_recognised_on_replay() -> None:
+    """Records written before the digest became the `repr` form hold sorted JSON's."""
+    from mongomock_motor import AsyncMongoMockClient
+
+    from agent_store import Conflict
+    from agent_store.store._turns import json_content_digest
+
+    db = AsyncMongoMockClient(tz_aware=True)["cost_digest"]
+    logger = AgentMessageLogger(db)
+    (turn_id, messages), (_, other) = example_turns()[:2]
+    await logger.log_messages(CID, copy.deepcopy(messages), user_id="u-1", turn_id=turn_id)
+    stored = await db.agent_messages.find({}, {"_id": 1}).to_list(None)
+    documents = await db.agent_messages.find().sort("seq", 1).to_list(None)
+    await db.agent_conversations.update_one(
+        {"_id": CID}, {"$set": {"turns.0.d": json_content_digest(documents)}}
+    )
+
+    again = await logger.log_messages(CID, copy.deepcopy(messages), user_id="u-1", turn_id=turn_id)
+
+    assert again.replayed
+    assert await db.agent_messages.count_documents({}) == len(stored)
+    with pytest.raises(Conflict, match="other content"):
+        await logger.log_messages(CID, copy.deepcopy(other), user_id="u-1", turn_id=turn_id)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(st.sampled_from([" ", "a", "é", "\n", "\t", "\x0b", "\x1c", "\xa0", "\u2003", "b"])))
+def test_collapsing_white_space_is_what_split_and_join_give(text: str) -> None:
+    from agent_store.store._text import collapse_whitespace
+
+    assert collapse_whitespace(text) == " ".join(text.split())
