@@ -421,9 +421,7 @@ class AgentMessageLogger:
             return None
         block = RecordedBlock(int(first["seq"]), plan.count, plan.digest)
         stored = await self._stored_in(plan, block)
-        if len(stored) != block.count or not plan.matches(
-            content_digest(canonical_documents(stored))
-        ):
+        if len(stored) != block.count or content_digest(canonical_documents(stored)) != plan.digest:
             raise _other_content(plan)
         return block
 
