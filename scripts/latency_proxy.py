@@ -198,3 +198,43 @@ class LatencyProxy:
     def close(self) -> None:
         self._process.terminate()
         self._process.join(10)
+
+
+def check(latencies: tuple[float, ...] = (0.0, 0.2, 1.0, 5.0), calls: int = 50) -> None:
+    """Print what the proxy adds in front of the embedded wire server: per setting, the
+    latency it measured itself adding and the median round trip of a `find_one`."""
+    import statistics
+
+    from pymongo import MongoClient
+
+    from scripts.wire_server import start_wire_server
+
+    server, uri = start_wire_server()
+    proxy = LatencyProxy(uri.split("//", 1)[1].split("/", 1)[0])
+    client: MongoClient[dict[str, Any]] = MongoClient(proxy.uri)
+    try:
+        client.proxy_check.probe.insert_one({"a": 1})
+        for latency in latencies:
+            proxy.latency_ms = latency
+            before, walls = proxy.stats(), []
+            for _ in range(calls):
+                started = time.perf_counter()
+                client.proxy_check.probe.find_one({"a": 1})
+                walls.append(time.perf_counter() - started)
+            seen = proxy.stats() - before
+            print(
+                f"set {latency:g} ms: added {seen.added_seconds / seen.commands * 1e3:.3f} ms, "
+                f"server {seen.server_seconds / seen.commands * 1e3:.3f} ms, find_one "
+                f"{statistics.median(walls) * 1e3:.3f} ms (median of {calls})"
+            )
+        client.drop_database("proxy_check")
+    finally:
+        client.close()
+        proxy.close()
+        assert server.stdin is not None
+        server.stdin.close()
+        server.wait(30)
+
+
+if __name__ == "__main__":
+    check()
