@@ -96,8 +96,8 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e '.[dev,embedded,bench]'
 	touch $@
 
-bench: $(VENV)/.bench-installed ## Benchmark writes and reads against a raw driver and langchain-mongodb
-	$(BIN)/python -m scripts.bench
+bench: $(VENV)/.bench-installed ## Writes and reads across a simulated network vs raw PyMongo and peers (ARGS=...)
+	$(BIN)/python -m scripts.bench $(ARGS)
 
 bench-langgraph: $(VENV)/.bench-installed ## LangGraph checkpointer vs langgraph-checkpoint-mongodb, 200 turns (ARGS=...)
 	$(BIN)/python -m scripts.bench_langgraph $(ARGS)

@@ -12,6 +12,7 @@ app.api:create_app` serves.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import sys
 from contextlib import AsyncExitStack
 
@@ -58,6 +59,7 @@ def start_banner(
     if settings.metrics != "off":
         lines.append(f"  Metrics: {base}/metrics")
     lines.append(f"  Viewer:  {base}/viewer  (sign in with the token)")
+    lines.append(f"  Event loop: {event_loop()}")
     if settings.demo_data:
         lines.append("  Demo conversations are loaded if the store is empty.")
     return lines
@@ -77,13 +79,22 @@ async def serve(settings: Settings, *, dev_token: str | None) -> None:
         await uvicorn.Server(uvicorn.Config(app, **options)).serve()
 
 
+def event_loop() -> str:
+    """uvloop when it is installed (`pip install '.[uvloop]'`), else asyncio's own loop."""
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+
+
 def main() -> None:
     try:
         settings, dev_token = settings_from_environment()
         configure_logging(settings.log_level)
         if settings.workers > 1:  # a real database only (settings refuse the embedded one)
             print("\n".join(start_banner(settings, dev_token=dev_token)), flush=True)
-            uvicorn.run("app.api:create_app", **uvicorn_options(settings))
+            uvicorn.run("app.api:create_app", **uvicorn_options(settings), loop=event_loop())
+        elif event_loop() == "uvloop":
+            import uvloop
+
+            uvloop.run(serve(settings, dev_token=dev_token))
         else:
             asyncio.run(serve(settings, dev_token=dev_token))
     except ConfigurationError as exc:

@@ -1,620 +1,427 @@
-"""Benchmark: this store against a raw driver and langchain-mongodb, on the same backend and turns.
+"""Benchmark: this store against its peers, on a database reached across a (simulated) network.
 
-Run `make bench` (or `python -m scripts.bench --help`). For each backend it measures:
+Run `make bench` (or `python -m scripts.bench --help`). Every contender talks to
+the same database through `scripts.latency_proxy`, which holds each reply for a
+configurable round-trip latency (0.2, 1 and 5 ms by default), so a round trip
+costs what it costs on a network. Sections:
 
-writes  — the same turns stored by
-          * `logger`     AgentMessageLogger.log_messages (validation, reservation, insert);
-          * `raw`        one `insert_many` per turn of the very documents the logger stores;
-          * `langchain`  langchain-mongodb's MongoDBChatMessageHistory.add_messages, which is
-                         synchronous PyMongo and sends one insert_one per message.
-reads   — one long transcript read by
-          * `transcript` ConversationStore.transcript (find by seq, validated into models);
-          * `raw find`   the same find with the same cursor options, documents left as dicts;
-          * `legacy`     the old path: turn documents by time, exploded and re-ordered;
-          * `langchain`  MongoDBChatMessageHistory.messages of the same messages.
+writes   the same turns stored by every writer of `scripts.bench_contenders` (this store's
+         logger, the raw driver sending the logger's two commands, one raw `insert_many`,
+         langchain-mongodb, LangGraph with the MongoDB checkpointer, a LibreChat-style
+         writer), per latency; contenders interleaved and rotated, one warm-up.
+growth   one conversation of up to 500 turns, logger and LangGraph: cost per turn by turn number.
+sizes    turns of 1 to 64 messages, logger and raw two commands: our cost per turn and message.
+reads    a 1,000-message transcript: `transcript` against a raw `find` returning dicts (and
+         langchain's `messages`, and the legacy turns), on the wire server and on mongomock.
+loops    the logger and a transcript under asyncio's event loop and under uvloop.
 
-Figures per contender: wall time (median over repetitions, contenders interleaved and
-rotated in every repetition), database round trips (commands seen by a
-pymongo CommandListener; wire backends only) and client CPU per message
-(`time.process_time()` of this process). On the wire backend the database is a
-separate process, so that CPU is the client's alone: our code, the driver and
-the event loop. On mongomock the database runs inside this process and its
-CPU is included; nothing is subtracted.
+Figures per contender: wall time (median and per-repetition range); "network wall", the
+wall time less the time the stand-in server took to answer (measured at the proxy), i.e.
+what a client facing a fast server across that network waits; client CPU
+(`time.process_time()` of this process) split into the driver's (inside PyMongo,
+`scripts.driver_clock`) and ours (everything else: for a peer, its library); round trips
+(commands through the proxy). The database runs in another process; the proxy too.
 
-On MONGODB_URI it creates and drops databases named `bench_*`.
+On MONGODB_URI (`--backend uri`) it creates and drops databases named `bench_*`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import copy
+import functools
 import json
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pymongo import AsyncMongoClient, MongoClient, monitoring
+from scripts.bench_contenders import WRITERS, Workload, prepare_workload, write_contender
+from scripts.bench_measure import Deployment, Series, connect, paired_ratio, rotated
+from scripts.bench_reads import bench_reads, bench_reads_mongomock
+from scripts.bench_report import print_section, verdicts
+from scripts.corpus import Corpus
 
-from agent_store import AgentMessageLogger, ConversationStore
-from agent_store.legacy import legacy_turn_document
-from agent_store.store import create_indexes
-from scripts.corpus import Conversation, Corpus
-from scripts.legacy_turns import LEGACY_COLLECTION, read_legacy_transcript
-from scripts.wire_server import start_wire_server
-
-GOAL_ROUND_TRIPS = 2
-GOAL_WRITE_RATIO = 1.25
-GOAL_READ_RATIO = 1.2
 DEFAULT_OUT = Path("bench-results/bench.json")
-METHOD = (
-    "Method: every contender stores the same turns on the same backend, each repetition in a\n"
-    "fresh database with the store's indexes; contenders are interleaved and their order\n"
-    "rotates every repetition, after one unrecorded warm-up. Wall time is the median over\n"
-    "repetitions; ratios are medians of per-repetition ratios. Round trips are commands\n"
-    "seen by a pymongo CommandListener. CPU is time.process_time() of this process per\n"
-    "message: on the wire backend the database is another process, so it is the client's\n"
-    "alone (our code, the driver, the event loop); on mongomock the database runs in this\n"
-    "process and its CPU is included, nothing subtracted. langchain-mongodb is synchronous\n"
-    "PyMongo; it runs as it is, blocking the event loop, as it would in an async service."
-)
+SECTIONS = ("writes", "growth", "sizes", "reads", "loops")
 
 
-class CommandCounter(monitoring.CommandListener):
-    """Counts commands sent to the server: one per round trip."""
-
-    _ignored = frozenset({"hello", "ismaster", "isMaster", "ping", "endSessions", "buildInfo"})
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def started(self, event: monitoring.CommandStartedEvent) -> None:
-        if event.command_name not in self._ignored:
-            self.count += 1
-
-    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        pass
-
-    def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass
-
-
-@dataclass
-class Backend:
-    name: str
-    async_client: Any
-    sync_client: Any
-    counter: CommandCounter | None
-    """None where there is no wire to count on (mongomock)."""
-    database_in_process: bool
-
-
-@dataclass
-class Sample:
-    wall: float
-    cpu: float
-    round_trips: int | None
-
-
-@dataclass
-class Figures:
-    contender: str
-    unit: str
-    """What one `per` is: a turn for writes, a read for reads."""
-    units: int
-    messages: int
-    samples: list[Sample] = field(default_factory=list)
-
-    def summary(self) -> dict[str, Any]:
-        walls = [s.wall for s in self.samples]
-        cpus = [s.cpu for s in self.samples]
-        trips = [s.round_trips for s in self.samples]
-        median_wall = statistics.median(walls)
-        return {
-            "contender": self.contender,
-            "unit": self.unit,
-            "units_per_repetition": self.units,
-            "messages_per_repetition": self.messages,
-            "repetitions": len(walls),
-            "wall_ms_per_unit_median": median_wall / self.units * 1e3,
-            "wall_ms_per_unit_min": min(walls) / self.units * 1e3,
-            "wall_ms_per_unit_max": max(walls) / self.units * 1e3,
-            "spread_pct": (max(walls) - min(walls)) / median_wall * 100,
-            "cpu_us_per_message_median": statistics.median(cpus) / self.messages * 1e6,
-            "round_trips_per_unit": (
-                None if trips[0] is None else statistics.median(t or 0 for t in trips) / self.units
-            ),
-        }
-
-
-# -- contenders ------------------------------------------------------------------------
-
-
-def to_langchain(messages: list[dict[str, Any]]) -> list[Any]:
-    """The same turn as langchain messages, everything our documents hold carried over."""
-    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
-
-    converted: list[Any] = []
-    for m in messages:
-        extra = {k: m[k] for k in ("upload", "hitl_action", "error") if m.get(k)}
-        meta = {"created_at": m["created_at"].isoformat(), "latency_ms": m.get("latency_ms")}
-        if m["role"] == "user":
-            converted.append(HumanMessage(m["content"] or "", additional_kwargs=extra))
-        elif m["role"] == "system":
-            converted.append(SystemMessage(m["content"] or ""))
-        elif m["role"] == "tool":
-            converted.append(ToolMessage(m["content"] or "", tool_call_id=m["tool_call_id"]))
-        else:
-            usage = m.get("token_usage")
-            converted.append(
-                AIMessage(
-                    m["content"] or "",
-                    tool_calls=[
-                        {
-                            "name": c["function"]["name"],
-                            "args": json.loads(c["function"]["arguments"]),
-                            "id": c["id"],
-                        }
-                        for c in m.get("tool_calls") or ()
-                    ],
-                    usage_metadata=usage
-                    and {**usage, "total_tokens": usage["input_tokens"] + usage["output_tokens"]},
-                    additional_kwargs=extra,
-                    response_metadata=meta,
-                )
-            )
-    return converted
-
-
-def langchain_history(backend: Backend, db_name: str, session_id: str) -> Any:
-    from langchain_mongodb import MongoDBChatMessageHistory
-
-    return MongoDBChatMessageHistory(
-        None, session_id, database_name=db_name, client=backend.sync_client
+async def bench_writes(deployment: Deployment, args: argparse.Namespace) -> dict[str, Any]:
+    corpus = Corpus(seed=11)
+    workload = await prepare_workload(
+        [corpus.conversation(args.turns) for _ in range(args.conversations)]
     )
-
-
-@dataclass
-class Workload:
-    """The turns every contender stores, in each contender's input form."""
-
-    conversations: list[Conversation]
-    stored: dict[str, list[list[dict[str, Any]]]]
-    """Per conversation, per turn: the documents the logger stored (the raw driver's input)."""
-    langchain: dict[str, list[list[Any]]]
-
-    @property
-    def turns(self) -> int:
-        return sum(len(c.turns) for c in self.conversations)
-
-    @property
-    def messages(self) -> int:
-        return sum(c.message_count for c in self.conversations)
-
-
-async def prepare_workload(conversations: list[Conversation]) -> Workload:
-    """Log the turns once on a scratch in-process database to learn the stored documents."""
-    from mongomock_motor import AsyncMongoMockClient
-
-    stored: dict[str, list[list[dict[str, Any]]]] = {}
-    for conversation in conversations:
-        logger = AgentMessageLogger(AsyncMongoMockClient(tz_aware=True)["scratch"])
-        stored[conversation.conversation_id] = [
-            [
-                m.model_dump(by_alias=True)
-                for m in (
-                    await logger.log_messages(
-                        conversation.conversation_id,
-                        copy.deepcopy(messages),
-                        user_id=conversation.user_id,
-                        turn_id=turn_id,
-                    )
-                ).messages
-            ]
-            for turn_id, messages in conversation.turns
-        ]
-    return Workload(
-        conversations,
-        stored,
-        {cid: [to_langchain(turn) for turn in turns] for cid, turns in stored.items()},
-    )
-
-
-WriteStep = Callable[[int, int], Awaitable[None]]
-"""Store turn `t` of conversation `c`: step(c, t)."""
-
-
-@contextlib.asynccontextmanager
-async def write_contender(
-    name: str, backend: Backend, workload: Workload, db_name: str
-) -> AsyncIterator[WriteStep]:
-    """Set up one contender on a fresh database (untimed); yield its per-turn step."""
-    db = backend.async_client[db_name]
-    await create_indexes(db)
-    inputs = copy.deepcopy(workload)  # no contender sees objects another one touched
-    try:
-        if name == "logger":
-            logger = AgentMessageLogger(db)
-            await logger.ensure_indexes()
-
-            async def step(c: int, t: int) -> None:
-                conversation = inputs.conversations[c]
-                turn_id, messages = conversation.turns[t]
-                await logger.log_messages(
-                    conversation.conversation_id,
-                    messages,
-                    user_id=conversation.user_id,
-                    turn_id=turn_id,
-                )
-
-        elif name == "raw":
-            collection = db["agent_messages"]
-
-            async def step(c: int, t: int) -> None:
-                documents = inputs.stored[inputs.conversations[c].conversation_id][t]
-                await collection.insert_many(documents, ordered=False)
-
-        elif name == "langchain":
-            histories = {
-                c.conversation_id: langchain_history(backend, db_name, c.conversation_id)
-                for c in inputs.conversations
+    writers = args.writers.split(",")
+    by_latency: dict[str, Any] = {}
+    async with connect(deployment) as clients:
+        for latency in args.latencies:
+            deployment.proxy.latency_ms = latency
+            series = await _interleaved(clients, workload, writers, args.repetitions, "w")
+            by_latency[f"{latency:g}"] = {
+                "contenders": [s.summary() for s in series.values()],
+                "ratios": _write_ratios(series),
             }
-
-            async def step(c: int, t: int) -> None:
-                cid = inputs.conversations[c].conversation_id
-                histories[cid].add_messages(inputs.langchain[cid][t])
-
-        else:
-            raise ValueError(name)
-        yield step
-    finally:
-        await backend.async_client.drop_database(db_name)
+    return {
+        "conversations": args.conversations,
+        "turns": workload.turns,
+        "messages": workload.messages,
+        "repetitions": args.repetitions,
+        "by_latency_ms": by_latency,
+    }
 
 
-async def measure(backend: Backend, run: Callable[[], Awaitable[None]]) -> Sample:
-    if backend.counter:
-        backend.counter.count = 0
-    cpu, wall = time.process_time(), time.perf_counter()
-    await run()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    return Sample(wall, cpu, backend.counter.count if backend.counter else None)
-
-
-async def bench_writes(
-    backend: Backend, workload: Workload, repetitions: int, tag: str
-) -> list[Figures]:
-    names = ["logger", "raw", "langchain"]
-    figures = {n: Figures(n, "turn", workload.turns, workload.messages) for n in names}
+async def _interleaved(
+    clients: Any, workload: Workload, writers: list[str], repetitions: int, tag: str
+) -> dict[str, Series]:
+    """Every writer stores the whole workload once per repetition, in rotating order."""
+    series = {n: Series(n, workload.turns, workload.messages) for n in writers}
     for repetition in range(-1, repetitions):  # -1: warm-up, not recorded
-        order = names[repetition % len(names) :] + names[: repetition % len(names)]
-        for name in order:
-            db_name = f"bench_{tag}_{name}_{repetition + 1}"
-            async with write_contender(name, backend, workload, db_name) as step:
+        for name in rotated(writers, repetition):
+            db_name = f"bench_{tag}_{name.replace(' ', '_')}_{repetition + 1}"
+            async with write_contender(
+                name, clients.async_client, clients.sync_client, workload, db_name
+            ) as step:
 
-                async def run(step: WriteStep = step) -> None:
+                async def run(step: Callable[[int, int], Any] = step) -> None:
                     for c, conversation in enumerate(workload.conversations):
                         for t in range(len(conversation.turns)):
                             await step(c, t)
 
-                sample = await measure(backend, run)
+                sample = await clients.meter.measure(run)
             if repetition >= 0:
-                figures[name].samples.append(sample)
-    return list(figures.values())
+                series[name].samples.append(sample)
+    return series
 
 
-async def load_read_fixture(backend: Backend, conversation: Conversation, db_name: str) -> Any:
-    """Store one long conversation three ways: messages, legacy turns, langchain's documents."""
-    from langchain_core.messages import message_to_dict
+def _write_ratios(series: dict[str, Series]) -> dict[str, Any]:
+    ratios: dict[str, Any] = {}
+    logger = series.get("logger")
+    if logger is None:
+        return ratios
+    for other in series:
+        if other == "logger":
+            continue
+        ratios[f"logger / {other}"] = {
+            metric: paired_ratio(logger, series[other], metric)
+            for metric in ("network_wall", "wall", "cpu", "ours")
+        }
+    return ratios
 
-    db = backend.async_client[db_name]
+
+async def _per_turn(clients: Any, workload: Workload, name: str, tag: str) -> list[Any]:
+    """One sample per turn of the workload's single conversation."""
+    samples = []
+    async with write_contender(
+        name, clients.async_client, clients.sync_client, workload, f"bench_{tag}"
+    ) as step:
+        for t in range(len(workload.conversations[0].turns)):
+            samples.append(await clients.meter.measure(lambda t=t: step(0, t)))
+    return samples
+
+
+def _window(samples: list[Any], turn: int, metric: str, half: int = 5) -> float | None:
+    """The median of `metric` over the turns around `turn` (1-based), in µs or ms."""
+    chosen = samples[max(turn - half, 0) : turn + half]
+    if turn > len(samples) or not chosen:
+        return None
+    scale = 1e3 if "wall" in metric else 1e6
+    return statistics.median(s.metric(metric) for s in chosen) * scale
+
+
+async def _logger_growth(clients: Any, conversation: Any, turns: int) -> list[tuple[Any, Any]]:
+    """Per turn of one long conversation, that turn and a control: the same messages logged
+    right after as the first turn of a new conversation, in the same database. Both meet the
+    same server and the same waits (the stand-in slows down as its collection grows, and a
+    long wait leaves this process's caches cold); only the conversation's length differs."""
+    from agent_store import AgentMessageLogger
+
+    db = clients.async_client["bench_growth_logger"]
     logger = AgentMessageLogger(db)
     await logger.ensure_indexes()
-    legacy_turns, langchain_docs = [], []
-    for number, (turn_id, messages) in enumerate(conversation.turns):
-        logged = await logger.log_messages(
-            conversation.conversation_id, messages, user_id=conversation.user_id, turn_id=turn_id
+    long_turns = copy.deepcopy(conversation.turns[:turns])
+    control_turns = copy.deepcopy(conversation.turns[:turns])
+    cid, user = conversation.conversation_id, conversation.user_id
+    pairs = []
+    try:
+        for t in range(turns):
+            turn_id, messages = long_turns[t]
+            _, same = control_turns[t]
+            log = functools.partial(logger.log_messages, user_id=user, turn_id=turn_id)
+            long_sample = await clients.meter.measure(functools.partial(log, cid, messages))
+            control = await clients.meter.measure(functools.partial(log, f"control-{t}", same))
+            pairs.append((long_sample, control))
+    finally:
+        await clients.async_client.drop_database("bench_growth_logger")
+    return pairs
+
+
+def _at_turns(samples: list[Any], turns: int) -> dict[str, Any]:
+    points = [p for p in (1, 10, 50, 100, 250, 500) if p <= turns]
+    metrics = ("ours", "driver", "network_wall", "wall", "commands")
+    return {str(p): {m: _window(samples, p, m) for m in metrics} for p in points}
+
+
+async def bench_growth(deployment: Deployment, args: argparse.Namespace) -> dict[str, Any]:
+    corpus = Corpus(seed=23)
+    conversation = corpus.conversation(max(args.growth_turns, args.langgraph_growth_turns))
+    deployment.proxy.latency_ms = args.growth_latency
+    out: dict[str, Any] = {"latency_ms": args.growth_latency, "contenders": {}}
+    async with connect(deployment) as clients:
+        if args.growth_turns > 0:
+            pairs = await _logger_growth(clients, conversation, args.growth_turns)
+            at = _at_turns([long for long, _ in pairs], args.growth_turns)
+            controls = _at_turns([control for _, control in pairs], args.growth_turns)
+            ratios = [long.ours / control.ours for long, control in pairs]
+            for turn, values in at.items():
+                values["control_ours"] = controls[turn]["ours"]
+                window = ratios[max(int(turn) - 5, 0) : int(turn) + 5]
+                values["ours_vs_control"] = statistics.median(window)
+            out["contenders"]["logger"] = {"turns": args.growth_turns, "at_turn": at}
+        if args.langgraph_growth_turns > 0:
+            full = await prepare_workload([conversation])
+            workload = _first_turns(full, args.langgraph_growth_turns)
+            samples = await _per_turn(clients, workload, "langgraph", "growth_langgraph")
+            out["contenders"]["langgraph"] = {
+                "turns": args.langgraph_growth_turns,
+                "at_turn": _at_turns(samples, args.langgraph_growth_turns),
+            }
+    logger = out["contenders"].get("logger", {}).get("at_turn", {})
+    last = logger.get(str(args.growth_turns))
+    if last and "10" in logger:
+        out["logger_ours_last_vs_turn_10"] = last["ours"] / logger["10"]["ours"]
+        out["logger_controlled_last_vs_turn_10"] = (
+            last["ours_vs_control"] / logger["10"]["ours_vs_control"]
         )
-        documents = [m.model_dump(by_alias=True) for m in logged.messages]
-        legacy_turns.append(
-            legacy_turn_document(
-                conversation.conversation_id,
-                turn_id,
-                logged.messages,
-                user_id=conversation.user_id,
-                name="Bench" if number == 0 else None,
-            )
-        )
-        langchain_docs += [
-            {"SessionId": conversation.conversation_id, "History": json.dumps(message_to_dict(m))}
-            for m in to_langchain(documents)
-        ]
-    await db[LEGACY_COLLECTION].create_index([("conversation_id", 1), ("created_at", 1)])
-    await db[LEGACY_COLLECTION].insert_many(legacy_turns)
-    history = langchain_history(backend, db_name, conversation.conversation_id)
-    history.collection.insert_many(langchain_docs)
-    return db, history
+    return out
 
 
-def same_transcript(a: list[Any], b: list[Any]) -> bool:
-    """Role, text and tool pairing agree (legacy turns keep no per-message usage or time)."""
-
-    def key(m: Any) -> tuple[Any, ...]:
-        calls = tuple(c.id for c in m.tool_calls or ())
-        return (m.role, m.content, m.tool_call_id, calls, m.hitl_action, m.error, m.upload)
-
-    return [key(m) for m in a] == [key(m) for m in b]
-
-
-async def bench_reads(
-    backend: Backend, conversation: Conversation, repetitions: int, tag: str
-) -> tuple[list[Figures], dict[str, Any]]:
-    db_name = f"bench_{tag}_read"
-    db, history = await load_read_fixture(backend, conversation, db_name)
-    store = ConversationStore(db)
+def _first_turns(workload: Workload, turns: int) -> Workload:
+    (conversation,) = workload.conversations
     cid = conversation.conversation_id
-    count = conversation.message_count
-    results: dict[str, Any] = {}
-
-    async def transcript() -> None:
-        results["transcript"] = await store.transcript(cid)
-
-    async def raw_find() -> None:
-        results["raw find"] = await (
-            db["agent_messages"]
-            .find({"conversation_id": cid})
-            .sort("seq", 1)
-            .limit(10_000)
-            .batch_size(10_000)
-            .to_list(None)
-        )
-
-    async def legacy() -> None:
-        results["legacy"] = await read_legacy_transcript(db, cid)
-
-    async def langchain() -> None:
-        results["langchain"] = history.messages
-
-    readers: dict[str, Callable[[], Awaitable[None]]] = {
-        "transcript": transcript,
-        "raw find": raw_find,
-        "legacy": legacy,
-        "langchain": langchain,
-    }
-    names = list(readers)
-    figures = {n: Figures(n, "read", 1, count) for n in names}
-    try:
-        for repetition in range(-1, repetitions):
-            order = names[repetition % len(names) :] + names[: repetition % len(names)]
-            for name in order:
-                sample = await measure(backend, readers[name])
-                if repetition >= 0:
-                    figures[name].samples.append(sample)
-        checks = {
-            "messages_read": {n: len(results[n]) for n in names},
-            "legacy_matches_new": same_transcript(results["legacy"], results["transcript"]),
-        }
-    finally:
-        await backend.async_client.drop_database(db_name)
-    return list(figures.values()), checks
-
-
-# -- backends --------------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def open_backend(name: str) -> AsyncIterator[Backend]:
-    if name == "mongomock":
-        import mongomock
-        from mongomock_motor import AsyncMongoMockClient
-
-        sync_client = mongomock.MongoClient(tz_aware=True)
-        yield Backend(
-            name, AsyncMongoMockClient(mock_mongo_client=sync_client), sync_client, None, True
-        )
-        return
-    server = None
-    if name == "wire":
-        server, uri = start_wire_server()
-    else:
-        uri = os.environ["MONGODB_URI"]
-    counter = CommandCounter()
-    async_client: Any = AsyncMongoClient(uri, tz_aware=True, event_listeners=[counter])
-    sync_client: Any = MongoClient(uri, tz_aware=True, event_listeners=[counter])
-    try:
-        yield Backend(name, async_client, sync_client, counter, False)
-    finally:
-        await async_client.close()
-        sync_client.close()
-        if server is not None:
-            assert server.stdin is not None
-            server.stdin.close()
-            server.wait(30)
-
-
-@dataclass(frozen=True)
-class Sizes:
-    conversations: int
-    turns_per_conversation: int
-    repetitions: int
-    read_repetitions: int
-    transcript_messages: int
-
-
-def default_sizes(backend: str, args: argparse.Namespace) -> Sizes:
-    # mongoeco scans a collection on every insert: its sizes stay small.
-    small = backend == "wire"
-    return Sizes(
-        conversations=args.conversations or (2 if small else 8),
-        turns_per_conversation=args.turns or (3 if small else 5),
-        repetitions=args.repetitions or (7 if small else 9),
-        read_repetitions=args.read_repetitions or 15,
-        transcript_messages=args.transcript_messages,
+    return Workload(
+        [type(conversation)(cid, conversation.user_id, conversation.turns[:turns])],
+        {cid: workload.stored[cid][:turns]},
+        {cid: workload.reservations[cid][:turns]},
+        {cid: workload.langchain[cid][:turns]},
+        {cid: workload.librechat[cid][:turns]},
     )
 
 
-async def run_backend(name: str, sizes: Sizes) -> dict[str, Any]:
-    corpus = Corpus(seed=11)
-    conversations = [
-        corpus.conversation(sizes.turns_per_conversation) for _ in range(sizes.conversations)
-    ]
-    workload = await prepare_workload(conversations)
-    long_conversation = corpus.conversation_of_size(sizes.transcript_messages)
-    load_before = os.getloadavg()
-    started = time.perf_counter()
-    async with open_backend(name) as backend:
-        writes = await bench_writes(backend, workload, sizes.repetitions, name)
-        reads, checks = await bench_reads(backend, long_conversation, sizes.read_repetitions, name)
-        in_process = backend.database_in_process
-    return {
-        "backend": name,
-        "database_in_process": in_process,
-        "sizes": asdict(sizes),
-        "seconds": round(time.perf_counter() - started, 1),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-        "writes": [f.summary() for f in writes],
-        "write_ratio_logger_vs_raw": paired_ratio(writes, "logger", "raw"),
-        "reads": [f.summary() for f in reads],
-        "read_ratio_transcript_vs_raw_find": paired_ratio(reads, "transcript", "raw find"),
-        "read_ratio_legacy_vs_transcript": paired_ratio(reads, "legacy", "transcript"),
-        "read_checks": checks,
-    }
-
-
-def paired_ratio(figures: list[Figures], numerator: str, denominator: str) -> dict[str, float]:
-    """Per repetition (both measured back to back), numerator / denominator."""
-    by_name = {f.contender: f for f in figures}
-    ratios = [
-        a.wall / b.wall
-        for a, b in zip(by_name[numerator].samples, by_name[denominator].samples, strict=True)
-    ]
-    return {
-        "median": statistics.median(ratios),
-        "min": min(ratios),
-        "max": max(ratios),
-    }
-
-
-# -- report ----------------------------------------------------------------------------
-
-
-def goals(result: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
-    writes = {w["contender"]: w for w in result["writes"]}
-    trips = writes["logger"]["round_trips_per_unit"]
-    write_ratio = result["write_ratio_logger_vs_raw"]["median"]
-    read_ratio = result["read_ratio_transcript_vs_raw_find"]["median"]
-    return [
-        (
-            f"round trips per turn ≤ {GOAL_ROUND_TRIPS}",
-            "not countable in-process" if trips is None else f"{trips:g}",
-            None if trips is None else trips <= GOAL_ROUND_TRIPS,
-        ),
-        (
-            f"logger wall ≤ {GOAL_WRITE_RATIO}x raw insert_many",
-            f"{write_ratio:.3f}x",
-            write_ratio <= GOAL_WRITE_RATIO,
-        ),
-        (
-            f"transcript ≤ {GOAL_READ_RATIO}x raw find",
-            f"{read_ratio:.3f}x",
-            read_ratio <= GOAL_READ_RATIO,
-        ),
-    ]
-
-
-def print_report(result: dict[str, Any]) -> None:
-    sizes = result["sizes"]
-    print(
-        f"\n== {result['backend']} — {sizes['conversations']} conversations x "
-        f"{sizes['turns_per_conversation']} turns, {sizes['repetitions']} write and "
-        f"{sizes['read_repetitions']} read repetitions (+1 warm-up), {result['seconds']} s; "
-        "load average "
-        f"{result['load_average_before'][0]:.2f} → {result['load_average_after'][0]:.2f}"
-    )
-    if result["database_in_process"]:
-        print("   (database in this process: CPU figures include mongomock's own work)")
-    header = (
-        f"   {'contender':<12}{'ms/unit':>10}{'min-max':>16}{'spread':>8}{'trips':>7}"
-        f"{'CPU us/msg':>12}"
-    )
-    for title, rows in (
-        ("writes (unit: one turn)", result["writes"]),
-        ("reads (unit: one transcript)", result["reads"]),
-    ):
-        print(f"  {title}, {rows[0]['messages_per_repetition']} messages per repetition")
-        print(header)
-        for row in rows:
-            trips = row["round_trips_per_unit"]
-            print(
-                f"   {row['contender']:<12}{row['wall_ms_per_unit_median']:>10.2f}"
-                f"{row['wall_ms_per_unit_min']:>8.2f}-{row['wall_ms_per_unit_max']:<7.2f}"
-                f"{row['spread_pct']:>7.0f}%{'—' if trips is None else f'{trips:.2f}':>7}"
-                f"{row['cpu_us_per_message_median']:>12.0f}"
+async def bench_sizes(deployment: Deployment, args: argparse.Namespace) -> dict[str, Any]:
+    deployment.proxy.latency_ms = args.latencies[0]
+    rows = []
+    async with connect(deployment) as clients:
+        for size in args.sizes:
+            corpus = Corpus(seed=31 + size)
+            workload = await prepare_workload(
+                [corpus.conversation_of_turn_size(args.size_turns, size)]
             )
-    for label, key in (
-        ("logger / raw (writes)", "write_ratio_logger_vs_raw"),
-        ("transcript / raw find", "read_ratio_transcript_vs_raw_find"),
-        ("legacy / transcript", "read_ratio_legacy_vs_transcript"),
-    ):
-        r = result[key]
-        print(
-            f"  {label:<24} {r['median']:.2f}x (per-repetition range {r['min']:.2f}-{r['max']:.2f})"
-        )
-    checks = result["read_checks"]
-    print(
-        f"  messages read: {checks['messages_read']}; legacy path gives the same transcript: "
-        f"{checks['legacy_matches_new']}"
-    )
-    for goal, value, met in goals(result):
-        verdict = "n/a" if met is None else ("met" if met else "MISSED")
-        print(f"  goal {goal:<42} {value:>10}  {verdict}")
-
-
-async def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_backends = ["mongomock", "wire"] + (["uri"] if os.environ.get("MONGODB_URI") else [])
-    parser.add_argument(
-        "--backends",
-        default=",".join(default_backends),
-        help="comma-separated: mongomock, wire, uri (default: %(default)s)",
-    )
-    parser.add_argument("--conversations", type=int, help="conversations written per repetition")
-    parser.add_argument("--turns", type=int, help="turns per conversation")
-    parser.add_argument("--repetitions", type=int, help="measured repetitions (after a warm-up)")
-    parser.add_argument("--read-repetitions", type=int, help="measured transcript reads each")
-    parser.add_argument("--transcript-messages", type=int, default=1000)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args(argv)
-
-    print(METHOD)
-    results = []
-    for name in args.backends.split(","):
-        result = await run_backend(name, default_sizes(name, args))
-        print_report(result)
-        results.append(result)
-    report = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-        },
-        "method": __doc__,
-        "results": results,
+            series = await _interleaved(
+                clients, workload, ["logger", "raw two"], args.size_repetitions, f"s{size}"
+            )
+            net = [
+                (mine.ours - raw.ours) / workload.turns * 1e6
+                for mine, raw in zip(
+                    series["logger"].samples, series["raw two"].samples, strict=True
+                )
+            ]
+            rows.append(
+                {
+                    "messages_per_turn": size,
+                    "logger_ours_net_us": statistics.median(net),
+                    **{n: s.summary() for n, s in series.items()},
+                }
+            )
+    sizes = [r["messages_per_turn"] for r in rows]
+    ours = [r["logger_ours_net_us"] for r in rows]
+    per_turn, per_message = _least_squares(sizes, ours)
+    return {
+        "latency_ms": args.latencies[0],
+        "turns_per_size": args.size_turns,
+        "rows": rows,
+        "logger_ours_fit_us": {"per_turn": per_turn, "per_message": per_message},
     }
+
+
+def _least_squares(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    """Intercept and slope of the straight line through (xs, ys) that fits best."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mean_x) ** 2 for x in xs
+    )
+    return mean_y - slope * mean_x, slope
+
+
+def bench_loops(deployment: Deployment, args: argparse.Namespace) -> dict[str, Any]:
+    """The logger's and the transcript's client CPU under asyncio and under uvloop."""
+    import uvloop
+
+    factories = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    deployment.proxy.latency_ms = args.latencies[0]
+    corpus = Corpus(seed=41)
+    conversations = [corpus.conversation(args.loop_turns) for _ in range(args.loop_conversations)]
+    cpu: dict[str, list[float]] = {name: [] for name in factories}
+    reads: dict[str, list[float]] = {name: [] for name in factories}
+    for repetition in range(-1, args.loop_repetitions):
+        for name in rotated(list(factories), repetition):
+            write_cpu, read_cpu = asyncio.run(
+                _loop_round(deployment, conversations), loop_factory=factories[name]
+            )
+            if repetition >= 0:
+                cpu[name].append(write_cpu)
+                reads[name].append(read_cpu)
+    ratio = [u / a for u, a in zip(cpu["uvloop"], cpu["asyncio"], strict=True)]
+    read_ratio = [u / a for u, a in zip(reads["uvloop"], reads["asyncio"], strict=True)]
+    return {
+        "logger_cpu_us_per_message": {n: statistics.median(v) for n, v in cpu.items()},
+        "transcript_cpu_us_per_message": {n: statistics.median(v) for n, v in reads.items()},
+        "uvloop_vs_asyncio_logger": {
+            "median": statistics.median(ratio),
+            "min": min(ratio),
+            "max": max(ratio),
+        },
+        "uvloop_vs_asyncio_transcript": {
+            "median": statistics.median(read_ratio),
+            "min": min(read_ratio),
+            "max": max(read_ratio),
+        },
+    }
+
+
+async def _loop_round(deployment: Deployment, conversations: list[Any]) -> tuple[float, float]:
+    from agent_store import AgentMessageLogger, ConversationStore
+
+    async with connect(deployment) as clients:
+        db = clients.async_client["bench_loop"]
+        logger = AgentMessageLogger(db)
+        await logger.ensure_indexes()
+        messages = sum(c.message_count for c in conversations)
+        inputs = copy.deepcopy(conversations)
+
+        async def write() -> None:
+            for c in inputs:
+                for turn_id, turn in c.turns:
+                    await logger.log_messages(
+                        c.conversation_id, turn, user_id=c.user_id, turn_id=turn_id
+                    )
+
+        written = await clients.meter.measure(write)
+        store = ConversationStore(db)
+
+        async def read() -> None:
+            for c in conversations:
+                await store.transcript(c.conversation_id)
+
+        read_sample = await clients.meter.measure(read)
+        await clients.async_client.drop_database("bench_loop")
+    return written.cpu / messages * 1e6, read_sample.cpu / messages * 1e6
+
+
+def machine() -> dict[str, Any]:
+    model = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
+    import pymongo
+
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": model,
+        "cpus": os.cpu_count(),
+        "pymongo": pymongo.version,
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    floats = lambda text: [float(x) for x in text.split(",")]  # noqa: E731
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    add = parser.add_argument
+    add("--backend", default="wire", choices=["wire", "uri"], help="wire: the embedded server")
+    add("--sections", default=",".join(SECTIONS), help="comma-separated: " + ", ".join(SECTIONS))
+    add("--latencies", type=floats, default=[0.2, 1.0, 5.0], help="round-trip ms added")
+    add("--writers", default=",".join(WRITERS))
+    add("--conversations", type=int, default=2, help="conversations per write repetition")
+    add("--turns", type=int, default=4, help="turns per conversation")
+    add("--repetitions", type=int, default=7, help="write repetitions (after a warm-up)")
+    add("--growth-turns", type=int, default=500, help="turns of the logger's long conversation")
+    add("--langgraph-growth-turns", type=int, default=250)
+    add("--growth-latency", type=float, default=1.0)
+    add("--sizes", type=ints, default=[1, 2, 4, 8, 16, 32, 64], help="messages per turn")
+    add("--size-turns", type=int, default=6)
+    add("--size-repetitions", type=int, default=5)
+    add("--transcript-messages", type=int, default=1000)
+    add("--read-repetitions", type=int, default=15)
+    add("--loop-repetitions", type=int, default=7)
+    add("--loop-conversations", type=int, default=6)
+    add("--loop-turns", type=int, default=5)
+    add("--loop", default="asyncio", choices=["asyncio", "uvloop"], help="event loop of the run")
+    add("--out", type=Path, default=DEFAULT_OUT)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sections = args.sections.split(",")
+    report: dict[str, Any] = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "backend": args.backend,
+        "loop": args.loop,
+        "load_average_before": os.getloadavg(),
+        "method": __doc__,
+    }
+    loop_factory = asyncio.new_event_loop
+    if args.loop == "uvloop":
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    started = time.perf_counter()
+    deployment = Deployment(args.backend)
+    try:
+        for name, run in (
+            ("writes", bench_writes),
+            ("growth", bench_growth),
+            ("sizes", bench_sizes),
+            ("reads", bench_reads),
+        ):
+            if name in sections:
+                report[name] = asyncio.run(run(deployment, args), loop_factory=loop_factory)
+                print_section(name, report[name])
+        if "reads" in sections:
+            report["reads_mongomock"] = asyncio.run(
+                bench_reads_mongomock(args), loop_factory=loop_factory
+            )
+            print_section("reads_mongomock", report["reads_mongomock"])
+        if "loops" in sections:
+            report["loops"] = bench_loops(deployment, args)
+            print_section("loops", report["loops"])
+    finally:
+        deployment.close()
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    report["load_average_after"] = os.getloadavg()
+    report["verdicts"] = verdicts(report)
+    print_section("verdicts", report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=str))
-    print(f"\nwritten: {args.out}")
+    print(f"\nwritten: {args.out} ({report['seconds']} s)")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    sys.exit(main())

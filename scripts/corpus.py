@@ -130,6 +130,55 @@ class Corpus:
         messages.append(final)
         return messages
 
+    def turn_of_size(self, number: int, size: int) -> list[dict[str, Any]]:
+        """A turn of exactly `size` messages: the user, rounds of one call and its result, and
+        a final answer (a user message alone when `size` is 1)."""
+        rand = self._random
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": self._text(5, 60), "created_at": self._tick(30)}
+        ]
+        for round_ in range(max(size - 2, 0) // 2):
+            call_id = f"call_{number}_{round_}"
+            messages.append(
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": call_id,
+                            "function": {"name": rand.choice(_TOOLS), "arguments": {"q": "x"}},
+                        }
+                    ],
+                    "created_at": self._tick(1),
+                }
+            )
+            result = {"items": [self._text(5, 40) for _ in range(2)]}
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "content": json.dumps(result),
+                    "created_at": self._tick(1),
+                }
+            )
+        while len(messages) < size:
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": self._text(20, 150),
+                    "token_usage": {"input_tokens": 900, "output_tokens": 120},
+                    "created_at": self._tick(2),
+                }
+            )
+        return messages
+
+    def conversation_of_turn_size(self, turns: int, size: int) -> Conversation:
+        """A conversation of `turns` turns of `size` messages each."""
+        conversation = self.conversation(0)
+        prefix = conversation.conversation_id[:8]
+        for number in range(turns):
+            conversation.turns.append((f"run-{prefix}-{number}", self.turn_of_size(number, size)))
+        return conversation
+
     def conversation(self, turns: int, *, user_id: str | None = None) -> Conversation:
         conversation_id = str(uuid.UUID(int=self._random.getrandbits(128), version=4))
         user_id = user_id or f"user-{self._random.randint(1, 10**9)}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -144,3 +145,28 @@ def test_run_logs_one_json_line_per_request_without_its_query(running: Running) 
     assert "/health" not in "".join(printed)  # probes are not logged
     assert "/ready" not in "".join(printed)
     assert "limit=7" not in "".join(printed)
+
+
+@pytest.mark.parametrize(
+    ("installed", "loop"), [(True, "uvloop"), (False, "asyncio")], ids=["uvloop", "no-uvloop"]
+)
+def test_python_m_app_runs_on_uvloop_when_it_is_installed(
+    monkeypatch: pytest.MonkeyPatch, installed: bool, loop: str
+) -> None:
+    import app.__main__ as entry
+
+    served_on: list[str] = []
+
+    async def serve(settings: object, *, dev_token: str | None) -> None:
+        served_on.append(type(asyncio.get_running_loop()).__module__)
+
+    monkeypatch.setattr(entry, "serve", serve)
+    monkeypatch.setattr(entry, "configure_logging", lambda level: None)
+    monkeypatch.setenv("AGENT_STORE_SERVICE_TOKENS", '["' + "t" * 32 + '"]')
+    monkeypatch.delenv("MONGODB_URI", raising=False)
+    if not installed:
+        monkeypatch.setitem(sys.modules, "uvloop", None)  # as if it were not installed
+
+    entry.main()
+
+    assert [module.split(".")[0] for module in served_on] == [loop]

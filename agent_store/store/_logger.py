@@ -47,6 +47,7 @@ from agent_store.store._fork import fork_copies, fork_end, fork_turn_id
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
 from agent_store.store._legacy_seam import LegacySource
 from agent_store.store._reservation import (
+    RESERVED,
     SUMMARY,
     Actor,
     RecordedBlock,
@@ -59,6 +60,7 @@ from agent_store.store._text import clean_name
 from agent_store.store._turns import (
     TurnPlan,
     TurnRules,
+    canonical_documents,
     content_digest,
     message_id,
     plan_turn,
@@ -84,11 +86,13 @@ class Condition:
 
 @dataclass(frozen=True)
 class _Reserved:
-    """A turn's block, and whether an earlier attempt had reserved it."""
+    """A turn's block, its conversation's owner, and whether an earlier attempt reserved it."""
 
-    conversation: Conversation
     first_seq: int
+    owner: str | None
     replayed: bool
+    conversation: Conversation | None = None
+    """The conversation's summary: read only when observers are told of the turn."""
 
 
 class LoggedTurn(BaseModel):
@@ -236,13 +240,15 @@ class AgentMessageLogger:
         actor = Actor(user_id, as_user=owner_only)
         reserved = await self._reserve(plan, actor, runtime_name)
         stored = await self._store(plan, reserved)
-        logged = LoggedTurn(
+        # Every part is validated already: constructed, not validated again message by message.
+        logged = LoggedTurn.model_construct(
             conversation_id=plan.conversation_id,
             turn_id=plan.turn_id,
             messages=stored,
             replayed=reserved.replayed,
         )
         for observer in self._observers:
+            assert reserved.conversation is not None  # observers get the summary
             await observer.turn_logged(logged, reserved.conversation)
         return logged
 
@@ -325,9 +331,9 @@ class AgentMessageLogger:
                 plan, actor, name, query, upsert=create, condition=condition
             )
             if doc is not None:
-                conversation = Conversation.model_validate(doc)
-                first = conversation.message_count - len(plan.messages)
-                return _Reserved(conversation, first, replayed=False)
+                first = int(doc["message_count"]) - plan.count
+                summary = Conversation.model_validate(doc) if self._observers else None
+                return _Reserved(first, doc.get("user_id"), replayed=False, conversation=summary)
             with storage_errors("read the conversation"):
                 found = await self._conversations.find_one({"_id": plan.conversation_id})
             if found is None:
@@ -376,7 +382,7 @@ class AgentMessageLogger:
                     query,
                     pipeline,
                     upsert=upsert,
-                    projection=SUMMARY,
+                    projection=SUMMARY if self._observers else RESERVED,
                     return_document=ReturnDocument.AFTER,
                 )
             except DuplicateKeyError:
@@ -409,9 +415,9 @@ class AgentMessageLogger:
             )
         if first is None:
             return None
-        block = RecordedBlock(int(first["seq"]), len(plan.messages), plan.digest)
+        block = RecordedBlock(int(first["seq"]), plan.count, plan.digest)
         stored = await self._stored_in(plan, block)
-        if len(stored) != block.count or content_digest(stored) != plan.digest:
+        if len(stored) != block.count or content_digest(canonical_documents(stored)) != plan.digest:
             raise _other_content(plan)
         return block
 
@@ -424,10 +430,10 @@ class AgentMessageLogger:
         a retry answers with the stored timestamps, not its own.
         """
         await self._full_texts.keep(plan.full_texts)  # a turn with a cut message: 2 more commands
-        owner = reserved.conversation.user_id
+        owner, first = reserved.owner, reserved.first_seq
         documents = [
-            {**m.model_dump(by_alias=True), "seq": Int64(reserved.first_seq + i), "user_id": owner}
-            for i, m in enumerate(plan.messages)
+            {**document, "seq": Int64(first + i), "user_id": owner}
+            for i, document in enumerate(plan.documents)
         ]
         with storage_errors("insert the messages"):
             try:
@@ -435,7 +441,8 @@ class AgentMessageLogger:
             except BulkWriteError as exc:
                 stored = await self._own_duplicates(exc, documents)
                 documents = [stored.get(d["_id"], d) for d in documents]
-        return messages_adapter.validate_python(documents)
+                return messages_adapter.validate_python(documents)
+        return plan.stored(first, owner)
 
     async def _stored_in(self, plan: TurnPlan, block: RecordedBlock) -> list[dict[str, Any]]:
         """The turn's messages already stored in its block."""
@@ -479,13 +486,14 @@ class AgentMessageLogger:
 
 def _replay(plan: TurnPlan, block: RecordedBlock, conversation: dict[str, Any]) -> _Reserved:
     """The block an earlier attempt of the turn reserved, if this attempt sends the same."""
-    if block.count != len(plan.messages) or block.digest != plan.digest:
+    if block.count != plan.count or not plan.matches(block.digest):
         raise _other_content(plan)
-    return _Reserved(Conversation.model_validate(conversation), block.first_seq, replayed=True)
+    summary = Conversation.model_validate(conversation)
+    return _Reserved(block.first_seq, summary.user_id, replayed=True, conversation=summary)
 
 
 def _other_content(plan: TurnPlan) -> Conflict:
     return Conflict(
-        f"turn {plan.turn_id!r} was logged with other content ({len(plan.messages)} messages "
+        f"turn {plan.turn_id!r} was logged with other content ({plan.count} messages "
         "now); a retry must send the same messages. Use a new turn_id for a new turn"
     )

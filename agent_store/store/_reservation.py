@@ -17,7 +17,10 @@ from agent_store.core import MAX_SAFE_INTEGER, Conflict, NotFound, StoreError, T
 from agent_store.store._turns import PENDING_CALLS_KEPT, KeepPendingHitl, TurnPlan, TurnRules
 
 SUMMARY: dict[str, Any] = {"turns": 0}
-"""What a reservation returns: the conversation without its turn records."""
+"""The conversation without its turn records: what a reservation returns when observers
+are told of the turn, and what reads serve."""
+RESERVED: dict[str, Any] = {"_id": 1, "message_count": 1, "user_id": 1}
+"""What a reservation returns otherwise: all the logger needs (the block's end, the owner)."""
 
 
 @dataclass(frozen=True)
@@ -162,10 +165,10 @@ def reservation(
     stage: dict[str, Any] = {
         "conversation_id": literal(plan.conversation_id),
         "user_id": _kept("user_id", actor.user_id),
-        "created_at": _kept("created_at", plan.messages[0].created_at),
+        "created_at": _kept("created_at", plan.first_created_at),
         "updated_at": {"$max": ["$updated_at", literal(plan.updated_at)]},
         "turn_count": _plus("turn_count", plan.turn_starts),
-        "message_count": _plus("message_count", len(plan.messages)),
+        "message_count": _plus("message_count", plan.count),
         "usage.input_tokens": _capped("usage.input_tokens", plan.usage.input_tokens),
         "usage.output_tokens": _capped("usage.output_tokens", plan.usage.output_tokens),
         "last_message_preview": (

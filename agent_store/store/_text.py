@@ -98,7 +98,21 @@ def strip_runtime_context_pieces(
     return shown
 
 
+# The white space `str.split` removes or merges, in ASCII text, besides a single space.
+_ASCII_RUNS = ("  ", "\n", "\t", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x1f")
+
+
 def collapse_whitespace(text: str) -> str:
+    """Runs of white space as one space, none at either end.
+
+    ASCII text that holds none of them comes back as it is after a few C-level scans.
+    """
+    if text.isascii() and not (text[:1].isspace() or text[-1:].isspace()):
+        for run in _ASCII_RUNS:
+            if run in text:
+                break
+        else:
+            return text
     return " ".join(text.split())
 
 
@@ -126,6 +140,13 @@ def message_text(message: AgentMessage) -> str:
 
 def search_text(message: AgentMessage, limit: int = 32_768) -> str | None:
     """What full-text search indexes for a message: text, file, tool and error words."""
+    if (
+        message.upload is None
+        and message.error is None
+        and message.tool_calls is None
+        and message.hitl_action is None
+    ):
+        return collapse_whitespace(message.content or "")[:limit] or None
     parts = [message.content or ""]
     if message.upload is not None:
         parts += [message.upload.filename, message.upload.parsed_text or ""]

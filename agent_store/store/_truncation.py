@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -54,7 +55,94 @@ def blob_id(message_id: str, path: str) -> str:
 
 
 def document_size(document: dict[str, Any]) -> int:
+    """The exact size of the document in BSON."""
     return len(bson.encode(document))
+
+
+# An element's type byte and its key's NUL, a string's length prefix and NUL, a
+# sub-document's length prefix and NUL: at most this many bytes besides key and value.
+_ELEMENT_BYTES = 12
+# The widest scalar BSON holds (a Decimal128); numbers, dates and ids take less.
+_SCALAR_BYTES = 16
+_INT64 = range(-(2**63), 2**63)
+
+
+def _value_bound(value: Any) -> int:
+    if type(value) is str:
+        return 4 * len(value)  # at most 4 bytes of UTF-8 per character
+    if isinstance(value, dict):
+        return sum(4 * len(k) + _ELEMENT_BYTES + _value_bound(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        # An array's keys are the decimal indexes: at most 20 digits.
+        return sum(20 + _ELEMENT_BYTES + _value_bound(v) for v in value)
+    if type(value) is int and value not in _INT64:
+        raise OverflowError("an integer is outside BSON's 64-bit range")
+    if isinstance(value, bytes | str):
+        return 4 * len(value)
+    return _SCALAR_BYTES
+
+
+# Every top-level element of a message document: its type byte, a key of at most 16 bytes
+# and its NUL, a string's length prefix and NUL, or a number, a date or null.
+_FIELD_BYTES = 32
+# Room for the fields set when the document is stored (`seq`, an owner id of 200 characters).
+_STORED_FIELDS_BYTES = 1024
+_TEXTS = ("_id", "conversation_id", "role", "content", "tool_call_id", "turn_id", "search_text")
+_NESTED_EXACTLY = ("hitl_action", "truncated", "native")
+
+
+# BSON spends at most this many bytes per character of a value's `repr`: 4 bytes of UTF-8
+# per character of text, and for each element (at least 3 characters of `repr`: a key and
+# its quotes, or a list item and its separator) its type, key and framing.
+_REPR_FACTOR = 16
+# Per message, what a turn's canonical text leaves out: `_id`, conversation, turn and owner
+# ids (200 characters at most), `created_at` and `seq`, and the framing of `search_text`.
+_LEFT_OUT_BYTES = 4096
+
+
+def turn_size_bound(canonical: str, search_texts: Sequence[str | None]) -> int:
+    """An upper bound of the BSON size of a turn's message documents together, from the
+    `repr` of their content (`canonical`, without ids, times and search texts) and the
+    lengths of their search texts. Reads only lengths: no message is walked or encoded."""
+    searched = sum(len(text) for text in search_texts if text is not None)
+    return _REPR_FACTOR * len(canonical) + 4 * searched + _LEFT_OUT_BYTES * len(search_texts)
+
+
+def _calls_bound(calls: list[dict[str, Any]]) -> int:
+    return sum(
+        4 * _FIELD_BYTES
+        + 4 * (len(c["id"]) + len(c["type"]) + len(c["function"]["name"]))
+        + 4 * len(c["function"]["arguments"])
+        for c in calls
+    )
+
+
+def size_bound(document: dict[str, Any]) -> int:
+    """An upper bound of a message document's BSON size, from the lengths of its texts.
+
+    Cheap where encoding is not: it reads a few lengths and never copies a text. HITL
+    params and `truncated` maps, rare and small, are walked whole. Raises OverflowError,
+    as encoding would, for an integer BSON cannot hold.
+    """
+    total = _STORED_FIELDS_BYTES + _FIELD_BYTES * len(document)
+    for key in _TEXTS:
+        if (text := document.get(key)) is not None:
+            total += 4 * len(text)  # at most 4 bytes of UTF-8 per character
+    if user_id := document.get("user_id"):
+        total += 4 * len(user_id)
+    if calls := document.get("tool_calls"):
+        total += _calls_bound(calls)
+    if error := document.get("error"):
+        total += _FIELD_BYTES + 4 * len(error["message"])
+    if upload := document.get("upload"):
+        texts = (upload["filename"], upload["file_type"], upload.get("parsed_text") or "")
+        total += 4 * _FIELD_BYTES + 4 * sum(map(len, texts))
+    if document.get("token_usage"):
+        total += 2 * _FIELD_BYTES
+    for key in _NESTED_EXACTLY:
+        if value := document.get(key):
+            total += _value_bound(value)
+    return total
 
 
 def _wide_int_path(value: Any, path: str = "") -> str:
@@ -114,9 +202,14 @@ def bound(message: AgentMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> 
     Texts are cut to one common length, the longest that fits: every text longer than it
     keeps its first that many bytes. So a message just over the bound keeps nearly all of
     its text, and the searchable part of a cut message is the part a reader sees.
+
+    A cheap bound of the size decides first; the message is encoded only when that bound
+    is over `max_bytes`.
     """
     doc = message.model_dump(by_alias=True)
     try:
+        if size_bound(doc) <= max_bytes:
+            return BoundedMessage(message)
         size = document_size(doc)
     except OverflowError as exc:
         raise InvalidInput(

@@ -12,6 +12,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import cached_property
 from typing import Any
 
 from bson.errors import InvalidDocument
@@ -42,6 +43,8 @@ from agent_store.store._truncation import (
     BoundedMessage,
     FullText,
     bound,
+    size_bound,
+    turn_size_bound,
 )
 from agent_store.store._values import check_time, storable
 
@@ -83,7 +86,14 @@ class TurnPlan:
 
     conversation_id: str
     turn_id: str
-    messages: tuple[AgentMessage, ...]
+    sources: tuple[AgentMessage, ...]
+    """Each message as validated (and cleaned), before the store sets its fields; a message
+    cut to its size bound is its cut copy, fields set."""
+    updates: tuple[dict[str, Any], ...]
+    """Per message, the fields the store sets on its source (id, conversation, turn, search
+    text); empty for a cut copy, which has them."""
+    documents: tuple[dict[str, Any], ...]
+    """The documents to insert, each dumped once: all but `seq` and `user_id`."""
     turn_starts: int
     """How many turns this call starts: runs of user/system messages."""
     updated_at: datetime
@@ -103,6 +113,35 @@ class TurnPlan:
     """Calls the turn leaves without an answer: pending until a later turn answers them."""
     answered_calls: tuple[str, ...] = ()
     """Ids of calls of earlier turns that this turn answers: no longer pending."""
+
+    def matches(self, digest: int) -> bool:
+        """Whether a turn record's digest is this plan's content (in either digest's form)."""
+        return digest in (self.digest, json_content_digest(self.documents))
+
+    @property
+    def count(self) -> int:
+        """How many messages the turn holds: the size of its `seq` block."""
+        return len(self.documents)
+
+    @property
+    def first_created_at(self) -> datetime:
+        """When the turn's first message was made."""
+        return self.sources[0].created_at
+
+    def stored(self, first_seq: int, owner: str | None) -> list[AgentMessage]:
+        """The messages as stored in the block starting at `first_seq`: one copy each."""
+        return [
+            source.model_copy(update={**update, "seq": first_seq + index, "user_id": owner})
+            for index, (source, update) in enumerate(zip(self.sources, self.updates, strict=True))
+        ]
+
+    @cached_property
+    def messages(self) -> tuple[AgentMessage, ...]:
+        """The messages as stored, without `seq` (not known yet) and the owner."""
+        return tuple(
+            source.model_copy(update=update) if update else source
+            for source, update in zip(self.sources, self.updates, strict=True)
+        )
 
 
 def validate_identifier(value: object, what: str) -> str:
@@ -148,18 +187,24 @@ def parse_messages(raw: Sequence[AgentMessage | Mapping[str, Any]]) -> list[Agen
         raise InvalidInput("invalid turn: a value nests too deeply") from exc
 
 
-def derive_turn_id(conversation_id: str, messages: Sequence[AgentMessage]) -> str:
-    """A turn id from the turn's content and timestamps, so a retry of it maps to the same id."""
-    canonical = json.dumps(
-        [conversation_id]
-        + [
-            m.model_dump(mode="json", exclude={"seq", "user_id", "turn_id", "search_text"})
-            for m in messages
-        ],
-        sort_keys=True,
-        ensure_ascii=False,
-    )
-    return "turn-" + hashlib.sha256(canonical.encode()).hexdigest()[:32]
+def derive_turn_id(
+    conversation_id: str,
+    messages: Sequence[AgentMessage],
+    documents: Sequence[Mapping[str, Any]] | None = None,
+) -> str:
+    """A turn id from the turn's content and timestamps, so a retry of it maps to the same id.
+
+    `documents` are the messages already dumped (by alias), if the caller has them.
+    """
+    if documents is None:
+        documents = [m.model_dump(by_alias=True) for m in messages]
+    return _turn_id_from(conversation_id, _canonical(documents), messages)
+
+
+def _turn_id_from(conversation_id: str, canonical: str, messages: Sequence[AgentMessage]) -> str:
+    times = repr([m.created_at for m in messages])
+    text = f"{conversation_id}\0{canonical}\0{times}"
+    return "turn-" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def _digest64(text: str) -> int:
@@ -172,17 +217,41 @@ def turn_key(turn_id: str) -> int:
     return _digest64(turn_id)
 
 
-_DIGEST_EXCLUDES = {"created_at", "seq", "user_id"}
+_DIGEST_EXCLUDES = frozenset(
+    {"created_at", "seq", "user_id", "_id", "conversation_id", "turn_id", "search_text"}
+)
+"""Fields a replay may differ in (its times), or that follow from the turn id and the rest."""
+
+
+def _canonical(documents: Sequence[Mapping[str, Any]]) -> str:
+    """The content of a turn's documents as one text: their values in the models' order,
+    as `repr` writes them (exact for every value a message holds), times and ids aside."""
+    return repr([{k: v for k, v in d.items() if k not in _DIGEST_EXCLUDES} for d in documents])
 
 
 def content_digest(documents: Sequence[Mapping[str, Any]]) -> int:
-    """A 64-bit digest of a turn's stored documents, timestamps and `seq` aside.
+    """A 64-bit digest of a turn's documents as the models dump them, timestamps, `seq`, the
+    owner and the fields that follow from the turn id aside.
 
-    Computed the same way from a plan and from the messages read back, so a
-    replay can be checked against what is stored.
+    Documents read back must be dumped from their models first (`canonical_documents`), so
+    a replay is checked against what is stored whatever order a server keeps fields in.
     """
+    return _digest64(_canonical(documents))
+
+
+def canonical_documents(documents: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Stored documents as the models dump them: what `content_digest` reads."""
+    return [m.model_dump(by_alias=True) for m in messages_adapter.validate_python(documents)]
+
+
+_JSON_EXCLUDES = frozenset({"created_at", "seq", "user_id"})
+
+
+def json_content_digest(documents: Sequence[Mapping[str, Any]]) -> int:
+    """The digest turn records were written with before `content_digest`: sorted JSON of
+    every field but the timestamps, `seq` and the owner. A record may still hold it."""
     canonical = json.dumps(
-        [{k: v for k, v in d.items() if k not in _DIGEST_EXCLUDES} for d in documents],
+        [{k: v for k, v in d.items() if k not in _JSON_EXCLUDES} for d in documents],
         sort_keys=True,
         ensure_ascii=False,
         default=str,
@@ -222,25 +291,69 @@ def _bounded(message: AgentMessage, index: int, rules: TurnRules) -> BoundedMess
         raise InvalidInput(f"invalid turn: message {index} cannot be stored: {exc}") from exc
 
 
+def _fits(document: dict[str, Any], rules: TurnRules) -> bool:
+    """Whether a cheap bound of the document's size is within the rules' (no encoding)."""
+    try:
+        return size_bound(document) <= rules.max_message_bytes
+    except OverflowError:
+        return False  # `bound` names the integer
+
+
+@dataclass
+class _Prepared:
+    sources: list[AgentMessage] = field(default_factory=list)
+    updates: list[dict[str, Any]] = field(default_factory=list)
+    documents: list[dict[str, Any]] = field(default_factory=list)
+    full_texts: list[FullText] = field(default_factory=list)
+    cut: bool = False
+    """Whether a message was cut to its bound (its document changed)."""
+
+
 def _prepared(
-    conversation_id: str, turn_id: str, messages: Sequence[AgentMessage], rules: TurnRules
-) -> tuple[list[AgentMessage], list[FullText]]:
-    """The messages as stored (ids, turn, search text, bounded), and the texts cut to bound them."""
-    stored: list[AgentMessage] = []
-    full_texts: list[FullText] = []
-    for index, message in enumerate(messages):
-        prepared = message.model_copy(
-            update={
-                "id": message_id(conversation_id, turn_id, index),
-                "conversation_id": conversation_id,
-                "turn_id": turn_id,
-                "search_text": search_text(message),
-            }
-        )
-        bounded = _bounded(prepared, index, rules)
-        stored.append(bounded.message)
-        full_texts += bounded.full_texts
-    return stored, full_texts
+    conversation_id: str,
+    turn_id: str,
+    messages: Sequence[AgentMessage],
+    documents: list[dict[str, Any]],
+    canonical: str,
+    rules: TurnRules,
+) -> _Prepared:
+    """The documents as stored (ids, turn, search text, bounded), and the texts cut to bound
+    them. `documents` are the messages' dumps, `canonical` their content as one text; the
+    documents are completed in place.
+
+    A bound of the whole turn's size, from lengths alone, clears nearly every turn; past it
+    each message gets a cheap bound of its own, and an exact size only near the limit.
+    """
+    out = _Prepared()
+    texts = [search_text(m) for m in messages]
+    all_fit = turn_size_bound(canonical, texts) <= rules.max_message_bytes
+    for index, (message, document) in enumerate(zip(messages, documents, strict=True)):
+        update = {
+            "id": message_id(conversation_id, turn_id, index),
+            "conversation_id": conversation_id,
+            "turn_id": turn_id,
+            "search_text": texts[index],
+        }
+        document["_id"] = update["id"]
+        document["conversation_id"] = conversation_id
+        document["turn_id"] = turn_id
+        document["search_text"] = update["search_text"]
+        source = message
+        # HITL params, plain JSON of any shape, are always walked: an integer BSON cannot
+        # hold is refused here, before any write.
+        checked = all_fit and message.hitl_action is None
+        if not checked and not _fits(document, rules):  # measured exactly, cut if over
+            whole = message.model_copy(update=update)
+            bounded = _bounded(whole, index, rules)
+            if bounded.message is not whole:
+                source, update = bounded.message, {}
+                document = bounded.message.model_dump(by_alias=True)
+                out.full_texts += bounded.full_texts
+                out.cut = True
+        out.sources.append(source)
+        out.updates.append(update)
+        out.documents.append(document)
+    return out
 
 
 def message_id(conversation_id: str, turn_id: str, index: int) -> str:
@@ -295,6 +408,49 @@ def plan_turn(
     `truncated` maps, which only the store sets, are kept.
     """
     conversation_id = validate_identifier(conversation_id, "conversation_id")
+    messages = _checked(conversation_id, raw_messages, rules, copied=copied)
+    documents = [m.model_dump(by_alias=True) for m in messages]  # the one dump of each
+    canonical = _canonical(documents)
+    turn_id = (
+        validate_identifier(turn_id, "turn_id")
+        if turn_id is not None
+        else _turn_id_from(conversation_id, canonical, messages)
+    )
+    prepared = _prepared(conversation_id, turn_id, messages, documents, canonical, rules)
+    sources = prepared.sources
+    ids = [str(d["_id"]) for d in prepared.documents]
+    opened_calls, answered_calls = _pending_calls(sources, ids)
+    return TurnPlan(
+        conversation_id=conversation_id,
+        turn_id=turn_id,
+        sources=tuple(sources),
+        updates=tuple(prepared.updates),
+        documents=tuple(prepared.documents),
+        turn_starts=_turn_starts(sources),
+        updated_at=max(m.created_at for m in sources),
+        preview=_preview(sources, rules.preview_chars),
+        usage=_usage(sources),
+        pending_hitl=_pending_hitl(sources, ids),
+        auto_name=next(
+            (n for m in sources if m.upload is None and (n := auto_name(m, rules.name_chars))),
+            None,
+        ),
+        key=turn_key(turn_id),
+        digest=_digest64(_canonical(prepared.documents) if prepared.cut else canonical),
+        full_texts=tuple(prepared.full_texts),
+        opened_calls=opened_calls,
+        answered_calls=answered_calls,
+    )
+
+
+def _checked(
+    conversation_id: str,
+    raw_messages: Sequence[AgentMessage | Mapping[str, Any]],
+    rules: TurnRules,
+    *,
+    copied: bool,
+) -> list[AgentMessage]:
+    """The turn's messages validated, cleaned and checked whole; InvalidInput otherwise."""
     messages = [_clean(m, rules) for m in parse_messages(raw_messages)]
     _refuse_store_fields(messages, copied=copied)
     _check_times(messages, rules)
@@ -305,33 +461,7 @@ def plan_turn(
                 f"{message.conversation_id!r}, not {conversation_id!r}"
             )
     _check_tool_pairing(messages)
-    turn_id = (
-        validate_identifier(turn_id, "turn_id")
-        if turn_id is not None
-        else derive_turn_id(conversation_id, messages)
-    )
-
-    stored, full_texts = _prepared(conversation_id, turn_id, messages, rules)
-    opened_calls, answered_calls = _pending_calls(stored)
-    return TurnPlan(
-        conversation_id=conversation_id,
-        turn_id=turn_id,
-        messages=tuple(stored),
-        turn_starts=_turn_starts(stored),
-        updated_at=max(m.created_at for m in stored),
-        preview=_preview(stored, rules.preview_chars),
-        usage=_usage(stored),
-        pending_hitl=_pending_hitl(stored),
-        auto_name=next(
-            (name for m in stored if m.upload is None and (name := auto_name(m, rules.name_chars))),
-            None,
-        ),
-        key=turn_key(turn_id),
-        digest=content_digest([m.model_dump(by_alias=True) for m in stored]),
-        full_texts=tuple(full_texts),
-        opened_calls=opened_calls,
-        answered_calls=answered_calls,
-    )
+    return messages
 
 
 def _turn_starts(messages: Sequence[AgentMessage]) -> int:
@@ -358,26 +488,27 @@ def _usage(messages: Sequence[AgentMessage]) -> Usage:
     )
 
 
-def _pending_hitl(messages: Sequence[AgentMessage]) -> PendingHitl | KeepPendingHitl | None:
+def _pending_hitl(
+    messages: Sequence[AgentMessage], ids: Sequence[str]
+) -> PendingHitl | KeepPendingHitl | None:
     outcome: PendingHitl | KeepPendingHitl | None = KeepPendingHitl()
-    for message in messages:
+    for message, message_id_ in zip(messages, ids, strict=True):
         if message.role == "user" and message.upload is not None:
             outcome = None
         if message.hitl_action is not None:
-            assert message.id is not None
             outcome = PendingHitl(
                 request_id=message.hitl_action.request_id,
                 action=message.hitl_action.action,
                 params=message.hitl_action.params,
                 prompt=message.content,
-                message_id=message.id,
+                message_id=message_id_,
                 created_at=message.created_at,
             )
     return outcome
 
 
 def _pending_calls(
-    messages: Sequence[AgentMessage],
+    messages: Sequence[AgentMessage], ids: Sequence[str]
 ) -> tuple[tuple[PendingCall, ...], tuple[str, ...]]:
     """The calls a turn leaves open, and the ids of calls of earlier turns it answers.
 
@@ -393,12 +524,11 @@ def _pending_calls(
             if call.id in answers:
                 continue
             prompt = next((m.hitl_action for m in messages[index:] if m.hitl_action), None)
-            assert message.id is not None
             opened.append(
                 PendingCall(
                     tool_call_id=call.id,
                     tool_name=call.function.name,
-                    message_id=message.id,
+                    message_id=ids[index],
                     request_id=prompt.request_id if prompt else None,
                     created_at=message.created_at,
                 )

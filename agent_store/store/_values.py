@@ -38,11 +38,41 @@ def _joined(text: str, where: str) -> str:
         ) from exc
 
 
+def _plain(value: Any) -> bool:
+    """Whether every string in `value` (keys included) is valid Unicode already and every
+    container a plain dict or list: nothing to join, copy or refuse."""
+    kind = type(value)
+    if kind is str:
+        return value.isascii() or _encodable(value)
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str or not (key.isascii() or _encodable(key)):
+                return False
+            if not (type(item) is str and item.isascii()) and not _plain(item):
+                return False
+        return True
+    if kind is list:
+        return all(_plain(item) for item in value)
+    return not isinstance(value, Mapping | tuple)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def storable(value: Any, where: str) -> Any:
     """`value` with every string (keys included) joined as `_joined` does; containers copied.
 
-    Raises InvalidInput naming the path of a string that cannot be stored.
+    A value whose strings are all valid already comes back as it is, after one walk
+    that names no path. Raises InvalidInput naming the path of a string that cannot be
+    stored.
     """
+    if _plain(value):
+        return value
     if isinstance(value, str):
         return _joined(value, where)
     if isinstance(value, Mapping):

@@ -1,0 +1,294 @@
+"""The write path's own work per message: counted, never timed.
+
+A turn's messages are validated once, copied once and dumped once; the store
+does not BSON-encode a message that is far below its size bound (the driver
+encodes it anyway); a reservation brings back only what the logger needs.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections import Counter
+from typing import Any
+
+import bson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel, TypeAdapter
+from pymongo import AsyncMongoClient, monitoring
+
+from agent_store import AgentMessageLogger
+from agent_store.core import message_adapter, messages_adapter
+from agent_store.core._models import _MessageBase
+from agent_store.store._text import search_text
+from app.examples import example_turns
+
+CID = "cost-1"
+
+
+def corpus_turns() -> list[tuple[str, list[dict[str, Any]]]]:
+    from scripts.corpus import Corpus
+
+    return Corpus(seed=5).conversation(6).turns
+
+
+class Spies:
+    """Counts what the store does to messages while installed."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        counts = self.counts
+        dump, copy_, validate = (
+            BaseModel.model_dump,
+            BaseModel.model_copy,
+            TypeAdapter.validate_python,
+        )
+        encode = bson.encode
+
+        def counting_dump(model: BaseModel, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(model, _MessageBase):
+                counts["dump"] += 1
+            return dump(model, *args, **kwargs)
+
+        def counting_copy(model: BaseModel, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(model, _MessageBase):
+                counts["copy"] += 1
+            return copy_(model, *args, **kwargs)
+
+        def counting_validate(
+            adapter: TypeAdapter[Any], value: Any, *args: Any, **kwargs: Any
+        ) -> Any:
+            if adapter is messages_adapter:
+                counts["validate"] += len(value)
+            elif adapter is message_adapter:
+                counts["validate"] += 1
+            return validate(adapter, value, *args, **kwargs)
+
+        def counting_encode(document: Any, *args: Any, **kwargs: Any) -> bytes:
+            if sys._getframe(1).f_globals["__name__"].startswith("agent_store"):
+                counts["encode"] += 1  # the store's own; mongomock encodes what it stores
+            return encode(document, *args, **kwargs)
+
+        monkeypatch.setattr(BaseModel, "model_dump", counting_dump)
+        monkeypatch.setattr(BaseModel, "model_copy", counting_copy)
+        monkeypatch.setattr(TypeAdapter, "validate_python", counting_validate)
+        monkeypatch.setattr(bson, "encode", counting_encode)
+
+
+@pytest.fixture
+def spies(monkeypatch: pytest.MonkeyPatch) -> Spies:
+    spies = Spies()
+    spies.install(monkeypatch)
+    return spies
+
+
+async def test_each_message_of_a_turn_is_validated_copied_and_dumped_once_and_never_encoded(
+    spies: Spies,
+) -> None:
+    from mongomock_motor import AsyncMongoMockClient
+
+    logger = AgentMessageLogger(AsyncMongoMockClient(tz_aware=True)["cost"])
+    turns = copy.deepcopy(corpus_turns())
+    messages = sum(len(m) for _, m in turns)
+
+    for turn_id, turn in turns:
+        await logger.log_messages(CID, turn, user_id="u-1", turn_id=turn_id)
+
+    assert spies.counts == Counter(validate=messages, copy=messages, dump=messages)
+
+
+async def test_a_turn_without_a_turn_id_dumps_nothing_more_to_derive_one(spies: Spies) -> None:
+    from mongomock_motor import AsyncMongoMockClient
+
+    logger = AgentMessageLogger(AsyncMongoMockClient(tz_aware=True)["cost"])
+    _, turn = copy.deepcopy(corpus_turns()[0])
+
+    await logger.log_messages(CID, turn, user_id="u-1")
+
+    assert spies.counts["dump"] == len(turn)
+
+
+class CommandBodies(monitoring.CommandListener):
+    def __init__(self) -> None:
+        self.commands: list[dict[str, Any]] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        self.commands.append(dict(event.command))
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+@pytest.mark.wire
+async def test_a_reservation_brings_back_only_the_next_seq_and_the_owner(wire_uri: str) -> None:
+    listener = CommandBodies()
+    client: Any = AsyncMongoClient(wire_uri, tz_aware=True, event_listeners=[listener])
+    db = client["cost_reservation"]
+    try:
+        logger = AgentMessageLogger(db)
+        for turn_id, messages in example_turns():
+            await logger.log_messages(CID, messages, user_id="u-1", turn_id=turn_id)
+        reservations = [c for c in listener.commands if "findAndModify" in c]
+        assert reservations
+        assert {tuple(sorted(c["fields"])) for c in reservations} == {
+            ("_id", "message_count", "user_id")
+        }
+    finally:
+        await client.drop_database("cost_reservation")
+        await client.close()
+
+
+_texts = st.text(st.characters(codec="utf-8"), max_size=300)
+_messages = st.one_of(
+    st.builds(
+        lambda content, name: (
+            {"role": "user", "content": content, "upload": None}
+            if name is None
+            else {
+                "role": "user",
+                "content": content,
+                "upload": {
+                    "filename": name,
+                    "file_type": "text/plain",
+                    "size": 3,
+                    "parsed_text": content,
+                },
+            }
+        ),
+        _texts,
+        st.none() | _texts,
+    ),
+    st.builds(
+        lambda args, name, usage: {
+            "role": "assistant",
+            "tool_calls": [
+                {"id": "c" + name[:5], "function": {"name": name or "t", "arguments": args}}
+            ],
+            "token_usage": {"input_tokens": usage, "output_tokens": usage},
+        },
+        _texts,
+        _texts,
+        st.integers(0, 2**53 - 1),
+    ),
+    st.builds(
+        lambda content, params: {
+            "role": "assistant",
+            "content": content,
+            "hitl_action": {"action": "confirm", "params": params, "request_id": "r-1"},
+            "error": {"message": content},
+        },
+        _texts,
+        st.dictionaries(_texts.filter(lambda k: "\0" not in k), st.integers() | _texts, max_size=5),
+    ),
+    st.builds(
+        lambda content, kept, removed: {
+            "role": "assistant",
+            "content": content,
+            "native": {"format": "langchain", "set": kept, "unset": removed},
+        },
+        _texts,
+        st.dictionaries(
+            _texts.filter(lambda k: "\0" not in k and not k.startswith("$")),
+            st.integers(-(2**53), 2**53) | _texts | st.lists(_texts, max_size=3),
+            max_size=5,
+        ),
+        st.lists(_texts, max_size=3),
+    ),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_messages, st.integers(0, 3))
+def test_the_cheap_size_bound_is_never_below_the_encoded_size(
+    message: dict[str, Any], truncations: int
+) -> None:
+    document = message_adapter.validate_python(
+        {**message, "_id": "msg-1", "conversation_id": "c-1", "turn_id": "t-1", "search_text": "s"}
+    ).model_dump(by_alias=True)
+    if truncations:
+        document["truncated"] = {
+            f"content{n}": {"length": n, "blob_id": None} for n in range(truncations)
+        }
+    document |= {"seq": 2**53 - 1, "user_id": "u" * 200}
+    from agent_store.store._truncation import size_bound
+
+    try:
+        exact = len(bson.encode(document))
+    except OverflowError:  # an integer BSON cannot hold: the bound says so as well
+        with pytest.raises(OverflowError):
+            size_bound(document)
+        return
+    assert size_bound(document) >= exact
+
+
+def test_the_cheap_size_bound_counts_a_runtimes_native_form() -> None:
+    from agent_store.store._truncation import size_bound
+
+    native = {"format": "langchain", "set": {"content": [{"type": "image", "data": "y" * 50_000}]}}
+    document = message_adapter.validate_python(
+        {"role": "user", "content": "[image]", "native": native}
+    ).model_dump(by_alias=True)
+    assert size_bound(document) >= len(bson.encode(document)) > 50_000
+
+
+@settings(max_examples=200, deadline=None)
+@given(_messages)
+def test_the_bound_of_a_whole_turn_is_never_below_its_encoded_size(message: dict[str, Any]) -> None:
+    from agent_store.store._truncation import turn_size_bound
+    from agent_store.store._turns import _canonical
+
+    document = message_adapter.validate_python(message).model_dump(by_alias=True)
+    canonical = _canonical([document])
+    document |= {
+        "_id": "msg-" + "0" * 32,
+        "conversation_id": "c" * 200,
+        "turn_id": "t" * 200,
+        "search_text": search_text(message_adapter.validate_python(message)),
+        "seq": 2**53 - 1,
+        "user_id": "u" * 200,
+    }
+    try:
+        exact = len(bson.encode(document))
+    except OverflowError:
+        return  # refused by the per-message bound (HITL params are always walked)
+    assert turn_size_bound(canonical, [document["search_text"]]) >= exact
+
+
+async def test_a_turn_recorded_with_the_earlier_digest_is_still_recognised_on_replay() -> None:
+    """Records written before the digest became the `repr` form hold sorted JSON's."""
+    from mongomock_motor import AsyncMongoMockClient
+
+    from agent_store import Conflict
+    from agent_store.store._turns import json_content_digest
+
+    db = AsyncMongoMockClient(tz_aware=True)["cost_digest"]
+    logger = AgentMessageLogger(db)
+    (turn_id, messages), (_, other) = example_turns()[:2]
+    await logger.log_messages(CID, copy.deepcopy(messages), user_id="u-1", turn_id=turn_id)
+    stored = await db.agent_messages.find({}, {"_id": 1}).to_list(None)
+    documents = await db.agent_messages.find().sort("seq", 1).to_list(None)
+    await db.agent_conversations.update_one(
+        {"_id": CID}, {"$set": {"turns.0.d": json_content_digest(documents)}}
+    )
+
+    again = await logger.log_messages(CID, copy.deepcopy(messages), user_id="u-1", turn_id=turn_id)
+
+    assert again.replayed
+    assert await db.agent_messages.count_documents({}) == len(stored)
+    with pytest.raises(Conflict, match="other content"):
+        await logger.log_messages(CID, copy.deepcopy(other), user_id="u-1", turn_id=turn_id)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(st.sampled_from([" ", "a", "é", "\n", "\t", "\x0b", "\x1c", "\xa0", "\u2003", "b"])))
+def test_collapsing_white_space_is_what_split_and_join_give(text: str) -> None:
+    from agent_store.store._text import collapse_whitespace
+
+    assert collapse_whitespace(text) == " ".join(text.split())
