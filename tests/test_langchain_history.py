@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import bson
 import mongomock
 import pytest
 from langchain_core.chat_history import BaseChatMessageHistory
@@ -24,7 +25,13 @@ from langchain_core.runnables.history import RunnableWithMessageHistory
 from langchain_mongodb import MongoDBChatMessageHistory
 from pymongo import MongoClient
 
-from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, Unsupported
+from agent_store import (
+    AgentMessageLogger,
+    ConversationStore,
+    InvalidInput,
+    TurnRules,
+    Unsupported,
+)
 from agent_store.integrations.langchain import ConversationChatHistory, message_from_langchain
 from tests.conftest import Backend, CommandLog
 
@@ -121,6 +128,25 @@ async def test_messages_read_back_equal_the_ones_written(backend: Backend) -> No
     ]  # fmt: skip
     assert read_back[2] == replies[0]  # ids, tool calls and usage kept
     assert read_back[4].status == "error"  # type: ignore[attr-defined]
+
+
+async def test_a_message_whose_own_form_is_over_the_bound_is_stored_bounded_and_read_back_whole(
+    backend: Backend,
+) -> None:
+    """An image block in a LangChain message: the store keeps it in GridFS, not the message."""
+    bound = TurnRules(max_message_bytes=16 * 1024)
+    history = ConversationChatHistory(CID, backend.db, user_id="u-1", rules=bound)
+    image = {"type": "image", "base64": "iVBOR" * 20_000, "mime_type": "image/png"}
+    question = HumanMessage(content=[{"type": "text", "text": "What is this?"}, image], id="h1")
+
+    await history.aadd_messages([question])
+
+    (stored,) = await backend.db["agent_messages"].find({"conversation_id": CID}).to_list()
+    assert len(bson.encode(stored)) <= 16 * 1024
+    assert stored["content"] == "What is this?\n[image]"
+    assert stored["native"] is None
+    assert stored["truncated"]["native"]["blob_id"]
+    assert await history.aget_messages() == [question]
 
 
 async def test_messages_are_stored_as_chat_messages_ordered_by_seq(backend: Backend) -> None:

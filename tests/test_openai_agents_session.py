@@ -31,6 +31,7 @@ from agent_store import (
     ConversationStore,
     InvalidInput,
     StorageUnavailable,
+    TurnRules,
 )
 from agent_store.integrations.exports import chat_completions
 from agent_store.integrations.openai_agents import (
@@ -176,6 +177,27 @@ async def test_items_are_stored_as_chat_messages_with_the_real_call_ids(backend:
     assert transcript[1].native.set["type"] == "reasoning"
     conversation = await ConversationStore(backend.db).get_conversation(CID, user_id="u1")
     assert conversation.turn_count == 3
+
+
+async def test_an_item_over_the_bound_is_stored_bounded_and_read_back_whole(
+    backend: Backend,
+) -> None:
+    """A reasoning item with a long encrypted payload: kept in GridFS, given back whole."""
+    session = ConversationSession(CID, backend.db, rules=TurnRules(max_message_bytes=16 * 1024))
+    reasoning = {
+        "id": "rs_1",
+        "type": "reasoning",
+        "summary": [],
+        "encrypted_content": "e" * 100_000,
+    }
+    question = {"role": "user", "content": "Why?"}
+
+    await session.add_items([question, reasoning])  # type: ignore[list-item]
+
+    assert await session.get_items() == [question, reasoning]
+    stored = await backend.db["agent_messages"].find_one({"native": None, "role": "assistant"})
+    assert stored is not None
+    assert "native" in stored["truncated"]
 
 
 async def test_items_the_chat_format_cannot_hold_are_never_shown_to_other_readers(

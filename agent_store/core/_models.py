@@ -377,6 +377,7 @@ class AssistantMessage(_MessageBase):
             and self.hitl_action is None
             and self.error is None
             and self.native is None
+            and "native" not in (self.truncated or {})  # kept whole aside: still the message
         ):
             raise ValueError(
                 "an assistant message needs `content`, `tool_calls`, `hitl_action`, `error` "

@@ -266,6 +266,7 @@ class ConversationChatHistory(BaseChatMessageHistory):
 
     async def _read(self) -> list[BaseMessage]:
         stored = await self.store.recent_messages(self.conversation_id, user_id=self.user_id)
+        stored = await self.store.with_native_forms(stored)
         return [m for m in map(langchain_from_message, stored) if m is not None]
 
     async def _append(self, messages: Sequence[BaseMessage]) -> None:

@@ -253,6 +253,7 @@ class ConversationSession:
         messages = await self.store.recent_messages(
             self.session_id, limit=limit, user_id=self.user_id
         )
+        messages = await self.store.with_native_forms(messages)
         items = items_from_messages(messages)
         return cast(list[TResponseInputItem], items[-limit:] if limit else items)
 

@@ -46,6 +46,7 @@ from agent_store.store._tail import (
     unlogged,
 )
 from agent_store.store._text import clean_name, has_positive_term
+from agent_store.store._truncation import NATIVE
 from agent_store.store._turns import TurnRules, validate_identifier
 
 MAX_PAGE_SIZE = 200
@@ -314,6 +315,22 @@ class ConversationStore:
         whole text is not found stays cut and listed in `truncated`.
         """
         return await self._full_texts.restore(messages)
+
+    async def with_native_forms(self, messages: list[AgentMessage]) -> list[AgentMessage]:
+        """The messages whose runtime form (`native`) was cut to bound them, put back whole.
+
+        What a runtime's history reads, so it gets back what it stored: two lookups when a
+        message lost its native form, none otherwise. Such a message gets its other cut
+        fields back too; the rest keep theirs cut.
+        """
+        cut = [i for i, m in enumerate(messages) if m.truncated and NATIVE in m.truncated]
+        if not cut:
+            return messages
+        restored = await self.with_full_texts([messages[i] for i in cut])
+        whole = list(messages)
+        for index, message in zip(cut, restored, strict=True):
+            whole[index] = message
+        return whole
 
     async def recent_messages(
         self, conversation_id: str, *, limit: int | None = None, user_id: str | None = None

@@ -23,6 +23,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 1024 * 1024
 TRUNCATION_MARK = "\n…[truncated]"
 _MARGIN_BYTES = 64
 """Cut this much more per text than a document is over: room for the mark of a cut."""
+NATIVE = "native"
+"""A runtime's own form of a message: cut whole (the runtime then reads back the form the
+chat fields make) and kept whole in GridFS like any cut text."""
 DERIVED_FIELDS = frozenset({"search_text"})
 """Fields computed from the others: cut without keeping a copy."""
 
@@ -172,6 +175,8 @@ def _text_fields(doc: dict[str, Any]) -> list[tuple[str, str]]:
     if doc.get("hitl_action"):
         params = json.dumps(doc["hitl_action"]["params"], ensure_ascii=False, default=str)
         found.append(("hitl_action.params", params))
+    if doc.get("native"):
+        found.append((NATIVE, json.dumps(doc["native"], ensure_ascii=False, default=str)))
     return found
 
 
@@ -183,6 +188,9 @@ def _cut(data: bytes, keep: int) -> str:
 def put_text(doc: dict[str, Any], path: str, text: str, *, cut: bool) -> None:
     """Set the text at `path` of a message document: a cut text, or a whole one put back."""
     parts = path.split(".")
+    if path == NATIVE:  # a runtime's own form is kept whole or not at all: never a prefix
+        doc[NATIVE] = None if cut else json.loads(text)
+        return
     if parts[0] == "hitl_action":
         doc["hitl_action"]["params"] = {"truncated_json": text} if cut else json.loads(text)
         return
