@@ -51,7 +51,7 @@ from migrations import problems as problem_report
 from migrations import writes
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS, Bounds
 from migrations.lease import STATE, Lease
-from migrations.order import Ranges, plan_ranges, spread_ids
+from migrations.order import Ranges, plan_ranges, range_ids, spread_ids
 from migrations.relocate import TURN_FILTER
 from migrations.writes import Converted
 
@@ -128,28 +128,18 @@ def undated_time(db: Database[dict[str, Any]], *, record: bool) -> datetime:
     return to_utc_millis(recorded["undated_at"]) if recorded else now
 
 
-def conversation_ids(
-    db: Database[dict[str, Any]], *, after: Any = None, source: str = LEGACY_TURNS
-) -> Iterator[Any]:
+def conversation_ids(db: Database[dict[str, Any]]) -> Iterator[Any]:
     """Every legacy conversation id, sorted, streamed from the server."""
-    pipeline: list[dict[str, Any]] = [
-        {"$match": LEGACY_FILTER},
-        {"$group": {"_id": "$conversation_id"}},
-        {"$sort": {"_id": 1}},
-    ]
-    if after is not None:
-        pipeline.append({"$match": {"_id": {"$gt": after}}})
-    for doc in db[source].aggregate(pipeline, allowDiskUse=True, batchSize=1000):
-        yield doc["_id"]
+    return range_ids(db, LEGACY_TURNS, LEGACY_FILTER, {})
 
 
-def count_conversations(db: Database[dict[str, Any]], *, source: str = LEGACY_TURNS) -> int:
+def count_conversations(db: Database[dict[str, Any]]) -> int:
     pipeline: list[dict[str, Any]] = [
         {"$match": LEGACY_FILTER},
         {"$group": {"_id": "$conversation_id"}},
         {"$count": "n"},
     ]
-    found = list(db[source].aggregate(pipeline, allowDiskUse=True))
+    found = list(db[LEGACY_TURNS].aggregate(pipeline, allowDiskUse=True))
     return int(found[0]["n"]) if found else 0
 
 
@@ -241,16 +231,15 @@ class Explosion:
         options: Options,
         *,
         lease: Lease | None,
-        rules: TurnRules | None = None,
         source: str = LEGACY_TURNS,
-        on_batch: Callable[[int, int], None] | None = None,
     ) -> None:
         self.db = db
         self.options = options
         self.lease = lease
-        self.rules = rules or TurnRules()
+        self.rules = TurnRules()
         self.source = source
-        self.on_batch = on_batch
+        self.on_batch: Callable[[int, int], None] | None = None
+        """Told (conversations, turns so far) after each batch: the CLI's progress bar."""
         self.counts = Counts()
         kind = "dry-run-" if options.dry_run else "run-"
         self.run_id = lease.run_id if lease else kind + uuid.uuid4().hex[:8]

@@ -4,22 +4,23 @@ them, read back by `verify` and checked by `finish`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import bson
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError
 
-from agent_store.core import AgentMessage
+from agent_store.core import AgentMessage, message_adapter
 from agent_store.store import (
     BLOB_CHUNKS,
     BLOB_FILES,
-    DUPLICATE_KEY,
+    MESSAGES,
     FullText,
     blob_documents,
     kept_blob_ids,
-    text_of,
+    only_duplicates,
+    texts_of,
     with_texts,
 )
 from migrations.bounds import Bounds, bounded
@@ -40,9 +41,7 @@ def _insert(
         try:
             db[name].insert_many(run, ordered=False)
         except BulkWriteError as exc:
-            # Same ids, same bytes: a file a killed run had started.
-            if any(e.get("code") != DUPLICATE_KEY for e in exc.details.get("writeErrors", [])):
-                raise
+            only_duplicates(exc)  # same ids, same bytes: a file a killed run had started
 
 
 def keep(db: Database[dict[str, Any]], full_texts: Sequence[FullText], bounds: Bounds) -> None:
@@ -57,15 +56,22 @@ def texts(db: Database[dict[str, Any]], blob_ids: Iterable[str]) -> dict[str, st
     wanted = sorted(set(blob_ids))
     if not wanted:
         return {}
-    files = list(db[BLOB_FILES].find({"_id": {"$in": wanted}}))
-    chunks: dict[str, list[Mapping[str, Any]]] = {}
-    for chunk in db[BLOB_CHUNKS].find({"files_id": {"$in": wanted}}):
-        chunks.setdefault(chunk["files_id"], []).append(chunk)
-    found = {f["_id"]: text_of(f, chunks.get(f["_id"], [])) for f in files}
-    return {blob: text for blob, text in found.items() if text is not None}
+    files = db[BLOB_FILES].find({"_id": {"$in": wanted}})
+    return texts_of(files, db[BLOB_CHUNKS].find({"files_id": {"$in": wanted}}))
 
 
 def restore(db: Database[dict[str, Any]], messages: Sequence[AgentMessage]) -> list[AgentMessage]:
     """The messages with each cut field put back whole from its file, where it is found."""
     found = texts(db, (b for m in messages for b in kept_blob_ids(m).values()))
     return [with_texts(m, found) for m in messages]
+
+
+def stored_messages(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, list[AgentMessage]]:
+    """Every stored message of these conversations by `seq`, cut fields put back whole: one
+    read of the messages and one restore for them all."""
+    query = {"conversation_id": {"$in": ids}}
+    docs = db[MESSAGES].find(query).sort([("conversation_id", 1), ("seq", 1)])
+    stored: dict[str, list[AgentMessage]] = {i: [] for i in ids}
+    for message in restore(db, [message_adapter.validate_python(d) for d in docs]):
+        stored[str(message.conversation_id)].append(message)
+    return stored

@@ -71,16 +71,18 @@ def plan_ranges(
     return Ranges([None] + [b["_id"]["min"] for b in buckets[1:]])
 
 
-def _range_ids(
+def range_ids(
     db: Database[dict[str, Any]], source: str, match: dict[str, Any], bounds: dict[str, Any]
 ) -> Iterator[Any]:
+    """The sorted distinct conversation ids of `source`'s documents matching `match` within
+    `bounds`, streamed from the server. The bounds filter before grouping, so a range reads
+    its own documents (through the conversation id index), not the whole collection."""
+    within = {**match, "conversation_id": bounds} if bounds else match
     pipeline: list[dict[str, Any]] = [
-        {"$match": match},
+        {"$match": within},
         {"$group": {"_id": "$conversation_id"}},
+        {"$sort": {"_id": 1}},
     ]
-    if bounds:
-        pipeline.append({"$match": {"_id": bounds}})
-    pipeline.append({"$sort": {"_id": 1}})
     for doc in db[source].aggregate(pipeline, allowDiskUse=True, batchSize=1000):
         yield doc["_id"]
 
@@ -90,7 +92,7 @@ def spread_ids(
 ) -> Iterator[tuple[int, Any]]:
     """(range, id) of every conversation not done yet, taking one id from each range in turn."""
     cursors = {
-        index: _range_ids(db, source, match, ranges.bounds(index))
+        index: range_ids(db, source, match, ranges.bounds(index))
         for index in range(len(ranges.starts))
     }
     while cursors:

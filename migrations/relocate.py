@@ -19,7 +19,7 @@ from pymongo.database import Database
 from pymongo.errors import BulkWriteError, OperationFailure
 
 from agent_store.legacy import LEGACY_TURN_FIELDS, LEGACY_TURNS
-from agent_store.store import CONVERSATIONS, DUPLICATE_KEY
+from agent_store.store import CONVERSATIONS, only_duplicates
 from migrations.errors import MigrationError
 
 TURN_FILTER: dict[str, Any] = {"$or": [{f: {"$exists": True}} for f in LEGACY_TURN_FIELDS]}
@@ -101,9 +101,8 @@ def _accept_identical_copies(
     error: BulkWriteError, batch: list[dict[str, Any]], target: Any
 ) -> None:
     """A resumed copy meets documents it copied before; anything else is an error."""
-    failed = [e for e in error.details.get("writeErrors", [])]
-    if any(e.get("code") != DUPLICATE_KEY for e in failed):
-        raise error
+    only_duplicates(error)
+    failed = error.details.get("writeErrors", [])
     wanted = {batch[e["index"]]["_id"]: batch[e["index"]] for e in failed}
     for found in target.find({"_id": {"$in": list(wanted)}}):
         if found != wanted[found["_id"]]:

@@ -16,16 +16,13 @@ from typing import Any
 
 from pymongo.database import Database
 
-from agent_store.core import AgentMessage, message_adapter
+from agent_store.core import AgentMessage
 from agent_store.legacy import LEGACY_TURNS
-from agent_store.store import MESSAGES, TurnRules
+from agent_store.store import TurnRules
 from migrations import full_texts
 from migrations.explode import batches, conversation_ids, convert_batch
 from migrations.transcript import contains, differences, from_legacy, from_messages
 from migrations.writes import Converted
-
-LEGACY_TURN_IDS = "^legacy-"
-"""Turn ids of migrated messages."""
 
 
 @dataclass
@@ -51,15 +48,6 @@ def sample(ids: Iterator[Any], size: int, seed: int) -> list[Any]:
         elif (j := rng.randint(0, n)) < size:
             chosen[j] = item
     return sorted(chosen, key=str)
-
-
-def _stored(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, list[AgentMessage]]:
-    """Every stored message of these conversations by `seq`, cut fields put back whole."""
-    stored: dict[str, list[AgentMessage]] = {i: [] for i in ids}
-    query = {"conversation_id": {"$in": ids}}
-    for doc in db[MESSAGES].find(query).sort([("conversation_id", 1), ("seq", 1)]):
-        stored[doc["conversation_id"]].append(message_adapter.validate_python(doc))
-    return {cid: full_texts.restore(db, messages) for cid, messages in stored.items()}
 
 
 def _compare(item: Converted, stored: list[AgentMessage]) -> list[str]:
@@ -99,7 +87,7 @@ def verify(
         for problem in failed:
             result.conversations += 1
             result.differences[problem.conversation_id] = [f"cannot be converted: {problem.detail}"]
-        stored = _stored(db, [c.conversion.conversation_id for c in converted])
+        stored = full_texts.stored_messages(db, [c.conversion.conversation_id for c in converted])
         for item in converted:
             conversation_id = item.conversion.conversation_id
             result.conversations += 1

@@ -22,7 +22,7 @@ from pymongo.errors import BulkWriteError
 
 from agent_store.core import Conversation, message_adapter
 from agent_store.legacy import LegacyConversion, LegacyTurn, Problem
-from agent_store.store import CONVERSATIONS, DUPLICATE_KEY, MESSAGES, FullText
+from agent_store.store import CONVERSATIONS, MESSAGES, FullText, only_duplicates
 from migrations import full_texts
 from migrations.bounds import Bounds, bounded
 from migrations.transcript import contains, from_legacy, from_messages
@@ -62,13 +62,9 @@ def _taken(
 
 def _live_problem(db: Database[dict[str, Any]], item: Converted, foreign: int) -> Problem:
     conversion = item.conversion
-    live = [
-        message_adapter.validate_python(d)
-        for d in db[MESSAGES].find({"conversation_id": conversion.conversation_id}).sort("seq", 1)
-    ]
-    held = contains(
-        from_messages(full_texts.restore(db, live)), from_legacy(item.turns, conversion.unplaced)
-    )
+    cid = conversion.conversation_id
+    live = full_texts.stored_messages(db, [cid])[cid]
+    held = contains(from_messages(live), from_legacy(item.turns, conversion.unplaced))
     detail = (
         f"{foreign} of the first {len(conversion.messages)} seq values already hold messages the "
         "migration did not write (the conversation was logged to before it was migrated); its "
@@ -144,9 +140,7 @@ def apply(
         try:
             db[CONVERSATIONS].bulk_write(batch, ordered=False)
         except BulkWriteError as exc:
-            # Only a conversation that went live meanwhile: the logger's document stays.
-            if any(e.get("code") != DUPLICATE_KEY for e in exc.details["writeErrors"]):
-                raise
+            only_duplicates(exc)  # a conversation that went live meanwhile: the logger's stays
     problems: list[Problem] = []
     inserted = 0
     sizes = [len(bson.encode(d)) for d in planned.messages]
@@ -164,9 +158,8 @@ def _accept_identical(
     db: Database[dict[str, Any]], error: BulkWriteError, documents: list[dict[str, Any]]
 ) -> list[Problem]:
     """Duplicates of identical documents are a resumed run; other collisions a live race."""
+    only_duplicates(error)
     errors = error.details.get("writeErrors", [])
-    if any(e.get("code") != DUPLICATE_KEY for e in errors):
-        raise error
     failed = [documents[e["index"]] for e in errors]
     # The conversation ids keep this lookup on the shards that hold them.
     query = {

@@ -14,12 +14,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from agent_store import AgentMessageLogger, ConversationStore
-from agent_store.legacy import legacy_turn_document
+from agent_store.legacy import LEGACY_TURNS, legacy_turn_document
 from agent_store.store._reads import TRANSCRIPT_BATCH
 from scripts.bench_contenders import langchain_history, to_langchain
 from scripts.bench_measure import Deployment, Meter, Series, connect, paired_ratio, rotated
 from scripts.corpus import Conversation, Corpus
-from scripts.legacy_turns import LEGACY_COLLECTION, read_legacy_transcript
+from scripts.legacy_turns import read_legacy_transcript
 
 
 async def load_read_fixture(db: Any, sync_client: Any, conversation: Conversation) -> Any:
@@ -47,8 +47,8 @@ async def load_read_fixture(db: Any, sync_client: Any, conversation: Conversatio
             {"SessionId": conversation.conversation_id, "History": json.dumps(message_to_dict(m))}
             for m in to_langchain(documents)
         ]
-    await db[LEGACY_COLLECTION].create_index([("conversation_id", 1), ("created_at", 1)])
-    await db[LEGACY_COLLECTION].insert_many(legacy_turns)
+    await db[LEGACY_TURNS].create_index([("conversation_id", 1), ("created_at", 1)])
+    await db[LEGACY_TURNS].insert_many(legacy_turns)
     history = langchain_history(sync_client, db.name, conversation.conversation_id)
     history.collection.insert_many(langchain_docs)
     return history

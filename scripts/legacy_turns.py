@@ -15,8 +15,6 @@ from typing import Any
 from agent_store.core import AgentMessage, message_adapter
 from agent_store.legacy import LEGACY_TURNS, LegacyPart, normalize_part
 
-LEGACY_COLLECTION = LEGACY_TURNS
-
 
 def explode_turn(turn: dict[str, Any]) -> list[dict[str, Any]]:
     """The messages of one legacy turn, each tool result placed right after its call."""
@@ -94,7 +92,7 @@ def explode_turn(turn: dict[str, Any]) -> list[dict[str, Any]]:
 async def read_legacy_transcript(db: Any, conversation_id: str) -> list[AgentMessage]:
     """The old read path: turns by time, exploded and re-ordered into one transcript."""
     turns = await (
-        db[LEGACY_COLLECTION]
+        db[LEGACY_TURNS]
         .find({"conversation_id": conversation_id})
         .sort([("created_at", 1), ("_id", 1)])
         .batch_size(10_000)

@@ -177,14 +177,6 @@ class CommandLog(monitoring.CommandListener):
         """Nothing to record."""
 
 
-def _shape(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _shape(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_shape(value[0]), "…"] if len(value) > 1 else [_shape(v) for v in value]
-    return "?"
-
-
 def render_table(commands: list[Command]) -> str:
     """Each distinct (operation, command, collection, filter keys) once, as a markdown table."""
     rows = ["| operation | command | collection | selects by | shards |", "|---|---|---|---|---|"]

@@ -9,8 +9,10 @@ from agent_store.store._blobs import (
     FullTextStore,
     blob_documents,
     kept_blob_ids,
+    only_duplicates,
     stored_blob_ids,
     text_of,
+    texts_of,
     with_texts,
 )
 from agent_store.store._driver import DUPLICATE_KEY, Database, redact_uri, storage_errors
@@ -137,6 +139,7 @@ __all__ = [
     "kept_blob_ids",
     "message_id",
     "message_text",
+    "only_duplicates",
     "parse_messages",
     "plan_turn",
     "redact_uri",
@@ -147,6 +150,7 @@ __all__ = [
     "strip_runtime_context",
     "strip_runtime_context_pieces",
     "text_of",
+    "texts_of",
     "validate_identifier",
     "with_retries",
     "with_texts",

@@ -96,10 +96,23 @@ def with_texts(message: AgentMessage, texts: Mapping[str, str]) -> AgentMessage:
     return message_adapter.validate_python(doc)
 
 
-def _only_duplicates(error: BulkWriteError) -> None:
-    """Files and chunks are identical for identical ids: a duplicate is a retry's, fine."""
+def only_duplicates(error: BulkWriteError) -> None:
+    """Re-raise a bulk write error unless each of its write errors is a duplicate key: where
+    equal ids mean equal documents (a retry's, a resumed run's), those are already there."""
     if any(e.get("code") != DUPLICATE_KEY for e in error.details.get("writeErrors", [])):
         raise error
+
+
+def texts_of(
+    files: Iterable[Mapping[str, Any]], chunks: Iterable[Mapping[str, Any]]
+) -> dict[str, str]:
+    """The whole texts that `files` documents and their `chunks` make, by blob id; a file
+    with a chunk missing is left out."""
+    by_file: dict[str, list[Mapping[str, Any]]] = {}
+    for chunk in chunks:
+        by_file.setdefault(chunk["files_id"], []).append(chunk)
+    found = {f["_id"]: text_of(f, by_file.get(f["_id"], [])) for f in files}
+    return {blob: text for blob, text in found.items() if text is not None}
 
 
 class FullTextStore:
@@ -123,7 +136,7 @@ class FullTextStore:
                 try:
                     await collection.insert_many(documents, ordered=False)
                 except BulkWriteError as exc:
-                    _only_duplicates(exc)
+                    only_duplicates(exc)
 
     async def texts(self, blob_ids: Iterable[str]) -> dict[str, str]:
         """The whole texts found, by blob id (a missing or incomplete file is left out)."""
@@ -133,11 +146,7 @@ class FullTextStore:
         with storage_errors("read the whole texts of cut messages"):
             files = await self._files.find({"_id": {"$in": wanted}}).to_list(None)
             chunks = await self._chunks.find({"files_id": {"$in": wanted}}).to_list(None)
-        by_file: dict[str, list[Mapping[str, Any]]] = {}
-        for chunk in chunks:
-            by_file.setdefault(chunk["files_id"], []).append(chunk)
-        found = {f["_id"]: text_of(f, by_file.get(f["_id"], [])) for f in files}
-        return {blob: text for blob, text in found.items() if text is not None}
+        return texts_of(files, chunks)
 
     async def restore(self, messages: Sequence[AgentMessage]) -> list[AgentMessage]:
         """The messages with every cut field that was kept whole put back."""
