@@ -171,17 +171,15 @@ async def deliver(call: Call[NoQuery, DeliverBody]) -> Response:
 
 
 async def drain_inbox(call: Call[InboxQuery, NoBody]) -> Response:
-    await call.store.conversations.get_conversation(call.conversation_id, user_id=call.scope)
     messages = await _inbox(call).drain(
-        call.conversation_id, call.path["turn_id"], call.query.after_seq
+        call.conversation_id, call.path["turn_id"], call.query.after_seq, user_id=call.scope
     )
     return _json(Delivered(data=messages))
 
 
 async def close_inbox(call: Call[NoQuery, CloseInboxBody]) -> Response:
-    await call.store.conversations.get_conversation(call.conversation_id, user_id=call.scope)
     late = await _inbox(call).close_inbox(
-        call.conversation_id, call.path["turn_id"], call.body.last_seen_seq
+        call.conversation_id, call.path["turn_id"], call.body.last_seen_seq, user_id=call.scope
     )
     return _json(InboxClosing(closed=not late, data=late))
 

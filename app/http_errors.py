@@ -98,12 +98,17 @@ def error_response(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse(body.model_dump(), status, headers=headers)
 
 
-async def _store_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, StoreError)
+def note_store_error(request: Request, exc: StoreError) -> None:
+    """Count a store error, and log a server-side one with its cause (the driver's words,
+    which the client never gets)."""
     count_store_error(request, exc)
     if exc.status >= 500:
-        # The client gets the store's words; the driver's error (the cause) goes to the log.
         log.error("%s on %s %s", exc.code, request.method, request.url.path, exc_info=exc)
+
+
+async def _store_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StoreError)
+    note_store_error(request, exc)
     return error_response(exc.status, exc.code, exc.message)
 
 

@@ -8,6 +8,7 @@ Content-Security-Policy without inline scripts.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -51,7 +52,7 @@ async def metrics_page(request: Request) -> Response:
 
 
 async def docs_page(request: Request) -> Response:
-    html = (_OWN_FILES / "index.html").read_text()
+    html = _file(_OWN_FILES / "index.html").decode()
     return HTMLResponse(html, headers=PAGE_HEADERS)
 
 
@@ -61,7 +62,13 @@ async def docs_asset(request: Request) -> Response:
         return Response("not found", 404, media_type="text/plain")
     path, media_type = found
     headers = {"Cache-Control": "public, max-age=86400"}
-    return Response(path.read_bytes(), media_type=media_type, headers=headers)
+    return Response(_file(path), media_type=media_type, headers=headers)
+
+
+@functools.cache
+def _file(path: Path) -> bytes:
+    """A file of the API page, read once per process (they ship with the package)."""
+    return path.read_bytes()
 
 
 def public_routes(settings: Settings) -> list[BaseRoute]:

@@ -22,10 +22,10 @@ class Store:
 
     logger: AgentMessageLogger
     conversations: ConversationStore
+    legacy: LegacyTurns
+    """The legacy turns (the viewer links to them where a conversation has some)."""
     db: Database = None
     """The database itself, for what has no store method (the viewer's raw legacy turns)."""
-    legacy: LegacyTurns | None = None
-    """The legacy turns (the viewer links to them where a conversation has some)."""
 
     @classmethod
     def on(cls, db: Database, settings: Settings) -> Store:
@@ -38,7 +38,10 @@ class Store:
             dual_write=settings.legacy_dual_write,
         )
         return cls(
-            logger=AgentMessageLogger(db, rules=rules, observers=[legacy], legacy=legacy),
+            # Legacy turns observe logged turns only to write them twice (dual write).
+            logger=AgentMessageLogger(
+                db, rules=rules, observers=[legacy] if legacy.dual_write else [], legacy=legacy
+            ),
             conversations=ConversationStore(db, legacy=legacy, rules=rules),
             db=db,
             legacy=legacy,

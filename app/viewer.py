@@ -9,7 +9,6 @@ session on the server. Tokens never travel in URLs.
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -26,7 +25,7 @@ from agent_store.core import AgentMessage, InvalidInput, NotFound, StoreError, U
 from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import storage_errors, validate_identifier
 from app.auth import Authenticator, audit_record
-from app.metrics import count_store_error
+from app.http_errors import HttpProblem, note_store_error
 from app.presentation import (
     TranscriptPages,
     legacy_turn_view,
@@ -34,11 +33,11 @@ from app.presentation import (
     search_hit_view,
     when,
 )
+from app.routing import read_body
 from app.service import Store
 from app.sessions import SESSION_COOKIE, SESSION_SECONDS, ViewerSessions
 from app.throttle import SignInLimiter
 
-log = logging.getLogger("agent_store.api")
 MAX_FORM_BYTES = 4096
 MAX_LEGACY_TURNS = 2000
 CONVERSATIONS_PER_PAGE = 25
@@ -92,9 +91,7 @@ def _client(request: Request) -> str:
 
 
 def _store_error_page(request: Request, exc: StoreError) -> Response:
-    count_store_error(request, exc)
-    if exc.status >= 500:
-        log.error("%s on %s %s", exc.code, request.method, request.url.path, exc_info=exc)
+    note_store_error(request, exc)
     return render("error.html", exc.status, code=exc.code, message=exc.message)
 
 
@@ -123,14 +120,10 @@ async def login_form(request: Request) -> Response:
 
 async def _posted_form(request: Request) -> dict[str, str] | None:
     """A small urlencoded form's fields (the first value of each); None over `MAX_FORM_BYTES`."""
-    declared = request.headers.get("content-length", "0")
-    if not declared.isdigit() or int(declared) > MAX_FORM_BYTES:
+    try:
+        body = await read_body(request, MAX_FORM_BYTES)
+    except HttpProblem:
         return None
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_FORM_BYTES:
-            return None
     fields = parse_qs(body.decode("utf-8", "replace"))
     return {name: values[0].strip() for name, values in fields.items()}
 
@@ -197,13 +190,6 @@ async def static_file(request: Request) -> Response:
     return Response(content, media_type=_STATIC[name], headers=_SECURITY_HEADERS)
 
 
-async def _with_legacy_turns(store: Store, conversation_ids: list[str]) -> set[str]:
-    """Which conversations have legacy turns to compare with (their link is shown)."""
-    if store.legacy is None:
-        return set()
-    return await store.legacy.with_turns(conversation_ids)
-
-
 async def index(request: Request, store: Store) -> Response:
     user_id = request.query_params.get("user_id")
     if user_id:
@@ -213,7 +199,7 @@ async def index(request: Request, store: Store) -> Response:
     page = await store.conversations.recent_conversations(
         limit=CONVERSATIONS_PER_PAGE, cursor=cursor
     )
-    legacy = await _with_legacy_turns(store, [c.id for c in page.data])
+    legacy = await store.legacy.with_turns([c.id for c in page.data])
     return render("index.html", page=page, legacy=legacy, paged=cursor is not None)
 
 
@@ -223,7 +209,7 @@ async def conversations(request: Request, store: Store) -> Response:
     page = await store.conversations.list_conversations(
         user_id, limit=CONVERSATIONS_PER_PAGE, cursor=cursor
     )
-    legacy = await _with_legacy_turns(store, [c.id for c in page.data])
+    legacy = await store.legacy.with_turns([c.id for c in page.data])
     return render("conversations.html", user_id=user_id, page=page, legacy=legacy)
 
 
@@ -287,7 +273,7 @@ async def transcript(request: Request, store: Store) -> Response:
         messages=message_views(messages, pending_request_id=pending),
         full=full,
         pages=pages,
-        has_legacy=bool(await _with_legacy_turns(store, [conversation.id])),
+        has_legacy=bool(await store.legacy.with_turns([conversation.id])),
     )
 
 

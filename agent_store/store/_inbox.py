@@ -135,20 +135,22 @@ class SteeringInbox:
         return open_inbox is not None
 
     async def drain(
-        self, conversation_id: str, turn_id: str, after_seq: int = -1
+        self, conversation_id: str, turn_id: str, after_seq: int = -1, *, user_id: str | None = None
     ) -> list[AgentMessage]:
-        """The messages delivered into `turn_id`'s inbox after `after_seq`, by `seq`."""
-        entry = await self._read_entry(conversation_id, turn_id)
+        """The messages delivered into `turn_id`'s inbox after `after_seq`, by `seq`. With
+        `user_id`, only in a conversation that user owns (else NotFound)."""
+        entry = await self._read_entry(conversation_id, turn_id, user_id)
         if entry is None:
             return []
         messages, _ = await self._delivered(conversation_id, entry, after_seq)
         return messages
 
     async def close_inbox(
-        self, conversation_id: str, turn_id: str, last_seen_seq: int
+        self, conversation_id: str, turn_id: str, last_seen_seq: int, *, user_id: str | None = None
     ) -> list[AgentMessage]:
         """Close the inbox if nothing arrived after `last_seen_seq`, and return [];
-        else return what arrived, in `seq` order, and leave it open.
+        else return what arrived, in `seq` order, and leave it open. With `user_id`, only in
+        a conversation that user owns (else NotFound).
 
         A delivery still being written is waited for briefly; if it is still not
         stored, `StorageUnavailable` asks the caller to close again. One given up
@@ -156,7 +158,7 @@ class SteeringInbox:
         """
         field = _entry(turn_id)
         for _ in range(4):
-            entry = await self._read_entry(conversation_id, turn_id)
+            entry = await self._read_entry(conversation_id, turn_id, user_id)
             if entry is None:
                 return []
             messages, in_flight = await self._delivered(conversation_id, entry, last_seen_seq)
@@ -178,11 +180,14 @@ class SteeringInbox:
                 return []
         raise StorageUnavailable(f"deliveries into turn {turn_id!r} keep arriving; close again")
 
-    async def _read_entry(self, conversation_id: str, turn_id: str) -> dict[str, Any] | None:
+    async def _read_entry(
+        self, conversation_id: str, turn_id: str, user_id: str | None
+    ) -> dict[str, Any] | None:
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         field = _entry(validate_identifier(turn_id, "turn_id"))
+        owner = Actor(user_id, as_user=user_id is not None).owner_filter()
         with storage_errors("read the turn's inbox"):
-            doc = await self._conversations.find_one({"_id": conversation_id}, {field: 1})
+            doc = await self._conversations.find_one({"_id": conversation_id, **owner}, {field: 1})
         if doc is None:
             raise NotFound(f"conversation {conversation_id!r} was not found")
         entry: dict[str, Any] | None = doc.get("inbox", {}).get(field.split(".")[1])
@@ -198,6 +203,8 @@ class SteeringInbox:
         would let the runtime's `after_seq` pass it for good.
         """
         wanted = {d["s"]: d["a"] for d in entry.get("seqs", ()) if d["s"] > after_seq}
+        if not wanted:
+            return [], False
         waited = 0.0
         while True:
             with storage_errors("read the delivered messages"):

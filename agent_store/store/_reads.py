@@ -788,7 +788,7 @@ class ConversationStore:
     async def stream_user_conversations(self, user_id: str) -> AsyncGenerator[Conversation, None]:
         """Every conversation document of a user, by id, one at a time (no transcripts)."""
         user_id = validate_identifier(user_id, "user_id")
-        cursor = self._conversations.find({"user_id": user_id}).sort("_id", 1)
+        cursor = self._conversations.find({"user_id": user_id}, SUMMARY).sort("_id", 1)
         try:
             with storage_errors("read the user's conversations"):
                 async for doc in cursor:
