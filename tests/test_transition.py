@@ -42,6 +42,19 @@ async def test_dual_write_keeps_each_turn_as_a_legacy_turn_that_converts_back(
     ]
 
 
+async def test_a_conversation_with_legacy_turns_kept_beside_it_can_be_renamed(
+    backend: Backend,
+) -> None:
+    """Legacy turns are looked for only when the conversation is missing, as for a turn."""
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(backend.db, observers=[legacy], legacy=legacy)
+    await log_example(logger)
+
+    renamed = await logger.upsert_conversation(EXAMPLE_CONVERSATION_ID, name="Trip")
+
+    assert renamed.name == "Trip"
+
+
 async def test_dual_write_is_off_unless_asked_for(backend: Backend) -> None:
     await log_example(AgentMessageLogger(backend.db))
     assert await backend.db[LEGACY_TURNS].count_documents({}) == 0

@@ -210,6 +210,12 @@ BAD_TURNS = [
         id="nul-in-key",
     ),
     pytest.param(
+        [{"role": "assistant", "content": "x",
+          "native": {"format": "langchain", "set": {"count": 2**70}}}],
+        "native",
+        id="wide-int-in-native",
+    ),
+    pytest.param(
         [{"role": "user", "content": "x", "created_at": datetime(9999, 1, 1, tzinfo=UTC)}],
         "created_at",
         id="year-9999",

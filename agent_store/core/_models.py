@@ -141,6 +141,15 @@ def _keys(value: Any) -> list[str]:
     return []
 
 
+def _wide_ints(value: Any) -> bool:
+    """Whether a JSON value holds an integer BSON cannot store (outside 64 bits)."""
+    if isinstance(value, dict):
+        return any(map(_wide_ints, value.values()))
+    if isinstance(value, list):
+        return any(map(_wide_ints, value))
+    return type(value) is int and not -(2**63) <= value < 2**63
+
+
 _json_values: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(dict[str, JsonValue])
 
 
@@ -239,6 +248,10 @@ def _native_keys(value: dict[str, Any]) -> dict[str, Any]:
     refused = sorted(key for key in value if key.startswith("$"))
     if refused:
         raise ValueError(f"native keys must not start with `$`: {refused}")
+    if _wide_ints(value):
+        # Refused here, before any write: the store cannot hold it (HITL params are walked
+        # for the same reason when a turn is planned).
+        raise ValueError("native values must not hold integers outside 64 bits")
     return _plain_json(value)
 
 

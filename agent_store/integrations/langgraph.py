@@ -69,10 +69,10 @@ from agent_store.integrations._langgraph_documents import (
 )
 from agent_store.integrations._langgraph_transcript import Owner, TranscriptLink
 from agent_store.store import (
-    DUPLICATE_KEY,
     AgentMessageLogger,
     ConversationStore,
     Database,
+    only_duplicates,
     storage_errors,
     validate_identifier,
 )
@@ -556,8 +556,7 @@ async def _insert_new(collection: Any, documents: list[dict[str, Any]], action: 
         try:
             await collection.insert_many(documents, ordered=False)
         except BulkWriteError as exc:
-            if any(e.get("code") != DUPLICATE_KEY for e in exc.details.get("writeErrors", [])):
-                raise
+            only_duplicates(exc)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -9,13 +9,18 @@ from agent_store.store._blobs import (
     FullTextStore,
     blob_documents,
     kept_blob_ids,
-    only_duplicates,
     stored_blob_ids,
     text_of,
     texts_of,
     with_texts,
 )
-from agent_store.store._driver import DUPLICATE_KEY, Database, redact_uri, storage_errors
+from agent_store.store._driver import (
+    DUPLICATE_KEY,
+    Database,
+    only_duplicates,
+    redact_uri,
+    storage_errors,
+)
 from agent_store.store._inbox import SteeringInbox
 from agent_store.store._indexes import (
     BLOB_BUCKET,
@@ -74,7 +79,6 @@ from agent_store.store._turns import (
     KeepPendingHitl,
     TurnPlan,
     TurnRules,
-    derive_turn_id,
     message_id,
     parse_messages,
     plan_turn,
@@ -134,7 +138,6 @@ __all__ = [
     "collapse_whitespace",
     "create_indexes",
     "create_indexes_sync",
-    "derive_turn_id",
     "document_size",
     "kept_blob_ids",
     "message_id",

@@ -17,7 +17,7 @@ from typing import Any
 from pymongo.errors import BulkWriteError
 
 from agent_store.core import AgentMessage, Truncation, message_adapter
-from agent_store.store._driver import DUPLICATE_KEY, Database, storage_errors
+from agent_store.store._driver import Database, only_duplicates, storage_errors
 from agent_store.store._indexes import BLOB_CHUNKS, BLOB_FILES, MESSAGES
 from agent_store.store._truncation import FullText, put_text
 
@@ -94,13 +94,6 @@ def with_texts(message: AgentMessage, texts: Mapping[str, str]) -> AgentMessage:
     left = {p: e for p, e in (message.truncated or {}).items() if p not in kept}
     doc["truncated"] = left or None
     return message_adapter.validate_python(doc)
-
-
-def only_duplicates(error: BulkWriteError) -> None:
-    """Re-raise a bulk write error unless each of its write errors is a duplicate key: where
-    equal ids mean equal documents (a retry's, a resumed run's), those are already there."""
-    if any(e.get("code") != DUPLICATE_KEY for e in error.details.get("writeErrors", [])):
-        raise error
 
 
 def texts_of(

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from pymongo import errors as mongo_errors
+from pymongo.errors import BulkWriteError
 
 from agent_store.core import (
     InvalidInput,
@@ -82,3 +83,10 @@ def storage_errors(action: str) -> Iterator[None]:
         raise StorageFailure(f"could not {action}: the database refused the operation") from exc
     except NotImplementedError as exc:
         raise Unsupported(f"could not {action}: this database does not support it") from exc
+
+
+def only_duplicates(error: BulkWriteError) -> None:
+    """Re-raise a bulk write error unless each of its write errors is a duplicate key: where
+    equal ids mean equal documents (a retry's, a resumed run's), those are already there."""
+    if any(e.get("code") != DUPLICATE_KEY for e in error.details.get("writeErrors", [])):
+        raise error

@@ -42,7 +42,7 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.store._blobs import FullTextStore
-from agent_store.store._driver import DUPLICATE_KEY, Database, storage_errors
+from agent_store.store._driver import Database, only_duplicates, storage_errors
 from agent_store.store._fork import fork_copies, fork_end, fork_turn_id
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
 from agent_store.store._legacy_seam import LegacySource
@@ -177,13 +177,24 @@ class AgentMessageLogger:
         if changed:
             update["$set"] = changed
         actor = Actor(user_id)
-        await self._refuse_unmigrated(conversation_id, actor)
+        # Legacy turns are looked for only when the conversation is not there (as for a turn).
+        doc = await self._upsert(conversation_id, actor, update, create=self._legacy is None)
+        if doc is None:
+            await self._refuse_unmigrated(conversation_id, actor)
+            doc = await self._upsert(conversation_id, actor, update, create=True)
+        return Conversation.model_validate(doc)
+
+    async def _upsert(
+        self, conversation_id: str, actor: Actor, update: dict[str, Any], *, create: bool
+    ) -> dict[str, Any] | None:
+        """Update the conversation the actor may write to (creating it if `create`); its
+        summary, or None when it is not there and `create` is false."""
         with storage_errors("upsert the conversation"):
             try:
-                doc = await self._conversations.find_one_and_update(
+                found: dict[str, Any] | None = await self._conversations.find_one_and_update(
                     {"_id": conversation_id, **actor.owner_filter()},
                     update,
-                    upsert=True,
+                    upsert=create,
                     projection=SUMMARY,
                     return_document=ReturnDocument.AFTER,
                 )
@@ -192,7 +203,7 @@ class AgentMessageLogger:
                     f"conversation {conversation_id!r} belongs to another user; "
                     "use claim to move it"
                 ) from exc
-        return Conversation.model_validate(doc)
+        return found
 
     async def log_message(
         self,
@@ -462,9 +473,8 @@ class AgentMessageLogger:
     ) -> dict[str, dict[str, Any]]:
         """The stored messages an earlier attempt of the turn wrote, by id; anything else that
         collided raises (the only write errors swallowed are these duplicate keys)."""
+        only_duplicates(error)
         write_errors = error.details.get("writeErrors", [])
-        if any(e.get("code") != DUPLICATE_KEY for e in write_errors):
-            raise error
         failed = {documents[e["index"]]["_id"]: documents[e["index"]] for e in write_errors}
         # The conversation id keeps this lookup on one shard of a sharded cluster.
         conversation_id = documents[0]["conversation_id"]

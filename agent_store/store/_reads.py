@@ -45,7 +45,7 @@ from agent_store.store._tail import (
     text_before,
     unlogged,
 )
-from agent_store.store._text import clean_name, has_positive_term
+from agent_store.store._text import clean_name, collapse_whitespace, has_positive_term
 from agent_store.store._truncation import NATIVE
 from agent_store.store._turns import TurnRules, validate_identifier
 
@@ -624,7 +624,7 @@ class ConversationStore:
     ) -> list[SearchHit]:
         """Messages matching `text`, best first, within one user's or one conversation's."""
         limit = _page_size(limit)
-        text = " ".join(text.split())
+        text = collapse_whitespace(text)
         if not text or len(text) > MAX_SEARCH_QUERY_CHARS:
             raise InvalidInput(
                 f"invalid search: the query must have 1 to {MAX_SEARCH_QUERY_CHARS} characters"

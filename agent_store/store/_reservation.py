@@ -95,7 +95,7 @@ def literal(value: Any) -> dict[str, Any]:
     return {"$literal": value}
 
 
-def _int64(expression: Any) -> dict[str, Any]:
+def int64(expression: Any) -> dict[str, Any]:
     """An integer the pipeline computes, stored as a BSON int64 as the models write every
     integer (one width per field); some servers narrow a sum that fits to an int32."""
     return {"$toLong": expression}
@@ -106,7 +106,7 @@ def _sum(field: str, amount: int) -> dict[str, Any]:
 
 
 def _plus(field: str, amount: int) -> dict[str, Any]:
-    return _int64(_sum(field, amount))
+    return int64(_sum(field, amount))
 
 
 def _kept(field: str, default: Any) -> dict[str, Any]:
@@ -115,13 +115,13 @@ def _kept(field: str, default: Any) -> dict[str, Any]:
 
 def _capped(field: str, amount: int) -> dict[str, Any]:
     """A running sum that stops at 2**53 - 1, so one huge value cannot jam later turns."""
-    return _int64({"$min": [_sum(field, amount), MAX_SAFE_INTEGER]})
+    return int64({"$min": [_sum(field, amount), MAX_SAFE_INTEGER]})
 
 
 def _records(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str, Any]:
     record = {
         "k": literal(Int64(plan.key)),
-        "f": _int64({"$ifNull": ["$message_count", 0]}),
+        "f": int64({"$ifNull": ["$message_count", 0]}),
         "d": literal(Int64(plan.digest)),
         "a": literal(now),
     }
@@ -131,7 +131,7 @@ def _records(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str, Any]:
     overflow = {"$subtract": [{"$add": [{"$size": _kept("turns", [])}, 1]}, rules.turns_recorded]}
     return {
         "turns": {"$slice": [appended, -rules.turns_recorded]},
-        "turns_dropped": _int64({"$add": [_kept("turns_dropped", 0), {"$max": [0, overflow]}]}),
+        "turns_dropped": int64({"$add": [_kept("turns_dropped", 0), {"$max": [0, overflow]}]}),
     }
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from agent_store.core import AgentMessage
-from agent_store.store._reservation import literal
+from agent_store.store._reservation import int64, literal
 from agent_store.store._text import message_text, shorten
 
 _PROMPT_ROLES = ("user", "system")
@@ -62,7 +62,7 @@ def preview_of(message: AgentMessage | None, limit: int) -> str:
 
 
 def _less(field: str, amount: int) -> dict[str, Any]:
-    return {"$max": [0, {"$subtract": [{"$ifNull": [f"${field}", 0]}, amount]}]}
+    return int64({"$max": [0, {"$subtract": [{"$ifNull": [f"${field}", 0]}, amount]}]})
 
 
 def unlogged(message: AgentMessage, *, started_turn: bool, preview: str | None) -> list[Any]:
@@ -73,9 +73,9 @@ def unlogged(message: AgentMessage, *, started_turn: bool, preview: str | None) 
     assert message.seq is not None
     usage = message.token_usage
     stage: dict[str, Any] = {
-        "message_count": {
-            "$cond": [{"$eq": ["$message_count", message.seq + 1]}, message.seq, "$message_count"]
-        },
+        "message_count": int64(
+            {"$cond": [{"$eq": ["$message_count", message.seq + 1]}, message.seq, "$message_count"]}
+        ),
         "turn_count": _less("turn_count", int(started_turn)),
         "usage.input_tokens": _less("usage.input_tokens", usage.input_tokens if usage else 0),
         "usage.output_tokens": _less("usage.output_tokens", usage.output_tokens if usage else 0),

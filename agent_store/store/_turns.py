@@ -116,7 +116,7 @@ class TurnPlan:
 
     def matches(self, digest: int) -> bool:
         """Whether a turn record's digest is this plan's content (in either digest's form)."""
-        return digest in (self.digest, json_content_digest(self.documents))
+        return digest == self.digest or digest == json_content_digest(self.documents)
 
     @property
     def count(self) -> int:
@@ -185,20 +185,6 @@ def parse_messages(raw: Sequence[AgentMessage | Mapping[str, Any]]) -> list[Agen
         raise InvalidInput(describe_validation_error(exc, subject="turn")) from exc
     except RecursionError as exc:
         raise InvalidInput("invalid turn: a value nests too deeply") from exc
-
-
-def derive_turn_id(
-    conversation_id: str,
-    messages: Sequence[AgentMessage],
-    documents: Sequence[Mapping[str, Any]] | None = None,
-) -> str:
-    """A turn id from the turn's content and timestamps, so a retry of it maps to the same id.
-
-    `documents` are the messages already dumped (by alias), if the caller has them.
-    """
-    if documents is None:
-        documents = [m.model_dump(by_alias=True) for m in messages]
-    return _turn_id_from(conversation_id, _canonical(documents), messages)
 
 
 def _turn_id_from(conversation_id: str, canonical: str, messages: Sequence[AgentMessage]) -> str:
