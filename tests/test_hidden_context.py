@@ -5,7 +5,8 @@ blocks nested in blocks, blocks never closed, blocks whose start was cut off,
 and (for Pydantic AI's list prompts) prompts cut into items anywhere, inside
 a marker too. Each prompt is logged through the logger, the Pydantic AI
 bridge, both stream protocols and the HTTP API, with the legacy dual write
-on; then every stored document and the replay exports are scanned.
+on; then every stored document and the replay exports are scanned. The Agents
+SDK session and the LangChain history get the named cases, cut into parts.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from langchain_core.messages import HumanMessage
 from pydantic_ai import Agent
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from agent_store import AgentMessageLogger, ConversationStore, LegacyTurns
 from agent_store.integrations.exports import chat_completions, responses_items
+from agent_store.integrations.langchain import ConversationChatHistory
+from agent_store.integrations.openai_agents import ConversationSession
 from agent_store.integrations.pydantic_ai import log_run
 from agent_store.integrations.streams import (
     log_streamed_turn,
@@ -250,3 +254,26 @@ async def test_nested_split_and_unclosed_blocks_are_never_stored_on_any_backend(
     finally:
         for n in range(4):
             await backend.db.client.drop_database(f"{backend.db.name}_{n}")
+
+
+async def via_agents_session(db: Any, pieces: list[str]) -> None:
+    parts = [{"type": "input_text", "text": piece} for piece in pieces]
+    await ConversationSession(CID, db).add_items([{"role": "user", "content": parts}])  # type: ignore[list-item]
+
+
+async def via_langchain_history(db: Any, pieces: list[str]) -> None:
+    blocks: list[str | dict[str, Any]] = [{"type": "text", "text": piece} for piece in pieces]
+    await ConversationChatHistory(CID, db).aadd_messages([HumanMessage(content=blocks)])
+
+
+@pytest.mark.parametrize("runtime", [via_agents_session, via_langchain_history])
+@pytest.mark.parametrize("name", NAMED_CASES)
+async def test_a_runtimes_history_never_stores_hidden_context_cut_across_its_parts(
+    backend: Backend, name: str, runtime: Callable[[Any, list[str]], Awaitable[None]]
+) -> None:
+    text, cut, _ = NAMED_CASES[name]
+    await runtime(backend.db, [text[:cut], text[cut:]])
+
+    stored = json.dumps(await backend.db[MESSAGES].find({}).to_list(None), default=str)
+    assert [s for s in re.findall(r"s3cr3t\d{7}", text) if s in stored] == []
+    assert "RUNTIMECON" not in stored.replace(" ", "")

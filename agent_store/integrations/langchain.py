@@ -69,7 +69,7 @@ from agent_store.store import (
     Database,
     RuntimeContextMarkers,
     TurnRules,
-    strip_runtime_context,
+    strip_runtime_context_blocks,
     validate_identifier,
 )
 
@@ -88,7 +88,9 @@ def message_from_langchain(
     """The stored message of a LangChain message. Raises InvalidInput naming the message
     when it is of another kind than the four above or lacks what its kind needs."""
     if isinstance(message, HumanMessage):
-        message = message.model_copy(update={"content": _visible(message.content, markers)})
+        message = message.model_copy(
+            update={"content": strip_runtime_context_blocks(message.content, markers)}
+        )
     if isinstance(message, AIMessage):
         missing = [n for n, call in enumerate(message.tool_calls) if not call.get("id")]
         if missing:
@@ -110,20 +112,6 @@ def message_from_langchain(
     rebuilt = _rebuilt(stored)
     assert rebuilt is not None
     return with_native(stored, FORMAT, native, rebuilt.model_dump(mode="json"))
-
-
-def _visible(content: str | list[Any], markers: RuntimeContextMarkers) -> str | list[Any]:
-    """Content with hidden runtime context removed from every text in it."""
-    if isinstance(content, str):
-        return strip_runtime_context(content, markers)
-    return [
-        strip_runtime_context(block, markers)
-        if isinstance(block, str)
-        else {**block, "text": strip_runtime_context(block["text"], markers)}
-        if isinstance(block, dict) and isinstance(block.get("text"), str)
-        else block
-        for block in content
-    ]
 
 
 # -- stored messages into LangChain messages ------------------------------------------

@@ -63,7 +63,7 @@ from agent_store.store import (
     Database,
     RuntimeContextMarkers,
     TurnRules,
-    strip_runtime_context,
+    strip_runtime_context_blocks,
     validate_identifier,
 )
 
@@ -147,16 +147,8 @@ def _without_hidden_context(
 ) -> dict[str, Any]:
     """A user item with hidden runtime context removed from its text, wherever it is."""
     content = item.get("content")
-    if isinstance(content, str):
-        return {**item, "content": strip_runtime_context(content, markers)}
-    if isinstance(content, list):
-        parts = [
-            {**part, "text": strip_runtime_context(part["text"], markers)}
-            if isinstance(part, Mapping) and isinstance(part.get("text"), str)
-            else part
-            for part in content
-        ]
-        return {**item, "content": parts}
+    if isinstance(content, str | list):
+        return {**item, "content": strip_runtime_context_blocks(content, markers)}
     return dict(item)
 
 

@@ -60,6 +60,7 @@ from agent_store.store._text import (
     search_text,
     shorten,
     strip_runtime_context,
+    strip_runtime_context_blocks,
     strip_runtime_context_pieces,
 )
 from agent_store.store._truncation import (
@@ -151,6 +152,7 @@ __all__ = [
     "storage_errors",
     "stored_blob_ids",
     "strip_runtime_context",
+    "strip_runtime_context_blocks",
     "strip_runtime_context_pieces",
     "text_of",
     "texts_of",

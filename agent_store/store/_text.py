@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from agent_store.core import AgentMessage, InvalidInput
 from agent_store.store._values import storable
@@ -100,6 +101,27 @@ def strip_runtime_context_pieces(
 
 # The white space `str.split` removes or merges, in ASCII text, besides a single space.
 _ASCII_RUNS = ("  ", "\n", "\t", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x1f")
+
+
+def strip_runtime_context_blocks(
+    content: str | Sequence[Any], markers: RuntimeContextMarkers = DEFAULT_MARKERS
+) -> str | list[Any]:
+    """A runtime's message content with hidden runtime context removed: a string, or a list
+    of blocks whose texts (a string block, or a block's `text`) are stripped as one prompt
+    (`strip_runtime_context_pieces`: a block may open in one part and close in another).
+    Other blocks (an image, a file) stay as they are."""
+    if isinstance(content, str):
+        return strip_runtime_context(content, markers)
+    blocks = list(content)
+    where = [
+        i
+        for i, b in enumerate(blocks)
+        if isinstance(b, str) or (isinstance(b, Mapping) and isinstance(b.get("text"), str))
+    ]
+    texts = [b if isinstance(b, str) else b["text"] for b in (blocks[i] for i in where)]
+    for i, shown in zip(where, strip_runtime_context_pieces(texts, markers), strict=True):
+        blocks[i] = shown if isinstance(blocks[i], str) else {**blocks[i], "text": shown}
+    return blocks
 
 
 def collapse_whitespace(text: str) -> str:
