@@ -443,3 +443,23 @@ async def test_a_run_reusing_a_call_id_is_logged_whole(backend: Backend) -> None
     stored = await ConversationStore(backend.db).transcript(CID)
     assert len(stored) == 6
     assert len({c.id for m in stored for c in m.tool_calls or ()}) == 2
+
+
+async def test_a_history_of_more_messages_than_one_turn_holds_is_rebuilt(backend: Backend) -> None:
+    """1,200 messages: more than a turn may hold (1,000), as a long conversation has."""
+    logger = AgentMessageLogger(backend.db)
+    for n in range(3):
+        turn = [
+            message
+            for i in range(200)
+            for message in (
+                {"role": "user", "content": f"question {n}.{i}"},
+                {"role": "assistant", "content": f"answer {n}.{i}"},
+            )
+        ]
+        await logger.log_messages("c-long", turn, turn_id=f"t{n}")
+
+    history = history_from_messages(await ConversationStore(backend.db).transcript("c-long"))
+
+    assert len(history) == 1_200
+    assert isinstance(history[-1], ModelResponse)

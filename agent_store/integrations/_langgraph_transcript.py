@@ -24,7 +24,7 @@ from typing import Any
 from langchain_core.messages import BaseMessage
 from pydantic import ValidationError
 
-from agent_store.core import AgentMessage, InvalidInput, NotFound, StorageFailure
+from agent_store.core import AgentMessage, NotFound, StorageFailure
 from agent_store.integrations._langgraph_documents import (
     CHECKPOINTS,
     Deserialize,
@@ -41,7 +41,6 @@ from agent_store.store import (
     ConversationStore,
     Database,
     storage_errors,
-    validate_identifier,
 )
 
 
@@ -294,7 +293,7 @@ class TranscriptLink:
                 target_id,
                 [_as_new(m) for m in chunk],
                 user_id=source.user_id,
-                turn_id=_turn_id("fork", f"{source_id}\0{chunk[0].id}"),
+                turn_id=_fork_turn_id(source_id, str(chunk[0].id)),
             )
             for old, new in zip(chunk, logged.messages, strict=True):
                 assert old.seq is not None
@@ -343,13 +342,10 @@ def _step_turn_id(parent_id: str | None, messages: Sequence[AgentMessage]) -> st
     return "lg-" + hashlib.sha256(named.encode()).hexdigest()[:32]
 
 
-def _turn_id(prefix: str, name: str) -> str:
-    """A turn id naming a checkpoint (or a forked turn): readable when it can be."""
-    candidate = f"{prefix}:{name}"
-    try:
-        return validate_identifier(candidate, "turn_id")
-    except InvalidInput:
-        return f"{prefix}-" + hashlib.sha256(name.encode()).hexdigest()[:32]
+def _fork_turn_id(source_id: str, first_message_id: str) -> str:
+    """The turn id of a copied chunk of a forked thread: the same copy, retried, is one turn."""
+    named = f"{source_id}\0{first_message_id}"
+    return "fork-" + hashlib.sha256(named.encode()).hexdigest()[:32]
 
 
 _STORE_FIELDS = {"_id", "conversation_id", "seq", "user_id", "turn_id", "search_text", "truncated"}

@@ -31,6 +31,7 @@ from agent_store.store import (
     ConversationExport,
     ConversationStore,
     RuntimeContextMarkers,
+    prompt_text,
     strip_runtime_context,
 )
 
@@ -48,11 +49,11 @@ _ALLOWED_KEYS = {
 }
 
 
-def _validated(messages: Sequence[AgentMessage | Mapping[str, Any]]) -> list[AgentMessage]:
+def as_messages(messages: Sequence[AgentMessage | Mapping[str, Any]]) -> list[AgentMessage]:
+    """A conversation's messages as models, of any length: models as they are, mappings (stored
+    documents) validated; InvalidInput naming the one that is not a message."""
     try:
-        return messages_adapter.validate_python(
-            [m if isinstance(m, Mapping) else m.model_dump(by_alias=True) for m in messages]
-        )
+        return messages_adapter.validate_python(list(messages))
     except ValidationError as exc:
         raise InvalidInput(describe_validation_error(exc, subject="conversation")) from exc
 
@@ -80,7 +81,7 @@ def chat_completions(
     """
     if dangling not in ("synthesize", "drop"):
         raise InvalidInput(f"invalid dangling {dangling!r}: use 'synthesize' or 'drop'")
-    stored = _validated(messages)
+    stored = as_messages(messages)
     answers = answers_to_calls(stored)
     used_ids: set[str] = set()
     exported: list[dict[str, Any]] = []
@@ -94,11 +95,9 @@ def chat_completions(
 
 def _exported_prompt(message: AgentMessage, markers: RuntimeContextMarkers) -> list[dict[str, Any]]:
     """A system or user message: its text, or a note naming an uploaded file."""
-    text = message.content
-    if text is None and message.upload is not None:
-        text = f"[uploaded {message.upload.filename} ({message.upload.file_type})]"
-    elif text is not None and message.role == "user":
-        text = strip_runtime_context(text, markers)
+    text = prompt_text(message)
+    if message.content is not None and message.role == "user":
+        text = strip_runtime_context(message.content, markers)
     return [] if text is None else [{"role": message.role, "content": text}]
 
 

@@ -69,6 +69,7 @@ from agent_store.store import (
     Database,
     RuntimeContextMarkers,
     TurnRules,
+    prompt_text,
     strip_runtime_context_blocks,
     validate_identifier,
 )
@@ -120,10 +121,7 @@ def message_from_langchain(
 def _rebuilt(message: AgentMessage) -> BaseMessage | None:
     """The LangChain message a stored message's chat fields make; None for one no model said."""
     if isinstance(message, UserMessage):
-        text = message.content
-        if text is None and message.upload is not None:
-            text = f"[uploaded {message.upload.filename} ({message.upload.file_type})]"
-        return HumanMessage(content=text or "")
+        return HumanMessage(content=prompt_text(message) or "")
     if isinstance(message, SystemMessage):
         return LangChainSystemMessage(content=message.content or "")
     if isinstance(message, ToolMessage):
@@ -230,25 +228,25 @@ class ConversationChatHistory(BaseChatMessageHistory):
     @property
     def messages(self) -> list[BaseMessage]:  # type: ignore[override]
         """The conversation's messages in `seq` order (needs a synchronous database)."""
-        return run_sync(self._read()) if self._check_sync("messages") else []
+        self._check_sync("messages")
+        return run_sync(self._read())
 
     def add_messages(self, messages: Sequence[BaseMessage]) -> None:
         """Store the messages as one turn (needs a synchronous database)."""
-        if self._check_sync("add_messages"):
-            run_sync(self._append(messages))
+        self._check_sync("add_messages")
+        run_sync(self._append(messages))
 
     def clear(self) -> None:
         """Delete the conversation (needs a synchronous database)."""
-        if self._check_sync("clear"):
-            run_sync(self._clear())
+        self._check_sync("clear")
+        run_sync(self._clear())
 
-    def _check_sync(self, method: str) -> bool:
+    def _check_sync(self, method: str) -> None:
         if not self._sync:
             raise Unsupported(
                 f"{method} needs a synchronous pymongo Database; this history holds an async "
                 "one: use aget_messages, aadd_messages and aclear"
             )
-        return True
 
     # -- shared ----------------------------------------------------------------------
 

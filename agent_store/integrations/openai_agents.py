@@ -63,6 +63,7 @@ from agent_store.store import (
     Database,
     RuntimeContextMarkers,
     TurnRules,
+    prompt_text,
     strip_runtime_context_blocks,
     validate_identifier,
 )
@@ -182,10 +183,7 @@ def _rebuilt(message: AgentMessage) -> list[dict[str, Any]]:
                 }
             )
         return items or [{}]
-    text = message.content
-    if text is None and message.upload is not None:
-        text = f"[uploaded {message.upload.filename} ({message.upload.file_type})]"
-    return [{"role": message.role, "content": text or ""}]
+    return [{"role": message.role, "content": prompt_text(message) or ""}]
 
 
 def item_from_message(message: AgentMessage) -> list[dict[str, Any]]:

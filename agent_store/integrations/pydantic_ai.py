@@ -67,12 +67,13 @@ from agent_store.core import (
     tool_outcome,
 )
 from agent_store.integrations._pairing import CallKey, answers_to_calls, unique_call_id
+from agent_store.integrations.exports import as_messages
 from agent_store.store import (
     DEFAULT_MARKERS,
     AgentMessageLogger,
     LoggedTurn,
     RuntimeContextMarkers,
-    parse_messages,
+    prompt_text,
     strip_runtime_context,
     strip_runtime_context_pieces,
 )
@@ -261,7 +262,7 @@ def history_from_messages(
     Pydantic AI leaves a call awaiting approval, so that a run given
     `deferred_tool_results` resumes it from this history alone.
     """
-    messages = parse_messages(stored) if stored else []
+    messages = as_messages(stored)
     answers = answers_to_calls(messages)
     history: list[pai.ModelMessage] = []
     parts: list[Any] = []
@@ -356,10 +357,7 @@ def _to_user_part(message: UserMessage) -> Any:
             retry=pai.RetryInfo(_FEEDBACK_CAUSES.get(cause or "", "model_retry")),
             timestamp=message.created_at,
         )
-    text = message.content
-    if text is None and message.upload is not None:
-        text = f"[uploaded {message.upload.filename} ({message.upload.file_type})]"
-    return pai.UserPromptPart(text or "", timestamp=message.created_at)
+    return pai.UserPromptPart(prompt_text(message) or "", timestamp=message.created_at)
 
 
 def _interrupted_return(tool_name: str, tool_call_id: str, at: datetime) -> pai.ToolReturnPart:

@@ -149,6 +149,14 @@ def shorten(text: str, limit: int) -> str:
     return cut.rstrip() + ELLIPSIS
 
 
+def prompt_text(message: AgentMessage) -> str | None:
+    """What a model is given of a system or user message: its content, or a note naming the
+    file it uploaded; None when it has neither."""
+    if message.content is None and message.upload is not None:
+        return f"[uploaded {message.upload.filename} ({message.upload.file_type})]"
+    return message.content
+
+
 def message_text(message: AgentMessage) -> str:
     """The readable text of a message: its content, or what stands for it."""
     if message.content:
