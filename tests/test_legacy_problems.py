@@ -133,6 +133,22 @@ def test_token_usage_of_a_turn_without_an_answer_counts_on_the_conversation() ->
     assert (problem.kind, problem.placed) == ("usage_without_response", True)
 
 
+def test_token_usage_past_what_a_sum_holds_saturates_as_live_sums_do() -> None:
+    turns = [
+        {
+            "_id": f"u-{n}",
+            "conversation_id": "c-usage",
+            "created_at": MESSY_START + timedelta(minutes=n),
+            "user_message": "hello",
+            "token_usage": {"input_tokens": 2**60, "output_tokens": 0},
+        }
+        for n in range(2)
+    ]
+    conversion = convert(turns)
+    assert conversion.conversation is not None
+    assert conversion.conversation.usage.input_tokens == 2**53 - 1
+
+
 def test_response_text_that_no_message_holds_is_still_a_problem() -> None:
     turn = {
         "_id": "r-1",

@@ -273,6 +273,14 @@ async def test_usage_saturates_so_one_huge_message_cannot_jam_later_turns(
     assert conversation["usage"]["input_tokens"] == MAX_SAFE
 
 
+async def test_usage_saturates_within_one_turn_too(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, turn("big", usage=MAX_SAFE) * 2, turn_id="t1")
+
+    conversation = await check_conversation(backend.db)
+    assert conversation["usage"]["input_tokens"] == MAX_SAFE
+
+
 # -- 4. tail reads that never skip ---------------------------------------------------------
 
 

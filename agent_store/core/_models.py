@@ -8,6 +8,7 @@ the exported JSON Schema.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
@@ -457,6 +458,14 @@ class Usage(_Model):
 
     input_tokens: Count = 0
     output_tokens: Count = 0
+
+    @classmethod
+    def total(cls, inputs: Iterable[int], outputs: Iterable[int]) -> Usage:
+        """The counts added up, each sum stopping at 2**53 - 1 as the stored sums do."""
+        return cls(
+            input_tokens=min(sum(inputs), MAX_SAFE_INTEGER),
+            output_tokens=min(sum(outputs), MAX_SAFE_INTEGER),
+        )
 
 
 class TurnRecord(_Model):

@@ -607,9 +607,9 @@ class _Converter:
                 content=turn.latency_ms,
             )
         if usage is not None and any(usage.values()):
-            self.unanswered_usage = Usage(
-                input_tokens=self.unanswered_usage.input_tokens + usage["input_tokens"],
-                output_tokens=self.unanswered_usage.output_tokens + usage["output_tokens"],
+            self.unanswered_usage = Usage.total(
+                (self.unanswered_usage.input_tokens, usage["input_tokens"]),
+                (self.unanswered_usage.output_tokens, usage["output_tokens"]),
             )
             self.problem(
                 turn,
@@ -684,7 +684,10 @@ def convert(
         conversation = conversation.model_copy(
             update={
                 "legacy_conversation_id": original,
-                "usage": _plus(conversation.usage, converter.unanswered_usage),
+                "usage": Usage.total(
+                    (conversation.usage.input_tokens, converter.unanswered_usage.input_tokens),
+                    (conversation.usage.output_tokens, converter.unanswered_usage.output_tokens),
+                ),
             }
         )
     return LegacyConversion(
@@ -712,13 +715,6 @@ def _original_id(converter: _Converter, turn: LegacyTurn) -> str | None:
         unplaced=False,
     )
     return turn.conversation_id
-
-
-def _plus(one: Usage, other: Usage) -> Usage:
-    return Usage(
-        input_tokens=one.input_tokens + other.input_tokens,
-        output_tokens=one.output_tokens + other.output_tokens,
-    )
 
 
 def _dated(
@@ -818,9 +814,8 @@ def _conversation(
             "last_message_preview": previews[-1] if previews else "",
             "message_count": len(messages),
             "pending_hitl": None,
-            "usage": Usage(
-                input_tokens=sum(p.usage.input_tokens for p in plans),
-                output_tokens=sum(p.usage.output_tokens for p in plans),
+            "usage": Usage.total(
+                (p.usage.input_tokens for p in plans), (p.usage.output_tokens for p in plans)
             ),
         }
     )

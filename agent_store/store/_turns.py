@@ -468,10 +468,7 @@ def _preview(messages: Sequence[AgentMessage], limit: int) -> str | None:
 
 def _usage(messages: Sequence[AgentMessage]) -> Usage:
     used = [m.token_usage for m in messages if m.token_usage is not None]
-    return Usage(
-        input_tokens=sum(u.input_tokens for u in used),
-        output_tokens=sum(u.output_tokens for u in used),
-    )
+    return Usage.total((u.input_tokens for u in used), (u.output_tokens for u in used))
 
 
 def _pending_hitl(
