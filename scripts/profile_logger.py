@@ -51,6 +51,15 @@ class PlanClock:
         logger_module.plan_turn = self._original
 
 
+def _added(expression: Any) -> int:
+    """The amount a reservation adds to `message_count`, however the sum is wrapped."""
+    if isinstance(expression, dict):
+        if "$add" in expression:
+            return int(expression["$add"][1])
+        return _added(next(iter(expression.values())))
+    raise ValueError(f"no $add in {expression!r}")
+
+
 class _Answering:
     """A collection that answers the logger's two commands at once."""
 
@@ -58,7 +67,7 @@ class _Answering:
         self.counts: dict[str, int] = {}
 
     async def find_one_and_update(self, query: Any, pipeline: Any, **_: Any) -> dict[str, Any]:
-        added = pipeline[0]["$set"]["message_count"]["$add"][1]
+        added = _added(pipeline[0]["$set"]["message_count"])
         count = self.counts[query["_id"]] = self.counts.get(query["_id"], 0) + added
         now = datetime.now(UTC)  # a whole summary, for versions of the logger that read it
         return {

@@ -60,6 +60,7 @@ class _Message(_Bare):
     turn_id: str | None = None
     search_text: str | None = None
     truncated: dict[str, Any] | None = None
+    native: dict[str, Any] | None = None
 
 
 class _System(_Message):

@@ -292,3 +292,94 @@ def test_collapsing_white_space_is_what_split_and_join_give(text: str) -> None:
     from agent_store.store._text import collapse_whitespace
 
     assert collapse_whitespace(text) == " ".join(text.split())
+
+
+def test_a_turn_is_walked_for_split_surrogates_only_when_it_holds_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Joining UTF-16 halves needs a walk of every value; a turn without one is spared it."""
+    from agent_store.store import _turns, plan_turn
+
+    walks = Counter[str]()
+    walk = _turns.storable
+
+    def counting_walk(value: Any, where: str) -> Any:
+        walks["walk"] += 1
+        return walk(value, where)
+
+    monkeypatch.setattr(_turns, "storable", counting_walk)
+    _, turn = copy.deepcopy(corpus_turns()[0])
+    plan_turn(CID, turn, turn_id="t-1")
+    assert walks["walk"] == 0
+
+    plan = plan_turn(CID, [{"role": "user", "content": "smile \ud83d\ude00"}], turn_id="t-2")
+    assert walks["walk"] == 1
+    assert plan.documents[0]["content"] == "smile 😀"
+
+
+_halves = st.sampled_from(["\ud83d", "\ude00", "\ud83d\ude00", "\\ud83d", "a", "é", "😀"])
+_odd_texts = st.lists(_halves, max_size=4).map("".join)
+_odd_values: st.SearchStrategy[Any] = st.recursive(
+    st.integers(-5, 5) | _odd_texts,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(_odd_texts, inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+_odd_turns = st.lists(
+    st.one_of(
+        st.builds(lambda text: {"role": "user", "content": text}, _odd_texts),
+        st.builds(
+            lambda name, args: {
+                "role": "assistant",
+                "tool_calls": [{"id": "c-1", "function": {"name": name or "f", "arguments": args}}],
+            },
+            _odd_texts,
+            st.dictionaries(_odd_texts, _odd_values, max_size=3),
+        ),
+        st.builds(
+            lambda text, params: {
+                "role": "assistant",
+                "content": text or "?",
+                "hitl_action": {"action": "confirm", "params": params, "request_id": "r-1"},
+            },
+            _odd_texts,
+            st.dictionaries(_odd_texts, _odd_values, max_size=3),
+        ),
+        st.builds(
+            lambda kept: {"role": "assistant", "native": {"format": "langchain", "set": kept}},
+            st.dictionaries(_odd_texts.filter(lambda k: not k.startswith("$")), _odd_values),
+        ),
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_odd_turns)
+def test_a_turn_plans_as_it_would_with_every_value_walked_first(turn: list[dict[str, Any]]) -> None:
+    """Sparing the walk changes nothing: halves are joined, a lone one is refused, tuples
+    are lists, and every refusal is the one the walk-first parse gives."""
+    from agent_store import InvalidInput
+    from agent_store.store import plan_turn
+    from agent_store.store._values import storable
+
+    turn = [{**message, "created_at": "2026-01-02T03:04:05Z"} for message in turn]
+
+    def outcome(messages: Any) -> Any:
+        try:
+            plan = plan_turn(CID, messages, turn_id="t-1")
+        except InvalidInput as exc:
+            return str(exc)
+        return plan.documents, plan.digest
+
+    try:
+        walked = [storable(m, f"message {i}") for i, m in enumerate(copy.deepcopy(turn))]
+    except InvalidInput as exc:
+        expected: Any = str(exc)
+    else:
+        expected = outcome(walked)
+    assert outcome(copy.deepcopy(turn)) == expected

@@ -162,12 +162,7 @@ def _as_mapping(item: object, index: int) -> Mapping[str, Any]:
     )
 
 
-def parse_messages(raw: Sequence[AgentMessage | Mapping[str, Any]]) -> list[AgentMessage]:
-    """Validate a turn's messages, given as models or as dicts.
-
-    Surrogate pairs split by a JavaScript runtime are joined; a lone surrogate, or
-    anything else that is not a message, raises InvalidInput naming where it is.
-    """
+def _checked_list(raw: Sequence[AgentMessage | Mapping[str, Any]]) -> None:
     if isinstance(raw, str | bytes | Mapping) or not isinstance(raw, Sequence):
         raise InvalidInput("invalid turn: messages must be a list of messages")
     if not raw:
@@ -176,6 +171,15 @@ def parse_messages(raw: Sequence[AgentMessage | Mapping[str, Any]]) -> list[Agen
         raise InvalidInput(
             f"invalid turn: {len(raw)} messages; one turn holds at most {MAX_MESSAGES_PER_TURN}"
         )
+
+
+def parse_messages(raw: Sequence[AgentMessage | Mapping[str, Any]]) -> list[AgentMessage]:
+    """Validate a turn's messages, given as models or as dicts.
+
+    Surrogate pairs split by a JavaScript runtime are joined; a lone surrogate, or
+    anything else that is not a message, raises InvalidInput naming where it is.
+    """
+    _checked_list(raw)
     try:
         items = [
             storable(_as_mapping(item, index), f"message {index}") for index, item in enumerate(raw)
@@ -185,6 +189,31 @@ def parse_messages(raw: Sequence[AgentMessage | Mapping[str, Any]]) -> list[Agen
         raise InvalidInput(describe_validation_error(exc, subject="turn")) from exc
     except RecursionError as exc:
         raise InvalidInput("invalid turn: a value nests too deeply") from exc
+
+
+def _parsed_unwalked(raw: Sequence[AgentMessage | Mapping[str, Any]]) -> list[AgentMessage]:
+    """`parse_messages` without its walk of every value, for input that validates as it is.
+
+    Whatever does not (a tuple where JSON is due, a split surrogate pair making a text too
+    long) gets the whole parse, walk first, so its refusal is the one the walk gives. A
+    caller must still look for surrogates in what validated (`_escapes_surrogates`).
+    """
+    _checked_list(raw)
+    try:
+        return messages_adapter.validate_python(
+            [_as_mapping(item, index) for index, item in enumerate(raw)]
+        )
+    except (ValidationError, RecursionError):
+        return parse_messages(raw)
+
+
+def _escapes_surrogates(canonical: str) -> bool:
+    """Whether a turn's `_canonical` text may hold a UTF-16 half (to join, or to refuse).
+
+    `repr` writes a half as `\\udXXX`; text that merely spells one out is a false alarm,
+    which costs the walk and nothing else.
+    """
+    return "\\ud" in canonical
 
 
 def _turn_id_from(conversation_id: str, canonical: str, messages: Sequence[AgentMessage]) -> str:
@@ -394,9 +423,14 @@ def plan_turn(
     `truncated` maps, which only the store sets, are kept.
     """
     conversation_id = validate_identifier(conversation_id, "conversation_id")
-    messages = _checked(conversation_id, raw_messages, rules, copied=copied)
+    messages = [_clean(m, rules) for m in _parsed_unwalked(raw_messages)]
     documents = [m.model_dump(by_alias=True) for m in messages]  # the one dump of each
     canonical = _canonical(documents)
+    if _escapes_surrogates(canonical):  # rare: parse again, halves joined or refused
+        messages = [_clean(m, rules) for m in parse_messages(raw_messages)]
+        documents = [m.model_dump(by_alias=True) for m in messages]
+        canonical = _canonical(documents)
+    _check_whole(conversation_id, messages, rules, copied=copied)
     turn_id = (
         validate_identifier(turn_id, "turn_id")
         if turn_id is not None
@@ -429,15 +463,10 @@ def plan_turn(
     )
 
 
-def _checked(
-    conversation_id: str,
-    raw_messages: Sequence[AgentMessage | Mapping[str, Any]],
-    rules: TurnRules,
-    *,
-    copied: bool,
-) -> list[AgentMessage]:
-    """The turn's messages validated, cleaned and checked whole; InvalidInput otherwise."""
-    messages = [_clean(m, rules) for m in parse_messages(raw_messages)]
+def _check_whole(
+    conversation_id: str, messages: Sequence[AgentMessage], rules: TurnRules, *, copied: bool
+) -> None:
+    """Checks of the validated turn as a whole; InvalidInput for the first that fails."""
     _refuse_store_fields(messages, copied=copied)
     _check_times(messages, rules)
     for index, message in enumerate(messages):
@@ -447,7 +476,6 @@ def _checked(
                 f"{message.conversation_id!r}, not {conversation_id!r}"
             )
     _check_tool_pairing(messages)
-    return messages
 
 
 def _turn_starts(messages: Sequence[AgentMessage]) -> int:
