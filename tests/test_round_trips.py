@@ -67,3 +67,16 @@ async def test_a_replay_of_a_stored_turn_costs_four_round_trips(wire_backend: Ba
     await logger.log_messages(CID, messages, turn_id=turn_id)
 
     assert wire_backend.commands.names == ["findAndModify", "find", "insert", "find"]
+
+
+async def test_a_missing_conversation_is_looked_up_once(wire_backend: Backend) -> None:
+    """A read that finds no conversation asks the database nothing more (no legacy wired)."""
+    from agent_store import NotFound
+
+    assert wire_backend.commands is not None
+    store = ConversationStore(wire_backend.db)
+    for read in (store.turn_count, store.pending_hitl, store.get_conversation):
+        wire_backend.commands.clear()
+        with pytest.raises(NotFound):
+            await read("nobody-here")
+        assert wire_backend.commands.names == ["find"], read.__name__

@@ -219,7 +219,7 @@ class ConversationStore:
                 self._scope(conversation_id, user_id), {"turn_count": 1}
             )
         if doc is None:
-            return (await self.get_conversation(conversation_id, user_id=user_id)).turn_count
+            return (await self._legacy(conversation_id, user_id)).conversation.turn_count
         return int(doc.get("turn_count", 0))
 
     async def rename(
@@ -574,7 +574,7 @@ class ConversationStore:
                 self._scope(conversation_id, user_id), {"pending_hitl": 1}
             )
         if doc is None:
-            return (await self.get_conversation(conversation_id, user_id=user_id)).pending_hitl
+            return (await self._legacy(conversation_id, user_id)).conversation.pending_hitl
         pending = doc.get("pending_hitl")
         return PendingHitl.model_validate(pending) if pending else None
 
