@@ -383,3 +383,29 @@ def test_a_turn_plans_as_it_would_with_every_value_walked_first(turn: list[dict[
     else:
         expected = outcome(walked)
     assert outcome(copy.deepcopy(turn)) == expected
+
+
+def test_a_retry_validates_only_its_own_turn_record_and_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from agent_store.core import TurnRecord
+    from agent_store.store._reservation import RecordedBlock, recorded_block
+
+    records = [{"k": n, "f": 3 * n, "d": n, "a": "2026-01-01T00:00:00Z"} for n in range(1000)]
+    validated = Counter[str]()
+    validate = TurnRecord.model_validate
+
+    def counting(value: Any, *args: Any, **kwargs: Any) -> TurnRecord:
+        validated["record"] += 1
+        return validate(value, *args, **kwargs)
+
+    monkeypatch.setattr(TurnRecord, "model_validate", counting)
+    conversation = {"turns": records, "message_count": 3000}
+
+    block = recorded_block(conversation, 500)
+    last = recorded_block(conversation, 999)
+
+    assert block == RecordedBlock(first_seq=1500, count=3, digest=500)
+    assert last == RecordedBlock(first_seq=2997, count=3, digest=999)
+    assert recorded_block(conversation, 1000) is None
+    assert validated["record"] == 3

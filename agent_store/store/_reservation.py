@@ -62,13 +62,20 @@ class RecordedBlock:
 
 
 def recorded_block(document: Mapping[str, Any], key: int) -> RecordedBlock | None:
-    """The block of the turn recorded under `key`, from a conversation's records; else None."""
-    records = [TurnRecord.model_validate(r) for r in document.get("turns") or ()]
-    for index, record in enumerate(records):
-        if record.key == key:
-            following = records[index + 1].first_seq if index + 1 < len(records) else None
-            end = following if following is not None else int(document["message_count"])
-            return RecordedBlock(record.first_seq, end - record.first_seq, record.digest)
+    """The block of the turn recorded under `key`, from a conversation's records; else None.
+
+    Only that record and the next (where its block ends) are validated, not the thousand.
+    """
+    records = document.get("turns") or ()
+    for index, raw in enumerate(records):
+        if isinstance(raw, Mapping) and raw.get("k") == key:
+            record = TurnRecord.model_validate(raw)
+            following = (
+                TurnRecord.model_validate(records[index + 1]).first_seq
+                if index + 1 < len(records)
+                else int(document["message_count"])
+            )
+            return RecordedBlock(record.first_seq, following - record.first_seq, record.digest)
     return None
 
 
