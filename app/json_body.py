@@ -40,15 +40,16 @@ def nests_deeper_than(value: Any, limit: int) -> bool:
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
         if isinstance(item, dict | list):
             if depth > limit:
                 return True
-            stack.extend((child, depth + 1) for child in children)
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children if not isinstance(child, str))
     return False
 
 
-def _check_numbers(document: Any) -> None:
+def _name_the_number(document: Any) -> None:
+    """Raise InvalidRequest naming where the first number the store cannot keep is."""
     stack: list[tuple[Any, tuple[str | int, ...]]] = [(document, ())]
     while stack:
         value, path = stack.pop()
@@ -62,17 +63,48 @@ def _check_numbers(document: Any) -> None:
             raise InvalidRequest(f"invalid body: {where}: {problem}")
 
 
+class _Numbers:
+    """Parses the body's numbers, noting one the store cannot keep (named after parsing)."""
+
+    def __init__(self) -> None:
+        self.refused = False
+
+    def integer(self, text: str) -> int:
+        value = int(text)
+        if not INT64_MIN <= value <= INT64_MAX:
+            self.refused = True
+        return value
+
+    def real(self, text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            self.refused = True
+        return value
+
+
 def decode_body(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object within the rules above; InvalidJson or InvalidRequest if not."""
+    """The body as a JSON object within the rules above; InvalidJson or InvalidRequest if not.
+
+    Numbers are checked as they are parsed, and the nesting only of a body with more
+    brackets than the limit: a body within the rules is not walked at all.
+    """
+    numbers = _Numbers()
     try:
-        document = json.loads(raw, parse_constant=_refuse_constant)
+        document = json.loads(
+            raw,
+            parse_constant=_refuse_constant,
+            parse_int=numbers.integer,
+            parse_float=numbers.real,
+        )
     except RecursionError as exc:
         raise InvalidJson(f"the body nests deeper than {MAX_BODY_DEPTH} levels") from exc
     except ValueError as exc:
         raise InvalidJson(f"the body is not valid JSON: {exc}") from exc
     if not isinstance(document, dict):
         raise InvalidJson("the body must be a JSON object")
-    if nests_deeper_than(document, MAX_BODY_DEPTH):
+    brackets = raw.count(b"[") + raw.count(b"{")  # an upper bound of the nesting
+    if brackets > MAX_BODY_DEPTH and nests_deeper_than(document, MAX_BODY_DEPTH):
         raise InvalidJson(f"the body nests deeper than {MAX_BODY_DEPTH} levels")
-    _check_numbers(document)
+    if numbers.refused:
+        _name_the_number(document)
     return document

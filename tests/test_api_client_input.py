@@ -80,6 +80,29 @@ async def test_a_body_nested_within_the_limit_is_accepted(api: Served) -> None:
     assert response.status_code == 201, response.text[:500]
 
 
+def test_a_body_within_the_rules_is_parsed_without_a_walk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Numbers are checked as they parse; only a body with more brackets than the limit
+    has its nesting walked, and only a refused number its path."""
+    from app import json_body
+
+    walks: list[str] = []
+    for name in ("nests_deeper_than", "_name_the_number"):
+        walk = getattr(json_body, name)
+        monkeypatch.setattr(
+            json_body, name, lambda *a, _w=walk, _n=name: walks.append(_n) or _w(*a)
+        )
+    turn = {"turn_id": "t", "messages": [{"role": "user", "content": "[{" * 20, "n": 2**62}]}
+    assert json_body.decode_body(json.dumps(turn).encode()) == turn
+    assert walks == []
+
+    wide = json.dumps({"a": [[[{"b": [1, 2**63]}]]], "c": [[]] * 70}).encode()
+    with pytest.raises(json_body.InvalidRequest, match=r"a\.0\.0\.0\.b\.1: the integer"):
+        json_body.decode_body(wide)
+    assert walks == ["nests_deeper_than", "_name_the_number"]
+
+
 # -- numbers ---------------------------------------------------------------------------------
 
 HUGE_NUMBERS = [
