@@ -326,3 +326,99 @@ async def test_answering_a_pending_call_still_costs_two_round_trips(wire_backend
 
     assert wire_backend.commands.names == ["findAndModify", "insert"]
     assert await ConversationStore(wire_backend.db).pending_calls(CID) == []
+
+
+# -- state after a rewind or a fork: what the messages left say ----------------------
+
+
+async def pending_state(store: ConversationStore, cid: str = CID) -> tuple[list[str], str | None]:
+    calls = [c.tool_call_id for c in await store.pending_calls(cid)]
+    prompt = await store.pending_hitl(cid)
+    return calls, prompt.request_id if prompt else None
+
+
+async def test_popping_a_prompt_then_its_call_leaves_nothing_pending(backend: Backend) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")  # user, call, prompt
+
+    await runtime.store.pop_last_message(CID)  # the prompt
+    assert await pending_state(runtime.store) == (["tc-9"], None)
+
+    await runtime.store.pop_last_message(CID)  # the assistant message making the call
+    assert await pending_state(runtime.store) == ([], None)
+
+
+async def test_popping_an_answer_makes_its_call_and_prompt_pending_again(backend: Backend) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    await runtime.logger.log_messages(
+        CID, [{"role": "tool", "tool_call_id": "tc-9", "content": "B-42"}], turn_id="answer"
+    )
+    assert await pending_state(runtime.store) == ([], None)
+
+    await runtime.store.pop_last_message(CID)
+
+    assert await pending_state(runtime.store) == (["tc-9"], None)
+    await runtime.stream([BOOKED])  # the documented next step takes the real result
+    assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
+
+
+async def test_popping_a_prompt_leaves_none_pending_and_brings_back_no_resolved_one(
+    backend: Backend,
+) -> None:
+    """A prompt it replaced may have been resolved by request id, which no message records."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+
+    def asks(request_id: str) -> list[dict[str, Any]]:
+        hitl = {"action": "confirm", "params": {}, "request_id": request_id}
+        return [{"role": "assistant", "content": "Sure?", "hitl_action": hitl}]
+
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}, *asks("r1")], turn_id="t1")
+    await store.resolve_hitl(CID, "r1")
+    await logger.log_messages(CID, asks("r2"), turn_id="t2")
+
+    await store.pop_last_message(CID)
+
+    assert await pending_state(store) == ([], None)
+
+
+async def test_a_fork_at_a_pending_prompt_stops_there_and_keeps_it_pending(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")  # seq 0-2
+    await runtime.stream([{"type": "stream_token", "token": "Sunny."}], prompt="Weather?")
+    await runtime.stream([APPROVED, BOOKED, {"type": "stream_token", "token": "Booked."}])
+
+    prompt = next(m for m in await runtime.store.transcript(CID) if m.hitl_action)
+    assert prompt.seq is not None
+
+    forked = await runtime.logger.fork(CID, prompt.seq, "fork-at-prompt")
+
+    assert [m.seq for m in forked.messages] == list(range(prompt.seq + 1))
+    assert await pending_state(runtime.store, "fork-at-prompt") == (["tc-9"], "confirm-9")
+    stored = await runtime.store.transcript(CID)
+    whole = await runtime.logger.fork(CID, len(stored) - 1, "fork-whole")
+    assert len(whole.messages) == len(stored)
+    assert await pending_state(runtime.store, "fork-whole") == ([], None)
+
+
+async def test_a_prompt_answered_within_its_own_turn_is_not_left_pending(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    hitl = {"action": "book", "params": {}, "request_id": "r9"}
+    await logger.log_messages(
+        CID,
+        [
+            {"role": "user", "content": "Book it."},
+            {"role": "assistant", "tool_calls": [
+                {"id": "tc-9", "function": {"name": "book", "arguments": "{}"}}]},
+            {"role": "assistant", "content": "Pay €35?", "hitl_action": hitl},
+            {"role": "tool", "tool_call_id": "tc-9", "content": DENIED_RESULT},
+            {"role": "assistant", "content": "Nothing was booked."},
+        ],
+        turn_id="t1",
+    )  # fmt: skip
+
+    assert await pending_state(store) == ([], None)

@@ -12,12 +12,19 @@ _STORE_FIELDS = {"id", "seq", "user_id", "conversation_id", "turn_id", "search_t
 
 
 def fork_end(messages: Sequence[AgentMessage], at_seq: int) -> int:
-    """The last `seq` a fork at `at_seq` copies: `at_seq`, moved past the results of the calls
-    made at or before it, so a tool call and its result are never cut apart."""
+    """The last `seq` a fork at `at_seq` copies: `at_seq`, moved past the results its turn
+    gave the calls made at or before it, so a call and its result are never cut apart
+    within a turn. A call its turn left open stays pending in the fork, as it was then."""
     if not any(m.seq == at_seq for m in messages):
         raise InvalidInput(f"invalid fork: the conversation has no message with seq {at_seq}")
-    calls = {c.id for m in messages if (m.seq or 0) <= at_seq for c in m.tool_calls or ()}
-    answers = [m.seq or 0 for m in messages if m.role == "tool" and m.tool_call_id in calls]
+    calls = {
+        c.id: m.turn_id for m in messages if (m.seq or 0) <= at_seq for c in m.tool_calls or ()
+    }
+    answers = [
+        m.seq or 0
+        for m in messages
+        if m.role == "tool" and m.tool_call_id in calls and calls[m.tool_call_id] == m.turn_id
+    ]
     return max([at_seq, *answers])
 
 

@@ -43,11 +43,12 @@ from agent_store.store._tail import (
     quoted_in_preview,
     starts_a_turn,
     text_before,
+    touches_pending,
     unlogged,
 )
 from agent_store.store._text import clean_name, collapse_whitespace, has_positive_term
 from agent_store.store._truncation import NATIVE
-from agent_store.store._turns import TurnRules, validate_identifier
+from agent_store.store._turns import TurnRules, pending_calls_after, validate_identifier
 
 MAX_PAGE_SIZE = 200
 # Messages in the first reply of a transcript read: a 300-message transcript is one round
@@ -388,12 +389,25 @@ class ConversationStore:
                 )
                 source_message = message_adapter.validate_python(source) if source else None
                 preview = preview_of(source_message, self._rules.preview_chars)
+            calls = await self._pending_calls_before(popped) if touches_pending(popped) else None
         with storage_errors("update the conversation"):
             await self._conversations.update_one(
                 self._scope(conversation_id, user_id),
-                unlogged(popped, started_turn=started, preview=preview),
+                unlogged(popped, started_turn=started, preview=preview, pending_calls=calls),
             )
         return popped
+
+    async def _pending_calls_before(self, popped: AgentMessage) -> list[PendingCall]:
+        """The calls the messages before `popped` leave pending (reads them all: a pop of a
+        call, an answer or a prompt is rare, and what is pending depends on every turn)."""
+        docs = await (
+            self._messages.find(
+                {"conversation_id": popped.conversation_id, "seq": {"$lt": popped.seq}}
+            )
+            .sort("seq", 1)
+            .to_list(None)
+        )
+        return pending_calls_after(messages_adapter.validate_python(docs))
 
     async def messages_by_seq(
         self,

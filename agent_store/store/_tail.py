@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent_store.core import AgentMessage
+from agent_store.core import AgentMessage, PendingCall
 from agent_store.store._reservation import int64, literal
 from agent_store.store._text import message_text, shorten
 
@@ -65,17 +65,36 @@ def _less(field: str, amount: int) -> dict[str, Any]:
     return int64({"$max": [0, {"$subtract": [{"$ifNull": [f"${field}", 0]}, amount]}]})
 
 
-def unlogged(message: AgentMessage, *, started_turn: bool, preview: str | None) -> list[Any]:
+def touches_pending(message: AgentMessage) -> bool:
+    """Whether logging `message` changed what its conversation awaits (calls or a prompt)."""
+    return bool(
+        message.tool_calls
+        or message.role == "tool"
+        or message.hitl_action is not None
+        or (message.role == "user" and message.upload is not None)
+    )
+
+
+def unlogged(
+    message: AgentMessage,
+    *,
+    started_turn: bool,
+    preview: str | None,
+    pending_calls: list[PendingCall] | None = None,
+) -> list[Any]:
     """The update pipeline that takes a removed last message out of its conversation's summary.
 
-    `preview` is the new preview, or None to keep the current one.
+    `preview` is the new preview, or None to keep the current one. `pending_calls` are the
+    calls the messages before it leave pending (`pending_calls_after`), or None to keep the
+    list; they replace it only while no turn has reserved past the removed message, since
+    they were read before this update. A prompt the message raised is no longer pending; a
+    prompt resolved before is not brought back (a resolution by request id leaves no message).
     """
     assert message.seq is not None
     usage = message.token_usage
+    untouched = {"$eq": ["$message_count", message.seq + 1]}
     stage: dict[str, Any] = {
-        "message_count": int64(
-            {"$cond": [{"$eq": ["$message_count", message.seq + 1]}, message.seq, "$message_count"]}
-        ),
+        "message_count": int64({"$cond": [untouched, message.seq, "$message_count"]}),
         "turn_count": _less("turn_count", int(started_turn)),
         "usage.input_tokens": _less("usage.input_tokens", usage.input_tokens if usage else 0),
         "usage.output_tokens": _less("usage.output_tokens", usage.output_tokens if usage else 0),
@@ -87,6 +106,9 @@ def unlogged(message: AgentMessage, *, started_turn: bool, preview: str | None) 
             ]
         },
     }
+    if pending_calls is not None:
+        listed = literal([call.model_dump() for call in pending_calls])
+        stage["pending_calls"] = {"$cond": [untouched, listed, "$pending_calls"]}
     if preview is not None:
         stage["last_message_preview"] = literal(preview)
     return [{"$set": stage}]

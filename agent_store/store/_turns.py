@@ -502,10 +502,16 @@ def _usage(messages: Sequence[AgentMessage]) -> Usage:
 def _pending_hitl(
     messages: Sequence[AgentMessage], ids: Sequence[str]
 ) -> PendingHitl | KeepPendingHitl | None:
+    """The prompt pending after the turn: the last one it raises, unless a later message of
+    the turn answers a call that prompt holds back (as a later turn's answer would), or an
+    upload clears it; `KeepPendingHitl` when the turn does neither."""
     outcome: PendingHitl | KeepPendingHitl | None = KeepPendingHitl()
+    unheld: set[str] = set()  # calls of the turn not answered yet, held by no prompt
+    held: set[str] = set()  # those the outcome holds back
     for message, message_id_ in zip(messages, ids, strict=True):
         if message.role == "user" and message.upload is not None:
             outcome = None
+        unheld |= {call.id for call in message.tool_calls or ()}
         if message.hitl_action is not None:
             outcome = PendingHitl(
                 request_id=message.hitl_action.request_id,
@@ -515,6 +521,11 @@ def _pending_hitl(
                 message_id=message_id_,
                 created_at=message.created_at,
             )
+            held, unheld = unheld, set()
+        if message.role == "tool":
+            if message.tool_call_id in held and isinstance(outcome, PendingHitl):
+                outcome = None
+            unheld.discard(message.tool_call_id or "")
     return outcome
 
 
@@ -545,3 +556,18 @@ def _pending_calls(
                 )
             )
     return tuple(opened), tuple(i for i in answers if i not in made)
+
+
+def pending_calls_after(messages: Sequence[AgentMessage]) -> list[PendingCall]:
+    """The calls a conversation's stored messages leave pending, turn by turn, as the
+    reservations listed them: what a rewrite of its history (a pop) lists again."""
+    pending: list[PendingCall] = []
+    start = 0
+    for end in range(1, len(messages) + 1):
+        if end < len(messages) and messages[end].turn_id == messages[start].turn_id:
+            continue
+        turn = messages[start:end]
+        opened, answered = _pending_calls(turn, [str(m.id) for m in turn])
+        pending = [c for c in pending if c.tool_call_id not in answered] + list(opened)
+        start = end
+    return pending[-PENDING_CALLS_KEPT:]
