@@ -229,9 +229,15 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
+def _require_legacy_data(db: Database[dict[str, Any]]) -> None:
     if not relocate.holds_turns(db, LEGACY_TURNS):
         raise Misuse(f"no legacy data in {LEGACY_TURNS}: run `python -m migrations run` first")
+
+
+def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
+    _require_legacy_data(db)
+    if args.sample is not None and args.sample < 1:
+        raise Misuse(f"--sample {args.sample}: a sample holds at least one conversation")
     total = (
         1
         if args.conversation
@@ -283,6 +289,7 @@ def cmd_finish(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         return 1
     if args.drop_legacy and not args.yes:
         raise Misuse("--drop-legacy deletes the rollback copy: add --yes to confirm")
+    _require_legacy_data(db)
     for conversation_id in args.accept or ():
         problem_report.accept(db, conversation_id, args.note)
         print(f"recorded: the unplaced content of {conversation_id!r} is accepted ({args.note})")

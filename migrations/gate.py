@@ -2,7 +2,10 @@
 
 For each legacy conversation the converter runs again (it is pure and fast) and
 the gate checks, against what is stored: its conversation document, every one
-of its messages by id, the whole text of every cut message, and that whatever
+of its messages by id, its transcript as `verify` compares it (content, order,
+whole texts of cut messages: ids alone would let two legacy turns whose ids read
+alike share one stored copy, or a turn changed after the run pass), the whole
+text of every cut message, and that whatever
 it holds that no message can hold (an unplaced problem) is recorded in
 `agent_migration_problems` and accepted by an operator (`finish --accept`). A
 conversation logged to live before its migration passes only if the live
@@ -20,10 +23,12 @@ from typing import Any
 
 from pymongo.database import Database
 
+from agent_store.core import AgentMessage
 from agent_store.store import CONVERSATIONS, MESSAGES, TurnRules
 from migrations import full_texts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
+from migrations.verify import compare
 from migrations.writes import Converted
 
 LIVE_KINDS = ("conversation_already_live", "live_conflict")
@@ -106,10 +111,19 @@ def _stored(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> _Stored
     )
 
 
-def _reasons(item: Converted, stored: _Stored, accepted: dict[str, list[str]]) -> list[str]:
+def _reasons(
+    item: Converted,
+    stored: _Stored,
+    accepted: dict[str, list[str]],
+    messages: list[AgentMessage],
+) -> list[str]:
     conversion = item.conversion
     cid = conversion.conversation_id
     reasons: list[str] = []
+    differences = compare(item, messages)
+    if differences:
+        shown = "; ".join(differences[:3]) + ("; …" if len(differences) > 3 else "")
+        reasons.append(f"its messages differ from its legacy turns ({shown}): `verify` lists all")
     if cid in stored.live:
         if not stored.live[cid]:
             reasons.append("logged to live before its migration; its legacy turns are not merged")
@@ -147,10 +161,11 @@ def check(
             WorkLeft(p.conversation_id, [f"cannot be converted: {p.detail}"]) for p in failed
         ]
         stored = _stored(db, converted)
+        messages = full_texts.stored_messages(db, [c.conversion.conversation_id for c in converted])
         for item in converted:
             gate.conversations += 1
-            reasons = _reasons(item, stored, accepted)
             cid = item.conversion.conversation_id
+            reasons = _reasons(item, stored, accepted, messages[cid])
             if reasons:
                 gate.left.append(WorkLeft(cid, reasons))
             elif item.conversion.conversation is None:

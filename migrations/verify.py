@@ -50,7 +50,8 @@ def sample(ids: Iterator[Any], size: int, seed: int) -> list[Any]:
     return sorted(chosen, key=str)
 
 
-def _compare(item: Converted, stored: list[AgentMessage]) -> list[str]:
+def compare(item: Converted, stored: list[AgentMessage]) -> list[str]:
+    """How a conversation's stored messages differ from its legacy turns (none: it matches)."""
     conversion = item.conversion
     legacy = from_legacy(item.turns, conversion.unplaced)
     migrated = [m for m in stored if (m.turn_id or "").startswith("legacy-")]
@@ -92,7 +93,7 @@ def verify(
             conversation_id = item.conversion.conversation_id
             result.conversations += 1
             result.unplaced += len(item.conversion.unplaced)
-            found = _compare(item, stored[conversation_id])
+            found = compare(item, stored[conversation_id])
             if found:
                 result.differences[conversation_id] = found
             else:

@@ -87,3 +87,35 @@ def test_a_150_character_user_id_keeps_its_conversation_through_the_migration(
     assert conversation is not None
     assert conversation["user_id"] == owner
     assert {m["user_id"] for m in database[MESSAGES].find({"conversation_id": CID})} == {owner}
+
+
+@pytest.mark.parametrize(
+    ("part", "field", "expected"),
+    [
+        ({"type": "text", "content": "", "text": "kept"}, "content", "kept"),
+        ({"type": "text", "content": None, "text": "kept"}, "content", "kept"),
+        ({"type": "tool_result", "result": None, "content": "kept"}, "result", "kept"),
+        ({"type": "hitl", "prompt": "", "content": "kept"}, "content", "kept"),
+        ({"type": "error", "message": "", "error": "kept"}, "content", "kept"),
+        ({"type": "tool_call", "args": {}, "arguments": {"a": 1}}, "args", {"a": 1}),
+        ({"type": "text", "content": ""}, "content", ""),
+        ({"type": "tool_result", "result": None, "content": 0}, "result", 0),
+    ],
+)
+def test_a_blank_spelling_yields_to_one_that_holds_the_value(
+    part: dict[str, Any], field: str, expected: Any
+) -> None:
+    from agent_store.legacy._parts import normalize_part
+
+    assert getattr(normalize_part(part), field) == expected
+
+
+@pytest.mark.parametrize(
+    ("flag", "system"),
+    [("false", False), ("False", False), ("0", False), ("no", False), ("", False),
+     (0, False), (None, False), ("true", True), ("1", True), (1, True), (True, True)],
+)  # fmt: skip
+def test_is_system_written_as_text_means_what_it_says(flag: Any, system: bool) -> None:
+    turn = {**spelled_turns()[0], "is_system": flag}
+    converted = convert([turn])
+    assert (converted.messages[0].role == "system") is system

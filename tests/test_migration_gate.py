@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -399,3 +399,71 @@ def test_a_conversation_logged_live_with_its_legacy_content_verifies_and_passes_
     assert problem["placed"] is True
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
+
+
+# -- the gate compares content, not ids -------------------------------------------------
+
+
+def legacy_turn(turn_id: Any, cid: str, hour: int, text: str) -> dict[str, Any]:
+    return {
+        "_id": turn_id, "conversation_id": cid, "user_id": "u-1",
+        "created_at": datetime(2024, 1, 1, hour, tzinfo=UTC),
+        "user_message": f"{text} question",
+        "response_parts": [{"type": "text", "content": f"{text} answer"}],
+    }  # fmt: skip
+
+
+@pytest.mark.wire
+def test_two_turns_whose_ids_read_alike_never_pass_the_gate_with_one_lost(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    oid = bson.ObjectId()
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(oid, "c-1", 0, "FIRST"), legacy_turn(str(oid), "c-1", 1, "SECOND")]
+    )
+    cli(wire_uri, database, "run")
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+
+    assert "c-1" in capsys.readouterr().out
+    assert database[LEGACY_TURNS].count_documents({}) == 2
+
+
+@pytest.mark.wire
+def test_a_legacy_turn_changed_or_added_after_the_run_is_work_left(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-a", "c-a", 0, "A"), legacy_turn("t-b", "c-b", 0, "B")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    database[LEGACY_TURNS].update_one({"_id": "t-a"}, {"$set": {"user_message": "A edited"}})
+    database[LEGACY_TURNS].insert_one(legacy_turn("t-b2", "c-b", 1, "B late"))
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+
+    out = capsys.readouterr().out
+    assert "c-a" in out
+    assert "c-b" in out
+    assert database[LEGACY_TURNS].count_documents({}) == 3
+
+
+@pytest.mark.wire
+def test_finish_without_legacy_data_is_misuse_and_creates_nothing(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 2
+    assert cli(wire_uri, database, "finish", "--accept", "anything", "--note", "n") == 2
+    assert database.list_collection_names() == []
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("size", ["0", "-5"])
+def test_a_verify_sample_of_no_conversations_is_misuse(
+    wire_uri: str, database: Database[dict[str, Any]], size: str
+) -> None:
+    database[CONVERSATIONS].insert_many(corpus(1))
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify", "--sample", size) == 2

@@ -55,6 +55,9 @@ def derived_conversation_id(original: str | None, *, turn_key: str = "") -> str:
     return DERIVED_CONVERSATION_PREFIX + digest[:32]
 
 
+_FALSE_WORDS = frozenset({"", "false", "f", "0", "no", "n", "off", "none", "null"})
+
+
 class LegacyTurn(BaseModel):
     """One legacy turn document, as found: every field may be missing or odd."""
 
@@ -93,6 +96,9 @@ class LegacyTurn(BaseModel):
     @field_validator("is_system", mode="before")
     @classmethod
     def _truthy(cls, value: Any) -> bool:
+        """A flag some writers kept as text: "false", "0", "no" and blank mean false."""
+        if isinstance(value, str):
+            return value.strip().lower() not in _FALSE_WORDS
         return bool(value)
 
     @property

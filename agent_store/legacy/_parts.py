@@ -72,12 +72,18 @@ def _declared(part: Any) -> str | None:
 
 
 def _first(part: Mapping[str, Any], *names: str) -> Any:
-    """The value of the first of `names` the part has (even when it is null), else None."""
-    for name in names:
-        value = part.get(name, _MISSING)
-        if value is not _MISSING:
+    """The value of the first of `names` the part holds something under; when every one it
+    has is blank (null, empty), the first of those; else None. A writer that kept `content`
+    empty beside `text` meant the text."""
+    present = [part[name] for name in names if name in part]
+    for value in present:
+        if not _blank(value):
             return value
-    return None
+    return present[0] if present else None
+
+
+def _blank(value: Any) -> bool:
+    return value is None or (isinstance(value, str | dict | list) and not value)
 
 
 def normalize_part(part: Any) -> LegacyPart:
