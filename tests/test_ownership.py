@@ -17,6 +17,7 @@ import json
 from typing import Any
 
 import pytest
+from bson import ObjectId
 
 from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
 from agent_store.store import CONVERSATIONS, MESSAGES
@@ -24,6 +25,14 @@ from tests.api_harness import OTHER, OWNER, Served, auth_headers, hitl_turn, mon
 
 MALLORY = "user-mallory"
 STATES = ("mine", "another", "unowned", "legacy-another", "legacy-mine", "absent")
+LEGACY_OID = ObjectId("6b0d2c1e9f1a4b3c2d1e0f1a")
+SPELLED: dict[str, tuple[str, dict[str, Any]]] = {
+    # Another user's legacy-only conversation, under each id its turns may be known by.
+    "legacy-objectid": (str(LEGACY_OID), {"_id": "lt-oid", "conversation_id": LEGACY_OID}),
+    "legacy-number": ("424242", {"_id": "lt-number", "conversation_id": 424242}),
+    "legacy-unnamed": ("legacy-turn-lt-unnamed", {"_id": "lt-unnamed"}),
+}
+"""Read as `legacy-another` in every table: the same conversation, spelled otherwise."""
 CALLERS = ("service", "service-naming-another", "owner-token", "another-token")
 ROUTES = (
     "get", "rename", "delete", "transcript", "messages", "log-turn", "pending", "resolve",
@@ -76,7 +85,7 @@ EXPECTED: dict[str, dict[str, tuple[int, ...]]] = {
 
 
 def conversation_id(state: str) -> str:
-    return f"conv-state-{state}"
+    return SPELLED[state][0] if state in SPELLED else f"conv-state-{state}"
 
 
 async def seed_states(api: Served) -> None:
@@ -92,6 +101,15 @@ async def seed_states(api: Served) -> None:
                 "_id": f"legacy-{state}",
                 "conversation_id": conversation_id(state),
                 "user_id": owner,
+                "user_message": "secret of the legacy owner",
+                "response_parts": [{"type": "text", "content": "a legacy answer"}],
+            }
+        )
+    for _, turn in SPELLED.values():
+        await api.db[LEGACY_TURNS].insert_one(
+            turn
+            | {
+                "user_id": OTHER,
                 "user_message": "secret of the legacy owner",
                 "response_parts": [{"type": "text", "content": "a legacy answer"}],
             }
@@ -128,19 +146,21 @@ async def digests(db: Any, excluding: str | None = None) -> str:
     hasher = hashlib.sha256()
     for name in (CONVERSATIONS, MESSAGES, LEGACY_TURNS, SESSION_HITL):
         for doc in await db[name].find({}).sort("_id", 1).to_list(None):
-            if excluding is not None and excluding in (doc.get("_id"), doc.get("conversation_id")):
+            names = (doc.get("_id"), str(doc.get("conversation_id")), f"legacy-turn-{doc['_id']}")
+            if excluding is not None and excluding in names:
                 continue
             hasher.update(json.dumps(doc, sort_keys=True, default=str).encode())
     return hasher.hexdigest()
 
 
-@pytest.mark.parametrize("state", STATES)
+@pytest.mark.parametrize("state", [*STATES, *SPELLED])
 @pytest.mark.parametrize("caller", CALLERS)
 @pytest.mark.parametrize("route", ROUTES)
 async def test_each_caller_gets_the_status_the_ownership_model_gives(
     route: str, caller: str, state: str
 ) -> None:
-    expected = EXPECTED[caller][route][STATES.index(state)]
+    column = "legacy-another" if state in SPELLED else state
+    expected = EXPECTED[caller][route][STATES.index(column)]
     async with serve(mongomock_db()) as api:
         await seed_states(api)
         target = conversation_id(state)

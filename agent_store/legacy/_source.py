@@ -31,6 +31,16 @@ from agent_store.store import (
 )
 
 
+def _spellings(text: str) -> list[Any]:
+    """The values a legacy id read as `text` may be stored as: the text, an ObjectId, a number."""
+    values: list[Any] = [text]
+    if ObjectId.is_valid(text):
+        values.append(ObjectId(text))
+    if text.isascii() and text.isdigit() and str(int(text)) == text and int(text) < 2**63:
+        values.append(int(text))
+    return values
+
+
 def _prompts_of(conversation_id: str) -> dict[str, Any]:
     """`session_hitl` documents name their conversation under one of two keys."""
     return {"$or": [{"conversation_id": conversation_id}, {"session_id": conversation_id}]}
@@ -64,7 +74,7 @@ class LegacyTurns:
     async def conversation(self, conversation_id: str) -> FallbackConversation | None:
         """The conversation converted from its legacy turns and prompts; None if it has none."""
         with storage_errors("read the legacy turns"):
-            turns = await self._turns.find({"conversation_id": conversation_id}).to_list(None)
+            turns = await self._turns.find(await self._turns_of(conversation_id)).to_list(None)
         if not turns:
             return None
         conversion = convert(turns, rules=self._rules)
@@ -90,9 +100,8 @@ class LegacyTurns:
         """Whether the id exists as legacy turns, and their owner; None if it does not."""
         fields = {"conversation_id": 1, "user_id": 1, "created_at": 1}
         with storage_errors("read the legacy turns"):
-            found = await self._turns.find({"conversation_id": conversation_id}, fields).to_list(
-                None
-            )
+            query = await self._turns_of(conversation_id)
+            found = await self._turns.find(query, fields).to_list(None)
         if not found:
             return None
         return LegacyHolder(owner_of(parse_turns(found)))
@@ -109,11 +118,16 @@ class LegacyTurns:
         return int(deleted.deleted_count)
 
     async def _turns_of(self, conversation_id: str) -> dict[str, Any]:
-        """The filter of a conversation's legacy turns, derived ids included."""
+        """The filter of the legacy turns the store knows as `conversation_id`: the one rule
+        the read fallback, the ownership check and the delete share.
+
+        The migration names a conversation by its legacy id as text (an ObjectId or a
+        number too), a turn naming none by a derived `legacy-turn-` id, and a legacy id
+        that is not an identifier by a derived `legacy-conversation-` id.
+        """
         if conversation_id.startswith(DERIVED_TURN_PREFIX):
             key = conversation_id.removeprefix(DERIVED_TURN_PREFIX)
-            ids: list[Any] = [key, ObjectId(key)] if ObjectId.is_valid(key) else [key]
-            return {"_id": {"$in": ids}, "conversation_id": None}
+            return {"_id": {"$in": _spellings(key)}, "conversation_id": None}
         if conversation_id.startswith(DERIVED_CONVERSATION_PREFIX):
             found = await self._conversations.find_one(
                 {"_id": conversation_id}, {"legacy_conversation_id": 1}
@@ -121,7 +135,7 @@ class LegacyTurns:
             original = (found or {}).get("legacy_conversation_id")
             if isinstance(original, str):
                 return {"conversation_id": {"$in": [conversation_id, original]}}
-        return {"conversation_id": conversation_id}
+        return {"conversation_id": {"$in": _spellings(conversation_id)}}
 
     async def erase_user(self, user_id: str) -> int:
         """Delete the legacy conversations the user owns, whole, and every turn naming the user

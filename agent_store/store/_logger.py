@@ -284,13 +284,13 @@ class AgentMessageLogger:
         actor = Actor(user_id, as_user=owner_only)
         with storage_errors("read the conversation"):
             source = await self._conversations.find_one({"_id": conversation_id}, {"user_id": 1})
-            if source is not None and actor.refusal(conversation_id, source.get("user_id")):
-                source = None
+            if source is None or actor.refusal(conversation_id, source.get("user_id")):
+                # Refused before its messages are read: a hidden conversation costs what a
+                # missing one does.
+                raise NotFound(f"conversation {conversation_id!r} was not found")
             stored = await (
                 self._messages.find({"conversation_id": conversation_id}).sort("seq", 1)
             ).to_list(None)
-        if source is None:
-            raise NotFound(f"conversation {conversation_id!r} was not found")
         messages = messages_adapter.validate_python(stored)
         end = fork_end(messages, at_seq)
         plan = plan_turn(
