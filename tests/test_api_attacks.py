@@ -274,3 +274,20 @@ async def test_an_over_limit_page_size_is_refused(api: Served, limit: str) -> No
     await assert_refused_and_unchanged(
         api, "GET", f"{USER}/conversations?limit={limit}", status=422, headers=SERVICE
     )
+
+
+async def test_a_user_steering_a_conversation_not_theirs_cannot_tell_hidden_from_missing(
+    api: Served,
+) -> None:
+    """Another user's conversation and one that exists nowhere get the same answer."""
+    mallory = auth_headers(user="user-mallory")
+    body = {"message": {"role": "user", "content": "steer"}}
+    answers = []
+    for target in (OWNER_CONVERSATION, "conv-nowhere"):
+        before = await api.digest()
+        response = await api.http.post(
+            f"/v1/conversations/{target}/turns/t-run/inbox/messages", json=body, headers=mallory
+        )
+        answers.append((response.status_code, response.json()["error"]["code"]))
+        assert await api.digest() == before
+    assert answers == [(404, "not_found")] * 2

@@ -111,7 +111,15 @@ class SteeringInbox:
                 f"{field}.v": {"$add": [f"${field}.v", 1]},
             }
 
-        condition = Condition({field: {"$exists": True}}, stage, _InboxClosed("inbox closed"))
+        # To a user token a missing conversation is NotFound, as another user's is: the
+        # answer never tells one from the other.
+        missing = NotFound(f"conversation {plan.conversation_id!r} was not found")
+        condition = Condition(
+            {field: {"$exists": True}},
+            stage,
+            _InboxClosed("inbox closed"),
+            absent=missing if owner_only else None,
+        )
         try:
             reserved = await self._logger._reserve(plan, actor, None, condition)
         except _InboxClosed:

@@ -82,6 +82,9 @@ class Condition:
     """Raised when the conversation exists, the turn is new, and the filter does not match."""
     create: bool = False
     """Whether the reservation may create the conversation."""
+    absent: StoreError | None = None
+    """Raised instead of `refusal` when the conversation does not exist (and may not be
+    created); None: `refusal`."""
 
 
 @dataclass(frozen=True)
@@ -350,7 +353,7 @@ class AgentMessageLogger:
             if found is None:
                 if not may_create:
                     assert condition is not None
-                    raise condition.refusal
+                    raise condition.absent or condition.refusal
                 await self._refuse_unmigrated(plan.conversation_id, actor)
                 create = True
                 continue
