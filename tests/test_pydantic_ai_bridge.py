@@ -463,3 +463,31 @@ async def test_a_history_of_more_messages_than_one_turn_holds_is_rebuilt(backend
 
     assert len(history) == 1_200
     assert isinstance(history[-1], ModelResponse)
+
+
+async def test_a_run_whose_approval_prompt_was_logged_resumes_from_the_store(
+    backend: Backend,
+) -> None:
+    """The runtime asks the person and logs its question (a HITL prompt holding the call):
+    the question is the runtime's, not the model's, and the run still resumes."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    agent = approval_agent([])
+    first = await agent.run("Book the 09:04 to Lyon; weather there?")
+    await log_run(logger, CID, first.new_messages(), turn_id="run-1")
+    hitl = {"action": "book_train", "params": {"train": "TGV 6601"}, "request_id": "confirm-9"}
+    await logger.log_messages(
+        CID,
+        [{"role": "assistant", "content": "Pay €35 for the 09:04 TGV?", "hitl_action": hitl}],
+        turn_id="prompt-1",
+    )
+    history = history_from_messages(await store.transcript(CID))
+
+    resumed = await agent.run(
+        message_history=history, deferred_tool_results=DeferredToolResults(approvals={"tc-9": True})
+    )
+
+    booking = next(
+        p for m in resumed.new_messages() for p in m.parts if isinstance(p, ToolReturnPart)
+        and p.tool_call_id == "tc-9"
+    )  # fmt: skip
+    assert booking.content == "booked TGV 6601"

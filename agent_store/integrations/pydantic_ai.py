@@ -253,8 +253,8 @@ def history_from_messages(
     """The Pydantic AI history of a stored conversation, to pass as `message_history`.
 
     Messages the model never produced or received are left out: an assistant
-    message carrying only an `error` or a HITL action (the runtime's, not the
-    model's). Each call is answered right after its response by the result
+    message carrying only an `error`, and the text of a HITL prompt (the
+    runtime's question, not the model's; its calls stay). Each call is answered right after its response by the result
     stored for it, wherever it was stored (a real result wins over an
     `interrupted` stand-in); a tool message answering no earlier call is left
     out. A call with no stored result gets an `interrupted` return when the
@@ -315,11 +315,14 @@ def _returns(
 
 
 def _to_response(message: AssistantMessage) -> pai.ModelResponse | None:
-    if message.content is None and message.tool_calls is None:
+    # A HITL prompt's text is the runtime's question, not the model's: replayed as a response
+    # it would end the run before the call it holds, which then could never be resumed.
+    text = message.content if message.hitl_action is None else None
+    if not text and message.tool_calls is None:
         return None
     response_parts: list[pai.ModelResponsePart] = []
-    if message.content:
-        response_parts.append(pai.TextPart(message.content))
+    if text:
+        response_parts.append(pai.TextPart(text))
     for call in message.tool_calls or ():
         response_parts.append(
             pai.ToolCallPart(
