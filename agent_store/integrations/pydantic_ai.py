@@ -254,8 +254,8 @@ def history_from_messages(
 
     Messages the model never produced or received are left out: an assistant
     message carrying only an `error`, and the text of a HITL prompt (the
-    runtime's question; its calls stay). Each call is answered right after its response by the result
-    stored for it, wherever it was stored (a real result wins over an
+    runtime's question; its calls stay). Each call is answered right after its
+    response by the result stored for it, wherever it was stored (a real result wins over an
     `interrupted` stand-in); a tool message answering no earlier call is left
     out. A call with no stored result gets an `interrupted` return when the
     conversation went on after it; when nothing followed, it is left open, as
