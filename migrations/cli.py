@@ -2,13 +2,15 @@
 
 Exit codes: 0 success; 1 `verify` found differences or `finish` found work left;
 2 misuse (bad options, no legacy data); 3 the lock is held; 4 the database is
-unreachable or the URI is wrong.
+unreachable or the URI is wrong; 130 and 143 stopped by SIGINT or SIGTERM (the lock
+released, what was written kept: `run` again resumes).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 import uuid
@@ -411,16 +413,35 @@ def _run_parser(run: argparse.ArgumentParser) -> None:
 COMMANDS = {"status": cmd_status, "run": cmd_run, "verify": cmd_verify, "finish": cmd_finish}
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, raised where the process is so the lock is released on the way out."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise Stopped
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
         with database(args) as (client, where):
             if where not in ("--uri", "MONGODB_URI"):
                 print(f"database {args.database!r} on {where}")
             return COMMANDS[args.command](client[args.database], args)
+    except KeyboardInterrupt as exc:
+        stopped_by = signal.SIGTERM if isinstance(exc, Stopped) else signal.SIGINT
+        print(
+            f"stopped by {stopped_by.name}: the lock is released and what was written stays; "
+            "`run` again resumes where this one stopped",
+            file=sys.stderr,
+        )
+        return 128 + stopped_by
     except MigrationError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return exc.exit_code
     except PyMongoError as exc:
         print(f"error: the database failed: {exc}", file=sys.stderr)
         return 4
+    finally:
+        signal.signal(signal.SIGTERM, previous)

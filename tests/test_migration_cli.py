@@ -22,7 +22,7 @@ from pymongo.database import Database
 from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
 from agent_store.store import CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
-from migrations import explode, relocate
+from migrations import explode, lease, relocate
 from migrations.cli import _report_id_clustering, main
 from migrations.lease import Lease
 from migrations.problems import PROBLEMS
@@ -290,6 +290,7 @@ def run_process(
     *args: str,
     kill_after_lines: int | None = None,
     kill_after_seconds: float | None = None,
+    kill_with: signal.Signals = signal.SIGKILL,
 ) -> int:
     command = [sys.executable, "-m", "migrations", "run", "--database", db_name]
     command += ["--batch-size", "1", "--progress", "lines", *args]
@@ -306,7 +307,7 @@ def run_process(
         for line in process.stderr:
             seen += line.startswith("progress:")
             if seen >= kill_after_lines:
-                process.send_signal(signal.SIGKILL)
+                process.send_signal(kill_with)
                 break
     process.communicate(timeout=120)
     return process.returncode
@@ -392,3 +393,17 @@ def test_status_reports_legacy_ids_that_would_cluster_on_a_sharded_cluster(
     out = capsys.readouterr().out
     assert ("time-ordered" in out) is warned
     assert ("spread evenly" in out) is not warned
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_run_stopped_by_a_signal_releases_the_lock_and_the_next_resumes(
+    wire_uri: str, database: Database[dict[str, Any]], stop: signal.Signals
+) -> None:
+    seed(database, conversations=12)
+
+    assert run_process(wire_uri, database.name, kill_after_lines=2, kill_with=stop) == 128 + stop
+
+    assert database[lease.STATE].find_one({"_id": lease.LOCK_ID}) is None
+    assert run_process(wire_uri, database.name, "--wait-seconds", "0") == 0
+    assert cli(wire_uri, database, "verify") == 0
