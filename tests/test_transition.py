@@ -185,3 +185,24 @@ async def test_a_migrated_transcript_still_costs_one_round_trip(wire_backend: Ba
         EXAMPLE_CONVERSATION_ID
     )
     assert wire_backend.commands.names == ["find"]
+
+
+async def test_a_prompt_is_reached_by_its_session_id_only_when_it_names_no_conversation(
+    backend: Backend,
+) -> None:
+    """As the migration reads them: a conversation id another user's prompt names as its
+    session cannot reach it."""
+    legacy = LegacyTurns(backend.db)
+    prompts = backend.db[SESSION_HITL]
+    await prompts.insert_many(
+        [
+            {"_id": "p-named", "conversation_id": "conv-b", "session_id": "sess-7",
+             "request_id": "r-7", "action": "pay"},
+            {"_id": "p-session", "session_id": "sess-9", "request_id": "r-9", "action": "pay"},
+        ]
+    )  # fmt: skip
+
+    await legacy.delete("sess-7")
+    await legacy.delete("sess-9")
+
+    assert [p["_id"] for p in await prompts.find().to_list(None)] == ["p-named"]

@@ -43,7 +43,13 @@ def _spellings(text: str) -> list[Any]:
 
 def _prompts_of(conversation_id: str) -> dict[str, Any]:
     """`session_hitl` documents name their conversation under one of two keys."""
-    return {"$or": [{"conversation_id": conversation_id}, {"session_id": conversation_id}]}
+    return {
+        "$or": [
+            {"conversation_id": conversation_id},
+            # Named by its session only when it names no conversation, as the migration reads it.
+            {"session_id": conversation_id, "conversation_id": {"$in": [None, ""]}},
+        ]
+    }
 
 
 class LegacyTurns:
