@@ -317,3 +317,42 @@ def test_messages_the_store_cannot_take_are_refused_naming_them(
 ) -> None:
     with pytest.raises(InvalidInput, match=error):
         message_from_langchain(message)
+
+
+async def test_an_answer_stored_a_turn_later_comes_back_right_after_its_call(
+    backend: Backend,
+) -> None:
+    """A confirmation answered in a later turn (STREAMING.md): the history a chat model is
+    given pairs every call with its result."""
+    from langchain_core.messages.utils import convert_to_openai_messages
+
+    from agent_store.integrations.exports import chat_completions_problems
+
+    logger = AgentMessageLogger(backend.db)
+    calls = [{"id": "tc-9", "function": {"name": "book_train", "arguments": "{}"}}]
+    hitl = {"action": "book_train", "params": {}, "request_id": "confirm-9"}
+    await logger.log_messages(
+        CID,
+        [
+            {"role": "user", "content": "Book the 09:04."},
+            {"role": "assistant", "content": "I can book it.", "tool_calls": calls},
+            {"role": "assistant", "content": "Pay €35?", "hitl_action": hitl},
+        ],
+        turn_id="t1",
+    )
+    await logger.log_messages(
+        CID,
+        [
+            {"role": "user", "content": "Yes, book it."},
+            {"role": "tool", "tool_call_id": "tc-9", "content": "B-42"},
+            {"role": "assistant", "content": "Booked: B-42."},
+        ],
+        turn_id="t2",
+    )
+
+    read_back = await ConversationChatHistory(CID, backend.db).aget_messages()
+
+    assert [type(m).__name__ for m in read_back] == [
+        "HumanMessage", "AIMessage", "ToolMessage", "AIMessage", "HumanMessage", "AIMessage",
+    ]  # fmt: skip
+    assert chat_completions_problems(convert_to_openai_messages(read_back)) == []

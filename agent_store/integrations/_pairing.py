@@ -2,8 +2,9 @@
 
 One rule for every replay and every ingest path. Pure, no I/O.
 
-The exports and the Pydantic AI history both place each call's answer right
-after the message that makes the call, wherever the answer was stored:
+The exports, the Pydantic AI history and the LangChain history all place each
+call's answer right after the message that makes the call, wherever the answer
+was stored:
 
 - a tool message answers the latest earlier call of its id (ids are unique
   within a conversation; the exports rename the odd repeat of older data);
@@ -41,6 +42,25 @@ def answers_to_calls(messages: Sequence[AgentMessage]) -> dict[CallKey, ToolMess
             if current is None or (is_stand_in(current) and not is_stand_in(message)):
                 answers[key] = message
     return answers
+
+
+def in_call_order(messages: Sequence[AgentMessage]) -> list[AgentMessage]:
+    """The messages with each call's answer (by the rules above) moved right after the
+    message making it; any other tool message stays where it was stored."""
+    answers = answers_to_calls(messages)
+    moved = {id(answer) for answer in answers.values()}
+    placed: list[AgentMessage] = []
+    for index, message in enumerate(messages):
+        if id(message) in moved:
+            continue  # placed with its call
+        placed.append(message)
+        if isinstance(message, AssistantMessage):
+            placed += [
+                answers[(index, call.id)]
+                for call in message.tool_calls or ()
+                if (index, call.id) in answers
+            ]
+    return placed
 
 
 def unique_call_id(call_id: str, used: set[str]) -> str:

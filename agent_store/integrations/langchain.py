@@ -13,7 +13,8 @@ What a message holds beyond the chat fields (its `id`, `name`, `additional_kwarg
 `response_metadata`, content blocks) is kept in the `native` extension, so the messages read
 back equal the ones written. Messages other writers stored come back as the messages their
 chat fields make; items only another runtime can take (an Agents SDK reasoning item) are
-left out.
+left out; a call's result stored a turn later (a confirmation) comes right after the call,
+as a chat model requires.
 
 One `aadd_messages` call is one logged turn (two round trips); `aget_messages` is one round
 trip. The async methods need an async database (PyMongo `AsyncDatabase`, Motor); the sync
@@ -61,6 +62,7 @@ from agent_store.core import (
 from agent_store.integrations._appends import Appends
 from agent_store.integrations._langchain_messages import chat_message
 from agent_store.integrations._native import native_form, with_native
+from agent_store.integrations._pairing import in_call_order
 from agent_store.integrations._sync_driver import SyncDatabase, run_sync
 from agent_store.store import (
     DEFAULT_MARKERS,
@@ -253,7 +255,7 @@ class ConversationChatHistory(BaseChatMessageHistory):
     async def _read(self) -> list[BaseMessage]:
         stored = await self.store.recent_messages(self.conversation_id, user_id=self.user_id)
         stored = await self.store.with_native_forms(stored)
-        return [m for m in map(langchain_from_message, stored) if m is not None]
+        return [m for m in map(langchain_from_message, in_call_order(stored)) if m is not None]
 
     async def _append(self, messages: Sequence[BaseMessage]) -> None:
         if not messages:
