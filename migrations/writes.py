@@ -3,7 +3,8 @@ what a run does; then the writes themselves, each in bounded commands.
 
 Planning reads what is already there (conversation documents, messages at the
 batch's `seq` values, whole-text files) and keeps only what is missing or
-different. A conversation whose first `seq` values hold messages the
+different; a conversation document never gives back a `seq` a stored message
+holds. A conversation whose first `seq` values hold messages the
 migration did not write was logged to before it was migrated: its legacy
 turns are not merged, and the problem says whether the live messages already
 hold their content (placed) or not (content only the legacy turns hold).
@@ -60,6 +61,17 @@ def _taken(
     return taken
 
 
+def _next_free_seq(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, int]:
+    """The `seq` after the last message stored for each conversation (one aggregation)."""
+    found = db[MESSAGES].aggregate(
+        [
+            {"$match": {"conversation_id": {"$in": ids}}},
+            {"$group": {"_id": "$conversation_id", "last": {"$max": "$seq"}}},
+        ]
+    )
+    return {d["_id"]: int(d["last"]) + 1 for d in found if d.get("last") is not None}
+
+
 def _live_problem(db: Database[dict[str, Any]], item: Converted, foreign: int) -> Problem:
     conversion = item.conversion
     cid = conversion.conversation_id
@@ -100,6 +112,7 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
     ids = [item.conversion.conversation_id for item in wanted]
     existing = {d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": ids}})}
     taken = _taken(db, [item.conversion for item in wanted])
+    next_free = _next_free_seq(db, ids)
     for item in wanted:
         conversion = item.conversion
         assert conversion.conversation is not None
@@ -112,8 +125,18 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
         if foreign:
             planned.live.append(_live_problem(db, item, len(foreign)))
             continue
-        if _changed(existing.get(conversion.conversation_id), conversion.conversation):
-            planned.conversations.append(conversion.conversation.model_dump(by_alias=True))
+        # Live turns stored past the legacy ones (logged before a rollback moved the live
+        # conversation document away) keep their `seq` values: the next turn goes after them.
+        document = conversion.conversation.model_copy(
+            update={
+                "message_count": max(
+                    conversion.conversation.message_count,
+                    next_free.get(conversion.conversation_id, 0),
+                )
+            }
+        )
+        if _changed(existing.get(conversion.conversation_id), document):
+            planned.conversations.append(document.model_dump(by_alias=True))
         planned.full_texts += conversion.full_texts
         planned.messages += [
             m.model_dump(by_alias=True)

@@ -467,3 +467,40 @@ def test_a_verify_sample_of_no_conversations_is_misuse(
     database[CONVERSATIONS].insert_many(corpus(1))
     assert cli(wire_uri, database, "run") == 0
     assert cli(wire_uri, database, "verify", "--sample", size) == 2
+
+
+@pytest.mark.wire
+def test_a_second_attempt_after_a_rollback_keeps_the_conversation_writable(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """The runbook's rollback moves the new conversation documents away and keeps
+    `agent_messages`; a later run must not give back `seq` values live turns hold."""
+    import asyncio
+
+    from pymongo import AsyncMongoClient
+
+    from agent_store import AgentMessageLogger
+
+    async def log(turn_id: str, text: str) -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            await AgentMessageLogger(client[database.name]).log_messages(
+                "c-r",
+                [{"role": "user", "content": f"{text}?"}, {"role": "assistant", "content": text}],
+                user_id="u-1",
+                turn_id=turn_id,
+            )
+        finally:
+            await client.close()
+
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-r", 0, "LEGACY"))
+    assert cli(wire_uri, database, "run") == 0
+    asyncio.run(log("native-1", "NATIVE"))
+    database[CONVERSATIONS].delete_one({"_id": "c-r"})  # moved away by the rollback
+
+    assert cli(wire_uri, database, "run") == 0
+    asyncio.run(log("native-2", "AFTER"))
+
+    seqs = [m["seq"] for m in database[MESSAGES].find({"conversation_id": "c-r"}).sort("seq", 1)]
+    assert seqs == [0, 1, 2, 3, 4, 5]
+    assert cli(wire_uri, database, "verify") == 0
