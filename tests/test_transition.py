@@ -206,3 +206,19 @@ async def test_a_prompt_is_reached_by_its_session_id_only_when_it_names_no_conve
     await legacy.delete("sess-9")
 
     assert [p["_id"] for p in await prompts.find().to_list(None)] == ["p-named"]
+
+
+@pytest.mark.parametrize("cid", ["conv-plain", "legacy-turn-abc"])
+async def test_a_deleted_conversation_leaves_no_dual_written_turn_to_come_back(
+    backend: Backend, cid: str
+) -> None:
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(backend.db, observers=[legacy], legacy=legacy)
+    store = ConversationStore(backend.db, legacy=legacy)
+    await logger.log_messages(cid, [{"role": "user", "content": "hi"}], turn_id="t1")
+
+    deleted = await store.delete(cid)
+
+    assert deleted.legacy_turns == 1
+    with pytest.raises(NotFound):
+        await store.get_conversation(cid)

@@ -133,7 +133,12 @@ class LegacyTurns:
         """
         if conversation_id.startswith(DERIVED_TURN_PREFIX):
             key = conversation_id.removeprefix(DERIVED_TURN_PREFIX)
-            return {"_id": {"$in": _spellings(key)}, "conversation_id": None}
+            return {
+                "$or": [
+                    {"_id": {"$in": _spellings(key)}, "conversation_id": None},
+                    {"conversation_id": conversation_id},  # turns dual-written under the id
+                ]
+            }
         if conversation_id.startswith(DERIVED_CONVERSATION_PREFIX):
             found = await self._conversations.find_one(
                 {"_id": conversation_id}, {"legacy_conversation_id": 1}
