@@ -510,3 +510,26 @@ def test_turns_of_two_conversations_are_refused_naming_them() -> None:
     # (tests/test_legacy_problems.py).
     with pytest.raises(InvalidInput, match="2 conversation ids"):
         convert([turn(1), turn(2) | {"conversation_id": "other"}])
+
+
+def test_a_call_its_legacy_turn_left_unanswered_is_pending_after_conversion() -> None:
+    """As the logger lists it: a later live turn's answer then resolves it."""
+    from datetime import UTC, datetime
+
+    answered = {"type": "tool_call", "tool_name": "look", "args": {}, "tool_call_id": "call-ok"}
+    result = {"type": "tool_result", "tool_name": "look", "result": "ok", "tool_call_id": "call-ok"}
+    held = {"type": "tool_call", "tool_name": "pay", "args": {}, "tool_call_id": "call-held"}
+    prompt = {"type": "hitl", "action": "confirm", "params": {}, "request_id": "r-1",
+              "prompt": "Pay?"}  # fmt: skip
+    turns = [
+        {"_id": "t-1", "conversation_id": "conv-pending", "user_id": "u-1",
+         "created_at": datetime(2024, 1, 1, tzinfo=UTC), "user_message": "Pay it.",
+         "response_parts": [answered, result, held, prompt]},
+    ]  # fmt: skip
+
+    conversation = convert(turns).conversation
+
+    assert conversation is not None
+    assert [(c.tool_call_id, c.request_id) for c in conversation.pending_calls] == [
+        ("call-held", "r-1")
+    ]
