@@ -4,6 +4,7 @@ compared with the history langchain-mongodb ships on the same calls."""
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -355,4 +356,34 @@ async def test_an_answer_stored_a_turn_later_comes_back_right_after_its_call(
     assert [type(m).__name__ for m in read_back] == [
         "HumanMessage", "AIMessage", "ToolMessage", "AIMessage", "HumanMessage", "AIMessage",
     ]  # fmt: skip
+    assert chat_completions_problems(convert_to_openai_messages(read_back)) == []
+
+
+async def test_a_real_result_stored_after_a_stand_in_is_the_calls_one_answer(
+    backend: Backend,
+) -> None:
+    from langchain_core.messages.utils import convert_to_openai_messages
+
+    from agent_store.core import stand_in_result
+    from agent_store.integrations.exports import chat_completions_problems
+
+    logger = AgentMessageLogger(backend.db)
+    calls = [{"id": "tc-1", "function": {"name": "search", "arguments": "{}"}}]
+    stand_in = stand_in_result("tc-1", datetime(2025, 1, 1, tzinfo=UTC))
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "Search"}, {"role": "assistant", "tool_calls": calls},
+         stand_in.model_dump(by_alias=True)],
+        turn_id="t1",
+    )  # fmt: skip
+    await logger.log_messages(
+        CID,
+        [{"role": "tool", "tool_call_id": "tc-1", "content": "found it"},
+         {"role": "assistant", "content": "Found it."}],
+        turn_id="t2",
+    )  # fmt: skip
+
+    read_back = await ConversationChatHistory(CID, backend.db).aget_messages()
+
+    assert [m.content for m in read_back if isinstance(m, ToolMessage)] == ["found it"]
     assert chat_completions_problems(convert_to_openai_messages(read_back)) == []

@@ -491,3 +491,15 @@ async def test_a_run_whose_approval_prompt_was_logged_resumes_from_the_store(
         and p.tool_call_id == "tc-9"
     )  # fmt: skip
     assert booking.content == "booked TGV 6601"
+
+
+def test_a_response_with_empty_text_stays_a_response_between_two_prompts() -> None:
+    """A response that only thought is stored with empty text; its prompts stay apart."""
+    history = history_from_messages(
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "token_usage": {"input_tokens": 20}},
+            {"role": "user", "content": "again"},
+        ]
+    )
+    assert [type(m).__name__ for m in history] == ["ModelRequest", "ModelResponse", "ModelRequest"]

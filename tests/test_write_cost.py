@@ -409,3 +409,22 @@ def test_a_retry_validates_only_its_own_turn_record_and_the_next(
     assert last == RecordedBlock(first_seq=2997, count=3, digest=999)
     assert recorded_block(conversation, 1000) is None
     assert validated["record"] == 3
+
+
+def test_a_mapping_subclass_plans_as_the_plain_dict_it_holds() -> None:
+    """Digests (and the turn ids derived from them) read values, not the caller's classes."""
+    from collections import OrderedDict
+
+    from agent_store.store import plan_turn
+
+    def turn(mapping: Any) -> list[dict[str, Any]]:
+        hitl = {"action": "a", "request_id": "r", "params": mapping({"k": mapping({"v": [1]})})}
+        native = {"format": "langchain", "set": mapping({"n": mapping({"v": 2})})}
+        return [{"role": "assistant", "content": "x", "hitl_action": hitl, "native": native,
+                 "created_at": "2026-01-02T03:04:05Z"}]  # fmt: skip
+
+    plain, ordered = plan_turn(CID, turn(dict)), plan_turn(CID, turn(OrderedDict))
+
+    assert (ordered.turn_id, ordered.digest) == (plain.turn_id, plain.digest)
+    assert ordered.documents == plain.documents
+    assert type(ordered.documents[0]["hitl_action"]["params"]["k"]) is dict

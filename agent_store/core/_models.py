@@ -160,10 +160,10 @@ def _plain_json(value: dict[str, Any]) -> dict[str, Any]:
     if any("\x00" in key for key in _keys(value)):
         raise ValueError("params keys must not contain NUL characters")
     try:
-        _json_values.validate_python(value, strict=True)
+        plain = _json_values.validate_python(value, strict=True)
     except ValidationError as exc:
         raise ValueError(f"params must hold JSON values only ({exc.errors()[0]['msg']})") from exc
-    return value
+    return plain  # plain dicts and lists, whatever mappings the caller passed
 
 
 class _Model(BaseModel):

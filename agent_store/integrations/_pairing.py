@@ -46,15 +46,20 @@ def answers_to_calls(messages: Sequence[AgentMessage]) -> dict[CallKey, ToolMess
 
 def in_call_order(messages: Sequence[AgentMessage]) -> list[AgentMessage]:
     """The messages with each call's answer (by the rules above) moved right after the
-    message making it; any other tool message stays where it was stored."""
+    message making it; an answer that lost to another (a stand-in a real result replaced)
+    is left out, and a tool message answering no call stays where it was stored."""
     answers = answers_to_calls(messages)
-    moved = {id(answer) for answer in answers.values()}
+    winners = {id(answer) for answer in answers.values()}
+    made: set[str] = set()
     placed: list[AgentMessage] = []
     for index, message in enumerate(messages):
-        if id(message) in moved:
-            continue  # placed with its call
+        if isinstance(message, ToolMessage) and (
+            id(message) in winners or message.tool_call_id in made
+        ):
+            continue  # placed with its call, or lost to the answer placed there
         placed.append(message)
         if isinstance(message, AssistantMessage):
+            made |= {call.id for call in message.tool_calls or ()}
             placed += [
                 answers[(index, call.id)]
                 for call in message.tool_calls or ()

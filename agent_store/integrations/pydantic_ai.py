@@ -318,8 +318,8 @@ def _to_response(message: AssistantMessage) -> pai.ModelResponse | None:
     # A HITL prompt's text is the runtime's question, not the model's: replayed as a response
     # it would end the run before the call it holds, which then could never be resumed.
     text = message.content if message.hitl_action is None else None
-    if not text and message.tool_calls is None:
-        return None
+    if text is None and message.tool_calls is None:
+        return None  # an empty text (a response that only thought) is still a response
     response_parts: list[pai.ModelResponsePart] = []
     if text:
         response_parts.append(pai.TextPart(text))
