@@ -4,9 +4,9 @@ compared with the history langchain-mongodb ships on the same calls."""
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
 import uuid
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import bson
