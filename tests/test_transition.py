@@ -222,3 +222,36 @@ async def test_a_deleted_conversation_leaves_no_dual_written_turn_to_come_back(
     assert deleted.legacy_turns == 1
     with pytest.raises(NotFound):
         await store.get_conversation(cid)
+
+
+async def test_legacy_ids_stored_as_numbers_are_the_ids_the_migration_reads_them_as(
+    backend: Backend,
+) -> None:
+    """5, 5.0 and -5 are three conversations ("5", "5.0", "-5") to the legacy reader, though
+    5 and 5.0 are one value to a query; an ObjectId's prompt is its conversation's."""
+    from bson import ObjectId
+
+    oid = ObjectId()
+    for key, (cid, owner) in enumerate(
+        [(5, "u-int"), (5.0, "u-double"), (-5, "u-negative"), (oid, "u-oid")]
+    ):
+        await backend.db[LEGACY_TURNS].insert_one(
+            {"_id": f"t-{key}", "conversation_id": cid, "user_id": owner, "user_message": "hi",
+             "response_parts": [{"type": "text", "content": "hello"}]}
+        )  # fmt: skip
+    await backend.db[SESSION_HITL].insert_one(
+        {"conversation_id": oid, "request_id": "r-1", "action": "pay", "status": "pending"}
+    )
+    legacy = LegacyTurns(backend.db)
+
+    owners = {cid: await legacy.holder(cid) for cid in ("5", "5.0", "-5", str(oid), "6")}
+    assert {cid: h.user_id if h else None for cid, h in owners.items()} == {
+        "5": "u-int", "5.0": "u-double", "-5": "u-negative", str(oid): "u-oid", "6": None,
+    }  # fmt: skip
+    found = await legacy.conversation(str(oid))
+    assert found is not None
+    assert found.conversation.pending_hitl is not None
+    assert await legacy.delete("5") == 1
+    assert await legacy.holder("5.0") is not None
+    assert await legacy.delete(str(oid)) == 1
+    assert await backend.db[SESSION_HITL].count_documents({}) == 0

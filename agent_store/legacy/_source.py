@@ -3,6 +3,8 @@ erasures and claims that must reach them."""
 
 from __future__ import annotations
 
+import contextlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,23 +33,38 @@ from agent_store.store import (
 )
 
 
-def _spellings(text: str) -> list[Any]:
-    """The values a legacy id read as `text` may be stored as: the text, an ObjectId, a number."""
-    values: list[Any] = [text]
+def _named(field: str, text: str) -> dict[str, Any]:
+    """The filter of the documents whose `field` the legacy reader reads as `text`: the text
+    itself, an ObjectId, an integer or a double it writes so (`str` of the value), each of
+    its own BSON type, as 5 and 5.0 are two ids to the reader and one value to a query."""
+    clauses: list[dict[str, Any]] = [{field: text}]
     if ObjectId.is_valid(text):
-        values.append(ObjectId(text))
-    if text.isascii() and text.isdigit() and str(int(text)) == text and int(text) < 2**63:
-        values.append(int(text))
-    return values
+        clauses.append({field: ObjectId(text)})
+    if re.fullmatch(r"-?[0-9]+", text) and str(int(text)) == text and _in_int64(int(text)):
+        clauses += [{field: {"$eq": int(text), "$type": kind}} for kind in ("int", "long")]
+    elif re.fullmatch(r"-?[0-9.e+-]+|-?inf|nan", text):
+        with contextlib.suppress(ValueError):
+            if str(number := float(text)) == text:
+                clauses.append({field: {"$eq": number, "$type": "double"}})
+    return clauses[0] if len(clauses) == 1 else {"$or": clauses}
+
+
+def _in_int64(value: int) -> bool:
+    return -(2**63) <= value < 2**63
 
 
 def _prompts_of(conversation_id: str) -> dict[str, Any]:
-    """`session_hitl` documents name their conversation under one of two keys."""
+    """`session_hitl` documents name their conversation under one of two keys; the session
+    only when they name no conversation, as the migration reads them."""
     return {
         "$or": [
-            {"conversation_id": conversation_id},
-            # Named by its session only when it names no conversation, as the migration reads it.
-            {"session_id": conversation_id, "conversation_id": {"$in": [None, ""]}},
+            _named("conversation_id", conversation_id),
+            {
+                "$and": [
+                    _named("session_id", conversation_id),
+                    {"conversation_id": {"$in": [None, ""]}},
+                ]
+            },
         ]
     }
 
@@ -135,7 +152,7 @@ class LegacyTurns:
             key = conversation_id.removeprefix(DERIVED_TURN_PREFIX)
             return {
                 "$or": [
-                    {"_id": {"$in": _spellings(key)}, "conversation_id": None},
+                    {"$and": [_named("_id", key), {"conversation_id": None}]},
                     {"conversation_id": conversation_id},  # turns dual-written under the id
                 ]
             }
@@ -146,7 +163,7 @@ class LegacyTurns:
             original = (found or {}).get("legacy_conversation_id")
             if isinstance(original, str):
                 return {"conversation_id": {"$in": [conversation_id, original]}}
-        return {"conversation_id": {"$in": _spellings(conversation_id)}}
+        return _named("conversation_id", conversation_id)
 
     async def erase_user(self, user_id: str) -> int:
         """Delete the legacy conversations the user owns, whole, and every turn naming the user
