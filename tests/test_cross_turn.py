@@ -422,3 +422,28 @@ async def test_a_prompt_answered_within_its_own_turn_is_not_left_pending(
     )  # fmt: skip
 
     assert await pending_state(store) == ([], None)
+
+
+async def test_a_fork_keeps_a_prompt_that_a_result_of_an_earlier_turns_call_does_not_answer(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    call = {"id": "c1", "function": {"name": "weather", "arguments": "{}"}}
+    hitl = {"action": "book", "params": {}, "request_id": "r2"}
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [call]}],
+        turn_id="t1",
+    )  # c1 is left open, its result computed elsewhere
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "Book the train."},
+         {"role": "assistant", "content": "Pay €35?", "hitl_action": hitl},
+         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+        turn_id="t2",
+    )  # fmt: skip
+    assert await pending_state(store) == ([], "r2")
+
+    await logger.fork(CID, 4, "fork-all")
+
+    assert await pending_state(store, "fork-all") == ([], "r2")

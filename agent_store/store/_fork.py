@@ -6,7 +6,8 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from agent_store.core import AgentMessage, InvalidInput
+from agent_store.core import AgentMessage, InvalidInput, PendingCall, PendingHitl
+from agent_store.store._turns import pending_after
 
 _STORE_FIELDS = {"id", "seq", "user_id", "conversation_id", "turn_id", "search_text"}
 
@@ -39,3 +40,17 @@ def fork_turn_id(conversation_id: str, end: int) -> str:
     """The id of the turn that holds a fork's copies: the same fork, retried, is one turn."""
     digest = hashlib.sha256(f"{conversation_id}\0{end}".encode()).hexdigest()
     return "fork-" + digest[:32]
+
+
+def fork_pending(
+    messages: Sequence[AgentMessage], end: int, fork_ids: Sequence[str]
+) -> tuple[tuple[PendingCall, ...], PendingHitl | None]:
+    """What the fork awaits: what the original's messages up to `end` left pending, turn by
+    turn as they were logged, naming the fork's own messages (`fork_ids`, in order)."""
+    copied = [m for m in messages if (m.seq or 0) <= end]
+    renamed = {str(m.id): fork_id for m, fork_id in zip(copied, fork_ids, strict=True)}
+    calls, hitl = pending_after(copied)
+    return (
+        tuple(c.model_copy(update={"message_id": renamed[c.message_id]}) for c in calls),
+        hitl.model_copy(update={"message_id": renamed[hitl.message_id]}) if hitl else None,
+    )

@@ -21,7 +21,7 @@ message) before it may reserve.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -43,7 +43,7 @@ from agent_store.core import (
 )
 from agent_store.store._blobs import FullTextStore
 from agent_store.store._driver import Database, only_duplicates, storage_errors
-from agent_store.store._fork import fork_copies, fork_end, fork_turn_id
+from agent_store.store._fork import fork_copies, fork_end, fork_pending, fork_turn_id
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
 from agent_store.store._legacy_seam import LegacySource
 from agent_store.store._reservation import (
@@ -303,6 +303,9 @@ class AgentMessageLogger:
             rules=self.rules,
             copied=True,
         )
+        # The copies are one turn, but what they leave pending is what their turns did.
+        calls, prompt = fork_pending(messages, end, [str(d["_id"]) for d in plan.documents])
+        plan = replace(plan, opened_calls=calls, answered_calls=(), pending_hitl=prompt)
         origin = ForkOrigin(conversation_id=conversation_id, seq=end).model_dump()
         condition = Condition(
             {"created_at": {"$exists": False}},

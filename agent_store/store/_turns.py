@@ -558,16 +558,34 @@ def _pending_calls(
     return tuple(opened), tuple(i for i in answers if i not in made)
 
 
-def pending_calls_after(messages: Sequence[AgentMessage]) -> list[PendingCall]:
-    """The calls a conversation's stored messages leave pending, turn by turn, as the
-    reservations listed them: what a rewrite of its history (a pop) lists again."""
-    pending: list[PendingCall] = []
+def pending_after(
+    messages: Sequence[AgentMessage],
+) -> tuple[list[PendingCall], PendingHitl | None]:
+    """The calls and the prompt a conversation's stored messages leave pending, turn by turn
+    (runs of one `turn_id`), by the rules the reservations apply: what a rewrite of its
+    history (a pop, a fork) lists again. A prompt resolved by request id leaves no message,
+    so it is pending here."""
+    calls: list[PendingCall] = []
+    hitl: PendingHitl | None = None
     start = 0
     for end in range(1, len(messages) + 1):
         if end < len(messages) and messages[end].turn_id == messages[start].turn_id:
             continue
         turn = messages[start:end]
-        opened, answered = _pending_calls(turn, [str(m.id) for m in turn])
-        pending = [c for c in pending if c.tool_call_id not in answered] + list(opened)
+        ids = [str(m.id) for m in turn]
+        opened, answered = _pending_calls(turn, ids)
+        raised = _pending_hitl(turn, ids)
+        if not isinstance(raised, KeepPendingHitl):
+            hitl = raised
+        elif hitl is not None and any(
+            c.tool_call_id in answered and c.request_id == hitl.request_id for c in calls
+        ):
+            hitl = None  # the turn answers a call the prompt held back
+        calls = [c for c in calls if c.tool_call_id not in answered] + list(opened)
         start = end
-    return pending[-PENDING_CALLS_KEPT:]
+    return calls[-PENDING_CALLS_KEPT:], hitl
+
+
+def pending_calls_after(messages: Sequence[AgentMessage]) -> list[PendingCall]:
+    """The calls `pending_after` lists."""
+    return pending_after(messages)[0]
