@@ -14,6 +14,7 @@ from pymongo import MongoClient
 from agent_store import AgentMessageLogger, ConversationStore, Truncation
 from agent_store.core import message_adapter
 from agent_store.store import BLOB_BUCKET
+from agent_store.store._truncation import blob_id
 from tests.api_harness import SERVICE_TOKEN, Served, mongomock_db, serve
 from tests.conftest import Backend
 
@@ -86,6 +87,28 @@ async def test_deleting_or_erasing_removes_the_full_texts(backend: Backend) -> N
     await store.erase_user("user-f")
     assert await backend.db[FILES].count_documents({}) == 0
     assert await backend.db[CHUNKS].count_documents({}) == 0
+
+
+async def test_a_fork_keeps_full_texts_of_its_own_that_outlive_the_original(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, oversized_turn(), user_id="user-f", turn_id="t-1")
+
+    forked = await logger.fork(CID, 3, "fork-of-full-texts", user_id="user-f")
+    await store.delete(CID)
+
+    cut = forked.messages[2]
+    assert cut.truncated is not None
+    entry = cut.truncated["content"]
+    assert isinstance(entry, Truncation)
+    assert entry.blob_id is not None
+    assert cut.id is not None
+    assert entry.blob_id == blob_id(cut.id, "content")  # the fork's own file
+    whole = await store.with_full_texts(await store.transcript("fork-of-full-texts"))
+    assert whole[2].content == HUGE
+    assert whole[1].tool_calls is not None
+    assert whole[1].tool_calls[0].function.arguments == '{"path":"' + HUGE + '"}'
 
 
 async def test_the_old_shape_of_truncated_is_still_read(backend: Backend) -> None:

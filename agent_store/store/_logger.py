@@ -294,7 +294,9 @@ class AgentMessageLogger:
             stored = await (
                 self._messages.find({"conversation_id": conversation_id}).sort("seq", 1)
             ).to_list(None)
-        messages = messages_adapter.validate_python(stored)
+        # Whole texts put back: the copies are bounded again and keep their own, so the fork
+        # shares no file with the original (deleting one leaves the other whole).
+        messages = await self._full_texts.restore(messages_adapter.validate_python(stored))
         end = fork_end(messages, at_seq)
         plan = plan_turn(
             new_conversation_id,
