@@ -255,3 +255,39 @@ async def test_legacy_ids_stored_as_numbers_are_the_ids_the_migration_reads_them
     assert await legacy.holder("5.0") is not None
     assert await legacy.delete(str(oid)) == 1
     assert await backend.db[SESSION_HITL].count_documents({}) == 0
+
+
+async def test_dual_write_keeps_a_turn_whole_for_the_legacy_reader(backend: Backend) -> None:
+    """Texts cut to their bound go back whole; a system prompt beside a user's message is a
+    system turn of its own; sums stay within 2**53 - 1 as int64."""
+    from bson import Int64
+
+    from agent_store import TurnRules
+
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(
+        backend.db, observers=[legacy], rules=TurnRules(max_message_bytes=16_384)
+    )
+    long_text = "word " * 8_000
+    usage = {"input_tokens": 2**53 - 1, "output_tokens": 2}
+    await logger.log_messages(
+        "conv-dual",
+        [{"role": "system", "content": "You are terse."},
+         {"role": "user", "content": long_text},
+         {"role": "assistant", "content": "ok", "token_usage": usage, "latency_ms": 2**53 - 1},
+         {"role": "assistant", "content": "done", "token_usage": usage, "latency_ms": 5}],
+        turn_id="t-1",
+    )  # fmt: skip
+
+    documents = await backend.db[LEGACY_TURNS].find().to_list(None)
+    converted = convert(documents)
+
+    assert [(m.role, m.content) for m in converted.messages] == [
+        ("system", "You are terse."), ("user", long_text), ("assistant", "ok"),
+        ("assistant", "done"),
+    ]  # fmt: skip
+    main = next(d for d in documents if not d["is_system"])
+    assert main["token_usage"] == {"input_tokens": 2**53 - 1, "output_tokens": 4}
+    assert main["latency_ms"] == 2**53 - 1
+    if backend.name != "mongomock":  # mongomock keeps Python ints as they are
+        assert type(main["latency_ms"]) is Int64

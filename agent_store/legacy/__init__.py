@@ -18,7 +18,11 @@ from agent_store.legacy._documents import (
     sort_turns,
     turn_times,
 )
-from agent_store.legacy._dual_write import legacy_turn_document, legacy_turn_id
+from agent_store.legacy._dual_write import (
+    legacy_turn_document,
+    legacy_turn_documents,
+    legacy_turn_id,
+)
 from agent_store.legacy._parts import (
     LegacyPart,
     PartKind,
@@ -55,6 +59,7 @@ __all__ = [
     "error_text",
     "group_conversations",
     "legacy_turn_document",
+    "legacy_turn_documents",
     "legacy_turn_id",
     "normalize_part",
     "parse_turns",

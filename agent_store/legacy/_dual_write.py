@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent_store.core import AgentMessage
+from bson import Int64
+
+from agent_store.core import MAX_SAFE_INTEGER, AgentMessage, Usage
 from agent_store.legacy._documents import dumps
 
 
@@ -119,11 +121,34 @@ def legacy_turn_document(
         document["upload_result"] = turn.uploads[0]
     usage = [m.token_usage for m in messages if m.token_usage is not None]
     if usage:
-        document["token_usage"] = {
-            "input_tokens": sum(u.input_tokens for u in usage),
-            "output_tokens": sum(u.output_tokens for u in usage),
-        }
+        total = Usage.total((u.input_tokens for u in usage), (u.output_tokens for u in usage))
+        document["token_usage"] = total.model_dump()  # saturated sums, int64 as stored
     latency = [m.latency_ms for m in messages if m.latency_ms is not None]
     if latency:
-        document["latency_ms"] = sum(latency)
+        document["latency_ms"] = Int64(min(sum(latency), MAX_SAFE_INTEGER))
     return document
+
+
+def legacy_turn_documents(
+    conversation_id: str,
+    turn_id: str,
+    messages: Sequence[AgentMessage],
+    *,
+    user_id: str | None,
+    name: str | None,
+) -> list[dict[str, Any]]:
+    """A logged turn as legacy turn documents: one (`legacy_turn_document`), or two when it
+    holds a system prompt beside a user's message, which one legacy turn cannot hold (a
+    system turn has only its system text): the system turn first, then the rest."""
+    system = [m for m in messages if m.role == "system"]
+    rest = [m for m in messages if m.role != "system"]
+    if not system or not any(m.role == "user" for m in rest):
+        return [
+            legacy_turn_document(conversation_id, turn_id, messages, user_id=user_id, name=name)
+        ]
+    return [
+        legacy_turn_document(
+            conversation_id, f"{turn_id}:system", system, user_id=user_id, name=name
+        ),
+        legacy_turn_document(conversation_id, turn_id, rest, user_id=user_id, name=name),
+    ]

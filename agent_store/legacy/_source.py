@@ -20,12 +20,13 @@ from agent_store.legacy._documents import (
     owner_of,
     parse_turns,
 )
-from agent_store.legacy._dual_write import legacy_turn_document
+from agent_store.legacy._dual_write import legacy_turn_documents
 from agent_store.legacy._session_hitl import with_session_prompts
 from agent_store.store import (
     CONVERSATIONS,
     Database,
     FallbackConversation,
+    FullTextStore,
     LegacyHolder,
     LoggedTurn,
     TurnRules,
@@ -90,6 +91,7 @@ class LegacyTurns:
         self._turns = db[LEGACY_TURNS]
         self._prompts = db[SESSION_HITL]
         self._conversations = db[CONVERSATIONS]
+        self._full_texts = FullTextStore(db)
         self._rules = rules or TurnRules()
         self.read_fallback = read_fallback
         self.dual_write = dual_write
@@ -200,15 +202,20 @@ class LegacyTurns:
         return int(moved.modified_count)
 
     async def turn_logged(self, turn: LoggedTurn, conversation: Conversation) -> None:
-        """With `dual_write`, upsert the turn as a legacy turn; a retry rewrites the same one."""
+        """With `dual_write`, upsert the turn as legacy turns; a retry rewrites the same ones.
+
+        The legacy reader knows no GridFS: a message cut to its bound is written whole
+        (two more lookups, for such a turn only).
+        """
         if not self.dual_write:
             return
-        document = legacy_turn_document(
+        documents = legacy_turn_documents(
             turn.conversation_id,
             turn.turn_id,
-            turn.messages,
+            await self._full_texts.restore(turn.messages),
             user_id=conversation.user_id,
             name=conversation.name,
         )
         with storage_errors("write the legacy turn (dual write)"):
-            await self._turns.replace_one({"_id": document["_id"]}, document, upsert=True)
+            for document in documents:
+                await self._turns.replace_one({"_id": document["_id"]}, document, upsert=True)
