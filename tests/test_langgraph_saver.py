@@ -560,3 +560,25 @@ async def test_a_saver_with_a_wider_allowlist_shares_the_threads_and_the_cache(
     assert (await tool_agent(saver).aget_state(config)).values == (
         await tool_agent(wider).aget_state(config)
     ).values
+
+
+@pytest.mark.wire
+async def test_the_integers_the_checkpointer_computes_are_stored_as_int64(
+    wire_backend: Backend,
+) -> None:
+    """`seq` ranges, write indexes and the `seq` of extras, copied threads included."""
+    from bson import Int64
+
+    source = thread("user-ada")
+    saver = AgentStoreSaver(wire_backend.db)
+    await run_turns(tool_agent(saver), source, range(1, 3))
+    await saver.acopy_thread(source["configurable"]["thread_id"], "thread-copied")
+
+    widths: list[tuple[str, type]] = []
+    for doc in await wire_backend.db[CHECKPOINTS].find().to_list(None):
+        for segment in (doc.get("messages") or {}).get("segments", ()):
+            widths += [("from", type(segment["from"])), ("to", type(segment["to"]))]
+        widths += [("idx", type(w["idx"])) for w in doc.get("writes", ())]
+        widths += [("seq", type(e["seq"])) for e in doc.get("extras", ())]
+    assert {name for name, _ in widths} >= {"from", "to", "idx", "seq"}
+    assert {kind for _, kind in widths} == {Int64}

@@ -22,8 +22,8 @@ from tests.conftest import Backend
 
 pytestmark = pytest.mark.wire
 
-FREE_FORM = ("hitl_action.params", "pending_hitl.params", "inbox")
-"""Values callers choose (HITL params) and the store's steering bookkeeping: any JSON."""
+FREE_FORM = ("hitl_action.params", "pending_hitl.params", "native.set")
+"""Values callers choose (HITL params, a runtime's own form of a message): any JSON."""
 
 
 def integers(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:

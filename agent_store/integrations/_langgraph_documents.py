@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bson import Int64
 from langchain_core.messages import BaseMessage
 
 from agent_store.core import InvalidInput
@@ -81,7 +82,7 @@ def encode_segments(segments: Sequence[Segment], dump: Serialize) -> list[dict[s
     encoded: list[dict[str, Any]] = []
     for segment in segments:
         if isinstance(segment, SeqRange):
-            encoded.append({"from": segment.start, "to": segment.stop})
+            encoded.append({"from": Int64(segment.start), "to": Int64(segment.stop)})
         else:
             kind, data = dump(list(segment.messages))
             encoded.append({"type": kind, "data": data})
@@ -135,7 +136,7 @@ def write_entries(
             {
                 "task_id": task_id,
                 "task_path": task_path,
-                "idx": index_of.get(channel, index),
+                "idx": Int64(index_of.get(channel, index)),
                 "channel": channel,
                 "type": kind,
                 "value": data,

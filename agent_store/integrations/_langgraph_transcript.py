@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bson import Int64
 from langchain_core.messages import BaseMessage
 from pydantic import ValidationError
 
@@ -194,7 +195,7 @@ class TranscriptLink:
         for item, stored in zip(new, logged.messages, strict=True):
             assert stored.seq is not None
             kind, data = self._dumps(extras_of(item.message, stored))
-            extras.append({"_id": stored.id, "seq": stored.seq, "type": kind, "data": data})
+            extras.append({"_id": stored.id, "seq": Int64(stored.seq), "type": kind, "data": data})
             state.remember(stored.seq, item.message)
         seqs = [int(e["seq"]) for e in extras]
         if seqs and state.loaded_until == seqs[0]:

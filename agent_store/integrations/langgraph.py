@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Collection, Coroutine, Iterator, Sequ
 from itertools import repeat
 from typing import Any, TypeVar
 
+from bson import Int64
 from bson import encode as bson_encode
 from bson.errors import InvalidDocument
 
@@ -411,7 +412,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             }
         if "extras" in doc:
             copy["extras"] = [
-                entry | {"_id": moved[entry["seq"]][1], "seq": moved[entry["seq"]][0]}
+                entry | {"_id": moved[entry["seq"]][1], "seq": Int64(moved[entry["seq"]][0])}
                 for entry in doc["extras"]
                 if entry["seq"] in moved
             ]

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from bson import Int64
 from pymongo import ReturnDocument
 
 from agent_store.core import (
@@ -33,7 +34,7 @@ from agent_store.core import (
 )
 from agent_store.store._driver import storage_errors
 from agent_store.store._logger import AgentMessageLogger, Condition
-from agent_store.store._reservation import Actor, literal
+from agent_store.store._reservation import Actor, int64, literal
 from agent_store.store._turns import plan_turn, turn_key, validate_identifier
 
 _WAIT_STEP = 0.05
@@ -78,7 +79,7 @@ class SteeringInbox:
             doc = await self._conversations.find_one_and_update(
                 {"_id": conversation_id, **actor.owner_filter()},
                 [{"$set": {field: {"$ifNull": [f"${field}", literal(
-                    {"turn_id": turn_id, "v": 0, "seqs": [], "opened_at": utc_now()})]}}}],
+                    {"turn_id": turn_id, "v": Int64(0), "seqs": [], "opened_at": utc_now()})]}}}],
                 projection={"_id": 1},
             )  # fmt: skip
         if doc is None:
@@ -108,7 +109,7 @@ class SteeringInbox:
             added = {"$map": {"input": [0], "in": {"s": "$message_count", "a": literal(now)}}}
             return {
                 f"{field}.seqs": {"$concatArrays": [f"${field}.seqs", added]},
-                f"{field}.v": {"$add": [f"${field}.v", 1]},
+                f"{field}.v": int64({"$add": [f"${field}.v", 1]}),
             }
 
         # To a user token a missing conversation is NotFound, as another user's is: the
