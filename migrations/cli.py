@@ -2,8 +2,9 @@
 
 Exit codes: 0 success; 1 `verify` found differences or `finish` found work left;
 2 misuse (bad options, no legacy data); 3 the lock is held; 4 the database is
-unreachable, the URI is wrong, or the database refused a command; 130 and 143 stopped by SIGINT or SIGTERM (the lock
-released, what was written kept: `run` again resumes).
+unreachable, the URI is wrong, or the database refused a command; 130 and 143
+stopped by SIGINT or SIGTERM (the lock released, what was written kept: `run`
+again resumes).
 """
 
 from __future__ import annotations

@@ -477,6 +477,28 @@ async def test_past_the_kept_records_a_retry_is_still_recognised_by_its_stored_m
     assert len(conversation["turns"]) == 4
 
 
+async def test_past_the_kept_records_a_turn_whose_insert_was_cut_short_is_completed(
+    backend: Backend,
+) -> None:
+    """A crash inside the insert stored the first message only; the retry comes 10 turns on."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(turns_recorded=4))
+    three = [*turn("cut short"), {"role": "assistant", "content": "and more"}]
+    logged = await logger.log_messages(CID, three, turn_id="t-cut")
+    await backend.db.agent_messages.delete_many({"turn_id": "t-cut", "seq": {"$gt": 0}})
+    for n in range(10):
+        await logger.log_messages(CID, turn(f"turn {n}"), turn_id=f"t{n}")
+
+    with pytest.raises(Conflict, match="other content"):
+        await logger.log_messages(CID, [*turn("changed"), three[2]], turn_id="t-cut")
+    retried = await logger.log_messages(CID, three, turn_id="t-cut")
+
+    assert retried.replayed
+    assert [m.id for m in retried.messages] == [m.id for m in logged.messages]
+    stored = await backend.db.agent_messages.find().sort("seq", 1).to_list(None)
+    assert [m["seq"] for m in stored] == list(range(3 + 20))
+    assert [m["content"] for m in stored[:3]] == ["cut short?", "cut short!", "and more"]
+
+
 async def test_past_the_kept_records_a_new_turn_costs_one_lookup_more(
     wire_backend: Backend,
 ) -> None:
@@ -491,3 +513,24 @@ async def test_past_the_kept_records_a_new_turn_costs_one_lookup_more(
     assert wire_backend.commands.names == [
         "findAndModify", "find", "find", "findAndModify", "insert",
     ]  # fmt: skip
+
+
+async def test_a_retry_that_stores_later_times_than_its_first_attempt_moves_updated_at(
+    backend: Backend,
+) -> None:
+    """The first attempt reserved with times of 10 minutes ago and crashed before its
+    insert; the retry regenerates its times: the conversation follows what is stored."""
+    from datetime import UTC, datetime, timedelta
+
+    logger = AgentMessageLogger(backend.db)
+    earlier = datetime.now(UTC) - timedelta(minutes=10)
+    first = [{**m, "created_at": earlier} for m in turn("hello")]
+    await logger.log_messages(CID, first, turn_id="t-1")
+    await backend.db.agent_messages.delete_many({})  # as a crash before the insert leaves it
+
+    retried = await logger.log_messages(CID, turn("hello"), turn_id="t-1")
+
+    assert retried.replayed
+    conversation = await check_conversation(backend.db)
+    latest = max(m.created_at for m in retried.messages)
+    assert conversation["updated_at"].replace(tzinfo=UTC) == latest

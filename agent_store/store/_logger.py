@@ -235,7 +235,8 @@ class AgentMessageLogger:
         """Log one turn's messages in order, idempotently by `turn_id`.
 
         `turn_id` defaults to a digest of the messages (content and timestamps),
-        so retrying the same call is safe even without one. A retry of any age
+        so retrying the same messages is safe even without one, as long as they carry
+        their `created_at` (a message without one is stamped on each call). A retry of any age
         stores nothing twice and answers with the stored messages; a retry with
         other content raises Conflict. `name` is a name the runtime generated; it
         replaces an automatic name or an earlier runtime name, never one a person
@@ -254,6 +255,8 @@ class AgentMessageLogger:
         actor = Actor(user_id, as_user=owner_only)
         reserved = await self._reserve(plan, actor, runtime_name)
         stored = await self._store(plan, reserved)
+        if reserved.replayed:
+            await self._follow_times(plan.conversation_id, reserved, stored)
         # Every part is validated already: constructed, not validated again message by message.
         logged = LoggedTurn.model_construct(
             conversation_id=plan.conversation_id,
@@ -435,8 +438,13 @@ class AgentMessageLogger:
         if first is None:
             return None
         block = RecordedBlock(int(first["seq"]), plan.count, plan.digest)
-        stored = await self._stored_in(plan, block)
-        if len(stored) != block.count or content_digest(canonical_documents(stored)) != plan.digest:
+        # A crash inside the insert may have stored only some of the block: those must be
+        # this turn's messages at their places; the insert then adds the missing ones.
+        stored = {int(d["seq"]) - block.first_seq: d for d in await self._stored_in(plan, block)}
+        places = sorted(stored)
+        if any(stored[i]["_id"] != plan.documents[i]["_id"] for i in places) or content_digest(
+            canonical_documents([stored[i] for i in places])
+        ) != content_digest([plan.documents[i] for i in places]):
             raise _other_content(plan)
         return block
 
@@ -462,6 +470,19 @@ class AgentMessageLogger:
                 documents = [stored.get(d["_id"], d) for d in documents]
                 return messages_adapter.validate_python(documents)
         return plan.stored(first, owner)
+
+    async def _follow_times(
+        self, conversation_id: str, reserved: _Reserved, stored: Sequence[AgentMessage]
+    ) -> None:
+        """After a retry stored the messages its first attempt did not, with later times than
+        that attempt's: the conversation's `updated_at` follows them (one more update, then
+        only)."""
+        latest = max(m.created_at for m in stored)
+        if reserved.conversation is not None and latest > reserved.conversation.updated_at:
+            with storage_errors("update the conversation"):
+                await self._conversations.update_one(
+                    {"_id": conversation_id}, {"$max": {"updated_at": latest}}
+                )
 
     async def _stored_in(self, plan: TurnPlan, block: RecordedBlock) -> list[dict[str, Any]]:
         """The turn's messages already stored in its block."""
