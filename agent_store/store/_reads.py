@@ -367,8 +367,9 @@ class ConversationStore:
         The conversation's summary is corrected as if the message had never been logged
         (see `agent_store.store._tail`): its turn, tokens, preview and pending prompt, and
         `message_count`, which gives the `seq` back unless another turn reserved past it.
-        Two to four round trips: the removal, the summary update, and the messages
-        before it when it started a turn or was the preview's source.
+        Two to five round trips: the removal, the summary update, and the messages
+        before it when it started a turn or was the preview's source, or (all of them)
+        when it made, answered or raised a call or a prompt (`pending_calls` is listed again).
         """
         query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
         if user_id is not None:
