@@ -241,6 +241,8 @@ def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     _require_legacy_data(db)
     if args.sample is not None and args.sample < 1:
         raise Misuse(f"--sample {args.sample}: a sample holds at least one conversation")
+    if args.batch_size < 1:
+        raise Misuse("--batch-size must be at least 1")
     total = (
         1
         if args.conversation

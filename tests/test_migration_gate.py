@@ -461,12 +461,13 @@ def test_finish_without_legacy_data_is_misuse_and_creates_nothing(
 
 @pytest.mark.wire
 @pytest.mark.parametrize("size", ["0", "-5"])
-def test_a_verify_sample_of_no_conversations_is_misuse(
+def test_a_verify_sample_or_batch_of_no_conversations_is_misuse(
     wire_uri: str, database: Database[dict[str, Any]], size: str
 ) -> None:
     database[CONVERSATIONS].insert_many(corpus(1))
     assert cli(wire_uri, database, "run") == 0
     assert cli(wire_uri, database, "verify", "--sample", size) == 2
+    assert cli(wire_uri, database, "verify", "--batch-size", size) == 2
 
 
 @pytest.mark.wire
