@@ -447,3 +447,19 @@ async def test_a_fork_keeps_a_prompt_that_a_result_of_an_earlier_turns_call_does
     await logger.fork(CID, 4, "fork-all")
 
     assert await pending_state(store, "fork-all") == ([], "r2")
+
+
+async def test_a_fork_of_everything_awaits_what_the_original_awaits(backend: Backend) -> None:
+    """A confirmation denied within its turn is resolved by request id, which no message
+    records: the whole conversation forked has no prompt pending either."""
+    runtime = Runtime(backend)
+    await runtime.stream(
+        [*ASKS_TO_BOOK, DENIED, {"type": "stream_token", "token": "Nothing was booked."}],
+        prompt="Book me the 09:04 to Lyon.",
+    )
+    assert await pending_state(runtime.store) == ([], None)
+    last = len(await runtime.store.transcript(CID)) - 1
+
+    await runtime.logger.fork(CID, last, "fork-everything")
+
+    assert await pending_state(runtime.store, "fork-everything") == ([], None)

@@ -43,14 +43,26 @@ def fork_turn_id(conversation_id: str, end: int) -> str:
 
 
 def fork_pending(
-    messages: Sequence[AgentMessage], end: int, fork_ids: Sequence[str]
+    messages: Sequence[AgentMessage],
+    end: int,
+    fork_ids: Sequence[str],
+    now: tuple[Sequence[PendingCall], PendingHitl | None],
 ) -> tuple[tuple[PendingCall, ...], PendingHitl | None]:
-    """What the fork awaits: what the original's messages up to `end` left pending, turn by
-    turn as they were logged, naming the fork's own messages (`fork_ids`, in order)."""
+    """What the fork awaits, naming the fork's own messages (`fork_ids`, in order).
+
+    A fork of the whole conversation awaits what it awaits `now` (a prompt resolved by
+    request id left no message). A fork cut earlier awaits what the original's messages up
+    to `end` left pending, folded turn by turn as they were logged.
+    """
     copied = [m for m in messages if (m.seq or 0) <= end]
     renamed = {str(m.id): fork_id for m, fork_id in zip(copied, fork_ids, strict=True)}
-    calls, hitl = pending_after(copied)
+    calls, hitl = now if len(copied) == len(messages) else pending_after(copied)
     return (
-        tuple(c.model_copy(update={"message_id": renamed[c.message_id]}) for c in calls),
-        hitl.model_copy(update={"message_id": renamed[hitl.message_id]}) if hitl else None,
+        tuple(
+            c.model_copy(update={"message_id": renamed.get(c.message_id, c.message_id)})
+            for c in calls
+        ),
+        hitl.model_copy(update={"message_id": renamed.get(hitl.message_id, hitl.message_id)})
+        if hitl
+        else None,
     )

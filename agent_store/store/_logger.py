@@ -36,6 +36,8 @@ from agent_store.core import (
     Conversation,
     ForkOrigin,
     NotFound,
+    PendingCall,
+    PendingHitl,
     StorageFailure,
     StoreError,
     messages_adapter,
@@ -289,7 +291,9 @@ class AgentMessageLogger:
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         actor = Actor(user_id, as_user=owner_only)
         with storage_errors("read the conversation"):
-            source = await self._conversations.find_one({"_id": conversation_id}, {"user_id": 1})
+            source = await self._conversations.find_one(
+                {"_id": conversation_id}, {"user_id": 1, "pending_calls": 1, "pending_hitl": 1}
+            )
             if source is None or actor.refusal(conversation_id, source.get("user_id")):
                 # Refused before its messages are read: a hidden conversation costs what a
                 # missing one does.
@@ -309,7 +313,13 @@ class AgentMessageLogger:
             copied=True,
         )
         # The copies are one turn, but what they leave pending is what their turns did.
-        calls, prompt = fork_pending(messages, end, [str(d["_id"]) for d in plan.documents])
+        now = (
+            [PendingCall.model_validate(c) for c in source.get("pending_calls") or ()],
+            PendingHitl.model_validate(source["pending_hitl"])
+            if source.get("pending_hitl")
+            else None,
+        )
+        calls, prompt = fork_pending(messages, end, [str(d["_id"]) for d in plan.documents], now)
         plan = replace(plan, opened_calls=calls, answered_calls=(), pending_hitl=prompt)
         origin = ForkOrigin(conversation_id=conversation_id, seq=end).model_dump()
         condition = Condition(
