@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agent_store.core import AgentMessage, InvalidInput, PendingCall, PendingHitl
@@ -65,4 +65,13 @@ def fork_pending(
         hitl.model_copy(update={"message_id": renamed.get(hitl.message_id, hitl.message_id)})
         if hitl
         else None,
+    )
+
+
+def pending_now(conversation: Mapping[str, Any]) -> tuple[list[PendingCall], PendingHitl | None]:
+    """What a stored conversation document awaits: its pending calls and prompt."""
+    prompt = conversation.get("pending_hitl")
+    return (
+        [PendingCall.model_validate(c) for c in conversation.get("pending_calls") or ()],
+        PendingHitl.model_validate(prompt) if prompt else None,
     )

@@ -36,8 +36,6 @@ from agent_store.core import (
     Conversation,
     ForkOrigin,
     NotFound,
-    PendingCall,
-    PendingHitl,
     StorageFailure,
     StoreError,
     messages_adapter,
@@ -45,7 +43,13 @@ from agent_store.core import (
 )
 from agent_store.store._blobs import FullTextStore
 from agent_store.store._driver import Database, only_duplicates, storage_errors
-from agent_store.store._fork import fork_copies, fork_end, fork_pending, fork_turn_id
+from agent_store.store._fork import (
+    fork_copies,
+    fork_end,
+    fork_pending,
+    fork_turn_id,
+    pending_now,
+)
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
 from agent_store.store._legacy_seam import LegacySource
 from agent_store.store._reservation import (
@@ -289,21 +293,7 @@ class AgentMessageLogger:
         `new_conversation_id` is a Conflict.
         """
         conversation_id = validate_identifier(conversation_id, "conversation_id")
-        actor = Actor(user_id, as_user=owner_only)
-        with storage_errors("read the conversation"):
-            source = await self._conversations.find_one(
-                {"_id": conversation_id}, {"user_id": 1, "pending_calls": 1, "pending_hitl": 1}
-            )
-            if source is None or actor.refusal(conversation_id, source.get("user_id")):
-                # Refused before its messages are read: a hidden conversation costs what a
-                # missing one does.
-                raise NotFound(f"conversation {conversation_id!r} was not found")
-            stored = await (
-                self._messages.find({"conversation_id": conversation_id}).sort("seq", 1)
-            ).to_list(None)
-        # Whole texts put back: the copies are bounded again and keep their own, so the fork
-        # shares no file with the original (deleting one leaves the other whole).
-        messages = await self._full_texts.restore(messages_adapter.validate_python(stored))
+        source, messages = await self._fork_source(conversation_id, Actor(user_id, owner_only))
         end = fork_end(messages, at_seq)
         plan = plan_turn(
             new_conversation_id,
@@ -313,13 +303,8 @@ class AgentMessageLogger:
             copied=True,
         )
         # The copies are one turn, but what they leave pending is what their turns did.
-        now = (
-            [PendingCall.model_validate(c) for c in source.get("pending_calls") or ()],
-            PendingHitl.model_validate(source["pending_hitl"])
-            if source.get("pending_hitl")
-            else None,
-        )
-        calls, prompt = fork_pending(messages, end, [str(d["_id"]) for d in plan.documents], now)
+        ids = [str(d["_id"]) for d in plan.documents]
+        calls, prompt = fork_pending(messages, end, ids, pending_now(source))
         plan = replace(plan, opened_calls=calls, answered_calls=(), pending_hitl=prompt)
         origin = ForkOrigin(conversation_id=conversation_id, seq=end).model_dump()
         condition = Condition(
@@ -336,6 +321,24 @@ class AgentMessageLogger:
             messages=await self._store(plan, reserved),
             replayed=reserved.replayed,
         )
+
+    async def _fork_source(
+        self, conversation_id: str, actor: Actor
+    ) -> tuple[dict[str, Any], list[AgentMessage]]:
+        """The conversation a fork copies (owner and what it awaits) and its messages, whole
+        texts put back: the copies are bounded again and keep files of their own, so the
+        fork shares none with the original. NotFound before any message is read when the
+        conversation is missing or hidden from `actor`, so both cost the same."""
+        with storage_errors("read the conversation"):
+            source = await self._conversations.find_one(
+                {"_id": conversation_id}, {"user_id": 1, "pending_calls": 1, "pending_hitl": 1}
+            )
+            if source is None or actor.refusal(conversation_id, source.get("user_id")):
+                raise NotFound(f"conversation {conversation_id!r} was not found")
+            stored = await (
+                self._messages.find({"conversation_id": conversation_id}).sort("seq", 1)
+            ).to_list(None)
+        return source, await self._full_texts.restore(messages_adapter.validate_python(stored))
 
     # -- reserving -------------------------------------------------------------------
 
