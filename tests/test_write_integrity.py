@@ -477,26 +477,27 @@ async def test_past_the_kept_records_a_retry_is_still_recognised_by_its_stored_m
     assert len(conversation["turns"]) == 4
 
 
-async def test_past_the_kept_records_a_turn_whose_insert_was_cut_short_is_completed(
+async def test_past_the_kept_records_a_retry_must_match_every_stored_message(
     backend: Backend,
 ) -> None:
-    """A crash inside the insert stored the first message only; the retry comes 10 turns on."""
+    """With no record left, the stored messages are the only evidence of the turn: a retry
+    sending more messages than were stored writes nothing (it could fill another turn's
+    empty block); a block cut short by a crash is refused, not completed."""
     logger = AgentMessageLogger(backend.db, rules=TurnRules(turns_recorded=4))
-    three = [*turn("cut short"), {"role": "assistant", "content": "and more"}]
-    logged = await logger.log_messages(CID, three, turn_id="t-cut")
-    await backend.db.agent_messages.delete_many({"turn_id": "t-cut", "seq": {"$gt": 0}})
+    await logger.log_messages(CID, turn("first"), turn_id="t-a")
     for n in range(10):
         await logger.log_messages(CID, turn(f"turn {n}"), turn_id=f"t{n}")
+    before = await digest(backend.db)
 
+    with pytest.raises(Conflict):
+        await logger.log_messages(CID, [*turn("first"), {"role": "assistant", "content": "+"}],
+                                  turn_id="t-a")  # fmt: skip
+    assert await digest(backend.db) == before
+    await backend.db.agent_messages.delete_one({"turn_id": "t-a", "seq": 1})
     with pytest.raises(Conflict, match="other content"):
-        await logger.log_messages(CID, [*turn("changed"), three[2]], turn_id="t-cut")
-    retried = await logger.log_messages(CID, three, turn_id="t-cut")
+        await logger.log_messages(CID, turn("first"), turn_id="t-a")
 
-    assert retried.replayed
-    assert [m.id for m in retried.messages] == [m.id for m in logged.messages]
-    stored = await backend.db.agent_messages.find().sort("seq", 1).to_list(None)
-    assert [m["seq"] for m in stored] == list(range(3 + 20))
-    assert [m["content"] for m in stored[:3]] == ["cut short?", "cut short!", "and more"]
+    assert await backend.db.agent_messages.count_documents({}) == 21
 
 
 async def test_past_the_kept_records_a_new_turn_costs_one_lookup_more(

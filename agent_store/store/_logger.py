@@ -439,7 +439,13 @@ class AgentMessageLogger:
         )
 
     async def _block_of_an_old_turn(self, plan: TurnPlan) -> RecordedBlock | None:
-        """Past the kept records: the block of a turn whose first message is stored, else None."""
+        """Past the kept records: the block of a turn whose first message is stored, else None.
+
+        With no record left, the stored messages are the only evidence of what the turn
+        was: all of them must be there and be this turn's. A block an earlier attempt
+        filled only in part is refused rather than completed, since nothing tells a
+        turn cut short from a retry sending more messages than it first did.
+        """
         with storage_errors("look up the turn"):
             first = await self._messages.find_one(
                 {
@@ -451,13 +457,8 @@ class AgentMessageLogger:
         if first is None:
             return None
         block = RecordedBlock(int(first["seq"]), plan.count, plan.digest)
-        # A crash inside the insert may have stored only some of the block: those must be
-        # this turn's messages at their places; the insert then adds the missing ones.
-        stored = {int(d["seq"]) - block.first_seq: d for d in await self._stored_in(plan, block)}
-        places = sorted(stored)
-        if any(stored[i]["_id"] != plan.documents[i]["_id"] for i in places) or content_digest(
-            canonical_documents([stored[i] for i in places])
-        ) != content_digest([plan.documents[i] for i in places]):
+        stored = await self._stored_in(plan, block)
+        if len(stored) != block.count or content_digest(canonical_documents(stored)) != plan.digest:
             raise _other_content(plan)
         return block
 
