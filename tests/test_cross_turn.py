@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -463,3 +464,50 @@ async def test_a_fork_of_everything_awaits_what_the_original_awaits(backend: Bac
     await runtime.logger.fork(CID, last, "fork-everything")
 
     assert await pending_state(runtime.store, "fork-everything") == ([], None)
+
+
+async def test_a_fork_copies_each_call_with_one_answer_the_real_result(backend: Backend) -> None:
+    from agent_store.core import stand_in_result
+
+    logger = AgentMessageLogger(backend.db)
+    call = {"id": "c1", "function": {"name": "search", "arguments": "{}"}}
+    stand_in = stand_in_result("c1", datetime(2026, 1, 1, tzinfo=UTC)).model_dump(by_alias=True)
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "Search"}, {"role": "assistant", "tool_calls": [call]},
+         stand_in],
+        turn_id="t1",
+    )  # fmt: skip
+    await logger.log_messages(
+        CID, [{"role": "tool", "tool_call_id": "c1", "content": "found"}], turn_id="t2"
+    )
+
+    forked = await logger.fork(CID, 3, "fork-answered")
+
+    assert [m.content for m in forked.messages if m.role == "tool"] == ["found"]
+
+
+async def test_a_fork_at_the_last_stored_message_ignores_a_turn_still_being_written(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "hi"}], turn_id="t1")
+    call = {"id": "c9", "function": {"name": "pay", "arguments": "{}"}}
+    hitl = {"action": "pay", "params": {}, "request_id": "r9"}
+
+    async def crash(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("the runtime died after reserving")
+
+    monkeypatch.setattr(logger._messages, "insert_many", crash)
+    with pytest.raises(ConnectionError):
+        await logger.log_messages(
+            CID,
+            [{"role": "assistant", "tool_calls": [call]},
+             {"role": "assistant", "content": "Pay?", "hitl_action": hitl}],
+            turn_id="t2",
+        )  # fmt: skip
+    monkeypatch.undo()
+
+    await logger.fork(CID, 0, "fork-before-t2")
+
+    assert await pending_state(store, "fork-before-t2") == ([], None)

@@ -6,7 +6,14 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from agent_store.core import AgentMessage, InvalidInput, PendingCall, PendingHitl
+from agent_store.core import (
+    AgentMessage,
+    InvalidInput,
+    PendingCall,
+    PendingHitl,
+    ToolMessage,
+    is_stand_in,
+)
 from agent_store.store._turns import pending_after
 
 _STORE_FIELDS = {"id", "seq", "user_id", "conversation_id", "turn_id", "search_text"}
@@ -29,11 +36,24 @@ def fork_end(messages: Sequence[AgentMessage], at_seq: int) -> int:
     return max([at_seq, *answers])
 
 
-def fork_copies(messages: Sequence[AgentMessage], end: int) -> list[dict[str, Any]]:
-    """The messages up to `end` as a new turn would take them: what the store set, left out."""
-    return [
-        m.model_dump(by_alias=True, exclude=_STORE_FIELDS) for m in messages if (m.seq or 0) <= end
-    ]
+def forked_messages(messages: Sequence[AgentMessage], end: int) -> list[AgentMessage]:
+    """The messages a fork at `end` copies: those up to `end`, each call answered once (one
+    turn answers a call once): its first real result, a stand-in it replaced or any later
+    answer left out; else its first stand-in."""
+    copied = [m for m in messages if (m.seq or 0) <= end]
+    kept: dict[str, ToolMessage] = {}
+    for message in copied:
+        if isinstance(message, ToolMessage) and message.tool_call_id is not None:
+            current = kept.get(message.tool_call_id)
+            if current is None or (is_stand_in(current) and not is_stand_in(message)):
+                kept[message.tool_call_id] = message
+    answers = {id(m) for m in kept.values()}
+    return [m for m in copied if m.role != "tool" or id(m) in answers]
+
+
+def fork_copies(messages: Sequence[AgentMessage]) -> list[dict[str, Any]]:
+    """The messages as a new turn takes them: what the store set, left out."""
+    return [m.model_dump(by_alias=True, exclude=_STORE_FIELDS) for m in messages]
 
 
 def fork_turn_id(conversation_id: str, end: int) -> str:
@@ -45,24 +65,26 @@ def fork_turn_id(conversation_id: str, end: int) -> str:
 def fork_pending(
     messages: Sequence[AgentMessage],
     end: int,
-    fork_ids: Sequence[str],
+    fork_ids: Mapping[str, str],
     now: tuple[Sequence[PendingCall], PendingHitl | None],
+    next_seq: int,
 ) -> tuple[tuple[PendingCall, ...], PendingHitl | None]:
-    """What the fork awaits, naming the fork's own messages (`fork_ids`, in order).
+    """What the fork awaits, naming the fork's own messages (`fork_ids`: the original's
+    message ids to the fork's).
 
-    A fork of the whole conversation awaits what it awaits `now` (a prompt resolved by
-    request id left no message). A fork cut earlier awaits what the original's messages up
-    to `end` left pending, folded turn by turn as they were logged.
+    A fork of the whole conversation (no `seq` reserved past `end`: `next_seq`) awaits
+    what it awaits `now` (a prompt resolved by request id left no message). A fork cut
+    earlier awaits what the original's messages up to `end` left pending, folded turn by
+    turn as they were logged.
     """
-    copied = [m for m in messages if (m.seq or 0) <= end]
-    renamed = {str(m.id): fork_id for m, fork_id in zip(copied, fork_ids, strict=True)}
-    calls, hitl = now if len(copied) == len(messages) else pending_after(copied)
+    whole = end + 1 >= next_seq
+    calls, hitl = now if whole else pending_after([m for m in messages if (m.seq or 0) <= end])
     return (
         tuple(
-            c.model_copy(update={"message_id": renamed.get(c.message_id, c.message_id)})
+            c.model_copy(update={"message_id": fork_ids.get(c.message_id, c.message_id)})
             for c in calls
         ),
-        hitl.model_copy(update={"message_id": renamed.get(hitl.message_id, hitl.message_id)})
+        hitl.model_copy(update={"message_id": fork_ids.get(hitl.message_id, hitl.message_id)})
         if hitl
         else None,
     )

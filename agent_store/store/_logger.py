@@ -48,6 +48,7 @@ from agent_store.store._fork import (
     fork_end,
     fork_pending,
     fork_turn_id,
+    forked_messages,
     pending_now,
 )
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
@@ -295,16 +296,21 @@ class AgentMessageLogger:
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         source, messages = await self._fork_source(conversation_id, Actor(user_id, owner_only))
         end = fork_end(messages, at_seq)
+        chosen = forked_messages(messages, end)
+        # Whole texts put back: the copies are bounded again and keep files of their own, so
+        # the fork shares none with the original (deleting one leaves the other whole).
         plan = plan_turn(
             new_conversation_id,
-            fork_copies(messages, end),
+            fork_copies(await self._full_texts.restore(chosen)),
             turn_id=fork_turn_id(conversation_id, end),
             rules=self.rules,
             copied=True,
         )
-        # The copies are one turn, but what they leave pending is what their turns did.
-        ids = [str(d["_id"]) for d in plan.documents]
-        calls, prompt = fork_pending(messages, end, ids, pending_now(source))
+        # The copies are one turn, but what they leave pending is what their turns did, from
+        # the messages as stored (a prompt's params stay bounded).
+        ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
+        next_seq = int(source.get("message_count") or 0)
+        calls, prompt = fork_pending(messages, end, ids, pending_now(source), next_seq)
         plan = replace(plan, opened_calls=calls, answered_calls=(), pending_hitl=prompt)
         origin = ForkOrigin(conversation_id=conversation_id, seq=end).model_dump()
         condition = Condition(
@@ -325,20 +331,20 @@ class AgentMessageLogger:
     async def _fork_source(
         self, conversation_id: str, actor: Actor
     ) -> tuple[dict[str, Any], list[AgentMessage]]:
-        """The conversation a fork copies (owner and what it awaits) and its messages, whole
-        texts put back: the copies are bounded again and keep files of their own, so the
-        fork shares none with the original. NotFound before any message is read when the
+        """The conversation a fork copies (owner, next `seq`, what it awaits) and its
+        messages as stored. NotFound before any message is read when the
         conversation is missing or hidden from `actor`, so both cost the same."""
         with storage_errors("read the conversation"):
             source = await self._conversations.find_one(
-                {"_id": conversation_id}, {"user_id": 1, "pending_calls": 1, "pending_hitl": 1}
+                {"_id": conversation_id},
+                {"user_id": 1, "message_count": 1, "pending_calls": 1, "pending_hitl": 1},
             )
             if source is None or actor.refusal(conversation_id, source.get("user_id")):
                 raise NotFound(f"conversation {conversation_id!r} was not found")
             stored = await (
                 self._messages.find({"conversation_id": conversation_id}).sort("seq", 1)
             ).to_list(None)
-        return source, await self._full_texts.restore(messages_adapter.validate_python(stored))
+        return source, messages_adapter.validate_python(stored)
 
     # -- reserving -------------------------------------------------------------------
 

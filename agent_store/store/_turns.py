@@ -581,9 +581,12 @@ def pending_after(
             c.tool_call_id in answered and c.request_id == hitl.request_id for c in calls
         ):
             hitl = None  # the turn answers a call the prompt held back
-        calls = [c for c in calls if c.tool_call_id not in answered] + list(opened)
+        # The newest are kept, turn by turn, as each reservation keeps them.
+        calls = ([c for c in calls if c.tool_call_id not in answered] + list(opened))[
+            -PENDING_CALLS_KEPT:
+        ]
         start = end
-    return calls[-PENDING_CALLS_KEPT:], hitl
+    return calls, hitl
 
 
 def pending_calls_after(messages: Sequence[AgentMessage]) -> list[PendingCall]:
