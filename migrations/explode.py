@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
+from bson import ObjectId
 from pymongo import ReturnDocument
 from pymongo.database import Database
 
@@ -166,12 +167,25 @@ def read_turns(
 
 def read_session_hitl(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, list[Any]]:
     found: dict[str, list[Any]] = {i: [] for i in ids}
-    query = {"$or": [{"conversation_id": {"$in": ids}}, {"session_id": {"$in": ids}}]}
+    # A prompt may name its conversation as the legacy turns do (an ObjectId, a number):
+    # it belongs to the id the reader makes of that value.
+    values = [v for i in ids for v in _values_read_as(i)]
+    query = {"$or": [{"conversation_id": {"$in": values}}, {"session_id": {"$in": values}}]}
     for doc in db[SESSION_HITL].find(query):
         key = doc.get("conversation_id") or doc.get("session_id")
-        if key in found:
-            found[key].append(doc)
+        if key is not None and str(key) in found:
+            found[str(key)].append(doc)
     return found
+
+
+def _values_read_as(text: str) -> list[Any]:
+    """The values the legacy reader reads as `text` (it names a value by `str()`)."""
+    values: list[Any] = [text]
+    if ObjectId.is_valid(text):
+        values.append(ObjectId(text))
+    if text.lstrip("-").isdigit() and str(int(text)) == text and -(2**63) <= int(text) < 2**63:
+        values.append(int(text))
+    return values
 
 
 def _parsed(

@@ -505,3 +505,23 @@ def test_a_second_attempt_after_a_rollback_keeps_the_conversation_writable(
     seqs = [m["seq"] for m in database[MESSAGES].find({"conversation_id": "c-r"}).sort("seq", 1)]
     assert seqs == [0, 1, 2, 3, 4, 5]
     assert cli(wire_uri, database, "verify") == 0
+
+
+@pytest.mark.wire
+def test_a_prompt_naming_its_conversation_by_an_objectid_is_migrated_with_it(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """The read fallback and the migration read the same prompts."""
+    from agent_store.legacy import SESSION_HITL
+
+    oid = bson.ObjectId()
+    database[CONVERSATIONS].insert_one(legacy_turn("t-o", oid, 0, "PAY"))  # type: ignore[arg-type]
+    database[SESSION_HITL].insert_one(
+        {"conversation_id": oid, "request_id": "r-1", "action": "pay", "status": "pending"}
+    )
+
+    assert cli(wire_uri, database, "run") == 0
+
+    migrated = database["agent_conversations"].find_one({"_id": str(oid)})
+    assert migrated is not None
+    assert (migrated["pending_hitl"] or {}).get("request_id") == "r-1"

@@ -291,3 +291,44 @@ async def test_dual_write_keeps_a_turn_whole_for_the_legacy_reader(backend: Back
     assert main["latency_ms"] == 2**53 - 1
     if backend.name != "mongomock":  # mongomock keeps Python ints as they are
         assert type(main["latency_ms"]) is Int64
+
+
+async def test_dual_write_keeps_a_text_cut_when_whole_it_would_not_fit_a_document(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past 16 MiB the legacy turn keeps the cut text: the turn is never lost over it."""
+    from agent_store import TurnRules
+    from agent_store.legacy import _source
+
+    monkeypatch.setattr(_source, "MAX_LEGACY_DOCUMENT_BYTES", 30_000)
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(
+        backend.db, observers=[legacy], rules=TurnRules(max_message_bytes=16_384)
+    )
+    await logger.log_messages("conv-big", [{"role": "user", "content": "x" * 40_000}], turn_id="t")
+
+    (document,) = await backend.db[LEGACY_TURNS].find().to_list(None)
+    assert 0 < len(document["user_message"]) < 40_000
+
+
+async def test_dual_write_documents_of_one_turn_are_named_apart_from_every_turn_id(
+    backend: Backend,
+) -> None:
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(backend.db, observers=[legacy])
+    system_and_user = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Time?"},
+        {"role": "assistant", "content": "Nine."},
+    ]
+    await logger.log_messages("conv-named", system_and_user, turn_id="t")
+    await logger.log_messages(
+        "conv-named", [{"role": "user", "content": "And now?"}], turn_id="t:system"
+    )
+
+    documents = await backend.db[LEGACY_TURNS].find().to_list(None)
+
+    assert len(documents) == 3
+    assert [m.content for m in convert(documents).messages] == [
+        "Be terse.", "Time?", "Nine.", "And now?",
+    ]  # fmt: skip

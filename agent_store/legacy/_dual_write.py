@@ -90,17 +90,19 @@ def legacy_turn_document(
     *,
     user_id: str | None,
     name: str | None,
+    part: str = "",
 ) -> dict[str, Any]:
     """One logged turn as a legacy turn document (DESIGN §4), for rollback to the old reader.
 
     Marked `dual_write: true`: the migration skips these, their messages are already stored.
+    `part` names a second document of the same turn (its `_id` no turn id can give).
     """
     turn = _Turn()
     for message in messages:
         turn.add(message)
     parts = turn.parts + [{"type": "file_upload", **u} for u in turn.uploads[1:]]
     document: dict[str, Any] = {
-        "_id": legacy_turn_id(conversation_id, turn_id),
+        "_id": legacy_turn_id(conversation_id, f"{turn_id}\0{part}" if part else turn_id),
         "conversation_id": conversation_id,
         "user_id": user_id,
         "name": name,
@@ -148,7 +150,7 @@ def legacy_turn_documents(
         ]
     return [
         legacy_turn_document(
-            conversation_id, f"{turn_id}:system", system, user_id=user_id, name=name
+            conversation_id, turn_id, system, user_id=user_id, name=name, part="system"
         ),
         legacy_turn_document(conversation_id, turn_id, rest, user_id=user_id, name=name),
     ]

@@ -8,9 +8,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import bson
 from bson import ObjectId
 
-from agent_store.core import Conversation
+from agent_store.core import AgentMessage, Conversation
 from agent_store.legacy._convert import convert
 from agent_store.legacy._documents import (
     DERIVED_CONVERSATION_PREFIX,
@@ -32,6 +33,10 @@ from agent_store.store import (
     TurnRules,
     storage_errors,
 )
+
+MAX_LEGACY_DOCUMENT_BYTES = 16 * 1024 * 1024 - 64 * 1024
+"""A dual-written turn holds its whole texts while it fits in a BSON document (16 MiB, less
+room for the server's own fields)."""
 
 
 def _named(field: str, text: str) -> dict[str, Any]:
@@ -209,13 +214,21 @@ class LegacyTurns:
         """
         if not self.dual_write:
             return
-        documents = legacy_turn_documents(
-            turn.conversation_id,
-            turn.turn_id,
-            await self._full_texts.restore(turn.messages),
-            user_id=conversation.user_id,
-            name=conversation.name,
-        )
+
+        def documents_of(messages: Sequence[AgentMessage]) -> list[dict[str, Any]]:
+            return legacy_turn_documents(
+                turn.conversation_id,
+                turn.turn_id,
+                messages,
+                user_id=conversation.user_id,
+                name=conversation.name,
+            )
+
+        documents = documents_of(turn.messages)
+        if any(m.truncated for m in turn.messages):
+            whole = documents_of(await self._full_texts.restore(turn.messages))
+            if all(len(bson.encode(d)) <= MAX_LEGACY_DOCUMENT_BYTES for d in whole):
+                documents = whole  # else the texts stay cut: the turn is never lost over it
         with storage_errors("write the legacy turn (dual write)"):
             for document in documents:
                 await self._turns.replace_one({"_id": document["_id"]}, document, upsert=True)
