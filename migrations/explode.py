@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
+import bson
 from bson import ObjectId
 from pymongo import ReturnDocument
 from pymongo.database import Database
@@ -157,12 +158,19 @@ def batches(ids: Iterator[T], size: int) -> Iterator[list[T]]:
 
 def read_turns(
     db: Database[dict[str, Any]], ids: list[Any], *, source: str = LEGACY_TURNS
-) -> dict[Any, list[dict[str, Any]]]:
-    """The turns of some conversations, each list in stored order."""
-    grouped: dict[Any, list[dict[str, Any]]] = {i: [] for i in ids}
+) -> list[tuple[Any, list[dict[str, Any]]]]:
+    """The turns of some conversations by their legacy id as stored, each list in stored
+    order. Ids are told apart by their BSON encoding: a value Python cannot hash (a
+    Decimal128) is an id like any other."""
+    grouped: dict[bytes, tuple[Any, list[dict[str, Any]]]] = {_encoded(i): (i, []) for i in ids}
     for doc in db[source].find({"conversation_id": {"$in": ids}, **LEGACY_FILTER}):
-        grouped.setdefault(doc.get("conversation_id"), []).append(doc)
-    return grouped
+        raw = doc.get("conversation_id")
+        grouped.setdefault(_encoded(raw), (raw, []))[1].append(doc)
+    return list(grouped.values())
+
+
+def _encoded(value: Any) -> bytes:
+    return bson.encode({"v": value})
 
 
 def read_session_hitl(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, list[Any]]:
@@ -219,7 +227,7 @@ def convert_batch(
     converted: list[Converted] = []
     failed: list[Problem] = []
     turns = 0
-    for raw_id, documents in read_turns(db, ids, source=source).items():
+    for raw_id, documents in read_turns(db, ids, source=source):
         turns += len(documents)
         if not documents:
             continue

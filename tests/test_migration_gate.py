@@ -525,3 +525,16 @@ def test_a_prompt_naming_its_conversation_by_an_objectid_is_migrated_with_it(
     migrated = database["agent_conversations"].find_one({"_id": str(oid)})
     assert migrated is not None
     assert (migrated["pending_hitl"] or {}).get("request_id") == "r-1"
+
+
+@pytest.mark.wire
+def test_a_conversation_id_python_cannot_hash_is_migrated_like_any_other(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    database[CONVERSATIONS].insert_one(
+        legacy_turn("t-d", bson.Decimal128("5"), 0, "DECIMAL")  # type: ignore[arg-type]
+    )
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert database[MESSAGES].count_documents({}) == 2

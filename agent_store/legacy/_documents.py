@@ -43,6 +43,14 @@ DERIVED_CONVERSATION_PREFIX = "legacy-conversation-"
 DERIVED_TURN_PREFIX = "legacy-turn-"
 
 
+def id_text(value: Any) -> str | None:
+    """How the reader names a legacy id stored as any value: text as it is, an ObjectId or a
+    number as `str()` writes it, anything else as its JSON text."""
+    if value is None or isinstance(value, str):
+        return value
+    return str(value) if isinstance(value, ObjectId | int | float) else as_text(value)
+
+
 def derived_conversation_id(original: str | None, *, turn_key: str = "") -> str:
     """The stable identifier a conversation is stored under when its legacy id is not one.
 
@@ -82,9 +90,7 @@ class LegacyTurn(BaseModel):
     @field_validator("conversation_id", mode="before")
     @classmethod
     def _id_as_text(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str):
-            return value
-        return str(value) if isinstance(value, ObjectId | int | float) else as_text(value)
+        return id_text(value)
 
     @field_validator("user_id", "name", mode="before")
     @classmethod
