@@ -332,3 +332,20 @@ async def test_dual_write_documents_of_one_turn_are_named_apart_from_every_turn_
     assert [m.content for m in convert(documents).messages] == [
         "Be terse.", "Time?", "Nine.", "And now?",
     ]  # fmt: skip
+
+
+async def test_a_conversation_migrated_under_a_derived_id_reaches_a_legacy_id_stored_as_a_double(
+    backend: Backend,
+) -> None:
+    """1e16 is read as "1e+16", which is no identifier: the migration derives an id."""
+    from agent_store.legacy import derived_conversation_id
+
+    derived = derived_conversation_id("1e+16")
+    await backend.db[LEGACY_TURNS].insert_one(
+        {"_id": "t-big", "conversation_id": 1e16, "user_message": "hi"}
+    )
+    await backend.db["agent_conversations"].insert_one(
+        {"_id": derived, "legacy_conversation_id": "1e+16"}
+    )
+
+    assert await LegacyTurns(backend.db).delete(derived) == 1

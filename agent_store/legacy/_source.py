@@ -168,8 +168,13 @@ class LegacyTurns:
                 {"_id": conversation_id}, {"legacy_conversation_id": 1}
             )
             original = (found or {}).get("legacy_conversation_id")
-            if isinstance(original, str):
-                return {"conversation_id": {"$in": [conversation_id, original]}}
+            if isinstance(original, str):  # a double such as 1e+16 too
+                return {
+                    "$or": [
+                        {"conversation_id": conversation_id},
+                        _named("conversation_id", original),
+                    ]
+                }
         return _named("conversation_id", conversation_id)
 
     async def erase_user(self, user_id: str) -> int:
