@@ -511,3 +511,31 @@ async def test_a_fork_at_the_last_stored_message_ignores_a_turn_still_being_writ
     await logger.fork(CID, 0, "fork-before-t2")
 
     assert await pending_state(store, "fork-before-t2") == ([], None)
+
+
+async def test_a_fork_waits_for_a_turn_still_being_written_before_its_point(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork now would miss that turn's messages: StorageUnavailable, retried once the turn
+    is stored or, abandoned, passed after `abandon_after`."""
+    from datetime import timedelta
+
+    from agent_store import StorageUnavailable, TurnRules
+
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "hi"}], turn_id="t1")
+
+    async def crash(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("the runtime paused after reserving")
+
+    monkeypatch.setattr(logger._messages, "insert_many", crash)
+    with pytest.raises(ConnectionError):
+        await logger.log_messages(CID, [{"role": "user", "content": "slow"}], turn_id="t2")
+    monkeypatch.undo()
+    await logger.log_messages(CID, [{"role": "user", "content": "after"}], turn_id="t3")
+
+    with pytest.raises(StorageUnavailable, match="still being written at seq 1"):
+        await logger.fork(CID, 2, "fork-too-early")
+    patient = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    forked = await patient.fork(CID, 2, "fork-passing-it")
+    assert [m.content for m in forked.messages] == ["hi", "after"]

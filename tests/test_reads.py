@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 
@@ -253,3 +254,26 @@ async def test_an_earlier_text_index_is_replaced_by_the_compound_one(backend: Ba
     names = set(await backend.db.agent_messages.index_information())
     assert TEXT_INDEX in names
     assert "search_text_text" not in names
+
+
+async def test_a_turn_inserting_while_its_conversation_is_deleted_leaves_no_message_behind(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn reserved before the delete; its insert lands between the delete's two steps."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-del", [{"role": "user", "content": "hi"}], turn_id="t1")
+    late = {"_id": "msg-late", "conversation_id": "c-del", "seq": 1, "role": "user",
+            "content": "late"}  # fmt: skip
+    conversations = store._conversations
+    delete_one = conversations.delete_one
+
+    async def insert_then_delete(*args: Any, **kwargs: Any) -> Any:
+        await backend.db.agent_messages.insert_one(late)
+        return await delete_one(*args, **kwargs)
+
+    monkeypatch.setattr(conversations, "delete_one", insert_then_delete)
+
+    deleted = await store.delete("c-del")
+
+    assert deleted.messages == 2
+    assert await backend.db.agent_messages.count_documents({"conversation_id": "c-del"}) == 0

@@ -37,7 +37,9 @@ from agent_store.core import (
     ForkOrigin,
     NotFound,
     StorageFailure,
+    StorageUnavailable,
     StoreError,
+    TurnRecord,
     messages_adapter,
     utc_now,
 )
@@ -67,6 +69,7 @@ from agent_store.store._text import clean_name
 from agent_store.store._turns import (
     TurnPlan,
     TurnRules,
+    block_abandoned,
     canonical_documents,
     content_digest,
     message_id,
@@ -296,6 +299,7 @@ class AgentMessageLogger:
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         source, messages = await self._fork_source(conversation_id, Actor(user_id, owner_only))
         end = fork_end(messages, at_seq)
+        self._refuse_unfinished(conversation_id, source, messages, end)
         chosen = forked_messages(messages, end)
         # Whole texts put back: the copies are bounded again and keep files of their own, so
         # the fork shares none with the original (deleting one leaves the other whole).
@@ -328,6 +332,27 @@ class AgentMessageLogger:
             replayed=reserved.replayed,
         )
 
+    def _refuse_unfinished(
+        self,
+        conversation_id: str,
+        source: Mapping[str, Any],
+        messages: Sequence[AgentMessage],
+        end: int,
+    ) -> None:
+        """StorageUnavailable (retry shortly) when a turn before `end` is still being written:
+        a fork now would miss its messages. Blocks older than `abandon_after` are passed."""
+        records = [TurnRecord.model_validate(r) for r in source.get("turns") or ()]
+        stored = {m.seq for m in messages}
+        now = utc_now()
+        for seq in range(end):
+            if seq not in stored and not block_abandoned(
+                records, seq, now=now, abandon_after=self.rules.abandon_after
+            ):
+                raise StorageUnavailable(
+                    f"a turn of conversation {conversation_id!r} is still being written at seq "
+                    f"{seq}: retry the fork in a moment"
+                )
+
     async def _fork_source(
         self, conversation_id: str, actor: Actor
     ) -> tuple[dict[str, Any], list[AgentMessage]]:
@@ -337,7 +362,13 @@ class AgentMessageLogger:
         with storage_errors("read the conversation"):
             source = await self._conversations.find_one(
                 {"_id": conversation_id},
-                {"user_id": 1, "message_count": 1, "pending_calls": 1, "pending_hitl": 1},
+                {
+                    "user_id": 1,
+                    "message_count": 1,
+                    "pending_calls": 1,
+                    "pending_hitl": 1,
+                    "turns": 1,
+                },
             )
             if source is None or actor.refusal(conversation_id, source.get("user_id")):
                 raise NotFound(f"conversation {conversation_id!r} was not found")

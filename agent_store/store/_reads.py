@@ -48,7 +48,12 @@ from agent_store.store._tail import (
 )
 from agent_store.store._text import clean_name, collapse_whitespace, has_positive_term
 from agent_store.store._truncation import NATIVE
-from agent_store.store._turns import TurnRules, pending_calls_after, validate_identifier
+from agent_store.store._turns import (
+    TurnRules,
+    block_abandoned,
+    pending_calls_after,
+    validate_identifier,
+)
 
 MAX_PAGE_SIZE = 200
 # Messages in the first reply of a transcript read: a 300-message transcript is one round
@@ -278,9 +283,11 @@ class ConversationStore:
         with storage_errors("delete the conversation"):
             messages = await self._messages.delete_many({"conversation_id": conversation_id})
             conversations = await self._conversations.delete_one({"_id": conversation_id})
+            # A turn that reserved before the delete may have inserted in between: swept.
+            late = await self._messages.delete_many({"conversation_id": conversation_id})
         return Deleted(
             conversations=conversations.deleted_count,
-            messages=messages.deleted_count,
+            messages=messages.deleted_count + late.deleted_count,
             legacy_turns=legacy,
         )
 
@@ -536,15 +543,8 @@ class ConversationStore:
         return [TurnRecord.model_validate(r) for r in (doc or {}).get("turns") or ()]
 
     def _abandoned(self, records: list[TurnRecord], seq: int) -> bool:
-        """Whether the turn that reserved `seq` is older than `abandon_after`.
-
-        A block older than every kept record is at least as old as the oldest one;
-        a conversation without records (migrated, never logged to) has no turn in flight.
-        """
-        if not records:
-            return True
-        covering = next((r for r in reversed(records) if r.first_seq <= seq), records[0])
-        return utc_now() - covering.at >= self._rules.abandon_after
+        """Whether the turn that reserved `seq` is older than `abandon_after`."""
+        return block_abandoned(records, seq, now=utc_now(), abandon_after=self._rules.abandon_after)
 
     async def _legacy_page(
         self,

@@ -24,6 +24,7 @@ from agent_store.core import (
     InvalidInput,
     PendingCall,
     PendingHitl,
+    TurnRecord,
     Usage,
     describe_validation_error,
     messages_adapter,
@@ -592,3 +593,18 @@ def pending_after(
 def pending_calls_after(messages: Sequence[AgentMessage]) -> list[PendingCall]:
     """The calls `pending_after` lists."""
     return pending_after(messages)[0]
+
+
+def block_abandoned(
+    records: Sequence[TurnRecord], seq: int, *, now: datetime, abandon_after: timedelta
+) -> bool:
+    """Whether the turn that reserved `seq` is older than `abandon_after`: its block, if
+    still empty, will not be written any more.
+
+    A block older than every kept record is at least as old as the oldest one; a
+    conversation without records (migrated, never logged to) has no turn in flight.
+    """
+    if not records:
+        return True
+    covering = next((r for r in reversed(records) if r.first_seq <= seq), records[0])
+    return now - covering.at >= abandon_after
