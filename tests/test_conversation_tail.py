@@ -144,3 +144,25 @@ async def test_popping_costs_two_round_trips_more_for_what_it_must_read_again(
     wire_backend.commands.clear()
     await store.pop_last_message(CID)  # the tool call: what is pending is listed again
     assert wire_backend.commands.names == ["findAndModify", "find", "update"]
+
+
+async def test_a_pop_racing_a_new_turn_leaves_the_new_turns_preview(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new turn reserves between the pop's removal and its summary update."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [user("first"), {"role": "assistant", "content": "one"}])
+    await logger.log_messages(CID, [user("second")], turn_id="t-2")
+    conversations = store._conversations
+    update_one = conversations.update_one
+
+    async def a_turn_first(*args: Any, **kwargs: Any) -> Any:
+        await logger.log_messages(CID, [user("racing")], turn_id="t-race")
+        return await update_one(*args, **kwargs)
+
+    monkeypatch.setattr(conversations, "update_one", a_turn_first)
+
+    await store.pop_last_message(CID)
+
+    conversation = await store.get_conversation(CID)
+    assert conversation.last_message_preview == "racing"

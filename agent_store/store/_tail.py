@@ -109,6 +109,8 @@ def unlogged(
     if pending_calls is not None:
         listed = literal([call.model_dump() for call in pending_calls])
         stage["pending_calls"] = {"$cond": [untouched, listed, "$pending_calls"]}
-    if preview is not None:
-        stage["last_message_preview"] = literal(preview)
+    if preview is not None:  # a turn that reserved past the message has set its own
+        stage["last_message_preview"] = {
+            "$cond": [untouched, literal(preview), "$last_message_preview"]
+        }
     return [{"$set": stage}]
