@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, TypeVar
 
 from agent_store.core import location_text
 from app.http_errors import InvalidJson, InvalidRequest
@@ -18,6 +18,7 @@ from app.http_errors import InvalidJson, InvalidRequest
 MAX_BODY_DEPTH = 64
 """The deepest nesting of objects and arrays a body may have (MongoDB stores 100 at most)."""
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+T = TypeVar("T", int, float)
 
 
 def _refuse_constant(name: str) -> Any:
@@ -70,15 +71,13 @@ class _Numbers:
         self.refused = False
 
     def integer(self, text: str) -> int:
-        value = int(text)
-        if not INT64_MIN <= value <= INT64_MAX:
-            self.refused = True
-        return value
+        return self._noted(int(text))
 
     def real(self, text: str) -> float:
-        value = float(text)
-        if not math.isfinite(value):
-            self.refused = True
+        return self._noted(float(text))
+
+    def _noted(self, value: T) -> T:
+        self.refused = self.refused or _problem(value) is not None
         return value
 
 
