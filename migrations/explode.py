@@ -33,7 +33,6 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 import bson
-from bson import ObjectId
 from pymongo import ReturnDocument
 from pymongo.database import Database
 
@@ -45,7 +44,9 @@ from agent_store.legacy import (
     Problem,
     convert,
     group_conversations,
+    id_text,
     parse_turns,
+    prompts_filter,
     with_session_prompts,
 )
 from agent_store.store import TurnRules
@@ -174,26 +175,16 @@ def _encoded(value: Any) -> bytes:
 
 
 def read_session_hitl(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, list[Any]]:
+    """The `session_hitl` prompts of these conversations, by the id the reader gives them:
+    the filter and the naming the read fallback uses (`prompts_filter`, `id_text`)."""
     found: dict[str, list[Any]] = {i: [] for i in ids}
-    # A prompt may name its conversation as the legacy turns do (an ObjectId, a number):
-    # it belongs to the id the reader makes of that value.
-    values = [v for i in ids for v in _values_read_as(i)]
-    query = {"$or": [{"conversation_id": {"$in": values}}, {"session_id": {"$in": values}}]}
-    for doc in db[SESSION_HITL].find(query):
-        key = doc.get("conversation_id") or doc.get("session_id")
-        if key is not None and str(key) in found:
-            found[str(key)].append(doc)
+    if not ids:
+        return found
+    for doc in db[SESSION_HITL].find({"$or": [prompts_filter(i) for i in ids]}):
+        key = id_text(doc.get("conversation_id") or doc.get("session_id"))
+        if key in found:
+            found[key].append(doc)
     return found
-
-
-def _values_read_as(text: str) -> list[Any]:
-    """The values the legacy reader reads as `text` (it names a value by `str()`)."""
-    values: list[Any] = [text]
-    if ObjectId.is_valid(text):
-        values.append(ObjectId(text))
-    if text.lstrip("-").isdigit() and str(int(text)) == text and -(2**63) <= int(text) < 2**63:
-        values.append(int(text))
-    return values
 
 
 def _parsed(

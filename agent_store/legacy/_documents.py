@@ -9,6 +9,7 @@ read the same document the same way.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import math
@@ -49,6 +50,42 @@ def id_text(value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value
     return str(value) if isinstance(value, ObjectId | int | float) else as_text(value)
+
+
+def id_filter(field: str, text: str) -> dict[str, Any]:
+    """The filter of the documents whose `field` the reader names `text` (`id_text`): the text
+    itself, an ObjectId, an integer or a double it writes so (`str` of the value), each of
+    its own BSON type, as 5 and 5.0 are two ids to the reader and one value to a query."""
+    clauses: list[dict[str, Any]] = [{field: text}]
+    if ObjectId.is_valid(text):
+        clauses.append({field: ObjectId(text)})
+    if re.fullmatch(r"-?[0-9]+", text) and str(int(text)) == text and _in_int64(int(text)):
+        clauses += [{field: {"$eq": int(text), "$type": kind}} for kind in ("int", "long")]
+    elif re.fullmatch(r"-?[0-9.e+-]+|-?inf|nan", text):
+        with contextlib.suppress(ValueError):
+            if str(number := float(text)) == text:
+                clauses.append({field: {"$eq": number, "$type": "double"}})
+    return clauses[0] if len(clauses) == 1 else {"$or": clauses}
+
+
+def _in_int64(value: int) -> bool:
+    return -(2**63) <= value < 2**63
+
+
+def prompts_filter(conversation_id: str) -> dict[str, Any]:
+    """`session_hitl` documents name their conversation under one of two keys; the session
+    only when they name no conversation, as the migration reads them."""
+    return {
+        "$or": [
+            id_filter("conversation_id", conversation_id),
+            {
+                "$and": [
+                    id_filter("session_id", conversation_id),
+                    {"conversation_id": {"$in": [None, ""]}},
+                ]
+            },
+        ]
+    }
 
 
 def derived_conversation_id(original: str | None, *, turn_key: str = "") -> str:

@@ -3,13 +3,10 @@ erasures and claims that must reach them."""
 
 from __future__ import annotations
 
-import contextlib
-import re
 from collections.abc import Sequence
 from typing import Any
 
 import bson
-from bson import ObjectId
 
 from agent_store.core import AgentMessage, Conversation
 from agent_store.legacy._convert import convert
@@ -18,8 +15,10 @@ from agent_store.legacy._documents import (
     DERIVED_TURN_PREFIX,
     LEGACY_TURNS,
     SESSION_HITL,
+    id_filter,
     owner_of,
     parse_turns,
+    prompts_filter,
 )
 from agent_store.legacy._dual_write import legacy_turn_documents
 from agent_store.legacy._session_hitl import with_session_prompts
@@ -37,42 +36,6 @@ from agent_store.store import (
 MAX_LEGACY_DOCUMENT_BYTES = 16 * 1024 * 1024 - 64 * 1024
 """A dual-written turn holds its whole texts while it fits in a BSON document (16 MiB, less
 room for the server's own fields)."""
-
-
-def _named(field: str, text: str) -> dict[str, Any]:
-    """The filter of the documents whose `field` the legacy reader reads as `text`: the text
-    itself, an ObjectId, an integer or a double it writes so (`str` of the value), each of
-    its own BSON type, as 5 and 5.0 are two ids to the reader and one value to a query."""
-    clauses: list[dict[str, Any]] = [{field: text}]
-    if ObjectId.is_valid(text):
-        clauses.append({field: ObjectId(text)})
-    if re.fullmatch(r"-?[0-9]+", text) and str(int(text)) == text and _in_int64(int(text)):
-        clauses += [{field: {"$eq": int(text), "$type": kind}} for kind in ("int", "long")]
-    elif re.fullmatch(r"-?[0-9.e+-]+|-?inf|nan", text):
-        with contextlib.suppress(ValueError):
-            if str(number := float(text)) == text:
-                clauses.append({field: {"$eq": number, "$type": "double"}})
-    return clauses[0] if len(clauses) == 1 else {"$or": clauses}
-
-
-def _in_int64(value: int) -> bool:
-    return -(2**63) <= value < 2**63
-
-
-def _prompts_of(conversation_id: str) -> dict[str, Any]:
-    """`session_hitl` documents name their conversation under one of two keys; the session
-    only when they name no conversation, as the migration reads them."""
-    return {
-        "$or": [
-            _named("conversation_id", conversation_id),
-            {
-                "$and": [
-                    _named("session_id", conversation_id),
-                    {"conversation_id": {"$in": [None, ""]}},
-                ]
-            },
-        ]
-    }
 
 
 class LegacyTurns:
@@ -111,7 +74,7 @@ class LegacyTurns:
         if conversion.conversation is None:
             return None
         with storage_errors("read the pending prompt"):
-            prompts = await self._prompts.find(_prompts_of(conversation_id)).to_list(None)
+            prompts = await self._prompts.find(prompts_filter(conversation_id)).to_list(None)
         conversion = with_session_prompts(conversion, prompts)
         assert conversion.conversation is not None
         return FallbackConversation(conversion.conversation, conversion.messages)
@@ -144,7 +107,7 @@ class LegacyTurns:
         """
         with storage_errors("delete the legacy turns"):
             deleted = await self._turns.delete_many(await self._turns_of(conversation_id))
-            await self._prompts.delete_many(_prompts_of(conversation_id))
+            await self._prompts.delete_many(prompts_filter(conversation_id))
         return int(deleted.deleted_count)
 
     async def _turns_of(self, conversation_id: str) -> dict[str, Any]:
@@ -159,7 +122,7 @@ class LegacyTurns:
             key = conversation_id.removeprefix(DERIVED_TURN_PREFIX)
             return {
                 "$or": [
-                    {"$and": [_named("_id", key), {"conversation_id": None}]},
+                    {"$and": [id_filter("_id", key), {"conversation_id": None}]},
                     {"conversation_id": conversation_id},  # turns dual-written under the id
                 ]
             }
@@ -172,10 +135,10 @@ class LegacyTurns:
                 return {
                     "$or": [
                         {"conversation_id": conversation_id},
-                        _named("conversation_id", original),
+                        id_filter("conversation_id", original),
                     ]
                 }
-        return _named("conversation_id", conversation_id)
+        return id_filter("conversation_id", conversation_id)
 
     async def erase_user(self, user_id: str) -> int:
         """Delete the legacy conversations the user owns, whole, and every turn naming the user
