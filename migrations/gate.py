@@ -16,7 +16,7 @@ collection must not be dropped.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -24,7 +24,7 @@ from typing import Any
 from pymongo.database import Database
 
 from agent_store.core import AgentMessage
-from agent_store.store import CONVERSATIONS, MESSAGES, TurnRules
+from agent_store.store import CONVERSATIONS, TurnRules
 from migrations import full_texts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
@@ -58,20 +58,13 @@ class Gate:
         return not self.left
 
 
-def _present(
-    db: Database[dict[str, Any]],
-    name: str,
-    ids: Iterable[str],
-    scope: dict[str, Any] | None = None,
-) -> set[str]:
-    """Which of `ids` exist in `name`; `scope` narrows the lookup (to the batch's conversations,
-    so it stays on their shards)."""
+def _present(db: Database[dict[str, Any]], name: str, ids: Iterable[str]) -> set[str]:
+    """Which of `ids` exist in `name`."""
     wanted = sorted(set(ids))
     found: set[str] = set()
     for start in range(0, len(wanted), 10_000):
         chunk = wanted[start : start + 10_000]
-        query = {"_id": {"$in": chunk}, **(scope or {})}
-        found |= {d["_id"] for d in db[name].find(query, {"_id": 1})}
+        found |= {d["_id"] for d in db[name].find({"_id": {"$in": chunk}}, {"_id": 1})}
     return found
 
 
@@ -88,7 +81,12 @@ class _Stored:
     """Conversations recorded as already live, and whether the live messages hold them."""
 
 
-def _stored(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> _Stored:
+def _stored(
+    db: Database[dict[str, Any]],
+    batch: Sequence[Converted],
+    messages: Mapping[str, Sequence[AgentMessage]],
+) -> _Stored:
+    """What is stored for the batch; `messages` are its stored messages, already read."""
     conversions = [item.conversion for item in batch]
     ids = [c.conversation_id for c in conversions]
     live = {
@@ -99,12 +97,7 @@ def _stored(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> _Stored
     }
     return _Stored(
         conversations=_present(db, CONVERSATIONS, ids),
-        messages=_present(
-            db,
-            MESSAGES,
-            (m.id or "" for c in conversions for m in c.messages),
-            {"conversation_id": {"$in": ids}},
-        ),
+        messages={str(m.id) for stored in messages.values() for m in stored},
         texts=full_texts.present(db, (f.blob_id for c in conversions for f in c.full_texts)),
         recorded=problem_report.unplaced(db, ids),
         live=live,
@@ -160,8 +153,8 @@ def check(
         gate.left += [
             WorkLeft(p.conversation_id, [f"cannot be converted: {p.detail}"]) for p in failed
         ]
-        stored = _stored(db, converted)
         messages = full_texts.stored_messages(db, [c.conversion.conversation_id for c in converted])
+        stored = _stored(db, converted, messages)
         for item in converted:
             gate.conversations += 1
             cid = item.conversion.conversation_id
