@@ -49,6 +49,12 @@ def tool_outcome(message: ToolMessage) -> tuple[ToolOutcome, str | None] | None:
     return _BY_NAME[match.group(1)], match.group(2)
 
 
+def answers_instead(candidate: ToolMessage, current: ToolMessage | None) -> bool:
+    """Whether `candidate` is a call's answer rather than `current`, the one found before: the
+    first answer stands, except a stand-in, which a real result replaces."""
+    return current is None or (is_stand_in(current) and not is_stand_in(candidate))
+
+
 def is_stand_in(message: ToolMessage) -> bool:
     """Whether a tool message only stands in for a result that never came (`interrupted`).
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agent_store.core import AgentMessage, AssistantMessage, ToolMessage, is_stand_in
+from agent_store.core import AgentMessage, AssistantMessage, ToolMessage, answers_instead
 
 CallKey = tuple[int, str]
 """A call: the index of the assistant message that makes it, and its id."""
@@ -39,7 +39,7 @@ def answers_to_calls(messages: Sequence[AgentMessage]) -> dict[CallKey, ToolMess
                 continue
             key = (made_at, message.tool_call_id)
             current = answers.get(key)
-            if current is None or (is_stand_in(current) and not is_stand_in(message)):
+            if answers_instead(message, current):
                 answers[key] = message
     return answers
 

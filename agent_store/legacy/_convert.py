@@ -58,7 +58,7 @@ from agent_store.store import (
     FullText,
     TurnPlan,
     TurnRules,
-    pending_calls_after,
+    pending_after,
     plan_turn,
     shorten,
     validate_identifier,
@@ -815,7 +815,7 @@ def _conversation(
             "last_message_preview": previews[-1] if previews else "",
             "message_count": len(messages),
             "pending_hitl": None,
-            "pending_calls": pending_calls_after(messages),
+            "pending_calls": pending_after(messages)[0],
             "usage": Usage.total(
                 (p.usage.input_tokens for p in plans), (p.usage.output_tokens for p in plans)
             ),

@@ -83,7 +83,7 @@ from agent_store.store._turns import (
     TurnRules,
     message_id,
     parse_messages,
-    pending_calls_after,
+    pending_after,
     plan_turn,
     validate_identifier,
 )
@@ -147,7 +147,7 @@ __all__ = [
     "message_text",
     "only_duplicates",
     "parse_messages",
-    "pending_calls_after",
+    "pending_after",
     "plan_turn",
     "prompt_text",
     "redact_uri",

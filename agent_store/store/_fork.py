@@ -12,7 +12,7 @@ from agent_store.core import (
     PendingCall,
     PendingHitl,
     ToolMessage,
-    is_stand_in,
+    answers_instead,
 )
 from agent_store.store._turns import pending_after
 
@@ -45,7 +45,7 @@ def forked_messages(messages: Sequence[AgentMessage], end: int) -> list[AgentMes
     for message in copied:
         if isinstance(message, ToolMessage) and message.tool_call_id is not None:
             current = kept.get(message.tool_call_id)
-            if current is None or (is_stand_in(current) and not is_stand_in(message)):
+            if answers_instead(message, current):
                 kept[message.tool_call_id] = message
     answers = {id(m) for m in kept.values()}
     return [m for m in copied if m.role != "tool" or id(m) in answers]

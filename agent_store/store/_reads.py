@@ -51,7 +51,7 @@ from agent_store.store._truncation import NATIVE
 from agent_store.store._turns import (
     TurnRules,
     block_abandoned,
-    pending_calls_after,
+    pending_after,
     validate_identifier,
 )
 
@@ -419,7 +419,7 @@ class ConversationStore:
             .sort("seq", 1)
             .to_list(None)
         )
-        return pending_calls_after(messages_adapter.validate_python(docs))
+        return pending_after(messages_adapter.validate_python(docs))[0]
 
     async def messages_by_seq(
         self,

@@ -85,7 +85,7 @@ def unlogged(
     """The update pipeline that takes a removed last message out of its conversation's summary.
 
     `preview` is the new preview, or None to keep the current one. `pending_calls` are the
-    calls the messages before it leave pending (`pending_calls_after`), or None to keep the
+    calls the messages before it leave pending (`pending_after`), or None to keep the
     list; they replace it only while no turn has reserved past the removed message, since
     they were read before this update. A prompt the message raised is no longer pending; a
     prompt resolved before is not brought back (a resolution by request id leaves no message).

@@ -590,11 +590,6 @@ def pending_after(
     return calls, hitl
 
 
-def pending_calls_after(messages: Sequence[AgentMessage]) -> list[PendingCall]:
-    """The calls `pending_after` lists."""
-    return pending_after(messages)[0]
-
-
 def block_abandoned(
     records: Sequence[TurnRecord], seq: int, *, now: datetime, abandon_after: timedelta
 ) -> bool:
