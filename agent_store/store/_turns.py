@@ -424,13 +424,9 @@ def plan_turn(
     `truncated` maps, which only the store sets, are kept.
     """
     conversation_id = validate_identifier(conversation_id, "conversation_id")
-    messages = [_clean(m, rules) for m in _parsed_unwalked(raw_messages)]
-    documents = [m.model_dump(by_alias=True) for m in messages]  # the one dump of each
-    canonical = _canonical(documents)
+    messages, documents, canonical = _dumped(_parsed_unwalked(raw_messages), rules)
     if _escapes_surrogates(canonical):  # rare: parse again, halves joined or refused
-        messages = [_clean(m, rules) for m in parse_messages(raw_messages)]
-        documents = [m.model_dump(by_alias=True) for m in messages]
-        canonical = _canonical(documents)
+        messages, documents, canonical = _dumped(parse_messages(raw_messages), rules)
     _check_whole(conversation_id, messages, rules, copied=copied)
     turn_id = (
         validate_identifier(turn_id, "turn_id")
@@ -462,6 +458,15 @@ def plan_turn(
         opened_calls=opened_calls,
         answered_calls=answered_calls,
     )
+
+
+def _dumped(
+    parsed: Sequence[AgentMessage], rules: TurnRules
+) -> tuple[list[AgentMessage], list[dict[str, Any]], str]:
+    """The messages cleaned, the one dump of each, and their content as one text."""
+    messages = [_clean(m, rules) for m in parsed]
+    documents = [m.model_dump(by_alias=True) for m in messages]
+    return messages, documents, _canonical(documents)
 
 
 def _check_whole(
