@@ -64,11 +64,15 @@ class LegacyTurns:
         self.read_fallback = read_fallback
         self.dual_write = dual_write
 
-    async def conversation(self, conversation_id: str) -> FallbackConversation | None:
-        """The conversation converted from its legacy turns and prompts; None if it has none."""
+    async def conversation(
+        self, conversation_id: str, *, user_id: str | None = None
+    ) -> FallbackConversation | None:
+        """The conversation converted from its legacy turns and prompts; None if it has none,
+        or if `user_id` is given and the turns name another owner (told before converting:
+        another's conversation costs no more than a missing one)."""
         with storage_errors("read the legacy turns"):
             turns = await self._turns.find(await self._turns_of(conversation_id)).to_list(None)
-        if not turns:
+        if not turns or (user_id is not None and owner_of(parse_turns(turns)) != user_id):
             return None
         conversion = convert(turns, rules=self._rules)
         if conversion.conversation is None:

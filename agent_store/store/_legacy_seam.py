@@ -35,8 +35,11 @@ class LegacySource(Protocol):
     read_fallback: bool
     """Serve conversations not migrated yet from their legacy turns."""
 
-    async def conversation(self, conversation_id: str) -> FallbackConversation | None:
-        """The conversation converted from its legacy turns; None if it has none."""
+    async def conversation(
+        self, conversation_id: str, *, user_id: str | None = None
+    ) -> FallbackConversation | None:
+        """The conversation converted from its legacy turns; None if it has none, or if
+        `user_id` is given and does not own it (told before anything is converted)."""
         ...
 
     async def holder(self, conversation_id: str) -> LegacyHolder | None:

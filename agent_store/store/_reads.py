@@ -152,11 +152,7 @@ class ConversationStore:
         source = self._legacy_source
         if source is None or not source.read_fallback:
             raise missing
-        if user_id is not None:  # another's is refused before its turns are converted
-            holder = await source.holder(conversation_id)
-            if holder is None or holder.user_id != user_id:
-                raise missing
-        found = await source.conversation(conversation_id)
+        found = await source.conversation(conversation_id, user_id=user_id)
         if found is None or (user_id is not None and found.conversation.user_id != user_id):
             raise missing
         return found
