@@ -164,3 +164,18 @@ def test_a_turns_block_runs_from_its_record_to_the_next_one() -> None:
 def test_assistant_message_is_a_model_too() -> None:
     message = AssistantMessage(content="hello")
     assert message.role == "assistant"
+
+
+def test_replacing_fields_gives_what_a_model_copy_gives_and_stays_frozen() -> None:
+    call = {"id": "c1", "function": {"name": "f"}}
+    message = parse({"role": "assistant", "content": "hi", "tool_calls": [call]})
+    update = {"seq": 7, "conversation_id": "c-1"}
+
+    replaced, copied = message.replacing(update), message.model_copy(update=update)
+
+    assert replaced == copied
+    assert replaced.model_dump() == copied.model_dump()
+    assert replaced.model_fields_set == copied.model_fields_set
+    assert (message.seq, message.conversation_id) == (None, None)  # the original is untouched
+    with pytest.raises(ValueError, match="frozen"):
+        replaced.seq = 8

@@ -21,7 +21,7 @@ from pymongo import AsyncMongoClient, monitoring
 
 from agent_store import AgentMessageLogger
 from agent_store.core import message_adapter, messages_adapter
-from agent_store.core._models import _MessageBase
+from agent_store.core._models import _MessageBase, _Model
 from agent_store.store._text import search_text
 from app.examples import example_turns
 
@@ -42,9 +42,10 @@ class Spies:
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         counts = self.counts
-        dump, copy_, validate = (
+        dump, copy_, replacing, validate = (
             BaseModel.model_dump,
             BaseModel.model_copy,
+            _Model.replacing,
             TypeAdapter.validate_python,
         )
         encode = bson.encode
@@ -58,6 +59,11 @@ class Spies:
             if isinstance(model, _MessageBase):
                 counts["copy"] += 1
             return copy_(model, *args, **kwargs)
+
+        def counting_replacing(model: _Model, update: Any) -> Any:
+            if isinstance(model, _MessageBase):
+                counts["copy"] += 1
+            return replacing(model, update)
 
         def counting_validate(
             adapter: TypeAdapter[Any], value: Any, *args: Any, **kwargs: Any
@@ -75,6 +81,7 @@ class Spies:
 
         monkeypatch.setattr(BaseModel, "model_dump", counting_dump)
         monkeypatch.setattr(BaseModel, "model_copy", counting_copy)
+        monkeypatch.setattr(_Model, "replacing", counting_replacing)
         monkeypatch.setattr(TypeAdapter, "validate_python", counting_validate)
         monkeypatch.setattr(bson, "encode", counting_encode)
 

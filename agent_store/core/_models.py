@@ -8,9 +8,9 @@ the exported JSON Schema.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
-from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, Literal, Self, TypeVar
 
 from bson import Int64
 from pydantic import (
@@ -175,6 +175,19 @@ class _Model(BaseModel):
         # Every key is in every stored document and served object, defaults included.
         json_schema_serialization_defaults_required=True,
     )
+
+    def replacing(self, update: Mapping[str, Any]) -> Self:
+        """A copy with the fields of `update` replaced by values already valid for them:
+        `model_copy(update=...)` without its generic copying, for the copy the store
+        makes of every message it writes. The models hold no extra or private values."""
+        copy = self.__class__.__new__(self.__class__)
+        object.__setattr__(copy, "__dict__", {**self.__dict__, **update})
+        object.__setattr__(
+            copy, "__pydantic_fields_set__", self.__pydantic_fields_set__ | update.keys()
+        )
+        object.__setattr__(copy, "__pydantic_extra__", None)
+        object.__setattr__(copy, "__pydantic_private__", None)
+        return copy
 
 
 class FunctionCall(_Model):

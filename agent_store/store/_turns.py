@@ -132,7 +132,7 @@ class TurnPlan:
     def stored(self, first_seq: int, owner: str | None) -> list[AgentMessage]:
         """The messages as stored in the block starting at `first_seq`: one copy each."""
         return [
-            source.model_copy(update={**update, "seq": first_seq + index, "user_id": owner})
+            source.replacing({**update, "seq": first_seq + index, "user_id": owner})
             for index, (source, update) in enumerate(zip(self.sources, self.updates, strict=True))
         ]
 
@@ -140,7 +140,7 @@ class TurnPlan:
     def messages(self) -> tuple[AgentMessage, ...]:
         """The messages as stored, without `seq` (not known yet) and the owner."""
         return tuple(
-            source.model_copy(update=update) if update else source
+            source.replacing(update) if update else source
             for source, update in zip(self.sources, self.updates, strict=True)
         )
 
