@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
@@ -256,24 +257,91 @@ async def test_an_earlier_text_index_is_replaced_by_the_compound_one(backend: Ba
     assert "search_text_text" not in names
 
 
+async def _turn_in_flight(
+    logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch, go: asyncio.Event
+) -> asyncio.Task[Any]:
+    """A turn of OWNER's "c-del" that has reserved its block and inserts once `go` is set."""
+    insert_many = logger._messages.insert_many
+
+    async def stalled(*args: Any, **kwargs: Any) -> Any:
+        await go.wait()
+        return await insert_many(*args, **kwargs)
+
+    monkeypatch.setattr(logger._messages, "insert_many", stalled)
+    turn = asyncio.create_task(
+        logger.log_messages("c-del", [{"role": "user", "content": "late"}], user_id=OWNER,
+                            turn_id="t2")
+    )  # fmt: skip
+    while (await logger._conversations.find_one({"_id": "c-del"}))["message_count"] < 2:
+        await asyncio.sleep(0.01)
+    return turn
+
+
+def _before_the_document_goes(
+    store: ConversationStore, monkeypatch: pytest.MonkeyPatch, then: Any
+) -> None:
+    conversations = store._conversations
+    find_one_and_delete = conversations.find_one_and_delete
+
+    async def hooked(*args: Any, **kwargs: Any) -> Any:
+        await then()
+        return await find_one_and_delete(*args, **kwargs)
+
+    monkeypatch.setattr(conversations, "find_one_and_delete", hooked)
+
+
 async def test_a_turn_inserting_while_its_conversation_is_deleted_leaves_no_message_behind(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The turn reserved before the delete; its insert lands between the delete's two steps."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
-    await logger.log_messages("c-del", [{"role": "user", "content": "hi"}], turn_id="t1")
-    late = {"_id": "msg-late", "conversation_id": "c-del", "seq": 1, "role": "user",
-            "content": "late"}  # fmt: skip
-    conversations = store._conversations
-    delete_one = conversations.delete_one
+    await logger.log_messages("c-del", [{"role": "user", "content": "hi"}], user_id=OWNER)
+    go = asyncio.Event()
+    turn = await _turn_in_flight(logger, monkeypatch, go)
 
-    async def insert_then_delete(*args: Any, **kwargs: Any) -> Any:
-        await backend.db.agent_messages.insert_one(late)
-        return await delete_one(*args, **kwargs)
+    async def let_it_insert() -> None:
+        go.set()
+        await turn
 
-    monkeypatch.setattr(conversations, "delete_one", insert_then_delete)
+    _before_the_document_goes(store, monkeypatch, let_it_insert)
 
-    deleted = await store.delete("c-del")
+    deleted = await store.delete("c-del", user_id=OWNER)
 
     assert deleted.messages == 2
     assert await backend.db.agent_messages.count_documents({"conversation_id": "c-del"}) == 0
+
+
+@pytest.mark.parametrize("writer", ["another user", "the owner again"])
+async def test_a_delete_leaves_a_conversation_created_under_its_id_meanwhile_whole(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    """Right after the document is deleted the id exists nowhere: a new turn may create it,
+    and the delete's last sweep (for turns that reserved before it) leaves that turn alone."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-del", [{"role": "user", "content": "old"}], user_id=OWNER,
+                              turn_id="t1")  # fmt: skip
+    user = "user-grace" if writer == "another user" else OWNER
+    new_turn: list[Any] = []
+
+    async def create_after() -> None:
+        new_turn.append(
+            await logger.log_messages("c-del", [{"role": "user", "content": "new"}],
+                                      user_id=user, turn_id="t-new", owner_only=True)
+        )  # fmt: skip
+
+    conversations = store._conversations
+    find_one_and_delete = conversations.find_one_and_delete
+
+    async def then_create(*args: Any, **kwargs: Any) -> Any:
+        gone = await find_one_and_delete(*args, **kwargs)
+        await create_after()
+        return gone
+
+    monkeypatch.setattr(conversations, "find_one_and_delete", then_create)
+
+    deleted = await store.delete("c-del", user_id=OWNER)
+
+    assert deleted.messages == 1
+    assert new_turn
+    stored = await backend.db.agent_messages.find({"conversation_id": "c-del"}).to_list(None)
+    assert [(m["content"], m["user_id"]) for m in stored] == [("new", user)]

@@ -52,6 +52,7 @@ from agent_store.store._turns import (
     TurnRules,
     block_abandoned,
     pending_after,
+    turn_key,
     validate_identifier,
 )
 
@@ -264,7 +265,9 @@ class ConversationStore:
         Legacy turns go first, then messages, then the conversation document: a
         crash part-way leaves something a repeated delete finishes, never
         messages without their conversation, and never legacy turns that a
-        migration re-run or the read fallback would bring back to life.
+        migration re-run or the read fallback would bring back to life. A turn
+        that reserved before the delete and inserts during it is swept last; a
+        conversation created under the id meanwhile, by anyone, is left whole.
         """
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
@@ -278,14 +281,37 @@ class ConversationStore:
         await self._full_texts.forget({"conversation_id": conversation_id})
         with storage_errors("delete the conversation"):
             messages = await self._messages.delete_many({"conversation_id": conversation_id})
-            conversations = await self._conversations.delete_one({"_id": conversation_id})
-            # A turn that reserved before the delete may have inserted in between: swept.
-            late = await self._messages.delete_many({"conversation_id": conversation_id})
+            gone = await self._conversations.find_one_and_delete(
+                self._scope(conversation_id, user_id), {"user_id": 1, "message_count": 1, "turns": 1}
+            )
+            late = await self._sweep_late_inserts(conversation_id, gone) if gone else 0
         return Deleted(
-            conversations=conversations.deleted_count,
-            messages=messages.deleted_count + late.deleted_count,
+            conversations=int(gone is not None),
+            messages=messages.deleted_count + late,
             legacy_turns=legacy,
         )
+
+    async def _sweep_late_inserts(self, conversation_id: str, gone: dict[str, Any]) -> int:
+        """Messages a turn reserved before the delete inserted after its first sweep: those
+        of the deleted conversation only (its owner, below its `message_count`, of a turn it
+        recorded), never those of a conversation created under the id since, by anyone."""
+        recorded = {TurnRecord.model_validate(r).key for r in gone.get("turns") or ()}
+        with storage_errors("delete the conversation"):
+            found = await self._messages.find(
+                {
+                    "conversation_id": conversation_id,
+                    "user_id": gone.get("user_id"),
+                    "seq": {"$lt": int(gone.get("message_count") or 0)},
+                },
+                {"turn_id": 1},
+            ).to_list(None)
+            late = [d["_id"] for d in found if turn_key(str(d.get("turn_id"))) in recorded]
+            if not late:
+                return 0
+            swept = await self._messages.delete_many(
+                {"conversation_id": conversation_id, "_id": {"$in": late}}
+            )
+        return int(swept.deleted_count)
 
     # -- messages --------------------------------------------------------------------
 
