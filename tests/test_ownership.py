@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from bson import ObjectId
 
-from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
+from agent_store.legacy import LEGACY_TURNS, SESSION_HITL, parse_turns
 from agent_store.store import CONVERSATIONS, MESSAGES
 from tests.api_harness import OTHER, OWNER, Served, auth_headers, hitl_turn, mongomock_db, serve
 
@@ -195,4 +195,50 @@ async def test_a_chosen_message_id_is_refused_alike_whether_it_exists_or_not(
 
         assert response.status_code == 422
         assert "message ids are the store's" in response.json()["error"]["message"]
+        assert await digests(api.db) == before
+
+
+DERIVED_ONLY: dict[str, dict[str, Any]] = {
+    # Legacy ids the migration cannot keep: it stores these under a digest of them, which
+    # nothing can trace back to the turns before the migration has run.
+    "a conversation id that is not an identifier": {"_id": "lt-odd", "conversation_id": "c of b"},
+    "a turn naming no conversation, by an odd id": {"_id": "turn of b"},
+}
+
+
+@pytest.mark.parametrize("turn", DERIVED_ONLY.values(), ids=list(DERIVED_ONLY))
+@pytest.mark.parametrize("caller", CALLERS)
+async def test_no_caller_creates_a_conversation_under_an_id_the_migration_derives(
+    caller: str, turn: dict[str, Any]
+) -> None:
+    """Ids starting `legacy-conversation-` or `legacy-turn-` are the migration's: a service is
+    told why (422); a user token gets 404, as for another user's conversation."""
+    async with serve(mongomock_db()) as api:
+        await api.db[LEGACY_TURNS].insert_one(
+            turn | {"user_id": OTHER, "user_message": "secret of the legacy owner"}
+        )
+        target = parse_turns([turn])[0].stored_conversation_id
+        before = await digests(api.db)
+        _, url, body = request_for("log-turn", "absent", caller)
+
+        response = await api.http.post(
+            url.replace(conversation_id("absent"), target), json=body, headers=headers_for(caller)
+        )
+
+        assert response.status_code == (422 if caller.startswith("service") else 404)
+        assert await digests(api.db) == before
+
+
+async def test_a_fork_into_an_id_the_migration_derives_is_refused() -> None:
+    async with serve(mongomock_db()) as api:
+        await seed_states(api)
+        before = await digests(api.db)
+
+        response = await api.http.post(
+            f"/v1/conversations/{conversation_id('mine')}/forks",
+            json={"at_seq": 0, "new_conversation_id": "legacy-turn-mine"},
+            headers=auth_headers(user=OWNER),
+        )
+
+        assert response.status_code == 404
         assert await digests(api.db) == before

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from agent_store import AgentMessageLogger, Conflict, ConversationStore, LegacyTurns, NotFound
-from agent_store.core import AgentMessage
+from agent_store.core import AgentMessage, utc_now
 from agent_store.legacy import LEGACY_TURNS, SESSION_HITL, convert
+from agent_store.store import CONVERSATIONS, is_derived_id
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_legacy_turns
 from tests.conftest import Backend
 from tests.test_logger import log_example
@@ -215,6 +216,11 @@ async def test_a_deleted_conversation_leaves_no_dual_written_turn_to_come_back(
     legacy = LegacyTurns(backend.db, dual_write=True)
     logger = AgentMessageLogger(backend.db, observers=[legacy], legacy=legacy)
     store = ConversationStore(backend.db, legacy=legacy)
+    if is_derived_id(cid):  # only the migration creates it: here, as one with no turns
+        now = utc_now()
+        await backend.db[CONVERSATIONS].insert_one(
+            {"_id": cid, "created_at": now, "updated_at": now, "message_count": 0}
+        )
     await logger.log_messages(cid, [{"role": "user", "content": "hi"}], turn_id="t1")
 
     deleted = await store.delete(cid)

@@ -23,7 +23,11 @@ from bson import ObjectId
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agent_store.core import InvalidInput, describe_validation_error, to_utc_millis
-from agent_store.store import validate_identifier
+from agent_store.store import (
+    DERIVED_CONVERSATION_PREFIX,
+    DERIVED_TURN_PREFIX,
+    validate_identifier,
+)
 
 LEGACY_TURNS = "agent_conversations_deprecated"
 """Where the legacy turns live once moved aside (DESIGN §5, step 1)."""
@@ -40,8 +44,6 @@ MAX_COUNT = 2**63 - 1
 """The largest count BSON stores as an integer."""
 
 
-DERIVED_CONVERSATION_PREFIX = "legacy-conversation-"
-DERIVED_TURN_PREFIX = "legacy-turn-"
 
 
 def id_text(value: Any) -> str | None:

@@ -35,7 +35,14 @@ from agent_store.store._indexes import (
     create_indexes,
     create_indexes_sync,
 )
-from agent_store.store._legacy_seam import FallbackConversation, LegacyHolder, LegacySource
+from agent_store.store._legacy_seam import (
+    DERIVED_CONVERSATION_PREFIX,
+    DERIVED_TURN_PREFIX,
+    FallbackConversation,
+    LegacyHolder,
+    LegacySource,
+    is_derived_id,
+)
 from agent_store.store._logger import AgentMessageLogger, LoggedTurn, TurnObserver
 from agent_store.store._reads import (
     MAX_PAGE_SIZE,
@@ -89,6 +96,9 @@ from agent_store.store._turns import (
 )
 
 __all__ = [
+    "DERIVED_CONVERSATION_PREFIX",
+    "DERIVED_TURN_PREFIX",
+    "is_derived_id",
     "BLOB_BUCKET",
     "BLOB_CHUNKS",
     "BLOB_FILES",

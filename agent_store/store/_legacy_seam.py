@@ -14,6 +14,20 @@ from typing import Protocol
 from agent_store.core import AgentMessage, Conversation
 
 
+DERIVED_CONVERSATION_PREFIX = "legacy-conversation-"
+"""How the migration names a conversation whose legacy id is not an identifier (a digest
+of it follows)."""
+DERIVED_TURN_PREFIX = "legacy-turn-"
+"""How the migration names a conversation of one legacy turn that names none (its document
+id, or a digest of it, follows)."""
+
+
+def is_derived_id(conversation_id: str) -> bool:
+    """Whether the id is one the migration derives: no other writer creates a conversation
+    under it, since a digest cannot be traced back to the legacy turns it will name."""
+    return conversation_id.startswith((DERIVED_CONVERSATION_PREFIX, DERIVED_TURN_PREFIX))
+
+
 @dataclass(frozen=True)
 class FallbackConversation:
     """A conversation not migrated yet, read from its legacy turns."""

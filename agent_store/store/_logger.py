@@ -35,6 +35,7 @@ from agent_store.core import (
     Conflict,
     Conversation,
     ForkOrigin,
+    InvalidInput,
     NotFound,
     StorageFailure,
     StorageUnavailable,
@@ -54,7 +55,12 @@ from agent_store.store._fork import (
     pending_now,
 )
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
-from agent_store.store._legacy_seam import LegacySource
+from agent_store.store._legacy_seam import (
+    DERIVED_CONVERSATION_PREFIX,
+    DERIVED_TURN_PREFIX,
+    LegacySource,
+    is_derived_id,
+)
 from agent_store.store._reservation import (
     RESERVED,
     SUMMARY,
@@ -393,8 +399,9 @@ class AgentMessageLogger:
         """
         complete = True
         may_create = condition is None or condition.create
-        # Wired to legacy turns, a new conversation is first checked against them.
-        create = may_create and self._legacy is None
+        # Wired to legacy turns, a new conversation is first checked against them; an id
+        # the migration derives is never created here.
+        create = may_create and self._legacy is None and not is_derived_id(plan.conversation_id)
         for _ in range(_RESERVE_ATTEMPTS):
             query = reservation_filter(plan, actor, records_complete=complete)
             if condition is not None:
@@ -413,6 +420,7 @@ class AgentMessageLogger:
                     assert condition is not None
                     raise condition.absent or condition.refusal
                 await self._refuse_unmigrated(plan.conversation_id, actor)
+                _refuse_derived(plan.conversation_id, actor)
                 create = True
                 continue
             refusal = actor.refusal(plan.conversation_id, found.get("user_id"))
@@ -586,4 +594,18 @@ def _other_content(plan: TurnPlan) -> Conflict:
     return Conflict(
         f"turn {plan.turn_id!r} was logged with other content ({plan.count} messages "
         "now); a retry must send the same messages. Use a new turn_id for a new turn"
+    )
+
+
+def _refuse_derived(conversation_id: str, actor: Actor) -> None:
+    """Refuse a new conversation under an id the migration derives. To a user token it is
+    NotFound, as another user's conversation is: the answer tells nothing of what exists."""
+    if not is_derived_id(conversation_id):
+        return
+    if actor.as_user:
+        raise NotFound(f"conversation {conversation_id!r} was not found")
+    raise InvalidInput(
+        f"conversation id {conversation_id!r}: ids starting with "
+        f"{DERIVED_CONVERSATION_PREFIX!r} or {DERIVED_TURN_PREFIX!r} name migrated legacy "
+        "conversations; a new conversation takes another id"
     )
