@@ -10,7 +10,14 @@ from typing import Any
 
 import pytest
 
-from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, LoggedTurn, TurnRules
+from agent_store import (
+    AgentMessageLogger,
+    Conflict,
+    ConversationStore,
+    InvalidInput,
+    LoggedTurn,
+    TurnRules,
+)
 from agent_store.core import messages_adapter
 from agent_store.integrations.exports import chat_completions, check_chat_completions
 from agent_store.integrations.streams import (
@@ -278,3 +285,35 @@ def test_a_second_done_event_keeps_the_first_ones_usage() -> None:
     assert answer.token_usage is not None
     assert answer.token_usage.model_dump() == usage
     assert answer.latency_ms == 900
+
+
+async def test_a_turn_that_only_resolves_a_prompt_naming_another_user_changes_nothing(
+    backend: Backend,
+) -> None:
+    """As a turn naming another user than the owner is a conflict, so is a turn that only
+    resolves that owner's prompt (it stores no message, but it clears the prompt)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    ask = [
+        {"type": "tool_start", "tool_name": "pay", "tool_call_id": "tc-1", "args": {"eur": 9}},
+        {"type": "confirm_required", "request_id": "confirm-1", "action": "pay",
+         "params": {"eur": 9}, "prompt": "Pay 9 EUR?", "tool_call_id": "tc-1"},
+    ]  # fmt: skip
+    await log_streamed_turn(
+        logger=logger, store=store, conversation_id="c-owned", user_id="user-alice",
+        turn=turn_from_metadata(ask, complete=True), turn_id="t1", prompt="Pay the invoice.",
+    )  # fmt: skip
+    approve = turn_from_metadata(
+        [{"type": "confirm_resolved", "request_id": "confirm-1", "approved": True}],
+        complete=True,
+        pending=await store.pending_calls("c-owned"),
+    )
+
+    with pytest.raises(Conflict, match="belongs to another user"):
+        await log_streamed_turn(
+            logger=logger, store=store, conversation_id="c-owned", turn=approve, turn_id="t2",
+            user_id="user-mallory",
+        )  # fmt: skip
+
+    pending = await store.pending_hitl("c-owned")
+    assert pending is not None
+    assert pending.request_id == "confirm-1"

@@ -41,6 +41,7 @@ from agent_store.core import (
     HitlAction,
     InvalidInput,
     MessageError,
+    NotFound,
     PendingCall,
     TokenUsage,
     ToolCall,
@@ -101,6 +102,7 @@ __all__ = [
     "turn_from_sse",
 ]
 from agent_store.store import (
+    Actor,
     AgentMessageLogger,
     ConversationStore,
     LoggedTurn,
@@ -446,6 +448,20 @@ class _OpenCalls:
         return tool_call_id
 
 
+async def _refuse_another_owner(
+    store: ConversationStore, conversation_id: str, user_id: str
+) -> None:
+    """What the logger refuses a turn naming `user_id`, refused for a turn that only resolves
+    prompts: it stores no message, so the logger never sees it."""
+    try:
+        conversation = await store.get_conversation(conversation_id)
+    except NotFound:
+        return
+    refusal = Actor(user_id).refusal(conversation.id, conversation.user_id)
+    if refusal is not None:
+        raise refusal
+
+
 async def log_streamed_turn(
     *,
     logger: AgentMessageLogger,
@@ -462,7 +478,8 @@ async def log_streamed_turn(
     from the prompt by the logger's rules. A resolved prompt that is no longer
     pending (a retry, or a later prompt replaced it) is left as it is. A turn
     that only resolved prompts (an approval whose result comes later) stores
-    no message: the answer it gave is the prompt's resolution.
+    no message: the answer it gave is the prompt's resolution; naming another
+    user than the conversation's owner, it is a Conflict, as any turn is.
     """
     messages: list[AgentMessage | Mapping[str, Any]] = []
     if isinstance(prompt, str):
@@ -475,6 +492,8 @@ async def log_streamed_turn(
             conversation_id, messages, user_id=user_id, turn_id=turn_id
         )
     else:
+        if user_id is not None:
+            await _refuse_another_owner(store, conversation_id, user_id)
         logged = LoggedTurn(
             conversation_id=validate_identifier(conversation_id, "conversation_id"),
             turn_id=validate_identifier(turn_id, "turn_id"),

@@ -44,8 +44,6 @@ MAX_COUNT = 2**63 - 1
 """The largest count BSON stores as an integer."""
 
 
-
-
 def id_text(value: Any) -> str | None:
     """How the reader names a legacy id stored as any value: text as it is, an ObjectId or a
     number as `str()` writes it, anything else as its JSON text."""

@@ -54,6 +54,7 @@ from agent_store.store._reads import (
     SearchHit,
     SortOrder,
 )
+from agent_store.store._reservation import Actor
 from agent_store.store._retry import RetryPolicy, with_retries
 from agent_store.store._text import (
     DEFAULT_MARKERS,
@@ -96,9 +97,6 @@ from agent_store.store._turns import (
 )
 
 __all__ = [
-    "DERIVED_CONVERSATION_PREFIX",
-    "DERIVED_TURN_PREFIX",
-    "is_derived_id",
     "BLOB_BUCKET",
     "BLOB_CHUNKS",
     "BLOB_FILES",
@@ -106,7 +104,9 @@ __all__ = [
     "CONVERSATIONS",
     "DEFAULT_MARKERS",
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "DERIVED_CONVERSATION_PREFIX",
     "DERIVED_FIELDS",
+    "DERIVED_TURN_PREFIX",
     "DUPLICATE_KEY",
     "ELLIPSIS",
     "INDEXES",
@@ -119,6 +119,7 @@ __all__ = [
     "SHARD_KEYS",
     "TEXT_INDEX",
     "TRUNCATION_MARK",
+    "Actor",
     "AgentMessageLogger",
     "BoundedMessage",
     "Claimed",
@@ -152,6 +153,7 @@ __all__ = [
     "create_indexes",
     "create_indexes_sync",
     "document_size",
+    "is_derived_id",
     "kept_blob_ids",
     "message_id",
     "message_text",

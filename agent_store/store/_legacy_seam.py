@@ -13,7 +13,6 @@ from typing import Protocol
 
 from agent_store.core import AgentMessage, Conversation
 
-
 DERIVED_CONVERSATION_PREFIX = "legacy-conversation-"
 """How the migration names a conversation whose legacy id is not an identifier (a digest
 of it follows)."""

@@ -282,7 +282,8 @@ class ConversationStore:
         with storage_errors("delete the conversation"):
             messages = await self._messages.delete_many({"conversation_id": conversation_id})
             gone = await self._conversations.find_one_and_delete(
-                self._scope(conversation_id, user_id), {"user_id": 1, "message_count": 1, "turns": 1}
+                self._scope(conversation_id, user_id),
+                {"user_id": 1, "message_count": 1, "turns": 1},
             )
             late = await self._sweep_late_inserts(conversation_id, gone) if gone else 0
         return Deleted(
