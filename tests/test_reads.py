@@ -261,9 +261,10 @@ async def _turn_in_flight(
     logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch, go: asyncio.Event
 ) -> asyncio.Task[Any]:
     """A turn of OWNER's "c-del" that has reserved its block and inserts once `go` is set."""
-    insert_many = logger._messages.insert_many
+    insert_many, reserved = logger._messages.insert_many, asyncio.Event()
 
     async def stalled(*args: Any, **kwargs: Any) -> Any:
+        reserved.set()  # the insert comes right after the reservation
         await go.wait()
         return await insert_many(*args, **kwargs)
 
@@ -272,8 +273,7 @@ async def _turn_in_flight(
         logger.log_messages("c-del", [{"role": "user", "content": "late"}], user_id=OWNER,
                             turn_id="t2")
     )  # fmt: skip
-    while (await logger._conversations.find_one({"_id": "c-del"}))["message_count"] < 2:
-        await asyncio.sleep(0.01)
+    await reserved.wait()
     return turn
 
 
