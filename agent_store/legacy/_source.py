@@ -11,8 +11,6 @@ import bson
 from agent_store.core import AgentMessage, Conversation
 from agent_store.legacy._convert import convert
 from agent_store.legacy._documents import (
-    DERIVED_CONVERSATION_PREFIX,
-    DERIVED_TURN_PREFIX,
     LEGACY_TURNS,
     SESSION_HITL,
     id_filter,
@@ -24,6 +22,8 @@ from agent_store.legacy._dual_write import legacy_turn_documents
 from agent_store.legacy._session_hitl import with_session_prompts
 from agent_store.store import (
     CONVERSATIONS,
+    DERIVED_CONVERSATION_PREFIX,
+    DERIVED_TURN_PREFIX,
     Database,
     FallbackConversation,
     FullTextStore,
