@@ -482,7 +482,8 @@ async def test_past_the_kept_records_a_retry_must_match_every_stored_message(
 ) -> None:
     """With no record left, the stored messages are the only evidence of the turn: a retry
     sending more messages than were stored writes nothing (it could fill another turn's
-    empty block); a block cut short by a crash is refused, not completed."""
+    empty block), one sending fewer is not the turn either; a block cut short by a crash is
+    refused, not completed."""
     logger = AgentMessageLogger(backend.db, rules=TurnRules(turns_recorded=4))
     await logger.log_messages(CID, turn("first"), turn_id="t-a")
     for n in range(10):
@@ -492,6 +493,9 @@ async def test_past_the_kept_records_a_retry_must_match_every_stored_message(
     with pytest.raises(Conflict):
         await logger.log_messages(CID, [*turn("first"), {"role": "assistant", "content": "+"}],
                                   turn_id="t-a")  # fmt: skip
+    assert await digest(backend.db) == before
+    with pytest.raises(Conflict, match="other content"):
+        await logger.log_messages(CID, turn("first")[:1], turn_id="t-a")
     assert await digest(backend.db) == before
     await backend.db.agent_messages.delete_one({"turn_id": "t-a", "seq": 1})
     with pytest.raises(Conflict, match="other content"):

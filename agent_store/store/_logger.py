@@ -487,18 +487,21 @@ class AgentMessageLogger:
         """Past the kept records: the block of a turn whose first message is stored, else None.
 
         With no record left, the stored messages are the only evidence of what the turn
-        was: all of them must be there and be this turn's. A block an earlier attempt
+        was: all of them must be there and be this turn's, and none past them. A block an earlier attempt
         filled only in part is refused rather than completed, since nothing tells a
         turn cut short from a retry sending more messages than it first did.
         """
+        first_id = message_id(plan.conversation_id, plan.turn_id, 0)
+        past_id = message_id(plan.conversation_id, plan.turn_id, plan.count)
         with storage_errors("look up the turn"):
-            first = await self._messages.find_one(
-                {
-                    "_id": message_id(plan.conversation_id, plan.turn_id, 0),
-                    "conversation_id": plan.conversation_id,
-                },
+            found = await self._messages.find(
+                {"_id": {"$in": [first_id, past_id]}, "conversation_id": plan.conversation_id},
                 {"seq": 1},
-            )
+            ).to_list(2)
+        by_id = {d["_id"]: d for d in found}
+        if past_id in by_id:  # the turn stored more messages than the retry sends
+            raise _other_content(plan)
+        first = by_id.get(first_id)
         if first is None:
             return None
         block = RecordedBlock(int(first["seq"]), plan.count, plan.digest)
