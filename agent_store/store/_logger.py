@@ -487,9 +487,9 @@ class AgentMessageLogger:
         """Past the kept records: the block of a turn whose first message is stored, else None.
 
         With no record left, the stored messages are the only evidence of what the turn
-        was: all of them must be there and be this turn's, and none past them. A block an earlier attempt
-        filled only in part is refused rather than completed, since nothing tells a
-        turn cut short from a retry sending more messages than it first did.
+        was: all of them must be there and be this turn's, and none past them. A block an
+        earlier attempt filled only in part is refused rather than completed, since nothing
+        tells a turn cut short from a retry sending more messages than it first did.
         """
         first_id = message_id(plan.conversation_id, plan.turn_id, 0)
         past_id = message_id(plan.conversation_id, plan.turn_id, plan.count)
