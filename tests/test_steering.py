@@ -177,6 +177,24 @@ async def test_a_delivered_message_retried_is_stored_once_and_still_acknowledged
     assert await inbox.close_inbox(CID, TURN, last_seen_seq=late[-1].seq or 0) == []
 
 
+async def test_a_delivery_undone_by_a_pop_is_not_returned_as_what_took_its_seq(
+    backend: Backend,
+) -> None:
+    """The pop gives the delivery's `seq` back; the runtime's next message takes it. The inbox
+    hands back delivered messages only, never that one."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    inbox = SteeringInbox(logger)
+    await inbox.open_turn(CID, TURN)
+    assert await inbox.try_deliver(CID, TURN, {"role": "user", "content": "no, the 10:04"})
+    popped = await store.pop_last_message(CID)
+    assert popped is not None
+    await logger.log_messages(CID, [{"role": "assistant", "content": "Pay 35 EUR?"}], turn_id="t1")
+
+    assert await inbox.drain(CID, TURN, after_seq=0) == []
+    assert await inbox.close_inbox(CID, TURN, last_seen_seq=0) == []
+
+
 async def test_a_stranger_cannot_open_or_deliver_into_anothers_turn(backend: Backend) -> None:
     logger = AgentMessageLogger(backend.db)
     await logger.log_messages(

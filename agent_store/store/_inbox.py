@@ -105,8 +105,11 @@ class SteeringInbox:
         field = _entry(turn_id)
         actor = Actor(user_id, as_user=owner_only)
 
+        delivered_id = plan.documents[0]["_id"]
+
         def stage(now: datetime) -> dict[str, Any]:
-            added = {"$map": {"input": [0], "in": {"s": "$message_count", "a": literal(now)}}}
+            entry = {"s": "$message_count", "a": literal(now), "m": literal(delivered_id)}
+            added = {"$map": {"input": [0], "in": entry}}
             return {
                 f"{field}.seqs": {"$concatArrays": [f"${field}.seqs", added]},
                 f"{field}.v": int64({"$add": [f"${field}.v", 1]}),
@@ -211,7 +214,10 @@ class SteeringInbox:
         Deliveries commit out of `seq` order, so returning one past a delivery in flight
         would let the runtime's `after_seq` pass it for good.
         """
-        wanted = {d["s"]: d["a"] for d in entry.get("seqs", ()) if d["s"] > after_seq}
+        deliveries = [d for d in entry.get("seqs", ()) if d["s"] > after_seq]
+        wanted = {d["s"]: d["a"] for d in deliveries}
+        # A delivery undone by a pop gave its `seq` back: whatever took it since is not it.
+        ids = {d["s"]: d["m"] for d in deliveries if "m" in d}
         if not wanted:
             return [], False
         waited = 0.0
@@ -220,11 +226,14 @@ class SteeringInbox:
                 found = await self._messages.find(
                     {"conversation_id": conversation_id, "seq": {"$in": sorted(wanted)}}
                 ).to_list(None)
-            by_seq = {d["seq"]: d for d in found}
+            by_seq = {d["seq"]: d for d in found if ids.get(d["seq"], d["_id"]) == d["_id"]}
+            undone = {d["seq"] for d in found} - by_seq.keys()  # another message holds it
             ready, in_flight = [], False
             for seq in sorted(wanted):
                 if seq in by_seq:
                     ready.append(by_seq[seq])
+                elif seq in undone:
+                    continue
                 elif utc_now() - wanted[seq] < self._logger.rules.abandon_after:
                     in_flight = True
                     break
