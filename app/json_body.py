@@ -18,6 +18,8 @@ from app.http_errors import InvalidJson, InvalidRequest
 MAX_BODY_DEPTH = 64
 """The deepest nesting of objects and arrays a body may have (MongoDB stores 100 at most)."""
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_INT64_DIGITS = len(str(INT64_MIN))
+"""The longest JSON integer within 64 bits, its sign included."""
 T = TypeVar("T", int, float)
 
 
@@ -71,6 +73,8 @@ class _Numbers:
         self.refused = False
 
     def integer(self, text: str) -> int:
+        if len(text) > _INT64_DIGITS:  # past 64 bits, and maybe past what int() reads
+            return self._noted(INT64_MIN - 1 if text.startswith("-") else INT64_MAX + 1)
         return self._noted(int(text))
 
     def real(self, text: str) -> float:

@@ -60,10 +60,18 @@ def user_turn(**overrides: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "hi"} | overrides]}
 
 
+def forged_cursor(millis: int) -> str:
+    """A page cursor as the store writes one, with a time no datetime holds."""
+    return base64.urlsafe_b64encode(json.dumps([millis, "conv-x"]).encode()).decode()
+
+
 QUERY_INJECTIONS = [
     pytest.param(f"{USER}/conversations?limit[$gt]=0", id="limit-operator-key"),
     pytest.param(f'{USER}/conversations?limit={{"$gt":0}}', id="limit-operator-json"),
     pytest.param(f'{USER}/conversations?cursor={{"$ne":null}}', id="cursor-operator"),
+    pytest.param(f"{USER}/conversations?cursor={forged_cursor(10**30)}", id="cursor-time-10**30"),
+    pytest.param(f"{USER}/conversations?cursor={forged_cursor(2**1024)}", id="cursor-time-2**1024"),
+    pytest.param(f"{USER}/conversations?cursor={forged_cursor(-(10**30))}", id="cursor-time-minus"),
     pytest.param('/v1/users/{"$ne":null}/conversations', id="user-path-json"),
     pytest.param("/v1/users/$ne/conversations", id="user-path-dollar"),
     pytest.param('/v1/conversations/{"$gt":""}/transcript', id="conversation-path-json"),

@@ -135,6 +135,16 @@ HUGE_NUMBERS = [
         "messages.0.hitl_action.params.amount",
         id="hitl-param-1e400",
     ),
+    pytest.param(  # past the digits Python's int() reads at all
+        f'{{"role": "assistant", "content": "x", "latency_ms": {"9" * 4301}}}',
+        "messages.0.latency_ms",
+        id="latency-4301-digits",
+    ),
+    pytest.param(
+        f'{{"role": "assistant", "content": "x", "latency_ms": -{"1" * 100_000}}}',
+        "messages.0.latency_ms",
+        id="latency-minus-100000-digits",
+    ),
 ]
 
 

@@ -122,7 +122,7 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
         if not isinstance(millis, int) or not isinstance(conversation_id, str):
             raise ValueError
         return datetime.fromtimestamp(millis / 1000, UTC), conversation_id
-    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError) as exc:
+    except (ValueError, TypeError, OverflowError, OSError, binascii.Error) as exc:
         raise InvalidInput(
             "invalid cursor: pass back the `next_cursor` of a previous page unchanged"
         ) from exc
