@@ -70,6 +70,10 @@ async def test_an_unexpected_failure_says_nosniff_too(
     assert response.headers["x-content-type-options"] == "nosniff"
 
 
+REPEATED_CALLS = {
+    "role": "assistant",
+    "tool_calls": [{"id": HOSTILE, "function": {"name": "f"}}] * 2,
+}
 ECHOES = [
     pytest.param("GET", f"/{HOSTILE}", {}, None, 404, id="unknown-path"),
     pytest.param("GET", f"{CONV}?{HOSTILE}=1", {}, None, 422, id="unknown-parameter"),
@@ -90,6 +94,22 @@ ECHOES = [
         json.dumps({"messages": [{"role": "user", "content": "x", HOSTILE: 1}]}).encode(),
         422,
         id="message-key",
+    ),
+    pytest.param(
+        "POST",
+        f"{CONV}/turns",
+        {"Content-Type": "application/json"},
+        json.dumps({"messages": [{"role": "user", "content": "x"}, REPEATED_CALLS]}).encode(),
+        422,
+        id="tool-call-id",
+    ),
+    pytest.param(
+        "POST",
+        f"{CONV}/hitl/resolve",
+        {"Content-Type": "application/json"},
+        json.dumps({"request_id": HOSTILE}).encode(),
+        409,
+        id="request-id",
     ),
 ]
 

@@ -102,7 +102,7 @@ def test_datetimes_become_aware_utc_at_millisecond_precision() -> None:
                     {"id": "c", "function": {"name": "f"}},
                 ],
             },
-            "tool call ids repeat within one message: ['c']",
+            "tool call ids repeat within one message: 'c'",
             id="repeated-ids",
         ),
         pytest.param(

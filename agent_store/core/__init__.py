@@ -13,6 +13,7 @@ from agent_store.core._errors import (
     Unsupported,
     describe_validation_error,
     location_text,
+    shown,
 )
 from agent_store.core._models import (
     MAX_SAFE_INTEGER,
@@ -119,6 +120,7 @@ __all__ = [
     "messages_adapter",
     "outcome_error",
     "rfc3339_millis",
+    "shown",
     "stand_in_result",
     "to_utc_millis",
     "tool_outcome",

@@ -74,6 +74,13 @@ def location_text(parts: Sequence[str | int]) -> str:
     )
 
 
+def shown(value: str) -> str:
+    """A caller's value as an error message may show it: quoted when it is a plain name
+    (an id such as `call_0`), else `<withheld>`, so a message never repeats arbitrary
+    input back."""
+    return repr(value) if _PLAIN_NAME.fullmatch(value) else "<withheld>"
+
+
 def describe_validation_error(error: ValidationError, *, subject: str = "input") -> str:
     """One line per problem: where it is and what is wrong, without pydantic's URLs."""
     problems = []

@@ -32,6 +32,8 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
+from agent_store.core._errors import shown
+
 Role = Literal["system", "user", "assistant", "tool"]
 """Who speaks a message, as in the OpenAI chat format."""
 
@@ -397,7 +399,8 @@ class AssistantMessage(_MessageBase):
         ids = [call.id for call in self.tool_calls or ()]
         repeated = sorted({i for i in ids if ids.count(i) > 1})
         if repeated:
-            raise ValueError(f"tool call ids repeat within one message: {repeated}")
+            shown_ids = ", ".join(shown(i) for i in repeated)
+            raise ValueError(f"tool call ids repeat within one message: {shown_ids}")
         if (
             self.content is None
             and self.tool_calls is None

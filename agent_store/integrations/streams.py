@@ -50,6 +50,7 @@ from agent_store.core import (
     UserMessage,
     interruption_notice,
     outcome_error,
+    shown,
     stand_in_result,
     utc_now,
 )
@@ -170,7 +171,7 @@ class TurnAssembler:
     ) -> None:
         """The model called a tool."""
         if tool_call_id in self._block_of_call or tool_call_id in self._earlier:
-            raise InvalidInput(f"invalid stream: tool call id {tool_call_id!r} is used twice")
+            raise InvalidInput(f"invalid stream: tool call id {shown(tool_call_id)} is used twice")
         block = self._accepting(at)
         block.calls.append(
             ToolCall(id=tool_call_id, function=FunctionCall(name=tool_name, arguments=args))
@@ -192,11 +193,11 @@ class TurnAssembler:
         block = self._block_of_call.get(tool_call_id)
         if block is None and tool_call_id not in self._earlier:
             raise InvalidInput(
-                f"invalid stream: a tool result answers {tool_call_id!r}, which no call made"
+                f"invalid stream: a tool result answers {shown(tool_call_id)}, which no call made"
             )
         results = block.results if block is not None else self._earlier_answers
         if tool_call_id in results:
-            raise InvalidInput(f"invalid stream: tool call {tool_call_id!r} has two results")
+            raise InvalidInput(f"invalid stream: tool call {shown(tool_call_id)} has two results")
         results[tool_call_id] = ToolMessage(
             tool_call_id=tool_call_id,
             content=content if isinstance(content, str) else _json(content),
@@ -444,7 +445,9 @@ class _OpenCalls:
                 waiting.remove(tool_call_id)
                 return tool_call_id
         if tool_call_id is None:
-            raise InvalidInput(f"invalid stream: {tool_name!r} ended but no call of it is open")
+            raise InvalidInput(
+                f"invalid stream: {shown(tool_name)} ended but no call of it is open"
+            )
         return tool_call_id
 
 

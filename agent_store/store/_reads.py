@@ -31,6 +31,7 @@ from agent_store.core import (
     TurnRecord,
     message_adapter,
     messages_adapter,
+    shown,
     utc_now,
 )
 from agent_store.store._blobs import FullTextStore
@@ -650,8 +651,8 @@ class ConversationStore:
             return
         pending = await self.pending_hitl(conversation_id, user_id=user_id)
         raise Conflict(
-            f"no pending prompt {request_id!r} in conversation {conversation_id!r}"
-            + (f"; the pending one is {pending.request_id!r}" if pending else "")
+            f"no pending prompt {shown(request_id)} in conversation {conversation_id!r}"
+            + (f"; the pending one is {shown(pending.request_id)}" if pending else "")
         )
 
     # -- search ----------------------------------------------------------------------

@@ -28,6 +28,7 @@ from agent_store.core import (
     Usage,
     describe_validation_error,
     messages_adapter,
+    shown,
     utc_now,
 )
 from agent_store.store._text import (
@@ -385,18 +386,19 @@ def _check_tool_pairing(messages: Sequence[AgentMessage]) -> None:
     for index, message in enumerate(messages):
         for call in message.tool_calls or ():
             if call.id in calls_seen:
-                raise InvalidInput(f"invalid turn: tool call id {call.id!r} is used twice")
+                raise InvalidInput(f"invalid turn: tool call id {shown(call.id)} is used twice")
             calls_seen.add(call.id)
         if message.role == "tool":
             call_id = message.tool_call_id
             assert call_id is not None
             if call_id in answered:
                 raise InvalidInput(
-                    f"invalid turn: message {index} answers tool call {call_id!r} a second time"
+                    f"invalid turn: message {index} answers tool call {shown(call_id)} "
+                    "a second time"
                 )
             if call_id in calls_later and call_id not in calls_seen:
                 raise InvalidInput(
-                    f"invalid turn: message {index} answers tool call {call_id!r} "
+                    f"invalid turn: message {index} answers tool call {shown(call_id)} "
                     "before the assistant message that makes it"
                 )
             answered.add(call_id)
