@@ -539,3 +539,61 @@ async def test_a_fork_waits_for_a_turn_still_being_written_before_its_point(
     patient = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
     forked = await patient.fork(CID, 2, "fork-passing-it")
     assert [m.content for m in forked.messages] == ["hi", "after"]
+
+
+async def _weather_then_booking(logger: AgentMessageLogger) -> None:
+    """Turn t1 leaves call c1 open (its result comes from elsewhere, no prompt holds it);
+    turn t2 raises an unrelated prompt r2."""
+    call = {"id": "c1", "function": {"name": "weather", "arguments": "{}"}}
+    hitl = {"action": "book", "params": {}, "request_id": "r2"}
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [call]}],
+        turn_id="t1",
+    )
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "Book the train."},
+         {"role": "assistant", "content": "Pay €35?", "hitl_action": hitl}],
+        turn_id="t2",
+    )  # fmt: skip
+
+
+async def _log_a_call_and_pop_it(logger: AgentMessageLogger, store: ConversationStore) -> None:
+    call = {"id": "c5", "function": {"name": "lookup", "arguments": "{}"}}
+    await logger.log_messages("fork-1", [{"role": "assistant", "tool_calls": [call]}], turn_id="t3")
+    await store.pop_last_message("fork-1")
+
+
+async def test_a_pop_in_a_fork_folds_the_copies_turn_by_turn_as_the_original_logged_them(
+    backend: Backend,
+) -> None:
+    """The fork's copies are one turn; a pop listing what is pending again must not make r2
+    hold back t1's call, so c1's late result leaves r2 pending, as in the original."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _weather_then_booking(logger)
+    await logger.fork(CID, 3, "fork-1")
+    await _log_a_call_and_pop_it(logger, store)
+    assert await pending_state(store, "fork-1") == (["c1"], "r2")
+
+    await logger.log_messages(
+        "fork-1", [{"role": "tool", "tool_call_id": "c1", "content": "sunny"}], turn_id="t4"
+    )
+
+    assert await pending_state(store, "fork-1") == ([], "r2")
+
+
+async def test_a_fork_of_a_fork_awaits_what_that_fork_awaited_at_its_point(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _weather_then_booking(logger)
+    await logger.fork(CID, 3, "fork-1")
+    await logger.log_messages("fork-1", [{"role": "user", "content": "still there?"}], turn_id="t5")
+
+    await logger.fork("fork-1", 3, "fork-2")  # before t5: what fork-1 awaited at seq 3
+
+    assert await pending_state(store, "fork-2") == (["c1"], "r2")
+    fork = await store.get_conversation("fork-2")
+    assert fork.forked_from is not None
+    assert fork.forked_from.turn_starts == [2]

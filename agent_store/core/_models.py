@@ -504,6 +504,10 @@ class ForkOrigin(_Model):
     conversation_id: str
     seq: Count
     """The last `seq` of the original the fork copied."""
+    turn_starts: list[Count] = Field(default_factory=list)
+    """The fork's `seq`s where a turn of the original began, after the first: its copies are
+    one turn, and what they leave pending is folded turn by turn as the original logged them
+    (by a pop or a fork of the fork too)."""
 
 
 class Conversation(_Model):

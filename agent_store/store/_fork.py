@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from agent_store.core import (
@@ -62,12 +62,24 @@ def fork_turn_id(conversation_id: str, end: int) -> str:
     return "fork-" + digest[:32]
 
 
+def fork_turn_starts(chosen: Sequence[AgentMessage], turn_starts: Collection[int]) -> list[int]:
+    """Where the original's turns begin among a fork's copies (`seq` 0…n in the order of
+    `chosen`), after the first: where `turn_id` changes, or where the original, a fork
+    itself, had a turn begin (`turn_starts`)."""
+    return [
+        index
+        for index in range(1, len(chosen))
+        if chosen[index].turn_id != chosen[index - 1].turn_id or chosen[index].seq in turn_starts
+    ]
+
+
 def fork_pending(
     messages: Sequence[AgentMessage],
     end: int,
     fork_ids: Mapping[str, str],
     now: tuple[Sequence[PendingCall], PendingHitl | None],
     next_seq: int,
+    turn_starts: Collection[int] = (),
 ) -> tuple[tuple[PendingCall, ...], PendingHitl | None]:
     """What the fork awaits, naming the fork's own messages (`fork_ids`: the original's
     message ids to the fork's).
@@ -75,10 +87,11 @@ def fork_pending(
     A fork of the whole conversation (no `seq` reserved past `end`: `next_seq`) awaits
     what it awaits `now` (a prompt resolved by request id left no message). A fork cut
     earlier awaits what the original's messages up to `end` left pending, folded turn by
-    turn as they were logged.
+    turn as they were logged (`turn_starts`: the original's own, when it is a fork).
     """
     whole = end + 1 >= next_seq
-    calls, hitl = now if whole else pending_after([m for m in messages if (m.seq or 0) <= end])
+    upto = [m for m in messages if (m.seq or 0) <= end]
+    calls, hitl = now if whole else pending_after(upto, turn_starts)
     return (
         tuple(
             c.model_copy(update={"message_id": fork_ids.get(c.message_id, c.message_id)})
@@ -88,6 +101,11 @@ def fork_pending(
         if hitl
         else None,
     )
+
+
+def fork_turns_of(conversation: Mapping[str, Any]) -> list[int]:
+    """The `seq`s where a fork's copies began a turn of its original (none unless a fork)."""
+    return list((conversation.get("forked_from") or {}).get("turn_starts") or ())
 
 
 def pending_now(conversation: Mapping[str, Any]) -> tuple[list[PendingCall], PendingHitl | None]:

@@ -51,6 +51,8 @@ from agent_store.store._fork import (
     fork_end,
     fork_pending,
     fork_turn_id,
+    fork_turn_starts,
+    fork_turns_of,
     forked_messages,
     pending_now,
 )
@@ -320,9 +322,12 @@ class AgentMessageLogger:
         # the messages as stored (a prompt's params stay bounded).
         ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
         next_seq = int(source.get("message_count") or 0)
-        calls, prompt = fork_pending(messages, end, ids, pending_now(source), next_seq)
+        starts = fork_turns_of(source)
+        calls, prompt = fork_pending(messages, end, ids, pending_now(source), next_seq, starts)
         plan = replace(plan, opened_calls=calls, answered_calls=(), pending_hitl=prompt)
-        origin = ForkOrigin(conversation_id=conversation_id, seq=end).model_dump()
+        origin = ForkOrigin(
+            conversation_id=conversation_id, seq=end, turn_starts=fork_turn_starts(chosen, starts)
+        ).model_dump()
         condition = Condition(
             {"created_at": {"$exists": False}},
             lambda now: {"forked_from": literal(origin)},
@@ -374,6 +379,7 @@ class AgentMessageLogger:
                     "pending_calls": 1,
                     "pending_hitl": 1,
                     "turns": 1,
+                    "forked_from": 1,
                 },
             )
             if source is None or actor.refusal(conversation_id, source.get("user_id")):

@@ -36,6 +36,7 @@ from agent_store.core import (
 )
 from agent_store.store._blobs import FullTextStore
 from agent_store.store._driver import Database, storage_errors
+from agent_store.store._fork import fork_turns_of
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource
 from agent_store.store._reservation import SUMMARY
@@ -435,7 +436,11 @@ class ConversationStore:
 
     async def _pending_calls_before(self, popped: AgentMessage) -> list[PendingCall]:
         """The calls the messages before `popped` leave pending (reads them all: a pop of a
-        call, an answer or a prompt is rare, and what is pending depends on every turn)."""
+        call, an answer or a prompt is rare, and what is pending depends on every turn, and
+        in a fork on where its copies began the original's turns)."""
+        conversation = await self._conversations.find_one(
+            {"_id": popped.conversation_id}, {"forked_from": 1}
+        )
         docs = await (
             self._messages.find(
                 {"conversation_id": popped.conversation_id, "seq": {"$lt": popped.seq}}
@@ -443,7 +448,8 @@ class ConversationStore:
             .sort("seq", 1)
             .to_list(None)
         )
-        return pending_after(messages_adapter.validate_python(docs))[0]
+        messages = messages_adapter.validate_python(docs)
+        return pending_after(messages, fork_turns_of(conversation or {}))[0]
 
     async def messages_by_seq(
         self,

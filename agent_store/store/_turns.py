@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cached_property
@@ -567,17 +567,21 @@ def _pending_calls(
 
 
 def pending_after(
-    messages: Sequence[AgentMessage],
+    messages: Sequence[AgentMessage], turn_starts: Collection[int] = ()
 ) -> tuple[list[PendingCall], PendingHitl | None]:
     """The calls and the prompt a conversation's stored messages leave pending, turn by turn
-    (runs of one `turn_id`), by the rules the reservations apply: what a rewrite of its
-    history (a pop, a fork) lists again. A prompt resolved by request id leaves no message,
-    so it is pending here."""
+    (runs of one `turn_id`, cut also at the `seq`s of `turn_starts`: a fork's), by the rules
+    the reservations apply: what a rewrite of its history (a pop, a fork) lists again. A
+    prompt resolved by request id leaves no message, so it is pending here."""
     calls: list[PendingCall] = []
     hitl: PendingHitl | None = None
     start = 0
     for end in range(1, len(messages) + 1):
-        if end < len(messages) and messages[end].turn_id == messages[start].turn_id:
+        if (
+            end < len(messages)
+            and messages[end].turn_id == messages[start].turn_id
+            and messages[end].seq not in turn_starts
+        ):
             continue
         turn = messages[start:end]
         ids = [str(m.id) for m in turn]

@@ -302,6 +302,12 @@ export interface IForkOrigin {
   conversation_id: string;
   /** The last `seq` of the original the fork copied. */
   seq: number;
+  /**
+   * The fork's `seq`s where a turn of the original began, after the first: its copies are
+   * one turn, and what they leave pending is folded turn by turn as the original logged them
+   * (by a pop or a fork of the fork too).
+   */
+  turn_starts: number[];
 }
 
 /** The function an assistant asks to call. */
