@@ -17,8 +17,10 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
+from bson import Decimal128, ObjectId
 from pymongo.database import Database
 from pymongo.errors import OperationFailure
 
@@ -34,15 +36,49 @@ class Ranges:
     """The last id migrated in each range, by the range's index as a string."""
 
     def bounds(self, index: int) -> dict[str, Any]:
-        """The filter on a grouped conversation id of range `index`, past its checkpoint."""
+        """The filter of the conversation ids of range `index`, past its checkpoint."""
         condition: dict[str, Any] = {}
         if self.starts[index] is not None:
             condition["$gte"] = self.starts[index]
         if index + 1 < len(self.starts):
             condition["$lt"] = self.starts[index + 1]
+        clauses = [{"conversation_id": condition}] if condition else []
         if str(index) in self.done:
-            condition["$gt"] = self.done[str(index)]
-        return condition
+            clauses.append(after("conversation_id", self.done[str(index)]))
+        return {"$and": clauses} if len(clauses) > 1 else next(iter(clauses), {})
+
+
+_TYPE_FLOORS: tuple[tuple[type | tuple[type, ...], Any], ...] = (
+    (type(None), None),
+    ((int, float, Decimal128), float("-inf")),
+    (str, ""),
+    (dict, {}),
+    (bytes, b""),
+    (ObjectId, ObjectId("0" * 24)),
+    (bool, False),
+    (datetime, datetime(1, 1, 1, tzinfo=UTC)),
+)
+"""The BSON types a legacy conversation id may have, in the order MongoDB sorts values of
+different types, each with the least value of its type."""
+
+
+def _type_rank(value: Any) -> int:
+    """Where a value's type sorts among `_TYPE_FLOORS` (a bool is no number here)."""
+    if isinstance(value, bool):
+        return next(i for i, (kind, _) in enumerate(_TYPE_FLOORS) if kind is bool)
+    return next(
+        (i for i, (kind, _) in enumerate(_TYPE_FLOORS) if isinstance(value, kind)),
+        len(_TYPE_FLOORS),
+    )
+
+
+def after(field: str, value: Any) -> dict[str, Any]:
+    """The filter of documents whose `field` sorts after `value` as MongoDB sorts across
+    BSON types: `$gt` compares only within one type, so a resume past a number would never
+    reach the strings and ObjectIds after it. Each later type is reached from its least
+    value (`$gte`, which compares within that type too)."""
+    later = [{field: {"$gte": floor}} for _, floor in _TYPE_FLOORS[_type_rank(value) + 1 :]]
+    return {"$or": [{field: {"$gt": value}}, *later]}
 
 
 def plan_ranges(
@@ -75,9 +111,10 @@ def range_ids(
     db: Database[dict[str, Any]], source: str, match: dict[str, Any], bounds: dict[str, Any]
 ) -> Iterator[Any]:
     """The sorted distinct conversation ids of `source`'s documents matching `match` within
-    `bounds`, streamed from the server. The bounds filter before grouping, so a range reads
-    its own documents (through the conversation id index), not the whole collection."""
-    within = {**match, "conversation_id": bounds} if bounds else match
+    `bounds` (a filter), streamed from the server. The bounds filter before grouping, so a
+    range reads its own documents (through the conversation id index), not the whole
+    collection."""
+    within = {"$and": [match, bounds]} if bounds else match
     pipeline: list[dict[str, Any]] = [
         {"$match": within},
         {"$group": {"_id": "$conversation_id"}},

@@ -407,3 +407,26 @@ def test_a_run_stopped_by_a_signal_releases_the_lock_and_the_next_resumes(
     assert database[lease.STATE].find_one({"_id": lease.LOCK_ID}) is None
     assert run_process(wire_uri, database.name, "--wait-seconds", "0") == 0
     assert cli(wire_uri, database, "verify") == 0
+
+
+def test_a_resume_past_a_checkpoint_reaches_the_ids_of_every_later_bson_type() -> None:
+    """MongoDB's `$gt` compares within one BSON type (as mongomock does): a resume past the
+    number 2 must still reach the strings, ObjectIds, booleans and dates sorted after it."""
+    from datetime import UTC, datetime
+
+    from bson import ObjectId
+
+    from migrations.order import Ranges, range_ids
+
+    oid, when = ObjectId(), datetime(2024, 1, 1, tzinfo=UTC)
+    db = mongomock.MongoClient(tz_aware=True)["resume"]
+    ids = [None, 1, 2, 2.5, "a", "b", oid, True, when]
+    db["turns"].insert_many([{"conversation_id": i} for i in ids])
+
+    def resumed_after(done: Any) -> list[Any]:
+        bounds = Ranges(done={"0": done}).bounds(0)
+        return list(range_ids(db, "turns", {}, bounds))
+
+    assert resumed_after(2) == [2.5, "a", "b", oid, True, when]
+    assert resumed_after("a") == ["b", oid, True, when]
+    assert resumed_after(oid) == [True, when]
