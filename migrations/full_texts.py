@@ -51,6 +51,13 @@ def keep(db: Database[dict[str, Any]], full_texts: Sequence[FullText], bounds: B
     _insert(db, BLOB_FILES, [files for files, _ in built], bounds)
 
 
+def forget(db: Database[dict[str, Any]], blob_ids: Sequence[str]) -> None:
+    """Delete files: their `files` documents first (so none is seen half gone), then chunks."""
+    if blob_ids:
+        db[BLOB_FILES].delete_many({"_id": {"$in": list(blob_ids)}})
+        db[BLOB_CHUNKS].delete_many({"files_id": {"$in": list(blob_ids)}})
+
+
 def texts(db: Database[dict[str, Any]], blob_ids: Iterable[str]) -> dict[str, str]:
     """The whole texts found, by blob id; a missing or incomplete file is left out."""
     wanted = sorted(set(blob_ids))

@@ -24,7 +24,7 @@ from typing import Any
 from pymongo.database import Database
 
 from agent_store.core import AgentMessage
-from agent_store.store import CONVERSATIONS, TurnRules
+from agent_store.store import CONVERSATIONS, TurnRules, with_texts
 from migrations import full_texts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
@@ -104,6 +104,21 @@ def _stored(
     )
 
 
+def _changed(item: Converted, stored: Sequence[AgentMessage]) -> int:
+    """How many stored messages hold other content, in any field, than the converter makes
+    of their legacy turns now (whole texts put back on both sides; the owner aside, which a
+    claim may have moved)."""
+    texts = {f.blob_id: f.text for f in item.conversion.full_texts}
+    by_id = {str(m.id): m for m in stored}
+    return sum(
+        1
+        for m in item.conversion.messages
+        if (found := by_id.get(str(m.id))) is not None
+        and found.model_dump(exclude={"user_id"})
+        != with_texts(m, texts).model_dump(exclude={"user_id"})
+    )
+
+
 def _reasons(
     item: Converted,
     stored: _Stored,
@@ -126,6 +141,12 @@ def _reasons(
         missing = sum(1 for m in conversion.messages if m.id not in stored.messages)
         if missing:
             reasons.append(f"{missing} of {len(conversion.messages)} messages missing")
+        changed = _changed(item, messages)
+        if changed:
+            reasons.append(
+                f"{changed} stored messages differ from what their legacy turns convert to now "
+                "(a turn edited after the run?): run the migration again"
+            )
         lost = sum(1 for f in conversion.full_texts if f.blob_id not in stored.texts)
         if lost:
             reasons.append(f"{lost} whole texts of cut messages missing")

@@ -21,9 +21,9 @@ from pymongo import ReplaceOne
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError
 
-from agent_store.core import Conversation, message_adapter
+from agent_store.core import AgentMessage, Conversation, message_adapter
 from agent_store.legacy import LegacyConversion, LegacyTurn, Problem
-from agent_store.store import CONVERSATIONS, MESSAGES, FullText, only_duplicates
+from agent_store.store import CONVERSATIONS, MESSAGES, FullText, kept_blob_ids, only_duplicates
 from migrations import full_texts
 from migrations.bounds import Bounds, bounded
 from migrations.transcript import contains, from_legacy, from_messages
@@ -44,21 +44,36 @@ class Planned:
     full_texts: list[FullText] = field(default_factory=list)
     conversations: list[dict[str, Any]] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
+    rewritten: list[dict[str, Any]] = field(default_factory=list)
+    """Messages an earlier run stored whose legacy turn converts to something else now (edited
+    since, or a newer converter): replaced by what it converts to."""
+    stale_texts: list[str] = field(default_factory=list)
+    """Files of whole texts that differ from what their legacy turn converts to now."""
     live: list[Problem] = field(default_factory=list)
     """Problems of conversations already live: their legacy turns are not merged."""
 
 
 def _taken(
     db: Database[dict[str, Any]], wanted: Sequence[LegacyConversion]
-) -> dict[tuple[str, int], str]:
-    """(conversation id, seq) -> message id of what is stored at the batch's seq values."""
+) -> dict[tuple[str, int], dict[str, Any]]:
+    """(conversation id, seq) -> the message stored at the batch's seq values."""
     clauses = [
         {"conversation_id": c.conversation_id, "seq": {"$lt": len(c.messages)}} for c in wanted
     ]
-    taken: dict[tuple[str, int], str] = {}
-    for doc in db[MESSAGES].find({"$or": clauses}, {"conversation_id": 1, "seq": 1}):
-        taken[(doc["conversation_id"], doc["seq"])] = doc["_id"]
-    return taken
+    return {(d["conversation_id"], d["seq"]): d for d in db[MESSAGES].find({"$or": clauses})}
+
+
+def _differs(stored: dict[str, Any], wanted: AgentMessage) -> bool:
+    """Whether a stored message holds other content than the conversion's (its owner aside:
+    a claim may have moved it)."""
+    found = message_adapter.validate_python(stored)
+    return found.model_dump(exclude={"user_id"}) != wanted.model_dump(exclude={"user_id"})
+
+
+def _stale_texts(db: Database[dict[str, Any]], wanted: Sequence[FullText]) -> set[str]:
+    """The files stored for these whole texts that hold another text."""
+    stored = full_texts.texts(db, (f.blob_id for f in wanted))
+    return {f.blob_id for f in wanted if f.blob_id in stored and stored[f.blob_id] != f.text}
 
 
 def _next_free_seq(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, int]:
@@ -120,7 +135,7 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
         foreign = [
             seq
             for seq, m in at.items()
-            if taken.get((conversion.conversation_id, seq or 0), m.id) != m.id
+            if taken.get((conversion.conversation_id, seq or 0), {"_id": m.id})["_id"] != m.id
         ]
         if foreign:
             planned.live.append(_live_problem(db, item, len(foreign)))
@@ -138,13 +153,19 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
         if _changed(existing.get(conversion.conversation_id), document):
             planned.conversations.append(document.model_dump(by_alias=True))
         planned.full_texts += conversion.full_texts
-        planned.messages += [
-            m.model_dump(by_alias=True)
-            for m in conversion.messages
-            if (conversion.conversation_id, m.seq) not in taken
-        ]
+        stale = _stale_texts(db, conversion.full_texts)
+        planned.stale_texts += sorted(stale)
+        for m in conversion.messages:
+            found = taken.get((conversion.conversation_id, m.seq or 0))
+            if found is None:
+                planned.messages.append(m.model_dump(by_alias=True))
+            elif _differs(found, m) or stale & set(kept_blob_ids(m).values()):
+                planned.rewritten.append(m.model_dump(by_alias=True))
     kept = full_texts.present(db, (f.blob_id for f in planned.full_texts))
-    planned.full_texts = [f for f in planned.full_texts if f.blob_id not in kept]
+    stale_texts = set(planned.stale_texts)
+    planned.full_texts = [
+        f for f in planned.full_texts if f.blob_id not in kept or f.blob_id in stale_texts
+    ]
     return planned
 
 
@@ -153,6 +174,7 @@ def apply(
 ) -> tuple[int, list[Problem]]:
     """Make the planned writes: whole texts, conversation documents, then messages. Returns
     how many messages were inserted, and the problems of races with the live service."""
+    full_texts.forget(db, planned.stale_texts)
     full_texts.keep(db, planned.full_texts, bounds)
     upserts = [
         # Only over a document the migration wrote: the logger's have turn records.
@@ -174,7 +196,13 @@ def apply(
         except BulkWriteError as exc:
             inserted += len(run) - len(exc.details.get("writeErrors", []))
             problems += _accept_identical(db, exc, run)
-    return inserted, problems
+    rewrites = [
+        ReplaceOne({"_id": d["_id"], "conversation_id": d["conversation_id"]}, d)
+        for d in planned.rewritten
+    ]
+    for batch in bounded(rewrites, [len(bson.encode(d)) for d in planned.rewritten], bounds):
+        db[MESSAGES].bulk_write(batch, ordered=False)
+    return inserted + len(planned.rewritten), problems
 
 
 def _accept_identical(

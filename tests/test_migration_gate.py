@@ -450,6 +450,52 @@ def test_a_legacy_turn_changed_or_added_after_the_run_is_work_left(
     assert database[LEGACY_TURNS].count_documents({}) == 3
 
 
+EDITS_NO_TRANSCRIPT_SHOWS = {
+    "an upload's parsed text": (
+        {"upload_result": {"filename": "a.pdf", "file_type": "pdf", "size": 10,
+                           "parsed_text": "old parsed"}},
+        {"upload_result.parsed_text": "new parsed «edit»"},
+    ),
+    "a prompt's params": (
+        {"response_parts": [{"type": "hitl", "action": "pay", "params": {"eur": 10},
+                             "request_id": "r-1", "prompt": "Pay?"}]},
+        {"response_parts.0.params": {"eur": "«edit»"}},
+    ),
+    "a cut result's end": (
+        {"response_parts": [{"type": "tool_call", "tool_name": "f", "args": {}},
+                            {"type": "tool_result", "tool_name": "f",
+                             "result": "x" * BIG_RESULT_CHARS + "old end"}]},
+        {"response_parts.1.result": "x" * BIG_RESULT_CHARS + "new end «edit»"},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(("fields", "edit"), EDITS_NO_TRANSCRIPT_SHOWS.values(),
+                         ids=list(EDITS_NO_TRANSCRIPT_SHOWS))  # fmt: skip
+def test_a_turn_edited_after_the_run_in_any_field_is_work_left_until_a_run_takes_it(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    fields: dict[str, Any],
+    edit: dict[str, Any],
+) -> None:
+    """The gate compares every field of every stored message with what the converter makes
+    of its legacy turn now, not only what a transcript shows; a rerun rewrites it."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-a", "c-a", 0, "A") | fields)
+    assert cli(wire_uri, database, "run") == 0
+    database[LEGACY_TURNS].update_one({"_id": "t-a"}, {"$set": edit})
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert "differ from what their legacy turns convert to now" in capsys.readouterr().out
+    assert database[LEGACY_TURNS].count_documents({}) == 1
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert "«edit»" in kept_text(database)
+
+
 @pytest.mark.wire
 def test_finish_without_legacy_data_is_misuse_and_creates_nothing(
     wire_uri: str, database: Database[dict[str, Any]]
