@@ -33,6 +33,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 import bson
+from bson import ObjectId
 from pymongo import ReturnDocument
 from pymongo.database import Database
 
@@ -44,6 +45,7 @@ from agent_store.legacy import (
     Problem,
     convert,
     group_conversations,
+    id_filter,
     id_text,
     parse_turns,
     prompts_filter,
@@ -160,18 +162,33 @@ def batches(ids: Iterator[T], size: int) -> Iterator[list[T]]:
 def read_turns(
     db: Database[dict[str, Any]], ids: list[Any], *, source: str = LEGACY_TURNS
 ) -> list[tuple[Any, list[dict[str, Any]]]]:
-    """The turns of some conversations by their legacy id as stored, each list in stored
-    order. Ids are told apart by their BSON encoding: a value Python cannot hash (a
+    """The turns of some conversations, each list in stored order, by the id the reader
+    names them (`id_text`): 7 and "7" are one conversation to it, so the turns under either
+    are read whichever of them a batch holds (converted twice, the same way both times).
+    Other values are told apart by their BSON encoding: a value Python cannot hash (a
     Decimal128) is an id like any other."""
-    grouped: dict[bytes, tuple[Any, list[dict[str, Any]]]] = {_encoded(i): (i, []) for i in ids}
-    for doc in db[source].find({"conversation_id": {"$in": ids}, **LEGACY_FILTER}):
+    grouped: dict[Any, tuple[Any, list[dict[str, Any]]]] = {_key(i): (i, []) for i in ids}
+    clauses = [_named(i) for i in ids]
+    for doc in db[source].find({"$and": [{"$or": clauses}, LEGACY_FILTER]}):
         raw = doc.get("conversation_id")
-        grouped.setdefault(_encoded(raw), (raw, []))[1].append(doc)
+        grouped.setdefault(_key(raw), (raw, []))[1].append(doc)
     return list(grouped.values())
 
 
-def _encoded(value: Any) -> bytes:
-    return bson.encode({"v": value})
+def _spelled(value: Any) -> bool:
+    """Whether the reader names the id by text that other values may spell too."""
+    return isinstance(value, str | ObjectId | int | float) and not isinstance(value, bool)
+
+
+def _key(value: Any) -> Any:
+    return ("text", id_text(value)) if _spelled(value) else bson.encode({"v": value})
+
+
+def _named(value: Any) -> dict[str, Any]:
+    """The filter of the turns under every value the reader names as `value`."""
+    if _spelled(value):
+        return id_filter("conversation_id", str(id_text(value)))
+    return {"conversation_id": value}
 
 
 def read_session_hitl(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, list[Any]]:

@@ -497,6 +497,31 @@ def test_a_turn_edited_after_the_run_in_any_field_is_work_left_until_a_run_takes
 
 
 @pytest.mark.wire
+def test_a_conversation_whose_turns_name_it_by_a_number_and_by_text_is_one_conversation(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """7 and "7" are one conversation to the reader, so to the migration too, even in
+    batches apart: each turn's unplaced part is recorded, none replaces the other's."""
+
+    def mystery(turn_id: str, cid: Any, mark: str) -> dict[str, Any]:
+        parts = [{"type": "text", "content": "hello"}, {"type": "mystery_widget", "data": mark}]
+        return legacy_turn(turn_id, cid, 0, "hi") | {"response_parts": parts}
+
+    database[CONVERSATIONS].insert_many(
+        [mystery("t-int", 7, "«of the int»"), mystery("t-str", "7", "«of the text»")]
+        + [legacy_turn(f"t-{n}", n, 1, "between") for n in range(8, 12)]  # type: ignore[arg-type]
+    )
+    assert cli(wire_uri, database, "run", "--batch-size", "1") == 0
+    assert cli(wire_uri, database, "finish", "--accept", "7", "--note", "read") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+    kept = kept_text(database)
+    assert "«of the int»" in kept
+    assert "«of the text»" in kept
+    assert len(database[MESSAGES].distinct("turn_id", {"conversation_id": "7"})) == 2
+
+
+@pytest.mark.wire
 def test_finish_without_legacy_data_is_misuse_and_creates_nothing(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:
