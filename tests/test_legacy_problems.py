@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
 from bson import ObjectId
 
 from agent_store import ConversationStore, LegacyTurns
@@ -164,6 +165,67 @@ def test_response_text_that_no_message_holds_is_still_a_problem() -> None:
         "response_text",
         False,
     )
+
+
+TWO_SPELLINGS = {
+    "text and content": ({"type": "text", "content": "shown", "text": "«second»"}, ["text"]),
+    "result and content": (
+        {"type": "tool_result", "tool_name": "f", "result": "4", "content": "«sum»"},
+        ["content"],
+    ),
+    "prompt and content": (
+        {"type": "hitl", "action": "pay", "prompt": "Pay?", "content": "«terms»"},
+        ["content"],
+    ),
+    "message, error and content": (
+        {"type": "error", "message": "boom", "error": "«trace»", "content": "«more»"},
+        ["error", "content"],
+    ),
+    "name and tool_name": (
+        {"type": "tool_call", "tool_name": "f", "name": "«g»", "args": {}},
+        ["name"],
+    ),
+}
+
+
+@pytest.mark.parametrize(("part", "unread"), TWO_SPELLINGS.values(), ids=list(TWO_SPELLINGS))
+def test_a_part_spelling_a_field_twice_with_two_values_keeps_the_unread_one_in_a_problem(
+    part: dict[str, Any], unread: list[str]
+) -> None:
+    """The converter reads one spelling; another holding something else is never dropped
+    silently: an unplaced problem holds it, so the gate asks an operator to accept it."""
+    turn = {"_id": "s-1", "conversation_id": "c-spell", "created_at": MESSY_START,
+            "user_message": "hi", "response_parts": [part]}  # fmt: skip
+    problems = [p for p in convert([turn]).problems if p.kind == "unread_spelling"]
+
+    assert [(p.field, p.placed, p.content) for p in problems] == [
+        ("response_parts.0", False, {name: part[name] for name in unread})
+    ]
+
+
+def test_two_spellings_of_one_value_are_no_problem() -> None:
+    part = {"type": "text", "content": "same", "text": "same"}
+    turn = {"_id": "s-1", "conversation_id": "c-spell", "created_at": MESSY_START,
+            "user_message": "hi", "response_parts": [part]}  # fmt: skip
+    assert convert([turn]).problems == []
+
+
+def test_a_summed_up_call_no_part_holds_is_a_problem_holding_it() -> None:
+    """`tool_calls` beside the parts summed them up; a call only it holds is kept in a
+    problem (as `response_text` is), one a part holds (same tool, same arguments) is not."""
+    held = {"tool_name": "lookup", "args": {"q": "x", "n": 1}}
+    only_summed = {"tool_name": "refund", "args": {"order": "«77»"}}
+    turn = {
+        "_id": "s-1", "conversation_id": "c-sum", "created_at": MESSY_START,
+        "user_message": "hi",
+        "response_parts": [{"type": "tool_call", "tool_name": "lookup", "args": '{"n":1,"q":"x"}'}],
+        "tool_calls": [held, only_summed],
+    }  # fmt: skip
+    problems = [p for p in convert([turn]).problems if p.field == "tool_calls"]
+
+    assert [(p.kind, p.placed, p.content) for p in problems] == [
+        ("tool_call_not_in_parts", False, only_summed)
+    ]
 
 
 def test_each_problem_names_the_field_it_concerns() -> None:

@@ -212,6 +212,15 @@ class _TurnState:
     pending_results: list[tuple[int, LegacyPart, str | None]] = field(default_factory=list)
 
 
+def _call_said(part: LegacyPart) -> tuple[Any, str]:
+    """A call's tool and arguments, the arguments as JSON values when they parse."""
+    text = call_arguments(part)[0]
+    try:
+        return part.tool_name, json.dumps(json.loads(text), sort_keys=True)
+    except (ValueError, RecursionError):
+        return part.tool_name, text
+
+
 class _Converter:
     """Converts the turns of one conversation, collecting problems as it goes."""
 
@@ -297,9 +306,11 @@ class _Converter:
             if part.kind != "tool_call":
                 state.open_group = None
             self._HANDLERS[part.kind](self, state, index, part)
+            self._check_spellings(turn, index, part)
         for index, part, real in state.pending_results:
             self._place_result(state, index, part, real)
         self._check_response_text(turn, state.items)
+        self._check_summary_calls(turn, parts)
         self._usage(turn, state.items)
         return state.items
 
@@ -396,6 +407,35 @@ class _Converter:
                 content=raw,
             )
         return turn_parts(turn)
+
+    def _check_spellings(self, turn: LegacyTurn, index: int, part: LegacyPart) -> None:
+        """A part that spelt a field twice with two values: the one not read is kept here."""
+        if part.unread:
+            self.problem(
+                turn,
+                "unread_spelling",
+                f"the part also holds {', '.join(part.unread)} with another value than the "
+                "one converted",
+                field=f"response_parts.{index}",
+                content={name: part.raw[name] for name in part.unread},
+            )
+
+    def _check_summary_calls(self, turn: LegacyTurn, parts: list[tuple[int, LegacyPart]]) -> None:
+        """`tool_calls` summed up the calls beside the parts: a problem for each one no part
+        holds (the same tool with the same arguments). Without parts it was converted."""
+        if not isinstance(turn.response_parts, list) or not turn.response_parts:
+            return
+        held = [_call_said(p) for _, p in parts if p.kind == "tool_call"]
+        for call in turn.tool_calls if isinstance(turn.tool_calls, list) else ():
+            summed = {"type": "tool_call", **call} if isinstance(call, dict) else call
+            if _call_said(normalize_part(summed)) not in held:
+                self.problem(
+                    turn,
+                    "tool_call_not_in_parts",
+                    "tool_calls holds a call no part holds; the parts were converted",
+                    field="tool_calls",
+                    content=call,
+                )
 
     def _check_response_text(self, turn: LegacyTurn, items: list[Item]) -> None:
         """`response_text` summed up the answer: a problem only when some of it is nowhere."""

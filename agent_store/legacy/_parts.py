@@ -54,6 +54,9 @@ class LegacyPart:
     action: Any = None
     params: Any = None
     request_id: Any = None
+    unread: tuple[str, ...] = ()
+    """Names of fields the part also spelt with another value than the one read (`text`
+    beside `content`, say): content no reader takes, which the converter reports."""
 
 
 def part_kind(part: Any) -> PartKind:
@@ -86,15 +89,37 @@ def _blank(value: Any) -> bool:
     return value is None or (isinstance(value, str | dict | list) and not value)
 
 
+_SPELLINGS: dict[PartKind, tuple[tuple[str, ...], ...]] = {
+    "text": (("content", "text"),),
+    "tool_call": (("tool_name", "name"), ("args", "arguments")),
+    "tool_result": (("tool_name", "name"), ("result", "content")),
+    "hitl": (("prompt", "content"),),
+    "error": (("message", "error", "content"),),
+}
+"""The names a kind's fields were spelt by, the one read first."""
+
+
+def _unread(kind: PartKind, part: Mapping[str, Any]) -> tuple[str, ...]:
+    """The spellings holding another value than the one `_first` reads."""
+    unread: list[str] = []
+    for names in _SPELLINGS.get(kind, ()):
+        read = _first(part, *names)
+        unread += [n for n in names if n in part and not _blank(part[n]) and part[n] != read]
+    return tuple(unread)
+
+
 def normalize_part(part: Any) -> LegacyPart:
     """A legacy part in canonical names; a part that is not a mapping is `unknown`."""
     kind = part_kind(part)
     if not isinstance(part, Mapping):
         return LegacyPart("unknown", None, part)
     declared = _declared(part)
-    tool_name = part.get("tool_name") or part.get("name") or None
+    tool_name = _first(part, "tool_name", "name") or None
+    unread = _unread(kind, part)
     if kind == "text":
-        return LegacyPart(kind, declared, part, content=_first(part, "content", "text"))
+        return LegacyPart(
+            kind, declared, part, content=_first(part, "content", "text"), unread=unread
+        )
     if kind == "tool_call":
         return LegacyPart(
             kind,
@@ -103,6 +128,7 @@ def normalize_part(part: Any) -> LegacyPart:
             tool_name=tool_name,
             args=_first(part, "args", "arguments"),
             tool_call_id=part.get("tool_call_id"),
+            unread=unread,
         )
     if kind == "tool_result":
         return LegacyPart(
@@ -112,6 +138,7 @@ def normalize_part(part: Any) -> LegacyPart:
             tool_name=tool_name,
             result=_first(part, "result", "content"),
             tool_call_id=part.get("tool_call_id"),
+            unread=unread,
         )
     if kind == "file_upload":
         body = {k: v for k, v in part.items() if k not in ("type", "part_kind")}
@@ -125,9 +152,11 @@ def normalize_part(part: Any) -> LegacyPart:
             action=part.get("action"),
             params=part.get("params"),
             request_id=part.get("request_id"),
+            unread=unread,
         )
     if kind == "error":
-        return LegacyPart(kind, declared, part, content=_first(part, "message", "error", "content"))
+        content = _first(part, "message", "error", "content")
+        return LegacyPart(kind, declared, part, content=content, unread=unread)
     return LegacyPart("unknown", declared, part)
 
 
