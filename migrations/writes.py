@@ -142,16 +142,20 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
             continue
         # Live turns stored past the legacy ones (logged before a rollback moved the live
         # conversation document away) keep their `seq` values: the next turn goes after them.
+        # Their records went with that document, so the logger is told some are missing: a
+        # retry of one of them then finds its stored messages instead of a new block.
+        stored_to = next_free.get(conversion.conversation_id, 0)
+        live_past = stored_to > conversion.conversation.message_count
         document = conversion.conversation.model_copy(
             update={
-                "message_count": max(
-                    conversion.conversation.message_count,
-                    next_free.get(conversion.conversation_id, 0),
-                )
+                "message_count": max(conversion.conversation.message_count, stored_to),
+                "turns_dropped": max(conversion.conversation.turns_dropped, int(live_past)),
             }
         )
         if _changed(existing.get(conversion.conversation_id), document):
-            planned.conversations.append(document.model_dump(by_alias=True))
+            # `turns_dropped` is the store's bookkeeping, never served: dumped by hand.
+            dumped = document.model_dump(by_alias=True)
+            planned.conversations.append(dumped | {"turns_dropped": document.turns_dropped})
         planned.full_texts += conversion.full_texts
         stale = _stale_texts(db, conversion.full_texts)
         planned.stale_texts += sorted(stale)

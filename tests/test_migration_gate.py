@@ -546,17 +546,18 @@ def test_a_second_attempt_after_a_rollback_keeps_the_conversation_writable(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:
     """The runbook's rollback moves the new conversation documents away and keeps
-    `agent_messages`; a later run must not give back `seq` values live turns hold."""
+    `agent_messages`; a later run must not give back `seq` values live turns hold, and a
+    live turn retried after it is recognised though its record went with the document."""
     import asyncio
 
     from pymongo import AsyncMongoClient
 
-    from agent_store import AgentMessageLogger
+    from agent_store import AgentMessageLogger, LoggedTurn
 
-    async def log(turn_id: str, text: str) -> None:
+    async def log(turn_id: str, text: str) -> LoggedTurn:
         client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
         try:
-            await AgentMessageLogger(client[database.name]).log_messages(
+            return await AgentMessageLogger(client[database.name]).log_messages(
                 "c-r",
                 [{"role": "user", "content": f"{text}?"}, {"role": "assistant", "content": text}],
                 user_id="u-1",
@@ -571,10 +572,14 @@ def test_a_second_attempt_after_a_rollback_keeps_the_conversation_writable(
     database[CONVERSATIONS].delete_one({"_id": "c-r"})  # moved away by the rollback
 
     assert cli(wire_uri, database, "run") == 0
+    retried = asyncio.run(log("native-1", "NATIVE"))  # its first answer was lost
     asyncio.run(log("native-2", "AFTER"))
 
+    assert retried.replayed
+    assert [m.seq for m in retried.messages] == [2, 3]
     seqs = [m["seq"] for m in database[MESSAGES].find({"conversation_id": "c-r"}).sort("seq", 1)]
     assert seqs == [0, 1, 2, 3, 4, 5]
+    assert database[CONVERSATIONS].find_one({"_id": "c-r"})["message_count"] == 6
     assert cli(wire_uri, database, "verify") == 0
 
 
