@@ -152,7 +152,11 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
                 "turns_dropped": max(conversion.conversation.turns_dropped, int(live_past)),
             }
         )
-        if _changed(existing.get(conversion.conversation_id), document):
+        found = existing.get(conversion.conversation_id)
+        if found is not None and found.get("name_source") == "set":
+            # A person renamed it since the last run: a rerun keeps their name.
+            document = document.model_copy(update={"name": found.get("name"), "name_source": "set"})
+        if _changed(found, document):
             # `turns_dropped` is the store's bookkeeping, never served: dumped by hand.
             dumped = document.model_dump(by_alias=True)
             planned.conversations.append(dumped | {"turns_dropped": document.turns_dropped})

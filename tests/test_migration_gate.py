@@ -522,6 +522,35 @@ def test_a_conversation_whose_turns_name_it_by_a_number_and_by_text_is_one_conve
 
 
 @pytest.mark.wire
+def test_a_rerun_keeps_the_name_a_person_gave_a_migrated_conversation(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    import asyncio
+
+    from pymongo import AsyncMongoClient
+
+    from agent_store import ConversationStore
+
+    async def rename() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            await ConversationStore(client[database.name]).rename("c-a", "Trip to Lyon")
+        finally:
+            await client.close()
+
+    database[CONVERSATIONS].insert_one(legacy_turn("t-a", "c-a", 0, "A"))
+    assert cli(wire_uri, database, "run") == 0
+    asyncio.run(rename())
+
+    assert cli(wire_uri, database, "run") == 0
+
+    found = database[CONVERSATIONS].find_one({"_id": "c-a"})
+    assert found is not None
+    assert (found["name"], found["name_source"]) == ("Trip to Lyon", "set")
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
 def test_finish_without_legacy_data_is_misuse_and_creates_nothing(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:
