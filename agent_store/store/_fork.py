@@ -56,10 +56,18 @@ def fork_copies(messages: Sequence[AgentMessage]) -> list[dict[str, Any]]:
     return [m.model_dump(by_alias=True, exclude=_STORE_FIELDS) for m in messages]
 
 
+_FORK_TURN = "fork-"
+
+
 def fork_turn_id(conversation_id: str, end: int) -> str:
     """The id of the turn that holds a fork's copies: the same fork, retried, is one turn."""
     digest = hashlib.sha256(f"{conversation_id}\0{end}".encode()).hexdigest()
-    return "fork-" + digest[:32]
+    return _FORK_TURN + digest[:32]
+
+
+def is_fork_turn(turn_id: str | None) -> bool:
+    """Whether a turn id may be a fork's copies (a caller may name a turn so too)."""
+    return (turn_id or "").startswith(_FORK_TURN)
 
 
 def fork_turn_starts(chosen: Sequence[AgentMessage], turn_starts: Collection[int]) -> list[int]:

@@ -36,7 +36,7 @@ from agent_store.core import (
 )
 from agent_store.store._blobs import FullTextStore
 from agent_store.store._driver import Database, storage_errors
-from agent_store.store._fork import fork_turns_of
+from agent_store.store._fork import fork_turns_of, is_fork_turn
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource
 from agent_store.store._reservation import SUMMARY
@@ -437,10 +437,7 @@ class ConversationStore:
     async def _pending_calls_before(self, popped: AgentMessage) -> list[PendingCall]:
         """The calls the messages before `popped` leave pending (reads them all: a pop of a
         call, an answer or a prompt is rare, and what is pending depends on every turn, and
-        in a fork on where its copies began the original's turns)."""
-        conversation = await self._conversations.find_one(
-            {"_id": popped.conversation_id}, {"forked_from": 1}
-        )
+        in a fork on where its copies began the original's turns: one lookup more then)."""
         docs = await (
             self._messages.find(
                 {"conversation_id": popped.conversation_id, "seq": {"$lt": popped.seq}}
@@ -449,7 +446,13 @@ class ConversationStore:
             .to_list(None)
         )
         messages = messages_adapter.validate_python(docs)
-        return pending_after(messages, fork_turns_of(conversation or {}))[0]
+        starts: list[int] = []
+        if any(is_fork_turn(m.turn_id) for m in messages):
+            conversation = await self._conversations.find_one(
+                {"_id": popped.conversation_id}, {"forked_from": 1}
+            )
+            starts = fork_turns_of(conversation or {})
+        return pending_after(messages, starts)[0]
 
     async def messages_by_seq(
         self,
