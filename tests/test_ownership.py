@@ -242,3 +242,14 @@ async def test_a_fork_into_an_id_the_migration_derives_is_refused() -> None:
 
         assert response.status_code == 404
         assert await digests(api.db) == before
+
+
+async def test_no_upsert_creates_a_conversation_under_an_id_the_migration_derives() -> None:
+    """`upsert_conversation` (the LangGraph saver's way in) refuses what a turn refuses."""
+    from agent_store import InvalidInput
+
+    async with serve(mongomock_db()) as api:
+        logger = api.store.logger
+        with pytest.raises(InvalidInput, match="name migrated legacy conversations"):
+            await logger.upsert_conversation("legacy-conversation-0123", user_id=MALLORY)
+        assert await api.db[CONVERSATIONS].count_documents({"_id": {"$regex": "^legacy-"}}) == 0

@@ -198,12 +198,22 @@ class AgentMessageLogger:
         if changed:
             update["$set"] = changed
         actor = Actor(user_id)
-        # Legacy turns are looked for only when the conversation is not there (as for a turn).
-        doc = await self._upsert(conversation_id, actor, update, create=self._legacy is None)
+        derived = is_derived_id(conversation_id)
+        # Legacy turns are looked for only when the conversation is not there (as for a turn),
+        # and an id the migration derives is never created here.
+        create = self._legacy is None and not derived
+        doc = await self._upsert(conversation_id, actor, update, create=create)
         if doc is None:
             await self._refuse_unmigrated(conversation_id, actor)
+            if derived and not await self._exists(conversation_id):
+                _refuse_derived(conversation_id, actor)
             doc = await self._upsert(conversation_id, actor, update, create=True)
         return Conversation.model_validate(doc)
+
+    async def _exists(self, conversation_id: str) -> bool:
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one({"_id": conversation_id}, {"_id": 1})
+        return found is not None
 
     async def _upsert(
         self, conversation_id: str, actor: Actor, update: dict[str, Any], *, create: bool
