@@ -597,3 +597,30 @@ async def test_a_fork_of_a_fork_awaits_what_that_fork_awaited_at_its_point(
     fork = await store.get_conversation("fork-2")
     assert fork.forked_from is not None
     assert fork.forked_from.turn_starts == [2]
+
+
+def test_a_forks_turn_starts_are_read_once_not_searched_for_every_message() -> None:
+    """Folding a fork of n messages with k turn starts costs n + k, not n times k."""
+    from collections.abc import Iterator
+
+    from agent_store.core import message_adapter
+    from agent_store.store import pending_after
+
+    class Counted(list[int]):
+        reads = searches = 0
+
+        def __iter__(self) -> Iterator[int]:
+            Counted.reads += 1
+            return super().__iter__()
+
+        def __contains__(self, item: object) -> bool:
+            Counted.searches += 1
+            return super().__contains__(item)
+
+    messages = [
+        message_adapter.validate_python({"role": "user", "content": "hi", "seq": n, "turn_id": "t"})
+        for n in range(200)
+    ]
+    pending_after(messages, Counted(range(0, 200, 2)))
+
+    assert (Counted.reads, Counted.searches) == (1, 0)

@@ -74,10 +74,11 @@ def fork_turn_starts(chosen: Sequence[AgentMessage], turn_starts: Collection[int
     """Where the original's turns begin among a fork's copies (`seq` 0…n in the order of
     `chosen`), after the first: where `turn_id` changes, or where the original, a fork
     itself, had a turn begin (`turn_starts`)."""
+    starts = set(turn_starts)
     return [
         index
         for index in range(1, len(chosen))
-        if chosen[index].turn_id != chosen[index - 1].turn_id or chosen[index].seq in turn_starts
+        if chosen[index].turn_id != chosen[index - 1].turn_id or chosen[index].seq in starts
     ]
 
 

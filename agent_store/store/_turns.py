@@ -575,12 +575,13 @@ def pending_after(
     prompt resolved by request id leaves no message, so it is pending here."""
     calls: list[PendingCall] = []
     hitl: PendingHitl | None = None
+    starts = set(turn_starts)
     start = 0
     for end in range(1, len(messages) + 1):
         if (
             end < len(messages)
             and messages[end].turn_id == messages[start].turn_id
-            and messages[end].seq not in turn_starts
+            and messages[end].seq not in starts
         ):
             continue
         turn = messages[start:end]
