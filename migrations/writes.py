@@ -12,18 +12,28 @@ hold their content (placed) or not (content only the legacy turns hold).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import bson
+from bson import Int64
 from pymongo import ReplaceOne
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError
 
 from agent_store.core import AgentMessage, Conversation, message_adapter
 from agent_store.legacy import LegacyConversion, LegacyTurn, Problem
-from agent_store.store import CONVERSATIONS, MESSAGES, FullText, kept_blob_ids, only_duplicates
+from agent_store.store import (
+    CONVERSATIONS,
+    MESSAGES,
+    FullText,
+    TurnRules,
+    kept_blob_ids,
+    only_duplicates,
+    stored_turn_record,
+)
 from migrations import full_texts
 from migrations.bounds import Bounds, bounded
 from migrations.transcript import contains, from_legacy, from_messages
@@ -118,6 +128,20 @@ def _changed(existing: dict[str, Any] | None, wanted: Conversation) -> bool:
     return Conversation.model_validate(existing) != wanted
 
 
+def _live_records(
+    db: Database[dict[str, Any]], conversation_id: str, from_seq: int
+) -> dict[str, Any]:
+    """The turn records of the live turns stored past the legacy ones, rebuilt from their
+    messages: theirs went with the conversation document a rollback moved away, and a
+    runtime retrying one of those turns must get its stored messages back, at the cost of
+    any turn (the store's bookkeeping, never served: written by hand)."""
+    found = db[MESSAGES].find({"conversation_id": conversation_id, "seq": {"$gte": from_seq}})
+    turns = itertools.groupby(found.sort("seq", 1), key=lambda d: d.get("turn_id"))
+    records = [stored_turn_record(list(run)) for _, run in turns]
+    kept = TurnRules().turns_recorded
+    return {"turns": records[-kept:], "turns_dropped": Int64(max(0, len(records) - kept))}
+
+
 def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
     """Read what is stored and work out the batch's writes."""
     planned = Planned()
@@ -142,24 +166,21 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
             continue
         # Live turns stored past the legacy ones (logged before a rollback moved the live
         # conversation document away) keep their `seq` values: the next turn goes after them.
-        # Their records went with that document, so the logger is told some are missing: a
-        # retry of one of them then finds its stored messages instead of a new block.
         stored_to = next_free.get(conversion.conversation_id, 0)
-        live_past = stored_to > conversion.conversation.message_count
         document = conversion.conversation.model_copy(
-            update={
-                "message_count": max(conversion.conversation.message_count, stored_to),
-                "turns_dropped": max(conversion.conversation.turns_dropped, int(live_past)),
-            }
+            update={"message_count": max(conversion.conversation.message_count, stored_to)}
         )
         found = existing.get(conversion.conversation_id)
         if found is not None and found.get("name_source") == "set":
             # A person renamed it since the last run: a rerun keeps their name.
             document = document.model_copy(update={"name": found.get("name"), "name_source": "set"})
         if _changed(found, document):
-            # `turns_dropped` is the store's bookkeeping, never served: dumped by hand.
             dumped = document.model_dump(by_alias=True)
-            planned.conversations.append(dumped | {"turns_dropped": document.turns_dropped})
+            if stored_to > conversion.conversation.message_count:
+                dumped |= _live_records(
+                    db, conversion.conversation_id, conversion.conversation.message_count
+                )
+            planned.conversations.append(dumped)
         planned.full_texts += conversion.full_texts
         stale = _stale_texts(db, conversion.full_texts)
         planned.stale_texts += sorted(stale)

@@ -582,9 +582,15 @@ def test_a_second_attempt_after_a_rollback_keeps_the_conversation_writable(
     from pymongo import AsyncMongoClient
 
     from agent_store import AgentMessageLogger, LoggedTurn
+    from tests.conftest import CommandLog
+
+    commands = CommandLog()
 
     async def log(turn_id: str, text: str) -> LoggedTurn:
-        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+            wire_uri, tz_aware=True, event_listeners=[commands]
+        )
+        commands.clear()
         try:
             return await AgentMessageLogger(client[database.name]).log_messages(
                 "c-r",
@@ -603,6 +609,7 @@ def test_a_second_attempt_after_a_rollback_keeps_the_conversation_writable(
     assert cli(wire_uri, database, "run") == 0
     retried = asyncio.run(log("native-1", "NATIVE"))  # its first answer was lost
     asyncio.run(log("native-2", "AFTER"))
+    assert commands.names == ["findAndModify", "insert"]  # the records are whole again
 
     assert retried.replayed
     assert [m.seq for m in retried.messages] == [2, 3]

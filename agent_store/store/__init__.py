@@ -93,6 +93,7 @@ from agent_store.store._turns import (
     parse_messages,
     pending_after,
     plan_turn,
+    stored_turn_record,
     validate_identifier,
 )
 
@@ -167,6 +168,7 @@ __all__ = [
     "shorten",
     "storage_errors",
     "stored_blob_ids",
+    "stored_turn_record",
     "strip_runtime_context",
     "strip_runtime_context_blocks",
     "strip_runtime_context_pieces",

@@ -15,6 +15,7 @@ from datetime import datetime, timedelta
 from functools import cached_property
 from typing import Any
 
+from bson import Int64
 from bson.errors import InvalidDocument
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
@@ -254,6 +255,18 @@ def content_digest(documents: Sequence[Mapping[str, Any]]) -> int:
     a replay is checked against what is stored whatever order a server keeps fields in.
     """
     return _digest64(_canonical(documents))
+
+
+def stored_turn_record(documents: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The record the logger keeps of a turn, as stored on its conversation, rebuilt from the
+    turn's stored messages (in `seq` order): what a retry of the turn is checked against."""
+    first = documents[0]
+    return {
+        "k": Int64(turn_key(str(first["turn_id"]))),
+        "f": Int64(int(first["seq"])),
+        "d": Int64(content_digest(canonical_documents(documents))),
+        "a": first["created_at"],
+    }
 
 
 def canonical_documents(documents: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
