@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
-import bson
-from bson import ObjectId
 from pymongo import ReturnDocument
 from pymongo.database import Database
 
@@ -164,9 +162,8 @@ def read_turns(
 ) -> list[tuple[Any, list[dict[str, Any]]]]:
     """The turns of some conversations, each list in stored order, by the id the reader
     names them (`id_text`): 7 and "7" are one conversation to it, so the turns under either
-    are read whichever of them a batch holds (converted twice, the same way both times).
-    Other values are told apart by their BSON encoding: a value Python cannot hash (a
-    Decimal128) is an id like any other."""
+    are read whichever of them a batch holds (converted twice, the same way both times), as
+    are True and "True", or a Decimal128 and its JSON text."""
     grouped: dict[Any, tuple[Any, list[dict[str, Any]]]] = {_key(i): (i, []) for i in ids}
     clauses = [_named(i) for i in ids]
     for doc in db[source].find({"$and": [{"$or": clauses}, LEGACY_FILTER]}):
@@ -175,20 +172,16 @@ def read_turns(
     return list(grouped.values())
 
 
-def _spelled(value: Any) -> bool:
-    """Whether the reader names the id by text that other values may spell too."""
-    return isinstance(value, str | ObjectId | int | float) and not isinstance(value, bool)
-
-
 def _key(value: Any) -> Any:
-    return ("text", id_text(value)) if _spelled(value) else bson.encode({"v": value})
+    """How the reader names the id (`id_text`); None (no conversation named) apart."""
+    return None if value is None else id_text(value)
 
 
 def _named(value: Any) -> dict[str, Any]:
     """The filter of the turns under every value the reader names as `value`."""
-    if _spelled(value):
-        return id_filter("conversation_id", str(id_text(value)))
-    return {"conversation_id": value}
+    if value is None:
+        return {"conversation_id": None}
+    return {"$or": [id_filter("conversation_id", str(id_text(value))), {"conversation_id": value}]}
 
 
 def read_session_hitl(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, list[Any]]:

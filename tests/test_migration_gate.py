@@ -16,7 +16,7 @@ import pytest
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
-from agent_store.legacy import LEGACY_TURNS, convert, derived_conversation_id
+from agent_store.legacy import LEGACY_TURNS, convert, derived_conversation_id, parse_turns
 from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from migrations import explode, relocate
@@ -497,28 +497,35 @@ def test_a_turn_edited_after_the_run_in_any_field_is_work_left_until_a_run_takes
 
 
 @pytest.mark.wire
-def test_a_conversation_whose_turns_name_it_by_a_number_and_by_text_is_one_conversation(
-    wire_uri: str, database: Database[dict[str, Any]]
+@pytest.mark.parametrize(
+    ("odd", "text"),
+    [(7, "7"), (True, "True"), (bson.Decimal128("7"), '"7"')],
+    ids=["number", "bool", "decimal"],
+)
+def test_a_conversation_whose_turns_name_it_by_a_value_and_by_its_text_is_one_conversation(
+    wire_uri: str, database: Database[dict[str, Any]], odd: Any, text: str
 ) -> None:
-    """7 and "7" are one conversation to the reader, so to the migration too, even in
-    batches apart: each turn's unplaced part is recorded, none replaces the other's."""
+    """7 and "7" (True and "True", …) are one conversation to the reader, so to the migration
+    too, even in batches apart: each turn's unplaced part is recorded, none replaces the
+    other's."""
 
     def mystery(turn_id: str, cid: Any, mark: str) -> dict[str, Any]:
         parts = [{"type": "text", "content": "hello"}, {"type": "mystery_widget", "data": mark}]
         return legacy_turn(turn_id, cid, 0, "hi") | {"response_parts": parts}
 
     database[CONVERSATIONS].insert_many(
-        [mystery("t-int", 7, "«of the int»"), mystery("t-str", "7", "«of the text»")]
+        [mystery("t-odd", odd, "«of the value»"), mystery("t-str", text, "«of the text»")]
         + [legacy_turn(f"t-{n}", n, 1, "between") for n in range(8, 12)]  # type: ignore[arg-type]
     )
     assert cli(wire_uri, database, "run", "--batch-size", "1") == 0
-    assert cli(wire_uri, database, "finish", "--accept", "7", "--note", "read") == 0
+    stored_id = parse_turns([mystery("t-odd", odd, "")])[0].stored_conversation_id
+    assert cli(wire_uri, database, "finish", "--accept", stored_id, "--note", "read") == 0
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
 
     kept = kept_text(database)
-    assert "«of the int»" in kept
+    assert "«of the value»" in kept
     assert "«of the text»" in kept
-    assert len(database[MESSAGES].distinct("turn_id", {"conversation_id": "7"})) == 2
+    assert len(database[MESSAGES].distinct("turn_id", {"conversation_id": stored_id})) == 2
 
 
 @pytest.mark.wire

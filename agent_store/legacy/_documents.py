@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from bson import ObjectId
+from bson import Decimal128, ObjectId
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agent_store.core import InvalidInput, describe_validation_error, to_utc_millis
@@ -65,7 +65,22 @@ def id_filter(field: str, text: str) -> dict[str, Any]:
         with contextlib.suppress(ValueError):
             if str(number := float(text)) == text:
                 clauses.append({field: {"$eq": number, "$type": "double"}})
+    if text in ("True", "False"):
+        clauses.append({field: {"$eq": text == "True", "$type": "bool"}})
+    if (decimal := _decimal_named(text)) is not None:
+        clauses.append({field: {"$eq": decimal, "$type": "decimal"}})
     return clauses[0] if len(clauses) == 1 else {"$or": clauses}
+
+
+def _decimal_named(text: str) -> Decimal128 | None:
+    """The Decimal128 `id_text` writes as `text` (its JSON string), if there is one."""
+    if not (len(text) > 2 and text[0] == text[-1] == '"'):
+        return None
+    try:
+        decimal = Decimal128(text[1:-1])
+    except (ValueError, ArithmeticError, TypeError):
+        return None
+    return decimal if id_text(decimal) == text else None
 
 
 def _in_int64(value: int) -> bool:
