@@ -189,7 +189,10 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
             if found is None:
                 planned.messages.append(m.model_dump(by_alias=True))
             elif _differs(found, m) or stale & set(kept_blob_ids(m).values()):
-                planned.rewritten.append(m.model_dump(by_alias=True))
+                # The owner stays as stored: a claim may have moved it.
+                planned.rewritten.append(
+                    m.model_dump(by_alias=True) | {"user_id": found.get("user_id")}
+                )
     kept = full_texts.present(db, (f.blob_id for f in planned.full_texts))
     stale_texts = set(planned.stale_texts)
     planned.full_texts = [
