@@ -370,7 +370,7 @@ class Explosion:
             found += item.conversion.problems
         planned = writes.plan(self.db, converted)
         found += planned.live
-        inserted = len(planned.messages)
+        inserted = len(planned.messages) + len(planned.rewritten)
         if not self.options.dry_run:
             inserted, raced = writes.apply(self.db, planned, self.options.bounds)
             found += raced

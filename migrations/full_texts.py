@@ -45,7 +45,13 @@ def _insert(
 
 
 def keep(db: Database[dict[str, Any]], full_texts: Sequence[FullText], bounds: Bounds) -> None:
-    """Write the files: all their chunks, then the `files` documents that make them visible."""
+    """Write the files: all their chunks, then the `files` documents that make them visible.
+
+    The files are not visible yet (or no longer: `forget`): any chunk of theirs a killed run
+    left behind goes first, so the file is made of these texts' chunks only."""
+    if not full_texts:
+        return
+    db[BLOB_CHUNKS].delete_many({"files_id": {"$in": [f.blob_id for f in full_texts]}})
     built = [blob_documents(full) for full in full_texts]
     _insert(db, BLOB_CHUNKS, [c for _, chunks in built for c in chunks], bounds)
     _insert(db, BLOB_FILES, [files for files, _ in built], bounds)

@@ -57,6 +57,9 @@ class Planned:
     rewritten: list[dict[str, Any]] = field(default_factory=list)
     """Messages an earlier run stored whose legacy turn converts to something else now (edited
     since, or a newer converter): replaced by what it converts to."""
+    moved: list[str] = field(default_factory=list)
+    """Ids of messages an earlier run stored where the legacy turns, edited since, no longer
+    put them (another message holds their `seq` now, or none): removed before the inserts."""
     stale_texts: list[str] = field(default_factory=list)
     """Files of whole texts that differ from what their legacy turn converts to now."""
     live: list[Problem] = field(default_factory=list)
@@ -73,6 +76,19 @@ def _taken(
     return {(d["conversation_id"], d["seq"]): d for d in db[MESSAGES].find({"$or": clauses})}
 
 
+def _migrated(stored: dict[str, Any]) -> bool:
+    """Whether a stored message is one the migration wrote (not a live turn's)."""
+    return str(stored.get("turn_id") or "").startswith("legacy-")
+
+
+def _migrated_past(db: Database[dict[str, Any]], conversation_id: str, seq: int) -> list[str]:
+    """Ids of the migration's messages stored from `seq` on (past the legacy turns now)."""
+    found = db[MESSAGES].find(
+        {"conversation_id": conversation_id, "seq": {"$gte": seq}}, {"turn_id": 1}
+    )
+    return [d["_id"] for d in found if _migrated(d)]
+
+
 def _differs(stored: dict[str, Any], wanted: AgentMessage) -> bool:
     """Whether a stored message holds other content than the conversion's (its owner aside:
     a claim may have moved it)."""
@@ -81,9 +97,11 @@ def _differs(stored: dict[str, Any], wanted: AgentMessage) -> bool:
 
 
 def _stale_texts(db: Database[dict[str, Any]], wanted: Sequence[FullText]) -> set[str]:
-    """The files stored for these whole texts that hold another text."""
-    stored = full_texts.texts(db, (f.blob_id for f in wanted))
-    return {f.blob_id for f in wanted if f.blob_id in stored and stored[f.blob_id] != f.text}
+    """The files stored for these whole texts that hold another text, or none readable (a
+    run killed while rewriting one)."""
+    present = full_texts.present(db, (f.blob_id for f in wanted))
+    stored = full_texts.texts(db, present)
+    return {f.blob_id for f in wanted if f.blob_id in present and stored.get(f.blob_id) != f.text}
 
 
 def _next_free_seq(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, int]:
@@ -156,14 +174,23 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
         conversion = item.conversion
         assert conversion.conversation is not None
         at = {m.seq: m for m in conversion.messages}
+        cid = conversion.conversation_id
         foreign = [
-            seq
+            taken[(cid, seq or 0)]
             for seq, m in at.items()
-            if taken.get((conversion.conversation_id, seq or 0), {"_id": m.id})["_id"] != m.id
+            if taken.get((cid, seq or 0), {"_id": m.id})["_id"] != m.id
         ]
-        if foreign:
+        if not all(_migrated(d) for d in foreign):
             planned.live.append(_live_problem(db, item, len(foreign)))
             continue
+        # The migration's own messages at other places than the legacy turns put them now
+        # (a turn edited since gained or lost a message): moved, and the rest re-laid.
+        moved = [d["_id"] for d in foreign]
+        if next_free.get(cid, 0) > len(at):
+            moved += _migrated_past(db, cid, len(at))
+        planned.moved += moved
+        for d in foreign:
+            del taken[(cid, d["seq"])]
         # Live turns stored past the legacy ones (logged before a rollback moved the live
         # conversation document away) keep their `seq` values: the next turn goes after them.
         stored_to = next_free.get(conversion.conversation_id, 0)
@@ -218,6 +245,8 @@ def apply(
             db[CONVERSATIONS].bulk_write(batch, ordered=False)
         except BulkWriteError as exc:
             only_duplicates(exc)  # a conversation that went live meanwhile: the logger's stays
+    if planned.moved:
+        db[MESSAGES].delete_many({"_id": {"$in": planned.moved}})
     problems: list[Problem] = []
     inserted = 0
     sizes = [len(bson.encode(d)) for d in planned.messages]

@@ -557,6 +557,102 @@ def test_a_rerun_keeps_the_name_a_person_gave_a_migrated_conversation(
     assert cli(wire_uri, database, "finish") == 0
 
 
+def _with_upload(turn: dict[str, Any], parsed: str) -> dict[str, Any]:
+    upload = {"filename": "a.pdf", "file_type": "pdf", "size": 10, "parsed_text": parsed}
+    return turn | {"upload_result": upload}
+
+
+ONE_THEN_TWO = [
+    _with_upload(legacy_turn("t-1", "c-a", 0, "ONE"), "old")
+    | {"response_parts": [{"type": "text", "content": "ONE answer"},
+                          {"type": "tool_call", "tool_name": "f", "args": {"x": 1}},
+                          {"type": "tool_result", "tool_name": "f", "result": "R1"}]},
+    legacy_turn("t-2", "c-a", 1, "TWO"),
+]  # fmt: skip
+EDITS_THAT_MOVE_MESSAGES = {
+    "a part added to an earlier turn": (
+        ONE_THEN_TWO,
+        {"_id": "t-1"},
+        {"$push": {"response_parts": {"type": "text", "content": "added «edit»"}}},
+    ),
+    "a part removed, a hidden field edited": (
+        ONE_THEN_TWO,
+        {"_id": "t-1"},
+        {"$set": {"response_parts": [{"type": "text", "content": "ONE answer"}],
+                  "upload_result.parsed_text": "new «edit»"}},
+    ),
+    "look-alike turns reordered, one edited": (
+        [_with_upload(legacy_turn("t-a", "c-a", 0, "hi"), "P-A"),
+         _with_upload(legacy_turn("t-b", "c-a", 1, "hi"), "P-B")],
+        {"_id": "t-a"},
+        {"$set": {"created_at": datetime(2024, 1, 1, 2, tzinfo=UTC),
+                  "upload_result.parsed_text": "P-A «edit»"}},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(("turns", "which", "edit"), EDITS_THAT_MOVE_MESSAGES.values(),
+                         ids=list(EDITS_THAT_MOVE_MESSAGES))  # fmt: skip
+def test_an_edit_that_moves_migrated_messages_is_taken_by_a_rerun_never_passed_unseen(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    turns: list[dict[str, Any]],
+    which: dict[str, Any],
+    edit: dict[str, Any],
+) -> None:
+    """The migration's own messages at other places than the legacy turns put them now are
+    moved by the next run (not taken for a conversation logged to live), and the dry run
+    says what it will write."""
+    database[CONVERSATIONS].insert_many(turns)
+    assert cli(wire_uri, database, "run") == 0
+    database[LEGACY_TURNS].update_one(which, edit)
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run", "--dry-run") == 0
+    predicted = summary(capsys.readouterr().out)
+    assert cli(wire_uri, database, "run") == 0
+    assert summary(capsys.readouterr().out) == predicted
+
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert "«edit»" in kept_text(database)
+    assert database[PROBLEMS].count_documents({"kind": "conversation_already_live"}) == 0
+
+
+@pytest.mark.wire
+def test_a_run_killed_while_rewriting_a_whole_text_is_finished_by_the_next(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed between removing a file's `files` document and its chunks: the next run writes
+    the file from these chunks only (the old ones would make it unreadable for good)."""
+    from migrations import full_texts
+
+    big = "y" * BIG_RESULT_CHARS
+    turn = legacy_turn("t-a", "c-a", 0, "A") | {
+        "response_parts": [{"type": "tool_call", "tool_name": "f", "args": {}},
+                           {"type": "tool_result", "tool_name": "f", "result": big + "old"}]
+    }  # fmt: skip
+    database[CONVERSATIONS].insert_one(turn)
+    assert cli(wire_uri, database, "run") == 0
+    edit = {"response_parts.1.result": big + "new «edit»"}
+    database[LEGACY_TURNS].update_one({"_id": "t-a"}, {"$set": edit})
+
+    def killed(db: Any, blob_ids: Any) -> None:
+        db[f"{BLOB_BUCKET}.files"].delete_many({"_id": {"$in": list(blob_ids)}})
+        raise KeyboardInterrupt  # before the chunks go
+
+    monkeypatch.setattr(full_texts, "forget", killed)
+    assert cli(wire_uri, database, "run") == 130
+    monkeypatch.undo()
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert "«edit»" in kept_text(database)
+
+
 @pytest.mark.wire
 def test_finish_without_legacy_data_is_misuse_and_creates_nothing(
     wire_uri: str, database: Database[dict[str, Any]]

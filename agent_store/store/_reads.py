@@ -401,7 +401,8 @@ class ConversationStore:
         `message_count`, which gives the `seq` back unless another turn reserved past it.
         Two to five round trips: the removal, the summary update, and the messages
         before it when it started a turn or was the preview's source, or (all of them)
-        when it made, answered or raised a call or a prompt (`pending_calls` is listed again).
+        when it made, answered or raised a call or a prompt (`pending_calls` is listed again;
+        in a fork, one more for where its copies began the original's turns).
         """
         query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
         if user_id is not None:
