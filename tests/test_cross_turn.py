@@ -624,3 +624,36 @@ def test_a_forks_turn_starts_are_read_once_not_searched_for_every_message() -> N
     pending_after(messages, Counted(range(0, 200, 2)))
 
     assert (Counted.reads, Counted.searches) == (1, 0)
+
+
+async def test_a_turn_logged_over_popped_copies_of_a_fork_is_folded_as_one_turn(
+    backend: Backend,
+) -> None:
+    """A fork's turn starts cut its copies only: once pops removed some, a new turn logged
+    over their `seq`s is one turn, as in a conversation that never was a fork."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    first = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    await logger.log_messages("orig", first, turn_id="t1")
+    for text in "cde":
+        await logger.log_messages("orig", [{"role": "user", "content": text}], turn_id=f"t-{text}")
+    await logger.fork("orig", 4, "fork-1")  # its turns began at seq 2, 3 and 4
+    for _ in range(3):
+        await store.pop_last_message("fork-1")
+    call_x = {"id": "cx", "function": {"name": "book", "arguments": "{}"}}
+    call_y = {"id": "cy", "function": {"name": "note", "arguments": "{}"}}
+    prompt = {"action": "pay", "params": {}, "request_id": "r1"}
+    turn = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "tool_calls": [call_x]},
+        {"role": "assistant", "content": "Pay?", "hitl_action": prompt},
+        {"role": "assistant", "tool_calls": [call_y]},
+    ]
+    for cid in ("fork-1", "never-forked"):
+        if cid == "never-forked":
+            await logger.log_messages(cid, first, turn_id="t1")
+        await logger.log_messages(cid, turn, turn_id="t-new")
+        await store.pop_last_message(cid)  # call cy: what is pending is listed again
+
+    held = {cid: [(c.tool_call_id, c.request_id) for c in await store.pending_calls(cid)]
+            for cid in ("fork-1", "never-forked")}  # fmt: skip
+    assert held == {"fork-1": [("cx", "r1")], "never-forked": [("cx", "r1")]}

@@ -14,7 +14,7 @@ from agent_store.core import (
     ToolMessage,
     answers_instead,
 )
-from agent_store.store._turns import pending_after
+from agent_store.store._turns import FORK_TURN, fork_copies_end, pending_after
 
 _STORE_FIELDS = {"id", "seq", "user_id", "conversation_id", "turn_id", "search_text"}
 
@@ -56,18 +56,10 @@ def fork_copies(messages: Sequence[AgentMessage]) -> list[dict[str, Any]]:
     return [m.model_dump(by_alias=True, exclude=_STORE_FIELDS) for m in messages]
 
 
-_FORK_TURN = "fork-"
-
-
 def fork_turn_id(conversation_id: str, end: int) -> str:
     """The id of the turn that holds a fork's copies: the same fork, retried, is one turn."""
     digest = hashlib.sha256(f"{conversation_id}\0{end}".encode()).hexdigest()
-    return _FORK_TURN + digest[:32]
-
-
-def is_fork_turn(turn_id: str | None) -> bool:
-    """Whether a turn id may be a fork's copies (a caller may name a turn so too)."""
-    return (turn_id or "").startswith(_FORK_TURN)
+    return FORK_TURN + digest[:32]
 
 
 def fork_turn_starts(chosen: Sequence[AgentMessage], turn_starts: Collection[int]) -> list[int]:
@@ -75,10 +67,12 @@ def fork_turn_starts(chosen: Sequence[AgentMessage], turn_starts: Collection[int
     `chosen`), after the first: where `turn_id` changes, or where the original, a fork
     itself, had a turn begin (`turn_starts`)."""
     starts = set(turn_starts)
+    copies = fork_copies_end(chosen)
     return [
         index
         for index in range(1, len(chosen))
-        if chosen[index].turn_id != chosen[index - 1].turn_id or chosen[index].seq in starts
+        if chosen[index].turn_id != chosen[index - 1].turn_id
+        or (index < copies and chosen[index].seq in starts)
     ]
 
 

@@ -36,7 +36,7 @@ from agent_store.core import (
 )
 from agent_store.store._blobs import FullTextStore
 from agent_store.store._driver import Database, storage_errors
-from agent_store.store._fork import fork_turns_of, is_fork_turn
+from agent_store.store._fork import fork_turns_of
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource
 from agent_store.store._reservation import SUMMARY
@@ -53,6 +53,7 @@ from agent_store.store._truncation import NATIVE
 from agent_store.store._turns import (
     TurnRules,
     block_abandoned,
+    is_fork_turn,
     pending_after,
     turn_key,
     validate_identifier,

@@ -579,6 +579,25 @@ def _pending_calls(
     return tuple(opened), tuple(i for i in answers if i not in made)
 
 
+FORK_TURN = "fork-"
+"""How the turn holding a fork's copies is named (`fork_turn_id`)."""
+
+
+def is_fork_turn(turn_id: str | None) -> bool:
+    """Whether a turn id may be a fork's copies (a caller may name a turn so too)."""
+    return (turn_id or "").startswith(FORK_TURN)
+
+
+def fork_copies_end(messages: Sequence[AgentMessage]) -> int:
+    """Where a fork's copies end among its messages: they come first, one turn of a fork's
+    id; a pop may have removed some, and a later turn has an id of its own. Its recorded
+    turn starts cut these copies only (those past them are stale)."""
+    if not messages or not is_fork_turn(messages[0].turn_id):
+        return 0
+    first = messages[0].turn_id
+    return next((i for i, m in enumerate(messages) if m.turn_id != first), len(messages))
+
+
 def pending_after(
     messages: Sequence[AgentMessage], turn_starts: Collection[int] = ()
 ) -> tuple[list[PendingCall], PendingHitl | None]:
@@ -589,12 +608,13 @@ def pending_after(
     calls: list[PendingCall] = []
     hitl: PendingHitl | None = None
     starts = set(turn_starts)
+    copies = fork_copies_end(messages) if starts else 0
     start = 0
     for end in range(1, len(messages) + 1):
         if (
             end < len(messages)
             and messages[end].turn_id == messages[start].turn_id
-            and messages[end].seq not in starts
+            and not (end < copies and messages[end].seq in starts)
         ):
             continue
         turn = messages[start:end]
