@@ -203,11 +203,28 @@ def test_a_part_spelling_a_field_twice_with_two_values_keeps_the_unread_one_in_a
     ]
 
 
-def test_two_spellings_of_one_value_are_no_problem() -> None:
-    part = {"type": "text", "content": "same", "text": "same"}
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "text", "content": "same", "text": "same"},
+        {"type": "tool_call", "tool_name": "f", "args": {"q": 1}, "arguments": '{"q": 1}'},
+        {"type": "tool_result", "tool_name": "f", "result": {"n": 2}, "content": '{"n":2}'},
+    ],
+    ids=["text", "arguments as JSON text", "result as JSON text"],
+)
+def test_two_spellings_saying_the_same_are_no_problem(part: dict[str, Any]) -> None:
     turn = {"_id": "s-1", "conversation_id": "c-spell", "created_at": MESSY_START,
             "user_message": "hi", "response_parts": [part]}  # fmt: skip
-    assert convert([turn]).problems == []
+    assert [p.kind for p in convert([turn]).problems if p.kind == "unread_spelling"] == []
+
+
+@pytest.mark.parametrize(("read", "other"), [(1, True), (0, False), (1, 1.0)])
+def test_values_python_calls_equal_are_still_two_values(read: Any, other: Any) -> None:
+    part = {"type": "tool_result", "tool_name": "f", "result": read, "content": other}
+    turn = {"_id": "s-1", "conversation_id": "c-spell", "created_at": MESSY_START,
+            "user_message": "hi", "response_parts": [part]}  # fmt: skip
+    [problem] = [p for p in convert([turn]).problems if p.kind == "unread_spelling"]
+    assert problem.content == {"content": other}
 
 
 def test_a_summed_up_call_no_part_holds_is_a_problem_holding_it() -> None:
@@ -226,6 +243,25 @@ def test_a_summed_up_call_no_part_holds_is_a_problem_holding_it() -> None:
     assert [(p.kind, p.placed, p.content) for p in problems] == [
         ("tool_call_not_in_parts", False, only_summed)
     ]
+
+
+@pytest.mark.parametrize(
+    "summed",
+    [
+        {"tool_name": "lookup"},
+        {"tool_name": "lookup", "args": {"n": 1.0}},
+        {"type": "function", "function": {"name": "lookup", "arguments": '{"n": 1}'}},
+    ],
+    ids=["the tool only", "1.0 for 1", "the OpenAI shape"],
+)
+def test_a_summed_up_call_a_part_holds_is_no_problem(summed: dict[str, Any]) -> None:
+    turn = {
+        "_id": "s-1", "conversation_id": "c-sum", "created_at": MESSY_START,
+        "user_message": "hi",
+        "response_parts": [{"type": "tool_call", "tool_name": "lookup", "args": {"n": 1}}],
+        "tool_calls": [summed],
+    }  # fmt: skip
+    assert [p for p in convert([turn]).problems if p.field == "tool_calls"] == []
 
 
 def test_each_problem_names_the_field_it_concerns() -> None:

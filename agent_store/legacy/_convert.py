@@ -212,13 +212,33 @@ class _TurnState:
     pending_results: list[tuple[int, LegacyPart, str | None]] = field(default_factory=list)
 
 
-def _call_said(part: LegacyPart) -> tuple[Any, str]:
-    """A call's tool and arguments, the arguments as JSON values when they parse."""
+def _summed_call(call: Any) -> LegacyPart:
+    """A `tool_calls` summary entry as a tool call part; the OpenAI shape (`function`
+    holding `name` and `arguments`) too."""
+    if not isinstance(call, Mapping):
+        return normalize_part(call)
+    function = call.get("function")
+    flat = {**call, **function} if isinstance(function, Mapping) else dict(call)
+    return normalize_part({**flat, "type": "tool_call"})
+
+
+def _arguments(part: LegacyPart) -> Any:
+    """A call's arguments as the JSON values they are, when they parse (1 and 1.0 alike)."""
     text = call_arguments(part)[0]
     try:
-        return part.tool_name, json.dumps(json.loads(text), sort_keys=True)
+        return json.loads(text)
     except (ValueError, RecursionError):
-        return part.tool_name, text
+        return text
+
+
+def _held(summed: LegacyPart, parts: Sequence[LegacyPart]) -> bool:
+    """Whether a part holds the summed-up call: the same tool, and the same arguments unless
+    the summary names none."""
+    return any(
+        p.tool_name == summed.tool_name
+        and (summed.args is None or _arguments(p) == _arguments(summed))
+        for p in parts
+    )
 
 
 class _Converter:
@@ -425,10 +445,9 @@ class _Converter:
         holds (the same tool with the same arguments). Without parts it was converted."""
         if not isinstance(turn.response_parts, list) or not turn.response_parts:
             return
-        held = [_call_said(p) for _, p in parts if p.kind == "tool_call"]
+        calls = [p for _, p in parts if p.kind == "tool_call"]
         for call in turn.tool_calls if isinstance(turn.tool_calls, list) else ():
-            summed = {"type": "tool_call", **call} if isinstance(call, dict) else call
-            if _call_said(normalize_part(summed)) not in held:
+            if not _held(_summed_call(call), calls):
                 self.problem(
                     turn,
                     "tool_call_not_in_parts",

@@ -9,6 +9,7 @@ migration's verify, the viewer and the benchmarks all read parts through
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -99,12 +100,29 @@ _SPELLINGS: dict[PartKind, tuple[tuple[str, ...], ...]] = {
 """The names a kind's fields were spelt by, the one read first."""
 
 
+def _said(value: Any) -> str:
+    """What a value says, to tell two spellings apart: its JSON text, types kept (`true` is
+    not `1`, `1.0` not `1`); a string is its text, or the JSON object or array it holds."""
+    if isinstance(value, str):
+        if value.lstrip()[:1] not in ("{", "["):
+            return value
+        text: str = value
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError):
+            return text
+    try:
+        return json.dumps(value, sort_keys=True, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        return repr(value)
+
+
 def _unread(kind: PartKind, part: Mapping[str, Any]) -> tuple[str, ...]:
-    """The spellings holding another value than the one `_first` reads."""
+    """The spellings saying something else than the one `_first` reads."""
     unread: list[str] = []
     for names in _SPELLINGS.get(kind, ()):
-        read = _first(part, *names)
-        unread += [n for n in names if n in part and not _blank(part[n]) and part[n] != read]
+        read = _said(_first(part, *names))
+        unread += [n for n in names if n in part and not _blank(part[n]) and _said(part[n]) != read]
     return tuple(unread)
 
 
