@@ -429,13 +429,8 @@ async def test_a_fork_keeps_a_prompt_that_a_result_of_an_earlier_turns_call_does
     backend: Backend,
 ) -> None:
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
-    call = {"id": "c1", "function": {"name": "weather", "arguments": "{}"}}
     hitl = {"action": "book", "params": {}, "request_id": "r2"}
-    await logger.log_messages(
-        CID,
-        [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [call]}],
-        turn_id="t1",
-    )  # c1 is left open, its result computed elsewhere
+    await _weather_left_open(logger)
     await logger.log_messages(
         CID,
         [{"role": "user", "content": "Book the train."},
@@ -541,16 +536,20 @@ async def test_a_fork_waits_for_a_turn_still_being_written_before_its_point(
     assert [m.content for m in forked.messages] == ["hi", "after"]
 
 
-async def _weather_then_booking(logger: AgentMessageLogger) -> None:
-    """Turn t1 leaves call c1 open (its result comes from elsewhere, no prompt holds it);
-    turn t2 raises an unrelated prompt r2."""
+async def _weather_left_open(logger: AgentMessageLogger) -> None:
+    """Turn t1 leaves call c1 open: its result comes from elsewhere, no prompt holds it."""
     call = {"id": "c1", "function": {"name": "weather", "arguments": "{}"}}
-    hitl = {"action": "book", "params": {}, "request_id": "r2"}
     await logger.log_messages(
         CID,
         [{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [call]}],
         turn_id="t1",
     )
+
+
+async def _weather_then_booking(logger: AgentMessageLogger) -> None:
+    """Turn t1 leaves call c1 open; turn t2 raises an unrelated prompt r2."""
+    hitl = {"action": "book", "params": {}, "request_id": "r2"}
+    await _weather_left_open(logger)
     await logger.log_messages(
         CID,
         [{"role": "user", "content": "Book the train."},
