@@ -76,17 +76,10 @@ def _taken(
     return {(d["conversation_id"], d["seq"]): d for d in db[MESSAGES].find({"$or": clauses})}
 
 
-def _migrated(stored: dict[str, Any]) -> bool:
-    """Whether a stored message is one the migration wrote (not a live turn's)."""
-    return str(stored.get("turn_id") or "").startswith("legacy-")
-
-
-def _migrated_past(db: Database[dict[str, Any]], conversation_id: str, seq: int) -> list[str]:
-    """Ids of the migration's messages stored from `seq` on (past the legacy turns now)."""
-    found = db[MESSAGES].find(
-        {"conversation_id": conversation_id, "seq": {"$gte": seq}}, {"turn_id": 1}
-    )
-    return [d["_id"] for d in found if _migrated(d)]
+def _stored_past(db: Database[dict[str, Any]], conversation_id: str, seq: int) -> list[Any]:
+    """The messages stored from `seq` on, in `seq` order."""
+    query = {"conversation_id": conversation_id, "seq": {"$gte": seq}}
+    return list(db[MESSAGES].find(query).sort("seq", 1))
 
 
 def _differs(stored: dict[str, Any], wanted: AgentMessage) -> bool:
@@ -146,15 +139,12 @@ def _changed(existing: dict[str, Any] | None, wanted: Conversation) -> bool:
     return Conversation.model_validate(existing) != wanted
 
 
-def _live_records(
-    db: Database[dict[str, Any]], conversation_id: str, from_seq: int
-) -> dict[str, Any]:
-    """The turn records of the live turns stored past the legacy ones, rebuilt from their
-    messages: theirs went with the conversation document a rollback moved away, and a
-    runtime retrying one of those turns must get its stored messages back, at the cost of
-    any turn (the store's bookkeeping, never served: written by hand)."""
-    found = db[MESSAGES].find({"conversation_id": conversation_id, "seq": {"$gte": from_seq}})
-    turns = itertools.groupby(found.sort("seq", 1), key=lambda d: d.get("turn_id"))
+def _live_records(live: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The turn records of the live turns stored past the legacy ones (in `seq` order),
+    rebuilt from their messages: theirs went with the conversation document a rollback moved
+    away, and a runtime retrying one of those turns must get its stored messages back, at
+    the cost of any turn (the store's bookkeeping, never served: written by hand)."""
+    turns = itertools.groupby(live, key=lambda d: d.get("turn_id"))
     records = [stored_turn_record(list(run)) for _, run in turns]
     kept = TurnRules().turns_recorded
     return {"turns": records[-kept:], "turns_dropped": Int64(max(0, len(records) - kept))}
@@ -175,25 +165,29 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
         assert conversion.conversation is not None
         at = {m.seq: m for m in conversion.messages}
         cid = conversion.conversation_id
+        # The migration's own messages are those of these legacy turns (their turn ids are
+        # the migration's: no live writer may name a turn so).
+        mine = {turn.turn_id for turn in item.turns}
         foreign = [
             taken[(cid, seq or 0)]
             for seq, m in at.items()
             if taken.get((cid, seq or 0), {"_id": m.id})["_id"] != m.id
         ]
-        if not all(_migrated(d) for d in foreign):
+        if any(d.get("turn_id") not in mine for d in foreign):
             planned.live.append(_live_problem(db, item, len(foreign)))
             continue
-        # The migration's own messages at other places than the legacy turns put them now
-        # (a turn edited since gained or lost a message): moved, and the rest re-laid.
-        moved = [d["_id"] for d in foreign]
-        if next_free.get(cid, 0) > len(at):
-            moved += _migrated_past(db, cid, len(at))
-        planned.moved += moved
+        # Its own messages at other places than the legacy turns put them now (a turn edited
+        # since gained or lost a message) are moved; live turns stored past the legacy ones
+        # (logged before a rollback moved the live document away) keep their `seq` values,
+        # and the next turn goes after them.
+        past = _stored_past(db, cid, len(at)) if next_free.get(cid, 0) > len(at) else []
+        live = [d for d in past if d.get("turn_id") not in mine]
+        planned.moved += [d["_id"] for d in foreign] + [
+            d["_id"] for d in past if d.get("turn_id") in mine
+        ]
         for d in foreign:
             del taken[(cid, d["seq"])]
-        # Live turns stored past the legacy ones (logged before a rollback moved the live
-        # conversation document away) keep their `seq` values: the next turn goes after them.
-        stored_to = next_free.get(conversion.conversation_id, 0)
+        stored_to = int(live[-1]["seq"]) + 1 if live else 0
         document = conversion.conversation.model_copy(
             update={"message_count": max(conversion.conversation.message_count, stored_to)}
         )
@@ -203,10 +197,8 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
             document = document.model_copy(update={"name": found.get("name"), "name_source": "set"})
         if _changed(found, document):
             dumped = document.model_dump(by_alias=True)
-            if stored_to > conversion.conversation.message_count:
-                dumped |= _live_records(
-                    db, conversion.conversation_id, conversion.conversation.message_count
-                )
+            if live:
+                dumped |= _live_records(live)
             planned.conversations.append(dumped)
         planned.full_texts += conversion.full_texts
         stale = _stale_texts(db, conversion.full_texts)

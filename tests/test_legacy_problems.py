@@ -218,7 +218,17 @@ def test_two_spellings_saying_the_same_are_no_problem(part: dict[str, Any]) -> N
     assert [p.kind for p in convert([turn]).problems if p.kind == "unread_spelling"] == []
 
 
-@pytest.mark.parametrize(("read", "other"), [(1, True), (0, False), (1, 1.0)])
+@pytest.mark.parametrize(
+    ("read", "other"),
+    [
+        (1, True),
+        (0, False),
+        ('{"v": 1e999}', '{"v": 2e999}'),
+        ("[0.1]", "[0.10000000000000001]"),
+        ('{"m": "kept"}', '{"m": "«only here»", "m": "kept"}'),
+    ],
+    ids=["1 and true", "0 and false", "huge numbers", "digits a double loses", "a key twice"],
+)
 def test_values_python_calls_equal_are_still_two_values(read: Any, other: Any) -> None:
     part = {"type": "tool_result", "tool_name": "f", "result": read, "content": other}
     turn = {"_id": "s-1", "conversation_id": "c-spell", "created_at": MESSY_START,
@@ -250,9 +260,10 @@ def test_a_summed_up_call_no_part_holds_is_a_problem_holding_it() -> None:
     [
         {"tool_name": "lookup"},
         {"tool_name": "lookup", "args": {"n": 1.0}},
+        {"tool_name": "lookup", "args": '{"n": 1.00}'},
         {"type": "function", "function": {"name": "lookup", "arguments": '{"n": 1}'}},
     ],
-    ids=["the tool only", "1.0 for 1", "the OpenAI shape"],
+    ids=["the tool only", "1.0 for 1", "1.00 in text", "the OpenAI shape"],
 )
 def test_a_summed_up_call_a_part_holds_is_no_problem(summed: dict[str, Any]) -> None:
     turn = {
@@ -292,3 +303,14 @@ async def test_deleting_a_conversation_migrated_under_a_derived_id_reaches_its_l
     orphan = derived_conversation_id(None, turn_key="lost-1")
     assert (await store.delete(orphan)).legacy_turns == 1
     assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
+
+
+def test_a_summed_up_call_with_true_for_1_is_not_held_by_its_part() -> None:
+    turn = {
+        "_id": "s-1", "conversation_id": "c-sum", "created_at": MESSY_START,
+        "user_message": "hi",
+        "response_parts": [{"type": "tool_call", "tool_name": "lookup", "args": {"n": 1}}],
+        "tool_calls": [{"tool_name": "lookup", "args": {"n": True}}],
+    }  # fmt: skip
+    problems = [p.kind for p in convert([turn]).problems if p.field == "tool_calls"]
+    assert problems == ["tool_call_not_in_parts"]

@@ -333,3 +333,15 @@ async def test_an_integer_too_wide_for_bson_is_refused_naming_it_and_nothing_is_
         await AgentMessageLogger(backend.db).log_messages(CID, [prompt])
     assert await backend.db.agent_messages.count_documents({}) == 0
     assert await backend.db.agent_conversations.count_documents({}) == 0
+
+
+async def test_a_live_turn_cannot_take_the_id_the_migration_gives_a_legacy_turn(
+    backend: Backend,
+) -> None:
+    """Turn ids starting `legacy-` are the migration's: it tells its own messages by them."""
+    logger = AgentMessageLogger(backend.db)
+
+    with pytest.raises(InvalidInput, match="name migrated legacy turns"):
+        await logger.log_messages("c-1", [{"role": "user", "content": "hi"}], turn_id="legacy-t1")
+
+    assert await backend.db.agent_messages.count_documents({}) == 0

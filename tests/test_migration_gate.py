@@ -623,6 +623,92 @@ def test_an_edit_that_moves_migrated_messages_is_taken_by_a_rerun_never_passed_u
 
 
 @pytest.mark.wire
+def test_a_rerun_moving_the_migrations_messages_keeps_the_live_turns_and_their_seqs(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A live turn logged after the migration is never moved or removed by a rerun that
+    moves the migration's own messages, and the conversation takes turns after it."""
+    import asyncio
+
+    from pymongo import AsyncMongoClient
+
+    from agent_store import AgentMessageLogger
+
+    async def log(turn_id: str, text: str) -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            await AgentMessageLogger(client[database.name]).log_messages(
+                "c-a",
+                [{"role": "user", "content": f"{text}?"}, {"role": "assistant", "content": text}],
+                user_id="u-1",
+                turn_id=turn_id,
+            )
+        finally:
+            await client.close()
+
+    database[CONVERSATIONS].insert_many(ONE_THEN_TWO)
+    assert cli(wire_uri, database, "run") == 0
+    asyncio.run(log("live-1", "LIVE"))
+    one_part = {"response_parts": [{"type": "text", "content": "ONE answer"}]}
+    database[LEGACY_TURNS].update_one({"_id": "t-1"}, {"$set": one_part})
+
+    assert cli(wire_uri, database, "run") == 0
+    asyncio.run(log("live-2", "AFTER"))
+
+    stored = list(database[MESSAGES].find({"conversation_id": "c-a"}).sort("seq", 1))
+    assert [(m["seq"], m["content"]) for m in stored if m["turn_id"].startswith("live-")] == [
+        (6, "LIVE?"), (7, "LIVE"), (8, "AFTER?"), (9, "AFTER"),
+    ]  # fmt: skip
+    assert database[CONVERSATIONS].find_one({"_id": "c-a"})["message_count"] == 10
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_reruns_that_move_messages_leave_the_conversation_writable_where_they_end(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """Messages a rerun moves are the migration's, never taken for live turns: the
+    conversation document keeps no turn record of them and counts what is stored."""
+    import asyncio
+
+    from pymongo import AsyncMongoClient
+
+    from agent_store import AgentMessageLogger
+
+    def calls(*tools: str) -> dict[str, Any]:
+        parts: list[dict[str, Any]] = [{"type": "text", "content": "ONE answer"}]
+        for tool in tools:
+            parts += [{"type": "tool_call", "tool_name": tool, "args": {}},
+                      {"type": "tool_result", "tool_name": tool, "result": tool}]  # fmt: skip
+        return {"response_parts": parts}
+
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-w", 0, "ONE") | calls("f"), legacy_turn("t-2", "c-w", 1, "TWO")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    two = {"response_parts": [{"type": "text", "content": "TWO «edit»"}]}
+    database[LEGACY_TURNS].update_one({"_id": "t-2"}, {"$set": two})  # a new preview
+    database[LEGACY_TURNS].update_one({"_id": "t-1"}, {"$set": calls()})
+    assert cli(wire_uri, database, "run") == 0
+    assert not database[CONVERSATIONS].find_one({"_id": "c-w"}).get("turns")
+    database[LEGACY_TURNS].update_one({"_id": "t-1"}, {"$set": calls("f", "g", "h")})
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+    async def log_live() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            turn = [{"role": "user", "content": "live?"}, {"role": "assistant", "content": "yes"}]
+            await AgentMessageLogger(client[database.name]).log_messages("c-w", turn)
+        finally:
+            await client.close()
+
+    stored = database[MESSAGES].count_documents({"conversation_id": "c-w"})
+    asyncio.run(log_live())
+    assert database[CONVERSATIONS].find_one({"_id": "c-w"})["message_count"] == stored + 2
+
+
+@pytest.mark.wire
 def test_a_run_killed_while_rewriting_a_whole_text_is_finished_by_the_next(
     wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

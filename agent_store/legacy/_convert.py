@@ -51,6 +51,7 @@ from agent_store.legacy._parts import (
     normalize_part,
     part_text,
     result_text,
+    said,
     turn_parts,
     user_text,
 )
@@ -222,13 +223,9 @@ def _summed_call(call: Any) -> LegacyPart:
     return normalize_part({**flat, "type": "tool_call"})
 
 
-def _arguments(part: LegacyPart) -> Any:
-    """A call's arguments as the JSON values they are, when they parse (1 and 1.0 alike)."""
-    text = call_arguments(part)[0]
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return text
+def _arguments(part: LegacyPart) -> str:
+    """What a call's arguments say (`said`): 1 and 1.0 alike, `true` not `1`."""
+    return said(call_arguments(part)[0])
 
 
 def _held(summed: LegacyPart, parts: Sequence[LegacyPart]) -> bool:

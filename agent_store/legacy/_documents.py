@@ -26,6 +26,7 @@ from agent_store.core import InvalidInput, describe_validation_error, to_utc_mil
 from agent_store.store import (
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
+    MIGRATED_TURN_PREFIX,
     validate_identifier,
 )
 
@@ -170,7 +171,7 @@ class LegacyTurn(BaseModel):
     @property
     def turn_id(self) -> str:
         """The id the turn's messages are stored under."""
-        return f"legacy-{self.key}"
+        return f"{MIGRATED_TURN_PREFIX}{self.key}"
 
     @property
     def stored_conversation_id(self) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Literal
 
 from agent_store.legacy._documents import LegacyTurn, as_text, dumps
@@ -100,29 +101,68 @@ _SPELLINGS: dict[PartKind, tuple[tuple[str, ...], ...]] = {
 """The names a kind's fields were spelt by, the one read first."""
 
 
-def _said(value: Any) -> str:
-    """What a value says, to tell two spellings apart: its JSON text, types kept (`true` is
-    not `1`, `1.0` not `1`); a string is its text, or the JSON object or array it holds."""
-    if isinstance(value, str):
-        if value.lstrip()[:1] not in ("{", "["):
-            return value
-        text: str = value
-        try:
-            value = json.loads(text)
-        except (ValueError, RecursionError):
-            return text
-    try:
-        return json.dumps(value, sort_keys=True, ensure_ascii=False)
-    except (TypeError, ValueError, RecursionError):
+def said(value: Any) -> str:
+    """What a value says, to tell two spellings of it apart: a string is its text, unless it
+    holds a JSON object or array, read strictly (a key twice, or `Infinity`, keeps it text);
+    numbers by their exact decimal value (`1.0` is `1`, `0.10000000000000001` is not
+    `0.1`), `true` never `1`."""
+    text = value if isinstance(value, str) else _json_text(value)
+    if text is None:
         return repr(value)
+    if text.lstrip()[:1] not in ("{", "["):
+        return text if isinstance(value, str) else _exact(text)
+    return _exact(text)
+
+
+def _json_text(value: Any) -> str | None:
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        return None
+
+
+def _exact(text: str) -> str:
+    """JSON text in one form: keys sorted, every number as its exact decimal value."""
+    try:
+        parsed = json.loads(
+            text,
+            parse_float=Decimal,
+            parse_int=Decimal,
+            parse_constant=_refused,
+            object_pairs_hook=_distinct_keys,
+        )
+        return json.dumps(parsed, sort_keys=True, ensure_ascii=False, default=_number)
+    except (ValueError, RecursionError):
+        return text
+
+
+def _refused(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _distinct_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        raise ValueError("a key is given twice")
+    return found
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, Decimal):
+        return {"#number": format(value.normalize(), "f")}
+    raise TypeError(type(value).__name__)
 
 
 def _unread(kind: PartKind, part: Mapping[str, Any]) -> tuple[str, ...]:
-    """The spellings saying something else than the one `_first` reads."""
+    """The spellings saying something else than the one `_first` reads (looked at only in a
+    part spelling a field twice)."""
     unread: list[str] = []
     for names in _SPELLINGS.get(kind, ()):
-        read = _said(_first(part, *names))
-        unread += [n for n in names if n in part and not _blank(part[n]) and _said(part[n]) != read]
+        spelt = [n for n in names if n in part and not _blank(part[n])]
+        if len(spelt) < 2:
+            continue
+        read = said(_first(part, *names))
+        unread += [n for n in spelt if said(part[n]) != read]
     return tuple(unread)
 
 

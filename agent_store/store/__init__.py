@@ -38,6 +38,7 @@ from agent_store.store._indexes import (
 from agent_store.store._legacy_seam import (
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
+    MIGRATED_TURN_PREFIX,
     FallbackConversation,
     LegacyHolder,
     LegacySource,
@@ -116,6 +117,7 @@ __all__ = [
     "MAX_PAGE_SIZE",
     "MAX_SEARCH_QUERY_CHARS",
     "MESSAGES",
+    "MIGRATED_TURN_PREFIX",
     "PENDING_CALLS_KEPT",
     "SHARD_KEYS",
     "TEXT_INDEX",

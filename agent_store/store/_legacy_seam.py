@@ -21,6 +21,11 @@ DERIVED_TURN_PREFIX = "legacy-turn-"
 id, or a digest of it, follows)."""
 
 
+MIGRATED_TURN_PREFIX = "legacy-"
+"""How the migration names the turn of each legacy turn document it converts: no live turn
+takes such an id, so the migration tells its own messages from a live turn's."""
+
+
 def is_derived_id(conversation_id: str) -> bool:
     """Whether the id is one the migration derives: no other writer creates a conversation
     under it, since a digest cannot be traced back to the legacy turns it will name."""

@@ -60,6 +60,7 @@ from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
 from agent_store.store._legacy_seam import (
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
+    MIGRATED_TURN_PREFIX,
     LegacySource,
     is_derived_id,
 )
@@ -413,6 +414,11 @@ class AgentMessageLogger:
         A `condition` adds to the reservation's filter and update; when the
         conversation exists but does not meet it, its `refusal` is raised.
         """
+        if plan.turn_id.startswith(MIGRATED_TURN_PREFIX):
+            raise InvalidInput(
+                f"turn id {plan.turn_id!r}: ids starting with {MIGRATED_TURN_PREFIX!r} name "
+                "migrated legacy turns; a live turn takes another id"
+            )
         complete = True
         may_create = condition is None or condition.create
         # Wired to legacy turns, a new conversation is first checked against them; an id
