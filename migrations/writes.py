@@ -68,12 +68,15 @@ class Planned:
 
 def _taken(
     db: Database[dict[str, Any]], wanted: Sequence[LegacyConversion]
-) -> dict[tuple[str, int], dict[str, Any]]:
-    """(conversation id, seq) -> the message stored at the batch's seq values."""
+) -> dict[str, dict[int, dict[str, Any]]]:
+    """conversation id -> seq -> the message stored at the batch's seq values."""
     clauses = [
         {"conversation_id": c.conversation_id, "seq": {"$lt": len(c.messages)}} for c in wanted
     ]
-    return {(d["conversation_id"], d["seq"]): d for d in db[MESSAGES].find({"$or": clauses})}
+    taken: dict[str, dict[int, dict[str, Any]]] = {c.conversation_id: {} for c in wanted}
+    for doc in db[MESSAGES].find({"$or": clauses}):
+        taken[doc["conversation_id"]][int(doc["seq"])] = doc
+    return taken
 
 
 def _stored_past(db: Database[dict[str, Any]], conversation_id: str, seq: int) -> list[Any]:
@@ -150,6 +153,35 @@ def _live_records(live: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"turns": records[-kept:], "turns_dropped": Int64(max(0, len(records) - kept))}
 
 
+def _kept_by_people(document: Conversation, found: dict[str, Any] | None) -> Conversation:
+    """A person renamed it since the last run: a rerun keeps their name."""
+    if found is not None and found.get("name_source") == "set":
+        return document.model_copy(update={"name": found.get("name"), "name_source": "set"})
+    return document
+
+
+def _plan_messages(
+    db: Database[dict[str, Any]],
+    planned: Planned,
+    conversion: LegacyConversion,
+    stored: dict[int, dict[str, Any]],
+) -> None:
+    """The conversion's messages and files to write: those missing (`stored`, by `seq`), and
+    those stored with other content or a stale file, rewritten."""
+    planned.full_texts += conversion.full_texts
+    stale = _stale_texts(db, conversion.full_texts)
+    planned.stale_texts += sorted(stale)
+    for m in conversion.messages:
+        found = stored.get(m.seq or 0)
+        if found is None:
+            planned.messages.append(m.model_dump(by_alias=True))
+        elif _differs(found, m) or stale & set(kept_blob_ids(m).values()):
+            # The owner stays as stored: a claim may have moved it.
+            planned.rewritten.append(
+                m.model_dump(by_alias=True) | {"user_id": found.get("user_id")}
+            )
+
+
 def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
     """Read what is stored and work out the batch's writes."""
     planned = Planned()
@@ -168,10 +200,11 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
         # The migration's own messages are those of these legacy turns (their turn ids are
         # the migration's: no live writer may name a turn so).
         mine = {turn.turn_id for turn in item.turns}
+        stored = taken[cid]
         foreign = [
-            taken[(cid, seq or 0)]
+            stored[seq or 0]
             for seq, m in at.items()
-            if taken.get((cid, seq or 0), {"_id": m.id})["_id"] != m.id
+            if stored.get(seq or 0, {"_id": m.id})["_id"] != m.id
         ]
         if any(d.get("turn_id") not in mine for d in foreign):
             planned.live.append(_live_problem(db, item, len(foreign)))
@@ -186,32 +219,18 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
             d["_id"] for d in past if d.get("turn_id") in mine
         ]
         for d in foreign:
-            del taken[(cid, d["seq"])]
+            del stored[d["seq"]]
         stored_to = int(live[-1]["seq"]) + 1 if live else 0
         document = conversion.conversation.model_copy(
             update={"message_count": max(conversion.conversation.message_count, stored_to)}
         )
-        found = existing.get(conversion.conversation_id)
-        if found is not None and found.get("name_source") == "set":
-            # A person renamed it since the last run: a rerun keeps their name.
-            document = document.model_copy(update={"name": found.get("name"), "name_source": "set"})
-        if _changed(found, document):
+        document = _kept_by_people(document, existing.get(cid))
+        if _changed(existing.get(cid), document):
             dumped = document.model_dump(by_alias=True)
             if live:
                 dumped |= _live_records(live)
             planned.conversations.append(dumped)
-        planned.full_texts += conversion.full_texts
-        stale = _stale_texts(db, conversion.full_texts)
-        planned.stale_texts += sorted(stale)
-        for m in conversion.messages:
-            found = taken.get((conversion.conversation_id, m.seq or 0))
-            if found is None:
-                planned.messages.append(m.model_dump(by_alias=True))
-            elif _differs(found, m) or stale & set(kept_blob_ids(m).values()):
-                # The owner stays as stored: a claim may have moved it.
-                planned.rewritten.append(
-                    m.model_dump(by_alias=True) | {"user_id": found.get("user_id")}
-                )
+        _plan_messages(db, planned, conversion, stored)
     kept = full_texts.present(db, (f.blob_id for f in planned.full_texts))
     stale_texts = set(planned.stale_texts)
     planned.full_texts = [
