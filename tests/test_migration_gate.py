@@ -4,6 +4,7 @@ nowhere else; dry runs predict runs; commands stay bounded; the lock waits for a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from datetime import UTC, datetime, timedelta
@@ -13,9 +14,10 @@ from typing import Any
 import bson
 import gridfs
 import pytest
-from pymongo import MongoClient, monitoring
+from pymongo import AsyncMongoClient, MongoClient, monitoring
 from pymongo.database import Database
 
+from agent_store import AgentMessageLogger, LoggedTurn
 from agent_store.legacy import LEGACY_TURNS, convert, derived_conversation_id, parse_turns
 from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
@@ -24,6 +26,7 @@ from migrations.cli import main
 from migrations.lease import Lease
 from migrations.problems import PROBLEMS
 from scripts.legacy_corpus import BIG_RESULT_CHARS, NOT_AN_IDENTIFIER, messy_corpus
+from tests.conftest import CommandLog
 from tests.test_migration_cli import cli, corpus, digest
 
 MARK = re.compile(r"«m\d+»")
@@ -404,6 +407,36 @@ def test_a_conversation_logged_live_with_its_legacy_content_verifies_and_passes_
 # -- the gate compares content, not ids -------------------------------------------------
 
 
+def log_live(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    cid: str,
+    turn_id: str,
+    text: str,
+    commands: CommandLog | None = None,
+) -> LoggedTurn:
+    """A live turn (a question and its answer) logged by the new service's logger."""
+
+    async def log() -> LoggedTurn:
+        listeners = [commands] if commands is not None else []
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+            wire_uri, tz_aware=True, event_listeners=listeners
+        )
+        if commands is not None:
+            commands.clear()
+        try:
+            return await AgentMessageLogger(client[database.name]).log_messages(
+                cid,
+                [{"role": "user", "content": f"{text}?"}, {"role": "assistant", "content": text}],
+                user_id="u-1",
+                turn_id=turn_id,
+            )
+        finally:
+            await client.close()
+
+    return asyncio.run(log())
+
+
 def legacy_turn(turn_id: Any, cid: str, hour: int, text: str) -> dict[str, Any]:
     return {
         "_id": turn_id, "conversation_id": cid, "user_id": "u-1",
@@ -628,32 +661,14 @@ def test_a_rerun_moving_the_migrations_messages_keeps_the_live_turns_and_their_s
 ) -> None:
     """A live turn logged after the migration is never moved or removed by a rerun that
     moves the migration's own messages, and the conversation takes turns after it."""
-    import asyncio
-
-    from pymongo import AsyncMongoClient
-
-    from agent_store import AgentMessageLogger
-
-    async def log(turn_id: str, text: str) -> None:
-        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
-        try:
-            await AgentMessageLogger(client[database.name]).log_messages(
-                "c-a",
-                [{"role": "user", "content": f"{text}?"}, {"role": "assistant", "content": text}],
-                user_id="u-1",
-                turn_id=turn_id,
-            )
-        finally:
-            await client.close()
-
     database[CONVERSATIONS].insert_many(ONE_THEN_TWO)
     assert cli(wire_uri, database, "run") == 0
-    asyncio.run(log("live-1", "LIVE"))
+    log_live(wire_uri, database, "c-a", "live-1", "LIVE")
     one_part = {"response_parts": [{"type": "text", "content": "ONE answer"}]}
     database[LEGACY_TURNS].update_one({"_id": "t-1"}, {"$set": one_part})
 
     assert cli(wire_uri, database, "run") == 0
-    asyncio.run(log("live-2", "AFTER"))
+    log_live(wire_uri, database, "c-a", "live-2", "AFTER")
 
     stored = list(database[MESSAGES].find({"conversation_id": "c-a"}).sort("seq", 1))
     assert [(m["seq"], m["content"]) for m in stored if m["turn_id"].startswith("live-")] == [
@@ -669,11 +684,6 @@ def test_reruns_that_move_messages_leave_the_conversation_writable_where_they_en
 ) -> None:
     """Messages a rerun moves are the migration's, never taken for live turns: the
     conversation document keeps no turn record of them and counts what is stored."""
-    import asyncio
-
-    from pymongo import AsyncMongoClient
-
-    from agent_store import AgentMessageLogger
 
     def calls(*tools: str) -> dict[str, Any]:
         parts: list[dict[str, Any]] = [{"type": "text", "content": "ONE answer"}]
@@ -695,16 +705,8 @@ def test_reruns_that_move_messages_leave_the_conversation_writable_where_they_en
     assert cli(wire_uri, database, "run") == 0
     assert cli(wire_uri, database, "finish") == 0
 
-    async def log_live() -> None:
-        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
-        try:
-            turn = [{"role": "user", "content": "live?"}, {"role": "assistant", "content": "yes"}]
-            await AgentMessageLogger(client[database.name]).log_messages("c-w", turn)
-        finally:
-            await client.close()
-
     stored = database[MESSAGES].count_documents({"conversation_id": "c-w"})
-    asyncio.run(log_live())
+    log_live(wire_uri, database, "c-w", "live-1", "LIVE")
     assert database[CONVERSATIONS].find_one({"_id": "c-w"})["message_count"] == stored + 2
 
 
@@ -766,38 +768,15 @@ def test_a_second_attempt_after_a_rollback_keeps_the_conversation_writable(
     """The runbook's rollback moves the new conversation documents away and keeps
     `agent_messages`; a later run must not give back `seq` values live turns hold, and a
     live turn retried after it is recognised though its record went with the document."""
-    import asyncio
-
-    from pymongo import AsyncMongoClient
-
-    from agent_store import AgentMessageLogger, LoggedTurn
-    from tests.conftest import CommandLog
-
     commands = CommandLog()
-
-    async def log(turn_id: str, text: str) -> LoggedTurn:
-        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
-            wire_uri, tz_aware=True, event_listeners=[commands]
-        )
-        commands.clear()
-        try:
-            return await AgentMessageLogger(client[database.name]).log_messages(
-                "c-r",
-                [{"role": "user", "content": f"{text}?"}, {"role": "assistant", "content": text}],
-                user_id="u-1",
-                turn_id=turn_id,
-            )
-        finally:
-            await client.close()
-
     database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-r", 0, "LEGACY"))
     assert cli(wire_uri, database, "run") == 0
-    asyncio.run(log("native-1", "NATIVE"))
+    log_live(wire_uri, database, "c-r", "native-1", "NATIVE")
     database[CONVERSATIONS].delete_one({"_id": "c-r"})  # moved away by the rollback
 
     assert cli(wire_uri, database, "run") == 0
-    retried = asyncio.run(log("native-1", "NATIVE"))  # its first answer was lost
-    asyncio.run(log("native-2", "AFTER"))
+    retried = log_live(wire_uri, database, "c-r", "native-1", "NATIVE")  # answer lost
+    log_live(wire_uri, database, "c-r", "native-2", "AFTER", commands)
     assert commands.names == ["findAndModify", "insert"]  # the records are whole again
 
     assert retried.replayed
