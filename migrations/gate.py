@@ -29,7 +29,7 @@ from migrations import full_texts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
 from migrations.verify import compare
-from migrations.writes import Converted
+from migrations.writes import Converted, differs
 
 LIVE_KINDS = ("conversation_already_live", "live_conflict")
 """Problems only a run can find (they depend on what the live service stored)."""
@@ -113,9 +113,7 @@ def _changed(item: Converted, stored: Sequence[AgentMessage]) -> int:
     return sum(
         1
         for m in item.conversion.messages
-        if (found := by_id.get(str(m.id))) is not None
-        and found.model_dump(exclude={"user_id"})
-        != with_texts(m, texts).model_dump(exclude={"user_id"})
+        if (found := by_id.get(str(m.id))) is not None and differs(found, with_texts(m, texts))
     )
 
 

@@ -85,11 +85,10 @@ def _stored_past(db: Database[dict[str, Any]], conversation_id: str, seq: int) -
     return list(db[MESSAGES].find(query).sort("seq", 1))
 
 
-def _differs(stored: dict[str, Any], wanted: AgentMessage) -> bool:
-    """Whether a stored message holds other content than the conversion's (its owner aside:
-    a claim may have moved it)."""
-    found = message_adapter.validate_python(stored)
-    return found.model_dump(exclude={"user_id"}) != wanted.model_dump(exclude={"user_id"})
+def differs(stored: AgentMessage, wanted: AgentMessage) -> bool:
+    """Whether a stored message holds other content, in any field, than the conversion's
+    (its owner aside: a claim may have moved it). The rerun and the exit gate both ask."""
+    return stored.model_dump(exclude={"user_id"}) != wanted.model_dump(exclude={"user_id"})
 
 
 def _stale_texts(db: Database[dict[str, Any]], wanted: Sequence[FullText]) -> set[str]:
@@ -175,7 +174,9 @@ def _plan_messages(
         found = stored.get(m.seq or 0)
         if found is None:
             planned.messages.append(m.model_dump(by_alias=True))
-        elif _differs(found, m) or stale & set(kept_blob_ids(m).values()):
+        elif differs(message_adapter.validate_python(found), m) or stale & set(
+            kept_blob_ids(m).values()
+        ):
             # The owner stays as stored: a claim may have moved it.
             planned.rewritten.append(
                 m.model_dump(by_alias=True) | {"user_id": found.get("user_id")}
