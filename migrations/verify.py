@@ -18,7 +18,7 @@ from pymongo.database import Database
 
 from agent_store.core import AgentMessage
 from agent_store.legacy import LEGACY_TURNS, id_text
-from agent_store.store import TurnRules
+from agent_store.store import MIGRATED_TURN_PREFIX, TurnRules
 from migrations import full_texts
 from migrations.explode import batches, conversation_ids, convert_batch
 from migrations.transcript import contains, differences, from_legacy, from_messages
@@ -54,7 +54,7 @@ def compare(item: Converted, stored: list[AgentMessage]) -> list[str]:
     """How a conversation's stored messages differ from its legacy turns (none: it matches)."""
     conversion = item.conversion
     legacy = from_legacy(item.turns, conversion.unplaced)
-    migrated = [m for m in stored if (m.turn_id or "").startswith("legacy-")]
+    migrated = [m for m in stored if (m.turn_id or "").startswith(MIGRATED_TURN_PREFIX)]
     if migrated or not stored:
         return differences(legacy, from_messages(migrated))
     # Logged to live before its migration: its legacy turns were not merged.

@@ -299,7 +299,7 @@ class ConversationStore:
         """Messages a turn reserved before the delete inserted after its first sweep: those
         of the deleted conversation only (its owner, below its `message_count`, of a turn it
         recorded), never those of a conversation created under the id since, by anyone."""
-        recorded = {TurnRecord.model_validate(r).key for r in gone.get("turns") or ()}
+        recorded = {r.get("k") for r in gone.get("turns") or ()}  # the records' keys, as stored
         with storage_errors("delete the conversation"):
             found = await self._messages.find(
                 {
