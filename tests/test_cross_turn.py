@@ -656,3 +656,58 @@ async def test_a_turn_logged_over_popped_copies_of_a_fork_is_folded_as_one_turn(
     held = {cid: [(c.tool_call_id, c.request_id) for c in await store.pending_calls(cid)]
             for cid in ("fork-1", "never-forked")}  # fmt: skip
     assert held == {"fork-1": [("cx", "r1")], "never-forked": [("cx", "r1")]}
+
+
+async def _a_paused_call_whose_id_a_later_turn_repeats(logger: AgentMessageLogger) -> None:
+    """t1 makes `call_0` and awaits approval; t2 (a provider numbering its calls per response)
+    makes and answers its own `call_0`; t3 brings the approved call's result."""
+
+    def call(name: str) -> dict[str, Any]:
+        return {"id": "call_0", "function": {"name": name, "arguments": "{}"}}
+
+    prompt = {"action": "book", "params": {}, "request_id": "confirm-1"}
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "Book it"},
+         {"role": "assistant", "tool_calls": [call("book_train")]},
+         {"role": "assistant", "content": "Sure?", "hitl_action": prompt}],
+        turn_id="t1",
+    )  # fmt: skip
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "Weather meanwhile?"},
+         {"role": "assistant", "tool_calls": [call("weather")]},
+         {"role": "tool", "tool_call_id": "call_0", "content": "sunny"}],
+        turn_id="t2",
+    )  # fmt: skip
+    await logger.log_messages(
+        CID, [{"role": "tool", "tool_call_id": "call_0", "content": "B-42"}], turn_id="t3"
+    )
+
+
+async def test_a_late_answer_goes_to_the_unanswered_call_of_its_id_in_every_replay(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _a_paused_call_whose_id_a_later_turn_repeats(logger)
+    assert await pending_state(store) == ([], None)
+
+    exported = chat_completions(await store.transcript(CID))
+
+    check_chat_completions(exported)
+    answered = [(m["role"], m.get("content")) for m in exported if m["role"] != "user"]
+    assert [content for role, content in answered if role == "tool"] == ["B-42", "sunny"]
+
+
+async def test_a_fork_copies_the_late_answer_of_a_call_whose_id_a_later_turn_repeats(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _a_paused_call_whose_id_a_later_turn_repeats(logger)
+    last = (await store.transcript(CID))[-1].seq
+    assert last is not None
+
+    forked = await logger.fork(CID, last, "fork-all")
+
+    assert [m.content for m in forked.messages if m.role == "tool"] == ["sunny", "B-42"]
+    assert await pending_state(store, "fork-all") == ([], None)

@@ -204,15 +204,18 @@ conversations = st.lists(message, max_size=14)
 
 
 def real_answers(stored: list[dict[str, Any]]) -> int:
-    """How many calls a real stored result answers (the latest earlier call of its id)."""
-    latest: dict[str, int] = {}
-    answered: set[tuple[int, str]] = set()
+    """How many calls a real stored result answers: the latest earlier call of its id that
+    nothing answered yet, else the latest (a stand-in counts as an answer until replaced)."""
+    made: dict[str, list[int]] = {}
+    answered: dict[tuple[int, str], bool] = {}  # call -> answered by a real result
     for index, m in enumerate(stored):
         for c in m.get("tool_calls") or ():
-            latest[c["id"]] = index
-        if m["role"] == "tool" and m["tool_call_id"] in latest and m.get("error") is None:
-            answered.add((latest[m["tool_call_id"]], m["tool_call_id"]))
-    return len(answered)
+            made.setdefault(c["id"], []).append(index)
+        if m["role"] == "tool" and m["tool_call_id"] in made:
+            i = m["tool_call_id"]
+            at = next((n for n in reversed(made[i]) if (n, i) not in answered), made[i][-1])
+            answered[(at, i)] = answered.get((at, i), False) or m.get("error") is None
+    return sum(answered.values())
 
 
 @settings(max_examples=300, deadline=None)

@@ -11,10 +11,17 @@ exports share these markers.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Literal, get_args
 
-from agent_store.core._models import AssistantMessage, MessageError, ToolMessage, UserMessage
+from agent_store.core._models import (
+    AgentMessage,
+    AssistantMessage,
+    MessageError,
+    ToolMessage,
+    UserMessage,
+)
 
 ToolOutcome = Literal["failed", "denied", "interrupted", "retried"]
 """Why a tool result is not a plain success (the outcomes Pydantic AI knows, too)."""
@@ -53,6 +60,35 @@ def answers_instead(candidate: ToolMessage, current: ToolMessage | None) -> bool
     """Whether `candidate` is a call's answer rather than `current`, the one found before: the
     first answer stands, except a stand-in, which a real result replaces."""
     return current is None or (is_stand_in(current) and not is_stand_in(candidate))
+
+
+CallKey = tuple[int, str]
+"""A call: the index of the assistant message that makes it, and its id."""
+
+
+def answers_to_calls(messages: Sequence[AgentMessage]) -> dict[CallKey, ToolMessage]:
+    """Each call's answer among a conversation's messages; a call without one is left out.
+
+    A tool message answers the latest earlier call of its id that has no answer yet, as
+    the reservation takes it out of `pending_calls` (a provider that numbers its calls per
+    response repeats an id while an older call awaits approval); when every earlier call
+    of its id has one, the latest, where `answers_instead` decides which answer stands (a
+    real result replaces a stand-in). A tool message answering no earlier call answers
+    nothing.
+    """
+    calls_of: dict[str, list[int]] = {}
+    answers: dict[CallKey, ToolMessage] = {}
+    for index, message in enumerate(messages):
+        if isinstance(message, AssistantMessage):
+            for call in message.tool_calls or ():
+                calls_of.setdefault(call.id, []).append(index)
+        elif isinstance(message, ToolMessage) and message.tool_call_id in calls_of:
+            call_id = message.tool_call_id
+            made = calls_of[call_id]
+            at = next((i for i in reversed(made) if (i, call_id) not in answers), made[-1])
+            if answers_instead(message, answers.get((at, call_id))):
+                answers[(at, call_id)] = message
+    return answers
 
 
 def is_stand_in(message: ToolMessage) -> bool:

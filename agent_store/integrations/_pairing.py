@@ -6,8 +6,10 @@ The exports, the Pydantic AI history and the LangChain history all place each
 call's answer right after the message that makes the call, wherever the answer
 was stored:
 
-- a tool message answers the latest earlier call of its id (ids are unique
-  within a conversation; the exports rename the odd repeat of older data);
+- a tool message answers the latest earlier call of its id still without an
+  answer, else the latest (`agent_store.core.answers_to_calls`: a provider
+  numbering its calls per response repeats an id while an older call awaits
+  approval; the exports rename repeats in what they produce);
 - a tool message answering no earlier call answers nothing and is left out;
 - the first answer of a call is its answer, except a stand-in (a result
   marked `interrupted`, stored because the run ended before the call
@@ -18,30 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from agent_store.core import AgentMessage, AssistantMessage, ToolMessage, answers_instead
+from agent_store.core import AgentMessage, AssistantMessage, CallKey, ToolMessage, answers_to_calls
 
-CallKey = tuple[int, str]
-"""A call: the index of the assistant message that makes it, and its id."""
-
-
-def answers_to_calls(messages: Sequence[AgentMessage]) -> dict[CallKey, ToolMessage]:
-    """Each call's answer by the rules above; a call without one is not in the result."""
-    latest_call: dict[str, int] = {}
-    answers: dict[CallKey, ToolMessage] = {}
-    for index, message in enumerate(messages):
-        if isinstance(message, AssistantMessage):
-            for call in message.tool_calls or ():
-                latest_call[call.id] = index
-        elif isinstance(message, ToolMessage):
-            assert message.tool_call_id is not None
-            made_at = latest_call.get(message.tool_call_id)
-            if made_at is None:
-                continue
-            key = (made_at, message.tool_call_id)
-            current = answers.get(key)
-            if answers_instead(message, current):
-                answers[key] = message
-    return answers
+__all__ = ["CallKey", "answers_to_calls", "in_call_order", "unique_call_id"]
 
 
 def in_call_order(messages: Sequence[AgentMessage]) -> list[AgentMessage]:

@@ -11,8 +11,7 @@ from agent_store.core import (
     InvalidInput,
     PendingCall,
     PendingHitl,
-    ToolMessage,
-    answers_instead,
+    answers_to_calls,
 )
 from agent_store.store._turns import FORK_TURN, fork_copies_end, pending_after
 
@@ -38,17 +37,17 @@ def fork_end(messages: Sequence[AgentMessage], at_seq: int) -> int:
 
 def forked_messages(messages: Sequence[AgentMessage], end: int) -> list[AgentMessage]:
     """The messages a fork at `end` copies: those up to `end`, each call answered once (one
-    turn answers a call once): its first real result, a stand-in it replaced or any later
-    answer left out; else its first stand-in."""
+    turn answers a call once) by its answer in every replay (`answers_to_calls`: the first
+    real result, else the first stand-in); a result answering no call is copied as stored."""
     copied = [m for m in messages if (m.seq or 0) <= end]
-    kept: dict[str, ToolMessage] = {}
+    answers = {id(m) for m in answers_to_calls(copied).values()}
+    made: set[str] = set()
+    kept: list[AgentMessage] = []
     for message in copied:
-        if isinstance(message, ToolMessage) and message.tool_call_id is not None:
-            current = kept.get(message.tool_call_id)
-            if answers_instead(message, current):
-                kept[message.tool_call_id] = message
-    answers = {id(m) for m in kept.values()}
-    return [m for m in copied if m.role != "tool" or id(m) in answers]
+        made |= {call.id for call in message.tool_calls or ()}
+        if message.role != "tool" or id(message) in answers or message.tool_call_id not in made:
+            kept.append(message)
+    return kept
 
 
 def fork_copies(messages: Sequence[AgentMessage]) -> list[dict[str, Any]]:

@@ -496,7 +496,8 @@ def _check_whole(
                 f"invalid turn: message {index} belongs to conversation "
                 f"{message.conversation_id!r}, not {conversation_id!r}"
             )
-    _check_tool_pairing(messages)
+    if not copied:  # copies of stored messages were checked turn by turn as they were logged
+        _check_tool_pairing(messages)
 
 
 def _turn_starts(messages: Sequence[AgentMessage]) -> int:
