@@ -267,7 +267,9 @@ class AgentMessageLogger:
         so retrying the same messages is safe even without one, as long as they carry
         their `created_at` (a message without one is stamped on each call). A retry of any age
         stores nothing twice and answers with the stored messages; a retry with
-        other content raises Conflict. `name` is a name the runtime generated; it
+        other content raises Conflict. The one exception (DESIGN.md): a first attempt
+        that stored nothing, retried after more than `turns_recorded` later turns, leaves
+        no evidence and is stored as a new turn. `name` is a name the runtime generated; it
         replaces an automatic name or an earlier runtime name, never one a person
         set. `owner_only` says the caller is the user `user_id` itself (a user
         token): it writes only to its own conversations or to a new id, and
