@@ -11,7 +11,7 @@ is confirmed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,9 @@ from pymongo.errors import BulkWriteError, OperationFailure
 from agent_store.legacy import LEGACY_TURN_FIELDS, LEGACY_TURNS
 from agent_store.store import CONVERSATIONS, only_duplicates
 from migrations.errors import MigrationError
+
+_BAD_VALUE = 2
+"""The server's code for a hint it does not know."""
 
 TURN_FILTER: dict[str, Any] = {"$or": [{f: {"$exists": True}} for f in LEGACY_TURN_FIELDS]}
 """Legacy turns; conversation documents have neither field."""
@@ -66,35 +69,57 @@ def relocate(
     elif target_exists:
         reason = f"{LEGACY_TURNS} already exists (an interrupted copy); resuming the copy"
     moved = 0
-    last: Any = None
-    while True:
-        # After the last `_id` moved: a scan that restarted from the first document would read
-        # every conversation document mixed in again for each batch. `$gt` compares within one
-        # BSON type, so an empty page is read again from the start once, for ids of other types.
-        after = {} if last is None else {"_id": {"$gt": last}}
-        batch = list(source.find({**after, **TURN_FILTER}).sort("_id", 1).limit(batch_size))
-        if not batch and last is not None:
-            last = None
-            continue
-        if not batch:
-            break
-        last = batch[-1]["_id"]
-        ids = [doc["_id"] for doc in batch]
-        try:
-            target.insert_many(batch, ordered=False)
-        except BulkWriteError as exc:
-            _accept_identical_copies(exc, batch, target)
-        copied = target.count_documents({"_id": {"$in": ids}})
-        if copied != len(ids):
-            raise MigrationError(
-                f"copy check failed: {copied} of {len(ids)} turn documents arrived in "
-                f"{LEGACY_TURNS}; nothing was deleted from {CONVERSATIONS}"
-            )
-        source.delete_many({"_id": {"$in": ids}, **TURN_FILTER})
-        moved += len(ids)
-        if progress is not None:
-            progress(len(ids))
+    batch: list[dict[str, Any]] = []
+    # One scan in stored order: copied in that order, turns at the same time keep their order
+    # (a turn's time ties are broken by it), and the scan never reads a document twice.
+    for document in _in_stored_order(source, batch_size):
+        batch.append(document)
+        if len(batch) == batch_size:
+            moved += _copy_batch(batch, source, target, progress)
+            batch = []
+    if batch:
+        moved += _copy_batch(batch, source, target, progress)
     return Relocation("copied", moved, reason)
+
+
+def _in_stored_order(source: Any, batch_size: int) -> Iterator[dict[str, Any]]:
+    """The turns in the collection's stored order: a collection scan (`$natural`), or, where
+    the server knows no such hint, the unsorted scan that gives that order."""
+    scan = source.find(TURN_FILTER, batch_size=batch_size).hint([("$natural", 1)])
+    try:
+        first = next(scan, None)
+    except OperationFailure as exc:
+        if exc.code != _BAD_VALUE:
+            raise
+        scan, first = source.find(TURN_FILTER, batch_size=batch_size), None
+    if first is not None:
+        yield first
+    yield from scan
+
+
+def _copy_batch(
+    batch: list[dict[str, Any]],
+    source: Any,
+    target: Any,
+    progress: Callable[[int], None] | None,
+) -> int:
+    """Insert the batch into the target, check every document arrived, then delete it from
+    the source; how many moved. A document a killed copy inserted already is accepted."""
+    ids = [doc["_id"] for doc in batch]
+    try:
+        target.insert_many(batch, ordered=False)
+    except BulkWriteError as exc:
+        _accept_identical_copies(exc, batch, target)
+    copied = target.count_documents({"_id": {"$in": ids}})
+    if copied != len(ids):
+        raise MigrationError(
+            f"copy check failed: {copied} of {len(ids)} turn documents arrived in "
+            f"{LEGACY_TURNS}; nothing was deleted from {CONVERSATIONS}"
+        )
+    source.delete_many({"_id": {"$in": ids}, **TURN_FILTER})
+    if progress is not None:
+        progress(len(ids))
+    return len(ids)
 
 
 def _accept_identical_copies(

@@ -10,12 +10,13 @@ import subprocess
 import sys
 import time
 import uuid
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import mongomock
 import pytest
+from bson import ObjectId
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
@@ -243,7 +244,7 @@ def test_move_aside_copies_only_turns_when_conversations_are_mixed_in() -> None:
 
 
 @pytest.mark.wire
-def test_the_copy_resumes_each_batch_after_the_last_id_it_moved(wire_uri: str) -> None:
+def test_the_copy_scans_the_collection_once_whatever_is_mixed_in(wire_uri: str) -> None:
     """With conversation documents mixed in, a scan from the start per batch is quadratic."""
     log = Finds()
     client: MongoClient[dict[str, Any]] = MongoClient(wire_uri, event_listeners=[log])
@@ -254,31 +255,55 @@ def test_the_copy_resumes_each_batch_after_the_last_id_it_moved(wire_uri: str) -
         db[CONVERSATIONS].insert_many(corpus())
         log.filters.clear()
         relocate.relocate(db, batch_size=5, allow_rename=False)
-        scans = [f for f in log.filters if "$or" in f]
-        assert "_id" not in scans[0]
-        assert all("$gt" in f.get("_id", {}) for f in scans[1:-1])
+        assert [f for f in log.filters if "$or" in f] == [relocate.TURN_FILTER]
         assert db[LEGACY_TURNS].count_documents({}) == len(corpus())
     finally:
         client.drop_database(db.name)
         client.close()
 
 
+@pytest.mark.wire
+def test_turns_at_the_same_time_keep_their_stored_order_when_copied_aside(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """Two app servers logged two turns in the same millisecond; the first stored has the
+    larger ObjectId. A copy in `_id` order would swap them (and their last user, the owner)."""
+    small, large = sorted([ObjectId(), ObjectId()])
+    at = datetime(2024, 3, 1, 12, 0, tzinfo=UTC)
+    database[CONVERSATIONS].insert_many(
+        [{"_id": large, "conversation_id": "conv-tie", "user_id": "alice", "created_at": at,
+          "user_message": "FIRST", "response_text": "one"},
+         {"_id": small, "conversation_id": "conv-tie", "user_id": "bob", "created_at": at,
+          "user_message": "SECOND", "response_text": "two"}]
+    )  # fmt: skip
+
+    assert cli(wire_uri, database, "run") == 0
+
+    said = database[MESSAGES].find({"conversation_id": "conv-tie", "role": "user"}).sort("seq")
+    assert [m["content"] for m in said] == ["FIRST", "SECOND"]
+    assert database[CONVERSATIONS].find_one({"_id": "conv-tie"})["user_id"] == "bob"
+
+
 class Finds(monitoring.CommandListener):
-    """The filters of the sorted `find` commands (the copy's scans) on the conversations."""
+    """The filters of the `find` commands the server ran on the conversations reading more
+    than one document (the copy's scans)."""
 
     def __init__(self) -> None:
         self.filters: list[dict[str, Any]] = []
+        self._started: dict[int, dict[str, Any]] = {}
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
         command = event.command
-        if event.command_name == "find" and command["find"] == CONVERSATIONS and "sort" in command:
-            self.filters.append(dict(event.command.get("filter", {})))
+        if event.command_name == "find" and command["find"] == CONVERSATIONS:
+            if "limit" not in command:
+                self._started[event.request_id] = dict(command.get("filter", {}))
 
     def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
-        pass
+        if event.request_id in self._started:
+            self.filters.append(self._started.pop(event.request_id))
 
     def failed(self, event: monitoring.CommandFailedEvent) -> None:
-        pass
+        self._started.pop(event.request_id, None)
 
 
 # -- kills at any moment -------------------------------------------------------------------
