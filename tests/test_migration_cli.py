@@ -294,9 +294,9 @@ class Finds(monitoring.CommandListener):
 
     def started(self, event: monitoring.CommandStartedEvent) -> None:
         command = event.command
-        if event.command_name == "find" and command["find"] == CONVERSATIONS:
-            if "limit" not in command:
-                self._started[event.request_id] = dict(command.get("filter", {}))
+        scan = event.command_name == "find" and "limit" not in command
+        if scan and command["find"] == CONVERSATIONS:
+            self._started[event.request_id] = dict(command.get("filter", {}))
 
     def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
         if event.request_id in self._started:
