@@ -711,3 +711,45 @@ async def test_a_fork_copies_the_late_answer_of_a_call_whose_id_a_later_turn_rep
 
     assert [m.content for m in forked.messages if m.role == "tool"] == ["sunny", "B-42"]
     assert await pending_state(store, "fork-all") == ([], None)
+
+
+async def test_a_prompt_logged_in_a_turn_of_its_own_holds_the_calls_left_pending_before_it(
+    backend: Backend,
+) -> None:
+    """A runtime whose run paused on a call logs its question as a turn of its own: the
+    prompt holds that call, so the call's answer clears it, and a rewrite folds it alike."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    book = {"id": "tc-9", "function": {"name": "book_train", "arguments": "{}"}}
+    note = {"id": "tc-1", "function": {"name": "note", "arguments": "{}"}}
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "Book the 09:04"},
+         {"role": "assistant", "tool_calls": [book]}],
+        turn_id="run-1",
+    )  # fmt: skip
+    ask = {"action": "book_train", "params": {}, "request_id": "confirm-9"}
+    await logger.log_messages(
+        CID, [{"role": "assistant", "content": "Pay €35?", "hitl_action": ask}], turn_id="ask-1"
+    )
+    held = [(c.tool_call_id, c.request_id) for c in await store.pending_calls(CID)]
+    assert held == [("tc-9", "confirm-9")]
+    assert await pending_state(store) == await recomputed_state(store)
+    # A call made later, in a turn of its own, is not the prompt's.
+    await logger.log_messages(CID, [{"role": "assistant", "tool_calls": [note]}], turn_id="n")
+
+    await logger.log_messages(
+        CID, [{"role": "tool", "tool_call_id": "tc-9", "content": "booked"}], turn_id="run-2"
+    )
+
+    assert await pending_state(store) == (["tc-1"], None)
+    assert await pending_state(store) == await recomputed_state(store)
+
+
+async def recomputed_state(
+    store: ConversationStore, cid: str = CID
+) -> tuple[list[str], str | None]:
+    """What the stored messages leave pending, folded turn by turn as a pop or a fork does."""
+    from agent_store.store._turns import pending_after
+
+    calls, prompt = pending_after(await store.transcript(cid))
+    return [c.tool_call_id for c in calls], prompt.request_id if prompt else None

@@ -491,6 +491,10 @@ async def test_a_run_whose_approval_prompt_was_logged_resumes_from_the_store(
         and p.tool_call_id == "tc-9"
     )  # fmt: skip
     assert booking.content == "booked TGV 6601"
+    # The prompt held the call it asked about: the resumed run's answer clears it.
+    await log_run(logger, CID, resumed.new_messages(), turn_id="run-2")
+    assert await store.pending_hitl(CID) is None
+    assert await store.pending_calls(CID) == []
 
 
 def test_a_response_with_empty_text_stays_a_response_between_two_prompts() -> None:

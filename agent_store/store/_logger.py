@@ -337,7 +337,9 @@ class AgentMessageLogger:
         next_seq = int(source.get("message_count") or 0)
         starts = fork_turns_of(source)
         calls, prompt = fork_pending(messages, end, ids, pending_now(source), next_seq, starts)
-        plan = replace(plan, opened_calls=calls, answered_calls=(), pending_hitl=prompt)
+        plan = replace(
+            plan, opened_calls=calls, answered_calls=(), pending_hitl=prompt, holds_pending=None
+        )
         origin = ForkOrigin(
             conversation_id=conversation_id, seq=end, turn_starts=fork_turn_starts(chosen, starts)
         ).model_dump()

@@ -13,7 +13,14 @@ from typing import Any
 
 from bson import Int64
 
-from agent_store.core import MAX_SAFE_INTEGER, Conflict, NotFound, StoreError, TurnRecord
+from agent_store.core import (
+    MAX_SAFE_INTEGER,
+    Conflict,
+    NotFound,
+    PendingCall,
+    StoreError,
+    TurnRecord,
+)
 from agent_store.store._turns import PENDING_CALLS_KEPT, KeepPendingHitl, TurnPlan, TurnRules
 
 SUMMARY: dict[str, Any] = {"turns": 0}
@@ -203,7 +210,7 @@ def _pending_state(plan: TurnPlan) -> dict[str, Any]:
     hitl: Any = {"$ifNull": ["$pending_hitl", None]}
     if not isinstance(plan.pending_hitl, KeepPendingHitl):
         hitl = literal(plan.pending_hitl and plan.pending_hitl.model_dump())
-    if not plan.answered_calls and not plan.opened_calls:
+    if not plan.answered_calls and not plan.opened_calls and plan.holds_pending is None:
         return {"pending_calls": calls, "pending_hitl": hitl}
 
     def answered(wanted: bool) -> dict[str, Any]:
@@ -217,5 +224,16 @@ def _pending_state(plan: TurnPlan) -> dict[str, Any]:
             "$cond": [{"$in": [{"$ifNull": ["$pending_hitl.request_id", None]}, held]}, None, hitl]
         }
     opened = literal([call.model_dump() for call in plan.opened_calls])
-    kept = {"$slice": [{"$concatArrays": [answered(False), opened]}, -PENDING_CALLS_KEPT]}
+    left = _held_by(answered(False), plan.holds_pending)
+    kept = {"$slice": [{"$concatArrays": [left, opened]}, -PENDING_CALLS_KEPT]}
     return {"pending_calls": kept, "pending_hitl": hitl}
+
+
+def _held_by(calls: Any, request_id: str | None) -> Any:
+    """`calls` once a prompt raised before any call of its turn holds those no prompt holds
+    (`_turns.held_by`, as an expression); `calls` as they are without one."""
+    if request_id is None:
+        return calls
+    fields: dict[str, Any] = {name: f"$$call.{name}" for name in PendingCall.model_fields}
+    fields["request_id"] = {"$ifNull": ["$$call.request_id", literal(request_id)]}
+    return {"$map": {"input": calls, "as": "call", "in": fields}}

@@ -116,6 +116,10 @@ class TurnPlan:
     """Calls the turn leaves without an answer: pending until a later turn answers them."""
     answered_calls: tuple[str, ...] = ()
     """Ids of calls of earlier turns that this turn answers: no longer pending."""
+    holds_pending: str | None = None
+    """The request id of a prompt the turn raises before any call or request of its own (a
+    runtime logging its question apart from the run that paused): it holds back the calls
+    earlier turns left pending that no prompt holds (`prompt_before_calls`)."""
 
     def matches(self, digest: int) -> bool:
         """Whether a turn record's digest is this plan's content (in either digest's form)."""
@@ -472,6 +476,7 @@ def plan_turn(
         full_texts=tuple(prepared.full_texts),
         opened_calls=opened_calls,
         answered_calls=answered_calls,
+        holds_pending=prompt_before_calls(sources),
     )
 
 
@@ -549,6 +554,29 @@ def _pending_hitl(
                 outcome = None
             unheld.discard(message.tool_call_id or "")
     return outcome
+
+
+def prompt_before_calls(messages: Sequence[AgentMessage]) -> str | None:
+    """The request id of the first prompt a turn raises, if nothing before it in the turn
+    makes a call or starts a request (a user or system message): the turn then goes on
+    with the run that paused, asking about its calls."""
+    for message in messages:
+        if message.tool_calls or message.role in ("user", "system"):
+            return None
+        if message.hitl_action is not None:
+            return message.hitl_action.request_id
+    return None
+
+
+def held_by(calls: Sequence[PendingCall], request_id: str | None) -> list[PendingCall]:
+    """The pending calls once a prompt raised before any call of its turn holds those no
+    prompt holds (`TurnPlan.holds_pending`); as they were without one."""
+    if request_id is None:
+        return list(calls)
+    return [
+        c if c.request_id is not None else c.model_copy(update={"request_id": request_id})
+        for c in calls
+    ]
 
 
 def _pending_calls(
@@ -629,9 +657,10 @@ def pending_after(
         ):
             hitl = None  # the turn answers a call the prompt held back
         # The newest are kept, turn by turn, as each reservation keeps them.
-        calls = ([c for c in calls if c.tool_call_id not in answered] + list(opened))[
-            -PENDING_CALLS_KEPT:
-        ]
+        left = held_by(
+            [c for c in calls if c.tool_call_id not in answered], prompt_before_calls(turn)
+        )
+        calls = (left + list(opened))[-PENDING_CALLS_KEPT:]
         start = end
     return calls, hitl
 
