@@ -134,7 +134,8 @@ async def test_popping_costs_two_round_trips_more_for_what_it_must_read_again(
     await logger.log_messages(
         CID, [user("look it up"), {"role": "assistant", "tool_calls": [call]}]
     )
-    await logger.log_messages(CID, [user("never mind")])
+    answered = {"role": "tool", "tool_call_id": "call_1", "content": "found"}
+    await logger.log_messages(CID, [answered, user("never mind")])
     store = ConversationStore(wire_backend.db)
 
     wire_backend.commands.clear()
@@ -142,8 +143,12 @@ async def test_popping_costs_two_round_trips_more_for_what_it_must_read_again(
     assert wire_backend.commands.names == ["findAndModify", "find", "find", "update"]
 
     wire_backend.commands.clear()
-    await store.pop_last_message(CID)  # the tool call: what is pending is listed again
+    await store.pop_last_message(CID)  # the answer: its call comes back as listed before it
     assert wire_backend.commands.names == ["findAndModify", "find", "update"]
+
+    wire_backend.commands.clear()
+    await store.pop_last_message(CID)  # the tool call: it leaves the list, nothing is read
+    assert wire_backend.commands.names == ["findAndModify", "update"]
 
 
 async def test_a_pop_racing_a_new_turn_leaves_the_new_turns_preview(

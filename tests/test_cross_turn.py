@@ -338,12 +338,23 @@ async def pending_state(store: ConversationStore, cid: str = CID) -> tuple[list[
     return calls, prompt.request_id if prompt else None
 
 
+def _book(call_id: str = "tc-9", name: str = "book_train") -> dict[str, Any]:
+    return {"role": "assistant", "tool_calls": [{"id": call_id, "function": {"name": name,
+            "arguments": "{}"}}]}  # fmt: skip
+
+
+def _asks(request_id: str) -> dict[str, Any]:
+    hitl = {"action": "confirm", "params": {}, "request_id": request_id}
+    return {"role": "assistant", "content": "Sure?", "hitl_action": hitl}
+
+
 async def test_popping_a_prompt_then_its_call_leaves_nothing_pending(backend: Backend) -> None:
     runtime = Runtime(backend)
     await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")  # user, call, prompt
 
     await runtime.store.pop_last_message(CID)  # the prompt
     assert await pending_state(runtime.store) == (["tc-9"], None)
+    assert [c.request_id for c in await runtime.store.pending_calls(CID)] == [None]
 
     await runtime.store.pop_last_message(CID)  # the assistant message making the call
     assert await pending_state(runtime.store) == ([], None)
@@ -364,6 +375,20 @@ async def test_popping_an_answer_makes_its_call_and_prompt_pending_again(backend
     assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
 
 
+async def test_popping_an_answer_puts_its_call_back_in_its_place_among_the_pending(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for n in (1, 2, 3):
+        await logger.log_messages(CID, [_book(f"c{n}", "lookup")], turn_id=f"t{n}")
+    answer = {"role": "tool", "tool_call_id": "c2", "content": "found"}
+    await logger.log_messages(CID, [answer], turn_id="t4")
+
+    await store.pop_last_message(CID)
+
+    assert await pending_state(store) == (["c1", "c2", "c3"], None)
+
+
 async def test_popping_a_prompt_leaves_none_pending_and_brings_back_no_resolved_one(
     backend: Backend,
 ) -> None:
@@ -381,6 +406,75 @@ async def test_popping_a_prompt_leaves_none_pending_and_brings_back_no_resolved_
     await store.pop_last_message(CID)
 
     assert await pending_state(store) == ([], None)
+
+
+async def _pop_over_a_turn_in_flight(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, in_flight: list[dict[str, Any]]
+) -> ConversationStore:
+    """`in_flight` reserves its `seq`s and loses its insert; a later turn lands and is popped
+    (Agents SDK `pop_item`); then the retry of `in_flight` stores it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+
+    async def lost(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("the insert was lost after reserving")
+
+    monkeypatch.setattr(logger._messages, "insert_many", lost)
+    with pytest.raises(ConnectionError):
+        await logger.log_messages(CID, in_flight, turn_id="t-in-flight")
+    monkeypatch.undo()
+    await logger.log_messages(CID, [_book("c-x", "lookup")], turn_id="t-popped")
+    await store.pop_last_message(CID)
+    assert (await logger.log_messages(CID, in_flight, turn_id="t-in-flight")).replayed
+    return store
+
+
+async def test_a_pop_keeps_the_answer_of_a_turn_still_being_written_below_it(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "Book it"}, _book(),
+                                    _asks("confirm-9")], turn_id="t1")  # fmt: skip
+    answer = [{"role": "tool", "tool_call_id": "tc-9", "content": "B-42"}]
+
+    store = await _pop_over_a_turn_in_flight(backend, monkeypatch, answer)
+
+    assert await pending_state(store) == ([], None)
+
+
+async def test_a_pop_keeps_the_call_a_turn_still_being_written_below_it_left_pending(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "Book it"}], turn_id="t1")
+
+    store = await _pop_over_a_turn_in_flight(backend, monkeypatch, [_book(), _asks("confirm-9")])
+
+    assert await pending_state(store) == (["tc-9"], "confirm-9")
+    assert [c.request_id for c in await store.pending_calls(CID)] == ["confirm-9"]
+
+
+async def test_two_pops_racing_leave_no_call_of_either_message_pending(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pop A removes c2 and reads the messages before it; pop B removes c1 and updates the
+    summary first; then A updates with what it read (c1 still there)."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "look up"}], turn_id="t1")
+    for n in (1, 2):
+        await logger.log_messages(CID, [_book(f"c{n}", "lookup")], turn_id=f"t{n + 1}")
+    first, second = ConversationStore(backend.db), ConversationStore(backend.db)
+    update_one = first._conversations.update_one
+
+    async def the_other_pop_first(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.undo()
+        assert (await second.pop_last_message(CID)) is not None
+        return await update_one(*args, **kwargs)
+
+    monkeypatch.setattr(first._conversations, "update_one", the_other_pop_first)
+    await first.pop_last_message(CID)
+
+    assert [m.seq for m in await first.transcript(CID)] == [0]
+    assert await pending_state(first) == ([], None)
 
 
 async def test_a_fork_at_a_pending_prompt_stops_there_and_keeps_it_pending(

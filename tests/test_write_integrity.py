@@ -18,6 +18,7 @@ from agent_store import (
     Conflict,
     ConversationStore,
     InvalidInput,
+    SteeringInbox,
     TurnRules,
 )
 from agent_store.store import CONVERSATIONS, MESSAGES
@@ -502,6 +503,24 @@ async def test_past_the_kept_records_a_retry_must_match_every_stored_message(
         await logger.log_messages(CID, turn("first"), turn_id="t-a")
 
     assert await backend.db.agent_messages.count_documents({}) == 21
+
+
+async def test_past_the_kept_records_a_fork_or_delivery_refused_by_its_condition_says_why(
+    backend: Backend,
+) -> None:
+    """A fork into an existing id is a Conflict and a delivery into a closed inbox answers
+    False, however many turn records the conversation has dropped; nothing is written."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(turns_recorded=2))
+    await logger.log_messages("conv-source", turn("source"), turn_id="s1")
+    for n in range(4):
+        await logger.log_messages(CID, turn(f"turn {n}"), turn_id=f"t{n}")
+    before = await digest(backend.db)
+
+    with pytest.raises(Conflict, match="exists already"):
+        await logger.fork("conv-source", 1, CID)
+    never_opened = SteeringInbox(logger).try_deliver(CID, "run-9", {"role": "user", "content": "+"})
+    assert await never_opened is False
+    assert await digest(backend.db) == before
 
 
 async def test_past_the_kept_records_a_new_turn_costs_one_lookup_more(

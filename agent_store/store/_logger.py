@@ -453,10 +453,10 @@ class AgentMessageLogger:
             if refusal is not None:
                 raise refusal
             block = recorded_block(found, plan.key)
-            if block is None and found.get("turns_dropped"):
+            if block is None and complete and found.get("turns_dropped"):
                 block = await self._block_of_an_old_turn(plan)
-                if block is None:
-                    complete = False  # past the records, the lookup proved the turn new
+                if block is None:  # proved new: looked up once, then the condition refuses
+                    complete = False
                     continue
             if block is not None:
                 return _replay(plan, block, found)

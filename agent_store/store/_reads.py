@@ -43,9 +43,9 @@ from agent_store.store._reservation import SUMMARY
 from agent_store.store._tail import (
     preview_of,
     quoted_in_preview,
+    reads_pending_before,
     starts_a_turn,
     text_before,
-    touches_pending,
     unlogged,
 )
 from agent_store.store._text import clean_name, collapse_whitespace, has_positive_term
@@ -402,8 +402,8 @@ class ConversationStore:
         `message_count`, which gives the `seq` back unless another turn reserved past it.
         Two to five round trips: the removal, the summary update, and the messages
         before it when it started a turn or was the preview's source, or (all of them)
-        when it made, answered or raised a call or a prompt (`pending_calls` is listed again;
-        in a fork, one more for where its copies began the original's turns).
+        when it answered a call or raised a prompt (what they leave pending says what comes
+        back; in a fork, one more for where its copies began the original's turns).
         """
         query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
         if user_id is not None:
@@ -428,17 +428,19 @@ class ConversationStore:
                 )
                 source_message = message_adapter.validate_python(source) if source else None
                 preview = preview_of(source_message, self._rules.preview_chars)
-            calls = await self._pending_calls_before(popped) if touches_pending(popped) else None
+            calls = (
+                await self._pending_calls_before(popped) if reads_pending_before(popped) else None
+            )
         with storage_errors("update the conversation"):
             await self._conversations.update_one(
                 self._scope(conversation_id, user_id),
-                unlogged(popped, started_turn=started, preview=preview, pending_calls=calls),
+                unlogged(popped, started_turn=started, preview=preview, pending_before=calls),
             )
         return popped
 
     async def _pending_calls_before(self, popped: AgentMessage) -> list[PendingCall]:
-        """The calls the messages before `popped` leave pending (reads them all: a pop of a
-        call, an answer or a prompt is rare, and what is pending depends on every turn, and
+        """The calls the messages before `popped` leave pending (reads them all: a pop of an
+        answer or a prompt is rare, and what is pending depends on every turn, and
         in a fork on where its copies began the original's turns: one lookup more then)."""
         docs = await (
             self._messages.find(

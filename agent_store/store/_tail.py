@@ -4,7 +4,10 @@ A runtime that corrects a turn (the Agents SDK's `pop_item`) removes the last
 stored message. The conversation's summary must then say what it would have
 said had the message never been logged: the turn it started is no longer
 counted, its tokens are no longer summed, the preview no longer quotes it, a
-HITL prompt it raised is no longer pending, and its `seq` is free again.
+HITL prompt it raised is no longer pending, the calls it made are not either
+(a call it answered is again), and its `seq` is free again. The calls are
+changed as a reservation changes them, on the list as it stands: a turn still
+being written below the message, or another pop, keeps what it did.
 
 `seq` is given back only while no other turn has reserved past it
 (`message_count` is still the removed `seq` + 1): the update's own condition
@@ -20,6 +23,7 @@ from typing import Any
 from agent_store.core import AgentMessage, PendingCall
 from agent_store.store._reservation import int64, literal
 from agent_store.store._text import message_text, shorten
+from agent_store.store._turns import PENDING_CALLS_KEPT
 
 _PROMPT_ROLES = ("user", "system")
 
@@ -65,14 +69,10 @@ def _less(field: str, amount: int) -> dict[str, Any]:
     return int64({"$max": [0, {"$subtract": [{"$ifNull": [f"${field}", 0]}, amount]}]})
 
 
-def touches_pending(message: AgentMessage) -> bool:
-    """Whether logging `message` changed what its conversation awaits (calls or a prompt)."""
-    return bool(
-        message.tool_calls
-        or message.role == "tool"
-        or message.hitl_action is not None
-        or (message.role == "user" and message.upload is not None)
-    )
+def reads_pending_before(message: AgentMessage) -> bool:
+    """Whether undoing `message` needs what the messages before it leave pending: a call it
+    answered comes back, and calls its prompt held back are held by none."""
+    return message.role == "tool" or message.hitl_action is not None
 
 
 def unlogged(
@@ -80,15 +80,14 @@ def unlogged(
     *,
     started_turn: bool,
     preview: str | None,
-    pending_calls: list[PendingCall] | None = None,
+    pending_before: list[PendingCall] | None = None,
 ) -> list[Any]:
     """The update pipeline that takes a removed last message out of its conversation's summary.
 
-    `preview` is the new preview, or None to keep the current one. `pending_calls` are the
-    calls the messages before it leave pending (`pending_after`), or None to keep the
-    list; they replace it only while no turn has reserved past the removed message, since
-    they were read before this update. A prompt the message raised is no longer pending; a
-    prompt resolved before is not brought back (a resolution by request id leaves no message).
+    `preview` is the new preview, or None to keep the current one. `pending_before` are the
+    calls the messages before it leave pending (`pending_after`), read when
+    `reads_pending_before`. A prompt the message raised is no longer pending; a prompt
+    resolved before is not brought back (a resolution by request id leaves no message).
     """
     assert message.seq is not None
     usage = message.token_usage
@@ -106,11 +105,70 @@ def unlogged(
             ]
         },
     }
-    if pending_calls is not None:
-        listed = literal([call.model_dump() for call in pending_calls])
-        stage["pending_calls"] = {"$cond": [untouched, listed, "$pending_calls"]}
+    if message.tool_calls or pending_before is not None:
+        stage["pending_calls"] = _calls_without(message, pending_before or [])
     if preview is not None:  # a turn that reserved past the message has set its own
         stage["last_message_preview"] = {
             "$cond": [untouched, literal(preview), "$last_message_preview"]
         }
     return [{"$set": stage}]
+
+
+def _calls_without(message: AgentMessage, before: list[PendingCall]) -> dict[str, Any]:
+    """`pending_calls` without the removed message's own effect, as the reservation's was.
+
+    Applied to the list as it is, not replacing it with one computed from what was read: a
+    turn still being written below the message, or another pop, changed it meanwhile (and
+    is kept). The calls the message made leave the list; a call it answered that `before`
+    lists comes back, in its place among them; calls its prompt held back that `before`
+    shows held by none lose their `request_id`.
+    """
+    calls: Any = {"$ifNull": ["$pending_calls", literal([])]}
+    back = [c for c in before if message.role == "tool" and c.tool_call_id == message.tool_call_id]
+    back_ids = literal([c.tool_call_id for c in back])
+    kept: dict[str, Any] = {
+        "$filter": {
+            "input": calls,
+            "as": "call",
+            "cond": {
+                "$and": [
+                    {"$ne": ["$$call.message_id", literal(message.id)]},
+                    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+                    {"$eq": [{"$in": ["$$call.tool_call_id", back_ids]}, False]},
+                ]
+            },
+        }
+    }
+    if message.hitl_action is not None:
+        kept = _unheld(kept, message.hitl_action.request_id, before)
+    if not back:
+        return kept
+    order = [c.tool_call_id for c in before]
+    later = literal(order[order.index(back[0].tool_call_id) + 1 :])
+
+    def placed(after: bool) -> dict[str, Any]:
+        is_later = {"$in": ["$$call.tool_call_id", later]}
+        return {"$filter": {"input": kept, "as": "call", "cond": {"$eq": [is_later, after]}}}
+
+    restored = literal([c.model_dump() for c in back])
+    both = {"$concatArrays": [placed(False), restored, placed(True)]}
+    return {"$slice": [both, -PENDING_CALLS_KEPT]}
+
+
+def _unheld(calls: Any, request_id: str, before: list[PendingCall]) -> dict[str, Any]:
+    """`calls`, those held back by the removed prompt `request_id` held by none now."""
+    free = literal([c.tool_call_id for c in before if c.request_id is None])
+    held = {
+        "$and": [
+            {"$eq": ["$$call.request_id", literal(request_id)]},
+            {"$in": ["$$call.tool_call_id", free]},
+        ]
+    }
+    unheld = {
+        "tool_call_id": "$$call.tool_call_id",
+        "tool_name": "$$call.tool_name",
+        "message_id": "$$call.message_id",
+        "request_id": literal(None),
+        "created_at": "$$call.created_at",
+    }
+    return {"$map": {"input": calls, "as": "call", "in": {"$cond": [held, unheld, "$$call"]}}}
