@@ -17,9 +17,11 @@ from agent_store.legacy import (
     Problem,
     convert,
     legacy_turn_document,
+    parse_turns,
     pending_from_session_hitl,
 )
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
+from migrations.transcript import differences, from_legacy, from_messages
 from tests.test_logger import expected_example
 
 CID = "legacy-conv"
@@ -269,6 +271,16 @@ MESS: list[Any] = [
         ["invalid_part", "unknown_part"],
         id="malformed-parts-are-kept-as-problems",
     ),
+    pytest.param(
+        [turn(1, [{"type": "hitl", "action": "refund", "request_id": "r-1",
+                   "prompt": {"title": "Refund o-1?", "body": "40 €"}}])],  # fmt: skip
+        [
+            ("user", "question 1", None, None, None),
+            ("assistant", '{"title": "Refund o-1?", "body": "40 €"}', None, None, None),
+        ],
+        [],
+        id="a-hitl-prompt-that-is-not-text-is-kept-as-its-json-text",
+    ),
 ]
 
 
@@ -291,6 +303,15 @@ def test_messy_legacy_data_converts_without_losing_content(
     assert len(set(ids)) == len(ids)
     for problem in problems:
         assert problem.conversation_id == CID
+
+
+def test_verify_reads_a_hitl_prompt_that_is_not_text_as_the_converter_stores_it() -> None:
+    turns = [turn(1, [{"type": "hitl", "action": "refund", "request_id": "r-1",
+                       "prompt": {"title": "«Refund o-1?»"}}])]  # fmt: skip
+    legacy = from_legacy(parse_turns(turns))
+
+    assert differences(legacy, from_messages(convert(turns).messages)) == []
+    assert any("«Refund o-1?»" in line for line in legacy.lines)
 
 
 def test_name_set_on_some_turns_only_uses_the_last_name() -> None:

@@ -369,10 +369,9 @@ class _Converter:
         request_id = part.request_id
         if not isinstance(request_id, str) or not request_id:
             request_id = f"req-{state.turn.key}-{index}"
-        prompt = part.content
         message = {
             "role": "assistant",
-            "content": prompt if isinstance(prompt, str) and prompt else None,
+            "content": part_text(part),
             "hitl_action": {"action": part.action, "params": params, "request_id": request_id},
         }
         self._add(state, index, message)

@@ -246,7 +246,8 @@ def user_text(turn: LegacyTurn) -> str | None:
 
 
 def part_text(part: LegacyPart) -> str | None:
-    """A text part's text as a message holds it; None for an empty one."""
+    """A text part's text, or a HITL part's prompt, as a message holds it: a string as it is,
+    anything else as its JSON text (`as_text`); None for an empty one."""
     if part.content is None or part.content == "":
         return None
     return as_text(part.content)
