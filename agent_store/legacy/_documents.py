@@ -53,6 +53,17 @@ def id_text(value: Any) -> str | None:
     return str(value) if isinstance(value, ObjectId | int | float) else as_text(value)
 
 
+MAX_REFERENCE_LENGTH = 200
+"""The longest tool call id or HITL request id a message holds."""
+
+
+def reference_text(value: Any) -> str | None:
+    """A tool call id or HITL request id as a message holds it: its text (`id_text`), when that
+    is 1 to `MAX_REFERENCE_LENGTH` characters; else None."""
+    text = id_text(value)
+    return text if text and len(text) <= MAX_REFERENCE_LENGTH else None
+
+
 def id_filter(field: str, text: str) -> dict[str, Any]:
     """The filter of the documents whose `field` the reader names `text` (`id_text`): the text
     itself, an ObjectId, an integer or a double it writes so (`str` of the value), each of
@@ -119,6 +130,23 @@ def derived_conversation_id(original: str | None, *, turn_key: str = "") -> str:
 _FALSE_WORDS = frozenset({"", "false", "f", "0", "no", "n", "off", "none", "null"})
 
 
+def truthy(value: Any) -> bool:
+    """A flag some writers kept as text: "false", "0", "no" and blank mean false."""
+    if isinstance(value, str):
+        return value.strip().lower() not in _FALSE_WORDS
+    return bool(value)
+
+
+def as_time(value: Any) -> datetime | None:
+    """A time as aware UTC, from a datetime or an ISO string; None if unreadable."""
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    return to_utc_millis(value) if isinstance(value, datetime) else None
+
+
 class LegacyTurn(BaseModel):
     """One legacy turn document, as found: every field may be missing or odd."""
 
@@ -155,10 +183,7 @@ class LegacyTurn(BaseModel):
     @field_validator("is_system", mode="before")
     @classmethod
     def _truthy(cls, value: Any) -> bool:
-        """A flag some writers kept as text: "false", "0", "no" and blank mean false."""
-        if isinstance(value, str):
-            return value.strip().lower() not in _FALSE_WORDS
-        return bool(value)
+        return truthy(value)
 
     @property
     def key(self) -> str:
@@ -184,15 +209,7 @@ class LegacyTurn(BaseModel):
 
     def time(self) -> datetime | None:
         """`created_at` as aware UTC, from a datetime or an ISO string; None if unreadable."""
-        value = self.created_at
-        if isinstance(value, str):
-            try:
-                value = datetime.fromisoformat(value.replace("Z", "+00:00"))
-            except ValueError:
-                return None
-        if isinstance(value, datetime):
-            return to_utc_millis(value)
-        return None
+        return as_time(self.created_at)
 
     def id_time(self) -> datetime | None:
         """When the document was created, from its ObjectId; None for other ids."""
