@@ -314,3 +314,45 @@ def test_a_summed_up_call_with_true_for_1_is_not_held_by_its_part() -> None:
     }  # fmt: skip
     problems = [p.kind for p in convert([turn]).problems if p.field == "tool_calls"]
     assert problems == ["tool_call_not_in_parts"]
+
+
+def one_turn(*parts: dict[str, Any]) -> dict[str, Any]:
+    return {"_id": "i-1", "conversation_id": "c-ids", "created_at": MESSY_START,
+            "user_message": "hi", "response_parts": list(parts)}  # fmt: skip
+
+
+def test_a_tool_call_id_or_request_id_stored_as_a_number_is_read_as_its_text() -> None:
+    conversion = convert([one_turn(
+        {"type": "tool_call", "tool_name": "f", "args": {}, "tool_call_id": 987654},
+        {"type": "tool_result", "tool_name": "f", "result": "ok", "tool_call_id": 987654},
+        {"type": "hitl", "action": "pay", "prompt": "Pay?", "request_id": 4711},
+    )])  # fmt: skip
+    _, call, result, hitl = conversion.messages
+
+    assert [c.id for c in call.tool_calls or ()] == ["987654"]
+    assert result.tool_call_id == "987654"
+    assert hitl.hitl_action is not None
+    assert hitl.hitl_action.request_id == "4711"
+    assert conversion.problems == []
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "tool_call", "tool_name": "f", "args": {}, "tool_call_id": "«c»" * 70},
+        {"type": "hitl", "action": "pay", "prompt": "Pay?", "request_id": "«r»" * 70},
+    ],
+    ids=["tool call id", "request id"],
+)
+def test_an_id_no_message_can_hold_is_replaced_and_kept_in_a_placed_problem(
+    part: dict[str, Any],
+) -> None:
+    """A message holds ids of 1 to 200 characters: a longer one gets a generated id, and
+    the problem keeps the one found."""
+    conversion = convert([one_turn(part)])
+    found = part.get("tool_call_id", part.get("request_id"))
+
+    assert [(p.kind, p.placed, p.part_index, p.content) for p in conversion.problems] == [
+        ("replaced_id", True, 0, found)
+    ]
+    assert found not in conversion.messages[-1].model_dump_json()

@@ -34,6 +34,7 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.legacy._documents import (
+    MAX_REFERENCE_LENGTH,
     LegacyTurn,
     TurnTime,
     as_count,
@@ -41,6 +42,7 @@ from agent_store.legacy._documents import (
     named_users,
     owner_of,
     parse_turns,
+    reference_text,
     sort_turns,
 )
 from agent_store.legacy._parts import (
@@ -366,8 +368,8 @@ class _Converter:
             params = {}
         elif not isinstance(params, dict):
             params = {"value": params}
-        request_id = part.request_id
-        if not isinstance(request_id, str) or not request_id:
+        request_id = self._reference(state.turn, index, part.request_id, "request id")
+        if request_id is None:
             request_id = f"req-{state.turn.key}-{index}"
         message = {
             "role": "assistant",
@@ -540,8 +542,25 @@ class _Converter:
             )
         return arguments
 
+    def _reference(self, turn: LegacyTurn, index: int, found: str | None, what: str) -> str | None:
+        """A tool call id or request id found, if a message can hold it (`reference_text`);
+        else None, so a generated one takes its place, and a placed problem keeps it."""
+        if found is None or found == "" or reference_text(found) is not None:
+            return found or None
+        self.problem(
+            turn,
+            "replaced_id",
+            f"{what} {shorten(found, 40)!r} is longer than {MAX_REFERENCE_LENGTH} characters; "
+            "a generated one takes its place",
+            field="response_parts",
+            part_index=index,
+            content=found,
+            unplaced=False,
+        )
+        return None
+
     def _call_id(self, turn: LegacyTurn, index: int, real: str | None) -> str:
-        call_id = real if real is not None and 0 < len(real) <= 200 else None
+        call_id = self._reference(turn, index, real, "tool call id")
         if call_id is not None and call_id in self.used_call_ids:
             self.problem(
                 turn,

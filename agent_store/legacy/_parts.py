@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Literal
 
-from agent_store.legacy._documents import LegacyTurn, as_text, dumps
+from agent_store.legacy._documents import LegacyTurn, as_text, dumps, id_text
 
 PartKind = Literal["text", "tool_call", "tool_result", "file_upload", "hitl", "error", "unknown"]
 """What a legacy part is, once its spelling is normalized."""
@@ -50,12 +50,14 @@ class LegacyPart:
     """A tool call's arguments (a dict, a JSON string, or missing: None)."""
     result: Any = None
     """A tool result's value."""
-    tool_call_id: Any = None
+    tool_call_id: str | None = None
+    """A tool call's or result's id, by its text (`id_text`: a number stored as one too)."""
     upload: dict[str, Any] | None = None
     """A file upload's fields (`filename`, `file_type`, `size`, `parsed_text`)."""
     action: Any = None
     params: Any = None
-    request_id: Any = None
+    request_id: str | None = None
+    """A HITL prompt's request id, by its text (`id_text`)."""
     unread: tuple[str, ...] = ()
     """Names of fields the part also spelt with another value than the one read (`text`
     beside `content`, say): content no reader takes, which the converter reports."""
@@ -185,7 +187,7 @@ def normalize_part(part: Any) -> LegacyPart:
             part,
             tool_name=tool_name,
             args=_first(part, "args", "arguments"),
-            tool_call_id=part.get("tool_call_id"),
+            tool_call_id=id_text(part.get("tool_call_id")),
             unread=unread,
         )
     if kind == "tool_result":
@@ -195,7 +197,7 @@ def normalize_part(part: Any) -> LegacyPart:
             part,
             tool_name=tool_name,
             result=_first(part, "result", "content"),
-            tool_call_id=part.get("tool_call_id"),
+            tool_call_id=id_text(part.get("tool_call_id")),
             unread=unread,
         )
     if kind == "file_upload":
@@ -209,7 +211,7 @@ def normalize_part(part: Any) -> LegacyPart:
             content=_first(part, "prompt", "content"),
             action=part.get("action"),
             params=part.get("params"),
-            request_id=part.get("request_id"),
+            request_id=id_text(part.get("request_id")),
             unread=unread,
         )
     if kind == "error":
