@@ -45,6 +45,7 @@ from agent_store.legacy import (
     group_conversations,
     id_filter,
     id_text,
+    named_id,
     parse_turns,
     prompts_filter,
     with_session_prompts,
@@ -173,8 +174,8 @@ def read_turns(
 
 
 def _key(value: Any) -> Any:
-    """How the reader names the id (`id_text`); None (no conversation named) apart."""
-    return None if value is None else id_text(value)
+    """How the reader names the id (`named_id`): None when it names no conversation."""
+    return named_id(value)
 
 
 def _named(value: Any) -> dict[str, Any]:
@@ -199,7 +200,7 @@ def read_session_hitl(
     if not stored_as:
         return found
     for doc in db[SESSION_HITL].find({"$or": [prompts_filter(i) for i in stored_as]}):
-        key = id_text(doc.get("conversation_id") or doc.get("session_id"))
+        key = named_id(doc.get("conversation_id")) or id_text(doc.get("session_id"))
         if key in stored_as:
             found[stored_as[key]].append(doc)
     return found

@@ -17,6 +17,7 @@ from agent_store.legacy import (
     derived_conversation_id,
     group_conversations,
     parse_turns,
+    prompts_filter,
 )
 from agent_store.store import CONVERSATIONS, MESSAGES
 from scripts.legacy_corpus import MESSY_START, NOT_AN_IDENTIFIER, messy_corpus
@@ -53,6 +54,45 @@ def test_turns_without_a_conversation_id_become_a_conversation_each() -> None:
     assert conversion.conversation_id == derived_conversation_id(None, turn_key="lost-1")
     assert [m.content for m in conversion.messages] == ["where am I?"]
     assert [p.kind for p in conversion.problems] == ["derived_conversation_id"]
+
+
+@pytest.mark.parametrize("blank", [None, "", "   "], ids=["null", "empty", "spaces"])
+def test_turns_naming_a_blank_conversation_become_a_conversation_each(blank: Any) -> None:
+    """A blank id names no conversation, as for `session_hitl`: two users' turns under one
+    are never one conversation that one of them owns."""
+    turns = [
+        {"_id": f"b-{user}", "conversation_id": blank, "user_id": user,
+         "created_at": MESSY_START, "user_message": f"{user}'s question"}
+        for user in ("alice", "bob")
+    ]  # fmt: skip
+    grouped = group_conversations(parse_turns(turns))
+
+    assert sorted(grouped) == [
+        derived_conversation_id(None, turn_key=f"b-{u}") for u in ("alice", "bob")
+    ]
+    assert [convert(g).conversation.user_id for g in grouped.values()] == ["alice", "bob"]
+
+
+async def test_a_turn_naming_a_blank_conversation_is_read_and_deleted_under_its_own_id(
+    backend: Backend,
+) -> None:
+    turn = {"_id": "b-1", "conversation_id": "  ", "user_id": "alice",
+            "created_at": MESSY_START, "user_message": "alice's question"}  # fmt: skip
+    await backend.db[LEGACY_TURNS].insert_one(turn)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    own_id = derived_conversation_id(None, turn_key="b-1")
+
+    found = await store.get_conversation(own_id)
+    assert (found.id, found.user_id) == (own_id, "alice")
+    assert (await store.delete(own_id)).legacy_turns == 1
+
+
+async def test_a_prompt_naming_a_blank_conversation_is_found_by_its_session(
+    backend: Backend,
+) -> None:
+    prompts = backend.db["session_hitl"]
+    await prompts.insert_one({"conversation_id": " ", "session_id": "s-1", "request_id": "r"})
+    assert await prompts.count_documents(prompts_filter("s-1")) == 1
 
 
 def test_numbers_written_as_strings_are_read() -> None:

@@ -839,3 +839,21 @@ def test_a_prompt_of_a_conversation_stored_under_a_derived_id_is_migrated_with_i
     migrated = database[CONVERSATIONS].find_one({"_id": derived_conversation_id(NOT_AN_IDENTIFIER)})
     assert migrated is not None
     assert (migrated["pending_hitl"] or {}).get("request_id") == "r-1"
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("blank", ["", "   "], ids=["empty", "spaces"])
+def test_turns_naming_a_blank_conversation_are_migrated_each_as_its_own_and_verify(
+    blank: str, wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    alice, bob = (
+        legacy_turn(f"t-{u}", blank, n, u.upper()) for n, u in enumerate(["alice", "bob"])
+    )
+    database[CONVERSATIONS].insert_many([{**alice, "user_id": "alice"}, {**bob, "user_id": "bob"}])
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+
+    owners = {d["_id"]: d["user_id"] for d in database[CONVERSATIONS].find()}
+    own_id = derived_conversation_id(None, turn_key="t-alice")
+    assert (owners[own_id], len(owners)) == ("alice", 2)

@@ -53,6 +53,22 @@ def id_text(value: Any) -> str | None:
     return str(value) if isinstance(value, ObjectId | int | float) else as_text(value)
 
 
+_BLANK = " \t\n\r\x0b\x0c"
+"""What a blank id is made of: no characters but these (the same to Python and a query)."""
+
+
+def named_id(value: Any) -> str | None:
+    """The conversation a `conversation_id` value names, as the reader names it (`id_text`);
+    None when it names none: null, or text that is blank."""
+    text = id_text(value)
+    return None if text is None or not text.strip(_BLANK) else text
+
+
+def names_none(field: str) -> dict[str, Any]:
+    """The filter of the documents whose `field` names no conversation (`named_id` None)."""
+    return {"$or": [{field: None}, {field: {"$regex": f"^[{_BLANK}]*$"}}]}
+
+
 MAX_REFERENCE_LENGTH = 200
 """The longest tool call id or HITL request id a message holds."""
 
@@ -108,7 +124,7 @@ def prompts_filter(conversation_id: str) -> dict[str, Any]:
             {
                 "$and": [
                     id_filter("session_id", conversation_id),
-                    {"conversation_id": {"$in": [None, ""]}},
+                    names_none("conversation_id"),
                 ]
             },
         ]
@@ -154,7 +170,7 @@ class LegacyTurn(BaseModel):
 
     id: Any = Field(default=None, alias="_id")
     conversation_id: str | None = None
-    """The id as found (as text); None when the turn names none."""
+    """The id as found (as text, `named_id`); None when the turn names none (null or blank)."""
     user_id: str | None = None
     name: str | None = None
     created_at: Any = None
@@ -171,7 +187,7 @@ class LegacyTurn(BaseModel):
     @field_validator("conversation_id", mode="before")
     @classmethod
     def _id_as_text(cls, value: Any) -> Any:
-        return id_text(value)
+        return named_id(value)
 
     @field_validator("user_id", "name", mode="before")
     @classmethod
