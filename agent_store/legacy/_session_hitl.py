@@ -38,12 +38,14 @@ def _is_pending(document: Mapping[str, Any]) -> bool:
     return not truthy(document.get("resolved")) and status not in _RESOLVED
 
 
+def _id_time(document: Mapping[str, Any]) -> datetime | None:
+    found = document.get("_id")
+    return to_utc_millis(found.generation_time) if isinstance(found, ObjectId) else None
+
+
 def _time(document: Mapping[str, Any]) -> datetime | None:
-    """When the prompt was raised: its `created_at`, else its ObjectId's time."""
-    found = as_time(document.get("created_at"))
-    if found is None and isinstance(document.get("_id"), ObjectId):
-        found = to_utc_millis(document["_id"].generation_time)
-    return found
+    """When the prompt was raised, to tell the newest: its `created_at`, else its ObjectId's."""
+    return as_time(document.get("created_at")) or _id_time(document)
 
 
 def _prompt_text(document: Mapping[str, Any]) -> str | None:
@@ -85,8 +87,9 @@ def _not_placed(document: Mapping[str, Any], why: str) -> PromptNote:
 def _pending(
     newest: Mapping[str, Any], messages: Sequence[AgentMessage]
 ) -> tuple[PendingHitl, list[PromptNote]]:
-    """The newest pending prompt as `pending_hitl`; its time, when it has none, the message
-    that raised it, else the last message: the same on every run."""
+    """The newest pending prompt as `pending_hitl`; its time, when it has no `created_at`,
+    the message's that raised it, else its ObjectId's, else the last message's: the same on
+    every run."""
     request_id = str(reference_text(newest.get("request_id")))
     raised = _raised_by(newest, messages)
     notes = []
@@ -101,7 +104,10 @@ def _pending(
         params=params if isinstance(params, dict) else (action.params if action else {}),
         prompt=_prompt_text(newest) or (raised.content if raised else None),
         message_id=raised.id if raised is not None and raised.id else "",
-        created_at=_time(newest) or (raised or messages[-1]).created_at,
+        created_at=as_time(newest.get("created_at"))
+        or (raised.created_at if raised else None)
+        or _id_time(newest)
+        or messages[-1].created_at,
     )
     return prompt, notes
 
