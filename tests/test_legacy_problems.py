@@ -16,6 +16,7 @@ from agent_store.legacy import (
     convert,
     derived_conversation_id,
     group_conversations,
+    legacy_turn_documents,
     parse_turns,
     prompts_filter,
 )
@@ -275,6 +276,66 @@ def test_values_python_calls_equal_are_still_two_values(read: Any, other: Any) -
             "user_message": "hi", "response_parts": [part]}  # fmt: skip
     [problem] = [p for p in convert([turn]).problems if p.kind == "unread_spelling"]
     assert problem.content == {"content": other}
+
+
+UNREAD_FIELDS = {
+    "hitl options": (
+        {"response_parts": [{"type": "hitl", "action": "pick", "request_id": "r-1",
+                             "prompt": "Which?", "options": ["«AF 1234»", "«LH 99»"]}]},
+        "response_parts.0", {"options": ["«AF 1234»", "«LH 99»"]},
+    ),
+    "error code": (
+        {"response_parts": [{"type": "error", "message": "failed", "code": "«declined»"}]},
+        "response_parts.0", {"code": "«declined»"},
+    ),
+    "text annotations": (
+        {"response_parts": [{"part_kind": "text", "content": "See.", "annotations": ["«a»"]}]},
+        "response_parts.0", {"annotations": ["«a»"]},
+    ),
+    "turn feedback": (
+        {"feedback": {"rating": -1, "comment": "«wrong»"}}, "feedback",
+        {"rating": -1, "comment": "«wrong»"},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "where", "content"), UNREAD_FIELDS.values(),
+                         ids=list(UNREAD_FIELDS))  # fmt: skip
+def test_a_field_no_reader_takes_is_kept_in_a_problem(
+    fields: dict[str, Any], where: str, content: Any
+) -> None:
+    """A part or a turn holding a field the converter does not read: an unplaced problem
+    holds it, so the gate asks an operator to accept it."""
+    turn = {"_id": "u-1", "conversation_id": "c-unread", "created_at": MESSY_START,
+            "user_message": "hi", **fields}  # fmt: skip
+    problems = convert([turn]).problems
+
+    assert [(p.kind, p.field, p.placed, p.content) for p in problems] == [
+        ("unread_field", where, False, content)
+    ]
+
+
+def test_every_field_of_the_corpora_and_the_dual_write_is_read() -> None:
+    """Fields the legacy format names, every spelling the converter reads, and the fields
+    the dual write adds are no problem."""
+    from app.examples import example_legacy_turns
+    from scripts.legacy_corpus import legacy_corpus
+    from tests.test_legacy_spellings import spelled_turns
+
+    example = convert(example_legacy_turns()).messages
+    dual_written = legacy_turn_documents("c-dual", "t-1", example, user_id="u", name="n")
+    corpora = [example_legacy_turns(), spelled_turns(), list(legacy_corpus(4, turns=3))]
+    corpora += [dual_written]
+    corpora += [[d for d in messy_corpus() if d["conversation_id"] == c]
+                for c in {d["conversation_id"] for d in messy_corpus()}]  # fmt: skip
+    found = [
+        p
+        for turns in corpora
+        for group in group_conversations(parse_turns(turns)).values()
+        for p in convert(group).problems
+        if p.kind == "unread_field"
+    ]
+    assert found == []
 
 
 def test_a_summed_up_call_no_part_holds_is_a_problem_holding_it() -> None:

@@ -329,6 +329,7 @@ class _Converter:
         for index, part, real in state.pending_results:
             self._place_result(state, index, part, real)
         self._check_response_text(turn, state.items)
+        self._check_turn_fields(turn)
         self._check_summary_calls(turn, parts)
         self._usage(turn, state.items)
         return state.items
@@ -427,7 +428,16 @@ class _Converter:
         return turn_parts(turn)
 
     def _check_spellings(self, turn: LegacyTurn, index: int, part: LegacyPart) -> None:
-        """A part that spelt a field twice with two values: the one not read is kept here."""
+        """A part that spelt a field twice with two values: the one not read is kept here; so
+        are the fields no reader of its kind takes."""
+        if part.unknown_fields:
+            self.problem(
+                turn,
+                "unread_field",
+                f"the part also holds {', '.join(part.unknown_fields)}, which no message holds",
+                field=f"response_parts.{index}",
+                content={name: part.raw[name] for name in part.unknown_fields},
+            )
         if part.unread:
             self.problem(
                 turn,
@@ -436,6 +446,17 @@ class _Converter:
                 "one converted",
                 field=f"response_parts.{index}",
                 content={name: part.raw[name] for name in part.unread},
+            )
+
+    def _check_turn_fields(self, turn: LegacyTurn) -> None:
+        """A turn's fields no reader takes (`feedback`, say): each kept in a problem."""
+        for name, value in turn.unknown_fields().items():
+            self.problem(
+                turn,
+                "unread_field",
+                f"the turn also holds {name}, which no message holds",
+                field=name,
+                content=value,
             )
 
     def _check_summary_calls(self, turn: LegacyTurn, parts: list[tuple[int, LegacyPart]]) -> None:

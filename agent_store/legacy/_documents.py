@@ -143,6 +143,8 @@ def derived_conversation_id(original: str | None, *, turn_key: str = "") -> str:
     return DERIVED_CONVERSATION_PREFIX + digest[:32]
 
 
+_DUAL_WRITE_FIELDS = frozenset({"dual_write", "turn_id"})
+"""What the dual write adds to a legacy turn: its mark, and the turn id it logged."""
 _FALSE_WORDS = frozenset({"", "false", "f", "0", "no", "n", "off", "none", "null"})
 
 
@@ -200,6 +202,12 @@ class LegacyTurn(BaseModel):
     @classmethod
     def _truthy(cls, value: Any) -> bool:
         return truthy(value)
+
+    def unknown_fields(self) -> dict[str, Any]:
+        """The fields no reader takes: those the format does not name (the dual write's own
+        `dual_write` and `turn_id` aside)."""
+        extra = self.model_extra or {}
+        return {k: v for k, v in extra.items() if k not in _DUAL_WRITE_FIELDS}
 
     @property
     def key(self) -> str:

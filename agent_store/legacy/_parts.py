@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any, Literal
 
@@ -61,6 +61,9 @@ class LegacyPart:
     unread: tuple[str, ...] = ()
     """Names of fields the part also spelt with another value than the one read (`text`
     beside `content`, say): content no reader takes, which the converter reports."""
+    unknown_fields: tuple[str, ...] = ()
+    """Names of fields no reader of its kind takes (`options` on a HITL part, say), which
+    the converter reports."""
 
 
 def part_kind(part: Any) -> PartKind:
@@ -101,6 +104,19 @@ _SPELLINGS: dict[PartKind, tuple[tuple[str, ...], ...]] = {
     "error": (("message", "error", "content"),),
 }
 """The names a kind's fields were spelt by, the one read first."""
+_OTHER_FIELDS: dict[PartKind, tuple[str, ...]] = {
+    "text": (),
+    "tool_call": ("tool_call_id",),
+    "tool_result": ("tool_call_id",),
+    "hitl": ("action", "params", "request_id"),
+    "error": (),
+}
+_READ: dict[PartKind, frozenset[str]] = {
+    kind: frozenset({"type", "part_kind", *others, *(n for s in _SPELLINGS[kind] for n in s)})
+    for kind, others in _OTHER_FIELDS.items()
+}
+"""Every field the converter reads of a kind, in each of its spellings. An upload's fields
+are checked by the upload model; an unknown part is kept whole."""
 
 
 def said(value: Any) -> str:
@@ -170,9 +186,17 @@ def _unread(kind: PartKind, part: Mapping[str, Any]) -> tuple[str, ...]:
 
 def normalize_part(part: Any) -> LegacyPart:
     """A legacy part in canonical names; a part that is not a mapping is `unknown`."""
-    kind = part_kind(part)
     if not isinstance(part, Mapping):
         return LegacyPart("unknown", None, part)
+    found = _read_part(part)
+    if found.kind not in _READ:
+        return found
+    unknown = tuple(str(name) for name in part if name not in _READ[found.kind])
+    return replace(found, unknown_fields=unknown)
+
+
+def _read_part(part: Mapping[str, Any]) -> LegacyPart:
+    kind = part_kind(part)
     declared = _declared(part)
     tool_name = _first(part, "tool_name", "name") or None
     unread = _unread(kind, part)
