@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from agent_store.core import AgentMessage
-from agent_store.legacy import normalize_part
+from agent_store.legacy import normalize_part, part_text
 from agent_store.store import DERIVED_FIELDS, SearchHit, message_text, shorten
 from app.json_body import nests_deeper_than
 
@@ -315,8 +315,7 @@ def legacy_part_view(raw: Any) -> LegacyPartView:
         )
     if part.kind == "hitl":
         title = f"HITL prompt: {part.action or '?'} [{part.request_id or '?'}]"
-        prompt = part.content if isinstance(part.content, str) else ""
-        body = prompt + "\n" + pretty_json(part.params or {})
+        body = (part_text(part) or "") + "\n" + pretty_json(part.params or {})
         return LegacyPartView(part.kind, title, body.strip())
     if part.kind == "error":
         return LegacyPartView(part.kind, "Error", str(part.content or ""))

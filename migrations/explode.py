@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
@@ -45,6 +45,7 @@ from agent_store.legacy import (
     group_conversations,
     id_filter,
     id_text,
+    named_id,
     parse_turns,
     prompts_filter,
     with_session_prompts,
@@ -173,8 +174,8 @@ def read_turns(
 
 
 def _key(value: Any) -> Any:
-    """How the reader names the id (`id_text`); None (no conversation named) apart."""
-    return None if value is None else id_text(value)
+    """How the reader names the id (`named_id`): None when it names no conversation."""
+    return named_id(value)
 
 
 def _named(value: Any) -> dict[str, Any]:
@@ -184,16 +185,24 @@ def _named(value: Any) -> dict[str, Any]:
     return {"$or": [id_filter("conversation_id", str(id_text(value))), {"conversation_id": value}]}
 
 
-def read_session_hitl(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, list[Any]]:
-    """The `session_hitl` prompts of these conversations, by the id the reader gives them:
-    the filter and the naming the read fallback uses (`prompts_filter`, `id_text`)."""
-    found: dict[str, list[Any]] = {i: [] for i in ids}
-    if not ids:
+def read_session_hitl(
+    db: Database[dict[str, Any]], legacy_ids: Mapping[str, str | None]
+) -> dict[str, list[Any]]:
+    """The `session_hitl` prompts of these conversations, by the id each is stored under.
+
+    `legacy_ids` gives each stored id the legacy id its turns name: the prompts name that
+    one (a conversation stored under a derived id too), read with the filter and the naming
+    the read fallback uses (`prompts_filter`, `id_text`). None names no conversation: none
+    of its prompts can be told apart.
+    """
+    found: dict[str, list[Any]] = {stored: [] for stored in legacy_ids}
+    stored_as = {legacy: stored for stored, legacy in legacy_ids.items() if legacy is not None}
+    if not stored_as:
         return found
-    for doc in db[SESSION_HITL].find({"$or": [prompts_filter(i) for i in ids]}):
-        key = id_text(doc.get("conversation_id") or doc.get("session_id"))
-        if key in found:
-            found[key].append(doc)
+    for doc in db[SESSION_HITL].find({"$or": [prompts_filter(i) for i in stored_as]}):
+        key = named_id(doc.get("conversation_id")) or id_text(doc.get("session_id"))
+        if key in stored_as:
+            found[stored_as[key]].append(doc)
     return found
 
 
@@ -239,7 +248,9 @@ def convert_batch(
         for group in group_conversations(parsed).values():
             conversion = convert(group, rules=rules, undated_at=undated_at)
             converted.append(Converted(group, conversion))
-    hitl = read_session_hitl(db, [c.conversion.conversation_id for c in converted])
+    hitl = read_session_hitl(
+        db, {c.conversion.conversation_id: c.turns[0].conversation_id for c in converted}
+    )
     for item in converted:
         with_session_prompts(item.conversion, hitl.get(item.conversion.conversation_id, []))
     return converted, failed, turns

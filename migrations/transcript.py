@@ -93,8 +93,7 @@ def _part_line(part: LegacyPart) -> str | None:
     if part.kind == "tool_call":
         return f"call {part.tool_name}({_json(call_arguments(part)[0])})"
     if part.kind == "hitl":
-        prompt = part.content if isinstance(part.content, str) else ""
-        return f"hitl {part.action}: {prompt}"
+        return f"hitl {part.action}: {part_text(part) or ''}"
     if part.kind == "error":
         return f"error: {error_text(part)}"
     return None

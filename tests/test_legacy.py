@@ -17,9 +17,12 @@ from agent_store.legacy import (
     Problem,
     convert,
     legacy_turn_document,
+    parse_turns,
     pending_from_session_hitl,
+    with_session_prompts,
 )
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
+from migrations.transcript import differences, from_legacy, from_messages
 from tests.test_logger import expected_example
 
 CID = "legacy-conv"
@@ -97,6 +100,13 @@ def test_converted_messages_validate_against_the_store_models() -> None:
         document = message.model_dump(by_alias=True)
         assert message_adapter.validate_python(document) == message
 
+
+HITL_OBJECT_PROMPT = {
+    "type": "hitl",
+    "action": "refund",
+    "request_id": "r-1",
+    "prompt": {"title": "Refund o-1?", "body": "40 €"},
+}
 
 MESS: list[Any] = [
     pytest.param(
@@ -269,6 +279,15 @@ MESS: list[Any] = [
         ["invalid_part", "unknown_part"],
         id="malformed-parts-are-kept-as-problems",
     ),
+    pytest.param(
+        [turn(1, [HITL_OBJECT_PROMPT])],
+        [
+            ("user", "question 1", None, None, None),
+            ("assistant", '{"title": "Refund o-1?", "body": "40 €"}', None, None, None),
+        ],
+        [],
+        id="a-hitl-prompt-that-is-not-text-is-kept-as-its-json-text",
+    ),
 ]
 
 
@@ -291,6 +310,15 @@ def test_messy_legacy_data_converts_without_losing_content(
     assert len(set(ids)) == len(ids)
     for problem in problems:
         assert problem.conversation_id == CID
+
+
+def test_verify_reads_a_hitl_prompt_that_is_not_text_as_the_converter_stores_it() -> None:
+    turns = [turn(1, [{"type": "hitl", "action": "refund", "request_id": "r-1",
+                       "prompt": {"title": "«Refund o-1?»"}}])]  # fmt: skip
+    legacy = from_legacy(parse_turns(turns))
+
+    assert differences(legacy, from_messages(convert(turns).messages)) == []
+    assert any("«Refund o-1?»" in line for line in legacy.lines)
 
 
 def test_name_set_on_some_turns_only_uses_the_last_name() -> None:
@@ -368,6 +396,80 @@ def test_pending_prompt_comes_from_session_hitl() -> None:
     assert pending.message_id == messages[8].id
     assert pending.prompt == messages[8].content
     assert pending_from_session_hitl(session[1:], messages) == (None, [])
+
+
+PROMPT = {"conversation_id": CID, "action": "refund", "prompt": "Refund «o-1»?"}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"request_id": 4711},
+        {"request_id": "req-9", "resolved": "false"},
+        {"request_id": "req-9", "resolved": "no", "status": " Pending "},
+    ],
+    ids=["a numeric request id", "resolved false as text", "status in other case and spaces"],
+)
+def test_a_session_prompt_written_with_odd_values_is_still_pending(fields: dict[str, Any]) -> None:
+    """`session_hitl` is read as turns are: "false" is false, a request id by its text."""
+    messages = convert([turn(1)]).messages
+    pending, _ = pending_from_session_hitl([{**PROMPT, **fields}], messages)
+
+    assert pending is not None
+    assert (pending.request_id, pending.prompt) == (str(fields["request_id"]), "Refund «o-1»?")
+
+
+@pytest.mark.parametrize("status", ["Resolved ", " ANSWERED"])
+def test_a_session_prompt_resolved_in_other_case_or_spaces_is_not_pending(status: str) -> None:
+    messages = convert([turn(1)]).messages
+    prompt = {**PROMPT, "request_id": "req-9", "status": status}
+    assert pending_from_session_hitl([prompt], messages) == (None, [])
+
+
+def test_a_session_prompt_without_a_time_gets_the_same_one_on_every_run() -> None:
+    messages = convert([turn(1), turn(2)]).messages
+    prompt = {**PROMPT, "request_id": "req-9"}
+    first, _ = pending_from_session_hitl([prompt], messages)
+    again, _ = pending_from_session_hitl([prompt], messages)
+
+    assert first is not None
+    assert again is not None
+    assert first.created_at == again.created_at == messages[-1].created_at
+
+
+def test_a_session_prompt_with_a_time_written_as_text_keeps_it() -> None:
+    messages = convert([turn(1)]).messages
+    prompt = {**PROMPT, "request_id": "req-9", "created_at": "2025-05-01T12:30:00Z"}
+    pending, _ = pending_from_session_hitl([prompt], messages)
+    assert pending is not None
+    assert pending.created_at == T0 + timedelta(minutes=30)
+
+
+def unplaced_prompts(turns: list[dict[str, Any]], prompts: list[dict[str, Any]]) -> list[Any]:
+    conversion = with_session_prompts(convert(turns), prompts)
+    return [p.content for p in conversion.unplaced if p.legacy_id == "session_hitl"]
+
+
+def test_an_older_pending_prompt_no_message_holds_is_kept_in_a_problem() -> None:
+    """Only the newest pending prompt can be `pending_hitl`; an older one that no message
+    raised is content only `session_hitl` holds."""
+    raised = {"type": "hitl", "action": "pay", "request_id": "req-new", "prompt": "Pay?"}
+    turns = [turn(1), turn(2, [raised])]
+    older = {**PROMPT, "request_id": "req-old", "created_at": T0}
+    newest = {**PROMPT, "request_id": "req-new", "prompt": "Pay?", "created_at": T0 + timedelta(2)}
+    raised_older = {"type": "hitl", "action": "refund", "request_id": "req-old",
+                    "prompt": "Refund «o-1»?"}  # fmt: skip
+
+    assert unplaced_prompts(turns, [older, newest]) == [older]
+    assert unplaced_prompts([turn(1, [raised_older]), *turns[1:]], [older, newest]) == []
+
+
+@pytest.mark.parametrize("request_id", [None, "", "x" * 201], ids=["none", "blank", "too long"])
+def test_a_pending_prompt_without_a_readable_request_id_is_kept_in_a_problem(
+    request_id: Any,
+) -> None:
+    prompt = {**PROMPT, "request_id": request_id}
+    assert unplaced_prompts([turn(1)], [prompt]) == [prompt]
 
 
 # -- properties ----------------------------------------------------------------------------

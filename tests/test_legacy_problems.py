@@ -16,7 +16,9 @@ from agent_store.legacy import (
     convert,
     derived_conversation_id,
     group_conversations,
+    legacy_turn_documents,
     parse_turns,
+    prompts_filter,
 )
 from agent_store.store import CONVERSATIONS, MESSAGES
 from scripts.legacy_corpus import MESSY_START, NOT_AN_IDENTIFIER, messy_corpus
@@ -53,6 +55,45 @@ def test_turns_without_a_conversation_id_become_a_conversation_each() -> None:
     assert conversion.conversation_id == derived_conversation_id(None, turn_key="lost-1")
     assert [m.content for m in conversion.messages] == ["where am I?"]
     assert [p.kind for p in conversion.problems] == ["derived_conversation_id"]
+
+
+@pytest.mark.parametrize("blank", [None, "", "   "], ids=["null", "empty", "spaces"])
+def test_turns_naming_a_blank_conversation_become_a_conversation_each(blank: Any) -> None:
+    """A blank id names no conversation, as for `session_hitl`: two users' turns under one
+    are never one conversation that one of them owns."""
+    turns = [
+        {"_id": f"b-{user}", "conversation_id": blank, "user_id": user,
+         "created_at": MESSY_START, "user_message": f"{user}'s question"}
+        for user in ("alice", "bob")
+    ]  # fmt: skip
+    grouped = group_conversations(parse_turns(turns))
+
+    assert sorted(grouped) == [
+        derived_conversation_id(None, turn_key=f"b-{u}") for u in ("alice", "bob")
+    ]
+    assert [convert(g).conversation.user_id for g in grouped.values()] == ["alice", "bob"]
+
+
+async def test_a_turn_naming_a_blank_conversation_is_read_and_deleted_under_its_own_id(
+    backend: Backend,
+) -> None:
+    turn = {"_id": "b-1", "conversation_id": "  ", "user_id": "alice",
+            "created_at": MESSY_START, "user_message": "alice's question"}  # fmt: skip
+    await backend.db[LEGACY_TURNS].insert_one(turn)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    own_id = derived_conversation_id(None, turn_key="b-1")
+
+    found = await store.get_conversation(own_id)
+    assert (found.id, found.user_id) == (own_id, "alice")
+    assert (await store.delete(own_id)).legacy_turns == 1
+
+
+async def test_a_prompt_naming_a_blank_conversation_is_found_by_its_session(
+    backend: Backend,
+) -> None:
+    prompts = backend.db["session_hitl"]
+    await prompts.insert_one({"conversation_id": " ", "session_id": "s-1", "request_id": "r"})
+    assert await prompts.count_documents(prompts_filter("s-1")) == 1
 
 
 def test_numbers_written_as_strings_are_read() -> None:
@@ -237,6 +278,66 @@ def test_values_python_calls_equal_are_still_two_values(read: Any, other: Any) -
     assert problem.content == {"content": other}
 
 
+UNREAD_FIELDS = {
+    "hitl options": (
+        {"response_parts": [{"type": "hitl", "action": "pick", "request_id": "r-1",
+                             "prompt": "Which?", "options": ["«AF 1234»", "«LH 99»"]}]},
+        "response_parts.0", {"options": ["«AF 1234»", "«LH 99»"]},
+    ),
+    "error code": (
+        {"response_parts": [{"type": "error", "message": "failed", "code": "«declined»"}]},
+        "response_parts.0", {"code": "«declined»"},
+    ),
+    "text annotations": (
+        {"response_parts": [{"part_kind": "text", "content": "See.", "annotations": ["«a»"]}]},
+        "response_parts.0", {"annotations": ["«a»"]},
+    ),
+    "turn feedback": (
+        {"feedback": {"rating": -1, "comment": "«wrong»"}}, "feedback",
+        {"rating": -1, "comment": "«wrong»"},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "where", "content"), UNREAD_FIELDS.values(),
+                         ids=list(UNREAD_FIELDS))  # fmt: skip
+def test_a_field_no_reader_takes_is_kept_in_a_problem(
+    fields: dict[str, Any], where: str, content: Any
+) -> None:
+    """A part or a turn holding a field the converter does not read: an unplaced problem
+    holds it, so the gate asks an operator to accept it."""
+    turn = {"_id": "u-1", "conversation_id": "c-unread", "created_at": MESSY_START,
+            "user_message": "hi", **fields}  # fmt: skip
+    problems = convert([turn]).problems
+
+    assert [(p.kind, p.field, p.placed, p.content) for p in problems] == [
+        ("unread_field", where, False, content)
+    ]
+
+
+def test_every_field_of_the_corpora_and_the_dual_write_is_read() -> None:
+    """Fields the legacy format names, every spelling the converter reads, and the fields
+    the dual write adds are no problem."""
+    from app.examples import example_legacy_turns
+    from scripts.legacy_corpus import legacy_corpus
+    from tests.test_legacy_spellings import spelled_turns
+
+    example = convert(example_legacy_turns()).messages
+    dual_written = legacy_turn_documents("c-dual", "t-1", example, user_id="u", name="n")
+    corpora = [example_legacy_turns(), spelled_turns(), list(legacy_corpus(4, turns=3))]
+    corpora += [dual_written]
+    corpora += [[d for d in messy_corpus() if d["conversation_id"] == c]
+                for c in {d["conversation_id"] for d in messy_corpus()}]  # fmt: skip
+    found = [
+        p
+        for turns in corpora
+        for group in group_conversations(parse_turns(turns)).values()
+        for p in convert(group).problems
+        if p.kind == "unread_field"
+    ]
+    assert found == []
+
+
 def test_a_summed_up_call_no_part_holds_is_a_problem_holding_it() -> None:
     """`tool_calls` beside the parts summed them up; a call only it holds is kept in a
     problem (as `response_text` is), one a part holds (same tool, same arguments) is not."""
@@ -314,3 +415,45 @@ def test_a_summed_up_call_with_true_for_1_is_not_held_by_its_part() -> None:
     }  # fmt: skip
     problems = [p.kind for p in convert([turn]).problems if p.field == "tool_calls"]
     assert problems == ["tool_call_not_in_parts"]
+
+
+def one_turn(*parts: dict[str, Any]) -> dict[str, Any]:
+    return {"_id": "i-1", "conversation_id": "c-ids", "created_at": MESSY_START,
+            "user_message": "hi", "response_parts": list(parts)}  # fmt: skip
+
+
+def test_a_tool_call_id_or_request_id_stored_as_a_number_is_read_as_its_text() -> None:
+    conversion = convert([one_turn(
+        {"type": "tool_call", "tool_name": "f", "args": {}, "tool_call_id": 987654},
+        {"type": "tool_result", "tool_name": "f", "result": "ok", "tool_call_id": 987654},
+        {"type": "hitl", "action": "pay", "prompt": "Pay?", "request_id": 4711},
+    )])  # fmt: skip
+    _, call, result, hitl = conversion.messages
+
+    assert [c.id for c in call.tool_calls or ()] == ["987654"]
+    assert result.tool_call_id == "987654"
+    assert hitl.hitl_action is not None
+    assert hitl.hitl_action.request_id == "4711"
+    assert conversion.problems == []
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "tool_call", "tool_name": "f", "args": {}, "tool_call_id": "«c»" * 70},
+        {"type": "hitl", "action": "pay", "prompt": "Pay?", "request_id": "«r»" * 70},
+    ],
+    ids=["tool call id", "request id"],
+)
+def test_an_id_no_message_can_hold_is_replaced_and_kept_in_a_placed_problem(
+    part: dict[str, Any],
+) -> None:
+    """A message holds ids of 1 to 200 characters: a longer one gets a generated id, and
+    the problem keeps the one found."""
+    conversion = convert([one_turn(part)])
+    found = part.get("tool_call_id", part.get("request_id"))
+
+    assert [(p.kind, p.placed, p.part_index, p.content) for p in conversion.problems] == [
+        ("replaced_id", True, 0, found)
+    ]
+    assert found not in conversion.messages[-1].model_dump_json()

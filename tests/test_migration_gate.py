@@ -818,3 +818,42 @@ def test_a_conversation_id_python_cannot_hash_is_migrated_like_any_other(
     assert cli(wire_uri, database, "run") == 0
     assert cli(wire_uri, database, "verify") == 0
     assert database[MESSAGES].count_documents({}) == 2
+
+
+@pytest.mark.wire
+def test_a_prompt_of_a_conversation_stored_under_a_derived_id_is_migrated_with_it(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """The prompt names the legacy id, as the turns do; the conversation is stored under the
+    id derived from it."""
+    from agent_store.legacy import SESSION_HITL
+
+    database[CONVERSATIONS].insert_one(legacy_turn("t-d", NOT_AN_IDENTIFIER, 0, "PAY"))
+    database[SESSION_HITL].insert_one(
+        {"conversation_id": NOT_AN_IDENTIFIER, "request_id": "r-1", "action": "pay",
+         "status": "pending"}
+    )  # fmt: skip
+
+    assert cli(wire_uri, database, "run") == 0
+
+    migrated = database[CONVERSATIONS].find_one({"_id": derived_conversation_id(NOT_AN_IDENTIFIER)})
+    assert migrated is not None
+    assert (migrated["pending_hitl"] or {}).get("request_id") == "r-1"
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("blank", ["", "   "], ids=["empty", "spaces"])
+def test_turns_naming_a_blank_conversation_are_migrated_each_as_its_own_and_verify(
+    blank: str, wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    alice, bob = (
+        legacy_turn(f"t-{u}", blank, n, u.upper()) for n, u in enumerate(["alice", "bob"])
+    )
+    database[CONVERSATIONS].insert_many([{**alice, "user_id": "alice"}, {**bob, "user_id": "bob"}])
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+
+    owners = {d["_id"]: d["user_id"] for d in database[CONVERSATIONS].find()}
+    own_id = derived_conversation_id(None, turn_key="t-alice")
+    assert (owners[own_id], len(owners)) == ("alice", 2)

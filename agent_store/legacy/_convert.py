@@ -34,6 +34,7 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.legacy._documents import (
+    MAX_REFERENCE_LENGTH,
     LegacyTurn,
     TurnTime,
     as_count,
@@ -41,6 +42,7 @@ from agent_store.legacy._documents import (
     named_users,
     owner_of,
     parse_turns,
+    reference_text,
     sort_turns,
 )
 from agent_store.legacy._parts import (
@@ -327,6 +329,7 @@ class _Converter:
         for index, part, real in state.pending_results:
             self._place_result(state, index, part, real)
         self._check_response_text(turn, state.items)
+        self._check_turn_fields(turn)
         self._check_summary_calls(turn, parts)
         self._usage(turn, state.items)
         return state.items
@@ -366,13 +369,12 @@ class _Converter:
             params = {}
         elif not isinstance(params, dict):
             params = {"value": params}
-        request_id = part.request_id
-        if not isinstance(request_id, str) or not request_id:
+        request_id = self._reference(state.turn, index, part.request_id, "request id")
+        if request_id is None:
             request_id = f"req-{state.turn.key}-{index}"
-        prompt = part.content
         message = {
             "role": "assistant",
-            "content": prompt if isinstance(prompt, str) and prompt else None,
+            "content": part_text(part),
             "hitl_action": {"action": part.action, "params": params, "request_id": request_id},
         }
         self._add(state, index, message)
@@ -426,7 +428,16 @@ class _Converter:
         return turn_parts(turn)
 
     def _check_spellings(self, turn: LegacyTurn, index: int, part: LegacyPart) -> None:
-        """A part that spelt a field twice with two values: the one not read is kept here."""
+        """A part that spelt a field twice with two values: the one not read is kept here; so
+        are the fields no reader of its kind takes."""
+        if part.unknown_fields:
+            self.problem(
+                turn,
+                "unread_field",
+                f"the part also holds {', '.join(part.unknown_fields)}, which no message holds",
+                field=f"response_parts.{index}",
+                content={name: part.raw[name] for name in part.unknown_fields},
+            )
         if part.unread:
             self.problem(
                 turn,
@@ -435,6 +446,17 @@ class _Converter:
                 "one converted",
                 field=f"response_parts.{index}",
                 content={name: part.raw[name] for name in part.unread},
+            )
+
+    def _check_turn_fields(self, turn: LegacyTurn) -> None:
+        """A turn's fields no reader takes (`feedback`, say): each kept in a problem."""
+        for name, value in turn.unknown_fields().items():
+            self.problem(
+                turn,
+                "unread_field",
+                f"the turn also holds {name}, which no message holds",
+                field=name,
+                content=value,
             )
 
     def _check_summary_calls(self, turn: LegacyTurn, parts: list[tuple[int, LegacyPart]]) -> None:
@@ -541,8 +563,25 @@ class _Converter:
             )
         return arguments
 
+    def _reference(self, turn: LegacyTurn, index: int, found: str | None, what: str) -> str | None:
+        """A tool call id or request id found, if a message can hold it (`reference_text`);
+        else None, so a generated one takes its place, and a placed problem keeps it."""
+        if found is None or found == "" or reference_text(found) is not None:
+            return found or None
+        self.problem(
+            turn,
+            "replaced_id",
+            f"{what} {shorten(found, 40)!r} is longer than {MAX_REFERENCE_LENGTH} characters; "
+            "a generated one takes its place",
+            field="response_parts",
+            part_index=index,
+            content=found,
+            unplaced=False,
+        )
+        return None
+
     def _call_id(self, turn: LegacyTurn, index: int, real: str | None) -> str:
-        call_id = real if real is not None and 0 < len(real) <= 200 else None
+        call_id = self._reference(turn, index, real, "tool call id")
         if call_id is not None and call_id in self.used_call_ids:
             self.problem(
                 turn,

@@ -53,6 +53,33 @@ def id_text(value: Any) -> str | None:
     return str(value) if isinstance(value, ObjectId | int | float) else as_text(value)
 
 
+_BLANK = " \t\n\r\x0b\x0c"
+"""What a blank id is made of: no characters but these (the same to Python and a query)."""
+
+
+def named_id(value: Any) -> str | None:
+    """The conversation a `conversation_id` value names, as the reader names it (`id_text`);
+    None when it names none: null, or text that is blank."""
+    text = id_text(value)
+    return None if text is None or not text.strip(_BLANK) else text
+
+
+def names_none(field: str) -> dict[str, Any]:
+    """The filter of the documents whose `field` names no conversation (`named_id` None)."""
+    return {"$or": [{field: None}, {field: {"$regex": f"^[{_BLANK}]*$"}}]}
+
+
+MAX_REFERENCE_LENGTH = 200
+"""The longest tool call id or HITL request id a message holds."""
+
+
+def reference_text(value: Any) -> str | None:
+    """A tool call id or HITL request id as a message holds it: its text (`id_text`), when that
+    is 1 to `MAX_REFERENCE_LENGTH` characters; else None."""
+    text = id_text(value)
+    return text if text and len(text) <= MAX_REFERENCE_LENGTH else None
+
+
 def id_filter(field: str, text: str) -> dict[str, Any]:
     """The filter of the documents whose `field` the reader names `text` (`id_text`): the text
     itself, an ObjectId, an integer or a double it writes so (`str` of the value), each of
@@ -97,7 +124,7 @@ def prompts_filter(conversation_id: str) -> dict[str, Any]:
             {
                 "$and": [
                     id_filter("session_id", conversation_id),
-                    {"conversation_id": {"$in": [None, ""]}},
+                    names_none("conversation_id"),
                 ]
             },
         ]
@@ -116,7 +143,26 @@ def derived_conversation_id(original: str | None, *, turn_key: str = "") -> str:
     return DERIVED_CONVERSATION_PREFIX + digest[:32]
 
 
+_DUAL_WRITE_FIELDS = frozenset({"dual_write", "turn_id"})
+"""What the dual write adds to a legacy turn: its mark, and the turn id it logged."""
 _FALSE_WORDS = frozenset({"", "false", "f", "0", "no", "n", "off", "none", "null"})
+
+
+def truthy(value: Any) -> bool:
+    """A flag some writers kept as text: "false", "0", "no" and blank mean false."""
+    if isinstance(value, str):
+        return value.strip().lower() not in _FALSE_WORDS
+    return bool(value)
+
+
+def as_time(value: Any) -> datetime | None:
+    """A time as aware UTC, from a datetime or an ISO string; None if unreadable."""
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    return to_utc_millis(value) if isinstance(value, datetime) else None
 
 
 class LegacyTurn(BaseModel):
@@ -126,7 +172,7 @@ class LegacyTurn(BaseModel):
 
     id: Any = Field(default=None, alias="_id")
     conversation_id: str | None = None
-    """The id as found (as text); None when the turn names none."""
+    """The id as found (as text, `named_id`); None when the turn names none (null or blank)."""
     user_id: str | None = None
     name: str | None = None
     created_at: Any = None
@@ -143,7 +189,7 @@ class LegacyTurn(BaseModel):
     @field_validator("conversation_id", mode="before")
     @classmethod
     def _id_as_text(cls, value: Any) -> Any:
-        return id_text(value)
+        return named_id(value)
 
     @field_validator("user_id", "name", mode="before")
     @classmethod
@@ -155,10 +201,13 @@ class LegacyTurn(BaseModel):
     @field_validator("is_system", mode="before")
     @classmethod
     def _truthy(cls, value: Any) -> bool:
-        """A flag some writers kept as text: "false", "0", "no" and blank mean false."""
-        if isinstance(value, str):
-            return value.strip().lower() not in _FALSE_WORDS
-        return bool(value)
+        return truthy(value)
+
+    def unknown_fields(self) -> dict[str, Any]:
+        """The fields no reader takes: those the format does not name (the dual write's own
+        `dual_write` and `turn_id` aside)."""
+        extra = self.model_extra or {}
+        return {k: v for k, v in extra.items() if k not in _DUAL_WRITE_FIELDS}
 
     @property
     def key(self) -> str:
@@ -184,15 +233,7 @@ class LegacyTurn(BaseModel):
 
     def time(self) -> datetime | None:
         """`created_at` as aware UTC, from a datetime or an ISO string; None if unreadable."""
-        value = self.created_at
-        if isinstance(value, str):
-            try:
-                value = datetime.fromisoformat(value.replace("Z", "+00:00"))
-            except ValueError:
-                return None
-        if isinstance(value, datetime):
-            return to_utc_millis(value)
-        return None
+        return as_time(self.created_at)
 
     def id_time(self) -> datetime | None:
         """When the document was created, from its ObjectId; None for other ids."""

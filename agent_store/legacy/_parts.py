@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any, Literal
 
-from agent_store.legacy._documents import LegacyTurn, as_text, dumps
+from agent_store.legacy._documents import LegacyTurn, as_text, dumps, id_text
 
 PartKind = Literal["text", "tool_call", "tool_result", "file_upload", "hitl", "error", "unknown"]
 """What a legacy part is, once its spelling is normalized."""
@@ -50,15 +50,20 @@ class LegacyPart:
     """A tool call's arguments (a dict, a JSON string, or missing: None)."""
     result: Any = None
     """A tool result's value."""
-    tool_call_id: Any = None
+    tool_call_id: str | None = None
+    """A tool call's or result's id, by its text (`id_text`: a number stored as one too)."""
     upload: dict[str, Any] | None = None
     """A file upload's fields (`filename`, `file_type`, `size`, `parsed_text`)."""
     action: Any = None
     params: Any = None
-    request_id: Any = None
+    request_id: str | None = None
+    """A HITL prompt's request id, by its text (`id_text`)."""
     unread: tuple[str, ...] = ()
     """Names of fields the part also spelt with another value than the one read (`text`
     beside `content`, say): content no reader takes, which the converter reports."""
+    unknown_fields: tuple[str, ...] = ()
+    """Names of fields no reader of its kind takes (`options` on a HITL part, say), which
+    the converter reports."""
 
 
 def part_kind(part: Any) -> PartKind:
@@ -99,6 +104,19 @@ _SPELLINGS: dict[PartKind, tuple[tuple[str, ...], ...]] = {
     "error": (("message", "error", "content"),),
 }
 """The names a kind's fields were spelt by, the one read first."""
+_OTHER_FIELDS: dict[PartKind, tuple[str, ...]] = {
+    "text": (),
+    "tool_call": ("tool_call_id",),
+    "tool_result": ("tool_call_id",),
+    "hitl": ("action", "params", "request_id"),
+    "error": (),
+}
+_READ: dict[PartKind, frozenset[str]] = {
+    kind: frozenset({"type", "part_kind", *others, *(n for s in _SPELLINGS[kind] for n in s)})
+    for kind, others in _OTHER_FIELDS.items()
+}
+"""Every field the converter reads of a kind, in each of its spellings. An upload's fields
+are checked by the upload model; an unknown part is kept whole."""
 
 
 def said(value: Any) -> str:
@@ -168,9 +186,17 @@ def _unread(kind: PartKind, part: Mapping[str, Any]) -> tuple[str, ...]:
 
 def normalize_part(part: Any) -> LegacyPart:
     """A legacy part in canonical names; a part that is not a mapping is `unknown`."""
-    kind = part_kind(part)
     if not isinstance(part, Mapping):
         return LegacyPart("unknown", None, part)
+    found = _read_part(part)
+    if found.kind not in _READ:
+        return found
+    unknown = tuple(str(name) for name in part if name not in _READ[found.kind])
+    return replace(found, unknown_fields=unknown)
+
+
+def _read_part(part: Mapping[str, Any]) -> LegacyPart:
+    kind = part_kind(part)
     declared = _declared(part)
     tool_name = _first(part, "tool_name", "name") or None
     unread = _unread(kind, part)
@@ -185,7 +211,7 @@ def normalize_part(part: Any) -> LegacyPart:
             part,
             tool_name=tool_name,
             args=_first(part, "args", "arguments"),
-            tool_call_id=part.get("tool_call_id"),
+            tool_call_id=id_text(part.get("tool_call_id")),
             unread=unread,
         )
     if kind == "tool_result":
@@ -195,7 +221,7 @@ def normalize_part(part: Any) -> LegacyPart:
             part,
             tool_name=tool_name,
             result=_first(part, "result", "content"),
-            tool_call_id=part.get("tool_call_id"),
+            tool_call_id=id_text(part.get("tool_call_id")),
             unread=unread,
         )
     if kind == "file_upload":
@@ -209,7 +235,7 @@ def normalize_part(part: Any) -> LegacyPart:
             content=_first(part, "prompt", "content"),
             action=part.get("action"),
             params=part.get("params"),
-            request_id=part.get("request_id"),
+            request_id=id_text(part.get("request_id")),
             unread=unread,
         )
     if kind == "error":
@@ -246,7 +272,8 @@ def user_text(turn: LegacyTurn) -> str | None:
 
 
 def part_text(part: LegacyPart) -> str | None:
-    """A text part's text as a message holds it; None for an empty one."""
+    """A text part's text, or a HITL part's prompt, as a message holds it: a string as it is,
+    anything else as its JSON text (`as_text`); None for an empty one."""
     if part.content is None or part.content == "":
         return None
     return as_text(part.content)

@@ -14,6 +14,8 @@ from agent_store.legacy._documents import (
     LEGACY_TURNS,
     SESSION_HITL,
     id_filter,
+    named_id,
+    names_none,
     owner_of,
     parse_turns,
     prompts_filter,
@@ -126,7 +128,7 @@ class LegacyTurns:
             key = conversation_id.removeprefix(DERIVED_TURN_PREFIX)
             return {
                 "$or": [
-                    {"$and": [id_filter("_id", key), {"conversation_id": None}]},
+                    {"$and": [id_filter("_id", key), names_none("conversation_id")]},
                     {"conversation_id": conversation_id},  # turns dual-written under the id
                 ]
             }
@@ -150,7 +152,7 @@ class LegacyTurns:
         fields = {"conversation_id": 1, "user_id": 1, "created_at": 1}
         with storage_errors("erase the user's legacy turns"):
             named = await self._turns.distinct("conversation_id", {"user_id": user_id})
-            ids = [i for i in named if i is not None]
+            ids = [i for i in named if named_id(i) is not None]
             owned: list[str] = []
             if ids:
                 found = await self._turns.find({"conversation_id": {"$in": ids}}, fields).to_list(
