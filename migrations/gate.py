@@ -1,22 +1,22 @@
 """The exit gate (`finish`): is every legacy conversation's content in the new collections?
 
 For each legacy conversation the converter runs again (it is pure and fast) and
-the gate checks, against what is stored: its conversation document, every one
-of its messages by id, its transcript as `verify` compares it (content, order,
-whole texts of cut messages: ids alone would let two legacy turns whose ids read
-alike share one stored copy, or a turn changed after the run pass), the whole
-text of every cut message, and that whatever
-it holds that no message can hold (an unplaced problem) is recorded in
-`agent_migration_problems` and accepted by an operator (`finish --accept`). A
-conversation logged to live before its migration passes only if the live
-messages hold its legacy content. Anything else is work left, and the legacy
-collection must not be dropped.
+the gate checks, against what is stored: its conversation document (by the rule
+a rerun writes it by: what people changed since stays theirs), every one of its
+messages by id, its transcript as `verify` compares it (content, order, whole
+texts of cut messages: ids alone would let two legacy turns whose ids read alike
+share one stored copy, or a turn changed after the run pass), the whole text of
+every cut message, and that whatever it holds that no message can hold (an
+unplaced problem) is recorded in `agent_migration_problems` and accepted by an
+operator (`finish --accept`). A conversation logged to live before its migration
+passes only if the live messages hold its legacy content. Anything else is work
+left, and the legacy collection must not be dropped.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -29,7 +29,7 @@ from migrations import full_texts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
 from migrations.verify import compare
-from migrations.writes import Converted, differs
+from migrations.writes import Converted, differs, document_differs, wanted_document
 
 LIVE_KINDS = ("conversation_already_live", "live_conflict")
 """Problems only a run can find (they depend on what the live service stored)."""
@@ -58,21 +58,12 @@ class Gate:
         return not self.left
 
 
-def _present(db: Database[dict[str, Any]], name: str, ids: Iterable[str]) -> set[str]:
-    """Which of `ids` exist in `name`."""
-    wanted = sorted(set(ids))
-    found: set[str] = set()
-    for start in range(0, len(wanted), 10_000):
-        chunk = wanted[start : start + 10_000]
-        found |= {d["_id"] for d in db[name].find({"_id": {"$in": chunk}}, {"_id": 1})}
-    return found
-
-
 @dataclass
 class _Stored:
     """What is stored for one batch of conversations."""
 
-    conversations: set[str]
+    conversations: dict[str, dict[str, Any]]
+    """The conversation documents, by id."""
     messages: set[str]
     texts: set[str]
     recorded: dict[str, list[str]]
@@ -96,7 +87,7 @@ def _stored(
         )
     }
     return _Stored(
-        conversations=_present(db, CONVERSATIONS, ids),
+        conversations={d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": ids}})},
         messages={str(m.id) for stored in messages.values() for m in stored},
         texts=full_texts.present(db, (f.blob_id for c in conversions for f in c.full_texts)),
         recorded=problem_report.unplaced(db, ids),
@@ -117,6 +108,31 @@ def _changed(item: Converted, stored: Sequence[AgentMessage]) -> int:
     )
 
 
+def _document_reasons(
+    item: Converted, found: dict[str, Any] | None, messages: Sequence[AgentMessage]
+) -> list[str]:
+    """Whether the conversation document is stored as a run writes it now (by the rerun's
+    rule: what people changed since is theirs)."""
+    conversion = item.conversion
+    if conversion.conversation is None:
+        return []
+    if found is None:
+        return ["no conversation document"]
+    mine = {turn.turn_id for turn in item.turns}
+    live_seqs = [
+        m.seq or 0
+        for m in messages
+        if (m.seq or 0) >= len(conversion.messages) and m.turn_id not in mine
+    ]
+    if document_differs(found, wanted_document(conversion, found, live_seqs)):
+        return [
+            "its conversation document differs from what its legacy turns convert to now "
+            "(a name, a usage or a session_hitl prompt changed after the run?): "
+            "run the migration again"
+        ]
+    return []
+
+
 def _reasons(
     item: Converted,
     stored: _Stored,
@@ -134,8 +150,7 @@ def _reasons(
         if not stored.live[cid]:
             reasons.append("logged to live before its migration; its legacy turns are not merged")
     else:
-        if conversion.conversation is not None and cid not in stored.conversations:
-            reasons.append("no conversation document")
+        reasons += _document_reasons(item, stored.conversations.get(cid), messages)
         missing = sum(1 for m in conversion.messages if m.id not in stored.messages)
         if missing:
             reasons.append(f"{missing} of {len(conversion.messages)} messages missing")

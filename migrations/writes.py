@@ -13,7 +13,7 @@ hold their content (placed) or not (content only the legacy turns hold).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,13 +132,29 @@ def _live_problem(db: Database[dict[str, Any]], item: Converted, foreign: int) -
     )
 
 
-def _changed(existing: dict[str, Any] | None, wanted: Conversation) -> bool:
-    """Whether the stored document differs from the wanted one (and is the migration's)."""
+def document_differs(existing: dict[str, Any] | None, wanted: Conversation) -> bool:
+    """Whether the stored conversation document differs from the wanted one (and is the
+    migration's: one the live logger has written to is never overwritten). The rerun and
+    the exit gate both ask."""
     if existing is None:
         return True
     if existing.get("turns"):
-        return False  # the live logger has written to it: it is never overwritten
+        return False
     return Conversation.model_validate(existing) != wanted
+
+
+def wanted_document(
+    conversion: LegacyConversion, existing: dict[str, Any] | None, live_seqs: Iterable[int]
+) -> Conversation:
+    """The conversation document the legacy turns make now, as a run writes it: it never
+    gives back a `seq` a live message stored past the legacy ones holds (`live_seqs`), and
+    keeps what people changed since (`existing`)."""
+    assert conversion.conversation is not None
+    stored_to = max((seq + 1 for seq in live_seqs), default=0)
+    document = conversion.conversation.model_copy(
+        update={"message_count": max(conversion.conversation.message_count, stored_to)}
+    )
+    return _kept_by_people(document, existing)
 
 
 def _live_records(live: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -221,12 +237,8 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
         ]
         for d in foreign:
             del stored[d["seq"]]
-        stored_to = int(live[-1]["seq"]) + 1 if live else 0
-        document = conversion.conversation.model_copy(
-            update={"message_count": max(conversion.conversation.message_count, stored_to)}
-        )
-        document = _kept_by_people(document, existing.get(cid))
-        if _changed(existing.get(cid), document):
+        document = wanted_document(conversion, existing.get(cid), (int(d["seq"]) for d in live))
+        if document_differs(existing.get(cid), document):
             dumped = document.model_dump(by_alias=True)
             if live:
                 dumped |= _live_records(live)

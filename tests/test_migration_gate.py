@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,13 @@ from pymongo import AsyncMongoClient, MongoClient, monitoring
 from pymongo.database import Database
 
 from agent_store import AgentMessageLogger, LoggedTurn
-from agent_store.legacy import LEGACY_TURNS, convert, derived_conversation_id, parse_turns
+from agent_store.legacy import (
+    LEGACY_TURNS,
+    SESSION_HITL,
+    convert,
+    derived_conversation_id,
+    parse_turns,
+)
 from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from migrations import explode, relocate
@@ -527,6 +534,66 @@ def test_a_turn_edited_after_the_run_in_any_field_is_work_left_until_a_run_takes
     assert cli(wire_uri, database, "run") == 0
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
     assert "«edit»" in kept_text(database)
+
+
+def _prompt_recorded_late(db: Database[dict[str, Any]]) -> None:
+    """The old service, not quite stopped, records the turn's prompt as pending."""
+    db[SESSION_HITL].insert_one(
+        {"conversation_id": "c-a", "request_id": "r-1", "action": "pay", "status": "pending",
+         "prompt": "Pay «edit»?"}
+    )  # fmt: skip
+
+
+EDITS_ONLY_THE_CONVERSATION_SHOWS = {
+    "a name": (
+        {"name": "Old name"},
+        lambda db: db[LEGACY_TURNS].update_one({"_id": "t-a"}, {"$set": {"name": "New «edit»"}}),
+        "«edit»",
+    ),
+    "the usage of a turn without answer": (
+        {"user_message": "", "response_parts": [],
+         "upload_result": {"filename": "a.pdf", "file_type": "pdf", "size": 10},
+         "token_usage": {"input_tokens": 100, "output_tokens": 5}},
+        lambda db: db[LEGACY_TURNS].update_one(
+            {"_id": "t-a"}, {"$set": {"token_usage.input_tokens": 7777}}
+        ),
+        "7777",
+    ),
+    "a prompt recorded pending": (
+        {"response_parts": [{"type": "hitl", "action": "pay", "params": {},
+                             "request_id": "r-1", "prompt": "Pay?"}]},
+        _prompt_recorded_late,
+        "«edit»",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(("fields", "edit", "shown"), EDITS_ONLY_THE_CONVERSATION_SHOWS.values(),
+                         ids=list(EDITS_ONLY_THE_CONVERSATION_SHOWS))  # fmt: skip
+def test_legacy_data_edited_after_the_run_that_only_the_conversation_shows_is_work_left(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    fields: dict[str, Any],
+    edit: Callable[[Database[dict[str, Any]]], Any],
+    shown: str,
+) -> None:
+    """The gate compares the conversation document (name, usage, pending prompt) with what
+    the legacy turns convert to now, by the rule a rerun writes it by."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-a", "c-a", 0, "A") | fields)
+    assert cli(wire_uri, database, "run") == 0
+    edit(database)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert "conversation document differs" in capsys.readouterr().out
+    assert database[LEGACY_TURNS].count_documents({}) == 1
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    stored = database[CONVERSATIONS].find_one({"_id": "c-a"})
+    assert shown in json.dumps(stored, default=str, ensure_ascii=False)
 
 
 @pytest.mark.wire
