@@ -169,10 +169,17 @@ def _live_records(live: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _kept_by_people(document: Conversation, found: dict[str, Any] | None) -> Conversation:
-    """A person renamed it since the last run: a rerun keeps their name."""
-    if found is not None and found.get("name_source") == "set":
-        return document.model_copy(update={"name": found.get("name"), "name_source": "set"})
-    return document
+    """What a person changed since the last run, a rerun keeps: their name, and a prompt they
+    resolved stays resolved."""
+    if found is None:
+        return document
+    kept: dict[str, Any] = {"resolved_hitl": found.get("resolved_hitl")}
+    if found.get("name_source") == "set":
+        kept |= {"name": found.get("name"), "name_source": "set"}
+    pending = document.pending_hitl
+    if pending is not None and pending.request_id == found.get("resolved_hitl"):
+        kept["pending_hitl"] = None
+    return document.model_copy(update=kept)
 
 
 def _plan_messages(
@@ -240,6 +247,8 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
         document = wanted_document(conversion, existing.get(cid), (int(d["seq"]) for d in live))
         if document_differs(existing.get(cid), document):
             dumped = document.model_dump(by_alias=True)
+            if document.resolved_hitl is not None:
+                dumped["resolved_hitl"] = document.resolved_hitl
             if live:
                 dumped |= _live_records(live)
             planned.conversations.append(dumped)

@@ -18,7 +18,7 @@ import pytest
 from pymongo import AsyncMongoClient, MongoClient, monitoring
 from pymongo.database import Database
 
-from agent_store import AgentMessageLogger, LoggedTurn
+from agent_store import AgentMessageLogger, ConversationStore, LoggedTurn
 from agent_store.legacy import (
     LEGACY_TURNS,
     SESSION_HITL,
@@ -654,6 +654,34 @@ def test_a_rerun_keeps_the_name_a_person_gave_a_migrated_conversation(
     found = database[CONVERSATIONS].find_one({"_id": "c-a"})
     assert found is not None
     assert (found["name"], found["name_source"]) == ("Trip to Lyon", "set")
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_rerun_keeps_a_prompt_a_person_resolved_after_the_run_resolved(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    async def resolve() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            await ConversationStore(client[database.name]).resolve_hitl("c-a", "r-1")
+        finally:
+            await client.close()
+
+    prompt = {"type": "hitl", "action": "pay", "params": {}, "request_id": "r-1", "prompt": "?"}
+    database[CONVERSATIONS].insert_one(
+        legacy_turn("t-a", "c-a", 0, "A") | {"response_parts": [prompt]}
+    )
+    _prompt_recorded_late(database)
+    assert cli(wire_uri, database, "run") == 0
+    asyncio.run(resolve())
+
+    assert cli(wire_uri, database, "run", "--restart") == 0
+    assert cli(wire_uri, database, "run", "--restart") == 0
+
+    found = database[CONVERSATIONS].find_one({"_id": "c-a"})
+    assert found is not None
+    assert found["pending_hitl"] is None
     assert cli(wire_uri, database, "finish") == 0
 
 
