@@ -24,6 +24,7 @@ from typing import Any
 from pymongo.database import Database
 
 from agent_store.core import AgentMessage
+from agent_store.legacy import Problem
 from agent_store.store import CONVERSATIONS, TurnRules, with_texts
 from migrations import full_texts
 from migrations import problems as problem_report
@@ -66,8 +67,8 @@ class _Stored:
     """The conversation documents, by id."""
     messages: set[str]
     texts: set[str]
-    recorded: dict[str, list[str]]
-    """Kinds of the unplaced problems recorded, by conversation."""
+    recorded: dict[str, list[tuple[str, str]]]
+    """(kind, digest) of the unplaced problems recorded, by conversation."""
     live: dict[str, bool]
     """Conversations recorded as already live, and whether the live messages hold them."""
 
@@ -163,17 +164,33 @@ def _reasons(
         lost = sum(1 for f in conversion.full_texts if f.blob_id not in stored.texts)
         if lost:
             reasons.append(f"{lost} whole texts of cut messages missing")
-    unplaced = Counter(p.kind for p in conversion.unplaced)
-    recorded = Counter(k for k in stored.recorded.get(cid, []) if k not in LIVE_KINDS)
-    if unplaced - recorded:
-        reasons.append("problems not recorded yet: run the migration again")
-    elif unplaced and unplaced - Counter(accepted.get(cid, [])):
-        kinds = ", ".join(sorted(unplaced))
-        reasons.append(
-            f"content only the legacy turns hold ({kinds}; see {problem_report.PROBLEMS}): "
+    return reasons + _problem_reasons(
+        cid, conversion.unplaced, stored.recorded.get(cid, []), accepted.get(cid, [])
+    )
+
+
+def _problem_reasons(
+    cid: str,
+    unplaced: Sequence[Problem],
+    recorded: Sequence[tuple[str, str]],
+    accepted: Sequence[str],
+) -> list[str]:
+    """Whether the content only the legacy data holds is recorded as it is now, and accepted:
+    compared by digest, so content edited after the run or after the acceptance is work
+    left."""
+    found = Counter(problem_report.digest(p) for p in unplaced)
+    if found - Counter(d for kind, d in recorded if kind not in LIVE_KINDS):
+        return [
+            "content only the legacy data holds is not recorded as it is now (new, or edited "
+            "after the run): run the migration again"
+        ]
+    if found - Counter(accepted):
+        kinds = ", ".join(sorted({p.kind for p in unplaced}))
+        return [
+            f"content only the legacy data holds ({kinds}; see {problem_report.PROBLEMS}): "
             f"once it is kept elsewhere, `finish --accept {cid}`"
-        )
-    return reasons
+        ]
+    return []
 
 
 def check(

@@ -629,6 +629,28 @@ def test_a_conversation_whose_turns_name_it_by_a_value_and_by_its_text_is_one_co
 
 
 @pytest.mark.wire
+def test_an_acceptance_covers_the_unplaced_content_accepted_not_content_edited_since(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    parts = [{"type": "text", "content": "hello"}, {"type": "mystery_widget", "data": "«old»"}]
+    database[CONVERSATIONS].insert_one(
+        legacy_turn("t-a", "c-a", 0, "A") | {"response_parts": parts}
+    )
+    assert cli(wire_uri, database, "run") == 0
+    database[LEGACY_TURNS].update_one({"_id": "t-a"}, {"$set": {"response_parts.1.data": "«new»"}})
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish", "--accept", "c-a", "--note", "read") == 1
+    assert "run the migration again" in capsys.readouterr().out
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert cli(wire_uri, database, "finish", "--accept", "c-a", "--note", "read") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert "«new»" in kept_text(database)
+
+
+@pytest.mark.wire
 def test_a_rerun_keeps_the_name_a_person_gave_a_migrated_conversation(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:
