@@ -26,7 +26,7 @@ from pymongo.database import Database
 from agent_store.core import AgentMessage
 from agent_store.legacy import Problem
 from agent_store.store import CONVERSATIONS, TurnRules, with_texts
-from migrations import full_texts
+from migrations import full_texts, orphan_prompts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
 from migrations.verify import compare
@@ -216,4 +216,23 @@ def check(
                 gate.empty += 1
             elif cid in accepted and item.conversion.unplaced:
                 gate.accepted.append(cid)
+    _check_orphan_prompts(db, gate, accepted)
     return gate
+
+
+def _check_orphan_prompts(
+    db: Database[dict[str, Any]], gate: Gate, accepted: dict[str, list[str]]
+) -> None:
+    """The pending prompts of conversations without legacy turns, which no conversion takes:
+    each conversation of them passes once they are recorded as they are now, and accepted."""
+    by_conversation: dict[str, list[Problem]] = {}
+    for problem in orphan_prompts.find(db):
+        by_conversation.setdefault(problem.conversation_id, []).append(problem)
+    recorded = problem_report.unplaced(db, by_conversation)
+    for cid, problems in by_conversation.items():
+        gate.conversations += 1
+        reasons = _problem_reasons(cid, problems, recorded.get(cid, []), accepted.get(cid, []))
+        if reasons:
+            gate.left.append(WorkLeft(cid, reasons))
+        else:
+            gate.accepted.append(cid)

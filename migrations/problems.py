@@ -97,6 +97,28 @@ def replace(
         db[PROBLEMS].delete_many(
             {"conversation_id": {"$in": ids}, "_id": {"$nin": [d["_id"] for d in documents]}}
         )
+    _upsert(db, documents, bounds)
+
+
+def replace_kind(
+    db: Database[dict[str, Any]],
+    kind: str,
+    problems: Sequence[Problem],
+    *,
+    at: datetime,
+    bounds: Bounds,
+) -> None:
+    """Make the recorded problems of one kind, whatever their conversations, exactly
+    `problems` (all of that kind)."""
+    documents, kept = problem_documents(problems, at=at)
+    full_texts.keep(db, kept, bounds)
+    db[PROBLEMS].delete_many({"kind": kind, "_id": {"$nin": [d["_id"] for d in documents]}})
+    _upsert(db, documents, bounds)
+
+
+def _upsert(
+    db: Database[dict[str, Any]], documents: Sequence[dict[str, Any]], bounds: Bounds
+) -> None:
     operations = [ReplaceOne({"_id": d["_id"]}, d, upsert=True) for d in documents]
     sizes = [len(bson.encode(d)) for d in documents]
     for run in bounded(operations, sizes, bounds):

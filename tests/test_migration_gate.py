@@ -651,6 +651,37 @@ def test_an_acceptance_covers_the_unplaced_content_accepted_not_content_edited_s
 
 
 @pytest.mark.wire
+def test_a_pending_prompt_of_a_conversation_without_legacy_turns_is_kept_and_must_be_accepted(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No conversion takes it: the run records it as unplaced, and the gate looks for such
+    prompts itself, so one recorded after the run is work left too."""
+
+    def prompt(cid: str, mark: str) -> dict[str, Any]:
+        return {"conversation_id": cid, "request_id": f"r-{cid}", "action": "wire",
+                "status": "pending", "prompt": f"Wire 9000 € {mark}?"}  # fmt: skip
+
+    database[CONVERSATIONS].insert_one(legacy_turn("t-a", "c-a", 0, "A"))
+    database[SESSION_HITL].insert_one(prompt("c-gone", "«orphan»"))
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    database[SESSION_HITL].insert_one(prompt("c-late", "«late»"))
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    out = capsys.readouterr().out
+    assert "c-gone" in out
+    assert "orphan_pending_hitl" in out
+    assert "c-late" in out
+    assert "«orphan»" in kept_text(database)
+    assert cli(wire_uri, database, "run") == 0
+    accept = ["--accept", "c-gone", "--accept", "c-late", "--note", "asked the users"]
+    assert cli(wire_uri, database, "finish", *accept) == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert "«late»" in kept_text(database)
+
+
+@pytest.mark.wire
 def test_a_rerun_keeps_the_name_a_person_gave_a_migrated_conversation(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:
