@@ -25,7 +25,7 @@ from pymongo.errors import PyMongoError
 from agent_store.core import utc_now
 from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import CONVERSATIONS, MESSAGES, create_indexes_sync
-from migrations import explode, gate, lease, order, relocate
+from migrations import explode, gate, lease, order, orphan_prompts, relocate
 from migrations import problems as problem_report
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS
 from migrations.connection import database
@@ -181,6 +181,7 @@ def _explode(
     ranges = run.plan(after)
     progress = Progress(run.total(ranges), "conversations", args.progress)
     run.on_batch = progress.advance
+    run.after_all = lambda: orphan_prompts.record(run)
     try:
         run.run(ranges)
     finally:

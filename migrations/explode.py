@@ -109,6 +109,9 @@ class Counts:
         self.conversations_written += len(planned.conversations)
         self.full_texts_written += len(planned.full_texts)
         self.live_skipped += len(planned.live)
+        self.add_problems(found)
+
+    def add_problems(self, found: list[Problem]) -> None:
         self.problems += len(found)
         self.unplaced += sum(1 for p in found if not p.placed)
         for problem in found:
@@ -166,7 +169,7 @@ def read_turns(
     are read whichever of them a batch holds (converted twice, the same way both times), as
     are True and "True", or a Decimal128 and its JSON text."""
     grouped: dict[Any, tuple[Any, list[dict[str, Any]]]] = {_key(i): (i, []) for i in ids}
-    clauses = [_named(i) for i in ids]
+    clauses = [named(i) for i in ids]
     for doc in db[source].find({"$and": [{"$or": clauses}, LEGACY_FILTER]}):
         raw = doc.get("conversation_id")
         grouped.setdefault(_key(raw), (raw, []))[1].append(doc)
@@ -178,7 +181,7 @@ def _key(value: Any) -> Any:
     return named_id(value)
 
 
-def _named(value: Any) -> dict[str, Any]:
+def named(value: Any) -> dict[str, Any]:
     """The filter of the turns under every value the reader names as `value`."""
     if value is None:
         return {"conversation_id": None}
@@ -274,6 +277,8 @@ class Explosion:
         self.source = source
         self.on_batch: Callable[[int, int], None] | None = None
         """Told (conversations, turns so far) after each batch: the CLI's progress bar."""
+        self.after_all: Callable[[], None] | None = None
+        """Called once a run has gone through every conversation (not one `--conversation`)."""
         self.counts = Counts()
         kind = "dry-run-" if options.dry_run else "run-"
         self.run_id = lease.run_id if lease else kind + uuid.uuid4().hex[:8]
@@ -362,6 +367,8 @@ class Explosion:
             exhausted = self.options.conversation is not None or (
                 next(spread_ids(self.db, self.source, LEGACY_FILTER, ranges), None) is None
             )
+            if exhausted and self.options.conversation is None and self.after_all is not None:
+                self.after_all()
         except BaseException as exc:
             self._record("failed", error=f"{type(exc).__name__}: {exc}", finished_at=utc_now())
             raise

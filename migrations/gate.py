@@ -1,22 +1,22 @@
 """The exit gate (`finish`): is every legacy conversation's content in the new collections?
 
 For each legacy conversation the converter runs again (it is pure and fast) and
-the gate checks, against what is stored: its conversation document, every one
-of its messages by id, its transcript as `verify` compares it (content, order,
-whole texts of cut messages: ids alone would let two legacy turns whose ids read
-alike share one stored copy, or a turn changed after the run pass), the whole
-text of every cut message, and that whatever
-it holds that no message can hold (an unplaced problem) is recorded in
-`agent_migration_problems` and accepted by an operator (`finish --accept`). A
-conversation logged to live before its migration passes only if the live
-messages hold its legacy content. Anything else is work left, and the legacy
-collection must not be dropped.
+the gate checks, against what is stored: its conversation document (by the rule
+a rerun writes it by: what people changed since stays theirs), every one of its
+messages by id, its transcript as `verify` compares it (content, order, whole
+texts of cut messages: ids alone would let two legacy turns whose ids read alike
+share one stored copy, or a turn changed after the run pass), the whole text of
+every cut message, and that whatever it holds that no message can hold (an
+unplaced problem) is recorded in `agent_migration_problems` and accepted by an
+operator (`finish --accept`). A conversation logged to live before its migration
+passes only if the live messages hold its legacy content. Anything else is work
+left, and the legacy collection must not be dropped.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -24,12 +24,13 @@ from typing import Any
 from pymongo.database import Database
 
 from agent_store.core import AgentMessage
+from agent_store.legacy import Problem
 from agent_store.store import CONVERSATIONS, TurnRules, with_texts
-from migrations import full_texts
+from migrations import full_texts, orphan_prompts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
 from migrations.verify import compare
-from migrations.writes import Converted, differs
+from migrations.writes import Converted, differs, document_differs, wanted_document
 
 LIVE_KINDS = ("conversation_already_live", "live_conflict")
 """Problems only a run can find (they depend on what the live service stored)."""
@@ -58,25 +59,16 @@ class Gate:
         return not self.left
 
 
-def _present(db: Database[dict[str, Any]], name: str, ids: Iterable[str]) -> set[str]:
-    """Which of `ids` exist in `name`."""
-    wanted = sorted(set(ids))
-    found: set[str] = set()
-    for start in range(0, len(wanted), 10_000):
-        chunk = wanted[start : start + 10_000]
-        found |= {d["_id"] for d in db[name].find({"_id": {"$in": chunk}}, {"_id": 1})}
-    return found
-
-
 @dataclass
 class _Stored:
     """What is stored for one batch of conversations."""
 
-    conversations: set[str]
+    conversations: dict[str, dict[str, Any]]
+    """The conversation documents, by id."""
     messages: set[str]
     texts: set[str]
-    recorded: dict[str, list[str]]
-    """Kinds of the unplaced problems recorded, by conversation."""
+    recorded: dict[str, list[tuple[str, str]]]
+    """(kind, digest) of the unplaced problems recorded, by conversation."""
     live: dict[str, bool]
     """Conversations recorded as already live, and whether the live messages hold them."""
 
@@ -96,7 +88,7 @@ def _stored(
         )
     }
     return _Stored(
-        conversations=_present(db, CONVERSATIONS, ids),
+        conversations={d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": ids}})},
         messages={str(m.id) for stored in messages.values() for m in stored},
         texts=full_texts.present(db, (f.blob_id for c in conversions for f in c.full_texts)),
         recorded=problem_report.unplaced(db, ids),
@@ -117,6 +109,31 @@ def _changed(item: Converted, stored: Sequence[AgentMessage]) -> int:
     )
 
 
+def _document_reasons(
+    item: Converted, found: dict[str, Any] | None, messages: Sequence[AgentMessage]
+) -> list[str]:
+    """Whether the conversation document is stored as a run writes it now (by the rerun's
+    rule: what people changed since is theirs)."""
+    conversion = item.conversion
+    if conversion.conversation is None:
+        return []
+    if found is None:
+        return ["no conversation document"]
+    mine = {turn.turn_id for turn in item.turns}
+    live_seqs = [
+        m.seq or 0
+        for m in messages
+        if (m.seq or 0) >= len(conversion.messages) and m.turn_id not in mine
+    ]
+    if document_differs(found, wanted_document(conversion, found, live_seqs)):
+        return [
+            "its conversation document differs from what its legacy turns convert to now "
+            "(a name, a usage or a session_hitl prompt changed after the run?): "
+            "run the migration again"
+        ]
+    return []
+
+
 def _reasons(
     item: Converted,
     stored: _Stored,
@@ -134,8 +151,7 @@ def _reasons(
         if not stored.live[cid]:
             reasons.append("logged to live before its migration; its legacy turns are not merged")
     else:
-        if conversion.conversation is not None and cid not in stored.conversations:
-            reasons.append("no conversation document")
+        reasons += _document_reasons(item, stored.conversations.get(cid), messages)
         missing = sum(1 for m in conversion.messages if m.id not in stored.messages)
         if missing:
             reasons.append(f"{missing} of {len(conversion.messages)} messages missing")
@@ -148,17 +164,33 @@ def _reasons(
         lost = sum(1 for f in conversion.full_texts if f.blob_id not in stored.texts)
         if lost:
             reasons.append(f"{lost} whole texts of cut messages missing")
-    unplaced = Counter(p.kind for p in conversion.unplaced)
-    recorded = Counter(k for k in stored.recorded.get(cid, []) if k not in LIVE_KINDS)
-    if unplaced - recorded:
-        reasons.append("problems not recorded yet: run the migration again")
-    elif unplaced and unplaced - Counter(accepted.get(cid, [])):
-        kinds = ", ".join(sorted(unplaced))
-        reasons.append(
-            f"content only the legacy turns hold ({kinds}; see {problem_report.PROBLEMS}): "
+    return reasons + _problem_reasons(
+        cid, conversion.unplaced, stored.recorded.get(cid, []), accepted.get(cid, [])
+    )
+
+
+def _problem_reasons(
+    cid: str,
+    unplaced: Sequence[Problem],
+    recorded: Sequence[tuple[str, str]],
+    accepted: Sequence[str],
+) -> list[str]:
+    """Whether the content only the legacy data holds is recorded as it is now, and accepted:
+    compared by digest, so content edited after the run or after the acceptance is work
+    left."""
+    found = Counter(problem_report.digest(p) for p in unplaced)
+    if found - Counter(d for kind, d in recorded if kind not in LIVE_KINDS):
+        return [
+            "content only the legacy data holds is not recorded as it is now (new, or edited "
+            "after the run): run the migration again"
+        ]
+    if found - Counter(accepted):
+        kinds = ", ".join(sorted({p.kind for p in unplaced}))
+        return [
+            f"content only the legacy data holds ({kinds}; see {problem_report.PROBLEMS}): "
             f"once it is kept elsewhere, `finish --accept {cid}`"
-        )
-    return reasons
+        ]
+    return []
 
 
 def check(
@@ -184,4 +216,23 @@ def check(
                 gate.empty += 1
             elif cid in accepted and item.conversion.unplaced:
                 gate.accepted.append(cid)
+    _check_orphan_prompts(db, gate, accepted)
     return gate
+
+
+def _check_orphan_prompts(
+    db: Database[dict[str, Any]], gate: Gate, accepted: dict[str, list[str]]
+) -> None:
+    """The pending prompts of conversations without legacy turns, which no conversion takes:
+    each conversation of them passes once they are recorded as they are now, and accepted."""
+    by_conversation: dict[str, list[Problem]] = {}
+    for problem in orphan_prompts.find(db):
+        by_conversation.setdefault(problem.conversation_id, []).append(problem)
+    recorded = problem_report.unplaced(db, by_conversation)
+    for cid, problems in by_conversation.items():
+        gate.conversations += 1
+        reasons = _problem_reasons(cid, problems, recorded.get(cid, []), accepted.get(cid, []))
+        if reasons:
+            gate.left.append(WorkLeft(cid, reasons))
+        else:
+            gate.accepted.append(cid)

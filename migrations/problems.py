@@ -2,6 +2,11 @@
 was, or changed; a summary by kind; and the operator's recorded acceptance of a
 conversation's unplaced content.
 
+Each problem is recorded with a digest of all it says (`digest`): the exit gate
+compares it with what the converter finds now, and an acceptance covers the
+digests accepted, so content edited after the run or after the acceptance is
+never dropped as accepted.
+
 Each run replaces the problems of the conversations it converts, so the report
 always says what the current code makes of the legacy turns. A problem whose
 content is too large to hold keeps it in GridFS, like a cut message.
@@ -10,6 +15,7 @@ content is too large to hold keeps it in GridFS, like a cut message.
 from __future__ import annotations
 
 import getpass
+import hashlib
 import socket
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -32,6 +38,11 @@ PROBLEM_BYTES = 1024 * 1024
 ACCEPTANCE = "acceptance"
 
 
+def digest(problem: Problem) -> str:
+    """A digest of everything the problem says (its content exactly, BSON types included)."""
+    return hashlib.sha256(bson.encode({"problem": problem.model_dump()})).hexdigest()
+
+
 def problem_documents(
     problems: Sequence[Problem], *, at: datetime
 ) -> tuple[list[dict[str, Any]], list[FullText]]:
@@ -43,7 +54,11 @@ def problem_documents(
     for problem in problems:
         n = ordinal.get(problem.conversation_id, 0)
         ordinal[problem.conversation_id] = n + 1
-        document = {"_id": f"{problem.conversation_id}|{problem.kind}|{n}", **problem.model_dump()}
+        document = {
+            "_id": f"{problem.conversation_id}|{problem.kind}|{n}",
+            **problem.model_dump(),
+            "digest": digest(problem),
+        }
         if len(bson.encode(document)) > PROBLEM_BYTES:
             text = dumps(problem.content)[0]
             full = FullText(
@@ -82,6 +97,28 @@ def replace(
         db[PROBLEMS].delete_many(
             {"conversation_id": {"$in": ids}, "_id": {"$nin": [d["_id"] for d in documents]}}
         )
+    _upsert(db, documents, bounds)
+
+
+def replace_kind(
+    db: Database[dict[str, Any]],
+    kind: str,
+    problems: Sequence[Problem],
+    *,
+    at: datetime,
+    bounds: Bounds,
+) -> None:
+    """Make the recorded problems of one kind, whatever their conversations, exactly
+    `problems` (all of that kind)."""
+    documents, kept = problem_documents(problems, at=at)
+    full_texts.keep(db, kept, bounds)
+    db[PROBLEMS].delete_many({"kind": kind, "_id": {"$nin": [d["_id"] for d in documents]}})
+    _upsert(db, documents, bounds)
+
+
+def _upsert(
+    db: Database[dict[str, Any]], documents: Sequence[dict[str, Any]], bounds: Bounds
+) -> None:
     operations = [ReplaceOne({"_id": d["_id"]}, d, upsert=True) for d in documents]
     sizes = [len(bson.encode(d)) for d in documents]
     for run in bounded(operations, sizes, bounds):
@@ -113,18 +150,22 @@ def print_summary(db: Database[dict[str, Any]], out: TextIO) -> None:
         print(f"  {kind:<{width}}  {n:>6}  {'placed' if placed else 'not placed'}", file=out)
 
 
-def unplaced(db: Database[dict[str, Any]], conversation_ids: Iterable[str]) -> dict[str, list[str]]:
-    """The kinds of the unplaced problems recorded for each of these conversations."""
-    found: dict[str, list[str]] = {}
+def unplaced(
+    db: Database[dict[str, Any]], conversation_ids: Iterable[str]
+) -> dict[str, list[tuple[str, str]]]:
+    """(kind, digest) of the unplaced problems recorded for each of these conversations (a
+    record without a digest, of an older run, has the digest "": it matches nothing)."""
+    found: dict[str, list[tuple[str, str]]] = {}
     query = {"conversation_id": {"$in": sorted(set(conversation_ids))}, "placed": False}
-    for doc in db[PROBLEMS].find(query, {"conversation_id": 1, "kind": 1}):
-        found.setdefault(doc["conversation_id"], []).append(doc["kind"])
+    for doc in db[PROBLEMS].find(query, {"conversation_id": 1, "kind": 1, "digest": 1}):
+        found.setdefault(doc["conversation_id"], []).append((doc["kind"], doc.get("digest", "")))
     return found
 
 
 def accept(db: Database[dict[str, Any]], conversation_id: str, note: str | None) -> None:
-    """Record that an operator accepts the conversation's unplaced content as kept elsewhere."""
-    kinds = unplaced(db, [conversation_id]).get(conversation_id, [])
+    """Record that an operator accepts the conversation's unplaced content, as recorded now,
+    as kept elsewhere: its problems' kinds (for people) and digests (what it covers)."""
+    recorded = unplaced(db, [conversation_id]).get(conversation_id, [])
     db[STATE].replace_one(
         {"_id": f"accept:{conversation_id}"},
         {
@@ -133,16 +174,18 @@ def accept(db: Database[dict[str, Any]], conversation_id: str, note: str | None)
             "accepted_by": f"{getpass.getuser()}@{socket.gethostname()}",
             "accepted_at": utc_now(),
             "note": note,
-            "problems": sorted(kinds),
+            "problems": sorted(kind for kind, _ in recorded),
+            "digests": sorted(found for _, found in recorded),
         },
         upsert=True,
     )
 
 
 def accepted(db: Database[dict[str, Any]]) -> dict[str, list[str]]:
-    """The conversations whose unplaced content an operator accepted, with the problem kinds
-    they had then."""
+    """The conversations whose unplaced content an operator accepted, with the digests of the
+    problems accepted (none for an acceptance recorded before digests were: it covers
+    nothing, and the operator accepts again)."""
     return {
-        d["conversation_id"]: list(d.get("problems", []))
+        d["conversation_id"]: list(d.get("digests", []))
         for d in db[STATE].find({"kind": ACCEPTANCE})
     }

@@ -13,7 +13,7 @@ hold their content (placed) or not (content only the legacy turns hold).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,13 +132,29 @@ def _live_problem(db: Database[dict[str, Any]], item: Converted, foreign: int) -
     )
 
 
-def _changed(existing: dict[str, Any] | None, wanted: Conversation) -> bool:
-    """Whether the stored document differs from the wanted one (and is the migration's)."""
+def document_differs(existing: dict[str, Any] | None, wanted: Conversation) -> bool:
+    """Whether the stored conversation document differs from the wanted one (and is the
+    migration's: one the live logger has written to is never overwritten). The rerun and
+    the exit gate both ask."""
     if existing is None:
         return True
     if existing.get("turns"):
-        return False  # the live logger has written to it: it is never overwritten
+        return False
     return Conversation.model_validate(existing) != wanted
+
+
+def wanted_document(
+    conversion: LegacyConversion, existing: dict[str, Any] | None, live_seqs: Iterable[int]
+) -> Conversation:
+    """The conversation document the legacy turns make now, as a run writes it: it never
+    gives back a `seq` a live message stored past the legacy ones holds (`live_seqs`), and
+    keeps what people changed since (`existing`)."""
+    assert conversion.conversation is not None
+    stored_to = max((seq + 1 for seq in live_seqs), default=0)
+    document = conversion.conversation.model_copy(
+        update={"message_count": max(conversion.conversation.message_count, stored_to)}
+    )
+    return _kept_by_people(document, existing)
 
 
 def _live_records(live: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -153,10 +169,17 @@ def _live_records(live: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _kept_by_people(document: Conversation, found: dict[str, Any] | None) -> Conversation:
-    """A person renamed it since the last run: a rerun keeps their name."""
-    if found is not None and found.get("name_source") == "set":
-        return document.model_copy(update={"name": found.get("name"), "name_source": "set"})
-    return document
+    """What a person changed since the last run, a rerun keeps: their name, and a prompt they
+    resolved stays resolved."""
+    if found is None:
+        return document
+    kept: dict[str, Any] = {"resolved_hitl": found.get("resolved_hitl")}
+    if found.get("name_source") == "set":
+        kept |= {"name": found.get("name"), "name_source": "set"}
+    pending = document.pending_hitl
+    if pending is not None and pending.request_id == found.get("resolved_hitl"):
+        kept["pending_hitl"] = None
+    return document.model_copy(update=kept)
 
 
 def _plan_messages(
@@ -221,13 +244,11 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
         ]
         for d in foreign:
             del stored[d["seq"]]
-        stored_to = int(live[-1]["seq"]) + 1 if live else 0
-        document = conversion.conversation.model_copy(
-            update={"message_count": max(conversion.conversation.message_count, stored_to)}
-        )
-        document = _kept_by_people(document, existing.get(cid))
-        if _changed(existing.get(cid), document):
+        document = wanted_document(conversion, existing.get(cid), (int(d["seq"]) for d in live))
+        if document_differs(existing.get(cid), document):
             dumped = document.model_dump(by_alias=True)
+            if document.resolved_hitl is not None:
+                dumped["resolved_hitl"] = document.resolved_hitl
             if live:
                 dumped |= _live_records(live)
             planned.conversations.append(dumped)

@@ -15,7 +15,7 @@ Two forms of the same documents:
   the Node.js driver or `bson.json_util` with `CANONICAL_JSON_OPTIONS` print),
   which keeps BSON types: every time a BSON date, every integer a BSON int64
   within 0…2**53 - 1. A conversation also holds the store's bookkeeping
-  (`turns`, `turns_dropped`, `inbox`), never served and absent until used.
+  (`turns`, `turns_dropped`, `inbox`, `resolved_hitl`), never served and absent until used.
 """
 
 from __future__ import annotations

@@ -86,6 +86,23 @@ def _only_null(schema: Mapping[str, Any]) -> bool:
     return schema.get("type") == "null"
 
 
+_BOOKKEEPING_TYPES = {
+    "array": "unknown[]",
+    "integer": "number",
+    "object": "Record<string, unknown>",
+    "string": "string",
+    "null": "null",
+}
+
+
+def _bookkeeping_type(schema: dict[str, Any]) -> str:
+    """The TypeScript type of a bookkeeping field (its schema is simple: a JSON type, or a
+    choice of them)."""
+    if "anyOf" in schema:
+        return " | ".join(_bookkeeping_type(option) for option in schema["anyOf"])
+    return _BOOKKEEPING_TYPES[schema["type"]]
+
+
 class DeclarationRenderer:
     """Turns the contract's JSON Schema definitions into TypeScript declarations."""
 
@@ -272,10 +289,9 @@ class DeclarationRenderer:
     def documents(self) -> list[str]:
         """The collections' documents as the Node.js driver returns them."""
         extra = bookkeeping()
-        kinds = {"array": "unknown[]", "integer": "number", "object": "Record<string, unknown>"}
         optional = {
             f"{name}?": (
-                kinds[extra[name]["type"]],
+                _bookkeeping_type(extra[name]),
                 f"{extra[name]['description']}\n\nThe store's own: absent until it is used "
                 "(a conversation created empty or by the migration has none); read none of it.",
             )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,14 @@ import pytest
 from pymongo import AsyncMongoClient, MongoClient, monitoring
 from pymongo.database import Database
 
-from agent_store import AgentMessageLogger, LoggedTurn
-from agent_store.legacy import LEGACY_TURNS, convert, derived_conversation_id, parse_turns
+from agent_store import AgentMessageLogger, ConversationStore, LoggedTurn
+from agent_store.legacy import (
+    LEGACY_TURNS,
+    SESSION_HITL,
+    convert,
+    derived_conversation_id,
+    parse_turns,
+)
 from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from migrations import explode, relocate
@@ -529,6 +536,66 @@ def test_a_turn_edited_after_the_run_in_any_field_is_work_left_until_a_run_takes
     assert "«edit»" in kept_text(database)
 
 
+def _prompt_recorded_late(db: Database[dict[str, Any]]) -> None:
+    """The old service, not quite stopped, records the turn's prompt as pending."""
+    db[SESSION_HITL].insert_one(
+        {"conversation_id": "c-a", "request_id": "r-1", "action": "pay", "status": "pending",
+         "prompt": "Pay «edit»?"}
+    )  # fmt: skip
+
+
+EDITS_ONLY_THE_CONVERSATION_SHOWS = {
+    "a name": (
+        {"name": "Old name"},
+        lambda db: db[LEGACY_TURNS].update_one({"_id": "t-a"}, {"$set": {"name": "New «edit»"}}),
+        "«edit»",
+    ),
+    "the usage of a turn without answer": (
+        {"user_message": "", "response_parts": [],
+         "upload_result": {"filename": "a.pdf", "file_type": "pdf", "size": 10},
+         "token_usage": {"input_tokens": 100, "output_tokens": 5}},
+        lambda db: db[LEGACY_TURNS].update_one(
+            {"_id": "t-a"}, {"$set": {"token_usage.input_tokens": 7777}}
+        ),
+        "7777",
+    ),
+    "a prompt recorded pending": (
+        {"response_parts": [{"type": "hitl", "action": "pay", "params": {},
+                             "request_id": "r-1", "prompt": "Pay?"}]},
+        _prompt_recorded_late,
+        "«edit»",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(("fields", "edit", "shown"), EDITS_ONLY_THE_CONVERSATION_SHOWS.values(),
+                         ids=list(EDITS_ONLY_THE_CONVERSATION_SHOWS))  # fmt: skip
+def test_legacy_data_edited_after_the_run_that_only_the_conversation_shows_is_work_left(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    fields: dict[str, Any],
+    edit: Callable[[Database[dict[str, Any]]], Any],
+    shown: str,
+) -> None:
+    """The gate compares the conversation document (name, usage, pending prompt) with what
+    the legacy turns convert to now, by the rule a rerun writes it by."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-a", "c-a", 0, "A") | fields)
+    assert cli(wire_uri, database, "run") == 0
+    edit(database)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert "conversation document differs" in capsys.readouterr().out
+    assert database[LEGACY_TURNS].count_documents({}) == 1
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    stored = database[CONVERSATIONS].find_one({"_id": "c-a"})
+    assert shown in json.dumps(stored, default=str, ensure_ascii=False)
+
+
 @pytest.mark.wire
 @pytest.mark.parametrize(
     ("odd", "text"),
@@ -562,6 +629,59 @@ def test_a_conversation_whose_turns_name_it_by_a_value_and_by_its_text_is_one_co
 
 
 @pytest.mark.wire
+def test_an_acceptance_covers_the_unplaced_content_accepted_not_content_edited_since(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    parts = [{"type": "text", "content": "hello"}, {"type": "mystery_widget", "data": "«old»"}]
+    database[CONVERSATIONS].insert_one(
+        legacy_turn("t-a", "c-a", 0, "A") | {"response_parts": parts}
+    )
+    assert cli(wire_uri, database, "run") == 0
+    database[LEGACY_TURNS].update_one({"_id": "t-a"}, {"$set": {"response_parts.1.data": "«new»"}})
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish", "--accept", "c-a", "--note", "read") == 1
+    assert "run the migration again" in capsys.readouterr().out
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert cli(wire_uri, database, "finish", "--accept", "c-a", "--note", "read") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert "«new»" in kept_text(database)
+
+
+@pytest.mark.wire
+def test_a_pending_prompt_of_a_conversation_without_legacy_turns_is_kept_and_must_be_accepted(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No conversion takes it: the run records it as unplaced, and the gate looks for such
+    prompts itself, so one recorded after the run is work left too."""
+
+    def prompt(cid: str, mark: str) -> dict[str, Any]:
+        return {"conversation_id": cid, "request_id": f"r-{cid}", "action": "wire",
+                "status": "pending", "prompt": f"Wire 9000 € {mark}?"}  # fmt: skip
+
+    database[CONVERSATIONS].insert_one(legacy_turn("t-a", "c-a", 0, "A"))
+    database[SESSION_HITL].insert_one(prompt("c-gone", "«orphan»"))
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    database[SESSION_HITL].insert_one(prompt("c-late", "«late»"))
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    out = capsys.readouterr().out
+    assert "c-gone" in out
+    assert "orphan_pending_hitl" in out
+    assert "c-late" in out
+    assert "«orphan»" in kept_text(database)
+    assert cli(wire_uri, database, "run") == 0
+    accept = ["--accept", "c-gone", "--accept", "c-late", "--note", "asked the users"]
+    assert cli(wire_uri, database, "finish", *accept) == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert "«late»" in kept_text(database)
+
+
+@pytest.mark.wire
 def test_a_rerun_keeps_the_name_a_person_gave_a_migrated_conversation(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:
@@ -587,6 +707,34 @@ def test_a_rerun_keeps_the_name_a_person_gave_a_migrated_conversation(
     found = database[CONVERSATIONS].find_one({"_id": "c-a"})
     assert found is not None
     assert (found["name"], found["name_source"]) == ("Trip to Lyon", "set")
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_rerun_keeps_a_prompt_a_person_resolved_after_the_run_resolved(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    async def resolve() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            await ConversationStore(client[database.name]).resolve_hitl("c-a", "r-1")
+        finally:
+            await client.close()
+
+    prompt = {"type": "hitl", "action": "pay", "params": {}, "request_id": "r-1", "prompt": "?"}
+    database[CONVERSATIONS].insert_one(
+        legacy_turn("t-a", "c-a", 0, "A") | {"response_parts": [prompt]}
+    )
+    _prompt_recorded_late(database)
+    assert cli(wire_uri, database, "run") == 0
+    asyncio.run(resolve())
+
+    assert cli(wire_uri, database, "run", "--restart") == 0
+    assert cli(wire_uri, database, "run", "--restart") == 0
+
+    found = database[CONVERSATIONS].find_one({"_id": "c-a"})
+    assert found is not None
+    assert found["pending_hitl"] is None
     assert cli(wire_uri, database, "finish") == 0
 
 

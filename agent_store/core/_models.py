@@ -541,6 +541,9 @@ class Conversation(_Model):
     """How many of the oldest turn records were dropped to keep the document bounded."""
     inbox: dict[str, Any] = Field(default_factory=dict, exclude=True)
     """Open steering inboxes of running turns, by turn (the store's bookkeeping, never served)."""
+    resolved_hitl: str | None = Field(default=None, exclude=True)
+    """The request id of the last prompt `resolve_hitl` resolved (the store's bookkeeping, never
+    served): a rerun of the migration leaves it resolved, as a person left it."""
     legacy_conversation_id: str | None = None
     """The id its legacy turns named, when that was not an identifier and the migration gave
     the conversation a derived one (extension)."""

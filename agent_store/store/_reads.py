@@ -658,7 +658,7 @@ class ConversationStore:
         with storage_errors("resolve the pending prompt"):
             result = await self._conversations.update_one(
                 {**scope, "pending_hitl.request_id": request_id},
-                {"$set": {"pending_hitl": None}},
+                {"$set": {"pending_hitl": None, "resolved_hitl": request_id}},
             )
         if result.matched_count:
             return

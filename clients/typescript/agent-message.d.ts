@@ -174,6 +174,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
    */
   inbox?: Record<string, unknown>;
+  /**
+   * The request id of the last prompt `resolve_hitl` resolved (the store's bookkeeping, never served): a rerun of the migration leaves it resolved, as a person left it.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  resolved_hitl?: string | null;
 }
 
 export interface IHealth {
