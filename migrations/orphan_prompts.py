@@ -5,7 +5,7 @@ turns), so it would be dropped with the legacy data unseen. A run records each
 as an unplaced problem, `orphan_pending_hitl`, holding the prompt document, for
 an operator to accept; the exit gate looks for them itself, so a prompt the old
 service records after the run is work left too. What is pending is what the
-converter takes as pending (`pending_from_session_hitl`). One read of
+converter takes as pending (`is_pending_prompt`). One read of
 `session_hitl`, and one `distinct` on the legacy turns per thousand pending prompts.
 """
 
@@ -21,7 +21,7 @@ from agent_store.legacy import (
     SESSION_HITL,
     Problem,
     id_text,
-    pending_from_session_hitl,
+    is_pending_prompt,
 )
 from migrations import problems as problem_report
 from migrations.explode import LEGACY_FILTER, Explosion, batches, named
@@ -70,7 +70,7 @@ def find(db: Database[dict[str, Any]]) -> list[Problem]:
     found: list[Problem] = []
     prompts = db[SESSION_HITL].find().sort("_id", 1)
     for chunk in batches(iter(prompts), _CHUNK):
-        pending = [p for p in chunk if pending_from_session_hitl([p], [])[0] is not None]
+        pending = [p for p in chunk if is_pending_prompt(p)]
         found += _alone(db, pending)
     return found
 

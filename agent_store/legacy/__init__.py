@@ -40,7 +40,11 @@ from agent_store.legacy._parts import (
     turn_parts,
     user_text,
 )
-from agent_store.legacy._session_hitl import pending_from_session_hitl, with_session_prompts
+from agent_store.legacy._session_hitl import (
+    is_pending_prompt,
+    pending_from_session_hitl,
+    with_session_prompts,
+)
 from agent_store.legacy._source import LegacyTurns
 
 __all__ = [
@@ -65,6 +69,7 @@ __all__ = [
     "group_conversations",
     "id_filter",
     "id_text",
+    "is_pending_prompt",
     "legacy_turn_document",
     "legacy_turn_documents",
     "legacy_turn_id",

@@ -33,7 +33,8 @@ class PromptNote:
     """False when this note is the only place the content is kept."""
 
 
-def _is_pending(document: Mapping[str, Any]) -> bool:
+def is_pending_prompt(document: Mapping[str, Any]) -> bool:
+    """Whether a `session_hitl` document is a prompt still awaiting its answer."""
     status = str(document.get("status", "pending")).strip().lower()
     return not truthy(document.get("resolved")) and status not in _RESOLVED
 
@@ -118,7 +119,7 @@ def pending_from_session_hitl(
     """The newest unresolved `session_hitl` prompt as `pending_hitl`, and notes on oddities:
     every other pending prompt no message holds, or one without a request id a message can
     hold, is noted with its document (not placed)."""
-    pending = [d for d in documents if _is_pending(d)]
+    pending = [d for d in documents if is_pending_prompt(d)]
     notes = [
         _not_placed(d, "has no request id of 1 to 200 characters")
         for d in pending
