@@ -263,7 +263,7 @@ class ConversationStore:
         )
 
     async def delete(self, conversation_id: str, *, user_id: str | None = None) -> Deleted:
-        """Delete a conversation: its messages, its document and its legacy turns.
+        """Delete a conversation: its messages, its document and its owner's legacy turns.
 
         Legacy turns go first, then messages, then the conversation document: a
         crash part-way leaves something a repeated delete finishes, never
@@ -271,16 +271,19 @@ class ConversationStore:
         migration re-run or the read fallback would bring back to life. A turn
         that reserved before the delete and inserts during it is swept last; a
         conversation created under the id meanwhile, by anyone, is left whole.
+        Legacy turns and prompts under the id that name another user than the
+        document's owner stay (see `LegacySource.delete`).
         """
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                self._scope(conversation_id, user_id), {"_id": 1}
+                self._scope(conversation_id, user_id), {"user_id": 1}
             )
         if found is None:
-            await self._legacy(conversation_id, user_id)  # NotFound unless it is legacy-only
+            return await self._delete_legacy_only(conversation_id, user_id)
+        owner = found.get("user_id")
         legacy = 0
         if self._legacy_source is not None:
-            legacy = await self._legacy_source.delete(conversation_id)
+            legacy = await self._legacy_source.delete(conversation_id, owner=owner)
         await self._full_texts.forget({"conversation_id": conversation_id})
         with storage_errors("delete the conversation"):
             messages = await self._messages.delete_many({"conversation_id": conversation_id})
@@ -294,6 +297,16 @@ class ConversationStore:
             messages=messages.deleted_count + late,
             legacy_turns=legacy,
         )
+
+    async def _delete_legacy_only(self, conversation_id: str, user_id: str | None) -> Deleted:
+        """A conversation the caller reaches through the read fallback only (NotFound if it
+        does not): its legacy owner's turns and prompts go, and nothing of the new
+        collections, where another user may hold the id."""
+        fallback = await self._legacy(conversation_id, user_id)
+        assert self._legacy_source is not None  # else `_legacy` raised NotFound
+        owner = fallback.conversation.user_id
+        legacy = await self._legacy_source.delete(conversation_id, owner=owner)
+        return Deleted(conversations=0, messages=0, legacy_turns=legacy)
 
     async def _sweep_late_inserts(self, conversation_id: str, gone: dict[str, Any]) -> int:
         """Messages a turn reserved before the delete inserted after its first sweep: those
