@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 
 from agent_store import AgentMessageLogger, Conflict, ConversationStore, LegacyTurns, NotFound
@@ -62,14 +65,16 @@ async def test_dual_write_is_off_unless_asked_for(backend: Backend) -> None:
 
 
 @pytest.mark.wire
-async def test_dual_write_costs_one_more_round_trip(wire_backend: Backend) -> None:
+async def test_dual_write_costs_two_more_round_trips(wire_backend: Backend) -> None:
+    """The legacy turn's upsert, then the lookup that takes it back if the conversation was
+    deleted meanwhile."""
     assert wire_backend.commands is not None
     logger = AgentMessageLogger(
         wire_backend.db, observers=[LegacyTurns(wire_backend.db, dual_write=True)]
     )
     wire_backend.commands.clear()
     await logger.log_messages("dual", [{"role": "user", "content": "hi"}], turn_id="t1")
-    assert wire_backend.commands.names == ["findAndModify", "insert", "update"]
+    assert wire_backend.commands.names == ["findAndModify", "insert", "update", "find"]
 
 
 async def test_reads_of_an_unmigrated_conversation_fall_back_to_its_legacy_turns(
@@ -488,3 +493,55 @@ async def test_a_delete_under_a_derived_id_takes_the_prompts_naming_the_legacy_i
 
     assert deleted.legacy_turns == 1
     assert await backend.db[SESSION_HITL].count_documents({}) == 0
+
+
+def dual_write_held(
+    legacy: LegacyTurns, monkeypatch: pytest.MonkeyPatch, turn_id: str
+) -> tuple[asyncio.Event, asyncio.Event]:
+    """The dual write of `turn_id` waits, its messages stored, until the second event is set
+    (the first says it is waiting)."""
+    turn_logged, stored, go = legacy.turn_logged, asyncio.Event(), asyncio.Event()
+
+    async def held(turn: Any, conversation: Any) -> None:
+        if turn.turn_id == turn_id:
+            stored.set()
+            await go.wait()
+        await turn_logged(turn, conversation)
+
+    monkeypatch.setattr(legacy, "turn_logged", held)
+    return stored, go
+
+
+@pytest.mark.parametrize("lands", ["after the delete", "before the document goes"])
+async def test_a_deleted_conversation_does_not_come_back_through_a_late_dual_write(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, lands: str
+) -> None:
+    logger, store = wired(backend, dual_write=True)
+    legacy = store._legacy_source
+    assert isinstance(legacy, LegacyTurns)
+    await logger.log_messages("c-gone", [{"role": "user", "content": "hi"}], user_id=VICTIM,
+                              turn_id="t1")  # fmt: skip
+    stored, go = dual_write_held(legacy, monkeypatch, "t2")
+    turn = asyncio.create_task(
+        logger.log_messages("c-gone", [{"role": "user", "content": "private words"}],
+                            user_id=VICTIM, turn_id="t2", owner_only=True)
+    )  # fmt: skip
+    await stored.wait()
+    if lands == "before the document goes":  # after the delete's legacy step
+        conversations = store._conversations
+        find_one_and_delete = conversations.find_one_and_delete
+
+        async def dual_write_first(*args: Any, **kwargs: Any) -> Any:
+            go.set()
+            await turn
+            return await find_one_and_delete(*args, **kwargs)
+
+        monkeypatch.setattr(conversations, "find_one_and_delete", dual_write_first)
+
+    await store.delete("c-gone", user_id=VICTIM)
+    go.set()
+    await turn
+
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
+    with pytest.raises(NotFound):
+        await store.get_conversation("c-gone", user_id=VICTIM)

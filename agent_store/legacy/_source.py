@@ -186,7 +186,9 @@ class LegacyTurns:
         """With `dual_write`, upsert the turn as legacy turns; a retry rewrites the same ones.
 
         The legacy reader knows no GridFS: a message cut to its bound is written whole
-        (two more lookups, for such a turn only).
+        (two more lookups, for such a turn only). Then the conversation is looked up (one
+        more round trip): when it was deleted meanwhile, the turns just written go again,
+        so a delete finishing before the dual write lands does not bring it back.
         """
         if not self.dual_write:
             return
@@ -208,6 +210,29 @@ class LegacyTurns:
         with storage_errors("write the legacy turn (dual write)"):
             for document in documents:
                 await self._turns.replace_one({"_id": document["_id"]}, document, upsert=True)
+            await self._unless_deleted(conversation, [d["_id"] for d in documents])
+
+    async def _unless_deleted(self, conversation: Conversation, written: list[Any]) -> None:
+        """Take back the legacy turns just `written` when their conversation is gone: deleted,
+        or deleted and created again under its id (another `created_at`) since the turn was
+        reserved. A delete takes the ones written before its end (`delete_dual_writes`)."""
+        still = await self._conversations.find_one(
+            {"_id": conversation.id, "created_at": conversation.created_at}, {"_id": 1}
+        )
+        if still is None:
+            await self._turns.delete_many(
+                {"_id": {"$in": written}, "conversation_id": conversation.id}
+            )
+
+    async def delete_dual_writes(self, conversation_id: str, *, owner: str | None) -> int:
+        """Delete the turns dual-written under the conversation for `owner`: the delete's
+        last step, for a turn stored before the delete whose dual write landed while it ran
+        (one round trip); how many went."""
+        with storage_errors("delete the legacy turns"):
+            deleted = await self._turns.delete_many(
+                {"conversation_id": conversation_id, "dual_write": True, "user_id": owner}
+            )
+        return int(deleted.deleted_count)
 
 
 def _turns_filter(conversation_id: str, original: str | None) -> dict[str, Any]:

@@ -70,6 +70,11 @@ class LegacySource(Protocol):
         turns went."""
         ...
 
+    async def delete_dual_writes(self, conversation_id: str, *, owner: str | None) -> int:
+        """Delete the turns dual-written under the conversation for `owner` (the delete's
+        last step: a dual write that landed while it ran); how many went."""
+        ...
+
     async def erase_user(self, user_id: str) -> int:
         """Delete every legacy conversation the user owns, and every legacy turn and prompt
         naming the user; how many turns went."""

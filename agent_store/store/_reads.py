@@ -270,7 +270,8 @@ class ConversationStore:
         messages without their conversation, and never legacy turns that a
         migration re-run or the read fallback would bring back to life. A turn
         that reserved before the delete and inserts during it is swept last; a
-        conversation created under the id meanwhile, by anyone, is left whole.
+        conversation created under the id meanwhile, by anyone, is left whole, and
+        the owner's turns dual-written under the id meanwhile are deleted too.
         Legacy turns and prompts under the id that name another user than the
         document's owner stay (see `LegacySource.delete`).
         """
@@ -292,6 +293,8 @@ class ConversationStore:
                 {"user_id": 1, "message_count": 1, "turns": 1},
             )
             late = await self._sweep_late_inserts(conversation_id, gone) if gone else 0
+        if self._legacy_source is not None:
+            legacy += await self._legacy_source.delete_dual_writes(conversation_id, owner=owner)
         return Deleted(
             conversations=int(gone is not None),
             messages=messages.deleted_count + late,
