@@ -7,6 +7,7 @@ and no reordering at read time. Calls that take `user_id` as a scope only see
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -761,28 +762,43 @@ class ConversationStore:
         """Move every conversation and message of one user id to another.
 
         Conversations move first: a turn logged meanwhile takes its owner from
-        the conversation document, so it is stamped with the new owner.
+        the conversation document, so it is stamped with the new owner. A turn
+        reserved before, under the old owner, whose messages land after the
+        messages moved is moved by a last sweep `TurnRules.claim_grace` later,
+        or, slower than that, by its logger (`AgentMessageLogger.log_messages`).
         """
         from_user_id = validate_identifier(from_user_id, "from_user_id")
         to_user_id = validate_identifier(to_user_id, "to_user_id")
         if from_user_id == to_user_id:
             raise InvalidInput("invalid claim: the two user ids are the same")
+        old_owner, new_owner = {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
         with storage_errors("claim the conversations"):
-            conversations = await self._conversations.update_many(
-                {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
-            )
-            messages = await self._messages.update_many(
-                {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
-            )
+            claimed = [str(i) for i in await self._conversations.distinct("_id", old_owner)]
+            conversations = await self._conversations.update_many(old_owner, new_owner)
+            messages = await self._messages.update_many(old_owner, new_owner)
         # Not migrated yet, or kept for rollback: they must follow their owner too.
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.claim(from_user_id, to_user_id)
+        late = await self._sweep_claimed(claimed, old_owner, new_owner) if claimed else 0
         return Claimed(
             conversations=conversations.modified_count,
-            messages=messages.modified_count,
+            messages=messages.modified_count + late,
             legacy_turns=legacy,
         )
+
+    async def _sweep_claimed(
+        self, conversation_ids: list[str], old_owner: dict[str, Any], new_owner: dict[str, Any]
+    ) -> int:
+        """The messages turns reserved under the old owner inserted into the claimed
+        conversations since their messages moved: moved `claim_grace` later (a turn slower
+        than that moves its own)."""
+        await asyncio.sleep(self._rules.claim_grace.total_seconds())
+        with storage_errors("claim the conversations"):
+            late = await self._messages.update_many(
+                {**old_owner, "conversation_id": {"$in": conversation_ids}}, new_owner
+            )
+        return int(late.modified_count)
 
     async def export_user(
         self, user_id: str, *, full: bool = False
