@@ -345,3 +345,36 @@ async def test_a_delete_leaves_a_conversation_created_under_its_id_meanwhile_who
     assert new_turn
     stored = await backend.db.agent_messages.find({"conversation_id": "c-del"}).to_list(None)
     assert [(m["content"], m["user_id"]) for m in stored] == [("new", user)]
+
+
+@pytest.mark.parametrize("lands", ["while the claim runs", "after the claim"])
+async def test_a_turn_inserting_as_its_conversation_is_claimed_is_the_new_owners(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, lands: str
+) -> None:
+    """A guest signs up while its agent is answering: the answer, reserved under the guest,
+    follows the conversation to its new owner."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-del", [{"role": "user", "content": "hi"}], user_id=OWNER)
+    go = asyncio.Event()
+    turn = await _turn_in_flight(logger, monkeypatch, go)
+    if lands == "while the claim runs":  # right after the claim moved the messages
+        update_many = store._messages.update_many
+
+        async def then_insert(*args: Any, **kwargs: Any) -> Any:
+            moved = await update_many(*args, **kwargs)
+            if not go.is_set():
+                go.set()
+                await turn
+            return moved
+
+        monkeypatch.setattr(store._messages, "update_many", then_insert)
+
+    await store.claim(OWNER, "user-registered")
+    go.set()
+    logged = await turn
+
+    transcript = await store.transcript("c-del", user_id="user-registered")
+    assert [m.content for m in transcript] == ["hi", "late"]
+    assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
+    if lands == "after the claim":
+        assert {m.user_id for m in logged.messages} == {"user-registered"}

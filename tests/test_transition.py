@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 
 from agent_store import AgentMessageLogger, Conflict, ConversationStore, LegacyTurns, NotFound
@@ -62,14 +65,16 @@ async def test_dual_write_is_off_unless_asked_for(backend: Backend) -> None:
 
 
 @pytest.mark.wire
-async def test_dual_write_costs_one_more_round_trip(wire_backend: Backend) -> None:
+async def test_dual_write_costs_two_more_round_trips(wire_backend: Backend) -> None:
+    """The legacy turn's upsert, then the lookup that takes it back if the conversation was
+    deleted meanwhile."""
     assert wire_backend.commands is not None
     logger = AgentMessageLogger(
         wire_backend.db, observers=[LegacyTurns(wire_backend.db, dual_write=True)]
     )
     wire_backend.commands.clear()
     await logger.log_messages("dual", [{"role": "user", "content": "hi"}], turn_id="t1")
-    assert wire_backend.commands.names == ["findAndModify", "insert", "update"]
+    assert wire_backend.commands.names == ["findAndModify", "insert", "update", "find"]
 
 
 async def test_reads_of_an_unmigrated_conversation_fall_back_to_its_legacy_turns(
@@ -203,8 +208,8 @@ async def test_a_prompt_is_reached_by_its_session_id_only_when_it_names_no_conve
         ]
     )  # fmt: skip
 
-    await legacy.delete("sess-7")
-    await legacy.delete("sess-9")
+    await legacy.delete("sess-7", owner=None)
+    await legacy.delete("sess-9", owner=None)
 
     assert [p["_id"] for p in await prompts.find().to_list(None)] == ["p-named"]
 
@@ -257,9 +262,9 @@ async def test_legacy_ids_stored_as_numbers_are_the_ids_the_migration_reads_them
     found = await legacy.conversation(str(oid))
     assert found is not None
     assert found.conversation.pending_hitl is not None
-    assert await legacy.delete("5") == 1
+    assert await legacy.delete("5", owner="u-int") == 1
     assert await legacy.holder("5.0") is not None
-    assert await legacy.delete(str(oid)) == 1
+    assert await legacy.delete(str(oid), owner="u-oid") == 1
     assert await backend.db[SESSION_HITL].count_documents({}) == 0
 
 
@@ -354,4 +359,189 @@ async def test_a_conversation_migrated_under_a_derived_id_reaches_a_legacy_id_st
         {"_id": derived, "legacy_conversation_id": "1e+16"}
     )
 
-    assert await LegacyTurns(backend.db).delete(derived) == 1
+    assert await LegacyTurns(backend.db).delete(derived, owner=None) == 1
+
+
+# -- deletes and erasures reach one owner's legacy turns and prompts, whole --------------
+
+VICTIM, MALLORY = "user-victim", "user-mallory"
+
+
+def wired(
+    backend: Backend, *, dual_write: bool = False
+) -> tuple[AgentMessageLogger, ConversationStore]:
+    legacy = LegacyTurns(backend.db, dual_write=dual_write)
+    observers = [legacy] if dual_write else []
+    return (
+        AgentMessageLogger(backend.db, observers=observers, legacy=legacy),
+        ConversationStore(backend.db, legacy=legacy),
+    )
+
+
+@pytest.mark.parametrize("how", ["delete the conversation", "erase the user"])
+async def test_a_legacy_conversations_prompt_goes_with_it(backend: Backend, how: str) -> None:
+    """A pending prompt's params may hold an IBAN: it goes with its conversation's turns."""
+    await backend.db[LEGACY_TURNS].insert_one(
+        {"_id": "lt-1", "conversation_id": "conv-v", "user_id": VICTIM, "user_message": "pay",
+         "response_parts": [{"type": "hitl", "action": "pay", "request_id": "r-1",
+                             "params": {"iban": "DE02 1203 0000 0000 2020 51"}}]}
+    )  # fmt: skip
+    await backend.db[SESSION_HITL].insert_one(
+        {"_id": "p-1", "conversation_id": "conv-v", "request_id": "r-1", "action": "pay",
+         "params": {"iban": "DE02 1203 0000 0000 2020 51"}, "status": "pending"}
+    )  # fmt: skip
+    _, store = wired(backend)
+
+    if how == "erase the user":
+        await store.erase_user(VICTIM)
+    else:
+        await store.delete("conv-v", user_id=VICTIM)
+
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
+    assert await backend.db[SESSION_HITL].count_documents({}) == 0
+
+
+async def test_erasing_a_user_takes_every_prompt_naming_them(backend: Backend) -> None:
+    await backend.db[SESSION_HITL].insert_many(
+        [{"_id": "p-mine", "session_id": "s-1", "user_id": VICTIM, "request_id": "r-1"},
+         {"_id": "p-other", "session_id": "s-2", "user_id": MALLORY, "request_id": "r-2"}]
+    )  # fmt: skip
+    _, store = wired(backend)
+
+    await store.erase_user(VICTIM)
+
+    assert [p["_id"] for p in await backend.db[SESSION_HITL].find().to_list(None)] == ["p-other"]
+
+
+@pytest.mark.parametrize("key", ["session_id", "conversation_id"])
+async def test_a_delete_leaves_a_legacy_prompt_naming_another_user(
+    backend: Backend, key: str
+) -> None:
+    """The id exists nowhere but in another user's prompt: Mallory may take it; her delete
+    takes her own conversation only."""
+    await backend.db[SESSION_HITL].insert_one(
+        {"_id": "p-victim", key: "conv-x", "user_id": VICTIM, "request_id": "r-1"}
+    )
+    logger, store = wired(backend)
+    await logger.log_messages("conv-x", [{"role": "user", "content": "hi"}], user_id=MALLORY,
+                              turn_id="t1", owner_only=True)  # fmt: skip
+
+    await store.delete("conv-x", user_id=MALLORY)
+
+    assert await backend.db[SESSION_HITL].count_documents({"_id": "p-victim"}) == 1
+
+
+async def test_a_delete_leaves_legacy_turns_of_another_user_under_its_id(backend: Backend) -> None:
+    """Legacy turns naming the victim appear under Mallory's id (the old writer during a
+    rollback window): her delete takes what is hers, not them."""
+    logger, store = wired(backend)
+    await logger.log_messages("conv-x", [{"role": "user", "content": "hi"}], user_id=MALLORY,
+                              turn_id="t1", owner_only=True)  # fmt: skip
+    await backend.db[LEGACY_TURNS].insert_many(
+        [{"_id": "lt-mallory", "conversation_id": "conv-x", "user_id": MALLORY,
+          "user_message": "hers"},
+         {"_id": "lt-victim", "conversation_id": "conv-x", "user_id": VICTIM,
+          "user_message": "victim's words"}]
+    )  # fmt: skip
+
+    deleted = await store.delete("conv-x", user_id=MALLORY)
+
+    assert deleted.legacy_turns == 1
+    assert [t["_id"] for t in await backend.db[LEGACY_TURNS].find().to_list(None)] == ["lt-victim"]
+
+
+async def test_deleting_a_legacy_fallback_leaves_the_conversation_another_user_holds_there(
+    backend: Backend,
+) -> None:
+    """The victim holds the id in the new collections; legacy turns under it name Mallory,
+    whose token reads them through the fallback. Her delete takes her legacy turns only."""
+    logger, store = wired(backend)
+    await logger.log_messages("conv-x", [{"role": "user", "content": "hi"}], user_id=VICTIM,
+                              turn_id="t1", owner_only=True)  # fmt: skip
+    await backend.db[LEGACY_TURNS].insert_one(
+        {"_id": "lt-mallory", "conversation_id": "conv-x", "user_id": MALLORY,
+         "user_message": "hers"}
+    )  # fmt: skip
+
+    deleted = await store.delete("conv-x", user_id=MALLORY)
+
+    assert (deleted.conversations, deleted.messages, deleted.legacy_turns) == (0, 0, 1)
+    assert [m.content for m in await store.transcript("conv-x", user_id=VICTIM)] == ["hi"]
+    assert (await store.get_conversation("conv-x", user_id=VICTIM)).message_count == 1
+
+
+async def test_a_delete_under_a_derived_id_takes_the_prompts_naming_the_legacy_id(
+    backend: Backend,
+) -> None:
+    from agent_store.legacy import derived_conversation_id
+
+    original = "conv with spaces"
+    derived = derived_conversation_id(original)
+    await backend.db[LEGACY_TURNS].insert_one(
+        {"_id": "t-1", "conversation_id": original, "user_id": VICTIM, "user_message": "hi"}
+    )
+    await backend.db[SESSION_HITL].insert_one(
+        {"_id": "p-1", "conversation_id": original, "request_id": "r-1", "action": "pay"}
+    )
+    now = utc_now()
+    await backend.db[CONVERSATIONS].insert_one(
+        {"_id": derived, "user_id": VICTIM, "legacy_conversation_id": original,
+         "created_at": now, "updated_at": now, "message_count": 0}
+    )  # fmt: skip
+
+    deleted = await ConversationStore(backend.db, legacy=LegacyTurns(backend.db)).delete(derived)
+
+    assert deleted.legacy_turns == 1
+    assert await backend.db[SESSION_HITL].count_documents({}) == 0
+
+
+def dual_write_held(
+    legacy: LegacyTurns, monkeypatch: pytest.MonkeyPatch, turn_id: str
+) -> tuple[asyncio.Event, asyncio.Event]:
+    """The dual write of `turn_id` waits, its messages stored, until the second event is set
+    (the first says it is waiting)."""
+    turn_logged, stored, go = legacy.turn_logged, asyncio.Event(), asyncio.Event()
+
+    async def held(turn: Any, conversation: Any) -> None:
+        if turn.turn_id == turn_id:
+            stored.set()
+            await go.wait()
+        await turn_logged(turn, conversation)
+
+    monkeypatch.setattr(legacy, "turn_logged", held)
+    return stored, go
+
+
+@pytest.mark.parametrize("lands", ["after the delete", "before the document goes"])
+async def test_a_deleted_conversation_does_not_come_back_through_a_late_dual_write(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, lands: str
+) -> None:
+    logger, store = wired(backend, dual_write=True)
+    legacy = store._legacy_source
+    assert isinstance(legacy, LegacyTurns)
+    await logger.log_messages("c-gone", [{"role": "user", "content": "hi"}], user_id=VICTIM,
+                              turn_id="t1")  # fmt: skip
+    stored, go = dual_write_held(legacy, monkeypatch, "t2")
+    turn = asyncio.create_task(
+        logger.log_messages("c-gone", [{"role": "user", "content": "private words"}],
+                            user_id=VICTIM, turn_id="t2", owner_only=True)
+    )  # fmt: skip
+    await stored.wait()
+    if lands == "before the document goes":  # after the delete's legacy step
+        conversations = store._conversations
+        find_one_and_delete = conversations.find_one_and_delete
+
+        async def dual_write_first(*args: Any, **kwargs: Any) -> Any:
+            go.set()
+            await turn
+            return await find_one_and_delete(*args, **kwargs)
+
+        monkeypatch.setattr(conversations, "find_one_and_delete", dual_write_first)
+
+    await store.delete("c-gone", user_id=VICTIM)
+    go.set()
+    await turn
+
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
+    with pytest.raises(NotFound):
+        await store.get_conversation("c-gone", user_id=VICTIM)

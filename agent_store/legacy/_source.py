@@ -14,6 +14,7 @@ from agent_store.legacy._documents import (
     LEGACY_TURNS,
     SESSION_HITL,
     id_filter,
+    id_text,
     named_id,
     names_none,
     owner_of,
@@ -105,50 +106,47 @@ class LegacyTurns:
             return None
         return LegacyHolder(owner_of(parse_turns(found)))
 
-    async def delete(self, conversation_id: str) -> int:
-        """Delete the conversation's legacy turns and prompts; how many turns went.
+    async def delete(self, conversation_id: str, *, owner: str | None) -> int:
+        """Delete `owner`'s part of the conversation's legacy turns and prompts; how many
+        turns went.
 
-        A conversation migrated under a derived id reaches the turns of the id they
-        named (one more lookup, only for such ids).
+        The legacy conversation goes whole when its turns name `owner` as its owner (as the
+        read fallback tells it); else only the turns and prompts naming `owner` go: another
+        user's, under the same id, stay whoever deletes. A conversation migrated under a
+        derived id reaches the turns and prompts of the id they named (one more lookup,
+        only for such ids).
         """
+        fields = {"conversation_id": 1, "user_id": 1, "created_at": 1}
+        original = await self._original_id(conversation_id)
+        turns = _turns_filter(conversation_id, original)
         with storage_errors("delete the legacy turns"):
-            deleted = await self._turns.delete_many(await self._turns_of(conversation_id))
-            await self._prompts.delete_many(prompts_filter(conversation_id))
-        return int(deleted.deleted_count)
+            found = await self._turns.find(turns, fields).to_list(None)
+            whole = bool(found) and owner_of(parse_turns(found)) == owner
+            scope: dict[str, Any] = {} if whole else {"user_id": owner}
+            deleted = await self._turns.delete_many({**turns, **scope}) if found else None
+            await self._prompts.delete_many({**_prompts_filter(conversation_id, original), **scope})
+        return int(deleted.deleted_count) if deleted is not None else 0
 
     async def _turns_of(self, conversation_id: str) -> dict[str, Any]:
         """The filter of the legacy turns the store knows as `conversation_id`: the one rule
-        the read fallback, the ownership check and the delete share.
+        the read fallback, the ownership check and the delete share (`_turns_filter`)."""
+        return _turns_filter(conversation_id, await self._original_id(conversation_id))
 
-        The migration names a conversation by its legacy id as text (an ObjectId or a
-        number too), a turn naming none by a derived `legacy-turn-` id, and a legacy id
-        that is not an identifier by a derived `legacy-conversation-` id.
-        """
-        if conversation_id.startswith(DERIVED_TURN_PREFIX):
-            key = conversation_id.removeprefix(DERIVED_TURN_PREFIX)
-            return {
-                "$or": [
-                    {"$and": [id_filter("_id", key), names_none("conversation_id")]},
-                    {"conversation_id": conversation_id},  # turns dual-written under the id
-                ]
-            }
-        if conversation_id.startswith(DERIVED_CONVERSATION_PREFIX):
+    async def _original_id(self, conversation_id: str) -> str | None:
+        """The legacy id a conversation migrated under a derived `legacy-conversation-` id
+        names, as its document records it (one lookup, only for such ids); else None."""
+        if not conversation_id.startswith(DERIVED_CONVERSATION_PREFIX):
+            return None
+        with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
                 {"_id": conversation_id}, {"legacy_conversation_id": 1}
             )
-            original = (found or {}).get("legacy_conversation_id")
-            if isinstance(original, str):  # a double such as 1e+16 too
-                return {
-                    "$or": [
-                        {"conversation_id": conversation_id},
-                        id_filter("conversation_id", original),
-                    ]
-                }
-        return id_filter("conversation_id", conversation_id)
+        original = (found or {}).get("legacy_conversation_id")
+        return original if isinstance(original, str) else None  # a double such as 1e+16 too
 
     async def erase_user(self, user_id: str) -> int:
-        """Delete the legacy conversations the user owns, whole, and every turn naming the user
-        elsewhere; how many turns went."""
+        """Delete the legacy conversations the user owns, whole with their prompts, and every
+        turn and prompt naming the user elsewhere; how many turns went."""
         fields = {"conversation_id": 1, "user_id": 1, "created_at": 1}
         with storage_errors("erase the user's legacy turns"):
             named = await self._turns.distinct("conversation_id", {"user_id": user_id})
@@ -170,12 +168,18 @@ class LegacyTurns:
             if owned:
                 query = {"$or": [query, {"conversation_id": {"$in": owned}}]}
             deleted = await self._turns.delete_many(query)
+            prompts = [prompts_filter(str(id_text(cid))) for cid in owned]
+            await self._prompts.delete_many({"$or": [{"user_id": user_id}, *prompts]})
         return int(deleted.deleted_count)
 
     async def claim(self, from_user_id: str, to_user_id: str) -> int:
-        """Move the user's legacy turns to another user id; how many turns moved."""
+        """Move the user's legacy turns, and the prompts naming the user, to another user id;
+        how many turns moved."""
         with storage_errors("claim the legacy turns"):
             moved = await self._turns.update_many(
+                {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
+            )
+            await self._prompts.update_many(
                 {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
             )
         return int(moved.modified_count)
@@ -184,7 +188,9 @@ class LegacyTurns:
         """With `dual_write`, upsert the turn as legacy turns; a retry rewrites the same ones.
 
         The legacy reader knows no GridFS: a message cut to its bound is written whole
-        (two more lookups, for such a turn only).
+        (two more lookups, for such a turn only). Then the conversation is looked up (one
+        more round trip): when it was deleted meanwhile, the turns just written go again,
+        so a delete finishing before the dual write lands does not bring it back.
         """
         if not self.dual_write:
             return
@@ -206,3 +212,57 @@ class LegacyTurns:
         with storage_errors("write the legacy turn (dual write)"):
             for document in documents:
                 await self._turns.replace_one({"_id": document["_id"]}, document, upsert=True)
+            await self._unless_deleted(conversation, [d["_id"] for d in documents])
+
+    async def _unless_deleted(self, conversation: Conversation, written: list[Any]) -> None:
+        """Take back the legacy turns just `written` when their conversation is gone: deleted,
+        or deleted and created again under its id (another `created_at`) since the turn was
+        reserved. A delete takes the ones written before its end (`delete_dual_writes`)."""
+        still = await self._conversations.find_one(
+            {"_id": conversation.id, "created_at": conversation.created_at}, {"_id": 1}
+        )
+        if still is None:
+            await self._turns.delete_many(
+                {"_id": {"$in": written}, "conversation_id": conversation.id}
+            )
+
+    async def delete_dual_writes(self, conversation_id: str, *, owner: str | None) -> int:
+        """Delete the turns dual-written under the conversation for `owner`: the delete's
+        last step, for a turn stored before the delete whose dual write landed while it ran
+        (one round trip); how many went."""
+        with storage_errors("delete the legacy turns"):
+            deleted = await self._turns.delete_many(
+                {"conversation_id": conversation_id, "dual_write": True, "user_id": owner}
+            )
+        return int(deleted.deleted_count)
+
+
+def _turns_filter(conversation_id: str, original: str | None) -> dict[str, Any]:
+    """The legacy turns the store knows as `conversation_id`, `original` the legacy id a
+    derived `legacy-conversation-` id stands for (`LegacyTurns._original_id`).
+
+    The migration names a conversation by its legacy id as text (an ObjectId or a
+    number too), a turn naming none by a derived `legacy-turn-` id, and a legacy id
+    that is not an identifier by a derived `legacy-conversation-` id.
+    """
+    if conversation_id.startswith(DERIVED_TURN_PREFIX):
+        key = conversation_id.removeprefix(DERIVED_TURN_PREFIX)
+        return {
+            "$or": [
+                {"$and": [id_filter("_id", key), names_none("conversation_id")]},
+                {"conversation_id": conversation_id},  # turns dual-written under the id
+            ]
+        }
+    if original is not None:
+        return {
+            "$or": [{"conversation_id": conversation_id}, id_filter("conversation_id", original)]
+        }
+    return id_filter("conversation_id", conversation_id)
+
+
+def _prompts_filter(conversation_id: str, original: str | None) -> dict[str, Any]:
+    """The `session_hitl` prompts of the conversation the store knows as `conversation_id`:
+    those naming it, and those naming the legacy id a derived id stands for."""
+    if original is None:
+        return prompts_filter(conversation_id)
+    return {"$or": [prompts_filter(conversation_id), prompts_filter(original)]}

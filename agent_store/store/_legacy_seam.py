@@ -64,14 +64,22 @@ class LegacySource(Protocol):
         """Whether the id exists as legacy turns, and their owner; None if it does not."""
         ...
 
-    async def delete(self, conversation_id: str) -> int:
-        """Delete the conversation's legacy turns and prompts; how many turns went."""
+    async def delete(self, conversation_id: str, *, owner: str | None) -> int:
+        """Delete `owner`'s part of the conversation's legacy turns and prompts: the legacy
+        conversation whole when `owner` owns it, else only what names `owner`; how many
+        turns went."""
+        ...
+
+    async def delete_dual_writes(self, conversation_id: str, *, owner: str | None) -> int:
+        """Delete the turns dual-written under the conversation for `owner` (the delete's
+        last step: a dual write that landed while it ran); how many went."""
         ...
 
     async def erase_user(self, user_id: str) -> int:
-        """Delete every legacy conversation the user owns; how many turns went."""
+        """Delete every legacy conversation the user owns, and every legacy turn and prompt
+        naming the user; how many turns went."""
         ...
 
     async def claim(self, from_user_id: str, to_user_id: str) -> int:
-        """Move the user's legacy turns to another user id; how many turns moved."""
+        """Move the user's legacy turns and prompts to another user id; how many turns moved."""
         ...

@@ -20,6 +20,7 @@ message) before it may reserve.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -154,7 +155,7 @@ class AgentMessageLogger:
         legacy: LegacySource | None = None,
     ) -> None:
         """Log into `db`. `observers` are told of each stored turn (e.g. the legacy dual write,
-        which costs a third round trip per turn while it is on). With `legacy`, a new
+        which costs two more round trips per turn while it is on). With `legacy`, a new
         conversation is first checked against the legacy turns: an id that exists only there
         is refused until it is migrated (two more round trips, on a conversation's first turn
         only)."""
@@ -284,8 +285,11 @@ class AgentMessageLogger:
             raise NotFound(f"conversation {plan.conversation_id!r} was not found")
         runtime_name = clean_name(name) if name is not None else None
         actor = Actor(user_id, as_user=owner_only)
+        started = time.monotonic()
         reserved = await self._reserve(plan, actor, runtime_name)
         stored = await self._store(plan, reserved)
+        if time.monotonic() - started > self.rules.claim_grace.total_seconds():
+            stored = await self._follow_a_claim(plan.conversation_id, reserved.owner, stored)
         if reserved.replayed:
             await self._follow_times(plan.conversation_id, reserved, stored)
         # Every part is validated already: constructed, not validated again message by message.
@@ -558,6 +562,29 @@ class AgentMessageLogger:
                 documents = [stored.get(d["_id"], d) for d in documents]
                 return messages_adapter.validate_python(documents)
         return plan.stored(first, owner)
+
+    async def _follow_a_claim(
+        self, conversation_id: str, owner: str | None, stored: list[AgentMessage]
+    ) -> list[AgentMessage]:
+        """After a turn slower than `TurnRules.claim_grace` from its reservation to its insert:
+        its messages move to the conversation's owner when a claim moved the conversation
+        meanwhile (one more lookup; one more update then only). A faster turn is moved by
+        the claim itself, which waits that long before its last sweep."""
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one({"_id": conversation_id}, {"user_id": 1})
+        if found is None or found.get("user_id") == owner:
+            return stored
+        new_owner = found.get("user_id")
+        with storage_errors("move the turn's messages to the conversation's owner"):
+            await self._messages.update_many(
+                {
+                    "conversation_id": conversation_id,
+                    "_id": {"$in": [m.id for m in stored]},
+                    "user_id": owner,
+                },
+                {"$set": {"user_id": new_owner}},
+            )
+        return [m.model_copy(update={"user_id": new_owner}) for m in stored]
 
     async def _follow_times(
         self, conversation_id: str, reserved: _Reserved, stored: Sequence[AgentMessage]

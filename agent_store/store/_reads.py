@@ -7,6 +7,7 @@ and no reordering at read time. Calls that take `user_id` as a scope only see
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -263,24 +264,28 @@ class ConversationStore:
         )
 
     async def delete(self, conversation_id: str, *, user_id: str | None = None) -> Deleted:
-        """Delete a conversation: its messages, its document and its legacy turns.
+        """Delete a conversation: its messages, its document and its owner's legacy turns.
 
         Legacy turns go first, then messages, then the conversation document: a
         crash part-way leaves something a repeated delete finishes, never
         messages without their conversation, and never legacy turns that a
         migration re-run or the read fallback would bring back to life. A turn
         that reserved before the delete and inserts during it is swept last; a
-        conversation created under the id meanwhile, by anyone, is left whole.
+        conversation created under the id meanwhile, by anyone, is left whole, and
+        the owner's turns dual-written under the id meanwhile are deleted too.
+        Legacy turns and prompts under the id that name another user than the
+        document's owner stay (see `LegacySource.delete`).
         """
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                self._scope(conversation_id, user_id), {"_id": 1}
+                self._scope(conversation_id, user_id), {"user_id": 1}
             )
         if found is None:
-            await self._legacy(conversation_id, user_id)  # NotFound unless it is legacy-only
+            return await self._delete_legacy_only(conversation_id, user_id)
+        owner = found.get("user_id")
         legacy = 0
         if self._legacy_source is not None:
-            legacy = await self._legacy_source.delete(conversation_id)
+            legacy = await self._legacy_source.delete(conversation_id, owner=owner)
         await self._full_texts.forget({"conversation_id": conversation_id})
         with storage_errors("delete the conversation"):
             messages = await self._messages.delete_many({"conversation_id": conversation_id})
@@ -289,11 +294,23 @@ class ConversationStore:
                 {"user_id": 1, "message_count": 1, "turns": 1},
             )
             late = await self._sweep_late_inserts(conversation_id, gone) if gone else 0
+        if self._legacy_source is not None:
+            legacy += await self._legacy_source.delete_dual_writes(conversation_id, owner=owner)
         return Deleted(
             conversations=int(gone is not None),
             messages=messages.deleted_count + late,
             legacy_turns=legacy,
         )
+
+    async def _delete_legacy_only(self, conversation_id: str, user_id: str | None) -> Deleted:
+        """A conversation the caller reaches through the read fallback only (NotFound if it
+        does not): its legacy owner's turns and prompts go, and nothing of the new
+        collections, where another user may hold the id."""
+        fallback = await self._legacy(conversation_id, user_id)
+        assert self._legacy_source is not None  # else `_legacy` raised NotFound
+        owner = fallback.conversation.user_id
+        legacy = await self._legacy_source.delete(conversation_id, owner=owner)
+        return Deleted(conversations=0, messages=0, legacy_turns=legacy)
 
     async def _sweep_late_inserts(self, conversation_id: str, gone: dict[str, Any]) -> int:
         """Messages a turn reserved before the delete inserted after its first sweep: those
@@ -747,28 +764,43 @@ class ConversationStore:
         """Move every conversation and message of one user id to another.
 
         Conversations move first: a turn logged meanwhile takes its owner from
-        the conversation document, so it is stamped with the new owner.
+        the conversation document, so it is stamped with the new owner. A turn
+        reserved before, under the old owner, whose messages land after the
+        messages moved is moved by a last sweep `TurnRules.claim_grace` later,
+        or, slower than that, by its logger (`AgentMessageLogger.log_messages`).
         """
         from_user_id = validate_identifier(from_user_id, "from_user_id")
         to_user_id = validate_identifier(to_user_id, "to_user_id")
         if from_user_id == to_user_id:
             raise InvalidInput("invalid claim: the two user ids are the same")
+        old_owner, new_owner = {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
         with storage_errors("claim the conversations"):
-            conversations = await self._conversations.update_many(
-                {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
-            )
-            messages = await self._messages.update_many(
-                {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
-            )
+            claimed = [str(i) for i in await self._conversations.distinct("_id", old_owner)]
+            conversations = await self._conversations.update_many(old_owner, new_owner)
+            messages = await self._messages.update_many(old_owner, new_owner)
         # Not migrated yet, or kept for rollback: they must follow their owner too.
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.claim(from_user_id, to_user_id)
+        late = await self._sweep_claimed(claimed, old_owner, new_owner) if claimed else 0
         return Claimed(
             conversations=conversations.modified_count,
-            messages=messages.modified_count,
+            messages=messages.modified_count + late,
             legacy_turns=legacy,
         )
+
+    async def _sweep_claimed(
+        self, conversation_ids: list[str], old_owner: dict[str, Any], new_owner: dict[str, Any]
+    ) -> int:
+        """The messages turns reserved under the old owner inserted into the claimed
+        conversations since their messages moved: moved `claim_grace` later (a turn slower
+        than that moves its own)."""
+        await asyncio.sleep(self._rules.claim_grace.total_seconds())
+        with storage_errors("claim the conversations"):
+            late = await self._messages.update_many(
+                {**old_owner, "conversation_id": {"$in": conversation_ids}}, new_owner
+            )
+        return int(late.modified_count)
 
     async def export_user(
         self, user_id: str, *, full: bool = False

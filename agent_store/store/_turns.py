@@ -76,6 +76,11 @@ class TurnRules:
     """A reserved `seq` block still empty after this is passed by tail readers."""
     future_leeway: timedelta = timedelta(days=1)
     """How far ahead of the store's clock a message's `created_at` may be (clock skew)."""
+    claim_grace: timedelta = timedelta(seconds=1)
+    """How long a claim waits before it moves, once more, the messages of turns reserved
+    under the old owner and inserted since; a turn slower than this from its reservation to
+    its insert looks its conversation's owner up afterwards instead. Measured by each side
+    on its own clock: no two clocks are compared."""
 
 
 @dataclass(frozen=True)
