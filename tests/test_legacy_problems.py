@@ -457,3 +457,14 @@ def test_an_id_no_message_can_hold_is_replaced_and_kept_in_a_placed_problem(
         ("replaced_id", True, 0, found)
     ]
     assert found not in conversion.messages[-1].model_dump_json()
+
+
+def test_the_bookkeeping_of_a_part_in_pydantic_ais_shape_is_no_problem() -> None:
+    """When and by which provider a part was made says nothing the transcript shows."""
+    part = {"part_kind": "tool-return", "tool_name": "f", "tool_call_id": "c1",
+            "content": "ok", "timestamp": "2024-03-01T12:00:00Z", "id": "p-1",
+            "provider_details": {"x": 1}, "provider_name": "openai"}  # fmt: skip
+    turn = {"_id": "u-2", "conversation_id": "c-pai", "created_at": MESSY_START,
+            "user_message": "hi", "response_parts": [part]}  # fmt: skip
+
+    assert [p.kind for p in convert([turn]).problems if p.kind == "unread_field"] == []

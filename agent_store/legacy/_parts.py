@@ -111,8 +111,13 @@ _OTHER_FIELDS: dict[PartKind, tuple[str, ...]] = {
     "hitl": ("action", "params", "request_id"),
     "error": (),
 }
+_BOOKKEEPING = ("timestamp", "id", "provider_details", "provider_name")
+"""Fields a part written in Pydantic AI's shape carries that say nothing the transcript
+shows (when and by which provider it was made; the message has its own time)."""
 _READ: dict[PartKind, frozenset[str]] = {
-    kind: frozenset({"type", "part_kind", *others, *(n for s in _SPELLINGS[kind] for n in s)})
+    kind: frozenset(
+        {"type", "part_kind", *_BOOKKEEPING, *others, *(n for s in _SPELLINGS[kind] for n in s)}
+    )
     for kind, others in _OTHER_FIELDS.items()
 }
 """Every field the converter reads of a kind, in each of its spellings. An upload's fields
