@@ -847,3 +847,31 @@ async def recomputed_state(
 
     calls, prompt = pending_after(await store.transcript(cid))
     return [c.tool_call_id for c in calls], prompt.request_id if prompt else None
+
+
+async def test_a_fork_cut_before_a_turn_still_being_written_keeps_a_resolved_prompt_resolved(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resolution by request id leaves no message: the conversation remembers it, and a
+    fork folding the messages up to its point does not bring the prompt back."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    ask = {"action": "delete_account", "params": {}, "request_id": "r1"}
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "Delete my account"},
+         {"role": "assistant", "content": "Sure?", "hitl_action": ask}],
+        turn_id="t1",
+    )  # fmt: skip
+    await store.resolve_hitl(CID, "r1")  # the person answered through the API
+
+    async def crash(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("the next turn is still being written")
+
+    monkeypatch.setattr(logger._messages, "insert_many", crash)
+    with pytest.raises(ConnectionError):
+        await logger.log_messages(CID, [{"role": "user", "content": "hello"}], turn_id="t2")
+    monkeypatch.undo()
+
+    await logger.fork(CID, 1, "fork-during")
+
+    assert await pending_state(store, "fork-during") == ([], None)

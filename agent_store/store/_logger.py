@@ -340,7 +340,10 @@ class AgentMessageLogger:
         ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
         next_seq = int(source.get("message_count") or 0)
         starts = fork_turns_of(source)
-        calls, prompt = fork_pending(messages, end, ids, pending_now(source), next_seq, starts)
+        resolved = source.get("resolved_hitl")
+        calls, prompt = fork_pending(
+            messages, end, ids, pending_now(source), next_seq, starts, resolved
+        )
         plan = replace(
             plan, opened_calls=calls, answered_calls=(), pending_hitl=prompt, holds_pending=None
         )
@@ -399,6 +402,7 @@ class AgentMessageLogger:
                     "pending_hitl": 1,
                     "turns": 1,
                     "forked_from": 1,
+                    "resolved_hitl": 1,
                 },
             )
             if source is None or actor.refusal(conversation_id, source.get("user_id")):
