@@ -875,3 +875,64 @@ async def test_a_fork_cut_before_a_turn_still_being_written_keeps_a_resolved_pro
     await logger.fork(CID, 1, "fork-during")
 
     assert await pending_state(store, "fork-during") == ([], None)
+
+
+def _calls(*ids: str) -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "tool_calls": [{"id": i, "function": {"name": "book", "arguments": "{}"}} for i in ids],
+    }
+
+
+def _asks(request_id: str) -> dict[str, Any]:
+    hitl = {"action": "confirm", "params": {}, "request_id": request_id}
+    return {"role": "assistant", "content": "Sure?", "hitl_action": hitl}
+
+
+async def held_state(
+    store: ConversationStore, cid: str = CID
+) -> tuple[list[tuple[str, str | None]], str | None]:
+    calls = [(c.tool_call_id, c.request_id) for c in await store.pending_calls(cid)]
+    prompt = await store.pending_hitl(cid)
+    return calls, prompt.request_id if prompt else None
+
+
+async def test_an_answer_to_a_repeated_call_id_takes_only_the_latest_call_of_that_id(
+    backend: Backend,
+) -> None:
+    """t1's call_0 awaits approval (r1); t2 makes a call_0 of its own and leaves it open; the
+    answer is t2's in every replay, so t1's call and its prompt stay pending."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(
+        CID, [{"role": "user", "content": "Book it"}, _calls("call_0"), _asks("r1")], turn_id="t1"
+    )
+    await logger.log_messages(
+        CID, [{"role": "user", "content": "Weather?"}, _calls("call_0")], turn_id="t2"
+    )
+
+    await logger.log_messages(
+        CID, [{"role": "tool", "tool_call_id": "call_0", "content": "sunny"}], turn_id="t3"
+    )
+
+    assert await held_state(store) == ([("call_0", "r1")], "r1")
+    calls, prompt = await recomputed_state(store)
+    assert (calls, prompt) == (["call_0"], "r1")
+    await store.pop_last_message(CID)  # the answer: t2's call is pending again, beside t1's
+    assert await held_state(store) == ([("call_0", "r1"), ("call_0", None)], "r1")
+
+
+async def test_a_prompt_only_turn_answering_a_call_it_holds_clears_as_two_turns_would(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for cid, turns in (
+        ("one-turn", [[_asks("r1"), {"role": "tool", "tool_call_id": "c2", "content": "ok"}]]),
+        ("two-turns", [[_asks("r1")], [{"role": "tool", "tool_call_id": "c2", "content": "ok"}]]),
+    ):
+        await logger.log_messages(cid, [{"role": "user", "content": "go"}, _calls("c1", "c2")])
+        for n, turn in enumerate(turns):
+            await logger.log_messages(cid, turn, turn_id=f"t{n}")
+
+    assert await held_state(store, "one-turn") == await held_state(store, "two-turns")
+    assert await held_state(store, "one-turn") == ([("c1", "r1")], None)
+    assert await recomputed_state(store, "one-turn") == (["c1"], None)

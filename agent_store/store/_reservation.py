@@ -6,7 +6,7 @@ refuse a turn already recorded, and where a recorded turn's `seq` block is.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -18,6 +18,7 @@ from agent_store.core import (
     Conflict,
     NotFound,
     PendingCall,
+    PendingHitl,
     StoreError,
     TurnRecord,
 )
@@ -199,12 +200,13 @@ def reservation(
 
 
 def _pending_state(plan: TurnPlan) -> dict[str, Any]:
-    """`pending_calls` and `pending_hitl` after the turn, in the reservation's `$set` stage.
+    """`pending_calls` and `pending_hitl` after the turn, in the reservation's `$set` stage,
+    by the rules of `_turns.pending_after` (its `_fold`), as expressions.
 
-    Calls the turn answers leave `pending_calls` and the calls it leaves open
-    join it (the newest `PENDING_CALLS_KEPT` are kept). A prompt stays
-    pending unless the turn raises a new one, clears it (an upload), or
-    answers a call the prompt held back.
+    Each answer takes the latest pending call of its id and the calls the turn leaves open
+    join the list (the newest `PENDING_CALLS_KEPT` are kept). A prompt stays pending unless
+    the turn raises a new one, clears it (an upload), or answers a call the prompt held
+    back.
     """
     calls: Any = {"$ifNull": ["$pending_calls", literal([])]}
     hitl: Any = {"$ifNull": ["$pending_hitl", None]}
@@ -212,21 +214,72 @@ def _pending_state(plan: TurnPlan) -> dict[str, Any]:
         hitl = literal(plan.pending_hitl and plan.pending_hitl.model_dump())
     if not plan.answered_calls and not plan.opened_calls and plan.holds_pending is None:
         return {"pending_calls": calls, "pending_hitl": hitl}
+    taken = _taken(calls, plan.answered_calls)
 
     def answered(wanted: bool) -> dict[str, Any]:
-        is_answered = {"$in": ["$$call.tool_call_id", literal(list(plan.answered_calls))]}
         # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
-        return {"$filter": {"input": calls, "as": "call", "cond": {"$eq": [is_answered, wanted]}}}
+        return {"$filter": {"input": calls, "as": "call", "cond": {"$eq": [taken, wanted]}}}
 
     if isinstance(plan.pending_hitl, KeepPendingHitl) and plan.answered_calls:
         held = {"$map": {"input": answered(True), "as": "call", "in": "$$call.request_id"}}
         hitl = {
             "$cond": [{"$in": [{"$ifNull": ["$pending_hitl.request_id", None]}, held]}, None, hitl]
         }
+    elif _clears_its_prompt(plan):
+        was_held = {
+            "$and": [
+                {"$in": ["$$call.tool_call_id", literal(list(plan.answered_after_prompt))]},
+                {"$eq": [{"$ifNull": ["$$call.request_id", None]}, None]},
+            ]
+        }
+        held = {"$filter": {"input": answered(True), "as": "call", "cond": was_held}}
+        hitl = {"$cond": [{"$gt": [{"$size": held}, 0]}, None, hitl]}
     opened = literal([call.model_dump() for call in plan.opened_calls])
     left = _held_by(answered(False), plan.holds_pending)
     kept = {"$slice": [{"$concatArrays": [left, opened]}, -PENDING_CALLS_KEPT]}
     return {"pending_calls": kept, "pending_hitl": hitl}
+
+
+def _clears_its_prompt(plan: TurnPlan) -> bool:
+    """Whether the turn's prompt may be cleared by an answer the turn gives after it, to an
+    earlier call the prompt holds (`_turns.answered_after_prompt`)."""
+    prompt = plan.pending_hitl
+    return (
+        isinstance(prompt, PendingHitl)
+        and prompt.request_id == plan.holds_pending
+        and bool(plan.answered_after_prompt)
+    )
+
+
+def _taken(calls: Any, answered: Sequence[str]) -> Any:
+    """Whether `$$call` is one the turn's answers take: for each id answered, the latest
+    pending call of that id (`_turns.taking_answers`)."""
+    if not answered:
+        return False
+
+    def latest_message_of(call_id: str) -> dict[str, Any]:
+        of_id = {
+            "$filter": {
+                "input": calls,
+                "as": "other",
+                "cond": {"$eq": ["$$other.tool_call_id", literal(call_id)]},
+            }
+        }
+        return {
+            "$let": {"vars": {"last": {"$arrayElemAt": [of_id, -1]}}, "in": "$$last.message_id"}
+        }
+
+    return {
+        "$or": [
+            {
+                "$and": [
+                    {"$eq": ["$$call.tool_call_id", literal(call_id)]},
+                    {"$eq": ["$$call.message_id", latest_message_of(call_id)]},
+                ]
+            }
+            for call_id in answered
+        ]
+    }
 
 
 def _held_by(calls: Any, request_id: str | None) -> Any:

@@ -125,6 +125,9 @@ class TurnPlan:
     """The request id of a prompt the turn raises before any call or request of its own (a
     runtime logging its question apart from the run that paused): it holds back the calls
     earlier turns left pending that no prompt holds (`prompt_before_calls`)."""
+    answered_after_prompt: tuple[str, ...] = ()
+    """Ids of earlier calls the turn answers after its `holds_pending` prompt: the prompt
+    is not pending after the turn if it held one (`answered_after_prompt`)."""
 
     def matches(self, digest: int) -> bool:
         """Whether a turn record's digest is this plan's content (in either digest's form)."""
@@ -482,6 +485,7 @@ def plan_turn(
         opened_calls=opened_calls,
         answered_calls=answered_calls,
         holds_pending=prompt_before_calls(sources),
+        answered_after_prompt=answered_after_prompt(sources),
     )
 
 
@@ -573,6 +577,35 @@ def prompt_before_calls(messages: Sequence[AgentMessage]) -> str | None:
     return None
 
 
+def answered_after_prompt(messages: Sequence[AgentMessage]) -> tuple[str, ...]:
+    """In a turn whose first prompt comes before any call or request of its own
+    (`prompt_before_calls`), the ids of earlier turns' calls it answers after that prompt:
+    one the prompt holds clears it, as the same answer in a later turn would."""
+    if prompt_before_calls(messages) is None:
+        return ()
+    made = {call.id for m in messages for call in m.tool_calls or ()}
+    start = next(i for i, m in enumerate(messages) if m.hitl_action is not None)
+    return tuple(
+        m.tool_call_id
+        for m in messages[start:]
+        if m.role == "tool" and m.tool_call_id and m.tool_call_id not in made
+    )
+
+
+def taking_answers(
+    calls: Sequence[PendingCall], answered: Collection[str]
+) -> tuple[list[PendingCall], list[PendingCall]]:
+    """The pending calls a turn's answers take, and those left: an answer takes the latest
+    pending call of its id (`answers_to_calls`: the latest call of its id still without an
+    answer; an older one of that id, awaiting approval, stays pending)."""
+    latest = {c.tool_call_id: i for i, c in enumerate(calls) if c.tool_call_id in answered}
+    taken = set(latest.values())
+    return (
+        [c for i, c in enumerate(calls) if i in taken],
+        [c for i, c in enumerate(calls) if i not in taken],
+    )
+
+
 def held_by(calls: Sequence[PendingCall], request_id: str | None) -> list[PendingCall]:
     """The pending calls once a prompt raised before any call of its turn holds those no
     prompt holds (`TurnPlan.holds_pending`); as they were without one."""
@@ -651,23 +684,30 @@ def pending_after(
             and not (end < copies and messages[end].seq in starts)
         ):
             continue
-        turn = messages[start:end]
-        ids = [str(m.id) for m in turn]
-        opened, answered = _pending_calls(turn, ids)
-        raised = _pending_hitl(turn, ids)
-        if not isinstance(raised, KeepPendingHitl):
-            hitl = raised
-        elif hitl is not None and any(
-            c.tool_call_id in answered and c.request_id == hitl.request_id for c in calls
-        ):
-            hitl = None  # the turn answers a call the prompt held back
-        # The newest are kept, turn by turn, as each reservation keeps them.
-        left = held_by(
-            [c for c in calls if c.tool_call_id not in answered], prompt_before_calls(turn)
-        )
-        calls = (left + list(opened))[-PENDING_CALLS_KEPT:]
+        calls, hitl = _fold(calls, hitl, messages[start:end])
         start = end
     return calls, hitl
+
+
+def _fold(
+    calls: list[PendingCall], hitl: PendingHitl | None, turn: Sequence[AgentMessage]
+) -> tuple[list[PendingCall], PendingHitl | None]:
+    """What is pending after one more turn, by the rules its reservation applies."""
+    ids = [str(m.id) for m in turn]
+    opened, answered = _pending_calls(turn, ids)
+    taken, left = taking_answers(calls, answered)
+    holds = prompt_before_calls(turn)
+    raised = _pending_hitl(turn, ids)
+    if not isinstance(raised, KeepPendingHitl):
+        hitl = raised
+        after = answered_after_prompt(turn)
+        held = any(c.request_id is None and c.tool_call_id in after for c in taken)
+        if hitl is not None and hitl.request_id == holds and held:
+            hitl = None  # it held a call the turn then answers
+    elif hitl is not None and any(c.request_id == hitl.request_id for c in taken):
+        hitl = None  # the turn answers a call the prompt held back
+    # The newest are kept, turn by turn, as each reservation keeps them.
+    return (held_by(left, holds) + list(opened))[-PENDING_CALLS_KEPT:], hitl
 
 
 def block_abandoned(
