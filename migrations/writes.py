@@ -173,11 +173,12 @@ def _kept_by_people(document: Conversation, found: dict[str, Any] | None) -> Con
     resolved stays resolved."""
     if found is None:
         return document
-    kept: dict[str, Any] = {"resolved_hitl": found.get("resolved_hitl")}
+    resolved = found.get("resolved_hitl") or []
+    kept: dict[str, Any] = {"resolved_hitl": resolved}
     if found.get("name_source") == "set":
         kept |= {"name": found.get("name"), "name_source": "set"}
     pending = document.pending_hitl
-    if pending is not None and pending.request_id == found.get("resolved_hitl"):
+    if pending is not None and pending.request_id in resolved:
         kept["pending_hitl"] = None
     return document.model_copy(update=kept)
 
@@ -247,7 +248,7 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
         document = wanted_document(conversion, existing.get(cid), (int(d["seq"]) for d in live))
         if document_differs(existing.get(cid), document):
             dumped = document.model_dump(by_alias=True)
-            if document.resolved_hitl is not None:
+            if document.resolved_hitl:
                 dumped["resolved_hitl"] = document.resolved_hitl
             if live:
                 dumped |= _live_records(live)

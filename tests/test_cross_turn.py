@@ -936,3 +936,20 @@ async def test_a_prompt_only_turn_answering_a_call_it_holds_clears_as_two_turns_
     assert await held_state(store, "one-turn") == await held_state(store, "two-turns")
     assert await held_state(store, "one-turn") == ([("c1", "r1")], None)
     assert await recomputed_state(store, "one-turn") == (["c1"], None)
+
+
+async def test_a_fork_cut_between_two_resolutions_keeps_the_first_resolved(
+    backend: Backend,
+) -> None:
+    """Every prompt resolved by request id stays resolved in a fork folding the messages,
+    not only the last one."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for n in (1, 2):
+        await logger.log_messages(
+            CID, [{"role": "user", "content": f"step {n}"}, _asks(f"r{n}")], turn_id=f"t{n}"
+        )
+        await store.resolve_hitl(CID, f"r{n}")
+
+    await logger.fork(CID, 2, "fork-between")  # after r1's turn and the next user message
+
+    assert await pending_state(store, "fork-between") == ([], None)

@@ -17,6 +17,7 @@ from agent_store.core._errors import (
 )
 from agent_store.core._models import (
     MAX_SAFE_INTEGER,
+    RESOLVED_PROMPTS_KEPT,
     AgentMessage,
     AssistantMessage,
     Conversation,
@@ -74,6 +75,7 @@ __all__ = [
     "INTERRUPTED_RESULT",
     "MAX_SAFE_INTEGER",
     "PENDING_RESULT",
+    "RESOLVED_PROMPTS_KEPT",
     "RETRY_FEEDBACK",
     "STREAM_INTERRUPTED",
     "TOOL_OUTCOMES",

@@ -510,6 +510,10 @@ class ForkOrigin(_Model):
     (by a pop or a fork of the fork too)."""
 
 
+RESOLVED_PROMPTS_KEPT = 100
+"""How many resolutions by request id a conversation remembers (`resolved_hitl`)."""
+
+
 class Conversation(_Model):
     """One conversation document."""
 
@@ -541,9 +545,10 @@ class Conversation(_Model):
     """How many of the oldest turn records were dropped to keep the document bounded."""
     inbox: dict[str, Any] = Field(default_factory=dict, exclude=True)
     """Open steering inboxes of running turns, by turn (the store's bookkeeping, never served)."""
-    resolved_hitl: str | None = Field(default=None, exclude=True)
-    """The request id of the last prompt `resolve_hitl` resolved (the store's bookkeeping, never
-    served): a rerun of the migration leaves it resolved, as a person left it."""
+    resolved_hitl: list[str] = Field(default_factory=list, exclude=True)
+    """The request ids of the prompts `resolve_hitl` resolved, the newest
+    `RESOLVED_PROMPTS_KEPT` (the store's bookkeeping, never served): a resolution leaves no
+    message, so a rerun of the migration and a fork folding the messages read them here."""
     legacy_conversation_id: str | None = None
     """The id its legacy turns named, when that was not an identifier and the migration gave
     the conversation a derived one (extension)."""

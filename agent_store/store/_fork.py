@@ -82,7 +82,7 @@ def fork_pending(
     now: tuple[Sequence[PendingCall], PendingHitl | None],
     next_seq: int,
     turn_starts: Collection[int] = (),
-    resolved: str | None = None,
+    resolved: Collection[str] = (),
 ) -> tuple[tuple[PendingCall, ...], PendingHitl | None]:
     """What the fork awaits, naming the fork's own messages (`fork_ids`: the original's
     message ids to the fork's).
@@ -91,13 +91,13 @@ def fork_pending(
     what it awaits `now` (a prompt resolved by request id left no message). A fork cut
     earlier awaits what the original's messages up to `end` left pending, folded turn by
     turn as they were logged (`turn_starts`: the original's own, when it is a fork), but
-    for the prompt the original last resolved by request id (`resolved`), which no
-    message records.
+    for prompts the original resolved by request id (`resolved`), which no message
+    records.
     """
     whole = end + 1 >= next_seq
     upto = [m for m in messages if (m.seq or 0) <= end]
     calls, hitl = now if whole else pending_after(upto, turn_starts)
-    if hitl is not None and hitl.request_id == resolved:
+    if hitl is not None and hitl.request_id in resolved:
         hitl = None
     return (
         tuple(

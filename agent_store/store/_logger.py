@@ -340,7 +340,7 @@ class AgentMessageLogger:
         ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
         next_seq = int(source.get("message_count") or 0)
         starts = fork_turns_of(source)
-        resolved = source.get("resolved_hitl")
+        resolved = source.get("resolved_hitl") or ()
         calls, prompt = fork_pending(
             messages, end, ids, pending_now(source), next_seq, starts, resolved
         )

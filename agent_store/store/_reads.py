@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from pymongo import ReturnDocument
 
 from agent_store.core import (
+    RESOLVED_PROMPTS_KEPT,
     AgentMessage,
     Conflict,
     Conversation,
@@ -675,7 +676,12 @@ class ConversationStore:
         with storage_errors("resolve the pending prompt"):
             result = await self._conversations.update_one(
                 {**scope, "pending_hitl.request_id": request_id},
-                {"$set": {"pending_hitl": None, "resolved_hitl": request_id}},
+                {
+                    "$set": {"pending_hitl": None},
+                    "$push": {
+                        "resolved_hitl": {"$each": [request_id], "$slice": -RESOLVED_PROMPTS_KEPT}
+                    },
+                },
             )
         if result.matched_count:
             return

@@ -175,11 +175,11 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   inbox?: Record<string, unknown>;
   /**
-   * The request id of the last prompt `resolve_hitl` resolved (the store's bookkeeping, never served): a rerun of the migration leaves it resolved, as a person left it.
+   * The request ids of the prompts `resolve_hitl` resolved, the newest `RESOLVED_PROMPTS_KEPT` (the store's bookkeeping, never served): a resolution leaves no message, so a rerun of the migration and a fork folding the messages read them here.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
    */
-  resolved_hitl?: string | null;
+  resolved_hitl?: unknown[];
 }
 
 export interface IHealth {
