@@ -14,9 +14,10 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMe
 from langchain_core.outputs import ChatGeneration, ChatResult
 from langchain_core.tools import tool
 from langgraph.checkpoint.base import BaseCheckpointSaver
-from langgraph.graph import START, MessagesState, StateGraph
+from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.graph.state import CompiledStateGraph
 from langgraph.prebuilt import ToolNode, tools_condition
+from langgraph.types import interrupt
 
 
 @tool
@@ -80,6 +81,34 @@ def tool_agent(checkpointer: BaseCheckpointSaver[Any]) -> CompiledStateGraph[Any
     builder.add_edge(START, "agent")
     builder.add_conditional_edges("agent", tools_condition)
     builder.add_edge("tools", "agent")
+    return builder.compile(checkpointer=checkpointer)
+
+
+def approval_agent(checkpointer: BaseCheckpointSaver[Any]) -> CompiledStateGraph[Any]:
+    """The tool agent that pauses (`interrupt`) for a person's decision before each tool call:
+    resumed with "yes" the tool runs; with anything else the call is denied."""
+    model = ScriptedModel()
+
+    def agent(state: MessagesState) -> dict[str, list[BaseMessage]]:
+        return {"messages": [model.invoke(state["messages"])]}
+
+    def approve(state: MessagesState) -> dict[str, list[BaseMessage]]:
+        last = state["messages"][-1]
+        assert isinstance(last, AIMessage)
+        call = last.tool_calls[0]
+        decision = interrupt({"tool_call_id": call["id"], "args": call["args"]})
+        if decision == "yes":
+            result = ToolMessage(weather.invoke(call["args"]), tool_call_id=call["id"])
+        else:
+            result = ToolMessage(f"denied: {decision}", tool_call_id=call["id"], status="error")
+        return {"messages": [result]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("agent", agent)
+    builder.add_node("approve", approve)
+    builder.add_edge(START, "agent")
+    builder.add_conditional_edges("agent", tools_condition, {"tools": "approve", END: END})
+    builder.add_edge("approve", "agent")
     return builder.compile(checkpointer=checkpointer)
 
 

@@ -15,6 +15,8 @@ from langgraph.checkpoint.base import copy_checkpoint, empty_checkpoint
 from langgraph.checkpoint.base.id import uuid6
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+from langgraph.types import Command
+from pydantic_ai.messages import ModelRequest, ToolReturnPart
 
 from agent_store import (
     Conflict,
@@ -23,9 +25,11 @@ from agent_store import (
     NotFound,
     StorageUnavailable,
 )
+from agent_store.integrations.exports import chat_completions
 from agent_store.integrations.langgraph import CHECKPOINTS, REWRITTEN, AgentStoreSaver
+from agent_store.integrations.pydantic_ai import history_from_messages
 from agent_store.store import CONVERSATIONS, MESSAGES
-from scripts.langgraph_agent import comparable, question, tool_agent
+from scripts.langgraph_agent import approval_agent, comparable, question, tool_agent
 from tests.api_harness import SERVICE_TOKEN, serve
 from tests.conftest import Backend
 
@@ -191,6 +195,94 @@ async def test_a_graph_that_only_appends_is_never_marked_rewritten(backend: Back
     latest = await _latest_document(backend.db, config)
     messages = (await graph.aget_state(config)).values["messages"]
     assert latest["messages"]["segments"] == [{"from": 0, "to": len(messages)}]
+
+
+# -- time travel -----------------------------------------------------------------------------
+
+APPROVED = "City 2: 18 degrees, light wind"
+
+
+async def test_a_fork_that_decides_a_paused_call_again_is_what_every_replay_reads(
+    backend: Backend,
+) -> None:
+    config = thread()
+    ours, theirs = approval_agent(AgentStoreSaver(backend.db)), approval_agent(InMemorySaver())
+    for graph in (ours, theirs):
+        await graph.ainvoke(question(2), config)  # pauses on call-2
+        paused = (await graph.aget_state(config)).config
+        await graph.ainvoke(Command(resume="yes"), config)
+        for decision in ("no", "later"):  # LangGraph's time travel: fork the pause, resume it
+            await graph.ainvoke(Command(resume=decision), await graph.aupdate_state(paused, None))
+    mine = (await ours.aget_state(config)).values["messages"]
+    assert comparable(mine) == comparable((await theirs.aget_state(config)).values["messages"])
+    cold = approval_agent(AgentStoreSaver(backend.db))
+    assert (await cold.aget_state(config)).values["messages"] == mine
+
+    transcript = await ConversationStore(backend.db).transcript(config["configurable"]["thread_id"])
+    # The abandoned branches stay; each fork logs the call it decides again, then its answer.
+    assert [m.content for m in transcript] == [
+        "Question 2: how is the weather?",
+        *(None, APPROVED, f"Answer 2: {APPROVED}"),
+        *(None, "denied: no", "Answer 2: denied: no"),
+        *(None, "denied: later", "Answer 2: denied: later"),
+    ]
+    replay = chat_completions(transcript)
+    assert [m.get("content") for m in replay[-3:]] == [None, "denied: later", mine[-1].content]
+    # A copy's tokens were spent once: the model's four replies, not the copies, count.
+    conversation = await ConversationStore(backend.db).get_conversation(
+        transcript[0].conversation_id
+    )
+    assert conversation.usage.output_tokens == 7 * 4
+    history = history_from_messages(transcript)
+    last_request = [m for m in history if isinstance(m, ModelRequest)][-1]
+    assert [p.content for p in last_request.parts if isinstance(p, ToolReturnPart)] == [
+        "denied: later"
+    ]
+
+
+async def test_replaying_from_before_the_models_call_leaves_the_call_pending_again(
+    backend: Backend,
+) -> None:
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    graph = approval_agent(AgentStoreSaver(backend.db))
+    store = ConversationStore(backend.db)
+    await graph.ainvoke(question(2), config)
+    before_call = [s async for s in graph.aget_state_history(config) if s.next == ("agent",)]
+    await graph.ainvoke(Command(resume="yes"), config)
+    assert await store.pending_calls(thread_id) == []
+
+    replayed = approval_agent(AgentStoreSaver(backend.db))  # a process new to the thread
+    await replayed.ainvoke(None, before_call[0].config)  # the model makes call-2 again; paused
+    assert [c.tool_call_id for c in await store.pending_calls(thread_id)] == ["call-2"]
+    await replayed.ainvoke(Command(resume="no"), config)
+    assert await store.pending_calls(thread_id) == []
+    transcript = await store.transcript(thread_id)
+    replay = chat_completions(transcript)
+    assert [m.get("content") for m in replay[-2:]] == ["denied: no", "Answer 2: denied: no"]
+    state = (await graph.aget_state(config)).values["messages"]
+    # The transcript ends as the state does: the call made again, its denial, the answer.
+    assert [m.content for m in transcript[-3:]] == [m.content or None for m in state[-3:]]
+
+
+async def test_a_fork_put_again_by_a_new_process_refers_to_the_copies_it_logged(
+    backend: Backend,
+) -> None:
+    config = thread()
+    graph = approval_agent(AgentStoreSaver(backend.db))
+    await graph.ainvoke(question(2), config)
+    paused = (await graph.aget_state(config)).config
+    await graph.ainvoke(Command(resume="yes"), config)
+    fork = await graph.checkpointer.aget_tuple(await graph.aupdate_state(paused, None))
+    store = ConversationStore(backend.db)
+    transcript = await store.transcript(config["configurable"]["thread_id"])
+    assert [m.content for m in transcript][-2:] == [f"Answer 2: {APPROVED}", None]  # the copy
+
+    again = AgentStoreSaver(backend.db)  # the put retried: its reply was lost
+    await again.aget_tuple(paused)
+    await again.aput(paused, fork.checkpoint, fork.metadata, {})
+    assert await store.transcript(config["configurable"]["thread_id"]) == transcript
+    assert (await again.aget_tuple(fork.config)).checkpoint == fork.checkpoint
 
 
 async def _latest_document(db: Any, config: dict[str, Any]) -> dict[str, Any]:

@@ -62,6 +62,17 @@ def place_all(segments: list[Segment], places: Iterable[int | BaseMessage]) -> l
     return out
 
 
+def places_of(segments: Sequence[Segment]) -> list[int | BaseMessage]:
+    """Each message's place in `segments`, one by one (`place_all`'s inverse)."""
+    places: list[int | BaseMessage] = []
+    for segment in segments:
+        if isinstance(segment, SeqRange):
+            places.extend(range(segment.start, segment.stop))
+        else:
+            places.extend(segment.messages)
+    return places
+
+
 def _append_range(out: list[Segment], start: int, stop: int) -> None:
     last = out[-1] if out else None
     if isinstance(last, SeqRange) and last.stop == start:

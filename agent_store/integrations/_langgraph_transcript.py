@@ -25,7 +25,13 @@ from bson import Int64
 from langchain_core.messages import BaseMessage
 from pydantic import ValidationError
 
-from agent_store.core import AgentMessage, NotFound, StorageFailure
+from agent_store.core import AgentMessage, AssistantMessage, NotFound, StorageFailure
+from agent_store.integrations._langgraph_branches import (
+    OpenCall,
+    already_at_tail,
+    logged_again_from,
+    open_calls,
+)
 from agent_store.integrations._langgraph_documents import (
     CHECKPOINTS,
     Deserialize,
@@ -34,6 +40,7 @@ from agent_store.integrations._langgraph_documents import (
     SeqRange,
     Serialize,
     place_all,
+    places_of,
 )
 from agent_store.integrations._langgraph_messages import extras_of, from_stored, to_stored
 from agent_store.store import (
@@ -59,6 +66,11 @@ class _Head:
     checkpoint_id: str
     messages: list[BaseMessage]
     segments: list[Segment]
+    open_calls: tuple[OpenCall, ...]
+    """The calls the messages leave unanswered."""
+    settled: bool = True
+    """No open call is answered further on in the transcript: a checkpoint this saver wrote,
+    or the thread's latest; one read by its id (time travel) may not be."""
 
 
 @dataclass
@@ -145,28 +157,59 @@ class TranscriptLink:
         new tail is looked at. Otherwise every message is matched by its LangChain id
         against the transcript: a stored, unchanged message is referenced by its `seq`,
         an edited one (same id, other content) is held inline, an unknown one is logged.
+        A branch that leaves the transcript with a call open that the transcript answers
+        further on logs its messages from that call again (`_langgraph_branches`).
         """
         state = self.thread(thread_id)
         messages = messages if isinstance(messages, list) else list(messages)
         async with state.lock:
             head = state.head
-            if (
-                head is not None
-                and head.checkpoint_id == parent_id
-                and messages[: len(head.messages)] == head.messages
-            ):
-                segments, rest, matched = head.segments, messages[len(head.messages) :], True
+            base = head if _extends(head, parent_id, messages) else None
+            if base is None:
+                calls = open_calls(messages)
             else:
-                await self._load(state, thread_id, owner, start=state.loaded_until, stop=None)
-                segments, rest, matched = [], messages, False
-            places = [_place(state, message, appended=matched) for message in rest]
+                calls = open_calls(messages, start=len(base.messages), before=base.open_calls)
+            segments, places, after = await self._places(
+                state, thread_id, owner, messages, base, calls
+            )
             new = [p for p in places if isinstance(p, _New)]
-            extras = await self._log(state, thread_id, parent_id, new, owner) if new else []
+            extras = await self._log(state, thread_id, parent_id, new, owner, after) if new else []
             seqs = iter(int(e["seq"]) for e in extras)
             resolved = [next(seqs) if isinstance(p, _New) else p for p in places]
             segments = place_all(segments, resolved)
-            state.head = _Head(checkpoint_id, list(messages), segments)
+            state.head = _Head(checkpoint_id, list(messages), segments, calls)
             return segments, extras
+
+    async def _places(
+        self,
+        state: _Thread,
+        thread_id: str,
+        owner: Owner,
+        messages: list[BaseMessage],
+        base: _Head | None,
+        calls: Sequence[OpenCall],
+    ) -> tuple[list[Segment], list[int | BaseMessage | _New], int | None]:
+        """The segments kept from the parent (`base`, when the messages extend it) and the
+        places of the other messages; the transcript's length when a branch logs messages
+        again (`_branch`), else None.
+
+        The transcript is read to its end for a branch (no `base`), and for open calls
+        that may be answered further on: the parent's, when it was read by its id (time
+        travel), or a message the branch made again (a stored one, referenced).
+        """
+        settled = base is not None and base.settled
+        start = len(base.messages) if base is not None else 0
+        read = not settled and (base is None or bool(calls))
+        if read:
+            await self._load(state, thread_id, owner, start=state.loaded_until, stop=None)
+        segments = list(base.segments) if base is not None else []
+        places = [_place(state, m, appended=base is not None) for m in messages[start:]]
+        made_again = any(i >= start and isinstance(places[i - start], int) for i, _ in calls)
+        if not calls or (settled and not made_again):
+            return segments, places, None
+        if not read:
+            await self._load(state, thread_id, owner, start=state.loaded_until, stop=None)
+        return _branch(state, messages, segments, places, calls)
 
     async def _log(
         self,
@@ -175,13 +218,16 @@ class TranscriptLink:
         parent_id: str | None,
         new: Sequence[_New],
         owner: Owner,
+        after: int | None,
     ) -> list[dict[str, Any]]:
         """Log new messages as one turn; answer, per message, what the format lacks.
 
         The turn is named by the checkpoint it extends and the new messages' content,
         not by the new checkpoint's id: when LangGraph re-runs a step after a crash
         between this write and the checkpoint's, the same messages are recognised as
-        that turn (the logger replays it) instead of being stored again.
+        that turn (the logger replays it) instead of being stored again. A branch's
+        messages logged again are named by the transcript's length too (`after`): a
+        second branch from the same checkpoint logs copies of its own.
         """
         stored_new = [n.stored for n in new]
         logged = await self._logger.log_messages(
@@ -189,7 +235,7 @@ class TranscriptLink:
             stored_new,
             user_id=owner.user_id,
             owner_only=owner.user_id is not None,
-            turn_id=_step_turn_id(parent_id, stored_new),
+            turn_id=_step_turn_id(parent_id, stored_new, after),
         )
         extras: list[dict[str, Any]] = []
         for item, stored in zip(new, logged.messages, strict=True):
@@ -212,8 +258,10 @@ class TranscriptLink:
         checkpoint_id: str,
         owner: Owner,
         as_head: bool,
+        latest: bool = False,
     ) -> list[BaseMessage]:
-        """The messages of a checkpoint's segments, read from the transcript when not cached."""
+        """The messages of a checkpoint's segments, read from the transcript when not cached;
+        `as_head`, the checkpoint the graph goes on from (`latest`: the thread's newest)."""
         state = self.thread(thread_id)
         async with state.lock:
             head = state.head
@@ -228,7 +276,8 @@ class TranscriptLink:
                 await self._load(state, thread_id, owner, start=state.loaded_until, stop=stop)
             messages = _assemble(state, thread_id, segments)
             if as_head:
-                state.head = _Head(checkpoint_id, list(messages), list(segments))
+                calls = open_calls(messages)
+                state.head = _Head(checkpoint_id, list(messages), list(segments), calls, latest)
             return messages
 
     async def _load(
@@ -305,18 +354,76 @@ class TranscriptLink:
         return moved
 
 
+def _extends(head: _Head | None, parent_id: str | None, messages: list[BaseMessage]) -> bool:
+    """Whether a checkpoint's messages extend its parent's, the thread's head (the common case)."""
+    return (
+        head is not None
+        and head.checkpoint_id == parent_id
+        and messages[: len(head.messages)] == head.messages
+    )
+
+
 def _place(state: _Thread, message: BaseMessage, *, appended: bool) -> int | BaseMessage | _New:
-    """Where one message of a checkpoint lives: a `seq`, inline, or to be logged."""
+    """Where one message of a checkpoint lives: a `seq`, inline, or to be logged.
+
+    A stored message, unchanged, is its `seq`. Changed (same id, other content), it is an
+    edit, held inline, unless the graph `appended` it: then it is a new message that
+    reuses the id of one the thread left behind (a branch's model saying other things).
+    """
     seq = state.seq_by_id.get(message.id) if message.id is not None else None
-    if seq is not None:
-        return seq if state.by_seq[seq] == message else message
+    if seq is not None and state.by_seq[seq] == message:
+        return seq
+    if seq is not None and not appended:
+        return message
     if message.id is None and not appended:
         return message  # no id to match it by: keep it inline rather than log it twice
+    return _to_log(message)
+
+
+def _to_log(message: BaseMessage) -> BaseMessage | _New:
+    """A message to log, or itself, held inline, when the format cannot hold it."""
     try:
         stored = to_stored(message)
     except ValidationError:
-        return message  # the format cannot hold it (say, an over-long tool call id)
+        return message  # say, an over-long tool call id
     return _New(message, stored) if stored is not None else message
+
+
+def _copy(message: BaseMessage) -> BaseMessage | _New:
+    """A stored message to log again. Its token usage stays with the original, counted once
+    in the conversation's usage (the extras give the copy's LangChain message back whole)."""
+    place = _to_log(message)
+    if isinstance(place, _New) and isinstance(place.stored, AssistantMessage):
+        return _New(message, place.stored.model_copy(update={"token_usage": None}))
+    return place
+
+
+def _branch(
+    state: _Thread,
+    messages: list[BaseMessage],
+    segments: list[Segment],
+    places: list[int | BaseMessage | _New],
+    calls: Sequence[OpenCall],
+) -> tuple[list[Segment], list[int | BaseMessage | _New], int | None]:
+    """The segments and places of a branch whose open calls the transcript (read to its end)
+    answers further on: from the first, its stored messages become copies to log, unless
+    the transcript's tail already holds them (a retried put). Answers the transcript's
+    length to name the copies' turn by, or None when nothing is copied."""
+    whole: list[int | BaseMessage | _New] = [*places_of(segments), *places]
+    end = state.loaded_until
+    start = logged_again_from(whole, calls, state.by_seq, end)
+    if start is None:
+        return segments, places, None
+    held = already_at_tail(messages, whole, start, state.by_seq, end)
+    if held is not None:
+        seqs = iter(held)
+        kept = [p if isinstance(p, BaseMessage) else next(seqs) for p in whole[start:]]
+        return [], [*whole[:start], *kept], None
+    copies = [
+        _copy(messages[i]) if isinstance(whole[i], int) else whole[i]
+        for i in range(start, len(messages))
+    ]
+    return [], [*whole[:start], *copies], end
 
 
 def _assemble(state: _Thread, thread_id: str, segments: Sequence[Segment]) -> list[BaseMessage]:
@@ -336,10 +443,14 @@ def _assemble(state: _Thread, thread_id: str, segments: Sequence[Segment]) -> li
     return messages
 
 
-def _step_turn_id(parent_id: str | None, messages: Sequence[AgentMessage]) -> str:
-    """The turn of the messages a checkpoint adds to its parent's: named by both."""
+def _step_turn_id(
+    parent_id: str | None, messages: Sequence[AgentMessage], after: int | None
+) -> str:
+    """The turn of the messages a checkpoint adds to its parent's: named by both (and by the
+    transcript's length when a branch logs messages again)."""
     content = [m.model_dump(mode="json", exclude={"created_at"}) for m in messages]
-    named = json.dumps([parent_id, content], sort_keys=True, ensure_ascii=False)
+    named_by: list[Any] = [parent_id, content] if after is None else [parent_id, content, after]
+    named = json.dumps(named_by, sort_keys=True, ensure_ascii=False)
     return "lg-" + hashlib.sha256(named.encode()).hexdigest()[:32]
 
 

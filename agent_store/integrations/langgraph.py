@@ -8,7 +8,10 @@ stripping, truncation and the conversation summary all apply), and the
 checkpoint refers to the transcript by `seq`. A graph that rewrites history
 (`RemoveMessage`, an edited message) gets a checkpoint that lists its
 messages whole, by `seq` where the transcript holds them and inline where it
-does not, marked `agent_store_messages: "rewritten"` in its metadata. Every
+does not, marked `agent_store_messages: "rewritten"` in its metadata; a
+branch of time travel that leaves a call open which the transcript answers
+further on logs its messages from that call again, so the transcript ends as
+the branch does (`_langgraph_branches`). Every
 other channel, pending writes, metadata, parent links and namespaces are kept
 in the `langgraph_checkpoints` collection with LangGraph's serializer.
 
@@ -180,7 +183,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             )
         if not docs:
             return None
-        return await self._tuple(docs[0], owner, as_head=True)
+        return await self._tuple(docs[0], owner, as_head=True, latest=checkpoint_id is None)
 
     async def alist(
         self,
@@ -214,7 +217,9 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         for doc in docs:
             yield await self._tuple(doc, owner, as_head=False)
 
-    async def _tuple(self, doc: dict[str, Any], owner: Owner, *, as_head: bool) -> CheckpointTuple:
+    async def _tuple(
+        self, doc: dict[str, Any], owner: Owner, *, as_head: bool, latest: bool = False
+    ) -> CheckpointTuple:
         checkpoint: Checkpoint = self.serde.loads_typed((doc["type"], doc["checkpoint"]))
         stored = doc.get("messages")
         if stored is not None:
@@ -225,6 +230,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
                 checkpoint_id=doc["checkpoint_id"],
                 owner=owner,
                 as_head=as_head,
+                latest=latest,
             )
         address = {"thread_id": doc["thread_id"], "checkpoint_ns": doc["checkpoint_ns"]}
         parent = doc.get("parent_checkpoint_id")

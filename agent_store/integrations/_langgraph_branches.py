@@ -1,0 +1,85 @@
+"""A LangGraph branch that leaves its conversation's transcript: which messages it logs again.
+
+LangGraph's time travel (a fork of an older checkpoint with `update_state`, a
+replay from one) goes on from messages the transcript has already gone past.
+The transcript is one line, and a tool message answers the latest earlier call
+of its id that has no answer yet: a call the branch leaves open, which the
+abandoned branch answered further on, would keep the abandoned answer in every
+replay, and would not be pending while the graph awaits it. So the branch's
+messages from its first such call on are logged again, as copies at the
+transcript's tail: the copy is the call the new answer goes to. Pure: the
+saver's transcript link does the reading and the logging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+
+OpenCall = tuple[int, str]
+"""A call a branch leaves unanswered: the index of the message that makes it, and its id."""
+
+
+def open_calls(
+    messages: Sequence[BaseMessage], *, start: int = 0, before: Sequence[OpenCall] = ()
+) -> tuple[OpenCall, ...]:
+    """The calls `messages` leave unanswered, from those `messages[:start]` leave (`before`).
+
+    A tool message answers the latest open call of its id, as in the transcript.
+    """
+    still = list(before)
+    for index in range(start, len(messages)):
+        message = messages[index]
+        if isinstance(message, AIMessage):
+            still.extend((index, str(call["id"])) for call in message.tool_calls if call["id"])
+        elif isinstance(message, ToolMessage):
+            answered = [at for at, (_, made) in enumerate(still) if made == message.tool_call_id]
+            if answered:
+                del still[answered[-1]]
+    return tuple(still)
+
+
+def logged_again_from(
+    places: Sequence[object],
+    calls: Sequence[OpenCall],
+    transcript: Mapping[int, BaseMessage],
+    end: int,
+) -> int | None:
+    """The index of the branch's first message to log again: its first open call that a
+    stored message further on in the transcript (before `end`) answers; None if none is.
+
+    `places` says where each of the branch's messages lives: a transcript `seq`, or not
+    (held by the checkpoint, or not logged yet).
+    """
+    for index, call_id in sorted(calls):
+        seq = places[index]
+        if isinstance(seq, int) and any(
+            _answers(transcript.get(later), call_id) for later in range(seq + 1, end)
+        ):
+            return index
+    return None
+
+
+def already_at_tail(
+    messages: Sequence[BaseMessage],
+    places: Sequence[object],
+    start: int,
+    transcript: Mapping[int, BaseMessage],
+    end: int,
+) -> list[int] | None:
+    """The `seq`s of `messages[start:]` (those not held by the checkpoint) when they are the
+    transcript's last messages, after the place they were copied from: a put retried after
+    its copies were logged refers to them. None otherwise."""
+    logged = [i for i in range(start, len(messages)) if not isinstance(places[i], BaseMessage)]
+    seqs = list(range(end - len(logged), end))
+    origin = places[start]
+    if not seqs or (isinstance(origin, int) and seqs[0] <= origin):
+        return None
+    if all(transcript.get(seq) == messages[i] for seq, i in zip(seqs, logged, strict=True)):
+        return seqs
+    return None
+
+
+def _answers(message: BaseMessage | None, call_id: str) -> bool:
+    return isinstance(message, ToolMessage) and message.tool_call_id == call_id
