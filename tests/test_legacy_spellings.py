@@ -119,3 +119,21 @@ def test_is_system_written_as_text_means_what_it_says(flag: Any, system: bool) -
     turn = {**spelled_turns()[0], "is_system": flag}
     converted = convert([turn])
     assert (converted.messages[0].role == "system") is system
+
+
+def test_a_call_spelt_the_openai_way_keeps_its_id_as_the_call_id() -> None:
+    """`id` beside `name` and `arguments` is the call's id (a Pydantic AI part's `id`, beside
+    its `tool_call_id`, is the provider's bookkeeping)."""
+    parts = [
+        {"type": "tool_call", "id": "call_real_7Qx", "name": "lookup", "arguments": "{}"},
+        {"type": "tool_result", "tool_call_id": "call_real_7Qx", "name": "lookup",
+         "content": "found"},
+    ]  # fmt: skip
+    turn = {"_id": "t-1", "conversation_id": "c-openai", "created_at": datetime(2024, 1, 1, tzinfo=UTC),
+            "user_message": "look it up", "response_parts": parts}  # fmt: skip
+
+    messages = convert([turn]).messages
+
+    [call] = [c for m in messages for c in m.tool_calls or ()]
+    assert call.id == "call_real_7Qx"
+    assert [m.tool_call_id for m in messages if m.role == "tool"] == ["call_real_7Qx"]

@@ -216,7 +216,7 @@ def _read_part(part: Mapping[str, Any]) -> LegacyPart:
             part,
             tool_name=tool_name,
             args=_first(part, "args", "arguments"),
-            tool_call_id=id_text(part.get("tool_call_id")),
+            tool_call_id=id_text(_first(part, "tool_call_id", "id")),
             unread=unread,
         )
     if kind == "tool_result":
@@ -226,7 +226,7 @@ def _read_part(part: Mapping[str, Any]) -> LegacyPart:
             part,
             tool_name=tool_name,
             result=_first(part, "result", "content"),
-            tool_call_id=id_text(part.get("tool_call_id")),
+            tool_call_id=id_text(_first(part, "tool_call_id", "id")),
             unread=unread,
         )
     if kind == "file_upload":
