@@ -430,3 +430,52 @@ async def test_a_conversation_created_as_the_claim_starts_is_the_new_owners_with
     assert (await store.get_conversation("c-new")).user_id == NEW_OWNER
     stored = await backend.db.agent_messages.find({"conversation_id": "c-new"}).to_list(None)
     assert [m["user_id"] for m in stored] == [NEW_OWNER]
+
+
+async def _a_slow_turn_landing_in_a_recreated_id(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> tuple[AgentMessageLogger, ConversationStore]:
+    """OWNER's turn reserves on "c-x"; "c-x" is deleted and SOMEONE_ELSE creates a conversation
+    under the same id; OWNER's turn, slower than `claim_grace`, inserts after."""
+    slow, logger = AgentMessageLogger(backend.db, rules=NO_GRACE), AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages("c-x", [{"role": "user", "content": "mine"}], user_id=OWNER,
+                              turn_id="t1")  # fmt: skip
+    go = asyncio.Event()
+    reserved = _stall_inserts(slow, monkeypatch, go)
+    turn = asyncio.create_task(
+        slow.log_messages("c-x", [{"role": "user", "content": "OWNER's secret"}], user_id=OWNER,
+                          turn_id="t2", owner_only=True)
+    )  # fmt: skip
+    await reserved.wait()
+    await store.delete("c-x", user_id=OWNER)
+    await logger.log_messages("c-x", [{"role": "user", "content": "hello"}],
+                              user_id=SOMEONE_ELSE, owner_only=True, turn_id="o1")  # fmt: skip
+    go.set()
+    await turn
+    return logger, store
+
+
+async def test_a_slow_turn_does_not_hand_its_messages_to_whoever_recreated_the_id(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No claim took place: the late message goes with the conversation it was written to."""
+    _, store = await _a_slow_turn_landing_in_a_recreated_id(backend, monkeypatch)
+
+    seen = [m.content for m in await store.transcript("c-x", user_id=SOMEONE_ELSE)]
+    assert seen == ["hello"]
+    assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
+
+
+async def test_after_a_slow_turn_landed_in_a_recreated_id_its_new_owner_can_still_log(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The late message does not keep the `seq` the new conversation's next turn takes."""
+    logger, store = await _a_slow_turn_landing_in_a_recreated_id(backend, monkeypatch)
+
+    await logger.log_messages("c-x", [{"role": "user", "content": "second"}],
+                              user_id=SOMEONE_ELSE, owner_only=True, turn_id="o2")  # fmt: skip
+
+    seen = [m.content for m in await store.transcript("c-x", user_id=SOMEONE_ELSE)]
+    assert seen == ["hello", "second"]
