@@ -479,3 +479,41 @@ async def test_after_a_slow_turn_landed_in_a_recreated_id_its_new_owner_can_stil
 
     seen = [m.content for m in await store.transcript("c-x", user_id=SOMEONE_ELSE)]
     assert seen == ["hello", "second"]
+
+
+async def test_a_turn_retried_after_its_lost_insert_landed_past_the_claim_is_the_new_owners(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn's insert lands after the claim's last sweep and its answer is lost; the runtime
+    retries it (same turn id), quickly: the retry answers with the stored messages, the new
+    owner's."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=NO_GRACE)
+    await logger.log_messages("c-del", [{"role": "user", "content": "hi"}], user_id=OWNER)
+    insert_many, reserved, go = logger._messages.insert_many, asyncio.Event(), asyncio.Event()
+
+    async def answer_lost(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(logger._messages, "insert_many", insert_many)  # the retry's is not
+        reserved.set()
+        await go.wait()
+        await insert_many(*args, **kwargs)
+        raise ConnectionError("the insert was applied, its answer lost")
+
+    monkeypatch.setattr(logger._messages, "insert_many", answer_lost)
+    turn = asyncio.create_task(
+        logger.log_messages("c-del", [{"role": "user", "content": "late"}], user_id=OWNER,
+                            turn_id="t2")
+    )  # fmt: skip
+    await reserved.wait()
+    await store.claim(OWNER, NEW_OWNER)
+    go.set()
+    with pytest.raises(ConnectionError):
+        await turn
+
+    retried = await logger.log_messages("c-del", [{"role": "user", "content": "late"}],
+                                        user_id=NEW_OWNER, turn_id="t2")  # fmt: skip
+
+    assert retried.replayed
+    stored = await backend.db.agent_messages.find({"conversation_id": "c-del"}).to_list(None)
+    assert [m["user_id"] for m in stored] == [NEW_OWNER, NEW_OWNER]
+    assert {m.user_id for m in retried.messages} == {NEW_OWNER}

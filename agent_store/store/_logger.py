@@ -565,8 +565,25 @@ class AgentMessageLogger:
             except BulkWriteError as exc:
                 stored = await self._own_duplicates(exc, documents)
                 documents = [stored.get(d["_id"], d) for d in documents]
+                documents = await self._to_the_owner(plan.conversation_id, owner, documents)
                 return messages_adapter.validate_python(documents)
         return plan.stored(first, owner)
+
+    async def _to_the_owner(
+        self, conversation_id: str, owner: str | None, documents: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """A retry's messages an earlier attempt stored under another owner than the
+        conversation's now (its insert landed after a claim's last sweep, its answer lost):
+        moved to the owner, and answered so (one more update, on that path only)."""
+        strays = [d["_id"] for d in documents if d.get("user_id") != owner]
+        if not strays:
+            return documents
+        with storage_errors("move the turn's messages to the conversation's owner"):
+            await self._messages.update_many(
+                {"conversation_id": conversation_id, "_id": {"$in": strays}},
+                {"$set": {"user_id": owner}},
+            )
+        return [{**d, "user_id": owner} for d in documents]
 
     async def _follow_the_conversation(
         self, conversation_id: str, reserved: _Reserved, stored: list[AgentMessage]
