@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from agent_store import (
     ConversationStore,
     InvalidInput,
     NotFound,
+    TurnRules,
     Unsupported,
 )
 from agent_store.store import TEXT_INDEX
@@ -257,10 +259,10 @@ async def test_an_earlier_text_index_is_replaced_by_the_compound_one(backend: Ba
     assert "search_text_text" not in names
 
 
-async def _turn_in_flight(
+def _stall_inserts(
     logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch, go: asyncio.Event
-) -> asyncio.Task[Any]:
-    """A turn of OWNER's "c-del" that has reserved its block and inserts once `go` is set."""
+) -> asyncio.Event:
+    """The logger's inserts wait for `go`; the event returned is set once one is waiting."""
     insert_many, reserved = logger._messages.insert_many, asyncio.Event()
 
     async def stalled(*args: Any, **kwargs: Any) -> Any:
@@ -269,6 +271,14 @@ async def _turn_in_flight(
         return await insert_many(*args, **kwargs)
 
     monkeypatch.setattr(logger._messages, "insert_many", stalled)
+    return reserved
+
+
+async def _turn_in_flight(
+    logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch, go: asyncio.Event
+) -> asyncio.Task[Any]:
+    """A turn of OWNER's "c-del" that has reserved its block and inserts once `go` is set."""
+    reserved = _stall_inserts(logger, monkeypatch, go)
     turn = asyncio.create_task(
         logger.log_messages("c-del", [{"role": "user", "content": "late"}], user_id=OWNER,
                             turn_id="t2")
@@ -378,3 +388,132 @@ async def test_a_turn_inserting_as_its_conversation_is_claimed_is_the_new_owners
     assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
     if lands == "after the claim":
         assert {m.user_id for m in logged.messages} == {"user-registered"}
+
+
+NEW_OWNER, SOMEONE_ELSE = "user-registered", "user-mallory"
+NO_GRACE = TurnRules(claim_grace=timedelta(0))
+"""For a claim: its last sweep comes at once. For a turn: it is slower than the grace."""
+
+
+async def test_a_conversation_created_as_the_claim_starts_is_the_new_owners_with_its_messages(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guest's first turn on a new id reserves after the claim started and before it moved
+    the conversations; its insert lands right after the claim moved the messages."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=NO_GRACE)
+    await logger.log_messages("c-old", [{"role": "user", "content": "hi"}], user_id=OWNER)
+    go, turn = asyncio.Event(), []
+    reserved = _stall_inserts(logger, monkeypatch, go)
+    move_conversations = store._conversations.update_many
+    move_messages = store._messages.update_many
+
+    async def a_new_conversation_first(*args: Any, **kwargs: Any) -> Any:
+        new = logger.log_messages("c-new", [{"role": "user", "content": "new chat"}],
+                                  user_id=OWNER, owner_only=True)  # fmt: skip
+        turn.append(asyncio.create_task(new))
+        await reserved.wait()
+        return await move_conversations(*args, **kwargs)
+
+    async def then_its_insert(*args: Any, **kwargs: Any) -> Any:
+        moved = await move_messages(*args, **kwargs)
+        if not go.is_set():
+            go.set()
+            await turn[0]
+        return moved
+
+    monkeypatch.setattr(store._conversations, "update_many", a_new_conversation_first)
+    monkeypatch.setattr(store._messages, "update_many", then_its_insert)
+
+    await store.claim(OWNER, NEW_OWNER)
+
+    assert (await store.get_conversation("c-new")).user_id == NEW_OWNER
+    stored = await backend.db.agent_messages.find({"conversation_id": "c-new"}).to_list(None)
+    assert [m["user_id"] for m in stored] == [NEW_OWNER]
+
+
+async def _a_slow_turn_landing_in_a_recreated_id(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> tuple[AgentMessageLogger, ConversationStore]:
+    """OWNER's turn reserves on "c-x"; "c-x" is deleted and SOMEONE_ELSE creates a conversation
+    under the same id; OWNER's turn, slower than `claim_grace`, inserts after."""
+    slow, logger = AgentMessageLogger(backend.db, rules=NO_GRACE), AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages("c-x", [{"role": "user", "content": "mine"}], user_id=OWNER,
+                              turn_id="t1")  # fmt: skip
+    go = asyncio.Event()
+    reserved = _stall_inserts(slow, monkeypatch, go)
+    turn = asyncio.create_task(
+        slow.log_messages("c-x", [{"role": "user", "content": "OWNER's secret"}], user_id=OWNER,
+                          turn_id="t2", owner_only=True)
+    )  # fmt: skip
+    await reserved.wait()
+    await store.delete("c-x", user_id=OWNER)
+    await logger.log_messages("c-x", [{"role": "user", "content": "hello"}],
+                              user_id=SOMEONE_ELSE, owner_only=True, turn_id="o1")  # fmt: skip
+    go.set()
+    await turn
+    return logger, store
+
+
+async def test_a_slow_turn_does_not_hand_its_messages_to_whoever_recreated_the_id(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No claim took place: the late message goes with the conversation it was written to."""
+    _, store = await _a_slow_turn_landing_in_a_recreated_id(backend, monkeypatch)
+
+    seen = [m.content for m in await store.transcript("c-x", user_id=SOMEONE_ELSE)]
+    assert seen == ["hello"]
+    assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
+
+
+async def test_after_a_slow_turn_landed_in_a_recreated_id_its_new_owner_can_still_log(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The late message does not keep the `seq` the new conversation's next turn takes."""
+    logger, store = await _a_slow_turn_landing_in_a_recreated_id(backend, monkeypatch)
+
+    await logger.log_messages("c-x", [{"role": "user", "content": "second"}],
+                              user_id=SOMEONE_ELSE, owner_only=True, turn_id="o2")  # fmt: skip
+
+    seen = [m.content for m in await store.transcript("c-x", user_id=SOMEONE_ELSE)]
+    assert seen == ["hello", "second"]
+
+
+async def test_a_turn_retried_after_its_lost_insert_landed_past_the_claim_is_the_new_owners(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn's insert lands after the claim's last sweep and its answer is lost; the runtime
+    retries it (same turn id), quickly: the retry answers with the stored messages, the new
+    owner's."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=NO_GRACE)
+    await logger.log_messages("c-del", [{"role": "user", "content": "hi"}], user_id=OWNER)
+    insert_many, reserved, go = logger._messages.insert_many, asyncio.Event(), asyncio.Event()
+
+    async def answer_lost(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(logger._messages, "insert_many", insert_many)  # the retry's is not
+        reserved.set()
+        await go.wait()
+        await insert_many(*args, **kwargs)
+        raise ConnectionError("the insert was applied, its answer lost")
+
+    monkeypatch.setattr(logger._messages, "insert_many", answer_lost)
+    turn = asyncio.create_task(
+        logger.log_messages("c-del", [{"role": "user", "content": "late"}], user_id=OWNER,
+                            turn_id="t2")
+    )  # fmt: skip
+    await reserved.wait()
+    await store.claim(OWNER, NEW_OWNER)
+    go.set()
+    with pytest.raises(ConnectionError):
+        await turn
+
+    retried = await logger.log_messages("c-del", [{"role": "user", "content": "late"}],
+                                        user_id=NEW_OWNER, turn_id="t2")  # fmt: skip
+
+    assert retried.replayed
+    stored = await backend.db.agent_messages.find({"conversation_id": "c-del"}).to_list(None)
+    assert [m["user_id"] for m in stored] == [NEW_OWNER, NEW_OWNER]
+    assert {m.user_id for m in retried.messages} == {NEW_OWNER}

@@ -134,7 +134,9 @@ class CommandBodies(monitoring.CommandListener):
 
 
 @pytest.mark.wire
-async def test_a_reservation_brings_back_only_the_next_seq_and_the_owner(wire_uri: str) -> None:
+async def test_a_reservation_brings_back_only_the_next_seq_the_owner_and_the_creation_time(
+    wire_uri: str,
+) -> None:
     listener = CommandBodies()
     client: Any = AsyncMongoClient(wire_uri, tz_aware=True, event_listeners=[listener])
     db = client["cost_reservation"]
@@ -145,7 +147,7 @@ async def test_a_reservation_brings_back_only_the_next_seq_and_the_owner(wire_ur
         reservations = [c for c in listener.commands if "findAndModify" in c]
         assert reservations
         assert {tuple(sorted(c["fields"])) for c in reservations} == {
-            ("_id", "message_count", "user_id")
+            ("_id", "created_at", "message_count", "user_id")
         }
     finally:
         await client.drop_database("cost_reservation")

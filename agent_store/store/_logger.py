@@ -114,6 +114,9 @@ class _Reserved:
     first_seq: int
     owner: str | None
     replayed: bool
+    created_at: datetime | None = None
+    """The conversation's `created_at` as stored: another one under the id is another
+    conversation (deleted, then created again)."""
     conversation: Conversation | None = None
     """The conversation's summary: read only when observers are told of the turn."""
 
@@ -289,7 +292,7 @@ class AgentMessageLogger:
         reserved = await self._reserve(plan, actor, runtime_name)
         stored = await self._store(plan, reserved)
         if time.monotonic() - started > self.rules.claim_grace.total_seconds():
-            stored = await self._follow_a_claim(plan.conversation_id, reserved.owner, stored)
+            stored = await self._follow_the_conversation(plan.conversation_id, reserved, stored)
         if reserved.replayed:
             await self._follow_times(plan.conversation_id, reserved, stored)
         # Every part is validated already: constructed, not validated again message by message.
@@ -444,9 +447,7 @@ class AgentMessageLogger:
                 plan, actor, name, query, upsert=create, condition=condition
             )
             if doc is not None:
-                first = int(doc["message_count"]) - plan.count
-                summary = Conversation.model_validate(doc) if self._observers else None
-                return _Reserved(first, doc.get("user_id"), replayed=False, conversation=summary)
+                return _reserved(plan, doc, observed=bool(self._observers))
             with storage_errors("read the conversation"):
                 found = await self._conversations.find_one({"_id": plan.conversation_id})
             if found is None:
@@ -564,31 +565,56 @@ class AgentMessageLogger:
             except BulkWriteError as exc:
                 stored = await self._own_duplicates(exc, documents)
                 documents = [stored.get(d["_id"], d) for d in documents]
+                documents = await self._to_the_owner(plan.conversation_id, owner, documents)
                 return messages_adapter.validate_python(documents)
         return plan.stored(first, owner)
 
-    async def _follow_a_claim(
-        self, conversation_id: str, owner: str | None, stored: list[AgentMessage]
+    async def _to_the_owner(
+        self, conversation_id: str, owner: str | None, documents: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """A retry's messages an earlier attempt stored under another owner than the
+        conversation's now (its insert landed after a claim's last sweep, its answer lost):
+        moved to the owner, and answered so (one more update, on that path only)."""
+        strays = [d["_id"] for d in documents if d.get("user_id") != owner]
+        if not strays:
+            return documents
+        with storage_errors("move the turn's messages to the conversation's owner"):
+            await self._messages.update_many(
+                {"conversation_id": conversation_id, "_id": {"$in": strays}},
+                {"$set": {"user_id": owner}},
+            )
+        return [{**d, "user_id": owner} for d in documents]
+
+    async def _follow_the_conversation(
+        self, conversation_id: str, reserved: _Reserved, stored: list[AgentMessage]
     ) -> list[AgentMessage]:
         """After a turn slower than `TurnRules.claim_grace` from its reservation to its insert:
         its messages move to the conversation's owner when a claim moved the conversation
         meanwhile (one more lookup; one more update then only). A faster turn is moved by
-        the claim itself, which waits that long before its last sweep."""
+        the claim itself, which waits that long before its last sweep.
+
+        The conversation is the one the turn reserved on only while its `created_at` is the
+        same: deleted meanwhile, or deleted and created again under its id (by anyone), it
+        is gone, and so are the turn's late messages, as the delete would have taken them;
+        they never go to whoever holds the id now.
+        """
         with storage_errors("read the conversation"):
-            found = await self._conversations.find_one({"_id": conversation_id}, {"user_id": 1})
-        if found is None or found.get("user_id") == owner:
-            return stored
-        new_owner = found.get("user_id")
-        with storage_errors("move the turn's messages to the conversation's owner"):
-            await self._messages.update_many(
-                {
-                    "conversation_id": conversation_id,
-                    "_id": {"$in": [m.id for m in stored]},
-                    "user_id": owner,
-                },
-                {"$set": {"user_id": new_owner}},
+            found = await self._conversations.find_one(
+                {"_id": conversation_id}, {"user_id": 1, "created_at": 1}
             )
-        return [m.model_copy(update={"user_id": new_owner}) for m in stored]
+        owner = reserved.owner
+        if found is not None and found.get("created_at") == reserved.created_at:
+            if found.get("user_id") == owner:
+                return stored
+            new_owner = found.get("user_id")
+            with storage_errors("move the turn's messages to the conversation's owner"):
+                await self._messages.update_many(
+                    _written_by(conversation_id, owner, stored), {"$set": {"user_id": new_owner}}
+                )
+            return [m.model_copy(update={"user_id": new_owner}) for m in stored]
+        with storage_errors("delete the turn's messages with their conversation"):
+            await self._messages.delete_many(_written_by(conversation_id, owner, stored))
+        return stored
 
     async def _follow_times(
         self, conversation_id: str, reserved: _Reserved, stored: Sequence[AgentMessage]
@@ -642,12 +668,30 @@ class AgentMessageLogger:
         return stored
 
 
+def _reserved(plan: TurnPlan, conversation: dict[str, Any], *, observed: bool) -> _Reserved:
+    """The block a reservation just took, from the conversation it returned; its summary read
+    only when observers are told of the turn."""
+    return _Reserved(
+        int(conversation["message_count"]) - plan.count,
+        conversation.get("user_id"),
+        replayed=False,
+        created_at=conversation.get("created_at"),
+        conversation=Conversation.model_validate(conversation) if observed else None,
+    )
+
+
 def _replay(plan: TurnPlan, block: RecordedBlock, conversation: dict[str, Any]) -> _Reserved:
     """The block an earlier attempt of the turn reserved, if this attempt sends the same."""
     if block.count != plan.count or not plan.matches(block.digest):
         raise _other_content(plan)
     summary = Conversation.model_validate(conversation)
-    return _Reserved(block.first_seq, summary.user_id, replayed=True, conversation=summary)
+    return _Reserved(
+        block.first_seq,
+        summary.user_id,
+        replayed=True,
+        created_at=conversation.get("created_at"),
+        conversation=summary,
+    )
 
 
 def _other_content(plan: TurnPlan) -> Conflict:
@@ -669,3 +713,14 @@ def _refuse_derived(conversation_id: str, actor: Actor) -> None:
         f"{DERIVED_CONVERSATION_PREFIX!r} or {DERIVED_TURN_PREFIX!r} name migrated legacy "
         "conversations; a new conversation takes another id"
     )
+
+
+def _written_by(
+    conversation_id: str, owner: str | None, stored: Sequence[AgentMessage]
+) -> dict[str, Any]:
+    """The turn's own messages as it wrote them: its ids, under the owner it stamped."""
+    return {
+        "conversation_id": conversation_id,
+        "_id": {"$in": [m.id for m in stored]},
+        "user_id": owner,
+    }

@@ -781,30 +781,44 @@ class ConversationStore:
             raise InvalidInput("invalid claim: the two user ids are the same")
         old_owner, new_owner = {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
         with storage_errors("claim the conversations"):
-            claimed = [str(i) for i in await self._conversations.distinct("_id", old_owner)]
             conversations = await self._conversations.update_many(old_owner, new_owner)
             messages = await self._messages.update_many(old_owner, new_owner)
         # Not migrated yet, or kept for rollback: they must follow their owner too.
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.claim(from_user_id, to_user_id)
-        late = await self._sweep_claimed(claimed, old_owner, new_owner) if claimed else 0
+        late = 0
+        if conversations.modified_count:
+            late = await self._sweep_claimed(from_user_id, to_user_id)
         return Claimed(
             conversations=conversations.modified_count,
             messages=messages.modified_count + late,
             legacy_turns=legacy,
         )
 
-    async def _sweep_claimed(
-        self, conversation_ids: list[str], old_owner: dict[str, Any], new_owner: dict[str, Any]
-    ) -> int:
-        """The messages turns reserved under the old owner inserted into the claimed
-        conversations since their messages moved: moved `claim_grace` later (a turn slower
-        than that moves its own)."""
+    async def _sweep_claimed(self, from_user_id: str, to_user_id: str) -> int:
+        """The messages turns reserved under the old owner inserted since the claim moved the
+        messages, into conversations the new owner holds now: moved `claim_grace` later (a
+        turn slower than that moves its own).
+
+        Which conversations is asked once the wait is over, of the messages still under the
+        old owner (those of late turns, and of conversations the old owner started after the
+        claim moved the conversations, which stay its own): a conversation a turn created
+        just as the claim started was moved with the others without being listed before.
+        """
         await asyncio.sleep(self._rules.claim_grace.total_seconds())
         with storage_errors("claim the conversations"):
+            written = await self._messages.distinct("conversation_id", {"user_id": from_user_id})
+            if not written:
+                return 0
+            claimed = await self._conversations.distinct(
+                "_id", {"_id": {"$in": written}, "user_id": to_user_id}
+            )
+            if not claimed:
+                return 0
             late = await self._messages.update_many(
-                {**old_owner, "conversation_id": {"$in": conversation_ids}}, new_owner
+                {"user_id": from_user_id, "conversation_id": {"$in": claimed}},
+                {"$set": {"user_id": to_user_id}},
             )
         return int(late.modified_count)
 

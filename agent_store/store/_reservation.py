@@ -27,8 +27,9 @@ from agent_store.store._turns import PENDING_CALLS_KEPT, KeepPendingHitl, TurnPl
 SUMMARY: dict[str, Any] = {"turns": 0}
 """The conversation without its turn records: what a reservation returns when observers
 are told of the turn, and what reads serve."""
-RESERVED: dict[str, Any] = {"_id": 1, "message_count": 1, "user_id": 1}
-"""What a reservation returns otherwise: all the logger needs (the block's end, the owner)."""
+RESERVED: dict[str, Any] = {"_id": 1, "message_count": 1, "user_id": 1, "created_at": 1}
+"""What a reservation returns otherwise: all the logger needs (the block's end, the owner,
+and the creation time that tells this conversation from one created again under its id)."""
 
 
 @dataclass(frozen=True)
