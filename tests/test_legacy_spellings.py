@@ -129,7 +129,8 @@ def test_a_call_spelt_the_openai_way_keeps_its_id_as_the_call_id() -> None:
         {"type": "tool_result", "tool_call_id": "call_real_7Qx", "name": "lookup",
          "content": "found"},
     ]  # fmt: skip
-    turn = {"_id": "t-1", "conversation_id": "c-openai", "created_at": datetime(2024, 1, 1, tzinfo=UTC),
+    turn = {"_id": "t-1", "conversation_id": "c-openai",
+            "created_at": datetime(2024, 1, 1, tzinfo=UTC),
             "user_message": "look it up", "response_parts": parts}  # fmt: skip
 
     messages = convert([turn]).messages
