@@ -935,6 +935,34 @@ def test_a_second_attempt_after_a_rollback_keeps_the_conversation_writable(
     assert cli(wire_uri, database, "verify") == 0
 
 
+PROMPT_FIELDS_ONLY_SESSION_HITL_HOLDS = {
+    "params as JSON text": ({"params": json.dumps({"amount": "«9000 EUR»"})}, "«9000 EUR»"),
+    "a field no reader takes": ({"context": "«asked to pay the landlord»"}, "«asked to pay"),
+}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(("fields", "marker"), PROMPT_FIELDS_ONLY_SESSION_HITL_HOLDS.values(),
+                         ids=list(PROMPT_FIELDS_ONLY_SESSION_HITL_HOLDS))  # fmt: skip
+def test_what_only_the_pending_prompt_holds_is_kept_before_the_drop(
+    fields: dict[str, Any], marker: str, wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    part = {"type": "hitl", "action": "pay", "params": {}, "request_id": "r-1", "prompt": "Pay?"}
+    database[CONVERSATIONS].insert_one(
+        legacy_turn("t-a", "c-a", 0, "A") | {"response_parts": [part]}
+    )
+    database[SESSION_HITL].insert_one(
+        {"conversation_id": "c-a", "request_id": "r-1", "action": "pay", "status": "pending",
+         **fields}
+    )  # fmt: skip
+
+    assert cli(wire_uri, database, "run") == 0
+    if cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0:
+        conversations = [json.dumps(d, default=str, ensure_ascii=False)
+                         for d in database[CONVERSATIONS].find()]  # fmt: skip
+        assert marker in kept_text(database) + "".join(conversations)
+
+
 @pytest.mark.wire
 def test_a_prompt_naming_its_conversation_by_an_objectid_is_migrated_with_it(
     wire_uri: str, database: Database[dict[str, Any]]

@@ -50,6 +50,7 @@ from agent_store.legacy._parts import (
     PartKind,
     call_arguments,
     error_text,
+    hitl_params,
     normalize_part,
     part_text,
     result_text,
@@ -364,11 +365,7 @@ class _Converter:
             self._add(state, index, {"role": "assistant", "content": text})
 
     def _on_hitl(self, state: _TurnState, index: int, part: LegacyPart) -> None:
-        params = part.params
-        if params is None:
-            params = {}
-        elif not isinstance(params, dict):
-            params = {"value": params}
+        params = hitl_params(part)
         request_id = self._reference(state.turn, index, part.request_id, "request id")
         if request_id is None:
             request_id = f"req-{state.turn.key}-{index}"
