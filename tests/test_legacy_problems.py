@@ -88,6 +88,23 @@ async def test_a_turn_naming_a_blank_conversation_is_read_and_deleted_under_its_
     assert (await store.delete(own_id)).legacy_turns == 1
 
 
+@pytest.mark.parametrize("turn_id", ["turn 1", "t" * 101, "ticket#7"], ids=["space", "long", "#"])
+async def test_a_blank_id_turn_whose_id_is_hashed_is_read_and_deleted_under_its_own_id(
+    turn_id: str, backend: Backend
+) -> None:
+    """The migration names it `legacy-turn-h<sha256[:32]>`: the store finds the turn by it."""
+    turn = {"_id": turn_id, "conversation_id": " ", "user_id": "alice",
+            "created_at": MESSY_START, "user_message": "alice's question"}  # fmt: skip
+    await backend.db[LEGACY_TURNS].insert_many([turn, {**turn, "_id": "b-other"}])
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    own_id = derived_conversation_id(None, turn_key=parse_turns([turn])[0].key)
+    assert own_id.startswith("legacy-turn-h")
+
+    assert (await store.get_conversation(own_id)).user_id == "alice"
+    assert (await store.delete(own_id, user_id="alice")).legacy_turns == 1
+    assert [t["_id"] async for t in backend.db[LEGACY_TURNS].find()] == ["b-other"]
+
+
 async def test_a_prompt_naming_a_blank_conversation_is_found_by_its_session(
     backend: Backend,
 ) -> None:
