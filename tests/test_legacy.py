@@ -472,6 +472,71 @@ def test_a_pending_prompt_without_a_readable_request_id_is_kept_in_a_problem(
     assert unplaced_prompts([turn(1)], [prompt]) == [prompt]
 
 
+PAY = {"type": "hitl", "action": "pay", "params": {}, "request_id": "req-9", "prompt": "Pay?"}
+
+
+@pytest.mark.parametrize(
+    ("text", "read"),
+    [
+        (json.dumps({"amount": "«9000 EUR»"}), {"amount": "«9000 EUR»"}),
+        ('{"amount": 0.10000000000000001}', {"value": '{"amount": 0.10000000000000001}'}),
+        ('{"a": 1, "a": 2}', {"value": '{"a": 1, "a": 2}'}),
+        ("«9000 EUR»", {"value": "«9000 EUR»"}),
+    ],
+    ids=["an object", "a number a float changes", "a key twice", "not JSON"],
+)
+def test_params_a_pending_prompt_keeps_as_json_text_are_read_as_a_parts_are(
+    text: str, read: dict[str, Any]
+) -> None:
+    """Params the prompt holds win over the message's, whatever their type: JSON text is
+    read as a HITL part's is (the object it spells when it reads exactly, else the text
+    under `value`), never replaced by the message's `{}`."""
+    messages = convert([turn(1, [PAY])]).messages
+    pending, _ = pending_from_session_hitl([{**PROMPT, "request_id": "req-9", "params": text}],
+                                           messages)  # fmt: skip
+    raised = convert([turn(1, [{**PAY, "params": text}])]).messages[-1].hitl_action
+
+    assert pending is not None
+    assert raised is not None
+    assert pending.params == raised.params == read
+
+
+def test_a_field_of_a_pending_prompt_no_reader_takes_is_kept_in_a_problem() -> None:
+    prompt = {**PROMPT, "request_id": "req-9", "context": "«the user asked to pay»"}
+    conversion = with_session_prompts(convert([turn(1, [PAY])]), [prompt])
+
+    assert [(p.kind, p.field, p.placed, p.content) for p in conversion.problems] == [
+        ("unread_field", "context", False, "«the user asked to pay»")
+    ]
+
+
+def test_every_field_a_session_prompt_is_written_with_is_read() -> None:
+    """The fields `session_hitl` keeps about a prompt (whose, which, its state, when) and
+    the prompt's own (`action`, `params`, `prompt` or `content`) are no problem."""
+    prompt = {
+        "_id": ObjectId(), "conversation_id": CID, "session_id": "s-1", "user_id": "user-1",
+        "request_id": "req-9", "action": "pay", "params": {}, "prompt": "Pay?",
+        "content": "Pay?", "status": "pending", "resolved": False, "created_at": T0,
+        "updated_at": T0,
+    }  # fmt: skip
+    assert with_session_prompts(convert([turn(1, [PAY])]), [prompt]).problems == []
+
+
+def test_an_older_pending_prompt_with_params_no_message_holds_is_kept_in_a_problem() -> None:
+    """A message holds an older prompt only when it raised it with the same action, params
+    and text."""
+    newest = {**PROMPT, "request_id": "req-new", "created_at": T0 + timedelta(2)}
+    older = {**PROMPT, "request_id": "req-9", "action": "pay", "prompt": "Pay?",
+             "params": {"amount": "«9000 EUR»"}, "created_at": T0}  # fmt: skip
+    turns = [turn(1, [PAY])]
+
+    assert unplaced_prompts(turns, [older, newest]) == [older]
+    assert unplaced_prompts(turns, [{**older, "params": {}}, newest]) == []
+    assert unplaced_prompts(turns, [{**older, "action": "refund", "params": {}}, newest]) == [
+        {**older, "action": "refund", "params": {}}
+    ]
+
+
 # -- properties ----------------------------------------------------------------------------
 
 TOOLS = ["f", "g"]

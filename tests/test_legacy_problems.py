@@ -4,6 +4,7 @@ the time an undated turn gets, and the problem saying which."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -86,6 +87,23 @@ async def test_a_turn_naming_a_blank_conversation_is_read_and_deleted_under_its_
     found = await store.get_conversation(own_id)
     assert (found.id, found.user_id) == (own_id, "alice")
     assert (await store.delete(own_id)).legacy_turns == 1
+
+
+@pytest.mark.parametrize("turn_id", ["turn 1", "t" * 101, "ticket#7"], ids=["space", "long", "#"])
+async def test_a_blank_id_turn_whose_id_is_hashed_is_read_and_deleted_under_its_own_id(
+    turn_id: str, backend: Backend
+) -> None:
+    """The migration names it `legacy-turn-h<sha256[:32]>`: the store finds the turn by it."""
+    turn = {"_id": turn_id, "conversation_id": " ", "user_id": "alice",
+            "created_at": MESSY_START, "user_message": "alice's question"}  # fmt: skip
+    await backend.db[LEGACY_TURNS].insert_many([turn, {**turn, "_id": "b-other"}])
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    own_id = derived_conversation_id(None, turn_key=parse_turns([turn])[0].key)
+    assert own_id.startswith("legacy-turn-h")
+
+    assert (await store.get_conversation(own_id)).user_id == "alice"
+    assert (await store.delete(own_id, user_id="alice")).legacy_turns == 1
+    assert [t["_id"] async for t in backend.db[LEGACY_TURNS].find()] == ["b-other"]
 
 
 async def test_a_prompt_naming_a_blank_conversation_is_found_by_its_session(
@@ -468,3 +486,40 @@ def test_the_bookkeeping_of_a_part_in_pydantic_ais_shape_is_no_problem() -> None
             "user_message": "hi", "response_parts": [part]}  # fmt: skip
 
     assert [p.kind for p in convert([turn]).problems if p.kind == "unread_field"] == []
+
+
+def history(*requests: dict[str, Any]) -> str:
+    """Pydantic AI messages as JSON: each request followed by a text answer."""
+    answer = {"kind": "response", "parts": [{"part_kind": "text", "content": "an answer"}]}
+    return json.dumps([m for r in requests for m in ({"kind": "request", **r}, answer)])
+
+
+def test_a_system_prompt_only_the_message_history_holds_is_kept_in_a_problem() -> None:
+    """The history repeats the conversation so far: a system prompt or instructions it holds
+    that no system message holds is kept once, in the first turn holding it."""
+    asked = {"parts": [{"part_kind": "system-prompt", "content": "You are «refund-policy»"},
+                       {"part_kind": "user-prompt", "content": "question 1"}],
+             "instructions": "«Be brief»"}  # fmt: skip
+    turns = [
+        {"_id": f"h-{n}", "conversation_id": "c-h", "created_at": MESSY_START,
+         "user_message": f"question {n}", "message_history_json": history(asked)}
+        for n in (1, 2)
+    ]  # fmt: skip
+    problems = convert(turns).problems
+
+    assert [(p.kind, p.legacy_id, p.field, p.placed, p.content) for p in problems] == [
+        ("system_prompt_only_in_history", "h-1", "message_history_json", False,
+         "You are «refund-policy»"),
+        ("system_prompt_only_in_history", "h-1", "message_history_json", False, "«Be brief»"),
+    ]  # fmt: skip
+
+
+def test_a_system_prompt_a_system_turn_holds_is_no_problem_in_the_history() -> None:
+    asked = {"parts": [{"part_kind": "system-prompt", "content": "You are «refund-policy»"}]}
+    turns = [
+        {"_id": "s-0", "conversation_id": "c-h", "created_at": MESSY_START, "is_system": True,
+         "user_message": "You are «refund-policy»"},
+        {"_id": "h-1", "conversation_id": "c-h", "created_at": MESSY_START,
+         "user_message": "question", "message_history_json": history(asked)},
+    ]  # fmt: skip
+    assert convert(turns).problems == []

@@ -18,7 +18,7 @@ import pytest
 from pymongo import AsyncMongoClient, MongoClient, monitoring
 from pymongo.database import Database
 
-from agent_store import AgentMessageLogger, ConversationStore, LoggedTurn
+from agent_store import AgentMessageLogger, ConversationStore, LegacyTurns, LoggedTurn
 from agent_store.legacy import (
     LEGACY_TURNS,
     SESSION_HITL,
@@ -935,6 +935,34 @@ def test_a_second_attempt_after_a_rollback_keeps_the_conversation_writable(
     assert cli(wire_uri, database, "verify") == 0
 
 
+PROMPT_FIELDS_ONLY_SESSION_HITL_HOLDS = {
+    "params as JSON text": ({"params": json.dumps({"amount": "«9000 EUR»"})}, "«9000 EUR»"),
+    "a field no reader takes": ({"context": "«asked to pay the landlord»"}, "«asked to pay"),
+}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(("fields", "marker"), PROMPT_FIELDS_ONLY_SESSION_HITL_HOLDS.values(),
+                         ids=list(PROMPT_FIELDS_ONLY_SESSION_HITL_HOLDS))  # fmt: skip
+def test_what_only_the_pending_prompt_holds_is_kept_before_the_drop(
+    fields: dict[str, Any], marker: str, wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    part = {"type": "hitl", "action": "pay", "params": {}, "request_id": "r-1", "prompt": "Pay?"}
+    database[CONVERSATIONS].insert_one(
+        legacy_turn("t-a", "c-a", 0, "A") | {"response_parts": [part]}
+    )
+    database[SESSION_HITL].insert_one(
+        {"conversation_id": "c-a", "request_id": "r-1", "action": "pay", "status": "pending",
+         **fields}
+    )  # fmt: skip
+
+    assert cli(wire_uri, database, "run") == 0
+    if cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0:
+        conversations = [json.dumps(d, default=str, ensure_ascii=False)
+                         for d in database[CONVERSATIONS].find()]  # fmt: skip
+        assert marker in kept_text(database) + "".join(conversations)
+
+
 @pytest.mark.wire
 def test_a_prompt_naming_its_conversation_by_an_objectid_is_migrated_with_it(
     wire_uri: str, database: Database[dict[str, Any]]
@@ -987,6 +1015,33 @@ def test_a_prompt_of_a_conversation_stored_under_a_derived_id_is_migrated_with_i
     migrated = database[CONVERSATIONS].find_one({"_id": derived_conversation_id(NOT_AN_IDENTIFIER)})
     assert migrated is not None
     assert (migrated["pending_hitl"] or {}).get("request_id") == "r-1"
+
+
+@pytest.mark.wire
+def test_a_migrated_turn_of_no_conversation_whose_id_is_hashed_deleted_does_not_come_back(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """Its conversation is `legacy-turn-h…`: deleting it takes the legacy turn, so a rerun
+    (which the gate asks for) does not bring it back."""
+    turn = legacy_turn("turn 1", " ", 0, "SECRET") | {"user_id": "alice"}
+    database[CONVERSATIONS].insert_many([turn, legacy_turn("t-b", "c-b", 1, "B")])
+    assert cli(wire_uri, database, "run") == 0
+    own_id = derived_conversation_id(None, turn_key=parse_turns([turn])[0].key)
+    assert own_id.startswith("legacy-turn-h")
+
+    async def delete() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            db = client[database.name]
+            await ConversationStore(db, legacy=LegacyTurns(db)).delete(own_id, user_id="alice")
+        finally:
+            await client.close()
+
+    asyncio.run(delete())
+    assert cli(wire_uri, database, "run", "--restart") == 0
+
+    assert database[MESSAGES].count_documents({"conversation_id": own_id}) == 0
+    assert database[LEGACY_TURNS].count_documents({"_id": "turn 1"}) == 0
 
 
 @pytest.mark.wire

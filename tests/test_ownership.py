@@ -198,21 +198,26 @@ async def test_a_chosen_message_id_is_refused_alike_whether_it_exists_or_not(
         assert await digests(api.db) == before
 
 
-DERIVED_ONLY: dict[str, dict[str, Any]] = {
-    # Legacy ids the migration cannot keep: it stores these under a digest of them, which
-    # nothing can trace back to the turns before the migration has run.
-    "a conversation id that is not an identifier": {"_id": "lt-odd", "conversation_id": "c of b"},
-    "a turn naming no conversation, by an odd id": {"_id": "turn of b"},
-}
+DERIVED_ONLY: dict[str, tuple[dict[str, Any], int]] = {
+    # A legacy id the migration cannot keep: it stores it under a digest of it, which nothing
+    # traces back to the turns before the migration has run.
+    "a conversation id that is not an identifier": (
+        {"_id": "lt-odd", "conversation_id": "c of b"}, 422
+    ),
+    # A turn naming no conversation is found under its digest: it is another user's legacy
+    # conversation, which a service may not take turns into either (409).
+    "a turn naming no conversation, by an odd id": ({"_id": "turn of b"}, 409),
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("turn", DERIVED_ONLY.values(), ids=list(DERIVED_ONLY))
+@pytest.mark.parametrize(("turn", "to_a_service"), DERIVED_ONLY.values(), ids=list(DERIVED_ONLY))
 @pytest.mark.parametrize("caller", CALLERS)
 async def test_no_caller_creates_a_conversation_under_an_id_the_migration_derives(
-    caller: str, turn: dict[str, Any]
+    caller: str, turn: dict[str, Any], to_a_service: int
 ) -> None:
     """Ids starting `legacy-conversation-` or `legacy-turn-` are the migration's: a service is
-    told why (422); a user token gets 404, as for another user's conversation."""
+    told why (422, or 409 when the id is found to be another user's legacy conversation); a
+    user token gets 404, as for another user's conversation."""
     async with serve(mongomock_db()) as api:
         await api.db[LEGACY_TURNS].insert_one(
             turn | {"user_id": OTHER, "user_message": "secret of the legacy owner"}
@@ -225,7 +230,7 @@ async def test_no_caller_creates_a_conversation_under_an_id_the_migration_derive
             url.replace(conversation_id("absent"), target), json=body, headers=headers_for(caller)
         )
 
-        assert response.status_code == (422 if caller.startswith("service") else 404)
+        assert response.status_code == (to_a_service if caller.startswith("service") else 404)
         assert await digests(api.db) == before
 
 

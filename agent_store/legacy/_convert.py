@@ -38,6 +38,7 @@ from agent_store.legacy._documents import (
     LegacyTurn,
     TurnTime,
     as_count,
+    as_text,
     dated_turns,
     named_users,
     owner_of,
@@ -50,6 +51,7 @@ from agent_store.legacy._parts import (
     PartKind,
     call_arguments,
     error_text,
+    hitl_params,
     normalize_part,
     part_text,
     result_text,
@@ -364,11 +366,7 @@ class _Converter:
             self._add(state, index, {"role": "assistant", "content": text})
 
     def _on_hitl(self, state: _TurnState, index: int, part: LegacyPart) -> None:
-        params = part.params
-        if params is None:
-            params = {}
-        elif not isinstance(params, dict):
-            params = {"value": params}
+        params = hitl_params(part)
         request_id = self._reference(state.turn, index, part.request_id, "request id")
         if request_id is None:
             request_id = f"req-{state.turn.key}-{index}"
@@ -770,6 +768,7 @@ def convert(
     converter = _Converter(conversation_id, rules)
     original = _original_id(converter, turns[0])
     messages, plans = _convert_turns(converter, turns, undated_at or utc_now())
+    _check_history_prompts(converter, turns, messages)
     owner = _owner(converter, turns)
     messages = [
         m.model_copy(update={"seq": seq, "user_id": owner}) for seq, m in enumerate(messages)
@@ -794,6 +793,47 @@ def convert(
         turns=len(turns),
         full_texts=[full for plan in plans for full in plan.full_texts],
     )
+
+
+def _history_prompts(raw: Any) -> list[str]:
+    """The system prompts and instructions of Pydantic AI messages as JSON, in order."""
+    try:
+        history = json.loads(raw) if isinstance(raw, str | bytes) else raw
+    except ValueError:
+        return []
+    found: list[str] = []
+    for message in history if isinstance(history, list) else ():
+        if not isinstance(message, dict):
+            continue
+        parts = message.get("parts")
+        for part in parts if isinstance(parts, list) else ():
+            if isinstance(part, dict) and part.get("part_kind") == "system-prompt":
+                found.append(as_text(part.get("content")))
+        if isinstance(message.get("instructions"), str):
+            found.append(message["instructions"])
+    return [text for text in found if text]
+
+
+def _check_history_prompts(
+    converter: _Converter, turns: list[LegacyTurn], messages: list[AgentMessage]
+) -> None:
+    """A system prompt or instructions a turn's `message_history_json` holds that no system
+    message holds: kept in a problem, once (the history repeats the conversation so far). A
+    system message is the conversation's system turn; the history only copies what the model
+    was given, so it makes none."""
+    held = {m.content for m in messages if m.role == "system"}
+    for turn in turns:
+        for text in _history_prompts(turn.message_history_json):
+            if text in held:
+                continue
+            held.add(text)
+            converter.problem(
+                turn,
+                "system_prompt_only_in_history",
+                "message_history_json holds a system prompt no system message holds",
+                field="message_history_json",
+                content=text,
+            )
 
 
 def _original_id(converter: _Converter, turn: LegacyTurn) -> str | None:

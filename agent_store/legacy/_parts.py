@@ -233,20 +233,26 @@ def _read_part(part: Mapping[str, Any]) -> LegacyPart:
         body = {k: v for k, v in part.items() if k not in ("type", "part_kind")}
         return LegacyPart(kind, declared, part, upload=body)
     if kind == "hitl":
-        return LegacyPart(
-            kind,
-            declared,
-            part,
-            content=_first(part, "prompt", "content"),
-            action=part.get("action"),
-            params=part.get("params"),
-            request_id=id_text(part.get("request_id")),
-            unread=unread,
-        )
+        return replace(read_prompt(part), declared=declared)
     if kind == "error":
         content = _first(part, "message", "error", "content")
         return LegacyPart(kind, declared, part, content=content, unread=unread)
     return LegacyPart("unknown", declared, part)
+
+
+def read_prompt(document: Mapping[str, Any]) -> LegacyPart:
+    """A HITL prompt as a HITL part or a `session_hitl` document holds it: the prompt
+    (`prompt`, else `content`), action, params and request id, and the spelling not read."""
+    return LegacyPart(
+        "hitl",
+        None,
+        document,
+        content=_first(document, "prompt", "content"),
+        action=document.get("action"),
+        params=document.get("params"),
+        request_id=id_text(document.get("request_id")),
+        unread=_unread("hitl", document),
+    )
 
 
 # -- what a part says, for every reader ------------------------------------------------
@@ -282,6 +288,39 @@ def part_text(part: LegacyPart) -> str | None:
     if part.content is None or part.content == "":
         return None
     return as_text(part.content)
+
+
+def hitl_params(part: LegacyPart) -> dict[str, Any]:
+    """A HITL prompt's params as a message holds them: an object as it is, none as `{}`,
+    JSON text of an object as that object when it reads exactly (`json_object`), anything
+    else (other text, a list, a number) under `value`."""
+    if part.params is None:
+        return {}
+    if isinstance(part.params, dict):
+        return part.params
+    found = json_object(part.params) if isinstance(part.params, str) else None
+    return found if found is not None else {"value": part.params}
+
+
+def json_object(text: str) -> dict[str, Any] | None:
+    """The object JSON text spells, when it reads with nothing changed: no key twice, no
+    `NaN`, every number as exact as the text (`said`) and within BSON's 64-bit integers;
+    else None."""
+    try:
+        parsed = json.loads(text, parse_constant=_refused, object_pairs_hook=_distinct_keys)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(parsed, dict) or _wide_int(parsed) or said(parsed) != said(text):
+        return None
+    return parsed
+
+
+def _wide_int(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(map(_wide_int, value.values()))
+    if isinstance(value, list):
+        return any(map(_wide_int, value))
+    return type(value) is int and not -(2**63) <= value < 2**63
 
 
 def call_arguments(part: LegacyPart) -> tuple[str, bool]:

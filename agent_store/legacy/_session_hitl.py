@@ -2,8 +2,10 @@
 
 A prompt document is read as turns are: `resolved: "false"` is false, a status in any
 case or with spaces is the status, a request id stored as a number by its text, a time
-as a datetime or an ISO string. The newest pending prompt becomes `pending_hitl`; any
-other pending prompt whose content no message holds is kept in a problem.
+as a datetime or an ISO string; its prompt, action and params as a HITL part's
+(`read_prompt`). The newest pending prompt becomes `pending_hitl`; any other pending
+prompt whose content no message holds is kept in a problem, and so is a field of a
+pending prompt no reader takes.
 """
 
 from __future__ import annotations
@@ -17,9 +19,17 @@ from bson import ObjectId
 
 from agent_store.core import AgentMessage, PendingHitl, to_utc_millis
 from agent_store.legacy._convert import LegacyConversion, Problem
-from agent_store.legacy._documents import as_text, as_time, reference_text, truthy
+from agent_store.legacy._documents import as_time, reference_text, truthy
+from agent_store.legacy._parts import hitl_params, part_text, read_prompt, said
 
 _RESOLVED = {"resolved", "answered", "done", "completed", "cancelled", "canceled", "expired"}
+_READ_FIELDS = frozenset(
+    {"_id", "conversation_id", "session_id", "user_id", "request_id", "status", "resolved"}
+    | {"created_at", "updated_at", "action", "params", "prompt", "content"}
+)
+"""The fields of a prompt document that are read: whose prompt it is and of which
+conversation, its state and times (`session_hitl`'s bookkeeping), and the prompt itself in
+each spelling a HITL part has."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +41,8 @@ class PromptNote:
     content: Any = None
     placed: bool = True
     """False when this note is the only place the content is kept."""
+    field: str | None = None
+    """The prompt's field concerned; None for the whole prompt."""
 
 
 def is_pending_prompt(document: Mapping[str, Any]) -> bool:
@@ -50,8 +62,7 @@ def _time(document: Mapping[str, Any]) -> datetime | None:
 
 
 def _prompt_text(document: Mapping[str, Any]) -> str | None:
-    prompt = document.get("prompt")
-    return None if prompt is None or prompt == "" else as_text(prompt)
+    return part_text(read_prompt(document))
 
 
 def _raised_by(
@@ -70,10 +81,47 @@ def _raised_by(
 
 
 def _held(document: Mapping[str, Any], messages: Sequence[AgentMessage]) -> bool:
-    """Whether a message holds the prompt: it raised it, with the same text if it has one."""
+    """Whether a message holds the prompt: it raised it, with the same text, action and
+    params as far as the prompt has them."""
     raised = _raised_by(document, messages)
-    prompt = _prompt_text(document)
-    return raised is not None and (prompt is None or raised.content == prompt)
+    if raised is None or raised.hitl_action is None:
+        return False
+    prompt = read_prompt(document)
+    text = part_text(prompt)
+    return (
+        (text is None or raised.content == text)
+        and (prompt.action is None or str(prompt.action) == raised.hitl_action.action)
+        and (prompt.params is None or said(hitl_params(prompt)) == said(raised.hitl_action.params))
+    )
+
+
+def _unread(document: Mapping[str, Any]) -> list[PromptNote]:
+    """A placed prompt's fields no reader takes, and the spelling of its prompt not read:
+    each kept in a note (not placed)."""
+    request_id = document.get("request_id")
+    unknown = [name for name in document if name not in _READ_FIELDS]
+    notes = [
+        PromptNote(
+            "unread_field",
+            f"pending prompt {request_id!r} also holds {name}, which no message holds",
+            content=document[name],
+            placed=False,
+            field=str(name),
+        )
+        for name in unknown
+    ]
+    notes += [
+        PromptNote(
+            "unread_spelling",
+            f"pending prompt {request_id!r} also holds {name} with another value than the "
+            "one converted",
+            content=document[name],
+            placed=False,
+            field=name,
+        )
+        for name in read_prompt(document).unread
+    ]
+    return notes
 
 
 def _not_placed(document: Mapping[str, Any], why: str) -> PromptNote:
@@ -98,11 +146,13 @@ def _pending(
         detail = f"pending prompt {request_id!r} matches no assistant message"
         notes.append(PromptNote("pending_hitl_without_message", detail))
     action = raised.hitl_action if raised is not None else None
-    params = newest.get("params")
+    found = read_prompt(newest)
     prompt = PendingHitl(
         request_id=request_id,
-        action=str(newest.get("action") or (action.action if action else "unknown")),
-        params=params if isinstance(params, dict) else (action.params if action else {}),
+        action=str(found.action or (action.action if action else "unknown")),
+        params=hitl_params(found)
+        if found.params is not None
+        else (action.params if action else {}),
         prompt=_prompt_text(newest) or (raised.content if raised else None),
         message_id=raised.id if raised is not None and raised.id else "",
         created_at=as_time(newest.get("created_at"))
@@ -137,7 +187,8 @@ def pending_from_session_hitl(
         if d is not newest and not _held(d, messages)
     ]
     prompt, newest_notes = _pending(newest, messages)
-    return prompt, notes + older + newest_notes
+    unread = [n for d in readable if d is newest or _held(d, messages) for n in _unread(d)]
+    return prompt, notes + older + newest_notes + unread
 
 
 def with_session_prompts(
@@ -153,6 +204,7 @@ def with_session_prompts(
         Problem(
             conversation_id=conversion.conversation_id,
             legacy_id="session_hitl",
+            field=note.field,
             kind=note.kind,
             detail=note.detail,
             content=note.content,

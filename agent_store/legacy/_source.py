@@ -3,6 +3,7 @@ erasures and claims that must reach them."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,8 @@ from agent_store.store import (
     storage_errors,
 )
 
+_HASHED_KEY = re.compile(r"h[0-9a-f]{32}")
+"""A turn key hashed from an `_id` that is not a short identifier (`LegacyTurn.key`)."""
 MAX_LEGACY_DOCUMENT_BYTES = 16 * 1024 * 1024 - 64 * 1024
 """A dual-written turn holds its whole texts while it fits in a BSON document (16 MiB, less
 room for the server's own fields)."""
@@ -118,7 +121,7 @@ class LegacyTurns:
         """
         fields = {"conversation_id": 1, "user_id": 1, "created_at": 1}
         original = await self._original_id(conversation_id)
-        turns = _turns_filter(conversation_id, original)
+        turns = _turns_filter(conversation_id, original, await self._hashed_ids(conversation_id))
         with storage_errors("delete the legacy turns"):
             found = await self._turns.find(turns, fields).to_list(None)
             whole = bool(found) and owner_of(parse_turns(found)) == owner
@@ -130,7 +133,19 @@ class LegacyTurns:
     async def _turns_of(self, conversation_id: str) -> dict[str, Any]:
         """The filter of the legacy turns the store knows as `conversation_id`: the one rule
         the read fallback, the ownership check and the delete share (`_turns_filter`)."""
-        return _turns_filter(conversation_id, await self._original_id(conversation_id))
+        original = await self._original_id(conversation_id)
+        return _turns_filter(conversation_id, original, await self._hashed_ids(conversation_id))
+
+    async def _hashed_ids(self, conversation_id: str) -> list[Any]:
+        """The `_id`s of the turns naming no conversation whose key is the hashed one a
+        `legacy-turn-h…` id names (`LegacyTurn.key`): one scan of the `_id`s of the turns
+        naming no conversation, only for such ids; else none."""
+        key = conversation_id.removeprefix(DERIVED_TURN_PREFIX)
+        if key == conversation_id or not _HASHED_KEY.fullmatch(key):
+            return []
+        with storage_errors("read the legacy turns"):
+            found = await self._turns.find(names_none("conversation_id"), {"_id": 1}).to_list(None)
+        return [t.id for t in parse_turns(found) if t.key == key]
 
     async def _original_id(self, conversation_id: str) -> str | None:
         """The legacy id a conversation migrated under a derived `legacy-conversation-` id
@@ -237,19 +252,26 @@ class LegacyTurns:
         return int(deleted.deleted_count)
 
 
-def _turns_filter(conversation_id: str, original: str | None) -> dict[str, Any]:
+def _turns_filter(
+    conversation_id: str, original: str | None, hashed_ids: Sequence[Any] = ()
+) -> dict[str, Any]:
     """The legacy turns the store knows as `conversation_id`, `original` the legacy id a
-    derived `legacy-conversation-` id stands for (`LegacyTurns._original_id`).
+    derived `legacy-conversation-` id stands for (`LegacyTurns._original_id`), `hashed_ids`
+    the `_id`s a hashed `legacy-turn-h…` id stands for (`LegacyTurns._hashed_ids`).
 
     The migration names a conversation by its legacy id as text (an ObjectId or a
-    number too), a turn naming none by a derived `legacy-turn-` id, and a legacy id
-    that is not an identifier by a derived `legacy-conversation-` id.
+    number too), a turn naming none by a derived `legacy-turn-` id (its `_id`, hashed
+    when that is not a short identifier), and a legacy id that is not an identifier by
+    a derived `legacy-conversation-` id.
     """
     if conversation_id.startswith(DERIVED_TURN_PREFIX):
         key = conversation_id.removeprefix(DERIVED_TURN_PREFIX)
+        own = id_filter("_id", key)
+        if hashed_ids:
+            own = {"$or": [own, {"_id": {"$in": list(hashed_ids)}}]}
         return {
             "$or": [
-                {"$and": [id_filter("_id", key), names_none("conversation_id")]},
+                {"$and": [own, names_none("conversation_id")]},
                 {"conversation_id": conversation_id},  # turns dual-written under the id
             ]
         }
