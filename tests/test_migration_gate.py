@@ -681,6 +681,44 @@ def test_a_pending_prompt_of_a_conversation_without_legacy_turns_is_kept_and_mus
     assert "«late»" in kept_text(database)
 
 
+PROMPTS_NO_CONVERSION_READS = {
+    "blank, as blank turns are": ("   ", {"conversation_id": "   "}),
+    "blank, of a session without turns": (" ", {"conversation_id": " ", "session_id": "s-gone"}),
+    "zero, its session with turns": ("c-a", {"conversation_id": 0, "session_id": "c-a"}),
+    "double zero": ("c-a", {"conversation_id": 0.0, "session_id": "c-a"}),
+    "false": ("c-a", {"conversation_id": False, "session_id": "c-a"}),
+}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    ("turns_name", "names"),
+    PROMPTS_NO_CONVERSION_READS.values(),
+    ids=list(PROMPTS_NO_CONVERSION_READS),
+)
+def test_a_pending_prompt_no_conversion_reads_is_an_orphan_however_it_names_its_conversation(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    turns_name: str,
+    names: dict[str, Any],
+) -> None:
+    """Orphan or not is decided by the naming the migration reads prompts by
+    (`prompt_conversation`): a blank id names no conversation, 0 names "0"."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-a", turns_name, 0, "A"))
+    database[SESSION_HITL].insert_one(
+        {**names, "request_id": "r-x", "action": "wire", "status": "pending",
+         "prompt": "Wire 9000 € «orphan»?"}
+    )  # fmt: skip
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert "orphan_pending_hitl" in capsys.readouterr().out
+    assert "«orphan»" in kept_text(database)
+
+
 @pytest.mark.wire
 def test_a_rerun_keeps_the_name_a_person_gave_a_migrated_conversation(
     wire_uri: str, database: Database[dict[str, Any]]
