@@ -7,8 +7,9 @@ prompts a conversion reads is decided by that same read. A run records each othe
 unplaced problem, `orphan_pending_hitl`, holding the prompt document, for an operator to
 accept; the exit gate looks for them itself, so a prompt the old service records after the
 run is work left too. What is pending is what the converter takes as pending
-(`is_pending_prompt`). One read of `session_hitl`, and a `distinct` on the legacy turns and
-a read of the prompts a conversion takes per thousand pending prompts.
+(`is_pending_prompt`). One read of `session_hitl`; per chunk of a thousand prompts, a
+`distinct` on the legacy turns, a read of the prompts a conversion takes and the chunk's
+records: commands and memory are bounded by the chunk, however many orphans there are.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from migrations import problems as problem_report
 from migrations.explode import LEGACY_FILTER, Explosion, batches, read_session_hitl
 
 ORPHAN_PENDING_HITL = "orphan_pending_hitl"
-_CHUNK = 1000
+CHUNK = 1000
+"""Prompts read, and their orphans recorded or checked, at a time."""
 
 
 def _problem(prompt: Mapping[str, Any]) -> Problem:
@@ -78,24 +80,24 @@ def _alone(db: Database[dict[str, Any]], pending: list[Mapping[str, Any]]) -> It
             yield _problem(prompt)
 
 
-def find(db: Database[dict[str, Any]]) -> list[Problem]:
-    """A problem for every pending prompt of a conversation without legacy turns, in the
-    order of the prompts' ids."""
-    found: list[Problem] = []
+def chunks(db: Database[dict[str, Any]]) -> Iterator[list[Problem]]:
+    """A problem for every pending prompt no conversion reads, a chunk of `CHUNK` prompts at
+    a time, in the order of the prompts' ids: memory holds one chunk."""
     prompts = db[SESSION_HITL].find().sort("_id", 1)
-    for chunk in batches(iter(prompts), _CHUNK):
-        pending = [p for p in chunk if is_pending_prompt(p)]
-        found += _alone(db, pending)
-    return found
+    for chunk in batches(iter(prompts), CHUNK):
+        yield list(_alone(db, [p for p in chunk if is_pending_prompt(p)]))
 
 
 def record(run: Explosion) -> None:
     """A run's last step, once it has gone through every conversation: count the prompts no
     conversation takes and (unless a dry run) make the recorded `orphan_pending_hitl`
-    problems exactly these."""
-    found = find(run.db)
-    run.counts.add_problems(found)
+    problems exactly these: each chunk's recorded as the scan goes, marked with the run, then
+    those of earlier runs the scan did not find again deleted."""
+    for found in chunks(run.db):
+        run.counts.add_problems(found)
+        if not run.options.dry_run:
+            problem_report.record_found(
+                run.db, found, run_id=run.run_id, at=run.undated_at, bounds=run.options.bounds
+            )
     if not run.options.dry_run:
-        problem_report.replace_kind(
-            run.db, ORPHAN_PENDING_HITL, found, at=run.undated_at, bounds=run.options.bounds
-        )
+        problem_report.drop_not_found_by(run.db, ORPHAN_PENDING_HITL, run.run_id)
