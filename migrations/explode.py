@@ -47,6 +47,7 @@ from agent_store.legacy import (
     id_text,
     named_id,
     parse_turns,
+    prompt_conversation,
     prompts_filter,
     with_session_prompts,
 )
@@ -189,21 +190,26 @@ def named(value: Any) -> dict[str, Any]:
 
 
 def read_session_hitl(
-    db: Database[dict[str, Any]], legacy_ids: Mapping[str, str | None]
+    db: Database[dict[str, Any]],
+    legacy_ids: Mapping[str, str | None],
+    *,
+    among: Mapping[str, Any] | None = None,
 ) -> dict[str, list[Any]]:
     """The `session_hitl` prompts of these conversations, by the id each is stored under.
 
     `legacy_ids` gives each stored id the legacy id its turns name: the prompts name that
     one (a conversation stored under a derived id too), read with the filter and the naming
-    the read fallback uses (`prompts_filter`, `id_text`). None names no conversation: none
-    of its prompts can be told apart.
+    the read fallback uses (`prompts_filter`, `prompt_conversation`). None names no
+    conversation: none of its prompts can be told apart. `among` narrows the prompts read
+    (the orphan finder asks which of its prompts a conversion reads).
     """
     found: dict[str, list[Any]] = {stored: [] for stored in legacy_ids}
     stored_as = {legacy: stored for stored, legacy in legacy_ids.items() if legacy is not None}
     if not stored_as:
         return found
-    for doc in db[SESSION_HITL].find({"$or": [prompts_filter(i) for i in stored_as]}):
-        key = named_id(doc.get("conversation_id")) or id_text(doc.get("session_id"))
+    query: dict[str, Any] = {"$or": [prompts_filter(i) for i in stored_as]}
+    for doc in db[SESSION_HITL].find({"$and": [query, among]} if among else query):
+        key = prompt_conversation(doc)
         if key in stored_as:
             found[stored_as[key]].append(doc)
     return found

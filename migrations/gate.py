@@ -179,16 +179,26 @@ def _problem_reasons(
     compared by digest, so content edited after the run or after the acceptance is work
     left."""
     found = Counter(problem_report.digest(p) for p in unplaced)
-    if found - Counter(d for kind, d in recorded if kind not in LIVE_KINDS):
+    return _unplaced_reasons(
+        cid,
+        {p.kind for p in unplaced},
+        unrecorded=bool(found - Counter(d for kind, d in recorded if kind not in LIVE_KINDS)),
+        unaccepted=bool(found - Counter(accepted)),
+    )
+
+
+def _unplaced_reasons(
+    cid: str, kinds: set[str], *, unrecorded: bool, unaccepted: bool
+) -> list[str]:
+    if unrecorded:
         return [
             "content only the legacy data holds is not recorded as it is now (new, or edited "
             "after the run): run the migration again"
         ]
-    if found - Counter(accepted):
-        kinds = ", ".join(sorted({p.kind for p in unplaced}))
+    if unaccepted:
         return [
-            f"content only the legacy data holds ({kinds}; see {problem_report.PROBLEMS}): "
-            f"once it is kept elsewhere, `finish --accept {cid}`"
+            f"content only the legacy data holds ({', '.join(sorted(kinds))}; see "
+            f"{problem_report.PROBLEMS}): once it is kept elsewhere, `finish --accept {cid}`"
         ]
     return []
 
@@ -223,15 +233,26 @@ def check(
 def _check_orphan_prompts(
     db: Database[dict[str, Any]], gate: Gate, accepted: dict[str, list[str]]
 ) -> None:
-    """The pending prompts of conversations without legacy turns, which no conversion takes:
-    each conversation of them passes once they are recorded as they are now, and accepted."""
-    by_conversation: dict[str, list[Problem]] = {}
-    for problem in orphan_prompts.find(db):
-        by_conversation.setdefault(problem.conversation_id, []).append(problem)
-    recorded = problem_report.unplaced(db, by_conversation)
-    for cid, problems in by_conversation.items():
+    """The pending prompts no conversion reads, a chunk at a time: each conversation of them
+    passes once each of its prompts is recorded as it is now, and accepted."""
+    unrecorded: dict[str, bool] = {}
+    unaccepted: dict[str, bool] = {}
+    accepted_of: dict[str, set[str]] = {}
+    for found in orphan_prompts.chunks(db):
+        recorded = problem_report.recorded_found(db, found)
+        for problem in found:
+            cid = problem.conversation_id
+            found_digest = problem_report.digest(problem)
+            if cid not in accepted_of:
+                accepted_of[cid] = set(accepted.get(cid, ()))
+            unrecorded[cid] = unrecorded.get(cid, False) or found_digest not in recorded
+            unaccepted[cid] = unaccepted.get(cid, False) or found_digest not in accepted_of[cid]
+    kinds = {orphan_prompts.ORPHAN_PENDING_HITL}
+    for cid in unrecorded:
         gate.conversations += 1
-        reasons = _problem_reasons(cid, problems, recorded.get(cid, []), accepted.get(cid, []))
+        reasons = _unplaced_reasons(
+            cid, kinds, unrecorded=unrecorded[cid], unaccepted=unaccepted[cid]
+        )
         if reasons:
             gate.left.append(WorkLeft(cid, reasons))
         else:

@@ -1,45 +1,46 @@
-"""Pending `session_hitl` prompts of conversations without any legacy turn.
+"""Pending `session_hitl` prompts no conversion reads: of conversations without any legacy turn.
 
-No conversion takes such a prompt (a conversation's prompts are read with its
-turns), so it would be dropped with the legacy data unseen. A run records each
-as an unplaced problem, `orphan_pending_hitl`, holding the prompt document, for
-an operator to accept; the exit gate looks for them itself, so a prompt the old
-service records after the run is work left too. What is pending is what the
-converter takes as pending (`is_pending_prompt`). One read of
-`session_hitl`, and one `distinct` on the legacy turns per thousand pending prompts.
+A conversion reads a conversation's prompts with its turns (`read_session_hitl`), by the
+conversation each prompt names (`prompt_conversation`); a prompt naming none (a blank id,
+no session) or one without legacy turns would be dropped with the legacy data unseen. Which
+prompts a conversion reads is decided by that same read. A run records each other as an
+unplaced problem, `orphan_pending_hitl`, holding the prompt document, for an operator to
+accept; the exit gate looks for them itself, so a prompt the old service records after the
+run is work left too. What is pending is what the converter takes as pending
+(`is_pending_prompt`). One read of `session_hitl`; per chunk of a thousand prompts, a
+`distinct` on the legacy turns, a read of the prompts a conversion takes and the chunk's
+records: commands and memory are bounded by the chunk, however many orphans there are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import bson
 from pymongo.database import Database
 
 from agent_store.legacy import (
     LEGACY_TURNS,
     SESSION_HITL,
     Problem,
-    id_text,
+    id_filter,
     is_pending_prompt,
+    named_id,
+    prompt_conversation,
 )
 from migrations import problems as problem_report
-from migrations.explode import LEGACY_FILTER, Explosion, batches, named
+from migrations.explode import LEGACY_FILTER, Explosion, batches, read_session_hitl
 
 ORPHAN_PENDING_HITL = "orphan_pending_hitl"
-_CHUNK = 1000
-
-
-def _named_by(prompt: Mapping[str, Any]) -> Any:
-    """The conversation a prompt names, as the migration reads prompts (`read_session_hitl`)."""
-    return prompt.get("conversation_id") or prompt.get("session_id")
+CHUNK = 1000
+"""Prompts read, and their orphans recorded or checked, at a time."""
 
 
 def _problem(prompt: Mapping[str, Any]) -> Problem:
-    named_id = _named_by(prompt)
-    unnamed = f"session_hitl|{prompt.get('_id')}"
+    named = prompt_conversation(prompt)
     return Problem(
-        conversation_id=str(id_text(named_id)) if named_id is not None else unnamed,
+        conversation_id=named if named is not None else f"session_hitl|{prompt.get('_id')}",
         legacy_id=str(prompt.get("_id")),
         kind=ORPHAN_PENDING_HITL,
         detail=(
@@ -50,38 +51,53 @@ def _problem(prompt: Mapping[str, Any]) -> Problem:
     )
 
 
+def _with_turns(db: Database[dict[str, Any]], names: set[str]) -> set[str]:
+    """The conversations of `names` a run converts: those some legacy turn names."""
+    if not names:
+        return set()
+    clauses = [id_filter("conversation_id", name) for name in sorted(names)]
+    query = {"$and": [{"$or": clauses}, LEGACY_FILTER]}
+    found = (named_id(value) for value in db[LEGACY_TURNS].distinct("conversation_id", query))
+    return {name for name in found if name in names}
+
+
+def _key(value: Any) -> bytes:
+    """A document id as a set holds it (BSON: 5 and "5" stay two)."""
+    return bson.encode({"_id": value})
+
+
 def _alone(db: Database[dict[str, Any]], pending: list[Mapping[str, Any]]) -> Iterator[Problem]:
-    """The prompts of `pending` whose conversation no legacy turn names."""
-    named_ids = [_named_by(p) for p in pending if _named_by(p) is not None]
-    found: Iterable[Any] = []
-    if named_ids:
-        query = {"$and": [{"$or": [named(i) for i in named_ids]}, LEGACY_FILTER]}
-        found = db[LEGACY_TURNS].distinct("conversation_id", query)
-    held = {id_text(value) for value in found if value is not None}
+    """The prompts of `pending` no conversion reads, decided by the conversions' own read of
+    prompts (`read_session_hitl`): a prompt naming no conversation, or one without legacy
+    turns, or one that read does not find."""
+    names = {name for p in pending if (name := prompt_conversation(p)) is not None}
+    converted = _with_turns(db, names)
+    among = {"_id": {"$in": [p["_id"] for p in pending]}}
+    read = read_session_hitl(db, {name: name for name in converted}, among=among)
+    held = {_key(doc["_id"]) for docs in read.values() for doc in docs}
     for prompt in pending:
-        named_id = _named_by(prompt)
-        if named_id is None or id_text(named_id) not in held:
+        if _key(prompt["_id"]) not in held:
             yield _problem(prompt)
 
 
-def find(db: Database[dict[str, Any]]) -> list[Problem]:
-    """A problem for every pending prompt of a conversation without legacy turns, in the
-    order of the prompts' ids."""
-    found: list[Problem] = []
+def chunks(db: Database[dict[str, Any]]) -> Iterator[list[Problem]]:
+    """A problem for every pending prompt no conversion reads, a chunk of `CHUNK` prompts at
+    a time, in the order of the prompts' ids: memory holds one chunk."""
     prompts = db[SESSION_HITL].find().sort("_id", 1)
-    for chunk in batches(iter(prompts), _CHUNK):
-        pending = [p for p in chunk if is_pending_prompt(p)]
-        found += _alone(db, pending)
-    return found
+    for chunk in batches(iter(prompts), CHUNK):
+        yield list(_alone(db, [p for p in chunk if is_pending_prompt(p)]))
 
 
 def record(run: Explosion) -> None:
     """A run's last step, once it has gone through every conversation: count the prompts no
     conversation takes and (unless a dry run) make the recorded `orphan_pending_hitl`
-    problems exactly these."""
-    found = find(run.db)
-    run.counts.add_problems(found)
+    problems exactly these: each chunk's recorded as the scan goes, marked with the run, then
+    those of earlier runs the scan did not find again deleted."""
+    for found in chunks(run.db):
+        run.counts.add_problems(found)
+        if not run.options.dry_run:
+            problem_report.record_found(
+                run.db, found, run_id=run.run_id, at=run.undated_at, bounds=run.options.bounds
+            )
     if not run.options.dry_run:
-        problem_report.replace_kind(
-            run.db, ORPHAN_PENDING_HITL, found, at=run.undated_at, bounds=run.options.bounds
-        )
+        problem_report.drop_not_found_by(run.db, ORPHAN_PENDING_HITL, run.run_id)

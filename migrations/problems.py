@@ -8,7 +8,9 @@ digests accepted, so content edited after the run or after the acceptance is
 never dropped as accepted.
 
 Each run replaces the problems of the conversations it converts, so the report
-always says what the current code makes of the legacy turns. A problem whose
+always says what the current code makes of the legacy turns; problems found a chunk at a
+time whatever their conversations (orphan prompts) are recorded as found, marked with the
+run, and the records of their kind the run did not find are then deleted. A problem whose
 content is too large to hold keeps it in GridFS, like a cut message.
 """
 
@@ -43,6 +45,21 @@ def digest(problem: Problem) -> str:
     return hashlib.sha256(bson.encode({"problem": problem.model_dump()})).hexdigest()
 
 
+def _document(
+    problem: Problem, document_id: str, problem_digest: str, *, at: datetime
+) -> tuple[dict[str, Any], FullText | None]:
+    """The problem as a document, and its whole content when too large to hold in one."""
+    document = {"_id": document_id, **problem.model_dump(), "digest": problem_digest}
+    if len(bson.encode(document)) <= PROBLEM_BYTES:
+        return document, None
+    text = dumps(problem.content)[0]
+    full = FullText(
+        blob_id(document_id, "content"), problem.conversation_id, document_id, "content", text, at
+    )
+    document |= {"content": None, "content_blob_id": full.blob_id, "content_length": len(text)}
+    return document, full
+
+
 def problem_documents(
     problems: Sequence[Problem], *, at: datetime
 ) -> tuple[list[dict[str, Any]], list[FullText]]:
@@ -54,28 +71,10 @@ def problem_documents(
     for problem in problems:
         n = ordinal.get(problem.conversation_id, 0)
         ordinal[problem.conversation_id] = n + 1
-        document = {
-            "_id": f"{problem.conversation_id}|{problem.kind}|{n}",
-            **problem.model_dump(),
-            "digest": digest(problem),
-        }
-        if len(bson.encode(document)) > PROBLEM_BYTES:
-            text = dumps(problem.content)[0]
-            full = FullText(
-                blob_id(document["_id"], "content"),
-                problem.conversation_id,
-                document["_id"],
-                "content",
-                text,
-                at,
-            )
-            kept.append(full)
-            document |= {
-                "content": None,
-                "content_blob_id": full.blob_id,
-                "content_length": len(text),
-            }
+        document_id = f"{problem.conversation_id}|{problem.kind}|{n}"
+        document, full = _document(problem, document_id, digest(problem), at=at)
         documents.append(document)
+        kept += [full] if full else []
     return documents, kept
 
 
@@ -100,20 +99,47 @@ def replace(
     _upsert(db, documents, bounds)
 
 
-def replace_kind(
+def found_id(problem: Problem, problem_digest: str) -> str:
+    """The id `record_found` records a problem under: of what it says (conversation, kind,
+    digest), the same on every run whatever else is found with it."""
+    return f"{problem.conversation_id}|{problem.kind}|{problem_digest}"
+
+
+def record_found(
     db: Database[dict[str, Any]],
-    kind: str,
     problems: Sequence[Problem],
     *,
+    run_id: str,
     at: datetime,
     bounds: Bounds,
 ) -> None:
-    """Make the recorded problems of one kind, whatever their conversations, exactly
-    `problems` (all of that kind)."""
-    documents, kept = problem_documents(problems, at=at)
+    """Record problems a run finds a chunk at a time, whatever their conversations: each
+    under `found_id`, marked with the run (`run_id`); `drop_not_found_by` then deletes the
+    records of their kind this run did not find."""
+    documents: list[dict[str, Any]] = []
+    kept: list[FullText] = []
+    for problem in problems:
+        problem_digest = digest(problem)
+        document, full = _document(
+            problem, found_id(problem, problem_digest), problem_digest, at=at
+        )
+        documents.append(document | {"run_id": run_id})
+        kept += [full] if full else []
     full_texts.keep(db, kept, bounds)
-    db[PROBLEMS].delete_many({"kind": kind, "_id": {"$nin": [d["_id"] for d in documents]}})
     _upsert(db, documents, bounds)
+
+
+def drop_not_found_by(db: Database[dict[str, Any]], kind: str, run_id: str) -> None:
+    """Make the recorded problems of `kind` exactly those the run `run_id` recorded
+    (`record_found`): one command, however many there are."""
+    db[PROBLEMS].delete_many({"kind": kind, "run_id": {"$ne": run_id}})
+
+
+def recorded_found(db: Database[dict[str, Any]], problems: Sequence[Problem]) -> set[str]:
+    """The digests of these problems recorded as they are now, unplaced, by `record_found`."""
+    ids = [found_id(p, digest(p)) for p in problems]
+    query = {"_id": {"$in": ids}, "placed": False}
+    return {d.get("digest", "") for d in db[PROBLEMS].find(query, {"digest": 1})}
 
 
 def _upsert(

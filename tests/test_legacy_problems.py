@@ -19,6 +19,7 @@ from agent_store.legacy import (
     group_conversations,
     legacy_turn_documents,
     parse_turns,
+    prompt_conversation,
     prompts_filter,
 )
 from agent_store.store import CONVERSATIONS, MESSAGES
@@ -112,6 +113,33 @@ async def test_a_prompt_naming_a_blank_conversation_is_found_by_its_session(
     prompts = backend.db["session_hitl"]
     await prompts.insert_one({"conversation_id": " ", "session_id": "s-1", "request_id": "r"})
     assert await prompts.count_documents(prompts_filter("s-1")) == 1
+
+
+PROMPT_NAMINGS = {
+    "text": ({"conversation_id": "c-1"}, "c-1"),
+    "number zero, session aside": ({"conversation_id": 0, "session_id": "c-1"}, "0"),
+    "double zero": ({"conversation_id": 0.0, "session_id": "c-1"}, "0.0"),
+    "false": ({"conversation_id": False, "session_id": "c-1"}, "False"),
+    "blank, by its session": ({"conversation_id": " ", "session_id": "s-1"}, "s-1"),
+    "none, by its session": ({"session_id": 7}, "7"),
+    "blank": ({"conversation_id": "   "}, None),
+    "blank and a blank session": ({"conversation_id": "", "session_id": "\t"}, None),
+}
+
+
+@pytest.mark.parametrize(("names", "named"), PROMPT_NAMINGS.values(), ids=list(PROMPT_NAMINGS))
+async def test_a_prompt_belongs_to_the_conversation_whose_prompts_filter_finds_it(
+    backend: Backend, names: dict[str, Any], named: str | None
+) -> None:
+    """One naming of a prompt's conversation (`prompt_conversation`), the one `prompts_filter`
+    finds prompts by: a blank id names none, a falsy one (0, False) names its text."""
+    prompts = backend.db["session_hitl"]
+    await prompts.insert_one({"_id": "p-1", **names, "request_id": "r"})
+
+    assert prompt_conversation(names) == named
+    for name in ("c-1", "0", "0.0", "False", "s-1", "7"):
+        found = await prompts.count_documents(prompts_filter(name))
+        assert found == (1 if name == named else 0), name
 
 
 def test_numbers_written_as_strings_are_read() -> None:

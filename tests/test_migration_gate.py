@@ -28,7 +28,7 @@ from agent_store.legacy import (
 )
 from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
-from migrations import explode, relocate
+from migrations import explode, gate, orphan_prompts, relocate
 from migrations.cli import main
 from migrations.lease import Lease
 from migrations.problems import PROBLEMS
@@ -679,6 +679,109 @@ def test_a_pending_prompt_of_a_conversation_without_legacy_turns_is_kept_and_mus
     assert cli(wire_uri, database, "finish", *accept) == 0
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
     assert "«late»" in kept_text(database)
+
+
+PROMPTS_NO_CONVERSION_READS = {
+    "blank, as blank turns are": ("   ", {"conversation_id": "   "}),
+    "blank, of a session without turns": (" ", {"conversation_id": " ", "session_id": "s-gone"}),
+    "zero, its session with turns": ("c-a", {"conversation_id": 0, "session_id": "c-a"}),
+    "double zero": ("c-a", {"conversation_id": 0.0, "session_id": "c-a"}),
+    "false": ("c-a", {"conversation_id": False, "session_id": "c-a"}),
+}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    ("turns_name", "names"),
+    PROMPTS_NO_CONVERSION_READS.values(),
+    ids=list(PROMPTS_NO_CONVERSION_READS),
+)
+def test_a_pending_prompt_no_conversion_reads_is_an_orphan_however_it_names_its_conversation(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    turns_name: str,
+    names: dict[str, Any],
+) -> None:
+    """Orphan or not is decided by the naming the migration reads prompts by
+    (`prompt_conversation`): a blank id names no conversation, 0 names "0"."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-a", turns_name, 0, "A"))
+    database[SESSION_HITL].insert_one(
+        {**names, "request_id": "r-x", "action": "wire", "status": "pending",
+         "prompt": "Wire 9000 € «orphan»?"}
+    )  # fmt: skip
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert "orphan_pending_hitl" in capsys.readouterr().out
+    assert "«orphan»" in kept_text(database)
+
+
+class CommandSizes(monitoring.CommandListener):
+    def __init__(self) -> None:
+        self.sizes: list[tuple[str, int]] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        self.sizes.append((event.command_name, len(bson.encode(event.command))))
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+def _largest_commands_of_a_run_and_gate(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> dict[str, int]:
+    """The size of the largest command of each name a run and the gate send."""
+    log = CommandSizes()
+    client: MongoClient[dict[str, Any]] = MongoClient(
+        wire_uri, tz_aware=True, event_listeners=[log]
+    )
+    db = client[database.name]
+    try:
+        run = explode.Explosion(db, explode.Options(batch_size=100), lease=None)
+        run.after_all = lambda: orphan_prompts.record(run)
+        run.run(run.plan(None))
+        assert not gate.check(db, undated_at=run.undated_at).open
+    finally:
+        client.close()
+    largest: dict[str, int] = {}
+    for name, size in log.sizes:
+        largest[name] = max(size, largest.get(name, 0))
+    return largest
+
+
+@pytest.mark.wire
+def test_the_commands_and_memory_of_the_orphan_step_are_bounded_however_many_orphans(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run records orphan prompts, and the gate checks them, a chunk of prompts at a time
+    (no command holds every orphan: a `$nin` of all their ids reached 16 MiB at ~390k); a
+    prompt answered since is no longer recorded."""
+    monkeypatch.setattr(orphan_prompts, "CHUNK", 40)
+
+    def orphans(first: int, n: int) -> list[dict[str, Any]]:
+        return [{"conversation_id": f"gone-{i:06d}", "request_id": "r", "status": "pending",
+                 "prompt": "?"} for i in range(first, first + n)]  # fmt: skip
+
+    database[CONVERSATIONS].insert_one(legacy_turn("t-a", "c-a", 0, "A"))
+    database[SESSION_HITL].insert_many(orphans(0, 100))
+    relocate.relocate(database)
+    with_few = _largest_commands_of_a_run_and_gate(wire_uri, database)
+    database[SESSION_HITL].insert_many(orphans(100, 400))
+    database[SESSION_HITL].update_one(
+        {"conversation_id": "gone-000007"}, {"$set": {"resolved": True}}
+    )
+    with_many = _largest_commands_of_a_run_and_gate(wire_uri, database)
+
+    grown = {name: (with_few.get(name), size) for name, size in with_many.items()}
+    assert all(few is not None and size <= few + 64 for few, size in grown.values()), grown
+    recorded = database[PROBLEMS].distinct("conversation_id", {"kind": "orphan_pending_hitl"})
+    assert (len(recorded), "gone-000007" in recorded) == (499, False)
 
 
 @pytest.mark.wire

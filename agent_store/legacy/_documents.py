@@ -116,8 +116,8 @@ def _in_int64(value: int) -> bool:
 
 
 def prompts_filter(conversation_id: str) -> dict[str, Any]:
-    """`session_hitl` documents name their conversation under one of two keys; the session
-    only when they name no conversation, as the migration reads them."""
+    """The `session_hitl` documents of a conversation: they name it under one of two keys, the
+    session only when they name no conversation (`prompt_conversation`)."""
     return {
         "$or": [
             id_filter("conversation_id", conversation_id),
@@ -129,6 +129,14 @@ def prompts_filter(conversation_id: str) -> dict[str, Any]:
             },
         ]
     }
+
+
+def prompt_conversation(prompt: Mapping[str, Any]) -> str | None:
+    """The conversation a `session_hitl` prompt belongs to, as the reader names it
+    (`named_id`): the one its `conversation_id` names, else the one its `session_id` names;
+    None when neither names one. `prompts_filter(name)` finds exactly the prompts so named."""
+    named = named_id(prompt.get("conversation_id"))
+    return named if named is not None else named_id(prompt.get("session_id"))
 
 
 def derived_conversation_id(original: str | None, *, turn_key: str = "") -> str:
