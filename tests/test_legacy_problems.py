@@ -21,6 +21,7 @@ from agent_store.legacy import (
     parse_turns,
     prompt_conversation,
     prompts_filter,
+    with_session_prompts,
 )
 from agent_store.store import CONVERSATIONS, MESSAGES
 from scripts.legacy_corpus import MESSY_START, NOT_AN_IDENTIFIER, messy_corpus
@@ -551,3 +552,62 @@ def test_a_system_prompt_a_system_turn_holds_is_no_problem_in_the_history() -> N
          "user_message": "question", "message_history_json": history(asked)},
     ]  # fmt: skip
     assert convert(turns).problems == []
+
+
+UNHOLDABLE_PARAMS = {
+    "a key with NUL": '{"a\\u0000b": "«9000 EUR»"}',
+    "a lone surrogate": '{"amount": "\\ud800«9000 EUR»"}',
+}
+
+
+@pytest.mark.parametrize("text", UNHOLDABLE_PARAMS.values(), ids=list(UNHOLDABLE_PARAMS))
+def test_json_text_params_a_message_cannot_hold_stay_text(text: str) -> None:
+    """Params read from JSON text become the object only when a message can hold it (and
+    a pending prompt's too): else the text is kept under `value`, and the part is placed."""
+    part = {"type": "hitl", "action": "pay", "params": text, "request_id": "r-1",
+            "prompt": "Pay?"}  # fmt: skip
+    turn = {"_id": "t-a", "conversation_id": "c-a", "created_at": MESSY_START,
+            "user_message": "q", "response_parts": [part]}  # fmt: skip
+    prompt = {"conversation_id": "c-a", "request_id": "r-1", "action": "pay",
+              "status": "pending", "params": text}  # fmt: skip
+
+    conversion = with_session_prompts(convert([turn]), [prompt])
+
+    assert [p.kind for p in conversion.problems] == []
+    action = conversion.messages[-1].hitl_action
+    assert action is not None
+    assert action.params == {"value": text}
+    assert conversion.conversation is not None
+    pending = conversion.conversation.pending_hitl
+    assert pending is not None
+    assert pending.params == {"value": text}
+
+
+def test_a_system_prompt_cut_to_the_message_bound_is_held_by_its_system_message() -> None:
+    big = "«system»" + "S" * 1_200_000
+    history = json.dumps([{"kind": "request", "parts": [
+        {"part_kind": "system-prompt", "content": big},
+        {"part_kind": "user-prompt", "content": "q"}]}])  # fmt: skip
+    system = {"_id": "t-0", "conversation_id": "c-a", "created_at": MESSY_START,
+              "user_message": big, "is_system": True}  # fmt: skip
+    turn = {"_id": "t-a", "conversation_id": "c-a", "created_at": MESSY_START + timedelta(hours=1),
+            "user_message": "q", "response_parts": [{"type": "text", "content": "hi"}],
+            "message_history_json": history}  # fmt: skip
+
+    conversion = convert([system, turn])
+
+    assert conversion.messages[0].truncated  # the system message holds it, cut
+    assert [p.kind for p in conversion.problems if not p.placed] == []
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "hitl", "id": "«req-7»", "action": "pay", "prompt": "Pay?", "params": {}},
+    {"type": "error", "message": "boom", "provider_details": {"trace": "«trace-only»"}},
+], ids=["a hitl part's id", "an error part's provider details"])  # fmt: skip
+def test_bookkeeping_names_are_read_only_on_the_parts_pydantic_ai_writes(
+    part: dict[str, Any],
+) -> None:
+    turn = {"_id": "t-a", "conversation_id": "c-a", "created_at": MESSY_START,
+            "user_message": "q", "response_parts": [part]}  # fmt: skip
+
+    assert [p.kind for p in convert([turn]).problems if not p.placed] == ["unread_field"]

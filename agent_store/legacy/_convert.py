@@ -67,6 +67,7 @@ from agent_store.store import (
     plan_turn,
     shorten,
     validate_identifier,
+    with_texts,
 )
 
 _upload_adapter: TypeAdapter[FileUpload] = TypeAdapter(FileUpload)
@@ -768,7 +769,8 @@ def convert(
     converter = _Converter(conversation_id, rules)
     original = _original_id(converter, turns[0])
     messages, plans = _convert_turns(converter, turns, undated_at or utc_now())
-    _check_history_prompts(converter, turns, messages)
+    whole = {f.blob_id: f.text for plan in plans for f in plan.full_texts}
+    _check_history_prompts(converter, turns, [with_texts(m, whole) for m in messages])
     owner = _owner(converter, turns)
     messages = [
         m.model_copy(update={"seq": seq, "user_id": owner}) for seq, m in enumerate(messages)

@@ -15,6 +15,10 @@ from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any, Literal
 
+import bson
+from pydantic import ValidationError
+
+from agent_store.core import HitlAction
 from agent_store.legacy._documents import LegacyTurn, as_text, dumps, id_text
 
 PartKind = Literal["text", "tool_call", "tool_result", "file_upload", "hitl", "error", "unknown"]
@@ -112,11 +116,19 @@ _OTHER_FIELDS: dict[PartKind, tuple[str, ...]] = {
     "error": (),
 }
 _BOOKKEEPING = ("timestamp", "id", "provider_details", "provider_name")
-"""Fields a part written in Pydantic AI's shape carries that say nothing the transcript
-shows (when and by which provider it was made; the message has its own time)."""
+"""Fields Pydantic AI writes on its text, call and return parts that say nothing the
+transcript shows (when and by which provider it was made; the message has its own time).
+On other kinds they are read as any unknown field is: kept in a problem."""
+_WRITTEN_BY_PYDANTIC_AI = ("text", "tool_call", "tool_result")
 _READ: dict[PartKind, frozenset[str]] = {
     kind: frozenset(
-        {"type", "part_kind", *_BOOKKEEPING, *others, *(n for s in _SPELLINGS[kind] for n in s)}
+        {
+            "type",
+            "part_kind",
+            *(_BOOKKEEPING if kind in _WRITTEN_BY_PYDANTIC_AI else ()),
+            *others,
+            *(n for s in _SPELLINGS[kind] for n in s),
+        }
     )
     for kind, others in _OTHER_FIELDS.items()
 }
@@ -299,7 +311,18 @@ def hitl_params(part: LegacyPart) -> dict[str, Any]:
     if isinstance(part.params, dict):
         return part.params
     found = json_object(part.params) if isinstance(part.params, str) else None
-    return found if found is not None else {"value": part.params}
+    return found if found is not None and _holdable(found) else {"value": part.params}
+
+
+def _holdable(params: dict[str, Any]) -> bool:
+    """Whether a message can hold these params: the store's rule for them (plain JSON, not
+    too deep, no NUL in a key) and text BSON encodes (no lone surrogate)."""
+    try:
+        HitlAction(action="a", params=params, request_id="r")
+        bson.encode({"params": params})
+    except (ValidationError, bson.InvalidDocument, UnicodeEncodeError):
+        return False
+    return True
 
 
 def json_object(text: str) -> dict[str, Any] | None:
