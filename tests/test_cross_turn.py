@@ -348,6 +348,24 @@ def _asks(request_id: str) -> dict[str, Any]:
     return {"role": "assistant", "content": "Sure?", "hitl_action": hitl}
 
 
+async def _reserved_only(
+    logger: AgentMessageLogger,
+    monkeypatch: pytest.MonkeyPatch,
+    messages: list[dict[str, Any]],
+    turn_id: str,
+) -> None:
+    """Log a turn that reserves its `seq`s and stores nothing (the runtime is still writing
+    it, or died after reserving)."""
+
+    async def lost(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("the turn reserved and has not inserted")
+
+    monkeypatch.setattr(logger._messages, "insert_many", lost)
+    with pytest.raises(ConnectionError):
+        await logger.log_messages(CID, messages, turn_id=turn_id)
+    monkeypatch.undo()
+
+
 async def test_popping_a_prompt_then_its_call_leaves_nothing_pending(backend: Backend) -> None:
     runtime = Runtime(backend)
     await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")  # user, call, prompt
@@ -414,14 +432,7 @@ async def _pop_over_a_turn_in_flight(
     """`in_flight` reserves its `seq`s and loses its insert; a later turn lands and is popped
     (Agents SDK `pop_item`); then the retry of `in_flight` stores it."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
-
-    async def lost(*args: Any, **kwargs: Any) -> None:
-        raise ConnectionError("the insert was lost after reserving")
-
-    monkeypatch.setattr(logger._messages, "insert_many", lost)
-    with pytest.raises(ConnectionError):
-        await logger.log_messages(CID, in_flight, turn_id="t-in-flight")
-    monkeypatch.undo()
+    await _reserved_only(logger, monkeypatch, in_flight, "t-in-flight")
     await logger.log_messages(CID, [_book("c-x", "lookup")], turn_id="t-popped")
     await store.pop_last_message(CID)
     assert (await logger.log_messages(CID, in_flight, turn_id="t-in-flight")).replayed
@@ -584,18 +595,13 @@ async def test_a_fork_at_the_last_stored_message_ignores_a_turn_still_being_writ
     call = {"id": "c9", "function": {"name": "pay", "arguments": "{}"}}
     hitl = {"action": "pay", "params": {}, "request_id": "r9"}
 
-    async def crash(*args: Any, **kwargs: Any) -> None:
-        raise ConnectionError("the runtime died after reserving")
-
-    monkeypatch.setattr(logger._messages, "insert_many", crash)
-    with pytest.raises(ConnectionError):
-        await logger.log_messages(
-            CID,
-            [{"role": "assistant", "tool_calls": [call]},
-             {"role": "assistant", "content": "Pay?", "hitl_action": hitl}],
-            turn_id="t2",
-        )  # fmt: skip
-    monkeypatch.undo()
+    await _reserved_only(
+        logger,
+        monkeypatch,
+        [{"role": "assistant", "tool_calls": [call]},
+         {"role": "assistant", "content": "Pay?", "hitl_action": hitl}],
+        "t2",
+    )  # fmt: skip
 
     await logger.fork(CID, 0, "fork-before-t2")
 
@@ -614,13 +620,7 @@ async def test_a_fork_waits_for_a_turn_still_being_written_before_its_point(
     logger = AgentMessageLogger(backend.db)
     await logger.log_messages(CID, [{"role": "user", "content": "hi"}], turn_id="t1")
 
-    async def crash(*args: Any, **kwargs: Any) -> None:
-        raise ConnectionError("the runtime paused after reserving")
-
-    monkeypatch.setattr(logger._messages, "insert_many", crash)
-    with pytest.raises(ConnectionError):
-        await logger.log_messages(CID, [{"role": "user", "content": "slow"}], turn_id="t2")
-    monkeypatch.undo()
+    await _reserved_only(logger, monkeypatch, [{"role": "user", "content": "slow"}], "t2")
     await logger.log_messages(CID, [{"role": "user", "content": "after"}], turn_id="t3")
 
     with pytest.raises(StorageUnavailable, match="still being written at seq 1"):
@@ -864,13 +864,7 @@ async def test_a_fork_cut_before_a_turn_still_being_written_keeps_a_resolved_pro
     )  # fmt: skip
     await store.resolve_hitl(CID, "r1")  # the person answered through the API
 
-    async def crash(*args: Any, **kwargs: Any) -> None:
-        raise ConnectionError("the next turn is still being written")
-
-    monkeypatch.setattr(logger._messages, "insert_many", crash)
-    with pytest.raises(ConnectionError):
-        await logger.log_messages(CID, [{"role": "user", "content": "hello"}], turn_id="t2")
-    monkeypatch.undo()
+    await _reserved_only(logger, monkeypatch, [{"role": "user", "content": "hello"}], "t2")
 
     await logger.fork(CID, 1, "fork-during")
 
@@ -882,11 +876,6 @@ def _calls(*ids: str) -> dict[str, Any]:
         "role": "assistant",
         "tool_calls": [{"id": i, "function": {"name": "book", "arguments": "{}"}} for i in ids],
     }
-
-
-def _asks(request_id: str) -> dict[str, Any]:
-    hitl = {"action": "confirm", "params": {}, "request_id": request_id}
-    return {"role": "assistant", "content": "Sure?", "hitl_action": hitl}
 
 
 async def held_state(
