@@ -855,13 +855,9 @@ async def test_a_fork_cut_before_a_turn_still_being_written_keeps_a_resolved_pro
     """A resolution by request id leaves no message: the conversation remembers it, and a
     fork folding the messages up to its point does not bring the prompt back."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
-    ask = {"action": "delete_account", "params": {}, "request_id": "r1"}
     await logger.log_messages(
-        CID,
-        [{"role": "user", "content": "Delete my account"},
-         {"role": "assistant", "content": "Sure?", "hitl_action": ask}],
-        turn_id="t1",
-    )  # fmt: skip
+        CID, [{"role": "user", "content": "Delete my account"}, _asks("r1")], turn_id="t1"
+    )
     await store.resolve_hitl(CID, "r1")  # the person answered through the API
 
     await _reserved_only(logger, monkeypatch, [{"role": "user", "content": "hello"}], "t2")
