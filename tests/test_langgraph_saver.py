@@ -483,6 +483,28 @@ async def test_a_copied_thread_is_a_fork_that_shares_no_document(backend: Backen
     assert len((await graph.aget_state(source)).values["messages"]) == len(before)
 
 
+async def test_a_thread_that_decided_a_call_again_copies_with_the_call_still_open(
+    backend: Backend,
+) -> None:
+    config = thread()
+    source_id = config["configurable"]["thread_id"]
+    graph = approval_agent(AgentStoreSaver(backend.db))
+    await graph.ainvoke(question(2), config)
+    paused = (await graph.aget_state(config)).config
+    await graph.ainvoke(Command(resume="yes"), config)
+    await graph.aupdate_state(paused, None)  # time travel: call-2 logged again, open
+    target = thread(thread_id=source_id + "-copy")
+    await AgentStoreSaver(backend.db).acopy_thread(source_id, target["configurable"]["thread_id"])
+
+    store = ConversationStore(backend.db)
+    copied = approval_agent(AgentStoreSaver(backend.db))
+    assert (await copied.aget_state(target)).values == (await graph.aget_state(config)).values
+    assert [c.tool_call_id for c in await store.pending_calls(source_id + "-copy")] == ["call-2"]
+    await copied.ainvoke(Command(resume="no"), target)
+    assert await store.pending_calls(source_id + "-copy") == []
+    assert [c.tool_call_id for c in await store.pending_calls(source_id)] == ["call-2"]
+
+
 async def test_a_fork_into_another_users_thread_is_refused_before_anything_is_copied(
     backend: Backend,
 ) -> None:

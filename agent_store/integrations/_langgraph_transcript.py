@@ -469,7 +469,12 @@ def _as_new(message: AgentMessage) -> Mapping[str, Any]:
 
 
 def _turn_chunks(messages: Sequence[AgentMessage]) -> list[list[AgentMessage]]:
-    """The messages in chunks that one turn can log: whole source turns where they fit."""
+    """The messages in chunks that one turn can log: whole source turns where they fit.
+
+    A source turn that makes or answers a call the chunk already made or answered (a
+    call decided again, by time travel) starts a chunk of its own: one turn makes and
+    answers each call once.
+    """
     turns: list[list[AgentMessage]] = []
     for message in messages:
         if turns and turns[-1][-1].turn_id == message.turn_id:
@@ -478,10 +483,24 @@ def _turn_chunks(messages: Sequence[AgentMessage]) -> list[list[AgentMessage]]:
             turns.append([message])
     chunks: list[list[AgentMessage]] = [[]] if turns else []
     for turn in turns:
-        if len(chunks[-1]) + len(turn) > MAX_MESSAGES_PER_TURN:
+        if len(chunks[-1]) + len(turn) > MAX_MESSAGES_PER_TURN or _decides_again(chunks[-1], turn):
             chunks.append([])
         for message in turn:
             if len(chunks[-1]) == MAX_MESSAGES_PER_TURN:
                 chunks.append([])
             chunks[-1].append(message)
     return chunks
+
+
+def _decides_again(chunk: Sequence[AgentMessage], turn: Sequence[AgentMessage]) -> bool:
+    """Whether a turn makes a call the chunk made or answered, or answers one it answered."""
+    made, answered = _calls_of(chunk)
+    makes, answers = _calls_of(turn)
+    return bool(makes & (made | answered) or answers & answered)
+
+
+def _calls_of(messages: Sequence[AgentMessage]) -> tuple[set[str], set[str]]:
+    """The ids of the tool calls the messages make, and of those they answer."""
+    made = {call.id for m in messages for call in m.tool_calls or ()}
+    answered = {m.tool_call_id for m in messages if m.tool_call_id is not None}
+    return made, answered
