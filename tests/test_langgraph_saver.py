@@ -285,6 +285,30 @@ async def test_a_fork_put_again_by_a_new_process_refers_to_the_copies_it_logged(
     assert (await again.aget_tuple(fork.config)).checkpoint == fork.checkpoint
 
 
+async def test_a_fork_put_retried_after_the_thread_went_on_logs_nothing_again(
+    backend: Backend,
+) -> None:
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    graph = approval_agent(AgentStoreSaver(backend.db))
+    await graph.ainvoke(question(2), config)
+    paused = (await graph.aget_state(config)).config
+    await graph.ainvoke(Command(resume="yes"), config)
+    fork = await graph.checkpointer.aget_tuple(await graph.aupdate_state(paused, None))
+    await graph.ainvoke(Command(resume="no"), fork.config)  # the thread goes on
+    store = ConversationStore(backend.db)
+    transcript = await store.transcript(thread_id)
+    of_fork = {"thread_id": thread_id, "checkpoint_id": fork.checkpoint["id"]}
+    document = await backend.db[CHECKPOINTS].find_one(of_fork)
+
+    late = AgentStoreSaver(backend.db)  # a stuck process retries the fork's put
+    await late.aget_tuple(paused)
+    await late.aput(paused, fork.checkpoint, fork.metadata, {})
+    assert await store.transcript(thread_id) == transcript
+    assert await store.pending_calls(thread_id) == []
+    assert await backend.db[CHECKPOINTS].find_one(of_fork) == document  # the same copies
+
+
 async def _latest_document(db: Any, config: dict[str, Any]) -> dict[str, Any]:
     docs = (
         await db[CHECKPOINTS]
