@@ -31,7 +31,9 @@ from agent_store.store import CONVERSATIONS, INDEXES, MESSAGES, SHARD_KEYS
 SHARDED = (MESSAGES, CONVERSATIONS)
 ALLOWED_BROADCASTS: dict[tuple[str, str], str] = {
     ("erase a user", MESSAGES): "erasure deletes every message of one user: rare, administrative",
-    ("claim an account", MESSAGES): "a claim moves every message of one user id to another",
+    ("claim an account", MESSAGES): (
+        "a claim asks which conversations hold one user id's messages (then moves those)"
+    ),
     ("search a user's messages", MESSAGES): (
         "`user_id` equality on the compound text index: each shard reads one user's postings"
     ),

@@ -285,6 +285,30 @@ async def test_a_fork_put_again_by_a_new_process_refers_to_the_copies_it_logged(
     assert (await again.aget_tuple(fork.config)).checkpoint == fork.checkpoint
 
 
+async def test_a_fork_put_retried_after_the_thread_went_on_logs_nothing_again(
+    backend: Backend,
+) -> None:
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    graph = approval_agent(AgentStoreSaver(backend.db))
+    await graph.ainvoke(question(2), config)
+    paused = (await graph.aget_state(config)).config
+    await graph.ainvoke(Command(resume="yes"), config)
+    fork = await graph.checkpointer.aget_tuple(await graph.aupdate_state(paused, None))
+    await graph.ainvoke(Command(resume="no"), fork.config)  # the thread goes on
+    store = ConversationStore(backend.db)
+    transcript = await store.transcript(thread_id)
+    of_fork = {"thread_id": thread_id, "checkpoint_id": fork.checkpoint["id"]}
+    document = await backend.db[CHECKPOINTS].find_one(of_fork)
+
+    late = AgentStoreSaver(backend.db)  # a stuck process retries the fork's put
+    await late.aget_tuple(paused)
+    await late.aput(paused, fork.checkpoint, fork.metadata, {})
+    assert await store.transcript(thread_id) == transcript
+    assert await store.pending_calls(thread_id) == []
+    assert await backend.db[CHECKPOINTS].find_one(of_fork) == document  # the same copies
+
+
 async def _latest_document(db: Any, config: dict[str, Any]) -> dict[str, Any]:
     docs = (
         await db[CHECKPOINTS]
@@ -481,6 +505,28 @@ async def test_a_copied_thread_is_a_fork_that_shares_no_document(backend: Backen
     await saver.adelete_thread(target_id)
     assert await store.transcript(source_id) == before
     assert len((await graph.aget_state(source)).values["messages"]) == len(before)
+
+
+async def test_a_thread_that_decided_a_call_again_copies_with_the_call_still_open(
+    backend: Backend,
+) -> None:
+    config = thread()
+    source_id = config["configurable"]["thread_id"]
+    graph = approval_agent(AgentStoreSaver(backend.db))
+    await graph.ainvoke(question(2), config)
+    paused = (await graph.aget_state(config)).config
+    await graph.ainvoke(Command(resume="yes"), config)
+    await graph.aupdate_state(paused, None)  # time travel: call-2 logged again, open
+    target = thread(thread_id=source_id + "-copy")
+    await AgentStoreSaver(backend.db).acopy_thread(source_id, target["configurable"]["thread_id"])
+
+    store = ConversationStore(backend.db)
+    copied = approval_agent(AgentStoreSaver(backend.db))
+    assert (await copied.aget_state(target)).values == (await graph.aget_state(config)).values
+    assert [c.tool_call_id for c in await store.pending_calls(source_id + "-copy")] == ["call-2"]
+    await copied.ainvoke(Command(resume="no"), target)
+    assert await store.pending_calls(source_id + "-copy") == []
+    assert [c.tool_call_id for c in await store.pending_calls(source_id)] == ["call-2"]
 
 
 async def test_a_fork_into_another_users_thread_is_refused_before_anything_is_copied(

@@ -240,6 +240,20 @@ async def test_claim_moves_every_conversation_and_message(
     assert logged.messages[0].user_id == "user-registered"
 
 
+async def test_a_claim_moves_the_messages_a_chunk_of_conversations_at_a_time(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agent_store.store import _reads
+
+    monkeypatch.setattr(_reads, "CLAIM_CHUNK", 2)
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db, rules=NO_GRACE)
+    for cid in ("c-1", "c-2", "c-3"):
+        await logger.log_messages(cid, [{"role": "user", "content": cid}], user_id=OWNER)
+    claimed = await store.claim(OWNER, "user-registered")
+    assert (claimed.conversations, claimed.messages) == (3, 3)
+    assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
+
+
 async def test_export_user_yields_each_conversation_with_its_transcript(
     store: ConversationStore,
 ) -> None:
@@ -430,6 +444,32 @@ async def test_a_conversation_created_as_the_claim_starts_is_the_new_owners_with
     assert (await store.get_conversation("c-new")).user_id == NEW_OWNER
     stored = await backend.db.agent_messages.find({"conversation_id": "c-new"}).to_list(None)
     assert [m["user_id"] for m in stored] == [NEW_OWNER]
+
+
+async def test_a_conversation_the_guest_starts_between_the_claims_two_moves_keeps_its_messages(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim moved the conversations; before it moves the messages, the guest (its tab
+    still open) starts a new conversation: it stays the guest's, and so does its message."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=NO_GRACE)
+    await logger.log_messages("c-old", [{"role": "user", "content": "hi"}], user_id=OWNER)
+    move_conversations = store._conversations.update_many
+
+    async def then_a_new_conversation(*args: Any, **kwargs: Any) -> Any:
+        moved = await move_conversations(*args, **kwargs)
+        await logger.log_messages("c-new", [{"role": "user", "content": "new chat"}],
+                                  user_id=OWNER, owner_only=True)  # fmt: skip
+        return moved
+
+    monkeypatch.setattr(store._conversations, "update_many", then_a_new_conversation)
+    claimed = await store.claim(OWNER, NEW_OWNER)
+
+    assert (claimed.conversations, claimed.messages) == (1, 1)
+    assert (await store.get_conversation("c-new")).user_id == OWNER
+    seen = await store.transcript("c-new", user_id=OWNER)
+    assert [(m.content, m.user_id) for m in seen] == [("new chat", OWNER)]
+    assert [m.content for m in await store.transcript("c-old", user_id=NEW_OWNER)] == ["hi"]
 
 
 async def _a_slow_turn_landing_in_a_recreated_id(

@@ -169,11 +169,14 @@ class TranscriptLink:
                 calls = open_calls(messages)
             else:
                 calls = open_calls(messages, start=len(base.messages), before=base.open_calls)
-            segments, places, after = await self._places(
+            segments, places, copies = await self._places(
                 state, thread_id, owner, messages, base, calls
             )
             new = [p for p in places if isinstance(p, _New)]
-            extras = await self._log(state, thread_id, parent_id, new, owner, after) if new else []
+            fork_id = checkpoint_id if copies else None  # names the copies' turn
+            extras = []
+            if new:
+                extras = await self._log(state, thread_id, parent_id, new, owner, fork_id)
             seqs = iter(int(e["seq"]) for e in extras)
             resolved = [next(seqs) if isinstance(p, _New) else p for p in places]
             segments = place_all(segments, resolved)
@@ -188,10 +191,9 @@ class TranscriptLink:
         messages: list[BaseMessage],
         base: _Head | None,
         calls: Sequence[OpenCall],
-    ) -> tuple[list[Segment], list[int | BaseMessage | _New], int | None]:
+    ) -> tuple[list[Segment], list[int | BaseMessage | _New], bool]:
         """The segments kept from the parent (`base`, when the messages extend it) and the
-        places of the other messages; the transcript's length when a branch logs messages
-        again (`_branch`), else None.
+        places of the other messages; whether a branch logs messages again (`_branch`).
 
         The transcript is read to its end for a branch (no `base`), and for open calls
         that may be answered further on: the parent's, when it was read by its id (time
@@ -206,7 +208,7 @@ class TranscriptLink:
         places = [_place(state, m, appended=base is not None) for m in messages[start:]]
         made_again = any(i >= start and isinstance(places[i - start], int) for i, _ in calls)
         if not calls or (settled and not made_again):
-            return segments, places, None
+            return segments, places, False
         if not read:
             await self._load(state, thread_id, owner, start=state.loaded_until, stop=None)
         return _branch(state, messages, segments, places, calls)
@@ -218,7 +220,7 @@ class TranscriptLink:
         parent_id: str | None,
         new: Sequence[_New],
         owner: Owner,
-        after: int | None,
+        fork_id: str | None,
     ) -> list[dict[str, Any]]:
         """Log new messages as one turn; answer, per message, what the format lacks.
 
@@ -226,8 +228,10 @@ class TranscriptLink:
         not by the new checkpoint's id: when LangGraph re-runs a step after a crash
         between this write and the checkpoint's, the same messages are recognised as
         that turn (the logger replays it) instead of being stored again. A branch's
-        messages logged again are named by the transcript's length too (`after`): a
-        second branch from the same checkpoint logs copies of its own.
+        messages logged again are named by the new checkpoint's id too (`fork_id`): a
+        second branch from the same checkpoint logs copies of its own, and the same
+        branch's put retried, however far the thread went on since, is answered the
+        copies it logged.
         """
         stored_new = [n.stored for n in new]
         logged = await self._logger.log_messages(
@@ -235,7 +239,7 @@ class TranscriptLink:
             stored_new,
             user_id=owner.user_id,
             owner_only=owner.user_id is not None,
-            turn_id=_step_turn_id(parent_id, stored_new, after),
+            turn_id=_step_turn_id(parent_id, stored_new, fork_id),
         )
         extras: list[dict[str, Any]] = []
         for item, stored in zip(new, logged.messages, strict=True):
@@ -404,26 +408,26 @@ def _branch(
     segments: list[Segment],
     places: list[int | BaseMessage | _New],
     calls: Sequence[OpenCall],
-) -> tuple[list[Segment], list[int | BaseMessage | _New], int | None]:
+) -> tuple[list[Segment], list[int | BaseMessage | _New], bool]:
     """The segments and places of a branch whose open calls the transcript (read to its end)
     answers further on: from the first, its stored messages become copies to log, unless
-    the transcript's tail already holds them (a retried put). Answers the transcript's
-    length to name the copies' turn by, or None when nothing is copied."""
+    the transcript's tail already holds them (a step re-run after a crash). Answers
+    whether anything is copied."""
     whole: list[int | BaseMessage | _New] = [*places_of(segments), *places]
     end = state.loaded_until
     start = logged_again_from(whole, calls, state.by_seq, end)
     if start is None:
-        return segments, places, None
+        return segments, places, False
     held = already_at_tail(messages, whole, start, state.by_seq, end)
     if held is not None:
         seqs = iter(held)
         kept = [p if isinstance(p, BaseMessage) else next(seqs) for p in whole[start:]]
-        return [], [*whole[:start], *kept], None
+        return [], [*whole[:start], *kept], False
     copies = [
         _copy(messages[i]) if isinstance(whole[i], int) else whole[i]
         for i in range(start, len(messages))
     ]
-    return [], [*whole[:start], *copies], end
+    return [], [*whole[:start], *copies], True
 
 
 def _assemble(state: _Thread, thread_id: str, segments: Sequence[Segment]) -> list[BaseMessage]:
@@ -444,12 +448,14 @@ def _assemble(state: _Thread, thread_id: str, segments: Sequence[Segment]) -> li
 
 
 def _step_turn_id(
-    parent_id: str | None, messages: Sequence[AgentMessage], after: int | None
+    parent_id: str | None, messages: Sequence[AgentMessage], fork_id: str | None
 ) -> str:
     """The turn of the messages a checkpoint adds to its parent's: named by both (and by the
-    transcript's length when a branch logs messages again)."""
+    new checkpoint's id, `fork_id`, when a branch logs messages again)."""
     content = [m.model_dump(mode="json", exclude={"created_at"}) for m in messages]
-    named_by: list[Any] = [parent_id, content] if after is None else [parent_id, content, after]
+    named_by: list[Any] = [parent_id, content]
+    if fork_id is not None:
+        named_by.append(fork_id)
     named = json.dumps(named_by, sort_keys=True, ensure_ascii=False)
     return "lg-" + hashlib.sha256(named.encode()).hexdigest()[:32]
 
@@ -469,7 +475,12 @@ def _as_new(message: AgentMessage) -> Mapping[str, Any]:
 
 
 def _turn_chunks(messages: Sequence[AgentMessage]) -> list[list[AgentMessage]]:
-    """The messages in chunks that one turn can log: whole source turns where they fit."""
+    """The messages in chunks that one turn can log: whole source turns where they fit.
+
+    A source turn that makes or answers a call the chunk already made or answered (a
+    call decided again, by time travel) starts a chunk of its own: one turn makes and
+    answers each call once.
+    """
     turns: list[list[AgentMessage]] = []
     for message in messages:
         if turns and turns[-1][-1].turn_id == message.turn_id:
@@ -478,10 +489,24 @@ def _turn_chunks(messages: Sequence[AgentMessage]) -> list[list[AgentMessage]]:
             turns.append([message])
     chunks: list[list[AgentMessage]] = [[]] if turns else []
     for turn in turns:
-        if len(chunks[-1]) + len(turn) > MAX_MESSAGES_PER_TURN:
+        if len(chunks[-1]) + len(turn) > MAX_MESSAGES_PER_TURN or _decides_again(chunks[-1], turn):
             chunks.append([])
         for message in turn:
             if len(chunks[-1]) == MAX_MESSAGES_PER_TURN:
                 chunks.append([])
             chunks[-1].append(message)
     return chunks
+
+
+def _decides_again(chunk: Sequence[AgentMessage], turn: Sequence[AgentMessage]) -> bool:
+    """Whether a turn makes a call the chunk made or answered, or answers one it answered."""
+    made, answered = _calls_of(chunk)
+    makes, answers = _calls_of(turn)
+    return bool(makes & (made | answered) or answers & answered)
+
+
+def _calls_of(messages: Sequence[AgentMessage]) -> tuple[set[str], set[str]]:
+    """The ids of the tool calls the messages make, and of those they answer."""
+    made = {call.id for m in messages for call in m.tool_calls or ()}
+    answered = {m.tool_call_id for m in messages if m.tool_call_id is not None}
+    return made, answered

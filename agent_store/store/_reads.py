@@ -71,6 +71,9 @@ STREAM_FIRST_BATCH = 32
 STREAM_BATCH = 1000
 STREAM_BATCH_BYTES = 1_048_576
 MAX_SEARCH_QUERY_CHARS = 500
+# Conversation ids per command of a claim's message moves: each command stays small however
+# many conversations the account has.
+CLAIM_CHUNK = 1000
 SortOrder = Literal["asc", "desc"]
 
 
@@ -770,57 +773,63 @@ class ConversationStore:
         """Move every conversation and message of one user id to another.
 
         Conversations move first: a turn logged meanwhile takes its owner from
-        the conversation document, so it is stamped with the new owner. A turn
-        reserved before, under the old owner, whose messages land after the
-        messages moved is moved by a last sweep `TurnRules.claim_grace` later,
-        or, slower than that, by its logger (`AgentMessageLogger.log_messages`).
+        the conversation document, so it is stamped with the new owner. Then the
+        messages of the conversations the new owner holds move
+        (`_move_claimed_messages`): a conversation the old owner starts between the
+        two moves stays its own, with its messages. A turn reserved before, under
+        the old owner, whose messages land after the messages moved is moved by a
+        last sweep `TurnRules.claim_grace` later, or, slower than that, by its
+        logger (`AgentMessageLogger.log_messages`).
         """
         from_user_id = validate_identifier(from_user_id, "from_user_id")
         to_user_id = validate_identifier(to_user_id, "to_user_id")
         if from_user_id == to_user_id:
             raise InvalidInput("invalid claim: the two user ids are the same")
-        old_owner, new_owner = {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
         with storage_errors("claim the conversations"):
-            conversations = await self._conversations.update_many(old_owner, new_owner)
-            messages = await self._messages.update_many(old_owner, new_owner)
+            conversations = await self._conversations.update_many(
+                {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
+            )
+        messages = await self._move_claimed_messages(from_user_id, to_user_id)
         # Not migrated yet, or kept for rollback: they must follow their owner too.
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.claim(from_user_id, to_user_id)
         late = 0
         if conversations.modified_count:
-            late = await self._sweep_claimed(from_user_id, to_user_id)
+            await asyncio.sleep(self._rules.claim_grace.total_seconds())
+            late = await self._move_claimed_messages(from_user_id, to_user_id)
         return Claimed(
             conversations=conversations.modified_count,
-            messages=messages.modified_count + late,
+            messages=messages + late,
             legacy_turns=legacy,
         )
 
-    async def _sweep_claimed(self, from_user_id: str, to_user_id: str) -> int:
-        """The messages turns reserved under the old owner inserted since the claim moved the
-        messages, into conversations the new owner holds now: moved `claim_grace` later (a
-        turn slower than that moves its own).
+    async def _move_claimed_messages(self, from_user_id: str, to_user_id: str) -> int:
+        """Move to the new owner the messages still under the old owner in conversations the
+        new owner holds; answer how many. Run as the claim moved the conversations, and as
+        its last sweep `claim_grace` later (a turn slower than that moves its own).
 
-        Which conversations is asked once the wait is over, of the messages still under the
-        old owner (those of late turns, and of conversations the old owner started after the
-        claim moved the conversations, which stay its own): a conversation a turn created
-        just as the claim started was moved with the others without being listed before.
+        Scoped to the conversations, not to the old owner: a conversation the old owner
+        started after the claim moved the conversations stays its own, with its messages;
+        one a turn created just as the claim started was moved with the others without
+        being listed before. Which conversations is asked of the messages' conversation
+        ids, `CLAIM_CHUNK` at a time, so each command stays small.
         """
-        await asyncio.sleep(self._rules.claim_grace.total_seconds())
+        moved = 0
         with storage_errors("claim the conversations"):
             written = await self._messages.distinct("conversation_id", {"user_id": from_user_id})
-            if not written:
-                return 0
-            claimed = await self._conversations.distinct(
-                "_id", {"_id": {"$in": written}, "user_id": to_user_id}
-            )
-            if not claimed:
-                return 0
-            late = await self._messages.update_many(
-                {"user_id": from_user_id, "conversation_id": {"$in": claimed}},
-                {"$set": {"user_id": to_user_id}},
-            )
-        return int(late.modified_count)
+            for start in range(0, len(written), CLAIM_CHUNK):
+                claimed = await self._conversations.distinct(
+                    "_id",
+                    {"_id": {"$in": written[start : start + CLAIM_CHUNK]}, "user_id": to_user_id},
+                )
+                if claimed:
+                    result = await self._messages.update_many(
+                        {"user_id": from_user_id, "conversation_id": {"$in": claimed}},
+                        {"$set": {"user_id": to_user_id}},
+                    )
+                    moved += result.modified_count
+        return moved
 
     async def export_user(
         self, user_id: str, *, full: bool = False
