@@ -111,6 +111,11 @@ def _write_ratios(series: dict[str, Series]) -> dict[str, Any]:
             metric: paired_ratio(logger, series[other], metric)
             for metric in ("network_wall", "wall", "cpu", "ours")
         }
+    if "raw two" in series and "langchain" in series:
+        # The floor under the logger's target against langchain: its two commands alone.
+        ratios["raw two / langchain"] = {
+            "network_wall": paired_ratio(series["raw two"], series["langchain"], "network_wall")
+        }
     return ratios
 
 
