@@ -113,7 +113,11 @@ class Authenticator:
             )
         except jwt.PyJWTError as exc:
             raise Unauthorized(f"invalid user token: {exc}") from exc
-        lifetime = claims["exp"] - claims["iat"]
+        times = (claims["exp"], claims["iat"])
+        if not all(isinstance(t, int | float) and not isinstance(t, bool) for t in times):
+            # PyJWT accepts any text int() reads; RFC 7519 times are JSON numbers.
+            raise Unauthorized("invalid user token: `exp` and `iat` must be numbers")
+        lifetime = times[0] - times[1]
         if lifetime > self._max_lifetime:
             raise Unauthorized(
                 f"invalid user token: its lifetime (exp - iat) is {lifetime:.0f} s; "

@@ -60,10 +60,13 @@ def user_turn(**overrides: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "hi"} | overrides]}
 
 
-def forged_cursor(millis: int) -> str:
-    """A page cursor as the store writes one, with a time no datetime holds."""
-    return base64.urlsafe_b64encode(json.dumps([millis, "conv-x"]).encode()).decode()
+def forged_cursor(millis: int, conversation_id: str = "conv-x") -> str:
+    """A page cursor as the store writes one, with a time no datetime holds (or an id no
+    database can hold)."""
+    return base64.urlsafe_b64encode(json.dumps([millis, conversation_id]).encode()).decode()
 
+
+LONE_HALF_CURSOR = forged_cursor(0, "\ud800")  # JSON holds a lone UTF-16 half; BSON cannot
 
 QUERY_INJECTIONS = [
     pytest.param(f"{USER}/conversations?limit[$gt]=0", id="limit-operator-key"),
@@ -72,6 +75,7 @@ QUERY_INJECTIONS = [
     pytest.param(f"{USER}/conversations?cursor={forged_cursor(10**30)}", id="cursor-time-10**30"),
     pytest.param(f"{USER}/conversations?cursor={forged_cursor(2**1024)}", id="cursor-time-2**1024"),
     pytest.param(f"{USER}/conversations?cursor={forged_cursor(-(10**30))}", id="cursor-time-minus"),
+    pytest.param(f"{USER}/conversations?cursor={LONE_HALF_CURSOR}", id="cursor-id-surrogate"),
     pytest.param('/v1/users/{"$ne":null}/conversations', id="user-path-json"),
     pytest.param("/v1/users/$ne/conversations", id="user-path-dollar"),
     pytest.param('/v1/conversations/{"$gt":""}/transcript', id="conversation-path-json"),
@@ -188,6 +192,8 @@ FORGED = {
     "wrong-secret": lambda keys: user_token(OTHER, key="another-secret-of-enough-length!!"),
     "expired": lambda keys: user_token(OTHER, expires_in=-3600),
     "no-exp": lambda keys: user_token(OTHER, exp=None),
+    "exp-as-text": lambda keys: user_token(OTHER, exp=str(int(time.time()) + 300)),
+    "iat-as-text": lambda keys: user_token(OTHER, iat=str(int(time.time()))),
     "wrong-audience": lambda keys: user_token(OTHER, aud="another-service"),
     "no-audience": lambda keys: user_token(OTHER, aud=None),
     "wrong-issuer": lambda keys: user_token(OTHER, iss="https://evil.example"),

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pymongo import AsyncMongoClient
+from pymongo import AsyncMongoClient, errors
 from pymongo.errors import AutoReconnect
 
 from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, StorageUnavailable
-from agent_store.store import plan_turn
+from agent_store.store import plan_turn, storage_errors
 from app.examples import example_turns
 from tests.conftest import Backend
 
@@ -156,6 +156,29 @@ async def test_an_unreachable_database_is_reported_as_retryable_and_nothing_is_l
     finally:
         await client.close()
         collect_refused_sockets()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        pytest.param(errors.AutoReconnect("connection reset"), id="connection-lost"),
+        pytest.param(errors.ServerSelectionTimeoutError("no primary"), id="no-server"),
+        pytest.param(errors.NetworkTimeout("timed out"), id="network-timeout"),
+        pytest.param(errors.ExecutionTimeout("maxTimeMS"), id="execution-timeout"),
+        pytest.param(errors.WaitQueueTimeoutError("pool full"), id="connection-pool-full"),
+        pytest.param(errors.WTimeoutError("waiting for replication"), id="write-concern-timeout"),
+    ],
+)
+def test_errors_that_may_pass_on_their_own_are_reported_as_retryable(
+    error: errors.PyMongoError,
+) -> None:
+    """What may pass on its own (a busy pool, a lost connection, a timeout, even one after the
+    write was applied) is StorageUnavailable, the one error `with_retries` retries."""
+    with (
+        pytest.raises(StorageUnavailable, match="could not reserve the turn"),
+        storage_errors("reserve the turn"),
+    ):
+        raise error
 
 
 def collect_refused_sockets() -> None:

@@ -66,10 +66,19 @@ def storage_errors(action: str) -> Iterator[None]:
         yield
     except StoreError:
         raise
-    except (mongo_errors.ServerSelectionTimeoutError, mongo_errors.AutoReconnect) as exc:
-        raise StorageUnavailable(f"could not {action}: the database is unreachable") from exc
     except (mongo_errors.NetworkTimeout, mongo_errors.ExecutionTimeout) as exc:
         raise StorageUnavailable(f"could not {action}: the database timed out") from exc
+    except mongo_errors.WaitQueueTimeoutError as exc:
+        raise StorageUnavailable(
+            f"could not {action}: no connection to the database was free in time"
+        ) from exc
+    except mongo_errors.WTimeoutError as exc:
+        # The write may be applied: sent again, an idempotent write replays it.
+        raise StorageUnavailable(
+            f"could not {action}: the database timed out waiting for replication"
+        ) from exc
+    except mongo_errors.ConnectionFailure as exc:  # AutoReconnect, server selection, ...
+        raise StorageUnavailable(f"could not {action}: the database is unreachable") from exc
     except mongo_errors.DocumentTooLarge as exc:
         raise InvalidInput(f"could not {action}: a document is too large") from exc
     except mongo_errors.OperationFailure as exc:

@@ -129,6 +129,7 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
         millis, conversation_id = json.loads(base64.urlsafe_b64decode(padded.encode()))
         if not isinstance(millis, int) or not isinstance(conversation_id, str):
             raise ValueError
+        conversation_id.encode()  # UnicodeEncodeError (a ValueError) for a lone surrogate
         return datetime.fromtimestamp(millis / 1000, UTC), conversation_id
     except (ValueError, TypeError, OverflowError, OSError, binascii.Error) as exc:
         raise InvalidInput(
