@@ -445,6 +445,52 @@ async def test_a_run_reusing_a_call_id_is_logged_whole(backend: Backend) -> None
     assert len({c.id for m in stored for c in m.tool_calls or ()}) == 2
 
 
+async def test_a_resumed_run_calling_again_under_the_approved_calls_id_is_logged(
+    backend: Backend,
+) -> None:
+    """A provider numbering calls per response: the resumed run returns the approved `call_0`
+    of the run before, then calls another tool as `call_0` and pauses again. The new call is
+    stored renamed (its id is the earlier call's in this conversation), and pending."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        made = sum(isinstance(m, ModelResponse) for m in messages)
+        if made < 2:
+            tool, args = [("book_train", {"train": "TGV"}), ("book_hotel", {"hotel": "Ritz"})][made]
+            return ModelResponse(parts=[ToolCallPart(tool, args, tool_call_id="call_0")])
+        return ModelResponse(parts=[TextPart("Both booked.")])
+
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        FunctionModel(respond), output_type=[str, DeferredToolRequests]
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def book_train(train: str) -> str:
+        return f"booked {train}"
+
+    @agent.tool_plain(requires_approval=True)
+    def book_hotel(hotel: str) -> str:
+        return f"booked {hotel}"
+
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    first = await agent.run("Book the train, then the hotel.")
+    await log_run(logger, CID, first.new_messages(), turn_id="run-1")
+    resumed = await agent.run(
+        message_history=history_from_messages(await store.transcript(CID)),
+        deferred_tool_results=DeferredToolResults(approvals={"call_0": True}),
+    )
+    await log_run(logger, CID, resumed.new_messages(), turn_id="run-2")
+
+    pending = await store.pending_calls(CID)
+    assert [(c.tool_name, c.tool_call_id) for c in pending] == [("book_hotel", "call_0_2")]
+    last = await agent.run(
+        message_history=history_from_messages(await store.transcript(CID)),
+        deferred_tool_results=DeferredToolResults(approvals={"call_0_2": True}),
+    )
+    await log_run(logger, CID, last.new_messages(), turn_id="run-3")
+    assert last.output == "Both booked."
+    assert await store.pending_calls(CID) == []
+
+
 async def test_a_history_of_more_messages_than_one_turn_holds_is_rebuilt(backend: Backend) -> None:
     """1,200 messages: more than a turn may hold (1,000), as a long conversation has."""
     logger = AgentMessageLogger(backend.db)

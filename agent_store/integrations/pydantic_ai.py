@@ -121,7 +121,9 @@ def _with_unique_call_ids(messages: list[AgentMessage]) -> list[AgentMessage]:
 
     Some providers number calls per response, so one run can hold `call_0`
     twice. A result answers the oldest call of its id not answered yet, which
-    is the order Pydantic AI returns them in.
+    is the order Pydantic AI returns them in. A result answering a call of an earlier
+    run (resumed after approval) takes its id too: a call the run makes later under
+    that id is renamed.
     """
     used: set[str] = set()
     unanswered: dict[str, list[str]] = {}
@@ -143,6 +145,8 @@ def _with_unique_call_ids(messages: list[AgentMessage]) -> list[AgentMessage]:
         elif message.tool_call_id and unanswered.get(message.tool_call_id):
             answered = unanswered[message.tool_call_id].pop(0)
             message = message.model_copy(update={"tool_call_id": answered})
+        elif message.tool_call_id:
+            used.add(message.tool_call_id)  # an earlier run's call: its id is taken
         renamed.append(message)
     return renamed
 
