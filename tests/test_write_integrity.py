@@ -289,6 +289,7 @@ class SlowInsert:
     """Holds a logger's insert until released: a writer whose second write is slow (or lost)."""
 
     def __init__(self, logger: AgentMessageLogger) -> None:
+        self.logger = logger
         self.reserved = asyncio.Event()
         self.release = asyncio.Event()
         real = logger._messages  # the seam between the logger and the driver
@@ -346,6 +347,41 @@ async def test_a_reservation_abandoned_for_longer_than_the_rules_allow_is_passed
 
     assert [m.content for m in page.data] == ["B1"]
     writer_a.cancel()
+
+
+async def test_a_turn_retried_after_readers_passed_its_empty_block_is_stored_after_them(
+    backend: Backend,
+) -> None:
+    """An outbox logs again, later than `abandon_after` (0 here), a turn whose first attempt
+    reserved seq 1-2 and died: readers following the tail have passed that block, so the turn
+    takes a new one at the end (once, counted once) and the follower sees every message."""
+    rules = TurnRules(abandon_after=timedelta(0))
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    first = await logger.log_messages(CID, [{"role": "user", "content": "m0"}], turn_id="t0")
+    held = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    dead = asyncio.create_task(held.logger.log_messages(CID, turn("late"), turn_id="late"))
+    await held.reserved.wait()
+    dead.cancel()  # the process died between its two writes
+    await logger.log_messages(CID, [{"role": "user", "content": "m3"}], turn_id="t3")
+    reader = ConversationStore(backend.db, rules=rules)
+    page = await reader.messages_page(CID, after=first.messages[0].id, limit=50)
+    seen = [m.content for m in page.data]
+
+    retried = await logger.log_messages(CID, turn("late"), turn_id="late")
+    again = await logger.log_messages(CID, turn("late"), turn_id="late")
+    page = await reader.messages_page(CID, after=page.last_id, limit=50)
+    seen += [m.content for m in page.data]
+
+    assert seen == ["m3", "late?", "late!"]
+    assert [m.seq for m in retried.messages] == [m.seq for m in again.messages] == [4, 5]
+    assert (retried.replayed, again.replayed) == (True, True)
+    stored = await backend.db[MESSAGES].find({"conversation_id": CID}).sort("seq", 1).to_list(None)
+    assert [(m["seq"], m["content"]) for m in stored] == [
+        (0, "m0"), (3, "m3"), (4, "late?"), (5, "late!")
+    ]  # fmt: skip
+    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert (conversation["message_count"], conversation["turn_count"]) == (6, 3)
+    assert conversation["usage"] == {"input_tokens": 1, "output_tokens": 1}
 
 
 # -- a property: anything a caller sends is stored faithfully or refused whole ----------------

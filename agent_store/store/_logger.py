@@ -72,6 +72,7 @@ from agent_store.store._reservation import (
     RecordedBlock,
     literal,
     recorded_block,
+    relocation,
     reservation,
     reservation_filter,
 )
@@ -429,11 +430,7 @@ class AgentMessageLogger:
         A `condition` adds to the reservation's filter and update; when the
         conversation exists but does not meet it, its `refusal` is raised.
         """
-        if plan.turn_id.startswith(MIGRATED_TURN_PREFIX):
-            raise InvalidInput(
-                f"turn id {plan.turn_id!r}: ids starting with {MIGRATED_TURN_PREFIX!r} name "
-                "migrated legacy turns; a live turn takes another id"
-            )
+        _refuse_migrated_turn_id(plan.turn_id)
         complete = True
         may_create = condition is None or condition.create
         # Wired to legacy turns, a new conversation is first checked against them; an id
@@ -468,7 +465,10 @@ class AgentMessageLogger:
                     complete = False
                     continue
             if block is not None:
-                return _replay(plan, block, found)
+                replayed = await self._replayed(plan, block, found)
+                if replayed is not None:
+                    return replayed
+                continue  # another attempt moved the turn meanwhile: its new block is recorded
             if condition is not None:
                 raise condition.refusal
             # Otherwise a race was lost (the conversation was just created): reserve again.
@@ -503,6 +503,34 @@ class AgentMessageLogger:
             except DuplicateKeyError:
                 return None
         return doc
+
+    async def _replayed(
+        self, plan: TurnPlan, block: RecordedBlock, conversation: dict[str, Any]
+    ) -> _Reserved | None:
+        """A retry's block: the one its first attempt reserved, unless tail readers may have
+        passed it (reserved `abandon_after` ago) and none of its messages is there: then a
+        new block at the end (`relocation`; a reader following the tail never looks back),
+        at the cost of one lookup and one update more. None when another attempt moved the
+        turn meanwhile. A turn that stored part of its block completes it in place."""
+        reserved = _replay(plan, block, conversation)
+        at = block.reserved_at
+        if at is None or utc_now() - at < self.rules.abandon_after:
+            return reserved
+        if await self._stored_in(plan, block):
+            return reserved
+        query, pipeline = relocation(plan, block, self.rules, utc_now())
+        with storage_errors("move the turn to a new block"):
+            doc: dict[str, Any] | None = await self._conversations.find_one_and_update(
+                query, pipeline, projection=RESERVED, return_document=ReturnDocument.AFTER
+            )
+        if doc is None:
+            return None
+        return replace(
+            reserved,
+            first_seq=int(doc["message_count"]) - plan.count,
+            owner=doc.get("user_id"),
+            created_at=doc.get("created_at"),
+        )
 
     async def _refuse_unmigrated(self, conversation_id: str, actor: Actor) -> None:
         """Refuse a new conversation whose id exists as legacy turns not migrated yet."""
@@ -692,6 +720,14 @@ def _replay(plan: TurnPlan, block: RecordedBlock, conversation: dict[str, Any]) 
         created_at=conversation.get("created_at"),
         conversation=summary,
     )
+
+
+def _refuse_migrated_turn_id(turn_id: str) -> None:
+    if turn_id.startswith(MIGRATED_TURN_PREFIX):
+        raise InvalidInput(
+            f"turn id {turn_id!r}: ids starting with {MIGRATED_TURN_PREFIX!r} name "
+            "migrated legacy turns; a live turn takes another id"
+        )
 
 
 def _other_content(plan: TurnPlan) -> Conflict:

@@ -68,6 +68,8 @@ class RecordedBlock:
     first_seq: int
     count: int
     digest: int
+    reserved_at: datetime | None = None
+    """When the turn reserved the block (its record's time); None when no record is left."""
 
 
 def recorded_block(document: Mapping[str, Any], key: int) -> RecordedBlock | None:
@@ -84,7 +86,9 @@ def recorded_block(document: Mapping[str, Any], key: int) -> RecordedBlock | Non
                 if index + 1 < len(records)
                 else int(document["message_count"])
             )
-            return RecordedBlock(record.first_seq, following - record.first_seq, record.digest)
+            return RecordedBlock(
+                record.first_seq, following - record.first_seq, record.digest, record.at
+            )
     return None
 
 
@@ -134,17 +138,22 @@ def _capped(field: str, amount: int) -> dict[str, Any]:
     return int64({"$min": [_sum(field, amount), MAX_SAFE_INTEGER]})
 
 
-def _records(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str, Any]:
+def _records(
+    key: int, digest: int, rules: TurnRules, now: datetime, turns: Any = None
+) -> dict[str, Any]:
+    """`turns` (the records as they stand, by default) with the record of a block reserved
+    now appended, the oldest dropped past `turns_recorded` and counted."""
+    turns = _kept("turns", []) if turns is None else turns
     record = {
-        "k": literal(Int64(plan.key)),
+        "k": literal(Int64(key)),
         "f": int64({"$ifNull": ["$message_count", 0]}),
-        "d": literal(Int64(plan.digest)),
+        "d": literal(Int64(digest)),
         "a": literal(now),
     }
     # A one-element array built by `$map`: some MongoDB-compatible servers (mongomock) keep an
     # array literal's elements unevaluated.
-    appended = {"$concatArrays": [_kept("turns", []), {"$map": {"input": [0], "in": record}}]}
-    overflow = {"$subtract": [{"$add": [{"$size": _kept("turns", [])}, 1]}, rules.turns_recorded]}
+    appended = {"$concatArrays": [turns, {"$map": {"input": [0], "in": record}}]}
+    overflow = {"$subtract": [{"$add": [{"$size": turns}, 1]}, rules.turns_recorded]}
     return {
         "turns": {"$slice": [appended, -rules.turns_recorded]},
         "turns_dropped": int64({"$add": [_kept("turns_dropped", 0), {"$max": [0, overflow]}]}),
@@ -194,7 +203,7 @@ def reservation(
         "forked_from": _kept("forked_from", None),
         "legacy_conversation_id": _kept("legacy_conversation_id", None),
         **_pending_state(plan),
-        **_records(plan, rules, now),
+        **_records(plan.key, plan.digest, rules, now),
         **_names(plan, runtime_name),
     }
     return [{"$set": stage}]
@@ -291,3 +300,37 @@ def _held_by(calls: Any, request_id: str | None) -> Any:
     fields: dict[str, Any] = {name: f"$$call.{name}" for name in PendingCall.model_fields}
     fields["request_id"] = {"$ifNull": ["$$call.request_id", literal(request_id)]}
     return {"$map": {"input": calls, "as": "call", "in": fields}}
+
+
+def moved_key(key: int) -> int:
+    """What a turn record's key becomes once its turn moved to a new block (`relocation`):
+    no turn's key, so the record only marks the passed block."""
+    return ~key
+
+
+def relocation(
+    plan: TurnPlan, block: RecordedBlock, rules: TurnRules, now: datetime
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The filter and update that move a recorded turn, none of whose messages is stored,
+    from a block tail readers have passed (`block_abandoned`) to a new one at the end.
+
+    The old record stays under `moved_key`, so readers keep passing its block; the turn is
+    recorded again at the new block, with the digest it was recorded with. Its messages
+    and tokens were counted when it first reserved: only `message_count` grows. The filter
+    matches only while the old record is there: a second attempt moving the turn at the
+    same time matches nothing, and finds the new block by the turn's record.
+    """
+    key, first = literal(Int64(plan.key)), literal(Int64(block.first_seq))
+    query = {
+        "_id": plan.conversation_id,
+        "turns": {"$elemMatch": {"k": Int64(plan.key), "f": Int64(block.first_seq)}},
+    }
+    old = {"$and": [{"$eq": ["$$t.k", key]}, {"$eq": ["$$t.f", first]}]}
+    marked = {"k": literal(Int64(moved_key(plan.key))), "f": "$$t.f", "d": "$$t.d", "a": "$$t.a"}
+    kept = {"$cond": [old, marked, "$$t"]}
+    turns = {"$map": {"input": _kept("turns", []), "as": "t", "in": kept}}
+    stage = {
+        "message_count": _plus("message_count", plan.count),
+        **_records(plan.key, block.digest, rules, now, turns),
+    }
+    return query, [{"$set": stage}]
