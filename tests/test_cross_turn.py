@@ -985,3 +985,39 @@ async def test_a_fork_cut_between_two_resolutions_keeps_the_first_resolved(
     await logger.fork(CID, 2, "fork-between")  # after r1's turn and the next user message
 
     assert await pending_state(store, "fork-between") == ([], None)
+
+
+async def test_a_prompt_with_no_call_left_to_hold_is_cleared_once_the_held_calls_are_answered(
+    backend: Backend,
+) -> None:
+    """A run paused on two calls; the runtime asks one question per call, in one turn or in
+    two. The first prompt holds both calls, so the second has none left to hold: it waits on
+    the held calls, and is cleared once none of them is pending, in every replay."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    train, hotel = _asks("confirm-train"), _asks("confirm-hotel")
+    for cid, prompt_turns in (("one-turn", [[train, hotel]]), ("two-turns", [[train], [hotel]])):
+        await logger.log_messages(cid, [{"role": "user", "content": "Book"}, _calls("c1", "c2")])
+        for n, turn in enumerate(prompt_turns):
+            await logger.log_messages(cid, turn, turn_id=f"ask-{n}")
+        answers = [{"role": "tool", "tool_call_id": c, "content": "ok"} for c in ("c1", "c2")]
+        await logger.log_messages(cid, answers, turn_id="run-2")
+
+        assert await held_state(store, cid) == ([], None)
+        assert await recomputed_state(store, cid) == ([], None)
+
+
+async def test_approving_calls_one_by_one_keeps_the_later_prompt_until_its_calls_are_answered(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "Book"}, _calls("c1", "c2")])
+    await logger.log_messages(CID, [_asks("confirm-train")], turn_id="ask-1")
+    await logger.log_messages(CID, [_asks("confirm-hotel")], turn_id="ask-2")
+
+    await logger.log_messages(CID, [{"role": "tool", "tool_call_id": "c1", "content": "ok"}])
+    assert await held_state(store) == ([("c2", "confirm-train")], "confirm-hotel")
+    assert await recomputed_state(store) == (["c2"], "confirm-hotel")
+
+    await logger.log_messages(CID, [{"role": "tool", "tool_call_id": "c2", "content": "ok"}])
+    assert await held_state(store) == ([], None)
+    assert await recomputed_state(store) == ([], None)
