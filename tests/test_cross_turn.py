@@ -906,6 +906,53 @@ async def test_an_answer_to_a_repeated_call_id_takes_only_the_latest_call_of_tha
     assert await held_state(store) == ([("call_0", "r1"), ("call_0", None)], "r1")
 
 
+async def test_popping_an_answer_to_a_repeated_call_id_brings_back_only_the_call_it_took(
+    backend: Backend,
+) -> None:
+    """t1 makes call_0 and call_1, held by r1; t2 (a provider numbering its calls per response)
+    makes call_0 again and call_2 and answers its own call_0. Popping that answer lists t2's
+    call_0 again where logging t2 without it does: after t1's calls, t1's call_0 unmoved."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    t1 = [{"role": "user", "content": "Book both"}, _calls("call_0", "call_1"), _asks("r1")]
+    t2 = [_calls("call_0", "call_2"), {"role": "tool", "tool_call_id": "call_0", "content": "ok"}]
+    for cid, turns in (("popped", [t1, t2]), ("never-answered", [t1, t2[:1]])):
+        for n, turn in enumerate(turns, start=1):
+            await logger.log_messages(cid, turn, turn_id=f"t{n}")
+
+    await store.pop_last_message("popped")  # t2's answer to its own call_0
+
+    expected = [("call_0", "r1"), ("call_1", "r1"), ("call_0", None), ("call_2", None)]
+    assert await held_state(store, "popped") == (expected, "r1")
+    assert await held_state(store, "never-answered") == (expected, "r1")
+    assert await recomputed_state(store, "popped") == ([c for c, _ in expected], "r1")
+
+
+async def test_after_such_a_pop_a_result_without_call_id_ends_the_oldest_pending_call_of_its_tool(
+    backend: Backend,
+) -> None:
+    """STREAMING.md: a `tool_end` without `tool_call_id` ends the oldest pending call of that
+    tool from an earlier turn; the pop must leave `pending_calls` in the order they were made."""
+
+    def calls(*pairs: tuple[str, str]) -> dict[str, Any]:
+        made = [{"id": i, "function": {"name": name, "arguments": "{}"}} for i, name in pairs]
+        return {"role": "assistant", "tool_calls": made}
+
+    runtime = Runtime(backend)
+    t1 = [
+        {"role": "user", "content": "Book and search"},
+        calls(("call_0", "book"), ("call_1", "search")),
+    ]
+    await runtime.logger.log_messages(CID, t1, turn_id="t1")
+    answer = {"role": "tool", "tool_call_id": "call_0", "content": "ok"}
+    await runtime.logger.log_messages(CID, [calls(("call_0", "search")), answer], turn_id="t2")
+    await runtime.store.pop_last_message(CID)  # t1's call_0, call_1 and t2's call_0 pend
+
+    await runtime.stream([{"type": "tool_end", "tool_name": "search", "result": "found"}])
+
+    assert await pending_state(runtime.store) == (["call_0", "call_0"], None)
+    assert await runtime.answers_of("call_1") == [("found", None)]
+
+
 async def test_a_prompt_only_turn_answering_a_call_it_holds_clears_as_two_turns_would(
     backend: Backend,
 ) -> None:
@@ -938,3 +985,39 @@ async def test_a_fork_cut_between_two_resolutions_keeps_the_first_resolved(
     await logger.fork(CID, 2, "fork-between")  # after r1's turn and the next user message
 
     assert await pending_state(store, "fork-between") == ([], None)
+
+
+async def test_a_prompt_with_no_call_left_to_hold_is_cleared_once_the_held_calls_are_answered(
+    backend: Backend,
+) -> None:
+    """A run paused on two calls; the runtime asks one question per call, in one turn or in
+    two. The first prompt holds both calls, so the second has none left to hold: it waits on
+    the held calls, and is cleared once none of them is pending, in every replay."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    train, hotel = _asks("confirm-train"), _asks("confirm-hotel")
+    for cid, prompt_turns in (("one-turn", [[train, hotel]]), ("two-turns", [[train], [hotel]])):
+        await logger.log_messages(cid, [{"role": "user", "content": "Book"}, _calls("c1", "c2")])
+        for n, turn in enumerate(prompt_turns):
+            await logger.log_messages(cid, turn, turn_id=f"ask-{n}")
+        answers = [{"role": "tool", "tool_call_id": c, "content": "ok"} for c in ("c1", "c2")]
+        await logger.log_messages(cid, answers, turn_id="run-2")
+
+        assert await held_state(store, cid) == ([], None)
+        assert await recomputed_state(store, cid) == ([], None)
+
+
+async def test_approving_calls_one_by_one_keeps_the_later_prompt_until_its_calls_are_answered(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "Book"}, _calls("c1", "c2")])
+    await logger.log_messages(CID, [_asks("confirm-train")], turn_id="ask-1")
+    await logger.log_messages(CID, [_asks("confirm-hotel")], turn_id="ask-2")
+
+    await logger.log_messages(CID, [{"role": "tool", "tool_call_id": "c1", "content": "ok"}])
+    assert await held_state(store) == ([("c2", "confirm-train")], "confirm-hotel")
+    assert await recomputed_state(store) == (["c2"], "confirm-hotel")
+
+    await logger.log_messages(CID, [{"role": "tool", "tool_call_id": "c2", "content": "ok"}])
+    assert await held_state(store) == ([], None)
+    assert await recomputed_state(store) == ([], None)

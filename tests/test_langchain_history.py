@@ -387,3 +387,63 @@ async def test_a_real_result_stored_after_a_stand_in_is_the_calls_one_answer(
 
     assert [m.content for m in read_back if isinstance(m, ToolMessage)] == ["found it"]
     assert chat_completions_problems(convert_to_openai_messages(read_back)) == []
+
+
+async def test_a_call_the_conversation_went_on_after_unanswered_gets_a_marked_stand_in(
+    backend: Backend,
+) -> None:
+    """tc-9 awaits approval and the user asks something else meanwhile: the model is called
+    again past the call, so it is answered, as the exports answer it, right after its call
+    and before the prompt's text (a chat model refuses a call without a result)."""
+    from langchain_core.messages.utils import convert_to_openai_messages
+
+    from agent_store.core import PENDING_RESULT
+    from agent_store.integrations.exports import chat_completions_problems
+
+    logger = AgentMessageLogger(backend.db)
+    calls = [{"id": "tc-9", "function": {"name": "book_train", "arguments": "{}"}}]
+    hitl = {"action": "book_train", "params": {}, "request_id": "confirm-9"}
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "Book the 09:04."},
+         {"role": "assistant", "content": None, "tool_calls": calls},
+         {"role": "assistant", "content": "Pay €35?", "hitl_action": hitl}],
+        turn_id="t1",
+    )  # fmt: skip
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "Meanwhile, what time is it?"},
+         {"role": "assistant", "content": "It is 09:00."}],
+        turn_id="t2",
+    )  # fmt: skip
+
+    read_back = await ConversationChatHistory(CID, backend.db).aget_messages()
+
+    assert [type(m).__name__ for m in read_back] == [
+        "HumanMessage", "AIMessage", "ToolMessage", "AIMessage", "HumanMessage", "AIMessage",
+    ]  # fmt: skip
+    stand_in = read_back[2]
+    assert isinstance(stand_in, ToolMessage)
+    assert (stand_in.tool_call_id, stand_in.content, stand_in.status) == (
+        "tc-9", PENDING_RESULT, "error",
+    )  # fmt: skip
+    assert chat_completions_problems(convert_to_openai_messages(read_back)) == []
+
+
+async def test_a_call_nothing_but_its_prompt_followed_is_left_for_the_runtime_to_answer(
+    backend: Backend,
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    calls = [{"id": "tc-9", "function": {"name": "book_train", "arguments": "{}"}}]
+    hitl = {"action": "book_train", "params": {}, "request_id": "confirm-9"}
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "Book the 09:04."},
+         {"role": "assistant", "content": None, "tool_calls": calls},
+         {"role": "assistant", "content": "Pay €35?", "hitl_action": hitl}],
+        turn_id="t1",
+    )  # fmt: skip
+
+    read_back = await ConversationChatHistory(CID, backend.db).aget_messages()
+
+    assert [type(m).__name__ for m in read_back] == ["HumanMessage", "AIMessage", "AIMessage"]

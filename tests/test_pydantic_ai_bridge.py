@@ -553,3 +553,52 @@ def test_a_response_with_empty_text_stays_a_response_between_two_prompts() -> No
         ]
     )
     assert [type(m).__name__ for m in history] == ["ModelRequest", "ModelResponse", "ModelRequest"]
+
+
+async def test_a_resumed_run_answering_calls_asked_about_one_prompt_each_leaves_none_pending(
+    backend: Backend,
+) -> None:
+    """The run pauses on two calls needing approval; the runtime asks one question per call.
+    The resumed run answers both: nothing awaits a person any more."""
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if not any(isinstance(m, ModelResponse) for m in messages):
+            return ModelResponse(
+                parts=[
+                    ToolCallPart("book_train", {"train": "TGV 6601"}, tool_call_id="tc-1"),
+                    ToolCallPart("book_hotel", {"hotel": "Lyon Centre"}, tool_call_id="tc-2"),
+                ]
+            )
+        return ModelResponse(parts=[TextPart("Both booked.")])
+
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        FunctionModel(respond), output_type=[str, DeferredToolRequests]
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def book_train(train: str) -> str:
+        return f"booked {train}"
+
+    @agent.tool_plain(requires_approval=True)
+    def book_hotel(hotel: str) -> str:
+        return f"booked {hotel}"
+
+    def asks(request_id: str, what: str) -> dict[str, Any]:
+        hitl = {"action": "approve", "params": {"what": what}, "request_id": request_id}
+        return {"role": "assistant", "content": f"Approve {what}?", "hitl_action": hitl}
+
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    first = await agent.run("Book the 09:04 TGV and a hotel in Lyon.")
+    await log_run(logger, CID, first.new_messages(), turn_id="run-1")
+    prompts = [asks("confirm-train", "the train"), asks("confirm-hotel", "the hotel")]
+    await logger.log_messages(CID, prompts, turn_id="prompts-1")
+
+    resumed = await agent.run(
+        message_history=history_from_messages(await store.transcript(CID)),
+        deferred_tool_results=DeferredToolResults(approvals={"tc-1": True, "tc-2": True}),
+    )
+    await log_run(logger, CID, resumed.new_messages(), turn_id="run-2")
+
+    assert resumed.output == "Both booked."
+    assert await store.pending_calls(CID) == []
+    assert await store.pending_hitl(CID) is None

@@ -14,7 +14,8 @@ What a message holds beyond the chat fields (its `id`, `name`, `additional_kwarg
 back equal the ones written. Messages other writers stored come back as the messages their
 chat fields make; items only another runtime can take (an Agents SDK reasoning item) are
 left out; a call's result stored a turn later (a confirmation) comes right after the call,
-as a chat model requires.
+as a chat model requires, and a call the conversation went on after without a result is
+answered in the history only by a marked stand-in (`PENDING_RESULT`, `status="error"`).
 
 One `aadd_messages` call is one logged turn (two round trips); `aget_messages` is one round
 trip. The async methods need an async database (PyMongo `AsyncDatabase`, Motor); the sync
@@ -49,10 +50,13 @@ from pydantic import ValidationError
 from pymongo.database import Database as SyncPyMongoDatabase
 
 from agent_store.core import (
+    PENDING_RESULT,
     AgentMessage,
+    AssistantMessage,
     InvalidInput,
     NotFound,
     SystemMessage,
+    ToolCall,
     ToolMessage,
     Unsupported,
     UserMessage,
@@ -172,6 +176,36 @@ def langchain_from_message(message: AgentMessage) -> BaseMessage | None:
     return messages_from_dict([{"type": form["type"], "data": form}])[0]
 
 
+def _history(messages: Sequence[AgentMessage]) -> list[BaseMessage]:
+    """The LangChain history of stored messages: each as `langchain_from_message` gives it,
+    each call's result right after the call (`in_call_order`). A call no stored result
+    answers that the conversation went on after (a later user or system message: the model
+    is called again past it) is answered there by a stand-in, `PENDING_RESULT` with
+    `status="error"`, as the Chat Completions export answers it: a chat model refuses a call
+    without a result. A call nothing but assistant messages followed (its prompt) is left
+    open: the runtime is about to answer it."""
+    ordered = in_call_order(messages)
+    prompts = [i for i, m in enumerate(ordered) if isinstance(m, UserMessage | SystemMessage)]
+    went_on_until = prompts[-1] if prompts else -1
+    history: list[BaseMessage] = []
+    unanswered: list[ToolCall] = []  # the calls of the message before, still without a result
+    for index, message in enumerate(ordered):
+        if isinstance(message, ToolMessage):
+            unanswered = [c for c in unanswered if c.id != message.tool_call_id]
+        else:
+            history += [_stand_in(call) for call in unanswered]
+            went_on = isinstance(message, AssistantMessage) and index < went_on_until
+            unanswered = list(message.tool_calls or ()) if went_on else []
+        if (converted := langchain_from_message(message)) is not None:
+            history.append(converted)
+    return history
+
+
+def _stand_in(call: ToolCall) -> LangChainToolMessage:
+    """The answer of a call the conversation went on after without a result (replay only)."""
+    return LangChainToolMessage(content=PENDING_RESULT, tool_call_id=call.id, status="error")
+
+
 # -- the history ----------------------------------------------------------------------
 
 
@@ -255,7 +289,7 @@ class ConversationChatHistory(BaseChatMessageHistory):
     async def _read(self) -> list[BaseMessage]:
         stored = await self.store.recent_messages(self.conversation_id, user_id=self.user_id)
         stored = await self.store.with_native_forms(stored)
-        return [m for m in map(langchain_from_message, in_call_order(stored)) if m is not None]
+        return _history(stored)
 
     async def _append(self, messages: Sequence[BaseMessage]) -> None:
         if not messages:

@@ -215,8 +215,8 @@ def _pending_state(plan: TurnPlan) -> dict[str, Any]:
 
     Each answer takes the latest pending call of its id and the calls the turn leaves open
     join the list (the newest `PENDING_CALLS_KEPT` are kept). A prompt stays pending unless
-    the turn raises a new one, clears it (an upload), or answers a call the prompt held
-    back.
+    the turn raises a new one, clears it (an upload), or answers what it awaits: a call it
+    held back, or, holding none, the last held call pending (`_turns.answers_clear`).
     """
     calls: Any = {"$ifNull": ["$pending_calls", literal([])]}
     hitl: Any = {"$ifNull": ["$pending_hitl", None]}
@@ -231,10 +231,7 @@ def _pending_state(plan: TurnPlan) -> dict[str, Any]:
         return {"$filter": {"input": calls, "as": "call", "cond": {"$eq": [taken, wanted]}}}
 
     if isinstance(plan.pending_hitl, KeepPendingHitl) and plan.answered_calls:
-        held = {"$map": {"input": answered(True), "as": "call", "in": "$$call.request_id"}}
-        hitl = {
-            "$cond": [{"$in": [{"$ifNull": ["$pending_hitl.request_id", None]}, held]}, None, hitl]
-        }
+        hitl = {"$cond": [_answers_clear(calls, answered(True), answered(False)), None, hitl]}
     elif _clears_its_prompt(plan):
         was_held = {
             "$and": [
@@ -248,6 +245,28 @@ def _pending_state(plan: TurnPlan) -> dict[str, Any]:
     left = _held_by(answered(False), plan.holds_pending)
     kept = {"$slice": [{"$concatArrays": [left, opened]}, -PENDING_CALLS_KEPT]}
     return {"pending_calls": kept, "pending_hitl": hitl}
+
+
+def _answers_clear(calls: Any, taken: Any, left: Any) -> dict[str, Any]:
+    """Whether the turn's answers (`taken` from `calls`, `left` after) clear the pending
+    prompt (`_turns.answers_clear`, as an expression)."""
+    pending = {"$ifNull": ["$pending_hitl.request_id", None]}
+
+    def holders(of: Any) -> dict[str, Any]:
+        return {"$map": {"input": of, "as": "call", "in": {"$ifNull": ["$$call.request_id", None]}}}
+
+    def held(of: Any) -> dict[str, Any]:
+        return {"$filter": {"input": holders(of), "as": "r", "cond": {"$ne": ["$$r", None]}}}
+
+    holds_none = {"$eq": [{"$in": [pending, holders(calls)]}, False]}
+    last_held = {
+        "$and": [
+            holds_none,
+            {"$gt": [{"$size": held(taken)}, 0]},
+            {"$eq": [{"$size": held(left)}, 0]},
+        ]
+    }
+    return {"$or": [{"$in": [pending, holders(taken)]}, last_held]}
 
 
 def _clears_its_prompt(plan: TurnPlan) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 from agent_store.core import AgentMessage, PendingCall
 from agent_store.store._reservation import int64, literal
 from agent_store.store._text import message_text, shorten
-from agent_store.store._turns import PENDING_CALLS_KEPT
+from agent_store.store._turns import PENDING_CALLS_KEPT, taking_answers
 
 _PROMPT_ROLES = ("user", "system")
 
@@ -119,13 +119,14 @@ def _calls_without(message: AgentMessage, before: list[PendingCall]) -> dict[str
 
     Applied to the list as it is, not replacing it with one computed from what was read: a
     turn still being written below the message, or another pop, changed it meanwhile (and
-    is kept). The calls the message made leave the list; a call it answered that `before`
-    lists comes back, in its place among them; calls its prompt held back that `before`
-    shows held by none lose their `request_id`.
+    is kept). The calls the message made leave the list; the call an answer took (the
+    latest of its id that `before` lists, `taking_answers`) comes back, in its place among
+    them, other calls of its id staying where they are; calls its prompt held back that
+    `before` shows held by none lose their `request_id`.
     """
     calls: Any = {"$ifNull": ["$pending_calls", literal([])]}
-    back = [c for c in before if message.role == "tool" and c.tool_call_id == message.tool_call_id]
-    back_ids = literal([c.tool_call_id for c in back])
+    answered = [message.tool_call_id] if message.role == "tool" and message.tool_call_id else []
+    back, _ = taking_answers(before, answered)
     kept: dict[str, Any] = {
         "$filter": {
             "input": calls,
@@ -134,7 +135,7 @@ def _calls_without(message: AgentMessage, before: list[PendingCall]) -> dict[str
                 "$and": [
                     {"$ne": ["$$call.message_id", literal(message.id)]},
                     # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
-                    {"$eq": [{"$in": ["$$call.tool_call_id", back_ids]}, False]},
+                    {"$eq": [{"$in": [_CALL_KEY, _keys(back)]}, False]},
                 ]
             },
         }
@@ -143,16 +144,25 @@ def _calls_without(message: AgentMessage, before: list[PendingCall]) -> dict[str
         kept = _unheld(kept, message.hitl_action.request_id, before)
     if not back:
         return kept
-    order = [c.tool_call_id for c in before]
-    later = literal(order[order.index(back[0].tool_call_id) + 1 :])
+    later = _keys(before[before.index(back[0]) + 1 :])
 
     def placed(after: bool) -> dict[str, Any]:
-        is_later = {"$in": ["$$call.tool_call_id", later]}
+        is_later = {"$in": [_CALL_KEY, later]}
         return {"$filter": {"input": kept, "as": "call", "cond": {"$eq": [is_later, after]}}}
 
     restored = literal([c.model_dump() for c in back])
     both = {"$concatArrays": [placed(False), restored, placed(True)]}
     return {"$slice": [both, -PENDING_CALLS_KEPT]}
+
+
+_CALL_KEY = {"$concat": ["$$call.message_id", " ", "$$call.tool_call_id"]}
+"""What tells one pending call from another in a pipeline: its message and its id (a later
+turn may use a call id again); a message id holds no space."""
+
+
+def _keys(calls: list[PendingCall]) -> dict[str, Any]:
+    """The `_CALL_KEY`s of `calls`, as a pipeline constant."""
+    return literal([f"{c.message_id} {c.tool_call_id}" for c in calls])
 
 
 def _unheld(calls: Any, request_id: str, before: list[PendingCall]) -> dict[str, Any]:

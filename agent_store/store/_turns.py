@@ -606,6 +606,24 @@ def taking_answers(
     )
 
 
+def answers_clear(
+    request_id: str,
+    calls: Sequence[PendingCall],
+    taken: Sequence[PendingCall],
+    left: Sequence[PendingCall],
+) -> bool:
+    """Whether a turn raising no prompt clears the pending prompt `request_id` by its answers
+    (`taken` from the pending `calls`, `left` after them): it answers a call the prompt
+    holds back; or, the prompt holding none (raised when every pending call was held
+    already, as a second question about a paused run: the store cannot tell which call it
+    is about), it answers a held call and leaves none held."""
+    if any(c.request_id == request_id for c in taken):
+        return True
+    holds_none = all(c.request_id != request_id for c in calls)
+    answers_held = any(c.request_id is not None for c in taken)
+    return holds_none and answers_held and all(c.request_id is None for c in left)
+
+
 def held_by(calls: Sequence[PendingCall], request_id: str | None) -> list[PendingCall]:
     """The pending calls once a prompt raised before any call of its turn holds those no
     prompt holds (`TurnPlan.holds_pending`); as they were without one."""
@@ -704,8 +722,8 @@ def _fold(
         held = any(c.request_id is None and c.tool_call_id in after for c in taken)
         if hitl is not None and hitl.request_id == holds and held:
             hitl = None  # it held a call the turn then answers
-    elif hitl is not None and any(c.request_id == hitl.request_id for c in taken):
-        hitl = None  # the turn answers a call the prompt held back
+    elif hitl is not None and answers_clear(hitl.request_id, calls, taken, left):
+        hitl = None  # the turn answers what the prompt awaits
     # The newest are kept, turn by turn, as each reservation keeps them.
     return (held_by(left, holds) + list(opened))[-PENDING_CALLS_KEPT:], hitl
 
