@@ -287,6 +287,8 @@ def _report(found: gate.Gate) -> None:
             print(f"  {item.conversation_id}: {'; '.join(item.reasons)}")
         if len(found.left) > MAX_LISTED:
             print(f"  … and {len(found.left) - MAX_LISTED} more")
+    for item in found.unread:
+        print(f"work left in {item.conversation_id}: {'; '.join(item.reasons)}")
 
 
 def cmd_finish(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
@@ -305,8 +307,8 @@ def cmd_finish(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     if not found.open:
         if args.drop_legacy:
             print(
-                f"refusing to drop {LEGACY_TURNS}: the conversations above hold content that "
-                "is not in the new collections"
+                f"refusing to drop {LEGACY_TURNS}: the conversations and documents above hold "
+                "content that is not in the new collections"
             )
         return 1
     db[lease.STATE].update_one(

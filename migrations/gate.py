@@ -9,8 +9,10 @@ share one stored copy, or a turn changed after the run pass), the whole text of
 every cut message, and that whatever it holds that no message can hold (an
 unplaced problem) is recorded in `agent_migration_problems` and accepted by an
 operator (`finish --accept`). A conversation logged to live before its migration
-passes only if the live messages hold its legacy content. Anything else is work
-left, and the legacy collection must not be dropped.
+passes only if the live messages hold its legacy content. A document that is
+neither a legacy turn nor a conversation document is read by no run: the gate
+names it. Anything else is work left, and the legacy collection must not be
+dropped.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from typing import Any
 from pymongo.database import Database
 
 from agent_store.core import AgentMessage
-from agent_store.legacy import Problem
+from agent_store.legacy import LEGACY_TURNS, Problem
 from agent_store.store import CONVERSATIONS, TurnRules, with_texts
 from migrations import full_texts, orphan_prompts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
+from migrations.relocate import CONVERSATION_FILTER, NEITHER_FILTER
 from migrations.verify import compare
 from migrations.writes import Converted, differs, document_differs, wanted_document
 
@@ -52,11 +55,15 @@ class Gate:
     accepted: list[str] = field(default_factory=list)
     """Conversations whose unplaced content an operator accepted."""
     left: list[WorkLeft] = field(default_factory=list)
+    unread: list[WorkLeft] = field(default_factory=list)
+    """Documents no run reads (neither legacy turns nor conversation documents), by
+    collection."""
 
     @property
     def open(self) -> bool:
-        """True when every legacy conversation is migrated (or accepted): a drop is safe."""
-        return not self.left
+        """True when every legacy conversation is migrated (or accepted) and every legacy
+        document is read: a drop is safe."""
+        return not self.left and not self.unread
 
 
 @dataclass
@@ -227,7 +234,36 @@ def check(
             elif cid in accepted and item.conversion.unplaced:
                 gate.accepted.append(cid)
     _check_orphan_prompts(db, gate, accepted)
+    gate.unread = unread_documents(db)
     return gate
+
+
+SHOWN = 5
+"""How many ids of the documents no run reads `finish` names, per collection."""
+
+
+def unread_documents(db: Database[dict[str, Any]]) -> list[WorkLeft]:
+    """Documents no run converts, which a drop must not take unseen: in the legacy collection,
+    any that is not a legacy turn (it holds a conversation document's counters); in
+    `agent_conversations`, any holding those counters and a field only a legacy turn holds
+    (neither a turn, which the move would take, nor a conversation document)."""
+    left: list[WorkLeft] = []
+    for name, query in ((LEGACY_TURNS, CONVERSATION_FILTER), (CONVERSATIONS, NEITHER_FILTER)):
+        ids = [d["_id"] for d in db[name].find(query, {"_id": 1}).limit(SHOWN)]
+        if not ids:
+            continue
+        count = db[name].count_documents(query)
+        shown = ", ".join(map(repr, ids)) + (", …" if count > len(ids) else "")
+        left.append(
+            WorkLeft(
+                name,
+                [
+                    f"{count} documents are neither legacy turns nor conversation documents "
+                    f"({shown}): no run converts them; move or correct them, then `run` again"
+                ],
+            )
+        )
+    return left
 
 
 def _check_orphan_prompts(

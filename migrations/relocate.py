@@ -18,15 +18,26 @@ from typing import Any
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError, OperationFailure
 
-from agent_store.legacy import LEGACY_TURN_FIELDS, LEGACY_TURNS
+from agent_store.legacy import CONVERSATION_COUNTERS, LEGACY_TURNS, TURN_ONLY_FIELDS
 from agent_store.store import CONVERSATIONS, only_duplicates
 from migrations.errors import MigrationError
 
 _BAD_VALUE = 2
 """The server's code for a hint it does not know."""
 
-TURN_FILTER: dict[str, Any] = {"$or": [{f: {"$exists": True}} for f in LEGACY_TURN_FIELDS]}
-"""Legacy turns; conversation documents have neither field."""
+CONVERSATION_FILTER: dict[str, Any] = {
+    "$or": [{f: {"$exists": True}} for f in CONVERSATION_COUNTERS]
+}
+"""Conversation documents: the store writes its counters on every one."""
+TURN_FILTER: dict[str, Any] = {f: {"$exists": False} for f in CONVERSATION_COUNTERS}
+"""Legacy turns: every document that is not a conversation document, whatever fields it
+holds or lacks (a turn of tool calls only, of a history only). The move, the run, its
+checkpoint and the gate all select turns by this one filter."""
+NEITHER_FILTER: dict[str, Any] = {
+    "$and": [CONVERSATION_FILTER, {"$or": [{f: {"$exists": True}} for f in TURN_ONLY_FIELDS]}]
+}
+"""Documents of `agent_conversations` holding a conversation document's counters and a field
+only a legacy turn holds: neither, so nothing moves or converts them."""
 
 
 @dataclass
@@ -54,7 +65,7 @@ def relocate(
         if holds_turns(db, LEGACY_TURNS):
             return Relocation("already moved")
         return Relocation("nothing to move")
-    mixed = source.find_one({"$nor": [TURN_FILTER]}, {"_id": 1}) is not None
+    mixed = source.find_one(CONVERSATION_FILTER, {"_id": 1}) is not None
     target_exists = LEGACY_TURNS in db.list_collection_names()
     reason = ""
     if allow_rename and not mixed and not target_exists:

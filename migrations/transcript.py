@@ -4,18 +4,19 @@ The two renderings are written apart from the converter's placement logic, so
 comparing them checks the conversion itself: no content lost or repeated,
 visible text in the same order, every tool result attached to a call of the
 same tool. Tool results are compared as a multiset, since the migration moves
-each one right after its call. What a legacy value *says* (a part's kind and
-fields, the text of a number, a call's arguments) is read by the same
-functions the converter uses (`agent_store.legacy`), so the two can never
-disagree on that; what the converter reported as not placed is left out by the
-exact field it concerns.
+each one right after its call; both sides name a result by the call it answers
+(the call its id names, else the tool the result names). What a legacy value
+*says* (a part's kind and fields, the text of a number, a call's arguments) is
+read by the same functions the converter uses (`agent_store.legacy`), so the
+two can never disagree on that; what the converter reported as not placed is
+left out by the exact field it concerns.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from typing import Any
@@ -117,7 +118,16 @@ def _uploads(turn: LegacyTurn, skipped: Skipped) -> list[Any]:
     ]
 
 
-def _turn_lines(turn: LegacyTurn, skipped: Skipped) -> tuple[list[str], list[str]]:
+def _answered(part: LegacyPart, names: Mapping[str, Any]) -> Any:
+    """The tool a result answers, as `from_messages` names it: the call its id names (in its
+    turn or an earlier one), else the tool the result names itself."""
+    return names.get(part.tool_call_id or "", part.tool_name)
+
+
+def _turn_lines(
+    turn: LegacyTurn, skipped: Skipped, names: dict[str, Any]
+) -> tuple[list[str], list[str]]:
+    """The turn's lines and results; `names` (call id -> tool) gains the turn's calls."""
     legacy_id = str(turn.id)
     lines: list[str] = []
     results: list[str] = []
@@ -127,11 +137,13 @@ def _turn_lines(turn: LegacyTurn, skipped: Skipped) -> tuple[list[str], list[str
     elif text and (clean := strip_runtime_context(text)):
         lines.append(f"user: {clean}")
     lines += [_upload(u) for u in _uploads(turn, skipped)]
-    for index, part in turn_parts(turn):
-        if (legacy_id, index) in skipped.parts:
-            continue
+    parts = [p for i, p in turn_parts(turn) if (legacy_id, i) not in skipped.parts]
+    for part in parts:
+        if part.kind == "tool_call" and part.tool_call_id is not None:
+            names[part.tool_call_id] = part.tool_name
+    for part in parts:
         if part.kind == "tool_result":
-            results.append(f"{part.tool_name} -> {_json(result_text(part)[0])}")
+            results.append(f"{_answered(part, names)} -> {_json(result_text(part)[0])}")
         elif (line := _part_line(part)) is not None:
             lines.append(line)
     return lines, results
@@ -142,10 +154,11 @@ def from_legacy(turns: Iterable[LegacyTurn], unplaced: Sequence[Problem] = ()) -
     skipped = Skipped.of(unplaced)
     lines: list[str] = []
     results: list[str] = []
+    names: dict[str, Any] = {}
     for turn in sort_turns(turns):
         if str(turn.id) in skipped.turns:
             continue
-        turn_lines, turn_results = _turn_lines(turn, skipped)
+        turn_lines, turn_results = _turn_lines(turn, skipped, names)
         lines += turn_lines
         results += turn_results
     return Transcript(tuple(lines), tuple(sorted(results)))

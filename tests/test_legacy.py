@@ -321,6 +321,25 @@ def test_verify_reads_a_hitl_prompt_that_is_not_text_as_the_converter_stores_it(
     assert any("«Refund o-1?»" in line for line in legacy.lines)
 
 
+def test_verify_names_a_tool_result_by_the_call_it_answers() -> None:
+    """A result part written the OpenAI way (its call id, no tool name, or another tool's
+    name) answers the call of that id, in its turn or an earlier one: the legacy side of
+    `verify` names it by that call, as the stored side does, so a correct migration matches."""
+    call = {"type": "tool_call", "tool_name": "lookup", "args": {"key": "k"}}
+    turns = [
+        turn(1, [call | {"tool_call_id": "call_9"},
+                 {"type": "tool_result", "tool_call_id": "call_9", "content": "v"},
+                 call | {"tool_call_id": "call_8"}]),
+        turn(2, [{"type": "tool_result", "tool_name": "search", "tool_call_id": "call_8",
+                  "content": "w"}]),
+    ]  # fmt: skip
+    conversion = convert(turns)
+    legacy = from_legacy(parse_turns(turns), conversion.unplaced)
+
+    assert differences(legacy, from_messages(conversion.messages)) == []
+    assert "lookup -> w" in legacy.results
+
+
 def test_name_set_on_some_turns_only_uses_the_last_name() -> None:
     turns = [turn(1, name="First"), turn(2), turn(3, name="Renamed"), turn(4, name="")]
     conversation = convert(turns).conversation

@@ -554,6 +554,26 @@ def test_a_system_prompt_a_system_turn_holds_is_no_problem_in_the_history() -> N
     assert convert(turns).problems == []
 
 
+def test_a_turn_that_converts_to_no_message_keeps_its_history_in_a_problem() -> None:
+    """DESIGN §4: the converter never drops content silently. A turn holding only its
+    `message_history_json` converts to no message: the history is all that says what was
+    said in it, kept whole in an unplaced problem; an empty history is no problem."""
+    said = history({"parts": [{"part_kind": "user-prompt", "content": "book «LH401»"}]})
+    turns = [
+        {"_id": "h-1", "conversation_id": "c-h", "created_at": MESSY_START,
+         "user_message": "question"},
+        {"_id": "h-2", "conversation_id": "c-h", "created_at": MESSY_START,
+         "message_history_json": said},
+        {"_id": "h-3", "conversation_id": "c-h", "created_at": MESSY_START,
+         "message_history_json": "[]"},
+    ]  # fmt: skip
+    problems = convert(turns).problems
+
+    assert [(p.kind, p.legacy_id, p.field, p.placed, p.content) for p in problems] == [
+        ("turn_only_in_history", "h-2", "message_history_json", False, said)
+    ]
+
+
 UNHOLDABLE_PARAMS = {
     "a key with NUL": '{"a\\u0000b": "«9000 EUR»"}',
     "a lone surrogate": '{"amount": "\\ud800«9000 EUR»"}',

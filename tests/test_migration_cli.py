@@ -20,6 +20,7 @@ from bson import ObjectId
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
+from agent_store.core import Conversation
 from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
 from agent_store.store import CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
@@ -233,14 +234,42 @@ def test_move_aside_copies_when_the_server_refuses_the_rename(
     assert database[CONVERSATIONS].count_documents({}) == 0
 
 
+def conversation_document(conversation_id: str) -> dict[str, Any]:
+    """A conversation document as the store writes it."""
+    at = datetime(2024, 1, 1, tzinfo=UTC)
+    found = Conversation(
+        id=conversation_id, conversation_id=conversation_id, created_at=at, updated_at=at
+    )
+    return found.model_dump(by_alias=True)
+
+
 def test_move_aside_copies_only_turns_when_conversations_are_mixed_in() -> None:
     db: Any = mongomock.MongoClient()["legacy"]
-    db[CONVERSATIONS].insert_many([*corpus(), {"_id": "new-conv", "conversation_id": "new-conv"}])
+    db[CONVERSATIONS].insert_many([*corpus(), conversation_document("new-conv")])
     db[LEGACY_TURNS].insert_one(corpus()[0])  # as left by a copy killed part-way
     moved = relocate.relocate(db, batch_size=5)
     assert moved.how == "copied"
     assert db[CONVERSATIONS].distinct("_id") == ["new-conv"]
     assert db[LEGACY_TURNS].count_documents({}) == len(corpus())
+
+
+def test_move_aside_moves_every_legacy_turn_whatever_fields_it_holds_or_lacks() -> None:
+    """A document of `agent_conversations` is a conversation document when it holds the
+    counters the store writes on every one (`message_count`, `turn_count`); every other
+    document is a legacy turn and moves, a turn of calls only, of a history only, or bare."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    odd = [
+        {"_id": "t-calls", "conversation_id": "c-odd",
+         "tool_calls": [{"tool_name": "book_flight", "args": {"flight": "LH400"}}]},
+        {"_id": "t-history", "conversation_id": "c-odd", "message_history_json": "[]"},
+        {"_id": "t-bare", "conversation_id": "c-odd"},
+    ]  # fmt: skip
+    db[CONVERSATIONS].insert_many([conversation_document("new-conv"), *odd, *corpus()])
+
+    assert relocate.relocate(db, batch_size=2).how == "copied"
+
+    assert db[CONVERSATIONS].distinct("_id") == ["new-conv"]
+    assert db[LEGACY_TURNS].count_documents({}) == len(corpus()) + len(odd)
 
 
 @pytest.mark.wire
@@ -250,12 +279,11 @@ def test_the_copy_scans_the_collection_once_whatever_is_mixed_in(wire_uri: str) 
     client: MongoClient[dict[str, Any]] = MongoClient(wire_uri, event_listeners=[log])
     db = client[f"copy_{uuid.uuid4().hex[:8]}"]
     try:
-        db[CONVERSATIONS].insert_many([{"_id": f"a-conv-{n}", "conversation_id": "x"}
-                                       for n in range(5)])  # fmt: skip
+        db[CONVERSATIONS].insert_many([conversation_document(f"a-conv-{n}") for n in range(5)])
         db[CONVERSATIONS].insert_many(corpus())
         log.filters.clear()
         relocate.relocate(db, batch_size=5, allow_rename=False)
-        assert [f for f in log.filters if "$or" in f] == [relocate.TURN_FILTER]
+        assert log.filters == [relocate.TURN_FILTER]
         assert db[LEGACY_TURNS].count_documents({}) == len(corpus())
     finally:
         client.drop_database(db.name)

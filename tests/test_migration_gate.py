@@ -1163,3 +1163,91 @@ def test_turns_naming_a_blank_conversation_are_migrated_each_as_its_own_and_veri
     owners = {d["_id"]: d["user_id"] for d in database[CONVERSATIONS].find()}
     own_id = derived_conversation_id(None, turn_key="t-alice")
     assert (owners[own_id], len(owners)) == ("alice", 2)
+
+
+# -- every legacy turn is migrated, whatever fields it holds or lacks --------------------
+
+BOOKED_AT = datetime(2021, 3, 1, 12, 1, tzinfo=UTC)
+CALLS_ONLY = {
+    "_id": "t-calls", "conversation_id": "c-a", "user_id": "u-1", "created_at": BOOKED_AT,
+    "tool_calls": [{"tool_name": "book_flight", "args": {"flight": "LH400"}}],
+}  # fmt: skip
+HISTORY_ONLY = {
+    "_id": "t-history", "conversation_id": "c-h", "user_id": "u-1", "created_at": BOOKED_AT,
+    "message_history_json": json.dumps([
+        {"kind": "request", "parts": [{"part_kind": "user-prompt", "content": "book LH401"}]},
+        {"kind": "response", "parts": [{"part_kind": "text", "content": "booked LH401"}]},
+    ]),
+}  # fmt: skip
+
+
+@pytest.mark.wire
+def test_a_turn_holding_only_its_calls_is_migrated_before_the_legacy_data_is_dropped(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md, "What finish guarantees": once `finish --drop-legacy --yes` drops the
+    legacy collection, every piece of legacy content is in a message, a GridFS file or an
+    accepted problem. A turn is a legacy turn by not being a conversation document, not by
+    holding a user message, parts, a response text or an upload: the run, its resume and
+    the gate all read it."""
+    alone = CALLS_ONLY | {"_id": "t-alone", "conversation_id": "c-alone"}
+    database[LEGACY_TURNS].insert_many([legacy_turn("t-a", "c-a", 0, "A"), CALLS_ONLY, alone])
+
+    # A run stopped after one conversation, then resumed from its checkpoint.
+    assert cli(wire_uri, database, "run", "--limit", "1", "--batch-size", "1") == 0
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+    calls = [m for m in database[MESSAGES].find() if "LH400" in json.dumps(m, default=str)]
+    assert sorted(m["conversation_id"] for m in calls) == ["c-a", "c-alone"]
+
+
+@pytest.mark.wire
+def test_a_turn_holding_only_its_history_is_work_left_until_an_operator_accepts_it(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DESIGN §4: the converter never drops content silently. A turn that converts to no
+    message keeps its `message_history_json` in an unplaced problem, which `finish` asks an
+    operator to accept before the drop."""
+    database[LEGACY_TURNS].insert_many([legacy_turn("t-h", "c-h", 0, "H"), HISTORY_ONLY])
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert "c-h" in capsys.readouterr().out
+    assert cli(wire_uri, database, "finish", "--accept", "c-h", "--note", "archived") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+    assert "LH401" in kept_text(database)
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    ("where", "document"),
+    [
+        (LEGACY_TURNS, {"_id": "c-x", "conversation_id": "c-x", "turn_count": 1,
+                        "message_count": 2}),
+        (CONVERSATIONS, {"_id": "c-y", "conversation_id": "c-y", "turn_count": 1,
+                         "message_count": 2, "user_message": "LH402"}),
+    ],
+    ids=["conversation-among-the-turns", "turn-and-conversation-at-once"],
+)  # fmt: skip
+def test_finish_refuses_the_drop_while_a_document_is_neither_a_turn_nor_a_conversation(
+    where: str,
+    document: dict[str, Any],
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A document the migration does not read as a legacy turn, in the legacy collection, or
+    one holding a conversation document's counters and a legacy turn's fields: no run
+    converts it, so `finish` names it and refuses the drop rather than pass."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-a", "c-a", 0, "A"))
+    assert cli(wire_uri, database, "run") == 0
+    database[where].insert_one(document)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+
+    assert repr(document["_id"]) in capsys.readouterr().out
+    assert database[LEGACY_TURNS].count_documents({}) >= 1

@@ -3,9 +3,10 @@ the read fallback. Built on the store; the store never imports it."""
 
 from agent_store.legacy._convert import LegacyConversion, Problem, convert
 from agent_store.legacy._documents import (
-    LEGACY_TURN_FIELDS,
+    CONVERSATION_COUNTERS,
     LEGACY_TURNS,
     SESSION_HITL,
+    TURN_ONLY_FIELDS,
     LegacyTurn,
     TurnTime,
     as_count,
@@ -49,9 +50,10 @@ from agent_store.legacy._session_hitl import (
 from agent_store.legacy._source import LegacyTurns
 
 __all__ = [
+    "CONVERSATION_COUNTERS",
     "LEGACY_TURNS",
-    "LEGACY_TURN_FIELDS",
     "SESSION_HITL",
+    "TURN_ONLY_FIELDS",
     "LegacyConversion",
     "LegacyPart",
     "LegacyTurn",

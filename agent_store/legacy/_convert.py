@@ -838,6 +838,24 @@ def _check_history_prompts(
             )
 
 
+def _check_history_of_nothing(converter: _Converter, turn: LegacyTurn) -> None:
+    """A turn that converts to no message keeps its `message_history_json` (blank or empty
+    aside) in a problem: no message says what was said in that turn."""
+    raw = turn.message_history_json
+    try:
+        history = json.loads(raw) if isinstance(raw, str | bytes) else raw
+    except ValueError:
+        history = raw.strip() if isinstance(raw, str | bytes) else raw
+    if history:
+        converter.problem(
+            turn,
+            "turn_only_in_history",
+            "the turn converts to no message; only its message_history_json holds it",
+            field="message_history_json",
+            content=raw,
+        )
+
+
 def _original_id(converter: _Converter, turn: LegacyTurn) -> str | None:
     """The legacy id when the conversation is stored under a derived one, else None."""
     if turn.conversation_id == converter.conversation_id:
@@ -888,6 +906,7 @@ def _convert_turns(
     for turn, items in turn_items:
         wanted = _flatten(items)
         if not wanted:
+            _check_history_of_nothing(converter, turn)
             continue
         try:
             plan = plan_turn(

@@ -22,7 +22,12 @@ from typing import Any
 from bson import Decimal128, ObjectId
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from agent_store.core import InvalidInput, describe_validation_error, to_utc_millis
+from agent_store.core import (
+    Conversation,
+    InvalidInput,
+    describe_validation_error,
+    to_utc_millis,
+)
 from agent_store.store import (
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
@@ -34,8 +39,10 @@ LEGACY_TURNS = "agent_conversations_deprecated"
 """Where the legacy turns live once moved aside (DESIGN §5, step 1)."""
 SESSION_HITL = "session_hitl"
 """The legacy collection of pending HITL prompts."""
-LEGACY_TURN_FIELDS = ("user_message", "response_parts", "response_text", "upload_result")
-"""A document holding any of these fields is a legacy turn, not a conversation document."""
+CONVERSATION_COUNTERS = ("message_count", "turn_count")
+"""The counters the store writes on every conversation document (its stored schema requires
+them) and no legacy turn holds (DESIGN §4): in `agent_conversations`, a document holding
+neither is a legacy turn, whatever other fields it holds or lacks."""
 
 _KEY = re.compile(r"^[A-Za-z0-9_.:@|-]{1,100}$")
 """A document id short enough to appear as it is in the ids derived from it."""
@@ -246,6 +253,16 @@ class LegacyTurn(BaseModel):
     def id_time(self) -> datetime | None:
         """When the document was created, from its ObjectId; None for other ids."""
         return to_utc_millis(self.id.generation_time) if isinstance(self.id, ObjectId) else None
+
+
+def _stored_names(model: type[BaseModel]) -> set[str]:
+    return {field.alias or name for name, field in model.model_fields.items()}
+
+
+TURN_ONLY_FIELDS = tuple(sorted(_stored_names(LegacyTurn) - _stored_names(Conversation)))
+"""The fields of the legacy turn format no conversation document holds (`user_message`,
+`response_parts`, `message_history_json`, …): a document holding one of them and the
+`CONVERSATION_COUNTERS` is neither a legacy turn nor a conversation document."""
 
 
 def parse_turns(documents: Iterable[Mapping[str, Any]]) -> list[LegacyTurn]:
