@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from bson import ObjectId
+from bson import Int64, ObjectId
 
 from agent_store import ConversationStore, LegacyTurns
 from agent_store.legacy import (
@@ -193,6 +193,44 @@ def test_a_conversation_without_any_time_takes_the_time_it_is_given() -> None:
     assert {m.created_at for m in conversion.messages} == {given}
     [problem] = conversion.problems
     assert "no turn of the conversation has a readable time, so 2020-01-01" in problem.detail
+
+
+@pytest.mark.parametrize(
+    "created_at",
+    [1614592800, 1614592800.0, 1614592800000, Int64(1614592800000)],
+    ids=["seconds", "seconds as a float", "milliseconds", "milliseconds as int64"],
+)
+def test_a_time_written_as_whole_epoch_seconds_or_milliseconds_is_read(created_at: Any) -> None:
+    turn = {"_id": "e-1", "conversation_id": "c-epoch", "created_at": created_at,
+            "user_message": "hi"}  # fmt: skip
+    conversion = convert([turn])
+
+    assert conversion.messages[0].created_at == datetime(2021, 3, 1, 10, tzinfo=UTC)
+    assert conversion.problems == []
+
+
+@pytest.mark.parametrize(
+    "created_at",
+    [1614592800.5, -5, 10**16, True],
+    ids=["a fraction", "before 1970", "past now in milliseconds", "a bool"],
+)
+def test_a_number_that_is_no_epoch_time_is_a_problem_saying_it_was_not_read(
+    created_at: Any,
+) -> None:
+    given = datetime(2020, 1, 1, tzinfo=UTC)
+    turn = {"_id": "e-1", "conversation_id": "c-epoch", "created_at": created_at,
+            "user_message": "hi"}  # fmt: skip
+    conversion = convert([turn], undated_at=given)
+
+    assert conversion.messages[0].created_at == given
+    [problem] = conversion.problems
+    assert (problem.kind, problem.placed, problem.content) == (
+        "missing_created_at",
+        True,
+        created_at,
+    )
+    if not isinstance(created_at, bool):
+        assert "is a number, not epoch seconds or milliseconds" in problem.detail
 
 
 def test_a_hitl_turn_whose_response_text_is_its_prompt_is_not_a_problem() -> None:

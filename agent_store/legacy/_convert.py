@@ -40,6 +40,7 @@ from agent_store.legacy._documents import (
     as_count,
     as_text,
     dated_turns,
+    is_number,
     named_users,
     owner_of,
     parse_turns,
@@ -941,6 +942,11 @@ def _dated(
         f"no turn of the conversation has a readable time, so {undated_at.isoformat()}"
     )
     detail = f"created_at is missing or unreadable; {source} is used"
+    if is_number(turn.created_at):
+        detail = (
+            f"created_at {turn.created_at!r} is a number, not epoch seconds or milliseconds from "
+            f"1970 to now; {source} is used"
+        )
     converter.problem(
         turn,
         "missing_created_at",
