@@ -30,11 +30,11 @@ from agent_store.legacy import (
     Problem,
     call_arguments,
     error_text,
-    normalize_part,
     part_text,
     result_text,
     sort_turns,
     turn_parts,
+    turn_uploads,
     user_text,
 )
 from agent_store.store import strip_runtime_context
@@ -103,16 +103,9 @@ def _part_line(part: LegacyPart) -> str | None:
 def _uploads(turn: LegacyTurn, skipped: Skipped) -> list[Any]:
     """The turn's uploads as the converter gathers them, less those it could not place."""
     legacy_id = str(turn.id)
-    found: list[tuple[int | None, Any]] = []
-    if turn.upload_result not in (None, {}):
-        found.append((None, turn.upload_result))
-    raw = turn.response_parts if isinstance(turn.response_parts, list) else []
-    for index, part in enumerate(map(normalize_part, raw)):
-        if part.kind == "file_upload" and not any(part.upload == u for _, u in found):
-            found.append((index, part.upload))
     return [
         upload
-        for index, upload in found
+        for index, upload in turn_uploads(turn)
         if not (index is None and legacy_id in skipped.uploads)
         and (legacy_id, index if index is not None else -1) not in skipped.parts
     ]

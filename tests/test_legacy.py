@@ -21,6 +21,7 @@ from agent_store.legacy import (
     pending_from_session_hitl,
     with_session_prompts,
 )
+from agent_store.store import MAX_NAME_CHARS
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from migrations.transcript import differences, from_legacy, from_messages
 from tests.test_logger import expected_example
@@ -347,6 +348,19 @@ def test_name_set_on_some_turns_only_uses_the_last_name() -> None:
     assert (conversation.name, conversation.name_source) == ("Renamed", "runtime")
 
 
+def test_a_name_longer_than_a_conversation_holds_is_cut_and_kept_whole_in_a_problem() -> None:
+    name = "Budget review " + "https://intranet.example.com/finance/" + "q" * 230
+    conversion = convert([turn(1, name=name)])
+
+    assert conversion.conversation is not None
+    stored = conversion.conversation.name or ""
+    assert stored.startswith("Budget review")
+    assert len(stored) <= MAX_NAME_CHARS
+    assert [(p.kind, p.placed, p.field, p.content) for p in conversion.problems] == [
+        ("shortened_name", True, "name", name)
+    ]
+
+
 def test_without_any_name_the_first_user_text_names_the_conversation() -> None:
     conversation = convert([turn(1), turn(2)]).conversation
     assert conversation is not None
@@ -392,6 +406,99 @@ def test_a_result_naming_an_earlier_turns_call_is_placed_after_that_call() -> No
     messages, problems = convert_conversation([turn(1, [call]), turn(2, [late])])
     assert problems == []
     assert [m.role for m in messages] == ["user", "assistant", "tool", "user"]
+
+
+def tool_call(name: str, call_id: str, **args: Any) -> dict[str, Any]:
+    return {"type": "tool_call", "tool_name": name, "args": args, "tool_call_id": call_id}
+
+
+def tool_result(name: str, call_id: str, value: Any) -> dict[str, Any]:
+    return {"type": "tool_result", "tool_name": name, "result": value, "tool_call_id": call_id}
+
+
+def answers(messages: list[AgentMessage]) -> dict[str, Any]:
+    return {m.tool_call_id: m.content for m in messages if m.role == "tool"}
+
+
+def test_a_repeated_result_is_a_duplicate_never_the_answer_to_another_call() -> None:
+    """A retried write recorded the Paris result twice: the Oslo call keeps its own answer,
+    and the repeat is kept in a problem saying it repeats an answered call."""
+    parts = [
+        tool_call("weather", "a", city="Paris"),
+        tool_call("weather", "b", city="Oslo"),
+        tool_result("weather", "a", "Paris: sunny"),
+        tool_result("weather", "a", "Paris: sunny"),
+        tool_result("weather", "b", "Oslo: snow"),
+    ]
+    messages, problems = convert_conversation([turn(1, parts)])
+
+    assert answers(messages) == {"a": "Paris: sunny", "b": "Oslo: snow"}
+    assert [(p.kind, p.placed, p.part_index, p.content) for p in problems] == [
+        ("duplicate_tool_result", False, 3, parts[3])
+    ]
+    assert "'a'" in problems[0].detail
+    assert "already answered" in problems[0].detail
+
+
+def test_a_result_answers_the_call_of_its_id_in_its_own_turn_before_an_earlier_one() -> None:
+    """A provider numbering calls per response reuses `call_0`: the first turn's call got no
+    result, the second turn's result answers the second turn's call, right after it."""
+    turns = [
+        turn(1, [tool_call("search", "call_0", q="cats"), {"type": "text", "content": "failed"}]),
+        turn(5, [tool_call("search", "call_0", q="cats"), tool_result("search", "call_0", "3"),
+                 {"type": "text", "content": "found 3"}]),
+    ]  # fmt: skip
+    messages, problems = convert_conversation(turns)
+
+    assert [(m.role, m.content) for m in messages] == [
+        ("user", "question 1"), ("assistant", None), ("assistant", "failed"),
+        ("user", "question 5"), ("assistant", None), ("tool", "3"), ("assistant", "found 3"),
+    ]  # fmt: skip
+    assert messages[5].tool_call_id == call_ids(messages)[1] != "call_0"
+    assert [p.kind for p in problems] == ["duplicate_tool_call_id"]
+    conversation = convert(turns).conversation
+    assert conversation is not None
+    assert [c.tool_call_id for c in conversation.pending_calls] == ["call_0"]
+
+
+def test_a_result_answers_the_latest_unanswered_call_of_its_id() -> None:
+    """As the live store pairs them (`answers_to_calls`): a second result of a reused id
+    answers the earlier call still unanswered."""
+    turns = [
+        turn(1, [tool_call("f", "call_0")]),
+        turn(2, [tool_call("f", "call_0"), tool_result("f", "call_0", "late"),
+                 tool_result("f", "call_0", "early")]),
+    ]  # fmt: skip
+    messages, problems = convert_conversation(turns)
+
+    first, second = call_ids(messages)
+    assert answers(messages) == {first: "early", second: "late"}
+    assert [p.kind for p in problems] == ["duplicate_tool_call_id"]
+
+
+def test_each_upload_part_is_a_message_even_when_two_are_identical() -> None:
+    upload = {"type": "file_upload", "filename": "invoice.pdf", "file_type": "application/pdf",
+              "size": 2048}  # fmt: skip
+    turns = [turn(1, [upload, dict(upload), {"type": "text", "content": "ok"}])]
+    messages, problems = convert_conversation(turns)
+
+    assert [m.upload.filename if m.upload else None for m in messages] == [
+        "invoice.pdf", "invoice.pdf", None
+    ]  # fmt: skip
+    assert problems == []
+    assert differences(from_legacy(parse_turns(turns)), from_messages(messages)) == []
+
+
+def test_only_the_part_repeating_the_upload_result_is_skipped() -> None:
+    """The old service recorded a turn's upload as `upload_result` and as a part: one upload;
+    a second identical part is a second one."""
+    body = {"filename": "a.txt", "file_type": "text/plain", "size": 3}
+    turns = [turn(1, [{"type": "file_upload", **body}] * 2, upload_result=body)]
+    messages, problems = convert_conversation(turns)
+
+    assert [m.upload.filename for m in messages if m.upload] == ["a.txt", "a.txt"]
+    assert problems == []
+    assert differences(from_legacy(parse_turns(turns)), from_messages(messages)) == []
 
 
 def test_runtime_context_is_stripped_from_legacy_user_text() -> None:
@@ -689,6 +796,16 @@ def test_messages_written_back_as_legacy_turns_convert_to_the_same_messages(
         ]
 
     assert visible(again) == visible(messages)
+
+
+def test_a_turn_with_two_identical_uploads_written_back_as_a_legacy_turn_keeps_both() -> None:
+    upload = {"type": "file_upload", "filename": "a.txt", "file_type": "text/plain", "size": 3}
+    messages, _ = convert_conversation([turn(1, [upload, upload])])
+    written = legacy_turn_document(CID, "t-1", messages, user_id="user-1", name=None)
+    again, problems = convert_conversation([written])
+
+    assert [m.upload for m in again] == [m.upload for m in messages] != [None]
+    assert problems == []
 
 
 def test_turns_of_two_conversations_are_refused_naming_them() -> None:

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from bson import ObjectId
+from bson import Int64, ObjectId
 
 from agent_store import ConversationStore, LegacyTurns
 from agent_store.legacy import (
@@ -195,6 +195,44 @@ def test_a_conversation_without_any_time_takes_the_time_it_is_given() -> None:
     assert "no turn of the conversation has a readable time, so 2020-01-01" in problem.detail
 
 
+@pytest.mark.parametrize(
+    "created_at",
+    [1614592800, 1614592800.0, 1614592800000, Int64(1614592800000)],
+    ids=["seconds", "seconds as a float", "milliseconds", "milliseconds as int64"],
+)
+def test_a_time_written_as_whole_epoch_seconds_or_milliseconds_is_read(created_at: Any) -> None:
+    turn = {"_id": "e-1", "conversation_id": "c-epoch", "created_at": created_at,
+            "user_message": "hi"}  # fmt: skip
+    conversion = convert([turn])
+
+    assert conversion.messages[0].created_at == datetime(2021, 3, 1, 10, tzinfo=UTC)
+    assert conversion.problems == []
+
+
+@pytest.mark.parametrize(
+    "created_at",
+    [1614592800.5, -5, 10**16, True],
+    ids=["a fraction", "before 1970", "past now in milliseconds", "a bool"],
+)
+def test_a_number_that_is_no_epoch_time_is_a_problem_saying_it_was_not_read(
+    created_at: Any,
+) -> None:
+    given = datetime(2020, 1, 1, tzinfo=UTC)
+    turn = {"_id": "e-1", "conversation_id": "c-epoch", "created_at": created_at,
+            "user_message": "hi"}  # fmt: skip
+    conversion = convert([turn], undated_at=given)
+
+    assert conversion.messages[0].created_at == given
+    [problem] = conversion.problems
+    assert (problem.kind, problem.placed, problem.content) == (
+        "missing_created_at",
+        True,
+        created_at,
+    )
+    if not isinstance(created_at, bool):
+        assert "is a number, not epoch seconds or milliseconds" in problem.detail
+
+
 def test_a_hitl_turn_whose_response_text_is_its_prompt_is_not_a_problem() -> None:
     conversion = convert(conversation("mess-hitl"))
     assert conversion.problems == []
@@ -236,6 +274,77 @@ def test_token_usage_past_what_a_sum_holds_saturates_as_live_sums_do() -> None:
     conversion = convert(turns)
     assert conversion.conversation is not None
     assert conversion.conversation.usage.input_tokens == 2**53 - 1
+
+
+def usage_turn(token_usage: Any) -> dict[str, Any]:
+    return {"_id": "u-1", "conversation_id": "c-usage", "created_at": MESSY_START,
+            "user_message": "q", "response_parts": [{"type": "text", "content": "a"}],
+            "token_usage": token_usage}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        {"prompt_tokens": 700, "completion_tokens": 90},
+        {"request_tokens": 700, "response_tokens": 90, "details": {}},
+        {"input_tokens": None, "request_tokens": 700, "output_tokens": "", "completion_tokens": 90},
+        {"prompt_tokens": 700, "completion_tokens": 90, "total_tokens": 790},
+    ],
+    ids=["openai", "pydantic-ai", "a missing spelling", "a total that sums them"],
+)
+def test_token_usage_in_each_common_spelling_is_read(usage: dict[str, Any]) -> None:
+    conversion = convert([usage_turn(usage)])
+
+    [answer] = [m for m in conversion.messages if m.role == "assistant"]
+    assert answer.token_usage is not None
+    assert (answer.token_usage.input_tokens, answer.token_usage.output_tokens) == (700, 90)
+    assert conversion.conversation is not None
+    assert conversion.conversation.usage.input_tokens == 700
+    assert conversion.problems == []
+
+
+@pytest.mark.parametrize(
+    ("usage", "kind", "content"),
+    [
+        (
+            {"input_tokens": 7, "output_tokens": 1, "cached_tokens": 5, "details": {"r": 2}},
+            "unread_field",
+            {"cached_tokens": 5, "details": {"r": 2}},
+        ),
+        ({"total_tokens": 790}, "unread_field", {"total_tokens": 790}),
+        (
+            {"input_tokens": 7, "output_tokens": 1, "total_tokens": 9},
+            "unread_field",
+            {"total_tokens": 9},
+        ),
+        (
+            {"input_tokens": 7, "prompt_tokens": 8, "output_tokens": 1},
+            "unread_spelling",
+            {"prompt_tokens": 8},
+        ),
+    ],
+    ids=["other keys", "a total alone", "a total that does not sum them", "two spellings"],
+)
+def test_token_usage_the_converter_does_not_read_is_kept_in_a_problem(
+    usage: dict[str, Any], kind: str, content: dict[str, Any]
+) -> None:
+    conversion = convert([usage_turn(usage)])
+
+    assert [(p.kind, p.field, p.placed, p.content) for p in conversion.problems] == [
+        (kind, "token_usage", False, content)
+    ]
+
+
+def test_an_unreadable_spelling_of_token_usage_is_a_problem_beside_a_readable_one() -> None:
+    usage = {"input_tokens": "n/a", "prompt_tokens": 700, "output_tokens": 90}
+    conversion = convert([usage_turn(usage)])
+
+    [answer] = [m for m in conversion.messages if m.role == "assistant"]
+    assert answer.token_usage is not None
+    assert answer.token_usage.input_tokens == 700
+    assert [(p.kind, p.field, p.content) for p in conversion.problems] == [
+        ("unreadable_number", "token_usage", usage)
+    ]
 
 
 def test_response_text_that_no_message_holds_is_still_a_problem() -> None:

@@ -40,6 +40,7 @@ from agent_store.legacy._parts import (
     part_text,
     result_text,
     turn_parts,
+    turn_uploads,
     user_text,
 )
 from agent_store.legacy._session_hitl import (
@@ -89,6 +90,7 @@ __all__ = [
     "sort_turns",
     "turn_parts",
     "turn_times",
+    "turn_uploads",
     "user_text",
     "with_session_prompts",
 ]

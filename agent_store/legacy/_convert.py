@@ -40,6 +40,7 @@ from agent_store.legacy._documents import (
     as_count,
     as_text,
     dated_turns,
+    is_number,
     named_users,
     owner_of,
     parse_turns,
@@ -57,12 +58,15 @@ from agent_store.legacy._parts import (
     result_text,
     said,
     turn_parts,
+    turn_uploads,
     user_text,
 )
 from agent_store.store import (
+    MAX_NAME_CHARS,
     FullText,
     TurnPlan,
     TurnRules,
+    collapse_whitespace,
     pending_after,
     plan_turn,
     shorten,
@@ -251,7 +255,8 @@ class _Converter:
         self.rules = rules
         self.problems: list[Problem] = []
         self.used_call_ids: set[str] = set()
-        self.calls_by_id: dict[str, _CallGroup] = {}
+        self.calls_by_real: dict[str, list[tuple[_CallGroup, str]]] = defaultdict(list)
+        """Each call by the id its legacy part names: (its group, the id it is stored under)."""
         self.unanswered_usage = Usage()
         """Token usage of turns without an assistant message: counted on the conversation."""
 
@@ -320,7 +325,7 @@ class _Converter:
         state = _TurnState(
             turn=turn,
             at=at,
-            items=self._opening(turn, parts, at),
+            items=self._opening(turn, at),
             calls=_RealIds(history.calls, [p for p in normalized if p.kind == "tool_call"]),
             results=_RealIds(history.returns, [p for p in normalized if p.kind == "tool_result"]),
         )
@@ -340,7 +345,8 @@ class _Converter:
     # -- the parts of a turn, one handler per kind -----------------------------------------
 
     def _on_tool_call(self, state: _TurnState, index: int, part: LegacyPart) -> None:
-        call = self._call(state.turn, index, part, state.calls.of(part))
+        real = state.calls.of(part)
+        call = self._call(state.turn, index, part, real)
         if call is None:
             return
         if state.open_group is None:
@@ -356,7 +362,8 @@ class _Converter:
             state.groups.append(state.open_group)
         state.open_group.message["tool_calls"].append(call)
         state.open_group.calls.append((call["id"], call["function"]["name"]))
-        self.calls_by_id[call["id"]] = state.open_group
+        if real is not None:
+            self.calls_by_real[real].append((state.open_group, call["id"]))
 
     def _on_tool_result(self, state: _TurnState, index: int, part: LegacyPart) -> None:
         state.pending_results.append((index, part, state.results.of(part)))
@@ -495,25 +502,15 @@ class _Converter:
                 content=text,
             )
 
-    def _opening(
-        self, turn: LegacyTurn, parts: list[tuple[int, LegacyPart]], at: datetime
-    ) -> list[Item]:
-        """The turn's system or user message(s): its text and every upload."""
+    def _opening(self, turn: LegacyTurn, at: datetime) -> list[Item]:
+        """The turn's system or user message(s): its text and every upload (`turn_uploads`)."""
         text = user_text(turn)
-        uploads: list[tuple[int | None, Any]] = []
-        if turn.upload_result not in (None, {}):
-            uploads.append((None, turn.upload_result))
-        for index, part in parts:
-            if part.kind == "file_upload":
-                if any(part.upload == u for _, u in uploads):
-                    continue  # the same file recorded twice: once as upload_result
-                uploads.append((index, part.upload))
         items: list[Item] = []
         if turn.is_system:
             items.append({"role": "system", "content": text or None, "created_at": at})
         elif text:
             items.append({"role": "user", "content": text, "created_at": at})
-        for upload_index, upload in uploads:
+        for upload_index, upload in turn_uploads(turn):
             valid = self.checked(
                 turn, _upload_adapter, upload, kind="invalid_upload", index=upload_index
             )
@@ -601,15 +598,13 @@ class _Converter:
     def _answered_call(
         self, state: _TurnState, name: Any, real: str | None
     ) -> tuple[_CallGroup, str] | None:
-        """The call a result answers: by its real id (this turn or an earlier one), else the
-        first unanswered call of the same tool in this turn."""
-        if real is not None:
-            for group in state.groups:
-                if any(cid == real for cid, _ in group.calls) and real not in group.results:
-                    return group, real
-            earlier = self.calls_by_id.get(real)
-            if earlier is not None and real not in earlier.results:
-                return earlier, real
+        """The call a result answers. A result whose id names calls answers the latest of them
+        still unanswered, as the live store pairs them (`answers_to_calls`): this turn's
+        before an earlier turn's, whatever id it was stored under. Only a result whose id names
+        no call takes the first unanswered call of the same tool in this turn."""
+        if real is not None and real in self.calls_by_real:
+            made = self.calls_by_real[real]
+            return next(((g, cid) for g, cid in reversed(made) if cid not in g.results), None)
         for group in state.groups:
             for cid, call_name in group.calls:
                 if call_name == name and cid not in group.results:
@@ -622,14 +617,7 @@ class _Converter:
         name = part.tool_name
         answered = self._answered_call(state, name, real)
         if answered is None:
-            self.problem(
-                state.turn,
-                "unplaced_tool_result",
-                f"a result of {name!r} answers no call of this conversation",
-                field="response_parts",
-                part_index=index,
-                content=part.raw,
-            )
+            self._unplaced_result(state, index, part, real)
             return
         group, call_id = answered
         content, plain = result_text(part)
@@ -650,6 +638,28 @@ class _Converter:
             "created_at": state.at,
         }
 
+    def _unplaced_result(
+        self, state: _TurnState, index: int, part: LegacyPart, real: str | None
+    ) -> None:
+        """A result no call is left for: a repeat when its id names calls, all answered."""
+        if real is not None and real in self.calls_by_real:
+            kind = "duplicate_tool_result"
+            detail = (
+                f"a result of {part.tool_name!r} for call {real!r}, already answered; the "
+                "first result is its answer"
+            )
+        else:
+            kind = "unplaced_tool_result"
+            detail = f"a result of {part.tool_name!r} answers no call of this conversation"
+        self.problem(
+            state.turn,
+            kind,
+            detail,
+            field="response_parts",
+            part_index=index,
+            content=part.raw,
+        )
+
     # -- token usage and latency -------------------------------------------------------
 
     def _count(self, turn: LegacyTurn, field: str, value: Any) -> int | None:
@@ -662,6 +672,9 @@ class _Converter:
             return None
 
     def _token_usage(self, turn: LegacyTurn) -> dict[str, int] | None:
+        """The turn's token usage in any common spelling (`USAGE_SPELLINGS`); what it holds
+        besides is kept in problems: another spelling saying another count
+        (`unread_spelling`), other keys and a total that is not the sum (`unread_field`)."""
         usage = turn.token_usage
         if usage is None or usage == "":
             return None
@@ -674,9 +687,53 @@ class _Converter:
                 content=usage,
             )
             return None
-        names = (("input_tokens", "request_tokens"), ("output_tokens", "response_tokens"))
-        counts = [self._count(turn, "token_usage", usage.get(n, usage.get(a))) for n, a in names]
-        return {"input_tokens": counts[0] or 0, "output_tokens": counts[1] or 0}
+        unread: dict[str, Any] = {}
+        counts = {
+            name: self._spelled_count(turn, usage, spellings, unread)
+            for name, spellings in USAGE_SPELLINGS.items()
+        }
+        if unread:
+            self.problem(
+                turn,
+                "unread_spelling",
+                f"token_usage also holds {', '.join(unread)} with another count than the one "
+                "converted",
+                field="token_usage",
+                content=unread,
+            )
+        read = {n for spellings in USAGE_SPELLINGS.values() for n in spellings}
+        if _count_or_none(usage.get("total_tokens")) == sum(counts.values()):
+            read.add("total_tokens")
+        others = {k: v for k, v in usage.items() if k not in read and v not in _SAYS_NOTHING}
+        if others:
+            self.problem(
+                turn,
+                "unread_field",
+                f"token_usage also holds {', '.join(map(str, others))}, which no message holds",
+                field="token_usage",
+                content=others,
+            )
+        return counts
+
+    def _spelled_count(
+        self,
+        turn: LegacyTurn,
+        usage: dict[str, Any],
+        spellings: tuple[str, ...],
+        unread: dict[str, Any],
+    ) -> int:
+        """The first readable count of `spellings` (0 if none); a spelling holding another count
+        goes into `unread`, an unreadable one into an `unreadable_number` problem."""
+        found: int | None = None
+        for name in spellings:
+            count = self._count(turn, "token_usage", usage.get(name))
+            if count is None or count == found:
+                continue
+            if found is None:
+                found = count
+            else:
+                unread[name] = usage[name]
+        return found or 0
 
     def _usage(self, turn: LegacyTurn, items: list[Item]) -> None:
         """Usage and latency on the turn's last assistant message; without one, latency on its
@@ -715,6 +772,25 @@ class _Converter:
                 content=turn.token_usage,
                 unplaced=False,
             )
+
+
+USAGE_SPELLINGS = {
+    "input_tokens": ("input_tokens", "prompt_tokens", "request_tokens"),
+    "output_tokens": ("output_tokens", "completion_tokens", "response_tokens"),
+}
+"""The names each count of a turn's `token_usage` is read under, in order: the store's,
+OpenAI's, Pydantic AI's. A `total_tokens` that is their sum says nothing more."""
+
+
+_SAYS_NOTHING: tuple[Any, ...] = (None, "", {}, [])
+"""Values of a `token_usage` key that hold nothing to keep."""
+
+
+def _count_or_none(value: Any) -> int | None:
+    try:
+        return as_count(value)
+    except ValueError:
+        return None
 
 
 def _told_by(summary: str, texts: Sequence[str]) -> bool:
@@ -777,7 +853,8 @@ def convert(
     ]
     conversation = None
     if plans:
-        conversation = _conversation(conversation_id, turns, plans, messages, owner)
+        name = _runtime_name(converter, turns)
+        conversation = _conversation(conversation_id, name, plans, messages, owner)
         conversation = conversation.model_copy(
             update={
                 "legacy_conversation_id": original,
@@ -883,6 +960,11 @@ def _dated(
         f"no turn of the conversation has a readable time, so {undated_at.isoformat()}"
     )
     detail = f"created_at is missing or unreadable; {source} is used"
+    if is_number(turn.created_at):
+        detail = (
+            f"created_at {turn.created_at!r} is a number, not epoch seconds or milliseconds from "
+            f"1970 to now; {source} is used"
+        )
     converter.problem(
         turn,
         "missing_created_at",
@@ -945,15 +1027,35 @@ def _owner(converter: _Converter, turns: list[LegacyTurn]) -> str | None:
     return owner
 
 
+def _runtime_name(converter: _Converter, turns: Sequence[LegacyTurn]) -> str | None:
+    """The name of the last turn that has one; one longer than a conversation holds
+    (`MAX_NAME_CHARS`) is cut, and a placed problem keeps it whole."""
+    named = [t for t in turns if t.name]
+    if not named:
+        return None
+    whole = named[-1].name or ""
+    name = shorten(whole, MAX_NAME_CHARS)
+    if len(found := collapse_whitespace(whole)) > MAX_NAME_CHARS:
+        converter.problem(
+            named[-1],
+            "shortened_name",
+            f"the name has {len(found)} characters, more than a conversation holds "
+            f"({MAX_NAME_CHARS}); it is cut to {name!r}",
+            field="name",
+            content=whole,
+            unplaced=False,
+        )
+    return name
+
+
 def _conversation(
     conversation_id: str,
-    turns: Sequence[LegacyTurn],
+    name: str | None,
     plans: Sequence[TurnPlan],
     messages: Sequence[AgentMessage],
     owner: str | None,
 ) -> Conversation:
-    names = [t.name for t in turns if t.name]
-    name, source = (shorten(names[-1], 200), "runtime") if names else (None, None)
+    source = "runtime" if name else None
     if name is None:
         name = next((p.auto_name for p in plans if p.auto_name), None)
         source = "auto" if name else None

@@ -16,7 +16,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from bson import Decimal128, ObjectId
@@ -27,11 +27,13 @@ from agent_store.core import (
     InvalidInput,
     describe_validation_error,
     to_utc_millis,
+    utc_now,
 )
 from agent_store.store import (
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
     MIGRATED_TURN_PREFIX,
+    TurnRules,
     validate_identifier,
 )
 
@@ -48,6 +50,7 @@ _KEY = re.compile(r"^[A-Za-z0-9_.:@|-]{1,100}$")
 """A document id short enough to appear as it is in the ids derived from it."""
 _IDENTIFIER = re.compile(r"^[A-Za-z0-9_.:@|-]{1,200}$")
 """What `agent_store.core.Identifier` accepts."""
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 MAX_COUNT = 2**63 - 1
 """The largest count BSON stores as an integer."""
 
@@ -171,13 +174,36 @@ def truthy(value: Any) -> bool:
 
 
 def as_time(value: Any) -> datetime | None:
-    """A time as aware UTC, from a datetime or an ISO string; None if unreadable."""
+    """A time as aware UTC, from a datetime, an ISO string or a whole number of epoch seconds
+    or milliseconds (`epoch_time`); None if unreadable."""
+    if is_number(value):
+        return epoch_time(value)
     if isinstance(value, str):
         try:
             value = datetime.fromisoformat(value.replace("Z", "+00:00"))
         except ValueError:
             return None
     return to_utc_millis(value) if isinstance(value, datetime) else None
+
+
+def is_number(value: Any) -> bool:
+    """Whether a value is a number (an int, Int64 or float; a bool is not one)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def epoch_time(number: float) -> datetime | None:
+    """A whole number since 1970 as the time a store accepts (1970 to now and the store's
+    future leeway): seconds when they are such a time, else milliseconds; None when it is
+    neither or not whole (`int(time.time())` and `Date.now()` are read; 1.5 is no time)."""
+    if isinstance(number, float) and not number.is_integer():
+        return None
+    whole = int(number)
+    latest = math.floor((utc_now() + TurnRules().future_leeway - EPOCH).total_seconds())
+    if 0 <= whole <= latest:
+        return EPOCH + timedelta(seconds=whole)
+    if 0 <= whole <= latest * 1000:
+        return EPOCH + timedelta(milliseconds=whole)
+    return None
 
 
 class LegacyTurn(BaseModel):
@@ -247,7 +273,7 @@ class LegacyTurn(BaseModel):
         return derived_conversation_id(found, turn_key=self.key)
 
     def time(self) -> datetime | None:
-        """`created_at` as aware UTC, from a datetime or an ISO string; None if unreadable."""
+        """`created_at` as aware UTC (`as_time`); None if unreadable."""
         return as_time(self.created_at)
 
     def id_time(self) -> datetime | None:

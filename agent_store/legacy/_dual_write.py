@@ -100,7 +100,11 @@ def legacy_turn_document(
     turn = _Turn()
     for message in messages:
         turn.add(message)
-    parts = turn.parts + [{"type": "file_upload", **u} for u in turn.uploads[1:]]
+    # The first upload is `upload_result`; a reader skips the first part repeating it (the
+    # old writer recorded it twice), so it is written twice when a later upload repeats it.
+    uploads = turn.uploads
+    written = uploads if uploads and uploads[0] in uploads[1:] else uploads[1:]
+    parts = turn.parts + [{"type": "file_upload", **u} for u in written]
     document: dict[str, Any] = {
         "_id": legacy_turn_id(conversation_id, f"{turn_id}\0{part}" if part else turn_id),
         "conversation_id": conversation_id,

@@ -289,6 +289,25 @@ def turn_parts(turn: LegacyTurn) -> list[tuple[int, LegacyPart]]:
     return rebuilt
 
 
+def turn_uploads(turn: LegacyTurn) -> list[tuple[int | None, Any]]:
+    """A turn's uploads as found, each with its index in `response_parts` (None for
+    `upload_result`). Every `file_upload` part is an upload of its own, identical ones too,
+    but the first part repeating `upload_result`: the old writer recorded that upload twice."""
+    uploads: list[tuple[int | None, Any]] = []
+    if turn.upload_result not in (None, {}):
+        uploads.append((None, turn.upload_result))
+    repeated = not uploads
+    raw = turn.response_parts if isinstance(turn.response_parts, list) else []
+    for index, part in enumerate(map(normalize_part, raw)):
+        if part.kind != "file_upload":
+            continue
+        if not repeated and part.upload == turn.upload_result:
+            repeated = True
+            continue
+        uploads.append((index, part.upload))
+    return uploads
+
+
 def user_text(turn: LegacyTurn) -> str | None:
     """The turn's user (or system) text as a message holds it; None when it has none."""
     return None if turn.user_message is None else as_text(turn.user_message)
