@@ -68,6 +68,8 @@ class RecordedBlock:
     first_seq: int
     count: int
     digest: int
+    popped: bool = False
+    """A pop removed one of its messages: no retry of the turn is a replay."""
 
 
 def recorded_block(document: Mapping[str, Any], key: int) -> RecordedBlock | None:
@@ -84,7 +86,8 @@ def recorded_block(document: Mapping[str, Any], key: int) -> RecordedBlock | Non
                 if index + 1 < len(records)
                 else int(document["message_count"])
             )
-            return RecordedBlock(record.first_seq, following - record.first_seq, record.digest)
+            count = following - record.first_seq
+            return RecordedBlock(record.first_seq, count, record.digest, popped=record.popped)
     return None
 
 
@@ -140,6 +143,7 @@ def _records(plan: TurnPlan, rules: TurnRules, now: datetime) -> dict[str, Any]:
         "f": int64({"$ifNull": ["$message_count", 0]}),
         "d": literal(Int64(plan.digest)),
         "a": literal(now),
+        "p": literal(False),
     }
     # A one-element array built by `$map`: some MongoDB-compatible servers (mongomock) keep an
     # array literal's elements unevaluated.
