@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from agent_store import AgentMessageLogger, ConversationStore, InvalidInput
+from agent_store import AgentMessageLogger, Conflict, ConversationStore, InvalidInput
 from tests.conftest import Backend
 
 CID = "conv-tail"
@@ -84,6 +84,37 @@ async def test_popping_while_another_turn_has_reserved_past_it_gives_no_seq_back
     assert later.messages[0].seq == 6
 
 
+async def test_a_retry_of_a_turn_a_pop_corrected_is_a_conflict_and_brings_nothing_back(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RUNTIMES.md "pop_item and the counters": the turn's record stays, and a retry of the
+    turn is a Conflict, whatever it sends. Here turn V reserved past the popped message (so
+    its `seq` is not given back and the block of T still looks whole from the records)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.ensure_indexes()
+    t_turn = [user("T?"), answer("T!", 10)]
+    await logger.log_messages(CID, t_turn, turn_id="T")
+
+    async def lost(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("V reserved seq 2-3 and died before its insert")
+
+    monkeypatch.setattr(logger._messages, "insert_many", lost)
+    with pytest.raises(ConnectionError):
+        await logger.log_messages(CID, [user("V?"), answer("V!", 100)], turn_id="V")
+    monkeypatch.undo()
+    popped = await store.pop_last_message(CID)
+    assert popped is not None
+    assert popped.content == "T!"
+
+    for retry in (t_turn, [user("T?")]):
+        with pytest.raises(Conflict, match="corrected"):
+            await logger.log_messages(CID, retry, turn_id="T")
+    await logger.log_messages(CID, [user("V?"), answer("V!", 100)], turn_id="V")
+
+    assert [m.content for m in await store.transcript(CID)] == ["T?", "V?", "V!"]
+    assert (await store.get_conversation(CID)).usage.input_tokens == 100
+
+
 async def test_popping_the_prompt_that_is_pending_clears_it(backend: Backend) -> None:
     logger, store = await log_two_turns(backend)
     hitl = {"action": "confirm", "params": {}, "request_id": "req-1"}
@@ -125,7 +156,7 @@ async def test_reading_the_last_messages_costs_one_round_trip(wire_backend: Back
     assert len(everything) == 150
 
 
-async def test_popping_costs_two_round_trips_more_for_what_it_must_read_again(
+async def test_popping_costs_four_round_trips_and_one_more_per_read_of_the_messages_before(
     wire_backend: Backend,
 ) -> None:
     assert wire_backend.commands is not None
@@ -140,15 +171,16 @@ async def test_popping_costs_two_round_trips_more_for_what_it_must_read_again(
 
     wire_backend.commands.clear()
     await store.pop_last_message(CID)  # the user message: it started a turn and is the preview
-    assert wire_backend.commands.names == ["findAndModify", "find", "find", "update"]
+    # The last message, the two before it, then mark, remove, correct the summary.
+    assert wire_backend.commands.names == ["find", "find", "find", "update", "delete", "update"]
 
     wire_backend.commands.clear()
     await store.pop_last_message(CID)  # the answer: its call comes back as listed before it
-    assert wire_backend.commands.names == ["findAndModify", "find", "update"]
+    assert wire_backend.commands.names == ["find", "find", "update", "delete", "update"]
 
     wire_backend.commands.clear()
     await store.pop_last_message(CID)  # the tool call: it leaves the list, nothing is read
-    assert wire_backend.commands.names == ["findAndModify", "update"]
+    assert wire_backend.commands.names == ["find", "update", "delete", "update"]
 
 
 async def test_a_pop_racing_a_new_turn_leaves_the_new_turns_preview(

@@ -21,7 +21,14 @@ from hypothesis import strategies as st
 from pymongo import AsyncMongoClient, errors
 from pymongo.errors import AutoReconnect
 
-from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, StorageUnavailable
+from agent_store import (
+    AgentMessageLogger,
+    ConversationStore,
+    InvalidInput,
+    RetryPolicy,
+    StorageUnavailable,
+    with_retries,
+)
 from agent_store.store import plan_turn, storage_errors
 from app.examples import example_turns
 from tests.conftest import Backend
@@ -30,12 +37,16 @@ CID = "conv-reliability"
 
 
 class FailOnce:
-    """A collection whose `method` fails once with a network error, before or after applying."""
+    """A collection whose `method` fails once with a network error, before or after applying
+    (its call after the first `skip` ones)."""
 
-    def __init__(self, collection: Any, method: str, *, after_applying: bool) -> None:
+    def __init__(
+        self, collection: Any, method: str, *, after_applying: bool, skip: int = 0
+    ) -> None:
         self._collection = collection
         self._method = method
         self._after_applying = after_applying
+        self._skip = skip
         self.failed = False
 
     def __getattr__(self, name: str) -> Any:
@@ -44,6 +55,9 @@ class FailOnce:
             return real
 
         async def fail(*args: Any, **kwargs: Any) -> Any:
+            if self._skip:
+                self._skip -= 1
+                return await real(*args, **kwargs)
             self.failed = True
             if self._after_applying:
                 await real(*args, **kwargs)
@@ -88,6 +102,87 @@ async def test_a_turn_retried_after_a_failure_at_any_write_point_is_stored_once(
     assert [m.id for m in stored[-len(messages) :]] == [m.id for m in retried.messages]
     conversation = await store.get_conversation(CID)
     assert (conversation.turn_count, conversation.message_count) == (2, expected)
+
+
+POP_WRITE_POINTS = [
+    pytest.param("_conversations", "update_one", 0, False, id="mark-not-applied"),
+    pytest.param("_conversations", "update_one", 0, True, id="mark-applied-reply-lost"),
+    pytest.param("_messages", "delete_one", 0, False, id="removal-not-applied"),
+    pytest.param("_messages", "delete_one", 0, True, id="removal-applied-reply-lost"),
+    pytest.param("_conversations", "update_one", 1, False, id="summary-not-applied"),
+    pytest.param("_conversations", "update_one", 1, True, id="summary-applied-reply-lost"),
+]
+"""A pop's three writes: the mark on the conversation, the removal, the summary update."""
+
+
+async def log_three_turns(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    for name, tokens in (("A", 1), ("B", 10), ("C", 100)):
+        answer = {"role": "assistant", "content": f"{name}!"}
+        usage = {"input_tokens": tokens, "output_tokens": tokens}
+        await logger.log_messages(
+            CID, [{"role": "user", "content": f"{name}?"}, {**answer, "token_usage": usage}]
+        )
+
+
+async def summary_disagreements(store: ConversationStore) -> list[str]:
+    """What the conversation's summary says that its stored messages do not."""
+    messages, conversation = await store.transcript(CID), await store.get_conversation(CID)
+    used = [m.token_usage.input_tokens for m in messages if m.token_usage]
+    texts = [m.content for m in messages if isinstance(m.content, str)]
+    said = (conversation.message_count, conversation.usage.input_tokens)
+    said += (conversation.turn_count, conversation.last_message_preview)
+    true = (len(messages), sum(used), sum(m.role == "user" for m in messages), texts[-1])
+    return [f"{name} {s!r} != {t!r}" for name, s, t in
+            zip(("message_count", "usage", "turn_count", "preview"), said, true, strict=True)
+            if s != t]  # fmt: skip
+
+
+@pytest.mark.parametrize(("collection", "method", "skip", "after_applying"), POP_WRITE_POINTS)
+async def test_a_pop_retried_after_a_failure_at_any_write_point_removes_one_message(
+    backend: Backend, collection: str, method: str, skip: int, after_applying: bool
+) -> None:
+    """RELIABILITY.md: retrying StorageUnavailable is safe. A pop retried with `with_retries`
+    removes the last message once, answers it, and leaves the summary true."""
+    await log_three_turns(backend)
+    store = ConversationStore(backend.db)
+    failing = FailOnce(getattr(store, collection), method, after_applying=after_applying,
+                       skip=skip)  # fmt: skip
+    setattr(store, collection, failing)
+
+    policy = RetryPolicy(attempts=3, first_delay=0.01, max_delay=0.02)
+    popped = await with_retries(lambda: store.pop_last_message(CID), policy=policy)
+
+    assert failing.failed
+    assert popped is not None
+    assert popped.content == "C!"
+    contents = [m.content for m in await store.transcript(CID)]
+    assert contents == ["A?", "A!", "B?", "B!", "C?"]
+    assert await summary_disagreements(store) == []
+    assert (await store.pop_last_message(CID) or popped).content == "C?"
+    assert await summary_disagreements(store) == []
+
+
+async def test_a_pop_that_died_after_removing_its_message_is_finished_by_the_next_one(
+    backend: Backend,
+) -> None:
+    """The summary update of a pop lost for good (its process died, or it was not retried):
+    the next pop, by anyone, finishes it before removing the message it was asked for."""
+    await log_three_turns(backend)
+    dying = ConversationStore(backend.db)
+    dying._conversations = FailOnce(dying._conversations, "update_one", after_applying=False,
+                                    skip=1)  # fmt: skip
+    with pytest.raises(StorageUnavailable):
+        await dying.pop_last_message(CID)
+    store = ConversationStore(backend.db)
+
+    popped = await store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.content == "C?"
+    assert [m.content for m in await store.transcript(CID)] == ["A?", "A!", "B?", "B!"]
+    assert await summary_disagreements(store) == []
 
 
 async def test_the_same_turn_logged_by_two_writers_at_once_is_stored_once(

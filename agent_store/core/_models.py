@@ -496,6 +496,33 @@ class TurnRecord(_Model):
     """A 64-bit digest of the turn's messages (timestamps aside): a replay must match it."""
     at: UtcDatetime = Field(alias="a")
     """When the turn was reserved."""
+    popped: bool = Field(default=False, alias="p")
+    """A pop removed one of its messages: a retry of the turn is refused, never replayed."""
+
+
+class PopInProgress(_Model):
+    """A pop of a conversation's last message under way (extension; the store's bookkeeping,
+    never served): the message it removes and what removing it changes in the summary, so
+    that any later pop can finish it after a crash or a lost reply."""
+
+    message_id: str
+    seq: Count
+    turn_key: int | None = None
+    """The key of the message's turn record (`TurnRecord.key`), marked popped."""
+    role: Role
+    input_tokens: Count = 0
+    output_tokens: Count = 0
+    started_turn: bool = False
+    """The message started a turn: `turn_count` loses one."""
+    preview: str | None = None
+    """The preview without the message; None keeps the current one."""
+    made_calls: bool = False
+    answered_call: str | None = None
+    """The call a `tool` message answered."""
+    hitl_request_id: str | None = None
+    """The prompt the message raised."""
+    pending_before: list[PendingCall] | None = None
+    """The calls the messages before it leave pending, when removing it needs them."""
 
 
 class ForkOrigin(_Model):
@@ -545,6 +572,12 @@ class Conversation(_Model):
     """How many of the oldest turn records were dropped to keep the document bounded."""
     inbox: dict[str, Any] = Field(default_factory=dict, exclude=True)
     """Open steering inboxes of running turns, by turn (the store's bookkeeping, never served)."""
+    popping: PopInProgress | None = Field(default=None, exclude=True)
+    """The pop under way, if any (the store's bookkeeping, never served): the next pop
+    finishes it first."""
+    pops: Count = Field(default=0, exclude=True)
+    """How many pops were finished: a pop marks its message only if none finished since it
+    read the conversation (the store's bookkeeping, never served)."""
     resolved_hitl: list[str] = Field(default_factory=list, exclude=True)
     """The request ids of the prompts `resolve_hitl` resolved, the newest
     `RESOLVED_PROMPTS_KEPT` (the store's bookkeeping, never served): a resolution leaves no

@@ -262,6 +262,8 @@ class ConversationSession:
         """Remove the last stored message and return its item; None when there is none.
 
         A message that makes no item (another writer's error note) is removed on the way.
+        A call repeating one that raised StorageUnavailable is its retry: it finishes the
+        earlier pop and returns that item, removing no other message (`pop_last_message`).
         """
         while True:
             message = await self.store.pop_last_message(self.session_id, user_id=self.user_id)

@@ -709,7 +709,13 @@ def _reserved(plan: TurnPlan, conversation: dict[str, Any], *, observed: bool) -
 
 
 def _replay(plan: TurnPlan, block: RecordedBlock, conversation: dict[str, Any]) -> _Reserved:
-    """The block an earlier attempt of the turn reserved, if this attempt sends the same."""
+    """The block an earlier attempt of the turn reserved, if this attempt sends the same and
+    no pop has removed a message of it since."""
+    if block.popped:
+        raise Conflict(
+            f"turn {plan.turn_id!r} was corrected since it was logged (a pop removed one of "
+            "its messages): it cannot be logged again. Use a new turn_id for a new turn"
+        )
     if block.count != plan.count or not plan.matches(block.digest):
         raise _other_content(plan)
     summary = Conversation.model_validate(conversation)

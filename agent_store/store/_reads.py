@@ -41,15 +41,8 @@ from agent_store.store._driver import Database, storage_errors
 from agent_store.store._fork import fork_turns_of
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource
+from agent_store.store._pop import Pop, PopMemory
 from agent_store.store._reservation import SUMMARY
-from agent_store.store._tail import (
-    preview_of,
-    quoted_in_preview,
-    reads_pending_before,
-    starts_a_turn,
-    text_before,
-    unlogged,
-)
 from agent_store.store._text import clean_name, collapse_whitespace, has_positive_term
 from agent_store.store._truncation import NATIVE
 from agent_store.store._turns import (
@@ -151,6 +144,7 @@ class ConversationStore:
         self._conversations = db[CONVERSATIONS]
         self._legacy_source = legacy
         self._full_texts = FullTextStore(db)
+        self._pops = PopMemory()
 
     async def _legacy(self, conversation_id: str, user_id: str | None) -> FallbackConversation:
         """A conversation not migrated yet, converted from its legacy turns; else NotFound.
@@ -421,44 +415,33 @@ class ConversationStore:
 
         The conversation's summary is corrected as if the message had never been logged
         (see `agent_store.store._tail`): its turn, tokens, preview and pending prompt, and
-        `message_count`, which gives the `seq` back unless another turn reserved past it.
-        Two to five round trips: the removal, the summary update, and the messages
-        before it when it started a turn or was the preview's source, or (all of them)
-        when it answered a call or raised a prompt (what they leave pending says what comes
-        back; in a fork, one more for where its copies began the original's turns).
+        `message_count`, which gives the `seq` back unless another turn reserved past it;
+        its turn's record is marked popped, so a retry of that turn is a Conflict.
+
+        The pop rolls forward (see `agent_store.store._pop`): it marks the conversation,
+        removes the message, then corrects the summary and clears the mark. A pop left half
+        done is finished by the next one; after StorageUnavailable, call again through this
+        store: the retry answers the message its earlier attempt removed, and removes no
+        other. Four to seven round trips: the last message, the mark, the removal, the
+        summary update, and the messages before it when it started a turn or was the
+        preview's source, or (all of them) when it answered a call or raised a prompt (what
+        they leave pending says what comes back; in a fork, one more for where its copies
+        began the original's turns). Three more when this store has not seen the
+        conversation's count of finished pops yet and another pop was finished before.
         """
         query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
         if user_id is not None:
             query["user_id"] = validate_identifier(user_id, "user_id")
-        with storage_errors("remove the last message"):
-            doc = await self._messages.find_one_and_delete(query, sort=[("seq", -1)])
-        if doc is None:
-            return None
-        popped = message_adapter.validate_python(doc)
-        assert popped.seq is not None
-        assert popped.conversation_id is not None
-        started, preview = False, None
-        with storage_errors("read the messages before the last one"):
-            if popped.role in ("user", "system"):
-                previous = await self._messages.find_one(
-                    {"conversation_id": popped.conversation_id, "seq": popped.seq - 1}
-                )
-                started = starts_a_turn(popped, previous)
-            if quoted_in_preview(popped):
-                source = await self._messages.find_one(
-                    text_before(popped.conversation_id, popped.seq), sort=[("seq", -1)]
-                )
-                source_message = message_adapter.validate_python(source) if source else None
-                preview = preview_of(source_message, self._rules.preview_chars)
-            calls = (
-                await self._pending_calls_before(popped) if reads_pending_before(popped) else None
-            )
-        with storage_errors("update the conversation"):
-            await self._conversations.update_one(
-                self._scope(conversation_id, user_id),
-                unlogged(popped, started_turn=started, preview=preview, pending_before=calls),
-            )
-        return popped
+        pop = Pop(
+            messages=self._messages,
+            conversations=self._conversations,
+            scope=self._scope(conversation_id, user_id),
+            query=query,
+            calls_before=self._pending_calls_before,
+            preview_chars=self._rules.preview_chars,
+            memory=self._pops,
+        )
+        return await pop.run()
 
     async def _pending_calls_before(self, popped: AgentMessage) -> list[PendingCall]:
         """The calls the messages before `popped` leave pending (reads them all: a pop of an

@@ -70,6 +70,8 @@ class RecordedBlock:
     digest: int
     reserved_at: datetime | None = None
     """When the turn reserved the block (its record's time); None when no record is left."""
+    popped: bool = False
+    """A pop removed one of its messages: no retry of the turn is a replay."""
 
 
 def recorded_block(document: Mapping[str, Any], key: int) -> RecordedBlock | None:
@@ -86,8 +88,9 @@ def recorded_block(document: Mapping[str, Any], key: int) -> RecordedBlock | Non
                 if index + 1 < len(records)
                 else int(document["message_count"])
             )
+            count = following - record.first_seq
             return RecordedBlock(
-                record.first_seq, following - record.first_seq, record.digest, record.at
+                record.first_seq, count, record.digest, record.at, popped=record.popped
             )
     return None
 
@@ -149,6 +152,7 @@ def _records(
         "f": int64({"$ifNull": ["$message_count", 0]}),
         "d": literal(Int64(digest)),
         "a": literal(now),
+        "p": literal(False),
     }
     # A one-element array built by `$map`: some MongoDB-compatible servers (mongomock) keep an
     # array literal's elements unevaluated.

@@ -1,11 +1,13 @@
 """How a runtime retries a write: only what may succeed when sent again, with backoff.
 
-Every logging call is idempotent (a retry of a turn stores nothing twice), so
-retrying is always safe; what matters is retrying the right errors for long
-enough. Only `StorageUnavailable` is worth another attempt: the database was
-unreachable or timed out, and may have applied the write (the retry then
-replays it). `InvalidInput`, `NotFound`, `Conflict` and `StorageFailure` give
-the same answer every time.
+Every logging call is idempotent (a retry of a turn stores nothing twice), and a
+pop retried through the same `ConversationStore` finishes its earlier attempt
+rather than removing a second message, so retrying is always safe; what
+matters is retrying the right errors for long enough. Only
+`StorageUnavailable` is worth another attempt: the database was unreachable or
+timed out, and may have applied the write (the retry then replays it).
+`InvalidInput`, `NotFound`, `Conflict` and `StorageFailure` give the same
+answer every time.
 
 PyMongo pauses a connection pool after a dropped connection, so the calls
 right after it fail at once: a first delay of a second rides that out

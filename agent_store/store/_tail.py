@@ -7,25 +7,34 @@ counted, its tokens are no longer summed, the preview no longer quotes it, a
 HITL prompt it raised is no longer pending, the calls it made are not either
 (a call it answered is again), and its `seq` is free again. The calls are
 changed as a reservation changes them, on the list as it stands: a turn still
-being written below the message, or another pop, keeps what it did.
+being written below the message keeps what it did. The record of the
+message's turn is marked popped: a retry of that turn is refused, since
+replaying it would store the removed message again.
 
 `seq` is given back only while no other turn has reserved past it
 (`message_count` is still the removed `seq` + 1): the update's own condition
 checks that atomically, so two turns never share a `seq`. A turn that
 reserved in between keeps its block; the removed `seq` is then a gap that tail
 readers pass as they pass an abandoned block.
+
+What removing the message changes is computed once, before it is removed, and
+kept on the conversation while the pop is under way (`PopInProgress`, the
+mark): whichever pop finishes it sends the same update (`agent_store.store._pop`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from agent_store.core import AgentMessage, PendingCall
+from bson import Int64
+
+from agent_store.core import AgentMessage, PendingCall, PopInProgress, TurnRecord
 from agent_store.store._reservation import int64, literal
 from agent_store.store._text import message_text, shorten
-from agent_store.store._turns import PENDING_CALLS_KEPT, taking_answers
+from agent_store.store._turns import PENDING_CALLS_KEPT, taking_answers, turn_key
 
 _PROMPT_ROLES = ("user", "system")
+_RECORD_FIELDS = [(n, f) for n, f in TurnRecord.model_fields.items() if n != "popped"]
 
 
 def starts_a_turn(message: AgentMessage, previous: dict[str, Any] | None) -> bool:
@@ -75,46 +84,102 @@ def reads_pending_before(message: AgentMessage) -> bool:
     return message.role == "tool" or message.hitl_action is not None
 
 
-def unlogged(
+def pop_in_progress(
     message: AgentMessage,
     *,
     started_turn: bool,
     preview: str | None,
     pending_before: list[PendingCall] | None = None,
-) -> list[Any]:
-    """The update pipeline that takes a removed last message out of its conversation's summary.
+) -> PopInProgress:
+    """What removing `message`, the conversation's last, changes in its summary.
 
     `preview` is the new preview, or None to keep the current one. `pending_before` are the
     calls the messages before it leave pending (`pending_after`), read when
-    `reads_pending_before`. A prompt the message raised is no longer pending; a prompt
-    resolved before is not brought back (a resolution by request id leaves no message).
+    `reads_pending_before`.
     """
     assert message.seq is not None
     usage = message.token_usage
-    untouched = {"$eq": ["$message_count", message.seq + 1]}
+    return PopInProgress(
+        message_id=message.id,
+        seq=message.seq,
+        turn_key=turn_key(message.turn_id) if message.turn_id is not None else None,
+        role=message.role,
+        input_tokens=usage.input_tokens if usage else 0,
+        output_tokens=usage.output_tokens if usage else 0,
+        started_turn=started_turn,
+        preview=preview,
+        made_calls=bool(message.tool_calls),
+        answered_call=message.tool_call_id if message.role == "tool" else None,
+        hitl_request_id=message.hitl_action.request_id if message.hitl_action else None,
+        pending_before=pending_before,
+    )
+
+
+def free_to_mark(pops: int) -> dict[str, Any]:
+    """The filter part that lets a pop mark its message: no pop under way, and none finished
+    since the pop read `pops` (so the message it read is still stored)."""
+    return {"popping": None, "pops": {"$in": [None, 0]} if pops == 0 else pops}
+
+
+def mark(pop: PopInProgress) -> dict[str, Any]:
+    """The update that records `pop` as under way, before its message is removed."""
+    document = pop.model_dump()
+    if pop.turn_key is not None:
+        document["turn_key"] = Int64(pop.turn_key)
+    return {"$set": {"popping": document}}
+
+
+def unlogged(pop: PopInProgress) -> list[Any]:
+    """The update pipeline that takes a removed last message out of its conversation's summary,
+    applied once: sent with `{"popping.message_id": pop.message_id}`, it clears the mark.
+
+    A prompt the message raised is no longer pending; a prompt resolved before is not brought
+    back (a resolution by request id leaves no message). The record of the message's turn is
+    marked popped, so no retry of that turn is a replay.
+    """
+    untouched = {"$eq": ["$message_count", pop.seq + 1]}
     stage: dict[str, Any] = {
-        "message_count": int64({"$cond": [untouched, message.seq, "$message_count"]}),
-        "turn_count": _less("turn_count", int(started_turn)),
-        "usage.input_tokens": _less("usage.input_tokens", usage.input_tokens if usage else 0),
-        "usage.output_tokens": _less("usage.output_tokens", usage.output_tokens if usage else 0),
+        "message_count": int64({"$cond": [untouched, pop.seq, "$message_count"]}),
+        "turn_count": _less("turn_count", int(pop.started_turn)),
+        "usage.input_tokens": _less("usage.input_tokens", pop.input_tokens),
+        "usage.output_tokens": _less("usage.output_tokens", pop.output_tokens),
         "pending_hitl": {
             "$cond": [
-                {"$eq": ["$pending_hitl.message_id", literal(message.id)]},
+                {"$eq": ["$pending_hitl.message_id", literal(pop.message_id)]},
                 literal(None),
                 "$pending_hitl",
             ]
         },
+        "popping": literal(None),
+        "pops": int64({"$add": [{"$ifNull": ["$pops", 0]}, 1]}),
     }
-    if message.tool_calls or pending_before is not None:
-        stage["pending_calls"] = _calls_without(message, pending_before or [])
-    if preview is not None:  # a turn that reserved past the message has set its own
+    if pop.turn_key is not None:
+        stage["turns"] = _marked_popped(pop.turn_key)
+    if pop.made_calls or pop.pending_before is not None:
+        stage["pending_calls"] = _calls_without(pop, pop.pending_before or [])
+    if pop.preview is not None:  # a turn that reserved past the message has set its own
         stage["last_message_preview"] = {
-            "$cond": [untouched, literal(preview), "$last_message_preview"]
+            "$cond": [untouched, literal(pop.preview), "$last_message_preview"]
         }
     return [{"$set": stage}]
 
 
-def _calls_without(message: AgentMessage, before: list[PendingCall]) -> dict[str, Any]:
+def _marked_popped(key: int) -> dict[str, Any]:
+    """The turn records, the one under `key` marked popped (`TurnRecord.popped`)."""
+    fields: dict[str, Any] = {
+        f.alias or name: f"$$record.{f.alias or name}" for name, f in _RECORD_FIELDS
+    }
+    fields["p"] = literal(True)
+    return {
+        "$map": {
+            "input": {"$ifNull": ["$turns", literal([])]},
+            "as": "record",
+            "in": {"$cond": [{"$eq": ["$$record.k", literal(Int64(key))]}, fields, "$$record"]},
+        }
+    }
+
+
+def _calls_without(pop: PopInProgress, before: list[PendingCall]) -> dict[str, Any]:
     """`pending_calls` without the removed message's own effect, as the reservation's was.
 
     Applied to the list as it is, not replacing it with one computed from what was read: a
@@ -125,7 +190,7 @@ def _calls_without(message: AgentMessage, before: list[PendingCall]) -> dict[str
     `before` shows held by none lose their `request_id`.
     """
     calls: Any = {"$ifNull": ["$pending_calls", literal([])]}
-    answered = [message.tool_call_id] if message.role == "tool" and message.tool_call_id else []
+    answered = [pop.answered_call] if pop.answered_call else []
     back, _ = taking_answers(before, answered)
     kept: dict[str, Any] = {
         "$filter": {
@@ -133,15 +198,15 @@ def _calls_without(message: AgentMessage, before: list[PendingCall]) -> dict[str
             "as": "call",
             "cond": {
                 "$and": [
-                    {"$ne": ["$$call.message_id", literal(message.id)]},
+                    {"$ne": ["$$call.message_id", literal(pop.message_id)]},
                     # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
                     {"$eq": [{"$in": [_CALL_KEY, _keys(back)]}, False]},
                 ]
             },
         }
     }
-    if message.hitl_action is not None:
-        kept = _unheld(kept, message.hitl_action.request_id, before)
+    if pop.hitl_request_id is not None:
+        kept = _unheld(kept, pop.hitl_request_id, before)
     if not back:
         return kept
     later = _keys(before[before.index(back[0]) + 1 :])

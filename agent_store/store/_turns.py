@@ -278,6 +278,7 @@ def stored_turn_record(documents: Sequence[Mapping[str, Any]]) -> dict[str, Any]
         "f": Int64(int(first["seq"])),
         "d": Int64(content_digest(canonical_documents(documents))),
         "a": first["created_at"],
+        "p": False,
     }
 
 

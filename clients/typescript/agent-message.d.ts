@@ -175,6 +175,18 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   inbox?: Record<string, unknown>;
   /**
+   * The pop under way, if any (the store's bookkeeping, never served): the next pop finishes it first.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  popping?: Record<string, unknown> | null;
+  /**
+   * How many pops were finished: a pop marks its message only if none finished since it read the conversation (the store's bookkeeping, never served).
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  pops?: number;
+  /**
    * The request ids of the prompts `resolve_hitl` resolved, the newest `RESOLVED_PROMPTS_KEPT` (the store's bookkeeping, never served): a resolution leaves no message, so a rerun of the migration and a fork folding the messages read them here.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
