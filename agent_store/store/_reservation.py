@@ -349,7 +349,10 @@ def relocation(
         "turns": {"$elemMatch": {"k": Int64(plan.key), "f": Int64(block.first_seq)}},
     }
     old = {"$and": [{"$eq": ["$$t.k", key]}, {"$eq": ["$$t.f", first]}]}
-    marked = {"k": literal(Int64(moved_key(plan.key))), "f": "$$t.f", "d": "$$t.d", "a": "$$t.a"}
+    marked = {
+        "k": literal(Int64(moved_key(plan.key))),
+        **{name: f"$$t.{name}" for name in ("f", "d", "a", "p")},
+    }
     kept = {"$cond": [old, marked, "$$t"]}
     turns = {"$map": {"input": _kept("turns", []), "as": "t", "in": kept}}
     stage = {
