@@ -144,7 +144,7 @@ def test_the_conversation_document_declares_the_bookkeeping_as_optional() -> Non
     assert "extends IAgentConversation<Date> {" in block.splitlines()[0]
     assert declared_properties(block) == {
         "turns?": "unknown[]", "turns_dropped?": "number", "inbox?": "Record<string, unknown>",
-        "resolved_hitl?": "unknown[]",
+        "resolved_hitl?": "unknown[]", "owned_from?": "number",
     }  # fmt: skip
 
 
