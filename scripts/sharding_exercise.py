@@ -37,6 +37,9 @@ async def _store_operations(db: Any, log: CommandLog) -> None:
         await logger.log_messages(cid, turns[1][1], turn_id=turns[1][0], user_id=OWNER)
     with log.operation("replay a logged turn"):
         await logger.log_messages(cid, turns[1][1], turn_id=turns[1][0], user_id=OWNER)
+    await logger.log_messages("conv-unowned", turns[0][1], turn_id=turns[0][0])
+    with log.operation("a turn assigns an unowned conversation"):
+        await logger.log_messages("conv-unowned", turns[1][1], turn_id=turns[1][0], user_id=OWNER)
     with log.operation("upsert a conversation"):
         await logger.upsert_conversation("conv-other", user_id=OWNER, name="Other")
     with log.operation("list a user's conversations"):

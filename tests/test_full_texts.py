@@ -182,3 +182,22 @@ async def test_the_viewer_links_a_cut_message_to_its_full_text(api: Served) -> N
     assert full.status_code == 200
     assert HUGE[:1000] in full.text
     assert "[truncated]" not in full.text
+
+
+async def test_erasing_a_user_removes_the_full_texts_of_every_message_of_their_conversations(
+    backend: Backend,
+) -> None:
+    """Messages logged before a turn assigned the conversation to the user, even one still
+    naming no owner, are the user's: their full texts go with them."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, oversized_turn(), turn_id="t-1")
+    await logger.log_messages(CID, [{"role": "user", "content": "mine"}], user_id="user-f")
+    await backend.db.agent_messages.update_many(
+        {"conversation_id": CID, "turn_id": "t-1"}, {"$set": {"user_id": None}}
+    )
+
+    await store.erase_user("user-f")
+
+    assert await backend.db[FILES].count_documents({}) == 0
+    assert await backend.db[CHUNKS].count_documents({}) == 0
+    assert await backend.db.agent_messages.count_documents({}) == 0

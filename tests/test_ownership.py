@@ -22,6 +22,7 @@ from bson import ObjectId
 from agent_store.legacy import LEGACY_TURNS, SESSION_HITL, parse_turns
 from agent_store.store import CONVERSATIONS, MESSAGES
 from tests.api_harness import OTHER, OWNER, Served, auth_headers, hitl_turn, mongomock_db, serve
+from tests.conftest import Backend
 
 MALLORY = "user-mallory"
 STATES = ("mine", "another", "unowned", "legacy-another", "legacy-mine", "absent")
@@ -258,3 +259,65 @@ async def test_no_upsert_creates_a_conversation_under_an_id_the_migration_derive
         with pytest.raises(InvalidInput, match="name migrated legacy conversations"):
             await logger.upsert_conversation("legacy-conversation-0123", user_id=MALLORY)
         assert await api.db[CONVERSATIONS].count_documents({"_id": {"$regex": "^legacy-"}}) == 0
+
+
+def said(text: str, turn_id: str, **extra: Any) -> dict[str, Any]:
+    return {"turn_id": turn_id, "messages": [{"role": "user", "content": text}], **extra}
+
+
+ASSIGNED = "/v1/conversations/conv-assigned"
+
+
+async def assign_after_an_unowned_turn(api: Served, before: str) -> None:
+    """A service logs a turn naming no user (the conversation is unowned), then one naming
+    OWNER: that turn assigns the conversation to OWNER."""
+    service = auth_headers()
+    first = await api.http.post(f"{ASSIGNED}/turns", json=said(before, "t-1"), headers=service)
+    assert first.status_code == 201, first.text
+    second = await api.http.post(
+        f"{ASSIGNED}/turns", json=said("after", "t-2", user_id=OWNER), headers=service
+    )
+    assert second.status_code == 201, second.text
+
+
+async def test_a_conversation_a_service_turn_assigns_shows_its_owner_every_message(
+    backend: Backend,
+) -> None:
+    """'unowned | service naming another user: a turn assigns it', and the owner then reads
+    all of it: the messages logged before the assignment are the owner's too."""
+    async with serve(backend.db) as api:
+        await assign_after_an_unowned_turn(api, "before")
+        owner = auth_headers(user=OWNER)
+
+        transcript = await api.http.get(f"{ASSIGNED}/transcript", headers=owner)
+        page = await api.http.get(f"{ASSIGNED}/messages", headers=owner)
+        export = await api.http.get(f"/v1/users/{OWNER}/export", headers=owner)
+
+        assert [m["content"] for m in transcript.json()["data"]] == ["before", "after"]
+        assert [m["content"] for m in page.json()["data"]] == ["before", "after"]
+        assert "before" in export.text
+        if "text_search" not in backend.lacks:
+            found = await api.http.get("/v1/search", params={"q": "before"}, headers=owner)
+            assert [h["message"]["content"] for h in found.json()["data"]] == ["before"]
+        stored = await api.db[MESSAGES].find({"conversation_id": "conv-assigned"}).to_list(None)
+        assert {m["user_id"] for m in stored} == {OWNER}
+
+
+async def test_erasing_a_user_frees_the_id_of_a_conversation_a_turn_assigned_them(
+    backend: Backend,
+) -> None:
+    """Erasing OWNER removes every message of OWNER's conversations; the id then exists
+    nowhere, and another user's first turn there creates a conversation of its own."""
+    async with serve(backend.db) as api:
+        await assign_after_an_unowned_turn(api, "secret before")
+        erased = await api.http.delete(f"/v1/users/{OWNER}", headers=auth_headers(user=OWNER))
+        assert erased.status_code == 200, erased.text
+
+        fresh = await api.http.post(
+            f"{ASSIGNED}/turns", json=said("mine", "t-1"), headers=auth_headers(user=MALLORY)
+        )
+
+        assert fresh.status_code == 201, fresh.text
+        assert [m["content"] for m in fresh.json()["messages"]] == ["mine"]
+        left = await api.db[MESSAGES].find({"conversation_id": "conv-assigned"}).to_list(None)
+        assert [(m["content"], m["user_id"]) for m in left] == [("mine", MALLORY)]

@@ -557,3 +557,110 @@ async def test_a_turn_retried_after_its_lost_insert_landed_past_the_claim_is_the
     stored = await backend.db.agent_messages.find({"conversation_id": "c-del"}).to_list(None)
     assert [m["user_id"] for m in stored] == [NEW_OWNER, NEW_OWNER]
     assert {m.user_id for m in retried.messages} == {NEW_OWNER}
+
+
+# -- a turn assigning an unowned conversation: the messages before it follow ---------------
+
+
+async def _unowned_then_assigned(logger: AgentMessageLogger) -> None:
+    """A service's turn naming no user, then one naming OWNER: the second assigns "c-un"."""
+    await logger.log_messages("c-un", [{"role": "user", "content": "before"}], turn_id="t1")
+    await logger.log_messages("c-un", [{"role": "user", "content": "after"}], user_id=OWNER,
+                              turn_id="t2")  # fmt: skip
+
+
+async def test_the_turn_that_assigns_an_unowned_conversation_hands_its_owner_the_earlier_messages(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+
+    await _unowned_then_assigned(logger)
+
+    assert [m.content for m in await store.transcript("c-un", user_id=OWNER)] == ["before", "after"]
+    page = await store.messages_page("c-un", user_id=OWNER)
+    assert [m.content for m in page.data] == ["before", "after"]
+    assert await backend.db.agent_messages.count_documents({"user_id": None}) == 0
+
+
+async def test_a_retry_of_the_assigning_turn_finishes_handing_over_the_earlier_messages(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The assigning turn stored its messages and crashed before moving the earlier ones; its
+    retry (same turn id), even after later turns, moves them."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    update_many = logger._messages.update_many
+
+    async def crash(*args: Any, **kwargs: Any) -> Any:
+        raise ConnectionError("the pod died")
+
+    monkeypatch.setattr(logger._messages, "update_many", crash)
+    with pytest.raises(ConnectionError):
+        await _unowned_then_assigned(logger)
+    monkeypatch.setattr(logger._messages, "update_many", update_many)
+    await logger.log_messages("c-un", [{"role": "user", "content": "later"}], user_id=OWNER,
+                              turn_id="t3")  # fmt: skip
+
+    retried = await logger.log_messages("c-un", [{"role": "user", "content": "after"}],
+                                        user_id=OWNER, turn_id="t2")  # fmt: skip
+
+    assert retried.replayed
+    seen = [m.content for m in await store.transcript("c-un", user_id=OWNER)]
+    assert seen == ["before", "after", "later"]
+
+
+@pytest.mark.parametrize("lands", ["while the assigning turn runs", "after it, slowly"])
+async def test_an_unowned_turn_inserting_as_its_conversation_is_assigned_is_the_owners(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, lands: str
+) -> None:
+    """A turn naming no user reserved before another turn assigned the conversation, and
+    inserts after: its messages follow the conversation to its owner, moved by the assigning
+    turn's last sweep (`claim_grace` later), or, slower than that, by their own logger."""
+    slow = lands == "after it, slowly"
+    unowned = AgentMessageLogger(backend.db, rules=NO_GRACE if slow else None)
+    assigning = AgentMessageLogger(backend.db, rules=NO_GRACE)
+    store = ConversationStore(backend.db)
+    await unowned.log_messages("c-un", [{"role": "user", "content": "first"}], turn_id="t1")
+    go = asyncio.Event()
+    reserved = _stall_inserts(unowned, monkeypatch, go)
+    turn = asyncio.create_task(
+        unowned.log_messages("c-un", [{"role": "user", "content": "in flight"}], turn_id="t2")
+    )
+    await reserved.wait()
+    if not slow:  # right after the assigning turn's first move
+        update_many = assigning._messages.update_many
+
+        async def then_insert(*args: Any, **kwargs: Any) -> Any:
+            moved = await update_many(*args, **kwargs)
+            if not go.is_set():
+                go.set()
+                await turn
+            return moved
+
+        monkeypatch.setattr(assigning._messages, "update_many", then_insert)
+
+    await assigning.log_messages("c-un", [{"role": "user", "content": "assigned"}],
+                                 user_id=OWNER, turn_id="t3")  # fmt: skip
+    go.set()
+    await turn
+
+    seen = [m.content for m in await store.transcript("c-un", user_id=OWNER)]
+    assert seen == ["first", "in flight", "assigned"]
+
+
+async def test_erase_user_removes_every_message_of_their_conversations_whatever_it_names(
+    backend: Backend,
+) -> None:
+    """A message of the user's conversation still naming no owner (or an earlier one) is the
+    user's all the same: erasing the user removes it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _unowned_then_assigned(logger)
+    await logger.log_messages("c-kept", [{"role": "user", "content": "kept"}], user_id="keeper")
+    await backend.db.agent_messages.update_many(
+        {"conversation_id": "c-un", "turn_id": "t1"}, {"$set": {"user_id": None}}
+    )
+
+    erased = await store.erase_user(OWNER)
+
+    assert (erased.conversations, erased.messages) == (1, 2)
+    assert await backend.db.agent_messages.count_documents({"conversation_id": "c-un"}) == 0
+    assert await backend.db.agent_messages.count_documents({"user_id": "keeper"}) == 1

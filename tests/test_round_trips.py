@@ -80,3 +80,24 @@ async def test_a_missing_conversation_is_looked_up_once(wire_backend: Backend) -
         with pytest.raises(NotFound):
             await read("nobody-here")
         assert wire_backend.commands.names == ["find"], read.__name__
+
+
+async def test_the_turn_that_assigns_an_unowned_conversation_costs_two_round_trips_more(
+    wire_backend: Backend,
+) -> None:
+    """Once per conversation: a lookup of the blocks before it, and the move of their messages
+    to the owner. A turn of the owner's after it is back to two."""
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db)
+    await logger.ensure_indexes()
+    (first_id, first), (second_id, second), (third_id, third) = example_turns()[:3]
+    await logger.log_messages(CID, first, turn_id=first_id)
+    wire_backend.commands.clear()
+
+    await logger.log_messages(CID, second, turn_id=second_id, user_id="user-assigned")
+    assigning = list(wire_backend.commands.names)
+    wire_backend.commands.clear()
+    await logger.log_messages(CID, third, turn_id=third_id, user_id="user-assigned")
+
+    assert assigning == ["findAndModify", "insert", "aggregate", "update"]
+    assert wire_backend.commands.names == ["findAndModify", "insert"]

@@ -144,6 +144,56 @@ async def test_a_replay_answers_with_the_stored_messages_not_the_retrys_timestam
     assert [m.created_at for m in retried.messages] == [m.created_at for m in first.messages]
 
 
+async def test_a_stored_message_of_other_content_under_the_turns_ids_is_a_conflict_not_a_replay(
+    backend: Backend,
+) -> None:
+    """A message left under the ids a new turn derives (its conversation document gone, the
+    message not) is not an earlier attempt of that turn: the turn is refused, and the answer
+    shows nothing of the stored message."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [{"role": "user", "content": "someone's secret"}],
+                              user_id="user-ada", turn_id="t1")  # fmt: skip
+    await backend.db[CONVERSATIONS].delete_many({})
+
+    with pytest.raises(Conflict, match="already taken by another message") as refused:
+        await logger.log_messages(CID, [{"role": "user", "content": "hello"}],
+                                  user_id="user-mallory", turn_id="t1")  # fmt: skip
+
+    assert "secret" not in str(refused.value)
+    stored = await backend.db[MESSAGES].find({"conversation_id": CID}).to_list(None)
+    assert [(m["content"], m["user_id"]) for m in stored] == [("someone's secret", "user-ada")]
+
+
+async def test_two_attempts_of_one_turn_racing_to_insert_answer_with_the_same_messages(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One attempt reserves, the other replays and inserts first: the first attempt's insert
+    collides with messages of the same content, its own turn's, and answers with them."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    insert_many, reserved, go = logger._messages.insert_many, asyncio.Event(), asyncio.Event()
+
+    async def wait_for_the_replay(*args: Any, **kwargs: Any) -> Any:
+        if not reserved.is_set():
+            reserved.set()
+            await go.wait()
+        return await insert_many(*args, **kwargs)
+
+    monkeypatch.setattr(logger._messages, "insert_many", wait_for_the_replay)
+    first = asyncio.create_task(logger.log_messages(CID, turn("hello"), turn_id="t1"))
+    await reserved.wait()
+    replay = await logger.log_messages(CID, turn("hello"), turn_id="t1")
+    go.set()
+    fresh = await first
+
+    assert replay.replayed
+    assert not fresh.replayed
+    assert [m.id for m in fresh.messages] == [m.id for m in replay.messages]
+    assert [m.created_at for m in fresh.messages] == [m.created_at for m in replay.messages]
+    await check_conversation(backend.db)
+
+
 # -- 3. message ids are the store's --------------------------------------------------------
 
 

@@ -570,6 +570,11 @@ class Conversation(_Model):
     the store's bookkeeping, never served)."""
     turns_dropped: Count = Field(default=0, exclude=True)
     """How many of the oldest turn records were dropped to keep the document bounded."""
+    owned_from: Count = Field(default=0, exclude=True)
+    """The first `seq` of the turn that assigned an owner to this conversation, unowned until
+    then (the store's bookkeeping, never served; absent, 0, when no turn did): its messages
+    before that `seq` were logged unowned and move to the owner with that turn (a retry of it
+    moves them again)."""
     inbox: dict[str, Any] = Field(default_factory=dict, exclude=True)
     """Open steering inboxes of running turns, by turn (the store's bookkeeping, never served)."""
     popping: PopInProgress | None = Field(default=None, exclude=True)

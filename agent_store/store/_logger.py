@@ -20,6 +20,7 @@ message) before it may reserve.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -120,6 +121,9 @@ class _Reserved:
     conversation (deleted, then created again)."""
     conversation: Conversation | None = None
     """The conversation's summary: read only when observers are told of the turn."""
+    assigns: bool = False
+    """The turn assigned an owner to the conversation, unowned until then: the messages
+    logged before its block move to the owner (`_hand_over_earlier`)."""
 
 
 class LoggedTurn(BaseModel):
@@ -587,15 +591,43 @@ class AgentMessageLogger:
             {**document, "seq": Int64(first + i), "user_id": owner}
             for i, document in enumerate(plan.documents)
         ]
+        stored: list[AgentMessage] | None = None
         with storage_errors("insert the messages"):
             try:
                 await self._messages.insert_many(documents, ordered=False)
             except BulkWriteError as exc:
-                stored = await self._own_duplicates(exc, documents)
-                documents = [stored.get(d["_id"], d) for d in documents]
+                found = await self._own_duplicates(exc, documents)
+                documents = [found.get(d["_id"], d) for d in documents]
                 documents = await self._to_the_owner(plan.conversation_id, owner, documents)
-                return messages_adapter.validate_python(documents)
-        return plan.stored(first, owner)
+                stored = messages_adapter.validate_python(documents)
+        if reserved.assigns:
+            await self._hand_over_earlier(plan.conversation_id, reserved)
+        return stored if stored is not None else plan.stored(first, owner)
+
+    async def _hand_over_earlier(self, conversation_id: str, reserved: _Reserved) -> None:
+        """After the turn that assigned an unowned conversation its owner: the messages logged
+        before, unowned, move to the owner, so every message carries it (one lookup and one
+        update more, on that turn and its retries only).
+
+        A turn that reserved before the assignment, unowned, and inserts after it is moved
+        as a claim moves one (`ConversationStore.claim`): when a block before this turn's is
+        not all stored (the lookup, made before the move), a last sweep `claim_grace` later
+        moves what landed since; a turn slower than that moves its own
+        (`_follow_the_conversation`). The sweep is skipped once the conversation is not the
+        one the turn assigned (deleted, or created again under its id).
+        """
+        earlier = {"conversation_id": conversation_id, "seq": {"$lt": reserved.first_seq}}
+        unowned = {**earlier, "user_id": None}
+        to_owner = {"$set": {"user_id": reserved.owner}}
+        with storage_errors("move the conversation's earlier messages to its owner"):
+            stored = await self._messages.count_documents(earlier)
+            await self._messages.update_many(unowned, to_owner)
+            if stored >= reserved.first_seq:
+                return
+            await asyncio.sleep(self.rules.claim_grace.total_seconds())
+            same = {"_id": conversation_id, "created_at": reserved.created_at}
+            if await self._conversations.find_one(same, {"_id": 1}) is not None:
+                await self._messages.update_many(unowned, to_owner)
 
     async def _to_the_owner(
         self, conversation_id: str, owner: str | None, documents: list[dict[str, Any]]
@@ -674,7 +706,12 @@ class AgentMessageLogger:
         self, error: BulkWriteError, documents: list[dict[str, Any]]
     ) -> dict[str, dict[str, Any]]:
         """The stored messages an earlier attempt of the turn wrote, by id; anything else that
-        collided raises (the only write errors swallowed are these duplicate keys)."""
+        collided raises (the only write errors swallowed are these duplicate keys).
+
+        A stored message is the turn's only with the same `seq` and the same content as the
+        turn's message for it (`_same_content`): a message left under the ids this turn
+        derives by another conversation under the same id (a stray an erase or a delete did
+        not reach) is a Conflict, which names nothing of it."""
         only_duplicates(error)
         write_errors = error.details.get("writeErrors", [])
         failed = {documents[e["index"]]["_id"]: documents[e["index"]] for e in write_errors}
@@ -688,7 +725,7 @@ class AgentMessageLogger:
         }
         for message_id_, wanted in failed.items():
             found = stored.get(message_id_)
-            if found is None or found["seq"] != wanted["seq"]:
+            if found is None or found["seq"] != wanted["seq"] or not _same_content(found, wanted):
                 raise Conflict(
                     f"message {message_id_!r} or seq {wanted['seq']} of conversation "
                     f"{conversation_id!r} is already taken by another message"
@@ -699,12 +736,22 @@ class AgentMessageLogger:
 def _reserved(plan: TurnPlan, conversation: dict[str, Any], *, observed: bool) -> _Reserved:
     """The block a reservation just took, from the conversation it returned; its summary read
     only when observers are told of the turn."""
+    first_seq = int(conversation["message_count"]) - plan.count
     return _Reserved(
-        int(conversation["message_count"]) - plan.count,
+        first_seq,
         conversation.get("user_id"),
         replayed=False,
         created_at=conversation.get("created_at"),
         conversation=Conversation.model_validate(conversation) if observed else None,
+        assigns=_assigned_at(conversation, first_seq),
+    )
+
+
+def _same_content(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
+    """Whether a stored message is the one a turn would store, as a replay is checked: its
+    content digest, times, `seq` and owner aside."""
+    return content_digest(canonical_documents([stored])) == content_digest(
+        canonical_documents([wanted])
     )
 
 
@@ -725,6 +772,7 @@ def _replay(plan: TurnPlan, block: RecordedBlock, conversation: dict[str, Any]) 
         replayed=True,
         created_at=conversation.get("created_at"),
         conversation=summary,
+        assigns=_assigned_at(conversation, block.first_seq),
     )
 
 
@@ -734,6 +782,12 @@ def _refuse_migrated_turn_id(turn_id: str) -> None:
             f"turn id {turn_id!r}: ids starting with {MIGRATED_TURN_PREFIX!r} name "
             "migrated legacy turns; a live turn takes another id"
         )
+
+
+def _assigned_at(conversation: Mapping[str, Any], first_seq: int) -> bool:
+    """Whether the turn whose block starts at `first_seq` is the one that assigned the
+    conversation an owner (`owned_from`, set by the reservation): a replay of it too."""
+    return first_seq > 0 and int(conversation.get("owned_from") or 0) == first_seq
 
 
 def _other_content(plan: TurnPlan) -> Conflict:

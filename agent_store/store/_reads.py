@@ -736,22 +736,44 @@ class ConversationStore:
     # -- per user --------------------------------------------------------------------
 
     async def erase_user(self, user_id: str) -> Deleted:
-        """Delete every conversation and message of a user. Re-runnable after a crash."""
+        """Delete every conversation and message of a user. Re-runnable after a crash.
+
+        Every message of the user's conversations goes, whatever owner the message itself
+        names (one logged before a turn assigned the conversation to the user, whose move
+        to the user did not happen yet), with the full texts of cut ones: the user's
+        conversations' messages first, `CLAIM_CHUNK` conversations per command, then any
+        message still naming the user, then the conversations, then the messages naming
+        the user logged meanwhile. Erased, a conversation id exists nowhere.
+        """
         user_id = validate_identifier(user_id, "user_id")
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.erase_user(user_id)
+        messages = await self._erase_messages_of_conversations(user_id)
         await self._full_texts.forget({"user_id": user_id})
         with storage_errors("erase the user's data"):
-            messages = await self._messages.delete_many({"user_id": user_id})
+            named = await self._messages.delete_many({"user_id": user_id})
             conversations = await self._conversations.delete_many({"user_id": user_id})
             # Messages logged between the two deletes would otherwise be orphans.
             late = await self._messages.delete_many({"user_id": user_id})
         return Deleted(
             conversations=conversations.deleted_count,
-            messages=messages.deleted_count + late.deleted_count,
+            messages=messages + named.deleted_count + late.deleted_count,
             legacy_turns=legacy,
         )
+
+    async def _erase_messages_of_conversations(self, user_id: str) -> int:
+        """Delete every message (and full text) of the conversations `user_id` owns, whatever
+        owner the messages name, `CLAIM_CHUNK` conversations per command; answer how many."""
+        erased = 0
+        with storage_errors("erase the user's data"):
+            owned = await self._conversations.distinct("_id", {"user_id": user_id})
+        for start in range(0, len(owned), CLAIM_CHUNK):
+            chunk = {"conversation_id": {"$in": owned[start : start + CLAIM_CHUNK]}}
+            await self._full_texts.forget(chunk)
+            with storage_errors("erase the user's data"):
+                erased += (await self._messages.delete_many(chunk)).deleted_count
+        return erased
 
     async def claim(self, from_user_id: str, to_user_id: str) -> Claimed:
         """Move every conversation and message of one user id to another.

@@ -27,9 +27,16 @@ from agent_store.store._turns import PENDING_CALLS_KEPT, KeepPendingHitl, TurnPl
 SUMMARY: dict[str, Any] = {"turns": 0}
 """The conversation without its turn records: what a reservation returns when observers
 are told of the turn, and what reads serve."""
-RESERVED: dict[str, Any] = {"_id": 1, "message_count": 1, "user_id": 1, "created_at": 1}
+RESERVED: dict[str, Any] = {
+    "_id": 1,
+    "message_count": 1,
+    "user_id": 1,
+    "created_at": 1,
+    "owned_from": 1,
+}
 """What a reservation returns otherwise: all the logger needs (the block's end, the owner,
-and the creation time that tells this conversation from one created again under its id)."""
+the creation time that tells this conversation from one created again under its id, and
+the `seq` from which a turn assigned it an owner)."""
 
 
 @dataclass(frozen=True)
@@ -209,8 +216,29 @@ def reservation(
         **_pending_state(plan),
         **_records(plan.key, plan.digest, rules, now),
         **_names(plan, runtime_name),
+        **_assignment(actor),
     }
     return [{"$set": stage}]
+
+
+def _assignment(actor: Actor) -> dict[str, Any]:
+    """`owned_from`: the `seq` from which the conversation has an owner, set by the turn that
+    assigns an owner to an unowned conversation holding messages (a service naming a user):
+    the turn's first `seq`. Its messages before it, logged unowned, then move to the owner
+    (`AgentMessageLogger._hand_over_earlier`). Left as it is (absent on most conversations)
+    by every other turn; only a service naming a user can assign one."""
+    if actor.as_user or actor.user_id is None:
+        return {}
+    assigns = {
+        "$and": [
+            {"$eq": [{"$ifNull": ["$user_id", None]}, None]},
+            {"$gt": [{"$ifNull": ["$message_count", 0]}, 0]},
+        ]
+    }
+    # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
+    unset = {"$eq": [{"$ifNull": ["$owned_from", None]}, None]}
+    kept = {"$cond": [unset, "$$REMOVE", "$owned_from"]}
+    return {"owned_from": {"$cond": [assigns, int64("$message_count"), kept]}}
 
 
 def _pending_state(plan: TurnPlan) -> dict[str, Any]:

@@ -169,6 +169,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   turns_dropped?: number;
   /**
+   * The first `seq` of the turn that assigned an owner to this conversation, unowned until then (the store's bookkeeping, never served; absent, 0, when no turn did): its messages before that `seq` were logged unowned and move to the owner with that turn (a retry of it moves them again).
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  owned_from?: number;
+  /**
    * Open steering inboxes of running turns, by turn (the store's bookkeeping, never served).
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
