@@ -522,7 +522,7 @@ class AgentMessageLogger:
             return reserved
         if await self._stored_in(plan, block):
             return reserved
-        query, pipeline = relocation(plan, block, self.rules, utc_now())
+        query, pipeline = relocation(plan, block, self.rules, utc_now(), assigned=reserved.assigns)
         with storage_errors("move the turn to a new block"):
             doc: dict[str, Any] | None = await self._conversations.find_one_and_update(
                 query, pipeline, projection=RESERVED, return_document=ReturnDocument.AFTER

@@ -360,14 +360,15 @@ def moved_key(key: int) -> int:
 
 
 def relocation(
-    plan: TurnPlan, block: RecordedBlock, rules: TurnRules, now: datetime
+    plan: TurnPlan, block: RecordedBlock, rules: TurnRules, now: datetime, *, assigned: bool
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update that move a recorded turn, none of whose messages is stored,
     from a block tail readers have passed (`block_abandoned`) to a new one at the end.
 
     The old record stays under `moved_key`, so readers keep passing its block; the turn is
     recorded again at the new block, with the digest it was recorded with. Its messages
-    and tokens were counted when it first reserved: only `message_count` grows. The filter
+    and tokens were counted when it first reserved: only `message_count` grows (and
+    `owned_from` follows the turn that `assigned` the conversation its owner). The filter
     matches only while the old record is there: a second attempt moving the turn at the
     same time matches nothing, and finds the new block by the turn's record.
     """
@@ -387,4 +388,6 @@ def relocation(
         "message_count": _plus("message_count", plan.count),
         **_records(plan.key, block.digest, rules, now, turns),
     }
+    if assigned:
+        stage["owned_from"] = int64({"$ifNull": ["$message_count", 0]})
     return query, [{"$set": stage}]
