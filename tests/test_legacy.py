@@ -476,6 +476,21 @@ def test_a_result_answers_the_latest_unanswered_call_of_its_id() -> None:
     assert [p.kind for p in problems] == ["duplicate_tool_call_id"]
 
 
+def test_two_calls_of_one_id_in_one_turn_are_answered_in_the_order_they_were_made() -> None:
+    """A provider numbering calls per response calls one tool twice under one id: within a
+    turn, results answer the calls in the order they were made (the latest unanswered call
+    of an id is taken only across turns)."""
+    turns = [
+        turn(1, [tool_call("f", "call_0"), tool_call("f", "call_0"),
+                 tool_result("f", "call_0", "first"), tool_result("f", "call_0", "second")]),
+    ]  # fmt: skip
+    messages, problems = convert_conversation(turns)
+
+    first, second = call_ids(messages)
+    assert answers(messages) == {first: "first", second: "second"}
+    assert [p.kind for p in problems] == ["duplicate_tool_call_id"]
+
+
 def test_each_upload_part_is_a_message_even_when_two_are_identical() -> None:
     upload = {"type": "file_upload", "filename": "invoice.pdf", "file_type": "application/pdf",
               "size": 2048}  # fmt: skip
