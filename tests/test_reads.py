@@ -664,3 +664,95 @@ async def test_erase_user_removes_every_message_of_their_conversations_whatever_
     assert (erased.conversations, erased.messages) == (1, 2)
     assert await backend.db.agent_messages.count_documents({"conversation_id": "c-un"}) == 0
     assert await backend.db.agent_messages.count_documents({"user_id": "keeper"}) == 1
+
+
+# -- the hand-over racing a delete or a claim ------------------------------------------------
+
+HANDED_TO = "user-handed-to"
+CLAIMER = "user-claimer"
+
+
+def stall_inserts(
+    logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch, go: asyncio.Event
+) -> asyncio.Event:
+    """The logger's inserts wait for `go`; the event returned is set once one is waiting."""
+    insert_many, reserved = logger._messages.insert_many, asyncio.Event()
+
+    async def stalled(*args: Any, **kwargs: Any) -> Any:
+        reserved.set()
+        await go.wait()
+        return await insert_many(*args, **kwargs)
+
+    monkeypatch.setattr(logger._messages, "update_many", logger._messages.update_many)
+    monkeypatch.setattr(logger._messages, "insert_many", stalled)
+    return reserved
+
+
+async def owned_messages(backend: Backend, conversation_id: str) -> list[tuple[str, Any]]:
+    stored = await (
+        backend.db.agent_messages.find({"conversation_id": conversation_id}).sort("seq", 1)
+    ).to_list(None)
+    return [(m["content"], m["user_id"]) for m in stored]
+
+
+async def test_a_slow_assigning_turn_does_not_hand_a_recreated_conversation_to_its_user(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An assigning turn (a service naming HANDED_TO) reserves on unowned "c-x", which is deleted
+    and started again, unowned, under its id before the turn inserts: the new conversation's
+    messages are not handed to HANDED_TO (nor erased with HANDED_TO)."""
+    slow, logger = AgentMessageLogger(backend.db, rules=NO_GRACE), AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages("c-x", [{"role": "user", "content": "old"}], turn_id="t1")
+    go = asyncio.Event()
+    reserved = stall_inserts(slow, monkeypatch, go)
+    turn = asyncio.create_task(
+        slow.log_messages("c-x", [{"role": "user", "content": "assigning"}], user_id=HANDED_TO,
+                          turn_id="t2")
+    )  # fmt: skip
+    await reserved.wait()
+    await store.delete("c-x")
+    await logger.log_messages("c-x", [{"role": "user", "content": "new chat"}], turn_id="n1")
+    go.set()
+    await turn
+
+    assert (await store.get_conversation("c-x")).user_id is None
+    assert await owned_messages(backend, "c-x") == [("new chat", None)]
+    await store.erase_user(HANDED_TO)
+    assert await owned_messages(backend, "c-x") == [("new chat", None)]
+
+
+async def test_the_assigning_turns_last_sweep_follows_a_claim_made_meanwhile(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HANDED_TO's assigning turn sees an unowned turn still inserting and sweeps `claim_grace`
+    later; meanwhile a claim moved the conversation to CLAIMER: the late message goes to the
+    conversation's owner then, CLAIMER."""
+    unowned = AgentMessageLogger(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=30)))
+    assigning = AgentMessageLogger(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.3)))
+    store = ConversationStore(backend.db, rules=NO_GRACE)
+    await unowned.log_messages("c-un", [{"role": "user", "content": "first"}], turn_id="t1")
+    go = asyncio.Event()
+    reserved = stall_inserts(unowned, monkeypatch, go)
+    turn = asyncio.create_task(
+        unowned.log_messages("c-un", [{"role": "user", "content": "in flight"}], turn_id="t2")
+    )
+    await reserved.wait()
+    update_many = assigning._messages.update_many
+
+    async def then_a_claim(*args: Any, **kwargs: Any) -> Any:
+        moved = await update_many(*args, **kwargs)  # the hand-over's first move
+        if not go.is_set():
+            await store.claim(HANDED_TO, CLAIMER)
+            go.set()  # the unowned turn lands before the assigning turn's sweep
+            await turn
+        return moved
+
+    monkeypatch.setattr(assigning._messages, "update_many", then_a_claim)
+    await assigning.log_messages("c-un", [{"role": "user", "content": "assigned"}],
+                                 user_id=HANDED_TO, turn_id="t3")  # fmt: skip
+
+    assert (await store.get_conversation("c-un")).user_id == CLAIMER
+    seen = [m.content for m in await store.transcript("c-un", user_id=CLAIMER)]
+    assert seen == ["first", "in flight", "assigned"]

@@ -82,11 +82,12 @@ async def test_a_missing_conversation_is_looked_up_once(wire_backend: Backend) -
         assert wire_backend.commands.names == ["find"], read.__name__
 
 
-async def test_the_turn_that_assigns_an_unowned_conversation_costs_two_round_trips_more(
+async def test_the_turn_that_assigns_an_unowned_conversation_costs_three_round_trips_more(
     wire_backend: Backend,
 ) -> None:
-    """Once per conversation: a lookup of the blocks before it, and the move of their messages
-    to the owner. A turn of the owner's after it is back to two."""
+    """Once per conversation: a count of the messages before it, a lookup of the conversation
+    (still the one it assigned, and its owner now), and the move of those messages to the
+    owner. A turn of the owner's after it is back to two."""
     assert wire_backend.commands is not None
     logger = AgentMessageLogger(wire_backend.db)
     await logger.ensure_indexes()
@@ -99,5 +100,5 @@ async def test_the_turn_that_assigns_an_unowned_conversation_costs_two_round_tri
     wire_backend.commands.clear()
     await logger.log_messages(CID, third, turn_id=third_id, user_id="user-assigned")
 
-    assert assigning == ["findAndModify", "insert", "aggregate", "update"]
+    assert assigning == ["findAndModify", "insert", "aggregate", "find", "update"]
     assert wire_backend.commands.names == ["findAndModify", "insert"]

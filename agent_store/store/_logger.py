@@ -606,28 +606,38 @@ class AgentMessageLogger:
 
     async def _hand_over_earlier(self, conversation_id: str, reserved: _Reserved) -> None:
         """After the turn that assigned an unowned conversation its owner: the messages logged
-        before, unowned, move to the owner, so every message carries it (one lookup and one
-        update more, on that turn and its retries only).
+        before, unowned, move to the owner, so every message carries it (a count, a lookup
+        and one update more, on that turn and its retries only).
 
         A turn that reserved before the assignment, unowned, and inserts after it is moved
         as a claim moves one (`ConversationStore.claim`): when a block before this turn's is
-        not all stored (the lookup, made before the move), a last sweep `claim_grace` later
+        not all stored (the count, made before the move), a last sweep `claim_grace` later
         moves what landed since; a turn slower than that moves its own
-        (`_follow_the_conversation`). The sweep is skipped once the conversation is not the
-        one the turn assigned (deleted, or created again under its id).
+        (`_follow_the_conversation`). Each move goes to the owner the conversation has then
+        (a claim may have moved it meanwhile), and only while it is the conversation the
+        turn assigned (`_move_unowned`).
         """
         earlier = {"conversation_id": conversation_id, "seq": {"$lt": reserved.first_seq}}
-        unowned = {**earlier, "user_id": None}
-        to_owner = {"$set": {"user_id": reserved.owner}}
         with storage_errors("move the conversation's earlier messages to its owner"):
             stored = await self._messages.count_documents(earlier)
-            await self._messages.update_many(unowned, to_owner)
+            await self._move_unowned(earlier, reserved)
             if stored >= reserved.first_seq:
                 return
             await asyncio.sleep(self.rules.claim_grace.total_seconds())
-            same = {"_id": conversation_id, "created_at": reserved.created_at}
-            if await self._conversations.find_one(same, {"_id": 1}) is not None:
-                await self._messages.update_many(unowned, to_owner)
+            await self._move_unowned(earlier, reserved)
+
+    async def _move_unowned(self, earlier: dict[str, Any], reserved: _Reserved) -> None:
+        """The `earlier` messages without an owner to the conversation's owner now, read first:
+        nothing moves once the conversation is not the one the turn reserved on (deleted, or
+        created again under its id by anyone: its `created_at` differs), nor while it has no
+        owner. A delete landing between the lookup and the move is the window left."""
+        same = {"_id": earlier["conversation_id"], "created_at": reserved.created_at}
+        found = await self._conversations.find_one(same, {"user_id": 1})
+        owner = None if found is None else found.get("user_id")
+        if owner is not None:
+            await self._messages.update_many(
+                {**earlier, "user_id": None}, {"$set": {"user_id": owner}}
+            )
 
     async def _to_the_owner(
         self, conversation_id: str, owner: str | None, documents: list[dict[str, Any]]
