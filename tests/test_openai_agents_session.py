@@ -445,3 +445,31 @@ async def test_adding_costs_two_round_trips_reading_one_and_clearing_five(
     # The conversation, its cut texts' files (none here), its messages, its document, and a
     # look for messages a turn in flight may have inserted meanwhile (none here).
     assert wire_backend.commands.names == ["find", "find", "delete", "findAndModify", "find"]
+
+
+async def test_items_added_again_after_a_failed_add_was_popped_are_stored(
+    backend: Backend,
+) -> None:
+    """The SDK rewinds a turn it is about to retry by popping what it added: an add that
+    raised (its reply lost, its items stored), then popped, is added again as a new turn."""
+    session = ConversationSession(CID, backend.db)
+    await session.add_items([{"role": "user", "content": "hello"}])
+    real = session.logger.log_messages
+    lost = {"done": False}
+
+    async def reply_lost(*args: Any, **kwargs: Any) -> Any:
+        logged = await real(*args, **kwargs)
+        if not lost["done"]:
+            lost["done"] = True
+            raise StorageUnavailable("the reply was lost")
+        return logged
+
+    session.logger.log_messages = reply_lost  # type: ignore[method-assign]
+    item: TResponseInputItem = {"role": "user", "content": "book it"}
+    with pytest.raises(StorageUnavailable):
+        await session.add_items([item])
+    popped = await session.pop_item()
+    await session.add_items([item])
+
+    assert popped is not None and popped.get("content") == "book it"
+    assert [i.get("content") for i in await session.get_items()] == ["hello", "book it"]

@@ -356,3 +356,90 @@ def test_any_malformed_turn_is_planned_or_refused_with_invalid_input(
     else:
         assert len(plan.messages) == len(turn)
         assert all(m.conversation_id == CID and m.id for m in plan.messages)
+
+
+# -- pops at once ---------------------------------------------------------------------------
+
+
+async def _two_turns_of_two(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    for i in range(2):
+        await logger.log_messages(
+            CID,
+            [{"role": "user", "content": f"u{i}"}, {"role": "assistant", "content": f"a{i}"}],
+            turn_id=f"t{i}",
+        )
+
+
+async def _stored_contents(backend: Backend) -> list[Any]:
+    docs = (
+        await backend.db.agent_messages.find({"conversation_id": CID}).sort("seq", 1).to_list(None)
+    )
+    return [d["content"] for d in docs]
+
+
+class SlowAfterMark:
+    """The first `update_one` (a pop's mark) is applied, then its reply held until released."""
+
+    def __init__(self, collection: Any) -> None:
+        self._collection = collection
+        self.marked = asyncio.Event()
+        self.release = asyncio.Event()
+        self._done = False
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._collection, name)
+        if name != "update_one" or self._done:
+            return real
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            self._done = True
+            result = await real(*args, **kwargs)
+            self.marked.set()
+            await self.release.wait()
+            return result
+
+        return held
+
+
+async def test_two_pops_at_once_through_one_store_take_two_messages(backend: Backend) -> None:
+    """A pop whose mark is applied and whose reply is slow is not taken for an earlier attempt
+    that raised by a second pop through the same store: each removes its own message."""
+    await _two_turns_of_two(backend)
+    store = ConversationStore(backend.db)
+    slow = SlowAfterMark(store._conversations)
+    store._conversations = slow
+    first = asyncio.create_task(store.pop_last_message(CID))
+    await slow.marked.wait()
+    second = asyncio.create_task(store.pop_last_message(CID))
+    await asyncio.sleep(0.05)
+    slow.release.set()
+    popped = await asyncio.gather(first, second)
+
+    assert sorted(m.content for m in popped if m is not None) == ["a1", "u1"]
+    assert await _stored_contents(backend) == ["u0", "a0"]
+
+
+@pytest.mark.wire
+async def test_pops_losing_to_other_pops_are_retried_and_each_removes_one(
+    wire_backend: Backend,
+) -> None:
+    """Six stores pop at once: a pop that other pops kept coming before raises
+    StorageUnavailable (it may pass), so `with_retries` retries it; seven messages go."""
+    logger = AgentMessageLogger(wire_backend.db)
+    await logger.ensure_indexes()
+    for i in range(6):
+        await logger.log_messages(
+            CID, [{"role": "user", "content": f"u{i}"}, {"role": "assistant", "content": f"a{i}"}],
+            turn_id=f"t{i}",
+        )  # fmt: skip
+    stores = [ConversationStore(wire_backend.db) for _ in range(6)]
+    await stores[0].pop_last_message(CID)
+    quick = RetryPolicy(first_delay=0.01, max_delay=0.05)
+    popped = await asyncio.gather(
+        *(with_retries(lambda s=s: s.pop_last_message(CID), policy=quick) for s in stores)
+    )
+
+    assert all(m is not None for m in popped)
+    assert len(await _stored_contents(wire_backend)) == 12 - 7

@@ -52,6 +52,12 @@ class Appends:
             return self._unsettled[1]
         return f"{self._prefix}-{uuid.uuid4().hex}"
 
+    def rewound(self) -> None:
+        """The history lost its last messages (a pop): an append that raised is no longer the
+        one the next append retries; the next append is a new turn. (A pop corrects the
+        failed append's turn, whose retry is then a `Conflict`.)"""
+        self._unsettled = None
+
     async def append(self, messages: Sequence[AgentMessage]) -> LoggedTurn:
         """Log `messages` as one turn (two round trips); a retry of a failed append is
         recognised by its content and stored once."""

@@ -27,7 +27,8 @@ from agent_store.core import (
     AgentMessage,
     PendingCall,
     PopInProgress,
-    StorageFailure,
+    StorageUnavailable,
+    StoreError,
     message_adapter,
 )
 from agent_store.store._driver import storage_errors
@@ -84,10 +85,9 @@ class Pop:
     async def run(self) -> AgentMessage | None:
         """Remove the last message and answer it; None when there is none."""
         conversation_id = str(self.scope["_id"])
-        earlier = self.memory.in_doubt.get(conversation_id)
+        earlier = self.memory.in_doubt.pop(conversation_id, None)
         if earlier is not None:
             found = await self._finish_under_way() and await self._stored(earlier)
-            del self.memory.in_doubt[conversation_id]
             if not found:
                 return earlier  # the earlier attempt removed it: its retry answers it
         pop: PopInProgress | None = None
@@ -103,7 +103,7 @@ class Pop:
                 return message
             if not await self._finish_under_way():
                 return None  # the conversation is gone
-        raise StorageFailure(
+        raise StorageUnavailable(  # others were popping: it may pass, so it is retried
             f"could not pop the last message of conversation {conversation_id!r}: other pops "
             f"came first {POP_ATTEMPTS} times"
         )
@@ -139,15 +139,19 @@ class Pop:
         The count of finished pops it marks under is the last one this store saw (0 for a
         conversation it never saw popped): a wrong one is refused, read, and tried again.
         """
-        self.memory.in_doubt[conversation_id] = message
         free = free_to_mark(self.memory.counts.get(conversation_id, 0))
-        with storage_errors("mark the pop"):
-            marked = await self.conversations.update_one({**self.scope, **free}, mark(pop))
-        if not marked.matched_count:
-            del self.memory.in_doubt[conversation_id]
-            return False
-        await self._finish(conversation_id, pop)
-        del self.memory.in_doubt[conversation_id]
+        try:
+            with storage_errors("mark the pop"):
+                marked = await self.conversations.update_one({**self.scope, **free}, mark(pop))
+            if not marked.matched_count:
+                return False
+            await self._finish(conversation_id, pop)
+        except StoreError:
+            # Its outcome unknown: the next pop of the conversation through this store is its
+            # retry. Remembered only once it raised, so pops running at once never take
+            # each other for a retry.
+            self.memory.in_doubt[conversation_id] = message
+            raise
         return True
 
     async def _finish(self, conversation_id: str, pop: PopInProgress) -> None:
