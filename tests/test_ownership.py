@@ -321,3 +321,22 @@ async def test_erasing_a_user_frees_the_id_of_a_conversation_a_turn_assigned_the
         assert [m["content"] for m in fresh.json()["messages"]] == ["mine"]
         left = await api.db[MESSAGES].find({"conversation_id": "conv-assigned"}).to_list(None)
         assert [(m["content"], m["user_id"]) for m in left] == [("mine", MALLORY)]
+
+
+async def test_naming_an_owner_for_an_unowned_conversation_hands_them_its_messages(
+    backend: Backend,
+) -> None:
+    """`upsert_conversation` naming a user assigns an unowned conversation as a turn does:
+    its earlier messages become the owner's (every message carries the owner)."""
+    from agent_store import AgentMessageLogger, ConversationStore
+
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-up", [{"role": "user", "content": "before"}], turn_id="t1")
+    await logger.upsert_conversation("c-up", user_id=OWNER)
+    await logger.log_messages(
+        "c-up", [{"role": "user", "content": "after"}], user_id=OWNER, turn_id="t2"
+    )
+
+    assert [m.content for m in await store.transcript("c-up", user_id=OWNER)] == [
+        "before", "after"
+    ]  # fmt: skip

@@ -190,7 +190,9 @@ class AgentMessageLogger:
 
         A name given here is a person's or runtime's choice and always wins over
         an automatic one. A conversation that already belongs to another user is
-        left as it is and raises Conflict: ownership moves only by `claim`.
+        left as it is and raises Conflict: ownership moves only by `claim`. Naming a user
+        for an unowned conversation that holds messages assigns it, and its messages become
+        that user's (one update more whenever `user_id` is given for one with messages).
         """
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         if user_id is not None:
@@ -218,6 +220,13 @@ class AgentMessageLogger:
             if derived and not await self._exists(conversation_id):
                 _refuse_derived(conversation_id, actor)
             doc = await self._upsert(conversation_id, actor, update, create=True)
+        if user_id is not None and int(doc.get("message_count") or 0):
+            # It may have assigned an unowned conversation: its messages become the owner's.
+            with storage_errors("move the conversation's messages to its owner"):
+                await self._messages.update_many(
+                    {"conversation_id": conversation_id, "user_id": None},
+                    {"$set": {"user_id": user_id}},
+                )
         return Conversation.model_validate(doc)
 
     async def _exists(self, conversation_id: str) -> bool:
