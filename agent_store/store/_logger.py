@@ -220,14 +220,17 @@ class AgentMessageLogger:
             if derived and not await self._exists(conversation_id):
                 _refuse_derived(conversation_id, actor)
             doc = await self._upsert(conversation_id, actor, update, create=True)
-        if user_id is not None and int(doc.get("message_count") or 0):
-            # It may have assigned an unowned conversation: its messages become the owner's.
-            with storage_errors("move the conversation's messages to its owner"):
-                await self._messages.update_many(
-                    {"conversation_id": conversation_id, "user_id": None},
-                    {"$set": {"user_id": user_id}},
-                )
+        if user_id is not None and doc and int(doc.get("message_count") or 0):
+            await self._messages_to(conversation_id, user_id)  # it may have assigned it
         return Conversation.model_validate(doc)
+
+    async def _messages_to(self, conversation_id: str, owner: str) -> None:
+        """The conversation's messages without an owner become `owner`'s."""
+        with storage_errors("move the conversation's messages to its owner"):
+            await self._messages.update_many(
+                {"conversation_id": conversation_id, "user_id": None},
+                {"$set": {"user_id": owner}},
+            )
 
     async def _exists(self, conversation_id: str) -> bool:
         with storage_errors("read the conversation"):
