@@ -10,7 +10,7 @@ import pytest
 from pydantic_ai.messages import ModelRequest, ToolReturnPart
 
 from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, LoggedTurn
-from agent_store.core import DENIED_RESULT, PENDING_RESULT
+from agent_store.core import DENIED_RESULT, PENDING_RESULT, AgentMessage
 from agent_store.integrations.exports import (
     chat_completions,
     check_chat_completions,
@@ -24,6 +24,7 @@ from agent_store.integrations.streams import (
     turn_from_sse,
 )
 from agent_store.store import PENDING_CALLS_KEPT
+from agent_store.store._turns import pending_after
 from tests.api_harness import auth_headers, serve
 from tests.conftest import Backend
 
@@ -388,9 +389,31 @@ async def test_popping_an_answer_makes_its_call_and_prompt_pending_again(backend
 
     await runtime.store.pop_last_message(CID)
 
-    assert await pending_state(runtime.store) == (["tc-9"], None)
+    assert await pending_state(runtime.store) == (["tc-9"], "confirm-9")
+    assert await pending_state(runtime.store) == _folded(await runtime.store.transcript(CID))
     await runtime.stream([BOOKED])  # the documented next step takes the real result
     assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
+    assert await pending_state(runtime.store) == ([], None)
+
+
+def _folded(messages: list[AgentMessage]) -> tuple[list[str], str | None]:
+    calls, prompt = pending_after(messages)
+    return [c.tool_call_id for c in calls], prompt.request_id if prompt else None
+
+
+async def test_popping_an_answer_brings_back_no_prompt_resolved_by_request_id(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    await runtime.store.resolve_hitl(CID, "confirm-9")
+    await runtime.logger.log_messages(
+        CID, [{"role": "tool", "tool_call_id": "tc-9", "content": "B-42"}], turn_id="answer"
+    )
+
+    await runtime.store.pop_last_message(CID)
+
+    assert await pending_state(runtime.store) == (["tc-9"], None)
 
 
 async def test_popping_an_answer_puts_its_call_back_in_its_place_among_the_pending(

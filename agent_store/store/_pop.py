@@ -26,6 +26,7 @@ from typing import Any
 from agent_store.core import (
     AgentMessage,
     PendingCall,
+    PendingHitl,
     PopInProgress,
     StorageUnavailable,
     StoreError,
@@ -50,8 +51,9 @@ _COUNTS_KEPT = 1024
 """Conversations whose count of finished pops a store remembers (the oldest are forgotten)."""
 
 
-CallsBefore = Callable[[AgentMessage], Awaitable[list[PendingCall]]]
-"""What the messages before a message leave pending (`ConversationStore`'s own read)."""
+CallsBefore = Callable[[AgentMessage], Awaitable[tuple[list[PendingCall], PendingHitl | None]]]
+"""What the messages before a message leave pending, calls and prompt (`ConversationStore`'s
+own read)."""
 
 
 @dataclass
@@ -114,6 +116,7 @@ class Pop:
         assert message.seq is not None
         started, preview = False, None
         calls: list[PendingCall] | None = None
+        prompt: PendingHitl | None = None
         with storage_errors("read the messages before the last one"):
             if message.role in ("user", "system"):
                 previous = await self.messages.find_one(
@@ -128,8 +131,10 @@ class Pop:
                 source_message = message_adapter.validate_python(source) if source else None
                 preview = preview_of(source_message, self.preview_chars)
             if reads_pending_before(message):
-                calls = await self.calls_before(message)
-        return pop_in_progress(message, started_turn=started, preview=preview, pending_before=calls)
+                calls, prompt = await self.calls_before(message)
+        return pop_in_progress(
+            message, started_turn=started, preview=preview, pending_before=calls, prompt=prompt
+        )
 
     async def _remove(
         self, conversation_id: str, message: AgentMessage, pop: PopInProgress

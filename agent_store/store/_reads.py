@@ -437,16 +437,19 @@ class ConversationStore:
             conversations=self._conversations,
             scope=self._scope(conversation_id, user_id),
             query=query,
-            calls_before=self._pending_calls_before,
+            calls_before=self._pending_before,
             preview_chars=self._rules.preview_chars,
             memory=self._pops,
         )
         return await pop.run()
 
-    async def _pending_calls_before(self, popped: AgentMessage) -> list[PendingCall]:
-        """The calls the messages before `popped` leave pending (reads them all: a pop of an
-        answer or a prompt is rare, and what is pending depends on every turn, and
-        in a fork on where its copies began the original's turns: one lookup more then)."""
+    async def _pending_before(
+        self, popped: AgentMessage
+    ) -> tuple[list[PendingCall], PendingHitl | None]:
+        """The calls and the prompt the messages before `popped` leave pending (reads them
+        all: a pop of an answer or a prompt is rare, and what is pending depends on every
+        turn, and in a fork on where its copies began the original's turns: one lookup more
+        then)."""
         docs = await (
             self._messages.find(
                 {"conversation_id": popped.conversation_id, "seq": {"$lt": popped.seq}}
@@ -461,7 +464,7 @@ class ConversationStore:
                 {"_id": popped.conversation_id}, {"forked_from": 1}
             )
             starts = fork_turns_of(conversation or {})
-        return pending_after(messages, starts)[0]
+        return pending_after(messages, starts)
 
     async def messages_by_seq(
         self,

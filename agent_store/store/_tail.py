@@ -28,7 +28,7 @@ from typing import Any
 
 from bson import Int64
 
-from agent_store.core import AgentMessage, PendingCall, PopInProgress, TurnRecord
+from agent_store.core import AgentMessage, PendingCall, PendingHitl, PopInProgress, TurnRecord
 from agent_store.store._reservation import int64, literal
 from agent_store.store._text import message_text, shorten
 from agent_store.store._turns import PENDING_CALLS_KEPT, taking_answers, turn_key
@@ -90,12 +90,14 @@ def pop_in_progress(
     started_turn: bool,
     preview: str | None,
     pending_before: list[PendingCall] | None = None,
+    prompt: PendingHitl | None = None,
 ) -> PopInProgress:
     """What removing `message`, the conversation's last, changes in its summary.
 
     `preview` is the new preview, or None to keep the current one. `pending_before` are the
     calls the messages before it leave pending (`pending_after`), read when
-    `reads_pending_before`.
+    `reads_pending_before`, and `prompt` the prompt they leave pending (kept for an answer,
+    which may have cleared it).
     """
     assert message.seq is not None
     usage = message.token_usage
@@ -112,6 +114,7 @@ def pop_in_progress(
         answered_call=message.tool_call_id if message.role == "tool" else None,
         hitl_request_id=message.hitl_action.request_id if message.hitl_action else None,
         pending_before=pending_before,
+        prompt_back=prompt if message.role == "tool" else None,
     )
 
 
@@ -153,6 +156,8 @@ def unlogged(pop: PopInProgress) -> list[Any]:
         "popping": literal(None),
         "pops": int64({"$add": [{"$ifNull": ["$pops", 0]}, 1]}),
     }
+    if pop.prompt_back is not None:
+        stage["pending_hitl"] = _prompt_back(pop.prompt_back, untouched, stage["pending_hitl"])
     if pop.turn_key is not None:
         stage["turns"] = _marked_popped(pop.turn_key)
     if pop.made_calls or pop.pending_before is not None:
@@ -162,6 +167,21 @@ def unlogged(pop: PopInProgress) -> list[Any]:
             "$cond": [untouched, literal(pop.preview), "$last_message_preview"]
         }
     return [{"$set": stage}]
+
+
+def _prompt_back(prompt: PendingHitl, untouched: Any, otherwise: Any) -> dict[str, Any]:
+    """`pending_hitl` once an answer is removed: the prompt the messages before it leave
+    pending comes back when none is pending (the answer cleared it), no turn reserved past
+    the answer, and it was not resolved by request id (`resolved_hitl`); else `otherwise`."""
+    resolved = {"$in": [literal(prompt.request_id), {"$ifNull": ["$resolved_hitl", literal([])]}]}
+    comes_back = {
+        "$and": [
+            untouched,
+            {"$eq": [{"$ifNull": ["$pending_hitl", None]}, None]},
+            {"$eq": [resolved, False]},
+        ]
+    }
+    return {"$cond": [comes_back, literal(prompt.model_dump()), otherwise]}
 
 
 def _marked_popped(key: int) -> dict[str, Any]:
