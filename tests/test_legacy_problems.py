@@ -211,8 +211,15 @@ def test_a_time_written_as_whole_epoch_seconds_or_milliseconds_is_read(created_a
 
 @pytest.mark.parametrize(
     "created_at",
-    [1614592800.5, -5, 10**16, True],
-    ids=["a fraction", "before 1970", "past now in milliseconds", "a bool"],
+    [1614592800.5, -5, 0, 32503680000, 10**16, True],
+    ids=[
+        "a fraction",
+        "before 1970",
+        "a placeholder zero",
+        "seconds in the year 3000",
+        "past now in milliseconds",
+        "a bool",
+    ],
 )
 def test_a_number_that_is_no_epoch_time_is_a_problem_saying_it_was_not_read(
     created_at: Any,

@@ -191,19 +191,26 @@ def is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+_MILLIS_FROM = 10**11
+"""Whole numbers from this on are milliseconds (1973-03-03 on), below it seconds (up to the
+year 5138): one reading per value, whatever day the migration runs."""
+
+
 def epoch_time(number: float) -> datetime | None:
-    """A whole number since 1970 as the time a store accepts (1970 to now and the store's
-    future leeway): seconds when they are such a time, else milliseconds; None when it is
-    neither or not whole (`int(time.time())` and `Date.now()` are read; 1.5 is no time)."""
+    """A whole positive number since 1970 as the time a store accepts (up to now and the
+    store's future leeway): seconds below `_MILLIS_FROM`, milliseconds from it; None when
+    it is not such a time or not whole (`int(time.time())` and `Date.now()` are read; 0,
+    a common placeholder for "unknown", and 1.5 are no time)."""
     if isinstance(number, float) and not number.is_integer():
         return None
     whole = int(number)
-    latest = math.floor((utc_now() + TurnRules().future_leeway - EPOCH).total_seconds())
-    if 0 <= whole <= latest:
-        return EPOCH + timedelta(seconds=whole)
-    if 0 <= whole <= latest * 1000:
-        return EPOCH + timedelta(milliseconds=whole)
-    return None
+    latest = utc_now() + TurnRules().future_leeway
+    if whole <= 0 or whole > (latest - EPOCH).total_seconds() * 1000:
+        return None
+    at = EPOCH + (
+        timedelta(milliseconds=whole) if whole >= _MILLIS_FROM else timedelta(seconds=whole)
+    )
+    return at if at <= latest else None
 
 
 class LegacyTurn(BaseModel):
