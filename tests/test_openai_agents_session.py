@@ -471,5 +471,6 @@ async def test_items_added_again_after_a_failed_add_was_popped_are_stored(
     popped = await session.pop_item()
     await session.add_items([item])
 
-    assert popped is not None and popped.get("content") == "book it"
+    assert popped is not None
+    assert popped.get("content") == "book it"
     assert [i.get("content") for i in await session.get_items()] == ["hello", "book it"]
