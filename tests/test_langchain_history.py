@@ -389,6 +389,19 @@ async def test_a_real_result_stored_after_a_stand_in_is_the_calls_one_answer(
     assert chat_completions_problems(convert_to_openai_messages(read_back)) == []
 
 
+async def _a_call_awaiting_approval(logger: AgentMessageLogger) -> None:
+    """Turn t1: the user asks, the assistant calls tc-9, a prompt holds it back."""
+    calls = [{"id": "tc-9", "function": {"name": "book_train", "arguments": "{}"}}]
+    hitl = {"action": "book_train", "params": {}, "request_id": "confirm-9"}
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "Book the 09:04."},
+         {"role": "assistant", "content": None, "tool_calls": calls},
+         {"role": "assistant", "content": "Pay €35?", "hitl_action": hitl}],
+        turn_id="t1",
+    )  # fmt: skip
+
+
 async def test_a_call_the_conversation_went_on_after_unanswered_gets_a_marked_stand_in(
     backend: Backend,
 ) -> None:
@@ -401,15 +414,7 @@ async def test_a_call_the_conversation_went_on_after_unanswered_gets_a_marked_st
     from agent_store.integrations.exports import chat_completions_problems
 
     logger = AgentMessageLogger(backend.db)
-    calls = [{"id": "tc-9", "function": {"name": "book_train", "arguments": "{}"}}]
-    hitl = {"action": "book_train", "params": {}, "request_id": "confirm-9"}
-    await logger.log_messages(
-        CID,
-        [{"role": "user", "content": "Book the 09:04."},
-         {"role": "assistant", "content": None, "tool_calls": calls},
-         {"role": "assistant", "content": "Pay €35?", "hitl_action": hitl}],
-        turn_id="t1",
-    )  # fmt: skip
+    await _a_call_awaiting_approval(logger)
     await logger.log_messages(
         CID,
         [{"role": "user", "content": "Meanwhile, what time is it?"},
@@ -434,15 +439,7 @@ async def test_a_call_nothing_but_its_prompt_followed_is_left_for_the_runtime_to
     backend: Backend,
 ) -> None:
     logger = AgentMessageLogger(backend.db)
-    calls = [{"id": "tc-9", "function": {"name": "book_train", "arguments": "{}"}}]
-    hitl = {"action": "book_train", "params": {}, "request_id": "confirm-9"}
-    await logger.log_messages(
-        CID,
-        [{"role": "user", "content": "Book the 09:04."},
-         {"role": "assistant", "content": None, "tool_calls": calls},
-         {"role": "assistant", "content": "Pay €35?", "hitl_action": hitl}],
-        turn_id="t1",
-    )  # fmt: skip
+    await _a_call_awaiting_approval(logger)
 
     read_back = await ConversationChatHistory(CID, backend.db).aget_messages()
 

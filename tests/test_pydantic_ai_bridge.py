@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -445,6 +446,25 @@ async def test_a_run_reusing_a_call_id_is_logged_whole(backend: Backend) -> None
     assert len({c.id for m in stored for c in m.tool_calls or ()}) == 2
 
 
+def _train_and_hotel_agent(
+    respond: Callable[[list[ModelMessage], AgentInfo], ModelResponse],
+) -> Agent[None, str | DeferredToolRequests]:
+    """An agent whose two tools, booking a train and a hotel, need approval."""
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        FunctionModel(respond), output_type=[str, DeferredToolRequests]
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def book_train(train: str) -> str:
+        return f"booked {train}"
+
+    @agent.tool_plain(requires_approval=True)
+    def book_hotel(hotel: str) -> str:
+        return f"booked {hotel}"
+
+    return agent
+
+
 async def test_a_resumed_run_calling_again_under_the_approved_calls_id_is_logged(
     backend: Backend,
 ) -> None:
@@ -459,17 +479,7 @@ async def test_a_resumed_run_calling_again_under_the_approved_calls_id_is_logged
             return ModelResponse(parts=[ToolCallPart(tool, args, tool_call_id="call_0")])
         return ModelResponse(parts=[TextPart("Both booked.")])
 
-    agent: Agent[None, str | DeferredToolRequests] = Agent(
-        FunctionModel(respond), output_type=[str, DeferredToolRequests]
-    )
-
-    @agent.tool_plain(requires_approval=True)
-    def book_train(train: str) -> str:
-        return f"booked {train}"
-
-    @agent.tool_plain(requires_approval=True)
-    def book_hotel(hotel: str) -> str:
-        return f"booked {hotel}"
+    agent = _train_and_hotel_agent(respond)
 
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     first = await agent.run("Book the train, then the hotel.")
@@ -571,17 +581,7 @@ async def test_a_resumed_run_answering_calls_asked_about_one_prompt_each_leaves_
             )
         return ModelResponse(parts=[TextPart("Both booked.")])
 
-    agent: Agent[None, str | DeferredToolRequests] = Agent(
-        FunctionModel(respond), output_type=[str, DeferredToolRequests]
-    )
-
-    @agent.tool_plain(requires_approval=True)
-    def book_train(train: str) -> str:
-        return f"booked {train}"
-
-    @agent.tool_plain(requires_approval=True)
-    def book_hotel(hotel: str) -> str:
-        return f"booked {hotel}"
+    agent = _train_and_hotel_agent(respond)
 
     def asks(request_id: str, what: str) -> dict[str, Any]:
         hitl = {"action": "approve", "params": {"what": what}, "request_id": request_id}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
@@ -382,16 +383,7 @@ async def test_a_turn_inserting_as_its_conversation_is_claimed_is_the_new_owners
     go = asyncio.Event()
     turn = await _turn_in_flight(logger, monkeypatch, go)
     if lands == "while the claim runs":  # right after the claim moved the messages
-        update_many = store._messages.update_many
-
-        async def then_insert(*args: Any, **kwargs: Any) -> Any:
-            moved = await update_many(*args, **kwargs)
-            if not go.is_set():
-                go.set()
-                await turn
-            return moved
-
-        monkeypatch.setattr(store._messages, "update_many", then_insert)
+        after_the_first_move(store, monkeypatch, lambda: landing(go, turn))
 
     await store.claim(OWNER, "user-registered")
     go.set()
@@ -402,6 +394,28 @@ async def test_a_turn_inserting_as_its_conversation_is_claimed_is_the_new_owners
     assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
     if lands == "after the claim":
         assert {m.user_id for m in logged.messages} == {"user-registered"}
+
+
+def after_the_first_move(
+    holder: Any, monkeypatch: pytest.MonkeyPatch, then: Callable[[], Awaitable[None]]
+) -> None:
+    """`then()` runs right after `holder`'s first `update_many` of messages (a move)."""
+    update_many, done = holder._messages.update_many, asyncio.Event()
+
+    async def followed(*args: Any, **kwargs: Any) -> Any:
+        moved = await update_many(*args, **kwargs)
+        if not done.is_set():
+            done.set()
+            await then()
+        return moved
+
+    monkeypatch.setattr(holder._messages, "update_many", followed)
+
+
+async def landing(go: asyncio.Event, turn: asyncio.Task[Any]) -> None:
+    """A turn held before its insert inserts now."""
+    go.set()
+    await turn
 
 
 NEW_OWNER, SOMEONE_ELSE = "user-registered", "user-mallory"
@@ -627,16 +641,7 @@ async def test_an_unowned_turn_inserting_as_its_conversation_is_assigned_is_the_
     )
     await reserved.wait()
     if not slow:  # right after the assigning turn's first move
-        update_many = assigning._messages.update_many
-
-        async def then_insert(*args: Any, **kwargs: Any) -> Any:
-            moved = await update_many(*args, **kwargs)
-            if not go.is_set():
-                go.set()
-                await turn
-            return moved
-
-        monkeypatch.setattr(assigning._messages, "update_many", then_insert)
+        after_the_first_move(assigning, monkeypatch, lambda: landing(go, turn))
 
     await assigning.log_messages("c-un", [{"role": "user", "content": "assigned"}],
                                  user_id=OWNER, turn_id="t3")  # fmt: skip
@@ -739,17 +744,12 @@ async def test_the_assigning_turns_last_sweep_follows_a_claim_made_meanwhile(
         unowned.log_messages("c-un", [{"role": "user", "content": "in flight"}], turn_id="t2")
     )
     await reserved.wait()
-    update_many = assigning._messages.update_many
 
-    async def then_a_claim(*args: Any, **kwargs: Any) -> Any:
-        moved = await update_many(*args, **kwargs)  # the hand-over's first move
-        if not go.is_set():
-            await store.claim(HANDED_TO, CLAIMER)
-            go.set()  # the unowned turn lands before the assigning turn's sweep
-            await turn
-        return moved
+    async def a_claim_then_the_landing() -> None:
+        await store.claim(HANDED_TO, CLAIMER)
+        await landing(go, turn)  # before the assigning turn's sweep
 
-    monkeypatch.setattr(assigning._messages, "update_many", then_a_claim)
+    after_the_first_move(assigning, monkeypatch, a_claim_then_the_landing)
     await assigning.log_messages("c-un", [{"role": "user", "content": "assigned"}],
                                  user_id=HANDED_TO, turn_id="t3")  # fmt: skip
 
