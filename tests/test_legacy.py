@@ -491,6 +491,20 @@ def test_two_calls_of_one_id_in_one_turn_are_answered_in_the_order_they_were_mad
     assert [p.kind for p in problems] == ["duplicate_tool_call_id"]
 
 
+def test_results_under_one_id_answer_the_call_of_the_tool_they_name() -> None:
+    turns = [
+        turn(1, [tool_call("search", "call_0"), tool_call("book", "call_0"),
+                 tool_result("book", "call_0", "booked"),
+                 tool_result("search", "call_0", "found")]),
+    ]  # fmt: skip
+    messages, problems = convert_conversation(turns)
+
+    tool_of = {c.id: c.function.name for m in messages for c in m.tool_calls or ()}
+    answered = {tool_of[str(m.tool_call_id)]: m.content for m in messages if m.role == "tool"}
+    assert answered == {"search": "found", "book": "booked"}
+    assert [p.kind for p in problems] == ["duplicate_tool_call_id"]
+
+
 def test_each_upload_part_is_a_message_even_when_two_are_identical() -> None:
     upload = {"type": "file_upload", "filename": "invoice.pdf", "file_type": "application/pdf",
               "size": 2048}  # fmt: skip

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import warnings
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -443,3 +444,44 @@ async def test_pops_losing_to_other_pops_are_retried_and_each_removes_one(
 
     assert all(m is not None for m in popped)
     assert len(await _stored_contents(wire_backend)) == 12 - 7
+
+
+class FailingCalls:
+    """A collection whose calls of a method, by their number (from 0), fail with a network
+    error before they are sent."""
+
+    def __init__(self, collection: Any, fail: dict[str, set[int]]) -> None:
+        self._collection, self._fail, self._calls = collection, fail, Counter[str]()
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._collection, name)
+        if name not in self._fail:
+            return real
+
+        async def wrapped(*args: Any, **kwargs: Any) -> Any:
+            number = self._calls[name]
+            self._calls[name] += 1
+            if number in self._fail[name]:
+                raise AutoReconnect("connection lost (injected)")
+            return await real(*args, **kwargs)
+
+        return wrapped
+
+
+async def test_a_pop_whose_retry_fails_too_is_still_retried_as_one(backend: Backend) -> None:
+    """The first attempt marks and removes, then its summary update fails; the second fails
+    on its first read; the third answers the message the first removed, removing no other."""
+    await _two_turns_of_two(backend)
+    store = ConversationStore(backend.db)
+    real = store._conversations
+    store._conversations = FailingCalls(real, {"update_one": {1}, "find_one": {0}})
+    for _ in range(2):
+        with pytest.raises(StorageUnavailable):
+            await store.pop_last_message(CID)
+    store._conversations = real
+
+    popped = await store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.content == "a1"
+    assert await _stored_contents(backend) == ["u0", "a0", "u1"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import sys
 from collections import Counter
+from datetime import UTC, datetime
 from typing import Any
 
 import bson
@@ -134,7 +135,7 @@ class CommandBodies(monitoring.CommandListener):
 
 
 @pytest.mark.wire
-async def test_a_reservation_brings_back_only_the_next_seq_the_owner_and_the_creation_time(
+async def test_a_reservation_brings_back_only_the_next_seq_the_owner_and_its_bookkeeping(
     wire_uri: str,
 ) -> None:
     listener = CommandBodies()
@@ -147,7 +148,7 @@ async def test_a_reservation_brings_back_only_the_next_seq_the_owner_and_the_cre
         reservations = [c for c in listener.commands if "findAndModify" in c]
         assert reservations
         assert {tuple(sorted(c["fields"])) for c in reservations} == {
-            ("_id", "created_at", "message_count", "user_id")
+            ("_id", "created_at", "message_count", "owned_from", "user_id")
         }
     finally:
         await client.drop_database("cost_reservation")
@@ -414,8 +415,9 @@ def test_a_retry_validates_only_its_own_turn_record_and_the_next(
     block = recorded_block(conversation, 500)
     last = recorded_block(conversation, 999)
 
-    assert block == RecordedBlock(first_seq=1500, count=3, digest=500)
-    assert last == RecordedBlock(first_seq=2997, count=3, digest=999)
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    assert block == RecordedBlock(first_seq=1500, count=3, digest=500, reserved_at=at)
+    assert last == RecordedBlock(first_seq=2997, count=3, digest=999, reserved_at=at)
     assert recorded_block(conversation, 1000) is None
     assert validated["record"] == 3
 

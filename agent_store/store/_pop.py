@@ -89,7 +89,11 @@ class Pop:
         conversation_id = str(self.scope["_id"])
         earlier = self.memory.in_doubt.pop(conversation_id, None)
         if earlier is not None:
-            found = await self._finish_under_way() and await self._stored(earlier)
+            try:
+                found = await self._finish_under_way() and await self._stored(earlier)
+            except StoreError:
+                self.memory.in_doubt[conversation_id] = earlier  # still in doubt
+                raise
             if not found:
                 return earlier  # the earlier attempt removed it: its retry answers it
         pop: PopInProgress | None = None
