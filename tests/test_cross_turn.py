@@ -416,6 +416,44 @@ async def test_popping_an_answer_brings_back_no_prompt_resolved_by_request_id(
     assert await pending_state(runtime.store) == (["tc-9"], None)
 
 
+async def test_a_fork_remembers_the_resolutions_so_its_pops_bring_back_no_resolved_prompt(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    await runtime.stream([APPROVED])  # resolved by request id: no message records it
+    await runtime.stream([BOOKED])
+    last = (await runtime.store.transcript(CID))[-1]
+    await runtime.logger.fork(CID, int(last.seq or 0), "conv-fork")
+
+    await runtime.store.pop_last_message("conv-fork")
+
+    assert await pending_state(runtime.store, "conv-fork") == (["tc-9"], None)
+
+
+async def test_popping_an_upload_that_cleared_a_prompt_brings_the_prompt_back(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    hitl = {"action": "confirm", "params": {}, "request_id": "p1"}
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "Book it."}, _book("c1"),
+         {"role": "assistant", "content": "Sure?", "hitl_action": hitl}],
+        turn_id="t1",
+    )  # fmt: skip
+    upload = {"filename": "id.pdf", "file_type": "application/pdf", "size": 10}
+    await logger.log_messages(
+        CID, [{"role": "user", "content": "Here.", "upload": upload}], turn_id="t2"
+    )
+    assert await pending_state(store) == (["c1"], None)
+
+    await store.pop_last_message(CID)
+
+    assert await pending_state(store) == (["c1"], "p1")
+    assert await pending_state(store) == _folded(await store.transcript(CID))
+
+
 async def test_popping_an_answer_puts_its_call_back_in_its_place_among_the_pending(
     backend: Backend,
 ) -> None:

@@ -524,9 +524,9 @@ class PopInProgress(_Model):
     pending_before: list[PendingCall] | None = None
     """The calls the messages before it leave pending, when removing it needs them."""
     prompt_back: PendingHitl | None = None
-    """For a `tool` message: the prompt the messages before it leave pending, pending again
-    if the answer cleared it (none is pending, no turn reserved past the message, and it was
-    not resolved by request id)."""
+    """For an answer or an upload: the prompt the messages before it leave pending, pending
+    again if the message cleared it (none is pending, no turn reserved past the message, and
+    it was not resolved by request id)."""
 
 
 class ForkOrigin(_Model):

@@ -600,10 +600,10 @@ class _Converter:
     ) -> tuple[_CallGroup, str] | None:
         """The call a result answers. A result whose id names calls answers this turn's first
         of them still unanswered, of its tool when it names one (calls one response made under
-        one id are answered in the order they were made), else an earlier turn's latest, as the live store pairs them
-        across turns (`answers_to_calls`), whatever id it was stored under. Only a result
-        whose id names no call takes the first unanswered call of the same tool in this
-        turn."""
+        one id are answered in the order they were made), else an earlier turn's latest, as
+        the live store pairs them across turns (`answers_to_calls`), whatever id it was stored
+        under. Only a result whose id names no call takes the first unanswered call of the
+        same tool in this turn."""
         if real is not None and real in self.calls_by_real:
             open_calls = [(g, cid) for g, cid in self.calls_by_real[real] if cid not in g.results]
             this_turn = [(g, cid) for g, cid in open_calls if any(g is s for s in state.groups)]

@@ -360,7 +360,7 @@ class AgentMessageLogger:
         ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
         next_seq = int(source.get("message_count") or 0)
         starts = fork_turns_of(source)
-        resolved = source.get("resolved_hitl") or ()
+        resolved = source.get("resolved_hitl") or ()  # the fork remembers them too
         calls, prompt = fork_pending(
             messages, end, ids, pending_now(source), next_seq, starts, resolved
         )
@@ -372,7 +372,7 @@ class AgentMessageLogger:
         ).model_dump()
         condition = Condition(
             {"created_at": {"$exists": False}},
-            lambda now: {"forked_from": literal(origin)},
+            lambda now: {"forked_from": literal(origin), "resolved_hitl": literal(list(resolved))},
             Conflict(f"conversation {plan.conversation_id!r} exists already; fork into a new id"),
             create=True,
         )

@@ -80,8 +80,14 @@ def _less(field: str, amount: int) -> dict[str, Any]:
 
 def reads_pending_before(message: AgentMessage) -> bool:
     """Whether undoing `message` needs what the messages before it leave pending: a call it
-    answered comes back, and calls its prompt held back are held by none."""
-    return message.role == "tool" or message.hitl_action is not None
+    answered comes back, calls its prompt held back are held by none, and a prompt an
+    answer or an upload cleared is pending again."""
+    return _may_clear_a_prompt(message) or message.hitl_action is not None
+
+
+def _may_clear_a_prompt(message: AgentMessage) -> bool:
+    """An answer (to a call a prompt held back) or an upload: either clears the prompt."""
+    return message.role == "tool" or (message.role == "user" and message.upload is not None)
 
 
 def pop_in_progress(
@@ -114,7 +120,7 @@ def pop_in_progress(
         answered_call=message.tool_call_id if message.role == "tool" else None,
         hitl_request_id=message.hitl_action.request_id if message.hitl_action else None,
         pending_before=pending_before,
-        prompt_back=prompt if message.role == "tool" else None,
+        prompt_back=prompt if _may_clear_a_prompt(message) else None,
     )
 
 
