@@ -340,3 +340,43 @@ async def test_naming_an_owner_for_an_unowned_conversation_hands_them_its_messag
     assert [m.content for m in await store.transcript("c-up", user_id=OWNER)] == [
         "before", "after"
     ]  # fmt: skip
+
+
+async def test_naming_an_owner_hands_them_a_turn_still_being_written_too(
+    backend: Backend,
+) -> None:
+    """An unowned turn reserved before `upsert_conversation` names the owner, and inserting
+    right after it: swept `claim_grace` later, as after an assigning turn."""
+    import asyncio
+    from datetime import timedelta
+
+    from agent_store import AgentMessageLogger, TurnRules
+
+    rules = TurnRules(claim_grace=timedelta(seconds=0.3))
+    base, slow = AgentMessageLogger(backend.db, rules=rules), AgentMessageLogger(backend.db)
+    await base.log_messages("c-up", [{"role": "user", "content": "first"}], turn_id="t0")
+    real, reached, release = slow._messages, asyncio.Event(), asyncio.Event()
+
+    class Held:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        async def insert_many(self, *args: Any, **kwargs: Any) -> Any:
+            reached.set()
+            await release.wait()
+            return await real.insert_many(*args, **kwargs)
+
+    slow._messages = Held()
+    turn = asyncio.create_task(
+        slow.log_messages("c-up", [{"role": "user", "content": "second"}], turn_id="t1")
+    )
+    await reached.wait()
+    naming = asyncio.create_task(base.upsert_conversation("c-up", user_id=OWNER))
+    await asyncio.sleep(0.05)
+    release.set()
+    await asyncio.gather(turn, naming)
+
+    stored = (
+        await backend.db[MESSAGES].find({"conversation_id": "c-up"}).sort("seq", 1).to_list(None)
+    )
+    assert [(m["content"], m["user_id"]) for m in stored] == [("first", OWNER), ("second", OWNER)]

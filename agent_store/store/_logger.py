@@ -192,7 +192,9 @@ class AgentMessageLogger:
         an automatic one. A conversation that already belongs to another user is
         left as it is and raises Conflict: ownership moves only by `claim`. Naming a user
         for an unowned conversation that holds messages assigns it, and its messages become
-        that user's (one update more whenever `user_id` is given for one with messages).
+        that user's, as an assigning turn's do (`_hand_over_earlier`: three round trips more,
+        and a wait of `claim_grace` while a turn is still being written; naming the owner of
+        one it owns already costs one round trip, a new one two).
         """
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         if user_id is not None:
@@ -209,10 +211,26 @@ class AgentMessageLogger:
         update: dict[str, Any] = {"$setOnInsert": on_insert}
         if changed:
             update["$set"] = changed
-        actor = Actor(user_id)
+        if user_id is not None:  # the user's already, the common case: one round trip
+            owned = await self._upsert(conversation_id, Actor(user_id, True), update, create=False)
+            if owned is not None:
+                return Conversation.model_validate(owned)
+        doc = await self._created_or_assigned(conversation_id, Actor(user_id), update)
+        if user_id is not None and int(doc.get("message_count") or 0):
+            # It assigned an unowned conversation: its messages go to the owner, as an
+            # assigning turn's do (turns still being written included).
+            block = int(doc["message_count"])
+            reserved = _Reserved(block, user_id, replayed=False, created_at=doc.get("created_at"))
+            await self._hand_over_earlier(conversation_id, reserved)
+        return Conversation.model_validate(doc)
+
+    async def _created_or_assigned(
+        self, conversation_id: str, actor: Actor, update: dict[str, Any]
+    ) -> dict[str, Any]:
+        """`upsert_conversation`'s update of a conversation the actor may write to, created if
+        missing. Legacy turns are looked for only when it is not there (as for a turn), and an
+        id the migration derives is never created here."""
         derived = is_derived_id(conversation_id)
-        # Legacy turns are looked for only when the conversation is not there (as for a turn),
-        # and an id the migration derives is never created here.
         create = self._legacy is None and not derived
         doc = await self._upsert(conversation_id, actor, update, create=create)
         if doc is None:
@@ -220,17 +238,8 @@ class AgentMessageLogger:
             if derived and not await self._exists(conversation_id):
                 _refuse_derived(conversation_id, actor)
             doc = await self._upsert(conversation_id, actor, update, create=True)
-        if user_id is not None and doc and int(doc.get("message_count") or 0):
-            await self._messages_to(conversation_id, user_id)  # it may have assigned it
-        return Conversation.model_validate(doc)
-
-    async def _messages_to(self, conversation_id: str, owner: str) -> None:
-        """The conversation's messages without an owner become `owner`'s."""
-        with storage_errors("move the conversation's messages to its owner"):
-            await self._messages.update_many(
-                {"conversation_id": conversation_id, "user_id": None},
-                {"$set": {"user_id": owner}},
-            )
+        assert doc is not None  # created
+        return doc
 
     async def _exists(self, conversation_id: str) -> bool:
         with storage_errors("read the conversation"):
