@@ -353,6 +353,17 @@ def _held_by(calls: Any, request_id: str | None) -> Any:
     return {"$map": {"input": calls, "as": "call", "in": fields}}
 
 
+_RECORD_KEYS = tuple(f.alias or name for name, f in TurnRecord.model_fields.items())
+
+
+def records_changed(matching: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """The conversation's turn records, as an expression: those `matching` (an expression on
+    `$$record`) with the fields `changes` names set to its expressions, the rest as they are."""
+    kept = {key: f"$$record.{key}" for key in _RECORD_KEYS if key not in changes}
+    changed = {"$cond": [matching, {**kept, **changes}, "$$record"]}
+    return {"$map": {"input": _kept("turns", []), "as": "record", "in": changed}}
+
+
 def moved_key(key: int) -> int:
     """What a turn record's key becomes once its turn moved to a new block (`relocation`):
     no turn's key, so the record only marks the passed block."""
@@ -377,13 +388,8 @@ def relocation(
         "_id": plan.conversation_id,
         "turns": {"$elemMatch": {"k": Int64(plan.key), "f": Int64(block.first_seq)}},
     }
-    old = {"$and": [{"$eq": ["$$t.k", key]}, {"$eq": ["$$t.f", first]}]}
-    marked = {
-        "k": literal(Int64(moved_key(plan.key))),
-        **{name: f"$$t.{name}" for name in ("f", "d", "a", "p")},
-    }
-    kept = {"$cond": [old, marked, "$$t"]}
-    turns = {"$map": {"input": _kept("turns", []), "as": "t", "in": kept}}
+    old = {"$and": [{"$eq": ["$$record.k", key]}, {"$eq": ["$$record.f", first]}]}
+    turns = records_changed(old, {"k": literal(Int64(moved_key(plan.key)))})
     stage = {
         "message_count": _plus("message_count", plan.count),
         **_records(plan.key, block.digest, rules, now, turns),

@@ -28,13 +28,12 @@ from typing import Any
 
 from bson import Int64
 
-from agent_store.core import AgentMessage, PendingCall, PendingHitl, PopInProgress, TurnRecord
-from agent_store.store._reservation import int64, literal
+from agent_store.core import AgentMessage, PendingCall, PendingHitl, PopInProgress
+from agent_store.store._reservation import int64, literal, records_changed
 from agent_store.store._text import message_text, shorten
 from agent_store.store._turns import PENDING_CALLS_KEPT, taking_answers, turn_key
 
 _PROMPT_ROLES = ("user", "system")
-_RECORD_FIELDS = [(n, f) for n, f in TurnRecord.model_fields.items() if n != "popped"]
 
 
 def starts_a_turn(message: AgentMessage, previous: dict[str, Any] | None) -> bool:
@@ -192,17 +191,7 @@ def _prompt_back(prompt: PendingHitl, untouched: Any, otherwise: Any) -> dict[st
 
 def _marked_popped(key: int) -> dict[str, Any]:
     """The turn records, the one under `key` marked popped (`TurnRecord.popped`)."""
-    fields: dict[str, Any] = {
-        f.alias or name: f"$$record.{f.alias or name}" for name, f in _RECORD_FIELDS
-    }
-    fields["p"] = literal(True)
-    return {
-        "$map": {
-            "input": {"$ifNull": ["$turns", literal([])]},
-            "as": "record",
-            "in": {"$cond": [{"$eq": ["$$record.k", literal(Int64(key))]}, fields, "$$record"]},
-        }
-    }
+    return records_changed({"$eq": ["$$record.k", literal(Int64(key))]}, {"p": literal(True)})
 
 
 def _calls_without(pop: PopInProgress, before: list[PendingCall]) -> dict[str, Any]:
