@@ -249,6 +249,16 @@ async def test_pending_hitl_is_read_and_resolved_by_request_id(api: Served) -> N
     assert (await api.http.get(url, headers=SERVICE)).json() == {"pending": None}
 
 
+async def test_retrying_a_resolution_that_took_effect_is_not_a_conflict(api: Served) -> None:
+    """The first reply was lost: the retry is told what the first call was told."""
+    url = f"/v1/conversations/{OWNER_HITL_CONVERSATION}/hitl"
+    body = {"request_id": "req-ada"}
+    first = await api.http.post(f"{url}/resolve", json=body, headers=SERVICE)
+    retried = await api.http.post(f"{url}/resolve", json=body, headers=SERVICE)
+    assert (retried.status_code, retried.json()) == (first.status_code, first.json())
+    assert (await api.http.get(url, headers=SERVICE)).json() == {"pending": None}
+
+
 async def test_search_needs_a_scope(api: Served) -> None:
     response = await api.http.get("/v1/search", params={"q": "Lyon"}, headers=SERVICE)
     assert (response.status_code, error_code(response)) == (422, "invalid_input")

@@ -19,7 +19,7 @@ from agent_store import (
     TurnRules,
     Unsupported,
 )
-from agent_store.store import TEXT_INDEX
+from agent_store.store import CONVERSATIONS, TEXT_INDEX
 from app.examples import EXAMPLE_CONVERSATION_ID as CID
 from app.examples import EXAMPLE_USER_ID as OWNER
 from app.examples import example_turns
@@ -168,6 +168,42 @@ async def test_resolving_a_hitl_prompt_needs_its_request_id(backend: Backend) ->
         await store.resolve_hitl(CID, "req-other")
     await store.resolve_hitl(CID, "req-booking-1")
     assert await store.pending_hitl(CID) is None
+
+
+async def test_retrying_a_resolution_that_took_effect_answers_as_the_first_did(
+    backend: Backend,
+) -> None:
+    """A client whose first reply was lost retries: the prompt it resolved is no longer
+    pending, no other is, the retry succeeds and writes nothing."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for turn_id, messages in example_turns()[:2]:
+        await logger.log_messages(CID, messages, turn_id=turn_id)
+    await store.resolve_hitl(CID, "req-booking-1")
+    before = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+
+    await store.resolve_hitl(CID, "req-booking-1")
+
+    assert await backend.db[CONVERSATIONS].find_one({"_id": CID}) == before
+    with pytest.raises(Conflict, match="no pending prompt 'req-never-asked'"):
+        await store.resolve_hitl(CID, "req-never-asked")
+
+
+async def test_retrying_a_resolution_once_another_prompt_is_pending_is_a_conflict(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for turn_id, messages in example_turns()[:2]:
+        await logger.log_messages(CID, messages, turn_id=turn_id)
+    await store.resolve_hitl(CID, "req-booking-1")
+    asks_again = {"action": "confirm", "params": {}, "request_id": "req-booking-2"}
+    await logger.log_messages(
+        CID,
+        [{"role": "assistant", "content": "Sure?", "hitl_action": asks_again}],
+        turn_id="t-again",
+    )
+
+    with pytest.raises(Conflict, match="the pending one is 'req-booking-2'"):
+        await store.resolve_hitl(CID, "req-booking-1")
 
 
 async def test_search_finds_messages_within_the_scope_only(

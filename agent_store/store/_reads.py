@@ -661,7 +661,13 @@ class ConversationStore:
     async def resolve_hitl(
         self, conversation_id: str, request_id: str, *, user_id: str | None = None
     ) -> None:
-        """Clear the pending prompt if it is the one named; Conflict if another is pending."""
+        """Clear the pending prompt if it is the one named; Conflict if another is pending.
+
+        A retry of a resolution that took effect (the request id is among the
+        conversation's `resolved_hitl` and no prompt is pending) answers as the first
+        call did and writes nothing, so a client whose first reply was lost is not told
+        its answer failed. That check is one more lookup, on the no-match path only.
+        """
         scope = self._scope(conversation_id, user_id)
         with storage_errors("resolve the pending prompt"):
             result = await self._conversations.update_one(
@@ -675,7 +681,15 @@ class ConversationStore:
             )
         if result.matched_count:
             return
-        pending = await self.pending_hitl(conversation_id, user_id=user_id)
+        with storage_errors("read the pending prompt"):
+            doc = await self._conversations.find_one(scope, {"pending_hitl": 1, "resolved_hitl": 1})
+        if doc is None:
+            pending = await self.pending_hitl(conversation_id, user_id=user_id)
+        else:
+            raw = doc.get("pending_hitl")
+            pending = PendingHitl.model_validate(raw) if raw else None
+            if pending is None and request_id in (doc.get("resolved_hitl") or ()):
+                return  # a retry of a resolution that took effect
         raise Conflict(
             f"no pending prompt {shown(request_id)} in conversation {conversation_id!r}"
             + (f"; the pending one is {shown(pending.request_id)}" if pending else "")
