@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,13 @@ import pytest
 from pydantic_ai.messages import ModelRequest, ToolReturnPart
 
 from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, LoggedTurn
-from agent_store.core import DENIED_RESULT, PENDING_RESULT, AgentMessage
+from agent_store.core import (
+    DENIED_RESULT,
+    PENDING_RESULT,
+    AgentMessage,
+    PendingCall,
+    answers_to_calls,
+)
 from agent_store.integrations.exports import (
     chat_completions,
     check_chat_completions,
@@ -1082,3 +1089,157 @@ async def test_approving_calls_one_by_one_keeps_the_later_prompt_until_its_calls
     await logger.log_messages(CID, [{"role": "tool", "tool_call_id": "c2", "content": "ok"}])
     assert await held_state(store) == ([], None)
     assert await recomputed_state(store) == ([], None)
+
+
+# -- call ids a later turn repeats, prompts naming calls not started yet ----------------
+
+
+async def test_a_streamed_turn_may_reuse_the_id_of_a_call_still_awaiting_approval(
+    backend: Backend,
+) -> None:
+    """DESIGN §3: a provider numbering its calls per response repeats an id in a later turn
+    while an older call of that id awaits approval. Within the turn the new call is the one
+    its result answers; the older call stays pending, held by its prompt."""
+    runtime = Runtime(backend)
+    asks = [
+        {"type": "tool_start", "tool_name": "book_train", "tool_call_id": "call_0", "args": {}},
+        {"type": "confirm_required", "request_id": "r1", "action": "book_train", "params": {},
+         "prompt": "Pay?", "tool_call_id": "call_0"},
+    ]  # fmt: skip
+    await runtime.stream(asks, prompt="Book")
+    weather = [
+        {"type": "tool_start", "tool_name": "get_weather", "tool_call_id": "call_0", "args": {}},
+        {"type": "tool_end", "tool_name": "get_weather", "tool_call_id": "call_0", "result": "18"},
+        {"type": "stream_token", "token": "18 °C."},
+    ]
+
+    await runtime.stream(weather, prompt="Weather?")
+
+    assert await held_state(runtime.store) == ([("call_0", "r1")], "r1")
+    assert await runtime.answers_of("call_0") == [("18", None)]
+    assert await recomputed_state(runtime.store) == (["call_0"], "r1")
+
+
+async def test_a_confirmation_naming_its_call_before_the_call_starts_still_holds_it(
+    backend: Backend,
+) -> None:
+    """A runtime asking before it starts the tool sends `confirm_required` naming tc-9 before
+    `tool_start` tc-9: the prompt is placed after the call's message, so it holds the call,
+    and a refusal in a later turn answers it as denied."""
+    runtime = Runtime(backend)
+    asks_first = [
+        {"type": "stream_token", "token": "I need your OK to book."},
+        ASKS_TO_BOOK[2],  # confirm_required confirm-9 naming tc-9
+        ASKS_TO_BOOK[1],  # tool_start tc-9
+    ]
+    await runtime.stream(asks_first, prompt="Book")
+    assert await held_state(runtime.store) == ([("tc-9", "confirm-9")], "confirm-9")
+
+    await runtime.stream([DENIED])
+
+    assert await held_state(runtime.store) == ([], None)
+    assert await runtime.answers_of("tc-9") == [(DENIED_RESULT, "tool call denied")]
+
+
+def test_a_confirmation_placed_when_its_call_starts_reads_as_one_asked_right_after_it() -> None:
+    """Asking before the call starts, or right after, stores the same messages; a prompt
+    whose call never starts closes the turn."""
+    received_at = datetime(2026, 3, 2, 9, 0, tzinfo=UTC)
+    text, start, ask = ASKS_TO_BOOK
+    after = turn_from_metadata([text, start, ask], complete=True, received_at=received_at)
+    before = turn_from_metadata([text, ask, start], complete=True, received_at=received_at)
+    assert before.messages == after.messages
+
+    never_started = turn_from_metadata([ask, text], complete=True, received_at=received_at)
+    assert [m.hitl_action is not None for m in never_started.messages] == [False, True]
+
+
+async def test_denying_a_confirmation_whose_call_id_a_later_call_repeats_is_refused(
+    backend: Backend,
+) -> None:
+    """t1's call_0 is held by r1; t2 makes a call_0 of its own, held by nothing. The store
+    gives an answer to the latest pending call of its id, so a denial of r1 would answer
+    t2's call and leave t1's pending: the builder refuses it, naming why, and nothing is
+    written."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(
+        CID, [{"role": "user", "content": "Book it"}, _calls("call_0"), _asks("r1")], turn_id="t1"
+    )
+    await logger.log_messages(
+        CID, [{"role": "user", "content": "Weather?"}, _calls("call_0")], turn_id="t2"
+    )
+    before = await store.transcript(CID)
+    denial = {"type": "confirm_resolved", "request_id": "r1", "approved": False}
+
+    refused = "a refusal answers tool call 'call_0' of an earlier turn, but a later call "
+    with pytest.raises(InvalidInput, match=re.escape(f"{refused}'call_0' is pending too")):
+        turn_from_metadata([denial], complete=True, pending=await store.pending_calls(CID))
+
+    assert await store.transcript(CID) == before
+    assert await held_state(store) == ([("call_0", "r1"), ("call_0", None)], "r1")
+
+
+async def test_once_the_later_call_of_its_id_is_answered_the_refusal_denies_the_held_call(
+    backend: Backend,
+) -> None:
+    """What the refusal above tells the runtime to do: answer t2's call_0 first; t1's call
+    is then the latest pending call of its id, and the refusal answers it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(
+        CID, [{"role": "user", "content": "Book it"}, _calls("call_0"), _asks("r1")], turn_id="t1"
+    )
+    await logger.log_messages(
+        CID, [{"role": "user", "content": "Weather?"}, _calls("call_0")], turn_id="t2"
+    )
+    held_by_r1 = (await store.pending_calls(CID))[0]
+    weather = {"type": "tool_end", "tool_name": "book", "tool_call_id": "call_0", "result": "18"}
+    denial = {"type": "confirm_resolved", "request_id": "r1", "approved": False}
+    for turn_id, event in (("t3", weather), ("t4", denial)):
+        turn = turn_from_metadata([event], complete=True, pending=await store.pending_calls(CID))
+        await log_streamed_turn(
+            logger=logger, store=store, conversation_id=CID, turn=turn, turn_id=turn_id
+        )
+
+    assert await held_state(store) == ([], None)
+    stored = await store.transcript(CID)
+    denied = [
+        stored[index].id
+        for (index, _), answer in answers_to_calls(stored).items()
+        if answer.content == DENIED_RESULT
+    ]
+    assert denied == [held_by_r1.message_id]
+
+
+@pytest.mark.parametrize(
+    ("answer", "kind"),
+    [
+        ({"type": "confirm_resolved", "request_id": "r1", "approved": False}, "refusal"),
+        (
+            {"type": "tool_end", "tool_name": "book", "tool_call_id": "call_0", "result": 1},
+            "result",
+        ),
+    ],
+    ids=["refusal", "result"],
+)
+def test_answering_an_earlier_call_whose_id_the_turn_calls_again_is_refused(
+    answer: dict[str, Any], kind: str
+) -> None:
+    """The turn's own call_0 would take the answer meant for the earlier call_0 (the logger
+    refuses such a turn too): answer the earlier call in a turn of its own."""
+    pending = [
+        PendingCall(
+            tool_call_id="call_0",
+            tool_name="book",
+            message_id="m-1",
+            request_id="r1",
+            created_at=datetime(2026, 3, 2, 9, 0, tzinfo=UTC),
+        )
+    ]
+    events = [
+        answer,
+        {"type": "tool_start", "tool_name": "get_weather", "tool_call_id": "call_0"},
+        {"type": "tool_end", "tool_name": "get_weather", "tool_call_id": "call_0", "result": "18"},
+    ]
+
+    with pytest.raises(InvalidInput, match=f"a {kind} answers tool call 'call_0' of an earlier"):
+        turn_from_metadata(events, complete=True, pending=pending)

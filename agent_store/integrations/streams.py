@@ -9,12 +9,15 @@ whatever order events arrive in:
   result arrives; text after a result starts the next assistant message;
 - every tool result is placed right after the message that made its call,
   in call order, even when it arrives after the run ended;
-- a HITL prompt or an error is an assistant message of its own;
+- a HITL prompt or an error is an assistant message of its own; a prompt
+  naming a call not started yet is placed right after that call's message
+  once it starts (the store holds a call by the first prompt after it);
 - a call a HITL prompt holds back (it names the call) and that got no
   result stays pending: no `tool` message, so the conversation's
   `pending_calls` lists it until a later turn answers it — with its result,
   or `tool call denied` when its confirmation is refused, in any later
-  turn built with `pending=`;
+  turn built with `pending=`; a later turn may repeat its id, and an answer
+  the store would pair with another call of that id is refused;
 - any other call left without a result gets a synthetic one, marked in
   `error` as `tool call interrupted`, so no stored turn breaks a replay;
 - a stream cut off before its end keeps what arrived and ends with an
@@ -137,11 +140,18 @@ class _Block:
     """A finished message (HITL prompt, error) instead of text and calls."""
 
 
+_Held = str | int
+"""A call a confirmation holds back: one of this turn by its id, one of an earlier turn by its
+index among the pending calls the assembler was given."""
+
+
 class TurnAssembler:
     """Collects a turn's events in arrival order; `finish` gives the messages in replay order.
 
     `pending` are the calls earlier turns left open (`ConversationStore.pending_calls`):
-    a result or a refused confirmation may answer them in this turn.
+    a result or a refused confirmation may answer them in this turn. A call of this turn
+    may repeat the id of a pending one (a provider numbering its calls per response): a
+    result of that id then answers this turn's call, as the store pairs it.
     """
 
     def __init__(
@@ -151,16 +161,20 @@ class TurnAssembler:
         self._blocks: list[_Block] = []
         self._open: _Block | None = None
         self._block_of_call: dict[str, _Block] = {}
-        self._earlier = {call.tool_call_id: call for call in pending}
-        self._earlier_answers: dict[str, ToolMessage] = {}
-        self._denied: set[str] = set()
+        self._earlier = list(pending)
+        self._latest_earlier = {call.tool_call_id: i for i, call in enumerate(pending)}
+        """The pending call an id names: the latest of that id, as the store pairs answers."""
+        self._earlier_answers: dict[int, ToolMessage] = {}
+        self._denied: set[_Held] = set()
         self._resolved: list[str] = []
         self._delivered: list[int] = []
-        self._held_by: dict[str, list[str]] = {}
+        self._held_by: dict[str, list[_Held]] = {}
         """The calls each confirmation request holds back, of this turn or an earlier one."""
-        for call in pending:
+        self._asked_before_start: dict[str, list[AssistantMessage]] = {}
+        """Prompts naming a call not started yet: placed right after it once it starts."""
+        for index, call in enumerate(pending):
             if call.request_id is not None:
-                self._held_by.setdefault(call.request_id, []).append(call.tool_call_id)
+                self._held_by.setdefault(call.request_id, []).append(index)
 
     def text(self, delta: str, at: datetime | None = None) -> None:
         """A piece of the assistant's text."""
@@ -170,13 +184,15 @@ class TurnAssembler:
         self, tool_call_id: str, tool_name: str, args: Any, at: datetime | None = None
     ) -> None:
         """The model called a tool."""
-        if tool_call_id in self._block_of_call or tool_call_id in self._earlier:
+        if tool_call_id in self._block_of_call:
             raise InvalidInput(f"invalid stream: tool call id {shown(tool_call_id)} is used twice")
         block = self._accepting(at)
         block.calls.append(
             ToolCall(id=tool_call_id, function=FunctionCall(name=tool_name, arguments=args))
         )
         self._block_of_call[tool_call_id] = block
+        for prompt in self._asked_before_start.pop(tool_call_id, ()):
+            self._finished_message(prompt)  # as if asked right after the call started
 
     def result(
         self,
@@ -191,34 +207,60 @@ class TurnAssembler:
         The result of a call an earlier turn left pending opens the turn.
         """
         block = self._block_of_call.get(tool_call_id)
-        if block is None and tool_call_id not in self._earlier:
+        earlier = self._latest_earlier.get(tool_call_id)
+        if block is None and earlier is None:
             raise InvalidInput(
                 f"invalid stream: a tool result answers {shown(tool_call_id)}, which no call made"
             )
-        results = block.results if block is not None else self._earlier_answers
-        if tool_call_id in results:
-            raise InvalidInput(f"invalid stream: tool call {shown(tool_call_id)} has two results")
-        results[tool_call_id] = ToolMessage(
+        answer = ToolMessage(
             tool_call_id=tool_call_id,
             content=content if isinstance(content, str) else _json(content),
             error=outcome_error(outcome) if outcome else None,
             created_at=at or self._now,
         )
+        if block is not None:
+            if tool_call_id in block.results:
+                raise _two_results(tool_call_id)
+            block.results[tool_call_id] = answer
+        elif earlier is not None:
+            if earlier in self._earlier_answers:
+                raise _two_results(tool_call_id)
+            self._earlier_answers[earlier] = answer
         if block is not None and block is self._open:
             self._open = None  # what the model says next, it says after seeing the result
 
     def hitl(self, prompt: HitlEvent | ConfirmRequired) -> None:
-        """A HITL prompt; it may name the tool call it holds back, which then stays pending."""
+        """A HITL prompt; it may name the tool call it holds back, which then stays pending.
+
+        A prompt naming a call of this turn not started yet (a runtime asking before it
+        runs the tool) is placed right after that call's message when the call starts, as
+        if asked then, or at the end of the turn if it never does: the store holds a call
+        by the first prompt after it in its turn. One naming a call started already, or a
+        pending call of an earlier turn, is placed where it arrives.
+        """
         action = HitlAction(
             action=prompt.action, params=prompt.params, request_id=prompt.request_id
         )
-        self._finished_message(
-            AssistantMessage(
-                content=prompt.prompt, hitl_action=action, created_at=prompt.at or self._now
-            )
+        message = AssistantMessage(
+            content=prompt.prompt, hitl_action=action, created_at=prompt.at or self._now
         )
-        if prompt.tool_call_id is not None:
-            self._held_by.setdefault(prompt.request_id, []).append(prompt.tool_call_id)
+        call_id = prompt.tool_call_id
+        if call_id is None:
+            self._finished_message(message)
+            return
+        held = self._named(call_id)
+        self._held_by.setdefault(prompt.request_id, []).append(held)
+        if held == call_id and call_id not in self._block_of_call:
+            self._asked_before_start.setdefault(call_id, []).append(message)
+        else:
+            self._finished_message(message)
+
+    def _named(self, call_id: str) -> _Held:
+        """The call an id names now: this turn's, once started; else the latest pending call
+        of that id; else a call of this turn not started yet."""
+        if call_id in self._block_of_call:
+            return call_id
+        return self._latest_earlier.get(call_id, call_id)
 
     def resolve(self, request_id: str, *, approved: bool) -> None:
         """A person answered a confirmation request of this turn or an earlier one.
@@ -268,6 +310,7 @@ class TurnAssembler:
                 )
             )
             messages += [a for c in block.calls if (a := self._answer(block, c.id)) is not None]
+        messages += [p for asked in self._asked_before_start.values() for p in asked]
         if not complete:
             messages.append(interruption_notice(self._now))
         if usage is not None or latency_ms is not None:
@@ -292,14 +335,38 @@ class TurnAssembler:
         return stand_in_result(call_id, block.created_at, "interrupted")
 
     def _earlier_answered(self) -> list[AgentMessage]:
-        """Answers to calls of earlier turns, in the order those calls were made."""
+        """Answers to calls of earlier turns, in the order those calls were made.
+
+        The store gives an answer to the latest pending call of its id, or to the turn's
+        own call of that id: a refusal of an older call of an id repeated since, which the
+        store would pair with the wrong call, is refused.
+        """
         answers: list[AgentMessage] = []
-        for call_id in self._earlier:
-            if call_id in self._earlier_answers:
-                answers.append(self._earlier_answers[call_id])
-            elif call_id in self._denied:
-                answers.append(stand_in_result(call_id, self._now, "denied"))
+        for index, call in enumerate(self._earlier):
+            if index in self._earlier_answers:
+                self._check_pairing(index, call.tool_call_id, "result")
+                answers.append(self._earlier_answers[index])
+            elif index in self._denied:
+                self._check_pairing(index, call.tool_call_id, "refusal")
+                answers.append(stand_in_result(call.tool_call_id, self._now, "denied"))
         return answers
+
+    def _check_pairing(self, index: int, call_id: str, answer: str) -> None:
+        """Refuse an answer to the earlier call `index` that the store would pair with another
+        call: the latest pending call of its id, or this turn's own call of that id."""
+        if self._latest_earlier[call_id] != index:
+            clash = f"a later call {shown(call_id)} is pending too"
+        elif call_id in self._block_of_call:
+            clash = f"this turn calls {shown(call_id)} too"
+        else:
+            return
+        raise InvalidInput(
+            f"invalid stream: a {answer} answers tool call {shown(call_id)} of an earlier "
+            f"turn, but {clash}, and the store gives an answer to the latest call of its id: "
+            f"it would answer that call instead. Answer the later call {shown(call_id)} in "
+            "a turn of its own first, then log this one (calls whose ids are unique within "
+            "the conversation never meet this)"
+        )
 
     def _accepting(self, at: datetime | None) -> _Block:
         if self._open is None:
@@ -310,6 +377,10 @@ class TurnAssembler:
     def _finished_message(self, message: AssistantMessage) -> None:
         self._open = None
         self._blocks.append(_Block(created_at=message.created_at, message=message))
+
+
+def _two_results(tool_call_id: str) -> InvalidInput:
+    return InvalidInput(f"invalid stream: tool call {shown(tool_call_id)} has two results")
 
 
 def _json(value: Any) -> str:
