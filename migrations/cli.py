@@ -148,7 +148,7 @@ def _source(db: Database[dict[str, Any]], args: argparse.Namespace) -> str:
             f"no legacy data: neither {CONVERSATIONS} nor {LEGACY_TURNS} holds turn documents"
         )
     if args.conversation is not None and (
-        db[source].find_one({"conversation_id": args.conversation}, {"_id": 1}) is None
+        db[source].find_one(explode.turns_filter([args.conversation]), {"_id": 1}) is None
     ):
         raise Misuse(f"no legacy turns for conversation {args.conversation!r} in {source}")
     if not args.dry_run:

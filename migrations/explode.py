@@ -170,11 +170,18 @@ def read_turns(
     are read whichever of them a batch holds (converted twice, the same way both times), as
     are True and "True", or a Decimal128 and its JSON text."""
     grouped: dict[Any, tuple[Any, list[dict[str, Any]]]] = {_key(i): (i, []) for i in ids}
-    clauses = [named(i) for i in ids]
-    for doc in db[source].find({"$and": [{"$or": clauses}, LEGACY_FILTER]}):
+    for doc in db[source].find(turns_filter(ids)):
         raw = doc.get("conversation_id")
         grouped.setdefault(_key(raw), (raw, []))[1].append(doc)
     return list(grouped.values())
+
+
+def turns_filter(ids: list[Any]) -> dict[str, Any]:
+    """The filter of the legacy turns of these conversations, each under every value the
+    reader names as it (`named`): a run, `verify`, `finish` and the CLI's `--conversation`
+    find a conversation by this one filter, so `42` given as text finds turns stored under
+    the number 42."""
+    return {"$and": [{"$or": [named(i) for i in ids]}, LEGACY_FILTER]}
 
 
 def _key(value: Any) -> Any:

@@ -9,7 +9,9 @@ each one right after its call; both sides name a result by the call it answers
 *says* (a part's kind and fields, the text of a number, a call's arguments) is
 read by the same functions the converter uses (`agent_store.legacy`), so the
 two can never disagree on that; what the converter reported as not placed is
-left out by the exact field it concerns.
+left out by the exact field it concerns (runtime context stripped from a user's
+text too: left out of the legacy side only where a problem keeps it, so context
+lost unrecorded is a difference).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pydantic import ValidationError
 
 from agent_store.core import AgentMessage, FileUpload
 from agent_store.legacy import (
+    HIDDEN_RUNTIME_CONTEXT,
     LegacyPart,
     LegacyTurn,
     Problem,
@@ -58,12 +61,16 @@ class Skipped:
     """Turns whose `upload_result` was not placed."""
     parts: set[tuple[str, int]] = field(default_factory=set)
     """(turn, index) of parts not placed."""
+    contexts: set[str] = field(default_factory=set)
+    """Turns whose user text's runtime context is kept in a problem, not in the message."""
 
     @classmethod
     def of(cls, unplaced: Iterable[Problem]) -> Skipped:
         skipped = cls()
         for problem in unplaced:
-            if problem.field is None:
+            if problem.kind == HIDDEN_RUNTIME_CONTEXT:
+                skipped.contexts.add(problem.legacy_id)
+            elif problem.field is None:
                 skipped.turns.add(problem.legacy_id)
             elif problem.field == "upload_result":
                 skipped.uploads.add(problem.legacy_id)
@@ -117,6 +124,11 @@ def _answered(part: LegacyPart, names: Mapping[str, Any]) -> Any:
     return names.get(part.tool_call_id or "", part.tool_name)
 
 
+def _shown(text: str, legacy_id: str, skipped: Skipped) -> str:
+    """A user's text as written, its runtime context left out only where a problem keeps it."""
+    return strip_runtime_context(text) if legacy_id in skipped.contexts else text
+
+
 def _turn_lines(
     turn: LegacyTurn, skipped: Skipped, names: dict[str, Any]
 ) -> tuple[list[str], list[str]]:
@@ -127,8 +139,8 @@ def _turn_lines(
     text = user_text(turn)
     if turn.is_system:
         lines.append(f"system: {text or ''}")
-    elif text and (clean := strip_runtime_context(text)):
-        lines.append(f"user: {clean}")
+    elif text and (shown := _shown(text, legacy_id, skipped)):
+        lines.append(f"user: {shown}")
     lines += [_upload(u) for u in _uploads(turn, skipped)]
     parts = [p for i, p in turn_parts(turn) if (legacy_id, i) not in skipped.parts]
     for part in parts:

@@ -69,7 +69,14 @@ def call_ids(messages: list[AgentMessage]) -> list[str]:
 def test_example_conversation_as_legacy_turns_converts_to_its_twelve_messages() -> None:
     messages, problems = convert_conversation(example_legacy_turns())
 
-    assert problems == []
+    # Only what the user saw is a message; the runtime context stripped is kept in a problem.
+    assert [(p.kind, p.placed, p.content) for p in problems] == [
+        (
+            "hidden_runtime_context",
+            False,
+            "[RUNTIME CONTEXT]timezone=Europe/Paris; plan=pro[/RUNTIME CONTEXT]",
+        )
+    ]
     assert len(messages) == 12
     assert [m.seq for m in messages] == list(range(12))
     ignored = {"id", "seq", "search_text", "created_at", "token_usage", "latency_ms"}
@@ -535,6 +542,21 @@ def test_runtime_context_is_stripped_from_legacy_user_text() -> None:
     messages, _ = convert_conversation([turn(1, user_message=text)])
     assert messages[0].content == "Hello"
     assert "secret" not in (messages[0].search_text or "")
+
+
+def test_verify_sees_the_runtime_context_left_out_of_a_message_only_in_its_problem() -> None:
+    """`verify` renders the legacy user message as it was written: the runtime context
+    stripped from it is left out only where the converter recorded it as not placed, so a
+    context that vanished from both sides unrecorded is a difference."""
+    turns = [turn(1, user_message="[RUNTIME CONTEXT]secret=1[/RUNTIME CONTEXT]Hello")]
+    conversion = convert(turns)
+    legacy, new = parse_turns(turns), from_messages(conversion.messages)
+
+    assert differences(from_legacy(legacy, conversion.unplaced), new) == []
+    assert differences(from_legacy(legacy), new) == [
+        "line 0: legacy has 'user: [RUNTIME CONTEXT]secret=1[/RUNTIME CONTEXT]Hello'",
+        "line 0: new has 'user: Hello'",
+    ]
 
 
 def test_pending_prompt_comes_from_session_hitl() -> None:

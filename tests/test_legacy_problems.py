@@ -24,6 +24,7 @@ from agent_store.legacy import (
     with_session_prompts,
 )
 from agent_store.store import CONVERSATIONS, MESSAGES
+from migrations.transcript import from_legacy
 from scripts.legacy_corpus import MESSY_START, NOT_AN_IDENTIFIER, messy_corpus
 from tests.conftest import Backend
 
@@ -207,6 +208,48 @@ def test_a_time_written_as_whole_epoch_seconds_or_milliseconds_is_read(created_a
 
     assert conversion.messages[0].created_at == datetime(2021, 3, 1, 10, tzinfo=UTC)
     assert conversion.problems == []
+
+
+MICROS = datetime(2024, 1, 1, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("later", "earlier"),
+    [
+        ("2024-01-01T00:00:00.000900+00:00", "2024-01-01T00:00:00.000100+00:00"),
+        (MICROS + timedelta(microseconds=900), MICROS + timedelta(microseconds=100)),
+        (datetime(2024, 1, 1, 0, 0, 0, 900), datetime(2024, 1, 1, 0, 0, 0, 100)),
+    ],
+    ids=["iso-text", "aware-datetime", "naive-datetime"],
+)
+def test_turns_less_than_a_millisecond_apart_keep_their_time_order(
+    later: Any, earlier: Any
+) -> None:
+    """MIGRATION.md step 2: turns by time (ties in stored order), at the precision they were
+    written with; only the stored times are cut to the millisecond BSON holds. `verify`
+    renders the legacy turns in that one order."""
+    turns = [
+        {"_id": "t-b", "conversation_id": "c-us", "created_at": later,
+         "user_message": "SECOND q", "response_parts": [{"type": "text", "content": "SECOND a"}]},
+        {"_id": "t-a", "conversation_id": "c-us", "created_at": earlier,
+         "user_message": "FIRST q", "response_parts": [{"type": "text", "content": "FIRST a"}]},
+    ]  # fmt: skip
+    conversion = convert(turns)
+
+    assert [m.content for m in conversion.messages] == [
+        "FIRST q",
+        "FIRST a",
+        "SECOND q",
+        "SECOND a",
+    ]
+    assert {m.created_at for m in conversion.messages} == {MICROS}
+    assert conversion.problems == []
+    assert from_legacy(parse_turns(turns)).lines == (
+        "user: FIRST q",
+        "assistant: FIRST a",
+        "user: SECOND q",
+        "assistant: SECOND a",
+    )
 
 
 @pytest.mark.parametrize(
@@ -747,3 +790,49 @@ def test_bookkeeping_names_are_read_only_on_the_parts_pydantic_ai_writes(
             "user_message": "q", "response_parts": [part]}  # fmt: skip
 
     assert [p.kind for p in convert([turn]).problems if not p.placed] == ["unread_field"]
+
+
+HIDDEN = "[RUNTIME CONTEXT] «ctx-marker» account tier: gold [/RUNTIME CONTEXT]"
+
+
+@pytest.mark.parametrize(
+    ("said", "shown", "hidden"),
+    [
+        (f"{HIDDEN} hello", "hello", HIDDEN),
+        (HIDDEN, "", HIDDEN),
+        (
+            "Hi [RUNTIME CONTEXT]a[/RUNTIME CONTEXT] there [RUNTIME CONTEXT]b[/RUNTIME CONTEXT]",
+            "Hi  there",
+            "[RUNTIME CONTEXT]a[/RUNTIME CONTEXT][RUNTIME CONTEXT]b[/RUNTIME CONTEXT]",
+        ),
+    ],
+    ids=["before-the-text", "the-whole-message", "two-blocks"],
+)
+def test_runtime_context_a_legacy_user_message_held_is_kept_in_an_unplaced_problem(
+    said: str, shown: str, hidden: str
+) -> None:
+    """DESIGN §3: only what the user saw is stored; DESIGN §4: the converter never drops
+    content silently. What is stripped from the user's message is kept, as it was written,
+    in a `hidden_runtime_context` problem no message holds."""
+    answer = [{"type": "text", "content": "hi"}]
+    turn = {"_id": "t-1", "conversation_id": "c-ctx", "created_at": MESSY_START,
+            "user_message": said, "response_parts": answer}  # fmt: skip
+    conversion = convert([turn])
+
+    assert [(m.role, m.content) for m in conversion.messages] == [
+        ("user", shown),
+        ("assistant", "hi"),
+    ]
+    assert [(p.kind, p.legacy_id, p.field, p.placed, p.content) for p in conversion.problems] == [
+        ("hidden_runtime_context", "t-1", "user_message", False, hidden)
+    ]
+
+
+def test_runtime_context_markers_in_a_system_turn_are_no_problem() -> None:
+    """A system turn is stored as it was written: nothing is stripped from it."""
+    turn = {"_id": "s-1", "conversation_id": "c-ctx", "created_at": MESSY_START,
+            "is_system": True, "user_message": HIDDEN}  # fmt: skip
+    conversion = convert([turn])
+
+    assert [m.content for m in conversion.messages] == [HIDDEN]
+    assert conversion.problems == []

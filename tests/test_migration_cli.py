@@ -156,6 +156,32 @@ def test_no_legacy_data_is_a_clear_error(
 
 
 @pytest.mark.wire
+@pytest.mark.parametrize("legacy_id", [42, "42"], ids=["number", "text"])
+def test_run_conversation_migrates_a_conversation_whose_legacy_id_is_a_number(
+    legacy_id: Any,
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The reader names a number id by its text (`7` and `"7"` are one conversation,
+    `explode.read_turns`): `run`, `verify` and `finish` take `--conversation 42` and
+    `--accept 42` for the turns stored under the number 42 as for those under "42"."""
+    turn = {"_id": "t-1", "conversation_id": legacy_id, "user_id": "u-1",
+            "created_at": datetime(2024, 1, 1, tzinfo=UTC), "user_message": "numeric id",
+            "response_parts": [{"type": "text", "content": "answer"},
+                               {"type": "mystery_widget", "data": "kept"}]}  # fmt: skip
+    database[CONVERSATIONS].insert_one(turn)
+
+    assert cli(wire_uri, database, "run", "--conversation", "42") == 0, capsys.readouterr().err
+    assert database[MESSAGES].count_documents({"conversation_id": "42"}) == 2
+    assert cli(wire_uri, database, "verify", "--conversation", "42") == 0
+    assert "verified 1 conversations: 1 match" in capsys.readouterr().out
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert cli(wire_uri, database, "finish", "--accept", "42", "--note", "kept") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+
+@pytest.mark.wire
 def test_a_held_lock_stops_a_second_run_until_forced_or_expired(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -408,7 +408,12 @@ def test_a_conversation_logged_live_with_its_legacy_content_verifies_and_passes_
     assert problem is not None
     assert problem["placed"] is True
     assert cli(wire_uri, database, "verify") == 0
-    assert cli(wire_uri, database, "finish") == 0
+    # Its first user message's runtime context is in no message, live or migrated: only the
+    # problem keeping it holds it, which an operator accepts.
+    assert cli(wire_uri, database, "finish") == 1
+    assert "hidden_runtime_context" in capsys.readouterr().out
+    accept = ("--accept", EXAMPLE_CONVERSATION_ID, "--note", "runtime context archived")
+    assert cli(wire_uri, database, "finish", *accept) == 0
 
 
 # -- the gate compares content, not ids -------------------------------------------------
@@ -1251,3 +1256,80 @@ def test_finish_refuses_the_drop_while_a_document_is_neither_a_turn_nor_a_conver
 
     assert repr(document["_id"]) in capsys.readouterr().out
     assert database[LEGACY_TURNS].count_documents({}) >= 1
+
+
+# -- hidden runtime context a legacy user message holds ----------------------------------
+
+HIDDEN = "[RUNTIME CONTEXT] «ctx-marker» account tier: gold [/RUNTIME CONTEXT]"
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    "said", [f"{HIDDEN} hello", HIDDEN], ids=["before-the-text", "the-whole-message"]
+)
+def test_a_drop_never_deletes_the_runtime_context_a_legacy_user_message_holds(
+    said: str,
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """DESIGN §3: only what the user saw is stored, so the message holds no runtime context;
+    DESIGN §4: the converter never drops content silently. The context is kept in an unplaced
+    `hidden_runtime_context` problem, `verify` sees it left out there, and `finish` refuses
+    the drop until an operator accepts it."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-ctx", 0, "") | {"user_message": said})
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert "«ctx-marker»" not in json.dumps(list(database[MESSAGES].find()), default=str)
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    out = capsys.readouterr().out
+    assert "c-ctx" in out
+    assert "hidden_runtime_context" in out
+    assert database[LEGACY_TURNS].count_documents({}) == 1
+    assert cli(wire_uri, database, "finish", "--accept", "c-ctx", "--note", "kept") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+    assert "«ctx-marker»" in kept_text(database)
+
+
+# -- the order of turns: by time at full precision ----------------------------------------
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    ("later", "earlier"),
+    [
+        ("2024-01-01T00:00:00.000900+00:00", "2024-01-01T00:00:00.000100+00:00"),
+        ("2024-01-01T01:00:00.000900+01:00", "2024-01-01T00:00:00.000100Z"),
+    ],
+    ids=["iso-text", "iso-text-in-two-zones"],
+)
+def test_turns_timed_in_iso_text_with_microseconds_migrate_in_time_order(
+    later: str,
+    earlier: str,
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """MIGRATION.md step 2: turns by time (ties in stored order). Python writers stored
+    `created_at` as `isoformat()` text with microseconds: two turns 0.8 ms apart are not a
+    tie, whatever millisecond the stored messages are given (BSON dates hold milliseconds),
+    and `verify` orders them so too."""
+    database[CONVERSATIONS].insert_many(
+        [
+            legacy_turn("t-b", "c-us", 0, "SECOND") | {"created_at": later},
+            legacy_turn("t-a", "c-us", 0, "FIRST") | {"created_at": earlier},
+        ]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+
+    stored = database[MESSAGES].find({"conversation_id": "c-us"}).sort("seq", 1)
+    assert [(m["content"], m["created_at"]) for m in stored] == [
+        ("FIRST question", datetime(2024, 1, 1, tzinfo=UTC)),
+        ("FIRST answer", datetime(2024, 1, 1, tzinfo=UTC)),
+        ("SECOND question", datetime(2024, 1, 1, tzinfo=UTC)),
+        ("SECOND answer", datetime(2024, 1, 1, tzinfo=UTC)),
+    ]

@@ -15,6 +15,7 @@ from agent_store.store import (
     parse_messages,
     plan_turn,
     shorten,
+    split_runtime_context,
     strip_runtime_context,
     strip_runtime_context_pieces,
 )
@@ -78,6 +79,23 @@ def test_pieces_are_stripped_as_one_text_whatever_the_cut(
     pieces: list[str], shown: list[str]
 ) -> None:
     assert strip_runtime_context_pieces(pieces) == shown
+
+
+@pytest.mark.parametrize(
+    ("raw", "hidden"),
+    [
+        pytest.param(f"{RC}tz=UTC{END} Hello", f"{RC}tz=UTC{END}", id="prefix"),
+        pytest.param(f"Hi {RC}a{END} there {RC}b{END}", f"{RC}a{END}{RC}b{END}", id="several"),
+        pytest.param(f"{RC}a {RC}b{END} c{END} Hi", f"{RC}a {RC}b{END} c{END}", id="nested"),
+        pytest.param(f"Q {RC}never closed", f"{RC}never closed", id="unclosed"),
+        pytest.param(f"cut off{END} visible", f"cut off{END}", id="stray-end"),
+        pytest.param("No context here", "", id="none"),
+    ],
+)
+def test_what_is_stripped_is_every_hidden_piece_as_written(raw: str, hidden: str) -> None:
+    """`split_runtime_context` gives what the user saw, as `strip_runtime_context` does, and
+    the rest of the text, markers included: the migration keeps that in a problem."""
+    assert split_runtime_context(raw) == (strip_runtime_context(raw), hidden)
 
 
 def test_runtime_context_markers_are_configurable() -> None:

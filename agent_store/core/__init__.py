@@ -48,6 +48,7 @@ from agent_store.core._models import (
     message_adapter,
     messages_adapter,
     rfc3339_millis,
+    to_utc,
     to_utc_millis,
     utc_now,
 )
@@ -130,6 +131,7 @@ __all__ = [
     "rfc3339_millis",
     "shown",
     "stand_in_result",
+    "to_utc",
     "to_utc_millis",
     "tool_outcome",
     "utc_now",

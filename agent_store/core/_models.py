@@ -38,8 +38,9 @@ Role = Literal["system", "user", "assistant", "tool"]
 """Who speaks a message, as in the OpenAI chat format."""
 
 
-def to_utc_millis(value: datetime) -> datetime:
-    """Make a datetime aware UTC at millisecond precision, the precision BSON keeps.
+def to_utc(value: datetime) -> datetime:
+    """Make a datetime aware UTC, at the precision it has (to order times written with
+    microseconds; `to_utc_millis` for a time to store).
 
     A naive datetime is taken to be UTC already: that is how MongoDB drivers
     return dates when the client is not timezone-aware.
@@ -51,10 +52,17 @@ def to_utc_millis(value: datetime) -> datetime:
             value = value.astimezone(UTC)
         except OverflowError as exc:
             raise ValueError(f"{value.isoformat()} is out of range in UTC") from exc
-    if value.microsecond % 1000:
-        value = value.replace(microsecond=value.microsecond // 1000 * 1000)
     if value.tzinfo is not UTC:
         value = value.replace(tzinfo=UTC)
+    return value
+
+
+def to_utc_millis(value: datetime) -> datetime:
+    """Make a datetime aware UTC at millisecond precision, the precision BSON keeps (`to_utc`,
+    the microseconds below the millisecond cut off)."""
+    value = to_utc(value)
+    if value.microsecond % 1000:
+        value = value.replace(microsecond=value.microsecond // 1000 * 1000)
     return value
 
 

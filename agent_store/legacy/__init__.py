@@ -1,7 +1,12 @@
 """Legacy turn documents: the one reader of their format, the converter, the dual write and
 the read fallback. Built on the store; the store never imports it."""
 
-from agent_store.legacy._convert import LegacyConversion, Problem, convert
+from agent_store.legacy._convert import (
+    HIDDEN_RUNTIME_CONTEXT,
+    LegacyConversion,
+    Problem,
+    convert,
+)
 from agent_store.legacy._documents import (
     CONVERSATION_COUNTERS,
     LEGACY_TURNS,
@@ -52,6 +57,7 @@ from agent_store.legacy._source import LegacyTurns
 
 __all__ = [
     "CONVERSATION_COUNTERS",
+    "HIDDEN_RUNTIME_CONTEXT",
     "LEGACY_TURNS",
     "SESSION_HITL",
     "TURN_ONLY_FIELDS",

@@ -31,6 +31,7 @@ from agent_store.core import (
     Usage,
     describe_validation_error,
     message_adapter,
+    to_utc_millis,
     utc_now,
 )
 from agent_store.legacy._documents import (
@@ -70,11 +71,16 @@ from agent_store.store import (
     pending_after,
     plan_turn,
     shorten,
+    split_runtime_context,
     validate_identifier,
     with_texts,
 )
 
 _upload_adapter: TypeAdapter[FileUpload] = TypeAdapter(FileUpload)
+
+HIDDEN_RUNTIME_CONTEXT = "hidden_runtime_context"
+"""The problem keeping the runtime context stripped from a user's text (field `user_message`,
+the stripped pieces as content): only what the user saw is a message."""
 
 
 class Problem(BaseModel):
@@ -510,6 +516,7 @@ class _Converter:
             items.append({"role": "system", "content": text or None, "created_at": at})
         elif text:
             items.append({"role": "user", "content": text, "created_at": at})
+            self._check_runtime_context(turn, text)
         for upload_index, upload in turn_uploads(turn):
             valid = self.checked(
                 turn, _upload_adapter, upload, kind="invalid_upload", index=upload_index
@@ -523,6 +530,21 @@ class _Converter:
             else:
                 items.append({"role": "user", "content": None, "upload": checked, "created_at": at})
         return items
+
+    def _check_runtime_context(self, turn: LegacyTurn, text: str) -> None:
+        """Hidden runtime context in the user's text: the message keeps only what the user saw
+        (DESIGN §3: the store strips it, `plan_turn`), so what is stripped, as written, is
+        kept in a problem no message holds (`HIDDEN_RUNTIME_CONTEXT`)."""
+        hidden = split_runtime_context(text, self.rules.markers)[1]
+        if hidden:
+            self.problem(
+                turn,
+                HIDDEN_RUNTIME_CONTEXT,
+                "user_message holds runtime context the user did not see; the message keeps "
+                "only the text they saw",
+                field="user_message",
+                content=hidden,
+            )
 
     def _call(
         self, turn: LegacyTurn, index: int, part: LegacyPart, real: str | None
@@ -958,9 +980,11 @@ def _original_id(converter: _Converter, turn: LegacyTurn) -> str | None:
 def _dated(
     converter: _Converter, turn: LegacyTurn, found: TurnTime, undated_at: datetime
 ) -> datetime:
-    """The turn's time; a problem says where it came from when it is not its own."""
+    """The turn's time as its messages store it (cut to the millisecond BSON keeps); a
+    problem says where it came from when it is not its own."""
+    at = to_utc_millis(found.at or undated_at)
     if found.source == "its created_at":
-        return found.at or undated_at
+        return at
     source = found.source or (
         f"no turn of the conversation has a readable time, so {undated_at.isoformat()}"
     )
@@ -978,7 +1002,7 @@ def _dated(
         content=turn.created_at,
         unplaced=False,
     )
-    return found.at or undated_at
+    return at
 
 
 def _convert_turns(

@@ -26,6 +26,7 @@ from agent_store.core import (
     Conversation,
     InvalidInput,
     describe_validation_error,
+    to_utc,
     to_utc_millis,
     utc_now,
 )
@@ -175,7 +176,9 @@ def truthy(value: Any) -> bool:
 
 def as_time(value: Any) -> datetime | None:
     """A time as aware UTC, from a datetime, an ISO string or a whole number of epoch seconds
-    or milliseconds (`epoch_time`); None if unreadable."""
+    or milliseconds (`epoch_time`); None if unreadable. At the precision it was written with
+    (an ISO string's or a datetime's microseconds kept), so turns less than a millisecond
+    apart keep their order; a time stored is cut to the millisecond (`to_utc_millis`)."""
     if is_number(value):
         return epoch_time(value)
     if isinstance(value, str):
@@ -183,7 +186,7 @@ def as_time(value: Any) -> datetime | None:
             value = datetime.fromisoformat(value.replace("Z", "+00:00"))
         except ValueError:
             return None
-    return to_utc_millis(value) if isinstance(value, datetime) else None
+    return to_utc(value) if isinstance(value, datetime) else None
 
 
 def is_number(value: Any) -> bool:
@@ -324,7 +327,9 @@ class TurnTime:
     """The time a turn's messages get, and where it came from."""
 
     at: datetime | None
-    """None only when no turn of the conversation has a readable time."""
+    """None only when no turn of the conversation has a readable time. At the precision it
+    was written with (`as_time`): turns are ordered by it; their messages store it cut to the
+    millisecond."""
     source: str
     """Where the time came from, for a person: `its created_at`, `its ObjectId's time`, …"""
 
@@ -365,7 +370,8 @@ def turn_times(turns: Iterable[LegacyTurn]) -> list[datetime | None]:
 
 
 def sort_turns(turns: Iterable[LegacyTurn]) -> list[LegacyTurn]:
-    """By time (see `turn_times`); ties and turns without any time keep the stored order."""
+    """By time (see `turn_times`), at the precision it was written with (two turns 0.8 ms
+    apart are no tie); ties and turns without any time keep the stored order."""
     ordered = list(turns)
     times = turn_times(ordered)
     floor = datetime.min.replace(tzinfo=UTC)

@@ -69,9 +69,22 @@ def strip_runtime_context(text: str, markers: RuntimeContextMarkers = DEFAULT_MA
     hide more rather than less (see `strip_runtime_context_pieces`): leaking
     hidden context is worse than storing less of a malformed message.
     """
+    return split_runtime_context(text, markers)[0]
+
+
+def split_runtime_context(
+    text: str, markers: RuntimeContextMarkers = DEFAULT_MARKERS
+) -> tuple[str, str]:
+    """What the user saw (`strip_runtime_context`) and what is hidden from them: every piece
+    `strip_runtime_context` removes, markers included, as written, one after another ("" when
+    the text holds no marker). The legacy converter keeps the hidden part in a problem."""
     if not _has_marker(text, markers):
-        return text
-    return "".join(text[start:end] for start, end in _visible_spans(text, markers)).strip()
+        return text, ""
+    spans = _visible_spans(text, markers)
+    shown = "".join(text[start:end] for start, end in spans).strip()
+    bounds = [0, *(at for span in spans for at in span), len(text)]
+    hidden = "".join(text[bounds[i] : bounds[i + 1]] for i in range(0, len(bounds), 2))
+    return shown, hidden
 
 
 def strip_runtime_context_pieces(
