@@ -1243,3 +1243,71 @@ def test_answering_an_earlier_call_whose_id_the_turn_calls_again_is_refused(
 
     with pytest.raises(InvalidInput, match=f"a {kind} answers tool call 'call_0' of an earlier"):
         turn_from_metadata(events, complete=True, pending=pending)
+
+
+# -- a turn moved to a new block at the end: what it leaves pending -----------------------
+
+
+def _late_logger(backend: Backend) -> AgentMessageLogger:
+    """A logger whose retries find every empty block abandoned (`abandon_after` 0): a retry of
+    a turn that stored nothing is moved to a new block at the end (DESIGN.md §3)."""
+    from datetime import timedelta
+
+    from agent_store import TurnRules
+
+    return AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+
+
+async def test_a_relocated_prompt_after_an_upload_is_still_pending(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3 Pending HITL: an upload clears the prompt before it. A prompt whose turn
+    was moved past the upload is the last message, unanswered: pending, as the stored
+    messages say."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "Book it."}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, [_asks("r1")], "ask")
+    upload = {"filename": "id.pdf", "file_type": "application/pdf", "size": 10}
+    await logger.log_messages(
+        CID, [{"role": "user", "content": "Here.", "upload": upload}], turn_id="up"
+    )
+    assert await pending_state(store) == ([], None)
+
+    await logger.log_messages(CID, [_asks("r1")], turn_id="ask")
+
+    assert [m.content for m in await store.transcript(CID)] == ["Book it.", "Here.", "Sure?"]
+    assert await pending_state(store) == ([], "r1")
+    assert await pending_state(store) == await recomputed_state(store)
+
+
+async def test_a_relocated_turns_calls_are_pending_once_after_the_calls_logged_before_them(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The calls a moved turn leaves open were listed when it first reserved: they are listed
+    once, in their new place (a result without a call id ends the oldest of its tool)."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await _reserved_only(logger, monkeypatch, [_book("c1", "lookup")], "t1")
+    await logger.log_messages(CID, [_book("c2", "lookup")], turn_id="t2")
+    assert await pending_state(store) == (["c1", "c2"], None)
+
+    await logger.log_messages(CID, [_book("c1", "lookup")], turn_id="t1")
+
+    assert await pending_state(store) == (["c2", "c1"], None)
+    assert await pending_state(store) == await recomputed_state(store)
+
+
+async def test_a_relocated_prompt_a_person_resolved_meanwhile_stays_resolved(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prompt was pending from the turn's first reservation and resolved by request id
+    (`resolve_hitl`) while the turn waited: moving the turn does not raise it again."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "Delete it."}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, [_asks("r1")], "ask")
+    await store.resolve_hitl(CID, "r1")  # the person answered through the API
+    await logger.log_messages(CID, [{"role": "user", "content": "Thanks."}], turn_id="t2")
+
+    await logger.log_messages(CID, [_asks("r1")], turn_id="ask")
+
+    assert [m.content for m in await store.transcript(CID)] == ["Delete it.", "Thanks.", "Sure?"]
+    assert await pending_state(store) == ([], None)

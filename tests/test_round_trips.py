@@ -69,6 +69,32 @@ async def test_a_replay_of_a_stored_turn_costs_four_round_trips(wire_backend: Ba
     assert wire_backend.commands.names == ["findAndModify", "find", "insert", "find"]
 
 
+async def test_a_retry_later_than_abandon_after_of_a_turn_that_stored_nothing_costs_five(
+    wire_backend: Backend,
+) -> None:
+    """The rare relocation path: a refused reservation, the record, the empty block looked
+    up, the move to a new block at the end (with the summary an appended turn sets), the
+    insert."""
+    from datetime import timedelta
+
+    from agent_store import TurnRules
+
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    (turn_id, messages), (later_id, later) = example_turns()[:2]
+    await logger.log_messages(CID, messages, turn_id=turn_id)
+    await wire_backend.db.agent_messages.delete_many({})  # as a crash before the insert
+    await logger.log_messages(CID, later, turn_id=later_id)
+    wire_backend.commands.clear()
+
+    retried = await logger.log_messages(CID, messages, turn_id=turn_id)
+
+    assert retried.messages[0].seq == len(messages) + len(later)
+    assert wire_backend.commands.names == [
+        "findAndModify", "find", "find", "findAndModify", "insert"
+    ]  # fmt: skip
+
+
 async def test_a_missing_conversation_is_looked_up_once(wire_backend: Backend) -> None:
     """A read that finds no conversation asks the database nothing more (no legacy wired)."""
     from agent_store import NotFound

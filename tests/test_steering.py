@@ -195,6 +195,86 @@ async def test_a_delivery_undone_by_a_pop_is_not_returned_as_what_took_its_seq(
     assert await inbox.close_inbox(CID, TURN, last_seen_seq=0) == []
 
 
+class DiesAfterReserving:
+    """A sender whose process dies between its two writes: its delivery reserved a `seq` and
+    stored nothing."""
+
+    def __init__(self, logger: AgentMessageLogger) -> None:
+        real = logger._messages
+
+        class Lost:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            async def insert_many(self, *args: Any, **kwargs: Any) -> Any:
+                raise ConnectionError("the sender died after reserving")
+
+        logger._messages = Lost()
+
+
+def _late_rules() -> Any:
+    """Rules under which every empty block is abandoned at once (`abandon_after` 0): a
+    retried delivery that stored nothing moves to a new block at the end (DESIGN.md §3)."""
+    from datetime import timedelta
+
+    from agent_store import TurnRules
+
+    return TurnRules(abandon_after=timedelta(0))
+
+
+async def test_a_delivery_retried_after_abandon_after_reaches_the_runtime(
+    backend: Backend,
+) -> None:
+    """A delivery whose first attempt reserved and died, retried later than `abandon_after`,
+    is stored at the end and acknowledged: the runtime drains it, exactly once, and the inbox
+    does not close over it."""
+    logger = AgentMessageLogger(backend.db, rules=_late_rules())
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    runtime = SteeringInbox(logger)
+    await runtime.open_turn(CID, TURN)
+    steer = {"role": "user", "content": "stop and do X instead"}
+    dying = AgentMessageLogger(backend.db, rules=_late_rules())
+    DiesAfterReserving(dying)
+    with pytest.raises(ConnectionError):
+        await SteeringInbox(dying).try_deliver(CID, TURN, steer, delivery_id="d1")
+    await logger.log_messages(CID, [{"role": "assistant", "content": "working"}], turn_id="t1")
+
+    accepted = await SteeringInbox(logger).try_deliver(CID, TURN, steer, delivery_id="d1")
+    drained = await runtime.drain(CID, TURN, after_seq=0)
+    seen = max((m.seq or 0 for m in drained), default=0)
+    again = await runtime.drain(CID, TURN, after_seq=seen)
+    closed = await runtime.close_inbox(CID, TURN, seen)
+
+    assert accepted is True
+    assert [(m.seq, m.content) for m in drained] == [(3, "stop and do X instead")]
+    assert again == closed == []
+    assert await backend.db[MESSAGES].count_documents({"content": steer["content"]}) == 1
+
+
+async def test_a_delivery_retried_after_abandon_after_into_a_closed_inbox_is_refused(
+    backend: Backend,
+) -> None:
+    """The runtime passed the dead delivery and closed its inbox: the late retry is refused
+    to its sender, storing nothing and taking no new block (one tail readers would wait on)."""
+    logger = AgentMessageLogger(backend.db, rules=_late_rules())
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    runtime = SteeringInbox(logger)
+    await runtime.open_turn(CID, TURN)
+    steer = {"role": "user", "content": "too late"}
+    dying = AgentMessageLogger(backend.db, rules=_late_rules())
+    DiesAfterReserving(dying)
+    with pytest.raises(ConnectionError):
+        await SteeringInbox(dying).try_deliver(CID, TURN, steer, delivery_id="d1")
+    assert await runtime.close_inbox(CID, TURN, last_seen_seq=0) == []
+
+    accepted = await SteeringInbox(logger).try_deliver(CID, TURN, steer, delivery_id="d1")
+
+    assert accepted is False
+    assert await backend.db[MESSAGES].count_documents({"content": steer["content"]}) == 0
+    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert conversation["message_count"] == 2
+
+
 async def test_a_stranger_cannot_open_or_deliver_into_anothers_turn(backend: Backend) -> None:
     logger = AgentMessageLogger(backend.db)
     await logger.log_messages(

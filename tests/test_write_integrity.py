@@ -434,6 +434,31 @@ async def test_a_turn_retried_after_readers_passed_its_empty_block_is_stored_aft
     assert conversation["usage"] == {"input_tokens": 1, "output_tokens": 1}
 
 
+async def test_a_relocated_turn_is_last_so_the_preview_quotes_it(backend: Backend) -> None:
+    """DESIGN.md §2: the preview is the text of the last user/assistant message. A turn moved
+    to a new block at the end is the last one: the summary follows it there (preview and
+    `updated_at`) as it follows a turn appended there, still counting it once."""
+    rules = TurnRules(abandon_after=timedelta(0))
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(CID, [{"role": "user", "content": "m0"}], turn_id="t0")
+    held = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    dead = asyncio.create_task(held.logger.log_messages(CID, turn("late"), turn_id="late"))
+    await held.reserved.wait()
+    dead.cancel()  # the process died between its two writes
+    await logger.log_messages(CID, [{"role": "user", "content": "m3"}], turn_id="t3")
+
+    retried = await logger.log_messages(CID, turn("late"), turn_id="late")
+
+    stored = await backend.db[MESSAGES].find({"conversation_id": CID}).sort("seq", 1).to_list(None)
+    assert [m["content"] for m in stored] == ["m0", "m3", "late?", "late!"]
+    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert conversation["last_message_preview"] == "late!"
+    latest = max(m.created_at for m in retried.messages)
+    assert conversation["updated_at"].replace(tzinfo=UTC) == latest
+    assert (conversation["message_count"], conversation["turn_count"]) == (6, 3)
+    assert conversation["usage"] == {"input_tokens": 1, "output_tokens": 1}
+
+
 # -- a property: anything a caller sends is stored faithfully or refused whole ----------------
 
 

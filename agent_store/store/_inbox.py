@@ -11,7 +11,10 @@ allocates `seq`, so it needs no transaction:
   runtime last saw (a version counter, compared in the filter); otherwise it
   returns the new messages and the inbox stays open.
 A delivery retried after its inbox closed, whose message was never stored, is
-refused: it cannot come back unseen.
+refused: it cannot come back unseen. One that stored nothing and is retried later
+than the rules' `abandon_after` moves to a new block at the end (DESIGN.md §3) only
+while its inbox is open, its entry's `seq` following it in that same update (a new
+version, so a close racing it reads again); its inbox closed, it is refused.
 """
 
 from __future__ import annotations
@@ -107,11 +110,15 @@ class SteeringInbox:
 
         delivered_id = plan.documents[0]["_id"]
 
-        def stage(now: datetime) -> dict[str, Any]:
+        def stage(now: datetime, left: int | None = None) -> dict[str, Any]:
             entry = {"s": "$message_count", "a": literal(now), "m": literal(delivered_id)}
             added = {"$map": {"input": [0], "in": entry}}
+            seqs: Any = f"${field}.seqs"
+            if left is not None:  # moved to a new block: its entry follows it there
+                others = {"$ne": ["$$d.s", literal(Int64(left))]}
+                seqs = {"$filter": {"input": seqs, "as": "d", "cond": others}}
             return {
-                f"{field}.seqs": {"$concatArrays": [f"${field}.seqs", added]},
+                f"{field}.seqs": {"$concatArrays": [seqs, added]},
                 f"{field}.v": int64({"$add": [f"${field}.v", 1]}),
             }
 
@@ -123,6 +130,7 @@ class SteeringInbox:
             stage,
             _InboxClosed("inbox closed"),
             absent=missing if owner_only else None,
+            moved=stage,
         )
         try:
             reserved = await self._logger._reserve(plan, actor, None, condition)

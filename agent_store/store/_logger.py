@@ -107,6 +107,11 @@ class Condition:
     absent: StoreError | None = None
     """Raised instead of `refusal` when the conversation does not exist (and may not be
     created); None: `refusal`."""
+    moved: Callable[[datetime, int], dict[str, Any]] | None = None
+    """Fields a move of the turn to a new block at the end (`relocation`) sets besides its
+    own, given the time of the update and the first `seq` of the block it leaves; the move
+    then needs `filter` to match too, else `refusal` is raised. None: the condition holds
+    for the first reservation only (a fork's, which creates its conversation)."""
 
 
 @dataclass(frozen=True)
@@ -490,7 +495,7 @@ class AgentMessageLogger:
                     complete = False
                     continue
             if block is not None:
-                replayed = await self._replayed(plan, block, found)
+                replayed = await self._replayed(plan, block, found, condition)
                 if replayed is not None:
                     return replayed
                 continue  # another attempt moved the turn meanwhile: its new block is recorded
@@ -530,24 +535,43 @@ class AgentMessageLogger:
         return doc
 
     async def _replayed(
-        self, plan: TurnPlan, block: RecordedBlock, conversation: dict[str, Any]
+        self,
+        plan: TurnPlan,
+        block: RecordedBlock,
+        conversation: dict[str, Any],
+        condition: Condition | None = None,
     ) -> _Reserved | None:
         """A retry's block: the one its first attempt reserved, unless tail readers may have
         passed it (reserved `abandon_after` ago) and none of its messages is there: then a
         new block at the end (`relocation`; a reader following the tail never looks back),
-        at the cost of one lookup and one update more. None when another attempt moved the
-        turn meanwhile. A turn that stored part of its block completes it in place."""
+        at the cost of one lookup and one update more (a rare path), the update setting the
+        summary the turn's new place gives it. None when another attempt moved the turn
+        meanwhile. A turn that stored part of its block completes it in place."""
         reserved = _replay(plan, block, conversation)
         at = block.reserved_at
         if at is None or utc_now() - at < self.rules.abandon_after:
             return reserved
         if await self._stored_in(plan, block):
             return reserved
-        query, pipeline = relocation(plan, block, self.rules, utc_now(), assigned=reserved.assigns)
+        now = utc_now()
+        query, pipeline = relocation(plan, block, self.rules, now, assigned=reserved.assigns)
+        guarded = query
+        if condition is not None and condition.moved is not None:
+            pipeline[0]["$set"] |= condition.moved(now, block.first_seq)
+            guarded = {**query, **condition.filter}
         with storage_errors("move the turn to a new block"):
             doc: dict[str, Any] | None = await self._conversations.find_one_and_update(
-                query, pipeline, projection=RESERVED, return_document=ReturnDocument.AFTER
+                guarded,
+                pipeline,
+                projection=SUMMARY if self._observers else RESERVED,
+                return_document=ReturnDocument.AFTER,
             )
+            # Not moved while the old record is still there: the condition no longer holds
+            # (one more lookup, on that path only).
+            refused = doc is None and guarded is not query
+            if refused and await self._conversations.find_one(query, {"_id": 1}) is not None:
+                assert condition is not None
+                raise condition.refusal
         if doc is None:
             return None
         return replace(
@@ -555,6 +579,8 @@ class AgentMessageLogger:
             first_seq=int(doc["message_count"]) - plan.count,
             owner=doc.get("user_id"),
             created_at=doc.get("created_at"),
+            # The summary as the move left it (`updated_at` follows the turn already).
+            conversation=Conversation.model_validate(doc) if self._observers else None,
         )
 
     async def _refuse_unmigrated(self, conversation_id: str, actor: Actor) -> None:

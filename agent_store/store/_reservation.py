@@ -207,18 +207,29 @@ def reservation(
         "message_count": _plus("message_count", plan.count),
         "usage.input_tokens": _capped("usage.input_tokens", plan.usage.input_tokens),
         "usage.output_tokens": _capped("usage.output_tokens", plan.usage.output_tokens),
-        "last_message_preview": (
-            literal(plan.preview) if plan.preview is not None else _kept("last_message_preview", "")
-        ),
         # Kept as they are, null when unset: a document holds every key it is served with.
         "forked_from": _kept("forked_from", None),
         "legacy_conversation_id": _kept("legacy_conversation_id", None),
-        **_pending_state(plan),
+        **_appended(plan),
         **_records(plan.key, plan.digest, rules, now),
         **_names(plan, runtime_name),
         **_assignment(actor),
     }
     return [{"$set": stage}]
+
+
+def _appended(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
+    """The summary a turn appended at the end sets, whatever came before it: `updated_at`,
+    the preview, and what it leaves pending (from `calls`, the pending calls as they stand
+    by default). Set by its reservation, and again when it moves to a new block at the end
+    (`relocation`), where it then is."""
+    return {
+        "updated_at": {"$max": ["$updated_at", literal(plan.updated_at)]},
+        "last_message_preview": (
+            literal(plan.preview) if plan.preview is not None else _kept("last_message_preview", "")
+        ),
+        **_pending_state(plan, calls),
+    }
 
 
 def _assignment(actor: Actor) -> dict[str, Any]:
@@ -241,16 +252,18 @@ def _assignment(actor: Actor) -> dict[str, Any]:
     return {"owned_from": {"$cond": [assigns, int64("$message_count"), kept]}}
 
 
-def _pending_state(plan: TurnPlan) -> dict[str, Any]:
+def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
     """`pending_calls` and `pending_hitl` after the turn, in the reservation's `$set` stage,
-    by the rules of `_turns.pending_after` (its `_fold`), as expressions.
+    by the rules of `_turns.pending_after` (its `_fold`), as expressions; `calls` are the
+    pending calls before it (those stored, by default).
 
     Each answer takes the latest pending call of its id and the calls the turn leaves open
     join the list (the newest `PENDING_CALLS_KEPT` are kept). A prompt stays pending unless
     the turn raises a new one, clears it (an upload), or answers what it awaits: a call it
     held back, or, holding none, the last held call pending (`_turns.answers_clear`).
     """
-    calls: Any = {"$ifNull": ["$pending_calls", literal([])]}
+    if calls is None:
+        calls = {"$ifNull": ["$pending_calls", literal([])]}
     hitl: Any = {"$ifNull": ["$pending_hitl", None]}
     if not isinstance(plan.pending_hitl, KeepPendingHitl):
         hitl = literal(plan.pending_hitl and plan.pending_hitl.model_dump())
@@ -378,10 +391,15 @@ def relocation(
 
     The old record stays under `moved_key`, so readers keep passing its block; the turn is
     recorded again at the new block, with the digest it was recorded with. Its messages
-    and tokens were counted when it first reserved: only `message_count` grows (and
-    `owned_from` follows the turn that `assigned` the conversation its owner). The filter
-    matches only while the old record is there: a second attempt moving the turn at the
-    same time matches nothing, and finds the new block by the turn's record.
+    and tokens were counted when it first reserved: `message_count` grows, the turns and
+    tokens counted stay (and `owned_from` follows the turn that `assigned` the conversation
+    its owner). The turn is now the last one, so the summary follows it as it follows a
+    turn appended there (`_appended`: `updated_at`, the preview, what it leaves pending),
+    computed on the conversation as it stands now: the calls the turn left open when it
+    first reserved are listed once, in their new place, and a prompt it raises that a
+    person resolved meanwhile (`resolved_hitl`) is not raised again. The filter matches
+    only while the old record is there: a second attempt moving the turn at the same time
+    matches nothing, and finds the new block by the turn's record.
     """
     key, first = literal(Int64(plan.key)), literal(Int64(block.first_seq))
     query = {
@@ -392,8 +410,26 @@ def relocation(
     turns = records_changed(old, {"k": literal(Int64(moved_key(plan.key)))})
     stage = {
         "message_count": _plus("message_count", plan.count),
+        **_appended(plan, _without_calls_of(plan)),
         **_records(plan.key, block.digest, rules, now, turns),
     }
+    if isinstance(plan.pending_hitl, PendingHitl):
+        request_id = literal(plan.pending_hitl.request_id)
+        resolved = {"$in": [request_id, _kept("resolved_hitl", [])]}
+        kept = {"$ifNull": ["$pending_hitl", None]}
+        stage["pending_hitl"] = {"$cond": [resolved, kept, stage["pending_hitl"]]}
     if assigned:
         stage["owned_from"] = int64({"$ifNull": ["$message_count", 0]})
     return query, [{"$set": stage}]
+
+
+def _without_calls_of(plan: TurnPlan) -> dict[str, Any] | None:
+    """The pending calls without those the turn's messages made (listed by its first
+    reservation), as an expression; None (those stored) when it made none."""
+    if not plan.opened_calls:
+        return None
+    made = literal(sorted({call.message_id for call in plan.opened_calls}))
+    calls = {"$ifNull": ["$pending_calls", literal([])]}
+    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+    another_turns = {"$eq": [{"$in": ["$$call.message_id", made]}, False]}
+    return {"$filter": {"input": calls, "as": "call", "cond": another_turns}}
