@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
-from agent_store import AgentMessageLogger, Conflict, ConversationStore, InvalidInput
+from agent_store import (
+    AgentMessageLogger,
+    Conflict,
+    ConversationStore,
+    InvalidInput,
+    StorageUnavailable,
+    TurnRules,
+)
 from tests.conftest import Backend
+from tests.test_write_integrity import SlowInsert
 
 CID = "conv-tail"
 
@@ -68,12 +78,17 @@ async def test_popping_the_last_message_leaves_the_summary_as_if_it_was_never_lo
     assert again.messages[0].seq == 3
 
 
-async def test_popping_while_another_turn_has_reserved_past_it_gives_no_seq_back(
+async def test_popping_past_a_block_abandoned_by_its_turn_gives_no_seq_back(
     backend: Backend,
 ) -> None:
+    """A turn reserved seq 4-5 and never inserted. While it is younger than `abandon_after`
+    the pop waits for it (StorageUnavailable); past that, the pop passes its block as tail
+    readers do, removes seq 3, and gives no `seq` back: the turn's retry may still come."""
     logger, store = await log_two_turns(backend)
-    # Another writer's turn reserved seq 4-5 and has not inserted yet.
     await backend.db.agent_conversations.update_one({"_id": CID}, {"$inc": {"message_count": 2}})
+    with pytest.raises(StorageUnavailable, match="still being written"):
+        await store.pop_last_message(CID)
+    store = ConversationStore(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
 
     popped = await store.pop_last_message(CID)
 
@@ -90,7 +105,7 @@ async def test_a_retry_of_a_turn_a_pop_corrected_is_a_conflict_and_brings_nothin
     """RUNTIMES.md "pop_item and the counters": the turn's record stays, and a retry of the
     turn is a Conflict, whatever it sends. Here turn V reserved past the popped message (so
     its `seq` is not given back and the block of T still looks whole from the records)."""
-    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    logger = AgentMessageLogger(backend.db)
     await logger.ensure_indexes()
     t_turn = [user("T?"), answer("T!", 10)]
     await logger.log_messages(CID, t_turn, turn_id="T")
@@ -102,6 +117,8 @@ async def test_a_retry_of_a_turn_a_pop_corrected_is_a_conflict_and_brings_nothin
     with pytest.raises(ConnectionError):
         await logger.log_messages(CID, [user("V?"), answer("V!", 100)], turn_id="V")
     monkeypatch.undo()
+    # V's block is passed once older than `abandon_after` (0 for this store).
+    store = ConversationStore(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
     popped = await store.pop_last_message(CID)
     assert popped is not None
     assert popped.content == "T!"
@@ -183,23 +200,154 @@ async def test_popping_costs_four_round_trips_and_one_more_per_read_of_the_messa
     assert wire_backend.commands.names == ["find", "update", "delete", "update"]
 
 
-async def test_a_pop_racing_a_new_turn_leaves_the_new_turns_preview(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_pop_racing_a_new_turn_leaves_the_new_turns_preview(backend: Backend) -> None:
     """The new turn reserves between the pop's removal and its summary update."""
-    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    logger = AgentMessageLogger(backend.db)
     await logger.log_messages(CID, [user("first"), {"role": "assistant", "content": "one"}])
     await logger.log_messages(CID, [user("second")], turn_id="t-2")
-    conversations = store._conversations
-    update_one = conversations.update_one
+    store = ConversationStore(backend.db)
 
-    async def a_turn_first(*args: Any, **kwargs: Any) -> Any:
+    async def a_turn() -> None:
         await logger.log_messages(CID, [user("racing")], turn_id="t-race")
-        return await update_one(*args, **kwargs)
 
-    monkeypatch.setattr(conversations, "update_one", a_turn_first)
-
+    racing_the_summary_update(store, a_turn)
     await store.pop_last_message(CID)
 
     conversation = await store.get_conversation(CID)
     assert conversation.last_message_preview == "racing"
+    assert conversation.message_count == 4  # seq 2 is not given back: the new turn holds 3
+
+
+class BeforeCall:
+    """A collection that runs `hook` before its call number `number` (from 0) of `method`."""
+
+    def __init__(self, collection: Any, method: str, number: int, hook: Any) -> None:
+        self._collection, self._method = collection, method
+        self._number, self._hook = number, hook
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._collection, name)
+        if name != self._method:
+            return real
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            if self._number == 0:
+                await self._hook()
+            self._number -= 1
+            return await real(*args, **kwargs)
+
+        return call
+
+
+def racing_the_summary_update(store: ConversationStore, turn: Any) -> None:
+    """A turn logged (reserved and inserted) while the pop removed its message and had not
+    corrected the summary: between the pop's mark and its last update."""
+    store._conversations = BeforeCall(store._conversations, "update_one", 1, turn)  # type: ignore[assignment]
+
+
+async def test_pops_after_one_that_raced_a_turn_still_correct_the_preview_and_give_seqs_back(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md (pop_item): the summary is corrected as if the message had never been
+    logged. A pop that raced a turn leaves its `seq` as a gap; later pops, with no writer
+    anywhere, still recompute the preview and give their `seq`s back, the gap with them."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [user("a"), answer("A-answer")], turn_id="a")
+    await logger.log_messages(CID, [user("b"), answer("B-answer")], turn_id="b")
+    racing = ConversationStore(backend.db)
+
+    async def a_turn() -> None:
+        await logger.log_messages(CID, [user("c")], turn_id="c")
+
+    racing_the_summary_update(racing, a_turn)
+    popped = [await racing.pop_last_message(CID)]  # B-answer: seq 3 stays a gap
+
+    store = ConversationStore(backend.db)  # from here on one caller, nothing else running
+    popped += [await store.pop_last_message(CID), await store.pop_last_message(CID)]
+
+    assert [m.content if m else None for m in popped] == ["B-answer", "c", "b"]
+
+    assert [m.content for m in await store.transcript(CID)] == ["a", "A-answer"]
+    conversation = await store.get_conversation(CID)
+    assert conversation.last_message_preview == "A-answer"
+    assert conversation.message_count == 2
+    later = await logger.log_messages(CID, [user("d")], turn_id="d")
+    assert later.messages[0].seq == 2
+
+
+async def test_a_pop_racing_a_turn_without_text_leaves_no_preview_of_the_removed_message(
+    backend: Backend,
+) -> None:
+    """DESIGN §2: the preview is the text of the last user/assistant message. A turn without
+    text (a call and its result) logged while the pop ran sets no preview of its own: the
+    preview is then the last text that remains, never the removed message's."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [user("hello"), answer("SECRET")], turn_id="a")
+    store = ConversationStore(backend.db)
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+
+    async def a_turn_without_text() -> None:
+        await logger.log_messages(
+            CID,
+            [{"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "c1", "content": '{"ok": true}'}],
+            turn_id="b",
+        )  # fmt: skip
+
+    racing_the_summary_update(store, a_turn_without_text)
+    popped = await store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.content == "SECRET"
+    assert "SECRET" not in [m.content for m in await store.transcript(CID)]
+    assert (await store.get_conversation(CID)).last_message_preview == "hello"
+
+
+async def test_a_pop_while_a_turn_is_between_its_writes_waits_for_it(backend: Backend) -> None:
+    """RUNTIMES.md: `pop_item` removes the last message (by `seq`). A turn that reserved
+    seq 2-3 and has not inserted yet holds the last messages: the pop raises
+    StorageUnavailable (retry in a moment) and removes nothing; once the turn is stored,
+    the pop removes its last message."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [user("a?"), answer("a!")], turn_id="a")
+    held = SlowInsert(AgentMessageLogger(backend.db))
+    writing = asyncio.create_task(
+        held.logger.log_messages(CID, [user("b?"), answer("b!")], turn_id="b")
+    )
+    await held.reserved.wait()  # turn b holds seq 2-3
+    store = ConversationStore(backend.db)
+
+    with pytest.raises(StorageUnavailable, match="still being written"):
+        await store.pop_last_message(CID)
+    assert [m.content for m in await store.transcript(CID)] == ["a?", "a!"]
+
+    held.release.set()
+    await writing
+    popped = await store.pop_last_message(CID)
+    assert popped is not None
+    assert popped.seq == 3
+    assert [m.seq for m in await store.transcript(CID)] == [0, 1, 2]
+
+
+async def test_a_turn_stored_between_a_pops_read_and_its_mark_is_the_one_popped(
+    backend: Backend,
+) -> None:
+    """The pop removes the message that is last when it takes effect (its mark), not one a
+    turn logged meanwhile has put in the middle."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [user("a?"), answer("a!")], turn_id="a")
+    store = ConversationStore(backend.db)
+
+    async def a_turn() -> None:
+        await logger.log_messages(CID, [user("b?")], turn_id="b")
+
+    store._conversations = BeforeCall(store._conversations, "update_one", 0, a_turn)  # type: ignore[assignment]
+    popped = await store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.content == "b?"
+    assert [m.content for m in await store.transcript(CID)] == ["a?", "a!"]
+    assert (await store.get_conversation(CID)).message_count == 2

@@ -698,6 +698,37 @@ async def test_a_fork_waits_for_a_turn_still_being_written_before_its_point(
     assert [m.content for m in forked.messages] == ["hi", "after"]
 
 
+async def test_a_fork_after_a_pop_that_raced_a_turn_passes_the_seq_the_pop_removed(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md (pop_item): a pop that raced a turn leaves its `seq` as a gap. A `seq` a
+    pop removed is not being written: a fork past it is not refused (nor is a tail read)."""
+    from tests.test_conversation_tail import racing_the_summary_update
+
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(
+        CID, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "A"}],
+        turn_id="a",
+    )  # fmt: skip
+    store = ConversationStore(backend.db)
+
+    async def a_turn() -> None:
+        await logger.log_messages(CID, [{"role": "user", "content": "b"}], turn_id="b")
+
+    racing_the_summary_update(store, a_turn)
+    popped = await store.pop_last_message(CID)
+    assert popped is not None
+    assert popped.content == "A"
+    assert [m.seq for m in await store.transcript(CID)] == [0, 2]
+
+    forked = await logger.fork(CID, 2, "conv-fork")
+    page = await store.messages_page(CID, limit=10)
+
+    assert [m.content for m in forked.messages] == ["a", "b"]
+    assert [m.content for m in page.data] == ["a", "b"]
+    assert page.pending_seq is None
+
+
 async def _weather_left_open(logger: AgentMessageLogger) -> None:
     """Turn t1 leaves call c1 open: its result comes from elsewhere, no prompt holds it."""
     call = {"id": "c1", "function": {"name": "weather", "arguments": "{}"}}

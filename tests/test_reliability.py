@@ -186,6 +186,36 @@ async def test_a_pop_that_died_after_removing_its_message_is_finished_by_the_nex
     assert await summary_disagreements(store) == []
 
 
+async def test_a_pop_scoped_to_another_user_never_answers_or_consumes_the_owners_pop(
+    backend: Backend,
+) -> None:
+    """DESIGN §3 Ownership: a user acts only on what it owns. One store serves every user
+    of a runtime; the owner's pop raises, then another user pops the same conversation id:
+    it sees nothing, and the owner's retry still removes exactly one message."""
+    logger = AgentMessageLogger(backend.db)
+    for i, (asked, answered) in enumerate((("A?", "A!"), ("B?", "B!"), ("C?", "C!"))):
+        await logger.log_messages(
+            CID,
+            [{"role": "user", "content": asked}, {"role": "assistant", "content": answered}],
+            user_id="user-ada",
+            turn_id=f"t{i}",
+        )
+    store = ConversationStore(backend.db)
+    failing = FailOnce(store._messages, "delete_one", after_applying=False)
+    store._messages = failing  # type: ignore[assignment]
+    with pytest.raises(StorageUnavailable):
+        await store.pop_last_message(CID, user_id="user-ada")
+
+    strangers = await store.pop_last_message(CID, user_id="user-mallory")
+    owners_retry = await store.pop_last_message(CID, user_id="user-ada")
+
+    assert strangers is None
+    assert owners_retry is not None
+    assert owners_retry.content == "C!"
+    contents = [m.content for m in await store.transcript(CID)]
+    assert contents == ["A?", "A!", "B?", "B!", "C?"]
+
+
 async def test_the_same_turn_logged_by_two_writers_at_once_is_stored_once(
     backend: Backend,
 ) -> None:

@@ -524,6 +524,9 @@ class PopInProgress(_Model):
     """The message started a turn: `turn_count` loses one."""
     preview: str | None = None
     """The preview without the message; None keeps the current one."""
+    quoted: str | None = None
+    """The preview the message itself gives: a preview still quoting it is replaced, even
+    after a turn reserved past it (a turn without text sets none of its own)."""
     made_calls: bool = False
     answered_call: str | None = None
     """The call a `tool` message answered."""
@@ -595,6 +598,10 @@ class Conversation(_Model):
     pops: Count = Field(default=0, exclude=True)
     """How many pops were finished: a pop marks its message only if none finished since it
     read the conversation (the store's bookkeeping, never served)."""
+    popped_seqs: list[Count] = Field(default_factory=list, exclude=True)
+    """The `seq`s pops removed while a later turn had reserved past them, the newest
+    `POPPED_SEQS_KEPT` (the store's bookkeeping, never served): gaps no turn holds, passed at
+    once by tail readers, forks and pops, and given back with the `seq` below them."""
     resolved_hitl: list[str] = Field(default_factory=list, exclude=True)
     """The request ids of the prompts `resolve_hitl` resolved, the newest
     `RESOLVED_PROMPTS_KEPT` (the store's bookkeeping, never served): a resolution leaves no

@@ -42,7 +42,6 @@ from agent_store.core import (
     StorageFailure,
     StorageUnavailable,
     StoreError,
-    TurnRecord,
     messages_adapter,
     utc_now,
 )
@@ -79,9 +78,10 @@ from agent_store.store._reservation import (
 )
 from agent_store.store._text import clean_name
 from agent_store.store._turns import (
+    GAPS_READ,
+    Gaps,
     TurnPlan,
     TurnRules,
-    block_abandoned,
     canonical_documents,
     content_digest,
     message_id,
@@ -407,18 +407,18 @@ class AgentMessageLogger:
         end: int,
     ) -> None:
         """StorageUnavailable (retry shortly) when a turn before `end` is still being written:
-        a fork now would miss its messages. Blocks older than `abandon_after` are passed."""
-        records = [TurnRecord.model_validate(r) for r in source.get("turns") or ()]
+        a fork now would miss its messages. Blocks older than `abandon_after`, and `seq`s a
+        pop removed, are passed (`Gaps.passed`)."""
         stored = {m.seq for m in messages}
-        now = utc_now()
-        for seq in range(end):
-            if seq not in stored and not block_abandoned(
-                records, seq, now=now, abandon_after=self.rules.abandon_after
-            ):
-                raise StorageUnavailable(
-                    f"a turn of conversation {conversation_id!r} is still being written at seq "
-                    f"{seq}: retry the fork in a moment"
-                )
+        missing = [seq for seq in range(end) if seq not in stored]
+        writing = Gaps.of(source).written(
+            missing, now=utc_now(), abandon_after=self.rules.abandon_after
+        )
+        if writing is not None:
+            raise StorageUnavailable(
+                f"a turn of conversation {conversation_id!r} is still being written at seq "
+                f"{writing}: retry the fork in a moment"
+            )
 
     async def _fork_source(
         self, conversation_id: str, actor: Actor
@@ -434,9 +434,9 @@ class AgentMessageLogger:
                     "message_count": 1,
                     "pending_calls": 1,
                     "pending_hitl": 1,
-                    "turns": 1,
                     "forked_from": 1,
                     "resolved_hitl": 1,
+                    **GAPS_READ,
                 },
             )
             if source is None or actor.refusal(conversation_id, source.get("user_id")):

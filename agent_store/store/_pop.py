@@ -6,21 +6,26 @@ A pop is three writes on two documents, and none of them can be undone by the ne
 1. mark: the conversation records the pop under way (`popping`: the message and what
    removing it changes in the summary), only if no pop is under way and none finished
    since the pop read the conversation (`pops`), so the message it read is still stored
-   and only this pop may remove it;
+   and only this pop may remove it, and no turn holds a `seq` past it, so it is the last
+   (a turn still being written there: the pop raises StorageUnavailable, retry shortly;
+   its block is passed once older than `abandon_after`, as tail readers pass it);
 2. remove: the message is deleted by its id;
 3. finish: the summary is corrected and the mark cleared in one update, matched by the
    mark's message id, so it applies once (`_tail.unlogged`).
 
 Any pop that finds a mark finishes that pop first (2 and 3 again: a no-op delete, then
 the guarded update), whoever started it. A pop that raised remembers the message it was
-removing, per conversation, in this process: its retry finishes it and answers with that
-message rather than removing another.
+removing, per conversation and caller (its user id, or none for a service), in this
+process: its retry finishes it and answers with that message rather than removing
+another. A caller of another scope never gets it, nor finishes it by being taken for
+the retry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from agent_store.core import (
@@ -31,6 +36,7 @@ from agent_store.core import (
     StorageUnavailable,
     StoreError,
     message_adapter,
+    utc_now,
 )
 from agent_store.store._driver import storage_errors
 from agent_store.store._tail import (
@@ -44,6 +50,7 @@ from agent_store.store._tail import (
     text_before,
     unlogged,
 )
+from agent_store.store._turns import GAPS_READ, Gaps
 
 POP_ATTEMPTS = 5
 """How many times a pop reads the last message again when other pops keep coming first."""
@@ -56,12 +63,18 @@ CallsBefore = Callable[[AgentMessage], Awaitable[tuple[list[PendingCall], Pendin
 own read)."""
 
 
+Scope = tuple[str, str | None]
+"""Who pops what: the conversation id, and the user id the caller is scoped to (None for a
+service)."""
+
+
 @dataclass
 class PopMemory:
     """What one store's pops remember between calls, in this process."""
 
-    in_doubt: dict[str, AgentMessage] = field(default_factory=dict)
-    """The message a pop that raised was removing, by conversation: its retry answers it."""
+    in_doubt: dict[Scope, AgentMessage] = field(default_factory=dict)
+    """The message a pop that raised was removing, by conversation and caller: the retry of
+    that caller answers it, no other."""
     counts: dict[str, int] = field(default_factory=dict)
     """The count of finished pops last seen, by conversation (0 when never seen)."""
 
@@ -83,16 +96,22 @@ class Pop:
     calls_before: CallsBefore
     preview_chars: int
     memory: PopMemory
+    abandon_after: timedelta
+    """How long a turn may hold a `seq` past the last message before the pop passes it."""
 
     async def run(self) -> AgentMessage | None:
         """Remove the last message and answer it; None when there is none."""
-        conversation_id = str(self.scope["_id"])
-        earlier = self.memory.in_doubt.pop(conversation_id, None)
+        scope: Scope = (str(self.scope["_id"]), self.scope.get("user_id"))
+        conversation: Mapping[str, Any] | None = None
+        earlier = self.memory.in_doubt.pop(scope, None)
         if earlier is not None:
             try:
-                found = await self._finish_under_way() and await self._stored(earlier)
+                visible, conversation = await self._finish_under_way()
+                if not visible:
+                    return None  # gone, or no longer the caller's: nothing to answer
+                found = await self._stored(earlier)
             except StoreError:
-                self.memory.in_doubt[conversation_id] = earlier  # still in doubt
+                self.memory.in_doubt[scope] = earlier  # still in doubt
                 raise
             if not found:
                 return earlier  # the earlier attempt removed it: its retry answers it
@@ -105,20 +124,43 @@ class Pop:
             message = message_adapter.validate_python(doc)
             if pop is None or pop.message_id != message.id:  # else what it read still holds
                 pop = await self._what_removing_changes(message)
-            if await self._remove(conversation_id, message, pop):
+            count = self._passing(message, conversation)
+            if await self._remove(scope, message, pop, count):
                 return message
-            if not await self._finish_under_way():
+            visible, conversation = await self._finish_under_way()
+            if not visible:
                 return None  # the conversation is gone
-        raise StorageUnavailable(  # others were popping: it may pass, so it is retried
-            f"could not pop the last message of conversation {conversation_id!r}: other pops "
-            f"came first {POP_ATTEMPTS} times"
+        raise StorageUnavailable(  # others were popping or logging: it may pass, so retried
+            f"could not pop the last message of conversation {scope[0]!r}: other pops or "
+            f"turns came first {POP_ATTEMPTS} times"
         )
+
+    def _passing(self, message: AgentMessage, conversation: Mapping[str, Any] | None) -> int | None:
+        """None when the mark may simply require that no turn holds a `seq` past `message`
+        (no read of the conversation says otherwise); the `message_count` read when every
+        `seq` past it is passed (`Gaps.passed`: a pop's gap, or an abandoned block).
+        StorageUnavailable while a turn is still being written past it."""
+        assert message.seq is not None
+        if conversation is None:
+            return None
+        count = int(conversation.get("message_count") or 0)
+        gaps = Gaps.of(conversation)
+        past = [s for s in range(message.seq + 1, count) if s not in gaps.popped]
+        if not past:
+            return None
+        writing = gaps.written(past, now=utc_now(), abandon_after=self.abandon_after)
+        if writing is not None:
+            raise StorageUnavailable(
+                f"a turn of conversation {message.conversation_id!r} is still being written "
+                f"at seq {writing}: retry the pop in a moment"
+            )
+        return count
 
     async def _what_removing_changes(self, message: AgentMessage) -> PopInProgress:
         """The summary change, from the messages before it when it started a turn or was the
         preview's source, or (all of them) when it answered a call or raised a prompt."""
         assert message.seq is not None
-        started, preview = False, None
+        started, preview, quoted = False, None, None
         calls: list[PendingCall] | None = None
         prompt: PendingHitl | None = None
         with storage_errors("read the messages before the last one"):
@@ -134,21 +176,31 @@ class Pop:
                 )
                 source_message = message_adapter.validate_python(source) if source else None
                 preview = preview_of(source_message, self.preview_chars)
+                quoted = preview_of(message, self.preview_chars)
             if reads_pending_before(message):
                 calls, prompt = await self.calls_before(message)
         return pop_in_progress(
-            message, started_turn=started, preview=preview, pending_before=calls, prompt=prompt
+            message,
+            started_turn=started,
+            preview=preview,
+            quoted=quoted,
+            pending_before=calls,
+            prompt=prompt,
         )
 
     async def _remove(
-        self, conversation_id: str, message: AgentMessage, pop: PopInProgress
+        self, scope: Scope, message: AgentMessage, pop: PopInProgress, count: int | None
     ) -> bool:
-        """Mark, remove, finish; False when the mark was refused (another pop came first).
+        """Mark, remove, finish; False when the mark was refused (another pop came first, or
+        a turn holds a `seq` past the message; with `count`, `message_count` changed).
 
         The count of finished pops it marks under is the last one this store saw (0 for a
         conversation it never saw popped): a wrong one is refused, read, and tried again.
         """
-        free = free_to_mark(self.memory.counts.get(conversation_id, 0))
+        assert message.seq is not None
+        conversation_id = scope[0]
+        pops = self.memory.counts.get(conversation_id, 0)
+        free = free_to_mark(pops, message.seq, message_count=count)
         try:
             with storage_errors("mark the pop"):
                 marked = await self.conversations.update_one({**self.scope, **free}, mark(pop))
@@ -156,10 +208,10 @@ class Pop:
                 return False
             await self._finish(conversation_id, pop)
         except StoreError:
-            # Its outcome unknown: the next pop of the conversation through this store is its
-            # retry. Remembered only once it raised, so pops running at once never take
-            # each other for a retry.
-            self.memory.in_doubt[conversation_id] = message
+            # Its outcome unknown: the next pop of the conversation by this caller through
+            # this store is its retry. Remembered only once it raised, so pops running at
+            # once never take each other for a retry.
+            self.memory.in_doubt[scope] = message
             raise
         return True
 
@@ -175,18 +227,22 @@ class Pop:
             )
         self.memory.remember(conversation_id, self.memory.counts.get(conversation_id, 0) + 1)
 
-    async def _finish_under_way(self) -> bool:
-        """Read how many pops finished, and finish the one under way if any; False when the
-        conversation is missing (or not the scope's user's)."""
+    async def _finish_under_way(self) -> tuple[bool, Mapping[str, Any] | None]:
+        """Read the conversation (how many pops finished, its next `seq` and its gaps), and
+        finish the pop under way if any. False when it is missing (or not the scope's
+        user's); with True, the conversation as read, or None when a pop was finished (what
+        was read is stale)."""
         conversation_id = str(self.scope["_id"])
+        read = {"popping": 1, "pops": 1, "message_count": 1, **GAPS_READ}
         with storage_errors("read the conversation"):
-            doc = await self.conversations.find_one(self.scope, {"popping": 1, "pops": 1})
+            doc: Mapping[str, Any] | None = await self.conversations.find_one(self.scope, read)
         if doc is None:
-            return False
+            return False, None
         self.memory.remember(conversation_id, int(doc.get("pops") or 0))
         if doc.get("popping"):
             await self._finish(conversation_id, PopInProgress.model_validate(doc["popping"]))
-        return True
+            return True, None
+        return True, doc
 
     async def _stored(self, message: AgentMessage) -> bool:
         with storage_errors("look up the last message"):

@@ -30,7 +30,6 @@ from agent_store.core import (
     NotFound,
     PendingCall,
     PendingHitl,
-    TurnRecord,
     message_adapter,
     messages_adapter,
     shown,
@@ -46,8 +45,9 @@ from agent_store.store._reservation import SUMMARY
 from agent_store.store._text import clean_name, collapse_whitespace, has_positive_term
 from agent_store.store._truncation import NATIVE
 from agent_store.store._turns import (
+    GAPS_READ,
+    Gaps,
     TurnRules,
-    block_abandoned,
     is_fork_turn,
     pending_after,
     turn_key,
@@ -421,13 +421,17 @@ class ConversationStore:
         The pop rolls forward (see `agent_store.store._pop`): it marks the conversation,
         removes the message, then corrects the summary and clears the mark. A pop left half
         done is finished by the next one; after StorageUnavailable, call again through this
-        store: the retry answers the message its earlier attempt removed, and removes no
-        other. Four to seven round trips: the last message, the mark, the removal, the
-        summary update, and the messages before it when it started a turn or was the
+        store with the same `user_id`: the retry answers the message its earlier attempt
+        removed, and removes no other (a pop of another scope is never taken for it). It
+        removes the last message by `seq`: while a turn that reserved past it is still being
+        written (younger than `TurnRules.abandon_after`), it raises StorageUnavailable and
+        removes nothing. Four to seven round trips: the last message, the mark, the removal,
+        the summary update, and the messages before it when it started a turn or was the
         preview's source, or (all of them) when it answered a call or raised a prompt (what
         they leave pending says what comes back; in a fork, one more for where its copies
         began the original's turns). Three more when this store has not seen the
-        conversation's count of finished pops yet and another pop was finished before.
+        conversation's count of finished pops yet and another pop was finished before, or
+        when it passes a block abandoned past the last message.
         """
         query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
         if user_id is not None:
@@ -440,6 +444,7 @@ class ConversationStore:
             calls_before=self._pending_before,
             preview_chars=self._rules.preview_chars,
             memory=self._pops,
+            abandon_after=self._rules.abandon_after,
         )
         return await pop.run()
 
@@ -569,27 +574,28 @@ class ConversationStore:
 
         Turns commit out of `seq` order (reserve, then insert), so a `seq` missing
         below a stored one may still arrive. It is waited for while the turn that
-        reserved it is younger than `TurnRules.abandon_after`, and passed after.
-        Costs one lookup of the conversation, only when the page has a hole.
+        reserved it is younger than `TurnRules.abandon_after`, and passed after; a
+        `seq` a pop removed is passed at once (`Gaps.passed`). Costs one lookup of the
+        conversation, only when the page has a hole.
         """
-        expected, records = first, None
+        expected, gaps = first, None
         for index, doc in enumerate(docs):
             if doc["seq"] != expected:
-                if records is None:
-                    records = await self._turn_records(conversation_id)
-                if not self._abandoned(records, expected):
-                    return docs[:index], expected
+                if gaps is None:
+                    gaps = await self._gaps(conversation_id)
+                missing = range(expected, int(doc["seq"]))
+                writing = gaps.written(
+                    missing, now=utc_now(), abandon_after=self._rules.abandon_after
+                )
+                if writing is not None:
+                    return docs[:index], writing
             expected = doc["seq"] + 1
         return docs, None
 
-    async def _turn_records(self, conversation_id: str) -> list[TurnRecord]:
+    async def _gaps(self, conversation_id: str) -> Gaps:
         with storage_errors("read the conversation's turns"):
-            doc = await self._conversations.find_one({"_id": conversation_id}, {"turns": 1})
-        return [TurnRecord.model_validate(r) for r in (doc or {}).get("turns") or ()]
-
-    def _abandoned(self, records: list[TurnRecord], seq: int) -> bool:
-        """Whether the turn that reserved `seq` is older than `abandon_after`."""
-        return block_abandoned(records, seq, now=utc_now(), abandon_after=self._rules.abandon_after)
+            doc = await self._conversations.find_one({"_id": conversation_id}, GAPS_READ)
+        return Gaps.of(doc)
 
     async def _legacy_page(
         self,

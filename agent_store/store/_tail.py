@@ -11,11 +11,19 @@ being written below the message keeps what it did. The record of the
 message's turn is marked popped: a retry of that turn is refused, since
 replaying it would store the removed message again.
 
-`seq` is given back only while no other turn has reserved past it
-(`message_count` is still the removed `seq` + 1): the update's own condition
-checks that atomically, so two turns never share a `seq`. A turn that
-reserved in between keeps its block; the removed `seq` is then a gap that tail
-readers pass as they pass an abandoned block.
+`seq` is given back only while no other turn has reserved past it: every `seq`
+from it to `message_count` is a gap an earlier pop left (`nothing_reserved_past`,
+checked inside the update, atomically), so two turns never share a `seq`, and
+those gaps are given back with it. A turn that reserved in between keeps its
+block; the removed `seq` is then a gap, remembered on the conversation
+(`popped_seqs`, the newest `POPPED_SEQS_KEPT`), that tail readers, forks and
+later pops pass at once (`_turns.Gaps`). The preview never quotes a removed
+message: it is recomputed when nothing was reserved past the message, or when
+it still quotes the message (the turn that reserved past it had no text).
+
+A pop marks its message only while no turn holds a `seq` past it (`free_to_mark`):
+it removes the last message, never one a turn still being written, or logged
+since the pop read it, has put in the middle.
 
 What removing the message changes is computed once, before it is removed, and
 kept on the conversation while the pop is under way (`PopInProgress`, the
@@ -31,7 +39,12 @@ from bson import Int64
 from agent_store.core import AgentMessage, PendingCall, PendingHitl, PopInProgress
 from agent_store.store._reservation import int64, literal, records_changed
 from agent_store.store._text import message_text, shorten
-from agent_store.store._turns import PENDING_CALLS_KEPT, taking_answers, turn_key
+from agent_store.store._turns import (
+    PENDING_CALLS_KEPT,
+    POPPED_SEQS_KEPT,
+    taking_answers,
+    turn_key,
+)
 
 _PROMPT_ROLES = ("user", "system")
 
@@ -94,12 +107,14 @@ def pop_in_progress(
     *,
     started_turn: bool,
     preview: str | None,
+    quoted: str | None = None,
     pending_before: list[PendingCall] | None = None,
     prompt: PendingHitl | None = None,
 ) -> PopInProgress:
     """What removing `message`, the conversation's last, changes in its summary.
 
-    `preview` is the new preview, or None to keep the current one. `pending_before` are the
+    `preview` is the new preview, or None to keep the current one; `quoted` the preview
+    the message itself gives (a preview still quoting it is replaced). `pending_before` are the
     calls the messages before it leave pending (`pending_after`), read when
     `reads_pending_before`, and `prompt` the prompt they leave pending (kept for an answer,
     which may have cleared it).
@@ -115,6 +130,7 @@ def pop_in_progress(
         output_tokens=usage.output_tokens if usage else 0,
         started_turn=started_turn,
         preview=preview,
+        quoted=quoted,
         made_calls=bool(message.tool_calls),
         answered_call=message.tool_call_id if message.role == "tool" else None,
         hitl_request_id=message.hitl_action.request_id if message.hitl_action else None,
@@ -123,10 +139,31 @@ def pop_in_progress(
     )
 
 
-def free_to_mark(pops: int) -> dict[str, Any]:
-    """The filter part that lets a pop mark its message: no pop under way, and none finished
-    since the pop read `pops` (so the message it read is still stored)."""
-    return {"popping": None, "pops": {"$in": [None, 0]} if pops == 0 else pops}
+def nothing_reserved_past(seq: int) -> dict[str, Any]:
+    """Whether no turn holds a `seq` past `seq` (a pipeline expression): every `seq` from it
+    to `message_count` is a gap a pop left (`popped_seqs`), none a turn reserved."""
+    above = {
+        "$filter": {
+            "input": {"$ifNull": ["$popped_seqs", literal([])]},
+            "as": "gap",
+            "cond": {"$gt": ["$$gap", seq]},
+        }
+    }
+    reserved = {"$subtract": [{"$ifNull": ["$message_count", 0]}, seq + 1]}
+    return {"$eq": [reserved, {"$size": above}]}
+
+
+def free_to_mark(pops: int, seq: int, *, message_count: int | None = None) -> dict[str, Any]:
+    """The filter part that lets a pop mark its message at `seq`: no pop under way, none
+    finished since the pop read `pops` (so the message it read is still stored), and no turn
+    holding a `seq` past it (`nothing_reserved_past`). With `message_count`, read when every
+    `seq` past the message was found passed (`Gaps.passed`), only that it is unchanged."""
+    free: dict[str, Any] = {"popping": None, "pops": {"$in": [None, 0]} if pops == 0 else pops}
+    if message_count is None:
+        free["$expr"] = nothing_reserved_past(seq)
+    else:
+        free["message_count"] = message_count
+    return free
 
 
 def mark(pop: PopInProgress) -> dict[str, Any]:
@@ -143,11 +180,13 @@ def unlogged(pop: PopInProgress) -> list[Any]:
 
     A prompt the message raised is no longer pending; a prompt resolved before is not brought
     back (a resolution by request id leaves no message). The record of the message's turn is
-    marked popped, so no retry of that turn is a replay.
+    marked popped, so no retry of that turn is a replay. Its `seq` is given back, with the
+    gaps past it, when no turn holds one past it; else it is a gap (`popped_seqs`).
     """
-    untouched = {"$eq": ["$message_count", pop.seq + 1]}
+    untouched = nothing_reserved_past(pop.seq)
     stage: dict[str, Any] = {
         "message_count": int64({"$cond": [untouched, pop.seq, "$message_count"]}),
+        "popped_seqs": _gaps_after(pop.seq, untouched),
         "turn_count": _less("turn_count", int(pop.started_turn)),
         "usage.input_tokens": _less("usage.input_tokens", pop.input_tokens),
         "usage.output_tokens": _less("usage.output_tokens", pop.output_tokens),
@@ -167,11 +206,25 @@ def unlogged(pop: PopInProgress) -> list[Any]:
         stage["turns"] = _marked_popped(pop.turn_key)
     if pop.made_calls or pop.pending_before is not None:
         stage["pending_calls"] = _calls_without(pop, pop.pending_before or [])
-    if pop.preview is not None:  # a turn that reserved past the message has set its own
+    if pop.preview is not None:  # a turn that reserved past it set its own, if it had text
+        still_quoted = {"$eq": ["$last_message_preview", literal(pop.quoted)]}
         stage["last_message_preview"] = {
-            "$cond": [untouched, literal(pop.preview), "$last_message_preview"]
+            "$cond": [
+                {"$or": [untouched, still_quoted]},
+                literal(pop.preview),
+                "$last_message_preview",
+            ]
         }
     return [{"$set": stage}]
+
+
+def _gaps_after(seq: int, untouched: Any) -> dict[str, Any]:
+    """`popped_seqs` once the message at `seq` is removed: the gaps past it given back with
+    it when `untouched`; else `seq` added (the newest `POPPED_SEQS_KEPT` kept)."""
+    gaps = {"$ifNull": ["$popped_seqs", literal([])]}
+    below = {"$filter": {"input": gaps, "as": "gap", "cond": {"$lt": ["$$gap", seq]}}}
+    added = {"$slice": [{"$concatArrays": [gaps, literal([Int64(seq)])]}, -POPPED_SEQS_KEPT]}
+    return {"$cond": [untouched, below, added]}
 
 
 def _prompt_back(prompt: PendingHitl, untouched: Any, otherwise: Any) -> dict[str, Any]:

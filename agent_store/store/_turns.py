@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cached_property
@@ -742,3 +742,46 @@ def block_abandoned(
         return True
     covering = next((r for r in reversed(records) if r.first_seq <= seq), records[0])
     return now - covering.at >= abandon_after
+
+
+GAPS_READ: dict[str, Any] = {"turns": 1, "popped_seqs": 1}
+"""What a conversation lookup reads for its `Gaps`."""
+POPPED_SEQS_KEPT = 100
+"""A conversation remembers this many `seq`s pops left as gaps (`popped_seqs`, the newest);
+an older one is passed as a block is, once its turn is older than `abandon_after`."""
+
+
+@dataclass(frozen=True)
+class Gaps:
+    """Why a `seq` below a conversation's `message_count` may hold no message: a turn
+    reserved it and has not inserted (yet, or ever), or a pop removed its message while a
+    later turn had reserved past it (`popped_seqs`: no turn holds it any more).
+
+    The one rule tail readers, forks and pops apply to a `seq` with no message."""
+
+    records: Sequence[TurnRecord] = ()
+    popped: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, conversation: Mapping[str, Any] | None) -> Gaps:
+        """The gaps of a conversation document (read with at least `GAPS_READ`)."""
+        document = conversation or {}
+        return cls(
+            records=[TurnRecord.model_validate(r) for r in document.get("turns") or ()],
+            popped=frozenset(int(s) for s in document.get("popped_seqs") or ()),
+        )
+
+    def passed(self, seq: int, *, now: datetime, abandon_after: timedelta) -> bool:
+        """Whether a reader passes `seq`, no message being stored at it: a pop removed it, or
+        the turn that reserved it is older than `abandon_after` (`block_abandoned`)."""
+        return seq in self.popped or block_abandoned(
+            self.records, seq, now=now, abandon_after=abandon_after
+        )
+
+    def written(
+        self, seqs: Iterable[int], *, now: datetime, abandon_after: timedelta
+    ) -> int | None:
+        """The first of `seqs` (none stored at) a turn is still writing; None if all are passed."""
+        return next(
+            (s for s in seqs if not self.passed(s, now=now, abandon_after=abandon_after)), None
+        )

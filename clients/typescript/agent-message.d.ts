@@ -193,6 +193,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   pops?: number;
   /**
+   * The `seq`s pops removed while a later turn had reserved past them, the newest `POPPED_SEQS_KEPT` (the store's bookkeeping, never served): gaps no turn holds, passed at once by tail readers, forks and pops, and given back with the `seq` below them.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  popped_seqs?: unknown[];
+  /**
    * The request ids of the prompts `resolve_hitl` resolved, the newest `RESOLVED_PROMPTS_KEPT` (the store's bookkeeping, never served): a resolution leaves no message, so a rerun of the migration and a fork folding the messages read them here.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
