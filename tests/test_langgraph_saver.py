@@ -30,7 +30,7 @@ from agent_store.integrations.langgraph import CHECKPOINTS, REWRITTEN, AgentStor
 from agent_store.integrations.pydantic_ai import history_from_messages
 from agent_store.store import CONVERSATIONS, MESSAGES
 from scripts.langgraph_agent import approval_agent, comparable, question, tool_agent
-from tests.api_harness import SERVICE_TOKEN, serve
+from tests.api_harness import SERVICE_TOKEN, auth_headers, serve
 from tests.conftest import Backend
 
 TURNS = 50
@@ -465,6 +465,135 @@ async def test_a_user_never_adopts_a_thread_a_service_started(backend: Backend) 
         service["configurable"]["thread_id"]
     )
     assert conversation.user_id is None
+
+
+async def test_erasing_a_user_leaves_none_of_their_langgraph_state_for_the_next_holder_of_the_id(
+    backend: Backend,
+) -> None:
+    """docs/API.md: an erased user's ids "then exist nowhere", checkpoints included; the next
+    user to take the id (one HTTP turn) reads nothing of the erased user's graph."""
+    thread_id = "conv-erased"
+    ada = thread("user-ada", thread_id)
+    checkpoint = empty_checkpoint()
+    checkpoint["channel_values"] = {"profile": "ADA LOVELACE, card 4242"}
+    saved = await AgentStoreSaver(backend.db).aput(
+        ada, checkpoint, {"source": "input", "step": 0}, {}
+    )
+    await AgentStoreSaver(backend.db).aput_writes(saved, [("profile", "pending")], "task-1")
+
+    async with serve(backend.db, seeded=False) as api:
+        erased = await api.http.delete("/v1/users/user-ada", headers=auth_headers(user="user-ada"))
+        assert erased.status_code == 200, erased.text
+        assert await backend.db[CHECKPOINTS].count_documents({}) == 0
+        taken = await api.http.post(
+            f"/v1/conversations/{thread_id}/turns",
+            json={"turn_id": "t-1", "messages": [{"role": "user", "content": "mine now"}]},
+            headers=auth_headers(user="user-mallory"),
+        )
+        assert taken.status_code == 201, taken.text
+
+    mallory = thread("user-mallory", thread_id)
+    assert await AgentStoreSaver(backend.db).aget_tuple(mallory) is None
+    assert await AgentStoreSaver(backend.db).aget_tuple(thread(thread_id=thread_id)) is None
+
+
+async def test_a_graph_of_an_erased_user_cannot_write_into_the_thread_another_user_now_owns(
+    backend: Backend,
+) -> None:
+    """LANGGRAPH.md "Owners": a graph writes only its user's threads, also a long-running one
+    that wrote the thread while it was its user's. Every checkpoint document names the user
+    it was written for, and no other user reads it; a checkpoint that follows none (a new
+    run of the graph) and every write after a read finds the thread is not its own."""
+    thread_id = "conv-reused"
+    ada = thread("user-ada", thread_id)
+    adas_graph = AgentStoreSaver(backend.db)
+    saved = await adas_graph.aput(ada, empty_checkpoint(), {"source": "input", "step": 0}, {})
+    first = {"configurable": saved["configurable"] | {"user_id": "user-ada"}}
+    await ConversationStore(backend.db).erase_user("user-ada")
+    mallory = thread("user-mallory", thread_id)
+    await tool_agent(AgentStoreSaver(backend.db)).ainvoke(question(1), mallory)
+    mallorys = await AgentStoreSaver(backend.db).aget_tuple(mallory)
+    assert mallorys is not None
+
+    later = empty_checkpoint()
+    later["channel_values"] = {"note": "written by Ada's graph"}
+    await adas_graph.aput(first, later, {"source": "loop", "step": 1}, {})
+    await adas_graph.aput_writes(first, [("note", "Ada's")], "task-1")
+    assert await AgentStoreSaver(backend.db).aget_tuple(mallory) == mallorys
+    assert [t.checkpoint["id"] async for t in AgentStoreSaver(backend.db).alist(mallory)] == [
+        t.checkpoint["id"]
+        async for t in AgentStoreSaver(backend.db).alist(mallory)
+        if t.checkpoint["id"] != later["id"]
+    ]
+    before = await _counts(backend.db)
+    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+        await adas_graph.aput(ada, empty_checkpoint(), {"source": "input", "step": 2}, {})
+    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+        await adas_graph.aput(first, later, {"source": "loop", "step": 1}, {})
+    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+        await adas_graph.aput_writes(first, [("note", "Ada's")], "task-1")
+    assert await _counts(backend.db) == before
+    assert await AgentStoreSaver(backend.db).aget_tuple(mallory) == mallorys
+
+
+async def test_deleting_a_conversation_deletes_its_checkpoints(backend: Backend) -> None:
+    """The conversation is the thread: deleting it through the store (or the HTTP API) leaves
+    no checkpoint for whoever takes the id next, as `delete_thread` does."""
+    ada = thread("user-ada")
+    thread_id = ada["configurable"]["thread_id"]
+    adas_graph = tool_agent(AgentStoreSaver(backend.db))
+    await run_turns(adas_graph, ada, range(1, 3))
+    await ConversationStore(backend.db).delete(thread_id, user_id="user-ada")
+    assert await _counts(backend.db) == (0, 0, 0)
+
+    grace = thread("user-grace", thread_id)
+    await run_turns(tool_agent(AgentStoreSaver(backend.db)), grace, range(1, 2))
+    assert len((await adas_graph.aget_state(grace)).values["messages"]) == 2
+    with pytest.raises(NotFound):
+        await adas_graph.ainvoke(question(3), ada)
+
+
+async def test_a_claimed_thread_is_the_new_owners_and_the_old_ids_graph_is_refused(
+    backend: Backend,
+) -> None:
+    """A claim moves the checkpoints with the conversations: the new owner's graph goes on
+    from the state, and the old id's graph, like any other user's, is refused."""
+    old = thread("user-guest")
+    thread_id = old["configurable"]["thread_id"]
+    guests_graph = tool_agent(AgentStoreSaver(backend.db))
+    await run_turns(guests_graph, old, range(1, 3))
+    state = (await guests_graph.aget_state(old)).values
+    await ConversationStore(backend.db).claim("user-guest", "user-ada")
+
+    ada = thread("user-ada", thread_id)
+    adas_graph = tool_agent(AgentStoreSaver(backend.db))
+    assert (await adas_graph.aget_state(ada)).values == state
+    before = await _counts(backend.db)
+    with pytest.raises(NotFound):
+        await guests_graph.ainvoke(question(3), old)
+    assert await _counts(backend.db) == before
+    await run_turns(adas_graph, ada, range(3, 4))
+    assert len((await adas_graph.aget_state(ada)).values["messages"]) == len(state["messages"]) + 2
+
+
+async def test_checkpoints_stored_without_their_owner_stay_the_owners_thread(
+    backend: Backend,
+) -> None:
+    """Checkpoints written before they named their owner are read, and gone on from, by the
+    conversation's owner, and by no one else."""
+    ada = thread("user-ada")
+    thread_id = ada["configurable"]["thread_id"]
+    await run_turns(tool_agent(AgentStoreSaver(backend.db)), ada, range(1, 3))
+    state = (await tool_agent(AgentStoreSaver(backend.db)).aget_state(ada)).values
+    await backend.db[CHECKPOINTS].delete_many({"checkpoint_id": {"$exists": False}})
+    await backend.db[CHECKPOINTS].update_many({}, {"$unset": {"user_id": ""}})
+
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    assert (await graph.aget_state(ada)).values == state
+    assert (await graph.aget_state(thread("user-grace", thread_id))).values == {}
+    await run_turns(graph, ada, range(3, 4))
+    cold = tool_agent(AgentStoreSaver(backend.db))
+    assert len((await cold.aget_state(ada)).values["messages"]) == len(state["messages"]) + 2
 
 
 async def test_a_users_list_names_its_thread(backend: Backend) -> None:

@@ -19,10 +19,12 @@ from bson import Int64
 from langchain_core.messages import BaseMessage
 
 from agent_store.core import InvalidInput
+from agent_store.store import LANGGRAPH_CHECKPOINTS
 
-CHECKPOINTS = "langgraph_checkpoints"
+CHECKPOINTS = LANGGRAPH_CHECKPOINTS
 """One document per checkpoint, its pending writes and the extras of the messages it logged
-inside (extension collection)."""
+inside, each naming the user it was written for (extension collection: the store deletes,
+erases and claims its documents with their conversations, `store.THREAD_COLLECTIONS`)."""
 REWRITTEN = "agent_store_messages"
 """The metadata key set to "rewritten" when a checkpoint's messages are not the transcript up
 to a high-water `seq`."""
@@ -127,6 +129,13 @@ def remap_segments(segments: Sequence[Segment], seq_map: Mapping[int, int]) -> l
 def checkpoint_key(thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> str:
     """A checkpoint document's `_id`: its three names, unambiguously."""
     return json.dumps([thread_id, checkpoint_ns, checkpoint_id], ensure_ascii=False)
+
+
+def written_for(owner: str | None) -> dict[str, Any]:
+    """The checkpoint documents of a thread that are `owner`'s when the thread is: those written
+    for it, and those that name no user (a thread's before it was assigned, or stored before
+    documents named their owner). A user reads, and a write for `owner` touches, no other."""
+    return {"user_id": {"$in": [owner, None]}}
 
 
 # -- pending writes ---------------------------------------------------------------------------

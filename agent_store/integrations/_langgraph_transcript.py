@@ -82,8 +82,9 @@ class _Thread:
     loaded_until: int = 0
     """Every stored message below this `seq` is in `by_seq`."""
     head: _Head | None = None
-    admitted: set[str | None] = field(default_factory=set)
-    """Owners whose right to write this thread was checked."""
+    admitted: dict[str | None, str | None] = field(default_factory=dict)
+    """By the graph's user (None: a service) whose right to write this thread was checked,
+    the thread's owner then (the user itself; for a service, the conversation's owner)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def remember(self, seq: int, message: BaseMessage) -> None:

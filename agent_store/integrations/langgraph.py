@@ -17,8 +17,11 @@ in the `langgraph_checkpoints` collection with LangGraph's serializer.
 
 The thread's owner is `config["configurable"]["user_id"]` (see `owner_key`):
 such a graph reads and writes only that user's threads, as a user token does.
-Without it the saver acts as a service. Needs the `langgraph` extra; see
-docs/LANGGRAPH.md.
+Without it the saver acts as a service. Each checkpoint document names the
+user it was written for (`user_id`, the thread's owner); a user reads only its
+own, and a write touches no document of another user's (`_store`); the thread's
+owner is checked once per thread in a process, and again on rare paths
+(`_admission`). Needs the `langgraph` extra; see docs/LANGGRAPH.md.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from pymongo import ASCENDING, DESCENDING, IndexModel
-from pymongo.errors import BulkWriteError
+from pymongo.errors import BulkWriteError, DuplicateKeyError
 
 from agent_store.core import InvalidInput, NotFound
 from agent_store.integrations._langgraph_documents import (
@@ -70,6 +73,7 @@ from agent_store.integrations._langgraph_documents import (
     pending_writes,
     remap_segments,
     write_entries,
+    written_for,
 )
 from agent_store.integrations._langgraph_transcript import Owner, TranscriptLink
 from agent_store.store import (
@@ -92,6 +96,8 @@ CHECKPOINT_INDEXES: dict[str, list[IndexModel]] = {
         ),
         IndexModel([("metadata.run_id", ASCENDING)], sparse=True),
         IndexModel([("thread_id", ASCENDING), ("extras.seq", ASCENDING)], sparse=True),
+        # Erasing a user and claiming an account select the documents written for one user.
+        IndexModel([("user_id", ASCENDING)], sparse=True),
     ],
 }
 """The saver's own indexes, beside the store's."""
@@ -177,6 +183,8 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         }
         if checkpoint_id is not None:
             query["checkpoint_id"] = checkpoint_id
+        if owner.user_id is not None:
+            query |= written_for(owner.user_id)
         with storage_errors("read the checkpoint"):
             docs = await (
                 self._checkpoints.find(query).sort("checkpoint_id", -1).limit(1).to_list(None)
@@ -201,6 +209,8 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             query["thread_id"] = _thread_id(configurable["thread_id"])
         elif owner.user_id is not None:
             raise InvalidInput("invalid list: a user's checkpoints are listed one thread at a time")
+        if owner.user_id is not None:
+            query |= written_for(owner.user_id)
         if "checkpoint_ns" in configurable:
             query["checkpoint_ns"] = _text(configurable["checkpoint_ns"], "checkpoint_ns")
         if configurable.get("checkpoint_id") is not None:
@@ -262,7 +272,10 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         kind, blob = self.serde.dumps_typed({**checkpoint, "channel_values": values})
         stored_metadata = _storable_metadata(get_checkpoint_metadata(config, metadata))
         await self.setup()
-        await self._admit(thread_id, owner)
+        # A thread's first checkpoint, or one that follows none: the owner is checked again,
+        # as the thread may have been deleted (its user erased) and its id taken since.
+        first = parent_id is None and checkpoint_ns == ""
+        stamp = await self._admission(thread_id, owner, again=first)
         document: dict[str, Any] = {
             "thread_id": thread_id,
             "checkpoint_ns": checkpoint_ns,
@@ -272,6 +285,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             "checkpoint": blob,
             "messages": None,
             "metadata": stored_metadata,
+            "user_id": stamp,
         }
         if messages is not None:
             segments, extras = await self._transcripts.place(
@@ -284,8 +298,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             if is_rewritten(segments):
                 stored_metadata[REWRITTEN] = "rewritten"
         key = checkpoint_key(thread_id, checkpoint_ns, checkpoint_id)
-        with storage_errors("store the checkpoint"):
-            await self._checkpoints.update_one({"_id": key}, {"$set": document}, upsert=True)
+        await self._store(key, {"$set": document}, stamp, "store the checkpoint")
         return {
             "configurable": {
                 "thread_id": thread_id,
@@ -315,20 +328,21 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         if not entries:
             return
         await self.setup()
-        await self._admit(thread_id, self._owner(config))
-        with storage_errors("store the pending writes"):
-            await self._checkpoints.update_one(
-                {"_id": checkpoint_key(thread_id, checkpoint_ns, checkpoint_id)},
-                {
-                    "$push": {"writes": {"$each": entries}},
-                    "$setOnInsert": {
-                        "thread_id": thread_id,
-                        "checkpoint_ns": checkpoint_ns,
-                        "checkpoint_id": checkpoint_id,
-                    },
+        stamp = await self._admission(thread_id, self._owner(config))
+        await self._store(
+            checkpoint_key(thread_id, checkpoint_ns, checkpoint_id),
+            {
+                "$push": {"writes": {"$each": entries}},
+                "$setOnInsert": {
+                    "thread_id": thread_id,
+                    "checkpoint_ns": checkpoint_ns,
+                    "checkpoint_id": checkpoint_id,
+                    "user_id": stamp,
                 },
-                upsert=True,
-            )
+            },
+            stamp,
+            "store the pending writes",
+        )
 
     # -- administering -----------------------------------------------------------------------
 
@@ -433,34 +447,59 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         return Owner(validate_identifier(user_id, self.owner_key))
 
     async def _visible(self, thread_id: str, owner: Owner) -> bool:
-        """Whether the owner may read the thread: a service always, a user only its own."""
+        """Whether the owner may read the thread: a service always, a user only its own (a
+        user's right to write a thread it finds is not its own is checked again)."""
         if owner.user_id is None:
             return True
         try:
             await self.store.get_conversation(thread_id, user_id=owner.user_id, fallback=False)
         except NotFound:
+            self._transcripts.thread(thread_id).admitted.pop(owner.user_id, None)
             return False
         return True
 
-    async def _admit(self, thread_id: str, owner: Owner) -> None:
-        """Make sure the thread's conversation exists and the owner may write it (once per
-        thread and owner in this process). A user never writes another's or a service's."""
-        state = self._transcripts.thread(thread_id)
-        if owner.user_id in state.admitted:
-            return
+    async def _admission(self, thread_id: str, owner: Owner, *, again: bool = False) -> str | None:
+        """The thread's owner as checked for this graph's owner (`_admit`): once per thread
+        and owner in this process, or now when asked to check `again`."""
+        admitted = self._transcripts.thread(thread_id).admitted
+        if again or owner.user_id not in admitted:
+            admitted.pop(owner.user_id, None)
+            admitted[owner.user_id] = await self._admit(thread_id, owner)
+        return admitted[owner.user_id]
+
+    async def _admit(self, thread_id: str, owner: Owner) -> str | None:
+        """Make sure the thread's conversation exists and the owner may write it; answer the
+        user the thread's documents are written for. A user never writes another's or a
+        service's thread; a service writes any, for the conversation's owner."""
         if owner.user_id is None:
-            await self.logger.upsert_conversation(thread_id)
-        else:
+            return (await self.logger.upsert_conversation(thread_id)).user_id
+        try:
+            found = await self.store.get_conversation(thread_id, fallback=False)
+        except NotFound:
+            found = await self.logger.upsert_conversation(thread_id, user_id=owner.user_id)
+        if found.user_id != owner.user_id:
+            raise NotFound(
+                f"conversation {thread_id!r} was not found for user {owner.user_id!r}: "
+                "a user writes only to its own threads"
+            )
+        return owner.user_id
+
+    async def _store(
+        self, key: str, update: dict[str, Any], stamp: str | None, action: str
+    ) -> None:
+        """Apply `update` (which names `stamp` as the document's `user_id`) to the thread's
+        document `key`, upserted, in one command: only a document written for `stamp`, the
+        thread's owner as admitted, or for no user is touched; one written for another user is
+        left as it is (NotFound)."""
+        with storage_errors(action):
             try:
-                found = await self.store.get_conversation(thread_id, fallback=False)
-            except NotFound:
-                found = await self.logger.upsert_conversation(thread_id, user_id=owner.user_id)
-            if found.user_id != owner.user_id:
-                raise NotFound(
-                    f"conversation {thread_id!r} was not found for user {owner.user_id!r}: "
-                    "a user writes only to its own threads"
+                await self._checkpoints.update_one(
+                    {"_id": key} | written_for(stamp), update, upsert=True
                 )
-        state.admitted.add(owner.user_id)
+            except DuplicateKeyError as exc:
+                raise NotFound(
+                    f"checkpoint {key} was not found for user {stamp!r}: another user's"
+                ) from exc
 
     # -- synchronous API ---------------------------------------------------------------------
 

@@ -15,6 +15,14 @@ BLOB_BUCKET = "agent_message_blobs"
 """The GridFS bucket of whole texts of cut messages (collections `….files`, `….chunks`)."""
 BLOB_FILES = f"{BLOB_BUCKET}.files"
 BLOB_CHUNKS = f"{BLOB_BUCKET}.chunks"
+LANGGRAPH_CHECKPOINTS = "langgraph_checkpoints"
+"""The LangGraph checkpointer's collection (`agent_store.integrations.langgraph`)."""
+THREAD_COLLECTIONS: tuple[str, ...] = (LANGGRAPH_CHECKPOINTS,)
+"""Collections integrations keep beside the conversations (their indexes are theirs): each
+document names its conversation as `thread_id` and, when it has one, the user it was written
+for as `user_id`. Deleting a conversation deletes its documents there, erasing a user deletes
+the documents of the user's conversations and every one naming the user, and a claim moves
+them with the conversations, as it moves the messages."""
 
 SHARD_KEYS: dict[str, dict[str, Any]] = {
     MESSAGES: {"conversation_id": 1, "seq": 1},

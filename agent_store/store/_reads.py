@@ -38,7 +38,7 @@ from agent_store.core import (
 from agent_store.store._blobs import FullTextStore
 from agent_store.store._driver import Database, storage_errors
 from agent_store.store._fork import fork_turns_of
-from agent_store.store._indexes import CONVERSATIONS, MESSAGES
+from agent_store.store._indexes import CONVERSATIONS, MESSAGES, THREAD_COLLECTIONS
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource
 from agent_store.store._pop import Pop, PopMemory
 from agent_store.store._reservation import SUMMARY
@@ -142,6 +142,7 @@ class ConversationStore:
         self._rules = rules or TurnRules()
         self._messages = db[MESSAGES]
         self._conversations = db[CONVERSATIONS]
+        self._beside = [db[name] for name in THREAD_COLLECTIONS]
         self._legacy_source = legacy
         self._full_texts = FullTextStore(db)
         self._pops = PopMemory()
@@ -263,9 +264,12 @@ class ConversationStore:
         )
 
     async def delete(self, conversation_id: str, *, user_id: str | None = None) -> Deleted:
-        """Delete a conversation: its messages, its document and its owner's legacy turns.
+        """Delete a conversation: its messages, its document, its owner's legacy turns and
+        what integrations keep beside it (`THREAD_COLLECTIONS`: a LangGraph thread's
+        checkpoints).
 
-        Legacy turns go first, then messages, then the conversation document: a
+        Legacy turns go first, then the documents beside it (they refer to the
+        messages), then messages, then the conversation document: a
         crash part-way leaves something a repeated delete finishes, never
         messages without their conversation, and never legacy turns that a
         migration re-run or the read fallback would bring back to life. A turn
@@ -286,6 +290,7 @@ class ConversationStore:
         if self._legacy_source is not None:
             legacy = await self._legacy_source.delete(conversation_id, owner=owner)
         await self._full_texts.forget({"conversation_id": conversation_id})
+        await self._delete_beside({"thread_id": conversation_id}, "delete the conversation")
         with storage_errors("delete the conversation"):
             messages = await self._messages.delete_many({"conversation_id": conversation_id})
             gone = await self._conversations.find_one_and_delete(
@@ -763,10 +768,12 @@ class ConversationStore:
 
         Every message of the user's conversations goes, whatever owner the message itself
         names (one logged before a turn assigned the conversation to the user, whose move
-        to the user did not happen yet), with the full texts of cut ones: the user's
-        conversations' messages first, `CLAIM_CHUNK` conversations per command, then any
-        message still naming the user, then the conversations, then the messages naming
-        the user logged meanwhile. Erased, a conversation id exists nowhere.
+        to the user did not happen yet), with the full texts of cut ones and what
+        integrations keep beside the conversations (`THREAD_COLLECTIONS`: LangGraph
+        checkpoints): the user's conversations' documents beside them and messages first,
+        `CLAIM_CHUNK` conversations per command, then any message still naming the user,
+        then the conversations, then the messages and the documents beside naming the user
+        written meanwhile. Erased, a conversation id exists nowhere.
         """
         user_id = validate_identifier(user_id, "user_id")
         legacy = 0
@@ -779,6 +786,7 @@ class ConversationStore:
             conversations = await self._conversations.delete_many({"user_id": user_id})
             # Messages logged between the two deletes would otherwise be orphans.
             late = await self._messages.delete_many({"user_id": user_id})
+        await self._delete_beside({"user_id": user_id}, "erase the user's data")
         return Deleted(
             conversations=conversations.deleted_count,
             messages=messages + named.deleted_count + late.deleted_count,
@@ -786,26 +794,38 @@ class ConversationStore:
         )
 
     async def _erase_messages_of_conversations(self, user_id: str) -> int:
-        """Delete every message (and full text) of the conversations `user_id` owns, whatever
-        owner the messages name, `CLAIM_CHUNK` conversations per command; answer how many."""
+        """Delete every message (and full text, and document beside) of the conversations
+        `user_id` owns, whatever owner the messages name, `CLAIM_CHUNK` conversations per
+        command; answer how many messages."""
         erased = 0
         with storage_errors("erase the user's data"):
             owned = await self._conversations.distinct("_id", {"user_id": user_id})
         for start in range(0, len(owned), CLAIM_CHUNK):
-            chunk = {"conversation_id": {"$in": owned[start : start + CLAIM_CHUNK]}}
+            ids = {"$in": owned[start : start + CLAIM_CHUNK]}
+            await self._delete_beside({"thread_id": ids}, "erase the user's data")
+            chunk = {"conversation_id": ids}
             await self._full_texts.forget(chunk)
             with storage_errors("erase the user's data"):
                 erased += (await self._messages.delete_many(chunk)).deleted_count
         return erased
+
+    async def _delete_beside(self, query: dict[str, Any], action: str) -> None:
+        """Delete what `query` selects in each collection integrations keep beside the
+        conversations (`THREAD_COLLECTIONS`): one command per collection."""
+        with storage_errors(action):
+            for collection in self._beside:
+                await collection.delete_many(query)
 
     async def claim(self, from_user_id: str, to_user_id: str) -> Claimed:
         """Move every conversation and message of one user id to another.
 
         Conversations move first: a turn logged meanwhile takes its owner from
         the conversation document, so it is stamped with the new owner. Then the
-        messages of the conversations the new owner holds move
-        (`_move_claimed_messages`): a conversation the old owner starts between the
-        two moves stays its own, with its messages. A turn reserved before, under
+        messages of the conversations the new owner holds move, and so do the
+        documents integrations keep beside them in the old owner's name
+        (`THREAD_COLLECTIONS`: LangGraph checkpoints, which the new owner's graphs
+        then read) (`_move_claimed_messages`): a conversation the old owner starts
+        between the two moves stays its own, with its messages. A turn reserved before, under
         the old owner, whose messages land after the messages moved is moved by a
         last sweep `TurnRules.claim_grace` later, or, slower than that, by its
         logger (`AgentMessageLogger.log_messages`).
@@ -834,9 +854,10 @@ class ConversationStore:
         )
 
     async def _move_claimed_messages(self, from_user_id: str, to_user_id: str) -> int:
-        """Move to the new owner the messages still under the old owner in conversations the
-        new owner holds; answer how many. Run as the claim moved the conversations, and as
-        its last sweep `claim_grace` later (a turn slower than that moves its own).
+        """Move to the new owner the messages, and the documents beside the conversations,
+        still under the old owner in conversations the new owner holds; answer how many
+        messages. Run as the claim moved the conversations, and as its last sweep
+        `claim_grace` later (a turn slower than that moves its own).
 
         Scoped to the conversations, not to the old owner: a conversation the old owner
         started after the claim moved the conversations stays its own, with its messages;
@@ -844,17 +865,29 @@ class ConversationStore:
         being listed before. Which conversations is asked of the messages' conversation
         ids, `CLAIM_CHUNK` at a time, so each command stays small.
         """
+        moved = await self._move_claimed(
+            self._messages, "conversation_id", from_user_id, to_user_id
+        )
+        for collection in self._beside:
+            await self._move_claimed(collection, "thread_id", from_user_id, to_user_id)
+        return moved
+
+    async def _move_claimed(
+        self, collection: Any, conversation_field: str, from_user_id: str, to_user_id: str
+    ) -> int:
+        """`_move_claimed_messages` in one collection whose documents name their conversation
+        in `conversation_field`; answer how many documents moved."""
         moved = 0
         with storage_errors("claim the conversations"):
-            written = await self._messages.distinct("conversation_id", {"user_id": from_user_id})
+            written = await collection.distinct(conversation_field, {"user_id": from_user_id})
             for start in range(0, len(written), CLAIM_CHUNK):
                 claimed = await self._conversations.distinct(
                     "_id",
                     {"_id": {"$in": written[start : start + CLAIM_CHUNK]}, "user_id": to_user_id},
                 )
                 if claimed:
-                    result = await self._messages.update_many(
-                        {"user_id": from_user_id, "conversation_id": {"$in": claimed}},
+                    result = await collection.update_many(
+                        {"user_id": from_user_id, conversation_field: {"$in": claimed}},
                         {"$set": {"user_id": to_user_id}},
                     )
                     moved += result.modified_count
