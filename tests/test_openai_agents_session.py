@@ -420,7 +420,7 @@ async def test_a_session_of_one_user_neither_reads_nor_writes_anothers(backend: 
     assert await intruder.pop_item() is None
 
 
-async def test_adding_costs_two_round_trips_reading_one_and_clearing_five(
+async def test_adding_costs_two_round_trips_reading_one_and_clearing_six(
     wire_backend: Backend,
 ) -> None:
     assert wire_backend.commands is not None
@@ -442,9 +442,17 @@ async def test_adding_costs_two_round_trips_reading_one_and_clearing_five(
 
     wire_backend.commands.clear()
     await session.clear_session()
-    # The conversation, its cut texts' files (none here), its messages, its document, and a
-    # look for messages a turn in flight may have inserted meanwhile (none here).
-    assert wire_backend.commands.names == ["find", "find", "delete", "findAndModify", "find"]
+    # The conversation, its cut texts' files (none here), its LangGraph checkpoints (none
+    # here), its messages, its document, and a look for messages a turn in flight may have
+    # inserted meanwhile (none here).
+    assert wire_backend.commands.names == [
+        "find",
+        "find",
+        "delete",
+        "delete",
+        "findAndModify",
+        "find",
+    ]
 
 
 async def test_items_added_again_after_a_failed_add_was_popped_are_stored(
