@@ -361,6 +361,26 @@ async def test_a_turn_costs_the_same_round_trips_however_long_the_thread(
     assert counts[8].total() == 1 + 2 + 3 + (1 + 3) * 3  # agent, tool, agent
 
 
+async def test_a_users_write_into_a_checkpoint_naming_no_user_costs_two_round_trips_more(
+    wire_backend: Backend,
+) -> None:
+    """The owner is checked again before a user's graph writes into a document that names no
+    user (a service's, or one stored before documents named their owner): the refused
+    upsert, the conversation, the write; the document then names the user."""
+    assert wire_backend.commands is not None
+    ada = thread("user-ada")
+    saver = AgentStoreSaver(wire_backend.db)
+    saved = await saver.aput(ada, empty_checkpoint(), {"source": "input", "step": 0}, {})
+    await wire_backend.db[CHECKPOINTS].update_many({}, {"$unset": {"user_id": ""}})
+    mine = {"configurable": saved["configurable"] | {"user_id": "user-ada"}}
+    wire_backend.commands.clear()
+    await saver.aput_writes(mine, [("note", "Ada's")], "task-1")
+    assert wire_backend.commands.names == ["update", "find", "update"]
+    wire_backend.commands.clear()
+    await saver.aput_writes(mine, [("note", "Ada's again")], "task-2")
+    assert wire_backend.commands.names == ["update"]  # the document names her now
+
+
 # -- each message once -----------------------------------------------------------------------
 
 
@@ -594,6 +614,114 @@ async def test_checkpoints_stored_without_their_owner_stay_the_owners_thread(
     await run_turns(graph, ada, range(3, 4))
     cold = tool_agent(AgentStoreSaver(backend.db))
     assert len((await cold.aget_state(ada)).values["messages"]) == len(state["messages"]) + 2
+
+
+async def test_a_long_lived_saver_never_serves_an_erased_users_messages_to_the_ids_next_owner(
+    backend: Backend,
+) -> None:
+    """A saver is one per process, shared by every user: what it keeps of a thread is the
+    conversation's it was read from. Erased (or deleted) and taken by another user, the id is
+    a new conversation, and the saver reads it afresh for its new owner, and for a service."""
+    thread_id = "conv-shared-cache"
+    shared = AgentStoreSaver(backend.db)
+    await tool_agent(shared).ainvoke(_said("ADA SECRET: card 4242"), thread("user-ada", thread_id))
+    await ConversationStore(backend.db).erase_user("user-ada")
+
+    grace = thread("user-grace", thread_id)
+    await tool_agent(AgentStoreSaver(backend.db)).ainvoke(_said("grace's own words"), grace)
+    for config in (thread(thread_id=thread_id), grace):  # a service's read, then Grace's
+        texts = [
+            m.content for m in (await tool_agent(shared).aget_state(config)).values["messages"]
+        ]
+        assert texts[0] == "grace's own words"
+        assert "ADA SECRET: card 4242" not in texts
+
+
+def _said(text: str) -> dict[str, Any]:
+    return {"messages": [HumanMessage(text, id="human-1")]}
+
+
+async def test_a_services_turn_after_a_claim_is_in_the_new_owners_state(
+    backend: Backend,
+) -> None:
+    """What a service writes is for whoever owns the thread when it is read: a service's turn
+    after a claim is in the new owner's state, and erasing the old id deletes none of it."""
+    thread_id = "conv-claimed-service"
+    await tool_agent(AgentStoreSaver(backend.db)).ainvoke(
+        question(1), thread("user-guest", thread_id)
+    )
+    service = tool_agent(AgentStoreSaver(backend.db))  # a long-lived service worker
+    await service.ainvoke(question(3), thread(thread_id=thread_id))
+    store = ConversationStore(backend.db)
+    await store.claim("user-guest", "user-ada")
+
+    await service.ainvoke(question(5), thread(thread_id=thread_id))
+    services = (await service.aget_state(thread(thread_id=thread_id))).values["messages"]
+    ada = tool_agent(AgentStoreSaver(backend.db))
+    adas = (await ada.aget_state(thread("user-ada", thread_id))).values["messages"]
+    assert [m.content for m in adas] == [m.content for m in services]
+    assert len(adas) == 6
+    await store.erase_user("user-guest")
+    again = (await ada.aget_state(thread("user-ada", thread_id))).values["messages"]
+    assert again == adas
+
+
+async def test_a_services_checkpoint_landing_after_its_user_was_erased_is_not_the_next_owners(
+    backend: Backend,
+) -> None:
+    """A service's checkpoints name no user, so they follow the thread's owner; each names the
+    conversation it was written for, so one landing after the thread's user was erased is
+    never read by whoever takes the id next."""
+    thread_id = "conv-late-service"
+    await tool_agent(AgentStoreSaver(backend.db)).ainvoke(
+        question(1), thread("user-ada", thread_id)
+    )
+    service = AgentStoreSaver(backend.db)
+    latest = await service.aget_tuple(thread(thread_id=thread_id))
+    assert latest is not None
+    await service.aput_writes(latest.config, [("note", "seen")], "task-1")
+    await ConversationStore(backend.db).erase_user("user-ada")
+    late = empty_checkpoint()
+    late["channel_values"] = {"note": "ADA SECRET: card 4242"}
+    await service.aput(latest.config, late, {"source": "loop", "step": 1}, {})
+
+    await asyncio.sleep(0.002)  # the id is taken again, a millisecond later at least
+    grace = thread("user-grace", thread_id)
+    graces = tool_agent(AgentStoreSaver(backend.db))
+    await graces.ainvoke(question(2), grace)
+    ids = [t.checkpoint["id"] async for t in AgentStoreSaver(backend.db).alist(grace)]
+    assert ids
+    assert late["id"] not in ids
+    at_late = {"configurable": grace["configurable"] | {"checkpoint_id": late["id"]}}
+    assert await AgentStoreSaver(backend.db).aget_tuple(at_late) is None
+
+
+async def test_an_old_ids_pending_writes_after_a_claim_never_reach_the_new_owner(
+    backend: Backend,
+) -> None:
+    """A graph still running for the first user never writes into the new owner's state, not
+    even into a checkpoint that names no user (stored before documents named their owner, or
+    a service's): such a write checks the thread's owner first, and is refused."""
+    thread_id = "conv-old-docs"
+    guests = AgentStoreSaver(backend.db)
+    saved = await guests.aput(
+        thread("user-guest", thread_id), empty_checkpoint(), {"source": "input", "step": 0}, {}
+    )
+    await backend.db[CHECKPOINTS].update_many({}, {"$unset": {"user_id": ""}})
+    await ConversationStore(backend.db).claim("user-guest", "user-ada")
+
+    running = {"configurable": saved["configurable"] | {"user_id": "user-guest"}}
+    with pytest.raises(NotFound, match="a user writes only to its own threads"):
+        await guests.aput_writes(running, [("note", "written by the old id's graph")], "task-1")
+    adas = await AgentStoreSaver(backend.db).aget_tuple(thread("user-ada", thread_id))
+    assert adas is not None
+    assert adas.pending_writes == []
+    # The owner's own graph writes there (its owner checked once more).
+    mine = {"configurable": saved["configurable"] | {"user_id": "user-ada"}}
+    await AgentStoreSaver(backend.db).aput_writes(mine, [("note", "Ada's")], "task-1")
+    adas = await AgentStoreSaver(backend.db).aget_tuple(thread("user-ada", thread_id))
+    assert adas is not None
+    assert [w[1:] for w in adas.pending_writes] == [("note", "Ada's")]
 
 
 async def test_a_users_list_names_its_thread(backend: Backend) -> None:

@@ -13,6 +13,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from bson import Int64
@@ -23,8 +24,9 @@ from agent_store.store import LANGGRAPH_CHECKPOINTS
 
 CHECKPOINTS = LANGGRAPH_CHECKPOINTS
 """One document per checkpoint, its pending writes and the extras of the messages it logged
-inside, each naming the user it was written for (extension collection: the store deletes,
-erases and claims its documents with their conversations, `store.THREAD_COLLECTIONS`)."""
+inside, each naming the user and the conversation it was written for (extension collection:
+the store deletes, erases and claims its documents with their conversations,
+`store.THREAD_COLLECTIONS`)."""
 REWRITTEN = "agent_store_messages"
 """The metadata key set to "rewritten" when a checkpoint's messages are not the transcript up
 to a high-water `seq`."""
@@ -131,11 +133,29 @@ def checkpoint_key(thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> st
     return json.dumps([thread_id, checkpoint_ns, checkpoint_id], ensure_ascii=False)
 
 
-def written_for(owner: str | None) -> dict[str, Any]:
-    """The checkpoint documents of a thread that are `owner`'s when the thread is: those written
-    for it, and those that name no user (a thread's before it was assigned, or stored before
-    documents named their owner). A user reads, and a write for `owner` touches, no other."""
-    return {"user_id": {"$in": [owner, None]}}
+CONVERSATION = "conversation_created_ms"
+"""The field naming the conversation a checkpoint document was written for: its creation time,
+in milliseconds (`conversation_mark`). An id deleted and taken again is another conversation."""
+
+
+def conversation_mark(created_at: datetime) -> Int64:
+    """The conversation a thread's documents and cached messages belong to, as stored: its
+    creation time in whole milliseconds (what a BSON date keeps of it, read back or not)."""
+    if created_at.tzinfo is None:
+        created_at = created_at.replace(tzinfo=UTC)
+    return Int64((created_at - _EPOCH) // timedelta(milliseconds=1))
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def readable_by(user_id: str, conversation: int) -> dict[str, Any]:
+    """The checkpoint documents of a thread that its owner `user_id` reads, the thread being the
+    conversation `conversation` (`conversation_mark`): those written for the user or for none (a
+    service's, a thread's before it was assigned, or stored before documents named their
+    owner), for this conversation or for none named (stored before documents named it). A
+    user reads no other: not another user's, not an earlier conversation's under the id."""
+    return {"user_id": {"$in": [user_id, None]}, CONVERSATION: {"$in": [conversation, None]}}
 
 
 # -- pending writes ---------------------------------------------------------------------------

@@ -7,7 +7,9 @@ extras of the messages it logged: what the OpenAI format does not hold, which
 the checkpoint document that logged them keeps (`extras`).
 `TranscriptLink.materialize` turns segments back into the messages. A small
 per-thread cache keeps the messages already read or written, so a graph that
-appends pays for its new messages only, however long the conversation.
+appends pays for its new messages only, however long the conversation; it holds
+one conversation's (`TranscriptLink.tie`): an id deleted and taken again is read
+afresh.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from agent_store.integrations._langgraph_documents import (
     Segment,
     SeqRange,
     Serialize,
+    conversation_mark,
     place_all,
     places_of,
 )
@@ -60,6 +63,17 @@ class Owner:
 
 
 @dataclass(frozen=True)
+class Admission:
+    """A graph's owner admitted to write a thread (`AgentStoreSaver._admit`)."""
+
+    stamp: str | None
+    """The user the graph's checkpoint documents are written for: the graph's user; none for
+    a service's, which are the thread's owner's, whoever that is when they are read."""
+    conversation: int
+    """The conversation the thread was then (`conversation_mark`)."""
+
+
+@dataclass(frozen=True)
 class _Head:
     """The messages of the checkpoint last written or read for a thread, and their segments."""
 
@@ -75,17 +89,22 @@ class _Head:
 
 @dataclass
 class _Thread:
-    """What this process knows of one thread's transcript."""
+    """What this process knows of one thread's transcript, all of one conversation."""
 
+    conversation: int | None = None
+    """The conversation it was read from or written to (`conversation_mark`); None: not known
+    yet (nothing read but documents that name none)."""
     by_seq: dict[int, BaseMessage] = field(default_factory=dict)
     seq_by_id: dict[str, int] = field(default_factory=dict)
     loaded_until: int = 0
     """Every stored message below this `seq` is in `by_seq`."""
     head: _Head | None = None
-    admitted: dict[str | None, str | None] = field(default_factory=dict)
-    """By the graph's user (None: a service) whose right to write this thread was checked,
-    the thread's owner then (the user itself; for a service, the conversation's owner)."""
+    admitted: dict[str | None, Admission] = field(default_factory=dict)
+    """By the graph's user (None: a service) whose right to write this thread was checked."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def holds_anything(self) -> bool:
+        return bool(self.by_seq or self.head is not None or self.admitted)
 
     def remember(self, seq: int, message: BaseMessage) -> None:
         self.by_seq[seq] = message
@@ -134,6 +153,19 @@ class TranscriptLink:
         self._threads[thread_id] = state
         while len(self._threads) > self._cache_threads:
             self._threads.popitem(last=False)
+        return state
+
+    def tie(self, thread_id: str, conversation: int | None) -> _Thread:
+        """The cache of one thread as the conversation `conversation` (`conversation_mark`):
+        what it holds of another conversation under the id (deleted, its user erased, and the id
+        taken again), or of one it could not name, is dropped. None (documents stored before
+        they named their conversation) keeps the cache as it is."""
+        state = self.thread(thread_id)
+        if conversation is None or state.conversation == conversation:
+            return state
+        if state.conversation is not None or state.holds_anything():
+            state = self._threads[thread_id] = _Thread()
+        state.conversation = conversation
         return state
 
     def forget(self, thread_id: str) -> None:
@@ -261,13 +293,15 @@ class TranscriptLink:
         segments: Sequence[Segment],
         *,
         checkpoint_id: str,
+        conversation: int | None,
         owner: Owner,
         as_head: bool,
         latest: bool = False,
     ) -> list[BaseMessage]:
         """The messages of a checkpoint's segments, read from the transcript when not cached;
-        `as_head`, the checkpoint the graph goes on from (`latest`: the thread's newest)."""
-        state = self.thread(thread_id)
+        `as_head`, the checkpoint the graph goes on from (`latest`: the thread's newest). The
+        cache is the one of the conversation the checkpoint names (`tie`)."""
+        state = self.tie(thread_id, conversation)
         async with state.lock:
             head = state.head
             if (
@@ -327,20 +361,23 @@ class TranscriptLink:
 
     # -- forking -----------------------------------------------------------------------------
 
-    async def copy(self, source_id: str, target_id: str) -> dict[int, tuple[int, str]]:
+    async def copy(
+        self, source_id: str, target_id: str
+    ) -> tuple[dict[int, tuple[int, str]], int | None]:
         """Copy a thread's transcript into another conversation: a fork.
 
         The copy is logged through the logger, turn by turn of the source, so it has
         documents of its own (nothing shared to corrupt) and the source's owner (a
         target that belongs to another user is a Conflict, before anything is copied).
-        Answers where each source `seq` went, with its new message id. Re-running it
+        Answers where each source `seq` went, with its new message id, and the target
+        conversation (`conversation_mark`; None without a source conversation). Re-running it
         after a crash converges.
         """
         try:
             source = await self._store.get_conversation(source_id, fallback=False)
         except NotFound:
-            return {}
-        await self._logger.upsert_conversation(target_id, user_id=source.user_id)
+            return {}, None
+        target = await self._logger.upsert_conversation(target_id, user_id=source.user_id)
         stored = await self._store.messages_by_seq(source_id)
         moved: dict[int, tuple[int, str]] = {}
         for chunk in _turn_chunks(stored):
@@ -356,7 +393,7 @@ class TranscriptLink:
                 assert new.id is not None
                 moved[old.seq] = (new.seq, new.id)
         self.forget(target_id)
-        return moved
+        return moved, conversation_mark(target.created_at)
 
 
 def _extends(head: _Head | None, parent_id: str | None, messages: list[BaseMessage]) -> bool:

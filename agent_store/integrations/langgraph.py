@@ -18,10 +18,14 @@ in the `langgraph_checkpoints` collection with LangGraph's serializer.
 The thread's owner is `config["configurable"]["user_id"]` (see `owner_key`):
 such a graph reads and writes only that user's threads, as a user token does.
 Without it the saver acts as a service. Each checkpoint document names the
-user it was written for (`user_id`, the thread's owner); a user reads only its
-own, and a write touches no document of another user's (`_store`); the thread's
-owner is checked once per thread in a process, and again on rare paths
-(`_admission`). Needs the `langgraph` extra; see docs/LANGGRAPH.md.
+user it was written for (`user_id`: a user graph's user; none for a service's,
+which are the thread's owner's) and the conversation (`conversation_created_ms`);
+a user reads only its own thread's, of the conversation it is now (`_readable`),
+and a user's write touches its own documents, one naming no user only once the
+owner is checked again (`_store`); the thread's owner is checked once per thread
+in a process, and again on rare paths (`_admission`). What the saver caches of a
+thread is of one conversation (`TranscriptLink.tie`). Needs the `langgraph`
+extra; see docs/LANGGRAPH.md.
 """
 
 from __future__ import annotations
@@ -63,19 +67,21 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError
 from agent_store.core import InvalidInput, NotFound
 from agent_store.integrations._langgraph_documents import (
     CHECKPOINTS,
+    CONVERSATION,
     REWRITTEN,
     check_metadata_keys,
     checkpoint_key,
+    conversation_mark,
     decode_segments,
     encode_segments,
     is_rewritten,
     metadata_filter,
     pending_writes,
+    readable_by,
     remap_segments,
     write_entries,
-    written_for,
 )
-from agent_store.integrations._langgraph_transcript import Owner, TranscriptLink
+from agent_store.integrations._langgraph_transcript import Admission, Owner, TranscriptLink
 from agent_store.store import (
     AgentMessageLogger,
     ConversationStore,
@@ -174,17 +180,16 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         """The checkpoint named by `config`, or the thread's latest; None if there is none."""
         thread_id, checkpoint_ns, checkpoint_id = _address(config)
         owner = self._owner(config)
-        if not await self._visible(thread_id, owner):
+        readable = await self._readable(thread_id, owner)
+        if readable is None:
             return None
         query: dict[str, Any] = {
             "thread_id": thread_id,
             "checkpoint_ns": checkpoint_ns,
             "type": {"$exists": True},
-        }
+        } | readable
         if checkpoint_id is not None:
             query["checkpoint_id"] = checkpoint_id
-        if owner.user_id is not None:
-            query |= written_for(owner.user_id)
         with storage_errors("read the checkpoint"):
             docs = await (
                 self._checkpoints.find(query).sort("checkpoint_id", -1).limit(1).to_list(None)
@@ -209,16 +214,17 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             query["thread_id"] = _thread_id(configurable["thread_id"])
         elif owner.user_id is not None:
             raise InvalidInput("invalid list: a user's checkpoints are listed one thread at a time")
-        if owner.user_id is not None:
-            query |= written_for(owner.user_id)
         if "checkpoint_ns" in configurable:
             query["checkpoint_ns"] = _text(configurable["checkpoint_ns"], "checkpoint_ns")
         if configurable.get("checkpoint_id") is not None:
             query["checkpoint_id"] = _text(configurable["checkpoint_id"], "checkpoint_id")
         if before is not None:
             query["checkpoint_id"] = {"$lt": _text(get_checkpoint_id(before), "before")}
-        if "thread_id" in query and not await self._visible(query["thread_id"], owner):
-            return
+        if "thread_id" in query:
+            readable = await self._readable(query["thread_id"], owner)
+            if readable is None:
+                return
+            query |= readable
         cursor = self._checkpoints.find(query).sort("checkpoint_id", -1)
         if limit is not None:
             cursor = cursor.limit(limit)
@@ -238,6 +244,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
                 doc["thread_id"],
                 segments,
                 checkpoint_id=doc["checkpoint_id"],
+                conversation=doc.get(CONVERSATION),
                 owner=owner,
                 as_head=as_head,
                 latest=latest,
@@ -275,7 +282,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         # A thread's first checkpoint, or one that follows none: the owner is checked again,
         # as the thread may have been deleted (its user erased) and its id taken since.
         first = parent_id is None and checkpoint_ns == ""
-        stamp = await self._admission(thread_id, owner, again=first)
+        admission = await self._admission(thread_id, owner, again=first)
         document: dict[str, Any] = {
             "thread_id": thread_id,
             "checkpoint_ns": checkpoint_ns,
@@ -285,7 +292,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             "checkpoint": blob,
             "messages": None,
             "metadata": stored_metadata,
-            "user_id": stamp,
+            CONVERSATION: admission.conversation,
         }
         if messages is not None:
             segments, extras = await self._transcripts.place(
@@ -298,7 +305,12 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             if is_rewritten(segments):
                 stored_metadata[REWRITTEN] = "rewritten"
         key = checkpoint_key(thread_id, checkpoint_ns, checkpoint_id)
-        await self._store(key, {"$set": document}, stamp, "store the checkpoint")
+        update: dict[str, Any] = {"$set": document}
+        if admission.stamp is not None:
+            document["user_id"] = admission.stamp
+        else:  # a service's names no user; one it finds there keeps its own
+            update["$setOnInsert"] = {"user_id": None}
+        await self._store(thread_id, key, update, owner, "store the checkpoint")
         return {
             "configurable": {
                 "thread_id": thread_id,
@@ -328,21 +340,20 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         if not entries:
             return
         await self.setup()
-        stamp = await self._admission(thread_id, self._owner(config))
-        await self._store(
-            checkpoint_key(thread_id, checkpoint_ns, checkpoint_id),
-            {
-                "$push": {"writes": {"$each": entries}},
-                "$setOnInsert": {
-                    "thread_id": thread_id,
-                    "checkpoint_ns": checkpoint_ns,
-                    "checkpoint_id": checkpoint_id,
-                    "user_id": stamp,
-                },
+        owner = self._owner(config)
+        admission = await self._admission(thread_id, owner)
+        update = {
+            "$push": {"writes": {"$each": entries}},
+            "$setOnInsert": {
+                "thread_id": thread_id,
+                "checkpoint_ns": checkpoint_ns,
+                "checkpoint_id": checkpoint_id,
+                "user_id": admission.stamp,
+                CONVERSATION: admission.conversation,
             },
-            stamp,
-            "store the pending writes",
-        )
+        }
+        key = checkpoint_key(thread_id, checkpoint_ns, checkpoint_id)
+        await self._store(thread_id, key, update, owner, "store the pending writes")
 
     # -- administering -----------------------------------------------------------------------
 
@@ -410,18 +421,24 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             docs = await self._checkpoints.find({"thread_id": source}).to_list(None)
         if not docs:
             return
-        moved = await self._transcripts.copy(source, target)
-        copies = [self._rekeyed(doc, target, moved) for doc in docs]
+        moved, conversation = await self._transcripts.copy(source, target)
+        copies = [self._rekeyed(doc, target, moved, conversation) for doc in docs]
         await _insert_new(self._checkpoints, copies, "copy the thread's checkpoints")
         self._transcripts.forget(target)
 
     def _rekeyed(
-        self, doc: dict[str, Any], target: str, moved: dict[int, tuple[int, str]]
+        self,
+        doc: dict[str, Any],
+        target: str,
+        moved: dict[int, tuple[int, str]],
+        conversation: int | None,
     ) -> dict[str, Any]:
-        """A checkpoint document of the fork: its references moved to the fork's messages."""
+        """A checkpoint document of the fork: its references moved to the fork's messages, the
+        fork's conversation named."""
         copy = doc | {
             "_id": checkpoint_key(target, doc["checkpoint_ns"], doc["checkpoint_id"]),
             "thread_id": target,
+            CONVERSATION: conversation,
         }
         stored = doc.get("messages")
         if stored is not None:
@@ -446,33 +463,44 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             return Owner()
         return Owner(validate_identifier(user_id, self.owner_key))
 
-    async def _visible(self, thread_id: str, owner: Owner) -> bool:
-        """Whether the owner may read the thread: a service always, a user only its own (a
-        user's right to write a thread it finds is not its own is checked again)."""
+    async def _readable(self, thread_id: str, owner: Owner) -> dict[str, Any] | None:
+        """What the owner reads of the thread (a filter on its checkpoint documents), None if
+        nothing: a service reads every document, a user only its own thread's, of the
+        conversation the thread is now (`readable_by`; the lookup ties the saver's cache of the
+        thread to that conversation, `TranscriptLink.tie`). A user's right to write a thread it
+        finds is not its own is checked again."""
         if owner.user_id is None:
-            return True
+            return {}
         try:
-            await self.store.get_conversation(thread_id, user_id=owner.user_id, fallback=False)
+            found = await self.store.get_conversation(
+                thread_id, user_id=owner.user_id, fallback=False
+            )
         except NotFound:
             self._transcripts.thread(thread_id).admitted.pop(owner.user_id, None)
-            return False
-        return True
+            return None
+        conversation = conversation_mark(found.created_at)
+        self._transcripts.tie(thread_id, conversation)
+        return readable_by(owner.user_id, conversation)
 
-    async def _admission(self, thread_id: str, owner: Owner, *, again: bool = False) -> str | None:
-        """The thread's owner as checked for this graph's owner (`_admit`): once per thread
-        and owner in this process, or now when asked to check `again`."""
+    async def _admission(self, thread_id: str, owner: Owner, *, again: bool = False) -> Admission:
+        """The owner's admission to write the thread (`_admit`): checked once per thread, owner
+        and conversation in this process, or now when asked to check `again`."""
         admitted = self._transcripts.thread(thread_id).admitted
-        if again or owner.user_id not in admitted:
-            admitted.pop(owner.user_id, None)
-            admitted[owner.user_id] = await self._admit(thread_id, owner)
-        return admitted[owner.user_id]
+        if not again and owner.user_id in admitted:
+            return admitted[owner.user_id]
+        admitted.pop(owner.user_id, None)
+        admission = await self._admit(thread_id, owner)
+        self._transcripts.tie(thread_id, admission.conversation).admitted[owner.user_id] = admission
+        return admission
 
-    async def _admit(self, thread_id: str, owner: Owner) -> str | None:
-        """Make sure the thread's conversation exists and the owner may write it; answer the
-        user the thread's documents are written for. A user never writes another's or a
-        service's thread; a service writes any, for the conversation's owner."""
+    async def _admit(self, thread_id: str, owner: Owner) -> Admission:
+        """Make sure the thread's conversation exists and the owner may write it. A user never
+        writes another's or a service's thread, and its documents name it; a service writes
+        any, and its documents name no user: they are the thread's owner's, whoever that is
+        when they are read (a claim leaves them where they are)."""
         if owner.user_id is None:
-            return (await self.logger.upsert_conversation(thread_id)).user_id
+            found = await self.logger.upsert_conversation(thread_id)
+            return Admission(None, conversation_mark(found.created_at))
         try:
             found = await self.store.get_conversation(thread_id, fallback=False)
         except NotFound:
@@ -482,24 +510,37 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
                 f"conversation {thread_id!r} was not found for user {owner.user_id!r}: "
                 "a user writes only to its own threads"
             )
-        return owner.user_id
+        return Admission(owner.user_id, conversation_mark(found.created_at))
 
     async def _store(
-        self, key: str, update: dict[str, Any], stamp: str | None, action: str
+        self, thread_id: str, key: str, update: dict[str, Any], owner: Owner, action: str
     ) -> None:
-        """Apply `update` (which names `stamp` as the document's `user_id`) to the thread's
-        document `key`, upserted, in one command: only a document written for `stamp`, the
-        thread's owner as admitted, or for no user is touched; one written for another user is
-        left as it is (NotFound)."""
+        """Apply `update` to the thread's document `key`, upserted, in one command.
+
+        A service's touches any document. A user's touches only a document written for that
+        user; one written for no user (a service's, or stored before documents named their
+        owner) only after the thread's owner is checked again (two round trips more, on that
+        path only: a graph still running for a user the thread is no longer, after a claim,
+        is refused), and then it names the user; one written for another user is left as it
+        is (NotFound).
+        """
+        user_id = owner.user_id
         with storage_errors(action):
             try:
-                await self._checkpoints.update_one(
-                    {"_id": key} | written_for(stamp), update, upsert=True
-                )
-            except DuplicateKeyError as exc:
-                raise NotFound(
-                    f"checkpoint {key} was not found for user {stamp!r}: another user's"
-                ) from exc
+                mine = {} if user_id is None else {"user_id": user_id}
+                await self._checkpoints.update_one({"_id": key} | mine, update, upsert=True)
+                return
+            except DuplicateKeyError:
+                pass  # another user's, or no user's
+        admission = await self._admission(thread_id, owner, again=True)
+        unowned = {"user_id": None, CONVERSATION: {"$in": [admission.conversation, None]}}
+        # The owner's now: named so, its next write is the common path.
+        named = {op: v for op, v in update.items() if op != "$setOnInsert"}
+        named["$set"] = update.get("$set", {}) | {"user_id": user_id}
+        with storage_errors(action):
+            result = await self._checkpoints.update_one({"_id": key} | unowned, named)
+        if not result.matched_count:
+            raise NotFound(f"checkpoint {key} was not found for user {user_id!r}: another user's")
 
     # -- synchronous API ---------------------------------------------------------------------
 
