@@ -30,6 +30,7 @@ from agent_store.core import (
     NotFound,
     PendingCall,
     PendingHitl,
+    PoppedMessage,
     message_adapter,
     messages_adapter,
     shown,
@@ -455,11 +456,12 @@ class ConversationStore:
 
     async def _pending_before(
         self, popped: AgentMessage
-    ) -> tuple[list[PendingCall], PendingHitl | None]:
+    ) -> tuple[list[PendingCall], PendingHitl | None, list[int]]:
         """The calls and the prompt the messages before `popped` leave pending (reads them
         all: a pop of an answer or a prompt is rare, and what is pending depends on every
         turn, and in a fork on where its copies began the original's turns: one lookup more
-        then)."""
+        then), and the `seq`s below it with no message (the pop waits for a turn still
+        writing one)."""
         docs = await (
             self._messages.find(
                 {"conversation_id": popped.conversation_id, "seq": {"$lt": popped.seq}}
@@ -474,7 +476,10 @@ class ConversationStore:
                 {"_id": popped.conversation_id}, {"forked_from": 1}
             )
             starts = fork_turns_of(conversation or {})
-        return pending_after(messages, starts)
+        stored = {m.seq for m in messages}
+        assert popped.seq is not None
+        missing = [seq for seq in range(popped.seq) if seq not in stored]
+        return (*pending_after(messages, starts), missing)
 
     async def messages_by_seq(
         self,
@@ -532,7 +537,7 @@ class ConversationStore:
             query["user_id"] = validate_identifier(user_id, "user_id")
         if after is not None:
             try:
-                seq = await self._seq_of(after, query)
+                seq, removed = await self._seq_of(after, query)
             except InvalidInput:
                 if not after.startswith("msg-"):
                     raise
@@ -540,7 +545,8 @@ class ConversationStore:
                 if legacy is None:
                     raise
                 return legacy
-            query["seq"] = {"$gt" if order == "asc" else "$lt": seq}
+            # What a pop gave back its `seq` to came after the message it removed.
+            query["seq"] = {"$gt": seq - removed} if order == "asc" else {"$lt": seq}
         with storage_errors("read messages"):
             docs = await (
                 self._messages.find(query)
@@ -630,13 +636,25 @@ class ConversationStore:
             last_id=page[-1].id if page else None,
         )
 
-    async def _seq_of(self, message_id: str, scope: dict[str, Any]) -> int:
+    async def _seq_of(self, message_id: str, query: dict[str, Any]) -> tuple[int, bool]:
+        """The `seq` of the message `message_id` of the conversation `query` names, and whether
+        a pop removed it (one more lookup, of the conversation's `popped_messages`, only when
+        it is not stored; one older than the newest `POPPED_MESSAGES_KEPT` is InvalidInput)."""
         message_id = validate_identifier(message_id, "after")
         with storage_errors("find the cursor message"):
-            doc = await self._messages.find_one({"_id": message_id, **scope}, {"seq": 1})
-        if doc is None:
+            doc = await self._messages.find_one({"_id": message_id, **query}, {"seq": 1})
+            if doc is not None:
+                return int(doc["seq"]), False
+            scope = {"_id": query["conversation_id"], "popped_messages.i": message_id}
+            if "user_id" in query:
+                scope["user_id"] = query["user_id"]
+            conversation = await self._conversations.find_one(scope, {"popped_messages": 1})
+        found = (conversation or {}).get("popped_messages") or ()
+        popped = [PoppedMessage.model_validate(p) for p in found]
+        seq = next((p.seq for p in reversed(popped) if p.message_id == message_id), None)
+        if seq is None:
             raise InvalidInput(f"invalid after: message {message_id!r} is not in this conversation")
-        return int(doc["seq"])
+        return seq, True
 
     # -- human in the loop -----------------------------------------------------------
 
