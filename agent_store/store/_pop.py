@@ -1,6 +1,11 @@
 """Removing a conversation's last message so that a lost write or a retry never leaves it
 half done: the pop rolls forward.
 
+What removing the message changes is read from the messages before it first, before any
+write: when those reads come upon a `seq` below the message with no message that a turn is
+still writing (`Gaps.passed` does not pass it), the pop raises StorageUnavailable (retry
+shortly) and writes nothing.
+
 A pop is three writes on two documents, and none of them can be undone by the next:
 
 1. mark: the conversation records the pop under way (`popping`: the message and what
@@ -17,8 +22,10 @@ Any pop that finds a mark finishes that pop first (2 and 3 again: a no-op delete
 the guarded update), whoever started it. A pop that raised remembers the message it was
 removing, per conversation and caller (its user id, or none for a service), in this
 process: its retry finishes it and answers with that message rather than removing
-another. A caller of another scope never gets it, nor finishes it by being taken for
-the retry.
+another, if the conversation records that a pop removed it (the mark the retry finishes,
+or `popped_messages`): a conversation deleted and started again under the id does not, and
+the retry pops its last message. A caller of another scope never gets it, nor finishes it
+by being taken for the retry.
 """
 
 from __future__ import annotations

@@ -428,8 +428,10 @@ class ConversationStore:
         removes the message, then corrects the summary and clears the mark. A pop left half
         done is finished by the next one; after StorageUnavailable, call again through this
         store with the same `user_id`: the retry answers the message its earlier attempt
-        removed, and removes no other (a pop of another scope is never taken for it). It
-        removes the last message by `seq`: while a turn that reserved past it is still being
+        removed from this conversation (a conversation deleted and started again under the
+        id is another), and removes no other (a pop of another scope is never taken for
+        it). It removes the last message by `seq`: while a turn that reserved past it, or a
+        turn below it whose messages what removing it changes depends on, is still being
         written (younger than `TurnRules.abandon_after`), it raises StorageUnavailable and
         removes nothing. Four to seven round trips: the last message, the mark, the removal,
         the summary update, and the messages before it when it started a turn or was the
@@ -437,7 +439,8 @@ class ConversationStore:
         they leave pending says what comes back; in a fork, one more for where its copies
         began the original's turns). Three more when this store has not seen the
         conversation's count of finished pops yet and another pop was finished before, or
-        when it passes a block abandoned past the last message.
+        when it passes a block abandoned past the last message; one more when the reads of
+        the messages before it find a `seq` with no message (the conversation's gaps).
         """
         query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
         if user_id is not None:
@@ -526,7 +529,8 @@ class ConversationStore:
         order: SortOrder = "asc",
         user_id: str | None = None,
     ) -> MessagePage:
-        """A page of messages by `seq`, starting after the message id `after`."""
+        """A page of messages by `seq`, starting after the message id `after` (one a pop
+        removed: from its `seq`, where what came after it was logged, `_seq_of`)."""
         limit = _page_size(limit)
         if order not in ("asc", "desc"):
             raise InvalidInput(f"invalid order {order!r}: use 'asc' or 'desc'")
@@ -545,7 +549,6 @@ class ConversationStore:
                 if legacy is None:
                     raise
                 return legacy
-            # What a pop gave back its `seq` to came after the message it removed.
             query["seq"] = {"$gt": seq - removed} if order == "asc" else {"$lt": seq}
         with storage_errors("read messages"):
             docs = await (
@@ -639,7 +642,8 @@ class ConversationStore:
     async def _seq_of(self, message_id: str, query: dict[str, Any]) -> tuple[int, bool]:
         """The `seq` of the message `message_id` of the conversation `query` names, and whether
         a pop removed it (one more lookup, of the conversation's `popped_messages`, only when
-        it is not stored; one older than the newest `POPPED_MESSAGES_KEPT` is InvalidInput)."""
+        it is not stored; one older than the newest `POPPED_MESSAGES_KEPT` is InvalidInput).
+        What a pop gave its `seq` back to was logged after the message it removed."""
         message_id = validate_identifier(message_id, "after")
         with storage_errors("find the cursor message"):
             doc = await self._messages.find_one({"_id": message_id, **query}, {"seq": 1})
