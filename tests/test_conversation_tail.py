@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +15,7 @@ from agent_store import (
     ConversationStore,
     InvalidInput,
     StorageUnavailable,
+    StoreError,
     TurnRules,
 )
 from tests.conftest import Backend
@@ -351,3 +353,120 @@ async def test_a_turn_stored_between_a_pops_read_and_its_mark_is_the_one_popped(
     assert popped.content == "b?"
     assert [m.content for m in await store.transcript(CID)] == ["a?", "a!"]
     assert (await store.get_conversation(CID)).message_count == 2
+
+
+def call(call_id: str) -> dict[str, Any]:
+    function = {"name": "lookup", "arguments": "{}"}
+    return {"role": "assistant", "tool_calls": [{"id": call_id, "function": function}]}
+
+
+def result(call_id: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": '{"ok": true}'}
+
+
+async def holding(backend: Backend, messages: list[dict[str, Any]], turn_id: str) -> Any:
+    """A turn that has reserved its block and not inserted yet: (task, SlowInsert)."""
+    held = SlowInsert(AgentMessageLogger(backend.db))
+    task = asyncio.create_task(held.logger.log_messages(CID, messages, turn_id=turn_id))
+    await held.reserved.wait()
+    return task, held
+
+
+async def test_a_pop_waits_for_an_earlier_turn_still_inserting_then_previews_its_text(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md: the preview is recomputed from the last earlier message with text. Turn
+    b holds seq 2 (reserved, inserting) and turn c is stored at seq 3: what the messages
+    before c leave is not known yet, so the pop raises StorageUnavailable and removes
+    nothing; once b is stored, the pop leaves b's text as the preview."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [user("A?"), answer("A!")], turn_id="a")
+    writing, held = await holding(backend, [answer("B, inserted late")], "b")
+    await logger.log_messages(CID, [answer("C, popped")], turn_id="c")
+    store = ConversationStore(backend.db)
+
+    with pytest.raises(StorageUnavailable, match="still being written at seq 2"):
+        await store.pop_last_message(CID)
+    held.release.set()
+    await writing
+    popped = await store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.content == "C, popped"
+    assert [m.content for m in await store.transcript(CID)] == ["A?", "A!", "B, inserted late"]
+    assert (await store.get_conversation(CID)).last_message_preview == "B, inserted late"
+
+
+async def test_popping_an_answer_to_a_call_of_a_turn_still_inserting_waits_and_lists_it_again(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md: the call a popped answer took is pending again. Turn b (seq 2) made
+    call c1 and is still inserting; turn c (seq 3) answered it: the pop waits for b (it
+    raises StorageUnavailable, removing nothing), then lists c1 as pending again."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [user("A?"), answer("A!")], turn_id="a")
+    writing, held = await holding(backend, [call("c1")], "b")
+    await logger.log_messages(CID, [result("c1")], turn_id="c")
+    store = ConversationStore(backend.db)
+
+    with pytest.raises(StorageUnavailable, match="still being written at seq 2"):
+        await store.pop_last_message(CID)
+    assert [m.seq for m in await store.transcript(CID)] == [0, 1, 3]
+    held.release.set()
+    await writing
+    popped = await store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.role == "tool"
+    assert [m.role for m in await store.transcript(CID)] == ["user", "assistant", "assistant"]
+    assert [c.tool_call_id for c in await store.pending_calls(CID)] == ["c1"]
+
+
+async def test_a_pop_passes_a_hole_below_the_message_that_a_pop_left_or_a_turn_abandoned(
+    backend: Backend,
+) -> None:
+    """Only a turn still being written below the message makes a pop wait: a block older
+    than `abandon_after` is passed, and the preview comes from the text before it."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [user("A?"), answer("A!")], turn_id="a")
+    writing, held = await holding(backend, [answer("B, inserted late")], "b")
+    await logger.log_messages(CID, [answer("C, popped")], turn_id="c")
+    store = ConversationStore(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+
+    popped = await store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.content == "C, popped"
+    assert (await store.get_conversation(CID)).last_message_preview == "A!"
+    held.release.set()
+    with contextlib.suppress(StoreError):
+        await writing
+
+
+async def test_a_tail_follower_whose_last_read_message_was_popped_reads_what_came_after(
+    backend: Backend,
+) -> None:
+    """DESIGN §3 "Tail reads never skip": a follower asks again with the same `after`. The
+    runtime rewinds its last message (pop_item) and logs a corrected one: a follower that
+    had read the removed message gets the correction, at the `seq` given back."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [user("Q?"), answer("draft answer")], turn_id="t1")
+    store = ConversationStore(backend.db)
+    page = await store.messages_page(CID)
+    assert [m.content for m in page.data] == ["Q?", "draft answer"]
+
+    await store.pop_last_message(CID)
+    waiting = await store.messages_page(CID, after=page.last_id)
+    await logger.log_messages(CID, [answer("corrected answer")], turn_id="t2")
+    followed = await store.messages_page(CID, after=page.last_id)
+    backwards = await store.messages_page(CID, after=page.last_id, order="desc")
+
+    assert waiting.data == []
+    assert [m.content for m in followed.data] == ["corrected answer"]
+    assert [m.content for m in backwards.data] == ["Q?"]
+    with pytest.raises(InvalidInput, match="not in this conversation"):
+        await store.messages_page(CID, after=page.last_id, user_id="someone-else")

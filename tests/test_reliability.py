@@ -216,6 +216,37 @@ async def test_a_pop_scoped_to_another_user_never_answers_or_consumes_the_owners
     assert contents == ["A?", "A!", "B?", "B!", "C?"]
 
 
+@pytest.mark.parametrize("skip", [0, 1], ids=["mark-lost", "summary-update-lost"])
+async def test_a_pop_after_its_conversation_was_deleted_and_started_again_removes_its_message(
+    backend: Backend, skip: int
+) -> None:
+    """RUNTIMES.md: the retry of a pop that raised answers the message the earlier attempt
+    removed from that conversation. An Agents SDK session whose pop_item raised, then
+    clear_session() (delete) and a new turn under the same id: the next pop removes the
+    new conversation's last message, never answers the deleted one's."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "old question"}, {"role": "assistant", "content": "old"}],
+        turn_id="t1",
+    )
+    store = ConversationStore(backend.db)
+    real = store._conversations
+    store._conversations = FailOnce(real, "update_one", after_applying=False, skip=skip)  # type: ignore[assignment]
+    with pytest.raises(StorageUnavailable):
+        await store.pop_last_message(CID)
+    store._conversations = real  # type: ignore[assignment]
+
+    await store.delete(CID)
+    await logger.log_messages(CID, [{"role": "user", "content": "new question"}], turn_id="t2")
+    popped = await store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.content == "new question"
+    assert await store.transcript(CID) == []
+
+
 async def test_the_same_turn_logged_by_two_writers_at_once_is_stored_once(
     backend: Backend,
 ) -> None:

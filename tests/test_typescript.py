@@ -145,7 +145,8 @@ def test_the_conversation_document_declares_the_bookkeeping_as_optional() -> Non
     assert declared_properties(block) == {
         "turns?": "unknown[]", "turns_dropped?": "number", "inbox?": "Record<string, unknown>",
         "popping?": "Record<string, unknown> | null", "pops?": "number",
-        "popped_seqs?": "unknown[]", "resolved_hitl?": "unknown[]", "owned_from?": "number",
+        "popped_seqs?": "unknown[]", "popped_messages?": "unknown[]",
+        "resolved_hitl?": "unknown[]", "owned_from?": "number",
     }  # fmt: skip
 
 

@@ -508,6 +508,15 @@ class TurnRecord(_Model):
     """A pop removed one of its messages: a retry of the turn is refused, never replayed."""
 
 
+class PoppedMessage(_Model):
+    """A message a pop removed, kept on its conversation (extension; the store's bookkeeping,
+    never served) so that a tail reader whose `after` names it reads on from its `seq`, and
+    the retry of a pop in doubt knows this conversation removed it."""
+
+    seq: Count = Field(alias="s")
+    message_id: str = Field(alias="i")
+
+
 class PopInProgress(_Model):
     """A pop of a conversation's last message under way (extension; the store's bookkeeping,
     never served): the message it removes and what removing it changes in the summary, so
@@ -602,6 +611,10 @@ class Conversation(_Model):
     """The `seq`s pops removed while a later turn had reserved past them, the newest
     `POPPED_SEQS_KEPT` (the store's bookkeeping, never served): gaps no turn holds, passed at
     once by tail readers, forks and pops, and given back with the `seq` below them."""
+    popped_messages: list[PoppedMessage] = Field(default_factory=list, exclude=True)
+    """The messages pops removed, the newest `POPPED_MESSAGES_KEPT` (the store's bookkeeping,
+    never served): a tail reader's `after` naming one reads on from its `seq`, and the retry
+    of a pop in doubt answers its message only if this conversation lists it."""
     resolved_hitl: list[str] = Field(default_factory=list, exclude=True)
     """The request ids of the prompts `resolve_hitl` resolved, the newest
     `RESOLVED_PROMPTS_KEPT` (the store's bookkeeping, never served): a resolution leaves no

@@ -1,6 +1,11 @@
 """Removing a conversation's last message so that a lost write or a retry never leaves it
 half done: the pop rolls forward.
 
+What removing the message changes is read from the messages before it first, before any
+write: when those reads come upon a `seq` below the message with no message that a turn is
+still writing (`Gaps.passed` does not pass it), the pop raises StorageUnavailable (retry
+shortly) and writes nothing.
+
 A pop is three writes on two documents, and none of them can be undone by the next:
 
 1. mark: the conversation records the pop under way (`popping`: the message and what
@@ -17,8 +22,10 @@ Any pop that finds a mark finishes that pop first (2 and 3 again: a no-op delete
 the guarded update), whoever started it. A pop that raised remembers the message it was
 removing, per conversation and caller (its user id, or none for a service), in this
 process: its retry finishes it and answers with that message rather than removing
-another. A caller of another scope never gets it, nor finishes it by being taken for
-the retry.
+another, if the conversation records that a pop removed it (the mark the retry finishes,
+or `popped_messages`): a conversation deleted and started again under the id does not, and
+the retry pops its last message. A caller of another scope never gets it, nor finishes it
+by being taken for the retry.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from agent_store.core import (
     PendingCall,
     PendingHitl,
     PopInProgress,
+    PoppedMessage,
     StorageUnavailable,
     StoreError,
     message_adapter,
@@ -47,7 +55,6 @@ from agent_store.store._tail import (
     quoted_in_preview,
     reads_pending_before,
     starts_a_turn,
-    text_before,
     unlogged,
 )
 from agent_store.store._turns import GAPS_READ, Gaps
@@ -58,9 +65,14 @@ _COUNTS_KEPT = 1024
 """Conversations whose count of finished pops a store remembers (the oldest are forgotten)."""
 
 
-CallsBefore = Callable[[AgentMessage], Awaitable[tuple[list[PendingCall], PendingHitl | None]]]
-"""What the messages before a message leave pending, calls and prompt (`ConversationStore`'s
-own read)."""
+CallsBefore = Callable[
+    [AgentMessage], Awaitable[tuple[list[PendingCall], PendingHitl | None, list[int]]]
+]
+"""What the messages before a message leave pending, calls and prompt, and the `seq`s below
+it with no message (`ConversationStore`'s own read)."""
+PREVIEW_WINDOW = 16
+"""How many messages before the last one a pop reads at once to find the preview's source
+(the window widens fourfold while none of them has text)."""
 
 
 Scope = tuple[str, str | None]
@@ -106,15 +118,16 @@ class Pop:
         earlier = self.memory.in_doubt.pop(scope, None)
         if earlier is not None:
             try:
-                visible, conversation = await self._finish_under_way()
-                if not visible:
-                    return None  # gone, or no longer the caller's: nothing to answer
-                found = await self._stored(earlier)
+                visible, conversation, removed = await self._finish_under_way(earlier.id)
             except StoreError:
                 self.memory.in_doubt[scope] = earlier  # still in doubt
                 raise
-            if not found:
+            if not visible:
+                return None  # gone, or no longer the caller's: nothing to answer
+            if removed:
                 return earlier  # the earlier attempt removed it: its retry answers it
+            # Else it removed nothing here (or the conversation is another one, started
+            # again under the id since): this pop is the one asked for.
         pop: PopInProgress | None = None
         for _ in range(POP_ATTEMPTS):
             with storage_errors("read the last message"):
@@ -127,7 +140,7 @@ class Pop:
             count = self._passing(message, conversation)
             if await self._remove(scope, message, pop, count):
                 return message
-            visible, conversation = await self._finish_under_way()
+            visible, conversation, _ = await self._finish_under_way()
             if not visible:
                 return None  # the conversation is gone
         raise StorageUnavailable(  # others were popping or logging: it may pass, so retried
@@ -150,35 +163,39 @@ class Pop:
             return None
         writing = gaps.written(past, now=utc_now(), abandon_after=self.abandon_after)
         if writing is not None:
-            raise StorageUnavailable(
-                f"a turn of conversation {message.conversation_id!r} is still being written "
-                f"at seq {writing}: retry the pop in a moment"
-            )
+            raise _still_written(message, writing)
         return count
 
     async def _what_removing_changes(self, message: AgentMessage) -> PopInProgress:
         """The summary change, from the messages before it when it started a turn or was the
-        preview's source, or (all of them) when it answered a call or raised a prompt."""
+        preview's source, or (all of them) when it answered a call or raised a prompt.
+
+        Computed before the mark, so before anything is removed: when these reads come upon
+        a `seq` below the message with no message, StorageUnavailable while a turn is still
+        writing it (`_wait_below`)."""
         assert message.seq is not None
         started, preview, quoted = False, None, None
         calls: list[PendingCall] | None = None
         prompt: PendingHitl | None = None
+        missing: set[int] = set()
         with storage_errors("read the messages before the last one"):
             if message.role in ("user", "system"):
                 previous = await self.messages.find_one(
                     {"conversation_id": message.conversation_id, "seq": message.seq - 1}
                 )
+                if previous is None and message.seq > 0:
+                    missing.add(message.seq - 1)
                 started = starts_a_turn(message, previous)
             if quoted_in_preview(message):
-                assert message.conversation_id is not None
-                source = await self.messages.find_one(
-                    text_before(message.conversation_id, message.seq), sort=[("seq", -1)]
-                )
-                source_message = message_adapter.validate_python(source) if source else None
-                preview = preview_of(source_message, self.preview_chars)
+                source, unseen = await self._preview_source(message)
+                missing.update(unseen)
+                preview = preview_of(source, self.preview_chars)
                 quoted = preview_of(message, self.preview_chars)
             if reads_pending_before(message):
-                calls, prompt = await self.calls_before(message)
+                calls, prompt, unseen = await self.calls_before(message)
+                missing.update(unseen)
+        if missing:
+            await self._wait_below(message, sorted(missing))
         return pop_in_progress(
             message,
             started_turn=started,
@@ -187,6 +204,43 @@ class Pop:
             pending_before=calls,
             prompt=prompt,
         )
+
+    async def _preview_source(self, message: AgentMessage) -> tuple[AgentMessage | None, list[int]]:
+        """The last user or assistant message with text before `message` (the preview's
+        source, None if there is none), and the `seq`s between them with no message.
+
+        Reads the `PREVIEW_WINDOW` messages before it, then a window four times wider below
+        while none has text: one round trip unless that many messages without text precede
+        it."""
+        assert message.seq is not None
+        upper, size, missing = message.seq, PREVIEW_WINDOW, list[int]()
+        while upper > 0:
+            low = max(0, upper - size)
+            window = {
+                "conversation_id": message.conversation_id,
+                "seq": {"$gte": low, "$lt": upper},
+            }
+            docs = await self.messages.find(window).sort("seq", -1).to_list(None)
+            for doc in docs:
+                missing += range(int(doc["seq"]) + 1, upper)
+                upper = int(doc["seq"])
+                found = message_adapter.validate_python(doc)
+                if quoted_in_preview(found):
+                    return found, missing
+            missing += range(low, upper)
+            upper, size = low, size * 4
+        return None, missing
+
+    async def _wait_below(self, message: AgentMessage, missing: list[int]) -> None:
+        """StorageUnavailable when a turn is still writing one of `missing`, `seq`s below
+        `message` where its reads found no message: what removing it changes depends on
+        them. Passed (`Gaps.passed`): the gaps pops left and the blocks older than
+        `abandon_after`. One more round trip, only when the reads found such a `seq`."""
+        with storage_errors("read the conversation's turns"):
+            doc = await self.conversations.find_one({"_id": message.conversation_id}, GAPS_READ)
+        writing = Gaps.of(doc).written(missing, now=utc_now(), abandon_after=self.abandon_after)
+        if writing is not None:
+            raise _still_written(message, writing)
 
     async def _remove(
         self, scope: Scope, message: AgentMessage, pop: PopInProgress, count: int | None
@@ -227,26 +281,36 @@ class Pop:
             )
         self.memory.remember(conversation_id, self.memory.counts.get(conversation_id, 0) + 1)
 
-    async def _finish_under_way(self) -> tuple[bool, Mapping[str, Any] | None]:
+    async def _finish_under_way(
+        self, earlier: str | None = None
+    ) -> tuple[bool, Mapping[str, Any] | None, bool]:
         """Read the conversation (how many pops finished, its next `seq` and its gaps), and
         finish the pop under way if any. False when it is missing (or not the scope's
         user's); with True, the conversation as read, or None when a pop was finished (what
-        was read is stale)."""
+        was read is stale). Last, whether a pop removed the message `earlier` from this
+        conversation (the one it finished, or one its `popped_messages` lists)."""
         conversation_id = str(self.scope["_id"])
         read = {"popping": 1, "pops": 1, "message_count": 1, **GAPS_READ}
+        if earlier is not None:
+            read["popped_messages"] = 1
         with storage_errors("read the conversation"):
             doc: Mapping[str, Any] | None = await self.conversations.find_one(self.scope, read)
         if doc is None:
-            return False, None
+            return False, None, False
         self.memory.remember(conversation_id, int(doc.get("pops") or 0))
+        removed = earlier is not None and any(
+            PoppedMessage.model_validate(p).message_id == earlier
+            for p in doc.get("popped_messages") or ()
+        )
         if doc.get("popping"):
-            await self._finish(conversation_id, PopInProgress.model_validate(doc["popping"]))
-            return True, None
-        return True, doc
+            pop = PopInProgress.model_validate(doc["popping"])
+            await self._finish(conversation_id, pop)
+            return True, None, removed or pop.message_id == earlier
+        return True, doc, removed
 
-    async def _stored(self, message: AgentMessage) -> bool:
-        with storage_errors("look up the last message"):
-            found = await self.messages.find_one(
-                {"_id": message.id, "conversation_id": message.conversation_id}, {"_id": 1}
-            )
-        return found is not None
+
+def _still_written(message: AgentMessage, seq: int) -> StorageUnavailable:
+    return StorageUnavailable(
+        f"a turn of conversation {message.conversation_id!r} is still being written at seq "
+        f"{seq}: retry the pop in a moment"
+    )

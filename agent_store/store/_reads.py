@@ -30,6 +30,7 @@ from agent_store.core import (
     NotFound,
     PendingCall,
     PendingHitl,
+    PoppedMessage,
     message_adapter,
     messages_adapter,
     shown,
@@ -427,8 +428,10 @@ class ConversationStore:
         removes the message, then corrects the summary and clears the mark. A pop left half
         done is finished by the next one; after StorageUnavailable, call again through this
         store with the same `user_id`: the retry answers the message its earlier attempt
-        removed, and removes no other (a pop of another scope is never taken for it). It
-        removes the last message by `seq`: while a turn that reserved past it is still being
+        removed from this conversation (a conversation deleted and started again under the
+        id is another), and removes no other (a pop of another scope is never taken for
+        it). It removes the last message by `seq`: while a turn that reserved past it, or a
+        turn below it whose messages what removing it changes depends on, is still being
         written (younger than `TurnRules.abandon_after`), it raises StorageUnavailable and
         removes nothing. Four to seven round trips: the last message, the mark, the removal,
         the summary update, and the messages before it when it started a turn or was the
@@ -436,7 +439,8 @@ class ConversationStore:
         they leave pending says what comes back; in a fork, one more for where its copies
         began the original's turns). Three more when this store has not seen the
         conversation's count of finished pops yet and another pop was finished before, or
-        when it passes a block abandoned past the last message.
+        when it passes a block abandoned past the last message; one more when the reads of
+        the messages before it find a `seq` with no message (the conversation's gaps).
         """
         query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
         if user_id is not None:
@@ -455,11 +459,12 @@ class ConversationStore:
 
     async def _pending_before(
         self, popped: AgentMessage
-    ) -> tuple[list[PendingCall], PendingHitl | None]:
+    ) -> tuple[list[PendingCall], PendingHitl | None, list[int]]:
         """The calls and the prompt the messages before `popped` leave pending (reads them
         all: a pop of an answer or a prompt is rare, and what is pending depends on every
         turn, and in a fork on where its copies began the original's turns: one lookup more
-        then)."""
+        then), and the `seq`s below it with no message (the pop waits for a turn still
+        writing one)."""
         docs = await (
             self._messages.find(
                 {"conversation_id": popped.conversation_id, "seq": {"$lt": popped.seq}}
@@ -474,7 +479,10 @@ class ConversationStore:
                 {"_id": popped.conversation_id}, {"forked_from": 1}
             )
             starts = fork_turns_of(conversation or {})
-        return pending_after(messages, starts)
+        stored = {m.seq for m in messages}
+        assert popped.seq is not None
+        missing = [seq for seq in range(popped.seq) if seq not in stored]
+        return (*pending_after(messages, starts), missing)
 
     async def messages_by_seq(
         self,
@@ -521,7 +529,8 @@ class ConversationStore:
         order: SortOrder = "asc",
         user_id: str | None = None,
     ) -> MessagePage:
-        """A page of messages by `seq`, starting after the message id `after`."""
+        """A page of messages by `seq`, starting after the message id `after` (one a pop
+        removed: from its `seq`, where what came after it was logged, `_seq_of`)."""
         limit = _page_size(limit)
         if order not in ("asc", "desc"):
             raise InvalidInput(f"invalid order {order!r}: use 'asc' or 'desc'")
@@ -532,7 +541,7 @@ class ConversationStore:
             query["user_id"] = validate_identifier(user_id, "user_id")
         if after is not None:
             try:
-                seq = await self._seq_of(after, query)
+                seq, removed = await self._seq_of(after, query)
             except InvalidInput:
                 if not after.startswith("msg-"):
                     raise
@@ -540,7 +549,7 @@ class ConversationStore:
                 if legacy is None:
                     raise
                 return legacy
-            query["seq"] = {"$gt" if order == "asc" else "$lt": seq}
+            query["seq"] = {"$gt": seq - removed} if order == "asc" else {"$lt": seq}
         with storage_errors("read messages"):
             docs = await (
                 self._messages.find(query)
@@ -630,13 +639,26 @@ class ConversationStore:
             last_id=page[-1].id if page else None,
         )
 
-    async def _seq_of(self, message_id: str, scope: dict[str, Any]) -> int:
+    async def _seq_of(self, message_id: str, query: dict[str, Any]) -> tuple[int, bool]:
+        """The `seq` of the message `message_id` of the conversation `query` names, and whether
+        a pop removed it (one more lookup, of the conversation's `popped_messages`, only when
+        it is not stored; one older than the newest `POPPED_MESSAGES_KEPT` is InvalidInput).
+        What a pop gave its `seq` back to was logged after the message it removed."""
         message_id = validate_identifier(message_id, "after")
         with storage_errors("find the cursor message"):
-            doc = await self._messages.find_one({"_id": message_id, **scope}, {"seq": 1})
-        if doc is None:
+            doc = await self._messages.find_one({"_id": message_id, **query}, {"seq": 1})
+            if doc is not None:
+                return int(doc["seq"]), False
+            scope = {"_id": query["conversation_id"], "popped_messages.i": message_id}
+            if "user_id" in query:
+                scope["user_id"] = query["user_id"]
+            conversation = await self._conversations.find_one(scope, {"popped_messages": 1})
+        found = (conversation or {}).get("popped_messages") or ()
+        popped = [PoppedMessage.model_validate(p) for p in found]
+        seq = next((p.seq for p in reversed(popped) if p.message_id == message_id), None)
+        if seq is None:
             raise InvalidInput(f"invalid after: message {message_id!r} is not in this conversation")
-        return int(doc["seq"])
+        return seq, True
 
     # -- human in the loop -----------------------------------------------------------
 

@@ -41,6 +41,7 @@ from agent_store.store._reservation import int64, literal, records_changed
 from agent_store.store._text import message_text, shorten
 from agent_store.store._turns import (
     PENDING_CALLS_KEPT,
+    POPPED_MESSAGES_KEPT,
     POPPED_SEQS_KEPT,
     taking_answers,
     turn_key,
@@ -65,20 +66,6 @@ def starts_a_turn(message: AgentMessage, previous: dict[str, Any] | None) -> boo
 def quoted_in_preview(message: AgentMessage) -> bool:
     """Whether the conversation's preview may quote this message (so must be recomputed)."""
     return message.role in ("user", "assistant") and bool(message_text(message))
-
-
-def text_before(conversation_id: str, seq: int) -> dict[str, Any]:
-    """The query of the user or assistant messages with text before `seq` (the preview's source)."""
-    return {
-        "conversation_id": conversation_id,
-        "seq": {"$lt": seq},
-        "role": {"$in": ["user", "assistant"]},
-        "$or": [
-            {"content": {"$nin": [None, ""]}},
-            {"error": {"$ne": None}},
-            {"upload": {"$ne": None}},
-        ],
-    }
 
 
 def preview_of(message: AgentMessage | None, limit: int) -> str:
@@ -181,12 +168,15 @@ def unlogged(pop: PopInProgress) -> list[Any]:
     A prompt the message raised is no longer pending; a prompt resolved before is not brought
     back (a resolution by request id leaves no message). The record of the message's turn is
     marked popped, so no retry of that turn is a replay. Its `seq` is given back, with the
-    gaps past it, when no turn holds one past it; else it is a gap (`popped_seqs`).
+    gaps past it, when no turn holds one past it; else it is a gap (`popped_seqs`). The
+    message's id is remembered with its `seq` (`popped_messages`): a tail reader's `after`
+    naming it, and the retry of the pop, find it there.
     """
     untouched = nothing_reserved_past(pop.seq)
     stage: dict[str, Any] = {
         "message_count": int64({"$cond": [untouched, pop.seq, "$message_count"]}),
         "popped_seqs": _gaps_after(pop.seq, untouched),
+        "popped_messages": _popped_messages_with(pop),
         "turn_count": _less("turn_count", int(pop.started_turn)),
         "usage.input_tokens": _less("usage.input_tokens", pop.input_tokens),
         "usage.output_tokens": _less("usage.output_tokens", pop.output_tokens),
@@ -225,6 +215,14 @@ def _gaps_after(seq: int, untouched: Any) -> dict[str, Any]:
     below = {"$filter": {"input": gaps, "as": "gap", "cond": {"$lt": ["$$gap", seq]}}}
     added = {"$slice": [{"$concatArrays": [gaps, literal([Int64(seq)])]}, -POPPED_SEQS_KEPT]}
     return {"$cond": [untouched, below, added]}
+
+
+def _popped_messages_with(pop: PopInProgress) -> dict[str, Any]:
+    """`popped_messages` with the removed message and its `seq` (`PoppedMessage`), the newest
+    `POPPED_MESSAGES_KEPT` kept."""
+    kept = {"$ifNull": ["$popped_messages", literal([])]}
+    removed = literal([{"s": Int64(pop.seq), "i": pop.message_id}])
+    return {"$slice": [{"$concatArrays": [kept, removed]}, -POPPED_MESSAGES_KEPT]}
 
 
 def _prompt_back(prompt: PendingHitl, untouched: Any, otherwise: Any) -> dict[str, Any]:

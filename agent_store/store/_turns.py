@@ -749,6 +749,9 @@ GAPS_READ: dict[str, Any] = {"turns": 1, "popped_seqs": 1}
 POPPED_SEQS_KEPT = 100
 """A conversation remembers this many `seq`s pops left as gaps (`popped_seqs`, the newest);
 an older one is passed as a block is, once its turn is older than `abandon_after`."""
+POPPED_MESSAGES_KEPT = 100
+"""A conversation remembers this many messages pops removed, with their `seq`
+(`popped_messages`, the newest): a tail reader's `after` naming an older one is refused."""
 
 
 @dataclass(frozen=True)

@@ -199,6 +199,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   popped_seqs?: unknown[];
   /**
+   * The messages pops removed, the newest `POPPED_MESSAGES_KEPT` (the store's bookkeeping, never served): a tail reader's `after` naming one reads on from its `seq`, and the retry of a pop in doubt answers its message only if this conversation lists it.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  popped_messages?: unknown[];
+  /**
    * The request ids of the prompts `resolve_hitl` resolved, the newest `RESOLVED_PROMPTS_KEPT` (the store's bookkeeping, never served): a resolution leaves no message, so a rerun of the migration and a fork folding the messages read them here.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
