@@ -549,8 +549,11 @@ class AgentMessageLogger:
         passed it (reserved `abandon_after` ago) and none of its messages is there: then a
         new block at the end (`relocation`; a reader following the tail never looks back),
         at the cost of one lookup and one update more (a rare path), the update setting the
-        summary the turn's new place gives it. None when another attempt moved the turn
-        meanwhile. A turn that stored part of its block completes it in place."""
+        summary the turn's new place gives it (what it leaves pending is folded from the
+        stored messages after its insert: `_relocated.settle`, two round trips more). A turn
+        whose call a later message answers is not moved: Conflict, found by the lookup of
+        its empty block (`_relocated`). None when another attempt moved the turn meanwhile.
+        A turn that stored part of its block completes it in place."""
         reserved = _replay(plan, block, conversation)
         at = block.reserved_at
         if at is None or utc_now() - at < self.rules.abandon_after:
