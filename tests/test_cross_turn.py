@@ -1342,3 +1342,106 @@ async def test_a_relocated_prompt_a_person_resolved_meanwhile_stays_resolved(
 
     assert [m.content for m in await store.transcript(CID)] == ["Delete it.", "Thanks.", "Sure?"]
     assert await pending_state(store) == ([], None)
+
+
+def _answer(call_id: str, text: str = "ok") -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+async def test_a_relocated_answer_is_applied_once_at_its_new_place(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The answer took t0's call_0 when its turn first reserved; moved past t2, which calls
+    call_0 again and asks r2, it is not applied a second time: the summary is what the
+    stored messages say in their stored order (the answer now follows t2's call_0, the
+    latest of its id, and clears r2; t0's call_0 stays pending, held by r1)."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    go = [{"role": "user", "content": "go"}, _calls("call_0"), _asks("r1")]
+    await logger.log_messages(CID, go, turn_id="t0")
+    dead = [{"role": "user", "content": "yes"}, _answer("call_0", "R1")]
+    await _reserved_only(logger, monkeypatch, dead, "t1")
+    again = [{"role": "user", "content": "again"}, _calls("call_0"), _asks("r2")]
+    await logger.log_messages(CID, again, turn_id="t2")
+    assert await held_state(store) == ([("call_0", "r2")], "r2")
+
+    await logger.log_messages(CID, dead, turn_id="t1")
+
+    assert await held_state(store) == ([("call_0", "r1")], None)
+    assert await pending_state(store) == await recomputed_state(store)
+
+
+async def test_a_relocated_answer_clears_a_second_question_as_an_appended_answer_does(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """t1 answers c1 and dies before inserting (its reservation took c1); t2 asks a second
+    question r2 about the paused run. Appended after r2, t1's answer clears it (it holds no
+    call, and the answer takes the last held one: `answers_clear`), as the stored messages
+    say; the move leaves nothing pending."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    go = [{"role": "user", "content": "go"}, _calls("c1"), _asks("r1")]
+    await logger.log_messages(CID, go, turn_id="t0")
+    dead = [_answer("c1", "R1"), {"role": "assistant", "content": "booked"}]
+    await _reserved_only(logger, monkeypatch, dead, "t1")
+    await logger.log_messages(CID, [_asks("r2")], turn_id="t2")
+
+    await logger.log_messages(CID, dead, turn_id="t1")
+
+    assert await pending_state(store) == ([], None)
+    assert await pending_state(store) == await recomputed_state(store)
+
+
+async def test_a_late_retry_of_a_turn_whose_call_a_later_turn_answered_is_refused(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3 Tool pairing: an answer names a call of an earlier message. t1 [call c1,
+    prompt r1] reserves and dies; its reservation listed c1, so t2 answers it. Moved to the
+    end, t1's call would follow its own answer (asked again, run twice, its result dropped
+    as an orphan): the retry is refused with Conflict naming why, and nothing is written."""
+    from agent_store import Conflict
+
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, [_calls("c1"), _asks("r1")], "t1")
+    done = [_answer("c1", "R1"), {"role": "assistant", "content": "done"}]
+    await logger.log_messages(CID, done, turn_id="t2")
+    before = await backend.db.agent_conversations.find_one({"_id": CID})
+
+    for _ in range(2):  # every retry alike
+        with pytest.raises(Conflict, match=r"a later turn answered its call 'c1'"):
+            await logger.log_messages(CID, [_calls("c1"), _asks("r1")], turn_id="t1")
+
+    assert [m.content for m in await store.transcript(CID)] == ["go", "R1", "done"]
+    assert await backend.db.agent_conversations.find_one({"_id": CID}) == before
+    assert await pending_state(store) == ([], None)
+
+
+async def _age(backend: Backend, turn_id: str) -> None:
+    """Set the turn's record back 30 minutes, past the default `abandon_after`."""
+    from datetime import timedelta
+
+    from agent_store.store._turns import turn_key
+
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    turns = doc["turns"]
+    for record in turns:
+        if record["k"] == turn_key(turn_id):
+            record["a"] -= timedelta(minutes=30)
+    await backend.db.agent_conversations.update_one({"_id": CID}, {"$set": {"turns": turns}})
+
+
+async def test_a_relocated_turn_keeps_what_a_turn_still_being_written_below_it_left_pending(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The move's fold reads the stored messages: a turn that reserved below the new block
+    and has not inserted yet (younger than `abandon_after`) is not among them, so the move
+    keeps the pending state the reservations set rather than write one without it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, [_calls("c1")], "t1")
+    await _age(backend, "t1")
+    await _reserved_only(logger, monkeypatch, [_calls("c2")], "t2")  # still being written
+
+    await logger.log_messages(CID, [_calls("c1")], turn_id="t1")
+
+    assert [m.seq for m in await store.transcript(CID)] == [0, 3]
+    assert await pending_state(store) == (["c2", "c1"], None)

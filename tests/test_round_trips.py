@@ -69,12 +69,13 @@ async def test_a_replay_of_a_stored_turn_costs_four_round_trips(wire_backend: Ba
     assert wire_backend.commands.names == ["findAndModify", "find", "insert", "find"]
 
 
-async def test_a_retry_later_than_abandon_after_of_a_turn_that_stored_nothing_costs_five(
+async def test_a_retry_later_than_abandon_after_of_a_turn_that_stored_nothing_costs_seven(
     wire_backend: Backend,
 ) -> None:
     """The rare relocation path: a refused reservation, the record, the empty block looked
-    up, the move to a new block at the end (with the summary an appended turn sets), the
-    insert."""
+    up (with any later answer to its calls), the move to a new block at the end (with the
+    summary an appended turn sets), the insert, then the stored messages read and what they
+    leave pending written (guarded: no turn reserved meanwhile)."""
     from datetime import timedelta
 
     from agent_store import TurnRules
@@ -91,7 +92,7 @@ async def test_a_retry_later_than_abandon_after_of_a_turn_that_stored_nothing_co
 
     assert retried.messages[0].seq == len(messages) + len(later)
     assert wire_backend.commands.names == [
-        "findAndModify", "find", "find", "findAndModify", "insert"
+        "findAndModify", "find", "find", "findAndModify", "insert", "find", "update"
     ]  # fmt: skip
 
 

@@ -65,6 +65,7 @@ from agent_store.store._legacy_seam import (
     LegacySource,
     is_derived_id,
 )
+from agent_store.store._relocated import MOVED, lookup, refuse_a_move_past_answers, settle
 from agent_store.store._reservation import (
     RESERVED,
     SUMMARY,
@@ -129,6 +130,9 @@ class _Reserved:
     assigns: bool = False
     """The turn assigned an owner to the conversation, unowned until then: the messages
     logged before its block move to the owner (`_hand_over_earlier`)."""
+    moved: dict[str, Any] | None = None
+    """The conversation as the turn's move to a new block at the end left it (`MOVED`);
+    None when the turn did not move."""
 
 
 class LoggedTurn(BaseModel):
@@ -545,13 +549,16 @@ class AgentMessageLogger:
         passed it (reserved `abandon_after` ago) and none of its messages is there: then a
         new block at the end (`relocation`; a reader following the tail never looks back),
         at the cost of one lookup and one update more (a rare path), the update setting the
-        summary the turn's new place gives it. None when another attempt moved the turn
-        meanwhile. A turn that stored part of its block completes it in place."""
+        summary the turn's new place gives it (what it leaves pending is folded from the
+        stored messages after its insert: `_relocated.settle`, two round trips more). A turn
+        whose call a later message answers is not moved: Conflict, found by the lookup of
+        its empty block (`_relocated`). None when another attempt moved the turn meanwhile.
+        A turn that stored part of its block completes it in place."""
         reserved = _replay(plan, block, conversation)
         at = block.reserved_at
         if at is None or utc_now() - at < self.rules.abandon_after:
             return reserved
-        if await self._stored_in(plan, block):
+        if await self._stored_in(plan, block, moving=True):
             return reserved
         now = utc_now()
         query, pipeline = relocation(plan, block, self.rules, now, assigned=reserved.assigns)
@@ -563,7 +570,7 @@ class AgentMessageLogger:
             doc: dict[str, Any] | None = await self._conversations.find_one_and_update(
                 guarded,
                 pipeline,
-                projection=SUMMARY if self._observers else RESERVED,
+                projection=None if self._observers else MOVED,
                 return_document=ReturnDocument.AFTER,
             )
             # Not moved while the old record is still there: the condition no longer holds
@@ -580,7 +587,12 @@ class AgentMessageLogger:
             owner=doc.get("user_id"),
             created_at=doc.get("created_at"),
             # The summary as the move left it (`updated_at` follows the turn already).
-            conversation=Conversation.model_validate(doc) if self._observers else None,
+            conversation=(
+                Conversation.model_validate({k: v for k, v in doc.items() if k != "turns"})
+                if self._observers
+                else None
+            ),
+            moved=doc,
         )
 
     async def _refuse_unmigrated(self, conversation_id: str, actor: Actor) -> None:
@@ -649,6 +661,14 @@ class AgentMessageLogger:
                 stored = messages_adapter.validate_python(documents)
         if reserved.assigns:
             await self._hand_over_earlier(plan.conversation_id, reserved)
+        if reserved.moved is not None:  # what it leaves pending, as the stored messages say
+            await settle(
+                self._conversations,
+                self._messages,
+                plan.conversation_id,
+                reserved.moved,
+                abandon_after=self.rules.abandon_after,
+            )
         return stored if stored is not None else plan.stored(first, owner)
 
     async def _hand_over_earlier(self, conversation_id: str, reserved: _Reserved) -> None:
@@ -746,15 +766,17 @@ class AgentMessageLogger:
                     {"_id": conversation_id}, {"$max": {"updated_at": latest}}
                 )
 
-    async def _stored_in(self, plan: TurnPlan, block: RecordedBlock) -> list[dict[str, Any]]:
-        """The turn's messages already stored in its block."""
+    async def _stored_in(
+        self, plan: TurnPlan, block: RecordedBlock, *, moving: bool = False
+    ) -> list[dict[str, Any]]:
+        """The turn's messages already stored in its block. `moving` (its block may have
+        been passed): the same lookup also finds the later messages that answer its calls,
+        and an empty block whose calls were answered so is refused (`_relocated`)."""
         with storage_errors("read the turn's messages"):
             found: list[dict[str, Any]] = await self._messages.find(
-                {
-                    "conversation_id": plan.conversation_id,
-                    "seq": {"$gte": block.first_seq, "$lt": block.first_seq + block.count},
-                }
+                lookup(plan, block, moving=moving)
             ).to_list(None)
+        found = refuse_a_move_past_answers(plan, block, found)
         if any(d.get("turn_id") != plan.turn_id for d in found):
             raise Conflict(f"the seq block of turn {plan.turn_id!r} holds messages of another turn")
         return found

@@ -397,7 +397,9 @@ def relocation(
     turn appended there (`_appended`: `updated_at`, the preview, what it leaves pending),
     computed on the conversation as it stands now: the calls the turn left open when it
     first reserved are listed once, in their new place, and a prompt it raises that a
-    person resolved meanwhile (`resolved_hitl`) is not raised again. The filter matches
+    person resolved meanwhile (`resolved_hitl`) is not raised again. That pending state is
+    a first estimate: after the insert the logger folds it from the stored messages
+    (`_relocated.settle`), which it stays only when that cannot be done. The filter matches
     only while the old record is there: a second attempt moving the turn at the same time
     matches nothing, and finds the new block by the turn's record.
     """

@@ -1,0 +1,164 @@
+"""A turn moved to a new block at the end (`_reservation.relocation`): whether it may move,
+and the pending state it leaves there.
+
+A retry later than `TurnRules.abandon_after` of a turn that stored nothing moves past the
+turns logged meanwhile (DESIGN.md §3). Two rules keep the conversation what its stored
+messages say:
+
+- Before the move (in the lookup of its empty block, the same round trip): a turn whose
+  call a later message answers cannot move, since its call would follow its answer; the
+  retry is refused (`Conflict`), nothing written (`answered_later`).
+- After the move and its insert: what it leaves pending is folded from the stored messages,
+  in their stored order, as pops and forks fold them (`_turns.pending_after`), a prompt
+  resolved by request id (`resolved_hitl`) staying resolved; written only if no turn
+  reserved and no pop ran meanwhile (`refolded`). Two round trips more, on this rare path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+from bson import Int64
+
+from agent_store.core import (
+    AgentMessage,
+    Conflict,
+    PendingCall,
+    PendingHitl,
+    answers_to_calls,
+    messages_adapter,
+    utc_now,
+)
+from agent_store.store._driver import storage_errors
+from agent_store.store._fork import fork_turns_of
+from agent_store.store._reservation import RESERVED, RecordedBlock, literal
+from agent_store.store._turns import GAPS_READ, Gaps, TurnPlan, pending_after
+
+MOVED: dict[str, Any] = {**RESERVED, **GAPS_READ, "forked_from": 1, "pops": 1, "popping": 1}
+"""What the move returns of the conversation: what a reservation returns, and what the fold
+after it needs (the gaps below the new block, a fork's turn starts, the pops' guard)."""
+
+_FOLD_ATTEMPTS = 3
+
+
+def _made(plan: TurnPlan) -> list[str]:
+    return sorted({call.id for m in plan.messages for call in m.tool_calls or ()})
+
+
+def lookup(plan: TurnPlan, block: RecordedBlock, *, moving: bool = False) -> dict[str, Any]:
+    """The messages stored in the turn's block and, `moving` a turn that makes calls, those
+    past it that make or answer a call of the same ids: one find, as the block's alone."""
+    first, past = block.first_seq, block.first_seq + block.count
+    query: dict[str, Any] = {"conversation_id": plan.conversation_id}
+    made = _made(plan) if moving else []
+    if not made:
+        return {**query, "seq": {"$gte": first, "$lt": past}}
+    return {
+        **query,
+        "seq": {"$gte": first},
+        "$or": [
+            {"seq": {"$lt": past}},
+            {"tool_call_id": {"$in": made}},
+            {"tool_calls.id": {"$in": made}},
+        ],
+    }
+
+
+def answered_later(plan: TurnPlan, later: Sequence[AgentMessage]) -> list[str]:
+    """The ids of the turn's calls that `later` messages (stored past its block, in `seq`
+    order) answer, the turn in its block before them (`answers_to_calls`)."""
+    turn = plan.messages
+    answers = answers_to_calls([*turn, *later])
+    taken = {id(message) for message in later}
+    return sorted(
+        {call_id for (at, call_id), a in answers.items() if at < len(turn) and id(a) in taken}
+    )
+
+
+def refuse_a_move_past_answers(plan: TurnPlan, block: RecordedBlock, found: Any) -> list[Any]:
+    """The turn's messages stored in its block, from what `lookup` found; Conflict when the
+    block is empty and a later message answers one of its calls."""
+    past = block.first_seq + block.count
+    stored = [d for d in found if d["seq"] < past]
+    later = [d for d in found if d["seq"] >= past]
+    if stored or not later:
+        return stored
+    answered = answered_later(plan, messages_adapter.validate_python(later))
+    if answered:
+        names = ", ".join(repr(call_id) for call_id in answered)
+        raise Conflict(
+            f"turn {plan.turn_id!r} reserved seq {block.first_seq} and stored nothing; since "
+            f"then a later turn answered its call {names}, so it cannot move to the end (its "
+            "call would follow its answer): it is not stored. Log what the conversation "
+            "still needs as a new turn"
+        )
+    return stored
+
+
+def refolded(
+    conversation: Mapping[str, Any],
+    calls: Sequence[PendingCall],
+    prompt: PendingHitl | None,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The filter and update that set a conversation's pending state to `calls` and `prompt`
+    (folded from its messages as `conversation` was read): matching only while no turn
+    reserved (`message_count`) and no pop ran or is under way since; a prompt resolved by
+    request id, even meanwhile, stays resolved."""
+    pops = int(conversation.get("pops") or 0)
+    query = {
+        "_id": conversation["_id"],
+        "message_count": Int64(int(conversation["message_count"])),
+        "pops": pops if pops else {"$in": [None, 0]},
+        "popping": None,
+    }
+    hitl: Any = literal(None)
+    if prompt is not None:
+        resolved = {
+            "$in": [literal(prompt.request_id), {"$ifNull": ["$resolved_hitl", literal([])]}]
+        }
+        hitl = {"$cond": [resolved, literal(None), literal(prompt.model_dump())]}
+    stage = {"pending_calls": literal([c.model_dump() for c in calls]), "pending_hitl": hitl}
+    return query, [{"$set": stage}]
+
+
+async def settle(
+    conversations: Any,
+    messages: Any,
+    conversation_id: str,
+    moved: Mapping[str, Any] | None,
+    *,
+    abandon_after: timedelta,
+) -> bool:
+    """After a moved turn's insert: its conversation's pending state folded from the stored
+    messages and written (`refolded`), from `moved` (the conversation as the move left it)
+    first, read again when another turn or a pop changed it meanwhile (a few times). False,
+    leaving the state as the move set it, when a turn below the end is still being written
+    (its messages are not there to fold) or the conversation kept changing."""
+    for _ in range(_FOLD_ATTEMPTS):
+        if moved is None:
+            with storage_errors("read the conversation"):
+                moved = await conversations.find_one({"_id": conversation_id}, MOVED)
+            if moved is None:
+                return False
+        count = int(moved["message_count"])
+        with storage_errors("read the messages"):
+            docs = await (
+                messages.find({"conversation_id": conversation_id, "seq": {"$lt": count}}).sort(
+                    "seq", 1
+                )
+            ).to_list(None)
+        stored = messages_adapter.validate_python(docs)
+        seqs = {m.seq for m in stored}
+        missing = (s for s in range(count) if s not in seqs)
+        if Gaps.of(moved).written(missing, now=utc_now(), abandon_after=abandon_after) is not None:
+            return False
+        calls, prompt = pending_after(stored, fork_turns_of(moved))
+        query, update = refolded(moved, calls, prompt)
+        with storage_errors("set what the moved turn leaves pending"):
+            result = await conversations.update_one(query, update)
+        if result.matched_count:
+            return True
+        moved = None
+    return False
