@@ -222,21 +222,30 @@ def _late_rules() -> Any:
     return TurnRules(abandon_after=timedelta(0))
 
 
+async def _a_delivery_that_died(
+    backend: Backend, steer: dict[str, Any]
+) -> tuple[AgentMessageLogger, SteeringInbox]:
+    """An open turn's inbox and a delivery "d1" of `steer` whose sender reserved its block
+    and died before the insert; returns the logger (late rules) and the runtime's inbox."""
+    logger = AgentMessageLogger(backend.db, rules=_late_rules())
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    runtime = SteeringInbox(logger)
+    await runtime.open_turn(CID, TURN)
+    dying = AgentMessageLogger(backend.db, rules=_late_rules())
+    DiesAfterReserving(dying)
+    with pytest.raises(ConnectionError):
+        await SteeringInbox(dying).try_deliver(CID, TURN, steer, delivery_id="d1")
+    return logger, runtime
+
+
 async def test_a_delivery_retried_after_abandon_after_reaches_the_runtime(
     backend: Backend,
 ) -> None:
     """A delivery whose first attempt reserved and died, retried later than `abandon_after`,
     is stored at the end and acknowledged: the runtime drains it, exactly once, and the inbox
     does not close over it."""
-    logger = AgentMessageLogger(backend.db, rules=_late_rules())
-    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
-    runtime = SteeringInbox(logger)
-    await runtime.open_turn(CID, TURN)
     steer = {"role": "user", "content": "stop and do X instead"}
-    dying = AgentMessageLogger(backend.db, rules=_late_rules())
-    DiesAfterReserving(dying)
-    with pytest.raises(ConnectionError):
-        await SteeringInbox(dying).try_deliver(CID, TURN, steer, delivery_id="d1")
+    logger, runtime = await _a_delivery_that_died(backend, steer)
     await logger.log_messages(CID, [{"role": "assistant", "content": "working"}], turn_id="t1")
 
     accepted = await SteeringInbox(logger).try_deliver(CID, TURN, steer, delivery_id="d1")
@@ -256,15 +265,8 @@ async def test_a_delivery_retried_after_abandon_after_into_a_closed_inbox_is_ref
 ) -> None:
     """The runtime passed the dead delivery and closed its inbox: the late retry is refused
     to its sender, storing nothing and taking no new block (one tail readers would wait on)."""
-    logger = AgentMessageLogger(backend.db, rules=_late_rules())
-    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
-    runtime = SteeringInbox(logger)
-    await runtime.open_turn(CID, TURN)
     steer = {"role": "user", "content": "too late"}
-    dying = AgentMessageLogger(backend.db, rules=_late_rules())
-    DiesAfterReserving(dying)
-    with pytest.raises(ConnectionError):
-        await SteeringInbox(dying).try_deliver(CID, TURN, steer, delivery_id="d1")
+    logger, runtime = await _a_delivery_that_died(backend, steer)
     assert await runtime.close_inbox(CID, TURN, last_seen_seq=0) == []
 
     accepted = await SteeringInbox(logger).try_deliver(CID, TURN, steer, delivery_id="d1")
