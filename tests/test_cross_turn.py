@@ -1451,3 +1451,14 @@ async def test_a_prompt_answered_in_its_turn_after_naming_an_earlier_call_is_not
 
     assert await held_state(store) == ([("c1", None)], None)
     assert await folded_state(store) == await held_state(store)
+
+
+async def test_a_prompt_may_name_a_hundred_calls_of_earlier_turns(backend: Backend) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    ids = [f"call-{n}" for n in range(100)]
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}, _calls(*ids)])
+
+    await logger.log_messages(CID, [_asks_about("r1", *ids)], turn_id="t2")
+
+    assert await held_state(store) == ([(i, "r1") for i in ids], "r1")
+    assert await folded_state(store) == await held_state(store)

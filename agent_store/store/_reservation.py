@@ -365,15 +365,23 @@ def _held_by(calls: Any, request_id: str | None) -> Any:
 
 def _holding_named(calls: Any, named: Sequence[tuple[str, str]]) -> Any:
     """`calls` once the prompts naming calls of earlier turns hold them (`_turns.holding_named`,
-    as an expression): the latest of each id named is held by the prompt that named it."""
+    as an expression): the latest of each id named is held by the prompt that named it.
+
+    One flat expression whatever the number of names (a nested one per name would pass
+    BSON's nesting limit)."""
     if not named:
         return calls
-    request_id: Any = {"$ifNull": ["$$call.request_id", None]}
-    for call_id, holder in dict(named).items():
-        latest = _is_latest_of("$$held", call_id)
-        request_id = {"$cond": [latest, literal(holder), request_id]}
+    pairs = literal([{"c": call_id, "r": by} for call_id, by in dict(named).items()])
+    naming = {
+        "$filter": {"input": pairs, "as": "p", "cond": {"$eq": ["$$p.c", "$$call.tool_call_id"]}}
+    }
+    same_id = {"$eq": ["$$other.tool_call_id", "$$call.tool_call_id"]}
+    of_id = {"$filter": {"input": "$$held", "as": "other", "cond": same_id}}
+    latest = {"$let": {"vars": {"last": {"$arrayElemAt": [of_id, -1]}}, "in": "$$last.message_id"}}
+    holder = {"$arrayElemAt": [{"$map": {"input": naming, "as": "p", "in": "$$p.r"}}, 0]}
+    named_here = {"$and": [{"$gt": [{"$size": naming}, 0]}, {"$eq": ["$$call.message_id", latest]}]}
     fields: dict[str, Any] = {name: f"$$call.{name}" for name in PendingCall.model_fields}
-    fields["request_id"] = request_id
+    fields["request_id"] = {"$cond": [named_here, holder, {"$ifNull": ["$$call.request_id", None]}]}
     mapped = {"$map": {"input": "$$held", "as": "call", "in": fields}}
     return {"$let": {"vars": {"held": calls}, "in": mapped}}
 
