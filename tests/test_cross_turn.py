@@ -1445,3 +1445,123 @@ async def test_a_relocated_turn_keeps_what_a_turn_still_being_written_below_it_l
 
     assert [m.seq for m in await store.transcript(CID)] == [0, 3]
     assert await pending_state(store) == (["c2", "c1"], None)
+
+
+# -- a prompt naming the calls it holds back --------------------------------------------
+
+
+def _start(call_id: str) -> dict[str, Any]:
+    return {"type": "tool_start", "tool_name": "book", "tool_call_id": call_id,
+            "args": {"x": call_id}}  # fmt: skip
+
+
+def _confirm(request_id: str, call_id: str) -> dict[str, Any]:
+    return {"type": "confirm_required", "request_id": request_id, "action": "book",
+            "params": {}, "prompt": f"ok {request_id}?", "tool_call_id": call_id}  # fmt: skip
+
+
+REFUSED_LATER = {
+    # two calls in one response, one confirmation each; the pending one (r2, of c2) is refused
+    "two-calls-each-confirmed": (
+        [[_start("c1"), _start("c2"), _confirm("r1", "c1"), _confirm("r2", "c2")]], "r2", "c2"
+    ),
+    # a second question, in a later turn, about a call an earlier turn left pending
+    "asked-again-in-a-later-turn": (
+        [[_start("c1"), _confirm("r1", "c1")],
+         [{"type": "stream_token", "token": "Still?"}, _confirm("r2", "c1")]], "r2", "c1"
+    ),
+    # asked twice before the tool ran; the pending (second) prompt is refused
+    "asked-twice-before-start": (
+        [[_confirm("r1", "c1"), _confirm("r2", "c1"), _start("c1")]], "r2", "c1"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_LATER))
+async def test_a_refusal_in_a_later_turn_denies_the_call_its_prompt_named(
+    backend: Backend, case: str
+) -> None:
+    """STREAMING.md: a confirmation refused answers "the call it holds back (of this turn or
+    an earlier one)" as denied: the call its `confirm_required` named, whichever prompt
+    came first, and whichever turn asked."""
+    runtime = Runtime(backend)
+    turns, refused, call_id = REFUSED_LATER[case]
+    for events in turns:
+        await runtime.stream(events, prompt="go")
+    pending = await runtime.store.pending_calls(CID)
+    assert (call_id, refused) in [(c.tool_call_id, c.request_id) for c in pending]
+
+    await runtime.stream([{"type": "confirm_resolved", "request_id": refused, "approved": False}])
+
+    assert await runtime.answers_of(call_id) == [(DENIED_RESULT, "tool call denied")]
+    assert call_id not in [c.tool_call_id for c in await runtime.store.pending_calls(CID)]
+    assert await pending_state(runtime.store) == await recomputed_state(runtime.store)
+
+
+def _asks_about(request_id: str, *call_ids: str) -> dict[str, Any]:
+    hitl = {"action": "confirm", "params": {}, "request_id": request_id,
+            "tool_call_ids": list(call_ids)}  # fmt: skip
+    return {"role": "assistant", "content": "Sure?", "hitl_action": hitl}
+
+
+async def folded_state(
+    store: ConversationStore, cid: str = CID
+) -> tuple[list[tuple[str, str | None]], str | None]:
+    """`held_state` as a pop or a fork folds it from the stored messages."""
+    calls, prompt = pending_after(await store.transcript(cid))
+    return [(c.tool_call_id, c.request_id) for c in calls], prompt.request_id if prompt else None
+
+
+async def test_a_prompt_naming_its_calls_holds_exactly_those_and_a_later_one_holds_them_again(
+    backend: Backend,
+) -> None:
+    """A prompt's `tool_call_ids` name the calls it holds back, of its turn or of earlier
+    turns (the latest pending call of each id); a prompt naming none holds its turn's calls
+    before it that no prompt holds. The reservation and the fold of the messages agree."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "go"}, _calls("c1", "c2", "c3"),
+         _asks_about("r1", "c1"), _asks_about("r2", "c2"), _asks("r3")],
+        turn_id="t1",
+    )  # fmt: skip
+    assert await held_state(store) == ([("c1", "r1"), ("c2", "r2"), ("c3", "r3")], "r3")
+    assert await folded_state(store) == await held_state(store)
+
+    await logger.log_messages(CID, [_asks_about("r4", "c1", "gone")], turn_id="t2")
+
+    assert await held_state(store) == ([("c1", "r4"), ("c2", "r2"), ("c3", "r3")], "r4")
+    assert await folded_state(store) == await held_state(store)
+    await logger.log_messages(
+        CID, [{"role": "tool", "tool_call_id": "c1", "content": "ok"}], turn_id="t3"
+    )
+    assert await held_state(store) == ([("c2", "r2"), ("c3", "r3")], None)
+    assert await folded_state(store) == await held_state(store)
+
+
+async def test_a_prompt_answered_in_its_turn_after_naming_an_earlier_call_is_not_left_pending(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}, _calls("c1", "c2")])
+
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "sure?"}, _asks_about("r1", "c2"),
+         {"role": "tool", "tool_call_id": "c2", "content": "ok"}],
+        turn_id="t2",
+    )  # fmt: skip
+
+    assert await held_state(store) == ([("c1", None)], None)
+    assert await folded_state(store) == await held_state(store)
+
+
+async def test_a_prompt_may_name_a_hundred_calls_of_earlier_turns(backend: Backend) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    ids = [f"call-{n}" for n in range(100)]
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}, _calls(*ids)])
+
+    await logger.log_messages(CID, [_asks_about("r1", *ids)], turn_id="t2")
+
+    assert await held_state(store) == ([(i, "r1") for i in ids], "r1")
+    assert await folded_state(store) == await held_state(store)

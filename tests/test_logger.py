@@ -345,3 +345,18 @@ async def test_a_live_turn_cannot_take_the_id_the_migration_gives_a_legacy_turn(
         await logger.log_messages("c-1", [{"role": "user", "content": "hi"}], turn_id="legacy-t1")
 
     assert await backend.db.agent_messages.count_documents({}) == 0
+
+
+def test_a_prompt_naming_no_calls_digests_as_before_prompts_could_name_them() -> None:
+    """A retry of a turn recorded before `tool_call_ids` existed is still a replay: a prompt
+    naming none is digested without the key."""
+    from agent_store.store._turns import content_digest, json_content_digest
+
+    asks = {"role": "assistant", "content": "Sure?",
+            "hitl_action": {"action": "confirm", "params": {}, "request_id": "r1"}}  # fmt: skip
+    now = message_adapter.dump_python(message_adapter.validate_python(asks), by_alias=True)
+    assert now["hitl_action"]["tool_call_ids"] is None
+    before = {**now, "hitl_action": {"action": "confirm", "params": {}, "request_id": "r1"}}
+
+    assert content_digest([now]) == content_digest([before])
+    assert json_content_digest([now]) == json_content_digest([before])

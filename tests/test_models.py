@@ -106,6 +106,26 @@ def test_datetimes_become_aware_utc_at_millisecond_precision() -> None:
             id="repeated-ids",
         ),
         pytest.param(
+            {
+                "role": "assistant",
+                "hitl_action": {
+                    "action": "a",
+                    "request_id": "r",
+                    "tool_call_ids": [f"c{n}" for n in range(101)],
+                },
+            },
+            "tool_call_ids: List should have at most 100 items",
+            id="prompt-naming-too-many-calls",
+        ),
+        pytest.param(
+            {
+                "role": "assistant",
+                "hitl_action": {"action": "a", "request_id": "r", "tool_call_ids": [""]},
+            },
+            "tool_call_ids.0: String should have at least 1 character",
+            id="prompt-naming-an-empty-id",
+        ),
+        pytest.param(
             {"role": "user", "content": "x", "seq": -1},
             "seq: Input should be greater than or equal to 0",
             id="negative-seq",

@@ -118,6 +118,10 @@ Count = Annotated[
 """A non-negative integer a JavaScript reader can hold exactly (at most 2**53 - 1), stored as
 a BSON int64."""
 
+MAX_HELD_CALLS = 100
+"""How many calls one HITL prompt may name (`HitlAction.tool_call_ids`): as many as a
+conversation lists pending."""
+
 MAX_PARAMS_DEPTH = 64
 """How deeply HITL params may nest: far below MongoDB's limit of 100 levels per document."""
 
@@ -234,6 +238,16 @@ class HitlAction(_Model):
     params: Annotated[dict[str, Any], AfterValidator(_plain_json)] = Field(default_factory=dict)
     """Plain JSON values, nested at most `MAX_PARAMS_DEPTH` levels."""
     request_id: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+    tool_call_ids: (
+        Annotated[
+            list[Annotated[str, StringConstraints(min_length=1, max_length=200)]],
+            Field(max_length=MAX_HELD_CALLS),
+        ]
+        | None
+    ) = None
+    """The calls this prompt holds back, by their ids: of its turn, made before it, or else
+    the latest pending call of each id of an earlier turn; a later prompt naming one holds
+    it instead. None: the calls before it in its turn that no prompt holds, as before."""
 
 
 class MessageError(_Model):

@@ -10,8 +10,10 @@ whatever order events arrive in:
 - every tool result is placed right after the message that made its call,
   in call order, even when it arrives after the run ended;
 - a HITL prompt or an error is an assistant message of its own; a prompt
-  naming a call not started yet is placed right after that call's message
-  once it starts (the store holds a call by the first prompt after it);
+  naming a call (`tool_call_id`) stores it in `hitl_action.tool_call_ids`, and
+  holds back that call, of this turn or an earlier one, until another prompt
+  names it; one naming a call not started yet is placed right after that
+  call's message once it starts;
 - a call a HITL prompt holds back (it names the call) and that got no
   result stays pending: no `tool` message, so the conversation's
   `pending_calls` lists it until a later turn answers it — with its result,
@@ -232,23 +234,31 @@ class TurnAssembler:
     def hitl(self, prompt: HitlEvent | ConfirmRequired) -> None:
         """A HITL prompt; it may name the tool call it holds back, which then stays pending.
 
-        A prompt naming a call of this turn not started yet (a runtime asking before it
-        runs the tool) is placed right after that call's message when the call starts, as
-        if asked then, or at the end of the turn if it never does: the store holds a call
-        by the first prompt after it in its turn. One naming a call started already, or a
-        pending call of an earlier turn, is placed where it arrives.
+        The prompt is stored naming that call (`HitlAction.tool_call_ids`): it holds it,
+        of this turn or an earlier one, until a later prompt names it, which then holds
+        it instead. A prompt naming a call of this turn not started yet (a runtime asking
+        before it runs the tool) is placed right after that call's message when the call
+        starts, as if asked then, or at the end of the turn if it never does (it then
+        names the latest pending call of that id, if any). One naming a call started
+        already, or a pending call of an earlier turn, is placed where it arrives.
         """
+        call_id = prompt.tool_call_id
         action = HitlAction(
-            action=prompt.action, params=prompt.params, request_id=prompt.request_id
+            action=prompt.action,
+            params=prompt.params,
+            request_id=prompt.request_id,
+            tool_call_ids=None if call_id is None else [call_id],
         )
         message = AssistantMessage(
             content=prompt.prompt, hitl_action=action, created_at=prompt.at or self._now
         )
-        call_id = prompt.tool_call_id
         if call_id is None:
             self._finished_message(message)
             return
         held = self._named(call_id)
+        for holds in self._held_by.values():  # a later prompt naming a call holds it instead
+            if held in holds:
+                holds.remove(held)
         self._held_by.setdefault(prompt.request_id, []).append(held)
         if held == call_id and call_id not in self._block_of_call:
             self._asked_before_start.setdefault(call_id, []).append(message)

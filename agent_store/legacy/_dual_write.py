@@ -75,7 +75,7 @@ class _Turn:
                 }
             )
         if message.hitl_action is not None:
-            hitl = message.hitl_action.model_dump()
+            hitl = message.hitl_action.model_dump(exclude={"tool_call_ids"})  # not a legacy key
             self.parts.append({"type": "hitl", **hitl, "prompt": message.content})
         elif message.error is not None:
             self.parts.append({"type": "error", "message": message.error.message})

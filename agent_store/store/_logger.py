@@ -383,7 +383,12 @@ class AgentMessageLogger:
             messages, end, ids, pending_now(source), next_seq, starts, resolved
         )
         plan = replace(
-            plan, opened_calls=calls, answered_calls=(), pending_hitl=prompt, holds_pending=None
+            plan,
+            opened_calls=calls,
+            answered_calls=(),
+            pending_hitl=prompt,
+            holds_pending=None,
+            named_holds=(),
         )
         origin = ForkOrigin(
             conversation_id=conversation_id, seq=end, turn_starts=fork_turn_starts(chosen, starts)

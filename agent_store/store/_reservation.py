@@ -267,7 +267,9 @@ def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
     hitl: Any = {"$ifNull": ["$pending_hitl", None]}
     if not isinstance(plan.pending_hitl, KeepPendingHitl):
         hitl = literal(plan.pending_hitl and plan.pending_hitl.model_dump())
-    if not plan.answered_calls and not plan.opened_calls and plan.holds_pending is None:
+    if not (plan.answered_calls or plan.opened_calls or plan.named_holds) and (
+        plan.holds_pending is None
+    ):
         return {"pending_calls": calls, "pending_hitl": hitl}
     taken = _taken(calls, plan.answered_calls)
 
@@ -287,7 +289,7 @@ def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
         held = {"$filter": {"input": answered(True), "as": "call", "cond": was_held}}
         hitl = {"$cond": [{"$gt": [{"$size": held}, 0]}, None, hitl]}
     opened = literal([call.model_dump() for call in plan.opened_calls])
-    left = _held_by(answered(False), plan.holds_pending)
+    left = _holding_named(_held_by(answered(False), plan.holds_pending), plan.named_holds)
     kept = {"$slice": [{"$concatArrays": [left, opened]}, -PENDING_CALLS_KEPT]}
     return {"pending_calls": kept, "pending_hitl": hitl}
 
@@ -330,28 +332,23 @@ def _taken(calls: Any, answered: Sequence[str]) -> Any:
     pending call of that id (`_turns.taking_answers`)."""
     if not answered:
         return False
+    return {"$or": [_is_latest_of(calls, call_id) for call_id in answered]}
 
-    def latest_message_of(call_id: str) -> dict[str, Any]:
-        of_id = {
-            "$filter": {
-                "input": calls,
-                "as": "other",
-                "cond": {"$eq": ["$$other.tool_call_id", literal(call_id)]},
-            }
-        }
-        return {
-            "$let": {"vars": {"last": {"$arrayElemAt": [of_id, -1]}}, "in": "$$last.message_id"}
-        }
 
+def _is_latest_of(calls: Any, call_id: str) -> dict[str, Any]:
+    """Whether `$$call` is the latest of `calls` with the id `call_id`."""
+    of_id = {
+        "$filter": {
+            "input": calls,
+            "as": "other",
+            "cond": {"$eq": ["$$other.tool_call_id", literal(call_id)]},
+        }
+    }
+    latest = {"$let": {"vars": {"last": {"$arrayElemAt": [of_id, -1]}}, "in": "$$last.message_id"}}
     return {
-        "$or": [
-            {
-                "$and": [
-                    {"$eq": ["$$call.tool_call_id", literal(call_id)]},
-                    {"$eq": ["$$call.message_id", latest_message_of(call_id)]},
-                ]
-            }
-            for call_id in answered
+        "$and": [
+            {"$eq": ["$$call.tool_call_id", literal(call_id)]},
+            {"$eq": ["$$call.message_id", latest]},
         ]
     }
 
@@ -364,6 +361,29 @@ def _held_by(calls: Any, request_id: str | None) -> Any:
     fields: dict[str, Any] = {name: f"$$call.{name}" for name in PendingCall.model_fields}
     fields["request_id"] = {"$ifNull": ["$$call.request_id", literal(request_id)]}
     return {"$map": {"input": calls, "as": "call", "in": fields}}
+
+
+def _holding_named(calls: Any, named: Sequence[tuple[str, str]]) -> Any:
+    """`calls` once the prompts naming calls of earlier turns hold them (`_turns.holding_named`,
+    as an expression): the latest of each id named is held by the prompt that named it.
+
+    One flat expression whatever the number of names (a nested one per name would pass
+    BSON's nesting limit)."""
+    if not named:
+        return calls
+    pairs = literal([{"c": call_id, "r": by} for call_id, by in dict(named).items()])
+    naming = {
+        "$filter": {"input": pairs, "as": "p", "cond": {"$eq": ["$$p.c", "$$call.tool_call_id"]}}
+    }
+    same_id = {"$eq": ["$$other.tool_call_id", "$$call.tool_call_id"]}
+    of_id = {"$filter": {"input": "$$held", "as": "other", "cond": same_id}}
+    latest = {"$let": {"vars": {"last": {"$arrayElemAt": [of_id, -1]}}, "in": "$$last.message_id"}}
+    holder = {"$arrayElemAt": [{"$map": {"input": naming, "as": "p", "in": "$$p.r"}}, 0]}
+    named_here = {"$and": [{"$gt": [{"$size": naming}, 0]}, {"$eq": ["$$call.message_id", latest]}]}
+    fields: dict[str, Any] = {name: f"$$call.{name}" for name in PendingCall.model_fields}
+    fields["request_id"] = {"$cond": [named_here, holder, {"$ifNull": ["$$call.request_id", None]}]}
+    mapped = {"$map": {"input": "$$held", "as": "call", "in": fields}}
+    return {"$let": {"vars": {"held": calls}, "in": mapped}}
 
 
 _RECORD_KEYS = tuple(f.alias or name for name, f in TurnRecord.model_fields.items())

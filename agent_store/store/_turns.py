@@ -128,6 +128,10 @@ class TurnPlan:
     answered_after_prompt: tuple[str, ...] = ()
     """Ids of earlier calls the turn answers after its `holds_pending` prompt: the prompt
     is not pending after the turn if it held one (`answered_after_prompt`)."""
+    named_holds: tuple[tuple[str, str], ...] = ()
+    """`(tool_call_id, request_id)`: calls of earlier turns a prompt of the turn names
+    (`HitlAction.tool_call_ids`); the latest pending call of each id is held by that prompt
+    from then on (`holding_named`)."""
 
     def matches(self, digest: int) -> bool:
         """Whether a turn record's digest is this plan's content (in either digest's form)."""
@@ -256,7 +260,18 @@ _DIGEST_EXCLUDES = frozenset(
 def _canonical(documents: Sequence[Mapping[str, Any]]) -> str:
     """The content of a turn's documents as one text: their values in the models' order,
     as `repr` writes them (exact for every value a message holds), times and ids aside."""
-    return repr([{k: v for k, v in d.items() if k not in _DIGEST_EXCLUDES} for d in documents])
+    return repr([_as_before(d, _DIGEST_EXCLUDES) for d in documents])
+
+
+def _as_before(document: Mapping[str, Any], excluded: Collection[str]) -> dict[str, Any]:
+    """A document's fields as digested, those `excluded` aside: a prompt naming no calls
+    without `tool_call_ids`, so a turn recorded before prompts could name them keeps the
+    digest it was recorded with."""
+    kept = {k: v for k, v in document.items() if k not in excluded}
+    hitl = kept.get("hitl_action")
+    if isinstance(hitl, Mapping) and hitl.get("tool_call_ids") is None:
+        kept["hitl_action"] = {k: v for k, v in hitl.items() if k != "tool_call_ids"}
+    return kept
 
 
 def content_digest(documents: Sequence[Mapping[str, Any]]) -> int:
@@ -294,7 +309,7 @@ def json_content_digest(documents: Sequence[Mapping[str, Any]]) -> int:
     """The digest turn records were written with before `content_digest`: sorted JSON of
     every field but the timestamps, `seq` and the owner. A record may still hold it."""
     canonical = json.dumps(
-        [{k: v for k, v in d.items() if k not in _JSON_EXCLUDES} for d in documents],
+        [_as_before(d, _JSON_EXCLUDES) for d in documents],
         sort_keys=True,
         ensure_ascii=False,
         default=str,
@@ -464,7 +479,7 @@ def plan_turn(
     prepared = _prepared(conversation_id, turn_id, messages, documents, canonical, rules)
     sources = prepared.sources
     ids = [str(d["_id"]) for d in prepared.documents]
-    opened_calls, answered_calls = _pending_calls(sources, ids)
+    opened_calls, answered_calls, named_holds = _pending_calls(sources, ids)
     return TurnPlan(
         conversation_id=conversation_id,
         turn_id=turn_id,
@@ -487,6 +502,7 @@ def plan_turn(
         answered_calls=answered_calls,
         holds_pending=prompt_before_calls(sources),
         answered_after_prompt=answered_after_prompt(sources),
+        named_holds=named_holds,
     )
 
 
@@ -540,11 +556,12 @@ def _pending_hitl(
     messages: Sequence[AgentMessage], ids: Sequence[str]
 ) -> PendingHitl | KeepPendingHitl | None:
     """The prompt pending after the turn: the last one it raises, unless a later message of
-    the turn answers a call that prompt holds back (as a later turn's answer would), or an
-    upload clears it; `KeepPendingHitl` when the turn does neither."""
+    the turn answers a call that prompt holds back (as a later turn's answer would; one
+    naming calls holds those it names), or an upload clears it; `KeepPendingHitl` when the
+    turn does neither."""
     outcome: PendingHitl | KeepPendingHitl | None = KeepPendingHitl()
     unheld: set[str] = set()  # calls of the turn not answered yet, held by no prompt
-    held: set[str] = set()  # those the outcome holds back
+    held: set[str] = set()  # those the outcome holds back (or names)
     for message, message_id_ in zip(messages, ids, strict=True):
         if message.role == "user" and message.upload is not None:
             outcome = None
@@ -558,7 +575,8 @@ def _pending_hitl(
                 message_id=message_id_,
                 created_at=message.created_at,
             )
-            held, unheld = unheld, set()
+            named = message.hitl_action.tool_call_ids
+            held, unheld = (unheld, set()) if named is None else (set(named), unheld - set(named))
         if message.role == "tool":
             if message.tool_call_id in held and isinstance(outcome, PendingHitl):
                 outcome = None
@@ -568,13 +586,14 @@ def _pending_hitl(
 
 def prompt_before_calls(messages: Sequence[AgentMessage]) -> str | None:
     """The request id of the first prompt a turn raises, if nothing before it in the turn
-    makes a call or starts a request (a user or system message): the turn then goes on
-    with the run that paused, asking about its calls."""
+    makes a call or starts a request (a user or system message) and it names no calls:
+    the turn then goes on with the run that paused, asking about its calls."""
     for message in messages:
         if message.tool_calls or message.role in ("user", "system"):
             return None
         if message.hitl_action is not None:
-            return message.hitl_action.request_id
+            named = message.hitl_action.tool_call_ids is not None
+            return None if named else message.hitl_action.request_id
     return None
 
 
@@ -636,33 +655,74 @@ def held_by(calls: Sequence[PendingCall], request_id: str | None) -> list[Pendin
     ]
 
 
+def holding_named(
+    calls: Sequence[PendingCall], named: Sequence[tuple[str, str]]
+) -> list[PendingCall]:
+    """The pending calls once the prompts naming calls of earlier turns hold them
+    (`TurnPlan.named_holds`): the latest pending call of each id named is held by the
+    prompt that named it last; the others are as they were."""
+    if not named:
+        return list(calls)
+    holder = dict(named)
+    latest = {c.tool_call_id: i for i, c in enumerate(calls) if c.tool_call_id in holder}
+    return [
+        c.model_copy(update={"request_id": holder[c.tool_call_id]})
+        if latest.get(c.tool_call_id) == i
+        else c
+        for i, c in enumerate(calls)
+    ]
+
+
+def _holders(messages: Sequence[AgentMessage]) -> tuple[dict[str, str], dict[str, str]]:
+    """Which prompt holds back each call of the turn, and each call of an earlier turn its
+    prompts name, by call id, as the messages go: a prompt naming calls holds those it
+    names (its turn's, made before it; else an earlier turn's), and another naming one
+    later holds it instead; a prompt naming none holds its turn's calls before it that no
+    prompt holds."""
+    own: dict[str, str] = {}
+    earlier: dict[str, str] = {}
+    made: list[str] = []
+    for message in messages:
+        made += [call.id for call in message.tool_calls or ()]
+        action = message.hitl_action
+        if action is None:
+            continue
+        if action.tool_call_ids is None:
+            own.update({call_id: action.request_id for call_id in made if call_id not in own})
+            continue
+        for call_id in action.tool_call_ids:
+            (own if call_id in made else earlier)[call_id] = action.request_id
+    return own, earlier
+
+
 def _pending_calls(
     messages: Sequence[AgentMessage], ids: Sequence[str]
-) -> tuple[tuple[PendingCall, ...], tuple[str, ...]]:
-    """The calls a turn leaves open, and the ids of calls of earlier turns it answers.
+) -> tuple[tuple[PendingCall, ...], tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """The calls a turn leaves open, the ids of calls of earlier turns it answers, and the
+    calls of earlier turns its prompts name, with the prompt holding each (`_holders`).
 
-    A call with no `tool` message in its turn is pending; the first HITL
-    prompt its turn raises from there on holds it back. A `tool` message
-    answering a call its turn did not make answers a call of an earlier turn.
+    A call with no `tool` message in its turn is pending; the prompt naming it last holds
+    it back, else the first prompt naming none its turn raises from there on. A `tool`
+    message answering a call its turn did not make answers a call of an earlier turn; a
+    call of an earlier turn the turn answers is taken, whatever prompt names it.
     """
     made = {call.id for m in messages for call in m.tool_calls or ()}
     answers = [m.tool_call_id for m in messages if m.role == "tool" and m.tool_call_id]
-    opened: list[PendingCall] = []
-    for index, message in enumerate(messages):
-        for call in message.tool_calls or ():
-            if call.id in answers:
-                continue
-            prompt = next((m.hitl_action for m in messages[index:] if m.hitl_action), None)
-            opened.append(
-                PendingCall(
-                    tool_call_id=call.id,
-                    tool_name=call.function.name,
-                    message_id=ids[index],
-                    request_id=prompt.request_id if prompt else None,
-                    created_at=message.created_at,
-                )
-            )
-    return tuple(opened), tuple(i for i in answers if i not in made)
+    own, earlier = _holders(messages)
+    opened = tuple(
+        PendingCall(
+            tool_call_id=call.id,
+            tool_name=call.function.name,
+            message_id=ids[index],
+            request_id=own.get(call.id),
+            created_at=message.created_at,
+        )
+        for index, message in enumerate(messages)
+        for call in message.tool_calls or ()
+        if call.id not in answers
+    )
+    named = tuple((c, r) for c, r in earlier.items() if c not in answers)
+    return opened, tuple(i for i in answers if i not in made), named
 
 
 FORK_TURN = "fork-"
@@ -713,7 +773,7 @@ def _fold(
 ) -> tuple[list[PendingCall], PendingHitl | None]:
     """What is pending after one more turn, by the rules its reservation applies."""
     ids = [str(m.id) for m in turn]
-    opened, answered = _pending_calls(turn, ids)
+    opened, answered, named = _pending_calls(turn, ids)
     taken, left = taking_answers(calls, answered)
     holds = prompt_before_calls(turn)
     raised = _pending_hitl(turn, ids)
@@ -726,7 +786,7 @@ def _fold(
     elif hitl is not None and answers_clear(hitl.request_id, calls, taken, left):
         hitl = None  # the turn answers what the prompt awaits
     # The newest are kept, turn by turn, as each reservation keeps them.
-    return (held_by(left, holds) + list(opened))[-PENDING_CALLS_KEPT:], hitl
+    return (holding_named(held_by(left, holds), named) + list(opened))[-PENDING_CALLS_KEPT:], hitl
 
 
 def block_abandoned(

@@ -365,6 +365,12 @@ export interface IHitlAction {
   /** Plain JSON values, nested at most `MAX_PARAMS_DEPTH` levels. */
   params: Record<string, unknown>;
   request_id: string;
+  /**
+   * The calls this prompt holds back, by their ids: of its turn, made before it, or else
+   * the latest pending call of each id of an earlier turn; a later prompt naming one holds
+   * it instead. None: the calls before it in its turn that no prompt holds, as before.
+   */
+  tool_call_ids: string[] | null;
 }
 
 /** An error the runtime reported instead of an answer. */
