@@ -373,25 +373,12 @@ class AgentMessageLogger:
             rules=self.rules,
             copied=True,
         )
-        # The copies are one turn, but what they leave pending is what their turns did, from
-        # the messages as stored (a prompt's params stay bounded).
-        ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
-        next_seq = int(source.get("message_count") or 0)
-        starts = fork_turns_of(source)
+        plan = _leaving_what_the_copies_left(plan, chosen, messages, end, source)
         resolved = source.get("resolved_hitl") or ()  # the fork remembers them too
-        calls, prompt = fork_pending(
-            messages, end, ids, pending_now(source), next_seq, starts, resolved
-        )
-        plan = replace(
-            plan,
-            opened_calls=calls,
-            answered_calls=(),
-            pending_hitl=prompt,
-            holds_pending=None,
-            named_holds=(),
-        )
         origin = ForkOrigin(
-            conversation_id=conversation_id, seq=end, turn_starts=fork_turn_starts(chosen, starts)
+            conversation_id=conversation_id,
+            seq=end,
+            turn_starts=fork_turn_starts(chosen, fork_turns_of(source)),
         ).model_dump()
         condition = Condition(
             {"created_at": {"$exists": False}},
@@ -904,3 +891,33 @@ def _written_by(
         "_id": {"$in": [m.id for m in stored]},
         "user_id": owner,
     }
+
+
+def _leaving_what_the_copies_left(
+    plan: TurnPlan,
+    chosen: Sequence[AgentMessage],
+    messages: Sequence[AgentMessage],
+    end: int,
+    source: Mapping[str, Any],
+) -> TurnPlan:
+    """A fork's plan leaving pending what the copied messages' turns did: the copies are one
+    turn, but their pending calls and prompt follow the messages as stored (a prompt's
+    params stay bounded), by the original's turn starts and resolutions."""
+    ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
+    calls, prompt = fork_pending(
+        messages,
+        end,
+        ids,
+        pending_now(source),
+        int(source.get("message_count") or 0),
+        fork_turns_of(source),
+        source.get("resolved_hitl") or (),
+    )
+    return replace(
+        plan,
+        opened_calls=calls,
+        answered_calls=(),
+        pending_hitl=prompt,
+        holds_pending=None,
+        named_holds=(),
+    )
