@@ -33,7 +33,7 @@ from agent_store.core import (
 )
 from agent_store.store._driver import storage_errors
 from agent_store.store._fork import fork_turns_of
-from agent_store.store._reservation import RESERVED, RecordedBlock, literal
+from agent_store.store._reservation import RESERVED, RecordedBlock, literal, resolved_by_request
 from agent_store.store._turns import GAPS_READ, Gaps, TurnPlan, pending_after
 
 MOVED: dict[str, Any] = {**RESERVED, **GAPS_READ, "forked_from": 1, "pops": 1, "popping": 1}
@@ -115,9 +115,7 @@ def refolded(
     }
     hitl: Any = literal(None)
     if prompt is not None:
-        resolved = {
-            "$in": [literal(prompt.request_id), {"$ifNull": ["$resolved_hitl", literal([])]}]
-        }
+        resolved = resolved_by_request(prompt.request_id)
         hitl = {"$cond": [resolved, literal(None), literal(prompt.model_dump())]}
     stage = {"pending_calls": literal([c.model_dump() for c in calls]), "pending_hitl": hitl}
     return query, [{"$set": stage}]

@@ -143,6 +143,12 @@ def _kept(field: str, default: Any) -> dict[str, Any]:
     return {"$ifNull": [f"${field}", literal(default)]}
 
 
+def resolved_by_request(request_id: str) -> dict[str, Any]:
+    """Whether a person resolved the prompt `request_id` by request id (`resolved_hitl`), as
+    an expression of the conversation being updated."""
+    return {"$in": [literal(request_id), _kept("resolved_hitl", [])]}
+
+
 def _capped(field: str, amount: int) -> dict[str, Any]:
     """A running sum that stops at 2**53 - 1, so one huge value cannot jam later turns."""
     return int64({"$min": [_sum(field, amount), MAX_SAFE_INTEGER]})
@@ -436,8 +442,7 @@ def relocation(
         **_records(plan.key, block.digest, rules, now, turns),
     }
     if isinstance(plan.pending_hitl, PendingHitl):
-        request_id = literal(plan.pending_hitl.request_id)
-        resolved = {"$in": [request_id, _kept("resolved_hitl", [])]}
+        resolved = resolved_by_request(plan.pending_hitl.request_id)
         kept = {"$ifNull": ["$pending_hitl", None]}
         stage["pending_hitl"] = {"$cond": [resolved, kept, stage["pending_hitl"]]}
     if assigned:

@@ -37,7 +37,7 @@ from typing import Any
 from bson import Int64
 
 from agent_store.core import AgentMessage, PendingCall, PendingHitl, PopInProgress
-from agent_store.store._reservation import int64, literal, records_changed
+from agent_store.store._reservation import int64, literal, records_changed, resolved_by_request
 from agent_store.store._text import message_text, shorten
 from agent_store.store._turns import (
     PENDING_CALLS_KEPT,
@@ -229,7 +229,7 @@ def _prompt_back(prompt: PendingHitl, untouched: Any, otherwise: Any) -> dict[st
     """`pending_hitl` once an answer is removed: the prompt the messages before it leave
     pending comes back when none is pending (the answer cleared it), no turn reserved past
     the answer, and it was not resolved by request id (`resolved_hitl`); else `otherwise`."""
-    resolved = {"$in": [literal(prompt.request_id), {"$ifNull": ["$resolved_hitl", literal([])]}]}
+    resolved = resolved_by_request(prompt.request_id)
     comes_back = {
         "$and": [
             untouched,
