@@ -1565,3 +1565,67 @@ async def test_a_prompt_may_name_a_hundred_calls_of_earlier_turns(backend: Backe
 
     assert await held_state(store) == ([(i, "r1") for i in ids], "r1")
     assert await folded_state(store) == await held_state(store)
+
+
+async def test_popping_a_second_question_gives_its_call_back_to_the_first_question(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md (pop): calls the removed prompt held are held as the messages before it
+    hold them. A second question about a pending call, popped, leaves the call held by the
+    first question again (no removed prompt named), so refusing the first denies it."""
+    runtime = Runtime(backend)
+    await runtime.stream([_start("c1"), _confirm("r1", "c1")], prompt="go")
+    await runtime.stream([_confirm("r2", "c1")], prompt="well?")  # asked again about c1
+    assert await held_state(runtime.store) == ([("c1", "r2")], "r2")
+
+    popped = await runtime.store.pop_last_message(CID)  # the second question
+    assert popped is not None
+    assert popped.hitl_action is not None
+
+    assert (await held_state(runtime.store))[0] == [("c1", "r1")]
+    assert (await folded_state(runtime.store))[0] == [("c1", "r1")]
+    await runtime.stream([{"type": "confirm_resolved", "request_id": "r1", "approved": False}])
+    assert await runtime.answers_of("c1") == [(DENIED_RESULT, "tool call denied")]
+    assert await runtime.store.pending_calls(CID) == []
+
+
+async def test_a_question_about_an_earlier_call_holds_it_when_its_turn_reuses_the_id(
+    backend: Backend,
+) -> None:
+    """STREAMING.md (call ids a later turn repeats): a result of an id the turn made
+    answers the turn's own call, even when a question of the turn named an earlier turn's
+    call of that id before it; only an answer to the call a question holds clears it. So
+    the question stays pending, holds the earlier call, and refusing it denies that call."""
+    runtime = Runtime(backend)
+    await runtime.stream([_start("call_0"), _confirm("r1", "call_0")], prompt="Book A.")
+    looked_up = {"type": "tool_end", "tool_name": "book", "tool_call_id": "call_0",
+                 "result": "looked up"}  # fmt: skip
+    await runtime.stream([_confirm("r2", "call_0"), _start("call_0"), looked_up], prompt="And?")
+
+    assert await held_state(runtime.store) == ([("call_0", "r2")], "r2")
+    assert await folded_state(runtime.store) == await held_state(runtime.store)
+
+    await runtime.stream([{"type": "confirm_resolved", "request_id": "r2", "approved": False}])
+    denials = [a for a in await runtime.answers_of("call_0") if a[1] is not None]
+    assert denials == [(DENIED_RESULT, "tool call denied")]  # the earlier call's, once
+    assert await held_state(runtime.store) == ([], None)
+
+
+async def test_a_prompt_naming_an_earlier_call_stays_pending_when_its_turn_answers_its_own_call(
+    backend: Backend,
+) -> None:
+    """Logged by a runtime itself: the turn's answer of an id it made is to its own call,
+    made after the prompt; the earlier call the prompt names stays held by it. The
+    reservation and the fold of the messages agree."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}, _calls("c1")], turn_id="t1")
+
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "sure?"}, _asks_about("r1", "c1"), _calls("c1"),
+         {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
+        turn_id="t2",
+    )  # fmt: skip
+
+    assert await held_state(store) == ([("c1", "r1")], "r1")
+    assert await folded_state(store) == await held_state(store)

@@ -79,8 +79,9 @@ def _less(field: str, amount: int) -> dict[str, Any]:
 
 def reads_pending_before(message: AgentMessage) -> bool:
     """Whether undoing `message` needs what the messages before it leave pending: a call it
-    answered comes back, calls its prompt held back are held by none, and a prompt an
-    answer or an upload cleared is pending again."""
+    answered comes back, calls its prompt held back are held as those messages hold them
+    (by none, or by an earlier prompt), and a prompt an answer or an upload cleared is
+    pending again."""
     return _may_clear_a_prompt(message) or message.hitl_action is not None
 
 
@@ -252,8 +253,8 @@ def _calls_without(pop: PopInProgress, before: list[PendingCall]) -> dict[str, A
     turn still being written below the message, or another pop, changed it meanwhile (and
     is kept). The calls the message made leave the list; the call an answer took (the
     latest of its id that `before` lists, `taking_answers`) comes back, in its place among
-    them, other calls of its id staying where they are; calls its prompt held back that
-    `before` shows held by none lose their `request_id`.
+    them, other calls of its id staying where they are; calls its prompt held back are held
+    as `before` holds them (`_unheld`): by none, or by the earlier prompt that held them.
     """
     calls: Any = {"$ifNull": ["$pending_calls", literal([])]}
     answered = [pop.answered_call] if pop.answered_call else []
@@ -291,25 +292,30 @@ _CALL_KEY = {"$concat": ["$$call.message_id", " ", "$$call.tool_call_id"]}
 turn may use a call id again); a message id holds no space."""
 
 
+def _key_list(calls: list[PendingCall]) -> list[str]:
+    """The `_CALL_KEY` of each of `calls`."""
+    return [f"{c.message_id} {c.tool_call_id}" for c in calls]
+
+
 def _keys(calls: list[PendingCall]) -> dict[str, Any]:
     """The `_CALL_KEY`s of `calls`, as a pipeline constant."""
-    return literal([f"{c.message_id} {c.tool_call_id}" for c in calls])
+    return literal(_key_list(calls))
 
 
 def _unheld(calls: Any, request_id: str, before: list[PendingCall]) -> dict[str, Any]:
-    """`calls`, those held back by the removed prompt `request_id` held by none now."""
-    free = literal([c.tool_call_id for c in before if c.request_id is None])
-    held = {
-        "$and": [
-            {"$eq": ["$$call.request_id", literal(request_id)]},
-            {"$in": ["$$call.tool_call_id", free]},
-        ]
-    }
-    unheld = {
-        "tool_call_id": "$$call.tool_call_id",
-        "tool_name": "$$call.tool_name",
-        "message_id": "$$call.message_id",
-        "request_id": literal(None),
-        "created_at": "$$call.created_at",
-    }
-    return {"$map": {"input": calls, "as": "call", "in": {"$cond": [held, unheld, "$$call"]}}}
+    """`calls`, those held back by the removed prompt `request_id` held as `before` (the fold
+    of the messages before it) holds them: by none, or by the prompt that held them before
+    (a second question about a call gives it back to the first). A call `before` does not
+    list (a turn still being written below the message made it) is kept as it is.
+
+    One flat expression whatever the number of calls: `before` as a constant list of keys
+    and holders, looked up by the call's key."""
+    keys = _key_list(before)
+    holders = literal([{"k": key, "r": c.request_id} for key, c in zip(keys, before, strict=True)])
+    found = {"$filter": {"input": holders, "as": "h", "cond": {"$eq": ["$$h.k", _CALL_KEY]}}}
+    listed = {"$gt": [{"$size": found}, 0]}
+    held = {"$and": [{"$eq": ["$$call.request_id", literal(request_id)]}, listed]}
+    holder = {"$arrayElemAt": [{"$map": {"input": found, "as": "h", "in": "$$h.r"}}, 0]}
+    fields: dict[str, Any] = {name: f"$$call.{name}" for name in PendingCall.model_fields}
+    fields["request_id"] = {"$cond": [held, holder, {"$ifNull": ["$$call.request_id", None]}]}
+    return {"$map": {"input": calls, "as": "call", "in": fields}}

@@ -558,13 +558,18 @@ def _pending_hitl(
     """The prompt pending after the turn: the last one it raises, unless a later message of
     the turn answers a call that prompt holds back (as a later turn's answer would; one
     naming calls holds those it names), or an upload clears it; `KeepPendingHitl` when the
-    turn does neither."""
+    turn does neither. An answer is to the turn's own call of its id when the turn made one
+    (before it), else to an earlier turn's: only an answer to the very call the prompt
+    holds clears it, not one to a call of the same id the turn made after the prompt."""
     outcome: PendingHitl | KeepPendingHitl | None = KeepPendingHitl()
+    made: set[str] = set()  # calls of the turn so far: an answer of such an id is to it
     unheld: set[str] = set()  # calls of the turn not answered yet, held by no prompt
-    held: set[str] = set()  # those the outcome holds back (or names)
+    held: set[tuple[str, bool]] = set()  # those the outcome holds (or names), with whether
+    # each is the turn's own call (else an earlier turn's)
     for message, message_id_ in zip(messages, ids, strict=True):
         if message.role == "user" and message.upload is not None:
             outcome = None
+        made |= {call.id for call in message.tool_calls or ()}
         unheld |= {call.id for call in message.tool_calls or ()}
         if message.hitl_action is not None:
             outcome = PendingHitl(
@@ -576,11 +581,15 @@ def _pending_hitl(
                 created_at=message.created_at,
             )
             named = message.hitl_action.tool_call_ids
-            held, unheld = (unheld, set()) if named is None else (set(named), unheld - set(named))
-        if message.role == "tool":
-            if message.tool_call_id in held and isinstance(outcome, PendingHitl):
+            if named is None:
+                held, unheld = {(c, True) for c in unheld}, set()
+            else:
+                held, unheld = {(c, c in made) for c in named}, unheld - set(named)
+        if message.role == "tool" and message.tool_call_id:
+            answered = (message.tool_call_id, message.tool_call_id in made)
+            if answered in held and isinstance(outcome, PendingHitl):
                 outcome = None
-            unheld.discard(message.tool_call_id or "")
+            unheld.discard(message.tool_call_id)
     return outcome
 
 
@@ -703,8 +712,9 @@ def _pending_calls(
 
     A call with no `tool` message in its turn is pending; the prompt naming it last holds
     it back, else the first prompt naming none its turn raises from there on. A `tool`
-    message answering a call its turn did not make answers a call of an earlier turn; a
-    call of an earlier turn the turn answers is taken, whatever prompt names it.
+    message answers the call of its id its turn made (before it, `_check_tool_pairing`), else
+    a call of an earlier turn: taken, whatever prompt names it. A prompt naming an earlier
+    turn's call keeps holding it when the turn then makes and answers a call of that id.
     """
     made = {call.id for m in messages for call in m.tool_calls or ()}
     answers = [m.tool_call_id for m in messages if m.role == "tool" and m.tool_call_id]
@@ -721,8 +731,9 @@ def _pending_calls(
         for call in message.tool_calls or ()
         if call.id not in answers
     )
-    named = tuple((c, r) for c, r in earlier.items() if c not in answers)
-    return opened, tuple(i for i in answers if i not in made), named
+    answered = tuple(i for i in answers if i not in made)
+    named = tuple((c, r) for c, r in earlier.items() if c not in answered)
+    return opened, answered, named
 
 
 FORK_TURN = "fork-"
