@@ -198,10 +198,14 @@ def test_a_conversation_without_any_time_takes_the_time_it_is_given() -> None:
 
 @pytest.mark.parametrize(
     "created_at",
-    [1614592800, 1614592800.0, 1614592800000, Int64(1614592800000)],
-    ids=["seconds", "seconds as a float", "milliseconds", "milliseconds as int64"],
-)
+    [1614592800, 1614592800.0, 1614592800000, Int64(1614592800000), "1614592800",
+     " 1614592800000 ", "1614592800.0", " 2021-03-01T10:00:00Z ", "2021-03-01T10:00:00+00:00"],
+    ids=["seconds", "seconds as a float", "milliseconds", "milliseconds as int64",
+         "seconds as text", "milliseconds as text in spaces", "seconds as decimal text",
+         "iso text in spaces", "iso text"],
+)  # fmt: skip
 def test_a_time_written_as_whole_epoch_seconds_or_milliseconds_is_read(created_at: Any) -> None:
+    """A number or its text by one rule (`epoch_number`); ISO text with spaces around it."""
     turn = {"_id": "e-1", "conversation_id": "c-epoch", "created_at": created_at,
             "user_message": "hi"}  # fmt: skip
     conversion = convert([turn])
@@ -254,7 +258,7 @@ def test_turns_less_than_a_millisecond_apart_keep_their_time_order(
 
 @pytest.mark.parametrize(
     "created_at",
-    [1614592800.5, -5, 0, 32503680000, 10**16, True],
+    [1614592800.5, -5, 0, 32503680000, 10**16, True, "1614592800.5", "0", "32503680000"],
     ids=[
         "a fraction",
         "before 1970",
@@ -262,6 +266,9 @@ def test_turns_less_than_a_millisecond_apart_keep_their_time_order(
         "seconds in the year 3000",
         "past now in milliseconds",
         "a bool",
+        "a fraction as text",
+        "a placeholder zero as text",
+        "the year 3000 as text",
     ],
 )
 def test_a_number_that_is_no_epoch_time_is_a_problem_saying_it_was_not_read(
@@ -281,6 +288,13 @@ def test_a_number_that_is_no_epoch_time_is_a_problem_saying_it_was_not_read(
     )
     if not isinstance(created_at, bool):
         assert "is a number, not epoch seconds or milliseconds" in problem.detail
+
+
+def test_an_eight_digit_text_is_an_iso_date_not_epoch_seconds() -> None:
+    """ISO text is read first: `20210301` is the basic form of 2021-03-01."""
+    turn = {"_id": "e-1", "conversation_id": "c-epoch", "created_at": "20210301",
+            "user_message": "hi"}  # fmt: skip
+    assert convert([turn]).messages[0].created_at == datetime(2021, 3, 1, tzinfo=UTC)
 
 
 def test_a_hitl_turn_whose_response_text_is_its_prompt_is_not_a_problem() -> None:

@@ -1,9 +1,11 @@
 """One reader of the legacy format: every spelling of a part means the same to the converter,
-the migration's verify and the viewer; one identifier rule for users everywhere."""
+the migration's verify and the viewer; one identifier rule for users everywhere; one rule per
+field for what a legacy value may look like: read by that rule, else kept in a problem."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+import json
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ from agent_store.legacy import convert
 from agent_store.store import CONVERSATIONS, MESSAGES
 from app.presentation import legacy_turn_view
 from migrations.cli import main
+from migrations.problems import PROBLEMS
 
 CID = "conv-spellings"
 AT = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
@@ -138,3 +141,189 @@ def test_a_call_spelt_the_openai_way_keeps_its_id_as_the_call_id() -> None:
     [call] = [c for m in messages for c in m.tool_calls or ()]
     assert call.id == "call_real_7Qx"
     assert [m.tool_call_id for m in messages if m.role == "tool"] == ["call_real_7Qx"]
+
+
+# -- the summary fields of a turn without parts, and its time, in every shape -----------------
+
+T0 = datetime(2024, 3, 1, 9, 0, tzinfo=UTC)
+
+
+def turn(turn_id: str, conversation_id: str, n: int = 0, **fields: Any) -> dict[str, Any]:
+    """A legacy turn of `conversation_id`, `n` minutes after T0, without parts."""
+    return {"_id": turn_id, "conversation_id": conversation_id, "user_id": "alice",
+            "created_at": T0 + timedelta(minutes=n), **fields}  # fmt: skip
+
+
+def holding(db: Database[dict[str, Any]], collection: str, text: str) -> list[dict[str, Any]]:
+    found = db[collection].find({"placed": False} if collection == PROBLEMS else {})
+    return [d for d in found if text in json.dumps(d, default=str, ensure_ascii=False)]
+
+
+@pytest.mark.parametrize(
+    ("response_text", "content"),
+    [(987654321, "987654321"), (12.5, "12.5"), (["on", "its way"], '["on", "its way"]'),
+     ({"answer": 4}, '{"answer": 4}')],
+    ids=["an integer", "a decimal", "a list of strings", "an object"],
+)  # fmt: skip
+def test_a_response_text_that_is_not_text_is_the_answer_as_its_json_text(
+    response_text: Any, content: str
+) -> None:
+    """As a text part's content that is not text: a number is its decimal text."""
+    conversion = convert([turn("t1", "c-answer", user_message="q", response_text=response_text)])
+
+    assert [(m.role, m.content) for m in conversion.messages] == [
+        ("user", "q"),
+        ("assistant", content),
+    ]
+    assert conversion.problems == []
+
+
+def test_a_response_text_that_is_not_text_beside_parts_is_compared_as_its_text() -> None:
+    parts = [{"type": "text", "content": "Your order number is 987654321."}]
+    told = turn("t1", "c-answer", response_parts=parts, response_text=987654321)
+    untold = turn("t2", "c-answer", 1, response_parts=parts, response_text=[42])
+
+    problems = convert([told, untold]).problems
+
+    assert [(p.legacy_id, p.kind, p.placed, p.content) for p in problems] == [
+        ("t2", "response_text_not_in_parts", False, [42])
+    ]
+
+
+@pytest.mark.wire
+def test_a_response_text_stored_as_a_number_is_migrated_and_verifies(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    database[CONVERSATIONS].insert_many(
+        [turn("t1", "c-number", user_message="what is the order number?", response_text=987654321)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+
+    [answer] = database[MESSAGES].find({"conversation_id": "c-number", "role": "assistant"})
+    assert answer["content"] == "987654321"
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+OPENAI_CALL = {
+    "id": "call_real_9Zk",
+    "type": "function",
+    "function": {"name": "issue_refund_zq", "arguments": '{"amount":5}'},
+}
+
+
+@pytest.mark.parametrize(
+    ("tool_calls", "call"),
+    [
+        (["track_parcel_zq"], ("track_parcel_zq", "{}")),
+        ({"tool_name": "issue_refund_zq", "args": {"amount": 5}},
+         ("issue_refund_zq", '{"amount":5}')),
+        ([OPENAI_CALL], ("issue_refund_zq", '{"amount":5}')),
+        ([None, {"name": "issue_refund_zq", "arguments": {"amount": 5}}],
+         ("issue_refund_zq", '{"amount":5}')),
+    ],
+    ids=["a list of tool names", "one object alone", "the OpenAI shape", "a null entry"],
+)  # fmt: skip
+def test_a_tool_calls_summary_of_names_or_objects_is_converted_to_its_calls(
+    tool_calls: Any, call: tuple[str, str]
+) -> None:
+    """A name is a call whose arguments were not kept, as an object naming no `args` is."""
+    conversion = convert([turn("t1", "c-calls", user_message="q", tool_calls=tool_calls)])
+
+    calls = [c for m in conversion.messages for c in m.tool_calls or ()]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [call]
+    assert conversion.problems == []
+
+
+def test_the_openai_shape_of_a_summed_up_call_keeps_its_id_as_the_call_id() -> None:
+    conversion = convert([turn("t1", "c-calls", user_message="q", tool_calls=[OPENAI_CALL])])
+
+    assert [c.id for m in conversion.messages for c in m.tool_calls or ()] == ["call_real_9Zk"]
+
+
+@pytest.mark.parametrize(
+    ("tool_calls", "problem"),
+    [
+        ("track_parcel_zq", ("invalid_part", "tool_calls", None, "track_parcel_zq")),
+        (42, ("invalid_part", "tool_calls", None, 42)),
+        ([7], ("unknown_part", "response_parts", -1, 7)),
+    ],
+    ids=["a string", "a number", "an entry that is neither"],
+)
+def test_a_tool_calls_summary_no_call_is_read_from_is_kept_in_an_unplaced_problem(
+    tool_calls: Any, problem: tuple[str, str, int | None, Any]
+) -> None:
+    """A string alone may be a tool's name or JSON text of calls: no one reading of it."""
+    conversion = convert([turn("t1", "c-calls", user_message="q", tool_calls=tool_calls)])
+
+    assert [(p.kind, p.field, p.part_index, p.content) for p in conversion.problems] == [problem]
+    assert not any(p.placed for p in conversion.problems)
+    assert not any(m.tool_calls for m in conversion.messages)
+
+
+def test_a_tool_name_in_the_summary_is_held_by_a_part_calling_that_tool() -> None:
+    parts = [{"type": "tool_call", "tool_name": "track_parcel_zq", "args": {"id": 1}}]
+    summed = turn("t1", "c-calls", response_parts=parts, tool_calls=["track_parcel_zq", "other"])
+
+    problems = convert([summed]).problems
+
+    assert [(p.kind, p.content) for p in problems] == [("tool_call_not_in_parts", "other")]
+
+
+@pytest.mark.wire
+def test_a_tool_calls_summary_of_names_or_one_object_is_migrated_and_verifies(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    database[CONVERSATIONS].insert_many(
+        [
+            turn("t1", "c-names", user_message="where is it?", response_text="on its way",
+                 tool_calls=["track_parcel_zq"]),
+            turn("t2", "c-object", user_message="refund me", response_text="done",
+                 tool_calls={"tool_name": "issue_refund_zq", "args": {"amount": 5}}),
+        ]
+    )  # fmt: skip
+    assert cli(wire_uri, database, "run") == 0
+
+    for name in ("track_parcel_zq", "issue_refund_zq"):
+        assert holding(database, MESSAGES, name), name
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_tool_calls_summary_no_call_is_read_from_holds_finish_back(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    database[CONVERSATIONS].insert_many(
+        [turn("t1", "c-text", user_message="where?", response_text="here",
+              tool_calls="track_parcel_zq")]
+    )  # fmt: skip
+    assert cli(wire_uri, database, "run") == 0
+
+    assert holding(database, PROBLEMS, "track_parcel_zq")
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 1
+
+
+@pytest.mark.wire
+def test_created_at_written_as_epoch_text_dates_and_orders_the_turns(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """Stored later-first: the turns are migrated, verified and gated in time order."""
+    database[CONVERSATIONS].insert_many(
+        [
+            turn("t2", "c-epoch", created_at="1614596400", user_message="second question",
+                 response_text="second answer"),
+            turn("t1", "c-epoch", created_at=" 1614592800 ", user_message="first question",
+                 response_text="first answer"),
+        ]
+    )  # fmt: skip
+    assert cli(wire_uri, database, "run") == 0
+
+    stored = list(database[MESSAGES].find({"conversation_id": "c-epoch"}).sort("seq", 1))
+    assert [m["content"] for m in stored] == [
+        "first question", "first answer", "second question", "second answer"
+    ]  # fmt: skip
+    assert stored[0]["created_at"] == datetime(2021, 3, 1, 10, 0, tzinfo=UTC)
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0

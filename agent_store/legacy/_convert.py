@@ -41,7 +41,7 @@ from agent_store.legacy._documents import (
     as_count,
     as_text,
     dated_turns,
-    is_number,
+    epoch_number,
     named_users,
     owner_of,
     parse_turns,
@@ -58,6 +58,9 @@ from agent_store.legacy._parts import (
     part_text,
     result_text,
     said,
+    summary_call,
+    summary_calls,
+    summary_text,
     turn_parts,
     turn_uploads,
     user_text,
@@ -226,16 +229,6 @@ class _TurnState:
     groups: list[_CallGroup] = field(default_factory=list)
     open_group: _CallGroup | None = None
     pending_results: list[tuple[int, LegacyPart, str | None]] = field(default_factory=list)
-
-
-def _summed_call(call: Any) -> LegacyPart:
-    """A `tool_calls` summary entry as a tool call part; the OpenAI shape (`function`
-    holding `name` and `arguments`) too."""
-    if not isinstance(call, Mapping):
-        return normalize_part(call)
-    function = call.get("function")
-    flat = {**call, **function} if isinstance(function, Mapping) else dict(call)
-    return normalize_part({**flat, "type": "tool_call"})
 
 
 def _arguments(part: LegacyPart) -> str:
@@ -437,6 +430,14 @@ class _Converter:
                 field="response_parts",
                 content=raw,
             )
+        if summary_calls(turn.tool_calls) is None:
+            self.problem(
+                turn,
+                "invalid_part",
+                "tool_calls is neither a list of calls nor one call",
+                field="tool_calls",
+                content=turn.tool_calls,
+            )
         return turn_parts(turn)
 
     def _check_spellings(self, turn: LegacyTurn, index: int, part: LegacyPart) -> None:
@@ -477,8 +478,8 @@ class _Converter:
         if not isinstance(turn.response_parts, list) or not turn.response_parts:
             return
         calls = [p for _, p in parts if p.kind == "tool_call"]
-        for call in turn.tool_calls if isinstance(turn.tool_calls, list) else ():
-            if not _held(_summed_call(call), calls):
+        for call in summary_calls(turn.tool_calls) or ():
+            if not _held(summary_call(call), calls):
                 self.problem(
                     turn,
                     "tool_call_not_in_parts",
@@ -489,8 +490,8 @@ class _Converter:
 
     def _check_response_text(self, turn: LegacyTurn, items: list[Item]) -> None:
         """`response_text` summed up the answer: a problem only when some of it is nowhere."""
-        text = turn.response_text
-        if not isinstance(text, str) or not text.strip():
+        text = summary_text(turn)
+        if text is None or not text.strip():
             return
         said = [
             found
@@ -505,7 +506,7 @@ class _Converter:
                 "response_text_not_in_parts",
                 "response_text holds text no part holds; the parts were converted",
                 field="response_text",
-                content=text,
+                content=turn.response_text,
             )
 
     def _opening(self, turn: LegacyTurn, at: datetime) -> list[Item]:
@@ -989,7 +990,7 @@ def _dated(
         f"no turn of the conversation has a readable time, so {undated_at.isoformat()}"
     )
     detail = f"created_at is missing or unreadable; {source} is used"
-    if is_number(turn.created_at):
+    if epoch_number(turn.created_at) is not None:
         detail = (
             f"created_at {turn.created_at!r} is a number, not epoch seconds or milliseconds from "
             f"1970 to now; {source} is used"

@@ -175,23 +175,32 @@ def truthy(value: Any) -> bool:
 
 
 def as_time(value: Any) -> datetime | None:
-    """A time as aware UTC, from a datetime, an ISO string or a whole number of epoch seconds
-    or milliseconds (`epoch_time`); None if unreadable. At the precision it was written with
+    """A time as aware UTC, from a datetime, an ISO string, or a whole number of epoch
+    seconds or milliseconds (`epoch_time`), written as a number or as text (`epoch_number`);
+    None if unreadable. Text is read with the spaces around it left out, as an ISO time
+    first (`"20210301"` is a date), else as a number. At the precision it was written with
     (an ISO string's or a datetime's microseconds kept), so turns less than a millisecond
     apart keep their order; a time stored is cut to the millisecond (`to_utc_millis`)."""
-    if is_number(value):
-        return epoch_time(value)
     if isinstance(value, str):
-        try:
-            value = datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            return None
+        with contextlib.suppress(ValueError):
+            value = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    if (number := epoch_number(value)) is not None:
+        return epoch_time(number)
     return to_utc(value) if isinstance(value, datetime) else None
 
 
-def is_number(value: Any) -> bool:
-    """Whether a value is a number (an int, Int64 or float; a bool is not one)."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
+_NUMBER_TEXT = re.compile(r"[0-9]+(\.[0-9]+)?")
+
+
+def epoch_number(value: Any) -> int | float | None:
+    """The number a time written as a number holds: a number (an int, Int64 or float; a bool
+    is not one), or text that is one in decimal digits, spaces around it aside
+    (`" 1614592800 "`, `"1614592800000.0"`); else None."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and _NUMBER_TEXT.fullmatch(text := value.strip()):
+        return float(text) if "." in text else int(text)
+    return None
 
 
 _MILLIS_FROM = 10**11

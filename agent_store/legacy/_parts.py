@@ -279,14 +279,46 @@ def turn_parts(turn: LegacyTurn) -> list[tuple[int, LegacyPart]]:
     raw = turn.response_parts
     if isinstance(raw, list) and raw:
         return [(index, normalize_part(part)) for index, part in enumerate(raw)]
-    rebuilt: list[tuple[int, LegacyPart]] = []
-    for n, call in enumerate(turn.tool_calls if isinstance(turn.tool_calls, list) else ()):
-        if isinstance(call, dict):
-            rebuilt.append((-1 - n, normalize_part({"type": "tool_call", **call})))
-    if isinstance(turn.response_text, str) and turn.response_text:
-        text_part = normalize_part({"type": "text", "content": turn.response_text})
+    calls = [summary_call(call) for call in summary_calls(turn.tool_calls) or ()]
+    rebuilt = [(-1 - n, part) for n, part in enumerate(calls)]
+    if (answer := summary_text(turn)) is not None:
+        text_part = normalize_part({"type": "text", "content": answer})
         rebuilt.append((-1 - len(rebuilt), text_part))
     return rebuilt
+
+
+def summary_text(turn: LegacyTurn) -> str | None:
+    """The answer `response_text` sums up, read as a text part's text is (`as_text`): a
+    string as it is, anything else as its JSON text (`987654321` as `"987654321"`); None
+    when it is blank (null, `""`, `[]`, `{}`)."""
+    return None if _blank(turn.response_text) else as_text(turn.response_text)
+
+
+def summary_calls(value: Any) -> list[Any] | None:
+    """The calls a `tool_calls` summary holds, as found: a list's entries but the blank ones
+    (null, empty), one object alone as a list of it, nothing for a blank summary; None for
+    anything else (a string, a number): no call can be read from it."""
+    if _blank(value):
+        return []
+    if isinstance(value, list):
+        return [call for call in value if not _blank(call)]
+    return [value] if isinstance(value, Mapping) else None
+
+
+def summary_call(call: Any) -> LegacyPart:
+    """A `tool_calls` summary entry as a tool call part: an object in any spelling a call
+    part has, or in the OpenAI shape (`{id, type: "function", function: {name,
+    arguments}}`); a string is the name of the tool called (its arguments not kept, as an
+    object naming no `args`); anything else is an `unknown` part."""
+    if isinstance(call, str):
+        return normalize_part({"type": "tool_call", "tool_name": call})
+    if not isinstance(call, Mapping):
+        return normalize_part(call)
+    function = call.get("function")
+    flat = {k: v for k, v in call.items() if not (k == "type" and v == "function")}
+    if isinstance(function, Mapping):
+        flat = {**{k: v for k, v in flat.items() if k != "function"}, **function}
+    return normalize_part({"type": "tool_call", **flat})
 
 
 def turn_uploads(turn: LegacyTurn) -> list[tuple[int | None, Any]]:
