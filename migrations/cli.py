@@ -25,7 +25,7 @@ from pymongo.errors import PyMongoError
 from agent_store.core import utc_now
 from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import CONVERSATIONS, MESSAGES, create_indexes_sync
-from migrations import explode, gate, lease, order, orphan_prompts, relocate
+from migrations import abandoned, explode, gate, lease, order, orphan_prompts, relocate
 from migrations import problems as problem_report
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS
 from migrations.connection import database
@@ -181,12 +181,20 @@ def _explode(
     ranges = run.plan(after)
     progress = Progress(run.total(ranges), "conversations", args.progress)
     run.on_batch = progress.advance
-    run.after_all = lambda: orphan_prompts.record(run)
+    run.after_all = lambda: _last_step(run)
     try:
         run.run(ranges)
     finally:
         progress.close()
     return run
+
+
+def _last_step(run: explode.Explosion) -> None:
+    """Once a run has gone through every conversation: the pending prompts no conversation
+    takes, and the conversations the migration made that no legacy turn makes now."""
+    orphan_prompts.record(run)
+    for item in abandoned.remove(run):
+        print(f"  {item.conversation_id}: {item.reason}", file=sys.stderr)
 
 
 def summary_line(label: str, counts: explode.Counts) -> str:
@@ -198,6 +206,17 @@ def summary_line(label: str, counts: explode.Counts) -> str:
         f"{counts.full_texts_written} full texts written; {counts.live_skipped} already live; "
         f"{counts.problems} problems, {counts.unplaced} not placed"
         + (f" {counts.problems_by_kind}" if counts.problems else "")
+        + _abandoned_words(counts)
+    )
+
+
+def _abandoned_words(counts: explode.Counts) -> str:
+    """The conversations no legacy turn makes now, when there are any (`abandoned`)."""
+    if not counts.abandoned_removed and not counts.abandoned_left:
+        return ""
+    return (
+        f"; {counts.abandoned_removed} conversations no legacy turn makes now removed, "
+        f"{counts.abandoned_left} left (live turns wrote to them)"
     )
 
 

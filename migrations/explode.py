@@ -101,6 +101,10 @@ class Counts:
     unplaced: int = 0
     """Problems holding content no message holds."""
     problems_by_kind: dict[str, int] = field(default_factory=dict)
+    abandoned_removed: int = 0
+    """Conversations the migration made that no legacy turn makes now, removed (`abandoned`)."""
+    abandoned_left: int = 0
+    """Such conversations live turns wrote to: reported, not removed."""
 
     def as_document(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -237,6 +241,22 @@ def _parsed(
         )
 
 
+def _unread(raw_id: Any, source: str) -> Problem:
+    """An id listed as a conversation whose turns a read by it does not find: work left,
+    never skipped (a drop would take turns no run converted)."""
+    return Problem(
+        conversation_id=str(raw_id),
+        legacy_id="*",
+        kind="unread_conversation",
+        detail=(
+            f"no legacy turns under this id: {source} lists {raw_id!r} as a conversation but "
+            "a read by it finds none (a value this server does not match by equality, such as "
+            "a legacy UUID, BSON binary subtype 3); store the id as text, then run again"
+        ),
+        content={"conversation_id": raw_id},
+    )
+
+
 def convert_batch(
     db: Database[dict[str, Any]],
     ids: list[Any],
@@ -248,7 +268,8 @@ def convert_batch(
     """Read and convert a batch: conversions, problems of unconvertible ones, turns read.
 
     Turns are grouped by the id they are stored under: a legacy id that is not an
-    identifier gets a derived one, and each turn naming no conversation is one.
+    identifier gets a derived one, and each turn naming no conversation is one. An id whose
+    turns the read does not find is a problem (`_unread`), as one that cannot be converted.
     """
     converted: list[Converted] = []
     failed: list[Problem] = []
@@ -256,6 +277,7 @@ def convert_batch(
     for raw_id, documents in read_turns(db, ids, source=source):
         turns += len(documents)
         if not documents:
+            failed.append(_unread(raw_id, source))
             continue
         parsed = _parsed(raw_id, documents, source)
         if isinstance(parsed, Problem):

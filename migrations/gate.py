@@ -28,12 +28,19 @@ from pymongo.database import Database
 from agent_store.core import AgentMessage
 from agent_store.legacy import LEGACY_TURNS, Problem
 from agent_store.store import CONVERSATIONS, TurnRules, with_texts
-from migrations import full_texts, orphan_prompts
+from migrations import abandoned, full_texts, orphan_prompts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
 from migrations.relocate import CONVERSATION_FILTER, NEITHER_FILTER
 from migrations.verify import compare
-from migrations.writes import Converted, differs, document_differs, wanted_document
+from migrations.writes import (
+    Converted,
+    differs,
+    document_differs,
+    is_migrated,
+    owner_after,
+    wanted_document,
+)
 
 LIVE_KINDS = ("conversation_already_live", "live_conflict")
 """Problems only a run can find (they depend on what the live service stored)."""
@@ -126,17 +133,25 @@ def _document_reasons(
         return []
     if found is None:
         return ["no conversation document"]
-    mine = {turn.turn_id for turn in item.turns}
     live_seqs = [
         m.seq or 0
         for m in messages
-        if (m.seq or 0) >= len(conversion.messages) and m.turn_id not in mine
+        if (m.seq or 0) >= len(conversion.messages) and not is_migrated(m.turn_id)
     ]
-    if document_differs(found, wanted_document(conversion, found, live_seqs)):
+    wanted = wanted_document(conversion, found, live_seqs)
+    if document_differs(found, wanted):
         return [
             "its conversation document differs from what its legacy turns convert to now "
             "(a name, a usage or a session_hitl prompt changed after the run?): "
             "run the migration again"
+        ]
+    owner = owner_after(found, wanted)
+    ids = {str(m.id) for m in conversion.messages}
+    owned_else = sum(1 for m in messages if str(m.id) in ids and m.user_id != owner)
+    if owned_else:
+        return [
+            f"{owned_else} stored messages name another owner than the conversation document "
+            "(an owner corrected in the legacy turns after the run?): run the migration again"
         ]
     return []
 
@@ -234,6 +249,8 @@ def check(
             elif cid in accepted and item.conversion.unplaced:
                 gate.accepted.append(cid)
     _check_orphan_prompts(db, gate, accepted)
+    for found in abandoned.chunks(db):
+        gate.left += [WorkLeft(item.conversation_id, [item.reason]) for item in found]
     gate.unread = unread_documents(db)
     return gate
 

@@ -28,6 +28,7 @@ from agent_store.legacy import LegacyConversion, LegacyTurn, Problem
 from agent_store.store import (
     CONVERSATIONS,
     MESSAGES,
+    MIGRATED_TURN_PREFIX,
     FullText,
     TurnRules,
     kept_blob_ids,
@@ -85,9 +86,25 @@ def _stored_past(db: Database[dict[str, Any]], conversation_id: str, seq: int) -
     return list(db[MESSAGES].find(query).sort("seq", 1))
 
 
+def is_migrated(turn_id: Any) -> bool:
+    """Whether a message is the migration's own: its turn id is a legacy turn's (`legacy-…`),
+    which no live turn may take (whichever conversation that legacy turn is filed in now)."""
+    return isinstance(turn_id, str) and turn_id.startswith(MIGRATED_TURN_PREFIX)
+
+
+def owner_after(existing: dict[str, Any] | None, wanted: Conversation) -> str | None:
+    """The owner the conversation document holds once a run wrote it: the wanted one, or the
+    stored one's when the run leaves it (a document the live logger wrote to). The migration's
+    messages carry it (DESIGN §3: the denormalized owner)."""
+    if existing is not None and existing.get("turns"):
+        return existing.get("user_id")
+    return wanted.user_id
+
+
 def differs(stored: AgentMessage, wanted: AgentMessage) -> bool:
     """Whether a stored message holds other content, in any field, than the conversion's
-    (its owner aside: a claim may have moved it). The rerun and the exit gate both ask."""
+    (its owner aside: it follows the conversation document's, `owner_after`, which a claim
+    may have moved). The rerun and the exit gate both ask."""
     return stored.model_dump(exclude={"user_id"}) != wanted.model_dump(exclude={"user_id"})
 
 
@@ -188,23 +205,25 @@ def _plan_messages(
     planned: Planned,
     conversion: LegacyConversion,
     stored: dict[int, dict[str, Any]],
+    owner: str | None,
 ) -> None:
     """The conversion's messages and files to write: those missing (`stored`, by `seq`), and
-    those stored with other content or a stale file, rewritten."""
+    those stored with other content, another owner than the document's (`owner`) or a stale
+    file, rewritten."""
     planned.full_texts += conversion.full_texts
     stale = _stale_texts(db, conversion.full_texts)
     planned.stale_texts += sorted(stale)
     for m in conversion.messages:
         found = stored.get(m.seq or 0)
+        dumped = m.model_dump(by_alias=True) | {"user_id": owner}
         if found is None:
-            planned.messages.append(m.model_dump(by_alias=True))
-        elif differs(message_adapter.validate_python(found), m) or stale & set(
-            kept_blob_ids(m).values()
+            planned.messages.append(dumped)
+        elif (
+            differs(message_adapter.validate_python(found), m)
+            or found.get("user_id") != owner
+            or stale & set(kept_blob_ids(m).values())
         ):
-            # The owner stays as stored: a claim may have moved it.
-            planned.rewritten.append(
-                m.model_dump(by_alias=True) | {"user_id": found.get("user_id")}
-            )
+            planned.rewritten.append(dumped)
 
 
 def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
@@ -222,16 +241,15 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
         assert conversion.conversation is not None
         at = {m.seq: m for m in conversion.messages}
         cid = conversion.conversation_id
-        # The migration's own messages are those of these legacy turns (their turn ids are
-        # the migration's: no live writer may name a turn so).
-        mine = {turn.turn_id for turn in item.turns}
         stored = taken[cid]
         foreign = [
             stored[seq or 0]
             for seq, m in at.items()
             if stored.get(seq or 0, {"_id": m.id})["_id"] != m.id
         ]
-        if any(d.get("turn_id") not in mine for d in foreign):
+        # The migration's own messages are those of legacy turns, these or any filed here
+        # before (their turn ids are the migration's: no live writer may name a turn so).
+        if not all(is_migrated(d.get("turn_id")) for d in foreign):
             planned.live.append(_live_problem(db, item, len(foreign)))
             continue
         # Its own messages at other places than the legacy turns put them now (a turn edited
@@ -239,9 +257,9 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
         # (logged before a rollback moved the live document away) keep their `seq` values,
         # and the next turn goes after them.
         past = _stored_past(db, cid, len(at)) if next_free.get(cid, 0) > len(at) else []
-        live = [d for d in past if d.get("turn_id") not in mine]
+        live = [d for d in past if not is_migrated(d.get("turn_id"))]
         planned.moved += [d["_id"] for d in foreign] + [
-            d["_id"] for d in past if d.get("turn_id") in mine
+            d["_id"] for d in past if is_migrated(d.get("turn_id"))
         ]
         for d in foreign:
             del stored[d["seq"]]
@@ -253,7 +271,7 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
             if live:
                 dumped |= _live_records(live)
             planned.conversations.append(dumped)
-        _plan_messages(db, planned, conversion, stored)
+        _plan_messages(db, planned, conversion, stored, owner_after(existing.get(cid), document))
     kept = full_texts.present(db, (f.blob_id for f in planned.full_texts))
     stale_texts = set(planned.stale_texts)
     planned.full_texts = [

@@ -53,7 +53,7 @@ from agent_store.legacy._session_hitl import (
     pending_from_session_hitl,
     with_session_prompts,
 )
-from agent_store.legacy._source import LegacyTurns
+from agent_store.legacy._source import LegacyTurns, turns_known_as
 
 __all__ = [
     "CONVERSATION_COUNTERS",
@@ -97,6 +97,7 @@ __all__ = [
     "turn_parts",
     "turn_times",
     "turn_uploads",
+    "turns_known_as",
     "user_text",
     "with_session_prompts",
 ]

@@ -121,7 +121,7 @@ class LegacyTurns:
         """
         fields = {"conversation_id": 1, "user_id": 1, "created_at": 1}
         original = await self._original_id(conversation_id)
-        turns = _turns_filter(conversation_id, original, await self._hashed_ids(conversation_id))
+        turns = turns_known_as(conversation_id, original, await self._hashed_ids(conversation_id))
         with storage_errors("delete the legacy turns"):
             found = await self._turns.find(turns, fields).to_list(None)
             whole = bool(found) and owner_of(parse_turns(found)) == owner
@@ -132,9 +132,9 @@ class LegacyTurns:
 
     async def _turns_of(self, conversation_id: str) -> dict[str, Any]:
         """The filter of the legacy turns the store knows as `conversation_id`: the one rule
-        the read fallback, the ownership check and the delete share (`_turns_filter`)."""
+        the read fallback, the ownership check and the delete share (`turns_known_as`)."""
         original = await self._original_id(conversation_id)
-        return _turns_filter(conversation_id, original, await self._hashed_ids(conversation_id))
+        return turns_known_as(conversation_id, original, await self._hashed_ids(conversation_id))
 
     async def _hashed_ids(self, conversation_id: str) -> list[Any]:
         """The `_id`s of the turns naming no conversation whose key is the hashed one a
@@ -252,7 +252,7 @@ class LegacyTurns:
         return int(deleted.deleted_count)
 
 
-def _turns_filter(
+def turns_known_as(
     conversation_id: str, original: str | None, hashed_ids: Sequence[Any] = ()
 ) -> dict[str, Any]:
     """The legacy turns the store knows as `conversation_id`, `original` the legacy id a

@@ -1,0 +1,167 @@
+"""Conversations the migration made that no legacy turn makes now: every turn of one was
+re-filed under another conversation (a turn naming none given its real id, say) or deleted
+after the run. Neither a run nor the gate reaches them through the legacy conversation ids,
+so they are looked for here: the conversations whose first message (`seq` 0) is the
+migration's (a `legacy-…` turn id, which no live turn may take; the migration writes a
+conversation's messages from `seq` 0 on) and that no legacy turn names now, by the rule the
+read fallback names a conversation's turns by (`turns_known_as`).
+
+A run's last step removes each (its messages, their whole texts, its document and its
+recorded problems): their content is where the legacy turns are filed now, in the
+conversation the run migrated them into. One a live turn wrote to (a message of a live turn
+id, or turn records on its document) is never removed: it is reported, by `run` and by
+`finish`, for a person to decide. A chunk of `CHUNK` conversation documents at a time: one
+indexed read of their first messages, one read of the legacy turns, and the messages only of
+the conversations found.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pymongo.database import Database
+
+from agent_store.core import InvalidInput
+from agent_store.legacy import LEGACY_TURNS, names_none, parse_turns, turns_known_as
+from agent_store.store import (
+    CONVERSATIONS,
+    DERIVED_CONVERSATION_PREFIX,
+    DERIVED_TURN_PREFIX,
+    MESSAGES,
+    stored_blob_ids,
+)
+from migrations import full_texts
+from migrations import problems as problem_report
+from migrations.explode import LEGACY_FILTER, Explosion, batches
+from migrations.writes import is_migrated
+
+CHUNK = 1000
+"""Conversation documents looked at a time."""
+_HASHED_KEY = re.compile(r"h[0-9a-f]{32}")
+"""A turn key hashed from an `_id` that is not a short identifier (`LegacyTurn.key`)."""
+
+
+@dataclass
+class Abandoned:
+    """A conversation the migration made whose legacy turns are all gone from it."""
+
+    conversation_id: str
+    migrated: list[dict[str, Any]] = field(default_factory=list)
+    """Its messages of legacy turns."""
+    live: int = 0
+    """How many of its messages live turns wrote (one more when its document holds turn
+    records): while any, it is reported, not removed."""
+
+    @property
+    def reason(self) -> str:
+        found = (
+            f"holds {len(self.migrated)} messages of legacy turns that none of the legacy "
+            "turns names now (re-filed under another conversation or deleted after the run)"
+        )
+        if self.live:
+            return (
+                f"{found}, and what live turns wrote: delete the migrated "
+                "ones (turn ids `legacy-…`) or put the legacy turns back, then `run` again"
+            )
+        return f"{found}: run the migration again, which removes it"
+
+
+def _hashed_ids(db: Database[dict[str, Any]], keys: set[str]) -> dict[str, list[Any]]:
+    """The `_id`s of the turns naming no conversation whose (hashed) key is one of `keys`."""
+    if not keys:
+        return {}
+    found: dict[str, list[Any]] = {}
+    query = {"$and": [names_none("conversation_id"), LEGACY_FILTER]}
+    for turn in parse_turns(db[LEGACY_TURNS].find(query, {"_id": 1})):
+        if turn.key in keys:
+            found.setdefault(turn.key, []).append(turn.id)
+    return found
+
+
+def _named(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]) -> set[str] | None:
+    """Which of these conversations some legacy turn makes now (None: a turn could not be
+    read, so none is taken as abandoned)."""
+    hashed = {
+        key
+        for d in documents
+        if (key := str(d["_id"]).removeprefix(DERIVED_TURN_PREFIX)) != str(d["_id"])
+        and _HASHED_KEY.fullmatch(key)
+    }
+    hashed_ids = _hashed_ids(db, hashed)
+    clauses = []
+    for d in documents:
+        cid = str(d["_id"])
+        original = d.get("legacy_conversation_id")
+        if not (cid.startswith(DERIVED_CONVERSATION_PREFIX) and isinstance(original, str)):
+            original = None
+        key = cid.removeprefix(DERIVED_TURN_PREFIX)
+        clauses.append(turns_known_as(cid, original, hashed_ids.get(key, [])))
+    query = {"$and": [{"$or": clauses}, LEGACY_FILTER]}
+    try:
+        turns = parse_turns(db[LEGACY_TURNS].find(query, {"_id": 1, "conversation_id": 1}))
+    except InvalidInput:
+        return None
+    return {turn.stored_conversation_id for turn in turns}
+
+
+def _migrated(
+    db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]
+) -> list[Mapping[str, Any]]:
+    """The conversations of these the migration made: their first message is its own."""
+    query = {"conversation_id": {"$in": [d["_id"] for d in documents]}, "seq": 0}
+    first = db[MESSAGES].find(query, {"conversation_id": 1, "turn_id": 1})
+    made = {m["conversation_id"] for m in first if is_migrated(m.get("turn_id"))}
+    return [d for d in documents if d["_id"] in made]
+
+
+def _abandoned(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]) -> list[Abandoned]:
+    made = _migrated(db, documents)
+    named = _named(db, made) if made else set()
+    if named is None:
+        return []
+    unnamed = [d for d in made if str(d["_id"]) not in named]
+    if not unnamed:
+        return []
+    ids = [d["_id"] for d in unnamed]
+    found = {d["_id"]: Abandoned(d["_id"], live=1 if d.get("turns") else 0) for d in unnamed}
+    for message in db[MESSAGES].find({"conversation_id": {"$in": ids}}):
+        item = found[message["conversation_id"]]
+        if is_migrated(message.get("turn_id")):
+            item.migrated.append(message)
+        else:
+            item.live += 1
+    return [item for item in found.values() if item.migrated]
+
+
+def chunks(db: Database[dict[str, Any]]) -> Iterator[list[Abandoned]]:
+    """The abandoned conversations, a chunk of `CHUNK` conversation documents at a time."""
+    fields = {"_id": 1, "legacy_conversation_id": 1, "turns": 1}
+    documents = db[CONVERSATIONS].find({}, fields).sort("_id", 1)
+    for chunk in batches(iter(documents), CHUNK):
+        yield _abandoned(db, chunk)
+
+
+def remove(run: Explosion) -> list[Abandoned]:
+    """A run's last step, once it has gone through every conversation: remove each abandoned
+    conversation holding only the migration's messages (unless a dry run); answer those left
+    because live turns wrote to them."""
+    left: list[Abandoned] = []
+    for found in chunks(run.db):
+        left += [item for item in found if item.live]
+        gone = [item for item in found if not item.live]
+        run.counts.abandoned_removed += len(gone)
+        if run.options.dry_run or not gone:
+            continue
+        ids = [item.conversation_id for item in gone]
+        messages = [m for item in gone for m in item.migrated]
+        run.db[MESSAGES].delete_many(
+            {"conversation_id": {"$in": ids}, "_id": {"$in": [m["_id"] for m in messages]}}
+        )
+        full_texts.forget(run.db, [b for m in messages for b in stored_blob_ids(m)])
+        run.db[CONVERSATIONS].delete_many({"_id": {"$in": ids}, "turns.0": {"$exists": False}})
+        problem_report.replace(run.db, ids, [], at=run.undated_at, bounds=run.options.bounds)
+    run.counts.abandoned_left += len(left)
+    return left
