@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -78,6 +78,28 @@ async def test_popping_the_last_message_leaves_the_summary_as_if_it_was_never_lo
     ]  # fmt: skip
     again = await logger.log_messages(CID, [answer("a new second answer")])
     assert again.messages[0].seq == 3
+
+
+async def test_popping_the_last_message_puts_updated_at_back_on_the_last_that_remains(
+    backend: Backend,
+) -> None:
+    """`updated_at` is the last message's time: after a pop, the time of the one before it
+    (the conversation's creation when none remains), so the list no longer sorts by it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    start = datetime(2025, 1, 1, tzinfo=UTC)
+    await logger.log_messages(CID, [{**user("hi"), "created_at": start}], turn_id="t0")
+    later = {**user("oops"), "created_at": start + timedelta(hours=5)}
+    await logger.log_messages(CID, [later], turn_id="t1")
+
+    popped = await store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.content == "oops"
+    conversation = await store.get_conversation(CID)
+    assert (conversation.last_message_preview, conversation.updated_at) == ("hi", start)
+    await store.pop_last_message(CID)
+    emptied = await store.get_conversation(CID)
+    assert emptied.updated_at == emptied.created_at
 
 
 async def test_popping_past_a_block_abandoned_by_its_turn_gives_no_seq_back(
@@ -175,7 +197,7 @@ async def test_reading_the_last_messages_costs_one_round_trip(wire_backend: Back
     assert len(everything) == 150
 
 
-async def test_popping_costs_four_round_trips_and_one_more_per_read_of_the_messages_before(
+async def test_popping_costs_five_round_trips_and_one_more_per_read_of_the_messages_before(
     wire_backend: Backend,
 ) -> None:
     assert wire_backend.commands is not None
@@ -190,16 +212,17 @@ async def test_popping_costs_four_round_trips_and_one_more_per_read_of_the_messa
 
     wire_backend.commands.clear()
     await store.pop_last_message(CID)  # the user message: it started a turn and is the preview
-    # The last message, the two before it, then mark, remove, correct the summary.
+    # The last message, the one before it (its time is `updated_at` now), the preview's
+    # window, then mark, remove, correct the summary.
     assert wire_backend.commands.names == ["find", "find", "find", "update", "delete", "update"]
 
     wire_backend.commands.clear()
     await store.pop_last_message(CID)  # the answer: its call comes back as listed before it
-    assert wire_backend.commands.names == ["find", "find", "update", "delete", "update"]
+    assert wire_backend.commands.names == ["find", "find", "find", "update", "delete", "update"]
 
     wire_backend.commands.clear()
-    await store.pop_last_message(CID)  # the tool call: it leaves the list, nothing is read
-    assert wire_backend.commands.names == ["find", "update", "delete", "update"]
+    await store.pop_last_message(CID)  # the tool call: it leaves the list, one read before it
+    assert wire_backend.commands.names == ["find", "find", "update", "delete", "update"]
 
 
 async def test_a_pop_racing_a_new_turn_leaves_the_new_turns_preview(backend: Backend) -> None:

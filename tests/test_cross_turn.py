@@ -1629,3 +1629,69 @@ async def test_a_prompt_naming_an_earlier_call_stays_pending_when_its_turn_answe
 
     assert await held_state(store) == ([("c1", "r1")], "r1")
     assert await folded_state(store) == await held_state(store)
+async def test_a_fork_at_a_call_whose_result_its_turn_is_still_writing_waits_for_the_pair(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork waits for the whole turn its point is in: a turn [call, result] whose insert
+    stored the call only (its retry to come) is not cut between them, nor is the call copied
+    alone to stay pending in the fork (a runtime would run it again); nothing is written, and
+    once the turn is stored the same fork copies the pair."""
+    from pymongo.errors import AutoReconnect
+
+    from agent_store import StorageUnavailable
+    from agent_store.store import CONVERSATIONS, MESSAGES
+
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "weather?"}], turn_id="t0")
+    pair = [_book("c1", "weather"), {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]
+    insert_many = logger._messages.insert_many
+
+    async def first_only(documents: list[dict[str, Any]], **kwargs: Any) -> None:
+        await insert_many(documents[:1], **kwargs)
+        raise AutoReconnect("connection lost inside insert_many")
+
+    monkeypatch.setattr(logger._messages, "insert_many", first_only)
+    with pytest.raises(StorageUnavailable):
+        await logger.log_messages(CID, pair, turn_id="t1")
+    monkeypatch.undo()
+
+    with pytest.raises(StorageUnavailable, match="still being written at seq 2"):
+        await logger.fork(CID, 1, "conv-fork")
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "conv-fork"}) is None
+    assert await backend.db[MESSAGES].count_documents({"conversation_id": "conv-fork"}) == 0
+
+    await logger.log_messages(CID, pair, turn_id="t1")  # the runtime's retry
+    forked = await logger.fork(CID, 1, "conv-fork")
+    assert [m.role for m in forked.messages] == ["user", "assistant", "tool"]
+    assert await pending_state(ConversationStore(backend.db), "conv-fork") == ([], None)
+
+
+async def test_a_fork_counts_the_turns_of_the_original_it_copies_and_its_pops_uncount_them(
+    backend: Backend,
+) -> None:
+    """The copies are one turn, but `turn_count` counts the turns the original counted over
+    them: a prompt logged as its own turn, then a steered message (a delivery is a turn of
+    its own) counts two, though a user message after another is no start within one turn.
+    Popping the copies takes them off again, one for each turn start removed."""
+    from agent_store import SteeringInbox
+
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_message(CID, {"role": "user", "content": "Book me a train."}, turn_id="p1")
+    inbox = SteeringInbox(logger)
+    await inbox.open_turn(CID, "run-1")
+    assert await inbox.try_deliver(CID, "run-1", {"role": "user", "content": "To Lyon."})
+    seen = max(m.seq or 0 for m in await inbox.close_inbox(CID, "run-1", -1))
+    assert await inbox.close_inbox(CID, "run-1", seen) == []
+    await logger.log_messages(CID, [{"role": "assistant", "content": "Booked."}], turn_id="run-1")
+    assert (await store.get_conversation(CID)).turn_count == 2
+
+    await logger.fork(CID, 2, "conv-fork")
+
+    fork = await store.get_conversation("conv-fork")
+    assert fork.forked_from is not None
+    assert fork.forked_from.turn_starts == [1, 2]
+    assert fork.turn_count == 2
+    counts = []
+    while await store.pop_last_message("conv-fork") is not None:
+        counts.append((await store.get_conversation("conv-fork")).turn_count)
+    assert counts == [2, 1, 0]

@@ -394,3 +394,54 @@ def test_a_stream_marks_where_the_model_was_fed_a_steered_message() -> None:
 
     assert [m.content for m in turn.messages] == ["Looking up Paris…", "In metric, then: 18 °C."]
     assert turn.delivered_seqs == (5,)
+
+
+async def test_a_delivery_id_names_a_delivery_within_its_turns_inbox_only(
+    backend: Backend,
+) -> None:
+    """A sender numbering its deliveries per running turn sends "stop" as "d1" into run-1,
+    then as "d1" again into run-2: that is another delivery, which run-2 receives (never
+    acknowledged unseen because run-1 got one under that id); a retry into run-2 is stored
+    once."""
+    logger = AgentMessageLogger(backend.db)
+    inbox = SteeringInbox(logger)
+    stop = {"role": "user", "content": "stop"}
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], turn_id="p1")
+    await inbox.open_turn(CID, "run-1")
+    assert await inbox.try_deliver(CID, "run-1", stop, delivery_id="d1") is True
+    seen = await inbox.drain(CID, "run-1")
+    assert await inbox.close_inbox(CID, "run-1", seen[-1].seq or 0) == []
+    await logger.log_messages(CID, [{"role": "user", "content": "go on"}], turn_id="p2")
+    await inbox.open_turn(CID, "run-2")
+
+    assert await inbox.try_deliver(CID, "run-2", stop, delivery_id="d1") is True
+    assert await inbox.try_deliver(CID, "run-2", stop, delivery_id="d1") is True
+    drained = await inbox.drain(CID, "run-2")
+
+    assert [m.content for m in drained] == ["stop"]
+    assert await inbox.close_inbox(CID, "run-2", drained[-1].seq or 0) == []
+    assert await backend.db[MESSAGES].count_documents({"content": "stop"}) == 2
+
+
+async def test_a_delivery_stored_under_its_bare_delivery_id_is_recognised_when_retried(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deliveries stored before delivery ids were scoped to their inbox are named by the id
+    alone: retried into the same inbox, open or closed, each is acknowledged, stored once."""
+    from agent_store.store import _inbox
+
+    logger = AgentMessageLogger(backend.db)
+    inbox = SteeringInbox(logger)
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    await inbox.open_turn(CID, TURN)
+    message = {"role": "user", "content": "wait"}
+    monkeypatch.setattr(_inbox, "delivery_turn_id", lambda turn_id, delivery: delivery)
+    assert await inbox.try_deliver(CID, TURN, message, delivery_id="d1")
+    monkeypatch.undo()
+
+    assert await inbox.try_deliver(CID, TURN, message, delivery_id="d1")
+    late = await inbox.close_inbox(CID, TURN, 0)
+    assert [(m.content, m.turn_id) for m in late] == [("wait", "d1")]
+    assert await inbox.close_inbox(CID, TURN, late[-1].seq or 0) == []
+    assert await inbox.try_deliver(CID, TURN, message, delivery_id="d1")
+    assert await backend.db[MESSAGES].count_documents({"content": "wait"}) == 1

@@ -547,6 +547,9 @@ class PopInProgress(_Model):
     """The message started a turn: `turn_count` loses one."""
     preview: str | None = None
     """The preview without the message; None keeps the current one."""
+    updated_at: UtcDatetime | None = None
+    """The time of the last message that remains (the conversation's `created_at` when none
+    does): `updated_at` without the message. None keeps the current one."""
     quoted: str | None = None
     """The preview the message itself gives: a preview still quoting it is replaced, even
     after a turn reserved past it (a turn without text sets none of its own)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection, Mapping, Sequence
+from itertools import pairwise
 from typing import Any
 
 from agent_store.core import (
@@ -13,7 +14,12 @@ from agent_store.core import (
     PendingHitl,
     answers_to_calls,
 )
-from agent_store.store._turns import FORK_TURN, fork_copies_end, pending_after
+from agent_store.store._turns import (
+    FORK_TURN,
+    count_turn_starts,
+    fork_copies_end,
+    pending_after,
+)
 
 _STORE_FIELDS = {"id", "seq", "user_id", "conversation_id", "turn_id", "search_text"}
 
@@ -73,6 +79,14 @@ def fork_turn_starts(chosen: Sequence[AgentMessage], turn_starts: Collection[int
         if chosen[index].turn_id != chosen[index - 1].turn_id
         or (index < copies and chosen[index].seq in starts)
     ]
+
+
+def fork_turn_count(chosen: Sequence[AgentMessage], turn_starts: Sequence[int]) -> int:
+    """The turns a fork's copies count, as the original counted them: each run of copies of
+    one turn of the original (cut at `turn_starts`, from `fork_turn_starts`) counts its
+    starts as that turn counted its messages (`count_turn_starts`)."""
+    cuts = [0, *turn_starts, len(chosen)]
+    return sum(count_turn_starts(chosen[a:b]) for a, b in pairwise(cuts))
 
 
 def fork_pending(

@@ -20,6 +20,7 @@ version, so a close racing it reads again); its inbox closed, it is refused.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -38,8 +39,10 @@ from agent_store.core import (
 from agent_store.store._driver import storage_errors
 from agent_store.store._logger import AgentMessageLogger, Condition
 from agent_store.store._reservation import Actor, int64, literal
-from agent_store.store._turns import plan_turn, turn_key, validate_identifier
+from agent_store.store._turns import TurnPlan, plan_turn, turn_key, validate_identifier
 
+DELIVERY_TURN = "delivery-"
+"""How the turn id of a delivery begins (`delivery_turn_id`)."""
 _WAIT_STEP = 0.05
 _WAIT_FOR_IN_FLIGHT = 2.0
 
@@ -49,6 +52,27 @@ class _InboxClosed(StoreError):
 
     code = "inbox_closed"
     status = 409
+
+
+def delivery_turn_id(turn_id: str, delivery: str) -> str:
+    """The turn id a delivery is stored under: its delivery id (or the message's digest)
+    scoped to the turn whose inbox it is delivered into."""
+    digest = hashlib.sha256(f"{turn_id}\0{delivery}".encode()).hexdigest()
+    return DELIVERY_TURN + digest[:32]
+
+
+def _delivered_unscoped(conversation: Mapping[str, Any], field: str, plan: TurnPlan) -> bool:
+    """Whether `plan`, a delivery named by its id alone (as stored before ids were scoped to
+    their inbox), was recorded in this conversation, and is in the inbox `field` names, or
+    that inbox is closed."""
+    firsts = {int(r["f"]) for r in conversation.get("turns") or () if int(r["k"]) == plan.key}
+    if not firsts:
+        return False
+    entry = conversation.get("inbox", {}).get(field.split(".")[1])
+    if entry is None:
+        return True
+    delivered = plan.documents[0]["_id"]
+    return any(d.get("m", delivered) == delivered and d["s"] in firsts for d in entry["seqs"])
 
 
 def _entry(turn_id: str) -> str:
@@ -101,12 +125,16 @@ class SteeringInbox:
         """Store `message` in the conversation (next `seq`) if `turn_id`'s inbox is open: True.
         False when it is closed: nothing was stored, start a new turn with the message.
 
-        `delivery_id` names the delivery (default: a digest of the message), so a retried
-        delivery is stored once and answers True again.
+        `delivery_id` names the delivery within this turn's inbox, so a retried delivery is
+        stored once and answers True again; the same id delivered into another turn's inbox
+        is another delivery. Without it the delivery is named by a digest of the message,
+        its `created_at` included: a message sent without `created_at` gets a new time on
+        each call, so its retry is stored again unless the message carries its own
+        `created_at` (give a `delivery_id` to retry safely).
         """
-        plan = plan_turn(conversation_id, [message], turn_id=delivery_id, rules=self._logger.rules)
-        field = _entry(turn_id)
+        field = _entry(validate_identifier(turn_id, "turn_id"))
         actor = Actor(user_id, as_user=owner_only)
+        plan = await self._delivery_plan(conversation_id, turn_id, message, delivery_id, field)
 
         delivered_id = plan.documents[0]["_id"]
 
@@ -140,6 +168,29 @@ class SteeringInbox:
             return False
         await self._logger._store(plan, reserved)
         return True
+
+    async def _delivery_plan(
+        self,
+        conversation_id: str,
+        turn_id: str,
+        message: AgentMessage | Mapping[str, Any],
+        delivery_id: str | None,
+        field: str,
+    ) -> TurnPlan:
+        """The delivery as a turn of its own, named by its delivery id within this turn's
+        inbox (`delivery_turn_id`). A delivery stored before ids were scoped to their inbox
+        (named by the delivery id alone) keeps that name when retried into the inbox that
+        holds it, or into a closed one (as before: it is acknowledged only if stored)."""
+        rules = self._logger.rules
+        unscoped = plan_turn(conversation_id, [message], turn_id=delivery_id, rules=rules)
+        with storage_errors("read the turn's inbox"):
+            doc = await self._conversations.find_one(
+                {"_id": unscoped.conversation_id}, {field: 1, "turns.k": 1, "turns.f": 1}
+            )
+        if doc is not None and _delivered_unscoped(doc, field, unscoped):
+            return unscoped
+        scoped = delivery_turn_id(turn_id, unscoped.turn_id)
+        return plan_turn(conversation_id, [message], turn_id=scoped, rules=rules)
 
     async def _still_deliverable(self, plan: Any, reserved: Any, field: str) -> bool:
         """A replayed delivery may be stored only if it is stored already or its inbox is open."""

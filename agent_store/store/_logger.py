@@ -51,6 +51,7 @@ from agent_store.store._fork import (
     fork_copies,
     fork_end,
     fork_pending,
+    fork_turn_count,
     fork_turn_id,
     fork_turn_starts,
     fork_turns_of,
@@ -373,16 +374,20 @@ class AgentMessageLogger:
             rules=self.rules,
             copied=True,
         )
-        plan = _leaving_what_the_copies_left(plan, chosen, messages, end, source)
-        resolved = source.get("resolved_hitl") or ()  # the fork remembers them too
         origin = ForkOrigin(
             conversation_id=conversation_id,
             seq=end,
             turn_starts=fork_turn_starts(chosen, fork_turns_of(source)),
-        ).model_dump()
+        )
+        plan = _leaving_what_the_copies_left(plan, chosen, messages, origin, source)
+        resolved = source.get("resolved_hitl") or ()  # the fork remembers them too
+        forked_from = origin.model_dump()
         condition = Condition(
             {"created_at": {"$exists": False}},
-            lambda now: {"forked_from": literal(origin), "resolved_hitl": literal(list(resolved))},
+            lambda now: {
+                "forked_from": literal(forked_from),
+                "resolved_hitl": literal(list(resolved)),
+            },
             Conflict(f"conversation {plan.conversation_id!r} exists already; fork into a new id"),
             create=True,
         )
@@ -402,14 +407,15 @@ class AgentMessageLogger:
         messages: Sequence[AgentMessage],
         end: int,
     ) -> None:
-        """StorageUnavailable (retry shortly) when a turn before `end` is still being written:
-        a fork now would miss its messages. Blocks older than `abandon_after`, and `seq`s a
-        pop removed, are passed (`Gaps.passed`)."""
+        """StorageUnavailable (retry shortly) when a turn up to `end`, or the turn `end` is in,
+        is still being written: a fork now would miss its messages, or cut a call from the
+        result its turn gives it. Blocks older than `abandon_after`, and `seq`s a pop removed,
+        are passed (`Gaps.passed`)."""
+        gaps = Gaps.of(source)
+        through = max(end, gaps.turn_end(end, int(source.get("message_count") or 0)))
         stored = {m.seq for m in messages}
-        missing = [seq for seq in range(end) if seq not in stored]
-        writing = Gaps.of(source).written(
-            missing, now=utc_now(), abandon_after=self.rules.abandon_after
-        )
+        missing = [seq for seq in range(through + 1) if seq not in stored]
+        writing = gaps.written(missing, now=utc_now(), abandon_after=self.rules.abandon_after)
         if writing is not None:
             raise StorageUnavailable(
                 f"a turn of conversation {conversation_id!r} is still being written at seq "
@@ -897,16 +903,17 @@ def _leaving_what_the_copies_left(
     plan: TurnPlan,
     chosen: Sequence[AgentMessage],
     messages: Sequence[AgentMessage],
-    end: int,
+    origin: ForkOrigin,
     source: Mapping[str, Any],
 ) -> TurnPlan:
-    """A fork's plan leaving pending what the copied messages' turns did: the copies are one
-    turn, but their pending calls and prompt follow the messages as stored (a prompt's
-    params stay bounded), by the original's turn starts and resolutions."""
+    """A fork's plan leaving counted and pending what the copied messages' turns did: the
+    copies are one turn, but they count the turns of the original they copy (`origin`'s
+    turn starts), and their pending calls and prompt follow the messages as stored (a
+    prompt's params stay bounded), by the original's turn starts and resolutions."""
     ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
     calls, prompt = fork_pending(
         messages,
-        end,
+        origin.seq,
         ids,
         pending_now(source),
         int(source.get("message_count") or 0),
@@ -915,6 +922,7 @@ def _leaving_what_the_copies_left(
     )
     return replace(
         plan,
+        turn_starts=fork_turn_count(chosen, origin.turn_starts),
         opened_calls=calls,
         answered_calls=(),
         pending_hitl=prompt,

@@ -47,6 +47,7 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.store._driver import storage_errors
+from agent_store.store._fork import fork_turns_of
 from agent_store.store._tail import (
     free_to_mark,
     mark,
@@ -57,7 +58,7 @@ from agent_store.store._tail import (
     starts_a_turn,
     unlogged,
 )
-from agent_store.store._turns import GAPS_READ, Gaps
+from agent_store.store._turns import FORK_TURN, GAPS_READ, Gaps
 
 POP_ATTEMPTS = 5
 """How many times a pop reads the last message again when other pops keep coming first."""
@@ -179,13 +180,16 @@ class Pop:
         prompt: PendingHitl | None = None
         missing: set[int] = set()
         with storage_errors("read the messages before the last one"):
+            previous, updated_at = await self._last_before(message)
+            adjacent = previous if previous and previous["seq"] == message.seq - 1 else None
+            if adjacent is None and message.seq > 0:
+                updated_at = None  # a turn may still be writing a later time there: kept
             if message.role in ("user", "system"):
-                previous = await self.messages.find_one(
-                    {"conversation_id": message.conversation_id, "seq": message.seq - 1}
-                )
-                if previous is None and message.seq > 0:
+                if adjacent is None and message.seq > 0:
                     missing.add(message.seq - 1)
-                started = starts_a_turn(message, previous)
+                started = starts_a_turn(message, adjacent) or await self._begins_a_copied_turn(
+                    message
+                )
             if quoted_in_preview(message):
                 source, unseen = await self._preview_source(message)
                 missing.update(unseen)
@@ -200,10 +204,38 @@ class Pop:
             message,
             started_turn=started,
             preview=preview,
+            updated_at=updated_at,
             quoted=quoted,
             pending_before=calls,
             prompt=prompt,
         )
+
+    async def _last_before(self, message: AgentMessage) -> tuple[dict[str, Any] | None, Any]:
+        """The last message stored before `message` (None if none is), and the conversation's
+        `updated_at` without `message`: that message's time, else the conversation's
+        `created_at` (one more read, only when no message remains)."""
+        assert message.seq is not None
+        previous = await self.messages.find_one(
+            {"conversation_id": message.conversation_id, "seq": {"$lt": message.seq}},
+            sort=[("seq", -1)],
+        )
+        if previous is not None:
+            return previous, previous["created_at"]
+        doc = await self.conversations.find_one({"_id": message.conversation_id}, {"created_at": 1})
+        return None, (doc or {}).get("created_at")
+
+    async def _begins_a_copied_turn(self, message: AgentMessage) -> bool:
+        """Whether `message`, a fork's copy, began a turn of the fork's original (its `seq` in
+        `forked_from.turn_starts`): the fork counted it (`fork_turn_count`), though its copies
+        are one turn. One more read, only for a prompt copied after another one."""
+        if message.role not in ("user", "system") or not (message.turn_id or "").startswith(
+            FORK_TURN
+        ):
+            return False
+        doc = await self.conversations.find_one(
+            {"_id": message.conversation_id}, {"forked_from.turn_starts": 1}
+        )
+        return message.seq in fork_turns_of(doc or {})
 
     async def _preview_source(self, message: AgentMessage) -> tuple[AgentMessage | None, list[int]]:
         """The last user or assistant message with text before `message` (the preview's

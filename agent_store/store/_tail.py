@@ -32,6 +32,7 @@ mark): whichever pop finishes it sends the same update (`agent_store.store._pop`
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from bson import Int64
@@ -95,13 +96,15 @@ def pop_in_progress(
     *,
     started_turn: bool,
     preview: str | None,
+    updated_at: datetime | None = None,
     quoted: str | None = None,
     pending_before: list[PendingCall] | None = None,
     prompt: PendingHitl | None = None,
 ) -> PopInProgress:
     """What removing `message`, the conversation's last, changes in its summary.
 
-    `preview` is the new preview, or None to keep the current one; `quoted` the preview
+    `preview` is the new preview, or None to keep the current one; `updated_at` the time of
+    the last message that remains, or None to keep the current one; `quoted` the preview
     the message itself gives (a preview still quoting it is replaced). `pending_before` are the
     calls the messages before it leave pending (`pending_after`), read when
     `reads_pending_before`, and `prompt` the prompt they leave pending (kept for an answer,
@@ -118,6 +121,7 @@ def pop_in_progress(
         output_tokens=usage.output_tokens if usage else 0,
         started_turn=started_turn,
         preview=preview,
+        updated_at=updated_at,
         quoted=quoted,
         made_calls=bool(message.tool_calls),
         answered_call=message.tool_call_id if message.role == "tool" else None,
@@ -193,6 +197,8 @@ def unlogged(pop: PopInProgress) -> list[Any]:
     }
     if pop.prompt_back is not None:
         stage["pending_hitl"] = _prompt_back(pop.prompt_back, untouched, stage["pending_hitl"])
+    if pop.updated_at is not None:  # a turn that reserved past it set its own
+        stage["updated_at"] = {"$cond": [untouched, literal(pop.updated_at), "$updated_at"]}
     if pop.turn_key is not None:
         stage["turns"] = _marked_popped(pop.turn_key)
     if pop.made_calls or pop.pending_before is not None:

@@ -486,7 +486,7 @@ def plan_turn(
         sources=tuple(sources),
         updates=tuple(prepared.updates),
         documents=tuple(prepared.documents),
-        turn_starts=_turn_starts(sources),
+        turn_starts=count_turn_starts(sources),
         updated_at=max(m.created_at for m in sources),
         preview=_preview(sources, rules.preview_chars),
         usage=_usage(sources),
@@ -531,7 +531,9 @@ def _check_whole(
         _check_tool_pairing(messages)
 
 
-def _turn_starts(messages: Sequence[AgentMessage]) -> int:
+def count_turn_starts(messages: Sequence[AgentMessage]) -> int:
+    """The turns one logged turn's messages count: each user or system message that does
+    not follow another one of those (`turn_count` grows by this much)."""
     starts, previous = 0, None
     for message in messages:
         if message.role in ("user", "system") and previous not in ("user", "system"):
@@ -851,6 +853,11 @@ class Gaps:
         return seq in self.popped or block_abandoned(
             self.records, seq, now=now, abandon_after=abandon_after
         )
+
+    def turn_end(self, seq: int, message_count: int) -> int:
+        """The last `seq` of the block (the turn) that reserved `seq`: the block ends where
+        the next recorded turn's begins, the newest at `message_count`."""
+        return next((r.first_seq for r in self.records if r.first_seq > seq), message_count) - 1
 
     def written(
         self, seqs: Iterable[int], *, now: datetime, abandon_after: timedelta
