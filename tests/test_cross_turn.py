@@ -1629,6 +1629,8 @@ async def test_a_prompt_naming_an_earlier_call_stays_pending_when_its_turn_answe
 
     assert await held_state(store) == ([("c1", "r1")], "r1")
     assert await folded_state(store) == await held_state(store)
+
+
 async def test_a_fork_at_a_call_whose_result_its_turn_is_still_writing_waits_for_the_pair(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
