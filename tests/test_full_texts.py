@@ -161,6 +161,41 @@ async def test_the_full_text_is_a_gridfs_file_and_costs_its_turn_two_more_round_
         client.close()
 
 
+@pytest.mark.wire
+async def test_a_replayed_cut_turn_compares_its_files_in_two_round_trips_more(
+    wire_backend: Backend,
+) -> None:
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db)
+    await logger.log_messages(CID, oversized_turn(), turn_id="t-1")
+    wire_backend.commands.clear()
+
+    await logger.log_messages(CID, oversized_turn(), turn_id="t-1")
+
+    # the reservation and its record; chunks and files taken, read back (the same texts:
+    # nothing replaced); the insert refused on every id, the stored messages
+    assert wire_backend.commands.names == [
+        "findAndModify", "find", "insert", "insert", "find", "find", "insert", "find"
+    ]  # fmt: skip
+
+
+@pytest.mark.wire
+async def test_popping_a_cut_message_costs_two_round_trips_more(wire_backend: Backend) -> None:
+    assert wire_backend.commands is not None
+    logger, store = AgentMessageLogger(wire_backend.db), ConversationStore(wire_backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": HUGE}], turn_id="t-1")
+    wire_backend.commands.clear()
+
+    await store.pop_last_message(CID)
+
+    # the last message and the one before it (none), mark, remove, correct the summary;
+    # then its chunks and its files
+    assert wire_backend.commands.names == [
+        "find", "find", "update", "delete", "update", "delete", "delete"
+    ]  # fmt: skip
+    assert await wire_backend.db[FILES].count_documents({}) == 0
+
+
 @pytest.fixture
 async def api() -> AsyncIterator[Served]:
     async with serve(mongomock_db()) as served:
