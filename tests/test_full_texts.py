@@ -1,6 +1,7 @@
 """Truncated, never lost: a message cut to bound its document keeps its full text in GridFS,
 where the store, the API (`?full=true`) and the viewer fetch it; a retry writes it once; a
-delete or an erasure removes it."""
+delete or an erasure removes it, and so does a pop; a message's whole text is always its own,
+even under an id a deleted conversation's file held."""
 
 from __future__ import annotations
 
@@ -10,12 +11,21 @@ from typing import Any
 import gridfs
 import pytest
 from pymongo import MongoClient
+from pymongo.errors import AutoReconnect
 
 from agent_store import AgentMessageLogger, ConversationStore, Truncation
-from agent_store.core import message_adapter
+from agent_store.core import StorageUnavailable, message_adapter
 from agent_store.store import BLOB_BUCKET
 from agent_store.store._truncation import blob_id
-from tests.api_harness import SERVICE_TOKEN, Served, mongomock_db, serve
+from tests.api_harness import (
+    OTHER,
+    SERVICE_TOKEN,
+    Served,
+    api_settings,
+    auth_headers,
+    mongomock_db,
+    serve,
+)
 from tests.conftest import Backend
 
 CID = "full-texts"
@@ -151,6 +161,41 @@ async def test_the_full_text_is_a_gridfs_file_and_costs_its_turn_two_more_round_
         client.close()
 
 
+@pytest.mark.wire
+async def test_a_replayed_cut_turn_compares_its_files_in_two_round_trips_more(
+    wire_backend: Backend,
+) -> None:
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db)
+    await logger.log_messages(CID, oversized_turn(), turn_id="t-1")
+    wire_backend.commands.clear()
+
+    await logger.log_messages(CID, oversized_turn(), turn_id="t-1")
+
+    # the reservation and its record; chunks and files taken, read back (the same texts:
+    # nothing replaced); the insert refused on every id, the stored messages
+    assert wire_backend.commands.names == [
+        "findAndModify", "find", "insert", "insert", "find", "find", "insert", "find"
+    ]  # fmt: skip
+
+
+@pytest.mark.wire
+async def test_popping_a_cut_message_costs_two_round_trips_more(wire_backend: Backend) -> None:
+    assert wire_backend.commands is not None
+    logger, store = AgentMessageLogger(wire_backend.db), ConversationStore(wire_backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": HUGE}], turn_id="t-1")
+    wire_backend.commands.clear()
+
+    await store.pop_last_message(CID)
+
+    # the last message and the one before it (none), mark, remove, correct the summary;
+    # then its chunks and its files
+    assert wire_backend.commands.names == [
+        "find", "find", "update", "delete", "update", "delete", "delete"
+    ]  # fmt: skip
+    assert await wire_backend.db[FILES].count_documents({}) == 0
+
+
 @pytest.fixture
 async def api() -> AsyncIterator[Served]:
     async with serve(mongomock_db()) as served:
@@ -201,3 +246,133 @@ async def test_erasing_a_user_removes_the_full_texts_of_every_message_of_their_c
     assert await backend.db[FILES].count_documents({}) == 0
     assert await backend.db[CHUNKS].count_documents({}) == 0
     assert await backend.db.agent_messages.count_documents({}) == 0
+
+
+async def test_a_file_under_a_taken_id_holding_another_text_is_replaced(backend: Backend) -> None:
+    """Ids come from message ids, which a conversation id taken again reuses: a file left
+    under one by a message that is gone is replaced, never served as another's text."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, oversized_turn(), user_id="user-f", turn_id="t-1")
+    await backend.db.agent_messages.delete_many({})  # the messages gone, their files left
+    await backend.db.agent_conversations.delete_many({})
+    turn = oversized_turn()
+    turn[2]["content"] = "other " * 600_000
+
+    await logger.log_messages(CID, turn, user_id="user-g", turn_id="t-1")
+
+    whole = await store.with_full_texts(await store.transcript(CID))
+    assert whole[2].content == "other " * 600_000
+    assert await backend.db[FILES].count_documents({}) == 2
+
+
+async def test_deleting_a_conversation_removes_the_files_no_message_names(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, oversized_turn(), user_id="user-f", turn_id="t-1")
+    await backend.db.agent_messages.delete_many({})  # as a turn whose insert was lost
+
+    await store.delete(CID)
+
+    assert await backend.db[FILES].count_documents({}) == 0
+    assert await backend.db[CHUNKS].count_documents({}) == 0
+
+
+async def test_a_pop_removes_the_whole_texts_of_the_message_it_pops(backend: Backend) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, oversized_turn()[:3], user_id="user-f", turn_id="t-1")
+
+    popped = await store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.truncated is not None
+    assert await backend.db[FILES].count_documents({}) == 1  # the tool call's arguments
+    await store.pop_last_message(CID)
+    assert await backend.db[FILES].count_documents({}) == 0
+    assert await backend.db[CHUNKS].count_documents({}) == 0
+
+
+MALLORY = "user-mallory"
+SMALL_BOUND = 4096
+"""`max_message_bytes` for the tests below: a message of 8 KiB is cut and kept whole."""
+GRACE_SECRET = "GRACE-PRIVATE-DIARY "
+MALLORY_TEXT = "mallory writes her own words "
+
+
+async def blobs_holding(api: Served, text: str) -> int:
+    """How many GridFS chunks of the whole texts still hold `text`."""
+    chunks = await api.db[CHUNKS].find({}).to_list(None)
+    return sum(text.encode() in bytes(chunk["data"]) for chunk in chunks)
+
+
+async def next_holder_reads(api: Served, conversation_id: str, turn_id: str) -> str:
+    """Mallory takes the freed id with a cut message of her own under the same turn id, and
+    reads her transcript whole (`?full=true`): the content she gets back."""
+    mine = MALLORY_TEXT * 400
+    logged = await api.http.post(
+        f"/v1/conversations/{conversation_id}/turns",
+        json={"turn_id": turn_id, "messages": [{"role": "user", "content": mine}]},
+        headers=auth_headers(user=MALLORY),
+    )
+    assert logged.status_code == 201, logged.text
+    read = await api.http.get(
+        f"/v1/conversations/{conversation_id}/transcript",
+        params={"full": "true"},
+        headers=auth_headers(user=MALLORY),
+    )
+    assert read.status_code == 200, read.text
+    content: str = read.json()["data"][0]["content"]
+    assert content == mine, "the next holder was not served her own text"
+    return content
+
+
+async def test_the_whole_text_of_a_popped_message_does_not_outlive_its_users_erasure() -> None:
+    """SECURITY.md: erasing a user deletes the whole texts of cut messages, and a user taking
+    the freed id finds nothing of the erased user: not even the text of a message the
+    erased user's runtime popped, under a turn id the next holder uses again."""
+    async with serve(mongomock_db(), api_settings(max_message_bytes=SMALL_BOUND)) as api:
+        grace = auth_headers(user=OTHER)
+        logged = await api.http.post(
+            "/v1/conversations/conv-freed/turns",
+            json={
+                "turn_id": "turn-1",
+                "messages": [{"role": "user", "content": GRACE_SECRET * 400}],
+            },
+            headers=grace,
+        )
+        assert logged.status_code == 201, logged.text
+        assert logged.json()["messages"][0]["truncated"], "the set-up needs a cut message"
+        assert await api.store.conversations.pop_last_message("conv-freed", user_id=OTHER)
+        erased = await api.http.delete(f"/v1/users/{OTHER}", headers=grace)
+        assert erased.status_code == 200, erased.text
+
+        assert await blobs_holding(api, GRACE_SECRET) == 0, "erasure left the user's whole text"
+        assert GRACE_SECRET not in await next_holder_reads(api, "conv-freed", "turn-1")
+
+
+async def test_the_whole_text_of_a_turn_whose_insert_failed_does_not_outlive_erasure() -> None:
+    """A turn's whole texts are written before its messages: when the insert is lost and never
+    retried, erasing the user still deletes them (found by conversation, not through
+    messages), and the next holder of the id, logging a turn of the same id, reads her own."""
+    async with serve(mongomock_db(), api_settings(max_message_bytes=SMALL_BOUND)) as api:
+        logger = api.store.logger
+        insert = logger._messages.insert_many
+
+        async def connection_lost(*args: Any, **kwargs: Any) -> None:
+            raise AutoReconnect("connection lost")
+
+        logger._messages.insert_many = connection_lost
+        with pytest.raises(StorageUnavailable):
+            await logger.log_messages(
+                "conv-lost",
+                [{"role": "user", "content": GRACE_SECRET * 400}],
+                user_id=OTHER,
+                turn_id="turn-1",
+                owner_only=True,
+            )
+        logger._messages.insert_many = insert
+        erased = await api.http.delete(f"/v1/users/{OTHER}", headers=auth_headers(user=OTHER))
+        assert erased.status_code == 200, erased.text
+
+        assert await blobs_holding(api, GRACE_SECRET) == 0, "erasure left the user's whole text"
+        assert GRACE_SECRET not in await next_holder_reads(api, "conv-lost", "turn-1")

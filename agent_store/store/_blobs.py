@@ -7,6 +7,14 @@ through a bucket: ids are deterministic (from the message id and the field's
 path), so a retried turn or a rerun migration writes the same file once, and
 all the files of a turn cost two commands (chunks, then the files documents
 that make them visible) on every backend the store supports, mongomock included.
+
+An id is not unique over time: a conversation id freed by a delete or an erasure may be
+taken again, and a turn of the same id there has the same message ids. So a file found
+under an id is compared with the text to keep and replaced when it holds another
+(`FullTextStore.keep`): a message's whole text is always its own. And the files of a
+conversation are found by its id in their metadata (`metadata.conversation_id`, indexed),
+not only through the messages naming them: a file whose message is gone (popped, deleted
+late, or never inserted) goes with its conversation.
 """
 
 from __future__ import annotations
@@ -117,10 +125,24 @@ class FullTextStore:
         self._messages = db[MESSAGES]
 
     async def keep(self, full_texts: Sequence[FullText]) -> None:
-        """Write the texts: chunks first, then the files documents that make them visible."""
+        """Write the texts: chunks first, then the files documents that make them visible.
+
+        An id already taken (a retry's, or a file its message outlived) is read back and
+        compared: a file holding another text, or one with chunks missing, is replaced (two
+        more round trips to compare, two to delete and two to write, on that path only)."""
         if not full_texts:
             return
-        built = [blob_documents(full) for full in full_texts]
+        if not await self._insert([blob_documents(full) for full in full_texts]):
+            return
+        stored = await self.texts(full.blob_id for full in full_texts)
+        other = [full for full in full_texts if stored.get(full.blob_id) != full.text]
+        if other:
+            await self.forget_files([full.blob_id for full in other])
+            await self._insert([blob_documents(full) for full in other])
+
+    async def _insert(self, built: Sequence[tuple[dict[str, Any], list[dict[str, Any]]]]) -> bool:
+        """Insert chunks, then files documents; True when an id was taken already."""
+        taken = False
         with storage_errors("keep the whole texts of cut messages"):
             for collection, documents in (
                 (self._chunks, [c for _, chunks in built for c in chunks]),
@@ -130,6 +152,8 @@ class FullTextStore:
                     await collection.insert_many(documents, ordered=False)
                 except BulkWriteError as exc:
                     only_duplicates(exc)
+                    taken = True
+        return taken
 
     async def texts(self, blob_ids: Iterable[str]) -> dict[str, str]:
         """The whole texts found, by blob id (a missing or incomplete file is left out)."""
@@ -152,7 +176,23 @@ class FullTextStore:
             cut = await self._messages.find(
                 {**messages_filter, "truncated": {"$ne": None}}, {"truncated": 1}
             ).to_list(None)
-            ids = sorted({b for doc in cut for b in stored_blob_ids(doc)})
-            if ids:
-                await self._files.delete_many({"_id": {"$in": ids}})
-                await self._chunks.delete_many({"files_id": {"$in": ids}})
+        await self.forget_files(sorted({b for doc in cut for b in stored_blob_ids(doc)}))
+
+    async def forget_conversations(self, conversation_ids: Sequence[str]) -> None:
+        """Delete every whole text of the conversations, found by their metadata: those of
+        their messages, and those no message names any more (popped, or deleted after
+        their turn wrote them, or whose insert failed). One round trip; two more when any."""
+        with storage_errors("delete the whole texts of cut messages"):
+            found = await self._files.find(
+                {"metadata.conversation_id": {"$in": list(conversation_ids)}}, {"_id": 1}
+            ).to_list(None)
+        await self.forget_files(sorted(str(f["_id"]) for f in found))
+
+    async def forget_files(self, blob_ids: Sequence[str]) -> None:
+        """Delete these files: chunks first, so that the files documents (by which a
+        conversation's files are found) go last, and a crash between leaves them findable."""
+        if not blob_ids:
+            return
+        with storage_errors("delete the whole texts of cut messages"):
+            await self._chunks.delete_many({"files_id": {"$in": list(blob_ids)}})
+            await self._files.delete_many({"_id": {"$in": list(blob_ids)}})

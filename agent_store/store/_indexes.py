@@ -54,7 +54,11 @@ INDEXES: dict[str, list[IndexModel]] = {
         IndexModel([("updated_at", DESCENDING), ("_id", DESCENDING)]),
     ],
     # The two indexes GridFS drivers expect on a bucket.
-    BLOB_FILES: [IndexModel([("filename", ASCENDING), ("uploadDate", ASCENDING)])],
+    BLOB_FILES: [
+        IndexModel([("filename", ASCENDING), ("uploadDate", ASCENDING)]),
+        # A conversation's files, found without its messages (deleting or erasing it).
+        IndexModel([("metadata.conversation_id", ASCENDING)]),
+    ],
     BLOB_CHUNKS: [IndexModel([("files_id", ASCENDING), ("n", ASCENDING)], unique=True)],
 }
 """Every index the store relies on, by collection."""

@@ -18,6 +18,10 @@ A pop is three writes on two documents, and none of them can be undone by the ne
 3. finish: the summary is corrected and the mark cleared in one update, matched by the
    mark's message id, so it applies once (`_tail.unlogged`).
 
+Then the whole texts of a cut message go, by the ids its `truncated` map names (two more
+round trips, for a cut message only). A pop that stops before leaves them to the
+conversation's delete or its owner's erasure, which find them by conversation id.
+
 Any pop that finds a mark finishes that pop first (2 and 3 again: a no-op delete, then
 the guarded update), whoever started it. A pop that raised remembers the message it was
 removing, per conversation and caller (its user id, or none for a service), in this
@@ -30,7 +34,7 @@ by being taken for the retry.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -46,6 +50,7 @@ from agent_store.core import (
     message_adapter,
     utc_now,
 )
+from agent_store.store._blobs import kept_blob_ids
 from agent_store.store._driver import storage_errors
 from agent_store.store._fork import fork_turns_of
 from agent_store.store._tail import (
@@ -111,6 +116,8 @@ class Pop:
     memory: PopMemory
     abandon_after: timedelta
     """How long a turn may hold a `seq` past the last message before the pop passes it."""
+    forget_texts: Callable[[Sequence[str]], Awaitable[None]]
+    """Deletes whole texts by blob id (`FullTextStore.forget_files`)."""
 
     async def run(self) -> AgentMessage | None:
         """Remove the last message and answer it; None when there is none."""
@@ -293,6 +300,9 @@ class Pop:
             if not marked.matched_count:
                 return False
             await self._finish(conversation_id, pop)
+            # Its whole texts, once it is gone (a crash before leaves them to the
+            # conversation's delete or its owner's erasure, which find them by conversation).
+            await self.forget_texts(list(kept_blob_ids(message).values()))
         except StoreError:
             # Its outcome unknown: the next pop of the conversation by this caller through
             # this store is its retry. Remembered only once it raised, so pops running at

@@ -290,7 +290,7 @@ class ConversationStore:
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.delete(conversation_id, owner=owner)
-        await self._full_texts.forget({"conversation_id": conversation_id})
+        await self._full_texts.forget_conversations([conversation_id])
         await self._delete_beside({"thread_id": conversation_id}, "delete the conversation")
         with storage_errors("delete the conversation"):
             messages = await self._messages.delete_many({"conversation_id": conversation_id})
@@ -454,6 +454,7 @@ class ConversationStore:
             preview_chars=self._rules.preview_chars,
             memory=self._pops,
             abandon_after=self._rules.abandon_after,
+            forget_texts=self._full_texts.forget_files,
         )
         return await pop.run()
 
@@ -826,7 +827,7 @@ class ConversationStore:
             ids = {"$in": owned[start : start + CLAIM_CHUNK]}
             await self._delete_beside({"thread_id": ids}, "erase the user's data")
             chunk = {"conversation_id": ids}
-            await self._full_texts.forget(chunk)
+            await self._full_texts.forget_conversations(ids["$in"])
             with storage_errors("erase the user's data"):
                 erased += (await self._messages.delete_many(chunk)).deleted_count
         return erased
