@@ -40,6 +40,11 @@ from migrations.writes import is_migrated
 
 CHUNK = 1000
 """Conversation documents looked at a time."""
+_UNNAMED_BY_TEXT = (
+    "object", "array", "binData", "date", "regex", "timestamp", "javascript", "symbol",
+    "dbPointer", "minKey", "maxKey", "javascriptWithScope",
+)  # fmt: skip
+"""BSON types of a legacy conversation id that `id_filter` cannot find by the id's text."""
 _HASHED_KEY = re.compile(r"h[0-9a-f]{32}")
 """A turn key hashed from an `_id` that is not a short identifier (`LegacyTurn.key`)."""
 
@@ -99,6 +104,11 @@ def _named(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]) -> 
             original = None
         key = cid.removeprefix(DERIVED_TURN_PREFIX)
         clauses.append(turns_known_as(cid, original, hashed_ids.get(key, [])))
+    if any(str(d["_id"]).startswith(DERIVED_CONVERSATION_PREFIX) for d in documents):
+        # A derived id may stand for a value no filter of its text finds (an object, binary
+        # data, a date, an array): every turn naming such a value is read, and named by the
+        # rule the run names it by (`stored_conversation_id`).
+        clauses.append({"conversation_id": {"$type": list(_UNNAMED_BY_TEXT)}})
     query = {"$and": [{"$or": clauses}, LEGACY_FILTER]}
     try:
         turns = parse_turns(db[LEGACY_TURNS].find(query, {"_id": 1, "conversation_id": 1}))

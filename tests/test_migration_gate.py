@@ -1499,3 +1499,65 @@ def test_a_conversation_whose_turns_were_all_refiled_but_live_turns_wrote_to_is_
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
     assert "legacy-turn-t-3" in capsys.readouterr().out
     assert database[LEGACY_TURNS].count_documents({}) == 2
+
+
+def _contents(db: Database[dict[str, Any]]) -> set[str]:
+    return {str(m.get("content")) for m in db[MESSAGES].find()}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    "odd_id",
+    [
+        True,
+        {"tenant": "t-1", "n": 7},
+        bson.Binary(b"\x01\x02conv", 0),
+        datetime(2020, 1, 1, tzinfo=UTC),
+        [1, 2],
+    ],
+    ids=["bool", "object", "binary", "datetime", "array"],
+)
+def test_a_run_never_removes_a_conversation_whose_legacy_turns_are_there_whatever_its_ids_type(
+    wire_uri: str, database: Database[dict[str, Any]], odd_id: Any
+) -> None:
+    """A legacy id no filter of its text finds (an object, binary data, a date) is stored under
+    a derived id; the run's last step reads its turns by their type and keeps it."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-plain", 0, "PLAIN"), legacy_turn("t-2", "x", 1, "ODD")]
+    )
+    database[CONVERSATIONS].update_one({"_id": "t-2"}, {"$set": {"conversation_id": odd_id}})
+
+    assert cli(wire_uri, database, "run") == 0
+    assert "ODD question" in _contents(database)
+    assert cli(wire_uri, database, "run") == 0
+
+    assert database[LEGACY_TURNS].count_documents({}) == 2
+    assert "ODD question" in _contents(database)
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_created_at_of_more_digits_than_any_time_is_a_problem_not_a_crashed_run(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    huge = legacy_turn("t-2", "c-huge", 1, "HUGE") | {"created_at": "9" * 5000}
+    database[CONVERSATIONS].insert_many([legacy_turn("t-1", "c-plain", 0, "PLAIN"), huge])
+
+    assert cli(wire_uri, database, "run") == 0
+
+    assert "HUGE question" in _contents(database)
+    assert database[PROBLEMS].count_documents({"kind": "missing_created_at"}) == 1
+
+
+@pytest.mark.wire
+def test_a_conversation_id_of_more_digits_than_any_integer_is_migrated_under_a_derived_id(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-plain", 0, "PLAIN"), legacy_turn("t-2", "9" * 5000, 1, "LONG")]
+    )
+
+    assert cli(wire_uri, database, "run") == 0
+
+    assert "LONG question" in _contents(database)
+    assert cli(wire_uri, database, "finish") == 0

@@ -91,6 +91,11 @@ def reference_text(value: Any) -> str | None:
     return text if text and len(text) <= MAX_REFERENCE_LENGTH else None
 
 
+_INT64_DIGITS = 20
+"""Characters of the longest 64-bit integer's text (a sign and 19 digits): longer digit text
+is no integer id, nor any time, and is never given to `int` (which refuses over 4,300)."""
+
+
 def id_filter(field: str, text: str) -> dict[str, Any]:
     """The filter of the documents whose `field` the reader names `text` (`id_text`): the text
     itself, an ObjectId, an integer or a double it writes so (`str` of the value), each of
@@ -98,7 +103,8 @@ def id_filter(field: str, text: str) -> dict[str, Any]:
     clauses: list[dict[str, Any]] = [{field: text}]
     if ObjectId.is_valid(text):
         clauses.append({field: ObjectId(text)})
-    if re.fullmatch(r"-?[0-9]+", text) and str(int(text)) == text and _in_int64(int(text)):
+    whole = len(text) <= _INT64_DIGITS and re.fullmatch(r"-?[0-9]+", text)
+    if whole and str(int(text)) == text and _in_int64(int(text)):
         clauses += [{field: {"$eq": int(text), "$type": kind}} for kind in ("int", "long")]
     elif re.fullmatch(r"-?[0-9.e+-]+|-?inf|nan", text):
         with contextlib.suppress(ValueError):
@@ -199,7 +205,9 @@ def epoch_number(value: Any) -> int | float | None:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return value
     if isinstance(value, str) and _NUMBER_TEXT.fullmatch(text := value.strip()):
-        return float(text) if "." in text else int(text)
+        # A float for a fraction, and for more digits than any time holds (Python's `int`
+        # refuses text of over 4,300 digits): too large a number for a time, and no crash.
+        return float(text) if "." in text or len(text) > _INT64_DIGITS else int(text)
     return None
 
 
