@@ -427,7 +427,9 @@ async def test_a_delivery_stored_under_its_bare_delivery_id_is_recognised_when_r
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Deliveries stored before delivery ids were scoped to their inbox are named by the id
-    alone: retried into the same inbox, open or closed, each is acknowledged, stored once."""
+    alone: retried into the same open inbox, each is acknowledged, stored once; once the
+    inbox is closed, refused like any delivery (a turn record cannot tell it from a turn
+    logged under the same id), and stored nothing more."""
     from agent_store.store import _inbox
 
     logger = AgentMessageLogger(backend.db)
@@ -443,5 +445,28 @@ async def test_a_delivery_stored_under_its_bare_delivery_id_is_recognised_when_r
     late = await inbox.close_inbox(CID, TURN, 0)
     assert [(m.content, m.turn_id) for m in late] == [("wait", "d1")]
     assert await inbox.close_inbox(CID, TURN, late[-1].seq or 0) == []
-    assert await inbox.try_deliver(CID, TURN, message, delivery_id="d1")
+    assert not await inbox.try_deliver(CID, TURN, message, delivery_id="d1")
     assert await backend.db[MESSAGES].count_documents({"content": "wait"}) == 1
+
+
+async def test_a_delivery_named_like_a_turn_logged_after_its_inbox_closed_is_refused(
+    backend: Backend,
+) -> None:
+    """A sender naming its delivery after the running turn (`delivery_id` = the turn id),
+    late: the inbox is closed and the turn logged under that id. Refused, nothing stored;
+    never a Conflict with the turn, nor an acknowledgement."""
+    logger = AgentMessageLogger(backend.db)
+    inbox = SteeringInbox(logger)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], user_id="u", turn_id="t0")
+    await inbox.open_turn(CID, "run-1")
+    assert await inbox.close_inbox(CID, "run-1", last_seen_seq=0) == []
+    await logger.log_messages(
+        CID, [{"role": "assistant", "content": "done"}], user_id="u", turn_id="run-1"
+    )
+
+    late = {"role": "user", "content": "stop"}
+    assert await inbox.try_deliver(CID, "run-1", late, delivery_id="run-1") is False
+    done = {"role": "assistant", "content": "done"}
+    assert await inbox.try_deliver(CID, "run-1", done, delivery_id="run-1") is False
+    assert await backend.db[MESSAGES].count_documents({"content": "stop"}) == 0
+    assert await backend.db[MESSAGES].count_documents({"content": "done"}) == 1

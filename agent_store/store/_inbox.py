@@ -63,14 +63,17 @@ def delivery_turn_id(turn_id: str, delivery: str) -> str:
 
 def _delivered_unscoped(conversation: Mapping[str, Any], field: str, plan: TurnPlan) -> bool:
     """Whether `plan`, a delivery named by its id alone (as stored before ids were scoped to
-    their inbox), was recorded in this conversation, and is in the inbox `field` names, or
-    that inbox is closed."""
+    their inbox), was recorded in this conversation and is in the open inbox `field` names.
+
+    A closed inbox lists nothing, and a turn record cannot tell such a delivery from a turn
+    logged under the same id (a sender naming its deliveries by turn ids): into a closed
+    inbox, a delivery is planned scoped, and refused."""
     firsts = {int(r["f"]) for r in conversation.get("turns") or () if int(r["k"]) == plan.key}
     if not firsts:
         return False
     entry = conversation.get("inbox", {}).get(field.split(".")[1])
     if entry is None:
-        return True
+        return False
     delivered = plan.documents[0]["_id"]
     return any(d.get("m", delivered) == delivered and d["s"] in firsts for d in entry["seqs"])
 
@@ -179,8 +182,8 @@ class SteeringInbox:
     ) -> TurnPlan:
         """The delivery as a turn of its own, named by its delivery id within this turn's
         inbox (`delivery_turn_id`). A delivery stored before ids were scoped to their inbox
-        (named by the delivery id alone) keeps that name when retried into the inbox that
-        holds it, or into a closed one (as before: it is acknowledged only if stored)."""
+        (named by the delivery id alone) keeps that name when retried into the open inbox
+        that holds it; into a closed inbox it is refused like any other."""
         rules = self._logger.rules
         unscoped = plan_turn(conversation_id, [message], turn_id=delivery_id, rules=rules)
         with storage_errors("read the turn's inbox"):
