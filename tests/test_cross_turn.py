@@ -1697,3 +1697,55 @@ async def test_a_fork_counts_the_turns_of_the_original_it_copies_and_its_pops_un
     while await store.pop_last_message("conv-fork") is not None:
         counts.append((await store.get_conversation("conv-fork")).turn_count)
     assert counts == [2, 1, 0]
+
+
+def _three_then_one_popped_back_to_two() -> list[tuple[list[dict[str, Any]], str]]:
+    first = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+             {"role": "assistant", "content": "c"}]  # fmt: skip
+    return [(first, "t1"), ([{"role": "user", "content": "d"}], "t2")]
+
+
+async def _logged_then_popped_twice(backend: Backend) -> AgentMessageLogger:
+    """t1 (seqs 0-2) and t2 (seq 3), then two pops: t2 whole and t1's last message, their
+    `seq`s given back (`message_count` 2)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for messages, turn_id in _three_then_one_popped_back_to_two():
+        await logger.log_messages(CID, messages, turn_id=turn_id)
+    assert await store.pop_last_message(CID) is not None
+    assert await store.pop_last_message(CID) is not None
+    return logger
+
+
+async def test_a_fork_after_pops_gave_seqs_back_waits_for_no_turn(backend: Backend) -> None:
+    logger = await _logged_then_popped_twice(backend)
+
+    forked = await logger.fork(CID, 1, "conv-fork")
+
+    assert [m.content for m in forked.messages] == ["a", "b"]
+
+
+async def test_a_fork_waits_for_the_turn_that_took_seqs_a_popped_turn_gave_back(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """t3 reserves the `seq`s the pops gave back (2-3) and stores its call only: the popped
+    t2's record (first `seq` 3) does not end t3's block."""
+    from pymongo.errors import AutoReconnect
+
+    from agent_store import StorageUnavailable
+    from agent_store.store import CONVERSATIONS
+
+    logger = await _logged_then_popped_twice(backend)
+    insert_many = logger._messages.insert_many
+
+    async def first_only(documents: list[dict[str, Any]], **kwargs: Any) -> None:
+        await insert_many(documents[:1], **kwargs)
+        raise AutoReconnect("connection lost inside insert_many")
+
+    monkeypatch.setattr(logger._messages, "insert_many", first_only)
+    with pytest.raises(StorageUnavailable):
+        await logger.log_messages(CID, [_calls("c1"), _answer("c1")], turn_id="t3")
+    monkeypatch.undo()
+
+    with pytest.raises(StorageUnavailable, match="still being written at seq 3"):
+        await logger.fork(CID, 2, "conv-fork")
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "conv-fork"}) is None

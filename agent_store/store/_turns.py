@@ -856,8 +856,11 @@ class Gaps:
 
     def turn_end(self, seq: int, message_count: int) -> int:
         """The last `seq` of the block (the turn) that reserved `seq`: the block ends where
-        the next recorded turn's begins, the newest at `message_count`."""
-        return next((r.first_seq for r in self.records if r.first_seq > seq), message_count) - 1
+        the next turn's begins, the newest at `message_count`. A turn a pop took from is no
+        bound (the `seq`s it gave back may be another turn's now, and what it still holds is
+        stored), nor is the order records are listed in."""
+        later = [r.first_seq for r in self.records if r.first_seq > seq and not r.popped]
+        return min([*later, message_count]) - 1
 
     def written(
         self, seqs: Iterable[int], *, now: datetime, abandon_after: timedelta
