@@ -1638,7 +1638,6 @@ async def test_a_fork_at_a_call_whose_result_its_turn_is_still_writing_waits_for
     stored the call only (its retry to come) is not cut between them, nor is the call copied
     alone to stay pending in the fork (a runtime would run it again); nothing is written, and
     once the turn is stored the same fork copies the pair."""
-    from pymongo.errors import AutoReconnect
 
     from agent_store import StorageUnavailable
     from agent_store.store import CONVERSATIONS, MESSAGES
@@ -1646,16 +1645,7 @@ async def test_a_fork_at_a_call_whose_result_its_turn_is_still_writing_waits_for
     logger = AgentMessageLogger(backend.db)
     await logger.log_messages(CID, [{"role": "user", "content": "weather?"}], turn_id="t0")
     pair = [_book("c1", "weather"), {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]
-    insert_many = logger._messages.insert_many
-
-    async def first_only(documents: list[dict[str, Any]], **kwargs: Any) -> None:
-        await insert_many(documents[:1], **kwargs)
-        raise AutoReconnect("connection lost inside insert_many")
-
-    monkeypatch.setattr(logger._messages, "insert_many", first_only)
-    with pytest.raises(StorageUnavailable):
-        await logger.log_messages(CID, pair, turn_id="t1")
-    monkeypatch.undo()
+    await _log_cut_short(logger, monkeypatch, pair, "t1")
 
     with pytest.raises(StorageUnavailable, match="still being written at seq 2"):
         await logger.fork(CID, 1, "conv-fork")
@@ -1729,12 +1719,30 @@ async def test_a_fork_waits_for_the_turn_that_took_seqs_a_popped_turn_gave_back(
 ) -> None:
     """t3 reserves the `seq`s the pops gave back (2-3) and stores its call only: the popped
     t2's record (first `seq` 3) does not end t3's block."""
-    from pymongo.errors import AutoReconnect
 
     from agent_store import StorageUnavailable
     from agent_store.store import CONVERSATIONS
 
     logger = await _logged_then_popped_twice(backend)
+    await _log_cut_short(logger, monkeypatch, [_calls("c1"), _answer("c1")], "t3")
+
+    with pytest.raises(StorageUnavailable, match="still being written at seq 3"):
+        await logger.fork(CID, 2, "conv-fork")
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "conv-fork"}) is None
+
+
+async def _log_cut_short(
+    logger: AgentMessageLogger,
+    monkeypatch: pytest.MonkeyPatch,
+    messages: list[dict[str, Any]],
+    turn_id: str,
+) -> None:
+    """Log a turn whose insert stores its first message only, the connection dropped (its
+    retry still to come): `StorageUnavailable`."""
+    from pymongo.errors import AutoReconnect
+
+    from agent_store import StorageUnavailable
+
     insert_many = logger._messages.insert_many
 
     async def first_only(documents: list[dict[str, Any]], **kwargs: Any) -> None:
@@ -1743,9 +1751,5 @@ async def test_a_fork_waits_for_the_turn_that_took_seqs_a_popped_turn_gave_back(
 
     monkeypatch.setattr(logger._messages, "insert_many", first_only)
     with pytest.raises(StorageUnavailable):
-        await logger.log_messages(CID, [_calls("c1"), _answer("c1")], turn_id="t3")
+        await logger.log_messages(CID, messages, turn_id=turn_id)
     monkeypatch.undo()
-
-    with pytest.raises(StorageUnavailable, match="still being written at seq 3"):
-        await logger.fork(CID, 2, "conv-fork")
-    assert await backend.db[CONVERSATIONS].find_one({"_id": "conv-fork"}) is None
