@@ -1571,8 +1571,9 @@ async def test_popping_a_second_question_gives_its_call_back_to_the_first_questi
     backend: Backend,
 ) -> None:
     """RUNTIMES.md (pop): calls the removed prompt held are held as the messages before it
-    hold them. A second question about a pending call, popped, leaves the call held by the
-    first question again (no removed prompt named), so refusing the first denies it."""
+    hold them, and the prompt they leave pending is pending again. A second question about
+    a pending call, popped, leaves the call held by the first question again, pending, so
+    it can be resolved, and refusing it denies the call."""
     runtime = Runtime(backend)
     await runtime.stream([_start("c1"), _confirm("r1", "c1")], prompt="go")
     await runtime.stream([_confirm("r2", "c1")], prompt="well?")  # asked again about c1
@@ -1582,8 +1583,8 @@ async def test_popping_a_second_question_gives_its_call_back_to_the_first_questi
     assert popped is not None
     assert popped.hitl_action is not None
 
-    assert (await held_state(runtime.store))[0] == [("c1", "r1")]
-    assert (await folded_state(runtime.store))[0] == [("c1", "r1")]
+    assert await held_state(runtime.store) == ([("c1", "r1")], "r1")
+    assert await folded_state(runtime.store) == ([("c1", "r1")], "r1")
     await runtime.stream([{"type": "confirm_resolved", "request_id": "r1", "approved": False}])
     assert await runtime.answers_of("c1") == [(DENIED_RESULT, "tool call denied")]
     assert await runtime.store.pending_calls(CID) == []

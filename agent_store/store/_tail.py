@@ -127,7 +127,7 @@ def pop_in_progress(
         answered_call=message.tool_call_id if message.role == "tool" else None,
         hitl_request_id=message.hitl_action.request_id if message.hitl_action else None,
         pending_before=pending_before,
-        prompt_back=prompt if _may_clear_a_prompt(message) else None,
+        prompt_back=prompt if reads_pending_before(message) else None,
     )
 
 
@@ -196,7 +196,9 @@ def unlogged(pop: PopInProgress) -> list[Any]:
         "pops": int64({"$add": [{"$ifNull": ["$pops", 0]}, 1]}),
     }
     if pop.prompt_back is not None:
-        stage["pending_hitl"] = _prompt_back(pop.prompt_back, untouched, stage["pending_hitl"])
+        stage["pending_hitl"] = _prompt_back(
+            pop.prompt_back, pop.message_id, untouched, stage["pending_hitl"]
+        )
     if pop.updated_at is not None:  # a turn that reserved past it set its own
         stage["updated_at"] = {"$cond": [untouched, literal(pop.updated_at), "$updated_at"]}
     if pop.turn_key is not None:
@@ -232,18 +234,21 @@ def _popped_messages_with(pop: PopInProgress) -> dict[str, Any]:
     return {"$slice": [{"$concatArrays": [kept, removed]}, -POPPED_MESSAGES_KEPT]}
 
 
-def _prompt_back(prompt: PendingHitl, untouched: Any, otherwise: Any) -> dict[str, Any]:
-    """`pending_hitl` once an answer is removed: the prompt the messages before it leave
-    pending comes back when none is pending (the answer cleared it), no turn reserved past
-    the answer, and it was not resolved by request id (`resolved_hitl`); else `otherwise`."""
+def _prompt_back(
+    prompt: PendingHitl, message_id: str, untouched: Any, otherwise: Any
+) -> dict[str, Any]:
+    """`pending_hitl` once an answer or a prompt (`message_id`) is removed: the prompt the
+    messages before it leave pending comes back when none is pending (the answer cleared it)
+    or the pending one is the removed prompt (it replaced this one), no turn reserved past
+    the message, and it was not resolved by request id (`resolved_hitl`); else `otherwise`."""
     resolved = resolved_by_request(prompt.request_id)
-    comes_back = {
-        "$and": [
-            untouched,
+    gone = {
+        "$or": [
             {"$eq": [{"$ifNull": ["$pending_hitl", None]}, None]},
-            {"$eq": [resolved, False]},
+            {"$eq": ["$pending_hitl.message_id", literal(message_id)]},
         ]
     }
+    comes_back = {"$and": [untouched, gone, {"$eq": [resolved, False]}]}
     return {"$cond": [comes_back, literal(prompt.model_dump()), otherwise]}
 
 
