@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from agent_store.core import AgentMessage, Identifier, PendingHitl
 from agent_store.store import (
+    HIDDEN_CHARACTERS,
     MAX_MESSAGES_PER_TURN,
     MAX_NAME_CHARS,
     MAX_PAGE_SIZE,
@@ -22,11 +23,17 @@ from agent_store.store import (
 
 PageSize = Annotated[int, Field(ge=1, le=MAX_PAGE_SIZE)]
 # A name holds something besides white space (as `str.split` reads it, which the store uses to
-# collapse names): one character outside that set, spelled out so JSON Schema reads it alike.
+# collapse names) and no control or text-direction character (`HIDDEN_CHARACTERS`), spelled
+# out so JSON Schema reads it alike.
 _WHITE_SPACE = "".join(c for c in map(chr, range(0x3001)) if c.isspace())
+_PLAIN = f"[^{HIDDEN_CHARACTERS}]*"
 Name = Annotated[
     str,
-    StringConstraints(min_length=1, max_length=MAX_NAME_CHARS, pattern=f"[^{_WHITE_SPACE}]"),
+    StringConstraints(
+        min_length=1,
+        max_length=MAX_NAME_CHARS,
+        pattern=f"^{_PLAIN}[^{_WHITE_SPACE}{HIDDEN_CHARACTERS}]{_PLAIN}$",
+    ),
 ]
 
 

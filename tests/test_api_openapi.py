@@ -57,6 +57,7 @@ CASES: dict[str, Case] = {
         409,
     ),
     "rename-spaces": ("PATCH", CONV, {"name": "   "}, SERVICE, 422),
+    "rename-direction-override": ("PATCH", CONV, {"name": "Invoice \u202efdp.exe"}, SERVICE, 422),
     "rename-missing": ("PATCH", "/v1/conversations/missing", {"name": "x"}, SERVICE, 404),
     "rename-not-json": ("PATCH", CONV, b"{nope", JSON_BODY, 400),
     "rename-deep": ("PATCH", CONV, b'{"name": ' + b"[" * 5000 + b"]" * 5000 + b"}", JSON_BODY, 400),
@@ -172,7 +173,21 @@ def body_schema(document: dict[str, Any], name: str) -> dict[str, Any]:
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     name=st.text(alphabet=st.characters(codec="utf-8"), max_size=8)
-    | st.sampled_from(["   ", "\t\n", "\u3000", "\x1c", "\ufeff", "\u200b", " a ", "\x85"])
+    | st.sampled_from(
+        [
+            "   ",
+            "\t\n",
+            "\u3000",
+            "\x1c",
+            "\ufeff",
+            "\u200b",
+            " a ",
+            "\x85",
+            "a\u202eb",
+            "\x00",
+            "b\x9b",
+        ]
+    )
 )
 async def test_a_name_the_schema_allows_is_a_name_the_service_takes(name: str) -> None:
     async with serve(mongomock_db()) as api:

@@ -887,3 +887,20 @@ def test_a_call_its_legacy_turn_left_unanswered_is_pending_after_conversion() ->
     assert [(c.tool_call_id, c.request_id) for c in conversation.pending_calls] == [
         ("call-held", "r-1")
     ]
+
+
+def test_a_name_holding_control_or_direction_characters_is_stored_plain_and_kept_whole() -> None:
+    name = "Invoice \u202efdp.exe\x00"
+    conversion = convert([turn(1, name=name)])
+
+    assert conversion.conversation is not None
+    assert conversion.conversation.name == "Invoice fdp.exe"
+    assert [(p.kind, p.placed, p.field, p.content) for p in conversion.problems] == [
+        ("plain_name", True, "name", name)
+    ]
+
+
+def test_a_name_of_control_characters_alone_names_nothing() -> None:
+    conversation = convert([turn(1, name="\u202e\x07")]).conversation
+    assert conversation is not None
+    assert conversation.name_source != "runtime"

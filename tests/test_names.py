@@ -247,3 +247,46 @@ def test_an_automatic_name_is_a_word_boundary_prefix_of_the_collapsed_text(
     assert kept
     assert collapsed.startswith(kept)
     assert collapsed[len(kept)] == " " or " " not in kept  # a word cut only when it is the first
+
+
+SPOOFING = [
+    pytest.param("Invoice \u202efdp.exe", id="right-to-left-override"),
+    pytest.param("Report\u2066 hidden\u2069", id="bidi-isolate"),
+    pytest.param("Alert \x1b[31mred\x1b[0m", id="terminal-escape"),
+    pytest.param("Null\x00byte", id="nul"),
+    pytest.param("Bell\x07 and \x9b C1", id="c0-and-c1-controls"),
+]
+
+
+@pytest.mark.parametrize("bad_name", SPOOFING)
+async def test_a_name_holding_control_or_direction_characters_is_refused(
+    backend: Backend, bad_name: str
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    with pytest.raises(InvalidInput, match=r"invalid name: .*U\+[0-9A-F]{4}.* at character \d+"):
+        await logger.log_messages(CID, [user("hi")], name=bad_name)
+    assert await backend.db.agent_messages.count_documents({}) == 0
+    await logger.log_messages(CID, [user("hi")], turn_id="t1")
+    with pytest.raises(InvalidInput, match=r"U\+[0-9A-F]{4}"):
+        await store.rename(CID, bad_name)
+    assert await name_of(backend) == ("hi", "auto")
+
+
+@pytest.mark.parametrize("text", SPOOFING)
+async def test_automatic_names_and_previews_leave_control_and_direction_characters_out(
+    backend: Backend, text: str
+) -> None:
+    await AgentMessageLogger(backend.db).log_messages(CID, [user(text)], turn_id="t1")
+    conversation = await ConversationStore(backend.db).get_conversation(CID)
+    for shown_text in (conversation.name, conversation.last_message_preview):
+        assert shown_text
+        assert not re.search("[\x00-\x08\x0e-\x1b\x7f-\x9f\u202a-\u202e\u2066-\u2069]", shown_text)
+    stored = await ConversationStore(backend.db).transcript(CID)
+    assert stored[0].content == text  # the message itself is kept as written
+
+
+def test_a_name_in_any_other_script_is_kept() -> None:
+    text = (
+        "\u0645\u0631\u062d\u0628\u0627 \u200f\u0639\u0627\u0644\u0645"  # a right-to-left mark kept
+    )
+    assert auto_name(UserMessage(content=text), 60) == text

@@ -1059,7 +1059,8 @@ def _owner(converter: _Converter, turns: list[LegacyTurn]) -> str | None:
 
 def _runtime_name(converter: _Converter, turns: Sequence[LegacyTurn]) -> str | None:
     """The name of the last turn that has one; one longer than a conversation holds
-    (`MAX_NAME_CHARS`) is cut, and a placed problem keeps it whole."""
+    (`MAX_NAME_CHARS`) is cut, one holding control or text-direction characters is stored
+    without them (`shorten`), and a placed problem keeps it whole."""
     named = [t for t in turns if t.name]
     if not named:
         return None
@@ -1075,7 +1076,16 @@ def _runtime_name(converter: _Converter, turns: Sequence[LegacyTurn]) -> str | N
             content=whole,
             unplaced=False,
         )
-    return name
+    elif name != found:
+        converter.problem(
+            named[-1],
+            "plain_name",
+            f"the name holds control or text-direction characters; it is stored as {name!r}",
+            field="name",
+            content=whole,
+            unplaced=False,
+        )
+    return name or None
 
 
 def _conversation(

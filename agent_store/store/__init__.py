@@ -62,6 +62,7 @@ from agent_store.store._retry import RetryPolicy, with_retries
 from agent_store.store._text import (
     DEFAULT_MARKERS,
     ELLIPSIS,
+    HIDDEN_CHARACTERS,
     MAX_NAME_CHARS,
     RuntimeContextMarkers,
     auto_name,
@@ -114,6 +115,7 @@ __all__ = [
     "DERIVED_TURN_PREFIX",
     "DUPLICATE_KEY",
     "ELLIPSIS",
+    "HIDDEN_CHARACTERS",
     "INDEXES",
     "LANGGRAPH_CHECKPOINTS",
     "MAX_MESSAGES_PER_TURN",

@@ -151,9 +151,29 @@ def collapse_whitespace(text: str) -> str:
     return " ".join(text.split())
 
 
+HIDDEN_CHARACTERS = "".join(
+    chr(c)
+    for first, last in (
+        *((0x00, 0x08), (0x0E, 0x1B), (0x7F, 0x84), (0x86, 0x9F)),  # controls, not white space
+        *((0x202A, 0x202E), (0x2066, 0x2069)),  # text-direction embeddings and isolates
+    )
+    for c in range(first, last + 1)
+)
+"""Characters that make a line of text show other than it reads: C0 and C1 controls (white
+space aside, which names and previews collapse) and the bidirectional embeddings, overrides
+and isolates. Names hold none; automatic names and previews leave them out."""
+_HIDDEN = re.compile(f"[{re.escape(HIDDEN_CHARACTERS)}]")
+
+
+def shown_plainly(text: str) -> str:
+    """The text without the characters that would make it show other than it reads."""
+    return _HIDDEN.sub("", text)
+
+
 def shorten(text: str, limit: int) -> str:
-    """Collapse whitespace and cut at a word boundary to at most `limit` characters."""
-    text = collapse_whitespace(text)
+    """Collapse whitespace, leave hidden characters out (`shown_plainly`) and cut at a word
+    boundary to at most `limit` characters: a name or preview made from a message."""
+    text = collapse_whitespace(shown_plainly(text))
     if len(text) <= limit:
         return text
     cut = text[: max(limit - len(ELLIPSIS), 1)]
@@ -218,10 +238,16 @@ def clean_name(name: object) -> str:
     """A conversation name a person or runtime gave: whitespace collapsed, 1-200 characters.
 
     Raises InvalidInput for a name that is not text, is empty once collapsed, is too long,
-    or cannot be stored (a lone surrogate).
+    cannot be stored (a lone surrogate), or holds a control or text-direction character
+    (a name shows as it reads: `shown_plainly`).
     """
     if not isinstance(name, str):
         raise InvalidInput(f"invalid name: it must be a string, not {type(name).__name__}")
+    if hidden := _HIDDEN.search(name):
+        raise InvalidInput(
+            f"invalid name: it holds U+{ord(hidden.group()):04X} at character {hidden.start()}, "
+            "a control or text-direction character; a name is plain text"
+        )
     cleaned = collapse_whitespace(storable(name, "name"))
     if not cleaned or len(cleaned) > MAX_NAME_CHARS:
         raise InvalidInput(
