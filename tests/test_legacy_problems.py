@@ -850,3 +850,39 @@ def test_runtime_context_markers_in_a_system_turn_are_no_problem() -> None:
 
     assert [m.content for m in conversion.messages] == [HIDDEN]
     assert conversion.problems == []
+
+
+def test_a_result_naming_another_tool_than_its_call_keeps_its_name_in_a_placed_problem() -> None:
+    """A result answers the call its id names; the tool it names itself, when another, is no
+    message's: a placed problem keeps the result whole, so the name outlives the drop."""
+    result = {"type": "tool_result", "tool_name": "«delete_account»", "result": "ok",
+              "tool_call_id": "a"}  # fmt: skip
+    turn = {"_id": "r-1", "conversation_id": "c-rname", "created_at": MESSY_START,
+            "user_message": "hi",
+            "response_parts": [{"type": "tool_call", "tool_name": "search", "args": {},
+                                "tool_call_id": "a"}, result]}  # fmt: skip
+    conversion = convert([turn])
+
+    assert [(m.role, m.tool_call_id, m.content) for m in conversion.messages[1:]] == [
+        ("assistant", None, None),
+        ("tool", "a", "ok"),
+    ]
+    assert [(p.kind, p.field, p.part_index, p.placed, p.content) for p in conversion.problems] == [
+        ("mismatched_tool_name", "response_parts", 1, True, result)
+    ]
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        {"type": "tool_result", "tool_name": "search", "result": "ok", "tool_call_id": "a"},
+        {"type": "tool_result", "result": "ok", "tool_call_id": "a"},
+    ],
+    ids=["the call's tool", "no tool (the OpenAI way)"],
+)
+def test_a_result_naming_its_calls_tool_or_none_is_no_problem(result: dict[str, Any]) -> None:
+    turn = {"_id": "r-1", "conversation_id": "c-rname", "created_at": MESSY_START,
+            "user_message": "hi",
+            "response_parts": [{"type": "tool_call", "tool_name": "search", "args": {},
+                                "tool_call_id": "a"}, result]}  # fmt: skip
+    assert convert([turn]).problems == []

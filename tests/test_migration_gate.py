@@ -1561,3 +1561,25 @@ def test_a_conversation_id_of_more_digits_than_any_integer_is_migrated_under_a_d
 
     assert "LONG question" in _contents(database)
     assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_results_own_tool_name_outlives_the_drop_when_it_is_not_its_calls(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """Result `delete_account` answering call `a` of `search`: the message answers `a`, verify
+    agrees, and the gate passes only because a problem keeps the name the result gave."""
+    turn = legacy_turn("t-1", "c-rname", 0, "RNAME") | {
+        "response_parts": [
+            {"type": "tool_call", "tool_name": "search", "args": {}, "tool_call_id": "a"},
+            {"type": "tool_result", "tool_name": "«delete_account»", "result": "ok",
+             "tool_call_id": "a"},
+        ]
+    }  # fmt: skip
+    database[CONVERSATIONS].insert_one(turn)
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert "«delete_account»" in kept_text(database)

@@ -648,6 +648,19 @@ class _Converter:
             self._unplaced_result(state, index, part, real)
             return
         group, call_id = answered
+        called = next(n for cid, n in group.calls if cid == call_id)
+        if name is not None and name != called:
+            self.problem(
+                state.turn,
+                "mismatched_tool_name",
+                f"a result naming tool {name!r} answers call {call_id!r} of {called!r}, which "
+                "its id names; the message answers that call, and this problem keeps the "
+                "result whole",
+                field="response_parts",
+                part_index=index,
+                content=part.raw,
+                unplaced=False,
+            )
         content, plain = result_text(part)
         if not plain:
             self.problem(
