@@ -886,3 +886,50 @@ def test_a_result_naming_its_calls_tool_or_none_is_no_problem(result: dict[str, 
             "response_parts": [{"type": "tool_call", "tool_name": "search", "args": {},
                                 "tool_call_id": "a"}, result]}  # fmt: skip
     assert convert([turn]).problems == []
+
+
+SUMMED_WITH_MORE = {"tool_name": "search", "args": {"q": 1}, "status": "«FAILED»",
+                    "result": "«3 hits»"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("parts", "where"),
+    [
+        ([{"type": "tool_call", "tool_name": "search", "args": {"q": 1}}], "tool_calls"),
+        (None, "response_parts.-1"),
+    ],
+    ids=["beside a part holding the call", "on a turn without parts"],
+)
+def test_a_summed_up_calls_fields_no_message_holds_are_kept_whether_or_not_parts_exist(
+    parts: list[dict[str, Any]] | None, where: str
+) -> None:
+    """One rule for a `tool_calls` entry: its fields no message holds are an unplaced
+    `unread_field` problem, whether the call is converted from it or from a part."""
+    turn = {"_id": "s-1", "conversation_id": "c-sum", "created_at": MESSY_START,
+            "user_message": "hi", "response_parts": parts,
+            "tool_calls": [SUMMED_WITH_MORE]}  # fmt: skip
+    problems = convert([turn]).problems
+
+    assert [(p.kind, p.field, p.placed, p.content) for p in problems] == [
+        ("unread_field", where, False, {"status": "«FAILED»", "result": "«3 hits»"})
+    ]
+
+
+@pytest.mark.parametrize(
+    ("part_id", "problems"),
+    [
+        (None, [("unread_field", {"id": "«call-9»"})]),
+        ("other", [("unread_field", {"id": "«call-9»"})]),
+        ("«call-9»", []),
+    ],
+    ids=["a part without an id", "a part of another id", "a part of that id"],
+)
+def test_a_summed_up_calls_id_beside_parts_is_kept_unless_a_message_holds_it(
+    part_id: str | None, problems: list[tuple[str, Any]]
+) -> None:
+    part = {"type": "tool_call", "tool_name": "search", "args": {}, "tool_call_id": part_id}
+    turn = {"_id": "s-1", "conversation_id": "c-sum", "created_at": MESSY_START,
+            "user_message": "hi", "response_parts": [part],
+            "tool_calls": [{"id": "«call-9»", "type": "function",
+                            "function": {"name": "search", "arguments": "{}"}}]}  # fmt: skip
+    assert [(p.kind, p.content) for p in convert([turn]).problems] == problems

@@ -1583,3 +1583,21 @@ def test_a_results_own_tool_name_outlives_the_drop_when_it_is_not_its_calls(
     assert cli(wire_uri, database, "finish") == 0
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
     assert "«delete_account»" in kept_text(database)
+
+
+@pytest.mark.wire
+def test_a_summed_up_calls_other_fields_beside_its_part_hold_finish_back_until_accepted(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    turn = legacy_turn("t-1", "c-sum", 0, "SUM") | {
+        "response_parts": [{"type": "tool_call", "tool_name": "search", "args": {"q": 1}}],
+        "tool_calls": [{"tool_name": "search", "args": {"q": 1}, "status": "«FAILED»"}],
+    }
+    database[CONVERSATIONS].insert_one(turn)
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 1
+    assert cli(wire_uri, database, "finish", "--accept", "c-sum", "--note", "kept") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert "«FAILED»" in kept_text(database)
