@@ -460,6 +460,16 @@ class _Converter:
                 field=f"response_parts.{index}",
                 content={name: part.raw[name] for name in part.unread},
             )
+        if part.alike:
+            self.problem(
+                turn,
+                "equivalent_spelling",
+                f"the part also holds {', '.join(part.alike)} saying what the one converted "
+                "says, in other characters",
+                field=f"response_parts.{index}",
+                content={name: part.raw[name] for name in part.alike},
+                unplaced=False,
+            )
 
     def _check_turn_fields(self, turn: LegacyTurn) -> None:
         """A turn's fields no reader takes (`feedback`, say): each kept in a problem."""
