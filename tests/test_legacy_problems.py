@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from bson import Int64, ObjectId
+from bson import Code, Int64, ObjectId
 
 from agent_store import ConversationStore, LegacyTurns
 from agent_store.legacy import (
@@ -17,7 +17,9 @@ from agent_store.legacy import (
     convert,
     derived_conversation_id,
     group_conversations,
+    id_text,
     legacy_turn_documents,
+    named_id,
     parse_turns,
     prompt_conversation,
     prompts_filter,
@@ -850,3 +852,126 @@ def test_runtime_context_markers_in_a_system_turn_are_no_problem() -> None:
 
     assert [m.content for m in conversion.messages] == [HIDDEN]
     assert conversion.problems == []
+
+
+def test_a_result_naming_another_tool_than_its_call_keeps_its_name_in_a_placed_problem() -> None:
+    """A result answers the call its id names; the tool it names itself, when another, is no
+    message's: a placed problem keeps the result whole, so the name outlives the drop."""
+    result = {"type": "tool_result", "tool_name": "«delete_account»", "result": "ok",
+              "tool_call_id": "a"}  # fmt: skip
+    turn = {"_id": "r-1", "conversation_id": "c-rname", "created_at": MESSY_START,
+            "user_message": "hi",
+            "response_parts": [{"type": "tool_call", "tool_name": "search", "args": {},
+                                "tool_call_id": "a"}, result]}  # fmt: skip
+    conversion = convert([turn])
+
+    assert [(m.role, m.tool_call_id, m.content) for m in conversion.messages[1:]] == [
+        ("assistant", None, None),
+        ("tool", "a", "ok"),
+    ]
+    assert [(p.kind, p.field, p.part_index, p.placed, p.content) for p in conversion.problems] == [
+        ("mismatched_tool_name", "response_parts", 1, True, result)
+    ]
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        {"type": "tool_result", "tool_name": "search", "result": "ok", "tool_call_id": "a"},
+        {"type": "tool_result", "result": "ok", "tool_call_id": "a"},
+    ],
+    ids=["the call's tool", "no tool (the OpenAI way)"],
+)
+def test_a_result_naming_its_calls_tool_or_none_is_no_problem(result: dict[str, Any]) -> None:
+    turn = {"_id": "r-1", "conversation_id": "c-rname", "created_at": MESSY_START,
+            "user_message": "hi",
+            "response_parts": [{"type": "tool_call", "tool_name": "search", "args": {},
+                                "tool_call_id": "a"}, result]}  # fmt: skip
+    assert convert([turn]).problems == []
+
+
+SUMMED_WITH_MORE = {"tool_name": "search", "args": {"q": 1}, "status": "«FAILED»",
+                    "result": "«3 hits»"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("parts", "where"),
+    [
+        ([{"type": "tool_call", "tool_name": "search", "args": {"q": 1}}], "tool_calls"),
+        (None, "response_parts.-1"),
+    ],
+    ids=["beside a part holding the call", "on a turn without parts"],
+)
+def test_a_summed_up_calls_fields_no_message_holds_are_kept_whether_or_not_parts_exist(
+    parts: list[dict[str, Any]] | None, where: str
+) -> None:
+    """One rule for a `tool_calls` entry: its fields no message holds are an unplaced
+    `unread_field` problem, whether the call is converted from it or from a part."""
+    turn = {"_id": "s-1", "conversation_id": "c-sum", "created_at": MESSY_START,
+            "user_message": "hi", "response_parts": parts,
+            "tool_calls": [SUMMED_WITH_MORE]}  # fmt: skip
+    problems = convert([turn]).problems
+
+    assert [(p.kind, p.field, p.placed, p.content) for p in problems] == [
+        ("unread_field", where, False, {"status": "«FAILED»", "result": "«3 hits»"})
+    ]
+
+
+@pytest.mark.parametrize(
+    ("part_id", "problems"),
+    [
+        (None, [("unread_field", {"id": "«call-9»"})]),
+        ("other", [("unread_field", {"id": "«call-9»"})]),
+        ("«call-9»", []),
+    ],
+    ids=["a part without an id", "a part of another id", "a part of that id"],
+)
+def test_a_summed_up_calls_id_beside_parts_is_kept_unless_a_message_holds_it(
+    part_id: str | None, problems: list[tuple[str, Any]]
+) -> None:
+    part = {"type": "tool_call", "tool_name": "search", "args": {}, "tool_call_id": part_id}
+    turn = {"_id": "s-1", "conversation_id": "c-sum", "created_at": MESSY_START,
+            "user_message": "hi", "response_parts": [part],
+            "tool_calls": [{"id": "«call-9»", "type": "function",
+                            "function": {"name": "search", "arguments": "{}"}}]}  # fmt: skip
+    assert [(p.kind, p.content) for p in convert([turn]).problems] == problems
+
+
+def test_a_conversation_id_stored_as_bson_code_is_no_text_id_and_gets_a_derived_one() -> None:
+    """`Code` is a `str` to Python, but JavaScript code to BSON: named by its extended JSON,
+    scope included, so it never merges with the text id it spells."""
+    code = Code("c-1", {"n": 1})
+    turn = {"_id": "k-1", "conversation_id": code, "created_at": MESSY_START, "user_message": "hi"}
+    conversion = convert([turn])
+
+    named = '{"$code": "c-1", "$scope": {"n": 1}}'
+    assert (id_text(code), named_id(code)) == (named, named)
+    assert conversion.conversation_id == derived_conversation_id(named)
+    assert [(p.kind, p.placed, p.content) for p in conversion.problems] == [
+        ("derived_conversation_id", True, named)
+    ]
+
+
+ALIKE_SPELLINGS = {
+    "text": {"type": "text", "content": '{"b": 1, "a": 2}', "text": '{"a":2.0,"b":1}'},
+    "arguments": {"type": "tool_call", "tool_name": "f", "args": '{"q": [1, 2]}',
+                  "arguments": '{"q":[1.0,2]}'},
+    "result": {"type": "tool_result", "tool_name": "f", "result": '{"n": 2}',
+               "content": '{"n":2.00}'},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("part", ALIKE_SPELLINGS.values(), ids=list(ALIKE_SPELLINGS))
+def test_a_second_text_saying_the_same_in_other_characters_is_kept_in_a_placed_problem(
+    part: dict[str, Any],
+) -> None:
+    """Only exactly equal texts are one: a spelling `said` reads alike but written otherwise
+    is no message's text, so a placed problem keeps it (the meaning is converted)."""
+    call = {"type": "tool_call", "tool_name": "f", "args": {}}
+    turn = {"_id": "s-1", "conversation_id": "c-spell", "created_at": MESSY_START,
+            "user_message": "hi", "response_parts": [part, call]}  # fmt: skip
+    other = next(name for name in ("text", "arguments", "content") if name in part)
+
+    assert [(p.kind, p.field, p.placed, p.content) for p in convert([turn]).problems] == [
+        ("equivalent_spelling", "response_parts.0", True, {other: part[other]})
+    ]

@@ -337,7 +337,7 @@ class _Converter:
             self._place_result(state, index, part, real)
         self._check_response_text(turn, state.items)
         self._check_turn_fields(turn)
-        self._check_summary_calls(turn, parts)
+        self._check_summary_calls(turn, parts, {cid for g in state.groups for cid, _ in g.calls})
         self._usage(turn, state.items)
         return state.items
 
@@ -460,6 +460,16 @@ class _Converter:
                 field=f"response_parts.{index}",
                 content={name: part.raw[name] for name in part.unread},
             )
+        if part.alike:
+            self.problem(
+                turn,
+                "equivalent_spelling",
+                f"the part also holds {', '.join(part.alike)} saying what the one converted "
+                "says, in other characters",
+                field=f"response_parts.{index}",
+                content={name: part.raw[name] for name in part.alike},
+                unplaced=False,
+            )
 
     def _check_turn_fields(self, turn: LegacyTurn) -> None:
         """A turn's fields no reader takes (`feedback`, say): each kept in a problem."""
@@ -472,20 +482,48 @@ class _Converter:
                 content=value,
             )
 
-    def _check_summary_calls(self, turn: LegacyTurn, parts: list[tuple[int, LegacyPart]]) -> None:
+    def _check_summary_calls(
+        self, turn: LegacyTurn, parts: list[tuple[int, LegacyPart]], call_ids: set[str]
+    ) -> None:
         """`tool_calls` summed up the calls beside the parts: a problem for each one no part
-        holds (the same tool with the same arguments). Without parts it was converted."""
+        holds (the same tool with the same arguments), and for what an entry a part holds
+        says besides: as on a turn without parts, where it was converted, its fields no
+        reader takes and a spelling not read; and an id no call of the turn (`call_ids`)
+        holds."""
         if not isinstance(turn.response_parts, list) or not turn.response_parts:
             return
         calls = [p for _, p in parts if p.kind == "tool_call"]
         for call in summary_calls(turn.tool_calls) or ():
-            if not _held(summary_call(call), calls):
+            summed = summary_call(call)
+            if not _held(summed, calls):
                 self.problem(
                     turn,
                     "tool_call_not_in_parts",
                     "tool_calls holds a call no part holds; the parts were converted",
                     field="tool_calls",
                     content=call,
+                )
+                continue
+            unread = list(summed.unknown_fields)
+            if summed.tool_call_id is not None and summed.tool_call_id not in call_ids:
+                unread += [n for n in ("tool_call_id", "id") if n in summed.raw]
+            if unread:
+                self.problem(
+                    turn,
+                    "unread_field",
+                    f"a call tool_calls holds beside the part holding it also holds "
+                    f"{', '.join(unread)}, which no message holds",
+                    field="tool_calls",
+                    content={name: summed.raw[name] for name in unread},
+                )
+            if summed.unread:
+                self.problem(
+                    turn,
+                    "unread_spelling",
+                    f"a call tool_calls holds also holds {', '.join(summed.unread)} with "
+                    "another value than the one its part holds",
+                    field="tool_calls",
+                    content={name: summed.raw[name] for name in summed.unread},
                 )
 
     def _check_response_text(self, turn: LegacyTurn, items: list[Item]) -> None:
@@ -648,6 +686,19 @@ class _Converter:
             self._unplaced_result(state, index, part, real)
             return
         group, call_id = answered
+        called = next(n for cid, n in group.calls if cid == call_id)
+        if name is not None and name != called:
+            self.problem(
+                state.turn,
+                "mismatched_tool_name",
+                f"a result naming tool {name!r} answers call {call_id!r} of {called!r}, which "
+                "its id names; the message answers that call, and this problem keeps the "
+                "result whole",
+                field="response_parts",
+                part_index=index,
+                content=part.raw,
+                unplaced=False,
+            )
         content, plain = result_text(part)
         if not plain:
             self.problem(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from bson import Decimal128, ObjectId
+from bson import Code, Decimal128, ObjectId
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agent_store.core import (
@@ -58,9 +58,16 @@ MAX_COUNT = 2**63 - 1
 
 def id_text(value: Any) -> str | None:
     """How the reader names a legacy id stored as any value: text as it is, an ObjectId or a
-    number as `str()` writes it, anything else as its JSON text."""
-    if value is None or isinstance(value, str):
+    number as `str()` writes it, anything else as its JSON text. BSON JavaScript code is a
+    `str` to Python but no text: named as extended JSON names it (`{"$code": …}`, its scope
+    too), so it is never the text id it spells; any other `str` subclass is its text."""
+    if value is None or type(value) is str:
         return value
+    if isinstance(value, Code):
+        code = {"$code": str.__str__(value)}
+        return as_text(code if value.scope is None else {**code, "$scope": value.scope})
+    if isinstance(value, str):
+        return str.__str__(value)
     return str(value) if isinstance(value, ObjectId | int | float) else as_text(value)
 
 

@@ -68,6 +68,10 @@ class LegacyPart:
     unknown_fields: tuple[str, ...] = ()
     """Names of fields no reader of its kind takes (`options` on a HITL part, say), which
     the converter reports."""
+    alike: tuple[str, ...] = ()
+    """Names of fields the part also spelt with text saying what the one read says (`said`)
+    in other characters (`{"a":2.0}` beside `{"a": 2}`): no message holds that text, so the
+    converter keeps it in a placed problem. Only exactly equal texts are one."""
 
 
 def part_kind(part: Any) -> PartKind:
@@ -191,14 +195,33 @@ def _number(value: Any) -> Any:
 def _unread(kind: PartKind, part: Mapping[str, Any]) -> tuple[str, ...]:
     """The spellings saying something else than the one `_first` reads (looked at only in a
     part spelling a field twice)."""
+    return _other_spellings(kind, part)[0]
+
+
+def _alike(kind: PartKind, part: Mapping[str, Any]) -> tuple[str, ...]:
+    """The spellings saying what the one `_first` reads says, as text written otherwise."""
+    return _other_spellings(kind, part)[1]
+
+
+def _other_spellings(
+    kind: PartKind, part: Mapping[str, Any]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The spellings beside the one `_first` reads: those saying something else (`said`),
+    and texts saying the same beside a text read, in other characters."""
     unread: list[str] = []
+    alike: list[str] = []
     for names in _SPELLINGS.get(kind, ()):
         spelt = [n for n in names if n in part and not _blank(part[n])]
         if len(spelt) < 2:
             continue
-        read = said(_first(part, *names))
-        unread += [n for n in spelt if said(part[n]) != read]
-    return tuple(unread)
+        value = _first(part, *names)
+        read = said(value)
+        for name in spelt:
+            if said(part[name]) != read:
+                unread.append(name)
+            elif isinstance(value, str) and isinstance(part[name], str) and part[name] != value:
+                alike.append(name)
+    return tuple(unread), tuple(alike)
 
 
 def normalize_part(part: Any) -> LegacyPart:
@@ -209,7 +232,7 @@ def normalize_part(part: Any) -> LegacyPart:
     if found.kind not in _READ:
         return found
     unknown = tuple(str(name) for name in part if name not in _READ[found.kind])
-    return replace(found, unknown_fields=unknown)
+    return replace(found, unknown_fields=unknown, alike=_alike(found.kind, part))
 
 
 def _read_part(part: Mapping[str, Any]) -> LegacyPart:
@@ -264,6 +287,7 @@ def read_prompt(document: Mapping[str, Any]) -> LegacyPart:
         params=document.get("params"),
         request_id=id_text(document.get("request_id")),
         unread=_unread("hitl", document),
+        alike=_alike("hitl", document),
     )
 
 
