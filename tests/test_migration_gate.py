@@ -1561,3 +1561,42 @@ def test_a_conversation_id_of_more_digits_than_any_integer_is_migrated_under_a_d
 
     assert "LONG question" in _contents(database)
     assert cli(wire_uri, database, "finish") == 0
+
+
+# -- what only a turn's message_history_json holds survives the drop ---------------------
+
+
+def runbook_keeps(
+    wire_uri: str, database: Database[dict[str, Any]], turns: list[dict[str, Any]], marker: str
+) -> None:
+    """The runbook on these turns: run; then, if `finish` lets the drop go, the drop. Whatever
+    the gate lets through, `marker` is still in the new collections afterwards."""
+    database[CONVERSATIONS].insert_many(turns)
+    assert cli(wire_uri, database, "run") == 0
+    if cli(wire_uri, database, "finish") == 0:
+        assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert marker in kept_text(database), f"{marker!r} dropped with the legacy turns"
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("size", [300, 2_000_000], ids=["short", "over-a-problem-document"])
+def test_a_history_that_is_not_json_is_kept_whole_before_the_drop(
+    wire_uri: str, database: Database[dict[str, Any]], size: int
+) -> None:
+    """An `unreadable_history` problem is placed (the messages come from the parts), so it
+    keeps the whole history: one too large for a problem document is kept in GridFS."""
+    history = "[ModelRequest(parts=[UserPromptPart(content='hi')])] " + "x" * size + " «TAIL»"
+    turn = legacy_turn("t-1", "c-hist", 0, "H") | {"message_history_json": history}
+    runbook_keeps(wire_uri, database, [turn], "«TAIL»")
+
+
+@pytest.mark.wire
+def test_a_model_response_only_in_the_history_is_kept_before_the_drop(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    history = json.dumps([
+        {"kind": "request", "parts": [{"part_kind": "user-prompt", "content": "H question"}]},
+        {"kind": "response", "parts": [{"part_kind": "thinking", "content": "«thinking»"},
+                                       {"part_kind": "text", "content": "H answer"}]}])  # fmt: skip
+    turn = legacy_turn("t-1", "c-think", 0, "H") | {"message_history_json": history}
+    runbook_keeps(wire_uri, database, [turn], "«thinking»")
