@@ -52,8 +52,8 @@ from agent_store.legacy import (
     with_session_prompts,
 )
 from agent_store.store import TurnRules
+from migrations import dual_writes, writes
 from migrations import problems as problem_report
-from migrations import writes
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS, Bounds
 from migrations.lease import STATE, Lease
 from migrations.order import Ranges, plan_ranges, range_ids, spread_ids
@@ -61,8 +61,11 @@ from migrations.relocate import TURN_FILTER
 from migrations.writes import Converted
 
 STATE_ID = "state:legacy-turns"
-LEGACY_FILTER: dict[str, Any] = {**TURN_FILTER, "dual_write": {"$ne": True}}
-"""Legacy turns, but not those the new logger wrote for rollback: their messages are stored."""
+LEGACY_FILTER: dict[str, Any] = TURN_FILTER
+"""Legacy turns, those the new logger wrote for rollback too: each read is narrowed to what
+`agent_messages` does not hold (`dual_writes.held`)."""
+NOT_DUAL_WRITTEN: dict[str, Any] = {**TURN_FILTER, "dual_write": {"$ne": True}}
+"""Legacy turns but the dual-written ones."""
 
 
 T = TypeVar("T")
@@ -264,20 +267,30 @@ def convert_batch(
     *,
     source: str = LEGACY_TURNS,
     undated_at: datetime | None = None,
+    held: list[dict[str, Any]] | None = None,
 ) -> tuple[list[Converted], list[Problem], int]:
     """Read and convert a batch: conversions, problems of unconvertible ones, turns read.
 
     Turns are grouped by the id they are stored under: a legacy id that is not an
     identifier gets a derived one, and each turn naming no conversation is one. An id whose
     turns the read does not find is a problem (`_unread`), as one that cannot be converted.
+    A dual-written turn whose messages are stored is not converted (`dual_writes.held`);
+    such turns are added to `held`, for `verify` and `finish` to compare.
     """
     converted: list[Converted] = []
     failed: list[Problem] = []
     turns = 0
-    for raw_id, documents in read_turns(db, ids, source=source):
+    read = read_turns(db, ids, source=source)
+    stored = dual_writes.held(db, [d for _, documents in read for d in documents])
+    for raw_id, found in read:
+        if not found:
+            failed.append(_unread(raw_id, source))
+            continue
+        documents = [d for d in found if id(d) not in stored]
+        if held is not None:
+            held += [d for d in found if id(d) in stored]
         turns += len(documents)
         if not documents:
-            failed.append(_unread(raw_id, source))
             continue
         parsed = _parsed(raw_id, documents, source)
         if isinstance(parsed, Problem):

@@ -28,7 +28,7 @@ from pymongo.database import Database
 from agent_store.core import AgentMessage
 from agent_store.legacy import LEGACY_TURNS, Problem
 from agent_store.store import CONVERSATIONS, TurnRules, with_texts
-from migrations import abandoned, full_texts, orphan_prompts
+from migrations import abandoned, dual_writes, full_texts, orphan_prompts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
 from migrations.relocate import CONVERSATION_FILTER, NEITHER_FILTER
@@ -232,22 +232,26 @@ def check(
     gate = Gate()
     accepted = problem_report.accepted(db)
     for ids in batches(conversation_ids(db), batch_size):
-        converted, failed, _ = convert_batch(db, ids, TurnRules(), undated_at=undated_at)
+        held: list[dict[str, Any]] = []
+        converted, failed, _ = convert_batch(db, ids, TurnRules(), undated_at=undated_at, held=held)
         gate.left += [
             WorkLeft(p.conversation_id, [f"cannot be converted: {p.detail}"]) for p in failed
         ]
+        dual = dual_writes.differences(db, held)
         messages = full_texts.stored_messages(db, [c.conversion.conversation_id for c in converted])
         stored = _stored(db, converted, messages)
         for item in converted:
             gate.conversations += 1
             cid = item.conversion.conversation_id
-            reasons = _reasons(item, stored, accepted, messages[cid])
+            reasons = _reasons(item, stored, accepted, messages[cid]) + dual.pop(cid, [])
             if reasons:
                 gate.left.append(WorkLeft(cid, reasons))
             elif item.conversion.conversation is None:
                 gate.empty += 1
             elif cid in accepted and item.conversion.unplaced:
                 gate.accepted.append(cid)
+        gate.conversations += len(dual)
+        gate.left += [WorkLeft(cid, reasons) for cid, reasons in dual.items()]
     _check_orphan_prompts(db, gate, accepted)
     for found in abandoned.chunks(db):
         gate.left += [WorkLeft(item.conversation_id, [item.reason]) for item in found]

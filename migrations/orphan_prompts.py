@@ -30,7 +30,7 @@ from agent_store.legacy import (
     prompt_conversation,
 )
 from migrations import problems as problem_report
-from migrations.explode import LEGACY_FILTER, Explosion, batches, read_session_hitl
+from migrations.explode import NOT_DUAL_WRITTEN, Explosion, batches, read_session_hitl
 
 ORPHAN_PENDING_HITL = "orphan_pending_hitl"
 CHUNK = 1000
@@ -56,7 +56,7 @@ def _with_turns(db: Database[dict[str, Any]], names: set[str]) -> set[str]:
     if not names:
         return set()
     clauses = [id_filter("conversation_id", name) for name in sorted(names)]
-    query = {"$and": [{"$or": clauses}, LEGACY_FILTER]}
+    query = {"$and": [{"$or": clauses}, NOT_DUAL_WRITTEN]}
     found = (named_id(value) for value in db[LEGACY_TURNS].distinct("conversation_id", query))
     return {name for name in found if name in names}
 

@@ -19,7 +19,7 @@ from pymongo.database import Database
 from agent_store.core import AgentMessage
 from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import MIGRATED_TURN_PREFIX, TurnRules
-from migrations import full_texts
+from migrations import dual_writes, full_texts
 from migrations.explode import batches, conversation_ids, convert_batch
 from migrations.transcript import contains, differences, from_legacy, from_messages
 from migrations.writes import Converted
@@ -84,20 +84,25 @@ def verify(
     else:
         ids = conversation_ids(db)
     for batch in batches(ids, batch_size):
-        converted, failed, _ = convert_batch(db, batch, TurnRules(), source=LEGACY_TURNS)
+        held: list[dict[str, Any]] = []
+        converted, failed, _ = convert_batch(db, batch, TurnRules(), source=LEGACY_TURNS, held=held)
         for problem in failed:
             result.conversations += 1
             result.differences[problem.conversation_id] = [f"cannot be converted: {problem.detail}"]
+        dual = dual_writes.differences(db, held)
         stored = full_texts.stored_messages(db, [c.conversion.conversation_id for c in converted])
         for item in converted:
             conversation_id = item.conversion.conversation_id
             result.conversations += 1
             result.unplaced += len(item.conversion.unplaced)
-            found = compare(item, stored[conversation_id])
+            found = compare(item, stored[conversation_id]) + dual.pop(conversation_id, [])
             if found:
                 result.differences[conversation_id] = found
             else:
                 result.matched += 1
+        for conversation_id, found in dual.items():
+            result.conversations += 1
+            result.differences[conversation_id] = found
         if on_batch is not None:
             on_batch(len(batch))
     return result

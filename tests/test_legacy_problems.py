@@ -706,7 +706,8 @@ def test_a_system_prompt_only_the_message_history_holds_is_kept_in_a_problem() -
              "instructions": "«Be brief»"}  # fmt: skip
     turns = [
         {"_id": f"h-{n}", "conversation_id": "c-h", "created_at": MESSY_START,
-         "user_message": f"question {n}", "message_history_json": history(asked)}
+         "user_message": f"question {n}", "response_text": "an answer",
+         "message_history_json": history(asked)}
         for n in (1, 2)
     ]  # fmt: skip
     problems = convert(turns).problems
@@ -724,7 +725,8 @@ def test_a_system_prompt_a_system_turn_holds_is_no_problem_in_the_history() -> N
         {"_id": "s-0", "conversation_id": "c-h", "created_at": MESSY_START, "is_system": True,
          "user_message": "You are «refund-policy»"},
         {"_id": "h-1", "conversation_id": "c-h", "created_at": MESSY_START,
-         "user_message": "question", "message_history_json": history(asked)},
+         "user_message": "question", "response_text": "an answer",
+         "message_history_json": history(asked)},
     ]  # fmt: skip
     assert convert(turns).problems == []
 
@@ -975,3 +977,134 @@ def test_a_second_text_saying_the_same_in_other_characters_is_kept_in_a_placed_p
     assert [(p.kind, p.field, p.placed, p.content) for p in convert([turn]).problems] == [
         ("equivalent_spelling", "response_parts.0", True, {other: part[other]})
     ]
+
+
+def test_a_history_that_is_not_json_is_kept_whole_in_its_placed_problem() -> None:
+    history = "[ModelRequest(parts=[UserPromptPart(content='hi')])] " + "x" * 300 + " «TAIL»"
+    turn = {"_id": "h-1", "conversation_id": "c-h", "created_at": MESSY_START,
+            "user_message": "hi", "message_history_json": history}  # fmt: skip
+
+    [problem] = convert([turn]).problems
+
+    assert (problem.kind, problem.placed, problem.content) == ("unreadable_history", True, history)
+
+
+ASKED = {"kind": "request", "parts": [{"part_kind": "user-prompt", "content": "hi"}]}
+ANSWERED = {"kind": "response", "parts": [{"part_kind": "text", "content": "hello"}]}
+HISTORY_ONLY_PARTS = {
+    "thinking": {"part_kind": "thinking", "content": "«thinking only here»", "signature": "s"},
+    "a response text": {"part_kind": "text", "content": "«said only here»"},
+    "a tool call": {"part_kind": "tool-call", "tool_name": "«lookup»", "args": {"q": 1},
+                    "tool_call_id": "call_h"},
+    "a tool call's arguments": {"part_kind": "tool-call", "tool_name": "f",
+                                "args": {"q": "«other»"}, "tool_call_id": "call_f"},
+    "a tool return": {"part_kind": "tool-return", "tool_name": "f", "content": "«returned»",
+                      "tool_call_id": "call_f"},
+    "a retry prompt": {"part_kind": "retry-prompt", "tool_name": "f",
+                       "content": [{"msg": "«field required»"}], "tool_call_id": "call_f"},
+    "a user prompt": {"part_kind": "user-prompt", "content": "«asked only here»"},
+    "an image in a user prompt": {"part_kind": "user-prompt",
+                                  "content": ["hi", {"kind": "image-url", "url": "«img»"}]},
+    "a part of a kind no reader knows": {"part_kind": "builtin-tool-call",
+                                         "tool_name": "web_search", "args": {"q": "«web»"}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("part", HISTORY_ONLY_PARTS.values(), ids=list(HISTORY_ONLY_PARTS))
+def test_every_piece_of_a_history_no_message_holds_is_kept_whole_in_a_placed_problem(
+    part: dict[str, Any],
+) -> None:
+    """The history copies the conversation as the model saw it: whatever part of it no
+    converted message holds is kept whole, in a placed problem (the messages are right)."""
+    call = {"type": "tool_call", "tool_name": "f", "args": {"q": 1}, "tool_call_id": "call_f"}
+    result = {"type": "tool_result", "tool_name": "f", "result": "ok", "tool_call_id": "call_f"}
+    said = [ASKED, ANSWERED, {"kind": "response", "parts": [part]}]
+    turn = {"_id": "h-1", "conversation_id": "c-h", "created_at": MESSY_START,
+            "user_message": "hi", "response_parts": [{"type": "text", "content": "hello"},
+                                                     call, result],
+            "message_history_json": json.dumps(said)}  # fmt: skip
+
+    problems = convert([turn]).problems
+
+    assert [(p.kind, p.legacy_id, p.field, p.placed, p.content) for p in problems] == [
+        ("history_only_content", "h-1", "message_history_json", True, part)
+    ]
+
+
+def test_a_history_the_messages_hold_is_no_problem() -> None:
+    """Every piece found in the converted messages, white space and JSON spelling aside:
+    the user's text without its runtime context, answers, calls with their arguments,
+    results, a HITL call, empty returns."""
+    said = [
+        {"kind": "request", "parts": [
+            {"part_kind": "system-prompt", "content": "be brief"},
+            {"part_kind": "user-prompt",
+             "content": "[RUNTIME CONTEXT]tier: gold[/RUNTIME CONTEXT] book it"}]},
+        {"kind": "response", "parts": [
+            {"part_kind": "text", "content": "Looking\n"},
+            {"part_kind": "tool-call", "tool_name": "f", "args": '{"b": 2, "a": 1}',
+             "tool_call_id": "call_f"},
+            {"part_kind": "tool-call", "tool_name": "confirm", "args": {"p": 1},
+             "tool_call_id": "call_c"}]},
+        {"kind": "request", "parts": [
+            {"part_kind": "tool-return", "tool_name": "f", "content": {"x": [1, 2]},
+             "tool_call_id": "call_f", "timestamp": "2024-01-01T00:00:00Z"},
+            {"part_kind": "tool-return", "tool_name": "g", "content": [],
+             "tool_call_id": "call_g"}]},
+    ]  # fmt: skip
+    turns = [
+        {"_id": "s-0", "conversation_id": "c-h", "created_at": MESSY_START, "is_system": True,
+         "user_message": "be brief"},
+        {"_id": "h-1", "conversation_id": "c-h", "created_at": MESSY_START + timedelta(hours=1),
+         "user_message": "[RUNTIME CONTEXT]tier: gold[/RUNTIME CONTEXT] book it",
+         "response_parts": [
+             {"type": "text", "content": "Looking"},
+             {"type": "tool_call", "tool_name": "f", "args": {"a": 1, "b": 2},
+              "tool_call_id": "call_f"},
+             {"type": "tool_result", "tool_name": "f", "result": '{"x": [1,2]}',
+              "tool_call_id": "call_f"},
+             {"type": "hitl", "action": "confirm", "params": {"p": 1}, "request_id": "r-1",
+              "prompt": "Confirm?"}],
+         "message_history_json": json.dumps(said)},
+    ]  # fmt: skip
+
+    assert [p.kind for p in convert(turns).problems] == ["hidden_runtime_context"]
+
+
+def test_history_content_repeated_by_later_turns_is_kept_once_on_the_first_turn() -> None:
+    thinking = {"part_kind": "thinking", "content": "«pondering»"}
+    turns = []
+    said: list[dict[str, Any]] = []
+    for n in range(3):
+        said += [
+            {"kind": "request", "parts": [{"part_kind": "user-prompt", "content": f"q{n}"}]},
+            {"kind": "response", "parts": [thinking, {"part_kind": "text", "content": f"a{n}"}]},
+        ]
+        turns.append(
+            {"_id": f"h-{n}", "conversation_id": "c-h",
+             "created_at": MESSY_START + timedelta(hours=n), "user_message": f"q{n}",
+             "response_parts": [{"type": "text", "content": f"a{n}"}],
+             "message_history_json": json.dumps(said)}
+        )  # fmt: skip
+
+    problems = convert(turns).problems
+
+    assert [(p.kind, p.legacy_id, p.content) for p in problems] == [
+        ("history_only_content", "h-0", thinking)
+    ]
+
+
+def test_hidden_context_only_a_history_holds_is_kept_as_hidden_runtime_context() -> None:
+    """The runtime context of a history's user prompt is not what the user saw: the same
+    rule as for a user_message (unplaced), unless a problem keeps that context already."""
+    said = [{"kind": "request", "parts": [{"part_kind": "user-prompt",
+             "content": "[RUNTIME CONTEXT]«tier: gold»[/RUNTIME CONTEXT] hi"}]}]  # fmt: skip
+    turn = {"_id": "h-1", "conversation_id": "c-h", "created_at": MESSY_START,
+            "user_message": "hi", "message_history_json": json.dumps(said)}  # fmt: skip
+
+    problems = convert([turn]).problems
+
+    assert [(p.kind, p.field, p.placed, p.content) for p in problems] == [
+        ("hidden_runtime_context", "message_history_json", False,
+         "[RUNTIME CONTEXT]«tier: gold»[/RUNTIME CONTEXT]")
+    ]  # fmt: skip

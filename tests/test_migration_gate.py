@@ -19,11 +19,14 @@ from pymongo import AsyncMongoClient, MongoClient, monitoring
 from pymongo.database import Database
 
 from agent_store import AgentMessageLogger, ConversationStore, LegacyTurns, LoggedTurn
+from agent_store.core import message_adapter
 from agent_store.legacy import (
     LEGACY_TURNS,
     SESSION_HITL,
     convert,
     derived_conversation_id,
+    legacy_turn_documents,
+    legacy_turn_id,
     parse_turns,
 )
 from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES, TurnRules
@@ -1642,3 +1645,95 @@ def test_a_turn_id_or_user_id_stored_as_bson_code_does_not_crash_the_migration(
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
     assert "CODE question" in _contents(database)
+
+
+# -- what only a turn's message_history_json holds survives the drop ---------------------
+
+
+def runbook_keeps(
+    wire_uri: str, database: Database[dict[str, Any]], turns: list[dict[str, Any]], marker: str
+) -> None:
+    """The runbook on these turns: run; then, if `finish` lets the drop go, the drop. Whatever
+    the gate lets through, `marker` is still in the new collections afterwards."""
+    database[CONVERSATIONS].insert_many(turns)
+    assert cli(wire_uri, database, "run") == 0
+    if cli(wire_uri, database, "finish") == 0:
+        assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert marker in kept_text(database), f"{marker!r} dropped with the legacy turns"
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("size", [300, 2_000_000], ids=["short", "over-a-problem-document"])
+def test_a_history_that_is_not_json_is_kept_whole_before_the_drop(
+    wire_uri: str, database: Database[dict[str, Any]], size: int
+) -> None:
+    """An `unreadable_history` problem is placed (the messages come from the parts), so it
+    keeps the whole history: one too large for a problem document is kept in GridFS."""
+    history = "[ModelRequest(parts=[UserPromptPart(content='hi')])] " + "x" * size + " «TAIL»"
+    turn = legacy_turn("t-1", "c-hist", 0, "H") | {"message_history_json": history}
+    runbook_keeps(wire_uri, database, [turn], "«TAIL»")
+
+
+@pytest.mark.wire
+def test_a_model_response_only_in_the_history_is_kept_before_the_drop(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    history = json.dumps([
+        {"kind": "request", "parts": [{"part_kind": "user-prompt", "content": "H question"}]},
+        {"kind": "response", "parts": [{"part_kind": "thinking", "content": "«thinking»"},
+                                       {"part_kind": "text", "content": "H answer"}]}])  # fmt: skip
+    turn = legacy_turn("t-1", "c-think", 0, "H") | {"message_history_json": history}
+    runbook_keeps(wire_uri, database, [turn], "«thinking»")
+
+
+# -- dual-written turns: skipped only while the stored messages hold them -----------------
+
+
+def dual_written(cid: str, turn_id: str, text: str) -> dict[str, Any]:
+    """A turn as the new service's dual write stores it (`legacy_turn_document`)."""
+    return legacy_turn(legacy_turn_id(cid, turn_id), cid, 0, text) | {
+        "dual_write": True,
+        "turn_id": turn_id,
+    }
+
+
+@pytest.mark.wire
+def test_a_dual_written_turn_no_message_holds_is_migrated_before_the_drop(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """E.g. a second attempt after a rollback that cleared agent_messages: the dual-written
+    copy is the only one, so the run converts it like any legacy turn."""
+    turns = [dual_written("c-dual", "turn-1", "«DUAL»"), legacy_turn("t-o", "c-other", 0, "O")]
+    runbook_keeps(wire_uri, database, turns, "«DUAL» question")
+    stored = database[MESSAGES].find({"conversation_id": "c-dual"})
+    assert [m["content"] for m in stored] == ["«DUAL» question", "«DUAL» answer"]
+
+
+@pytest.mark.wire
+def test_a_dual_written_turn_its_stored_messages_do_not_hold_is_work_left(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The old service edited a dual-written turn after a rollback: its stored messages no
+    longer hold it. `verify` and `finish` say so, and the drop is refused; a dual-written
+    turn its messages hold is no difference."""
+    for cid in ("c-dual", "c-held"):
+        log_live(wire_uri, database, cid, "turn-1", cid.upper())
+        stored = [message_adapter.validate_python(m) for m in database[MESSAGES].find(
+            {"conversation_id": cid})]  # fmt: skip
+        database[LEGACY_TURNS].insert_many(
+            legacy_turn_documents(cid, "turn-1", stored, user_id="u-1", name=None)
+        )
+    database[LEGACY_TURNS].update_one(
+        {"conversation_id": "c-dual"},
+        {"$push": {"response_parts": {"type": "text", "content": "«EDITED»"}}},
+    )
+    database[LEGACY_TURNS].insert_one(legacy_turn("t-o", "c-other", 0, "O"))
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    out = capsys.readouterr().out
+    assert "c-dual" in out
+    assert "c-held" not in out
+    assert database[LEGACY_TURNS].count_documents({}) == 3

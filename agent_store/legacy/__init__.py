@@ -2,7 +2,6 @@
 the read fallback. Built on the store; the store never imports it."""
 
 from agent_store.legacy._convert import (
-    HIDDEN_RUNTIME_CONTEXT,
     LegacyConversion,
     Problem,
     convert,
@@ -35,6 +34,7 @@ from agent_store.legacy._dual_write import (
     legacy_turn_documents,
     legacy_turn_id,
 )
+from agent_store.legacy._history import HIDDEN_RUNTIME_CONTEXT
 from agent_store.legacy._parts import (
     LegacyPart,
     PartKind,

@@ -39,7 +39,6 @@ from agent_store.legacy._documents import (
     LegacyTurn,
     TurnTime,
     as_count,
-    as_text,
     dated_turns,
     epoch_number,
     named_users,
@@ -48,6 +47,7 @@ from agent_store.legacy._documents import (
     reference_text,
     sort_turns,
 )
+from agent_store.legacy._history import HIDDEN_RUNTIME_CONTEXT, history_findings, read_history
 from agent_store.legacy._parts import (
     LegacyPart,
     PartKind,
@@ -80,10 +80,6 @@ from agent_store.store import (
 )
 
 _upload_adapter: TypeAdapter[FileUpload] = TypeAdapter(FileUpload)
-
-HIDDEN_RUNTIME_CONTEXT = "hidden_runtime_context"
-"""The problem keeping the runtime context stripped from a user's text (field `user_message`,
-the stripped pieces as content): only what the user saw is a message."""
 
 
 class Problem(BaseModel):
@@ -141,15 +137,9 @@ class _HistoryIds:
     readable: bool = True
 
 
-def _history_ids(raw: Any) -> _HistoryIds:
+def _history_ids(history: list[Any] | None) -> _HistoryIds:
     found = _HistoryIds()
-    if raw in (None, ""):
-        return found
-    try:
-        history = json.loads(raw) if isinstance(raw, str | bytes) else raw
-    except ValueError:
-        history = None
-    if not isinstance(history, list):
+    if history is None:
         found.readable = False
         return found
     for message in history:
@@ -258,6 +248,14 @@ class _Converter:
         """Each call by the id its legacy part names: (its group, the id it is stored under)."""
         self.unanswered_usage = Usage()
         """Token usage of turns without an assistant message: counted on the conversation."""
+        self._histories: dict[int, list[Any] | None] = {}
+
+    def history(self, turn: LegacyTurn) -> list[Any] | None:
+        """The turn's `message_history_json` read (`read_history`), once per turn: a history
+        can be as long as the conversation, and it is looked at twice."""
+        if id(turn) not in self._histories:
+            self._histories[id(turn)] = read_history(turn.message_history_json)
+        return self._histories[id(turn)]
 
     def problem(
         self,
@@ -310,14 +308,15 @@ class _Converter:
     def turn_items(self, turn: LegacyTurn, at: datetime) -> list[Item]:
         """One turn's items in order; tool results are attached to their call groups."""
         parts = self._parts(turn)
-        history = _history_ids(turn.message_history_json)
+        history = _history_ids(self.history(turn))
         if not history.readable:
             self.problem(
                 turn,
                 "unreadable_history",
-                "message_history_json is not Pydantic AI messages JSON; ids are generated",
+                "message_history_json is not Pydantic AI messages JSON; ids are generated, "
+                "and the history is kept whole here",
                 field="message_history_json",
-                content=str(turn.message_history_json)[:200],
+                content=turn.message_history_json,
                 unplaced=False,
             )
         normalized = [p for _, p in parts]
@@ -925,7 +924,7 @@ def convert(
     original = _original_id(converter, turns[0])
     messages, plans = _convert_turns(converter, turns, undated_at or utc_now())
     whole = {f.blob_id: f.text for plan in plans for f in plan.full_texts}
-    _check_history_prompts(converter, turns, [with_texts(m, whole) for m in messages])
+    _check_history(converter, turns, [with_texts(m, whole) for m in messages])
     owner = _owner(converter, turns)
     messages = [
         m.model_copy(update={"seq": seq, "user_id": owner}) for seq, m in enumerate(messages)
@@ -953,45 +952,36 @@ def convert(
     )
 
 
-def _history_prompts(raw: Any) -> list[str]:
-    """The system prompts and instructions of Pydantic AI messages as JSON, in order."""
-    try:
-        history = json.loads(raw) if isinstance(raw, str | bytes) else raw
-    except ValueError:
-        return []
-    found: list[str] = []
-    for message in history if isinstance(history, list) else ():
-        if not isinstance(message, dict):
-            continue
-        parts = message.get("parts")
-        for part in parts if isinstance(parts, list) else ():
-            if isinstance(part, dict) and part.get("part_kind") == "system-prompt":
-                found.append(as_text(part.get("content")))
-        if isinstance(message.get("instructions"), str):
-            found.append(message["instructions"])
-    return [text for text in found if text]
+_WHOLE_HISTORY_KINDS = ("unreadable_history", "turn_only_in_history")
+"""Problems keeping a turn's whole history."""
 
 
-def _check_history_prompts(
+def _check_history(
     converter: _Converter, turns: list[LegacyTurn], messages: list[AgentMessage]
 ) -> None:
-    """A system prompt or instructions a turn's `message_history_json` holds that no system
-    message holds: kept in a problem, once (the history repeats the conversation so far). A
-    system message is the conversation's system turn; the history only copies what the model
-    was given, so it makes none."""
-    held = {m.content for m in messages if m.role == "system"}
-    for turn in turns:
-        for text in _history_prompts(turn.message_history_json):
-            if text in held:
-                continue
-            held.add(text)
-            converter.problem(
-                turn,
-                "system_prompt_only_in_history",
-                "message_history_json holds a system prompt no system message holds",
-                field="message_history_json",
-                content=text,
-            )
+    """Whatever the turns' histories hold that no converted message holds, kept in problems,
+    each once, on the first turn holding it (`history_findings`): a system prompt or
+    instructions (`system_prompt_only_in_history`: a system message is the conversation's
+    system turn; the history only copies what the model was given, so it makes none),
+    runtime context the user did not see, any other part (`history_only_content`)."""
+    problems = converter.problems
+    whole = {p.legacy_id for p in problems if p.kind in _WHOLE_HISTORY_KINDS}
+    found = history_findings(
+        [converter.history(turn) for turn in turns],
+        messages,
+        kept_whole={n for n, turn in enumerate(turns) if str(turn.id) in whole},
+        hidden=[p.content for p in problems if p.kind == HIDDEN_RUNTIME_CONTEXT],
+        markers=converter.rules.markers,
+    )
+    for finding in found:
+        converter.problem(
+            turns[finding.turn],
+            finding.kind,
+            finding.detail,
+            field="message_history_json",
+            content=finding.content,
+            unplaced=not finding.placed,
+        )
 
 
 def _check_history_of_nothing(converter: _Converter, turn: LegacyTurn) -> None:

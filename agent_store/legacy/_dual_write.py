@@ -94,7 +94,7 @@ def legacy_turn_document(
 ) -> dict[str, Any]:
     """One logged turn as a legacy turn document (DESIGN §4), for rollback to the old reader.
 
-    Marked `dual_write: true`: the migration skips these, their messages are already stored.
+    Marked `dual_write: true`: the migration skips these while their messages are stored.
     `part` names a second document of the same turn (its `_id` no turn id can give).
     """
     turn = _Turn()
