@@ -177,12 +177,13 @@ def print_summary(db: Database[dict[str, Any]], out: TextIO) -> None:
 
 
 def unplaced(
-    db: Database[dict[str, Any]], conversation_ids: Iterable[str]
+    db: Database[dict[str, Any]], conversation_ids: Iterable[str], *, placed: bool = False
 ) -> dict[str, list[tuple[str, str]]]:
-    """(kind, digest) of the unplaced problems recorded for each of these conversations (a
-    record without a digest, of an older run, has the digest "": it matches nothing)."""
+    """(kind, digest) of the unplaced problems (with `placed`, the placed ones) recorded for
+    each of these conversations (a record without a digest, of an older run, has the digest
+    "": it matches nothing)."""
     found: dict[str, list[tuple[str, str]]] = {}
-    query = {"conversation_id": {"$in": sorted(set(conversation_ids))}, "placed": False}
+    query = {"conversation_id": {"$in": sorted(set(conversation_ids))}, "placed": placed}
     for doc in db[PROBLEMS].find(query, {"conversation_id": 1, "kind": 1, "digest": 1}):
         found.setdefault(doc["conversation_id"], []).append((doc["kind"], doc.get("digest", "")))
     return found

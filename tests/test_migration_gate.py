@@ -1686,6 +1686,37 @@ def test_a_model_response_only_in_the_history_is_kept_before_the_drop(
     runbook_keeps(wire_uri, database, [turn], "«thinking»")
 
 
+@pytest.mark.wire
+def test_content_kept_in_a_placed_problem_and_edited_after_the_run_holds_the_drop_back(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A placed problem keeps what no message holds: the gate checks it is recorded as the
+    legacy turns say it now, as it does for unplaced ones, so an edit made after the run is
+    never dropped unseen."""
+
+    def history(last: dict[str, Any]) -> str:
+        return json.dumps([
+            {"kind": "request", "parts": [{"part_kind": "user-prompt", "content": "H question"}]},
+            {"kind": "response", "parts": [last, {"part_kind": "text", "content": "H answer"}]},
+        ])  # fmt: skip
+
+    first = {"part_kind": "thinking", "content": "«thinking»"}
+    edit = {"part_kind": "thinking", "content": "«edited thinking»"}
+    turn = legacy_turn("t-1", "c-think", 0, "H") | {"message_history_json": history(first)}
+    database[CONVERSATIONS].insert_one(turn)
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    database[LEGACY_TURNS].update_one(
+        {"_id": "t-1"}, {"$set": {"message_history_json": history(edit)}}
+    )
+
+    assert cli(wire_uri, database, "finish") == 1
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert "«edited thinking»" in kept_text(database)
+
+
 # -- dual-written turns: skipped only while the stored messages hold them -----------------
 
 
