@@ -550,13 +550,14 @@ class AgentMessageLogger:
         summary the turn's new place gives it (what it leaves pending is folded from the
         stored messages after its insert: `_relocated.settle`, two round trips more). A turn
         whose call a later message answers is not moved: Conflict, found by the lookup of
-        its empty block (`_relocated`). None when another attempt moved the turn meanwhile.
-        A turn that stored part of its block completes it in place."""
+        its empty block (`_relocated`), and given up (`_give_up`). None when another attempt
+        moved the turn meanwhile. A turn that stored part of its block completes it in
+        place."""
         reserved = _replay(plan, block, conversation)
         at = block.reserved_at
         if at is None or utc_now() - at < self.rules.abandon_after:
             return reserved
-        if await self._stored_in(plan, block, moving=True):
+        if await self._stored_in(plan, block, moving=conversation):
             return reserved
         now = utc_now()
         query, pipeline = relocation(plan, block, self.rules, now, assigned=reserved.assigns)
@@ -576,6 +577,7 @@ class AgentMessageLogger:
             refused = doc is None and guarded is not query
             if refused and await self._conversations.find_one(query, {"_id": 1}) is not None:
                 assert condition is not None
+                await self._give_up(plan.conversation_id, conversation)
                 raise condition.refusal
         if doc is None:
             return None
@@ -765,19 +767,46 @@ class AgentMessageLogger:
                 )
 
     async def _stored_in(
-        self, plan: TurnPlan, block: RecordedBlock, *, moving: bool = False
+        self, plan: TurnPlan, block: RecordedBlock, *, moving: Mapping[str, Any] | None = None
     ) -> list[dict[str, Any]]:
-        """The turn's messages already stored in its block. `moving` (its block may have
-        been passed): the same lookup also finds the later messages that answer its calls,
-        and an empty block whose calls were answered so is refused (`_relocated`)."""
+        """The turn's messages already stored in its block. `moving` (the conversation as read,
+        the turn's block may have been passed): the same lookup also finds the later messages
+        that answer its calls, and an empty block whose calls were answered so is refused
+        (`_relocated`). The turn is then given up for good, and so is what its first
+        reservation listed pending: the conversation's pending state is folded again from
+        the stored messages (`settle`, as after a move: one or two round trips more)."""
         with storage_errors("read the turn's messages"):
             found: list[dict[str, Any]] = await self._messages.find(
-                lookup(plan, block, moving=moving)
+                lookup(plan, block, moving=moving is not None)
             ).to_list(None)
-        found = refuse_a_move_past_answers(plan, block, found)
+        try:
+            found = refuse_a_move_past_answers(plan, block, found)
+        except Conflict:
+            assert moving is not None  # only a lookup past the block finds a later answer
+            await self._give_up(plan.conversation_id, moving)
+            raise
         if any(d.get("turn_id") != plan.turn_id for d in found):
             raise Conflict(f"the seq block of turn {plan.turn_id!r} holds messages of another turn")
         return found
+
+    async def _give_up(
+        self, conversation_id: str, conversation: Mapping[str, Any] | None = None
+    ) -> None:
+        """After a retry refused a turn that stored nothing, for good (moved, its call would
+        follow its answer; a delivery into an inbox closed since): what its first reservation
+        set pending (its calls, its prompt, a prompt its answer or upload cleared) no stored
+        message says, so the pending state is folded again from the stored messages, as after
+        a move (`_relocated.settle`, from `conversation` as read, else read again: one or two
+        round trips more, on these rare paths). Left as it is while a turn below the end is
+        still being written."""
+        await settle(
+            self._conversations,
+            self._messages,
+            conversation_id,
+            conversation,
+            abandon_after=self.rules.abandon_after,
+            given_up=True,
+        )
 
     async def _own_duplicates(
         self, error: BulkWriteError, documents: list[dict[str, Any]]

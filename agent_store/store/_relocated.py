@@ -7,11 +7,14 @@ messages say:
 
 - Before the move (in the lookup of its empty block, the same round trip): a turn whose
   call a later message answers cannot move, since its call would follow its answer; the
-  retry is refused (`Conflict`), nothing written (`answered_later`).
+  retry is refused (`Conflict`), no message written (`answered_later`).
 - After the move and its insert: what it leaves pending is folded from the stored messages,
   in their stored order, as pops and forks fold them (`_turns.pending_after`), a prompt
   resolved by request id (`resolved_hitl`) staying resolved; written only if no turn
   reserved and no pop ran meanwhile (`refolded`). Two round trips more, on this rare path.
+- A refused move gives the turn up for good: what its first reservation listed pending (its
+  calls, its prompt) no stored message makes, so the same fold, without it, is written
+  (`settle`, `given_up`): one round trip more, two when the summary differs from the fold.
 """
 
 from __future__ import annotations
@@ -32,13 +35,15 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.store._driver import storage_errors
-from agent_store.store._fork import fork_turns_of
+from agent_store.store._fork import fork_turns_of, pending_now
 from agent_store.store._reservation import RESERVED, RecordedBlock, literal, resolved_by_request
 from agent_store.store._turns import GAPS_READ, Gaps, TurnPlan, pending_after
 
 MOVED: dict[str, Any] = {**RESERVED, **GAPS_READ, "forked_from": 1, "pops": 1, "popping": 1}
 """What the move returns of the conversation: what a reservation returns, and what the fold
 after it needs (the gaps below the new block, a fork's turn starts, the pops' guard)."""
+_FOLD_READ: dict[str, Any] = {**MOVED, "pending_calls": 1, "pending_hitl": 1, "resolved_hitl": 1}
+"""What the fold reads of a conversation it reads again: `MOVED` and the pending state."""
 
 _FOLD_ATTEMPTS = 3
 
@@ -128,16 +133,21 @@ async def settle(
     moved: Mapping[str, Any] | None,
     *,
     abandon_after: timedelta,
+    given_up: bool = False,
 ) -> bool:
     """After a moved turn's insert: its conversation's pending state folded from the stored
     messages and written (`refolded`), from `moved` (the conversation as the move left it)
     first, read again when another turn or a pop changed it meanwhile (a few times). False,
     leaving the state as the move set it, when a turn below the end is still being written
-    (its messages are not there to fold) or the conversation kept changing."""
+    (its messages are not there to fold) or the conversation kept changing.
+
+    `given_up`: after a refused move instead, `moved` being the conversation as the retry
+    read it (every field): the turn is never stored, so the fold leaves out what its first
+    reservation listed; written only when the summary says otherwise."""
     for _ in range(_FOLD_ATTEMPTS):
         if moved is None:
             with storage_errors("read the conversation"):
-                moved = await conversations.find_one({"_id": conversation_id}, MOVED)
+                moved = await conversations.find_one({"_id": conversation_id}, _FOLD_READ)
             if moved is None:
                 return False
         count = int(moved["message_count"])
@@ -153,6 +163,8 @@ async def settle(
         if Gaps.of(moved).written(missing, now=utc_now(), abandon_after=abandon_after) is not None:
             return False
         calls, prompt = pending_after(stored, fork_turns_of(moved))
+        if given_up and _already(moved, calls, prompt):
+            return True
         query, update = refolded(moved, calls, prompt)
         with storage_errors("set what the moved turn leaves pending"):
             result = await conversations.update_one(query, update)
@@ -160,3 +172,14 @@ async def settle(
             return True
         moved = None
     return False
+
+
+def _already(
+    conversation: Mapping[str, Any], calls: Sequence[PendingCall], prompt: PendingHitl | None
+) -> bool:
+    """Whether the conversation's summary lists `calls` pending and `prompt` already (or no
+    prompt, when a person resolved it by request id)."""
+    now_calls, now_prompt = pending_now(conversation)
+    if prompt is not None and prompt.request_id in (conversation.get("resolved_hitl") or ()):
+        prompt = None
+    return now_calls == list(calls) and now_prompt == prompt
