@@ -53,22 +53,24 @@ def _made(plan: TurnPlan) -> list[str]:
 
 
 def lookup(plan: TurnPlan, block: RecordedBlock, *, moving: bool = False) -> dict[str, Any]:
-    """The messages stored in the turn's block and, `moving` a turn that makes calls, those
-    past it that make or answer a call of the same ids: one find, as the block's alone."""
+    """The messages stored in the turn's block and, `moving`, the turn's own messages
+    wherever they are (by their stable ids: an earlier attempt's insert may have landed in a
+    block the turn left) and, for a turn that makes calls, the messages past the block that
+    make or answer a call of the same ids: one find, as the block's alone."""
     first, past = block.first_seq, block.first_seq + block.count
     query: dict[str, Any] = {"conversation_id": plan.conversation_id}
-    made = _made(plan) if moving else []
-    if not made:
-        return {**query, "seq": {"$gte": first, "$lt": past}}
-    return {
-        **query,
-        "seq": {"$gte": first},
-        "$or": [
-            {"seq": {"$lt": past}},
-            {"tool_call_id": {"$in": made}},
-            {"tool_calls.id": {"$in": made}},
-        ],
-    }
+    in_block = {"seq": {"$gte": first, "$lt": past}}
+    if not moving:
+        return {**query, **in_block}
+    later = {"seq": {"$gte": first}}
+    made = _made(plan)
+    answering = (
+        [{**later, "tool_call_id": {"$in": made}}, {**later, "tool_calls.id": {"$in": made}}]
+        if made
+        else []
+    )
+    own = {"_id": {"$in": [d["_id"] for d in plan.documents]}}
+    return {**query, "$or": [in_block, own, *answering]}
 
 
 def answered_later(plan: TurnPlan, later: Sequence[AgentMessage]) -> list[str]:
@@ -83,11 +85,13 @@ def answered_later(plan: TurnPlan, later: Sequence[AgentMessage]) -> list[str]:
 
 
 def refuse_a_move_past_answers(plan: TurnPlan, block: RecordedBlock, found: Any) -> list[Any]:
-    """The turn's messages stored in its block, from what `lookup` found; Conflict when the
-    block is empty and a later message answers one of its calls."""
-    past = block.first_seq + block.count
-    stored = [d for d in found if d["seq"] < past]
-    later = [d for d in found if d["seq"] >= past]
+    """The messages stored in the turn's block and the turn's own wherever they are, from
+    what `lookup` found; Conflict when there are none and a later message answers one of its
+    calls."""
+    first, past = block.first_seq, block.first_seq + block.count
+    ids = {d["_id"] for d in plan.documents}
+    stored = [d for d in found if first <= d["seq"] < past or d["_id"] in ids]
+    later = [d for d in found if d["seq"] >= past and d["_id"] not in ids]
     if stored or not later:
         return stored
     answered = answered_later(plan, messages_adapter.validate_python(later))
@@ -183,3 +187,14 @@ def _already(
     if prompt is not None and prompt.request_id in (conversation.get("resolved_hitl") or ()):
         prompt = None
     return now_calls == list(calls) and now_prompt == prompt
+
+
+def stored_at(plan: TurnPlan, stored: Sequence[Mapping[str, Any]]) -> int | None:
+    """The first `seq` of the block the turn's own messages among `stored` are in (each at
+    its index in the turn past it), None when none of them is there; Conflict when they
+    are not one block."""
+    index = {d["_id"]: i for i, d in enumerate(plan.documents)}
+    firsts = {int(d["seq"]) - index[d["_id"]] for d in stored if d["_id"] in index}
+    if len(firsts) > 1:
+        raise Conflict(f"the messages of turn {plan.turn_id!r} are stored in several blocks")
+    return firsts.pop() if firsts else None
