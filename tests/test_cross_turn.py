@@ -1415,6 +1415,35 @@ async def test_a_late_retry_of_a_turn_whose_call_a_later_turn_answered_is_refuse
     assert await pending_state(store) == ([], None)
 
 
+@pytest.mark.parametrize("prompt", [False, True], ids=["calls", "calls-and-prompt"])
+async def test_a_refused_late_retry_leaves_pending_only_what_the_stored_messages_make(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, prompt: bool
+) -> None:
+    """t1 [calls c1 and c2, and a prompt r1 naming c2] reserves and dies; its reservation
+    listed c2 and raised r1. t2 answers c1, so the late retry of t1 is refused and t1 is
+    never stored: no stored message makes c2 or asks r1, and the summary says so (as the
+    fold of the stored messages does), else a runtime answers c2 with an orphan result."""
+    from agent_store import Conflict
+
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], turn_id="t0")
+    t1 = [_calls("c1", "c2")] + ([_asks_about("r1", "c2")] if prompt else [])
+    await _reserved_only(logger, monkeypatch, t1, "t1")
+    assert await pending_state(store) == (["c1", "c2"], "r1" if prompt else None)
+    done = [_answer("c1", "R1"), {"role": "assistant", "content": "done"}]
+    await logger.log_messages(CID, done, turn_id="t2")
+
+    with pytest.raises(Conflict, match=r"a later turn answered its call 'c1'"):
+        await logger.log_messages(CID, t1, turn_id="t1")
+
+    assert [m.content for m in await store.transcript(CID)] == ["go", "R1", "done"]
+    assert await recomputed_state(store) == ([], None)
+    assert await pending_state(store) == ([], None)
+    with pytest.raises(Conflict):  # every retry alike
+        await logger.log_messages(CID, t1, turn_id="t1")
+    assert await pending_state(store) == ([], None)
+
+
 async def _age(backend: Backend, turn_id: str) -> None:
     """Set the turn's record back 30 minutes, past the default `abandon_after`."""
     from datetime import timedelta

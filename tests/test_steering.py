@@ -223,12 +223,14 @@ def _late_rules() -> Any:
 
 
 async def _a_delivery_that_died(
-    backend: Backend, steer: dict[str, Any]
+    backend: Backend, steer: dict[str, Any], first: list[dict[str, Any]] | None = None
 ) -> tuple[AgentMessageLogger, SteeringInbox]:
     """An open turn's inbox and a delivery "d1" of `steer` whose sender reserved its block
-    and died before the insert; returns the logger (late rules) and the runtime's inbox."""
+    and died before the insert, after a turn "t0" of `first` (a user message by default);
+    returns the logger (late rules) and the runtime's inbox."""
     logger = AgentMessageLogger(backend.db, rules=_late_rules())
-    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    first = first or [{"role": "user", "content": "start"}]
+    await logger.log_messages(CID, first, turn_id="t0")
     runtime = SteeringInbox(logger)
     await runtime.open_turn(CID, TURN)
     dying = AgentMessageLogger(backend.db, rules=_late_rules())
@@ -275,6 +277,34 @@ async def test_a_delivery_retried_after_abandon_after_into_a_closed_inbox_is_ref
     assert await backend.db[MESSAGES].count_documents({"content": steer["content"]}) == 0
     conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
     assert conversation["message_count"] == 2
+
+
+async def test_a_refused_late_delivery_leaves_pending_what_the_stored_messages_leave(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3 Pending HITL: an upload clears the prompt before it. The dead delivery's
+    reservation cleared the pending prompt; refused once its inbox closed, it is never
+    stored, so the prompt no stored message answers is pending again."""
+    from agent_store import ConversationStore
+    from agent_store.store._turns import pending_after
+
+    upload = {"filename": "id.pdf", "file_type": "application/pdf", "size": 10}
+    steer = {"role": "user", "content": "Here.", "upload": upload}
+    ask = {"action": "confirm", "params": {}, "request_id": "r1"}
+    first = [{"role": "user", "content": "Open it"}, {"role": "assistant", "hitl_action": ask}]
+    logger, runtime = await _a_delivery_that_died(backend, steer, first)
+    store = ConversationStore(backend.db)
+    assert await store.pending_hitl(CID) is None  # the reservation cleared it
+    assert await runtime.close_inbox(CID, TURN, last_seen_seq=1) == []
+
+    accepted = await SteeringInbox(logger).try_deliver(CID, TURN, steer, delivery_id="d1")
+
+    assert accepted is False
+    _, folded = pending_after(await store.transcript(CID))
+    pending = await store.pending_hitl(CID)
+    assert folded is not None
+    assert pending is not None
+    assert (pending.request_id, folded.request_id) == (ask["request_id"],) * 2
 
 
 async def test_a_stranger_cannot_open_or_deliver_into_anothers_turn(backend: Backend) -> None:

@@ -459,6 +459,75 @@ async def test_a_relocated_turn_is_last_so_the_preview_quotes_it(backend: Backen
     assert conversation["usage"] == {"input_tokens": 1, "output_tokens": 1}
 
 
+async def _a_stalled_first_attempt(
+    backend: Backend, rules: TurnRules
+) -> tuple[AgentMessageLogger, SlowInsert, asyncio.Task[Any]]:
+    """A turn "late" whose first attempt reserved seq 1-2 and stalls before its insert (the
+    writer is alive, only slower than `abandon_after`): the logger, the held writer, its
+    call."""
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(CID, [{"role": "user", "content": "m0"}], turn_id="t0")
+    held = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    first = asyncio.create_task(held.logger.log_messages(CID, turn("late"), turn_id="late"))
+    await held.reserved.wait()
+    return logger, held, first
+
+
+async def test_a_stalled_first_insert_landing_after_a_retry_moved_the_turn_is_where_it_is_stored(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3: a turn's messages have stable ids. A retry moved the stalled turn to
+    3-4 and stalls too; the first insert then lands in 1-2. Wherever its messages are stored,
+    the turn is stored there: the first attempt, the moved retry and every later retry
+    answer 1-2, and no retry moves it again (`message_count` keeps the one block the move
+    took, which readers pass as an abandoned one)."""
+    rules = TurnRules(abandon_after=timedelta(0))
+    logger, held, first = await _a_stalled_first_attempt(backend, rules)
+    mover = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    moved = asyncio.create_task(mover.logger.log_messages(CID, turn("late"), turn_id="late"))
+    await mover.reserved.wait()  # moved to 3-4, its insert held
+    held.release.set()
+    landed = await first  # the first insert lands in 1-2
+    mover.release.set()
+
+    answers = [await moved] + [
+        await logger.log_messages(CID, turn("late"), turn_id="late") for _ in range(3)
+    ]
+
+    assert [m.seq for m in landed.messages] == [1, 2]
+    assert [[m.seq for m in a.messages] for a in answers] == [[1, 2]] * 4
+    assert all(a.replayed for a in answers)
+    stored = await backend.db[MESSAGES].find({"conversation_id": CID}).sort("seq", 1).to_list(None)
+    assert [(m["seq"], m["content"]) for m in stored] == [(0, "m0"), (1, "late?"), (2, "late!")]
+    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert (conversation["message_count"], conversation["turn_count"]) == (5, 2)
+    assert len(conversation["turns"]) == 3  # t0, the block the move left, the moved turn
+    page = await ConversationStore(backend.db, rules=rules).messages_page(CID, limit=10)
+    assert [m.content for m in page.data] == ["m0", "late?", "late!"]
+
+
+async def test_a_stalled_first_insert_landing_after_its_retry_stored_the_turn_answers_it(
+    backend: Backend,
+) -> None:
+    """The same with the retry's insert first: the turn is stored at 3-4 and the stalled
+    first insert, colliding on every id, answers those messages (a replay, not a Conflict
+    "already taken" for a turn that is stored)."""
+    rules = TurnRules(abandon_after=timedelta(0))
+    logger, held, first = await _a_stalled_first_attempt(backend, rules)
+    retried = await logger.log_messages(CID, turn("late"), turn_id="late")  # moved, at 3-4
+    held.release.set()
+
+    landed = await first
+    again = await logger.log_messages(CID, turn("late"), turn_id="late")
+
+    assert [m.seq for m in retried.messages] == [3, 4]
+    assert [m.seq for m in landed.messages] == [m.seq for m in again.messages] == [3, 4]
+    assert [m.id for m in landed.messages] == [m.id for m in retried.messages]
+    assert await backend.db[MESSAGES].count_documents({"conversation_id": CID}) == 3
+    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert conversation["message_count"] == 5
+
+
 # -- a property: anything a caller sends is stored faithfully or refused whole ----------------
 
 

@@ -168,6 +168,7 @@ class SteeringInbox:
         except _InboxClosed:
             return False
         if reserved.replayed and not await self._still_deliverable(plan, reserved, field):
+            await self._logger._give_up(plan.conversation_id)
             return False
         await self._logger._store(plan, reserved)
         return True

@@ -66,17 +66,25 @@ from agent_store.store._legacy_seam import (
     LegacySource,
     is_derived_id,
 )
-from agent_store.store._relocated import MOVED, lookup, refuse_a_move_past_answers, settle
+from agent_store.store._relocated import (
+    MOVED,
+    lookup,
+    refuse_a_move_past_answers,
+    settle,
+    stored_at,
+)
 from agent_store.store._reservation import (
     RESERVED,
     SUMMARY,
     Actor,
     RecordedBlock,
+    blocks_of,
     literal,
     recorded_block,
     relocation,
     reservation,
     reservation_filter,
+    turn_block_filter,
 )
 from agent_store.store._text import clean_name
 from agent_store.store._turns import (
@@ -550,14 +558,17 @@ class AgentMessageLogger:
         summary the turn's new place gives it (what it leaves pending is folded from the
         stored messages after its insert: `_relocated.settle`, two round trips more). A turn
         whose call a later message answers is not moved: Conflict, found by the lookup of
-        its empty block (`_relocated`). None when another attempt moved the turn meanwhile.
-        A turn that stored part of its block completes it in place."""
+        its empty block (`_relocated`), and given up (`_give_up`). None when another attempt
+        moved the turn meanwhile. A turn that stored part of its block completes it in
+        place; one an attempt's insert stored in a block it left by a move, found by id in
+        the same lookup, is stored there (`_stored_there`): no move again."""
         reserved = _replay(plan, block, conversation)
-        at = block.reserved_at
-        if at is None or utc_now() - at < self.rules.abandon_after:
+        reserved_at = block.reserved_at
+        if reserved_at is None or utc_now() - reserved_at < self.rules.abandon_after:
             return reserved
-        if await self._stored_in(plan, block, moving=True):
-            return reserved
+        stored = await self._stored_in(plan, block, moving=conversation)
+        if stored:  # in its block, or where an earlier attempt's insert landed
+            return _stored_there(plan, block, conversation, reserved, stored)
         now = utc_now()
         query, pipeline = relocation(plan, block, self.rules, now, assigned=reserved.assigns)
         guarded = query
@@ -576,6 +587,7 @@ class AgentMessageLogger:
             refused = doc is None and guarded is not query
             if refused and await self._conversations.find_one(query, {"_id": 1}) is not None:
                 assert condition is not None
+                await self._give_up(plan.conversation_id, conversation)
                 raise condition.refusal
         if doc is None:
             return None
@@ -653,7 +665,7 @@ class AgentMessageLogger:
             try:
                 await self._messages.insert_many(documents, ordered=False)
             except BulkWriteError as exc:
-                found = await self._own_duplicates(exc, documents)
+                found = await self._own_duplicates(exc, documents, plan)
                 documents = [found.get(d["_id"], d) for d in documents]
                 documents = await self._to_the_owner(plan.conversation_id, owner, documents)
                 stored = messages_adapter.validate_python(documents)
@@ -765,28 +777,59 @@ class AgentMessageLogger:
                 )
 
     async def _stored_in(
-        self, plan: TurnPlan, block: RecordedBlock, *, moving: bool = False
+        self, plan: TurnPlan, block: RecordedBlock, *, moving: Mapping[str, Any] | None = None
     ) -> list[dict[str, Any]]:
-        """The turn's messages already stored in its block. `moving` (its block may have
-        been passed): the same lookup also finds the later messages that answer its calls,
-        and an empty block whose calls were answered so is refused (`_relocated`)."""
+        """The turn's messages already stored in its block. `moving` (the conversation as read,
+        the turn's block may have been passed): the same lookup also finds the later messages
+        that answer its calls, and an empty block whose calls were answered so is refused
+        (`_relocated`). The turn is then given up for good, and so is what its first
+        reservation listed pending: the conversation's pending state is folded again from
+        the stored messages (`settle`, as after a move: one or two round trips more)."""
         with storage_errors("read the turn's messages"):
             found: list[dict[str, Any]] = await self._messages.find(
-                lookup(plan, block, moving=moving)
+                lookup(plan, block, moving=moving is not None)
             ).to_list(None)
-        found = refuse_a_move_past_answers(plan, block, found)
+        try:
+            found = refuse_a_move_past_answers(plan, block, found)
+        except Conflict:
+            assert moving is not None  # only a lookup past the block finds a later answer
+            await self._give_up(plan.conversation_id, moving)
+            raise
         if any(d.get("turn_id") != plan.turn_id for d in found):
             raise Conflict(f"the seq block of turn {plan.turn_id!r} holds messages of another turn")
         return found
 
+    async def _give_up(
+        self, conversation_id: str, conversation: Mapping[str, Any] | None = None
+    ) -> None:
+        """After a retry refused a turn that stored nothing, for good (moved, its call would
+        follow its answer; a delivery into an inbox closed since): what its first reservation
+        set pending (its calls, its prompt, a prompt its answer or upload cleared) no stored
+        message says, so the pending state is folded again from the stored messages, as after
+        a move (`_relocated.settle`, from `conversation` as read, else read again: one or two
+        round trips more, on these rare paths). Left as it is while a turn below the end is
+        still being written."""
+        await settle(
+            self._conversations,
+            self._messages,
+            conversation_id,
+            conversation,
+            abandon_after=self.rules.abandon_after,
+            given_up=True,
+        )
+
     async def _own_duplicates(
-        self, error: BulkWriteError, documents: list[dict[str, Any]]
+        self, error: BulkWriteError, documents: list[dict[str, Any]], plan: TurnPlan
     ) -> dict[str, dict[str, Any]]:
         """The stored messages an earlier attempt of the turn wrote, by id; anything else that
         collided raises (the only write errors swallowed are these duplicate keys).
 
-        A stored message is the turn's only with the same `seq` and the same content as the
-        turn's message for it (`_same_content`): a message left under the ids this turn
+        A stored message is the turn's only with the same content as the turn's message for
+        it (`_same_content`) and at its `seq`, or all of them one block away, in a block the
+        conversation records for the turn (`_in_a_block_of_the_turn`: one lookup more, on
+        that path only): an attempt's insert that landed after another attempt moved the
+        turn (or before, the other attempt's landing after). Wherever they are, the turn is
+        stored there and every attempt answers them. A message left under the ids this turn
         derives by another conversation under the same id (a stray an erase or a delete did
         not reach) is a Conflict, which names nothing of it."""
         only_duplicates(error)
@@ -800,14 +843,27 @@ class AgentMessageLogger:
                 {"conversation_id": conversation_id, "_id": {"$in": list(failed)}}
             )
         }
+        shifts: set[int] = set()
         for message_id_, wanted in failed.items():
             found = stored.get(message_id_)
-            if found is None or found["seq"] != wanted["seq"] or not _same_content(found, wanted):
-                raise Conflict(
-                    f"message {message_id_!r} or seq {wanted['seq']} of conversation "
-                    f"{conversation_id!r} is already taken by another message"
-                )
+            if found is None or not _same_content(found, wanted):
+                raise _taken(conversation_id, message_id_, wanted["seq"])
+            shifts.add(int(found["seq"]) - int(wanted["seq"]))
+        if shifts == {0}:
+            return stored
+        first = int(documents[0]["seq"]) + min(shifts)
+        if len(shifts) > 1 or not await self._in_a_block_of_the_turn(plan, first):
+            message_id_, wanted = next(iter(failed.items()))
+            raise _taken(conversation_id, message_id_, wanted["seq"])
         return stored
+
+    async def _in_a_block_of_the_turn(self, plan: TurnPlan, first_seq: int) -> bool:
+        """Whether the conversation records a block of the turn (its own, or one it left by
+        moving) starting at `first_seq`."""
+        query = turn_block_filter(plan.conversation_id, plan.key, first_seq)
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(query, {"_id": 1})
+        return found is not None
 
 
 def _reserved(plan: TurnPlan, conversation: dict[str, Any], *, observed: bool) -> _Reserved:
@@ -865,6 +921,31 @@ def _assigned_at(conversation: Mapping[str, Any], first_seq: int) -> bool:
     """Whether the turn whose block starts at `first_seq` is the one that assigned the
     conversation an owner (`owned_from`, set by the reservation): a replay of it too."""
     return first_seq > 0 and int(conversation.get("owned_from") or 0) == first_seq
+
+
+def _stored_there(
+    plan: TurnPlan,
+    block: RecordedBlock,
+    conversation: Mapping[str, Any],
+    reserved: _Reserved,
+    stored: Sequence[Mapping[str, Any]],
+) -> _Reserved:
+    """A retry's block once messages of the turn are found stored (`stored`, in its block or
+    by their ids elsewhere): its block, or the one its messages are in, if the conversation
+    records that block for the turn (one it left by a move); else Conflict."""
+    at = stored_at(plan, stored)
+    if at is None or at == block.first_seq:
+        return reserved
+    if at not in blocks_of(conversation, plan.key):
+        raise _taken(plan.conversation_id, plan.documents[0]["_id"], at)
+    return replace(reserved, first_seq=at, assigns=_assigned_at(conversation, at))
+
+
+def _taken(conversation_id: str, message_id_: str, seq: int) -> Conflict:
+    return Conflict(
+        f"message {message_id_!r} or seq {seq} of conversation {conversation_id!r} is "
+        "already taken by another message"
+    )
 
 
 def _other_content(plan: TurnPlan) -> Conflict:

@@ -7,11 +7,14 @@ messages say:
 
 - Before the move (in the lookup of its empty block, the same round trip): a turn whose
   call a later message answers cannot move, since its call would follow its answer; the
-  retry is refused (`Conflict`), nothing written (`answered_later`).
+  retry is refused (`Conflict`), no message written (`answered_later`).
 - After the move and its insert: what it leaves pending is folded from the stored messages,
   in their stored order, as pops and forks fold them (`_turns.pending_after`), a prompt
   resolved by request id (`resolved_hitl`) staying resolved; written only if no turn
   reserved and no pop ran meanwhile (`refolded`). Two round trips more, on this rare path.
+- A refused move gives the turn up for good: what its first reservation listed pending (its
+  calls, its prompt) no stored message makes, so the same fold, without it, is written
+  (`settle`, `given_up`): one round trip more, two when the summary differs from the fold.
 """
 
 from __future__ import annotations
@@ -32,13 +35,15 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.store._driver import storage_errors
-from agent_store.store._fork import fork_turns_of
+from agent_store.store._fork import fork_turns_of, pending_now
 from agent_store.store._reservation import RESERVED, RecordedBlock, literal, resolved_by_request
 from agent_store.store._turns import GAPS_READ, Gaps, TurnPlan, pending_after
 
 MOVED: dict[str, Any] = {**RESERVED, **GAPS_READ, "forked_from": 1, "pops": 1, "popping": 1}
 """What the move returns of the conversation: what a reservation returns, and what the fold
 after it needs (the gaps below the new block, a fork's turn starts, the pops' guard)."""
+_FOLD_READ: dict[str, Any] = {**MOVED, "pending_calls": 1, "pending_hitl": 1, "resolved_hitl": 1}
+"""What the fold reads of a conversation it reads again: `MOVED` and the pending state."""
 
 _FOLD_ATTEMPTS = 3
 
@@ -48,22 +53,24 @@ def _made(plan: TurnPlan) -> list[str]:
 
 
 def lookup(plan: TurnPlan, block: RecordedBlock, *, moving: bool = False) -> dict[str, Any]:
-    """The messages stored in the turn's block and, `moving` a turn that makes calls, those
-    past it that make or answer a call of the same ids: one find, as the block's alone."""
+    """The messages stored in the turn's block and, `moving`, the turn's own messages
+    wherever they are (by their stable ids: an earlier attempt's insert may have landed in a
+    block the turn left) and, for a turn that makes calls, the messages past the block that
+    make or answer a call of the same ids: one find, as the block's alone."""
     first, past = block.first_seq, block.first_seq + block.count
     query: dict[str, Any] = {"conversation_id": plan.conversation_id}
-    made = _made(plan) if moving else []
-    if not made:
-        return {**query, "seq": {"$gte": first, "$lt": past}}
-    return {
-        **query,
-        "seq": {"$gte": first},
-        "$or": [
-            {"seq": {"$lt": past}},
-            {"tool_call_id": {"$in": made}},
-            {"tool_calls.id": {"$in": made}},
-        ],
-    }
+    in_block = {"seq": {"$gte": first, "$lt": past}}
+    if not moving:
+        return {**query, **in_block}
+    later = {"seq": {"$gte": first}}
+    made = _made(plan)
+    answering = (
+        [{**later, "tool_call_id": {"$in": made}}, {**later, "tool_calls.id": {"$in": made}}]
+        if made
+        else []
+    )
+    own = {"_id": {"$in": [d["_id"] for d in plan.documents]}}
+    return {**query, "$or": [in_block, own, *answering]}
 
 
 def answered_later(plan: TurnPlan, later: Sequence[AgentMessage]) -> list[str]:
@@ -78,11 +85,13 @@ def answered_later(plan: TurnPlan, later: Sequence[AgentMessage]) -> list[str]:
 
 
 def refuse_a_move_past_answers(plan: TurnPlan, block: RecordedBlock, found: Any) -> list[Any]:
-    """The turn's messages stored in its block, from what `lookup` found; Conflict when the
-    block is empty and a later message answers one of its calls."""
-    past = block.first_seq + block.count
-    stored = [d for d in found if d["seq"] < past]
-    later = [d for d in found if d["seq"] >= past]
+    """The messages stored in the turn's block and the turn's own wherever they are, from
+    what `lookup` found; Conflict when there are none and a later message answers one of its
+    calls."""
+    first, past = block.first_seq, block.first_seq + block.count
+    ids = {d["_id"] for d in plan.documents}
+    stored = [d for d in found if first <= d["seq"] < past or d["_id"] in ids]
+    later = [d for d in found if d["seq"] >= past and d["_id"] not in ids]
     if stored or not later:
         return stored
     answered = answered_later(plan, messages_adapter.validate_python(later))
@@ -128,16 +137,21 @@ async def settle(
     moved: Mapping[str, Any] | None,
     *,
     abandon_after: timedelta,
+    given_up: bool = False,
 ) -> bool:
     """After a moved turn's insert: its conversation's pending state folded from the stored
     messages and written (`refolded`), from `moved` (the conversation as the move left it)
     first, read again when another turn or a pop changed it meanwhile (a few times). False,
     leaving the state as the move set it, when a turn below the end is still being written
-    (its messages are not there to fold) or the conversation kept changing."""
+    (its messages are not there to fold) or the conversation kept changing.
+
+    `given_up`: after a refused move instead, `moved` being the conversation as the retry
+    read it (every field): the turn is never stored, so the fold leaves out what its first
+    reservation listed; written only when the summary says otherwise."""
     for _ in range(_FOLD_ATTEMPTS):
         if moved is None:
             with storage_errors("read the conversation"):
-                moved = await conversations.find_one({"_id": conversation_id}, MOVED)
+                moved = await conversations.find_one({"_id": conversation_id}, _FOLD_READ)
             if moved is None:
                 return False
         count = int(moved["message_count"])
@@ -153,6 +167,8 @@ async def settle(
         if Gaps.of(moved).written(missing, now=utc_now(), abandon_after=abandon_after) is not None:
             return False
         calls, prompt = pending_after(stored, fork_turns_of(moved))
+        if given_up and _already(moved, calls, prompt):
+            return True
         query, update = refolded(moved, calls, prompt)
         with storage_errors("set what the moved turn leaves pending"):
             result = await conversations.update_one(query, update)
@@ -160,3 +176,25 @@ async def settle(
             return True
         moved = None
     return False
+
+
+def _already(
+    conversation: Mapping[str, Any], calls: Sequence[PendingCall], prompt: PendingHitl | None
+) -> bool:
+    """Whether the conversation's summary lists `calls` pending and `prompt` already (or no
+    prompt, when a person resolved it by request id)."""
+    now_calls, now_prompt = pending_now(conversation)
+    if prompt is not None and prompt.request_id in (conversation.get("resolved_hitl") or ()):
+        prompt = None
+    return now_calls == list(calls) and now_prompt == prompt
+
+
+def stored_at(plan: TurnPlan, stored: Sequence[Mapping[str, Any]]) -> int | None:
+    """The first `seq` of the block the turn's own messages among `stored` are in (each at
+    its index in the turn past it), None when none of them is there; Conflict when they
+    are not one block."""
+    index = {d["_id"]: i for i, d in enumerate(plan.documents)}
+    firsts = {int(d["seq"]) - index[d["_id"]] for d in stored if d["_id"] in index}
+    if len(firsts) > 1:
+        raise Conflict(f"the messages of turn {plan.turn_id!r} are stored in several blocks")
+    return firsts.pop() if firsts else None
