@@ -571,6 +571,63 @@ async def test_after_a_slow_turn_landed_in_a_recreated_id_its_new_owner_can_stil
     assert seen == ["hello", "second"]
 
 
+async def test_a_turn_landing_just_after_its_conversations_delete_leaves_nothing_under_the_id(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OWNER's turn, faster than `claim_grace`, reserved before the delete and inserts after
+    the delete's sweeps: the delete, seeing a reserved block not stored, sweeps once more
+    `claim_grace` later. The next holder of the id logs every turn, and no read of the id
+    serves the deleted conversation's message."""
+    logger = AgentMessageLogger(backend.db)  # the default grace: the turn is a fast one
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.2)))
+    await logger.ensure_indexes()
+    await logger.log_messages("c-x", [{"role": "user", "content": "mine"}], user_id=OWNER,
+                              turn_id="t1")  # fmt: skip
+    go = asyncio.Event()
+    slow = AgentMessageLogger(backend.db)
+    reserved = _stall_inserts(slow, monkeypatch, go)
+    turn = asyncio.create_task(
+        slow.log_messages("c-x", [{"role": "user", "content": "OWNER's secret"}], user_id=OWNER,
+                          turn_id="t2", owner_only=True)
+    )  # fmt: skip
+    await reserved.wait()
+    grace = store._grace
+
+    async def the_turn_lands_first() -> None:
+        await landing(go, turn)
+        await grace()
+
+    monkeypatch.setattr(store, "_grace", the_turn_lands_first)
+    await store.delete("c-x", user_id=OWNER)
+    if not go.is_set():  # no second sweep: the turn lands once the delete returned
+        await landing(go, turn)
+
+    for number in range(3):
+        said = [{"role": "user", "content": f"hello {number}"}]
+        await logger.log_messages(
+            "c-x", said, user_id=SOMEONE_ELSE, owner_only=True, turn_id=f"o{number}"
+        )
+    seen = [(m.seq, m.content) for m in await store.transcript("c-x")]
+    assert seen == [(0, "hello 0"), (1, "hello 1"), (2, "hello 2")]
+    assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
+
+
+async def test_a_delete_waits_for_no_turn_when_every_reserved_message_is_stored(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-x", [{"role": "user", "content": "a"}, {"role": "assistant",
+                              "content": "b"}], user_id=OWNER)  # fmt: skip
+    waits: list[None] = []
+
+    async def counted() -> None:
+        waits.append(None)
+
+    monkeypatch.setattr(store, "_grace", counted)
+    deleted = await store.delete("c-x")
+    assert (deleted.messages, waits) == (2, [])
+
+
 async def test_a_turn_retried_after_its_lost_insert_landed_past_the_claim_is_the_new_owners(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -299,6 +299,11 @@ class ConversationStore:
                 {"user_id": 1, "message_count": 1, "turns": 1},
             )
             late = await self._sweep_late_inserts(conversation_id, gone) if gone else 0
+        if gone is not None and messages.deleted_count + late < int(gone.get("message_count") or 0):
+            # A seq reserved and not stored: a turn may still be inserting. One faster than
+            # the grace is swept here; a slower one deletes its own (`log_messages`).
+            await self._grace()
+            late += await self._sweep_late_inserts(conversation_id, gone)
         if self._legacy_source is not None:
             legacy += await self._legacy_source.delete_dual_writes(conversation_id, owner=owner)
         return Deleted(
@@ -306,6 +311,10 @@ class ConversationStore:
             messages=messages.deleted_count + late,
             legacy_turns=legacy,
         )
+
+    async def _grace(self) -> None:
+        """The wait before a last sweep for turns still inserting: `TurnRules.claim_grace`."""
+        await asyncio.sleep(self._rules.claim_grace.total_seconds())
 
     async def _delete_legacy_only(self, conversation_id: str, user_id: str | None) -> Deleted:
         """A conversation the caller reaches through the read fallback only (NotFound if it
@@ -868,7 +877,7 @@ class ConversationStore:
             legacy = await self._legacy_source.claim(from_user_id, to_user_id)
         late = 0
         if conversations.modified_count:
-            await asyncio.sleep(self._rules.claim_grace.total_seconds())
+            await self._grace()
             late = await self._move_claimed_messages(from_user_id, to_user_id)
         return Claimed(
             conversations=conversations.modified_count,
