@@ -5,7 +5,9 @@ even under an id a deleted conversation's file held."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import gridfs
@@ -14,8 +16,8 @@ from pymongo import MongoClient
 from pymongo.errors import AutoReconnect
 
 from agent_store import AgentMessageLogger, ConversationStore, Truncation
-from agent_store.core import StorageUnavailable, message_adapter
-from agent_store.store import BLOB_BUCKET
+from agent_store.core import Conflict, StorageUnavailable, message_adapter
+from agent_store.store import BLOB_BUCKET, TurnRules, stored_turn_record
 from agent_store.store._truncation import blob_id
 from tests.api_harness import (
     OTHER,
@@ -376,3 +378,162 @@ async def test_the_whole_text_of_a_turn_whose_insert_failed_does_not_outlive_era
 
         assert await blobs_holding(api, GRACE_SECRET) == 0, "erasure left the user's whole text"
         assert GRACE_SECRET not in await next_holder_reads(api, "conv-lost", "turn-1")
+
+
+# -- a retry of a cut turn is checked against its whole texts -----------------------------------
+
+CUT = TurnRules(max_message_bytes=SMALL_BOUND)
+LONG = "A" * 20_000
+
+
+def read_it(ending: str) -> list[dict[str, Any]]:
+    """A turn whose answer is cut to `CUT`: its `ending` lies past the cut."""
+    return [
+        {"role": "user", "content": "read it"},
+        {"role": "assistant", "content": LONG + ending},
+    ]
+
+
+def approve(amount: int) -> list[dict[str, Any]]:
+    """A prompt whose params are cut to `CUT`: their `amount` lies past the cut."""
+    params = {"blob": "C" * 20_000, "amount": amount}
+    action = {"request_id": "r1", "action": "approve", "params": params}
+    return [{"role": "assistant", "content": "approve?", "hitl_action": action}]
+
+
+def keeps_counted(logger: AgentMessageLogger) -> list[int]:
+    """How many whole texts each call of the logger's `FullTextStore.keep` was given."""
+    calls: list[int] = []
+    keep = logger._full_texts.keep
+
+    async def counted(full_texts: Any) -> None:
+        calls.append(len(full_texts))
+        await keep(full_texts)
+
+    logger._full_texts.keep = counted  # type: ignore[method-assign]
+    return calls
+
+
+async def test_a_cut_field_records_the_digest_of_its_whole_text(backend: Backend) -> None:
+    logger = AgentMessageLogger(backend.db, rules=CUT)
+
+    logged = await logger.log_messages(CID, read_it("first-ending"), turn_id="t-1")
+
+    cut = logged.messages[1].truncated
+    assert cut is not None
+    entry = cut["content"]
+    assert isinstance(entry, Truncation)
+    whole = (LONG + "first-ending").encode()
+    assert entry.sha256 == hashlib.sha256(whole).hexdigest()
+    stored = await backend.db.agent_messages.find_one({"_id": logged.messages[1].id})
+    assert stored is not None
+    assert stored["truncated"]["content"]["sha256"] == entry.sha256
+
+
+async def test_a_retry_of_a_cut_turn_with_other_text_past_the_cut_is_a_conflict(
+    backend: Backend,
+) -> None:
+    """The stored message holds a prefix of the text: a retry differing only past it, of the
+    same length, is another turn, refused before anything is written (its whole text
+    would have replaced the stored one)."""
+    logger, store = AgentMessageLogger(backend.db, rules=CUT), ConversationStore(backend.db)
+    await logger.log_messages(CID, read_it("first-ending"), turn_id="t-1")
+    keeps = keeps_counted(logger)
+
+    with pytest.raises(Conflict, match="other content"):
+        await logger.log_messages(CID, read_it("other-ending"), turn_id="t-1")
+
+    assert keeps == []
+    whole = await store.with_full_texts(await store.transcript(CID))
+    assert whole[1].content == LONG + "first-ending"
+    replayed = await logger.log_messages(CID, read_it("first-ending"), turn_id="t-1")
+    assert replayed.replayed
+
+
+async def test_a_retry_with_other_hitl_params_past_the_cut_is_a_conflict(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db, rules=CUT), ConversationStore(backend.db)
+    await logger.log_messages(CID, approve(10), turn_id="t-1")
+    keeps = keeps_counted(logger)
+
+    with pytest.raises(Conflict, match="other content"):
+        await logger.log_messages(CID, approve(99), turn_id="t-1")
+
+    assert keeps == []
+    whole = await store.with_full_texts(await store.transcript(CID))
+    assert whole[0].hitl_action is not None
+    assert whole[0].hitl_action.params["amount"] == 10
+
+
+async def test_past_the_kept_records_a_retry_with_other_text_past_the_cut_is_a_conflict(
+    backend: Backend,
+) -> None:
+    """With no record left, the stored messages are the evidence: their digests of the whole
+    texts tell the retry apart."""
+    rules = replace(CUT, turns_recorded=2)
+    logger, store = AgentMessageLogger(backend.db, rules=rules), ConversationStore(backend.db)
+    await logger.log_messages(CID, read_it("first-ending"), turn_id="t-1")
+    for n in range(4):
+        await logger.log_messages(CID, [{"role": "user", "content": f"turn {n}"}], turn_id=f"t{n}")
+    keeps = keeps_counted(logger)
+
+    with pytest.raises(Conflict, match="other content"):
+        await logger.log_messages(CID, read_it("other-ending"), turn_id="t-1")
+
+    assert keeps == []
+    whole = await store.with_full_texts(await store.transcript(CID))
+    assert whole[1].content == LONG + "first-ending"
+    assert (await logger.log_messages(CID, read_it("first-ending"), turn_id="t-1")).replayed
+
+
+async def as_logged_before_whole_text_digests(backend: Backend, turn_id: str) -> None:
+    """Make a stored turn look as one logged before cut fields recorded the digest of their
+    whole text: no `sha256` in its `truncated` entries, its record's digest taken so."""
+    for document in await backend.db.agent_messages.find({"turn_id": turn_id}).to_list(None):
+        if document.get("truncated"):
+            entries = {
+                path: {k: v for k, v in entry.items() if k != "sha256"}
+                for path, entry in document["truncated"].items()
+            }
+            await backend.db.agent_messages.update_one(
+                {"_id": document["_id"]}, {"$set": {"truncated": entries}}
+            )
+    stored = await backend.db.agent_messages.find({"turn_id": turn_id}).sort("seq", 1).to_list(None)
+    record = stored_turn_record(stored)
+    await backend.db.agent_conversations.update_one(
+        {"_id": CID, "turns.k": record["k"]}, {"$set": {"turns.$.d": record["d"]}}
+    )
+
+
+async def test_a_cut_turn_logged_before_whole_text_digests_is_replayed_by_its_whole_texts(
+    backend: Backend,
+) -> None:
+    """Its record covers the prefixes only: a retry is a replay when the whole texts kept in
+    GridFS are the retry's, else a Conflict, nothing written."""
+    logger, store = AgentMessageLogger(backend.db, rules=CUT), ConversationStore(backend.db)
+    await logger.log_messages(CID, read_it("first-ending"), turn_id="t-1")
+    await as_logged_before_whole_text_digests(backend, "t-1")
+    keeps = keeps_counted(logger)
+
+    with pytest.raises(Conflict, match="other content"):
+        await logger.log_messages(CID, read_it("other-ending"), turn_id="t-1")
+    assert keeps == []
+
+    replayed = await logger.log_messages(CID, read_it("first-ending"), turn_id="t-1")
+    assert replayed.replayed
+    whole = await store.with_full_texts(await store.transcript(CID))
+    assert whole[1].content == LONG + "first-ending"
+
+
+async def test_a_cut_turn_logged_before_whole_text_digests_without_its_file_is_refused(
+    backend: Backend,
+) -> None:
+    """Nothing left tells the whole text of such a turn: a retry is refused, not taken."""
+    logger = AgentMessageLogger(backend.db, rules=CUT)
+    await logger.log_messages(CID, read_it("first-ending"), turn_id="t-1")
+    await as_logged_before_whole_text_digests(backend, "t-1")
+    await backend.db[CHUNKS].delete_many({})
+
+    with pytest.raises(Conflict, match="other content"):
+        await logger.log_messages(CID, read_it("first-ending"), turn_id="t-1")

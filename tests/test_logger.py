@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
 from typing import Any
 
@@ -262,7 +263,9 @@ async def test_oversize_message_is_truncated_marked_and_stored(backend: Backend)
     stored = (await ConversationStore(backend.db).transcript(CID))[0]
     assert stored.truncated is not None
     assert stored.truncated["content"] == Truncation(
-        length=len(huge), blob_id=blob_id(logged.messages[0].id or "", "content")
+        length=len(huge),
+        blob_id=blob_id(logged.messages[0].id or "", "content"),
+        sha256=hashlib.sha256(huge.encode()).hexdigest(),
     )
     assert stored.content is not None
     assert len(stored.content.encode()) < logger.rules.max_message_bytes

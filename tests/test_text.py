@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from agent_store import Truncation
@@ -158,7 +160,11 @@ def test_a_cut_message_with_an_id_hands_over_its_whole_text_under_a_derived_blob
     assert (full.message_id, full.path, full.text) == ("m-1", "content", "abc" * 1_000_000)
     assert full.blob_id == blob_id("m-1", "content")
     assert bounded.message.truncated == {
-        "content": Truncation(length=3_000_000, blob_id=full.blob_id)
+        "content": Truncation(
+            length=3_000_000,
+            blob_id=full.blob_id,
+            sha256=hashlib.sha256(("abc" * 1_000_000).encode()).hexdigest(),
+        )
     }
 
 

@@ -280,6 +280,10 @@ class Truncation(_Model):
     blob_id: str | None = None
     """The GridFS file (bucket `agent_message_blobs`) holding the whole text; None when it
     was not kept (`search_text`, which is derived from the other fields)."""
+    sha256: Annotated[str, StringConstraints(pattern="^[0-9a-f]{64}$")] | None = None
+    """The SHA-256 of the whole text as the file holds it (UTF-8), in hex: the message's
+    content digest covers the whole text, not only the part kept. None when the text was
+    not kept, or was cut before the store recorded it."""
 
 
 def _native_keys(value: dict[str, Any]) -> dict[str, Any]:

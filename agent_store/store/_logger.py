@@ -13,9 +13,11 @@ Write path of one turn:
 
 A retry finds its turn's record, refuses other content (`Conflict`), reads
 what of its block is stored, inserts what is missing and answers with the
-stored messages. Records are kept for the last `TurnRules.turns_recorded`
-turns; past them a new turn costs one more round trip (a lookup of its first
-message) before it may reserve.
+stored messages. The content digest of a turn with a cut field covers its whole text
+(the hash its `truncated` entry records); a turn recorded before entries recorded it is
+recognised by its whole texts kept in GridFS (`_recognised`). Records are kept for the
+last `TurnRules.turns_recorded` turns; past them a new turn costs one more round trip (a
+lookup of its first message) before it may reserve.
 """
 
 from __future__ import annotations
@@ -96,7 +98,9 @@ from agent_store.store._turns import (
     content_digest,
     message_id,
     plan_turn,
+    records_text_hashes,
     validate_identifier,
+    without_text_hashes,
 )
 
 _RESERVE_ATTEMPTS = 4
@@ -562,6 +566,7 @@ class AgentMessageLogger:
         moved the turn meanwhile. A turn that stored part of its block completes it in
         place; one an attempt's insert stored in a block it left by a move, found by id in
         the same lookup, is stored there (`_stored_there`): no move again."""
+        block = await self._with_whole_texts_checked(plan, block)
         reserved = _replay(plan, block, conversation)
         reserved_at = block.reserved_at
         if reserved_at is None or utc_now() - reserved_at < self.rules.abandon_after:
@@ -642,9 +647,37 @@ class AgentMessageLogger:
             return None
         block = RecordedBlock(int(first["seq"]), plan.count, plan.digest)
         stored = await self._stored_in(plan, block)
-        if len(stored) != block.count or content_digest(canonical_documents(stored)) != plan.digest:
+        if len(stored) != block.count or not await self._recognised(
+            plan, content_digest(canonical_documents(stored))
+        ):
             raise _other_content(plan)
         return block
+
+    async def _with_whole_texts_checked(
+        self, plan: TurnPlan, block: RecordedBlock
+    ) -> RecordedBlock:
+        """The block, with the plan's digest when it was recorded before cut fields recorded
+        the hash of their whole text and its whole texts are the plan's (`_recognised`);
+        else as it is, for `_replay` to check."""
+        if block.popped or plan.matches(block.digest):
+            return block
+        if await self._recognised(plan, block.digest):
+            return replace(block, digest=plan.digest)
+        return block
+
+    async def _recognised(self, plan: TurnPlan, digest: int) -> bool:
+        """Whether a recorded turn's content `digest` is the plan's.
+
+        A turn whose fields were cut before their `truncated` entries recorded the hash of
+        their whole text has a digest of the parts kept only: it is the plan's only when the
+        whole texts its files hold are the plan's too (read: two round trips more, on that
+        path only). A file missing or incomplete tells nothing: refused, never taken."""
+        if plan.matches(digest):
+            return True
+        if not plan.matches_but_whole_texts(digest):
+            return False
+        kept = await self._full_texts.texts(full.blob_id for full in plan.full_texts)
+        return all(kept.get(full.blob_id) == full.text for full in plan.full_texts)
 
     # -- storing ---------------------------------------------------------------------
 
@@ -882,7 +915,13 @@ def _reserved(plan: TurnPlan, conversation: dict[str, Any], *, observed: bool) -
 
 def _same_content(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
     """Whether a stored message is the one a turn would store, as a replay is checked: its
-    content digest, times, `seq` and owner aside."""
+    content digest, times, `seq` and owner aside.
+
+    A message cut before `truncated` entries recorded the hash of their whole text is
+    compared without the hashes: the turn is reserved by then, so its whole texts are the
+    turn's (a replay's were found the same, `_recognised`; a new turn's were just kept)."""
+    if not records_text_hashes(stored):
+        wanted = without_text_hashes(wanted)
     return content_digest(canonical_documents([stored])) == content_digest(
         canonical_documents([wanted])
     )

@@ -2,8 +2,9 @@
 
 MongoDB refuses documents over 16 MiB; a turn must never be lost to that, so a
 message over the configured bound is stored with its largest text fields cut
-and a `truncated` map naming each cut field, its original length and the
-GridFS file its whole text goes to (`FullText`, written by `_blobs`). Pure, no I/O.
+and a `truncated` map naming each cut field, its original length, the
+GridFS file its whole text goes to (`FullText`, written by `_blobs`) and the SHA-256 of
+that text, so what a turn is (its content digest) covers its whole texts. Pure, no I/O.
 """
 
 from __future__ import annotations
@@ -229,6 +230,7 @@ def bound(message: AgentMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> 
     encoded = {path: text.encode() for path, text in texts.items()}
     truncated: dict[str, Truncation | int] = dict(message.truncated or {})
     cut: set[str] = set()
+    hashes: dict[str, str] = {}
     reduction, length = 0, None
     while size > max_bytes and length != 0:
         # Usually once; again when escaping or the `truncated` map took more room.
@@ -239,8 +241,14 @@ def bound(message: AgentMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> 
                 put_text(doc, path, _cut(data, length), cut=True)
                 cut.add(path)
                 kept = None if path in DERIVED_FIELDS or message.id is None else message.id
+                if kept and path not in hashes:  # once, however many passes cut it
+                    hashes[path] = hashlib.sha256(data).hexdigest()
+                # The hash makes the turn's content digest cover the whole text: a replay
+                # differing past the cut is another turn.
                 truncated[path] = Truncation(
-                    length=len(texts[path]), blob_id=kept and blob_id(kept, path)
+                    length=len(texts[path]),
+                    blob_id=kept and blob_id(kept, path),
+                    sha256=hashes.get(path),
                 )
         doc["truncated"] = {
             path: entry.model_dump() if isinstance(entry, Truncation) else entry

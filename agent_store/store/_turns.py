@@ -137,6 +137,16 @@ class TurnPlan:
         """Whether a turn record's digest is this plan's content (in either digest's form)."""
         return digest == self.digest or digest == json_content_digest(self.documents)
 
+    def matches_but_whole_texts(self, digest: int) -> bool:
+        """Whether a digest is this plan's content as a turn recorded it before cut fields
+        recorded the hash of their whole text (in either digest's form): the same but for
+        what lies past the cuts, which only the whole texts kept can tell. False for a turn
+        with nothing cut."""
+        if not self.full_texts:
+            return False
+        before = [without_text_hashes(d) for d in self.documents]
+        return digest in (content_digest(before), json_content_digest(before))
+
     @property
     def count(self) -> int:
         """How many messages the turn holds: the size of its `seq` block."""
@@ -266,12 +276,50 @@ def _canonical(documents: Sequence[Mapping[str, Any]]) -> str:
 def _as_before(document: Mapping[str, Any], excluded: Collection[str]) -> dict[str, Any]:
     """A document's fields as digested, those `excluded` aside: a prompt naming no calls
     without `tool_call_ids`, so a turn recorded before prompts could name them keeps the
-    digest it was recorded with."""
+    digest it was recorded with; likewise a `truncated` entry without `sha256` (a field not
+    kept, or cut before cut fields recorded the hash of their whole text) without it."""
     kept = {k: v for k, v in document.items() if k not in excluded}
     hitl = kept.get("hitl_action")
     if isinstance(hitl, Mapping) and hitl.get("tool_call_ids") is None:
         kept["hitl_action"] = {k: v for k, v in hitl.items() if k != "tool_call_ids"}
+    if kept.get("truncated"):
+        kept["truncated"] = {
+            path: _without(entry, "sha256", only_none=True)
+            for path, entry in kept["truncated"].items()
+        }
     return kept
+
+
+def _without(entry: Any, key: str, *, only_none: bool = False) -> Any:
+    """A `truncated` entry (a dumped `Truncation`, or a bare length) without `key`; with
+    `only_none`, only when it is None."""
+    if not isinstance(entry, Mapping) or key not in entry:
+        return entry
+    if only_none and entry[key] is not None:
+        return entry
+    return {k: v for k, v in entry.items() if k != key}
+
+
+def without_text_hashes(document: Mapping[str, Any]) -> dict[str, Any]:
+    """A message document as it was stored before cut fields recorded the hash of their
+    whole text: no `sha256` in its `truncated` entries."""
+    truncated = document.get("truncated")
+    if not truncated:
+        return dict(document)
+    return {
+        **document,
+        "truncated": {path: _without(entry, "sha256") for path, entry in truncated.items()},
+    }
+
+
+def records_text_hashes(document: Mapping[str, Any]) -> bool:
+    """Whether every whole text a message document's `truncated` map names by a file has the
+    hash of it recorded (true of every message the store cuts now, and of one not cut)."""
+    return all(
+        entry.get("sha256") is not None
+        for entry in (document.get("truncated") or {}).values()
+        if isinstance(entry, Mapping) and entry.get("blob_id") is not None
+    )
 
 
 def content_digest(documents: Sequence[Mapping[str, Any]]) -> int:

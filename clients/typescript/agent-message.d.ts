@@ -455,6 +455,12 @@ export interface ITruncation {
    * was not kept (`search_text`, which is derived from the other fields).
    */
   blob_id: string | null;
+  /**
+   * The SHA-256 of the whole text as the file holds it (UTF-8), in hex: the message's
+   * content digest covers the whole text, not only the part kept. None when the text was
+   * not kept, or was cut before the store recorded it.
+   */
+  sha256: string | null;
 }
 
 /** Token usage summed over a conversation (extension); each sum stops at 2**53 - 1. */
