@@ -594,21 +594,7 @@ class AgentMessageLogger:
                 assert condition is not None
                 await self._give_up(plan.conversation_id, conversation)
                 raise condition.refusal
-        if doc is None:
-            return None
-        return replace(
-            reserved,
-            first_seq=int(doc["message_count"]) - plan.count,
-            owner=doc.get("user_id"),
-            created_at=doc.get("created_at"),
-            # The summary as the move left it (`updated_at` follows the turn already).
-            conversation=(
-                Conversation.model_validate({k: v for k, v in doc.items() if k != "turns"})
-                if self._observers
-                else None
-            ),
-            moved=doc,
-        )
+        return None if doc is None else _moved(plan, reserved, doc, observed=bool(self._observers))
 
     async def _refuse_unmigrated(self, conversation_id: str, actor: Actor) -> None:
         """Refuse a new conversation whose id exists as legacy turns not migrated yet."""
@@ -897,6 +883,25 @@ class AgentMessageLogger:
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(query, {"_id": 1})
         return found is not None
+
+
+def _moved(
+    plan: TurnPlan, reserved: _Reserved, doc: dict[str, Any], *, observed: bool
+) -> _Reserved:
+    """The block a move just took, from the conversation it returned; its summary as the move
+    left it (`updated_at` follows the turn already) only when observers are told of the turn."""
+    return replace(
+        reserved,
+        first_seq=int(doc["message_count"]) - plan.count,
+        owner=doc.get("user_id"),
+        created_at=doc.get("created_at"),
+        conversation=(
+            Conversation.model_validate({k: v for k, v in doc.items() if k != "turns"})
+            if observed
+            else None
+        ),
+        moved=doc,
+    )
 
 
 def _reserved(plan: TurnPlan, conversation: dict[str, Any], *, observed: bool) -> _Reserved:
