@@ -522,13 +522,11 @@ async def test_a_conversation_the_guest_starts_between_the_claims_two_moves_keep
     assert [m.content for m in await store.transcript("c-old", user_id=NEW_OWNER)] == ["hi"]
 
 
-async def _a_slow_turn_landing_in_a_recreated_id(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
-) -> tuple[AgentMessageLogger, ConversationStore]:
-    """OWNER's turn reserves on "c-x"; "c-x" is deleted and SOMEONE_ELSE creates a conversation
-    under the same id; OWNER's turn, slower than `claim_grace`, inserts after."""
-    slow, logger = AgentMessageLogger(backend.db, rules=NO_GRACE), AgentMessageLogger(backend.db)
-    store = ConversationStore(backend.db)
+async def _owners_second_turn_in_flight(
+    logger: AgentMessageLogger, slow: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch
+) -> tuple[asyncio.Event, asyncio.Task[Any]]:
+    """OWNER's "c-x" with a first turn logged and a second one, by `slow`, that has reserved
+    its block and inserts once the event returned is set."""
     await logger.ensure_indexes()
     await logger.log_messages("c-x", [{"role": "user", "content": "mine"}], user_id=OWNER,
                               turn_id="t1")  # fmt: skip
@@ -539,6 +537,17 @@ async def _a_slow_turn_landing_in_a_recreated_id(
                           turn_id="t2", owner_only=True)
     )  # fmt: skip
     await reserved.wait()
+    return go, turn
+
+
+async def _a_slow_turn_landing_in_a_recreated_id(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> tuple[AgentMessageLogger, ConversationStore]:
+    """OWNER's turn reserves on "c-x"; "c-x" is deleted and SOMEONE_ELSE creates a conversation
+    under the same id; OWNER's turn, slower than `claim_grace`, inserts after."""
+    slow, logger = AgentMessageLogger(backend.db, rules=NO_GRACE), AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db)
+    go, turn = await _owners_second_turn_in_flight(logger, slow, monkeypatch)
     await store.delete("c-x", user_id=OWNER)
     await logger.log_messages("c-x", [{"role": "user", "content": "hello"}],
                               user_id=SOMEONE_ELSE, owner_only=True, turn_id="o1")  # fmt: skip
@@ -580,17 +589,9 @@ async def test_a_turn_landing_just_after_its_conversations_delete_leaves_nothing
     serves the deleted conversation's message."""
     logger = AgentMessageLogger(backend.db)  # the default grace: the turn is a fast one
     store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.2)))
-    await logger.ensure_indexes()
-    await logger.log_messages("c-x", [{"role": "user", "content": "mine"}], user_id=OWNER,
-                              turn_id="t1")  # fmt: skip
-    go = asyncio.Event()
-    slow = AgentMessageLogger(backend.db)
-    reserved = _stall_inserts(slow, monkeypatch, go)
-    turn = asyncio.create_task(
-        slow.log_messages("c-x", [{"role": "user", "content": "OWNER's secret"}], user_id=OWNER,
-                          turn_id="t2", owner_only=True)
-    )  # fmt: skip
-    await reserved.wait()
+    go, turn = await _owners_second_turn_in_flight(
+        logger, AgentMessageLogger(backend.db), monkeypatch
+    )
     grace = store._grace
 
     async def the_turn_lands_first() -> None:
