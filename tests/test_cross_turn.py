@@ -1444,6 +1444,34 @@ async def test_a_refused_late_retry_leaves_pending_only_what_the_stored_messages
     assert await pending_state(store) == ([], None)
 
 
+async def test_a_late_retry_refused_while_a_turn_below_is_being_written_is_retried_later(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, with t3 reserved and not yet inserted when t1's retry comes: the fold cannot
+    read t3's messages, so the retry is told to come again (`StorageUnavailable`, nothing
+    written) rather than refused with what t1's reservation listed left pending; once t3 is
+    stored, the retry is refused and the summary is the fold of the stored messages."""
+    from agent_store import Conflict, StorageUnavailable
+
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, [_calls("c1", "c2")], "t1")
+    await _age(backend, "t1")
+    await logger.log_messages(CID, [_answer("c1", "R1")], turn_id="t2")
+    t3 = [{"role": "user", "content": "next"}]
+    await _reserved_only(logger, monkeypatch, t3, "t3")
+    before = await backend.db.agent_conversations.find_one({"_id": CID})
+
+    with pytest.raises(StorageUnavailable, match="being written"):
+        await logger.log_messages(CID, [_calls("c1", "c2")], turn_id="t1")
+    assert await backend.db.agent_conversations.find_one({"_id": CID}) == before
+
+    await logger.log_messages(CID, t3, turn_id="t3")  # t3's insert lands
+    with pytest.raises(Conflict, match=r"a later turn answered its call 'c1'"):
+        await logger.log_messages(CID, [_calls("c1", "c2")], turn_id="t1")
+    assert await pending_state(store) == await recomputed_state(store) == ([], None)
+
+
 async def _age(backend: Backend, turn_id: str) -> None:
     """Set the turn's record back 30 minutes, past the default `abandon_after`."""
     from datetime import timedelta

@@ -613,6 +613,34 @@ async def test_a_turn_landing_just_after_its_conversations_delete_leaves_nothing
     assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
 
 
+async def test_a_conversation_its_owner_starts_again_during_the_deletes_wait_keeps_its_turns(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The delete waits for OWNER's second turn (reserved, never stored: its process died);
+    meanwhile OWNER starts the id again with a turn of the first one's id: same owner, same
+    `seq`, same turn id. The delete's last sweep takes only messages of turns the new
+    conversation does not record."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.2)))
+    _, turn = await _owners_second_turn_in_flight(
+        logger, AgentMessageLogger(backend.db), monkeypatch
+    )
+    grace = store._grace
+
+    async def started_again_meanwhile() -> None:
+        await logger.log_messages("c-x", [{"role": "user", "content": "new start"}],
+                                  user_id=OWNER, turn_id="t1")  # fmt: skip
+        await grace()
+
+    monkeypatch.setattr(store, "_grace", started_again_meanwhile)
+    await store.delete("c-x", user_id=OWNER)
+    turn.cancel()
+
+    seen = [(m.seq, m.content) for m in await store.transcript("c-x", user_id=OWNER)]
+    assert seen == [(0, "new start")]
+    assert (await store.get_conversation("c-x")).message_count == 1
+
+
 async def test_a_delete_waits_for_no_turn_when_every_reserved_message_is_stored(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -826,9 +826,10 @@ class AgentMessageLogger:
         set pending (its calls, its prompt, a prompt its answer or upload cleared) no stored
         message says, so the pending state is folded again from the stored messages, as after
         a move (`_relocated.settle`, from `conversation` as read, else read again: one or two
-        round trips more, on these rare paths). Left as it is while a turn below the end is
-        still being written."""
-        await settle(
+        round trips more, on these rare paths). While a turn below the end is still being
+        written its messages are not there to fold: StorageUnavailable, nothing written, and
+        the retry that comes again folds them (the refusal stands)."""
+        settled = await settle(
             self._conversations,
             self._messages,
             conversation_id,
@@ -836,6 +837,11 @@ class AgentMessageLogger:
             abandon_after=self.rules.abandon_after,
             given_up=True,
         )
+        if not settled:
+            raise StorageUnavailable(
+                f"a turn of conversation {conversation_id!r} is still being written: what "
+                "this retry leaves pending cannot be told yet; retry shortly"
+            )
 
     async def _own_duplicates(
         self, error: BulkWriteError, documents: list[dict[str, Any]], plan: TurnPlan

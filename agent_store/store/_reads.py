@@ -11,7 +11,7 @@ import asyncio
 import base64
 import binascii
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Collection
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -303,7 +303,10 @@ class ConversationStore:
             # A seq reserved and not stored: a turn may still be inserting. One faster than
             # the grace is swept here; a slower one deletes its own (`log_messages`).
             await self._grace()
-            late += await self._sweep_late_inserts(conversation_id, gone)
+            with storage_errors("delete the conversation"):
+                again = await self._conversations.find_one({"_id": conversation_id}, {"turns.k": 1})
+            taken = {r.get("k") for r in (again or {}).get("turns") or ()}
+            late += await self._sweep_late_inserts(conversation_id, gone, spare=taken)
         if self._legacy_source is not None:
             legacy += await self._legacy_source.delete_dual_writes(conversation_id, owner=owner)
         return Deleted(
@@ -326,11 +329,16 @@ class ConversationStore:
         legacy = await self._legacy_source.delete(conversation_id, owner=owner)
         return Deleted(conversations=0, messages=0, legacy_turns=legacy)
 
-    async def _sweep_late_inserts(self, conversation_id: str, gone: dict[str, Any]) -> int:
+    async def _sweep_late_inserts(
+        self, conversation_id: str, gone: dict[str, Any], *, spare: Collection[Any] = ()
+    ) -> int:
         """Messages a turn reserved before the delete inserted after its first sweep: those
         of the deleted conversation only (its owner, below its `message_count`, of a turn it
-        recorded), never those of a conversation created under the id since, by anyone."""
+        recorded), never those of a conversation created under the id since, by anyone: by
+        another owner, or by the same one, whose turns of an id the deleted one recorded
+        too (`spare`: the keys the conversation under the id records now) stay."""
         recorded = {r.get("k") for r in gone.get("turns") or ()}  # the records' keys, as stored
+        recorded -= set(spare)
         with storage_errors("delete the conversation"):
             found = await self._messages.find(
                 {
