@@ -641,6 +641,61 @@ async def test_a_conversation_its_owner_starts_again_during_the_deletes_wait_kee
     assert (await store.get_conversation("c-x")).message_count == 1
 
 
+async def test_a_turn_landing_just_after_its_users_erasure_leaves_nothing_of_them(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As for a delete: OWNER's turn, faster than `claim_grace`, inserts after the erasure's
+    sweeps; the erasure, seeing reserved seqs not stored, sweeps once more `claim_grace`
+    later. Nothing names OWNER afterwards, and the next holder of the id logs every turn."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.2)))
+    go, turn = await _owners_second_turn_in_flight(
+        logger, AgentMessageLogger(backend.db), monkeypatch
+    )
+    grace = store._grace
+
+    async def the_turn_lands_first() -> None:
+        await landing(go, turn)
+        await grace()
+
+    monkeypatch.setattr(store, "_grace", the_turn_lands_first)
+    await store.erase_user(OWNER)
+    if not go.is_set():  # no second sweep: the turn lands once the erasure returned
+        await landing(go, turn)
+
+    assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
+    for number in range(3):
+        said = [{"role": "user", "content": f"hello {number}"}]
+        await logger.log_messages(
+            "c-x", said, user_id=SOMEONE_ELSE, owner_only=True, turn_id=f"o{number}"
+        )
+    seen = [(m.seq, m.content) for m in await store.transcript("c-x")]
+    assert seen == [(0, "hello 0"), (1, "hello 1"), (2, "hello 2")]
+
+
+async def test_a_conversation_its_user_starts_during_the_erasures_wait_keeps_its_messages(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.2)))
+    _, turn = await _owners_second_turn_in_flight(
+        logger, AgentMessageLogger(backend.db), monkeypatch
+    )
+    grace = store._grace
+
+    async def started_again_meanwhile() -> None:
+        await logger.log_messages("c-new", [{"role": "user", "content": "back again"}],
+                                  user_id=OWNER)  # fmt: skip
+        await grace()
+
+    monkeypatch.setattr(store, "_grace", started_again_meanwhile)
+    await store.erase_user(OWNER)
+    turn.cancel()
+
+    assert [m.content for m in await store.transcript("c-new", user_id=OWNER)] == ["back again"]
+    assert await backend.db.agent_messages.count_documents({"conversation_id": "c-x"}) == 0
+
+
 async def test_a_delete_waits_for_no_turn_when_every_reserved_message_is_stored(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -819,27 +819,41 @@ class ConversationStore:
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.erase_user(user_id)
-        messages = await self._erase_messages_of_conversations(user_id)
+        messages, reserved = await self._erase_messages_of_conversations(user_id)
         await self._full_texts.forget({"user_id": user_id})
         with storage_errors("erase the user's data"):
             named = await self._messages.delete_many({"user_id": user_id})
             conversations = await self._conversations.delete_many({"user_id": user_id})
             # Messages logged between the two deletes would otherwise be orphans.
-            late = await self._messages.delete_many({"user_id": user_id})
+            late = (await self._messages.delete_many({"user_id": user_id})).deleted_count
+        if messages + named.deleted_count + late < reserved:
+            # A seq reserved and not stored: a turn may still be inserting (as for a delete).
+            await self._grace()
+            with storage_errors("erase the user's data"):
+                started = await self._conversations.distinct("_id", {"user_id": user_id})
+                swept = await self._messages.delete_many(
+                    {"user_id": user_id, "conversation_id": {"$nin": started}}
+                )
+            late += swept.deleted_count
         await self._delete_beside({"user_id": user_id}, "erase the user's data")
         return Deleted(
             conversations=conversations.deleted_count,
-            messages=messages + named.deleted_count + late.deleted_count,
+            messages=messages + named.deleted_count + late,
             legacy_turns=legacy,
         )
 
-    async def _erase_messages_of_conversations(self, user_id: str) -> int:
+    async def _erase_messages_of_conversations(self, user_id: str) -> tuple[int, int]:
         """Delete every message (and full text, and document beside) of the conversations
         `user_id` owns, whatever owner the messages name, `CLAIM_CHUNK` conversations per
-        command; answer how many messages."""
+        command; answer how many messages, and how many `seq`s those conversations
+        reserved."""
         erased = 0
         with storage_errors("erase the user's data"):
-            owned = await self._conversations.distinct("_id", {"user_id": user_id})
+            found = await self._conversations.find(
+                {"user_id": user_id}, {"message_count": 1}
+            ).to_list(None)
+        owned = [d["_id"] for d in found]
+        reserved = sum(int(d.get("message_count") or 0) for d in found)
         for start in range(0, len(owned), CLAIM_CHUNK):
             ids = {"$in": owned[start : start + CLAIM_CHUNK]}
             await self._delete_beside({"thread_id": ids}, "erase the user's data")
@@ -847,7 +861,7 @@ class ConversationStore:
             await self._full_texts.forget_conversations(ids["$in"])
             with storage_errors("erase the user's data"):
                 erased += (await self._messages.delete_many(chunk)).deleted_count
-        return erased
+        return erased, reserved
 
     async def _delete_beside(self, query: dict[str, Any], action: str) -> None:
         """Delete what `query` selects in each collection integrations keep beside the
