@@ -274,8 +274,10 @@ class ConversationStore:
         crash part-way leaves something a repeated delete finishes, never
         messages without their conversation, and never legacy turns that a
         migration re-run or the read fallback would bring back to life. A turn
-        that reserved before the delete and inserts during it is swept last; a
-        conversation created under the id meanwhile, by anyone, is left whole, and
+        that reserved before the delete and inserts during it is swept last, and once more
+        `TurnRules.claim_grace` later when a reserved `seq` held no message (the delete
+        returns then); a conversation created under the id meanwhile, by anyone, is left
+        whole, and
         the owner's turns dual-written under the id meanwhile are deleted too.
         Legacy turns and prompts under the id that name another user than the
         document's owner stay (see `LegacySource.delete`).
@@ -813,7 +815,9 @@ class ConversationStore:
         checkpoints): the user's conversations' documents beside them and messages first,
         `CLAIM_CHUNK` conversations per command, then any message still naming the user,
         then the conversations, then the messages and the documents beside naming the user
-        written meanwhile. Erased, a conversation id exists nowhere.
+        written meanwhile, and, when a reserved `seq` held no message, once more
+        `TurnRules.claim_grace` later those outside the conversations the user holds by then.
+        Erased, a conversation id exists nowhere.
         """
         user_id = validate_identifier(user_id, "user_id")
         legacy = 0
