@@ -15,6 +15,7 @@ from agents import Agent, Runner, SQLiteSession, Usage, function_tool, set_traci
 from agents.items import ModelResponse, TResponseInputItem
 from agents.memory import Session
 from agents.models.interface import Model
+from agents.run_state import RunState
 from openai.types.responses import (
     ResponseFunctionToolCall,
     ResponseFunctionWebSearch,
@@ -33,7 +34,7 @@ from agent_store import (
     StorageUnavailable,
     TurnRules,
 )
-from agent_store.integrations.exports import chat_completions
+from agent_store.integrations.exports import chat_completions, check_chat_completions
 from agent_store.integrations.openai_agents import (
     ConversationSession,
     item_from_message,
@@ -406,6 +407,92 @@ async def test_repeating_an_add_that_failed_stores_it_once(backend: Backend) -> 
 
     await session.add_items(items)  # the same words again, after a success: a new turn
     assert await session.get_items() == items + items
+
+
+class LosesTheSecondAcknowledgement(AgentMessageLogger):
+    """Stores every turn; the reply of the second is lost on the network."""
+
+    logged = 0
+
+    async def log_messages(self, *args: Any, **kwargs: Any) -> Any:
+        stored = await super().log_messages(*args, **kwargs)
+        self.logged += 1
+        if self.logged == 2:
+            raise StorageUnavailable("the reply was lost")
+        return stored
+
+
+def losing_the_second_acknowledgement(session: ConversationSession, db: Any) -> None:
+    session.logger = LosesTheSecondAcknowledgement(db)
+    session._appends.logger = session.logger
+
+
+async def test_a_run_retried_after_a_later_add_failed_stores_each_of_its_items_once(
+    backend: Backend,
+) -> None:
+    """A run saves its input, then the model's items; the second save's reply is lost, and the
+    runtime runs again on the same session: the SDK saves the same items again, the first
+    one included, which had succeeded."""
+    session = ConversationSession(CID, backend.db)
+    losing_the_second_acknowledgement(session, backend.db)
+    asked: list[TResponseInputItem] = [{"role": "user", "content": "Book the 09:04."}]
+    calls: list[TResponseInputItem] = [
+        {"type": "function_call", "call_id": "call_b1", "name": "book_train", "arguments": "{}"}
+    ]
+    await session.add_items(asked)
+    with pytest.raises(StorageUnavailable):
+        await session.add_items(calls)
+
+    await session.add_items(asked)  # the run again
+    await session.add_items(calls)
+
+    assert await session.get_items() == asked + calls
+    await session.add_items(asked)  # the same words in a later run, nothing failing: new
+    assert await session.get_items() == asked + calls + asked
+
+
+@function_tool(needs_approval=True)
+def book_train(train: str) -> str:
+    """Book a train."""
+    return f"booked {train}"
+
+
+async def test_a_resumed_run_retried_after_a_lost_reply_answers_its_call_once(
+    backend: Backend,
+) -> None:
+    """The run pauses for approval; in another process the approval resumes it, and the reply
+    of its second save is lost; the runtime resumes it again from the saved state."""
+    model = ScriptedModel()
+    model.steps = [
+        [call("book_train", {"train": "09:04"}, "call_b1")],
+        [text("Booked.", "msg_1")],
+        [text("Booked.", "msg_1")],
+    ]
+    agent = Agent(name="assistant", model=model, tools=[book_train])
+    paused = await Runner.run(
+        agent, "Book the 09:04.", session=ConversationSession(CID, backend.db)
+    )
+    saved = paused.to_state().to_string()
+    session = ConversationSession(CID, backend.db)  # the process that resumes it
+    losing_the_second_acknowledgement(session, backend.db)
+
+    for attempt in range(2):
+        state = await RunState.from_string(agent, saved)
+        state.approve(state.get_interruptions()[0])
+        try:
+            await Runner.run(agent, state, session=session)
+            break
+        except StorageUnavailable:
+            assert attempt == 0
+
+    items = await session.get_items()
+    assert [i.get("type", i.get("role")) for i in items] == [
+        "user",
+        "function_call",
+        "function_call_output",
+        "message",
+    ]
+    check_chat_completions(chat_completions(await ConversationStore(backend.db).transcript(CID)))
 
 
 async def test_a_session_of_one_user_neither_reads_nor_writes_anothers(backend: Backend) -> None:

@@ -2,9 +2,12 @@
 
 Runtime session interfaces (`Session.add_items`, `aadd_messages`) carry no turn
 id, and the same messages may rightly be appended twice (a user who says
-"thanks" twice). So a batch gets a fresh turn id, except when it repeats an
-append whose outcome is unknown (it raised): that is a retry, it reuses the
-failed append's turn id, and the logger stores it at most once.
+"thanks" twice). So a batch gets a fresh turn id, except after an append
+raised (its outcome unknown): a runtime that runs again saves again what the
+failed run saved, from its input on, the appends that succeeded included. Each
+of those appends, repeated in order, is a retry: it reuses its turn id, and the
+logger stores it at most once. The first append that repeats none of them ends
+the retry.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from agent_store.core import AgentMessage
 from agent_store.store import AgentMessageLogger, LoggedTurn
 
 _NOT_COMPARED = {"created_at"}
+RUN_APPENDS_KEPT = 256
+"""How many appends of one run a retry recognises (a run saves a batch per step)."""
 
 
 def _digest(messages: Sequence[AgentMessage]) -> str:
@@ -44,28 +49,39 @@ class Appends:
         self.conversation_id = conversation_id
         self.user_id = user_id
         self._prefix = prefix
-        self._unsettled: tuple[str, str] | None = None
-        """The content digest and turn id of an append that raised."""
+        self._run: list[tuple[str, str]] = []
+        """(content digest, turn id) of the appends since the last one of a run's input (a
+        batch that starts with a user or system message): what a run again would repeat."""
+        self._retried: list[tuple[str, str]] = []
+        """After an append raised: the appends a run again repeats, in order, not repeated
+        yet."""
 
     def _turn_id(self, digest: str) -> str:
-        if self._unsettled is not None and self._unsettled[0] == digest:
-            return self._unsettled[1]
+        for index, (done, turn_id) in enumerate(self._retried):
+            if done == digest:
+                del self._retried[: index + 1]
+                return turn_id
+        self._retried = []
         return f"{self._prefix}-{uuid.uuid4().hex}"
 
     def rewound(self) -> None:
-        """The history lost its last messages (a pop): an append that raised is no longer the
-        one the next append retries; the next append is a new turn. (A pop corrects the
-        failed append's turn, whose retry is then a `Conflict`.)"""
-        self._unsettled = None
+        """The history lost its last messages (a pop): no append made so far is one the next
+        append retries; the next append is a new turn. (A pop corrects the failed append's
+        turn, whose retry is then a `Conflict`.)"""
+        self._run, self._retried = [], []
 
     async def append(self, messages: Sequence[AgentMessage]) -> LoggedTurn:
-        """Log `messages` as one turn (two round trips); a retry of a failed append is
-        recognised by its content and stored once."""
+        """Log `messages` as one turn (two round trips); after an append raised, the appends
+        a run again repeats are recognised by their content and stored once."""
         digest = _digest(messages)
         turn_id = self._turn_id(digest)
-        self._unsettled = (digest, turn_id)
-        logged = await self.logger.log_messages(
-            self.conversation_id, messages, user_id=self.user_id, turn_id=turn_id
-        )
-        self._unsettled = None
-        return logged
+        if messages and messages[0].role in ("user", "system"):
+            self._run = []
+        self._run = [*self._run[-(RUN_APPENDS_KEPT - 1) :], (digest, turn_id)]
+        try:
+            return await self.logger.log_messages(
+                self.conversation_id, messages, user_id=self.user_id, turn_id=turn_id
+            )
+        except BaseException:
+            self._retried = self._run + self._retried
+            raise
