@@ -1717,6 +1717,24 @@ def test_content_kept_in_a_placed_problem_and_edited_after_the_run_holds_the_dro
     assert "«edited thinking»" in kept_text(database)
 
 
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    ("message", "marker"),
+    [
+        ({"role": "user", "content": "«OPENAI»"}, "«OPENAI»"),
+        ({"kind": "request", "parts": {"part_kind": "user-prompt", "content": "«DICT»"}}, "«DICT»"),
+        ({"kind": "request", "parts": [], "instructions": ["«LIST»"]}, "«LIST»"),
+        ({"kind": "response", "parts": [], "model_note": "«NOTE»"}, "«NOTE»"),
+    ],
+    ids=["openai-shaped", "parts-not-a-list", "instructions-not-text", "message-field"],
+)
+def test_a_history_message_not_in_pydantic_ais_shape_is_kept_before_the_drop(
+    wire_uri: str, database: Database[dict[str, Any]], message: dict[str, Any], marker: str
+) -> None:
+    turn = legacy_turn("t-1", "c-hist", 0, "H") | {"message_history_json": json.dumps([message])}
+    runbook_keeps(wire_uri, database, [turn], marker)
+
+
 # -- dual-written turns: skipped only while the stored messages hold them -----------------
 
 
