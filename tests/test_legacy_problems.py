@@ -1251,3 +1251,32 @@ def test_hidden_context_only_a_history_holds_is_kept_as_hidden_runtime_context()
         ("hidden_runtime_context", "message_history_json", False,
          "[RUNTIME CONTEXT]«tier: gold»[/RUNTIME CONTEXT]")
     ]  # fmt: skip
+
+
+def test_a_history_repeating_the_previous_turns_is_read_for_what_it_adds_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each history repeats the conversation so far: its tool-call ids and its check cost one
+    pass over the messages it adds, not over all it repeats (a conversation of n turns costs
+    n, not n²)."""
+    import agent_store.legacy._convert as converter
+
+    read: list[Any] = []
+    normalize = converter.normalize_part
+    monkeypatch.setattr(converter, "normalize_part", lambda p: read.append(p) or normalize(p))
+    said: list[dict[str, Any]] = []
+    turns = []
+    for n in range(200):
+        said += [
+            {"kind": "request", "parts": [{"part_kind": "user-prompt", "content": f"q{n}"}]},
+            {"kind": "response", "parts": [{"part_kind": "text", "content": f"a{n}"}]},
+        ]
+        turns.append(
+            {"_id": f"h-{n:03d}", "conversation_id": "c-h",
+             "created_at": MESSY_START + timedelta(minutes=n), "user_message": f"q{n}",
+             "response_parts": [{"type": "text", "content": f"a{n}"}],
+             "message_history_json": json.dumps(said)}
+        )  # fmt: skip
+
+    assert convert(turns).problems == []
+    assert len(read) <= 4 * len(turns)

@@ -16,8 +16,9 @@ message answering its call (by the call's id when the history names one, else by
 tool's name), a call by a call of that tool with those arguments; nothing holds thinking.
 
 Later histories repeat earlier ones: a message equal to the one at the same position in
-the previous turn's history is skipped, and a part found before is not looked at again, so
-the check costs about one pass over what the histories add, not over all they repeat.
+the previous turn's history is skipped (the converter gives each history as the messages it
+adds), and a part found before is not looked at again, so the check costs about one pass
+over what the histories add, not over all they repeat.
 """
 
 from __future__ import annotations
@@ -249,7 +250,7 @@ def _prompts(message: dict[str, Any]) -> list[str]:
 
 
 def history_findings(
-    histories: Sequence[list[Any] | None],
+    histories: Sequence[Sequence[tuple[int, Any]]],
     messages: Sequence[AgentMessage],
     *,
     kept_whole: set[int],
@@ -257,30 +258,23 @@ def history_findings(
     markers: RuntimeContextMarkers,
 ) -> list[Finding]:
     """What the histories of a conversation's turns (in turn order) hold that its messages
-    do not, each once. `kept_whole` are the turns whose whole history a problem keeps
-    already (unreadable, or the turn converts to no message): what they hold is kept;
-    `hidden` the runtime contexts problems keep."""
+    do not, each once. Each history is given by the messages it adds to the previous turn's,
+    by position (the others are equal to the one at their place there, looked at already).
+    `kept_whole` are the turns whose whole history a problem keeps already (unreadable, or
+    the turn converts to no message): what they hold is kept; `hidden` the runtime contexts
+    problems keep."""
     if not any(histories):
         return []
     held = _Held.of(messages, hidden)
     findings: list[Finding] = []
     seen: set[str] = set()
-    previous: list[Any] = []
-    for index, history in enumerate(histories):
-        if not history:
-            continue
-        for position, message in enumerate(history):
-            if position < len(previous) and previous[position] == message:
-                continue
+    for index, added in enumerate(histories):
+        kept = index in kept_whole
+        for position, message in added:
             if readable(message):
-                findings += _message_findings(
-                    index, position, message, held, seen, index in kept_whole, markers
-                )
+                findings += _message_findings(index, position, message, held, seen, kept, markers)
             elif message not in _SAYS_NOTHING:
-                findings += _part_finding(
-                    index, position, None, message, seen, kept=index in kept_whole
-                )
-        previous = history
+                findings += _part_finding(index, position, None, message, seen, kept=kept)
     return findings
 
 
