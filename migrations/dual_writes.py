@@ -9,10 +9,12 @@ and `finish`. A held one is checked as fully as a migrated turn, by one rule: it
 to what its stored messages hold and nothing else, that is its stored messages hold its
 content in order, carry the token usage and latency it converts to, and its conversion raises
 no problem of any kind (a dual write holds nothing the converter cannot read, so a problem is
-content a later edit added: an unknown part, a field, a history). Anything else (the legacy
-service edited it after a rollback) is a difference for `verify` and work left for `finish`
-(`differences`): its stored messages are the live service's, which the migration never
-rewrites, so the turn is restored, or its `dual_write` mark removed so `run` migrates it.
+content a later edit added: an unknown part, a field, a history), but a result answering an
+earlier turn's call that its stored messages hold (converted alone, no call answers it).
+Anything else (the legacy service edited it after a rollback) is a difference for `verify`
+and work left for `finish` (`differences`): its stored messages are the live service's,
+which the migration never rewrites, so the turn is restored, or its `dual_write` mark
+removed so `run` migrates it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from typing import Any
 from pymongo.database import Database
 
 from agent_store.core import AgentMessage, InvalidInput, Usage
-from agent_store.legacy import LegacyConversion, convert, parse_turns
+from agent_store.legacy import (
+    LegacyConversion,
+    Problem,
+    convert,
+    normalize_part,
+    parse_turns,
+    result_text,
+)
 from agent_store.store import MESSAGES
 from migrations import full_texts
 from migrations.transcript import contains, from_legacy, from_messages
@@ -90,8 +99,9 @@ def _unheld(
     """What a dual-written turn converts to that its stored messages do not hold, for a
     person; "" when they hold it all: its problems (any kind, placed or not), its transcript
     (they may hold more: a result of an earlier turn's call), its token usage and latency."""
-    if conversion.problems:
-        kinds = ", ".join(sorted({p.kind for p in conversion.problems}))
+    problems = [p for p in conversion.problems if not _earlier_answer(p, messages)]
+    if problems:
+        kinds = ", ".join(sorted({p.kind for p in problems}))
         return f"it converts with problems: {kinds}"
     legacy = from_legacy(parse_turns(group), conversion.unplaced)
     transcript = from_messages(messages)
@@ -104,6 +114,17 @@ def _unheld(
         if wanted != found:
             return f"its {what} is {wanted}, its stored messages' {found}"
     return ""
+
+
+def _earlier_answer(problem: Problem, messages: Sequence[AgentMessage]) -> bool:
+    """Whether a problem is a result answering an earlier turn's call (no call of the turn
+    converted alone answers it) that a stored tool message of the turn holds: the dual write
+    keeps such a result in the turn that logged it."""
+    if problem.kind != "unplaced_tool_result":
+        return False
+    part = normalize_part(problem.content)
+    answer = (part.tool_call_id, result_text(part)[0])
+    return any((m.tool_call_id, m.content) == answer for m in messages if m.role == "tool")
 
 
 def _usage(messages: Sequence[AgentMessage]) -> tuple[int, int]:

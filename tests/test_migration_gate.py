@@ -1833,3 +1833,38 @@ def test_a_held_dual_written_turn_converting_to_anything_else_than_is_stored_is_
     assert marker in json.dumps(
         list(database[LEGACY_TURNS].find()), default=str, ensure_ascii=False
     )
+
+
+@pytest.mark.wire
+def test_a_dual_written_turn_answering_an_earlier_turns_call_is_no_difference(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """Its dual write holds a result no call of its own answers (an unplaced result when the
+    turn is converted alone): its stored messages hold that result, so it is no difference."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = {
+        "turn-1": [{"role": "user", "content": "ask"},
+                   {"role": "assistant", "content": None, "tool_calls": [call]}],
+        "turn-2": [{"role": "tool", "tool_call_id": "call_1", "content": "42"},
+                   {"role": "assistant", "content": "done"}],
+    }  # fmt: skip
+
+    async def log() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        logger = AgentMessageLogger(client[database.name])
+        for turn_id, messages in turns.items():
+            await logger.log_messages("c-dual", messages, user_id="u-1", turn_id=turn_id)
+        await client.close()
+
+    asyncio.run(log())
+    for turn_id in turns:
+        stored = [message_adapter.validate_python(m) for m in database[MESSAGES].find(
+            {"turn_id": turn_id})]  # fmt: skip
+        database[LEGACY_TURNS].insert_many(
+            legacy_turn_documents("c-dual", turn_id, stored, user_id="u-1", name=None)
+        )
+    database[LEGACY_TURNS].insert_one(legacy_turn("t-o", "c-other", 0, "O"))
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
