@@ -5,10 +5,16 @@ Such a turn is keyed by its conversation id and the live turn id (`turn_id`), wh
 stored messages carry too. A run skips it only while `agent_messages` holds messages of that
 turn (`held`): one without any (a second attempt after a rollback that cleared
 `agent_messages`) is a legacy turn like any other, converted by `run` and checked by `verify`
-and `finish`. A held one whose stored messages do not hold its content (the legacy service
-edited it after a rollback) is a difference for `verify` and work left for `finish`
-(`differences`): its stored messages are the live service's, which the migration never
-rewrites.
+and `finish`. A held one is checked as fully as a migrated turn, by one rule: it must convert
+to what its stored messages hold and nothing else, that is its stored messages hold its
+content in order, carry the token usage and latency it converts to, and its conversion raises
+no problem of any kind (a dual write holds nothing the converter cannot read, so a problem is
+content a later edit added: an unknown part, a field, a history), but a result answering an
+earlier turn's call that its stored messages hold (converted alone, no call answers it).
+Anything else (the legacy service edited it after a rollback) is a difference for `verify`
+and work left for `finish` (`differences`): its stored messages are the live service's,
+which the migration never rewrites, so the turn is restored, or its `dual_write` mark
+removed so `run` migrates it.
 """
 
 from __future__ import annotations
@@ -18,8 +24,15 @@ from typing import Any
 
 from pymongo.database import Database
 
-from agent_store.core import InvalidInput
-from agent_store.legacy import convert, parse_turns
+from agent_store.core import AgentMessage, InvalidInput, Usage
+from agent_store.legacy import (
+    LegacyConversion,
+    Problem,
+    convert,
+    normalize_part,
+    parse_turns,
+    result_text,
+)
 from agent_store.store import MESSAGES
 from migrations import full_texts
 from migrations.transcript import contains, from_legacy, from_messages
@@ -51,8 +64,8 @@ def held(db: Database[dict[str, Any]], documents: Sequence[Mapping[str, Any]]) -
 def differences(
     db: Database[dict[str, Any]], documents: Iterable[Mapping[str, Any]]
 ) -> dict[str, list[str]]:
-    """For held dual-written turns: by conversation, each turn whose stored messages do not
-    hold its content in order (they may hold more: a result of an earlier turn's call)."""
+    """For held dual-written turns: by conversation, each turn that converts to anything else
+    than its stored messages hold (`_unheld`)."""
     turns: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for document in documents:
         if (key := _turn(document)) is not None:
@@ -63,17 +76,62 @@ def differences(
     found: dict[str, list[str]] = {}
     for (cid, turn_id), group in sorted(turns.items()):
         try:
-            legacy = from_legacy(parse_turns(group), convert(group).unplaced)
+            conversion = convert(group)
         except InvalidInput as exc:
             found.setdefault(cid, []).append(f"dual-written turn {turn_id!r}: {exc.message}")
             continue
-        messages = from_messages(m for m in stored.get(cid, []) if m.turn_id == turn_id)
-        if contains(messages, legacy):
-            continue
-        shown = "; ".join(transcript_differences(legacy, messages)[:3])
-        found.setdefault(cid, []).append(
-            f"the dual-written turn {turn_id!r} holds content its stored messages do not "
-            f"({shown}; the legacy service edited it after a rollback?): restore its "
-            "messages, or remove its `dual_write` mark so `run` migrates it as a legacy turn"
-        )
+        messages = [m for m in stored.get(cid, []) if m.turn_id == turn_id]
+        unheld = _unheld(group, conversion, messages)
+        if unheld:
+            found.setdefault(cid, []).append(
+                f"the dual-written turn {turn_id!r} holds content its stored messages do not "
+                f"({unheld}; the legacy service edited it after a rollback?): restore its "
+                "messages, or remove its `dual_write` mark so `run` migrates it as a legacy turn"
+            )
     return found
+
+
+def _unheld(
+    group: Sequence[Mapping[str, Any]],
+    conversion: LegacyConversion,
+    messages: Sequence[AgentMessage],
+) -> str:
+    """What a dual-written turn converts to that its stored messages do not hold, for a
+    person; "" when they hold it all: its problems (any kind, placed or not), its transcript
+    (they may hold more: a result of an earlier turn's call), its token usage and latency."""
+    problems = [p for p in conversion.problems if not _earlier_answer(p, messages)]
+    if problems:
+        kinds = ", ".join(sorted({p.kind for p in problems}))
+        return f"it converts with problems: {kinds}"
+    legacy = from_legacy(parse_turns(group), conversion.unplaced)
+    transcript = from_messages(messages)
+    if not contains(transcript, legacy):
+        return "; ".join(transcript_differences(legacy, transcript)[:3])
+    for what, wanted, found in (
+        ("token usage", _usage(conversion.messages), _usage(messages)),
+        ("latency", _latency(conversion.messages), _latency(messages)),
+    ):
+        if wanted != found:
+            return f"its {what} is {wanted}, its stored messages' {found}"
+    return ""
+
+
+def _earlier_answer(problem: Problem, messages: Sequence[AgentMessage]) -> bool:
+    """Whether a problem is a result answering an earlier turn's call (no call of the turn
+    converted alone answers it) that a stored tool message of the turn holds: the dual write
+    keeps such a result in the turn that logged it."""
+    if problem.kind != "unplaced_tool_result":
+        return False
+    part = normalize_part(problem.content)
+    answer = (part.tool_call_id, result_text(part)[0])
+    return any((m.tool_call_id, m.content) == answer for m in messages if m.role == "tool")
+
+
+def _usage(messages: Sequence[AgentMessage]) -> tuple[int, int]:
+    usage = [m.token_usage for m in messages if m.token_usage is not None]
+    total = Usage.total((u.input_tokens for u in usage), (u.output_tokens for u in usage))
+    return total.input_tokens, total.output_tokens
+
+
+def _latency(messages: Sequence[AgentMessage]) -> int:
+    return sum(m.latency_ms or 0 for m in messages)

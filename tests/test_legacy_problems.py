@@ -1031,6 +1031,149 @@ def test_every_piece_of_a_history_no_message_holds_is_kept_whole_in_a_placed_pro
     ]
 
 
+NOT_PYDANTIC_AI_MESSAGES = {
+    "an OpenAI-style message": {"role": "user", "content": "«openai only»"},
+    "parts that are no list": {"kind": "request",
+                               "parts": {"part_kind": "user-prompt", "content": "«parts»"}},
+    "instructions that are no text": {"kind": "request", "parts": [],
+                                      "instructions": ["«instructions»"]},
+    "a message field holding content": {"kind": "response", "parts": [],
+                                        "note": "«a note»"},
+    "a kind no reader knows": {"kind": "«summary»", "parts": []},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "message", NOT_PYDANTIC_AI_MESSAGES.values(), ids=list(NOT_PYDANTIC_AI_MESSAGES)
+)
+def test_a_history_message_not_in_pydantic_ais_shape_is_kept_whole_in_a_placed_problem(
+    message: dict[str, Any],
+) -> None:
+    """A message the reader cannot read as a Pydantic AI message is kept whole: what it says
+    is nowhere the checks look."""
+    turn = {"_id": "h-1", "conversation_id": "c-h", "created_at": MESSY_START,
+            "user_message": "hi", "response_parts": [{"type": "text", "content": "hello"}],
+            "message_history_json": json.dumps([ASKED, ANSWERED, message])}  # fmt: skip
+
+    problems = convert([turn]).problems
+
+    assert [(p.kind, p.legacy_id, p.placed, p.content) for p in problems] == [
+        ("history_only_content", "h-1", True, message)
+    ]
+
+
+FIELDS_BESIDE_WHAT_IS_READ = {
+    "a user prompt": {"part_kind": "user-prompt", "content": "hi", "«note»": "x"},
+    "a system prompt": {"part_kind": "system-prompt", "content": "be brief", "«note»": "x"},
+    "a retry prompt": {"part_kind": "retry-prompt", "content": "hello", "«note»": "x"},
+    "a text": {"part_kind": "text", "content": "hello", "«note»": "x"},
+    "a tool return": {"part_kind": "tool-return", "tool_name": "f", "content": "ok",
+                      "tool_call_id": "call_f", "metadata": {"«note»": "x"}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "part", FIELDS_BESIDE_WHAT_IS_READ.values(), ids=list(FIELDS_BESIDE_WHAT_IS_READ)
+)
+def test_a_history_part_holding_a_field_no_check_reads_is_kept_whole(
+    part: dict[str, Any],
+) -> None:
+    call = {"type": "tool_call", "tool_name": "f", "args": {}, "tool_call_id": "call_f"}
+    result = {"type": "tool_result", "tool_name": "f", "result": "ok", "tool_call_id": "call_f"}
+    said = [ASKED, ANSWERED, {"kind": "request", "parts": [part]}]
+    turns = [
+        {"_id": "s-0", "conversation_id": "c-h", "created_at": MESSY_START, "is_system": True,
+         "user_message": "be brief"},
+        {"_id": "h-1", "conversation_id": "c-h", "created_at": MESSY_START + timedelta(hours=1),
+         "user_message": "hi", "response_parts": [{"type": "text", "content": "hello"},
+                                                  call, result],
+         "message_history_json": json.dumps(said)},
+    ]  # fmt: skip
+
+    problems = convert(turns).problems
+
+    assert [(p.kind, p.legacy_id, p.placed, p.content) for p in problems] == [
+        ("history_only_content", "h-1", True, part)
+    ]
+
+
+def test_the_metadata_of_a_history_message_and_its_parts_is_no_problem() -> None:
+    """When, by which model and provider, at what cost, under which ids: no conversation
+    content (MIGRATION.md lists these keys)."""
+    when = {"timestamp": "2024-03-01T12:00:00Z"}
+    said = [
+        {"kind": "request", "run_id": "r-1", "instructions": None, **when,
+         "parts": [{"part_kind": "user-prompt", "content": "hi", **when}]},
+        {"kind": "response", "model_name": "gpt-4o", "provider_name": "openai",
+         "provider_details": {"finish_reason": "stop"}, "provider_response_id": "resp-1",
+         "finish_reason": "stop", "run_id": "r-1", "metadata": None, **when,
+         "usage": {"input_tokens": 3, "output_tokens": 1, "details": {}},
+         "parts": [{"part_kind": "text", "content": "hello", "id": "p-1",
+                    "provider_name": "openai", "provider_details": None}]},
+    ]  # fmt: skip
+    turn = {"_id": "h-1", "conversation_id": "c-h", "created_at": MESSY_START,
+            "user_message": "hi", "response_parts": [{"type": "text", "content": "hello"}],
+            "message_history_json": json.dumps(said)}  # fmt: skip
+
+    assert convert([turn]).problems == []
+
+
+def history_turn(user: str, parts: list[dict[str, Any]], said: list[Any]) -> dict[str, Any]:
+    return {"_id": "h-1", "conversation_id": "c-h", "created_at": MESSY_START,
+            "user_message": user, "response_parts": parts,
+            "message_history_json": json.dumps(said)}  # fmt: skip
+
+
+def test_white_space_inside_a_history_text_is_content() -> None:
+    """Only white space at the ends is aside: `print(a b)` is not `print(ab)`."""
+    asked = {"part_kind": "user-prompt", "content": " print(a b)\n"}
+    turn = history_turn(
+        "print(ab)", [{"type": "text", "content": "ok"}], [{"kind": "request", "parts": [asked]}]
+    )
+
+    assert [(p.kind, p.content) for p in convert([turn]).problems] == [
+        ("history_only_content", asked)
+    ]
+
+
+def test_a_history_text_is_held_only_by_a_message_of_its_role() -> None:
+    """A user prompt by a user's text, a response text by an assistant's: swapped, neither
+    is held."""
+    asked = {"part_kind": "user-prompt", "content": "«hello»"}
+    answered = {"part_kind": "text", "content": "«hi»"}
+    said = [{"kind": "request", "parts": [asked]}, {"kind": "response", "parts": [answered]}]
+    turn = history_turn("«hi»", [{"type": "text", "content": "«hello»"}], said)
+
+    assert [(p.kind, p.content) for p in convert([turn]).problems] == [
+        ("history_only_content", asked),
+        ("history_only_content", answered),
+    ]
+
+
+def test_a_history_tool_return_is_held_only_by_the_tool_message_answering_its_call() -> None:
+    """By the call's id when the history names one, else by the tool's name: a user's text
+    or another tool's result saying the same holds nothing."""
+    call = {"type": "tool_call", "tool_name": "balance", "args": {}, "tool_call_id": "x"}
+    result = {"type": "tool_result", "tool_name": "balance", "result": "17", "tool_call_id": "x"}
+    other = {"type": "tool_call", "tool_name": "other", "args": {}, "tool_call_id": "y"}
+    answer = {"type": "tool_result", "tool_name": "other", "result": "«9»", "tool_call_id": "y"}
+    by_id = {
+        "part_kind": "tool-return",
+        "tool_name": "balance",
+        "content": "«42»",
+        "tool_call_id": "x",
+    }
+    by_name = {"part_kind": "tool-return", "tool_name": "balance", "content": "«9»"}
+    held = {"part_kind": "tool-return", "tool_name": "other", "content": "«9»"}
+    said = [{"kind": "request", "parts": [by_id, by_name, held]}]  # fmt: skip
+    turn = history_turn("«42»", [call, result, other, answer], said)
+
+    assert [(p.kind, p.content) for p in convert([turn]).problems] == [
+        ("history_only_content", by_id),
+        ("history_only_content", by_name),
+    ]
+
+
 def test_a_history_the_messages_hold_is_no_problem() -> None:
     """Every piece found in the converted messages, white space and JSON spelling aside:
     the user's text without its runtime context, answers, calls with their arguments,
@@ -1108,3 +1251,32 @@ def test_hidden_context_only_a_history_holds_is_kept_as_hidden_runtime_context()
         ("hidden_runtime_context", "message_history_json", False,
          "[RUNTIME CONTEXT]«tier: gold»[/RUNTIME CONTEXT]")
     ]  # fmt: skip
+
+
+def test_a_history_repeating_the_previous_turns_is_read_for_what_it_adds_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each history repeats the conversation so far: its tool-call ids and its check cost one
+    pass over the messages it adds, not over all it repeats (a conversation of n turns costs
+    n, not n²)."""
+    import agent_store.legacy._convert as converter
+
+    read: list[Any] = []
+    normalize = converter.normalize_part
+    monkeypatch.setattr(converter, "normalize_part", lambda p: read.append(p) or normalize(p))
+    said: list[dict[str, Any]] = []
+    turns = []
+    for n in range(200):
+        said += [
+            {"kind": "request", "parts": [{"part_kind": "user-prompt", "content": f"q{n}"}]},
+            {"kind": "response", "parts": [{"part_kind": "text", "content": f"a{n}"}]},
+        ]
+        turns.append(
+            {"_id": f"h-{n:03d}", "conversation_id": "c-h",
+             "created_at": MESSY_START + timedelta(minutes=n), "user_message": f"q{n}",
+             "response_parts": [{"type": "text", "content": f"a{n}"}],
+             "message_history_json": json.dumps(said)}
+        )  # fmt: skip
+
+    assert convert(turns).problems == []
+    assert len(read) <= 4 * len(turns)

@@ -1717,6 +1717,24 @@ def test_content_kept_in_a_placed_problem_and_edited_after_the_run_holds_the_dro
     assert "«edited thinking»" in kept_text(database)
 
 
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    ("message", "marker"),
+    [
+        ({"role": "user", "content": "«OPENAI»"}, "«OPENAI»"),
+        ({"kind": "request", "parts": {"part_kind": "user-prompt", "content": "«DICT»"}}, "«DICT»"),
+        ({"kind": "request", "parts": [], "instructions": ["«LIST»"]}, "«LIST»"),
+        ({"kind": "response", "parts": [], "model_note": "«NOTE»"}, "«NOTE»"),
+    ],
+    ids=["openai-shaped", "parts-not-a-list", "instructions-not-text", "message-field"],
+)
+def test_a_history_message_not_in_pydantic_ais_shape_is_kept_before_the_drop(
+    wire_uri: str, database: Database[dict[str, Any]], message: dict[str, Any], marker: str
+) -> None:
+    turn = legacy_turn("t-1", "c-hist", 0, "H") | {"message_history_json": json.dumps([message])}
+    runbook_keeps(wire_uri, database, [turn], marker)
+
+
 # -- dual-written turns: skipped only while the stored messages hold them -----------------
 
 
@@ -1768,3 +1786,85 @@ def test_a_dual_written_turn_its_stored_messages_do_not_hold_is_work_left(
     assert "c-dual" in out
     assert "c-held" not in out
     assert database[LEGACY_TURNS].count_documents({}) == 3
+
+
+DUAL_WRITE_EDITS = {
+    "a part of a kind no reader knows": (
+        {"$push": {"response_parts": {"type": "«kind»", "payload": "«UNKNOWN»"}}}, "«UNKNOWN»"),
+    "a history": ({"$set": {"message_history_json": json.dumps(
+        [{"kind": "response", "parts": [{"part_kind": "thinking", "content": "«THINKING»"}]}],
+        ensure_ascii=False,
+    )}}, "«THINKING»"),
+    "token usage": ({"$set": {"token_usage": {"input_tokens": 9191, "output_tokens": 7}}}, "9191"),
+    "a field on a part": (
+        {"$set": {"response_parts.0.«field»": "«FIELD»"}}, "«FIELD»"),
+    "an upload": ({"$set": {"upload_result": {"filename": "a.txt", "file_type": "text/plain",
+                                              "size": 3, "parsed_text": "«PARSED»"}}},
+                  "«PARSED»"),
+}  # fmt: skip
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(("edit", "marker"), DUAL_WRITE_EDITS.values(), ids=list(DUAL_WRITE_EDITS))
+def test_a_held_dual_written_turn_converting_to_anything_else_than_is_stored_is_work_left(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    edit: dict[str, Any],
+    marker: str,
+) -> None:
+    """A dual-written turn the run skips is checked as fully as a migrated one: whatever it
+    converts to that its stored messages do not hold (a problem of any kind, placed or not,
+    another token usage) holds the drop back, and the runbook never drops it unseen."""
+    log_live(wire_uri, database, "c-dual", "turn-1", "LIVE")
+    stored = [message_adapter.validate_python(m) for m in database[MESSAGES].find()]
+    database[LEGACY_TURNS].insert_many(
+        legacy_turn_documents("c-dual", "turn-1", stored, user_id="u-1", name=None)
+    )
+    database[LEGACY_TURNS].insert_one(legacy_turn("t-o", "c-other", 0, "O"))
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    database[LEGACY_TURNS].update_one({"conversation_id": "c-dual"}, edit)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert "dual-written turn 'turn-1'" in capsys.readouterr().out
+    assert marker in json.dumps(
+        list(database[LEGACY_TURNS].find()), default=str, ensure_ascii=False
+    )
+
+
+@pytest.mark.wire
+def test_a_dual_written_turn_answering_an_earlier_turns_call_is_no_difference(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """Its dual write holds a result no call of its own answers (an unplaced result when the
+    turn is converted alone): its stored messages hold that result, so it is no difference."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = {
+        "turn-1": [{"role": "user", "content": "ask"},
+                   {"role": "assistant", "content": None, "tool_calls": [call]}],
+        "turn-2": [{"role": "tool", "tool_call_id": "call_1", "content": "42"},
+                   {"role": "assistant", "content": "done"}],
+    }  # fmt: skip
+
+    async def log() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        logger = AgentMessageLogger(client[database.name])
+        for turn_id, messages in turns.items():
+            await logger.log_messages("c-dual", messages, user_id="u-1", turn_id=turn_id)
+        await client.close()
+
+    asyncio.run(log())
+    for turn_id in turns:
+        stored = [message_adapter.validate_python(m) for m in database[MESSAGES].find(
+            {"turn_id": turn_id})]  # fmt: skip
+        database[LEGACY_TURNS].insert_many(
+            legacy_turn_documents("c-dual", turn_id, stored, user_id="u-1", name=None)
+        )
+    database[LEGACY_TURNS].insert_one(legacy_turn("t-o", "c-other", 0, "O"))
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0

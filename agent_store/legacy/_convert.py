@@ -137,22 +137,56 @@ class _HistoryIds:
     readable: bool = True
 
 
-def _history_ids(history: list[Any] | None) -> _HistoryIds:
-    found = _HistoryIds()
-    if history is None:
-        found.readable = False
+_Ids = tuple[tuple[str, str, str], ...]
+"""A history message's tool parts: (kind, tool name, call id) each, in order."""
+
+
+def _message_ids(message: Any) -> _Ids:
+    parts = message.get("parts") if isinstance(message, dict) else None
+    found: list[tuple[str, str, str]] = []
+    for part in map(normalize_part, parts if isinstance(parts, list) else ()):
+        call_id, name = part.tool_call_id, part.tool_name
+        named = isinstance(call_id, str) and call_id and isinstance(name, str)
+        if named and part.kind in ("tool_call", "tool_result"):
+            found.append((part.kind, str(name), str(call_id)))
+    return tuple(found)
+
+
+class _Histories:
+    """Each turn's `message_history_json` read once (`read_history`), in turn order: its
+    tool-call ids, and the messages it adds, by position, which are all the history check
+    looks at (`history_findings`). A history repeats the conversation so far: a message equal
+    to the one at its place in the previous turn's history is neither normalised again nor
+    kept, and only that previous history is kept, so reading a conversation costs one pass
+    over what its histories add."""
+
+    def __init__(self) -> None:
+        self._previous: list[Any] = []
+        self._previous_ids: list[_Ids] = []
+        self.added: dict[int, list[tuple[int, Any]]] = {}
+        """What each turn's history adds (by `id()` of the turn)."""
+
+    def read(self, turn: LegacyTurn) -> _HistoryIds:
+        found = _HistoryIds()
+        history = read_history(turn.message_history_json)
+        self.added[id(turn)] = []
+        if history is None:
+            found.readable = False
+            return found
+        if not history:
+            return found
+        previous, previous_ids = self._previous, self._previous_ids
+        ids: list[_Ids] = []
+        for position, message in enumerate(history):
+            if position < len(previous) and previous[position] == message:
+                ids.append(previous_ids[position])
+            else:
+                self.added[id(turn)].append((position, message))
+                ids.append(_message_ids(message))
+        self._previous, self._previous_ids = history, ids
+        for kind, name, call_id in (i for message_ids in ids for i in message_ids):
+            (found.calls if kind == "tool_call" else found.returns)[name].append(call_id)
         return found
-    for message in history:
-        parts = message.get("parts") if isinstance(message, dict) else None
-        for part in map(normalize_part, parts if isinstance(parts, list) else ()):
-            call_id, name = part.tool_call_id, part.tool_name
-            if not isinstance(call_id, str) or not call_id or not isinstance(name, str):
-                continue
-            if part.kind == "tool_call":
-                found.calls[name].append(call_id)
-            elif part.kind == "tool_result":
-                found.returns[name].append(call_id)
-    return found
 
 
 def _aligned(history: list[str], occurrence: int, total: int) -> str | None:
@@ -248,14 +282,7 @@ class _Converter:
         """Each call by the id its legacy part names: (its group, the id it is stored under)."""
         self.unanswered_usage = Usage()
         """Token usage of turns without an assistant message: counted on the conversation."""
-        self._histories: dict[int, list[Any] | None] = {}
-
-    def history(self, turn: LegacyTurn) -> list[Any] | None:
-        """The turn's `message_history_json` read (`read_history`), once per turn: a history
-        can be as long as the conversation, and it is looked at twice."""
-        if id(turn) not in self._histories:
-            self._histories[id(turn)] = read_history(turn.message_history_json)
-        return self._histories[id(turn)]
+        self.histories = _Histories()
 
     def problem(
         self,
@@ -308,7 +335,7 @@ class _Converter:
     def turn_items(self, turn: LegacyTurn, at: datetime) -> list[Item]:
         """One turn's items in order; tool results are attached to their call groups."""
         parts = self._parts(turn)
-        history = _history_ids(self.history(turn))
+        history = self.histories.read(turn)
         if not history.readable:
             self.problem(
                 turn,
@@ -967,7 +994,7 @@ def _check_history(
     problems = converter.problems
     whole = {p.legacy_id for p in problems if p.kind in _WHOLE_HISTORY_KINDS}
     found = history_findings(
-        [converter.history(turn) for turn in turns],
+        [converter.histories.added.get(id(turn), []) for turn in turns],
         messages,
         kept_whole={n for n, turn in enumerate(turns) if str(turn.id) in whole},
         hidden=[p.content for p in problems if p.kind == HIDDEN_RUNTIME_CONTEXT],

@@ -7,9 +7,18 @@ kind no reader knows) is either held by a converted message of the conversation 
 whole in a problem, once, on the first turn whose history holds it. The converter makes no
 message of the history: the turn's own fields are what was logged.
 
+One rule: every key of every history message is either read as a known, checked field or
+is metadata (`_MESSAGE_METADATA`, `_BOOKKEEPING`), else it is kept: a message not in Pydantic
+AI's shape (`readable`) whole, a part holding a field no check reads whole. A piece is held
+only by a message of its kind, its text alike but for white space at its ends: a user
+prompt by a user's text, a response text by an assistant's, a tool return by the tool
+message answering its call (by the call's id when the history names one, else by the
+tool's name), a call by a call of that tool with those arguments; nothing holds thinking.
+
 Later histories repeat earlier ones: a message equal to the one at the same position in
-the previous turn's history is skipped, and a part found before is not looked at again, so
-the check costs about one pass over what the histories add, not over all they repeat.
+the previous turn's history is skipped (the converter gives each history as the messages it
+adds), and a part found before is not looked at again, so the check costs about one pass
+over what the histories add, not over all they repeat.
 """
 
 from __future__ import annotations
@@ -34,8 +43,33 @@ HIDDEN_RUNTIME_CONTEXT = "hidden_runtime_context"
 
 _BOOKKEEPING = frozenset(
     {"part_kind", "timestamp", "id", "provider_details", "provider_name", "signature"}
+    | {"dynamic_ref"}
 )
-"""What a Pydantic AI part carries besides its content: when, by whom, its ids."""
+"""What a Pydantic AI part carries besides its content: when, by whom, its ids (a system
+prompt's `dynamic_ref` names the function that made it)."""
+_MESSAGE_METADATA = frozenset(
+    {
+        "kind",
+        "timestamp",
+        "run_id",
+        "model_name",
+        "usage",
+        "provider_name",
+        "provider_details",
+        "provider_response_id",
+        "finish_reason",
+    }
+)
+"""What a Pydantic AI message carries besides its parts and instructions: when, by which
+model and provider, at what cost, under which ids. No conversation content."""
+_KINDS = ("request", "response", None)
+"""A message's `kind`: what its parts are tells a request from a response, so none is read."""
+_PROMPT_FIELDS = {
+    "user-prompt": frozenset({"content"}),
+    "system-prompt": frozenset({"content"}),
+    "retry-prompt": frozenset({"content", "tool_name", "tool_call_id"}),
+}
+"""The fields the check reads of a prompt part (besides its bookkeeping)."""
 _SAYS_NOTHING: tuple[Any, ...] = (None, "", {}, [])
 
 
@@ -51,6 +85,21 @@ def read_history(raw: Any) -> list[Any] | None:
     return history if isinstance(history, list) else None
 
 
+def readable(message: Any) -> bool:
+    """Whether a history's message is a Pydantic AI message the check reads whole: a request
+    or response (or of no `kind`) whose `parts` is a list, whose `instructions` (if any) is a
+    text, and which holds nothing else but metadata (`_MESSAGE_METADATA`) or empty values.
+    Any other is kept whole."""
+    if not isinstance(message, dict) or message.get("kind") not in _KINDS:
+        return False
+    if not isinstance(message.get("parts"), list):
+        return False
+    if not isinstance(message.get("instructions"), str | None):
+        return False
+    read = _MESSAGE_METADATA | {"parts", "instructions"}
+    return all(v in _SAYS_NOTHING for k, v in message.items() if k not in read)
+
+
 @dataclass(frozen=True)
 class Finding:
     """A piece of a history the messages do not hold: on which turn, of which kind."""
@@ -64,80 +113,127 @@ class Finding:
 
 
 def _key(text: str) -> str:
-    """What a text says, white space and the spelling of JSON aside (`said`)."""
-    return "".join(said(text).split())
+    """What a text says, the spelling of JSON and white space at its ends aside (`said`):
+    the exactness the converter compares texts with."""
+    return said(text).strip()
 
 
 @dataclass
 class _Held:
-    """What the converted messages hold, in the form the history's pieces are looked up."""
+    """What the converted messages hold, by kind, in the form the history's pieces are
+    looked up: a user prompt by a user's text, a response text by an assistant's, a tool
+    return by the tool message answering its call."""
 
-    texts: set[str] = field(default_factory=set)
+    user: set[str] = field(default_factory=set)
+    answers: set[str] = field(default_factory=set)
+    errors: set[str] = field(default_factory=set)
     calls: set[tuple[str, str]] = field(default_factory=set)
+    results_by_id: set[tuple[str, str]] = field(default_factory=set)
+    results_by_name: set[tuple[str, str]] = field(default_factory=set)
     system: set[str] = field(default_factory=set)
     hidden: set[str] = field(default_factory=set)
 
     @classmethod
     def of(cls, messages: Sequence[AgentMessage], hidden: Iterable[str]) -> _Held:
         held = cls(hidden=set(hidden))
-        answers: dict[str | None, list[str]] = {}
+        split: dict[str | None, list[str]] = {}
+        names: dict[str, str] = {}
         for m in messages:
             if m.role == "system" and m.content:
                 held.system.add(m.content)
-            for text in (m.content, m.error.message if m.error else None):
-                if text:
-                    held.texts.add(_key(text))
-            if m.upload is not None and m.upload.parsed_text:
-                held.texts.add(_key(m.upload.parsed_text))
-            for call in m.tool_calls or ():
-                held.calls.add((call.function.name, said(call.function.arguments)))
-            if m.hitl_action is not None:
-                action = m.hitl_action
-                held.calls.add((action.action, said(action.params)))
-            if m.role == "assistant" and m.content and not m.hitl_action:
-                answers.setdefault(m.turn_id, []).append(m.content)
+            elif m.role == "user":
+                upload = m.upload.parsed_text if m.upload is not None else None
+                held.user |= {_key(t) for t in (m.content, upload) if t}
+            elif m.role == "tool" and m.content is not None:
+                call_id = m.tool_call_id or ""
+                held.results_by_id.add((call_id, _key(m.content)))
+                held.results_by_name.add((names.get(call_id, ""), _key(m.content)))
+            elif m.role == "assistant":
+                held.add_answer(m, names)
+                if m.content and not m.hitl_action:
+                    split.setdefault(m.turn_id, []).append(m.content)
         # A history's text part may be a turn's answer its legacy parts split in several.
-        held.texts |= {_key("".join(texts)) for texts in answers.values() if len(texts) > 1}
+        held.answers |= {_key("".join(texts)) for texts in split.values() if len(texts) > 1}
         return held
 
-    def text(self, value: Any) -> bool:
-        return value in _SAYS_NOTHING or _key(as_text(value)) in self.texts
+    def add_answer(self, m: AgentMessage, names: dict[str, str]) -> None:
+        if m.content:
+            self.answers.add(_key(m.content))
+        if m.error is not None and m.error.message:
+            self.errors.add(_key(m.error.message))
+        for call in m.tool_calls or ():
+            names[call.id] = call.function.name
+            self.calls.add((call.function.name, said(call.function.arguments)))
+        if m.hitl_action is not None:
+            self.calls.add((m.hitl_action.action, said(m.hitl_action.params)))
+
+    def result(self, call_id: str | None, name: Any, value: Any) -> bool:
+        """Whether the tool message answering the call holds this return: by the call's id
+        when the history names one, else by the tool's name."""
+        if value in _SAYS_NOTHING:
+            return True
+        text = _key(as_text(value))
+        if call_id:
+            return (call_id, text) in self.results_by_id
+        return isinstance(name, str) and (name, text) in self.results_by_name
+
+
+def _text_in(value: Any, texts: set[str]) -> bool:
+    return value in _SAYS_NOTHING or _key(as_text(value)) in texts
+
+
+def _unread(part: dict[str, Any], read: frozenset[str]) -> bool:
+    """Whether a part holds something in a field the check does not read."""
+    return any(v not in _SAYS_NOTHING for k, v in part.items() if k not in read | _BOOKKEEPING)
+
+
+def _user_prompt_held(
+    part: dict[str, Any], held: _Held, markers: RuntimeContextMarkers
+) -> tuple[bool, str]:
+    """Whether the user's messages hold a history's user prompt (an image or any other item
+    is not held), and the runtime context hidden in it, which the rule for what the user saw
+    keeps apart."""
+    content = part.get("content")
+    hidden = ""
+    whole = not _unread(part, _PROMPT_FIELDS["user-prompt"])
+    for item in content if isinstance(content, list) else [content]:
+        if not isinstance(item, str):
+            whole = whole and item in _SAYS_NOTHING
+            continue
+        shown, context = split_runtime_context(item, markers)
+        hidden += context
+        whole = whole and _text_in(shown, held.user)
+    return whole, hidden
 
 
 def _part_held(part: Any, held: _Held, markers: RuntimeContextMarkers) -> tuple[bool, str]:
-    """Whether the messages hold every piece of a history's part, and the runtime context
-    hidden in it (a user prompt's), which the rule for what the user saw keeps apart."""
+    """Whether a message of the right kind holds every piece of a history's part (its fields
+    no check reads empty), and the runtime context hidden in it (a user prompt's)."""
     if not isinstance(part, dict):
         return part in _SAYS_NOTHING, ""
     kind = part.get("part_kind")
     if kind == "user-prompt":
-        content = part.get("content")
-        hidden = ""
-        for item in content if isinstance(content, list) else [content]:
-            if not isinstance(item, str):
-                if item not in _SAYS_NOTHING:
-                    return False, hidden
-                continue
-            shown, context = split_runtime_context(item, markers)
-            hidden += context
-            if not held.text(shown):
-                return False, hidden
-        return True, hidden
+        return _user_prompt_held(part, held, markers)
     if kind == "retry-prompt":
-        return held.text(part.get("content")), ""
+        content = part.get("content")
+        return not _unread(part, _PROMPT_FIELDS["retry-prompt"]) and (
+            _text_in(content, held.errors)
+            or _text_in(content, held.user)
+            or held.result(part.get("tool_call_id"), part.get("tool_name"), content)
+        ), ""
     found = normalize_part(part)
     if any(part[name] not in _SAYS_NOTHING for name in found.unknown_fields):
         return False, ""
     if found.kind == "text":
-        return held.text(found.content), ""
+        return _text_in(found.content, held.answers), ""
     if found.kind == "tool_call":
-        name = found.tool_name
         arguments = said(call_arguments(found)[0])
-        return isinstance(name, str) and (name, arguments) in held.calls, ""
+        return (found.tool_name, arguments) in held.calls, ""
     if found.kind == "tool_result":
-        return found.result in _SAYS_NOTHING or held.text(result_text(found)[0]), ""
+        text = found.result if found.result in _SAYS_NOTHING else result_text(found)[0]
+        return held.result(found.tool_call_id, found.tool_name, text), ""
     # A thinking part, a file, a built-in tool's call or return, any kind no reader knows.
-    return all(v in _SAYS_NOTHING for k, v in part.items() if k not in _BOOKKEEPING), ""
+    return not _unread(part, frozenset()), ""
 
 
 def _prompts(message: dict[str, Any]) -> list[str]:
@@ -154,7 +250,7 @@ def _prompts(message: dict[str, Any]) -> list[str]:
 
 
 def history_findings(
-    histories: Sequence[list[Any] | None],
+    histories: Sequence[Sequence[tuple[int, Any]]],
     messages: Sequence[AgentMessage],
     *,
     kept_whole: set[int],
@@ -162,30 +258,23 @@ def history_findings(
     markers: RuntimeContextMarkers,
 ) -> list[Finding]:
     """What the histories of a conversation's turns (in turn order) hold that its messages
-    do not, each once. `kept_whole` are the turns whose whole history a problem keeps
-    already (unreadable, or the turn converts to no message): what they hold is kept;
-    `hidden` the runtime contexts problems keep."""
+    do not, each once. Each history is given by the messages it adds to the previous turn's,
+    by position (the others are equal to the one at their place there, looked at already).
+    `kept_whole` are the turns whose whole history a problem keeps already (unreadable, or
+    the turn converts to no message): what they hold is kept; `hidden` the runtime contexts
+    problems keep."""
     if not any(histories):
         return []
     held = _Held.of(messages, hidden)
     findings: list[Finding] = []
     seen: set[str] = set()
-    previous: list[Any] = []
-    for index, history in enumerate(histories):
-        if not history:
-            continue
-        for position, message in enumerate(history):
-            if position < len(previous) and previous[position] == message:
-                continue
-            if isinstance(message, dict):
-                findings += _message_findings(
-                    index, position, message, held, seen, index in kept_whole, markers
-                )
+    for index, added in enumerate(histories):
+        kept = index in kept_whole
+        for position, message in added:
+            if readable(message):
+                findings += _message_findings(index, position, message, held, seen, kept, markers)
             elif message not in _SAYS_NOTHING:
-                findings += _part_finding(
-                    index, position, None, message, seen, kept=index in kept_whole
-                )
-        previous = history
+                findings += _part_finding(index, position, None, message, seen, kept=kept)
     return findings
 
 
@@ -213,9 +302,10 @@ def _message_findings(
                     placed=False,
                 )
             )
-    parts = message.get("parts")
-    for number, part in enumerate(parts if isinstance(parts, list) else ()):
+    for number, part in enumerate(message["parts"]):
         if isinstance(part, dict) and part.get("part_kind") == "system-prompt":
+            if _unread(part, _PROMPT_FIELDS["system-prompt"]):
+                findings += _part_finding(index, position, number, part, seen, kept=kept)
             continue
         whole, hidden = _part_held(part, held, markers)
         if hidden and hidden not in held.hidden:
@@ -249,6 +339,8 @@ def _part_finding(
         return []
     where = f"message {position}" + (f", part {number}" if number is not None else "")
     kind = part.get("part_kind") if isinstance(part, dict) else None
+    if number is None and isinstance(part, dict):
+        kind = "a message not in Pydantic AI's shape"
     return [
         Finding(
             index,
