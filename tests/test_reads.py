@@ -580,13 +580,14 @@ async def test_after_a_slow_turn_landed_in_a_recreated_id_its_new_owner_can_stil
     assert seen == ["hello", "second"]
 
 
-async def test_a_turn_landing_just_after_its_conversations_delete_leaves_nothing_under_the_id(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("removal", ["delete", "erase_user"])
+async def test_a_turn_landing_just_after_its_conversations_removal_leaves_nothing_under_the_id(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, removal: str
 ) -> None:
-    """OWNER's turn, faster than `claim_grace`, reserved before the delete and inserts after
-    the delete's sweeps: the delete, seeing a reserved block not stored, sweeps once more
-    `claim_grace` later. The next holder of the id logs every turn, and no read of the id
-    serves the deleted conversation's message."""
+    """OWNER's turn, faster than `claim_grace`, reserved before the delete (or the erasure of
+    OWNER) and inserts after its sweeps: seeing a reserved `seq` not stored, it sweeps once
+    more `claim_grace` later. Nothing names OWNER afterwards, the next holder of the id logs
+    every turn, and no read of the id serves the removed conversation's message."""
     logger = AgentMessageLogger(backend.db)  # the default grace: the turn is a fast one
     store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.2)))
     go, turn = await _owners_second_turn_in_flight(
@@ -599,10 +600,14 @@ async def test_a_turn_landing_just_after_its_conversations_delete_leaves_nothing
         await grace()
 
     monkeypatch.setattr(store, "_grace", the_turn_lands_first)
-    await store.delete("c-x", user_id=OWNER)
-    if not go.is_set():  # no second sweep: the turn lands once the delete returned
+    if removal == "delete":
+        await store.delete("c-x", user_id=OWNER)
+    else:
+        await store.erase_user(OWNER)
+    if not go.is_set():  # no second sweep: the turn lands once the removal returned
         await landing(go, turn)
 
+    assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
     for number in range(3):
         said = [{"role": "user", "content": f"hello {number}"}]
         await logger.log_messages(
@@ -610,7 +615,6 @@ async def test_a_turn_landing_just_after_its_conversations_delete_leaves_nothing
         )
     seen = [(m.seq, m.content) for m in await store.transcript("c-x")]
     assert seen == [(0, "hello 0"), (1, "hello 1"), (2, "hello 2")]
-    assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
 
 
 async def test_a_conversation_its_owner_starts_again_during_the_deletes_wait_keeps_its_turns(
@@ -639,38 +643,6 @@ async def test_a_conversation_its_owner_starts_again_during_the_deletes_wait_kee
     seen = [(m.seq, m.content) for m in await store.transcript("c-x", user_id=OWNER)]
     assert seen == [(0, "new start")]
     assert (await store.get_conversation("c-x")).message_count == 1
-
-
-async def test_a_turn_landing_just_after_its_users_erasure_leaves_nothing_of_them(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """As for a delete: OWNER's turn, faster than `claim_grace`, inserts after the erasure's
-    sweeps; the erasure, seeing reserved seqs not stored, sweeps once more `claim_grace`
-    later. Nothing names OWNER afterwards, and the next holder of the id logs every turn."""
-    logger = AgentMessageLogger(backend.db)
-    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.2)))
-    go, turn = await _owners_second_turn_in_flight(
-        logger, AgentMessageLogger(backend.db), monkeypatch
-    )
-    grace = store._grace
-
-    async def the_turn_lands_first() -> None:
-        await landing(go, turn)
-        await grace()
-
-    monkeypatch.setattr(store, "_grace", the_turn_lands_first)
-    await store.erase_user(OWNER)
-    if not go.is_set():  # no second sweep: the turn lands once the erasure returned
-        await landing(go, turn)
-
-    assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
-    for number in range(3):
-        said = [{"role": "user", "content": f"hello {number}"}]
-        await logger.log_messages(
-            "c-x", said, user_id=SOMEONE_ELSE, owner_only=True, turn_id=f"o{number}"
-        )
-    seen = [(m.seq, m.content) for m in await store.transcript("c-x")]
-    assert seen == [(0, "hello 0"), (1, "hello 1"), (2, "hello 2")]
 
 
 async def test_a_conversation_its_user_starts_during_the_erasures_wait_keeps_its_messages(
