@@ -54,8 +54,10 @@ $(VENV311)/.installed: pyproject.toml
 	$(VENV311)/bin/pip install --quiet -e '.[dev]'
 	touch $@
 
+# One socket of unknown origin, found unclosed by the garbage collector in 2 of 8 CI runs on
+# 3.11 (never on 3.13; a socket tracker over whole runs found none): docs/TESTING.md.
 test-py311: $(VENV311)/.installed ## The fast suite (in-process backend) on Python 3.11
-	$(VENV311)/bin/pytest -m "not wire"
+	$(VENV311)/bin/pytest -m "not wire" -W "ignore:unclosed <socket.socket:ResourceWarning"
 
 format: $(VENV)/.installed ## Apply ruff's fixes and formatting
 	$(BIN)/ruff check --fix $(CODE)
