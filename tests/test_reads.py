@@ -617,13 +617,16 @@ async def test_a_turn_landing_just_after_its_conversations_removal_leaves_nothin
     assert seen == [(0, "hello 0"), (1, "hello 1"), (2, "hello 2")]
 
 
-async def test_a_conversation_its_owner_starts_again_during_the_deletes_wait_keeps_its_turns(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The delete waits for OWNER's second turn (reserved, never stored: its process died);
-    meanwhile OWNER starts the id again with a turn of the first one's id: same owner, same
-    `seq`, same turn id. The delete's last sweep takes only messages of turns the new
-    conversation does not record."""
+async def _owner_logging_during_the_wait(
+    backend: Backend,
+    monkeypatch: pytest.MonkeyPatch,
+    conversation_id: str,
+    text: str,
+    *,
+    turn_id: str | None = None,
+) -> tuple[ConversationStore, asyncio.Task[Any]]:
+    """OWNER's second turn on "c-x" in flight (it will never be stored), and a store whose
+    removal, waiting for it (`_grace`), lets OWNER log `text` into `conversation_id` first."""
     logger = AgentMessageLogger(backend.db)
     store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.2)))
     _, turn = await _owners_second_turn_in_flight(
@@ -631,12 +634,25 @@ async def test_a_conversation_its_owner_starts_again_during_the_deletes_wait_kee
     )
     grace = store._grace
 
-    async def started_again_meanwhile() -> None:
-        await logger.log_messages("c-x", [{"role": "user", "content": "new start"}],
-                                  user_id=OWNER, turn_id="t1")  # fmt: skip
+    async def owner_logs_meanwhile() -> None:
+        said = [{"role": "user", "content": text}]
+        await logger.log_messages(conversation_id, said, user_id=OWNER, turn_id=turn_id)
         await grace()
 
-    monkeypatch.setattr(store, "_grace", started_again_meanwhile)
+    monkeypatch.setattr(store, "_grace", owner_logs_meanwhile)
+    return store, turn
+
+
+async def test_a_conversation_its_owner_starts_again_during_the_deletes_wait_keeps_its_turns(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The delete waits for OWNER's second turn (reserved, never stored: its process died);
+    meanwhile OWNER starts the id again with a turn of the first one's id: same owner, same
+    `seq`, same turn id. The delete's last sweep takes only messages of turns the new
+    conversation does not record."""
+    store, turn = await _owner_logging_during_the_wait(
+        backend, monkeypatch, "c-x", "new start", turn_id="t1"
+    )
     await store.delete("c-x", user_id=OWNER)
     turn.cancel()
 
@@ -648,19 +664,7 @@ async def test_a_conversation_its_owner_starts_again_during_the_deletes_wait_kee
 async def test_a_conversation_its_user_starts_during_the_erasures_wait_keeps_its_messages(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    logger = AgentMessageLogger(backend.db)
-    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.2)))
-    _, turn = await _owners_second_turn_in_flight(
-        logger, AgentMessageLogger(backend.db), monkeypatch
-    )
-    grace = store._grace
-
-    async def started_again_meanwhile() -> None:
-        await logger.log_messages("c-new", [{"role": "user", "content": "back again"}],
-                                  user_id=OWNER)  # fmt: skip
-        await grace()
-
-    monkeypatch.setattr(store, "_grace", started_again_meanwhile)
+    store, turn = await _owner_logging_during_the_wait(backend, monkeypatch, "c-new", "back again")
     await store.erase_user(OWNER)
     turn.cancel()
 
