@@ -580,19 +580,27 @@ async def test_after_a_slow_turn_landed_in_a_recreated_id_its_new_owner_can_stil
     assert seen == ["hello", "second"]
 
 
-@pytest.mark.parametrize("removal", ["delete", "erase_user"])
+@pytest.mark.parametrize("removal", ["delete", "erase_user", "erase_user, named elsewhere"])
 async def test_a_turn_landing_just_after_its_conversations_removal_leaves_nothing_under_the_id(
     backend: Backend, monkeypatch: pytest.MonkeyPatch, removal: str
 ) -> None:
     """OWNER's turn, faster than `claim_grace`, reserved before the delete (or the erasure of
     OWNER) and inserts after its sweeps: seeing a reserved `seq` not stored, it sweeps once
     more `claim_grace` later. Nothing names OWNER afterwards, the next holder of the id logs
-    every turn, and no read of the id serves the removed conversation's message."""
+    every turn, and no read of the id serves the removed conversation's message. A message
+    naming OWNER in a conversation OWNER does not own (one a claim is still moving) does not
+    stand in for the missing one."""
     logger = AgentMessageLogger(backend.db)  # the default grace: the turn is a fast one
     store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.2)))
     go, turn = await _owners_second_turn_in_flight(
         logger, AgentMessageLogger(backend.db), monkeypatch
     )
+    if removal.endswith("named elsewhere"):
+        await logger.log_messages("c-other", [{"role": "user", "content": "hi"}],
+                                  user_id=SOMEONE_ELSE, turn_id="o-1")  # fmt: skip
+        await backend.db.agent_messages.update_one(
+            {"conversation_id": "c-other"}, {"$set": {"user_id": OWNER}}
+        )
     grace = store._grace
 
     async def the_turn_lands_first() -> None:

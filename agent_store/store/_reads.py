@@ -830,8 +830,9 @@ class ConversationStore:
             conversations = await self._conversations.delete_many({"user_id": user_id})
             # Messages logged between the two deletes would otherwise be orphans.
             late = (await self._messages.delete_many({"user_id": user_id})).deleted_count
-        if messages + named.deleted_count + late < reserved:
-            # A seq reserved and not stored: a turn may still be inserting (as for a delete).
+        if messages < reserved:
+            # A seq of the user's conversations reserved and not stored there: a turn may still
+            # be inserting (as for a delete). Messages naming the user elsewhere do not count.
             await self._grace()
             with storage_errors("erase the user's data"):
                 started = await self._conversations.distinct("_id", {"user_id": user_id})
