@@ -151,6 +151,40 @@ async def test_a_turn_holding_only_the_resolution_is_logged_and_the_result_follo
     assert await runtime.store.pending_calls(CID) == []
 
 
+async def test_a_refusal_arriving_after_the_approval_denies_nothing(backend: Backend) -> None:
+    """A second, contradicting answer to a prompt already resolved (another tab, a replayed
+    UI event) comes too late: the tool is running; its result is the call's answer. A
+    resolved prompt holds back no call: `pending_calls` lists it awaiting its result."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    await runtime.stream([APPROVED])
+    calls = await runtime.store.pending_calls(CID)
+    assert [(c.tool_call_id, c.request_id) for c in calls] == [("tc-9", None)]
+
+    await runtime.stream([DENIED])
+    await runtime.stream([BOOKED, {"type": "stream_token", "token": "Booked: B-42."}])
+
+    assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
+    assert await runtime.store.pending_calls(CID) == []
+    exported = chat_completions(await runtime.store.transcript(CID))
+    assert [m["content"] for m in exported if m["role"] == "tool"] == ['{"booking":"B-42"}']
+
+
+@pytest.mark.parametrize(("first", "second"), [(APPROVED, DENIED), (DENIED, APPROVED)])
+async def test_a_prompt_answered_twice_in_one_stream_keeps_its_first_answer(
+    backend: Backend, first: dict[str, Any], second: dict[str, Any]
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+
+    await runtime.stream([first, second])
+
+    denied = [(DENIED_RESULT, "tool call denied")]
+    assert await runtime.answers_of("tc-9") == ([] if first is APPROVED else denied)
+    awaiting = [c.tool_call_id for c in await runtime.store.pending_calls(CID)]
+    assert awaiting == (["tc-9"] if first is APPROVED else [])
+
+
 async def test_a_result_answering_no_call_of_the_turn_nor_any_pending_one_is_refused(
     backend: Backend,
 ) -> None:

@@ -8,7 +8,7 @@ the exported JSON Schema.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar, Generic, Literal, Self, TypeVar
 
@@ -490,9 +490,24 @@ class PendingCall(_Model):
     message_id: str
     """The assistant message that made the call."""
     request_id: str | None = None
-    """The HITL prompt that holds the call back: the first one its turn raised after it."""
+    """The HITL prompt that holds the call back: the first one its turn raised after it (or a
+    later one naming it). Once a person resolved that prompt by request id (`resolve_hitl`:
+    its id is then among the conversation's `resolved_hitl`), the call awaits its result and
+    the store serves null here."""
     created_at: UtcDatetime
     """When the call was made."""
+
+
+def awaiting_results(calls: Iterable[Any], resolved: Collection[str]) -> list[Any]:
+    """Stored `pending_calls` as served: a call whose prompt a person resolved by request id
+    (`resolved`: the conversation's `resolved_hitl`) is held back no more, so a later answer
+    to that prompt (a second tab, a replayed event) denies nothing."""
+    return [
+        {**call, "request_id": None}
+        if isinstance(call, Mapping) and call.get("request_id") in resolved
+        else call
+        for call in calls
+    ]
 
 
 class Usage(_Model):
@@ -640,6 +655,14 @@ class Conversation(_Model):
     """The request ids of the prompts `resolve_hitl` resolved, the newest
     `RESOLVED_PROMPTS_KEPT` (the store's bookkeeping, never served): a resolution leaves no
     message, so a rerun of the migration and a fork folding the messages read them here."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolved_prompts_hold_nothing(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("resolved_hitl") and data.get("pending_calls"):
+            calls = awaiting_results(data["pending_calls"], data["resolved_hitl"])
+            return {**data, "pending_calls": calls}
+        return data
     legacy_conversation_id: str | None = None
     """The id its legacy turns named, when that was not an identifier and the migration gave
     the conversation a derived one (extension)."""

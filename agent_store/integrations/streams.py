@@ -277,7 +277,12 @@ class TurnAssembler:
 
         A refusal answers the calls the request held back as denied, unless
         their result arrived anyway; an approval leaves them awaiting their result.
+        The first answer to a request is its answer: a later one in the stream changes
+        nothing, as one in a later turn does not (a resolved prompt holds no call back:
+        `PendingCall.request_id`).
         """
+        if request_id in self._resolved:
+            return
         self._resolved.append(request_id)
         if not approved:
             self._denied.update(self._held_by.get(request_id, ()))
@@ -331,7 +336,7 @@ class TurnAssembler:
         return StreamedTurn(
             messages=tuple(messages),
             interrupted=not complete,
-            resolved_request_ids=tuple(dict.fromkeys(self._resolved)),
+            resolved_request_ids=tuple(self._resolved),
             delivered_seqs=tuple(dict.fromkeys(self._delivered)),
         )
 

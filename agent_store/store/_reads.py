@@ -31,6 +31,7 @@ from agent_store.core import (
     PendingCall,
     PendingHitl,
     PoppedMessage,
+    awaiting_results,
     message_adapter,
     messages_adapter,
     shown,
@@ -706,10 +707,12 @@ class ConversationStore:
         """
         with storage_errors("read the pending calls"):
             doc = await self._conversations.find_one(
-                self._scope(conversation_id, user_id), {"pending_calls": 1}
+                self._scope(conversation_id, user_id), {"pending_calls": 1, "resolved_hitl": 1}
             )
-        calls = doc.get("pending_calls") if doc is not None else None
-        return [PendingCall.model_validate(call) for call in calls or ()]
+        if doc is None:
+            return []
+        calls = awaiting_results(doc.get("pending_calls") or (), doc.get("resolved_hitl") or ())
+        return [PendingCall.model_validate(call) for call in calls]
 
     async def resolve_hitl(
         self, conversation_id: str, request_id: str, *, user_id: str | None = None

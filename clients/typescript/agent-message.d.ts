@@ -408,7 +408,12 @@ export interface IPendingCall<TDate extends DateLike> {
   tool_name: string;
   /** The assistant message that made the call. */
   message_id: string;
-  /** The HITL prompt that holds the call back: the first one its turn raised after it. */
+  /**
+   * The HITL prompt that holds the call back: the first one its turn raised after it (or a
+   * later one naming it). Once a person resolved that prompt by request id (`resolve_hitl`:
+   * its id is then among the conversation's `resolved_hitl`), the call awaits its result and
+   * the store serves null here.
+   */
   request_id: string | null;
   /** When the call was made. */
   created_at: TDate;
