@@ -663,6 +663,7 @@ class Conversation(_Model):
             calls = awaiting_results(data["pending_calls"], data["resolved_hitl"])
             return {**data, "pending_calls": calls}
         return data
+
     legacy_conversation_id: str | None = None
     """The id its legacy turns named, when that was not an identifier and the migration gave
     the conversation a derived one (extension)."""
