@@ -35,6 +35,7 @@ from agent_store.store import (
 )
 from migrations import full_texts
 from migrations import problems as problem_report
+from migrations.errors import MigrationError
 from migrations.explode import LEGACY_FILTER, Explosion, batches
 from migrations.writes import is_migrated
 
@@ -158,6 +159,12 @@ def remove(run: Explosion) -> list[Abandoned]:
     """A run's last step, once it has gone through every conversation: remove each abandoned
     conversation holding only the migration's messages (unless a dry run); answer those left
     because live turns wrote to them."""
+    if run.db[run.source].find_one(LEGACY_FILTER, {"_id": 1}) is None:
+        raise MigrationError(
+            f"{run.source} holds no legacy turn any more (dropped while this run went on?): "
+            "every conversation the migration made would look abandoned; removing none. "
+            "Restore the legacy turns (from a backup) before running again"
+        )
     left: list[Abandoned] = []
     for found in chunks(run.db):
         left += [item for item in found if item.live]

@@ -311,12 +311,25 @@ def _report(found: gate.Gate) -> None:
 
 
 def cmd_finish(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
+    """The gate, holding the migration lock: a run going on meanwhile (a rerun in another
+    terminal) could change what the gate read, and, the legacy turns dropped under it, would
+    take every conversation it migrated for one no legacy turn makes any more."""
     if relocate.holds_turns(db, CONVERSATIONS):
         print(f"{CONVERSATIONS} still holds legacy turns: run the migration first")
         return 1
     if args.drop_legacy and not args.yes:
         raise Misuse("--drop-legacy deletes the rollback copy: add --yes to confirm")
     _require_legacy_data(db)
+    run_id = time.strftime("finish-%Y%m%dT%H%M%SZ-", time.gmtime()) + uuid.uuid4().hex[:6]
+    held = lease.Lease(db, run_id)
+    held.acquire()
+    try:
+        return _finish(db, args, held)
+    finally:
+        held.release()
+
+
+def _finish(db: Database[dict[str, Any]], args: argparse.Namespace, held: lease.Lease) -> int:
     for conversation_id in args.accept or ():
         problem_report.accept(db, conversation_id, args.note)
         print(f"recorded: the unplaced content of {conversation_id!r} is accepted ({args.note})")
@@ -334,6 +347,7 @@ def cmd_finish(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         {"_id": explode.STATE_ID}, {"$set": {"finished_at": utc_now()}}, upsert=True
     )
     if args.drop_legacy:
+        held.renew()  # still this command's: no run started while the gate read
         db[LEGACY_TURNS].drop()
         print(f"dropped {LEGACY_TURNS}; rollback to the legacy service is no longer possible")
     else:

@@ -416,6 +416,8 @@ class Explosion:
                 next(spread_ids(self.db, self.source, LEGACY_FILTER, ranges), None) is None
             )
             if exhausted and self.options.conversation is None and self.after_all is not None:
+                if self.lease is not None and not self.options.dry_run:
+                    self.lease.renew()  # the last step removes: only while the lock is held
                 self.after_all()
         except BaseException as exc:
             self._record("failed", error=f"{type(exc).__name__}: {exc}", finished_at=utc_now())

@@ -110,7 +110,7 @@ class Lease:
                 "another migration run holds the lock: "
                 + describe(collection.find_one({"_id": LOCK_ID}))
                 + ". Wait for it to finish; if that process is gone, wait for the lease to "
-                "expire or pass --force-unlock"
+                "expire or take it over with `run --force-unlock`"
             ) from exc
 
     def renew(self) -> None:

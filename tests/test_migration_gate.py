@@ -1868,3 +1868,49 @@ def test_a_dual_written_turn_answering_an_earlier_turns_call_is_no_difference(
     assert cli(wire_uri, database, "run") == 0
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_finish_waits_for_no_run_holding_the_lock_and_drops_nothing_while_one_runs(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rerun in one terminal, `finish --drop-legacy --yes` in another: the gate would pass
+    (the first run was complete), but a run that finds the legacy turns gone removes every
+    conversation it migrated. `finish` holds the lock too, so the two never overlap."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    held = Lease(database, "run-in-another-terminal", timedelta(minutes=5))
+    held.acquire()
+
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 3
+
+    assert "another migration run holds the lock" in capsys.readouterr().err
+    assert relocate.holds_turns(database, LEGACY_TURNS)
+    held.release()
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+
+@pytest.mark.wire
+def test_a_run_whose_legacy_turns_vanish_under_it_removes_no_migrated_conversation(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The legacy collection dropped by hand (or by a `finish` that took a stalled run's
+    expired lease) while a rerun goes through its batches: the run's last step must not take
+    every migrated conversation for one no legacy turn makes any more."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    before = database[MESSAGES].count_documents({})
+    batch = explode.Explosion.batch
+
+    def legacy_dropped_after_the_first_batch(run: explode.Explosion, ids: list[Any]) -> None:
+        batch(run, ids)
+        database[LEGACY_TURNS].drop()
+
+    monkeypatch.setattr(explode.Explosion, "batch", legacy_dropped_after_the_first_batch)
+
+    assert cli(wire_uri, database, "run", "--batch-size", "1") != 0
+    assert database[MESSAGES].count_documents({}) == before
