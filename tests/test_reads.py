@@ -16,6 +16,7 @@ from agent_store import (
     ConversationStore,
     InvalidInput,
     NotFound,
+    StorageUnavailable,
     TurnRules,
     Unsupported,
 )
@@ -917,3 +918,73 @@ async def test_the_assigning_turns_last_sweep_follows_a_claim_made_meanwhile(
     assert (await store.get_conversation("c-un")).user_id == CLAIMER
     seen = [m.content for m in await store.transcript("c-un", user_id=CLAIMER)]
     assert seen == ["first", "in flight", "assigned"]
+
+
+async def _a_turn_applied_after_its_writer_gave_up_and_the_delete(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OWNER's turn "t2" on "c-x" reserves its block; its insert reaches the server only after
+    the writer gave up (a client timeout: `StorageUnavailable`, never retried) and after the
+    delete of "c-x" returned, its grace and second sweep included."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+    await logger.ensure_indexes()
+    await logger.log_messages("c-x", [{"role": "user", "content": "mine"}], user_id=OWNER,
+                              turn_id="t1")  # fmt: skip
+    held: list[Any] = []
+    insert_many = logger._messages.insert_many
+
+    async def applied_later(documents: list[dict[str, Any]], **kwargs: Any) -> Any:
+        held.append(documents)
+        raise StorageUnavailable("the client timed out")
+
+    monkeypatch.setattr(logger._messages, "insert_many", applied_later)
+    with pytest.raises(StorageUnavailable):
+        await logger.log_messages("c-x", [{"role": "user", "content": "OWNER's secret"},
+                                  {"role": "assistant", "content": "noted"}], user_id=OWNER,
+                                  turn_id="t2")  # fmt: skip
+    await store.delete("c-x", user_id=OWNER)
+    await insert_many(held[0], ordered=False)  # the server applies it now
+
+
+async def test_a_turn_applied_after_its_writer_gave_up_and_its_conversations_delete_blocks_no_turn(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The late messages sit at the `seq`s the next conversation under the id takes: the
+    turn that reserves them finds another turn's messages in its own block, which no
+    conversation under the id records, and takes their place. Every turn is logged, and
+    no read serves OWNER's message."""
+    await _a_turn_applied_after_its_writer_gave_up_and_the_delete(backend, monkeypatch)
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+
+    for number in range(3):
+        said = [{"role": "user", "content": f"hello {number}"}]
+        await logger.log_messages(
+            "c-x", said, user_id=SOMEONE_ELSE, owner_only=True, turn_id=f"o{number}"
+        )
+
+    seen = [(m.seq, m.content) for m in await store.transcript("c-x")]
+    assert seen == [(0, "hello 0"), (1, "hello 1"), (2, "hello 2")]
+    assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
+
+
+async def test_a_turn_retried_after_its_late_insert_outlived_its_conversation_is_stored_anew(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runtime retries the turn whose writer gave up, later: its conversation was deleted
+    meanwhile, so the retry starts one under the id, and finds the turn's own messages where
+    the deleted conversation had put them. They take their place in the new one."""
+    await _a_turn_applied_after_its_writer_gave_up_and_the_delete(backend, monkeypatch)
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    said = [
+        {"role": "user", "content": "OWNER's secret"},
+        {"role": "assistant", "content": "noted"},
+    ]
+
+    retried = await logger.log_messages("c-x", said, user_id=OWNER, turn_id="t2")
+    await logger.log_messages("c-x", [{"role": "user", "content": "next"}], user_id=OWNER)
+
+    assert [m.seq for m in retried.messages] == [0, 1]
+    seen = [(m.seq, m.content) for m in await store.transcript("c-x", user_id=OWNER)]
+    assert seen == [(0, "OWNER's secret"), (1, "noted"), (2, "next")]
+    assert (await store.get_conversation("c-x")).message_count == 3

@@ -47,7 +47,7 @@ from agent_store.core import (
     messages_adapter,
     utc_now,
 )
-from agent_store.store._blobs import FullTextStore
+from agent_store.store._blobs import FullTextStore, stored_blob_ids
 from agent_store.store._driver import Database, only_duplicates, storage_errors
 from agent_store.store._fork import (
     fork_copies,
@@ -868,6 +868,19 @@ class AgentMessageLogger:
                 {"conversation_id": conversation_id, "_id": {"$in": list(failed)}}
             )
         }
+        displaced = [wanted for id_, wanted in failed.items() if id_ not in stored]
+        if displaced:  # its seqs hold another turn's messages
+            with storage_errors("read the messages in the turn's block"):
+                there = await self._messages.find(
+                    {
+                        "conversation_id": conversation_id,
+                        "seq": {"$in": [d["seq"] for d in displaced]},
+                    }
+                ).to_list(None)
+            if not there or any(d.get("turn_id") == plan.turn_id for d in there):
+                raise _taken(conversation_id, displaced[0]["_id"], displaced[0]["seq"])
+            await self._in_place_of(plan, there, displaced)
+            stored.update({d["_id"]: d for d in displaced})
         shifts: set[int] = set()
         for message_id_, wanted in failed.items():
             found = stored.get(message_id_)
@@ -877,10 +890,45 @@ class AgentMessageLogger:
         if shifts == {0}:
             return stored
         first = int(documents[0]["seq"]) + min(shifts)
-        if len(shifts) > 1 or not await self._in_a_block_of_the_turn(plan, first):
+        if len(shifts) > 1:
             message_id_, wanted = next(iter(failed.items()))
             raise _taken(conversation_id, message_id_, wanted["seq"])
+        if not await self._in_a_block_of_the_turn(plan, first):
+            # The turn's own messages, where an earlier conversation under the id put them.
+            await self._in_place_of(plan, [stored[id_] for id_ in failed], list(failed.values()))
+            stored.update(failed)
         return stored
+
+    async def _in_place_of(
+        self, plan: TurnPlan, strays: list[dict[str, Any]], wanted: list[dict[str, Any]]
+    ) -> None:
+        """Store the turn's `wanted` messages in place of `strays`, messages no turn of this
+        conversation stored where they are (two or three round trips more, on that path only).
+
+        The conversation gives each `seq` to one turn and records every block a turn holds:
+        a message of another turn in this turn's block, or one of this turn in a block the
+        conversation does not record for it, is a late insert of a turn whose writer had given
+        up, applied by the server after the conversation under the id was deleted (and after
+        the delete's second sweep), or after its block was passed as abandoned
+        (`TurnRules.abandon_after`) and given back by a pop. It goes, with the whole texts
+        only it names, and the turn's message takes its place."""
+        kept = {text.blob_id for text in plan.full_texts}
+        await self._full_texts.forget_files(
+            [b for d in strays for b in stored_blob_ids(d) if b not in kept]
+        )
+        conversation_id = plan.conversation_id
+        with storage_errors("insert the messages"):
+            await self._messages.delete_many(
+                {"conversation_id": conversation_id, "$or": [
+                    {"_id": d["_id"], "seq": d["seq"]} for d in strays
+                ]}
+            )  # fmt: skip
+            try:
+                await self._messages.insert_many(wanted, ordered=False)
+            except BulkWriteError as exc:
+                only_duplicates(exc)
+                lost = wanted[exc.details["writeErrors"][0]["index"]]
+                raise _taken(conversation_id, lost["_id"], lost["seq"]) from exc
 
     async def _in_a_block_of_the_turn(self, plan: TurnPlan, first_seq: int) -> bool:
         """Whether the conversation records a block of the turn (its own, or one it left by
