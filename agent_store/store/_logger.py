@@ -854,9 +854,10 @@ class AgentMessageLogger:
         conversation records for the turn (`_in_a_block_of_the_turn`: one lookup more, on
         that path only): an attempt's insert that landed after another attempt moved the
         turn (or before, the other attempt's landing after). Wherever they are, the turn is
-        stored there and every attempt answers them. A message left under the ids this turn
-        derives by another conversation under the same id (a stray an erase or a delete did
-        not reach) is a Conflict, which names nothing of it."""
+        stored there and every attempt answers them. Messages an earlier conversation under
+        the id left in the way (a late insert no delete reached) give way (`_in_place_of`),
+        but one under an id this turn derives, at its `seq`, with other content is a
+        Conflict, which names nothing of it."""
         only_duplicates(error)
         write_errors = error.details.get("writeErrors", [])
         failed = {documents[e["index"]]["_id"]: documents[e["index"]] for e in write_errors}
