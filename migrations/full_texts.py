@@ -1,6 +1,6 @@
-"""Whole texts of cut messages in GridFS, through the synchronous driver (see
-`agent_store.store._blobs` for the format): written before the messages that name
-them, read back by `verify` and checked by `finish`."""
+"""Whole texts in GridFS, through the synchronous driver (see `agent_store.store._blobs` for
+the format): those of cut messages and of problems too large for their document, written
+before the documents that name them, read back by `verify` and checked by `finish`."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from agent_store.store import (
     with_texts,
 )
 from migrations.bounds import Bounds, bounded
+from migrations.errors import MigrationError
 
 
 def present(db: Database[dict[str, Any]], blob_ids: Iterable[str]) -> set[str]:
@@ -36,29 +37,46 @@ def present(db: Database[dict[str, Any]], blob_ids: Iterable[str]) -> set[str]:
 
 def _insert(
     db: Database[dict[str, Any]], name: str, docs: list[dict[str, Any]], bounds: Bounds
-) -> None:
+) -> bool:
+    """Insert the documents; True when an id was taken already."""
+    taken = False
     for run in bounded(docs, [len(bson.encode(d)) for d in docs], bounds):
         try:
             db[name].insert_many(run, ordered=False)
         except BulkWriteError as exc:
-            only_duplicates(exc)  # same ids, same bytes: a file a killed run had started
+            only_duplicates(exc)
+            taken = True
+    return taken
 
 
 def keep(db: Database[dict[str, Any]], full_texts: Sequence[FullText], bounds: Bounds) -> None:
-    """Write the files: all their chunks, then the `files` documents that make them visible.
+    """Make each file hold its text, whatever its id held before (a message's or a problem's
+    rewritten after an edit, or an id a problem of other content took).
 
-    The files are not visible yet (or no longer: `forget`): any chunk of theirs a killed run
-    left behind goes first, so the file is made of these texts' chunks only."""
-    if not full_texts:
+    A file that holds the text already is left as it is. Any other under its id (another text,
+    or a file a killed run left unreadable) is forgotten first: its `files` document, then
+    its chunks, so no reader finds a `files` document over chunks of another text, and a run
+    killed between the steps leaves the file missing, which the next run writes and `finish`
+    reports until then. Then the chunks, then the `files` documents that make them visible."""
+    wanted = {full.blob_id: full for full in full_texts}
+    found = texts(db, wanted)
+    write = [full for blob, full in wanted.items() if found.get(blob) != full.text]
+    if not write:
         return
-    db[BLOB_CHUNKS].delete_many({"files_id": {"$in": [f.blob_id for f in full_texts]}})
-    built = [blob_documents(full) for full in full_texts]
-    _insert(db, BLOB_CHUNKS, [c for _, chunks in built for c in chunks], bounds)
-    _insert(db, BLOB_FILES, [files for files, _ in built], bounds)
+    forget(db, [full.blob_id for full in write])
+    built = [blob_documents(full) for full in write]
+    taken = _insert(db, BLOB_CHUNKS, [c for _, chunks in built for c in chunks], bounds)
+    taken = _insert(db, BLOB_FILES, [files for files, _ in built], bounds) or taken
+    if taken and texts(db, wanted) != {blob: full.text for blob, full in wanted.items()}:
+        raise MigrationError(
+            "another process wrote the whole texts of cut messages or problems while this run "
+            "wrote them; stop it, then run again"
+        )
 
 
 def forget(db: Database[dict[str, Any]], blob_ids: Sequence[str]) -> None:
-    """Delete files: their `files` documents first (so none is seen half gone), then chunks."""
+    """Delete files: their `files` documents first (so none is seen half gone), then chunks
+    (any a killed run left too)."""
     if blob_ids:
         db[BLOB_FILES].delete_many({"_id": {"$in": list(blob_ids)}})
         db[BLOB_CHUNKS].delete_many({"files_id": {"$in": list(blob_ids)}})

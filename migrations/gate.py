@@ -205,7 +205,8 @@ def _kept_reasons(problems: Sequence[Problem], recorded: Sequence[tuple[str, str
     if found - Counter(d for kind, d in recorded if kind not in LIVE_KINDS):
         return [
             "content the migration keeps in placed problems is not recorded as it is now "
-            "(new, or edited after the run): run the migration again"
+            "(new, edited after the run, or the content a problem keeps in GridFS missing or "
+            "damaged): run the migration again"
         ]
     return []
 
@@ -233,8 +234,9 @@ def _unplaced_reasons(
 ) -> list[str]:
     if unrecorded:
         return [
-            "content only the legacy data holds is not recorded as it is now (new, or edited "
-            "after the run): run the migration again"
+            "content only the legacy data holds is not recorded as it is now (new, edited "
+            "after the run, or the content a problem keeps in GridFS missing or damaged): "
+            "run the migration again"
         ]
     if unaccepted:
         return [

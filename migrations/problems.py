@@ -56,8 +56,40 @@ def _document(
     full = FullText(
         blob_id(document_id, "content"), problem.conversation_id, document_id, "content", text, at
     )
-    document |= {"content": None, "content_blob_id": full.blob_id, "content_length": len(text)}
+    document |= {
+        "content": None,
+        "content_blob_id": full.blob_id,
+        "content_length": len(text),
+        "content_sha256": hashlib.sha256(text.encode()).hexdigest(),
+    }
     return document, full
+
+
+def _as_kept(db: Database[dict[str, Any]], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records, each whose content kept in GridFS is not there as it says (the file
+    missing, unreadable or holding another text: a run killed while writing it) with the
+    digest "", which matches nothing: what it keeps is not recorded, and a run writes it."""
+    found = full_texts.texts(db, (r["content_blob_id"] for r in records if _in_a_file(r)))
+    return [r if _file_holds(r, found) else r | {"digest": ""} for r in records]
+
+
+def _in_a_file(record: dict[str, Any]) -> bool:
+    return isinstance(record.get("content_blob_id"), str)
+
+
+def _file_holds(record: dict[str, Any], found: dict[str, str]) -> bool:
+    if not _in_a_file(record):
+        return True
+    text = found.get(record["content_blob_id"])
+    if text is None:
+        return False
+    if "content_sha256" not in record:  # recorded before the digest was
+        return len(text) == record.get("content_length")
+    return hashlib.sha256(text.encode()).hexdigest() == str(record["content_sha256"])
+
+
+KEPT_FIELDS = {"digest": 1, "content_blob_id": 1, "content_length": 1, "content_sha256": 1}
+"""What a record says of its content kept in GridFS, to read it back (`_as_kept`)."""
 
 
 def problem_documents(
@@ -139,7 +171,8 @@ def recorded_found(db: Database[dict[str, Any]], problems: Sequence[Problem]) ->
     """The digests of these problems recorded as they are now, unplaced, by `record_found`."""
     ids = [found_id(p, digest(p)) for p in problems]
     query = {"_id": {"$in": ids}, "placed": False}
-    return {d.get("digest", "") for d in db[PROBLEMS].find(query, {"digest": 1})}
+    records = _as_kept(db, list(db[PROBLEMS].find(query, KEPT_FIELDS)))
+    return {d.get("digest", "") for d in records}
 
 
 def _upsert(
@@ -180,11 +213,12 @@ def unplaced(
     db: Database[dict[str, Any]], conversation_ids: Iterable[str], *, placed: bool = False
 ) -> dict[str, list[tuple[str, str]]]:
     """(kind, digest) of the unplaced problems (with `placed`, the placed ones) recorded for
-    each of these conversations (a record without a digest, of an older run, has the digest
-    "": it matches nothing)."""
+    each of these conversations (a record without a digest, of an older run, or whose content
+    kept in GridFS is not there as it says, has the digest "": it matches nothing)."""
     found: dict[str, list[tuple[str, str]]] = {}
     query = {"conversation_id": {"$in": sorted(set(conversation_ids))}, "placed": placed}
-    for doc in db[PROBLEMS].find(query, {"conversation_id": 1, "kind": 1, "digest": 1}):
+    fields = {"conversation_id": 1, "kind": 1} | KEPT_FIELDS
+    for doc in _as_kept(db, list(db[PROBLEMS].find(query, fields))):
         found.setdefault(doc["conversation_id"], []).append((doc["kind"], doc.get("digest", "")))
     return found
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import bson
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError, OperationFailure
 
@@ -136,12 +137,14 @@ def _copy_batch(
 def _accept_identical_copies(
     error: BulkWriteError, batch: list[dict[str, Any]], target: Any
 ) -> None:
-    """A resumed copy meets documents it copied before; anything else is an error."""
+    """A resumed copy meets documents it copied before; anything else is an error. The same
+    document is the same BSON: Python's `==` finds a NaN unequal to itself, and `0.0` equal
+    to `-0.0` and `120` to `120.0`, which BSON tells apart."""
     only_duplicates(error)
     failed = error.details.get("writeErrors", [])
     wanted = {batch[e["index"]]["_id"]: batch[e["index"]] for e in failed}
     for found in target.find({"_id": {"$in": list(wanted)}}):
-        if found != wanted[found["_id"]]:
+        if bson.encode(found) != bson.encode(wanted[found["_id"]]):
             raise MigrationError(
                 f"turn document {found['_id']!r} exists in {LEGACY_TURNS} with other content; "
                 "refusing to overwrite or delete it"

@@ -285,8 +285,7 @@ def apply(
 ) -> tuple[int, list[Problem]]:
     """Make the planned writes: whole texts, conversation documents, then messages. Returns
     how many messages were inserted, and the problems of races with the live service."""
-    full_texts.forget(db, planned.stale_texts)
-    full_texts.keep(db, planned.full_texts, bounds)
+    full_texts.keep(db, planned.full_texts, bounds)  # a stale file is replaced (`keep`)
     upserts = [
         # Only over a document the migration wrote: the logger's have turn records.
         ReplaceOne({"_id": d["_id"], "turns.0": {"$exists": False}}, d, upsert=True)

@@ -430,6 +430,59 @@ def test_response_text_that_no_message_holds_is_still_a_problem() -> None:
     )
 
 
+def answer_turn(parts: list[str], response_text: str) -> dict[str, Any]:
+    """A turn whose text parts are `parts`, summed up in `response_text`."""
+    return {
+        "_id": "r-1", "conversation_id": "c-text", "created_at": MESSY_START,
+        "user_message": "which dose?", "response_text": response_text,
+        "response_parts": [{"type": "text", "content": part} for part in parts],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("parts", "response_text"),
+    [
+        (["Take 1 0mg twice"], "Take 10mg twice"),
+        (["Take 10mg twice"], "Take 1 0mg twice"),
+        (["Take 10", "mg twice"], "Take 10 m g twice"),
+        (["Take 10mg  twice"], "Take 10mg twice"),
+    ],
+    ids=["space-removed", "space-added", "across-parts", "spaced-otherwise"],
+)
+def test_response_text_saying_other_words_than_the_parts_only_by_a_space_is_a_problem(
+    parts: list[str], response_text: str
+) -> None:
+    """White space inside a text is content, as in a history's pieces: `10mg` is not `1 0mg`;
+    only white space at the ends of a part, or between two, is aside."""
+    [problem] = convert([answer_turn(parts, response_text)]).problems
+    assert (problem.kind, problem.content) == ("response_text_not_in_parts", response_text)
+
+
+@pytest.mark.parametrize(
+    ("parts", "response_text"),
+    [
+        (["Take 10mg", "twice"], "Take 10mg twice"),
+        (["Take 10mg ", "twice"], "Take 10mg\n\ntwice"),
+        (["Take 10", "mg twice"], "Take 10mg twice"),
+        (["Take 10mg twice"], " Take 10mg twice\n"),
+        (["Take 10mg twice. Then", "rest"], "Take 10mg"),
+        (["Hello.", "Take 10mg", "twice daily."], "Take 10mg twice"),
+    ],
+    ids=[
+        "joined-by-a-space",
+        "joined-by-lines",
+        "joined-without",
+        "at-the-ends",
+        "cut-short",
+        "within",
+    ],
+)
+def test_response_text_the_parts_hold_but_for_white_space_at_or_between_their_ends_is_no_problem(
+    parts: list[str], response_text: str
+) -> None:
+    assert convert([answer_turn(parts, response_text)]).problems == []
+
+
 TWO_SPELLINGS = {
     "text and content": ({"type": "text", "content": "shown", "text": "«second»"}, ["text"]),
     "result and content": (

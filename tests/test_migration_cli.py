@@ -16,7 +16,7 @@ from typing import Any
 
 import mongomock
 import pytest
-from bson import ObjectId
+from bson import Int64, ObjectId
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
@@ -26,6 +26,7 @@ from agent_store.store import CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from migrations import explode, lease, relocate
 from migrations.cli import _report_id_clustering, main
+from migrations.errors import MigrationError
 from migrations.lease import Lease
 from migrations.problems import PROBLEMS
 from scripts.legacy_corpus import legacy_corpus
@@ -258,6 +259,48 @@ def test_move_aside_copies_when_the_server_refuses_the_rename(
     assert "refused the rename" in moved.detail
     assert database[LEGACY_TURNS].count_documents({}) == len(corpus())
     assert database[CONVERSATIONS].count_documents({}) == 0
+
+
+def latency_turn(n: int, latency: Any) -> dict[str, Any]:
+    return {"_id": f"t-{n}", "conversation_id": "c-1", "user_id": "u-1",
+            "created_at": datetime(2024, 1, 1, n, tzinfo=UTC), "user_message": f"q{n}",
+            "response_parts": [{"type": "text", "content": f"a{n}"}],
+            "latency_ms": latency}  # fmt: skip
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("latency", [float("nan"), -0.0, 120], ids=["nan", "negative-zero", "int"])
+def test_a_killed_copy_resumes_over_the_turns_it_copied_byte_for_byte(
+    database: Database[dict[str, Any]], latency: Any
+) -> None:
+    """A copy killed after inserting a batch and before deleting it resumes: a turn found
+    copied is the same when its BSON is, NaN included (which equals nothing in Python)."""
+    turns = [latency_turn(n, latency if n == 0 else 7) for n in range(3)]
+    database[CONVERSATIONS].insert_many(turns)
+    database[LEGACY_TURNS].insert_many([dict(t) for t in turns])
+
+    assert relocate.relocate(database).how == "copied"
+    assert database[LEGACY_TURNS].count_documents({}) == 3
+    assert database[CONVERSATIONS].count_documents({}) == 0
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    ("latency", "copied"),
+    [(0.0, -0.0), (120, 120.0), (120, Int64(120))],
+    ids=["negative-zero", "int-and-float", "int32-and-int64"],
+)
+def test_a_killed_copy_never_takes_a_copy_its_bson_tells_apart_as_its_turn(
+    database: Database[dict[str, Any]], latency: Any, copied: Any
+) -> None:
+    """Python equality is not identity: `0.0 == -0.0` and `120 == 120.0`, which BSON tells
+    apart. The copy refuses, and deletes nothing."""
+    database[CONVERSATIONS].insert_one(latency_turn(0, latency))
+    database[LEGACY_TURNS].insert_one(latency_turn(0, copied))
+
+    with pytest.raises(MigrationError, match="exists in agent_conversations_deprecated with other"):
+        relocate.relocate(database)
+    assert database[CONVERSATIONS].count_documents({}) == 1
 
 
 def conversation_document(conversation_id: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from agent_store.legacy import (
     SESSION_HITL,
     convert,
     derived_conversation_id,
+    dumps,
     legacy_turn_documents,
     legacy_turn_id,
     parse_turns,
@@ -969,23 +970,55 @@ def test_reruns_that_move_messages_leave_the_conversation_writable_where_they_en
     assert database[CONVERSATIONS].find_one({"_id": "c-w"})["message_count"] == stored + 2
 
 
+def unknown_part(payload: str) -> dict[str, Any]:
+    """A part of a kind no reader knows: a problem keeps it whole."""
+    return {"type": "mystery", "payload": payload}
+
+
+KEPT_WHOLE = {
+    # A cut message's whole text, and a problem's content too large for its document.
+    "message": lambda text: [{"type": "tool_call", "tool_name": "f", "args": {}},
+                             {"type": "tool_result", "tool_name": "f", "result": text}],
+    "problem": lambda text: [{"type": "text", "content": "answer"}, unknown_part(text)],
+}  # fmt: skip
+
+
+def run_accepting(wire_uri: str, database: Database[dict[str, Any]], cid: str) -> None:
+    """`run`, then `finish`, accepting the conversation's unplaced content when it has any."""
+    assert cli(wire_uri, database, "run") == 0
+    if cli(wire_uri, database, "finish") == 1:
+        assert cli(wire_uri, database, "finish", "--accept", cid, "--note", "in problems") == 0
+
+
+def gridfs_texts(db: Database[dict[str, Any]]) -> list[str]:
+    """Every file of the bucket as GridFS reads it (raises on one it cannot read)."""
+    bucket = gridfs.GridFSBucket(db, bucket_name=BLOB_BUCKET)
+    return [
+        bucket.open_download_stream(f["_id"]).read().decode()
+        for f in db[f"{BLOB_BUCKET}.files"].find()
+    ]
+
+
 @pytest.mark.wire
+@pytest.mark.parametrize("kept", KEPT_WHOLE.values(), ids=list(KEPT_WHOLE))
 def test_a_run_killed_while_rewriting_a_whole_text_is_finished_by_the_next(
-    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    kept: Callable[[str], list[dict[str, Any]]],
 ) -> None:
     """Killed between removing a file's `files` document and its chunks: the next run writes
     the file from these chunks only (the old ones would make it unreadable for good)."""
     from migrations import full_texts
 
-    big = "y" * BIG_RESULT_CHARS
-    turn = legacy_turn("t-a", "c-a", 0, "A") | {
-        "response_parts": [{"type": "tool_call", "tool_name": "f", "args": {}},
-                           {"type": "tool_result", "tool_name": "f", "result": big + "old"}]
-    }  # fmt: skip
-    database[CONVERSATIONS].insert_one(turn)
+    big = "y" * 2_000_000
+    database[CONVERSATIONS].insert_one(
+        legacy_turn("t-a", "c-a", 0, "A") | {"response_parts": kept(big + "old")}
+    )
     assert cli(wire_uri, database, "run") == 0
-    edit = {"response_parts.1.result": big + "new «edit»"}
-    database[LEGACY_TURNS].update_one({"_id": "t-a"}, {"$set": edit})
+    database[LEGACY_TURNS].update_one(
+        {"_id": "t-a"}, {"$set": {"response_parts": kept(big + "new «edit»")}}
+    )
 
     def killed(db: Any, blob_ids: Any) -> None:
         db[f"{BLOB_BUCKET}.files"].delete_many({"_id": {"$in": list(blob_ids)}})
@@ -995,9 +1028,103 @@ def test_a_run_killed_while_rewriting_a_whole_text_is_finished_by_the_next(
     assert cli(wire_uri, database, "run") == 130
     monkeypatch.undo()
 
+    run_accepting(wire_uri, database, "c-a")
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    [text] = gridfs_texts(database)
+    assert "new «edit»" in text
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("kept", KEPT_WHOLE.values(), ids=list(KEPT_WHOLE))
+@pytest.mark.parametrize("edited", [1_500_000, 2_500_000], ids=["shorter", "longer"])
+def test_a_text_kept_in_gridfs_and_edited_after_the_run_reads_as_edited_after_the_drop(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    kept: Callable[[str], list[dict[str, Any]]],
+    edited: int,
+) -> None:
+    """A rerun rewriting a whole text under the id it had leaves a file GridFS reads, holding
+    the new text: its `files` document and its chunks alike, never the old length."""
+    database[CONVERSATIONS].insert_one(
+        legacy_turn("t-a", "c-a", 0, "A") | {"response_parts": kept("A" * 2_000_000 + "«OLD»")}
+    )
+    run_accepting(wire_uri, database, "c-a")
+    database[LEGACY_TURNS].update_one(
+        {"_id": "t-a"}, {"$set": {"response_parts": kept("B" * edited + "«NEW»")}}
+    )
+    assert cli(wire_uri, database, "finish") == 1
+
+    run_accepting(wire_uri, database, "c-a")
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    [text] = gridfs_texts(database)
+    assert "«NEW»" in text
+    assert "«OLD»" not in text
+
+
+@pytest.mark.wire
+def test_a_large_problem_taking_the_id_of_another_holds_its_own_content(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """Problem ids count a conversation's problems of a kind: when an edit removes the first,
+    the second takes its id, and the file under that id becomes the second's content."""
+    first, second = unknown_part("1" * 2_000_000 + "«FIRST»"), unknown_part("«SECOND»" * 200_000)
+    answer = {"type": "text", "content": "answer"}
+    database[CONVERSATIONS].insert_one(
+        legacy_turn("t-a", "c-a", 0, "A") | {"response_parts": [answer, first, second]}
+    )
+    run_accepting(wire_uri, database, "c-a")
+    database[LEGACY_TURNS].update_one(
+        {"_id": "t-a"}, {"$set": {"response_parts": [answer, second]}}
+    )
+
+    run_accepting(wire_uri, database, "c-a")
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    [problem] = database[PROBLEMS].find()
+    bucket = gridfs.GridFSBucket(database, bucket_name=BLOB_BUCKET)
+    content = json.loads(bucket.open_download_stream(problem["content_blob_id"]).read())
+    assert content == second
+
+
+def _drop_chunks(db: Database[dict[str, Any]], blob_id: str) -> None:
+    db[f"{BLOB_BUCKET}.chunks"].delete_many({"files_id": blob_id})
+
+
+def _drop_files_document(db: Database[dict[str, Any]], blob_id: str) -> None:
+    db[f"{BLOB_BUCKET}.files"].delete_one({"_id": blob_id})
+
+
+def _other_bytes(db: Database[dict[str, Any]], blob_id: str) -> None:
+    db[f"{BLOB_BUCKET}.chunks"].update_one(
+        {"files_id": blob_id, "n": 0}, {"$set": {"data": b"Z" * 255 * 1024}}
+    )
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    "damage", [_drop_chunks, _drop_files_document, _other_bytes], ids=["chunks", "files", "bytes"]
+)
+def test_finish_holds_the_drop_back_while_a_problems_content_in_gridfs_is_not_what_it_keeps(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    damage: Callable[[Database[dict[str, Any]], str], None],
+) -> None:
+    """The gate reads back the content a problem keeps in GridFS: missing, unreadable or
+    holding another text, it is work left until a run writes it again."""
+    database[CONVERSATIONS].insert_one(
+        legacy_turn("t-a", "c-a", 0, "A")
+        | {"response_parts": KEPT_WHOLE["problem"]("x" * 2_000_000)}
+    )
+    run_accepting(wire_uri, database, "c-a")
+    [problem] = database[PROBLEMS].find()
+    damage(database, problem["content_blob_id"])
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert "content a problem keeps in GridFS" in capsys.readouterr().out
     assert cli(wire_uri, database, "run") == 0
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
-    assert "«edit»" in kept_text(database)
+    assert gridfs_texts(database) == [dumps(KEPT_WHOLE["problem"]("x" * 2_000_000)[1])[0]]
 
 
 @pytest.mark.wire

@@ -899,14 +899,20 @@ def _count_or_none(value: Any) -> int | None:
 
 
 def _told_by(summary: str, texts: Sequence[str]) -> bool:
-    """Whether a summary is some of the texts one after another, or lies within them
-    (white space aside: writers joined parts with and without separators)."""
-    remaining = "".join(summary.split())
-    pieces = ["".join(t.split()) for t in texts]
+    """Whether a summary is some of the texts one after another (the last may be cut short),
+    or lies within one of them or within them all run together. Texts are compared as a
+    history's pieces are, exactly but for white space at their ends (`print(a b)` is not
+    `print(ab)`); writers joined parts with and without separators, so between two texts any
+    white space, or none, is no difference."""
+    pieces = [t.strip() for t in texts if t.strip()]
+    whole = summary.strip()
+    remaining = whole
     for piece in pieces:
-        if piece and remaining.startswith(piece):
-            remaining = remaining[len(piece) :]
-    return not remaining or "".join(summary.split()) in "".join(pieces)
+        if piece.startswith(remaining):
+            return True
+        if remaining.startswith(piece):
+            remaining = remaining[len(piece) :].lstrip()
+    return any(whole in joint.join(pieces) for joint in ("", " ", "\n"))
 
 
 def _flatten(items: Iterable[Item]) -> list[dict[str, Any]]:
