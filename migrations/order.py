@@ -146,9 +146,9 @@ _TIME_ORDERED = (
         "a UUID of version 1, 6 or 7",
         re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[167][0-9a-f]{3}-", re.I),
     ),
-    ("an ObjectId", re.compile(r"^[0-9a-f]{24}$", re.I)),
-    ("a ULID", re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")),
-    ("a number", re.compile(r"^\d+$")),
+    ("an ObjectId", re.compile(r"^[0-9a-f]{24}\Z", re.I)),
+    ("a ULID", re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}\Z")),
+    ("a number", re.compile(r"^\d+\Z")),
 )
 
 

@@ -55,6 +55,21 @@ def test_a_conversation_id_that_is_not_an_identifier_gets_a_derived_stable_one()
     assert derived in problem.detail
 
 
+@pytest.mark.parametrize("odd", ["conv-1\n", "conv-1\r\n", "conv-1\u2028", "\nconv-1"])
+def test_an_id_with_a_line_break_at_an_end_is_no_identifier_and_gets_a_derived_one(
+    odd: str,
+) -> None:
+    """A pattern's `$` also matches before a last newline: no id check may read it so."""
+    turn = {"_id": f"{odd}t", "conversation_id": odd, "user_message": "hi",
+            "created_at": MESSY_START}  # fmt: skip
+
+    conversion = convert([turn])
+
+    assert conversion.conversation_id == derived_conversation_id(odd)
+    assert [p.kind for p in conversion.problems] == ["derived_conversation_id"]
+    assert all(m.turn_id and "\n" not in m.turn_id for m in conversion.messages)
+
+
 def test_turns_without_a_conversation_id_become_a_conversation_each() -> None:
     orphan = {"_id": "lost-1", "user_message": "where am I?", "created_at": MESSY_START}
     conversion = convert([orphan])

@@ -37,8 +37,8 @@ DENIED_RESULT = "The user denied this tool call."
 PENDING_RESULT = "No result yet: this tool call awaits approval or its result."
 """What an export answers a pending call with, in the replay it produces; never stored."""
 
-_OUTCOME_MARKER = re.compile(r"^tool call (failed|denied|interrupted|retried)(?:: ([A-Za-z_]+))?$")
-_FEEDBACK_MARKER = re.compile(r"^retry feedback(?:: ([A-Za-z_]+))?$")
+_OUTCOME_MARKER = re.compile(r"^tool call (failed|denied|interrupted|retried)(?:: ([A-Za-z_]+))?\Z")
+_FEEDBACK_MARKER = re.compile(r"^retry feedback(?:: ([A-Za-z_]+))?\Z")
 
 
 def outcome_error(outcome: ToolOutcome, cause: str | None = None) -> MessageError:

@@ -205,7 +205,7 @@ def pending_writes(
 
 # -- filters ----------------------------------------------------------------------------------
 
-_PLAIN_KEY = re.compile(r"^[^$.\x00][^.\x00]*$")
+_PLAIN_KEY = re.compile(r"^[^$.\x00][^.\x00]*\Z")
 
 
 def metadata_filter(filter: Mapping[str, Any] | None) -> dict[str, Any]:

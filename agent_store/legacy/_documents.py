@@ -47,9 +47,9 @@ CONVERSATION_COUNTERS = ("message_count", "turn_count")
 them) and no legacy turn holds (DESIGN §4): in `agent_conversations`, a document holding
 neither is a legacy turn, whatever other fields it holds or lacks."""
 
-_KEY = re.compile(r"^[A-Za-z0-9_.:@|-]{1,100}$")
+_KEY = re.compile(r"^[A-Za-z0-9_.:@|-]{1,100}\Z")
 """A document id short enough to appear as it is in the ids derived from it."""
-_IDENTIFIER = re.compile(r"^[A-Za-z0-9_.:@|-]{1,200}$")
+_IDENTIFIER = re.compile(r"^[A-Za-z0-9_.:@|-]{1,200}\Z")
 """What `agent_store.core.Identifier` accepts."""
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 MAX_COUNT = 2**63 - 1
