@@ -15,6 +15,7 @@ from agent_store.core import AgentMessage, message_adapter
 from agent_store.store import (
     BLOB_CHUNKS,
     BLOB_FILES,
+    CHUNKS_PER_REPLY,
     MESSAGES,
     FullText,
     blob_documents,
@@ -88,7 +89,8 @@ def texts(db: Database[dict[str, Any]], blob_ids: Iterable[str]) -> dict[str, st
     if not wanted:
         return {}
     files = db[BLOB_FILES].find({"_id": {"$in": wanted}})
-    return texts_of(files, db[BLOB_CHUNKS].find({"files_id": {"$in": wanted}}))
+    chunks = db[BLOB_CHUNKS].find({"files_id": {"$in": wanted}}, batch_size=CHUNKS_PER_REPLY)
+    return texts_of(files, chunks)
 
 
 def restore(db: Database[dict[str, Any]], messages: Sequence[AgentMessage]) -> list[AgentMessage]:

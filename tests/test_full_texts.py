@@ -16,9 +16,10 @@ from pymongo import MongoClient
 from pymongo.errors import AutoReconnect
 
 from agent_store import AgentMessageLogger, ConversationStore, Truncation
-from agent_store.core import Conflict, StorageUnavailable, message_adapter
+from agent_store.core import Conflict, StorageUnavailable, message_adapter, utc_now
 from agent_store.store import BLOB_BUCKET, TurnRules, stored_turn_record
-from agent_store.store._truncation import blob_id
+from agent_store.store._blobs import FullTextStore
+from agent_store.store._truncation import FullText, blob_id
 from tests.api_harness import (
     OTHER,
     SERVICE_TOKEN,
@@ -537,3 +538,22 @@ async def test_a_cut_turn_logged_before_whole_text_digests_without_its_file_is_r
 
     with pytest.raises(Conflict, match="other content"):
         await logger.log_messages(CID, read_it("first-ending"), turn_id="t-1")
+
+
+async def test_whole_texts_larger_together_than_one_reply_are_read_in_batches(
+    wire_backend: Backend,
+) -> None:
+    """A server answers a read in replies of 16 MiB at most (the embedded one in one reply of
+    any size, which the driver refuses past 48 MB): the chunks of many whole texts are read
+    in batches that fit."""
+    texts = FullTextStore(wire_backend.db)
+    at = utc_now()
+    wanted = {
+        blob_id(f"m-{n}", "content"): f"{n:03d}" + "x" * 3_000_000 for n in range(18)
+    }  # 54 MB of chunks
+    await texts.keep(
+        [FullText(b, "c-big", f"m-{n}", "content", text, at)
+         for n, (b, text) in enumerate(wanted.items())]
+    )  # fmt: skip
+
+    assert await texts.texts(wanted) == wanted

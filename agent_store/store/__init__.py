@@ -6,6 +6,7 @@ write reach it through the protocols in `LegacySource` and `TurnObserver`.
 
 from agent_store.store._blobs import (
     CHUNK_BYTES,
+    CHUNKS_PER_REPLY,
     FullTextStore,
     blob_documents,
     kept_blob_ids,
@@ -106,6 +107,7 @@ __all__ = [
     "BLOB_BUCKET",
     "BLOB_CHUNKS",
     "BLOB_FILES",
+    "CHUNKS_PER_REPLY",
     "CHUNK_BYTES",
     "CONVERSATIONS",
     "DEFAULT_MARKERS",

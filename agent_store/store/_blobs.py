@@ -30,6 +30,9 @@ from agent_store.store._indexes import BLOB_CHUNKS, BLOB_FILES, MESSAGES
 from agent_store.store._truncation import FullText, put_text
 
 CHUNK_BYTES = 255 * 1024
+CHUNKS_PER_REPLY = 60
+"""Chunks asked for per reply: 15 MiB, within a server's 16 MiB reply (the embedded server,
+asked for no size, answers a read in one reply, which the driver refuses past 48 MB)."""
 """GridFS's default chunk size."""
 
 
@@ -162,7 +165,9 @@ class FullTextStore:
             return {}
         with storage_errors("read the whole texts of cut messages"):
             files = await self._files.find({"_id": {"$in": wanted}}).to_list(None)
-            chunks = await self._chunks.find({"files_id": {"$in": wanted}}).to_list(None)
+            chunks = await self._chunks.find(
+                {"files_id": {"$in": wanted}}, batch_size=CHUNKS_PER_REPLY
+            ).to_list(None)
         return texts_of(files, chunks)
 
     async def restore(self, messages: Sequence[AgentMessage]) -> list[AgentMessage]:
