@@ -17,8 +17,11 @@ class SignInLimiter:
     """After `max_failures` wrong tokens within `window_seconds`, a client waits.
 
     Every attempt is refused while it waits, the right token included, so guessing
-    gains nothing from the limit's end. The oldest clients are forgotten beyond
-    `max_clients`, so memory stays bounded whatever addresses an attacker uses.
+    gains nothing from the limit's end. An attempt is held (`reserve`) before its
+    form is read and counts as a failure until it is `release`d, so tokens that
+    arrive late, all at once, are checked no more often than tokens sent one by
+    one. The oldest clients are forgotten beyond `max_clients`, so memory stays
+    bounded whatever addresses an attacker uses.
     """
 
     def __init__(
@@ -29,6 +32,8 @@ class SignInLimiter:
         self.max_clients = max_clients
         self.clock: Callable[[], float] = time.monotonic
         self._failures: OrderedDict[str, deque[float]] = OrderedDict()
+        self._in_flight: dict[str, int] = {}
+        """Attempts reserved and not released yet: at most one per open request."""
 
     def __len__(self) -> int:
         return len(self._failures)
@@ -43,9 +48,28 @@ class SignInLimiter:
     def retry_after(self, client: str) -> int:
         """Seconds `client` must wait before its next attempt; 0 when it may try now."""
         failures = self._recent(client)
-        if len(failures) < self.max_failures:
+        if len(failures) + self._in_flight.get(client, 0) < self.max_failures:
             return 0
+        if len(failures) < self.max_failures:
+            return 1  # attempts in flight hold the rest, and settle within a request
         return max(1, math.ceil(failures[0] + self.window_seconds - self.clock()))
+
+    def reserve(self, client: str) -> int:
+        """Hold an attempt of `client` until `release`: 0 when held, else seconds to wait.
+
+        A held attempt counts against the limit as a failure would; record its
+        outcome with `failed` or `succeeded` before releasing it.
+        """
+        wait = self.retry_after(client)
+        if not wait:
+            self._in_flight[client] = self._in_flight.get(client, 0) + 1
+        return wait
+
+    def release(self, client: str) -> None:
+        """End an attempt `reserve` held, whether its token was checked or not."""
+        held = self._in_flight.pop(client, 0)
+        if held > 1:
+            self._in_flight[client] = held - 1
 
     def failed(self, client: str) -> None:
         """Count a wrong token from `client`."""

@@ -132,11 +132,21 @@ async def login(request: Request) -> Response:
     if not _same_origin(request):
         return render("login.html", 403, problem="Sign-in must come from this site's own form.")
     limiter: SignInLimiter = request.app.state.sign_in_limiter
-    wait = limiter.retry_after(_client(request))
+    client = _client(request)
+    # Held before the form is read: forms sent late cannot all slip past the limit at once.
+    wait = limiter.reserve(client)
     if wait:
         limited = render("login.html", 429, problem=f"Too many wrong tokens: wait {wait} s.")
         limited.headers["Retry-After"] = str(wait)
         return limited
+    try:
+        return await _sign_in(request, limiter, client)
+    finally:
+        limiter.release(client)
+
+
+async def _sign_in(request: Request, limiter: SignInLimiter, client: str) -> Response:
+    """Read the form, check its token, and open a session for the right one."""
     form = await _posted_form(request)
     if form is None:
         return render("login.html", 413, problem="The sign-in form was too large.")
@@ -144,9 +154,9 @@ async def login(request: Request) -> Response:
     authenticator: Authenticator = request.app.state.authenticator
     service = authenticator.service_actor(token)
     if service is None:
-        limiter.failed(_client(request))
+        limiter.failed(client)
         return render("login.html", 401, problem="That token is not accepted.")
-    limiter.succeeded(_client(request))
+    limiter.succeeded(client)
     audit_record(request.scope).service = service
     try:
         cookie = await request.app.state.viewer_sessions.open(service, time.time())

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from starlette.requests import ClientDisconnect
 
 from app.auth import Authenticator
 from app.presentation import legacy_turn_view, pretty_json
@@ -318,6 +322,97 @@ def test_the_sign_in_limiter_forgets_the_oldest_clients_beyond_its_capacity() ->
     assert limiter.retry_after("d") > 0
     assert limiter.retry_after("a") == 0
     assert len(limiter) == 3
+
+
+async def test_sign_ins_whose_forms_arrive_late_are_limited_all_the_same(api: Served) -> None:
+    """Every post is past the door before any form arrives: the ones in flight count."""
+    limiter: SignInLimiter = api.http._transport.app.state.sign_in_limiter  # type: ignore[attr-defined]
+    gate = asyncio.Event()
+    reading: set[int] = set()
+    attempts = range(3 * limiter.max_failures)
+    settled = [asyncio.Event() for _ in attempts]  # answered, or waiting for its form
+
+    async def late_form(attempt: int) -> AsyncIterator[bytes]:
+        reading.add(attempt)
+        settled[attempt].set()
+        await gate.wait()
+        yield f"token=wrong-token-number-{attempt:02d}-0123456789abcdef".encode()
+
+    headers = {**SAME_ORIGIN, "Content-Type": "application/x-www-form-urlencoded"}
+    async with client_at(api, "203.0.113.7") as attacker:
+
+        async def post(attempt: int) -> httpx.Response:
+            try:
+                return await attacker.post(
+                    "/viewer/login", content=late_form(attempt), headers=headers
+                )
+            finally:
+                settled[attempt].set()
+
+        posts = [asyncio.create_task(post(attempt)) for attempt in attempts]
+        async with asyncio.timeout(10):
+            await asyncio.gather(*(event.wait() for event in settled))
+        gate.set()
+        answers = Counter(response.status_code for response in await asyncio.gather(*posts))
+        assert answers == {401: limiter.max_failures, 429: 2 * limiter.max_failures}
+        assert len(reading) == limiter.max_failures  # the refused ones were never read
+        assert (await sign_in(attacker)).status_code == 429  # the right token included
+
+
+async def test_a_sign_in_abandoned_before_its_form_arrives_gives_its_attempt_back(
+    api: Served,
+) -> None:
+    app = api.http._transport.app  # type: ignore[attr-defined]
+    limiter: SignInLimiter = app.state.sign_in_limiter
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/viewer/login",
+        "raw_path": b"/viewer/login",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"test"), (b"origin", b"http://test")],
+        "client": ("203.0.113.7", 40000),
+        "server": ("test", 80),
+    }
+
+    async def hang_up() -> dict[str, str]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: object) -> None:
+        pass
+
+    for _ in range(limiter.max_failures):
+        with contextlib.suppress(ClientDisconnect):
+            await app(dict(scope), hang_up, send)
+    assert limiter.retry_after("203.0.113.7") == 0
+    async with client_at(api, "203.0.113.7") as browser:
+        assert (await sign_in(browser)).status_code == 303
+
+
+def test_the_sign_in_limiter_counts_attempts_in_flight_against_the_limit() -> None:
+    limiter = SignInLimiter(max_failures=3, window_seconds=60)
+    limiter.clock = lambda: 0.0
+    assert [limiter.reserve("a") for _ in range(4)] == [0, 0, 0, 1]  # three held, the fourth waits
+    assert limiter.retry_after("a") == 1
+    assert limiter.reserve("b") == 0  # another client is not held up
+    limiter.failed("a")
+    limiter.release("a")
+    limiter.release("a")  # given up before its token was checked: not a failure
+    assert limiter.reserve("a") == 0  # one failure, two in flight
+    assert limiter.reserve("a") == 1
+    limiter.failed("a")
+    limiter.release("a")
+    limiter.succeeded("a")  # the right token, in flight alongside: a fresh start
+    limiter.release("a")
+    assert [limiter.reserve("a") for _ in range(4)] == [0, 0, 0, 1]
+    for _ in range(3):
+        limiter.failed("a")
+        limiter.release("a")
+    assert limiter.reserve("a") == 60  # three failures: the oldest leaves the window in 60 s
 
 
 @pytest.mark.parametrize(
