@@ -9,7 +9,7 @@ import logging
 
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from agent_store.core import StoreError
@@ -144,6 +144,13 @@ async def _starlette_error(request: Request, exc: Exception) -> Response:
     return response
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client hung up before its body arrived: routine on any network; nothing was read,
+    nothing is written, and the answer has no one to read it."""
+    log.info("client disconnected during %s %s", request.method, request.url.path)
+    return error_response(400, "invalid_input", "the client closed the request")
+
+
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(500, "internal_error", "an unexpected error occurred")
@@ -153,5 +160,6 @@ EXCEPTION_HANDLERS = {
     StoreError: _store_error,
     HttpProblem: _http_problem,
     HTTPException: _starlette_error,
+    ClientDisconnect: _client_gone,
     Exception: _unexpected,
 }

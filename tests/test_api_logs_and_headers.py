@@ -158,3 +158,34 @@ async def test_one_audit_line_per_request_and_none_for_health(
     assert [line["path"] for line in lines] == ["/v1/search", CONV]
     assert "secret" not in caplog.text
     assert "pasted-by-mistake" not in caplog.text
+
+
+async def test_a_client_hanging_up_before_its_body_is_no_server_error(
+    api: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A runtime's connection dropping mid-request is routine: nothing raised out of the app,
+    nothing logged as an error, nothing written."""
+    app = api.http._transport.app  # type: ignore[attr-defined]
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": f"{CONV}/turns", "raw_path": f"{CONV}/turns".encode(),
+        "query_string": b"", "root_path": "", "client": ("203.0.113.7", 40000),
+        "server": ("test", 80),
+        "headers": [(b"host", b"test"), (b"content-type", b"application/json"),
+                    *[(k.lower().encode(), v.encode()) for k, v in SERVICE.items()]],
+    }  # fmt: skip
+    sent: list[dict[str, object]] = []
+
+    async def hang_up() -> dict[str, str]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    before = await api.db.agent_messages.count_documents({})
+    with caplog.at_level(logging.INFO):
+        await app(scope, hang_up, send)
+
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [400]
+    assert await api.db.agent_messages.count_documents({}) == before
