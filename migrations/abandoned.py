@@ -17,7 +17,6 @@ the conversations found.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 from pymongo.database import Database
 
 from agent_store.core import InvalidInput
-from agent_store.legacy import LEGACY_TURNS, names_none, parse_turns, turns_known_as
+from agent_store.legacy import LEGACY_TURNS, parse_turns, turns_known_as
 from agent_store.store import (
     CONVERSATIONS,
     DERIVED_CONVERSATION_PREFIX,
@@ -36,7 +35,7 @@ from agent_store.store import (
 from migrations import full_texts
 from migrations import problems as problem_report
 from migrations.errors import MigrationError
-from migrations.explode import LEGACY_FILTER, Explosion, batches
+from migrations.explode import LEGACY_FILTER, Explosion, batches, hashed_turn_ids
 from migrations.writes import is_migrated
 
 CHUNK = 1000
@@ -46,8 +45,6 @@ _UNNAMED_BY_TEXT = (
     "dbPointer", "minKey", "maxKey", "javascriptWithScope",
 )  # fmt: skip
 """BSON types of a legacy conversation id that `id_filter` cannot find by the id's text."""
-_HASHED_KEY = re.compile(r"h[0-9a-f]{32}")
-"""A turn key hashed from an `_id` that is not a short identifier (`LegacyTurn.key`)."""
 
 
 @dataclass
@@ -75,28 +72,10 @@ class Abandoned:
         return f"{found}: run the migration again, which removes it"
 
 
-def _hashed_ids(db: Database[dict[str, Any]], keys: set[str]) -> dict[str, list[Any]]:
-    """The `_id`s of the turns naming no conversation whose (hashed) key is one of `keys`."""
-    if not keys:
-        return {}
-    found: dict[str, list[Any]] = {}
-    query = {"$and": [names_none("conversation_id"), LEGACY_FILTER]}
-    for turn in parse_turns(db[LEGACY_TURNS].find(query, {"_id": 1})):
-        if turn.key in keys:
-            found.setdefault(turn.key, []).append(turn.id)
-    return found
-
-
 def _named(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]) -> set[str] | None:
     """Which of these conversations some legacy turn makes now (None: a turn could not be
     read, so none is taken as abandoned)."""
-    hashed = {
-        key
-        for d in documents
-        if (key := str(d["_id"]).removeprefix(DERIVED_TURN_PREFIX)) != str(d["_id"])
-        and _HASHED_KEY.fullmatch(key)
-    }
-    hashed_ids = _hashed_ids(db, hashed)
+    hashed_ids = hashed_turn_ids(db, (str(d["_id"]) for d in documents))
     clauses = []
     for d in documents:
         cid = str(d["_id"])

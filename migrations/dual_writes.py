@@ -1,7 +1,8 @@
 """Dual-written legacy turns (`dual_write: true`): the new service's copies of its own turns,
 kept for a rollback (MIGRATION.md, "Transition flags").
 
-Such a turn is keyed by its conversation id and the live turn id (`turn_id`), which its
+Such a turn is keyed by the id its conversation is stored under (the one it names, or the
+derived id the legacy id it names stands for) and the live turn id (`turn_id`), which its
 stored messages carry too. A run skips it only while `agent_messages` holds messages of that
 turn (`held`): one without any (a second attempt after a rollback that cleared
 `agent_messages`) is a legacy turn like any other, converted by `run` and checked by `verify`
@@ -10,7 +11,9 @@ to what its stored messages hold and nothing else, that is its stored messages h
 content in order, carry the token usage and latency it converts to, and its conversion raises
 no problem of any kind (a dual write holds nothing the converter cannot read, so a problem is
 content a later edit added: an unknown part, a field, a history), but a result answering an
-earlier turn's call that its stored messages hold (converted alone, no call answers it).
+earlier turn's call that its stored messages hold (converted alone, no call answers it) and
+the `derived_conversation_id` of a conversation it names by the legacy id a derived id
+stands for.
 Anything else (the legacy service edited it after a rollback) is a difference for `verify`
 and work left for `finish` (`differences`): its stored messages are the live service's,
 which the migration never rewrites, so the turn is restored, or its `dual_write` mark
@@ -32,6 +35,7 @@ from agent_store.legacy import (
     normalize_part,
     parse_turns,
     result_text,
+    stored_conversation_id,
 )
 from agent_store.store import MESSAGES
 from migrations import full_texts
@@ -40,11 +44,14 @@ from migrations.transcript import differences as transcript_differences
 
 
 def _turn(document: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(conversation id, turn id) of a dual-written turn; None for any other document."""
+    """(conversation id, turn id) of a dual-written turn, by the id its conversation is
+    stored under, as its messages name it (`stored_conversation_id`: a dual write names a
+    conversation stored under a derived id by the legacy id it stands for); None for any
+    other document."""
     cid, turn_id = document.get("conversation_id"), document.get("turn_id")
     if document.get("dual_write") is not True or not isinstance(cid, str):
         return None
-    return (cid, turn_id) if isinstance(turn_id, str) else None
+    return (stored_conversation_id(document), turn_id) if isinstance(turn_id, str) else None
 
 
 def held(db: Database[dict[str, Any]], documents: Sequence[Mapping[str, Any]]) -> set[int]:
@@ -97,9 +104,14 @@ def _unheld(
     messages: Sequence[AgentMessage],
 ) -> str:
     """What a dual-written turn converts to that its stored messages do not hold, for a
-    person; "" when they hold it all: its problems (any kind, placed or not), its transcript
-    (they may hold more: a result of an earlier turn's call), its token usage and latency."""
-    problems = [p for p in conversion.problems if not _earlier_answer(p, messages)]
+    person; "" when they hold it all: its problems (any kind, placed or not, but the derived
+    id of a conversation it names by its legacy id), its transcript (they may hold more: a
+    result of an earlier turn's call), its token usage and latency."""
+    problems = [
+        p
+        for p in conversion.problems
+        if p.kind != "derived_conversation_id" and not _earlier_answer(p, messages)
+    ]
     if problems:
         kinds = ", ".join(sorted({p.kind for p in problems}))
         return f"it converts with problems: {kinds}"

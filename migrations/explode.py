@@ -25,13 +25,15 @@ any two writes is repaired by the next run, which recomputes the same documents.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
+import bson
 from pymongo import ReturnDocument
 from pymongo.database import Database
 
@@ -45,13 +47,23 @@ from agent_store.legacy import (
     group_conversations,
     id_filter,
     id_text,
+    legacy_name,
     named_id,
+    names_none,
+    not_identifiers,
     parse_turns,
     prompt_conversation,
     prompts_filter,
+    stored_conversation_id,
+    turns_known_as,
     with_session_prompts,
 )
-from agent_store.store import TurnRules
+from agent_store.store import (
+    DERIVED_CONVERSATION_PREFIX,
+    DERIVED_TURN_PREFIX,
+    TurnRules,
+    is_derived_id,
+)
 from migrations import dual_writes, writes
 from migrations import problems as problem_report
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS, Bounds
@@ -66,6 +78,11 @@ LEGACY_FILTER: dict[str, Any] = TURN_FILTER
 `agent_messages` does not hold (`dual_writes.held`)."""
 NOT_DUAL_WRITTEN: dict[str, Any] = {**TURN_FILTER, "dual_write": {"$ne": True}}
 """Legacy turns but the dual-written ones."""
+_IDS_A_READ = 10_000
+"""Conversation ids one read of their other spellings names (`other_spellings`): a batch
+reading the turns naming none may lead to as many derived ids as there are such turns."""
+_HASHED_KEY = re.compile(r"h[0-9a-f]{32}")
+"""A turn key hashed from an `_id` that is not a short identifier (`LegacyTurn.key`)."""
 
 
 T = TypeVar("T")
@@ -272,39 +289,134 @@ def convert_batch(
     """Read and convert a batch: conversions, problems of unconvertible ones, turns read.
 
     Turns are grouped by the id they are stored under: a legacy id that is not an
-    identifier gets a derived one, and each turn naming no conversation is one. An id whose
-    turns the read does not find is a problem (`_unread`), as one that cannot be converted.
-    A dual-written turn whose messages are stored is not converted (`dual_writes.held`);
-    such turns are added to `held`, for `verify` and `finish` to compare.
+    identifier gets a derived one, and each turn naming no conversation is one. A stored
+    conversation is converted whole, whichever way its turns name it (`other_spellings`):
+    one conversation, one `seq` space. An id whose turns the read does not find is a problem
+    (`_unread`), as one that cannot be converted. A dual-written turn whose messages are
+    stored is not converted (`dual_writes.held`); those of the batch's ids are added to
+    `held`, for `verify` and `finish` to compare.
     """
-    converted: list[Converted] = []
-    failed: list[Problem] = []
-    turns = 0
     read = read_turns(db, ids, source=source)
-    stored = dual_writes.held(db, [d for _, documents in read for d in documents])
-    for raw_id, found in read:
-        if not found:
-            failed.append(_unread(raw_id, source))
-            continue
+    failed = [_unread(raw_id, source) for raw_id, found in read if not found]
+    stored = dual_writes.held(db, [d for _, found in read for d in found])
+    if held is not None:
+        held += [d for _, found in read for d in found if id(d) in stored]
+    joined = other_spellings(db, read, lambda d: id(d) not in stored, source=source)
+    stored |= dual_writes.held(db, [d for _, found in joined for d in found])
+    groups: dict[str, list[LegacyTurn]] = {}
+    turns = 0
+    for raw_id, found in read + joined:
         documents = [d for d in found if id(d) not in stored]
-        if held is not None:
-            held += [d for d in found if id(d) in stored]
         turns += len(documents)
-        if not documents:
-            continue
-        parsed = _parsed(raw_id, documents, source)
+        parsed = _parsed(raw_id, documents, source) if documents else []
         if isinstance(parsed, Problem):
             failed.append(parsed)
             continue
-        for group in group_conversations(parsed).values():
-            conversion = convert(group, rules=rules, undated_at=undated_at)
-            converted.append(Converted(group, conversion))
+        for cid, group in group_conversations(parsed).items():
+            groups.setdefault(cid, []).extend(group)
+    converted = []
+    for group in groups.values():
+        # The legacy spelling first, then the dual writes naming the derived id: the same
+        # order whichever of the two a batch reads first (ties in time keep it).
+        group.sort(key=lambda t: t.conversation_id == t.stored_conversation_id)
+        converted.append(Converted(group, convert(group, rules=rules, undated_at=undated_at)))
     hitl = read_session_hitl(
-        db, {c.conversion.conversation_id: c.turns[0].conversation_id for c in converted}
+        db, {c.conversion.conversation_id: legacy_name(c.turns) for c in converted}
     )
     for item in converted:
         with_session_prompts(item.conversion, hitl.get(item.conversion.conversation_id, []))
     return converted, failed, turns
+
+
+def other_spellings(
+    db: Database[dict[str, Any]],
+    read: list[tuple[Any, list[dict[str, Any]]]],
+    wanted: Callable[[dict[str, Any]], bool],
+    *,
+    source: str = LEGACY_TURNS,
+) -> list[tuple[Any, list[dict[str, Any]]]]:
+    """The turns filed under the conversations of the `read` turns (`read_turns`) that name
+    them another way, grouped as `read_turns` groups them.
+
+    A conversation stored under a derived id is named by the legacy id it stands for (or,
+    for a `legacy-turn-` id, by none, on the turn it was made of) and by the derived id
+    itself, which a dual write made before it named a conversation as its legacy turns do.
+    For a read turn of the first kind the turns naming the derived id are read; for a
+    derived id read alone, whose turns need converting (`wanted`), the turns it stands for:
+    found by one pass over the legacy ids that are no identifier (`not_identifiers`), or
+    over the `_id`s of the turns naming none for a hashed `legacy-turn-h…` id. One more read
+    (one per `_IDS_A_READ` derived ids), only for a batch holding a derived conversation.
+    """
+    documents = [d for _, found in read for d in found]
+    names: dict[str, set[str | None]] = {}
+    converted: set[str] = set()
+    for document in documents:
+        cid = stored_conversation_id(document)
+        names.setdefault(cid, set()).add(named_id(document.get("conversation_id")))
+        if wanted(document):
+            converted.add(cid)
+    renamed = sorted(cid for cid, named in names.items() if named != {cid})
+    alone = sorted(cid for cid in converted if names[cid] == {cid} and is_derived_id(cid))
+    reads = [[{"conversation_id": {"$in": ids}}] for ids in batches(iter(renamed), _IDS_A_READ)]
+    if stood_for := _stood_for(db, alone, source):
+        reads.append(stood_for)
+    seen = {_identity(d) for d in documents}
+    grouped: dict[Any, tuple[Any, list[dict[str, Any]]]] = {}
+    for clauses in reads:
+        for doc in db[source].find({"$and": [{"$or": clauses}, LEGACY_FILTER]}):
+            if _identity(doc) not in seen:
+                raw = doc.get("conversation_id")
+                grouped.setdefault(_key(raw), (raw, []))[1].append(doc)
+    return list(grouped.values())
+
+
+def _stood_for(
+    db: Database[dict[str, Any]], derived: list[str], source: str
+) -> list[dict[str, Any]]:
+    """The filters of the legacy turns these derived ids stand for (`other_spellings`)."""
+    clauses: list[dict[str, Any]] = []
+    conversations = {cid for cid in derived if cid.startswith(DERIVED_CONVERSATION_PREFIX)}
+    if conversations:
+        match = {"$and": [not_identifiers("conversation_id"), LEGACY_FILTER]}
+        pipeline: list[dict[str, Any]] = [
+            {"$match": match},
+            {"$group": {"_id": "$conversation_id"}},
+        ]
+        for found in db[source].aggregate(pipeline, allowDiskUse=True):
+            value = found["_id"]
+            if stored_conversation_id({"conversation_id": value}) in conversations:
+                clauses.append(named(value))
+    hashed = hashed_turn_ids(db, derived, source=source)
+    for cid in derived:
+        if (key := cid.removeprefix(DERIVED_TURN_PREFIX)) != cid:
+            clauses.append(turns_known_as(cid, None, hashed.get(key, [])))
+    return clauses
+
+
+def hashed_turn_ids(
+    db: Database[dict[str, Any]], conversation_ids: Iterable[str], *, source: str = LEGACY_TURNS
+) -> dict[str, list[Any]]:
+    """The `_id`s of the turns naming no conversation that the hashed `legacy-turn-h…` ids
+    among `conversation_ids` stand for, by their key (`LegacyTurn.key`): one scan of the
+    `_id`s of the turns naming none, only when there is such an id."""
+    keys = {
+        key
+        for cid in conversation_ids
+        if (key := cid.removeprefix(DERIVED_TURN_PREFIX)) != cid and _HASHED_KEY.fullmatch(key)
+    }
+    if not keys:
+        return {}
+    found: dict[str, list[Any]] = {}
+    query = {"$and": [names_none("conversation_id"), LEGACY_FILTER]}
+    for turn in parse_turns(db[source].find(query, {"_id": 1})):
+        if turn.key in keys:
+            found.setdefault(turn.key, []).append(turn.id)
+    return found
+
+
+def _identity(document: Mapping[str, Any]) -> bytes:
+    """A document's `_id` as a key: unique in its collection, whatever its BSON type."""
+    return bson.encode({"_id": document.get("_id")})
 
 
 class Explosion:

@@ -70,6 +70,29 @@ def test_an_id_with_a_line_break_at_an_end_is_no_identifier_and_gets_a_derived_o
     assert all(m.turn_id and "\n" not in m.turn_id for m in conversion.messages)
 
 
+def test_turns_naming_a_conversation_by_its_legacy_id_or_by_its_derived_id_are_one() -> None:
+    """A live turn's legacy copy written before the dual write named a conversation as its
+    legacy turns do names it by its derived id: whichever turn comes first, the conversation
+    records the legacy id the others name, and says so in a problem."""
+    derived = derived_conversation_id(NOT_AN_IDENTIFIER)
+    copy = {"_id": "dual-1", "conversation_id": derived, "user_id": "u-1", "dual_write": True,
+            "turn_id": "native-1", "created_at": MESSY_START, "user_message": "«LIVE»"}  # fmt: skip
+    later = {"_id": "t-1", "conversation_id": NOT_AN_IDENTIFIER, "user_id": "u-1",
+             "created_at": MESSY_START + timedelta(hours=1), "user_message": "«OLD»"}  # fmt: skip
+
+    conversion = convert([later, copy])
+
+    assert conversion.conversation is not None
+    assert conversion.conversation.legacy_conversation_id == NOT_AN_IDENTIFIER
+    assert [m.content for m in conversion.messages] == ["«LIVE»", "«OLD»"]
+    [problem] = conversion.problems
+    assert (problem.kind, problem.legacy_id, problem.content) == (
+        "derived_conversation_id",
+        "t-1",
+        NOT_AN_IDENTIFIER,
+    )
+
+
 def test_turns_without_a_conversation_id_become_a_conversation_each() -> None:
     orphan = {"_id": "lost-1", "user_message": "where am I?", "created_at": MESSY_START}
     conversion = convert([orphan])

@@ -430,8 +430,11 @@ def log_live(
     turn_id: str,
     text: str,
     commands: CommandLog | None = None,
+    *,
+    dual_write: bool = False,
 ) -> LoggedTurn:
-    """A live turn (a question and its answer) logged by the new service's logger."""
+    """A live turn (a question and its answer) logged by the new service's logger, with the
+    dual write on if asked."""
 
     async def log() -> LoggedTurn:
         listeners = [commands] if commands is not None else []
@@ -440,8 +443,10 @@ def log_live(
         )
         if commands is not None:
             commands.clear()
+        db = client[database.name]
+        observers = [LegacyTurns(db, dual_write=True)] if dual_write else []
         try:
-            return await AgentMessageLogger(client[database.name]).log_messages(
+            return await AgentMessageLogger(db, observers=observers).log_messages(
                 cid,
                 [{"role": "user", "content": f"{text}?"}, {"role": "assistant", "content": text}],
                 user_id="u-1",
@@ -453,7 +458,7 @@ def log_live(
     return asyncio.run(log())
 
 
-def legacy_turn(turn_id: Any, cid: str, hour: int, text: str) -> dict[str, Any]:
+def legacy_turn(turn_id: Any, cid: Any, hour: int, text: str) -> dict[str, Any]:
     return {
         "_id": turn_id, "conversation_id": cid, "user_id": "u-1",
         "created_at": datetime(2024, 1, 1, hour, tzinfo=UTC),
@@ -1995,6 +2000,72 @@ def test_a_dual_written_turn_answering_an_earlier_turns_call_is_no_difference(
     assert cli(wire_uri, database, "run") == 0
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
+
+
+def roll_back(database: Database[dict[str, Any]], *, clear_messages: bool) -> None:
+    """The runbook's rollback: the new conversation documents moved away, the legacy
+    collection renamed back (copied: the embedded server refuses renames)."""
+    database[CONVERSATIONS].drop()
+    turns = list(database[LEGACY_TURNS].find())
+    database[LEGACY_TURNS].drop()
+    database[CONVERSATIONS].insert_many(turns)
+    if clear_messages:
+        database[MESSAGES].drop()
+
+
+DERIVED_CONVERSATIONS = {
+    "a legacy id that is not an identifier, its live turn dual-written": ("conv 42/é", True),
+    "a legacy id that is not an identifier, its live turn's copy naming the derived id": (
+        "conv 42/é", False),
+    "a legacy id stored as a double, its live turn's copy naming the derived id": (1e16, False),
+    "a turn naming no conversation, its live turn dual-written": (None, True),
+    "a turn naming no conversation, its live turn's copy naming the derived id": (None, False),
+}  # fmt: skip
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(("legacy_id", "dual_write"), DERIVED_CONVERSATIONS.values(),
+                         ids=list(DERIVED_CONVERSATIONS))  # fmt: skip
+@pytest.mark.parametrize("messages", ["cleared", "kept"])
+def test_a_second_attempt_after_a_rollback_migrates_a_derived_conversation_as_one(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    legacy_id: Any,
+    dual_write: bool,
+    messages: str,
+) -> None:
+    """A conversation stored under a derived id: its legacy turn, the legacy copy of the live
+    turn the new service logged (dual-written, or written before the dual write named a
+    conversation as its legacy turns do: by the derived id) and, with `agent_messages`
+    cleared, a turn the old service logged after the rollback are one conversation to the
+    second attempt: one `seq` space, every turn in its messages, and `finish` passes."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", legacy_id, 0, "«LEGACY»"))
+    stored_id = parse_turns([legacy_turn("t-1", legacy_id, 0, "")])[0].stored_conversation_id
+    assert cli(wire_uri, database, "run") == 0
+    live = log_live(wire_uri, database, stored_id, "native-1", "«LIVE»", dual_write=dual_write)
+    if not dual_write:
+        database[LEGACY_TURNS].insert_many(
+            legacy_turn_documents(stored_id, "native-1", live.messages, user_id="u-1", name=None)
+        )
+    roll_back(database, clear_messages=messages == "cleared")
+    texts = ["«LEGACY» question", "«LEGACY» answer", "«LIVE»?", "«LIVE»"]
+    if messages == "cleared":  # (else it is already live: MIGRATION.md, "Rollback")
+        # The old service names the conversation as its legacy turns do (`legacy-turn-…`
+        # for one naming none: the id the new service served it under).
+        after = legacy_turn("t-2", legacy_id or stored_id, 0, "«AFTER»")
+        database[CONVERSATIONS].insert_one(after | {"created_at": datetime.now(UTC)})
+        texts += ["«AFTER» question", "«AFTER» answer"]
+
+    # A batch a conversation id: each spelling of the derived one is read alone.
+    assert cli(wire_uri, database, "run", "--batch-size", "1") == 0
+    assert cli(wire_uri, database, "verify", "--batch-size", "1") == 0
+    assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
+    stored = database[MESSAGES].find({"conversation_id": stored_id}).sort("seq", 1)
+    assert [m["content"] for m in stored] == texts
+    capsys.readouterr()
+    assert cli(wire_uri, database, "run") == 0
+    assert summary(capsys.readouterr().out)["messages written"] == 0
 
 
 @pytest.mark.wire

@@ -10,7 +10,7 @@ import pytest
 from agent_store import AgentMessageLogger, Conflict, ConversationStore, LegacyTurns, NotFound
 from agent_store.core import AgentMessage, utc_now
 from agent_store.legacy import LEGACY_TURNS, SESSION_HITL, convert
-from agent_store.store import CONVERSATIONS, is_derived_id
+from agent_store.store import CONVERSATIONS, MESSAGES, is_derived_id
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_legacy_turns
 from tests.conftest import Backend
 from tests.test_logger import log_example
@@ -59,21 +59,71 @@ async def test_a_conversation_with_legacy_turns_kept_beside_it_can_be_renamed(
     assert renamed.name == "Trip"
 
 
+async def migrated(backend: Backend, turns: list[dict[str, Any]]) -> str:
+    """Legacy turns as the migration leaves them: converted, their conversation document
+    and messages stored, the turns in the legacy collection; the id they are stored under."""
+    conversion = convert(turns)
+    assert conversion.conversation is not None
+    await backend.db[CONVERSATIONS].insert_one(conversion.conversation.model_dump(by_alias=True))
+    await backend.db[MESSAGES].insert_many(
+        [m.model_dump(by_alias=True) for m in conversion.messages]
+    )
+    await backend.db[LEGACY_TURNS].insert_many(turns)
+    return conversion.conversation_id
+
+
+@pytest.mark.parametrize(
+    ("legacy_id", "named"),
+    [("conv 42/é", "conv 42/é"), (None, "legacy-turn-t-1")],
+    ids=["a legacy id that is not an identifier", "a turn naming no conversation"],
+)
+async def test_dual_write_names_a_conversation_as_its_legacy_turns_name_it(
+    backend: Backend, legacy_id: str | None, named: str
+) -> None:
+    """After a rollback the old service reads a conversation by the id its legacy turns name:
+    one stored under a derived id is dual-written under the legacy id it stands for. A turn
+    naming none gives no id to name: its live turns go under the derived one, the id the
+    new service served it by, which a second attempt files them under again."""
+    turn = {"_id": "t-1", "conversation_id": legacy_id, "user_id": "u-1",
+            "created_at": utc_now(), "user_message": "«LEGACY»"}  # fmt: skip
+    stored_id = await migrated(backend, [turn])
+    logger = AgentMessageLogger(backend.db, observers=[LegacyTurns(backend.db, dual_write=True)])
+    for _ in range(2):  # a retry rewrites the same legacy turn
+        await logger.log_messages(stored_id, [{"role": "user", "content": "«LIVE»"}],
+                                  user_id="u-1", turn_id="native-1")  # fmt: skip
+
+    copies = await backend.db[LEGACY_TURNS].find({"dual_write": True}).to_list(None)
+    converted = convert(await backend.db[LEGACY_TURNS].find().to_list(None))
+
+    assert [c["conversation_id"] for c in copies] == [named]
+    assert converted.conversation_id == stored_id
+    assert [m.content for m in converted.messages] == ["«LEGACY»", "«LIVE»"]
+
+
 async def test_dual_write_is_off_unless_asked_for(backend: Backend) -> None:
     await log_example(AgentMessageLogger(backend.db))
     assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
 
 
 @pytest.mark.wire
-async def test_dual_write_costs_two_more_round_trips(wire_backend: Backend) -> None:
+@pytest.mark.parametrize("legacy_id", [None, "conv 42/é"],
+                         ids=["logged live", "migrated under a derived id"])  # fmt: skip
+async def test_dual_write_costs_two_more_round_trips(
+    wire_backend: Backend, legacy_id: str | None
+) -> None:
     """The legacy turn's upsert, then the lookup that takes it back if the conversation was
-    deleted meanwhile."""
+    deleted meanwhile; naming a conversation by its legacy id costs no read."""
     assert wire_backend.commands is not None
+    cid = "dual"
+    if legacy_id is not None:
+        old = {"_id": "t-0", "conversation_id": legacy_id, "created_at": utc_now(),
+               "user_message": "old"}  # fmt: skip
+        cid = await migrated(wire_backend, [old])
     logger = AgentMessageLogger(
         wire_backend.db, observers=[LegacyTurns(wire_backend.db, dual_write=True)]
     )
     wire_backend.commands.clear()
-    await logger.log_messages("dual", [{"role": "user", "content": "hi"}], turn_id="t1")
+    await logger.log_messages(cid, [{"role": "user", "content": "hi"}], turn_id="t1")
     assert wire_backend.commands.names == ["findAndModify", "insert", "update", "find"]
 
 
@@ -512,18 +562,27 @@ def dual_write_held(
     return stored, go
 
 
+@pytest.mark.parametrize("legacy_id", [None, "conv gone/é"],
+                         ids=["logged live", "migrated under a derived id"])  # fmt: skip
 @pytest.mark.parametrize("lands", ["after the delete", "before the document goes"])
 async def test_a_deleted_conversation_does_not_come_back_through_a_late_dual_write(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch, lands: str
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, lands: str, legacy_id: str | None
 ) -> None:
+    """A conversation migrated under a derived id has its turns dual-written under the legacy
+    id it stands for: the delete's last step reaches those too."""
     logger, store = wired(backend, dual_write=True)
     legacy = store._legacy_source
     assert isinstance(legacy, LegacyTurns)
-    await logger.log_messages("c-gone", [{"role": "user", "content": "hi"}], user_id=VICTIM,
+    cid = "c-gone"
+    if legacy_id is not None:
+        old = {"_id": "t-0", "conversation_id": legacy_id, "user_id": VICTIM,
+                "created_at": utc_now(), "user_message": "old words"}  # fmt: skip
+        cid = await migrated(backend, [old])
+    await logger.log_messages(cid, [{"role": "user", "content": "hi"}], user_id=VICTIM,
                               turn_id="t1")  # fmt: skip
     stored, go = dual_write_held(legacy, monkeypatch, "t2")
     turn = asyncio.create_task(
-        logger.log_messages("c-gone", [{"role": "user", "content": "private words"}],
+        logger.log_messages(cid, [{"role": "user", "content": "private words"}],
                             user_id=VICTIM, turn_id="t2", owner_only=True)
     )  # fmt: skip
     await stored.wait()
@@ -538,10 +597,10 @@ async def test_a_deleted_conversation_does_not_come_back_through_a_late_dual_wri
 
         monkeypatch.setattr(conversations, "find_one_and_delete", dual_write_first)
 
-    await store.delete("c-gone", user_id=VICTIM)
+    await store.delete(cid, user_id=VICTIM)
     go.set()
     await turn
 
     assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
     with pytest.raises(NotFound):
-        await store.get_conversation("c-gone", user_id=VICTIM)
+        await store.get_conversation(cid, user_id=VICTIM)

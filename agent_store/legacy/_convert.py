@@ -41,6 +41,7 @@ from agent_store.legacy._documents import (
     as_count,
     dated_turns,
     epoch_number,
+    named_by,
     named_users,
     owner_of,
     parse_turns,
@@ -954,7 +955,7 @@ def convert(
         )
     conversation_id = validate_identifier(ids.pop(), "conversation_id")
     converter = _Converter(conversation_id, rules)
-    original = _original_id(converter, turns[0])
+    original = _original_id(converter, turns)
     messages, plans = _convert_turns(converter, turns, undated_at or utc_now())
     whole = {f.blob_id: f.text for plan in plans for f in plan.full_texts}
     _check_history(converter, turns, [with_texts(m, whole) for m in messages])
@@ -1035,9 +1036,12 @@ def _check_history_of_nothing(converter: _Converter, turn: LegacyTurn) -> None:
         )
 
 
-def _original_id(converter: _Converter, turn: LegacyTurn) -> str | None:
-    """The legacy id when the conversation is stored under a derived one, else None."""
-    if turn.conversation_id == converter.conversation_id:
+def _original_id(converter: _Converter, turns: Sequence[LegacyTurn]) -> str | None:
+    """The legacy id when the conversation is stored under a derived one, else None: as the
+    turns naming it otherwise than by the derived id name it (`named_by`), whichever turn
+    comes first."""
+    turn = named_by(turns)
+    if turn is None:
         return None
     named = "names no conversation" if turn.conversation_id is None else "is not an identifier"
     converter.problem(

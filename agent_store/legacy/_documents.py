@@ -87,6 +87,22 @@ def names_none(field: str) -> dict[str, Any]:
     return {"$or": [{field: None}, {field: {"$regex": f"^[{_BLANK}]*$"}}]}
 
 
+_IDENTIFIER_TYPES = ["string", "int", "long", "objectId", "null"]
+"""The BSON types whose values may name a conversation by an identifier (`id_text`), or none."""
+
+
+def not_identifiers(field: str) -> dict[str, Any]:
+    """The filter of the documents whose `field` names an id that is no identifier as text
+    (`stored_conversation_id` derives one for it): text that is none, or a value of another
+    type than text, an integer or an ObjectId (a double such as 1e16, an object, a date)."""
+    return {
+        "$or": [
+            {"$and": [{field: {"$type": "string"}}, {"$nor": [{field: _IDENTIFIER}]}]},
+            {field: {"$exists": True, "$not": {"$type": _IDENTIFIER_TYPES}}},
+        ]
+    }
+
+
 MAX_REFERENCE_LENGTH = 200
 """The longest tool call id or HITL request id a message holds."""
 
@@ -339,11 +355,40 @@ def parse_turns(documents: Iterable[Mapping[str, Any]]) -> list[LegacyTurn]:
 
 
 def group_conversations(turns: Iterable[LegacyTurn]) -> dict[str, list[LegacyTurn]]:
-    """Turns by the conversation id they are stored under, each group in stored order."""
+    """Turns by the conversation id they are stored under, each group in stored order.
+
+    One stored conversation whichever way its turns name it: a conversation stored under a
+    derived id holds the turns naming the legacy id it stands for (or, for a
+    `legacy-turn-` id, the turn naming none it was made of) and the turns naming the
+    derived id itself, which a dual write made before it named a conversation as its legacy
+    turns do (`named_by`)."""
     grouped: dict[str, list[LegacyTurn]] = {}
     for turn in turns:
         grouped.setdefault(turn.stored_conversation_id, []).append(turn)
     return grouped
+
+
+def stored_conversation_id(document: Mapping[str, Any]) -> str:
+    """The conversation id a legacy turn document's messages are stored under
+    (`LegacyTurn.stored_conversation_id`), read from its `_id` and `conversation_id` only."""
+    found = {"_id": document.get("_id"), "conversation_id": document.get("conversation_id")}
+    return LegacyTurn.model_validate(found).stored_conversation_id
+
+
+def named_by(turns: Iterable[LegacyTurn]) -> LegacyTurn | None:
+    """The first of one stored conversation's turns that names it otherwise than by the id
+    it is stored under: by the legacy id a derived id stands for, or by none. None when
+    every turn names the stored id (an identifier, or a derived id only dual writes named)."""
+    return next((t for t in turns if t.conversation_id != t.stored_conversation_id), None)
+
+
+def legacy_name(turns: Iterable[LegacyTurn]) -> str | None:
+    """The id one stored conversation's legacy turns name it by, as the legacy service
+    reads it: the legacy id a derived id stands for (None: its turn names none), else the
+    id it is stored under."""
+    turns = list(turns)
+    found = named_by(turns)
+    return found.conversation_id if found is not None else turns[0].stored_conversation_id
 
 
 @dataclass(frozen=True)

@@ -91,11 +91,15 @@ def legacy_turn_document(
     user_id: str | None,
     name: str | None,
     part: str = "",
+    legacy_id: str | None = None,
 ) -> dict[str, Any]:
     """One logged turn as a legacy turn document (DESIGN §4), for rollback to the old reader.
 
     Marked `dual_write: true`: the migration skips these while their messages are stored.
     `part` names a second document of the same turn (its `_id` no turn id can give).
+    `legacy_id` is the legacy id a conversation stored under a derived id stands for
+    (`Conversation.legacy_conversation_id`): the document names the conversation by it, as
+    its legacy turns do and the old reader reads it; its `_id` is still the stored id's.
     """
     turn = _Turn()
     for message in messages:
@@ -107,7 +111,7 @@ def legacy_turn_document(
     parts = turn.parts + [{"type": "file_upload", **u} for u in written]
     document: dict[str, Any] = {
         "_id": legacy_turn_id(conversation_id, f"{turn_id}\0{part}" if part else turn_id),
-        "conversation_id": conversation_id,
+        "conversation_id": legacy_id if legacy_id is not None else conversation_id,
         "user_id": user_id,
         "name": name,
         "created_at": messages[0].created_at,
@@ -142,19 +146,25 @@ def legacy_turn_documents(
     *,
     user_id: str | None,
     name: str | None,
+    legacy_id: str | None = None,
 ) -> list[dict[str, Any]]:
     """A logged turn as legacy turn documents: one (`legacy_turn_document`), or two when it
     holds a system prompt beside a user's message, which one legacy turn cannot hold (a
     system turn has only its system text): the system turn first, then the rest."""
     system = [m for m in messages if m.role == "system"]
     rest = [m for m in messages if m.role != "system"]
+
+    def document(messages: Sequence[AgentMessage], part: str = "") -> dict[str, Any]:
+        return legacy_turn_document(
+            conversation_id,
+            turn_id,
+            messages,
+            user_id=user_id,
+            name=name,
+            part=part,
+            legacy_id=legacy_id,
+        )
+
     if not system or not any(m.role == "user" for m in rest):
-        return [
-            legacy_turn_document(conversation_id, turn_id, messages, user_id=user_id, name=name)
-        ]
-    return [
-        legacy_turn_document(
-            conversation_id, turn_id, system, user_id=user_id, name=name, part="system"
-        ),
-        legacy_turn_document(conversation_id, turn_id, rest, user_id=user_id, name=name),
-    ]
+        return [document(messages)]
+    return [document(system, part="system"), document(rest)]

@@ -156,8 +156,7 @@ class LegacyTurns:
             found = await self._conversations.find_one(
                 {"_id": conversation_id}, {"legacy_conversation_id": 1}
             )
-        original = (found or {}).get("legacy_conversation_id")
-        return original if isinstance(original, str) else None  # a double such as 1e+16 too
+        return legacy_id_of(conversation_id, (found or {}).get("legacy_conversation_id"))
 
     async def erase_user(self, user_id: str) -> int:
         """Delete the legacy conversations the user owns, whole with their prompts, and every
@@ -202,10 +201,14 @@ class LegacyTurns:
     async def turn_logged(self, turn: LoggedTurn, conversation: Conversation) -> None:
         """With `dual_write`, upsert the turn as legacy turns; a retry rewrites the same ones.
 
-        The legacy reader knows no GridFS: a message cut to its bound is written whole
-        (two more lookups, for such a turn only). Then the conversation is looked up (one
-        more round trip): when it was deleted meanwhile, the turns just written go again,
-        so a delete finishing before the dual write lands does not bring it back.
+        They name the conversation as its legacy turns do, so the old reader finds them in
+        it after a rollback: a conversation migrated under a derived `legacy-conversation-`
+        id by the legacy id it stands for (its document's `legacy_conversation_id`, which
+        the logger hands over: no more reads). The legacy reader knows no GridFS: a message
+        cut to its bound is written whole (two more lookups, for such a turn only). Then the
+        conversation is looked up (one more round trip): when it was deleted meanwhile, the
+        turns just written go again, so a delete finishing before the dual write lands does
+        not bring it back.
         """
         if not self.dual_write:
             return
@@ -217,6 +220,7 @@ class LegacyTurns:
                 messages,
                 user_id=conversation.user_id,
                 name=conversation.name,
+                legacy_id=legacy_id_of(conversation.id, conversation.legacy_conversation_id),
             )
 
         documents = documents_of(turn.messages)
@@ -227,29 +231,48 @@ class LegacyTurns:
         with storage_errors("write the legacy turn (dual write)"):
             for document in documents:
                 await self._turns.replace_one({"_id": document["_id"]}, document, upsert=True)
-            await self._unless_deleted(conversation, [d["_id"] for d in documents])
+            await self._unless_deleted(conversation, documents)
 
-    async def _unless_deleted(self, conversation: Conversation, written: list[Any]) -> None:
+    async def _unless_deleted(
+        self, conversation: Conversation, written: Sequence[dict[str, Any]]
+    ) -> None:
         """Take back the legacy turns just `written` when their conversation is gone: deleted,
         or deleted and created again under its id (another `created_at`) since the turn was
         reserved. A delete takes the ones written before its end (`delete_dual_writes`)."""
         still = await self._conversations.find_one(
             {"_id": conversation.id, "created_at": conversation.created_at}, {"_id": 1}
         )
-        if still is None:
+        if still is None and written:
             await self._turns.delete_many(
-                {"_id": {"$in": written}, "conversation_id": conversation.id}
+                {
+                    "_id": {"$in": [d["_id"] for d in written]},
+                    "conversation_id": written[0]["conversation_id"],
+                }
             )
 
-    async def delete_dual_writes(self, conversation_id: str, *, owner: str | None) -> int:
+    async def delete_dual_writes(
+        self, conversation_id: str, *, owner: str | None, legacy_id: str | None = None
+    ) -> int:
         """Delete the turns dual-written under the conversation for `owner`: the delete's
         last step, for a turn stored before the delete whose dual write landed while it ran
-        (one round trip); how many went."""
+        (one round trip); how many went. `legacy_id` is the legacy id a derived id stands
+        for (its document's `legacy_conversation_id`), which its dual writes name."""
+        named = [conversation_id]
+        if (original := legacy_id_of(conversation_id, legacy_id)) is not None:
+            named.append(original)
         with storage_errors("delete the legacy turns"):
             deleted = await self._turns.delete_many(
-                {"conversation_id": conversation_id, "dual_write": True, "user_id": owner}
+                {"conversation_id": {"$in": named}, "dual_write": True, "user_id": owner}
             )
         return int(deleted.deleted_count)
+
+
+def legacy_id_of(conversation_id: str, recorded: Any) -> str | None:
+    """The legacy id a conversation stored under a derived `legacy-conversation-` id stands
+    for, as its document records it (`legacy_conversation_id`); None for any other id."""
+    if not conversation_id.startswith(DERIVED_CONVERSATION_PREFIX):
+        return None
+    return recorded if isinstance(recorded, str) else None  # a double such as 1e+16 too
 
 
 def turns_known_as(

@@ -70,9 +70,13 @@ class LegacySource(Protocol):
         turns went."""
         ...
 
-    async def delete_dual_writes(self, conversation_id: str, *, owner: str | None) -> int:
+    async def delete_dual_writes(
+        self, conversation_id: str, *, owner: str | None, legacy_id: str | None = None
+    ) -> int:
         """Delete the turns dual-written under the conversation for `owner` (the delete's
-        last step: a dual write that landed while it ran); how many went."""
+        last step: a dual write that landed while it ran); how many went. `legacy_id` is its
+        document's `legacy_conversation_id`: the id the dual write names a conversation
+        stored under a derived id by."""
         ...
 
     async def erase_user(self, user_id: str) -> int:

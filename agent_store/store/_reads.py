@@ -285,7 +285,7 @@ class ConversationStore:
         """
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                self._scope(conversation_id, user_id), {"user_id": 1}
+                self._scope(conversation_id, user_id), {"user_id": 1, "legacy_conversation_id": 1}
             )
         if found is None:
             return await self._delete_legacy_only(conversation_id, user_id)
@@ -311,7 +311,9 @@ class ConversationStore:
             taken = {r.get("k") for r in (again or {}).get("turns") or ()}
             late += await self._sweep_late_inserts(conversation_id, gone, spare=taken)
         if self._legacy_source is not None:
-            legacy += await self._legacy_source.delete_dual_writes(conversation_id, owner=owner)
+            legacy += await self._legacy_source.delete_dual_writes(
+                conversation_id, owner=owner, legacy_id=found.get("legacy_conversation_id")
+            )
         return Deleted(
             conversations=int(gone is not None),
             messages=messages.deleted_count + late,
