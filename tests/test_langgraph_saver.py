@@ -309,6 +309,85 @@ async def test_a_fork_put_retried_after_the_thread_went_on_logs_nothing_again(
     assert await backend.db[CHECKPOINTS].find_one(of_fork) == document  # the same copies
 
 
+# -- two processes at once -------------------------------------------------------------------
+
+
+class PutOrder:
+    """Runs the checkpoint puts of several savers one at a time, in a scripted order of their
+    names, once every saver has read the thread's latest checkpoint (they all go on from it)."""
+
+    def __init__(self, order: str, savers: dict[str, AgentStoreSaver]) -> None:
+        self.order = list(order)
+        self.turn = asyncio.Condition()
+        self.read = asyncio.Barrier(len(savers))
+        for name, saver in savers.items():
+            self._wrap(name, saver)
+
+    def _wrap(self, name: str, saver: AgentStoreSaver) -> None:
+        read, put, first = saver.aget_tuple, saver.aput, [True]
+
+        async def reading(config: Any) -> Any:
+            found = await read(config)
+            if first.pop() if first else False:
+                await self.read.wait()
+            return found
+
+        async def putting(*args: Any) -> Any:
+            async with self.turn:
+                await self.turn.wait_for(lambda: not self.order or self.order[0] == name)
+            try:
+                return await put(*args)
+            finally:
+                async with self.turn:
+                    if self.order:
+                        self.order.pop(0)
+                    self.turn.notify_all()
+
+        saver.aget_tuple = reading  # type: ignore[method-assign]
+        saver.aput = putting  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        pytest.param("yynn", id="one-run-then-the-other"),
+        pytest.param("ynyn", id="alternating"),
+        pytest.param("nyyn", id="the-second-logs-first"),
+        pytest.param("ynny", id="the-first-ends-last"),
+    ],
+)
+async def test_two_processes_resuming_one_pause_at_once_leave_the_transcript_the_state_reads(
+    backend: Backend, order: str
+) -> None:
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    await approval_agent(AgentStoreSaver(backend.db)).ainvoke(question(2), config)  # call-2
+    savers = {"y": AgentStoreSaver(backend.db), "n": AgentStoreSaver(backend.db)}
+    PutOrder(order, savers)
+    await asyncio.gather(
+        approval_agent(savers["y"]).ainvoke(Command(resume="yes"), config),
+        approval_agent(savers["n"]).ainvoke(Command(resume="no"), config),
+    )
+
+    state = (await approval_agent(AgentStoreSaver(backend.db)).aget_state(config)).values
+    said = state["messages"]
+    store = ConversationStore(backend.db)
+    transcript = await store.transcript(thread_id)
+    # The transcript ends as the graph's state: the call, its one answer, the model's answer.
+    assert [m.content for m in transcript[-3:]] == [m.content or None for m in said[-3:]]
+    assert await store.pending_calls(thread_id) == []
+    replay = chat_completions(transcript)
+    assert [m.get("content") for m in replay[-2:]] == [said[-2].content, said[-1].content]
+    assert len({m["tool_call_id"] for m in replay if m["role"] == "tool"}) == len(
+        [m for m in replay if m["role"] == "tool"]
+    )
+    history = history_from_messages(transcript)
+    last_request = [m for m in history if isinstance(m, ModelRequest)][-1]
+    assert [p.content for p in last_request.parts if isinstance(p, ToolReturnPart)] == [
+        said[-2].content
+    ]
+
+
 async def _latest_document(db: Any, config: dict[str, Any]) -> dict[str, Any]:
     docs = (
         await db[CHECKPOINTS]

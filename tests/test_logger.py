@@ -9,7 +9,14 @@ from typing import Any
 
 import pytest
 
-from agent_store import AgentMessageLogger, Conflict, ConversationStore, InvalidInput, Truncation
+from agent_store import (
+    AgentMessageLogger,
+    Conflict,
+    ConversationStore,
+    InvalidInput,
+    TranscriptMoved,
+    Truncation,
+)
 from agent_store.core import message_adapter
 from agent_store.store import blob_id
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
@@ -363,3 +370,42 @@ def test_a_prompt_naming_no_calls_digests_as_before_prompts_could_name_them() ->
 
     assert content_digest([now]) == content_digest([before])
     assert json_content_digest([now]) == json_content_digest([before])
+
+
+def _said(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+async def test_a_turn_logged_at_a_seq_another_turn_took_is_refused_and_writes_nothing(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    first = await logger.log_messages(CID, _said("first"), turn_id="t-1", next_seq=0)
+    await logger.log_messages(CID, _said("another writer"), turn_id="t-2", next_seq=1)
+
+    with pytest.raises(TranscriptMoved, match=re.escape("its next seq is 2, not 1")) as moved:
+        await logger.log_messages(CID, _said("late"), turn_id="t-3", next_seq=1)
+    assert moved.value.next_seq == 2
+    assert [m.content for m in await store.transcript(CID)] == ["first", "another writer"]
+    # A retry of a logged turn is answered as always, wherever the conversation went on.
+    again = await logger.log_messages(CID, _said("first"), turn_id="t-1", next_seq=0)
+    assert again.replayed
+    assert again.messages == first.messages
+    logged = await logger.log_messages(CID, _said("late"), turn_id="t-3", next_seq=2)
+    assert [m.seq for m in logged.messages] == [2]
+
+
+async def test_a_turn_of_an_earlier_step_than_one_logged_is_refused_and_writes_nothing(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, _said("step b"), turn_id="t-b", step="b")
+
+    for step in ("a", "b"):
+        with pytest.raises(TranscriptMoved, match="logged step 'b', after") as behind:
+            await logger.log_messages(CID, _said(f"step {step} again"), step=step)
+        assert behind.value.later_step == "b"
+    await logger.log_messages(CID, _said("step c"), step="c")
+    assert [m.content for m in await store.transcript(CID)] == ["step b", "step c"]
+    with pytest.raises(InvalidInput, match="invalid next_seq -1"):
+        await logger.log_messages(CID, _said("nowhere"), next_seq=-1)

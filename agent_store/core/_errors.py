@@ -40,6 +40,18 @@ class Conflict(StoreError):
     status = 409
 
 
+class TranscriptMoved(Conflict):
+    """A turn logged at a `next_seq` or `step` found the conversation moved on since the caller
+    saw it (other messages logged, or a later step): nothing was written."""
+
+    def __init__(self, message: str, *, next_seq: int, later_step: str | None = None) -> None:
+        super().__init__(message)
+        self.next_seq = next_seq
+        """The `seq` the conversation's next turn gets now."""
+        self.later_step = later_step
+        """The later step the conversation logged, when the turn's `step` is behind it."""
+
+
 class Unsupported(StoreError):
     """The connected database cannot do this (e.g. full-text search on an in-process fake)."""
 

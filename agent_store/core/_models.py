@@ -655,6 +655,10 @@ class Conversation(_Model):
     """The request ids of the prompts `resolve_hitl` resolved, the newest
     `RESOLVED_PROMPTS_KEPT` (the store's bookkeeping, never served): a resolution leaves no
     message, so a rerun of the migration and a fork folding the messages read them here."""
+    last_step: str | None = Field(default=None, exclude=True)
+    """The greatest `step` a turn was logged with (`log_messages`; a LangGraph thread's
+    checkpoint ids), the store's bookkeeping, never served: a new turn of an earlier step is
+    refused, so the transcript ends as the runtime's latest step."""
 
     @model_validator(mode="before")
     @classmethod

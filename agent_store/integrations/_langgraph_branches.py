@@ -40,22 +40,37 @@ def open_calls(
     return tuple(still)
 
 
+def made_calls(messages: Sequence[BaseMessage]) -> tuple[OpenCall, ...]:
+    """Every call the messages make, answered or not."""
+    return tuple(
+        (index, str(call["id"]))
+        for index, message in enumerate(messages)
+        if isinstance(message, AIMessage)
+        for call in message.tool_calls
+        if call["id"]
+    )
+
+
 def logged_again_from(
     places: Sequence[object],
     calls: Sequence[OpenCall],
     transcript: Mapping[int, BaseMessage],
     end: int,
 ) -> int | None:
-    """The index of the branch's first message to log again: its first open call that a
-    stored message further on in the transcript (before `end`) answers; None if none is.
+    """The index of the branch's first message to log again: its first call (of `calls`) that
+    a stored message further on in the transcript (before `end`), not one of the branch's own,
+    answers or makes again (another branch's answer, or its copy of the call); None if none is.
 
     `places` says where each of the branch's messages lives: a transcript `seq`, or not
     (held by the checkpoint, or not logged yet).
     """
+    own = {seq for seq in places if isinstance(seq, int)}
     for index, call_id in sorted(calls):
         seq = places[index]
         if isinstance(seq, int) and any(
-            _answers(transcript.get(later), call_id) for later in range(seq + 1, end)
+            _touches(transcript.get(later), call_id)
+            for later in range(seq + 1, end)
+            if later not in own
         ):
             return index
     return None
@@ -81,5 +96,8 @@ def already_at_tail(
     return None
 
 
-def _answers(message: BaseMessage | None, call_id: str) -> bool:
-    return isinstance(message, ToolMessage) and message.tool_call_id == call_id
+def _touches(message: BaseMessage | None, call_id: str) -> bool:
+    """Whether a message answers the call `call_id` or makes a call of that id."""
+    if isinstance(message, ToolMessage):
+        return message.tool_call_id == call_id
+    return isinstance(message, AIMessage) and any(c["id"] == call_id for c in message.tool_calls)

@@ -27,11 +27,19 @@ from bson import Int64
 from langchain_core.messages import BaseMessage
 from pydantic import ValidationError
 
-from agent_store.core import AgentMessage, AssistantMessage, NotFound, StorageFailure
+from agent_store.core import (
+    AgentMessage,
+    AssistantMessage,
+    NotFound,
+    StorageFailure,
+    StorageUnavailable,
+    TranscriptMoved,
+)
 from agent_store.integrations._langgraph_branches import (
     OpenCall,
     already_at_tail,
     logged_again_from,
+    made_calls,
     open_calls,
 )
 from agent_store.integrations._langgraph_documents import (
@@ -82,6 +90,9 @@ class _Head:
     segments: list[Segment]
     open_calls: tuple[OpenCall, ...]
     """The calls the messages leave unanswered."""
+    end: int
+    """The transcript's next `seq` as this checkpoint left it: a put going on from it logs
+    there, unless another put logged messages since (the logger's `next_seq` checks it)."""
     settled: bool = True
     """No open call is answered further on in the transcript: a checkpoint this saver wrote,
     or the thread's latest; one read by its id (time travel) may not be."""
@@ -110,6 +121,27 @@ class _Thread:
         self.by_seq[seq] = message
         if message.id is not None:
             self.seq_by_id[message.id] = seq
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What one `place` call places: a checkpoint's messages, going on from its parent."""
+
+    thread_id: str
+    checkpoint_id: str
+    parent_id: str | None
+    owner: Owner
+    messages: list[BaseMessage]
+    base: _Head | None
+    """The parent's messages, when the checkpoint's extend them (the common case)."""
+    calls: tuple[OpenCall, ...]
+    """The calls the messages leave unanswered."""
+
+
+_PLACE_ATTEMPTS = 4
+"""How often a put is placed again after other puts logged messages meanwhile."""
+_STILL_WRITTEN = 0.02
+"""Seconds waited per attempt when a turn that moved the transcript is not stored yet."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +224,15 @@ class TranscriptLink:
         an edited one (same id, other content) is held inline, an unknown one is logged.
         A branch that leaves the transcript with a call open that the transcript answers
         further on logs its messages from that call again (`_langgraph_branches`).
+
+        Going on from the parent is a compare-and-set: the new messages are logged only if
+        the transcript still ends where the parent left it (`_Head.end`, the logger's
+        `next_seq`, in the reservation's own command). A put that finds other messages logged
+        since (two processes resuming one checkpoint at once) is a branch: the transcript is
+        read to its end and the put goes through the branch's check again. A put behind a
+        later checkpoint that logged (the logger's `step`: checkpoint ids are drawn before
+        their puts land) holds its new messages (`_held`). So the transcript ends as the
+        thread's latest checkpoint, whatever order racing puts land in.
         """
         state = self.thread(thread_id)
         messages = messages if isinstance(messages, list) else list(messages)
@@ -202,60 +243,100 @@ class TranscriptLink:
                 calls = open_calls(messages)
             else:
                 calls = open_calls(messages, start=len(base.messages), before=base.open_calls)
-            segments, places, copies = await self._places(
-                state, thread_id, owner, messages, base, calls
-            )
-            new = [p for p in places if isinstance(p, _New)]
-            fork_id = checkpoint_id if copies else None  # names the copies' turn
-            extras = []
-            if new:
-                extras = await self._log(state, thread_id, parent_id, new, owner, fork_id)
-            seqs = iter(int(e["seq"]) for e in extras)
-            resolved = [next(seqs) if isinstance(p, _New) else p for p in places]
-            segments = place_all(segments, resolved)
-            state.head = _Head(checkpoint_id, list(messages), segments, calls)
-            return segments, extras
+            moved: int | None = None
+            for attempt in range(_PLACE_ATTEMPTS):
+                step = _Step(thread_id, checkpoint_id, parent_id, owner, messages, base, calls)
+                try:
+                    segments, extras, end = await self._place_once(state, step, moved, attempt)
+                except TranscriptMoved as exc:
+                    if exc.later_step is None:
+                        moved = exc.next_seq
+                        continue
+                    segments, end = await self._held(state, step)
+                    extras = []
+                    state.head = _Head(checkpoint_id, list(messages), segments, calls, end, False)
+                    return segments, extras
+                state.head = _Head(checkpoint_id, list(messages), segments, calls, end)
+                return segments, extras
+        raise StorageUnavailable(
+            f"thread {thread_id!r}: other puts kept logging messages while this one was placed; "
+            "retry it"
+        )
+
+    async def _place_once(
+        self, state: _Thread, step: _Step, moved: int | None, attempt: int
+    ) -> tuple[list[Segment], list[dict[str, Any]], int]:
+        """One attempt of `place`: the segments, the extras of the messages logged, and the
+        transcript's next `seq` after them. `moved`: an earlier attempt found the transcript
+        moved on to that `seq` (the put is a branch: `_places`). TranscriptMoved when it moved
+        on again."""
+        if moved is not None and state.loaded_until < moved and attempt > 1:
+            await asyncio.sleep(_STILL_WRITTEN * attempt)  # a turn reserved, not stored yet
+        segments, places, copies, next_seq = await self._places(state, step, moved)
+        if moved is not None and attempt == _PLACE_ATTEMPTS - 1:
+            next_seq = max(next_seq, moved)  # a turn never stored (a crash) leaves a gap
+        new = [p for p in places if isinstance(p, _New)]
+        fork_id = step.checkpoint_id if copies else None  # names the copies' turn
+        extras = []
+        if new:
+            extras = await self._log(state, step, new, fork_id, next_seq)
+        seqs = [int(e["seq"]) for e in extras]
+        by_seq = iter(seqs)
+        resolved = [next(by_seq) if isinstance(p, _New) else p for p in places]
+        end = seqs[-1] + 1 if seqs else next_seq
+        return place_all(segments, resolved), extras, end
+
+    async def _held(self, state: _Thread, step: _Step) -> tuple[list[Segment], int]:
+        """The segments of a put behind the thread's latest step (a sibling of a checkpoint
+        whose id is later: LangGraph reads that one as the thread's latest): its new messages
+        are held by its checkpoint, inline, so the transcript ends as the latest. A put going
+        on from it reads the transcript first (its head is not settled) and logs them then."""
+        segments, places, _, next_seq = await self._places(state, step, None)
+        resolved = [p.message if isinstance(p, _New) else p for p in places]
+        return place_all(segments, resolved), next_seq
 
     async def _places(
-        self,
-        state: _Thread,
-        thread_id: str,
-        owner: Owner,
-        messages: list[BaseMessage],
-        base: _Head | None,
-        calls: Sequence[OpenCall],
-    ) -> tuple[list[Segment], list[int | BaseMessage | _New], bool]:
-        """The segments kept from the parent (`base`, when the messages extend it) and the
-        places of the other messages; whether a branch logs messages again (`_branch`).
+        self, state: _Thread, step: _Step, moved: int | None
+    ) -> tuple[list[Segment], list[int | BaseMessage | _New], bool, int]:
+        """The segments kept from the parent (`step.base`, when the messages extend it) and
+        the places of the other messages; whether a branch logs messages again (`_branch`);
+        the transcript's next `seq` the new messages are to get.
 
-        The transcript is read to its end for a branch (no `base`), and for open calls
-        that may be answered further on: the parent's, when it was read by its id (time
-        travel), or a message the branch made again (a stored one, referenced).
+        Going on from a checkpoint this saver wrote, or the thread's latest, nothing is read:
+        the parent's open calls are checked for a message the branch made again (a stored
+        one, referenced). Otherwise — a branch (no `base`), a parent read by its id (time
+        travel), or a put that found the transcript `moved` on since its parent — the
+        transcript is read to its end, and every call the branch makes is checked (one that
+        makes none logs where the transcript ends).
         """
-        settled = base is not None and base.settled
+        base, messages = step.base, step.messages
+        settled = base is not None and base.settled and moved is None
         start = len(base.messages) if base is not None else 0
-        read = not settled and (base is None or bool(calls))
+        calls = step.calls if settled else made_calls(messages)
+        read = not settled and bool(base is None or calls)
         if read:
-            await self._load(state, thread_id, owner, start=state.loaded_until, stop=None)
+            await self._load(state, step.thread_id, step.owner, start=state.loaded_until, stop=None)
         segments = list(base.segments) if base is not None else []
         places = [_place(state, m, appended=base is not None) for m in messages[start:]]
         made_again = any(i >= start and isinstance(places[i - start], int) for i, _ in calls)
         if not calls or (settled and not made_again):
-            return segments, places, False
+            if read or base is None:
+                return segments, places, False, state.loaded_until
+            return segments, places, False, base.end if moved is None else moved
         if not read:
-            await self._load(state, thread_id, owner, start=state.loaded_until, stop=None)
-        return _branch(state, messages, segments, places, calls)
+            await self._load(state, step.thread_id, step.owner, start=state.loaded_until, stop=None)
+        return *_branch(state, messages, segments, places, calls), state.loaded_until
 
     async def _log(
         self,
         state: _Thread,
-        thread_id: str,
-        parent_id: str | None,
+        step: _Step,
         new: Sequence[_New],
-        owner: Owner,
         fork_id: str | None,
+        next_seq: int,
     ) -> list[dict[str, Any]]:
-        """Log new messages as one turn; answer, per message, what the format lacks.
+        """Log new messages as one turn at `next_seq` (TranscriptMoved when other messages
+        took it); answer, per message, what the format lacks.
 
         The turn is named by the checkpoint it extends and the new messages' content,
         not by the new checkpoint's id: when LangGraph re-runs a step after a crash
@@ -267,12 +348,15 @@ class TranscriptLink:
         copies it logged.
         """
         stored_new = [n.stored for n in new]
+        user_id = step.owner.user_id
         logged = await self._logger.log_messages(
-            thread_id,
+            step.thread_id,
             stored_new,
-            user_id=owner.user_id,
-            owner_only=owner.user_id is not None,
-            turn_id=_step_turn_id(parent_id, stored_new, fork_id),
+            user_id=user_id,
+            owner_only=user_id is not None,
+            turn_id=_step_turn_id(step.parent_id, stored_new, fork_id),
+            next_seq=next_seq,
+            step=step.checkpoint_id,
         )
         extras: list[dict[str, Any]] = []
         for item, stored in zip(new, logged.messages, strict=True):
@@ -316,7 +400,8 @@ class TranscriptLink:
             messages = _assemble(state, thread_id, segments)
             if as_head:
                 calls = open_calls(messages)
-                state.head = _Head(checkpoint_id, list(messages), list(segments), calls, latest)
+                head = _Head(checkpoint_id, list(messages), list(segments), calls, stop, latest)
+                state.head = head
             return messages
 
     async def _load(
@@ -462,10 +547,20 @@ def _branch(
         kept = [p if isinstance(p, BaseMessage) else next(seqs) for p in whole[start:]]
         return [], [*whole[:start], *kept], False
     copies = [
-        _copy(messages[i]) if isinstance(whole[i], int) else whole[i]
-        for i in range(start, len(messages))
+        _copy(messages[i]) if isinstance(p, int) else _unheld(state, p)
+        for i, p in enumerate(whole)
+        if i >= start
     ]
     return [], [*whole[:start], *copies], True
+
+
+def _unheld(state: _Thread, place: BaseMessage | _New) -> BaseMessage | _New:
+    """A message of a branch logged again that its checkpoint holds: logged too when the
+    transcript has no message of its id (a put behind a later step held it back, `_held`);
+    an edit of a stored message, or one without an id to match it by, stays held."""
+    if isinstance(place, _New) or place.id is None or place.id in state.seq_by_id:
+        return place
+    return _to_log(place)
 
 
 def _assemble(state: _Thread, thread_id: str, segments: Sequence[Segment]) -> list[BaseMessage]:

@@ -11,7 +11,9 @@ messages whole, by `seq` where the transcript holds them and inline where it
 does not, marked `agent_store_messages: "rewritten"` in its metadata; a
 branch of time travel that leaves a call open which the transcript answers
 further on logs its messages from that call again, so the transcript ends as
-the branch does (`_langgraph_branches`). Every
+the branch does (`_langgraph_branches`); so does a put that finds other
+messages logged since its parent (two processes resuming one checkpoint: the
+logger's `next_seq` and `step` compare-and-sets, `TranscriptLink.place`). Every
 other channel, pending writes, metadata, parent links and namespaces are kept
 in the `langgraph_checkpoints` collection with LangGraph's serializer.
 

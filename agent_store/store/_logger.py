@@ -44,6 +44,7 @@ from agent_store.core import (
     StorageFailure,
     StorageUnavailable,
     StoreError,
+    TranscriptMoved,
     messages_adapter,
     utc_now,
 )
@@ -126,6 +127,12 @@ class Condition:
     own, given the time of the update and the first `seq` of the block it leaves; the move
     then needs `filter` to match too, else `refusal` is raised. None: the condition holds
     for the first reservation only (a fork's, which creates its conversation)."""
+    explain: Callable[[Mapping[str, Any]], StoreError] | None = None
+    """Builds the refusal from the conversation found instead (None: `refusal`)."""
+
+    def refused(self, conversation: Mapping[str, Any]) -> StoreError:
+        """The error a conversation that does not meet the condition raises."""
+        return self.refusal if self.explain is None else self.explain(conversation)
 
 
 @dataclass(frozen=True)
@@ -312,6 +319,8 @@ class AgentMessageLogger:
         turn_id: str | None = None,
         name: str | None = None,
         owner_only: bool = False,
+        next_seq: int | None = None,
+        step: str | None = None,
     ) -> LoggedTurn:
         """Log one turn's messages in order, idempotently by `turn_id`.
 
@@ -327,6 +336,11 @@ class AgentMessageLogger:
         token): it writes only to its own conversations or to a new id, and
         anything else is NotFound to it. A service naming `user_id` may write to
         that user's conversations or to unowned ones (which it then assigns).
+        With `next_seq`, a new turn is logged only if its first message gets that `seq`
+        (compare-and-sets in the reservation's command), and with `step` (an ordering key, a
+        LangGraph checkpoint id) only if it is after every step logged before: otherwise
+        `TranscriptMoved` (`next_seq`, `later_step`: where the conversation is), nothing
+        written. A retry of a logged turn is answered as always.
         Raises InvalidInput, writing nothing, when the turn breaks the contract.
         """
         plan = plan_turn(conversation_id, messages, turn_id=turn_id, rules=self.rules)
@@ -337,7 +351,8 @@ class AgentMessageLogger:
         runtime_name = clean_name(name) if name is not None else None
         actor = Actor(user_id, as_user=owner_only)
         started = time.monotonic()
-        reserved = await self._reserve(plan, actor, runtime_name)
+        condition = _logged_at(plan.conversation_id, next_seq, step)
+        reserved = await self._reserve(plan, actor, runtime_name, condition)
         stored = await self._store(plan, reserved)
         if time.monotonic() - started > self.rules.claim_grace.total_seconds():
             stored = await self._follow_the_conversation(plan.conversation_id, reserved, stored)
@@ -514,7 +529,7 @@ class AgentMessageLogger:
                     return replayed
                 continue  # another attempt moved the turn meanwhile: its new block is recorded
             if condition is not None:
-                raise condition.refusal
+                raise condition.refused(found)
             # Otherwise a race was lost (the conversation was just created): reserve again.
         raise StorageFailure(
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
@@ -1108,4 +1123,42 @@ def _leaving_what_the_copies_left(
         pending_hitl=prompt,
         holds_pending=None,
         named_holds=(),
+    )
+
+
+def _logged_at(conversation_id: str, seq: int | None, step: str | None) -> Condition | None:
+    """The condition of a turn logged at `next_seq` (the conversation's next `seq` is `seq`; a
+    conversation not created yet has none: its next is 0) and of a `step` (after the latest
+    step the conversation logged, which it becomes); None without either."""
+    if seq is None and step is None:
+        return None
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 0):
+        raise InvalidInput(f"invalid next_seq {seq!r}: a seq is an integer, 0 or more")
+    if step is not None and not isinstance(step, str):
+        raise InvalidInput(f"invalid step: expected a string, got {type(step).__name__}")
+    query: dict[str, Any] = {}
+    if seq is not None:
+        query["message_count"] = {"$in": [0, None]} if seq == 0 else seq
+    if step is not None:
+        query["last_step"] = {"$not": {"$gte": step}}
+
+    def moved(conversation: Mapping[str, Any]) -> StoreError:
+        now, later = int(conversation.get("message_count") or 0), conversation.get("last_step")
+        if step is not None and later is not None and later >= step:
+            return TranscriptMoved(
+                f"conversation {conversation_id!r} logged step {later!r}, after {step!r}",
+                next_seq=now,
+                later_step=later,
+            )
+        return TranscriptMoved(
+            f"conversation {conversation_id!r} moved on: its next seq is {now}, not {seq}",
+            next_seq=now,
+        )
+
+    return Condition(
+        query,
+        lambda now: {} if step is None else {"last_step": literal(step)},
+        Conflict(f"conversation {conversation_id!r} moved on"),
+        create=True,
+        explain=moved,
     )

@@ -210,6 +210,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
    */
   resolved_hitl?: unknown[];
+  /**
+   * The greatest `step` a turn was logged with (`log_messages`; a LangGraph thread's checkpoint ids), the store's bookkeeping, never served: a new turn of an earlier step is refused, so the transcript ends as the runtime's latest step.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  last_step?: string | null;
 }
 
 export interface IHealth {
