@@ -617,6 +617,14 @@ async def test_a_turn_landing_just_after_its_conversations_removal_leaves_nothin
         await landing(go, turn)
 
     assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
+    await _the_next_holder_logs_every_turn(logger, store)
+
+
+async def _the_next_holder_logs_every_turn(
+    logger: AgentMessageLogger, store: ConversationStore
+) -> None:
+    """SOMEONE_ELSE takes "c-x" with three turns: each is stored, at the `seq`s from 0 on,
+    and the transcript serves them only."""
     for number in range(3):
         said = [{"role": "user", "content": f"hello {number}"}]
         await logger.log_messages(
@@ -957,14 +965,8 @@ async def test_a_turn_applied_after_its_writer_gave_up_and_its_conversations_del
     await _a_turn_applied_after_its_writer_gave_up_and_the_delete(backend, monkeypatch)
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
 
-    for number in range(3):
-        said = [{"role": "user", "content": f"hello {number}"}]
-        await logger.log_messages(
-            "c-x", said, user_id=SOMEONE_ELSE, owner_only=True, turn_id=f"o{number}"
-        )
+    await _the_next_holder_logs_every_turn(logger, store)
 
-    seen = [(m.seq, m.content) for m in await store.transcript("c-x")]
-    assert seen == [(0, "hello 0"), (1, "hello 1"), (2, "hello 2")]
     assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
 
 
