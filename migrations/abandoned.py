@@ -35,7 +35,7 @@ from agent_store.store import (
 from migrations import full_texts
 from migrations import problems as problem_report
 from migrations.errors import MigrationError
-from migrations.explode import LEGACY_FILTER, Explosion, batches, hashed_turn_ids
+from migrations.explode import LEGACY_FILTER, Explosion, batches, dropped_at, hashed_turn_ids
 from migrations.writes import is_migrated
 
 CHUNK = 1000
@@ -134,16 +134,25 @@ def chunks(db: Database[dict[str, Any]]) -> Iterator[list[Abandoned]]:
         yield _abandoned(db, chunk)
 
 
-def remove(run: Explosion) -> list[Abandoned]:
-    """A run's last step, once it has gone through every conversation: remove each abandoned
-    conversation holding only the migration's messages (unless a dry run); answer those left
-    because live turns wrote to them."""
-    if run.db[run.source].find_one(LEGACY_FILTER, {"_id": 1}) is None:
+def _still_safe(run: Explosion) -> None:
+    """Before each removal: the run still holds the lock (a `finish` that took it over may
+    have dropped the legacy turns), and they are still there: with none, or dropped by
+    `finish`, every conversation the migration made would look abandoned."""
+    if run.lease is not None and not run.options.dry_run:
+        run.lease.renew()
+    if run.db[run.source].find_one(LEGACY_FILTER, {"_id": 1}) is None or dropped_at(run.db):
         raise MigrationError(
             f"{run.source} holds no legacy turn any more (dropped while this run went on?): "
             "every conversation the migration made would look abandoned; removing none. "
             "Restore the legacy turns (from a backup) before running again"
         )
+
+
+def remove(run: Explosion) -> list[Abandoned]:
+    """A run's last step, once it has gone through every conversation: remove each abandoned
+    conversation holding only the migration's messages (unless a dry run); answer those left
+    because live turns wrote to them."""
+    _still_safe(run)
     left: list[Abandoned] = []
     for found in chunks(run.db):
         left += [item for item in found if item.live]
@@ -151,6 +160,7 @@ def remove(run: Explosion) -> list[Abandoned]:
         run.counts.abandoned_removed += len(gone)
         if run.options.dry_run or not gone:
             continue
+        _still_safe(run)
         ids = [item.conversation_id for item in gone]
         messages = [m for item in gone for m in item.migrated]
         run.db[MESSAGES].delete_many(

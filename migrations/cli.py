@@ -225,6 +225,7 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         raise Misuse("--batch-size and --limit must be at least 1")
     if args.max_command_documents < 1 or args.max_command_bytes < 1:
         raise Misuse("--max-command-documents and --max-command-bytes must be at least 1")
+    _refuse_after_the_drop(db)
     run_id = time.strftime("run-%Y%m%dT%H%M%SZ-", time.gmtime()) + uuid.uuid4().hex[:6]
     held: lease.Lease | None = None
     if not args.dry_run:
@@ -250,6 +251,16 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     elapsed = time.monotonic() - run.started
     print(f"took {elapsed:.1f}s, {run.counts.turns / max(elapsed, 1e-9):.1f} turns/s")
     return 0
+
+
+def _refuse_after_the_drop(db: Database[dict[str, Any]]) -> None:
+    dropped = explode.dropped_at(db)
+    if dropped is not None:
+        raise Misuse(
+            f"`finish --drop-legacy` dropped the legacy turns at {dropped}: there is nothing "
+            "to migrate, and a run would take the migrated conversations for ones no legacy "
+            f"turn makes. Turns a service dual-wrote since are in {MESSAGES} already"
+        )
 
 
 def _require_legacy_data(db: Database[dict[str, Any]]) -> None:
@@ -348,6 +359,9 @@ def _finish(db: Database[dict[str, Any]], args: argparse.Namespace, held: lease.
     )
     if args.drop_legacy:
         held.renew()  # still this command's: no run started while the gate read
+        db[lease.STATE].update_one(
+            {"_id": explode.STATE_ID}, {"$set": {"dropped_at": utc_now()}}, upsert=True
+        )
         db[LEGACY_TURNS].drop()
         print(f"dropped {LEGACY_TURNS}; rollback to the legacy service is no longer possible")
     else:

@@ -73,6 +73,15 @@ from migrations.relocate import TURN_FILTER
 from migrations.writes import Converted
 
 STATE_ID = "state:legacy-turns"
+
+
+def dropped_at(db: Database[dict[str, Any]]) -> Any:
+    """When `finish --drop-legacy` dropped the legacy turns (None: never): no run goes on
+    after that, whatever a service still dual-writing brings back."""
+    state = db[STATE].find_one({"_id": STATE_ID}, {"dropped_at": 1}) or {}
+    return state.get("dropped_at")
+
+
 LEGACY_FILTER: dict[str, Any] = TURN_FILTER
 """Legacy turns, those the new logger wrote for rollback too: each read is narrowed to what
 `agent_messages` does not hold (`dual_writes.held`)."""

@@ -25,7 +25,7 @@ from pymongo.database import Database
 from pymongo.errors import DuplicateKeyError
 
 from agent_store.core import utc_now
-from migrations.errors import LockHeld, MigrationError
+from migrations.errors import LockHeld
 
 STATE = "agent_migrations"
 LOCK_ID = "lock:legacy-turns"
@@ -119,7 +119,7 @@ class Lease:
             {"$set": {"expires_at": utc_now() + self.duration}},
         )
         if result.matched_count == 0:
-            raise MigrationError(
+            raise LockHeld(
                 "the migration lock was taken over by another run (--force-unlock or an "
                 "expired lease); stopping so the two runs do not overlap"
             )

@@ -32,7 +32,7 @@ from agent_store.legacy import (
 )
 from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES, TurnRules
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
-from migrations import explode, gate, orphan_prompts, relocate
+from migrations import abandoned, explode, gate, orphan_prompts, relocate
 from migrations.cli import main
 from migrations.lease import Lease
 from migrations.problems import PROBLEMS
@@ -2111,4 +2111,48 @@ def test_a_run_whose_legacy_turns_vanish_under_it_removes_no_migrated_conversati
     monkeypatch.setattr(explode.Explosion, "batch", legacy_dropped_after_the_first_batch)
 
     assert cli(wire_uri, database, "run", "--batch-size", "1") != 0
+    assert database[MESSAGES].count_documents({}) == before
+
+
+@pytest.mark.wire
+def test_a_run_after_the_legacy_turns_were_dropped_is_refused_and_removes_nothing(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A service still dual-writing after the drop brings one legacy turn back: a rerun then
+    finds every other migrated conversation named by no legacy turn. After `finish` dropped
+    the legacy turns, no run goes on."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    before = database[MESSAGES].count_documents({})
+    database[LEGACY_TURNS].insert_one(legacy_turn("t-late", "c-0", 9, "late"))
+
+    assert cli(wire_uri, database, "run") == 2
+    assert cli(wire_uri, database, "run", "--dry-run") == 2
+    assert database[MESSAGES].count_documents({}) == before
+
+
+@pytest.mark.wire
+def test_a_run_that_lost_its_lock_during_its_last_step_removes_nothing_more(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its lease ran out during the last step (a long one, a paused process): `finish` took
+    the lock and dropped the legacy turns. The run checks its lock before each removal."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    before = database[MESSAGES].count_documents({})
+    chunks = abandoned.chunks
+
+    def finish_meanwhile(db: Database[dict[str, Any]]) -> Any:
+        Lease(database, "finish-elsewhere").acquire(force=True)
+        database[LEGACY_TURNS].drop()
+        return chunks(db)
+
+    monkeypatch.setattr(abandoned, "chunks", finish_meanwhile)
+
+    assert cli(wire_uri, database, "run") == 3
     assert database[MESSAGES].count_documents({}) == before
