@@ -990,3 +990,46 @@ async def test_a_turn_retried_after_its_late_insert_outlived_its_conversation_is
     seen = [(m.seq, m.content) for m in await store.transcript("c-x", user_id=OWNER)]
     assert seen == [(0, "OWNER's secret"), (1, "noted"), (2, "next")]
     assert (await store.get_conversation("c-x")).message_count == 3
+
+
+async def test_a_turn_of_a_deleted_conversation_still_being_written_takes_nothing_from_the_next(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OWNER's writer is slow, not gone: its turn inserts after the delete and after the next
+    holder of the id logged at the same `seq`s. The next conversation does not record the
+    slow turn: its acknowledged turns stay, and the slow turn is refused."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+    go, turn = await _owners_second_turn_in_flight(
+        logger, AgentMessageLogger(backend.db), monkeypatch
+    )
+    await store.delete("c-x", user_id=OWNER)
+    for number in range(2):
+        said = [{"role": "user", "content": f"hello {number}"}]
+        await logger.log_messages(
+            "c-x", said, user_id=SOMEONE_ELSE, owner_only=True, turn_id=f"o{number}"
+        )
+
+    with pytest.raises(Conflict):
+        await landing(go, turn)
+
+    seen = [(m.seq, m.content) for m in await store.transcript("c-x")]
+    assert seen == [(0, "hello 0"), (1, "hello 1")]
+
+
+async def test_a_turn_id_the_next_conversation_uses_again_takes_the_place_of_the_late_one(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A runtime numbering its turns ("t1", "t2", …) starts the id again: its "t2" derives the
+    ids of the late messages of the deleted conversation's "t2", at the same `seq`s, with
+    other content. The new conversation records its own "t2" there: they give way."""
+    await _a_turn_applied_after_its_writer_gave_up_and_the_delete(backend, monkeypatch)
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+
+    for turn_id, text in (("t1", "first"), ("t2", "second")):
+        said = [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]
+        await logger.log_messages("c-x", said, user_id=SOMEONE_ELSE, turn_id=turn_id)
+
+    seen = [(m.seq, m.content) for m in await store.transcript("c-x")]
+    assert seen == [(0, "first"), (1, "ok"), (2, "second"), (3, "ok")]
+    assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0

@@ -144,25 +144,26 @@ async def test_a_replay_answers_with_the_stored_messages_not_the_retrys_timestam
     assert [m.created_at for m in retried.messages] == [m.created_at for m in first.messages]
 
 
-async def test_a_stored_message_of_other_content_under_the_turns_ids_is_a_conflict_not_a_replay(
+async def test_a_stored_message_of_other_content_under_the_turns_ids_is_no_replay_and_gives_way(
     backend: Backend,
 ) -> None:
     """A message left under the ids a new turn derives (its conversation document gone, the
-    message not) is not an earlier attempt of that turn: the turn is refused, and the answer
-    shows nothing of the stored message."""
+    message not) is not an earlier attempt of that turn: it is no conversation's any more,
+    and the new conversation, which records the turn, stores the turn in its place. The
+    answer shows nothing of the stored message."""
     logger = AgentMessageLogger(backend.db)
     await logger.ensure_indexes()
     await logger.log_messages(CID, [{"role": "user", "content": "someone's secret"}],
                               user_id="user-ada", turn_id="t1")  # fmt: skip
     await backend.db[CONVERSATIONS].delete_many({})
 
-    with pytest.raises(Conflict, match="already taken by another message") as refused:
-        await logger.log_messages(CID, [{"role": "user", "content": "hello"}],
-                                  user_id="user-mallory", turn_id="t1")  # fmt: skip
+    logged = await logger.log_messages(CID, [{"role": "user", "content": "hello"}],
+                                       user_id="user-mallory", turn_id="t1")  # fmt: skip
 
-    assert "secret" not in str(refused.value)
+    assert not logged.replayed
+    assert [m.content for m in logged.messages] == ["hello"]
     stored = await backend.db[MESSAGES].find({"conversation_id": CID}).to_list(None)
-    assert [(m["content"], m["user_id"]) for m in stored] == [("someone's secret", "user-ada")]
+    assert [(m["content"], m["user_id"]) for m in stored] == [("hello", "user-mallory")]
 
 
 async def test_two_attempts_of_one_turn_racing_to_insert_answer_with_the_same_messages(

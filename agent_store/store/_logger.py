@@ -100,6 +100,7 @@ from agent_store.store._turns import (
     message_id,
     plan_turn,
     records_text_hashes,
+    turn_key,
     validate_identifier,
     without_text_hashes,
 )
@@ -869,10 +870,11 @@ class AgentMessageLogger:
         conversation records for the turn (`_in_a_block_of_the_turn`: one lookup more, on
         that path only): an attempt's insert that landed after another attempt moved the
         turn (or before, the other attempt's landing after). Wherever they are, the turn is
-        stored there and every attempt answers them. Messages an earlier conversation under
-        the id left in the way (a late insert no delete reached) give way (`_in_place_of`),
-        but one under an id this turn derives, at its `seq`, with other content is a
-        Conflict, which names nothing of it."""
+        stored there and every attempt answers them. Anything else in the way (another
+        turn's message at its `seq`, one under its ids with other content or elsewhere) an
+        earlier conversation under the id left, a late insert no delete reached: it gives way
+        while the conversation records this turn's block and not the other turns
+        (`_in_place_of`), else Conflict, which names nothing of it."""
         only_duplicates(error)
         write_errors = error.details.get("writeErrors", [])
         failed = {documents[e["index"]]["_id"]: documents[e["index"]] for e in write_errors}
@@ -884,39 +886,35 @@ class AgentMessageLogger:
                 {"conversation_id": conversation_id, "_id": {"$in": list(failed)}}
             )
         }
-        displaced = [wanted for id_, wanted in failed.items() if id_ not in stored]
-        if displaced:  # its seqs hold another turn's messages
-            with storage_errors("read the messages in the turn's block"):
-                there = await self._messages.find(
-                    {
-                        "conversation_id": conversation_id,
-                        "seq": {"$in": [d["seq"] for d in displaced]},
-                    }
-                ).to_list(None)
-            if not there or any(d.get("turn_id") == plan.turn_id for d in there):
-                raise _taken(conversation_id, displaced[0]["_id"], displaced[0]["seq"])
-            await self._in_place_of(plan, there, displaced)
-            stored.update({d["_id"]: d for d in displaced})
-        shifts: set[int] = set()
-        for message_id_, wanted in failed.items():
-            found = stored.get(message_id_)
-            if found is None or not _same_content(found, wanted):
-                raise _taken(conversation_id, message_id_, wanted["seq"])
-            shifts.add(int(found["seq"]) - int(wanted["seq"]))
-        if shifts == {0}:
-            return stored
-        first = int(documents[0]["seq"]) + min(shifts)
-        if len(shifts) > 1:
-            message_id_, wanted = next(iter(failed.items()))
-            raise _taken(conversation_id, message_id_, wanted["seq"])
-        if not await self._in_a_block_of_the_turn(plan, first):
-            # The turn's own messages, where an earlier conversation under the id put them.
-            await self._in_place_of(plan, [stored[id_] for id_ in failed], list(failed.values()))
-            stored.update(failed)
-        return stored
+        same = len(stored) == len(failed) and all(
+            _same_content(stored[id_], wanted) for id_, wanted in failed.items()
+        )
+        shifts = {
+            int(stored[id_]["seq"]) - int(w["seq"]) for id_, w in failed.items() if id_ in stored
+        }
+        if same and len(shifts) == 1:
+            shift = shifts.pop()
+            first = int(documents[0]["seq"]) + shift
+            if shift == 0 or await self._in_a_block_of_the_turn(plan, first):
+                return stored  # stored by an earlier attempt, in a block of the turn
+        # Not the turn's attempts: what an earlier conversation under the id left in the way.
+        wanted = [d for id_, d in failed.items() if stored.get(id_, {}).get("seq") != d["seq"]
+                  or not _same_content(stored[id_], d)]  # fmt: skip
+        with storage_errors("read the messages in the turn's block"):
+            there = await self._messages.find(
+                {"conversation_id": conversation_id, "seq": {"$in": [d["seq"] for d in wanted]}}
+            ).to_list(None)
+        ids = {d["_id"] for d in wanted}
+        strays = {d["_id"]: d for d in [*there, *(d for d in stored.values() if d["_id"] in ids)]}
+        await self._in_place_of(plan, int(documents[0]["seq"]), list(strays.values()), wanted)
+        return {**stored, **{d["_id"]: d for d in wanted}}
 
     async def _in_place_of(
-        self, plan: TurnPlan, strays: list[dict[str, Any]], wanted: list[dict[str, Any]]
+        self,
+        plan: TurnPlan,
+        first_seq: int,
+        strays: list[dict[str, Any]],
+        wanted: list[dict[str, Any]],
     ) -> None:
         """Store the turn's `wanted` messages in place of `strays`, messages no turn of this
         conversation stored where they are (two or three round trips more, on that path only).
@@ -927,12 +925,28 @@ class AgentMessageLogger:
         up, applied by the server after the conversation under the id was deleted (and after
         the delete's second sweep), or after its block was passed as abandoned
         (`TurnRules.abandon_after`) and given back by a pop. It goes, with the whole texts
-        only it names, and the turn's message takes its place."""
+        only it names, and the turn's message takes its place. Only while the conversation
+        under the id records this turn's block at `first_seq` and none of the other turns
+        (a live writer slower than the delete reaches a conversation under the id that
+        does not record it: its insert is refused, Conflict, as a turn's own late insert)."""
+        conversation_id = plan.conversation_id
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(
+                {"_id": conversation_id}, {"turns.k": 1, "turns.f": 1}
+            )
+        others = {str(d.get("turn_id")) for d in strays} - {plan.turn_id}
+        if (
+            not strays
+            or found is None
+            or first_seq not in blocks_of(found, plan.key)
+            or any(t.startswith(MIGRATED_TURN_PREFIX) or blocks_of(found, turn_key(t))
+                   for t in others)
+        ):  # fmt: skip
+            raise _taken(conversation_id, wanted[0]["_id"], wanted[0]["seq"])
         kept = {text.blob_id for text in plan.full_texts}
         await self._full_texts.forget_files(
             [b for d in strays for b in stored_blob_ids(d) if b not in kept]
         )
-        conversation_id = plan.conversation_id
         with storage_errors("insert the messages"):
             await self._messages.delete_many(
                 {"conversation_id": conversation_id, "$or": [
