@@ -409,3 +409,8 @@ async def test_a_turn_of_an_earlier_step_than_one_logged_is_refused_and_writes_n
     assert [m.content for m in await store.transcript(CID)] == ["step b", "step c"]
     with pytest.raises(InvalidInput, match="invalid next_seq -1"):
         await logger.log_messages(CID, _said("nowhere"), next_seq=-1)
+    with pytest.raises(InvalidInput, match="invalid next_seq"):
+        await logger.log_messages(CID, _said("nowhere"), next_seq=2**63)
+    for hostile in ("\ud800", "x" * 100_000, "a b"):
+        with pytest.raises(InvalidInput, match="invalid step"):
+            await logger.log_messages(CID, _said("nowhere"), step=hostile)

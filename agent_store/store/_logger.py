@@ -35,6 +35,7 @@ from pymongo import ReturnDocument
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
 from agent_store.core import (
+    MAX_SAFE_INTEGER,
     AgentMessage,
     Conflict,
     Conversation,
@@ -1146,10 +1147,15 @@ def _logged_at(conversation_id: str, seq: int | None, step: str | None) -> Condi
     step the conversation logged, which it becomes); None without either."""
     if seq is None and step is None:
         return None
-    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 0):
-        raise InvalidInput(f"invalid next_seq {seq!r}: a seq is an integer, 0 or more")
-    if step is not None and not isinstance(step, str):
-        raise InvalidInput(f"invalid step: expected a string, got {type(step).__name__}")
+    if seq is not None and (
+        isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_SAFE_INTEGER
+    ):
+        said = seq if type(seq) is int and abs(seq) < 2**63 else "(withheld)"
+        raise InvalidInput(
+            f"invalid next_seq {said}: a seq is an integer from 0 to {MAX_SAFE_INTEGER}"
+        )
+    if step is not None:
+        step = validate_identifier(step, "step")
     query: dict[str, Any] = {}
     if seq is not None:
         query["message_count"] = {"$in": [0, None]} if seq == 0 else seq
