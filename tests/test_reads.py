@@ -20,7 +20,7 @@ from agent_store import (
     TurnRules,
     Unsupported,
 )
-from agent_store.store import CONVERSATIONS, TEXT_INDEX
+from agent_store.store import CONVERSATIONS, LANGGRAPH_CHECKPOINTS, TEXT_INDEX
 from app.examples import EXAMPLE_CONVERSATION_ID as CID
 from app.examples import EXAMPLE_USER_ID as OWNER
 from app.examples import example_turns
@@ -407,6 +407,126 @@ async def test_a_delete_leaves_a_conversation_created_under_its_id_meanwhile_who
     assert new_turn
     stored = await backend.db.agent_messages.find({"conversation_id": "c-del"}).to_list(None)
     assert [(m["content"], m["user_id"]) for m in stored] == [("new", user)]
+
+
+VICTIM = "user-victim"
+SMALL_RULES = TurnRules(max_message_bytes=4096, claim_grace=timedelta(milliseconds=50))
+"""A message of 8 KiB is cut and its whole text kept in GridFS; a short last sweep."""
+LONG_TEXT = "the victim's own words " * 400
+
+
+class _ListedThen:
+    """A cursor whose `to_list` runs `then` once it has answered."""
+
+    def __init__(self, cursor: Any, then: Callable[[], Awaitable[None]]) -> None:
+        self._cursor, self._then = cursor, then
+
+    async def to_list(self, *args: Any) -> Any:
+        found = await self._cursor.to_list(*args)
+        await self._then()
+        return found
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cursor, name)
+
+
+def _after_the_first_lookup(
+    store: ConversationStore, monkeypatch: pytest.MonkeyPatch, then: Callable[[], Awaitable[None]]
+) -> None:
+    """`then` runs once, right after the store's first read of the conversations answered."""
+    conversations, done = store._conversations, []
+    find_one, find = conversations.find_one, conversations.find
+
+    async def once() -> None:
+        if not done:
+            done.append(True)
+            await then()
+
+    async def find_one_then(*args: Any, **kwargs: Any) -> Any:
+        found = await find_one(*args, **kwargs)
+        await once()
+        return found
+
+    def find_then(*args: Any, **kwargs: Any) -> Any:
+        return find(*args, **kwargs) if done else _ListedThen(find(*args, **kwargs), once)
+
+    monkeypatch.setattr(conversations, "find_one", find_one_then)
+    monkeypatch.setattr(conversations, "find", find_then)
+
+
+async def _victim_takes_the_freed_id(backend: Backend, conversation_id: str) -> None:
+    """VICTIM starts a conversation under the id (another millisecond: another `created_at`),
+    with a cut message, and checkpoints of a user graph and of a service beside it."""
+    await asyncio.sleep(0.005)
+    logger = AgentMessageLogger(backend.db, rules=SMALL_RULES)
+    messages = [{"role": "user", "content": LONG_TEXT}, {"role": "assistant", "content": "answer"}]
+    await logger.log_messages(conversation_id, messages, user_id=VICTIM, turn_id="v1",
+                              owner_only=True)  # fmt: skip
+    found = await backend.db[CONVERSATIONS].find_one({"_id": conversation_id})
+    mark = round(found["created_at"].timestamp() * 1000)
+    beside = {"thread_id": conversation_id, "conversation_created_ms": mark}
+    await backend.db[LANGGRAPH_CHECKPOINTS].insert_many(
+        [{"_id": f"{conversation_id}/{who}", "user_id": who, **beside} for who in (VICTIM, None)]
+    )
+
+
+async def _the_victims_conversation_is_whole(backend: Backend, conversation_id: str) -> None:
+    store = ConversationStore(backend.db)
+    conversation = await store.get_conversation(conversation_id, user_id=VICTIM)
+    assert conversation.message_count == 2
+    stored = await store.with_full_texts(await store.transcript(conversation_id, user_id=VICTIM))
+    whole = [(m.content, "content" in (m.truncated or {})) for m in stored]
+    assert whole == [(LONG_TEXT, False), ("answer", False)]
+    beside = backend.db[LANGGRAPH_CHECKPOINTS].find({"thread_id": conversation_id})
+    assert sorted(str(d["user_id"]) for d in await beside.to_list(None)) == ["None", VICTIM]
+
+
+@pytest.mark.parametrize("deleter", [OWNER, None], ids=["the owner's token", "a service"])
+async def test_a_repeated_delete_leaves_whole_the_conversation_another_user_started_since(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, deleter: str | None
+) -> None:
+    """A client retries a DELETE after a timeout: the first one frees the id and another user
+    starts a conversation under it while the retry is past its lookup of the first one. The
+    retry touches the conversation it found only: it deletes none of the new one's messages,
+    whole texts, checkpoints, nor its document, and answers as for a deleted conversation."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db, rules=SMALL_RULES)
+    await logger.log_messages("c-del", [{"role": "user", "content": "old"}], user_id=OWNER,
+                              turn_id="t1")  # fmt: skip
+
+    async def deleted_and_taken() -> None:
+        await ConversationStore(backend.db).delete("c-del", user_id=deleter)
+        await _victim_takes_the_freed_id(backend, "c-del")
+
+    _after_the_first_lookup(store, monkeypatch, deleted_and_taken)
+
+    deleted = await store.delete("c-del", user_id=deleter)
+
+    assert (deleted.conversations, deleted.messages) == (0, 0)
+    await _the_victims_conversation_is_whole(backend, "c-del")
+
+
+async def test_an_erasure_leaves_whole_the_conversation_another_user_started_under_a_freed_id(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user deletes a conversation while its erasure runs, past its lookup of the user's
+    conversations, and another user starts one under the freed id: the erasure deletes
+    nothing of it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db, rules=SMALL_RULES)
+    await logger.log_messages("c-del", [{"role": "user", "content": "old"}], user_id=OWNER,
+                              turn_id="t1")  # fmt: skip
+    await logger.log_messages("c-kept", [{"role": "user", "content": "gone"}], user_id=OWNER)
+
+    async def deleted_and_taken() -> None:
+        await ConversationStore(backend.db).delete("c-del", user_id=OWNER)
+        await _victim_takes_the_freed_id(backend, "c-del")
+
+    _after_the_first_lookup(store, monkeypatch, deleted_and_taken)
+
+    erased = await store.erase_user(OWNER)
+
+    assert (erased.conversations, erased.messages) == (1, 1)
+    await _the_victims_conversation_is_whole(backend, "c-del")
+    assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
 
 
 @pytest.mark.parametrize("lands", ["while the claim runs", "after the claim"])
@@ -822,11 +942,11 @@ async def test_an_unowned_turn_inserting_as_its_conversation_is_assigned_is_the_
     assert seen == ["first", "in flight", "assigned"]
 
 
-async def test_erase_user_removes_every_message_of_their_conversations_whatever_it_names(
+async def test_erase_user_removes_the_messages_of_their_conversations_naming_no_owner(
     backend: Backend,
 ) -> None:
-    """A message of the user's conversation still naming no owner (or an earlier one) is the
-    user's all the same: erasing the user removes it."""
+    """A message of the user's conversation still naming no owner (logged before a turn
+    assigned it) is the user's all the same: erasing the user removes it."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     await _unowned_then_assigned(logger)
     await logger.log_messages("c-kept", [{"role": "user", "content": "kept"}], user_id="keeper")

@@ -143,3 +143,21 @@ async def test_resolving_a_prompt_costs_one_round_trip_and_its_retry_two(
         wire_backend.commands.clear()
         await store.resolve_hitl(CID, "req-booking-1")
         assert wire_backend.commands.names == expected
+
+
+async def test_deleting_a_conversation_costs_seven_round_trips(wire_backend: Backend) -> None:
+    """Its lookup; the documents beside it (one command per collection); a lookup that finds
+    it still the conversation the first found, right before its messages go; its whole
+    texts' files; its document; the sweep for a turn that reserved before it."""
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db)
+    await logger.ensure_indexes()
+    for turn_id, messages in example_turns():
+        await logger.log_messages(CID, messages, turn_id=turn_id, user_id="user-deleting")
+    wire_backend.commands.clear()
+
+    await ConversationStore(wire_backend.db).delete(CID, user_id="user-deleting")
+
+    assert wire_backend.commands.names == [
+        "find", "delete", "find", "delete", "find", "findAndModify", "find"
+    ]  # fmt: skip

@@ -13,14 +13,14 @@ import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from bson import Int64
 from langchain_core.messages import BaseMessage
 
 from agent_store.core import InvalidInput
-from agent_store.store import LANGGRAPH_CHECKPOINTS
+from agent_store.store import LANGGRAPH_CHECKPOINTS, THREAD_CONVERSATION
+from agent_store.store import conversation_mark as conversation_mark
 
 CHECKPOINTS = LANGGRAPH_CHECKPOINTS
 """One document per checkpoint, its pending writes and the extras of the messages it logged
@@ -133,20 +133,9 @@ def checkpoint_key(thread_id: str, checkpoint_ns: str, checkpoint_id: str) -> st
     return json.dumps([thread_id, checkpoint_ns, checkpoint_id], ensure_ascii=False)
 
 
-CONVERSATION = "conversation_created_ms"
+CONVERSATION = THREAD_CONVERSATION
 """The field naming the conversation a checkpoint document was written for: its creation time,
 in milliseconds (`conversation_mark`). An id deleted and taken again is another conversation."""
-
-
-def conversation_mark(created_at: datetime) -> Int64:
-    """The conversation a thread's documents and cached messages belong to, as stored: its
-    creation time in whole milliseconds (what a BSON date keeps of it, read back or not)."""
-    if created_at.tzinfo is None:
-        created_at = created_at.replace(tzinfo=UTC)
-    return Int64((created_at - _EPOCH) // timedelta(milliseconds=1))
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def readable_by(user_id: str, conversation: int) -> dict[str, Any]:

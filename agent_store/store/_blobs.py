@@ -184,14 +184,24 @@ class FullTextStore:
         await self.forget_files(sorted({b for doc in cut for b in stored_blob_ids(doc)}))
 
     async def forget_conversations(self, conversation_ids: Sequence[str]) -> None:
-        """Delete every whole text of the conversations, found by their metadata: those of
-        their messages, and those no message names any more (popped, or deleted after
-        their turn wrote them, or whose insert failed). One round trip; two more when any."""
+        """Delete the whole texts of the conversations that no message of theirs names, found by
+        their metadata. Run once the messages being deleted are gone, it takes theirs and those
+        no message names any more (popped, or deleted after their turn wrote them, or whose
+        insert failed), and leaves those the messages of a conversation started under an id
+        since name (another's, even under the same file id). One round trip; three more when
+        any."""
+        ids = list(conversation_ids)
         with storage_errors("delete the whole texts of cut messages"):
             found = await self._files.find(
-                {"metadata.conversation_id": {"$in": list(conversation_ids)}}, {"_id": 1}
+                {"metadata.conversation_id": {"$in": ids}}, {"_id": 1}
             ).to_list(None)
-        await self.forget_files(sorted(str(f["_id"]) for f in found))
+            if not found:
+                return
+            named = await self._messages.find(
+                {"conversation_id": {"$in": ids}, "truncated": {"$ne": None}}, {"truncated": 1}
+            ).to_list(None)
+        kept = {b for doc in named for b in stored_blob_ids(doc)}
+        await self.forget_files(sorted({str(f["_id"]) for f in found} - kept))
 
     async def forget_files(self, blob_ids: Sequence[str]) -> None:
         """Delete these files: chunks first, so that the files documents (by which a

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from bson import Int64
 from pymongo import ASCENDING, DESCENDING, TEXT, IndexModel
 
 from agent_store.store._driver import Database, storage_errors
@@ -19,10 +21,27 @@ LANGGRAPH_CHECKPOINTS = "langgraph_checkpoints"
 """The LangGraph checkpointer's collection (`agent_store.integrations.langgraph`)."""
 THREAD_COLLECTIONS: tuple[str, ...] = (LANGGRAPH_CHECKPOINTS,)
 """Collections integrations keep beside the conversations (their indexes are theirs): each
-document names its conversation as `thread_id` and, when it has one, the user it was written
-for as `user_id`. Deleting a conversation deletes its documents there, erasing a user deletes
-the documents of the user's conversations and every one naming the user, and a claim moves
-them with the conversations, as it moves the messages."""
+document names its conversation as `thread_id`, when it has one the user it was written for
+as `user_id`, and which conversation under that id it was written for as `THREAD_CONVERSATION`.
+Deleting a conversation deletes its documents there (its owner's or no user's, of that
+conversation or of none named), erasing a user deletes the documents of the user's
+conversations (the user's or no user's) and every one naming the user, and a claim moves them
+with the conversations, as it moves the messages."""
+THREAD_CONVERSATION = "conversation_created_ms"
+"""The field naming the conversation a document beside it was written for: its creation time
+in milliseconds (`conversation_mark`). An id deleted and taken again is another conversation;
+documents stored before they named it have none."""
+
+
+def conversation_mark(created_at: datetime) -> Int64:
+    """The conversation a thread's documents and cached messages belong to, as stored: its
+    creation time in whole milliseconds (what a BSON date keeps of it, read back or not)."""
+    if created_at.tzinfo is None:
+        created_at = created_at.replace(tzinfo=UTC)
+    return Int64((created_at - _EPOCH) // timedelta(milliseconds=1))
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 SHARD_KEYS: dict[str, dict[str, Any]] = {
     MESSAGES: {"conversation_id": 1, "seq": 1},

@@ -40,7 +40,13 @@ from agent_store.core import (
 from agent_store.store._blobs import FullTextStore
 from agent_store.store._driver import Database, storage_errors
 from agent_store.store._fork import fork_turns_of
-from agent_store.store._indexes import CONVERSATIONS, MESSAGES, THREAD_COLLECTIONS
+from agent_store.store._indexes import (
+    CONVERSATIONS,
+    MESSAGES,
+    THREAD_COLLECTIONS,
+    THREAD_CONVERSATION,
+    conversation_mark,
+)
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource
 from agent_store.store._pop import Pop, PopMemory
 from agent_store.store._reservation import SUMMARY
@@ -130,6 +136,26 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
         raise InvalidInput(
             "invalid cursor: pass back the `next_cursor` of a previous page unchanged"
         ) from exc
+
+
+def _named_by(*owners: str | None) -> dict[str, Any]:
+    """A filter on `user_id`: documents naming one of these owners, or none."""
+    return {"$in": [*dict.fromkeys(o for o in owners if o is not None), None]}
+
+
+def _beside_of(conversation_id: str, found: dict[str, Any]) -> dict[str, Any]:
+    """What a delete of the conversation `found` (its owner and `created_at`) takes in the
+    collections beside the conversations: the documents of its thread written for its owner
+    or for no user, for this conversation or for none named (stored before documents named
+    it), never those of a conversation started under the id since."""
+    query: dict[str, Any] = {
+        "thread_id": conversation_id,
+        "user_id": _named_by(found.get("user_id")),
+    }
+    created_at = found.get("created_at")
+    if created_at is not None:
+        query[THREAD_CONVERSATION] = {"$in": [conversation_mark(created_at), None]}
+    return query
 
 
 class ConversationStore:
@@ -271,21 +297,28 @@ class ConversationStore:
         checkpoints).
 
         Legacy turns go first, then the documents beside it (they refer to the
-        messages), then messages, then the conversation document: a
+        messages), then messages and their whole texts, then the conversation document: a
         crash part-way leaves something a repeated delete finishes, never
         messages without their conversation, and never legacy turns that a
-        migration re-run or the read fallback would bring back to life. A turn
-        that reserved before the delete and inserts during it is swept last, and once more
-        `TurnRules.claim_grace` later when a reserved `seq` held no message (the delete
-        returns then); a conversation created under the id meanwhile, by anyone, is left
-        whole, and
-        the owner's turns dual-written under the id meanwhile are deleted too.
-        Legacy turns and prompts under the id that name another user than the
+        migration re-run or the read fallback would bring back to life. Each step takes
+        the conversation the delete found only, told by its `created_at` from one started
+        under the id since, by anyone: the documents beside it written for it (or for no
+        conversation named) and for its owner (or no user); its owner's messages and those
+        naming no owner (logged before a turn assigned it), once a lookup finds it still
+        under its id; the whole texts no message left under the id names; its document
+        while it is the one found. A delete finding it gone by then (another delete of it
+        finished first: a client's retry) stops there, as for a deleted conversation. A
+        turn that reserved before the delete and inserts during it is swept last, and once
+        more `TurnRules.claim_grace` later when a reserved `seq` held no message (the
+        delete returns then); a conversation created under the id meanwhile, by anyone,
+        is left whole, and the owner's turns dual-written under the id meanwhile are
+        deleted too. Legacy turns and prompts under the id that name another user than the
         document's owner stay (see `LegacySource.delete`).
         """
+        scope = self._scope(conversation_id, user_id)
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                self._scope(conversation_id, user_id), {"user_id": 1, "legacy_conversation_id": 1}
+                scope, {"user_id": 1, "created_at": 1, "legacy_conversation_id": 1}
             )
         if found is None:
             return await self._delete_legacy_only(conversation_id, user_id)
@@ -293,32 +326,53 @@ class ConversationStore:
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.delete(conversation_id, owner=owner)
+        await self._delete_beside(_beside_of(conversation_id, found), "delete the conversation")
+        found_now = {**scope, "created_at": found.get("created_at")}
+        messages = await self._delete_messages_of(found_now, owner)
+        if messages is None:
+            return Deleted(conversations=0, messages=0, legacy_turns=legacy)
         await self._full_texts.forget_conversations([conversation_id])
-        await self._delete_beside({"thread_id": conversation_id}, "delete the conversation")
         with storage_errors("delete the conversation"):
-            messages = await self._messages.delete_many({"conversation_id": conversation_id})
             gone = await self._conversations.find_one_and_delete(
-                self._scope(conversation_id, user_id),
-                {"user_id": 1, "message_count": 1, "turns": 1},
+                found_now, {"user_id": 1, "message_count": 1, "turns": 1}
             )
             late = await self._sweep_late_inserts(conversation_id, gone) if gone else 0
-        if gone is not None and messages.deleted_count + late < int(gone.get("message_count") or 0):
-            # A seq reserved and not stored: a turn may still be inserting. One faster than
-            # the grace is swept here; a slower one deletes its own (`log_messages`).
-            await self._grace()
-            with storage_errors("delete the conversation"):
-                again = await self._conversations.find_one({"_id": conversation_id}, {"turns.k": 1})
-            taken = {r.get("k") for r in (again or {}).get("turns") or ()}
-            late += await self._sweep_late_inserts(conversation_id, gone, spare=taken)
+        if gone is not None and messages + late < int(gone.get("message_count") or 0):
+            late += await self._sweep_after_grace(conversation_id, gone)
         if self._legacy_source is not None:
             legacy += await self._legacy_source.delete_dual_writes(
                 conversation_id, owner=owner, legacy_id=found.get("legacy_conversation_id")
             )
         return Deleted(
-            conversations=int(gone is not None),
-            messages=messages.deleted_count + late,
-            legacy_turns=legacy,
+            conversations=int(gone is not None), messages=messages + late, legacy_turns=legacy
         )
+
+    async def _delete_messages_of(self, found_now: dict[str, Any], owner: str | None) -> int | None:
+        """Delete the messages of the conversation `found_now` selects (its id, scope and
+        `created_at`) that name its owner, the one it has now (after a claim) or none; how
+        many. None, deleting nothing, when a lookup (one round trip) finds it no longer
+        there: deleted meanwhile, and perhaps started again under its id by anyone."""
+        with storage_errors("delete the conversation"):
+            still = await self._conversations.find_one(found_now, {"user_id": 1})
+            if still is None:
+                return None
+            deleted = await self._messages.delete_many(
+                {
+                    "conversation_id": found_now["_id"],
+                    "user_id": _named_by(owner, still.get("user_id")),
+                }
+            )
+        return int(deleted.deleted_count)
+
+    async def _sweep_after_grace(self, conversation_id: str, gone: dict[str, Any]) -> int:
+        """A seq reserved and not stored: a turn may still be inserting. One faster than the
+        grace is swept `TurnRules.claim_grace` later; a slower one deletes its own
+        (`log_messages`)."""
+        await self._grace()
+        with storage_errors("delete the conversation"):
+            again = await self._conversations.find_one({"_id": conversation_id}, {"turns.k": 1})
+        taken = {r.get("k") for r in (again or {}).get("turns") or ()}
+        return await self._sweep_late_inserts(conversation_id, gone, spare=taken)
 
     async def _grace(self) -> None:
         """The wait before a last sweep for turns still inserting: `TurnRules.claim_grace`."""
@@ -813,12 +867,14 @@ class ConversationStore:
     async def erase_user(self, user_id: str) -> Deleted:
         """Delete every conversation and message of a user. Re-runnable after a crash.
 
-        Every message of the user's conversations goes, whatever owner the message itself
-        names (one logged before a turn assigned the conversation to the user, whose move
-        to the user did not happen yet), with the full texts of cut ones and what
-        integrations keep beside the conversations (`THREAD_COLLECTIONS`: LangGraph
-        checkpoints): the user's conversations' documents beside them and messages first,
-        `CLAIM_CHUNK` conversations per command, then any message still naming the user,
+        Every message of the user's conversations goes, the user's and those naming no owner
+        (logged before a turn assigned the conversation to the user, whose move to the user
+        did not happen yet), with the full texts of cut ones and what integrations keep
+        beside the conversations (`THREAD_COLLECTIONS`: LangGraph checkpoints): the user's
+        conversations' documents beside them and messages first, `CLAIM_CHUNK`
+        conversations per command, each chunk looked up again first (a conversation
+        deleted meanwhile, its id perhaps taken by anyone, is left out), then any message
+        still naming the user,
         then the conversations, then the messages and the documents beside naming the user
         written meanwhile, and, when a reserved `seq` held no message, once more
         `TurnRules.claim_grace` later those outside the conversations the user holds by then.
@@ -853,24 +909,36 @@ class ConversationStore:
         )
 
     async def _erase_messages_of_conversations(self, user_id: str) -> tuple[int, int]:
-        """Delete every message (and full text, and document beside) of the conversations
-        `user_id` owns, whatever owner the messages name, `CLAIM_CHUNK` conversations per
-        command; answer how many messages, and how many `seq`s those conversations
-        reserved."""
-        erased = 0
+        """Delete the messages (and whole texts, and documents beside) of the conversations
+        `user_id` owns, naming the user or no owner (logged before a turn assigned the
+        conversation), `CLAIM_CHUNK` conversations per command; answer how many messages, and
+        how many `seq`s those conversations reserved.
+
+        Each chunk is looked up again right before its deletes (one round trip): a
+        conversation deleted since the first lookup, and perhaps started again under its id
+        by anyone, is left out."""
+        erased = reserved = 0
         with storage_errors("erase the user's data"):
-            found = await self._conversations.find(
-                {"user_id": user_id}, {"message_count": 1}
-            ).to_list(None)
-        owned = [d["_id"] for d in found]
-        reserved = sum(int(d.get("message_count") or 0) for d in found)
-        for start in range(0, len(owned), CLAIM_CHUNK):
-            ids = {"$in": owned[start : start + CLAIM_CHUNK]}
-            await self._delete_beside({"thread_id": ids}, "erase the user's data")
-            chunk = {"conversation_id": ids}
-            await self._full_texts.forget_conversations(ids["$in"])
+            found = await self._conversations.find({"user_id": user_id}, {"_id": 1}).to_list(None)
+        listed = [d["_id"] for d in found]
+        mine = _named_by(user_id)
+        for start in range(0, len(listed), CLAIM_CHUNK):
             with storage_errors("erase the user's data"):
+                held = await self._conversations.find(
+                    {"_id": {"$in": listed[start : start + CLAIM_CHUNK]}, "user_id": user_id},
+                    {"message_count": 1},
+                ).to_list(None)
+            if not held:
+                continue
+            owned = [d["_id"] for d in held]
+            reserved += sum(int(d.get("message_count") or 0) for d in held)
+            await self._delete_beside(
+                {"thread_id": {"$in": owned}, "user_id": mine}, "erase the user's data"
+            )
+            with storage_errors("erase the user's data"):
+                chunk = {"conversation_id": {"$in": owned}, "user_id": mine}
                 erased += (await self._messages.delete_many(chunk)).deleted_count
+            await self._full_texts.forget_conversations(owned)
         return erased, reserved
 
     async def _delete_beside(self, query: dict[str, Any], action: str) -> None:
