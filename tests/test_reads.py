@@ -1153,3 +1153,21 @@ async def test_a_turn_id_the_next_conversation_uses_again_takes_the_place_of_the
     seen = [(m.seq, m.content) for m in await store.transcript("c-x")]
     assert seen == [(0, "first"), (1, "ok"), (2, "second"), (3, "ok")]
     assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
+
+
+async def test_a_delete_during_a_claim_takes_the_messages_the_claim_has_not_moved_yet(
+    backend: Backend,
+) -> None:
+    """A claim moves the conversation first, its messages after: a delete between the two
+    finds messages naming the old owner. They are of turns the conversation recorded: the
+    delete's last sweep takes them, and nothing of the deleted conversation stays readable."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+    said = [{"role": "user", "content": "mine"}, {"role": "assistant", "content": "noted"}]
+    await logger.log_messages("c-x", said, user_id=OWNER)
+    await backend.db[CONVERSATIONS].update_one({"_id": "c-x"}, {"$set": {"user_id": NEW_OWNER}})
+
+    deleted = await store.delete("c-x")
+
+    assert deleted.messages == 2
+    assert await backend.db.agent_messages.count_documents({"conversation_id": "c-x"}) == 0

@@ -195,6 +195,50 @@ async def test_two_attempts_of_one_turn_racing_to_insert_answer_with_the_same_me
     await check_conversation(backend.db)
 
 
+async def test_a_second_attempt_past_the_kept_records_never_replaces_the_first_ones_messages(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first attempt's insert stalls while later turns push its record out of the kept
+    ones; the second attempt, with other content, finds no record nor stored message and
+    reserves a new block; the first then lands and is acknowledged. The second collides with
+    the first's messages: with records dropped they cannot be told from an earlier
+    conversation's, so the second is refused and the first's stay."""
+    rules = TurnRules(turns_recorded=1)
+    logger, second = (
+        AgentMessageLogger(backend.db, rules=rules),
+        AgentMessageLogger(backend.db, rules=rules),
+    )
+    await logger.ensure_indexes()
+    insert_many, reserved, go = logger._messages.insert_many, asyncio.Event(), asyncio.Event()
+
+    then, other_reserved, calls = asyncio.Event(), asyncio.Event(), []
+
+    async def stalled(*args: Any, **kwargs: Any) -> Any:
+        calls.append(None)  # 1: the first attempt, 2: "t2", 3: the second attempt
+        if len(calls) in (1, 3):
+            (reserved if len(calls) == 1 else other_reserved).set()
+            await (go if len(calls) == 1 else then).wait()
+        return await insert_many(*args, **kwargs)
+
+    monkeypatch.setattr(logger._messages, "insert_many", stalled)
+    monkeypatch.setattr(second._messages, "insert_many", stalled)
+    first = asyncio.create_task(logger.log_messages(CID, turn("first"), turn_id="t1"))
+    await reserved.wait()
+    await second.log_messages(CID, turn("later"), turn_id="t2")  # t1's record dropped
+    other = asyncio.create_task(second.log_messages(CID, turn("other"), turn_id="t1"))
+    await other_reserved.wait()  # reserved a new block; its insert waits
+    go.set()
+    acknowledged = await first
+    then.set()
+
+    with pytest.raises(Conflict):
+        await other
+    stored = await backend.db[MESSAGES].find({"turn_id": "t1"}).sort("seq").to_list(None)
+    assert [(m["seq"], m["content"]) for m in stored] == [
+        (m.seq, m.content) for m in acknowledged.messages
+    ]
+
+
 # -- 3. message ids are the store's --------------------------------------------------------
 
 

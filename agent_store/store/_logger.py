@@ -933,13 +933,16 @@ class AgentMessageLogger:
         conversation_id = plan.conversation_id
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                {"_id": conversation_id}, {"turns.k": 1, "turns.f": 1}
+                {"_id": conversation_id}, {"turns.k": 1, "turns.f": 1, "turns_dropped": 1}
             )
         others = {str(d.get("turn_id")) for d in strays} - {plan.turn_id}
         if (
             not strays
             or found is None
             or first_seq not in blocks_of(found, plan.key)
+            # Records dropped: one of the turn's own blocks is no longer told from a stray.
+            or (found.get("turns_dropped") and any(d.get("turn_id") == plan.turn_id
+                                                   for d in strays))
             or any(t.startswith(MIGRATED_TURN_PREFIX) or blocks_of(found, turn_key(t))
                    for t in others)
         ):  # fmt: skip

@@ -372,7 +372,7 @@ class ConversationStore:
         with storage_errors("delete the conversation"):
             again = await self._conversations.find_one({"_id": conversation_id}, {"turns.k": 1})
         taken = {r.get("k") for r in (again or {}).get("turns") or ()}
-        return await self._sweep_late_inserts(conversation_id, gone, spare=taken)
+        return await self._sweep_late_inserts(conversation_id, gone, spare=taken, any_owner=True)
 
     async def _grace(self) -> None:
         """The wait before a last sweep for turns still inserting: `TurnRules.claim_grace`."""
@@ -389,24 +389,30 @@ class ConversationStore:
         return Deleted(conversations=0, messages=0, legacy_turns=legacy)
 
     async def _sweep_late_inserts(
-        self, conversation_id: str, gone: dict[str, Any], *, spare: Collection[Any] = ()
+        self,
+        conversation_id: str,
+        gone: dict[str, Any],
+        *,
+        spare: Collection[Any] = (),
+        any_owner: bool = False,
     ) -> int:
         """Messages a turn reserved before the delete inserted after its first sweep: those
         of the deleted conversation only (its owner, below its `message_count`, of a turn it
         recorded), never those of a conversation created under the id since, by anyone: by
         another owner, or by the same one, whose turns of an id the deleted one recorded
-        too (`spare`: the keys the conversation under the id records now) stay."""
+        too (`spare`: the keys the conversation under the id records now) stay. The last
+        sweep (`any_owner`, with `spare` read then) takes those naming any owner: a claim
+        moves a conversation before its messages, which name the old owner meanwhile."""
         recorded = {r.get("k") for r in gone.get("turns") or ()}  # the records' keys, as stored
         recorded -= set(spare)
+        query: dict[str, Any] = {
+            "conversation_id": conversation_id,
+            "seq": {"$lt": int(gone.get("message_count") or 0)},
+        }
+        if not any_owner:
+            query["user_id"] = gone.get("user_id")
         with storage_errors("delete the conversation"):
-            found = await self._messages.find(
-                {
-                    "conversation_id": conversation_id,
-                    "user_id": gone.get("user_id"),
-                    "seq": {"$lt": int(gone.get("message_count") or 0)},
-                },
-                {"turn_id": 1},
-            ).to_list(None)
+            found = await self._messages.find(query, {"turn_id": 1}).to_list(None)
             late = [d["_id"] for d in found if turn_key(str(d.get("turn_id"))) in recorded]
             if not late:
                 return 0
