@@ -314,17 +314,35 @@ async def test_a_fork_put_retried_after_the_thread_went_on_logs_nothing_again(
 
 class PutOrder:
     """Runs the checkpoint puts of several savers one at a time, in a scripted order of their
-    names, once every saver has read the thread's latest checkpoint (they all go on from it)."""
+    names, once every saver has read the thread's latest checkpoint (they all go on from it).
 
-    def __init__(self, order: str, savers: dict[str, AgentStoreSaver]) -> None:
+    With `drawn` (each saver's name once per checkpoint it puts), the checkpoint ids are as if
+    drawn in that order: the one drawn last is the thread's latest, whatever order the graphs
+    ran in (a saver's n-th checkpoint gets the id of its name's n-th place in `drawn`)."""
+
+    def __init__(self, order: str, savers: dict[str, AgentStoreSaver], drawn: str = "") -> None:
         self.order = list(order)
         self.turn = asyncio.Condition()
         self.read = asyncio.Barrier(len(savers))
+        ids = [str(uuid6()) for _ in drawn]
+        self.ids = {
+            name: [i for n, i in zip(drawn, ids, strict=True) if n == name] for name in savers
+        }
+        self.renamed: dict[str, str] = {}
         for name, saver in savers.items():
             self._wrap(name, saver)
 
+    def _named(self, config: Any) -> Any:
+        configurable = config["configurable"]
+        scripted = self.renamed.get(configurable.get("checkpoint_id"))
+        return (
+            config
+            if scripted is None
+            else {"configurable": configurable | {"checkpoint_id": scripted}}
+        )
+
     def _wrap(self, name: str, saver: AgentStoreSaver) -> None:
-        read, put, first = saver.aget_tuple, saver.aput, [True]
+        read, put, writes, first = saver.aget_tuple, saver.aput, saver.aput_writes, [True]
 
         async def reading(config: Any) -> Any:
             found = await read(config)
@@ -332,19 +350,26 @@ class PutOrder:
                 await self.read.wait()
             return found
 
-        async def putting(*args: Any) -> Any:
+        async def putting(config: Any, checkpoint: Any, *args: Any) -> Any:
+            if self.ids[name]:
+                self.renamed[checkpoint["id"]] = self.ids[name].pop(0)
+                checkpoint = checkpoint | {"id": self.renamed[checkpoint["id"]]}
             async with self.turn:
                 await self.turn.wait_for(lambda: not self.order or self.order[0] == name)
             try:
-                return await put(*args)
+                return await put(self._named(config), checkpoint, *args)
             finally:
                 async with self.turn:
                     if self.order:
                         self.order.pop(0)
                     self.turn.notify_all()
 
+        async def writing(config: Any, *args: Any) -> None:
+            await writes(self._named(config), *args)
+
         saver.aget_tuple = reading  # type: ignore[method-assign]
         saver.aput = putting  # type: ignore[method-assign]
+        saver.aput_writes = writing  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize(
@@ -360,7 +385,6 @@ async def test_two_processes_resuming_one_pause_at_once_leave_the_transcript_the
     backend: Backend, order: str
 ) -> None:
     config = thread()
-    thread_id = config["configurable"]["thread_id"]
     await approval_agent(AgentStoreSaver(backend.db)).ainvoke(question(2), config)  # call-2
     savers = {"y": AgentStoreSaver(backend.db), "n": AgentStoreSaver(backend.db)}
     PutOrder(order, savers)
@@ -369,8 +393,42 @@ async def test_two_processes_resuming_one_pause_at_once_leave_the_transcript_the
         approval_agent(savers["n"]).ainvoke(Command(resume="no"), config),
     )
 
+    await _assert_the_transcript_ends_as_the_state(backend, config)
+
+
+@pytest.mark.parametrize(
+    ("order", "drawn"),
+    [
+        pytest.param("yyzznn", "yynnzz", id="the-latest-yes-replays-the-first-before-the-no"),
+        pytest.param("yzyznn", "yynnzz", id="the-yeses-alternate-before-the-no"),
+        pytest.param("nnyyzz", "nnyyzz", id="the-latest-yes-says-again-what-the-first-said"),
+        pytest.param("yyznzn", "ynzynz", id="the-no-logs-between-the-yeses"),
+    ],
+)
+async def test_three_processes_resuming_one_pause_two_alike_leave_the_transcript_the_state_reads(
+    backend: Backend, order: str, drawn: str
+) -> None:
+    """Two resumes say the same ("yes"): their turns are one turn of the transcript (named by
+    the parent and the content), which the latest of the three still ends with."""
+    config = thread()
+    await approval_agent(AgentStoreSaver(backend.db)).ainvoke(question(2), config)  # call-2
+    savers = {name: AgentStoreSaver(backend.db) for name in "ynz"}
+    PutOrder(order, savers, drawn)
+    await asyncio.gather(
+        approval_agent(savers["y"]).ainvoke(Command(resume="yes"), config),
+        approval_agent(savers["n"]).ainvoke(Command(resume="no"), config),
+        approval_agent(savers["z"]).ainvoke(Command(resume="yes"), config),
+    )
+    said = await _assert_the_transcript_ends_as_the_state(backend, config)
+    assert said[-1].content == "Answer 2: City 2: 18 degrees, light wind"  # z's, drawn last
+
+
+async def _assert_the_transcript_ends_as_the_state(
+    backend: Backend, config: dict[str, Any]
+) -> list[Any]:
+    thread_id = config["configurable"]["thread_id"]
     state = (await approval_agent(AgentStoreSaver(backend.db)).aget_state(config)).values
-    said = state["messages"]
+    said: list[Any] = state["messages"]
     store = ConversationStore(backend.db)
     transcript = await store.transcript(thread_id)
     # The transcript ends as the graph's state: the call, its one answer, the model's answer.
@@ -386,6 +444,7 @@ async def test_two_processes_resuming_one_pause_at_once_leave_the_transcript_the
     assert [p.content for p in last_request.parts if isinstance(p, ToolReturnPart)] == [
         said[-2].content
     ]
+    return said
 
 
 async def _latest_document(db: Any, config: dict[str, Any]) -> dict[str, Any]:

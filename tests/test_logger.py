@@ -414,3 +414,21 @@ async def test_a_turn_of_an_earlier_step_than_one_logged_is_refused_and_writes_n
     for hostile in ("\ud800", "x" * 100_000, "a b"):
         with pytest.raises(InvalidInput, match="invalid step"):
             await logger.log_messages(CID, _said("nowhere"), step=hostile)
+
+
+async def test_a_step_whose_messages_are_logged_is_claimed_only_at_the_transcripts_end(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, _said("said once"), turn_id="t-b", step="b")
+
+    with pytest.raises(TranscriptMoved, match="its next seq is 1, not 0") as moved:
+        await logger.claim_step(CID, step="c", next_seq=0)
+    assert (moved.value.next_seq, moved.value.later_step) == (1, None)
+    with pytest.raises(TranscriptMoved, match="logged step 'b', after") as behind:
+        await logger.claim_step(CID, step="a", next_seq=1)
+    assert behind.value.later_step == "b"
+    await logger.claim_step(CID, step="c", next_seq=1)  # "c" said the same as "b"
+    with pytest.raises(TranscriptMoved, match="logged step 'c', after"):
+        await logger.log_messages(CID, _said("behind c"), step="b2")
+    assert [m.content for m in await store.transcript(CID)] == ["said once"]

@@ -144,6 +144,16 @@ _STILL_WRITTEN = 0.02
 """Seconds waited per attempt when a turn that moved the transcript is not stored yet."""
 
 
+class _Replayed(TranscriptMoved):
+    """A put whose added messages another put logged (its turn replayed, or its messages
+    referred to) and which are no longer the transcript's end: placed again as a branch,
+    keeping the extras of a replayed turn for the messages still referred to."""
+
+    def __init__(self, message: str, *, next_seq: int, extras: list[dict[str, Any]]) -> None:
+        super().__init__(message, next_seq=next_seq)
+        self.extras = extras
+
+
 @dataclass(frozen=True)
 class _New:
     """A message the transcript does not hold yet."""
@@ -231,8 +241,9 @@ class TranscriptLink:
         since (two processes resuming one checkpoint at once) is a branch: the transcript is
         read to its end and the put goes through the branch's check again. A put behind a
         later checkpoint that logged (the logger's `step`: checkpoint ids are drawn before
-        their puts land) holds its new messages (`_held`). So the transcript ends as the
-        thread's latest checkpoint, whatever order racing puts land in.
+        their puts land) holds its new messages (`_held`); one whose messages another put
+        logged (resumes that said the same) claims its step all the same (`_claim`). So the
+        transcript ends as the thread's latest checkpoint, whatever order racing puts land in.
         """
         state = self.thread(thread_id)
         messages = messages if isinstance(messages, list) else list(messages)
@@ -244,6 +255,7 @@ class TranscriptLink:
             else:
                 calls = open_calls(messages, start=len(base.messages), before=base.open_calls)
             moved: int | None = None
+            kept: list[dict[str, Any]] = []
             for attempt in range(_PLACE_ATTEMPTS):
                 step = _Step(thread_id, checkpoint_id, parent_id, owner, messages, base, calls)
                 try:
@@ -251,13 +263,14 @@ class TranscriptLink:
                 except TranscriptMoved as exc:
                     if exc.later_step is None:
                         moved = exc.next_seq
+                        kept = exc.extras if isinstance(exc, _Replayed) else kept
                         continue
                     segments, end = await self._held(state, step)
                     extras = []
                     state.head = _Head(checkpoint_id, list(messages), segments, calls, end, False)
                     return segments, extras
                 state.head = _Head(checkpoint_id, list(messages), segments, calls, end)
-                return segments, extras
+                return segments, _with_kept(extras, kept, segments)
         raise StorageUnavailable(
             f"thread {thread_id!r}: other puts kept logging messages while this one was placed; "
             "retry it"
@@ -277,14 +290,38 @@ class TranscriptLink:
             next_seq = max(next_seq, moved)  # a turn never stored (a crash) leaves a gap
         new = [p for p in places if isinstance(p, _New)]
         fork_id = step.checkpoint_id if copies else None  # names the copies' turn
-        extras = []
+        extras: list[dict[str, Any]] = []
+        replayed = False
         if new:
-            extras = await self._log(state, step, new, fork_id, next_seq)
+            extras, replayed = await self._log(state, step, new, fork_id, next_seq)
         seqs = [int(e["seq"]) for e in extras]
         by_seq = iter(seqs)
         resolved = [next(by_seq) if isinstance(p, _New) else p for p in places]
         end = seqs[-1] + 1 if seqs else next_seq
-        return place_all(segments, resolved), extras, end
+        placed = place_all(segments, resolved)
+        # Messages added that another put logged: the same turn replayed, or referred to.
+        theirs = step.base is not None and any(isinstance(p, int) for p in places)
+        if (
+            replayed or (not new and (theirs or moved is not None))
+        ) and attempt + 1 < _PLACE_ATTEMPTS:
+            # Where the transcript is to end still: as the put refers (nothing read since its
+            # parent), or as the put read it and checked it (a branch's placing).
+            until = _refers_until(placed) if moved is None else max(state.loaded_until, moved)
+            await self._claim(step, until, extras)
+        return placed, extras, end
+
+    async def _claim(self, step: _Step, until: int, extras: list[dict[str, Any]]) -> None:
+        """Make the step the thread's latest (`last_step`), as logging its messages would have,
+        when another put logged them (its turn replayed, or its messages referred to: a sibling
+        that said the same): a sibling whose id is earlier is then held (`_held`). Only while
+        the transcript ends at `until`: otherwise the put is placed again as a branch
+        (`_Replayed`, keeping the `extras` of a replay), whose check logs copies if another
+        branch answered its calls since. Behind a later step there is nothing to do."""
+        try:
+            await self._logger.claim_step(step.thread_id, step=step.checkpoint_id, next_seq=until)
+        except TranscriptMoved as exc:
+            if exc.later_step is None:
+                raise _Replayed(str(exc), next_seq=exc.next_seq, extras=extras) from exc
 
     async def _held(self, state: _Thread, step: _Step) -> tuple[list[Segment], int]:
         """The segments of a put behind the thread's latest step (a sibling of a checkpoint
@@ -317,7 +354,8 @@ class TranscriptLink:
         if read:
             await self._load(state, step.thread_id, step.owner, start=state.loaded_until, stop=None)
         segments = list(base.segments) if base is not None else []
-        places = [_place(state, m, appended=base is not None) for m in messages[start:]]
+        after = None if base is None else _refers_until(base.segments)
+        places = [_place(state, m, after=after) for m in messages[start:]]
         made_again = any(i >= start and isinstance(places[i - start], int) for i, _ in calls)
         if not calls or (settled and not made_again):
             if read or base is None:
@@ -334,9 +372,10 @@ class TranscriptLink:
         new: Sequence[_New],
         fork_id: str | None,
         next_seq: int,
-    ) -> list[dict[str, Any]]:
+    ) -> tuple[list[dict[str, Any]], bool]:
         """Log new messages as one turn at `next_seq` (TranscriptMoved when other messages
-        took it); answer, per message, what the format lacks.
+        took it); answer, per message, what the format lacks, and whether the turn was logged
+        before (replayed).
 
         The turn is named by the checkpoint it extends and the new messages' content,
         not by the new checkpoint's id: when LangGraph re-runs a step after a crash
@@ -367,7 +406,7 @@ class TranscriptLink:
         seqs = [int(e["seq"]) for e in extras]
         if seqs and state.loaded_until == seqs[0]:
             state.loaded_until = seqs[-1] + 1
-        return extras
+        return extras, logged.replayed
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -481,6 +520,21 @@ class TranscriptLink:
         return moved, conversation_mark(target.created_at)
 
 
+def _refers_until(segments: Sequence[Segment]) -> int:
+    """The `seq` after the last message the segments refer to (0: none)."""
+    return max((s.stop for s in segments if isinstance(s, SeqRange)), default=0)
+
+
+def _with_kept(
+    extras: list[dict[str, Any]], kept: list[dict[str, Any]], segments: Sequence[Segment]
+) -> list[dict[str, Any]]:
+    """The extras of the messages a put logged, and those kept from its replayed turn
+    (`_Replayed`) that its segments still refer to."""
+    logged = {int(e["seq"]) for e in extras}
+    referred = {seq for s in segments if isinstance(s, SeqRange) for seq in range(s.start, s.stop)}
+    return extras + [e for e in kept if int(e["seq"]) in referred - logged]
+
+
 def _extends(head: _Head | None, parent_id: str | None, messages: list[BaseMessage]) -> bool:
     """Whether a checkpoint's messages extend its parent's, the thread's head (the common case)."""
     return (
@@ -490,19 +544,22 @@ def _extends(head: _Head | None, parent_id: str | None, messages: list[BaseMessa
     )
 
 
-def _place(state: _Thread, message: BaseMessage, *, appended: bool) -> int | BaseMessage | _New:
+def _place(state: _Thread, message: BaseMessage, *, after: int | None) -> int | BaseMessage | _New:
     """Where one message of a checkpoint lives: a `seq`, inline, or to be logged.
 
     A stored message, unchanged, is its `seq`. Changed (same id, other content), it is an
-    edit, held inline, unless the graph `appended` it: then it is a new message that
-    reuses the id of one the thread left behind (a branch's model saying other things).
+    edit, held inline, unless the graph appended it to its parent's messages (which end at
+    `after`): then it is a new message that reuses the id of one the thread left behind (a
+    branch's model saying other things). Appended, it is the stored one only when that is
+    stored from `after` on (a step re-run, a sibling that said the same): one stored before
+    is a message said again, after it, by a branch that went back (logged).
     """
     seq = state.seq_by_id.get(message.id) if message.id is not None else None
-    if seq is not None and state.by_seq[seq] == message:
+    if seq is not None and state.by_seq[seq] == message and (after is None or seq >= after):
         return seq
-    if seq is not None and not appended:
+    if seq is not None and after is None:
         return message
-    if message.id is None and not appended:
+    if message.id is None and after is None:
         return message  # no id to match it by: keep it inline rather than log it twice
     return _to_log(message)
 

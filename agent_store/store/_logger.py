@@ -372,6 +372,26 @@ class AgentMessageLogger:
             await observer.turn_logged(logged, reserved.conversation)
         return logged
 
+    async def claim_step(self, conversation_id: str, *, step: str, next_seq: int) -> None:
+        """Make `step` the conversation's latest step, as a turn logged with it would, for a
+        caller whose messages the transcript holds already (another caller logged the same
+        turn): only if the transcript still ends at `next_seq` and `step` is after every step
+        logged before, else `TranscriptMoved` (`next_seq`, `later_step`), nothing written."""
+        conversation_id = validate_identifier(conversation_id, "conversation_id")
+        condition = _logged_at(conversation_id, next_seq, step)
+        assert condition is not None
+        query = {"_id": conversation_id} | condition.filter
+        with storage_errors("record the conversation's latest step"):
+            result = await self._conversations.update_one(query, {"$set": {"last_step": step}})
+            if result.matched_count:
+                return
+            found = await self._conversations.find_one(
+                {"_id": conversation_id}, {"message_count": 1, "last_step": 1}
+            )
+        if found is None:
+            raise NotFound(f"conversation {conversation_id!r} was not found")
+        raise condition.refused(found)
+
     async def fork(
         self,
         conversation_id: str,
