@@ -88,7 +88,6 @@ from agent_store.store._reservation import (
     relocation,
     reservation,
     reservation_filter,
-    turn_block_filter,
 )
 from agent_store.store._text import clean_name
 from agent_store.store._turns import (
@@ -888,8 +887,8 @@ class AgentMessageLogger:
 
         A stored message is the turn's only with the same content as the turn's message for
         it (`_same_content`) and at its `seq`, or all of them one block away, in a block the
-        conversation records for the turn (`_in_a_block_of_the_turn`: one lookup more, on
-        that path only): an attempt's insert that landed after another attempt moved the
+        conversation records for the turn (one lookup of its records more, on that path
+        only): an attempt's insert that landed after another attempt moved the
         turn (or before, the other attempt's landing after). Wherever they are, the turn is
         stored there and every attempt answers them. Anything else in the way (another
         turn's message at its `seq`, one under its ids with other content or elsewhere) an
@@ -913,11 +912,16 @@ class AgentMessageLogger:
         shifts = {
             int(stored[id_]["seq"]) - int(w["seq"]) for id_, w in failed.items() if id_ in stored
         }
-        if same and len(shifts) == 1:
-            shift = shifts.pop()
-            first = int(documents[0]["seq"]) + shift
-            if shift == 0 or await self._in_a_block_of_the_turn(plan, first):
-                return stored  # stored by an earlier attempt, in a block of the turn
+        if same and shifts == {0}:
+            return stored  # stored by an earlier attempt, in this block
+        with storage_errors("read the conversation"):
+            records = await self._conversations.find_one(
+                {"_id": conversation_id}, {"turns.k": 1, "turns.f": 1, "turns_dropped": 1}
+            )
+        first = int(documents[0]["seq"])
+        moved = same and len(shifts) == 1 and records is not None
+        if moved and first + next(iter(shifts)) in blocks_of(records or {}, plan.key):
+            return stored  # stored by an earlier attempt, in another block of the turn
         # Not the turn's attempts: what an earlier conversation under the id left in the way.
         wanted = [d for id_, d in failed.items() if stored.get(id_, {}).get("seq") != d["seq"]
                   or not _same_content(stored[id_], d)]  # fmt: skip
@@ -927,18 +931,20 @@ class AgentMessageLogger:
             ).to_list(None)
         ids = {d["_id"] for d in wanted}
         strays = {d["_id"]: d for d in [*there, *(d for d in stored.values() if d["_id"] in ids)]}
-        await self._in_place_of(plan, int(documents[0]["seq"]), list(strays.values()), wanted)
+        await self._in_place_of(plan, records, first, list(strays.values()), wanted)
         return {**stored, **{d["_id"]: d for d in wanted}}
 
     async def _in_place_of(
         self,
         plan: TurnPlan,
+        records: Mapping[str, Any] | None,
         first_seq: int,
         strays: list[dict[str, Any]],
         wanted: list[dict[str, Any]],
     ) -> None:
         """Store the turn's `wanted` messages in place of `strays`, messages no turn of this
-        conversation stored where they are (two or three round trips more, on that path only).
+        conversation stored where they are (two round trips more, four with whole texts to
+        forget, on that path only).
 
         The conversation gives each `seq` to one turn and records every block a turn holds:
         a message of another turn in this turn's block, or one of this turn in a block the
@@ -949,12 +955,9 @@ class AgentMessageLogger:
         only it names, and the turn's message takes its place. Only while the conversation
         under the id records this turn's block at `first_seq` and none of the other turns
         (a live writer slower than the delete reaches a conversation under the id that
-        does not record it: its insert is refused, Conflict, as a turn's own late insert)."""
-        conversation_id = plan.conversation_id
-        with storage_errors("read the conversation"):
-            found = await self._conversations.find_one(
-                {"_id": conversation_id}, {"turns.k": 1, "turns.f": 1, "turns_dropped": 1}
-            )
+        does not record it: its insert is refused, Conflict, as a turn's own late insert).
+        `records`: the conversation's turn records, as read."""
+        conversation_id, found = plan.conversation_id, records
         others = {str(d.get("turn_id")) for d in strays} - {plan.turn_id}
         if (
             not strays
@@ -983,14 +986,6 @@ class AgentMessageLogger:
                 only_duplicates(exc)
                 lost = wanted[exc.details["writeErrors"][0]["index"]]
                 raise _taken(conversation_id, lost["_id"], lost["seq"]) from exc
-
-    async def _in_a_block_of_the_turn(self, plan: TurnPlan, first_seq: int) -> bool:
-        """Whether the conversation records a block of the turn (its own, or one it left by
-        moving) starting at `first_seq`."""
-        query = turn_block_filter(plan.conversation_id, plan.key, first_seq)
-        with storage_errors("read the conversation"):
-            found = await self._conversations.find_one(query, {"_id": 1})
-        return found is not None
 
 
 def _moved(

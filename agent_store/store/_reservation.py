@@ -113,14 +113,6 @@ def blocks_of(document: Mapping[str, Any], key: int) -> set[int]:
     }
 
 
-def turn_block_filter(conversation_id: str, key: int, first_seq: int) -> dict[str, Any]:
-    """Match the conversation while it records a block of the turn under `key` (its own, or
-    one it left by moving) starting at `first_seq`."""
-    keys = [Int64(key), Int64(moved_key(key))]
-    record = {"k": {"$in": keys}, "f": Int64(first_seq)}
-    return {"_id": conversation_id, "turns": {"$elemMatch": record}}
-
-
 def reservation_filter(
     plan: TurnPlan, actor: Actor, *, records_complete: bool = True
 ) -> dict[str, Any]:
