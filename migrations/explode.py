@@ -73,15 +73,6 @@ from migrations.relocate import TURN_FILTER
 from migrations.writes import Converted
 
 STATE_ID = "state:legacy-turns"
-
-
-def dropped_at(db: Database[dict[str, Any]]) -> Any:
-    """When `finish --drop-legacy` dropped the legacy turns (None: never): no run goes on
-    after that, whatever a service still dual-writing brings back."""
-    state = db[STATE].find_one({"_id": STATE_ID}, {"dropped_at": 1}) or {}
-    return state.get("dropped_at")
-
-
 LEGACY_FILTER: dict[str, Any] = TURN_FILTER
 """Legacy turns, those the new logger wrote for rollback too: each read is narrowed to what
 `agent_messages` does not hold (`dual_writes.held`)."""
@@ -92,6 +83,13 @@ _IDS_A_READ = 10_000
 reading the turns naming none may lead to as many derived ids as there are such turns."""
 _HASHED_KEY = re.compile(r"h[0-9a-f]{32}")
 """A turn key hashed from an `_id` that is not a short identifier (`LegacyTurn.key`)."""
+
+
+def dropped_at(db: Database[dict[str, Any]]) -> Any:
+    """When `finish --drop-legacy` dropped the legacy turns (None: never): no run goes on
+    after that, whatever a service still dual-writing brings back."""
+    state = db[STATE].find_one({"_id": STATE_ID}, {"dropped_at": 1}) or {}
+    return state.get("dropped_at")
 
 
 T = TypeVar("T")

@@ -266,9 +266,8 @@ class TranscriptLink:
                         kept = exc.extras if isinstance(exc, _Replayed) else kept
                         continue
                     segments, end = await self._held(state, step)
-                    extras = []
                     state.head = _Head(checkpoint_id, list(messages), segments, calls, end, False)
-                    return segments, extras
+                    return segments, []
                 state.head = _Head(checkpoint_id, list(messages), segments, calls, end)
                 return segments, _with_kept(extras, kept, segments)
         raise StorageUnavailable(

@@ -30,10 +30,10 @@ from agent_store.store._indexes import BLOB_CHUNKS, BLOB_FILES, MESSAGES
 from agent_store.store._truncation import FullText, put_text
 
 CHUNK_BYTES = 255 * 1024
+"""GridFS's default chunk size."""
 CHUNKS_PER_REPLY = 60
 """Chunks asked for per reply: 15 MiB, within a server's 16 MiB reply (the embedded server,
 asked for no size, answers a read in one reply, which the driver refuses past 48 MB)."""
-"""GridFS's default chunk size."""
 
 
 def blob_documents(full: FullText) -> tuple[dict[str, Any], list[dict[str, Any]]]:
