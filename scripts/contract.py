@@ -15,7 +15,8 @@ Two forms of the same documents:
   the Node.js driver or `bson.json_util` with `CANONICAL_JSON_OPTIONS` print),
   which keeps BSON types: every time a BSON date, every integer a BSON int64
   within 0…2**53 - 1. A conversation also holds the store's bookkeeping
-  (`turns`, `turns_dropped`, `inbox`, `resolved_hitl`), never served and absent until used.
+  (`turns`, `turns_dropped`, `inbox`, `resolved_hitl`, `epoch`, ...), and a message its
+  `epoch`, never served and absent until used.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter
 
-from agent_store.core import MAX_SAFE_INTEGER, AgentMessage, Conversation
+from agent_store.core import MAX_SAFE_INTEGER, AgentMessage, Conversation, UserMessage
 from app.api import ENDPOINTS
 from app.http_errors import ApiErrorBody
 
@@ -43,6 +44,10 @@ DOCUMENTS: dict[str, TypeAdapter[Any]] = {
 
 BOOKKEEPING = tuple(name for name, field in Conversation.model_fields.items() if field.exclude)
 """The conversation's fields the store keeps for itself: stored, never served."""
+MESSAGE_BOOKKEEPING = tuple(
+    name for name, field in UserMessage.model_fields.items() if field.exclude
+)
+"""A message's fields the store keeps for itself (every role has them): stored, never served."""
 
 
 def response_models() -> list[type[BaseModel]]:
@@ -181,16 +186,16 @@ def stored_form(schema: Any) -> Any:
     return {key: stored_form(value) for key, value in schema.items()}
 
 
-def bookkeeping() -> dict[str, dict[str, Any]]:
-    """The stored-only fields of a conversation (served form), by name."""
-    fields = Conversation.model_fields
+def bookkeeping(model: type[BaseModel] = Conversation) -> dict[str, dict[str, Any]]:
+    """The stored-only fields of a conversation, or of a message (served form), by name."""
+    fields = model.model_fields
+    names = BOOKKEEPING if model is Conversation else MESSAGE_BOOKKEEPING
     adapters = [
-        (name, "serialization", TypeAdapter(fields[name].rebuild_annotation()))
-        for name in BOOKKEEPING
+        (name, "serialization", TypeAdapter(fields[name].rebuild_annotation())) for name in names
     ]
     roots, definitions = TypeAdapter.json_schemas(adapters)
     schemas: dict[str, dict[str, Any]] = {}
-    for name in BOOKKEEPING:
+    for name in names:
         schema = tightened(copy.deepcopy(roots[(name, "serialization")]))
         for node in walk(schema):  # inline the record model, the only definition they use
             ref = node.pop("$ref", None)
@@ -212,6 +217,10 @@ def stored() -> dict[str, dict[str, Any]]:
     conversation = files["Conversation"]
     extra = stored_form(bookkeeping())
     conversation["properties"].update(extra)  # optional: absent until the store uses them
+    message_extra = stored_form(bookkeeping(UserMessage))
+    for variant in files[MESSAGE]["oneOf"]:  # optional: absent on messages stored before
+        name = variant["$ref"].split("/")[-1]
+        files[MESSAGE]["$defs"][name]["properties"].update(copy.deepcopy(message_extra))
     return files
 
 

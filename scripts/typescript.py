@@ -20,7 +20,15 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from scripts.contract import BOOKKEEPING, MESSAGE, bookkeeping, referenced, served
+from agent_store.core import UserMessage
+from scripts.contract import (
+    BOOKKEEPING,
+    MESSAGE,
+    MESSAGE_BOOKKEEPING,
+    bookkeeping,
+    referenced,
+    served,
+)
 
 OUTPUT = Path(__file__).resolve().parent.parent / "clients" / "typescript" / "agent-message.d.ts"
 
@@ -297,9 +305,16 @@ class DeclarationRenderer:
             )
             for name in BOOKKEEPING
         }
+        message_extra = bookkeeping(UserMessage)
+        kept = "; ".join(
+            f"{name}?: {_bookkeeping_type(message_extra[name])}" for name in MESSAGE_BOOKKEEPING
+        )
         return [
-            *_jsdoc("A document of `agent_messages`, as the Node.js driver returns it."),
-            f"export type {MESSAGE_DOCUMENT} = {MESSAGE_UNION}<Date>;",
+            *_jsdoc(
+                "A document of `agent_messages`, as the Node.js driver returns it, with the "
+                "store's\nbookkeeping (absent on messages stored before it; read none of it)."
+            ),
+            f"export type {MESSAGE_DOCUMENT} = {MESSAGE_UNION}<Date> & {{ {kept} }};",
             "",
             *self._declare(
                 f"{CONVERSATION_DOCUMENT} extends {interface_name('Conversation')}<Date>",

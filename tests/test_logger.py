@@ -77,14 +77,15 @@ async def test_stored_documents_hold_exactly_the_contract_fields(backend: Backen
     assert set(message) == {
         "_id", "conversation_id", "role", "content", "tool_calls", "tool_call_id",
         "hitl_action", "error", "upload", "created_at", "token_usage", "latency_ms",
-        "seq", "user_id", "turn_id", "search_text", "truncated", "native",
+        "seq", "user_id", "turn_id", "search_text", "truncated", "native", "epoch",
     }  # fmt: skip
     conversation = await backend.db.agent_conversations.find_one()
     assert set(conversation) == {
         "_id", "conversation_id", "user_id", "name", "name_source", "created_at", "updated_at",
         "turn_count", "last_message_preview", "message_count", "pending_hitl", "pending_calls",
-        "usage", "forked_from", "legacy_conversation_id", "turns", "turns_dropped",
+        "usage", "forked_from", "legacy_conversation_id", "turns", "turns_dropped", "epoch",
     }  # fmt: skip
+    assert message["epoch"] == conversation["epoch"]
 
 
 async def test_hidden_runtime_context_is_never_stored(backend: Backend) -> None:

@@ -373,12 +373,15 @@ async def test_a_turn_inserting_while_its_conversation_is_deleted_leaves_no_mess
     assert await backend.db.agent_messages.count_documents({"conversation_id": "c-del"}) == 0
 
 
+@pytest.mark.parametrize("turn_id", ["t-new", "t1"], ids=["a new turn", "the deleted's turn"])
 @pytest.mark.parametrize("writer", ["another user", "the owner again"])
 async def test_a_delete_leaves_a_conversation_created_under_its_id_meanwhile_whole(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch, writer: str
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, writer: str, turn_id: str
 ) -> None:
     """Right after the document is deleted the id exists nowhere: a new turn may create it,
-    and the delete's last sweep (for turns that reserved before it) leaves that turn alone."""
+    and the delete's last sweep (for turns that reserved before it) leaves that turn alone,
+    even when it has the id of a turn the deleted conversation recorded (a runtime numbering
+    its turns from 1 again)."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     await logger.log_messages("c-del", [{"role": "user", "content": "old"}], user_id=OWNER,
                               turn_id="t1")  # fmt: skip
@@ -388,7 +391,7 @@ async def test_a_delete_leaves_a_conversation_created_under_its_id_meanwhile_who
     async def create_after() -> None:
         new_turn.append(
             await logger.log_messages("c-del", [{"role": "user", "content": "new"}],
-                                      user_id=user, turn_id="t-new", owner_only=True)
+                                      user_id=user, turn_id=turn_id, owner_only=True)
         )  # fmt: skip
 
     conversations = store._conversations
@@ -503,6 +506,68 @@ async def test_a_repeated_delete_leaves_whole_the_conversation_another_user_star
 
     assert (deleted.conversations, deleted.messages) == (0, 0)
     await _the_victims_conversation_is_whole(backend, "c-del")
+
+
+async def test_a_repeated_delete_leaves_whole_the_conversation_its_owner_started_again_since(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client retries a DELETE after a timeout, and the retry's delete of the messages
+    reaches the server only after the first delete finished and the owner (a "new chat"
+    button on a fixed id) started the id again with a turn of the same id: the new
+    conversation keeps its messages, and the retry answers as for a deleted conversation."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-del", [{"role": "user", "content": "old"}], user_id=OWNER,
+                              turn_id="t1")  # fmt: skip
+    messages, late = store._messages, []
+    delete_many = messages.delete_many
+
+    async def arriving_late(*args: Any, **kwargs: Any) -> Any:
+        if not late:
+            late.append(True)
+            await ConversationStore(backend.db).delete("c-del", user_id=OWNER)
+            await asyncio.sleep(0.005)
+            await logger.log_messages("c-del", [{"role": "user", "content": "new"}],
+                                      user_id=OWNER, turn_id="t1")  # fmt: skip
+        return await delete_many(*args, **kwargs)
+
+    monkeypatch.setattr(messages, "delete_many", arriving_late)
+
+    deleted = await store.delete("c-del", user_id=OWNER)
+
+    assert (deleted.conversations, deleted.messages) == (0, 0)
+    assert [m.content for m in await store.transcript("c-del", user_id=OWNER)] == ["new"]
+    assert (await store.get_conversation("c-del", user_id=OWNER)).message_count == 1
+
+
+async def test_the_deletes_last_sweep_leaves_whole_what_another_user_started_after_it_looked(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The delete waits for OWNER's second turn (reserved, never stored), looks at the id
+    (nothing there), and before its last sweep another user starts the id with a turn of
+    the same id as one the deleted conversation recorded: that user's messages stay."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+    _, turn = await _owners_second_turn_in_flight(
+        logger, AgentMessageLogger(backend.db), monkeypatch
+    )
+    sweep = store._sweep_late_inserts
+
+    async def another_user_first(*args: Any, **kwargs: Any) -> int:
+        if kwargs.get("any_owner"):
+            said = [{"role": "user", "content": "someone's own"}]
+            await logger.log_messages(
+                "c-x", said, user_id=SOMEONE_ELSE, owner_only=True, turn_id="t1"
+            )
+        return await sweep(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_sweep_late_inserts", another_user_first)
+
+    deleted = await store.delete("c-x", user_id=OWNER)
+    turn.cancel()
+
+    assert deleted.messages == 1
+    seen = [(m.seq, m.content) for m in await store.transcript("c-x", user_id=SOMEONE_ELSE)]
+    assert seen == [(0, "someone's own")]
 
 
 async def test_an_erasure_leaves_whole_the_conversation_another_user_started_under_a_freed_id(
@@ -1088,6 +1153,48 @@ async def test_a_turn_applied_after_its_writer_gave_up_and_its_conversations_del
     await _the_next_holder_logs_every_turn(logger, store)
 
     assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
+
+
+async def test_a_late_insert_of_a_deleted_conversation_gives_way_to_turns_numbered_alike(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A runtime numbers its turns per conversation ("t0", "t1", ...). Turn "t1" of the first
+    conversation reserves three `seq`s and its writer gives up; the owner deletes the
+    conversation and starts the id again, and only then the server applies the old insert.
+    The new conversation's turns "t1" and "t2" meet the old messages (the first under the
+    same ids, the next at a `seq` of its own): every turn is logged, and no read serves an
+    old message, since they carry the deleted conversation's epoch."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+    await logger.ensure_indexes()
+
+    def turn(said: str, answers: int) -> list[dict[str, Any]]:
+        replies = [{"role": "assistant", "content": f"{said}: answer {n}"} for n in range(answers)]
+        return [{"role": "user", "content": said}, *replies]
+
+    await logger.log_messages("c-x", turn("old t0", 2), user_id=OWNER, turn_id="t0")
+    held: list[Any] = []
+    insert_many = logger._messages.insert_many
+
+    async def applied_later(documents: list[dict[str, Any]], **kwargs: Any) -> Any:
+        held.append(documents)
+        raise StorageUnavailable("the client timed out")
+
+    monkeypatch.setattr(logger._messages, "insert_many", applied_later)
+    with pytest.raises(StorageUnavailable):
+        await logger.log_messages("c-x", turn("old t1", 2), user_id=OWNER, turn_id="t1")
+    monkeypatch.undo()
+    await store.delete("c-x", user_id=OWNER)
+    await logger.log_messages("c-x", turn("new t0", 1), user_id=OWNER, turn_id="t0")
+    await insert_many(held[0], ordered=False)  # the server applies it now, at seqs 3 to 5
+
+    for number in (1, 2, 3):
+        await logger.log_messages("c-x", turn(f"new t{number}", 1), user_id=OWNER,
+                                  turn_id=f"t{number}")  # fmt: skip
+
+    seen = [m.content for m in await store.transcript("c-x")]
+    assert seen == [text for n in range(4) for text in (f"new t{n}", f"new t{n}: answer 0")]
+    assert await backend.db.agent_messages.count_documents({"content": {"$regex": "^old"}}) == 0
 
 
 async def test_a_turn_retried_after_its_late_insert_outlived_its_conversation_is_stored_anew(

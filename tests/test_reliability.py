@@ -529,6 +529,27 @@ class FailingCalls:
         return wrapped
 
 
+async def test_a_pop_whose_mark_never_arrived_pops_again_after_another_pop_took_its_message(
+    backend: Backend,
+) -> None:
+    """A pop's mark is lost before the server sees it (its outcome unknown to it); another
+    process pops the same last message; the first pop's retry removes the next one and
+    answers it: two pops, two messages, each answered once."""
+    await _two_turns_of_two(backend)
+    store = ConversationStore(backend.db)
+    real = store._conversations
+    store._conversations = FailingCalls(real, {"update_one": {0}})
+    with pytest.raises(StorageUnavailable):
+        await store.pop_last_message(CID)
+    store._conversations = real
+    other = await ConversationStore(backend.db).pop_last_message(CID)
+
+    retried = await store.pop_last_message(CID)
+
+    assert (other and other.content, retried and retried.content) == ("a1", "u1")
+    assert await _stored_contents(backend) == ["u0", "a0"]
+
+
 async def test_a_pop_whose_retry_fails_too_is_still_retried_as_one(backend: Backend) -> None:
     """The first attempt marks and removes, then its summary update fails; the second fails
     on its first read; the third answers the message the first removed, removing no other."""

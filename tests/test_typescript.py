@@ -136,7 +136,9 @@ def test_shared_types_take_the_time_type_without_a_default_and_api_types_hold_st
     assert declared_properties(interface_block(text, "IConversationPage"))["data"] == (
         "IAgentConversation<string>[]"
     )
-    assert "export type AgentMessageDocument = AgentMessageByRole<Date>;" in text
+    assert (
+        "export type AgentMessageDocument = AgentMessageByRole<Date> & { epoch?: string | null };"
+    ) in text
 
 
 def test_the_conversation_document_declares_the_bookkeeping_as_optional() -> None:
@@ -147,6 +149,7 @@ def test_the_conversation_document_declares_the_bookkeeping_as_optional() -> Non
         "popping?": "Record<string, unknown> | null", "pops?": "number",
         "popped_seqs?": "unknown[]", "popped_messages?": "unknown[]",
         "resolved_hitl?": "unknown[]", "owned_from?": "number", "last_step?": "string | null",
+        "epoch?": "string | null",
     }  # fmt: skip
 
 

@@ -364,6 +364,10 @@ class _MessageBase(_Model):
     native: NativeForm | None = None
     """The runtime's own form of the message where the chat fields cannot rebuild it
     (extension; see `NativeForm`)."""
+    epoch: str | None = Field(default=None, exclude=True)
+    """The `epoch` of the conversation that stored it (the store's bookkeeping, never served;
+    absent on messages stored before it was recorded): tells its messages from those of a
+    conversation created again under the id."""
 
     assigned_by_store: ClassVar[tuple[str, ...]] = ("id", "conversation_id", "seq", "turn_id")
     """Set on every stored and served message; null only in what a caller sends."""
@@ -548,6 +552,9 @@ class PoppedMessage(_Model):
 
     seq: Count = Field(alias="s")
     message_id: str = Field(alias="i")
+    pop_id: str | None = Field(default=None, alias="p")
+    """The pop that removed it (`PopInProgress.pop_id`); None on entries kept before it was
+    recorded."""
 
 
 class PopInProgress(_Model):
@@ -557,6 +564,9 @@ class PopInProgress(_Model):
 
     message_id: str
     seq: Count
+    pop_id: str | None = None
+    """A random token of this pop, kept with the message in `popped_messages`: the retry of a
+    pop in doubt answers the message only if this pop removed it, not another one."""
     turn_key: int | None = None
     """The key of the message's turn record (`TurnRecord.key`), marked popped."""
     role: Role
@@ -655,6 +665,11 @@ class Conversation(_Model):
     """The request ids of the prompts `resolve_hitl` resolved, the newest
     `RESOLVED_PROMPTS_KEPT` (the store's bookkeeping, never served): a resolution leaves no
     message, so a rerun of the migration and a fork folding the messages read them here."""
+    epoch: str | None = Field(default=None, exclude=True)
+    """A random token drawn when the document is created, and by the first turn logged after
+    an upgrade on one created before (the store's bookkeeping, never served): every message
+    the conversation stores carries it, so a delete takes this conversation's messages and
+    none of one created again under its id since, whoever created it."""
     last_step: str | None = Field(default=None, exclude=True)
     """The greatest `step` a turn was logged with (`log_messages`; a LangGraph thread's
     checkpoint ids), the store's bookkeeping, never served: a new turn of an earlier step is

@@ -84,6 +84,7 @@ from agent_store.store._reservation import (
     RecordedBlock,
     blocks_of,
     literal,
+    new_epoch,
     recorded_block,
     relocation,
     reservation,
@@ -146,6 +147,8 @@ class _Reserved:
     created_at: datetime | None = None
     """The conversation's `created_at` as stored: another one under the id is another
     conversation (deleted, then created again)."""
+    epoch: str | None = None
+    """The conversation's `epoch`, which its messages carry."""
     conversation: Conversation | None = None
     """The conversation's summary: read only when observers are told of the turn."""
     assigns: bool = False
@@ -237,7 +240,7 @@ class AgentMessageLogger:
         fresh = Conversation(
             id=conversation_id, conversation_id=conversation_id, created_at=now, updated_at=now
         ).model_dump(by_alias=True, exclude={"id"})
-        on_insert = {k: v for k, v in fresh.items() if k not in changed}
+        on_insert = {k: v for k, v in fresh.items() if k not in changed} | {"epoch": new_epoch()}
         update: dict[str, Any] = {"$setOnInsert": on_insert}
         if changed:
             update["$set"] = changed
@@ -710,9 +713,9 @@ class AgentMessageLogger:
         a retry answers with the stored timestamps, not its own.
         """
         await self._full_texts.keep(plan.full_texts)  # a turn with a cut message: 2 more commands
-        owner, first = reserved.owner, reserved.first_seq
+        owner, first, epoch = reserved.owner, reserved.first_seq, reserved.epoch
         documents = [
-            {**document, "seq": Int64(first + i), "user_id": owner}
+            {**document, "seq": Int64(first + i), "user_id": owner, "epoch": epoch}
             for i, document in enumerate(plan.documents)
         ]
         stored: list[AgentMessage] | None = None
@@ -722,7 +725,8 @@ class AgentMessageLogger:
             except BulkWriteError as exc:
                 found = await self._own_duplicates(exc, documents, plan)
                 documents = [found.get(d["_id"], d) for d in documents]
-                documents = await self._to_the_owner(plan.conversation_id, owner, documents)
+                documents = await self._to_the_conversation(plan.conversation_id, documents,
+                                                            owner, epoch)  # fmt: skip
                 stored = messages_adapter.validate_python(documents)
         if reserved.assigns:
             await self._hand_over_earlier(plan.conversation_id, reserved)
@@ -734,7 +738,7 @@ class AgentMessageLogger:
                 reserved.moved,
                 abandon_after=self.rules.abandon_after,
             )
-        return stored if stored is not None else plan.stored(first, owner)
+        return stored if stored is not None else plan.stored(first, owner, epoch)
 
     async def _hand_over_earlier(self, conversation_id: str, reserved: _Reserved) -> None:
         """After the turn that assigned an unowned conversation its owner: the messages logged
@@ -771,21 +775,27 @@ class AgentMessageLogger:
                 {**earlier, "user_id": None}, {"$set": {"user_id": owner}}
             )
 
-    async def _to_the_owner(
-        self, conversation_id: str, owner: str | None, documents: list[dict[str, Any]]
+    async def _to_the_conversation(
+        self,
+        conversation_id: str,
+        documents: list[dict[str, Any]],
+        owner: str | None,
+        epoch: str | None,
     ) -> list[dict[str, Any]]:
         """A retry's messages an earlier attempt stored under another owner than the
-        conversation's now (its insert landed after a claim's last sweep, its answer lost):
-        moved to the owner, and answered so (one more update, on that path only)."""
-        strays = [d["_id"] for d in documents if d.get("user_id") != owner]
+        conversation's now (its insert landed after a claim's last sweep, its answer lost),
+        or with another conversation's `epoch` (a late insert of the same turn into one
+        deleted since, where this turn stores the same): moved to the owner and the epoch,
+        and answered so (one more update, on that path only)."""
+        now = {"user_id": owner, "epoch": epoch}
+        strays = [d["_id"] for d in documents if any(d.get(k) != v for k, v in now.items())]
         if not strays:
             return documents
         with storage_errors("move the turn's messages to the conversation's owner"):
             await self._messages.update_many(
-                {"conversation_id": conversation_id, "_id": {"$in": strays}},
-                {"$set": {"user_id": owner}},
+                {"conversation_id": conversation_id, "_id": {"$in": strays}}, {"$set": now}
             )
-        return [{**d, "user_id": owner} for d in documents]
+        return [{**d, **now} for d in documents]
 
     async def _follow_the_conversation(
         self, conversation_id: str, reserved: _Reserved, stored: list[AgentMessage]
@@ -916,7 +926,8 @@ class AgentMessageLogger:
             return stored  # stored by an earlier attempt, in this block
         with storage_errors("read the conversation"):
             records = await self._conversations.find_one(
-                {"_id": conversation_id}, {"turns.k": 1, "turns.f": 1, "turns_dropped": 1}
+                {"_id": conversation_id},
+                {"turns.k": 1, "turns.f": 1, "turns_dropped": 1, "epoch": 1},
             )
         first = int(documents[0]["seq"])
         moved = same and len(shifts) == 1 and records is not None
@@ -956,10 +967,17 @@ class AgentMessageLogger:
         under the id records this turn's block at `first_seq` and none of the other turns
         (a live writer slower than the delete reaches a conversation under the id that
         does not record it: its insert is refused, Conflict, as a turn's own late insert).
-        `records`: the conversation's turn records, as read."""
+        `records`: the conversation's turn records and epoch, as read.
+
+        Strays that all carry another epoch than the conversation's, which this turn writes
+        with, are a deleted conversation's, whatever turns the conversation records: they
+        go, and every other message that conversation left under the id with them."""
         conversation_id, found = plan.conversation_id, records
         others = {str(d.get("turn_id")) for d in strays} - {plan.turn_id}
-        if (
+        left_over = _epochs_left_over(found, strays, wanted)
+        if left_over:
+            strays = await self._left_by(conversation_id, left_over)
+        elif (
             not strays
             or found is None
             or first_seq not in blocks_of(found, plan.key)
@@ -987,6 +1005,32 @@ class AgentMessageLogger:
                 lost = wanted[exc.details["writeErrors"][0]["index"]]
                 raise _taken(conversation_id, lost["_id"], lost["seq"]) from exc
 
+    async def _left_by(self, conversation_id: str, epochs: list[str]) -> list[dict[str, Any]]:
+        """Every message conversations of these epochs, deleted since, left under the id (one
+        round trip more)."""
+        with storage_errors("read the messages in the turn's block"):
+            found: list[dict[str, Any]] = await self._messages.find(
+                {"conversation_id": conversation_id, "epoch": {"$in": epochs}},
+                {"seq": 1, "truncated": 1},
+            ).to_list(None)
+        return found
+
+
+def _epochs_left_over(
+    found: Mapping[str, Any] | None, strays: list[dict[str, Any]], wanted: list[dict[str, Any]]
+) -> list[str]:
+    """The epochs of `strays` when every one carries an epoch, none the conversation's, and
+    the turn writes with the conversation's (a writer of a conversation deleted since meets
+    the new one's messages the other way round): what conversations deleted since left in
+    the turn's way. Empty otherwise."""
+    epoch = None if found is None else found.get("epoch")
+    epochs = {d.get("epoch") for d in strays}
+    if not strays or epoch is None or {d.get("epoch") for d in wanted} != {epoch}:
+        return []
+    if None in epochs or epoch in epochs:
+        return []
+    return sorted(e for e in epochs if isinstance(e, str))
+
 
 def _moved(
     plan: TurnPlan, reserved: _Reserved, doc: dict[str, Any], *, observed: bool
@@ -998,6 +1042,7 @@ def _moved(
         first_seq=int(doc["message_count"]) - plan.count,
         owner=doc.get("user_id"),
         created_at=doc.get("created_at"),
+        epoch=doc.get("epoch"),
         conversation=(
             Conversation.model_validate({k: v for k, v in doc.items() if k != "turns"})
             if observed
@@ -1016,6 +1061,7 @@ def _reserved(plan: TurnPlan, conversation: dict[str, Any], *, observed: bool) -
         conversation.get("user_id"),
         replayed=False,
         created_at=conversation.get("created_at"),
+        epoch=conversation.get("epoch"),
         conversation=Conversation.model_validate(conversation) if observed else None,
         assigns=_assigned_at(conversation, first_seq),
     )
@@ -1051,6 +1097,7 @@ def _replay(plan: TurnPlan, block: RecordedBlock, conversation: dict[str, Any]) 
         summary.user_id,
         replayed=True,
         created_at=conversation.get("created_at"),
+        epoch=conversation.get("epoch"),
         conversation=summary,
         assigns=_assigned_at(conversation, block.first_seq),
     )

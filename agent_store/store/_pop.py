@@ -90,9 +90,10 @@ service)."""
 class PopMemory:
     """What one store's pops remember between calls, in this process."""
 
-    in_doubt: dict[Scope, AgentMessage] = field(default_factory=dict)
-    """The message a pop that raised was removing, by conversation and caller: the retry of
-    that caller answers it, no other."""
+    in_doubt: dict[Scope, tuple[AgentMessage, str | None]] = field(default_factory=dict)
+    """The message a pop that raised was removing, and that pop's `pop_id`, by conversation
+    and caller: the retry of that caller answers it if that pop removed it, and no other
+    caller does."""
     counts: dict[str, int] = field(default_factory=dict)
     """The count of finished pops last seen, by conversation (0 when never seen)."""
 
@@ -123,12 +124,13 @@ class Pop:
         """Remove the last message and answer it; None when there is none."""
         scope: Scope = (str(self.scope["_id"]), self.scope.get("user_id"))
         conversation: Mapping[str, Any] | None = None
-        earlier = self.memory.in_doubt.pop(scope, None)
-        if earlier is not None:
+        in_doubt = self.memory.in_doubt.pop(scope, None)
+        if in_doubt is not None:
+            earlier, pop_id = in_doubt
             try:
-                visible, conversation, removed = await self._finish_under_way(earlier.id)
+                visible, conversation, removed = await self._finish_under_way((earlier.id, pop_id))
             except StoreError:
-                self.memory.in_doubt[scope] = earlier  # still in doubt
+                self.memory.in_doubt[scope] = in_doubt  # still in doubt
                 raise
             if not visible:
                 return None  # gone, or no longer the caller's: nothing to answer
@@ -307,7 +309,7 @@ class Pop:
             # Its outcome unknown: the next pop of the conversation by this caller through
             # this store is its retry. Remembered only once it raised, so pops running at
             # once never take each other for a retry.
-            self.memory.in_doubt[scope] = message
+            self.memory.in_doubt[scope] = (message, pop.pop_id)
             raise
         return True
 
@@ -324,13 +326,14 @@ class Pop:
         self.memory.remember(conversation_id, self.memory.counts.get(conversation_id, 0) + 1)
 
     async def _finish_under_way(
-        self, earlier: str | None = None
+        self, earlier: tuple[str | None, str | None] | None = None
     ) -> tuple[bool, Mapping[str, Any] | None, bool]:
         """Read the conversation (how many pops finished, its next `seq` and its gaps), and
         finish the pop under way if any. False when it is missing (or not the scope's
         user's); with True, the conversation as read, or None when a pop was finished (what
-        was read is stale). Last, whether a pop removed the message `earlier` from this
-        conversation (the one it finished, or one its `popped_messages` lists)."""
+        was read is stale). Last, whether the pop `earlier` (its message id and `pop_id`)
+        removed its message from this conversation (the pop it finished, or one its
+        `popped_messages` lists: by that pop, or by any pop for an entry that names none)."""
         conversation_id = str(self.scope["_id"])
         read = {"popping": 1, "pops": 1, "message_count": 1, **GAPS_READ}
         if earlier is not None:
@@ -341,14 +344,20 @@ class Pop:
             return False, None, False
         self.memory.remember(conversation_id, int(doc.get("pops") or 0))
         removed = earlier is not None and any(
-            PoppedMessage.model_validate(p).message_id == earlier
+            _removed_by(PoppedMessage.model_validate(p), *earlier)
             for p in doc.get("popped_messages") or ()
         )
         if doc.get("popping"):
             pop = PopInProgress.model_validate(doc["popping"])
             await self._finish(conversation_id, pop)
-            return True, None, removed or pop.message_id == earlier
+            return True, None, removed or (pop.message_id, pop.pop_id) == earlier
         return True, doc, removed
+
+
+def _removed_by(entry: PoppedMessage, message_id: str | None, pop_id: str | None) -> bool:
+    """Whether the pop `pop_id` removed the message `entry` lists (any pop did, for an entry
+    kept before pops recorded themselves)."""
+    return entry.message_id == message_id and entry.pop_id in (None, pop_id)
 
 
 def _still_written(message: AgentMessage, seq: int) -> StorageUnavailable:

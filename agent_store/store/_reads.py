@@ -138,9 +138,10 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
         ) from exc
 
 
-def _named_by(*owners: str | None) -> dict[str, Any]:
-    """A filter on `user_id`: documents naming one of these owners, or none."""
-    return {"$in": [*dict.fromkeys(o for o in owners if o is not None), None]}
+def _one_of_or_none(*values: str | None) -> dict[str, Any]:
+    """A filter on a field (`user_id`, `epoch`): documents holding one of these values, or
+    none (null or absent)."""
+    return {"$in": [*dict.fromkeys(v for v in values if v is not None), None]}
 
 
 def _beside_of(conversation_id: str, found: dict[str, Any]) -> dict[str, Any]:
@@ -150,7 +151,7 @@ def _beside_of(conversation_id: str, found: dict[str, Any]) -> dict[str, Any]:
     it), never those of a conversation started under the id since."""
     query: dict[str, Any] = {
         "thread_id": conversation_id,
-        "user_id": _named_by(found.get("user_id")),
+        "user_id": _one_of_or_none(found.get("user_id")),
     }
     created_at = found.get("created_at")
     if created_at is not None:
@@ -318,7 +319,7 @@ class ConversationStore:
         scope = self._scope(conversation_id, user_id)
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                scope, {"user_id": 1, "created_at": 1, "legacy_conversation_id": 1}
+                scope, {"user_id": 1, "created_at": 1, "legacy_conversation_id": 1, "epoch": 1}
             )
         if found is None:
             return await self._delete_legacy_only(conversation_id, user_id)
@@ -328,13 +329,13 @@ class ConversationStore:
             legacy = await self._legacy_source.delete(conversation_id, owner=owner)
         await self._delete_beside(_beside_of(conversation_id, found), "delete the conversation")
         found_now = {**scope, "created_at": found.get("created_at")}
-        messages = await self._delete_messages_of(found_now, owner)
+        messages = await self._delete_messages_of(found_now, owner, found.get("epoch"))
         if messages is None:
             return Deleted(conversations=0, messages=0, legacy_turns=legacy)
         await self._full_texts.forget_conversations([conversation_id])
         with storage_errors("delete the conversation"):
             gone = await self._conversations.find_one_and_delete(
-                found_now, {"user_id": 1, "message_count": 1, "turns": 1}
+                found_now, {"user_id": 1, "message_count": 1, "turns": 1, "epoch": 1}
             )
             late = await self._sweep_late_inserts(conversation_id, gone) if gone else 0
         if gone is not None and messages + late < int(gone.get("message_count") or 0):
@@ -347,19 +348,25 @@ class ConversationStore:
             conversations=int(gone is not None), messages=messages + late, legacy_turns=legacy
         )
 
-    async def _delete_messages_of(self, found_now: dict[str, Any], owner: str | None) -> int | None:
+    async def _delete_messages_of(
+        self, found_now: dict[str, Any], owner: str | None, epoch: str | None
+    ) -> int | None:
         """Delete the messages of the conversation `found_now` selects (its id, scope and
-        `created_at`) that name its owner, the one it has now (after a claim) or none; how
+        `created_at`) that name its owner, the one it has now (after a claim) or none, and
+        carry its `epoch` (as found, or as a first turn after an upgrade set it) or none; how
         many. None, deleting nothing, when a lookup (one round trip) finds it no longer
-        there: deleted meanwhile, and perhaps started again under its id by anyone."""
+        there: deleted meanwhile, and perhaps started again under its id by anyone. A
+        delete reaching the server however late takes nothing of a conversation started
+        under the id since: its messages carry another epoch."""
         with storage_errors("delete the conversation"):
-            still = await self._conversations.find_one(found_now, {"user_id": 1})
+            still = await self._conversations.find_one(found_now, {"user_id": 1, "epoch": 1})
             if still is None:
                 return None
             deleted = await self._messages.delete_many(
                 {
                     "conversation_id": found_now["_id"],
-                    "user_id": _named_by(owner, still.get("user_id")),
+                    "user_id": _one_of_or_none(owner, still.get("user_id")),
+                    "epoch": _one_of_or_none(epoch, still.get("epoch")),
                 }
             )
         return int(deleted.deleted_count)
@@ -408,6 +415,7 @@ class ConversationStore:
         query: dict[str, Any] = {
             "conversation_id": conversation_id,
             "seq": {"$lt": int(gone.get("message_count") or 0)},
+            "epoch": _one_of_or_none(gone.get("epoch")),
         }
         if not any_owner:
             query["user_id"] = gone.get("user_id")
@@ -927,7 +935,7 @@ class ConversationStore:
         with storage_errors("erase the user's data"):
             found = await self._conversations.find({"user_id": user_id}, {"_id": 1}).to_list(None)
         listed = [d["_id"] for d in found]
-        mine = _named_by(user_id)
+        mine = _one_of_or_none(user_id)
         for start in range(0, len(listed), CLAIM_CHUNK):
             with storage_errors("erase the user's data"):
                 held = await self._conversations.find(

@@ -6,6 +6,7 @@ refuse a turn already recorded, and where a recorded turn's `seq` block is.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -33,10 +34,16 @@ RESERVED: dict[str, Any] = {
     "user_id": 1,
     "created_at": 1,
     "owned_from": 1,
+    "epoch": 1,
 }
 """What a reservation returns otherwise: all the logger needs (the block's end, the owner,
-the creation time that tells this conversation from one created again under its id, and
-the `seq` from which a turn assigned it an owner)."""
+the creation time that tells this conversation from one created again under its id, the
+`seq` from which a turn assigned it an owner, and the epoch its messages carry)."""
+
+
+def new_epoch() -> str:
+    """A conversation's `epoch`: 64 random bits, drawn as its document is created."""
+    return secrets.token_hex(8)
 
 
 @dataclass(frozen=True)
@@ -219,6 +226,7 @@ def reservation(
         "conversation_id": literal(plan.conversation_id),
         "user_id": _kept("user_id", actor.user_id),
         "created_at": _kept("created_at", plan.first_created_at),
+        "epoch": _kept("epoch", new_epoch()),
         "updated_at": {"$max": ["$updated_at", literal(plan.updated_at)]},
         "turn_count": _plus("turn_count", plan.turn_starts),
         "message_count": _plus("message_count", plan.count),

@@ -32,6 +32,7 @@ mark): whichever pop finishes it sends the same update (`agent_store.store._pop`
 
 from __future__ import annotations
 
+import secrets
 from datetime import datetime
 from typing import Any
 
@@ -115,6 +116,7 @@ def pop_in_progress(
     return PopInProgress(
         message_id=message.id,
         seq=message.seq,
+        pop_id=secrets.token_hex(8),
         turn_key=turn_key(message.turn_id) if message.turn_id is not None else None,
         role=message.role,
         input_tokens=usage.input_tokens if usage else 0,
@@ -230,7 +232,7 @@ def _popped_messages_with(pop: PopInProgress) -> dict[str, Any]:
     """`popped_messages` with the removed message and its `seq` (`PoppedMessage`), the newest
     `POPPED_MESSAGES_KEPT` kept."""
     kept = {"$ifNull": ["$popped_messages", literal([])]}
-    removed = literal([{"s": Int64(pop.seq), "i": pop.message_id}])
+    removed = literal([{"s": Int64(pop.seq), "i": pop.message_id, "p": pop.pop_id}])
     return {"$slice": [{"$concatArrays": [kept, removed]}, -POPPED_MESSAGES_KEPT]}
 
 

@@ -157,10 +157,14 @@ class TurnPlan:
         """When the turn's first message was made."""
         return self.sources[0].created_at
 
-    def stored(self, first_seq: int, owner: str | None) -> list[AgentMessage]:
-        """The messages as stored in the block starting at `first_seq`: one copy each."""
+    def stored(
+        self, first_seq: int, owner: str | None, epoch: str | None = None
+    ) -> list[AgentMessage]:
+        """The messages as stored in the block starting at `first_seq` by the conversation of
+        `epoch`: one copy each."""
+        stored = {"user_id": owner, "epoch": epoch}
         return [
-            source.replacing({**update, "seq": first_seq + index, "user_id": owner})
+            source.replacing({**update, "seq": first_seq + index, **stored})
             for index, (source, update) in enumerate(zip(self.sources, self.updates, strict=True))
         ]
 
@@ -262,7 +266,7 @@ def turn_key(turn_id: str) -> int:
 
 
 _DIGEST_EXCLUDES = frozenset(
-    {"created_at", "seq", "user_id", "_id", "conversation_id", "turn_id", "search_text"}
+    {"created_at", "seq", "user_id", "_id", "conversation_id", "turn_id", "search_text", "epoch"}
 )
 """Fields a replay may differ in (its times), or that follow from the turn id and the rest."""
 
@@ -350,12 +354,13 @@ def canonical_documents(documents: Sequence[Mapping[str, Any]]) -> list[dict[str
     return [m.model_dump(by_alias=True) for m in messages_adapter.validate_python(documents)]
 
 
-_JSON_EXCLUDES = frozenset({"created_at", "seq", "user_id"})
+_JSON_EXCLUDES = frozenset({"created_at", "seq", "user_id", "epoch"})
 
 
 def json_content_digest(documents: Sequence[Mapping[str, Any]]) -> int:
     """The digest turn records were written with before `content_digest`: sorted JSON of
-    every field but the timestamps, `seq` and the owner. A record may still hold it."""
+    every field but the timestamps, `seq` and the owner (and the `epoch` recorded since).
+    A record may still hold it."""
     canonical = json.dumps(
         [_as_before(d, _JSON_EXCLUDES) for d in documents],
         sort_keys=True,

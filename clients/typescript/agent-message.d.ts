@@ -148,8 +148,11 @@ export interface IAgentConversation<TDate extends DateLike> {
   legacy_conversation_id: string | null;
 }
 
-/** A document of `agent_messages`, as the Node.js driver returns it. */
-export type AgentMessageDocument = AgentMessageByRole<Date>;
+/**
+ * A document of `agent_messages`, as the Node.js driver returns it, with the store's
+ * bookkeeping (absent on messages stored before it; read none of it).
+ */
+export type AgentMessageDocument = AgentMessageByRole<Date> & { epoch?: string | null };
 
 /**
  * A document of `agent_conversations`, as the Node.js driver returns it: what the API serves
@@ -210,6 +213,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
    */
   resolved_hitl?: unknown[];
+  /**
+   * A random token drawn when the document is created, and by the first turn logged after an upgrade on one created before (the store's bookkeeping, never served): every message the conversation stores carries it, so a delete takes this conversation's messages and none of one created again under its id since, whoever created it.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  epoch?: string | null;
   /**
    * The greatest `step` a turn was logged with (`log_messages`; a LangGraph thread's checkpoint ids), the store's bookkeeping, never served: a new turn of an earlier step is refused, so the transcript ends as the runtime's latest step.
    *

@@ -138,7 +138,7 @@ function int32Paths(value: unknown, path = "$"): string[] {
 
 /** A document as the API serves it: times as strings, the store's bookkeeping left out. */
 function asServed(document: Document): unknown {
-  const { turns: _t, turns_dropped: _d, inbox: _i, ...served } = document;
+  const { turns: _t, turns_dropped: _d, inbox: _i, epoch: _e, ...served } = document;
   return JSON.parse(JSON.stringify(served));
 }
 
