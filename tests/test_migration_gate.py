@@ -2289,3 +2289,34 @@ def test_a_run_paused_between_proving_its_lease_and_writing_overwrites_no_newer_
     state = database[lease.STATE].find_one({"_id": lease.STATE_ID}) or {}
     assert state.get("complete") is True
     assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_history_text_escaping_a_lone_surrogate_is_kept_and_the_dry_run_says_so(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """JSON text may escape a lone surrogate (`"\\ud800"`), which no BSON text holds: the
+    history part is kept in its problem as that JSON text, the run goes on to every batch,
+    and the dry run predicted it."""
+    said = [
+        {"kind": "request", "parts": [{"part_kind": "user-prompt", "content": "A question"}]},
+        {"kind": "response", "parts": [{"part_kind": "text", "content": "«lone \ud800»"}]},
+    ]
+    database[CONVERSATIONS].insert_many(
+        [
+            legacy_turn("t-a", "c-a", 0, "A") | {"message_history_json": json.dumps(said)},
+            legacy_turn("t-b", "c-b", 1, "B"),
+        ]
+    )
+    assert cli(wire_uri, database, "run", "--dry-run", "--batch-size", "1") == 0
+    predicted = summary(capsys.readouterr().out)
+
+    assert cli(wire_uri, database, "run", "--batch-size", "1") == 0
+
+    assert summary(capsys.readouterr().out) == predicted
+    assert predicted["problems"] == 1
+    assert database[MESSAGES].count_documents({"conversation_id": "c-b"}) == 2
+    [kept] = database[PROBLEMS].find({"conversation_id": "c-a"})
+    assert json.loads(kept["content"]) == said[1]["parts"][0]
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
