@@ -97,6 +97,11 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
             else f"{len(done)} of {len(state.get('ranges') or [None])} id ranges under way"
         )
         print(f"progress: {where} (run {state.get('run_id')})")
+        if state.get("dropped_at") is not None:
+            print(
+                f"legacy turns dropped at {state['dropped_at']} by `finish --drop-legacy`: "
+                "nothing is left to migrate or check"
+            )
     last = db[lease.STATE].find_one({"kind": "run"}, sort=[("started_at", -1)])
     if last:
         counts = last.get("counts", {})
@@ -254,6 +259,7 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
 
 
 def _require_legacy_data(db: Database[dict[str, Any]]) -> None:
+    explode.refuse_after_the_drop(db)
     if not relocate.holds_turns(db, LEGACY_TURNS):
         raise Misuse(f"no legacy data in {LEGACY_TURNS}: run `python -m migrations run` first")
 
@@ -296,8 +302,7 @@ def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
 
 def _report(found: gate.Gate) -> None:
     print(
-        f"checked {found.conversations} legacy conversations: "
-        f"{found.conversations - len(found.left)} migrated"
+        f"checked {found.conversations} legacy conversations: {found.migrated} migrated"
         + (f" ({found.empty} hold nothing to migrate)" if found.empty else "")
         + (f", {len(found.accepted)} with unplaced content accepted" if found.accepted else "")
     )

@@ -96,13 +96,19 @@ def dropped_at(db: Database[dict[str, Any]]) -> Any:
 
 
 def refuse_after_the_drop(db: Database[dict[str, Any]]) -> None:
-    """Raise Misuse once `finish --drop-legacy` dropped the legacy turns (`dropped_at`)."""
+    """Raise Misuse once `finish --drop-legacy` dropped the legacy turns (`dropped_at`):
+    `run`, `verify` and `finish` alike, since what the legacy collection holds then are the
+    copies a service still dual-writing made."""
     dropped = dropped_at(db)
     if dropped is not None:
         raise Misuse(
-            f"`finish --drop-legacy` dropped the legacy turns at {dropped}: there is nothing "
-            "to migrate, and a run would take the migrated conversations for ones no legacy "
-            f"turn makes. Turns a service dual-wrote since are in {MESSAGES} already"
+            f"`finish --drop-legacy` dropped the legacy turns at {dropped}, every legacy "
+            "conversation migrated: what the legacy collection holds now are copies a service "
+            f"still dual-writing made of turns already in {MESSAGES}. There is nothing to "
+            "migrate or check, and a run (or the gate) would take every migrated conversation "
+            "for one no legacy turn makes. Unset AGENT_STORE_LEGACY_DUAL_WRITE; after "
+            f"restoring the legacy turns from a backup, unset `dropped_at` in {STATE} to run "
+            "again"
         )
 
 

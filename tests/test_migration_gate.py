@@ -2320,3 +2320,49 @@ def test_a_history_text_escaping_a_lone_surrogate_is_kept_and_the_dry_run_says_s
     assert json.loads(kept["content"]) == said[1]["parts"][0]
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_finish_and_verify_after_the_drop_say_so_and_never_advise_a_run(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A service still dual-writing after the drop brings a legacy turn back: the gate would
+    find every other migrated conversation named by no legacy turn, and advise the run that
+    would remove them. After `finish --drop-legacy`, `finish` and `verify` say when the
+    legacy turns were dropped, as `run` does (exit 2)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    database[LEGACY_TURNS].insert_one(legacy_turn("t-late", "c-0", 9, "late"))
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish") == 2
+    assert cli(wire_uri, database, "verify") == 2
+
+    said = capsys.readouterr()
+    assert said.err.count("dropped the legacy turns at") == 2
+    assert "again" not in said.out + said.err.replace("to run again", "")
+    assert cli(wire_uri, database, "status") == 0
+    assert "legacy turns dropped at" in capsys.readouterr().out
+
+
+@pytest.mark.wire
+def test_finish_counts_as_migrated_only_the_legacy_conversations_that_are(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A conversation no legacy turn makes any more is work left, but no legacy conversation:
+    it is not taken off the migrated ones (never a negative count)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    database[LEGACY_TURNS].delete_one({"_id": "t-0"})
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish") == 1
+
+    out = capsys.readouterr().out
+    assert "checked 2 legacy conversations: 2 migrated" in out
+    assert "c-0: " in out
