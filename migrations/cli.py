@@ -88,7 +88,7 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     print(f"conversations in {CONVERSATIONS}: {db[CONVERSATIONS].estimated_document_count()}")
     print(f"messages in {MESSAGES}: {db[MESSAGES].estimated_document_count()}")
     print(f"lock: {lease.describe(lease.current(db))}")
-    state = db[lease.STATE].find_one({"_id": explode.STATE_ID})
+    state = db[lease.STATE].find_one({"_id": lease.STATE_ID})
     if state:
         done = state.get("done") or {}
         where = (
@@ -97,6 +97,11 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
             else f"{len(done)} of {len(state.get('ranges') or [None])} id ranges under way"
         )
         print(f"progress: {where} (run {state.get('run_id')})")
+        if state.get("dropped_at") is not None:
+            print(
+                f"legacy turns dropped at {state['dropped_at']} by `finish --drop-legacy`: "
+                "nothing is left to migrate or check"
+            )
     last = db[lease.STATE].find_one({"kind": "run"}, sort=[("started_at", -1)])
     if last:
         counts = last.get("counts", {})
@@ -225,7 +230,7 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         raise Misuse("--batch-size and --limit must be at least 1")
     if args.max_command_documents < 1 or args.max_command_bytes < 1:
         raise Misuse("--max-command-documents and --max-command-bytes must be at least 1")
-    _refuse_after_the_drop(db)
+    explode.refuse_after_the_drop(db)
     run_id = time.strftime("run-%Y%m%dT%H%M%SZ-", time.gmtime()) + uuid.uuid4().hex[:6]
     held: lease.Lease | None = None
     if not args.dry_run:
@@ -253,17 +258,8 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     return 0
 
 
-def _refuse_after_the_drop(db: Database[dict[str, Any]]) -> None:
-    dropped = explode.dropped_at(db)
-    if dropped is not None:
-        raise Misuse(
-            f"`finish --drop-legacy` dropped the legacy turns at {dropped}: there is nothing "
-            "to migrate, and a run would take the migrated conversations for ones no legacy "
-            f"turn makes. Turns a service dual-wrote since are in {MESSAGES} already"
-        )
-
-
 def _require_legacy_data(db: Database[dict[str, Any]]) -> None:
+    explode.refuse_after_the_drop(db)
     if not relocate.holds_turns(db, LEGACY_TURNS):
         raise Misuse(f"no legacy data in {LEGACY_TURNS}: run `python -m migrations run` first")
 
@@ -306,8 +302,7 @@ def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
 
 def _report(found: gate.Gate) -> None:
     print(
-        f"checked {found.conversations} legacy conversations: "
-        f"{found.conversations - len(found.left)} migrated"
+        f"checked {found.conversations} legacy conversations: {found.migrated} migrated"
         + (f" ({found.empty} hold nothing to migrate)" if found.empty else "")
         + (f", {len(found.accepted)} with unplaced content accepted" if found.accepted else "")
     )
@@ -354,14 +349,10 @@ def _finish(db: Database[dict[str, Any]], args: argparse.Namespace, held: lease.
                 "content that is not in the new collections"
             )
         return 1
-    db[lease.STATE].update_one(
-        {"_id": explode.STATE_ID}, {"$set": {"finished_at": utc_now()}}, upsert=True
-    )
+    held.write_state({"$set": {"finished_at": utc_now()}})
     if args.drop_legacy:
         held.renew()  # still this command's: no run started while the gate read
-        db[lease.STATE].update_one(
-            {"_id": explode.STATE_ID}, {"$set": {"dropped_at": utc_now()}}, upsert=True
-        )
+        held.write_state({"$set": {"dropped_at": utc_now()}})
         db[LEGACY_TURNS].drop()
         print(f"dropped {LEGACY_TURNS}; rollback to the legacy service is no longer possible")
     else:

@@ -10,13 +10,15 @@ Per batch, the writes are planned first from what is stored (`writes.plan`),
 so a dry run reports exactly what a run does; then made, each in bounded
 commands (`bounds`), all idempotent:
 1. whole texts of cut messages, as GridFS files with deterministic ids;
-2. conversation documents by upsert (`ReplaceOne`, only over documents the
-   migration wrote itself: a conversation the live logger has already written
-   to is never overwritten);
+2. conversation documents, each only as the plan read it (`writes._write`: a
+   conversation the live logger has already written to, or a person changed
+   since, is never overwritten);
 3. messages with their deterministic ids by unordered `insert_many`;
    duplicate-key errors of identical documents are the only errors accepted;
 4. the batch's problems, replacing those an earlier run recorded for it;
-5. the run record (counts, checkpoint) and the lock's lease.
+5. the run record (counts, checkpoint), only while the lock names the run.
+The lease is renewed right before 1 and 4 (`_prove_lease`): a run paused past its lease
+(its lock taken over) writes nothing it planned.
 
 Conversation documents go before their messages, so a turn the live logger
 logs meanwhile reserves `seq` values after the migrated ones. A kill between
@@ -61,18 +63,19 @@ from agent_store.legacy import (
 from agent_store.store import (
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
+    MESSAGES,
     TurnRules,
     is_derived_id,
 )
 from migrations import dual_writes, writes
 from migrations import problems as problem_report
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS, Bounds
-from migrations.lease import STATE, Lease
+from migrations.errors import Misuse
+from migrations.lease import STATE, STATE_ID, Lease
 from migrations.order import Ranges, plan_ranges, range_ids, spread_ids
 from migrations.relocate import TURN_FILTER
 from migrations.writes import Converted
 
-STATE_ID = "state:legacy-turns"
 LEGACY_FILTER: dict[str, Any] = TURN_FILTER
 """Legacy turns, those the new logger wrote for rollback too: each read is narrowed to what
 `agent_messages` does not hold (`dual_writes.held`)."""
@@ -90,6 +93,23 @@ def dropped_at(db: Database[dict[str, Any]]) -> Any:
     after that, whatever a service still dual-writing brings back."""
     state = db[STATE].find_one({"_id": STATE_ID}, {"dropped_at": 1}) or {}
     return state.get("dropped_at")
+
+
+def refuse_after_the_drop(db: Database[dict[str, Any]]) -> None:
+    """Raise Misuse once `finish --drop-legacy` dropped the legacy turns (`dropped_at`):
+    `run`, `verify` and `finish` alike, since what the legacy collection holds then are the
+    copies a service still dual-writing made."""
+    dropped = dropped_at(db)
+    if dropped is not None:
+        raise Misuse(
+            f"`finish --drop-legacy` dropped the legacy turns at {dropped}, every legacy "
+            "conversation migrated: what the legacy collection holds now are copies a service "
+            f"still dual-writing made of turns already in {MESSAGES}. There is nothing to "
+            "migrate or check, and a run (or the gate) would take every migrated conversation "
+            "for one no legacy turn makes. Unset AGENT_STORE_LEGACY_DUAL_WRITE; after "
+            f"restoring the legacy turns from a backup, unset `dropped_at` in {STATE} to run "
+            "again"
+        )
 
 
 T = TypeVar("T")
@@ -493,9 +513,20 @@ class Explosion:
         if self.options.dry_run or self.options.conversation is not None:
             return
         checkpoint = {"ranges": ranges.starts, "done": ranges.done, "complete": complete}
-        self.db[STATE].update_one(
-            {"_id": STATE_ID}, {"$set": {**checkpoint, "run_id": self.run_id}}, upsert=True
-        )
+        update = {"$set": {**checkpoint, "run_id": self.run_id}}
+        if self.lease is None:
+            self.db[STATE].update_one({"_id": STATE_ID}, update, upsert=True)
+        else:
+            self.lease.write_state(update)  # only while the lock names this run
+
+    def _prove_lease(self) -> None:
+        """Right before writing: renew the lease, which fails once another run or `finish`
+        took the lock (this run paused past its lease), and refuse once the legacy turns
+        were dropped. What a run planned before a pause is never written after one; the
+        writes that follow have a whole lease, far longer than a batch's writes take."""
+        if self.lease is not None and not self.options.dry_run:
+            self.lease.renew()
+            refuse_after_the_drop(self.db)
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -527,16 +558,13 @@ class Explosion:
                 ranges.done.update({str(index): cid for index, cid in pairs if index >= 0})
                 self._checkpoint(ranges, complete=False)
                 self._record("running", checkpoint=dict(ranges.done))
-                if self.lease is not None and not self.options.dry_run:
-                    self.lease.renew()
                 if self.on_batch is not None:
                     self.on_batch(len(pairs), self.counts.turns)
             exhausted = self.options.conversation is not None or (
                 next(spread_ids(self.db, self.source, LEGACY_FILTER, ranges), None) is None
             )
             if exhausted and self.options.conversation is None and self.after_all is not None:
-                if self.lease is not None and not self.options.dry_run:
-                    self.lease.renew()  # the last step removes: only while the lock is held
+                self._prove_lease()  # the last step removes: only while the lock is held
                 self.after_all()
         except BaseException as exc:
             self._record("failed", error=f"{type(exc).__name__}: {exc}", finished_at=utc_now())
@@ -559,8 +587,10 @@ class Explosion:
         found += planned.live
         inserted = len(planned.messages) + len(planned.rewritten)
         if not self.options.dry_run:
-            inserted, raced = writes.apply(self.db, planned, self.options.bounds)
+            bounds = self.options.bounds
+            inserted, raced = writes.apply(self.db, planned, bounds, fence=self._prove_lease)
             found += raced
+            self._prove_lease()  # problems keep content: never a deleted conversation's
             batch_ids = [c.conversion.conversation_id for c in converted]
             problem_report.replace(
                 self.db,

@@ -57,6 +57,10 @@ class Gate:
     """What `finish` found."""
 
     conversations: int = 0
+    """Legacy conversations checked."""
+    migrated: int = 0
+    """Of those, the ones with no work left (empty and accepted ones included): counted, never
+    worked out from the work left, which names conversations no legacy turn makes too."""
     empty: int = 0
     """Conversations whose turns hold nothing to migrate."""
     accepted: list[str] = field(default_factory=list)
@@ -255,6 +259,7 @@ def check(
     for ids in batches(conversation_ids(db), batch_size):
         held: list[dict[str, Any]] = []
         converted, failed, _ = convert_batch(db, ids, TurnRules(), undated_at=undated_at, held=held)
+        gate.conversations += len(failed)
         gate.left += [
             WorkLeft(p.conversation_id, [f"cannot be converted: {p.detail}"]) for p in failed
         ]
@@ -267,7 +272,9 @@ def check(
             reasons = _reasons(item, stored, accepted, messages[cid]) + dual.pop(cid, [])
             if reasons:
                 gate.left.append(WorkLeft(cid, reasons))
-            elif item.conversion.conversation is None:
+                continue
+            gate.migrated += 1
+            if item.conversion.conversation is None:
                 gate.empty += 1
             elif cid in accepted and item.conversion.unplaced:
                 gate.accepted.append(cid)
@@ -334,4 +341,5 @@ def _check_orphan_prompts(
         if reasons:
             gate.left.append(WorkLeft(cid, reasons))
         else:
+            gate.migrated += 1
             gate.accepted.append(cid)

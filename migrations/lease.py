@@ -1,13 +1,19 @@
 """The migration lock: a lease document, so two runs never overlap and a killed run's
 lock expires by itself.
 
-A run renews its lease after every batch. A run killed with SIGKILL cannot
+A run renews its lease before writing each batch. A run killed with SIGKILL cannot
 release it. The next run waits for that lease to expire when it expires within
 `--wait-seconds` (default: a little more than the 2-minute lease), then takes
 the lock; if the holder renews it meanwhile, the holder is alive and the run
 stops (exit 3). A lease further away than that stops the run at once.
 `--force-unlock` takes the lock over without waiting, once the operator knows
 the other run is gone.
+
+A lease alone cannot stop a run paused past it (a suspended VM, ^Z) from writing what it
+had worked out before the pause. So a run proves its lease (`renew`) right before the writes
+of each batch, and its writes to the migration's state go through `write_state`, which
+writes only while the lock names the run: each holder records itself in the state document
+(`holder`) when it takes the lock, so a newer holder's record fences every older one.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ from migrations.errors import LockHeld
 
 STATE = "agent_migrations"
 LOCK_ID = "lock:legacy-turns"
+STATE_ID = "state:legacy-turns"
+"""The migration's state document: the checkpoint, its times (`undated_at`, `finished_at`,
+`dropped_at`), and the lock holder that may write it (`holder`)."""
 DEFAULT_LEASE = timedelta(minutes=2)
 DEFAULT_WAIT = DEFAULT_LEASE + timedelta(seconds=30)
 
@@ -68,6 +77,9 @@ class Lease:
         while True:
             try:
                 self._take()
+                self.db[STATE].update_one(
+                    {"_id": STATE_ID}, {"$set": {"holder": self.owner}}, upsert=True
+                )
                 return
             except LockHeld as exc:
                 lock = current(self.db) or {}
@@ -122,6 +134,20 @@ class Lease:
             raise LockHeld(
                 "the migration lock was taken over by another run (--force-unlock or an "
                 "expired lease); stopping so the two runs do not overlap"
+            )
+
+    def write_state(self, update: dict[str, Any]) -> None:
+        """Update the migration's state document only while the lock names this holder (no
+        other run or `finish` took it since) and the legacy turns were not dropped; raise
+        LockHeld otherwise, writing nothing."""
+        result = self.db[STATE].update_one(
+            {"_id": STATE_ID, "holder": self.owner, "dropped_at": {"$exists": False}}, update
+        )
+        if result.matched_count == 0:
+            raise LockHeld(
+                "the migration lock was taken over by another run or `finish` (--force-unlock "
+                "or an expired lease), or the legacy turns were dropped; stopping without "
+                "writing the migration's state"
             )
 
     def release(self) -> None:

@@ -13,13 +13,13 @@ hold their content (placed) or not (content only the legacy turns hold).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import bson
 from bson import Int64
-from pymongo import ReplaceOne
+from pymongo import InsertOne, ReplaceOne
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError
 
@@ -65,6 +65,9 @@ class Planned:
     """Files of whole texts that differ from what their legacy turn converts to now."""
     live: list[Problem] = field(default_factory=list)
     """Problems of conversations already live: their legacy turns are not merged."""
+    read: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    """The document the plan read for each conversation document it writes (None: none was
+    stored): a write only replaces that one, or creates one where none was (`_write`)."""
 
 
 def _taken(
@@ -271,6 +274,7 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
             if live:
                 dumped |= _live_records(live)
             planned.conversations.append(dumped)
+            planned.read[cid] = existing.get(cid)
         _plan_messages(db, planned, conversion, stored, owner_after(existing.get(cid), document))
     kept = full_texts.present(db, (f.blob_id for f in planned.full_texts))
     stale_texts = set(planned.stale_texts)
@@ -281,21 +285,31 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
 
 
 def apply(
-    db: Database[dict[str, Any]], planned: Planned, bounds: Bounds
+    db: Database[dict[str, Any]],
+    planned: Planned,
+    bounds: Bounds,
+    *,
+    fence: Callable[[], None] = lambda: None,
 ) -> tuple[int, list[Problem]]:
     """Make the planned writes: whole texts, conversation documents, then messages. Returns
-    how many messages were inserted, and the problems of races with the live service."""
+    how many messages were inserted, and the problems of races with the live service.
+
+    `fence` is called first: it raises when the run may no longer write (its lock taken over
+    while it was paused since the plan). A conversation document is written only as the
+    plan read it (`_write`)."""
+    fence()
     full_texts.keep(db, planned.full_texts, bounds)  # a stale file is replaced (`keep`)
-    upserts = [
-        # Only over a document the migration wrote: the logger's have turn records.
-        ReplaceOne({"_id": d["_id"], "turns.0": {"$exists": False}}, d, upsert=True)
-        for d in planned.conversations
+    found = [planned.read.get(d["_id"]) for d in planned.conversations]
+    upserts = [_write(d, read) for d, read in zip(planned.conversations, found, strict=True)]
+    sizes = [
+        len(bson.encode(d)) + len(bson.encode(read or {}))
+        for d, read in zip(planned.conversations, found, strict=True)
     ]
-    for batch in bounded(upserts, [len(bson.encode(d)) for d in planned.conversations], bounds):
+    for chunk in bounded(upserts, sizes, bounds):
         try:
-            db[CONVERSATIONS].bulk_write(batch, ordered=False)
+            db[CONVERSATIONS].bulk_write(chunk, ordered=False)
         except BulkWriteError as exc:
-            only_duplicates(exc)  # a conversation that went live meanwhile: the logger's stays
+            only_duplicates(exc)  # one written meanwhile (the logger's, another run's) stays
     if planned.moved:
         db[MESSAGES].delete_many({"_id": {"$in": planned.moved}})
     problems: list[Problem] = []
@@ -315,6 +329,25 @@ def apply(
     for batch in bounded(rewrites, [len(bson.encode(d)) for d in planned.rewritten], bounds):
         db[MESSAGES].bulk_write(batch, ordered=False)
     return inserted + len(planned.rewritten), problems
+
+
+PEOPLES_FIELDS = ("name_source", "resolved_hitl", "turns")
+"""Fields a person or the live logger adds to a conversation document the migration wrote
+(a rename, a resolved prompt, turn records)."""
+
+
+def _write(
+    document: dict[str, Any], read: dict[str, Any] | None
+) -> InsertOne[dict[str, Any]] | ReplaceOne[dict[str, Any]]:
+    """A conversation document's write, conditional on what the plan read: where none was
+    stored, an insert (one written since stays: a duplicate); else a replace of the document
+    still as it was read, every field equal and none added (a rename, a resolved prompt, a
+    live turn since, or the same conversation written by a newer run, stays; one deleted
+    since stays deleted)."""
+    if read is None:
+        return InsertOne(document)
+    added = (set(document) | set(PEOPLES_FIELDS)) - set(read)
+    return ReplaceOne({**read, **{k: {"$exists": False} for k in sorted(added)}}, document)
 
 
 def _accept_identical(

@@ -8,6 +8,7 @@ import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import bson
 import pytest
 from bson import Code, Int64, ObjectId
 
@@ -1120,6 +1121,36 @@ def test_every_piece_of_a_history_no_message_holds_is_kept_whole_in_a_placed_pro
     assert [(p.kind, p.legacy_id, p.field, p.placed, p.content) for p in problems] == [
         ("history_only_content", "h-1", "message_history_json", True, part)
     ]
+
+
+HISTORY_PIECES_BSON_CANNOT_HOLD = {
+    "a text escaping a lone surrogate": {"part_kind": "text", "content": "«lone \ud800»"},
+    "thinking escaping a lone surrogate": {"part_kind": "thinking", "content": "«\udfff»"},
+    "a key with NUL": {"part_kind": "text", "content": "«nul»", "no\u0000te": 1},
+    "a number wider than 64 bits": {"part_kind": "text", "content": "«wide»", "n": 10**30},
+}
+
+
+@pytest.mark.parametrize(
+    "part", HISTORY_PIECES_BSON_CANNOT_HOLD.values(), ids=list(HISTORY_PIECES_BSON_CANNOT_HOLD)
+)
+def test_a_history_piece_bson_cannot_hold_is_kept_as_the_json_text_spelling_it(
+    part: dict[str, Any],
+) -> None:
+    """Only JSON text spells such a value (a lone surrogate is a `\\ud800` escape): a
+    problem keeps the JSON text, as a message keeps a call's arguments or a prompt's params,
+    and the problem can be stored."""
+    said = [ASKED, ANSWERED, {"kind": "response", "parts": [part]}]
+    turn = {"_id": "h-1", "conversation_id": "c-h", "created_at": MESSY_START,
+            "user_message": "hi", "response_parts": [{"type": "text", "content": "hello"}],
+            "message_history_json": json.dumps(said)}  # fmt: skip
+
+    [problem] = convert([turn]).problems
+
+    assert (problem.kind, problem.placed) == ("history_only_content", True)
+    assert isinstance(problem.content, str)
+    assert json.loads(problem.content) == part
+    bson.encode(problem.model_dump())
 
 
 NOT_PYDANTIC_AI_MESSAGES = {

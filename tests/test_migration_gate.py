@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from agent_store.legacy import (
 )
 from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES, TurnRules
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
-from migrations import abandoned, explode, gate, orphan_prompts, relocate
+from migrations import abandoned, explode, full_texts, gate, lease, orphan_prompts, relocate, writes
 from migrations.cli import main
 from migrations.lease import Lease
 from migrations.problems import PROBLEMS
@@ -2156,3 +2156,213 @@ def test_a_run_that_lost_its_lock_during_its_last_step_removes_nothing_more(
 
     assert cli(wire_uri, database, "run") == 3
     assert database[MESSAGES].count_documents({}) == before
+
+
+def _as_a_person(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    act: Callable[[ConversationStore], Coroutine[Any, Any, Any]],
+) -> None:
+    """What a person does through the store (the service), the read fallback on."""
+
+    async def go() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            db = client[database.name]
+            await act(ConversationStore(db, legacy=LegacyTurns(db, read_fallback=True)))
+        finally:
+            await client.close()
+
+    asyncio.run(go())
+
+
+def _paused_before(
+    monkeypatch: pytest.MonkeyPatch,
+    database: Database[dict[str, Any]],
+    seam: tuple[Any, str],
+    meanwhile: Callable[[], None],
+) -> None:
+    """The run stops right before its first call of `seam` (a suspended VM, ^Z): its lease
+    ends, and `meanwhile` happens."""
+    original = getattr(*seam)
+    paused: list[bool] = []
+
+    def pause(*args: Any, **kwargs: Any) -> Any:
+        if not paused:
+            paused.append(True)
+            ended = {"$set": {"expires_at": datetime.now(UTC) - timedelta(seconds=1)}}
+            database[lease.STATE].update_one({"_id": lease.LOCK_ID}, ended)
+            meanwhile()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(*seam, pause)
+
+
+def _hitl_turn(turn_id: str, cid: str, hour: int) -> dict[str, Any]:
+    prompt = {"type": "hitl", "action": "pay", "params": {}, "request_id": "r-1", "prompt": "?"}
+    return legacy_turn(turn_id, cid, hour, "H") | {"response_parts": [prompt]}
+
+
+@pytest.mark.wire
+def test_a_run_paused_after_planning_past_its_lease_brings_back_nothing_deleted_or_dropped(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Paused between planning a batch and writing it, its lease ended: another run and
+    `finish` went through, a person deleted a conversation, `finish --drop-legacy` dropped
+    the legacy turns. Continued, the run writes nothing it planned: it proves its lease
+    right before writing a batch."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
+        + [legacy_turn("t-secret", "c-secret", 4, "SECRET") | {"user_id": "u-2"}]
+    )
+
+    def meanwhile() -> None:
+        assert cli(wire_uri, database, "run") == 0
+        assert cli(wire_uri, database, "finish") == 0
+        _as_a_person(wire_uri, database, lambda s: s.delete("c-secret", user_id="u-2"))
+        assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+    _paused_before(monkeypatch, database, (writes, "apply"), meanwhile)
+
+    assert cli(wire_uri, database, "run") == 3
+
+    assert database[CONVERSATIONS].find_one({"_id": "c-secret"}) is None
+    assert database[MESSAGES].count_documents({"conversation_id": "c-secret"}) == 0
+    assert database[PROBLEMS].count_documents({"conversation_id": "c-secret"}) == 0
+    state = database[lease.STATE].find_one({"_id": lease.STATE_ID}) or {}
+    assert state.get("complete") is True
+
+
+@pytest.mark.wire
+def test_a_run_paused_after_planning_past_its_lease_keeps_a_rename_and_a_resolved_prompt(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-a", "c-a", 0, "A"), _hitl_turn("t-b", "c-b", 1)]
+    )
+    database[SESSION_HITL].insert_one(
+        {"conversation_id": "c-b", "request_id": "r-1", "action": "pay", "status": "pending"}
+    )
+
+    def meanwhile() -> None:
+        assert cli(wire_uri, database, "run") == 0
+        _as_a_person(wire_uri, database, lambda s: s.rename("c-a", "Mine", user_id="u-1"))
+        _as_a_person(wire_uri, database, lambda s: s.resolve_hitl("c-b", "r-1", user_id="u-1"))
+
+    _paused_before(monkeypatch, database, (writes, "apply"), meanwhile)
+
+    assert cli(wire_uri, database, "run") == 3
+
+    assert (database[CONVERSATIONS].find_one({"_id": "c-a"}) or {}).get("name") == "Mine"
+    assert (database[CONVERSATIONS].find_one({"_id": "c-b"}) or {}).get("pending_hitl") is None
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_run_paused_between_proving_its_lease_and_writing_overwrites_no_newer_state(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window a renewal right before the writes leaves: its writes are conditional. A
+    conversation document is replaced only while it is the one the run read, and the
+    checkpoint is written only while the lock names the run."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-a", "c-a", 0, "A"), _hitl_turn("t-b", "c-b", 1)]
+    )
+    database[SESSION_HITL].insert_one(
+        {"conversation_id": "c-b", "request_id": "r-1", "action": "pay", "status": "pending"}
+    )
+    assert cli(wire_uri, database, "run") == 0
+    # Edited after the run: the next run rewrites both documents.
+    database[LEGACY_TURNS].update_many({}, {"$set": {"name": "Edited"}})
+
+    def meanwhile() -> None:
+        assert cli(wire_uri, database, "run") == 0
+        _as_a_person(wire_uri, database, lambda s: s.rename("c-a", "Mine", user_id="u-1"))
+        _as_a_person(wire_uri, database, lambda s: s.resolve_hitl("c-b", "r-1", user_id="u-1"))
+
+    _paused_before(monkeypatch, database, (full_texts, "keep"), meanwhile)
+
+    assert cli(wire_uri, database, "run") == 3
+
+    assert (database[CONVERSATIONS].find_one({"_id": "c-a"}) or {}).get("name") == "Mine"
+    assert (database[CONVERSATIONS].find_one({"_id": "c-b"}) or {}).get("pending_hitl") is None
+    state = database[lease.STATE].find_one({"_id": lease.STATE_ID}) or {}
+    assert state.get("complete") is True
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_history_text_escaping_a_lone_surrogate_is_kept_and_the_dry_run_says_so(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """JSON text may escape a lone surrogate (`"\\ud800"`), which no BSON text holds: the
+    history part is kept in its problem as that JSON text, the run goes on to every batch,
+    and the dry run predicted it."""
+    said = [
+        {"kind": "request", "parts": [{"part_kind": "user-prompt", "content": "A question"}]},
+        {"kind": "response", "parts": [{"part_kind": "text", "content": "«lone \ud800»"}]},
+    ]
+    database[CONVERSATIONS].insert_many(
+        [
+            legacy_turn("t-a", "c-a", 0, "A") | {"message_history_json": json.dumps(said)},
+            legacy_turn("t-b", "c-b", 1, "B"),
+        ]
+    )
+    assert cli(wire_uri, database, "run", "--dry-run", "--batch-size", "1") == 0
+    predicted = summary(capsys.readouterr().out)
+
+    assert cli(wire_uri, database, "run", "--batch-size", "1") == 0
+
+    assert summary(capsys.readouterr().out) == predicted
+    assert predicted["problems"] == 1
+    assert database[MESSAGES].count_documents({"conversation_id": "c-b"}) == 2
+    [kept] = database[PROBLEMS].find({"conversation_id": "c-a"})
+    assert json.loads(kept["content"]) == said[1]["parts"][0]
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_finish_and_verify_after_the_drop_say_so_and_never_advise_a_run(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A service still dual-writing after the drop brings a legacy turn back: the gate would
+    find every other migrated conversation named by no legacy turn, and advise the run that
+    would remove them. After `finish --drop-legacy`, `finish` and `verify` say when the
+    legacy turns were dropped, as `run` does (exit 2)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    database[LEGACY_TURNS].insert_one(legacy_turn("t-late", "c-0", 9, "late"))
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish") == 2
+    assert cli(wire_uri, database, "verify") == 2
+
+    said = capsys.readouterr()
+    assert said.err.count("dropped the legacy turns at") == 2
+    assert "again" not in said.out + said.err.replace("to run again", "")
+    assert cli(wire_uri, database, "status") == 0
+    assert "legacy turns dropped at" in capsys.readouterr().out
+
+
+@pytest.mark.wire
+def test_finish_counts_as_migrated_only_the_legacy_conversations_that_are(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A conversation no legacy turn makes any more is work left, but no legacy conversation:
+    it is not taken off the migrated ones (never a negative count)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    database[LEGACY_TURNS].delete_one({"_id": "t-0"})
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish") == 1
+
+    out = capsys.readouterr().out
+    assert "checked 2 legacy conversations: 2 migrated" in out
+    assert "c-0: " in out

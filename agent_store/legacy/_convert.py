@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, field_validator
 
 from agent_store.core import (
     AgentMessage,
@@ -47,6 +47,7 @@ from agent_store.legacy._documents import (
     parse_turns,
     reference_text,
     sort_turns,
+    storable,
 )
 from agent_store.legacy._history import HIDDEN_RUNTIME_CONTEXT, history_findings, read_history
 from agent_store.legacy._parts import (
@@ -101,10 +102,16 @@ class Problem(BaseModel):
     detail: str
     """What went wrong, for a person."""
     content: Any = None
-    """The content concerned, as found."""
+    """The content concerned, as found; what BSON cannot hold (a text read from JSON holding
+    a lone surrogate) as the JSON text spelling it (`storable`)."""
     placed: bool = False
     """True when the content was still converted, changed as `detail` says (e.g. given a
     generated id); False when this problem is the only place the content is kept."""
+
+    @field_validator("content")
+    @classmethod
+    def _storable(cls, value: Any) -> Any:
+        return storable(value)
 
 
 @dataclass

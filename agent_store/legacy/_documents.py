@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import bson
 from bson import Code, Decimal128, ObjectId
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -498,6 +499,30 @@ def dumps(value: Any, *, compact: bool = False) -> tuple[str, bool]:
             _finite(value), ensure_ascii=False, separators=separators, default=_jsonable
         )
         return text, False
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def encodes(value: Any) -> bool:
+    """Whether BSON holds `value` as it is: no text holding a lone surrogate (only a JSON
+    escape, `\\ud800`, spells one), no key holding NUL, no integer wider than 64 bits. Values
+    read from legacy JSON text may be any of these."""
+    try:
+        bson.encode({"value": value})
+    except (bson.InvalidDocument, UnicodeEncodeError, OverflowError):
+        return False
+    return True
+
+
+def storable(value: Any) -> Any:
+    """`value` as BSON holds it: itself when it can (`encodes`), else the JSON text spelling
+    it, each lone surrogate written as its escape, as the legacy JSON text spelt it. The one
+    way what JSON text says and BSON cannot hold is kept: a call's arguments, a result and a
+    prompt's params stay their JSON text, and a problem keeps such content so."""
+    if encodes(value):
+        return value
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", dumps(value)[0])
 
 
 def as_text(value: Any) -> str:

@@ -15,11 +15,10 @@ from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import Any, Literal
 
-import bson
 from pydantic import ValidationError
 
 from agent_store.core import HitlAction
-from agent_store.legacy._documents import LegacyTurn, as_text, dumps, id_text
+from agent_store.legacy._documents import LegacyTurn, as_text, dumps, encodes, id_text
 
 PartKind = Literal["text", "tool_call", "tool_result", "file_upload", "hitl", "error", "unknown"]
 """What a legacy part is, once its spelling is normalized."""
@@ -394,10 +393,9 @@ def _holdable(params: dict[str, Any]) -> bool:
     too deep, no NUL in a key) and text BSON encodes (no lone surrogate)."""
     try:
         HitlAction(action="a", params=params, request_id="r")
-        bson.encode({"params": params})
-    except (ValidationError, bson.InvalidDocument, UnicodeEncodeError):
+    except ValidationError:
         return False
-    return True
+    return encodes(params)
 
 
 def json_object(text: str) -> dict[str, Any] | None:
