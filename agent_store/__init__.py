@@ -9,6 +9,7 @@ in through `LegacyTurns`; runtime integrations live in
 
 from agent_store.core import (
     AgentMessage,
+    AnsweredBefore,
     AssistantMessage,
     Conflict,
     Conversation,
@@ -66,6 +67,7 @@ from agent_store.store import (
 __all__ = [
     "AgentMessage",
     "AgentMessageLogger",
+    "AnsweredBefore",
     "AssistantMessage",
     "Claimed",
     "Conflict",

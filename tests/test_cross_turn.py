@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 from pydantic_ai.messages import ModelRequest, ToolReturnPart
 
-from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, LoggedTurn
+from agent_store import (
+    AgentMessageLogger,
+    AnsweredBefore,
+    ConversationStore,
+    InvalidInput,
+    LoggedTurn,
+)
 from agent_store.core import (
     DENIED_RESULT,
     PENDING_RESULT,
@@ -183,6 +189,153 @@ async def test_a_prompt_answered_twice_in_one_stream_keeps_its_first_answer(
     assert await runtime.answers_of("tc-9") == ([] if first is APPROVED else denied)
     awaiting = [c.tool_call_id for c in await runtime.store.pending_calls(CID)]
     assert awaiting == (["tc-9"] if first is APPROVED else [])
+
+
+TWO_ASKS = [
+    {"type": "stream_token", "token": "I can book the train and the hotel."},
+    {"type": "tool_start", "tool_name": "book_train", "tool_call_id": "tc-1", "args": {}},
+    {"type": "tool_start", "tool_name": "book_hotel", "tool_call_id": "tc-2", "args": {}},
+    {"type": "confirm_required", "request_id": "confirm-1", "action": "book_train",
+     "params": {}, "prompt": "Pay for the train?", "tool_call_id": "tc-1"},
+    {"type": "confirm_required", "request_id": "confirm-2", "action": "book_hotel",
+     "params": {}, "prompt": "Pay for the hotel?", "tool_call_id": "tc-2"},
+]  # fmt: skip
+TRAIN_BOOKED = {"type": "tool_end", "tool_name": "book_train", "tool_call_id": "tc-1",
+                "result": {"booking": "B-42"}}  # fmt: skip
+
+
+async def held_calls(store: ConversationStore) -> list[tuple[str, str | None]]:
+    return [(c.tool_call_id, c.request_id) for c in await store.pending_calls(CID)]
+
+
+async def test_approving_a_prompt_that_is_not_the_pending_one_releases_its_call_for_good(
+    backend: Backend,
+) -> None:
+    """Two prompts in one turn: `pending_hitl` shows the second, but the first holds its own
+    call. Its approval is its answer: the call awaits its result, and a refusal of the same
+    prompt arriving later (another tab, a replayed event) denies nothing."""
+    runtime = Runtime(backend)
+    await runtime.stream(TWO_ASKS, prompt="Book the train and the hotel.")
+
+    answer = {"type": "confirm_resolved", "request_id": "confirm-1", "approved": True}
+
+    await runtime.stream([answer])
+    assert await held_calls(runtime.store) == [("tc-1", None), ("tc-2", "confirm-2")]
+    pending = await runtime.store.pending_hitl(CID)
+    assert pending is not None
+    assert pending.request_id == "confirm-2"
+
+    await runtime.stream([{**answer, "approved": False}])
+    await runtime.stream([TRAIN_BOOKED, {"type": "stream_token", "token": "Booked: B-42."}])
+
+    assert await runtime.answers_of("tc-1") == [('{"booking":"B-42"}', None)]
+    assert await held_calls(runtime.store) == [("tc-2", "confirm-2")]
+
+
+async def test_an_approval_in_a_turn_that_asks_a_new_question_is_recorded(
+    backend: Backend,
+) -> None:
+    """The turn approving a prompt goes on and asks another: the new one is pending, and the
+    approved prompt stays answered (its call awaits its result)."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    asks_for_a_taxi = [
+        {"type": "tool_start", "tool_name": "book_taxi", "tool_call_id": "tc-10", "args": {}},
+        {"type": "confirm_required", "request_id": "confirm-10", "action": "book_taxi",
+         "params": {}, "prompt": "A taxi too?", "tool_call_id": "tc-10"},
+    ]  # fmt: skip
+
+    await runtime.stream([APPROVED, *asks_for_a_taxi], prompt="Yes.")
+    assert await held_calls(runtime.store) == [("tc-9", None), ("tc-10", "confirm-10")]
+
+    await runtime.stream([DENIED])
+    await runtime.stream([BOOKED])
+    assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
+
+
+async def test_a_refusal_read_before_another_tab_approved_denies_nothing(
+    backend: Backend,
+) -> None:
+    """Tab B's runtime read the pending calls while the prompt was pending; tab A's approval
+    lands before B logs its refusal. The first answer is the approval: B's turn is logged
+    without the denial, and the call's real result is its answer."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    read_by_tab_b = await runtime.store.pending_calls(CID)
+    await runtime.stream([APPROVED])  # tab A
+
+    refusal = turn_from_metadata(
+        [DENIED, {"type": "stream_token", "token": "Okay."}], complete=True, pending=read_by_tab_b
+    )
+    logged = await log_streamed_turn(
+        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=refusal,
+        turn_id="tab-b",
+    )  # fmt: skip
+    again = await log_streamed_turn(
+        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=refusal,
+        turn_id="tab-b",
+    )  # fmt: skip
+
+    assert [m.content for m in logged.messages] == ["Okay."]
+    assert again.replayed
+    assert [m.id for m in again.messages] == [m.id for m in logged.messages]
+    assert await held_calls(runtime.store) == [("tc-9", None)]
+    await runtime.stream([BOOKED])
+    assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
+
+
+async def test_a_denial_of_a_call_whose_prompt_was_approved_is_refused_and_nothing_written(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    await runtime.stream([APPROVED])
+    before = await runtime.store.transcript(CID)
+    denial = {"role": "tool", "tool_call_id": "tc-9", "content": DENIED_RESULT,
+              "error": {"message": "tool call denied"}}  # fmt: skip
+
+    with pytest.raises(AnsweredBefore, match=r"'tc-9'.*approved") as refused:
+        await runtime.logger.log_messages(CID, [denial], turn_id="late-denial")
+
+    assert refused.value.tool_call_ids == ("tc-9",)
+    assert await runtime.store.transcript(CID) == before
+    assert await held_calls(runtime.store) == [("tc-9", None)]
+
+
+def _asks_reusing(call_id: str, tool: str) -> list[dict[str, Any]]:
+    return [
+        {"type": "tool_start", "tool_name": tool, "tool_call_id": call_id, "args": {}},
+        {"type": "confirm_required", "request_id": "confirm-1", "action": tool, "params": {},
+         "prompt": f"OK to {tool}?", "tool_call_id": call_id},
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("approved", [True, False], ids=["approved", "refused"])
+async def test_a_new_prompt_reusing_a_resolved_request_id_is_answered_afresh(
+    backend: Backend, approved: bool
+) -> None:
+    """A runtime numbering its confirmations per turn asks `confirm-1` again: the new prompt
+    holds its call until it is answered, whatever the earlier `confirm-1` was answered; the
+    earlier one's call, still running, stays released."""
+    runtime = Runtime(backend)
+    answer = {"type": "confirm_resolved", "request_id": "confirm-1", "approved": True}
+    await runtime.stream(_asks_reusing("tc-1", "book_train"), prompt="Book the train.")
+    await runtime.stream([answer])
+    await runtime.stream(_asks_reusing("tc-20", "wire_money"), prompt="Now pay my rent.")
+    assert await held_calls(runtime.store) == [("tc-1", None), ("tc-20", "confirm-1")]
+
+    await runtime.stream(
+        [{**answer, "approved": approved}], prompt="Go ahead." if approved else "No."
+    )
+
+    assert await runtime.answers_of("tc-1") == []
+    if approved:
+        assert await held_calls(runtime.store) == [("tc-1", None), ("tc-20", None)]
+        assert await runtime.answers_of("tc-20") == []
+    else:
+        assert await held_calls(runtime.store) == [("tc-1", None)]
+        assert await runtime.answers_of("tc-20") == [(DENIED_RESULT, "tool call denied")]
+    assert await runtime.store.pending_hitl(CID) is None
 
 
 async def test_a_result_answering_no_call_of_the_turn_nor_any_pending_one_is_refused(

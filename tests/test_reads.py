@@ -189,9 +189,12 @@ async def test_retrying_a_resolution_that_took_effect_answers_as_the_first_did(
         await store.resolve_hitl(CID, "req-never-asked")
 
 
-async def test_retrying_a_resolution_once_another_prompt_is_pending_is_a_conflict(
+async def test_retrying_a_resolution_once_another_prompt_is_pending_answers_as_the_first_did(
     backend: Backend,
 ) -> None:
+    """A request's first answer is its answer: resolving it again once the runtime asked
+    another question changes nothing (the new prompt stays pending); a request id never
+    asked is still a Conflict naming the pending one."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     for turn_id, messages in example_turns()[:2]:
         await logger.log_messages(CID, messages, turn_id=turn_id)
@@ -203,8 +206,13 @@ async def test_retrying_a_resolution_once_another_prompt_is_pending_is_a_conflic
         turn_id="t-again",
     )
 
+    before = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+
+    await store.resolve_hitl(CID, "req-booking-1")
+
+    assert await backend.db[CONVERSATIONS].find_one({"_id": CID}) == before
     with pytest.raises(Conflict, match="the pending one is 'req-booking-2'"):
-        await store.resolve_hitl(CID, "req-booking-1")
+        await store.resolve_hitl(CID, "req-never-asked")
 
 
 async def test_search_finds_messages_within_the_scope_only(

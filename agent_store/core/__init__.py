@@ -4,6 +4,7 @@ Imports nothing of the store; everything above builds on it.
 """
 
 from agent_store.core._errors import (
+    AnsweredBefore,
     Conflict,
     InvalidInput,
     NotFound,
@@ -85,6 +86,7 @@ __all__ = [
     "STREAM_INTERRUPTED",
     "TOOL_OUTCOMES",
     "AgentMessage",
+    "AnsweredBefore",
     "AssistantMessage",
     "CallKey",
     "Conflict",

@@ -52,6 +52,17 @@ class TranscriptMoved(Conflict):
         """The later step the conversation logged, when the turn's `step` is behind it."""
 
 
+class AnsweredBefore(Conflict):
+    """A turn denies tool calls whose confirmation a person approved before (another tab, a
+    replayed event): a request's first answer is its answer, so nothing was written. Log
+    the turn without those denials; the calls await their results."""
+
+    def __init__(self, message: str, *, tool_call_ids: Sequence[str]) -> None:
+        super().__init__(message)
+        self.tool_call_ids = tuple(tool_call_ids)
+        """The calls the turn denies that their approved confirmation released."""
+
+
 class Unsupported(StoreError):
     """The connected database cannot do this (e.g. full-text search on an in-process fake)."""
 

@@ -40,6 +40,7 @@ from pydantic import BaseModel
 
 from agent_store.core import (
     AgentMessage,
+    AnsweredBefore,
     AssistantMessage,
     Conflict,
     FunctionCall,
@@ -57,6 +58,7 @@ from agent_store.core import (
     outcome_error,
     shown,
     stand_in_result,
+    tool_outcome,
     utc_now,
 )
 from agent_store.integrations._stream_events import (
@@ -561,14 +563,18 @@ async def log_streamed_turn(
     prompt: str | AgentMessage | Mapping[str, Any] | None = None,
     user_id: str | None = None,
 ) -> LoggedTurn:
-    """Log a streamed turn (after the user's `prompt`, if given), then clear what it resolved.
+    """Log a streamed turn (after the user's `prompt`, if given), then record what it resolved.
 
     Idempotent by `turn_id` like any turn. Hidden runtime context is stripped
-    from the prompt by the logger's rules. A resolved prompt that is no longer
-    pending (a retry, or a later prompt replaced it) is left as it is. A turn
-    that only resolved prompts (an approval whose result comes later) stores
-    no message: the answer it gave is the prompt's resolution; naming another
-    user than the conversation's owner, it is a Conflict, as any turn is.
+    from the prompt by the logger's rules. Each prompt the stream answered is
+    resolved (`ConversationStore.resolve_hitl`), pending or not, while it holds a
+    pending call; one resolved before keeps its first answer. A turn that only
+    resolved prompts (an approval whose result comes later) stores no message: the
+    answer it gave is the prompt's resolution; naming another user than the
+    conversation's owner, it is a Conflict, as any turn is. A refusal whose prompt a
+    person approved first (another tab: the turn was built from pending calls read
+    before) denies nothing: the store refuses the denial (`AnsweredBefore`), and the turn
+    is logged without it; a retry of the turn is answered as that logged turn.
     """
     messages: list[AgentMessage | Mapping[str, Any]] = []
     if isinstance(prompt, str):
@@ -576,20 +582,59 @@ async def log_streamed_turn(
     elif prompt is not None:
         messages.append(prompt)
     messages.extend(turn.messages)
-    if messages or not turn.resolved_request_ids:
-        logged = await logger.log_messages(
-            conversation_id, messages, user_id=user_id, turn_id=turn_id
-        )
-    else:
-        if user_id is not None:
-            await _refuse_another_owner(store, conversation_id, user_id)
-        logged = LoggedTurn(
-            conversation_id=validate_identifier(conversation_id, "conversation_id"),
-            turn_id=validate_identifier(turn_id, "turn_id"),
-            messages=[],
-            replayed=False,
-        )
+    try:
+        logged = await _logged(logger, store, conversation_id, messages, turn, turn_id, user_id)
+    except Conflict as refused:
+        released = refused.tool_call_ids if isinstance(refused, AnsweredBefore) else None
+        without = _without_denials(messages, released)
+        if len(without) == len(messages):
+            raise
+        try:  # the turn as logged when the approval came first (by this call or a retry)
+            logged = await _logged(logger, store, conversation_id, without, turn, turn_id, user_id)
+        except Conflict:
+            raise refused from None
     for request_id in turn.resolved_request_ids:
-        with contextlib.suppress(Conflict):  # no longer pending: nothing to clear
+        with contextlib.suppress(Conflict):  # resolved before, or holding nothing any more
             await store.resolve_hitl(conversation_id, request_id)
     return logged
+
+
+async def _logged(
+    logger: AgentMessageLogger,
+    store: ConversationStore,
+    conversation_id: str,
+    messages: list[AgentMessage | Mapping[str, Any]],
+    turn: StreamedTurn,
+    turn_id: str,
+    user_id: str | None,
+) -> LoggedTurn:
+    """The turn's messages logged; a turn of resolutions only stores none."""
+    if messages or not turn.resolved_request_ids:
+        return await logger.log_messages(
+            conversation_id, messages, user_id=user_id, turn_id=turn_id
+        )
+    if user_id is not None:
+        await _refuse_another_owner(store, conversation_id, user_id)
+    return LoggedTurn(
+        conversation_id=validate_identifier(conversation_id, "conversation_id"),
+        turn_id=validate_identifier(turn_id, "turn_id"),
+        messages=[],
+        replayed=False,
+    )
+
+
+def _without_denials(
+    messages: list[AgentMessage | Mapping[str, Any]], call_ids: Sequence[str] | None
+) -> list[AgentMessage | Mapping[str, Any]]:
+    """`messages` without the denials the builders made for calls of earlier turns (a refused
+    confirmation's stand-in, `tool call denied`): those of `call_ids`, or all when None."""
+    made = {c.id for m in messages if isinstance(m, AssistantMessage) for c in m.tool_calls or ()}
+
+    def dropped(message: AgentMessage | Mapping[str, Any]) -> bool:
+        if not isinstance(message, ToolMessage) or message.tool_call_id in made:
+            return False
+        outcome = tool_outcome(message)
+        denied = outcome is not None and outcome[0] == "denied"
+        return denied and (call_ids is None or message.tool_call_id in call_ids)
+
+    return [m for m in messages if not dropped(m)]

@@ -37,6 +37,7 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError
 from agent_store.core import (
     MAX_SAFE_INTEGER,
     AgentMessage,
+    AnsweredBefore,
     Conflict,
     Conversation,
     ForkOrigin,
@@ -47,6 +48,7 @@ from agent_store.core import (
     StoreError,
     TranscriptMoved,
     messages_adapter,
+    shown,
     utc_now,
 )
 from agent_store.store._blobs import FullTextStore, stored_blob_ids
@@ -83,9 +85,11 @@ from agent_store.store._reservation import (
     Actor,
     RecordedBlock,
     blocks_of,
+    denials_hold,
     literal,
     new_epoch,
     recorded_block,
+    released_calls,
     relocation,
     reservation,
     reservation_filter,
@@ -355,7 +359,7 @@ class AgentMessageLogger:
         runtime_name = clean_name(name) if name is not None else None
         actor = Actor(user_id, as_user=owner_only)
         started = time.monotonic()
-        condition = _logged_at(plan.conversation_id, next_seq, step)
+        condition = _joined(_logged_at(plan.conversation_id, next_seq, step), _denials(plan))
         reserved = await self._reserve(plan, actor, runtime_name, condition)
         stored = await self._store(plan, reserved)
         if time.monotonic() - started > self.rules.claim_grace.total_seconds():
@@ -1246,4 +1250,55 @@ def _logged_at(conversation_id: str, seq: int | None, step: str | None) -> Condi
         Conflict(f"conversation {conversation_id!r} moved on"),
         create=True,
         explain=moved,
+    )
+
+
+def _denials(plan: TurnPlan) -> Condition | None:
+    """The condition of a turn denying calls of earlier turns (`TurnPlan.denied_calls`): no
+    person approved the prompt holding any of them first (a request's first answer is its
+    answer), else `AnsweredBefore`, nothing written. None for a turn denying none."""
+    if not plan.denied_calls:
+        return None
+    denied = plan.denied_calls
+
+    def answered_before(conversation: Mapping[str, Any]) -> StoreError:
+        released = released_calls(conversation, denied) or list(denied)
+        return AnsweredBefore(
+            f"turn {plan.turn_id!r} denies {', '.join(map(shown, released))} in conversation "
+            f"{plan.conversation_id!r}, but a person approved the confirmation holding that "
+            "call first: the tool runs, and its result answers the call. Log the turn without "
+            "the denial",
+            tool_call_ids=released,
+        )
+
+    return Condition(
+        denials_hold(denied),
+        lambda now: {},
+        AnsweredBefore("a denied call was approved first", tool_call_ids=denied),
+        create=True,
+        explain=answered_before,
+    )
+
+
+def _joined(first: Condition | None, second: Condition | None) -> Condition | None:
+    """Both conditions, in one reservation: the filters and stages together; a refusal is
+    the first's whose filter the conversation does not meet (`second`'s when unknown)."""
+    if first is None or second is None:
+        return first or second
+    a, b = first, second
+
+    def explain(conversation: Mapping[str, Any]) -> StoreError:
+        refused = b.refused(conversation)
+        if isinstance(refused, AnsweredBefore) and released_calls(
+            conversation, refused.tool_call_ids
+        ):
+            return refused
+        return a.refused(conversation)
+
+    return Condition(
+        {"$and": [a.filter, b.filter]},
+        lambda now: {**a.stage(now), **b.stage(now)},
+        a.refusal,
+        create=a.create and b.create,
+        explain=explain,
     )

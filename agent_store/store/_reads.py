@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict
 from pymongo import ReturnDocument
 
 from agent_store.core import (
-    RESOLVED_PROMPTS_KEPT,
     AgentMessage,
     Conflict,
     Conversation,
@@ -49,7 +48,7 @@ from agent_store.store._indexes import (
 )
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource
 from agent_store.store._pop import Pop, PopMemory
-from agent_store.store._reservation import SUMMARY
+from agent_store.store._reservation import SUMMARY, resolution
 from agent_store.store._text import clean_name, collapse_whitespace, has_positive_term
 from agent_store.store._truncation import NATIVE
 from agent_store.store._turns import (
@@ -787,24 +786,20 @@ class ConversationStore:
     async def resolve_hitl(
         self, conversation_id: str, request_id: str, *, user_id: str | None = None
     ) -> None:
-        """Clear the pending prompt if it is the one named; Conflict if another is pending.
+        """Record a person's answer to the prompt `request_id`: Conflict if no prompt of that id
+        is pending, holds back a pending call, or was resolved before.
 
-        A retry of a resolution that took effect (the request id is among the
-        conversation's `resolved_hitl` and no prompt is pending) answers as the first
-        call did and writes nothing, so a client whose first reply was lost is not told
-        its answer failed. That check is one more lookup, on the no-match path only.
+        The prompt is cleared if it is the pending one, and its request id remembered
+        (`resolved_hitl`), so the calls it holds await their results (`pending_calls` serves
+        them with `request_id: null`), also when another prompt is the pending one. A request's
+        first answer is its answer: resolving it again (a retry whose first reply was lost,
+        another tab) answers as the first call did and writes nothing. That check is one more
+        lookup, on the no-match path only.
         """
         scope = self._scope(conversation_id, user_id)
+        query, update = resolution(request_id)
         with storage_errors("resolve the pending prompt"):
-            result = await self._conversations.update_one(
-                {**scope, "pending_hitl.request_id": request_id},
-                {
-                    "$set": {"pending_hitl": None},
-                    "$push": {
-                        "resolved_hitl": {"$each": [request_id], "$slice": -RESOLVED_PROMPTS_KEPT}
-                    },
-                },
-            )
+            result = await self._conversations.update_one({**scope, **query}, update)
         if result.matched_count:
             return
         with storage_errors("read the pending prompt"):
@@ -812,10 +807,10 @@ class ConversationStore:
         if doc is None:
             pending = await self.pending_hitl(conversation_id, user_id=user_id)
         else:
+            if request_id in (doc.get("resolved_hitl") or ()):
+                return  # resolved before: its first answer stands
             raw = doc.get("pending_hitl")
             pending = PendingHitl.model_validate(raw) if raw else None
-            if pending is None and request_id in (doc.get("resolved_hitl") or ()):
-                return  # a retry of a resolution that took effect
         raise Conflict(
             f"no pending prompt {shown(request_id)} in conversation {conversation_id!r}"
             + (f"; the pending one is {shown(pending.request_id)}" if pending else "")

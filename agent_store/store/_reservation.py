@@ -16,6 +16,7 @@ from bson import Int64
 
 from agent_store.core import (
     MAX_SAFE_INTEGER,
+    RESOLVED_PROMPTS_KEPT,
     Conflict,
     NotFound,
     PendingCall,
@@ -167,6 +168,64 @@ def resolved_by_request(request_id: str) -> dict[str, Any]:
     return {"$in": [literal(request_id), _kept("resolved_hitl", [])]}
 
 
+def resolution(request_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The filter and update that record a person's answer to the prompt `request_id`
+    (`ConversationStore.resolve_hitl`): they match while the prompt is pending or holds back a
+    pending call and was not resolved already (the first answer is the answer), clear the
+    prompt if it is the pending one, and remember the request id (`resolved_hitl`, the newest
+    `RESOLVED_PROMPTS_KEPT`), which releases the calls it holds (`awaiting_results`)."""
+    query = {
+        "$or": [
+            {"pending_hitl.request_id": request_id},
+            {"pending_calls.request_id": request_id, "resolved_hitl": {"$ne": request_id}},
+        ]
+    }
+    resolved = _kept("resolved_hitl", [])
+    remembered = {"$concatArrays": [resolved, literal([request_id])]}
+    is_pending = {"$eq": [{"$ifNull": ["$pending_hitl.request_id", None]}, literal(request_id)]}
+    stage = {
+        "pending_hitl": {"$cond": [is_pending, None, _kept("pending_hitl", None)]},
+        "resolved_hitl": {
+            "$cond": [
+                resolved_by_request(request_id),
+                resolved,
+                {"$slice": [remembered, -RESOLVED_PROMPTS_KEPT]},
+            ]
+        },
+    }
+    return query, [{"$set": stage}]
+
+
+def denials_hold(call_ids: Sequence[str]) -> dict[str, Any]:
+    """A filter matching a conversation where a person approved none of the prompts holding
+    the calls `call_ids` (the latest pending call of each id): a turn denying them may be
+    logged (`released_calls` names those it may not)."""
+    calls = {"$ifNull": ["$pending_calls", literal([])]}
+
+    def released(call_id: str) -> dict[str, Any]:
+        same = {"$eq": ["$$call.tool_call_id", literal(call_id)]}
+        of_id = {"$filter": {"input": calls, "as": "call", "cond": same}}
+        holder = {"$ifNull": ["$$last.request_id", None]}
+        answered = {"$in": [holder, _kept("resolved_hitl", [])]}
+        return {"$let": {"vars": {"last": {"$arrayElemAt": [of_id, -1]}}, "in": answered}}
+
+    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+    return {"$expr": {"$eq": [{"$or": [released(c) for c in call_ids]}, False]}}
+
+
+def released_calls(conversation: Mapping[str, Any], call_ids: Sequence[str]) -> list[str]:
+    """Those of `call_ids` whose latest pending call in `conversation` is held by a prompt a
+    person resolved (`resolved_hitl`): the first answer was an approval, so a denial of the
+    call comes too late (the tool runs; its result answers it)."""
+    resolved = conversation.get("resolved_hitl") or ()
+    latest = {
+        call.get("tool_call_id"): call.get("request_id")
+        for call in conversation.get("pending_calls") or ()
+        if isinstance(call, Mapping)
+    }
+    return [c for c in call_ids if latest.get(c) is not None and latest[c] in resolved]
+
+
 def _capped(field: str, amount: int) -> dict[str, Any]:
     """A running sum that stops at 2**53 - 1, so one huge value cannot jam later turns."""
     return int64({"$min": [_sum(field, amount), MAX_SAFE_INTEGER]})
@@ -235,12 +294,48 @@ def reservation(
         # Kept as they are, null when unset: a document holds every key it is served with.
         "forked_from": _kept("forked_from", None),
         "legacy_conversation_id": _kept("legacy_conversation_id", None),
-        **_appended(plan),
+        **_appended(plan, _released(plan)),
         **_records(plan.key, plan.digest, rules, now),
         **_names(plan, runtime_name),
         **_assignment(actor),
+        **_reopened(plan),
     }
     return [{"$set": stage}]
+
+
+def _released(plan: TurnPlan) -> dict[str, Any] | None:
+    """The pending calls before a turn that raises prompts, as an expression: those held by a
+    prompt of one of their request ids that a person resolved (`resolved_hitl`) stored with
+    `request_id: null`, released for good before the turn asks under that id anew
+    (`_reopened`); None (those stored) when it raises none."""
+    if not plan.raised_requests:
+        return None
+    calls = {"$ifNull": ["$pending_calls", literal([])]}
+    holder = {"$ifNull": ["$$call.request_id", None]}
+    released = {
+        "$and": [
+            {"$in": [holder, literal(list(plan.raised_requests))]},
+            {"$in": [holder, _kept("resolved_hitl", [])]},
+        ]
+    }
+    fields: dict[str, Any] = {name: f"$$call.{name}" for name in PendingCall.model_fields}
+    fields["request_id"] = {"$cond": [released, None, holder]}
+    return {"$map": {"input": calls, "as": "call", "in": fields}}
+
+
+def _reopened(plan: TurnPlan) -> dict[str, Any]:
+    """`resolved_hitl` without the request ids of the prompts the turn raises: a runtime that
+    numbers its confirmations per turn asks under an id answered before, and the new prompt
+    holds its calls until it is answered itself."""
+    if not plan.raised_requests:
+        return {}
+    asked = literal(list(plan.raised_requests))
+    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+    kept = {"$eq": [{"$in": ["$$r", asked]}, False]}
+    reopened = {"$filter": {"input": _kept("resolved_hitl", []), "as": "r", "cond": kept}}
+    # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
+    unset = {"$eq": [{"$ifNull": ["$resolved_hitl", None]}, None]}
+    return {"resolved_hitl": {"$cond": [unset, "$$REMOVE", reopened]}}
 
 
 def _appended(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from agent_store.core import (
     describe_validation_error,
     messages_adapter,
     shown,
+    tool_outcome,
     utc_now,
 )
 from agent_store.store._text import (
@@ -146,6 +147,26 @@ class TurnPlan:
             return False
         before = [without_text_hashes(d) for d in self.documents]
         return digest in (content_digest(before), json_content_digest(before))
+
+    @cached_property
+    def raised_requests(self) -> tuple[str, ...]:
+        """The request ids of the prompts the turn raises: each asks anew, whatever an
+        earlier prompt of that id was answered (`_reservation.reopened`)."""
+        return tuple(dict.fromkeys(m.hitl_action.request_id for m in self.sources if m.hitl_action))
+
+    @cached_property
+    def denied_calls(self) -> tuple[str, ...]:
+        """Ids of calls of earlier turns the turn answers with a denial (a tool message marked
+        `tool call denied`: a refused confirmation): refused by the reservation when a person
+        approved the prompt holding the call first (`_reservation.released_calls`)."""
+        return tuple(
+            m.tool_call_id
+            for m in self.sources
+            if m.role == "tool"
+            and m.tool_call_id in self.answered_calls
+            and (outcome := tool_outcome(m)) is not None
+            and outcome[0] == "denied"
+        )
 
     @property
     def count(self) -> int:
