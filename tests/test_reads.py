@@ -1132,7 +1132,24 @@ async def _a_turn_applied_after_its_writer_gave_up_and_the_delete(
     await logger.ensure_indexes()
     await logger.log_messages("c-x", [{"role": "user", "content": "mine"}], user_id=OWNER,
                               turn_id="t1")  # fmt: skip
-    held: list[Any] = []
+    said = [{"role": "user", "content": "OWNER's secret"}]
+    said.append({"role": "assistant", "content": "noted"})
+    held = await _given_up(logger, monkeypatch, said, turn_id="t2")
+    await store.delete("c-x", user_id=OWNER)
+    await logger._messages.insert_many(held, ordered=False)  # the server applies it now
+
+
+async def _given_up(
+    logger: AgentMessageLogger,
+    monkeypatch: pytest.MonkeyPatch,
+    messages: list[dict[str, Any]],
+    *,
+    turn_id: str,
+) -> list[dict[str, Any]]:
+    """OWNER's turn on "c-x" reserves its block, and its writer gives up on the insert (a client
+    timeout: `StorageUnavailable`, never retried): the documents it sent, for the server to
+    apply later."""
+    held: list[list[dict[str, Any]]] = []
     insert_many = logger._messages.insert_many
 
     async def applied_later(documents: list[dict[str, Any]], **kwargs: Any) -> Any:
@@ -1141,11 +1158,9 @@ async def _a_turn_applied_after_its_writer_gave_up_and_the_delete(
 
     monkeypatch.setattr(logger._messages, "insert_many", applied_later)
     with pytest.raises(StorageUnavailable):
-        await logger.log_messages("c-x", [{"role": "user", "content": "OWNER's secret"},
-                                  {"role": "assistant", "content": "noted"}], user_id=OWNER,
-                                  turn_id="t2")  # fmt: skip
-    await store.delete("c-x", user_id=OWNER)
-    await insert_many(held[0], ordered=False)  # the server applies it now
+        await logger.log_messages("c-x", messages, user_id=OWNER, turn_id=turn_id)
+    monkeypatch.setattr(logger._messages, "insert_many", insert_many)
+    return held[0]
 
 
 async def test_a_turn_applied_after_its_writer_gave_up_and_its_conversations_delete_blocks_no_turn(
@@ -1181,20 +1196,10 @@ async def test_a_late_insert_of_a_deleted_conversation_gives_way_to_turns_number
         return [{"role": "user", "content": said}, *replies]
 
     await logger.log_messages("c-x", turn("old t0", 2), user_id=OWNER, turn_id="t0")
-    held: list[Any] = []
-    insert_many = logger._messages.insert_many
-
-    async def applied_later(documents: list[dict[str, Any]], **kwargs: Any) -> Any:
-        held.append(documents)
-        raise StorageUnavailable("the client timed out")
-
-    monkeypatch.setattr(logger._messages, "insert_many", applied_later)
-    with pytest.raises(StorageUnavailable):
-        await logger.log_messages("c-x", turn("old t1", 2), user_id=OWNER, turn_id="t1")
-    monkeypatch.undo()
+    held = await _given_up(logger, monkeypatch, turn("old t1", 2), turn_id="t1")
     await store.delete("c-x", user_id=OWNER)
     await logger.log_messages("c-x", turn("new t0", 1), user_id=OWNER, turn_id="t0")
-    await insert_many(held[0], ordered=False)  # the server applies it now, at seqs 3 to 5
+    await logger._messages.insert_many(held, ordered=False)  # applied now, at seqs 3 to 5
 
     for number in (1, 2, 3):
         await logger.log_messages("c-x", turn(f"new t{number}", 1), user_id=OWNER,
