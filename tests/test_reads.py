@@ -578,6 +578,34 @@ async def test_the_deletes_last_sweep_leaves_whole_what_another_user_started_aft
     assert seen == [(0, "someone's own")]
 
 
+async def test_an_erasures_late_delete_takes_nothing_of_an_unowned_conversation_started_since(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The erasure's delete of a chunk's messages reaches the server only after the user
+    deleted one of its conversations and a service started an unowned one under the id with
+    a turn of the same id: its messages (naming no owner, as the user's first ones may) stay."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-del", [{"role": "user", "content": "old"}], user_id=OWNER,
+                              turn_id="t1")  # fmt: skip
+    messages, late = store._messages, []
+    delete_many = messages.delete_many
+
+    async def arriving_late(*args: Any, **kwargs: Any) -> Any:
+        if not late:
+            late.append(True)
+            await ConversationStore(backend.db).delete("c-del", user_id=OWNER)
+            await asyncio.sleep(0.005)
+            await logger.log_messages("c-del", [{"role": "user", "content": "a service's"}],
+                                      turn_id="t1")  # fmt: skip
+        return await delete_many(*args, **kwargs)
+
+    monkeypatch.setattr(messages, "delete_many", arriving_late)
+
+    await store.erase_user(OWNER)
+
+    assert [m.content for m in await store.transcript("c-del")] == ["a service's"]
+
+
 async def test_an_erasure_leaves_whole_the_conversation_another_user_started_under_a_freed_id(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -732,6 +760,69 @@ async def _owners_second_turn_in_flight(
     )  # fmt: skip
     await reserved.wait()
     return go, turn
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["its first turn", "its second turn"])
+@pytest.mark.parametrize("said", ["OWNER's secret", "hello"], ids=["its content", "other"])
+async def test_a_slow_writer_of_a_deleted_conversation_takes_nothing_from_a_turn_of_its_id(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, said: str, first: bool
+) -> None:
+    """OWNER's turn "t2" reserves on "c-x" and stalls; "c-x" is deleted and SOMEONE_ELSE starts
+    it with a turn "t2" of its own (the same message ids), saying the same or something else,
+    at the same `seq`s or others. The stalled insert then meets that turn's messages: they are
+    another conversation's (their epoch), so it is refused, and SOMEONE_ELSE's acknowledged
+    turn stays whole."""
+    slow, logger = AgentMessageLogger(backend.db, rules=NO_GRACE), AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db)
+    if first:
+        await logger.ensure_indexes()
+        go = asyncio.Event()
+        reserved = _stall_inserts(slow, monkeypatch, go)
+        turn = asyncio.create_task(
+            slow.log_messages("c-x", [{"role": "user", "content": "OWNER's secret"}],
+                              user_id=OWNER, turn_id="t2", owner_only=True)
+        )  # fmt: skip
+        await reserved.wait()
+    else:
+        go, turn = await _owners_second_turn_in_flight(logger, slow, monkeypatch)
+    await store.delete("c-x", user_id=OWNER)
+    await logger.log_messages("c-x", [{"role": "user", "content": said}], user_id=SOMEONE_ELSE,
+                              owner_only=True, turn_id="t2")  # fmt: skip
+    go.set()
+
+    with pytest.raises(Conflict):
+        await turn
+
+    seen = [(m.seq, m.content, m.user_id) for m in await store.transcript("c-x")]
+    assert seen == [(0, said, SOMEONE_ELSE)]
+    assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
+
+
+async def test_a_fork_copies_nothing_a_deleted_conversation_left_under_the_id(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A late insert of OWNER's deleted conversation lands past the end of the one SOMEONE_ELSE
+    started under the id; SOMEONE_ELSE forks it at that late message's `seq`, which holds
+    none of the conversation's (refused, nothing created), then at its own last one: the fork
+    holds only SOMEONE_ELSE's messages."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+    await logger.ensure_indexes()
+    await logger.log_messages("c-x", [{"role": "user", "content": "mine"}], user_id=OWNER,
+                              turn_id="t1")  # fmt: skip
+    said = [{"role": "user", "content": "OWNER's secret"}]
+    held = await _given_up(logger, monkeypatch, said, turn_id="t2")
+    await store.delete("c-x", user_id=OWNER)
+    await logger.log_messages("c-x", [{"role": "user", "content": "hello"}], user_id=SOMEONE_ELSE,
+                              owner_only=True, turn_id="o1")  # fmt: skip
+    await logger._messages.insert_many(held, ordered=False)  # at seq 1, past the new end
+
+    with pytest.raises(InvalidInput, match="no message with seq 1"):
+        await logger.fork("c-x", 1, "c-fork", user_id=SOMEONE_ELSE, owner_only=True)
+    forked = await logger.fork("c-x", 0, "c-fork", user_id=SOMEONE_ELSE, owner_only=True)
+
+    assert [m.content for m in forked.messages] == ["hello"]
+    assert [m.content for m in await store.transcript("c-fork")] == ["hello"]
 
 
 async def _a_slow_turn_landing_in_a_recreated_id(

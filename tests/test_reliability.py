@@ -14,6 +14,7 @@ import asyncio
 import gc
 import warnings
 from collections import Counter
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -28,6 +29,7 @@ from agent_store import (
     InvalidInput,
     RetryPolicy,
     StorageUnavailable,
+    TurnRules,
     with_retries,
 )
 from agent_store.store import plan_turn, storage_errors
@@ -548,6 +550,28 @@ async def test_a_pop_whose_mark_never_arrived_pops_again_after_another_pop_took_
 
     assert (other and other.content, retried and retried.content) == ("a1", "u1")
     assert await _stored_contents(backend) == ["u0", "a0"]
+
+
+async def test_a_pops_late_delete_takes_nothing_of_a_conversation_started_again_under_the_id(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pop marks the last message, and its delete of it reaches the server only after the
+    conversation was deleted and started again with turns of the same ids (the same message
+    ids): the new conversation keeps its messages."""
+    await _two_turns_of_two(backend)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(milliseconds=50)))
+    messages = store._messages
+    delete_one = messages.delete_one
+
+    async def arriving_late(*args: Any, **kwargs: Any) -> Any:
+        await ConversationStore(backend.db).delete(CID)
+        await _two_turns_of_two(backend)
+        return await delete_one(*args, **kwargs)
+
+    monkeypatch.setattr(messages, "delete_one", arriving_late)
+    await store.pop_last_message(CID)
+
+    assert await _stored_contents(backend) == ["u0", "a0", "u1", "a1"]
 
 
 async def test_a_pop_whose_retry_fails_too_is_still_retried_as_one(backend: Backend) -> None:

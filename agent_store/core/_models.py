@@ -564,6 +564,9 @@ class PopInProgress(_Model):
 
     message_id: str
     seq: Count
+    epoch: str | None = None
+    """The message's `epoch`: its late delete takes nothing of a conversation started again
+    under the id (the same message ids)."""
     pop_id: str | None = None
     """A random token of this pop, kept with the message in `popped_messages`: the retry of a
     pop in doubt answers the message only if this pop removed it, not another one."""

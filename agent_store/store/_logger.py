@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from bson import Int64
 from pydantic import BaseModel, ConfigDict
@@ -487,6 +487,7 @@ class AgentMessageLogger:
             source = await self._conversations.find_one(
                 {"_id": conversation_id},
                 {
+                    "epoch": 1,
                     "user_id": 1,
                     "message_count": 1,
                     "pending_calls": 1,
@@ -498,9 +499,13 @@ class AgentMessageLogger:
             )
             if source is None or actor.refusal(conversation_id, source.get("user_id")):
                 raise NotFound(f"conversation {conversation_id!r} was not found")
-            stored = await (
-                self._messages.find({"conversation_id": conversation_id}).sort("seq", 1)
-            ).to_list(None)
+            # Its own messages (its epoch, or none: stored before epochs), never what a
+            # conversation deleted since left under the id.
+            own = {
+                "conversation_id": conversation_id,
+                "epoch": {"$in": [source.get("epoch"), None]},
+            }
+            stored = await self._messages.find(own).sort("seq", 1).to_list(None)
         return source, messages_adapter.validate_python(stored)
 
     # -- reserving -------------------------------------------------------------------
@@ -825,11 +830,11 @@ class AgentMessageLogger:
             new_owner = found.get("user_id")
             with storage_errors("move the turn's messages to the conversation's owner"):
                 await self._messages.update_many(
-                    _written_by(conversation_id, owner, stored), {"$set": {"user_id": new_owner}}
+                    _written_by(conversation_id, reserved, stored), {"$set": {"user_id": new_owner}}
                 )
             return [m.model_copy(update={"user_id": new_owner}) for m in stored]
         with storage_errors("delete the turn's messages with their conversation"):
-            await self._messages.delete_many(_written_by(conversation_id, owner, stored))
+            await self._messages.delete_many(_written_by(conversation_id, reserved, stored))
         return stored
 
     async def _follow_times(
@@ -920,8 +925,10 @@ class AgentMessageLogger:
                 {"conversation_id": conversation_id, "_id": {"$in": list(failed)}}
             )
         }
+        epoch = documents[0].get("epoch")
         same = len(stored) == len(failed) and all(
-            _same_content(stored[id_], wanted) for id_, wanted in failed.items()
+            stored[id_].get("epoch") in (None, epoch) and _same_content(stored[id_], wanted)
+            for id_, wanted in failed.items()
         )
         shifts = {
             int(stored[id_]["seq"]) - int(w["seq"]) for id_, w in failed.items() if id_ in stored
@@ -933,6 +940,8 @@ class AgentMessageLogger:
                 {"_id": conversation_id},
                 {"turns.k": 1, "turns.f": 1, "turns_dropped": 1, "epoch": 1},
             )
+        if epoch is not None and (records is None or records.get("epoch") not in (None, epoch)):
+            await self._take_back(conversation_id, documents, epoch)
         first = int(documents[0]["seq"])
         moved = same and len(shifts) == 1 and records is not None
         if moved and first + next(iter(shifts)) in blocks_of(records or {}, plan.key):
@@ -1008,6 +1017,26 @@ class AgentMessageLogger:
                 only_duplicates(exc)
                 lost = wanted[exc.details["writeErrors"][0]["index"]]
                 raise _taken(conversation_id, lost["_id"], lost["seq"]) from exc
+
+    async def _take_back(
+        self, conversation_id: str, documents: list[dict[str, Any]], epoch: str
+    ) -> NoReturn:
+        """A writer of a conversation deleted since (its `epoch` is not the one under the id,
+        or none is there) meeting messages in its way: what it inserted goes, and it is
+        refused (`Conflict`, naming nothing of what it met); nothing of the conversation
+        under the id is touched."""
+        with storage_errors("delete the turn's messages with their conversation"):
+            await self._messages.delete_many(
+                {
+                    "conversation_id": conversation_id,
+                    "_id": {"$in": [d["_id"] for d in documents]},
+                    "epoch": epoch,
+                }
+            )
+        raise Conflict(
+            f"conversation {conversation_id!r} was deleted since this turn reserved its place "
+            "(and perhaps started again under its id): the turn was not logged"
+        )
 
     async def _left_by(self, conversation_id: str, epochs: list[str]) -> list[dict[str, Any]]:
         """Every message conversations of these epochs, deleted since, left under the id (one
@@ -1168,13 +1197,15 @@ def _refuse_derived(conversation_id: str, actor: Actor) -> None:
 
 
 def _written_by(
-    conversation_id: str, owner: str | None, stored: Sequence[AgentMessage]
+    conversation_id: str, reserved: _Reserved, stored: Sequence[AgentMessage]
 ) -> dict[str, Any]:
-    """The turn's own messages as it wrote them: its ids, under the owner it stamped."""
+    """The turn's own messages as it wrote them: its ids, under the owner and the epoch it
+    stamped."""
     return {
         "conversation_id": conversation_id,
         "_id": {"$in": [m.id for m in stored]},
-        "user_id": owner,
+        "user_id": reserved.owner,
+        "epoch": reserved.epoch,
     }
 
 

@@ -317,7 +317,7 @@ class Pop:
         """Remove the marked message (a no-op if it is gone) and correct the summary once."""
         with storage_errors("remove the last message"):
             await self.messages.delete_one(
-                {"_id": pop.message_id, "conversation_id": conversation_id}
+                {"_id": pop.message_id, "conversation_id": conversation_id, "epoch": pop.epoch}
             )
         with storage_errors("update the conversation"):
             await self.conversations.update_one(

@@ -935,7 +935,7 @@ class ConversationStore:
             with storage_errors("erase the user's data"):
                 held = await self._conversations.find(
                     {"_id": {"$in": listed[start : start + CLAIM_CHUNK]}, "user_id": user_id},
-                    {"message_count": 1},
+                    {"message_count": 1, "epoch": 1},
                 ).to_list(None)
             if not held:
                 continue
@@ -945,7 +945,11 @@ class ConversationStore:
                 {"thread_id": {"$in": owned}, "user_id": mine}, "erase the user's data"
             )
             with storage_errors("erase the user's data"):
-                chunk = {"conversation_id": {"$in": owned}, "user_id": mine}
+                # Each conversation's messages by its epoch: a delete reaching the server late
+                # takes nothing of one started again under the id since.
+                each = [{"conversation_id": d["_id"], "epoch": _one_of_or_none(d.get("epoch"))}
+                        for d in held]  # fmt: skip
+                chunk = {"$or": each, "user_id": mine}
                 erased += (await self._messages.delete_many(chunk)).deleted_count
             await self._full_texts.forget_conversations(owned)
         return erased, reserved

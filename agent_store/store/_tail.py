@@ -116,6 +116,7 @@ def pop_in_progress(
     return PopInProgress(
         message_id=message.id,
         seq=message.seq,
+        epoch=message.epoch,
         pop_id=secrets.token_hex(8),
         turn_key=turn_key(message.turn_id) if message.turn_id is not None else None,
         role=message.role,
