@@ -36,6 +36,7 @@ from agent_store.legacy import (
     part_text,
     result_text,
     sort_turns,
+    turn_names,
     turn_parts,
     turn_uploads,
     user_text,
@@ -107,9 +108,8 @@ def _part_line(part: LegacyPart) -> str | None:
     return None
 
 
-def _uploads(turn: LegacyTurn, skipped: Skipped) -> list[Any]:
+def _uploads(turn: LegacyTurn, legacy_id: str, skipped: Skipped) -> list[Any]:
     """The turn's uploads as the converter gathers them, less those it could not place."""
-    legacy_id = str(turn.id)
     return [
         upload
         for index, upload in turn_uploads(turn)
@@ -130,10 +130,10 @@ def _shown(text: str, legacy_id: str, skipped: Skipped) -> str:
 
 
 def _turn_lines(
-    turn: LegacyTurn, skipped: Skipped, names: dict[str, Any]
+    turn: LegacyTurn, legacy_id: str, skipped: Skipped, names: dict[str, Any]
 ) -> tuple[list[str], list[str]]:
-    """The turn's lines and results; `names` (call id -> tool) gains the turn's calls."""
-    legacy_id = str(turn.id)
+    """The turn's lines and results, the turn named as its problems name it (`legacy_id`);
+    `names` (call id -> tool) gains the turn's calls."""
     lines: list[str] = []
     results: list[str] = []
     text = user_text(turn)
@@ -141,7 +141,7 @@ def _turn_lines(
         lines.append(f"system: {text or ''}")
     elif text and (shown := _shown(text, legacy_id, skipped)):
         lines.append(f"user: {shown}")
-    lines += [_upload(u) for u in _uploads(turn, skipped)]
+    lines += [_upload(u) for u in _uploads(turn, legacy_id, skipped)]
     parts = [p for i, p in turn_parts(turn) if (legacy_id, i) not in skipped.parts]
     for part in parts:
         if part.kind == "tool_call" and part.tool_call_id is not None:
@@ -155,15 +155,18 @@ def _turn_lines(
 
 
 def from_legacy(turns: Iterable[LegacyTurn], unplaced: Sequence[Problem] = ()) -> Transcript:
-    """Render legacy turns; what the converter reported as not placed is left out."""
+    """Render legacy turns; what the converter reported as not placed is left out, each turn
+    named as the converter names it (`turn_names`: two turns whose ids read alike apart)."""
     skipped = Skipped.of(unplaced)
     lines: list[str] = []
     results: list[str] = []
     names: dict[str, Any] = {}
-    for turn in sort_turns(turns):
-        if str(turn.id) in skipped.turns:
+    ordered = sort_turns(turns)
+    legacy_ids = {key: name.legacy_id for key, name in turn_names(ordered).items()}
+    for turn in ordered:
+        if (legacy_id := legacy_ids[id(turn)]) in skipped.turns:
             continue
-        turn_lines, turn_results = _turn_lines(turn, skipped, names)
+        turn_lines, turn_results = _turn_lines(turn, legacy_id, skipped, names)
         lines += turn_lines
         results += turn_results
     return Transcript(tuple(lines), tuple(sorted(results)))

@@ -904,3 +904,53 @@ def test_a_name_of_control_characters_alone_names_nothing() -> None:
     conversation = convert([turn(1, name="\u202e\x07")]).conversation
     assert conversation is not None
     assert conversation.name_source != "runtime"
+
+
+ALIKE = ObjectId("65f000000000000000000001")
+IDS_READING_ALIKE = {
+    "an ObjectId and its text": (ALIKE, str(ALIKE)),
+    "a number and its text": (42, "42"),
+    "a text and an ObjectId": (str(ALIKE), ALIKE),
+}
+
+
+@pytest.mark.parametrize(
+    ("first", "second"), IDS_READING_ALIKE.values(), ids=list(IDS_READING_ALIKE)
+)
+def test_turns_whose_ids_read_alike_in_one_conversation_get_messages_of_their_own(
+    first: Any, second: Any
+) -> None:
+    """`ObjectId(X)` and `"X"` (a re-import) are two turns: each gets message, call and
+    request ids of its own, and the first keeps the ids it gets alone (an earlier run's)."""
+    call = {"type": "tool_call", "tool_name": "look", "args": {}}
+    prompt = {"type": "hitl", "action": "pay", "params": {}, "prompt": "Pay?"}
+    turns = [
+        turn(1, [call, {"type": "text", "content": "one"}], _id=first),
+        turn(2, [call, prompt], _id=second, user_message="question 2"),
+    ]
+
+    alone = convert(turns[:1])
+    both = convert(turns)
+
+    assert both.problems == []
+    assert [m.content for m in both.messages if m.role == "user"] == ["question 1", "question 2"]
+    assert len({m.id for m in both.messages}) == len(both.messages) == 6
+    assert len(set(call_ids(both.messages))) == 2
+    assert both.messages[: len(alone.messages)] == alone.messages
+    assert len({m.turn_id for m in both.messages}) == 2
+
+
+def test_problems_of_turns_whose_ids_read_alike_name_each_turn_apart() -> None:
+    """What one turn could not place is left out of its own transcript only, never out of
+    the other turn's (both parts are at index 0)."""
+    turns = [
+        turn(1, [{"type": "mystery", "content": "kept in a problem"}], _id=ALIKE),
+        turn(2, [{"type": "text", "content": "an answer"}], _id=str(ALIKE)),
+    ]
+
+    conversion = convert(turns)
+
+    assert [(p.kind, p.legacy_id) for p in conversion.problems] == [("unknown_part", str(ALIKE))]
+    legacy = from_legacy(parse_turns(turns), conversion.unplaced)
+    assert differences(legacy, from_messages(conversion.messages)) == []
+    assert "assistant: an answer" in legacy.lines

@@ -12,6 +12,7 @@ from agent_store.legacy._documents import (
     SESSION_HITL,
     TURN_ONLY_FIELDS,
     LegacyTurn,
+    TurnName,
     TurnTime,
     as_count,
     as_text,
@@ -30,6 +31,7 @@ from agent_store.legacy._documents import (
     prompts_filter,
     sort_turns,
     stored_conversation_id,
+    turn_names,
     turn_times,
 )
 from agent_store.legacy._dual_write import (
@@ -70,6 +72,7 @@ __all__ = [
     "LegacyTurns",
     "PartKind",
     "Problem",
+    "TurnName",
     "TurnTime",
     "as_count",
     "as_text",
@@ -100,6 +103,7 @@ __all__ = [
     "result_text",
     "sort_turns",
     "stored_conversation_id",
+    "turn_names",
     "turn_parts",
     "turn_times",
     "turn_uploads",

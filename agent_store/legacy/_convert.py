@@ -37,6 +37,7 @@ from agent_store.core import (
 from agent_store.legacy._documents import (
     MAX_REFERENCE_LENGTH,
     LegacyTurn,
+    TurnName,
     TurnTime,
     as_count,
     dated_turns,
@@ -48,6 +49,7 @@ from agent_store.legacy._documents import (
     reference_text,
     sort_turns,
     storable,
+    turn_names,
 )
 from agent_store.legacy._history import HIDDEN_RUNTIME_CONTEXT, history_findings, read_history
 from agent_store.legacy._parts import (
@@ -91,7 +93,8 @@ class Problem(BaseModel):
 
     conversation_id: str
     legacy_id: str
-    """`_id` of the turn document, as a string."""
+    """`_id` of the turn document, as a string; for a turn whose `_id` reads like an earlier
+    turn's of the conversation, that `_id`'s extended JSON (`TurnName.legacy_id`)."""
     field: str | None = None
     """The turn's field concerned (`response_parts`, `upload_result`, `token_usage`…); None
     when it is the whole turn (or, with `legacy_id` `*`, the whole conversation)."""
@@ -281,9 +284,11 @@ def _held(summed: LegacyPart, parts: Sequence[LegacyPart]) -> bool:
 class _Converter:
     """Converts the turns of one conversation, collecting problems as it goes."""
 
-    def __init__(self, conversation_id: str, rules: TurnRules) -> None:
+    def __init__(self, conversation_id: str, rules: TurnRules, names: dict[int, TurnName]) -> None:
         self.conversation_id = conversation_id
         self.rules = rules
+        self.names = names
+        """What each turn goes by, by `id(turn)` (`turn_names`)."""
         self.problems: list[Problem] = []
         self.used_call_ids: set[str] = set()
         self.calls_by_real: dict[str, list[tuple[_CallGroup, str]]] = defaultdict(list)
@@ -306,7 +311,7 @@ class _Converter:
         self.problems.append(
             Problem(
                 conversation_id=self.conversation_id,
-                legacy_id=str(turn.id),
+                legacy_id=self.names[id(turn)].legacy_id,
                 field=field,
                 part_index=part_index,
                 kind=kind,
@@ -410,7 +415,7 @@ class _Converter:
         params = hitl_params(part)
         request_id = self._reference(state.turn, index, part.request_id, "request id")
         if request_id is None:
-            request_id = f"req-{state.turn.key}-{index}"
+            request_id = f"req-{self.names[id(state.turn)].key}-{index}"
         message = {
             "role": "assistant",
             "content": part_text(part),
@@ -686,7 +691,7 @@ class _Converter:
             )
             call_id = None
         if call_id is None:
-            call_id = _generated_call_id(turn.key, index)
+            call_id = _generated_call_id(self.names[id(turn)].key, index)
         self.used_call_ids.add(call_id)
         return call_id
 
@@ -961,7 +966,7 @@ def convert(
             f"invalid legacy conversation: the turns name {len(ids)} conversation ids {sorted(ids)}"
         )
     conversation_id = validate_identifier(ids.pop(), "conversation_id")
-    converter = _Converter(conversation_id, rules)
+    converter = _Converter(conversation_id, rules, turn_names(turns))
     original = _original_id(converter, turns)
     messages, plans = _convert_turns(converter, turns, undated_at or utc_now())
     whole = {f.blob_id: f.text for plan in plans for f in plan.full_texts}
@@ -1010,7 +1015,9 @@ def _check_history(
     found = history_findings(
         [converter.histories.added.get(id(turn), []) for turn in turns],
         messages,
-        kept_whole={n for n, turn in enumerate(turns) if str(turn.id) in whole},
+        kept_whole={
+            n for n, turn in enumerate(turns) if converter.names[id(turn)].legacy_id in whole
+        },
         hidden=[p.content for p in problems if p.kind == HIDDEN_RUNTIME_CONTEXT],
         markers=converter.rules.markers,
     )
@@ -1107,7 +1114,10 @@ def _convert_turns(
             continue
         try:
             plan = plan_turn(
-                converter.conversation_id, wanted, turn_id=turn.turn_id, rules=converter.rules
+                converter.conversation_id,
+                wanted,
+                turn_id=converter.names[id(turn)].turn_id,
+                rules=converter.rules,
             )
         except InvalidInput as exc:
             converter.problem(turn, "invalid_turn", exc.message, field=None, content=wanted)

@@ -11,16 +11,17 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import bson
-from bson import Code, Decimal128, ObjectId
+from bson import Code, Decimal128, ObjectId, json_util
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agent_store.core import (
@@ -303,16 +304,10 @@ class LegacyTurn(BaseModel):
 
     @property
     def key(self) -> str:
-        """The document id as a short identifier-safe string (hashed when it is not one)."""
-        text = str(self.id)
-        if _KEY.match(text):
-            return text
-        return "h" + hashlib.sha256(text.encode()).hexdigest()[:32]
-
-    @property
-    def turn_id(self) -> str:
-        """The id the turn's messages are stored under."""
-        return f"{MIGRATED_TURN_PREFIX}{self.key}"
+        """The document id as a short identifier-safe string (`key_of` its text): what a
+        conversation made of a turn naming none is named by. In its own conversation a turn
+        goes by `turn_names`."""
+        return key_of(str(self.id))
 
     @property
     def stored_conversation_id(self) -> str:
@@ -330,6 +325,59 @@ class LegacyTurn(BaseModel):
     def id_time(self) -> datetime | None:
         """When the document was created, from its ObjectId; None for other ids."""
         return to_utc_millis(self.id.generation_time) if isinstance(self.id, ObjectId) else None
+
+
+def key_of(text: str) -> str:
+    """A turn's name as a short identifier-safe string, as the ids derived from the turn
+    spell it: the text itself when it is one, else `h` and its hash."""
+    if _KEY.match(text):
+        return text
+    return "h" + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class TurnName:
+    """What one turn goes by in its conversation (`turn_names`)."""
+
+    legacy_id: str
+    """The text of its `_id`, as its problems name it; for a turn whose `_id` reads like an
+    earlier turn's, that `_id`'s extended JSON (`{"$oid": "…"}`, `"…"`)."""
+
+    @property
+    def key(self) -> str:
+        """The name as the ids derived from the turn spell it (`key_of`): its generated call
+        and request ids, and through its turn id its message ids."""
+        return key_of(self.legacy_id)
+
+    @property
+    def turn_id(self) -> str:
+        """The turn id its messages are stored under."""
+        return f"{MIGRATED_TURN_PREFIX}{self.key}"
+
+
+def turn_names(turns: Iterable[LegacyTurn]) -> dict[int, TurnName]:
+    """The name each of one conversation's turns goes by, by `id(turn)`: the text of its
+    `_id`, unless an earlier turn in conversation order (`sort_turns`) goes by that text: two
+    `_id`s reading alike (`ObjectId(X)` and the string `"X"` of a re-import, `42` and
+    `"42"`) are two turns, so the later one goes by its `_id`'s extended JSON, which no
+    other value's is (and, should a turn go by that text already, a number after it). Its
+    messages then get ids of their own, and every other turn keeps the ids it has alone:
+    those an earlier run derived."""
+    names: dict[int, TurnName] = {}
+    taken: set[str] = set()
+    for turn in sort_turns(turns):
+        name = str(turn.id)
+        if name in taken:
+            typed = json_util.dumps(turn.id, json_options=json_util.CANONICAL_JSON_OPTIONS)
+            name = next(n for n in _numbered(typed) if n not in taken)
+        taken.add(name)
+        names[id(turn)] = TurnName(name)
+    return names
+
+
+def _numbered(text: str) -> Iterator[str]:
+    yield text
+    yield from (f"{text} #{n}" for n in itertools.count(2))
 
 
 def _stored_names(model: type[BaseModel]) -> set[str]:
