@@ -35,6 +35,7 @@ from migrations.relocate import CONVERSATION_FILTER, NEITHER_FILTER
 from migrations.verify import compare
 from migrations.writes import (
     Converted,
+    carried_epochs,
     differs,
     document_differs,
     is_migrated,
@@ -83,6 +84,8 @@ class _Stored:
 
     conversations: dict[str, dict[str, Any]]
     """The conversation documents, by id."""
+    epochs: dict[str, str]
+    """The epoch each conversation's stored messages carry (`carried_epochs`), by id."""
     messages: set[str]
     texts: set[str]
     recorded: dict[str, list[tuple[str, str]]]
@@ -109,6 +112,7 @@ def _stored(
     }
     return _Stored(
         conversations={d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": ids}})},
+        epochs=carried_epochs(db, ids),
         messages={str(m.id) for stored in messages.values() for m in stored},
         texts=full_texts.present(db, (f.blob_id for c in conversions for f in c.full_texts)),
         recorded=problem_report.unplaced(db, ids),
@@ -131,7 +135,10 @@ def _changed(item: Converted, stored: Sequence[AgentMessage]) -> int:
 
 
 def _document_reasons(
-    item: Converted, found: dict[str, Any] | None, messages: Sequence[AgentMessage]
+    item: Converted,
+    found: dict[str, Any] | None,
+    messages: Sequence[AgentMessage],
+    carried: str | None,
 ) -> list[str]:
     """Whether the conversation document is stored as a run writes it now (by the rerun's
     rule: what people changed since is theirs)."""
@@ -145,7 +152,7 @@ def _document_reasons(
         for m in messages
         if (m.seq or 0) >= len(conversion.messages) and not is_migrated(m.turn_id)
     ]
-    wanted = wanted_document(conversion, found, live_seqs)
+    wanted = wanted_document(conversion, found, live_seqs, carried)
     if document_differs(found, wanted):
         return [
             "its conversation document differs from what its legacy turns convert to now "
@@ -180,7 +187,8 @@ def _reasons(
         if not stored.live[cid]:
             reasons.append("logged to live before its migration; its legacy turns are not merged")
     else:
-        reasons += _document_reasons(item, stored.conversations.get(cid), messages)
+        found = stored.conversations.get(cid)
+        reasons += _document_reasons(item, found, messages, stored.epochs.get(cid))
         missing = sum(1 for m in conversion.messages if m.id not in stored.messages)
         if missing:
             reasons.append(f"{missing} of {len(conversion.messages)} messages missing")

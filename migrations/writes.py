@@ -130,6 +130,20 @@ def _next_free_seq(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, in
     return {d["_id"]: int(d["last"]) + 1 for d in found if d.get("last") is not None}
 
 
+def carried_epochs(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, str]:
+    """conversation id -> the `epoch` its stored messages carry: that of the message with the
+    highest `seq` carrying one (one aggregation, the `conversation_id, seq` index walked
+    backwards; conversations whose messages carry none are left out)."""
+    found = db[MESSAGES].aggregate(
+        [
+            {"$match": {"conversation_id": {"$in": ids}, "epoch": {"$type": "string"}}},
+            {"$sort": {"conversation_id": -1, "seq": -1}},
+            {"$group": {"_id": "$conversation_id", "epoch": {"$first": "$epoch"}}},
+        ]
+    )
+    return {d["_id"]: d["epoch"] for d in found}
+
+
 def _live_problem(db: Database[dict[str, Any]], item: Converted, foreign: int) -> Problem:
     conversion = item.conversion
     cid = conversion.conversation_id
@@ -164,15 +178,25 @@ def document_differs(existing: dict[str, Any] | None, wanted: Conversation) -> b
 
 
 def wanted_document(
-    conversion: LegacyConversion, existing: dict[str, Any] | None, live_seqs: Iterable[int]
+    conversion: LegacyConversion,
+    existing: dict[str, Any] | None,
+    live_seqs: Iterable[int],
+    carried: str | None,
 ) -> Conversation:
     """The conversation document the legacy turns make now, as a run writes it: it never
-    gives back a `seq` a live message stored past the legacy ones holds (`live_seqs`), and
-    keeps what people changed since (`existing`)."""
+    gives back a `seq` a live message stored past the legacy ones holds (`live_seqs`), keeps
+    what people changed since (`existing`), and the conversation's `epoch`: the one `existing`
+    holds, else the one its stored messages carry (`carried`, `carried_epochs`). An epoch
+    never changes once messages carry it (a delete takes only its own), and the migration
+    draws none: its own messages carry none."""
     assert conversion.conversation is not None
     stored_to = max((seq + 1 for seq in live_seqs), default=0)
+    epoch = (existing or {}).get("epoch") or carried
     document = conversion.conversation.model_copy(
-        update={"message_count": max(conversion.conversation.message_count, stored_to)}
+        update={
+            "message_count": max(conversion.conversation.message_count, stored_to),
+            "epoch": epoch,
+        }
     )
     return _kept_by_people(document, existing)
 
@@ -239,6 +263,7 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
     existing = {d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": ids}})}
     taken = _taken(db, [item.conversion for item in wanted])
     next_free = _next_free_seq(db, ids)
+    carried = carried_epochs(db, ids)
     for item in wanted:
         conversion = item.conversion
         assert conversion.conversation is not None
@@ -266,11 +291,15 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
         ]
         for d in foreign:
             del stored[d["seq"]]
-        document = wanted_document(conversion, existing.get(cid), (int(d["seq"]) for d in live))
+        live_seqs = (int(d["seq"]) for d in live)
+        document = wanted_document(conversion, existing.get(cid), live_seqs, carried.get(cid))
         if document_differs(existing.get(cid), document):
             dumped = document.model_dump(by_alias=True)
+            # The store's bookkeeping, never served (so no dump holds it): written by hand.
             if document.resolved_hitl:
                 dumped["resolved_hitl"] = document.resolved_hitl
+            if document.epoch is not None:
+                dumped["epoch"] = document.epoch
             if live:
                 dumped |= _live_records(live)
             planned.conversations.append(dumped)

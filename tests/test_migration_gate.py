@@ -1215,6 +1215,88 @@ def test_a_second_attempt_after_a_rollback_keeps_the_conversation_writable(
     assert cli(wire_uri, database, "verify") == 0
 
 
+def _epochs(database: Database[dict[str, Any]], cid: str) -> tuple[Any, list[Any]]:
+    """The epoch the conversation document holds (`None`: none, or no document), and the
+    epochs its messages carry, in `seq` order."""
+    found = database[CONVERSATIONS].find_one({"_id": cid}) or {}
+    stored = database[MESSAGES].find({"conversation_id": cid}).sort("seq", 1)
+    return found.get("epoch"), [m.get("epoch") for m in stored]
+
+
+@pytest.mark.wire
+def test_a_second_attempt_after_a_rollback_keeps_the_epoch_its_live_messages_carry(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """The live turns kept past a rollback carry their conversation's epoch: the document the
+    second attempt writes holds it again, so the next turn stores under it and a delete takes
+    every message of the conversation, none left behind as a deleted one's."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-r", 0, "LEGACY"))
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-r", "native-1", "NATIVE")
+    epoch, _ = _epochs(database, "c-r")
+    database[CONVERSATIONS].delete_one({"_id": "c-r"})  # moved away by the rollback
+
+    assert cli(wire_uri, database, "run") == 0
+    assert _epochs(database, "c-r") == (epoch, [None, None, epoch, epoch])
+    log_live(wire_uri, database, "c-r", "native-2", "AFTER")
+    assert _epochs(database, "c-r") == (epoch, [None, None, epoch, epoch, epoch, epoch])
+    assert cli(wire_uri, database, "verify") == 0
+
+    _as_a_person(wire_uri, database, lambda s: s.delete("c-r", user_id="u-1"))
+    assert list(database[MESSAGES].find({"conversation_id": "c-r"})) == []
+
+
+@pytest.mark.wire
+def test_a_rerun_keeps_the_epoch_of_the_document_it_replaces(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A document created before the run (a person naming the conversation) drew an epoch:
+    the run replacing it keeps it, and a rerun after a legacy turn was edited too."""
+
+    async def name() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            logger = AgentMessageLogger(client[database.name])
+            await logger.upsert_conversation("c-n", user_id="u-1", name="Trip")
+        finally:
+            await client.close()
+
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-n", 0, "LEGACY"))
+    asyncio.run(name())
+    epoch, _ = _epochs(database, "c-n")
+    assert epoch is not None
+
+    assert cli(wire_uri, database, "run") == 0
+    assert _epochs(database, "c-n") == (epoch, [None, None])
+    database[LEGACY_TURNS].update_one(
+        {"_id": "t-1"}, {"$set": {"created_at": datetime(2024, 1, 2, tzinfo=UTC)}}
+    )
+    assert cli(wire_uri, database, "run") == 0
+    found = database[CONVERSATIONS].find_one({"_id": "c-n"})
+    assert found is not None
+    kept = (found["epoch"], found["name"], found["created_at"])
+    assert kept == (epoch, "Trip", datetime(2024, 1, 2, tzinfo=UTC))
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_migration_writes_no_epoch_where_no_message_carries_one(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """An epoch is drawn by the store, as a live turn or a person creates a conversation;
+    the migration only keeps one: a conversation it alone made has none until its first
+    live turn draws it."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-m", 0, "LEGACY"))
+    assert cli(wire_uri, database, "run") == 0
+    found = database[CONVERSATIONS].find_one({"_id": "c-m"})
+    assert found is not None
+    assert "epoch" not in found
+    log_live(wire_uri, database, "c-m", "native-1", "NATIVE")
+    epoch, carried = _epochs(database, "c-m")
+    assert epoch is not None
+    assert carried == [None, None, epoch, epoch]
+
+
 PROMPT_FIELDS_ONLY_SESSION_HITL_HOLDS = {
     "params as JSON text": ({"params": json.dumps({"amount": "«9000 EUR»"})}, "«9000 EUR»"),
     "a field no reader takes": ({"context": "«asked to pay the landlord»"}, "«asked to pay"),
