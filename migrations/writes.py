@@ -195,6 +195,8 @@ def _kept_by_people(document: Conversation, found: dict[str, Any] | None) -> Con
         return document
     resolved = found.get("resolved_hitl") or []
     kept: dict[str, Any] = {"resolved_hitl": resolved}
+    if found.get("approved_calls"):
+        kept["approved_calls"] = found["approved_calls"]
     if found.get("name_source") == "set":
         kept |= {"name": found.get("name"), "name_source": "set"}
     pending = document.pending_hitl
@@ -271,6 +273,8 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
             dumped = document.model_dump(by_alias=True)
             if document.resolved_hitl:
                 dumped["resolved_hitl"] = document.resolved_hitl
+            if document.approved_calls:
+                dumped["approved_calls"] = document.approved_calls
             if live:
                 dumped |= _live_records(live)
             planned.conversations.append(dumped)
@@ -331,9 +335,9 @@ def apply(
     return inserted + len(planned.rewritten), problems
 
 
-PEOPLES_FIELDS = ("name_source", "resolved_hitl", "turns")
+PEOPLES_FIELDS = ("name_source", "resolved_hitl", "approved_calls", "turns")
 """Fields a person or the live logger adds to a conversation document the migration wrote
-(a rename, a resolved prompt, turn records)."""
+(a rename, a resolved prompt, the calls its answer released, turn records)."""
 
 
 def _write(
