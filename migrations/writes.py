@@ -219,6 +219,8 @@ def _kept_by_people(document: Conversation, found: dict[str, Any] | None) -> Con
         return document
     resolved = found.get("resolved_hitl") or []
     kept: dict[str, Any] = {"resolved_hitl": resolved}
+    if found.get("approved_calls"):
+        kept["approved_calls"] = found["approved_calls"]
     if found.get("name_source") == "set":
         kept |= {"name": found.get("name"), "name_source": "set"}
     pending = document.pending_hitl
@@ -300,6 +302,8 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
                 dumped["resolved_hitl"] = document.resolved_hitl
             if document.epoch is not None:
                 dumped["epoch"] = document.epoch
+            if document.approved_calls:  # as read back from the document it replaces
+                dumped["approved_calls"] = [dict(call) for call in document.approved_calls]
             if live:
                 dumped |= _live_records(live)
             planned.conversations.append(dumped)
@@ -360,9 +364,9 @@ def apply(
     return inserted + len(planned.rewritten), problems
 
 
-PEOPLES_FIELDS = ("name_source", "resolved_hitl", "turns")
+PEOPLES_FIELDS = ("name_source", "resolved_hitl", "approved_calls", "turns")
 """Fields a person or the live logger adds to a conversation document the migration wrote
-(a rename, a resolved prompt, turn records)."""
+(a rename, a resolved prompt, the calls its answer released, turn records)."""
 
 
 def _write(

@@ -20,6 +20,7 @@ from agent_store import (
 from agent_store.core import (
     DENIED_RESULT,
     PENDING_RESULT,
+    RESOLVED_PROMPTS_KEPT,
     AgentMessage,
     PendingCall,
     answers_to_calls,
@@ -336,6 +337,132 @@ async def test_a_new_prompt_reusing_a_resolved_request_id_is_answered_afresh(
         assert await held_calls(runtime.store) == [("tc-1", None)]
         assert await runtime.answers_of("tc-20") == [(DENIED_RESULT, "tool call denied")]
     assert await runtime.store.pending_hitl(CID) is None
+
+
+async def _log_as_tab_b(
+    runtime: Runtime, events: list[dict[str, Any]], read: list[PendingCall]
+) -> LoggedTurn:
+    """A turn of another tab, built from the pending calls it read before (`read`)."""
+    turn = turn_from_metadata(events, complete=True, pending=read)
+    return await log_streamed_turn(
+        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=turn,
+        turn_id="tab-b",
+    )  # fmt: skip
+
+
+async def test_an_approval_holds_while_its_call_is_pending_however_many_prompts_follow_it(
+    backend: Backend,
+) -> None:
+    """The request ids a conversation remembers as resolved are bounded, but an approved
+    call still awaiting its result stays released: a refusal of its prompt arriving after a
+    hundred later prompts were answered denies nothing, and the real result answers it."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    await runtime.stream([APPROVED])
+    for n in range(RESOLVED_PROMPTS_KEPT):
+        question = {"type": "confirm_required", "request_id": f"q-{n}", "action": "ok",
+                    "params": {}, "prompt": f"Question {n}?"}  # fmt: skip
+        await runtime.stream([question], prompt=f"Go on {n}.")
+        await runtime.stream(
+            [{"type": "confirm_resolved", "request_id": f"q-{n}", "approved": True}]
+        )
+
+    await runtime.stream([DENIED, {"type": "stream_token", "token": "Okay."}])
+
+    assert await held_calls(runtime.store) == [("tc-9", None)]
+    await runtime.stream([BOOKED])
+    assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
+
+
+async def test_a_retry_of_a_turn_logged_without_an_approved_calls_denial_is_that_turn(
+    backend: Backend,
+) -> None:
+    """Tab B refuses two prompts, one of which tab A approved first: the turn is logged
+    denying only the other call, and every retry of it (before and after the approved
+    call's result) is answered as that logged turn."""
+    runtime = Runtime(backend)
+    await runtime.stream(TWO_ASKS, prompt="Book the train and the hotel.")
+    read_by_tab_b = await runtime.store.pending_calls(CID)
+    await runtime.stream(
+        [{"type": "confirm_resolved", "request_id": "confirm-1", "approved": True}]
+    )
+    refusals = [
+        {"type": "confirm_resolved", "request_id": "confirm-1", "approved": False},
+        {"type": "confirm_resolved", "request_id": "confirm-2", "approved": False},
+        {"type": "stream_token", "token": "Fine."},
+    ]
+
+    logged = await _log_as_tab_b(runtime, refusals, read_by_tab_b)
+    again = await _log_as_tab_b(runtime, refusals, read_by_tab_b)
+    await runtime.stream([TRAIN_BOOKED])
+    late = await _log_as_tab_b(runtime, refusals, read_by_tab_b)
+
+    assert [(m.tool_call_id, m.content) for m in logged.messages] == [
+        ("tc-2", DENIED_RESULT), (None, "Fine."),
+    ]  # fmt: skip
+    for retry in (again, late):
+        assert retry.replayed
+        assert [m.id for m in retry.messages] == [m.id for m in logged.messages]
+    assert await runtime.answers_of("tc-1") == [('{"booking":"B-42"}', None)]
+
+
+async def test_a_call_approved_stays_approved_when_its_request_id_is_asked_again(
+    backend: Backend,
+) -> None:
+    """`confirm-1` approved (its call running), a later turn asks `confirm-1` anew: tab B's
+    refusal of the first `confirm-1`, read before the approval, denies nothing."""
+    runtime = Runtime(backend)
+    answer = {"type": "confirm_resolved", "request_id": "confirm-1", "approved": True}
+    await runtime.stream(_asks_reusing("tc-1", "book_train"), prompt="Book the train.")
+    read_by_tab_b = await runtime.store.pending_calls(CID)
+    await runtime.stream([answer])
+    await runtime.stream(_asks_reusing("tc-20", "wire_money"), prompt="Now pay my rent.")
+
+    logged = await _log_as_tab_b(
+        runtime, [{**answer, "approved": False}, {"type": "stream_token", "token": "Okay."}],
+        read_by_tab_b,
+    )  # fmt: skip
+
+    assert [m.content for m in logged.messages] == ["Okay."]
+    assert await runtime.answers_of("tc-1") == []
+    assert await held_calls(runtime.store) == [("tc-1", None), ("tc-20", "confirm-1")]
+
+
+async def test_a_stale_answer_does_not_answer_a_newer_prompt_reusing_its_request_id(
+    backend: Backend,
+) -> None:
+    """Tab B answers the first `confirm-1` after a later turn asked `confirm-1` anew about
+    another call: the new prompt is not answered by it. It still holds its call, and the
+    person's own refusal of it then denies that call."""
+    runtime = Runtime(backend)
+    answer = {"type": "confirm_resolved", "request_id": "confirm-1", "approved": True}
+    await runtime.stream(_asks_reusing("tc-1", "book_train"), prompt="Book the train.")
+    read_by_tab_b = await runtime.store.pending_calls(CID)
+    await runtime.stream([answer])
+    await runtime.stream(_asks_reusing("tc-20", "wire_money"), prompt="Now pay my rent.")
+
+    await _log_as_tab_b(runtime, [{**answer, "approved": False}], read_by_tab_b)
+
+    pending = await runtime.store.pending_hitl(CID)
+    assert pending is not None
+    assert pending.request_id == "confirm-1"
+    assert await held_calls(runtime.store) == [("tc-1", None), ("tc-20", "confirm-1")]
+    await runtime.stream([{**answer, "approved": False}], prompt="No!")
+    assert await runtime.answers_of("tc-20") == [(DENIED_RESULT, "tool call denied")]
+    assert await held_calls(runtime.store) == [("tc-1", None)]
+
+
+async def test_resolving_with_call_ids_that_are_not_a_list_of_ids_is_refused_writing_nothing(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+
+    with pytest.raises(InvalidInput, match="call_ids must be a list of tool call ids"):
+        await runtime.store.resolve_hitl(CID, "confirm-9", call_ids="tc-9")
+
+    assert await held_calls(runtime.store) == [("tc-9", "confirm-9")]
+    assert await runtime.store.pending_hitl(CID) is not None
 
 
 async def test_a_result_answering_no_call_of_the_turn_nor_any_pending_one_is_refused(

@@ -502,14 +502,33 @@ class PendingCall(_Model):
     """When the call was made."""
 
 
-def awaiting_results(calls: Iterable[Any], resolved: Collection[str]) -> list[Any]:
-    """Stored `pending_calls` as served: a call whose prompt a person resolved by request id
-    (`resolved`: the conversation's `resolved_hitl`) is held back no more, so a later answer
-    to that prompt (a second tab, a replayed event) denies nothing."""
+class ApprovedCall(_Model):
+    """A call a person's answer released (`ConversationStore.resolve_hitl` of the prompt
+    holding it): it awaits its result, and a denial of it is refused, whatever becomes of
+    its prompt's request id (the store's bookkeeping, never served)."""
+
+    tool_call_id: str
+    message_id: str
+    """The assistant message that made the call."""
+
+
+def awaiting_results(
+    calls: Iterable[Any], resolved: Collection[str], approved: Iterable[Any] = ()
+) -> list[Any]:
+    """Stored `pending_calls` as served: a call a person's answer released (`approved`: the
+    conversation's `approved_calls`), or whose prompt a person resolved by request id
+    (`resolved`: its `resolved_hitl`), is held back no more, so a later answer to that prompt
+    (a second tab, a replayed event) denies nothing."""
+    released = {
+        (a.get("tool_call_id"), a.get("message_id")) for a in approved if isinstance(a, Mapping)
+    }
+
+    def unheld(call: Mapping[str, Any]) -> bool:
+        key = (call.get("tool_call_id"), call.get("message_id"))
+        return call.get("request_id") in resolved or key in released
+
     return [
-        {**call, "request_id": None}
-        if isinstance(call, Mapping) and call.get("request_id") in resolved
-        else call
+        {**call, "request_id": None} if isinstance(call, Mapping) and unheld(call) else call
         for call in calls
     ]
 
@@ -668,6 +687,11 @@ class Conversation(_Model):
     """The request ids of the prompts `resolve_hitl` resolved, the newest
     `RESOLVED_PROMPTS_KEPT` (the store's bookkeeping, never served): a resolution leaves no
     message, so a rerun of the migration and a fork folding the messages read them here."""
+    approved_calls: list[ApprovedCall] = Field(default_factory=list, exclude=True)
+    """The calls a person's answer released, those still pending and the newest
+    `RESOLVED_PROMPTS_KEPT` others (the store's bookkeeping, never served): they await their
+    results, and a turn denying one is refused (`AnsweredBefore`), whatever becomes of the
+    request id of the prompt that held it (dropped from `resolved_hitl`, asked again)."""
     epoch: str | None = Field(default=None, exclude=True)
     """A random token drawn when the document is created, and by the first turn logged after
     an upgrade on one created before (the store's bookkeeping, never served): every message
@@ -681,8 +705,11 @@ class Conversation(_Model):
     @model_validator(mode="before")
     @classmethod
     def _resolved_prompts_hold_nothing(cls, data: Any) -> Any:
-        if isinstance(data, Mapping) and data.get("resolved_hitl") and data.get("pending_calls"):
-            calls = awaiting_results(data["pending_calls"], data["resolved_hitl"])
+        if not isinstance(data, Mapping) or not data.get("pending_calls"):
+            return data
+        resolved, approved = data.get("resolved_hitl") or (), data.get("approved_calls") or ()
+        if resolved or approved:
+            calls = awaiting_results(data["pending_calls"], resolved, approved)
             return {**data, "pending_calls": calls}
         return data
 

@@ -127,6 +127,9 @@ class StreamedTurn:
     """The stream was cut off before its end; the last message says so."""
     resolved_request_ids: tuple[str, ...] = ()
     """HITL prompts a person answered during the stream, to clear once the turn is logged."""
+    resolved_calls: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """The calls each prompt answered held when it was answered (request id, tool call ids), as
+    the builder read them (its `pending`, this turn's calls): the answer concerns those only."""
     delivered_seqs: tuple[int, ...] = ()
     """Messages a person steered into the running turn (`SteeringInbox`), already stored,
     that the model was fed during the stream: the turn's messages go around them."""
@@ -170,7 +173,8 @@ class TurnAssembler:
         """The pending call an id names: the latest of that id, as the store pairs answers."""
         self._earlier_answers: dict[int, ToolMessage] = {}
         self._denied: set[_Held] = set()
-        self._resolved: list[str] = []
+        self._resolved: dict[str, tuple[str, ...]] = {}
+        """Each request answered, with the ids of the calls it held then."""
         self._delivered: list[int] = []
         self._held_by: dict[str, list[_Held]] = {}
         """The calls each confirmation request holds back, of this turn or an earlier one."""
@@ -285,7 +289,10 @@ class TurnAssembler:
         """
         if request_id in self._resolved:
             return
-        self._resolved.append(request_id)
+        held = self._held_by.get(request_id, ())
+        self._resolved[request_id] = tuple(
+            h if isinstance(h, str) else self._earlier[h].tool_call_id for h in held
+        )
         if not approved:
             self._denied.update(self._held_by.get(request_id, ()))
 
@@ -339,6 +346,7 @@ class TurnAssembler:
             messages=tuple(messages),
             interrupted=not complete,
             resolved_request_ids=tuple(self._resolved),
+            resolved_calls=tuple((r, calls) for r, calls in self._resolved.items() if calls),
             delivered_seqs=tuple(dict.fromkeys(self._delivered)),
         )
 
@@ -584,18 +592,19 @@ async def log_streamed_turn(
     messages.extend(turn.messages)
     try:
         logged = await _logged(logger, store, conversation_id, messages, turn, turn_id, user_id)
-    except Conflict as refused:
-        released = refused.tool_call_ids if isinstance(refused, AnsweredBefore) else None
-        without = _without_denials(messages, released)
+    except AnsweredBefore as refused:
+        without = _without_denials(messages, refused.tool_call_ids)
         if len(without) == len(messages):
             raise
         try:  # the turn as logged when the approval came first (by this call or a retry)
             logged = await _logged(logger, store, conversation_id, without, turn, turn_id, user_id)
         except Conflict:
             raise refused from None
+    held = dict(turn.resolved_calls)
     for request_id in turn.resolved_request_ids:
-        with contextlib.suppress(Conflict):  # resolved before, or holding nothing any more
-            await store.resolve_hitl(conversation_id, request_id)
+        # Resolved before, holding nothing any more, or asked again about other calls.
+        with contextlib.suppress(Conflict):
+            await store.resolve_hitl(conversation_id, request_id, call_ids=held.get(request_id))
     return logged
 
 
@@ -624,10 +633,10 @@ async def _logged(
 
 
 def _without_denials(
-    messages: list[AgentMessage | Mapping[str, Any]], call_ids: Sequence[str] | None
+    messages: list[AgentMessage | Mapping[str, Any]], call_ids: Sequence[str]
 ) -> list[AgentMessage | Mapping[str, Any]]:
-    """`messages` without the denials the builders made for calls of earlier turns (a refused
-    confirmation's stand-in, `tool call denied`): those of `call_ids`, or all when None."""
+    """`messages` without the denials the builders made for the calls `call_ids` of earlier
+    turns (a refused confirmation's stand-in, `tool call denied`)."""
     made = {c.id for m in messages if isinstance(m, AssistantMessage) for c in m.tool_calls or ()}
 
     def dropped(message: AgentMessage | Mapping[str, Any]) -> bool:
@@ -635,6 +644,6 @@ def _without_denials(
             return False
         outcome = tool_outcome(message)
         denied = outcome is not None and outcome[0] == "denied"
-        return denied and (call_ids is None or message.tool_call_id in call_ids)
+        return denied and message.tool_call_id in call_ids
 
     return [m for m in messages if not dropped(m)]

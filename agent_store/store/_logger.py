@@ -84,6 +84,7 @@ from agent_store.store._reservation import (
     SUMMARY,
     Actor,
     RecordedBlock,
+    approved_among,
     blocks_of,
     denials_hold,
     literal,
@@ -434,6 +435,7 @@ class AgentMessageLogger:
             seq=end,
             turn_starts=fork_turn_starts(chosen, fork_turns_of(source)),
         )
+        approved = _approvals_of_copies(source, chosen, plan)
         plan = _leaving_what_the_copies_left(plan, chosen, messages, origin, source)
         resolved = source.get("resolved_hitl") or ()  # the fork remembers them too
         forked_from = origin.model_dump()
@@ -442,6 +444,7 @@ class AgentMessageLogger:
             lambda now: {
                 "forked_from": literal(forked_from),
                 "resolved_hitl": literal(list(resolved)),
+                "approved_calls": literal(approved),
             },
             Conflict(f"conversation {plan.conversation_id!r} exists already; fork into a new id"),
             create=True,
@@ -494,6 +497,7 @@ class AgentMessageLogger:
                     "pending_hitl": 1,
                     "forked_from": 1,
                     "resolved_hitl": 1,
+                    "approved_calls": 1,
                     **GAPS_READ,
                 },
             )
@@ -1123,6 +1127,9 @@ def _replay(plan: TurnPlan, block: RecordedBlock, conversation: dict[str, Any]) 
             "its messages): it cannot be logged again. Use a new turn_id for a new turn"
         )
     if block.count != plan.count or not plan.matches(block.digest):
+        approved = approved_among(conversation, plan.denied_calls)
+        if approved:  # logged without these denials (`AnsweredBefore`): told so again
+            raise _answered_before(plan, approved)
         raise _other_content(plan)
     summary = Conversation.model_validate(conversation)
     return _Reserved(
@@ -1209,6 +1216,19 @@ def _written_by(
     }
 
 
+def _approvals_of_copies(
+    source: Mapping[str, Any], chosen: Sequence[AgentMessage], plan: TurnPlan
+) -> list[dict[str, str]]:
+    """The original's `approved_calls` a fork remembers: those of the calls its copies make,
+    naming the copies (a call a person approved stays approved in the fork)."""
+    ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
+    return [
+        {"tool_call_id": str(a.get("tool_call_id")), "message_id": ids[str(a.get("message_id"))]}
+        for a in source.get("approved_calls") or ()
+        if isinstance(a, Mapping) and str(a.get("message_id")) in ids
+    ]
+
+
 def _leaving_what_the_copies_left(
     plan: TurnPlan,
     chosen: Sequence[AgentMessage],
@@ -1293,14 +1313,7 @@ def _denials(plan: TurnPlan) -> Condition | None:
     denied = plan.denied_calls
 
     def answered_before(conversation: Mapping[str, Any]) -> StoreError:
-        released = released_calls(conversation, denied) or list(denied)
-        return AnsweredBefore(
-            f"turn {plan.turn_id!r} denies {', '.join(map(shown, released))} in conversation "
-            f"{plan.conversation_id!r}, but a person approved the confirmation holding that "
-            "call first: the tool runs, and its result answers the call. Log the turn without "
-            "the denial",
-            tool_call_ids=released,
-        )
+        return _answered_before(plan, released_calls(conversation, denied) or list(denied))
 
     return Condition(
         denials_hold(denied),
@@ -1308,6 +1321,16 @@ def _denials(plan: TurnPlan) -> Condition | None:
         AnsweredBefore("a denied call was approved first", tool_call_ids=denied),
         create=True,
         explain=answered_before,
+    )
+
+
+def _answered_before(plan: TurnPlan, released: Sequence[str]) -> AnsweredBefore:
+    return AnsweredBefore(
+        f"turn {plan.turn_id!r} denies {', '.join(map(shown, released))} in conversation "
+        f"{plan.conversation_id!r}, but a person approved the confirmation holding that "
+        "call first: the tool runs, and its result answers the call. Log the turn without "
+        "the denial",
+        tool_call_ids=released,
     )
 
 

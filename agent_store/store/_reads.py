@@ -11,7 +11,7 @@ import asyncio
 import base64
 import binascii
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Collection
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -776,15 +776,25 @@ class ConversationStore:
         """
         with storage_errors("read the pending calls"):
             doc = await self._conversations.find_one(
-                self._scope(conversation_id, user_id), {"pending_calls": 1, "resolved_hitl": 1}
+                self._scope(conversation_id, user_id),
+                {"pending_calls": 1, "resolved_hitl": 1, "approved_calls": 1},
             )
         if doc is None:
             return []
-        calls = awaiting_results(doc.get("pending_calls") or (), doc.get("resolved_hitl") or ())
+        calls = awaiting_results(
+            doc.get("pending_calls") or (),
+            doc.get("resolved_hitl") or (),
+            doc.get("approved_calls") or (),
+        )
         return [PendingCall.model_validate(call) for call in calls]
 
     async def resolve_hitl(
-        self, conversation_id: str, request_id: str, *, user_id: str | None = None
+        self,
+        conversation_id: str,
+        request_id: str,
+        *,
+        user_id: str | None = None,
+        call_ids: Sequence[str] | None = None,
     ) -> None:
         """Record a person's answer to the prompt `request_id`: Conflict if no prompt of that id
         is pending, holds back a pending call, or was resolved before.
@@ -794,10 +804,21 @@ class ConversationStore:
         them with `request_id: null`), also when another prompt is the pending one. A request's
         first answer is its answer: resolving it again (a retry whose first reply was lost,
         another tab) answers as the first call did and writes nothing. That check is one more
-        lookup, on the no-match path only.
+        lookup, on the no-match path only. The calls the prompt held stay released (a denial
+        of one is refused) whatever becomes of its request id (`approved_calls`).
+
+        `call_ids` are the calls the answer concerns, as the answering client read them
+        (`log_streamed_turn` passes those each prompt held in the turn's `pending`): the
+        prompt is then resolved only while it holds one of them, or, holding no call, is the
+        pending one, so an answer read before a later prompt asked under the same request id
+        (a runtime numbering its confirmations per turn) does not answer that one: Conflict.
         """
+        if call_ids is not None and (
+            isinstance(call_ids, str) or not all(isinstance(c, str) for c in call_ids)
+        ):
+            raise InvalidInput("call_ids must be a list of tool call ids (strings)")
         scope = self._scope(conversation_id, user_id)
-        query, update = resolution(request_id)
+        query, update = resolution(request_id, call_ids)
         with storage_errors("resolve the pending prompt"):
             result = await self._conversations.update_one({**scope, **query}, update)
         if result.matched_count:

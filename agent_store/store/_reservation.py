@@ -168,18 +168,30 @@ def resolved_by_request(request_id: str) -> dict[str, Any]:
     return {"$in": [literal(request_id), _kept("resolved_hitl", [])]}
 
 
-def resolution(request_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def resolution(
+    request_id: str, call_ids: Sequence[str] | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update that record a person's answer to the prompt `request_id`
     (`ConversationStore.resolve_hitl`): they match while the prompt is pending or holds back a
     pending call and was not resolved already (the first answer is the answer), clear the
-    prompt if it is the pending one, and remember the request id (`resolved_hitl`, the newest
-    `RESOLVED_PROMPTS_KEPT`), which releases the calls it holds (`awaiting_results`)."""
-    query = {
-        "$or": [
-            {"pending_hitl.request_id": request_id},
-            {"pending_calls.request_id": request_id, "resolved_hitl": {"$ne": request_id}},
-        ]
-    }
+    prompt if it is the pending one, remember the request id (`resolved_hitl`, the newest
+    `RESOLVED_PROMPTS_KEPT`), and release the calls it holds (`approved_calls`).
+
+    With `call_ids` (the calls the answer concerns, as its client read them) they match only
+    while a prompt of that id holds one of them, or, holding none, is the pending one: an
+    answer read before a later prompt asked under the id again does not answer that one."""
+    pending: dict[str, Any] = {"pending_hitl.request_id": request_id}
+    if call_ids is not None:
+        held = {
+            "pending_calls": {
+                "$elemMatch": {"request_id": request_id, "tool_call_id": {"$in": list(call_ids)}}
+            },
+            "resolved_hitl": {"$ne": request_id},
+        }
+        pending["pending_calls.request_id"] = {"$ne": request_id}
+    else:
+        held = {"pending_calls.request_id": request_id, "resolved_hitl": {"$ne": request_id}}
+    query = {"$or": [pending, held]}
     resolved = _kept("resolved_hitl", [])
     remembered = {"$concatArrays": [resolved, literal([request_id])]}
     is_pending = {"$eq": [{"$ifNull": ["$pending_hitl.request_id", None]}, literal(request_id)]}
@@ -192,21 +204,60 @@ def resolution(request_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
                 {"$slice": [remembered, -RESOLVED_PROMPTS_KEPT]},
             ]
         },
+        "approved_calls": _approved_with(request_id),
     }
     return query, [{"$set": stage}]
 
 
+def _call_key(variable: str) -> dict[str, Any]:
+    """A pending call's key in `approved_calls` (`ApprovedCall`), of the call in `variable`."""
+    return {"tool_call_id": f"$${variable}.tool_call_id", "message_id": f"$${variable}.message_id"}
+
+
+def _approved_with(request_id: str) -> dict[str, Any]:
+    """`approved_calls` with the pending calls the prompt `request_id` holds, as an expression:
+    those of calls still pending are all kept (`pending_calls` is bounded), the others the
+    newest `RESOLVED_PROMPTS_KEPT` (a retry of a turn whose denial of one was refused is
+    recognised by them: `approved_among`)."""
+    calls = {"$ifNull": ["$pending_calls", literal([])]}
+    approved = _kept("approved_calls", [])
+    holder = {"$ifNull": ["$$call.request_id", None]}
+    held = {
+        "$filter": {"input": calls, "as": "call", "cond": {"$eq": [holder, literal(request_id)]}}
+    }
+    keys = {"$map": {"input": held, "as": "call", "in": _call_key("call")}}
+    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+    fresh = {
+        "$filter": {"input": keys, "as": "a", "cond": {"$eq": [{"$in": ["$$a", approved]}, False]}}
+    }
+    every = {"$concatArrays": [approved, fresh]}
+    pending = {"$map": {"input": calls, "as": "call", "in": _call_key("call")}}
+
+    def still_pending(wanted: bool) -> dict[str, Any]:
+        cond = {"$eq": [{"$in": ["$$a", pending]}, wanted]}
+        return {"$filter": {"input": every, "as": "a", "cond": cond}}
+
+    others = {"$slice": [still_pending(False), -RESOLVED_PROMPTS_KEPT]}
+    return {"$concatArrays": [still_pending(True), others]}
+
+
 def denials_hold(call_ids: Sequence[str]) -> dict[str, Any]:
-    """A filter matching a conversation where a person approved none of the prompts holding
-    the calls `call_ids` (the latest pending call of each id): a turn denying them may be
-    logged (`released_calls` names those it may not)."""
+    """A filter matching a conversation where a person approved none of the calls `call_ids`
+    (the latest pending call of each id): not released by an answer (`approved_calls`) nor
+    held by a prompt a person resolved (`resolved_hitl`). A turn denying them may be logged
+    (`released_calls` names those it may not)."""
     calls = {"$ifNull": ["$pending_calls", literal([])]}
 
     def released(call_id: str) -> dict[str, Any]:
         same = {"$eq": ["$$call.tool_call_id", literal(call_id)]}
         of_id = {"$filter": {"input": calls, "as": "call", "cond": same}}
         holder = {"$ifNull": ["$$last.request_id", None]}
-        answered = {"$in": [holder, _kept("resolved_hitl", [])]}
+        answered = {
+            "$or": [
+                {"$in": [holder, _kept("resolved_hitl", [])]},
+                {"$in": [_call_key("last"), _kept("approved_calls", [])]},
+            ]
+        }
         return {"$let": {"vars": {"last": {"$arrayElemAt": [of_id, -1]}}, "in": answered}}
 
     # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
@@ -214,16 +265,40 @@ def denials_hold(call_ids: Sequence[str]) -> dict[str, Any]:
 
 
 def released_calls(conversation: Mapping[str, Any], call_ids: Sequence[str]) -> list[str]:
-    """Those of `call_ids` whose latest pending call in `conversation` is held by a prompt a
-    person resolved (`resolved_hitl`): the first answer was an approval, so a denial of the
-    call comes too late (the tool runs; its result answers it)."""
+    """Those of `call_ids` whose latest pending call in `conversation` a person approved
+    (`denials_hold`): the first answer was an approval, so a denial of the call comes too
+    late (the tool runs; its result answers it)."""
     resolved = conversation.get("resolved_hitl") or ()
+    approved = _approved_keys(conversation)
     latest = {
-        call.get("tool_call_id"): call.get("request_id")
+        call.get("tool_call_id"): call
         for call in conversation.get("pending_calls") or ()
         if isinstance(call, Mapping)
     }
-    return [c for c in call_ids if latest.get(c) is not None and latest[c] in resolved]
+
+    def released(call: Mapping[str, Any] | None) -> bool:
+        if call is None:
+            return False
+        key = (call.get("tool_call_id"), call.get("message_id"))
+        return call.get("request_id") in resolved or key in approved
+
+    return [c for c in call_ids if released(latest.get(c))]
+
+
+def approved_among(conversation: Mapping[str, Any], call_ids: Sequence[str]) -> list[str]:
+    """Those of `call_ids` a person's answer released (`approved_calls`), pending or answered
+    since: a turn denying one was refused (`AnsweredBefore`) and logged without the denial,
+    so a retry sending it again is told so again."""
+    approved = {call_id for call_id, _ in _approved_keys(conversation)}
+    return [c for c in call_ids if c in approved] or released_calls(conversation, call_ids)
+
+
+def _approved_keys(conversation: Mapping[str, Any]) -> set[tuple[Any, Any]]:
+    return {
+        (a.get("tool_call_id"), a.get("message_id"))
+        for a in conversation.get("approved_calls") or ()
+        if isinstance(a, Mapping)
+    }
 
 
 def _capped(field: str, amount: int) -> dict[str, Any]:
@@ -299,8 +374,23 @@ def reservation(
         **_names(plan, runtime_name),
         **_assignment(actor),
         **_reopened(plan),
+        **_asked_again(plan),
     }
     return [{"$set": stage}]
+
+
+def _asked_again(plan: TurnPlan) -> dict[str, Any]:
+    """`approved_calls` without the calls a prompt of the turn names (`named_holds`): a second
+    question about an approved call holds it until it is answered itself."""
+    if not plan.named_holds:
+        return {}
+    named = literal(sorted({call_id for call_id, _ in plan.named_holds}))
+    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+    kept = {"$eq": [{"$in": ["$$a.tool_call_id", named]}, False]}
+    approved = {"$filter": {"input": _kept("approved_calls", []), "as": "a", "cond": kept}}
+    # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
+    unset = {"$eq": [{"$ifNull": ["$approved_calls", None]}, None]}
+    return {"approved_calls": {"$cond": [unset, "$$REMOVE", approved]}}
 
 
 def _released(plan: TurnPlan) -> dict[str, Any] | None:

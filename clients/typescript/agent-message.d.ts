@@ -214,6 +214,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   resolved_hitl?: unknown[];
   /**
+   * The calls a person's answer released, those still pending and the newest `RESOLVED_PROMPTS_KEPT` others (the store's bookkeeping, never served): they await their results, and a turn denying one is refused (`AnsweredBefore`), whatever becomes of the request id of the prompt that held it (dropped from `resolved_hitl`, asked again).
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  approved_calls?: unknown[];
+  /**
    * A random token drawn when the document is created, and by the first turn logged after an upgrade on one created before (the store's bookkeeping, never served): every message the conversation stores carries it, so a delete takes this conversation's messages and none of one created again under its id since, whoever created it.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
