@@ -4,7 +4,10 @@ after the run. Neither a run nor the gate reaches them through the legacy conver
 so they are looked for here: the conversations whose first message (`seq` 0) is the
 migration's (a `legacy-…` turn id, which no live turn may take; the migration writes a
 conversation's messages from `seq` 0 on) and that no legacy turn names now, by the rule the
-read fallback names a conversation's turns by (`turns_known_as`).
+read fallback names a conversation's turns by (`turns_known_as`). And the conversations of
+the migration's messages whose document is gone and that no legacy turn names (a person
+deleted the conversation while a run wrote them): served by search, and holding the `seq`
+values a new turn under the id takes.
 
 A run's last step removes each (its messages, their whole texts, its document and its
 recorded problems): their content is where the legacy turns are filed now, in the
@@ -24,7 +27,7 @@ from typing import Any
 from pymongo.database import Database
 
 from agent_store.core import InvalidInput
-from agent_store.legacy import LEGACY_TURNS, parse_turns, turns_known_as
+from agent_store.legacy import LEGACY_TURNS, not_identifiers, parse_turns, turns_known_as
 from agent_store.store import (
     CONVERSATIONS,
     DERIVED_CONVERSATION_PREFIX,
@@ -89,12 +92,22 @@ def _named(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]) -> 
         # data, a date, an array): every turn naming such a value is read, and named by the
         # rule the run names it by (`stored_conversation_id`).
         clauses.append({"conversation_id": {"$type": list(_UNNAMED_BY_TEXT)}})
+    if any(_derived_unknown(d) for d in documents):
+        # A conversation of messages only (its document deleted) says not which legacy id
+        # its derived id stands for: every turn naming an id that is no identifier is read.
+        clauses.append(not_identifiers("conversation_id"))
     query = {"$and": [{"$or": clauses}, LEGACY_FILTER]}
     try:
         turns = parse_turns(db[LEGACY_TURNS].find(query, {"_id": 1, "conversation_id": 1}))
     except InvalidInput:
         return None
     return {turn.stored_conversation_id for turn in turns}
+
+
+def _derived_unknown(document: Mapping[str, Any]) -> bool:
+    """Whether a derived conversation id's legacy id is unknown: no document says it."""
+    cid = str(document["_id"])
+    return cid.startswith(DERIVED_CONVERSATION_PREFIX) and "legacy_conversation_id" not in document
 
 
 def _migrated(
@@ -127,19 +140,32 @@ def _abandoned(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]])
 
 
 def chunks(db: Database[dict[str, Any]]) -> Iterator[list[Abandoned]]:
-    """The abandoned conversations, a chunk of `CHUNK` conversation documents at a time."""
+    """The abandoned conversations, a chunk of `CHUNK` conversation documents at a time; then
+    those of the migration's messages whose conversation document is gone (`_without_document`)."""
     fields = {"_id": 1, "legacy_conversation_id": 1, "turns": 1}
     documents = db[CONVERSATIONS].find({}, fields).sort("_id", 1)
     for chunk in batches(iter(documents), CHUNK):
         yield _abandoned(db, chunk)
+    for ids in batches(_without_document(db), CHUNK):
+        yield _abandoned(db, [{"_id": cid} for cid in ids])
+
+
+def _without_document(db: Database[dict[str, Any]]) -> Iterator[str]:
+    """The conversations whose first message is the migration's and that have no document (a
+    run wrote their messages after a person deleted the conversation): one read of the first
+    messages, and one of their documents a chunk at a time."""
+    first = db[MESSAGES].find({"seq": 0}, {"conversation_id": 1, "turn_id": 1})
+    made = (m["conversation_id"] for m in first if is_migrated(m.get("turn_id")))
+    for ids in batches(made, CHUNK):
+        stored = {d["_id"] for d in db[CONVERSATIONS].find({"_id": {"$in": ids}}, {"_id": 1})}
+        yield from (cid for cid in ids if cid not in stored)
 
 
 def _still_safe(run: Explosion) -> None:
     """Before each removal: the run still holds the lock (a `finish` that took it over may
     have dropped the legacy turns), and they are still there: with none, or dropped by
     `finish`, every conversation the migration made would look abandoned."""
-    if run.lease is not None and not run.options.dry_run:
-        run.lease.renew()
+    run.fence()
     if run.db[run.source].find_one(LEGACY_FILTER, {"_id": 1}) is None or dropped_at(run.db):
         raise MigrationError(
             f"{run.source} holds no legacy turn any more (dropped while this run went on?): "

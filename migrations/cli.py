@@ -97,6 +97,11 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
             else f"{len(done)} of {len(state.get('ranges') or [None])} id ranges under way"
         )
         print(f"progress: {where} (run {state.get('run_id')})")
+        if state.get("dropped_at") is None and state.get("dropping_at") is not None:
+            print(
+                f"legacy turns: a drop begun at {state['dropping_at']} was not finished: "
+                "`finish --drop-legacy --yes` finishes it"
+            )
         if state.get("dropped_at") is not None:
             print(
                 f"legacy turns dropped at {state['dropped_at']} by `finish --drop-legacy`: "
@@ -135,15 +140,22 @@ def _report_id_clustering(db: Database[dict[str, Any]], source: str, sample: int
         print(f"conversation ids: {seen} looked at, spread evenly (random ids)")
 
 
-def _source(db: Database[dict[str, Any]], args: argparse.Namespace) -> str:
-    """Move the legacy turns aside (a dry run only says it would); where to read them from."""
+def _source(
+    db: Database[dict[str, Any]], args: argparse.Namespace, held: lease.Lease | None
+) -> str:
+    """Move the legacy turns aside (a dry run only says it would), fenced by the run's lease
+    (`explode.prove_lease`); where to read them from."""
     source = LEGACY_TURNS
     if args.dry_run:
         if relocate.holds_turns(db, CONVERSATIONS):
             source = CONVERSATIONS
             print(f"dry run: would move the turns of {CONVERSATIONS} to {LEGACY_TURNS}")
     else:
-        moved = relocate.relocate(db, batch_size=max(args.batch_size, 100))
+        moved = relocate.relocate(
+            db,
+            batch_size=max(args.batch_size, 100),
+            fence=lambda: explode.prove_lease(db, held),
+        )
         if moved.how in ("renamed", "copied"):
             print(f"moved {moved.moved} turn documents to {LEGACY_TURNS} ({moved.how})")
             if moved.detail:
@@ -176,7 +188,7 @@ def _explode(
         max_command_bytes=args.max_command_bytes,
         spread=args.spread,
     )
-    run = explode.Explosion(db, options, lease=held, source=_source(db, args))
+    run = explode.Explosion(db, options, lease=held, source=_source(db, args, held))
     after = run.resume_point()
     if after is not None:
         print(
@@ -325,11 +337,16 @@ def cmd_finish(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         return 1
     if args.drop_legacy and not args.yes:
         raise Misuse("--drop-legacy deletes the rollback copy: add --yes to confirm")
-    _require_legacy_data(db)
+    unfinished = args.drop_legacy and explode.drop_unfinished(db) is not None
+    if not unfinished:
+        _require_legacy_data(db)
     run_id = time.strftime("finish-%Y%m%dT%H%M%SZ-", time.gmtime()) + uuid.uuid4().hex[:6]
     held = lease.Lease(db, run_id)
     held.acquire()
     try:
+        if unfinished:  # its gate passed when the drop began: the drop only is left
+            _drop(db, held)
+            return 0
         return _finish(db, args, held)
     finally:
         held.release()
@@ -339,7 +356,7 @@ def _finish(db: Database[dict[str, Any]], args: argparse.Namespace, held: lease.
     for conversation_id in args.accept or ():
         problem_report.accept(db, conversation_id, args.note)
         print(f"recorded: the unplaced content of {conversation_id!r} is accepted ({args.note})")
-    found = gate.check(db, undated_at=explode.undated_time(db, record=False))
+    found = gate.check(db, undated_at=explode.undated_time(db, record=False), renew=held.renew)
     _report(found)
     problem_report.print_summary(db, sys.stdout)
     if not found.open:
@@ -352,15 +369,23 @@ def _finish(db: Database[dict[str, Any]], args: argparse.Namespace, held: lease.
     held.write_state({"$set": {"finished_at": utc_now()}})
     if args.drop_legacy:
         held.renew()  # still this command's: no run started while the gate read
-        held.write_state({"$set": {"dropped_at": utc_now()}})
-        db[LEGACY_TURNS].drop()
-        print(f"dropped {LEGACY_TURNS}; rollback to the legacy service is no longer possible")
+        held.write_state({"$set": {"dropping_at": utc_now()}})
+        _drop(db, held)
     else:
         print(
             f"every legacy conversation is migrated; keep {LEGACY_TURNS} for the rollback "
             "window, then `finish --drop-legacy --yes` and unset AGENT_STORE_LEGACY_DUAL_WRITE"
         )
     return 0
+
+
+def _drop(db: Database[dict[str, Any]], held: lease.Lease) -> None:
+    """Drop the legacy turns, then record it (`dropped_at`). The drop was recorded as begun
+    (`dropping_at`) first: stopped in between, no run goes on, and `finish --drop-legacy
+    --yes` again finishes it."""
+    db[LEGACY_TURNS].drop()
+    held.write_state({"$set": {"dropped_at": utc_now()}})
+    print(f"dropped {LEGACY_TURNS}; rollback to the legacy service is no longer possible")
 
 
 def parser() -> argparse.ArgumentParser:

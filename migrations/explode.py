@@ -9,15 +9,17 @@ conversation, not by the corpus.
 Per batch, the writes are planned first from what is stored (`writes.plan`),
 so a dry run reports exactly what a run does; then made, each in bounded
 commands (`bounds`), all idempotent:
-1. whole texts of cut messages, as GridFS files with deterministic ids;
-2. conversation documents, each only as the plan read it (`writes._write`: a
+1. conversation documents, each only as the plan read it (`writes._write`: a
    conversation the live logger has already written to, or a person changed
    since, is never overwritten);
-3. messages with their deterministic ids by unordered `insert_many`;
+2. for the conversations whose document is then as planned (`writes.apply`: not
+   deleted, nor started by a live turn, since the plan), whole texts of cut messages,
+   as GridFS files with deterministic ids;
+3. and their messages with their deterministic ids by unordered `insert_many`;
    duplicate-key errors of identical documents are the only errors accepted;
 4. the batch's problems, replacing those an earlier run recorded for it;
 5. the run record (counts, checkpoint), only while the lock names the run.
-The lease is renewed right before 1 and 4 (`_prove_lease`): a run paused past its lease
+The lease is renewed right before 1 and 4 (`fence`): a run paused past its lease
 (its lock taken over) writes nothing it planned.
 
 Conversation documents go before their messages, so a turn the live logger
@@ -89,16 +91,31 @@ _HASHED_KEY = re.compile(r"h[0-9a-f]{32}")
 
 
 def dropped_at(db: Database[dict[str, Any]]) -> Any:
-    """When `finish --drop-legacy` dropped the legacy turns (None: never): no run goes on
-    after that, whatever a service still dual-writing brings back."""
-    state = db[STATE].find_one({"_id": STATE_ID}, {"dropped_at": 1}) or {}
-    return state.get("dropped_at")
+    """When `finish --drop-legacy` dropped the legacy turns, or began to (`dropping_at`: its
+    gate had passed; None: never): no run goes on after that, whatever a service still
+    dual-writing brings back."""
+    state = db[STATE].find_one({"_id": STATE_ID}, {"dropped_at": 1, "dropping_at": 1}) or {}
+    return state.get("dropped_at") or state.get("dropping_at")
+
+
+def drop_unfinished(db: Database[dict[str, Any]]) -> Any:
+    """When `finish --drop-legacy` began a drop it did not record as made (stopped between
+    the two: `finish --drop-legacy --yes` again makes it); None when there is no such drop."""
+    state = db[STATE].find_one({"_id": STATE_ID}, {"dropped_at": 1, "dropping_at": 1}) or {}
+    return state.get("dropping_at") if state.get("dropped_at") is None else None
 
 
 def refuse_after_the_drop(db: Database[dict[str, Any]]) -> None:
-    """Raise Misuse once `finish --drop-legacy` dropped the legacy turns (`dropped_at`):
-    `run`, `verify` and `finish` alike, since what the legacy collection holds then are the
-    copies a service still dual-writing made."""
+    """Raise Misuse once `finish --drop-legacy` dropped the legacy turns, or began to
+    (`dropped_at`): `run`, `verify` and `finish` alike, since what the legacy collection
+    holds then are the copies a service still dual-writing made."""
+    begun = drop_unfinished(db)
+    if begun is not None:
+        raise Misuse(
+            f"`finish --drop-legacy` began dropping the legacy turns at {begun}, its gate "
+            "passed, and was stopped before it recorded the drop: run `finish --drop-legacy "
+            "--yes` again to finish it. Nothing is migrated or checked meanwhile"
+        )
     dropped = dropped_at(db)
     if dropped is not None:
         raise Misuse(
@@ -110,6 +127,16 @@ def refuse_after_the_drop(db: Database[dict[str, Any]]) -> None:
             f"restoring the legacy turns from a backup, unset `dropped_at` in {STATE} to run "
             "again"
         )
+
+
+def prove_lease(db: Database[dict[str, Any]], lease: Lease | None) -> None:
+    """Right before writing: renew the lease, which fails once another run or `finish` took
+    the lock (this run paused past its lease), and refuse once the legacy turns were dropped.
+    What a run read before a pause is never written after one; the writes that follow have
+    a whole lease, far longer than a batch's writes take."""
+    if lease is not None:
+        lease.renew()
+        refuse_after_the_drop(db)
 
 
 T = TypeVar("T")
@@ -519,14 +546,11 @@ class Explosion:
         else:
             self.lease.write_state(update)  # only while the lock names this run
 
-    def _prove_lease(self) -> None:
-        """Right before writing: renew the lease, which fails once another run or `finish`
-        took the lock (this run paused past its lease), and refuse once the legacy turns
-        were dropped. What a run planned before a pause is never written after one; the
-        writes that follow have a whole lease, far longer than a batch's writes take."""
-        if self.lease is not None and not self.options.dry_run:
-            self.lease.renew()
-            refuse_after_the_drop(self.db)
+    def fence(self) -> None:
+        """Right before a write: the run still holds its lock and nothing was dropped
+        (`prove_lease`); a dry run writes nothing."""
+        if not self.options.dry_run:
+            prove_lease(self.db, self.lease)
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -564,7 +588,7 @@ class Explosion:
                 next(spread_ids(self.db, self.source, LEGACY_FILTER, ranges), None) is None
             )
             if exhausted and self.options.conversation is None and self.after_all is not None:
-                self._prove_lease()  # the last step removes: only while the lock is held
+                self.fence()  # the last step removes: only while the lock is held
                 self.after_all()
         except BaseException as exc:
             self._record("failed", error=f"{type(exc).__name__}: {exc}", finished_at=utc_now())
@@ -587,10 +611,15 @@ class Explosion:
         found += planned.live
         inserted = len(planned.messages) + len(planned.rewritten)
         if not self.options.dry_run:
-            bounds = self.options.bounds
-            inserted, raced = writes.apply(self.db, planned, bounds, fence=self._prove_lease)
-            found += raced
-            self._prove_lease()  # problems keep content: never a deleted conversation's
+            applied = writes.apply(self.db, planned, self.options.bounds, fence=self.fence)
+            inserted = applied.written
+            # Problems keep content: never a deleted conversation's.
+            found = [p for p in found if p.conversation_id not in applied.gone]
+            found += applied.problems
+            self.counts.live_skipped += sum(
+                1 for p in applied.problems if p.kind == "conversation_already_live"
+            )
+            self.fence()
             batch_ids = [c.conversion.conversation_id for c in converted]
             problem_report.replace(
                 self.db,

@@ -18,7 +18,7 @@ dropped.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -259,40 +259,56 @@ def _unplaced_reasons(
 
 
 def check(
-    db: Database[dict[str, Any]], *, batch_size: int = 200, undated_at: datetime | None = None
+    db: Database[dict[str, Any]],
+    *,
+    batch_size: int = 200,
+    undated_at: datetime | None = None,
+    renew: Callable[[], None] = lambda: None,
 ) -> Gate:
-    """Check every legacy conversation against what is stored."""
+    """Check every legacy conversation against what is stored. `renew` is called after each
+    batch and chunk read (`finish` renews its lease so: a gate may take longer than one)."""
     gate = Gate()
     accepted = problem_report.accepted(db)
     for ids in batches(conversation_ids(db), batch_size):
-        held: list[dict[str, Any]] = []
-        converted, failed, _ = convert_batch(db, ids, TurnRules(), undated_at=undated_at, held=held)
-        gate.conversations += len(failed)
-        gate.left += [
-            WorkLeft(p.conversation_id, [f"cannot be converted: {p.detail}"]) for p in failed
-        ]
-        dual = dual_writes.differences(db, held)
-        messages = full_texts.stored_messages(db, [c.conversion.conversation_id for c in converted])
-        stored = _stored(db, converted, messages)
-        for item in converted:
-            gate.conversations += 1
-            cid = item.conversion.conversation_id
-            reasons = _reasons(item, stored, accepted, messages[cid]) + dual.pop(cid, [])
-            if reasons:
-                gate.left.append(WorkLeft(cid, reasons))
-                continue
-            gate.migrated += 1
-            if item.conversion.conversation is None:
-                gate.empty += 1
-            elif cid in accepted and item.conversion.unplaced:
-                gate.accepted.append(cid)
-        gate.conversations += len(dual)
-        gate.left += [WorkLeft(cid, reasons) for cid, reasons in dual.items()]
-    _check_orphan_prompts(db, gate, accepted)
+        _check_batch(db, gate, ids, accepted, undated_at)
+        renew()
+    _check_orphan_prompts(db, gate, accepted, renew)
     for found in abandoned.chunks(db):
         gate.left += [WorkLeft(item.conversation_id, [item.reason]) for item in found]
+        renew()
     gate.unread = unread_documents(db)
     return gate
+
+
+def _check_batch(
+    db: Database[dict[str, Any]],
+    gate: Gate,
+    ids: list[Any],
+    accepted: dict[str, list[str]],
+    undated_at: datetime | None,
+) -> None:
+    """Check one batch of legacy conversations."""
+    held: list[dict[str, Any]] = []
+    converted, failed, _ = convert_batch(db, ids, TurnRules(), undated_at=undated_at, held=held)
+    gate.conversations += len(failed)
+    gate.left += [WorkLeft(p.conversation_id, [f"cannot be converted: {p.detail}"]) for p in failed]
+    dual = dual_writes.differences(db, held)
+    messages = full_texts.stored_messages(db, [c.conversion.conversation_id for c in converted])
+    stored = _stored(db, converted, messages)
+    for item in converted:
+        gate.conversations += 1
+        cid = item.conversion.conversation_id
+        reasons = _reasons(item, stored, accepted, messages[cid]) + dual.pop(cid, [])
+        if reasons:
+            gate.left.append(WorkLeft(cid, reasons))
+            continue
+        gate.migrated += 1
+        if item.conversion.conversation is None:
+            gate.empty += 1
+        elif cid in accepted and item.conversion.unplaced:
+            gate.accepted.append(cid)
+    gate.conversations += len(dual)
+    gate.left += [WorkLeft(cid, reasons) for cid, reasons in dual.items()]
 
 
 SHOWN = 5
@@ -324,7 +340,10 @@ def unread_documents(db: Database[dict[str, Any]]) -> list[WorkLeft]:
 
 
 def _check_orphan_prompts(
-    db: Database[dict[str, Any]], gate: Gate, accepted: dict[str, list[str]]
+    db: Database[dict[str, Any]],
+    gate: Gate,
+    accepted: dict[str, list[str]],
+    renew: Callable[[], None],
 ) -> None:
     """The pending prompts no conversion reads, a chunk at a time: each conversation of them
     passes once each of its prompts is recorded as it is now, and accepted."""
@@ -340,6 +359,7 @@ def _check_orphan_prompts(
                 accepted_of[cid] = set(accepted.get(cid, ()))
             unrecorded[cid] = unrecorded.get(cid, False) or found_digest not in recorded
             unaccepted[cid] = unaccepted.get(cid, False) or found_digest not in accepted_of[cid]
+        renew()
     kinds = {orphan_prompts.ORPHAN_PENDING_HITL}
     for cid in unrecorded:
         gate.conversations += 1

@@ -37,7 +37,8 @@ STATE = "agent_migrations"
 LOCK_ID = "lock:legacy-turns"
 STATE_ID = "state:legacy-turns"
 """The migration's state document: the checkpoint, its times (`undated_at`, `finished_at`,
-`dropped_at`), and the lock holder that may write it (`holder`)."""
+`dropping_at` and `dropped_at`: a drop begun, then made), and the lock holder that may write
+it (`holder`)."""
 DEFAULT_LEASE = timedelta(minutes=2)
 DEFAULT_WAIT = DEFAULT_LEASE + timedelta(seconds=30)
 

@@ -96,8 +96,10 @@ def record(run: Explosion) -> None:
     for found in chunks(run.db):
         run.counts.add_problems(found)
         if not run.options.dry_run:
+            run.fence()  # a run paused past its lease records no chunk read before
             problem_report.record_found(
                 run.db, found, run_id=run.run_id, at=run.undated_at, bounds=run.options.bounds
             )
     if not run.options.dry_run:
+        run.fence()
         problem_report.drop_not_found_by(run.db, ORPHAN_PENDING_HITL, run.run_id)

@@ -6,7 +6,8 @@ MongoDB-compatible servers, or a target that already exists) or where
 copied instead, batch by batch: insert into `agent_conversations_deprecated`,
 check every document arrived, then delete the batch from the source. A copy
 killed part-way resumes where it stopped; nothing is deleted before its copy
-is confirmed.
+is confirmed. Each batch's writes, and the rename, are fenced as a run's batches are
+(`fence`): a run paused past its lease moves nothing it read before the pause.
 """
 
 from __future__ import annotations
@@ -59,8 +60,13 @@ def relocate(
     batch_size: int = 500,
     progress: Callable[[int], None] | None = None,
     allow_rename: bool = True,
+    fence: Callable[[], None] = lambda: None,
 ) -> Relocation:
-    """Move every turn document from `agent_conversations` to the deprecated collection."""
+    """Move every turn document from `agent_conversations` to the deprecated collection.
+
+    `fence` is called right before the rename and before each copy batch's writes: it renews
+    the run's lease and raises once another run or `finish` took the lock, or the legacy
+    turns were dropped (a run paused past its lease copies no batch it read before)."""
     source, target = db[CONVERSATIONS], db[LEGACY_TURNS]
     if not holds_turns(db, CONVERSATIONS):
         if holds_turns(db, LEGACY_TURNS):
@@ -72,6 +78,7 @@ def relocate(
     if allow_rename and not mixed and not target_exists:
         count = source.count_documents({})
         try:
+            fence()
             source.rename(LEGACY_TURNS)
             return Relocation("renamed", count)
         except OperationFailure as exc:
@@ -87,10 +94,10 @@ def relocate(
     for document in _in_stored_order(source, batch_size):
         batch.append(document)
         if len(batch) == batch_size:
-            moved += _copy_batch(batch, source, target, progress)
+            moved += _copy_batch(batch, source, target, progress, fence)
             batch = []
     if batch:
-        moved += _copy_batch(batch, source, target, progress)
+        moved += _copy_batch(batch, source, target, progress, fence)
     return Relocation("copied", moved, reason)
 
 
@@ -114,9 +121,12 @@ def _copy_batch(
     source: Any,
     target: Any,
     progress: Callable[[int], None] | None,
+    fence: Callable[[], None],
 ) -> int:
     """Insert the batch into the target, check every document arrived, then delete it from
-    the source; how many moved. A document a killed copy inserted already is accepted."""
+    the source; how many moved. A document a killed copy inserted already is accepted.
+    `fence` first: the batch read may be stale (`relocate`)."""
+    fence()
     ids = [doc["_id"] for doc in batch]
     try:
         target.insert_many(batch, ordered=False)

@@ -58,16 +58,34 @@ class Planned:
     rewritten: list[dict[str, Any]] = field(default_factory=list)
     """Messages an earlier run stored whose legacy turn converts to something else now (edited
     since, or a newer converter): replaced by what it converts to."""
-    moved: list[str] = field(default_factory=list)
+    moved: dict[str, list[str]] = field(default_factory=dict)
     """Ids of messages an earlier run stored where the legacy turns, edited since, no longer
-    put them (another message holds their `seq` now, or none): removed before the inserts."""
+    put them (another message holds their `seq` now, or none), by conversation: removed
+    before the inserts."""
     stale_texts: list[str] = field(default_factory=list)
     """Files of whole texts that differ from what their legacy turn converts to now."""
     live: list[Problem] = field(default_factory=list)
     """Problems of conversations already live: their legacy turns are not merged."""
     read: dict[str, dict[str, Any] | None] = field(default_factory=dict)
-    """The document the plan read for each conversation document it writes (None: none was
-    stored): a write only replaces that one, or creates one where none was (`_write`)."""
+    """The document the plan read for each conversation it writes to (None: none was stored):
+    a document's write only replaces that one, or creates one where none was (`_write`), and
+    the rest is written only while the document is as planned (`apply`)."""
+    converted: dict[str, Converted] = field(default_factory=dict)
+    """What each conversation it writes to converts to: a live turn since the plan makes it
+    `conversation_already_live` (`apply`)."""
+
+
+@dataclass
+class Applied:
+    """What `apply` wrote, and what it did not."""
+
+    written: int = 0
+    """Messages inserted or rewritten."""
+    problems: list[Problem] = field(default_factory=list)
+    """Problems of races with the live service: a message's `seq` taken (`live_conflict`), a
+    conversation a live turn wrote to since the plan (`conversation_already_live`)."""
+    gone: set[str] = field(default_factory=set)
+    """Conversations whose document was deleted since the plan: nothing of theirs written."""
 
 
 def _taken(
@@ -144,16 +162,14 @@ def carried_epochs(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, st
     return {d["_id"]: d["epoch"] for d in found}
 
 
-def _live_problem(db: Database[dict[str, Any]], item: Converted, foreign: int) -> Problem:
+def _live_problem(db: Database[dict[str, Any]], item: Converted, detail: str) -> Problem:
+    """A conversation logged to live before its legacy turns were migrated: they are not
+    merged; `detail` says how it was found."""
     conversion = item.conversion
     cid = conversion.conversation_id
     live = full_texts.stored_messages(db, [cid])[cid]
     held = contains(from_messages(live), from_legacy(item.turns, conversion.unplaced))
-    detail = (
-        f"{foreign} of the first {len(conversion.messages)} seq values already hold messages the "
-        "migration did not write (the conversation was logged to before it was migrated); its "
-        "legacy turns were not merged"
-    )
+    detail += "; its legacy turns were not merged"
     return Problem(
         conversation_id=conversion.conversation_id,
         legacy_id="*",
@@ -267,48 +283,16 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
     next_free = _next_free_seq(db, ids)
     carried = carried_epochs(db, ids)
     for item in wanted:
-        conversion = item.conversion
-        assert conversion.conversation is not None
-        at = {m.seq: m for m in conversion.messages}
-        cid = conversion.conversation_id
-        stored = taken[cid]
-        foreign = [
-            stored[seq or 0]
-            for seq, m in at.items()
-            if stored.get(seq or 0, {"_id": m.id})["_id"] != m.id
-        ]
-        # The migration's own messages are those of legacy turns, these or any filed here
-        # before (their turn ids are the migration's: no live writer may name a turn so).
-        if not all(is_migrated(d.get("turn_id")) for d in foreign):
-            planned.live.append(_live_problem(db, item, len(foreign)))
-            continue
-        # Its own messages at other places than the legacy turns put them now (a turn edited
-        # since gained or lost a message) are moved; live turns stored past the legacy ones
-        # (logged before a rollback moved the live document away) keep their `seq` values,
-        # and the next turn goes after them.
-        past = _stored_past(db, cid, len(at)) if next_free.get(cid, 0) > len(at) else []
-        live = [d for d in past if not is_migrated(d.get("turn_id"))]
-        planned.moved += [d["_id"] for d in foreign] + [
-            d["_id"] for d in past if is_migrated(d.get("turn_id"))
-        ]
-        for d in foreign:
-            del stored[d["seq"]]
-        live_seqs = (int(d["seq"]) for d in live)
-        document = wanted_document(conversion, existing.get(cid), live_seqs, carried.get(cid))
-        if document_differs(existing.get(cid), document):
-            dumped = document.model_dump(by_alias=True)
-            # The store's bookkeeping, never served (so no dump holds it): written by hand.
-            if document.resolved_hitl:
-                dumped["resolved_hitl"] = document.resolved_hitl
-            if document.epoch is not None:
-                dumped["epoch"] = document.epoch
-            if document.approved_calls:  # as read back from the document it replaces
-                dumped["approved_calls"] = [dict(call) for call in document.approved_calls]
-            if live:
-                dumped |= _live_records(live)
-            planned.conversations.append(dumped)
-            planned.read[cid] = existing.get(cid)
-        _plan_messages(db, planned, conversion, stored, owner_after(existing.get(cid), document))
+        cid = item.conversion.conversation_id
+        _plan_one(
+            db,
+            planned,
+            item,
+            existing.get(cid),
+            taken[cid],
+            next_free.get(cid, 0),
+            carried.get(cid),
+        )
     kept = full_texts.present(db, (f.blob_id for f in planned.full_texts))
     stale_texts = set(planned.stale_texts)
     planned.full_texts = [
@@ -317,51 +301,185 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
     return planned
 
 
+def _plan_one(
+    db: Database[dict[str, Any]],
+    planned: Planned,
+    item: Converted,
+    found: dict[str, Any] | None,
+    stored: dict[int, dict[str, Any]],
+    next_free: int,
+    carried: str | None,
+) -> None:
+    """One conversation's writes: `found` its stored document, `stored` the messages at its
+    `seq` values, `next_free` the `seq` after its last stored message, `carried` the epoch its
+    stored messages carry (`carried_epochs`)."""
+    conversion = item.conversion
+    at = {m.seq: m for m in conversion.messages}
+    cid = conversion.conversation_id
+    foreign = [
+        stored[seq or 0]
+        for seq, m in at.items()
+        if stored.get(seq or 0, {"_id": m.id})["_id"] != m.id
+    ]
+    # The migration's own messages are those of legacy turns, these or any filed here
+    # before (their turn ids are the migration's: no live writer may name a turn so).
+    if not all(is_migrated(d.get("turn_id")) for d in foreign):
+        detail = (
+            f"{len(foreign)} of the first {len(at)} seq values already hold messages the "
+            "migration did not write (the conversation was logged to before it was migrated)"
+        )
+        planned.live.append(_live_problem(db, item, detail))
+        return
+    # Its own messages at other places than the legacy turns put them now (a turn edited
+    # since gained or lost a message) are moved; live turns stored past the legacy ones
+    # (logged before a rollback moved the live document away) keep their `seq` values,
+    # and the next turn goes after them.
+    past = _stored_past(db, cid, len(at)) if next_free > len(at) else []
+    live = [d for d in past if not is_migrated(d.get("turn_id"))]
+    moved = [d["_id"] for d in foreign + past if is_migrated(d.get("turn_id"))]
+    if moved:
+        planned.moved[cid] = moved
+    for d in foreign:
+        del stored[d["seq"]]
+    document = wanted_document(conversion, found, (int(d["seq"]) for d in live), carried)
+    if document_differs(found, document):
+        dumped = document.model_dump(by_alias=True)
+        # The store's bookkeeping, never served (so no dump holds it): written by hand.
+        if document.resolved_hitl:
+            dumped["resolved_hitl"] = document.resolved_hitl
+        if document.epoch is not None:
+            dumped["epoch"] = document.epoch
+        if document.approved_calls:  # as read back from the document it replaces
+            dumped["approved_calls"] = [dict(call) for call in document.approved_calls]
+        if live:
+            dumped |= _live_records(live)
+        planned.conversations.append(dumped)
+    planned.read[cid] = found
+    planned.converted[cid] = item
+    _plan_messages(db, planned, conversion, stored, owner_after(found, document))
+
+
 def apply(
     db: Database[dict[str, Any]],
     planned: Planned,
     bounds: Bounds,
     *,
     fence: Callable[[], None] = lambda: None,
-) -> tuple[int, list[Problem]]:
-    """Make the planned writes: whole texts, conversation documents, then messages. Returns
-    how many messages were inserted, and the problems of races with the live service.
+) -> Applied:
+    """Make the planned writes: conversation documents, then, for each conversation whose
+    document is as planned (`_not_as_planned`), whole texts, messages and rewritten messages.
 
     `fence` is called first: it raises when the run may no longer write (its lock taken over
     while it was paused since the plan). A conversation document is written only as the
-    plan read it (`_write`)."""
+    plan read it (`_write`); a conversation whose document is not as planned then (deleted,
+    or written by a live turn, since the plan) gets nothing else: its messages would stand
+    without a document, or between a live turn's."""
     fence()
-    full_texts.keep(db, planned.full_texts, bounds)  # a stale file is replaced (`keep`)
-    found = [planned.read.get(d["_id"]) for d in planned.conversations]
-    upserts = [_write(d, read) for d, read in zip(planned.conversations, found, strict=True)]
-    sizes = [
-        len(bson.encode(d)) + len(bson.encode(read or {}))
-        for d, read in zip(planned.conversations, found, strict=True)
-    ]
-    for chunk in bounded(upserts, sizes, bounds):
-        try:
-            db[CONVERSATIONS].bulk_write(chunk, ordered=False)
-        except BulkWriteError as exc:
-            only_duplicates(exc)  # one written meanwhile (the logger's, another run's) stays
-    if planned.moved:
-        db[MESSAGES].delete_many({"_id": {"$in": planned.moved}})
-    problems: list[Problem] = []
-    inserted = 0
-    sizes = [len(bson.encode(d)) for d in planned.messages]
-    for run in bounded(planned.messages, sizes, bounds):
+    skipped = _not_as_planned(db, planned, _write_documents(db, planned, bounds))
+    applied = Applied(gone={cid for cid, found in skipped.items() if found is None})
+    for cid, found in skipped.items():
+        if _live_since(found, planned.read.get(cid)):
+            applied.problems.append(_live_problem(db, planned.converted[cid], LIVE_SINCE))
+    full_texts.keep(db, [f for f in planned.full_texts if f.conversation_id not in skipped], bounds)
+    moved = [i for cid, ids in planned.moved.items() if cid not in skipped for i in ids]
+    if moved:
+        db[MESSAGES].delete_many({"_id": {"$in": moved}})
+    messages = [d for d in planned.messages if d["conversation_id"] not in skipped]
+    sizes = [len(bson.encode(d)) for d in messages]
+    for run in bounded(messages, sizes, bounds):
         try:
             db[MESSAGES].insert_many(run, ordered=False)
-            inserted += len(run)
+            applied.written += len(run)
         except BulkWriteError as exc:
-            inserted += len(run) - len(exc.details.get("writeErrors", []))
-            problems += _accept_identical(db, exc, run)
+            applied.written += len(run) - len(exc.details.get("writeErrors", []))
+            applied.problems += _accept_identical(db, exc, run)
+    rewritten = [d for d in planned.rewritten if d["conversation_id"] not in skipped]
     rewrites = [
-        ReplaceOne({"_id": d["_id"], "conversation_id": d["conversation_id"]}, d)
-        for d in planned.rewritten
+        ReplaceOne({"_id": d["_id"], "conversation_id": d["conversation_id"]}, d) for d in rewritten
     ]
-    for batch in bounded(rewrites, [len(bson.encode(d)) for d in planned.rewritten], bounds):
+    for batch in bounded(rewrites, [len(bson.encode(d)) for d in rewritten], bounds):
         db[MESSAGES].bulk_write(batch, ordered=False)
-    return inserted + len(planned.rewritten), problems
+    applied.written += len(rewritten)
+    return applied
+
+
+LIVE_SINCE = (
+    "a live turn wrote to the conversation between the run's plan and its writes (it was "
+    "logged to before it was migrated)"
+)
+
+
+def _live_since(found: dict[str, Any] | None, read: dict[str, Any] | None) -> bool:
+    """Whether a live turn wrote to the document since the plan read it: it records turns
+    now, and did not then."""
+    return found is not None and bool(found.get("turns")) and not (read or {}).get("turns")
+
+
+@dataclass
+class _Written:
+    """What the conversation documents' writes did not do."""
+
+    duplicates: set[str] = field(default_factory=set)
+    """Conversations whose insert found a document (written since the plan)."""
+    unmatched: bool = False
+    """Some replace matched no document (changed or deleted since the plan)."""
+
+
+def _write_documents(db: Database[dict[str, Any]], planned: Planned, bounds: Bounds) -> _Written:
+    """Write the conversation documents, each only as the plan read it (`_write`)."""
+    written = _Written()
+    found = [planned.read.get(d["_id"]) for d in planned.conversations]
+    upserts = list(zip(planned.conversations, found, strict=True))
+    sizes = [len(bson.encode(d)) + len(bson.encode(read or {})) for d, read in upserts]
+    for chunk in bounded(upserts, sizes, bounds):
+        replaces = sum(1 for _, read in chunk if read is not None)
+        try:
+            result = db[CONVERSATIONS].bulk_write([_write(*w) for w in chunk], ordered=False)
+            matched = result.matched_count
+        except BulkWriteError as exc:
+            only_duplicates(exc)  # one written meanwhile (the logger's, another run's) stays
+            written.duplicates |= {chunk[e["index"]][0]["_id"] for e in exc.details["writeErrors"]}
+            matched = int(exc.details.get("nMatched", 0))
+        written.unmatched |= matched < replaces
+    return written
+
+
+def _not_as_planned(
+    db: Database[dict[str, Any]], planned: Planned, written: _Written
+) -> dict[str, dict[str, Any] | None]:
+    """The conversations the plan writes to whose document is not as planned once the
+    documents are written, with the document found (None: deleted since the plan). As planned
+    is: inserted by this run, replaced by it, or, where it writes none, still as the plan read
+    it (a rerun finishing a killed run's messages). A replace's own result is known only when
+    every replace of the batch matched; else the document is read back and compared."""
+    wrote = {d["_id"]: d for d in planned.conversations}
+    touched: set[str] = (
+        {d["conversation_id"] for d in planned.messages + planned.rewritten}
+        | {f.conversation_id for f in planned.full_texts if f.conversation_id is not None}
+        | set(planned.moved)
+        | set(wrote)
+    )
+    expected: dict[str, dict[str, Any] | None] = {}
+    for cid in touched:
+        if cid not in wrote:
+            expected[cid] = planned.read.get(cid)
+        elif cid in written.duplicates:
+            expected[cid] = None  # another's document: never as planned
+        elif planned.read.get(cid) is not None and written.unmatched:
+            expected[cid] = _as_stored(db, wrote[cid])
+    if not expected:
+        return {}
+    stored = {d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": sorted(expected)}})}
+    return {
+        cid: stored.get(cid)
+        for cid, wanted in expected.items()
+        if wanted is None or stored.get(cid) != wanted
+    }
+
+
+def _as_stored(db: Database[dict[str, Any]], document: dict[str, Any]) -> dict[str, Any]:
+    """A document as a read gives it back (its BSON types, dates to the millisecond)."""
+    return bson.decode(bson.encode(document), codec_options=db.codec_options)
 
 
 PEOPLES_FIELDS = ("name_source", "resolved_hitl", "approved_calls", "turns")

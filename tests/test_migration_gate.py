@@ -16,6 +16,7 @@ import bson
 import gridfs
 import pytest
 from pymongo import AsyncMongoClient, MongoClient, monitoring
+from pymongo.collection import Collection
 from pymongo.database import Database
 
 from agent_store import AgentMessageLogger, ConversationStore, LegacyTurns, LoggedTurn
@@ -34,6 +35,7 @@ from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES, TurnRules
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from migrations import abandoned, explode, full_texts, gate, lease, orphan_prompts, relocate, writes
 from migrations.cli import main
+from migrations.errors import LockHeld
 from migrations.lease import Lease
 from migrations.problems import PROBLEMS
 from scripts.legacy_corpus import BIG_RESULT_CHARS, NOT_AN_IDENTIFIER, messy_corpus
@@ -2485,3 +2487,268 @@ def test_finish_counts_as_migrated_only_the_legacy_conversations_that_are(
     out = capsys.readouterr().out
     assert "checked 2 legacy conversations: 2 migrated" in out
     assert "c-0: " in out
+
+
+def _between_plan_and_writes(
+    monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[], None]
+) -> None:
+    """`meanwhile` happens once, after the run planned a batch and before its writes (a slow
+    plan, a busy server: no pause, the lease still held)."""
+    apply = writes.apply
+    done: list[bool] = []
+
+    def racing(*args: Any, **kwargs: Any) -> Any:
+        if not done:
+            done.append(True)
+            meanwhile()
+        return apply(*args, **kwargs)
+
+    monkeypatch.setattr(writes, "apply", racing)
+
+
+def _live_turn(wire_uri: str, database: Database[dict[str, Any]], cid: str, n: int) -> Any:
+    async def go() -> Any:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            db = client[database.name]
+            logger = AgentMessageLogger(db, observers=[LegacyTurns(db, dual_write=True)])
+            said = [
+                {"role": "user", "content": f"live question {n}"},
+                {"role": "assistant", "content": f"live answer {n}"},
+            ]
+            return await logger.log_messages(cid, said, user_id="u-1", turn_id=f"live-{n}")
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("how", ["delete", "erase_user"])
+def test_a_rerun_writes_no_message_of_a_conversation_deleted_after_it_planned(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A run killed between a batch's conversation documents and its messages; the rerun
+    plans the missing messages, then the person deletes the conversation (or is erased)
+    before its writes. The conversation's document is gone: none of its messages is written,
+    nothing serves it, and `finish` passes on what is left."""
+    database[CONVERSATIONS].insert_many(
+        [
+            legacy_turn("t-1", "c-1", 0, "SECRET"),
+            legacy_turn("t-2", "c-2", 1, "Kept") | {"user_id": "u-2"},
+        ]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    database[MESSAGES].delete_many({"conversation_id": "c-1"})  # killed before its messages
+
+    def person() -> None:
+        if how == "delete":
+            _as_a_person(wire_uri, database, lambda s: s.delete("c-1", user_id="u-1"))
+        else:
+            _as_a_person(wire_uri, database, lambda s: s.erase_user("u-1"))
+
+    _between_plan_and_writes(monkeypatch, person)
+
+    assert cli(wire_uri, database, "run") == 0
+
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"}) is None
+    assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) == 0
+    assert database[PROBLEMS].count_documents({"conversation_id": "c-1"}) == 0
+    assert database[MESSAGES].count_documents({"conversation_id": "c-2"}) == 2
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_live_turn_between_a_runs_plan_and_its_writes_keeps_its_conversation_whole(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live turn starts an unmigrated conversation after the run planned it: the
+    conversation is the live one's, none of the legacy messages goes in between its turns,
+    it is reported `conversation_already_live`, and the next live turn goes on."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(3)]
+    )
+    _between_plan_and_writes(monkeypatch, lambda: _live_turn(wire_uri, database, "c-1", 1))
+
+    assert cli(wire_uri, database, "run") == 0
+
+    stored = database[MESSAGES].find({"conversation_id": "c-1"}).sort("seq", 1)
+    assert [m["turn_id"] for m in stored] == ["live-1", "live-1"]
+    [live] = database[PROBLEMS].find({"conversation_id": "c-1"})
+    assert live["kind"] == "conversation_already_live"
+    assert [m.seq for m in _live_turn(wire_uri, database, "c-1", 2).messages] == [2, 3]
+    assert cli(wire_uri, database, "finish") == 1
+
+
+@pytest.mark.wire
+def test_finish_counts_migrated_messages_without_their_conversation_as_work_left(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Messages of legacy turns whose conversation document is gone, as are the legacy turns
+    (a run that wrote them after a person deleted the conversation): served by no
+    conversation, but by search and a new turn's `seq`. `finish` names them, and a run that
+    goes through every conversation removes them."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-1", 0, "SECRET"), legacy_turn("t-2", "c-2", 1, "Kept")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    database[CONVERSATIONS].delete_one({"_id": "c-1"})
+    database[LEGACY_TURNS].delete_one({"_id": "t-1"})
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish") == 1
+    assert "c-1: " in capsys.readouterr().out
+
+    assert cli(wire_uri, database, "run") == 0
+    assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) == 0
+    assert database[MESSAGES].count_documents({"conversation_id": "c-2"}) == 2
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("drop", [True, False], ids=["dropped", "kept"])
+def test_a_copy_paused_past_its_lease_moves_nothing_it_read_before_the_pause(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, drop: bool
+) -> None:
+    """Paused inside the move aside, a copy batch read: another run moved and migrated every
+    turn, a person deleted a conversation, `finish --drop-legacy` perhaps dropped the legacy
+    turns. Continued, the run copies nothing it read: it proves its lease before each copy
+    batch, as before a batch's writes."""
+    database.create_collection(LEGACY_TURNS)  # an interrupted copy: the turns are copied
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
+    )
+
+    def meanwhile() -> None:
+        assert cli(wire_uri, database, "run") == 0
+        _as_a_person(wire_uri, database, lambda s: s.delete("c-1", user_id="u-1"))
+        if drop:
+            assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+    _paused_before(monkeypatch, database, (relocate, "_copy_batch"), meanwhile)
+
+    assert cli(wire_uri, database, "run") == 3
+
+    assert (LEGACY_TURNS in database.list_collection_names()) is not drop
+    assert database[LEGACY_TURNS].count_documents({"conversation_id": "c-1"}) == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"}) is None
+    assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) == 0
+
+
+@pytest.mark.wire
+def test_a_history_part_kind_escaping_a_lone_surrogate_is_kept_and_the_run_goes_on(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every text of a problem is held as BSON holds it, not its content only: a part kind
+    escaping a lone surrogate, named in the problem's detail, is written as its escape."""
+    said = [{"kind": "response", "parts": [{"part_kind": "\ud800odd", "content": "«keep me»"}]}]
+    database[CONVERSATIONS].insert_many(
+        [
+            legacy_turn("t-a", "c-a", 0, "A") | {"message_history_json": json.dumps(said)},
+            legacy_turn("t-b", "c-b", 1, "B"),
+        ]
+    )
+    assert cli(wire_uri, database, "run", "--dry-run", "--batch-size", "1") == 0
+    predicted = summary(capsys.readouterr().out)
+
+    assert cli(wire_uri, database, "run", "--batch-size", "1") == 0
+
+    assert summary(capsys.readouterr().out) == predicted
+    assert database[MESSAGES].count_documents({"conversation_id": "c-b"}) == 2
+    [kept] = database[PROBLEMS].find({"conversation_id": "c-a"})
+    assert "\\ud800odd" in kept["detail"]
+    assert "«keep me»" in json.dumps(kept["content"], ensure_ascii=False)
+    assert cli(wire_uri, database, "finish", "--accept", "c-a", "--note", "kept") == 0
+
+
+@pytest.mark.wire
+def test_finish_renews_its_lease_while_its_gate_reads_so_no_run_takes_the_lock(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gate longer than the lease (a large corpus): `finish` renews its lease as it goes,
+    as a run does per batch, so a run started meanwhile finds the lock alive and stops,
+    and `finish` ends as it would."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    convert_batch = gate.convert_batch
+    unread_documents = gate.unread_documents
+    taken: list[bool] = []
+
+    def long_batch(*args: Any, **kwargs: Any) -> Any:
+        ended = {"$set": {"expires_at": datetime.now(UTC) - timedelta(seconds=1)}}
+        database[lease.STATE].update_one({"_id": lease.LOCK_ID}, ended)
+        return convert_batch(*args, **kwargs)
+
+    def a_run_starts(db: Database[dict[str, Any]]) -> Any:
+        try:
+            Lease(database, "run-started-during-the-gate").acquire()
+            taken.append(True)
+        except LockHeld:
+            taken.append(False)
+        return unread_documents(db)
+
+    monkeypatch.setattr(gate, "convert_batch", long_batch)
+    monkeypatch.setattr(gate, "unread_documents", a_run_starts)
+
+    assert cli(wire_uri, database, "finish") == 0
+    assert taken == [False]
+
+
+@pytest.mark.wire
+def test_a_drop_stopped_before_it_dropped_is_finished_by_finish_drop_legacy_again(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`finish --drop-legacy --yes` stopped between recording the drop and making it: no run
+    or `verify` goes on (the drop was decided), and `finish --drop-legacy --yes` again
+    finishes it, the messages as they were."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    messages = stored_messages(database)
+
+    def stopped(self: Any) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Collection, "drop", stopped)
+        assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 130
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 2
+    assert cli(wire_uri, database, "finish") == 2
+    assert "finish --drop-legacy --yes" in capsys.readouterr().err
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+    assert LEGACY_TURNS not in database.list_collection_names()
+    assert stored_messages(database) == messages
+    assert cli(wire_uri, database, "run") == 2
+
+
+@pytest.mark.wire
+def test_a_run_paused_before_recording_orphan_prompts_records_none_after_the_drop(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Paused in its last step, before recording the prompts no conversation takes: another
+    run, `finish --drop-legacy`. Continued, the run records no prompt as taken by none (with
+    the legacy turns gone, every prompt would look so): it proves its lease before each
+    chunk it records."""
+    database[CONVERSATIONS].insert_many([_hitl_turn("t-b", "c-b", 1)])
+    database[SESSION_HITL].insert_one(
+        {"conversation_id": "c-b", "request_id": "r-1", "action": "pay", "status": "pending"}
+    )
+
+    def meanwhile() -> None:
+        assert cli(wire_uri, database, "run") == 0
+        assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+    _paused_before(monkeypatch, database, (orphan_prompts, "record"), meanwhile)
+
+    assert cli(wire_uri, database, "run") == 3
+
+    assert database[PROBLEMS].count_documents({"kind": "orphan_pending_hitl"}) == 0

@@ -49,6 +49,7 @@ from agent_store.legacy._documents import (
     reference_text,
     sort_turns,
     storable,
+    storable_text,
     turn_names,
 )
 from agent_store.legacy._history import HIDDEN_RUNTIME_CONTEXT, history_findings, read_history
@@ -106,7 +107,8 @@ class Problem(BaseModel):
     """What went wrong, for a person."""
     content: Any = None
     """The content concerned, as found; what BSON cannot hold (a text read from JSON holding
-    a lone surrogate) as the JSON text spelling it (`storable`)."""
+    a lone surrogate) as the JSON text spelling it (`storable`). Its texts too hold each lone
+    surrogate as its escape (`storable_text`)."""
     placed: bool = False
     """True when the content was still converted, changed as `detail` says (e.g. given a
     generated id); False when this problem is the only place the content is kept."""
@@ -115,6 +117,12 @@ class Problem(BaseModel):
     @classmethod
     def _storable(cls, value: Any) -> Any:
         return storable(value)
+
+    @field_validator("conversation_id", "legacy_id", "field", "kind", "detail")
+    @classmethod
+    def _storable_text(cls, value: str | None) -> str | None:
+        """Every text of a problem as BSON holds it, as its content (`storable_text`)."""
+        return None if value is None else storable_text(value)
 
 
 @dataclass

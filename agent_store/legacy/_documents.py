@@ -570,7 +570,14 @@ def storable(value: Any) -> Any:
     prompt's params stay their JSON text, and a problem keeps such content so."""
     if encodes(value):
         return value
-    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", dumps(value)[0])
+    return storable_text(dumps(value)[0])
+
+
+def storable_text(text: str) -> str:
+    """A text as BSON holds it: each lone surrogate written as its escape (`\\ud800`), as
+    JSON text spells it. What `storable` makes of a value BSON cannot hold, and every text of
+    a problem (a detail naming a part kind read from JSON, say)."""
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def as_text(value: Any) -> str:
