@@ -38,6 +38,14 @@ ALLOWED_BROADCASTS: dict[tuple[str, str], str] = {
         "`user_id` equality on the compound text index: each shard reads one user's postings"
     ),
     ("migration status", MESSAGES): "an estimated count from collection metadata",
+    ("migration run", MESSAGES): (
+        "its last step looks once for migrated messages left without their conversation "
+        "document (the `seq` 0 ones): the operator's one-shot tool"
+    ),
+    ("migration finish", MESSAGES): (
+        "its gate looks once for migrated messages left without their conversation document "
+        "(the `seq` 0 ones): the operator's one-shot tool"
+    ),
 }
 """Operations that may reach every shard of `agent_messages`, with the reason."""
 _INBOX = re.compile(r"^inbox\.t[0-9a-f]+")
