@@ -150,12 +150,14 @@ def _next_free_seq(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, in
 
 def carried_epochs(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, str]:
     """conversation id -> the `epoch` its stored messages carry: that of the message with the
-    highest `seq` carrying one (one aggregation, the `conversation_id, seq` index walked
-    backwards; conversations whose messages carry none are left out)."""
+    lowest `seq` carrying one, the first live message past the migrated ones (which carry
+    none), not a late insert of a conversation deleted earlier under the id lying past the
+    live turns (one aggregation on the `conversation_id, seq` index; conversations whose
+    messages carry none are left out)."""
     found = db[MESSAGES].aggregate(
         [
             {"$match": {"conversation_id": {"$in": ids}, "epoch": {"$type": "string"}}},
-            {"$sort": {"conversation_id": -1, "seq": -1}},
+            {"$sort": {"conversation_id": 1, "seq": 1}},
             {"$group": {"_id": "$conversation_id", "epoch": {"$first": "$epoch"}}},
         ]
     )

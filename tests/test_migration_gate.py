@@ -1249,6 +1249,31 @@ def test_a_second_attempt_after_a_rollback_keeps_the_epoch_its_live_messages_car
 
 
 @pytest.mark.wire
+def test_a_second_attempt_keeps_the_live_turns_epoch_past_a_deleted_conversations_leftover(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A late insert of a conversation deleted earlier under the id lies past the live turns
+    kept across the rollback, under its own epoch: the document takes the live turns' epoch
+    (the first one past the migrated messages), and a delete takes every live message."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-r", 0, "LEGACY"))
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-r", "native-1", "NATIVE")
+    epoch, _ = _epochs(database, "c-r")
+    database[CONVERSATIONS].delete_one({"_id": "c-r"})  # moved away by the rollback
+    leftover = {"conversation_id": "c-r", "seq": 10, "turn_id": "t-old", "epoch": "0" * 16}
+    leftover |= {"_id": "msg-leftover", "role": "user", "content": "a deleted one's"}
+    database[MESSAGES].insert_one({**leftover, "created_at": datetime(2026, 1, 1, tzinfo=UTC)})
+
+    assert cli(wire_uri, database, "run") == 0
+
+    assert _epochs(database, "c-r")[0] == epoch
+    _as_a_person(wire_uri, database, lambda s: s.delete("c-r", user_id="u-1"))
+    assert [d["_id"] for d in database[MESSAGES].find({"conversation_id": "c-r"})] == [
+        "msg-leftover"
+    ]
+
+
+@pytest.mark.wire
 def test_a_rerun_keeps_the_epoch_of_the_document_it_replaces(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:

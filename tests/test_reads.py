@@ -1301,6 +1301,77 @@ async def test_a_late_insert_of_a_deleted_conversation_gives_way_to_turns_number
     assert await backend.db.agent_messages.count_documents({"content": {"$regex": "^old"}}) == 0
 
 
+async def test_a_first_turn_retried_after_its_late_insert_outlived_its_conversation_is_stored(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The conversation's first turn times out on its writer, the conversation is deleted, the
+    server applies the insert after the delete, and the runtime retries the turn: the retry
+    starts the id again and meets its own messages at their very `seq`s, under the deleted
+    conversation's epoch. They take their place, and the next delete leaves nothing."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+    await logger.ensure_indexes()
+    said = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    held = await _given_up(logger, monkeypatch, said, turn_id="t0")
+    await store.delete("c-x", user_id=OWNER)
+    await logger._messages.insert_many(held, ordered=False)  # applied now, at seqs 0 and 1
+
+    retried = await logger.log_messages("c-x", said, user_id=OWNER, turn_id="t0")
+
+    assert [(m.seq, m.content) for m in retried.messages] == [(0, "hi"), (1, "hello")]
+    epoch = (await backend.db[CONVERSATIONS].find_one({"_id": "c-x"}))["epoch"]
+    assert {m["epoch"] async for m in backend.db.agent_messages.find()} == {epoch}
+    await store.delete("c-x", user_id=OWNER)
+    assert await backend.db.agent_messages.count_documents({}) == 0
+
+
+@pytest.mark.parametrize("gone", ["before the lookup", "before the sweep"])
+async def test_a_turn_meeting_a_deleted_conversations_messages_that_go_meanwhile_is_stored(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, gone: str
+) -> None:
+    """The new conversation's first turn meets a deleted conversation's late messages under
+    its ids, and they go (their slow writer takes them back) before the turn looks them up,
+    or before it sweeps what that conversation left: the turn is stored where it reserved."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+    await logger.ensure_indexes()
+    held = await _given_up(logger, monkeypatch, [{"role": "user", "content": "old"}],
+                           turn_id="t0")  # fmt: skip
+    await store.delete("c-x", user_id=OWNER)
+    await logger._messages.insert_many(held, ordered=False)
+    taken_back = []
+
+    async def take_back() -> None:
+        if not taken_back:
+            taken_back.append(True)
+            await logger._messages.delete_many({"_id": {"$in": [d["_id"] for d in held]}})
+
+    if gone == "before the lookup":  # right after the turn's insert met them
+        insert_many = logger._messages.insert_many
+
+        async def then_taken_back(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await insert_many(*args, **kwargs)
+            finally:
+                await take_back()
+
+        monkeypatch.setattr(logger._messages, "insert_many", then_taken_back)
+    else:
+        left_by = logger._left_by
+
+        async def taken_back_first(*args: Any) -> Any:
+            await take_back()
+            return await left_by(*args)
+
+        monkeypatch.setattr(logger, "_left_by", taken_back_first)
+
+    logged = await logger.log_messages("c-x", [{"role": "user", "content": "new"}],
+                                       user_id=OWNER, turn_id="t0")  # fmt: skip
+
+    assert [(m.seq, m.content) for m in logged.messages] == [(0, "new")]
+    assert [m.content for m in await store.transcript("c-x")] == ["new"]
+
+
 async def test_a_turn_retried_after_its_late_insert_outlived_its_conversation_is_stored_anew(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -952,6 +952,7 @@ class AgentMessageLogger:
             return stored  # stored by an earlier attempt, in another block of the turn
         # Not the turn's attempts: what an earlier conversation under the id left in the way.
         wanted = [d for id_, d in failed.items() if stored.get(id_, {}).get("seq") != d["seq"]
+                  or stored[id_].get("epoch") not in (None, epoch)
                   or not _same_content(stored[id_], d)]  # fmt: skip
         with storage_errors("read the messages in the turn's block"):
             there = await self._messages.find(
@@ -994,27 +995,26 @@ class AgentMessageLogger:
         left_over = _epochs_left_over(found, strays, wanted)
         if left_over:
             strays = await self._left_by(conversation_id, left_over)
-        elif (
-            not strays
-            or found is None
-            or first_seq not in blocks_of(found, plan.key)
+        elif found is None or (strays and (
+            first_seq not in blocks_of(found, plan.key)
             # Records dropped: one of the turn's own blocks is no longer told from a stray.
             or (found.get("turns_dropped") and any(d.get("turn_id") == plan.turn_id
                                                    for d in strays))
             or any(t.startswith(MIGRATED_TURN_PREFIX) or blocks_of(found, turn_key(t))
                    for t in others)
-        ):  # fmt: skip
+        )):  # fmt: skip
             raise _taken(conversation_id, wanted[0]["_id"], wanted[0]["seq"])
         kept = {text.blob_id for text in plan.full_texts}
         await self._full_texts.forget_files(
             [b for d in strays for b in stored_blob_ids(d) if b not in kept]
         )
         with storage_errors("insert the messages"):
-            await self._messages.delete_many(
-                {"conversation_id": conversation_id, "$or": [
-                    {"_id": d["_id"], "seq": d["seq"]} for d in strays
-                ]}
-            )  # fmt: skip
+            if strays:  # none when what met the insert went meanwhile (taken back by its writer)
+                await self._messages.delete_many(
+                    {"conversation_id": conversation_id, "$or": [
+                        {"_id": d["_id"], "seq": d["seq"]} for d in strays
+                    ]}
+                )  # fmt: skip
             try:
                 await self._messages.insert_many(wanted, ordered=False)
             except BulkWriteError as exc:
