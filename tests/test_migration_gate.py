@@ -2437,17 +2437,15 @@ def test_a_run_paused_between_proving_its_lease_and_writing_overwrites_no_newer_
     assert cli(wire_uri, database, "finish") == 0
 
 
-@pytest.mark.wire
-def test_a_history_text_escaping_a_lone_surrogate_is_kept_and_the_dry_run_says_so(
-    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
-) -> None:
-    """JSON text may escape a lone surrogate (`"\\ud800"`), which no BSON text holds: the
-    history part is kept in its problem as that JSON text, the run goes on to every batch,
-    and the dry run predicted it."""
-    said = [
-        {"kind": "request", "parts": [{"part_kind": "user-prompt", "content": "A question"}]},
-        {"kind": "response", "parts": [{"part_kind": "text", "content": "«lone \ud800»"}]},
-    ]
+def _run_as_predicted(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    said: list[dict[str, Any]],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """c-a holding `said` as its history and c-b plain, run one batch each after a dry run:
+    the run says what the dry run predicted and goes on to c-b. The summary, and c-a's one
+    problem record."""
     database[CONVERSATIONS].insert_many(
         [
             legacy_turn("t-a", "c-a", 0, "A") | {"message_history_json": json.dumps(said)},
@@ -2460,9 +2458,25 @@ def test_a_history_text_escaping_a_lone_surrogate_is_kept_and_the_dry_run_says_s
     assert cli(wire_uri, database, "run", "--batch-size", "1") == 0
 
     assert summary(capsys.readouterr().out) == predicted
-    assert predicted["problems"] == 1
     assert database[MESSAGES].count_documents({"conversation_id": "c-b"}) == 2
     [kept] = database[PROBLEMS].find({"conversation_id": "c-a"})
+    return predicted, kept
+
+
+@pytest.mark.wire
+def test_a_history_text_escaping_a_lone_surrogate_is_kept_and_the_dry_run_says_so(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """JSON text may escape a lone surrogate (`"\\ud800"`), which no BSON text holds: the
+    history part is kept in its problem as that JSON text, the run goes on to every batch,
+    and the dry run predicted it."""
+    said = [
+        {"kind": "request", "parts": [{"part_kind": "user-prompt", "content": "A question"}]},
+        {"kind": "response", "parts": [{"part_kind": "text", "content": "«lone \ud800»"}]},
+    ]
+    predicted, kept = _run_as_predicted(wire_uri, database, capsys, said)
+
+    assert predicted["problems"] == 1
     assert json.loads(kept["content"]) == said[1]["parts"][0]
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
@@ -2667,20 +2681,8 @@ def test_a_history_part_kind_escaping_a_lone_surrogate_is_kept_and_the_run_goes_
     """Every text of a problem is held as BSON holds it, not its content only: a part kind
     escaping a lone surrogate, named in the problem's detail, is written as its escape."""
     said = [{"kind": "response", "parts": [{"part_kind": "\ud800odd", "content": "«keep me»"}]}]
-    database[CONVERSATIONS].insert_many(
-        [
-            legacy_turn("t-a", "c-a", 0, "A") | {"message_history_json": json.dumps(said)},
-            legacy_turn("t-b", "c-b", 1, "B"),
-        ]
-    )
-    assert cli(wire_uri, database, "run", "--dry-run", "--batch-size", "1") == 0
-    predicted = summary(capsys.readouterr().out)
+    _, kept = _run_as_predicted(wire_uri, database, capsys, said)
 
-    assert cli(wire_uri, database, "run", "--batch-size", "1") == 0
-
-    assert summary(capsys.readouterr().out) == predicted
-    assert database[MESSAGES].count_documents({"conversation_id": "c-b"}) == 2
-    [kept] = database[PROBLEMS].find({"conversation_id": "c-a"})
     assert "\\ud800odd" in kept["detail"]
     assert "«keep me»" in json.dumps(kept["content"], ensure_ascii=False)
     assert cli(wire_uri, database, "finish", "--accept", "c-a", "--note", "kept") == 0

@@ -516,6 +516,32 @@ async def test_a_repeated_delete_leaves_whole_the_conversation_another_user_star
     await _the_victims_conversation_is_whole(backend, "c-del")
 
 
+def _restarted_before_the_first_message_delete(
+    backend: Backend,
+    store: ConversationStore,
+    logger: AgentMessageLogger,
+    monkeypatch: pytest.MonkeyPatch,
+    said: str,
+    user_id: str | None = None,
+) -> None:
+    """`store`'s first delete of messages reaches the server only after OWNER's "c-del" was
+    deleted and started again (another millisecond) with a turn "t1" saying `said`, by
+    `user_id` or, without one, a service."""
+    messages, late = store._messages, []
+    delete_many = messages.delete_many
+
+    async def arriving_late(*args: Any, **kwargs: Any) -> Any:
+        if not late:
+            late.append(True)
+            await ConversationStore(backend.db).delete("c-del", user_id=OWNER)
+            await asyncio.sleep(0.005)
+            await logger.log_messages("c-del", [{"role": "user", "content": said}],
+                                      user_id=user_id, turn_id="t1")  # fmt: skip
+        return await delete_many(*args, **kwargs)
+
+    monkeypatch.setattr(messages, "delete_many", arriving_late)
+
+
 async def test_a_repeated_delete_leaves_whole_the_conversation_its_owner_started_again_since(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -526,19 +552,7 @@ async def test_a_repeated_delete_leaves_whole_the_conversation_its_owner_started
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     await logger.log_messages("c-del", [{"role": "user", "content": "old"}], user_id=OWNER,
                               turn_id="t1")  # fmt: skip
-    messages, late = store._messages, []
-    delete_many = messages.delete_many
-
-    async def arriving_late(*args: Any, **kwargs: Any) -> Any:
-        if not late:
-            late.append(True)
-            await ConversationStore(backend.db).delete("c-del", user_id=OWNER)
-            await asyncio.sleep(0.005)
-            await logger.log_messages("c-del", [{"role": "user", "content": "new"}],
-                                      user_id=OWNER, turn_id="t1")  # fmt: skip
-        return await delete_many(*args, **kwargs)
-
-    monkeypatch.setattr(messages, "delete_many", arriving_late)
+    _restarted_before_the_first_message_delete(backend, store, logger, monkeypatch, "new", OWNER)
 
     deleted = await store.delete("c-del", user_id=OWNER)
 
@@ -587,19 +601,7 @@ async def test_an_erasures_late_delete_takes_nothing_of_an_unowned_conversation_
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     await logger.log_messages("c-del", [{"role": "user", "content": "old"}], user_id=OWNER,
                               turn_id="t1")  # fmt: skip
-    messages, late = store._messages, []
-    delete_many = messages.delete_many
-
-    async def arriving_late(*args: Any, **kwargs: Any) -> Any:
-        if not late:
-            late.append(True)
-            await ConversationStore(backend.db).delete("c-del", user_id=OWNER)
-            await asyncio.sleep(0.005)
-            await logger.log_messages("c-del", [{"role": "user", "content": "a service's"}],
-                                      turn_id="t1")  # fmt: skip
-        return await delete_many(*args, **kwargs)
-
-    monkeypatch.setattr(messages, "delete_many", arriving_late)
+    _restarted_before_the_first_message_delete(backend, store, logger, monkeypatch, "a service's")
 
     await store.erase_user(OWNER)
 
