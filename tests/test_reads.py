@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from pymongo.errors import BulkWriteError
 
 from agent_store import (
     AgentMessageLogger,
@@ -1301,6 +1302,63 @@ async def test_a_late_insert_of_a_deleted_conversation_gives_way_to_turns_number
     seen = [m.content for m in await store.transcript("c-x")]
     assert seen == [text for n in range(4) for text in (f"new t{n}", f"new t{n}: answer 0")]
     assert await backend.db.agent_messages.count_documents({"content": {"$regex": "^old"}}) == 0
+
+
+async def test_a_message_a_pop_removed_and_a_late_insert_put_back_gives_way_to_the_next_turn(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Turn "t1"'s first insert times out on its writer and reaches the server late; its retry
+    is stored, the runtime pops the answer (a rewind), and then the first insert lands, putting
+    the answer back at the `seq` the next turn gets: that turn is stored there, every retry of
+    it too, and the popped answer is not served again."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages("c-x", [{"role": "user", "content": "t0"}], user_id=OWNER,
+                              turn_id="t0")  # fmt: skip
+    said = [{"role": "user", "content": "t1 q"}, {"role": "assistant", "content": "t1 a"}]
+    held = await _given_up(logger, monkeypatch, said, turn_id="t1")
+    await logger.log_messages("c-x", said, user_id=OWNER, turn_id="t1")
+    assert (await store.pop_last_message("c-x", user_id=OWNER) or said).content == "t1 a"
+    with pytest.raises(BulkWriteError):  # "t1 q" is there; "t1 a" back at seq 2
+        await logger._messages.insert_many(held, ordered=False)
+
+    asked = [{"role": "user", "content": "t2 q"}]
+    logged = await logger.log_messages("c-x", asked, user_id=OWNER, turn_id="t2")
+    again = await logger.log_messages("c-x", asked, user_id=OWNER, turn_id="t2")
+
+    assert [m.seq for m in logged.messages] == [m.seq for m in again.messages] == [2]
+    seen = [m.content for m in await store.transcript("c-x", user_id=OWNER)]
+    assert seen == ["t0", "t1 q", "t2 q"]
+    assert (await store.get_conversation("c-x")).message_count == 3
+
+
+async def test_a_pop_passes_a_deleted_conversations_late_insert_past_the_last_message(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A late insert of OWNER's deleted conversation lies past the last message of the one
+    OWNER started again under the id: a pop removes and answers that conversation's own last
+    message (it was refused every time, the late message never removable by a mark)."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+    await logger.ensure_indexes()
+    await logger.log_messages("c-x", [{"role": "user", "content": "old"}], user_id=OWNER,
+                              turn_id="t0")  # fmt: skip
+    held = await _given_up(logger, monkeypatch, [{"role": "user", "content": "old secret"}],
+                           turn_id="t1")  # fmt: skip
+    await store.delete("c-x", user_id=OWNER)
+    await logger.log_messages("c-x", [{"role": "user", "content": "new"}], user_id=OWNER,
+                              turn_id="n0")  # fmt: skip
+    await logger.log_messages("c-x", [{"role": "user", "content": "newer"}], user_id=OWNER,
+                              turn_id="n1")  # fmt: skip
+    held = [{**d, "seq": 5} for d in held]  # past the new conversation's last message
+    await logger._messages.insert_many(held, ordered=False)
+
+    popped = await store.pop_last_message("c-x", user_id=OWNER)
+
+    assert popped is not None
+    assert popped.content == "newer"
+    assert (await store.get_conversation("c-x")).message_count == 1
 
 
 async def test_a_first_turn_retried_after_its_late_insert_outlived_its_conversation_is_stored(

@@ -942,7 +942,7 @@ class AgentMessageLogger:
         with storage_errors("read the conversation"):
             records = await self._conversations.find_one(
                 {"_id": conversation_id},
-                {"turns.k": 1, "turns.f": 1, "turns_dropped": 1, "epoch": 1},
+                {"turns.k": 1, "turns.f": 1, "turns_dropped": 1, "epoch": 1, "popped_messages": 1},
             )
         if epoch is not None and (records is None or records.get("epoch") not in (None, epoch)):
             await self._take_back(conversation_id, documents, epoch)
@@ -995,6 +995,8 @@ class AgentMessageLogger:
         left_over = _epochs_left_over(found, strays, wanted)
         if left_over:
             strays = await self._left_by(conversation_id, left_over)
+        elif strays and _popped(found, strays):
+            pass  # brought back by a late insert after a pop removed them: they go again
         elif found is None or (strays and (
             first_seq not in blocks_of(found, plan.key)
             # Records dropped: one of the turn's own blocks is no longer told from a stray.
@@ -1051,6 +1053,14 @@ class AgentMessageLogger:
                 {"seq": 1, "truncated": 1},
             ).to_list(None)
         return found
+
+
+def _popped(found: Mapping[str, Any] | None, strays: list[dict[str, Any]]) -> bool:
+    """Whether every stray is a message the conversation lists as popped (`popped_messages`,
+    by id and `seq`): an earlier attempt's insert of its turn, landing after a retry was
+    stored and a pop removed it, put it back where a later turn now goes."""
+    listed = {(p.get("i"), p.get("s")) for p in (found or {}).get("popped_messages") or ()}
+    return all((d["_id"], d.get("seq")) in listed for d in strays)
 
 
 def _epochs_left_over(

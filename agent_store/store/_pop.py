@@ -141,12 +141,23 @@ class Pop:
         pop: PopInProgress | None = None
         for _ in range(POP_ATTEMPTS):
             with storage_errors("read the last message"):
-                doc = await self.messages.find_one(self.query, sort=[("seq", -1)])
+                doc = await self.messages.find_one(
+                    _own(self.query, conversation), sort=[("seq", -1)]
+                )
             if doc is None:
                 return None
             message = message_adapter.validate_python(doc)
-            if pop is None or pop.message_id != message.id:  # else what it read still holds
+            if conversation is None and message.epoch is not None:
+                try:  # reads below the message may come upon a gap: a turn in flight, or...
+                    pop = await self._what_removing_changes(message)
+                except StorageUnavailable:
+                    visible, conversation, _ = await self._finish_under_way()
+                    if not visible or (conversation or {}).get("epoch") in (None, message.epoch):
+                        raise
+                    continue  # ...a deleted conversation's late insert: its own last one next
+            elif pop is None or pop.message_id != message.id:  # else what it read still holds
                 pop = await self._what_removing_changes(message)
+            assert pop is not None
             count = self._passing(message, conversation)
             if await self._remove(scope, message, pop, count):
                 return message
@@ -335,7 +346,7 @@ class Pop:
         removed its message from this conversation (the pop it finished, or one its
         `popped_messages` lists: by that pop, or by any pop for an entry that names none)."""
         conversation_id = str(self.scope["_id"])
-        read = {"popping": 1, "pops": 1, "message_count": 1, **GAPS_READ}
+        read = {"popping": 1, "pops": 1, "message_count": 1, "epoch": 1, **GAPS_READ}
         if earlier is not None:
             read["popped_messages"] = 1
         with storage_errors("read the conversation"):
@@ -352,6 +363,14 @@ class Pop:
             await self._finish(conversation_id, pop)
             return True, None, removed or (pop.message_id, pop.pop_id) == earlier
         return True, doc, removed
+
+
+def _own(query: dict[str, Any], conversation: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`query` for the last message, once a read of the conversation told its `epoch`: its own
+    messages (that epoch, or none), never a deleted conversation's late insert lying past its
+    last one, which no mark would ever let the pop remove."""
+    epoch = None if conversation is None else conversation.get("epoch")
+    return query if epoch is None else {**query, "epoch": {"$in": [epoch, None]}}
 
 
 def _removed_by(entry: PoppedMessage, message_id: str | None, pop_id: str | None) -> bool:
