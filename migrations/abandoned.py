@@ -4,14 +4,17 @@ after the run. Neither a run nor the gate reaches them through the legacy conver
 so they are looked for here: the conversations whose first message (`seq` 0) is the
 migration's (a `legacy-…` turn id, which no live turn may take; the migration writes a
 conversation's messages from `seq` 0 on) and that no legacy turn names now, by the rule the
-read fallback names a conversation's turns by (`turns_known_as`). And the conversations of
+read fallback names a conversation's turns by (`turns_known_as`). Those with no first message
+whose document is the migration's (`_written_by_migration`: a run killed between a batch's
+documents and its messages, the conversation deleted meanwhile), too. And the conversations of
 the migration's messages whose document is gone and that no legacy turn names (a person
 deleted the conversation while a run wrote them): served by search, and holding the `seq`
 values a new turn under the id takes.
 
-A run's last step removes each (its messages, their whole texts, its document and its
-recorded problems): their content is where the legacy turns are filed now, in the
-conversation the run migrated them into. One a live turn wrote to (a message of a live turn
+A run's last step removes each (its messages, their whole texts, or every whole text kept
+under its id when it holds no message, its document and its recorded problems): their
+content is where the legacy turns are filed now, in the conversation the run migrated them
+into, or nowhere, deleted by a person. One a live turn wrote to (a message of a live turn
 id, or turn records on its document) is never removed: it is reported, by `run` and by
 `finish`, for a person to decide. A chunk of `CHUNK` conversation documents at a time: one
 indexed read of their first messages, one read of the legacy turns, and the messages only of
@@ -60,6 +63,9 @@ class Abandoned:
     live: int = 0
     """How many of its messages live turns wrote (one more when its document holds turn
     records): while any, it is reported, not removed."""
+    document_only: bool = False
+    """Its document is the migration's and it has no first message (`_written_by_migration`):
+    with no message either, its document alone is left."""
 
     @property
     def reason(self) -> str:
@@ -67,6 +73,11 @@ class Abandoned:
             f"holds {len(self.migrated)} messages of legacy turns that none of the legacy "
             "turns names now (re-filed under another conversation or deleted after the run)"
         )
+        if self.document_only and not self.migrated:
+            found = (
+                "is a conversation document the migration wrote, without messages (a run "
+                "stopped before them), that none of the legacy turns names now"
+            )
         if self.live:
             return (
                 f"{found}, and what live turns wrote: delete the migrated "
@@ -110,18 +121,37 @@ def _derived_unknown(document: Mapping[str, Any]) -> bool:
     return cid.startswith(DERIVED_CONVERSATION_PREFIX) and "legacy_conversation_id" not in document
 
 
+def _written_by_migration(document: Mapping[str, Any]) -> bool:
+    """Whether a conversation document is one the migration wrote, whatever became of its
+    messages: it counts messages (the legacy turns'), yet no turn was logged to it (no turn
+    records, of either release) and it draws no `epoch`, which every document a person
+    (`upsert_conversation`, counting none) or a live turn creates draws, and the migration
+    never does (`writes.wanted_document`)."""
+    return (
+        int(document.get("message_count") or 0) > 0
+        and not document.get("turns")
+        and not document.get("recent_turns")
+        and document.get("epoch") is None
+    )
+
+
 def _migrated(
     db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]
-) -> list[Mapping[str, Any]]:
-    """The conversations of these the migration made: their first message is its own."""
+) -> tuple[list[Mapping[str, Any]], set[str]]:
+    """The conversations of these the migration made: their first message is its own, or
+    they have none and their document is the migration's (the second set, by id)."""
     query = {"conversation_id": {"$in": [d["_id"] for d in documents]}, "seq": 0}
-    first = db[MESSAGES].find(query, {"conversation_id": 1, "turn_id": 1})
-    made = {m["conversation_id"] for m in first if is_migrated(m.get("turn_id"))}
-    return [d for d in documents if d["_id"] in made]
+    first = {
+        m["conversation_id"]: m
+        for m in db[MESSAGES].find(query, {"conversation_id": 1, "turn_id": 1})
+    }
+    made = {cid for cid, m in first.items() if is_migrated(m.get("turn_id"))}
+    bare = {d["_id"] for d in documents if d["_id"] not in first and _written_by_migration(d)}
+    return [d for d in documents if d["_id"] in made | bare], bare
 
 
 def _abandoned(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]) -> list[Abandoned]:
-    made = _migrated(db, documents)
+    made, bare = _migrated(db, documents)
     named = _named(db, made) if made else set()
     if named is None:
         return []
@@ -129,20 +159,28 @@ def _abandoned(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]])
     if not unnamed:
         return []
     ids = [d["_id"] for d in unnamed]
-    found = {d["_id"]: Abandoned(d["_id"], live=1 if d.get("turns") else 0) for d in unnamed}
+    found = {
+        d["_id"]: Abandoned(
+            d["_id"], live=1 if d.get("turns") else 0, document_only=d["_id"] in bare
+        )
+        for d in unnamed
+    }
     for message in db[MESSAGES].find({"conversation_id": {"$in": ids}}):
         item = found[message["conversation_id"]]
         if is_migrated(message.get("turn_id")):
             item.migrated.append(message)
         else:
             item.live += 1
-    return [item for item in found.values() if item.migrated]
+    return [item for item in found.values() if item.migrated or item.document_only]
 
 
 def chunks(db: Database[dict[str, Any]]) -> Iterator[list[Abandoned]]:
     """The abandoned conversations, a chunk of `CHUNK` conversation documents at a time; then
     those of the migration's messages whose conversation document is gone (`_without_document`)."""
-    fields = {"_id": 1, "legacy_conversation_id": 1, "turns": 1}
+    fields = {
+        "_id": 1, "legacy_conversation_id": 1, "turns": 1, "recent_turns": 1, "epoch": 1,
+        "message_count": 1,
+    }  # fmt: skip
     documents = db[CONVERSATIONS].find({}, fields).sort("_id", 1)
     for chunk in batches(iter(documents), CHUNK):
         yield _abandoned(db, chunk)
@@ -174,6 +212,15 @@ def _still_safe(run: Explosion) -> None:
         )
 
 
+def _forget_texts_of_removed(db: Database[dict[str, Any]], bare: list[str]) -> None:
+    """The whole texts kept under conversations removed with no message to name them (the
+    run wrote them before it was stopped): those whose document is gone now, not one a
+    person created again under the id since."""
+    if bare:
+        still = {d["_id"] for d in db[CONVERSATIONS].find({"_id": {"$in": bare}}, {"_id": 1})}
+        full_texts.forget_conversations(db, [cid for cid in bare if cid not in still])
+
+
 def remove(run: Explosion) -> list[Abandoned]:
     """A run's last step, once it has gone through every conversation: remove each abandoned
     conversation holding only the migration's messages (unless a dry run); answer those left
@@ -193,7 +240,14 @@ def remove(run: Explosion) -> list[Abandoned]:
             {"conversation_id": {"$in": ids}, "_id": {"$in": [m["_id"] for m in messages]}}
         )
         full_texts.forget(run.db, [b for m in messages for b in stored_blob_ids(m)])
-        run.db[CONVERSATIONS].delete_many({"_id": {"$in": ids}, "turns.0": {"$exists": False}})
+        bare = [item.conversation_id for item in gone if item.document_only and not item.migrated]
+        # A document of no message goes only while still the migration's (one a person
+        # created again under its id since draws an epoch).
+        kept = {"$or": [{"_id": {"$nin": bare}}, {"epoch": None}]}
+        run.db[CONVERSATIONS].delete_many(
+            {"_id": {"$in": ids}, "turns.0": {"$exists": False}, **kept}
+        )
+        _forget_texts_of_removed(run.db, bare)
         problem_report.replace(run.db, ids, [], at=run.undated_at, bounds=run.options.bounds)
     run.counts.abandoned_left += len(left)
     return left

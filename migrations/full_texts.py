@@ -83,6 +83,14 @@ def forget(db: Database[dict[str, Any]], blob_ids: Sequence[str]) -> None:
         db[BLOB_CHUNKS].delete_many({"files_id": {"$in": list(blob_ids)}})
 
 
+def forget_conversations(db: Database[dict[str, Any]], conversation_ids: Sequence[str]) -> None:
+    """Delete every file kept under these conversations (`metadata.conversation_id`, indexed):
+    those of a conversation removed with no message left to name them."""
+    if conversation_ids:
+        query = {"metadata.conversation_id": {"$in": list(conversation_ids)}}
+        forget(db, [d["_id"] for d in db[BLOB_FILES].find(query, {"_id": 1})])
+
+
 def texts(db: Database[dict[str, Any]], blob_ids: Iterable[str]) -> dict[str, str]:
     """The whole texts found, by blob id; a missing or incomplete file is left out."""
     wanted = sorted(set(blob_ids))

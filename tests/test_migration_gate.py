@@ -2644,6 +2644,92 @@ def test_finish_counts_migrated_messages_without_their_conversation_as_work_left
     assert cli(wire_uri, database, "finish") == 0
 
 
+def _killed_at_the_first_message_insert(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run dies as it is about to insert its first messages: after a batch's conversation
+    documents (and whole texts), before any of its messages."""
+    insert_many = Collection.insert_many
+
+    def killed(self: Collection[Any], *args: Any, **kwargs: Any) -> Any:
+        if self.name == MESSAGES:
+            raise KeyboardInterrupt
+        return insert_many(self, *args, **kwargs)
+
+    monkeypatch.setattr(Collection, "insert_many", killed)
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("how", ["delete", "erase_user"])
+def test_a_first_runs_document_of_a_conversation_deleted_before_its_messages_is_removed(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    how: str,
+) -> None:
+    """A first run plans a conversation; the person deletes it (or is erased) before the
+    writes, so its document's insert meets nothing, and the run is killed before its
+    messages. The document the migration wrote, with no message and named by no legacy
+    turn, is work left for `finish`; the next run removes it and its whole texts; the
+    person starting the conversation again starts it afresh."""
+    big = [{"type": "text", "content": "x" * 1_200_000 + "«SECRET END»"}]
+    database[CONVERSATIONS].insert_many(
+        [
+            legacy_turn("t-1", "c-1", 0, "SECRET") | {"response_parts": big},
+            legacy_turn("t-2", "c-2", 1, "Kept") | {"user_id": "u-2"},
+        ]
+    )
+
+    def person() -> None:
+        if how == "delete":
+            _as_a_person(wire_uri, database, lambda s: s.delete("c-1", user_id="u-1"))
+        else:
+            _as_a_person(wire_uri, database, lambda s: s.erase_user("u-1"))
+
+    _between_plan_and_writes(monkeypatch, person)
+    _killed_at_the_first_message_insert(monkeypatch)
+    assert cli(wire_uri, database, "run") == 130
+    monkeypatch.undo()
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"}) is not None  # as the kill left it
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish") == 1
+    assert "c-1: " in capsys.readouterr().out
+
+    assert cli(wire_uri, database, "run") == 0
+
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"}) is None
+    assert "SECRET" not in "\n".join(gridfs_texts(database))
+    assert database[MESSAGES].count_documents({"conversation_id": "c-2"}) == 2
+    assert cli(wire_uri, database, "finish") == 0
+    assert [m.seq for m in _live_turn(wire_uri, database, "c-1", 1).messages] == [0, 1]
+
+
+@pytest.mark.wire
+def test_a_persons_named_empty_conversation_is_left_as_it_is(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A conversation a person created and named, with no message yet and no legacy turn:
+    neither work left for `finish` nor removed by a run."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "Legacy"))
+
+    async def create() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            db = client[database.name]
+            logger = AgentMessageLogger(db, legacy=LegacyTurns(db, read_fallback=True))
+            await logger.upsert_conversation("c-9", user_id="u-1", name="Mine")
+        finally:
+            await client.close()
+
+    asyncio.run(create())
+    before = database[CONVERSATIONS].find_one({"_id": "c-9"})
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+    assert database[CONVERSATIONS].find_one({"_id": "c-9"}) == before
+
+
 @pytest.mark.wire
 @pytest.mark.parametrize("drop", [True, False], ids=["dropped", "kept"])
 def test_a_copy_paused_past_its_lease_moves_nothing_it_read_before_the_pause(
