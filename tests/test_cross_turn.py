@@ -280,6 +280,11 @@ async def test_a_refusal_read_before_another_tab_approved_denies_nothing(
     assert [m.content for m in logged.messages] == ["Okay."]
     assert again.replayed
     assert [m.id for m in again.messages] == [m.id for m in logged.messages]
+    await _awaited_and_answered_by_its_result(runtime)
+
+
+async def _awaited_and_answered_by_its_result(runtime: Runtime) -> None:
+    """tc-9 awaits its result, held by no prompt, and the booking's result answers it."""
     assert await held_calls(runtime.store) == [("tc-9", None)]
     await runtime.stream([BOOKED])
     assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
@@ -369,9 +374,7 @@ async def test_an_approval_holds_while_its_call_is_pending_however_many_prompts_
 
     await runtime.stream([DENIED, {"type": "stream_token", "token": "Okay."}])
 
-    assert await held_calls(runtime.store) == [("tc-9", None)]
-    await runtime.stream([BOOKED])
-    assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
+    await _awaited_and_answered_by_its_result(runtime)
 
 
 async def test_a_retry_of_a_turn_logged_without_an_approved_calls_denial_is_that_turn(

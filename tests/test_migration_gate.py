@@ -2379,10 +2379,8 @@ def test_a_run_paused_after_planning_past_its_lease_brings_back_nothing_deleted_
     assert state.get("complete") is True
 
 
-@pytest.mark.wire
-def test_a_run_paused_after_planning_past_its_lease_keeps_a_rename_and_a_resolved_prompt(
-    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _a_name_and_a_prompt(database: Database[dict[str, Any]]) -> None:
+    """Legacy c-a (named after its text) and c-b, with a pending prompt r-1."""
     database[CONVERSATIONS].insert_many(
         [legacy_turn("t-a", "c-a", 0, "A"), _hitl_turn("t-b", "c-b", 1)]
     )
@@ -2390,17 +2388,32 @@ def test_a_run_paused_after_planning_past_its_lease_keeps_a_rename_and_a_resolve
         {"conversation_id": "c-b", "request_id": "r-1", "action": "pay", "status": "pending"}
     )
 
+
+def _a_person_renames_and_resolves(wire_uri: str, database: Database[dict[str, Any]]) -> None:
+    _as_a_person(wire_uri, database, lambda s: s.rename("c-a", "Mine", user_id="u-1"))
+    _as_a_person(wire_uri, database, lambda s: s.resolve_hitl("c-b", "r-1", user_id="u-1"))
+
+
+def _the_persons_changes_stand(database: Database[dict[str, Any]]) -> None:
+    assert (database[CONVERSATIONS].find_one({"_id": "c-a"}) or {}).get("name") == "Mine"
+    assert (database[CONVERSATIONS].find_one({"_id": "c-b"}) or {}).get("pending_hitl") is None
+
+
+@pytest.mark.wire
+def test_a_run_paused_after_planning_past_its_lease_keeps_a_rename_and_a_resolved_prompt(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _a_name_and_a_prompt(database)
+
     def meanwhile() -> None:
         assert cli(wire_uri, database, "run") == 0
-        _as_a_person(wire_uri, database, lambda s: s.rename("c-a", "Mine", user_id="u-1"))
-        _as_a_person(wire_uri, database, lambda s: s.resolve_hitl("c-b", "r-1", user_id="u-1"))
+        _a_person_renames_and_resolves(wire_uri, database)
 
     _paused_before(monkeypatch, database, (writes, "apply"), meanwhile)
 
     assert cli(wire_uri, database, "run") == 3
 
-    assert (database[CONVERSATIONS].find_one({"_id": "c-a"}) or {}).get("name") == "Mine"
-    assert (database[CONVERSATIONS].find_one({"_id": "c-b"}) or {}).get("pending_hitl") is None
+    _the_persons_changes_stand(database)
     assert cli(wire_uri, database, "finish") == 0
 
 
@@ -2411,27 +2424,20 @@ def test_a_run_paused_between_proving_its_lease_and_writing_overwrites_no_newer_
     """The window a renewal right before the writes leaves: its writes are conditional. A
     conversation document is replaced only while it is the one the run read, and the
     checkpoint is written only while the lock names the run."""
-    database[CONVERSATIONS].insert_many(
-        [legacy_turn("t-a", "c-a", 0, "A"), _hitl_turn("t-b", "c-b", 1)]
-    )
-    database[SESSION_HITL].insert_one(
-        {"conversation_id": "c-b", "request_id": "r-1", "action": "pay", "status": "pending"}
-    )
+    _a_name_and_a_prompt(database)
     assert cli(wire_uri, database, "run") == 0
     # Edited after the run: the next run rewrites both documents.
     database[LEGACY_TURNS].update_many({}, {"$set": {"name": "Edited"}})
 
     def meanwhile() -> None:
         assert cli(wire_uri, database, "run") == 0
-        _as_a_person(wire_uri, database, lambda s: s.rename("c-a", "Mine", user_id="u-1"))
-        _as_a_person(wire_uri, database, lambda s: s.resolve_hitl("c-b", "r-1", user_id="u-1"))
+        _a_person_renames_and_resolves(wire_uri, database)
 
     _paused_before(monkeypatch, database, (full_texts, "keep"), meanwhile)
 
     assert cli(wire_uri, database, "run") == 3
 
-    assert (database[CONVERSATIONS].find_one({"_id": "c-a"}) or {}).get("name") == "Mine"
-    assert (database[CONVERSATIONS].find_one({"_id": "c-b"}) or {}).get("pending_hitl") is None
+    _the_persons_changes_stand(database)
     state = database[lease.STATE].find_one({"_id": lease.STATE_ID}) or {}
     assert state.get("complete") is True
     assert cli(wire_uri, database, "finish") == 0
