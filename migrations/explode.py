@@ -58,6 +58,7 @@ from agent_store.legacy import (
     parse_turns,
     prompt_conversation,
     prompts_filter,
+    scalar_filter,
     stored_conversation_id,
     turns_known_as,
     with_session_prompts,
@@ -270,8 +271,14 @@ def _key(value: Any) -> Any:
 def named(value: Any) -> dict[str, Any]:
     """The filter of the turns under every value the reader names as `value`."""
     if value is None:
-        return {"conversation_id": None}
-    return {"$or": [id_filter("conversation_id", str(id_text(value))), {"conversation_id": value}]}
+        return scalar_filter("conversation_id", {"$eq": None})
+    # An array is matched whole (`{field: [...]}`); any other value by itself alone.
+    exact = (
+        {"conversation_id": value}
+        if isinstance(value, list)
+        else scalar_filter("conversation_id", {"$eq": value})
+    )
+    return {"$or": [id_filter("conversation_id", str(id_text(value))), exact]}
 
 
 def read_session_hitl(
@@ -411,7 +418,10 @@ def other_spellings(
             converted.add(cid)
     renamed = sorted(cid for cid, named in names.items() if named != {cid})
     alone = sorted(cid for cid in converted if names[cid] == {cid} and is_derived_id(cid))
-    reads = [[{"conversation_id": {"$in": ids}}] for ids in batches(iter(renamed), _IDS_A_READ)]
+    reads = [
+        [scalar_filter("conversation_id", {"$in": ids})]
+        for ids in batches(iter(renamed), _IDS_A_READ)
+    ]
     if stood_for := _stood_for(db, alone, source):
         reads.append(stood_for)
     seen = {_identity(d) for d in documents}

@@ -13,12 +13,14 @@ hold their content (placed) or not (content only the legacy turns hold).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import bson
 from bson import Int64
+from pydantic import BaseModel
 from pymongo import InsertOne, ReplaceOne
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError
@@ -122,11 +124,34 @@ def owner_after(existing: dict[str, Any] | None, wanted: Conversation) -> str | 
     return wanted.user_id
 
 
+def same_bson(a: Any, b: Any) -> bool:
+    """Whether two values are what BSON stores alike, the one rule every comparison of what is
+    stored with what a run plans goes by: a NaN is the same as a NaN (Python's `==` finds it
+    unequal to itself: a rerun would rewrite it every time and the gate never pass), while
+    `0.0` and `-0.0`, `120` and `120.0`, `True` and `1`, which `==` finds equal, are not (as
+    the move aside compares a copy, `relocate`). Models by every field, the store's
+    bookkeeping too; documents by their keys, in any order; a list as an array."""
+    if isinstance(a, BaseModel) or isinstance(b, BaseModel):
+        return type(a) is type(b) and same_bson(dict(a), dict(b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(same_bson(a[key], b[key]) for key in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(map(same_bson, a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        if math.isnan(a) or math.isnan(b):
+            return math.isnan(a) and math.isnan(b)
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    integers = all(isinstance(v, int) and not isinstance(v, bool) for v in (a, b))
+    return (integers or type(a) is type(b)) and bool(a == b)
+
+
 def differs(stored: AgentMessage, wanted: AgentMessage) -> bool:
     """Whether a stored message holds other content, in any field, than the conversion's
     (its owner aside: it follows the conversation document's, `owner_after`, which a claim
-    may have moved). The rerun and the exit gate both ask."""
-    return stored.model_dump(exclude={"user_id"}) != wanted.model_dump(exclude={"user_id"})
+    may have moved), as BSON stores it (`same_bson`). The rerun and the exit gate both ask."""
+    return not same_bson(
+        stored.model_dump(exclude={"user_id"}), wanted.model_dump(exclude={"user_id"})
+    )
 
 
 def _stale_texts(db: Database[dict[str, Any]], wanted: Sequence[FullText]) -> set[str]:
@@ -186,13 +211,13 @@ def _live_problem(db: Database[dict[str, Any]], item: Converted, detail: str) ->
 
 def document_differs(existing: dict[str, Any] | None, wanted: Conversation) -> bool:
     """Whether the stored conversation document differs from the wanted one (and is the
-    migration's: one the live logger has written to is never overwritten). The rerun and
-    the exit gate both ask."""
+    migration's: one the live logger has written to is never overwritten), as BSON stores it
+    (`same_bson`). The rerun and the exit gate both ask."""
     if existing is None:
         return True
     if existing.get("turns"):
         return False
-    return Conversation.model_validate(existing) != wanted
+    return not same_bson(Conversation.model_validate(existing), wanted)
 
 
 def wanted_document(
@@ -475,7 +500,7 @@ def _not_as_planned(
     return {
         cid: stored.get(cid)
         for cid, wanted in expected.items()
-        if wanted is None or stored.get(cid) != wanted
+        if wanted is None or not same_bson(stored.get(cid), wanted)
     }
 
 
@@ -519,9 +544,9 @@ def _accept_identical(
     problems: list[Problem] = []
     for wanted in failed:
         found = stored.get(wanted["_id"])
-        same = found is not None and message_adapter.validate_python(
-            found
-        ) == message_adapter.validate_python(wanted)
+        same = found is not None and same_bson(
+            message_adapter.validate_python(found), message_adapter.validate_python(wanted)
+        )
         if not same:
             problems.append(
                 Problem(

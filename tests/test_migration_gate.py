@@ -20,7 +20,7 @@ from pymongo.collection import Collection
 from pymongo.database import Database
 
 from agent_store import AgentMessageLogger, ConversationStore, LegacyTurns, LoggedTurn
-from agent_store.core import message_adapter
+from agent_store.core import AgentMessage, Conversation, message_adapter
 from agent_store.legacy import (
     LEGACY_TURNS,
     SESSION_HITL,
@@ -29,6 +29,7 @@ from agent_store.legacy import (
     dumps,
     legacy_turn_documents,
     legacy_turn_id,
+    not_identifiers,
     parse_turns,
 )
 from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES, TurnRules
@@ -1818,6 +1819,56 @@ def test_a_run_never_removes_a_conversation_whose_legacy_turns_are_there_whateve
 
 
 @pytest.mark.wire
+def test_deleting_a_conversation_leaves_the_conversation_an_array_id_holding_its_id_makes(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A turn under `["c-x", "other"]` is a conversation of its own (a derived id): deleting
+    `c-x` takes `c-x`'s turns only, so the rerun and the gate keep the other conversation."""
+    array_id = ["c-x", "other"]
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-x", "c-x", 0, "X") | {"user_id": "alice"},
+         legacy_turn("t-array", "x", 1, "ARRAY") | {"user_id": "alice"},
+         legacy_turn("t-y", "c-y", 2, "Y")]
+    )  # fmt: skip
+    database[CONVERSATIONS].update_one({"_id": "t-array"}, {"$set": {"conversation_id": array_id}})
+    assert cli(wire_uri, database, "run") == 0
+    derived = derived_conversation_id(json.dumps(array_id))
+    assert database[CONVERSATIONS].count_documents({"_id": derived}) == 1
+
+    async def delete() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            db = client[database.name]
+            await ConversationStore(db, legacy=LegacyTurns(db)).delete("c-x", user_id="alice")
+        finally:
+            await client.close()
+
+    asyncio.run(delete())
+    assert cli(wire_uri, database, "run") == 0
+
+    assert sorted(d["_id"] for d in database[LEGACY_TURNS].find()) == ["t-array", "t-y"]
+    assert "ARRAY question" in _contents(database)
+    assert database[CONVERSATIONS].count_documents({"_id": derived}) == 1
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_an_array_id_is_no_identifier_whatever_it_holds(database: Database[dict[str, Any]]) -> None:
+    """A derived id read alone finds the legacy id it stands for among the ids that are no
+    identifier (`not_identifiers`): an array of identifiers is one, as an array of anything."""
+    database[LEGACY_TURNS].insert_many(
+        [{"_id": "t-plain", "conversation_id": "c-x"},
+         {"_id": "t-array", "conversation_id": ["c-x", "other"]},
+         {"_id": "t-numbers", "conversation_id": [1, 2]}]
+    )  # fmt: skip
+
+    found = database[LEGACY_TURNS].find(not_identifiers("conversation_id"))
+
+    assert sorted(d["_id"] for d in found) == ["t-array", "t-numbers"]
+
+
+@pytest.mark.wire
 def test_a_created_at_of_more_digits_than_any_time_is_a_problem_not_a_crashed_run(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:
@@ -2871,3 +2922,71 @@ def test_a_run_paused_before_recording_orphan_prompts_records_none_after_the_dro
     assert cli(wire_uri, database, "run") == 3
 
     assert database[PROBLEMS].count_documents({"kind": "orphan_pending_hitl"}) == 0
+
+
+# -- stored and planned values are compared as BSON stores them -----------------------------
+
+
+def hitl_message(amount: Any) -> AgentMessage:
+    return message_adapter.validate_python(
+        {"_id": "m-1", "conversation_id": "c-h", "seq": 0, "role": "assistant",
+         "created_at": datetime(2024, 1, 1, tzinfo=UTC),
+         "hitl_action": {"action": "refund", "params": {"amount": amount}, "request_id": "r-1"}}
+    )  # fmt: skip
+
+
+def pending_conversation(amount: Any) -> Conversation:
+    at = datetime(2024, 1, 1, tzinfo=UTC)
+    pending = {"request_id": "r-1", "action": "refund", "params": {"amount": [amount]},
+               "message_id": "m-1", "created_at": at}  # fmt: skip
+    return Conversation.model_validate(
+        {"_id": "c-h", "conversation_id": "c-h", "created_at": at, "updated_at": at,
+         "pending_hitl": pending}
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("stored", "planned", "differ"),
+    [
+        pytest.param(float("nan"), float("nan"), False, id="nan"),
+        pytest.param(0.5, 0.5, False, id="equal-doubles"),
+        pytest.param(-0.0, 0.0, True, id="negative-zero"),
+        pytest.param(120, 120.0, True, id="int-and-double"),
+        pytest.param(True, 1, True, id="bool-and-int"),
+    ],
+)
+def test_a_stored_value_differs_from_the_planned_one_exactly_when_bson_tells_them_apart(
+    stored: Any, planned: Any, differ: bool
+) -> None:
+    """Python's `==` finds a NaN unequal to itself (a rerun would rewrite it forever and the
+    gate never pass), and `0.0` equal to `-0.0`, `120` to `120.0`, `True` to `1`, which BSON
+    stores apart: the comparisons of a rerun and of the gate go by what BSON stores."""
+    assert writes.differs(hitl_message(stored), hitl_message(planned)) is differ
+    document = pending_conversation(stored).model_dump(by_alias=True)
+    assert writes.document_differs(document, pending_conversation(planned)) is differ
+
+
+@pytest.mark.wire
+def test_a_nan_in_legacy_hitl_params_is_migrated_once_and_passes_the_gate(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    params = {"amount": float("nan"), "order": "A-1"}
+    database[CONVERSATIONS].insert_one(
+        legacy_turn("t-h", "c-h", 0, "H")
+        | {"response_parts": [{"type": "hitl", "action": "refund", "params": params,
+                               "request_id": "r-1", "prompt": "Refund?"}]}
+    )  # fmt: skip
+    database[SESSION_HITL].insert_one(
+        {"conversation_id": "c-h", "request_id": "r-1", "action": "refund", "params": params,
+         "status": "pending", "prompt": "Refund?"}
+    )  # fmt: skip
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run", "--restart") == 0
+
+    out = capsys.readouterr().out
+    assert "; 0 messages written, 0 conversation documents written" in out
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0

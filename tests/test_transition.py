@@ -604,3 +604,77 @@ async def test_a_deleted_conversation_does_not_come_back_through_a_late_dual_wri
     assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
     with pytest.raises(NotFound):
         await store.get_conversation(cid, user_id=VICTIM)
+
+
+# -- a conversation named by one id never reaches the turns an array id files elsewhere ---
+
+ARRAY_ID = ["conv-x", "other"]
+"""A `conversation_id` stored as an array holding `conv-x`: a query matches an array by its
+elements, yet the migration files such a turn under a derived id of its own."""
+
+
+async def seed_array_id(backend: Backend, *, array_owner: str) -> None:
+    await backend.db[LEGACY_TURNS].insert_many(
+        [{"_id": "lt-x", "conversation_id": "conv-x", "user_id": VICTIM, "user_message": "mine"},
+         {"_id": "lt-array", "conversation_id": ARRAY_ID, "user_id": array_owner,
+          "user_message": "«FILED UNDER AN ARRAY»"}]
+    )  # fmt: skip
+    await backend.db[SESSION_HITL].insert_one(
+        {"_id": "p-array", "conversation_id": ARRAY_ID, "request_id": "r-1", "action": "pay",
+         "status": "pending", "user_id": array_owner}
+    )  # fmt: skip
+
+
+async def test_a_legacy_conversation_is_read_without_the_turns_an_array_id_holding_it_files(
+    backend: Backend,
+) -> None:
+    await seed_array_id(backend, array_owner=MALLORY)
+    _, store = wired(backend)
+
+    transcript = await store.transcript("conv-x", user_id=VICTIM)
+
+    assert [m.content for m in transcript] == ["mine"]
+    assert await store.pending_hitl("conv-x") is None
+    with pytest.raises(NotFound):
+        await store.transcript("conv-x", user_id=MALLORY)
+
+
+async def test_deleting_a_legacy_conversation_leaves_the_turns_an_array_id_holding_it_files(
+    backend: Backend,
+) -> None:
+    await seed_array_id(backend, array_owner=VICTIM)
+    _, store = wired(backend)
+
+    deleted = await store.delete("conv-x", user_id=VICTIM)
+
+    assert deleted.legacy_turns == 1
+    assert [t["_id"] for t in await backend.db[LEGACY_TURNS].find().to_list(None)] == ["lt-array"]
+    assert await backend.db[SESSION_HITL].count_documents({}) == 1
+
+
+async def test_erasing_a_user_takes_their_turns_under_an_array_id_and_leaves_the_id_it_holds(
+    backend: Backend,
+) -> None:
+    """The victim's `conv-x` is no conversation of the user the array turn names: erasing
+    that user takes the array turn, and `conv-x` stays the victim's."""
+    await seed_array_id(backend, array_owner=MALLORY)
+    _, store = wired(backend)
+
+    erased = await store.erase_user(MALLORY)
+
+    assert erased.legacy_turns == 1
+    assert [t["_id"] for t in await backend.db[LEGACY_TURNS].find().to_list(None)] == ["lt-x"]
+    assert [m.content for m in await store.transcript("conv-x", user_id=VICTIM)] == ["mine"]
+
+
+async def test_erasing_a_user_takes_their_turns_under_an_object_id(backend: Backend) -> None:
+    await backend.db[LEGACY_TURNS].insert_one(
+        {"_id": "lt-object", "conversation_id": {"tenant": "t-1", "n": 7}, "user_id": MALLORY,
+         "user_message": "«UNDER AN OBJECT»"}
+    )  # fmt: skip
+    _, store = wired(backend)
+
+    erased = await store.erase_user(MALLORY)
+
+    assert erased.legacy_turns == 1
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 0

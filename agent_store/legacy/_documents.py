@@ -84,9 +84,26 @@ def named_id(value: Any) -> str | None:
     return None if text is None or not text.strip(_BLANK) else text
 
 
+def scalar_filter(field: str, condition: Mapping[str, Any]) -> dict[str, Any]:
+    """The filter of the documents whose `field` itself meets `condition` (query operators:
+    `{"$eq": "c-1"}`, `{"$in": [...]}`), never an array holding such a value.
+
+    A query matches an array by its elements, so `{"conversation_id": "c-1"}` also finds the
+    turns filed under `["c-1", "other"]`, which the reader names apart (`id_text`: its JSON
+    text, a derived id). Every filter naming one conversation by a single value is built by
+    this one rule: a read, a delete or a run by `c-1` never reaches another's turns or prompts.
+    """
+    return {field: {**condition, "$not": {"$type": "array"}}}
+
+
 def names_none(field: str) -> dict[str, Any]:
     """The filter of the documents whose `field` names no conversation (`named_id` None)."""
-    return {"$or": [{field: None}, {field: {"$regex": f"^[{_BLANK}]*$"}}]}
+    return {
+        "$or": [
+            scalar_filter(field, {"$eq": None}),
+            scalar_filter(field, {"$regex": f"^[{_BLANK}]*$"}),
+        ]
+    }
 
 
 _IDENTIFIER_TYPES = ["string", "int", "long", "objectId", "null"]
@@ -96,11 +113,13 @@ _IDENTIFIER_TYPES = ["string", "int", "long", "objectId", "null"]
 def not_identifiers(field: str) -> dict[str, Any]:
     """The filter of the documents whose `field` names an id that is no identifier as text
     (`stored_conversation_id` derives one for it): text that is none, or a value of another
-    type than text, an integer or an ObjectId (a double such as 1e16, an object, a date)."""
+    type than text, an integer or an ObjectId (a double such as 1e16, an object, a date), or
+    an array, whatever it holds (a query would match it by its elements)."""
     return {
         "$or": [
             {"$and": [{field: {"$type": "string"}}, {"$nor": [{field: _IDENTIFIER}]}]},
             {field: {"$exists": True, "$not": {"$type": _IDENTIFIER_TYPES}}},
+            {field: {"$type": "array"}},
         ]
     }
 
@@ -124,21 +143,23 @@ is no integer id, nor any time, and is never given to `int` (which refuses over 
 def id_filter(field: str, text: str) -> dict[str, Any]:
     """The filter of the documents whose `field` the reader names `text` (`id_text`): the text
     itself, an ObjectId, an integer or a double it writes so (`str` of the value), each of
-    its own BSON type, as 5 and 5.0 are two ids to the reader and one value to a query."""
-    clauses: list[dict[str, Any]] = [{field: text}]
+    its own BSON type, as 5 and 5.0 are two ids to the reader and one value to a query; never
+    an array holding one (`scalar_filter`)."""
+    conditions: list[dict[str, Any]] = [{"$eq": text}]
     if ObjectId.is_valid(text):
-        clauses.append({field: ObjectId(text)})
+        conditions.append({"$eq": ObjectId(text)})
     whole = len(text) <= _INT64_DIGITS and re.fullmatch(r"-?[0-9]+", text)
     if whole and str(int(text)) == text and _in_int64(int(text)):
-        clauses += [{field: {"$eq": int(text), "$type": kind}} for kind in ("int", "long")]
+        conditions += [{"$eq": int(text), "$type": kind} for kind in ("int", "long")]
     elif re.fullmatch(r"-?[0-9.e+-]+|-?inf|nan", text):
         with contextlib.suppress(ValueError):
             if str(number := float(text)) == text:
-                clauses.append({field: {"$eq": number, "$type": "double"}})
+                conditions.append({"$eq": number, "$type": "double"})
     if text in ("True", "False"):
-        clauses.append({field: {"$eq": text == "True", "$type": "bool"}})
+        conditions.append({"$eq": text == "True", "$type": "bool"})
     if (decimal := _decimal_named(text)) is not None:
-        clauses.append({field: {"$eq": decimal, "$type": "decimal"}})
+        conditions.append({"$eq": decimal, "$type": "decimal"})
+    clauses = [scalar_filter(field, condition) for condition in conditions]
     return clauses[0] if len(clauses) == 1 else {"$or": clauses}
 
 

@@ -21,6 +21,7 @@ from agent_store.legacy._documents import (
     owner_of,
     parse_turns,
     prompts_filter,
+    scalar_filter,
 )
 from agent_store.legacy._dual_write import legacy_turn_documents
 from agent_store.legacy._session_hitl import with_session_prompts
@@ -95,7 +96,7 @@ class LegacyTurns:
             return set()
         with storage_errors("read the legacy turns"):
             found = await self._turns.distinct(
-                "conversation_id", {"conversation_id": {"$in": list(conversation_ids)}}
+                "conversation_id", scalar_filter("conversation_id", {"$in": list(conversation_ids)})
             )
         return {str(conversation_id) for conversation_id in found}
 
@@ -165,22 +166,23 @@ class LegacyTurns:
         with storage_errors("erase the user's legacy turns"):
             named = await self._turns.distinct("conversation_id", {"user_id": user_id})
             ids = [i for i in named if named_id(i) is not None]
-            owned: list[str] = []
+            owned: list[Any] = []
             if ids:
-                found = await self._turns.find({"conversation_id": {"$in": ids}}, fields).to_list(
-                    None
-                )
-                by_conversation: dict[str, list[Any]] = {}
+                theirs = scalar_filter("conversation_id", {"$in": ids})
+                found = await self._turns.find(theirs, fields).to_list(None)
+                # Keyed by BSON value: an object id is no dict key, and code is no text.
+                by_conversation: dict[bytes, tuple[Any, list[Any]]] = {}
                 for doc in found:
-                    by_conversation.setdefault(doc["conversation_id"], []).append(doc)
+                    key = bson.encode({"id": doc["conversation_id"]})
+                    by_conversation.setdefault(key, (doc["conversation_id"], []))[1].append(doc)
                 owned = [
                     cid
-                    for cid, docs in by_conversation.items()
+                    for cid, docs in by_conversation.values()
                     if owner_of(parse_turns(docs)) == user_id
                 ]
             query: dict[str, Any] = {"user_id": user_id}
             if owned:
-                query = {"$or": [query, {"conversation_id": {"$in": owned}}]}
+                query = {"$or": [query, scalar_filter("conversation_id", {"$in": owned})]}
             deleted = await self._turns.delete_many(query)
             prompts = [prompts_filter(str(id_text(cid))) for cid in owned]
             await self._prompts.delete_many({"$or": [{"user_id": user_id}, *prompts]})
@@ -243,12 +245,8 @@ class LegacyTurns:
             {"_id": conversation.id, "created_at": conversation.created_at}, {"_id": 1}
         )
         if still is None and written:
-            await self._turns.delete_many(
-                {
-                    "_id": {"$in": [d["_id"] for d in written]},
-                    "conversation_id": written[0]["conversation_id"],
-                }
-            )
+            named = scalar_filter("conversation_id", {"$eq": written[0]["conversation_id"]})
+            await self._turns.delete_many({"_id": {"$in": [d["_id"] for d in written]}, **named})
 
     async def delete_dual_writes(
         self, conversation_id: str, *, owner: str | None, legacy_id: str | None = None
@@ -262,7 +260,11 @@ class LegacyTurns:
             named.append(original)
         with storage_errors("delete the legacy turns"):
             deleted = await self._turns.delete_many(
-                {"conversation_id": {"$in": named}, "dual_write": True, "user_id": owner}
+                {
+                    **scalar_filter("conversation_id", {"$in": named}),
+                    "dual_write": True,
+                    "user_id": owner,
+                }
             )
         return int(deleted.deleted_count)
 
@@ -295,12 +297,16 @@ def turns_known_as(
         return {
             "$or": [
                 {"$and": [own, names_none("conversation_id")]},
-                {"conversation_id": conversation_id},  # turns dual-written under the id
+                # turns dual-written under the id
+                scalar_filter("conversation_id", {"$eq": conversation_id}),
             ]
         }
     if original is not None:
         return {
-            "$or": [{"conversation_id": conversation_id}, id_filter("conversation_id", original)]
+            "$or": [
+                scalar_filter("conversation_id", {"$eq": conversation_id}),
+                id_filter("conversation_id", original),
+            ]
         }
     return id_filter("conversation_id", conversation_id)
 
