@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
-import bson
 from pymongo import ReturnDocument
 from pymongo.database import Database
 
@@ -77,7 +76,7 @@ from migrations.errors import Misuse
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.order import Ranges, plan_ranges, range_ids, spread_ids
 from migrations.relocate import TURN_FILTER
-from migrations.writes import Converted
+from migrations.writes import Converted, identity
 
 LEGACY_FILTER: dict[str, Any] = TURN_FILTER
 """Legacy turns, those the new logger wrote for rollback too: each read is narrowed to what
@@ -424,11 +423,11 @@ def other_spellings(
     ]
     if stood_for := _stood_for(db, alone, source):
         reads.append(stood_for)
-    seen = {_identity(d) for d in documents}
+    seen = {identity(d) for d in documents}
     grouped: dict[Any, tuple[Any, list[dict[str, Any]]]] = {}
     for clauses in reads:
         for doc in db[source].find({"$and": [{"$or": clauses}, LEGACY_FILTER]}):
-            if _identity(doc) not in seen:
+            if identity(doc) not in seen:
                 raw = doc.get("conversation_id")
                 grouped.setdefault(_key(raw), (raw, []))[1].append(doc)
     return list(grouped.values())
@@ -476,11 +475,6 @@ def hashed_turn_ids(
         if turn.key in keys:
             found.setdefault(turn.key, []).append(turn.id)
     return found
-
-
-def _identity(document: Mapping[str, Any]) -> bytes:
-    """A document's `_id` as a key: unique in its collection, whatever its BSON type."""
-    return bson.encode({"_id": document.get("_id")})
 
 
 class Explosion:
@@ -621,7 +615,9 @@ class Explosion:
         found += planned.live
         inserted = len(planned.messages) + len(planned.rewritten)
         if not self.options.dry_run:
-            applied = writes.apply(self.db, planned, self.options.bounds, fence=self.fence)
+            applied = writes.apply(
+                self.db, planned, self.options.bounds, fence=self.fence, source=self.source
+            )
             inserted = applied.written
             # Problems keep content: never a deleted conversation's.
             found = [p for p in found if p.conversation_id not in applied.gone]

@@ -8,8 +8,10 @@ texts of cut messages: ids alone would let two legacy turns whose ids read alike
 share one stored copy, or a turn changed after the run pass), the whole text of
 every cut message, and that whatever it holds that no message can hold (an
 unplaced problem) is recorded in `agent_migration_problems` and accepted by an
-operator (`finish --accept`). A conversation logged to live before its migration
-passes only if the live messages hold its legacy content. A document that is
+operator (`finish --accept`). A conversation logged to live where its legacy turns
+would go passes only if the live messages hold its legacy content. What a person changed
+since the run stays theirs: a rename, a resolved prompt, and messages they popped (read as
+the run stored them, never missing). A document that is
 neither a legacy turn nor a conversation document is read by no run: the gate
 names it. Anything else is work left, and the legacy collection must not be
 dropped.
@@ -40,6 +42,7 @@ from migrations.writes import (
     document_differs,
     is_migrated,
     owner_after,
+    popped,
     wanted_document,
 )
 
@@ -179,17 +182,23 @@ def _reasons(
     conversion = item.conversion
     cid = conversion.conversation_id
     reasons: list[str] = []
-    differences = compare(item, messages)
+    gone = popped(stored.conversations.get(cid))
+    differences = compare(item, messages, gone)
     if differences:
         shown = "; ".join(differences[:3]) + ("; …" if len(differences) > 3 else "")
         reasons.append(f"its messages differ from its legacy turns ({shown}): `verify` lists all")
     if cid in stored.live:
         if not stored.live[cid]:
-            reasons.append("logged to live before its migration; its legacy turns are not merged")
+            reasons.append(
+                "a live turn holds places its legacy turns convert to (see its "
+                "conversation_already_live problem); its legacy turns are not merged"
+            )
     else:
         found = stored.conversations.get(cid)
         reasons += _document_reasons(item, found, messages, stored.epochs.get(cid))
-        missing = sum(1 for m in conversion.messages if m.id not in stored.messages)
+        missing = sum(
+            1 for m in conversion.messages if m.id not in stored.messages and str(m.id) not in gone
+        )
         if missing:
             reasons.append(f"{missing} of {len(conversion.messages)} messages missing")
         changed = _changed(item, messages)
@@ -198,7 +207,11 @@ def _reasons(
                 f"{changed} stored messages differ from what their legacy turns convert to now "
                 "(a turn edited after the run?): run the migration again"
             )
-        lost = sum(1 for f in conversion.full_texts if f.blob_id not in stored.texts)
+        lost = sum(
+            1
+            for f in conversion.full_texts
+            if f.blob_id not in stored.texts and f.message_id not in gone
+        )
         if lost:
             reasons.append(f"{lost} whole texts of cut messages missing")
     return (

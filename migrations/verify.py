@@ -2,7 +2,8 @@
 legacy turns, as canonical transcripts.
 
 The new side is read with cut fields put back whole from GridFS, so a whole
-text that is missing or altered is a difference. A conversation logged to
+text that is missing or altered is a difference; a message a person popped since the run
+(its document lists it) is the person's change, read as the run stored it. A conversation logged to
 live before its migration (its legacy turns were not merged) matches when its
 live messages hold the legacy transcript in order.
 """
@@ -10,7 +11,7 @@ live messages hold the legacy transcript in order.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,11 +19,11 @@ from pymongo.database import Database
 
 from agent_store.core import AgentMessage
 from agent_store.legacy import LEGACY_TURNS
-from agent_store.store import MIGRATED_TURN_PREFIX, TurnRules
+from agent_store.store import CONVERSATIONS, MIGRATED_TURN_PREFIX, TurnRules, with_texts
 from migrations import dual_writes, full_texts
 from migrations.explode import batches, conversation_ids, convert_batch
 from migrations.transcript import contains, differences, from_legacy, from_messages
-from migrations.writes import Converted
+from migrations.writes import Converted, popped
 
 
 @dataclass
@@ -50,10 +51,16 @@ def sample(ids: Iterator[Any], size: int, seed: int) -> list[Any]:
     return sorted(chosen, key=str)
 
 
-def compare(item: Converted, stored: list[AgentMessage]) -> list[str]:
-    """How a conversation's stored messages differ from its legacy turns (none: it matches)."""
+def compare(item: Converted, stored: list[AgentMessage], popped: Collection[str] = ()) -> list[str]:
+    """How a conversation's stored messages differ from its legacy turns (none: it matches).
+    The messages a person popped since the run (`popped`, `writes.popped`) are the person's
+    change: they are read as the run stored them, the conversion's."""
     conversion = item.conversion
     legacy = from_legacy(item.turns, conversion.unplaced)
+    texts = {f.blob_id: f.text for f in conversion.full_texts}
+    back = [with_texts(m, texts) for m in conversion.messages if str(m.id) in popped]
+    if back:
+        stored = sorted([*stored, *back], key=lambda m: m.seq or 0)
     migrated = [m for m in stored if (m.turn_id or "").startswith(MIGRATED_TURN_PREFIX)]
     if migrated or not stored:
         return differences(legacy, from_messages(migrated))
@@ -90,12 +97,18 @@ def verify(
             result.conversations += 1
             result.differences[problem.conversation_id] = [f"cannot be converted: {problem.detail}"]
         dual = dual_writes.differences(db, held)
-        stored = full_texts.stored_messages(db, [c.conversion.conversation_id for c in converted])
+        checked = [c.conversion.conversation_id for c in converted]
+        stored = full_texts.stored_messages(db, checked)
+        documents = {
+            d["_id"]: d
+            for d in db[CONVERSATIONS].find({"_id": {"$in": checked}}, {"popped_messages": 1})
+        }
         for item in converted:
             conversation_id = item.conversion.conversation_id
             result.conversations += 1
             result.unplaced += len(item.conversion.unplaced)
-            found = compare(item, stored[conversation_id]) + dual.pop(conversation_id, [])
+            gone = popped(documents.get(conversation_id))
+            found = compare(item, stored[conversation_id], gone) + dual.pop(conversation_id, [])
             if found:
                 result.differences[conversation_id] = found
             else:

@@ -5,9 +5,12 @@ Planning reads what is already there (conversation documents, messages at the
 batch's `seq` values, whole-text files) and keeps only what is missing or
 different; a conversation document never gives back a `seq` a stored message
 holds. A conversation whose first `seq` values hold messages the
-migration did not write was logged to before it was migrated: its legacy
-turns are not merged, and the problem says whether the live messages already
-hold their content (placed) or not (content only the legacy turns hold).
+migration did not write was logged to live (before it was migrated, or after, where its
+legacy turns now convert to more messages than the run stored): its legacy turns are not
+merged, and the problem says whether the live messages already hold their content (placed)
+or not (content only the legacy turns hold). What a person changed since a run stays
+theirs: a document a person popped messages from, or a live turn wrote to, is never
+overwritten, and the messages a person popped are never put back (`popped`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pymongo.database import Database
 from pymongo.errors import BulkWriteError
 
 from agent_store.core import AgentMessage, Conversation, message_adapter
-from agent_store.legacy import LegacyConversion, LegacyTurn, Problem
+from agent_store.legacy import LEGACY_TURNS, LegacyConversion, LegacyTurn, Problem
 from agent_store.store import (
     CONVERSATIONS,
     MESSAGES,
@@ -119,7 +122,8 @@ def owner_after(existing: dict[str, Any] | None, wanted: Conversation) -> str | 
     """The owner the conversation document holds once a run wrote it: the wanted one, or the
     stored one's when the run leaves it (a document the live logger wrote to). The migration's
     messages carry it (DESIGN §3: the denormalized owner)."""
-    if existing is not None and existing.get("turns"):
+    if written_since(existing):
+        assert existing is not None
         return existing.get("user_id")
     return wanted.user_id
 
@@ -143,6 +147,22 @@ def same_bson(a: Any, b: Any) -> bool:
         return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
     integers = all(isinstance(v, int) and not isinstance(v, bool) for v in (a, b))
     return (integers or type(a) is type(b)) and bool(a == b)
+
+
+def written_since(existing: Mapping[str, Any] | None) -> bool:
+    """Whether a stored conversation document is no longer the migration's alone: the live
+    logger recorded a turn in it (`turns`), or a person popped messages from it (`pops`).
+    A rerun never overwrites such a document: what they changed stays theirs."""
+    return existing is not None and bool(existing.get("turns") or existing.get("pops"))
+
+
+def popped(existing: Mapping[str, Any] | None) -> set[str]:
+    """The ids of the messages a person popped from the conversation, as its document lists
+    them (`popped_messages`, the newest `POPPED_MESSAGES_KEPT`): a change made since the run,
+    which a rerun never undoes (it puts none of them back) and `verify` and `finish` read as
+    the person's (never missing)."""
+    found = (existing or {}).get("popped_messages") or []
+    return {str(p["i"]) for p in found if isinstance(p, Mapping) and "i" in p}
 
 
 def differs(stored: AgentMessage, wanted: AgentMessage) -> bool:
@@ -189,9 +209,26 @@ def carried_epochs(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, st
     return {d["_id"]: d["epoch"] for d in found}
 
 
+def live_detail(taken: int, extent: int, after: bool) -> str:
+    """How a conversation was found logged to live: `taken` of the first `extent` `seq`
+    values its legacy turns convert to hold messages the migration did not write; `after`
+    when the conversation holds the migration's messages too (the live turn came after the
+    migration: the legacy turns convert to more messages now than the run stored)."""
+    held = (
+        f"{taken} of the first {extent} seq values already hold messages the migration "
+        "did not write"
+    )
+    if after:
+        return (
+            f"{held}: a live turn logged after the migration holds places its legacy turns "
+            "convert to now (a legacy turn added or edited since the run?)"
+        )
+    return f"{held} (the conversation was logged to before it was migrated)"
+
+
 def _live_problem(db: Database[dict[str, Any]], item: Converted, detail: str) -> Problem:
-    """A conversation logged to live before its legacy turns were migrated: they are not
-    merged; `detail` says how it was found."""
+    """A conversation logged to live where its legacy turns would go: they are not merged;
+    `detail` says how it was found."""
     conversion = item.conversion
     cid = conversion.conversation_id
     live = full_texts.stored_messages(db, [cid])[cid]
@@ -211,11 +248,11 @@ def _live_problem(db: Database[dict[str, Any]], item: Converted, detail: str) ->
 
 def document_differs(existing: dict[str, Any] | None, wanted: Conversation) -> bool:
     """Whether the stored conversation document differs from the wanted one (and is the
-    migration's: one the live logger has written to is never overwritten), as BSON stores it
-    (`same_bson`). The rerun and the exit gate both ask."""
+    migration's: one the live logger or a person's pop has written to is never overwritten,
+    `written_since`), as BSON stores it (`same_bson`). The rerun and the exit gate both ask."""
     if existing is None:
         return True
-    if existing.get("turns"):
+    if written_since(existing):
         return False
     return not same_bson(Conversation.model_validate(existing), wanted)
 
@@ -278,14 +315,18 @@ def _plan_messages(
     conversion: LegacyConversion,
     stored: dict[int, dict[str, Any]],
     owner: str | None,
+    gone: set[str],
 ) -> None:
     """The conversion's messages and files to write: those missing (`stored`, by `seq`), and
     those stored with other content, another owner than the document's (`owner`) or a stale
-    file, rewritten."""
-    planned.full_texts += conversion.full_texts
-    stale = _stale_texts(db, conversion.full_texts)
+    file, rewritten; none of those a person popped (`gone`), nor their files."""
+    kept = [f for f in conversion.full_texts if f.message_id not in gone]
+    planned.full_texts += kept
+    stale = _stale_texts(db, kept)
     planned.stale_texts += sorted(stale)
     for m in conversion.messages:
+        if str(m.id) in gone:
+            continue
         found = stored.get(m.seq or 0)
         dumped = m.model_dump(by_alias=True) | {"user_id": owner}
         if found is None:
@@ -341,7 +382,11 @@ def _plan_one(
     `seq` values, `next_free` the `seq` after its last stored message, `carried` the epoch its
     stored messages carry (`carried_epochs`)."""
     conversion = item.conversion
-    at = {m.seq: m for m in conversion.messages}
+    extent = len(conversion.messages)
+    gone = popped(found)
+    # A `seq` whose message a person popped is the person's: a turn logged there since is
+    # theirs, never a live turn in the migration's way.
+    at = {m.seq: m for m in conversion.messages if str(m.id) not in gone}
     cid = conversion.conversation_id
     foreign = [
         stored[seq or 0]
@@ -351,17 +396,16 @@ def _plan_one(
     # The migration's own messages are those of legacy turns, these or any filed here
     # before (their turn ids are the migration's: no live writer may name a turn so).
     if not all(is_migrated(d.get("turn_id")) for d in foreign):
-        detail = (
-            f"{len(foreign)} of the first {len(at)} seq values already hold messages the "
-            "migration did not write (the conversation was logged to before it was migrated)"
-        )
-        planned.live.append(_live_problem(db, item, detail))
+        after = any(is_migrated(d.get("turn_id")) for d in stored.values())
+        planned.live.append(_live_problem(db, item, live_detail(len(foreign), extent, after)))
         return
     # Its own messages at other places than the legacy turns put them now (a turn edited
     # since gained or lost a message) are moved; live turns stored past the legacy ones
     # (logged before a rollback moved the live document away) keep their `seq` values,
     # and the next turn goes after them.
-    past = _stored_past(db, cid, len(at)) if next_free > len(at) else []
+    for seq in [seq for seq in stored if seq not in at]:
+        del stored[seq]  # a popped message's place: what holds it now is left as it is
+    past = _stored_past(db, cid, extent) if next_free > extent else []
     live = [d for d in past if not is_migrated(d.get("turn_id"))]
     moved = [d["_id"] for d in foreign + past if is_migrated(d.get("turn_id"))]
     if moved:
@@ -383,7 +427,7 @@ def _plan_one(
         planned.conversations.append(dumped)
     planned.read[cid] = found
     planned.converted[cid] = item
-    _plan_messages(db, planned, conversion, stored, owner_after(found, document))
+    _plan_messages(db, planned, conversion, stored, owner_after(found, document), gone)
 
 
 def apply(
@@ -392,17 +436,21 @@ def apply(
     bounds: Bounds,
     *,
     fence: Callable[[], None] = lambda: None,
+    source: str = LEGACY_TURNS,
 ) -> Applied:
     """Make the planned writes: conversation documents, then, for each conversation whose
-    document is as planned (`_not_as_planned`), whole texts, messages and rewritten messages.
+    document is as planned (`_write_conversations`), whole texts, messages and rewritten
+    messages.
 
     `fence` is called first: it raises when the run may no longer write (its lock taken over
     while it was paused since the plan). A conversation document is written only as the
-    plan read it (`_write`); a conversation whose document is not as planned then (deleted,
-    or written by a live turn, since the plan) gets nothing else: its messages would stand
-    without a document, or between a live turn's."""
+    plan read it (`_write`), and only while the legacy turns the plan read are still in
+    `source`; a conversation whose document is not as planned then (deleted, or written by
+    a live turn, since the plan) or whose legacy turns are gone (a delete, an erasure) gets
+    nothing else: its messages would stand without a document, or between a live turn's,
+    or bring back what a person deleted."""
     fence()
-    skipped = _not_as_planned(db, planned, _write_documents(db, planned, bounds))
+    skipped = _write_conversations(db, planned, bounds, source)
     applied = Applied(gone={cid for cid, found in skipped.items() if found is None})
     for cid, found in skipped.items():
         if _live_since(found, planned.read.get(cid)):
@@ -430,10 +478,59 @@ def apply(
     return applied
 
 
-LIVE_SINCE = (
-    "a live turn wrote to the conversation between the run's plan and its writes (it was "
-    "logged to before it was migrated)"
-)
+LIVE_SINCE = "a live turn wrote to the conversation between the run's plan and its writes"
+
+_TURNS_A_READ = 10_000
+"""Legacy turn ids one read of `_turns_gone` names."""
+
+
+def identity(document: Mapping[str, Any]) -> bytes:
+    """A document's `_id` as a key: unique in its collection, whatever its BSON type."""
+    return bson.encode({"_id": document.get("_id")})
+
+
+def _turns_gone(
+    db: Database[dict[str, Any]], source: str, items: Mapping[str, Converted]
+) -> set[str]:
+    """The conversations of `items` some legacy turn of which, as the plan read them, is no
+    longer in `source` (a person deleted the conversation, an erasure took the turns): one
+    read of their `_id`s (per `_TURNS_A_READ`)."""
+    wanted = [turn.id for item in items.values() for turn in item.turns]
+    found: set[bytes] = set()
+    for start in range(0, len(wanted), _TURNS_A_READ):
+        query = {"_id": {"$in": wanted[start : start + _TURNS_A_READ]}}
+        found |= {identity(d) for d in db[source].find(query, {"_id": 1})}
+    return {
+        cid
+        for cid, item in items.items()
+        if any(identity({"_id": turn.id}) not in found for turn in item.turns)
+    }
+
+
+def _write_conversations(
+    db: Database[dict[str, Any]], planned: Planned, bounds: Bounds, source: str
+) -> dict[str, dict[str, Any] | None]:
+    """Write the conversation documents, fenced by the legacy turns the plan read: none for a
+    conversation whose turns are gone since; then, for those this run inserted, the turns are
+    looked for again, and the document of one whose turns went meanwhile is taken back out
+    (as inserted: a live turn's or a person's since stays). The conversations not as planned
+    (`_not_as_planned`), those whose turns are gone with None: nothing else of them is
+    written, and no problem of theirs is kept."""
+    vanished = _turns_gone(db, source, planned.converted)
+    documents = [d for d in planned.conversations if d["_id"] not in vanished]
+    written = _write_documents(db, documents, planned.read, bounds)
+    inserted = {
+        d["_id"]: d
+        for d in documents
+        if planned.read.get(d["_id"]) is None and d["_id"] not in written.duplicates
+    }
+    late = _turns_gone(db, source, {cid: planned.converted[cid] for cid in inserted})
+    for cid in sorted(late):
+        document = inserted[cid]
+        unchanged = {k: {"$exists": False} for k in PEOPLES_FIELDS if k not in document}
+        db[CONVERSATIONS].delete_one({**_as_stored(db, document), **unchanged})
+    skipped = _not_as_planned(db, planned, written)
+    return skipped | dict.fromkeys(vanished | late)
 
 
 def _live_since(found: dict[str, Any] | None, read: dict[str, Any] | None) -> bool:
@@ -452,11 +549,16 @@ class _Written:
     """Some replace matched no document (changed or deleted since the plan)."""
 
 
-def _write_documents(db: Database[dict[str, Any]], planned: Planned, bounds: Bounds) -> _Written:
-    """Write the conversation documents, each only as the plan read it (`_write`)."""
+def _write_documents(
+    db: Database[dict[str, Any]],
+    documents: Sequence[dict[str, Any]],
+    read: Mapping[str, dict[str, Any] | None],
+    bounds: Bounds,
+) -> _Written:
+    """Write the conversation documents, each only as the plan read it (`read`, `_write`)."""
     written = _Written()
-    found = [planned.read.get(d["_id"]) for d in planned.conversations]
-    upserts = list(zip(planned.conversations, found, strict=True))
+    found = [read.get(d["_id"]) for d in documents]
+    upserts = list(zip(documents, found, strict=True))
     sizes = [len(bson.encode(d)) + len(bson.encode(read or {})) for d, read in upserts]
     for chunk in bounded(upserts, sizes, bounds):
         replaces = sum(1 for _, read in chunk if read is not None)
@@ -509,9 +611,10 @@ def _as_stored(db: Database[dict[str, Any]], document: dict[str, Any]) -> dict[s
     return bson.decode(bson.encode(document), codec_options=db.codec_options)
 
 
-PEOPLES_FIELDS = ("name_source", "resolved_hitl", "approved_calls", "turns")
+PEOPLES_FIELDS = ("name_source", "resolved_hitl", "approved_calls", "turns", "pops")
 """Fields a person or the live logger adds to a conversation document the migration wrote
-(a rename, a resolved prompt, the calls its answer released, turn records)."""
+(a rename, a resolved prompt, the calls its answer released, turn records, the count of
+pops)."""
 
 
 def _write(

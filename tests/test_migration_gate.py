@@ -2701,13 +2701,16 @@ def test_finish_counts_migrated_messages_without_their_conversation_as_work_left
     assert cli(wire_uri, database, "finish") == 0
 
 
-def _killed_at_the_first_message_insert(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The run dies as it is about to insert its first messages: after a batch's conversation
-    documents (and whole texts), before any of its messages."""
+def _killed_at_the_first_message_insert(
+    monkeypatch: pytest.MonkeyPatch, meanwhile: Callable[[], None]
+) -> None:
+    """`meanwhile` happens, then the run dies, as it is about to insert its first messages:
+    after a batch's conversation documents (and whole texts), before any of its messages."""
     insert_many = Collection.insert_many
 
     def killed(self: Collection[Any], *args: Any, **kwargs: Any) -> Any:
         if self.name == MESSAGES:
+            meanwhile()
             raise KeyboardInterrupt
         return insert_many(self, *args, **kwargs)
 
@@ -2715,19 +2718,17 @@ def _killed_at_the_first_message_insert(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 @pytest.mark.wire
-@pytest.mark.parametrize("how", ["delete", "erase_user"])
 def test_a_first_runs_document_of_a_conversation_deleted_before_its_messages_is_removed(
     wire_uri: str,
     database: Database[dict[str, Any]],
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-    how: str,
 ) -> None:
-    """A first run plans a conversation; the person deletes it (or is erased) before the
-    writes, so its document's insert meets nothing, and the run is killed before its
-    messages. The document the migration wrote, with no message and named by no legacy
-    turn, is work left for `finish`; the next run removes it and its whole texts; the
-    person starting the conversation again starts it afresh."""
+    """A first run inserts a conversation's document; a person's delete, whose lookup found
+    no document yet, takes its legacy turns after the run last looked for them, and the run
+    is killed before its messages. The document the migration wrote, with no message and
+    named by no legacy turn, is work left for `finish`; the next run removes it and its whole
+    texts; the person starting the conversation again starts it afresh."""
     big = [{"type": "text", "content": "x" * 1_200_000 + "«SECRET END»"}]
     database[CONVERSATIONS].insert_many(
         [
@@ -2736,14 +2737,10 @@ def test_a_first_runs_document_of_a_conversation_deleted_before_its_messages_is_
         ]
     )
 
-    def person() -> None:
-        if how == "delete":
-            _as_a_person(wire_uri, database, lambda s: s.delete("c-1", user_id="u-1"))
-        else:
-            _as_a_person(wire_uri, database, lambda s: s.erase_user("u-1"))
+    def delete_found_no_document() -> None:
+        database[LEGACY_TURNS].delete_many({"conversation_id": "c-1"})
 
-    _between_plan_and_writes(monkeypatch, person)
-    _killed_at_the_first_message_insert(monkeypatch)
+    _killed_at_the_first_message_insert(monkeypatch, delete_found_no_document)
     assert cli(wire_uri, database, "run") == 130
     monkeypatch.undo()
     assert database[CONVERSATIONS].find_one({"_id": "c-1"}) is not None  # as the kill left it
@@ -2990,3 +2987,175 @@ def test_a_nan_in_legacy_hitl_params_is_migrated_once_and_passes_the_gate(
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+
+# -- a person's pops of migrated messages, and a delete racing a first run ----------------
+
+
+def _pop(wire_uri: str, database: Database[dict[str, Any]], cid: str, times: int) -> list[Any]:
+    """A person pops the last message of the conversation `times` times (the API's pop)."""
+    popped: list[Any] = []
+
+    async def pops(store: ConversationStore) -> None:
+        for _ in range(times):
+            popped.append((await store.pop_last_message(cid, user_id="u-1")).content)
+
+    _as_a_person(wire_uri, database, pops)
+    return popped
+
+
+def _contents_of(database: Database[dict[str, Any]], cid: str) -> list[Any]:
+    stored = database[MESSAGES].find({"conversation_id": cid}, sort=[("seq", 1)])
+    return [m.get("content") for m in stored]
+
+
+@pytest.mark.wire
+def test_a_persons_pop_of_migrated_messages_stays_popped_through_reruns_and_the_gate(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After the migration a person pops the last turn of a migrated conversation: a change
+    the person made. `verify` and `finish` pass it (what a person changed since stays
+    theirs), and a rerun puts no popped message back nor forgets the pops."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-1", 0, "First"), legacy_turn("t-2", "c-1", 1, "«REGRETTED»")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    assert _pop(wire_uri, database, "c-1", 2) == ["«REGRETTED» answer", "«REGRETTED» question"]
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    assert cli(wire_uri, database, "run") == 0
+
+    assert _contents_of(database, "c-1") == ["First question", "First answer"]
+    document = database[CONVERSATIONS].find_one({"_id": "c-1"}) or {}
+    assert (document["pops"], document["message_count"], document["turn_count"]) == (2, 2, 1)
+    assert "REGRETTED" not in capsys.readouterr().out
+    assert cli(wire_uri, database, "finish") == 0
+    assert database[PROBLEMS].count_documents({"conversation_id": "c-1"}) == 0
+
+
+@pytest.mark.wire
+def test_a_turn_logged_after_a_pop_of_a_migrated_answer_is_the_persons_not_already_live(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """The common regenerate: pop the migrated answer, log a new turn. The new turn was
+    logged after the migration, in the place the person freed: no `conversation_already_live`
+    problem, the rerun merges nothing in between, and `finish` passes."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-1", 0, "First"), legacy_turn("t-2", "c-1", 1, "Second")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    assert _pop(wire_uri, database, "c-1", 1) == ["Second answer"]
+    _live_turn(wire_uri, database, "c-1", 1)
+
+    assert cli(wire_uri, database, "run") == 0
+
+    assert _contents_of(database, "c-1") == [
+        "First question", "First answer", "Second question", "live question 1", "live answer 1"
+    ]  # fmt: skip
+    assert database[PROBLEMS].count_documents({"conversation_id": "c-1"}) == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_live_turn_logged_after_the_migration_is_never_said_logged_before_it(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A live turn logged past the migrated messages, then a legacy turn added to the
+    conversation: the legacy turns now convert to messages at the live turn's `seq` values.
+    Its legacy turns are not merged, and the problem and `finish` say the live turn came
+    after the migration, not before it."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "First"))
+    assert cli(wire_uri, database, "run") == 0
+    _live_turn(wire_uri, database, "c-1", 1)
+    database[LEGACY_TURNS].insert_one(legacy_turn("t-2", "c-1", 1, "Late legacy"))
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish") == 1
+
+    [problem] = database[PROBLEMS].find({"conversation_id": "c-1"})
+    assert problem["kind"] == "conversation_already_live"
+    said = problem["detail"] + capsys.readouterr().out
+    assert "after the migration" in said
+    assert "before" not in said.replace("before any", "")
+
+
+def _unmigrated_pair(database: Database[dict[str, Any]]) -> None:
+    """c-1 of u-1, holding content only a problem keeps and a whole text, and c-2 of u-2."""
+    big = [{"type": "text", "content": "x" * 1_200_000 + "«SECRET END»"}]
+    database[CONVERSATIONS].insert_many(
+        [
+            legacy_turn("t-1", "c-1", 0, "SECRET") | {"response_parts": big},
+            legacy_turn("t-1b", "c-1", 1, "SECRET 2")
+            | {"response_parts": [unknown_part("«SECRET PART»")]},
+            legacy_turn("t-2", "c-2", 2, "Kept") | {"user_id": "u-2"},
+        ]
+    )
+
+
+def _nothing_of_c1_is_stored(database: Database[dict[str, Any]]) -> None:
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"}) is None
+    assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) == 0
+    assert database[PROBLEMS].count_documents({"conversation_id": "c-1"}) == 0
+    assert "SECRET" not in "\n".join(gridfs_texts(database))
+
+
+def _deletes_c1(wire_uri: str, database: Database[dict[str, Any]], how: str) -> Callable[[], None]:
+    def person() -> None:
+        if how == "delete":
+            _as_a_person(wire_uri, database, lambda s: s.delete("c-1", user_id="u-1"))
+        else:
+            _as_a_person(wire_uri, database, lambda s: s.erase_user("u-1"))
+
+    return person
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("how", ["delete", "erase_user"])
+def test_a_run_writes_nothing_of_an_unmigrated_conversation_deleted_after_it_planned_it(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A run plans a conversation no document holds yet; the person deletes it (or is erased)
+    before the writes, taking its legacy turns. The run writes nothing of it — no document,
+    message, whole text or problem — and `finish` passes on what is left."""
+    _unmigrated_pair(database)
+    _between_plan_and_writes(monkeypatch, _deletes_c1(wire_uri, database, how))
+
+    assert cli(wire_uri, database, "run", "--conversation", "c-1") == 0
+
+    _nothing_of_c1_is_stored(database)
+    monkeypatch.undo()
+    assert cli(wire_uri, database, "run") == 0
+    assert database[MESSAGES].count_documents({"conversation_id": "c-2"}) == 2
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("how", ["delete", "erase_user"])
+def test_a_delete_landing_just_before_a_runs_document_insert_takes_the_conversation_whole(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The delete (or erasure) lands after the run checked the legacy turns and before it
+    inserts the conversation's document: the document inserted does not bring the
+    conversation back, and nothing else of it is written."""
+    _unmigrated_pair(database)
+    bulk_write = Collection.bulk_write
+    person = _deletes_c1(wire_uri, database, how)
+    done: list[bool] = []
+
+    def racing(self: Collection[Any], *args: Any, **kwargs: Any) -> Any:
+        if self.name == CONVERSATIONS and not done:
+            done.append(True)
+            person()
+        return bulk_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Collection, "bulk_write", racing)
+
+    assert cli(wire_uri, database, "run", "--conversation", "c-1") == 0
+
+    assert done
+    _nothing_of_c1_is_stored(database)
