@@ -5,9 +5,11 @@ even under an id a deleted conversation's file held."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 import gridfs
@@ -19,7 +21,7 @@ from agent_store import AgentMessageLogger, ConversationStore, Truncation
 from agent_store.core import Conflict, StorageUnavailable, message_adapter, utc_now
 from agent_store.store import BLOB_BUCKET, TurnRules, stored_turn_record
 from agent_store.store._blobs import FullTextStore
-from agent_store.store._truncation import FullText, blob_id
+from agent_store.store._truncation import FullText, blob_id, unscoped_blob_id
 from tests.api_harness import (
     OTHER,
     SERVICE_TOKEN,
@@ -117,7 +119,9 @@ async def test_a_fork_keeps_full_texts_of_its_own_that_outlive_the_original(
     assert isinstance(entry, Truncation)
     assert entry.blob_id is not None
     assert cut.id is not None
-    assert entry.blob_id == blob_id(cut.id, "content")  # the fork's own file
+    fork = await backend.db.agent_conversations.find_one({"_id": "fork-of-full-texts"})
+    assert fork is not None
+    assert entry.blob_id == blob_id(cut.id, "content", fork["epoch"])  # the fork's own file
     whole = await store.with_full_texts(await store.transcript("fork-of-full-texts"))
     assert whole[2].content == HUGE
     assert whole[1].tool_calls is not None
@@ -251,9 +255,13 @@ async def test_erasing_a_user_removes_the_full_texts_of_every_message_of_their_c
     assert await backend.db.agent_messages.count_documents({}) == 0
 
 
-async def test_a_file_under_a_taken_id_holding_another_text_is_replaced(backend: Backend) -> None:
-    """Ids come from message ids, which a conversation id taken again reuses: a file left
-    under one by a message that is gone is replaced, never served as another's text."""
+async def test_a_file_left_under_a_taken_id_is_never_read_as_the_next_conversations_text(
+    backend: Backend,
+) -> None:
+    """Message ids come from the conversation and turn ids, which a conversation id taken
+    again reuses; file ids name the conversation's epoch too: a file a gone message left is
+    under another id than the next conversation's, never served as its text, and goes with
+    the id's next delete."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     await logger.log_messages(CID, oversized_turn(), user_id="user-f", turn_id="t-1")
     await backend.db.agent_messages.delete_many({})  # the messages gone, their files left
@@ -265,7 +273,9 @@ async def test_a_file_under_a_taken_id_holding_another_text_is_replaced(backend:
 
     whole = await store.with_full_texts(await store.transcript(CID))
     assert whole[2].content == "other " * 600_000
-    assert await backend.db[FILES].count_documents({}) == 2
+    assert await backend.db[FILES].count_documents({}) == 4
+    await store.delete(CID)
+    assert await backend.db[FILES].count_documents({}) == 0
 
 
 async def test_deleting_a_conversation_removes_the_files_no_message_names(
@@ -488,13 +498,31 @@ async def test_past_the_kept_records_a_retry_with_other_text_past_the_cut_is_a_c
     assert (await logger.log_messages(CID, read_it("first-ending"), turn_id="t-1")).replayed
 
 
+async def unscoped_file(backend: Backend, blob: str | None) -> str | None:
+    """Move a file to the id it had before file ids named the conversation's epoch."""
+    if blob is None:
+        return None
+    old = unscoped_blob_id(blob)
+    files = await backend.db[FILES].find_one({"_id": blob})
+    chunks = await backend.db[CHUNKS].find({"files_id": blob}).to_list(None)
+    assert files is not None
+    await FullTextStore(backend.db).forget_files([blob])
+    await backend.db[CHUNKS].insert_many(
+        [{**c, "_id": f"{old}:{c['n']}", "files_id": old} for c in chunks]
+    )
+    await backend.db[FILES].insert_one({**files, "_id": old})
+    return old
+
+
 async def as_logged_before_whole_text_digests(backend: Backend, turn_id: str) -> None:
     """Make a stored turn look as one logged before cut fields recorded the digest of their
-    whole text: no `sha256` in its `truncated` entries, its record's digest taken so."""
+    whole text: no `sha256` in its `truncated` entries, its record's digest taken so, and
+    (as then) its files under ids that name no epoch."""
     for document in await backend.db.agent_messages.find({"turn_id": turn_id}).to_list(None):
         if document.get("truncated"):
             entries = {
                 path: {k: v for k, v in entry.items() if k != "sha256"}
+                | {"blob_id": await unscoped_file(backend, entry["blob_id"])}
                 for path, entry in document["truncated"].items()
             }
             await backend.db.agent_messages.update_one(
@@ -557,3 +585,106 @@ async def test_whole_texts_larger_together_than_one_reply_are_read_in_batches(
     )  # fmt: skip
 
     assert await texts.texts(wanted) == wanted
+
+
+# -- a whole text belongs to one conversation under an id ----------------------------------------
+
+STALLED = TurnRules(max_message_bytes=SMALL_BOUND, claim_grace=timedelta(seconds=0.05))
+B_TEXT, A_TEXT = "B-PRIVATE " * 2000, "A-PRIVATE " * 2000
+
+
+def stalled(owner: Any, name: str) -> tuple[asyncio.Event, asyncio.Event]:
+    """Pause `owner._full_texts.<name>` until the first event is set; the second is set when a
+    call reaches it."""
+    gate, reached = asyncio.Event(), asyncio.Event()
+    original = getattr(owner._full_texts, name)
+
+    async def paused(*args: Any) -> Any:
+        reached.set()
+        await gate.wait()
+        return await original(*args)
+
+    setattr(owner._full_texts, name, paused)
+    return gate, reached
+
+
+async def test_a_stalled_writer_of_a_deleted_conversation_leaves_the_next_ones_whole_text(
+    backend: Backend,
+) -> None:
+    """User B's turn stalls between its reservation and its whole texts; B deletes the
+    conversation and user A starts one under the id with a turn of the same id (the same
+    message ids). B's writer, resuming, is refused and writes nothing A reads: A's whole
+    text stays A's, and nothing of B's text is left once B is erased."""
+    store = ConversationStore(backend.db, rules=STALLED)
+    logger_a = AgentMessageLogger(backend.db, rules=STALLED)
+    logger_b = AgentMessageLogger(backend.db, rules=STALLED)
+    gate, reached = stalled(logger_b, "keep")
+    b_turn = asyncio.create_task(
+        logger_b.log_messages(
+            CID, [{"role": "user", "content": B_TEXT}], user_id="user-b", turn_id="t1"
+        )
+    )
+    await reached.wait()
+    await store.delete(CID, user_id="user-b")
+    await logger_a.log_messages(
+        CID, [{"role": "user", "content": A_TEXT}], user_id="user-a", turn_id="t1"
+    )
+
+    gate.set()
+    with pytest.raises(Conflict, match="was deleted since"):
+        await b_turn
+
+    whole = await store.with_full_texts(await store.transcript(CID, user_id="user-a"))
+    assert whole[0].content == A_TEXT
+    await store.erase_user("user-b")
+    chunks = await backend.db[CHUNKS].find({}).to_list(None)
+    assert not any(b"B-PRIVATE" in bytes(chunk["data"]) for chunk in chunks)
+
+
+async def test_a_stalled_pop_of_a_deleted_conversation_leaves_the_next_ones_whole_text(
+    backend: Backend,
+) -> None:
+    """B's pop removes its message and stalls before deleting its whole text; B deletes the
+    conversation and A starts one under the id with turns of the same ids. The pop, resuming,
+    deletes B's whole text only: A's message is still read whole."""
+    store = ConversationStore(backend.db, rules=STALLED)
+    store_b = ConversationStore(backend.db, rules=STALLED)
+    logger = AgentMessageLogger(backend.db, rules=STALLED)
+    for user, text in (("user-b", B_TEXT), ("user-a", A_TEXT)):
+        if user == "user-a":
+            await store.delete(CID, user_id="user-b")
+        await logger.log_messages(CID, [{"role": "user", "content": "hi"}], user_id=user,
+                                  turn_id="t0")  # fmt: skip
+        await logger.log_messages(CID, [{"role": "assistant", "content": text}], user_id=user,
+                                  turn_id="t1")  # fmt: skip
+        if user == "user-b":
+            gate, reached = stalled(store_b, "forget_files")
+            pop = asyncio.create_task(store_b.pop_last_message(CID, user_id="user-b"))
+            await reached.wait()
+
+    gate.set()
+    assert await pop is not None
+
+    whole = await store.with_full_texts(await store.transcript(CID, user_id="user-a"))
+    assert whole[1].content == A_TEXT
+
+
+async def test_a_whole_text_not_matching_its_messages_digest_is_not_served(
+    backend: Backend,
+) -> None:
+    """A file holding another text than the one the message's `truncated` entry records the
+    SHA-256 of (written under its id by anything else) is not the message's: the reader
+    serves the message cut, never someone else's text."""
+    logger, store = AgentMessageLogger(backend.db, rules=CUT), ConversationStore(backend.db)
+    logged = await logger.log_messages(CID, read_it("mine"), turn_id="t-1")
+    entry = (logged.messages[1].truncated or {})["content"]
+    assert isinstance(entry, Truncation)
+    assert entry.blob_id is not None
+    other = FullText(entry.blob_id, CID, str(logged.messages[1].id), "content", "theirs", utc_now())
+    await FullTextStore(backend.db).forget_files([entry.blob_id])
+    await FullTextStore(backend.db).keep([other])
+
+    whole = await store.with_full_texts(await store.transcript(CID))
+
+    assert whole[1].content == logged.messages[1].content
+    assert whole[1].truncated == logged.messages[1].truncated

@@ -269,10 +269,12 @@ async def test_oversize_message_is_truncated_marked_and_stored(backend: Backend)
         CID, [{"role": "user", "content": huge}, {"role": "assistant", "content": "ok"}]
     )
     stored = (await ConversationStore(backend.db).transcript(CID))[0]
+    conversation = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert conversation is not None
     assert stored.truncated is not None
     assert stored.truncated["content"] == Truncation(
         length=len(huge),
-        blob_id=blob_id(logged.messages[0].id or "", "content"),
+        blob_id=blob_id(logged.messages[0].id or "", "content", conversation["epoch"]),
         sha256=hashlib.sha256(huge.encode()).hexdigest(),
     )
     assert stored.content is not None

@@ -8,10 +8,14 @@ path), so a retried turn or a rerun migration writes the same file once, and
 all the files of a turn cost two commands (chunks, then the files documents
 that make them visible) on every backend the store supports, mongomock included.
 
-An id is not unique over time: a conversation id freed by a delete or an erasure may be
-taken again, and a turn of the same id there has the same message ids. So a file found
-under an id is compared with the text to keep and replaced when it holds another
-(`FullTextStore.keep`): a message's whole text is always its own. And the files of a
+A conversation id freed by a delete or an erasure may be taken again, and a turn of the
+same id there has the same message ids; so a file id names the conversation's `epoch` too
+(`_truncation.blob_id`): nothing done late for a deleted conversation (a stalled writer's
+keep, a stalled pop's delete) reaches the files of the next one under the id. A file found
+under an id (one from before ids named epochs, or left incomplete by a crash) is compared
+with the text to keep and replaced when it holds another (`FullTextStore.keep`), and a
+reader serves a whole text only when it has the SHA-256 its message records (`with_texts`):
+a message's whole text is always its own. And the files of a
 conversation are found by its id in their metadata (`metadata.conversation_id`, indexed),
 not only through the messages naming them: a file whose message is gone (popped, deleted
 late, or never inserted) goes with its conversation.
@@ -19,6 +23,7 @@ late, or never inserted) goes with its conversation.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -94,9 +99,15 @@ def stored_blob_ids(document: Mapping[str, Any]) -> list[str]:
 def with_texts(message: AgentMessage, texts: Mapping[str, str]) -> AgentMessage:
     """The message with each cut field whose whole text is in `texts` (by blob id) put back.
 
-    Restored fields leave `truncated`; fields not found there stay cut and listed.
+    Restored fields leave `truncated`; fields not found there stay cut and listed, and so
+    do fields whose file holds another text than the one their entry records the SHA-256
+    of: a message is served cut rather than with a text that is not its own.
     """
-    kept = {path: texts[b] for path, b in kept_blob_ids(message).items() if b in texts}
+    kept = {
+        path: texts[b]
+        for path, b in kept_blob_ids(message).items()
+        if b in texts and _is_its_text(message, path, texts[b])
+    }
     if not kept:
         return message
     doc = message.model_dump(by_alias=True)
@@ -105,6 +116,14 @@ def with_texts(message: AgentMessage, texts: Mapping[str, str]) -> AgentMessage:
     left = {p: e for p, e in (message.truncated or {}).items() if p not in kept}
     doc["truncated"] = left or None
     return message_adapter.validate_python(doc)
+
+
+def _is_its_text(message: AgentMessage, path: str, text: str) -> bool:
+    """Whether `text` is the whole text of the message's cut field at `path`: the one whose
+    SHA-256 its `truncated` entry records (a message cut before entries recorded it: any)."""
+    entry = (message.truncated or {}).get(path)
+    recorded = entry.sha256 if isinstance(entry, Truncation) else None
+    return recorded is None or hashlib.sha256(text.encode()).hexdigest() == recorded
 
 
 def texts_of(

@@ -51,7 +51,7 @@ from agent_store.core import (
     shown,
     utc_now,
 )
-from agent_store.store._blobs import FullTextStore, stored_blob_ids
+from agent_store.store._blobs import FullTextStore, kept_blob_ids, stored_blob_ids
 from agent_store.store._driver import Database, only_duplicates, storage_errors
 from agent_store.store._fork import (
     fork_copies,
@@ -725,6 +725,7 @@ class AgentMessageLogger:
         A message an earlier attempt stored collides on its `_id` and is read back, so
         a retry answers with the stored timestamps, not its own.
         """
+        plan = plan.for_epoch(reserved.epoch)  # its whole texts are this conversation's only
         await self._full_texts.keep(plan.full_texts)  # a turn with a cut message: 2 more commands
         owner, first, epoch = reserved.owner, reserved.first_seq, reserved.epoch
         documents = [
@@ -839,6 +840,10 @@ class AgentMessageLogger:
             return [m.model_copy(update={"user_id": new_owner}) for m in stored]
         with storage_errors("delete the turn's messages with their conversation"):
             await self._messages.delete_many(_written_by(conversation_id, reserved, stored))
+        if reserved.epoch is not None:  # files of its epoch: no other conversation's
+            await self._full_texts.forget_files(
+                [b for m in stored for b in kept_blob_ids(m).values()]
+            )
         return stored
 
     async def _follow_times(
@@ -1039,6 +1044,9 @@ class AgentMessageLogger:
                     "epoch": epoch,
                 }
             )
+        # Its whole texts are under files naming its epoch: the conversation's under the id
+        # now are not (`_truncation.blob_id`).
+        await self._full_texts.forget_files([b for d in documents for b in stored_blob_ids(d)])
         raise Conflict(
             f"conversation {conversation_id!r} was deleted since this turn reserved its place "
             "(and perhaps started again under its id): the turn was not logged"

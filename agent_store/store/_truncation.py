@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -52,10 +53,54 @@ class BoundedMessage:
     full_texts: tuple[FullText, ...] = ()
 
 
-def blob_id(message_id: str, path: str) -> str:
-    """The GridFS file id of a message's cut field: a retry or a rerun writes the same file."""
+def blob_id(message_id: str, path: str, epoch: str | None = None) -> str:
+    """The GridFS file id of a message's cut field: a retry or a rerun writes the same file.
+
+    With the `epoch` of the conversation storing the message, the id names it too: a
+    conversation created again under the id reuses the message ids, never the files, so
+    nothing done for a deleted one (a stalled writer's keep, a stalled pop's delete) reaches
+    the next one's whole texts. Messages stored without an epoch keep the id without."""
     digest = hashlib.sha256(f"{message_id}\0{path}".encode()).hexdigest()
-    return "blob-" + digest[:32]
+    unscoped = "blob-" + digest[:32]
+    if epoch is None:
+        return unscoped
+    return f"{unscoped}-{hashlib.sha256(epoch.encode()).hexdigest()[:16]}"
+
+
+def unscoped_blob_id(blob: str) -> str:
+    """A file id without the epoch it names (`blob_id`): what a turn's content digest reads,
+    so that the same turn is the same content in whichever conversation stores it."""
+    return blob[: -len(_EPOCH_SUFFIX)] if _SCOPED.fullmatch(blob) else blob
+
+
+_EPOCH_SUFFIX = "-" + "0" * 16
+_SCOPED = re.compile(r"blob-[0-9a-f]{32}-[0-9a-f]{16}")
+
+
+def for_epoch(message: AgentMessage, epoch: str | None) -> AgentMessage:
+    """A cut message whose `truncated` entries name the files of the conversation of
+    `epoch` (`blob_id`); as it is without an epoch, or with nothing kept whole."""
+    if epoch is None or message.id is None or not kept_whole(message):
+        return message
+    mid = message.id
+    truncated = {
+        path: entry.model_copy(update={"blob_id": blob_id(mid, path, epoch)})
+        if isinstance(entry, Truncation) and entry.blob_id
+        else entry
+        for path, entry in (message.truncated or {}).items()
+    }
+    return message.model_copy(update={"truncated": truncated})
+
+
+def kept_whole(message: AgentMessage) -> bool:
+    """Whether a cut field of the message is kept whole in a file."""
+    entries = (message.truncated or {}).values()
+    return any(isinstance(entry, Truncation) and entry.blob_id for entry in entries)
+
+
+def text_for_epoch(full: FullText, epoch: str | None) -> FullText:
+    """The whole text under the file id naming the conversation's `epoch` (`blob_id`)."""
+    return replace(full, blob_id=blob_id(full.message_id, full.path, epoch))
 
 
 def document_size(document: dict[str, Any]) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from functools import cached_property
 from typing import Any
@@ -47,8 +47,12 @@ from agent_store.store._truncation import (
     BoundedMessage,
     FullText,
     bound,
+    for_epoch,
+    kept_whole,
     size_bound,
+    text_for_epoch,
     turn_size_bound,
+    unscoped_blob_id,
 )
 from agent_store.store._values import check_time, storable
 
@@ -189,6 +193,20 @@ class TurnPlan:
             for index, (source, update) in enumerate(zip(self.sources, self.updates, strict=True))
         ]
 
+    def for_epoch(self, epoch: str | None) -> TurnPlan:
+        """The plan as the conversation of `epoch` stores it: its cut messages name files of
+        that conversation only (`_truncation.blob_id`), which its whole texts go to. The
+        content digest is the same (`unscoped_blob_id`)."""
+        if epoch is None or not self.full_texts:
+            return self
+        sources = tuple(for_epoch(m, epoch) for m in self.sources)
+        documents = tuple(
+            {**d, "truncated": s.model_dump(by_alias=True)["truncated"]} if kept_whole(s) else d
+            for s, d in zip(sources, self.documents, strict=True)
+        )
+        full_texts = tuple(text_for_epoch(full, epoch) for full in self.full_texts)
+        return replace(self, sources=sources, documents=documents, full_texts=full_texts)
+
     @cached_property
     def messages(self) -> tuple[AgentMessage, ...]:
         """The messages as stored, without `seq` (not known yet) and the owner."""
@@ -302,17 +320,26 @@ def _as_before(document: Mapping[str, Any], excluded: Collection[str]) -> dict[s
     """A document's fields as digested, those `excluded` aside: a prompt naming no calls
     without `tool_call_ids`, so a turn recorded before prompts could name them keeps the
     digest it was recorded with; likewise a `truncated` entry without `sha256` (a field not
-    kept, or cut before cut fields recorded the hash of their whole text) without it."""
+    kept, or cut before cut fields recorded the hash of their whole text) without it, and
+    its file id without the epoch it names (the same turn is the same content in whichever
+    conversation under the id stores it, and as recorded before file ids named epochs)."""
     kept = {k: v for k, v in document.items() if k not in excluded}
     hitl = kept.get("hitl_action")
     if isinstance(hitl, Mapping) and hitl.get("tool_call_ids") is None:
         kept["hitl_action"] = {k: v for k, v in hitl.items() if k != "tool_call_ids"}
     if kept.get("truncated"):
         kept["truncated"] = {
-            path: _without(entry, "sha256", only_none=True)
+            path: _unscoped(_without(entry, "sha256", only_none=True))
             for path, entry in kept["truncated"].items()
         }
     return kept
+
+
+def _unscoped(entry: Any) -> Any:
+    """A `truncated` entry with its file id as it is without the conversation's epoch."""
+    if isinstance(entry, Mapping) and isinstance(blob := entry.get("blob_id"), str):
+        return {**entry, "blob_id": unscoped_blob_id(blob)}
+    return entry
 
 
 def _without(entry: Any, key: str, *, only_none: bool = False) -> Any:
