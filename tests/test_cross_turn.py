@@ -583,6 +583,43 @@ async def test_an_answer_posted_over_http_in_a_later_turn_resolves_the_pending_c
     assert await runtime.store.pending_hitl(CID) is None  # the call it held back is answered
 
 
+def _asks_over_http(call_id: str, tool: str) -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": f"Please {tool}."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": tool, "arguments": "{}"}}]},
+        {"role": "assistant", "content": f"OK to {tool}?", "hitl_action": {
+            "action": tool, "params": {}, "request_id": "confirm-1", "tool_call_ids": [call_id]}},
+    ]  # fmt: skip
+
+
+async def test_a_retried_http_resolution_naming_its_calls_leaves_a_newer_prompt_of_its_id(
+    backend: Backend,
+) -> None:
+    """API.md: a retry of a resolution that took effect answers 200 and writes nothing, also
+    once a later turn asked its request id anew about another call: naming the calls it
+    concerns (`call_ids`), the retry does not answer the new prompt."""
+    store = ConversationStore(backend.db)
+    async with serve(backend.db, seeded=False) as api:
+        url, headers = f"/v1/conversations/{CID}", auth_headers()
+        body = {"turn_id": "t1", "messages": _asks_over_http("tc-1", "book_train")}
+        assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
+        answer = {"request_id": "confirm-1", "call_ids": ["tc-1"]}
+        first = await api.http.post(f"{url}/hitl/resolve", json=answer, headers=headers)
+        body = {"turn_id": "t2", "messages": _asks_over_http("tc-20", "wire_money")}
+        assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
+
+        retry = await api.http.post(f"{url}/hitl/resolve", json=answer, headers=headers)
+        malformed = await api.http.post(
+            f"{url}/hitl/resolve", json={**answer, "call_ids": "tc-20"}, headers=headers
+        )
+
+    assert (first.status_code, retry.status_code) == (200, 200)
+    assert retry.json() == first.json() == {"request_id": "confirm-1", "resolved": True}
+    assert malformed.status_code == 422
+    assert await held_state(store) == ([("tc-1", None), ("tc-20", "confirm-1")], "confirm-1")
+
+
 # -- a late real result wins over the stand-in ----------------------------------------
 
 

@@ -209,6 +209,20 @@ def resolution(
     return query, [{"$set": stage}]
 
 
+def answered_calls(
+    conversation: Mapping[str, Any], request_id: str, call_ids: Sequence[str] | None
+) -> bool:
+    """Whether an answer to the prompt `request_id` released one of the calls `call_ids`
+    (`approved_calls`): a resolution naming them took effect, whatever became of the request
+    id since (asked again: no longer in `resolved_hitl`)."""
+    return any(
+        isinstance(a, Mapping)
+        and a.get("request_id") == request_id
+        and a.get("tool_call_id") in (call_ids or ())
+        for a in conversation.get("approved_calls") or ()
+    )
+
+
 def _call_key(variable: str) -> dict[str, Any]:
     """A call's identity (its id and the message that made it), of the pending call or the
     `approved_calls` entry (`ApprovedCall`) in `variable`."""
