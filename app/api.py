@@ -202,7 +202,7 @@ async def pending_hitl(call: Call[NoQuery, NoBody]) -> Response:
 
 async def resolve_hitl(call: Call[NoQuery, ResolveHitlBody]) -> Response:
     await call.store.conversations.resolve_hitl(
-        call.conversation_id, call.body.request_id, user_id=call.scope
+        call.conversation_id, call.body.request_id, user_id=call.scope, call_ids=call.body.call_ids
     )
     return _json(HitlResolved(request_id=call.body.request_id))
 

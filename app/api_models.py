@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from agent_store.core import AgentMessage, Identifier, PendingHitl
+from agent_store.core import MAX_HELD_CALLS, AgentMessage, Identifier, PendingHitl
 from agent_store.store import (
     HIDDEN_CHARACTERS,
     MAX_MESSAGES_PER_TURN,
@@ -91,6 +91,16 @@ class RenameBody(_Input):
 class ResolveHitlBody(_Input):
     request_id: Annotated[str, StringConstraints(min_length=1, max_length=200)]
     """The `request_id` of the pending prompt being answered."""
+    call_ids: (
+        Annotated[
+            list[Annotated[str, StringConstraints(min_length=1, max_length=200)]],
+            Field(max_length=MAX_HELD_CALLS),
+        ]
+        | None
+    ) = None
+    """The calls the answer concerns, as the client read them (`pending_calls`): the prompt is
+    resolved only while it holds one of them, or, holding none, is the pending one, so a
+    retry does not answer a later prompt asked under the same request id."""
 
 
 class LogTurnBody(_Input):

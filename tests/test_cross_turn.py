@@ -455,6 +455,84 @@ async def test_a_stale_answer_does_not_answer_a_newer_prompt_reusing_its_request
     assert await held_calls(runtime.store) == [("tc-1", None)]
 
 
+ASKS_AGAIN = {"type": "confirm_required", "request_id": "confirm-10", "action": "book_train",
+              "params": {"note": "price changed"}, "prompt": "The price changed, still pay?",
+              "tool_call_id": "tc-9"}  # fmt: skip
+REFUSED_BY_TAB_B = [DENIED, {"type": "stream_token", "token": "Okay."}]
+
+
+async def test_a_refusal_of_an_approved_prompt_denies_nothing_once_a_second_question_holds_its_call(
+    backend: Backend,
+) -> None:
+    """Tab B read `confirm-9` holding tc-9; tab A approved it; a second question (`confirm-10`)
+    holds the running call again. Tab B's refusal of `confirm-9` answers the approved prompt:
+    it denies nothing, `confirm-10` stays pending holding the call, and the real result
+    answers it."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    read_by_tab_b = await runtime.store.pending_calls(CID)
+    await runtime.stream([APPROVED], prompt="Yes.")
+    await runtime.stream([ASKS_AGAIN])
+
+    logged = await _log_as_tab_b(runtime, REFUSED_BY_TAB_B, read_by_tab_b)
+
+    assert [m.content for m in logged.messages] == ["Okay."]
+    assert await held_state(runtime.store) == ([("tc-9", "confirm-10")], "confirm-10")
+    await runtime.stream([BOOKED])
+    assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
+
+
+async def test_a_refusal_of_a_second_question_about_an_approved_call_denies_it(
+    backend: Backend,
+) -> None:
+    """STREAMING.md: a second question about an approved call holds it until it is answered
+    itself; refused, it denies the call."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    await runtime.stream([APPROVED], prompt="Yes.")
+    await runtime.stream([ASKS_AGAIN])
+
+    await runtime.stream([{**DENIED, "request_id": "confirm-10"}], prompt="No.")
+
+    assert await runtime.answers_of("tc-9") == [(DENIED_RESULT, "tool call denied")]
+    assert await held_state(runtime.store) == ([], None)
+
+
+async def test_a_retry_of_a_turn_logged_without_its_denial_is_that_turn_after_a_second_question(
+    backend: Backend,
+) -> None:
+    """STREAMING.md (two answers racing): a retry of the turn logged without the approved
+    call's denial is answered as that turn, also once a second question holds the call."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    read_by_tab_b = await runtime.store.pending_calls(CID)
+    await runtime.stream([APPROVED], prompt="Yes.")
+    logged = await _log_as_tab_b(runtime, REFUSED_BY_TAB_B, read_by_tab_b)
+    await runtime.stream([ASKS_AGAIN])
+
+    again = await _log_as_tab_b(runtime, REFUSED_BY_TAB_B, read_by_tab_b)
+
+    assert again.replayed
+    assert [m.id for m in again.messages] == [m.id for m in logged.messages]
+    assert await runtime.answers_of("tc-9") == []
+    assert await held_state(runtime.store) == ([("tc-9", "confirm-10")], "confirm-10")
+
+
+async def test_refused_prompts_that_are_not_ids_to_request_ids_are_refused_writing_nothing(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    denial = {"role": "tool", "tool_call_id": "tc-9", "content": DENIED_RESULT,
+              "error": {"message": "tool call denied"}}  # fmt: skip
+
+    with pytest.raises(InvalidInput, match=re.escape("refused_prompts must map tool call ids")):
+        await runtime.logger.log_messages(CID, [denial], refused_prompts={"tc-9": 9})  # type: ignore[dict-item]
+
+    assert await runtime.answers_of("tc-9") == []
+    assert await held_calls(runtime.store) == [("tc-9", "confirm-9")]
+
+
 async def test_resolving_with_call_ids_that_are_not_a_list_of_ids_is_refused_writing_nothing(
     backend: Backend,
 ) -> None:
@@ -503,6 +581,43 @@ async def test_an_answer_posted_over_http_in_a_later_turn_resolves_the_pending_c
     assert await runtime.answers_of("tc-9") == [("B-42", None)]
     assert await runtime.store.pending_calls(CID) == []
     assert await runtime.store.pending_hitl(CID) is None  # the call it held back is answered
+
+
+def _asks_over_http(call_id: str, tool: str) -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": f"Please {tool}."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": tool, "arguments": "{}"}}]},
+        {"role": "assistant", "content": f"OK to {tool}?", "hitl_action": {
+            "action": tool, "params": {}, "request_id": "confirm-1", "tool_call_ids": [call_id]}},
+    ]  # fmt: skip
+
+
+async def test_a_retried_http_resolution_naming_its_calls_leaves_a_newer_prompt_of_its_id(
+    backend: Backend,
+) -> None:
+    """API.md: a retry of a resolution that took effect answers 200 and writes nothing, also
+    once a later turn asked its request id anew about another call: naming the calls it
+    concerns (`call_ids`), the retry does not answer the new prompt."""
+    store = ConversationStore(backend.db)
+    async with serve(backend.db, seeded=False) as api:
+        url, headers = f"/v1/conversations/{CID}", auth_headers()
+        body = {"turn_id": "t1", "messages": _asks_over_http("tc-1", "book_train")}
+        assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
+        answer = {"request_id": "confirm-1", "call_ids": ["tc-1"]}
+        first = await api.http.post(f"{url}/hitl/resolve", json=answer, headers=headers)
+        body = {"turn_id": "t2", "messages": _asks_over_http("tc-20", "wire_money")}
+        assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
+
+        retry = await api.http.post(f"{url}/hitl/resolve", json=answer, headers=headers)
+        malformed = await api.http.post(
+            f"{url}/hitl/resolve", json={**answer, "call_ids": "tc-20"}, headers=headers
+        )
+
+    assert (first.status_code, retry.status_code) == (200, 200)
+    assert retry.json() == first.json() == {"request_id": "confirm-1", "resolved": True}
+    assert malformed.status_code == 422
+    assert await held_state(store) == ([("tc-1", None), ("tc-20", "confirm-1")], "confirm-1")
 
 
 # -- a late real result wins over the stand-in ----------------------------------------

@@ -18,6 +18,7 @@ from agent_store.core._errors import (
     shown,
 )
 from agent_store.core._models import (
+    MAX_HELD_CALLS,
     MAX_SAFE_INTEGER,
     RESOLVED_PROMPTS_KEPT,
     AgentMessage,
@@ -79,6 +80,7 @@ from agent_store.core._outcomes import (
 __all__ = [
     "DENIED_RESULT",
     "INTERRUPTED_RESULT",
+    "MAX_HELD_CALLS",
     "MAX_SAFE_INTEGER",
     "PENDING_RESULT",
     "RESOLVED_PROMPTS_KEPT",

@@ -510,6 +510,12 @@ class ApprovedCall(_Model):
     tool_call_id: str
     message_id: str
     """The assistant message that made the call."""
+    request_id: str | None = None
+    """The prompt whose answer released the call (None in approvals recorded without it): a
+    refusal of that prompt arriving later denies nothing, even once another prompt holds
+    the call."""
+    held_again: bool = False
+    """A later prompt named the call: it holds the call until it is answered itself."""
 
 
 def awaiting_results(
@@ -520,7 +526,9 @@ def awaiting_results(
     (`resolved`: its `resolved_hitl`), is held back no more, so a later answer to that prompt
     (a second tab, a replayed event) denies nothing."""
     released = {
-        (a.get("tool_call_id"), a.get("message_id")) for a in approved if isinstance(a, Mapping)
+        (a.get("tool_call_id"), a.get("message_id"))
+        for a in approved
+        if isinstance(a, Mapping) and not a.get("held_again")
     }
 
     def unheld(call: Mapping[str, Any]) -> bool:

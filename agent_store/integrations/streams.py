@@ -130,6 +130,10 @@ class StreamedTurn:
     resolved_calls: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """The calls each prompt answered held when it was answered (request id, tool call ids), as
     the builder read them (its `pending`, this turn's calls): the answer concerns those only."""
+    refused_prompts: tuple[tuple[str, str], ...] = ()
+    """The refused prompt each denial of a call of an earlier turn answers (tool call id,
+    request id), as the builder read them: the store refuses a denial answering a prompt
+    whose answer released the call first (`AgentMessageLogger.log_messages`)."""
     delivered_seqs: tuple[int, ...] = ()
     """Messages a person steered into the running turn (`SteeringInbox`), already stored,
     that the model was fed during the stream: the turn's messages go around them."""
@@ -173,6 +177,8 @@ class TurnAssembler:
         """The pending call an id names: the latest of that id, as the store pairs answers."""
         self._earlier_answers: dict[int, ToolMessage] = {}
         self._denied: set[_Held] = set()
+        self._refused: dict[str, str] = {}
+        """The refused prompt each call of an earlier turn denied was held by."""
         self._resolved: dict[str, tuple[str, ...]] = {}
         """Each request answered, with the ids of the calls it held then."""
         self._delivered: list[int] = []
@@ -294,7 +300,10 @@ class TurnAssembler:
             h if isinstance(h, str) else self._earlier[h].tool_call_id for h in held
         )
         if not approved:
-            self._denied.update(self._held_by.get(request_id, ()))
+            self._denied.update(held)
+            for h in held:
+                if not isinstance(h, str):
+                    self._refused[self._earlier[h].tool_call_id] = request_id
 
     def delivered(self, seq: int) -> None:
         """The model was fed a message steered into the turn (stored already, at `seq`):
@@ -347,6 +356,7 @@ class TurnAssembler:
             interrupted=not complete,
             resolved_request_ids=tuple(self._resolved),
             resolved_calls=tuple((r, calls) for r, calls in self._resolved.items() if calls),
+            refused_prompts=tuple(self._refused.items()),
             delivered_seqs=tuple(dict.fromkeys(self._delivered)),
         )
 
@@ -620,7 +630,11 @@ async def _logged(
     """The turn's messages logged; a turn of resolutions only stores none."""
     if messages or not turn.resolved_request_ids:
         return await logger.log_messages(
-            conversation_id, messages, user_id=user_id, turn_id=turn_id
+            conversation_id,
+            messages,
+            user_id=user_id,
+            turn_id=turn_id,
+            refused_prompts=dict(turn.refused_prompts),
         )
     if user_id is not None:
         await _refuse_another_owner(store, conversation_id, user_id)

@@ -330,27 +330,28 @@ class AgentMessageLogger:
         owner_only: bool = False,
         next_seq: int | None = None,
         step: str | None = None,
+        refused_prompts: Mapping[str, str] | None = None,
     ) -> LoggedTurn:
         """Log one turn's messages in order, idempotently by `turn_id`.
 
-        `turn_id` defaults to a digest of the messages (content and timestamps),
-        so retrying the same messages is safe even without one, as long as they carry
-        their `created_at` (a message without one is stamped on each call). A retry of any age
-        stores nothing twice and answers with the stored messages; a retry with
-        other content raises Conflict. The one exception (DESIGN.md): a first attempt
-        that stored nothing, retried after more than `turns_recorded` later turns, leaves
-        no evidence and is stored as a new turn. `name` is a name the runtime generated; it
-        replaces an automatic name or an earlier runtime name, never one a person
-        set. `owner_only` says the caller is the user `user_id` itself (a user
-        token): it writes only to its own conversations or to a new id, and
-        anything else is NotFound to it. A service naming `user_id` may write to
-        that user's conversations or to unowned ones (which it then assigns).
-        With `next_seq`, a new turn is logged only if its first message gets that `seq`
+        `turn_id` defaults to a digest of the messages (content and timestamps), so retrying
+        the same messages is safe even without one, as long as they carry their `created_at`
+        (a message without one is stamped on each call). A retry of any age stores nothing
+        twice and answers with the stored messages; a retry with other content raises
+        Conflict. The one exception (DESIGN.md): a first attempt that stored nothing,
+        retried after more than `turns_recorded` later turns, leaves no evidence and is stored
+        as a new turn. `name` is a name the runtime generated; it replaces an automatic name
+        or an earlier runtime name, never one a person set. `owner_only` says the caller is
+        the user `user_id` itself (a user token): it writes only to its own conversations or
+        to a new id, and anything else is NotFound to it. A service naming `user_id` may
+        write to that user's conversations or to unowned ones (which it then assigns). With
+        `next_seq`, a new turn is logged only if its first message gets that `seq`
         (compare-and-sets in the reservation's command), and with `step` (an ordering key, a
         LangGraph checkpoint id) only if it is after every step logged before: otherwise
         `TranscriptMoved` (`next_seq`, `later_step`: where the conversation is), nothing
-        written. A retry of a logged turn is answered as always.
-        Raises InvalidInput, writing nothing, when the turn breaks the contract.
+        written. A retry of a logged turn is answered as always. `refused_prompts`: the
+        prompt each denial of an earlier call answers, as read (`_denials`). Raises
+        InvalidInput, writing nothing, when the turn breaks the contract.
         """
         plan = plan_turn(conversation_id, messages, turn_id=turn_id, rules=self.rules)
         if user_id is not None:
@@ -360,7 +361,7 @@ class AgentMessageLogger:
         runtime_name = clean_name(name) if name is not None else None
         actor = Actor(user_id, as_user=owner_only)
         started = time.monotonic()
-        condition = _joined(_logged_at(plan.conversation_id, next_seq, step), _denials(plan))
+        condition = _turn_conditions(plan, next_seq, step, refused_prompts)
         reserved = await self._reserve(plan, actor, runtime_name, condition)
         stored = await self._store(plan, reserved)
         if time.monotonic() - started > self.rules.claim_grace.total_seconds():
@@ -1236,12 +1237,12 @@ def _written_by(
 
 def _approvals_of_copies(
     source: Mapping[str, Any], chosen: Sequence[AgentMessage], plan: TurnPlan
-) -> list[dict[str, str]]:
+) -> list[dict[str, Any]]:
     """The original's `approved_calls` a fork remembers: those of the calls its copies make,
     naming the copies (a call a person approved stays approved in the fork)."""
     ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
     return [
-        {"tool_call_id": str(a.get("tool_call_id")), "message_id": ids[str(a.get("message_id"))]}
+        {**a, "message_id": ids[str(a.get("message_id"))]}
         for a in source.get("approved_calls") or ()
         if isinstance(a, Mapping) and str(a.get("message_id")) in ids
     ]
@@ -1322,24 +1323,52 @@ def _logged_at(conversation_id: str, seq: int | None, step: str | None) -> Condi
     )
 
 
-def _denials(plan: TurnPlan) -> Condition | None:
+def _denials(plan: TurnPlan, refused: Mapping[str, str]) -> Condition | None:
     """The condition of a turn denying calls of earlier turns (`TurnPlan.denied_calls`): no
     person approved the prompt holding any of them first (a request's first answer is its
-    answer), else `AnsweredBefore`, nothing written. None for a turn denying none."""
+    answer), nor the prompt `refused` names for it (the one the denial answers), else
+    `AnsweredBefore`, nothing written. None for a turn denying none.
+
+    Its refusal names every call denied; one naming those the conversation shows approved
+    is built from the conversation found (`_joined` takes only that one as decisive)."""
     if not plan.denied_calls:
         return None
     denied = plan.denied_calls
+    every = _answered_before(plan, list(denied))
 
     def answered_before(conversation: Mapping[str, Any]) -> StoreError:
-        return _answered_before(plan, released_calls(conversation, denied) or list(denied))
+        released = released_calls(conversation, denied, refused)
+        return _answered_before(plan, released) if released else every
 
     return Condition(
-        denials_hold(denied),
+        denials_hold(denied, refused),
         lambda now: {},
-        AnsweredBefore("a denied call was approved first", tool_call_ids=denied),
+        every,
         create=True,
         explain=answered_before,
     )
+
+
+def _turn_conditions(
+    plan: TurnPlan, next_seq: int | None, step: str | None, refused: Mapping[str, str] | None
+) -> Condition | None:
+    """What `log_messages`'s reservation of a new turn must meet (`_logged_at`, `_denials`)."""
+    denials = _denials(plan, _refused_prompts(refused))
+    return _joined(_logged_at(plan.conversation_id, next_seq, step), denials)
+
+
+def _refused_prompts(refused: Mapping[str, str] | None) -> dict[str, str]:
+    """`log_messages`'s `refused_prompts`, checked: tool call ids to request ids."""
+    if refused is None:
+        return {}
+    if not isinstance(refused, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in refused.items()
+    ):
+        raise InvalidInput(
+            "refused_prompts must map tool call ids to the request ids of the refused "
+            "prompts their denials answer (strings to strings)"
+        )
+    return dict(refused)
 
 
 def _answered_before(plan: TurnPlan, released: Sequence[str]) -> AnsweredBefore:
@@ -1361,10 +1390,8 @@ def _joined(first: Condition | None, second: Condition | None) -> Condition | No
 
     def explain(conversation: Mapping[str, Any]) -> StoreError:
         refused = b.refused(conversation)
-        if isinstance(refused, AnsweredBefore) and released_calls(
-            conversation, refused.tool_call_ids
-        ):
-            return refused
+        if isinstance(refused, AnsweredBefore) and refused is not b.refusal:
+            return refused  # the conversation shows the calls it names approved
         return a.refused(conversation)
 
     return Condition(

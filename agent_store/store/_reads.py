@@ -48,7 +48,7 @@ from agent_store.store._indexes import (
 )
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource
 from agent_store.store._pop import Pop, PopMemory
-from agent_store.store._reservation import SUMMARY, resolution
+from agent_store.store._reservation import SUMMARY, answered_calls, resolution
 from agent_store.store._text import clean_name, collapse_whitespace, has_positive_term
 from agent_store.store._truncation import NATIVE
 from agent_store.store._turns import (
@@ -824,11 +824,15 @@ class ConversationStore:
         if result.matched_count:
             return
         with storage_errors("read the pending prompt"):
-            doc = await self._conversations.find_one(scope, {"pending_hitl": 1, "resolved_hitl": 1})
+            doc = await self._conversations.find_one(
+                scope, {"pending_hitl": 1, "resolved_hitl": 1, "approved_calls": 1}
+            )
         if doc is None:
             pending = await self.pending_hitl(conversation_id, user_id=user_id)
         else:
-            if request_id in (doc.get("resolved_hitl") or ()):
+            if request_id in (doc.get("resolved_hitl") or ()) or answered_calls(
+                doc, request_id, call_ids
+            ):
                 return  # resolved before: its first answer stands
             raw = doc.get("pending_hitl")
             pending = PendingHitl.model_validate(raw) if raw else None

@@ -209,9 +209,39 @@ def resolution(
     return query, [{"$set": stage}]
 
 
+def answered_calls(
+    conversation: Mapping[str, Any], request_id: str, call_ids: Sequence[str] | None
+) -> bool:
+    """Whether an answer to the prompt `request_id` released one of the calls `call_ids`
+    (`approved_calls`): a resolution naming them took effect, whatever became of the request
+    id since (asked again: no longer in `resolved_hitl`)."""
+    return any(
+        isinstance(a, Mapping)
+        and a.get("request_id") == request_id
+        and a.get("tool_call_id") in (call_ids or ())
+        for a in conversation.get("approved_calls") or ()
+    )
+
+
 def _call_key(variable: str) -> dict[str, Any]:
-    """A pending call's key in `approved_calls` (`ApprovedCall`), of the call in `variable`."""
+    """A call's identity (its id and the message that made it), of the pending call or the
+    `approved_calls` entry (`ApprovedCall`) in `variable`."""
     return {"tool_call_id": f"$${variable}.tool_call_id", "message_id": f"$${variable}.message_id"}
+
+
+def _approval_keys(held_again: bool | None = None, request_id: Any = None) -> dict[str, Any]:
+    """The keys (`_call_key`) of the `approved_calls` entries, as an expression: those in force
+    with `held_again=False` (no later prompt holds their call), those a later prompt holds with
+    True, all with None; with `request_id`, only the approvals that prompt's answer gave."""
+    conds: list[dict[str, Any]] = []
+    if held_again is not None:
+        conds.append({"$eq": [{"$ifNull": ["$$ap.held_again", False]}, held_again]})
+    if request_id is not None:
+        conds.append({"$eq": [{"$ifNull": ["$$ap.request_id", None]}, request_id]})
+    approved = _kept("approved_calls", [])
+    if conds:
+        approved = {"$filter": {"input": approved, "as": "ap", "cond": {"$and": conds}}}
+    return {"$map": {"input": approved, "as": "ap", "in": _call_key("ap")}}
 
 
 def _approved_with(request_id: str) -> dict[str, Any]:
@@ -225,79 +255,112 @@ def _approved_with(request_id: str) -> dict[str, Any]:
     held = {
         "$filter": {"input": calls, "as": "call", "cond": {"$eq": [holder, literal(request_id)]}}
     }
-    keys = {"$map": {"input": held, "as": "call", "in": _call_key("call")}}
+    entry = {**_call_key("call"), "request_id": literal(request_id)}
+    entries = {"$map": {"input": held, "as": "call", "in": entry}}
+    in_force = _approval_keys(held_again=False)
     # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
     fresh = {
-        "$filter": {"input": keys, "as": "a", "cond": {"$eq": [{"$in": ["$$a", approved]}, False]}}
+        "$filter": {
+            "input": entries,
+            "as": "a",
+            "cond": {"$eq": [{"$in": [_call_key("a"), in_force]}, False]},
+        }
     }
     every = {"$concatArrays": [approved, fresh]}
     pending = {"$map": {"input": calls, "as": "call", "in": _call_key("call")}}
 
     def still_pending(wanted: bool) -> dict[str, Any]:
-        cond = {"$eq": [{"$in": ["$$a", pending]}, wanted]}
+        cond = {"$eq": [{"$in": [_call_key("a"), pending]}, wanted]}
         return {"$filter": {"input": every, "as": "a", "cond": cond}}
 
     others = {"$slice": [still_pending(False), -RESOLVED_PROMPTS_KEPT]}
     return {"$concatArrays": [still_pending(True), others]}
 
 
-def denials_hold(call_ids: Sequence[str]) -> dict[str, Any]:
+def denials_hold(
+    call_ids: Sequence[str], refused: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """A filter matching a conversation where a person approved none of the calls `call_ids`
-    (the latest pending call of each id): not released by an answer (`approved_calls`) nor
-    held by a prompt a person resolved (`resolved_hitl`). A turn denying them may be logged
-    (`released_calls` names those it may not)."""
+    (the latest pending call of each id): not released by an answer in force
+    (`approved_calls`) nor held by a prompt a person resolved (`resolved_hitl`), and, for a
+    denial answering the prompt `refused` names for its call (as the denying client read
+    it), not released by that prompt's answer, even if a later prompt holds the call again.
+    A turn denying them may be logged (`released_calls` names those it may not)."""
     calls = {"$ifNull": ["$pending_calls", literal([])]}
+    refused = refused or {}
 
     def released(call_id: str) -> dict[str, Any]:
         same = {"$eq": ["$$call.tool_call_id", literal(call_id)]}
         of_id = {"$filter": {"input": calls, "as": "call", "cond": same}}
         holder = {"$ifNull": ["$$last.request_id", None]}
-        answered = {
-            "$or": [
-                {"$in": [holder, _kept("resolved_hitl", [])]},
-                {"$in": [_call_key("last"), _kept("approved_calls", [])]},
-            ]
-        }
-        return {"$let": {"vars": {"last": {"$arrayElemAt": [of_id, -1]}}, "in": answered}}
+        answered: list[dict[str, Any]] = [
+            {"$in": [holder, _kept("resolved_hitl", [])]},
+            {"$in": [_call_key("last"), _approval_keys(held_again=False)]},
+        ]
+        if call_id in refused:
+            by_refused = _approval_keys(request_id=literal(refused[call_id]))
+            answered.append({"$in": [_call_key("last"), by_refused]})
+        in_ = {"$or": answered}
+        return {"$let": {"vars": {"last": {"$arrayElemAt": [of_id, -1]}}, "in": in_}}
 
     # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
     return {"$expr": {"$eq": [{"$or": [released(c) for c in call_ids]}, False]}}
 
 
-def released_calls(conversation: Mapping[str, Any], call_ids: Sequence[str]) -> list[str]:
+def released_calls(
+    conversation: Mapping[str, Any],
+    call_ids: Sequence[str],
+    refused: Mapping[str, str] | None = None,
+) -> list[str]:
     """Those of `call_ids` whose latest pending call in `conversation` a person approved
     (`denials_hold`): the first answer was an approval, so a denial of the call comes too
     late (the tool runs; its result answers it)."""
     resolved = conversation.get("resolved_hitl") or ()
-    approved = _approved_keys(conversation)
+    refused = refused or {}
     latest = {
         call.get("tool_call_id"): call
         for call in conversation.get("pending_calls") or ()
         if isinstance(call, Mapping)
     }
 
-    def released(call: Mapping[str, Any] | None) -> bool:
+    def released(call_id: str) -> bool:
+        call = latest.get(call_id)
         if call is None:
             return False
         key = (call.get("tool_call_id"), call.get("message_id"))
-        return call.get("request_id") in resolved or key in approved
+        by_refused = _approvals(conversation, request_id=refused.get(call_id, _NO_PROMPT))
+        return (
+            call.get("request_id") in resolved
+            or key in _approvals(conversation, held_again=False)
+            or key in by_refused
+        )
 
-    return [c for c in call_ids if released(latest.get(c))]
+    return [c for c in call_ids if released(c)]
 
 
 def approved_among(conversation: Mapping[str, Any], call_ids: Sequence[str]) -> list[str]:
     """Those of `call_ids` a person's answer released (`approved_calls`), pending or answered
-    since: a turn denying one was refused (`AnsweredBefore`) and logged without the denial,
-    so a retry sending it again is told so again."""
-    approved = {call_id for call_id, _ in _approved_keys(conversation)}
+    since, held again by a later prompt or not: a turn denying one was refused
+    (`AnsweredBefore`) and logged without the denial, so a retry sending it again is told so
+    again."""
+    approved = {call_id for call_id, _ in _approvals(conversation)}
     return [c for c in call_ids if c in approved] or released_calls(conversation, call_ids)
 
 
-def _approved_keys(conversation: Mapping[str, Any]) -> set[tuple[Any, Any]]:
+_NO_PROMPT = object()
+"""No prompt named: `_approvals` then matches no approval."""
+
+
+def _approvals(
+    conversation: Mapping[str, Any], *, held_again: bool | None = None, request_id: Any = None
+) -> set[tuple[Any, Any]]:
+    """The keys of `conversation`'s `approved_calls`, as `_approval_keys` selects them."""
     return {
         (a.get("tool_call_id"), a.get("message_id"))
         for a in conversation.get("approved_calls") or ()
         if isinstance(a, Mapping)
+        and (held_again is None or bool(a.get("held_again")) == held_again)
+        and (request_id is None or a.get("request_id") == request_id)
     }
 
 
@@ -380,14 +443,21 @@ def reservation(
 
 
 def _asked_again(plan: TurnPlan) -> dict[str, Any]:
-    """`approved_calls` without the calls a prompt of the turn names (`named_holds`): a second
-    question about an approved call holds it until it is answered itself."""
+    """`approved_calls` with the approvals of the calls a prompt of the turn names
+    (`named_holds`) marked `held_again`: a second question about an approved call holds it
+    until it is answered itself. The approval stays recorded, so a refusal of the prompt
+    that gave it, arriving later, still denies nothing."""
     if not plan.named_holds:
         return {}
     named = literal(sorted({call_id for call_id, _ in plan.named_holds}))
-    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
-    kept = {"$eq": [{"$in": ["$$a.tool_call_id", named]}, False]}
-    approved = {"$filter": {"input": _kept("approved_calls", []), "as": "a", "cond": kept}}
+    marked = {
+        **_call_key("a"),
+        "request_id": {"$ifNull": ["$$a.request_id", None]},
+        "held_again": {
+            "$or": [{"$in": ["$$a.tool_call_id", named]}, {"$ifNull": ["$$a.held_again", False]}]
+        },
+    }
+    approved = {"$map": {"input": _kept("approved_calls", []), "as": "a", "in": marked}}
     # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
     unset = {"$eq": [{"$ifNull": ["$approved_calls", None]}, None]}
     return {"approved_calls": {"$cond": [unset, "$$REMOVE", approved]}}

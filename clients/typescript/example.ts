@@ -157,8 +157,10 @@ export class AdminApi {
   pendingHitl(id: string): Promise<IPendingHitlState> {
     return this.call("GET", `/v1/conversations/${id}/hitl`);
   }
-  resolveHitl(id: string, requestId: string): Promise<IHitlResolved> {
-    return this.call("POST", `/v1/conversations/${id}/hitl/resolve`, { request_id: requestId });
+  /** `callIds`: the calls the answer concerns, as read from `pending_calls`. */
+  resolveHitl(id: string, requestId: string, callIds?: string[]): Promise<IHitlResolved> {
+    const body = { request_id: requestId, ...(callIds ? { call_ids: callIds } : {}) };
+    return this.call("POST", `/v1/conversations/${id}/hitl/resolve`, body);
   }
   search(q: string, userId: string): Promise<ISearchResults> {
     return this.call("GET", `/v1/search?${new URLSearchParams({ q, user_id: userId })}`);
