@@ -524,20 +524,21 @@ def _restarted_before_the_first_message_delete(
     monkeypatch: pytest.MonkeyPatch,
     said: str,
     user_id: str | None = None,
+    created_at: str | None = None,
 ) -> None:
     """`store`'s first delete of messages reaches the server only after OWNER's "c-del" was
-    deleted and started again (another millisecond) with a turn "t1" saying `said`, by
-    `user_id` or, without one, a service."""
+    deleted and started again (another millisecond, or the caller's `created_at`) with a turn
+    "t1" saying `said`, by `user_id` or, without one, a service."""
     messages, late = store._messages, []
     delete_many = messages.delete_many
+    first = {"role": "user", "content": said} | ({"created_at": created_at} if created_at else {})
 
     async def arriving_late(*args: Any, **kwargs: Any) -> Any:
         if not late:
             late.append(True)
             await ConversationStore(backend.db).delete("c-del", user_id=OWNER)
             await asyncio.sleep(0.005)
-            await logger.log_messages("c-del", [{"role": "user", "content": said}],
-                                      user_id=user_id, turn_id="t1")  # fmt: skip
+            await logger.log_messages("c-del", [first], user_id=user_id, turn_id="t1")
         return await delete_many(*args, **kwargs)
 
     monkeypatch.setattr(messages, "delete_many", arriving_late)
@@ -560,6 +561,41 @@ async def test_a_repeated_delete_leaves_whole_the_conversation_its_owner_started
     assert (deleted.conversations, deleted.messages) == (0, 0)
     assert [m.content for m in await store.transcript("c-del", user_id=OWNER)] == ["new"]
     assert (await store.get_conversation("c-del", user_id=OWNER)).message_count == 1
+
+
+@pytest.mark.parametrize(
+    ("deleting", "starting", "said"),
+    [
+        pytest.param(OWNER, OWNER, "old", id="its-owner-sending-the-same-turn"),
+        pytest.param(OWNER, OWNER, "new", id="its-owner-with-a-new-turn"),
+        pytest.param(None, "user-grace", "grace's own", id="another-user-after-a-service"),
+    ],
+)
+async def test_a_repeated_delete_leaves_whole_a_conversation_started_since_at_the_same_time(
+    backend: Backend,
+    monkeypatch: pytest.MonkeyPatch,
+    deleting: str | None,
+    starting: str,
+    said: str,
+) -> None:
+    """DESIGN.md §3: a delete never takes one started under the id since, by anyone. As
+    above, but the first messages of both conversations carry the same `created_at` (the
+    caller's): the conversations are told apart by their epochs, not by their times, and
+    the retry takes nothing of the new one."""
+    at = "2025-06-01T10:00:00.000Z"
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-del", [{"role": "user", "content": "old", "created_at": at}],
+                              user_id=OWNER, turn_id="t1")  # fmt: skip
+    _restarted_before_the_first_message_delete(
+        backend, store, logger, monkeypatch, said, starting, created_at=at
+    )
+
+    deleted = await store.delete("c-del", user_id=deleting)
+
+    assert (deleted.conversations, deleted.messages) == (0, 0)
+    assert [m.content for m in await store.transcript("c-del", user_id=starting)] == [said]
+    conversation = await store.get_conversation("c-del", user_id=starting)
+    assert (conversation.message_count, conversation.user_id) == (1, starting)
 
 
 async def test_the_deletes_last_sweep_leaves_whole_what_another_user_started_after_it_looked(
@@ -748,13 +784,17 @@ async def test_a_conversation_the_guest_starts_between_the_claims_two_moves_keep
 
 
 async def _owners_second_turn_in_flight(
-    logger: AgentMessageLogger, slow: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch
+    logger: AgentMessageLogger,
+    slow: AgentMessageLogger,
+    monkeypatch: pytest.MonkeyPatch,
+    created_at: str | None = None,
 ) -> tuple[asyncio.Event, asyncio.Task[Any]]:
-    """OWNER's "c-x" with a first turn logged and a second one, by `slow`, that has reserved
-    its block and inserts once the event returned is set."""
+    """OWNER's "c-x" with a first turn logged (at the caller's `created_at`, if given) and a
+    second one, by `slow`, that has reserved its block and inserts once the event returned is
+    set."""
     await logger.ensure_indexes()
-    await logger.log_messages("c-x", [{"role": "user", "content": "mine"}], user_id=OWNER,
-                              turn_id="t1")  # fmt: skip
+    mine = {"role": "user", "content": "mine"} | ({"created_at": created_at} if created_at else {})
+    await logger.log_messages("c-x", [mine], user_id=OWNER, turn_id="t1")
     go = asyncio.Event()
     reserved = _stall_inserts(slow, monkeypatch, go)
     turn = asyncio.create_task(
@@ -853,6 +893,27 @@ async def test_a_slow_turn_does_not_hand_its_messages_to_whoever_recreated_the_i
     seen = [m.content for m in await store.transcript("c-x", user_id=SOMEONE_ELSE)]
     assert seen == ["hello"]
     assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
+
+
+async def test_a_slow_turn_hands_nothing_to_whoever_recreated_the_id_at_the_same_time(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, with both conversations' first messages at the same `created_at` (the
+    caller's): the slow turn tells the conversation it reserved on by its epoch, so its late
+    message goes with it, never to SOMEONE_ELSE's."""
+    at = "2025-06-01T10:00:00.000Z"
+    slow, logger = AgentMessageLogger(backend.db, rules=NO_GRACE), AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db)
+    go, turn = await _owners_second_turn_in_flight(logger, slow, monkeypatch, created_at=at)
+    await store.delete("c-x", user_id=OWNER)
+    await logger.log_messages("c-x", [{"role": "user", "content": "hello", "created_at": at}],
+                              user_id=SOMEONE_ELSE, owner_only=True, turn_id="o1")  # fmt: skip
+    go.set()
+    await turn
+
+    seen = [m.content for m in await store.transcript("c-x", user_id=SOMEONE_ELSE)]
+    assert seen == ["hello"]
+    assert await backend.db.agent_messages.count_documents({"content": "OWNER's secret"}) == 0
 
 
 async def test_after_a_slow_turn_landed_in_a_recreated_id_its_new_owner_can_still_log(

@@ -573,6 +573,53 @@ async def test_a_stalled_first_insert_landing_after_its_retry_stored_the_turn_an
     assert conversation["message_count"] == 5
 
 
+async def test_two_attempts_racing_the_move_of_an_abandoned_block_both_answer_the_stored_turn(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3: two attempts of one turn racing still answer with the stored messages.
+    The turn's first attempt reserved 1-2 and died; "m3" was logged since. Attempt B reads
+    the conversation (the turn at 1-2) and is held before it looks its block up; attempt A
+    moves the turn to 4-5 and stores it there; B then finds the turn's messages at 4-5, a
+    block the conversation it read does not record yet: it answers them, no Conflict."""
+    rules = TurnRules(abandon_after=timedelta(0))
+    logger, _, first = await _a_stalled_first_attempt(backend, rules)
+    first.cancel()  # the process died between its two writes
+    await logger.log_messages(CID, [{"role": "user", "content": "m3"}], turn_id="t3")
+    b = AgentMessageLogger(backend.db, rules=rules)
+    find, looking, go = b._messages.find, asyncio.Event(), asyncio.Event()
+
+    def held_lookup(*args: Any, **kwargs: Any) -> Any:
+        cursor = find(*args, **kwargs)
+        if looking.is_set():
+            return cursor
+
+        class Held:
+            async def to_list(self, length: int | None) -> Any:
+                looking.set()
+                await go.wait()
+                return await cursor.to_list(length)
+
+        return Held()
+
+    monkeypatch.setattr(b._messages, "find", held_lookup)
+    attempt_b = asyncio.create_task(b.log_messages(CID, turn("late"), turn_id="late"))
+    await looking.wait()  # B read the conversation and is about to look its block up
+    attempt_a = await logger.log_messages(CID, turn("late"), turn_id="late")  # moved, at 4-5
+    go.set()
+
+    answered = await attempt_b
+
+    assert [m.seq for m in attempt_a.messages] == [m.seq for m in answered.messages] == [4, 5]
+    assert [m.id for m in answered.messages] == [m.id for m in attempt_a.messages]
+    assert answered.replayed
+    stored = await backend.db[MESSAGES].find({"conversation_id": CID}).sort("seq", 1).to_list(None)
+    assert [(m["seq"], m["content"]) for m in stored] == [
+        (0, "m0"), (3, "m3"), (4, "late?"), (5, "late!")
+    ]  # fmt: skip
+    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert (conversation["message_count"], conversation["turn_count"]) == (6, 3)
+
+
 # -- a property: anything a caller sends is stored faithfully or refused whole ----------------
 
 

@@ -35,6 +35,7 @@ from agent_store.store import (
     LegacyHolder,
     LoggedTurn,
     TurnRules,
+    same_conversation,
     storage_errors,
 )
 
@@ -239,11 +240,13 @@ class LegacyTurns:
         self, conversation: Conversation, written: Sequence[dict[str, Any]]
     ) -> None:
         """Take back the legacy turns just `written` when their conversation is gone: deleted,
-        or deleted and created again under its id (another `created_at`) since the turn was
-        reserved. A delete takes the ones written before its end (`delete_dual_writes`)."""
-        still = await self._conversations.find_one(
-            {"_id": conversation.id, "created_at": conversation.created_at}, {"_id": 1}
+        or deleted and created again under its id (another epoch: `same_conversation`) since
+        the turn was reserved. A delete takes the ones written before its end
+        (`delete_dual_writes`)."""
+        same = same_conversation(
+            conversation.id, epoch=conversation.epoch, created_at=conversation.created_at
         )
+        still = await self._conversations.find_one(same, {"_id": 1})
         if still is None and written:
             named = scalar_filter("conversation_id", {"$eq": written[0]["conversation_id"]})
             await self._turns.delete_many({"_id": {"$in": [d["_id"] for d in written]}, **named})

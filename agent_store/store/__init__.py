@@ -60,7 +60,7 @@ from agent_store.store._reads import (
     SearchHit,
     SortOrder,
 )
-from agent_store.store._reservation import Actor
+from agent_store.store._reservation import Actor, same_conversation
 from agent_store.store._retry import RetryPolicy, with_retries
 from agent_store.store._text import (
     DEFAULT_MARKERS,
@@ -179,6 +179,7 @@ __all__ = [
     "plan_turn",
     "prompt_text",
     "redact_uri",
+    "same_conversation",
     "search_text",
     "shorten",
     "split_runtime_context",

@@ -94,6 +94,7 @@ from agent_store.store._reservation import (
     relocation,
     reservation,
     reservation_filter,
+    same_conversation,
 )
 from agent_store.store._text import clean_name
 from agent_store.store._turns import (
@@ -150,10 +151,11 @@ class _Reserved:
     owner: str | None
     replayed: bool
     created_at: datetime | None = None
-    """The conversation's `created_at` as stored: another one under the id is another
-    conversation (deleted, then created again)."""
+    """The conversation's `created_at` as stored: it tells the conversation from another one
+    under the id (deleted, then created again) when it has no `epoch` yet."""
     epoch: str | None = None
-    """The conversation's `epoch`, which its messages carry."""
+    """The conversation's `epoch`, which its messages carry, and which tells it from another
+    one under the id (`same_conversation`)."""
     conversation: Conversation | None = None
     """The conversation's summary: read only when observers are told of the turn."""
     assigns: bool = False
@@ -258,7 +260,13 @@ class AgentMessageLogger:
             # It assigned an unowned conversation: its messages go to the owner, as an
             # assigning turn's do (turns still being written included).
             block = int(doc["message_count"])
-            reserved = _Reserved(block, user_id, replayed=False, created_at=doc.get("created_at"))
+            reserved = _Reserved(
+                block,
+                user_id,
+                replayed=False,
+                created_at=doc.get("created_at"),
+                epoch=doc.get("epoch"),
+            )
             await self._hand_over_earlier(conversation_id, reserved)
         return Conversation.model_validate(doc)
 
@@ -626,7 +634,7 @@ class AgentMessageLogger:
             return reserved
         stored = await self._stored_in(plan, block, moving=conversation)
         if stored:  # in its block, or where an earlier attempt's insert landed
-            return _stored_there(plan, block, conversation, reserved, stored)
+            return await self._stored_there(plan, block, conversation, reserved, stored)
         now = utc_now()
         query, pipeline = relocation(plan, block, self.rules, now, assigned=reserved.assigns)
         guarded = query
@@ -648,6 +656,34 @@ class AgentMessageLogger:
                 await self._give_up(plan.conversation_id, conversation)
                 raise condition.refusal
         return None if doc is None else _moved(plan, reserved, doc, observed=bool(self._observers))
+
+    async def _stored_there(
+        self,
+        plan: TurnPlan,
+        block: RecordedBlock,
+        conversation: Mapping[str, Any],
+        reserved: _Reserved,
+        stored: Sequence[Mapping[str, Any]],
+    ) -> _Reserved | None:
+        """A retry's block once messages of the turn are found stored (`stored`, in its block or
+        by their ids elsewhere): its block, or the one its messages are in, if the conversation
+        records that block for the turn (one it left by a move). A block the conversation as
+        read (`conversation`) does not record may be one another attempt moved the turn to
+        since: the records are read again (one lookup, on that path only), and a block they
+        record for the turn gives None, the reservation going round once more to answer the
+        turn where it is stored. Else Conflict: what is there is not the turn's."""
+        at = stored_at(plan, stored)
+        if at is None or at == block.first_seq:
+            return reserved
+        if at in blocks_of(conversation, plan.key):
+            return replace(reserved, first_seq=at, assigns=_assigned_at(conversation, at))
+        with storage_errors("read the conversation"):
+            records = await self._conversations.find_one(
+                {"_id": plan.conversation_id}, {"turns.k": 1, "turns.f": 1}
+            )
+        if records is not None and at in blocks_of(records, plan.key):
+            return None  # moved by another attempt since `conversation` was read
+        raise _taken(plan.conversation_id, plan.documents[0]["_id"], at)
 
     async def _refuse_unmigrated(self, conversation_id: str, actor: Actor) -> None:
         """Refuse a new conversation whose id exists as legacy turns not migrated yet."""
@@ -780,9 +816,10 @@ class AgentMessageLogger:
     async def _move_unowned(self, earlier: dict[str, Any], reserved: _Reserved) -> None:
         """The `earlier` messages without an owner to the conversation's owner now, read first:
         nothing moves once the conversation is not the one the turn reserved on (deleted, or
-        created again under its id by anyone: its `created_at` differs), nor while it has no
-        owner. A delete landing between the lookup and the move is the window left."""
-        same = {"_id": earlier["conversation_id"], "created_at": reserved.created_at}
+        created again under its id by anyone: its epoch differs, `same_conversation`), nor
+        while it has no owner. A delete landing between the lookup and the move is the window
+        left."""
+        same = _same_as_reserved(earlier["conversation_id"], reserved)
         found = await self._conversations.find_one(same, {"user_id": 1})
         owner = None if found is None else found.get("user_id")
         if owner is not None:
@@ -820,17 +857,18 @@ class AgentMessageLogger:
         meanwhile (one more lookup; one more update then only). A faster turn is moved by
         the claim itself, which waits that long before its last sweep.
 
-        The conversation is the one the turn reserved on only while its `created_at` is the
-        same: deleted meanwhile, or deleted and created again under its id (by anyone), it
-        is gone, and so are the turn's late messages, as the delete would have taken them;
-        they never go to whoever holds the id now.
+        The conversation is the one the turn reserved on only while its epoch is the same
+        (`same_conversation`): deleted meanwhile, or deleted and created again under its id
+        (by anyone, at whatever `created_at`), it is gone, and so are the turn's late
+        messages, as the delete would have taken them; they never go to whoever holds the
+        id now.
         """
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                {"_id": conversation_id}, {"user_id": 1, "created_at": 1}
+                _same_as_reserved(conversation_id, reserved), {"user_id": 1}
             )
         owner = reserved.owner
-        if found is not None and found.get("created_at") == reserved.created_at:
+        if found is not None:
             if found.get("user_id") == owner:
                 return stored
             new_owner = found.get("user_id")
@@ -1176,24 +1214,6 @@ def _assigned_at(conversation: Mapping[str, Any], first_seq: int) -> bool:
     return first_seq > 0 and int(conversation.get("owned_from") or 0) == first_seq
 
 
-def _stored_there(
-    plan: TurnPlan,
-    block: RecordedBlock,
-    conversation: Mapping[str, Any],
-    reserved: _Reserved,
-    stored: Sequence[Mapping[str, Any]],
-) -> _Reserved:
-    """A retry's block once messages of the turn are found stored (`stored`, in its block or
-    by their ids elsewhere): its block, or the one its messages are in, if the conversation
-    records that block for the turn (one it left by a move); else Conflict."""
-    at = stored_at(plan, stored)
-    if at is None or at == block.first_seq:
-        return reserved
-    if at not in blocks_of(conversation, plan.key):
-        raise _taken(plan.conversation_id, plan.documents[0]["_id"], at)
-    return replace(reserved, first_seq=at, assigns=_assigned_at(conversation, at))
-
-
 def _taken(conversation_id: str, message_id_: str, seq: int) -> Conflict:
     return Conflict(
         f"message {message_id_!r} or seq {seq} of conversation {conversation_id!r} is "
@@ -1220,6 +1240,12 @@ def _refuse_derived(conversation_id: str, actor: Actor) -> None:
         f"{DERIVED_CONVERSATION_PREFIX!r} or {DERIVED_TURN_PREFIX!r} name migrated legacy "
         "conversations; a new conversation takes another id"
     )
+
+
+def _same_as_reserved(conversation_id: str, reserved: _Reserved) -> dict[str, Any]:
+    """A filter for the conversation the turn reserved on, never one started under the id
+    since (`same_conversation`)."""
+    return same_conversation(conversation_id, epoch=reserved.epoch, created_at=reserved.created_at)
 
 
 def _written_by(

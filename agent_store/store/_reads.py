@@ -48,7 +48,12 @@ from agent_store.store._indexes import (
 )
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource
 from agent_store.store._pop import Pop, PopMemory
-from agent_store.store._reservation import SUMMARY, answered_calls, resolution
+from agent_store.store._reservation import (
+    SUMMARY,
+    answered_calls,
+    resolution,
+    same_conversation,
+)
 from agent_store.store._text import clean_name, collapse_whitespace, has_positive_term
 from agent_store.store._truncation import NATIVE
 from agent_store.store._turns import (
@@ -300,20 +305,20 @@ class ConversationStore:
         messages), then messages and their whole texts, then the conversation document: a
         crash part-way leaves something a repeated delete finishes, never
         messages without their conversation, and never legacy turns that a
-        migration re-run or the read fallback would bring back to life. Each step takes
-        the conversation the delete found only, told by its `created_at` from one started
-        under the id since, by anyone: the documents beside it written for it (or for no
-        conversation named) and for its owner (or no user); its owner's messages and those
-        naming no owner (logged before a turn assigned it), once a lookup finds it still
-        under its id; the whole texts no message left under the id names; its document
-        while it is the one found. A delete finding it gone by then (another delete of it
-        finished first: a client's retry) stops there, as for a deleted conversation. A
-        turn that reserved before the delete and inserts during it is swept last, and once
-        more `TurnRules.claim_grace` later when a reserved `seq` held no message (the
-        delete returns then); a conversation created under the id meanwhile, by anyone,
-        is left whole, and the owner's turns dual-written under the id meanwhile are
-        deleted too. Legacy turns and prompts under the id that name another user than the
-        document's owner stay (see `LegacySource.delete`).
+        migration re-run or the read fallback would bring back to life. Each step takes the
+        conversation the delete found only, told by its `epoch` (`same_conversation`) from
+        one started under the id since, by anyone, whatever its `created_at`: the documents
+        beside it written for it (or for no conversation named) and for its owner (or no
+        user); its owner's messages and those naming no owner (logged before a turn assigned
+        it), once a lookup finds it still under its id; the whole texts no message left
+        under the id names; its document while it is the one found. A delete finding it gone
+        by then (another delete of it finished first: a client's retry) stops there, as for
+        a deleted conversation. A turn that reserved before the delete and inserts during it
+        is swept last, and once more `TurnRules.claim_grace` later when a reserved `seq`
+        held no message (the delete returns then); a conversation created under the id
+        meanwhile, by anyone, is left whole, and the owner's turns dual-written under the id
+        meanwhile are deleted too. Legacy turns and prompts under the id that name another
+        user than the document's owner stay (see `LegacySource.delete`).
         """
         scope = self._scope(conversation_id, user_id)
         with storage_errors("read the conversation"):
@@ -327,7 +332,9 @@ class ConversationStore:
         if self._legacy_source is not None:
             legacy = await self._legacy_source.delete(conversation_id, owner=owner)
         await self._delete_beside(_beside_of(conversation_id, found), "delete the conversation")
-        found_now = {**scope, "created_at": found.get("created_at")}
+        found_now = scope | same_conversation(
+            conversation_id, epoch=found.get("epoch"), created_at=found.get("created_at")
+        )
         messages = await self._delete_messages_of(found_now, owner, found.get("epoch"))
         if messages is None:
             return Deleted(conversations=0, messages=0, legacy_turns=legacy)
@@ -351,12 +358,13 @@ class ConversationStore:
         self, found_now: dict[str, Any], owner: str | None, epoch: str | None
     ) -> int | None:
         """Delete the messages of the conversation `found_now` selects (its id, scope and
-        `created_at`) that name its owner, the one it has now (after a claim) or none, and
-        carry its `epoch` (as found, or as a first turn after an upgrade set it) or none; how
-        many. None, deleting nothing, when a lookup (one round trip) finds it no longer
-        there: deleted meanwhile, and perhaps started again under its id by anyone. A
-        delete reaching the server however late takes nothing of a conversation started
-        under the id since: its messages carry another epoch."""
+        `epoch`, or `created_at` for one found without: `same_conversation`) that name its
+        owner, the one it has now (after a claim) or none, and carry its `epoch` (as found,
+        or as a first turn after an upgrade set it) or none; how many. None, deleting
+        nothing, when a lookup (one round trip) finds it no longer there: deleted meanwhile,
+        and perhaps started again under its id by anyone. A delete reaching the server
+        however late takes nothing of a conversation started under the id since: its
+        messages carry another epoch."""
         with storage_errors("delete the conversation"):
             still = await self._conversations.find_one(found_now, {"user_id": 1, "epoch": 1})
             if still is None:

@@ -38,13 +38,28 @@ RESERVED: dict[str, Any] = {
     "epoch": 1,
 }
 """What a reservation returns otherwise: all the logger needs (the block's end, the owner,
-the creation time that tells this conversation from one created again under its id, the
-`seq` from which a turn assigned it an owner, and the epoch its messages carry)."""
+the epoch (else the creation time) that tells this conversation from one created again
+under its id (`same_conversation`), the `seq` from which a turn assigned it an owner, and
+the epoch its messages carry)."""
 
 
 def new_epoch() -> str:
     """A conversation's `epoch`: 64 random bits, drawn as its document is created."""
     return secrets.token_hex(8)
+
+
+def same_conversation(
+    conversation_id: str, *, epoch: str | None, created_at: datetime | None
+) -> dict[str, Any]:
+    """A filter for the conversation under `conversation_id` that was read with this `epoch`
+    and `created_at`, never one started under the id since, by anyone: told by its epoch,
+    drawn at random as its document is created (a caller supplies its first message's
+    `created_at`, so two conversations may share one). A conversation read before it had an
+    epoch (created before epochs: the first turn since draws it one) is told by its
+    `created_at`."""
+    if epoch is not None:
+        return {"_id": conversation_id, "epoch": epoch}
+    return {"_id": conversation_id, "created_at": created_at}
 
 
 @dataclass(frozen=True)
