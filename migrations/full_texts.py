@@ -16,10 +16,12 @@ from agent_store.store import (
     BLOB_CHUNKS,
     BLOB_FILES,
     CHUNKS_PER_REPLY,
+    CONVERSATIONS,
     MESSAGES,
     FullText,
     blob_documents,
     kept_blob_ids,
+    left_behind,
     only_duplicates,
     texts_of,
     with_texts,
@@ -84,11 +86,20 @@ def forget(db: Database[dict[str, Any]], blob_ids: Sequence[str]) -> None:
 
 
 def forget_conversations(db: Database[dict[str, Any]], conversation_ids: Sequence[str]) -> None:
-    """Delete every file kept under these conversations (`metadata.conversation_id`, indexed):
-    those of a conversation removed with no message left to name them."""
+    """Delete the files kept under these conversations (`metadata.conversation_id`, indexed):
+    those of a conversation removed with no message left to name them (the migration's
+    record no epoch), never those of one a person started under the id since, even between
+    its whole texts and its messages (`left_behind`: one lookup of the conversations more)."""
     if conversation_ids:
-        query = {"metadata.conversation_id": {"$in": list(conversation_ids)}}
-        forget(db, [d["_id"] for d in db[BLOB_FILES].find(query, {"_id": 1})])
+        ids = list(conversation_ids)
+        query = {"metadata.conversation_id": {"$in": ids}}
+        found = list(
+            db[BLOB_FILES].find(query, {"metadata.conversation_id": 1, "metadata.epoch": 1})
+        )
+        if found:
+            holding = db[CONVERSATIONS].find({"_id": {"$in": ids}}, {"epoch": 1})
+            holders = {str(d["_id"]): d.get("epoch") for d in holding}
+            forget(db, left_behind(found, holders, {}))
 
 
 def texts(db: Database[dict[str, Any]], blob_ids: Iterable[str]) -> dict[str, str]:

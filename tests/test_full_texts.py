@@ -13,15 +13,18 @@ from datetime import timedelta
 from typing import Any
 
 import gridfs
+import mongomock
 import pytest
 from pymongo import MongoClient
 from pymongo.errors import AutoReconnect
 
 from agent_store import AgentMessageLogger, ConversationStore, Truncation
 from agent_store.core import Conflict, StorageUnavailable, message_adapter, utc_now
-from agent_store.store import BLOB_BUCKET, TurnRules, stored_turn_record
+from agent_store.store import BLOB_BUCKET, CONVERSATIONS, TurnRules, stored_turn_record
 from agent_store.store._blobs import FullTextStore
 from agent_store.store._truncation import FullText, blob_id, unscoped_blob_id
+from migrations import full_texts
+from migrations.bounds import Bounds
 from tests.api_harness import (
     OTHER,
     SERVICE_TOKEN,
@@ -688,3 +691,114 @@ async def test_a_whole_text_not_matching_its_messages_digest_is_not_served(
 
     assert whole[1].content == logged.messages[1].content
     assert whole[1].truncated == logged.messages[1].truncated
+
+
+def stalled_after(owner: Any, name: str) -> tuple[asyncio.Event, asyncio.Event]:
+    """Pause after `owner._full_texts.<name>` has run, until the first event is set; the second
+    is set when a call has run it."""
+    gate, reached = asyncio.Event(), asyncio.Event()
+    original = getattr(owner._full_texts, name)
+
+    async def paused(*args: Any) -> Any:
+        done = await original(*args)
+        reached.set()
+        await gate.wait()
+        return done
+
+    setattr(owner._full_texts, name, paused)
+    return gate, reached
+
+
+async def a_turn_kept_and_not_inserted(logger: AgentMessageLogger) -> tuple[asyncio.Event, Any]:
+    """User A's turn `t1` under the id, paused between the keep of its whole text and the insert
+    of its message; the gate that lets it go on, and the turn."""
+    gate, kept = stalled_after(logger, "keep")
+    turn = asyncio.create_task(
+        logger.log_messages(
+            CID, [{"role": "user", "content": A_TEXT}], user_id="user-a", turn_id="t1"
+        )
+    )
+    await kept.wait()
+    return gate, turn
+
+
+async def test_a_repeated_delete_cleaning_up_late_leaves_the_next_conversations_whole_text(
+    backend: Backend,
+) -> None:
+    """B's delete is repeated (a client's retry after a timeout): the repeat finds the
+    conversation, deletes its messages and stalls before its whole-text cleanup. The first
+    delete frees the id; A's turn there keeps its whole text, and the repeat's cleanup reaches
+    the server before A's insert: it takes the deleted conversation's files only, and A's
+    message is read whole."""
+    store, repeat_store = ConversationStore(backend.db), ConversationStore(backend.db)
+    logger = AgentMessageLogger(backend.db, rules=STALLED)
+    await logger.log_messages(
+        CID, [{"role": "user", "content": B_TEXT}], user_id="user-b", turn_id="t1"
+    )
+    cleanup, reached = stalled(repeat_store, "forget_conversations")
+    repeat = asyncio.create_task(repeat_store.delete(CID, user_id="user-b"))
+    await reached.wait()
+    await store.delete(CID, user_id="user-b")
+    insert, a_turn = await a_turn_kept_and_not_inserted(
+        AgentMessageLogger(backend.db, rules=STALLED)
+    )
+
+    cleanup.set()
+    assert (await repeat).conversations == 0
+    insert.set()
+    await a_turn
+
+    whole = await store.with_full_texts(await store.transcript(CID, user_id="user-a"))
+    assert whole[0].content == A_TEXT
+    chunks = await backend.db[CHUNKS].find({}).to_list(None)
+    assert not any(b"B-PRIVATE" in bytes(chunk["data"]) for chunk in chunks)
+
+
+async def test_an_erasure_cleaning_up_late_leaves_the_next_conversations_whole_text(
+    backend: Backend,
+) -> None:
+    """B's erasure deletes the messages of B's conversation and stalls before its whole-text
+    cleanup; B's delete frees the id meanwhile, and A's turn there keeps its whole text. The
+    erasure's cleanup, reaching the server before A's insert, takes B's files only: A's message
+    is read whole, and nothing of B's text is left."""
+    store, eraser = ConversationStore(backend.db), ConversationStore(backend.db)
+    logger = AgentMessageLogger(backend.db, rules=STALLED)
+    await logger.log_messages(
+        CID, [{"role": "user", "content": B_TEXT}], user_id="user-b", turn_id="t1"
+    )
+    cleanup, reached = stalled(eraser, "forget_conversations")
+    erasure = asyncio.create_task(eraser.erase_user("user-b"))
+    await reached.wait()
+    await store.delete(CID, user_id="user-b")
+    insert, a_turn = await a_turn_kept_and_not_inserted(
+        AgentMessageLogger(backend.db, rules=STALLED)
+    )
+
+    cleanup.set()
+    await erasure
+    insert.set()
+    await a_turn
+
+    whole = await store.with_full_texts(await store.transcript(CID, user_id="user-a"))
+    assert whole[0].content == A_TEXT
+    chunks = await backend.db[CHUNKS].find({}).to_list(None)
+    assert not any(b"B-PRIVATE" in bytes(chunk["data"]) for chunk in chunks)
+
+
+def test_the_migrations_cleanup_of_a_removed_conversation_leaves_the_next_ones_whole_text() -> None:
+    """The migration removes a conversation it made and stopped with no message, and forgets
+    the whole texts kept under its id; a person started a conversation under the id meanwhile
+    and kept a whole text there, its message not inserted yet. The cleanup takes the
+    migration's file (no epoch) only."""
+    db: Any = mongomock.MongoClient().db
+    db[CONVERSATIONS].insert_one({"_id": CID, "epoch": "e-person"})
+    at = utc_now()
+    persons = FullText(blob_id("m1", "content", "e-person"), CID, "m1", "content", A_TEXT, at,
+                       epoch="e-person")  # fmt: skip
+    migrations = FullText(blob_id("m0", "content"), CID, "m0", "content", B_TEXT, at)
+    full_texts.keep(db, [persons, migrations], Bounds())
+
+    full_texts.forget_conversations(db, [CID])
+
+    kept = full_texts.texts(db, [persons.blob_id, migrations.blob_id])
+    assert kept == {persons.blob_id: A_TEXT}

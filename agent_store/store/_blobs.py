@@ -18,20 +18,23 @@ reader serves a whole text only when it has the SHA-256 its message records (`wi
 a message's whole text is always its own. And the files of a
 conversation are found by its id in their metadata (`metadata.conversation_id`, indexed),
 not only through the messages naming them: a file whose message is gone (popped, deleted
-late, or never inserted) goes with its conversation.
+late, or never inserted) goes with its conversation. Their metadata records the epoch too
+(`metadata.epoch`): a delete's or an erasure's cleanup reaching the server late, between a
+conversation started under the id since keeping its whole texts and inserting its messages,
+takes the deleted conversation's files only (`left_behind`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from pymongo.errors import BulkWriteError
 
 from agent_store.core import AgentMessage, Truncation, message_adapter
 from agent_store.store._driver import Database, only_duplicates, storage_errors
-from agent_store.store._indexes import BLOB_CHUNKS, BLOB_FILES, MESSAGES
+from agent_store.store._indexes import BLOB_CHUNKS, BLOB_FILES, CONVERSATIONS, MESSAGES
 from agent_store.store._truncation import FullText, put_text
 
 CHUNK_BYTES = 255 * 1024
@@ -62,9 +65,33 @@ def blob_documents(full: FullText) -> tuple[dict[str, Any], list[dict[str, Any]]
             "message_id": full.message_id,
             "path": full.path,
             "content_type": "text/plain; charset=utf-8",
+            **({"epoch": full.epoch} if full.epoch is not None else {}),
         },
     }
     return files, chunks
+
+
+def left_behind(
+    files: Iterable[Mapping[str, Any]],
+    holders: Mapping[str, str | None],
+    deleted: Mapping[str, Collection[str | None]],
+) -> list[str]:
+    """The ids of the `files` (as found by their `metadata.conversation_id`) that a cleanup of
+    deleted conversations takes: those recording no epoch (written before files recorded it,
+    or for a conversation with none), or a deleted conversation's (`deleted`: its epochs by
+    its id), or one no conversation under the id holds (`holders`: the epoch of the one under
+    each id, read after the files were found: a deleted one's left late).
+
+    Never those of a conversation started under the id since, whose document (drawing its
+    epoch) is there before its files are: a cleanup reaching the server however late, between
+    that conversation's whole texts and its messages, leaves them."""
+    taken = []
+    for found in files:
+        meta = found.get("metadata") or {}
+        cid, epoch = str(meta.get("conversation_id")), meta.get("epoch")
+        if epoch is None or epoch in deleted.get(cid, ()) or holders.get(cid) != epoch:
+            taken.append(str(found["_id"]))
+    return taken
 
 
 def text_of(files: Mapping[str, Any], chunks: Iterable[Mapping[str, Any]]) -> str | None:
@@ -145,6 +172,7 @@ class FullTextStore:
         self._files = db[BLOB_FILES]
         self._chunks = db[BLOB_CHUNKS]
         self._messages = db[MESSAGES]
+        self._conversations = db[CONVERSATIONS]
 
     async def keep(self, full_texts: Sequence[FullText]) -> None:
         """Write the texts: chunks first, then the files documents that make them visible.
@@ -202,25 +230,32 @@ class FullTextStore:
             ).to_list(None)
         await self.forget_files(sorted({b for doc in cut for b in stored_blob_ids(doc)}))
 
-    async def forget_conversations(self, conversation_ids: Sequence[str]) -> None:
-        """Delete the whole texts of the conversations that no message of theirs names, found by
-        their metadata. Run once the messages being deleted are gone, it takes theirs and those
-        no message names any more (popped, or deleted after their turn wrote them, or whose
-        insert failed), and leaves those the messages of a conversation started under an id
-        since name (another's, even under the same file id). One round trip; three more when
-        any."""
-        ids = list(conversation_ids)
+    async def forget_conversations(self, deleted: Mapping[str, Collection[str | None]]) -> None:
+        """Delete the whole texts of deleted conversations that no message of theirs names,
+        found by their metadata (`deleted`: each conversation's epochs, as its delete found
+        them, by its id). Run once the messages being deleted are gone, it takes theirs and
+        those no message names any more (popped, or deleted after their turn wrote them, or
+        whose insert failed), and those a conversation deleted before under the id left; it
+        leaves those of a conversation started under the id since, even when it reaches the
+        server between their keep and the insert of their messages (`left_behind`), and those
+        its messages name (under the same file id too). One round trip; four more when any."""
+        ids = list(deleted)
         with storage_errors("delete the whole texts of cut messages"):
             found = await self._files.find(
-                {"metadata.conversation_id": {"$in": ids}}, {"_id": 1}
+                {"metadata.conversation_id": {"$in": ids}},
+                {"metadata.conversation_id": 1, "metadata.epoch": 1},
             ).to_list(None)
             if not found:
                 return
+            holding = await self._conversations.find({"_id": {"$in": ids}}, {"epoch": 1}).to_list(
+                None
+            )
             named = await self._messages.find(
                 {"conversation_id": {"$in": ids}, "truncated": {"$ne": None}}, {"truncated": 1}
             ).to_list(None)
         kept = {b for doc in named for b in stored_blob_ids(doc)}
-        await self.forget_files(sorted({str(f["_id"]) for f in found} - kept))
+        holders = {str(d["_id"]): d.get("epoch") for d in holding}
+        await self.forget_files(sorted(set(left_behind(found, holders, deleted)) - kept))
 
     async def forget_files(self, blob_ids: Sequence[str]) -> None:
         """Delete these files: chunks first, so that the files documents (by which a

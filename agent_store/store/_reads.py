@@ -311,9 +311,10 @@ class ConversationStore:
         beside it written for it (or for no conversation named) and for its owner (or no
         user); its owner's messages and those naming no owner (logged before a turn assigned
         it), once a lookup finds it still under its id; the whole texts no message left
-        under the id names; its document while it is the one found. A delete finding it gone
-        by then (another delete of it finished first: a client's retry) stops there, as for
-        a deleted conversation. A turn that reserved before the delete and inserts during it
+        under the id names, but those of a conversation started under the id since
+        (`FullTextStore.forget_conversations`); its document while it is the one found. A
+        delete finding it gone by then (another delete of it finished first: a client's
+        retry) stops there, as for a deleted conversation. A turn that reserved before the delete and inserts during it
         is swept last, and once more `TurnRules.claim_grace` later when a reserved `seq`
         held no message (the delete returns then); a conversation created under the id
         meanwhile, by anyone, is left whole, and the owner's turns dual-written under the id
@@ -335,10 +336,11 @@ class ConversationStore:
         found_now = scope | same_conversation(
             conversation_id, epoch=found.get("epoch"), created_at=found.get("created_at")
         )
-        messages = await self._delete_messages_of(found_now, owner, found.get("epoch"))
-        if messages is None:
+        taken = await self._delete_messages_of(found_now, owner, found.get("epoch"))
+        if taken is None:
             return Deleted(conversations=0, messages=0, legacy_turns=legacy)
-        await self._full_texts.forget_conversations([conversation_id])
+        messages, epochs = taken
+        await self._full_texts.forget_conversations({conversation_id: epochs})
         with storage_errors("delete the conversation"):
             gone = await self._conversations.find_one_and_delete(
                 found_now, {"user_id": 1, "message_count": 1, "turns": 1, "epoch": 1}
@@ -356,11 +358,12 @@ class ConversationStore:
 
     async def _delete_messages_of(
         self, found_now: dict[str, Any], owner: str | None, epoch: str | None
-    ) -> int | None:
+    ) -> tuple[int, tuple[str | None, ...]] | None:
         """Delete the messages of the conversation `found_now` selects (its id, scope and
         `epoch`, or `created_at` for one found without: `same_conversation`) that name its
         owner, the one it has now (after a claim) or none, and carry its `epoch` (as found,
-        or as a first turn after an upgrade set it) or none; how many. None, deleting
+        or as a first turn after an upgrade set it) or none; how many, and those epochs (its whole
+        texts are told by them). None, deleting
         nothing, when a lookup (one round trip) finds it no longer there: deleted meanwhile,
         and perhaps started again under its id by anyone. A delete reaching the server
         however late takes nothing of a conversation started under the id since: its
@@ -369,14 +372,15 @@ class ConversationStore:
             still = await self._conversations.find_one(found_now, {"user_id": 1, "epoch": 1})
             if still is None:
                 return None
+            epochs = (epoch, still.get("epoch"))
             deleted = await self._messages.delete_many(
                 {
                     "conversation_id": found_now["_id"],
                     "user_id": _one_of_or_none(owner, still.get("user_id")),
-                    "epoch": _one_of_or_none(epoch, still.get("epoch")),
+                    "epoch": _one_of_or_none(*epochs),
                 }
             )
-        return int(deleted.deleted_count)
+        return int(deleted.deleted_count), epochs
 
     async def _sweep_after_grace(self, conversation_id: str, gone: dict[str, Any]) -> int:
         """A seq reserved and not stored: a turn may still be inserting. One faster than the
@@ -984,7 +988,7 @@ class ConversationStore:
                         for d in held]  # fmt: skip
                 chunk = {"$or": each, "user_id": mine}
                 erased += (await self._messages.delete_many(chunk)).deleted_count
-            await self._full_texts.forget_conversations(owned)
+            await self._full_texts.forget_conversations({d["_id"]: (d.get("epoch"),) for d in held})
         return erased, reserved
 
     async def _delete_beside(self, query: dict[str, Any], action: str) -> None:

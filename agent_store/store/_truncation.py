@@ -43,6 +43,9 @@ class FullText:
     """Where the text sits in the message, e.g. `content` or `tool_calls.0.function.arguments`."""
     text: str
     created_at: datetime
+    epoch: str | None = None
+    """The `epoch` of the conversation storing the message (`text_for_epoch`), recorded in
+    the file's metadata: a cleanup of a deleted conversation tells its files by it."""
 
 
 @dataclass(frozen=True)
@@ -99,8 +102,9 @@ def kept_whole(message: AgentMessage) -> bool:
 
 
 def text_for_epoch(full: FullText, epoch: str | None) -> FullText:
-    """The whole text under the file id naming the conversation's `epoch` (`blob_id`)."""
-    return replace(full, blob_id=blob_id(full.message_id, full.path, epoch))
+    """The whole text under the file id naming the conversation's `epoch` (`blob_id`), and
+    of that epoch."""
+    return replace(full, blob_id=blob_id(full.message_id, full.path, epoch), epoch=epoch)
 
 
 def document_size(document: dict[str, Any]) -> int:
