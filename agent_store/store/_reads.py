@@ -301,24 +301,23 @@ class ConversationStore:
         what integrations keep beside it (`THREAD_COLLECTIONS`: a LangGraph thread's
         checkpoints).
 
-        Legacy turns go first, then the documents beside it (they refer to the
-        messages), then messages and their whole texts, then the conversation document: a
-        crash part-way leaves something a repeated delete finishes, never
-        messages without their conversation, and never legacy turns that a
-        migration re-run or the read fallback would bring back to life. Each step takes the
-        conversation the delete found only, told by its `epoch` (`same_conversation`) from
-        one started under the id since, by anyone, whatever its `created_at`: the documents
-        beside it written for it (or for no conversation named) and for its owner (or no
-        user); its owner's messages and those naming no owner (logged before a turn assigned
-        it), once a lookup finds it still under its id; the whole texts no message left
-        under the id names, but those of a conversation started under the id since
-        (`FullTextStore.forget_conversations`); its document while it is the one found. A
-        delete finding it gone by then (another delete of it finished first: a client's
-        retry) stops there, as for a deleted conversation. A turn that reserved before the delete and inserts during it
-        is swept last, and once more `TurnRules.claim_grace` later when a reserved `seq`
-        held no message (the delete returns then); a conversation created under the id
-        meanwhile, by anyone, is left whole, and the owner's turns dual-written under the id
-        meanwhile are deleted too. Legacy turns and prompts under the id that name another
+        Legacy turns go first, then the documents beside it (they refer to the messages), then
+        messages and their whole texts, then the conversation document: a crash part-way leaves
+        something a repeated delete finishes, never messages without their conversation, and
+        never legacy turns that a migration re-run or the read fallback would bring back to
+        life. Each step takes the conversation the delete found only, told by its `epoch`
+        (`same_conversation`) from one started under the id since, by anyone, whatever its
+        `created_at`: the documents beside it written for it (or for no conversation named) and
+        for its owner (or no user); its owner's messages and those naming no owner (logged
+        before a turn assigned it), once a lookup finds it still under its id; the whole texts
+        no message left under the id names, but those of a conversation started under the id
+        since (`FullTextStore.forget_conversations`); its document while it is the one found. A
+        delete finding it gone by then (another delete of it finished first: a client's retry)
+        stops there, as for a deleted conversation. A turn that reserved before the delete and
+        inserts during it is swept last, and once more `TurnRules.claim_grace` later when a
+        reserved `seq` held no message (the delete returns then); a conversation created under
+        the id meanwhile, by anyone, is left whole, and the owner's turns dual-written under the
+        id meanwhile are deleted too. Legacy turns and prompts under the id that name another
         user than the document's owner stay (see `LegacySource.delete`).
         """
         scope = self._scope(conversation_id, user_id)
