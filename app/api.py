@@ -201,8 +201,14 @@ async def pending_hitl(call: Call[NoQuery, NoBody]) -> Response:
 
 
 async def resolve_hitl(call: Call[NoQuery, ResolveHitlBody]) -> Response:
+    body = call.body
+    calls = None if body.calls is None else [c.model_dump() for c in body.calls]
     await call.store.conversations.resolve_hitl(
-        call.conversation_id, call.body.request_id, user_id=call.scope, call_ids=call.body.call_ids
+        call.conversation_id,
+        body.request_id,
+        user_id=call.scope,
+        call_ids=body.call_ids,
+        calls=calls,
     )
     return _json(HitlResolved(request_id=call.body.request_id))
 

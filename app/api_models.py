@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from agent_store.core import MAX_HELD_CALLS, AgentMessage, Identifier, PendingHitl
 from agent_store.store import (
@@ -88,6 +88,15 @@ class RenameBody(_Input):
     name: Name
 
 
+class CallIdentity(_Input):
+    """A call an answer concerns, by its identity as `pending_calls` serves it."""
+
+    tool_call_id: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+    """The call's id, as `pending_calls` serves it."""
+    message_id: Identifier
+    """The assistant message that made the call, as `pending_calls` serves it."""
+
+
 class ResolveHitlBody(_Input):
     request_id: Annotated[str, StringConstraints(min_length=1, max_length=200)]
     """The `request_id` of the pending prompt being answered."""
@@ -98,9 +107,22 @@ class ResolveHitlBody(_Input):
         ]
         | None
     ) = None
-    """The calls the answer concerns, as the client read them (`pending_calls`): the prompt is
-    resolved only while it holds one of them, or, holding none, is the pending one, so a
-    retry does not answer a later prompt asked under the same request id."""
+    """The calls the answer concerns, by id, as the client read them (`pending_calls`): the
+    prompt is resolved only while it holds one of them, or, holding none, is the pending one,
+    so a retry does not answer a later prompt asked under the same request id."""
+    calls: Annotated[list[CallIdentity], Field(max_length=MAX_HELD_CALLS)] | None = None
+    """The calls the answer concerns, each by its id and the message that made it, as the
+    client read them (`pending_calls`): as `call_ids`, and a later call of the same id (a
+    provider numbering its calls per response) is told apart. Send one or the other."""
+
+    @model_validator(mode="after")
+    def _one_way_of_naming_calls(self) -> ResolveHitlBody:
+        if self.call_ids is not None and self.calls is not None:
+            raise ValueError(
+                "send calls or call_ids, not both: calls names each call by its tool_call_id "
+                "and message_id, call_ids by its id only"
+            )
+        return self
 
 
 class LogTurnBody(_Input):

@@ -290,3 +290,42 @@ async def test_no_route_sends_an_empty_in_list(wire_uri: str) -> None:
         await client.drop_database("empty_in_lists")
         await client.close()
     assert listener.found == []
+
+
+# -- resolving a prompt ----------------------------------------------------------------------
+
+HITL = f"/v1/conversations/{OWNER_HITL_CONVERSATION}/hitl/resolve"
+A_CALL = {"tool_call_id": "call_0", "message_id": "msg-1"}
+
+
+@pytest.mark.parametrize(
+    ("calls", "where"),
+    [
+        pytest.param('"call_0"', "calls", id="a-string"),
+        pytest.param(json.dumps(A_CALL), "calls", id="one-call-not-in-a-list"),
+        pytest.param('[{"tool_call_id": "call_0"}]', "calls.0.message_id", id="no-message-id"),
+        pytest.param(
+            '[{"tool_call_id": "", "message_id": "m"}]', "calls.0.tool_call_id", id="empty-id"
+        ),
+        pytest.param(
+            json.dumps([A_CALL | {"request_id": "req-ada"}]), "calls.0.request_id", id="another-key"
+        ),
+        pytest.param(
+            json.dumps([A_CALL | {"message_id": {"$ne": None}}]),
+            "calls.0.message_id",
+            id="operator",
+        ),
+        pytest.param(json.dumps([A_CALL] * 101), "calls", id="101-calls"),
+    ],
+)
+async def test_a_resolution_naming_calls_not_as_call_identities_is_refused_with_422(
+    api: Served, calls: str, where: str
+) -> None:
+    body = f'{{"request_id": "req-ada", "calls": {calls}}}'.encode()
+    assert where in await refused(api, "POST", HITL, body, 422)
+
+
+async def test_a_resolution_naming_calls_both_ways_is_refused_with_422(api: Served) -> None:
+    body = json.dumps({"request_id": "req-ada", "call_ids": ["call_0"], "calls": [A_CALL]})
+    message = await refused(api, "POST", HITL, body.encode(), 422)
+    assert "send calls or call_ids, not both" in message

@@ -455,6 +455,219 @@ async def test_a_stale_answer_does_not_answer_a_newer_prompt_reusing_its_request
     assert await held_calls(runtime.store) == [("tc-1", None)]
 
 
+# -- an answer names its calls by their identity: id and the message that made them ----------
+
+APPROVES_CONFIRM_1 = {"type": "confirm_resolved", "request_id": "confirm-1", "approved": True}
+
+
+async def _tool_answers(store: ConversationStore) -> list[tuple[str | None, str | None]]:
+    return [
+        (m.tool_call_id, m.error.message if m.error else None)
+        for m in await store.transcript(CID)
+        if m.role == "tool"
+    ]
+
+
+@pytest.mark.parametrize("result_first", [True, False], ids=["result-came", "no-result-yet"])
+async def test_a_stale_approval_does_not_approve_a_newer_call_reusing_its_request_and_call_ids(
+    backend: Backend, result_first: bool
+) -> None:
+    """A runtime numbering its confirmations per turn and a provider numbering its calls per
+    response: `confirm-1` about `call_0` (book_train), approved; a later turn asks `confirm-1`
+    about a new `call_0` (wire_money). Tab B's approval, built from the calls it read before,
+    names the first `call_0` by the message that made it: it does not answer the new prompt,
+    and the person's own refusal then denies the payment."""
+    runtime = Runtime(backend)
+    await runtime.stream(_asks_reusing("call_0", "book_train"), prompt="Book the train.")
+    read_by_tab_b = await runtime.store.pending_calls(CID)
+    await runtime.stream([APPROVES_CONFIRM_1])
+    if result_first:
+        await runtime.stream([{**BOOKED, "tool_call_id": "call_0"}])
+    await runtime.stream(_asks_reusing("call_0", "wire_money"), prompt="Now pay my rent.")
+    held_before = await held_calls(runtime.store)
+
+    await _log_as_tab_b(runtime, [APPROVES_CONFIRM_1], read_by_tab_b)
+
+    assert await held_calls(runtime.store) == held_before
+    assert held_before[-1] == ("call_0", "confirm-1")
+    pending = await runtime.store.pending_hitl(CID)
+    assert pending is not None
+    assert pending.request_id == "confirm-1"
+    await runtime.stream([{**APPROVES_CONFIRM_1, "approved": False}], prompt="No, don't pay it.")
+    assert (await _tool_answers(runtime.store))[-1] == ("call_0", "tool call denied")
+
+
+async def test_resolving_with_calls_answers_only_a_prompt_holding_a_call_of_that_identity(
+    backend: Backend,
+) -> None:
+    """`resolve_hitl(..., calls=...)` names each call by `tool_call_id` and `message_id`, as
+    `pending_calls` serves them: a prompt holding a call of that id made by another message
+    is not answered (Conflict), and one holding that very call is."""
+    from agent_store import Conflict
+
+    runtime = Runtime(backend)
+    await runtime.stream(_asks_reusing("call_0", "book_train"), prompt="Book the train.")
+    [held] = await runtime.store.pending_calls(CID)
+    elsewhere = {"tool_call_id": "call_0", "message_id": "msg-made-by-another-turn"}
+
+    with pytest.raises(Conflict, match=re.escape("no pending prompt 'confirm-1'")):
+        await runtime.store.resolve_hitl(CID, "confirm-1", calls=[elsewhere])
+    assert await held_calls(runtime.store) == [("call_0", "confirm-1")]
+
+    await runtime.store.resolve_hitl(
+        CID, "confirm-1", calls=[{"tool_call_id": "call_0", "message_id": held.message_id}]
+    )
+    assert await held_calls(runtime.store) == [("call_0", None)]
+    assert await runtime.store.pending_hitl(CID) is None
+
+
+async def test_a_retry_of_a_resolution_naming_its_calls_answers_as_the_first_did(
+    backend: Backend,
+) -> None:
+    """A retry whose first reply was lost, sent after a later turn asked `confirm-1` again
+    about a new `call_0`: its calls' approval is recorded, so it answers as the first did,
+    and the new prompt stays pending holding its call."""
+    runtime = Runtime(backend)
+    await runtime.stream(_asks_reusing("call_0", "book_train"), prompt="Book the train.")
+    read = await runtime.store.pending_calls(CID)
+    await runtime.store.resolve_hitl(CID, "confirm-1", calls=read)
+    await runtime.stream([{**BOOKED, "tool_call_id": "call_0"}])
+    await runtime.stream(_asks_reusing("call_0", "wire_money"), prompt="Now pay my rent.")
+
+    await runtime.store.resolve_hitl(CID, "confirm-1", calls=read)
+
+    assert await held_calls(runtime.store) == [("call_0", "confirm-1")]
+    pending = await runtime.store.pending_hitl(CID)
+    assert pending is not None
+    assert pending.request_id == "confirm-1"
+
+
+async def test_a_retried_streamed_turn_does_not_answer_a_newer_prompt_reusing_its_ids(
+    backend: Backend,
+) -> None:
+    """A turn that asks `confirm-1` about its own `call_0` and is approved in the same stream,
+    retried after a later turn asked `confirm-1` about a new `call_0`: its resolution names
+    its call by the message the turn logged, so it leaves the new prompt pending."""
+    runtime = Runtime(backend)
+    first = turn_from_metadata(
+        [*_asks_reusing("call_0", "book_train"), APPROVES_CONFIRM_1], complete=True
+    )
+    logged = await log_streamed_turn(
+        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=first,
+        turn_id="asks-and-approves", prompt="Book the train.",
+    )  # fmt: skip
+    await runtime.stream([{**BOOKED, "tool_call_id": "call_0"}])
+    await runtime.stream(_asks_reusing("call_0", "wire_money"), prompt="Now pay my rent.")
+
+    again = await log_streamed_turn(
+        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=first,
+        turn_id="asks-and-approves", prompt="Book the train.",
+    )  # fmt: skip
+
+    assert again.replayed
+    assert [m.id for m in again.messages] == [m.id for m in logged.messages]
+    assert await held_calls(runtime.store) == [("call_0", "confirm-1")]
+
+
+async def _restarted(runtime: Runtime, turn_id: str) -> list[PendingCall]:
+    """The pending calls of the conversation (`confirm-1` holding `call_0`: book_train) as a
+    tab read them, before the conversation was deleted and started again under its id by a
+    turn `turn_id` asking `confirm-1` about a new `call_0` (wire_money)."""
+    first = turn_from_metadata(_asks_reusing("call_0", "book_train"), complete=True)
+    await log_streamed_turn(
+        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=first,
+        turn_id="t1", prompt="Book the train.",
+    )  # fmt: skip
+    read = await runtime.store.pending_calls(CID)
+    await runtime.store.delete(CID)
+    again = turn_from_metadata(_asks_reusing("call_0", "wire_money"), complete=True)
+    await log_streamed_turn(
+        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=again,
+        turn_id=turn_id, prompt="Pay my rent.",
+    )  # fmt: skip
+    return read
+
+
+async def test_a_stale_approval_from_a_deleted_conversation_does_not_approve_its_successors_call(
+    backend: Backend,
+) -> None:
+    """The conversation started again under its id by a turn of another id: its `call_0` is
+    made by another message than the one the stale tab read, so the stale approval answers
+    nothing and the new prompt stays pending holding its call."""
+    runtime = Runtime(backend)
+    read = await _restarted(runtime, turn_id="new-run-1")
+
+    await _log_as_tab_b(runtime, [APPROVES_CONFIRM_1], read)
+
+    assert await held_calls(runtime.store) == [("call_0", "confirm-1")]
+    await runtime.stream([{**APPROVES_CONFIRM_1, "approved": False}], prompt="No, don't pay it.")
+    assert await _tool_answers(runtime.store) == [("call_0", "tool call denied")]
+
+
+async def test_a_conversation_started_again_by_the_same_turn_ids_repeats_its_call_identities(
+    backend: Backend,
+) -> None:
+    """STREAMING.md (request ids used again), a limit: message ids derive from the
+    conversation id, the turn id and the message's place, so a conversation deleted and
+    started again by a turn of the same id makes the same identities, and an answer read
+    from the deleted one answers the new prompt."""
+    runtime = Runtime(backend)
+    read = await _restarted(runtime, turn_id="t1")
+    assert [(c.tool_call_id, c.message_id) for c in read] == [
+        (c.tool_call_id, c.message_id) for c in await runtime.store.pending_calls(CID)
+    ]
+
+    await _log_as_tab_b(runtime, [APPROVES_CONFIRM_1], read)
+
+    assert await held_calls(runtime.store) == [("call_0", None)]
+    assert await runtime.store.pending_hitl(CID) is None
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        pytest.param({"calls": "call_0"}, "calls must be a list of the calls", id="a-string"),
+        pytest.param(
+            {"calls": {"tool_call_id": "call_0", "message_id": "m"}},
+            "calls must be a list of the calls",
+            id="one-mapping-not-in-a-list",
+        ),
+        pytest.param(
+            {"calls": [{"tool_call_id": "call_0"}]},
+            "calls[0] must hold a tool_call_id and a message_id (non-empty strings)",
+            id="no-message-id",
+        ),
+        pytest.param(
+            {"calls": [{"tool_call_id": "call_0", "message_id": ""}]},
+            "calls[0] must hold a tool_call_id and a message_id (non-empty strings)",
+            id="empty-message-id",
+        ),
+        pytest.param(
+            {"calls": [{"tool_call_id": "call_0", "message_id": "m", "request_id": "x"}]},
+            "calls[0] must hold a tool_call_id and a message_id (non-empty strings) and nothing "
+            "else; it holds 'request_id'",
+            id="another-key",
+        ),
+        pytest.param(
+            {"calls": [{"tool_call_id": "call_0", "message_id": "m"}], "call_ids": ["call_0"]},
+            "pass calls or call_ids, not both",
+            id="both",
+        ),
+    ],
+)
+async def test_resolving_with_calls_that_are_not_call_identities_is_refused_writing_nothing(
+    backend: Backend, arguments: dict[str, Any], message: str
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(_asks_reusing("call_0", "book_train"), prompt="Book the train.")
+
+    with pytest.raises(InvalidInput, match=re.escape(message)):
+        await runtime.store.resolve_hitl(CID, "confirm-1", **arguments)
+
+    assert await held_calls(runtime.store) == [("call_0", "confirm-1")]
+    assert await runtime.store.pending_hitl(CID) is not None
+
+
 ASKS_AGAIN = {"type": "confirm_required", "request_id": "confirm-10", "action": "book_train",
               "params": {"note": "price changed"}, "prompt": "The price changed, still pay?",
               "tool_call_id": "tc-9"}  # fmt: skip
@@ -618,6 +831,36 @@ async def test_a_retried_http_resolution_naming_its_calls_leaves_a_newer_prompt_
     assert retry.json() == first.json() == {"request_id": "confirm-1", "resolved": True}
     assert malformed.status_code == 422
     assert await held_state(store) == ([("tc-1", None), ("tc-20", "confirm-1")], "confirm-1")
+
+
+async def test_a_retried_http_resolution_naming_calls_by_message_leaves_a_newer_prompt_of_both_ids(
+    backend: Backend,
+) -> None:
+    """API.md: a resolution naming its calls by `tool_call_id` and `message_id` (`calls`, as
+    `pending_calls` serves them), retried after a later turn asked the same request id about
+    a call of the same id: 200 as the first, and the new prompt stays pending; an answer
+    naming a call no prompt of the id holds nor was released by it is a 409."""
+    store = ConversationStore(backend.db)
+    async with serve(backend.db, seeded=False) as api:
+        url, headers = f"/v1/conversations/{CID}", auth_headers()
+        body = {"turn_id": "t1", "messages": _asks_over_http("call_0", "book_train")}
+        assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
+        [read] = (await api.http.get(url, headers=headers)).json()["pending_calls"]
+        answer = {"request_id": "confirm-1", "calls": [
+            {"tool_call_id": read["tool_call_id"], "message_id": read["message_id"]}]}  # fmt: skip
+        first = await api.http.post(f"{url}/hitl/resolve", json=answer, headers=headers)
+        body = {"turn_id": "t2", "messages": _asks_over_http("call_0", "wire_money")}
+        assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
+
+        retry = await api.http.post(f"{url}/hitl/resolve", json=answer, headers=headers)
+        elsewhere = {"request_id": "confirm-1", "calls": [
+            {"tool_call_id": "call_0", "message_id": "msg-of-no-turn"}]}  # fmt: skip
+        unknown = await api.http.post(f"{url}/hitl/resolve", json=elsewhere, headers=headers)
+
+    assert (first.status_code, retry.status_code) == (200, 200)
+    assert retry.json() == first.json() == {"request_id": "confirm-1", "resolved": True}
+    assert unknown.status_code == 409
+    assert await held_state(store) == ([("call_0", None), ("call_0", "confirm-1")], "confirm-1")
 
 
 # -- a late real result wins over the stand-in ----------------------------------------

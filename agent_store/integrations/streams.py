@@ -127,9 +127,11 @@ class StreamedTurn:
     """The stream was cut off before its end; the last message says so."""
     resolved_request_ids: tuple[str, ...] = ()
     """HITL prompts a person answered during the stream, to clear once the turn is logged."""
-    resolved_calls: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    """The calls each prompt answered held when it was answered (request id, tool call ids), as
-    the builder read them (its `pending`, this turn's calls): the answer concerns those only."""
+    resolved_calls: tuple[tuple[str, tuple[tuple[str, str | None], ...]], ...] = ()
+    """The calls each prompt answered held when it was answered, as the builder read them (its
+    `pending`, this turn's calls): the answer concerns those only. Each is (request id, calls),
+    a call named by its tool call id and the message that made it (`PendingCall.message_id`;
+    None for a call of this turn, whose message the logging makes)."""
     refused_prompts: tuple[tuple[str, str], ...] = ()
     """The refused prompt each denial of a call of an earlier turn answers (tool call id,
     request id), as the builder read them: the store refuses a denial answering a prompt
@@ -179,8 +181,9 @@ class TurnAssembler:
         self._denied: set[_Held] = set()
         self._refused: dict[str, str] = {}
         """The refused prompt each call of an earlier turn denied was held by."""
-        self._resolved: dict[str, tuple[str, ...]] = {}
-        """Each request answered, with the ids of the calls it held then."""
+        self._resolved: dict[str, tuple[tuple[str, str | None], ...]] = {}
+        """Each request answered, with the calls it held then: (tool call id, message id, or
+        None for a call of this turn)."""
         self._delivered: list[int] = []
         self._held_by: dict[str, list[_Held]] = {}
         """The calls each confirmation request holds back, of this turn or an earlier one."""
@@ -297,7 +300,10 @@ class TurnAssembler:
             return
         held = self._held_by.get(request_id, ())
         self._resolved[request_id] = tuple(
-            h if isinstance(h, str) else self._earlier[h].tool_call_id for h in held
+            (h, None)
+            if isinstance(h, str)
+            else (self._earlier[h].tool_call_id, self._earlier[h].message_id)
+            for h in held
         )
         if not approved:
             self._denied.update(held)
@@ -611,11 +617,27 @@ async def log_streamed_turn(
         except Conflict:
             raise refused from None
     held = dict(turn.resolved_calls)
+    made = {
+        c.id: m.id for m in logged.messages if m.role == "assistant" for c in m.tool_calls or ()
+    }
     for request_id in turn.resolved_request_ids:
+        calls = held.get(request_id)
+        concerned = None if calls is None else [(c, m or made.get(c)) for c, m in calls]
         # Resolved before, holding nothing any more, or asked again about other calls.
         with contextlib.suppress(Conflict):
-            await store.resolve_hitl(conversation_id, request_id, call_ids=held.get(request_id))
+            await store.resolve_hitl(conversation_id, request_id, **_naming(concerned))
     return logged
+
+
+def _naming(calls: Sequence[tuple[str, str | None]] | None) -> dict[str, Any]:
+    """The arguments of `ConversationStore.resolve_hitl` naming the calls an answer concerns:
+    by their ids and the messages that made them, or by their ids alone when a message is
+    not known (none when the answer concerns no call the builder read)."""
+    if calls is None:
+        return {}
+    if all(message_id is not None for _, message_id in calls):
+        return {"calls": [{"tool_call_id": c, "message_id": m} for c, m in calls]}
+    return {"call_ids": [call_id for call_id, _ in calls]}
 
 
 async def _logged(

@@ -11,7 +11,7 @@ import asyncio
 import base64
 import binascii
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Collection, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -51,6 +51,7 @@ from agent_store.store._pop import Pop, PopMemory
 from agent_store.store._reservation import (
     SUMMARY,
     answered_calls,
+    concerned_calls,
     resolution,
     same_conversation,
 )
@@ -806,6 +807,7 @@ class ConversationStore:
         *,
         user_id: str | None = None,
         call_ids: Sequence[str] | None = None,
+        calls: Sequence[PendingCall | Mapping[str, Any]] | None = None,
     ) -> None:
         """Record a person's answer to the prompt `request_id`: Conflict if no prompt of that id
         is pending, holds back a pending call, or was resolved before.
@@ -818,18 +820,20 @@ class ConversationStore:
         lookup, on the no-match path only. The calls the prompt held stay released (a denial
         of one is refused) whatever becomes of its request id (`approved_calls`).
 
-        `call_ids` are the calls the answer concerns, as the answering client read them
-        (`log_streamed_turn` passes those each prompt held in the turn's `pending`): the
-        prompt is then resolved only while it holds one of them, or, holding no call, is the
-        pending one, so an answer read before a later prompt asked under the same request id
-        (a runtime numbering its confirmations per turn) does not answer that one: Conflict.
+        `calls` are the calls the answer concerns, as the answering client read them
+        (`pending_calls`: each a `PendingCall`, or a mapping holding its `tool_call_id` and
+        `message_id`; `log_streamed_turn` passes those each prompt held in the turn's
+        `pending`): the prompt is then resolved only while it holds one of those very calls,
+        or, holding no call, is the pending one, so an answer read before a later prompt
+        asked under the same request id (a runtime numbering its confirmations per turn) does
+        not answer that one, even about a call of the same id (a provider numbering its calls
+        per response): Conflict, or, when the calls it names were released by an answer to a
+        prompt of that id, an answer as the first one's. `call_ids` name the calls by their
+        ids only: a later call of the same id is then taken for the one read.
         """
-        if call_ids is not None and (
-            isinstance(call_ids, str) or not all(isinstance(c, str) for c in call_ids)
-        ):
-            raise InvalidInput("call_ids must be a list of tool call ids (strings)")
+        concerns = concerned_calls(call_ids, calls)
         scope = self._scope(conversation_id, user_id)
-        query, update = resolution(request_id, call_ids)
+        query, update = resolution(request_id, concerns)
         with storage_errors("resolve the pending prompt"):
             result = await self._conversations.update_one({**scope, **query}, update)
         if result.matched_count:
@@ -842,7 +846,7 @@ class ConversationStore:
             pending = await self.pending_hitl(conversation_id, user_id=user_id)
         else:
             if request_id in (doc.get("resolved_hitl") or ()) or answered_calls(
-                doc, request_id, call_ids
+                doc, request_id, concerns
             ):
                 return  # resolved before: its first answer stands
             raw = doc.get("pending_hitl")

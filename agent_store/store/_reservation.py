@@ -18,11 +18,13 @@ from agent_store.core import (
     MAX_SAFE_INTEGER,
     RESOLVED_PROMPTS_KEPT,
     Conflict,
+    InvalidInput,
     NotFound,
     PendingCall,
     PendingHitl,
     StoreError,
     TurnRecord,
+    shown,
 )
 from agent_store.store._turns import PENDING_CALLS_KEPT, KeepPendingHitl, TurnPlan, TurnRules
 
@@ -183,8 +185,58 @@ def resolved_by_request(request_id: str) -> dict[str, Any]:
     return {"$in": [literal(request_id), _kept("resolved_hitl", [])]}
 
 
+CallKey = tuple[str, str | None]
+"""A call an answer concerns, as its client read it: its `tool_call_id`, and the message that
+made it (`message_id`; None when only the id was named, `call_ids=`)."""
+
+_CALLS_SHAPE = "a tool_call_id and a message_id (non-empty strings)"
+
+
+def concerned_calls(
+    call_ids: Sequence[str] | None, calls: Sequence[Any] | None
+) -> list[CallKey] | None:
+    """The calls an answer concerns (`ConversationStore.resolve_hitl`), from `call_ids` (ids
+    only) or `calls` (`PendingCall`s or mappings holding a `tool_call_id` and a `message_id`,
+    as `pending_calls` serves them); None when it names none. InvalidInput for anything
+    else, naming what is wrong."""
+    if call_ids is not None and calls is not None:
+        raise InvalidInput(
+            "pass calls or call_ids, not both: calls names each call by its tool_call_id and "
+            "message_id, call_ids by its id only"
+        )
+    if call_ids is not None:
+        if isinstance(call_ids, str | bytes) or not all(isinstance(c, str) for c in call_ids):
+            raise InvalidInput("call_ids must be a list of tool call ids (strings)")
+        return [(call_id, None) for call_id in call_ids]
+    if calls is None:
+        return None
+    if isinstance(calls, str | bytes | Mapping) or not isinstance(calls, Sequence):
+        raise InvalidInput(
+            "calls must be a list of the calls the answer concerns: PendingCall objects or "
+            f"mappings holding {_CALLS_SHAPE}"
+        )
+    return [_call_identity(index, call) for index, call in enumerate(calls)]
+
+
+def _call_identity(index: int, call: Any) -> CallKey:
+    """One of `calls` (`concerned_calls`) as its key."""
+    if isinstance(call, PendingCall):
+        return (call.tool_call_id, call.message_id)
+    if isinstance(call, Mapping):
+        others = sorted(str(k) for k in call if k not in ("tool_call_id", "message_id"))
+        call_id, message_id = call.get("tool_call_id"), call.get("message_id")
+        if isinstance(call_id, str) and isinstance(message_id, str) and call_id and message_id:
+            if not others:
+                return (call_id, message_id)
+            raise InvalidInput(
+                f"calls[{index}] must hold {_CALLS_SHAPE} and nothing else; it holds "
+                + ", ".join(shown(k) for k in others)
+            )
+    raise InvalidInput(f"calls[{index}] must hold {_CALLS_SHAPE}, as pending_calls serves them")
+
+
 def resolution(
-    request_id: str, call_ids: Sequence[str] | None = None
+    request_id: str, concerns: Sequence[CallKey] | None = None
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update that record a person's answer to the prompt `request_id`
     (`ConversationStore.resolve_hitl`): they match while the prompt is pending or holds back a
@@ -192,20 +244,17 @@ def resolution(
     prompt if it is the pending one, remember the request id (`resolved_hitl`, the newest
     `RESOLVED_PROMPTS_KEPT`), and release the calls it holds (`approved_calls`).
 
-    With `call_ids` (the calls the answer concerns, as its client read them) they match only
-    while a prompt of that id holds one of them, or, holding none, is the pending one: an
-    answer read before a later prompt asked under the id again does not answer that one."""
+    With `concerns` (the calls the answer concerns, as its client read them) they match only
+    while a prompt of that id holds one of them (that very call, when its message is named),
+    or, holding none, is the pending one: an answer read before a later prompt asked under
+    the id again does not answer that one."""
     pending: dict[str, Any] = {"pending_hitl.request_id": request_id}
-    if call_ids is not None:
-        held = {
-            "pending_calls": {
-                "$elemMatch": {"request_id": request_id, "tool_call_id": {"$in": list(call_ids)}}
-            },
-            "resolved_hitl": {"$ne": request_id},
-        }
+    held: dict[str, Any] = {"resolved_hitl": {"$ne": request_id}}
+    if concerns is not None:
+        held.update(_holding(request_id, concerns))
         pending["pending_calls.request_id"] = {"$ne": request_id}
     else:
-        held = {"pending_calls.request_id": request_id, "resolved_hitl": {"$ne": request_id}}
+        held = {"pending_calls.request_id": request_id, **held}
     query = {"$or": [pending, held]}
     resolved = _kept("resolved_hitl", [])
     remembered = {"$concatArrays": [resolved, literal([request_id])]}
@@ -224,16 +273,44 @@ def resolution(
     return query, [{"$set": stage}]
 
 
+def _holding(request_id: str, concerns: Sequence[CallKey]) -> dict[str, Any]:
+    """A filter matching a conversation where a prompt `request_id` holds one of the calls
+    `concerns` names: a pending call of one of the ids named alone, or the very call (id and
+    message) named with its message."""
+    ids = sorted({call_id for call_id, message_id in concerns if message_id is None})
+    exact = sorted({(c, m) for c, m in concerns if m is not None})
+    if not exact:
+        return {
+            "pending_calls": {
+                "$elemMatch": {"request_id": request_id, "tool_call_id": {"$in": ids}}
+            }
+        }
+    matches = [
+        {
+            "pending_calls": {
+                "$elemMatch": {"request_id": request_id, "tool_call_id": c, "message_id": m}
+            }
+        }
+        for c, m in exact
+    ]
+    if ids:
+        matches.append(_holding(request_id, [(c, None) for c in ids]))
+    return {"$or": matches}
+
+
 def answered_calls(
-    conversation: Mapping[str, Any], request_id: str, call_ids: Sequence[str] | None
+    conversation: Mapping[str, Any], request_id: str, concerns: Sequence[CallKey] | None
 ) -> bool:
-    """Whether an answer to the prompt `request_id` released one of the calls `call_ids`
-    (`approved_calls`): a resolution naming them took effect, whatever became of the request
-    id since (asked again: no longer in `resolved_hitl`)."""
+    """Whether an answer to the prompt `request_id` released one of the calls `concerns` names
+    (`approved_calls`: that very call when its message is named): a resolution naming them
+    took effect, whatever became of the request id since (asked again: no longer in
+    `resolved_hitl`)."""
+    ids = {call_id for call_id, message_id in concerns or () if message_id is None}
+    exact = {key for key in concerns or () if key[1] is not None}
     return any(
         isinstance(a, Mapping)
         and a.get("request_id") == request_id
-        and a.get("tool_call_id") in (call_ids or ())
+        and (a.get("tool_call_id") in ids or (a.get("tool_call_id"), a.get("message_id")) in exact)
         for a in conversation.get("approved_calls") or ()
     )
 

@@ -20,6 +20,7 @@ import type {
   IHitlResolved,
   ILoggedTurn,
   IMessagePage,
+  IPendingCall,
   IPendingHitlState,
   IReadiness,
   ISearchResults,
@@ -157,9 +158,18 @@ export class AdminApi {
   pendingHitl(id: string): Promise<IPendingHitlState> {
     return this.call("GET", `/v1/conversations/${id}/hitl`);
   }
-  /** `callIds`: the calls the answer concerns, as read from `pending_calls`. */
-  resolveHitl(id: string, requestId: string, callIds?: string[]): Promise<IHitlResolved> {
-    const body = { request_id: requestId, ...(callIds ? { call_ids: callIds } : {}) };
+  /**
+   * `calls`: the calls the answer concerns, as read from `pending_calls`. Each is named by
+   * its id and the message that made it, so an answer read before a later prompt asked
+   * under the same request id about a call of the same id does not answer that prompt.
+   */
+  resolveHitl(
+    id: string,
+    requestId: string,
+    calls?: Pick<IPendingCall<string>, "tool_call_id" | "message_id">[],
+  ): Promise<IHitlResolved> {
+    const named = calls?.map(({ tool_call_id, message_id }) => ({ tool_call_id, message_id }));
+    const body = { request_id: requestId, ...(named ? { calls: named } : {}) };
     return this.call("POST", `/v1/conversations/${id}/hitl/resolve`, body);
   }
   search(q: string, userId: string): Promise<ISearchResults> {
