@@ -142,6 +142,7 @@ async def log_turn(call: Call[NoQuery, LogTurnBody]) -> Response:
         turn_id=body.turn_id,
         name=body.name,
         owner_only=call.scope is not None,
+        refused_prompts=body.refused_prompts,
     )
     return _json(logged, 200 if logged.replayed else 201)
 

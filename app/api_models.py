@@ -133,6 +133,19 @@ class LogTurnBody(_Input):
     """The owner of a new conversation (a user token implies its own)."""
     name: Name | None = None
     """A name the runtime chose; never replaces one a person set."""
+    refused_prompts: (
+        Annotated[
+            dict[
+                Annotated[str, StringConstraints(min_length=1, max_length=200)],
+                Annotated[str, StringConstraints(min_length=1, max_length=200)],
+            ],
+            Field(max_length=MAX_HELD_CALLS),
+        ]
+        | None
+    ) = None
+    """For each call the turn denies, the request id of the prompt the denial answers, as the
+    client read it: a denial of a call that prompt's answer approved first is refused (409),
+    also once a second question holds the call again."""
 
 
 class DeliverBody(_Input):

@@ -13,6 +13,7 @@ from pydantic_ai.messages import ModelRequest, ToolReturnPart
 from agent_store import (
     AgentMessageLogger,
     AnsweredBefore,
+    Conflict,
     ConversationStore,
     InvalidInput,
     LoggedTurn,
@@ -711,6 +712,23 @@ async def test_a_refusal_of_a_second_question_about_an_approved_call_denies_it(
     assert await held_state(runtime.store) == ([], None)
 
 
+async def test_a_refusal_of_a_second_question_asked_under_the_same_request_id_denies_the_call(
+    backend: Backend,
+) -> None:
+    """STREAMING.md: a runtime numbering its confirmations per turn asks its second question
+    about the approved call under the first one's request id; the person's refusal of that
+    question denies the call, never recorded as a second approval."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    await runtime.stream([APPROVED], prompt="Yes.")
+    await runtime.stream([{**ASKS_AGAIN, "request_id": "confirm-9"}])
+
+    await runtime.stream([DENIED], prompt="No, cancel it.")
+
+    assert await runtime.answers_of("tc-9") == [(DENIED_RESULT, "tool call denied")]
+    assert await held_state(runtime.store) == ([], None)
+
+
 async def test_a_retry_of_a_turn_logged_without_its_denial_is_that_turn_after_a_second_question(
     backend: Backend,
 ) -> None:
@@ -741,6 +759,57 @@ async def test_refused_prompts_that_are_not_ids_to_request_ids_are_refused_writi
 
     with pytest.raises(InvalidInput, match=re.escape("refused_prompts must map tool call ids")):
         await runtime.logger.log_messages(CID, [denial], refused_prompts={"tc-9": 9})  # type: ignore[dict-item]
+
+    assert await runtime.answers_of("tc-9") == []
+    assert await held_calls(runtime.store) == [("tc-9", "confirm-9")]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"request_id": "\ud800"},
+        {"request_id": "confirm-9", "call_ids": ["\ud800"]},
+        {"request_id": "confirm-9", "calls": [{"tool_call_id": "tc-9", "message_id": "m\udc00"}]},
+    ],
+    ids=["request_id", "call_ids", "calls"],
+)
+async def test_a_lone_surrogate_in_an_answer_is_refused_writing_nothing(
+    backend: Backend, answer: dict[str, Any]
+) -> None:
+    """CHANGELOG: a lone surrogate is refused before any write (InvalidInput, a StoreError),
+    on every backend alike."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    guard = {k: v for k, v in answer.items() if k != "request_id"}
+
+    with pytest.raises(InvalidInput, match="surrogate"):
+        await runtime.store.resolve_hitl(CID, answer["request_id"], **guard)
+
+    assert await held_state(runtime.store) == ([("tc-9", "confirm-9")], "confirm-9")
+
+
+async def test_an_answer_naming_calls_the_pending_prompt_does_not_hold_says_so(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+
+    with pytest.raises(Conflict, match=r"'confirm-9' pending .* holds none of the calls"):
+        await runtime.store.resolve_hitl(CID, "confirm-9", call_ids=["tc-1"])
+
+    assert await held_state(runtime.store) == ([("tc-9", "confirm-9")], "confirm-9")
+
+
+async def test_a_lone_surrogate_in_refused_prompts_is_refused_writing_nothing(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    denial = {"role": "tool", "tool_call_id": "tc-9", "content": DENIED_RESULT,
+              "error": {"message": "tool call denied"}}  # fmt: skip
+
+    with pytest.raises(InvalidInput, match="surrogate"):
+        await runtime.logger.log_messages(CID, [denial], refused_prompts={"tc-9": "\ud800"})
 
     assert await runtime.answers_of("tc-9") == []
     assert await held_calls(runtime.store) == [("tc-9", "confirm-9")]
@@ -831,6 +900,40 @@ async def test_a_retried_http_resolution_naming_its_calls_leaves_a_newer_prompt_
     assert retry.json() == first.json() == {"request_id": "confirm-1", "resolved": True}
     assert malformed.status_code == 422
     assert await held_state(store) == ([("tc-1", None), ("tc-20", "confirm-1")], "confirm-1")
+
+
+async def test_a_stale_http_denial_naming_its_prompt_is_refused_once_a_second_question_holds_it(
+    backend: Backend,
+) -> None:
+    """STREAMING.md (two answers racing): a turn posted over HTTP denying a call a person
+    approved first gets 409 (`AnsweredBefore`), also once a second question holds the call,
+    when it names the prompt its denial answers (`refused_prompts`); the real result is then
+    the call's answer."""
+    store = ConversationStore(backend.db)
+    async with serve(backend.db, seeded=False) as api:
+        url, headers = f"/v1/conversations/{CID}", auth_headers()
+        body = {"turn_id": "t1", "messages": _asks_over_http("tc-9", "wire_money")}
+        assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
+        answer = {"request_id": "confirm-1", "call_ids": ["tc-9"]}
+        assert (await api.http.post(f"{url}/hitl/resolve", json=answer, headers=headers)).is_success
+        asks_again = {"role": "assistant", "content": "Add a note?", "hitl_action": {
+            "action": "wire_money", "params": {}, "request_id": "confirm-2",
+            "tool_call_ids": ["tc-9"]}}  # fmt: skip
+        body = {"turn_id": "t2", "messages": [asks_again]}
+        assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
+        denial = {"role": "tool", "tool_call_id": "tc-9", "content": DENIED_RESULT,
+                  "error": {"message": "tool call denied"}}  # fmt: skip
+        stale = {"turn_id": "tab-b", "messages": [{"role": "user", "content": "No."}, denial],
+                 "refused_prompts": {"tc-9": "confirm-1"}}  # fmt: skip
+
+        refused = await api.http.post(f"{url}/turns", json=stale, headers=headers)
+        hostile = await api.http.post(
+            f"{url}/turns", json={**stale, "refused_prompts": {"tc-9": 1}}, headers=headers
+        )
+
+    assert refused.status_code == 409
+    assert hostile.status_code == 422
+    assert await held_state(store) == ([("tc-9", "confirm-2")], "confirm-2")
 
 
 async def test_a_retried_http_resolution_naming_calls_by_message_leaves_a_newer_prompt_of_both_ids(

@@ -111,6 +111,7 @@ from agent_store.store._turns import (
     validate_identifier,
     without_text_hashes,
 )
+from agent_store.store._values import storable
 
 _RESERVE_ATTEMPTS = 4
 
@@ -1394,7 +1395,7 @@ def _refused_prompts(refused: Mapping[str, str] | None) -> dict[str, str]:
             "refused_prompts must map tool call ids to the request ids of the refused "
             "prompts their denials answer (strings to strings)"
         )
-    return dict(refused)
+    return dict(storable(dict(refused), "refused_prompts"))
 
 
 def _answered_before(plan: TurnPlan, released: Sequence[str]) -> AnsweredBefore:

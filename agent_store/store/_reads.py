@@ -66,6 +66,7 @@ from agent_store.store._turns import (
     turn_key,
     validate_identifier,
 )
+from agent_store.store._values import storable
 
 MAX_PAGE_SIZE = 200
 # Messages in the first reply of a transcript read: a 300-message transcript is one round
@@ -162,6 +163,20 @@ def _beside_of(conversation_id: str, found: dict[str, Any]) -> dict[str, Any]:
     if created_at is not None:
         query[THREAD_CONVERSATION] = {"$in": [conversation_mark(created_at), None]}
     return query
+
+
+def _not_resolvable(conversation_id: str, request_id: str, pending: PendingHitl | None) -> Conflict:
+    """Why an answer to the prompt `request_id` matched nothing (`resolve_hitl`)."""
+    if pending is not None and pending.request_id == request_id:
+        return Conflict(
+            f"the prompt {shown(request_id)} pending in conversation {conversation_id!r} "
+            "holds none of the calls the answer names: it was asked again since the answer "
+            "was read (read pending_calls again)"
+        )
+    return Conflict(
+        f"no pending prompt {shown(request_id)} in conversation {conversation_id!r}"
+        + (f"; the pending one is {shown(pending.request_id)}" if pending else "")
+    )
 
 
 class ConversationStore:
@@ -831,6 +846,9 @@ class ConversationStore:
         prompt of that id, an answer as the first one's. `call_ids` name the calls by their
         ids only: a later call of the same id is then taken for the one read.
         """
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidInput("request_id must be a non-empty string")
+        request_id = storable(request_id, "request_id")
         concerns = concerned_calls(call_ids, calls)
         scope = self._scope(conversation_id, user_id)
         query, update = resolution(request_id, concerns)
@@ -851,10 +869,7 @@ class ConversationStore:
                 return  # resolved before: its first answer stands
             raw = doc.get("pending_hitl")
             pending = PendingHitl.model_validate(raw) if raw else None
-        raise Conflict(
-            f"no pending prompt {shown(request_id)} in conversation {conversation_id!r}"
-            + (f"; the pending one is {shown(pending.request_id)}" if pending else "")
-        )
+        raise _not_resolvable(conversation_id, request_id, pending)
 
     # -- search ----------------------------------------------------------------------
 

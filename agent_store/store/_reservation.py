@@ -27,6 +27,7 @@ from agent_store.core import (
     shown,
 )
 from agent_store.store._turns import PENDING_CALLS_KEPT, KeepPendingHitl, TurnPlan, TurnRules
+from agent_store.store._values import storable
 
 SUMMARY: dict[str, Any] = {"turns": 0}
 """The conversation without its turn records: what a reservation returns when observers
@@ -207,7 +208,7 @@ def concerned_calls(
     if call_ids is not None:
         if isinstance(call_ids, str | bytes) or not all(isinstance(c, str) for c in call_ids):
             raise InvalidInput("call_ids must be a list of tool call ids (strings)")
-        return [(call_id, None) for call_id in call_ids]
+        return [(call_id, None) for call_id in storable(list(call_ids), "call_ids")]
     if calls is None:
         return None
     if isinstance(calls, str | bytes | Mapping) or not isinstance(calls, Sequence):
@@ -215,7 +216,8 @@ def concerned_calls(
             "calls must be a list of the calls the answer concerns: PendingCall objects or "
             f"mappings holding {_CALLS_SHAPE}"
         )
-    return [_call_identity(index, call) for index, call in enumerate(calls)]
+    keys = [_call_identity(index, call) for index, call in enumerate(calls)]
+    return [(call_id, message_id) for call_id, message_id in storable(keys, "calls")]
 
 
 def _call_identity(index: int, call: Any) -> CallKey:
@@ -376,7 +378,9 @@ def denials_hold(
     (the latest pending call of each id): not released by an answer in force
     (`approved_calls`) nor held by a prompt a person resolved (`resolved_hitl`), and, for a
     denial answering the prompt `refused` names for its call (as the denying client read
-    it), not released by that prompt's answer, even if a later prompt holds the call again.
+    it), not released by that prompt's answer, even if a later prompt holds the call again,
+    unless that later prompt asks under the same request id (a runtime numbering its
+    confirmations per turn): the denial then answers the question pending now.
     A turn denying them may be logged (`released_calls` names those it may not)."""
     calls = {"$ifNull": ["$pending_calls", literal([])]}
     refused = refused or {}
@@ -389,9 +393,10 @@ def denials_hold(
             {"$in": [holder, _kept("resolved_hitl", [])]},
             {"$in": [_call_key("last"), _approval_keys(held_again=False)]},
         ]
-        if call_id in refused:
+        if call_id in refused:  # unless that prompt's id now asks about the call again
             by_refused = _approval_keys(request_id=literal(refused[call_id]))
-            answered.append({"$in": [_call_key("last"), by_refused]})
+            not_asked_again = {"$ne": [holder, literal(refused[call_id])]}
+            answered.append({"$and": [{"$in": [_call_key("last"), by_refused]}, not_asked_again]})
         in_ = {"$or": answered}
         return {"$let": {"vars": {"last": {"$arrayElemAt": [of_id, -1]}}, "in": in_}}
 
@@ -420,11 +425,12 @@ def released_calls(
         if call is None:
             return False
         key = (call.get("tool_call_id"), call.get("message_id"))
-        by_refused = _approvals(conversation, request_id=refused.get(call_id, _NO_PROMPT))
+        prompt = refused.get(call_id, _NO_PROMPT)
+        by_refused = _approvals(conversation, request_id=prompt)
         return (
             call.get("request_id") in resolved
             or key in _approvals(conversation, held_again=False)
-            or key in by_refused
+            or (key in by_refused and call.get("request_id") != prompt)
         )
 
     return [c for c in call_ids if released(c)]
