@@ -749,21 +749,6 @@ async def test_a_retry_of_a_turn_logged_without_its_denial_is_that_turn_after_a_
     assert await held_state(runtime.store) == ([("tc-9", "confirm-10")], "confirm-10")
 
 
-async def test_refused_prompts_that_are_not_ids_to_request_ids_are_refused_writing_nothing(
-    backend: Backend,
-) -> None:
-    runtime = Runtime(backend)
-    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
-    denial = {"role": "tool", "tool_call_id": "tc-9", "content": DENIED_RESULT,
-              "error": {"message": "tool call denied"}}  # fmt: skip
-
-    with pytest.raises(InvalidInput, match=re.escape("refused_prompts must map tool call ids")):
-        await runtime.logger.log_messages(CID, [denial], refused_prompts={"tc-9": 9})  # type: ignore[dict-item]
-
-    assert await runtime.answers_of("tc-9") == []
-    assert await held_calls(runtime.store) == [("tc-9", "confirm-9")]
-
-
 @pytest.mark.parametrize(
     "answer",
     [
@@ -800,16 +785,24 @@ async def test_an_answer_naming_calls_the_pending_prompt_does_not_hold_says_so(
     assert await held_state(runtime.store) == ([("tc-9", "confirm-9")], "confirm-9")
 
 
-async def test_a_lone_surrogate_in_refused_prompts_is_refused_writing_nothing(
-    backend: Backend,
+@pytest.mark.parametrize(
+    ("refused", "error"),
+    [
+        ({"tc-9": 9}, re.escape("refused_prompts must map tool call ids")),
+        ({"tc-9": "\ud800"}, "surrogate"),
+    ],
+    ids=["not-a-request-id", "lone-surrogate"],
+)
+async def test_refused_prompts_that_are_not_ids_to_request_ids_are_refused_writing_nothing(
+    backend: Backend, refused: dict[str, Any], error: str
 ) -> None:
     runtime = Runtime(backend)
     await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
     denial = {"role": "tool", "tool_call_id": "tc-9", "content": DENIED_RESULT,
               "error": {"message": "tool call denied"}}  # fmt: skip
 
-    with pytest.raises(InvalidInput, match="surrogate"):
-        await runtime.logger.log_messages(CID, [denial], refused_prompts={"tc-9": "\ud800"})
+    with pytest.raises(InvalidInput, match=error):
+        await runtime.logger.log_messages(CID, [denial], refused_prompts=refused)
 
     assert await runtime.answers_of("tc-9") == []
     assert await held_calls(runtime.store) == [("tc-9", "confirm-9")]

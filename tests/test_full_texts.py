@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -722,21 +722,29 @@ async def a_turn_kept_and_not_inserted(logger: AgentMessageLogger) -> tuple[asyn
     return gate, turn
 
 
-async def test_a_repeated_delete_cleaning_up_late_leaves_the_next_conversations_whole_text(
-    backend: Backend,
+LATE_CLEANUPS: dict[str, Callable[[ConversationStore], Awaitable[object]]] = {
+    "a repeated delete": lambda store: store.delete(CID, user_id="user-b"),
+    "an erasure": lambda store: store.erase_user("user-b"),
+}
+"""What deletes user B's conversation and then cleans up its whole texts, late."""
+
+
+@pytest.mark.parametrize("late_cleanup", LATE_CLEANUPS)
+async def test_a_late_whole_text_cleanup_leaves_the_next_conversations_whole_text(
+    backend: Backend, late_cleanup: str
 ) -> None:
-    """B's delete is repeated (a client's retry after a timeout): the repeat finds the
-    conversation, deletes its messages and stalls before its whole-text cleanup. The first
-    delete frees the id; A's turn there keeps its whole text, and the repeat's cleanup reaches
-    the server before A's insert: it takes the deleted conversation's files only, and A's
-    message is read whole."""
-    store, repeat_store = ConversationStore(backend.db), ConversationStore(backend.db)
+    """B's delete repeated (a client's retry after a timeout), or B's erasure, deletes the
+    messages of B's conversation and stalls before its whole-text cleanup; B's delete frees the
+    id meanwhile, and A's turn there keeps its whole text. The cleanup, reaching the server
+    before A's insert, takes the deleted conversation's files only: A's message is read whole,
+    and nothing of B's text is left."""
+    store, late = ConversationStore(backend.db), ConversationStore(backend.db)
     logger = AgentMessageLogger(backend.db, rules=STALLED)
     await logger.log_messages(
         CID, [{"role": "user", "content": B_TEXT}], user_id="user-b", turn_id="t1"
     )
-    cleanup, reached = stalled(repeat_store, "forget_conversations")
-    repeat = asyncio.create_task(repeat_store.delete(CID, user_id="user-b"))
+    cleanup, reached = stalled(late, "forget_conversations")
+    cleaning = asyncio.create_task(LATE_CLEANUPS[late_cleanup](late))
     await reached.wait()
     await store.delete(CID, user_id="user-b")
     insert, a_turn = await a_turn_kept_and_not_inserted(
@@ -744,38 +752,7 @@ async def test_a_repeated_delete_cleaning_up_late_leaves_the_next_conversations_
     )
 
     cleanup.set()
-    assert (await repeat).conversations == 0
-    insert.set()
-    await a_turn
-
-    whole = await store.with_full_texts(await store.transcript(CID, user_id="user-a"))
-    assert whole[0].content == A_TEXT
-    chunks = await backend.db[CHUNKS].find({}).to_list(None)
-    assert not any(b"B-PRIVATE" in bytes(chunk["data"]) for chunk in chunks)
-
-
-async def test_an_erasure_cleaning_up_late_leaves_the_next_conversations_whole_text(
-    backend: Backend,
-) -> None:
-    """B's erasure deletes the messages of B's conversation and stalls before its whole-text
-    cleanup; B's delete frees the id meanwhile, and A's turn there keeps its whole text. The
-    erasure's cleanup, reaching the server before A's insert, takes B's files only: A's message
-    is read whole, and nothing of B's text is left."""
-    store, eraser = ConversationStore(backend.db), ConversationStore(backend.db)
-    logger = AgentMessageLogger(backend.db, rules=STALLED)
-    await logger.log_messages(
-        CID, [{"role": "user", "content": B_TEXT}], user_id="user-b", turn_id="t1"
-    )
-    cleanup, reached = stalled(eraser, "forget_conversations")
-    erasure = asyncio.create_task(eraser.erase_user("user-b"))
-    await reached.wait()
-    await store.delete(CID, user_id="user-b")
-    insert, a_turn = await a_turn_kept_and_not_inserted(
-        AgentMessageLogger(backend.db, rules=STALLED)
-    )
-
-    cleanup.set()
-    await erasure
+    await cleaning
     insert.set()
     await a_turn
 

@@ -444,6 +444,17 @@ async def test_a_reservation_abandoned_for_longer_than_the_rules_allow_is_passed
     writer_a.cancel()
 
 
+async def assert_the_late_turn_stored_once_past_the_gap(backend: Backend) -> None:
+    """The late turn stored once, at `seq` 4-5 after the gap its first block left, and the
+    conversation counting it once."""
+    stored = await backend.db[MESSAGES].find({"conversation_id": CID}).sort("seq", 1).to_list(None)
+    assert [(m["seq"], m["content"]) for m in stored] == [
+        (0, "m0"), (3, "m3"), (4, "late?"), (5, "late!")
+    ]  # fmt: skip
+    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert (conversation["message_count"], conversation["turn_count"]) == (6, 3)
+
+
 async def test_a_turn_retried_after_readers_passed_its_empty_block_is_stored_after_them(
     backend: Backend,
 ) -> None:
@@ -470,12 +481,8 @@ async def test_a_turn_retried_after_readers_passed_its_empty_block_is_stored_aft
     assert seen == ["m3", "late?", "late!"]
     assert [m.seq for m in retried.messages] == [m.seq for m in again.messages] == [4, 5]
     assert (retried.replayed, again.replayed) == (True, True)
-    stored = await backend.db[MESSAGES].find({"conversation_id": CID}).sort("seq", 1).to_list(None)
-    assert [(m["seq"], m["content"]) for m in stored] == [
-        (0, "m0"), (3, "m3"), (4, "late?"), (5, "late!")
-    ]  # fmt: skip
+    await assert_the_late_turn_stored_once_past_the_gap(backend)
     conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
-    assert (conversation["message_count"], conversation["turn_count"]) == (6, 3)
     assert conversation["usage"] == {"input_tokens": 1, "output_tokens": 1}
 
 
@@ -612,12 +619,7 @@ async def test_two_attempts_racing_the_move_of_an_abandoned_block_both_answer_th
     assert [m.seq for m in attempt_a.messages] == [m.seq for m in answered.messages] == [4, 5]
     assert [m.id for m in answered.messages] == [m.id for m in attempt_a.messages]
     assert answered.replayed
-    stored = await backend.db[MESSAGES].find({"conversation_id": CID}).sort("seq", 1).to_list(None)
-    assert [(m["seq"], m["content"]) for m in stored] == [
-        (0, "m0"), (3, "m3"), (4, "late?"), (5, "late!")
-    ]  # fmt: skip
-    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
-    assert (conversation["message_count"], conversation["turn_count"]) == (6, 3)
+    await assert_the_late_turn_stored_once_past_the_gap(backend)
 
 
 # -- a property: anything a caller sends is stored faithfully or refused whole ----------------
