@@ -76,7 +76,8 @@ from migrations.errors import Misuse
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.order import Ranges, plan_ranges, range_ids, spread_ids
 from migrations.relocate import TURN_FILTER
-from migrations.writes import Converted, identity
+from migrations.keys import identity
+from migrations.writes import Converted
 
 LEGACY_FILTER: dict[str, Any] = TURN_FILTER
 """Legacy turns, those the new logger wrote for rollback too: each read is narrowed to what

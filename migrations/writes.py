@@ -42,6 +42,7 @@ from agent_store.store import (
 )
 from migrations import full_texts
 from migrations.bounds import Bounds, bounded
+from migrations.keys import id_key, identity
 from migrations.transcript import contains, from_legacy, from_messages
 
 
@@ -484,11 +485,6 @@ _TURNS_A_READ = 10_000
 """Legacy turn ids one read of `_turns_gone` names."""
 
 
-def identity(document: Mapping[str, Any]) -> bytes:
-    """A document's `_id` as a key: unique in its collection, whatever its BSON type."""
-    return bson.encode({"_id": document.get("_id")})
-
-
 def _turns_gone(
     db: Database[dict[str, Any]], source: str, items: Mapping[str, Converted]
 ) -> set[str]:
@@ -503,7 +499,7 @@ def _turns_gone(
     return {
         cid
         for cid, item in items.items()
-        if any(identity({"_id": turn.id}) not in found for turn in item.turns)
+        if any(id_key(turn.id) not in found for turn in item.turns)
     }
 
 
