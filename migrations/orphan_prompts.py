@@ -29,8 +29,8 @@ from agent_store.legacy import (
     prompt_conversation,
 )
 from migrations import problems as problem_report
-from migrations.keys import identity
 from migrations.explode import NOT_DUAL_WRITTEN, Explosion, batches, read_session_hitl
+from migrations.keys import identity
 
 ORPHAN_PENDING_HITL = "orphan_pending_hitl"
 CHUNK = 1000
