@@ -215,7 +215,9 @@ def _last_step(run: explode.Explosion) -> None:
 
 
 def summary_line(label: str, counts: explode.Counts) -> str:
-    """What a run did, or what a dry run predicts it would do: the same line, the same counts."""
+    """What a run wrote, or what a dry run plans to write: the same line, the same counts (a
+    run writes nothing for a conversation deleted or written to between its plan and its
+    writes, and counts only what it wrote)."""
     return (
         f"{label}: {counts.conversations} conversations, {counts.turns} turns -> "
         f"{counts.messages} messages; {counts.messages_written} messages written, "
@@ -261,7 +263,11 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     finally:
         if held is not None:
             held.release()
-    label = "dry run (what a run would do)" if args.dry_run else run.run_id
+    label = (
+        "dry run (what a run would write, as planned from what is stored now)"
+        if args.dry_run
+        else run.run_id
+    )
     print(summary_line(label, run.counts))
     if run.counts.problems and not args.dry_run:
         print(f"problems are in {problem_report.PROBLEMS}; `status` summarizes them by kind")

@@ -73,10 +73,11 @@ from migrations import dual_writes, writes
 from migrations import problems as problem_report
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS, Bounds
 from migrations.errors import Misuse
+from migrations.keys import identity
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.order import Ranges, plan_ranges, range_ids, spread_ids
 from migrations.relocate import TURN_FILTER
-from migrations.writes import Converted, identity
+from migrations.writes import Converted
 
 LEGACY_FILTER: dict[str, Any] = TURN_FILTER
 """Legacy turns, those the new logger wrote for rollback too: each read is narrowed to what
@@ -183,11 +184,11 @@ class Counts:
     def as_document(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
-    def add(self, planned: writes.Planned, found: list[Problem], *, messages_written: int) -> None:
-        self.messages_written += messages_written
-        self.conversations_written += len(planned.conversations)
-        self.full_texts_written += len(planned.full_texts)
-        self.live_skipped += len(planned.live)
+    def add(self, written: writes.Applied, found: list[Problem]) -> None:
+        """What a batch wrote (a dry run: what it planned to), and the problems found."""
+        self.messages_written += written.written
+        self.conversations_written += written.documents
+        self.full_texts_written += written.full_texts
         self.add_problems(found)
 
     def add_problems(self, found: list[Problem]) -> None:
@@ -613,18 +614,19 @@ class Explosion:
             found += item.conversion.problems
         planned = writes.plan(self.db, converted)
         found += planned.live
-        inserted = len(planned.messages) + len(planned.rewritten)
+        # A dry run predicts what the plan writes; a run counts what it wrote.
+        applied = writes.Applied(
+            written=len(planned.messages) + len(planned.rewritten),
+            documents=len(planned.conversations),
+            full_texts=len(planned.full_texts),
+        )
         if not self.options.dry_run:
             applied = writes.apply(
                 self.db, planned, self.options.bounds, fence=self.fence, source=self.source
             )
-            inserted = applied.written
             # Problems keep content: never a deleted conversation's.
             found = [p for p in found if p.conversation_id not in applied.gone]
             found += applied.problems
-            self.counts.live_skipped += sum(
-                1 for p in applied.problems if p.kind == "conversation_already_live"
-            )
             self.fence()
             batch_ids = [c.conversion.conversation_id for c in converted]
             problem_report.replace(
@@ -635,4 +637,5 @@ class Explosion:
                 bounds=self.options.bounds,
                 earlier=self.earlier_problems,
             )
-        self.counts.add(planned, found, messages_written=inserted)
+        self.counts.live_skipped += sum(1 for p in found if p.kind == "conversation_already_live")
+        self.counts.add(applied, found)

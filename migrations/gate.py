@@ -36,13 +36,17 @@ from migrations.explode import batches, conversation_ids, convert_batch
 from migrations.relocate import CONVERSATION_FILTER, NEITHER_FILTER
 from migrations.verify import compare
 from migrations.writes import (
+    CHANGED_SINCE,
     Converted,
     carried_epochs,
+    changed_problem,
     differs,
     document_differs,
     is_migrated,
+    migrated_to,
     owner_after,
     popped,
+    unmerged,
     wanted_document,
 )
 
@@ -181,46 +185,124 @@ def _reasons(
 ) -> list[str]:
     conversion = item.conversion
     cid = conversion.conversation_id
-    reasons: list[str] = []
-    gone = popped(stored.conversations.get(cid))
-    differences = compare(item, messages, gone)
-    if differences:
-        shown = "; ".join(differences[:3]) + ("; …" if len(differences) > 3 else "")
-        reasons.append(f"its messages differ from its legacy turns ({shown}): `verify` lists all")
+    found = stored.conversations.get(cid)
+    gone = popped(found)
+    every = {m.seq or 0: (str(m.id), m.turn_id) for m in messages}
+    unplaced = list(conversion.unplaced)
     if cid in stored.live:
-        if not stored.live[cid]:
-            reasons.append(
-                "a live turn holds places its legacy turns convert to (see its "
-                "conversation_already_live problem); its legacy turns are not merged"
-            )
+        reasons = _live_reasons(item, stored.live[cid], messages, gone)
+    elif unmerged(found, conversion, every, gone):
+        reasons, changed = _unmerged_reasons(item, stored, accepted, every, gone)
+        unplaced += changed
     else:
-        found = stored.conversations.get(cid)
-        reasons += _document_reasons(item, found, messages, stored.epochs.get(cid))
-        missing = sum(
-            1 for m in conversion.messages if m.id not in stored.messages and str(m.id) not in gone
-        )
-        if missing:
-            reasons.append(f"{missing} of {len(conversion.messages)} messages missing")
-        changed = _changed(item, messages)
-        if changed:
-            reasons.append(
-                f"{changed} stored messages differ from what their legacy turns convert to now "
-                "(a turn edited after the run?): run the migration again"
-            )
-        lost = sum(
-            1
-            for f in conversion.full_texts
-            if f.blob_id not in stored.texts and f.message_id not in gone
-        )
-        if lost:
-            reasons.append(f"{lost} whole texts of cut messages missing")
+        reasons = _migrated_reasons(item, stored, messages, gone)
     return (
         reasons
-        + _problem_reasons(
-            cid, conversion.unplaced, stored.recorded.get(cid, []), accepted.get(cid, [])
-        )
+        + _past_count(found, messages)
+        + _problem_reasons(cid, unplaced, stored.recorded.get(cid, []), accepted.get(cid, []))
         + _kept_reasons(conversion.problems, stored.kept.get(cid, []))
     )
+
+
+def _live_reasons(
+    item: Converted, held: bool, messages: list[AgentMessage], gone: set[str]
+) -> list[str]:
+    """A conversation recorded as logged to live where its legacy turns go."""
+    reasons = _differences(item, messages, gone)
+    if not held:
+        reasons.append(
+            "a live turn holds places its legacy turns convert to (see its "
+            "conversation_already_live problem); its legacy turns are not merged"
+        )
+    return reasons
+
+
+def _unmerged_reasons(
+    item: Converted,
+    stored: _Stored,
+    accepted: dict[str, list[str]],
+    every: Mapping[int, tuple[str, Any]],
+    gone: set[str],
+) -> tuple[list[str], list[Problem]]:
+    """A conversation a person changed since the migration whose legacy turns a run does not
+    merge (`unmerged`): work left until its problem is recorded as it is now and accepted
+    (the problem, for the digests `_problem_reasons` compares), or, where the migration never
+    wrote to it, until a run records it as logged to live."""
+    conversion = item.conversion
+    cid = conversion.conversation_id
+    if not migrated_to(conversion, every, gone):
+        return [
+            "a live turn holds places its legacy turns convert to, or they convert to places "
+            "past its conversation document's count: run the migration again to record it "
+            "(conversation_already_live)"
+        ], []
+    problem = changed_problem(conversion)
+    found = problem_report.digest(problem)
+    if found in accepted.get(cid, []):
+        return [], [problem]
+    return [
+        "changed by a person since the migration (a live turn or a pop), and its legacy turns "
+        "convert to messages where the conversation holds no place for them (legacy turns "
+        "added or edited since, or messages popped earlier than the newest 100 its document "
+        f"remembers): they are not merged (its {CHANGED_SINCE} problem keeps them)"
+    ], [problem]
+
+
+def _migrated_reasons(
+    item: Converted, stored: _Stored, messages: list[AgentMessage], gone: set[str]
+) -> list[str]:
+    """A conversation the migration wrote: its document, messages and whole texts."""
+    conversion = item.conversion
+    cid = conversion.conversation_id
+    reasons = _differences(item, messages, gone)
+    reasons += _document_reasons(
+        item, stored.conversations.get(cid), messages, stored.epochs.get(cid)
+    )
+    missing = sum(
+        1 for m in conversion.messages if m.id not in stored.messages and str(m.id) not in gone
+    )
+    if missing:
+        reasons.append(f"{missing} of {len(conversion.messages)} messages missing")
+    changed = _changed(item, messages)
+    if changed:
+        reasons.append(
+            f"{changed} stored messages differ from what their legacy turns convert to now "
+            "(a turn edited after the run?): run the migration again"
+        )
+    lost = sum(
+        1
+        for f in conversion.full_texts
+        if f.blob_id not in stored.texts and f.message_id not in gone
+    )
+    if lost:
+        reasons.append(f"{lost} whole texts of cut messages missing")
+    return reasons
+
+
+def _differences(item: Converted, messages: list[AgentMessage], gone: set[str]) -> list[str]:
+    """Its transcript against its legacy transcript, as `verify` compares them."""
+    differences = compare(item, messages, gone)
+    if not differences:
+        return []
+    shown = "; ".join(differences[:3]) + ("; …" if len(differences) > 3 else "")
+    return [f"its messages differ from its legacy turns ({shown}): `verify` lists all"]
+
+
+def _past_count(found: Mapping[str, Any] | None, messages: Sequence[AgentMessage]) -> list[str]:
+    """Messages at a `seq` the conversation document does not cover (at or past its
+    `message_count`): the next turn would find its place taken. A message of another `epoch`
+    (a late insert of a conversation deleted under the id) is not: a turn takes it over."""
+    if found is None:
+        return []
+    count = int(found.get("message_count") or 0)
+    past = [m for m in messages if (m.seq or 0) >= count and m.epoch in (None, found.get("epoch"))]
+    if not past:
+        return []
+    return [
+        f"{len(past)} messages stored at seq values its conversation document does not cover "
+        f"(from seq {past[0].seq}; message_count {count}): the next turn would find its place "
+        "taken"
+    ]
 
 
 def _kept_reasons(problems: Sequence[Problem], recorded: Sequence[tuple[str, str]]) -> list[str]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import bson
 from pymongo.database import Database
 
 from agent_store.legacy import (
@@ -31,6 +30,7 @@ from agent_store.legacy import (
 )
 from migrations import problems as problem_report
 from migrations.explode import NOT_DUAL_WRITTEN, Explosion, batches, read_session_hitl
+from migrations.keys import identity
 
 ORPHAN_PENDING_HITL = "orphan_pending_hitl"
 CHUNK = 1000
@@ -61,11 +61,6 @@ def _with_turns(db: Database[dict[str, Any]], names: set[str]) -> set[str]:
     return {name for name in found if name in names}
 
 
-def _key(value: Any) -> bytes:
-    """A document id as a set holds it (BSON: 5 and "5" stay two)."""
-    return bson.encode({"_id": value})
-
-
 def _alone(db: Database[dict[str, Any]], pending: list[Mapping[str, Any]]) -> Iterator[Problem]:
     """The prompts of `pending` no conversion reads, decided by the conversions' own read of
     prompts (`read_session_hitl`): a prompt naming no conversation, or one without legacy
@@ -74,9 +69,9 @@ def _alone(db: Database[dict[str, Any]], pending: list[Mapping[str, Any]]) -> It
     converted = _with_turns(db, names)
     among = {"_id": {"$in": [p["_id"] for p in pending]}}
     read = read_session_hitl(db, {name: name for name in converted}, among=among)
-    held = {_key(doc["_id"]) for docs in read.values() for doc in docs}
+    held = {identity(doc) for docs in read.values() for doc in docs}
     for prompt in pending:
-        if _key(prompt["_id"]) not in held:
+        if identity(prompt) not in held:
             yield _problem(prompt)
 
 

@@ -23,6 +23,7 @@ from pymongo.errors import BulkWriteError, OperationFailure
 from agent_store.legacy import CONVERSATION_COUNTERS, LEGACY_TURNS, TURN_ONLY_FIELDS
 from agent_store.store import CONVERSATIONS, only_duplicates
 from migrations.errors import MigrationError
+from migrations.keys import identity
 
 _BAD_VALUE = 2
 """The server's code for a hint it does not know."""
@@ -152,9 +153,10 @@ def _accept_identical_copies(
     to `-0.0` and `120` to `120.0`, which BSON tells apart."""
     only_duplicates(error)
     failed = error.details.get("writeErrors", [])
-    wanted = {batch[e["index"]]["_id"]: batch[e["index"]] for e in failed}
-    for found in target.find({"_id": {"$in": list(wanted)}}):
-        if bson.encode(found) != bson.encode(wanted[found["_id"]]):
+    wanted = {identity(batch[e["index"]]): batch[e["index"]] for e in failed}
+    ids = [document["_id"] for document in wanted.values()]
+    for found in target.find({"_id": {"$in": ids}}):
+        if bson.encode(found) != bson.encode(wanted[identity(found)]):
             raise MigrationError(
                 f"turn document {found['_id']!r} exists in {LEGACY_TURNS} with other content; "
                 "refusing to overwrite or delete it"

@@ -10,7 +10,9 @@ legacy turns now convert to more messages than the run stored): its legacy turns
 merged, and the problem says whether the live messages already hold their content (placed)
 or not (content only the legacy turns hold). What a person changed since a run stays
 theirs: a document a person popped messages from, or a live turn wrote to, is never
-overwritten, and the messages a person popped are never put back (`popped`).
+overwritten, and the messages a person popped are never put back (`popped`); where its legacy
+turns now convert to a message at a `seq` that document does not cover, or a live turn holds,
+nothing of them is merged (`unmerged`: a `conversation_changed_since` problem keeps them).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from agent_store.store import (
 )
 from migrations import full_texts
 from migrations.bounds import Bounds, bounded
+from migrations.keys import id_key, identity
 from migrations.transcript import contains, from_legacy, from_messages
 
 
@@ -86,6 +89,10 @@ class Applied:
 
     written: int = 0
     """Messages inserted or rewritten."""
+    documents: int = 0
+    """Conversation documents inserted or replaced (none for a conversation `skipped`)."""
+    full_texts: int = 0
+    """Whole texts written (none of a conversation `skipped`)."""
     problems: list[Problem] = field(default_factory=list)
     """Problems of races with the live service: a message's `seq` taken (`live_conflict`), a
     conversation a live turn wrote to since the plan (`conversation_already_live`)."""
@@ -393,11 +400,11 @@ def _plan_one(
         for seq, m in at.items()
         if stored.get(seq or 0, {"_id": m.id})["_id"] != m.id
     ]
-    # The migration's own messages are those of legacy turns, these or any filed here
-    # before (their turn ids are the migration's: no live writer may name a turn so).
-    if not all(is_migrated(d.get("turn_id")) for d in foreign):
-        after = any(is_migrated(d.get("turn_id")) for d in stored.values())
-        planned.live.append(_live_problem(db, item, live_detail(len(foreign), extent, after)))
+    past = _stored_past(db, cid, extent) if next_free > extent else []
+    every = {int(d["seq"]): (str(d["_id"]), d.get("turn_id")) for d in [*stored.values(), *past]}
+    refused = _not_merged(db, item, found, every, foreign)
+    if refused is not None:
+        planned.live.append(refused)
         return
     # Its own messages at other places than the legacy turns put them now (a turn edited
     # since gained or lost a message) are moved; live turns stored past the legacy ones
@@ -405,7 +412,6 @@ def _plan_one(
     # and the next turn goes after them.
     for seq in [seq for seq in stored if seq not in at]:
         del stored[seq]  # a popped message's place: what holds it now is left as it is
-    past = _stored_past(db, cid, extent) if next_free > extent else []
     live = [d for d in past if not is_migrated(d.get("turn_id"))]
     moved = [d["_id"] for d in foreign + past if is_migrated(d.get("turn_id"))]
     if moved:
@@ -428,6 +434,92 @@ def _plan_one(
     planned.read[cid] = found
     planned.converted[cid] = item
     _plan_messages(db, planned, conversion, stored, owner_after(found, document), gone)
+
+
+def _not_merged(
+    db: Database[dict[str, Any]],
+    item: Converted,
+    found: dict[str, Any] | None,
+    every: Mapping[int, tuple[str, Any]],
+    foreign: Sequence[dict[str, Any]],
+) -> Problem | None:
+    """The problem of a conversation whose legacy turns are not merged, or None: one a person
+    changed since the migration whose legacy turns changed since (`unmerged`), or one a live
+    turn holds places of (`foreign`: messages the migration did not write where its legacy
+    turns go) that the migration never wrote to (`migrated_to`)."""
+    conversion = item.conversion
+    gone = popped(found)
+    if unmerged(found, conversion, every, gone) and migrated_to(conversion, every, gone):
+        return changed_problem(conversion)
+    # The migration's own messages are those of legacy turns, these or any filed here
+    # before (their turn ids are the migration's: no live writer may name a turn so).
+    live = not all(is_migrated(d.get("turn_id")) for d in foreign)
+    if live or unmerged(found, conversion, every, gone):
+        after = any(is_migrated(turn) for _, turn in every.values())
+        extent = len(conversion.messages)
+        return _live_problem(db, item, live_detail(len(foreign), extent, after))
+    return None
+
+
+def unmerged(
+    found: Mapping[str, Any] | None,
+    conversion: LegacyConversion,
+    stored: Mapping[int, tuple[str, Any]],
+    gone: set[str],
+) -> bool:
+    """Whether the legacy turns of a conversation a person changed since the migration
+    (`written_since`: a live turn, a pop) convert now to a message at a `seq` its document
+    does not cover (at or past its `message_count`, which a run never rewrites there), or
+    where a message the migration did not write is stored: a legacy turn added or edited
+    since, or a message popped before the newest ones the document remembers. The
+    conversation is the person's, and its legacy turns are not merged (moving the
+    migration's own messages within the count is no change of theirs). `stored`: `seq` ->
+    (id, turn id) of every message stored; `gone`: the messages the person popped
+    (`popped`). The rerun and the exit gate both ask."""
+    if found is None or not written_since(found):
+        return False
+    count = int(found.get("message_count") or 0)
+    for m in conversion.messages:
+        seq, held = m.seq or 0, stored.get(m.seq or 0)
+        if str(m.id) in gone:
+            continue
+        if seq >= count or (held is not None and held[0] != m.id and not is_migrated(held[1])):
+            return True
+    return False
+
+
+def migrated_to(
+    conversion: LegacyConversion, stored: Mapping[int, tuple[str, Any]], gone: set[str]
+) -> bool:
+    """Whether a run wrote to the conversation: it holds the migration's messages, or a person
+    popped some of them (else a conversation logged to live is `conversation_already_live`)."""
+    ids = {str(m.id) for m in conversion.messages}
+    return bool(gone & ids) or any(is_migrated(turn) for _, turn in stored.values())
+
+
+CHANGED_SINCE = "conversation_changed_since"
+"""The problem of a conversation a person changed since the migration whose legacy turns
+changed since (`unmerged`)."""
+
+
+def changed_problem(conversion: LegacyConversion) -> Problem:
+    """What keeps the legacy turns of a conversation a person changed since the migration,
+    not merged (`unmerged`): every message they convert to, for an operator to keep and
+    accept. The same whatever the person does next, so an acceptance holds."""
+    return Problem(
+        conversation_id=conversion.conversation_id,
+        legacy_id="*",
+        kind=CHANGED_SINCE,
+        detail=(
+            "changed by a person since the migration (a live turn or a pop); its legacy turns "
+            "convert to messages at seq values the conversation document does not cover, or "
+            "a live turn holds (a legacy turn added or edited since, or a message popped "
+            "earlier than the newest ones the document remembers), so they were not merged; "
+            "the content here is every message they convert to now"
+        ),
+        content=[m.model_dump(mode="json", by_alias=True) for m in conversion.messages],
+        placed=False,
+    )
 
 
 def apply(
@@ -455,7 +547,10 @@ def apply(
     for cid, found in skipped.items():
         if _live_since(found, planned.read.get(cid)):
             applied.problems.append(_live_problem(db, planned.converted[cid], LIVE_SINCE))
-    full_texts.keep(db, [f for f in planned.full_texts if f.conversation_id not in skipped], bounds)
+    applied.documents = sum(1 for d in planned.conversations if d["_id"] not in skipped)
+    texts = [f for f in planned.full_texts if f.conversation_id not in skipped]
+    full_texts.keep(db, texts, bounds)
+    applied.full_texts = len(texts)
     moved = [i for cid, ids in planned.moved.items() if cid not in skipped for i in ids]
     if moved:
         db[MESSAGES].delete_many({"_id": {"$in": moved}})
@@ -484,11 +579,6 @@ _TURNS_A_READ = 10_000
 """Legacy turn ids one read of `_turns_gone` names."""
 
 
-def identity(document: Mapping[str, Any]) -> bytes:
-    """A document's `_id` as a key: unique in its collection, whatever its BSON type."""
-    return bson.encode({"_id": document.get("_id")})
-
-
 def _turns_gone(
     db: Database[dict[str, Any]], source: str, items: Mapping[str, Converted]
 ) -> set[str]:
@@ -503,7 +593,7 @@ def _turns_gone(
     return {
         cid
         for cid, item in items.items()
-        if any(identity({"_id": turn.id}) not in found for turn in item.turns)
+        if any(id_key(turn.id) not in found for turn in item.turns)
     }
 
 

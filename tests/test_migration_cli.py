@@ -16,7 +16,7 @@ from typing import Any
 
 import mongomock
 import pytest
-from bson import Int64, ObjectId
+from bson import Decimal128, Int64, ObjectId
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
@@ -281,6 +281,26 @@ def test_a_killed_copy_resumes_over_the_turns_it_copied_byte_for_byte(
 
     assert relocate.relocate(database).how == "copied"
     assert database[LEGACY_TURNS].count_documents({}) == 3
+    assert database[CONVERSATIONS].count_documents({}) == 0
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    "turn_id",
+    [{"shard": 1, "n": 7}, Decimal128("7")],
+    ids=["embedded-document", "decimal128"],
+)
+def test_a_killed_copy_resumes_over_turns_whose_ids_python_cannot_hash(
+    database: Database[dict[str, Any]], turn_id: Any
+) -> None:
+    """A turn's `_id` may be any BSON value but an array: an embedded document, a Decimal128.
+    A resumed copy keys the turns it finds copied by their BSON, never by the Python value."""
+    turn = latency_turn(0, 7) | {"_id": turn_id}
+    database[CONVERSATIONS].insert_one(turn)
+    database[LEGACY_TURNS].insert_one(dict(turn))
+
+    assert relocate.relocate(database).how == "copied"
+    assert database[LEGACY_TURNS].count_documents({}) == 1
     assert database[CONVERSATIONS].count_documents({}) == 0
 
 
