@@ -504,14 +504,12 @@ async def test_resolving_with_calls_answers_only_a_prompt_holding_a_call_of_that
     """`resolve_hitl(..., calls=...)` names each call by `tool_call_id` and `message_id`, as
     `pending_calls` serves them: a prompt holding a call of that id made by another message
     is not answered (Conflict), and one holding that very call is."""
-    from agent_store import Conflict
-
     runtime = Runtime(backend)
     await runtime.stream(_asks_reusing("call_0", "book_train"), prompt="Book the train.")
     [held] = await runtime.store.pending_calls(CID)
     elsewhere = {"tool_call_id": "call_0", "message_id": "msg-made-by-another-turn"}
 
-    with pytest.raises(Conflict, match=re.escape("no pending prompt 'confirm-1'")):
+    with pytest.raises(Conflict, match=r"'confirm-1' pending .* holds none of the calls"):
         await runtime.store.resolve_hitl(CID, "confirm-1", calls=[elsewhere])
     assert await held_calls(runtime.store) == [("call_0", "confirm-1")]
 
