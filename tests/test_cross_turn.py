@@ -2416,6 +2416,142 @@ async def test_popping_a_second_question_gives_its_call_back_to_the_first_questi
     assert await runtime.store.pending_calls(CID) == []
 
 
+SECOND_QUESTION_IDS = pytest.mark.parametrize(
+    "asked_under", ["confirm-9", "confirm-10"], ids=["same-request-id", "new-request-id"]
+)
+DENIAL_OF_TC_9 = {"role": "tool", "tool_call_id": "tc-9", "content": DENIED_RESULT,
+                  "error": {"message": "tool call denied"}}  # fmt: skip
+
+
+async def _approved_then_asked_again(runtime: Runtime, asked_under: str) -> int:
+    """tc-9 approved (the tool runs), then a second question about it under `asked_under`;
+    the `seq` of the last message before that question."""
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    logged = await runtime.stream([APPROVED], prompt="Yes.")
+    await runtime.stream([{**ASKS_AGAIN, "request_id": asked_under}])
+    last = logged.messages[-1].seq
+    assert last is not None
+    return last
+
+
+async def _an_approved_call_stays_released(
+    logger: AgentMessageLogger, store: ConversationStore, cid: str
+) -> None:
+    """The call is listed released, a denial naming the approving prompt is refused with
+    nothing written, and the tool's real result answers it."""
+    assert [(c.tool_call_id, c.request_id) for c in await store.pending_calls(cid)] == [
+        ("tc-9", None)
+    ]
+    before = await store.transcript(cid)
+    with pytest.raises(AnsweredBefore, match=r"'tc-9'.*approved"):
+        await logger.log_messages(
+            cid, [{"role": "user", "content": "No."}, DENIAL_OF_TC_9], turn_id="late-denial",
+            refused_prompts={"tc-9": "confirm-9"},
+        )  # fmt: skip
+    assert await store.transcript(cid) == before
+    await logger.log_messages(
+        cid, [{"role": "tool", "tool_call_id": "tc-9", "content": "B-42"}], turn_id="result"
+    )
+    answers = [(m.content, m.error) for m in await store.transcript(cid) if m.role == "tool"]
+    assert answers == [("B-42", None)]
+    assert await store.pending_calls(cid) == []
+
+
+@SECOND_QUESTION_IDS
+async def test_popping_a_second_question_about_an_approved_call_leaves_its_approval_in_force(
+    backend: Backend, asked_under: str
+) -> None:
+    """STREAMING.md (what the store cannot tell apart) and RUNTIMES.md (pop): the approval
+    stands once the question holding the call again is popped, whatever request id it was
+    asked under: the call stays released, a refusal denies nothing, the real result answers
+    it."""
+    runtime = Runtime(backend)
+    await _approved_then_asked_again(runtime, asked_under)
+
+    popped = await runtime.store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.hitl_action is not None
+    await _an_approved_call_stays_released(runtime.logger, runtime.store, CID)
+
+
+async def test_after_such_a_pop_answering_the_earlier_prompt_of_that_id_again_only_clears_it(
+    backend: Backend,
+) -> None:
+    """STREAMING.md: the earlier prompt of the id is pending again once the question asked
+    under its id is popped; a refusal of it denies nothing and clears it."""
+    runtime = Runtime(backend)
+    await _approved_then_asked_again(runtime, "confirm-9")
+    await runtime.store.pop_last_message(CID)
+    assert await held_state(runtime.store) == ([("tc-9", None)], "confirm-9")
+
+    await runtime.stream([DENIED], prompt="No, cancel it.")
+
+    assert await runtime.answers_of("tc-9") == []
+    assert await held_state(runtime.store) == ([("tc-9", None)], None)
+    await runtime.stream([BOOKED])
+    assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
+
+
+@SECOND_QUESTION_IDS
+async def test_a_fork_cut_before_a_second_question_about_an_approved_call_keeps_the_approval(
+    backend: Backend, asked_under: str
+) -> None:
+    """STREAMING.md (what the store cannot tell apart): a fork cut before the question that
+    held the approved call again remembers the approval in force: the call stays released,
+    a refusal denies nothing, the real result answers it."""
+    runtime = Runtime(backend)
+    cut = await _approved_then_asked_again(runtime, asked_under)
+
+    await runtime.logger.fork(CID, cut, "conv-cross-fork")
+
+    await _an_approved_call_stays_released(runtime.logger, runtime.store, "conv-cross-fork")
+
+
+async def test_a_fork_that_copies_a_second_question_about_an_approved_call_keeps_it_holding(
+    backend: Backend,
+) -> None:
+    """A fork copying the second question copies what it holds: the call waits for its
+    answer, and its refusal denies the call."""
+    runtime = Runtime(backend)
+    await _approved_then_asked_again(runtime, "confirm-10")
+    everything = (await runtime.store.get_conversation(CID)).message_count - 1
+
+    await runtime.logger.fork(CID, everything, "conv-cross-fork")
+
+    assert await held_state(runtime.store, "conv-cross-fork") == (
+        [("tc-9", "confirm-10")],
+        "confirm-10",
+    )
+    await runtime.logger.log_messages(
+        "conv-cross-fork", [{"role": "user", "content": "No."}, DENIAL_OF_TC_9],
+        turn_id="denial", refused_prompts={"tc-9": "confirm-10"},
+    )  # fmt: skip
+    assert await held_state(runtime.store, "conv-cross-fork") == ([], None)
+
+
+async def test_an_approval_stored_marked_held_again_before_held_by_stays_held_by_its_question(
+    backend: Backend,
+) -> None:
+    """An approval a second question held again, stored before `held_by` named the question
+    (`held_again: true`), is read as held: the call waits for that question, and its refusal
+    denies the call."""
+    runtime = Runtime(backend)
+    await _approved_then_asked_again(runtime, "confirm-10")
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert doc is not None
+    (approval,) = doc["approved_calls"]
+    assert approval["held_by"] is not None
+    stored_before = {k: approval[k] for k in ("tool_call_id", "message_id", "request_id")}
+    await backend.db.agent_conversations.update_one(
+        {"_id": CID}, {"$set": {"approved_calls": [{**stored_before, "held_again": True}]}}
+    )
+
+    assert await held_state(runtime.store) == ([("tc-9", "confirm-10")], "confirm-10")
+    await runtime.stream([{**DENIED, "request_id": "confirm-10"}], prompt="No.")
+    assert await runtime.answers_of("tc-9") == [(DENIED_RESULT, "tool call denied")]
+
+
 async def test_a_question_about_an_earlier_call_holds_it_when_its_turn_reuses_the_id(
     backend: Backend,
 ) -> None:

@@ -514,8 +514,19 @@ class ApprovedCall(_Model):
     """The prompt whose answer released the call (None in approvals recorded without it): a
     refusal of that prompt arriving later denies nothing, even once another prompt holds
     the call."""
+    held_by: str | None = None
+    """The later prompt (its message id) that named the call: it holds the call until it is
+    answered itself. A pop removing that prompt, or a fork cut before it, puts the approval
+    back in force."""
     held_again: bool = False
-    """A later prompt named the call: it holds the call until it is answered itself."""
+    """Read from approvals stored before `held_by`: a later prompt, not told which, named the
+    call and holds it until it is answered itself."""
+
+
+def approval_held_again(approval: Mapping[str, Any]) -> bool:
+    """Whether a later prompt holds the call of a stored `approved_calls` entry
+    (`ApprovedCall`): its approval is not in force until that prompt is answered."""
+    return approval.get("held_by") is not None or bool(approval.get("held_again"))
 
 
 def awaiting_results(
@@ -528,7 +539,7 @@ def awaiting_results(
     released = {
         (a.get("tool_call_id"), a.get("message_id"))
         for a in approved
-        if isinstance(a, Mapping) and not a.get("held_again")
+        if isinstance(a, Mapping) and not approval_held_again(a)
     }
 
     def unheld(call: Mapping[str, Any]) -> bool:

@@ -1266,10 +1266,16 @@ def _approvals_of_copies(
     source: Mapping[str, Any], chosen: Sequence[AgentMessage], plan: TurnPlan
 ) -> list[dict[str, Any]]:
     """The original's `approved_calls` a fork remembers: those of the calls its copies make,
-    naming the copies (a call a person approved stays approved in the fork)."""
+    naming the copies (a call a person approved stays approved in the fork). One a later
+    prompt holds again (`held_by`) names that prompt's copy; held by a prompt the fork does
+    not copy, it is in force."""
     ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
     return [
-        {**a, "message_id": ids[str(a.get("message_id"))]}
+        {
+            **a,
+            "message_id": ids[str(a.get("message_id"))],
+            "held_by": ids.get(a["held_by"]) if isinstance(a.get("held_by"), str) else None,
+        }
         for a in source.get("approved_calls") or ()
         if isinstance(a, Mapping) and str(a.get("message_id")) in ids
     ]

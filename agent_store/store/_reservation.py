@@ -17,6 +17,7 @@ from bson import Int64
 from agent_store.core import (
     MAX_SAFE_INTEGER,
     RESOLVED_PROMPTS_KEPT,
+    ApprovedCall,
     Conflict,
     InvalidInput,
     NotFound,
@@ -24,6 +25,7 @@ from agent_store.core import (
     PendingHitl,
     StoreError,
     TurnRecord,
+    approval_held_again,
     shown,
 )
 from agent_store.store._turns import PENDING_CALLS_KEPT, KeepPendingHitl, TurnPlan, TurnRules
@@ -329,13 +331,39 @@ def _approval_keys(held_again: bool | None = None, request_id: Any = None) -> di
     True, all with None; with `request_id`, only the approvals that prompt's answer gave."""
     conds: list[dict[str, Any]] = []
     if held_again is not None:
-        conds.append({"$eq": [{"$ifNull": ["$$ap.held_again", False]}, held_again]})
+        conds.append({"$eq": [held_by_a_prompt("ap"), held_again]})
     if request_id is not None:
         conds.append({"$eq": [{"$ifNull": ["$$ap.request_id", None]}, request_id]})
     approved = _kept("approved_calls", [])
     if conds:
         approved = {"$filter": {"input": approved, "as": "ap", "cond": {"$and": conds}}}
     return {"$map": {"input": approved, "as": "ap", "in": _call_key("ap")}}
+
+
+def held_by_a_prompt(variable: str) -> dict[str, Any]:
+    """Whether a later prompt holds the call of the `approved_calls` entry in `variable`
+    (`core.held_again`, as an expression): one it names (`held_by`), or, in an entry
+    stored before it was named, the `held_again` flag."""
+    named = {"$ne": [{"$ifNull": [f"$${variable}.held_by", None]}, None]}
+    flagged = {"$eq": [{"$ifNull": [f"$${variable}.held_again", False]}, True]}
+    return {"$or": [named, flagged]}
+
+
+def approvals_held_by(held_by: Any) -> dict[str, Any]:
+    """`approved_calls` with the `held_by` of each entry (`$$a`) set to the expression
+    `held_by`, its other fields kept (their defaults for fields an entry stored before
+    them lacks). Left unset on a conversation that has none."""
+    fields: dict[str, Any] = {
+        name: {"$ifNull": [f"$$a.{name}", literal(field.default)]}
+        for name, field in ApprovedCall.model_fields.items()
+        if not field.is_required()
+    }
+    fields.update(_call_key("a"))
+    fields["held_by"] = held_by
+    approved = {"$map": {"input": _kept("approved_calls", []), "as": "a", "in": fields}}
+    # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
+    unset = {"$eq": [{"$ifNull": ["$approved_calls", None]}, None]}
+    return {"approved_calls": {"$cond": [unset, "$$REMOVE", approved]}}
 
 
 def _approved_with(request_id: str) -> dict[str, Any]:
@@ -457,7 +485,7 @@ def _approvals(
         (a.get("tool_call_id"), a.get("message_id"))
         for a in conversation.get("approved_calls") or ()
         if isinstance(a, Mapping)
-        and (held_again is None or bool(a.get("held_again")) == held_again)
+        and (held_again is None or approval_held_again(a) == held_again)
         and (request_id is None or a.get("request_id") == request_id)
     }
 
@@ -542,23 +570,22 @@ def reservation(
 
 def _asked_again(plan: TurnPlan) -> dict[str, Any]:
     """`approved_calls` with the approvals of the calls a prompt of the turn names
-    (`named_holds`) marked `held_again`: a second question about an approved call holds it
-    until it is answered itself. The approval stays recorded, so a refusal of the prompt
-    that gave it, arriving later, still denies nothing."""
+    (`named_holds`) held by that prompt (`held_by`, its message id: `named_prompts`): a
+    second question about an approved call holds it until it is answered itself, or is
+    popped, or left out of a fork. The approval stays recorded, so a refusal of the prompt
+    that gave it, arriving later, still denies nothing.
+
+    One flat expression whatever the number of names, the prompt looked up by call id."""
     if not plan.named_holds:
         return {}
-    named = literal(sorted({call_id for call_id, _ in plan.named_holds}))
-    marked = {
-        **_call_key("a"),
-        "request_id": {"$ifNull": ["$$a.request_id", None]},
-        "held_again": {
-            "$or": [{"$in": ["$$a.tool_call_id", named]}, {"$ifNull": ["$$a.held_again", False]}]
-        },
+    prompts = plan.named_prompts
+    pairs = literal([{"c": call_id, "m": prompts[call_id]} for call_id in sorted(prompts)])
+    naming = {
+        "$filter": {"input": pairs, "as": "p", "cond": {"$eq": ["$$p.c", "$$a.tool_call_id"]}}
     }
-    approved = {"$map": {"input": _kept("approved_calls", []), "as": "a", "in": marked}}
-    # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
-    unset = {"$eq": [{"$ifNull": ["$approved_calls", None]}, None]}
-    return {"approved_calls": {"$cond": [unset, "$$REMOVE", approved]}}
+    prompt = {"$arrayElemAt": [{"$map": {"input": naming, "as": "p", "in": "$$p.m"}}, 0]}
+    named = {"$gt": [{"$size": naming}, 0]}
+    return approvals_held_by({"$cond": [named, prompt, {"$ifNull": ["$$a.held_by", None]}]})
 
 
 def _released(plan: TurnPlan) -> dict[str, Any] | None:

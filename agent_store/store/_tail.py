@@ -39,7 +39,13 @@ from typing import Any
 from bson import Int64
 
 from agent_store.core import AgentMessage, PendingCall, PendingHitl, PopInProgress
-from agent_store.store._reservation import int64, literal, records_changed, resolved_by_request
+from agent_store.store._reservation import (
+    approvals_held_by,
+    int64,
+    literal,
+    records_changed,
+    resolved_by_request,
+)
 from agent_store.store._text import message_text, shorten
 from agent_store.store._turns import (
     PENDING_CALLS_KEPT,
@@ -173,8 +179,9 @@ def unlogged(pop: PopInProgress) -> list[Any]:
     """The update pipeline that takes a removed last message out of its conversation's summary,
     applied once: sent with `{"popping.message_id": pop.message_id}`, it clears the mark.
 
-    A prompt the message raised is no longer pending; a prompt resolved before is not brought
-    back (a resolution by request id leaves no message). The record of the message's turn is
+    A prompt the message raised is no longer pending, nor holds the approved calls it named
+    (`approved_calls`: their approvals are in force again); a prompt resolved before is not
+    brought back (a resolution by request id leaves no message). The record of the message's turn is
     marked popped, so no retry of that turn is a replay. Its `seq` is given back, with the
     gaps past it, when no turn holds one past it; else it is a gap (`popped_seqs`). The
     message's id is remembered with its `seq` (`popped_messages`): a tail reader's `after`
@@ -208,6 +215,8 @@ def unlogged(pop: PopInProgress) -> list[Any]:
         stage["turns"] = _marked_popped(pop.turn_key)
     if pop.made_calls or pop.pending_before is not None:
         stage["pending_calls"] = _calls_without(pop, pop.pending_before or [])
+    if pop.hitl_request_id is not None:
+        stage.update(_approvals_unheld_by(pop.message_id))
     if pop.preview is not None:  # a turn that reserved past it set its own, if it had text
         still_quoted = {"$eq": ["$last_message_preview", literal(pop.quoted)]}
         stage["last_message_preview"] = {
@@ -253,6 +262,14 @@ def _prompt_back(
     }
     comes_back = {"$and": [untouched, gone, {"$eq": [resolved, False]}]}
     return {"$cond": [comes_back, literal(prompt.model_dump()), otherwise]}
+
+
+def _approvals_unheld_by(message_id: str) -> dict[str, Any]:
+    """`approved_calls` once the prompt `message_id` is removed: the approvals it held again
+    (`held_by`, a second question about an approved call) are in force again."""
+    held_by = {"$ifNull": ["$$a.held_by", None]}
+    removed = {"$eq": [held_by, literal(message_id)]}
+    return approvals_held_by({"$cond": [removed, None, held_by]})
 
 
 def _marked_popped(key: int) -> dict[str, Any]:

@@ -159,6 +159,18 @@ class TurnPlan:
         return tuple(dict.fromkeys(m.hitl_action.request_id for m in self.sources if m.hitl_action))
 
     @cached_property
+    def named_prompts(self) -> dict[str, str]:
+        """The prompt (its message id) holding each call of `named_holds`: the last of the
+        turn's prompts naming it (`_holders`)."""
+        named = dict(self.named_holds)
+        _, earlier = _holders(self.sources)
+        return {
+            call_id: str(self.documents[index]["_id"])
+            for call_id, (_, index) in earlier.items()
+            if call_id in named
+        }
+
+    @cached_property
     def denied_calls(self) -> tuple[str, ...]:
         """Ids of calls of earlier turns the turn answers with a denial (a tool message marked
         `tool call denied`: a refused confirmation): refused by the reservation when a person
@@ -785,16 +797,18 @@ def holding_named(
     ]
 
 
-def _holders(messages: Sequence[AgentMessage]) -> tuple[dict[str, str], dict[str, str]]:
-    """Which prompt holds back each call of the turn, and each call of an earlier turn its
-    prompts name, by call id, as the messages go: a prompt naming calls holds those it
-    names (its turn's, made before it; else an earlier turn's), and another naming one
-    later holds it instead; a prompt naming none holds its turn's calls before it that no
-    prompt holds."""
+def _holders(
+    messages: Sequence[AgentMessage],
+) -> tuple[dict[str, str], dict[str, tuple[str, int]]]:
+    """Which prompt holds back each call of the turn (its request id), and each call of an
+    earlier turn its prompts name (its request id and its index among `messages`), by call
+    id, as the messages go: a prompt naming calls holds those it names (its turn's, made
+    before it; else an earlier turn's), and another naming one later holds it instead; a
+    prompt naming none holds its turn's calls before it that no prompt holds."""
     own: dict[str, str] = {}
-    earlier: dict[str, str] = {}
+    earlier: dict[str, tuple[str, int]] = {}
     made: list[str] = []
-    for message in messages:
+    for index, message in enumerate(messages):
         made += [call.id for call in message.tool_calls or ()]
         action = message.hitl_action
         if action is None:
@@ -803,7 +817,10 @@ def _holders(messages: Sequence[AgentMessage]) -> tuple[dict[str, str], dict[str
             own.update({call_id: action.request_id for call_id in made if call_id not in own})
             continue
         for call_id in action.tool_call_ids:
-            (own if call_id in made else earlier)[call_id] = action.request_id
+            if call_id in made:
+                own[call_id] = action.request_id
+            else:
+                earlier[call_id] = (action.request_id, index)
     return own, earlier
 
 
@@ -835,7 +852,7 @@ def _pending_calls(
         if call.id not in answers
     )
     answered = tuple(i for i in answers if i not in made)
-    named = tuple((c, r) for c, r in earlier.items() if c not in answered)
+    named = tuple((c, r) for c, (r, _) in earlier.items() if c not in answered)
     return opened, answered, named
 
 
