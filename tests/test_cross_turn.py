@@ -866,6 +866,17 @@ def _asks_over_http(call_id: str, tool: str) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
+async def _asked_and_answered_over_http(
+    api: Any, call_id: str, tool: str, answer: dict[str, Any]
+) -> Any:
+    """A first turn posted asking `confirm-1` about `call_id`, then `answer` posted to it: the
+    resolution's response."""
+    url, headers = f"/v1/conversations/{CID}", auth_headers()
+    body = {"turn_id": "t1", "messages": _asks_over_http(call_id, tool)}
+    assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
+    return await api.http.post(f"{url}/hitl/resolve", json=answer, headers=headers)
+
+
 async def test_a_retried_http_resolution_naming_its_calls_leaves_a_newer_prompt_of_its_id(
     backend: Backend,
 ) -> None:
@@ -875,10 +886,8 @@ async def test_a_retried_http_resolution_naming_its_calls_leaves_a_newer_prompt_
     store = ConversationStore(backend.db)
     async with serve(backend.db, seeded=False) as api:
         url, headers = f"/v1/conversations/{CID}", auth_headers()
-        body = {"turn_id": "t1", "messages": _asks_over_http("tc-1", "book_train")}
-        assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
         answer = {"request_id": "confirm-1", "call_ids": ["tc-1"]}
-        first = await api.http.post(f"{url}/hitl/resolve", json=answer, headers=headers)
+        first = await _asked_and_answered_over_http(api, "tc-1", "book_train", answer)
         body = {"turn_id": "t2", "messages": _asks_over_http("tc-20", "wire_money")}
         assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
 
@@ -903,10 +912,8 @@ async def test_a_stale_http_denial_naming_its_prompt_is_refused_once_a_second_qu
     store = ConversationStore(backend.db)
     async with serve(backend.db, seeded=False) as api:
         url, headers = f"/v1/conversations/{CID}", auth_headers()
-        body = {"turn_id": "t1", "messages": _asks_over_http("tc-9", "wire_money")}
-        assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
         answer = {"request_id": "confirm-1", "call_ids": ["tc-9"]}
-        assert (await api.http.post(f"{url}/hitl/resolve", json=answer, headers=headers)).is_success
+        assert (await _asked_and_answered_over_http(api, "tc-9", "wire_money", answer)).is_success
         asks_again = {"role": "assistant", "content": "Add a note?", "hitl_action": {
             "action": "wire_money", "params": {}, "request_id": "confirm-2",
             "tool_call_ids": ["tc-9"]}}  # fmt: skip

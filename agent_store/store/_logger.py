@@ -1401,7 +1401,8 @@ def _refused_prompts(refused: Mapping[str, str] | None) -> dict[str, str]:
             "refused_prompts must map tool call ids to the request ids of the refused "
             "prompts their denials answer (strings to strings)"
         )
-    return dict(storable(dict(refused), "refused_prompts"))
+    checked: dict[str, str] = storable(dict(refused), "refused_prompts")
+    return checked
 
 
 def _answered_before(plan: TurnPlan, released: Sequence[str]) -> AnsweredBefore:
