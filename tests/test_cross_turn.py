@@ -23,6 +23,7 @@ from agent_store.core import (
     PENDING_RESULT,
     RESOLVED_PROMPTS_KEPT,
     AgentMessage,
+    MessageError,
     PendingCall,
     answers_to_calls,
 )
@@ -745,6 +746,240 @@ async def test_a_retry_of_a_turn_logged_without_its_denial_is_that_turn_after_a_
     assert [m.id for m in again.messages] == [m.id for m in logged.messages]
     assert await runtime.answers_of("tc-9") == []
     assert await held_state(runtime.store) == ([("tc-9", "confirm-10")], "confirm-10")
+
+
+# -- a second question about an approved call, asked and refused in one stream ----------
+
+
+async def _asked_again_and_refused(
+    runtime: Runtime, events: list[dict[str, Any]], turn_id: str
+) -> tuple[LoggedTurn, LoggedTurn]:
+    """A stream asking a second question about tc-9 and refused by the person, logged, then
+    logged again (a retry): both results."""
+    turn = turn_from_metadata(events, complete=True, pending=await runtime.store.pending_calls(CID))
+    logged = []
+    for _ in range(2):
+        retried = await log_streamed_turn(
+            logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=turn,
+            turn_id=turn_id, prompt="No, not at that price.",
+        )  # fmt: skip
+        logged.append(retried)
+    return logged[0], logged[1]
+
+
+async def _denied_after_its_question(runtime: Runtime, asked_under: str) -> None:
+    """tc-9 is answered `tool call denied`, after the second question in `seq` order; nothing
+    is pending, and no approval of tc-9 is in force."""
+    stored = await runtime.store.transcript(CID)
+    [question] = [m for m in stored if m.hitl_action and m.hitl_action.params.get("note")]
+    [denial] = [m for m in stored if m.tool_call_id == "tc-9"]
+    assert question.hitl_action is not None
+    assert question.hitl_action.request_id == asked_under
+    assert (denial.content, denial.error) == (
+        DENIED_RESULT,
+        MessageError(message="tool call denied"),
+    )
+    assert question.seq is not None
+    assert denial.seq is not None
+    assert question.seq < denial.seq
+    assert await held_state(runtime.store) == ([], None)
+
+
+@pytest.mark.parametrize("asked_under", ["confirm-10", "confirm-9"], ids=["new-id", "same-id"])
+@pytest.mark.parametrize("approved_in", ["earlier-turn", "same-stream"])
+async def test_a_second_question_about_an_approved_call_refused_in_its_own_stream_denies_it(
+    backend: Backend, asked_under: str, approved_in: str
+) -> None:
+    """STREAMING.md: the person approved `confirm-9` (in a turn before, or earlier in the same
+    stream), the runtime asks again about tc-9 (under a new request id, or `confirm-9` again:
+    a runtime numbering its confirmations per turn) and the person refuses that question in
+    the same stream: the refusal denies tc-9, placed after the question, and a retry of the
+    turn is answered as that turn."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    asks_again = {**ASKS_AGAIN, "request_id": asked_under}
+    refused = {**DENIED, "request_id": asked_under}
+    if approved_in == "earlier-turn":
+        await runtime.stream([APPROVED], prompt="Yes.")
+        events = [asks_again, refused]
+    else:
+        events = [APPROVED, asks_again, refused]
+
+    logged, again = await _asked_again_and_refused(runtime, events, "refusing-turn")
+
+    assert again.replayed
+    assert [m.id for m in again.messages] == [m.id for m in logged.messages]
+    await _denied_after_its_question(runtime, asked_under)
+    assert await runtime.answers_of("tc-9") == [(DENIED_RESULT, "tool call denied")]
+
+
+@pytest.mark.parametrize("asked_under", ["confirm-10", "confirm-9"], ids=["new-id", "same-id"])
+async def test_popping_the_denial_of_a_second_question_leaves_the_question_holding_its_call(
+    backend: Backend, asked_under: str
+) -> None:
+    """The second question holds the approved call (`held_by`) also when its turn then denies
+    it: a pop of the denial leaves the question pending, holding tc-9, and no approval in
+    force; the person's refusal of it, logged again, denies the call."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    await runtime.stream([APPROVED], prompt="Yes.")
+    refused = {**DENIED, "request_id": asked_under}
+    await _asked_again_and_refused(
+        runtime, [{**ASKS_AGAIN, "request_id": asked_under}, refused], "refusing-turn"
+    )
+
+    popped = await runtime.store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.tool_call_id == "tc-9"
+    assert await held_state(runtime.store) == ([("tc-9", asked_under)], asked_under)
+    await runtime.stream([refused], prompt="No.")
+    assert await runtime.answers_of("tc-9") == [(DENIED_RESULT, "tool call denied")]
+    assert await held_state(runtime.store) == ([], None)
+
+
+def _pending(*held: tuple[str, str | None]) -> list[PendingCall]:
+    """Calls an earlier turn left pending (message `m-1`), each with the prompt holding it."""
+    at = datetime(2025, 1, 1, tzinfo=UTC)
+    return [
+        PendingCall(tool_call_id=c, tool_name="book", message_id="m-1", request_id=r, created_at=at)
+        for c, r in held
+    ]
+
+
+def test_a_refused_second_question_about_an_earlier_call_is_answered_right_after_it() -> None:
+    """STREAMING.md: the denial a refused second question makes follows that question, and
+    the turn names the question as the prompt it answers (`refused_prompts`)."""
+    turn = turn_from_metadata(
+        [ASKS_AGAIN, {**DENIED, "request_id": "confirm-10"}],
+        complete=True, pending=_pending(("tc-9", None)),
+    )  # fmt: skip
+
+    assert [(m.role, m.tool_call_id) for m in turn.messages] == [
+        ("assistant", None), ("tool", "tc-9"),
+    ]  # fmt: skip
+    assert turn.refused_prompts == (("tc-9", "confirm-10"),)
+
+
+def test_a_request_asked_again_in_its_stream_after_its_approval_is_a_new_question() -> None:
+    """`confirm-1` held tc-1 and tc-2; approved, then asked again about tc-1 alone and refused,
+    in one stream: the refusal denies tc-1, and tc-2, released by the approval, stays
+    pending for its result."""
+    approval = {"type": "confirm_resolved", "request_id": "confirm-1", "approved": True}
+    asks_again = {**ASKS_AGAIN, "request_id": "confirm-1", "tool_call_id": "tc-1"}
+    turn = turn_from_metadata(
+        [approval, asks_again, {**approval, "approved": False}],
+        complete=True, pending=_pending(("tc-1", "confirm-1"), ("tc-2", "confirm-1")),
+    )  # fmt: skip
+
+    assert [(m.role, m.tool_call_id) for m in turn.messages] == [
+        ("assistant", None), ("tool", "tc-1"),
+    ]  # fmt: skip
+    assert turn.refused_prompts == (("tc-1", "confirm-1"),)
+    assert turn.resolved_calls == (("confirm-1", (("tc-1", "m-1"), ("tc-2", "m-1"))),)
+
+
+async def test_a_stale_refusal_of_the_first_prompt_is_still_refused_after_such_a_turn_is_read(
+    backend: Backend,
+) -> None:
+    """A refusal of `confirm-9` read before its approval (tab B), logged in a turn of its own
+    after a second question about tc-9 was asked: it answers the approved prompt and denies
+    nothing (`AnsweredBefore`), the second question still holds tc-9."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    read_by_tab_b = await runtime.store.pending_calls(CID)
+    await runtime.stream([APPROVED], prompt="Yes.")
+    await runtime.stream([ASKS_AGAIN])
+    denial = {"role": "tool", "tool_call_id": "tc-9", "content": DENIED_RESULT,
+              "error": {"message": "tool call denied"}}  # fmt: skip
+
+    with pytest.raises(AnsweredBefore):
+        await runtime.logger.log_messages(
+            CID, [denial], turn_id="tab-b-direct", refused_prompts={"tc-9": "confirm-9"}
+        )
+    logged = await _log_as_tab_b(runtime, REFUSED_BY_TAB_B, read_by_tab_b)
+
+    assert [m.content for m in logged.messages] == ["Okay."]
+    assert await held_state(runtime.store) == ([("tc-9", "confirm-10")], "confirm-10")
+
+
+def _asks_again_and_refuses(asked_under: str) -> list[dict[str, Any]]:
+    """A turn posted as a runtime logs it: the person's answer, the second question about tc-9
+    under `asked_under`, and the denial its refusal made."""
+    return [
+        {"role": "user", "content": "No, not at that price."},
+        {"role": "assistant", "content": "The price changed, still pay?", "hitl_action": {
+            "action": "wire_money", "params": {}, "request_id": asked_under,
+            "tool_call_ids": ["tc-9"]}},
+        {"role": "tool", "tool_call_id": "tc-9", "content": DENIED_RESULT,
+         "error": {"message": "tool call denied"}},
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("asked_under", ["confirm-2", "confirm-1"], ids=["new-id", "same-id"])
+@pytest.mark.parametrize("names_prompt", [True, False], ids=["refused_prompts", "unnamed"])
+async def test_a_second_question_refused_in_its_own_posted_turn_denies_the_approved_call(
+    backend: Backend, asked_under: str, names_prompt: bool
+) -> None:
+    """API.md: a turn posted asking a second question about an approved call, then denying
+    it (the person refused that question), is logged (201, a retry 200) and denies the call,
+    naming the question in `refused_prompts` or not."""
+    store = ConversationStore(backend.db)
+    async with serve(backend.db, seeded=False) as api:
+        url, headers = f"/v1/conversations/{CID}", auth_headers()
+        answer = {"request_id": "confirm-1", "call_ids": ["tc-9"]}
+        assert (await _asked_and_answered_over_http(api, "tc-9", "wire_money", answer)).is_success
+        body: dict[str, Any] = {"turn_id": "t2", "messages": _asks_again_and_refuses(asked_under)}
+        if names_prompt:
+            body["refused_prompts"] = {"tc-9": asked_under}
+
+        first = await api.http.post(f"{url}/turns", json=body, headers=headers)
+        retry = await api.http.post(f"{url}/turns", json=body, headers=headers)
+
+    assert (first.status_code, retry.status_code) == (201, 200)
+    assert retry.json()["messages"] == first.json()["messages"]
+    assert await _tool_answers(store) == [("tc-9", "tool call denied")]
+    assert await held_state(store) == ([], None)
+
+
+@pytest.mark.parametrize(
+    ("asked_under", "refused", "denied"),
+    [
+        ("confirm-10", None, True),
+        ("confirm-10", "confirm-10", True),
+        ("confirm-9", "confirm-9", True),
+        ("confirm-10", "confirm-9", False),
+    ],
+    ids=["unnamed", "names-the-question", "same-id", "names-the-approved-prompt"],
+)
+async def test_a_logged_denial_after_its_turns_question_answers_that_question(
+    backend: Backend, asked_under: str, refused: str | None, denied: bool
+) -> None:
+    """`log_messages`: a denial of an approved call following, in its turn, a question that
+    turn asks about the call answers that question (a person refused it) and denies the
+    call, unless `refused_prompts` says it answers the prompt whose approval came first:
+    that is a stale refusal (`AnsweredBefore`), nothing written."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    await runtime.stream([APPROVED], prompt="Yes.")
+    before = await runtime.store.transcript(CID)
+    turn = turn_from_metadata(
+        [{**ASKS_AGAIN, "request_id": asked_under}], complete=True,
+        pending=await runtime.store.pending_calls(CID),
+    )  # fmt: skip
+    denial = {"role": "tool", "tool_call_id": "tc-9", "content": DENIED_RESULT,
+              "error": {"message": "tool call denied"}}  # fmt: skip
+    messages = [*turn.messages, denial]
+    naming = None if refused is None else {"tc-9": refused}
+
+    if denied:
+        await runtime.logger.log_messages(CID, messages, turn_id="t3", refused_prompts=naming)
+        await _denied_after_its_question(runtime, asked_under)
+    else:
+        with pytest.raises(AnsweredBefore, match="'tc-9'"):
+            await runtime.logger.log_messages(CID, messages, turn_id="t3", refused_prompts=naming)
+        assert await runtime.store.transcript(CID) == before
+        assert await held_calls(runtime.store) == [("tc-9", None)]
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,9 @@ whatever order events arrive in:
   or `tool call denied` when its confirmation is refused, in any later
   turn built with `pending=`; a later turn may repeat its id, and an answer
   the store would pair with another call of that id is refused;
+- the denial a refused prompt of this turn makes for a call of an earlier turn
+  (a second question about it) follows that prompt, which it answers; a
+  request asked again in the stream that answered it is a new question;
 - any other call left without a result gets a synthetic one, marked in
   `error` as `tool call interrupted`, so no stored turn breaks a replay;
 - a stream cut off before its end keeps what arrived and ends with an
@@ -187,6 +190,16 @@ class TurnAssembler:
         self._delivered: list[int] = []
         self._held_by: dict[str, list[_Held]] = {}
         """The calls each confirmation request holds back, of this turn or an earlier one."""
+        self._released: list[_Held] = []
+        """Calls an approval in this stream released, whose request was asked again since about
+        other calls: they await their results, held by no prompt."""
+        self._asked_again: set[str] = set()
+        """Requests answered in this stream, then asked again: the next answer is a new one."""
+        self._asking: dict[int, _Block] = {}
+        """The last prompt of this turn naming each call of an earlier turn (its block)."""
+        self._denied_after: dict[int, _Block] = {}
+        """Calls of earlier turns denied by the refusal of a prompt of this turn: each denial
+        follows that prompt, which it answers."""
         self._asked_before_start: dict[str, list[AssistantMessage]] = {}
         """Prompts naming a call not started yet: placed right after it once it starts."""
         for index, call in enumerate(pending):
@@ -271,14 +284,19 @@ class TurnAssembler:
             self._finished_message(message)
             return
         held = self._named(call_id)
-        for holds in self._held_by.values():  # a later prompt naming a call holds it instead
-            if held in holds:
+        if prompt.request_id in self._resolved:  # asked again: a new question
+            self._asked_again.add(prompt.request_id)
+            self._released += self._held_by.pop(prompt.request_id, [])
+        for holds in [*self._held_by.values(), self._released]:
+            if held in holds:  # a later prompt naming a call holds it instead
                 holds.remove(held)
         self._held_by.setdefault(prompt.request_id, []).append(held)
         if held == call_id and call_id not in self._block_of_call:
             self._asked_before_start.setdefault(call_id, []).append(message)
         else:
             self._finished_message(message)
+            if isinstance(held, int):
+                self._asking[held] = self._blocks[-1]
 
     def _named(self, call_id: str) -> _Held:
         """The call an id names now: this turn's, once started; else the latest pending call
@@ -294,22 +312,30 @@ class TurnAssembler:
         their result arrived anyway; an approval leaves them awaiting their result.
         The first answer to a request is its answer: a later one in the stream changes
         nothing, as one in a later turn does not (a resolved prompt holds no call back:
-        `PendingCall.request_id`).
+        `PendingCall.request_id`), unless the request was asked again since (a new
+        question). A refusal of a prompt of this turn naming a call of an earlier turn (a
+        second question about it) is answered by a denial placed after that prompt.
         """
-        if request_id in self._resolved:
+        if request_id in self._resolved and request_id not in self._asked_again:
             return
+        self._asked_again.discard(request_id)
         held = self._held_by.get(request_id, ())
-        self._resolved[request_id] = tuple(
+        calls = tuple(
             (h, None)
             if isinstance(h, str)
             else (self._earlier[h].tool_call_id, self._earlier[h].message_id)
             for h in held
+        )
+        self._resolved[request_id] = tuple(
+            dict.fromkeys(self._resolved.get(request_id, ()) + calls)
         )
         if not approved:
             self._denied.update(held)
             for h in held:
                 if not isinstance(h, str):
                     self._refused[self._earlier[h].tool_call_id] = request_id
+                    if h in self._asking:
+                        self._denied_after[h] = self._asking[h]
 
     def delivered(self, seq: int) -> None:
         """The model was fed a message steered into the turn (stored already, at `seq`):
@@ -340,6 +366,7 @@ class TurnAssembler:
         for block in self._blocks:
             if block.message is not None:
                 messages.append(block.message)
+                messages += self._denials_after(block)
                 continue
             messages.append(
                 AssistantMessage(
@@ -371,7 +398,7 @@ class TurnAssembler:
             return block.results[call_id]
         if call_id in self._denied:
             return stand_in_result(call_id, block.created_at, "denied")
-        if any(call_id in held for held in self._held_by.values()):
+        if call_id in self._released or any(call_id in h for h in self._held_by.values()):
             return None  # awaits its confirmation, or its result once confirmed: pending
         return stand_in_result(call_id, block.created_at, "interrupted")
 
@@ -387,10 +414,24 @@ class TurnAssembler:
             if index in self._earlier_answers:
                 self._check_pairing(index, call.tool_call_id, "result")
                 answers.append(self._earlier_answers[index])
-            elif index in self._denied:
-                self._check_pairing(index, call.tool_call_id, "refusal")
-                answers.append(stand_in_result(call.tool_call_id, self._now, "denied"))
+            elif index in self._denied and index not in self._denied_after:
+                answers.append(self._earlier_denial(index))
         return answers
+
+    def _denials_after(self, block: _Block) -> list[AgentMessage]:
+        """The denials answering the prompt of `block` (a second question of this turn about
+        calls of earlier turns, refused), in the order those calls were made; none for a
+        call whose result came anyway."""
+        return [
+            self._earlier_denial(index)
+            for index, after in sorted(self._denied_after.items())
+            if after is block and index not in self._earlier_answers
+        ]
+
+    def _earlier_denial(self, index: int) -> ToolMessage:
+        call_id = self._earlier[index].tool_call_id
+        self._check_pairing(index, call_id, "refusal")
+        return stand_in_result(call_id, self._now, "denied")
 
     def _check_pairing(self, index: int, call_id: str, answer: str) -> None:
         """Refuse an answer to the earlier call `index` that the store would pair with another

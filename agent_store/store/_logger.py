@@ -1360,13 +1360,16 @@ def _denials(plan: TurnPlan, refused: Mapping[str, str]) -> Condition | None:
     """The condition of a turn denying calls of earlier turns (`TurnPlan.denied_calls`): no
     person approved the prompt holding any of them first (a request's first answer is its
     answer), nor the prompt `refused` names for it (the one the denial answers), else
-    `AnsweredBefore`, nothing written. None for a turn denying none.
+    `AnsweredBefore`, nothing written. None for a turn denying none, or only calls a
+    question of its own asks about before the denial (`refusals_of_own_prompts`, unless
+    `refused` names another prompt for it): the denial answers that question.
 
     Its refusal names every call denied; one naming those the conversation shows approved
     is built from the conversation found (`_joined` takes only that one as decisive)."""
-    if not plan.denied_calls:
+    own = plan.refusals_of_own_prompts
+    denied = tuple(c for c in plan.denied_calls if c not in own or refused.get(c, own[c]) != own[c])
+    if not denied:
         return None
-    denied = plan.denied_calls
     every = _answered_before(plan, list(denied))
 
     def answered_before(conversation: Mapping[str, Any]) -> StoreError:

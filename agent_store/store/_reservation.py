@@ -570,13 +570,14 @@ def reservation(
 
 def _asked_again(plan: TurnPlan) -> dict[str, Any]:
     """`approved_calls` with the approvals of the calls a prompt of the turn names
-    (`named_holds`) held by that prompt (`held_by`, its message id: `named_prompts`): a
-    second question about an approved call holds it until it is answered itself, or is
-    popped, or left out of a fork. The approval stays recorded, so a refusal of the prompt
-    that gave it, arriving later, still denies nothing.
+    (`named_holds`, or then denies: `refusals_of_own_prompts`) held by that prompt
+    (`held_by`, its message id: `named_prompts`): a second question about an approved call
+    holds it until it is answered itself, or is popped, or left out of a fork. The approval
+    stays recorded, so a refusal of the prompt that gave it, arriving later, still denies
+    nothing.
 
     One flat expression whatever the number of names, the prompt looked up by call id."""
-    if not plan.named_holds:
+    if not plan.named_holds and not plan.refusals_of_own_prompts:
         return {}
     prompts = plan.named_prompts
     pairs = literal([{"c": call_id, "m": prompts[call_id]} for call_id in sorted(prompts)])

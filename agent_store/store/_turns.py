@@ -160,9 +160,10 @@ class TurnPlan:
 
     @cached_property
     def named_prompts(self) -> dict[str, str]:
-        """The prompt (its message id) holding each call of `named_holds`: the last of the
-        turn's prompts naming it (`_holders`)."""
-        named = dict(self.named_holds)
+        """The prompt (its message id) holding each call of `named_holds`, or naming a call
+        the turn then denies (`refusals_of_own_prompts`): the last of the turn's prompts
+        naming it (`_holders`)."""
+        named = dict(self.named_holds) | self.refusals_of_own_prompts
         _, earlier = _holders(self.sources)
         return {
             call_id: str(self.documents[index]["_id"])
@@ -183,6 +184,30 @@ class TurnPlan:
             and (outcome := tool_outcome(m)) is not None
             and outcome[0] == "denied"
         )
+
+    @cached_property
+    def refusals_of_own_prompts(self) -> dict[str, str]:
+        """The denials of `denied_calls` that answer a prompt of the turn, by call id, with
+        that prompt's request id: each follows, in the turn, a prompt naming its call (a
+        second question about it, which the person refused; the last naming it before the
+        denial). Nobody could answer that prompt before the turn: no approval came first."""
+        if not self.denied_calls:
+            return {}
+        asking: dict[str, str] = {}
+        refusals: dict[str, str] = {}
+        for message in self.sources:
+            if message.hitl_action is not None:
+                request_id = message.hitl_action.request_id
+                asking.update(dict.fromkeys(message.hitl_action.tool_call_ids or (), request_id))
+            elif (
+                message.role == "tool"
+                and message.tool_call_id in asking
+                and message.tool_call_id in self.denied_calls
+                and (outcome := tool_outcome(message)) is not None
+                and outcome[0] == "denied"
+            ):
+                refusals[message.tool_call_id] = asking[message.tool_call_id]
+        return refusals
 
     @property
     def count(self) -> int:
