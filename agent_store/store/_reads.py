@@ -30,7 +30,9 @@ from agent_store.core import (
     PendingCall,
     PendingHitl,
     PoppedMessage,
+    VersionMismatch,
     awaiting_results,
+    conversation_version,
     message_adapter,
     messages_adapter,
     shown,
@@ -142,6 +144,23 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
         raise InvalidInput(
             "invalid cursor: pass back the `next_cursor` of a previous page unchanged"
         ) from exc
+
+
+def _version_mismatch(conversation_id: str) -> VersionMismatch:
+    return VersionMismatch(
+        f"conversation {conversation_id!r} is not the one named: it was deleted and started "
+        "again since that version was read, or the version is not one it was served; "
+        "nothing was deleted (read it again to see what is there now)"
+    )
+
+
+def _require_version(conversation_id: str, found: Mapping[str, Any], version: str | None) -> None:
+    """VersionMismatch unless the conversation document `found` (its `epoch` and
+    `created_at`) has `version`; None names any."""
+    if version is None:
+        return
+    if conversation_version(conversation_id, found.get("epoch"), found["created_at"]) != version:
+        raise _version_mismatch(conversation_id)
 
 
 def _one_of_or_none(*values: str | None) -> dict[str, Any]:
@@ -312,10 +331,18 @@ class ConversationStore:
             "`python -m migrations run` has migrated it"
         )
 
-    async def delete(self, conversation_id: str, *, user_id: str | None = None) -> Deleted:
+    async def delete(
+        self, conversation_id: str, *, user_id: str | None = None, version: str | None = None
+    ) -> Deleted:
         """Delete a conversation: its messages, its document, its owner's legacy turns and
         what integrations keep beside it (`THREAD_COLLECTIONS`: a LangGraph thread's
         checkpoints).
+
+        With `version` (`Conversation.version`, as a read served it), only the conversation
+        it names: when the one under the id is another (deleted and started again since
+        that read, by anyone) or has another version, `VersionMismatch`, nothing deleted. The
+        delete's first read is the one checked, and every step after it is scoped to the
+        conversation it found (below); a missing one is `NotFound`, whatever the version.
 
         Legacy turns go first, then the documents beside it (they refer to the messages), then
         messages and their whole texts, then the conversation document: a crash part-way leaves
@@ -342,7 +369,8 @@ class ConversationStore:
                 scope, {"user_id": 1, "created_at": 1, "legacy_conversation_id": 1, "epoch": 1}
             )
         if found is None:
-            return await self._delete_legacy_only(conversation_id, user_id)
+            return await self._delete_legacy_only(conversation_id, user_id, version)
+        _require_version(conversation_id, found, version)
         owner = found.get("user_id")
         legacy = 0
         if self._legacy_source is not None:
@@ -411,11 +439,15 @@ class ConversationStore:
         """The wait before a last sweep for turns still inserting: `TurnRules.claim_grace`."""
         await asyncio.sleep(self._rules.claim_grace.total_seconds())
 
-    async def _delete_legacy_only(self, conversation_id: str, user_id: str | None) -> Deleted:
+    async def _delete_legacy_only(
+        self, conversation_id: str, user_id: str | None, version: str | None
+    ) -> Deleted:
         """A conversation the caller reaches through the read fallback only (NotFound if it
         does not): its legacy owner's turns and prompts go, and nothing of the new
         collections, where another user may hold the id."""
         fallback = await self._legacy(conversation_id, user_id)
+        if version is not None and fallback.conversation.version != version:
+            raise _version_mismatch(conversation_id)
         assert self._legacy_source is not None  # else `_legacy` raised NotFound
         owner = fallback.conversation.user_id
         legacy = await self._legacy_source.delete(conversation_id, owner=owner)
