@@ -653,6 +653,25 @@ async def test_a_conversation_stored_before_epochs_is_named_by_its_creation_unti
     assert (deleted.conversations, deleted.messages) == (1, 2)
 
 
+async def test_a_rename_naming_a_version_renames_that_conversation_only(backend: Backend) -> None:
+    """A rename sent with the version it read renames the conversation it names; once the
+    id was deleted and started again, it is refused and the new conversation keeps its name."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-ren", [{"role": "user", "content": "one"}], user_id=OWNER)
+    version = (await store.get_conversation("c-ren")).version
+    renamed = await store.rename("c-ren", "Trip", user_id=OWNER, version=version)
+    assert (renamed.name, renamed.version) == ("Trip", version)
+    await store.delete("c-ren")
+    await logger.log_messages("c-ren", [{"role": "user", "content": "one"}], user_id=OWNER)
+
+    with pytest.raises(VersionMismatch):
+        await store.rename("c-ren", "Stale", version=version)
+    with pytest.raises(NotFound):
+        await store.rename("c-ren", "Stale", user_id=VICTIM, version=version)
+
+    assert (await store.get_conversation("c-ren")).name != "Stale"
+
+
 def _restarted_before_the_first_message_delete(
     backend: Backend,
     store: ConversationStore,

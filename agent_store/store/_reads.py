@@ -146,21 +146,23 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
         ) from exc
 
 
-def _version_mismatch(conversation_id: str) -> VersionMismatch:
+def _version_mismatch(conversation_id: str, what: str = "deleted") -> VersionMismatch:
     return VersionMismatch(
         f"conversation {conversation_id!r} is not the one named: it was deleted and started "
         "again since that version was read, or the version is not one it was served; "
-        "nothing was deleted (read it again to see what is there now)"
+        f"nothing was {what} (read it again to see what is there now)"
     )
 
 
-def _require_version(conversation_id: str, found: Mapping[str, Any], version: str | None) -> None:
+def _require_version(
+    conversation_id: str, found: Mapping[str, Any], version: str | None, what: str = "deleted"
+) -> None:
     """VersionMismatch unless the conversation document `found` (its `epoch` and
     `created_at`) has `version`; None names any."""
     if version is None:
         return
     if conversation_version(conversation_id, found.get("epoch"), found["created_at"]) != version:
-        raise _version_mismatch(conversation_id)
+        raise _version_mismatch(conversation_id, what)
 
 
 def _one_of_or_none(*values: str | None) -> dict[str, Any]:
@@ -302,20 +304,51 @@ class ConversationStore:
         return int(doc.get("turn_count", 0))
 
     async def rename(
-        self, conversation_id: str, name: str, *, user_id: str | None = None
+        self,
+        conversation_id: str,
+        name: str,
+        *,
+        user_id: str | None = None,
+        version: str | None = None,
     ) -> Conversation:
-        """Set a person's name for the conversation; automatic names never replace it."""
+        """Set a person's name for the conversation; automatic names never replace it.
+
+        With `version`, only the conversation it names (`delete`): another under the id is
+        `VersionMismatch`, nothing renamed (one more round trip, to read it first)."""
         clean = clean_name(name)
+        scope = self._scope(conversation_id, user_id)
+        if version is not None:
+            scope = await self._named(conversation_id, user_id, version)
         with storage_errors("rename the conversation"):
             doc = await self._conversations.find_one_and_update(
-                self._scope(conversation_id, user_id),
+                scope,
                 {"$set": {"name": clean, "name_source": "set"}},
                 projection=SUMMARY,
                 return_document=ReturnDocument.AFTER,
             )
+        if doc is None and version is not None:
+            await self._named(conversation_id, user_id, version)  # NotFound when gone
+            raise _version_mismatch(conversation_id, "renamed")
         if doc is None:
             await self._refuse_unmigrated(conversation_id, user_id, "renamed")
         return Conversation.model_validate(doc)
+
+    async def _named(
+        self, conversation_id: str, user_id: str | None, version: str
+    ) -> dict[str, Any]:
+        """A filter for the conversation `version` names, read now (one round trip):
+        `VersionMismatch` when the one under the id has another version, NotFound (or
+        Conflict, not migrated yet) when there is none."""
+        scope = self._scope(conversation_id, user_id)
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(scope, {"epoch": 1, "created_at": 1})
+        if found is None:
+            await self._refuse_unmigrated(conversation_id, user_id, "renamed")
+        assert found is not None  # else `_refuse_unmigrated` raised
+        _require_version(conversation_id, found, version, "renamed")
+        return scope | same_conversation(
+            conversation_id, epoch=found.get("epoch"), created_at=found.get("created_at")
+        )
 
     async def _refuse_unmigrated(
         self, conversation_id: str, user_id: str | None, what: str
