@@ -371,11 +371,8 @@ class ConversationStore:
         what integrations keep beside it (`THREAD_COLLECTIONS`: a LangGraph thread's
         checkpoints).
 
-        With `version` (`Conversation.version`, as a read served it), only the conversation
-        it names: when the one under the id is another (deleted and started again since
-        that read, by anyone) or has another version, `VersionMismatch`, nothing deleted. The
-        delete's first read is the one checked, and every step after it is scoped to the
-        conversation it found (below); a missing one is `NotFound`, whatever the version.
+        With `version` (`Conversation.version`), only the conversation it names, checked on
+        the first read (`_found_to_delete`): another is `VersionMismatch`, nothing deleted.
 
         Legacy turns go first, then the documents beside it (they refer to the messages), then
         messages and their whole texts, then the conversation document: a crash part-way leaves
@@ -397,13 +394,9 @@ class ConversationStore:
         user than the document's owner stay (see `LegacySource.delete`).
         """
         scope = self._scope(conversation_id, user_id)
-        with storage_errors("read the conversation"):
-            found = await self._conversations.find_one(
-                scope, {"user_id": 1, "created_at": 1, "legacy_conversation_id": 1, "epoch": 1}
-            )
+        found = await self._found_to_delete(scope, version)
         if found is None:
             return await self._delete_legacy_only(conversation_id, user_id, version)
-        _require_version(conversation_id, found, version)
         owner = found.get("user_id")
         legacy = 0
         if self._legacy_source is not None:
@@ -431,6 +424,22 @@ class ConversationStore:
         return Deleted(
             conversations=int(gone is not None), messages=messages + late, legacy_turns=legacy
         )
+
+    async def _found_to_delete(
+        self, scope: dict[str, Any], version: str | None
+    ) -> dict[str, Any] | None:
+        """A delete's first read: the conversation it deletes, or None when there is none.
+        With `version`, `VersionMismatch` when the one under the id is another (deleted and
+        started again since the version was read, by anyone) or has another version: the
+        one step of a delete not scoped to the conversation it found is checked here, and
+        every later one is scoped to what this read found (`same_conversation`)."""
+        with storage_errors("read the conversation"):
+            found: dict[str, Any] | None = await self._conversations.find_one(
+                scope, {"user_id": 1, "created_at": 1, "legacy_conversation_id": 1, "epoch": 1}
+            )
+        if found is not None:
+            _require_version(scope["_id"], found, version)
+        return found
 
     async def _delete_messages_of(
         self, found_now: dict[str, Any], owner: str | None, epoch: str | None
