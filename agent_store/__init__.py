@@ -42,6 +42,7 @@ from agent_store.core import (
     Unsupported,
     Usage,
     UserMessage,
+    VersionMismatch,
 )
 from agent_store.legacy import LegacyTurns
 from agent_store.store import (
@@ -116,5 +117,6 @@ __all__ = [
     "Unsupported",
     "Usage",
     "UserMessage",
+    "VersionMismatch",
     "with_retries",
 ]

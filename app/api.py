@@ -50,6 +50,7 @@ from app.api_models import (
 )
 from app.auth import Authenticator
 from app.demo import load_demo
+from app.etags import etag_headers, version_named
 from app.headers import SecurityHeadersMiddleware
 from app.http_errors import EXCEPTION_HANDLERS, Forbidden
 from app.logs import configure_logging
@@ -96,19 +97,30 @@ async def get_conversation(call: Call[NoQuery, NoBody]) -> Response:
     conversation = await call.store.conversations.get_conversation(
         call.conversation_id, user_id=call.scope
     )
-    return _json(conversation)
+    return _json_with_etag(conversation)
 
 
 async def rename_conversation(call: Call[NoQuery, RenameBody]) -> Response:
     conversation = await call.store.conversations.rename(
-        call.conversation_id, call.body.name, user_id=call.scope
+        call.conversation_id,
+        call.body.name,
+        user_id=call.scope,
+        version=version_named(call.request.headers),
     )
-    return _json(conversation)
+    return _json_with_etag(conversation)
 
 
 async def delete_conversation(call: Call[NoQuery, NoBody]) -> Response:
-    deleted = await call.store.conversations.delete(call.conversation_id, user_id=call.scope)
+    deleted = await call.store.conversations.delete(
+        call.conversation_id, user_id=call.scope, version=version_named(call.request.headers)
+    )
     return _json(deleted)
+
+
+def _json_with_etag(conversation: Conversation) -> JSONResponse:
+    response = _json(conversation)
+    response.headers.update(etag_headers(conversation))
+    return response
 
 
 async def transcript(call: Call[TranscriptQuery, NoBody]) -> Response:
@@ -296,6 +308,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "conversations",
         {200: Conversation},
         errors=("not_found",),
+        serves_etag=True,
     ),
     Endpoint(
         "PATCH",
@@ -306,6 +319,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         {200: Conversation},
         body=RenameBody,
         errors=("not_found", "conflict"),
+        serves_etag=True,
+        if_match=True,
     ),
     Endpoint(
         "DELETE",
@@ -315,6 +330,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "conversations",
         {200: Deleted},
         errors=("not_found",),
+        if_match=True,
     ),
     Endpoint(
         "GET",

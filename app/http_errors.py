@@ -25,6 +25,11 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "not_found": (404, "no such route, or no such conversation visible to the caller"),
     "method_not_allowed": (405, "the route exists but not with this method"),
     "conflict": (409, "the request contradicts what is stored"),
+    "precondition_failed": (
+        412,
+        "If-Match names another conversation than the one under the id (deleted and started "
+        "again since it was read); nothing was changed",
+    ),
     "payload_too_large": (413, "the body is over the configured limit"),
     "unsupported_media_type": (415, "a body must be application/json"),
     "invalid_input": (422, "a path, query or body value is invalid; the message names it"),

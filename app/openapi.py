@@ -25,6 +25,23 @@ if TYPE_CHECKING:
 REF_TEMPLATE = "#/components/schemas/{model}"
 _COMMON_ERRORS = ("internal_error", "storage_failure", "storage_unavailable")
 _PATH_PARAM = re.compile(r"{(\w+)}")
+ETAG = {
+    "description": (
+        "The conversation's version, a quoted opaque tag: the same for the life of the "
+        "conversation, another for one started again under its id. Send it as If-Match."
+    ),
+    "schema": {"type": "string"},
+}
+IF_MATCH = {
+    "name": "If-Match",
+    "in": "header",
+    "required": False,
+    "description": (
+        "The ETag a read served (its quotes may be left out): only the conversation it names "
+        "is changed, else 412 and nothing changes. `*` or absent: whatever is under the id."
+    ),
+    "schema": {"type": "string"},
+}
 
 
 def _operation_id(method: str, path: str) -> str:
@@ -40,6 +57,8 @@ def _error_codes(endpoint: Endpoint) -> list[str]:
         codes.append("invalid_input")  # unknown query parameters are refused too
     if endpoint.body.model_fields:
         codes += ["invalid_json", "payload_too_large", "unsupported_media_type"]
+    if endpoint.if_match:
+        codes.append("precondition_failed")
     return codes + list(endpoint.errors) + list(_COMMON_ERRORS)
 
 
@@ -61,6 +80,8 @@ def _parameters(endpoint: Endpoint, schemas: dict[str, Any]) -> list[dict[str, A
         if "description" in prop:
             parameter["description"] = prop["description"]
         parameters.append(parameter | {"schema": prop})
+    if endpoint.if_match:
+        parameters.append(IF_MATCH)
     return parameters
 
 
@@ -78,6 +99,8 @@ def _responses(endpoint: Endpoint, refs: Refs) -> dict[str, Any]:
                 for media, model in by_media.items()
             },
         }
+        if endpoint.serves_etag:
+            responses[str(status)]["headers"] = {"ETag": ETAG}
     error_schema = refs[(ApiErrorBody, "serialization")]
     for code in dict.fromkeys(_error_codes(endpoint)):
         status, meaning = ERROR_CODES[code]

@@ -70,6 +70,11 @@ class Endpoint:
     authenticated: bool = True
     carries_turns: bool = False
     """The body holds a whole turn: capped at `max_turn_bytes`, not `max_request_bytes`."""
+    serves_etag: bool = False
+    """Its answer carries the conversation's version as `ETag` (app/etags.py)."""
+    if_match: bool = False
+    """It honours `If-Match` naming a conversation's version: 412 `precondition_failed`
+    when the conversation under the id is not the one named."""
 
 
 # -- request parsing -------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -36,6 +36,10 @@ class RouteCase:
     """What another user's token gets: hidden (404) or refused (403)."""
     public: bool = False
     """Answers every caller, tokens or none (probes and the API's own documents)."""
+    headers: dict[str, str] = field(default_factory=dict)
+    """Sent besides the caller's own."""
+    service_status: int | None = None
+    """What a service gets, when not what the owner gets (or 200 where the owner is refused)."""
 
 
 ROUTES = {
@@ -47,6 +51,13 @@ ROUTES = {
     "get": RouteCase("GET", CONV),
     "rename": RouteCase("PATCH", CONV, {"name": "Mine now"}, mutates=True),
     "delete": RouteCase("DELETE", CONV, mutates=True),
+    "delete-naming-another-conversation": RouteCase(
+        "DELETE",
+        CONV,
+        headers={"If-Match": '"0123456789abcdef0123456789abcdef"'},
+        owner_status=412,
+        service_status=412,
+    ),
     "transcript": RouteCase("GET", f"{CONV}/transcript"),
     "messages": RouteCase("GET", f"{CONV}/messages?limit=5"),
     "log-turn": RouteCase(
@@ -96,6 +107,8 @@ def expected_status(route: RouteCase, caller: str) -> int:
     if caller in ("no-token", "wrong-token", "wrong-scheme"):
         return 401
     if caller == "service":
+        if route.service_status is not None:
+            return route.service_status
         return 201 if route.owner_status == 201 else 200
     return route.owner_status if caller == "owner" else route.other_status
 
@@ -107,7 +120,7 @@ async def test_route_answers_each_caller_as_authorized(route_name: str, caller: 
     async with serve(mongomock_db()) as api:
         before = await api.digest()
         response = await api.http.request(
-            route.method, route.url, json=route.body, headers=headers_for(caller)
+            route.method, route.url, json=route.body, headers=headers_for(caller) | route.headers
         )
         expected = expected_status(route, caller)
         assert response.status_code == expected, response.text

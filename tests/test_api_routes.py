@@ -120,6 +120,141 @@ async def test_delete_removes_the_conversation_its_messages_and_its_legacy_turns
     assert (missing.status_code, error_code(missing)) == (404, "not_found")
 
 
+# -- ETag and If-Match: a DELETE naming the conversation it read ------------------------
+
+AGAIN = {"turn_id": "t-again", "messages": [{"role": "user", "content": "started again"}]}
+
+
+async def test_a_conversation_is_served_with_its_version_as_etag(api: Served) -> None:
+    """The ETag names the conversation (`Conversation.version`), not its content: a turn
+    and a rename leave it as it was. It is never cached: every read asks the service."""
+    stored = await api.store.conversations.get_conversation(OWNER_CONVERSATION)
+    read = await api.http.get(CONV, headers=SERVICE)
+    await api.http.post(f"{CONV}/turns", json=AGAIN, headers=SERVICE)
+    renamed = await api.http.patch(CONV, json={"name": "Trip"}, headers=SERVICE)
+    for response in (read, renamed):
+        assert response.headers["etag"] == f'"{stored.version}"'
+        assert response.headers["cache-control"] == "no-store"
+
+
+async def test_a_delete_naming_the_etag_it_read_deletes_and_its_retry_is_not_found(
+    api: Served,
+) -> None:
+    etag = (await api.http.get(CONV, headers=SERVICE)).headers["etag"]
+    deleted = await api.http.delete(CONV, headers=SERVICE | {"If-Match": etag})
+    assert (deleted.status_code, deleted.json()["conversations"]) == (200, 1)
+    retried = await api.http.delete(CONV, headers=SERVICE | {"If-Match": etag})
+    assert (retried.status_code, error_code(retried)) == (404, "not_found")
+
+
+@pytest.mark.parametrize("caller", [None, OWNER], ids=["a service", "the owner's token"])
+async def test_a_second_delete_of_a_double_click_leaves_the_conversation_started_again(
+    api: Served, caller: str | None
+) -> None:
+    """The first DELETE deletes, the id is started again, and the second DELETE of the
+    double click, held up on the network, arrives naming the ETag both were sent with:
+    412, and the new conversation keeps everything."""
+    headers = auth_headers(user=caller)
+    etag = (await api.http.get(CONV, headers=headers)).headers["etag"]
+    assert (await api.http.delete(CONV, headers=headers | {"If-Match": etag})).status_code == 200
+    started = await api.http.post(f"{CONV}/turns", json=AGAIN, headers=headers)
+    assert started.status_code == 201
+    before = await api.digest()
+
+    second = await api.http.delete(CONV, headers=headers | {"If-Match": etag})
+
+    assert (second.status_code, error_code(second)) == (412, "precondition_failed")
+    assert "nothing was deleted" in second.json()["error"]["message"]
+    assert await api.digest() == before
+    transcript = (await api.http.get(f"{CONV}/transcript", headers=headers)).json()
+    assert [m["content"] for m in transcript["data"]] == ["started again"]
+    new_etag = (await api.http.get(CONV, headers=headers)).headers["etag"]
+    assert new_etag != etag
+    assert (await api.http.delete(CONV, headers=headers | {"If-Match": new_etag})).is_success
+
+
+@pytest.mark.parametrize("if_match", ["*", None], ids=["any", "absent"])
+async def test_a_delete_without_a_version_deletes_whatever_is_under_the_id(
+    api: Served, if_match: str | None
+) -> None:
+    await api.http.delete(CONV, headers=SERVICE)
+    await api.http.post(f"{CONV}/turns", json=AGAIN, headers=SERVICE)
+    headers = SERVICE | ({"If-Match": if_match} if if_match else {})
+    deleted = await api.http.delete(CONV, headers=headers)
+    assert (deleted.status_code, deleted.json()["messages"]) == (200, 1)
+
+
+async def test_a_delete_may_name_the_etag_without_its_quotes(api: Served) -> None:
+    etag = (await api.http.get(CONV, headers=SERVICE)).headers["etag"]
+    deleted = await api.http.delete(CONV, headers=SERVICE | {"If-Match": etag.strip('"')})
+    assert (deleted.status_code, deleted.json()["conversations"]) == (200, 1)
+
+
+@pytest.mark.parametrize(
+    "if_match", ['"0123456789abcdef0123456789abcdef"', "W/{etag}", '{etag}, "x"']
+)
+async def test_a_delete_naming_anything_but_the_etag_as_served_deletes_nothing(
+    api: Served, if_match: str
+) -> None:
+    """Only the ETag as served (its quotes may be left out), or `*`, names the conversation:
+    another tag, a weak one (If-Match compares strongly) or a list is 412."""
+    etag = (await api.http.get(CONV, headers=SERVICE)).headers["etag"]
+    before = await api.digest()
+    named = if_match.format(etag=etag)
+    response = await api.http.delete(CONV, headers=SERVICE | {"If-Match": named})
+    assert (response.status_code, error_code(response)) == (412, "precondition_failed")
+    assert await api.digest() == before
+
+
+async def test_a_rename_naming_an_earlier_conversations_etag_is_refused(api: Served) -> None:
+    etag = (await api.http.get(CONV, headers=SERVICE)).headers["etag"]
+    await api.http.delete(CONV, headers=SERVICE)
+    await api.http.post(f"{CONV}/turns", json=AGAIN, headers=SERVICE)
+    stale = await api.http.patch(CONV, json={"name": "Stale"}, headers=SERVICE | {"If-Match": etag})
+    assert (stale.status_code, error_code(stale)) == (412, "precondition_failed")
+    current = await api.http.get(CONV, headers=SERVICE)
+    assert current.json()["name"] != "Stale"
+    renamed = await api.http.patch(
+        CONV, json={"name": "Fresh"}, headers=SERVICE | {"If-Match": current.headers["etag"]}
+    )
+    assert (renamed.status_code, renamed.json()["name"]) == (200, "Fresh")
+
+
+async def test_another_users_delete_learns_nothing_from_if_match(api: Served) -> None:
+    """Another user's token gets the same 404 with the owner's ETag, another tag or none,
+    and no ETag; the conversation stays whole."""
+    etag = (await api.http.get(CONV, headers=SERVICE)).headers["etag"]
+    before = await api.digest()
+    other = auth_headers(user=OTHER)
+    answers = []
+    for named in ({"If-Match": etag}, {"If-Match": '"0"'}, {"If-Match": "*"}, {}):
+        response = await api.http.delete(CONV, headers=other | named)
+        assert "etag" not in response.headers
+        answers.append((response.status_code, response.json()))
+    assert answers == [answers[-1]] * 4
+    assert answers[-1][0] == 404
+    read = await api.http.get(CONV, headers=other)
+    assert (read.status_code, "etag" in read.headers) == (404, False)
+    assert await api.digest() == before
+
+
+async def test_the_epoch_behind_the_etag_is_never_served(api: Served) -> None:
+    """The ETag is derived from the conversation's epoch, which no answer shows: not the
+    ETag, a read, a list, an export, a turn, nor a refused DELETE."""
+    stored = await api.store.conversations.get_conversation(OWNER_CONVERSATION)
+    assert stored.epoch
+    answers = [
+        await api.http.get(CONV, headers=SERVICE),
+        await api.http.get(f"/v1/users/{OWNER}/conversations", headers=SERVICE),
+        await api.http.get(f"/v1/users/{OWNER}/export", headers=SERVICE),
+        await api.http.get(f"{CONV}/transcript", headers=SERVICE),
+        await api.http.post(f"{CONV}/turns", json=AGAIN, headers=SERVICE),
+        await api.http.delete(CONV, headers=SERVICE | {"If-Match": f'"{stored.epoch}"'}),
+    ]
+    for response in answers:
+        assert stored.epoch not in response.text + str(response.headers), response.url
+
+
 async def test_posting_a_turn_twice_stores_it_once(api: Served) -> None:
     turn = {
         "turn_id": "run-http-1",

@@ -20,6 +20,7 @@ from agent_store import (
     StorageUnavailable,
     TurnRules,
     Unsupported,
+    VersionMismatch,
 )
 from agent_store.store import CONVERSATIONS, LANGGRAPH_CHECKPOINTS, TEXT_INDEX
 from app.examples import EXAMPLE_CONVERSATION_ID as CID
@@ -515,6 +516,160 @@ async def test_a_repeated_delete_leaves_whole_the_conversation_another_user_star
 
     assert (deleted.conversations, deleted.messages) == (0, 0)
     await _the_victims_conversation_is_whole(backend, "c-del")
+
+
+# -- a delete naming the conversation it read: `version` --------------------------------
+
+
+async def test_a_delete_naming_the_version_it_read_deletes_it_and_a_retry_finds_nothing(
+    backend: Backend,
+) -> None:
+    """The version a read serves names the conversation: a delete naming it deletes it, and
+    its retry (the first reply lost) finds nothing under the id: NotFound, as without it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-del", [{"role": "user", "content": "old"}], user_id=OWNER)
+    version = (await store.get_conversation("c-del", user_id=OWNER)).version
+
+    deleted = await store.delete("c-del", user_id=OWNER, version=version)
+
+    assert (deleted.conversations, deleted.messages) == (1, 1)
+    with pytest.raises(NotFound):
+        await store.delete("c-del", user_id=OWNER, version=version)
+
+
+async def test_a_retried_delete_naming_the_version_it_read_leaves_another_users_start_whole(
+    backend: Backend,
+) -> None:
+    """A double click: the first DELETE deleted the conversation and another user started
+    the id again before the second DELETE, held up on the network, reached the database.
+    Naming the version it read, the second is refused and deletes nothing of the new
+    conversation: its messages, whole texts and checkpoints stay."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-del", [{"role": "user", "content": "old"}], user_id=OWNER)
+    version = (await store.get_conversation("c-del")).version
+    await store.delete("c-del", version=version)
+    await _victim_takes_the_freed_id(backend, "c-del")
+
+    with pytest.raises(VersionMismatch, match="'c-del' is not the one named"):
+        await store.delete("c-del", version=version)
+
+    await _the_victims_conversation_is_whole(backend, "c-del")
+
+
+async def test_a_retried_delete_naming_the_version_it_read_leaves_the_owners_new_start_whole(
+    backend: Backend,
+) -> None:
+    """As above, the owner starting the id again with the very turn it started it with (the
+    same turn id, messages and `created_at`): the conversations are told apart all the same."""
+    at = "2025-06-01T10:00:00.000Z"
+    turn = [{"role": "user", "content": "hello", "created_at": at}]
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-del", turn, user_id=OWNER, turn_id="t1")
+    version = (await store.get_conversation("c-del", user_id=OWNER)).version
+    await store.delete("c-del", user_id=OWNER, version=version)
+    await logger.log_messages("c-del", turn, user_id=OWNER, turn_id="t1")
+
+    with pytest.raises(VersionMismatch):
+        await store.delete("c-del", user_id=OWNER, version=version)
+
+    assert [m.content for m in await store.transcript("c-del", user_id=OWNER)] == ["hello"]
+    started_again = await store.get_conversation("c-del", user_id=OWNER)
+    assert started_again.message_count == 1
+    assert started_again.version != version
+
+
+async def test_a_delete_naming_another_version_deletes_nothing(backend: Backend) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-del", [{"role": "user", "content": "kept"}], user_id=OWNER)
+
+    for named in ("0" * 32, "", "*", 'W/"x"'):
+        with pytest.raises(VersionMismatch):
+            await store.delete("c-del", version=named)
+
+    assert [m.content for m in await store.transcript("c-del")] == ["kept"]
+
+
+async def test_a_delete_naming_the_version_of_another_users_conversation_is_not_found(
+    backend: Backend,
+) -> None:
+    """Scoped to another user, the conversation is missing, whatever version is named: the
+    answer tells nothing of it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-del", [{"role": "user", "content": "kept"}], user_id=OWNER)
+    version = (await store.get_conversation("c-del")).version
+
+    for named in (version, "0" * 32, None):
+        with pytest.raises(NotFound):
+            await store.delete("c-del", user_id=VICTIM, version=named)
+
+    assert [m.content for m in await store.transcript("c-del")] == ["kept"]
+
+
+async def test_a_version_names_the_conversation_for_its_life_and_never_shows_its_epoch(
+    backend: Backend,
+) -> None:
+    """Turns, a rename and a claim leave the version as it was; it is not the epoch the
+    conversation's documents carry, nor does it contain it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-v", [{"role": "user", "content": "one"}])
+    version = (await store.get_conversation("c-v")).version
+    await logger.log_messages("c-v", [{"role": "user", "content": "two"}], user_id=OWNER)
+    await store.rename("c-v", "Named")
+    await store.claim(OWNER, VICTIM)
+
+    conversation = await store.get_conversation("c-v", user_id=VICTIM)
+    epoch = (await backend.db[CONVERSATIONS].find_one({"_id": "c-v"}))["epoch"]
+    assert conversation.version == version
+    assert re.fullmatch(r"[0-9a-f]{32}", version)
+    assert epoch not in version
+    assert epoch not in conversation.model_dump_json()
+
+
+async def test_a_conversation_stored_before_epochs_is_named_by_its_creation_until_it_draws_one(
+    backend: Backend,
+) -> None:
+    """A conversation stored before epochs (the migration's, or an older release's) has a
+    version derived from its `created_at`; the first turn logged since draws its epoch, and
+    with it a new version: a delete naming the one read before is refused, as one naming
+    a conversation started again is."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for conversation_id in ("c-old", "c-older"):
+        said = [{"role": "user", "content": "one"}]
+        await logger.log_messages(conversation_id, said, user_id=OWNER)
+    await backend.db[CONVERSATIONS].update_many({}, {"$unset": {"epoch": ""}})
+    await backend.db.agent_messages.update_many({}, {"$unset": {"epoch": ""}})
+    older = (await store.get_conversation("c-older")).version
+    assert (await store.delete("c-older", version=older)).conversations == 1
+    before = (await store.get_conversation("c-old")).version
+    assert (await store.get_conversation("c-old")).version == before
+
+    await logger.log_messages("c-old", [{"role": "user", "content": "two"}], user_id=OWNER)
+
+    with pytest.raises(VersionMismatch):
+        await store.delete("c-old", version=before)
+    now = (await store.get_conversation("c-old")).version
+    assert now != before
+    deleted = await store.delete("c-old", version=now)
+    assert (deleted.conversations, deleted.messages) == (1, 2)
+
+
+async def test_a_rename_naming_a_version_renames_that_conversation_only(backend: Backend) -> None:
+    """A rename sent with the version it read renames the conversation it names; once the
+    id was deleted and started again, it is refused and the new conversation keeps its name."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-ren", [{"role": "user", "content": "one"}], user_id=OWNER)
+    version = (await store.get_conversation("c-ren")).version
+    renamed = await store.rename("c-ren", "Trip", user_id=OWNER, version=version)
+    assert (renamed.name, renamed.version) == ("Trip", version)
+    await store.delete("c-ren")
+    await logger.log_messages("c-ren", [{"role": "user", "content": "one"}], user_id=OWNER)
+
+    with pytest.raises(VersionMismatch):
+        await store.rename("c-ren", "Stale", version=version)
+    with pytest.raises(NotFound):
+        await store.rename("c-ren", "Stale", user_id=VICTIM, version=version)
+
+    assert (await store.get_conversation("c-ren")).name != "Stale"
 
 
 def _restarted_before_the_first_message_delete(

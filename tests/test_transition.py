@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from agent_store import AgentMessageLogger, Conflict, ConversationStore, LegacyTurns, NotFound
+from agent_store import (
+    AgentMessageLogger,
+    Conflict,
+    ConversationStore,
+    LegacyTurns,
+    NotFound,
+    VersionMismatch,
+)
 from agent_store.core import AgentMessage, utc_now
 from agent_store.legacy import LEGACY_TURNS, SESSION_HITL, convert
 from agent_store.store import CONVERSATIONS, MESSAGES, is_derived_id
@@ -180,6 +187,23 @@ async def test_deleting_an_unmigrated_conversation_removes_its_legacy_turns(
     assert (deleted.conversations, deleted.messages, deleted.legacy_turns) == (0, 0, 4)
     with pytest.raises(NotFound):
         await store.transcript(EXAMPLE_CONVERSATION_ID)
+
+
+async def test_deleting_an_unmigrated_conversation_naming_its_version_checks_it(
+    backend: Backend,
+) -> None:
+    """A conversation read through the fallback has a version too (from its `created_at`,
+    it has no epoch): a delete naming another leaves its legacy turns; one naming its own
+    deletes them."""
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    version = (await store.get_conversation(EXAMPLE_CONVERSATION_ID)).version
+
+    with pytest.raises(VersionMismatch):
+        await store.delete(EXAMPLE_CONVERSATION_ID, version="0" * 32)
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 4
+    deleted = await store.delete(EXAMPLE_CONVERSATION_ID, version=version)
+    assert deleted.legacy_turns == 4
 
 
 async def test_a_deleted_migrated_conversation_does_not_come_back_from_its_legacy_turns(

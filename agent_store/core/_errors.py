@@ -40,6 +40,15 @@ class Conflict(StoreError):
     status = 409
 
 
+class VersionMismatch(StoreError):
+    """A call naming a conversation's `version` found another conversation under its id (it
+    was deleted and started again since the version was read) or another version: nothing
+    was changed. Read the conversation again to learn what is there now."""
+
+    code = "precondition_failed"
+    status = 412
+
+
 class TranscriptMoved(Conflict):
     """A turn logged at a `next_seq` or `step` found the conversation moved on since the caller
     saw it (other messages logged, or a later step): nothing was written."""

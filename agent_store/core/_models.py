@@ -7,6 +7,7 @@ the exported JSON Schema.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Collection, Iterable, Mapping
 from datetime import UTC, datetime
@@ -652,6 +653,24 @@ RESOLVED_PROMPTS_KEPT = 100
 """How many resolutions by request id a conversation remembers (`resolved_hitl`)."""
 
 
+VERSION_LABEL = b"agent-store conversation version 1"
+"""What a conversation's version hashes besides its id and epoch: the version names the
+conversation and no other value of the store."""
+
+
+def conversation_version(conversation_id: str, epoch: str | None, created_at: datetime) -> str:
+    """The version of the conversation under `conversation_id` (`Conversation.version`): 32
+    hex digits of a SHA-256 of its `epoch`, drawn at random as it was created, or, for one
+    stored before epochs, of its `created_at`. The same for the life of the conversation
+    (an epoch-less one's until its first turn since draws its epoch); another for one
+    started again under the id. The epoch cannot be read back from it."""
+    named = f"epoch:{epoch}" if epoch is not None else f"created_at:{rfc3339_millis(created_at)}"
+    digest = hashlib.sha256(VERSION_LABEL)
+    for part in (conversation_id, named):
+        digest.update(b"\x00" + part.encode())
+    return digest.hexdigest()[:32]
+
+
 class Conversation(_Model):
     """One conversation document."""
 
@@ -735,6 +754,13 @@ class Conversation(_Model):
     legacy_conversation_id: str | None = None
     """The id its legacy turns named, when that was not an identifier and the migration gave
     the conversation a derived one (extension)."""
+
+    @property
+    def version(self) -> str:
+        """What names this conversation and no other ever started under its id
+        (`conversation_version`): pass it to `ConversationStore.delete(version=...)` to
+        delete this conversation only; the API serves it as the `ETag` header."""
+        return conversation_version(self.id, self.epoch, self.created_at)
 
 
 T = TypeVar("T")

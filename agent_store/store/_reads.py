@@ -30,7 +30,9 @@ from agent_store.core import (
     PendingCall,
     PendingHitl,
     PoppedMessage,
+    VersionMismatch,
     awaiting_results,
+    conversation_version,
     message_adapter,
     messages_adapter,
     shown,
@@ -142,6 +144,25 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
         raise InvalidInput(
             "invalid cursor: pass back the `next_cursor` of a previous page unchanged"
         ) from exc
+
+
+def _version_mismatch(conversation_id: str, what: str = "deleted") -> VersionMismatch:
+    return VersionMismatch(
+        f"conversation {conversation_id!r} is not the one named: it was deleted and started "
+        "again since that version was read, or the version is not one it was served; "
+        f"nothing was {what} (read it again to see what is there now)"
+    )
+
+
+def _require_version(
+    conversation_id: str, found: Mapping[str, Any], version: str | None, what: str = "deleted"
+) -> None:
+    """VersionMismatch unless the conversation document `found` (its `epoch` and
+    `created_at`) has `version`; None names any."""
+    if version is None:
+        return
+    if conversation_version(conversation_id, found.get("epoch"), found["created_at"]) != version:
+        raise _version_mismatch(conversation_id, what)
 
 
 def _one_of_or_none(*values: str | None) -> dict[str, Any]:
@@ -283,20 +304,51 @@ class ConversationStore:
         return int(doc.get("turn_count", 0))
 
     async def rename(
-        self, conversation_id: str, name: str, *, user_id: str | None = None
+        self,
+        conversation_id: str,
+        name: str,
+        *,
+        user_id: str | None = None,
+        version: str | None = None,
     ) -> Conversation:
-        """Set a person's name for the conversation; automatic names never replace it."""
+        """Set a person's name for the conversation; automatic names never replace it.
+
+        With `version`, only the conversation it names (`delete`): another under the id is
+        `VersionMismatch`, nothing renamed (one more round trip, to read it first)."""
         clean = clean_name(name)
+        scope = self._scope(conversation_id, user_id)
+        if version is not None:
+            scope = await self._named(conversation_id, user_id, version)
         with storage_errors("rename the conversation"):
             doc = await self._conversations.find_one_and_update(
-                self._scope(conversation_id, user_id),
+                scope,
                 {"$set": {"name": clean, "name_source": "set"}},
                 projection=SUMMARY,
                 return_document=ReturnDocument.AFTER,
             )
+        if doc is None and version is not None:
+            await self._named(conversation_id, user_id, version)  # NotFound when gone
+            raise _version_mismatch(conversation_id, "renamed")
         if doc is None:
             await self._refuse_unmigrated(conversation_id, user_id, "renamed")
         return Conversation.model_validate(doc)
+
+    async def _named(
+        self, conversation_id: str, user_id: str | None, version: str
+    ) -> dict[str, Any]:
+        """A filter for the conversation `version` names, read now (one round trip):
+        `VersionMismatch` when the one under the id has another version, NotFound (or
+        Conflict, not migrated yet) when there is none."""
+        scope = self._scope(conversation_id, user_id)
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(scope, {"epoch": 1, "created_at": 1})
+        if found is None:
+            await self._refuse_unmigrated(conversation_id, user_id, "renamed")
+        assert found is not None  # else `_refuse_unmigrated` raised
+        _require_version(conversation_id, found, version, "renamed")
+        return scope | same_conversation(
+            conversation_id, epoch=found.get("epoch"), created_at=found.get("created_at")
+        )
 
     async def _refuse_unmigrated(
         self, conversation_id: str, user_id: str | None, what: str
@@ -312,10 +364,15 @@ class ConversationStore:
             "`python -m migrations run` has migrated it"
         )
 
-    async def delete(self, conversation_id: str, *, user_id: str | None = None) -> Deleted:
+    async def delete(
+        self, conversation_id: str, *, user_id: str | None = None, version: str | None = None
+    ) -> Deleted:
         """Delete a conversation: its messages, its document, its owner's legacy turns and
         what integrations keep beside it (`THREAD_COLLECTIONS`: a LangGraph thread's
         checkpoints).
+
+        With `version` (`Conversation.version`), only the conversation it names, checked on
+        the first read (`_found_to_delete`): another is `VersionMismatch`, nothing deleted.
 
         Legacy turns go first, then the documents beside it (they refer to the messages), then
         messages and their whole texts, then the conversation document: a crash part-way leaves
@@ -337,12 +394,9 @@ class ConversationStore:
         user than the document's owner stay (see `LegacySource.delete`).
         """
         scope = self._scope(conversation_id, user_id)
-        with storage_errors("read the conversation"):
-            found = await self._conversations.find_one(
-                scope, {"user_id": 1, "created_at": 1, "legacy_conversation_id": 1, "epoch": 1}
-            )
+        found = await self._found_to_delete(scope, version)
         if found is None:
-            return await self._delete_legacy_only(conversation_id, user_id)
+            return await self._delete_legacy_only(conversation_id, user_id, version)
         owner = found.get("user_id")
         legacy = 0
         if self._legacy_source is not None:
@@ -370,6 +424,22 @@ class ConversationStore:
         return Deleted(
             conversations=int(gone is not None), messages=messages + late, legacy_turns=legacy
         )
+
+    async def _found_to_delete(
+        self, scope: dict[str, Any], version: str | None
+    ) -> dict[str, Any] | None:
+        """A delete's first read: the conversation it deletes, or None when there is none.
+        With `version`, `VersionMismatch` when the one under the id is another (deleted and
+        started again since the version was read, by anyone) or has another version: the
+        one step of a delete not scoped to the conversation it found is checked here, and
+        every later one is scoped to what this read found (`same_conversation`)."""
+        with storage_errors("read the conversation"):
+            found: dict[str, Any] | None = await self._conversations.find_one(
+                scope, {"user_id": 1, "created_at": 1, "legacy_conversation_id": 1, "epoch": 1}
+            )
+        if found is not None:
+            _require_version(scope["_id"], found, version)
+        return found
 
     async def _delete_messages_of(
         self, found_now: dict[str, Any], owner: str | None, epoch: str | None
@@ -411,11 +481,15 @@ class ConversationStore:
         """The wait before a last sweep for turns still inserting: `TurnRules.claim_grace`."""
         await asyncio.sleep(self._rules.claim_grace.total_seconds())
 
-    async def _delete_legacy_only(self, conversation_id: str, user_id: str | None) -> Deleted:
+    async def _delete_legacy_only(
+        self, conversation_id: str, user_id: str | None, version: str | None
+    ) -> Deleted:
         """A conversation the caller reaches through the read fallback only (NotFound if it
         does not): its legacy owner's turns and prompts go, and nothing of the new
         collections, where another user may hold the id."""
         fallback = await self._legacy(conversation_id, user_id)
+        if version is not None and fallback.conversation.version != version:
+            raise _version_mismatch(conversation_id)
         assert self._legacy_source is not None  # else `_legacy` raised NotFound
         owner = fallback.conversation.user_id
         legacy = await self._legacy_source.delete(conversation_id, owner=owner)
