@@ -34,6 +34,7 @@ from agent_store import (
     StorageUnavailable,
     TurnRules,
 )
+from agent_store.core import PENDING_RESULT
 from agent_store.integrations.exports import chat_completions, check_chat_completions
 from agent_store.integrations.openai_agents import (
     ConversationSession,
@@ -448,7 +449,8 @@ async def test_a_run_retried_after_a_later_add_failed_stores_each_of_its_items_o
 
     assert await session.get_items() == asked + calls
     await session.add_items(asked)  # the same words in a later run, nothing failing: new
-    assert await session.get_items() == asked + calls + asked
+    pending = {"type": "function_call_output", "call_id": "call_b1", "output": PENDING_RESULT}
+    assert await session.get_items() == asked + calls + [pending] + asked  # a replay's stand-in
 
 
 @function_tool(needs_approval=True)

@@ -2,9 +2,10 @@
 
 One rule for every replay and every ingest path. Pure, no I/O.
 
-The exports, the Pydantic AI history and the LangChain history all place each
-call's answer right after the message that makes the call, wherever the answer
-was stored:
+The exports, the Pydantic AI history, the LangChain history and the Agents SDK
+session all place each call's answer right after the message that makes the call
+(for the session, the run of assistant messages one model response made),
+wherever the answer was stored:
 
 - a tool message answers the latest earlier call of its id still without an
   answer, else the latest (`agent_store.core.answers_to_calls`: a provider
@@ -18,35 +19,112 @@ was stored:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
 
-from agent_store.core import AgentMessage, AssistantMessage, CallKey, ToolMessage, answers_to_calls
+from agent_store.core import (
+    PENDING_RESULT,
+    AgentMessage,
+    AssistantMessage,
+    CallKey,
+    SystemMessage,
+    ToolMessage,
+    UserMessage,
+    answers_to_calls,
+    outcome_error,
+)
 
-__all__ = ["CallKey", "answers_to_calls", "in_call_order", "unique_call_id"]
+__all__ = [
+    "CallKey",
+    "Joins",
+    "answers_to_calls",
+    "in_call_order",
+    "pending_stand_in",
+    "unique_call_id",
+]
 
 
-def in_call_order(messages: Sequence[AgentMessage]) -> list[AgentMessage]:
-    """The messages with each call's answer (by the rules above) moved right after the
-    message making it; an answer that lost to another (a stand-in a real result replaced)
-    is left out, and a tool message answering no call stays where it was stored."""
+Joins = Callable[[Sequence[AssistantMessage], AssistantMessage], bool]
+"""Whether an assistant message joins the response of the assistant messages right before it
+(stored consecutively), so that the answers of all their calls come after the last of them."""
+
+
+def in_call_order(
+    messages: Sequence[AgentMessage], *, joins: Joins | None = None
+) -> list[AgentMessage]:
+    """The messages as a model is given them: each call answered once, right after the
+    response making it.
+
+    A response is the message making the call, or with `joins`, the consecutive assistant
+    messages it joins. The answers (by the rules above) of a response's calls follow it, in
+    the order they were stored, so answers stored right after it stay as they are; an answer
+    that lost to another (a stand-in a real result replaced) is left out, and a tool message
+    answering no call stays where it was stored. A call without an answer that the
+    conversation went on after (a later user or system message: the model is called again
+    past it) is answered after those by a stand-in (`pending_stand_in`), never stored. A call
+    only assistant messages followed (its prompt) is left open: the runtime is about to
+    answer it.
+    """
     answers = answers_to_calls(messages)
     winners = {id(answer) for answer in answers.values()}
+    stored_at = {id(message): index for index, message in enumerate(messages)}
+    prompts = [i for i, m in enumerate(messages) if isinstance(m, UserMessage | SystemMessage)]
+    went_on_until = prompts[-1] if prompts else -1
     made: set[str] = set()
     placed: list[AgentMessage] = []
-    for index, message in enumerate(messages):
-        if isinstance(message, ToolMessage) and (
+    response: list[tuple[int, AssistantMessage]] = []
+    for index, message in enumerate([*messages, None]):
+        if response and not (
+            isinstance(message, AssistantMessage)
+            and joins is not None
+            and joins([m for _, m in response], message)
+        ):
+            went_on = response[-1][0] < went_on_until
+            placed += _answered(response, answers, stored_at, went_on=went_on)
+            response = []
+        if message is None:
+            break
+        if isinstance(message, AssistantMessage):
+            made |= {call.id for call in message.tool_calls or ()}
+            response.append((index, message))
+        elif isinstance(message, ToolMessage) and (
             id(message) in winners or message.tool_call_id in made
         ):
             continue  # placed with its call, or lost to the answer placed there
         placed.append(message)
-        if isinstance(message, AssistantMessage):
-            made |= {call.id for call in message.tool_calls or ()}
-            placed += [
-                answers[(index, call.id)]
-                for call in message.tool_calls or ()
-                if (index, call.id) in answers
-            ]
     return placed
+
+
+def _answered(
+    response: Sequence[tuple[int, AssistantMessage]],
+    answers: Mapping[CallKey, ToolMessage],
+    stored_at: Mapping[int, int],
+    *,
+    went_on: bool,
+) -> list[AgentMessage]:
+    """A response's answers in stored order, then the stand-ins of its calls without one when
+    the conversation went on after it."""
+    found: list[ToolMessage] = []
+    stand_ins: list[AgentMessage] = []
+    for index, message in response:
+        for call in message.tool_calls or ():
+            answer = answers.get((index, call.id))
+            if answer is not None:
+                found.append(answer)
+            elif went_on:
+                stand_ins.append(pending_stand_in(call.id, message.created_at))
+    return [*sorted(found, key=lambda answer: stored_at[id(answer)]), *stand_ins]
+
+
+def pending_stand_in(call_id: str, created_at: datetime) -> ToolMessage:
+    """The answer a replay gives a call still without a result that the conversation went on
+    after: `PENDING_RESULT`, marked failed (a chat model refuses a call without a result)."""
+    return ToolMessage(
+        tool_call_id=call_id,
+        content=PENDING_RESULT,
+        error=outcome_error("failed"),
+        created_at=created_at,
+    )
 
 
 def unique_call_id(call_id: str, used: set[str]) -> str:

@@ -50,13 +50,10 @@ from pydantic import ValidationError
 from pymongo.database import Database as SyncPyMongoDatabase
 
 from agent_store.core import (
-    PENDING_RESULT,
     AgentMessage,
-    AssistantMessage,
     InvalidInput,
     NotFound,
     SystemMessage,
-    ToolCall,
     ToolMessage,
     Unsupported,
     UserMessage,
@@ -178,32 +175,14 @@ def langchain_from_message(message: AgentMessage) -> BaseMessage | None:
 
 def _history(messages: Sequence[AgentMessage]) -> list[BaseMessage]:
     """The LangChain history of stored messages: each as `langchain_from_message` gives it,
-    each call's result right after the call (`in_call_order`). A call no stored result
+    each call answered right after its message (`in_call_order`). A call no stored result
     answers that the conversation went on after (a later user or system message: the model
     is called again past it) is answered there by a stand-in, `PENDING_RESULT` with
     `status="error"`, as the Chat Completions export answers it: a chat model refuses a call
     without a result. A call nothing but assistant messages followed (its prompt) is left
     open: the runtime is about to answer it."""
-    ordered = in_call_order(messages)
-    prompts = [i for i, m in enumerate(ordered) if isinstance(m, UserMessage | SystemMessage)]
-    went_on_until = prompts[-1] if prompts else -1
-    history: list[BaseMessage] = []
-    unanswered: list[ToolCall] = []  # the calls of the message before, still without a result
-    for index, message in enumerate(ordered):
-        if isinstance(message, ToolMessage):
-            unanswered = [c for c in unanswered if c.id != message.tool_call_id]
-        else:
-            history += [_stand_in(call) for call in unanswered]
-            went_on = isinstance(message, AssistantMessage) and index < went_on_until
-            unanswered = list(message.tool_calls or ()) if went_on else []
-        if (converted := langchain_from_message(message)) is not None:
-            history.append(converted)
-    return history
-
-
-def _stand_in(call: ToolCall) -> LangChainToolMessage:
-    """The answer of a call the conversation went on after without a result (replay only)."""
-    return LangChainToolMessage(content=PENDING_RESULT, tool_call_id=call.id, status="error")
+    converted = (langchain_from_message(message) for message in in_call_order(messages))
+    return [message for message in converted if message is not None]
 
 
 # -- the history ----------------------------------------------------------------------

@@ -19,7 +19,11 @@ and `pop_item` removes the last one:
 Whatever an item holds beyond the chat fields (its `id`, `status`, content
 parts) is kept in `native`, so `get_items` gives back exactly the items added.
 Messages other writers stored are given back as the items their chat fields
-make.
+make, an assistant message with the `id` an output message item needs
+(`msg_<message id>`). `get_items` gives each call's answers right after the
+model response making it, and a stand-in (`PENDING_RESULT`) for a call the
+conversation went on after without a result, as the LangChain history does
+(`in_call_order`); a call only its prompt followed is left open.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 import contextlib
+import hashlib
 
 from pydantic import ValidationError
 
@@ -56,6 +61,7 @@ from agent_store.core import (
 )
 from agent_store.integrations._appends import Appends
 from agent_store.integrations._native import native_form, with_native
+from agent_store.integrations._pairing import in_call_order
 from agent_store.store import (
     DEFAULT_MARKERS,
     AgentMessageLogger,
@@ -188,19 +194,40 @@ def _rebuilt(message: AgentMessage) -> list[dict[str, Any]]:
 
 def item_from_message(message: AgentMessage) -> list[dict[str, Any]]:
     """The Agents SDK items of a stored message, in order: exactly the item it was made from,
-    or for a message another writer stored, the items its chat fields make.
+    or for a message another writer stored, the items its chat fields make, an assistant
+    message item carrying `msg_<the message's id>` as its `id` (an output message needs one).
 
     An assistant message carrying only an error or a HITL action, which no model said, has none.
     """
     rebuilt = _rebuilt(message)
     if message.native is not None and message.native.format == FORMAT:
         return [native_form(FORMAT, message, rebuilt[0])]
-    return [item for item in rebuilt if item]
+    return [_with_id(item, message) if item.get("type") == "message" else item
+            for item in rebuilt if item]  # fmt: skip
+
+
+def _with_id(item: dict[str, Any], message: AgentMessage) -> dict[str, Any]:
+    """An output message item of another writer's message, with an id derived from it."""
+    key = message.id
+    if key is None:  # a message not stored: its digest, so the id is the same every time
+        dumped = message.model_dump_json(exclude={"created_at"}).encode()
+        key = hashlib.sha256(dumped).hexdigest()[:24]
+    return {"id": f"msg_{key}", **item}
+
+
+def _one_response(response: Sequence[AssistantMessage], message: AssistantMessage) -> bool:
+    """Whether `message` belongs to the model response the messages before it made, as the
+    SDK stores one: one message per item (reasoning, calls, at most one text). A HITL prompt,
+    the runtime's question, is never part of one."""
+    said = sum(m.content is not None for m in (*response, message))
+    return message.hitl_action is None and said <= 1
 
 
 def items_from_messages(messages: Sequence[AgentMessage]) -> list[dict[str, Any]]:
-    """The Agents SDK items of stored messages, in order."""
-    return [item for message in messages for item in item_from_message(message)]
+    """The Agents SDK items of stored messages, as a model is given them: in order, each
+    call's answer right after the response making it (`in_call_order`)."""
+    ordered = in_call_order(messages, joins=_one_response)
+    return [item for message in ordered for item in item_from_message(message)]
 
 
 # -- the session ----------------------------------------------------------------------
