@@ -22,7 +22,7 @@ from agent_store.store import (
     strip_runtime_context,
     strip_runtime_context_pieces,
 )
-from agent_store.store._text import shown_plainly
+from agent_store.store._text import HIDDEN_CHARACTERS
 
 
 @pytest.mark.parametrize(
@@ -115,7 +115,7 @@ def test_shorten_cuts_at_a_word_boundary_with_an_ellipsis() -> None:
 
 def _shortened_whole(text: str, limit: int) -> str:
     """`shorten` as it reads: the whole text cleaned, then cut."""
-    text = " ".join(shown_plainly(text).split())
+    text = " ".join("".join(c for c in text if c not in HIDDEN_CHARACTERS).split())
     if len(text) <= limit:
         return text
     cut = text[: max(limit - 1, 1)]
@@ -125,7 +125,7 @@ def _shortened_whole(text: str, limit: int) -> str:
 
 
 def test_a_long_text_is_shortened_as_its_whole_text_would_be() -> None:
-    pieces = ["word", "a", " ", "  \n\t ", "\u202e", "\x00", "é", "长", " " * 300, "x" * 70]
+    pieces = ["word", "a", " ", "  \n\t ", "\u202e", "\x00", "\x1f", "é", "长", " " * 300, "x" * 70]
     rng = random.Random(7)
     for limit in (1, 2, 12, 60, 200):
         for _ in range(300):

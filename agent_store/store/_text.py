@@ -167,7 +167,9 @@ _HIDDEN = re.compile(f"[{re.escape(HIDDEN_CHARACTERS)}]")
 
 def shown_plainly(text: str) -> str:
     """The text without the characters that would make it show other than it reads."""
-    return _HIDDEN.sub("", text)
+    if text.isascii() and text.isprintable():  # the ASCII ones are all unprintable
+        return text
+    return _HIDDEN.sub("", text) if _HIDDEN.search(text) else text
 
 
 def _cleaned(text: str) -> str:
