@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 
 import pytest
 
@@ -21,6 +22,7 @@ from agent_store.store import (
     strip_runtime_context,
     strip_runtime_context_pieces,
 )
+from agent_store.store._text import HIDDEN_CHARACTERS
 
 
 @pytest.mark.parametrize(
@@ -109,6 +111,26 @@ def test_shorten_cuts_at_a_word_boundary_with_an_ellipsis() -> None:
     assert shorten("one two three four", 12) == "one two…"
     assert shorten("  spaced\n\tout  ", 60) == "spaced out"
     assert shorten("x" * 100, 10) == "x" * 9 + "…"
+
+
+def _shortened_whole(text: str, limit: int) -> str:
+    """`shorten` as it reads: the whole text cleaned, then cut."""
+    text = " ".join("".join(c for c in text if c not in HIDDEN_CHARACTERS).split())
+    if len(text) <= limit:
+        return text
+    cut = text[: max(limit - 1, 1)]
+    if " " in cut and not text[len(cut)].isspace():
+        cut = cut[: cut.rindex(" ")]
+    return cut.rstrip() + "…"
+
+
+def test_a_long_text_is_shortened_as_its_whole_text_would_be() -> None:
+    pieces = ["word", "a", " ", "  \n\t ", "\u202e", "\x00", "\x1f", "é", "长", " " * 300, "x" * 70]
+    rng = random.Random(7)
+    for limit in (1, 2, 12, 60, 200):
+        for _ in range(300):
+            text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 400)))
+            assert shorten(text, limit) == _shortened_whole(text, limit), (text, limit)
 
 
 def test_a_plan_counts_turn_starts_usage_and_preview() -> None:

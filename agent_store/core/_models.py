@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar, Generic, Literal, Self, TypeVar
 
 from bson import Int64
+from bson.tz_util import utc as BSON_UTC
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -61,7 +62,11 @@ def to_utc(value: datetime) -> datetime:
 def to_utc_millis(value: datetime) -> datetime:
     """Make a datetime aware UTC at millisecond precision, the precision BSON keeps (`to_utc`,
     the microseconds below the millisecond cut off)."""
-    value = to_utc(value)
+    tzinfo = value.tzinfo
+    if tzinfo is BSON_UTC:  # as a timezone-aware driver reads every stored time
+        value = value.replace(tzinfo=UTC)
+    elif tzinfo is not UTC:
+        value = to_utc(value)
     if value.microsecond % 1000:
         value = value.replace(microsecond=value.microsecond // 1000 * 1000)
     return value
@@ -391,10 +396,17 @@ class _MessageBase(_Model):
 
     @model_validator(mode="after")
     def _role_fields(self) -> _MessageBase:
+        # One validator per message, its role's own rules after the forbidden fields: a
+        # Python call per validator is much of what validating a stored message costs.
+        values = self.__dict__
         for field in self.forbidden_fields:
-            if getattr(self, field) is not None:
+            if values[field] is not None:
                 raise ValueError(f"`{field}` is not allowed on a {self.role} message")
+        self._check_role()
         return self
+
+    def _check_role(self) -> None:
+        """What a message of the role needs besides leaving its forbidden fields null."""
 
 
 class SystemMessage(_MessageBase):
@@ -410,11 +422,9 @@ class UserMessage(_MessageBase):
     forbidden_fields = ("tool_calls", "tool_call_id", "hitl_action", "token_usage")
     role: Literal["user"] = "user"
 
-    @model_validator(mode="after")
-    def _has_something(self) -> UserMessage:
+    def _check_role(self) -> None:
         if self.content is None and self.upload is None and self.error is None:
             raise ValueError("a user message needs `content` or an `upload`")
-        return self
 
 
 class AssistantMessage(_MessageBase):
@@ -423,15 +433,9 @@ class AssistantMessage(_MessageBase):
     forbidden_fields = ("tool_call_id", "upload")
     role: Literal["assistant"] = "assistant"
 
-    @model_validator(mode="after")
-    def _calls_are_distinct(self) -> AssistantMessage:
-        if self.tool_calls == []:
-            raise ValueError("`tool_calls` must be null or hold at least one call")
-        ids = [call.id for call in self.tool_calls or ()]
-        repeated = sorted({i for i in ids if ids.count(i) > 1})
-        if repeated:
-            shown_ids = ", ".join(shown(i) for i in repeated)
-            raise ValueError(f"tool call ids repeat within one message: {shown_ids}")
+    def _check_role(self) -> None:
+        if self.tool_calls is not None:
+            self._calls_are_distinct(self.tool_calls)
         if (
             self.content is None
             and self.tool_calls is None
@@ -444,7 +448,16 @@ class AssistantMessage(_MessageBase):
                 "an assistant message needs `content`, `tool_calls`, `hitl_action`, `error` "
                 "or `native`"
             )
-        return self
+
+    @staticmethod
+    def _calls_are_distinct(calls: list[ToolCall]) -> None:
+        if not calls:
+            raise ValueError("`tool_calls` must be null or hold at least one call")
+        ids = [call.id for call in calls]
+        if len(set(ids)) < len(ids):
+            repeated = sorted({i for i in ids if ids.count(i) > 1})
+            shown_ids = ", ".join(shown(i) for i in repeated)
+            raise ValueError(f"tool call ids repeat within one message: {shown_ids}")
 
 
 class ToolMessage(_MessageBase):
@@ -453,11 +466,9 @@ class ToolMessage(_MessageBase):
     forbidden_fields = ("tool_calls", "hitl_action", "token_usage", "upload")
     role: Literal["tool"] = "tool"
 
-    @model_validator(mode="after")
-    def _answers_a_call(self) -> ToolMessage:
+    def _check_role(self) -> None:
         if self.tool_call_id is None:
             raise ValueError("a tool message needs `tool_call_id`, the id of the call it answers")
-        return self
 
 
 AgentMessage = Annotated[

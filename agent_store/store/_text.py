@@ -167,13 +167,24 @@ _HIDDEN = re.compile(f"[{re.escape(HIDDEN_CHARACTERS)}]")
 
 def shown_plainly(text: str) -> str:
     """The text without the characters that would make it show other than it reads."""
-    return _HIDDEN.sub("", text)
+    if text.isascii() and text.isprintable():  # the ASCII ones are all unprintable
+        return text
+    return _HIDDEN.sub("", text) if _HIDDEN.search(text) else text
+
+
+def _cleaned(text: str) -> str:
+    return collapse_whitespace(shown_plainly(text))
 
 
 def shorten(text: str, limit: int) -> str:
     """Collapse whitespace, leave hidden characters out (`shown_plainly`) and cut at a word
-    boundary to at most `limit` characters: a name or preview made from a message."""
-    text = collapse_whitespace(shown_plainly(text))
+    boundary to at most `limit` characters: a name or preview made from a message.
+
+    A long text is shortened from a start of it when that start, cleaned, is longer than
+    `limit`: the cleaned start of a text is the start of the cleaned text, so the cut is the
+    same, without cleaning what lies past it."""
+    start = _cleaned(text[: 4 * limit]) if len(text) > 4 * limit else ""
+    text = start if len(start) > limit else _cleaned(text)
     if len(text) <= limit:
         return text
     cut = text[: max(limit - len(ELLIPSIS), 1)]

@@ -360,7 +360,9 @@ def _as_before(document: Mapping[str, Any], excluded: Collection[str]) -> dict[s
     kept, or cut before cut fields recorded the hash of their whole text) without it, and
     its file id without the epoch it names (the same turn is the same content in whichever
     conversation under the id stores it, and as recorded before file ids named epochs)."""
-    kept = {k: v for k, v in document.items() if k not in excluded}
+    kept = dict(document)  # its fields in their order, the excluded taken out
+    for key in excluded:
+        kept.pop(key, None)
     hitl = kept.get("hitl_action")
     if isinstance(hitl, Mapping) and hitl.get("tool_call_ids") is None:
         kept["hitl_action"] = {k: v for k, v in hitl.items() if k != "tool_call_ids"}
