@@ -772,7 +772,8 @@ class AgentMessageLogger:
         holding a message and so swept once only). A first attempt faster than the grace, or
         a retry that moved its turn to a new block, is swept by the delete itself, which
         finds the block not stored and sweeps once more `claim_grace` later; a retry that
-        inserted nothing found every message there.
+        inserted nothing found every message there. Left open: a first attempt whose block a
+        concurrent retry filled before the delete, landing after it (RELIABILITY.md).
         """
         plan = plan.for_epoch(reserved.epoch)  # its whole texts are this conversation's only
         await self._full_texts.keep(plan.full_texts)  # a turn with a cut message: 2 more commands
