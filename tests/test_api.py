@@ -113,3 +113,49 @@ async def test_routes_work_on_every_backend(backend: Backend) -> None:
             )
             assert found.status_code == 200, found.text
             assert len(found.json()["data"]) == expected
+
+
+async def test_a_retried_turn_landing_after_a_delete_serves_nothing_of_the_conversation(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client retries POST /turns (its first answer lost); the retry's insert is held until
+    DELETE of the conversation has answered. The retry answers, and afterwards no read of
+    the id serves the deleted turn: the conversation and its transcript are 404 to the
+    service and to the owner, and a conversation another user starts there holds only its
+    own messages."""
+    import asyncio
+    from typing import Any
+
+    from tests.api_harness import OTHER, OWNER, auth_headers, serve
+
+    url = "/v1/conversations/c-retried"
+    said = [{"role": "user", "content": "OWNER's secret"}, {"role": "assistant", "content": "ok"}]
+    turn = {"turn_id": "t1", "user_id": OWNER, "messages": said}
+    async with serve(backend.db, seeded=False) as api:
+        assert (await api.http.post(f"{url}/turns", json=turn, headers=auth_headers())).is_success
+        messages = api.store.logger._messages
+        insert_many, reached, go = messages.insert_many, asyncio.Event(), asyncio.Event()
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            reached.set()
+            await go.wait()
+            return await insert_many(*args, **kwargs)
+
+        monkeypatch.setattr(messages, "insert_many", held)
+        retry = asyncio.create_task(
+            api.http.post(f"{url}/turns", json=turn, headers=auth_headers())
+        )
+        await reached.wait()
+        deleted = await api.http.delete(url, headers=auth_headers())
+        go.set()
+        retried = await retry
+
+        assert deleted.status_code == 200
+        assert retried.status_code == 200
+        for headers in (auth_headers(), auth_headers(user=OWNER)):
+            assert (await api.http.get(url, headers=headers)).status_code == 404
+            assert (await api.http.get(f"{url}/transcript", headers=headers)).status_code == 404
+        other = {"turn_id": "o1", "messages": [{"role": "user", "content": "hello"}]}
+        await api.http.post(f"{url}/turns", json=other, headers=auth_headers(user=OTHER))
+        transcript = await api.http.get(f"{url}/transcript", headers=auth_headers())
+        assert [m["content"] for m in transcript.json()["data"]] == ["hello"]

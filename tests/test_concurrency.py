@@ -100,10 +100,10 @@ def crashing(logger: AgentMessageLogger, turn_id: str) -> None:
     """The logger's process dies between the two writes of `turn_id` (once)."""
     real = logger._store
 
-    async def store(plan: Any, reserved: Any) -> Any:
+    async def store(plan: Any, reserved: Any, started: float) -> Any:
         if plan.turn_id == turn_id:
             raise CrashBeforeInsert
-        return await real(plan, reserved)
+        return await real(plan, reserved, started)
 
     logger._store = store  # type: ignore[method-assign]
 

@@ -1123,6 +1123,76 @@ async def test_a_turn_landing_just_after_its_conversations_removal_leaves_nothin
     await _the_next_holder_logs_every_turn(logger, store)
 
 
+async def _a_retry_in_flight(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, retry: Callable[[AgentMessageLogger], Any]
+) -> tuple[asyncio.Event, asyncio.Task[Any]]:
+    """`retry` by a logger of its own, past its replay check (the turn's record read), its insert
+    held until the event returned is set."""
+    retrying = AgentMessageLogger(backend.db)
+    go = asyncio.Event()
+    reserved = _stall_inserts(retrying, monkeypatch, go)
+    task = asyncio.create_task(retry(retrying))
+    await reserved.wait()
+    return go, task
+
+
+async def test_a_retried_turn_landing_after_its_conversations_delete_leaves_nothing_behind(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OWNER's second turn is stored, its answer lost; the runtime retries it (the same turn id
+    and messages). The retry has read the turn's record when the delete runs, finds every
+    reserved `seq` holding a message (no second sweep), and returns; the retry's insert, every
+    message of the turn again, lands after it. The retry, having inserted messages the delete
+    may have swept past, looks the conversation up: it is gone, and so are the turn's messages.
+    Nothing of the deleted conversation is served, and the next holder of the id logs every
+    turn."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.ensure_indexes()
+    said = [{"role": "user", "content": "OWNER's secret"}, {"role": "assistant", "content": "ok"}]
+    await logger.log_messages("c-x", [{"role": "user", "content": "mine"}], user_id=OWNER,
+                              turn_id="t1")  # fmt: skip
+    await logger.log_messages("c-x", said, user_id=OWNER, turn_id="t2")
+
+    def retry(retrying: AgentMessageLogger) -> Any:
+        return retrying.log_messages("c-x", said, user_id=OWNER, turn_id="t2")
+
+    go, retried = await _a_retry_in_flight(backend, monkeypatch, retry)
+    deleted = await store.delete("c-x", user_id=OWNER)
+    await landing(go, retried)
+
+    assert deleted.messages == 3
+    assert retried.result().replayed
+    assert await backend.db.agent_messages.count_documents({"conversation_id": "c-x"}) == 0
+    with pytest.raises(NotFound):
+        await store.transcript("c-x", user_id=OWNER)
+    await _the_next_holder_logs_every_turn(logger, store)
+
+
+async def test_a_retried_fork_landing_after_the_forks_delete_leaves_nothing_behind(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for a fork retried (its answer lost) whose copies land after the fork was
+    deleted: the retry takes them back, and the fork's id serves nothing."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.ensure_indexes()
+    said = [{"role": "user", "content": "OWNER's secret"}, {"role": "assistant", "content": "ok"}]
+    await logger.log_messages("c-x", said, user_id=OWNER, turn_id="t1")
+    await logger.fork("c-x", 1, "c-fork", user_id=OWNER)
+
+    def retry(retrying: AgentMessageLogger) -> Any:
+        return retrying.fork("c-x", 1, "c-fork", user_id=OWNER)
+
+    go, retried = await _a_retry_in_flight(backend, monkeypatch, retry)
+    deleted = await store.delete("c-fork", user_id=OWNER)
+    await landing(go, retried)
+
+    assert deleted.messages == 2
+    assert await backend.db.agent_messages.count_documents({"conversation_id": "c-fork"}) == 0
+    with pytest.raises(NotFound):
+        await store.transcript("c-fork")
+    assert [m.content for m in await store.transcript("c-x")] == ["OWNER's secret", "ok"]
+
+
 async def _the_next_holder_logs_every_turn(
     logger: AgentMessageLogger, store: ConversationStore
 ) -> None:

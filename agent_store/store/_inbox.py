@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -163,6 +164,7 @@ class SteeringInbox:
             absent=missing if owner_only else None,
             moved=stage,
         )
+        started = time.monotonic()
         try:
             reserved = await self._logger._reserve(plan, actor, None, condition)
         except _InboxClosed:
@@ -170,7 +172,7 @@ class SteeringInbox:
         if reserved.replayed and not await self._still_deliverable(plan, reserved, field):
             await self._logger._give_up(plan.conversation_id)
             return False
-        await self._logger._store(plan, reserved)
+        await self._logger._store(plan, reserved, started)
         return True
 
     async def _delivery_plan(

@@ -372,9 +372,7 @@ class AgentMessageLogger:
         started = time.monotonic()
         condition = _turn_conditions(plan, next_seq, step, refused_prompts)
         reserved = await self._reserve(plan, actor, runtime_name, condition)
-        stored = await self._store(plan, reserved)
-        if time.monotonic() - started > self.rules.claim_grace.total_seconds():
-            stored = await self._follow_the_conversation(plan.conversation_id, reserved, stored)
+        stored = await self._store(plan, reserved, started)
         if reserved.replayed:
             await self._follow_times(plan.conversation_id, reserved, stored)
         # Every part is validated already: constructed, not validated again message by message.
@@ -460,11 +458,12 @@ class AgentMessageLogger:
             create=True,
         )
         owner = Actor(source.get("user_id"), as_user=owner_only)
+        started = time.monotonic()
         reserved = await self._reserve(plan, owner, None, condition)
         return LoggedTurn(
             conversation_id=plan.conversation_id,
             turn_id=plan.turn_id,
-            messages=await self._store(plan, reserved),
+            messages=await self._store(plan, reserved, started),
             replayed=reserved.replayed,
         )
 
@@ -757,11 +756,24 @@ class AgentMessageLogger:
 
     # -- storing ---------------------------------------------------------------------
 
-    async def _store(self, plan: TurnPlan, reserved: _Reserved) -> list[AgentMessage]:
+    async def _store(
+        self, plan: TurnPlan, reserved: _Reserved, started: float
+    ) -> list[AgentMessage]:
         """Insert the turn's messages into its block; answer with them as stored.
 
         A message an earlier attempt stored collides on its `_id` and is read back, so
         a retry answers with the stored timestamps, not its own.
+
+        An insert the conversation's delete may have swept past without a second sweep is
+        followed by a lookup of the conversation (`_follow_the_conversation`): a turn slower
+        than `TurnRules.claim_grace` from its reservation (`started`, `time.monotonic()`) to
+        its insert, and a retry whose insert stored messages in the block an earlier attempt
+        reserved (that attempt may have filled it before a delete found every reserved `seq`
+        holding a message and so swept once only). A first attempt faster than the grace, or
+        a retry that moved its turn to a new block, is swept by the delete itself, which
+        finds the block not stored and sweeps once more `claim_grace` later; a retry that
+        inserted nothing found every message there. Left open: a first attempt whose block a
+        concurrent retry filled before the delete, landing after it (RELIABILITY.md).
         """
         plan = plan.for_epoch(reserved.epoch)  # its whole texts are this conversation's only
         await self._full_texts.keep(plan.full_texts)  # a turn with a cut message: 2 more commands
@@ -770,16 +782,7 @@ class AgentMessageLogger:
             {**document, "seq": Int64(first + i), "user_id": owner, "epoch": epoch}
             for i, document in enumerate(plan.documents)
         ]
-        stored: list[AgentMessage] | None = None
-        with storage_errors("insert the messages"):
-            try:
-                await self._messages.insert_many(documents, ordered=False)
-            except BulkWriteError as exc:
-                found = await self._own_duplicates(exc, documents, plan)
-                documents = [found.get(d["_id"], d) for d in documents]
-                documents = await self._to_the_conversation(plan.conversation_id, documents,
-                                                            owner, epoch)  # fmt: skip
-                stored = messages_adapter.validate_python(documents)
+        found, inserted = await self._insert(plan, documents, owner, epoch)
         if reserved.assigns:
             await self._hand_over_earlier(plan.conversation_id, reserved)
         if reserved.moved is not None:  # what it leaves pending, as the stored messages say
@@ -790,7 +793,35 @@ class AgentMessageLogger:
                 reserved.moved,
                 abandon_after=self.rules.abandon_after,
             )
-        return stored if stored is not None else plan.stored(first, owner, epoch)
+        stored = found if found is not None else plan.stored(first, owner, epoch)
+        refilled = inserted and reserved.replayed and reserved.moved is None
+        if refilled or time.monotonic() - started > self.rules.claim_grace.total_seconds():
+            stored = await self._follow_the_conversation(plan.conversation_id, reserved, stored)
+        return stored
+
+    async def _insert(
+        self,
+        plan: TurnPlan,
+        documents: list[dict[str, Any]],
+        owner: str | None,
+        epoch: str | None,
+    ) -> tuple[list[AgentMessage] | None, bool]:
+        """Insert the turn's `documents`: the messages as stored when some were there already
+        (None: as inserted), and whether this insert stored any message."""
+        with storage_errors("insert the messages"):
+            try:
+                await self._messages.insert_many(documents, ordered=False)
+            except BulkWriteError as exc:
+                found = await self._own_duplicates(exc, documents, plan)
+                # Its own document found: inserted in place of what met it (`_in_place_of`).
+                inserted = len(exc.details.get("writeErrors", [])) < len(documents) or any(
+                    found.get(d["_id"]) is d for d in documents
+                )
+                documents = [found.get(d["_id"], d) for d in documents]
+                documents = await self._to_the_conversation(plan.conversation_id, documents,
+                                                            owner, epoch)  # fmt: skip
+                return messages_adapter.validate_python(documents), inserted
+        return None, True
 
     async def _hand_over_earlier(self, conversation_id: str, reserved: _Reserved) -> None:
         """After the turn that assigned an unowned conversation its owner: the messages logged
@@ -853,10 +884,11 @@ class AgentMessageLogger:
     async def _follow_the_conversation(
         self, conversation_id: str, reserved: _Reserved, stored: list[AgentMessage]
     ) -> list[AgentMessage]:
-        """After a turn slower than `TurnRules.claim_grace` from its reservation to its insert:
+        """After a turn slower than `TurnRules.claim_grace` from its reservation to its insert,
+        or a retry that stored messages in the block an earlier attempt reserved (`_store`):
         its messages move to the conversation's owner when a claim moved the conversation
-        meanwhile (one more lookup; one more update then only). A faster turn is moved by
-        the claim itself, which waits that long before its last sweep.
+        meanwhile (one more lookup; one more update then only). A faster first attempt is
+        moved by the claim itself, which waits that long before its last sweep.
 
         The conversation is the one the turn reserved on only while its epoch is the same
         (`same_conversation`): deleted meanwhile, or deleted and created again under its id
