@@ -6,6 +6,7 @@ path, query and body, and feeds `/openapi.json` (app/openapi.py).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -87,7 +88,7 @@ def parse_query(request: Request, model: type[Q]) -> Q:
     if any(name not in model.model_fields for name in names):
         accepted = ", ".join(known) if known else "none"
         raise InvalidRequest(f"invalid query: an unknown parameter; this route accepts {accepted}")
-    repeated = sorted({name for name in names if names.count(name) > 1})
+    repeated = sorted(name for name, n in Counter(names).items() if n > 1)
     if repeated:
         raise InvalidRequest(f"invalid query: parameters given more than once: {repeated}")
     try:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import time
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -199,3 +201,39 @@ def test_replacing_fields_gives_what_a_model_copy_gives_and_stays_frozen() -> No
     assert (message.seq, message.conversation_id) == (None, None)  # the original is untouched
     with pytest.raises(ValueError, match="frozen"):
         replaced.seq = 8
+
+
+def test_an_error_names_the_first_ten_repeated_call_ids_and_counts_the_rest() -> None:
+    calls = [{"id": f"c{n:02}", "function": {"name": "f"}} for n in range(25)] * 2
+    with pytest.raises(InvalidInput) as raised:
+        parse_messages([{"role": "assistant", "tool_calls": calls}])
+    named = ", ".join(repr(f"c{n:02}") for n in range(10))
+    assert f"tool call ids repeat within one message: {named} and 15 more" in str(raised.value)
+
+
+def _validation_seconds(calls: int, *, repeated: bool) -> float:
+    """The least of three validations of one assistant message with `calls` tool calls, of
+    distinct ids, or each id given twice if `repeated`."""
+    ids = [f"c{n // 2 if repeated else n}" for n in range(calls)]
+    message = {
+        "role": "assistant",
+        "tool_calls": [{"id": i, "function": {"name": "f"}} for i in ids],
+    }
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        with contextlib.suppress(InvalidInput):
+            parse_messages([message])
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+@pytest.mark.parametrize("repeated", [False, True], ids=["distinct-ids", "each-id-twice"])
+def test_checking_a_messages_call_ids_grows_with_their_number_not_its_square(
+    repeated: bool,
+) -> None:
+    """Eight times the calls cost about eight times as much (64 times if every call were
+    compared with every other): a request of many calls cannot stall the service."""
+    small = _validation_seconds(1_000, repeated=repeated)
+    large = _validation_seconds(8_000, repeated=repeated)
+    assert large / small < 24

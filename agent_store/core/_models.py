@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar, Generic, Literal, Self, TypeVar
@@ -427,6 +428,10 @@ class UserMessage(_MessageBase):
             raise ValueError("a user message needs `content` or an `upload`")
 
 
+_SHOWN_IDS = 10
+"""How many repeated tool call ids an error names: the first, in order."""
+
+
 class AssistantMessage(_MessageBase):
     """A model response: text, tool calls, a HITL prompt or an error."""
 
@@ -453,10 +458,12 @@ class AssistantMessage(_MessageBase):
     def _calls_are_distinct(calls: list[ToolCall]) -> None:
         if not calls:
             raise ValueError("`tool_calls` must be null or hold at least one call")
-        ids = [call.id for call in calls]
-        if len(set(ids)) < len(ids):
-            repeated = sorted({i for i in ids if ids.count(i) > 1})
-            shown_ids = ", ".join(shown(i) for i in repeated)
+        ids = Counter(call.id for call in calls)
+        if len(ids) < len(calls):
+            repeated = sorted(i for i, n in ids.items() if n > 1)
+            shown_ids = ", ".join(shown(i) for i in repeated[:_SHOWN_IDS])
+            if len(repeated) > _SHOWN_IDS:
+                shown_ids += f" and {len(repeated) - _SHOWN_IDS} more"
             raise ValueError(f"tool call ids repeat within one message: {shown_ids}")
 
 
