@@ -217,7 +217,7 @@ def undated_time(db: Database[dict[str, Any]], *, record: bool) -> datetime:
 
 def conversation_ids(db: Database[dict[str, Any]]) -> Iterator[Any]:
     """Every legacy conversation id, sorted, streamed from the server."""
-    return range_ids(db, LEGACY_TURNS, LEGACY_FILTER, {})
+    return (conversation_id for _, conversation_id in range_ids(db, LEGACY_TURNS, LEGACY_FILTER))
 
 
 def count_conversations(db: Database[dict[str, Any]]) -> int:
@@ -533,7 +533,8 @@ class Explosion:
         state = self.db[STATE].find_one({"_id": STATE_ID}) or {}
         if state.get("complete", True) or "ranges" not in state:
             return None
-        return Ranges(list(state["ranges"]), dict(state.get("done") or {}))
+        done, kinds = dict(state.get("done") or {}), dict(state.get("kinds") or {})
+        return Ranges(list(state["ranges"]), done, kinds)
 
     def plan(self, after: Ranges | None) -> Ranges:
         """The ranges this run goes through: the resumed run's, or a new cut of the id space."""
@@ -544,7 +545,12 @@ class Explosion:
     def _checkpoint(self, ranges: Ranges, *, complete: bool) -> None:
         if self.options.dry_run or self.options.conversation is not None:
             return
-        checkpoint = {"ranges": ranges.starts, "done": ranges.done, "complete": complete}
+        checkpoint = {
+            "ranges": ranges.starts,
+            "done": ranges.done,
+            "kinds": ranges.kinds,
+            "complete": complete,
+        }
         update = {"$set": {**checkpoint, "run_id": self.run_id}}
         if self.lease is None:
             self.db[STATE].update_one({"_id": STATE_ID}, update, upsert=True)
@@ -568,10 +574,11 @@ class Explosion:
             total = min(total, self.options.limit)
         return total
 
-    def ids(self, ranges: Ranges) -> Iterator[tuple[int, Any]]:
-        """(range, conversation id) of every conversation this run goes through, in order."""
+    def ids(self, ranges: Ranges) -> Iterator[tuple[int, str, Any]]:
+        """(range, kind, conversation id) of every conversation this run goes through, in
+        order (`order.range_ids`)."""
         if self.options.conversation is not None:
-            return iter([(-1, self.options.conversation)])
+            return iter([(-1, "", self.options.conversation)])
         ids = spread_ids(self.db, self.source, LEGACY_FILTER, ranges)
         if self.options.limit is None:
             return ids
@@ -583,8 +590,10 @@ class Explosion:
         self._record("running", checkpoint_at_start=dict(ranges.done))
         try:
             for pairs in batches(self.ids(ranges), self.options.batch_size):
-                self.batch([conversation_id for _, conversation_id in pairs])
-                ranges.done.update({str(index): cid for index, cid in pairs if index >= 0})
+                self.batch([conversation_id for *_, conversation_id in pairs])
+                for index, kind, conversation_id in pairs:
+                    if index >= 0:
+                        ranges.mark(index, kind, conversation_id)
                 self._checkpoint(ranges, complete=False)
                 self._record("running", checkpoint=dict(ranges.done))
                 if self.on_batch is not None:

@@ -28,7 +28,7 @@ from typing import Any
 from pymongo.database import Database
 
 from agent_store.core import AgentMessage
-from agent_store.legacy import LEGACY_TURNS, Problem
+from agent_store.legacy import LEGACY_TURNS, MIXED_USER_IDS, Problem
 from agent_store.store import CONVERSATIONS, TurnRules, with_texts
 from migrations import abandoned, dual_writes, full_texts, orphan_prompts
 from migrations import problems as problem_report
@@ -328,12 +328,14 @@ def _problem_reasons(
     compared by digest, so content edited after the run or after the acceptance is work
     left."""
     found = Counter(problem_report.digest(p) for p in unplaced)
-    return _unplaced_reasons(
+    reasons = _unplaced_reasons(
         cid,
         {p.kind for p in unplaced},
         unrecorded=bool(found - Counter(d for kind, d in recorded if kind not in LIVE_KINDS)),
         unaccepted=bool(found - Counter(accepted)),
     )
+    owners = [p.detail for p in unplaced if p.kind == MIXED_USER_IDS]
+    return reasons + (owners if reasons else [])
 
 
 def _unplaced_reasons(

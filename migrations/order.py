@@ -6,25 +6,68 @@ freshly sharded, empty collection would take the whole corpus on one shard.
 Instead the id space is cut into up to `spread` ranges of about equal size
 (one `$bucketAuto` pass over the distinct ids, recorded in the migration
 state so a resumed run cuts the same way), and each batch takes its ids in
-turn from every range. Within a range ids go in sorted order, so the
-checkpoint is the last id done in each range and a resume continues each
-range right after it.
+turn from every range. Within a range ids go kind by kind (`_BRACKETS`: no
+order across BSON types is assumed, since servers differ), each kind in sorted
+order, so the checkpoint is the last id done in each range with its kind, and a
+resume continues each range right after it.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from bson import Decimal128, ObjectId
 from pymongo.database import Database
 from pymongo.errors import OperationFailure
 
+from migrations.keys import id_key
+
 _END = object()
+
+_BRACKETS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("null", {"$eq": None}),
+    ("number", {"$type": "number"}),
+    ("string", {"$type": "string"}),
+    ("objectId", {"$type": "objectId"}),
+    ("bool", {"$type": "bool"}),
+    ("date", {"$type": "date"}),
+)
+"""The kinds of conversation id read one after another, each by its own query: within one
+kind every server sorts, and compares with `$gt`, alike; across kinds they do not (the
+embedded server sorts 64-bit integers after text), so a checkpoint never compares ids of two
+kinds. An array matches these by its elements: it is read with `REST`."""
+_ARRAY = {"conversation_id": {"$type": "array"}}
+REST = "rest"
+"""Every other id (an array, an embedded document, binary data, JavaScript code), read last,
+in the server's order; a resume skips those up to the checkpoint, found by its BSON."""
+_KINDS = [name for name, _ in _BRACKETS] + [REST]
+
+
+def kind_of(value: Any) -> str:
+    """The kind an id read from the server is read under (a checkpoint recorded before kinds
+    were: its Python type says it)."""
+    if isinstance(value, list | dict):
+        return REST
+    for name, python_type in _PYTHON_TYPES:
+        if isinstance(value, python_type) and not (name == "number" and isinstance(value, bool)):
+            return name
+    return REST
+
+
+_PYTHON_TYPES: tuple[tuple[str, Any], ...] = (
+    ("null", type(None)),
+    ("bool", bool),
+    ("number", (int, float, Decimal128)),
+    ("string", str),
+    ("objectId", ObjectId),
+    ("date", datetime),
+)
 
 
 @dataclass
@@ -34,51 +77,29 @@ class Ranges:
     starts: list[Any] = field(default_factory=lambda: [None])
     done: dict[str, Any] = field(default_factory=dict)
     """The last id migrated in each range, by the range's index as a string."""
+    kinds: dict[str, str] = field(default_factory=dict)
+    """The kind each range's last id was read under (`_BRACKETS`, `REST`)."""
 
     def bounds(self, index: int) -> dict[str, Any]:
-        """The filter of the conversation ids of range `index`, past its checkpoint."""
+        """The filter of the conversation ids of range `index` (text, once the id space is
+        cut: `plan_ranges`)."""
         condition: dict[str, Any] = {}
         if self.starts[index] is not None:
             condition["$gte"] = self.starts[index]
         if index + 1 < len(self.starts):
             condition["$lt"] = self.starts[index + 1]
-        clauses = [{"conversation_id": condition}] if condition else []
-        if str(index) in self.done:
-            clauses.append(after("conversation_id", self.done[str(index)]))
-        return {"$and": clauses} if len(clauses) > 1 else next(iter(clauses), {})
+        return {"conversation_id": condition} if condition else {}
 
+    def checkpoint(self, index: int) -> tuple[str, Any] | None:
+        """(kind, id) of the last id migrated in range `index`, if any."""
+        if str(index) not in self.done:
+            return None
+        value = self.done[str(index)]
+        return self.kinds.get(str(index)) or kind_of(value), value
 
-_TYPE_FLOORS: tuple[tuple[type | tuple[type, ...], Any], ...] = (
-    (type(None), None),
-    ((int, float, Decimal128), float("-inf")),
-    (str, ""),
-    (dict, {}),
-    (bytes, b""),
-    (ObjectId, ObjectId("0" * 24)),
-    (bool, False),
-    (datetime, datetime(1, 1, 1, tzinfo=UTC)),
-)
-"""The BSON types a legacy conversation id may have, in the order MongoDB sorts values of
-different types, each with the least value of its type."""
-
-
-def _type_rank(value: Any) -> int:
-    """Where a value's type sorts among `_TYPE_FLOORS` (a bool is no number here)."""
-    if isinstance(value, bool):
-        return next(i for i, (kind, _) in enumerate(_TYPE_FLOORS) if kind is bool)
-    return next(
-        (i for i, (kind, _) in enumerate(_TYPE_FLOORS) if isinstance(value, kind)),
-        len(_TYPE_FLOORS),
-    )
-
-
-def after(field: str, value: Any) -> dict[str, Any]:
-    """The filter of documents whose `field` sorts after `value` as MongoDB sorts across
-    BSON types: `$gt` compares only within one type, so a resume past a number would never
-    reach the strings and ObjectIds after it. Each later type is reached from its least
-    value (`$gte`, which compares within that type too)."""
-    later = [{field: {"$gte": floor}} for _, floor in _TYPE_FLOORS[_type_rank(value) + 1 :]]
-    return {"$or": [{field: {"$gt": value}}, *later]}
+    def mark(self, index: int, kind: str, value: Any) -> None:
+        self.done[str(index)] = value
+        self.kinds[str(index)] = kind
 
 
 def plan_ranges(
@@ -87,10 +108,13 @@ def plan_ranges(
     """Cut the distinct conversation ids of `source` into up to `spread` ranges.
 
     One range (plain sorted order) when `spread` is 1, when the server cannot
-    `$bucketAuto`, or when the ids are not all strings (ranges of mixed types
-    would not compare across types).
+    `$bucketAuto`, or when any id is not text (ranges of mixed types would not compare
+    across types; asked by type, not by the server's order of types).
     """
     if spread <= 1:
+        return Ranges()
+    not_text = {"$or": [{"conversation_id": {"$not": {"$type": "string"}}}, _ARRAY]}
+    if db[source].find_one({"$and": [match, not_text]}, {"_id": 1}) is not None:
         return Ranges()
     pipeline: list[dict[str, Any]] = [
         {"$match": match},
@@ -108,15 +132,35 @@ def plan_ranges(
 
 
 def range_ids(
-    db: Database[dict[str, Any]], source: str, match: dict[str, Any], bounds: dict[str, Any]
+    db: Database[dict[str, Any]],
+    source: str,
+    match: dict[str, Any],
+    ranges: Ranges | None = None,
+    index: int = 0,
+) -> Iterator[tuple[str, Any]]:
+    """(kind, id) of the distinct conversation ids of `source`'s documents matching `match`
+    in range `index` of `ranges`, past its checkpoint, streamed from the server: kind after
+    kind (`_BRACKETS`, then `REST`), each sorted by the server. The range's bounds filter
+    before grouping, so a range reads its own documents (through the conversation id index)."""
+    ranges = ranges or Ranges()
+    within = [match, ranges.bounds(index)]
+    kinds = ["string"] if len(ranges.starts) > 1 else _KINDS
+    checkpoint = ranges.checkpoint(index)
+    if checkpoint is not None and checkpoint[0] in kinds:
+        kinds = kinds[kinds.index(checkpoint[0]) :]
+    for kind in kinds:
+        past = checkpoint[1] if checkpoint is not None and checkpoint[0] == kind else _END
+        if kind == REST:
+            yield from ((REST, i) for i in _rest_ids(db, source, within, past))
+        else:
+            yield from ((kind, i) for i in _kind_ids(db, source, within, kind, past))
+
+
+def _sorted_ids(
+    db: Database[dict[str, Any]], source: str, clauses: list[dict[str, Any]]
 ) -> Iterator[Any]:
-    """The sorted distinct conversation ids of `source`'s documents matching `match` within
-    `bounds` (a filter), streamed from the server. The bounds filter before grouping, so a
-    range reads its own documents (through the conversation id index), not the whole
-    collection."""
-    within = {"$and": [match, bounds]} if bounds else match
     pipeline: list[dict[str, Any]] = [
-        {"$match": within},
+        {"$match": {"$and": [c for c in clauses if c]}},
         {"$group": {"_id": "$conversation_id"}},
         {"$sort": {"_id": 1}},
     ]
@@ -124,21 +168,56 @@ def range_ids(
         yield doc["_id"]
 
 
+def _kind_ids(
+    db: Database[dict[str, Any]], source: str, within: list[dict[str, Any]], kind: str, past: Any
+) -> Iterator[Any]:
+    """The ids of one kind, past `past` (`_END`: all); an array the query matched by its
+    elements is left to `REST`."""
+    condition = dict(next(c for name, c in _BRACKETS if name == kind))
+    if kind == "null" and past is not _END:
+        return
+    if past is not _END:
+        # NaN sorts first among numbers, and `$gt` NaN matches nothing.
+        nan = isinstance(past, float) and math.isnan(past)
+        condition |= {"$ne": past} if nan else {"$gt": past}
+    for found in _sorted_ids(db, source, [*within, {"conversation_id": condition}]):
+        if not isinstance(found, list) and (kind != "null" or found is None):
+            yield found
+
+
+def _rest_ids(
+    db: Database[dict[str, Any]], source: str, within: list[dict[str, Any]], past: Any
+) -> Iterator[Any]:
+    """The ids of no kind of `_BRACKETS` (and arrays), in the server's order, past `past`:
+    those up to it are skipped when it is still there (found by its BSON), else none is.
+    Such ids are few: one more read of them finds the checkpoint."""
+    others = {"$nor": [{"conversation_id": c} for _, c in _BRACKETS]}
+    clauses = [*within, {"$or": [others, _ARRAY]}]
+    skip = past is not _END and any(
+        id_key(i) == id_key(past) for i in _sorted_ids(db, source, clauses)
+    )
+    for found in _sorted_ids(db, source, clauses):
+        if skip:
+            skip = id_key(found) != id_key(past)
+            continue
+        yield found
+
+
 def spread_ids(
     db: Database[dict[str, Any]], source: str, match: dict[str, Any], ranges: Ranges
-) -> Iterator[tuple[int, Any]]:
-    """(range, id) of every conversation not done yet, taking one id from each range in turn."""
+) -> Iterator[tuple[int, str, Any]]:
+    """(range, kind, id) of every conversation not done yet, taking one id from each range in
+    turn."""
     cursors = {
-        index: range_ids(db, source, match, ranges.bounds(index))
-        for index in range(len(ranges.starts))
+        index: range_ids(db, source, match, ranges, index) for index in range(len(ranges.starts))
     }
     while cursors:
         for index in list(cursors):
-            conversation_id = next(cursors[index], _END)
-            if conversation_id is _END:
+            found: tuple[str, Any] | None = next(cursors[index], None)
+            if found is None:
                 del cursors[index]
             else:
-                yield index, conversation_id
+                yield index, *found
 
 
 _TIME_ORDERED = (

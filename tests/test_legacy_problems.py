@@ -1402,3 +1402,22 @@ def test_a_history_repeating_the_previous_turns_is_read_for_what_it_adds_only(
 
     assert convert(turns).problems == []
     assert len(read) <= 4 * len(turns)
+
+
+def test_turns_naming_several_users_are_an_unplaced_problem_naming_each_users_turns() -> None:
+    """The last user owns every message, the others' words too: content no message keeps as
+    theirs, so an operator must accept it."""
+    at = datetime(2024, 1, 1, tzinfo=UTC)
+    turns = [
+        {"_id": n, "conversation_id": "c-1", "user_id": user, "created_at": at + timedelta(n),
+         "user_message": f"hi from {user}"}
+        for n, user in enumerate(["u-c", "u-a", "u-c"])
+    ]  # fmt: skip
+    conversion = convert(turns)
+
+    assert {m.user_id for m in conversion.messages} == {"u-c"}
+    [problem] = conversion.unplaced
+    assert problem.kind == "mixed_user_ids"
+    assert problem.content == {"u-c": ["0", "2"], "u-a": ["1"]}
+    assert "'u-a'" in problem.detail
+    assert "'u-c'" in problem.detail

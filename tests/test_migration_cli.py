@@ -553,24 +553,73 @@ def test_a_run_stopped_by_a_signal_releases_the_lock_and_the_next_resumes(
     assert cli(wire_uri, database, "verify") == 0
 
 
-def test_a_resume_past_a_checkpoint_reaches_the_ids_of_every_later_bson_type() -> None:
-    """MongoDB's `$gt` compares within one BSON type (as mongomock does): a resume past the
-    number 2 must still reach the strings, ObjectIds, booleans and dates sorted after it."""
-    from datetime import UTC, datetime
-
-    from bson import ObjectId
-
+def resumes_after_each_id(db: Database[dict[str, Any]], ids: list[Any]) -> None:
+    """Every id read once, and a resume after any of them reads exactly those after it."""
     from migrations.order import Ranges, range_ids
 
-    oid, when = ObjectId(), datetime(2024, 1, 1, tzinfo=UTC)
-    db = mongomock.MongoClient(tz_aware=True)["resume"]
-    ids = [None, 1, 2, 2.5, "a", "b", oid, True, when]
-    db["turns"].insert_many([{"conversation_id": i} for i in ids])
+    db["turns"].insert_many([{"conversation_id": i} for i in ids] + [{}])
+    every = list(range_ids(db, "turns", {}))
+    assert sorted(map(bson_key, (i for _, i in every))) == sorted(map(bson_key, [*ids, None]))
+    for n, (kind, found) in enumerate(every):
+        resumed = Ranges(done={"0": found}, kinds={"0": kind})
+        assert list(range_ids(db, "turns", {}, resumed, 0)) == every[n + 1 :], (kind, found)
 
-    def resumed_after(done: Any) -> list[Any]:
-        bounds = Ranges(done={"0": done}).bounds(0)
-        return list(range_ids(db, "turns", {}, bounds))
 
-    assert resumed_after(2) == [2.5, "a", "b", oid, True, when]
-    assert resumed_after("a") == ["b", oid, True, when]
-    assert resumed_after(oid) == [True, when]
+def bson_key(value: Any) -> bytes:
+    from migrations.keys import id_key
+
+    return id_key(value)
+
+
+def ids_of_every_kind() -> list[Any]:
+    from bson import Binary, Code
+
+    return [
+        1, 2, Int64(2**40), Int64(-(2**40)), 2.5, -3.5, "a", "b", "s", ObjectId(), ObjectId(),
+        True, False, datetime(2024, 1, 1, tzinfo=UTC), datetime(2020, 1, 1, tzinfo=UTC),
+        ["x", 1], [3, 1], [2], {"a": 1}, {"b": 0}, Binary(b"x", 5), Code("c"),
+    ]  # fmt: skip
+
+
+def test_a_resume_past_a_checkpoint_reads_every_id_after_it_whatever_its_bson_type() -> None:
+    """No order across BSON types is assumed: a resume after a number reaches the strings,
+    ObjectIds, booleans, dates, arrays and documents, and one after a text id the numbers."""
+    resumes_after_each_id(mongomock.MongoClient(tz_aware=True)["resume"], ids_of_every_kind())
+
+
+@pytest.mark.wire
+def test_a_resume_past_a_checkpoint_reads_every_id_after_it_on_the_embedded_server(
+    database: Database[dict[str, Any]],
+) -> None:
+    """The embedded server sorts 64-bit integers after text, across types."""
+    resumes_after_each_id(database, [*ids_of_every_kind(), Decimal128("4.5")])
+
+
+def typed_turn(conversation_id: Any, n: int) -> dict[str, Any]:
+    return {
+        "_id": f"typed-{n}",
+        "conversation_id": conversation_id,
+        "user_id": f"user-{n}",
+        "created_at": datetime(2021, 3, 1, 10, n, tzinfo=UTC),
+        "user_message": f"question {n}",
+        "response_parts": [{"type": "text", "content": f"answer {n}"}],
+    }
+
+
+@pytest.mark.wire
+def test_a_run_resumed_slice_by_slice_reaches_ids_the_server_sorts_after_text(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """The embedded server sorts 64-bit integers after text: a resume past a text id must still
+    reach them, and no run says the migration is complete while one is left."""
+    ids = [7, Int64(2**40), "s"]
+    database[CONVERSATIONS].insert_many([typed_turn(cid, n) for n, cid in enumerate(ids)])
+
+    for _ in ids:
+        assert cli(wire_uri, database, "run", "--limit", "1") == 0
+        state = database[lease.STATE].find_one({"_id": lease.STATE_ID}) or {}
+        migrated = database[CONVERSATIONS].count_documents({})
+        assert state.get("complete") is (migrated == len(ids)), (migrated, state)
+
+    assert sorted(database[CONVERSATIONS].distinct("_id")) == ["1099511627776", "7", "s"]
+    assert cli(wire_uri, database, "finish") == 0

@@ -3310,3 +3310,62 @@ def test_a_delete_landing_just_before_a_runs_document_insert_takes_the_conversat
 
     assert done
     _nothing_of_c1_is_stored(database)
+
+
+def owned_turn(turn_id: str, cid: Any, hour: int, user: str) -> dict[str, Any]:
+    return legacy_turn(turn_id, cid, hour, f"«{user} private»") | {"user_id": user}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    ("turns", "stored_id"),
+    [
+        pytest.param(
+            [owned_turn("a", 42, 0, "user-A"), owned_turn("b", "42", 1, "user-B")],
+            "42",
+            id="a-number-and-its-text",
+        ),
+        pytest.param(
+            [owned_turn("c", True, 0, "user-C"), owned_turn("d", "True", 1, "user-D")],
+            "True",
+            id="a-boolean-and-its-text",
+        ),
+        pytest.param(
+            [owned_turn("t1", None, 0, "user-A"), owned_turn("t2", "legacy-turn-t1", 1, "user-B")],
+            "legacy-turn-t1",
+            id="a-legacy-id-spelling-a-derived-id",
+        ),
+        pytest.param(
+            [owned_turn("x", "c-shared", 0, "user-C"), owned_turn("y", "c-shared", 1, "user-A")],
+            "c-shared",
+            id="one-conversation-whose-user-changed",
+        ),
+    ],
+)
+def test_a_conversation_whose_legacy_turns_name_several_users_needs_the_operators_acceptance(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    turns: list[dict[str, Any]],
+    stored_id: str,
+) -> None:
+    """The last user owns every message of it, the others' words too: `finish` names the
+    conversation and its users, and passes only once an operator accepts that."""
+    database[CONVERSATIONS].insert_many(turns)
+    users = sorted(t["user_id"] for t in turns)
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish") == 1
+    left = next(
+        ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith(stored_id)
+    )
+    assert all(repr(user) in left for user in users), left
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+
+    assert cli(wire_uri, database, "finish", "--accept", stored_id, "--note", "owners told") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    [problem] = database[PROBLEMS].find({"kind": "mixed_user_ids"})
+    assert problem["conversation_id"] == stored_id
+    assert sorted(problem["content"]) == users

@@ -2,6 +2,7 @@
 the read fallback. Built on the store; the store never imports it."""
 
 from agent_store.legacy._convert import (
+    MIXED_USER_IDS,
     LegacyConversion,
     Problem,
     convert,
@@ -65,6 +66,7 @@ __all__ = [
     "CONVERSATION_COUNTERS",
     "HIDDEN_RUNTIME_CONTEXT",
     "LEGACY_TURNS",
+    "MIXED_USER_IDS",
     "SESSION_HITL",
     "TURN_ONLY_FIELDS",
     "LegacyConversion",

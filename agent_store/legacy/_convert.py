@@ -86,6 +86,11 @@ from agent_store.store import (
 
 _upload_adapter: TypeAdapter[FileUpload] = TypeAdapter(FileUpload)
 
+MIXED_USER_IDS = "mixed_user_ids"
+"""A conversation whose turns name several users: the last owns every message of it, so the
+others' words reach that user, and their erasure no longer does (not placed: an operator
+accepts it, `finish --accept`). Its content maps each user to the turns naming them."""
+
 
 class Problem(BaseModel):
     """Something in a legacy conversation the converter could not place as it is."""
@@ -1142,11 +1147,11 @@ def _owner(converter: _Converter, turns: list[LegacyTurn]) -> str | None:
     if len(set(user_ids)) > 1:
         converter.problem(
             turns[-1],
-            "mixed_user_ids",
+            MIXED_USER_IDS,
             f"turns name several users {sorted(set(user_ids))}; the last one, "
-            f"{user_ids[-1]!r}, owns it",
+            f"{user_ids[-1]!r}, owns it and every message of it, the others' words too",
             field="user_id",
-            unplaced=False,
+            content=_turns_by_user(converter, turns),
         )
     if user_ids and owner is None:
         converter.problem(
@@ -1158,6 +1163,15 @@ def _owner(converter: _Converter, turns: list[LegacyTurn]) -> str | None:
             unplaced=False,
         )
     return owner
+
+
+def _turns_by_user(converter: _Converter, turns: Sequence[LegacyTurn]) -> dict[str, list[str]]:
+    """The turns naming each user, by the name each turn goes by in the conversation."""
+    found: dict[str, list[str]] = {}
+    for turn in sort_turns(turns):
+        if turn.user_id:
+            found.setdefault(turn.user_id, []).append(converter.names[id(turn)].legacy_id)
+    return found
 
 
 def _runtime_name(converter: _Converter, turns: Sequence[LegacyTurn]) -> str | None:
