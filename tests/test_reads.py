@@ -17,6 +17,7 @@ from agent_store import (
     ConversationStore,
     InvalidInput,
     NotFound,
+    SteeringInbox,
     StorageUnavailable,
     TurnRules,
     Unsupported,
@@ -1191,6 +1192,65 @@ async def test_a_retried_fork_landing_after_the_forks_delete_leaves_nothing_behi
     with pytest.raises(NotFound):
         await store.transcript("c-fork")
     assert [m.content for m in await store.transcript("c-x")] == ["OWNER's secret", "ok"]
+
+
+WITHIN_THE_GRACE = TurnRules(claim_grace=timedelta(seconds=30))
+"""A grace no held attempt outlasts: the first attempt stays a fast one."""
+
+
+def _written_again(write: str) -> Callable[[AgentMessageLogger], Any]:
+    """OWNER's write of each kind, the same on every attempt: a turn, a fork, a delivery."""
+    if write == "turn":
+        said = [{"role": "user", "content": "the secret"}, {"role": "assistant", "content": "ok"}]
+        return lambda lg: lg.log_messages("c-x", said, user_id=OWNER, turn_id="t2")
+    if write == "fork":
+        return lambda lg: lg.fork("c-x", 0, "c-fork", user_id=OWNER)
+    steer = {"role": "user", "content": "OWNER's secret"}
+    return lambda lg: SteeringInbox(lg).try_deliver("c-x", "t1", steer, delivery_id="d1",
+                                                    user_id=OWNER)  # fmt: skip
+
+
+@pytest.mark.parametrize("write", ["turn", "fork", "delivery"])
+async def test_a_first_attempt_landing_after_a_delete_its_retry_filled_the_block_for_leaves_nothing(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, write: str
+) -> None:
+    """OWNER's write (a turn, a fork, a steering delivery) reserves its block and its insert is
+    held; a retry of it, sent meanwhile, stores the whole block. The delete finds every reserved
+    `seq` holding a message and sweeps once; the first attempt, faster than `claim_grace`, then
+    inserts the same messages again. The retry, having found the write reserved less than the
+    grace ago, looks the conversation up only once the grace has passed (the delete and the
+    landing happen during that wait): it is gone, and the retry takes the messages back. The id
+    serves nothing of the deleted conversation, and the next holder logs every turn."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages("c-x", [{"role": "user", "content": "mine"}], user_id=OWNER,
+                              turn_id="t1")  # fmt: skip
+    await SteeringInbox(logger).open_turn("c-x", "t1", user_id=OWNER)
+    cid, again = ("c-fork" if write == "fork" else "c-x"), _written_again(write)
+    first, retrying = (AgentMessageLogger(backend.db, rules=WITHIN_THE_GRACE) for _ in "12")
+    go = asyncio.Event()
+    reserved = _stall_inserts(first, monkeypatch, go)
+    landed = asyncio.create_task(again(first))
+    await reserved.wait()
+    deleted = []
+
+    async def the_delete_and_the_landing_first(deadline: float) -> None:
+        deleted.append(await store.delete(cid, user_id=OWNER))
+        await landing(go, landed)
+
+    monkeypatch.setattr(retrying, "_wait_until", the_delete_and_the_landing_first, raising=False)
+    assert await again(retrying)
+    if not deleted:  # the retry waited for nothing: the delete, then the first attempt, follow
+        await the_delete_and_the_landing_first(0.0)
+
+    assert deleted[0].conversations == 1
+    assert await backend.db.agent_messages.count_documents({"conversation_id": cid}) == 0
+    with pytest.raises(NotFound):
+        await store.transcript(cid)
+    if write == "fork":
+        assert [m.content for m in await store.transcript("c-x")] == ["mine"]
+    else:
+        await _the_next_holder_logs_every_turn(logger, store)
 
 
 async def _the_next_holder_logs_every_turn(

@@ -165,6 +165,11 @@ class _Reserved:
     moved: dict[str, Any] | None = None
     """The conversation as the turn's move to a new block at the end left it (`MOVED`);
     None when the turn did not move."""
+    in_flight_until: float | None = None
+    """For a retry that found its turn reserved less than `TurnRules.claim_grace` ago: the
+    `time.monotonic()` until which an earlier attempt, faster than the grace, may still insert
+    into the block (the grace from the moment the retry found the record, after that
+    reservation). None otherwise."""
 
 
 class LoggedTurn(BaseModel):
@@ -629,8 +634,12 @@ class AgentMessageLogger:
         the same lookup, is stored there (`_stored_there`): no move again."""
         block = await self._with_whole_texts_checked(plan, block)
         reserved = _replay(plan, block, conversation)
-        reserved_at = block.reserved_at
-        if reserved_at is None or utc_now() - reserved_at < self.rules.abandon_after:
+        age = None if block.reserved_at is None else utc_now() - block.reserved_at
+        grace = self.rules.claim_grace
+        if age is not None and age < grace:  # the earlier attempt may still be inserting
+            until = time.monotonic() + grace.total_seconds()
+            reserved = replace(reserved, in_flight_until=until)
+        if age is None or age < self.rules.abandon_after:
             return reserved
         stored = await self._stored_in(plan, block, moving=conversation)
         if stored:  # in its block, or where an earlier attempt's insert landed
@@ -768,12 +777,15 @@ class AgentMessageLogger:
         followed by a lookup of the conversation (`_follow_the_conversation`): a turn slower
         than `TurnRules.claim_grace` from its reservation (`started`, `time.monotonic()`) to
         its insert, and a retry whose insert stored messages in the block an earlier attempt
-        reserved (that attempt may have filled it before a delete found every reserved `seq`
-        holding a message and so swept once only). A first attempt faster than the grace, or
-        a retry that moved its turn to a new block, is swept by the delete itself, which
-        finds the block not stored and sweeps once more `claim_grace` later; a retry that
-        inserted nothing found every message there. Left open: a first attempt whose block a
-        concurrent retry filled before the delete, landing after it (RELIABILITY.md).
+        reserved (a delete may have found every reserved `seq` holding its messages and so
+        swept once only). A retry that found the turn reserved less than the grace ago looks
+        only once the grace has passed since it found the record (`_Reserved.in_flight_until`,
+        a wait on that path only): the earlier attempt, if still in flight and faster than
+        the grace, has landed by then, and a delete that found the block full of the retry's
+        messages has its late ones taken back too (slower, it looks itself). A first attempt
+        faster than the grace whose block no retry filled, or a retry that moved its turn to a
+        new block, is swept by the delete itself, which finds the block not stored and sweeps
+        once more `claim_grace` later; a retry that inserted nothing found every message there.
         """
         plan = plan.for_epoch(reserved.epoch)  # its whole texts are this conversation's only
         await self._full_texts.keep(plan.full_texts)  # a turn with a cut message: 2 more commands
@@ -795,9 +807,16 @@ class AgentMessageLogger:
             )
         stored = found if found is not None else plan.stored(first, owner, epoch)
         refilled = inserted and reserved.replayed and reserved.moved is None
+        if refilled and reserved.in_flight_until is not None:
+            await self._wait_until(reserved.in_flight_until)  # the earlier attempt lands first
         if refilled or time.monotonic() - started > self.rules.claim_grace.total_seconds():
             stored = await self._follow_the_conversation(plan.conversation_id, reserved, stored)
         return stored
+
+    async def _wait_until(self, deadline: float) -> None:
+        """Sleep until `deadline` (`time.monotonic()`): an earlier attempt of the turn, faster
+        than `TurnRules.claim_grace`, has inserted by then if it ever does."""
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
 
     async def _insert(
         self,
