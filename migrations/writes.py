@@ -30,7 +30,7 @@ from pymongo import InsertOne, ReplaceOne
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError
 
-from agent_store.core import AgentMessage, Conversation, message_adapter
+from agent_store.core import RESOLVED_PROMPTS_KEPT, AgentMessage, Conversation, message_adapter
 from agent_store.legacy import LEGACY_TURNS, LegacyConversion, LegacyTurn, Problem
 from agent_store.store import (
     CONVERSATIONS,
@@ -301,10 +301,14 @@ def _live_records(live: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def _kept_by_people(document: Conversation, found: dict[str, Any] | None) -> Conversation:
     """What a person changed since the last run, a rerun keeps: their name, and a prompt they
-    resolved stays resolved."""
+    resolved stays resolved (that the document remembers, or, after a rollback moved the
+    document away, that the dual write marked in `session_hitl`: `document.resolved_hitl`)."""
     if found is None:
         return document
-    resolved = found.get("resolved_hitl") or []
+    # The prompts the new service resolved (`session_hitl`, marked by its dual write) and
+    # those the document remembers: the same ones, but for a document written before.
+    ids = [*(found.get("resolved_hitl") or []), *document.resolved_hitl]
+    resolved = list(dict.fromkeys(ids))[-RESOLVED_PROMPTS_KEPT:]
     kept: dict[str, Any] = {"resolved_hitl": resolved}
     if found.get("approved_calls"):
         kept["approved_calls"] = found["approved_calls"]
