@@ -243,8 +243,9 @@ def _unmerged_reasons(
     return [
         "changed by a person since the migration (a live turn or a pop), and its legacy turns "
         "convert to messages where the conversation holds no place for them (legacy turns "
-        "added or edited since, or messages popped earlier than the newest 100 its document "
-        f"remembers): they are not merged (its {CHANGED_SINCE} problem keeps them)"
+        "added or edited since, messages popped earlier than the newest 100 its document "
+        "remembers, or popped before a rollback moved its document away): they are not "
+        f"merged (its {CHANGED_SINCE} problem keeps them)"
     ], [problem]
 
 

@@ -30,7 +30,7 @@ from pymongo import InsertOne, ReplaceOne
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError
 
-from agent_store.core import AgentMessage, Conversation, message_adapter
+from agent_store.core import RESOLVED_PROMPTS_KEPT, AgentMessage, Conversation, message_adapter
 from agent_store.legacy import LEGACY_TURNS, LegacyConversion, LegacyTurn, Problem
 from agent_store.store import (
     CONVERSATIONS,
@@ -301,10 +301,14 @@ def _live_records(live: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def _kept_by_people(document: Conversation, found: dict[str, Any] | None) -> Conversation:
     """What a person changed since the last run, a rerun keeps: their name, and a prompt they
-    resolved stays resolved."""
+    resolved stays resolved (that the document remembers, or, after a rollback moved the
+    document away, that the dual write marked in `session_hitl`: `document.resolved_hitl`)."""
     if found is None:
         return document
-    resolved = found.get("resolved_hitl") or []
+    # The prompts the new service resolved (`session_hitl`, marked by its dual write) and
+    # those the document remembers: the same ones, but for a document written before.
+    ids = [*(found.get("resolved_hitl") or []), *document.resolved_hitl]
+    resolved = list(dict.fromkeys(ids))[-RESOLVED_PROMPTS_KEPT:]
     kept: dict[str, Any] = {"resolved_hitl": resolved}
     if found.get("approved_calls"):
         kept["approved_calls"] = found["approved_calls"]
@@ -405,6 +409,8 @@ def _plan_one(
     refused = _not_merged(db, item, found, every, foreign)
     if refused is not None:
         planned.live.append(refused)
+        if found is None and refused.kind == CHANGED_SINCE:
+            _plan_moved_away(planned, item, [*stored.values(), *past], carried)
         return
     # Its own messages at other places than the legacy turns put them now (a turn edited
     # since gained or lost a message) are moved; live turns stored past the legacy ones
@@ -420,20 +426,46 @@ def _plan_one(
         del stored[d["seq"]]
     document = wanted_document(conversion, found, (int(d["seq"]) for d in live), carried)
     if document_differs(found, document):
-        dumped = document.model_dump(by_alias=True)
-        # The store's bookkeeping, never served (so no dump holds it): written by hand.
-        if document.resolved_hitl:
-            dumped["resolved_hitl"] = document.resolved_hitl
-        if document.epoch is not None:
-            dumped["epoch"] = document.epoch
-        if document.approved_calls:  # as read back from the document it replaces
-            dumped["approved_calls"] = [dict(call) for call in document.approved_calls]
-        if live:
-            dumped |= _live_records(live)
-        planned.conversations.append(dumped)
+        planned.conversations.append(_dumped(document, live))
     planned.read[cid] = found
     planned.converted[cid] = item
     _plan_messages(db, planned, conversion, stored, owner_after(found, document), gone)
+
+
+def _dumped(document: Conversation, live: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A conversation document as a run writes it, with the turn records of the `live`
+    messages kept past the legacy ones (`_live_records`)."""
+    dumped = document.model_dump(by_alias=True)
+    # The store's bookkeeping, never served (so no dump holds it): written by hand.
+    if document.resolved_hitl:
+        dumped["resolved_hitl"] = document.resolved_hitl
+    if document.epoch is not None:
+        dumped["epoch"] = document.epoch
+    if document.approved_calls:  # as read back from the document it replaces
+        dumped["approved_calls"] = [dict(call) for call in document.approved_calls]
+    if live:
+        dumped |= _live_records(live)
+    return dumped
+
+
+def _plan_moved_away(
+    planned: Planned, item: Converted, stored: Sequence[dict[str, Any]], carried: str | None
+) -> None:
+    """A conversation the migration wrote to, changed by a person since (a live turn where
+    its legacy turns go: a popped message's place, or a legacy turn added since), whose
+    document a rollback moved away: its document is written again as the person left it
+    (its live turns' records, their `seq` values kept, the next turn after them: writable),
+    and nothing else; its legacy turns are not merged (the `conversation_changed_since`
+    problem keeps them), as when the document had stayed."""
+    live = sorted(
+        (d for d in stored if not is_migrated(d.get("turn_id"))), key=lambda d: int(d["seq"])
+    )
+    seqs = (int(d["seq"]) for d in live)
+    document = wanted_document(item.conversion, None, seqs, carried)
+    cid = item.conversion.conversation_id
+    planned.conversations.append(_dumped(document, live))
+    planned.read[cid] = None
+    planned.converted[cid] = item
 
 
 def _not_merged(
@@ -444,9 +476,11 @@ def _not_merged(
     foreign: Sequence[dict[str, Any]],
 ) -> Problem | None:
     """The problem of a conversation whose legacy turns are not merged, or None: one a person
-    changed since the migration whose legacy turns changed since (`unmerged`), or one a live
-    turn holds places of (`foreign`: messages the migration did not write where its legacy
-    turns go) that the migration never wrote to (`migrated_to`)."""
+    changed since the migration whose legacy turns changed since (`unmerged`; also when a
+    rollback moved its document away: a live turn holds places of its legacy turns in a
+    conversation the migration wrote to), or one a live turn holds places of (`foreign`:
+    messages the migration did not write where its legacy turns go) that the migration never
+    wrote to (`migrated_to`)."""
     conversion = item.conversion
     gone = popped(found)
     if unmerged(found, conversion, every, gone) and migrated_to(conversion, every, gone):
@@ -454,6 +488,8 @@ def _not_merged(
     # The migration's own messages are those of legacy turns, these or any filed here
     # before (their turn ids are the migration's: no live writer may name a turn so).
     live = not all(is_migrated(d.get("turn_id")) for d in foreign)
+    if live and found is None and migrated_to(conversion, every, gone):
+        return changed_problem(conversion)  # its document moved away: `_plan_moved_away`
     if live or unmerged(found, conversion, every, gone):
         after = any(is_migrated(turn) for _, turn in every.values())
         extent = len(conversion.messages)

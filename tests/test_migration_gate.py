@@ -31,6 +31,7 @@ from agent_store.legacy import (
     legacy_turn_id,
     not_identifiers,
     parse_turns,
+    with_session_prompts,
 )
 from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES, TurnRules
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
@@ -2265,6 +2266,91 @@ def test_a_second_attempt_after_a_rollback_migrates_a_derived_conversation_as_on
     assert summary(capsys.readouterr().out)["messages written"] == 0
 
 
+def _the_old_service_reads(database: Database[dict[str, Any]], cid: str) -> Conversation | None:
+    """The conversation as the old service reads it after a rollback: its turns in
+    `agent_conversations` and their `session_hitl` prompts, read by the legacy format's one
+    reader."""
+    turns = list(database[CONVERSATIONS].find({"conversation_id": cid}))
+    prompts = list(database[SESSION_HITL].find({"conversation_id": cid}))
+    return with_session_prompts(convert(turns), prompts).conversation
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("messages", ["cleared", "kept"])
+def test_a_prompt_resolved_on_the_new_service_stays_resolved_after_a_rollback(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str],
+    messages: str,
+) -> None:  # fmt: skip
+    """A person answers a legacy prompt on the new service, dual write on: the answer is
+    written where the old service records the prompt (`session_hitl`), so after a rollback
+    the old service does not ask it again, and the second attempt keeps it resolved: not
+    pending, the call it held released, and answering it again answers as the first did."""
+    call = {"type": "tool_call", "tool_name": "pay", "args": {"eur": 5}, "tool_call_id": "k-1"}
+    prompt = {"type": "hitl", "action": "pay", "params": {}, "request_id": "r-1", "prompt": "?"}
+    database[CONVERSATIONS].insert_one(
+        legacy_turn("t-1", "c-h", 0, "H") | {"response_parts": [call, prompt]}
+    )
+    database[SESSION_HITL].insert_one(
+        {"_id": "p-1", "conversation_id": "c-h", "request_id": "r-1", "action": "pay",
+         "status": "pending", "user_id": "u-1"}
+    )  # fmt: skip
+    assert cli(wire_uri, database, "run") == 0
+    resolve = lambda s: s.resolve_hitl("c-h", "r-1", user_id="u-1")  # noqa: E731
+    _as_a_person(wire_uri, database, resolve, dual_write=True)
+
+    roll_back(database, clear_messages=messages == "cleared")
+    old = _the_old_service_reads(database, "c-h")
+    assert old is not None
+    assert old.pending_hitl is None
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
+    found = database[CONVERSATIONS].find_one({"_id": "c-h"})
+    assert found is not None
+    assert (found["pending_hitl"], found["resolved_hitl"]) == (None, ["r-1"])
+    assert [c["request_id"] for c in found["pending_calls"]] == [None]
+    _as_a_person(wire_uri, database, resolve, dual_write=True)  # answered as the first time
+    capsys.readouterr()
+    assert cli(wire_uri, database, "run") == 0
+    assert summary(capsys.readouterr().out)["conversation documents written"] == 0
+
+
+@pytest.mark.wire
+def test_a_second_attempt_keeps_a_live_turn_logged_where_a_person_popped_a_migrated_message(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A person pops a migrated answer and a live turn takes its place; the rollback moves
+    the document recording the pop away, and the old service's legacy turns still hold the
+    answer. The second attempt keeps the person's conversation as it was (its document
+    written again, so it stays writable) and does not merge the legacy turns: the answer is
+    kept in a `conversation_changed_since` problem, and once an operator accepts it the gate
+    passes and the drop goes."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-p", n, f"L{n}") for n in range(2)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    _as_a_person(wire_uri, database, lambda s: s.pop_last_message("c-p", user_id="u-1"))
+    log_live(wire_uri, database, "c-p", "live-1", "LIVE", dual_write=True)
+    roll_back(database, clear_messages=False)
+
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-p", "live-2", "AFTER")  # writable
+    texts = ["L0 question", "L0 answer", "L1 question", "LIVE?", "LIVE", "AFTER?", "AFTER"]
+    stored = database[MESSAGES].find({"conversation_id": "c-p"}).sort("seq", 1)
+    assert [(m["seq"], m["content"]) for m in stored] == list(enumerate(texts))
+    [problem] = database[PROBLEMS].find({"conversation_id": "c-p"})
+    assert problem["kind"] == "conversation_changed_since"
+    assert "L1 answer" in json.dumps(problem["content"])
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert "conversation_changed_since" in capsys.readouterr().out
+    assert cli(wire_uri, database, "finish", "--accept", "c-p", "--note", "in problems") == 0
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert database[MESSAGES].count_documents({"conversation_id": "c-p"}) == len(texts)
+
+
 @pytest.mark.wire
 def test_finish_waits_for_no_run_holding_the_lock_and_drops_nothing_while_one_runs(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
@@ -2359,14 +2445,18 @@ def _as_a_person(
     wire_uri: str,
     database: Database[dict[str, Any]],
     act: Callable[[ConversationStore], Coroutine[Any, Any, Any]],
+    *,
+    dual_write: bool = False,
 ) -> None:
-    """What a person does through the store (the service), the read fallback on."""
+    """What a person does through the store (the service), the read fallback on, and the
+    dual write if asked."""
 
     async def go() -> None:
         client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
         try:
             db = client[database.name]
-            await act(ConversationStore(db, legacy=LegacyTurns(db, read_fallback=True)))
+            legacy = LegacyTurns(db, read_fallback=True, dual_write=dual_write)
+            await act(ConversationStore(db, legacy=legacy))
         finally:
             await client.close()
 

@@ -16,7 +16,13 @@ from agent_store import (
     VersionMismatch,
 )
 from agent_store.core import AgentMessage, utc_now
-from agent_store.legacy import LEGACY_TURNS, SESSION_HITL, convert
+from agent_store.legacy import (
+    LEGACY_TURNS,
+    SESSION_HITL,
+    convert,
+    is_pending_prompt,
+    with_session_prompts,
+)
 from agent_store.store import CONVERSATIONS, MESSAGES, is_derived_id
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_legacy_turns
 from tests.conftest import Backend
@@ -702,3 +708,102 @@ async def test_erasing_a_user_takes_their_turns_under_an_object_id(backend: Back
 
     assert erased.legacy_turns == 1
     assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
+
+
+async def _a_migrated_prompt(backend: Backend, legacy_id: str = "conv-h") -> str:
+    """A migrated conversation whose legacy turn raised the prompt r-1, pending in
+    `session_hitl` (naming the legacy id); the id it is stored under."""
+    prompt = {"type": "hitl", "action": "pay", "params": {}, "request_id": "r-1"}
+    turn = {"_id": "t-1", "conversation_id": legacy_id, "user_id": "u-1",
+            "created_at": utc_now(), "user_message": "pay?",
+            "response_parts": [prompt]}  # fmt: skip
+    await backend.db[SESSION_HITL].insert_many(
+        [{"_id": "p-1", "conversation_id": legacy_id, "request_id": "r-1", "action": "pay",
+          "status": "pending"},
+         {"_id": "p-other", "conversation_id": "conv-other", "request_id": "r-1",
+          "action": "pay", "status": "pending"}]
+    )  # fmt: skip
+    cid = await migrated(backend, [turn])
+    prompts = await backend.db[SESSION_HITL].find({"_id": "p-1"}).to_list(None)
+    document = with_session_prompts(convert([turn]), prompts).conversation
+    assert document is not None
+    await backend.db[CONVERSATIONS].replace_one({"_id": cid}, document.model_dump(by_alias=True))
+    return cid
+
+
+@pytest.mark.parametrize("legacy_id", ["conv-h", "conv h/é"],
+                         ids=["a legacy id", "a legacy id stored under a derived id"])  # fmt: skip
+async def test_with_dual_write_a_resolved_prompt_is_resolved_in_session_hitl_too(
+    backend: Backend, legacy_id: str
+) -> None:
+    """The old service reads its prompts from `session_hitl`: the answer is written there,
+    to that prompt alone, so a rollback does not ask it again; and a conversion reading it
+    keeps it resolved (`resolved_hitl`), as the document the rollback moves away did."""
+    cid = await _a_migrated_prompt(backend, legacy_id)
+    _, store = wired(backend, dual_write=True)
+
+    await store.resolve_hitl(cid, "r-1", user_id="u-1")
+
+    answered = await backend.db[SESSION_HITL].find_one({"_id": "p-1"})
+    other = await backend.db[SESSION_HITL].find_one({"_id": "p-other"})
+    assert answered is not None
+    assert other is not None
+    assert (answered["status"], answered["resolved"], answered["dual_write"]) == (
+        "resolved", True, True)  # fmt: skip
+    assert not is_pending_prompt(answered)
+    assert is_pending_prompt(other)
+    turns = await backend.db[LEGACY_TURNS].find().to_list(None)
+    conversion = with_session_prompts(convert(turns), [answered])
+    assert conversion.conversation is not None
+    assert conversion.conversation.pending_hitl is None
+    assert conversion.conversation.resolved_hitl == ["r-1"]
+
+
+async def test_a_resolution_retried_after_its_dual_write_failed_writes_it(
+    backend: Backend,
+) -> None:
+    """The answer recorded, its dual write lost (the database gone meanwhile): the retry,
+    answered as the first, writes the dual write."""
+    cid = await _a_migrated_prompt(backend)
+    await ConversationStore(backend.db).resolve_hitl(cid, "r-1")  # no legacy: no dual write
+    assert is_pending_prompt(await backend.db[SESSION_HITL].find_one({"_id": "p-1"}) or {})
+
+    _, store = wired(backend, dual_write=True)
+    await store.resolve_hitl(cid, "r-1")
+
+    assert not is_pending_prompt(await backend.db[SESSION_HITL].find_one({"_id": "p-1"}) or {})
+
+
+async def test_without_dual_write_a_resolution_leaves_session_hitl_as_it_is(
+    backend: Backend,
+) -> None:
+    cid = await _a_migrated_prompt(backend)
+    _, store = wired(backend)
+
+    await store.resolve_hitl(cid, "r-1")
+
+    assert is_pending_prompt(await backend.db[SESSION_HITL].find_one({"_id": "p-1"}) or {})
+
+
+def test_a_prompt_the_old_service_resolved_is_not_remembered_as_the_new_services() -> None:
+    """Only the dual write's mark says the new service answered a prompt: one the old
+    service resolved converts as it always did (not pending, not in `resolved_hitl`)."""
+    turn = {"_id": "t-1", "conversation_id": "c", "created_at": utc_now(), "user_message": "?"}
+    prompts = [{"conversation_id": "c", "request_id": "r-old", "status": "done"},
+               {"conversation_id": "c", "request_id": "r-new", "status": "resolved",
+                "resolved": True, "dual_write": True}]  # fmt: skip
+    conversation = with_session_prompts(convert([turn]), prompts).conversation
+    assert conversation is not None
+    assert (conversation.pending_hitl, conversation.resolved_hitl) == (None, ["r-new"])
+
+
+@pytest.mark.wire
+async def test_a_resolutions_dual_write_costs_one_more_round_trip(wire_backend: Backend) -> None:
+    assert wire_backend.commands is not None
+    cid = await _a_migrated_prompt(wire_backend)
+    _, store = wired(wire_backend, dual_write=True)
+    wire_backend.commands.clear()
+
+    await store.resolve_hitl(cid, "r-1")
+
+    assert wire_backend.commands.names == ["update", "update"]

@@ -5,7 +5,9 @@ case or with spaces is the status, a request id stored as a number by its text, 
 as a datetime or an ISO string; its prompt, action and params as a HITL part's
 (`read_prompt`). The newest pending prompt becomes `pending_hitl`; any other pending
 prompt whose content no message holds is kept in a problem, and so is a field of a
-pending prompt no reader takes.
+pending prompt no reader takes. A prompt the new service resolved (`resolve_hitl` with the
+dual write on marks it resolved and `dual_write: true`, `RESOLVED_BY_DUAL_WRITE`) stays
+resolved: its request id is the conversation's `resolved_hitl`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ from typing import Any
 
 from bson import ObjectId
 
-from agent_store.core import AgentMessage, PendingHitl, to_utc_millis
+from agent_store.core import (
+    RESOLVED_PROMPTS_KEPT,
+    AgentMessage,
+    Conversation,
+    PendingHitl,
+    to_utc_millis,
+)
 from agent_store.legacy._convert import LegacyConversion, Problem
 from agent_store.legacy._documents import as_time, reference_text, truthy
 from agent_store.legacy._parts import hitl_params, part_text, read_prompt, said
@@ -25,11 +33,19 @@ from agent_store.legacy._parts import hitl_params, part_text, read_prompt, said
 _RESOLVED = {"resolved", "answered", "done", "completed", "cancelled", "canceled", "expired"}
 _READ_FIELDS = frozenset(
     {"_id", "conversation_id", "session_id", "user_id", "request_id", "status", "resolved"}
-    | {"created_at", "updated_at", "action", "params", "prompt", "content"}
+    | {"created_at", "updated_at", "action", "params", "prompt", "content", "dual_write"}
 )
 """The fields of a prompt document that are read: whose prompt it is and of which
-conversation, its state and times (`session_hitl`'s bookkeeping), and the prompt itself in
-each spelling a HITL part has."""
+conversation, its state and times (`session_hitl`'s bookkeeping, the dual write's mark), and
+the prompt itself in each spelling a HITL part has."""
+
+
+def resolved_by_dual_write(now: datetime) -> dict[str, Any]:
+    """What the dual write sets on a `session_hitl` prompt the new service resolved
+    (`resolve_hitl`): resolved in both spellings the legacy format has, so the old service
+    asks it no more after a rollback, and marked `dual_write: true`, so a run keeps its
+    request id resolved (`resolved_hitl`)."""
+    return {"status": "resolved", "resolved": True, "updated_at": now, "dual_write": True}
 
 
 @dataclass(frozen=True)
@@ -191,15 +207,39 @@ def pending_from_session_hitl(
     return prompt, notes + older + newest_notes + unread
 
 
+def resolved_on_the_new_service(documents: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The request ids of the prompts the new service resolved (`resolved_by_dual_write`),
+    oldest first, the newest `RESOLVED_PROMPTS_KEPT`: a rerun or a second attempt after a
+    rollback keeps them resolved, as the conversation document it replaces remembered them.
+    A prompt resolved by the old service is read as it always was (not pending)."""
+    resolved = [
+        d
+        for d in documents
+        if d.get("dual_write") is True
+        and not is_pending_prompt(d)
+        and reference_text(d.get("request_id")) is not None
+    ]
+    resolved.sort(key=lambda d: (_time(d) is not None, _time(d) or datetime.min))
+    ids = [str(reference_text(d.get("request_id"))) for d in resolved]
+    return list(dict.fromkeys(ids))[-RESOLVED_PROMPTS_KEPT:]
+
+
 def with_session_prompts(
     conversion: LegacyConversion, documents: Iterable[Mapping[str, Any]]
 ) -> LegacyConversion:
-    """The conversion with its pending prompt from `session_hitl`; oddities become problems."""
+    """The conversion with its pending prompt from `session_hitl`, and the prompts the new
+    service resolved (`resolved_hitl`: the calls they held await their results); oddities
+    become problems."""
+    documents = list(documents)
     pending, notes = pending_from_session_hitl(documents, conversion.messages)
-    if conversion.conversation is not None:
-        conversion.conversation = conversion.conversation.model_copy(
-            update={"pending_hitl": pending}
-        )
+    conversation = conversion.conversation
+    if conversation is not None:
+        conversation = conversation.model_copy(update={"pending_hitl": pending})
+        if resolved := resolved_on_the_new_service(documents):
+            # Validated again: the calls the resolved prompts held await their results.
+            dumped = conversation.model_dump(by_alias=True)
+            conversation = Conversation.model_validate(dumped | {"resolved_hitl": resolved})
+        conversion.conversation = conversation
     conversion.problems += [
         Problem(
             conversation_id=conversion.conversation_id,

@@ -9,7 +9,7 @@ from typing import Any
 
 import bson
 
-from agent_store.core import AgentMessage, Conversation
+from agent_store.core import AgentMessage, Conversation, utc_now
 from agent_store.legacy._convert import convert
 from agent_store.legacy._documents import (
     LEGACY_TURNS,
@@ -24,7 +24,7 @@ from agent_store.legacy._documents import (
     scalar_filter,
 )
 from agent_store.legacy._dual_write import legacy_turn_documents
-from agent_store.legacy._session_hitl import with_session_prompts
+from agent_store.legacy._session_hitl import resolved_by_dual_write, with_session_prompts
 from agent_store.store import (
     CONVERSATIONS,
     DERIVED_CONVERSATION_PREFIX,
@@ -200,6 +200,24 @@ class LegacyTurns:
                 {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
             )
         return int(moved.modified_count)
+
+    async def prompt_resolved(self, conversation_id: str, request_id: str) -> None:
+        """With `dual_write`, mark the conversation's `session_hitl` prompt `request_id`
+        resolved (`resolved_by_dual_write`), where the old service records it: after a
+        rollback it asks it no more, and a second attempt keeps it resolved. One round trip
+        (one more lookup for a derived id, for the legacy id its prompts name); a prompt
+        `session_hitl` does not hold (raised by a live turn) gets none."""
+        if not self.dual_write:
+            return
+        original = await self._original_id(conversation_id)
+        query = {
+            "$and": [
+                _prompts_filter(conversation_id, original),
+                id_filter("request_id", request_id),
+            ]
+        }
+        with storage_errors("write the resolved prompt (dual write)"):
+            await self._prompts.update_many(query, {"$set": resolved_by_dual_write(utc_now())})
 
     async def turn_logged(self, turn: LoggedTurn, conversation: Conversation) -> None:
         """With `dual_write`, upsert the turn as legacy turns; a retry rewrites the same ones.

@@ -79,6 +79,12 @@ class LegacySource(Protocol):
         stored under a derived id by."""
         ...
 
+    async def prompt_resolved(self, conversation_id: str, request_id: str) -> None:
+        """A person answered the prompt `request_id` (`resolve_hitl`): with the dual write on,
+        record it where the legacy format keeps the prompt, so a rollback does not ask it
+        again and a second attempt keeps it resolved."""
+        ...
+
     async def erase_user(self, user_id: str) -> int:
         """Delete every legacy conversation the user owns, and every legacy turn and prompt
         naming the user; how many turns went."""

@@ -929,7 +929,7 @@ class ConversationStore:
         with storage_errors("resolve the pending prompt"):
             result = await self._conversations.update_one({**scope, **query}, update)
         if result.matched_count:
-            return
+            return await self._resolved_in_legacy(conversation_id, request_id)
         with storage_errors("read the pending prompt"):
             doc = await self._conversations.find_one(
                 scope, {"pending_hitl": 1, "resolved_hitl": 1, "approved_calls": 1}
@@ -940,10 +940,19 @@ class ConversationStore:
             if request_id in (doc.get("resolved_hitl") or ()) or answered_calls(
                 doc, request_id, concerns
             ):
-                return  # resolved before: its first answer stands
+                # Resolved before: its first answer stands (its dual write again, for a
+                # retry whose first attempt failed after the answer was recorded).
+                return await self._resolved_in_legacy(conversation_id, request_id)
             raw = doc.get("pending_hitl")
             pending = PendingHitl.model_validate(raw) if raw else None
         raise _not_resolvable(conversation_id, request_id, pending)
+
+    async def _resolved_in_legacy(self, conversation_id: str, request_id: str) -> None:
+        """The answer's dual write (`LegacySource.prompt_resolved`): its legacy prompt marked
+        resolved, so a rollback keeps it answered (one more round trip with the dual write
+        on, none without)."""
+        if self._legacy_source is not None:
+            await self._legacy_source.prompt_resolved(conversation_id, request_id)
 
     # -- search ----------------------------------------------------------------------
 
