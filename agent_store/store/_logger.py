@@ -377,6 +377,14 @@ class AgentMessageLogger:
             stored = await self._follow_the_conversation(plan.conversation_id, reserved, stored)
         if reserved.replayed:
             await self._follow_times(plan.conversation_id, reserved, stored)
+        return await self._told(plan, reserved, stored)
+
+    async def _told(
+        self, plan: TurnPlan, reserved: _Reserved, stored: list[AgentMessage]
+    ) -> LoggedTurn:
+        """The stored turn, once every observer is told of it: the one way out of every write
+        that adds messages (a turn, a fork's copies, a steering delivery), so the dual write
+        keeps each of them for a rollback."""
         # Every part is validated already: constructed, not validated again message by message.
         logged = LoggedTurn.model_construct(
             conversation_id=plan.conversation_id,
@@ -461,12 +469,7 @@ class AgentMessageLogger:
         )
         owner = Actor(source.get("user_id"), as_user=owner_only)
         reserved = await self._reserve(plan, owner, None, condition)
-        return LoggedTurn(
-            conversation_id=plan.conversation_id,
-            turn_id=plan.turn_id,
-            messages=await self._store(plan, reserved),
-            replayed=reserved.replayed,
-        )
+        return await self._told(plan, reserved, await self._store(plan, reserved))
 
     def _refuse_unfinished(
         self,
