@@ -44,6 +44,7 @@ from agent_store.core import InvalidInput, to_utc_millis, utc_now
 from agent_store.legacy import (
     LEGACY_TURNS,
     SESSION_HITL,
+    LegacyConversion,
     LegacyTurn,
     Problem,
     convert,
@@ -77,7 +78,7 @@ from migrations.keys import identity
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.order import Ranges, plan_ranges, range_ids, spread_ids
 from migrations.relocate import TURN_FILTER
-from migrations.writes import Converted
+from migrations.writes import Converted, is_migrated
 
 LEGACY_FILTER: dict[str, Any] = TURN_FILTER
 """Legacy turns, those the new logger wrote for rollback too: each read is narrowed to what
@@ -386,7 +387,48 @@ def convert_batch(
     )
     for item in converted:
         with_session_prompts(item.conversion, hitl.get(item.conversion.conversation_id, []))
+    held_documents = [d for _, found in read + joined for d in found if id(d) in stored]
+    converted += live_only(db, held_documents, set(groups), rules, undated_at)
     return converted, failed, turns
+
+
+def live_only(
+    db: Database[dict[str, Any]],
+    documents: list[dict[str, Any]],
+    converted: set[str],
+    rules: TurnRules,
+    undated_at: datetime | None,
+) -> list[Converted]:
+    """The conversations of these held dual writes (`dual_writes.held`) that the new service
+    started, or forked, during the transition: no other legacy turn of the batch makes them
+    (not in `converted`) and their first message (`seq` 0) is a live turn's, not the
+    migration's (one indexed read; a conversation holding migrated messages is its legacy
+    turns', whichever batch reads them). Each is a conversation document to write again (a
+    rollback moved it away) and no message (theirs are stored): its summary is what its dual
+    writes convert to (`writes` counts and folds its stored messages), and its dual writes
+    fence its writes as legacy turns do (`Converted.held`). It reads no `session_hitl`
+    prompt: one naming it is an orphan (`orphan_prompts`, which reads no dual write either)."""
+    try:
+        turns = parse_turns(documents)
+    except InvalidInput:  # a dual write edited past reading: `dual_writes.differences` says so
+        return []
+    groups = {c: g for c, g in group_conversations(turns).items() if c not in converted}
+    if not groups:
+        return []
+    first = db[MESSAGES].find(
+        {"conversation_id": {"$in": sorted(groups)}, "seq": 0}, {"conversation_id": 1, "turn_id": 1}
+    )
+    live = {m["conversation_id"] for m in first if not is_migrated(m.get("turn_id"))}
+    found: list[Converted] = []
+    for cid, group in groups.items():
+        if cid not in live:
+            continue
+        conversion = convert(group, rules=rules, undated_at=undated_at)
+        if conversion.conversation is None:
+            continue
+        summary = conversion.conversation.model_copy(update={"message_count": 0})
+        found.append(Converted([], LegacyConversion(cid, [], summary, [], 0), held=group))
+    return found
 
 
 def other_spellings(

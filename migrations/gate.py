@@ -20,7 +20,7 @@ dropped.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -29,7 +29,7 @@ from pymongo.database import Database
 
 from agent_store.core import AgentMessage
 from agent_store.legacy import LEGACY_TURNS, MIXED_USER_IDS, Problem
-from agent_store.store import CONVERSATIONS, TurnRules, with_texts
+from agent_store.store import CONVERSATIONS, MESSAGES, TurnRules, with_texts
 from migrations import abandoned, dual_writes, full_texts, orphan_prompts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
@@ -374,8 +374,32 @@ def check(
     for found in abandoned.chunks(db):
         gate.left += [WorkLeft(item.conversation_id, [item.reason]) for item in found]
         renew()
+    named = {left.conversation_id for left in gate.left}
+    for ids in batches(live_without_document(db), abandoned.CHUNK):
+        gate.conversations += len(ids)
+        gate.left += [WorkLeft(cid, [WITHOUT_DOCUMENT]) for cid in ids if cid not in named]
+        renew()
     gate.unread = unread_documents(db)
     return gate
+
+
+WITHOUT_DOCUMENT = (
+    "its messages are stored without a conversation document, and no legacy turn makes it "
+    "(logged while the dual write was off, its document moved away by a rollback?): unlisted, "
+    "and its next turn would take their places. Put its conversation document back (from "
+    "where the rollback moved it), or delete its messages"
+)
+
+
+def live_without_document(db: Database[dict[str, Any]]) -> Iterator[str]:
+    """The conversations whose first message (`seq` 0) a live turn wrote and that have no
+    conversation document: one read of the first messages, then one of their documents a
+    chunk at a time (those of the migration's messages are `abandoned`'s)."""
+    first = db[MESSAGES].find({"seq": 0}, {"conversation_id": 1, "turn_id": 1})
+    live = (m["conversation_id"] for m in first if not is_migrated(m.get("turn_id")))
+    for ids in batches(live, abandoned.CHUNK):
+        stored = {d["_id"] for d in db[CONVERSATIONS].find({"_id": {"$in": ids}}, {"_id": 1})}
+        yield from (cid for cid in ids if cid not in stored)
 
 
 def _check_batch(

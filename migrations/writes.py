@@ -30,7 +30,13 @@ from pymongo import InsertOne, ReplaceOne
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError
 
-from agent_store.core import RESOLVED_PROMPTS_KEPT, AgentMessage, Conversation, message_adapter
+from agent_store.core import (
+    RESOLVED_PROMPTS_KEPT,
+    AgentMessage,
+    Conversation,
+    message_adapter,
+    messages_adapter,
+)
 from agent_store.legacy import LEGACY_TURNS, LegacyConversion, LegacyTurn, Problem
 from agent_store.store import (
     CONVERSATIONS,
@@ -40,6 +46,7 @@ from agent_store.store import (
     TurnRules,
     kept_blob_ids,
     only_duplicates,
+    pending_after,
     stored_turn_record,
 )
 from migrations import full_texts
@@ -54,6 +61,9 @@ class Converted:
 
     turns: list[LegacyTurn]
     conversion: LegacyConversion
+    held: list[LegacyTurn] = field(default_factory=list)
+    """For a conversation no other legacy turn makes (`explode.live_only`): its dual-written
+    turns, whose messages are stored. They fence its writes as `turns` do (`_turns_gone`)."""
 
 
 @dataclass
@@ -299,6 +309,20 @@ def _live_records(live: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"turns": records[-kept:], "turns_dropped": Int64(max(0, len(records) - kept))}
 
 
+def _as_stored_messages_leave_it(
+    document: Conversation, live: Sequence[dict[str, Any]]
+) -> Conversation:
+    """The document of a conversation only live turns wrote (`explode.live_only`), with what
+    its stored messages say where its dual writes cannot: what it awaits, by the ids of those
+    messages, and when it was last written to."""
+    messages = messages_adapter.validate_python(live)
+    calls, hitl = pending_after(messages)
+    updated = max(document.updated_at, *(m.created_at for m in messages))
+    return document.model_copy(
+        update={"pending_calls": calls, "pending_hitl": hitl, "updated_at": updated}
+    )
+
+
 def _kept_by_people(document: Conversation, found: dict[str, Any] | None) -> Conversation:
     """What a person changed since the last run, a rerun keeps: their name, and a prompt they
     resolved stays resolved (that the document remembers, or, after a rollback moved the
@@ -420,11 +444,13 @@ def _plan_one(
         del stored[seq]  # a popped message's place: what holds it now is left as it is
     live = [d for d in past if not is_migrated(d.get("turn_id"))]
     moved = [d["_id"] for d in foreign + past if is_migrated(d.get("turn_id"))]
-    if moved:
+    if moved and not item.held:  # only the legacy turns' own conversion moves their messages
         planned.moved[cid] = moved
     for d in foreign:
         del stored[d["seq"]]
     document = wanted_document(conversion, found, (int(d["seq"]) for d in live), carried)
+    if item.held and live:
+        document = _as_stored_messages_leave_it(document, live)
     if document_differs(found, document):
         planned.conversations.append(_dumped(document, live))
     planned.read[cid] = found
@@ -621,7 +647,7 @@ def _turns_gone(
     """The conversations of `items` some legacy turn of which, as the plan read them, is no
     longer in `source` (a person deleted the conversation, an erasure took the turns): one
     read of their `_id`s (per `_TURNS_A_READ`)."""
-    wanted = [turn.id for item in items.values() for turn in item.turns]
+    wanted = [turn.id for item in items.values() for turn in item.turns + item.held]
     found: set[bytes] = set()
     for start in range(0, len(wanted), _TURNS_A_READ):
         query = {"_id": {"$in": wanted[start : start + _TURNS_A_READ]}}
@@ -629,7 +655,7 @@ def _turns_gone(
     return {
         cid
         for cid, item in items.items()
-        if any(id_key(turn.id) not in found for turn in item.turns)
+        if any(id_key(turn.id) not in found for turn in item.turns + item.held)
     }
 
 

@@ -43,8 +43,8 @@ ALLOWED_BROADCASTS: dict[tuple[str, str], str] = {
         "document (the `seq` 0 ones): the operator's one-shot tool"
     ),
     ("migration finish", MESSAGES): (
-        "its gate looks once for migrated messages left without their conversation document "
-        "(the `seq` 0 ones): the operator's one-shot tool"
+        "its gate looks for migrated messages left without their conversation document, and "
+        "for live ones (the `seq` 0 ones): the operator's one-shot tool"
     ),
 }
 """Operations that may reach every shard of `agent_messages`, with the reason."""

@@ -3459,3 +3459,129 @@ def test_a_conversation_whose_legacy_turns_name_several_users_needs_the_operator
     [problem] = database[PROBLEMS].find({"kind": "mixed_user_ids"})
     assert problem["conversation_id"] == stored_id
     assert sorted(problem["content"]) == users
+
+
+# -- a second attempt after a rollback keeps every live conversation ----------------------
+
+
+def _on_the_service(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    act: Callable[[ConversationStore, AgentMessageLogger], Coroutine[Any, Any, Any]],
+    *,
+    dual_write: bool = True,
+) -> Any:
+    """What the new service does, wired as in the transition: read fallback, dual write."""
+
+    async def go() -> Any:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            db = client[database.name]
+            legacy = LegacyTurns(db, read_fallback=True, dual_write=dual_write)
+            logger = AgentMessageLogger(db, observers=[legacy], legacy=legacy)
+            return await act(ConversationStore(db, legacy=legacy), logger)
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def _turn(cid: str, turn_id: str, text: str) -> Callable[..., Coroutine[Any, Any, Any]]:
+    async def log(_: ConversationStore, logger: AgentMessageLogger) -> LoggedTurn:
+        messages = [{"role": "user", "content": f"{text}?"}, {"role": "assistant", "content": text}]
+        return await logger.log_messages(cid, messages, user_id="u-1", turn_id=turn_id)
+
+    return log
+
+
+def _second_attempt(wire_uri: str, database: Database[dict[str, Any]]) -> None:
+    """The runbook after a rollback: run, verify, finish, then the drop; each exits 0."""
+    for command in (["run"], ["verify"], ["finish"], ["finish", "--drop-legacy", "--yes"]):
+        assert cli(wire_uri, database, *command) == 0, command
+
+
+def _texts_of(database: Database[dict[str, Any]], cid: str) -> list[Any]:
+    return [m["content"] for m in database[MESSAGES].find({"conversation_id": cid}).sort("seq")]
+
+
+@pytest.mark.wire
+def test_a_conversation_started_during_the_transition_is_whole_after_a_second_attempt(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A conversation the new service started has only dual-written turns, their messages
+    stored: the second attempt writes its document again (it was moved away with the
+    others), so it is listed, read and written to as before, its earlier turns kept."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-old", 0, "«OLD»"))
+    assert cli(wire_uri, database, "run") == 0
+    _on_the_service(wire_uri, database, _turn("n-new", "live-1", "«NEW-1»"))
+    roll_back(database, clear_messages=False)
+
+    _second_attempt(wire_uri, database)
+
+    document = database[CONVERSATIONS].find_one({"_id": "n-new"})
+    assert document is not None
+    assert (document["user_id"], document["message_count"], document["turn_count"]) == (
+        "u-1",
+        2,
+        1,
+    )
+
+    async def read_then_write(store: ConversationStore, logger: AgentMessageLogger) -> list[str]:
+        listed = await store.list_conversations("u-1")
+        await store.get_conversation("n-new", user_id="u-1")
+        await _turn("n-new", "live-2", "«NEW-2»")(store, logger)
+        return sorted(c.id for c in listed.data)
+
+    assert _on_the_service(wire_uri, database, read_then_write, dual_write=False) == [
+        "c-old",
+        "n-new",
+    ]
+    assert _texts_of(database, "n-new") == ["«NEW-1»?", "«NEW-1»", "«NEW-2»?", "«NEW-2»"]
+
+
+@pytest.mark.wire
+def test_a_fork_made_during_the_transition_is_whole_after_a_rollback_and_a_second_attempt(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """The old service reads a fork made during the transition with its copied history; the
+    second attempt keeps the fork a conversation of its own, every message in it."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"«C{n}»") for n in range(2)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+
+    async def fork(_: ConversationStore, logger: AgentMessageLogger) -> LoggedTurn:
+        return await logger.fork("c-1", 3, "f-1", user_id="u-1")
+
+    _on_the_service(wire_uri, database, fork)
+    _on_the_service(wire_uri, database, _turn("f-1", "live-f", "«F»"))
+    history = ["«C0» question", "«C0» answer", "«C1» question", "«C1» answer", "«F»?", "«F»"]
+    roll_back(database, clear_messages=False)
+    old_service = convert(list(database[CONVERSATIONS].find({"conversation_id": "f-1"})))
+    assert [m.content for m in old_service.messages] == history
+
+    _second_attempt(wire_uri, database)
+    _on_the_service(wire_uri, database, _turn("f-1", "live-g", "«G»"), dual_write=False)
+
+    assert _texts_of(database, "f-1") == [*history, "«G»?", "«G»"]
+
+
+@pytest.mark.wire
+def test_finish_names_a_conversation_whose_messages_have_no_document(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Messages no conversation document holds (a conversation logged while the dual write
+    was off, its document moved away by a rollback): no legacy turn names the conversation,
+    yet a drop would leave it unlisted and its next turn would delete them. Work left."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-old", 0, "«OLD»"))
+    assert cli(wire_uri, database, "run") == 0
+    _on_the_service(wire_uri, database, _turn("n-off", "live-1", "«OFF»"), dual_write=False)
+    roll_back(database, clear_messages=False)
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish") == 1
+    out = capsys.readouterr().out
+    assert "n-off: its messages are stored without a conversation document" in out
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert relocate.holds_turns(database, LEGACY_TURNS)

@@ -13,6 +13,7 @@ from agent_store import (
     ConversationStore,
     LegacyTurns,
     NotFound,
+    SteeringInbox,
     VersionMismatch,
 )
 from agent_store.core import AgentMessage, utc_now
@@ -807,3 +808,63 @@ async def test_a_resolutions_dual_write_costs_one_more_round_trip(wire_backend: 
     await store.resolve_hitl(cid, "r-1")
 
     assert wire_backend.commands.names == ["update", "update"]
+
+
+# -- every write that adds messages is dual-written ---------------------------------------
+
+
+async def _three_turns(logger: AgentMessageLogger, cid: str) -> None:
+    for n in range(3):
+        await logger.log_messages(
+            cid,
+            [{"role": "user", "content": f"«Q{n}»"}, {"role": "assistant", "content": f"«A{n}»"}],
+            user_id="u-1",
+            turn_id=f"t-{n}",
+        )
+
+
+async def test_a_fork_is_dual_written_as_the_legacy_turns_its_copies_came_from(
+    backend: Backend,
+) -> None:
+    """After a rollback the old service reads a fork made during the transition whole: its
+    copies are legacy turns too, one per turn of the original, which convert back to them."""
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(backend.db, observers=[legacy], legacy=legacy)
+    await _three_turns(logger, "c-1")
+    for _ in range(2):  # the same fork retried rewrites the same legacy turns
+        await logger.fork("c-1", 3, "f-1", user_id="u-1")
+
+    copies = await backend.db[LEGACY_TURNS].find({"conversation_id": "f-1"}).to_list(None)
+    converted = convert(copies)
+    forked = await ConversationStore(backend.db).transcript("f-1")
+
+    assert [(c["user_message"], c["response_text"]) for c in copies] == [
+        ("«Q0»", "«A0»"),
+        ("«Q1»", "«A1»"),
+    ]
+    assert all(c["dual_write"] and c["user_id"] == "u-1" for c in copies)
+    assert converted.problems == []
+    assert visible(converted.messages) == visible(forked)
+
+
+async def test_a_steering_delivery_is_dual_written(backend: Backend) -> None:
+    """A message delivered into a running turn is a turn of its own, stored: the old service
+    finds it after a rollback as it finds every other turn."""
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(backend.db, observers=[legacy], legacy=legacy)
+    await _three_turns(logger, "c-1")
+    inbox = SteeringInbox(logger)
+    await inbox.open_turn("c-1", "t-3", user_id="u-1")
+
+    delivered = await inbox.try_deliver(
+        "c-1", "t-3", {"role": "user", "content": "«STEER»"}, delivery_id="d-1"
+    )
+
+    copies = await backend.db[LEGACY_TURNS].find({"conversation_id": "c-1"}).to_list(None)
+    assert delivered
+    assert [m.content for m in convert(copies).messages if m.role == "user"] == [
+        "«Q0»",
+        "«Q1»",
+        "«Q2»",
+        "«STEER»",
+    ]

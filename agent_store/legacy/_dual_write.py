@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from bson import Int64
@@ -147,24 +148,35 @@ def legacy_turn_documents(
     user_id: str | None,
     name: str | None,
     legacy_id: str | None = None,
+    starts: Collection[int] = (),
 ) -> list[dict[str, Any]]:
-    """A logged turn as legacy turn documents: one (`legacy_turn_document`), or two when it
-    holds a system prompt beside a user's message, which one legacy turn cannot hold (a
-    system turn has only its system text): the system turn first, then the rest."""
-    system = [m for m in messages if m.role == "system"]
-    rest = [m for m in messages if m.role != "system"]
-
-    def document(messages: Sequence[AgentMessage], part: str = "") -> dict[str, Any]:
-        return legacy_turn_document(
-            conversation_id,
-            turn_id,
-            messages,
-            user_id=user_id,
-            name=name,
-            part=part,
-            legacy_id=legacy_id,
+    """A logged turn as legacy turn documents: one (`legacy_turn_document`) per run of its
+    messages, cut at the `seq`s of `starts` (a fork's copies: where the turns of its original
+    began, `ForkOrigin.turn_starts`, so the old reader reads the fork's history turn by turn,
+    as the original's), each named apart by its first `seq`. A run holding a system prompt
+    beside a user's message, which one legacy turn cannot hold (a system turn has only its
+    system text), is two: the system turn first, then the rest."""
+    cuts = [i for i, m in enumerate(messages) if i and m.seq in starts]
+    documents: list[dict[str, Any]] = []
+    for first, end in pairwise([0, *cuts, len(messages)]):
+        run = messages[first:end]
+        part = f"seq-{run[0].seq}" if first else ""
+        system = [m for m in run if m.role == "system"]
+        rest = [m for m in run if m.role != "system"]
+        split = bool(system) and any(m.role == "user" for m in rest)
+        pieces: list[tuple[Sequence[AgentMessage], str]] = (
+            [(system, "system"), (rest, "")] if split else [(run, "")]
         )
-
-    if not system or not any(m.role == "user" for m in rest):
-        return [document(messages)]
-    return [document(system, part="system"), document(rest)]
+        for piece, suffix in pieces:
+            documents.append(
+                legacy_turn_document(
+                    conversation_id,
+                    turn_id,
+                    piece,
+                    user_id=user_id,
+                    name=name,
+                    part=part + suffix,
+                    legacy_id=legacy_id,
+                )
+            )
+    return documents

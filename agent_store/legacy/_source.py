@@ -35,6 +35,7 @@ from agent_store.store import (
     LegacyHolder,
     LoggedTurn,
     TurnRules,
+    fork_turn_id,
     same_conversation,
     storage_errors,
 )
@@ -225,8 +226,10 @@ class LegacyTurns:
         They name the conversation as its legacy turns do, so the old reader finds them in
         it after a rollback: a conversation migrated under a derived `legacy-conversation-`
         id by the legacy id it stands for (its document's `legacy_conversation_id`, which
-        the logger hands over: no more reads). The legacy reader knows no GridFS: a message
-        cut to its bound is written whole (two more lookups, for such a turn only). Then the
+        the logger hands over: no more reads). A fork's copies are the legacy turns of its
+        original they came from, one each (`ForkOrigin.turn_starts`). The legacy reader
+        knows no GridFS: a message cut to its bound is written whole (two more lookups, for
+        such a turn only). Then the
         conversation is looked up (one more round trip): when it was deleted meanwhile, the
         turns just written go again, so a delete finishing before the dual write lands does
         not bring it back.
@@ -242,6 +245,7 @@ class LegacyTurns:
                 user_id=conversation.user_id,
                 name=conversation.name,
                 legacy_id=legacy_id_of(conversation.id, conversation.legacy_conversation_id),
+                starts=_copied_turn_starts(turn, conversation),
             )
 
         documents = documents_of(turn.messages)
@@ -288,6 +292,15 @@ class LegacyTurns:
                 }
             )
         return int(deleted.deleted_count)
+
+
+def _copied_turn_starts(turn: LoggedTurn, conversation: Conversation) -> list[int]:
+    """Where the turns of a fork's original began among the fork's copies (`seq`s), when the
+    turn is those copies; none for any other turn."""
+    origin = conversation.forked_from
+    if origin is None or turn.turn_id != fork_turn_id(origin.conversation_id, origin.seq):
+        return []
+    return list(origin.turn_starts)
 
 
 def legacy_id_of(conversation_id: str, recorded: Any) -> str | None:

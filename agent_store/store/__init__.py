@@ -23,6 +23,7 @@ from agent_store.store._driver import (
     redact_uri,
     storage_errors,
 )
+from agent_store.store._fork import fork_turn_id
 from agent_store.store._inbox import SteeringInbox
 from agent_store.store._indexes import (
     BLOB_BUCKET,
@@ -170,6 +171,7 @@ __all__ = [
     "create_indexes",
     "create_indexes_sync",
     "document_size",
+    "fork_turn_id",
     "is_derived_id",
     "kept_blob_ids",
     "left_behind",

@@ -380,6 +380,14 @@ class AgentMessageLogger:
         stored = await self._store(plan, reserved, started)
         if reserved.replayed:
             await self._follow_times(plan.conversation_id, reserved, stored)
+        return await self._told(plan, reserved, stored)
+
+    async def _told(
+        self, plan: TurnPlan, reserved: _Reserved, stored: list[AgentMessage]
+    ) -> LoggedTurn:
+        """The stored turn, once every observer is told of it: the one way out of every write
+        that adds messages (a turn, a fork's copies, a steering delivery), so the dual write
+        keeps each of them for a rollback."""
         # Every part is validated already: constructed, not validated again message by message.
         logged = LoggedTurn.model_construct(
             conversation_id=plan.conversation_id,
@@ -465,12 +473,7 @@ class AgentMessageLogger:
         owner = Actor(source.get("user_id"), as_user=owner_only)
         started = time.monotonic()
         reserved = await self._reserve(plan, owner, None, condition)
-        return LoggedTurn(
-            conversation_id=plan.conversation_id,
-            turn_id=plan.turn_id,
-            messages=await self._store(plan, reserved, started),
-            replayed=reserved.replayed,
-        )
+        return await self._told(plan, reserved, await self._store(plan, reserved, started))
 
     def _refuse_unfinished(
         self,
