@@ -3322,7 +3322,9 @@ def test_a_live_turn_logged_after_the_migration_is_never_said_logged_before_it(
     assert problem["kind"] == "conversation_changed_since"
     said = problem["detail"] + capsys.readouterr().out
     assert "since the migration" in said
-    assert "before" not in said.replace("before any", "")
+    # `finish` lists every way a conversation changes since its migration, one of them a pop
+    # "before a rollback"; none says the live turn was logged before the migration.
+    assert "before" not in said.replace("before any", "").replace("before a rollback", "")
 
 
 def _unmigrated_pair(database: Database[dict[str, Any]]) -> None:
