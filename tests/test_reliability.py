@@ -591,3 +591,101 @@ async def test_a_pop_whose_retry_fails_too_is_still_retried_as_one(backend: Back
     assert popped is not None
     assert popped.content == "a1"
     assert await _stored_contents(backend) == ["u0", "a0", "u1"]
+
+
+def _fail_once_after_the_documents_go(
+    store: ConversationStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's first command on the messages after it deleted conversation documents fails
+    once with a network error (the connection dropped mid-delete)."""
+    gone, failed = asyncio.Event(), asyncio.Event()
+    for name in ("find_one_and_delete", "delete_many"):
+        real = getattr(store._conversations, name)
+
+        async def deleting(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            result = await _real(*args, **kwargs)
+            gone.set()
+            return result
+
+        monkeypatch.setattr(store._conversations, name, deleting)
+    for name in ("find", "delete_many"):
+        real = getattr(store._messages, name)
+
+        def failing(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            if gone.is_set() and not failed.is_set():
+                failed.set()
+                raise AutoReconnect("connection dropped")
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(store._messages, name, failing)
+
+
+async def _turn_held_in_flight(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, go: asyncio.Event
+) -> asyncio.Task[Any]:
+    """OWNER's turn "t2" of "c-x" (after "t1"): reserved, its insert held until `go` is set."""
+    rules = TurnRules(claim_grace=timedelta(seconds=1))
+    logger, slow = AgentMessageLogger(backend.db, rules=rules), AgentMessageLogger(backend.db)
+    await logger.log_messages("c-x", [{"role": "user", "content": "old"}], user_id="alice",
+                              turn_id="t1")  # fmt: skip
+    insert_many, reserved = slow._messages.insert_many, asyncio.Event()
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        reserved.set()
+        await go.wait()
+        return await insert_many(*args, **kwargs)
+
+    monkeypatch.setattr(slow._messages, "insert_many", held)
+    turn = asyncio.create_task(
+        slow.log_messages("c-x", [{"role": "user", "content": "late"}], user_id="alice",
+                          turn_id="t2")
+    )  # fmt: skip
+    await reserved.wait()
+    return turn
+
+
+@pytest.mark.parametrize("erasing", [False, True], ids=["delete", "erase_user"])
+async def test_a_delete_failing_after_the_document_went_is_finished_by_its_retry(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, erasing: bool
+) -> None:
+    """A delete (or erasure) loses its connection right after the conversation document went,
+    while a turn that reserved before it still inserts; the caller retries, as it is told to.
+    The retry finds no conversation and finishes the delete all the same: the turn's message,
+    landing during its wait, goes, and the id serves nothing of it (nor to the next holder)."""
+    go = asyncio.Event()
+    turn = await _turn_held_in_flight(backend, monkeypatch, go)
+    store = ConversationStore(backend.db)
+    _fail_once_after_the_documents_go(store, monkeypatch)
+
+    async def the_turn_lands() -> None:
+        go.set()
+        await turn
+
+    monkeypatch.setattr(store, "_grace", the_turn_lands)
+
+    def attempt() -> Any:
+        return store.erase_user("alice") if erasing else store.delete("c-x", user_id="alice")
+
+    with pytest.raises(StorageUnavailable):
+        await attempt()
+    retried = await attempt()
+    await the_turn_lands()
+
+    assert (retried.conversations, retried.messages) == (0, 1)
+    assert await backend.db.agent_messages.count_documents({"conversation_id": "c-x"}) == 0
+    await AgentMessageLogger(backend.db).log_messages(
+        "c-x", [{"role": "user", "content": "bob's"}], user_id="bob"
+    )
+    assert [m.content for m in await store.transcript("c-x")] == ["bob's"]
+    assert await backend.db.agent_deletions.count_documents({}) == 0
+
+
+@pytest.mark.parametrize("erasing", [False, True], ids=["delete", "erase_user"])
+async def test_a_finished_delete_leaves_no_record_of_itself(
+    backend: Backend, erasing: bool
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages("c-x", [{"role": "user", "content": "a"}], user_id="alice")
+    deleted = await (store.erase_user("alice") if erasing else store.delete("c-x"))
+    assert (deleted.conversations, deleted.messages) == (1, 1)
+    assert await backend.db.agent_deletions.count_documents({}) == 0

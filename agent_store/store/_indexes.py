@@ -13,6 +13,9 @@ from agent_store.store._driver import Database, storage_errors
 
 MESSAGES = "agent_messages"
 CONVERSATIONS = "agent_conversations"
+DELETIONS = "agent_deletions"
+"""Deletions and erasures in progress (`DeletionRecords`): empty but while one runs or after
+one failed part-way, so no index."""
 BLOB_BUCKET = "agent_message_blobs"
 """The GridFS bucket of whole texts of cut messages (collections `….files`, `….chunks`)."""
 BLOB_FILES = f"{BLOB_BUCKET}.files"

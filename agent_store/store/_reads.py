@@ -39,6 +39,7 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.store._blobs import FullTextStore
+from agent_store.store._deletions import DeletionRecords, recorded_as
 from agent_store.store._driver import Database, storage_errors
 from agent_store.store._fork import fork_turns_of
 from agent_store.store._indexes import (
@@ -215,6 +216,7 @@ class ConversationStore:
         self._beside = [db[name] for name in THREAD_COLLECTIONS]
         self._legacy_source = legacy
         self._full_texts = FullTextStore(db)
+        self._deletions = DeletionRecords(db, self._full_texts)
         self._pops = PopMemory()
 
     async def _legacy(self, conversation_id: str, user_id: str | None) -> FallbackConversation:
@@ -391,13 +393,17 @@ class ConversationStore:
         reserved `seq` held no message (the delete returns then); a conversation created under
         the id meanwhile, by anyone, is left whole, and the owner's turns dual-written under the
         id meanwhile are deleted too. Legacy turns and prompts under the id that name another
-        user than the document's owner stay (see `LegacySource.delete`).
+        user than the document's owner stay (see `LegacySource.delete`). The delete is
+        recorded (`DeletionRecords`) before its first destructive command and the record
+        removed as its last step: a repeated delete finding no conversation (the first failed
+        once the document went) finishes it (`_finish_delete`).
         """
         scope = self._scope(conversation_id, user_id)
         found = await self._found_to_delete(scope, version)
         if found is None:
-            return await self._delete_legacy_only(conversation_id, user_id, version)
+            return await self._finish_delete(conversation_id, user_id, version)
         owner = found.get("user_id")
+        await self._deletions.record([found], owner)
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.delete(conversation_id, owner=owner)
@@ -407,9 +413,28 @@ class ConversationStore:
         )
         taken = await self._delete_messages_of(found_now, owner, found.get("epoch"))
         if taken is None:
+            await self._deletions.done(recorded_as(conversation_id, found))
             return Deleted(conversations=0, messages=0, legacy_turns=legacy)
         messages, epochs = taken
         await self._full_texts.forget_conversations({conversation_id: epochs})
+        gone, late = await self._delete_document(found_now, messages)
+        if self._legacy_source is not None:
+            legacy += await self._legacy_source.delete_dual_writes(
+                conversation_id, owner=owner, legacy_id=found.get("legacy_conversation_id")
+            )
+        await self._deletions.done(recorded_as(conversation_id, found))
+        return Deleted(
+            conversations=int(gone is not None), messages=messages + late, legacy_turns=legacy
+        )
+
+    async def _delete_document(
+        self, found_now: dict[str, Any], messages: int
+    ) -> tuple[dict[str, Any] | None, int]:
+        """Delete the conversation document `found_now` selects, once `messages` of its
+        messages went, then sweep for the turns that reserved before the delete (and, when
+        a reserved `seq` held no message, once more after the grace): what it was (None if
+        gone meanwhile) and how many messages the sweeps took."""
+        conversation_id = found_now["_id"]
         with storage_errors("delete the conversation"):
             gone = await self._conversations.find_one_and_delete(
                 found_now, {"user_id": 1, "message_count": 1, "turns": 1, "epoch": 1}
@@ -417,13 +442,24 @@ class ConversationStore:
             late = await self._sweep_late_inserts(conversation_id, gone) if gone else 0
         if gone is not None and messages + late < int(gone.get("message_count") or 0):
             late += await self._sweep_after_grace(conversation_id, gone)
-        if self._legacy_source is not None:
-            legacy += await self._legacy_source.delete_dual_writes(
-                conversation_id, owner=owner, legacy_id=found.get("legacy_conversation_id")
-            )
-        return Deleted(
-            conversations=int(gone is not None), messages=messages + late, legacy_turns=legacy
-        )
+        return gone, late
+
+    async def _finish_delete(
+        self, conversation_id: str, user_id: str | None, version: str | None
+    ) -> Deleted:
+        """A delete finding no conversation: it finishes the deletions of the id (the
+        caller's, for a user's delete) that failed part-way, then deletes what the read
+        fallback reaches. NotFound when neither finds anything."""
+        scope = {"conversation_id": conversation_id}
+        if user_id is not None:
+            scope["user_id"] = user_id
+        swept = await self._deletions.finish(scope, self._grace)
+        try:
+            return await self._delete_legacy_only(conversation_id, user_id, version)
+        except NotFound:
+            if not swept:
+                raise
+        return Deleted(conversations=0, messages=swept, legacy_turns=0)
 
     async def _found_to_delete(
         self, scope: dict[str, Any], version: str | None
@@ -1025,13 +1061,18 @@ class ConversationStore:
         then the conversations, then the messages and the documents beside naming the user
         written meanwhile, and, when a reserved `seq` held no message, once more
         `TurnRules.claim_grace` later those outside the conversations the user holds by then.
-        Erased, a conversation id exists nowhere.
+        Erased, a conversation id exists nowhere. The conversations it erases are recorded
+        first (`DeletionRecords`) and the records removed last: a repeated erasure first
+        finishes the deletions of the user's conversations that failed once their documents
+        went (after the grace, their messages, by epoch), and counts those messages.
         """
         user_id = validate_identifier(user_id, "user_id")
+        finished = await self._deletions.finish({"user_id": user_id}, self._grace)
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.erase_user(user_id)
         messages, reserved = await self._erase_messages_of_conversations(user_id)
+        messages += finished
         await self._full_texts.forget({"user_id": user_id})
         with storage_errors("erase the user's data"):
             named = await self._messages.delete_many({"user_id": user_id})
@@ -1049,6 +1090,7 @@ class ConversationStore:
                 )
             late += swept.deleted_count
         await self._delete_beside({"user_id": user_id}, "erase the user's data")
+        await self._deletions.done({"user_id": user_id})
         return Deleted(
             conversations=conversations.deleted_count,
             messages=messages + named.deleted_count + late,
@@ -1066,7 +1108,10 @@ class ConversationStore:
         by anyone, is left out."""
         erased = reserved = 0
         with storage_errors("erase the user's data"):
-            found = await self._conversations.find({"user_id": user_id}, {"_id": 1}).to_list(None)
+            found = await self._conversations.find(
+                {"user_id": user_id}, {"epoch": 1, "created_at": 1}
+            ).to_list(None)
+        await self._deletions.record(found, user_id)
         listed = [d["_id"] for d in found]
         mine = _one_of_or_none(user_id)
         for start in range(0, len(listed), CLAIM_CHUNK):

@@ -1,0 +1,99 @@
+"""Deletions in progress, recorded apart from the conversations, so that one failing
+part-way (its connection dropped after the conversation document went) is finished by the
+next delete of the conversation or erasure of its user, which would otherwise find nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from agent_store.store._blobs import FullTextStore
+from agent_store.store._driver import Database, storage_errors
+from agent_store.store._indexes import CONVERSATIONS, DELETIONS, MESSAGES
+from agent_store.store._reservation import same_conversation
+
+
+def recorded_as(conversation_id: str, found: Mapping[str, Any]) -> dict[str, Any]:
+    """The records of the deletion of the conversation `found` (as a delete read it): told by
+    its `epoch`, or its `created_at` when it had none (`same_conversation`)."""
+    if found.get("epoch") is not None:
+        return {"conversation_id": conversation_id, "epoch": found["epoch"]}
+    return {"conversation_id": conversation_id, "created_at": found.get("created_at")}
+
+
+class DeletionRecords:
+    """`agent_deletions`: one record per conversation a delete or an erasure is deleting,
+    `{conversation_id, epoch, created_at, user_id, started}`, written before its first
+    destructive command and removed as its last step."""
+
+    def __init__(self, db: Database, full_texts: FullTextStore) -> None:
+        self._records = db[DELETIONS]
+        self._messages = db[MESSAGES]
+        self._conversations = db[CONVERSATIONS]
+        self._full_texts = full_texts
+
+    async def record(self, found: Iterable[Mapping[str, Any]], user_id: str | None) -> None:
+        """Record the deletion of each conversation `found` (`_id`, `epoch`, `created_at`),
+        owned by `user_id`. One round trip; none for no conversation."""
+        started = datetime.now(UTC)
+        records = [
+            {"conversation_id": d["_id"], "epoch": d.get("epoch"),
+             "created_at": d.get("created_at"), "user_id": user_id, "started": started}
+            for d in found
+        ]  # fmt: skip
+        if records:
+            with storage_errors("record the deletion"):
+                await self._records.insert_many(records)
+
+    async def done(self, query: dict[str, Any]) -> None:
+        """Remove the records `query` selects: their deletions are finished."""
+        with storage_errors("record the deletion"):
+            await self._records.delete_many(query)
+
+    async def finish(self, query: dict[str, Any], grace: Callable[[], Awaitable[None]]) -> int:
+        """Finish the deletions `query` selects whose conversation is gone (a deletion that
+        failed part-way; a conversation still there is left to the delete that finds it):
+        after `grace` (a turn that reserved before the deletion may still be inserting), its
+        messages go, told by the recorded epoch only (none of a conversation started under
+        the id since), with their whole texts, then the records. How many messages."""
+        with storage_errors("finish the deletion"):
+            records = await self._records.find(query).to_list(None)
+            if not records:
+                return 0
+            alive = await self._conversations.find(
+                {"$or": [_conversation_of(r) for r in records]}, {"epoch": 1, "created_at": 1}
+            ).to_list(None)
+        gone = [r for r in records if not any(_is_of(r, a) for a in alive)]
+        if not gone:
+            return 0
+        await grace()
+        with storage_errors("finish the deletion"):
+            swept = await self._messages.delete_many(
+                {
+                    "conversation_id": {"$in": list({r["conversation_id"] for r in gone})},
+                    "$or": [{"conversation_id": r["conversation_id"], "epoch": r.get("epoch")}
+                            for r in gone],
+                }
+            )  # fmt: skip
+        epochs: dict[str, list[str | None]] = {}
+        for r in gone:
+            epochs.setdefault(r["conversation_id"], []).append(r.get("epoch"))
+        await self._full_texts.forget_conversations(epochs)
+        await self.done({"_id": {"$in": [r["_id"] for r in gone]}})
+        return int(swept.deleted_count)
+
+
+def _conversation_of(record: Mapping[str, Any]) -> dict[str, Any]:
+    return same_conversation(
+        record["conversation_id"], epoch=record.get("epoch"), created_at=record.get("created_at")
+    )
+
+
+def _is_of(record: Mapping[str, Any], conversation: Mapping[str, Any]) -> bool:
+    """Whether `conversation` (a document read now) is the one `record` names."""
+    if conversation["_id"] != record["conversation_id"]:
+        return False
+    if record.get("epoch") is not None:
+        return bool(conversation.get("epoch") == record["epoch"])
+    return bool(conversation.get("created_at") == record.get("created_at"))
