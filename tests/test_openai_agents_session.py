@@ -509,7 +509,7 @@ async def test_a_session_of_one_user_neither_reads_nor_writes_anothers(backend: 
     assert await intruder.pop_item() is None
 
 
-async def test_adding_costs_two_round_trips_reading_one_and_clearing_seven(
+async def test_adding_costs_two_round_trips_reading_one_and_clearing_nine(
     wire_backend: Backend,
 ) -> None:
     assert wire_backend.commands is not None
@@ -531,18 +531,22 @@ async def test_adding_costs_two_round_trips_reading_one_and_clearing_seven(
 
     wire_backend.commands.clear()
     await session.clear_session()
-    # The conversation, its LangGraph checkpoints (none here), a lookup that finds it still
+    # The conversation, the record of the deletion in progress (a repeated clear finishes one
+    # that failed part-way), its LangGraph checkpoints (none here), a lookup that finds it still
     # the conversation the first found (a delete racing another never takes a conversation
     # started under the id since), its messages, its cut texts' files (none here), its
-    # document, and a look for messages a turn in flight may have inserted meanwhile.
+    # document, a look for messages a turn in flight may have inserted meanwhile, and the
+    # record's removal.
     assert wire_backend.commands.names == [
         "find",
+        "insert",
         "delete",
         "find",
         "delete",
         "find",
         "findAndModify",
         "find",
+        "delete",
     ]
 
 
