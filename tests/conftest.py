@@ -14,10 +14,13 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient, monitoring
+
+from agent_store import TurnRules
 
 MONGODB_URI = os.environ.get("MONGODB_URI")
 
@@ -32,6 +35,13 @@ def _backend_params(*, wire_only: bool = False) -> list[Any]:
     if MONGODB_URI:
         params.append(pytest.param("uri", marks=pytest.mark.wire))
     return params
+
+
+COUNTED = TurnRules(claim_grace=timedelta(minutes=10))
+"""Rules for a test that counts a turn's round trips: a turn slower than `claim_grace` from its
+reservation to its insert looks its conversation up once more, and on a loaded machine a turn
+may take a second. No turn here takes ten minutes, so the count is the fast turn's, whatever the
+machine's load. (Tests of that lookup set a short grace of their own.)"""
 
 
 class CommandLog(monitoring.CommandListener):

@@ -42,7 +42,7 @@ from agent_store.integrations.streams import (
 from agent_store.store import PENDING_CALLS_KEPT
 from agent_store.store._turns import pending_after
 from tests.api_harness import auth_headers, serve
-from tests.conftest import Backend
+from tests.conftest import COUNTED, Backend
 
 STREAMS = Path(__file__).parent / "streams"
 CID = "conv-cross"
@@ -1336,7 +1336,7 @@ async def test_a_lone_surrogate_in_a_stream_is_refused_and_nothing_is_stored(
 @pytest.mark.wire
 async def test_answering_a_pending_call_still_costs_two_round_trips(wire_backend: Backend) -> None:
     assert wire_backend.commands is not None
-    logger = AgentMessageLogger(wire_backend.db)
+    logger = AgentMessageLogger(wire_backend.db, rules=COUNTED)
     call = {"id": "tc-9", "function": {"name": "book_train", "arguments": "{}"}}
     await logger.log_messages(CID, [{"role": "assistant", "tool_calls": [call]}], turn_id="t1")
     wire_backend.commands.clear()

@@ -34,7 +34,7 @@ from tests.api_harness import (
     mongomock_db,
     serve,
 )
-from tests.conftest import Backend
+from tests.conftest import COUNTED, Backend
 
 CID = "full-texts"
 HUGE = "word " * 600_000  # 3 MB: three times the default bound of 1 MiB
@@ -151,7 +151,7 @@ async def test_the_full_text_is_a_gridfs_file_and_costs_its_turn_two_more_round_
     wire_backend: Backend, wire_uri: str
 ) -> None:
     assert wire_backend.commands is not None
-    logger = AgentMessageLogger(wire_backend.db)
+    logger = AgentMessageLogger(wire_backend.db, rules=COUNTED)
     await logger.ensure_indexes()
     wire_backend.commands.clear()
 
@@ -176,7 +176,7 @@ async def test_a_replayed_cut_turn_compares_its_files_in_two_round_trips_more(
     wire_backend: Backend,
 ) -> None:
     assert wire_backend.commands is not None
-    logger = AgentMessageLogger(wire_backend.db)
+    logger = AgentMessageLogger(wire_backend.db, rules=COUNTED)
     await logger.log_messages(CID, oversized_turn(), turn_id="t-1")
     wire_backend.commands.clear()
 

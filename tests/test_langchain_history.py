@@ -34,7 +34,7 @@ from agent_store import (
     Unsupported,
 )
 from agent_store.integrations.langchain import ConversationChatHistory, message_from_langchain
-from tests.conftest import Backend, CommandLog
+from tests.conftest import COUNTED, Backend, CommandLog
 
 pytestmark = [
     # RunnableWithMessageHistory is what the issue asks to drop the history into; LangChain
@@ -213,7 +213,7 @@ def test_three_turns_cost_six_round_trips_here_and_eight_inserts_there(
         MongoClient(wire_uri, tz_aware=True, event_listeners=[ours]) as our_client,
         MongoClient(wire_uri, event_listeners=[theirs]) as their_client,
     ):
-        history = ConversationChatHistory(CID, our_client[name])
+        history = ConversationChatHistory(CID, our_client[name], rules=COUNTED)
         peer = MongoDBChatMessageHistory(
             None, CID, name, collection_name="peer", client=their_client, create_index=False
         )

@@ -19,6 +19,7 @@ from langgraph.types import Command
 from pydantic_ai.messages import ModelRequest, ToolReturnPart
 
 from agent_store import (
+    AgentMessageLogger,
     Conflict,
     ConversationStore,
     InvalidInput,
@@ -31,7 +32,7 @@ from agent_store.integrations.pydantic_ai import history_from_messages
 from agent_store.store import CONVERSATIONS, MESSAGES
 from scripts.langgraph_agent import approval_agent, comparable, question, tool_agent
 from tests.api_harness import SERVICE_TOKEN, auth_headers, serve
-from tests.conftest import Backend
+from tests.conftest import COUNTED, Backend
 
 TURNS = 50
 
@@ -484,7 +485,8 @@ async def test_a_turn_costs_the_same_round_trips_however_long_the_thread(
 ) -> None:
     assert wire_backend.commands is not None
     config = thread()
-    graph = tool_agent(AgentStoreSaver(wire_backend.db))
+    logger = AgentMessageLogger(wire_backend.db, rules=COUNTED)
+    graph = tool_agent(AgentStoreSaver(wire_backend.db, logger=logger))
     counts: dict[int, Counter[str]] = {}
     for turn in range(1, 9):
         wire_backend.commands.clear()

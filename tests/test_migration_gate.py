@@ -41,7 +41,7 @@ from migrations.errors import LockHeld
 from migrations.lease import Lease
 from migrations.problems import PROBLEMS
 from scripts.legacy_corpus import BIG_RESULT_CHARS, NOT_AN_IDENTIFIER, messy_corpus
-from tests.conftest import CommandLog
+from tests.conftest import COUNTED, CommandLog
 from tests.test_migration_cli import cli, corpus, digest
 
 MARK = re.compile(r"«m\d+»")
@@ -450,7 +450,8 @@ def log_live(
         db = client[database.name]
         observers = [LegacyTurns(db, dual_write=True)] if dual_write else []
         try:
-            return await AgentMessageLogger(db, observers=observers).log_messages(
+            rules = COUNTED if commands is not None else None
+            return await AgentMessageLogger(db, observers=observers, rules=rules).log_messages(
                 cid,
                 [{"role": "user", "content": f"{text}?"}, {"role": "assistant", "content": text}],
                 user_id="u-1",

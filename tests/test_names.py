@@ -14,7 +14,7 @@ from agent_store import AgentMessageLogger, ConversationStore, InvalidInput
 from agent_store.core import UserMessage
 from agent_store.store import ELLIPSIS, TurnRules, auto_name, collapse_whitespace
 from app.settings import Settings
-from tests.conftest import Backend
+from tests.conftest import COUNTED, Backend
 
 CID = "conv-names"
 
@@ -220,7 +220,7 @@ async def test_naming_costs_no_extra_round_trip(
     wire_backend: Backend, turn: Turn, name: str | None
 ) -> None:
     assert wire_backend.commands is not None
-    logger = AgentMessageLogger(wire_backend.db)
+    logger = AgentMessageLogger(wire_backend.db, rules=COUNTED)
     wire_backend.commands.clear()
     await logger.log_messages(CID, turn, name=name, turn_id="t1")
     await logger.log_messages(CID, [user("Later text"), answer()], turn_id="t2")

@@ -41,7 +41,7 @@ from agent_store.integrations.openai_agents import (
     item_from_message,
     message_from_item,
 )
-from tests.conftest import Backend
+from tests.conftest import COUNTED, Backend
 
 CID = "conv-agents"
 
@@ -513,7 +513,7 @@ async def test_adding_costs_two_round_trips_reading_one_and_clearing_nine(
     wire_backend: Backend,
 ) -> None:
     assert wire_backend.commands is not None
-    session = ConversationSession(CID, wire_backend.db)
+    session = ConversationSession(CID, wire_backend.db, rules=COUNTED)
     model = ScriptedModel()
     agent = Agent(name="assistant", model=model, tools=[get_weather, get_time])
     await Runner.run(agent, PROMPTS[0], session=session)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
-from agent_store import AgentMessageLogger, ConversationStore
+from agent_store import AgentMessageLogger, ConversationStore, TurnRules
 from app.examples import example_turns
-from tests.conftest import Backend
+from tests.conftest import COUNTED, Backend
 
 pytestmark = pytest.mark.wire
 
@@ -15,7 +17,7 @@ CID = "round-trips"
 
 async def test_logging_a_turn_costs_two_round_trips(wire_backend: Backend) -> None:
     assert wire_backend.commands is not None
-    logger = AgentMessageLogger(wire_backend.db)
+    logger = AgentMessageLogger(wire_backend.db, rules=COUNTED)
     await logger.ensure_indexes()
     for turn_id, messages in example_turns():
         wire_backend.commands.clear()
@@ -45,9 +47,10 @@ async def test_a_300_message_transcript_is_read_in_one_round_trip(wire_backend: 
 async def test_a_retry_after_a_crash_costs_four_round_trips(wire_backend: Backend) -> None:
     """The retry path: a refused reservation, one read of the turn's record, the insert, and,
     the insert having stored messages in a block a delete may have found full and swept once
-    only, a lookup of the conversation (still there: nothing more)."""
+    only, a lookup of the conversation (still there: nothing more). The crashed attempt is
+    older than `claim_grace` here, so the retry does not wait for it to land first."""
     assert wire_backend.commands is not None
-    logger = AgentMessageLogger(wire_backend.db)
+    logger = AgentMessageLogger(wire_backend.db, rules=TurnRules(claim_grace=timedelta(0)))
     turn_id, messages = example_turns()[0]
     await logger.log_messages(CID, messages, turn_id=turn_id)
     await wire_backend.db.agent_messages.delete_many({})
@@ -61,7 +64,7 @@ async def test_a_retry_after_a_crash_costs_four_round_trips(wire_backend: Backen
 async def test_a_replay_of_a_stored_turn_costs_four_round_trips(wire_backend: Backend) -> None:
     """A refused reservation, the record, the insert refused on every id, the stored messages."""
     assert wire_backend.commands is not None
-    logger = AgentMessageLogger(wire_backend.db)
+    logger = AgentMessageLogger(wire_backend.db, rules=COUNTED)
     turn_id, messages = example_turns()[0]
     await logger.log_messages(CID, messages, turn_id=turn_id)
     wire_backend.commands.clear()
@@ -78,12 +81,9 @@ async def test_a_retry_later_than_abandon_after_of_a_turn_that_stored_nothing_co
     up (with any later answer to its calls), the move to a new block at the end (with the
     summary an appended turn sets), the insert, then the stored messages read and what they
     leave pending written (guarded: no turn reserved meanwhile)."""
-    from datetime import timedelta
-
-    from agent_store import TurnRules
-
     assert wire_backend.commands is not None
-    logger = AgentMessageLogger(wire_backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    rules = TurnRules(abandon_after=timedelta(0), claim_grace=COUNTED.claim_grace)
+    logger = AgentMessageLogger(wire_backend.db, rules=rules)
     (turn_id, messages), (later_id, later) = example_turns()[:2]
     await logger.log_messages(CID, messages, turn_id=turn_id)
     await wire_backend.db.agent_messages.delete_many({})  # as a crash before the insert
@@ -118,7 +118,7 @@ async def test_the_turn_that_assigns_an_unowned_conversation_costs_three_round_t
     (still the one it assigned, and its owner now), and the move of those messages to the
     owner. A turn of the owner's after it is back to two."""
     assert wire_backend.commands is not None
-    logger = AgentMessageLogger(wire_backend.db)
+    logger = AgentMessageLogger(wire_backend.db, rules=COUNTED)
     await logger.ensure_indexes()
     (first_id, first), (second_id, second), (third_id, third) = example_turns()[:3]
     await logger.log_messages(CID, first, turn_id=first_id)

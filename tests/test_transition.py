@@ -26,7 +26,7 @@ from agent_store.legacy import (
 )
 from agent_store.store import CONVERSATIONS, MESSAGES, is_derived_id
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_legacy_turns
-from tests.conftest import Backend
+from tests.conftest import COUNTED, Backend
 from tests.test_logger import log_example
 
 
@@ -134,7 +134,7 @@ async def test_dual_write_costs_two_more_round_trips(
                "user_message": "old"}  # fmt: skip
         cid = await migrated(wire_backend, [old])
     logger = AgentMessageLogger(
-        wire_backend.db, observers=[LegacyTurns(wire_backend.db, dual_write=True)]
+        wire_backend.db, observers=[LegacyTurns(wire_backend.db, dual_write=True)], rules=COUNTED
     )
     wire_backend.commands.clear()
     await logger.log_messages(cid, [{"role": "user", "content": "hi"}], turn_id="t1")

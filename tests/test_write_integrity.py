@@ -22,7 +22,7 @@ from agent_store import (
     TurnRules,
 )
 from agent_store.store import CONVERSATIONS, MESSAGES
-from tests.conftest import Backend
+from tests.conftest import COUNTED, Backend
 
 CID = "conv-integrity"
 MAX_SAFE = 2**53 - 1
@@ -801,7 +801,8 @@ async def test_past_the_kept_records_a_new_turn_costs_one_lookup_more(
     wire_backend: Backend,
 ) -> None:
     assert wire_backend.commands is not None
-    logger = AgentMessageLogger(wire_backend.db, rules=TurnRules(turns_recorded=2))
+    rules = TurnRules(turns_recorded=2, claim_grace=COUNTED.claim_grace)
+    logger = AgentMessageLogger(wire_backend.db, rules=rules)
     for n in range(3):
         await logger.log_messages(CID, turn(f"turn {n}"), turn_id=f"t{n}")
     wire_backend.commands.clear()
