@@ -17,9 +17,16 @@ from agent_store.store._reservation import same_conversation
 def recorded_as(conversation_id: str, found: Mapping[str, Any]) -> dict[str, Any]:
     """The records of the deletion of the conversation `found` (as a delete read it): told by
     its `epoch`, or its `created_at` when it had none (`same_conversation`)."""
-    if found.get("epoch") is not None:
-        return {"conversation_id": conversation_id, "epoch": found["epoch"]}
-    return {"conversation_id": conversation_id, "created_at": found.get("created_at")}
+    told = _told_apart(conversation_id, found)
+    return {"conversation_id": told.pop("_id"), **told}
+
+
+def _told_apart(conversation_id: str, read: Mapping[str, Any]) -> dict[str, Any]:
+    """The filter for the conversation `read` (a document or a record) named, and no other
+    started under its id since."""
+    return same_conversation(
+        conversation_id, epoch=read.get("epoch"), created_at=read.get("created_at")
+    )
 
 
 class DeletionRecords:
@@ -38,10 +45,15 @@ class DeletionRecords:
         owned by `user_id`. One round trip; none for no conversation."""
         started = datetime.now(UTC)
         records = [
-            {"conversation_id": d["_id"], "epoch": d.get("epoch"),
-             "created_at": d.get("created_at"), "user_id": user_id, "started": started}
+            {
+                "conversation_id": d["_id"],
+                "epoch": d.get("epoch"),
+                "created_at": d.get("created_at"),
+                "user_id": user_id,
+                "started": started,
+            }
             for d in found
-        ]  # fmt: skip
+        ]
         if records:
             with storage_errors("record the deletion"):
                 await self._records.insert_many(records)
@@ -62,20 +74,23 @@ class DeletionRecords:
             if not records:
                 return 0
             alive = await self._conversations.find(
-                {"$or": [_conversation_of(r) for r in records]}, {"epoch": 1, "created_at": 1}
+                {"$or": [_told_apart(r["conversation_id"], r) for r in records]},
+                {"epoch": 1, "created_at": 1},
             ).to_list(None)
         gone = [r for r in records if not any(_is_of(r, a) for a in alive)]
         if not gone:
             return 0
         await grace()
         with storage_errors("finish the deletion"):
+            of_their_epochs = [
+                {"conversation_id": r["conversation_id"], "epoch": r.get("epoch")} for r in gone
+            ]
             swept = await self._messages.delete_many(
                 {
                     "conversation_id": {"$in": list({r["conversation_id"] for r in gone})},
-                    "$or": [{"conversation_id": r["conversation_id"], "epoch": r.get("epoch")}
-                            for r in gone],
+                    "$or": of_their_epochs,
                 }
-            )  # fmt: skip
+            )
         epochs: dict[str, list[str | None]] = {}
         for r in gone:
             epochs.setdefault(r["conversation_id"], []).append(r.get("epoch"))
@@ -84,16 +99,7 @@ class DeletionRecords:
         return int(swept.deleted_count)
 
 
-def _conversation_of(record: Mapping[str, Any]) -> dict[str, Any]:
-    return same_conversation(
-        record["conversation_id"], epoch=record.get("epoch"), created_at=record.get("created_at")
-    )
-
-
 def _is_of(record: Mapping[str, Any], conversation: Mapping[str, Any]) -> bool:
     """Whether `conversation` (a document read now) is the one `record` names."""
-    if conversation["_id"] != record["conversation_id"]:
-        return False
-    if record.get("epoch") is not None:
-        return bool(conversation.get("epoch") == record["epoch"])
-    return bool(conversation.get("created_at") == record.get("created_at"))
+    told = _told_apart(record["conversation_id"], record)
+    return all(conversation.get(field) == value for field, value in told.items())
