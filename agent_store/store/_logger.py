@@ -840,8 +840,9 @@ class AgentMessageLogger:
                     found.get(d["_id"]) is d for d in documents
                 )
                 documents = [found.get(d["_id"], d) for d in documents]
-                documents = await self._to_the_conversation(plan.conversation_id, documents,
-                                                            owner, epoch)  # fmt: skip
+                documents = await self._to_the_conversation(
+                    plan.conversation_id, documents, owner, epoch
+                )
                 return messages_adapter.validate_python(documents), inserted
         return None, True
 
