@@ -705,10 +705,10 @@ async def test_a_thousand_malformed_turns_are_stored_faithfully_or_refused_whole
     store = ConversationStore(backend.db)
     rng = random.Random(2026)
     refused = stored = 0
+    before = await digest(backend.db)
     for number in range(1000):
         messages = _malformed(rng)
         target = CID if number % 2 else f"conv-fresh-{number}"
-        before = await digest(backend.db)
         try:
             logged = await logger.log_messages(target, messages, turn_id=f"t{number}")
         except InvalidInput as error:
@@ -716,7 +716,7 @@ async def test_a_thousand_malformed_turns_are_stored_faithfully_or_refused_whole
             refused += 1
             assert message.startswith("invalid"), message
             assert await digest(backend.db) == before, f"example {number} wrote: {messages!r}"
-            continue
+            continue  # nothing changed: `before` is still the database's digest
         transcript = await store.transcript(target)
         assert [_visible(m) for m in transcript[-len(logged.messages) :]] == [
             _visible(m) for m in logged.messages
@@ -725,6 +725,7 @@ async def test_a_thousand_malformed_turns_are_stored_faithfully_or_refused_whole
         if target != CID:  # keep the database small, so every digest stays cheap
             await backend.db[MESSAGES].delete_many({"conversation_id": target})
             await backend.db[CONVERSATIONS].delete_one({"_id": target})
+        before = await digest(backend.db)
     await check_conversation(backend.db)
     assert refused > 400, (refused, stored)
     assert stored > 60, (refused, stored)  # both outcomes exercised
