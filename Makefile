@@ -44,8 +44,11 @@ lint: $(VENV)/.installed ## Ruff, mypy (strict) and the import-linter layering c
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# pytest-xdist: one worker per core, at most four; each has its own embedded wire server.
+PARALLEL := -n auto --maxprocesses 4
+
 test: lint types-check ## Lint, type-check and run every test (each storage test on every backend)
-	$(BIN)/pytest
+	$(BIN)/pytest $(PARALLEL)
 
 $(VENV311)/.installed: pyproject.toml
 	@test -n "$(PYTHON311)" || { echo "python3.11 not found: set PYTHON311=/path/to/python3.11"; exit 1; }
@@ -57,7 +60,7 @@ $(VENV311)/.installed: pyproject.toml
 # One socket of unknown origin, found unclosed by the garbage collector in 2 of 8 CI runs on
 # 3.11 (never on 3.13; a socket tracker over whole runs found none): docs/TESTING.md.
 test-py311: $(VENV311)/.installed ## The fast suite (in-process backend) on Python 3.11
-	$(VENV311)/bin/pytest -m "not wire" -W "ignore:unclosed <socket.socket:ResourceWarning"
+	$(VENV311)/bin/pytest $(PARALLEL) -m "not wire" -W "ignore:unclosed <socket.socket:ResourceWarning"
 
 format: $(VENV)/.installed ## Apply ruff's fixes and formatting
 	$(BIN)/ruff check --fix $(CODE)
