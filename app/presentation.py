@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from agent_store.core import AgentMessage
-from agent_store.legacy import normalize_part, part_text
+from agent_store.legacy import flag, normalize_part, part_text
 from agent_store.store import DERIVED_FIELDS, SearchHit, message_text, shorten
 from app.json_body import nests_deeper_than
 
@@ -330,7 +330,7 @@ def legacy_turn_view(doc: Mapping[str, Any]) -> LegacyTurnView:
     return LegacyTurnView(
         id=str(doc.get("_id", "")),
         created_at=when(doc.get("created_at")),
-        is_system=bool(doc.get("is_system")),
+        is_system=flag(doc.get("is_system")) is True,
         user_message=str(doc.get("user_message") or ""),
         name=doc.get("name"),
         upload=_upload(doc.get("upload_result")),

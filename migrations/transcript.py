@@ -137,7 +137,7 @@ def _turn_lines(
     lines: list[str] = []
     results: list[str] = []
     text = user_text(turn)
-    if turn.is_system:
+    if turn.system:
         lines.append(f"system: {text or ''}")
     elif text and (shown := _shown(text, legacy_id, skipped)):
         lines.append(f"user: {shown}")

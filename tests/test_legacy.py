@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from bson import ObjectId
+from bson import Decimal128, Int64, ObjectId
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -594,6 +594,34 @@ def test_a_session_prompt_written_with_odd_values_is_still_pending(fields: dict[
 
     assert pending is not None
     assert (pending.request_id, pending.prompt) == (str(fields["request_id"]), "Refund «o-1»?")
+
+
+@pytest.mark.parametrize("resolved", [Decimal128("0"), "0.0", Int64(0), 0.0, " No "])
+def test_a_session_prompt_resolved_no_as_a_number_of_any_type_is_still_pending(
+    resolved: Any,
+) -> None:
+    messages = convert([turn(1)]).messages
+    prompt = {**PROMPT, "request_id": "req-9", "resolved": resolved}
+    pending, notes = pending_from_session_hitl([prompt], messages)
+
+    assert pending is not None
+    assert pending.request_id == "req-9"
+    assert "unreadable_flag" not in {n.kind for n in notes}
+
+
+@pytest.mark.parametrize("resolved", [[False], {"on": False}, "later", 2, Decimal128("NaN")])
+def test_a_session_prompt_resolved_neither_yes_nor_no_stays_pending_and_is_a_problem(
+    resolved: Any,
+) -> None:
+    """Its status decides (pending), and the flag is kept in a problem an operator accepts:
+    a prompt awaiting its answer is never dropped on a guess."""
+    messages = convert([turn(1)]).messages
+    prompt = {**PROMPT, "request_id": "req-9", "resolved": resolved}
+    pending, notes = pending_from_session_hitl([prompt], messages)
+
+    assert pending is not None
+    assert pending.request_id == "req-9"
+    assert ("unreadable_flag", "resolved", False) in {(n.kind, n.field, n.placed) for n in notes}
 
 
 @pytest.mark.parametrize("status", ["Resolved ", " ANSWERED"])

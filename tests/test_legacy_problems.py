@@ -255,6 +255,17 @@ def test_a_time_written_as_whole_epoch_seconds_or_milliseconds_is_read(created_a
     assert conversion.problems == []
 
 
+def test_milliseconds_as_text_that_iso_reads_as_a_time_before_1970_are_milliseconds() -> None:
+    """`"1704101400000"` is also ISO's basic form of 1704-10-14, which no store holds: the
+    text is read as the number it spells, as any other epoch text is."""
+    turn = {"_id": "e-1", "conversation_id": "c-epoch", "created_at": "1704101400000",
+            "user_message": "hi"}  # fmt: skip
+    conversion = convert([turn])
+
+    assert conversion.messages[0].created_at == datetime(2024, 1, 1, 9, 30, tzinfo=UTC)
+    assert conversion.problems == []
+
+
 MICROS = datetime(2024, 1, 1, tzinfo=UTC)
 
 

@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from bson import Decimal128, Int64
 from pymongo.database import Database
 
 from agent_store.legacy import convert
@@ -92,6 +93,26 @@ def test_a_150_character_user_id_keeps_its_conversation_through_the_migration(
     assert {m["user_id"] for m in database[MESSAGES].find({"conversation_id": CID})} == {owner}
 
 
+@pytest.mark.wire
+def test_an_is_system_read_as_neither_holds_the_drop_back_and_stores_the_users_message(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """The gate an operator trusts: `verify` finds the migration faithful (the turn is the
+    user's), and `finish` says there is work left until the flag's problem is accepted."""
+    database[CONVERSATIONS].insert_many(
+        [{**t, "is_system": Decimal128("0.5")} for t in spelled_turns()]
+    )
+
+    assert cli(wire_uri, database, "run") == 0
+
+    first = database[MESSAGES].find_one({"conversation_id": CID, "seq": 0})
+    assert first is not None
+    assert (first["role"], first["content"]) == ("user", "What is the weather?")
+    assert [p["kind"] for p in database[PROBLEMS].find({"placed": False})] == ["unreadable_flag"]
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 1
+
+
 @pytest.mark.parametrize(
     ("part", "field", "expected"),
     [
@@ -122,6 +143,44 @@ def test_is_system_written_as_text_means_what_it_says(flag: Any, system: bool) -
     turn = {**spelled_turns()[0], "is_system": flag}
     converted = convert([turn])
     assert (converted.messages[0].role == "system") is system
+
+
+@pytest.mark.parametrize(
+    ("flag", "system"),
+    [(Decimal128("0"), False), (Decimal128("1"), True), (Int64(0), False), (Int64(1), True),
+     ("0.0", False), (" 1.0 ", True), (0.0, False), (1.0, True), (" Yes ", True), ("off", False)],
+)  # fmt: skip
+def test_is_system_written_as_a_number_of_any_type_means_what_it_says(
+    flag: Any, system: bool
+) -> None:
+    turn = {**spelled_turns()[0], "is_system": flag}
+    converted = convert([turn])
+    assert (converted.messages[0].role == "system") is system
+    assert converted.problems == []
+    assert legacy_turn_view(turn).is_system is system  # the viewer reads it alike
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [[False], {"on": False}, "disabled", 2, -1, float("nan"), Decimal128("NaN"), "0.5",
+     Decimal128("2")],
+)  # fmt: skip
+def test_an_is_system_read_as_neither_yes_nor_no_is_a_problem_and_the_turn_stays_the_users(
+    flag: Any,
+) -> None:
+    """Read as neither, the flag is kept in a problem for an operator to accept, and the turn
+    converts as the user's, hidden runtime context stripped and kept: what a user wrote never
+    becomes a system instruction on a guess."""
+    hidden = "[RUNTIME CONTEXT]plan: refund[/RUNTIME CONTEXT]"
+    turn = {**spelled_turns()[0], "is_system": flag, "user_message": f"What is it?{hidden}"}
+    converted = convert([turn])
+
+    assert (converted.messages[0].role, converted.messages[0].content) == ("user", "What is it?")
+    kinds = {(p.kind, p.field, p.placed) for p in converted.problems}
+    assert ("unreadable_flag", "is_system", False) in kinds
+    assert ("hidden_runtime_context", "user_message", False) in kinds
+    flagged = next(p for p in converted.problems if p.kind == "unreadable_flag")
+    assert flagged.content == flag or flag != flag  # NaN is kept, though not equal to itself
 
 
 def test_a_call_spelt_the_openai_way_keeps_its_id_as_the_call_id() -> None:

@@ -42,6 +42,7 @@ from agent_store.legacy._documents import (
     as_count,
     dated_turns,
     epoch_number,
+    flag,
     named_by,
     named_users,
     owner_of,
@@ -603,7 +604,16 @@ class _Converter:
         """The turn's system or user message(s): its text and every upload (`turn_uploads`)."""
         text = user_text(turn)
         items: list[Item] = []
-        if turn.is_system:
+        if flag(turn.is_system) is None:
+            self.problem(
+                turn,
+                "unreadable_flag",
+                f"is_system is {turn.is_system!r}, read as neither yes nor no: the turn is "
+                "converted as the user's",
+                field="is_system",
+                content=turn.is_system,
+            )
+        if turn.system:
             items.append({"role": "system", "content": text or None, "created_at": at})
         elif text:
             items.append({"role": "user", "content": text, "created_at": at})

@@ -216,29 +216,56 @@ def derived_conversation_id(original: str | None, *, turn_key: str = "") -> str:
 
 _DUAL_WRITE_FIELDS = frozenset({"dual_write", "turn_id"})
 """What the dual write adds to a legacy turn: its mark, and the turn id it logged."""
-_FALSE_WORDS = frozenset({"", "false", "f", "0", "no", "n", "off", "none", "null"})
+_FALSE_WORDS = frozenset({"", "false", "f", "no", "n", "off", "none", "null"})
+_TRUE_WORDS = frozenset({"true", "t", "yes", "y", "on"})
 
 
-def truthy(value: Any) -> bool:
-    """A flag some writers kept as text: "false", "0", "no" and blank mean false."""
+def flag(value: Any) -> bool | None:
+    """A yes/no as its writers kept it: a bool, absent or null (no), a number of any BSON
+    type that is 0 or 1, or text saying one of those or a word ("false", "no", "off", blank;
+    "true", "yes", "on"), spaces around and case aside. None when it reads as neither (2,
+    NaN, "disabled", a list, an object): the caller keeps it in a problem, never guesses."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
     if isinstance(value, str):
-        return value.strip().lower() not in _FALSE_WORDS
-    return bool(value)
+        text = value.strip().lower()
+        if text in _FALSE_WORDS or text in _TRUE_WORDS:
+            return text in _TRUE_WORDS
+        value = epoch_number(text)  # decimal digits, a fraction as a float
+    if isinstance(value, Decimal128):
+        value = value.to_decimal()
+        value = None if value.is_nan() else float(value)
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    return None
 
 
 def as_time(value: Any) -> datetime | None:
     """A time as aware UTC, from a datetime, an ISO string, or a whole number of epoch
     seconds or milliseconds (`epoch_time`), written as a number or as text (`epoch_number`);
     None if unreadable. Text is read with the spaces around it left out, as an ISO time
-    first (`"20210301"` is a date), else as a number. At the precision it was written with
-    (an ISO string's or a datetime's microseconds kept), so turns less than a millisecond
-    apart keep their order; a time stored is cut to the millisecond (`to_utc_millis`)."""
+    first (`"20210301"` is a date), else as a number, and as a number too when the ISO
+    reading is no time a store accepts (`"1704101400000"`, milliseconds, is also ISO's basic
+    form of 1704-10-14). At the precision it was written with (an ISO string's or a
+    datetime's microseconds kept), so turns less than a millisecond apart keep their order;
+    a time stored is cut to the millisecond (`to_utc_millis`)."""
     if isinstance(value, str):
+        text = value.strip()
+        iso: datetime | None = None
         with contextlib.suppress(ValueError):
-            value = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+            iso = to_utc(datetime.fromisoformat(text.replace("Z", "+00:00")))
+        if iso is not None and EPOCH <= iso <= _latest():
+            return iso
+        number = epoch_number(text)
+        return (epoch_time(number) if number is not None else None) or iso
     if (number := epoch_number(value)) is not None:
         return epoch_time(number)
     return to_utc(value) if isinstance(value, datetime) else None
+
+
+def _latest() -> datetime:
+    """The latest time a store accepts now: its future leeway ahead."""
+    return utc_now() + TurnRules().future_leeway
 
 
 _NUMBER_TEXT = re.compile(r"[0-9]+(\.[0-9]+)?")
@@ -270,7 +297,7 @@ def epoch_time(number: float) -> datetime | None:
     if isinstance(number, float) and not number.is_integer():
         return None
     whole = int(number)
-    latest = utc_now() + TurnRules().future_leeway
+    latest = _latest()
     if whole <= 0 or whole > (latest - EPOCH).total_seconds() * 1000:
         return None
     at = EPOCH + (
@@ -290,7 +317,8 @@ class LegacyTurn(BaseModel):
     user_id: str | None = None
     name: str | None = None
     created_at: Any = None
-    is_system: bool = False
+    is_system: Any = None
+    """As found: `system` reads it."""
     user_message: Any = None
     upload_result: Any = None
     response_parts: Any = None
@@ -312,10 +340,11 @@ class LegacyTurn(BaseModel):
             return None
         return str(value)
 
-    @field_validator("is_system", mode="before")
-    @classmethod
-    def _truthy(cls, value: Any) -> bool:
-        return truthy(value)
+    @property
+    def system(self) -> bool:
+        """Whether the turn is a system turn: `is_system` read as yes (`flag`); a value read
+        as neither is no, and the converter keeps it in a problem."""
+        return flag(self.is_system) is True
 
     def unknown_fields(self) -> dict[str, Any]:
         """The fields no reader takes: those the format does not name (the dual write's own

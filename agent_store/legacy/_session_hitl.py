@@ -27,7 +27,7 @@ from agent_store.core import (
     to_utc_millis,
 )
 from agent_store.legacy._convert import LegacyConversion, Problem
-from agent_store.legacy._documents import as_time, reference_text, truthy
+from agent_store.legacy._documents import as_time, flag, reference_text
 from agent_store.legacy._parts import hitl_params, part_text, read_prompt, said
 
 _RESOLVED = {"resolved", "answered", "done", "completed", "cancelled", "canceled", "expired"}
@@ -62,9 +62,29 @@ class PromptNote:
 
 
 def is_pending_prompt(document: Mapping[str, Any]) -> bool:
-    """Whether a `session_hitl` document is a prompt still awaiting its answer."""
+    """Whether a `session_hitl` document is a prompt still awaiting its answer: neither its
+    `resolved` (`flag`: one read as neither yes nor no leaves it to the status, and is noted:
+    `_unreadable_resolved`) nor its status says it was answered."""
     status = str(document.get("status", "pending")).strip().lower()
-    return not truthy(document.get("resolved")) and status not in _RESOLVED
+    return flag(document.get("resolved")) is not True and status not in _RESOLVED
+
+
+def _unreadable_resolved(document: Mapping[str, Any]) -> list[PromptNote]:
+    """A pending prompt's `resolved` read as neither yes nor no: kept in a note (not placed),
+    for an operator to accept."""
+    value = document.get("resolved")
+    if flag(value) is not None:
+        return []
+    return [
+        PromptNote(
+            "unreadable_flag",
+            f"pending prompt {document.get('request_id')!r} has resolved {value!r}, read as "
+            "neither yes nor no: its status keeps it pending",
+            content=value,
+            placed=False,
+            field="resolved",
+        )
+    ]
 
 
 def _id_time(document: Mapping[str, Any]) -> datetime | None:
@@ -186,7 +206,8 @@ def pending_from_session_hitl(
     every other pending prompt no message holds, or one without a request id a message can
     hold, is noted with its document (not placed)."""
     pending = [d for d in documents if is_pending_prompt(d)]
-    notes = [
+    notes = [n for d in pending for n in _unreadable_resolved(d)]
+    notes += [
         _not_placed(d, "has no request id of 1 to 200 characters")
         for d in pending
         if reference_text(d.get("request_id")) is None
