@@ -19,7 +19,7 @@ from app.metrics import count_store_error
 log = logging.getLogger("agent_store.api")
 
 ERROR_CODES: dict[str, tuple[int, str]] = {
-    "invalid_json": (400, "the body is not a JSON object"),
+    "invalid_json": (400, "the body is not a JSON object in UTF-8"),
     "unauthorized": (401, "no valid service token, or an invalid user token"),
     "forbidden": (403, "the user token may not act on this user's data"),
     "not_found": (404, "no such route, or no such conversation visible to the caller"),

@@ -8,6 +8,7 @@ infinity (JSON responses cannot carry them back).
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 from typing import Any, TypeVar
@@ -92,9 +93,15 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     brackets than the limit: a body within the rules is not walked at all.
     """
     numbers = _Numbers()
+    if raw.startswith(codecs.BOM_UTF8):
+        raise InvalidJson("the body starts with a byte order mark: send UTF-8 JSON without one")
+    try:
+        text = raw.decode()  # UTF-8 only (RFC 8259), as the body models read it
+    except UnicodeDecodeError as exc:
+        raise InvalidJson(f"the body is not UTF-8 text: {exc}") from exc
     try:
         document = json.loads(
-            raw,
+            text,
             parse_constant=_refuse_constant,
             parse_int=numbers.integer,
             parse_float=numbers.real,
