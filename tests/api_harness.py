@@ -58,12 +58,12 @@ def user_token(
     *,
     key: Any = JWT_SECRET,
     algorithm: str = "HS256",
-    expires_in: int = 6 * 3600,
+    expires_in: int = 3600,
     **claims: Any,
 ) -> str:
-    """A user token signed now. It lives for hours by default: tests build tokens as their
-    module is collected, and a parallel run on a loaded machine may use one half an hour
-    later; the tests of expiry set `expires_in` themselves."""
+    """A user token signed now. It lives an hour by default, the longest lifetime the
+    service accepts: tests build tokens as their module is collected, and a parallel run on
+    a loaded machine may use one half an hour later; the tests of expiry set `expires_in`."""
     now = int(time.time())
     payload = {"sub": sub, "aud": AUDIENCE, "iss": ISSUER, "iat": now, "exp": now + expires_in}
     payload.update(claims)  # a claim given as None is left out
