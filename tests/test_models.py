@@ -128,6 +128,26 @@ def test_datetimes_become_aware_utc_at_millisecond_precision() -> None:
             id="prompt-naming-an-empty-id",
         ),
         pytest.param(
+            {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f" * 257}}]},
+            "String should have at most 256 characters",
+            id="tool-name-too-long",
+        ),
+        pytest.param(
+            {"role": "assistant", "hitl_action": {"action": "a" * 257, "request_id": "r"}},
+            "hitl_action.action: String should have at most 256 characters",
+            id="prompt-action-too-long",
+        ),
+        pytest.param(
+            {"role": "user", "upload": {"filename": "f" * 1025, "file_type": "t", "size": 1}},
+            "upload.filename: String should have at most 1024 characters",
+            id="upload-filename-too-long",
+        ),
+        pytest.param(
+            {"role": "user", "upload": {"filename": "f", "file_type": "t" * 256, "size": 1}},
+            "upload.file_type: String should have at most 255 characters",
+            id="upload-type-too-long",
+        ),
+        pytest.param(
             {"role": "user", "content": "x", "seq": -1},
             "seq: Input should be greater than or equal to 0",
             id="negative-seq",
@@ -149,6 +169,18 @@ def test_messages_breaking_the_contract_are_refused_with_the_reason(
 ) -> None:
     with pytest.raises(InvalidInput, match=re.escape(error)):
         parse(raw)
+
+
+def test_names_copied_onto_the_conversation_are_taken_up_to_their_bound() -> None:
+    """A tool's name and a prompt's action are copied onto the conversation document (its
+    pending calls, its pending prompt), never cut: they are bounded instead, so that document
+    stays far from MongoDB's 16 MiB whatever a caller sends."""
+    call = {"id": "c", "function": {"name": "f" * 256}}
+    assert parse({"role": "assistant", "tool_calls": [call]}).tool_calls is not None
+    prompt = {"action": "a" * 256, "request_id": "r"}
+    assert parse({"role": "assistant", "hitl_action": prompt}).hitl_action is not None
+    upload = {"filename": "f" * 1024, "file_type": "t" * 255, "size": 1}
+    assert parse({"role": "user", "upload": upload}).upload is not None
 
 
 def test_every_role_dumps_the_same_keys() -> None:

@@ -211,10 +211,15 @@ class _Model(BaseModel):
         return copy
 
 
+MAX_NAME_CHARS = 256
+"""The longest tool name and prompt action: copied onto the conversation document (its pending
+calls, its pending prompt) and never cut, they are bounded instead."""
+
+
 class FunctionCall(_Model):
     """The function an assistant asks to call."""
 
-    name: Annotated[str, StringConstraints(min_length=1)]
+    name: Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]
     """The tool's name."""
     arguments: Annotated[
         str,
@@ -241,7 +246,7 @@ class ToolCall(_Model):
 class HitlAction(_Model):
     """A human-in-the-loop prompt the assistant raised."""
 
-    action: Annotated[str, StringConstraints(min_length=1)]
+    action: Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]
     params: Annotated[dict[str, Any], AfterValidator(_plain_json)] = Field(default_factory=dict)
     """Plain JSON values, nested at most `MAX_PARAMS_DEPTH` levels."""
     request_id: Annotated[str, StringConstraints(min_length=1, max_length=200)]
@@ -266,8 +271,9 @@ class MessageError(_Model):
 class FileUpload(_Model):
     """A file the user uploaded with a message."""
 
-    filename: str
-    file_type: str
+    filename: Annotated[str, StringConstraints(max_length=1024)]
+    file_type: Annotated[str, StringConstraints(max_length=255)]
+    """A media type (RFC 6838 bounds its two names at 127 characters each)."""
     size: Count
     parsed_text: str | None = None
 

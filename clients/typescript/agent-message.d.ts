@@ -349,6 +349,7 @@ export interface IApiErrorDetail {
 /** A file the user uploaded with a message. */
 export interface IFileUpload {
   filename: string;
+  /** A media type (RFC 6838 bounds its two names at 127 characters each). */
   file_type: string;
   size: number;
   parsed_text: string | null;
