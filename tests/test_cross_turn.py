@@ -2794,6 +2794,79 @@ async def test_an_approval_stored_marked_held_again_before_held_by_stays_held_by
     assert await runtime.answers_of("tc-9") == [(DENIED_RESULT, "tool call denied")]
 
 
+def _question(request_id: str) -> dict[str, Any]:
+    """A prompt naming the call tc-9 it asks about (`tool_call_ids`)."""
+    hitl = {"action": "confirm", "params": {}, "request_id": request_id, "tool_call_ids": ["tc-9"]}
+    return {"role": "assistant", "content": f"Sure ({request_id})?", "hitl_action": hitl}
+
+
+async def _approved_then_asked_again_by(
+    logger: AgentMessageLogger, store: ConversationStore, cid: str, *request_ids: str
+) -> None:
+    """tc-9 asked about by q1, which a person approves, then asked about again by each of
+    `request_ids`, a turn each (user message, question): seqs 0-2, then two per turn."""
+    ask = [{"role": "user", "content": "Book it."}, _book(), _question("q1")]
+    await logger.log_messages(cid, ask, turn_id="t0")
+    await store.resolve_hitl(cid, "q1")
+    for n, request_id in enumerate(request_ids, start=1):
+        again = [{"role": "user", "content": "And?"}, _question(request_id)]
+        await logger.log_messages(cid, again, turn_id=f"t{n}")
+
+
+async def _refusal_of(logger: AgentMessageLogger, cid: str, request_id: str) -> bool:
+    """Whether a turn denying tc-9 as the refusal of the prompt `request_id` is logged."""
+    denial = [{"role": "user", "content": "No."}, DENIAL_OF_TC_9]
+    try:
+        await logger.log_messages(
+            cid, denial, turn_id="denial", refused_prompts={"tc-9": request_id}
+        )
+    except AnsweredBefore:
+        return False
+    return True
+
+
+async def _as_logged_fresh(backend: Backend) -> tuple[Any, ...]:
+    """What q1 approved then q2 asking about tc-9 again leave, logged in a conversation of
+    their own: q2 pending, holding tc-9, and its refusal denies the call."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _approved_then_asked_again_by(logger, store, "conv-fresh", "q2")
+    state = await held_state(store, "conv-fresh")
+    assert state == ([("tc-9", "q2")], "q2")
+    return state, await _refusal_of(logger, "conv-fresh", "q2")
+
+
+async def test_a_fork_cut_after_a_second_question_awaits_it_though_a_third_one_followed(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3 Forks: a fork cut right after the second question about an approved call
+    awaits what the original's turns left pending there, as those turns logged fresh do: the
+    second question holds the call, and its refusal denies it, although a third question the
+    fork leaves out held the call in the original since."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _approved_then_asked_again_by(logger, store, CID, "q2", "q3")
+
+    await logger.fork(CID, 4, "conv-fork")  # right after q2
+
+    forked = await held_state(store, "conv-fork"), await _refusal_of(logger, "conv-fork", "q2")
+    assert forked == await _as_logged_fresh(backend) == (([("tc-9", "q2")], "q2"), True)
+
+
+async def test_popping_a_third_question_leaves_the_second_one_holding_the_approved_call(
+    backend: Backend,
+) -> None:
+    """LIBRARY.md Pending HITL: popping the third question about an approved call (and its
+    turn's user message) leaves the conversation as the turns before it logged fresh do:
+    the second question holds the call again, and its refusal denies it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _approved_then_asked_again_by(logger, store, CID, "q2", "q3")
+
+    await store.pop_last_message(CID)  # q3
+    await store.pop_last_message(CID)  # its turn's user message
+
+    popped = await held_state(store), await _refusal_of(logger, CID, "q2")
+    assert popped == await _as_logged_fresh(backend) == (([("tc-9", "q2")], "q2"), True)
+
+
 async def test_a_question_about_an_earlier_call_holds_it_when_its_turn_reuses_the_id(
     backend: Backend,
 ) -> None:

@@ -19,6 +19,7 @@ from agent_store.core._errors import (
     shown,
 )
 from agent_store.core._models import (
+    HOLDING_PROMPTS_KEPT,
     MAX_HELD_CALLS,
     MAX_SAFE_INTEGER,
     RESOLVED_PROMPTS_KEPT,
@@ -83,6 +84,7 @@ from agent_store.core._outcomes import (
 
 __all__ = [
     "DENIED_RESULT",
+    "HOLDING_PROMPTS_KEPT",
     "INTERRUPTED_RESULT",
     "MAX_HELD_CALLS",
     "MAX_SAFE_INTEGER",

@@ -527,6 +527,11 @@ class PendingCall(_Model):
     """When the call was made."""
 
 
+HOLDING_PROMPTS_KEPT = 20
+"""How many earlier prompts holding an approved call again an approval remembers
+(`ApprovedCall.held_before`)."""
+
+
 class ApprovedCall(_Model):
     """A call a person's answer released (`ConversationStore.resolve_hitl` of the prompt
     holding it): it awaits its result, and a denial of it is refused, whatever becomes of
@@ -540,9 +545,15 @@ class ApprovedCall(_Model):
     refusal of that prompt arriving later denies nothing, even once another prompt holds
     the call."""
     held_by: str | None = None
-    """The later prompt (its message id) that named the call: it holds the call until it is
-    answered itself. A pop removing that prompt, or a fork cut before it, puts the approval
-    back in force."""
+    """The latest prompt (its message id) that named the call: it holds the call until it is
+    answered itself. A pop removing that prompt, or a fork cut before it, hands the call to
+    the latest of `held_before` the conversation (or fork) keeps, or, with none, puts the
+    approval back in force."""
+    held_before: list[str] = []
+    """The earlier prompts (their message ids, oldest first, the newest
+    `HOLDING_PROMPTS_KEPT`) that named the call after this approval and before `held_by`
+    did: each asked about it again, unanswered, so once the later ones are popped or left
+    out of a fork the latest of them holds the call again."""
     held_again: bool = False
     """Read from approvals stored before `held_by`: a later prompt, not told which, named the
     call and holds it until it is answered itself."""

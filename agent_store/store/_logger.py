@@ -1321,16 +1321,24 @@ def _approvals_of_copies(
     source: Mapping[str, Any], chosen: Sequence[AgentMessage], plan: TurnPlan
 ) -> list[dict[str, Any]]:
     """The original's `approved_calls` a fork remembers: those of the calls its copies make,
-    naming the copies (a call a person approved stays approved in the fork). One a later
-    prompt holds again (`held_by`) names that prompt's copy; held by a prompt the fork does
-    not copy, it is in force."""
+    naming the copies (a call a person approved stays approved in the fork). One later
+    prompts hold again (`held_by`, after `held_before`) is held by the copy of the latest of
+    them the fork copies; held by none it copies, it is in force."""
     ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
-    return [
-        {
+
+    def copied(a: Mapping[str, Any]) -> dict[str, Any]:
+        earlier = a.get("held_before")
+        holders = [*(earlier if isinstance(earlier, list) else ()), a.get("held_by")]
+        held = [ids[h] for h in holders if isinstance(h, str) and h in ids]
+        return {
             **a,
             "message_id": ids[str(a.get("message_id"))],
-            "held_by": ids.get(a["held_by"]) if isinstance(a.get("held_by"), str) else None,
+            "held_by": held[-1] if held else None,
+            "held_before": held[:-1],
         }
+
+    return [
+        copied(a)
         for a in source.get("approved_calls") or ()
         if isinstance(a, Mapping) and str(a.get("message_id")) in ids
     ]

@@ -15,6 +15,7 @@ from typing import Any
 from bson import Int64
 
 from agent_store.core import (
+    HOLDING_PROMPTS_KEPT,
     MAX_SAFE_INTEGER,
     RESOLVED_PROMPTS_KEPT,
     ApprovedCall,
@@ -349,10 +350,16 @@ def held_by_a_prompt(variable: str) -> dict[str, Any]:
     return {"$or": [named, flagged]}
 
 
-def approvals_held_by(held_by: Any) -> dict[str, Any]:
+def held_before_of(variable: str) -> dict[str, Any]:
+    """The `held_before` of the `approved_calls` entry in `variable`, [] when it has none."""
+    return {"$ifNull": [f"$${variable}.held_before", literal([])]}
+
+
+def approvals_held_by(held_by: Any, held_before: Any = None) -> dict[str, Any]:
     """`approved_calls` with the `held_by` of each entry (`$$a`) set to the expression
-    `held_by`, its other fields kept (their defaults for fields an entry stored before
-    them lacks). Left unset on a conversation that has none."""
+    `held_by`, and its `held_before` to the expression `held_before` (kept when None), its
+    other fields kept (their defaults for fields an entry stored before them lacks). Left
+    unset on a conversation that has none."""
     fields: dict[str, Any] = {
         name: {"$ifNull": [f"$$a.{name}", literal(field.default)]}
         for name, field in ApprovedCall.model_fields.items()
@@ -360,6 +367,7 @@ def approvals_held_by(held_by: Any) -> dict[str, Any]:
     }
     fields.update(_call_key("a"))
     fields["held_by"] = held_by
+    fields["held_before"] = held_before_of("a") if held_before is None else held_before
     approved = {"$map": {"input": _kept("approved_calls", []), "as": "a", "in": fields}}
     # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
     unset = {"$eq": [{"$ifNull": ["$approved_calls", None]}, None]}
@@ -572,9 +580,10 @@ def _asked_again(plan: TurnPlan) -> dict[str, Any]:
     """`approved_calls` with the approvals of the calls a prompt of the turn names
     (`named_holds`, or then denies: `refusals_of_own_prompts`) held by that prompt
     (`held_by`, its message id: `named_prompts`): a second question about an approved call
-    holds it until it is answered itself, or is popped, or left out of a fork. The approval
-    stays recorded, so a refusal of the prompt that gave it, arriving later, still denies
-    nothing.
+    holds it until it is answered itself, or is popped, or left out of a fork. The prompt
+    that held it before is remembered (`held_before`): a pop of the new one, or a fork
+    cut before it, leaves the call held by that one again. The approval stays recorded, so
+    a refusal of the prompt that gave it, arriving later, still denies nothing.
 
     One flat expression whatever the number of names, the prompt looked up by call id."""
     if not plan.named_holds and not plan.refusals_of_own_prompts:
@@ -586,7 +595,16 @@ def _asked_again(plan: TurnPlan) -> dict[str, Any]:
     }
     prompt = {"$arrayElemAt": [{"$map": {"input": naming, "as": "p", "in": "$$p.m"}}, 0]}
     named = {"$gt": [{"$size": naming}, 0]}
-    return approvals_held_by({"$cond": [named, prompt, {"$ifNull": ["$$a.held_by", None]}]})
+    before = {"$ifNull": ["$$a.held_by", None]}
+    handed_over = {"$and": [named, {"$ne": [before, None]}, {"$ne": [before, prompt]}]}
+    # A one-element array built by `$map`: some servers (mongomock) keep an array literal's
+    # elements unevaluated.
+    remembered = {"$concatArrays": [held_before_of("a"), {"$map": {"input": [0], "in": before}}]}
+    kept = {"$slice": [remembered, -HOLDING_PROMPTS_KEPT]}
+    return approvals_held_by(
+        {"$cond": [named, prompt, before]},
+        {"$cond": [handed_over, kept, held_before_of("a")]},
+    )
 
 
 def _released(plan: TurnPlan) -> dict[str, Any] | None:

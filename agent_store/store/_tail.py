@@ -41,6 +41,7 @@ from bson import Int64
 from agent_store.core import AgentMessage, PendingCall, PendingHitl, PopInProgress
 from agent_store.store._reservation import (
     approvals_held_by,
+    held_before_of,
     int64,
     literal,
     records_changed,
@@ -266,10 +267,17 @@ def _prompt_back(
 
 def _approvals_unheld_by(message_id: str) -> dict[str, Any]:
     """`approved_calls` once the prompt `message_id` is removed: the approvals it held again
-    (`held_by`, a second question about an approved call) are in force again."""
+    (`held_by`, a later question about an approved call) are held by the latest prompt that
+    held them before it (`held_before`), or, with none, in force again."""
     held_by = {"$ifNull": ["$$a.held_by", None]}
     removed = {"$eq": [held_by, literal(message_id)]}
-    return approvals_held_by({"$cond": [removed, None, held_by]})
+    before = held_before_of("a")
+    previous = {"$ifNull": [{"$arrayElemAt": [before, -1]}, None]}
+    now_held_by = {"$cond": [removed, previous, held_by]}
+    # Message ids, each once in the list: the new holder leaves it by its id.
+    others = {"$and": [{"$ne": ["$$m", literal(message_id)]}, {"$ne": ["$$m", now_held_by]}]}
+    left = {"$filter": {"input": before, "as": "m", "cond": others}}
+    return approvals_held_by(now_held_by, left)
 
 
 def _marked_popped(key: int) -> dict[str, Any]:
