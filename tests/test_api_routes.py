@@ -502,10 +502,16 @@ async def test_page_sizes_over_the_cap_are_refused(api: Served, url: str, limit:
         pytest.param(b"[1, 2]", "application/json", 400, "invalid_json", id="array"),
         pytest.param(b'{"name": NaN}', "application/json", 400, "invalid_json", id="nan"),
         pytest.param(b"", "application/json", 400, "invalid_json", id="empty"),
-        pytest.param(b'\xef\xbb\xbf{"name": "x"}', "application/json", 400, "invalid_json",
-                     id="utf-8 byte order mark"),
-        pytest.param('{"name": "x"}'.encode("utf-16"), "application/json", 400, "invalid_json",
-                     id="utf-16"),
+        pytest.param(
+            b'\xef\xbb\xbf{"name": "x"}',
+            "application/json",
+            400,
+            "invalid_json",
+            id="utf-8 byte order mark",
+        ),
+        pytest.param(
+            '{"name": "x"}'.encode("utf-16"), "application/json", 400, "invalid_json", id="utf-16"
+        ),
         pytest.param(b'{"name": "x"}', "text/plain", 415, "unsupported_media_type", id="text"),
         pytest.param(b'{"name": ""}', "application/json", 422, "invalid_input", id="empty-name"),
         pytest.param(b'{"name": 7}', "application/json", 422, "invalid_input", id="number"),
