@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 
 import pytest
@@ -80,14 +81,17 @@ async def test_a_retry_later_than_abandon_after_of_a_turn_that_stored_nothing_co
     """The rare relocation path: a refused reservation, the record, the empty block looked
     up (with any later answer to its calls), the move to a new block at the end (with the
     summary an appended turn sets), the insert, then the stored messages read and what they
-    leave pending written (guarded: no turn reserved meanwhile)."""
+    leave pending written (guarded: no turn reserved meanwhile). The retry itself is faster
+    than `abandon_after`: no lookup of the conversation follows its insert."""
     assert wire_backend.commands is not None
-    rules = TurnRules(abandon_after=timedelta(0), claim_grace=COUNTED.claim_grace)
+    abandon_after = timedelta(milliseconds=300)
+    rules = TurnRules(abandon_after=abandon_after, claim_grace=COUNTED.claim_grace)
     logger = AgentMessageLogger(wire_backend.db, rules=rules)
     (turn_id, messages), (later_id, later) = example_turns()[:2]
     await logger.log_messages(CID, messages, turn_id=turn_id)
     await wire_backend.db.agent_messages.delete_many({})  # as a crash before the insert
     await logger.log_messages(CID, later, turn_id=later_id)
+    await asyncio.sleep(abandon_after.total_seconds() * 1.2)  # the first block is passed
     wire_backend.commands.clear()
 
     retried = await logger.log_messages(CID, messages, turn_id=turn_id)
