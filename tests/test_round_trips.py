@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -80,14 +80,19 @@ async def test_a_retry_later_than_abandon_after_of_a_turn_that_stored_nothing_co
     """The rare relocation path: a refused reservation, the record, the empty block looked
     up (with any later answer to its calls), the move to a new block at the end (with the
     summary an appended turn sets), the insert, then the stored messages read and what they
-    leave pending written (guarded: no turn reserved meanwhile)."""
+    leave pending written (guarded: no turn reserved meanwhile). The crashed attempt's record
+    is dated ten minutes back, past `abandon_after`; the retry itself is far faster than
+    that: no lookup of the conversation follows its insert."""
     assert wire_backend.commands is not None
-    rules = TurnRules(abandon_after=timedelta(0), claim_grace=COUNTED.claim_grace)
-    logger = AgentMessageLogger(wire_backend.db, rules=rules)
+    logger = AgentMessageLogger(wire_backend.db, rules=COUNTED)
     (turn_id, messages), (later_id, later) = example_turns()[:2]
     await logger.log_messages(CID, messages, turn_id=turn_id)
     await wire_backend.db.agent_messages.delete_many({})  # as a crash before the insert
     await logger.log_messages(CID, later, turn_id=later_id)
+    long_ago = datetime.now(UTC) - timedelta(minutes=10)
+    await wire_backend.db.agent_conversations.update_one(
+        {"_id": CID}, {"$set": {"turns.0.a": long_ago}}
+    )
     wire_backend.commands.clear()
 
     retried = await logger.log_messages(CID, messages, turn_id=turn_id)

@@ -580,6 +580,79 @@ async def test_a_stalled_first_insert_landing_after_its_retry_stored_the_turn_an
     assert conversation["message_count"] == 5
 
 
+async def _a_stalled_first_insert_landing_after_pops(
+    backend: Backend, pops: int
+) -> tuple[AgentMessageLogger, ConversationStore, asyncio.Task[Any]]:
+    """Turn "late": its first attempt reserved 1-2 and stalls; its retry moves it to 3-4 and
+    stores it; `pops` pops remove its last messages; then the stalled insert lands in 1-2,
+    where the ids of the popped messages are free again. The logger, a store, the first
+    attempt's call (done)."""
+    rules = TurnRules(abandon_after=timedelta(0))
+    logger, held, first = await _a_stalled_first_attempt(backend, rules)
+    retried = await logger.log_messages(CID, turn("late"), turn_id="late")
+    assert [m.seq for m in retried.messages] == [3, 4]  # moved
+    store = ConversationStore(backend.db, rules=rules)
+    for _ in range(pops):
+        assert await store.pop_last_message(CID) is not None
+    held.release.set()
+    await asyncio.wait([first])
+    return logger, store, first
+
+
+async def _served(backend: Backend, store: ConversationStore) -> list[tuple[int, str]]:
+    """The transcript as (seq, content), checked against every message stored."""
+    served = [(m.seq, str(m.content)) for m in await store.transcript(CID)]
+    stored = await backend.db[MESSAGES].find({"conversation_id": CID}).sort("seq", 1).to_list(None)
+    assert [(m["seq"], m["content"]) for m in stored] == served
+    return served
+
+
+async def test_a_stalled_first_insert_landing_after_a_pop_of_the_moved_turn_brings_nothing_back(
+    backend: Backend,
+) -> None:
+    """RELIABILITY.md: the retry moved the turn to 3-4 and a pop removed its answer. The
+    stalled first insert then lands in 1-2, the block the turn left: the question collides
+    with the one stored at 3, the popped answer's id is free. The first attempt takes back
+    what it stored in the block its turn left, and answers the turn as stored where it
+    moved: the popped answer is never served again, nor before its question."""
+    logger, store, first = await _a_stalled_first_insert_landing_after_pops(backend, pops=1)
+
+    landed = first.result()
+
+    assert [(m.seq, m.content) for m in landed.messages] == [(3, "late?")]
+    assert await _served(backend, store) == [(0, "m0"), (3, "late?")]
+    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert (conversation["message_count"], conversation["turn_count"]) == (4, 2)
+    after = await logger.log_messages(CID, turn("next"), turn_id="next")
+    assert [m.seq for m in after.messages] == [4, 5]
+    assert await _served(backend, store) == [
+        (0, "m0"), (3, "late?"), (4, "next?"), (5, "next!")
+    ]  # fmt: skip
+    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert (conversation["message_count"], conversation["turn_count"]) == (6, 3)
+
+
+async def test_a_stalled_first_insert_landing_after_pops_of_the_whole_moved_turn_stores_nothing(
+    backend: Backend,
+) -> None:
+    """The same with two pops: the whole moved turn was removed, so the stalled insert stores
+    both messages in 1-2. It takes both back, and is told the turn was corrected since (a
+    Conflict, as a retry is): nothing of the turn is served again."""
+    logger, store, first = await _a_stalled_first_insert_landing_after_pops(backend, pops=2)
+
+    with pytest.raises(Conflict, match="corrected"):
+        first.result()
+
+    assert await _served(backend, store) == [(0, "m0")]
+    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert (conversation["message_count"], conversation["turn_count"]) == (3, 1)
+    after = await logger.log_messages(CID, turn("next"), turn_id="next")
+    assert [m.seq for m in after.messages] == [3, 4]
+    assert await _served(backend, store) == [(0, "m0"), (3, "next?"), (4, "next!")]
+    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert (conversation["message_count"], conversation["turn_count"]) == (5, 2)
+
+
 async def test_two_attempts_racing_the_move_of_an_abandoned_block_both_answer_the_stored_turn(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -778,17 +778,19 @@ class AgentMessageLogger:
 
         An insert the conversation's delete may have swept past without a second sweep is
         followed by a lookup of the conversation (`_follow_the_conversation`): a turn slower
-        than `TurnRules.claim_grace` from its reservation (`started`, `time.monotonic()`) to
-        its insert, and a retry whose insert stored messages in the block an earlier attempt
-        reserved (a delete may have found every reserved `seq` holding its messages and so
-        swept once only). A retry that found the turn reserved less than the grace ago looks
-        only once the grace has passed since it found the record (`_Reserved.in_flight_until`,
-        a wait on that path only): the earlier attempt, if still in flight and faster than
-        the grace, has landed by then, and a delete that found the block full of the retry's
-        messages has its late ones taken back too (slower, it looks itself). A first attempt
-        faster than the grace whose block no retry filled, or a retry that moved its turn to a
-        new block, is swept by the delete itself, which finds the block not stored and sweeps
-        once more `claim_grace` later; a retry that inserted nothing found every message there.
+        than `TurnRules.claim_grace` (or `abandon_after`, when shorter: a retry may have
+        moved it, and a pop removed messages of it since) from its reservation (`started`,
+        `time.monotonic()`) to its insert, and a retry whose insert stored messages in the
+        block an earlier attempt reserved (a delete may have found every reserved `seq`
+        holding its messages and so swept once only). A retry that found the turn reserved
+        less than the grace ago looks only once the grace has passed since it found the
+        record (`_Reserved.in_flight_until`, a wait on that path only): the earlier attempt,
+        if still in flight and faster than the grace, has landed by then, and a delete that
+        found the block full of the retry's messages has its late ones taken back too
+        (slower, it looks itself). A first attempt faster than the grace whose block no
+        retry filled, or a retry that moved its turn to a new block, is swept by the delete
+        itself, which finds the block not stored and sweeps once more `claim_grace` later; a
+        retry that inserted nothing found every message there.
         """
         plan = plan.for_epoch(reserved.epoch)  # its whole texts are this conversation's only
         await self._full_texts.keep(plan.full_texts)  # a turn with a cut message: 2 more commands
@@ -812,8 +814,10 @@ class AgentMessageLogger:
         refilled = inserted and reserved.replayed and reserved.moved is None
         if refilled and reserved.in_flight_until is not None:
             await self._wait_until(reserved.in_flight_until)  # the earlier attempt lands first
-        if refilled or time.monotonic() - started > self.rules.claim_grace.total_seconds():
-            stored = await self._follow_the_conversation(plan.conversation_id, reserved, stored)
+        # A turn is moved, its block passed, only once older than `abandon_after`.
+        slow = min(self.rules.claim_grace, self.rules.abandon_after).total_seconds()
+        if refilled or time.monotonic() - started > slow:
+            stored = await self._follow_the_conversation(plan, reserved, stored)
         return stored
 
     async def _wait_until(self, deadline: float) -> None:
@@ -905,13 +909,15 @@ class AgentMessageLogger:
         return [{**d, **now} for d in documents]
 
     async def _follow_the_conversation(
-        self, conversation_id: str, reserved: _Reserved, stored: list[AgentMessage]
+        self, plan: TurnPlan, reserved: _Reserved, stored: list[AgentMessage]
     ) -> list[AgentMessage]:
-        """After a turn slower than `TurnRules.claim_grace` from its reservation to its insert,
-        or a retry that stored messages in the block an earlier attempt reserved (`_store`):
-        its messages move to the conversation's owner when a claim moved the conversation
-        meanwhile (one more lookup; one more update then only). A faster first attempt is
-        moved by the claim itself, which waits that long before its last sweep.
+        """After a turn slower than `TurnRules.claim_grace` (or `abandon_after`, when shorter)
+        from its reservation to its insert, or a retry that stored messages in the block an
+        earlier attempt reserved (`_store`): its messages move to the conversation's owner
+        when a claim moved the conversation meanwhile (one more lookup; one more update then
+        only). A faster first attempt is moved by the claim itself, which waits that long
+        before its last sweep. The same lookup reads the messages pops removed: what this
+        insert brought back of them goes again (`_popped_again`).
 
         The conversation is the one the turn reserved on only while its epoch is the same
         (`same_conversation`): deleted meanwhile, or deleted and created again under its id
@@ -919,12 +925,15 @@ class AgentMessageLogger:
         messages, as the delete would have taken them; they never go to whoever holds the
         id now.
         """
+        conversation_id = plan.conversation_id
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                _same_as_reserved(conversation_id, reserved), {"user_id": 1}
+                _same_as_reserved(conversation_id, reserved),
+                {"user_id": 1, "popped_messages.i": 1},
             )
         owner = reserved.owner
         if found is not None:
+            stored = await self._popped_again(plan, reserved, stored, found)
             if found.get("user_id") == owner:
                 return stored
             new_owner = found.get("user_id")
@@ -940,6 +949,45 @@ class AgentMessageLogger:
                 [b for m in stored for b in kept_blob_ids(m).values()]
             )
         return stored
+
+    async def _popped_again(
+        self,
+        plan: TurnPlan,
+        reserved: _Reserved,
+        stored: list[AgentMessage],
+        found: Mapping[str, Any],
+    ) -> list[AgentMessage]:
+        """The turn as stored, once what this insert stored of the messages pops removed
+        (`popped_messages`, by id) is taken back: a first attempt slower than `abandon_after`
+        whose retry moved the turn to a new block and stored it there, a pop then removing
+        its last messages, lands in the block the turn left, where the popped ids are free
+        again (or in its own block, refilled by a retry and popped since). Only its own
+        copies go (its ids at the `seq`s of its block, under its epoch): never the retry's,
+        nor a message of the turn no pop removed (an insert of the retry's may still be on
+        its way, and then finds the turn stored here). One delete more, on that path only;
+        Conflict, as a retry of the turn is answered, when none of the turn is left."""
+        popped = {p.get("i") for p in found.get("popped_messages") or () if isinstance(p, Mapping)}
+        first, last = reserved.first_seq, reserved.first_seq + plan.count
+        back = [m for m in stored if m.id in popped and m.seq is not None and first <= m.seq < last]
+        if not back:
+            return stored
+        with storage_errors("delete the turn's messages a pop removed"):
+            await self._messages.delete_many(
+                {
+                    "conversation_id": plan.conversation_id,
+                    "_id": {"$in": [m.id for m in back]},
+                    "seq": {"$gte": first, "$lt": last},
+                    "epoch": reserved.epoch,
+                }
+            )
+        await self._full_texts.forget_files([b for m in back for b in kept_blob_ids(m).values()])
+        left = [m for m in stored if m not in back]
+        if not left:
+            raise Conflict(
+                f"turn {plan.turn_id!r} was corrected since it was logged (a pop removed its "
+                "messages): it cannot be logged again. Use a new turn_id for a new turn"
+            )
+        return left
 
     async def _follow_times(
         self, conversation_id: str, reserved: _Reserved, stored: Sequence[AgentMessage]
