@@ -213,7 +213,8 @@ class InboxOpened(BaseModel):
 class Delivery(BaseModel):
     delivered: bool
     """True: the message is stored and the runtime will get it. False: the turn's inbox is
-    closed, nothing was stored; start a new turn with the message."""
+    closed, or holds as many deliveries as it takes (256), nothing was stored; start a new
+    turn with the message."""
 
 
 class Delivered(BaseModel):

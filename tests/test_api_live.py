@@ -81,3 +81,22 @@ async def test_a_fork_over_http_is_created_once_and_belongs_to_the_owner() -> No
         forked = await api.http.get("/v1/conversations/conv-fork-http", headers=owner)
         assert forked.json()["forked_from"]["conversation_id"] == OWNER_CONVERSATION
         assert forked.json()["user_id"] == OWNER
+
+
+async def test_a_user_token_opening_inboxes_without_closing_them_is_stopped_at_32() -> None:
+    async with serve(mongomock_db()) as api:
+        person = auth_headers(user=OWNER)
+        base = f"/v1/conversations/{OWNER_CONVERSATION}/turns"
+        opened = [
+            (await api.http.post(f"{base}/t-{n}/inbox", headers=person)).status_code
+            for n in range(33)
+        ]
+        refused = await api.http.post(f"{base}/t-32/inbox", headers=person)
+        reopened = await api.http.post(f"{base}/t-0/inbox", headers=person)
+
+        assert opened == [200] * 32 + [409]
+        assert refused.json()["error"]["code"] == "conflict"
+        assert "32 open steering inboxes" in refused.json()["error"]["message"]
+        assert reopened.status_code == 200
+        stored = await api.db.agent_conversations.find_one({"_id": OWNER_CONVERSATION})
+        assert len(stored["inbox"]) == 32

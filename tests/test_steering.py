@@ -23,6 +23,7 @@ from agent_store import (
     NotFound,
     RetryPolicy,
     SteeringInbox,
+    TurnRules,
     with_retries,
 )
 from agent_store.integrations.streams import turn_from_sse
@@ -212,28 +213,30 @@ class DiesAfterReserving:
         logger._messages = Lost()
 
 
-def _late_rules() -> Any:
+def _late_rules(inbox_deliveries: int = 256) -> Any:
     """Rules under which every empty block is abandoned at once (`abandon_after` 0): a
     retried delivery that stored nothing moves to a new block at the end (DESIGN.md §3)."""
     from datetime import timedelta
 
-    from agent_store import TurnRules
-
-    return TurnRules(abandon_after=timedelta(0))
+    return TurnRules(abandon_after=timedelta(0), inbox_deliveries=inbox_deliveries)
 
 
 async def _a_delivery_that_died(
-    backend: Backend, steer: dict[str, Any], first: list[dict[str, Any]] | None = None
+    backend: Backend,
+    steer: dict[str, Any],
+    first: list[dict[str, Any]] | None = None,
+    rules: TurnRules | None = None,
 ) -> tuple[AgentMessageLogger, SteeringInbox]:
     """An open turn's inbox and a delivery "d1" of `steer` whose sender reserved its block
     and died before the insert, after a turn "t0" of `first` (a user message by default);
-    returns the logger (late rules) and the runtime's inbox."""
-    logger = AgentMessageLogger(backend.db, rules=_late_rules())
+    returns the logger (late rules unless `rules`) and the runtime's inbox."""
+    rules = rules or _late_rules()
+    logger = AgentMessageLogger(backend.db, rules=rules)
     first = first or [{"role": "user", "content": "start"}]
     await logger.log_messages(CID, first, turn_id="t0")
     runtime = SteeringInbox(logger)
     await runtime.open_turn(CID, TURN)
-    dying = AgentMessageLogger(backend.db, rules=_late_rules())
+    dying = AgentMessageLogger(backend.db, rules=rules)
     DiesAfterReserving(dying)
     with pytest.raises(ConnectionError):
         await SteeringInbox(dying).try_deliver(CID, TURN, steer, delivery_id="d1")
@@ -277,6 +280,22 @@ async def test_a_delivery_retried_after_abandon_after_into_a_closed_inbox_is_ref
     assert await backend.db[MESSAGES].count_documents({"content": steer["content"]}) == 0
     conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
     assert conversation["message_count"] == 2
+
+
+async def test_a_delivery_retried_after_abandon_after_into_a_full_inbox_is_refused(
+    backend: Backend,
+) -> None:
+    """The dead delivery's `seq` filled its inbox: its late retry, which would move it to a
+    new block, is refused to its sender like a new delivery, storing nothing, and the runtime
+    passes the empty block and closes."""
+    steer = {"role": "user", "content": "stop"}
+    logger, runtime = await _a_delivery_that_died(backend, steer, rules=_late_rules(1))
+
+    accepted = await SteeringInbox(logger).try_deliver(CID, TURN, steer, delivery_id="d1")
+
+    assert accepted is False
+    assert await backend.db[MESSAGES].count_documents({"content": "stop"}) == 0
+    assert await runtime.close_inbox(CID, TURN, last_seen_seq=0) == []
 
 
 async def test_a_refused_late_delivery_leaves_pending_what_the_stored_messages_leave(
@@ -324,6 +343,50 @@ async def test_a_stranger_cannot_open_or_deliver_into_anothers_turn(backend: Bac
     assert await inbox.try_deliver(
         CID, TURN, {"role": "user", "content": "mine"}, user_id="user-ada", owner_only=True
     )
+
+
+async def test_a_conversation_keeps_at_most_its_rules_open_inboxes(backend: Backend) -> None:
+    """Each open inbox is an entry on the conversation document: a caller opening inboxes
+    without closing them is refused past the rules' `open_inboxes`, nothing written, and
+    the document stays far below MongoDB's 16 MiB."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(open_inboxes=2))
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    inbox = SteeringInbox(logger)
+    await inbox.open_turn(CID, "run-1")
+    await inbox.open_turn(CID, "run-2")
+    before = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+
+    with pytest.raises(Conflict, match="2 open steering inboxes"):
+        await inbox.open_turn(CID, "run-3")
+    assert await backend.db[CONVERSATIONS].find_one({"_id": CID}) == before
+    await inbox.open_turn(CID, "run-2")  # an open one opened again: still idempotent
+    assert await inbox.close_inbox(CID, "run-1", last_seen_seq=0) == []
+    await inbox.open_turn(CID, "run-3")
+    assert await inbox.try_deliver(CID, "run-3", {"role": "user", "content": "now"})
+
+
+async def test_an_inbox_takes_at_most_its_rules_deliveries_and_refuses_the_next_unstored(
+    backend: Backend,
+) -> None:
+    """Each delivery is listed on its inbox's entry: past the rules' `inbox_deliveries` a new
+    one is refused to its sender (False: nothing stored, send it as a turn of its own),
+    while a retry of one delivered is still acknowledged, stored once."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(inbox_deliveries=2))
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    inbox = SteeringInbox(logger)
+    await inbox.open_turn(CID, TURN)
+    first, second = ({"role": "user", "content": f"steer {n}"} for n in (1, 2))
+    assert await inbox.try_deliver(CID, TURN, first, delivery_id="d1")
+    assert await inbox.try_deliver(CID, TURN, second, delivery_id="d2")
+
+    assert await inbox.try_deliver(CID, TURN, {"role": "user", "content": "one more"}) is False
+    assert await inbox.try_deliver(CID, TURN, second, delivery_id="d2") is True
+
+    assert await backend.db[MESSAGES].count_documents({"content": "one more"}) == 0
+    assert await backend.db[MESSAGES].count_documents({"content": "steer 2"}) == 1
+    late = await inbox.close_inbox(CID, TURN, last_seen_seq=0)
+    assert [m.content for m in late] == ["steer 1", "steer 2"]
+    assert await inbox.close_inbox(CID, TURN, last_seen_seq=late[-1].seq or 0) == []
 
 
 # -- forks ---------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from pymongo import ReturnDocument
 
 from agent_store.core import (
     AgentMessage,
+    Conflict,
     NotFound,
     StorageUnavailable,
     StoreError,
@@ -101,20 +102,31 @@ class SteeringInbox:
         owner_only: bool = False,
     ) -> None:
         """Mark `turn_id` running with an open inbox (idempotent). The conversation must exist
-        and be the caller's (the same ownership rules as logging)."""
+        and be the caller's (the same ownership rules as logging), and have fewer inboxes
+        open than the rules' `open_inboxes` (else Conflict, nothing written)."""
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         turn_id = validate_identifier(turn_id, "turn_id")
         actor = Actor(user_id, as_user=owner_only)
         field = _entry(turn_id)
-        with storage_errors("open the turn's inbox"):
-            doc = await self._conversations.find_one_and_update(
-                {"_id": conversation_id, **actor.owner_filter()},
-                [{"$set": {field: {"$ifNull": [f"${field}", literal(
-                    {"turn_id": turn_id, "v": Int64(0), "seqs": [], "opened_at": utc_now()})]}}}],
-                projection={"_id": 1},
-            )  # fmt: skip
-        if doc is None:
-            await self._explain_missing(conversation_id, actor)
+        opened = {"turn_id": turn_id, "v": Int64(0), "seqs": [], "opened_at": utc_now()}
+        limit = self._logger.rules.open_inboxes
+        room = {"$lt": [{"$size": {"$objectToArray": {"$ifNull": ["$inbox", {}]}}}, limit]}
+        query = {
+            "_id": conversation_id,
+            **actor.owner_filter(),
+            "$or": [{field: {"$exists": True}}, {"$expr": room}],
+        }
+        for _ in range(3):  # another inbox may close between a refusal and its explanation
+            with storage_errors("open the turn's inbox"):
+                doc = await self._conversations.find_one_and_update(
+                    query,
+                    [{"$set": {field: {"$ifNull": [f"${field}", literal(opened)]}}}],
+                    projection={"_id": 1},
+                )
+            if doc is not None:
+                return
+            await self._explain_unopened(conversation_id, actor, field)
+        raise StorageUnavailable(f"inboxes of {conversation_id!r} keep changing; open again")
 
     async def try_deliver(
         self,
@@ -127,7 +139,8 @@ class SteeringInbox:
         owner_only: bool = False,
     ) -> bool:
         """Store `message` in the conversation (next `seq`) if `turn_id`'s inbox is open: True.
-        False when it is closed: nothing was stored, start a new turn with the message.
+        False when it is closed, or holds the rules' `inbox_deliveries` already: nothing was
+        stored, start a new turn with the message.
 
         `delivery_id` names the delivery within this turn's inbox, so a retried delivery is
         stored once and answers True again; the same id delivered into another turn's inbox
@@ -157,8 +170,9 @@ class SteeringInbox:
         # To a user token a missing conversation is NotFound, as another user's is: the
         # answer never tells one from the other.
         missing = NotFound(f"conversation {plan.conversation_id!r} was not found")
+        last = self._logger.rules.inbox_deliveries - 1  # the inbox open, and not full
         condition = Condition(
-            {field: {"$exists": True}},
+            {field: {"$exists": True}, f"{field}.seqs.{last}": {"$exists": False}},
             stage,
             _InboxClosed("inbox closed"),
             absent=missing if owner_only else None,
@@ -307,11 +321,21 @@ class SteeringInbox:
             await asyncio.sleep(_WAIT_STEP)
             waited += _WAIT_STEP
 
-    async def _explain_missing(self, conversation_id: str, actor: Actor) -> None:
+    async def _explain_unopened(self, conversation_id: str, actor: Actor, field: str) -> None:
+        """Why an inbox was not opened: the conversation is missing or another's, or it has
+        as many inboxes open as the rules allow (unless one closed meanwhile: opened now)."""
         with storage_errors("read the conversation"):
-            doc = await self._conversations.find_one({"_id": conversation_id}, {"user_id": 1})
+            doc = await self._conversations.find_one(
+                {"_id": conversation_id}, {"user_id": 1, "inbox": 1}
+            )
         if doc is None:
             raise NotFound(f"conversation {conversation_id!r} was not found")
         refusal = actor.refusal(conversation_id, doc.get("user_id"))
         if refusal is not None:
             raise refusal
+        limit = self._logger.rules.open_inboxes
+        if field.split(".")[1] not in doc.get("inbox", {}) and len(doc.get("inbox", {})) >= limit:
+            raise Conflict(
+                f"conversation {conversation_id!r} has {limit} open steering inboxes, the most "
+                "it keeps: close one (close_inbox) before opening another"
+            )

@@ -86,6 +86,11 @@ class TurnRules:
     under the old owner and inserted since; a turn slower than this from its reservation to
     its insert looks its conversation's owner up afterwards instead. Measured by each side
     on its own clock: no two clocks are compared."""
+    open_inboxes: int = 32
+    """Steering inboxes a conversation keeps open at once; opening one more is a Conflict."""
+    inbox_deliveries: int = 256
+    """Deliveries one open inbox takes; one more is refused to its sender, unstored. With
+    `open_inboxes`, they bound what the inboxes add to the conversation document."""
 
 
 @dataclass(frozen=True)
