@@ -345,9 +345,14 @@ def held_by_a_prompt(variable: str) -> dict[str, Any]:
     """Whether a later prompt holds the call of the `approved_calls` entry in `variable`
     (`core.held_again`, as an expression): one it names (`held_by`), or, in an entry
     stored before it was named, the `held_again` flag."""
-    named = {"$ne": [{"$ifNull": [f"$${variable}.held_by", None]}, None]}
+    named = {"$ne": [held_by_of(variable), None]}
     flagged = {"$eq": [{"$ifNull": [f"$${variable}.held_again", False]}, True]}
     return {"$or": [named, flagged]}
+
+
+def held_by_of(variable: str) -> dict[str, Any]:
+    """The `held_by` of the `approved_calls` entry in `variable`, null when it has none."""
+    return {"$ifNull": [f"$${variable}.held_by", None]}
 
 
 def held_before_of(variable: str) -> dict[str, Any]:
@@ -595,7 +600,7 @@ def _asked_again(plan: TurnPlan) -> dict[str, Any]:
     }
     prompt = {"$arrayElemAt": [{"$map": {"input": naming, "as": "p", "in": "$$p.m"}}, 0]}
     named = {"$gt": [{"$size": naming}, 0]}
-    before = {"$ifNull": ["$$a.held_by", None]}
+    before = held_by_of("a")
     handed_over = {"$and": [named, {"$ne": [before, None]}, {"$ne": [before, prompt]}]}
     # A one-element array built by `$map`: some servers (mongomock) keep an array literal's
     # elements unevaluated.

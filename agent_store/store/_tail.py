@@ -42,6 +42,7 @@ from agent_store.core import AgentMessage, PendingCall, PendingHitl, PopInProgre
 from agent_store.store._reservation import (
     approvals_held_by,
     held_before_of,
+    held_by_of,
     int64,
     literal,
     records_changed,
@@ -269,7 +270,7 @@ def _approvals_unheld_by(message_id: str) -> dict[str, Any]:
     """`approved_calls` once the prompt `message_id` is removed: the approvals it held again
     (`held_by`, a later question about an approved call) are held by the latest prompt that
     held them before it (`held_before`), or, with none, in force again."""
-    held_by = {"$ifNull": ["$$a.held_by", None]}
+    held_by = held_by_of("a")
     removed = {"$eq": [held_by, literal(message_id)]}
     before = held_before_of("a")
     previous = {"$ifNull": [{"$arrayElemAt": [before, -1]}, None]}
