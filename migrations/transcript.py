@@ -33,6 +33,7 @@ from agent_store.legacy import (
     Problem,
     call_arguments,
     error_text,
+    hitl_params,
     part_text,
     result_text,
     sort_turns,
@@ -87,12 +88,25 @@ def _json(text: str) -> str:
         return text
 
 
+def _value(value: Any) -> str:
+    """A value as one canonical text: JSON with its keys sorted, what JSON cannot write as
+    its `repr`."""
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, default=repr)
+
+
 def _upload(upload: Any) -> str:
+    """An upload's line: every field, its parsed text too (content a reader may not see)."""
     try:
         found = FileUpload.model_validate(upload)
     except ValidationError:
         return f"upload: {upload!r}"
-    return f"upload: {found.filename} ({found.file_type}, {found.size} B)"
+    line = f"upload: {found.filename} ({found.file_type}, {found.size} B)"
+    return line if found.parsed_text is None else f"{line} parsed {_value(found.parsed_text)}"
+
+
+def _prompt(action: Any, text: str | None, params: Any) -> str:
+    """A HITL prompt's line: its action, text and params."""
+    return f"hitl {action}: {text or ''} params {_value(params)}"
 
 
 def _part_line(part: LegacyPart) -> str | None:
@@ -102,7 +116,7 @@ def _part_line(part: LegacyPart) -> str | None:
     if part.kind == "tool_call":
         return f"call {part.tool_name}({_json(call_arguments(part)[0])})"
     if part.kind == "hitl":
-        return f"hitl {part.action}: {part_text(part) or ''}"
+        return _prompt(part.action, part_text(part), hitl_params(part))
     if part.kind == "error":
         return f"error: {error_text(part)}"
     return None
@@ -188,7 +202,8 @@ def from_messages(messages: Iterable[AgentMessage]) -> Transcript:
             name = names.get(message.tool_call_id or "", "<no call>")
             results.append(f"{name} -> {_json(message.content or '')}")
         elif message.hitl_action is not None:
-            lines.append(f"hitl {message.hitl_action.action}: {message.content or ''}")
+            prompt = message.hitl_action
+            lines.append(_prompt(prompt.action, message.content, prompt.params))
         elif message.error is not None:
             lines.append(f"error: {message.error.message}")
         elif message.tool_calls:

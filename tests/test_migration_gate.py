@@ -424,6 +424,91 @@ def test_a_conversation_logged_live_with_its_legacy_content_verifies_and_passes_
     assert cli(wire_uri, database, "finish", *accept) == 0
 
 
+UPLOAD = {"filename": "contract.pdf", "file_type": "application/pdf", "size": 1234}
+PARSED = "clause 7: the buyer pays"
+PROMPT = {"action": "approve_payment", "request_id": "r1"}
+PARAMS = {"amount": "9999 EUR"}
+
+
+def _logged(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    cid: str,
+    messages: list[dict[str, Any]],
+    *,
+    dual_write: bool = False,
+) -> None:
+    """`messages` logged as one live turn of user "u1" (the legacy dual write on if asked)."""
+
+    async def log() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        db = client[database.name]
+        observers = [LegacyTurns(db, dual_write=True)] if dual_write else []
+        try:
+            logger = AgentMessageLogger(db, observers=observers)
+            await logger.log_messages(cid, messages, user_id="u1", turn_id="turn-1")
+        finally:
+            await client.close()
+
+    asyncio.run(log())
+
+
+def _upload_and_prompt(parsed: str | None, params: dict[str, Any]) -> list[dict[str, Any]]:
+    upload = UPLOAD if parsed is None else UPLOAD | {"parsed_text": parsed}
+    return [
+        {"role": "user", "content": "see attached", "upload": upload},
+        {"role": "assistant", "content": "Approve?", "hitl_action": PROMPT | {"params": params}},
+    ]
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("left_out", ["parsed_text", "params"])
+def test_live_messages_without_an_uploads_parsed_text_or_a_prompts_params_do_not_hold_it(
+    wire_uri: str, database: Database[dict[str, Any]], left_out: str
+) -> None:
+    """A conversation logged to live before its migration is `held` only if its live messages
+    hold all of its legacy content: an upload's parsed text and a prompt's params too, not
+    only the lines a person reads. Otherwise the legacy content is kept in the problem and
+    the drop waits for an operator."""
+    legacy = {
+        "_id": "lt1", "conversation_id": "cp", "user_id": "u1",
+        "created_at": datetime(2021, 1, 1, tzinfo=UTC), "user_message": "see attached",
+        "upload_result": UPLOAD | {"parsed_text": PARSED},
+        "response_parts": [{"type": "hitl", "action": PROMPT["action"], "params": PARAMS,
+                            "request_id": "r1", "prompt": "Approve?"}],
+    }  # fmt: skip
+    database[CONVERSATIONS].insert_one(legacy)
+    said = _upload_and_prompt(
+        None if left_out == "parsed_text" else PARSED, {} if left_out == "params" else PARAMS
+    )
+    _logged(wire_uri, database, "cp", said)
+
+    assert cli(wire_uri, database, "run") == 0
+    [problem] = database[PROBLEMS].find({"conversation_id": "cp"})
+    assert (problem["kind"], problem["placed"]) == ("conversation_already_live", False)
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("edited", ["upload_result.parsed_text", "response_parts.0.params"])
+def test_a_dual_written_turn_whose_parsed_text_or_params_the_legacy_service_edited_is_work_left(
+    wire_uri: str, database: Database[dict[str, Any]], edited: str
+) -> None:
+    """MIGRATION.md: a dual-written turn the legacy service edited after a rollback is a
+    difference, in any content: an upload's parsed text, a prompt's params."""
+    _logged(wire_uri, database, "dw", _upload_and_prompt(PARSED, PARAMS), dual_write=True)
+    written = database[LEGACY_TURNS].find_one({"dual_write": True})
+    assert written is not None
+    assert [p["type"] for p in written["response_parts"]] == ["hitl"]
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    database[LEGACY_TURNS].update_one({"_id": written["_id"]}, {"$set": {edited: {"x": "EDITED"}}})
+
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+
+
 # -- the gate compares content, not ids -------------------------------------------------
 
 
