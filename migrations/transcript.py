@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from agent_store.core import AgentMessage, FileUpload
 from agent_store.legacy import (
     HIDDEN_RUNTIME_CONTEXT,
+    LegacyConversion,
     LegacyPart,
     LegacyTurn,
     Problem,
@@ -239,3 +240,16 @@ def contains(new: Transcript, legacy: Transcript) -> bool:
     remaining = iter(new.lines)
     in_order = all(any(line == other for other in remaining) for line in legacy.lines)
     return in_order and not Counter(legacy.results) - Counter(new.results)
+
+
+def not_held(
+    live: Sequence[AgentMessage], turns: Iterable[LegacyTurn], conversion: LegacyConversion
+) -> list[str]:
+    """Why a conversation logged to live before its migration does not hold its legacy turns
+    (none: it does): its live messages are another user's, or lack legacy content."""
+    owner = conversion.conversation.user_id if conversion.conversation is not None else None
+    others = sorted({repr(m.user_id) for m in live if m.user_id != owner})
+    if others:
+        return [f"its live messages are user {', '.join(others)}'s, its legacy turns {owner!r}'s"]
+    legacy, new = from_legacy(turns, conversion.unplaced), from_messages(live)
+    return [] if contains(new, legacy) else differences(legacy, new)

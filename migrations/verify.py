@@ -22,7 +22,7 @@ from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import CONVERSATIONS, MIGRATED_TURN_PREFIX, TurnRules, with_texts
 from migrations import dual_writes, full_texts
 from migrations.explode import batches, conversation_ids, convert_batch
-from migrations.transcript import contains, differences, from_legacy, from_messages
+from migrations.transcript import differences, from_legacy, from_messages, not_held
 from migrations.writes import Converted, popped
 
 
@@ -65,11 +65,12 @@ def compare(item: Converted, stored: list[AgentMessage], popped: Collection[str]
     if migrated or not stored:
         return differences(legacy, from_messages(migrated))
     # Logged to live before its migration: its legacy turns were not merged.
-    if contains(from_messages(stored), legacy):
+    unheld = not_held(stored, item.turns, conversion)
+    if not unheld:
         return []
     return [
         "logged to live before its migration, and its live messages do not hold its legacy "
-        "turns: " + "; ".join(differences(legacy, from_messages(stored))[:5])
+        "turns: " + "; ".join(unheld[:5])
     ]
 
 

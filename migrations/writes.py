@@ -52,7 +52,7 @@ from agent_store.store import (
 from migrations import full_texts
 from migrations.bounds import Bounds, bounded
 from migrations.keys import id_key, identity
-from migrations.transcript import contains, from_legacy, from_messages
+from migrations.transcript import not_held
 
 
 @dataclass
@@ -249,13 +249,14 @@ def _live_problem(db: Database[dict[str, Any]], item: Converted, detail: str) ->
     conversion = item.conversion
     cid = conversion.conversation_id
     live = full_texts.stored_messages(db, [cid])[cid]
-    held = contains(from_messages(live), from_legacy(item.turns, conversion.unplaced))
+    unheld = not_held(live, item.turns, conversion)
+    held = not unheld
     detail += "; its legacy turns were not merged"
     return Problem(
         conversation_id=conversion.conversation_id,
         legacy_id="*",
         kind="conversation_already_live",
-        detail=detail + ("; the live messages hold their content" if held else ""),
+        detail=detail + ("; the live messages hold their content" if held else f"; {unheld[0]}"),
         content=None
         if held
         else [m.model_dump(mode="json", by_alias=True) for m in conversion.messages],

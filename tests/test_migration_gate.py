@@ -509,6 +509,39 @@ def test_a_dual_written_turn_whose_parsed_text_or_params_the_legacy_service_edit
     assert cli(wire_uri, database, "finish") == 1
 
 
+@pytest.mark.wire
+def test_another_users_live_messages_do_not_hold_a_users_legacy_conversation(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """User u2 logs to the id of u1's unmigrated conversation the very lines it holds: its
+    live messages hold the text, not u1's conversation. The legacy turns are kept in an
+    unplaced problem, and the drop waits for an operator."""
+    database[CONVERSATIONS].insert_one(
+        legacy_turn("t-1", "shared-id", 0, "Hello") | {"user_id": "u1"}
+    )
+
+    async def log() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            said = [
+                {"role": "user", "content": "Hello question"},
+                {"role": "assistant", "content": "Hello answer"},
+            ]
+            logger = AgentMessageLogger(client[database.name])
+            await logger.log_messages("shared-id", said, user_id="u2", turn_id="live-1")
+        finally:
+            await client.close()
+
+    asyncio.run(log())
+
+    assert cli(wire_uri, database, "run") == 0
+    [problem] = database[PROBLEMS].find({"conversation_id": "shared-id"})
+    assert (problem["kind"], problem["placed"]) == ("conversation_already_live", False)
+    assert "'u2'" in problem["detail"]
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+
+
 # -- the gate compares content, not ids -------------------------------------------------
 
 
