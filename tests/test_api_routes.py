@@ -206,6 +206,22 @@ async def test_a_delete_naming_anything_but_the_etag_as_served_deletes_nothing(
     assert await api.digest() == before
 
 
+@pytest.mark.parametrize("method", ["DELETE", "PATCH"])
+async def test_if_match_sent_as_two_header_lines_is_a_list_and_changes_nothing(
+    api: Served, method: str
+) -> None:
+    """HTTP reads repeated header lines as one list: `*` on one line and another tag on the
+    next is a list of tags, which If-Match here does not take (412), not the first line."""
+    etag = (await api.http.get(CONV, headers=SERVICE)).headers["etag"]
+    before = await api.digest()
+    for lines in (["*", '"not-this-conversation"'], [etag, etag]):
+        headers = [*SERVICE.items(), *(("If-Match", line) for line in lines)]
+        body = {"name": "Renamed"} if method == "PATCH" else None
+        response = await api.http.request(method, CONV, headers=headers, json=body)
+        assert (response.status_code, error_code(response)) == (412, "precondition_failed")
+    assert await api.digest() == before
+
+
 async def test_a_rename_naming_an_earlier_conversations_etag_is_refused(api: Served) -> None:
     etag = (await api.http.get(CONV, headers=SERVICE)).headers["etag"]
     await api.http.delete(CONV, headers=SERVICE)
