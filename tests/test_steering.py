@@ -365,6 +365,30 @@ async def test_a_conversation_keeps_at_most_its_rules_open_inboxes(backend: Back
     assert await inbox.try_deliver(CID, "run-3", {"role": "user", "content": "now"})
 
 
+async def test_inboxes_left_open_past_their_expiry_give_way_to_a_new_one_at_the_limit(
+    backend: Backend,
+) -> None:
+    """Runtimes that died without closing their inboxes do not block steering for good: at
+    the limit, inboxes opened longer than the rules' `inbox_expiry` ago are closed to make
+    room (a delivery into one is then refused), fresh ones never."""
+    from datetime import timedelta
+
+    logger = AgentMessageLogger(
+        backend.db, rules=TurnRules(open_inboxes=2, inbox_expiry=timedelta(0))
+    )
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    inbox = SteeringInbox(logger)
+    await inbox.open_turn(CID, "run-1")
+    await inbox.open_turn(CID, "run-2")
+
+    await inbox.open_turn(CID, "run-3")
+
+    assert await inbox.try_deliver(CID, "run-1", {"role": "user", "content": "late"}) is False
+    assert await inbox.try_deliver(CID, "run-3", {"role": "user", "content": "now"}) is True
+    stored = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert [e["turn_id"] for e in stored["inbox"].values()] == ["run-3"]
+
+
 async def test_an_inbox_takes_at_most_its_rules_deliveries_and_refuses_the_next_unstored(
     backend: Backend,
 ) -> None:

@@ -23,7 +23,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from bson import Int64
@@ -333,9 +333,32 @@ class SteeringInbox:
         refusal = actor.refusal(conversation_id, doc.get("user_id"))
         if refusal is not None:
             raise refusal
+        inboxes: dict[str, Any] = doc.get("inbox") or {}
         limit = self._logger.rules.open_inboxes
-        if field.split(".")[1] not in doc.get("inbox", {}) and len(doc.get("inbox", {})) >= limit:
+        if field.split(".")[1] in inboxes or len(inboxes) < limit:
+            return  # one closed, or this one opened, meanwhile
+        if not await self._closed_expired(conversation_id, inboxes):
             raise Conflict(
                 f"conversation {conversation_id!r} has {limit} open steering inboxes, the most "
                 "it keeps: close one (close_inbox) before opening another"
             )
+
+    async def _closed_expired(self, conversation_id: str, inboxes: Mapping[str, Any]) -> bool:
+        """Close the inboxes opened longer than the rules' `inbox_expiry` ago, each only if it
+        is still the one read (`inboxes`): whether there were any."""
+        cutoff = utc_now() - self._logger.rules.inbox_expiry
+        expired = {
+            key: opened
+            for key, entry in inboxes.items()
+            if isinstance(opened := entry.get("opened_at"), datetime)
+            and (opened if opened.tzinfo else opened.replace(tzinfo=UTC)) <= cutoff
+        }
+        if not expired:
+            return False
+        unchanged = {f"inbox.{key}.opened_at": opened for key, opened in expired.items()}
+        with storage_errors("close the expired inboxes"):
+            await self._conversations.update_one(
+                {"_id": conversation_id, **unchanged},
+                {"$unset": {f"inbox.{key}": "" for key in expired}},
+            )
+        return True

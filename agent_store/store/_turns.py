@@ -87,7 +87,11 @@ class TurnRules:
     its insert looks its conversation's owner up afterwards instead. Measured by each side
     on its own clock: no two clocks are compared."""
     open_inboxes: int = 32
-    """Steering inboxes a conversation keeps open at once; opening one more is a Conflict."""
+    """Steering inboxes a conversation keeps open at once; opening one more is a Conflict,
+    unless some were opened longer than `inbox_expiry` ago: those are closed to make room."""
+    inbox_expiry: timedelta = timedelta(days=1)
+    """How long an inbox left open (its runtime died?) keeps its place against
+    `open_inboxes`."""
     inbox_deliveries: int = 256
     """Deliveries one open inbox takes; one more is refused to its sender, unstored. With
     `open_inboxes`, they bound what the inboxes add to the conversation document."""
