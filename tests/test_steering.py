@@ -20,6 +20,7 @@ from agent_store import (
     AgentMessageLogger,
     Conflict,
     ConversationStore,
+    InvalidInput,
     NotFound,
     RetryPolicy,
     SteeringInbox,
@@ -485,6 +486,33 @@ async def test_a_fork_retried_is_stored_once_and_an_existing_id_is_a_conflict(
         await logger.fork(CID, 1, "conv-fork")
     with pytest.raises(Conflict, match="exists already"):
         await logger.fork("conv-fork", 1, CID)
+
+
+async def test_a_fork_of_more_messages_than_a_turn_holds_is_refused_saying_so() -> None:
+    """A fork copies its messages as one turn: past `MAX_MESSAGES_PER_TURN` it is refused
+    as a fork (where to fork instead), before any whole text is read, nothing created."""
+    from mongomock_motor import AsyncMongoMockClient
+
+    from agent_store.store import MAX_MESSAGES_PER_TURN
+
+    db = AsyncMongoMockClient()["long"]
+    logger = AgentMessageLogger(db)
+    half = MAX_MESSAGES_PER_TURN // 2
+    for n in range(2):
+        said = [{"role": "user", "content": f"{n}/{i}"} for i in range(half + 1)]
+        await logger.log_messages(CID, said, turn_id=f"t{n}")
+
+    with pytest.raises(InvalidInput) as refused:
+        await logger.fork(CID, MAX_MESSAGES_PER_TURN, "fork-long")
+
+    assert str(refused.value) == (
+        f"a fork copies at most {MAX_MESSAGES_PER_TURN} messages; at_seq "
+        f"{MAX_MESSAGES_PER_TURN} would copy {MAX_MESSAGES_PER_TURN + 1}: fork at seq "
+        f"{MAX_MESSAGES_PER_TURN - 1} or before"
+    )
+    assert await db[CONVERSATIONS].find_one({"_id": "fork-long"}) is None
+    forked = await logger.fork(CID, MAX_MESSAGES_PER_TURN - 1, "fork-long")
+    assert len(forked.messages) == MAX_MESSAGES_PER_TURN
 
 
 async def test_only_the_owner_may_fork_and_the_fork_is_theirs(backend: Backend) -> None:

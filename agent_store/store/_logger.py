@@ -99,6 +99,7 @@ from agent_store.store._reservation import (
 from agent_store.store._text import clean_name
 from agent_store.store._turns import (
     GAPS_READ,
+    MAX_MESSAGES_PER_TURN,
     Gaps,
     TurnPlan,
     TurnRules,
@@ -442,6 +443,7 @@ class AgentMessageLogger:
         end = fork_end(messages, at_seq)
         self._refuse_unfinished(conversation_id, source, messages, end)
         chosen = forked_messages(messages, end)
+        _refuse_too_long_a_fork(chosen, at_seq)
         # Whole texts put back: the copies are bounded again and keep files of their own, so
         # the fork shares none with the original (deleting one leaves the other whole).
         plan = plan_turn(
@@ -1302,6 +1304,17 @@ def _replay(plan: TurnPlan, block: RecordedBlock, conversation: dict[str, Any]) 
         conversation=summary,
         assigns=_assigned_at(conversation, block.first_seq),
     )
+
+
+def _refuse_too_long_a_fork(chosen: Sequence[AgentMessage], at_seq: int) -> None:
+    """A fork copies its messages as one turn: at most `MAX_MESSAGES_PER_TURN`, refused as a
+    fork (where to fork instead) before any whole text is read."""
+    if len(chosen) > MAX_MESSAGES_PER_TURN:
+        last = chosen[MAX_MESSAGES_PER_TURN - 1].seq
+        raise InvalidInput(
+            f"a fork copies at most {MAX_MESSAGES_PER_TURN} messages; at_seq {at_seq} would "
+            f"copy {len(chosen)}: fork at seq {last} or before"
+        )
 
 
 def _refuse_migrated_turn_id(turn_id: str) -> None:
