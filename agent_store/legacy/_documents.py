@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import email.utils
 import hashlib
 import itertools
 import json
@@ -244,23 +245,41 @@ def as_time(value: Any) -> datetime | None:
     """A time as aware UTC, from a datetime, an ISO string, or a whole number of epoch
     seconds or milliseconds (`epoch_time`), written as a number or as text (`epoch_number`);
     None if unreadable. Text is read with the spaces around it left out, as an ISO time
-    first (`"20210301"` is a date), else as a number, and as a number too when the ISO
-    reading is no time a store accepts (`"1704101400000"`, milliseconds, is also ISO's basic
-    form of 1704-10-14). At the precision it was written with (an ISO string's or a
-    datetime's microseconds kept), so turns less than a millisecond apart keep their order;
-    a time stored is cut to the millisecond (`to_utc_millis`)."""
+    first (`"20210301"` is a date; a final `z` as `Z`), else as a number, and as a number
+    too when the ISO reading is no time a store accepts (`"1704101400000"`, milliseconds, is
+    also ISO's basic form of 1704-10-14), else as an RFC 2822 date (HTTP's and e-mail's,
+    `"Mon, 01 Mar 2021 10:00:00 GMT"`). At the precision it was written with (an ISO
+    string's or a datetime's microseconds kept), so turns less than a millisecond apart keep
+    their order; a time stored is cut to the millisecond (`to_utc_millis`)."""
     if isinstance(value, str):
         text = value.strip()
-        iso: datetime | None = None
-        with contextlib.suppress(ValueError):
-            iso = to_utc(datetime.fromisoformat(text.replace("Z", "+00:00")))
+        iso = _iso_time(text)
         if iso is not None and EPOCH <= iso <= _latest():
             return iso
         number = epoch_number(text)
-        return (epoch_time(number) if number is not None else None) or iso
+        return (epoch_time(number) if number is not None else None) or iso or _rfc2822(text)
     if (number := epoch_number(value)) is not None:
         return epoch_time(number)
     return to_utc(value) if isinstance(value, datetime) else None
+
+
+def _iso_time(text: str) -> datetime | None:
+    """An ISO 8601 time, a final `Z` or `z` (RFC 3339 allows both) as UTC; None if not one."""
+    if text.endswith(("Z", "z")):
+        text = text[:-1] + "+00:00"
+    with contextlib.suppress(ValueError):
+        return to_utc(datetime.fromisoformat(text))
+    return None
+
+
+def _rfc2822(text: str) -> datetime | None:
+    """An RFC 2822 date a store accepts (since 1970, up to its future leeway), `-0000` as
+    UTC; None if not one."""
+    try:
+        at = to_utc(email.utils.parsedate_to_datetime(text))
+    except (TypeError, ValueError, IndexError):
+        return None
+    return at if EPOCH <= at <= _latest() else None
 
 
 def _latest() -> datetime:
@@ -272,11 +291,16 @@ _NUMBER_TEXT = re.compile(r"[0-9]+(\.[0-9]+)?")
 
 
 def epoch_number(value: Any) -> int | float | None:
-    """The number a time written as a number holds: a number (an int, Int64 or float; a bool
-    is not one), or text that is one in decimal digits, spaces around it aside
+    """The number a time written as a number holds: a number (an int, Int64, float or
+    Decimal128; a bool is not one), or text that is one in decimal digits, spaces around it aside
     (`" 1614592800 "`, `"1614592800000.0"`); else None."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         return value
+    if isinstance(value, Decimal128):
+        exact = value.to_decimal()
+        if not exact.is_finite():
+            return None
+        return int(exact) if exact == exact.to_integral_value() else float(exact)
     if isinstance(value, str) and _NUMBER_TEXT.fullmatch(text := value.strip()):
         # A float for a fraction, and for more digits than any time holds (Python's `int`
         # refuses text of over 4,300 digits): too large a number for a time, and no crash.
