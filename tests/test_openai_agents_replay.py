@@ -204,6 +204,40 @@ async def test_a_call_the_conversation_went_on_after_is_answered_by_a_marked_sta
     assert chat_completions_problems(convert_to_openai_messages(history)) == []
 
 
+async def test_a_stand_in_comes_before_a_text_the_response_making_its_call_went_on_with(
+    backend: Backend,
+) -> None:
+    """The call tc-2 awaits approval, the model said something after making it, and the user
+    moved on: its stand-in goes right after the call, before that text, which the SDK's
+    converter makes an assistant message of its own that no tool message may follow."""
+
+    def call(call_id: str, name: str) -> dict[str, Any]:
+        return {"role": "assistant", "tool_calls": [{"id": call_id, "function": {"name": name}}]}
+
+    ask = {"action": "book_train", "params": {}, "request_id": "confirm-1",
+           "tool_call_ids": ["tc-1"]}  # fmt: skip
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [
+        {"role": "user", "content": "Book the train, then the hotel."}, call("tc-1", "train"),
+        {"role": "assistant", "content": "Pay 35 EUR for the train?", "hitl_action": ask},
+    ], turn_id="t1")  # fmt: skip
+    await ConversationStore(backend.db).resolve_hitl(CID, "confirm-1")
+    await logger.log_messages(CID, [
+        {"role": "tool", "tool_call_id": "tc-1", "content": "booked B-42"}, call("tc-2", "hotel"),
+        {"role": "assistant", "content": "Train booked; the hotel needs your approval."},
+    ], turn_id="t2")  # fmt: skip
+    said = [{"role": "user", "content": "Skip the hotel. What time is it?"}]
+    await logger.log_messages(CID, said, turn_id="t3")
+
+    items = await ConversationSession(CID, backend.db).get_items()
+
+    assert kinds(items)[4:7] == [
+        "function_call:tc-2", "function_call_output:tc-2", "message:assistant",
+    ]  # fmt: skip
+    assert items[5]["output"] == PENDING_RESULT
+    assert problems_of(items) == []
+
+
 async def test_a_call_nothing_but_its_prompt_followed_is_left_for_the_runtime_to_answer(
     backend: Backend,
 ) -> None:

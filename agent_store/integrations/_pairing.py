@@ -73,6 +73,7 @@ def in_call_order(
     made: set[str] = set()
     placed: list[AgentMessage] = []
     response: list[tuple[int, AssistantMessage]] = []
+    after_calls = 0  # where in `placed` the response's last message making calls ends
     for index, message in enumerate([*messages, None]):
         if response and not (
             isinstance(message, AssistantMessage)
@@ -80,13 +81,17 @@ def in_call_order(
             and joins([m for _, m in response], message)
         ):
             went_on = response[-1][0] < went_on_until
-            placed += _answered(response, answers, stored_at, went_on=went_on)
+            found, stand_ins = _answered(response, answers, stored_at, went_on=went_on)
+            placed[after_calls:after_calls] = stand_ins
+            placed += found
             response = []
         if message is None:
             break
         if isinstance(message, AssistantMessage):
             made |= {call.id for call in message.tool_calls or ()}
             response.append((index, message))
+            if message.tool_calls:
+                after_calls = len(placed) + 1
         elif isinstance(message, ToolMessage) and (
             id(message) in winners or message.tool_call_id in made
         ):
@@ -101,10 +106,12 @@ def _answered(
     stored_at: Mapping[int, int],
     *,
     went_on: bool,
-) -> list[AgentMessage]:
-    """A response's answers in stored order, then the stand-ins of its calls without one when
-    the conversation went on after it."""
-    found: list[ToolMessage] = []
+) -> tuple[list[AgentMessage], list[AgentMessage]]:
+    """A response's answers in stored order, and the stand-ins of its calls without one when
+    the conversation went on after it: those go right after the response's last message
+    making calls, before a text of the response after it (the Agents SDK's converter starts
+    a new assistant message at each text, which a call's answer may not follow)."""
+    found: list[AgentMessage] = []
     stand_ins: list[AgentMessage] = []
     for index, message in response:
         for call in message.tool_calls or ():
@@ -113,7 +120,7 @@ def _answered(
                 found.append(answer)
             elif went_on:
                 stand_ins.append(pending_stand_in(call.id, message.created_at))
-    return [*sorted(found, key=lambda answer: stored_at[id(answer)]), *stand_ins]
+    return sorted(found, key=lambda answer: stored_at[id(answer)]), stand_ins
 
 
 def pending_stand_in(call_id: str, created_at: datetime) -> ToolMessage:
