@@ -18,7 +18,7 @@ from agent_store import (
     Truncation,
 )
 from agent_store.core import message_adapter
-from agent_store.store import blob_id
+from agent_store.store import TurnRules, blob_id
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
 from tests.conftest import Backend
 
@@ -283,6 +283,32 @@ async def test_oversize_message_is_truncated_marked_and_stored(backend: Backend)
     assert len(stored.content.encode()) < logger.rules.max_message_bytes
     assert stored.content.endswith("[truncated]")
     assert len(logged.messages) == 2
+
+
+async def test_a_prompt_whose_params_are_many_small_values_keeps_its_question(
+    backend: Backend,
+) -> None:
+    """Params of many small values take more BSON than their JSON text: the cut is sized by
+    what cutting each field saves, so the params are cut and the person's question, short,
+    is kept whole, in the message and in the pending prompt."""
+    rules = TurnRules(max_message_bytes=64 * 1024)
+    logger, store = AgentMessageLogger(backend.db, rules=rules), ConversationStore(backend.db)
+    params = {"items": [{} for _ in range(40_000)]}  # ~0.5 MB of BSON, 0.16 MB of JSON
+    ask = {"action": "pay", "params": params, "request_id": "r1"}
+    said = [{"role": "assistant", "content": "Shall I pay 120 EUR?", "hitl_action": ask}]
+
+    logged = await logger.log_messages(CID, said, turn_id="t1")
+
+    [stored] = await store.transcript(CID)
+    assert stored.content == logged.messages[0].content == "Shall I pay 120 EUR?"
+    assert stored.truncated is not None
+    assert list(stored.truncated) == ["hitl_action.params"]
+    pending = await store.pending_hitl(CID)
+    assert pending is not None
+    assert pending.prompt == "Shall I pay 120 EUR?"
+    [whole] = await store.with_full_texts([stored])
+    assert whole.hitl_action is not None
+    assert whole.hitl_action.params == params
 
 
 async def test_pending_hitl_is_set_by_the_prompt_and_cleared_by_an_upload(backend: Backend) -> None:

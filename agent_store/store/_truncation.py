@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -277,6 +277,7 @@ def bound(message: AgentMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> 
         return BoundedMessage(message)
     texts = dict(_text_fields(doc))
     encoded = {path: text.encode() for path, text in texts.items()}
+    weights = _weights(doc, encoded)
     truncated: dict[str, Truncation | int] = dict(message.truncated or {})
     cut: set[str] = set()
     hashes: dict[str, str] = {}
@@ -284,9 +285,9 @@ def bound(message: AgentMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> 
     while size > max_bytes and length != 0:
         # Usually once; again when escaping or the `truncated` map took more room.
         reduction += size - max_bytes + _MARGIN_BYTES * len(encoded)
-        length = common_length([len(data) for data in encoded.values()], reduction)
+        length = common_length(list(weights.values()), reduction)
         for path, data in encoded.items():
-            if len(data) > length:
+            if weights[path] > length:
                 put_text(doc, path, _cut(data, length), cut=True)
                 cut.add(path)
                 kept = None if path in DERIVED_FIELDS or message.id is None else message.id
@@ -305,6 +306,22 @@ def bound(message: AgentMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> 
         }
         size = document_size(doc)
     return _kept_whole(message, doc, {path: texts[path] for path in cut})
+
+
+def _weights(doc: Mapping[str, Any], encoded: Mapping[str, bytes]) -> dict[str, int]:
+    """What each cut text's field takes in the document, in bytes, as the cut is sized: its
+    text's, but for HITL params and a native form, kept as values, whose BSON takes more
+    than twice their JSON text (many small values: `[{}, {}, …]`), their BSON's. Sized by
+    their text, such a field's cut saves far more than counted, and every other text (the
+    person's question) was cut to nothing. Other fields are sized as before, so a message
+    cut before is cut alike (a retry's digest)."""
+    weights = {path: len(data) for path, data in encoded.items()}
+    params = (doc.get("hitl_action") or {}).get("params")
+    for path, value in (("hitl_action.params", params), (NATIVE, doc.get(NATIVE))):
+        if path in weights and isinstance(value, dict | list):
+            size = document_size({"v": value})
+            weights[path] = size if size > 2 * weights[path] else weights[path]
+    return weights
 
 
 def _kept_whole(message: AgentMessage, doc: dict[str, Any], cut: dict[str, str]) -> BoundedMessage:
