@@ -515,6 +515,27 @@ async def test_a_fork_of_more_messages_than_a_turn_holds_is_refused_saying_so() 
     assert len(forked.messages) == MAX_MESSAGES_PER_TURN
 
 
+async def test_a_fork_holding_more_whole_text_than_it_may_read_at_once_is_refused(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork reads the whole texts of the cut messages it copies at once: past
+    `MAX_FORK_WHOLE_TEXT_CHARS` it is refused before reading any, naming where to fork."""
+    from agent_store.store import _logger
+
+    monkeypatch.setattr(_logger, "MAX_FORK_WHOLE_TEXT_CHARS", 150_000)
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(max_message_bytes=16 * 1024))
+    for n in range(3):
+        said = [{"role": "user", "content": "x" * 60_000}]
+        await logger.log_messages(CID, said, turn_id=f"t{n}")
+
+    with pytest.raises(InvalidInput, match="characters of whole texts") as refused:
+        await logger.fork(CID, 2, "fork-big")
+
+    assert str(refused.value).endswith("fork at seq 1 or before")
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "fork-big"}) is None
+    assert len((await logger.fork(CID, 1, "fork-big")).messages) == 2
+
+
 async def test_only_the_owner_may_fork_and_the_fork_is_theirs(backend: Backend) -> None:
     logger = AgentMessageLogger(backend.db)
     await logger.log_messages(CID, weather_turn("Paris"), turn_id="t0", user_id="user-ada")

@@ -47,6 +47,7 @@ from agent_store.core import (
     StorageUnavailable,
     StoreError,
     TranscriptMoved,
+    Truncation,
     messages_adapter,
     shown,
     utc_now,
@@ -443,7 +444,7 @@ class AgentMessageLogger:
         end = fork_end(messages, at_seq)
         self._refuse_unfinished(conversation_id, source, messages, end)
         chosen = forked_messages(messages, end)
-        _refuse_too_long_a_fork(chosen, at_seq)
+        _refuse_too_large_a_fork(chosen, at_seq)
         # Whole texts put back: the copies are bounded again and keep files of their own, so
         # the fork shares none with the original (deleting one leaves the other whole).
         plan = plan_turn(
@@ -1306,15 +1307,31 @@ def _replay(plan: TurnPlan, block: RecordedBlock, conversation: dict[str, Any]) 
     )
 
 
-def _refuse_too_long_a_fork(chosen: Sequence[AgentMessage], at_seq: int) -> None:
-    """A fork copies its messages as one turn: at most `MAX_MESSAGES_PER_TURN`, refused as a
-    fork (where to fork instead) before any whole text is read."""
+MAX_FORK_WHOLE_TEXT_CHARS = 64 * 1024 * 1024
+"""How many characters of whole texts (fields cut to bound their messages, kept in GridFS)
+one fork copies: it holds them in memory at once."""
+
+
+def _refuse_too_large_a_fork(chosen: Sequence[AgentMessage], at_seq: int) -> None:
+    """A fork copies its messages as one turn, their whole texts read back at once: at most
+    `MAX_MESSAGES_PER_TURN` messages and `MAX_FORK_WHOLE_TEXT_CHARS` of whole texts, refused
+    as a fork (where to fork instead) before any whole text is read."""
     if len(chosen) > MAX_MESSAGES_PER_TURN:
         last = chosen[MAX_MESSAGES_PER_TURN - 1].seq
         raise InvalidInput(
             f"a fork copies at most {MAX_MESSAGES_PER_TURN} messages; at_seq {at_seq} would "
             f"copy {len(chosen)}: fork at seq {last} or before"
         )
+    whole = 0
+    for message in chosen:
+        kept = (message.truncated or {}).values()
+        whole += sum(e.length for e in kept if isinstance(e, Truncation) and e.blob_id)
+        if whole > MAX_FORK_WHOLE_TEXT_CHARS:
+            raise InvalidInput(
+                f"a fork copies at most {MAX_FORK_WHOLE_TEXT_CHARS} characters of whole texts "
+                f"of cut messages; at_seq {at_seq} would copy more: fork at seq "
+                f"{(message.seq or 0) - 1} or before"
+            )
 
 
 def _refuse_migrated_turn_id(turn_id: str) -> None:
