@@ -310,6 +310,121 @@ async def test_a_denial_of_a_call_whose_prompt_was_approved_is_refused_and_nothi
     assert await held_calls(runtime.store) == [("tc-9", None)]
 
 
+_DENIAL = {"role": "tool", "tool_call_id": "tc-9", "content": DENIED_RESULT,
+           "error": {"message": "tool call denied"}}  # fmt: skip
+
+
+@pytest.mark.parametrize("refused", [None, {"tc-9": "confirm-9"}], ids=["bare", "naming"])
+async def test_a_denial_of_an_approved_call_is_refused_also_once_its_result_is_logged(
+    backend: Backend, refused: dict[str, str] | None
+) -> None:
+    """The call's result answered it: a later denial of the approved call (naming the prompt
+    it refuses or not) is a second answer to it, refused (`AnsweredBefore`), nothing written."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    await runtime.stream([APPROVED])
+    await runtime.stream([BOOKED])
+    before = await runtime.store.transcript(CID)
+
+    with pytest.raises(AnsweredBefore, match=r"'tc-9'.*approved") as denied:
+        await runtime.logger.log_messages(
+            CID, [{"role": "user", "content": "No!"}, _DENIAL], turn_id="late-denial",
+            refused_prompts=refused,
+        )  # fmt: skip
+
+    assert denied.value.tool_call_ids == ("tc-9",)
+    assert await runtime.store.transcript(CID) == before
+    assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["result-later", "result-with-approval"])
+async def test_a_refusal_read_before_another_tab_approved_denies_nothing_after_the_result(
+    backend: Backend, together: bool
+) -> None:
+    """Tab B read the pending calls while the prompt was pending; tab A's approval and the
+    call's result are logged before B logs its refusal: B's turn is logged without the
+    denial, and the result stays the call's only answer."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    read_by_tab_b = await runtime.store.pending_calls(CID)
+    if together:
+        await runtime.stream([APPROVED, BOOKED])
+    else:
+        await runtime.stream([APPROVED])
+        await runtime.stream([BOOKED])
+
+    logged = await _log_as_tab_b(
+        runtime, [DENIED, {"type": "stream_token", "token": "Okay."}], read_by_tab_b
+    )
+    again = await _log_as_tab_b(
+        runtime, [DENIED, {"type": "stream_token", "token": "Okay."}], read_by_tab_b
+    )
+
+    assert [m.content for m in logged.messages] == ["Okay."]
+    assert again.replayed
+    assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
+
+
+_NEW_CALL = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "tc-9", "type": "function", "function": {"name": "book_hotel", "arguments": "{}"}},
+]}  # fmt: skip
+
+
+@pytest.mark.parametrize("answered", [False, True], ids=["pending", "answered-in-its-turn"])
+async def test_a_denial_of_a_new_call_reusing_an_approved_calls_id_is_stored(
+    backend: Backend, answered: bool
+) -> None:
+    """The approval is of the call it released (its message and id): once a later turn
+    makes a new call under the id, a denial answers that call, which nobody approved."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    await runtime.stream([APPROVED])
+    await runtime.stream([BOOKED])
+    reuse: list[dict[str, Any]] = [{"role": "user", "content": "And a hotel."}, _NEW_CALL]
+    if answered:
+        reuse.append({"role": "tool", "tool_call_id": "tc-9", "content": "H-7"})
+    await runtime.logger.log_messages(CID, reuse, turn_id="reuse")
+
+    await runtime.logger.log_messages(CID, [_DENIAL], turn_id="denial")
+
+    assert (DENIED_RESULT, "tool call denied") in await runtime.answers_of("tc-9")
+
+
+async def test_popping_the_call_reusing_an_approved_calls_id_makes_its_denial_refused_again(
+    backend: Backend,
+) -> None:
+    """A pop of the message that made the new call leaves the approved call the latest of
+    its id: a denial of the id is refused again, as before that call was made; so in a fork
+    cut before that message."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    await runtime.stream([APPROVED])
+    await runtime.stream([BOOKED])
+    stored = await runtime.store.transcript(CID)
+    await runtime.logger.log_messages(CID, [_NEW_CALL], turn_id="reuse")
+    await runtime.logger.fork(CID, len(stored) - 1, "fork-before-reuse")
+
+    await runtime.store.pop_last_message(CID)
+
+    for cid in (CID, "fork-before-reuse"):
+        with pytest.raises(AnsweredBefore, match="'tc-9'"):
+            await runtime.logger.log_messages(cid, [_DENIAL], turn_id="denial")
+
+
+async def test_a_denial_of_an_answered_call_nobody_approved_is_stored(backend: Backend) -> None:
+    """A call answered without a person's approval is no approved call: a later denial of it
+    is stored as given."""
+    runtime = Runtime(backend)
+    await runtime.logger.log_messages(
+        CID, [{"role": "user", "content": "Book it."}, {**_NEW_CALL},
+              {"role": "tool", "tool_call_id": "tc-9", "content": "H-7"}], turn_id="t1",
+    )  # fmt: skip
+
+    await runtime.logger.log_messages(CID, [_DENIAL], turn_id="denial")
+
+    assert await runtime.answers_of("tc-9") == [("H-7", None), (DENIED_RESULT, "tool call denied")]
+
+
 def _asks_reusing(call_id: str, tool: str) -> list[dict[str, Any]]:
     return [
         {"type": "tool_start", "tool_name": tool, "tool_call_id": call_id, "args": {}},
@@ -1567,9 +1682,12 @@ async def test_two_pops_racing_leave_no_call_of_either_message_pending(
     assert await pending_state(first) == ([], None)
 
 
-async def test_a_fork_at_a_pending_prompt_stops_there_and_keeps_it_pending(
+async def test_a_fork_at_an_approved_prompt_stops_there_its_call_awaiting_the_result(
     backend: Backend,
 ) -> None:
+    """The fork stops at the prompt; the approval (recorded even though the same stream's
+    result answered the call) stays the prompt's answer, so its call awaits its result
+    there, held by no prompt, as after an approval in a turn of its own."""
     runtime = Runtime(backend)
     await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")  # seq 0-2
     await runtime.stream([{"type": "stream_token", "token": "Sunny."}], prompt="Weather?")
@@ -1581,7 +1699,7 @@ async def test_a_fork_at_a_pending_prompt_stops_there_and_keeps_it_pending(
     forked = await runtime.logger.fork(CID, prompt.seq, "fork-at-prompt")
 
     assert [m.seq for m in forked.messages] == list(range(prompt.seq + 1))
-    assert await pending_state(runtime.store, "fork-at-prompt") == (["tc-9"], "confirm-9")
+    assert await pending_state(runtime.store, "fork-at-prompt") == (["tc-9"], None)
     stored = await runtime.store.transcript(CID)
     whole = await runtime.logger.fork(CID, len(stored) - 1, "fork-whole")
     assert len(whole.messages) == len(stored)

@@ -557,6 +557,11 @@ class ApprovedCall(_Model):
     held_again: bool = False
     """Read from approvals stored before `held_by`: a later prompt, not told which, named the
     call and holds it until it is answered itself."""
+    superseded_by: str | None = None
+    """The assistant message (its id) of the first later call reusing the call's id, once a
+    turn makes one: a denial of the id no longer pending answers the latest call of the id,
+    which this approval did not release. A pop removing that message, or a fork cut before
+    it, leaves the approved call the latest of its id again."""
 
 
 def approval_held_again(approval: Mapping[str, Any]) -> bool:

@@ -633,7 +633,9 @@ async def log_streamed_turn(
     Idempotent by `turn_id` like any turn. Hidden runtime context is stripped
     from the prompt by the logger's rules. Each prompt the stream answered is
     resolved (`ConversationStore.resolve_hitl`), pending or not, while it holds a
-    pending call; one resolved before keeps its first answer. A turn that only
+    pending call (an approval of an earlier turn's prompt whose call's result the stream
+    carries before the turn is logged: the result clears the prompt); one resolved before
+    keeps its first answer. A turn that only
     resolved prompts (an approval whose result comes later) stores no message: the
     answer it gave is the prompt's resolution; naming another user than the
     conversation's owner, it is a Conflict, as any turn is. A refusal whose prompt a
@@ -647,6 +649,7 @@ async def log_streamed_turn(
     elif prompt is not None:
         messages.append(prompt)
     messages.extend(turn.messages)
+    await _approvals_answered(store, conversation_id, turn)
     try:
         logged = await _logged(logger, store, conversation_id, messages, turn, turn_id, user_id)
     except AnsweredBefore as refused:
@@ -668,6 +671,28 @@ async def log_streamed_turn(
         with contextlib.suppress(Conflict):
             await store.resolve_hitl(conversation_id, request_id, **_naming(concerned))
     return logged
+
+
+async def _approvals_answered(
+    store: ConversationStore, conversation_id: str, turn: StreamedTurn
+) -> None:
+    """Resolve, before the turn is logged, each prompt of an earlier turn the stream approved
+    whose call the turn then answers with its result: the answer takes the call out of
+    `pending_calls` and clears the prompt, so resolved after it the approval would not be
+    recorded (`approved_calls`), and a stale refusal of the prompt (another tab) would deny
+    a call whose tool ran."""
+    refused = {request_id for _, request_id in turn.refused_prompts}
+    results = {
+        m.tool_call_id
+        for m in turn.messages
+        if isinstance(m, ToolMessage) and m.tool_call_id and tool_outcome(m) is None
+    }
+    for request_id, calls in turn.resolved_calls:
+        known = [(c, m) for c, m in calls if m is not None]
+        if request_id in refused or not any(c in results for c, _ in known):
+            continue
+        with contextlib.suppress(Conflict):  # resolved before: its first answer stands
+            await store.resolve_hitl(conversation_id, request_id, **_naming(known))
 
 
 def _naming(calls: Sequence[tuple[str, str | None]] | None) -> dict[str, Any]:

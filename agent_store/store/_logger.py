@@ -1401,7 +1401,9 @@ def _approvals_of_copies(
     """The original's `approved_calls` a fork remembers: those of the calls its copies make,
     naming the copies (a call a person approved stays approved in the fork). One later
     prompts hold again (`held_by`, after `held_before`) is held by the copy of the latest of
-    them the fork copies; held by none it copies, it is in force."""
+    them the fork copies; held by none it copies, it is in force. One a later call reusing
+    its call's id superseded (`superseded_by`) stays superseded if the fork copies that
+    call."""
     ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
 
     def copied(a: Mapping[str, Any]) -> dict[str, Any]:
@@ -1413,6 +1415,7 @@ def _approvals_of_copies(
             "message_id": ids[str(a.get("message_id"))],
             "held_by": held[-1] if held else None,
             "held_before": held[:-1],
+            "superseded_by": ids.get(str(a.get("superseded_by"))),
         }
 
     return [

@@ -365,14 +365,27 @@ def approvals_held_by(held_by: Any, held_before: Any = None) -> dict[str, Any]:
     `held_by`, and its `held_before` to the expression `held_before` (kept when None), its
     other fields kept (their defaults for fields an entry stored before them lacks). Left
     unset on a conversation that has none."""
+    held = held_before_of("a") if held_before is None else held_before
+    return _approvals_changed({"held_by": held_by, "held_before": held})
+
+
+def approvals_superseded_by(superseded_by: Any) -> dict[str, Any]:
+    """`approved_calls` with the `superseded_by` of each entry (`$$a`) set to the expression
+    `superseded_by`, its other fields kept, as `approvals_held_by` keeps them."""
+    return _approvals_changed({"superseded_by": superseded_by})
+
+
+def _approvals_changed(changes: Mapping[str, Any]) -> dict[str, Any]:
+    """`approved_calls` with the fields `changes` names of each entry (`$$a`) set to their
+    expressions, its other fields kept (their defaults for fields an entry stored before
+    them lacks). Left unset on a conversation that has none."""
     fields: dict[str, Any] = {
         name: {"$ifNull": [f"$$a.{name}", literal(field.default)]}
         for name, field in ApprovedCall.model_fields.items()
         if not field.is_required()
     }
     fields.update(_call_key("a"))
-    fields["held_by"] = held_by
-    fields["held_before"] = held_before_of("a") if held_before is None else held_before
+    fields.update(changes)
     approved = {"$map": {"input": _kept("approved_calls", []), "as": "a", "in": fields}}
     # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
     unset = {"$eq": [{"$ifNull": ["$approved_calls", None]}, None]}
@@ -422,9 +435,13 @@ def denials_hold(
     it), not released by that prompt's answer, even if a later prompt holds the call again,
     unless that later prompt asks under the same request id (a runtime numbering its
     confirmations per turn): the denial then answers the question pending now.
+    With no call of an id pending, the denial answers the latest call of that id, answered
+    since: a person approved it when an approval of a call of that id no later call reuses
+    the id of stands (`latest_approved`), its result logged or not.
     A turn denying them may be logged (`released_calls` names those it may not)."""
     calls = {"$ifNull": ["$pending_calls", literal([])]}
     refused = refused or {}
+    latest_approved = _latest_approved_ids()
 
     def released(call_id: str) -> dict[str, Any]:
         same = {"$eq": ["$$call.tool_call_id", literal(call_id)]}
@@ -439,10 +456,23 @@ def denials_hold(
             not_asked_again = {"$ne": [holder, literal(refused[call_id])]}
             answered.append({"$and": [{"$in": [_call_key("last"), by_refused]}, not_asked_again]})
         in_ = {"$or": answered}
-        return {"$let": {"vars": {"last": {"$arrayElemAt": [of_id, -1]}}, "in": in_}}
+        pending = {"$let": {"vars": {"last": {"$arrayElemAt": [of_id, -1]}}, "in": in_}}
+        # Apart from the `$let`: some servers (mongomock) make it missing when `last` is.
+        none_pending = {"$eq": [{"$size": of_id}, 0]}
+        answered_since = {"$and": [none_pending, {"$in": [literal(call_id), latest_approved]}]}
+        return {"$or": [pending, answered_since]}
 
     # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
     return {"$expr": {"$eq": [{"$or": [released(c) for c in call_ids]}, False]}}
+
+
+def _latest_approved_ids() -> dict[str, Any]:
+    """The call ids of the `approved_calls` entries no later call reuses the id of
+    (`ApprovedCall.superseded_by`), as an expression: the approved call is the latest of its
+    id."""
+    latest = {"$eq": [{"$ifNull": ["$$ap.superseded_by", None]}, None]}
+    approved = {"$filter": {"input": _kept("approved_calls", []), "as": "ap", "cond": latest}}
+    return {"$map": {"input": approved, "as": "ap", "in": "$$ap.tool_call_id"}}
 
 
 def released_calls(
@@ -451,8 +481,9 @@ def released_calls(
     refused: Mapping[str, str] | None = None,
 ) -> list[str]:
     """Those of `call_ids` whose latest pending call in `conversation` a person approved
-    (`denials_hold`): the first answer was an approval, so a denial of the call comes too
-    late (the tool runs; its result answers it)."""
+    (`denials_hold`), or, with none of that id pending, whose latest call a person approved:
+    the first answer was an approval, so a denial of the call comes too late (the tool runs;
+    its result answers it)."""
     resolved = conversation.get("resolved_hitl") or ()
     refused = refused or {}
     latest = {
@@ -460,11 +491,16 @@ def released_calls(
         for call in conversation.get("pending_calls") or ()
         if isinstance(call, Mapping)
     }
+    latest_approved = {
+        a.get("tool_call_id")
+        for a in conversation.get("approved_calls") or ()
+        if isinstance(a, Mapping) and a.get("superseded_by") is None
+    }
 
     def released(call_id: str) -> bool:
         call = latest.get(call_id)
         if call is None:
-            return False
+            return call_id in latest_approved
         key = (call.get("tool_call_id"), call.get("message_id"))
         prompt = refused.get(call_id, _NO_PROMPT)
         by_refused = _approvals(conversation, request_id=prompt)
@@ -578,7 +614,34 @@ def reservation(
         **_reopened(plan),
         **_asked_again(plan),
     }
-    return [{"$set": stage}]
+    superseded = _superseded(plan)
+    return [{"$set": stage}, {"$set": superseded}] if superseded else [{"$set": stage}]
+
+
+def _superseded(plan: TurnPlan) -> dict[str, Any] | None:
+    """`approved_calls`, as the turn's own stage left them, with each approval of an earlier
+    call whose id a call of the turn reuses superseded by the message making that call
+    (`ApprovedCall.superseded_by`, the first such message kept): a denial of the id answers
+    the new call, not the approved one. None for a turn making no call."""
+    made = {
+        str(call["id"]): str(document["_id"])
+        for document in plan.documents
+        for call in document.get("tool_calls") or ()
+        if isinstance(call, Mapping) and isinstance(call.get("id"), str)
+    }
+    if not made:
+        return None
+    own = literal(sorted({str(d["_id"]) for d in plan.documents}))
+    pairs = literal([{"c": call_id, "m": made[call_id]} for call_id in sorted(made)])
+    naming = {
+        "$filter": {"input": pairs, "as": "p", "cond": {"$eq": ["$$p.c", "$$a.tool_call_id"]}}
+    }
+    maker = {"$arrayElemAt": [{"$map": {"input": naming, "as": "p", "in": "$$p.m"}}, 0]}
+    before = {"$ifNull": ["$$a.superseded_by", None]}
+    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+    earlier = {"$eq": [{"$in": ["$$a.message_id", own]}, False]}
+    reused = {"$and": [{"$gt": [{"$size": naming}, 0]}, earlier, {"$eq": [before, None]}]}
+    return approvals_superseded_by({"$cond": [reused, maker, before]})
 
 
 def _asked_again(plan: TurnPlan) -> dict[str, Any]:

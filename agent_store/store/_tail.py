@@ -41,6 +41,7 @@ from bson import Int64
 from agent_store.core import AgentMessage, PendingCall, PendingHitl, PopInProgress
 from agent_store.store._reservation import (
     approvals_held_by,
+    approvals_superseded_by,
     held_before_of,
     held_by_of,
     int64,
@@ -183,7 +184,8 @@ def unlogged(pop: PopInProgress) -> list[Any]:
 
     A prompt the message raised is no longer pending, nor holds the approved calls it named
     (`approved_calls`: their approvals are in force again); a prompt resolved before is not
-    brought back (a resolution by request id leaves no message). The record of the message's turn is
+    brought back (a resolution by request id leaves no message). The calls it made no longer
+    supersede the approvals of earlier calls of their ids. The record of the message's turn is
     marked popped, so no retry of that turn is a replay. Its `seq` is given back, with the
     gaps past it, when no turn holds one past it; else it is a gap (`popped_seqs`). The
     message's id is remembered with its `seq` (`popped_messages`): a tail reader's `after`
@@ -228,7 +230,18 @@ def unlogged(pop: PopInProgress) -> list[Any]:
                 "$last_message_preview",
             ]
         }
+    if pop.made_calls:  # its calls no longer reuse the ids of approved calls
+        return [{"$set": stage}, {"$set": _approvals_unsuperseded_by(pop.message_id)}]
     return [{"$set": stage}]
+
+
+def _approvals_unsuperseded_by(message_id: str) -> dict[str, Any]:
+    """`approved_calls` once the message `message_id` making calls is removed: the approvals
+    it superseded (`superseded_by`, a later call reusing their call's id) are of the latest
+    call of their id again."""
+    before = {"$ifNull": ["$$a.superseded_by", None]}
+    removed = {"$eq": [before, literal(message_id)]}
+    return approvals_superseded_by({"$cond": [removed, None, before]})
 
 
 def _gaps_after(seq: int, untouched: Any) -> dict[str, Any]:
