@@ -269,3 +269,36 @@ def test_checking_a_messages_call_ids_grows_with_their_number_not_its_square(
     small = _validation_seconds(1_000, repeated=repeated)
     large = _validation_seconds(8_000, repeated=repeated)
     assert large / small < 24
+
+
+def _hitl(params: dict[str, Any]) -> dict[str, Any]:
+    action = {"action": "confirm", "request_id": "r-1", "params": params}
+    return {"role": "assistant", "content": "ok?", "hitl_action": action}
+
+
+def test_params_nested_any_depth_past_the_limit_are_invalid_input() -> None:
+    """Refused as 65 levels are, 100,000 too: not a RecursionError."""
+    for levels in (65, 100_000):
+        inner: list[Any] = []
+        params: dict[str, Any] = {"a": inner}
+        for _ in range(levels):
+            inner.append([])
+            inner = inner[0]
+        with pytest.raises(InvalidInput, match="nest"):
+            parse_messages([_hitl(params)])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"a": {"b\x00": 1}}, {"a": [{1: "x"}]}],
+    ids=["nul-in-a-key", "integer-key"],
+)
+def test_params_with_a_key_that_is_no_json_key_are_invalid_input(params: dict[str, Any]) -> None:
+    with pytest.raises(InvalidInput, match="params"):
+        parse_messages([_hitl(params)])
+
+
+def test_native_values_outside_64_bits_are_invalid_input_at_any_depth() -> None:
+    native = {"format": "langchain", "set": {"a": [{"b": [1, 2**63]}]}}
+    with pytest.raises(InvalidInput, match="integers outside 64 bits"):
+        parse_messages([{"role": "assistant", "content": "x", "native": native}])
