@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient, monitoring
 
+from agent_store.core import MAX_TOOL_CALLS
 from agent_store.store import MESSAGES
 from app.json_body import MAX_BODY_DEPTH, MAX_BODY_VALUES
 from tests.api_harness import (
@@ -183,6 +184,15 @@ async def test_a_turn_over_the_values_limit_is_refused_before_validation(
     message = await refused(api, "POST", TURNS, body, 413)
     assert f"more than {MAX_BODY_VALUES} JSON values" in message
     assert (len(walked), validated) == (1, [])
+
+
+async def test_a_message_of_more_tool_calls_than_the_limit_is_refused_with_422(
+    api: Served,
+) -> None:
+    calls = [{"id": f"c{n}", "function": {"name": "f"}} for n in range(MAX_TOOL_CALLS + 1)]
+    turn = {"turn_id": "t-calls", "messages": [{"role": "assistant", "tool_calls": calls}]}
+    message = await refused(api, "POST", TURNS, json.dumps(turn).encode(), 422)
+    assert f"at most {MAX_TOOL_CALLS} items" in message
 
 
 # -- numbers ---------------------------------------------------------------------------------

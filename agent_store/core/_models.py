@@ -129,6 +129,11 @@ MAX_HELD_CALLS = 100
 """How many calls one HITL prompt may name (`HitlAction.tool_call_ids`): as many as a
 conversation lists pending."""
 
+MAX_TOOL_CALLS = 1000
+"""The most tool calls one assistant message may make: far more than a model asks for at once.
+Each is listed on its conversation while it waits, and a message over its byte bound made of
+thousands of small calls is costly to cut (30,000 calls held a turn for 42 s)."""
+
 MAX_PARAMS_DEPTH = 64
 """How deeply HITL params may nest: far below MongoDB's limit of 100 levels per document."""
 
@@ -353,7 +358,8 @@ class _MessageBase(_Model):
     """The conversation this message belongs to. Set by the logger."""
     role: Role
     content: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    """At most 1,000 (`MAX_TOOL_CALLS`)."""
     tool_call_id: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = None
     hitl_action: HitlAction | None = None
     error: MessageError | None = None
