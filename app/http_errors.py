@@ -30,7 +30,11 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
         "If-Match names another conversation than the one under the id (deleted and started "
         "again since it was read); nothing was changed",
     ),
-    "payload_too_large": (413, "the body is over the configured limit"),
+    "payload_too_large": (
+        413,
+        "the body is over the configured limit of bytes, or holds more JSON values than a body "
+        "may (the message names the limit)",
+    ),
     "unsupported_media_type": (415, "a body must be application/json"),
     "invalid_input": (422, "a path, query or body value is invalid; the message names it"),
     "internal_error": (500, "an unexpected failure; the server log has details"),

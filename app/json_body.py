@@ -2,8 +2,9 @@
 
 What pydantic cannot refuse on its own, because it happens while parsing or
 only fails once stored: nesting deep enough to exhaust the parser's recursion,
-integers MongoDB cannot hold (BSON keeps 64 bits), numbers that parse to
-infinity (JSON responses cannot carry them back).
+more values than a request may make the service validate and store, integers
+MongoDB cannot hold (BSON keeps 64 bits), numbers that parse to infinity (JSON
+responses cannot carry them back).
 """
 
 from __future__ import annotations
@@ -14,10 +15,15 @@ import math
 from typing import Any, TypeVar
 
 from agent_store.core import location_text
-from app.http_errors import InvalidJson, InvalidRequest
+from app.http_errors import HttpProblem, InvalidJson, InvalidRequest, PayloadTooLarge
 
 MAX_BODY_DEPTH = 64
 """The deepest nesting of objects and arrays a body may have (MongoDB stores 100 at most)."""
+MAX_BODY_VALUES = 200_000
+"""The most JSON values a body may hold, each object, array, string, number, `true`, `false`
+and `null` counting one: the work a request causes grows with its values, not its bytes (16 MiB
+of `{}` is 2.5 million objects), and a turn of 1,000 messages with their tool calls and results
+holds a tenth of this or less."""
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _INT64_DIGITS = len(str(INT64_MIN))
 """The longest JSON integer within 64 bits, its sign included."""
@@ -86,11 +92,40 @@ class _Numbers:
         return value
 
 
+def _values_bound(raw: bytes) -> int:
+    """An upper bound of the values in `raw`: besides the document, each value is an object
+    member (one `:`), the first item of an array (one `[`) or follows a `,` (strings may hold
+    more of these, never fewer)."""
+    return 1 + raw.count(b":") + raw.count(b",") + raw.count(b"[")
+
+
+def _shape_problem(document: Any) -> HttpProblem | None:
+    """Nesting past `MAX_BODY_DEPTH` or more than `MAX_BODY_VALUES` values, found by one walk
+    (without recursion) that stops at the first: it visits at most the limit's values."""
+    stack: list[tuple[Any, int]] = [(document, 1)]
+    values = 1
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_BODY_DEPTH:
+            return InvalidJson(f"the body nests deeper than {MAX_BODY_DEPTH} levels")
+        children = item.values() if isinstance(item, dict) else item
+        values += len(children)
+        if values > MAX_BODY_VALUES:
+            return PayloadTooLarge(
+                f"the body holds more than {MAX_BODY_VALUES} JSON values (each object, array, "
+                "string, number, true, false and null counts one)"
+            )
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return None
+
+
 def decode_body(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object within the rules above; InvalidJson or InvalidRequest if not.
 
-    Numbers are checked as they are parsed, and the nesting only of a body with more
-    brackets than the limit: a body within the rules is not walked at all.
+    Numbers are checked as they are parsed; the nesting and the number of values only of a
+    body with more brackets, or more `,` `:` `[`, than the limits allow, by one walk that stops
+    at the limit: a small body within the rules is not walked at all, a large one before
+    pydantic validates it or anything is written.
     """
     numbers = _Numbers()
     if raw.startswith(codecs.BOM_UTF8):
@@ -113,8 +148,10 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(document, dict):
         raise InvalidJson("the body must be a JSON object")
     brackets = raw.count(b"[") + raw.count(b"{")  # an upper bound of the nesting
-    if brackets > MAX_BODY_DEPTH and nests_deeper_than(document, MAX_BODY_DEPTH):
-        raise InvalidJson(f"the body nests deeper than {MAX_BODY_DEPTH} levels")
+    if brackets > MAX_BODY_DEPTH or _values_bound(raw) > MAX_BODY_VALUES:
+        problem = _shape_problem(document)
+        if problem is not None:
+            raise problem
     if numbers.refused:
         _name_the_number(document)
     return document

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient, monitoring
 
+from agent_store.core import MAX_TOOL_CALLS
 from agent_store.store import MESSAGES
-from app.json_body import MAX_BODY_DEPTH
+from app.json_body import MAX_BODY_DEPTH, MAX_BODY_VALUES
 from tests.api_harness import (
     OTHER,
     OWNER,
@@ -88,7 +89,7 @@ def test_a_body_within_the_rules_is_parsed_without_a_walk(
     from app import json_body
 
     walks: list[str] = []
-    for name in ("nests_deeper_than", "_name_the_number"):
+    for name in ("_shape_problem", "_name_the_number"):
         walk = getattr(json_body, name)
         monkeypatch.setattr(
             json_body, name, lambda *a, _w=walk, _n=name: walks.append(_n) or _w(*a)
@@ -100,7 +101,98 @@ def test_a_body_within_the_rules_is_parsed_without_a_walk(
     wide = json.dumps({"a": [[[{"b": [1, 2**63]}]]], "c": [[]] * 70}).encode()
     with pytest.raises(json_body.InvalidRequest, match=r"a\.0\.0\.0\.b\.1: the integer"):
         json_body.decode_body(wide)
-    assert walks == ["nests_deeper_than", "_name_the_number"]
+    assert walks == ["_shape_problem", "_name_the_number"]
+
+
+# -- values ----------------------------------------------------------------------------------
+
+
+def values_in(document: Any) -> int:
+    """How many JSON values `document` holds, each object, array and scalar counting one."""
+    if isinstance(document, dict):
+        return 1 + sum(map(values_in, document.values()))
+    if isinstance(document, list):
+        return 1 + sum(map(values_in, document))
+    return 1
+
+
+def turn_of_rows(rows: int) -> bytes:
+    return turn_with_params('{"rows": [' + ",".join(["{}"] * rows) + "]}")
+
+
+async def test_a_body_of_more_values_than_the_limit_is_refused_with_413(
+    api: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app import json_body
+
+    body = turn_of_rows(40)
+    monkeypatch.setattr(json_body, "MAX_BODY_VALUES", values_in(json.loads(body)) - 1)
+    message = await refused(api, "POST", TURNS, body, 413)
+    assert f"more than {values_in(json.loads(body)) - 1} JSON values" in message
+
+
+async def test_a_body_of_as_many_values_as_the_limit_is_accepted(
+    api: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app import json_body
+
+    body = turn_of_rows(40)
+    monkeypatch.setattr(json_body, "MAX_BODY_VALUES", values_in(json.loads(body)))
+    response = await api.http.post(TURNS, content=body, headers=JSON)
+    assert response.status_code == 201, response.text[:500]
+
+
+async def test_commas_and_colons_inside_strings_are_no_values(
+    api: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app import json_body
+
+    monkeypatch.setattr(json_body, "MAX_BODY_VALUES", 50)
+    content = ",:[" * 10_000
+    body = json.dumps({"turn_id": "t-text", "messages": [{"role": "user", "content": content}]})
+    response = await api.http.post(TURNS, content=body.encode(), headers=JSON)
+    assert response.status_code == 201, response.text[:500]
+
+
+async def test_a_turn_over_the_values_limit_is_refused_before_validation(
+    api: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the real limit: refused by one walk that stops at the limit, before pydantic
+    validates the body or anything is written (the probe's 2.5 million `{}` held the
+    event loop for 25 s)."""
+    from app import json_body
+    from app.api_models import LogTurnBody
+
+    validated: list[bytes] = []
+    validate = LogTurnBody.model_validate_json
+
+    def counted(raw: bytes, **options: Any) -> LogTurnBody:
+        validated.append(raw)
+        return validate(raw, **options)
+
+    walked: list[Any] = []
+    walk = json_body._shape_problem
+
+    def counted_walk(document: Any) -> Any:
+        walked.append(document)
+        return walk(document)
+
+    monkeypatch.setattr(LogTurnBody, "model_validate_json", counted)
+    monkeypatch.setattr(json_body, "_shape_problem", counted_walk)
+    body = turn_of_rows(MAX_BODY_VALUES)
+    assert values_in(json.loads(body)) > MAX_BODY_VALUES
+    message = await refused(api, "POST", TURNS, body, 413)
+    assert f"more than {MAX_BODY_VALUES} JSON values" in message
+    assert (len(walked), validated) == (1, [])
+
+
+async def test_a_message_of_more_tool_calls_than_the_limit_is_refused_with_422(
+    api: Served,
+) -> None:
+    calls = [{"id": f"c{n}", "function": {"name": "f"}} for n in range(MAX_TOOL_CALLS + 1)]
+    turn = {"turn_id": "t-calls", "messages": [{"role": "assistant", "tool_calls": calls}]}
+    message = await refused(api, "POST", TURNS, json.dumps(turn).encode(), 422)
+    assert f"at most {MAX_TOOL_CALLS} items" in message
 
 
 # -- numbers ---------------------------------------------------------------------------------

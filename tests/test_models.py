@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import re
 import time
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from agent_store.core import (
+    MAX_TOOL_CALLS,
     AssistantMessage,
     InvalidInput,
     message_adapter,
@@ -244,19 +246,25 @@ def test_an_error_names_the_first_ten_repeated_call_ids_and_counts_the_rest() ->
 
 
 def _validation_seconds(calls: int, *, repeated: bool) -> float:
-    """The least of three validations of one assistant message with `calls` tool calls, of
-    distinct ids, or each id given twice if `repeated`."""
+    """The least of five validations of eight assistant messages with `calls` tool calls
+    each, of distinct ids, or each id given twice if `repeated` (eight, so that the time
+    measured is well above the clock's noise at `MAX_TOOL_CALLS`)."""
     ids = [f"c{n // 2 if repeated else n}" for n in range(calls)]
     message = {
         "role": "assistant",
         "tool_calls": [{"id": i, "function": {"name": "f"}} for i in ids],
     }
     times = []
-    for _ in range(3):
-        started = time.perf_counter()
-        with contextlib.suppress(InvalidInput):
-            parse_messages([message])
-        times.append(time.perf_counter() - started)
+    gc.collect()
+    gc.disable()  # a collection falling in one measure and not the other is noise
+    try:
+        for _ in range(5):
+            started = time.perf_counter()
+            with contextlib.suppress(InvalidInput):
+                parse_messages([message] * 8)
+            times.append(time.perf_counter() - started)
+    finally:
+        gc.enable()
     return min(times)
 
 
@@ -266,6 +274,50 @@ def test_checking_a_messages_call_ids_grows_with_their_number_not_its_square(
 ) -> None:
     """Eight times the calls cost about eight times as much (64 times if every call were
     compared with every other): a request of many calls cannot stall the service."""
-    small = _validation_seconds(1_000, repeated=repeated)
-    large = _validation_seconds(8_000, repeated=repeated)
+    small = _validation_seconds(MAX_TOOL_CALLS // 8, repeated=repeated)
+    large = _validation_seconds(MAX_TOOL_CALLS, repeated=repeated)
     assert large / small < 24
+
+
+def _calls(count: int) -> list[dict[str, Any]]:
+    return [{"id": f"c{n}", "function": {"name": "f"}} for n in range(count)]
+
+
+def test_a_message_makes_at_most_max_tool_calls() -> None:
+    parse_messages([{"role": "assistant", "tool_calls": _calls(MAX_TOOL_CALLS)}])
+    refusal = f"tool_calls: List should have at most {MAX_TOOL_CALLS} items"
+    with pytest.raises(InvalidInput, match=refusal):
+        parse_messages([{"role": "assistant", "tool_calls": _calls(MAX_TOOL_CALLS + 1)}])
+
+
+def _hitl(params: dict[str, Any]) -> dict[str, Any]:
+    action = {"action": "confirm", "request_id": "r-1", "params": params}
+    return {"role": "assistant", "content": "ok?", "hitl_action": action}
+
+
+def test_params_nested_any_depth_past_the_limit_are_invalid_input() -> None:
+    """Refused as 65 levels are, 100,000 too: not a RecursionError."""
+    for levels in (65, 100_000):
+        inner: list[Any] = []
+        params: dict[str, Any] = {"a": inner}
+        for _ in range(levels):
+            inner.append([])
+            inner = inner[0]
+        with pytest.raises(InvalidInput, match="nest"):
+            parse_messages([_hitl(params)])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"a": {"b\x00": 1}}, {"a": [{1: "x"}]}],
+    ids=["nul-in-a-key", "integer-key"],
+)
+def test_params_with_a_key_that_is_no_json_key_are_invalid_input(params: dict[str, Any]) -> None:
+    with pytest.raises(InvalidInput, match="params"):
+        parse_messages([_hitl(params)])
+
+
+def test_native_values_outside_64_bits_are_invalid_input_at_any_depth() -> None:
+    native = {"format": "langchain", "set": {"a": [{"b": [1, 2**63]}]}}
+    with pytest.raises(InvalidInput, match="integers outside 64 bits"):
+        parse_messages([{"role": "assistant", "content": "x", "native": native}])

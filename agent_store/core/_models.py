@@ -129,6 +129,11 @@ MAX_HELD_CALLS = 100
 """How many calls one HITL prompt may name (`HitlAction.tool_call_ids`): as many as a
 conversation lists pending."""
 
+MAX_TOOL_CALLS = 1000
+"""The most tool calls one assistant message may make: far more than a model asks for at once.
+Each is listed on its conversation while it waits, and a message over its byte bound made of
+thousands of small calls is costly to cut (30,000 calls held a turn for 42 s)."""
+
 MAX_PARAMS_DEPTH = 64
 """How deeply HITL params may nest: far below MongoDB's limit of 100 levels per document."""
 
@@ -147,39 +152,39 @@ def _arguments_as_json_string(value: Any) -> Any:
     return value
 
 
-def _depth(value: Any) -> int:
-    if isinstance(value, dict):
-        return 1 + max(map(_depth, value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max(map(_depth, value), default=0)
-    return 0
+_INT64_RANGE = range(-(2**63), 2**63)
 
 
-def _keys(value: Any) -> list[str]:
-    if isinstance(value, dict):
-        return [*value, *(k for item in value.values() for k in _keys(item))]
-    if isinstance(value, list):
-        return [k for item in value for k in _keys(item)]
-    return []
-
-
-def _wide_ints(value: Any) -> bool:
-    """Whether a JSON value holds an integer BSON cannot store (outside 64 bits)."""
-    if isinstance(value, dict):
-        return any(map(_wide_ints, value.values()))
-    if isinstance(value, list):
-        return any(map(_wide_ints, value))
-    return type(value) is int and not -(2**63) <= value < 2**63
+def _check_tree(value: Any, *, wide_ints_refused: bool = False) -> None:
+    """One walk (level by level, without recursion) of a JSON value: ValueError if it nests
+    deeper than `MAX_PARAMS_DEPTH`, has a key holding NUL or, if refused, an integer BSON
+    cannot store (outside 64 bits). Each value is visited once, whatever its shape."""
+    level, depth = [value], 1
+    while level:
+        if depth > MAX_PARAMS_DEPTH:
+            raise ValueError(f"params nest deeper than {MAX_PARAMS_DEPTH} levels")
+        inner: list[Any] = []
+        for item in level:
+            children = item
+            if isinstance(item, dict):
+                if item and any(isinstance(key, str) and "\x00" in key for key in item):
+                    raise ValueError("params keys must not contain NUL characters")
+                children = item.values()
+            if wide_ints_refused and any(
+                type(child) is int and child not in _INT64_RANGE for child in children
+            ):
+                raise ValueError("native values must not hold integers outside 64 bits")
+            inner += [child for child in children if isinstance(child, dict | list)]
+        level, depth = inner, depth + 1
 
 
 _json_values: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(dict[str, JsonValue])
 
 
-def _plain_json(value: dict[str, Any]) -> dict[str, Any]:
-    if _depth(value) > MAX_PARAMS_DEPTH:
-        raise ValueError(f"params nest deeper than {MAX_PARAMS_DEPTH} levels")
-    if any("\x00" in key for key in _keys(value)):
-        raise ValueError("params keys must not contain NUL characters")
+def _plain_json(value: dict[str, Any], *, wide_ints_refused: bool = False) -> dict[str, Any]:
+    """`value` as plain dicts and lists of JSON values: one walk for what pydantic does not
+    check (`_check_tree`), then one validation, which copies it."""
+    _check_tree(value, wide_ints_refused=wide_ints_refused)
     try:
         plain = _json_values.validate_python(value, strict=True)
     except ValidationError as exc:
@@ -303,11 +308,9 @@ def _native_keys(value: dict[str, Any]) -> dict[str, Any]:
     refused = sorted(key for key in value if key.startswith("$"))
     if refused:
         raise ValueError(f"native keys must not start with `$`: {refused}")
-    if _wide_ints(value):
-        # Refused here, before any write: the store cannot hold it (HITL params are walked
-        # for the same reason when a turn is planned).
-        raise ValueError("native values must not hold integers outside 64 bits")
-    return _plain_json(value)
+    # An integer the store cannot hold is refused here, before any write (HITL params are
+    # walked for the same reason when a turn is planned).
+    return _plain_json(value, wide_ints_refused=True)
 
 
 class NativeForm(_Model):
@@ -355,7 +358,8 @@ class _MessageBase(_Model):
     """The conversation this message belongs to. Set by the logger."""
     role: Role
     content: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    """At most 1,000 (`MAX_TOOL_CALLS`)."""
     tool_call_id: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = None
     hitl_action: HitlAction | None = None
     error: MessageError | None = None

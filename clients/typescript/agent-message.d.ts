@@ -35,6 +35,7 @@ export interface IAgentMessage<TDate extends DateLike> {
   conversation_id: string;
   role: MessageRole;
   content: string | null;
+  /** At most 1,000 (`MAX_TOOL_CALLS`). */
   tool_calls: IToolCall[] | null;
   tool_call_id: string | null;
   hitl_action: IHitlAction | null;
