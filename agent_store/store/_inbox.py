@@ -350,7 +350,8 @@ class SteeringInbox:
         expired = {
             key: opened
             for key, entry in inboxes.items()
-            if isinstance(opened := entry.get("opened_at"), datetime)
+            if isinstance(entry, Mapping)
+            and isinstance(opened := entry.get("opened_at"), datetime)
             and (opened if opened.tzinfo else opened.replace(tzinfo=UTC)) <= cutoff
         }
         if not expired:
