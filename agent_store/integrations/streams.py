@@ -649,7 +649,7 @@ async def log_streamed_turn(
     elif prompt is not None:
         messages.append(prompt)
     messages.extend(turn.messages)
-    await _approvals_answered(store, conversation_id, turn)
+    answered = await _approvals_answered(store, conversation_id, turn)
     try:
         logged = await _logged(logger, store, conversation_id, messages, turn, turn_id, user_id)
     except AnsweredBefore as refused:
@@ -665,6 +665,8 @@ async def log_streamed_turn(
         c.id: m.id for m in logged.messages if m.role == "assistant" for c in m.tool_calls or ()
     }
     for request_id in turn.resolved_request_ids:
+        if request_id in answered:  # resolved above: again, it would change nothing
+            continue
         calls = held.get(request_id)
         concerned = None if calls is None else [(c, m or made.get(c)) for c, m in calls]
         # Resolved before, holding nothing any more, or asked again about other calls.
@@ -675,12 +677,13 @@ async def log_streamed_turn(
 
 async def _approvals_answered(
     store: ConversationStore, conversation_id: str, turn: StreamedTurn
-) -> None:
+) -> set[str]:
     """Resolve, before the turn is logged, each prompt of an earlier turn the stream approved
     whose call the turn then answers with its result: the answer takes the call out of
     `pending_calls` and clears the prompt, so resolved after it the approval would not be
     recorded (`approved_calls`), and a stale refusal of the prompt (another tab) would deny
-    a call whose tool ran."""
+    a call whose tool ran. Returns the request ids it resolved."""
+    resolved: set[str] = set()
     refused = {request_id for _, request_id in turn.refused_prompts}
     results = {
         m.tool_call_id
@@ -693,6 +696,8 @@ async def _approvals_answered(
             continue
         with contextlib.suppress(Conflict):  # resolved before: its first answer stands
             await store.resolve_hitl(conversation_id, request_id, **_naming(known))
+            resolved.add(request_id)
+    return resolved
 
 
 def _naming(calls: Sequence[tuple[str, str | None]] | None) -> dict[str, Any]:
