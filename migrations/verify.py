@@ -56,14 +56,13 @@ def compare(item: Converted, stored: list[AgentMessage], popped: Collection[str]
     The messages a person popped since the run (`popped`, `writes.popped`) are the person's
     change: they are read as the run stored them, the conversion's."""
     conversion = item.conversion
-    legacy = from_legacy(item.turns, conversion.unplaced)
     texts = {f.blob_id: f.text for f in conversion.full_texts}
     back = [with_texts(m, texts) for m in conversion.messages if str(m.id) in popped]
     if back:
         stored = sorted([*stored, *back], key=lambda m: m.seq or 0)
     migrated = [m for m in stored if (m.turn_id or "").startswith(MIGRATED_TURN_PREFIX)]
     if migrated or not stored:
-        return differences(legacy, from_messages(migrated))
+        return differences(from_legacy(item.turns, conversion.unplaced), from_messages(migrated))
     # Logged to live before its migration: its legacy turns were not merged.
     unheld = not_held(stored, item.turns, conversion)
     if not unheld:
