@@ -347,8 +347,9 @@ def convert_batch(
     source: str = LEGACY_TURNS,
     undated_at: datetime | None = None,
     held: list[dict[str, Any]] | None = None,
-) -> tuple[list[Converted], list[Problem], int]:
-    """Read and convert a batch: conversions, problems of unconvertible ones, turns read.
+) -> tuple[list[Converted], list[Problem], dict[str, int]]:
+    """Read and convert a batch: conversions, problems of unconvertible ones, and the turns
+    read by the conversation they are stored under (an unconvertible one: its id as read).
 
     Turns are grouped by the id they are stored under: a legacy id that is not an
     identifier gets a derived one, and each turn naming no conversation is one. A stored
@@ -366,18 +367,19 @@ def convert_batch(
     joined = other_spellings(db, read, lambda d: id(d) not in stored, source=source)
     stored |= dual_writes.held(db, [d for _, found in joined for d in found])
     groups: dict[str, list[LegacyTurn]] = {}
-    turns = 0
+    turns: dict[str, int] = {}
     for raw_id, found in read + joined:
         documents = [d for d in found if id(d) not in stored]
-        turns += len(documents)
         parsed = _parsed(raw_id, documents, source) if documents else []
         if isinstance(parsed, Problem):
             failed.append(parsed)
+            turns[parsed.conversation_id] = turns.get(parsed.conversation_id, 0) + len(documents)
             continue
         for cid, group in group_conversations(parsed).items():
             groups.setdefault(cid, []).extend(group)
     converted = []
-    for group in groups.values():
+    for cid, group in groups.items():
+        turns[cid] = len(group)
         # The legacy spelling first, then the dual writes naming the derived id: the same
         # order whichever of the two a batch reads first (ties in time keep it).
         group.sort(key=lambda t: t.conversation_id == t.stored_conversation_id)
@@ -541,6 +543,9 @@ class Explosion:
         self.after_all: Callable[[], None] | None = None
         """Called once a run has gone through every conversation (not one `--conversation`)."""
         self.counts = Counts()
+        self.counted_derived: set[str] = set()
+        """Derived conversation ids counted: the only ones two spellings name, so the only
+        ones two batches can both convert (`other_spellings`)."""
         kind = "dry-run-" if options.dry_run else "run-"
         self.run_id = lease.run_id if lease else kind + uuid.uuid4().hex[:8]
         self.started = time.monotonic()
@@ -657,11 +662,9 @@ class Explosion:
         converted, failed, turns = convert_batch(
             self.db, ids, self.rules, source=self.source, undated_at=self.undated_at
         )
-        self.counts.conversations += len(ids)
-        self.counts.turns += turns
+        before = self._count_read(converted, failed, turns)
         found = list(failed)
         for item in converted:
-            self.counts.messages += len(item.conversion.messages)
             found += item.conversion.problems
         planned = writes.plan(self.db, converted)
         found += planned.live
@@ -688,5 +691,24 @@ class Explosion:
                 bounds=self.options.bounds,
                 earlier=self.earlier_problems,
             )
-        self.counts.live_skipped += sum(1 for p in found if p.kind == "conversation_already_live")
-        self.counts.add(applied, found)
+        counted = [p for p in found if p.conversation_id not in before]
+        self.counts.live_skipped += sum(1 for p in counted if p.kind == "conversation_already_live")
+        self.counts.add(applied, counted)
+
+    def _count_read(
+        self, converted: list[Converted], failed: list[Problem], turns: dict[str, int]
+    ) -> set[str]:
+        """Counts the batch's conversations, turns and messages, each conversation once a
+        run: one whose two spellings fall in two batches is converted by both. Returns the
+        ids counted by an earlier batch."""
+        read = {c.conversion.conversation_id for c in converted}
+        read |= {p.conversation_id for p in failed} | set(turns)
+        before = read & self.counted_derived
+        fresh = read - before
+        self.counted_derived |= {cid for cid in fresh if is_derived_id(cid)}
+        self.counts.conversations += len(fresh)
+        self.counts.turns += sum(turns.get(cid, 0) for cid in fresh)
+        self.counts.messages += sum(
+            len(c.conversion.messages) for c in converted if c.conversion.conversation_id in fresh
+        )
+        return before

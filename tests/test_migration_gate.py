@@ -3706,3 +3706,24 @@ def test_finish_names_a_conversation_whose_messages_have_no_document(
     assert "n-off: its messages are stored without a conversation document" in out
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
     assert relocate.holds_turns(database, LEGACY_TURNS)
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("batch_size", ["1", "100"])
+def test_a_conversation_its_turns_name_two_ways_counts_once_in_the_runs_summary(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    batch_size: str,
+) -> None:
+    """One turn names the legacy id, one the id derived from it (a dual write): one
+    conversation of two turns, whichever batches the two spellings fall in."""
+    derived = derived_conversation_id(NOT_AN_IDENTIFIER)
+    legacy_spelling = legacy_turn("t-a", NOT_AN_IDENTIFIER, 0, "ONE")
+    database[CONVERSATIONS].insert_many([legacy_spelling, legacy_turn("t-b", derived, 1, "TWO")])
+
+    assert cli(wire_uri, database, "run", "--batch-size", batch_size) == 0
+
+    counts = summary(capsys.readouterr().out)
+    assert (counts["conversations"], counts["turns"], counts["messages"]) == (1, 2, 4)
+    assert database[MESSAGES].count_documents({"conversation_id": derived}) == 4
