@@ -468,13 +468,13 @@ class AssistantMessage(_MessageBase):
     def _calls_are_distinct(calls: list[ToolCall]) -> None:
         if not calls:
             raise ValueError("`tool_calls` must be null or hold at least one call")
-        ids = Counter(call.id for call in calls)
-        if len(ids) < len(calls):
-            repeated = sorted(i for i, n in ids.items() if n > 1)
-            shown_ids = ", ".join(shown(i) for i in repeated[:_SHOWN_IDS])
-            if len(repeated) > _SHOWN_IDS:
-                shown_ids += f" and {len(repeated) - _SHOWN_IDS} more"
-            raise ValueError(f"tool call ids repeat within one message: {shown_ids}")
+        if len({call.id for call in calls}) == len(calls):
+            return  # a set, not a Counter: this runs for every message read that makes calls
+        repeated = sorted(i for i, n in Counter(call.id for call in calls).items() if n > 1)
+        shown_ids = ", ".join(shown(i) for i in repeated[:_SHOWN_IDS])
+        if len(repeated) > _SHOWN_IDS:
+            shown_ids += f" and {len(repeated) - _SHOWN_IDS} more"
+        raise ValueError(f"tool call ids repeat within one message: {shown_ids}")
 
 
 class ToolMessage(_MessageBase):
