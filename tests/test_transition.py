@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -868,3 +869,67 @@ async def test_a_steering_delivery_is_dual_written(backend: Backend) -> None:
         "«Q2»",
         "«STEER»",
     ]
+
+
+SAME_ID_TWO_WAYS = [pytest.param(42, "42", id="a-number-and-its-text"), ("conv-m", "conv-m")]
+
+
+async def two_users_legacy_turns(backend: Backend, victims_id: Any, owners_id: Any) -> None:
+    """The victim's legacy turn, then, a day later, Mallory's under an id read alike: Mallory
+    is the last user the turns name, so the conversation's owner (`owner_of`)."""
+    day = datetime(2025, 1, 1, tzinfo=UTC)
+    await backend.db[LEGACY_TURNS].insert_many(
+        [{"_id": "lt-victim", "conversation_id": victims_id, "user_id": VICTIM, "created_at": day,
+          "user_message": "victim's words", "response_parts": [{"type": "text", "content": "ok"}]},
+         {"_id": "lt-mallory", "conversation_id": owners_id, "user_id": MALLORY,
+          "created_at": day + timedelta(days=1), "user_message": "hers",
+          "response_parts": [{"type": "text", "content": "hi"}]}]
+    )  # fmt: skip
+    await backend.db[SESSION_HITL].insert_one(
+        {"_id": "p-victim", "conversation_id": victims_id, "user_id": VICTIM,
+         "request_id": "r-victim", "action": "confirm", "status": "pending"}
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("victims_id", "owners_id"), SAME_ID_TWO_WAYS)
+async def test_the_owner_of_a_legacy_conversation_reads_none_of_another_users_turns(
+    backend: Backend, victims_id: Any, owners_id: Any
+) -> None:
+    """Legacy turns are owned by the user they name: before any migration, the fallback
+    serves its owner the turns naming them (or no one), never another user's words."""
+    await two_users_legacy_turns(backend, victims_id, owners_id)
+    _, store = wired(backend)
+
+    transcript = await store.transcript(str(owners_id), user_id=MALLORY)
+    conversation = await store.get_conversation(str(owners_id), user_id=MALLORY)
+
+    assert [m.content for m in transcript] == ["hers", "hi"]
+    assert conversation.pending_hitl is None
+    assert conversation.message_count == 2
+    assert len(await store.transcript(str(owners_id))) == 4  # a service reads every turn
+
+
+@pytest.mark.parametrize(("victims_id", "owners_id"), SAME_ID_TWO_WAYS)
+async def test_the_owners_delete_of_a_legacy_conversation_leaves_another_users_turns(
+    backend: Backend, victims_id: Any, owners_id: Any
+) -> None:
+    await two_users_legacy_turns(backend, victims_id, owners_id)
+    _, store = wired(backend)
+
+    deleted = await store.delete(str(owners_id), user_id=MALLORY)
+
+    assert deleted.legacy_turns == 1
+    assert [t["_id"] for t in await backend.db[LEGACY_TURNS].find().to_list(None)] == ["lt-victim"]
+    assert [p["_id"] for p in await backend.db[SESSION_HITL].find().to_list(None)] == ["p-victim"]
+
+
+async def test_erasing_the_owner_of_a_legacy_conversation_leaves_another_users_turns(
+    backend: Backend,
+) -> None:
+    await two_users_legacy_turns(backend, "conv-m", "conv-m")
+    _, store = wired(backend)
+
+    await store.erase_user(MALLORY)
+
+    assert [t["_id"] for t in await backend.db[LEGACY_TURNS].find().to_list(None)] == ["lt-victim"]
+    assert [p["_id"] for p in await backend.db[SESSION_HITL].find().to_list(None)] == ["p-victim"]

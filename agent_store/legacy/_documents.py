@@ -579,12 +579,29 @@ def named_users(turns: Iterable[LegacyTurn]) -> list[str]:
 def owner_of(turns: Iterable[LegacyTurn]) -> str | None:
     """Who owns a legacy conversation: the last user its turns name, if that is an identifier."""
     users = named_users(turns)
-    if not users:
+    return user_named(users[-1]) if users else None
+
+
+def user_named(value: Any) -> str | None:
+    """The user a legacy `user_id` value names, as a turn reads it (its text), when a token
+    can be that user (an identifier); None for none (null, blank text) or no identifier."""
+    if value is None or (isinstance(value, str) and not value.strip()):
         return None
     try:
-        return validate_identifier(users[-1], "user_id")
+        return validate_identifier(str(value), "user_id")
     except InvalidInput:
         return None
+
+
+def users_part(turns: list[LegacyTurn], user_id: str | None) -> list[int]:
+    """The indexes of the turns that are `user_id`'s part of one legacy conversation: those
+    naming the user, and, when the user owns the conversation (`owner_of`), those naming no
+    user a token can be. Another user's turns are never part of it, whatever id they are
+    filed under: ids that read alike (`42` and `"42"`) make one conversation of two users'
+    turns, which the owner reads, deletes and erases without the other's words."""
+    owns = owner_of(turns) == user_id
+    named = [user_named(turn.user_id) for turn in turns]
+    return [i for i, user in enumerate(named) if user == user_id or (owns and user is None)]
 
 
 # -- text of odd values ------------------------------------------------------------------

@@ -22,6 +22,8 @@ from agent_store.legacy._documents import (
     parse_turns,
     prompts_filter,
     scalar_filter,
+    user_named,
+    users_part,
 )
 from agent_store.legacy._dual_write import legacy_turn_documents
 from agent_store.legacy._session_hitl import resolved_by_dual_write, with_session_prompts
@@ -78,16 +80,25 @@ class LegacyTurns:
     ) -> FallbackConversation | None:
         """The conversation converted from its legacy turns and prompts; None if it has none,
         or if `user_id` is given and the turns name another owner (told before converting:
-        another's conversation costs no more than a missing one)."""
+        another's conversation costs no more than a missing one). For a user, only the
+        user's part of it (`users_part`): turns and prompts naming another user are left out.
+        """
         with storage_errors("read the legacy turns"):
             turns = await self._turns.find(await self._turns_of(conversation_id)).to_list(None)
-        if not turns or (user_id is not None and owner_of(parse_turns(turns)) != user_id):
+        if turns and user_id is not None:
+            parsed = parse_turns(turns)
+            if owner_of(parsed) != user_id:
+                return None
+            turns = [turns[i] for i in users_part(parsed, user_id)]
+        if not turns:
             return None
         conversion = convert(turns, rules=self._rules)
         if conversion.conversation is None:
             return None
         with storage_errors("read the pending prompt"):
             prompts = await self._prompts.find(prompts_filter(conversation_id)).to_list(None)
+        if user_id is not None:
+            prompts = [p for p in prompts if _names_user(p) in (None, user_id)]
         conversion = with_session_prompts(conversion, prompts)
         assert conversion.conversation is not None
         return FallbackConversation(conversion.conversation, conversion.messages)
@@ -127,10 +138,13 @@ class LegacyTurns:
         turns = turns_known_as(conversation_id, original, await self._hashed_ids(conversation_id))
         with storage_errors("delete the legacy turns"):
             found = await self._turns.find(turns, fields).to_list(None)
-            whole = bool(found) and owner_of(parse_turns(found)) == owner
-            scope: dict[str, Any] = {} if whole else {"user_id": owner}
-            deleted = await self._turns.delete_many({**turns, **scope}) if found else None
-            await self._prompts.delete_many({**_prompts_filter(conversation_id, original), **scope})
+            parsed = parse_turns(found)
+            ids = [found[i]["_id"] for i in users_part(parsed, owner)]
+            deleted = await self._turns.delete_many(_among(turns, ids)) if ids else None
+            prompts = _prompts_filter(conversation_id, original)
+            await self._prompts.delete_many(
+                {"$and": [prompts, _users_prompts(owner, owns=owner_of(parsed) == owner)]}
+            )
         return int(deleted.deleted_count) if deleted is not None else 0
 
     async def _turns_of(self, conversation_id: str) -> dict[str, Any]:
@@ -169,6 +183,7 @@ class LegacyTurns:
             named = await self._turns.distinct("conversation_id", {"user_id": user_id})
             ids = [i for i in named if named_id(i) is not None]
             owned: list[Any] = []
+            unnamed: list[Any] = []
             if ids:
                 theirs = scalar_filter("conversation_id", {"$in": ids})
                 found = await self._turns.find(theirs, fields).to_list(None)
@@ -177,16 +192,17 @@ class LegacyTurns:
                 for doc in found:
                     key = bson.encode({"id": doc["conversation_id"]})
                     by_conversation.setdefault(key, (doc["conversation_id"], []))[1].append(doc)
-                owned = [
-                    cid
-                    for cid, docs in by_conversation.values()
-                    if owner_of(parse_turns(docs)) == user_id
-                ]
+                for cid, docs in by_conversation.values():
+                    parsed = parse_turns(docs)
+                    if owner_of(parsed) == user_id:
+                        owned.append(cid)
+                        unnamed += [docs[i]["_id"] for i in users_part(parsed, user_id)]
             query: dict[str, Any] = {"user_id": user_id}
-            if owned:
-                query = {"$or": [query, scalar_filter("conversation_id", {"$in": owned})]}
+            if unnamed:
+                query = {"$or": [query, {"_id": {"$in": unnamed}}]}
             deleted = await self._turns.delete_many(query)
-            prompts = [prompts_filter(str(id_text(cid))) for cid in owned]
+            nobodys = names_none("user_id")
+            prompts = [{"$and": [prompts_filter(str(id_text(cid))), nobodys]} for cid in owned]
             await self._prompts.delete_many({"$or": [{"user_id": user_id}, *prompts]})
         return int(deleted.deleted_count)
 
@@ -351,3 +367,21 @@ def _prompts_filter(conversation_id: str, original: str | None) -> dict[str, Any
     if original is None:
         return prompts_filter(conversation_id)
     return {"$or": [prompts_filter(conversation_id), prompts_filter(original)]}
+
+
+def _names_user(prompt: dict[str, Any]) -> str | None:
+    """The user a `session_hitl` prompt names, as a turn's is read (`user_named`)."""
+    return user_named(prompt.get("user_id"))
+
+
+def _users_prompts(user_id: str | None, *, owns: bool) -> dict[str, Any]:
+    """The filter of the prompts that are the user's part of a conversation (`users_part`):
+    naming the user, and naming none when the user owns it."""
+    if not owns:
+        return {"user_id": user_id}
+    return {"$or": [{"user_id": user_id}, names_none("user_id")]}
+
+
+def _among(turns: dict[str, Any], ids: list[Any]) -> dict[str, Any]:
+    """The turns of `turns` (a filter) whose `_id` is one of `ids`."""
+    return {"$and": [turns, {"_id": {"$in": ids}}]}
