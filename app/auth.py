@@ -82,12 +82,12 @@ class Authenticator:
 
     def authenticate(self, headers: Headers, record: AuditRecord) -> Caller:
         """The caller of a request, noted in `record` as far as it got verified."""
-        scheme, _, token = headers.get("authorization", "").partition(" ")
+        scheme, _, token = (_only_one(headers, "authorization") or "").partition(" ")
         actor = self.service_actor(token.strip()) if scheme.lower() == "bearer" else None
         if actor is None:
             raise Unauthorized("a valid service bearer token is required")
         record.service = actor
-        user_token = headers.get(USER_TOKEN_HEADER)
+        user_token = _only_one(headers, USER_TOKEN_HEADER)
         if user_token is None:
             return Caller(service=actor)
         record.user = "(invalid token)"
@@ -141,3 +141,13 @@ def audit_record(scope: Scope) -> AuditRecord:
     record = scope.setdefault(AUDIT_SCOPE_KEY, AuditRecord())
     assert isinstance(record, AuditRecord)
     return record
+
+
+def _only_one(headers: Headers, name: str) -> str | None:
+    """The one value of a credential header, None when absent. Sent twice, the request is
+    refused rather than one value picked: which one a proxy in between would pick is not
+    known, and a log would not show which was used."""
+    values = headers.getlist(name)
+    if len(values) > 1:
+        raise Unauthorized(f"the {name} header is sent {len(values)} times: send it once")
+    return values[0] if values else None

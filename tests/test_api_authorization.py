@@ -141,6 +141,20 @@ async def test_health_answers_every_caller() -> None:
             assert (await api.http.get("/health", headers=headers_for(caller))).status_code == 200
 
 
+@pytest.mark.parametrize("header", ["Authorization", "X-User-JWT"])
+async def test_a_credential_header_sent_twice_is_refused_whichever_comes_first(
+    header: str,
+) -> None:
+    """Which of two values a proxy in between would pick is not known: neither is used."""
+    own, other = auth_headers(user=OWNER), auth_headers(user=OTHER)
+    async with serve(mongomock_db()) as api:
+        for first, second in ((own, other), (other, own)):
+            sent = [(k, v) for k, v in first.items()] + [(header, second[header])]
+            response = await api.http.get(CONV, headers=sent)
+            assert response.status_code == 401, response.text
+            assert f"{header.lower()} header is sent 2 times" in response.json()["error"]["message"]
+
+
 async def test_a_user_token_lists_and_exports_only_its_own_conversations() -> None:
     async with serve(mongomock_db()) as api:
         own = await api.http.get(
