@@ -44,12 +44,20 @@ class FailOnce:
     (its call after the first `skip` ones)."""
 
     def __init__(
-        self, collection: Any, method: str, *, after_applying: bool, skip: int = 0
+        self,
+        collection: Any,
+        method: str,
+        *,
+        after_applying: bool,
+        skip: int = 0,
+        hang: bool = False,
     ) -> None:
         self._collection = collection
         self._method = method
         self._after_applying = after_applying
         self._skip = skip
+        self._hang = hang
+        """Wait for a reply that never comes, rather than fail: a caller's timeout ends it."""
         self.failed = False
 
     def __getattr__(self, name: str) -> Any:
@@ -64,6 +72,8 @@ class FailOnce:
             self.failed = True
             if self._after_applying:
                 await real(*args, **kwargs)
+            if self._hang:
+                await asyncio.Event().wait()
             raise AutoReconnect(f"connection lost during {name} (injected)")
 
         return fail
@@ -164,6 +174,30 @@ async def test_a_pop_retried_after_a_failure_at_any_write_point_removes_one_mess
     assert contents == ["A?", "A!", "B?", "B!", "C?"]
     assert await summary_disagreements(store) == []
     assert (await store.pop_last_message(CID) or popped).content == "C?"
+    assert await summary_disagreements(store) == []
+
+
+@pytest.mark.parametrize(("collection", "method", "skip", "after_applying"), POP_WRITE_POINTS)
+async def test_a_pop_cut_off_by_a_timeout_at_any_write_point_removes_one_message_when_retried(
+    backend: Backend, collection: str, method: str, skip: int, after_applying: bool
+) -> None:
+    """A caller's timeout cancels the pop while a write is on its way: its outcome is as
+    unknown as after a network error, and its retry through the same store removes the
+    message the first attempt took, no other."""
+    await log_three_turns(backend)
+    store = ConversationStore(backend.db)
+    hanging = FailOnce(getattr(store, collection), method, after_applying=after_applying,
+                       skip=skip, hang=True)  # fmt: skip
+    setattr(store, collection, hanging)
+
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(store.pop_last_message(CID), timeout=0.2)
+    popped = await store.pop_last_message(CID)
+
+    assert hanging.failed
+    assert popped is not None
+    assert popped.content == "C!"
+    assert [m.content for m in await store.transcript(CID)] == ["A?", "A!", "B?", "B!", "C?"]
     assert await summary_disagreements(store) == []
 
 

@@ -46,7 +46,6 @@ from agent_store.core import (
     PopInProgress,
     PoppedMessage,
     StorageUnavailable,
-    StoreError,
     message_adapter,
     utc_now,
 )
@@ -129,7 +128,7 @@ class Pop:
             earlier, pop_id = in_doubt
             try:
                 visible, conversation, removed = await self._finish_under_way((earlier.id, pop_id))
-            except StoreError:
+            except BaseException:  # a StoreError, or a caller's timeout cancelling it
                 self.memory.in_doubt[scope] = in_doubt  # still in doubt
                 raise
             if not visible:
@@ -316,8 +315,9 @@ class Pop:
             # Its whole texts, once it is gone (a crash before leaves them to the
             # conversation's delete or its owner's erasure, which find them by conversation).
             await self.forget_texts(list(kept_blob_ids(message).values()))
-        except StoreError:
-            # Its outcome unknown: the next pop of the conversation by this caller through
+        except BaseException:
+            # Its outcome unknown (a StoreError, or a caller's timeout cancelling it while a
+            # write was on its way): the next pop of the conversation by this caller through
             # this store is its retry. Remembered only once it raised, so pops running at
             # once never take each other for a retry.
             self.memory.in_doubt[scope] = (message, pop.pop_id)
