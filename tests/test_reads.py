@@ -23,7 +23,14 @@ from agent_store import (
     Unsupported,
     VersionMismatch,
 )
-from agent_store.store import CONVERSATIONS, LANGGRAPH_CHECKPOINTS, TEXT_INDEX
+from agent_store.store import (
+    BLOB_CHUNKS,
+    BLOB_FILES,
+    CONVERSATIONS,
+    DELETIONS,
+    LANGGRAPH_CHECKPOINTS,
+    TEXT_INDEX,
+)
 from app.examples import EXAMPLE_CONVERSATION_ID as CID
 from app.examples import EXAMPLE_USER_ID as OWNER
 from app.examples import example_turns
@@ -1192,6 +1199,237 @@ async def test_a_retried_fork_landing_after_the_forks_delete_leaves_nothing_behi
     with pytest.raises(NotFound):
         await store.transcript("c-fork")
     assert [m.content for m in await store.transcript("c-x")] == ["OWNER's secret", "ok"]
+
+
+FORK_AND_ERASURE = [
+    "erased before it writes",
+    "erasure under way as it writes",
+    "erased between its write and its check",
+    "erased after its check",
+]
+
+
+async def _owners_conversation_with_a_cut_message(backend: Backend) -> AgentMessageLogger:
+    """OWNER's "c-x": a message cut to its bound (its whole text in GridFS), and an answer."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(max_message_bytes=16 * 1024))
+    await logger.ensure_indexes()
+    said = [{"role": "user", "content": "OWNER's secret " + "x" * 60_000},
+            {"role": "assistant", "content": "noted"}]  # fmt: skip
+    await logger.log_messages("c-x", said, user_id=OWNER, turn_id="t1")
+    return logger
+
+
+def _fork_held_after_its_read(
+    logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch
+) -> tuple[asyncio.Event, asyncio.Event]:
+    """The logger's fork, once it has read its source and the whole texts of what it copies,
+    waits for the second event returned; the first is set once it waits."""
+    restore, reached, go = logger._full_texts.restore, asyncio.Event(), asyncio.Event()
+
+    async def held(messages: Any) -> Any:
+        restored = await restore(messages)
+        reached.set()
+        await go.wait()
+        return restored
+
+    monkeypatch.setattr(logger._full_texts, "restore", held)
+    return reached, go
+
+
+def _around_the_forks_check(
+    logger: AgentMessageLogger,
+    monkeypatch: pytest.MonkeyPatch,
+    before: Callable[[], Awaitable[Any]] | None = None,
+    after: Callable[[], Awaitable[Any]] | None = None,
+) -> None:
+    """`before` runs once the fork has written its copies, right before it checks its source;
+    `after` once it has checked it."""
+    check = logger._unless_its_source_went
+
+    async def around(*args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            await before()
+        checked = await check(*args, **kwargs)
+        if after is not None:
+            await after()
+        return checked
+
+    monkeypatch.setattr(logger, "_unless_its_source_went", around)
+
+
+def _erasure_held_before_its_deletes(
+    store: ConversationStore, monkeypatch: pytest.MonkeyPatch
+) -> tuple[asyncio.Event, asyncio.Event]:
+    """The erasure of OWNER, past its conversations' messages and the whole texts of OWNER's
+    messages, waits before deleting every message naming OWNER, then the conversations."""
+    delete_many, reached, go = store._messages.delete_many, asyncio.Event(), asyncio.Event()
+
+    async def held(query: Any, *args: Any, **kwargs: Any) -> Any:
+        if query == {"user_id": OWNER} and not reached.is_set():
+            reached.set()
+            await go.wait()
+        return await delete_many(query, *args, **kwargs)
+
+    monkeypatch.setattr(store._messages, "delete_many", held)
+    return reached, go
+
+
+async def _nothing_of_owner_is_left(backend: Backend, store: ConversationStore) -> None:
+    db = backend.db
+    assert await db.agent_messages.count_documents({"user_id": OWNER}) == 0
+    assert await db.agent_messages.count_documents({"conversation_id": "c-fork"}) == 0
+    assert await db.agent_conversations.count_documents({"user_id": OWNER}) == 0
+    assert await db[BLOB_FILES].count_documents({}) == 0
+    assert await db[BLOB_CHUNKS].count_documents({}) == 0
+    assert await db[DELETIONS].count_documents({}) == 0
+    with pytest.raises(NotFound):
+        await store.transcript("c-fork")
+
+
+@pytest.mark.parametrize("moment", FORK_AND_ERASURE)
+async def test_a_fork_racing_the_erasure_of_its_user_leaves_nothing_of_the_user(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, moment: str
+) -> None:
+    """OWNER forks "c-x" (a cut message among what it copies) while OWNER is erased: the fork
+    has read "c-x" and the whole texts, and the erasure runs before the fork writes its copies
+    (all of it, or up to its deletes of what names OWNER, before any conversation went), or
+    between the fork's writes and its check of its source, or after that check. The fork,
+    finding its source gone or being deleted, takes back what it wrote and answers NotFound;
+    one that checked before the erasure began is erased with the rest. Nothing of OWNER is
+    left: no conversation, message, whole text or record."""
+    logger = await _owners_conversation_with_a_cut_message(backend)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+
+    async def erase() -> None:
+        await store.erase_user(OWNER)
+
+    held, go = _fork_held_after_its_read(logger, monkeypatch)
+    if moment == "erased between its write and its check":
+        _around_the_forks_check(logger, monkeypatch, before=erase)
+    if moment == "erased after its check":
+        _around_the_forks_check(logger, monkeypatch, after=erase)
+    fork = asyncio.create_task(logger.fork("c-x", 1, "c-fork", user_id=OWNER, owner_only=True))
+    await held.wait()
+    erasure = None
+    if moment == "erased before it writes":
+        await erase()
+    if moment == "erasure under way as it writes":
+        paused, resume = _erasure_held_before_its_deletes(store, monkeypatch)
+        erasure = asyncio.create_task(erase())
+        await paused.wait()
+    go.set()
+
+    if moment == "erased after its check":
+        assert (await fork).conversation_id == "c-fork"
+    else:
+        with pytest.raises(NotFound, match="'c-x'"):
+            await fork
+    if erasure is not None:
+        resume.set()
+        await erasure
+    await _nothing_of_owner_is_left(backend, store)
+
+
+@pytest.mark.parametrize(
+    "moment", ["deleted before it writes", "deleted between its write and its check"]
+)
+async def test_a_fork_whose_source_is_deleted_before_it_checks_it_creates_nothing(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, moment: str
+) -> None:
+    """A delete of the source landing after the fork read it and before the fork checked it is
+    the same: NotFound, and the fork's id holds nothing. A fork that checked its source before
+    its delete stands, a conversation of its own."""
+    logger = await _owners_conversation_with_a_cut_message(backend)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+
+    async def delete() -> None:
+        await store.delete("c-x", user_id=OWNER)
+
+    held, go = _fork_held_after_its_read(logger, monkeypatch)
+    if moment == "deleted between its write and its check":
+        _around_the_forks_check(logger, monkeypatch, before=delete)
+    fork = asyncio.create_task(logger.fork("c-x", 1, "c-fork", user_id=OWNER))
+    await held.wait()
+    if moment == "deleted before it writes":
+        await delete()
+    go.set()
+
+    with pytest.raises(NotFound, match="'c-x'"):
+        await fork
+    await _nothing_of_owner_is_left(backend, store)
+
+
+async def test_a_fork_that_checked_its_source_before_its_delete_stands(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork is a conversation of its own: one whose check found its source whole keeps its
+    copies when the source is deleted right after."""
+    logger = await _owners_conversation_with_a_cut_message(backend)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+
+    async def delete() -> None:
+        await store.delete("c-x", user_id=OWNER)
+
+    _around_the_forks_check(logger, monkeypatch, after=delete)
+    await logger.fork("c-x", 1, "c-fork", user_id=OWNER)
+
+    forked = await store.with_full_texts(await store.transcript("c-fork"))
+    assert [m.content for m in forked] == ["OWNER's secret " + "x" * 60_000, "noted"]
+    with pytest.raises(NotFound):
+        await store.transcript("c-x")
+
+
+async def test_a_fork_taking_back_its_copies_leaves_whole_whoever_took_its_id_since(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the fork's writes and its check, its new conversation is deleted and SOMEONE_ELSE
+    starts one under the id; then the source is deleted. The fork takes back what it wrote (its
+    new conversation's epoch) only: SOMEONE_ELSE's conversation stays whole."""
+    logger = await _owners_conversation_with_a_cut_message(backend)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+    theirs = [{"role": "user", "content": "SOMEONE_ELSE's " + "y" * 60_000}]
+
+    async def taken_then_source_deleted() -> None:
+        await store.delete("c-fork", user_id=OWNER)
+        await logger.log_messages("c-fork", theirs, user_id=SOMEONE_ELSE, owner_only=True,
+                                  turn_id="o1")  # fmt: skip
+        await store.delete("c-x", user_id=OWNER)
+
+    _around_the_forks_check(logger, monkeypatch, before=taken_then_source_deleted)
+    with pytest.raises(NotFound, match="'c-x'"):
+        await logger.fork("c-x", 1, "c-fork", user_id=OWNER)
+
+    seen = await store.with_full_texts(await store.transcript("c-fork", user_id=SOMEONE_ELSE))
+    assert [m.content for m in seen] == [theirs[0]["content"]]
+    assert await backend.db.agent_messages.count_documents({"user_id": OWNER}) == 0
+
+
+async def test_a_fork_whose_new_conversation_is_deleted_while_it_writes_leaves_nothing_there(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fork has created its new conversation and its insert is held; the owner deletes the
+    new conversation; the insert lands. The delete's last sweep takes the copies, as it takes
+    any turn's landing late: nothing is left under the fork's id, and the source is whole."""
+    logger = await _owners_conversation_with_a_cut_message(backend)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.2)))
+    go = asyncio.Event()
+    reserved = _stall_inserts(logger, monkeypatch, go)
+    fork = asyncio.create_task(logger.fork("c-x", 1, "c-fork", user_id=OWNER))
+    await reserved.wait()
+    grace = store._grace
+
+    async def the_fork_lands_first() -> None:
+        await landing(go, fork)
+        await grace()
+
+    monkeypatch.setattr(store, "_grace", the_fork_lands_first)
+    await store.delete("c-fork", user_id=OWNER)
+
+    assert await backend.db.agent_messages.count_documents({"conversation_id": "c-fork"}) == 0
+    assert await backend.db[BLOB_FILES].count_documents({"metadata.conversation_id": "c-fork"}) == 0
+    with pytest.raises(NotFound):
+        await store.transcript("c-fork")
+    assert len(await store.transcript("c-x")) == 2
 
 
 WITHIN_THE_GRACE = TurnRules(claim_grace=timedelta(seconds=30))

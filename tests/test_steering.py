@@ -536,6 +536,83 @@ async def test_a_fork_holding_more_whole_text_than_it_may_read_at_once_is_refuse
     assert len((await logger.fork(CID, 1, "fork-big")).messages) == 2
 
 
+def calls_answered_past(calls: int, result: str = "ok") -> list[dict[str, Any]]:
+    """A turn whose assistant message makes `calls` calls, each answered by a result of its own
+    (`result`), then a closing answer: a fork at the call moves past every result."""
+    ids = [f"call-{k}" for k in range(calls)]
+    return [
+        {"role": "user", "content": "look them up"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": i, "function": {"name": "lookup"}} for i in ids],
+        },
+        *({"role": "tool", "tool_call_id": i, "content": result} for i in ids),
+        {"role": "assistant", "content": "done"},
+    ]
+
+
+async def test_a_fork_refused_for_its_length_names_a_seq_whose_fork_fits() -> None:
+    """The seq a refused fork names is one a fork at which, moved past the results of the calls
+    made at it, copies no more than a turn holds: never a call whose results lie past the limit
+    (the fork there would be refused again, naming it again)."""
+    from mongomock_motor import AsyncMongoMockClient
+
+    from agent_store.store import MAX_MESSAGES_PER_TURN
+
+    logger = AgentMessageLogger(AsyncMongoMockClient()["long"])
+    said = [{"role": "user", "content": f"m{i}"} for i in range(MAX_MESSAGES_PER_TURN - 2)]
+    await logger.log_messages(CID, said, turn_id="t0")
+    await logger.log_messages(CID, calls_answered_past(3), turn_id="t1")  # the call at 999
+
+    with pytest.raises(InvalidInput) as refused:
+        await logger.fork(CID, MAX_MESSAGES_PER_TURN + 3, "fork-long")
+
+    named = int(str(refused.value).split("fork at seq ")[1].split(" ")[0])
+    assert named == MAX_MESSAGES_PER_TURN - 2  # the user's message before the call
+    forked = await logger.fork(CID, named, "fork-long")
+    assert len(forked.messages) == MAX_MESSAGES_PER_TURN - 1
+
+
+async def test_a_fork_refused_for_its_whole_texts_names_a_seq_whose_fork_fits(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for the whole texts a fork reads at once: the call whose result holds the
+    whole text over the limit is not named (a fork there copies that result), the message
+    before it is."""
+    from agent_store.store import _logger
+
+    monkeypatch.setattr(_logger, "MAX_FORK_WHOLE_TEXT_CHARS", 50_000)
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(max_message_bytes=16 * 1024))
+    await logger.log_messages(CID, calls_answered_past(1, "y" * 60_000), turn_id="t0")
+
+    with pytest.raises(InvalidInput, match="characters of whole texts") as refused:
+        await logger.fork(CID, 3, "fork-big")
+
+    assert str(refused.value).endswith("fork at seq 0 or before")
+    assert [m.content for m in (await logger.fork(CID, 0, "fork-big")).messages] == ["look them up"]
+
+
+async def test_a_fork_refused_where_no_fork_fits_says_so(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When a fork at the first message is too large already, the refusal names no seq."""
+    from agent_store.store import _logger
+
+    monkeypatch.setattr(_logger, "MAX_FORK_WHOLE_TEXT_CHARS", 50_000)
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(max_message_bytes=16 * 1024))
+    said = [{"role": "user", "content": "x" * 60_000}, {"role": "assistant", "content": "ok"}]
+    await logger.log_messages(CID, said, turn_id="t0")
+
+    with pytest.raises(InvalidInput) as refused:
+        await logger.fork(CID, 1, "fork-big")
+
+    assert str(refused.value) == (
+        "a fork copies at most 50000 characters of whole texts of cut messages; at_seq 1 "
+        "would copy more, and so would a fork at any seq of this conversation"
+    )
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "fork-big"}) is None
+
+
 async def test_only_the_owner_may_fork_and_the_fork_is_theirs(backend: Backend) -> None:
     logger = AgentMessageLogger(backend.db)
     await logger.log_messages(CID, weather_turn("Paris"), turn_id="t0", user_id="user-ada")

@@ -58,6 +58,14 @@ class DeletionRecords:
             with storage_errors("record the deletion"):
                 await self._records.insert_many(records)
 
+    async def under_way(self, conversation_id: str, found: Mapping[str, Any]) -> bool:
+        """Whether a delete or an erasure of the conversation `found` (as read: its `epoch`, or
+        its `created_at`) has begun and not finished (or failed part-way): its record is there.
+        One round trip."""
+        with storage_errors("read the deletions in progress"):
+            record = await self._records.find_one(recorded_as(conversation_id, found), {"_id": 1})
+        return record is not None
+
     async def done(self, query: dict[str, Any]) -> None:
         """Remove the records `query` selects: their deletions are finished."""
         with storage_errors("record the deletion"):

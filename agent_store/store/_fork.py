@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
@@ -54,6 +54,31 @@ def forked_messages(messages: Sequence[AgentMessage], end: int) -> list[AgentMes
         if message.role != "tool" or id(message) in answers or message.tool_call_id not in made:
             kept.append(message)
     return kept
+
+
+def last_fitting_fork(
+    messages: Sequence[AgentMessage], below: int, fits: Callable[[list[AgentMessage]], bool]
+) -> int | None:
+    """The last `seq` before `below` at which a fork, moved past the results its turn gave the
+    calls made at or before it (`fork_end`), copies messages that `fits`; None when a fork at
+    the first message does not fit already. A fork at a later `seq` copies what one at an
+    earlier `seq` copies, and more: the `seq`s whose forks fit come first, and a binary search
+    weighs about log2 n forks. The `seq` answered is one whose fork was weighed and fits."""
+    seqs = sorted({m.seq for m in messages if m.seq is not None and m.seq < below})
+
+    def fork_fits(seq: int) -> bool:
+        return fits(forked_messages(messages, fork_end(messages, seq)))
+
+    if not seqs or not fork_fits(seqs[0]):
+        return None
+    fitting, past = 0, len(seqs)  # seqs[fitting] fits; none from seqs[past] on is known to
+    while past - fitting > 1:
+        middle = (fitting + past) // 2
+        if fork_fits(seqs[middle]):
+            fitting = middle
+        else:
+            past = middle
+    return seqs[fitting]
 
 
 def fork_copies(messages: Sequence[AgentMessage]) -> list[dict[str, Any]]:

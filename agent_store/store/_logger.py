@@ -53,6 +53,7 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.store._blobs import FullTextStore, kept_blob_ids, stored_blob_ids
+from agent_store.store._deletions import DeletionRecords, recorded_as
 from agent_store.store._driver import Database, only_duplicates, storage_errors
 from agent_store.store._fork import (
     fork_copies,
@@ -63,6 +64,7 @@ from agent_store.store._fork import (
     fork_turn_starts,
     fork_turns_of,
     forked_messages,
+    last_fitting_fork,
     pending_now,
 )
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
@@ -222,6 +224,7 @@ class AgentMessageLogger:
         self._observers = tuple(observers)
         self._legacy = legacy
         self._full_texts = FullTextStore(db)
+        self._deletions = DeletionRecords(db, self._full_texts)
 
     def add_observer(self, observer: TurnObserver) -> None:
         """Tell `observer` too of every turn stored from now on (e.g. a service's metrics)."""
@@ -444,7 +447,7 @@ class AgentMessageLogger:
         end = fork_end(messages, at_seq)
         self._refuse_unfinished(conversation_id, source, messages, end)
         chosen = forked_messages(messages, end)
-        _refuse_too_large_a_fork(chosen, at_seq)
+        _refuse_too_large_a_fork(messages, chosen, at_seq)
         # Whole texts put back: the copies are bounded again and keep files of their own, so
         # the fork shares none with the original (deleting one leaves the other whole).
         plan = plan_turn(
@@ -476,7 +479,63 @@ class AgentMessageLogger:
         owner = Actor(source.get("user_id"), as_user=owner_only)
         started = time.monotonic()
         reserved = await self._reserve(plan, owner, None, condition)
-        return await self._told(plan, reserved, await self._store(plan, reserved, started))
+        stored = await self._store(plan, reserved, started)
+        await self._unless_its_source_went(conversation_id, source, plan, reserved)
+        return await self._told(plan, reserved, stored)
+
+    async def _unless_its_source_went(
+        self, conversation_id: str, source: Mapping[str, Any], plan: TurnPlan, reserved: _Reserved
+    ) -> None:
+        """After a fork's writes: NotFound, as for a source gone before the fork read it, once
+        what the fork wrote is taken back (`_take_back_fork`), when a delete or an erasure of
+        its source has begun (its `DeletionRecords` record is there) or its source is no longer
+        the conversation it read (gone, perhaps started again under its id: another `epoch`,
+        `same_conversation`). Two round trips: the record, then the source.
+
+        A deletion records itself before its first destructive command and removes its record
+        after the source's document went, as its last step. So, whenever it lands:
+        - before the fork's writes, or between them and this check: the check finds the record,
+          or (the deletion finished) no source; the fork takes back what it wrote, and nothing
+          the deletion took of the fork (an erasure takes the user's conversations it lists, the
+          fork's among them) is left to take;
+        - after this check: the check read no record and then the source, so the deletion
+          recorded itself after every write of the fork. The fork is a conversation of its own,
+          whole before the deletion began: a delete of the source leaves it; an erasure of its
+          owner (the source's) takes it as any of the user's conversations, listed, or, created
+          after the erasure listed them, by the user its messages and its document name (its
+          whole texts by those messages, there before the erasure's cleanup of them).
+        A delete of the fork's own conversation while the fork writes is a delete racing a turn:
+        it sweeps the copies landing late (`ConversationStore.delete`)."""
+        as_read = same_conversation(
+            conversation_id, epoch=source.get("epoch"), created_at=source.get("created_at")
+        )
+        with storage_errors("read the conversation"):
+            went = await self._deletions.under_way(conversation_id, source) or (
+                await self._conversations.find_one(as_read, {"_id": 1}) is None
+            )
+        if not went:
+            return
+        await self._take_back_fork(plan, reserved)
+        raise NotFound(
+            f"conversation {conversation_id!r} was not found: it was deleted, or is being "
+            "deleted, while the fork copied it"
+        )
+
+    async def _take_back_fork(self, plan: TurnPlan, reserved: _Reserved) -> None:
+        """What a fork whose source went wrote goes, as a delete of its new conversation would
+        take it: recorded first (`DeletionRecords`: a crash part-way is finished by the next
+        delete of the id or erasure of the owner), the messages of its `epoch` (a conversation
+        started under the id since keeps its own), the whole texts no message left names, then
+        its document while it is the one the fork created, then the record."""
+        new = plan.conversation_id
+        created = {"_id": new, "epoch": reserved.epoch, "created_at": reserved.created_at}
+        await self._deletions.record([created], reserved.owner)
+        with storage_errors("delete the fork's copies"):
+            await self._messages.delete_many({"conversation_id": new, "epoch": reserved.epoch})
+        await self._full_texts.forget_conversations({new: (reserved.epoch,)})
+        with storage_errors("delete the fork's copies"):
+            await self._conversations.delete_one(_same_as_reserved(new, reserved))
+        await self._deletions.done(recorded_as(new, created))
 
     def _refuse_unfinished(
         self,
@@ -511,6 +570,7 @@ class AgentMessageLogger:
                 {"_id": conversation_id},
                 {
                     "epoch": 1,
+                    "created_at": 1,
                     "user_id": 1,
                     "message_count": 1,
                     "pending_calls": 1,
@@ -1312,26 +1372,40 @@ MAX_FORK_WHOLE_TEXT_CHARS = 64 * 1024 * 1024
 one fork copies: it holds them in memory at once."""
 
 
-def _refuse_too_large_a_fork(chosen: Sequence[AgentMessage], at_seq: int) -> None:
+def _refuse_too_large_a_fork(
+    messages: Sequence[AgentMessage], chosen: Sequence[AgentMessage], at_seq: int
+) -> None:
     """A fork copies its messages as one turn, their whole texts read back at once: at most
     `MAX_MESSAGES_PER_TURN` messages and `MAX_FORK_WHOLE_TEXT_CHARS` of whole texts, refused
-    as a fork (where to fork instead) before any whole text is read."""
+    as a fork before any whole text is read, naming the last `seq` whose fork, moved past its
+    calls' results as every fork is, fits (`last_fitting_fork`: never a call whose results lie
+    past the limit, whose fork would be refused again), or saying that none does."""
+    refusal = _too_large(chosen, at_seq)
+    if refusal is None:
+        return
+    fitting = last_fitting_fork(messages, at_seq, lambda c: _too_large(c, at_seq) is None)
+    if fitting is None:
+        raise InvalidInput(f"{refusal}, and so would a fork at any seq of this conversation")
+    raise InvalidInput(f"{refusal}: fork at seq {fitting} or before")
+
+
+def _too_large(chosen: Sequence[AgentMessage], at_seq: int) -> str | None:
+    """What a fork copying `chosen` copies past its limits, said; None when within them."""
     if len(chosen) > MAX_MESSAGES_PER_TURN:
-        last = chosen[MAX_MESSAGES_PER_TURN - 1].seq
-        raise InvalidInput(
+        return (
             f"a fork copies at most {MAX_MESSAGES_PER_TURN} messages; at_seq {at_seq} would "
-            f"copy {len(chosen)}: fork at seq {last} or before"
+            f"copy {len(chosen)}"
         )
     whole = 0
     for message in chosen:
         kept = (message.truncated or {}).values()
         whole += sum(e.length for e in kept if isinstance(e, Truncation) and e.blob_id)
         if whole > MAX_FORK_WHOLE_TEXT_CHARS:
-            raise InvalidInput(
+            return (
                 f"a fork copies at most {MAX_FORK_WHOLE_TEXT_CHARS} characters of whole texts "
-                f"of cut messages; at_seq {at_seq} would copy more: fork at seq "
-                f"{(message.seq or 0) - 1} or before"
+                f"of cut messages; at_seq {at_seq} would copy more"
             )
+    return None
 
 
 def _refuse_migrated_turn_id(turn_id: str) -> None:
