@@ -512,6 +512,20 @@ def test_results_under_one_id_answer_the_call_of_the_tool_they_name() -> None:
     assert [p.kind for p in problems] == ["duplicate_tool_call_id"]
 
 
+def test_the_transcript_pairs_results_under_one_id_with_calls_as_the_converter_does() -> None:
+    """Two tools called under one id, each answered: both transcripts name each result by
+    the call the one pairing rule gives it, so a right conversion shows no difference."""
+    turns = [
+        turn(1, [tool_call("search", "x", q="A"), tool_call("pay", "x", amount=5),
+                 tool_result("pay", "x", "PAID"), tool_result("search", "x", "FOUND")]),
+    ]  # fmt: skip
+    conversion = convert(turns)
+
+    legacy = from_legacy(parse_turns(turns), conversion.unplaced)
+    assert legacy.results == ("pay -> PAID", "search -> FOUND")
+    assert differences(legacy, from_messages(conversion.messages)) == []
+
+
 def test_each_upload_part_is_a_message_even_when_two_are_identical() -> None:
     upload = {"type": "file_upload", "filename": "invoice.pdf", "file_type": "application/pdf",
               "size": 2048}  # fmt: skip

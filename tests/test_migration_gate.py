@@ -3727,3 +3727,24 @@ def test_a_conversation_its_turns_name_two_ways_counts_once_in_the_runs_summary(
     counts = summary(capsys.readouterr().out)
     assert (counts["conversations"], counts["turns"], counts["messages"]) == (1, 2, 4)
     assert database[MESSAGES].count_documents({"conversation_id": derived}) == 4
+
+
+@pytest.mark.wire
+def test_two_tools_called_under_one_id_verify_and_pass_the_gate(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A turn calls `search` and `pay` under one id, each answered: the migration pairs each
+    result with its own tool's call, and `verify` and `finish` read it the same way."""
+    document = legacy_turn("t-1", "c-1", 0, "book and pay")
+    document["response_parts"] = [
+        {"type": "tool_call", "tool_name": "search", "args": {"q": "A"}, "tool_call_id": "x"},
+        {"type": "tool_call", "tool_name": "pay", "args": {"amount": 5}, "tool_call_id": "x"},
+        {"type": "tool_result", "tool_name": "pay", "result": "PAID", "tool_call_id": "x"},
+        {"type": "tool_result", "tool_name": "search", "result": "FOUND", "tool_call_id": "x"},
+    ]
+    database[CONVERSATIONS].insert_one(document)
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
+    assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
