@@ -39,16 +39,19 @@ class CallPairing(Generic[K]):
         return call_id is not None and call_id in self._by_id
 
     def answer(self, results: Sequence[tuple[Any, str | None]]) -> list[K | None]:
-        """The call each of this turn's results, (tool name, id), answers, in order; None
-        where no call is left for it. A result whose id names no call takes the first
-        unanswered call of its tool in this turn."""
-        answers: list[K | None] = []
-        for tool_name, call_id in results:
-            named = self.names_a_call(call_id)
-            found = self._by_name(call_id, tool_name) if named else self._of(tool_name)
+        """The call each of this turn's results, (tool name, id), answers; None where no call
+        is left for it. Results whose id names a call are paired first, in order; only then
+        does each result whose id names none take, in order, the first unanswered call of
+        its tool in this turn: a result naming no call never takes one another names."""
+        named = {i for i, (_, call_id) in enumerate(results) if self.names_a_call(call_id)}
+        unnamed = [i for i in range(len(results)) if i not in named]
+        answers: list[K | None] = [None] * len(results)
+        for index in [*sorted(named), *unnamed]:
+            tool_name, call_id = results[index]
+            found = self._by_name(call_id, tool_name) if index in named else self._of(tool_name)
             if found is not None:
                 self._answered.add(found)
-            answers.append(found)
+            answers[index] = found
         return answers
 
     def _by_name(self, call_id: str | None, tool_name: Any) -> K | None:
