@@ -3748,3 +3748,41 @@ def test_two_tools_called_under_one_id_verify_and_pass_the_gate(
     capsys.readouterr()
     assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
     assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
+
+
+@pytest.mark.wire
+def test_verify_finds_a_conversation_by_the_derived_id_it_prints(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`verify --conversation` takes the id `verify` and `finish` name a conversation by,
+    the one derived from a legacy id that is not an identifier too, as `run` does."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", NOT_AN_IDENTIFIER, 0, "«D»"))
+    assert cli(wire_uri, database, "run") == 0
+    derived = derived_conversation_id(NOT_AN_IDENTIFIER)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify", "--conversation", derived) == 0
+    assert "1 match, 0 differ" in capsys.readouterr().out
+    database[MESSAGES].delete_many({"conversation_id": derived})
+    assert cli(wire_uri, database, "verify", "--conversation", derived) == 1
+    assert f"{derived}: line 0: legacy has 'user: «D» question' only" in capsys.readouterr().out
+    assert cli(wire_uri, database, "run", "--conversation", derived) == 0
+    assert database[MESSAGES].count_documents({"conversation_id": derived}) == 2
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("command", ["verify", "run"])
+def test_a_conversation_option_naming_no_conversation_is_misuse(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "D"))
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, command, "--conversation", "c-typo") == 2
+    err = capsys.readouterr().err
+    assert f"no legacy turns for conversation 'c-typo' in {LEGACY_TURNS}" in err
+    assert "lists" not in err
