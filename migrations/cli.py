@@ -144,7 +144,8 @@ def _source(
     db: Database[dict[str, Any]], args: argparse.Namespace, held: lease.Lease | None
 ) -> str:
     """Move the legacy turns aside (a dry run only says it would), fenced by the run's lease
-    (`explode.prove_lease`); where to read them from."""
+    (`explode.prove_lease`); where to read them from. `args.conversation` becomes the legacy
+    id it names (`explode.conversation_named`)."""
     source = LEGACY_TURNS
     if args.dry_run:
         if relocate.holds_turns(db, CONVERSATIONS):
@@ -164,10 +165,8 @@ def _source(
         raise Misuse(
             f"no legacy data: neither {CONVERSATIONS} nor {LEGACY_TURNS} holds turn documents"
         )
-    if args.conversation is not None and (
-        db[source].find_one(explode.turns_filter([args.conversation]), {"_id": 1}) is None
-    ):
-        raise Misuse(f"no legacy turns for conversation {args.conversation!r} in {source}")
+    if args.conversation is not None:
+        args.conversation = explode.conversation_named(db, args.conversation, source=source)
     if not args.dry_run:
         # The only change made to the legacy collection: an index to read it by conversation.
         db[LEGACY_TURNS].create_index(LEGACY_INDEX, name="migration_conversation_id")
@@ -178,6 +177,7 @@ def _source(
 def _explode(
     db: Database[dict[str, Any]], args: argparse.Namespace, held: lease.Lease | None
 ) -> explode.Explosion:
+    source = _source(db, args, held)
     options = explode.Options(
         dry_run=args.dry_run,
         limit=args.limit,
@@ -188,7 +188,7 @@ def _explode(
         max_command_bytes=args.max_command_bytes,
         spread=args.spread,
     )
-    run = explode.Explosion(db, options, lease=held, source=_source(db, args, held))
+    run = explode.Explosion(db, options, lease=held, source=source)
     after = run.resume_point()
     if after is not None:
         print(
@@ -295,11 +295,16 @@ def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         if args.sample
         else explode.count_conversations(db)
     )
+    conversation = (
+        None
+        if args.conversation is None
+        else explode.conversation_named(db, args.conversation, source=LEGACY_TURNS)
+    )
     progress = Progress(total, "conversations", args.progress)
     try:
         result = verify(
             db,
-            conversation=args.conversation,
+            conversation=conversation,
             sample_size=args.sample,
             seed=args.seed,
             batch_size=args.batch_size,

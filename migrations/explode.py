@@ -64,6 +64,7 @@ from agent_store.legacy import (
     with_session_prompts,
 )
 from agent_store.store import (
+    CONVERSATIONS,
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
     MESSAGES,
@@ -262,6 +263,28 @@ def turns_filter(ids: list[Any]) -> dict[str, Any]:
     find a conversation by this one filter, so `42` given as text finds turns stored under
     the number 42."""
     return {"$and": [{"$or": [named(i) for i in ids]}, LEGACY_FILTER]}
+
+
+def conversation_named(db: Database[dict[str, Any]], given: str, *, source: str) -> Any:
+    """The legacy id `--conversation` names, for `run` and `verify` alike: `given` when turns
+    are stored under it as the reader names ids (`turns_filter`), else the legacy id of the
+    conversation the migration stored under `given` (an id derived from a legacy one, as
+    `verify` and `finish` print it). Misuse when it names no conversation's turns."""
+    if db[source].find_one(turns_filter([given]), {"_id": 1}) is not None:
+        return given
+    document = db[CONVERSATIONS].find_one({"_id": given}, {"legacy_conversation_id": 1}) or {}
+    legacy = document.get("legacy_conversation_id")
+    if legacy is not None and db[source].find_one(turns_filter([legacy]), {"_id": 1}):
+        return legacy
+    if document and legacy is None:
+        raise Misuse(
+            f"{given!r} is a conversation the migration made of a turn naming no conversation; "
+            "no --conversation names it: `verify` without one checks it"
+        )
+    raise Misuse(
+        f"no legacy turns for conversation {given!r} in {source}, nor a migrated conversation "
+        "of that id whose legacy turns are there"
+    )
 
 
 def _key(value: Any) -> Any:

@@ -4,8 +4,10 @@ The two renderings are written apart from the converter's placement logic, so
 comparing them checks the conversion itself: no content lost or repeated,
 visible text in the same order, every tool result attached to a call of the
 same tool. Tool results are compared as a multiset, since the migration moves
-each one right after its call; both sides name a result by the call it answers
-(the call its id names, else the tool the result names). What a legacy value
+each one right after its call; both sides name a result by the tool of the call it
+answers: the legacy side pairs results with calls by the converter's own rule
+(`CallPairing`, not a copy of it), the new side by the id each stored result
+carries. What a legacy value
 *says* (a part's kind and fields, the text of a number, a call's arguments) is
 read by the same functions the converter uses (`agent_store.legacy`), so the
 two can never disagree on that; what the converter reported as not placed is
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from typing import Any
@@ -28,6 +30,7 @@ from pydantic import ValidationError
 from agent_store.core import AgentMessage, FileUpload
 from agent_store.legacy import (
     HIDDEN_RUNTIME_CONTEXT,
+    CallPairing,
     LegacyConversion,
     LegacyPart,
     LegacyTurn,
@@ -133,10 +136,32 @@ def _uploads(turn: LegacyTurn, legacy_id: str, skipped: Skipped) -> list[Any]:
     ]
 
 
-def _answered(part: LegacyPart, names: Mapping[str, Any]) -> Any:
-    """The tool a result answers, as `from_messages` names it: the call its id names (in its
-    turn or an earlier one), else the tool the result names itself."""
-    return names.get(part.tool_call_id or "", part.tool_name)
+@dataclass
+class _Calls:
+    """The legacy calls of a conversation so far, each by where it is (turn, part index),
+    paired with results by the converter's rule."""
+
+    pairing: CallPairing[tuple[int, int]] = field(default_factory=CallPairing)
+    tools: dict[tuple[int, int], Any] = field(default_factory=dict)
+    turns: int = 0
+
+    def turn_results(self, parts: Sequence[tuple[int, LegacyPart]]) -> list[str]:
+        """The turn's results as `tool -> content`, each named by the tool of the call it
+        answers, else (no call left for it) by the tool it names itself; its calls are
+        added first."""
+        self.turns += 1
+        self.pairing.start_turn()
+        for index, part in parts:
+            if part.kind == "tool_call":
+                self.tools[(self.turns, index)] = part.tool_name
+                self.pairing.add_call((self.turns, index), part.tool_name, part.tool_call_id)
+        results = [part for _, part in parts if part.kind == "tool_result"]
+        answered = self.pairing.answer([(p.tool_name, p.tool_call_id) for p in results])
+        return [
+            f"{part.tool_name if call is None else self.tools[call]} -> "
+            f"{_json(result_text(part)[0])}"
+            for part, call in zip(results, answered, strict=True)
+        ]
 
 
 def _shown(text: str, legacy_id: str, skipped: Skipped) -> str:
@@ -145,28 +170,20 @@ def _shown(text: str, legacy_id: str, skipped: Skipped) -> str:
 
 
 def _turn_lines(
-    turn: LegacyTurn, legacy_id: str, skipped: Skipped, names: dict[str, Any]
+    turn: LegacyTurn, legacy_id: str, skipped: Skipped, calls: _Calls
 ) -> tuple[list[str], list[str]]:
     """The turn's lines and results, the turn named as its problems name it (`legacy_id`);
-    `names` (call id -> tool) gains the turn's calls."""
+    `calls` gains the turn's calls."""
     lines: list[str] = []
-    results: list[str] = []
     text = user_text(turn)
     if turn.system:
         lines.append(f"system: {text or ''}")
     elif text and (shown := _shown(text, legacy_id, skipped)):
         lines.append(f"user: {shown}")
     lines += [_upload(u) for u in _uploads(turn, legacy_id, skipped)]
-    parts = [p for i, p in turn_parts(turn) if (legacy_id, i) not in skipped.parts]
-    for part in parts:
-        if part.kind == "tool_call" and part.tool_call_id is not None:
-            names[part.tool_call_id] = part.tool_name
-    for part in parts:
-        if part.kind == "tool_result":
-            results.append(f"{_answered(part, names)} -> {_json(result_text(part)[0])}")
-        elif (line := _part_line(part)) is not None:
-            lines.append(line)
-    return lines, results
+    parts = [(i, p) for i, p in turn_parts(turn) if (legacy_id, i) not in skipped.parts]
+    lines += [line for _, part in parts if (line := _part_line(part)) is not None]
+    return lines, calls.turn_results(parts)
 
 
 def from_legacy(turns: Iterable[LegacyTurn], unplaced: Sequence[Problem] = ()) -> Transcript:
@@ -175,13 +192,13 @@ def from_legacy(turns: Iterable[LegacyTurn], unplaced: Sequence[Problem] = ()) -
     skipped = Skipped.of(unplaced)
     lines: list[str] = []
     results: list[str] = []
-    names: dict[str, Any] = {}
+    calls = _Calls()
     ordered = sort_turns(turns)
     legacy_ids = {key: name.legacy_id for key, name in turn_names(ordered).items()}
     for turn in ordered:
         if (legacy_id := legacy_ids[id(turn)]) in skipped.turns:
             continue
-        turn_lines, turn_results = _turn_lines(turn, legacy_id, skipped, names)
+        turn_lines, turn_results = _turn_lines(turn, legacy_id, skipped, calls)
         lines += turn_lines
         results += turn_results
     return Transcript(tuple(lines), tuple(sorted(results)))

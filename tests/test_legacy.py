@@ -447,6 +447,25 @@ def test_a_repeated_result_is_a_duplicate_never_the_answer_to_another_call() -> 
     assert "already answered" in problems[0].detail
 
 
+def test_a_result_naming_no_call_takes_only_the_call_no_result_names() -> None:
+    """Results naming their call are paired first: a result whose id names no call, though
+    it comes first, takes the call left unanswered, never the one another result names."""
+    parts = [
+        tool_call("weather", "a", city="A"),
+        tool_call("weather", "b", city="B"),
+        tool_result("weather", "zzz", "B: rain"),
+        tool_result("weather", "a", "A: sun"),
+    ]
+    conversion = convert([turn(1, parts)])
+
+    assert answers(conversion.messages) == {"a": "A: sun", "b": "B: rain"}
+    assert conversion.problems == []
+    assert conversion.conversation is not None
+    assert conversion.conversation.pending_calls == []
+    legacy = from_legacy(parse_turns([turn(1, parts)]), conversion.unplaced)
+    assert differences(legacy, from_messages(conversion.messages)) == []
+
+
 def test_a_result_answers_the_call_of_its_id_in_its_own_turn_before_an_earlier_one() -> None:
     """A provider numbering calls per response reuses `call_0`: the first turn's call got no
     result, the second turn's result answers the second turn's call, right after it."""
@@ -510,6 +529,20 @@ def test_results_under_one_id_answer_the_call_of_the_tool_they_name() -> None:
     answered = {tool_of[str(m.tool_call_id)]: m.content for m in messages if m.role == "tool"}
     assert answered == {"search": "found", "book": "booked"}
     assert [p.kind for p in problems] == ["duplicate_tool_call_id"]
+
+
+def test_the_transcript_pairs_results_under_one_id_with_calls_as_the_converter_does() -> None:
+    """Two tools called under one id, each answered: both transcripts name each result by
+    the call the one pairing rule gives it, so a right conversion shows no difference."""
+    turns = [
+        turn(1, [tool_call("search", "x", q="A"), tool_call("pay", "x", amount=5),
+                 tool_result("pay", "x", "PAID"), tool_result("search", "x", "FOUND")]),
+    ]  # fmt: skip
+    conversion = convert(turns)
+
+    legacy = from_legacy(parse_turns(turns), conversion.unplaced)
+    assert legacy.results == ("pay -> PAID", "search -> FOUND")
+    assert differences(legacy, from_messages(conversion.messages)) == []
 
 
 def test_each_upload_part_is_a_message_even_when_two_are_identical() -> None:

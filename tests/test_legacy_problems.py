@@ -207,6 +207,29 @@ def test_a_number_that_cannot_be_read_is_a_problem_holding_it() -> None:
     assert problem.content == turn["token_usage"]
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("latency_ms", Int64(2**63 - 1)),
+        ("latency_ms", 2**53),
+        ("token_usage", {"input_tokens": 2**53, "output_tokens": 5}),
+        ("token_usage", {"input_tokens": 7, "output_tokens": Int64(2**63 - 1)}),
+    ],
+    ids=["a 'not measured' latency", "a latency past 2**53", "input tokens", "output tokens"],
+)
+def test_a_number_past_what_a_message_keeps_is_a_problem_holding_it_never_the_turn(
+    field: str, value: Any
+) -> None:
+    """A count above 2**53 - 1 (a 64-bit "not measured" placeholder among them) is no count a
+    message keeps: the number is lost to an `unreadable_number` problem, never the turn."""
+    conversion = convert([{**usage_turn(None), field: value}])
+
+    assert [(m.role, m.content) for m in conversion.messages] == [("user", "q"), ("assistant", "a")]
+    assert [(p.kind, p.field, p.placed, p.content) for p in conversion.problems] == [
+        ("unreadable_number", field, False, value)
+    ]
+
+
 def test_a_first_turn_without_a_time_takes_the_next_turns_and_the_problem_says_so() -> None:
     conversion = convert(conversation("mess-numbers-dates"))
     second_turn_time = MESSY_START + timedelta(minutes=5)
@@ -381,13 +404,14 @@ def test_token_usage_of_a_turn_without_an_answer_counts_on_the_conversation() ->
 
 
 def test_token_usage_past_what_a_sum_holds_saturates_as_live_sums_do() -> None:
+    """Each count is one a message keeps; their sum is not, and stops at 2**53 - 1."""
     turns = [
         {
             "_id": f"u-{n}",
             "conversation_id": "c-usage",
             "created_at": MESSY_START + timedelta(minutes=n),
             "user_message": "hello",
-            "token_usage": {"input_tokens": 2**60, "output_tokens": 0},
+            "token_usage": {"input_tokens": 2**53 - 1, "output_tokens": 0},
         }
         for n in range(2)
     ]

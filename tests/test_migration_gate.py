@@ -3727,3 +3727,62 @@ def test_a_conversation_its_turns_name_two_ways_counts_once_in_the_runs_summary(
     counts = summary(capsys.readouterr().out)
     assert (counts["conversations"], counts["turns"], counts["messages"]) == (1, 2, 4)
     assert database[MESSAGES].count_documents({"conversation_id": derived}) == 4
+
+
+@pytest.mark.wire
+def test_two_tools_called_under_one_id_verify_and_pass_the_gate(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A turn calls `search` and `pay` under one id, each answered: the migration pairs each
+    result with its own tool's call, and `verify` and `finish` read it the same way."""
+    document = legacy_turn("t-1", "c-1", 0, "book and pay")
+    document["response_parts"] = [
+        {"type": "tool_call", "tool_name": "search", "args": {"q": "A"}, "tool_call_id": "x"},
+        {"type": "tool_call", "tool_name": "pay", "args": {"amount": 5}, "tool_call_id": "x"},
+        {"type": "tool_result", "tool_name": "pay", "result": "PAID", "tool_call_id": "x"},
+        {"type": "tool_result", "tool_name": "search", "result": "FOUND", "tool_call_id": "x"},
+    ]
+    database[CONVERSATIONS].insert_one(document)
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
+    assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
+
+
+@pytest.mark.wire
+def test_verify_finds_a_conversation_by_the_derived_id_it_prints(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`verify --conversation` takes the id `verify` and `finish` name a conversation by,
+    the one derived from a legacy id that is not an identifier too, as `run` does."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", NOT_AN_IDENTIFIER, 0, "«D»"))
+    assert cli(wire_uri, database, "run") == 0
+    derived = derived_conversation_id(NOT_AN_IDENTIFIER)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify", "--conversation", derived) == 0
+    assert "1 match, 0 differ" in capsys.readouterr().out
+    database[MESSAGES].delete_many({"conversation_id": derived})
+    assert cli(wire_uri, database, "verify", "--conversation", derived) == 1
+    assert f"{derived}: line 0: legacy has 'user: «D» question' only" in capsys.readouterr().out
+    assert cli(wire_uri, database, "run", "--conversation", derived) == 0
+    assert database[MESSAGES].count_documents({"conversation_id": derived}) == 2
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("command", ["verify", "run"])
+def test_a_conversation_option_naming_no_conversation_is_misuse(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "D"))
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, command, "--conversation", "c-typo") == 2
+    err = capsys.readouterr().err
+    assert f"no legacy turns for conversation 'c-typo' in {LEGACY_TURNS}" in err
+    assert "lists" not in err

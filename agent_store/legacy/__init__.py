@@ -43,6 +43,7 @@ from agent_store.legacy._dual_write import (
     legacy_turn_id,
 )
 from agent_store.legacy._history import HIDDEN_RUNTIME_CONTEXT
+from agent_store.legacy._pairing import CallPairing
 from agent_store.legacy._parts import (
     LegacyPart,
     PartKind,
@@ -71,6 +72,7 @@ __all__ = [
     "MIXED_USER_IDS",
     "SESSION_HITL",
     "TURN_ONLY_FIELDS",
+    "CallPairing",
     "LegacyConversion",
     "LegacyPart",
     "LegacyTurn",

@@ -54,6 +54,7 @@ from agent_store.legacy._documents import (
     turn_names,
 )
 from agent_store.legacy._history import HIDDEN_RUNTIME_CONTEXT, history_findings, read_history
+from agent_store.legacy._pairing import CallPairing
 from agent_store.legacy._parts import (
     LegacyPart,
     PartKind,
@@ -305,8 +306,11 @@ class _Converter:
         """What each turn goes by, by `id(turn)` (`turn_names`)."""
         self.problems: list[Problem] = []
         self.used_call_ids: set[str] = set()
-        self.calls_by_real: dict[str, list[tuple[_CallGroup, str]]] = defaultdict(list)
-        """Each call by the id its legacy part names: (its group, the id it is stored under)."""
+        self.pairing: CallPairing[str] = CallPairing()
+        """Which call each result answers (the one rule, `CallPairing`), each call known by
+        the id it is stored under."""
+        self.groups: dict[str, _CallGroup] = {}
+        """Each call's group, by the id it is stored under."""
         self.unanswered_usage = Usage()
         """Token usage of turns without an assistant message: counted on the conversation."""
         self.histories = _Histories()
@@ -374,6 +378,7 @@ class _Converter:
                 unplaced=False,
             )
         normalized = [p for _, p in parts]
+        self.pairing.start_turn()
         state = _TurnState(
             turn=turn,
             at=at,
@@ -386,8 +391,13 @@ class _Converter:
                 state.open_group = None
             self._HANDLERS[part.kind](self, state, index, part)
             self._check_spellings(turn, index, part)
-        for index, part, real in state.pending_results:
-            self._place_result(state, index, part, real)
+        pending = state.pending_results
+        answered = self.pairing.answer([(part.tool_name, real) for _, part, real in pending])
+        for (index, part, real), call_id in zip(pending, answered, strict=True):
+            if call_id is None:
+                self._unplaced_result(state, index, part, real)
+            else:
+                self._place_result(state, index, part, call_id)
         self._check_response_text(turn, state.items)
         self._check_turn_fields(turn)
         self._check_summary_calls(turn, parts, {cid for g in state.groups for cid, _ in g.calls})
@@ -414,8 +424,8 @@ class _Converter:
             state.groups.append(state.open_group)
         state.open_group.message["tool_calls"].append(call)
         state.open_group.calls.append((call["id"], call["function"]["name"]))
-        if real is not None:
-            self.calls_by_real[real].append((state.open_group, call["id"]))
+        self.groups[call["id"]] = state.open_group
+        self.pairing.add_call(call["id"], call["function"]["name"], real)
 
     def _on_tool_result(self, state: _TurnState, index: int, part: LegacyPart) -> None:
         state.pending_results.append((index, part, state.results.of(part)))
@@ -718,36 +728,10 @@ class _Converter:
         self.used_call_ids.add(call_id)
         return call_id
 
-    def _answered_call(
-        self, state: _TurnState, name: Any, real: str | None
-    ) -> tuple[_CallGroup, str] | None:
-        """The call a result answers. A result whose id names calls answers this turn's first
-        of them still unanswered, of its tool when it names one (calls one response made under
-        one id are answered in the order they were made), else an earlier turn's latest, as
-        the live store pairs them across turns (`answers_to_calls`), whatever id it was stored
-        under. Only a result whose id names no call takes the first unanswered call of the
-        same tool in this turn."""
-        if real is not None and real in self.calls_by_real:
-            open_calls = [(g, cid) for g, cid in self.calls_by_real[real] if cid not in g.results]
-            this_turn = [(g, cid) for g, cid in open_calls if any(g is s for s in state.groups)]
-            of_its_tool = [(g, cid) for g, cid in this_turn if (cid, name) in g.calls]
-            chosen = of_its_tool[:1] or this_turn[:1] or open_calls[-1:]
-            return chosen[0] if chosen else None
-        for group in state.groups:
-            for cid, call_name in group.calls:
-                if call_name == name and cid not in group.results:
-                    return group, cid
-        return None
-
-    def _place_result(
-        self, state: _TurnState, index: int, part: LegacyPart, real: str | None
-    ) -> None:
+    def _place_result(self, state: _TurnState, index: int, part: LegacyPart, call_id: str) -> None:
+        """A result after the call it answers (`CallPairing`), stored under that call's id."""
         name = part.tool_name
-        answered = self._answered_call(state, name, real)
-        if answered is None:
-            self._unplaced_result(state, index, part, real)
-            return
-        group, call_id = answered
+        group = self.groups[call_id]
         called = next(n for cid, n in group.calls if cid == call_id)
         if name is not None and name != called:
             self.problem(
@@ -783,7 +767,7 @@ class _Converter:
         self, state: _TurnState, index: int, part: LegacyPart, real: str | None
     ) -> None:
         """A result no call is left for: a repeat when its id names calls, all answered."""
-        if real is not None and real in self.calls_by_real:
+        if self.pairing.names_a_call(real):
             kind = "duplicate_tool_result"
             detail = (
                 f"a result of {part.tool_name!r} for call {real!r}, already answered; the "

@@ -26,6 +26,7 @@ from bson import Code, Decimal128, ObjectId, json_util
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agent_store.core import (
+    MAX_SAFE_INTEGER,
     Conversation,
     InvalidInput,
     describe_validation_error,
@@ -55,8 +56,6 @@ _KEY = re.compile(r"^[A-Za-z0-9_.:@|-]{1,100}\Z")
 _IDENTIFIER = re.compile(r"^[A-Za-z0-9_.:@|-]{1,200}\Z")
 """What `agent_store.core.Identifier` accepts."""
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-MAX_COUNT = 2**63 - 1
-"""The largest count BSON stores as an integer."""
 
 
 def id_text(value: Any) -> str | None:
@@ -680,7 +679,8 @@ def as_count(value: Any) -> int | None:
     """A count (tokens, milliseconds) from a number or a numeric string, rounded.
 
     None for a missing value (None or a blank string). Raises ValueError for
-    anything else: a word, a negative or non-finite number, a bool, one too large.
+    anything else: a word, a negative or non-finite number, a bool, one above 2**53 - 1,
+    the largest a message keeps (`Count`: a 64-bit "not measured" placeholder is no count).
     """
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
@@ -697,6 +697,6 @@ def as_count(value: Any) -> int | None:
     if isinstance(number, float) and not math.isfinite(number):
         raise ValueError(f"{value!r} is not a count")
     rounded = round(number)
-    if not 0 <= rounded <= MAX_COUNT:
-        raise ValueError(f"{value!r} is not a count from 0 to {MAX_COUNT}")
+    if not 0 <= rounded <= MAX_SAFE_INTEGER:
+        raise ValueError(f"{value!r} is not a count from 0 to {MAX_SAFE_INTEGER}")
     return rounded
