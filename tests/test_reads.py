@@ -2097,3 +2097,36 @@ async def test_a_delete_during_a_claim_takes_the_messages_the_claim_has_not_move
 
     assert deleted.messages == 2
     assert await backend.db.agent_messages.count_documents({"conversation_id": "c-x"}) == 0
+
+
+async def test_a_deleted_conversations_late_message_is_served_by_no_read_of_the_new_one(
+    backend: Backend,
+) -> None:
+    """A turn reserved before its conversation's delete inserts after it, while another
+    user has started the conversation again under the id; until the delete's second sweep
+    takes it, its message sits under the id with the deleted conversation's `epoch`. No
+    read of the id serves it, a service's neither (RELIABILITY.md)."""
+    from agent_store.store import MESSAGES
+
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages("c-again", [{"role": "user", "content": "u2 new chat"}],
+                              user_id="u-2", turn_id="t-1")  # fmt: skip
+    [new] = await backend.db[MESSAGES].find({"conversation_id": "c-again"}).to_list(None)
+    late = {**new, "_id": "msg-late", "seq": 1, "user_id": "u-1", "epoch": "deleted-epoch",
+            "content": "U1 SECRET", "search_text": "U1 SECRET", "turn_id": "t-old"}  # fmt: skip
+    await backend.db[MESSAGES].insert_one(late)
+
+    streamed = [m async for batch in store.stream_transcript("c-again") for m in batch]
+    reads = {
+        "transcript": await store.transcript("c-again"),
+        "stream_transcript": streamed,
+        "recent_messages": await store.recent_messages("c-again"),
+        "recent_messages(limit)": await store.recent_messages("c-again", limit=5),
+        "messages_page": (await store.messages_page("c-again")).data,
+        "messages_page(desc)": (await store.messages_page("c-again", order="desc")).data,
+    }
+
+    assert {name: [m.content for m in read] for name, read in reads.items()} == {
+        name: ["u2 new chat"] for name in reads
+    }

@@ -592,7 +592,7 @@ class ConversationStore:
             if found is None:
                 conversion = await self._legacy(conversation_id, user_id)
                 return conversion.messages if fallback else []
-        return messages_adapter.validate_python(docs)
+        return messages_adapter.validate_python(await self._of_one_life(conversation_id, docs))
 
     async def with_full_texts(self, messages: list[AgentMessage]) -> list[AgentMessage]:
         """The messages with every field cut to bound them put back whole, from GridFS.
@@ -638,7 +638,7 @@ class ConversationStore:
             else:
                 cursor = self._messages.find(query).sort("seq", -1).limit(limit)
                 docs = (await cursor.batch_size(min(limit, TRANSCRIPT_BATCH)).to_list(None))[::-1]
-        return messages_adapter.validate_python(docs)
+        return messages_adapter.validate_python(await self._of_one_life(conversation_id, docs))
 
     async def pop_last_message(
         self, conversation_id: str, *, user_id: str | None = None
@@ -795,7 +795,7 @@ class ConversationStore:
                     raise NotFound(f"conversation {conversation_id!r} was not found")
                 return legacy
         has_more, pending = len(docs) > limit, None
-        docs = docs[:limit]
+        docs = await self._of_one_life(conversation_id, docs[:limit])
         if order == "asc":
             first = query["seq"]["$gt"] + 1 if after is not None else 0
             docs, pending = await self._committed(query["conversation_id"], docs, first)
@@ -832,6 +832,24 @@ class ConversationStore:
                     return docs[:index], writing
             expected = doc["seq"] + 1
         return docs, None
+
+    async def _of_one_life(
+        self, conversation_id: str, docs: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """The messages read of the conversation under the id now. Read by id alone (a
+        service's read), they may hold messages of two `epoch`s: a turn of a deleted
+        conversation, reserved before the delete and inserted after it, lands under the id
+        while someone has started the conversation again, and stays until the delete's next
+        sweep. Then one lookup of the conversation's `epoch` leaves the other's out (messages
+        stored before epochs, with none, are kept); no lookup otherwise."""
+        epochs = {doc.get("epoch") for doc in docs}
+        epochs.discard(None)
+        if len(epochs) < 2:
+            return docs
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one({"_id": conversation_id}, {"epoch": 1})
+        now = (found or {}).get("epoch")
+        return [doc for doc in docs if doc.get("epoch") in (None, now)]
 
     async def _gaps(self, conversation_id: str) -> Gaps:
         with storage_errors("read the conversation's turns"):
@@ -1286,7 +1304,7 @@ class ConversationStore:
             if not docs:
                 return
             after, largest = int(docs[-1]["seq"]), max(map(_approximate_size, docs))
-            batch = messages_adapter.validate_python(docs)
+            batch = messages_adapter.validate_python(await self._of_one_life(conversation_id, docs))
             yield await self.with_full_texts(batch) if full else batch
             if len(docs) < size:
                 return
