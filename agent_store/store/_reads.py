@@ -792,12 +792,7 @@ class ConversationStore:
             query["seq"] = {"$gt": seq - removed} if order == "asc" else {"$lt": seq}
         with storage_errors("read messages"):
             docs, has_more = await _bounded_page(
-                self._messages,
-                query,
-                None,
-                [("seq", 1 if order == "asc" else -1)],
-                lambda last: {"seq": {"$gt" if order == "asc" else "$lt": last["seq"]}},
-                limit,
+                self._messages, query, None, *_by_seq(order), limit
             )
         if not docs and after is None:
             with storage_errors("read the conversation"):
@@ -1331,6 +1326,14 @@ def _listed_after(updated_at: datetime, last_id: str) -> dict[str, Any]:
             {"updated_at": updated_at, "_id": {"$lt": last_id}},
         ]
     }
+
+
+def _by_seq(
+    order: SortOrder,
+) -> tuple[list[tuple[str, int]], Callable[[dict[str, Any]], dict[str, Any]]]:
+    """How a page of messages in `order` sorts, and the messages after a message read."""
+    step = "$gt" if order == "asc" else "$lt"
+    return [("seq", 1 if order == "asc" else -1)], lambda last: {"seq": {step: last["seq"]}}
 
 
 async def _bounded_page(
