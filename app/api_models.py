@@ -152,7 +152,8 @@ class LogTurnBody(_Input):
 
 class DeliverBody(_Input):
     message: AgentMessage
-    """The message a person sends into the running turn."""
+    """The message a person sends into the running turn: with a user token, of role `user`
+    only (422 otherwise); a service token delivers any role."""
     delivery_id: Identifier | None = None
     """The sender's id of this delivery: a retried POST with it stores the message once."""
 
