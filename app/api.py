@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
 
-from agent_store.core import Conversation, ConversationPage, MessagePage
+from agent_store.core import Conversation, ConversationPage, InvalidInput, MessagePage
 from agent_store.store import Claimed, ConversationExport, Deleted, LoggedTurn, SteeringInbox
 from app.api_models import (
     ClaimBody,
@@ -172,6 +172,11 @@ async def open_inbox(call: Call[NoQuery, NoBody]) -> Response:
 
 
 async def deliver(call: Call[NoQuery, DeliverBody]) -> Response:
+    if call.scope is not None and (role := call.body.message.role) != "user":
+        raise InvalidInput(
+            f"invalid delivery: a user token steers what a person sends, a message of role "
+            f"'user', not {role!r}; only a service token delivers other roles"
+        )
     delivered = await _inbox(call).try_deliver(
         call.conversation_id,
         call.path["turn_id"],

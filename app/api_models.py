@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 from agent_store.core import MAX_HELD_CALLS, AgentMessage, Identifier, PendingHitl
 from agent_store.store import (
     HIDDEN_CHARACTERS,
+    INVISIBLE_CLASS,
     MAX_MESSAGES_PER_TURN,
     MAX_NAME_CHARS,
     MAX_PAGE_SIZE,
@@ -23,8 +24,9 @@ from agent_store.store import (
 
 PageSize = Annotated[int, Field(ge=1, le=MAX_PAGE_SIZE)]
 # A name holds something besides white space (as `str.split` reads it, which the store uses to
-# collapse names) and no control or text-direction character (`HIDDEN_CHARACTERS`), spelled
-# out so JSON Schema reads it alike.
+# collapse names) and invisible characters (`INVISIBLE_CLASS`: a name of only those shows
+# nothing), and no control or text-direction character (`HIDDEN_CHARACTERS`), spelled out so
+# JSON Schema reads it alike.
 _WHITE_SPACE = "".join(c for c in map(chr, range(0x3001)) if c.isspace())
 _PLAIN = f"[^{HIDDEN_CHARACTERS}]*"
 Name = Annotated[
@@ -32,7 +34,7 @@ Name = Annotated[
     StringConstraints(
         min_length=1,
         max_length=MAX_NAME_CHARS,
-        pattern=f"^{_PLAIN}[^{_WHITE_SPACE}{HIDDEN_CHARACTERS}]{_PLAIN}$",
+        pattern=f"^{_PLAIN}[^{_WHITE_SPACE}{HIDDEN_CHARACTERS}{INVISIBLE_CLASS}]{_PLAIN}$",
     ),
 ]
 
@@ -150,7 +152,8 @@ class LogTurnBody(_Input):
 
 class DeliverBody(_Input):
     message: AgentMessage
-    """The message a person sends into the running turn."""
+    """The message a person sends into the running turn: with a user token, of role `user`
+    only (422 otherwise); a service token delivers any role."""
     delivery_id: Identifier | None = None
     """The sender's id of this delivery: a retried POST with it stores the message once."""
 

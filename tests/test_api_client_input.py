@@ -195,6 +195,32 @@ async def test_a_message_of_more_tool_calls_than_the_limit_is_refused_with_422(
     assert f"at most {MAX_TOOL_CALLS} items" in message
 
 
+# -- names -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("\u200f", id="right-to-left-mark"),
+        pytest.param("\u200e", id="left-to-right-mark"),
+        pytest.param("\u061c", id="arabic-letter-mark"),
+        pytest.param("Invoice \u200fcod.exe", id="mark-inside"),
+        pytest.param("\u200b", id="zero-width-space"),
+        pytest.param("\u2060", id="word-joiner"),
+        pytest.param("\ufeff", id="byte-order-mark"),
+        pytest.param("\u3164", id="hangul-filler"),
+        pytest.param("\u115f", id="hangul-choseong-filler"),
+        pytest.param("\u200b\u200f\u200e", id="marks-and-zero-width"),
+        pytest.param("\U000e0041\U000e0042", id="tag-characters"),
+    ],
+)
+async def test_a_name_that_shows_nothing_or_holds_a_direction_mark_is_refused_with_422(
+    api: Served, name: str
+) -> None:
+    message = await refused(api, "PATCH", CONV, json.dumps({"name": name}).encode(), 422)
+    assert "name" in message
+
+
 # -- numbers ---------------------------------------------------------------------------------
 
 HUGE_NUMBERS = [

@@ -967,6 +967,17 @@ def test_a_name_of_control_characters_alone_names_nothing() -> None:
     assert conversation.name_source != "runtime"
 
 
+def test_a_name_that_shows_nothing_names_nothing_and_is_kept_whole() -> None:
+    name = "\u200b\u3164 \u200f"
+    conversion = convert([turn(1, name=name)])
+
+    assert conversion.conversation is not None
+    assert conversion.conversation.name_source != "runtime"
+    assert [(p.kind, p.placed, p.field, p.content) for p in conversion.problems] == [
+        ("plain_name", True, "name", name)
+    ]
+
+
 ALIKE = ObjectId("65f000000000000000000001")
 IDS_READING_ALIKE = {
     "an ObjectId and its text": (ALIKE, str(ALIKE)),

@@ -12,7 +12,13 @@ from pydantic import ValidationError
 
 from agent_store import AgentMessageLogger, ConversationStore, InvalidInput
 from agent_store.core import UserMessage
-from agent_store.store import ELLIPSIS, TurnRules, auto_name, collapse_whitespace
+from agent_store.store import (
+    ELLIPSIS,
+    HIDDEN_CHARACTERS,
+    TurnRules,
+    auto_name,
+    collapse_whitespace,
+)
 from app.settings import Settings
 from tests.conftest import COUNTED, Backend
 
@@ -40,6 +46,8 @@ UNNAMING_TURNS = [
         id="runtime-context-only",
     ),
     pytest.param([user("  \n\t ")], id="white-space-only"),
+    pytest.param([user("\u200b \u3164\u2060\ufeff")], id="invisible-only"),
+    pytest.param([user("\u200f\u200e")], id="direction-marks-only"),
     pytest.param([answer("Welcome back!")], id="assistant-only"),
     pytest.param([{"role": "user", "error": {"message": "upload failed"}}], id="error-only"),
 ]
@@ -255,6 +263,10 @@ SPOOFING = [
     pytest.param("Alert \x1b[31mred\x1b[0m", id="terminal-escape"),
     pytest.param("Null\x00byte", id="nul"),
     pytest.param("Bell\x07 and \x9b C1", id="c0-and-c1-controls"),
+    pytest.param("Invoice \u200fcod.exe", id="right-to-left-mark"),
+    pytest.param("Left\u200e mark", id="left-to-right-mark"),
+    pytest.param("Arabic \u061c letter mark", id="arabic-letter-mark"),
+    pytest.param("Digits \u206e123", id="deprecated-digit-shapes"),
 ]
 
 
@@ -280,13 +292,63 @@ async def test_automatic_names_and_previews_leave_control_and_direction_characte
     conversation = await ConversationStore(backend.db).get_conversation(CID)
     for shown_text in (conversation.name, conversation.last_message_preview):
         assert shown_text
-        assert not re.search("[\x00-\x08\x0e-\x1b\x7f-\x9f\u202a-\u202e\u2066-\u2069]", shown_text)
+        assert not re.search(f"[{HIDDEN_CHARACTERS}]", shown_text)
     stored = await ConversationStore(backend.db).transcript(CID)
     assert stored[0].content == text  # the message itself is kept as written
 
 
-def test_a_name_in_any_other_script_is_kept() -> None:
-    text = (
-        "\u0645\u0631\u062d\u0628\u0627 \u200f\u0639\u0627\u0644\u0645"  # a right-to-left mark kept
-    )
-    assert auto_name(UserMessage(content=text), 60) == text
+def test_a_name_in_any_other_script_is_kept_without_its_direction_marks() -> None:
+    arabic = "\u0645\u0631\u062d\u0628\u0627 \u0639\u0627\u0644\u0645"
+    text = arabic.replace(" ", " \u200f")  # a right-to-left mark, left out as any other
+    assert auto_name(UserMessage(content=text), 60) == arabic
+
+
+# Characters that show nothing: format characters (Unicode category Cf) and the fillers and
+# selectors Unicode ignores by default. A name of only these, and white space, is blank.
+INVISIBLE_ONLY = [
+    pytest.param("\u200b", id="zero-width-space"),
+    pytest.param("\u2060", id="word-joiner"),
+    pytest.param("\ufeff", id="byte-order-mark"),
+    pytest.param("\u3164", id="hangul-filler"),
+    pytest.param("\u115f\u1160", id="hangul-jamo-fillers"),
+    pytest.param("\uffa0", id="halfwidth-hangul-filler"),
+    pytest.param("\u00ad\u034f", id="soft-hyphen-and-grapheme-joiner"),
+    pytest.param("\ufe0f\U000e0100", id="variation-selectors"),
+    pytest.param("\U000e0041\U000e007f", id="tag-characters"),
+    pytest.param("\u2800", id="braille-blank"),
+    pytest.param(" \u200b \u2060\u200c\u200d ", id="joiners-and-white-space"),
+]
+
+
+@pytest.mark.parametrize("blank", INVISIBLE_ONLY)
+async def test_a_name_that_shows_nothing_is_refused_as_blank(backend: Backend, blank: str) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    with pytest.raises(InvalidInput, match=r"invalid name: .* show something besides invisible"):
+        await logger.log_messages(CID, [user("hi")], name=blank)
+    assert await backend.db.agent_messages.count_documents({}) == 0
+    await logger.log_messages(CID, [user("hi")], turn_id="t1")
+    with pytest.raises(InvalidInput, match=r"invalid name: .* show something besides invisible"):
+        await store.rename(CID, blank)
+    assert await name_of(backend) == ("hi", "auto")
+
+
+@pytest.mark.parametrize("blank", INVISIBLE_ONLY)
+def test_a_text_that_shows_nothing_names_nothing(blank: str) -> None:
+    assert auto_name(UserMessage(content=blank), 60) is None
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645", id="persian-zwnj"),
+        pytest.param("\U0001f468\u200d\U0001f469\u200d\U0001f467 family", id="emoji-zwj"),
+        pytest.param("\u2764\ufe0f trip", id="emoji-variation-selector"),
+        pytest.param("co\u00adop", id="soft-hyphen-inside"),
+    ],
+)
+async def test_invisible_characters_inside_a_visible_name_are_kept(
+    backend: Backend, name: str
+) -> None:
+    await AgentMessageLogger(backend.db).log_messages(CID, [user("hi")], turn_id="t1")
+    await ConversationStore(backend.db).rename(CID, name)
+    assert await name_of(backend) == (name, "set")

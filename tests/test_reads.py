@@ -95,6 +95,95 @@ async def test_conversations_with_equal_update_times_are_paged_without_gaps(
     assert ids == ["tie-4", "tie-3", "tie-2", "tie-1", "tie-0"]
 
 
+BULKY = "x" * 4_000  # a small page budget (monkeypatched) holds a few of these
+
+
+async def test_a_conversation_page_stops_at_its_byte_budget_and_pages_on(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page holds what fits in `PAGE_BYTES` (at least one conversation); `next_cursor`
+    reads on, and every conversation is listed once, in order."""
+    monkeypatch.setattr("agent_store.store._reads.PAGE_BYTES", 10_000)
+    logger = AgentMessageLogger(backend.db)
+    ids = [f"bulky-{n}" for n in range(5)]
+    for n, conversation_id in enumerate(ids):
+        prompt = {"action": "confirm", "params": {"blob": BULKY}, "request_id": "r1"}
+        await logger.log_messages(
+            conversation_id,
+            [
+                {"role": "user", "content": "pay?", "created_at": f"2026-01-01T00:0{n}:00Z"},
+                {"role": "assistant", "content": "ok?", "hitl_action": prompt},
+            ],
+            user_id="bulky",
+        )
+    store = ConversationStore(backend.db)
+    seen, cursor, sizes = [], None, []
+    while True:
+        page = await store.list_conversations("bulky", limit=5, cursor=cursor)
+        seen += [c.id for c in page.data]
+        sizes.append(len(page.data))
+        if not page.has_more:
+            break
+        cursor = page.next_cursor
+    assert seen == ids[::-1]
+    assert sizes == [2, 2, 1]
+    monkeypatch.setattr("agent_store.store._reads.PAGE_BYTES", 1)
+    alone = await store.list_conversations("bulky", limit=5)
+    assert ([c.id for c in alone.data], alone.has_more) == ([ids[-1]], True)
+
+
+async def test_a_message_page_stops_at_its_byte_budget_in_both_orders(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("agent_store.store._reads.PAGE_BYTES", 20_000)  # a message: ~8,500
+    logger = AgentMessageLogger(backend.db)
+    turn = [{"role": "user", "content": f"{n} {BULKY}"} for n in range(5)]
+    await logger.log_messages("bulky", turn, user_id="bulky", turn_id="t1")
+    store = ConversationStore(backend.db)
+    for order, seqs in (("asc", [0, 1, 2, 3, 4]), ("desc", [4, 3, 2, 1, 0])):
+        seen, after, sizes = [], None, []
+        while True:
+            page = await store.messages_page("bulky", after=after, limit=5, order=order)
+            seen += [m.seq for m in page.data]
+            sizes.append(len(page.data))
+            if not page.has_more:
+                break
+            after = page.last_id
+        assert (seen, sizes) == (seqs, [2, 2, 1]), order
+
+
+async def test_a_page_reads_no_more_than_it_can_hold(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the first read (the page and the one after it when both fit), a page reads about
+    what its budget has room for by the largest document so far, not `limit` documents."""
+    monkeypatch.setattr("agent_store.store._reads.PAGE_BYTES", 45_000)  # five messages
+    monkeypatch.setattr("agent_store.store._reads.PAGE_FIRST_BATCH", 3)
+    logger = AgentMessageLogger(backend.db)
+    turn = [{"role": "user", "content": f"{n} {BULKY}"} for n in range(40)]
+    await logger.log_messages("bulky", turn, user_id="bulky", turn_id="t1")
+    read: list[int] = []
+    store = ConversationStore(backend.db)
+    real_find = store._messages.find
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        cursor = real_find(*args, **kwargs)
+        real_to_list = cursor.to_list
+
+        async def to_list(length: Any = None) -> list[Any]:
+            docs = await real_to_list(length)
+            read.append(len(docs))
+            return docs
+
+        cursor.to_list = to_list
+        return cursor
+
+    monkeypatch.setattr(store._messages, "find", counted)
+    page = await store.messages_page("bulky", limit=40)
+    assert [m.seq for m in page.data] == [0, 1, 2, 3, 4]
+    assert read == [3, 3]  # three, then the room left for two and one to tell it is full
+
+
 async def test_a_forged_cursor_is_refused_with_a_clear_error(backend: Backend) -> None:
     with pytest.raises(InvalidInput, match="invalid cursor"):
         await ConversationStore(backend.db).list_conversations("u", cursor="eyIkbmUiOiAxfQ")
@@ -1476,7 +1565,7 @@ async def test_a_first_attempt_landing_after_a_delete_its_retry_filled_the_block
         deleted.append(await store.delete(cid, user_id=OWNER))
         await landing(go, landed)
 
-    monkeypatch.setattr(retrying, "_wait_until", the_delete_and_the_landing_first, raising=False)
+    monkeypatch.setattr(retrying, "_wait_until", the_delete_and_the_landing_first)
     assert await again(retrying)
     if not deleted:  # the retry waited for nothing: the delete, then the first attempt, follow
         await the_delete_and_the_landing_first(0.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import unicodedata
 
 import pytest
 
@@ -22,7 +23,7 @@ from agent_store.store import (
     strip_runtime_context,
     strip_runtime_context_pieces,
 )
-from agent_store.store._text import HIDDEN_CHARACTERS
+from agent_store.store._text import HIDDEN_CHARACTERS, shows_nothing
 
 
 @pytest.mark.parametrize(
@@ -270,3 +271,10 @@ def test_a_search_needs_a_word_that_is_not_excluded(query: str, positive: bool) 
     from agent_store.store._text import has_positive_term
 
     assert has_positive_term(query) is positive
+
+
+def test_every_format_character_shows_nothing() -> None:
+    """`INVISIBLE_RANGES` holds Unicode's category Cf as this Python reads it."""
+    formats = [chr(c) for c in range(0x110000) if unicodedata.category(chr(c)) == "Cf"]
+    assert [f"U+{ord(c):04X}" for c in formats if not shows_nothing(c)] == []
+    assert not shows_nothing("\u200ba\u200b")

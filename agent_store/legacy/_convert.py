@@ -81,6 +81,7 @@ from agent_store.store import (
     pending_after,
     plan_turn,
     shorten,
+    shows_nothing,
     split_runtime_context,
     validate_identifier,
     with_texts,
@@ -1171,12 +1172,14 @@ def _turns_by_user(converter: _Converter, turns: Sequence[LegacyTurn]) -> dict[s
 def _runtime_name(converter: _Converter, turns: Sequence[LegacyTurn]) -> str | None:
     """The name of the last turn that has one; one longer than a conversation holds
     (`MAX_NAME_CHARS`) is cut, one holding control or text-direction characters is stored
-    without them (`shorten`), and a placed problem keeps it whole."""
+    without them (`shorten`), and a placed problem keeps it whole. One that shows nothing
+    (`shows_nothing`) names nothing, as an automatic name of it would."""
     named = [t for t in turns if t.name]
     if not named:
         return None
     whole = named[-1].name or ""
     name = shorten(whole, MAX_NAME_CHARS)
+    stored = None if shows_nothing(name) else name
     if len(found := collapse_whitespace(whole)) > MAX_NAME_CHARS:
         converter.problem(
             named[-1],
@@ -1187,16 +1190,17 @@ def _runtime_name(converter: _Converter, turns: Sequence[LegacyTurn]) -> str | N
             content=whole,
             unplaced=False,
         )
-    elif name != found:
+    elif name != found or (name and stored is None):
         converter.problem(
             named[-1],
             "plain_name",
-            f"the name holds control or text-direction characters; it is stored as {name!r}",
+            "the name holds control or text-direction characters, or shows nothing; it is "
+            f"stored as {stored!r}",
             field="name",
             content=whole,
             unplaced=False,
         )
-    return name or None
+    return stored
 
 
 def _conversation(

@@ -11,7 +11,14 @@ import asyncio
 import base64
 import binascii
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Collection,
+    Mapping,
+    Sequence,
+)
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -72,6 +79,15 @@ from agent_store.store._turns import (
 from agent_store.store._values import storable
 
 MAX_PAGE_SIZE = 200
+PAGE_BYTES = 4 * 1024 * 1024
+"""About how much a page of conversations or messages holds at most (`_approximate_size`: its
+text, plus a little per value): a page ends before the item that would take it past this,
+but holds one at least, so a page may hold fewer items than its `limit` (`has_more` then
+says to read on). What a request reads and serves stays about this whatever its `limit`."""
+PAGE_FIRST_BATCH = 21
+"""The first read of a page holds at most this many documents: a page of the default 20 and
+the one telling whether more follow in one round trip, and a reply the server can send (the
+embedded server sends a batch whole: 21 messages of 1 MiB are well under its 48 MB)."""
 # Messages in the first reply of a transcript read: a 300-message transcript is one round
 # trip. Longer ones continue in further batches (never cut); the server caps each at 16 MiB.
 TRANSCRIPT_BATCH = 10_000
@@ -259,20 +275,17 @@ class ConversationStore:
     ) -> ConversationPage:
         limit = _page_size(limit)
         if cursor is not None:
-            updated_at, last_id = decode_cursor(cursor)
-            query["$or"] = [
-                {"updated_at": {"$lt": updated_at}},
-                {"updated_at": updated_at, "_id": {"$lt": last_id}},
-            ]
+            query.update(_listed_after(*decode_cursor(cursor)))
         with storage_errors("list conversations"):
-            docs = await (
-                self._conversations.find(query, SUMMARY)
-                .sort([("updated_at", -1), ("_id", -1)])
-                .limit(limit + 1)
-                .to_list(None)
+            docs, has_more = await _bounded_page(
+                self._conversations,
+                query,
+                SUMMARY,
+                [("updated_at", -1), ("_id", -1)],
+                lambda last: _listed_after(last["updated_at"], last["_id"]),
+                limit,
             )
-        conversations = [Conversation.model_validate(d) for d in docs[:limit]]
-        has_more = len(docs) > limit
+        conversations = [Conversation.model_validate(d) for d in docs]
         return ConversationPage(
             data=conversations,
             has_more=has_more,
@@ -778,11 +791,8 @@ class ConversationStore:
                 return legacy
             query["seq"] = {"$gt": seq - removed} if order == "asc" else {"$lt": seq}
         with storage_errors("read messages"):
-            docs = await (
-                self._messages.find(query)
-                .sort("seq", 1 if order == "asc" else -1)
-                .limit(limit + 1)
-                .to_list(None)
+            docs, has_more = await _bounded_page(
+                self._messages, query, None, *_by_seq(order), limit
             )
         if not docs and after is None:
             with storage_errors("read the conversation"):
@@ -794,8 +804,8 @@ class ConversationStore:
                 if legacy is None:
                     raise NotFound(f"conversation {conversation_id!r} was not found")
                 return legacy
-        has_more, pending = len(docs) > limit, None
-        docs = await self._of_one_life(conversation_id, docs[:limit])
+        pending = None
+        docs = await self._of_one_life(conversation_id, docs)
         if order == "asc":
             first = query["seq"]["$gt"] + 1 if after is not None else 0
             docs, pending = await self._committed(query["conversation_id"], docs, first)
@@ -1311,15 +1321,70 @@ class ConversationStore:
             size = max(1, min(batch_size, batch_bytes // max(largest, 1)))
 
     async def stream_user_conversations(self, user_id: str) -> AsyncGenerator[Conversation, None]:
-        """Every conversation document of a user, by id, one at a time (no transcripts)."""
+        """Every conversation document of a user, by id, one at a time (no transcripts), read
+        `PAGE_FIRST_BATCH` at a time: a reply the server can send whatever their size."""
         user_id = validate_identifier(user_id, "user_id")
-        cursor = self._conversations.find({"user_id": user_id}, SUMMARY).sort("_id", 1)
+        cursor = (
+            self._conversations.find({"user_id": user_id}, SUMMARY)
+            .sort("_id", 1)
+            .batch_size(PAGE_FIRST_BATCH)
+        )
         try:
             with storage_errors("read the user's conversations"):
                 async for doc in cursor:
                     yield Conversation.model_validate(doc)
         finally:
             await cursor.close()
+
+
+def _listed_after(updated_at: datetime, last_id: str) -> dict[str, Any]:
+    """The conversations a list shows after the one updated at `updated_at` with `last_id`."""
+    return {
+        "$or": [
+            {"updated_at": {"$lt": updated_at}},
+            {"updated_at": updated_at, "_id": {"$lt": last_id}},
+        ]
+    }
+
+
+def _by_seq(
+    order: SortOrder,
+) -> tuple[list[tuple[str, int]], Callable[[dict[str, Any]], dict[str, Any]]]:
+    """How a page of messages in `order` sorts, and the messages after a message read."""
+    step = "$gt" if order == "asc" else "$lt"
+    return [("seq", 1 if order == "asc" else -1)], lambda last: {"seq": {step: last["seq"]}}
+
+
+async def _bounded_page(
+    collection: Any,
+    query: dict[str, Any],
+    projection: dict[str, Any] | None,
+    sort: list[tuple[str, int]],
+    after: Callable[[dict[str, Any]], dict[str, Any]],
+    limit: int,
+) -> tuple[list[dict[str, Any]], bool]:
+    """The first `limit` documents of `query` in `sort` order, fewer when they pass
+    `PAGE_BYTES` (one at least), and whether more follow.
+
+    Read in batches, each from where the last ended (`after` the last document read): the
+    first of `PAGE_FIRST_BATCH` at most, each next one as many as the room left holds by
+    the largest document so far, so a page never reads much past what it serves and no
+    reply holds more than about a page."""
+    kept: list[dict[str, Any]] = []
+    held, size, scope = 0, min(limit + 1, PAGE_FIRST_BATCH), query
+    while True:
+        docs = await collection.find(scope, projection).sort(sort).limit(size).to_list(None)
+        largest = 1
+        for doc in docs:
+            weight = _approximate_size(doc)
+            if len(kept) == limit or (kept and held + weight > PAGE_BYTES):
+                return kept, True
+            kept.append(doc)
+            held, largest = held + weight, max(largest, weight)
+        if len(docs) < size:
+            return kept, False
+        size = max(1, min(limit + 1 - len(kept), (PAGE_BYTES - held) // largest + 1))
+        scope = {"$and": [query, after(docs[-1])]}
 
 
 def _approximate_size(document: Any) -> int:

@@ -156,13 +156,43 @@ HIDDEN_CHARACTERS = "".join(
     for first, last in (
         *((0x00, 0x08), (0x0E, 0x1B), (0x7F, 0x84), (0x86, 0x9F)),  # controls, not white space
         *((0x202A, 0x202E), (0x2066, 0x2069)),  # text-direction embeddings and isolates
+        *((0x200E, 0x200F), (0x061C, 0x061C)),  # text-direction marks
+        (0x206A, 0x206F),  # deprecated: symmetric swapping, Arabic form and digit shapes
     )
     for c in range(first, last + 1)
 )
 """Characters that make a line of text show other than it reads: C0 and C1 controls (white
-space aside, which names and previews collapse) and the bidirectional embeddings, overrides
-and isolates. Names hold none; automatic names and previews leave them out."""
+space aside, which names and previews collapse), the bidirectional embeddings, overrides,
+isolates and marks, and the deprecated format characters that change how Arabic letters and
+digits show. Names hold none; automatic names and previews leave them out."""
 _HIDDEN = re.compile(f"[{re.escape(HIDDEN_CHARACTERS)}]")
+
+INVISIBLE_RANGES = (
+    *((0x00AD, 0x00AD), (0x0600, 0x0605), (0x061C, 0x061C), (0x06DD, 0x06DD)),  # format (Cf)
+    *((0x070F, 0x070F), (0x0890, 0x0891), (0x08E2, 0x08E2), (0x180E, 0x180E)),
+    *((0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0xFEFF, 0xFEFF)),
+    *((0xFFF9, 0xFFFB), (0x110BD, 0x110BD), (0x110CD, 0x110CD), (0x13430, 0x1343F)),
+    *((0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF)),  # E0000-E0FFF: tags, selectors
+    *((0x115F, 0x1160), (0x3164, 0x3164), (0xFFA0, 0xFFA0)),  # Hangul fillers
+    *((0x034F, 0x034F), (0x17B4, 0x17B5), (0x180B, 0x180D), (0x180F, 0x180F)),  # ignorable marks
+    *((0xFE00, 0xFE0F), (0x2800, 0x2800)),  # variation selectors; the Braille blank
+)
+"""Characters that show nothing of their own: the format characters (Unicode category Cf),
+the rest of Unicode's default-ignorable code points (Hangul fillers, variation selectors, the
+combining grapheme joiner) and the Braille blank, as inclusive ranges of code points. A
+visible text may hold them (a joiner in Persian or an emoji, a selector after an emoji); a
+text of only these and white space shows nothing, so names nothing (`shows_nothing`)."""
+INVISIBLE_CLASS = "".join(
+    chr(first) if first == last else f"{chr(first)}-{chr(last)}" for first, last in INVISIBLE_RANGES
+)
+"""`INVISIBLE_RANGES` spelled as the inside of a regular expression's `[...]`."""
+_VISIBLE = re.compile(f"[^{INVISIBLE_CLASS}\\s]")
+
+
+def shows_nothing(text: str) -> bool:
+    """Whether the text holds nothing but white space and invisible characters
+    (`INVISIBLE_RANGES`): a name of it would read as no name."""
+    return _VISIBLE.search(text) is None
 
 
 def shown_plainly(text: str) -> str:
@@ -239,7 +269,7 @@ def auto_name(message: AgentMessage, limit: int) -> str | None:
     if message.role != "user" or not message.content:
         return None
     name = shorten(message.content, limit)
-    return name or None
+    return None if shows_nothing(name) else name
 
 
 MAX_NAME_CHARS = 200
@@ -260,9 +290,10 @@ def clean_name(name: object) -> str:
             "a control or text-direction character; a name is plain text"
         )
     cleaned = collapse_whitespace(storable(name, "name"))
-    if not cleaned or len(cleaned) > MAX_NAME_CHARS:
+    if shows_nothing(cleaned) or len(cleaned) > MAX_NAME_CHARS:
         raise InvalidInput(
-            f"invalid name: it must have 1 to {MAX_NAME_CHARS} characters besides white space"
+            f"invalid name: it must have 1 to {MAX_NAME_CHARS} characters besides white space, "
+            "and show something besides invisible characters (U+200B, U+3164, …)"
         )
     return cleaned
 
