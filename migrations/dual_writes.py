@@ -30,14 +30,16 @@ from pymongo.database import Database
 from agent_store.core import AgentMessage, InvalidInput, Usage
 from agent_store.legacy import (
     LegacyConversion,
+    LegacyTurn,
     Problem,
     convert,
     normalize_part,
     parse_turns,
     result_text,
+    sort_turns,
     stored_conversation_id,
 )
-from agent_store.store import MESSAGES
+from agent_store.store import CONVERSATIONS, MAX_NAME_CHARS, MESSAGES, shorten
 from migrations import full_texts
 from migrations.transcript import contains, from_legacy, from_messages
 from migrations.transcript import differences as transcript_differences
@@ -69,24 +71,31 @@ def held(db: Database[dict[str, Any]], documents: Sequence[Mapping[str, Any]]) -
 
 
 def differences(
-    db: Database[dict[str, Any]], documents: Iterable[Mapping[str, Any]]
+    db: Database[dict[str, Any]],
+    documents: Iterable[Mapping[str, Any]],
+    legacy: Mapping[str, Sequence[LegacyTurn]] | None = None,
 ) -> dict[str, list[str]]:
     """For held dual-written turns: by conversation, each turn that converts to anything else
-    than its stored messages hold (`_unheld`)."""
+    than its stored messages hold (`_unheld`), and a name the latest of them gives their
+    conversation that its document does not hold (`_unnamed`, read with the conversation's
+    `legacy` turns, by its id)."""
     turns: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for document in documents:
         if (key := _turn(document)) is not None:
             turns.setdefault(key, []).append(document)
     if not turns:
         return {}
-    stored = full_texts.stored_messages(db, sorted({cid for cid, _ in turns}))
+    cids = sorted({cid for cid, _ in turns})
+    stored = full_texts.stored_messages(db, cids)
     found: dict[str, list[str]] = {}
+    held: dict[str, dict[str, list[LegacyTurn]]] = {}
     for (cid, turn_id), group in sorted(turns.items()):
         try:
             conversion = convert(group)
         except InvalidInput as exc:
             found.setdefault(cid, []).append(f"dual-written turn {turn_id!r}: {exc.message}")
             continue
+        held.setdefault(cid, {})[turn_id] = parse_turns(group)
         messages = [m for m in stored.get(cid, []) if m.turn_id == turn_id]
         unheld = _unheld(group, conversion, messages)
         if unheld:
@@ -95,7 +104,38 @@ def differences(
                 f"({unheld}; the legacy service edited it after a rollback?): restore its "
                 "messages, or remove its `dual_write` mark so `run` migrates it as a legacy turn"
             )
+    documents_of = {d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": cids}})}
+    for cid, by_turn in held.items():
+        named = (legacy or {}).get(cid, [])
+        if unnamed := _unnamed(named, by_turn, documents_of.get(cid)):
+            found.setdefault(cid, []).append(unnamed)
     return found
+
+
+def _unnamed(
+    legacy: Sequence[LegacyTurn],
+    held: Mapping[str, Sequence[LegacyTurn]],
+    document: Mapping[str, Any] | None,
+) -> str:
+    """The name a held dual-written turn gives its conversation (the converter's: the last
+    turn that has one, legacy or dual-written) that its document does not hold, for a
+    person; "" when it holds it, when the last named turn is a legacy one (the run writes
+    its name), when there is no document (the gate names that), or when a person renamed
+    the conversation since (`name_source` "set": theirs, as a rerun keeps it)."""
+    if document is None or document.get("name_source") == "set":
+        return ""
+    copies = {id(t): turn_id for turn_id, group in held.items() for t in group}
+    named = [t for t in sort_turns([*legacy, *(t for g in held.values() for t in g)]) if t.name]
+    if not named or id(named[-1]) not in copies:
+        return ""
+    wanted = shorten(named[-1].name or "", MAX_NAME_CHARS) or None
+    if wanted == document.get("name"):
+        return ""
+    return (
+        f"the dual-written turn {copies[id(named[-1])]!r} names the conversation {wanted!r}, "
+        f"its conversation document {document.get('name')!r} (the legacy service renamed it "
+        "after a rollback?): rename it on the new service, or restore the turn's name"
+    )
 
 
 def _unheld(
@@ -119,6 +159,8 @@ def _unheld(
     transcript = from_messages(messages)
     if not contains(transcript, legacy):
         return "; ".join(transcript_differences(legacy, transcript)[:3])
+    if owner := _owner(conversion, messages):
+        return owner
     for what, wanted, found in (
         ("token usage", _usage(conversion.messages), _usage(messages)),
         ("latency", _latency(conversion.messages), _latency(messages)),
@@ -126,6 +168,18 @@ def _unheld(
         if wanted != found:
             return f"its {what} is {wanted}, its stored messages' {found}"
     return ""
+
+
+def _owner(conversion: LegacyConversion, messages: Sequence[AgentMessage]) -> str:
+    """Whether the user the turn names (the owner it converts to) is the one its stored
+    messages carry, for a person; "" when it is, or when it names none (the converter takes
+    the last user a conversation's turns name, and the copy of a turn logged before one
+    assigned the conversation names none while its messages moved to the owner)."""
+    owner = next((m.user_id for m in conversion.messages), None)
+    found = sorted({m.user_id for m in messages if m.user_id is not None})
+    if owner is None or found == [owner]:
+        return ""
+    return f"it names user {owner!r}, its stored messages {found or 'none'}"
 
 
 def _earlier_answer(problem: Problem, messages: Sequence[AgentMessage]) -> bool:

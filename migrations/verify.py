@@ -96,7 +96,8 @@ def verify(
         for problem in failed:
             result.conversations += 1
             result.differences[problem.conversation_id] = [f"cannot be converted: {problem.detail}"]
-        dual = dual_writes.differences(db, held)
+        legacy = {c.conversion.conversation_id: c.turns for c in converted}
+        dual = dual_writes.differences(db, held, legacy)
         checked = [c.conversion.conversation_id for c in converted]
         stored = full_texts.stored_messages(db, checked)
         documents = {
