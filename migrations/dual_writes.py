@@ -14,25 +14,32 @@ content a later edit added: an unknown part, a field, a history), but a result a
 earlier turn's call that its stored messages hold (converted alone, no call answers it) and
 the `derived_conversation_id` of a conversation it names by the legacy id a derived id
 stands for.
-Anything else (the legacy service edited it after a rollback) is a difference for `verify`
-and work left for `finish` (`differences`): its stored messages are the live service's,
-which the migration never rewrites, so the turn is restored, or its `dual_write` mark
-removed so `run` migrates it.
+The user it names is the one its stored messages carry (one naming none passes), and the
+name the latest of them gives its conversation, when it is the last turn naming one, is its
+document's (but a person's rename since). Anything else (the legacy service edited it after
+a rollback) is a difference for `verify` and work left for `finish` (`differences`): its
+stored messages are the live service's, which the migration never rewrites, so the turn is
+restored, or its `dual_write` mark removed so `run` migrates it. So is a live turn stored
+before the legacy turns were last moved aside whose copy is gone (`deleted`): logged with
+the dual write on, its copy is one the legacy service deleted after a rollback.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 from pymongo.database import Database
 
-from agent_store.core import AgentMessage, InvalidInput, Usage
+from agent_store.core import AgentMessage, InvalidInput, Usage, to_utc_millis, utc_now
 from agent_store.legacy import (
+    LEGACY_TURNS,
     LegacyConversion,
     LegacyTurn,
     Problem,
     convert,
+    legacy_turn_id,
     normalize_part,
     parse_turns,
     result_text,
@@ -41,8 +48,10 @@ from agent_store.legacy import (
 )
 from agent_store.store import CONVERSATIONS, MAX_NAME_CHARS, MESSAGES, shorten
 from migrations import full_texts
+from migrations.lease import STATE, STATE_ID, Lease
 from migrations.transcript import contains, from_legacy, from_messages
 from migrations.transcript import differences as transcript_differences
+from migrations.writes import is_migrated
 
 
 def _turn(document: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -201,3 +210,78 @@ def _usage(messages: Sequence[AgentMessage]) -> tuple[int, int]:
 
 def _latency(messages: Sequence[AgentMessage]) -> int:
     return sum(m.latency_ms or 0 for m in messages)
+
+
+def record_move(db: Database[dict[str, Any]], held: Lease | None) -> None:
+    """Record when the legacy turns were last moved aside (`moved_at`): an attempt's start
+    (the first, or a second one after a rollback put them back). Every live turn stored
+    before it was logged during an earlier attempt, with the dual write on (the runbook's
+    rule), so its copy is in the legacy collection unless the old service deleted it
+    (`deleted`)."""
+    update = {"$set": {"moved_at": utc_now()}}
+    if held is None:
+        db[STATE].update_one({"_id": STATE_ID}, update, upsert=True)
+    else:
+        held.write_state(update)  # only while the lock names this run
+
+
+def moved_at(db: Database[dict[str, Any]]) -> datetime | None:
+    """When the legacy turns were last moved aside (`record_move`); None before any run
+    recorded it."""
+    state = db[STATE].find_one({"_id": STATE_ID}, {"moved_at": 1}) or {}
+    found = state.get("moved_at")
+    return to_utc_millis(found) if isinstance(found, datetime) else None
+
+
+def deleted(
+    db: Database[dict[str, Any]],
+    held: Iterable[Mapping[str, Any]],
+    stored: Mapping[str, Sequence[AgentMessage]],
+    epochs: Mapping[str, str | None],
+    since: datetime | None,
+) -> dict[str, list[str]]:
+    """The live turns stored in these conversations (`stored`, their messages by conversation)
+    before the legacy turns were last moved aside (`since`, `moved_at`) whose dual-written
+    copy is gone: logged with the dual write on during an earlier attempt, so the old service
+    deleted the copy after a rollback (a person deleted the exchange), while the new store
+    still serves it. A turn stored since is not (the dual write is unset at the end of the
+    rollback window, and turns go on), nor one of another `epoch` than its conversation's (a
+    late insert of a conversation deleted under the id). A copy among the `held` ones is
+    there; the others are looked up by the `_id` every dual write of a turn gives one of its
+    documents (`legacy_turn_id`: a batch reading one spelling of a conversation stored under
+    a derived id holds only the copies naming it so): one read, only when there are any."""
+    if since is None:
+        return {}
+    copies = {key for d in held if (key := _turn(d)) is not None}
+    wanted = [
+        (cid, turn_id)
+        for cid, messages in stored.items()
+        for turn_id, first in _live_turns(messages, epochs.get(cid)).items()
+        if (cid, turn_id) not in copies and first.created_at < since
+    ]
+    if not wanted:
+        return {}
+    ids = {legacy_turn_id(cid, turn_id): (cid, turn_id) for cid, turn_id in wanted}
+    there = db[LEGACY_TURNS].find({"_id": {"$in": sorted(ids)}, "dual_write": True}, {"_id": 1})
+    gone = set(wanted) - {ids[d["_id"]] for d in there}
+    found: dict[str, list[str]] = {}
+    for cid, turn_id in sorted(gone):
+        found.setdefault(cid, []).append(
+            f"the dual-written copy of the live turn {turn_id!r} is gone from the legacy "
+            "collection while its messages are stored (the legacy service deleted the turn "
+            "after a rollback?): delete its messages, or put its copy back"
+        )
+    return found
+
+
+def _live_turns(messages: Sequence[AgentMessage], epoch: str | None) -> dict[str, AgentMessage]:
+    """The first message of each live turn (not the migration's) of the conversation's
+    `epoch`, by turn id."""
+    first: dict[str, AgentMessage] = {}
+    for m in messages:
+        turn_id = m.turn_id
+        if turn_id is None or is_migrated(turn_id) or turn_id in first:
+            continue
+        if m.epoch in (None, epoch):
+            first[turn_id] = m
+    return first

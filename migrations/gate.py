@@ -395,8 +395,9 @@ def check(
     batch and chunk read (`finish` renews its lease so: a gate may take longer than one)."""
     gate = Gate()
     accepted = problem_report.accepted(db)
+    moved_at = dual_writes.moved_at(db)
     for ids in batches(conversation_ids(db), batch_size):
-        _check_batch(db, gate, ids, accepted, undated_at)
+        _check_batch(db, gate, ids, accepted, undated_at, moved_at)
         renew()
     _check_orphan_prompts(db, gate, accepted, renew)
     for found in abandoned.chunks(db):
@@ -436,8 +437,10 @@ def _check_batch(
     ids: list[Any],
     accepted: dict[str, list[str]],
     undated_at: datetime | None,
+    moved_at: datetime | None,
 ) -> None:
-    """Check one batch of legacy conversations."""
+    """Check one batch of legacy conversations (`moved_at`: when the legacy turns were last
+    moved aside, `dual_writes.moved_at`)."""
     held: list[dict[str, Any]] = []
     converted, failed, _ = convert_batch(db, ids, TurnRules(), undated_at=undated_at, held=held)
     gate.conversations += len(failed)
@@ -446,6 +449,9 @@ def _check_batch(
     dual = dual_writes.differences(db, held, legacy)
     messages = full_texts.stored_messages(db, [c.conversion.conversation_id for c in converted])
     stored = _stored(db, converted, messages)
+    epochs = {cid: d.get("epoch") for cid, d in stored.conversations.items()}
+    for cid, found in dual_writes.deleted(db, held, messages, epochs, moved_at).items():
+        dual.setdefault(cid, []).extend(found)
     for item in converted:
         gate.conversations += 1
         cid = item.conversion.conversation_id

@@ -2458,6 +2458,32 @@ def test_a_conversation_the_old_service_renamed_on_a_dual_written_turn_is_work_l
     assert cli(wire_uri, database, "finish") == 0
 
 
+@pytest.mark.wire
+def test_a_dual_written_turn_the_old_service_deleted_is_work_left_while_its_messages_stay(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After a rollback the old service deletes a turn the new service had logged (its
+    dual-written copy): its messages, which the migration never deletes, would still be
+    served after the drop. A deletion is an edit the old service made: work left for
+    `verify` and `finish` until its messages go too (or its copy is put back)."""
+    _rolled_back_with_a_live_turn(wire_uri, database)
+    copy = database[CONVERSATIONS].find_one_and_delete({"dual_write": True})
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    out = capsys.readouterr().out
+    assert "'live-1'" in out
+    assert database[LEGACY_TURNS].count_documents({}) == 2
+
+    database[LEGACY_TURNS].insert_one(copy)  # put back: held by its messages again
+    assert cli(wire_uri, database, "finish") == 0
+    # The end of the rollback window: the dual write unset, a turn logged without a copy.
+    log_live(wire_uri, database, "c-1", "live-2", "«AFTER»")
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+
 def _the_old_service_reads(database: Database[dict[str, Any]], cid: str) -> Conversation | None:
     """The conversation as the old service reads it after a rollback: its turns in
     `agent_conversations` and their `session_hitl` prompts, read by the legacy format's one
