@@ -25,7 +25,7 @@ from pymongo.errors import PyMongoError
 from agent_store.core import utc_now
 from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import CONVERSATIONS, MESSAGES, create_indexes_sync
-from migrations import abandoned, explode, gate, lease, order, orphan_prompts, relocate
+from migrations import abandoned, dual_writes, explode, gate, lease, order, orphan_prompts, relocate
 from migrations import problems as problem_report
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS
 from migrations.connection import database
@@ -158,6 +158,7 @@ def _source(
             fence=lambda: explode.prove_lease(db, held),
         )
         if moved.how in ("renamed", "copied"):
+            dual_writes.record_move(db, held)
             print(f"moved {moved.moved} turn documents to {LEGACY_TURNS} ({moved.how})")
             if moved.detail:
                 print(f"  {moved.detail}")

@@ -14,33 +14,44 @@ content a later edit added: an unknown part, a field, a history), but a result a
 earlier turn's call that its stored messages hold (converted alone, no call answers it) and
 the `derived_conversation_id` of a conversation it names by the legacy id a derived id
 stands for.
-Anything else (the legacy service edited it after a rollback) is a difference for `verify`
-and work left for `finish` (`differences`): its stored messages are the live service's,
-which the migration never rewrites, so the turn is restored, or its `dual_write` mark
-removed so `run` migrates it.
+The user it names is the one its stored messages carry (one naming none passes), and the
+name the latest of them gives its conversation, when it is the last turn naming one, is its
+document's (but a person's rename since). Anything else (the legacy service edited it after
+a rollback) is a difference for `verify` and work left for `finish` (`differences`): its
+stored messages are the live service's, which the migration never rewrites, so the turn is
+restored, or its `dual_write` mark removed so `run` migrates it. So is a live turn stored
+before the legacy turns were last moved aside whose copy is gone (`deleted`): logged with
+the dual write on, its copy is one the legacy service deleted after a rollback.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 from pymongo.database import Database
 
-from agent_store.core import AgentMessage, InvalidInput, Usage
+from agent_store.core import AgentMessage, InvalidInput, Usage, to_utc_millis, utc_now
 from agent_store.legacy import (
+    LEGACY_TURNS,
     LegacyConversion,
+    LegacyTurn,
     Problem,
     convert,
+    legacy_turn_id,
     normalize_part,
     parse_turns,
     result_text,
+    sort_turns,
     stored_conversation_id,
 )
-from agent_store.store import MESSAGES
+from agent_store.store import CONVERSATIONS, MAX_NAME_CHARS, MESSAGES, shorten
 from migrations import full_texts
+from migrations.lease import STATE, STATE_ID, Lease
 from migrations.transcript import contains, from_legacy, from_messages
 from migrations.transcript import differences as transcript_differences
+from migrations.writes import is_migrated
 
 
 def _turn(document: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -69,24 +80,31 @@ def held(db: Database[dict[str, Any]], documents: Sequence[Mapping[str, Any]]) -
 
 
 def differences(
-    db: Database[dict[str, Any]], documents: Iterable[Mapping[str, Any]]
+    db: Database[dict[str, Any]],
+    documents: Iterable[Mapping[str, Any]],
+    legacy: Mapping[str, Sequence[LegacyTurn]] | None = None,
 ) -> dict[str, list[str]]:
     """For held dual-written turns: by conversation, each turn that converts to anything else
-    than its stored messages hold (`_unheld`)."""
+    than its stored messages hold (`_unheld`), and a name the latest of them gives their
+    conversation that its document does not hold (`_unnamed`, read with the conversation's
+    `legacy` turns, by its id)."""
     turns: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for document in documents:
         if (key := _turn(document)) is not None:
             turns.setdefault(key, []).append(document)
     if not turns:
         return {}
-    stored = full_texts.stored_messages(db, sorted({cid for cid, _ in turns}))
+    cids = sorted({cid for cid, _ in turns})
+    stored = full_texts.stored_messages(db, cids)
     found: dict[str, list[str]] = {}
+    held: dict[str, dict[str, list[LegacyTurn]]] = {}
     for (cid, turn_id), group in sorted(turns.items()):
         try:
             conversion = convert(group)
         except InvalidInput as exc:
             found.setdefault(cid, []).append(f"dual-written turn {turn_id!r}: {exc.message}")
             continue
+        held.setdefault(cid, {})[turn_id] = parse_turns(group)
         messages = [m for m in stored.get(cid, []) if m.turn_id == turn_id]
         unheld = _unheld(group, conversion, messages)
         if unheld:
@@ -95,7 +113,38 @@ def differences(
                 f"({unheld}; the legacy service edited it after a rollback?): restore its "
                 "messages, or remove its `dual_write` mark so `run` migrates it as a legacy turn"
             )
+    documents_of = {d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": cids}})}
+    for cid, by_turn in held.items():
+        named = (legacy or {}).get(cid, [])
+        if unnamed := _unnamed(named, by_turn, documents_of.get(cid)):
+            found.setdefault(cid, []).append(unnamed)
     return found
+
+
+def _unnamed(
+    legacy: Sequence[LegacyTurn],
+    held: Mapping[str, Sequence[LegacyTurn]],
+    document: Mapping[str, Any] | None,
+) -> str:
+    """The name a held dual-written turn gives its conversation (the converter's: the last
+    turn that has one, legacy or dual-written) that its document does not hold, for a
+    person; "" when it holds it, when the last named turn is a legacy one (the run writes
+    its name), when there is no document (the gate names that), or when a person renamed
+    the conversation since (`name_source` "set": theirs, as a rerun keeps it)."""
+    if document is None or document.get("name_source") == "set":
+        return ""
+    copies = {id(t): turn_id for turn_id, group in held.items() for t in group}
+    named = [t for t in sort_turns([*legacy, *(t for g in held.values() for t in g)]) if t.name]
+    if not named or id(named[-1]) not in copies:
+        return ""
+    wanted = shorten(named[-1].name or "", MAX_NAME_CHARS) or None
+    if wanted == document.get("name"):
+        return ""
+    return (
+        f"the dual-written turn {copies[id(named[-1])]!r} names the conversation {wanted!r}, "
+        f"its conversation document {document.get('name')!r} (the legacy service renamed it "
+        "after a rollback?): rename it on the new service, or restore the turn's name"
+    )
 
 
 def _unheld(
@@ -119,6 +168,8 @@ def _unheld(
     transcript = from_messages(messages)
     if not contains(transcript, legacy):
         return "; ".join(transcript_differences(legacy, transcript)[:3])
+    if owner := _owner(conversion, messages):
+        return owner
     for what, wanted, found in (
         ("token usage", _usage(conversion.messages), _usage(messages)),
         ("latency", _latency(conversion.messages), _latency(messages)),
@@ -126,6 +177,18 @@ def _unheld(
         if wanted != found:
             return f"its {what} is {wanted}, its stored messages' {found}"
     return ""
+
+
+def _owner(conversion: LegacyConversion, messages: Sequence[AgentMessage]) -> str:
+    """Whether the user the turn names (the owner it converts to) is the one its stored
+    messages carry, for a person; "" when it is, or when it names none (the converter takes
+    the last user a conversation's turns name, and the copy of a turn logged before one
+    assigned the conversation names none while its messages moved to the owner)."""
+    owner = next((m.user_id for m in conversion.messages), None)
+    found = sorted({m.user_id for m in messages if m.user_id is not None})
+    if owner is None or found == [owner]:
+        return ""
+    return f"it names user {owner!r}, its stored messages {found or 'none'}"
 
 
 def _earlier_answer(problem: Problem, messages: Sequence[AgentMessage]) -> bool:
@@ -147,3 +210,78 @@ def _usage(messages: Sequence[AgentMessage]) -> tuple[int, int]:
 
 def _latency(messages: Sequence[AgentMessage]) -> int:
     return sum(m.latency_ms or 0 for m in messages)
+
+
+def record_move(db: Database[dict[str, Any]], held: Lease | None) -> None:
+    """Record when the legacy turns were last moved aside (`moved_at`): an attempt's start
+    (the first, or a second one after a rollback put them back). Every live turn stored
+    before it was logged during an earlier attempt, with the dual write on (the runbook's
+    rule), so its copy is in the legacy collection unless the old service deleted it
+    (`deleted`)."""
+    update = {"$set": {"moved_at": utc_now()}}
+    if held is None:
+        db[STATE].update_one({"_id": STATE_ID}, update, upsert=True)
+    else:
+        held.write_state(update)  # only while the lock names this run
+
+
+def moved_at(db: Database[dict[str, Any]]) -> datetime | None:
+    """When the legacy turns were last moved aside (`record_move`); None before any run
+    recorded it."""
+    state = db[STATE].find_one({"_id": STATE_ID}, {"moved_at": 1}) or {}
+    found = state.get("moved_at")
+    return to_utc_millis(found) if isinstance(found, datetime) else None
+
+
+def deleted(
+    db: Database[dict[str, Any]],
+    held: Iterable[Mapping[str, Any]],
+    stored: Mapping[str, Sequence[AgentMessage]],
+    epochs: Mapping[str, str | None],
+    since: datetime | None,
+) -> dict[str, list[str]]:
+    """The live turns stored in these conversations (`stored`, their messages by conversation)
+    before the legacy turns were last moved aside (`since`, `moved_at`) whose dual-written
+    copy is gone: logged with the dual write on during an earlier attempt, so the old service
+    deleted the copy after a rollback (a person deleted the exchange), while the new store
+    still serves it. A turn stored since is not (the dual write is unset at the end of the
+    rollback window, and turns go on), nor one of another `epoch` than its conversation's (a
+    late insert of a conversation deleted under the id). A copy among the `held` ones is
+    there; the others are looked up by the `_id` every dual write of a turn gives one of its
+    documents (`legacy_turn_id`: a batch reading one spelling of a conversation stored under
+    a derived id holds only the copies naming it so): one read, only when there are any."""
+    if since is None:
+        return {}
+    copies = {key for d in held if (key := _turn(d)) is not None}
+    wanted = [
+        (cid, turn_id)
+        for cid, messages in stored.items()
+        for turn_id, first in _live_turns(messages, epochs.get(cid)).items()
+        if (cid, turn_id) not in copies and first.created_at < since
+    ]
+    if not wanted:
+        return {}
+    ids = {legacy_turn_id(cid, turn_id): (cid, turn_id) for cid, turn_id in wanted}
+    there = db[LEGACY_TURNS].find({"_id": {"$in": sorted(ids)}, "dual_write": True}, {"_id": 1})
+    gone = set(wanted) - {ids[d["_id"]] for d in there}
+    found: dict[str, list[str]] = {}
+    for cid, turn_id in sorted(gone):
+        found.setdefault(cid, []).append(
+            f"the dual-written copy of the live turn {turn_id!r} is gone from the legacy "
+            "collection while its messages are stored (the legacy service deleted the turn "
+            "after a rollback?): delete its messages, or put its copy back"
+        )
+    return found
+
+
+def _live_turns(messages: Sequence[AgentMessage], epoch: str | None) -> dict[str, AgentMessage]:
+    """The first message of each live turn (not the migration's) of the conversation's
+    `epoch`, by turn id."""
+    first: dict[str, AgentMessage] = {}
+    for m in messages:
+        turn_id = m.turn_id
+        if turn_id is None or is_migrated(turn_id) or turn_id in first:
+            continue
+        if m.epoch in (None, epoch):
+            first[turn_id] = m
+    return first

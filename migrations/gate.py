@@ -28,7 +28,7 @@ from typing import Any
 from pymongo.database import Database
 
 from agent_store.core import AgentMessage
-from agent_store.legacy import LEGACY_TURNS, MIXED_USER_IDS, Problem
+from agent_store.legacy import LEGACY_TURNS, MIXED_USER_IDS, LegacyConversion, Problem
 from agent_store.store import CONVERSATIONS, MESSAGES, TurnRules, with_texts
 from migrations import abandoned, dual_writes, full_texts, orphan_prompts
 from migrations import problems as problem_report
@@ -166,15 +166,43 @@ def _document_reasons(
             "(a name, a usage or a session_hitl prompt changed after the run?): "
             "run the migration again"
         ]
-    owner = owner_after(found, wanted)
+    return _owner_reasons(conversion, owner_after(found, wanted), messages, found.get("epoch"))
+
+
+def _owner_reasons(
+    conversion: LegacyConversion,
+    owner: str | None,
+    messages: Sequence[AgentMessage],
+    epoch: str | None,
+) -> list[str]:
+    """Whether every stored message of the conversation names the owner its document holds:
+    the migration's (a run rewrites those), and the live turns' of its `epoch` (a run never
+    does; one naming no owner was logged before a turn assigned the conversation, and its
+    move to the owner did not happen yet)."""
     ids = {str(m.id) for m in conversion.messages}
     owned_else = sum(1 for m in messages if str(m.id) in ids and m.user_id != owner)
+    live_else = sum(
+        1
+        for m in messages
+        if str(m.id) not in ids
+        and not is_migrated(m.turn_id)
+        and m.user_id not in (None, owner)
+        and m.epoch in (None, epoch)
+    )
+    reasons = []
     if owned_else:
-        return [
+        reasons.append(
             f"{owned_else} stored messages name another owner than the conversation document "
             "(an owner corrected in the legacy turns after the run?): run the migration again"
-        ]
-    return []
+        )
+    if live_else:
+        reasons.append(
+            f"{live_else} messages of live turns name another owner than the conversation "
+            f"document, {owner!r} (its legacy turns moved to another user after a rollback?): "
+            "a run never rewrites a live turn; move them with the new service's `claim`, or "
+            "give the legacy turns their owner back"
+        )
+    return reasons
 
 
 def _reasons(
@@ -367,8 +395,9 @@ def check(
     batch and chunk read (`finish` renews its lease so: a gate may take longer than one)."""
     gate = Gate()
     accepted = problem_report.accepted(db)
+    moved_at = dual_writes.moved_at(db)
     for ids in batches(conversation_ids(db), batch_size):
-        _check_batch(db, gate, ids, accepted, undated_at)
+        _check_batch(db, gate, ids, accepted, undated_at, moved_at)
         renew()
     _check_orphan_prompts(db, gate, accepted, renew)
     for found in abandoned.chunks(db):
@@ -408,15 +437,21 @@ def _check_batch(
     ids: list[Any],
     accepted: dict[str, list[str]],
     undated_at: datetime | None,
+    moved_at: datetime | None,
 ) -> None:
-    """Check one batch of legacy conversations."""
+    """Check one batch of legacy conversations (`moved_at`: when the legacy turns were last
+    moved aside, `dual_writes.moved_at`)."""
     held: list[dict[str, Any]] = []
     converted, failed, _ = convert_batch(db, ids, TurnRules(), undated_at=undated_at, held=held)
     gate.conversations += len(failed)
     gate.left += [WorkLeft(p.conversation_id, [f"cannot be converted: {p.detail}"]) for p in failed]
-    dual = dual_writes.differences(db, held)
+    legacy = {c.conversion.conversation_id: c.turns for c in converted}
+    dual = dual_writes.differences(db, held, legacy)
     messages = full_texts.stored_messages(db, [c.conversion.conversation_id for c in converted])
     stored = _stored(db, converted, messages)
+    epochs = {cid: d.get("epoch") for cid, d in stored.conversations.items()}
+    for cid, found in dual_writes.deleted(db, held, messages, epochs, moved_at).items():
+        dual.setdefault(cid, []).extend(found)
     for item in converted:
         gate.conversations += 1
         cid = item.conversion.conversation_id

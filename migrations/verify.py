@@ -90,19 +90,26 @@ def verify(
         ids = iter(sample(conversation_ids(db), sample_size, seed))
     else:
         ids = conversation_ids(db)
+    moved_at = dual_writes.moved_at(db)
     for batch in batches(ids, batch_size):
         held: list[dict[str, Any]] = []
         converted, failed, _ = convert_batch(db, batch, TurnRules(), source=LEGACY_TURNS, held=held)
         for problem in failed:
             result.conversations += 1
             result.differences[problem.conversation_id] = [f"cannot be converted: {problem.detail}"]
-        dual = dual_writes.differences(db, held)
+        legacy = {c.conversion.conversation_id: c.turns for c in converted}
+        dual = dual_writes.differences(db, held, legacy)
         checked = [c.conversion.conversation_id for c in converted]
         stored = full_texts.stored_messages(db, checked)
         documents = {
             d["_id"]: d
-            for d in db[CONVERSATIONS].find({"_id": {"$in": checked}}, {"popped_messages": 1})
+            for d in db[CONVERSATIONS].find(
+                {"_id": {"$in": checked}}, {"popped_messages": 1, "epoch": 1}
+            )
         }
+        epochs = {cid: d.get("epoch") for cid, d in documents.items()}
+        for cid, deleted in dual_writes.deleted(db, held, stored, epochs, moved_at).items():
+            dual.setdefault(cid, []).extend(deleted)
         for item in converted:
             conversation_id = item.conversion.conversation_id
             result.conversations += 1

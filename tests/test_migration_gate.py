@@ -2385,6 +2385,105 @@ def test_a_second_attempt_after_a_rollback_migrates_a_derived_conversation_as_on
     assert summary(capsys.readouterr().out)["messages written"] == 0
 
 
+def _rolled_back_with_a_live_turn(wire_uri: str, database: Database[dict[str, Any]]) -> None:
+    """Two legacy turns of "c-1" (user "u-1") migrated, a live turn logged with the dual write
+    on, then the runbook's rollback keeping `agent_messages`: the old service reads the
+    conversation again, the live turn's dual-written copy its latest turn."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-0", "c-1", 0, "OLD0"), legacy_turn("t-1", "c-1", 1, "OLD1")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»", dual_write=True)
+    roll_back(database, clear_messages=False)
+
+
+OLD_SERVICE_OWNER_EDITS = {
+    "an account claim: every turn, the dual-written copy too": ({}, True),
+    "the dual-written copy only": ({"dual_write": True}, True),
+    "the legacy turns only": ({"dual_write": {"$ne": True}}, False),
+}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(("edited", "of_the_copy"), OLD_SERVICE_OWNER_EDITS.values(),
+                         ids=list(OLD_SERVICE_OWNER_EDITS))  # fmt: skip
+def test_a_dual_written_turn_the_old_service_gave_another_owner_is_work_left(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    edited: dict[str, Any],
+    of_the_copy: bool,
+) -> None:
+    """MIGRATION.md: the owner is the last user a conversation's turns name. After a rollback
+    the old service moves turns of a conversation holding a live turn to another user: the
+    live turn's stored messages still name the first one, which the migration never
+    rewrites, so the conversation and its live messages would belong to two users. Work
+    left for `finish`, and the drop is refused; a held copy whose owner changed is a
+    difference for `verify` too."""
+    _rolled_back_with_a_live_turn(wire_uri, database)
+    database[CONVERSATIONS].update_many(
+        {"conversation_id": "c-1", **edited}, {"$set": {"user_id": "u-2"}}
+    )
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == (1 if of_the_copy else 0)
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    out = capsys.readouterr().out
+    assert "c-1" in out
+    assert "owner" in out or "user" in out
+    assert database[LEGACY_TURNS].count_documents({}) == 3
+
+
+@pytest.mark.wire
+def test_a_conversation_the_old_service_renamed_on_a_dual_written_turn_is_work_left(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The old service names a conversation on its latest turn, here the dual-written copy of
+    a live one: the name the legacy turns give it is that one (the last turn that has one),
+    which no run writes (a held copy is not converted). `finish` says so and refuses the
+    drop until the new service holds the name; a person's rename there passes (theirs)."""
+    _rolled_back_with_a_live_turn(wire_uri, database)
+    database[CONVERSATIONS].update_one(
+        {"conversation_id": "c-1", "dual_write": True}, {"$set": {"name": "«RENAMED»"}}
+    )
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert "«RENAMED»" in capsys.readouterr().out
+    assert database[LEGACY_TURNS].count_documents({}) == 3
+
+    _as_a_person(wire_uri, database, lambda s: s.rename("c-1", "«RENAMED»", user_id="u-1"))
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_dual_written_turn_the_old_service_deleted_is_work_left_while_its_messages_stay(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After a rollback the old service deletes a turn the new service had logged (its
+    dual-written copy): its messages, which the migration never deletes, would still be
+    served after the drop. A deletion is an edit the old service made: work left for
+    `verify` and `finish` until its messages go too (or its copy is put back)."""
+    _rolled_back_with_a_live_turn(wire_uri, database)
+    copy = database[CONVERSATIONS].find_one_and_delete({"dual_write": True})
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    out = capsys.readouterr().out
+    assert "'live-1'" in out
+    assert database[LEGACY_TURNS].count_documents({}) == 2
+
+    database[LEGACY_TURNS].insert_one(copy)  # put back: held by its messages again
+    assert cli(wire_uri, database, "finish") == 0
+    # The end of the rollback window: the dual write unset, a turn logged without a copy.
+    log_live(wire_uri, database, "c-1", "live-2", "«AFTER»")
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+
 def _the_old_service_reads(database: Database[dict[str, Any]], cid: str) -> Conversation | None:
     """The conversation as the old service reads it after a rollback: its turns in
     `agent_conversations` and their `session_hitl` prompts, read by the legacy format's one
