@@ -24,6 +24,7 @@ from agent_store import (
     NotFound,
     RetryPolicy,
     SteeringInbox,
+    StorageUnavailable,
     TurnRules,
     with_retries,
 )
@@ -242,6 +243,95 @@ async def _a_delivery_that_died(
     with pytest.raises(ConnectionError):
         await SteeringInbox(dying).try_deliver(CID, TURN, steer, delivery_id="d1")
     return logger, runtime
+
+
+async def _a_popped_delivery(backend: Backend) -> SteeringInbox:
+    """A turn's open inbox (default rules) into which "d1" was delivered at `seq` 1 and then
+    popped before the runtime drained it; returns the runtime's inbox."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    inbox = SteeringInbox(logger)
+    await inbox.open_turn(CID, TURN)
+    steer = {"role": "user", "content": "in metric"}
+    assert await inbox.try_deliver(CID, TURN, steer, delivery_id="d1")
+    popped = await store.pop_last_message(CID)
+    assert popped is not None
+    assert popped.content == "in metric"
+    return inbox
+
+
+async def test_a_delivery_a_pop_undid_is_passed_at_once_by_drain_and_close(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3: a pop removed the delivery before the runtime drained it, giving its `seq`
+    back. Nothing is being written there: `drain` passes it without waiting for it, and the
+    inbox closes at once, not `abandon_after` later."""
+    from agent_store.store import _inbox
+
+    monkeypatch.setattr(_inbox, "_WAIT_FOR_IN_FLIGHT", 60.0)  # a wait would show as a timeout
+    inbox = await _a_popped_delivery(backend)
+
+    assert await asyncio.wait_for(inbox.drain(CID, TURN, after_seq=0), timeout=10) == []
+    assert await asyncio.wait_for(inbox.close_inbox(CID, TURN, last_seen_seq=0), timeout=10) == []
+    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert not conversation.get("inbox")
+
+
+async def test_a_delivery_whose_seq_a_pop_left_as_a_gap_does_not_hold_its_inbox_open(
+    backend: Backend,
+) -> None:
+    """The delivery was popped while a turn had reserved past it (a block its own rules
+    passed): its `seq` is a gap a pop left (`popped_seqs`), never written again, and the
+    runtime's inbox closes over it at once."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    inbox = SteeringInbox(logger)
+    await inbox.open_turn(CID, TURN)
+    assert await inbox.try_deliver(CID, TURN, {"role": "user", "content": "in metric"})
+    dying = AgentMessageLogger(backend.db)
+    DiesAfterReserving(dying)
+    with pytest.raises(ConnectionError):
+        await dying.log_messages(CID, [{"role": "assistant", "content": "lost"}], turn_id="t2")
+    popped = await ConversationStore(backend.db, rules=_late_rules()).pop_last_message(CID)
+    assert popped is not None
+    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert (conversation["message_count"], conversation["popped_seqs"]) == (3, [1])
+
+    assert await inbox.close_inbox(CID, TURN, last_seen_seq=0) == []
+
+
+async def test_a_popped_delivery_whose_seq_a_turn_in_flight_took_since_does_not_hold_its_inbox(
+    backend: Backend,
+) -> None:
+    """The pop gave the delivery's `seq` back and a turn took it and is still writing it: the
+    delivery is listed among the popped messages, so the inbox closes without waiting on a
+    message that is not the delivery's."""
+    inbox = await _a_popped_delivery(backend)
+    dying = AgentMessageLogger(backend.db)
+    DiesAfterReserving(dying)
+    with pytest.raises(ConnectionError):
+        await dying.log_messages(CID, [{"role": "assistant", "content": "lost"}], turn_id="t2")
+    conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert conversation["message_count"] == 2
+
+    assert await inbox.close_inbox(CID, TURN, last_seen_seq=0) == []
+
+
+async def test_a_delivery_reserved_and_not_yet_stored_keeps_its_inbox_from_closing(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No pop removed it: a delivery whose insert has not landed, younger than
+    `abandon_after`, is still being written. `drain` stops before it and `close_inbox` asks
+    to be called again rather than close over it."""
+    from agent_store.store import _inbox
+
+    monkeypatch.setattr(_inbox, "_WAIT_FOR_IN_FLIGHT", 0.1)
+    steer = {"role": "user", "content": "stop"}
+    _, runtime = await _a_delivery_that_died(backend, steer, rules=TurnRules())
+
+    assert await runtime.drain(CID, TURN, after_seq=0) == []
+    with pytest.raises(StorageUnavailable, match="still being written"):
+        await runtime.close_inbox(CID, TURN, last_seen_seq=0)
 
 
 async def test_a_delivery_retried_after_abandon_after_reaches_the_runtime(

@@ -33,6 +33,7 @@ from agent_store.core import (
     AgentMessage,
     Conflict,
     NotFound,
+    PoppedMessage,
     StorageUnavailable,
     StoreError,
     messages_adapter,
@@ -78,6 +79,31 @@ def _delivered_unscoped(conversation: Mapping[str, Any], field: str, plan: TurnP
         return False
     delivered = plan.documents[0]["_id"]
     return any(d.get("m", delivered) == delivered and d["s"] in firsts for d in entry["seqs"])
+
+
+POPS_READ: dict[str, Any] = {"message_count": 1, "popped_seqs": 1, "popped_messages": 1}
+"""What `drain` and `close_inbox` read of a conversation to tell a delivery a pop removed."""
+
+
+def _undone_by_pop(conversation: Mapping[str, Any], delivery: Mapping[str, Any]) -> bool:
+    """Whether a pop removed `delivery` (an inbox entry's `{"s": seq, "m": message id}`),
+    no message of its own being stored at its `seq`: the rule `drain` and `close_inbox`
+    share, read from `conversation` (`POPS_READ`).
+
+    A delivery in flight holds its `seq` below `message_count`, and a pop removes only a
+    stored message, never one past a turn still being written: so a `seq` at or past
+    `message_count` was given back by a pop, one among `popped_seqs` is a gap a pop left,
+    and a delivery listed with its `seq` among `popped_messages` was removed even if a turn
+    has taken the `seq` since. Any of these is passed at once; anything else is a delivery
+    still being written, until its sender has given it up (`abandon_after`).
+    """
+    seq, message_id = int(delivery["s"]), delivery.get("m")
+    if seq >= int(conversation.get("message_count") or 0):
+        return True
+    if seq in {int(s) for s in conversation.get("popped_seqs") or ()}:
+        return True
+    popped = [PoppedMessage.model_validate(p) for p in conversation.get("popped_messages") or ()]
+    return any(p.seq == seq and message_id in (None, p.message_id) for p in popped)
 
 
 def _entry(turn_id: str) -> str:
@@ -245,7 +271,8 @@ class SteeringInbox:
 
         A delivery still being written is waited for briefly; if it is still not
         stored, `StorageUnavailable` asks the caller to close again. One given up
-        by its sender for longer than the rules' `abandon_after` is passed.
+        by its sender for longer than the rules' `abandon_after` is passed, and one a
+        pop removed is passed at once (`_undone_by_pop`).
         """
         field = _entry(turn_id)
         for _ in range(4):
@@ -291,12 +318,12 @@ class SteeringInbox:
         and whether there is such a one.
 
         Deliveries commit out of `seq` order, so returning one past a delivery in flight
-        would let the runtime's `after_seq` pass it for good.
+        would let the runtime's `after_seq` pass it for good. A delivery with no message of
+        its own at its `seq` is passed when a pop removed it (`_undone_by_pop`) or its
+        sender gave it up longer than `abandon_after` ago; else it is being written.
         """
-        deliveries = [d for d in entry.get("seqs", ()) if d["s"] > after_seq]
-        wanted = {d["s"]: d["a"] for d in deliveries}
-        # A delivery undone by a pop gave its `seq` back: whatever took it since is not it.
-        ids = {d["s"]: d["m"] for d in deliveries if "m" in d}
+        # A `seq` listed twice was given back by a pop and taken again: the later one holds it.
+        wanted = {d["s"]: d for d in entry.get("seqs", ()) if d["s"] > after_seq}
         if not wanted:
             return [], False
         waited = 0.0
@@ -305,21 +332,29 @@ class SteeringInbox:
                 found = await self._messages.find(
                     {"conversation_id": conversation_id, "seq": {"$in": sorted(wanted)}}
                 ).to_list(None)
-            by_seq = {d["seq"]: d for d in found if ids.get(d["seq"], d["_id"]) == d["_id"]}
-            undone = {d["seq"] for d in found} - by_seq.keys()  # another message holds it
+            by_seq = {d["seq"]: d for d in found if wanted[d["seq"]].get("m", d["_id"]) == d["_id"]}
+            missing = [s for s in sorted(wanted) if s not in {d["seq"] for d in found}]
+            pops = await self._pops(conversation_id) if missing else {}
             ready, in_flight = [], False
-            for seq in sorted(wanted):
+            for seq, delivery in sorted(wanted.items()):
                 if seq in by_seq:
                     ready.append(by_seq[seq])
-                elif seq in undone:
-                    continue
-                elif utc_now() - wanted[seq] < self._logger.rules.abandon_after:
+                elif seq not in missing or _undone_by_pop(pops, delivery):
+                    continue  # another message holds it, or nothing ever will
+                elif utc_now() - delivery["a"] < self._logger.rules.abandon_after:
                     in_flight = True
                     break
             if ready or not in_flight or waited >= _WAIT_FOR_IN_FLIGHT:
                 return messages_adapter.validate_python(ready), in_flight
             await asyncio.sleep(_WAIT_STEP)
             waited += _WAIT_STEP
+
+    async def _pops(self, conversation_id: str) -> Mapping[str, Any]:
+        """What the conversation records of its pops (`POPS_READ`), read after the messages,
+        so that a delivery popped since that read is found popped; {} once it is gone."""
+        with storage_errors("read the conversation's pops"):
+            doc = await self._conversations.find_one({"_id": conversation_id}, POPS_READ)
+        return doc or {}
 
     async def _explain_unopened(self, conversation_id: str, actor: Actor, field: str) -> None:
         """Why an inbox was not opened: the conversation is missing or another's, or it has
