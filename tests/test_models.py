@@ -274,8 +274,11 @@ def test_checking_a_messages_call_ids_grows_with_their_number_not_its_square(
 ) -> None:
     """Eight times the calls cost about eight times as much (64 times if every call were
     compared with every other): a request of many calls cannot stall the service."""
-    small = _validation_seconds(MAX_TOOL_CALLS // 8, repeated=repeated)
-    large = _validation_seconds(MAX_TOOL_CALLS, repeated=repeated)
+    # Measured in turns, the least of each kept: a busy machine slows both alike.
+    small = large = float("inf")
+    for _ in range(3):
+        small = min(small, _validation_seconds(MAX_TOOL_CALLS // 8, repeated=repeated))
+        large = min(large, _validation_seconds(MAX_TOOL_CALLS, repeated=repeated))
     assert large / small < 24
 
 
