@@ -2985,6 +2985,103 @@ async def test_popping_a_third_question_leaves_the_second_one_holding_the_approv
     assert popped == await _as_logged_fresh(backend) == (([("tc-9", "q2")], "q2"), True)
 
 
+CUT_BY = pytest.mark.parametrize("cut", ["pop", "fork"])
+
+
+async def _cut_after_q2(logger: AgentMessageLogger, store: ConversationStore, cut: str) -> str:
+    """The conversation left once what follows q2 (seq 4) is cut: the last message popped,
+    or a fork cut right after q2."""
+    if cut == "pop":
+        await store.pop_last_message(CID)
+        return CID
+    await logger.fork(CID, 4, "conv-fork")
+    return "conv-fork"
+
+
+async def _holders_of_tc_9(store: ConversationStore, backend: Backend, cid: str) -> Any:
+    """The approval of tc-9's holder history (`held_before`, then `held_by`) as request ids."""
+    asked = {m.id: m.hitl_action.request_id for m in await store.transcript(cid) if m.hitl_action}
+    doc = await backend.db.agent_conversations.find_one({"_id": cid})
+    assert doc is not None
+    (approval,) = doc["approved_calls"]
+    return [asked[m] for m in approval["held_before"]], asked.get(approval["held_by"])
+
+
+async def test_questions_of_one_turn_about_an_approved_call_leave_the_history_of_a_turn_each(
+    backend: Backend,
+) -> None:
+    """STREAMING.md (Two answers racing): every question of a turn naming an approved call
+    holds it in its order, as the same questions logged a turn each do: the approval
+    remembers all but the latest (`held_before`), the latest holds it (`held_by`)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _approved_then_asked_again_by(logger, store, "conv-apart", "q2", "q3", "q4")
+    await _approved_then_asked_again_by(logger, store, CID)
+    asked = [{"role": "user", "content": "And?"}, _question("q2"), _question("q3"), _question("q4")]
+
+    await logger.log_messages(CID, asked, turn_id="t1")
+
+    one_turn = await _holders_of_tc_9(store, backend, CID)
+    assert one_turn == await _holders_of_tc_9(store, backend, "conv-apart") == (["q2", "q3"], "q4")
+
+
+@CUT_BY
+async def test_cutting_the_later_of_two_questions_of_one_turn_leaves_the_earlier_holding_the_call(
+    backend: Backend, cut: str
+) -> None:
+    """STREAMING.md (Two answers racing): two questions about an approved call in one turn,
+    the later popped or left out of a fork, leave the call held by the earlier one, as it
+    logged afresh does: pending, and its refusal denies the call."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _approved_then_asked_again_by(logger, store, CID)
+    asked = [{"role": "user", "content": "And?"}, _question("q2"), _question("q3")]
+    await logger.log_messages(CID, asked, turn_id="t1")
+
+    left = await _cut_after_q2(logger, store, cut)
+
+    state = await held_state(store, left), await _refusal_of(logger, left, "q2")
+    assert state == await _as_logged_fresh(backend) == (([("tc-9", "q2")], "q2"), True)
+
+
+async def test_popping_the_later_of_two_streamed_questions_lets_a_refusal_of_the_earlier_deny(
+    backend: Backend,
+) -> None:
+    """STREAMING.md (Two answers racing), through `log_streamed_turn`: one stream asking
+    twice about an approved call, the later question popped, leaves the earlier one
+    holding the call; the person's refusal of it denies the call (the tool never runs)."""
+    runtime = Runtime(backend)
+    await runtime.stream([_start("c1"), _confirm("r1", "c1")], prompt="go")
+    await runtime.stream([{"type": "confirm_resolved", "request_id": "r1", "approved": True}])
+    await runtime.stream([_confirm("r3", "c1"), _confirm("r4", "c1")], prompt="well?")
+
+    await runtime.store.pop_last_message(CID)  # r4
+
+    assert await held_state(runtime.store) == ([("c1", "r3")], "r3")
+    await runtime.stream([{"type": "confirm_resolved", "request_id": "r3", "approved": False}])
+    assert await runtime.answers_of("c1") == [(DENIED_RESULT, "tool call denied")]
+    assert await runtime.store.pending_calls(CID) == []
+
+
+@CUT_BY
+async def test_cutting_a_result_logged_in_the_turn_of_a_second_question_leaves_it_holding_the_call(
+    backend: Backend, cut: str
+) -> None:
+    """STREAMING.md (Two answers racing): a second question about an approved call holds it
+    though its own turn then logs the call's result; that result popped, or left out of a
+    fork, leaves the question holding the call, as it logged afresh does: pending, and its
+    refusal denies the call."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _approved_then_asked_again_by(logger, store, CID)
+    result = {"role": "tool", "tool_call_id": "tc-9", "content": "B-42"}
+    await logger.log_messages(
+        CID, [{"role": "user", "content": "And?"}, _question("q2"), result], turn_id="t1"
+    )
+
+    left = await _cut_after_q2(logger, store, cut)
+
+    state = await held_state(store, left), await _refusal_of(logger, left, "q2")
+    assert state == await _as_logged_fresh(backend) == (([("tc-9", "q2")], "q2"), True)
+
+
 async def test_a_question_about_an_earlier_call_holds_it_when_its_turn_reuses_the_id(
     backend: Backend,
 ) -> None:

@@ -645,33 +645,49 @@ def _superseded(plan: TurnPlan) -> dict[str, Any] | None:
 
 
 def _asked_again(plan: TurnPlan) -> dict[str, Any]:
-    """`approved_calls` with the approvals of the calls a prompt of the turn names
-    (`named_holds`, or then denies: `refusals_of_own_prompts`) held by that prompt
-    (`held_by`, its message id: `named_prompts`): a second question about an approved call
-    holds it until it is answered itself, or is popped, or left out of a fork. The prompt
-    that held it before is remembered (`held_before`): a pop of the new one, or a fork
-    cut before it, leaves the call held by that one again. The approval stays recorded, so
-    a refusal of the prompt that gave it, arriving later, still denies nothing.
+    """`approved_calls` with the approvals of the calls the turn's prompts name held by them
+    (`asked_again`: every prompt naming the call, in order, whether the turn then answers it
+    or not) as the same prompts logged a turn each hold them: a question about an approved
+    call holds it until it is answered itself, or is popped, or left out of a fork. The
+    latest holds it (`held_by`); the prompt that held it before the turn, then the turn's
+    earlier ones, are remembered (`held_before`, oldest first): a pop of the latest, or a
+    fork cut before it, leaves the call held by the one before it. The approval stays
+    recorded, so a refusal of the prompt that gave it, arriving later, still denies nothing.
 
-    One flat expression whatever the number of names, the prompt looked up by call id."""
-    if not plan.named_holds and not plan.refusals_of_own_prompts:
+    One flat expression whatever the number of names, the prompts looked up by call id; the
+    turn's own prompts never remembered twice (the same turn applied again changes
+    nothing)."""
+    if not plan.asked_again:
         return {}
-    prompts = plan.named_prompts
-    pairs = literal([{"c": call_id, "m": prompts[call_id]} for call_id in sorted(prompts)])
+    pairs = literal(
+        [{"c": c, "m": list(asking), "b": list(asking[:-1])} for c, asking in plan.asked_again]
+    )
     naming = {
         "$filter": {"input": pairs, "as": "p", "cond": {"$eq": ["$$p.c", "$$a.tool_call_id"]}}
     }
-    prompt = {"$arrayElemAt": [{"$map": {"input": naming, "as": "p", "in": "$$p.m"}}, 0]}
+
+    def of_the_turn(field: str) -> dict[str, Any]:
+        found = {"$map": {"input": naming, "as": "p", "in": f"$$p.{field}"}}
+        return {"$ifNull": [{"$arrayElemAt": [found, 0]}, literal([])]}
+
+    asked, latest = of_the_turn("m"), {"$arrayElemAt": [of_the_turn("m"), -1]}
     named = {"$gt": [{"$size": naming}, 0]}
     before = held_by_of("a")
-    handed_over = {"$and": [named, {"$ne": [before, None]}, {"$ne": [before, prompt]}]}
+
+    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+    def not_asked(value: Any) -> dict[str, Any]:
+        return {"$eq": [{"$in": [value, asked]}, False]}
+
+    earlier = {"$filter": {"input": held_before_of("a"), "as": "m", "cond": not_asked("$$m")}}
     # A one-element array built by `$map`: some servers (mongomock) keep an array literal's
     # elements unevaluated.
-    remembered = {"$concatArrays": [held_before_of("a"), {"$map": {"input": [0], "in": before}}]}
+    handed_over = {"$and": [{"$ne": [before, None]}, not_asked(before)]}
+    previous = {"$cond": [handed_over, {"$map": {"input": [0], "in": before}}, literal([])]}
+    remembered = {"$concatArrays": [earlier, previous, of_the_turn("b")]}
     kept = {"$slice": [remembered, -HOLDING_PROMPTS_KEPT]}
     return approvals_held_by(
-        {"$cond": [named, prompt, before]},
-        {"$cond": [handed_over, kept, held_before_of("a")]},
+        {"$cond": [named, latest, before]},
+        {"$cond": [named, kept, held_before_of("a")]},
     )
 
 

@@ -146,6 +146,12 @@ class TurnPlan:
     """`(tool_call_id, request_id)`: calls of earlier turns a prompt of the turn names
     (`HitlAction.tool_call_ids`); the latest pending call of each id is held by that prompt
     from then on (`holding_named`)."""
+    asked_again: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """`(tool_call_id, prompt message ids)`: every prompt of the turn naming a call of an
+    earlier turn, in order, whether the turn then answers the call or not. Each holds the
+    call's approval in its turn, as the same prompts logged a turn each do
+    (`_reservation._asked_again`): the last holds it (`ApprovedCall.held_by`), the others are
+    remembered before it (`held_before`)."""
 
     def matches(self, digest: int) -> bool:
         """Whether a turn record's digest is this plan's content (in either digest's form)."""
@@ -166,19 +172,6 @@ class TurnPlan:
         """The request ids of the prompts the turn raises: each asks anew, whatever an
         earlier prompt of that id was answered (`_reservation.reopened`)."""
         return tuple(dict.fromkeys(m.hitl_action.request_id for m in self.sources if m.hitl_action))
-
-    @cached_property
-    def named_prompts(self) -> dict[str, str]:
-        """The prompt (its message id) holding each call of `named_holds`, or naming a call
-        the turn then denies (`refusals_of_own_prompts`): the last of the turn's prompts
-        naming it (`_holders`)."""
-        named = dict(self.named_holds) | self.refusals_of_own_prompts
-        _, earlier = _holders(self.sources)
-        return {
-            call_id: str(self.documents[index]["_id"])
-            for call_id, (_, index) in earlier.items()
-            if call_id in named
-        }
 
     @cached_property
     def denied_calls(self) -> tuple[str, ...]:
@@ -629,6 +622,7 @@ def plan_turn(
     sources = prepared.sources
     ids = [str(d["_id"]) for d in prepared.documents]
     opened_calls, answered_calls, named_holds = _pending_calls(sources, ids)
+    _, asked = _holders(sources)
     return TurnPlan(
         conversation_id=conversation_id,
         turn_id=turn_id,
@@ -652,6 +646,7 @@ def plan_turn(
         holds_pending=prompt_before_calls(sources),
         answered_after_prompt=answered_after_prompt(sources),
         named_holds=named_holds,
+        asked_again=tuple((c, tuple(ids[i] for i in asking)) for c, asking in asked.items()),
     )
 
 
@@ -835,14 +830,14 @@ def holding_named(
 
 def _holders(
     messages: Sequence[AgentMessage],
-) -> tuple[dict[str, str], dict[str, tuple[str, int]]]:
-    """Which prompt holds back each call of the turn (its request id), and each call of an
-    earlier turn its prompts name (its request id and its index among `messages`), by call
-    id, as the messages go: a prompt naming calls holds those it names (its turn's, made
-    before it; else an earlier turn's), and another naming one later holds it instead; a
-    prompt naming none holds its turn's calls before it that no prompt holds."""
+) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """Which prompt holds back each call of the turn (its request id), and the prompts naming
+    each call of an earlier turn (their indices among `messages`, in order: the last holds
+    it), by call id, as the messages go: a prompt naming calls holds those it names (its
+    turn's, made before it; else an earlier turn's), and another naming one later holds it
+    instead; a prompt naming none holds its turn's calls before it that no prompt holds."""
     own: dict[str, str] = {}
-    earlier: dict[str, tuple[str, int]] = {}
+    earlier: dict[str, list[int]] = {}
     made: list[str] = []
     for index, message in enumerate(messages):
         made += [call.id for call in message.tool_calls or ()]
@@ -852,11 +847,11 @@ def _holders(
         if action.tool_call_ids is None:
             own.update({call_id: action.request_id for call_id in made if call_id not in own})
             continue
-        for call_id in action.tool_call_ids:
+        for call_id in dict.fromkeys(action.tool_call_ids):
             if call_id in made:
                 own[call_id] = action.request_id
             else:
-                earlier[call_id] = (action.request_id, index)
+                earlier.setdefault(call_id, []).append(index)
     return own, earlier
 
 
@@ -888,8 +883,16 @@ def _pending_calls(
         if call.id not in answers
     )
     answered = tuple(i for i in answers if i not in made)
-    named = tuple((c, r) for c, (r, _) in earlier.items() if c not in answered)
+    named = tuple(
+        (c, _request_id(messages[asking[-1]])) for c, asking in earlier.items() if c not in answered
+    )
     return opened, answered, named
+
+
+def _request_id(prompt: AgentMessage) -> str:
+    """The request id of a prompt (a message with a `hitl_action`)."""
+    assert prompt.hitl_action is not None
+    return prompt.hitl_action.request_id
 
 
 FORK_TURN = "fork-"
