@@ -46,7 +46,7 @@ from agent_store.legacy import (
     sort_turns,
     stored_conversation_id,
 )
-from agent_store.store import CONVERSATIONS, MAX_NAME_CHARS, MESSAGES, shorten
+from agent_store.store import CONVERSATIONS, MAX_NAME_CHARS, MESSAGES, shorten, turn_key
 from migrations import full_texts
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.transcript import contains, from_legacy, from_messages
@@ -253,11 +253,19 @@ def deleted(
     if since is None:
         return {}
     copies = {key for d in held if (key := _turn(d)) is not None}
-    wanted = [
-        (cid, turn_id)
+    uncopied = [
+        (cid, turn_id, first)
         for cid, messages in stored.items()
         for turn_id, first in _live_turns(messages, epochs.get(cid)).items()
-        if (cid, turn_id) not in copies and first.created_at < since
+        if (cid, turn_id) not in copies
+    ]
+    if not uncopied:
+        return {}
+    reserved = _reserved_at(db, {cid for cid, _, _ in uncopied})
+    wanted = [
+        (cid, turn_id)
+        for cid, turn_id, first in uncopied
+        if reserved.get(cid, {}).get(turn_key(turn_id), first.created_at) < since
     ]
     if not wanted:
         return {}
@@ -271,6 +279,22 @@ def deleted(
             "collection while its messages are stored (the legacy service deleted the turn "
             "after a rollback?): delete its messages, or put its copy back"
         )
+    return found
+
+
+def _reserved_at(db: Database[dict[str, Any]], cids: set[str]) -> dict[str, dict[int, datetime]]:
+    """When each turn the conversations still record was reserved, by turn key (`turn_key`):
+    the logger's clock, where its messages' times may be their caller's. One read."""
+    found: dict[str, dict[int, datetime]] = {}
+    for document in db[CONVERSATIONS].find({"_id": {"$in": sorted(cids)}}, {"turns": 1}):
+        records = document.get("turns")
+        found[document["_id"]] = {
+            int(record["k"]): to_utc_millis(record["a"])
+            for record in (records if isinstance(records, list) else ())
+            if isinstance(record, Mapping)
+            and "k" in record
+            and isinstance(record.get("a"), datetime)
+        }
     return found
 
 

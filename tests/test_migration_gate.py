@@ -554,9 +554,11 @@ def log_live(
     commands: CommandLog | None = None,
     *,
     dual_write: bool = False,
+    at: datetime | None = None,
 ) -> LoggedTurn:
     """A live turn (a question and its answer) logged by the new service's logger, with the
-    dual write on if asked."""
+    dual write on if asked, its messages dated `at` by their caller if given."""
+    dated = {} if at is None else {"created_at": at}
 
     async def log() -> LoggedTurn:
         listeners = [commands] if commands is not None else []
@@ -571,7 +573,10 @@ def log_live(
             rules = COUNTED if commands is not None else None
             return await AgentMessageLogger(db, observers=observers, rules=rules).log_messages(
                 cid,
-                [{"role": "user", "content": f"{text}?"}, {"role": "assistant", "content": text}],
+                [
+                    {"role": "user", "content": f"{text}?", **dated},
+                    {"role": "assistant", "content": text, **dated},
+                ],
                 user_id="u-1",
                 turn_id=turn_id,
             )
@@ -3885,3 +3890,18 @@ def test_a_conversation_option_naming_no_conversation_is_misuse(
     err = capsys.readouterr().err
     assert f"no legacy turns for conversation 'c-typo' in {LEGACY_TURNS}" in err
     assert "lists" not in err
+
+
+@pytest.mark.wire
+def test_a_turn_logged_after_the_move_dated_earlier_by_its_caller_needs_no_copy(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """The rollback window is over, the dual write unset; a runtime logs a turn of history
+    with the times it had: when it was logged is the logger's own clock (its turn record),
+    not its messages' times, so it is no copy the old service deleted."""
+    _rolled_back_with_a_live_turn(wire_uri, database)
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "live-2", "«HISTORY»", at=datetime(2023, 5, 1, tzinfo=UTC))
+
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0

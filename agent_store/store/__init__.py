@@ -108,6 +108,7 @@ from agent_store.store._turns import (
     pending_after,
     plan_turn,
     stored_turn_record,
+    turn_key,
     validate_identifier,
 )
 
@@ -203,6 +204,7 @@ __all__ = [
     "strip_runtime_context_pieces",
     "text_of",
     "texts_of",
+    "turn_key",
     "validate_identifier",
     "with_retries",
     "with_texts",
