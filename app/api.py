@@ -18,7 +18,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
 
-from agent_store.core import Conversation, ConversationPage, InvalidInput, MessagePage
+from agent_store.core import (
+    AgentMessage,
+    Conversation,
+    ConversationPage,
+    InvalidInput,
+    MessagePage,
+)
 from agent_store.store import Claimed, ConversationExport, Deleted, LoggedTurn, SteeringInbox
 from app.api_models import (
     ClaimBody,
@@ -172,11 +178,8 @@ async def open_inbox(call: Call[NoQuery, NoBody]) -> Response:
 
 
 async def deliver(call: Call[NoQuery, DeliverBody]) -> Response:
-    if call.scope is not None and (role := call.body.message.role) != "user":
-        raise InvalidInput(
-            f"invalid delivery: a user token steers what a person sends, a message of role "
-            f"'user', not {role!r}; only a service token delivers other roles"
-        )
+    if call.scope is not None:
+        _refuse_what_a_person_does_not_send(call.body.message)
     delivered = await _inbox(call).try_deliver(
         call.conversation_id,
         call.path["turn_id"],
@@ -186,6 +189,22 @@ async def deliver(call: Call[NoQuery, DeliverBody]) -> Response:
         owner_only=call.scope is not None,
     )
     return _json(Delivery(delivered=delivered))
+
+
+def _refuse_what_a_person_does_not_send(message: AgentMessage) -> None:
+    """A user token steers what a person sends: a message of role `user`, with no runtime
+    form (`native`), which would make a runtime read it as another role, a system prompt or
+    a tool's result. Only a service token delivers those."""
+    if message.role != "user":
+        raise InvalidInput(
+            f"invalid delivery: a user token steers what a person sends, a message of role "
+            f"'user', not {message.role!r}; only a service token delivers other roles"
+        )
+    if message.native is not None:
+        raise InvalidInput(
+            "invalid delivery: a user token steers what a person sends, without `native` (a "
+            "runtime's own form of a message); only a service token delivers one"
+        )
 
 
 async def drain_inbox(call: Call[InboxQuery, NoBody]) -> Response:
