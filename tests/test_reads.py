@@ -1448,6 +1448,29 @@ async def test_a_fork_whose_source_is_deleted_before_it_checks_it_creates_nothin
     await _nothing_of_owner_is_left(backend, store)
 
 
+async def test_a_forks_retry_finding_its_source_deleted_leaves_the_fork_it_replays(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fork stood (its first attempt checked its source) and took a turn of its own; its
+    retry (the answer was lost) reads the source, which is deleted before the retry writes:
+    a replay wrote nothing, so it takes nothing back, and answers the fork as stored."""
+    logger = await _owners_conversation_with_a_cut_message(backend)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+    first = await logger.fork("c-x", 1, "c-fork", user_id=OWNER)
+    later = [{"role": "user", "content": "my later work"}]
+    await logger.log_messages("c-fork", later, user_id=OWNER, turn_id="t-later")
+    held, go = _fork_held_after_its_read(logger, monkeypatch)
+
+    retry = asyncio.create_task(logger.fork("c-x", 1, "c-fork", user_id=OWNER))
+    await held.wait()
+    await store.delete("c-x", user_id=OWNER)
+    go.set()
+
+    assert [m.id for m in (await retry).messages] == [m.id for m in first.messages]
+    kept = [m.content for m in await store.transcript("c-fork", user_id=OWNER)]
+    assert (len(kept), kept[-1]) == (3, "my later work")
+
+
 async def test_a_fork_that_checked_its_source_before_its_delete_stands(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

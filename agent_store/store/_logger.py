@@ -480,7 +480,8 @@ class AgentMessageLogger:
         started = time.monotonic()
         reserved = await self._reserve(plan, owner, None, condition)
         stored = await self._store(plan, reserved, started)
-        await self._unless_its_source_went(conversation_id, source, plan, reserved)
+        if not reserved.replayed:  # a retry of a fork reserved before: it stands, its own
+            await self._unless_its_source_went(conversation_id, source, plan, reserved)
         return await self._told(plan, reserved, stored)
 
     async def _unless_its_source_went(
