@@ -270,7 +270,9 @@ def deleted(
     if not wanted:
         return {}
     ids = {legacy_turn_id(cid, turn_id): (cid, turn_id) for cid, turn_id in wanted}
-    there = db[LEGACY_TURNS].find({"_id": {"$in": sorted(ids)}, "dual_write": True}, {"_id": 1})
+    # Marked or not: a copy whose mark the operator removed (as `differences` advises) is
+    # there, and `run` takes it as a legacy turn.
+    there = db[LEGACY_TURNS].find({"_id": {"$in": sorted(ids)}}, {"_id": 1})
     gone = set(wanted) - {ids[d["_id"]] for d in there}
     found: dict[str, list[str]] = {}
     for cid, turn_id in sorted(gone):

@@ -3905,3 +3905,22 @@ def test_a_turn_logged_after_the_move_dated_earlier_by_its_caller_needs_no_copy(
 
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+
+@pytest.mark.wire
+def test_a_copy_its_dual_write_mark_removed_as_finish_advises_is_no_copy_gone(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`finish` advises, for a copy the old service edited: restore its messages, or remove
+    its `dual_write` mark so `run` takes it as a legacy turn. Unmarked, it is still there:
+    what is left is what `run` records of it, which the operator can accept."""
+    _rolled_back_with_a_live_turn(wire_uri, database)
+    edit = {"$set": {"user_message": "«LIVE» edited on the old service"}}
+    database[CONVERSATIONS].update_one({"dual_write": True}, edit)
+    assert cli(wire_uri, database, "run") == 0
+    database[LEGACY_TURNS].update_one({"dual_write": True}, {"$unset": {"dual_write": ""}})
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish", "--accept", "c-1", "--note", "kept") == 0
+    assert "is gone" not in capsys.readouterr().out
