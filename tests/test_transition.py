@@ -6,6 +6,7 @@ import asyncio
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import bson
 import pytest
 
 from agent_store import (
@@ -933,3 +934,49 @@ async def test_erasing_the_owner_of_a_legacy_conversation_leaves_another_users_t
 
     assert [t["_id"] for t in await backend.db[LEGACY_TURNS].find().to_list(None)] == ["lt-victim"]
     assert [p["_id"] for p in await backend.db[SESSION_HITL].find().to_list(None)] == ["p-victim"]
+
+
+NUMBERED = pytest.mark.parametrize("named_as", [42, bson.Int64(42)], ids=["int32", "int64"])
+
+
+async def numbered_users_legacy_turn(backend: Backend, named_as: Any) -> None:
+    """A legacy turn and its prompt naming user "42" by a number, as the old service wrote."""
+    await backend.db[LEGACY_TURNS].insert_one(
+        {"_id": "lt-42", "conversation_id": "conv-n", "user_id": named_as,
+         "user_message": "my medical history",
+         "response_parts": [{"type": "text", "content": "ok"}]}
+    )  # fmt: skip
+    await backend.db[SESSION_HITL].insert_one(
+        {"_id": "p-42", "conversation_id": "conv-n", "user_id": named_as, "request_id": "r-1",
+         "action": "confirm", "status": "pending"}
+    )  # fmt: skip
+
+
+@NUMBERED
+async def test_a_user_named_by_a_number_is_erased_from_the_legacy_turns_its_token_reads(
+    backend: Backend, named_as: Any
+) -> None:
+    await numbered_users_legacy_turn(backend, named_as)
+    _, store = wired(backend)
+    read = await store.transcript("conv-n", user_id="42")
+    assert [m.content for m in read] == ["my medical history", "ok"]
+
+    await store.erase_user("42")
+
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
+    assert await backend.db[SESSION_HITL].count_documents({}) == 0
+    with pytest.raises(NotFound):
+        await store.transcript("conv-n", user_id="42")
+
+
+@NUMBERED
+async def test_a_user_named_by_a_number_deletes_its_legacy_conversation_with_its_prompt(
+    backend: Backend, named_as: Any
+) -> None:
+    await numbered_users_legacy_turn(backend, named_as)
+    _, store = wired(backend)
+
+    deleted = await store.delete("conv-n", user_id="42")
+
+    assert deleted.legacy_turns == 1
+    assert await backend.db[SESSION_HITL].count_documents({}) == 0

@@ -592,6 +592,22 @@ def user_named(value: Any) -> str | None:
         return None
 
 
+_INTEGER_TEXT = re.compile(r"-?(0|[1-9][0-9]{0,18})")
+
+
+def user_values(user_id: str) -> list[Any]:
+    """The stored `user_id` values a legacy turn or prompt may name `user_id` by, as
+    `user_named` reads them: the text, and the integer or the ObjectId whose text it is. A
+    query by them finds more (a number matches the double of its value, whose text is
+    another): keep of what it finds what `user_named` reads as the user."""
+    values: list[Any] = [user_id]
+    if _INTEGER_TEXT.fullmatch(user_id) and -(2**63) <= int(user_id) < 2**63:
+        values.append(int(user_id))
+    if ObjectId.is_valid(user_id) and str(ObjectId(user_id)) == user_id:
+        values.append(ObjectId(user_id))
+    return values
+
+
 def users_part(turns: list[LegacyTurn], user_id: str | None) -> list[int]:
     """The indexes of the turns that are `user_id`'s part of one legacy conversation: those
     naming the user, and, when the user owns the conversation (`owner_of`), those naming no

@@ -23,6 +23,7 @@ from agent_store.legacy._documents import (
     prompts_filter,
     scalar_filter,
     user_named,
+    user_values,
     users_part,
 )
 from agent_store.legacy._dual_write import legacy_turn_documents
@@ -142,9 +143,12 @@ class LegacyTurns:
             ids = [found[i]["_id"] for i in users_part(parsed, owner)]
             deleted = await self._turns.delete_many(_among(turns, ids)) if ids else None
             prompts = _prompts_filter(conversation_id, original)
-            await self._prompts.delete_many(
-                {"$and": [prompts, _users_prompts(owner, owns=owner_of(parsed) == owner)]}
-            )
+            theirs: dict[str, Any] = {"user_id": owner}
+            if owner is not None:
+                theirs = {"_id": {"$in": await _ids_naming(self._prompts, owner, prompts)}}
+            if owner_of(parsed) == owner:
+                theirs = {"$or": [theirs, names_none("user_id")]}
+            await self._prompts.delete_many({"$and": [prompts, theirs]})
         return int(deleted.deleted_count) if deleted is not None else 0
 
     async def _turns_of(self, conversation_id: str) -> dict[str, Any]:
@@ -176,12 +180,13 @@ class LegacyTurns:
         return legacy_id_of(conversation_id, (found or {}).get("legacy_conversation_id"))
 
     async def erase_user(self, user_id: str) -> int:
-        """Delete the legacy conversations the user owns, whole with their prompts, and every
-        turn and prompt naming the user elsewhere; how many turns went."""
+        """Delete the user's part (`users_part`) of the legacy conversations the user owns,
+        with their prompts, and every turn and prompt naming the user elsewhere, by any value
+        read as the user (`_naming`); how many turns went."""
         fields = {"conversation_id": 1, "user_id": 1, "created_at": 1}
         with storage_errors("erase the user's legacy turns"):
-            named = await self._turns.distinct("conversation_id", {"user_id": user_id})
-            ids = [i for i in named if named_id(i) is not None]
+            naming = await _naming(self._turns, user_id, fields)
+            ids = _conversations_named(naming)
             owned: list[Any] = []
             unnamed: list[Any] = []
             if ids:
@@ -197,24 +202,25 @@ class LegacyTurns:
                     if owner_of(parsed) == user_id:
                         owned.append(cid)
                         unnamed += [docs[i]["_id"] for i in users_part(parsed, user_id)]
-            query: dict[str, Any] = {"user_id": user_id}
-            if unnamed:
-                query = {"$or": [query, {"_id": {"$in": unnamed}}]}
+            query = {"_id": {"$in": [d["_id"] for d in naming] + unnamed}}
             deleted = await self._turns.delete_many(query)
             nobodys = names_none("user_id")
             prompts = [{"$and": [prompts_filter(str(id_text(cid))), nobodys]} for cid in owned]
-            await self._prompts.delete_many({"$or": [{"user_id": user_id}, *prompts]})
+            named_prompts = {"_id": {"$in": await _ids_naming(self._prompts, user_id)}}
+            await self._prompts.delete_many({"$or": [named_prompts, *prompts]})
         return int(deleted.deleted_count)
 
     async def claim(self, from_user_id: str, to_user_id: str) -> int:
         """Move the user's legacy turns, and the prompts naming the user, to another user id;
         how many turns moved."""
         with storage_errors("claim the legacy turns"):
+            turns = await _ids_naming(self._turns, from_user_id)
             moved = await self._turns.update_many(
-                {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
+                {"_id": {"$in": turns}}, {"$set": {"user_id": to_user_id}}
             )
+            prompts = await _ids_naming(self._prompts, from_user_id)
             await self._prompts.update_many(
-                {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
+                {"_id": {"$in": prompts}}, {"$set": {"user_id": to_user_id}}
             )
         return int(moved.modified_count)
 
@@ -374,12 +380,31 @@ def _names_user(prompt: dict[str, Any]) -> str | None:
     return user_named(prompt.get("user_id"))
 
 
-def _users_prompts(user_id: str | None, *, owns: bool) -> dict[str, Any]:
-    """The filter of the prompts that are the user's part of a conversation (`users_part`):
-    naming the user, and naming none when the user owns it."""
-    if not owns:
-        return {"user_id": user_id}
-    return {"$or": [{"user_id": user_id}, names_none("user_id")]}
+def _conversations_named(turns: list[dict[str, Any]]) -> list[Any]:
+    """The conversation ids the turns name, each once (by BSON value: an object id is no
+    dict key), those naming none left out."""
+    named = {bson.encode({"id": t.get("conversation_id")}): t for t in turns}
+    return [t["conversation_id"] for t in named.values() if named_id(t.get("conversation_id"))]
+
+
+async def _naming(
+    collection: Any, user_id: str, fields: dict[str, Any], scope: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """The documents (`fields` of them) of `collection`, within `scope`, naming `user_id` by
+    any value read as it (`user_values`: `42` is user "42", as the read fallback reads it),
+    so a delete, an erasure or a claim reaches what the user's token reads."""
+    query: dict[str, Any] = {"user_id": {"$in": user_values(user_id)}}
+    if scope is not None:
+        query = {"$and": [scope, query]}
+    found = await collection.find(query, {**fields, "user_id": 1}).to_list(None)
+    return [d for d in found if user_named(d.get("user_id")) == user_id]
+
+
+async def _ids_naming(
+    collection: Any, user_id: str, scope: dict[str, Any] | None = None
+) -> list[Any]:
+    """The `_id`s of `_naming`'s documents."""
+    return [d["_id"] for d in await _naming(collection, user_id, {"_id": 1}, scope)]
 
 
 def _among(turns: dict[str, Any], ids: list[Any]) -> dict[str, Any]:
