@@ -421,11 +421,16 @@ WITHOUT_DOCUMENT = (
 
 
 def live_without_document(db: Database[dict[str, Any]]) -> Iterator[str]:
-    """The conversations whose first message (`seq` 0) a live turn wrote and that have no
-    conversation document: one read of the first messages, then one of their documents a
-    chunk at a time (those of the migration's messages are `abandoned`'s)."""
-    first = db[MESSAGES].find({"seq": 0}, {"conversation_id": 1, "turn_id": 1})
-    live = (m["conversation_id"] for m in first if not is_migrated(m.get("turn_id")))
+    """The conversations holding messages and no conversation document: one pass over the
+    messages' conversation ids (grouped by the server, on their index), then one read of
+    their documents a chunk at a time. Whatever their first message (those whose first is
+    the migration's are `abandoned`'s, named there first): a conversation whose migrated
+    messages were deleted by hand holds live ones from a later `seq` on."""
+    grouped = db[MESSAGES].aggregate(
+        [{"$sort": {"conversation_id": 1}}, {"$group": {"_id": "$conversation_id"}}],
+        allowDiskUse=True,
+    )
+    live = (g["_id"] for g in grouped)
     for ids in batches(live, abandoned.CHUNK):
         stored = {d["_id"] for d in db[CONVERSATIONS].find({"_id": {"$in": ids}}, {"_id": 1})}
         yield from (cid for cid in ids if cid not in stored)

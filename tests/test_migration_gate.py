@@ -3924,3 +3924,28 @@ def test_a_copy_its_dual_write_mark_removed_as_finish_advises_is_no_copy_gone(
     capsys.readouterr()
     assert cli(wire_uri, database, "finish", "--accept", "c-1", "--note", "kept") == 0
     assert "is gone" not in capsys.readouterr().out
+
+
+@pytest.mark.wire
+def test_live_messages_left_after_the_migrated_ones_of_a_deleted_conversation_are_work_left(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After a rollback the old service deletes a conversation holding a live turn; `finish`
+    names it, and the operator deletes its migrated messages only: its live ones, from `seq`
+    2 on, are left with no document and no legacy turn. Work left, never a drop that leaves
+    them served."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-0", "c-1", 0, "OLD0"), legacy_turn("k-0", "c-keep", 0, "KEEP")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "live-1", "«SECRET»", dual_write=True)
+    roll_back(database, clear_messages=False)
+    database[CONVERSATIONS].delete_many({"conversation_id": "c-1"})
+    assert cli(wire_uri, database, "run") == 0
+    database[MESSAGES].delete_many({"conversation_id": "c-1", "turn_id": {"$regex": "^legacy-"}})
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert "c-1: its messages are stored without a conversation document" in capsys.readouterr().out
+    assert database[LEGACY_TURNS].count_documents({}) == 1
