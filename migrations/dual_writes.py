@@ -8,7 +8,8 @@ turn (`held`): one without any (a second attempt after a rollback that cleared
 `agent_messages`) is a legacy turn like any other, converted by `run` and checked by `verify`
 and `finish`. A held one is checked as fully as a migrated turn, by one rule: it must convert
 to what its stored messages hold and nothing else, that is its stored messages hold its
-content in order, carry the token usage and latency it converts to, and its conversion raises
+content in order and nothing more (`_removed`), carry the token usage and latency it converts
+to, and its conversion raises
 no problem of any kind (a dual write holds nothing the converter cannot read, so a problem is
 content a later edit added: an unknown part, a field, a history), but a result answering an
 earlier turn's call that its stored messages hold (converted alone, no call answers it) and
@@ -26,6 +27,7 @@ the dual write on, its copy is one the legacy service deleted after a rollback.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -49,7 +51,7 @@ from agent_store.legacy import (
 from agent_store.store import CONVERSATIONS, MAX_NAME_CHARS, MESSAGES, shorten, turn_key
 from migrations import full_texts
 from migrations.lease import STATE, STATE_ID, Lease
-from migrations.transcript import contains, from_legacy, from_messages
+from migrations.transcript import NO_CALL, Transcript, contains, from_legacy, from_messages
 from migrations.transcript import differences as transcript_differences
 from migrations.writes import is_migrated
 
@@ -154,8 +156,9 @@ def _unheld(
 ) -> str:
     """What a dual-written turn converts to that its stored messages do not hold, for a
     person; "" when they hold it all: its problems (any kind, placed or not, but the derived
-    id of a conversation it names by its legacy id), its transcript (they may hold more: a
-    result of an earlier turn's call), its token usage and latency."""
+    id of a conversation it names by its legacy id), its transcript both ways (they may hold
+    more only of results of an earlier turn's calls: `_removed`), its owner, its token usage
+    and latency."""
     problems = [
         p
         for p in conversion.problems
@@ -168,6 +171,8 @@ def _unheld(
     transcript = from_messages(messages)
     if not contains(transcript, legacy):
         return "; ".join(transcript_differences(legacy, transcript)[:3])
+    if removed := _removed(legacy, transcript):
+        return removed
     if owner := _owner(conversion, messages):
         return owner
     for what, wanted, found in (
@@ -177,6 +182,21 @@ def _unheld(
         if wanted != found:
             return f"its {what} is {wanted}, its stored messages' {found}"
     return ""
+
+
+def _removed(legacy: Transcript, stored: Transcript) -> str:
+    """What the turn's stored messages hold that its copy no longer does, for a person; ""
+    when nothing: the old service removed part of the copy after a rollback (a redaction, an
+    exchange deleted) while the messages would go on being served. A result of an earlier
+    turn's call is the one thing the stored messages hold more of (the copy converted alone
+    names no call it answers)."""
+    own = tuple(r for r in stored.results if not r.startswith(f"{NO_CALL} -> "))
+    if stored.lines == legacy.lines and Counter(own) <= Counter(legacy.results):
+        return ""
+    missing = [line for line in stored.lines if line not in legacy.lines]
+    missing += list((Counter(own) - Counter(legacy.results)).elements())
+    shown = "; ".join(repr(line[:80]) for line in missing[:3]) or "their order"
+    return f"its stored messages hold what the copy no longer does: {shown}"
 
 
 def _owner(conversion: LegacyConversion, messages: Sequence[AgentMessage]) -> str:

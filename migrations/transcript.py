@@ -48,6 +48,9 @@ from agent_store.legacy import (
 )
 from agent_store.store import strip_runtime_context
 
+NO_CALL = "<no call>"
+"""How a transcript names the tool of a result whose call its messages do not make."""
+
 
 @dataclass(frozen=True)
 class Transcript:
@@ -217,7 +220,7 @@ def from_messages(messages: Iterable[AgentMessage]) -> Transcript:
             if message.upload is not None:
                 lines.append(_upload(message.upload.model_dump()))
         elif message.role == "tool":
-            name = names.get(message.tool_call_id or "", "<no call>")
+            name = names.get(message.tool_call_id or "", NO_CALL)
             results.append(f"{name} -> {_json(message.content or '')}")
         elif message.hitl_action is not None:
             prompt = message.hitl_action

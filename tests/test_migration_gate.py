@@ -3949,3 +3949,23 @@ def test_live_messages_left_after_the_migrated_ones_of_a_deleted_conversation_ar
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
     assert "c-1: its messages are stored without a conversation document" in capsys.readouterr().out
     assert database[LEGACY_TURNS].count_documents({}) == 1
+
+
+@pytest.mark.wire
+def test_a_copy_the_old_service_took_part_of_away_is_work_left(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After a rollback a person removes the answer of a dual-written turn on the old service
+    (a redaction): its stored messages, which the migration never rewrites, would go on
+    serving it. A copy holding less than its messages is an edit: work left."""
+    _rolled_back_with_a_live_turn(wire_uri, database)
+    database[CONVERSATIONS].update_one(
+        {"dual_write": True}, {"$set": {"response_parts": []}, "$unset": {"response_text": ""}}
+    )
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert "«LIVE»" in capsys.readouterr().out
+    assert database[LEGACY_TURNS].count_documents({}) == 3
