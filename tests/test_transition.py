@@ -24,10 +24,12 @@ from agent_store.legacy import (
     SESSION_HITL,
     convert,
     is_pending_prompt,
+    parse_turns,
     with_session_prompts,
 )
 from agent_store.store import CONVERSATIONS, MESSAGES, is_derived_id
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_legacy_turns
+from migrations.transcript import differences, from_legacy, from_messages
 from tests.conftest import COUNTED, Backend
 from tests.test_logger import log_example
 
@@ -385,6 +387,45 @@ async def test_dual_write_keeps_a_turn_whole_for_the_legacy_reader(backend: Back
     assert main["latency_ms"] == 2**53 - 1
     if backend.name != "mongomock":  # mongomock keeps Python ints as they are
         assert type(main["latency_ms"]) is Int64
+
+
+@pytest.mark.parametrize(
+    ("where", "text"),
+    [
+        ("result", '{"id": 12345678901234567890}'),
+        ("result", '{"id": -12345678901234567890}'),
+        ("result", '[{"\\u0000": 2}]'),
+        ("arguments", '{"id":12345678901234567890}'),
+    ],
+    ids=["an integer past int64", "a negative past int64", "a key holding NUL", "arguments"],
+)
+async def test_dual_write_keeps_as_text_json_that_bson_cannot_hold(
+    backend: Backend, where: str, text: str
+) -> None:
+    """A tool result (or a call's arguments) whose JSON text says what BSON cannot hold is
+    dual-written as its text, which the legacy format takes too: the turn is logged, its copy
+    written, and the copy converts back to the messages stored."""
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(backend.db, observers=[legacy])
+    arguments, result = (text, "r") if where == "arguments" else ("{}", text)
+    call = {"id": "k1", "type": "function", "function": {"name": "lookup", "arguments": arguments}}
+    await logger.log_messages(
+        "conv-json",
+        [{"role": "user", "content": "q"},
+         {"role": "assistant", "content": None, "tool_calls": [call]},
+         {"role": "tool", "tool_call_id": "k1", "content": result},
+         {"role": "assistant", "content": "ok"}],
+        turn_id="t-1",
+    )  # fmt: skip
+
+    documents = await backend.db[LEGACY_TURNS].find().to_list(None)
+    stored = await ConversationStore(backend.db).transcript("conv-json")
+    converted = convert(documents)
+
+    assert len(documents) == 1
+    assert converted.problems == []
+    assert visible(converted.messages) == visible(stored)
+    assert differences(from_legacy(parse_turns(documents)), from_messages(stored)) == []
 
 
 async def test_dual_write_keeps_a_text_cut_when_whole_it_would_not_fit_a_document(

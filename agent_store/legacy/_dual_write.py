@@ -12,7 +12,7 @@ from typing import Any
 from bson import Int64
 
 from agent_store.core import MAX_SAFE_INTEGER, AgentMessage, Usage
-from agent_store.legacy._documents import dumps
+from agent_store.legacy._documents import dumps, encodes
 
 
 def legacy_turn_id(conversation_id: str, turn_id: str) -> str:
@@ -22,17 +22,19 @@ def legacy_turn_id(conversation_id: str, turn_id: str) -> str:
 
 
 def _as_found(text: str | None, *, compact: bool) -> Any:
-    """JSON text as a value when the converter turns that value back into the very same
-    text, else the text itself: a round trip through the legacy format changes nothing."""
+    """JSON text as a value when BSON holds that value (`encodes`: no integer past int64, no
+    key holding NUL) and the converter turns it back into the very same text, else the text
+    itself, which the legacy format takes too: a round trip through the legacy format changes
+    nothing, and a turn's copy is always written."""
     if text is None:
         return None
     try:
         loaded = json.loads(text)
     except ValueError:
         return text
-    if isinstance(loaded, str) or dumps(loaded, compact=compact)[0] != text:
+    if isinstance(loaded, str) or not encodes(loaded):
         return text
-    return loaded
+    return loaded if dumps(loaded, compact=compact)[0] == text else text
 
 
 @dataclass
