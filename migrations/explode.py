@@ -59,6 +59,7 @@ from agent_store.legacy import (
     prompt_conversation,
     prompts_filter,
     scalar_filter,
+    sort_turns,
     stored_conversation_id,
     turns_known_as,
     with_session_prompts,
@@ -67,9 +68,12 @@ from agent_store.store import (
     CONVERSATIONS,
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
+    MAX_NAME_CHARS,
     MESSAGES,
     TurnRules,
     is_derived_id,
+    shorten,
+    shows_nothing,
 )
 from migrations import dual_writes, writes
 from migrations import problems as problem_report
@@ -413,8 +417,31 @@ def convert_batch(
     for item in converted:
         with_session_prompts(item.conversion, hitl.get(item.conversion.conversation_id, []))
     held_documents = [d for _, found in read + joined for d in found if id(d) in stored]
+    _named_by_copies(converted, held_documents)
     converted += live_only(db, held_documents, set(groups), rules, undated_at)
     return converted, failed, turns
+
+
+def _named_by_copies(converted: list[Converted], held: list[dict[str, Any]]) -> None:
+    """Give each conversion the name its held dual-written copies give it, when the last turn
+    naming one is a copy (a runtime's `name=` on a live turn): the conversion reads the
+    legacy turns only, and a second attempt after a rollback would otherwise rename the
+    conversation after an older turn (`dual_writes.differences` checks the same name)."""
+    copies: dict[str, list[LegacyTurn]] = {}
+    for turn in parse_turns(held):
+        copies.setdefault(turn.stored_conversation_id, []).append(turn)
+    for item in converted:
+        conversation = item.conversion.conversation
+        own = copies.get(item.conversion.conversation_id)
+        if conversation is None or not own:
+            continue
+        named = [t for t in sort_turns([*item.turns, *own]) if t.name]
+        if not named or not any(named[-1] is t for t in own):
+            continue
+        name = shorten(named[-1].name or "", MAX_NAME_CHARS)
+        if name and not shows_nothing(name):
+            update = {"name": name, "name_source": "runtime"}
+            item.conversion.conversation = conversation.model_copy(update=update)
 
 
 def live_only(

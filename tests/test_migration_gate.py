@@ -555,6 +555,7 @@ def log_live(
     *,
     dual_write: bool = False,
     at: datetime | None = None,
+    name: str | None = None,
 ) -> LoggedTurn:
     """A live turn (a question and its answer) logged by the new service's logger, with the
     dual write on if asked, its messages dated `at` by their caller if given."""
@@ -579,6 +580,7 @@ def log_live(
                 ],
                 user_id="u-1",
                 turn_id=turn_id,
+                name=name,
             )
         finally:
             await client.close()
@@ -2441,24 +2443,28 @@ def test_a_dual_written_turn_the_old_service_gave_another_owner_is_work_left(
 
 
 @pytest.mark.wire
-def test_a_conversation_the_old_service_renamed_on_a_dual_written_turn_is_work_left(
+def test_a_conversation_the_old_service_renamed_on_a_dual_written_turn_takes_the_name(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The old service names a conversation on its latest turn, here the dual-written copy of
     a live one: the name the legacy turns give it is that one (the last turn that has one),
-    which no run writes (a held copy is not converted). `finish` says so and refuses the
-    drop until the new service holds the name; a person's rename there passes (theirs)."""
+    and the second attempt gives it the conversation, though a held copy is not converted.
+    A document holding another (one the run did not write) is work left for `finish`, which
+    refuses the drop until the new service holds the name; a person's rename passes."""
     _rolled_back_with_a_live_turn(wire_uri, database)
     database[CONVERSATIONS].update_one(
         {"conversation_id": "c-1", "dual_write": True}, {"$set": {"name": "«RENAMED»"}}
     )
 
     assert cli(wire_uri, database, "run") == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"})["name"] == "«RENAMED»"  # type: ignore[index]
+    assert cli(wire_uri, database, "finish") == 0
+
+    database[CONVERSATIONS].update_one({"_id": "c-1"}, {"$set": {"name": "older"}})
     capsys.readouterr()
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
     assert "«RENAMED»" in capsys.readouterr().out
     assert database[LEGACY_TURNS].count_documents({}) == 3
-
     _as_a_person(wire_uri, database, lambda s: s.rename("c-1", "«RENAMED»", user_id="u-1"))
     assert cli(wire_uri, database, "finish") == 0
 
@@ -3969,3 +3975,23 @@ def test_a_copy_the_old_service_took_part_of_away_is_work_left(
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
     assert "«LIVE»" in capsys.readouterr().out
     assert database[LEGACY_TURNS].count_documents({}) == 3
+
+
+@pytest.mark.wire
+def test_a_runtimes_name_on_a_live_turn_outlives_a_rollback(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A live turn names the conversation (`name=`), and its dual-written copy carries the
+    name; after a rollback that edits nothing, the second attempt gives the conversation that
+    name again, and the gate passes."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-0", "c-1", 0, "OLD0"), legacy_turn("t-1", "c-1", 1, "OLD1")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»", dual_write=True, name="Trip plan")
+    roll_back(database, clear_messages=False)
+
+    assert cli(wire_uri, database, "run") == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"})["name"] == "Trip plan"  # type: ignore[index]
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
