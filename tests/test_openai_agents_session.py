@@ -348,8 +348,31 @@ async def limits(session: Session) -> list[Any]:
     ]
 
 
+async def limits_across_a_paused_call(session: Session) -> list[Any]:
+    """Two calls made at once, one answered, the run paused for the other's approval, then
+    resumed: items added as the SDK's Runner adds them."""
+    for items in (
+        [{"role": "user", "content": "Weather, and book the 09:04"}],
+        [{"type": "function_call", "call_id": "w1", "name": "weather", "arguments": "{}"},
+         {"type": "function_call", "call_id": "b1", "name": "book", "arguments": "{}"}],
+        [{"type": "function_call_output", "call_id": "w1", "output": "18C"}],
+        [{"type": "function_call_output", "call_id": "b1", "output": "booked"}],
+        [{"role": "assistant", "content": "Booked."}],
+    ):  # fmt: skip
+        await session.add_items(items)  # type: ignore[arg-type]
+    return [await session.get_items(limit=n) for n in range(1, 8)]
+
+
 @pytest.mark.parametrize(
-    "calls", [pop_twice_after_runs, pop_everything, pop_then_add, clear_then_add, limits]
+    "calls",
+    [
+        pop_twice_after_runs,
+        pop_everything,
+        pop_then_add,
+        clear_then_add,
+        limits,
+        limits_across_a_paused_call,
+    ],
 )
 async def test_the_session_answers_as_the_sdks_sqlite_session(
     backend: Backend, in_memory: SQLiteSession, calls: Calls

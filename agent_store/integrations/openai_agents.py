@@ -267,12 +267,24 @@ class ConversationSession:
         limit = resolve_session_limit(limit, self.session_settings)
         if limit is not None and limit <= 0:
             return []
-        messages = await self.store.recent_messages(
-            self.session_id, limit=limit, user_id=self.user_id
-        )
+        messages = await self._window(limit)
         messages = await self.store.with_native_forms(messages)
         items = items_from_messages(messages)
         return cast(list[TResponseInputItem], items[-limit:] if limit else items)
+
+    async def _window(self, limit: int | None) -> list[AgentMessage]:
+        """The last `limit` messages (all with None), reaching back, twice as far each time,
+        until they hold the call every result among them answers, or the first message: the
+        items are placed as the whole history places them (a result after its call), so the
+        last `limit` are those of the whole history."""
+        size = limit
+        while True:
+            found = await self.store.recent_messages(
+                self.session_id, limit=size, user_id=self.user_id
+            )
+            if size is None or len(found) < size or not _results_before(found):
+                return found
+            size *= 2
 
     async def add_items(self, items: list[TResponseInputItem]) -> None:
         """Store the items as one turn (idempotent when a failed call is repeated)."""
@@ -306,6 +318,12 @@ class ConversationSession:
         """Delete the conversation: its messages and its document."""
         with contextlib.suppress(NotFound):
             await self.store.delete(self.session_id, user_id=self.user_id)
+
+
+def _results_before(messages: list[AgentMessage]) -> bool:
+    """Whether some result among the messages answers a call they do not hold."""
+    calls = {call.id for m in messages for call in m.tool_calls or ()}
+    return any(m.role == "tool" and m.tool_call_id not in calls for m in messages)
 
 
 if TYPE_CHECKING:
