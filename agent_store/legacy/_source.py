@@ -143,12 +143,13 @@ class LegacyTurns:
             ids = [found[i]["_id"] for i in users_part(parsed, owner)]
             deleted = await self._turns.delete_many(_among(turns, ids)) if ids else None
             prompts = _prompts_filter(conversation_id, original)
-            theirs: dict[str, Any] = {"user_id": owner}
+            theirs: list[dict[str, Any]] = [{"user_id": None}]
             if owner is not None:
-                theirs = {"_id": {"$in": await _ids_naming(self._prompts, owner, prompts)}}
+                theirs = _among_ids(await _ids_naming(self._prompts, owner, prompts))
             if owner_of(parsed) == owner:
-                theirs = {"$or": [theirs, names_none("user_id")]}
-            await self._prompts.delete_many({"$and": [prompts, theirs]})
+                theirs.append(names_none("user_id"))
+            if theirs:
+                await self._prompts.delete_many({"$and": [prompts, {"$or": theirs}]})
         return int(deleted.deleted_count) if deleted is not None else 0
 
     async def _turns_of(self, conversation_id: str) -> dict[str, Any]:
@@ -202,27 +203,28 @@ class LegacyTurns:
                     if owner_of(parsed) == user_id:
                         owned.append(cid)
                         unnamed += [docs[i]["_id"] for i in users_part(parsed, user_id)]
-            query = {"_id": {"$in": [d["_id"] for d in naming] + unnamed}}
-            deleted = await self._turns.delete_many(query)
+            turns = [d["_id"] for d in naming] + unnamed
+            deleted = await self._turns.delete_many({"_id": {"$in": turns}}) if turns else None
             nobodys = names_none("user_id")
             prompts = [{"$and": [prompts_filter(str(id_text(cid))), nobodys]} for cid in owned]
-            named_prompts = {"_id": {"$in": await _ids_naming(self._prompts, user_id)}}
-            await self._prompts.delete_many({"$or": [named_prompts, *prompts]})
-        return int(deleted.deleted_count)
+            prompts += _among_ids(await _ids_naming(self._prompts, user_id))
+            if prompts:
+                await self._prompts.delete_many({"$or": prompts})
+        return int(deleted.deleted_count) if deleted is not None else 0
 
     async def claim(self, from_user_id: str, to_user_id: str) -> int:
         """Move the user's legacy turns, and the prompts naming the user, to another user id;
         how many turns moved."""
         with storage_errors("claim the legacy turns"):
-            turns = await _ids_naming(self._turns, from_user_id)
-            moved = await self._turns.update_many(
-                {"_id": {"$in": turns}}, {"$set": {"user_id": to_user_id}}
-            )
-            prompts = await _ids_naming(self._prompts, from_user_id)
-            await self._prompts.update_many(
-                {"_id": {"$in": prompts}}, {"$set": {"user_id": to_user_id}}
-            )
-        return int(moved.modified_count)
+            moved = 0
+            for collection in (self._turns, self._prompts):
+                ids = await _ids_naming(collection, from_user_id)
+                if ids:
+                    done = await collection.update_many(
+                        {"_id": {"$in": ids}}, {"$set": {"user_id": to_user_id}}
+                    )
+                    moved += int(done.modified_count) if collection is self._turns else 0
+        return moved
 
     async def prompt_resolved(self, conversation_id: str, request_id: str) -> None:
         """With `dual_write`, mark the conversation's `session_hitl` prompt `request_id`
@@ -398,6 +400,12 @@ async def _naming(
         query = {"$and": [scope, query]}
     found = await collection.find(query, {**fields, "user_id": 1}).to_list(None)
     return [d for d in found if user_named(d.get("user_id")) == user_id]
+
+
+def _among_ids(ids: list[Any]) -> list[dict[str, Any]]:
+    """A filter of the documents whose `_id` is one of `ids`, in a list (empty for none: a
+    query never sends an empty `$in`)."""
+    return [{"_id": {"$in": ids}}] if ids else []
 
 
 async def _ids_naming(
