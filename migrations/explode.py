@@ -428,7 +428,11 @@ def _named_by_copies(converted: list[Converted], held: list[dict[str, Any]]) -> 
     legacy turns only, and a second attempt after a rollback would otherwise rename the
     conversation after an older turn (`dual_writes.differences` checks the same name)."""
     copies: dict[str, list[LegacyTurn]] = {}
-    for turn in parse_turns(held):
+    for document in held:
+        try:
+            [turn] = parse_turns([document])
+        except InvalidInput:
+            continue  # a copy no model holds names nothing; `dual_writes.differences` says why
         copies.setdefault(turn.stored_conversation_id, []).append(turn)
     for item in converted:
         conversation = item.conversion.conversation
