@@ -48,7 +48,7 @@ from agent_store.legacy import (
     sort_turns,
     stored_conversation_id,
 )
-from agent_store.store import CONVERSATIONS, MAX_NAME_CHARS, MESSAGES, shorten, turn_key
+from agent_store.store import MAX_NAME_CHARS, MESSAGES, shorten, turn_key
 from migrations import full_texts
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.transcript import NO_CALL, Transcript, contains, from_legacy, from_messages
@@ -84,12 +84,13 @@ def held(db: Database[dict[str, Any]], documents: Sequence[Mapping[str, Any]]) -
 def differences(
     db: Database[dict[str, Any]],
     documents: Iterable[Mapping[str, Any]],
-    legacy: Mapping[str, Sequence[LegacyTurn]] | None = None,
+    legacy: Mapping[str, Sequence[LegacyTurn]],
+    conversations: Mapping[str, Mapping[str, Any]],
 ) -> dict[str, list[str]]:
     """For held dual-written turns: by conversation, each turn that converts to anything else
     than its stored messages hold (`_unheld`), and a name the latest of them gives their
     conversation that its document does not hold (`_unnamed`, read with the conversation's
-    `legacy` turns, by its id)."""
+    `legacy` turns and its document among the batch's `conversations`, by its id)."""
     turns: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     for document in documents:
         if (key := _turn(document)) is not None:
@@ -115,10 +116,8 @@ def differences(
                 f"({unheld}; the legacy service edited it after a rollback?): restore its "
                 "messages, or remove its `dual_write` mark so `run` migrates it as a legacy turn"
             )
-    documents_of = {d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": cids}})}
     for cid, by_turn in held.items():
-        named = (legacy or {}).get(cid, [])
-        if unnamed := _unnamed(named, by_turn, documents_of.get(cid)):
+        if unnamed := _unnamed(legacy.get(cid, []), by_turn, conversations.get(cid)):
             found.setdefault(cid, []).append(unnamed)
     return found
 
@@ -257,7 +256,7 @@ def deleted(
     db: Database[dict[str, Any]],
     held: Iterable[Mapping[str, Any]],
     stored: Mapping[str, Sequence[AgentMessage]],
-    epochs: Mapping[str, str | None],
+    conversations: Mapping[str, Mapping[str, Any]],
     since: datetime | None,
 ) -> dict[str, list[str]]:
     """The live turns stored in these conversations (`stored`, their messages by conversation)
@@ -266,7 +265,9 @@ def deleted(
     deleted the copy after a rollback (a person deleted the exchange), while the new store
     still serves it. A turn stored since is not (the dual write is unset at the end of the
     rollback window, and turns go on), nor one of another `epoch` than its conversation's (a
-    late insert of a conversation deleted under the id). A copy among the `held` ones is
+    late insert of a conversation deleted under the id). When a turn was stored is read from
+    its turn record on the conversation's document (`conversations`, with `epoch` and
+    `turns`), else its first message's time. A copy among the `held` ones is
     there; the others are looked up by the `_id` every dual write of a turn gives one of its
     documents (`legacy_turn_id`: a batch reading one spelling of a conversation stored under
     a derived id holds only the copies naming it so): one read, only when there are any."""
@@ -276,16 +277,14 @@ def deleted(
     uncopied = [
         (cid, turn_id, first)
         for cid, messages in stored.items()
-        for turn_id, first in _live_turns(messages, epochs.get(cid)).items()
+        for turn_id, first in _live_turns(messages, conversations.get(cid, {}).get("epoch")).items()
         if (cid, turn_id) not in copies
     ]
-    if not uncopied:
-        return {}
-    reserved = _reserved_at(db, {cid for cid, _, _ in uncopied})
+    reserved = {cid: _reserved_at(conversations.get(cid, {})) for cid, _, _ in uncopied}
     wanted = [
         (cid, turn_id)
         for cid, turn_id, first in uncopied
-        if reserved.get(cid, {}).get(turn_key(turn_id), first.created_at) < since
+        if reserved[cid].get(turn_key(turn_id), first.created_at) < since
     ]
     if not wanted:
         return {}
@@ -304,20 +303,15 @@ def deleted(
     return found
 
 
-def _reserved_at(db: Database[dict[str, Any]], cids: set[str]) -> dict[str, dict[int, datetime]]:
-    """When each turn the conversations still record was reserved, by turn key (`turn_key`):
-    the logger's clock, where its messages' times may be their caller's. One read."""
-    found: dict[str, dict[int, datetime]] = {}
-    for document in db[CONVERSATIONS].find({"_id": {"$in": sorted(cids)}}, {"turns": 1}):
-        records = document.get("turns")
-        found[document["_id"]] = {
-            int(record["k"]): to_utc_millis(record["a"])
-            for record in (records if isinstance(records, list) else ())
-            if isinstance(record, Mapping)
-            and "k" in record
-            and isinstance(record.get("a"), datetime)
-        }
-    return found
+def _reserved_at(conversation: Mapping[str, Any]) -> dict[int, datetime]:
+    """When each turn the conversation document still records was reserved, by turn key
+    (`turn_key`): the logger's clock, where its messages' times may be their caller's."""
+    records = conversation.get("turns")
+    return {
+        int(record["k"]): to_utc_millis(record["a"])
+        for record in (records if isinstance(records, list) else ())
+        if isinstance(record, Mapping) and "k" in record and isinstance(record.get("a"), datetime)
+    }
 
 
 def _live_turns(messages: Sequence[AgentMessage], epoch: str | None) -> dict[str, AgentMessage]:

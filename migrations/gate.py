@@ -451,11 +451,12 @@ def _check_batch(
     gate.conversations += len(failed)
     gate.left += [WorkLeft(p.conversation_id, [f"cannot be converted: {p.detail}"]) for p in failed]
     legacy = {c.conversion.conversation_id: c.turns for c in converted}
-    dual = dual_writes.differences(db, held, legacy)
     messages = full_texts.stored_messages(db, [c.conversion.conversation_id for c in converted])
     stored = _stored(db, converted, messages)
-    epochs = {cid: d.get("epoch") for cid, d in stored.conversations.items()}
-    for cid, found in dual_writes.deleted(db, held, messages, epochs, moved_at).items():
+    dual = dual_writes.differences(db, held, legacy, stored.conversations)
+    for cid, found in dual_writes.deleted(
+        db, held, messages, stored.conversations, moved_at
+    ).items():
         dual.setdefault(cid, []).extend(found)
     for item in converted:
         gate.conversations += 1

@@ -39,6 +39,11 @@ class Verification:
         return not self.differences
 
 
+_DOCUMENT_READ = {"popped_messages": 1, "epoch": 1, "turns": 1, "name": 1, "name_source": 1}
+"""What `verify` reads of a conversation document: its pops, and what the checks of its held
+dual-written turns read (`dual_writes.differences`, `dual_writes.deleted`)."""
+
+
 def sample(ids: Iterator[Any], size: int, seed: int) -> list[Any]:
     """A uniform sample of a stream of unknown length, in memory of `size` (reservoir)."""
     chosen: list[Any] = []
@@ -98,17 +103,13 @@ def verify(
             result.conversations += 1
             result.differences[problem.conversation_id] = [f"cannot be converted: {problem.detail}"]
         legacy = {c.conversion.conversation_id: c.turns for c in converted}
-        dual = dual_writes.differences(db, held, legacy)
         checked = [c.conversion.conversation_id for c in converted]
         stored = full_texts.stored_messages(db, checked)
         documents = {
-            d["_id"]: d
-            for d in db[CONVERSATIONS].find(
-                {"_id": {"$in": checked}}, {"popped_messages": 1, "epoch": 1}
-            )
+            d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": checked}}, _DOCUMENT_READ)
         }
-        epochs = {cid: d.get("epoch") for cid, d in documents.items()}
-        for cid, deleted in dual_writes.deleted(db, held, stored, epochs, moved_at).items():
+        dual = dual_writes.differences(db, held, legacy, documents)
+        for cid, deleted in dual_writes.deleted(db, held, stored, documents, moved_at).items():
             dual.setdefault(cid, []).extend(deleted)
         for item in converted:
             conversation_id = item.conversion.conversation_id
