@@ -48,7 +48,7 @@ from agent_store.legacy import (
     sort_turns,
     stored_conversation_id,
 )
-from agent_store.store import MAX_NAME_CHARS, MESSAGES, shorten, turn_key
+from agent_store.store import MAX_NAME_CHARS, MESSAGES, shorten, shows_nothing, turn_key
 from migrations import full_texts
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.transcript import NO_CALL, Transcript, contains, from_legacy, from_messages
@@ -122,6 +122,20 @@ def differences(
     return found
 
 
+def copy_naming(
+    legacy: Sequence[LegacyTurn], copies: Sequence[LegacyTurn]
+) -> tuple[LegacyTurn, str] | None:
+    """The held dual-written copy that names its conversation, and the name as a conversation
+    holds it (`shorten`): the last turn naming it (legacy or copy, `sort_turns`), when that is
+    one of the `copies` and its name shows something; else None (the converter's own rule
+    names it from the legacy turns)."""
+    named = [t for t in sort_turns([*legacy, *copies]) if t.name]
+    if not named or not any(named[-1] is t for t in copies):
+        return None
+    name = shorten(named[-1].name or "", MAX_NAME_CHARS)
+    return None if shows_nothing(name) else (named[-1], name)
+
+
 def _unnamed(
     legacy: Sequence[LegacyTurn],
     held: Mapping[str, Sequence[LegacyTurn]],
@@ -134,15 +148,13 @@ def _unnamed(
     the conversation since (`name_source` "set": theirs, as a rerun keeps it)."""
     if document is None or document.get("name_source") == "set":
         return ""
-    copies = {id(t): turn_id for turn_id, group in held.items() for t in group}
-    named = [t for t in sort_turns([*legacy, *(t for g in held.values() for t in g)]) if t.name]
-    if not named or id(named[-1]) not in copies:
+    found = copy_naming(legacy, [t for group in held.values() for t in group])
+    if found is None or found[1] == document.get("name"):
         return ""
-    wanted = shorten(named[-1].name or "", MAX_NAME_CHARS) or None
-    if wanted == document.get("name"):
-        return ""
+    turn, wanted = found
+    turn_id = next(tid for tid, group in held.items() if any(t is turn for t in group))
     return (
-        f"the dual-written turn {copies[id(named[-1])]!r} names the conversation {wanted!r}, "
+        f"the dual-written turn {turn_id!r} names the conversation {wanted!r}, "
         f"its conversation document {document.get('name')!r} (the legacy service renamed it "
         "after a rollback?): rename it on the new service, or restore the turn's name"
     )

@@ -59,7 +59,6 @@ from agent_store.legacy import (
     prompt_conversation,
     prompts_filter,
     scalar_filter,
-    sort_turns,
     stored_conversation_id,
     turns_known_as,
     with_session_prompts,
@@ -68,12 +67,9 @@ from agent_store.store import (
     CONVERSATIONS,
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
-    MAX_NAME_CHARS,
     MESSAGES,
     TurnRules,
     is_derived_id,
-    shorten,
-    shows_nothing,
 )
 from migrations import dual_writes, writes
 from migrations import problems as problem_report
@@ -426,7 +422,8 @@ def _named_by_copies(converted: list[Converted], held: list[dict[str, Any]]) -> 
     """Give each conversion the name its held dual-written copies give it, when the last turn
     naming one is a copy (a runtime's `name=` on a live turn): the conversion reads the
     legacy turns only, and a second attempt after a rollback would otherwise rename the
-    conversation after an older turn (`dual_writes.differences` checks the same name)."""
+    conversation after an older turn (`dual_writes.copy_naming`, the rule `differences`
+    checks the document by)."""
     copies: dict[str, list[LegacyTurn]] = {}
     for document in held:
         try:
@@ -439,12 +436,8 @@ def _named_by_copies(converted: list[Converted], held: list[dict[str, Any]]) -> 
         own = copies.get(item.conversion.conversation_id)
         if conversation is None or not own:
             continue
-        named = [t for t in sort_turns([*item.turns, *own]) if t.name]
-        if not named or not any(named[-1] is t for t in own):
-            continue
-        name = shorten(named[-1].name or "", MAX_NAME_CHARS)
-        if name and not shows_nothing(name):
-            update = {"name": name, "name_source": "runtime"}
+        if (found := dual_writes.copy_naming(item.turns, own)) is not None:
+            update = {"name": found[1], "name_source": "runtime"}
             item.conversion.conversation = conversation.model_copy(update=update)
 
 
