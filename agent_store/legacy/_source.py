@@ -99,7 +99,7 @@ class LegacyTurns:
         with storage_errors("read the pending prompt"):
             prompts = await self._prompts.find(prompts_filter(conversation_id)).to_list(None)
         if user_id is not None:
-            prompts = [p for p in prompts if _names_user(p) in (None, user_id)]
+            prompts = [p for p in prompts if user_named(p.get("user_id")) in (None, user_id)]
         conversion = with_session_prompts(conversion, prompts)
         assert conversion.conversation is not None
         return FallbackConversation(conversion.conversation, conversion.messages)
@@ -375,11 +375,6 @@ def _prompts_filter(conversation_id: str, original: str | None) -> dict[str, Any
     if original is None:
         return prompts_filter(conversation_id)
     return {"$or": [prompts_filter(conversation_id), prompts_filter(original)]}
-
-
-def _names_user(prompt: dict[str, Any]) -> str | None:
-    """The user a `session_hitl` prompt names, as a turn's is read (`user_named`)."""
-    return user_named(prompt.get("user_id"))
 
 
 def _conversations_named(turns: list[dict[str, Any]]) -> list[Any]:
