@@ -141,7 +141,8 @@ class LegacyTurns:
             found = await self._turns.find(turns, fields).to_list(None)
             parsed = parse_turns(found)
             ids = [found[i]["_id"] for i in users_part(parsed, owner)]
-            deleted = await self._turns.delete_many(_among(turns, ids)) if ids else None
+            among = {"$and": [turns, *_among_ids(ids)]}
+            deleted = await self._turns.delete_many(among) if ids else None
             prompts = _prompts_filter(conversation_id, original)
             theirs: list[dict[str, Any]] = [{"user_id": None}]
             if owner is not None:
@@ -408,8 +409,3 @@ async def _ids_naming(
 ) -> list[Any]:
     """The `_id`s of `_naming`'s documents."""
     return [d["_id"] for d in await _naming(collection, user_id, {"_id": 1}, scope)]
-
-
-def _among(turns: dict[str, Any], ids: list[Any]) -> dict[str, Any]:
-    """The turns of `turns` (a filter) whose `_id` is one of `ids`."""
-    return {"$and": [turns, {"_id": {"$in": ids}}]}
