@@ -977,11 +977,27 @@ async def test_erasing_the_owner_of_a_legacy_conversation_leaves_another_users_t
     assert [p["_id"] for p in await backend.db[SESSION_HITL].find().to_list(None)] == ["p-victim"]
 
 
-NUMBERED = pytest.mark.parametrize("named_as", [42, bson.Int64(42)], ids=["int32", "int64"])
+OBJECT_ID = bson.ObjectId("64b000000000000000000042")
+NAMED_BY_ANY_VALUE = pytest.mark.parametrize(
+    ("named_as", "user"),
+    [
+        (42, "42"),
+        (bson.Int64(42), "42"),
+        (42.0, "42.0"),
+        (42.5, "42.5"),
+        (True, "True"),
+        (bson.Decimal128("42.5"), "42.5"),
+        (bson.Code("u1"), "u1"),
+        (OBJECT_ID, str(OBJECT_ID)),
+    ],
+    ids=["int32", "int64", "double", "fraction", "bool", "decimal128", "code", "object-id"],
+)
+"""Values the old service may have stored as `user_id`, each read as the user its text is."""
 
 
-async def numbered_users_legacy_turn(backend: Backend, named_as: Any) -> None:
-    """A legacy turn and its prompt naming user "42" by a number, as the old service wrote."""
+async def legacy_turn_naming(backend: Backend, named_as: Any) -> None:
+    """A legacy turn and its prompt naming a user by a value that is not text, as the old
+    service may have written it."""
     await backend.db[LEGACY_TURNS].insert_one(
         {"_id": "lt-42", "conversation_id": "conv-n", "user_id": named_as,
          "user_message": "my medical history",
@@ -993,31 +1009,47 @@ async def numbered_users_legacy_turn(backend: Backend, named_as: Any) -> None:
     )  # fmt: skip
 
 
-@NUMBERED
-async def test_a_user_named_by_a_number_is_erased_from_the_legacy_turns_its_token_reads(
-    backend: Backend, named_as: Any
+@NAMED_BY_ANY_VALUE
+async def test_a_user_named_by_any_value_is_erased_from_the_legacy_turns_its_token_reads(
+    backend: Backend, named_as: Any, user: str
 ) -> None:
-    await numbered_users_legacy_turn(backend, named_as)
+    await legacy_turn_naming(backend, named_as)
     _, store = wired(backend)
-    read = await store.transcript("conv-n", user_id="42")
+    read = await store.transcript("conv-n", user_id=user)
     assert [m.content for m in read] == ["my medical history", "ok"]
 
-    await store.erase_user("42")
+    await store.erase_user(user)
 
     assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
     assert await backend.db[SESSION_HITL].count_documents({}) == 0
     with pytest.raises(NotFound):
-        await store.transcript("conv-n", user_id="42")
+        await store.transcript("conv-n", user_id=user)
 
 
-@NUMBERED
-async def test_a_user_named_by_a_number_deletes_its_legacy_conversation_with_its_prompt(
-    backend: Backend, named_as: Any
+@NAMED_BY_ANY_VALUE
+async def test_a_user_named_by_any_value_deletes_its_legacy_conversation_with_its_prompt(
+    backend: Backend, named_as: Any, user: str
 ) -> None:
-    await numbered_users_legacy_turn(backend, named_as)
+    await legacy_turn_naming(backend, named_as)
     _, store = wired(backend)
 
-    deleted = await store.delete("conv-n", user_id="42")
+    deleted = await store.delete("conv-n", user_id=user)
 
     assert deleted.legacy_turns == 1
     assert await backend.db[SESSION_HITL].count_documents({}) == 0
+
+
+@NAMED_BY_ANY_VALUE
+async def test_a_claim_moves_the_legacy_turns_and_prompts_naming_the_user_by_any_value(
+    backend: Backend, named_as: Any, user: str
+) -> None:
+    await legacy_turn_naming(backend, named_as)
+    _, store = wired(backend)
+
+    claimed = await store.claim(user, "user-claimed")
+
+    assert claimed.legacy_turns == 1
+    read = await store.transcript("conv-n", user_id="user-claimed")
+    assert [m.content for m in read] == ["my medical history", "ok"]
+    with pytest.raises(NotFound):
+        await store.transcript("conv-n", user_id=user)

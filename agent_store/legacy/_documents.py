@@ -597,12 +597,19 @@ _INTEGER_TEXT = re.compile(r"-?(0|[1-9][0-9]{0,18})")
 
 def user_values(user_id: str) -> list[Any]:
     """The stored `user_id` values a legacy turn or prompt may name `user_id` by, as
-    `user_named` reads them: the text, and the integer or the ObjectId whose text it is. A
-    query by them finds more (a number matches the double of its value, whose text is
-    another): keep of what it finds what `user_named` reads as the user."""
-    values: list[Any] = [user_id]
-    if _INTEGER_TEXT.fullmatch(user_id) and -(2**63) <= int(user_id) < 2**63:
+    `user_named` reads them (any value's `str()`): the text, as text and as JavaScript code,
+    and the integer, double, yes/no, Decimal128 or ObjectId whose text it is. A query by
+    them finds more (a number matches the double of its value, whose text is another): keep
+    of what it finds what `user_named` reads as the user."""
+    values: list[Any] = [user_id, Code(user_id)]
+    if _INTEGER_TEXT.fullmatch(user_id) and _in_int64(int(user_id)):
         values.append(int(user_id))
+    if user_id in ("True", "False"):
+        values.append(user_id == "True")
+    for number_type in (float, Decimal128):
+        with contextlib.suppress(ValueError, ArithmeticError, TypeError):
+            if str(number := number_type(user_id)) == user_id:
+                values.append(number)
     if ObjectId.is_valid(user_id) and str(ObjectId(user_id)) == user_id:
         values.append(ObjectId(user_id))
     return values
