@@ -2237,6 +2237,8 @@ async def test_a_deleted_conversations_late_message_is_served_by_no_read_of_the_
         "recent_messages(limit)": await store.recent_messages("c-again", limit=5),
         "messages_page": (await store.messages_page("c-again")).data,
         "messages_page(desc)": (await store.messages_page("c-again", order="desc")).data,
+        "messages_by_seq": await store.messages_by_seq("c-again"),
+        "messages_by_seq(limit)": await store.messages_by_seq("c-again", limit=5),
     }
 
     assert {name: [m.content for m in read] for name, read in reads.items()} == {

@@ -758,7 +758,9 @@ class ConversationStore:
             found = found.limit(limit)
         with storage_errors("read messages"):
             docs = await found.to_list(None)
-        return messages_adapter.validate_python(docs)
+        return messages_adapter.validate_python(
+            await self._of_one_life(query["conversation_id"], docs)
+        )
 
     async def messages_page(
         self,
