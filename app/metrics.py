@@ -19,6 +19,12 @@ STORAGE_ERROR_CODES = frozenset({"storage_failure", "storage_unavailable", "unsu
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+HTTP_METHODS = frozenset(
+    {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"}
+)
+"""The methods counted under their own name (RFC 9110 and PATCH); case matters in HTTP."""
+
+
 class ServiceMetrics:
     """The counters and the latency histogram of one application."""
 
@@ -68,8 +74,10 @@ class ServiceMetrics:
         )
 
     def request_answered(self, method: str, route: str, status: int, seconds: float) -> None:
-        """Count one answered request and its latency."""
-        labels = (method, route, str(status))
+        """Count one answered request and its latency, a method HTTP does not define as
+        `other`: a client names any method it likes, and each label value is a series kept
+        for good."""
+        labels = (method if method in HTTP_METHODS else "other", route, str(status))
         self.requests.labels(*labels).inc()
         self.latency.labels(*labels).observe(seconds)
 

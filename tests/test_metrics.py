@@ -76,6 +76,23 @@ async def test_metrics_count_requests_by_route_and_status_with_their_latency(api
     )
 
 
+async def test_a_made_up_method_is_counted_as_other_so_no_request_adds_series(
+    api: Served,
+) -> None:
+    """Anyone may send any method name, without a token: were it a label value, each new
+    one would add series to every scrape and to the process's memory for good."""
+    for number in range(20):
+        await api.http.request(f"M{number}", "/health")
+    await api.http.get("/health")
+
+    samples = await scrape(api)
+
+    methods = {dict(pairs).get("method") for (_, pairs) in samples} - {None}
+    assert methods == {"GET", "other"}
+    made_up = {"method": "other", "route": "/health", "status": "405"}
+    assert value(samples, "agent_store_http_requests_total", **made_up) == 20
+
+
 async def test_metrics_count_turns_messages_replays_conflicts_and_truncations(api: Served) -> None:
     url = "/v1/conversations/conv-metrics/turns"
     big = "x" * 20_000  # over max_message_bytes: stored cut
