@@ -182,7 +182,7 @@ def _unheld(
     transcript = from_messages(messages)
     if not contains(transcript, legacy):
         return "; ".join(transcript_differences(legacy, transcript)[:3])
-    if removed := _removed(legacy, transcript):
+    if removed := _removed(legacy, transcript) or _earlier_answers_gone(conversion, messages):
         return removed
     if owner := _owner(conversion, messages):
         return owner
@@ -210,6 +210,23 @@ def _removed(legacy: Transcript, stored: Transcript) -> str:
     return f"its stored messages hold what the copy no longer does: {shown}"
 
 
+def _earlier_answers_gone(conversion: LegacyConversion, messages: Sequence[AgentMessage]) -> str:
+    """`_removed` for the results of an earlier turn's calls, which the copy converted alone
+    holds as unplaced results: those its stored messages hold that the copy no longer does,
+    for a person; "" when none (a redacted result would go on being served)."""
+    calls = {call.id for m in messages for call in m.tool_calls or ()}
+    stored = Counter(
+        (m.tool_call_id, m.content)
+        for m in messages
+        if m.role == "tool" and m.tool_call_id not in calls
+    )
+    kept = Counter(_answer(p) for p in conversion.problems if p.kind == "unplaced_tool_result")
+    gone = [repr((content or "")[:80]) for _, content in (stored - kept).elements()]
+    if not gone:
+        return ""
+    return f"its stored messages hold results the copy no longer does: {'; '.join(gone[:3])}"
+
+
 def _owner(conversion: LegacyConversion, messages: Sequence[AgentMessage]) -> str:
     """Whether the user the turn names (the owner it converts to) is the one its stored
     messages carry, for a person; "" when it is, or when it names none (the converter takes
@@ -228,9 +245,14 @@ def _earlier_answer(problem: Problem, messages: Sequence[AgentMessage]) -> bool:
     keeps such a result in the turn that logged it."""
     if problem.kind != "unplaced_tool_result":
         return False
-    part = normalize_part(problem.content)
-    answer = (part.tool_call_id, result_text(part)[0])
+    answer = _answer(problem)
     return any((m.tool_call_id, m.content) == answer for m in messages if m.role == "tool")
+
+
+def _answer(problem: Problem) -> tuple[str | None, str | None]:
+    """The call id and result text of an unplaced result, as a stored tool message holds them."""
+    part = normalize_part(problem.content)
+    return part.tool_call_id, result_text(part)[0]
 
 
 def _usage(messages: Sequence[AgentMessage]) -> tuple[int, int]:

@@ -3977,6 +3977,66 @@ def test_a_copy_the_old_service_took_part_of_away_is_work_left(
     assert database[LEGACY_TURNS].count_documents({}) == 3
 
 
+def log_live_call_answered_later(wire_uri: str, database: Database[dict[str, Any]]) -> None:
+    """Two live turns of "c-1", dual-written: A makes a call, B logs its result (a secret)
+    and the answer. B's copy holds a result that no call of B answers."""
+
+    async def log() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        db = client[database.name]
+        logger = AgentMessageLogger(db, observers=[LegacyTurns(db, dual_write=True)])
+        call = {"id": "call-9", "function": {"name": "book", "arguments": "{}"}}
+        try:
+            await logger.log_messages(
+                "c-1", [{"role": "user", "content": "Book it"},
+                        {"role": "assistant", "tool_calls": [call]}],
+                user_id="u-1", turn_id="live-A",
+            )  # fmt: skip
+            await logger.log_messages(
+                "c-1", [{"role": "user", "content": "yes"},
+                        {"role": "tool", "tool_call_id": "call-9", "content": "«SECRET RESULT»"},
+                        {"role": "assistant", "content": "booked"}],
+                user_id="u-1", turn_id="live-B",
+            )  # fmt: skip
+        finally:
+            await client.close()
+
+    asyncio.run(log())
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("redacted", [False, True], ids=["kept", "redacted"])
+def test_a_result_of_an_earlier_calls_taken_out_of_its_copy_is_work_left(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    redacted: bool,
+) -> None:
+    """A live turn logs the result of the call an earlier live turn made; after a rollback a
+    person takes that result out of the turn's copy on the old service (a redaction). Its
+    stored messages would go on serving it: work left. The copy left whole passes."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-1", 0, "OLD0"))
+    assert cli(wire_uri, database, "run") == 0
+    log_live_call_answered_later(wire_uri, database)
+    roll_back(database, clear_messages=False)
+    if redacted:
+        copy = database[CONVERSATIONS].find_one({"dual_write": True, "turn_id": "live-B"})
+        assert copy is not None
+        parts = [p for p in copy["response_parts"] if "SECRET" not in json.dumps(p)]
+        assert len(parts) < len(copy["response_parts"])
+        database[CONVERSATIONS].update_one(
+            {"_id": copy["_id"]}, {"$set": {"response_parts": parts}}
+        )
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    expected = 1 if redacted else 0
+    assert cli(wire_uri, database, "verify") == expected
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == expected
+    assert ("«SECRET RESULT»" in capsys.readouterr().out) is redacted
+    assert (database[LEGACY_TURNS].count_documents({}) == 3) is redacted
+
+
 @pytest.mark.wire
 def test_a_runtimes_name_on_a_live_turn_outlives_a_rollback(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
