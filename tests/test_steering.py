@@ -605,6 +605,34 @@ async def test_a_fork_of_more_messages_than_a_turn_holds_is_refused_saying_so() 
     assert len(forked.messages) == MAX_MESSAGES_PER_TURN
 
 
+async def test_a_fork_making_more_calls_than_a_turn_may_is_refused_naming_where_to_fork() -> None:
+    """A fork copies its messages as one turn, whose reservation names every call it makes:
+    past `MAX_TURN_TOOL_CALLS` it is refused as a fork, naming the last `seq` that fits."""
+    from mongomock_motor import AsyncMongoMockClient
+
+    from agent_store.store import MAX_TURN_TOOL_CALLS
+
+    db = AsyncMongoMockClient()["calls"]
+    logger = AgentMessageLogger(db)
+    per_message = MAX_TURN_TOOL_CALLS // 10
+    for n in range(3):  # seqs 6n (the question) to 6n + 5, each turn half as many calls as one may
+        said: list[dict[str, Any]] = [{"role": "user", "content": f"go {n}"}]
+        for m in range(5):
+            calls = [{"id": f"t{n}-{m}-{c}", "function": {"name": "f"}} for c in range(per_message)]
+            said.append({"role": "assistant", "tool_calls": calls})
+        await logger.log_messages(CID, said, turn_id=f"t{n}")
+
+    with pytest.raises(InvalidInput) as refused:
+        await logger.fork(CID, 17, "fork-calls")
+
+    assert str(refused.value) == (
+        f"a fork copies at most {MAX_TURN_TOOL_CALLS:,} tool calls; at_seq 17 would copy "
+        f"{15 * per_message:,}: fork at seq 12 or before"
+    )
+    assert await db[CONVERSATIONS].find_one({"_id": "fork-calls"}) is None
+    assert len((await logger.fork(CID, 12, "fork-calls")).messages) == 13
+
+
 async def test_a_fork_holding_more_whole_text_than_it_may_read_at_once_is_refused(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

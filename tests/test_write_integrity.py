@@ -21,7 +21,7 @@ from agent_store import (
     SteeringInbox,
     TurnRules,
 )
-from agent_store.store import CONVERSATIONS, MESSAGES
+from agent_store.store import CONVERSATIONS, MESSAGES, PENDING_CALLS_KEPT
 from tests.conftest import COUNTED, Backend
 
 CID = "conv-integrity"
@@ -907,3 +907,38 @@ async def test_a_retry_that_stores_later_times_than_its_first_attempt_moves_upda
     conversation = await check_conversation(backend.db)
     latest = max(m.created_at for m in retried.messages)
     assert conversation["updated_at"].replace(tzinfo=UTC) == latest
+
+
+def calls_turn(messages: int, calls_each: int, prefix: str = "c") -> list[dict[str, Any]]:
+    """A question and `messages` assistant messages of `calls_each` calls each, their ids and
+    names as long as a message takes (200 and 256 characters)."""
+
+    def call(m: int, c: int) -> dict[str, Any]:
+        named = f"{prefix}{m}-{c}-".ljust(200, "x")
+        return {"id": named, "function": {"name": "n" * 256, "arguments": "{}"}}
+
+    made = [
+        {"role": "assistant", "tool_calls": [call(m, c) for c in range(calls_each)]}
+        for m in range(messages)
+    ]
+    return [{"role": "user", "content": "run them all"}, *made]
+
+
+async def test_a_turn_making_the_most_calls_a_turn_may_is_stored_and_one_more_is_refused(
+    backend: Backend,
+) -> None:
+    """Every call a turn makes is named by its reservation, one command of 16 MiB at most:
+    `MAX_TURN_TOOL_CALLS` with the longest ids and names fit; one call more is refused before
+    any write, saying what to change (it was a 'document is too large' after 14,000)."""
+    logger = AgentMessageLogger(backend.db)
+
+    logged = await logger.log_messages(CID, calls_turn(10, 1000), user_id="u-1", turn_id="t-1")
+    assert len(logged.messages) == 11
+    with pytest.raises(InvalidInput, match=r"10,001 tool calls; one turn makes at most 10,000"):
+        await logger.log_messages(
+            CID, [*calls_turn(10, 1000), calls_turn(1, 1, "d")[1]], user_id="u-1", turn_id="t-2"
+        )
+
+    conversation = await check_conversation(backend.db)
+    assert conversation["message_count"] == 11
+    assert len(conversation["pending_calls"]) == PENDING_CALLS_KEPT

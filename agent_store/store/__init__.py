@@ -99,6 +99,7 @@ from agent_store.store._truncation import (
 )
 from agent_store.store._turns import (
     MAX_MESSAGES_PER_TURN,
+    MAX_TURN_TOOL_CALLS,
     PENDING_CALLS_KEPT,
     KeepPendingHitl,
     TurnPlan,
@@ -136,6 +137,7 @@ __all__ = [
     "MAX_NAME_CHARS",
     "MAX_PAGE_SIZE",
     "MAX_SEARCH_QUERY_CHARS",
+    "MAX_TURN_TOOL_CALLS",
     "MESSAGES",
     "MIGRATED_TURN_PREFIX",
     "PENDING_CALLS_KEPT",

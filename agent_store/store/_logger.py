@@ -103,6 +103,7 @@ from agent_store.store._text import clean_name
 from agent_store.store._turns import (
     GAPS_READ,
     MAX_MESSAGES_PER_TURN,
+    MAX_TURN_TOOL_CALLS,
     Gaps,
     TurnPlan,
     TurnRules,
@@ -111,6 +112,7 @@ from agent_store.store._turns import (
     message_id,
     plan_turn,
     records_text_hashes,
+    tool_calls_made,
     turn_key,
     validate_identifier,
     without_text_hashes,
@@ -1377,7 +1379,8 @@ def _refuse_too_large_a_fork(
     messages: Sequence[AgentMessage], chosen: Sequence[AgentMessage], at_seq: int
 ) -> None:
     """A fork copies its messages as one turn, their whole texts read back at once: at most
-    `MAX_MESSAGES_PER_TURN` messages and `MAX_FORK_WHOLE_TEXT_CHARS` of whole texts, refused
+    `MAX_MESSAGES_PER_TURN` messages, `MAX_TURN_TOOL_CALLS` tool calls and
+    `MAX_FORK_WHOLE_TEXT_CHARS` of whole texts, refused
     as a fork before any whole text is read, naming the last `seq` whose fork, moved past its
     calls' results as every fork is, fits (`last_fitting_fork`: never a call whose results lie
     past the limit, whose fork would be refused again), or saying that none does."""
@@ -1396,6 +1399,11 @@ def _too_large(chosen: Sequence[AgentMessage], at_seq: int) -> str | None:
         return (
             f"a fork copies at most {MAX_MESSAGES_PER_TURN} messages; at_seq {at_seq} would "
             f"copy {len(chosen)}"
+        )
+    if (made := tool_calls_made(chosen)) > MAX_TURN_TOOL_CALLS:
+        return (
+            f"a fork copies at most {MAX_TURN_TOOL_CALLS:,} tool calls; at_seq {at_seq} would "
+            f"copy {made:,}"
         )
     whole = 0
     for message in chosen:

@@ -796,7 +796,8 @@ def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
         }
         held = {"$filter": {"input": answered(True), "as": "call", "cond": was_held}}
         hitl = {"$cond": [{"$gt": [{"$size": held}, 0]}, None, hitl]}
-    opened = literal([call.model_dump() for call in plan.opened_calls])
+    # Only the newest `PENDING_CALLS_KEPT` are kept: the command names no more of them.
+    opened = literal([call.model_dump() for call in plan.opened_calls[-PENDING_CALLS_KEPT:]])
     left = _holding_named(_held_by(answered(False), plan.holds_pending), plan.named_holds)
     kept = {"$slice": [{"$concatArrays": [left, opened]}, -PENDING_CALLS_KEPT]}
     return {"pending_calls": kept, "pending_hitl": hitl}

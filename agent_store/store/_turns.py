@@ -59,6 +59,9 @@ from agent_store.store._values import check_time, storable
 _identifier: TypeAdapter[str] = TypeAdapter(Identifier)
 
 MAX_MESSAGES_PER_TURN = 1000
+MAX_TURN_TOOL_CALLS = 10_000
+"""The tool calls one turn (or one fork) makes at most: its reservation names each of them,
+in one command that must stay within MongoDB's 16 MiB whatever their ids and names."""
 PENDING_CALLS_KEPT = 100
 """A conversation lists at most this many pending calls; older ones are dropped from the list.
 
@@ -672,7 +675,17 @@ def _check_whole(
                 f"{message.conversation_id!r}, not {conversation_id!r}"
             )
     if not copied:  # copies of stored messages were checked turn by turn as they were logged
+        if (made := tool_calls_made(messages)) > MAX_TURN_TOOL_CALLS:
+            raise InvalidInput(
+                f"invalid turn: {made:,} tool calls; one turn makes at most "
+                f"{MAX_TURN_TOOL_CALLS:,} (log them over several turns)"
+            )
         _check_tool_pairing(messages)
+
+
+def tool_calls_made(messages: Sequence[AgentMessage]) -> int:
+    """How many tool calls the messages make."""
+    return sum(len(m.tool_calls or ()) for m in messages)
 
 
 def count_turn_starts(messages: Sequence[AgentMessage]) -> int:
