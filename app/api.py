@@ -169,11 +169,21 @@ def _inbox(call: Call[Any, Any]) -> SteeringInbox:
     return SteeringInbox(call.store.logger)
 
 
+def _only_the_runtime(call: Call[Any, Any], action: str) -> None:
+    """The steering inbox is the running turn's, opened and closed by its runtime (a
+    service): a person's token opening inboxes would keep the runtime from opening one
+    (`TurnRules.open_inboxes`), closing one would stop the person's own steering."""
+    if call.scope is not None:
+        raise Forbidden(
+            f"a steering inbox is its running turn's: only a service (the runtime, without a "
+            f"user token) may {action} one; a user token delivers into it and reads it"
+        )
+
+
 async def open_inbox(call: Call[NoQuery, NoBody]) -> Response:
+    _only_the_runtime(call, "open")
     turn_id = call.path["turn_id"]
-    await _inbox(call).open_turn(
-        call.conversation_id, turn_id, user_id=call.scope, owner_only=call.scope is not None
-    )
+    await _inbox(call).open_turn(call.conversation_id, turn_id)
     return _json(InboxOpened(conversation_id=call.conversation_id, turn_id=turn_id))
 
 
@@ -215,8 +225,9 @@ async def drain_inbox(call: Call[InboxQuery, NoBody]) -> Response:
 
 
 async def close_inbox(call: Call[NoQuery, CloseInboxBody]) -> Response:
+    _only_the_runtime(call, "close")
     late = await _inbox(call).close_inbox(
-        call.conversation_id, call.path["turn_id"], call.body.last_seen_seq, user_id=call.scope
+        call.conversation_id, call.path["turn_id"], call.body.last_seen_seq
     )
     return _json(InboxClosing(closed=not late, data=late))
 
@@ -391,10 +402,10 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "POST",
         f"{CONVERSATION}/turns/{{turn_id}}/inbox",
         open_inbox,
-        "Open the steering inbox of a running turn (idempotent)",
+        "Open the steering inbox of a running turn (idempotent; a service only)",
         "live",
         {200: InboxOpened},
-        errors=("not_found", "conflict"),
+        errors=("not_found", "conflict", "forbidden"),
     ),
     Endpoint(
         "POST",
@@ -421,11 +432,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "POST",
         f"{CONVERSATION}/turns/{{turn_id}}/inbox/close",
         close_inbox,
-        "Close a running turn's inbox, or get what arrived since the runtime last looked",
+        "Close a running turn's inbox, or get what arrived since the runtime last looked "
+        "(a service only)",
         "live",
         {200: InboxClosing},
         body=CloseInboxBody,
-        errors=("not_found", "storage_unavailable"),
+        errors=("not_found", "storage_unavailable", "forbidden"),
     ),
     Endpoint(
         "POST",

@@ -63,8 +63,33 @@ async def test_another_users_token_reaches_no_inbox_and_forks_nothing() -> None:
             ),
         ]
 
-        assert [a.status_code for a in answers] == [404] * 5
+        assert [a.status_code for a in answers] == [403, 404, 404, 403, 404]
         assert await api.digest() == before
+
+
+async def test_a_user_token_neither_opens_nor_closes_an_inbox_the_runtime_steers_by() -> None:
+    """The inbox is the running turn's, its runtime's: a person's token opening 32 inboxes
+    kept the runtime from opening one for a day, and closing the runtime's made its person's
+    next deliveries fail. A user token delivers into an inbox and reads it; opening and
+    closing are 403, nothing changed."""
+    async with serve(mongomock_db()) as api:
+        runtime, person = auth_headers(), auth_headers(user=OWNER)
+        assert (await api.http.post(INBOX, headers=runtime)).status_code == 200
+        before = await api.digest()
+        base = f"/v1/conversations/{OWNER_CONVERSATION}/turns"
+
+        opened = await api.http.post(f"{base}/t-junk/inbox", headers=person)
+        closed = await api.http.post(f"{INBOX}/close", json={"last_seen_seq": 99}, headers=person)
+
+        assert (opened.status_code, closed.status_code) == (403, 403)
+        assert opened.json()["error"]["code"] == "forbidden"
+        assert "only a service" in opened.json()["error"]["message"]
+        assert await api.digest() == before
+        sent = await api.http.post(f"{INBOX}/messages", json=steer("still here", "d1"),
+                                   headers=person)  # fmt: skip
+        assert sent.json() == {"delivered": True}
+        drained = (await api.http.get(f"{INBOX}?after_seq=-1", headers=person)).json()["data"]
+        assert [m["content"] for m in drained] == ["still here"]
 
 
 async def test_a_fork_over_http_is_created_once_and_belongs_to_the_owner() -> None:
@@ -83,16 +108,16 @@ async def test_a_fork_over_http_is_created_once_and_belongs_to_the_owner() -> No
         assert forked.json()["user_id"] == OWNER
 
 
-async def test_a_user_token_opening_inboxes_without_closing_them_is_stopped_at_32() -> None:
+async def test_a_runtime_opening_inboxes_without_closing_them_is_stopped_at_32() -> None:
     async with serve(mongomock_db()) as api:
-        person = auth_headers(user=OWNER)
+        runtime = auth_headers()
         base = f"/v1/conversations/{OWNER_CONVERSATION}/turns"
         opened = [
-            (await api.http.post(f"{base}/t-{n}/inbox", headers=person)).status_code
+            (await api.http.post(f"{base}/t-{n}/inbox", headers=runtime)).status_code
             for n in range(33)
         ]
-        refused = await api.http.post(f"{base}/t-32/inbox", headers=person)
-        reopened = await api.http.post(f"{base}/t-0/inbox", headers=person)
+        refused = await api.http.post(f"{base}/t-32/inbox", headers=runtime)
+        reopened = await api.http.post(f"{base}/t-0/inbox", headers=runtime)
 
         assert opened == [200] * 32 + [409]
         assert refused.json()["error"]["code"] == "conflict"
