@@ -5,6 +5,7 @@ Routes are declared as data (`ENDPOINTS`, see app/routing.py).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -25,7 +26,14 @@ from agent_store.core import (
     InvalidInput,
     MessagePage,
 )
-from agent_store.store import Claimed, ConversationExport, Deleted, LoggedTurn, SteeringInbox
+from agent_store.store import (
+    Claimed,
+    ConversationExport,
+    Deleted,
+    LoggedTurn,
+    SteeringInbox,
+    validate_identifier,
+)
 from app.api_models import (
     ClaimBody,
     CloseInboxBody,
@@ -157,12 +165,36 @@ async def log_turn(call: Call[NoQuery, LogTurnBody]) -> Response:
         call.conversation_id,
         body.messages,
         user_id=call.scope or body.user_id,
-        turn_id=body.turn_id,
+        turn_id=_turn_id(call),
         name=body.name,
         owner_only=call.scope is not None,
         refused_prompts=body.refused_prompts,
     )
     return _json(logged, 200 if logged.replayed else 201)
+
+
+IDEMPOTENCY_KEY = "Idempotency-Key"
+
+
+def _turn_id(call: Call[NoQuery, LogTurnBody]) -> str | None:
+    """The turn's id: the body's `turn_id`, else the `Idempotency-Key` header HTTP clients
+    retry with, as it is when it is an identifier, else `idempotency-` and its digest."""
+    keys = call.request.headers.getlist(IDEMPOTENCY_KEY)
+    if len(keys) > 1:
+        raise InvalidInput(f"the {IDEMPOTENCY_KEY} header is sent twice or more: send it once")
+    if not keys:
+        return call.body.turn_id
+    key = keys[0]
+    try:
+        named = validate_identifier(key, "turn_id")
+    except InvalidInput:
+        named = "idempotency-" + hashlib.sha256(key.encode()).hexdigest()[:32]
+    if call.body.turn_id not in (None, named):
+        raise InvalidInput(
+            f"turn_id {call.body.turn_id!r} and the {IDEMPOTENCY_KEY} header name two turns: "
+            "send one of them, or both naming the same turn"
+        )
+    return named
 
 
 def _inbox(call: Call[Any, Any]) -> SteeringInbox:
@@ -397,6 +429,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         body=LogTurnBody,
         errors=("not_found", "conflict", "forbidden"),
         carries_turns=True,
+        idempotency_key=True,
     ),
     Endpoint(
         "POST",

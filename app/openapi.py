@@ -43,6 +43,18 @@ IF_MATCH = {
     "schema": {"type": "string"},
 }
 
+IDEMPOTENCY_KEY = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": False,
+    "description": (
+        "Names the turn when the body has no `turn_id` (as it is when an identifier, else "
+        "`idempotency-` and its SHA-256): a retry under the same key is answered the stored "
+        "turn. With a `turn_id` naming another turn, or sent twice, 422."
+    ),
+    "schema": {"type": "string"},
+}
+
 
 def _operation_id(method: str, path: str) -> str:
     words = re.sub(r"[{}]", "", path).strip("/").replace("/", "_").replace(".", "_")
@@ -82,6 +94,8 @@ def _parameters(endpoint: Endpoint, schemas: dict[str, Any]) -> list[dict[str, A
         parameters.append(parameter | {"schema": prop})
     if endpoint.if_match:
         parameters.append(IF_MATCH)
+    if endpoint.idempotency_key:
+        parameters.append(IDEMPOTENCY_KEY)
     return parameters
 
 

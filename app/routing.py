@@ -76,6 +76,9 @@ class Endpoint:
     if_match: bool = False
     """It honours `If-Match` naming a conversation's version: 412 `precondition_failed`
     when the conversation under the id is not the one named."""
+    idempotency_key: bool = False
+    """It takes `Idempotency-Key` as the id of what it writes: a retry under it is answered
+    what the first attempt stored."""
 
 
 # -- request parsing -------------------------------------------------------------------

@@ -159,3 +159,49 @@ async def test_a_retried_turn_landing_after_a_delete_serves_nothing_of_the_conve
         await api.http.post(f"{url}/turns", json=other, headers=auth_headers(user=OTHER))
         transcript = await api.http.get(f"{url}/transcript", headers=auth_headers())
         assert [m["content"] for m in transcript.json()["data"]] == ["hello"]
+
+
+IDEMPOTENCY_KEYS = ["4f1c2a9e-0d6b-4c1e-9a57-3f8e2b7d6c10", "key with spaces, $ and / (not an id)"]
+
+
+@pytest.mark.parametrize("key", IDEMPOTENCY_KEYS, ids=["an identifier", "any text"])
+async def test_a_turn_retried_with_its_idempotency_key_is_stored_once(key: str) -> None:
+    """A client retrying POST /turns with the standard `Idempotency-Key` header, no `turn_id`
+    and no times, is answered the stored turn: the key names the turn (as it is when an
+    identifier, else by its digest). Without it each retry was a new turn."""
+    from tests.api_harness import OWNER, auth_headers, mongomock_db, serve
+
+    url = "/v1/conversations/c-idem/turns"
+    turn = {
+        "messages": [{"role": "user", "content": "book it"}, {"role": "assistant", "content": "ok"}]
+    }
+    headers = {**auth_headers(user=OWNER), "Idempotency-Key": key}
+    async with serve(mongomock_db(), seeded=False) as api:
+        answers = [await api.http.post(url, json=turn, headers=headers) for _ in range(3)]
+        other = await api.http.post(url, json=turn, headers={**headers, "Idempotency-Key": "k2"})
+
+        assert [a.status_code for a in answers] == [201, 200, 200]
+        assert {a.json()["turn_id"] for a in answers} == {answers[0].json()["turn_id"]}
+        assert other.status_code == 201
+        assert await api.db.agent_messages.count_documents({"conversation_id": "c-idem"}) == 4
+
+
+async def test_an_idempotency_key_naming_another_turn_than_the_body_or_sent_twice_is_422() -> None:
+    from tests.api_harness import OWNER, auth_headers, mongomock_db, serve
+
+    url = "/v1/conversations/c-idem/turns"
+    turn = {"turn_id": "t-1", "messages": [{"role": "user", "content": "book it"}]}
+    person = auth_headers(user=OWNER)
+    async with serve(mongomock_db(), seeded=False) as api:
+        other = await api.http.post(url, json=turn, headers={**person, "Idempotency-Key": "t-2"})
+        twice = await api.http.post(
+            url,
+            json=turn,
+            headers=[*person.items(), ("Idempotency-Key", "t-1"), ("Idempotency-Key", "t-1")],
+        )
+        same = await api.http.post(url, json=turn, headers={**person, "Idempotency-Key": "t-1"})
+
+        assert (other.status_code, twice.status_code, same.status_code) == (422, 422, 201)
+        assert "Idempotency-Key" in other.json()["error"]["message"]
+        assert "twice" in twice.json()["error"]["message"]
+        assert await api.db.agent_messages.count_documents({}) == 1
