@@ -25,6 +25,7 @@ from pymongo.errors import AutoReconnect
 
 from agent_store import (
     AgentMessageLogger,
+    Conflict,
     ConversationStore,
     InvalidInput,
     RetryPolicy,
@@ -723,3 +724,213 @@ async def test_a_finished_delete_leaves_no_record_of_itself(
     deleted = await (store.erase_user("alice") if erasing else store.delete("c-x"))
     assert (deleted.conversations, deleted.messages) == (1, 1)
     assert await backend.db.agent_deletions.count_documents({}) == 0
+
+
+@pytest.mark.parametrize("lost", ["removal", "summary-update"])
+async def test_a_pop_in_doubt_retried_after_a_claim_finishes_its_own_pop_and_answers_it(
+    backend: Backend, lost: str
+) -> None:
+    """RUNTIMES.md: `with_retries(lambda: store.pop_last_message(cid))` removes one message.
+    The owner's pop raises with its mark applied (its removal, or its summary update, lost),
+    then the account is claimed by another user id: the retry still finishes that pop (the
+    conversation's bookkeeping, not a read by the old owner) and answers the message it
+    removed. The new owner's next turn lands right after the messages left, and its pop
+    removes that turn's last message only."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    for i, name in enumerate("ABC"):
+        await logger.log_messages(
+            CID,
+            [{"role": "user", "content": f"{name}?"}, {"role": "assistant", "content": f"{name}!"}],
+            user_id="user-guest",
+            turn_id=f"t{i}",
+        )
+    store = ConversationStore(backend.db)
+    real = store._messages if lost == "removal" else store._conversations
+    failing = (FailOnce(real, "delete_one", after_applying=False) if lost == "removal"
+               else FailOnce(real, "update_one", after_applying=False, skip=1))  # fmt: skip
+    setattr(store, "_messages" if lost == "removal" else "_conversations", failing)
+    with pytest.raises(StorageUnavailable):
+        await store.pop_last_message(CID, user_id="user-guest")
+    await ConversationStore(backend.db).claim("user-guest", "user-ada")
+
+    retried = await store.pop_last_message(CID, user_id="user-guest")
+
+    assert failing.failed
+    assert retried is not None
+    assert retried.content == "C!"
+    assert await _stored_contents(backend) == ["A?", "A!", "B?", "B!", "C?"]
+    conversation = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert conversation is not None
+    assert not conversation.get("popping")
+    assert await summary_disagreements(store) == []
+    turn = [{"role": "user", "content": "D?"}, {"role": "assistant", "content": "D!"}]
+    logged = await logger.log_messages(CID, turn, user_id="user-ada", turn_id="t3")
+    assert [m.seq for m in logged.messages] == [5, 6]
+    popped = await ConversationStore(backend.db).pop_last_message(CID, user_id="user-ada")
+    assert popped is not None
+    assert popped.content == "D!"
+    assert await _stored_contents(backend) == ["A?", "A!", "B?", "B!", "C?", "D?"]
+    assert await summary_disagreements(store) == []
+
+
+async def test_a_retry_after_a_claim_of_a_pop_that_removed_nothing_removes_nothing(
+    backend: Backend,
+) -> None:
+    """The owner's pop raised before its mark reached the server, then the account was
+    claimed: its retry is no pop of the new owner's conversation. It removes nothing and
+    answers None, as a pop of a conversation that is not the caller's does."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "A!"}],
+        user_id="user-guest",
+        turn_id="t0",
+    )
+    store = ConversationStore(backend.db)
+    real = store._conversations
+    store._conversations = FailingCalls(real, {"update_one": {0}})
+    with pytest.raises(StorageUnavailable):
+        await store.pop_last_message(CID, user_id="user-guest")
+    store._conversations = real
+    await ConversationStore(backend.db).claim("user-guest", "user-ada")
+
+    assert await store.pop_last_message(CID, user_id="user-guest") is None
+    assert await _stored_contents(backend) == ["A?", "A!"]
+    assert await summary_disagreements(store) == []
+
+
+class TwoPopsInDoubt:
+    """Wraps a store's collections so that the pop run by the task named "first" has its
+    removal applied and its reply held until `release`, then lost, and the pop run by the
+    task named "second" has its summary update applied and its reply lost (its first
+    summary update, which finishes the first pop's mark, goes through)."""
+
+    def __init__(self, store: ConversationStore) -> None:
+        self.release = asyncio.Event()
+        self.removed = asyncio.Event()
+        self.failed: set[str] = set()
+        self._finishes = 0
+        store._messages = self._wrap(store._messages, self._removal)  # type: ignore[assignment]
+        store._conversations = self._wrap(store._conversations, self._summary)  # type: ignore[assignment]
+
+    def _wrap(self, collection: Any, hook: Any) -> Any:
+        outer = self
+
+        class Wrapped:
+            def __getattr__(self, name: str) -> Any:
+                real = getattr(collection, name)
+                task = asyncio.current_task()
+                who = task.get_name() if task else ""
+                if who in outer.failed:
+                    return real
+                return hook(name, who, real) or real
+
+        return Wrapped()
+
+    def _removal(self, name: str, who: str, real: Any) -> Any:
+        if name != "delete_one" or who != "first":
+            return None
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            self.failed.add(who)
+            await real(*args, **kwargs)
+            self.removed.set()
+            await self.release.wait()
+            raise AutoReconnect("connection lost during delete_one (injected)")
+
+        return held
+
+    def _summary(self, name: str, who: str, real: Any) -> Any:
+        if name != "update_one" or who != "second":
+            return None
+
+        async def lost(*args: Any, **kwargs: Any) -> Any:
+            if "popping.message_id" not in args[0]:
+                return await real(*args, **kwargs)
+            self._finishes += 1
+            if self._finishes == 1:  # the first pop's mark, finished by this one
+                return await real(*args, **kwargs)
+            self.failed.add(who)
+            await real(*args, **kwargs)
+            raise AutoReconnect("connection lost during update_one (injected)")
+
+        return lost
+
+
+async def _two_pops_in_doubt(backend: Backend) -> tuple[ConversationStore, TwoPopsInDoubt]:
+    """Three turns of two messages; two pops through one store, both raising: the first
+    removed `C!` (its reply lost), the second `C?` (its summary update's reply lost)."""
+    await log_three_turns(backend)
+    store = ConversationStore(backend.db)
+    faults = TwoPopsInDoubt(store)
+
+    async def first() -> None:
+        with pytest.raises(StorageUnavailable):
+            await store.pop_last_message(CID)
+
+    first_pop = asyncio.create_task(first(), name="first")
+    await faults.removed.wait()
+    with pytest.raises(StorageUnavailable):
+        await asyncio.create_task(store.pop_last_message(CID), name="second")
+    faults.release.set()
+    await first_pop
+    assert faults.failed == {"first", "second"}
+    return store, faults
+
+
+async def test_two_pops_in_doubt_through_one_store_are_each_retried_by_their_own_caller(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md: pops running at once through one store are not taken for each other.
+    Two callers pop at once through one store, both raise, and each retries once: two
+    messages go, each caller answered with the message its own pop removed."""
+    await log_three_turns(backend)
+    store = ConversationStore(backend.db)
+    faults = TwoPopsInDoubt(store)
+    answers: dict[str, Any] = {}
+    first_raised, second_retried = asyncio.Event(), asyncio.Event()
+
+    async def caller(name: str) -> None:
+        with pytest.raises(StorageUnavailable):
+            await store.pop_last_message(CID)
+        # Both in doubt at once: the second retries first, then the first.
+        await (second_retried if name == "first" else first_raised).wait()
+        popped = await store.pop_last_message(CID)
+        answers[name] = popped and popped.content
+        second_retried.set()
+
+    first = asyncio.create_task(caller("first"), name="first")
+    await faults.removed.wait()
+    second = asyncio.create_task(caller("second"), name="second")
+    await asyncio.sleep(0.05)
+    faults.release.set()
+    await asyncio.sleep(0.05)
+    first_raised.set()
+    await asyncio.gather(first, second)
+
+    assert faults.failed == {"first", "second"}
+    assert answers == {"first": "C!", "second": "C?"}
+    assert await _stored_contents(backend) == ["A?", "A!", "B?", "B!"]
+    assert await summary_disagreements(store) == []
+
+
+async def test_a_retry_that_cannot_be_told_among_pops_in_doubt_is_refused_removing_nothing(
+    backend: Backend,
+) -> None:
+    """Two pops through one store raised, each removing a message, and a pop comes from
+    neither caller (another task, as a retry handed on would): the store cannot tell which
+    pop it retries, so it finishes their bookkeeping and refuses, `Conflict`, removing no
+    third message; as many calls are refused as pops were in doubt, then pops pop again."""
+    store, _ = await _two_pops_in_doubt(backend)
+
+    for _ in range(2):
+        with pytest.raises(Conflict, match="cannot tell which"):
+            await store.pop_last_message(CID)
+
+    assert await _stored_contents(backend) == ["A?", "A!", "B?", "B!"]
+    assert await summary_disagreements(store) == []
+    popped = await store.pop_last_message(CID)
+    assert popped is not None
+    assert popped.content == "B!"

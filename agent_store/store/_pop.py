@@ -24,23 +24,31 @@ conversation's delete or its owner's erasure, which find them by conversation id
 
 Any pop that finds a mark finishes that pop first (2 and 3 again: a no-op delete, then
 the guarded update), whoever started it. A pop that raised remembers the message it was
-removing, per conversation and caller (its user id, or none for a service), in this
-process: its retry finishes it and answers with that message rather than removing
-another, if the conversation records that a pop removed it (the mark the retry finishes,
-or `popped_messages`): a conversation deleted and started again under the id does not, and
-the retry pops its last message. A caller of another scope never gets it, nor finishes it
-by being taken for the retry.
+removing, per conversation and caller's scope (its user id, or none for a service), and the
+task it ran in, in this process; each pop that raised is remembered, so pops running at once
+are never taken for each other. Its retry finishes it and answers with that message rather
+than removing another, if the conversation records that a pop removed it (the mark the retry
+finishes, or `popped_messages`): a conversation deleted and started again under the id does
+not, and the retry pops its last message. The retry is the scope's next pop from the same
+task, or, from another task, the scope's next pop while that pop is the only one in doubt;
+a call that cannot be told among two or more is refused (Conflict), finishing one of them
+and removing nothing. A conversation claimed by another user id since is still finished by
+the retry (its mark is bookkeeping of the pop the caller started, read by id), which answers
+the message if it was removed, and None without removing one if not. A caller of another
+scope never gets it, nor finishes it by being taken for the retry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
 from agent_store.core import (
     AgentMessage,
+    Conflict,
     PendingCall,
     PendingHitl,
     PopInProgress,
@@ -68,6 +76,9 @@ POP_ATTEMPTS = 5
 """How many times a pop reads the last message again when other pops keep coming first."""
 _COUNTS_KEPT = 1024
 """Conversations whose count of finished pops a store remembers (the oldest are forgotten)."""
+_IN_DOUBT_KEPT = 64
+"""Pops in doubt a store remembers per conversation and scope, not yet retried (the oldest
+are forgotten: a retry of one pops anew)."""
 
 
 CallsBefore = Callable[
@@ -85,14 +96,47 @@ Scope = tuple[str, str | None]
 service)."""
 
 
+_CALLER: ContextVar[object | None] = ContextVar("agent_store_pop_caller", default=None)
+"""Who pops, as far as this process can tell: one token per chain of awaits (an asyncio task,
+and the tasks it starts after), set when a pop of it raises. A retry awaited in the same
+task carries it; a retry from a task started before it, or from another request, does not."""
+
+
+def _caller() -> object:
+    """The token of the calling task, set now if none of its pops raised before."""
+    caller = _CALLER.get()
+    if caller is None:
+        caller = object()
+        _CALLER.set(caller)
+    return caller
+
+
+@dataclass(frozen=True)
+class InDoubt:
+    """A pop that raised with its outcome unknown, remembered for its retry."""
+
+    message: AgentMessage
+    """The message it was removing."""
+    pop_id: str | None
+    """Its `PopInProgress.pop_id`: the mark it left, and the `popped_messages` entry it made."""
+    caller: object
+    """The token of the task it ran in (`_CALLER`)."""
+    shared: bool = False
+    """A pop was refused because it could not be told among this one and others: only a
+    call from this pop's own task is its retry now."""
+
+    @property
+    def earlier(self) -> tuple[str | None, str | None]:
+        return self.message.id, self.pop_id
+
+
 @dataclass
 class PopMemory:
     """What one store's pops remember between calls, in this process."""
 
-    in_doubt: dict[Scope, tuple[AgentMessage, str | None]] = field(default_factory=dict)
-    """The message a pop that raised was removing, and that pop's `pop_id`, by conversation
-    and caller: the retry of that caller answers it if that pop removed it, and no other
-    caller does."""
+    in_doubt: dict[Scope, list[InDoubt]] = field(default_factory=dict)
+    """The pops that raised, by conversation and caller's scope, oldest first: each is
+    retried once, by the call `take` matches to it, and answered to no other scope."""
     counts: dict[str, int] = field(default_factory=dict)
     """The count of finished pops last seen, by conversation (0 when never seen)."""
 
@@ -101,6 +145,35 @@ class PopMemory:
         if len(self.counts) >= _COUNTS_KEPT:
             del self.counts[next(iter(self.counts))]
         self.counts[conversation_id] = count
+
+    def keep(self, scope: Scope, pop: InDoubt) -> None:
+        """Remember a pop that raised, for its retry."""
+        kept = self.in_doubt.setdefault(scope, [])
+        kept.append(pop)
+        del kept[:-_IN_DOUBT_KEPT]
+
+    def take(self, scope: Scope) -> tuple[InDoubt | None, bool]:
+        """The pop in doubt the calling pop retries (None when the scope has none), and
+        whether it is told apart: the one the calling task left (`_CALLER`), else the
+        scope's only one unless a refusal shared it. Not told apart (two or more of the
+        task's own, or of the scope's when none is its own): it hands the oldest back to
+        be finished and refused, and the others it could be taken for are shared."""
+        kept = self.in_doubt.pop(scope, [])
+        caller = _CALLER.get()
+        own = [p for p in kept if caller is not None and p.caller is caller]
+        candidates = own or kept
+        if not candidates:
+            return None, False
+        taken = candidates[0]
+        told = len(candidates) == 1 and (bool(own) or not taken.shared)
+        left = [
+            p if told or not any(p is c for c in candidates) else replace(p, shared=True)
+            for p in kept
+            if p is not taken
+        ]
+        if left:
+            self.in_doubt[scope] = left
+        return taken, told
 
 
 @dataclass(frozen=True)
@@ -122,21 +195,12 @@ class Pop:
     async def run(self) -> AgentMessage | None:
         """Remove the last message and answer it; None when there is none."""
         scope: Scope = (str(self.scope["_id"]), self.scope.get("user_id"))
-        conversation: Mapping[str, Any] | None = None
-        in_doubt = self.memory.in_doubt.pop(scope, None)
-        if in_doubt is not None:
-            earlier, pop_id = in_doubt
-            try:
-                visible, conversation, removed = await self._finish_under_way((earlier.id, pop_id))
-            except BaseException:  # a StoreError, or a caller's timeout cancelling it
-                self.memory.in_doubt[scope] = in_doubt  # still in doubt
-                raise
-            if not visible:
-                return None  # gone, or no longer the caller's: nothing to answer
-            if removed:
-                return earlier  # the earlier attempt removed it: its retry answers it
-            # Else it removed nothing here (or the conversation is another one, started
-            # again under the id since): this pop is the one asked for.
+        retried, answer, conversation = await self._retry(scope)
+        if retried:
+            return answer
+        # Else no pop of the caller's was in doubt, or it removed nothing here (or the
+        # conversation is another one, started again under the id since): this pop is the
+        # one asked for.
         pop: PopInProgress | None = None
         for _ in range(POP_ATTEMPTS):
             with storage_errors("read the last message"):
@@ -166,6 +230,59 @@ class Pop:
         raise StorageUnavailable(  # others were popping or logging: it may pass, so retried
             f"could not pop the last message of conversation {scope[0]!r}: other pops or "
             f"turns came first {POP_ATTEMPTS} times"
+        )
+
+    async def _retry(
+        self, scope: Scope
+    ) -> tuple[bool, AgentMessage | None, Mapping[str, Any] | None]:
+        """Finish the pop in doubt this call retries (`PopMemory.take`), if any. True and its
+        message when it removed it from this conversation; True and None when it removed
+        nothing and the conversation is no longer the scope's (claimed, or gone): nothing
+        to pop. Else False, and the conversation as read (None when not read, or a pop was
+        finished since). Conflict when the call cannot be told among pops in doubt: the
+        oldest is finished, and no pop removes a message for it."""
+        earlier, told = self.memory.take(scope)
+        if earlier is None:
+            return False, None, None
+        try:
+            visible, conversation, removed = await self._finish_under_way(earlier.earlier)
+            if not visible:
+                removed = await self._finish_own(scope, earlier)
+        except BaseException:  # a StoreError, or a caller's timeout cancelling it
+            self.memory.keep(scope, earlier if told else replace(earlier, shared=True))
+            raise
+        if not told:
+            raise Conflict(
+                f"could not pop the last message of conversation {scope[0]!r}: pops of it "
+                "through this store raised with their outcome unknown, and the store cannot "
+                "tell which of them this call retries (it comes from none of their tasks): "
+                "the pop in doubt is finished and nothing more removed; read the transcript"
+            )
+        if removed or not visible:
+            return True, earlier.message if removed else None, None
+        return False, None, conversation
+
+    async def _finish_own(self, scope: Scope, earlier: InDoubt) -> bool:
+        """Whether the pop `earlier` removed its message from the conversation, which is no
+        longer the scope's (claimed by another user id since, or gone): read by id alone.
+        A mark of one of the scope's pops in doubt is finished (the bookkeeping of a pop
+        the caller started while the conversation was its own); any other is left."""
+        ours = [earlier.earlier, *(p.earlier for p in self.memory.in_doubt.get(scope, ()))]
+        with storage_errors("read the conversation"):
+            doc = await self.conversations.find_one(
+                {"_id": scope[0]}, {"popping": 1, "popped_messages": 1}
+            )
+        if doc is None:
+            return False
+        if doc.get("popping"):
+            pop = PopInProgress.model_validate(doc["popping"])
+            if (pop.message_id, pop.pop_id) in ours:
+                await self._finish(scope[0], pop)
+                if (pop.message_id, pop.pop_id) == earlier.earlier:
+                    return True
+        return any(
+            _removed_by(PoppedMessage.model_validate(p), *earlier.earlier)
+            for p in doc.get("popped_messages") or ()
         )
 
     def _passing(self, message: AgentMessage, conversation: Mapping[str, Any] | None) -> int | None:
@@ -320,7 +437,7 @@ class Pop:
             # write was on its way): the next pop of the conversation by this caller through
             # this store is its retry. Remembered only once it raised, so pops running at
             # once never take each other for a retry.
-            self.memory.in_doubt[scope] = (message, pop.pop_id)
+            self.memory.keep(scope, InDoubt(message, pop.pop_id, _caller()))
             raise
         return True
 

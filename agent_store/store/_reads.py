@@ -666,13 +666,16 @@ class ConversationStore:
         The pop rolls forward (see `agent_store.store._pop`): it marks the conversation,
         removes the message, then corrects the summary and clears the mark. A pop left half
         done is finished by the next one; after StorageUnavailable, call again through this
-        store with the same `user_id`: the retry answers the message its earlier attempt
-        removed from this conversation (a conversation deleted and started again under the
-        id is another), and removes no other (a pop of another scope is never taken for
-        it). It removes the last message by `seq`: while a turn that reserved past it, or a
-        turn below it whose messages what removing it changes depends on, is still being
-        written (younger than `TurnRules.abandon_after`), it raises StorageUnavailable and
-        removes nothing. Four to seven round trips: the last message, the mark, the removal,
+        store with the same `user_id` (from the same task, or any while it is the only pop
+        of the scope in doubt): the retry answers the message its earlier attempt removed
+        from this conversation (a conversation deleted and started again under the id is
+        another; one claimed by another user id since is still finished, and answered), and
+        removes no other (a pop of another scope is never taken for it; a call that cannot
+        be told among several pops in doubt is a Conflict, removing nothing). It removes
+        the last message by `seq`: while a turn that reserved past it, or a turn below it
+        whose messages what removing it changes depends on, is still being written
+        (younger than `TurnRules.abandon_after`), it raises StorageUnavailable and removes
+        nothing. Four to seven round trips: the last message, the mark, the removal,
         the summary update, and the messages before it when it started a turn or was the
         preview's source, or (all of them) when it answered a call or raised a prompt (what
         they leave pending says what comes back; in a fork, one more for where its copies
