@@ -33,7 +33,7 @@ from app.presentation import (
     search_hit_view,
     when,
 )
-from app.routing import read_body
+from app.routing import read_body, whole_number
 from app.service import Store
 from app.sessions import SESSION_COOKIE, SESSION_SECONDS, ViewerSessions
 from app.throttle import SignInLimiter
@@ -243,11 +243,16 @@ async def search(request: Request, store: Store) -> Response:
     return render("search.html", **context)
 
 
+def _seq(text: str, name: str) -> int:
+    """A seq given as text (`whole_number`); InvalidInput (422) naming `name` for anything else."""
+    seq = whole_number(text)
+    if seq is None:
+        raise InvalidInput(f"invalid {name}: it must be a seq, a whole number from 0 in digits 0-9")
+    return seq
+
+
 def _from_seq(request: Request) -> int:
-    raw = request.query_params.get("from_seq", "0")
-    if not raw.isdigit() or len(raw) > 15:
-        raise InvalidInput("invalid from_seq: it must be a seq, a whole number from 0")
-    return int(raw)
+    return _seq(request.query_params.get("from_seq", "0"), "from_seq")
 
 
 async def _message_page(store: Store, conversation_id: str, from_seq: int) -> list[AgentMessage]:
@@ -293,11 +298,9 @@ async def fork(request: Request, store: Store) -> Response:
         message = "A fork must come from this site's own pages."
         return render("error.html", 403, code="forbidden", message=message)
     form = await _posted_form(request)
-    at_seq = (form or {}).get("at_seq", "")
-    if not at_seq.isdigit() or len(at_seq) > 15:
-        raise InvalidInput("invalid at_seq: it must be the seq of a message")
+    at_seq = _seq((form or {}).get("at_seq", ""), "at_seq")
     forked = await store.logger.fork(
-        request.path_params["conversation_id"], int(at_seq), str(uuid.uuid4())
+        request.path_params["conversation_id"], at_seq, str(uuid.uuid4())
     )
     return RedirectResponse(
         f"/viewer/conversations/{quote(forked.conversation_id)}", 303, headers=_SECURITY_HEADERS

@@ -165,6 +165,9 @@ async def test_continue_from_here_forks_the_conversation_at_that_message(api: Se
     [
         pytest.param({"Origin": "https://evil.example"}, {"at_seq": "3"}, id="another-site"),
         pytest.param(SAME_ORIGIN, {"at_seq": "three"}, id="not-a-seq"),
+        # `"²".isdigit()` holds, and int() refuses it; int() reads "٣" as 3
+        pytest.param(SAME_ORIGIN, {"at_seq": "\u00b2"}, id="superscript-two"),
+        pytest.param(SAME_ORIGIN, {"at_seq": "\u0663"}, id="arabic-indic-three"),
     ],
 )
 async def test_a_fork_from_elsewhere_or_without_a_seq_writes_nothing(
@@ -176,6 +179,21 @@ async def test_a_fork_from_elsewhere_or_without_a_seq_writes_nothing(
     )
     assert response.status_code in (403, 422)
     assert await api.digest() == before
+
+
+@pytest.mark.parametrize(
+    "written", ["\u00b2", "\u00b3", "\u0661\u0662", "\uff11", "1e3", "+1", " 1", "1" * 19]
+)
+async def test_a_transcript_page_starts_at_a_seq_written_in_ascii_digits(
+    api: Served, written: str
+) -> None:
+    """`from_seq` is 0-9 only, as every number the service reads from text: a superscript,
+    another script's digits or an exponent is refused with 422 naming it, never a 500."""
+    page = await api.http.get(
+        f"/viewer/conversations/{OWNER_CONVERSATION}", params={"from_seq": written}
+    )
+    assert page.status_code == 422, page.text[:300]
+    assert "from_seq" in page.text
 
 
 async def test_a_fork_needs_a_session(api: Served) -> None:
