@@ -281,11 +281,10 @@ async def transcript(request: Request, store: Store) -> Response:
     full = request.query_params.get("full") == "true"
     if full:
         messages = await store.conversations.with_full_texts(messages)
-    pending = conversation.pending_hitl.request_id if conversation.pending_hitl else None
     return render(
         "transcript.html",
         conversation=conversation,
-        messages=message_views(messages, pending_request_id=pending),
+        messages=message_views(messages, pending=conversation.pending_hitl),
         full=full,
         pages=pages,
         has_legacy=bool(await store.legacy.with_turns([conversation.id])),
@@ -324,15 +323,14 @@ async def legacy(request: Request, store: Store) -> Response:
         if not turns:
             raise
         conversation, messages = None, []  # not migrated yet: show the legacy side alone
-    pending = (
-        conversation.pending_hitl.request_id if conversation and conversation.pending_hitl else None
-    )
     return render(
         "legacy.html",
         conversation_id=conversation_id,
         conversation=conversation,
         turns=[legacy_turn_view(t) for t in turns],
-        messages=message_views(messages, pending_request_id=pending),
+        messages=message_views(
+            messages, pending=conversation.pending_hitl if conversation else None
+        ),
     )
 
 
