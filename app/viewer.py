@@ -21,9 +21,15 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from agent_store.core import AgentMessage, InvalidInput, NotFound, StoreError, Unsupported
-from agent_store.legacy import LEGACY_TURNS
-from agent_store.store import storage_errors, validate_identifier
+from agent_store.core import (
+    AgentMessage,
+    Conversation,
+    InvalidInput,
+    NotFound,
+    StoreError,
+    Unsupported,
+)
+from agent_store.store import validate_identifier
 from app.auth import Authenticator, audit_record
 from app.http_errors import HttpProblem, note_store_error
 from app.presentation import (
@@ -255,27 +261,34 @@ def _from_seq(request: Request) -> int:
     return _seq(request.query_params.get("from_seq", "0"), "from_seq")
 
 
-async def _message_page(store: Store, conversation_id: str, from_seq: int) -> list[AgentMessage]:
-    """Up to `MESSAGES_PER_PAGE + 1` messages from `from_seq` on (one more tells of a next page).
+async def _message_page(
+    store: Store, conversation_id: str, from_seq: int
+) -> tuple[Conversation, list[AgentMessage], bool]:
+    """The conversation, up to `MESSAGES_PER_PAGE + 1` of its messages from `from_seq` on
+    (one more tells of a next page), and whether it is stored (migrated).
 
     A conversation not migrated yet has no stored messages: its converted legacy turns
-    are read whole and cut the same way.
+    are read whole and cut the same way, by `seq`, on every page.
     """
-    page = await store.conversations.messages_by_seq(
-        conversation_id, start=from_seq, limit=MESSAGES_PER_PAGE + 1
+    conversations = store.conversations
+    try:
+        conversation = await conversations.get_conversation(conversation_id, fallback=False)
+    except NotFound:
+        conversation = await conversations.get_conversation(conversation_id)
+        converted = await conversations.transcript(conversation_id)
+        after = [m for m in converted if m.seq is not None and m.seq >= from_seq]
+        return conversation, after[: MESSAGES_PER_PAGE + 1], False
+    page = await conversations.messages_by_seq(
+        conversation.id, start=from_seq, limit=MESSAGES_PER_PAGE + 1
     )
-    if page or from_seq > 0:
-        return page
-    converted = await store.conversations.transcript(conversation_id)
-    return converted[: MESSAGES_PER_PAGE + 1]
+    return conversation, page, True
 
 
 async def transcript(request: Request, store: Store) -> Response:
-    conversation = await store.conversations.get_conversation(
-        request.path_params["conversation_id"]
-    )
     from_seq = _from_seq(request)
-    messages = await _message_page(store, conversation.id, from_seq)
+    conversation, messages, stored = await _message_page(
+        store, request.path_params["conversation_id"], from_seq
+    )
     pages = TranscriptPages.of(conversation.id, messages, from_seq, MESSAGES_PER_PAGE)
     messages = messages[:MESSAGES_PER_PAGE]
     full = request.query_params.get("full") == "true"
@@ -287,6 +300,8 @@ async def transcript(request: Request, store: Store) -> Response:
         messages=message_views(messages, pending=conversation.pending_hitl),
         full=full,
         pages=pages,
+        # The store forks stored conversations only: one not migrated yet offers no fork.
+        can_fork=stored,
         has_legacy=bool(await store.legacy.with_turns([conversation.id])),
     )
 
@@ -308,14 +323,7 @@ async def fork(request: Request, store: Store) -> Response:
 
 async def legacy(request: Request, store: Store) -> Response:
     conversation_id = validate_identifier(request.path_params["conversation_id"], "conversation_id")
-    with storage_errors("read the legacy turns"):
-        turns = await (
-            store.db[LEGACY_TURNS]
-            .find({"conversation_id": conversation_id})
-            .sort([("created_at", 1), ("_id", 1)])
-            .limit(MAX_LEGACY_TURNS)
-            .to_list(None)
-        )
+    turns = await store.legacy.turns(conversation_id, limit=MAX_LEGACY_TURNS)
     try:
         conversation = await store.conversations.get_conversation(conversation_id, fallback=False)
         messages = await store.conversations.transcript(conversation_id, fallback=False)
