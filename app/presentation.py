@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from agent_store.core import AgentMessage
+from agent_store.core import AgentMessage, PendingHitl, calls_answered
 from agent_store.legacy import flag, normalize_part, part_text
 from agent_store.store import DERIVED_FIELDS, SearchHit, message_text, shorten
 from app.json_body import nests_deeper_than
@@ -28,16 +28,42 @@ ROLE_LABELS = {
 }
 
 
+class _Rewritten(ValueError):
+    """Indenting the JSON text would change what it says."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    if len({key for key, _ in pairs}) != len(pairs):
+        raise _Rewritten("a repeated key: parsing keeps the last one only")
+    return dict(pairs)
+
+
+def _number(text: str) -> int | float:
+    number = float(text) if any(c in text for c in ".eE") else int(text)
+    if json.dumps(number) != text:
+        raise _Rewritten(f"the number {text} would be written otherwise")
+    return number
+
+
+def _parsed_losing_nothing(text: str) -> Any:
+    """The JSON `text` parsed, when writing it again loses nothing of it: no key is repeated
+    (parsing keeps the last) and every number is written back as it was (`1e400` would come
+    back as Infinity, `0.30000000000000000001` as 0.3, `1E5` as 100000.0). ValueError
+    (`_Rewritten`) otherwise, as for text that is no JSON."""
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_float=_number, parse_int=_number)
+
+
 def pretty_json(value: Any) -> str:
     """JSON (given parsed or as text) indented for reading; other text as it is.
 
-    Text too deeply nested to parse or indent is shown as it was stored: a page must
-    render whatever a tool wrote.
+    Stored text is shown as stored: JSON text is indented only when that changes nothing but
+    its white space (`_parsed_losing_nothing`); text too deeply nested to parse or indent, or
+    that indenting would rewrite, is shown exactly as it was stored.
     """
     text = value if isinstance(value, str) else None
     if text is not None:
         try:
-            value = json.loads(text)
+            value = _parsed_losing_nothing(text)
         except (ValueError, RecursionError):
             return text
     try:
@@ -130,18 +156,45 @@ def _cut_fields(message: AgentMessage) -> list[str]:
     ]
 
 
+def _answers(messages: Sequence[AgentMessage]) -> dict[int, str]:
+    """What each tool result answers, by its index, as `name (id)`: the call the store pairs
+    it with (`calls_answered`: the latest earlier call of its id without an answer, so a
+    provider reusing `call_0` every turn names each turn's own); `unknown tool` for one
+    answering no call among `messages`."""
+    answered = calls_answered(messages)
+    answers = {}
+    for index, m in enumerate(messages):
+        if m.tool_call_id is None:
+            continue
+        name = "unknown tool"
+        if (call := answered.get(index)) is not None:
+            at, call_id = call
+            made = messages[at].tool_calls or ()
+            name = next((c.function.name for c in made if c.id == call_id), name)
+        answers[index] = f"{name} ({m.tool_call_id})"
+    return answers
+
+
+def _hitl_view(message: AgentMessage, pending: PendingHitl | None) -> HitlView | None:
+    """A message's prompt, pending only if it is the one the conversation holds pending (by
+    its message: a later prompt may ask the same request id again)."""
+    prompt = message.hitl_action
+    if prompt is None:
+        return None
+    is_pending = pending is not None and message.id is not None and pending.message_id == message.id
+    return HitlView(prompt.action, pretty_json(prompt.params), prompt.request_id, is_pending)
+
+
 def message_views(
-    messages: Sequence[AgentMessage], *, pending_request_id: str | None = None
+    messages: Sequence[AgentMessage], *, pending: PendingHitl | None = None
 ) -> list[MessageView]:
-    names = {c.id: c.function.name for m in messages for c in m.tool_calls or ()}
+    """The messages as a person reads them; `pending` the conversation's `pending_hitl`."""
+    answers = _answers(messages)
     views = []
-    for m in messages:
+    for index, m in enumerate(messages):
         content = m.content
         if m.role == "tool" and content is not None:
             content = pretty_json(content)
-        answers = None
-        if m.tool_call_id is not None:
-            answers = f"{names.get(m.tool_call_id, 'unknown tool')} ({m.tool_call_id})"
         views.append(
             MessageView(
                 seq=m.seq,
@@ -154,17 +207,8 @@ def message_views(
                     ToolCallView(c.id, c.function.name, pretty_json(c.function.arguments))
                     for c in m.tool_calls or ()
                 ],
-                answers=answers,
-                hitl=(
-                    HitlView(
-                        m.hitl_action.action,
-                        pretty_json(m.hitl_action.params),
-                        m.hitl_action.request_id,
-                        m.hitl_action.request_id == pending_request_id,
-                    )
-                    if m.hitl_action
-                    else None
-                ),
+                answers=answers.get(index),
+                hitl=_hitl_view(m, pending),
                 error=m.error.message if m.error else None,
                 upload=(
                     UploadView(

@@ -6,6 +6,7 @@ path, query and body, and feeds `/openapi.json` (app/openapi.py).
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -83,6 +84,24 @@ class Endpoint:
 
 # -- request parsing -------------------------------------------------------------------
 
+MAX_DIGITS = 18
+"""The most digits `whole_number` reads: below 2**63, so a database takes it as a 64-bit
+integer, and far below the 4,300 digits past which `int()` refuses text."""
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def whole_number(text: str) -> int | None:
+    """The whole number from 0 that `text` writes in decimal, in ASCII digits (`0`-`9`) only
+    and at most `MAX_DIGITS` of them; None for anything else (a sign, a space, an exponent).
+
+    The one reading of a number the service takes from text (a `Content-Length`, the
+    viewer's `from_seq` and `at_seq`). `str.isdigit` is no such test: it holds for `"²"`,
+    which `int()` refuses, and for `"٣"`, which `int()` reads as 3.
+    """
+    if len(text) > MAX_DIGITS or not _DIGITS.fullmatch(text):
+        return None
+    return int(text)
+
 
 def parse_query(request: Request, model: type[Q]) -> Q:
     items = request.query_params.multi_items()
@@ -104,10 +123,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The body, refusing with 413 as soon as it is known to be over `limit` bytes."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
-            raise InvalidRequest("invalid Content-Length: it must be a number of bytes")
-        if int(declared) > limit:
-            raise PayloadTooLarge(f"the body has {declared} bytes; the limit is {limit}")
+        size = whole_number(declared)
+        if size is None:
+            raise InvalidRequest(
+                "invalid Content-Length: it must be a number of bytes, "
+                f"in digits 0-9 (at most {MAX_DIGITS})"
+            )
+        if size > limit:
+            raise PayloadTooLarge(f"the body has {size} bytes; the limit is {limit}")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

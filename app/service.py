@@ -23,9 +23,10 @@ class Store:
     logger: AgentMessageLogger
     conversations: ConversationStore
     legacy: LegacyTurns
-    """The legacy turns (the viewer links to them where a conversation has some)."""
+    """The legacy turns (the viewer shows them, and links to them where a conversation has
+    some)."""
     db: Database = None
-    """The database itself, for what has no store method (the viewer's raw legacy turns)."""
+    """The database itself, for what has no store method (viewer sessions, demo data)."""
 
     @classmethod
     def on(cls, db: Database, settings: Settings) -> Store:

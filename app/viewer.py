@@ -21,9 +21,15 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from agent_store.core import AgentMessage, InvalidInput, NotFound, StoreError, Unsupported
-from agent_store.legacy import LEGACY_TURNS
-from agent_store.store import storage_errors, validate_identifier
+from agent_store.core import (
+    AgentMessage,
+    Conversation,
+    InvalidInput,
+    NotFound,
+    StoreError,
+    Unsupported,
+)
+from agent_store.store import validate_identifier
 from app.auth import Authenticator, audit_record
 from app.http_errors import HttpProblem, note_store_error
 from app.presentation import (
@@ -33,7 +39,7 @@ from app.presentation import (
     search_hit_view,
     when,
 )
-from app.routing import read_body
+from app.routing import read_body, whole_number
 from app.service import Store
 from app.sessions import SESSION_COOKIE, SESSION_SECONDS, ViewerSessions
 from app.throttle import SignInLimiter
@@ -243,46 +249,59 @@ async def search(request: Request, store: Store) -> Response:
     return render("search.html", **context)
 
 
+def _seq(text: str, name: str) -> int:
+    """A seq given as text (`whole_number`); InvalidInput (422) naming `name` for anything else."""
+    seq = whole_number(text)
+    if seq is None:
+        raise InvalidInput(f"invalid {name}: it must be a seq, a whole number from 0 in digits 0-9")
+    return seq
+
+
 def _from_seq(request: Request) -> int:
-    raw = request.query_params.get("from_seq", "0")
-    if not raw.isdigit() or len(raw) > 15:
-        raise InvalidInput("invalid from_seq: it must be a seq, a whole number from 0")
-    return int(raw)
+    return _seq(request.query_params.get("from_seq", "0"), "from_seq")
 
 
-async def _message_page(store: Store, conversation_id: str, from_seq: int) -> list[AgentMessage]:
-    """Up to `MESSAGES_PER_PAGE + 1` messages from `from_seq` on (one more tells of a next page).
+async def _message_page(
+    store: Store, conversation_id: str, from_seq: int
+) -> tuple[Conversation, list[AgentMessage], bool]:
+    """The conversation, up to `MESSAGES_PER_PAGE + 1` of its messages from `from_seq` on
+    (one more tells of a next page), and whether it is stored (migrated).
 
     A conversation not migrated yet has no stored messages: its converted legacy turns
-    are read whole and cut the same way.
+    are read whole and cut the same way, by `seq`, on every page.
     """
-    page = await store.conversations.messages_by_seq(
-        conversation_id, start=from_seq, limit=MESSAGES_PER_PAGE + 1
+    conversations = store.conversations
+    try:
+        conversation = await conversations.get_conversation(conversation_id, fallback=False)
+    except NotFound:
+        conversation = await conversations.get_conversation(conversation_id)
+        converted = await conversations.transcript(conversation_id)
+        after = [m for m in converted if m.seq is not None and m.seq >= from_seq]
+        return conversation, after[: MESSAGES_PER_PAGE + 1], False
+    page = await conversations.messages_by_seq(
+        conversation.id, start=from_seq, limit=MESSAGES_PER_PAGE + 1
     )
-    if page or from_seq > 0:
-        return page
-    converted = await store.conversations.transcript(conversation_id)
-    return converted[: MESSAGES_PER_PAGE + 1]
+    return conversation, page, True
 
 
 async def transcript(request: Request, store: Store) -> Response:
-    conversation = await store.conversations.get_conversation(
-        request.path_params["conversation_id"]
-    )
     from_seq = _from_seq(request)
-    messages = await _message_page(store, conversation.id, from_seq)
+    conversation, messages, stored = await _message_page(
+        store, request.path_params["conversation_id"], from_seq
+    )
     pages = TranscriptPages.of(conversation.id, messages, from_seq, MESSAGES_PER_PAGE)
     messages = messages[:MESSAGES_PER_PAGE]
     full = request.query_params.get("full") == "true"
     if full:
         messages = await store.conversations.with_full_texts(messages)
-    pending = conversation.pending_hitl.request_id if conversation.pending_hitl else None
     return render(
         "transcript.html",
         conversation=conversation,
-        messages=message_views(messages, pending_request_id=pending),
+        messages=message_views(messages, pending=conversation.pending_hitl),
         full=full,
         pages=pages,
+        # The store forks stored conversations only: one not migrated yet offers no fork.
+        can_fork=stored,
         has_legacy=bool(await store.legacy.with_turns([conversation.id])),
     )
 
@@ -293,11 +312,9 @@ async def fork(request: Request, store: Store) -> Response:
         message = "A fork must come from this site's own pages."
         return render("error.html", 403, code="forbidden", message=message)
     form = await _posted_form(request)
-    at_seq = (form or {}).get("at_seq", "")
-    if not at_seq.isdigit() or len(at_seq) > 15:
-        raise InvalidInput("invalid at_seq: it must be the seq of a message")
+    at_seq = _seq((form or {}).get("at_seq", ""), "at_seq")
     forked = await store.logger.fork(
-        request.path_params["conversation_id"], int(at_seq), str(uuid.uuid4())
+        request.path_params["conversation_id"], at_seq, str(uuid.uuid4())
     )
     return RedirectResponse(
         f"/viewer/conversations/{quote(forked.conversation_id)}", 303, headers=_SECURITY_HEADERS
@@ -306,14 +323,7 @@ async def fork(request: Request, store: Store) -> Response:
 
 async def legacy(request: Request, store: Store) -> Response:
     conversation_id = validate_identifier(request.path_params["conversation_id"], "conversation_id")
-    with storage_errors("read the legacy turns"):
-        turns = await (
-            store.db[LEGACY_TURNS]
-            .find({"conversation_id": conversation_id})
-            .sort([("created_at", 1), ("_id", 1)])
-            .limit(MAX_LEGACY_TURNS)
-            .to_list(None)
-        )
+    turns = await store.legacy.turns(conversation_id, limit=MAX_LEGACY_TURNS)
     try:
         conversation = await store.conversations.get_conversation(conversation_id, fallback=False)
         messages = await store.conversations.transcript(conversation_id, fallback=False)
@@ -321,15 +331,14 @@ async def legacy(request: Request, store: Store) -> Response:
         if not turns:
             raise
         conversation, messages = None, []  # not migrated yet: show the legacy side alone
-    pending = (
-        conversation.pending_hitl.request_id if conversation and conversation.pending_hitl else None
-    )
     return render(
         "legacy.html",
         conversation_id=conversation_id,
         conversation=conversation,
         turns=[legacy_turn_view(t) for t in turns],
-        messages=message_views(messages, pending_request_id=pending),
+        messages=message_views(
+            messages, pending=conversation.pending_hitl if conversation else None
+        ),
     )
 
 

@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
 from pymongo import AsyncMongoClient, monitoring
 
@@ -275,6 +276,26 @@ async def test_numbers_outside_64_bits_are_refused_with_422(
         text = await refused(api, "POST", TURNS, body, 422)
         assert where in text
         assert "64-bit" in text
+
+
+@pytest.mark.parametrize(
+    "declared",
+    [
+        pytest.param(b"\xb2", id="superscript-two"),  # read as latin-1: "\u00b2".isdigit()
+        pytest.param(b"2\xb9", id="superscript-one-after-a-digit"),
+        pytest.param(b"1" * 5000, id="past-int-conversion-limit"),
+        pytest.param(b"+2", id="signed"),
+    ],
+)
+async def test_a_content_length_not_a_byte_count_in_ascii_digits_is_refused(
+    api: Served, declared: bytes
+) -> None:
+    before = await api.digest()
+    headers = httpx.Headers([*JSON.items(), ("Content-Length", declared)])  # bytes kept as sent
+    response = await api.http.request("PATCH", CONV, headers=headers, content=b"{}")
+    assert response.status_code == 422, response.text[:300]
+    assert "Content-Length" in response.json()["error"]["message"]
+    assert await api.digest() == before
 
 
 # -- search ----------------------------------------------------------------------------------

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
+from bson import ObjectId
 from pymongo.errors import OperationFailure
 
-from agent_store.core import InvalidInput, Unsupported
+from agent_store.core import InvalidInput, Unsupported, utc_now
 from agent_store.legacy import LEGACY_TURNS, LegacyTurns
 from agent_store.store import AgentMessageLogger, ConversationStore, storage_errors
 from tests.conftest import Backend
@@ -41,6 +44,27 @@ async def test_legacy_turns_tell_which_conversations_have_some(backend: Backend)
     legacy = LegacyTurns(backend.db)
     assert await legacy.with_turns(["conv-old", "conv-new"]) == {"conv-old"}
     assert await legacy.with_turns([]) == set()
+
+
+async def test_legacy_turns_are_found_by_the_id_the_store_knows_them_by(backend: Backend) -> None:
+    """As the read fallback finds them (`_turns_of`): an ObjectId or a number the legacy turns
+    name is the id as text, and a turn naming none is its `legacy-turn-` id."""
+    oid = ObjectId("65a1b2c3d4e5f60718293a4b")
+    earlier = datetime(2024, 1, 1, tzinfo=UTC)
+    await backend.db[LEGACY_TURNS].insert_many(
+        [
+            {"_id": "t-2", "conversation_id": oid, "created_at": utc_now(), "user_message": "b"},
+            {"_id": "t-1", "conversation_id": oid, "created_at": earlier, "user_message": "a"},
+            {"_id": "t-3", "conversation_id": 424242, "user_message": "c"},
+            {"_id": "t-4", "user_message": "d"},
+        ]
+    )
+    legacy = LegacyTurns(backend.db)
+    ids = [str(oid), "424242", "legacy-turn-t-4", "legacy-turn-t-5"]
+    assert await legacy.with_turns(ids) == set(ids[:3])
+    assert [t["_id"] for t in await legacy.turns(str(oid), limit=10)] == ["t-1", "t-2"]
+    assert [t["_id"] for t in await legacy.turns(str(oid), limit=1)] == ["t-1"]
+    assert [t["_id"] for t in await legacy.turns("legacy-turn-t-4", limit=10)] == ["t-4"]
 
 
 def test_a_query_needing_a_missing_index_is_unsupported_not_a_failure() -> None:

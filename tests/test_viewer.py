@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import html
+import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -436,3 +439,109 @@ async def test_a_sign_out_from_another_site_is_refused(api: Served) -> None:
     response = await api.http.post("/viewer/logout", headers={"Origin": "https://evil.example"})
     assert response.status_code == 403
     assert (await api.http.get("/viewer")).status_code == 200
+
+
+# -- showing what the store holds, as it holds it --------------------------------------------
+
+
+def prompt_turn(n: int, request_id: str) -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": f"pay invoice {n}"},
+        {
+            "role": "assistant",
+            "content": f"Shall I pay invoice {n}?",
+            "hitl_action": {"action": f"confirm_payment_{n}", "request_id": request_id},
+        },
+    ]
+
+
+async def test_each_prompt_shows_the_status_the_store_gives_it(api: Served) -> None:
+    """A runtime may ask a request id again once it is answered: only the prompt the
+    conversation holds pending (`pending_hitl`, by its message) is pending; the earlier one
+    of the same id stays resolved."""
+    store = api.store
+    await store.logger.log_messages("conv-ask", prompt_turn(1, "confirm-1"), user_id=OWNER)
+    await store.conversations.resolve_hitl("conv-ask", "confirm-1")
+    await store.logger.log_messages("conv-ask", prompt_turn(2, "confirm-1"), user_id=OWNER)
+    await sign_in(api.http)
+    page = await api.http.get("/viewer/conversations/conv-ask")
+    badges = re.findall(
+        r'Needs a person: <code>(\w+)</code></span>\s*<span class="badge \w+">(\w+)</span>',
+        page.text,
+    )
+    assert badges == [("confirm_payment_1", "resolved"), ("confirm_payment_2", "pending")]
+
+
+def tool_turn(n: int, tool: str, call_id: str = "call_0") -> list[dict[str, Any]]:
+    call = {"id": call_id, "type": "function", "function": {"name": tool, "arguments": "{}"}}
+    return [
+        {"role": "user", "content": f"step {n}"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": f"result of {tool}"},
+    ]
+
+
+async def test_a_tool_result_names_the_call_it_answers_when_ids_repeat(api: Served) -> None:
+    """Providers numbering calls per response reuse `call_0` every turn: each result answers
+    the call the store pairs it with (`answers_to_calls`), not the page's last of that id."""
+    for n, tool in enumerate(("read_balance", "wire_money")):
+        await api.store.logger.log_messages("conv-ids", tool_turn(n, tool), user_id=OWNER)
+    await sign_in(api.http)
+    page = await api.http.get("/viewer/conversations/conv-ids")
+    shown = re.findall(
+        r'<span class="answers">answers ([^<]+)</span>.*?<pre class="result">([^<]*)</pre>',
+        page.text,
+        re.S,
+    )
+    assert shown == [
+        ("read_balance (call_0)", "result of read_balance"),
+        ("wire_money (call_0)", "result of wire_money"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        pytest.param('{"iban": "DE00 1111", "iban": "GB99 6666"}', id="a-repeated-key"),
+        pytest.param('[{"a": 1, "a": 2}]', id="a-repeated-key-inside"),
+        pytest.param('{"amount": 1e400}', id="a-number-past-a-double"),
+        pytest.param('{"fee": 0.30000000000000000001}', id="more-digits-than-a-double"),
+        pytest.param('{"n": -0}', id="minus-zero"),
+        pytest.param('{"n": 1E5}', id="an-exponent"),
+        pytest.param('{"n": 1.50}', id="a-trailing-zero"),
+    ],
+)
+def test_json_that_indenting_would_change_is_shown_as_stored(stored: str) -> None:
+    """Indenting would drop a repeated key or write a number otherwise (1e400 as Infinity,
+    0.30000000000000000001 as 0.3): such text is shown as it is, whole."""
+    assert pretty_json(stored) == stored
+
+
+def test_json_is_indented_when_that_changes_none_of_its_values() -> None:
+    stored = '{"a": 1.5, "b": [1, -2, 0.1, 12345678901234567890123], "c": "x", "d": null}'
+    assert pretty_json(stored) == (
+        '{\n  "a": 1.5,\n  "b": [\n    1,\n    -2,\n    0.1,\n    12345678901234567890123\n  ],'
+        '\n  "c": "x",\n  "d": null\n}'
+    )
+
+
+async def test_tool_arguments_and_results_are_shown_as_stored(api: Served) -> None:
+    arguments = (
+        '{"iban": "DE00 1111", "iban": "GB99 6666", "amount": 1e400, "fee": 0.30000000000000000001}'
+    )
+    result = '{"balance": 1e400, "balance": 2}'
+    call = {"id": "c1", "type": "function", "function": {"name": "pay", "arguments": arguments}}
+    await api.store.logger.log_messages(
+        "conv-pay",
+        [
+            {"role": "user", "content": "pay it"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": result},
+        ],
+        user_id=OWNER,
+    )
+    await sign_in(api.http)
+    page = await api.http.get("/viewer/conversations/conv-pay")
+    shown = [html.unescape(p) for p in re.findall(r"<pre[^>]*>(.*?)</pre>", page.text, re.S)]
+    assert arguments in shown
+    assert result in shown

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
+from bson import ObjectId
 from markupsafe import escape
 from pymongo.errors import OperationFailure
 
 from agent_store.core import Unsupported
-from agent_store.store import storage_errors
+from agent_store.legacy import LEGACY_TURNS, convert
+from agent_store.store import CONVERSATIONS, MESSAGES, storage_errors
 from app.demo import OTHER_USER_ID
 from app.viewer import CONVERSATIONS_PER_PAGE, MESSAGES_PER_PAGE, NO_TEXT_INDEX
 from tests.api_harness import (
@@ -165,6 +169,9 @@ async def test_continue_from_here_forks_the_conversation_at_that_message(api: Se
     [
         pytest.param({"Origin": "https://evil.example"}, {"at_seq": "3"}, id="another-site"),
         pytest.param(SAME_ORIGIN, {"at_seq": "three"}, id="not-a-seq"),
+        # `"²".isdigit()` holds, and int() refuses it; int() reads "٣" as 3
+        pytest.param(SAME_ORIGIN, {"at_seq": "\u00b2"}, id="superscript-two"),
+        pytest.param(SAME_ORIGIN, {"at_seq": "\u0663"}, id="arabic-indic-three"),
     ],
 )
 async def test_a_fork_from_elsewhere_or_without_a_seq_writes_nothing(
@@ -176,6 +183,21 @@ async def test_a_fork_from_elsewhere_or_without_a_seq_writes_nothing(
     )
     assert response.status_code in (403, 422)
     assert await api.digest() == before
+
+
+@pytest.mark.parametrize(
+    "written", ["\u00b2", "\u00b3", "\u0661\u0662", "\uff11", "1e3", "+1", " 1", "1" * 19]
+)
+async def test_a_transcript_page_starts_at_a_seq_written_in_ascii_digits(
+    api: Served, written: str
+) -> None:
+    """`from_seq` is 0-9 only, as every number the service reads from text: a superscript,
+    another script's digits or an exponent is refused with 422 naming it, never a 500."""
+    page = await api.http.get(
+        f"/viewer/conversations/{OWNER_CONVERSATION}", params={"from_seq": written}
+    )
+    assert page.status_code == 422, page.text[:300]
+    assert "from_seq" in page.text
 
 
 async def test_a_fork_needs_a_session(api: Served) -> None:
@@ -241,3 +263,87 @@ async def test_a_search_that_cannot_run_says_what_is_missing(
     response = await search_page(api, **query)
     assert response.status_code == status, response.text
     assert says in response.text
+
+
+# -- conversations not migrated yet, and those migrated under another id ----------------------
+
+T0 = datetime(2024, 1, 1, tzinfo=UTC)
+
+
+def legacy_turns(
+    conversation_id: Any, count: int, user_id: str = "user-old"
+) -> list[dict[str, Any]]:
+    """`count` legacy turns of one question and one answer each: `2 * count` messages."""
+    return [
+        {
+            "_id": f"lt-{n:03d}",
+            "conversation_id": conversation_id,
+            "user_id": user_id,
+            "created_at": T0 + timedelta(minutes=n),
+            "user_message": f"legacy question {n}",
+            "response_parts": [{"part_kind": "text", "content": f"legacy answer {n}"}],
+        }
+        for n in range(count)
+    ]
+
+
+async def test_a_conversation_not_migrated_yet_is_paged_as_a_stored_one(api: Served) -> None:
+    """Its converted legacy turns are cut by `seq` the same way, on every page."""
+    await api.db[LEGACY_TURNS].insert_many(legacy_turns("conv-old-long", 60))
+    first = await api.http.get("/viewer/conversations/conv-old-long")
+    assert seqs(first.text) == list(range(MESSAGES_PER_PAGE))
+    later = re.search(r'rel="next" href="([^"]+)"', first.text)
+    assert later
+    second = await api.http.get(later.group(1))
+    assert second.status_code == 200
+    assert seqs(second.text) == list(range(MESSAGES_PER_PAGE, 120))
+    assert "legacy answer 59" in second.text
+    assert 'rel="next"' not in second.text
+    past = await api.http.get("/viewer/conversations/conv-old-long?from_seq=500")
+    assert seqs(past.text) == []
+
+
+async def test_a_conversation_not_migrated_yet_offers_no_fork(api: Served) -> None:
+    """The store forks stored conversations only: a legacy-only one is read, not continued,
+    until the migration stores it; its page says so instead of offering a fork that fails."""
+    await api.db[LEGACY_TURNS].insert_many(legacy_turns("conv-old", 3))
+    page = await api.http.get("/viewer/conversations/conv-old")
+    assert page.status_code == 200
+    assert seqs(page.text) == list(range(6))
+    assert "Continue from here" not in page.text
+    assert 'action="/viewer/conversations/conv-old/forks"' not in page.text
+    assert "Not migrated yet" in page.text
+
+
+@pytest.mark.parametrize(
+    "legacy_id",
+    [
+        pytest.param("conv 42/\u03b1", id="no-identifier"),  # legacy-conversation-<hash>
+        pytest.param(None, id="naming-none"),  # legacy-turn-<_id>
+        pytest.param(ObjectId("65a1b2c3d4e5f60718293a4b"), id="object-id"),
+        pytest.param(424242, id="number"),
+    ],
+)
+async def test_the_legacy_comparison_finds_the_turns_of_a_conversation_however_it_was_named(
+    api: Served, legacy_id: Any
+) -> None:
+    """The viewer finds a conversation's legacy turns as the store does (`_turns_of`): by
+    the legacy id a derived id stands for, the `_id` a `legacy-turn-` id names, or a legacy
+    id written as an ObjectId or a number, not by the stored id as text alone."""
+    count = 1 if legacy_id is None else 2  # each turn naming none is a conversation of its own
+    turns = legacy_turns(legacy_id, count, user_id="user-odd")
+    conversion = convert(turns)
+    assert conversion.conversation is not None
+    await api.db[CONVERSATIONS].insert_one(conversion.conversation.model_dump(by_alias=True))
+    await api.db[MESSAGES].insert_many([m.model_dump(by_alias=True) for m in conversion.messages])
+    await api.db[LEGACY_TURNS].insert_many(turns)
+    stored = conversion.conversation_id
+    listed = await api.http.get("/viewer/users/user-odd")
+    assert rows(listed.text) == [stored]
+    assert legacy_links(listed.text) == {quote(stored)}
+    transcript = await api.http.get(f"/viewer/conversations/{quote(stored)}")
+    assert "compare with legacy turns" in transcript.text
+    legacy = await api.http.get(f"/viewer/conversations/{quote(stored)}/legacy")
+    assert legacy.status_code == 200
+    assert legacy.text.count("data-legacy-turn=") == count
+    assert f"legacy question {count - 1}" in legacy.text

@@ -69,15 +69,31 @@ CallKey = tuple[int, str]
 def answers_to_calls(messages: Sequence[AgentMessage]) -> dict[CallKey, ToolMessage]:
     """Each call's answer among a conversation's messages; a call without one is left out.
 
+    A tool message answers the call `calls_answered` pairs it with; when a call has more
+    than one, `answers_instead` decides which answer stands (a real result replaces a
+    stand-in).
+    """
+    answers: dict[CallKey, ToolMessage] = {}
+    for index, call in calls_answered(messages).items():
+        message = messages[index]
+        assert isinstance(message, ToolMessage)
+        if answers_instead(message, answers.get(call)):
+            answers[call] = message
+    return answers
+
+
+def calls_answered(messages: Sequence[AgentMessage]) -> dict[int, CallKey]:
+    """The call each tool message answers, by the tool message's index among `messages`.
+
     A tool message answers the latest earlier call of its id that has no answer yet, as
     the reservation takes it out of `pending_calls` (a provider that numbers its calls per
-    response repeats an id while an older call awaits approval); when every earlier call
-    of its id has one, the latest, where `answers_instead` decides which answer stands (a
-    real result replaces a stand-in). A tool message answering no earlier call answers
-    nothing.
+    response repeats an id while an older call awaits approval; one numbering them per
+    turn repeats `call_0` every turn); when every earlier call of its id has one, the
+    latest. A tool message answering no earlier call answers nothing and is left out.
     """
     calls_of: dict[str, list[int]] = {}
-    answers: dict[CallKey, ToolMessage] = {}
+    answered: dict[int, CallKey] = {}
+    taken: set[CallKey] = set()
     for index, message in enumerate(messages):
         if isinstance(message, AssistantMessage):
             for call in message.tool_calls or ():
@@ -85,10 +101,10 @@ def answers_to_calls(messages: Sequence[AgentMessage]) -> dict[CallKey, ToolMess
         elif isinstance(message, ToolMessage) and message.tool_call_id in calls_of:
             call_id = message.tool_call_id
             made = calls_of[call_id]
-            at = next((i for i in reversed(made) if (i, call_id) not in answers), made[-1])
-            if answers_instead(message, answers.get((at, call_id))):
-                answers[(at, call_id)] = message
-    return answers
+            at = next((i for i in reversed(made) if (i, call_id) not in taken), made[-1])
+            answered[index] = (at, call_id)
+            taken.add((at, call_id))
+    return answered
 
 
 def is_stand_in(message: ToolMessage) -> bool:

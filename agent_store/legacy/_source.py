@@ -3,6 +3,7 @@ erasures and claims that must reach them."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -105,14 +106,29 @@ class LegacyTurns:
         return FallbackConversation(conversion.conversation, conversion.messages)
 
     async def with_turns(self, conversation_ids: Sequence[str]) -> set[str]:
-        """Which of `conversation_ids` have legacy turns (one lookup; none for no ids)."""
-        if not conversation_ids:
-            return set()
+        """Which of `conversation_ids` have legacy turns, each found as every read finds a
+        conversation's turns (`_turns_of`: its legacy id as text, an ObjectId or a number, the
+        legacy id a derived `legacy-conversation-` id stands for, the `_id` a `legacy-turn-`
+        id names). One indexed lookup per id, run at once (`_turns_of`'s for a derived id);
+        none for no ids."""
+        ids = list(dict.fromkeys(conversation_ids))
+
+        async def has_turns(conversation_id: str) -> bool:
+            with storage_errors("read the legacy turns"):
+                query = await self._turns_of(conversation_id)
+                return await self._turns.find_one(query, {"_id": 1}) is not None
+
+        found = await asyncio.gather(*(has_turns(conversation_id) for conversation_id in ids))
+        return {conversation_id for conversation_id, has in zip(ids, found, strict=True) if has}
+
+    async def turns(self, conversation_id: str, *, limit: int) -> list[dict[str, Any]]:
+        """The legacy turn documents the store knows as `conversation_id` (`_turns_of`, as the
+        read fallback finds them), raw, oldest first (by `created_at`, then `_id`), the first
+        `limit` of them: what an operator compares a migrated conversation with."""
         with storage_errors("read the legacy turns"):
-            found = await self._turns.distinct(
-                "conversation_id", scalar_filter("conversation_id", {"$in": list(conversation_ids)})
-            )
-        return {str(conversation_id) for conversation_id in found}
+            query = await self._turns_of(conversation_id)
+            found = self._turns.find(query).sort([("created_at", 1), ("_id", 1)]).limit(limit)
+            return list(await found.to_list(None))
 
     async def holder(self, conversation_id: str) -> LegacyHolder | None:
         """Whether the id exists as legacy turns, and their owner; None if it does not."""
