@@ -1471,6 +1471,119 @@ async def test_a_forks_retry_finding_its_source_deleted_leaves_the_fork_it_repla
     assert (len(kept), kept[-1]) == (3, "my later work")
 
 
+INTERRUPTIONS = ["its check fails", "its caller cancels it during its check"]
+
+
+def _the_forks_check_interrupted(
+    logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch, interruption: str
+) -> Callable[[], Awaitable[Any]]:
+    """The fork's check of its source, on its first round trip, fails (a dropped connection)
+    or never comes back (the caller's timeout then cancels the fork). Returns the wait for
+    the fork to reach its check; the check is whole again once it is reached."""
+    under_way, reached = logger._deletions.under_way, asyncio.Event()
+
+    async def interrupted(*args: Any, **kwargs: Any) -> bool:
+        monkeypatch.setattr(logger._deletions, "under_way", under_way)
+        reached.set()
+        if interruption == "its check fails":
+            raise StorageUnavailable("the connection dropped (injected)")
+        await asyncio.Event().wait()  # a round trip that never comes back
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(logger._deletions, "under_way", interrupted)
+    return reached.wait
+
+
+async def _interrupted(fork: asyncio.Task[Any], interruption: str) -> None:
+    """The fork's first attempt, as its caller sees it: StorageUnavailable, or cancelled."""
+    if interruption == "its check fails":
+        with pytest.raises(StorageUnavailable):
+            await fork
+        return
+    fork.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await fork
+
+
+@pytest.mark.parametrize("fate", ["erased", "deleted"])
+@pytest.mark.parametrize("interruption", INTERRUPTIONS)
+async def test_a_forks_retry_takes_back_what_an_attempt_whose_check_was_interrupted_wrote(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, interruption: str, fate: str
+) -> None:
+    """OWNER is erased (or "c-x" deleted) after the fork read "c-x" and before it writes; the
+    fork's check of its source is then interrupted: a dropped connection, or the caller's
+    timeout cancelling the fork. The retry finds the source gone: before answering NotFound it
+    finds the fork the first attempt wrote, whose check never passed (stored on the fork), and
+    takes it back. Nothing of OWNER is left, whole texts included."""
+    logger = await _owners_conversation_with_a_cut_message(backend)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+    held, go = _fork_held_after_its_read(logger, monkeypatch)
+    checking = _the_forks_check_interrupted(logger, monkeypatch, interruption)
+    fork = asyncio.create_task(logger.fork("c-x", 1, "c-fork", user_id=OWNER))
+    await held.wait()
+    if fate == "erased":
+        await store.erase_user(OWNER)
+    else:
+        await store.delete("c-x", user_id=OWNER)
+    go.set()
+    await checking()
+    await _interrupted(fork, interruption)
+
+    with pytest.raises(NotFound, match="'c-x'"):
+        await logger.fork("c-x", 1, "c-fork", user_id=OWNER)
+    await _nothing_of_owner_is_left(backend, store)
+    assert (await store.list_conversations(OWNER)).data == []
+
+
+@pytest.mark.parametrize("interruption", INTERRUPTIONS)
+async def test_a_forks_retry_replaying_an_attempt_whose_check_was_interrupted_checks_it_again(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, interruption: str
+) -> None:
+    """The fork's first attempt wrote its copies, its check interrupted, its source whole. The
+    retry reads "c-x", which is deleted before the retry, a replay, would answer: the first
+    attempt's check never passed, so the retry checks the source itself, finds it gone, takes
+    the copies back and answers NotFound."""
+    logger = await _owners_conversation_with_a_cut_message(backend)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+    checking = _the_forks_check_interrupted(logger, monkeypatch, interruption)
+    fork = asyncio.create_task(logger.fork("c-x", 1, "c-fork", user_id=OWNER))
+    await checking()
+    await _interrupted(fork, interruption)
+    held, go = _fork_held_after_its_read(logger, monkeypatch)
+
+    retry = asyncio.create_task(logger.fork("c-x", 1, "c-fork", user_id=OWNER))
+    await held.wait()
+    await store.delete("c-x", user_id=OWNER)
+    go.set()
+
+    with pytest.raises(NotFound, match="'c-x'"):
+        await retry
+    await _nothing_of_owner_is_left(backend, store)
+
+
+async def test_a_fork_whose_retry_found_its_source_whole_stands_though_its_first_check_failed(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first attempt's check failed, its source whole; the retry checks the source, finds
+    it whole, and answers the fork: the fork stood, as stored on it. A delete of the source
+    after, then another retry (NotFound: the source is gone), take nothing of it back."""
+    logger = await _owners_conversation_with_a_cut_message(backend)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+    checking = _the_forks_check_interrupted(logger, monkeypatch, "its check fails")
+    with pytest.raises(StorageUnavailable):
+        await logger.fork("c-x", 1, "c-fork", user_id=OWNER)
+    await checking()
+
+    retried = await logger.fork("c-x", 1, "c-fork", user_id=OWNER)
+    await store.delete("c-x", user_id=OWNER)
+    with pytest.raises(NotFound, match="'c-x'"):
+        await logger.fork("c-x", 1, "c-fork", user_id=OWNER)
+
+    assert retried.replayed
+    kept = await store.with_full_texts(await store.transcript("c-fork", user_id=OWNER))
+    assert [m.content for m in kept] == ["OWNER's secret " + "x" * 60_000, "noted"]
+
+
 async def test_a_fork_that_checked_its_source_before_its_delete_stands(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

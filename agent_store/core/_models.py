@@ -693,6 +693,20 @@ class ForkOrigin(_Model):
     (by a pop or a fork of the fork too)."""
 
 
+class ForkCheck(_Model):
+    """The source a fork copied, as the fork read it (extension; the store's bookkeeping, never
+    served): kept on the fork's conversation from its creation until the fork's check of that
+    source passed, so that a retry of the fork, finding it, checks the source again and takes
+    the fork back when the source went (`AgentMessageLogger.fork`)."""
+
+    epoch: str | None = None
+    """The source's `epoch` as read (None: stored before epochs)."""
+    created_at: UtcDatetime | None = None
+    """The source's `created_at` as read: it tells the source when it had no `epoch`."""
+    taking_back: bool = False
+    """A take-back of the fork has begun: the fork no longer stands, whatever a check finds."""
+
+
 RESOLVED_PROMPTS_KEPT = 100
 """How many resolutions by request id a conversation remembers (`resolved_hitl`)."""
 
@@ -739,6 +753,10 @@ class Conversation(_Model):
     usage: Usage = Field(default_factory=Usage)
     forked_from: ForkOrigin | None = None
     """The conversation and `seq` this one was forked from (extension); null if it was not."""
+    fork_check: ForkCheck | None = Field(default=None, exclude=True)
+    """Set as a fork creates this conversation, cleared once the fork's check found its source
+    whole (`ForkCheck`; the store's bookkeeping, never served): a fork still holding it has
+    not stood yet."""
     turns: list[TurnRecord] = Field(default_factory=list, exclude=True)
     """Every logged turn in reservation order, up to `TurnRules.turns_recorded` (extension;
     the store's bookkeeping, never served)."""

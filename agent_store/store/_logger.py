@@ -23,6 +23,7 @@ lookup of its first message) before it may reserve.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -40,6 +41,7 @@ from agent_store.core import (
     AnsweredBefore,
     Conflict,
     Conversation,
+    ForkCheck,
     ForkOrigin,
     InvalidInput,
     NotFound,
@@ -442,10 +444,17 @@ class AgentMessageLogger:
         tool call and its result moves to the end of the pair. The new conversation
         has its own summary fields, the same owner and `forked_from`; the original
         is untouched. The same fork retried is stored once; an existing
-        `new_conversation_id` is a Conflict.
+        `new_conversation_id` is a Conflict. A source deleted, or its user erased, before
+        the fork's check of it passed is NotFound, and what the fork wrote is taken back,
+        by the attempt that finds it or by a retry (`_unless_its_source_went`).
         """
         conversation_id = validate_identifier(conversation_id, "conversation_id")
-        source, messages = await self._fork_source(conversation_id, Actor(user_id, owner_only))
+        actor = Actor(user_id, owner_only)
+        try:
+            source, messages = await self._fork_source(conversation_id, actor)
+        except NotFound:
+            await self._settle_earlier_attempt(conversation_id, new_conversation_id, actor)
+            raise
         end = fork_end(messages, at_seq)
         self._refuse_unfinished(conversation_id, source, messages, end)
         chosen = forked_messages(messages, end)
@@ -466,34 +475,30 @@ class AgentMessageLogger:
         )
         approved = _approvals_of_copies(source, chosen, plan)
         plan = _leaving_what_the_copies_left(plan, chosen, messages, origin, source)
-        resolved = source.get("resolved_hitl") or ()  # the fork remembers them too
-        forked_from = origin.model_dump()
-        condition = Condition(
-            {"created_at": {"$exists": False}},
-            lambda now: {
-                "forked_from": literal(forked_from),
-                "resolved_hitl": literal(list(resolved)),
-                "approved_calls": literal(approved),
-            },
-            Conflict(f"conversation {plan.conversation_id!r} exists already; fork into a new id"),
-            create=True,
-        )
+        condition = _fork_condition(plan, origin, source, approved)
         owner = Actor(source.get("user_id"), as_user=owner_only)
         started = time.monotonic()
         reserved = await self._reserve(plan, owner, None, condition)
         stored = await self._store(plan, reserved, started)
-        if not reserved.replayed:  # a retry of a fork reserved before: it stands, its own
-            await self._unless_its_source_went(conversation_id, source, plan, reserved)
+        # A replay checks the fork only if its `fork_check` is still there, read back.
+        created = None if reserved.replayed else _fork_as_created(reserved, source)
+        await self._unless_its_source_went(conversation_id, plan.conversation_id, created)
         return await self._told(plan, reserved, stored)
 
     async def _unless_its_source_went(
-        self, conversation_id: str, source: Mapping[str, Any], plan: TurnPlan, reserved: _Reserved
+        self, conversation_id: str, new_id: str, fork: Mapping[str, Any] | None
     ) -> None:
         """After a fork's writes: NotFound, as for a source gone before the fork read it, once
         what the fork wrote is taken back (`_take_back_fork`), when a delete or an erasure of
         its source has begun (its `DeletionRecords` record is there) or its source is no longer
         the conversation it read (gone, perhaps started again under its id: another `epoch`,
-        `same_conversation`). Two round trips: the record, then the source.
+        `same_conversation`). Two round trips: the record, then the source; a third, when
+        neither is found, clears the fork's `fork_check`: from then on the fork stands.
+
+        `fork` is the fork's conversation as created (`_fork_as_created`); None for a replay,
+        which reads it back and checks it only while its `fork_check` is there: an earlier
+        attempt whose check failed or was cancelled (its caller's timeout) left it, and a
+        replay of a fork that stood takes nothing back, whatever became of its source since.
 
         A deletion records itself before its first destructive command and removes its record
         after the source's document went, as its last step. So, whenever it lands:
@@ -509,36 +514,96 @@ class AgentMessageLogger:
           whole texts by those messages, there before the erasure's cleanup of them).
         A delete of the fork's own conversation while the fork writes is a delete racing a turn:
         it sweeps the copies landing late (`ConversationStore.delete`)."""
-        as_read = same_conversation(
-            conversation_id, epoch=source.get("epoch"), created_at=source.get("created_at")
-        )
+        if fork is None:
+            fork = await self._unchecked_fork(conversation_id, new_id)
+            if fork is None:
+                return  # it stood: an earlier attempt's check passed
+        check = ForkCheck.model_validate(fork["fork_check"])
+        as_read = {"epoch": check.epoch, "created_at": check.created_at}
         with storage_errors("read the conversation"):
-            went = await self._deletions.under_way(conversation_id, source) or (
-                await self._conversations.find_one(as_read, {"_id": 1}) is None
+            went = (
+                check.taking_back
+                or await self._deletions.under_way(conversation_id, as_read)
+                or await self._conversations.find_one(
+                    same_conversation(
+                        conversation_id, epoch=check.epoch, created_at=check.created_at
+                    ),
+                    {"_id": 1},
+                )
+                is None
             )
         if not went:
-            return
-        await self._take_back_fork(plan, reserved)
-        raise NotFound(
-            f"conversation {conversation_id!r} was not found: it was deleted, or is being "
-            "deleted, while the fork copied it"
-        )
+            with storage_errors("record the fork's check"):
+                await self._conversations.update_one(
+                    {**_the_fork(new_id, fork), "fork_check.taking_back": {"$ne": True}},
+                    {"$unset": {"fork_check": ""}},
+                )
+        elif await self._take_back_fork(new_id, fork):
+            raise NotFound(
+                f"conversation {conversation_id!r} was not found: it was deleted, or is being "
+                "deleted, while the fork copied it"
+            )
 
-    async def _take_back_fork(self, plan: TurnPlan, reserved: _Reserved) -> None:
+    async def _unchecked_fork(self, conversation_id: str, new_id: str) -> dict[str, Any] | None:
+        """The fork of `conversation_id` into `new_id` whose check has not passed: it still
+        holds its `fork_check`. One round trip."""
+        with storage_errors("read the conversation"):
+            fork: dict[str, Any] | None = await self._conversations.find_one(
+                {
+                    "_id": new_id,
+                    "forked_from.conversation_id": conversation_id,
+                    "fork_check": {"$ne": None},
+                },
+                {"user_id": 1, "epoch": 1, "created_at": 1, "fork_check": 1},
+            )
+        return fork
+
+    async def _settle_earlier_attempt(
+        self, conversation_id: str, new_conversation_id: str, actor: Actor
+    ) -> None:
+        """Before a fork answers NotFound for its source: an earlier attempt of it may have
+        written the fork and failed, or been cancelled, before its check passed (the fork
+        holds its `fork_check`). It is checked now, and, its source gone, taken back: a retry
+        leaves nothing of a source deleted or erased meanwhile. One round trip when there is
+        no such fork, or the actor may not see it."""
+        try:
+            new_id = validate_identifier(new_conversation_id, "conversation_id")
+        except InvalidInput:
+            return
+        fork = await self._unchecked_fork(conversation_id, new_id)
+        if fork is None or actor.refusal(new_id, fork.get("user_id")) is not None:
+            return
+        with contextlib.suppress(NotFound):  # the caller's NotFound is raised instead
+            await self._unless_its_source_went(conversation_id, new_id, fork)
+
+    async def _take_back_fork(self, new_id: str, fork: Mapping[str, Any]) -> bool:
         """What a fork whose source went wrote goes, as a delete of its new conversation would
-        take it: recorded first (`DeletionRecords`: a crash part-way is finished by the next
-        delete of the id or erasure of the owner), the messages of its `epoch` (a conversation
-        started under the id since keeps its own), the whole texts no message left names, then
-        its document while it is the one the fork created, then the record."""
-        new = plan.conversation_id
-        created = {"_id": new, "epoch": reserved.epoch, "created_at": reserved.created_at}
-        await self._deletions.record([created], reserved.owner)
+        take it, once the fork is marked taking back (`ForkCheck.taking_back`: from then no
+        check clears its `fork_check`, and a retry finishes the take-back): recorded (
+        `DeletionRecords`: a crash part-way is finished by the next delete of the id or erasure
+        of the owner), the messages of its `epoch` (a conversation started under the id since
+        keeps its own), the whole texts no message left names, then its document while it is
+        the one the fork created, then the record. False, nothing taken, when the fork stood
+        meanwhile: another attempt's check passed and cleared its `fork_check` first."""
+        the_fork = _the_fork(new_id, fork)
         with storage_errors("delete the fork's copies"):
-            await self._messages.delete_many({"conversation_id": new, "epoch": reserved.epoch})
-        await self._full_texts.forget_conversations({new: (reserved.epoch,)})
+            marked = await self._conversations.update_one(
+                {**the_fork, "fork_check": {"$ne": None}},
+                {"$set": {"fork_check.taking_back": True}},
+            )
+            if not marked.matched_count and await self._conversations.find_one(
+                the_fork, {"_id": 1}
+            ):
+                return False
+        created = {"_id": new_id, "epoch": fork.get("epoch"), "created_at": fork.get("created_at")}
+        await self._deletions.record([created], fork.get("user_id"))
         with storage_errors("delete the fork's copies"):
-            await self._conversations.delete_one(_same_as_reserved(new, reserved))
-        await self._deletions.done(recorded_as(new, created))
+            await self._messages.delete_many({"conversation_id": new_id, "epoch": created["epoch"]})
+        await self._full_texts.forget_conversations({new_id: (created["epoch"],)})
+        with storage_errors("delete the fork's copies"):
+            await self._conversations.delete_one(the_fork)
+        await self._deletions.done(recorded_as(new_id, created))
+        return True
 
     def _refuse_unfinished(
         self,
@@ -1457,6 +1522,50 @@ def _refuse_derived(conversation_id: str, actor: Actor) -> None:
         f"{DERIVED_CONVERSATION_PREFIX!r} or {DERIVED_TURN_PREFIX!r} name migrated legacy "
         "conversations; a new conversation takes another id"
     )
+
+
+def _fork_condition(
+    plan: TurnPlan, origin: ForkOrigin, source: Mapping[str, Any], approved: list[dict[str, Any]]
+) -> Condition:
+    """A fork's reservation creates its conversation (an existing one is a Conflict) with its
+    origin, the prompts its source resolved by request id and the approvals it keeps, and its
+    source as it read it (`ForkCheck`), kept until the fork's check of that source passes."""
+    forked_from = origin.model_dump()
+    resolved = list(source.get("resolved_hitl") or ())  # the fork remembers them too
+    unchecked = _as_read(source).model_dump()
+    return Condition(
+        {"created_at": {"$exists": False}},
+        lambda now: {
+            "forked_from": literal(forked_from),
+            "resolved_hitl": literal(resolved),
+            "approved_calls": literal(approved),
+            "fork_check": literal(unchecked),
+        },
+        Conflict(f"conversation {plan.conversation_id!r} exists already; fork into a new id"),
+        create=True,
+    )
+
+
+def _fork_as_created(reserved: _Reserved, source: Mapping[str, Any]) -> dict[str, Any]:
+    """The fork's conversation as its reservation created it: its owner, `epoch` and
+    `created_at`, and its `fork_check` (`_fork_condition`), unread."""
+    return {
+        "user_id": reserved.owner,
+        "epoch": reserved.epoch,
+        "created_at": reserved.created_at,
+        "fork_check": _as_read(source).model_dump(),
+    }
+
+
+def _as_read(source: Mapping[str, Any]) -> ForkCheck:
+    """The fork's source as the fork read it: what its check looks for."""
+    return ForkCheck(epoch=source.get("epoch"), created_at=source.get("created_at"))
+
+
+def _the_fork(new_id: str, fork: Mapping[str, Any]) -> dict[str, Any]:
+    """A filter for the fork's conversation `fork` (as created or read), never one started
+    under its id since (`same_conversation`)."""
+    return same_conversation(new_id, epoch=fork.get("epoch"), created_at=fork.get("created_at"))
 
 
 def _same_as_reserved(conversation_id: str, reserved: _Reserved) -> dict[str, Any]:

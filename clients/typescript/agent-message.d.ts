@@ -161,6 +161,12 @@ export type AgentMessageDocument = AgentMessageByRole<Date> & { epoch?: string |
  */
 export interface IAgentConversationDocument extends IAgentConversation<Date> {
   /**
+   * Set as a fork creates this conversation, cleared once the fork's check found its source whole (`ForkCheck`; the store's bookkeeping, never served): a fork still holding it has not stood yet.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  fork_check?: Record<string, unknown> | null;
+  /**
    * Every logged turn in reservation order, up to `TurnRules.turns_recorded` (extension; the store's bookkeeping, never served).
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
