@@ -42,8 +42,9 @@ USER = "user-bench"
 async def add_big_conversation(
     db: Any, conversation_id: str, *, messages: int, chars: int, user_id: str = USER
 ) -> None:
-    """A conversation of `messages` user messages of about `chars` characters, written directly."""
-    now = datetime.now(UTC)
+    """A conversation of `messages` user messages of about `chars` characters, written directly
+    as the logger writes them (its messages carry its `epoch`)."""
+    now, epoch = datetime.now(UTC), uuid.uuid4().hex[:16]
     await db[MESSAGES].insert_many(
         [
             {
@@ -54,6 +55,7 @@ async def add_big_conversation(
                 "content": f"{seq:06d} " + "x" * chars,
                 "user_id": user_id,
                 "created_at": now,
+                "epoch": epoch,
             }
             for seq in range(messages)
         ]
@@ -69,6 +71,7 @@ async def add_big_conversation(
             "turn_count": messages,
             "message_count": messages,
             "last_message_preview": "",
+            "epoch": epoch,
         }
     )
 

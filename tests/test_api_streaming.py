@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
 
+from agent_store import AgentMessageLogger, Conflict, StorageUnavailable, TurnRules
 from agent_store.core import AgentMessage
-from agent_store.store import ConversationStore
+from agent_store.store import CONVERSATIONS, MESSAGES, ConversationStore
 from app.api import create_app
 from app.api_models import Transcript
 from app.service import Store
@@ -50,16 +52,18 @@ async def test_a_streamed_transcript_comes_in_seq_order_batch_by_batch(backend: 
         assert [m for b in batches for m in b] == whole
 
 
-async def test_a_streamed_transcript_of_300_short_messages_costs_two_round_trips(
+async def test_a_streamed_transcript_of_300_short_messages_costs_three_round_trips(
     wire_backend: Backend,
 ) -> None:
+    """Its two batches, and the lookup after the last one finding the conversation still the
+    one whose messages were served."""
     await add_big_conversation(wire_backend.db, "conv-300", messages=300, chars=200)
     store = ConversationStore(wire_backend.db)
     assert wire_backend.commands is not None
     wire_backend.commands.clear()
     batches = [len(b) async for b in store.stream_transcript("conv-300")]
     assert batches == [32, 268]
-    assert wire_backend.commands.names == ["find", "find"]
+    assert wire_backend.commands.names == ["find", "find", "find"]
 
 
 async def test_the_transcript_route_sends_the_same_document_as_before(backend: Backend) -> None:
@@ -133,6 +137,224 @@ async def test_a_conversation_not_migrated_yet_is_streamed_from_its_legacy_turns
         response = await api.http.get("/v1/conversations/conv-old/transcript", headers=SERVICE)
         assert response.status_code == 200
         assert [m["content"] for m in response.json()["data"]] == ["Hello from 2024"]
+
+
+# -- one life of the conversation ----------------------------------------------------------
+
+LIFE = "c-life"
+
+
+def said(who: str, count: int) -> list[dict[str, Any]]:
+    """`count` messages, a person's and an assistant's in turn, each naming `who`."""
+    roles = ("user", "assistant")
+    return [{"role": roles[i % 2], "content": f"{who} {i}"} for i in range(count)]
+
+
+def quick(db: Any) -> tuple[AgentMessageLogger, ConversationStore]:
+    return AgentMessageLogger(db), ConversationStore(db, rules=TurnRules(claim_grace=timedelta(0)))
+
+
+async def read_on(batches: Any, served: list[AgentMessage]) -> None:
+    """Read the rest of a stream into `served`, batch by batch."""
+    async for batch in batches:
+        served += batch
+
+
+async def test_a_stream_serves_one_life_and_fails_when_another_conversation_takes_the_id(
+    backend: Backend,
+) -> None:
+    """Alice's conversation is deleted and Bob starts one under its id after the first batch
+    (32 messages) was read: no batch serves Bob's messages, and the stream fails rather than
+    end as if Alice's 32 were her whole transcript."""
+    logger, store = quick(backend.db)
+    await logger.log_messages(LIFE, said("ALICE", 40), user_id="alice", turn_id="t-1")
+    batches = store.stream_transcript(LIFE)
+    served = await anext(batches)
+    await store.delete(LIFE)
+    await logger.log_messages(LIFE, said("BOB", 40), user_id="bob", turn_id="t-1")
+
+    with pytest.raises(Conflict, match="not its whole transcript"):
+        await read_on(batches, served)
+    assert [m.content for m in served] == [f"ALICE {i}" for i in range(32)]
+
+
+@pytest.mark.parametrize("change", ["deleted", "claimed away", "deleted part-way"])
+async def test_a_stream_whose_conversation_ends_mid_way_fails_rather_than_end_short(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """Read for its owner: deleted, claimed to another account, or deleted part-way (the
+    delete failed after taking the messages, its document still there) after the first
+    batch: the stream fails, never ends with 32 of 40 messages."""
+    logger, store = quick(backend.db)
+    await logger.log_messages(LIFE, said("ALICE", 40), user_id="alice", turn_id="t-1")
+    batches = store.stream_transcript(LIFE, user_id="alice")
+    served = await anext(batches)
+    if change == "deleted":
+        await store.delete(LIFE)
+    elif change == "claimed away":
+        await store.claim("alice", "alice-new-account")
+    else:
+
+        async def dropped(*args: Any) -> Any:
+            raise StorageUnavailable("the connection dropped")
+
+        monkeypatch.setattr(store, "_delete_document", dropped)
+        with pytest.raises(StorageUnavailable):
+            await store.delete(LIFE)
+
+    with pytest.raises(Conflict, match="not its whole transcript"):
+        await read_on(batches, served)
+    assert len(served) == 32
+
+
+async def test_a_stream_read_by_a_service_is_whole_when_its_conversation_changes_owner(
+    backend: Backend,
+) -> None:
+    """A claim keeps the conversation (its life goes on under another owner): a service's
+    stream, which names no user, serves it whole."""
+    logger, store = quick(backend.db)
+    await logger.log_messages(LIFE, said("ALICE", 40), user_id="alice", turn_id="t-1")
+    batches = store.stream_transcript(LIFE)
+    served = await anext(batches)
+    await store.claim("alice", "alice-new-account")
+
+    served += [m async for batch in batches for m in batch]
+    assert [m.content for m in served] == [f"ALICE {i}" for i in range(40)]
+
+
+async def stored_before_epochs(db: Any, conversation_id: str, messages: int) -> None:
+    """A conversation as stored before conversations had an `epoch`: its messages name none."""
+    await add_big_conversation(db, conversation_id, messages=messages, chars=10, user_id="alice")
+    await db[CONVERSATIONS].update_one({"_id": conversation_id}, {"$unset": {"epoch": ""}})
+    await db[MESSAGES].update_many({"conversation_id": conversation_id}, {"$unset": {"epoch": ""}})
+
+
+@pytest.mark.parametrize("started_again", [False, True])
+async def test_a_stream_of_a_conversation_stored_before_epochs_is_told_by_its_creation(
+    backend: Backend, started_again: bool
+) -> None:
+    """Its first batch names no epoch: the stream pins the conversation by a lookup (its
+    `created_at`), serves it whole, and fails when another is started under the id."""
+    logger, store = quick(backend.db)
+    await stored_before_epochs(backend.db, LIFE, 40)
+    batches = store.stream_transcript(LIFE)
+    served = await anext(batches)
+    if started_again:
+        await store.delete(LIFE)
+        await logger.log_messages(LIFE, said("BOB", 40), user_id="bob", turn_id="t-1")
+        with pytest.raises(Conflict, match="not its whole transcript"):
+            await read_on(batches, served)
+    else:
+        await read_on(batches, served)
+    assert [m.seq for m in served] == list(range(32 if started_again else 40))
+    assert all(m.user_id == "alice" for m in served)
+
+
+def after_first_batch(
+    monkeypatch: pytest.MonkeyPatch, store: ConversationStore, change: Callable[[], Awaitable[Any]]
+) -> None:
+    """Run `change` once, as the first batch a streamed read (`full`) has read comes whole."""
+    whole = store.with_full_texts
+    pending = [change]
+
+    async def hooked(messages: list[AgentMessage]) -> list[AgentMessage]:
+        if pending:
+            await pending.pop()()
+        return await whole(messages)
+
+    monkeypatch.setattr(store, "with_full_texts", hooked)
+
+
+def cut_by(error: BaseException | None, kind: type[BaseException]) -> bool:
+    """Whether the answer was cut by a `kind` raised while it was sent (the server closes the
+    connection: the client never reads the end of the response)."""
+    while error is not None:
+        if isinstance(error, kind):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+async def test_the_transcript_route_cuts_its_answer_rather_than_send_two_lives(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with serve(backend.db, seeded=False) as api:
+        store, logger = api.store.conversations, api.store.logger
+        await logger.log_messages(LIFE, said("ALICE", 40), user_id="alice", turn_id="t-1")
+
+        async def started_again() -> None:
+            await store.delete(LIFE)
+            await logger.log_messages(LIFE, said("BOB", 40), user_id="bob", turn_id="t-1")
+
+        after_first_batch(monkeypatch, store, started_again)
+        with pytest.raises(Exception) as cut:  # noqa: PT011 - what the server raises to cut it
+            await api.http.get(f"/v1/conversations/{LIFE}/transcript?full=true", headers=SERVICE)
+        assert cut_by(cut.value, Conflict)
+
+
+@pytest.mark.parametrize("export_format", ["jsonl", "json"])
+async def test_the_export_route_cuts_its_answer_rather_than_send_two_lives_of_a_conversation(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, export_format: str
+) -> None:
+    """The user deletes a conversation and starts it again under its id while the export
+    sends its messages: what was sent cannot be taken back, so the export fails."""
+    async with serve(backend.db, seeded=False) as api:
+        store, logger = api.store.conversations, api.store.logger
+        await logger.log_messages(LIFE, said("OLD", 40), user_id="carol", turn_id="t-1")
+
+        async def started_again() -> None:
+            await store.delete(LIFE)
+            await logger.log_messages(LIFE, said("NEW", 40), user_id="carol", turn_id="t-1")
+
+        after_first_batch(monkeypatch, store, started_again)
+        with pytest.raises(Exception) as cut:  # noqa: PT011 - what the server raises to cut it
+            await api.http.get(
+                "/v1/users/carol/export",
+                params={"format": export_format, "full": "true"},
+                headers=SERVICE,
+            )
+        assert cut_by(cut.value, Conflict)
+
+
+def exported_ids(response: Any, export_format: str) -> list[str]:
+    if export_format == "jsonl":
+        return [json.loads(line)["conversation"]["_id"] for line in response.text.splitlines()]
+    return [c["conversation"]["_id"] for c in response.json()["conversations"]]
+
+
+@pytest.mark.parametrize("export_format", ["jsonl", "json"])
+@pytest.mark.parametrize(
+    ("change", "left"),
+    [("deleted", ["c-1", "c-3"]), ("claimed away", ["c-1"]), ("started again", ["c-1", "c-3"])],
+)
+async def test_the_export_leaves_out_a_conversation_gone_before_its_turn_and_goes_on(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, export_format: str, change: str,
+    left: list[str],
+) -> None:  # fmt: skip
+    """Listed, then deleted, claimed to another account (with the others after it), or
+    deleted and started again before the export reads it: it is not in the export, which
+    holds the others whole."""
+    async with serve(backend.db, seeded=False) as api:
+        store, logger = api.store.conversations, api.store.logger
+        for cid in ("c-1", "c-2", "c-3"):
+            await logger.log_messages(cid, said(cid, 2), user_id="carol", turn_id="t-1")
+
+        async def meanwhile() -> None:
+            if change == "claimed away":
+                await store.claim("carol", "carol-new-account")
+                return
+            await store.delete("c-2")
+            if change == "started again":
+                await logger.log_messages("c-2", said("NEW", 2), user_id="carol", turn_id="t-1")
+
+        after_first_batch(monkeypatch, store, meanwhile)
+        response = await api.http.get(
+            "/v1/users/carol/export", params={"format": export_format, "full": "true"},
+            headers=auth_headers(user="carol"),
+        )  # fmt: skip
+        assert response.status_code == 200
+        assert exported_ids(response, export_format) == left
+        assert "NEW" not in response.text
 
 
 # -- memory ---------------------------------------------------------------------------------

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent_store import AgentMessageLogger, ConversationStore, InvalidInput
+from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, TurnRules
 from agent_store.core import (
     INTERRUPTED_RESULT,
     PENDING_RESULT,
@@ -296,3 +296,36 @@ def test_an_assistant_message_left_with_no_text_once_its_calls_are_dropped_is_le
         {"type": "message", "role": "user", "content": "Book"},
         {"type": "message", "role": "user", "content": "Hello?"},
     ]
+
+
+@pytest.mark.parametrize(
+    ("change", "left"),
+    [("deleted", ["c-1", "c-3"]), ("claimed away", ["c-1"]), ("started again", ["c-1", "c-3"])],
+)
+async def test_export_user_leaves_out_a_conversation_gone_before_its_turn_and_goes_on(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, change: str, left: list[str]
+) -> None:
+    """Listed, then deleted, claimed to another account (with the others after it), or
+    deleted and started again before the export reads it: it is not in the export, which
+    holds the others whole, each of one life."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(0)))
+    for cid in ("c-1", "c-2", "c-3"):
+        await logger.log_messages(cid, [{"role": "user", "content": cid}], user_id="carol")
+    whole, pending = store.with_full_texts, [change]
+
+    async def meanwhile(messages: list[AgentMessage]) -> list[AgentMessage]:
+        if pending and pending.pop() == "claimed away":
+            await store.claim("carol", "carol-new-account")
+        elif change != "claimed away" and messages[0].conversation_id == "c-1":
+            await store.delete("c-2")
+            if change == "started again":
+                said = [{"role": "user", "content": "NEW"}]
+                await logger.log_messages("c-2", said, user_id="carol")
+        return await whole(messages)
+
+    monkeypatch.setattr(store, "with_full_texts", meanwhile)
+    exported = [e async for e in store.export_user("carol", full=True)]
+
+    assert [e.conversation.id for e in exported] == left
+    assert [m.content for e in exported for m in e.messages] == left

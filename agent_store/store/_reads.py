@@ -1259,16 +1259,23 @@ class ConversationStore:
     ) -> AsyncIterator[ConversationExport]:
         """Every conversation of a user with its transcript, one at a time.
 
-        With `full`, fields cut to bound a message come whole (see `with_full_texts`).
+        Each as listed (`stream_user_conversations`), its transcript of that life
+        (`stream_transcript(life=…)`): one deleted, started again or claimed away before
+        its turn is left out, the others follow. With `full`, fields cut to bound a message
+        come whole (see `with_full_texts`).
         """
         user_id = validate_identifier(user_id, "user_id")
-        with storage_errors("export the user's data"):
-            async for doc in self._conversations.find({"user_id": user_id}, SUMMARY).sort("_id", 1):
-                conversation = Conversation.model_validate(doc)
-                messages = await self.transcript(conversation.id, user_id=user_id)
-                if full:
-                    messages = await self.with_full_texts(messages)
-                yield ConversationExport(conversation=conversation, messages=messages)
+        async for conversation in self.stream_user_conversations(user_id):
+            batches = self.stream_transcript(
+                conversation.id, user_id=user_id, full=full, life=conversation
+            )
+            try:
+                messages = [m async for batch in batches for m in batch]
+            except NotFound:
+                continue  # gone since it was listed
+            finally:
+                await batches.aclose()
+            yield ConversationExport(conversation=conversation, messages=messages)
 
     @staticmethod
     def _scope(conversation_id: str, user_id: str | None) -> dict[str, Any]:
@@ -1287,6 +1294,7 @@ class ConversationStore:
         batch_size: int = STREAM_BATCH,
         batch_bytes: int = STREAM_BATCH_BYTES,
         full: bool = False,
+        life: Conversation | None = None,
     ) -> AsyncGenerator[list[AgentMessage], None]:
         """Every message of a conversation in `seq` order, a batch (one round trip) at a time.
 
@@ -1296,34 +1304,131 @@ class ConversationStore:
         with no messages here (empty, not migrated yet, missing, not `user_id`'s) is
         answered by `transcript` itself, as one batch or its error, before anything else.
         With `full`, fields cut to bound a message come whole (see `with_full_texts`).
+
+        One life of the conversation, the one under the id as the stream starts, or `life`
+        (the conversation as read before, a listing's): when more batches follow the first,
+        every batch leaves out the messages of another `epoch`, and a lookup after the last
+        one finds the conversation still there, the same one and `user_id`'s, its messages
+        not being deleted, else `Conflict` (deleted, started again or claimed away while it
+        was read: what was served is not its whole transcript). A `life` gone before the
+        first batch (deleted, started again, claimed away) is NotFound, nothing served. One
+        round trip more than its batches for a transcript of more than one batch (two when
+        its first batch names no epoch, or a `seq` past the last message is reserved); none
+        for one of a single batch, the same read as `transcript`.
         """
         if not 1 <= batch_size <= TRANSCRIPT_BATCH:
             raise InvalidInput(f"invalid batch_size {batch_size}: 1 to {TRANSCRIPT_BATCH}")
-        query: dict[str, Any] = {
-            "conversation_id": validate_identifier(conversation_id, "conversation_id")
-        }
-        if user_id is not None:
-            query["user_id"] = validate_identifier(user_id, "user_id")
-        size, after = min(STREAM_FIRST_BATCH, batch_size), -1
+        scope = self._scope(conversation_id, user_id)
+        pin = None if life is None else await self._life_named(scope, life)
+        size, after, largest = min(STREAM_FIRST_BATCH, batch_size), -1, 1
         while True:
-            with storage_errors("read the transcript"):
-                docs = await (
-                    self._messages.find({**query, "seq": {"$gt": after}})
-                    .sort("seq", 1)
-                    .limit(size)
-                    .to_list(None)
-                )
-            if not docs and after < 0:
-                messages = await self.transcript(conversation_id, user_id=user_id)
+            docs = await self._stream_batch(scope, pin, after, size)
+            first, last = after < 0, len(docs) < size
+            if first and not docs:
+                messages = await self._unstreamed(scope, pin)
                 yield await self.with_full_texts(messages) if full else messages
-            if not docs:
                 return
-            after, largest = int(docs[-1]["seq"]), max(map(_approximate_size, docs))
-            batch = messages_adapter.validate_python(await self._of_one_life(conversation_id, docs))
-            yield await self.with_full_texts(batch) if full else batch
-            if len(docs) < size:
+            if docs:
+                after, largest = int(docs[-1]["seq"]), max(map(_approximate_size, docs))
+            if pin is None and not last:
+                pin = await self._pinned_life(scope, {d.get("epoch") for d in docs})
+            if pin is None:  # the whole transcript in one read, as `transcript` reads it
+                docs = await self._of_one_life(scope["_id"], docs)
+            else:
+                docs = [d for d in docs if d.get("epoch") in (None, pin.get("epoch"))]
+            if last and not first:
+                assert pin is not None  # pinned when the first batch came full
+                await self._lived_through(scope, pin, after)
+            if docs or first:
+                batch = messages_adapter.validate_python(docs)
+                yield await self.with_full_texts(batch) if full else batch
+            if last:
                 return
             size = max(1, min(batch_size, batch_bytes // max(largest, 1)))
+
+    async def _stream_batch(
+        self, scope: dict[str, Any], pin: dict[str, Any] | None, after: int, size: int
+    ) -> list[dict[str, Any]]:
+        """The next batch of a streamed transcript: up to `size` messages past `seq` `after`,
+        of the life `pin` names (its `epoch`, or none) once the stream pinned one."""
+        query: dict[str, Any] = {"conversation_id": scope["_id"], "seq": {"$gt": after}}
+        if "user_id" in scope:
+            query["user_id"] = scope["user_id"]
+        if pin is not None:
+            query["epoch"] = _one_of_or_none(pin.get("epoch"))
+        with storage_errors("read the transcript"):
+            docs: list[dict[str, Any]] = (
+                await self._messages.find(query).sort("seq", 1).limit(size).to_list(None)
+            )
+        return docs
+
+    async def _life_named(self, scope: dict[str, Any], life: Conversation) -> dict[str, Any]:
+        """The life a stream serves when its caller read the conversation before (`life`):
+        its `epoch`, or for one read before it had one, what it has now (a lookup)."""
+        if life.id != scope["_id"]:
+            raise InvalidInput(
+                f"invalid life: it is conversation {life.id!r}, not {scope['_id']!r}"
+            )
+        if life.epoch is not None:
+            return {"epoch": life.epoch}
+        return await self._pinned_life(scope, set(), created_at=life.created_at)
+
+    async def _pinned_life(
+        self, scope: dict[str, Any], epochs: set[str | None], *, created_at: datetime | None = None
+    ) -> dict[str, Any]:
+        """The life of the conversation a stream serves: the one `epoch` its first batch
+        names, else (none, or a deleted conversation's late message beside) the conversation
+        under the id now, told by its `epoch` or, without one, its `created_at` (a lookup;
+        NotFound when it is gone)."""
+        epochs = epochs - {None}
+        if len(epochs) == 1:
+            return {"epoch": epochs.pop()}
+        query = scope
+        if created_at is not None:
+            query = scope | same_conversation(scope["_id"], epoch=None, created_at=created_at)
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(query, {"epoch": 1, "created_at": 1})
+        if found is None:
+            raise NotFound(f"conversation {scope['_id']!r} was not found")
+        return {"epoch": found.get("epoch"), "created_at": found.get("created_at")}
+
+    async def _unstreamed(
+        self, scope: dict[str, Any], pin: dict[str, Any] | None
+    ) -> list[AgentMessage]:
+        """A stream whose first batch found no message: `transcript`'s answer (empty, the
+        read fallback's, NotFound), or for a `life` named, none while it is still there."""
+        if pin is None:
+            return await self.transcript(scope["_id"], user_id=scope.get("user_id"))
+        life = same_conversation(
+            scope["_id"], epoch=pin.get("epoch"), created_at=pin.get("created_at")
+        )
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(scope | life, {"_id": 1})
+        if found is None:
+            raise NotFound(f"conversation {scope['_id']!r} was not found")
+        return []
+
+    async def _lived_through(self, scope: dict[str, Any], pin: dict[str, Any], last: int) -> None:
+        """After a stream's last batch (the last message served has `seq` `last`): Conflict
+        unless the conversation it served is still under the id and in `scope`, and, when a
+        `seq` past `last` is reserved, no delete of it is under way (one lookup more, then)."""
+        conversation_id = scope["_id"]
+        life = same_conversation(
+            conversation_id, epoch=pin.get("epoch"), created_at=pin.get("created_at")
+        )
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(
+                scope | life, {"message_count": 1, "epoch": 1, "created_at": 1}
+            )
+        if found is not None and int(found.get("message_count") or 0) <= last + 1:
+            return
+        if found is not None and not await self._deletions.under_way(conversation_id, found):
+            return
+        raise Conflict(
+            f"conversation {conversation_id!r} was deleted, started again or claimed by another "
+            "account while its transcript was read: the messages served are not its whole "
+            "transcript (read it again)"
+        )
 
     async def stream_user_conversations(self, user_id: str) -> AsyncGenerator[Conversation, None]:
         """Every conversation document of a user, by id, one at a time (no transcripts), read
