@@ -779,3 +779,26 @@ def test_the_migrations_cleanup_of_a_removed_conversation_leaves_the_next_ones_w
 
     kept = full_texts.texts(db, [persons.blob_id, migrations.blob_id])
     assert kept == {persons.blob_id: A_TEXT}
+
+
+async def test_a_full_stream_puts_whole_texts_back_a_part_at_a_time(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A streamed transcript with `full` holds the whole texts of one part at once, at most
+    `FULL_TEXT_PART_CHARS` characters (one message's at least), never those of its whole
+    batch: 32 messages of 15 MiB each held 480 MiB per request."""
+    from agent_store.store import _reads
+    from agent_store.store._blobs import whole_text_chars
+
+    monkeypatch.setattr(_reads, "FULL_TEXT_PART_CHARS", 150_000)
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(max_message_bytes=16 * 1024))
+    said = [{"role": "user", "content": f"{n}" * 60_000} for n in range(5)]
+    await logger.log_messages("c-full", said, turn_id="t-1")
+    store = ConversationStore(backend.db)
+    cut = await store.transcript("c-full")
+    assert [whole_text_chars(m) for m in cut] == [60_000] * 5
+
+    batches = [b async for b in store.stream_transcript("c-full", full=True)]
+
+    assert [len(b) for b in batches] == [2, 2, 1]
+    assert [m.content for b in batches for m in b] == [f"{n}" * 60_000 for n in range(5)]

@@ -113,6 +113,28 @@ def kept_blob_ids(message: AgentMessage) -> dict[str, str]:
     }
 
 
+def whole_text_chars(message: AgentMessage) -> int:
+    """How many characters the whole texts of a message's cut fields kept whole hold: what
+    putting them back (`FullTextStore.restore`) reads into memory for it."""
+    entries = (message.truncated or {}).values()
+    return sum(e.length for e in entries if isinstance(e, Truncation) and e.blob_id)
+
+
+def parts_by_whole_text(messages: Sequence[AgentMessage], chars: int) -> list[list[AgentMessage]]:
+    """The messages, in order, in parts whose whole texts (`whole_text_chars`) hold at most
+    `chars` characters together, or one message alone; one empty part for no messages."""
+    parts: list[list[AgentMessage]] = [[]]
+    held = 0
+    for message in messages:
+        size = whole_text_chars(message)
+        if parts[-1] and held + size > chars:
+            parts.append([])
+            held = 0
+        parts[-1].append(message)
+        held += size
+    return parts
+
+
 def stored_blob_ids(document: Mapping[str, Any]) -> list[str]:
     """The blob ids a stored message document's `truncated` map names."""
     entries = document.get("truncated") or {}

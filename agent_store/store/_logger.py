@@ -49,12 +49,16 @@ from agent_store.core import (
     StorageUnavailable,
     StoreError,
     TranscriptMoved,
-    Truncation,
     messages_adapter,
     shown,
     utc_now,
 )
-from agent_store.store._blobs import FullTextStore, kept_blob_ids, stored_blob_ids
+from agent_store.store._blobs import (
+    FullTextStore,
+    kept_blob_ids,
+    stored_blob_ids,
+    whole_text_chars,
+)
 from agent_store.store._deletions import DeletionRecords, recorded_as
 from agent_store.store._driver import Database, only_duplicates, storage_errors
 from agent_store.store._fork import (
@@ -1472,8 +1476,7 @@ def _too_large(chosen: Sequence[AgentMessage], at_seq: int) -> str | None:
         )
     whole = 0
     for message in chosen:
-        kept = (message.truncated or {}).values()
-        whole += sum(e.length for e in kept if isinstance(e, Truncation) and e.blob_id)
+        whole += whole_text_chars(message)
         if whole > MAX_FORK_WHOLE_TEXT_CHARS:
             return (
                 f"a fork copies at most {MAX_FORK_WHOLE_TEXT_CHARS} characters of whole texts "

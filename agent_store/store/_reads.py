@@ -45,7 +45,7 @@ from agent_store.core import (
     shown,
     utc_now,
 )
-from agent_store.store._blobs import FullTextStore
+from agent_store.store._blobs import FullTextStore, parts_by_whole_text
 from agent_store.store._deletions import DeletionRecords, recorded_as
 from agent_store.store._driver import Database, storage_errors
 from agent_store.store._fork import fork_turns_of
@@ -93,6 +93,9 @@ embedded server sends a batch whole: 21 messages of 1 MiB are well under its 48 
 TRANSCRIPT_BATCH = 10_000
 # Streamed transcripts: the first batch is short (its messages' sizes are unknown), the
 # next ones hold about STREAM_BATCH_BYTES of the largest message seen, at most STREAM_BATCH.
+FULL_TEXT_PART_CHARS = 16 * 1024 * 1024
+"""How many characters of whole texts a streamed transcript or export with `full` puts back
+at once (one message's at least)."""
 STREAM_FIRST_BATCH = 32
 STREAM_BATCH = 1000
 STREAM_BATCH_BYTES = 1_048_576
@@ -1325,8 +1328,8 @@ class ConversationStore:
             docs = await self._stream_batch(scope, pin, after, size)
             first, last = after < 0, len(docs) < size
             if first and not docs:
-                messages = await self._unstreamed(scope, pin)
-                yield await self.with_full_texts(messages) if full else messages
+                async for part in self._served(await self._unstreamed(scope, pin), full):
+                    yield part
                 return
             if docs:
                 after, largest = int(docs[-1]["seq"]), max(map(_approximate_size, docs))
@@ -1340,11 +1343,24 @@ class ConversationStore:
                 assert pin is not None  # pinned when the first batch came full
                 await self._lived_through(scope, pin, after)
             if docs or first:
-                batch = messages_adapter.validate_python(docs)
-                yield await self.with_full_texts(batch) if full else batch
+                async for part in self._served(messages_adapter.validate_python(docs), full):
+                    yield part
             if last:
                 return
             size = max(1, min(batch_size, batch_bytes // max(largest, 1)))
+
+    async def _served(
+        self, messages: list[AgentMessage], full: bool
+    ) -> AsyncIterator[list[AgentMessage]]:
+        """A streamed batch as served: as it is, or, with `full`, its cut fields whole, put
+        back a part at a time (`parts_by_whole_text`, `FULL_TEXT_PART_CHARS`): a stream holds
+        the whole texts of one part at once, never those of a whole batch (32 messages of
+        15 MiB held 480 MiB per request)."""
+        if not full:
+            yield messages
+            return
+        for part in parts_by_whole_text(messages, FULL_TEXT_PART_CHARS):
+            yield await self.with_full_texts(part)
 
     async def _stream_batch(
         self, scope: dict[str, Any], pin: dict[str, Any] | None, after: int, size: int
