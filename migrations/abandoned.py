@@ -34,14 +34,13 @@ from agent_store.legacy import LEGACY_TURNS, not_identifiers, parse_turns, turns
 from agent_store.store import (
     CONVERSATIONS,
     DERIVED_CONVERSATION_PREFIX,
-    DERIVED_TURN_PREFIX,
     MESSAGES,
     stored_blob_ids,
 )
 from migrations import full_texts
 from migrations import problems as problem_report
 from migrations.errors import MigrationError
-from migrations.explode import LEGACY_FILTER, Explosion, batches, dropped_at, hashed_turn_ids
+from migrations.explode import LEGACY_FILTER, Explosion, batches, dropped_at, turns_made_of
 from migrations.writes import is_migrated
 
 CHUNK = 1000
@@ -89,15 +88,14 @@ class Abandoned:
 def _named(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]) -> set[str] | None:
     """Which of these conversations some legacy turn makes now (None: a turn could not be
     read, so none is taken as abandoned)."""
-    hashed_ids = hashed_turn_ids(db, (str(d["_id"]) for d in documents))
+    made = turns_made_of(db, [str(d["_id"]) for d in documents])
     clauses = []
     for d in documents:
         cid = str(d["_id"])
         original = d.get("legacy_conversation_id")
         if not (cid.startswith(DERIVED_CONVERSATION_PREFIX) and isinstance(original, str)):
             original = None
-        key = cid.removeprefix(DERIVED_TURN_PREFIX)
-        clauses.append(turns_known_as(cid, original, hashed_ids.get(key, [])))
+        clauses.append(turns_known_as(cid, original, made.ids.get(cid, [])))
     if any(str(d["_id"]).startswith(DERIVED_CONVERSATION_PREFIX) for d in documents):
         # A derived id may stand for a value no filter of its text finds (an object, binary
         # data, a date, an array): every turn naming such a value is read, and named by the
@@ -109,7 +107,8 @@ def _named(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]) -> 
         clauses.append(not_identifiers("conversation_id"))
     query = {"$and": [{"$or": clauses}, LEGACY_FILTER]}
     try:
-        turns = parse_turns(db[LEGACY_TURNS].find(query, {"_id": 1, "conversation_id": 1}))
+        found = db[LEGACY_TURNS].find(query, {"_id": 1, "conversation_id": 1})
+        turns = parse_turns(found, made.names)
     except InvalidInput:
         return None
     return {turn.stored_conversation_id for turn in turns}

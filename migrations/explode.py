@@ -29,7 +29,6 @@ any two writes is repaired by the next run, which recomputes the same documents.
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -43,10 +42,12 @@ from pymongo.database import Database
 from agent_store.core import InvalidInput, to_utc_millis, utc_now
 from agent_store.legacy import (
     LEGACY_TURNS,
+    NAMING_FIELDS,
     SESSION_HITL,
     LegacyConversion,
     LegacyTurn,
     Problem,
+    Unnamed,
     convert,
     group_conversations,
     id_filter,
@@ -60,6 +61,7 @@ from agent_store.legacy import (
     prompts_filter,
     scalar_filter,
     stored_conversation_id,
+    tell_apart,
     turns_known_as,
     with_session_prompts,
 )
@@ -89,8 +91,6 @@ NOT_DUAL_WRITTEN: dict[str, Any] = {**TURN_FILTER, "dual_write": {"$ne": True}}
 _IDS_A_READ = 10_000
 """Conversation ids one read of their other spellings names (`other_spellings`): a batch
 reading the turns naming none may lead to as many derived ids as there are such turns."""
-_HASHED_KEY = re.compile(r"h[0-9a-f]{32}")
-"""A turn key hashed from an `_id` that is not a short identifier (`LegacyTurn.key`)."""
 
 
 def dropped_at(db: Database[dict[str, Any]]) -> Any:
@@ -332,10 +332,10 @@ def read_session_hitl(
 
 
 def _parsed(
-    raw_id: Any, documents: list[dict[str, Any]], source: str
+    raw_id: Any, documents: list[dict[str, Any]], source: str, alike: Unnamed
 ) -> list[LegacyTurn] | Problem:
     try:
-        return parse_turns(documents)
+        return parse_turns(documents, alike.names)
     except InvalidInput as exc:
         return Problem(
             conversation_id=str(raw_id),
@@ -387,13 +387,16 @@ def convert_batch(
     stored = dual_writes.held(db, [d for _, found in read for d in found])
     if held is not None:
         held += [d for _, found in read for d in found if id(d) in stored]
-    joined = other_spellings(db, read, lambda d: id(d) not in stored, source=source)
+    alike = unnamed_turns(db, [d for _, found in read for d in found], source=source)
+    joined = other_spellings(db, read, lambda d: id(d) not in stored, source=source, alike=alike)
+    if not alike.ids:
+        alike = unnamed_turns(db, [d for _, found in joined for d in found], source=source)
     stored |= dual_writes.held(db, [d for _, found in joined for d in found])
     groups: dict[str, list[LegacyTurn]] = {}
     turns: dict[str, int] = {}
     for raw_id, found in read + joined:
         documents = [d for d in found if id(d) not in stored]
-        parsed = _parsed(raw_id, documents, source) if documents else []
+        parsed = _parsed(raw_id, documents, source, alike) if documents else []
         if isinstance(parsed, Problem):
             failed.append(parsed)
             turns[parsed.conversation_id] = turns.get(parsed.conversation_id, 0) + len(documents)
@@ -486,6 +489,7 @@ def other_spellings(
     wanted: Callable[[dict[str, Any]], bool],
     *,
     source: str = LEGACY_TURNS,
+    alike: Unnamed | None = None,
 ) -> list[tuple[Any, list[dict[str, Any]]]]:
     """The turns filed under the conversations of the `read` turns (`read_turns`) that name
     them another way, grouped as `read_turns` groups them.
@@ -503,7 +507,7 @@ def other_spellings(
     names: dict[str, set[str | None]] = {}
     converted: set[str] = set()
     for document in documents:
-        cid = stored_conversation_id(document)
+        cid = stored_conversation_id(document, alike.names if alike else None)
         names.setdefault(cid, set()).add(named_id(document.get("conversation_id")))
         if wanted(document):
             converted.add(cid)
@@ -541,32 +545,34 @@ def _stood_for(
             value = found["_id"]
             if stored_conversation_id({"conversation_id": value}) in conversations:
                 clauses.append(named(value))
-    hashed = hashed_turn_ids(db, derived, source=source)
+    made = turns_made_of(db, derived, source=source)
     for cid in derived:
-        if (key := cid.removeprefix(DERIVED_TURN_PREFIX)) != cid:
-            clauses.append(turns_known_as(cid, None, hashed.get(key, [])))
+        if cid.startswith(DERIVED_TURN_PREFIX):
+            clauses.append(turns_known_as(cid, None, made.ids.get(cid, [])))
     return clauses
 
 
-def hashed_turn_ids(
+def turns_made_of(
     db: Database[dict[str, Any]], conversation_ids: Iterable[str], *, source: str = LEGACY_TURNS
-) -> dict[str, list[Any]]:
-    """The `_id`s of the turns naming no conversation that the hashed `legacy-turn-h…` ids
-    among `conversation_ids` stand for, by their key (`LegacyTurn.key`): one scan of the
-    `_id`s of the turns naming none, only when there is such an id."""
-    keys = {
-        key
-        for cid in conversation_ids
-        if (key := cid.removeprefix(DERIVED_TURN_PREFIX)) != cid and _HASHED_KEY.fullmatch(key)
-    }
-    if not keys:
-        return {}
-    found: dict[str, list[Any]] = {}
-    query = {"$and": [names_none("conversation_id"), LEGACY_FILTER]}
-    for turn in parse_turns(db[source].find(query, {"_id": 1})):
-        if turn.key in keys:
-            found.setdefault(turn.key, []).append(turn.id)
-    return found
+) -> Unnamed:
+    """The turns naming no conversation told apart (`tell_apart`), when a `legacy-turn-` id
+    is among `conversation_ids`: by it (`Unnamed.ids`), the `_id`s of the turns it stands
+    for. One scan of their `_id`s and times, only when there is such an id."""
+    needed = any(cid.startswith(DERIVED_TURN_PREFIX) for cid in conversation_ids)
+    return _told_apart(db, source) if needed else Unnamed({}, {})
+
+
+def unnamed_turns(
+    db: Database[dict[str, Any]], documents: Iterable[Mapping[str, Any]], *, source: str
+) -> Unnamed:
+    """The turns naming no conversation told apart (`tell_apart`), when one of `documents`
+    names none: what each goes by. One scan of their `_id`s and times, only then."""
+    needed = any(named_id(d.get("conversation_id")) is None for d in documents)
+    return _told_apart(db, source) if needed else Unnamed({}, {})
+
+
+def _told_apart(db: Database[dict[str, Any]], source: str) -> Unnamed:
+    return tell_apart(db[source].find(names_none("conversation_id"), NAMING_FIELDS))
 
 
 class Explosion:

@@ -4,6 +4,7 @@ the time an undated turn gets, and the problem saying which."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -24,6 +25,7 @@ from agent_store.legacy import (
     parse_turns,
     prompt_conversation,
     prompts_filter,
+    tell_apart,
     with_session_prompts,
 )
 from agent_store.store import CONVERSATIONS, MESSAGES
@@ -1443,6 +1445,51 @@ def test_a_history_repeating_the_previous_turns_is_read_for_what_it_adds_only(
     assert len(read) <= 4 * len(turns)
 
 
+def test_a_prompt_naming_another_user_than_the_owner_is_a_mixed_users_problem_not_its_prompt() -> (
+    None
+):
+    """The users a conversation's turns and prompts name, by one rule: a prompt naming
+    another user than the owner is never the owner's pending prompt; the conversation is a
+    `mixed_user_ids` problem naming each user's turns and prompts, and the pending prompt is
+    kept whole in a problem of its own (both not placed)."""
+    at = datetime(2024, 1, 1, tzinfo=UTC)
+    turns = [
+        {"_id": "a1", "conversation_id": "c-1", "user_id": "alice", "created_at": at,
+         "user_message": "hi", "response_parts": [{"type": "text", "content": "hello"}]}
+    ]  # fmt: skip
+    prompts = [
+        {"_id": "p-1", "conversation_id": "c-1", "user_id": "mallory", "request_id": "r9",
+         "action": "wire_money", "prompt": "approve?", "status": "pending"},
+        {"_id": "p-2", "conversation_id": "c-1", "user_id": "alice", "request_id": "r1",
+         "action": "book", "prompt": "book it?", "status": "pending"},
+    ]  # fmt: skip
+    conversion = with_session_prompts(convert(turns), prompts)
+
+    assert conversion.conversation is not None
+    assert conversion.conversation.pending_hitl is not None
+    assert conversion.conversation.pending_hitl.request_id == "r1"
+    by_kind = {p.kind: p for p in conversion.unplaced}
+    assert set(by_kind) == {"mixed_user_ids", "pending_prompt_not_placed"}
+    assert by_kind["mixed_user_ids"].content == {"alice": ["a1"], "mallory": ["session_hitl|r9"]}
+    assert by_kind["pending_prompt_not_placed"].content == prompts[0]
+    only_alice = with_session_prompts(convert(turns), prompts[1:])
+    assert [p.kind for p in only_alice.problems] == ["pending_hitl_without_message"]
+
+
+def test_a_conversation_whose_turns_hold_only_a_name_keeps_it_in_an_unplaced_problem() -> None:
+    """No message, so no conversation document holds the name: a problem does."""
+    turns = [{"_id": "t1", "conversation_id": "c-1", "user_id": "u", "name": "«Tax 2024»"}]
+    conversion = convert(turns)
+
+    assert conversion.conversation is None
+    [problem] = conversion.unplaced
+    assert (problem.kind, problem.field, problem.content) == (
+        "name_without_messages",
+        "name",
+        "«Tax 2024»",
+    )
+
+
 def test_turns_naming_several_users_are_an_unplaced_problem_naming_each_users_turns() -> None:
     """The last user owns every message, the others' words too: content no message keeps as
     theirs, so an operator must accept it."""
@@ -1460,3 +1507,30 @@ def test_turns_naming_several_users_are_an_unplaced_problem_naming_each_users_tu
     assert problem.content == {"u-c": ["0", "2"], "u-a": ["1"]}
     assert "'u-a'" in problem.detail
     assert "'u-c'" in problem.detail
+
+
+@pytest.mark.parametrize(
+    ("first", "later", "typed"),
+    [
+        (5, "5", '"5"'),
+        ("5", Int64(5), '{"$numberLong": "5"}'),
+        (ObjectId("65e1a0000000000000000001"), "65e1a0000000000000000001",
+         '"65e1a0000000000000000001"'),
+    ],
+)  # fmt: skip
+def test_turns_naming_no_conversation_whose_ids_read_alike_are_told_apart(
+    first: Any, later: Any, typed: str
+) -> None:
+    """The first in time goes by its `_id`'s text, a later one by its extended JSON, hashed:
+    two conversations, whichever order the turns are given in."""
+    at = datetime(2024, 1, 1, tzinfo=UTC)
+    turns = [
+        {"_id": later, "conversation_id": "", "created_at": at + timedelta(minutes=1)},
+        {"_id": first, "conversation_id": None, "created_at": at},
+    ]
+    unnamed = tell_apart(turns)
+    hashed = "legacy-turn-h" + hashlib.sha256(typed.encode()).hexdigest()[:32]
+
+    assert unnamed.ids == {f"legacy-turn-{first}": [first], hashed: [later]}
+    grouped = group_conversations(parse_turns(turns, unnamed.names))
+    assert sorted(grouped) == sorted(unnamed.ids)

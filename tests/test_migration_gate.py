@@ -5,6 +5,7 @@ nowhere else; dry runs predict runs; commands stay bounded; the lock waits for a
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 from collections.abc import Callable, Coroutine
@@ -4053,5 +4054,211 @@ def test_a_runtimes_name_on_a_live_turn_outlives_a_rollback(
 
     assert cli(wire_uri, database, "run") == 0
     assert database[CONVERSATIONS].find_one({"_id": "c-1"})["name"] == "Trip plan"  # type: ignore[index]
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+# -- whose content a conversation holds: its owner's, told apart, and nothing dropped ---------
+
+
+def _pending_for(wire_uri: str, database: Database[dict[str, Any]], cid: str, user: str) -> Any:
+    async def read(store: ConversationStore, _: AgentMessageLogger) -> Any:
+        return await store.pending_hitl(cid, user_id=user)
+
+    return _on_the_service(wire_uri, database, read, dual_write=False)
+
+
+@pytest.mark.wire
+def test_a_prompt_naming_another_user_than_the_owner_is_never_the_owners_and_needs_acceptance(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One rule, the users a conversation's turns and prompts name: a pending prompt naming
+    another user than the owner makes it a `mixed_user_ids` problem, is never the owner's
+    pending prompt (before the run, after it, or accepted), and a problem keeps it whole."""
+    at = datetime(2025, 3, 1, 10, tzinfo=UTC)
+    database[LEGACY_TURNS].insert_one(
+        {"_id": "a1", "conversation_id": "conv-a", "user_id": "alice", "created_at": at,
+         "user_message": "book me a table", "response_parts": [{"type": "text", "content": "done"}]}
+    )  # fmt: skip
+    database[SESSION_HITL].insert_one(
+        {"conversation_id": "conv-a", "user_id": "mallory", "request_id": "r9",
+         "action": "wire_money", "params": {"to": "mallory-account"},
+         "prompt": "«MALLORY» approve transfer?", "status": "pending",
+         "created_at": at + timedelta(minutes=1)}
+    )  # fmt: skip
+    assert _pending_for(wire_uri, database, "conv-a", "alice") is None
+
+    assert cli(wire_uri, database, "run") == 0
+    assert _pending_for(wire_uri, database, "conv-a", "alice") is None
+    mixed = database[PROBLEMS].find_one({"kind": "mixed_user_ids"})
+    assert mixed is not None
+    assert (mixed["placed"], mixed["content"]) == (
+        False,
+        {"alice": ["a1"], "mallory": ["session_hitl|r9"]},
+    )
+    assert "«MALLORY»" in kept_text(database)
+    assert cli(wire_uri, database, "verify") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish") == 1
+    left = next(ln for ln in capsys.readouterr().out.splitlines() if "conv-a" in ln)
+    assert "'mallory'" in left, left
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+
+    assert cli(wire_uri, database, "finish", "--accept", "conv-a", "--note", "told") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert _pending_for(wire_uri, database, "conv-a", "alice") is None
+
+
+def _alone(key: str) -> str:
+    """The id of the conversation a turn naming none is made of, going by `key`."""
+    if re.fullmatch(r"[A-Za-z0-9_.:@|-]{1,100}", key):
+        return f"legacy-turn-{key}"
+    return "legacy-turn-h" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+OID = "65e1a0000000000000000001"
+ALIKE = [
+    pytest.param(5, None, "5", "", ("alice", "alice"), '"5"', id="a-number-and-its-text"),
+    pytest.param(
+        bson.ObjectId(OID),
+        None,
+        OID,
+        "  ",
+        ("alice", "alice"),
+        f'"{OID}"',
+        id="an-objectid-and-its-text",
+    ),
+    pytest.param(
+        "7", "", 7, None, ("carol", "dave"), '{"$numberInt": "7"}', id="two-users-text-first"
+    ),
+]
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(("first", "named", "later", "also", "users", "typed"), ALIKE)
+def test_turns_naming_no_conversation_whose_ids_read_alike_are_each_a_conversation_of_their_own(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    first: Any,
+    named: Any,
+    later: Any,
+    also: Any,
+    users: tuple[str, str],
+    typed: str,
+) -> None:
+    """Each is a conversation of its own, owned by its own user: the first in time keeps the
+    id its `_id`'s text gives (`legacy-turn-5`, as an earlier run derived it), a later one
+    goes by its `_id`'s extended JSON (hashed), as two turns of one conversation are told
+    apart; the read fallback, a delete and the migration name them alike."""
+    at = datetime(2025, 3, 1, 10, tzinfo=UTC)
+    database[LEGACY_TURNS].insert_many(
+        [
+            {"_id": first, "conversation_id": named, "user_id": users[0], "created_at": at,
+             "user_message": "«FIRST» question"},
+            {"_id": later, "conversation_id": also, "user_id": users[1],
+             "created_at": at + timedelta(minutes=1), "user_message": "«LATER» question"},
+        ]
+    )  # fmt: skip
+    ids = (_alone(str(first)), _alone(typed))
+
+    async def read(store: ConversationStore, _: AgentMessageLogger) -> list[list[str]]:
+        return [
+            [m.content or "" for m in await store.transcript(cid, user_id=user)]
+            for cid, user in zip(ids, users, strict=True)
+        ]
+
+    assert _on_the_service(wire_uri, database, read) == [["«FIRST» question"], ["«LATER» question"]]
+    assert cli(wire_uri, database, "run") == 0
+    stored = {d["_id"]: d["user_id"] for d in database[CONVERSATIONS].find()}
+    assert stored == dict(zip(ids, users, strict=True))
+    for cid, text in zip(ids, ("«FIRST» question", "«LATER» question"), strict=True):
+        assert [m["content"] for m in database[MESSAGES].find({"conversation_id": cid})] == [text]
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_delete_of_a_turn_naming_no_conversation_leaves_the_one_whose_id_reads_alike(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """Before the migration, dave deleting his conversation made of turn "5" takes his turn
+    only, and carol's, `_id` 5, stays hers under `legacy-turn-5`."""
+    at = datetime(2025, 3, 1, 10, tzinfo=UTC)
+    database[LEGACY_TURNS].insert_many(
+        [
+            {"_id": 5, "conversation_id": None, "user_id": "carol", "created_at": at,
+             "user_message": "«CAROL»"},
+            {"_id": "5", "conversation_id": "", "user_id": "dave",
+             "created_at": at + timedelta(minutes=1), "user_message": "«DAVE»"},
+        ]
+    )  # fmt: skip
+
+    async def delete_daves(store: ConversationStore, _: AgentMessageLogger) -> list[str]:
+        await store.delete(_alone('"5"'), user_id="dave")
+        return [m.content or "" for m in await store.transcript("legacy-turn-5", user_id="carol")]
+
+    assert _on_the_service(wire_uri, database, delete_daves) == ["«CAROL»"]
+    assert [d["_id"] for d in database[LEGACY_TURNS].find()] == [5]
+
+
+@pytest.mark.wire
+def test_a_conversation_whose_turns_hold_only_a_name_keeps_it_until_the_operator_accepts(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Turns converting to no message get no conversation document: the name they give it is
+    kept in an unplaced problem, and `finish` holds the drop until an operator accepts it."""
+    at = datetime(2025, 3, 1, 10, tzinfo=UTC)
+    database[CONVERSATIONS].insert_many(
+        [
+            {"_id": "t1", "conversation_id": "conv-named", "user_id": "alice", "created_at": at,
+             "name": "Tax return 2024 «NAME»"},
+            legacy_turn("t2", "conv-other", 0, "hello"),
+        ]
+    )  # fmt: skip
+
+    assert cli(wire_uri, database, "run") == 0
+    [problem] = database[PROBLEMS].find({"conversation_id": "conv-named"})
+    assert (problem["kind"], problem["placed"], problem["content"]) == (
+        "name_without_messages",
+        False,
+        "Tax return 2024 «NAME»",
+    )
+    assert cli(wire_uri, database, "verify") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish") == 1
+    assert "conv-named" in capsys.readouterr().out
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+
+    assert cli(wire_uri, database, "finish", "--accept", "conv-named", "--note", "kept") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert "«NAME»" in kept_text(database)
+
+
+@pytest.mark.wire
+def test_a_run_after_one_that_merged_turns_naming_no_conversation_keeps_the_firsts_ids(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """An earlier run merged `_id` 5 and `_id` "5" into `legacy-turn-5` (the later going by
+    `"5"` in it, as the turn naming that id literally still does): the next run leaves the
+    first's messages where they are, under their ids, and moves the later's to its own."""
+    at = datetime(2025, 3, 1, 10, tzinfo=UTC)
+    database[LEGACY_TURNS].insert_many(
+        [
+            {"_id": 5, "conversation_id": None, "user_id": "alice", "created_at": at,
+             "user_message": "«FIRST»"},
+            {"_id": "5", "conversation_id": "legacy-turn-5", "user_id": "alice",
+             "created_at": at + timedelta(minutes=1), "user_message": "«LATER»"},
+        ]
+    )  # fmt: skip
+    assert cli(wire_uri, database, "run") == 0
+    merged = {m["content"]: m["_id"] for m in database[MESSAGES].find()}
+    assert database[MESSAGES].distinct("conversation_id") == ["legacy-turn-5"]
+
+    database[LEGACY_TURNS].update_one({"_id": "5"}, {"$set": {"conversation_id": ""}})
+    assert cli(wire_uri, database, "run") == 0
+    found = {m["content"]: (m["conversation_id"], m["_id"]) for m in database[MESSAGES].find()}
+    assert found["«FIRST»"] == ("legacy-turn-5", merged["«FIRST»"])
+    assert found["«LATER»"][0] == _alone('"5"')
+    assert len(found) == 2
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0

@@ -145,6 +145,11 @@ class LegacyConversion:
     turns: int
     full_texts: list[FullText] = field(default_factory=list)
     """Whole texts of the fields cut to bound the messages, to keep in GridFS."""
+    owner: str | None = None
+    """Who owns it (`owner_of`): the last user its turns name."""
+    users: dict[str, list[str]] = field(default_factory=dict)
+    """The turns naming each user, by the name each goes by (`turn_names`): with the users
+    its prompts name, whether it is a `mixed_user_ids` problem (`with_session_prompts`)."""
 
     @property
     def unplaced(self) -> list[Problem]:
@@ -984,7 +989,9 @@ def convert(
         m.model_copy(update={"seq": seq, "user_id": owner}) for seq, m in enumerate(messages)
     ]
     conversation = None
-    if plans:
+    if not plans:
+        _check_name_of_nothing(converter, turns)
+    else:
         name = _runtime_name(converter, turns)
         conversation = _conversation(conversation_id, name, plans, messages, owner)
         conversation = conversation.model_copy(
@@ -1003,6 +1010,8 @@ def convert(
         problems=converter.problems,
         turns=len(turns),
         full_texts=[full for plan in plans for full in plan.full_texts],
+        owner=owner,
+        users=_turns_by_user(converter, turns),
     )
 
 
@@ -1055,6 +1064,26 @@ def _check_history_of_nothing(converter: _Converter, turn: LegacyTurn) -> None:
             "the turn converts to no message; only its message_history_json holds it",
             field="message_history_json",
             content=raw,
+        )
+
+
+NAME_WITHOUT_MESSAGES = "name_without_messages"
+"""A conversation whose turns convert to no message but name it: no conversation document
+is written, so the name is kept in this problem (not placed)."""
+
+
+def _check_name_of_nothing(converter: _Converter, turns: Sequence[LegacyTurn]) -> None:
+    """A conversation converting to no message gets no document: the name its turns give it
+    (the last turn's naming one, whole) is kept in a problem, never dropped with the turns."""
+    named = [t for t in turns if t.name]
+    if named:
+        converter.problem(
+            named[-1],
+            NAME_WITHOUT_MESSAGES,
+            "the conversation's turns convert to no message, so no conversation document "
+            f"holds its name {named[-1].name!r}; only the legacy turns hold it",
+            field="name",
+            content=named[-1].name,
         )
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import bson
 from bson import Code, Decimal128, ObjectId, json_util
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from agent_store.core import (
     MAX_SAFE_INTEGER,
@@ -350,6 +350,9 @@ class LegacyTurn(BaseModel):
     token_usage: Any = None
     latency_ms: Any = None
     message_history_json: Any = None
+    _alone_as: str | None = PrivateAttr(default=None)
+    """What it goes by as a conversation of its own (it names none) when that is not its
+    `_id`'s text: its `_id` reads like an earlier such turn's (`tell_apart`)."""
 
     @field_validator("conversation_id", mode="before")
     @classmethod
@@ -378,9 +381,10 @@ class LegacyTurn(BaseModel):
     @property
     def key(self) -> str:
         """The document id as a short identifier-safe string (`key_of` its text): what a
-        conversation made of a turn naming none is named by. In its own conversation a turn
+        conversation made of a turn naming none is named by (its `_id`'s extended JSON when
+        it reads like an earlier such turn's: `tell_apart`). In its own conversation a turn
         goes by `turn_names`."""
-        return key_of(str(self.id))
+        return key_of(self._alone_as or str(self.id))
 
     @property
     def stored_conversation_id(self) -> str:
@@ -463,17 +467,73 @@ TURN_ONLY_FIELDS = tuple(sorted(_stored_names(LegacyTurn) - _stored_names(Conver
 `CONVERSATION_COUNTERS` is neither a legacy turn nor a conversation document."""
 
 
-def parse_turns(documents: Iterable[Mapping[str, Any]]) -> list[LegacyTurn]:
-    """Legacy documents as models. Raises InvalidInput only for a document no model holds."""
+def parse_turns(
+    documents: Iterable[Mapping[str, Any]], alike: Mapping[bytes, str] | None = None
+) -> list[LegacyTurn]:
+    """Legacy documents as models, each turn naming no conversation going by the name `alike`
+    gives it (`Unnamed.names`; none given: its `_id`'s text). Raises InvalidInput only for a
+    document no model holds."""
     turns = []
     for document in documents:
         try:
-            turns.append(LegacyTurn.model_validate(dict(document)))
+            turn = LegacyTurn.model_validate(dict(document))
         except ValidationError as exc:
             raise InvalidInput(
                 describe_validation_error(exc, subject=f"legacy turn {document.get('_id')!r}")
             ) from exc
+        if alike and turn.conversation_id is None:
+            turn._alone_as = alike.get(id_key(turn.id))
+        turns.append(turn)
     return turns
+
+
+def id_key(value: Any) -> bytes:
+    """An `_id` as a key, by its BSON value (an ObjectId is no text, 5 is not "5")."""
+    return bson.encode({"id": value})
+
+
+NAMING_FIELDS = {"_id": 1, "conversation_id": 1, "created_at": 1}
+"""What tells the turns naming no conversation apart (`tell_apart`): their ids and times."""
+
+
+@dataclass(frozen=True)
+class Unnamed:
+    """The turns naming no conversation, each a conversation of its own, told apart
+    (`tell_apart`)."""
+
+    names: dict[bytes, str]
+    """What each goes by, by `id_key` of its `_id`, when that is not its `_id`'s text."""
+    ids: dict[str, list[Any]]
+    """The `_id`s each conversation made of them stands for, by its `legacy-turn-` id."""
+
+
+def tell_apart(documents: Iterable[Mapping[str, Any]]) -> Unnamed:
+    """Every turn naming no conversation (`documents`: all of them, `NAMING_FIELDS` enough),
+    each a conversation of its own, `legacy-turn-<key>` (`LegacyTurn.key`). Turns whose `_id`s
+    read alike (5 and "5", `ObjectId(X)` and "X") are told apart as `turn_names` tells one
+    conversation's: the first in time (ties by `_id`) goes by its `_id`'s text, so keeps the
+    id an earlier run derived, a later one by its `_id`'s extended JSON (numbered, should a
+    turn go by that already), which `key_of` hashes. The converter, the read fallback, the
+    deletes and the migration name them by this one function, over one scan of them all."""
+    turns: dict[bytes, LegacyTurn] = {}
+    for turn in parse_turns({k: d.get(k) for k in NAMING_FIELDS} for d in documents):
+        if turn.conversation_id is None:
+            turns.setdefault(id_key(turn.id), turn)
+    taken = {str(t.id) for t in turns.values()}
+    alike: dict[str, list[LegacyTurn]] = {}
+    for key in sorted(turns):
+        alike.setdefault(str(turns[key].id), []).append(turns[key])
+    names: dict[bytes, str] = {}
+    for text in sorted(t for t, group in alike.items() if len(group) > 1):
+        for later in sort_turns(alike[text])[1:]:
+            typed = json_util.dumps(later.id, json_options=json_util.CANONICAL_JSON_OPTIONS)
+            names[id_key(later.id)] = next(n for n in _numbered(typed) if n not in taken)
+            taken.add(names[id_key(later.id)])
+    ids: dict[str, list[Any]] = {}
+    for key, turn in turns.items():
+        turn._alone_as = names.get(key)
+        ids.setdefault(turn.stored_conversation_id, []).append(turn.id)
+    return Unnamed(names, ids)
 
 
 def group_conversations(turns: Iterable[LegacyTurn]) -> dict[str, list[LegacyTurn]]:
@@ -490,11 +550,15 @@ def group_conversations(turns: Iterable[LegacyTurn]) -> dict[str, list[LegacyTur
     return grouped
 
 
-def stored_conversation_id(document: Mapping[str, Any]) -> str:
+def stored_conversation_id(
+    document: Mapping[str, Any], alike: Mapping[bytes, str] | None = None
+) -> str:
     """The conversation id a legacy turn document's messages are stored under
-    (`LegacyTurn.stored_conversation_id`), read from its `_id` and `conversation_id` only."""
+    (`LegacyTurn.stored_conversation_id`), read from its `_id` and `conversation_id` only, and,
+    for one naming none, the name `alike` gives it (`Unnamed.names`)."""
     found = {"_id": document.get("_id"), "conversation_id": document.get("conversation_id")}
-    return LegacyTurn.model_validate(found).stored_conversation_id
+    [turn] = parse_turns([found], alike)
+    return turn.stored_conversation_id
 
 
 def named_by(turns: Iterable[LegacyTurn]) -> LegacyTurn | None:

@@ -3,7 +3,9 @@
 A prompt document is read as turns are: `resolved: "false"` is false, a status in any
 case or with spaces is the status, a request id stored as a number by its text, a time
 as a datetime or an ISO string; its prompt, action and params as a HITL part's
-(`read_prompt`). The newest pending prompt becomes `pending_hitl`; any other pending
+(`read_prompt`). Only the owner's prompts are the conversation's (`owners_prompt`): one
+naming another user is a `mixed_user_ids` problem, never the owner's pending prompt. The
+newest pending prompt becomes `pending_hitl`; any other pending
 prompt whose content no message holds is kept in a problem, and so is a field of a
 pending prompt no reader takes. A prompt the new service resolved (`resolve_hitl` with the
 dual write on marks it resolved and `dual_write: true`, `RESOLVED_BY_DUAL_WRITE`) stays
@@ -26,8 +28,8 @@ from agent_store.core import (
     PendingHitl,
     to_utc_millis,
 )
-from agent_store.legacy._convert import LegacyConversion, Problem
-from agent_store.legacy._documents import as_time, flag, reference_text
+from agent_store.legacy._convert import MIXED_USER_IDS, LegacyConversion, Problem
+from agent_store.legacy._documents import as_time, flag, reference_text, user_named
 from agent_store.legacy._parts import hitl_params, part_text, read_prompt, said
 
 _RESOLVED = {"resolved", "answered", "done", "completed", "cancelled", "canceled", "expired"}
@@ -245,14 +247,74 @@ def resolved_on_the_new_service(documents: Iterable[Mapping[str, Any]]) -> list[
     return list(dict.fromkeys(ids))[-RESOLVED_PROMPTS_KEPT:]
 
 
+def owners_prompt(owner: str | None, document: Mapping[str, Any]) -> bool:
+    """Whether a prompt is part of the owner's conversation, as its owner's token reads it
+    (`users_part` for turns): it names the owner or no user a token can be (`user_named`);
+    any, when no user owns it. The read fallback and each conversion take a conversation's
+    prompts by this one rule."""
+    return owner is None or user_named(document.get("user_id")) in (None, owner)
+
+
+def _prompt_name(document: Mapping[str, Any]) -> str:
+    """How the mixed users problem names a prompt: `session_hitl|` and its request id (its
+    `_id` when it has none)."""
+    request_id = reference_text(document.get("request_id"))
+    return f"session_hitl|{request_id if request_id is not None else document.get('_id')}"
+
+
+def _mixed_users(
+    conversion: LegacyConversion, others: Sequence[Mapping[str, Any]]
+) -> list[Problem]:
+    """The conversation's `mixed_user_ids` problem by the one rule, the users its turns and
+    its prompts name: the converter's (turns only) while no prompt names another user than
+    the owner; else one naming every user with their turns and prompts."""
+    if not others:
+        return []
+    users = {user: list(names) for user, names in conversion.users.items()}
+    for document in others:
+        users.setdefault(str(user_named(document.get("user_id"))), []).append(
+            _prompt_name(document)
+        )
+    turns = next((p for p in conversion.problems if p.kind == MIXED_USER_IDS), None)
+    conversion.problems = [p for p in conversion.problems if p is not turns]
+    return [
+        Problem(
+            conversation_id=conversion.conversation_id,
+            legacy_id=turns.legacy_id if turns is not None else "session_hitl",
+            field="user_id",
+            kind=MIXED_USER_IDS,
+            detail=(
+                f"turns and session_hitl prompts name several users {sorted(users)}; "
+                f"{conversion.owner!r} owns it and every message of it, the other users' "
+                "turns too; a prompt naming another user is never its pending prompt (a "
+                "pending one is kept in a pending_prompt_not_placed problem)"
+            ),
+            content=users,
+        )
+    ]
+
+
 def with_session_prompts(
     conversion: LegacyConversion, documents: Iterable[Mapping[str, Any]]
 ) -> LegacyConversion:
     """The conversion with its pending prompt from `session_hitl`, and the prompts the new
     service resolved (`resolved_hitl`: the calls they held await their results); oddities
-    become problems."""
-    documents = list(documents)
+    become problems. Only the owner's prompts are its own (`owners_prompt`): a prompt naming
+    another user makes it a `mixed_user_ids` problem, and a pending one is kept in a problem
+    of its own, never given to the owner."""
+    found = list(documents)
+    documents = [d for d in found if owners_prompt(conversion.owner, d)]
+    others = [d for d in found if not owners_prompt(conversion.owner, d)]
     pending, notes = pending_from_session_hitl(documents, conversion.messages)
+    notes += [
+        _not_placed(
+            d,
+            f"names user {d.get('user_id')!r}, not the conversation's owner "
+            f"{conversion.owner!r}, so it is not the owner's pending prompt",
+        )
+        for d in others
+        if is_pending_prompt(d)
+    ]
     conversation = conversion.conversation
     if conversation is not None:
         conversation = conversation.model_copy(update={"pending_hitl": pending})
@@ -261,6 +323,7 @@ def with_session_prompts(
             dumped = conversation.model_dump(by_alias=True)
             conversation = Conversation.model_validate(dumped | {"resolved_hitl": resolved})
         conversion.conversation = conversation
+    conversion.problems += _mixed_users(conversion, others)
     conversion.problems += [
         Problem(
             conversation_id=conversion.conversation_id,

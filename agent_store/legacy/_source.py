@@ -4,7 +4,6 @@ erasures and claims that must reach them."""
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +13,9 @@ from agent_store.core import AgentMessage, Conversation, utc_now
 from agent_store.legacy._convert import convert
 from agent_store.legacy._documents import (
     LEGACY_TURNS,
+    NAMING_FIELDS,
     SESSION_HITL,
+    Unnamed,
     id_filter,
     id_text,
     named_id,
@@ -23,6 +24,7 @@ from agent_store.legacy._documents import (
     parse_turns,
     prompts_filter,
     scalar_filter,
+    tell_apart,
     user_named,
     user_values,
     users_part,
@@ -44,8 +46,6 @@ from agent_store.store import (
     storage_errors,
 )
 
-_HASHED_KEY = re.compile(r"h[0-9a-f]{32}")
-"""A turn key hashed from an `_id` that is not a short identifier (`LegacyTurn.key`)."""
 MAX_LEGACY_DOCUMENT_BYTES = 16 * 1024 * 1024 - 64 * 1024
 """A dual-written turn holds its whole texts while it fits in a BSON document (16 MiB, less
 room for the server's own fields)."""
@@ -85,13 +85,13 @@ class LegacyTurns:
         another's conversation costs no more than a missing one). For a user, only the
         user's part of it (`users_part`): turns and prompts naming another user are left out.
         """
+        query, unnamed = await self._turns_of(conversation_id)
         with storage_errors("read the legacy turns"):
-            turns = await self._turns.find(await self._turns_of(conversation_id)).to_list(None)
+            turns = parse_turns(await self._turns.find(query).to_list(None), unnamed.names)
         if turns and user_id is not None:
-            parsed = parse_turns(turns)
-            if owner_of(parsed) != user_id:
+            if owner_of(turns) != user_id:
                 return None
-            turns = [turns[i] for i in users_part(parsed, user_id)]
+            turns = [turns[i] for i in users_part(turns, user_id)]
         if not turns:
             return None
         conversion = convert(turns, rules=self._rules)
@@ -99,8 +99,7 @@ class LegacyTurns:
             return None
         with storage_errors("read the pending prompt"):
             prompts = await self._prompts.find(prompts_filter(conversation_id)).to_list(None)
-        if user_id is not None:
-            prompts = [p for p in prompts if user_named(p.get("user_id")) in (None, user_id)]
+        # Only the owner's prompts (`owners_prompt`), as the migration takes them.
         conversion = with_session_prompts(conversion, prompts)
         assert conversion.conversation is not None
         return FallbackConversation(conversion.conversation, conversion.messages)
@@ -133,8 +132,8 @@ class LegacyTurns:
     async def holder(self, conversation_id: str) -> LegacyHolder | None:
         """Whether the id exists as legacy turns, and their owner; None if it does not."""
         fields = {"conversation_id": 1, "user_id": 1, "created_at": 1}
+        query, _ = await self._turns_of(conversation_id)
         with storage_errors("read the legacy turns"):
-            query = await self._turns_of(conversation_id)
             found = await self._turns.find(query, fields).to_list(None)
         if not found:
             return None
@@ -152,10 +151,10 @@ class LegacyTurns:
         """
         fields = {"conversation_id": 1, "user_id": 1, "created_at": 1}
         original = await self._original_id(conversation_id)
-        turns = turns_known_as(conversation_id, original, await self._hashed_ids(conversation_id))
+        turns, unnamed = await self._turns_of(conversation_id)
         with storage_errors("delete the legacy turns"):
             found = await self._turns.find(turns, fields).to_list(None)
-            parsed = parse_turns(found)
+            parsed = parse_turns(found, unnamed.names)
             ids = [found[i]["_id"] for i in users_part(parsed, owner)]
             among = {"$and": [turns, *_among_ids(ids)]}
             deleted = await self._turns.delete_many(among) if ids else None
@@ -169,22 +168,23 @@ class LegacyTurns:
                 await self._prompts.delete_many({"$and": [prompts, {"$or": theirs}]})
         return int(deleted.deleted_count) if deleted is not None else 0
 
-    async def _turns_of(self, conversation_id: str) -> dict[str, Any]:
-        """The filter of the legacy turns the store knows as `conversation_id`: the one rule
-        the read fallback, the ownership check and the delete share (`turns_known_as`)."""
+    async def _turns_of(self, conversation_id: str) -> tuple[dict[str, Any], Unnamed]:
+        """The filter of the legacy turns the store knows as `conversation_id`, and the turns
+        naming no conversation told apart (`tell_apart`): the one rule the read fallback, the
+        ownership check and the delete share (`turns_known_as`)."""
         original = await self._original_id(conversation_id)
-        return turns_known_as(conversation_id, original, await self._hashed_ids(conversation_id))
+        unnamed = await self._unnamed(conversation_id)
+        ids = unnamed.ids.get(conversation_id, [])
+        return turns_known_as(conversation_id, original, ids), unnamed
 
-    async def _hashed_ids(self, conversation_id: str) -> list[Any]:
-        """The `_id`s of the turns naming no conversation whose key is the hashed one a
-        `legacy-turn-h…` id names (`LegacyTurn.key`): one scan of the `_id`s of the turns
-        naming no conversation, only for such ids; else none."""
-        key = conversation_id.removeprefix(DERIVED_TURN_PREFIX)
-        if key == conversation_id or not _HASHED_KEY.fullmatch(key):
-            return []
+    async def _unnamed(self, conversation_id: str) -> Unnamed:
+        """For a `legacy-turn-` id, the turns naming no conversation, told apart
+        (`tell_apart`: one scan of their `_id`s and times, only for such ids); else none."""
+        if not conversation_id.startswith(DERIVED_TURN_PREFIX):
+            return Unnamed({}, {})
         with storage_errors("read the legacy turns"):
-            found = await self._turns.find(names_none("conversation_id"), {"_id": 1}).to_list(None)
-        return [t.id for t in parse_turns(found) if t.key == key]
+            query = names_none("conversation_id")
+            return tell_apart(await self._turns.find(query, NAMING_FIELDS).to_list(None))
 
     async def _original_id(self, conversation_id: str) -> str | None:
         """The legacy id a conversation migrated under a derived `legacy-conversation-` id
@@ -353,29 +353,26 @@ def legacy_id_of(conversation_id: str, recorded: Any) -> str | None:
 
 
 def turns_known_as(
-    conversation_id: str, original: str | None, hashed_ids: Sequence[Any] = ()
+    conversation_id: str, original: str | None, made_of: Sequence[Any] = ()
 ) -> dict[str, Any]:
     """The legacy turns the store knows as `conversation_id`, `original` the legacy id a
-    derived `legacy-conversation-` id stands for (`LegacyTurns._original_id`), `hashed_ids`
-    the `_id`s a hashed `legacy-turn-h…` id stands for (`LegacyTurns._hashed_ids`).
+    derived `legacy-conversation-` id stands for (`LegacyTurns._original_id`), `made_of`
+    the `_id`s of the turns naming no conversation a `legacy-turn-` id stands for
+    (`Unnamed.ids`).
 
     The migration names a conversation by its legacy id as text (an ObjectId or a
     number too), a turn naming none by a derived `legacy-turn-` id (its `_id`, hashed
-    when that is not a short identifier), and a legacy id that is not an identifier by
-    a derived `legacy-conversation-` id.
+    when that is not a short identifier, told apart from another's reading alike:
+    `tell_apart`), and a legacy id that is not an identifier by a derived
+    `legacy-conversation-` id.
     """
     if conversation_id.startswith(DERIVED_TURN_PREFIX):
-        key = conversation_id.removeprefix(DERIVED_TURN_PREFIX)
-        own = id_filter("_id", key)
-        if hashed_ids:
-            own = {"$or": [own, {"_id": {"$in": list(hashed_ids)}}]}
-        return {
-            "$or": [
-                {"$and": [own, names_none("conversation_id")]},
-                # turns dual-written under the id
-                scalar_filter("conversation_id", {"$eq": conversation_id}),
-            ]
-        }
+        # turns dual-written under the id
+        clauses = [scalar_filter("conversation_id", {"$eq": conversation_id})]
+        if made_of:
+            own = {"$and": [{"_id": {"$in": list(made_of)}}, names_none("conversation_id")]}
+            clauses.insert(0, own)
+        return {"$or": clauses}
     if original is not None:
         return {
             "$or": [
