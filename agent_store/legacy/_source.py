@@ -114,7 +114,7 @@ class LegacyTurns:
 
         async def has_turns(conversation_id: str) -> bool:
             with storage_errors("read the legacy turns"):
-                query = await self._turns_of(conversation_id)
+                query, _ = await self._turns_of(conversation_id)
                 return await self._turns.find_one(query, {"_id": 1}) is not None
 
         found = await asyncio.gather(*(has_turns(conversation_id) for conversation_id in ids))
@@ -125,7 +125,7 @@ class LegacyTurns:
         read fallback finds them), raw, oldest first (by `created_at`, then `_id`), the first
         `limit` of them: what an operator compares a migrated conversation with."""
         with storage_errors("read the legacy turns"):
-            query = await self._turns_of(conversation_id)
+            query, _ = await self._turns_of(conversation_id)
             found = self._turns.find(query).sort([("created_at", 1), ("_id", 1)]).limit(limit)
             return list(await found.to_list(None))
 
