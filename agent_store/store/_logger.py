@@ -56,6 +56,7 @@ from agent_store.store._blobs import FullTextStore, kept_blob_ids, stored_blob_i
 from agent_store.store._deletions import DeletionRecords, recorded_as
 from agent_store.store._driver import Database, only_duplicates, storage_errors
 from agent_store.store._fork import (
+    answers_in_fork,
     fork_copies,
     fork_end,
     fork_pending,
@@ -101,12 +102,14 @@ from agent_store.store._reservation import (
 )
 from agent_store.store._text import clean_name
 from agent_store.store._turns import (
+    ANSWERED_READ,
     GAPS_READ,
     MAX_MESSAGES_PER_TURN,
     MAX_TURN_TOOL_CALLS,
     Gaps,
     TurnPlan,
     TurnRules,
+    answered_in,
     canonical_documents,
     content_digest,
     message_id,
@@ -467,12 +470,14 @@ class AgentMessageLogger:
         approved = _approvals_of_copies(source, chosen, plan)
         plan = _leaving_what_the_copies_left(plan, chosen, messages, origin, source)
         resolved = source.get("resolved_hitl") or ()  # the fork remembers them too
+        answered = answers_in_fork(answered_in(source), chosen)
         forked_from = origin.model_dump()
         condition = Condition(
             {"created_at": {"$exists": False}},
             lambda now: {
                 "forked_from": literal(forked_from),
                 "resolved_hitl": literal(list(resolved)),
+                "answered_prompts": literal(answered),
                 "approved_calls": literal(approved),
             },
             Conflict(f"conversation {plan.conversation_id!r} exists already; fork into a new id"),
@@ -581,6 +586,7 @@ class AgentMessageLogger:
                     "forked_from": 1,
                     "resolved_hitl": 1,
                     "approved_calls": 1,
+                    **ANSWERED_READ,
                     **GAPS_READ,
                 },
             )
@@ -1528,6 +1534,7 @@ def _leaving_what_the_copies_left(
         int(source.get("message_count") or 0),
         fork_turns_of(source),
         source.get("resolved_hitl") or (),
+        answered_in(source),
     )
     return replace(
         plan,
