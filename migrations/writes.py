@@ -33,6 +33,7 @@ from pymongo.errors import BulkWriteError
 from agent_store.core import (
     RESOLVED_PROMPTS_KEPT,
     AgentMessage,
+    AnsweredPrompt,
     Conversation,
     message_adapter,
     messages_adapter,
@@ -337,6 +338,9 @@ def _kept_by_people(document: Conversation, found: dict[str, Any] | None) -> Con
     kept: dict[str, Any] = {"resolved_hitl": resolved}
     if found.get("approved_calls"):
         kept["approved_calls"] = found["approved_calls"]
+    if found.get("answered_prompts"):
+        answered = found["answered_prompts"]
+        kept["answered_prompts"] = [AnsweredPrompt.model_validate(a) for a in answered]
     if found.get("name_source") == "set":
         kept |= {"name": found.get("name"), "name_source": "set"}
     pending = document.pending_hitl
@@ -470,6 +474,10 @@ def _dumped(document: Conversation, live: Sequence[dict[str, Any]]) -> dict[str,
         dumped["epoch"] = document.epoch
     if document.approved_calls:  # as read back from the document it replaces
         dumped["approved_calls"] = [dict(call) for call in document.approved_calls]
+    if document.answered_prompts:  # likewise
+        dumped["answered_prompts"] = [
+            {"r": a.request_id, "s": Int64(a.below)} for a in document.answered_prompts
+        ]
     if live:
         dumped |= _live_records(live)
     return dumped
@@ -764,10 +772,17 @@ def _as_stored(db: Database[dict[str, Any]], document: dict[str, Any]) -> dict[s
     return bson.decode(bson.encode(document), codec_options=db.codec_options)
 
 
-PEOPLES_FIELDS = ("name_source", "resolved_hitl", "approved_calls", "turns", "pops")
+PEOPLES_FIELDS = (
+    "name_source",
+    "resolved_hitl",
+    "answered_prompts",
+    "approved_calls",
+    "turns",
+    "pops",
+)
 """Fields a person or the live logger adds to a conversation document the migration wrote
-(a rename, a resolved prompt, the calls its answer released, turn records, the count of
-pops)."""
+(a rename, a resolved prompt and how far the answer reaches, the calls its answer released,
+turn records, the count of pops)."""
 
 
 def _write(

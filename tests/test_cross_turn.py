@@ -2835,15 +2835,16 @@ async def test_popping_a_second_question_about_an_approved_call_leaves_its_appro
     await _an_approved_call_stays_released(runtime.logger, runtime.store, CID)
 
 
-async def test_after_such_a_pop_answering_the_earlier_prompt_of_that_id_again_only_clears_it(
+async def test_after_such_a_pop_the_earlier_prompt_of_that_id_stays_answered(
     backend: Backend,
 ) -> None:
-    """STREAMING.md: the earlier prompt of the id is pending again once the question asked
-    under its id is popped; a refusal of it denies nothing and clears it."""
+    """STREAMING.md: the earlier prompt of the id stays answered once the question asked
+    under its id is popped (a resolution is remembered per asking), as after the approval;
+    a late refusal of it denies nothing."""
     runtime = Runtime(backend)
     await _approved_then_asked_again(runtime, "confirm-9")
     await runtime.store.pop_last_message(CID)
-    assert await held_state(runtime.store) == ([("tc-9", None)], "confirm-9")
+    assert await held_state(runtime.store) == ([("tc-9", None)], None)
 
     await runtime.stream([DENIED], prompt="No, cancel it.")
 
@@ -3246,3 +3247,124 @@ async def _log_cut_short(
     with pytest.raises(StorageUnavailable):
         await logger.log_messages(CID, messages, turn_id=turn_id)
     monkeypatch.undo()
+
+
+# -- rewritten history: the pending state of the kept turns, whatever came after --------
+
+
+def _user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def _say(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+async def _cut_at(logger: AgentMessageLogger, store: ConversationStore, cut: str, seq: int) -> str:
+    """The conversation left once every message past `seq` is cut: popped one by one, or
+    left out of a fork cut at `seq`."""
+    if cut == "fork":
+        await logger.fork(CID, seq, "conv-fork")
+        return "conv-fork"
+    while (await store.transcript(CID))[-1].seq != seq:
+        await store.pop_last_message(CID)
+    return CID
+
+
+@CUT_BY
+async def test_a_prompt_answered_before_its_request_id_was_asked_again_stays_answered_when_cut(
+    backend: Backend, cut: str
+) -> None:
+    """DESIGN.md §3 Pending HITL: a resolution is remembered per asking. A later question
+    reusing the request id (a runtime numbering its confirmations per turn) is a new one;
+    a pop of it, or a fork cut before it, leaves what the turns before it left, the prompt
+    the person answered staying answered."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Book it."), _book("c"), _asks("r1")], turn_id="t0")
+    await store.resolve_hitl(CID, "r1")  # approved: c awaits its result
+    await logger.log_messages(CID, [_user("Thanks."), _say("Booking.")], turn_id="t1")
+    answered = await held_state(store)
+    assert answered == ([("c", None)], None)
+    await logger.log_messages(CID, [_user("And this?"), _book("d"), _asks("r1")], turn_id="t2")
+    assert await held_state(store) == ([("c", None), ("d", "r1")], "r1")
+
+    cid = await _cut_at(logger, store, cut, 4)
+
+    assert await held_state(store, cid) == answered
+
+
+@CUT_BY
+async def test_a_streamed_confirmation_approved_then_numbered_again_stays_approved_when_cut(
+    backend: Backend, cut: str
+) -> None:
+    """STREAMING.md: a runtime numbering its confirmations per turn asks `confirm-1` about
+    tc-1, the person approves it while tc-1 runs, then `confirm-1` asks about tc-2; cutting
+    that last turn leaves tc-1 approved and no prompt pending, as after the approval."""
+    runtime = Runtime(backend)
+
+    def asks(n: int) -> list[dict[str, Any]]:
+        call = f"tc-{n}"
+        return [
+            {"type": "tool_start", "tool_name": "book", "tool_call_id": call, "args": {"n": n}},
+            {"type": "confirm_required", "request_id": "confirm-1", "action": "book",
+             "params": {"n": n}, "prompt": f"Book #{n}?", "tool_call_id": call},
+        ]  # fmt: skip
+
+    await runtime.stream(asks(1), prompt="Book #1")
+    approved = {"type": "confirm_resolved", "request_id": "confirm-1", "approved": True}
+    logged = await runtime.stream([approved, {"type": "stream_token", "token": "Ok."}], "Yes")
+    after_approval = await held_state(runtime.store)
+    assert after_approval == ([("tc-1", None)], None)
+    await runtime.stream(asks(2), prompt="Book #2")
+
+    cid = await _cut_at(runtime.logger, runtime.store, cut, int(logged.messages[-1].seq or 0))
+
+    assert await held_state(runtime.store, cid) == after_approval
+
+
+async def test_a_fork_at_a_turn_boundary_awaits_the_same_whenever_it_is_taken(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3 Forks: a fork cut at `seq` awaits what the original's turns left pending
+    there, whatever the original logged after it: taken before or after a later turn, the
+    same fork awaits the same, and the same next turn leaves the same in both."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("a"), _book("c"), _asks("r2")], turn_id="t0")
+    await store.resolve_hitl(CID, "r2")  # c (seq 1) approved
+    await logger.log_messages(CID, [_user("b"), _book("c")], turn_id="t1")  # the id reused
+    await logger.log_messages(CID, [_user("c"), _asks_about("r2", "c")], turn_id="t2")
+    at_t2 = await held_state(store)
+    await logger.fork(CID, 6, "fork-early")
+    await logger.log_messages(CID, [_user("d"), _answer("c")], turn_id="t3")
+    await logger.fork(CID, 6, "fork-late")
+
+    assert await held_state(store, "fork-late") == await held_state(store, "fork-early") == at_t2
+    for cid in ("fork-late", "fork-early"):
+        await logger.log_messages(cid, [_user("d"), _answer("c")], turn_id="t3")
+    assert await held_state(store, "fork-late") == await held_state(store, "fork-early")
+    assert await held_state(store, "fork-late") == await held_state(store)
+
+
+@pytest.mark.parametrize("second", ["a-question", "an-answer"])
+async def test_a_pop_below_the_block_a_moved_turn_left_brings_back_the_prompt_as_a_fork_does(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, second: str
+) -> None:
+    """DESIGN.md §3 Pops: the block a turn moved away from (retried later than
+    `abandon_after`) holds no turn; popping the messages below it brings back the prompt
+    they replaced or cleared, as a fork cut at the same point does."""
+    logger = _late_logger(backend)
+    store = ConversationStore(backend.db, rules=logger.rules)  # passes that block as abandoned
+    await logger.log_messages(CID, [_user("Book it."), _book("c"), _asks("r0")], turn_id="t0")
+    asked = await held_state(store)
+    assert asked == ([("c", "r0")], "r0")
+    then = [_user("Hm."), _asks("r1")] if second == "a-question" else [_user("Yes."), _answer("c")]
+    await logger.log_messages(CID, then, turn_id="t1")
+    await _reserved_only(logger, monkeypatch, [_user("x"), _say("y")], "t2")
+    await logger.log_messages(CID, [_user("x"), _say("y")], turn_id="t2")  # moved past it
+    assert [m.seq for m in await store.transcript(CID)] == [0, 1, 2, 3, 4, 7, 8]
+
+    for _ in range(4):
+        await store.pop_last_message(CID)
+
+    await logger.fork(CID, 2, "conv-fork")
+    assert await held_state(store) == await held_state(store, "conv-fork") == asked

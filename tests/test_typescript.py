@@ -149,7 +149,8 @@ def test_the_conversation_document_declares_the_bookkeeping_as_optional() -> Non
         "fork_check?": "Record<string, unknown> | null",
         "popping?": "Record<string, unknown> | null", "pops?": "number",
         "popped_seqs?": "unknown[]", "popped_messages?": "unknown[]",
-        "resolved_hitl?": "unknown[]", "approved_calls?": "unknown[]", "owned_from?": "number",
+        "resolved_hitl?": "unknown[]", "answered_prompts?": "unknown[]",
+        "approved_calls?": "unknown[]", "owned_from?": "number",
         "last_step?": "string | null",
         "epoch?": "string | null",
     }  # fmt: skip

@@ -729,6 +729,19 @@ def conversation_version(conversation_id: str, epoch: str | None, created_at: da
     return digest.hexdigest()[:32]
 
 
+class AnsweredPrompt(_Model):
+    """How far a person's answer to the prompts of one request id reaches (extension; the
+    store's bookkeeping, never served): every prompt of that id stored below `below` was
+    asked before the answer, and answered by it; one stored from there on (the id asked
+    again) was not. A pop, a fork or a move folding the messages again keeps the first
+    answered (`Conversation.answered_prompts`)."""
+
+    request_id: str = Field(alias="r")
+    below: Count = Field(alias="s")
+    """The conversation's next free `seq` when the answer came, brought down to a `seq` a
+    pop gives back (a prompt stored there later is a new one)."""
+
+
 class Conversation(_Model):
     """One conversation document."""
 
@@ -776,9 +789,10 @@ class Conversation(_Model):
     """How many pops were finished: a pop marks its message only if none finished since it
     read the conversation (the store's bookkeeping, never served)."""
     popped_seqs: list[Count] = Field(default_factory=list, exclude=True)
-    """The `seq`s pops removed while a later turn had reserved past them, the newest
-    `POPPED_SEQS_KEPT` (the store's bookkeeping, never served): gaps no turn holds, passed at
-    once by tail readers, forks and pops, and given back with the `seq` below them."""
+    """The `seq`s pops removed while a later turn had reserved past them, and those of the
+    blocks turns moved away from, the newest `POPPED_SEQS_KEPT` (the store's bookkeeping,
+    never served): gaps no turn holds, passed at once by tail readers, forks and pops, and
+    given back with the `seq` below them."""
     popped_messages: list[PoppedMessage] = Field(default_factory=list, exclude=True)
     """The messages pops removed, the newest `POPPED_MESSAGES_KEPT` (the store's bookkeeping,
     never served): a tail reader's `after` naming one reads on from its `seq`, and the retry
@@ -787,6 +801,11 @@ class Conversation(_Model):
     """The request ids of the prompts `resolve_hitl` resolved, the newest
     `RESOLVED_PROMPTS_KEPT` (the store's bookkeeping, never served): a resolution leaves no
     message, so a rerun of the migration and a fork folding the messages read them here."""
+    answered_prompts: list[AnsweredPrompt] = Field(default_factory=list, exclude=True)
+    """The prompts `resolve_hitl` resolved, by asking (`AnsweredPrompt`, one per request id,
+    the newest `RESOLVED_PROMPTS_KEPT`; the store's bookkeeping, never served): a prompt
+    asked again under the request id leaves `resolved_hitl`, but a pop of it, or a fork cut
+    before it, brings back no prompt of that id asked before the answer."""
     approved_calls: list[ApprovedCall] = Field(default_factory=list, exclude=True)
     """The calls a person's answer released, those still pending and the newest
     `RESOLVED_PROMPTS_KEPT` others (the store's bookkeeping, never served): they await their

@@ -7,8 +7,11 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
+from bson import Int64
+
 from agent_store.core import (
     AgentMessage,
+    AnsweredPrompt,
     InvalidInput,
     PendingCall,
     PendingHitl,
@@ -122,6 +125,7 @@ def fork_pending(
     next_seq: int,
     turn_starts: Collection[int] = (),
     resolved: Collection[str] = (),
+    answered: Mapping[str, int] | None = None,
 ) -> tuple[tuple[PendingCall, ...], PendingHitl | None]:
     """What the fork awaits, naming the fork's own messages (`fork_ids`: the original's
     message ids to the fork's).
@@ -131,11 +135,12 @@ def fork_pending(
     earlier awaits what the original's messages up to `end` left pending, folded turn by
     turn as they were logged (`turn_starts`: the original's own, when it is a fork), but
     for prompts the original resolved by request id (`resolved`), which no message
-    records.
+    records, and those its answers reached (`answered`: asked before the answer came, under
+    an id asked again since).
     """
     whole = end + 1 >= next_seq
     upto = [m for m in messages if (m.seq or 0) <= end]
-    calls, hitl = now if whole else pending_after(upto, turn_starts)
+    calls, hitl = now if whole else pending_after(upto, turn_starts, answered)
     if hitl is not None and hitl.request_id in resolved:
         hitl = None
     return (
@@ -147,6 +152,19 @@ def fork_pending(
         if hitl
         else None,
     )
+
+
+def answers_in_fork(
+    answered: Mapping[str, int], chosen: Sequence[AgentMessage]
+) -> list[dict[str, Any]]:
+    """`answered_prompts` of a fork copying `chosen` (`seq` 0…n in their order), from the
+    original's (`answered_in`): each answer reaches the copies of the messages it reached."""
+    seqs = [m.seq or 0 for m in chosen]
+    reach = {r: sum(1 for s in seqs if s < below) for r, below in answered.items()}
+    return [
+        AnsweredPrompt(request_id=r, below=copied).model_dump(by_alias=True) | {"s": Int64(copied)}
+        for r, copied in reach.items()
+    ]
 
 
 def fork_turns_of(conversation: Mapping[str, Any]) -> list[int]:

@@ -62,6 +62,7 @@ from agent_store.store._blobs import (
 from agent_store.store._deletions import DeletionRecords, recorded_as
 from agent_store.store._driver import Database, only_duplicates, storage_errors
 from agent_store.store._fork import (
+    answers_in_fork,
     fork_copies,
     fork_end,
     fork_pending,
@@ -107,12 +108,14 @@ from agent_store.store._reservation import (
 )
 from agent_store.store._text import clean_name
 from agent_store.store._turns import (
+    ANSWERED_READ,
     GAPS_READ,
     MAX_MESSAGES_PER_TURN,
     MAX_TURN_TOOL_CALLS,
     Gaps,
     TurnPlan,
     TurnRules,
+    answered_in,
     canonical_documents,
     content_digest,
     message_id,
@@ -479,7 +482,8 @@ class AgentMessageLogger:
         )
         approved = _approvals_of_copies(source, chosen, plan)
         plan = _leaving_what_the_copies_left(plan, chosen, messages, origin, source)
-        condition = _fork_condition(plan, origin, source, approved)
+        answered = answers_in_fork(answered_in(source), chosen)
+        condition = _fork_condition(plan, origin, source, approved, answered)
         owner = Actor(source.get("user_id"), as_user=owner_only)
         started = time.monotonic()
         reserved = await self._reserve(plan, owner, None, condition)
@@ -650,6 +654,7 @@ class AgentMessageLogger:
                     "forked_from": 1,
                     "resolved_hitl": 1,
                     "approved_calls": 1,
+                    **ANSWERED_READ,
                     **GAPS_READ,
                 },
             )
@@ -1528,11 +1533,16 @@ def _refuse_derived(conversation_id: str, actor: Actor) -> None:
 
 
 def _fork_condition(
-    plan: TurnPlan, origin: ForkOrigin, source: Mapping[str, Any], approved: list[dict[str, Any]]
+    plan: TurnPlan,
+    origin: ForkOrigin,
+    source: Mapping[str, Any],
+    approved: list[dict[str, Any]],
+    answered: list[dict[str, Any]],
 ) -> Condition:
     """A fork's reservation creates its conversation (an existing one is a Conflict) with its
-    origin, the prompts its source resolved by request id and the approvals it keeps, and its
-    source as it read it (`ForkCheck`), kept until the fork's check of that source passes."""
+    origin, the prompts its source resolved by request id, the answers that reach into its
+    copies (`answers_in_fork`) and the approvals it keeps, and its source as it read it
+    (`ForkCheck`), kept until the fork's check of that source passes."""
     forked_from = origin.model_dump()
     resolved = list(source.get("resolved_hitl") or ())  # the fork remembers them too
     unchecked = _as_read(source).model_dump()
@@ -1541,6 +1551,7 @@ def _fork_condition(
         lambda now: {
             "forked_from": literal(forked_from),
             "resolved_hitl": literal(resolved),
+            "answered_prompts": literal(answered),
             "approved_calls": literal(approved),
             "fork_check": literal(unchecked),
         },
@@ -1640,6 +1651,7 @@ def _leaving_what_the_copies_left(
         int(source.get("message_count") or 0),
         fork_turns_of(source),
         source.get("resolved_hitl") or (),
+        answered_in(source),
     )
     return replace(
         plan,

@@ -68,9 +68,11 @@ from agent_store.store._reservation import (
 from agent_store.store._text import clean_name, collapse_whitespace, has_positive_term
 from agent_store.store._truncation import NATIVE
 from agent_store.store._turns import (
+    ANSWERED_READ,
     GAPS_READ,
     Gaps,
     TurnRules,
+    answered_in,
     is_fork_turn,
     pending_after,
     turn_key,
@@ -708,9 +710,9 @@ class ConversationStore:
     ) -> tuple[list[PendingCall], PendingHitl | None, list[int]]:
         """The calls and the prompt the messages before `popped` leave pending (reads them
         all: a pop of an answer or a prompt is rare, and what is pending depends on every
-        turn, and in a fork on where its copies began the original's turns: one lookup more
-        then), and the `seq`s below it with no message (the pop waits for a turn still
-        writing one)."""
+        turn, on how far a person's answers reach when a prompt was asked, and in a fork on
+        where its copies began the original's turns: one lookup more then), and the `seq`s
+        below it with no message (the pop waits for a turn still writing one)."""
         docs = await (
             self._messages.find(
                 {"conversation_id": popped.conversation_id, "seq": {"$lt": popped.seq}}
@@ -719,16 +721,17 @@ class ConversationStore:
             .to_list(None)
         )
         messages = messages_adapter.validate_python(docs)
-        starts: list[int] = []
-        if any(is_fork_turn(m.turn_id) for m in messages):
+        forked = any(is_fork_turn(m.turn_id) for m in messages)
+        conversation: Mapping[str, Any] | None = None
+        if forked or any(m.hitl_action is not None for m in messages):
             conversation = await self._conversations.find_one(
-                {"_id": popped.conversation_id}, {"forked_from": 1}
+                {"_id": popped.conversation_id}, {"forked_from.turn_starts": 1, **ANSWERED_READ}
             )
-            starts = fork_turns_of(conversation or {})
+        starts = fork_turns_of(conversation or {}) if forked else []
         stored = {m.seq for m in messages}
         assert popped.seq is not None
         missing = [seq for seq in range(popped.seq) if seq not in stored]
-        return (*pending_after(messages, starts), missing)
+        return (*pending_after(messages, starts, answered_in(conversation)), missing)
 
     async def messages_by_seq(
         self,

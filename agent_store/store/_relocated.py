@@ -37,9 +37,23 @@ from agent_store.core import (
 from agent_store.store._driver import storage_errors
 from agent_store.store._fork import fork_turns_of, pending_now
 from agent_store.store._reservation import RESERVED, RecordedBlock, literal, resolved_by_request
-from agent_store.store._turns import GAPS_READ, Gaps, TurnPlan, pending_after
+from agent_store.store._turns import (
+    ANSWERED_READ,
+    GAPS_READ,
+    Gaps,
+    TurnPlan,
+    answered_in,
+    pending_after,
+)
 
-MOVED: dict[str, Any] = {**RESERVED, **GAPS_READ, "forked_from": 1, "pops": 1, "popping": 1}
+MOVED: dict[str, Any] = {
+    **RESERVED,
+    **GAPS_READ,
+    **ANSWERED_READ,
+    "forked_from": 1,
+    "pops": 1,
+    "popping": 1,
+}
 """What the move returns of the conversation: what a reservation returns, and what the fold
 after it needs (the gaps below the new block, a fork's turn starts, the pops' guard)."""
 _FOLD_READ: dict[str, Any] = {**MOVED, "pending_calls": 1, "pending_hitl": 1, "resolved_hitl": 1}
@@ -166,7 +180,7 @@ async def settle(
         missing = (s for s in range(count) if s not in seqs)
         if Gaps.of(moved).written(missing, now=utc_now(), abandon_after=abandon_after) is not None:
             return False
-        calls, prompt = pending_after(stored, fork_turns_of(moved))
+        calls, prompt = pending_after(stored, fork_turns_of(moved), answered_in(moved))
         if given_up and _already(moved, calls, prompt):
             return True
         query, update = refolded(moved, calls, prompt)

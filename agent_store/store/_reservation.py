@@ -29,7 +29,13 @@ from agent_store.core import (
     approval_held_again,
     shown,
 )
-from agent_store.store._turns import PENDING_CALLS_KEPT, KeepPendingHitl, TurnPlan, TurnRules
+from agent_store.store._turns import (
+    PENDING_CALLS_KEPT,
+    POPPED_SEQS_KEPT,
+    KeepPendingHitl,
+    TurnPlan,
+    TurnRules,
+)
 from agent_store.store._values import storable
 
 SUMMARY: dict[str, Any] = {"turns": 0}
@@ -274,8 +280,43 @@ def resolution(
             ]
         },
         "approved_calls": _approved_with(request_id),
+        "answered_prompts": _answered_now(request_id),
     }
     return query, [{"$set": stage}]
+
+
+def _answered_now(request_id: str) -> dict[str, Any]:
+    """`answered_prompts` with the answer to the prompts `request_id` reaching every `seq`
+    reserved so far (`message_count`): the prompts of the id asked up to now, a turn still
+    being written among them (its reservation made its prompt the pending one), are answered;
+    the newest `RESOLVED_PROMPTS_KEPT` request ids kept."""
+    others = {
+        "$filter": {
+            "input": _kept("answered_prompts", []),
+            "as": "a",
+            "cond": {"$ne": ["$$a.r", literal(request_id)]},
+        }
+    }
+    entry = {"r": literal(request_id), "s": int64({"$ifNull": ["$message_count", 0]})}
+    # A one-element array built by `$map`: some servers (mongomock) keep an array literal's
+    # elements unevaluated.
+    now = {"$map": {"input": literal([0]), "as": "x", "in": entry}}
+    return {"$slice": [{"$concatArrays": [others, now]}, -RESOLVED_PROMPTS_KEPT]}
+
+
+def answers_reaching(below: Any, request_ids: Sequence[str] | None = None) -> dict[str, Any]:
+    """`answered_prompts` with each answer's reach (`AnsweredPrompt.below`) set to the
+    expression `below` (evaluated with the answer's own in `$$s`), for those of `request_ids`
+    only when given. Left unset on a conversation that has none."""
+    reach: Any = below
+    if request_ids is not None:
+        named = {"$in": ["$$a.r", literal(list(request_ids))]}
+        reach = {"$cond": [named, below, "$$s"]}
+    entry = {"r": "$$a.r", "s": int64({"$let": {"vars": {"s": "$$a.s"}, "in": reach}})}
+    answered = {"$map": {"input": _kept("answered_prompts", []), "as": "a", "in": entry}}
+    # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
+    unset = {"$eq": [{"$ifNull": ["$answered_prompts", None]}, None]}
+    return {"answered_prompts": {"$cond": [unset, "$$REMOVE", answered]}}
 
 
 def _holding(request_id: str, concerns: Sequence[CallKey]) -> dict[str, Any]:
@@ -918,7 +959,8 @@ def relocation(
     """The filter and update that move a recorded turn, none of whose messages is stored,
     from a block tail readers have passed (`block_abandoned`) to a new one at the end.
 
-    The old record stays under `moved_key`, so readers keep passing its block; the turn is
+    The old record stays under `moved_key`, so readers keep passing its block, and its
+    `seq`s are gaps no turn holds (`popped_seqs`, `_left_behind`); the turn is
     recorded again at the new block, with the digest it was recorded with. Its messages
     and tokens were counted when it first reserved: `message_count` grows, the turns and
     tokens counted stay (and `owned_from` follows the turn that `assigned` the conversation
@@ -926,7 +968,8 @@ def relocation(
     turn appended there (`_appended`: `updated_at`, the preview, what it leaves pending),
     computed on the conversation as it stands now: the calls the turn left open when it
     first reserved are listed once, in their new place, and a prompt it raises that a
-    person resolved meanwhile (`resolved_hitl`) is not raised again. That pending state is
+    person resolved meanwhile (`resolved_hitl`) is not raised again (and the answer reaches
+    its new place, `answered_prompts`). That pending state is
     a first estimate: after the insert the logger folds it from the stored messages
     (`_relocated.settle`), which it stays only when that cannot be done. The filter matches
     only while the old record is there: a second attempt moving the turn at the same time
@@ -941,9 +984,14 @@ def relocation(
     turns = records_changed(old, {"k": literal(Int64(moved_key(plan.key)))})
     stage = {
         "message_count": _plus("message_count", plan.count),
+        "popped_seqs": _left_behind(block.first_seq, plan.count),
         **_appended(plan, _without_calls_of(plan)),
         **_records(plan.key, block.digest, rules, now, turns),
     }
+    if plan.raised_requests:  # an answer that came while it waited answered its prompts
+        waited = {"$gt": ["$$s", first]}
+        moved_end = int64({"$add": [{"$ifNull": ["$message_count", 0]}, plan.count]})
+        stage.update(answers_reaching({"$cond": [waited, moved_end, "$$s"]}, plan.raised_requests))
     if isinstance(plan.pending_hitl, PendingHitl):
         resolved = resolved_by_request(plan.pending_hitl.request_id)
         kept = {"$ifNull": ["$pending_hitl", None]}
@@ -951,6 +999,16 @@ def relocation(
     if assigned:
         stage["owned_from"] = int64({"$ifNull": ["$message_count", 0]})
     return query, [{"$set": stage}]
+
+
+def _left_behind(first: int, count: int) -> dict[str, Any]:
+    """`popped_seqs` with the `count` `seq`s of the block from `first` a moved turn left: no
+    turn holds them any more, as none holds a `seq` a pop left behind a later turn's block
+    (the newest `POPPED_SEQS_KEPT` kept). A pop below them then gives them back with its own
+    (`_tail.nothing_reserved_past`), and readers pass them at once."""
+    gaps = _kept("popped_seqs", [])
+    left = literal([Int64(seq) for seq in range(first, first + count)])
+    return {"$slice": [{"$concatArrays": [gaps, left]}, -POPPED_SEQS_KEPT]}
 
 
 def _without_calls_of(plan: TurnPlan) -> dict[str, Any] | None:

@@ -40,6 +40,7 @@ from bson import Int64
 
 from agent_store.core import AgentMessage, PendingCall, PendingHitl, PopInProgress
 from agent_store.store._reservation import (
+    answers_reaching,
     approvals_held_by,
     approvals_superseded_by,
     held_before_of,
@@ -145,7 +146,8 @@ def pop_in_progress(
 
 def nothing_reserved_past(seq: int) -> dict[str, Any]:
     """Whether no turn holds a `seq` past `seq` (a pipeline expression): every `seq` from it
-    to `message_count` is a gap a pop left (`popped_seqs`), none a turn reserved."""
+    to `message_count` is a gap no turn holds (`popped_seqs`: a pop left it, or a turn moved
+    away from its block), none a turn reserved."""
     above = {
         "$filter": {
             "input": {"$ifNull": ["$popped_seqs", literal([])]},
@@ -215,8 +217,12 @@ def unlogged(pop: PopInProgress) -> list[Any]:
         )
     if pop.updated_at is not None:  # a turn that reserved past it set its own
         stage["updated_at"] = {"$cond": [untouched, literal(pop.updated_at), "$updated_at"]}
-    if pop.turn_key is not None:
-        stage["turns"] = _marked_popped(pop.turn_key)
+    turns = _marked_popped(pop.turn_key, pop.seq, untouched)
+    # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
+    unset = {"$eq": [{"$ifNull": ["$turns", None]}, None]}
+    stage["turns"] = turns if pop.turn_key is not None else {"$cond": [unset, "$$REMOVE", turns]}
+    # The `seq`s given back are free again: a prompt stored there later is a new one.
+    stage.update(answers_reaching({"$cond": [untouched, {"$min": ["$$s", pop.seq]}, "$$s"]}))
     if pop.made_calls or pop.pending_before is not None:
         stage["pending_calls"] = _calls_without(pop, pop.pending_before or [])
     if pop.hitl_request_id is not None:
@@ -294,9 +300,13 @@ def _approvals_unheld_by(message_id: str) -> dict[str, Any]:
     return approvals_held_by(now_held_by, left)
 
 
-def _marked_popped(key: int) -> dict[str, Any]:
-    """The turn records, the one under `key` marked popped (`TurnRecord.popped`)."""
-    return records_changed({"$eq": ["$$record.k", literal(Int64(key))]}, {"p": literal(True)})
+def _marked_popped(key: int | None, seq: int, untouched: Any) -> dict[str, Any]:
+    """The turn records, the one under `key` marked popped (`TurnRecord.popped`), and, when
+    the `seq`s past `seq` are given back (`untouched`), those of blocks there (a block a
+    moved turn left): no bound of a turn any more (`Gaps.turn_end`)."""
+    past = {"$and": [untouched, {"$gt": ["$$record.f", seq]}]}
+    own = [{"$eq": ["$$record.k", literal(Int64(key))]}] if key is not None else []
+    return records_changed({"$or": [*own, past]}, {"p": literal(True)})
 
 
 def _calls_without(pop: PopInProgress, before: list[PendingCall]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from agent_store.core import (
     AgentMessage,
+    AnsweredPrompt,
     Identifier,
     InvalidInput,
     PendingCall,
@@ -927,17 +928,37 @@ def fork_copies_end(messages: Sequence[AgentMessage]) -> int:
     return next((i for i, m in enumerate(messages) if m.turn_id != first), len(messages))
 
 
+ANSWERED_READ: dict[str, Any] = {"answered_prompts": 1}
+"""What a fold reads of a conversation besides its messages (`answered_in`)."""
+
+
+def answered_in(conversation: Mapping[str, Any] | None) -> dict[str, int]:
+    """How far the answers a person gave reach, by request id (`Conversation.answered_prompts`,
+    read with `ANSWERED_READ`): a prompt of the id stored below it was answered."""
+    entries = (conversation or {}).get("answered_prompts") or ()
+    return {a.request_id: a.below for a in map(AnsweredPrompt.model_validate, entries)}
+
+
 def pending_after(
-    messages: Sequence[AgentMessage], turn_starts: Collection[int] = ()
+    messages: Sequence[AgentMessage],
+    turn_starts: Collection[int] = (),
+    answered: Mapping[str, int] | None = None,
 ) -> tuple[list[PendingCall], PendingHitl | None]:
     """The calls and the prompt a conversation's stored messages leave pending, turn by turn
     (runs of one `turn_id`, cut also at the `seq`s of `turn_starts`: a fork's), by the rules
-    the reservations apply: what a rewrite of its history (a pop, a fork) lists again. A
-    prompt resolved by request id leaves no message, so it is pending here."""
+    the reservations apply: what a rewrite of its history (a pop, a fork) lists again.
+
+    A prompt resolved by request id leaves no message: without `answered` it is pending
+    here. With it (`answered_in`), each answer is given where it came, between the turns
+    stored below its reach and those from there on (an answer past the last message, after
+    them all): the prompt of its id pending then is answered, and the calls prompts of that
+    id held then are released (`request_id: null`), as `resolve_hitl` did; a prompt asked
+    again under the id later is a new one."""
     calls: list[PendingCall] = []
     hitl: PendingHitl | None = None
     starts = set(turn_starts)
     copies = fork_copies_end(messages) if starts else 0
+    answers = sorted((below, r) for r, below in (answered or {}).items())
     start = 0
     for end in range(1, len(messages) + 1):
         if (
@@ -948,7 +969,27 @@ def pending_after(
             continue
         calls, hitl = _fold(calls, hitl, messages[start:end])
         start = end
+        following = messages[end].seq if end < len(messages) else None
+        given = [r for below, r in answers if following is None or below <= following]
+        answers = answers[len(given) :]
+        calls, hitl = _answers_given(calls, hitl, given)
     return calls, hitl
+
+
+def _answers_given(
+    calls: list[PendingCall], hitl: PendingHitl | None, request_ids: Collection[str]
+) -> tuple[list[PendingCall], PendingHitl | None]:
+    """What is pending once a person answered the prompts `request_ids` (`resolve_hitl`):
+    none of them pending, the calls they held released."""
+    if not request_ids:
+        return calls, hitl
+    if hitl is not None and hitl.request_id in request_ids:
+        hitl = None
+    released = [
+        c.model_copy(update={"request_id": None}) if c.request_id in request_ids else c
+        for c in calls
+    ]
+    return released, hitl
 
 
 def _fold(

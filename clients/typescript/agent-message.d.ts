@@ -203,7 +203,7 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   pops?: number;
   /**
-   * The `seq`s pops removed while a later turn had reserved past them, the newest `POPPED_SEQS_KEPT` (the store's bookkeeping, never served): gaps no turn holds, passed at once by tail readers, forks and pops, and given back with the `seq` below them.
+   * The `seq`s pops removed while a later turn had reserved past them, and those of the blocks turns moved away from, the newest `POPPED_SEQS_KEPT` (the store's bookkeeping, never served): gaps no turn holds, passed at once by tail readers, forks and pops, and given back with the `seq` below them.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
    */
@@ -220,6 +220,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
    */
   resolved_hitl?: unknown[];
+  /**
+   * The prompts `resolve_hitl` resolved, by asking (`AnsweredPrompt`, one per request id, the newest `RESOLVED_PROMPTS_KEPT`; the store's bookkeeping, never served): a prompt asked again under the request id leaves `resolved_hitl`, but a pop of it, or a fork cut before it, brings back no prompt of that id asked before the answer.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  answered_prompts?: unknown[];
   /**
    * The calls a person's answer released, those still pending and the newest `RESOLVED_PROMPTS_KEPT` others (the store's bookkeeping, never served): they await their results, and a turn denying one is refused (`AnsweredBefore`), whatever becomes of the request id of the prompt that held it (dropped from `resolved_hitl`, asked again).
    *
