@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from agent_store import ConversationStore
 from tests.api_harness import (
     OTHER,
     OWNER,
@@ -125,3 +126,35 @@ async def test_a_runtime_opening_inboxes_without_closing_them_is_stopped_at_32()
         assert reopened.status_code == 200
         stored = await api.db.agent_conversations.find_one({"_id": OWNER_CONVERSATION})
         assert len(stored["inbox"]) == 32
+
+
+async def test_a_fork_retried_over_http_after_its_source_was_popped_is_a_conflict_naming_it() -> (
+    None
+):
+    """A fork answered (its answer lost to the client, say), then the source's last message,
+    the fork's at_seq, popped, and then, corrected, logged again: the retry is a 409 naming the
+    fork, which stands as stored; never a 422, nor a turn id the client never sent."""
+    async with serve(mongomock_db(), seeded=False) as api:
+        owner = auth_headers(user=OWNER)
+        base = "/v1/conversations/conv-src"
+        for n in range(3):
+            said = [{"role": "user", "content": f"question {n}"},
+                    {"role": "assistant", "content": f"answer {n}"}]  # fmt: skip
+            await api.http.post(f"{base}/turns", json={"messages": said, "turn_id": f"t{n}"},
+                                headers=owner)  # fmt: skip
+        body = {"at_seq": 5, "new_conversation_id": "conv-fork-http"}
+        first = await api.http.post(f"{base}/forks", json=body, headers=owner)
+        await ConversationStore(api.db).pop_last_message("conv-src")
+        popped = await api.http.post(f"{base}/forks", json=body, headers=owner)
+        corrected = {"messages": [{"role": "assistant", "content": "fixed"}], "turn_id": "t2b"}
+        await api.http.post(f"{base}/turns", json=corrected, headers=owner)
+        changed = await api.http.post(f"{base}/forks", json=body, headers=owner)
+
+        assert (first.status_code, popped.status_code, changed.status_code) == (201, 409, 409)
+        for refused in (popped, changed):
+            said = refused.json()["error"]["message"]
+            assert "'conv-fork-http'" in said
+            assert "seq 5" in said
+            assert "turn 'fork-" not in said
+        forked = await api.http.get("/v1/conversations/conv-fork-http/transcript", headers=owner)
+        assert [m["content"] for m in forked.json()["data"]][-1] == "answer 2"

@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from pymongo.errors import BulkWriteError
+from pymongo.errors import AutoReconnect, BulkWriteError
 
 from agent_store import (
     AgentMessageLogger,
@@ -1582,6 +1582,134 @@ async def test_a_fork_whose_retry_found_its_source_whole_stands_though_its_first
     assert retried.replayed
     kept = await store.with_full_texts(await store.transcript("c-fork", user_id=OWNER))
     assert [m.content for m in kept] == ["OWNER's secret " + "x" * 60_000, "noted"]
+
+
+async def _owners_three_turns(backend: Backend) -> AgentMessageLogger:
+    """OWNER's "c-x": three turns of a question and its answer, seq 0 to 5."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+    await logger.ensure_indexes()
+    for n in range(3):
+        said = [{"role": "user", "content": f"question {n}"},
+                {"role": "assistant", "content": f"answer {n}"}]  # fmt: skip
+        await logger.log_messages("c-x", said, user_id=OWNER, turn_id=f"t{n}")
+    return logger
+
+
+def _the_forks_insert_failing(
+    logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch, *, applied: bool
+) -> None:
+    """The logger's next insert of messages (the fork's copies) fails once: lost on its way to
+    the store, or `applied` there and its reply lost."""
+    insert_many = logger._messages.insert_many
+
+    async def failing(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(logger._messages, "insert_many", insert_many)
+        if applied:
+            await insert_many(*args, **kwargs)
+        raise AutoReconnect("the connection dropped (injected)")
+
+    monkeypatch.setattr(logger._messages, "insert_many", failing)
+
+
+async def _changed(logger: AgentMessageLogger, store: ConversationStore, change: str) -> None:
+    """ "c-x"'s last message (seq 5) popped, and, `change` saying so, corrected: logged again."""
+    await store.pop_last_message("c-x", user_id=OWNER)
+    if change == "popped and corrected":
+        corrected = [{"role": "assistant", "content": "corrected answer"}]
+        await logger.log_messages("c-x", corrected, user_id=OWNER, turn_id="t-corrected")
+
+
+SOURCE_CHANGES = ["popped", "popped and corrected"]
+
+
+@pytest.mark.parametrize("change", SOURCE_CHANGES)
+async def test_a_forks_retry_after_its_source_changed_takes_back_the_empty_fork_an_attempt_left(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """The fork's first attempt reserved "c-fork" and lost the insert of its copies: nothing of
+    it was ever served. "c-x"'s last message, the fork's at_seq, is then popped (and, corrected,
+    logged again): the same fork can no longer be made. The retry takes back the empty fork and
+    answers as a fresh fork would now: the corrected answer copied, or InvalidInput for a seq
+    "c-x" no longer holds, with nothing of "c-fork" left."""
+    logger = await _owners_three_turns(backend)
+    store = ConversationStore(backend.db)
+    _the_forks_insert_failing(logger, monkeypatch, applied=False)
+    with pytest.raises(StorageUnavailable):
+        await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
+    await _changed(logger, store, change)
+
+    if change == "popped":
+        with pytest.raises(InvalidInput, match="no message with seq 5"):
+            await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
+        assert await backend.db.agent_conversations.count_documents({"_id": "c-fork"}) == 0
+        assert await backend.db.agent_messages.count_documents({"conversation_id": "c-fork"}) == 0
+        assert [c.id for c in (await store.list_conversations(OWNER)).data] == ["c-x"]
+    else:
+        retried = await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
+        kept = await store.transcript("c-fork", user_id=OWNER)
+        assert not retried.replayed
+        assert [m.seq for m in kept] == list(range(6))
+        assert kept[-1].content == "corrected answer"
+    assert await backend.db[DELETIONS].count_documents({}) == 0
+
+
+@pytest.mark.parametrize("change", SOURCE_CHANGES)
+@pytest.mark.parametrize("first", ["answered", "stored, its reply lost"])
+async def test_a_forks_retry_after_its_source_changed_is_a_conflict_naming_the_fork_it_stored(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, change: str, first: str
+) -> None:
+    """The fork's first attempt stored its copies of "c-x" up to seq 5 (answered, or its reply
+    lost); seq 5 is then popped from "c-x" (and, corrected, logged again). The fork stands as
+    stored; its retry, which can no longer be the same fork, is a Conflict naming the fork (its
+    new id and at_seq), never the internal turn that holds its copies."""
+    logger = await _owners_three_turns(backend)
+    store = ConversationStore(backend.db)
+    if first == "answered":
+        await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
+    else:
+        _the_forks_insert_failing(logger, monkeypatch, applied=True)
+        with pytest.raises(StorageUnavailable):
+            await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
+    await _changed(logger, store, change)
+
+    with pytest.raises(Conflict, match=r"'c-fork'.*seq 5") as refused:
+        await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
+
+    assert "turn 'fork-" not in str(refused.value)
+    kept = await store.transcript("c-fork", user_id=OWNER)
+    assert [m.content for m in kept][-1] == "answer 2"
+    assert len(kept) == 6
+
+
+async def test_an_attempt_of_a_fork_landing_after_its_empty_fork_was_taken_back_leaves_nothing(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fork's first attempt reserved "c-fork" and is slow to insert its copies; "c-x"'s
+    seq 5, its at_seq, is popped and the retry, refused, takes the empty fork back. The first
+    attempt's copies landing after that follow their conversation, find it gone and go too:
+    nothing of "c-fork" is left."""
+    logger = await _owners_three_turns(backend)
+    store = ConversationStore(backend.db)
+    insert_many, reached, go = logger._messages.insert_many, asyncio.Event(), asyncio.Event()
+
+    async def slow(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(logger._messages, "insert_many", insert_many)
+        reached.set()
+        await go.wait()
+        return await insert_many(*args, **kwargs)
+
+    monkeypatch.setattr(logger._messages, "insert_many", slow)
+    first = asyncio.create_task(logger.fork("c-x", 5, "c-fork", user_id=OWNER))
+    await reached.wait()
+    await store.pop_last_message("c-x", user_id=OWNER)
+    with pytest.raises(InvalidInput, match="no message with seq 5"):
+        await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
+    go.set()
+    await first
+
+    assert await backend.db.agent_conversations.count_documents({"_id": "c-fork"}) == 0
+    assert await backend.db.agent_messages.count_documents({"conversation_id": "c-fork"}) == 0
+    assert await backend.db[DELETIONS].count_documents({}) == 0
 
 
 async def test_a_fork_that_checked_its_source_before_its_delete_stands(

@@ -453,10 +453,23 @@ class AgentMessageLogger:
         is untouched. The same fork retried is stored once; an existing
         `new_conversation_id` is a Conflict. A source deleted, or its user erased, before
         the fork's check of it passed is NotFound, and what the fork wrote is taken back,
-        by the attempt that finds it or by a retry (`_unless_its_source_went`).
+        by the attempt that finds it or by a retry (`_unless_its_source_went`). A fork refused
+        while an earlier attempt's fork, never given its copies, holds `new_conversation_id`
+        takes that empty fork back and is made as a fresh fork now; one refused by a fork that
+        stored its copies is a Conflict naming it (`_settle_refused_fork`).
         """
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         actor = Actor(user_id, owner_only)
+        try:
+            return await self._fork_once(conversation_id, at_seq, new_conversation_id, actor)
+        except (InvalidInput, Conflict) as refused:
+            await self._settle_refused_fork(conversation_id, new_conversation_id, actor, refused)
+        return await self._fork_once(conversation_id, at_seq, new_conversation_id, actor)
+
+    async def _fork_once(
+        self, conversation_id: str, at_seq: int, new_conversation_id: str, actor: Actor
+    ) -> LoggedTurn:
+        """One attempt of `fork`, its source's id validated."""
         try:
             source, messages = await self._fork_source(conversation_id, actor)
         except NotFound:
@@ -484,7 +497,7 @@ class AgentMessageLogger:
         plan = _leaving_what_the_copies_left(plan, chosen, messages, origin, source)
         answered = answers_in_fork(answered_in(source), chosen)
         condition = _fork_condition(plan, origin, source, approved, answered)
-        owner = Actor(source.get("user_id"), as_user=owner_only)
+        owner = Actor(source.get("user_id"), as_user=actor.as_user)
         started = time.monotonic()
         reserved = await self._reserve(plan, owner, None, condition)
         stored = await self._store(plan, reserved, started)
@@ -492,6 +505,58 @@ class AgentMessageLogger:
         created = None if reserved.replayed else _fork_as_created(reserved, source)
         await self._unless_its_source_went(conversation_id, plan.conversation_id, created)
         return await self._told(plan, reserved, stored)
+
+    async def _settle_refused_fork(
+        self, conversation_id: str, new_conversation_id: str, actor: Actor, refused: StoreError
+    ) -> None:
+        """After a fork into `new_conversation_id` was `refused` (its source no longer holds its
+        at_seq, holds other messages up to it, or the id is taken): returns, to have the fork
+        made as a fresh one, once an earlier attempt's fork there, which stored none of its
+        copies (nothing of it was ever served), is taken back (`_take_back_fork`); raises
+        `refused` when no fork of this source the actor may see is there, and a Conflict naming
+        that fork, which stands, when it stored its copies (never the internal turn holding
+        them). One round trip when there is no such fork.
+
+        An attempt of the fork still inserting its copies is let land first: the fork is
+        found empty twice, `claim_grace` apart (a wait on this path only). An insert slower
+        than that, landing after the take-back, follows its conversation and takes its own
+        copies back (`_follow_the_conversation`), as after a delete."""
+        fork = await self._fork_into(conversation_id, new_conversation_id, actor)
+        if fork is None:
+            raise refused
+        if fork.get("fork_check") is not None and not await self._copies_stored(fork):
+            await asyncio.sleep(self.rules.claim_grace.total_seconds())
+            if not await self._copies_stored(fork) and await self._take_back_fork(
+                fork["_id"], fork
+            ):
+                return
+        raise _fork_stands(conversation_id, fork)
+
+    async def _fork_into(
+        self, conversation_id: str, new_conversation_id: str, actor: Actor
+    ) -> dict[str, Any] | None:
+        """The fork of `conversation_id` holding `new_conversation_id`, if the actor may see
+        it; else None. One round trip, none for an invalid id."""
+        try:
+            new_id = validate_identifier(new_conversation_id, "conversation_id")
+        except InvalidInput:
+            return None
+        with storage_errors("read the conversation"):
+            fork: dict[str, Any] | None = await self._conversations.find_one(
+                {"_id": new_id, "forked_from.conversation_id": conversation_id},
+                {"user_id": 1, "epoch": 1, "created_at": 1, "fork_check": 1, "forked_from": 1},
+            )
+        if fork is None or actor.refusal(new_id, fork.get("user_id")) is not None:
+            return None
+        return fork
+
+    async def _copies_stored(self, fork: Mapping[str, Any]) -> bool:
+        """Whether any message of the fork's conversation (its `epoch`) is stored."""
+        with storage_errors("read the conversation"):
+            stored = await self._messages.count_documents(
+                {"conversation_id": fork["_id"], "epoch": fork.get("epoch")}, limit=1
+            )
+        return bool(stored)
 
     async def _unless_its_source_went(
         self, conversation_id: str, new_id: str, fork: Mapping[str, Any] | None
@@ -1515,6 +1580,16 @@ def _other_content(plan: TurnPlan) -> Conflict:
     return Conflict(
         f"turn {plan.turn_id!r} was logged with other content ({plan.count} messages "
         "now); a retry must send the same messages. Use a new turn_id for a new turn"
+    )
+
+
+def _fork_stands(conversation_id: str, fork: Mapping[str, Any]) -> Conflict:
+    """The refusal of a fork into the id of a fork of the same source that stored its copies."""
+    at = fork.get("forked_from", {}).get("seq")
+    return Conflict(
+        f"conversation {fork['_id']!r} exists already, the fork of {conversation_id!r} at seq "
+        f"{at} as stored then; {conversation_id!r} no longer holds up to that seq what it "
+        "copied (a pop or a later turn changed it), or this is another fork: fork into a new id"
     )
 
 
