@@ -185,6 +185,8 @@ def _turn_id(call: Call[NoQuery, LogTurnBody]) -> str | None:
     if not keys:
         return call.body.turn_id
     key = keys[0]
+    if not key.strip():
+        raise InvalidInput(f"the {IDEMPOTENCY_KEY} header is empty: send a key naming the turn")
     try:
         named = validate_identifier(key, "turn_id")
     except InvalidInput:

@@ -50,7 +50,7 @@ IDEMPOTENCY_KEY = {
     "description": (
         "Names the turn when the body has no `turn_id` (as it is when an identifier, else "
         "`idempotency-` and its SHA-256): a retry under the same key is answered the stored "
-        "turn. With a `turn_id` naming another turn, or sent twice, 422."
+        "turn. With a `turn_id` naming another turn, empty, or sent twice, 422."
     ),
     "schema": {"type": "string"},
 }

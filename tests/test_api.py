@@ -186,7 +186,7 @@ async def test_a_turn_retried_with_its_idempotency_key_is_stored_once(key: str) 
         assert await api.db.agent_messages.count_documents({"conversation_id": "c-idem"}) == 4
 
 
-async def test_an_idempotency_key_naming_another_turn_than_the_body_or_sent_twice_is_422() -> None:
+async def test_an_idempotency_key_empty_sent_twice_or_naming_another_turn_is_422() -> None:
     from tests.api_harness import OWNER, auth_headers, mongomock_db, serve
 
     url = "/v1/conversations/c-idem/turns"
@@ -199,9 +199,12 @@ async def test_an_idempotency_key_naming_another_turn_than_the_body_or_sent_twic
             json=turn,
             headers=[*person.items(), ("Idempotency-Key", "t-1"), ("Idempotency-Key", "t-1")],
         )
+        empty = await api.http.post(url, json=turn, headers={**person, "Idempotency-Key": " "})
         same = await api.http.post(url, json=turn, headers={**person, "Idempotency-Key": "t-1"})
 
-        assert (other.status_code, twice.status_code, same.status_code) == (422, 422, 201)
+        assert (other.status_code, twice.status_code, empty.status_code) == (422, 422, 422)
+        assert same.status_code == 201
+        assert "empty" in empty.json()["error"]["message"]
         assert "Idempotency-Key" in other.json()["error"]["message"]
         assert "twice" in twice.json()["error"]["message"]
         assert await api.db.agent_messages.count_documents({}) == 1
