@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -1710,6 +1711,35 @@ async def test_an_attempt_of_a_fork_landing_after_its_empty_fork_was_taken_back_
     assert await backend.db.agent_conversations.count_documents({"_id": "c-fork"}) == 0
     assert await backend.db.agent_messages.count_documents({"conversation_id": "c-fork"}) == 0
     assert await backend.db[DELETIONS].count_documents({}) == 0
+
+
+async def test_a_fork_refused_for_another_seq_leaves_an_attempt_still_inserting_alone(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork into "c-fork" at seq 5 is slow to insert its copies; another request into the
+    same id, at a seq "c-x" does not hold, is refused as it is: it retries no fork there, so
+    it takes nothing back, and the first attempt's fork is stored and served as answered."""
+    logger = await _owners_three_turns(backend)
+    logger.rules = replace(logger.rules, claim_grace=timedelta(seconds=0.05))
+    store = ConversationStore(backend.db)
+    insert_many, reached, go = logger._messages.insert_many, asyncio.Event(), asyncio.Event()
+
+    async def slow(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(logger._messages, "insert_many", insert_many)
+        reached.set()
+        await go.wait()
+        return await insert_many(*args, **kwargs)
+
+    monkeypatch.setattr(logger._messages, "insert_many", slow)
+    first = asyncio.create_task(logger.fork("c-x", 5, "c-fork", user_id=OWNER))
+    await reached.wait()
+    with pytest.raises(InvalidInput, match="no message with seq 99"):
+        await logger.fork("c-x", 99, "c-fork", user_id=OWNER)
+    go.set()
+    answered = await first
+
+    assert [m.seq for m in answered.messages] == list(range(6))
+    assert [m.seq for m in await store.transcript("c-fork")] == list(range(6))
 
 
 async def test_a_fork_that_checked_its_source_before_its_delete_stands(

@@ -463,7 +463,9 @@ class AgentMessageLogger:
         try:
             return await self._fork_once(conversation_id, at_seq, new_conversation_id, actor)
         except (InvalidInput, Conflict) as refused:
-            await self._settle_refused_fork(conversation_id, new_conversation_id, actor, refused)
+            await self._settle_refused_fork(
+                conversation_id, at_seq, new_conversation_id, actor, refused
+            )
         return await self._fork_once(conversation_id, at_seq, new_conversation_id, actor)
 
     async def _fork_once(
@@ -507,22 +509,29 @@ class AgentMessageLogger:
         return await self._told(plan, reserved, stored)
 
     async def _settle_refused_fork(
-        self, conversation_id: str, new_conversation_id: str, actor: Actor, refused: StoreError
+        self,
+        conversation_id: str,
+        at_seq: int,
+        new_conversation_id: str,
+        actor: Actor,
+        refused: StoreError,
     ) -> None:
         """After a fork into `new_conversation_id` was `refused` (its source no longer holds its
         at_seq, holds other messages up to it, or the id is taken): returns, to have the fork
         made as a fresh one, once an earlier attempt's fork there, which stored none of its
         copies (nothing of it was ever served), is taken back (`_take_back_fork`); raises
-        `refused` when no fork of this source the actor may see is there, and a Conflict naming
-        that fork, which stands, when it stored its copies (never the internal turn holding
-        them). One round trip when there is no such fork.
+        `refused` when no fork of this source the actor may see is there, or none this request
+        could retry (one copying up to a `seq` below `at_seq`: another fork, perhaps an
+        attempt still inserting, is never taken back for a request it does not answer), and a
+        Conflict naming that fork, which stands, when it stored its copies (never the internal
+        turn holding them). One round trip when there is no such fork.
 
         An attempt of the fork still inserting its copies is let land first: the fork is
         found empty twice, `claim_grace` apart (a wait on this path only). An insert slower
         than that, landing after the take-back, follows its conversation and takes its own
         copies back (`_follow_the_conversation`), as after a delete."""
         fork = await self._fork_into(conversation_id, new_conversation_id, actor)
-        if fork is None:
+        if fork is None or at_seq > ForkOrigin.model_validate(fork["forked_from"]).seq:
             raise refused
         if fork.get("fork_check") is not None and not await self._copies_stored(fork):
             await asyncio.sleep(self.rules.claim_grace.total_seconds())
