@@ -1534,3 +1534,22 @@ def test_turns_naming_no_conversation_whose_ids_read_alike_are_told_apart(
     assert unnamed.ids == {f"legacy-turn-{first}": [first], hashed: [later]}
     grouped = group_conversations(parse_turns(turns, unnamed.names))
     assert sorted(grouped) == sorted(unnamed.ids)
+
+
+def test_a_turn_whose_id_spells_the_name_a_later_alike_turn_would_get_keeps_it_alone() -> None:
+    """A later turn of two whose ids read alike goes by its extended JSON, hashed; a third
+    turn naming no conversation whose `_id` is that hash's text keeps the name, and the later
+    turn takes the next one: three conversations, never two users' turns in one."""
+    at = datetime(2024, 1, 1, tzinfo=UTC)
+    collides = "h" + hashlib.sha256(b'"5"').hexdigest()[:32]
+    turns = [
+        {"_id": 5, "conversation_id": None, "created_at": at},
+        {"_id": "5", "conversation_id": None, "created_at": at + timedelta(minutes=1)},
+        {"_id": collides, "conversation_id": None, "created_at": at + timedelta(minutes=2)},
+    ]
+
+    unnamed = tell_apart(turns)
+
+    assert len(unnamed.ids) == 3
+    assert unnamed.ids[f"legacy-turn-{collides}"] == [collides]
+    assert sorted(len(ids) for ids in unnamed.ids.values()) == [1, 1, 1]

@@ -519,7 +519,7 @@ def tell_apart(documents: Iterable[Mapping[str, Any]]) -> Unnamed:
     for turn in parse_turns({k: d.get(k) for k in NAMING_FIELDS} for d in documents):
         if turn.conversation_id is None:
             turns.setdefault(id_key(turn.id), turn)
-    taken = {str(t.id) for t in turns.values()}
+    taken = {key_of(str(t.id)) for t in turns.values()}  # names as derived ids spell them
     alike: dict[str, list[LegacyTurn]] = {}
     for key in sorted(turns):
         alike.setdefault(str(turns[key].id), []).append(turns[key])
@@ -527,8 +527,8 @@ def tell_apart(documents: Iterable[Mapping[str, Any]]) -> Unnamed:
     for text in sorted(t for t, group in alike.items() if len(group) > 1):
         for later in sort_turns(alike[text])[1:]:
             typed = json_util.dumps(later.id, json_options=json_util.CANONICAL_JSON_OPTIONS)
-            names[id_key(later.id)] = next(n for n in _numbered(typed) if n not in taken)
-            taken.add(names[id_key(later.id)])
+            names[id_key(later.id)] = next(n for n in _numbered(typed) if key_of(n) not in taken)
+            taken.add(key_of(names[id_key(later.id)]))
     ids: dict[str, list[Any]] = {}
     for key, turn in turns.items():
         turn._alone_as = names.get(key)
