@@ -1682,15 +1682,11 @@ async def test_a_forks_retry_after_its_source_changed_is_a_conflict_naming_the_f
     assert len(kept) == 6
 
 
-async def test_an_attempt_of_a_fork_landing_after_its_empty_fork_was_taken_back_leaves_nothing(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The fork's first attempt reserved "c-fork" and is slow to insert its copies; "c-x"'s
-    seq 5, its at_seq, is popped and the retry, refused, takes the empty fork back. The first
-    attempt's copies landing after that follow their conversation, find it gone and go too:
-    nothing of "c-fork" is left."""
-    logger = await _owners_three_turns(backend)
-    store = ConversationStore(backend.db)
+async def _a_fork_slow_to_insert(
+    logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch
+) -> tuple[asyncio.Task[Any], asyncio.Event]:
+    """A fork of "c-x" at seq 5 into "c-fork", running, held at the insert of its copies
+    until the event returned is set."""
     insert_many, reached, go = logger._messages.insert_many, asyncio.Event(), asyncio.Event()
 
     async def slow(*args: Any, **kwargs: Any) -> Any:
@@ -1702,6 +1698,19 @@ async def test_an_attempt_of_a_fork_landing_after_its_empty_fork_was_taken_back_
     monkeypatch.setattr(logger._messages, "insert_many", slow)
     first = asyncio.create_task(logger.fork("c-x", 5, "c-fork", user_id=OWNER))
     await reached.wait()
+    return first, go
+
+
+async def test_an_attempt_of_a_fork_landing_after_its_empty_fork_was_taken_back_leaves_nothing(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fork's first attempt reserved "c-fork" and is slow to insert its copies; "c-x"'s
+    seq 5, its at_seq, is popped and the retry, refused, takes the empty fork back. The first
+    attempt's copies landing after that follow their conversation, find it gone and go too:
+    nothing of "c-fork" is left."""
+    logger = await _owners_three_turns(backend)
+    store = ConversationStore(backend.db)
+    first, go = await _a_fork_slow_to_insert(logger, monkeypatch)
     await store.pop_last_message("c-x", user_id=OWNER)
     with pytest.raises(InvalidInput, match="no message with seq 5"):
         await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
@@ -1722,17 +1731,7 @@ async def test_a_fork_refused_for_another_seq_leaves_an_attempt_still_inserting_
     logger = await _owners_three_turns(backend)
     logger.rules = replace(logger.rules, claim_grace=timedelta(seconds=0.05))
     store = ConversationStore(backend.db)
-    insert_many, reached, go = logger._messages.insert_many, asyncio.Event(), asyncio.Event()
-
-    async def slow(*args: Any, **kwargs: Any) -> Any:
-        monkeypatch.setattr(logger._messages, "insert_many", insert_many)
-        reached.set()
-        await go.wait()
-        return await insert_many(*args, **kwargs)
-
-    monkeypatch.setattr(logger._messages, "insert_many", slow)
-    first = asyncio.create_task(logger.fork("c-x", 5, "c-fork", user_id=OWNER))
-    await reached.wait()
+    first, go = await _a_fork_slow_to_insert(logger, monkeypatch)
     with pytest.raises(InvalidInput, match="no message with seq 99"):
         await logger.fork("c-x", 99, "c-fork", user_id=OWNER)
     go.set()
