@@ -50,9 +50,8 @@ from agent_store.legacy import (
     Unnamed,
     convert,
     group_conversations,
-    id_filter,
-    id_text,
     legacy_name,
+    named_filter,
     named_id,
     names_none,
     not_identifiers,
@@ -294,15 +293,7 @@ def _key(value: Any) -> Any:
 
 def named(value: Any) -> dict[str, Any]:
     """The filter of the turns under every value the reader names as `value`."""
-    if value is None:
-        return scalar_filter("conversation_id", {"$eq": None})
-    # An array is matched whole (`{field: [...]}`); any other value by itself alone.
-    exact = (
-        {"conversation_id": value}
-        if isinstance(value, list)
-        else scalar_filter("conversation_id", {"$eq": value})
-    )
-    return {"$or": [id_filter("conversation_id", str(id_text(value))), exact]}
+    return named_filter("conversation_id", value)
 
 
 def read_session_hitl(

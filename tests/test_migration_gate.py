@@ -4262,3 +4262,40 @@ def test_a_run_after_one_that_merged_turns_naming_no_conversation_keeps_the_firs
     assert len(found) == 2
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_erasing_the_other_user_of_a_mixed_conversation_under_ids_read_alike_keeps_the_owners(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The remedy for `mixed_user_ids`, erase the other user and `run` again, on a
+    conversation filed under `42` (Alice's turn, then one naming no user) and `"42"` (Bob's):
+    Bob owns it, so the turn naming no user is his part, whatever id it names. The erasure
+    takes Alice's turn alone; the rerun, `verify` and `finish` pass, Bob's part whole."""
+    database[CONVERSATIONS].insert_many(
+        [
+            owned_turn("a", 42, 0, "alice"),
+            owned_turn("b", "42", 1, "bob"),
+            legacy_turn("c", 42, 2, "«nobody named»") | {"user_id": None},
+        ]
+    )
+
+    def bobs() -> list[Any]:
+        async def read(store: ConversationStore, _: AgentMessageLogger) -> list[Any]:
+            said = await store.transcript("42", user_id="bob")
+            return [m.content for m in said if m.role == "user"]
+
+        return list(_on_the_service(wire_uri, database, read, dual_write=False))
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish") == 1
+    _as_a_person(wire_uri, database, lambda s: s.erase_user("alice"))
+
+    assert sorted(t["_id"] for t in database[LEGACY_TURNS].find()) == ["b", "c"]
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
+    assert bobs() == ["«bob private» question", "«nobody named» question"]
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert bobs() == ["«bob private» question", "«nobody named» question"]

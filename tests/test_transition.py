@@ -977,6 +977,77 @@ async def test_erasing_the_owner_of_a_legacy_conversation_leaves_another_users_t
     assert [p["_id"] for p in await backend.db[SESSION_HITL].find().to_list(None)] == ["p-victim"]
 
 
+ALICE, BOB = "user-alice", "user-bob"
+ALIKE_IDS = [
+    pytest.param(42, "42", id="a-number-and-its-text"),
+    pytest.param(
+        bson.ObjectId("65e1a0000000000000000001"),
+        "65e1a0000000000000000001",
+        id="an-object-id-and-its-hex",
+    ),
+]
+
+
+async def alice_then_bob_under_ids_read_alike(backend: Backend, stored: Any, text: str) -> None:
+    """One legacy conversation filed under two ids read alike, a minute apart: Alice's turn A
+    under `stored`, Bob's B under its `text`, then C under `stored` naming no user. Bob is the
+    last user named, so owns it (`owner_of`), and C is his part (`users_part`), as is the
+    prompt p-owner under `stored` naming no user; p-alice names Alice."""
+    at = datetime(2025, 3, 1, 10, tzinfo=UTC)
+    await backend.db[LEGACY_TURNS].insert_many(
+        [{"_id": name, "conversation_id": cid, "user_id": user,
+          "created_at": at + timedelta(minutes=n), "user_message": f"«{name}»",
+          "response_parts": [{"type": "text", "content": f"ok {name}"}]}
+         for n, (name, cid, user) in enumerate(
+             [("A", stored, ALICE), ("B", text, BOB), ("C", stored, None)])]
+    )  # fmt: skip
+    await backend.db[SESSION_HITL].insert_many(
+        [{"_id": "p-alice", "conversation_id": stored, "user_id": ALICE, "request_id": "r-a",
+          "action": "confirm", "status": "done"},
+         {"_id": "p-owner", "conversation_id": stored, "request_id": "r-o",
+          "action": "confirm", "status": "done"}]
+    )  # fmt: skip
+
+
+async def _said(store: ConversationStore, cid: str, user: str) -> list[Any]:
+    return [m.content for m in await store.transcript(cid, user_id=user) if m.role == "user"]
+
+
+@pytest.mark.parametrize(("stored", "text"), ALIKE_IDS)
+async def test_erasing_a_user_leaves_the_owners_part_of_a_conversation_under_ids_read_alike(
+    backend: Backend, stored: Any, text: str
+) -> None:
+    """Alice owns no conversation: her erasure takes the turn and prompt naming her, never
+    Bob's part of the conversation her turn is filed in, whichever of its ids it names."""
+    await alice_then_bob_under_ids_read_alike(backend, stored, text)
+    _, store = wired(backend)
+
+    erased = await store.erase_user(ALICE)
+
+    assert erased.legacy_turns == 1
+    assert [t["_id"] for t in await backend.db[LEGACY_TURNS].find().to_list(None)] == ["B", "C"]
+    assert [p["_id"] for p in await backend.db[SESSION_HITL].find().to_list(None)] == ["p-owner"]
+    assert await _said(store, text, BOB) == ["«B»", "«C»"]
+
+
+@pytest.mark.parametrize(("stored", "text"), ALIKE_IDS)
+async def test_erasing_the_owner_of_a_conversation_under_ids_read_alike_takes_their_whole_part(
+    backend: Backend, stored: Any, text: str
+) -> None:
+    """Bob owns the conversation as the reader names it: his erasure takes his part of it,
+    the turn naming no user filed under the other id too, and leaves Alice's turn, which
+    her token then reads alone."""
+    await alice_then_bob_under_ids_read_alike(backend, stored, text)
+    _, store = wired(backend)
+
+    erased = await store.erase_user(BOB)
+
+    assert erased.legacy_turns == 2
+    assert [t["_id"] for t in await backend.db[LEGACY_TURNS].find().to_list(None)] == ["A"]
+    assert [p["_id"] for p in await backend.db[SESSION_HITL].find().to_list(None)] == ["p-alice"]
+    assert await _said(store, text, ALICE) == ["«A»"]
+
+
 OBJECT_ID = bson.ObjectId("64b000000000000000000042")
 NAMED_BY_ANY_VALUE = pytest.mark.parametrize(
     ("named_as", "user"),

@@ -163,6 +163,18 @@ def id_filter(field: str, text: str) -> dict[str, Any]:
     return clauses[0] if len(clauses) == 1 else {"$or": clauses}
 
 
+def named_filter(field: str, value: Any) -> dict[str, Any]:
+    """The filter of the documents whose `field` names what `value` names, as the reader
+    names ids (`id_text`): every value `id_filter` finds by `value`'s text (`42` finds `"42"`,
+    `ObjectId(X)` finds `"X"`), and `value` itself (an object, whose text no query finds), an
+    array matched whole, never by an element. The migration and an erasure find a
+    conversation's turns by this one rule, whichever of its ids a turn names."""
+    if value is None:
+        return scalar_filter(field, {"$eq": None})
+    exact = {field: value} if isinstance(value, list) else scalar_filter(field, {"$eq": value})
+    return {"$or": [id_filter(field, str(id_text(value))), exact]}
+
+
 def _decimal_named(text: str) -> Decimal128 | None:
     """The Decimal128 `id_text` writes as `text` (its JSON string), if there is one."""
     if not (len(text) > 2 and text[0] == text[-1] == '"'):

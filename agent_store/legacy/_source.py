@@ -17,7 +17,7 @@ from agent_store.legacy._documents import (
     SESSION_HITL,
     Unnamed,
     id_filter,
-    id_text,
+    named_filter,
     named_id,
     names_none,
     owner_of,
@@ -45,6 +45,9 @@ from agent_store.store import (
     same_conversation,
     storage_errors,
 )
+
+_OWNERSHIP_FIELDS = {"conversation_id": 1, "user_id": 1, "created_at": 1}
+"""What tells a legacy conversation's owner (`owner_of`) and a user's part (`users_part`)."""
 
 MAX_LEGACY_DOCUMENT_BYTES = 16 * 1024 * 1024 - 64 * 1024
 """A dual-written turn holds its whole texts while it fits in a BSON document (16 MiB, less
@@ -201,33 +204,44 @@ class LegacyTurns:
         """Delete the user's part (`users_part`) of the legacy conversations the user owns,
         with their prompts, and every turn and prompt naming the user elsewhere, by any value
         read as the user (`_naming`); how many turns went."""
-        fields = {"conversation_id": 1, "user_id": 1, "created_at": 1}
         with storage_errors("erase the user's legacy turns"):
-            naming = await _naming(self._turns, user_id, fields)
-            ids = _conversations_named(naming)
-            owned: list[Any] = []
-            unnamed: list[Any] = []
-            if ids:
-                theirs = scalar_filter("conversation_id", {"$in": ids})
-                found = await self._turns.find(theirs, fields).to_list(None)
-                # Keyed by BSON value: an object id is no dict key, and code is no text.
-                by_conversation: dict[bytes, tuple[Any, list[Any]]] = {}
-                for doc in found:
-                    key = bson.encode({"id": doc["conversation_id"]})
-                    by_conversation.setdefault(key, (doc["conversation_id"], []))[1].append(doc)
-                for cid, docs in by_conversation.values():
-                    parsed = parse_turns(docs)
-                    if owner_of(parsed) == user_id:
-                        owned.append(cid)
-                        unnamed += [docs[i]["_id"] for i in users_part(parsed, user_id)]
-            turns = [d["_id"] for d in naming] + unnamed
+            naming = await _naming(self._turns, user_id, _OWNERSHIP_FIELDS)
+            owned, part = await self._users_parts(user_id, naming)
+            turns = [d["_id"] for d in naming] + part
             deleted = await self._turns.delete_many({"_id": {"$in": turns}}) if turns else None
             nobodys = names_none("user_id")
-            prompts = [{"$and": [prompts_filter(str(id_text(cid))), nobodys]} for cid in owned]
+            prompts = [{"$and": [prompts_filter(name), nobodys]} for name in owned]
             prompts += _among_ids(await _ids_naming(self._prompts, user_id))
             if prompts:
                 await self._prompts.delete_many({"$or": prompts})
         return int(deleted.deleted_count) if deleted is not None else 0
+
+    async def _users_parts(
+        self, user_id: str, naming: list[dict[str, Any]]
+    ) -> tuple[list[str], list[Any]]:
+        """The conversations the turns `naming` the user are filed in that the user owns, each
+        as the reader names it (`named_id`: `42` and `"42"`, `ObjectId(X)` and `"X"` are one),
+        and the `_id`s of the user's part of them (`users_part`). The owner is told over every
+        turn of the conversation, whichever of its ids each names (`named_filter`), as the
+        read fallback, a delete and the migration tell it: an erasure takes another owner's
+        part of no conversation, and the whole part of those the user owns."""
+        values = _conversations_named(naming)
+        if not values:
+            return [], []
+        query = {"$or": [named_filter("conversation_id", value) for value in values]}
+        found = await self._turns.find(query, _OWNERSHIP_FIELDS).to_list(None)
+        by_name: dict[str, list[dict[str, Any]]] = {}
+        for doc in found:
+            if (name := named_id(doc.get("conversation_id"))) is not None:
+                by_name.setdefault(name, []).append(doc)
+        owned: list[str] = []
+        part: list[Any] = []
+        for name, docs in by_name.items():
+            parsed = parse_turns(docs)
+            if owner_of(parsed) == user_id:
+                owned.append(name)
+                part += [docs[i]["_id"] for i in users_part(parsed, user_id)]
+        return owned, part
 
     async def claim(self, from_user_id: str, to_user_id: str) -> int:
         """Move the user's legacy turns, and the prompts naming the user, to another user id;
