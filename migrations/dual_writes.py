@@ -212,8 +212,9 @@ def _removed(legacy: Transcript, stored: Transcript) -> str:
 
 def _earlier_answers_gone(conversion: LegacyConversion, messages: Sequence[AgentMessage]) -> str:
     """`_removed` for the results of an earlier turn's calls, which the copy converted alone
-    holds as unplaced results: those its stored messages hold that the copy no longer does,
-    for a person; "" when none (a redacted result would go on being served)."""
+    holds as unplaced results: those its stored messages hold that the copy no longer does
+    (a redacted result would go on being served), or hold fewer times than the copy, for a
+    person; "" when both hold the same."""
     calls = {call.id for m in messages for call in m.tool_calls or ()}
     stored = Counter(
         (m.tool_call_id, m.content)
@@ -221,10 +222,14 @@ def _earlier_answers_gone(conversion: LegacyConversion, messages: Sequence[Agent
         if m.role == "tool" and m.tool_call_id not in calls
     )
     kept = Counter(_answer(p) for p in conversion.problems if p.kind == "unplaced_tool_result")
-    gone = [repr((content or "")[:80]) for _, content in (stored - kept).elements()]
-    if not gone:
-        return ""
-    return f"its stored messages hold results the copy no longer does: {'; '.join(gone[:3])}"
+    for said, more in (
+        ("its stored messages hold results the copy no longer does", stored - kept),
+        ("the copy holds results more times than its stored messages", kept - stored),
+    ):
+        if more:
+            shown = "; ".join(repr((content or "")[:80]) for _, content in more.elements())
+            return f"{said}: {shown}"
+    return ""
 
 
 def _owner(conversion: LegacyConversion, messages: Sequence[AgentMessage]) -> str:

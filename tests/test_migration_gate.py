@@ -4006,36 +4006,38 @@ def log_live_call_answered_later(wire_uri: str, database: Database[dict[str, Any
 
 
 @pytest.mark.wire
-@pytest.mark.parametrize("redacted", [False, True], ids=["kept", "redacted"])
-def test_a_result_of_an_earlier_calls_taken_out_of_its_copy_is_work_left(
+@pytest.mark.parametrize("edit", ["kept", "redacted", "duplicated"])
+def test_a_result_of_an_earlier_calls_taken_out_of_its_copy_or_repeated_is_work_left(
     wire_uri: str,
     database: Database[dict[str, Any]],
     capsys: pytest.CaptureFixture[str],
-    redacted: bool,
+    edit: str,
 ) -> None:
     """A live turn logs the result of the call an earlier live turn made; after a rollback a
-    person takes that result out of the turn's copy on the old service (a redaction). Its
-    stored messages would go on serving it: work left. The copy left whole passes."""
+    person takes that result out of the turn's copy on the old service (a redaction), or
+    the copy gets it twice. Its stored messages would go on serving what the copy no longer
+    holds, or hold once what it holds twice: work left. The copy left whole passes."""
     database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-1", 0, "OLD0"))
     assert cli(wire_uri, database, "run") == 0
     log_live_call_answered_later(wire_uri, database)
     roll_back(database, clear_messages=False)
-    if redacted:
-        copy = database[CONVERSATIONS].find_one({"dual_write": True, "turn_id": "live-B"})
-        assert copy is not None
-        parts = [p for p in copy["response_parts"] if "SECRET" not in json.dumps(p)]
-        assert len(parts) < len(copy["response_parts"])
+    copy = database[CONVERSATIONS].find_one({"dual_write": True, "turn_id": "live-B"})
+    assert copy is not None
+    secret = [p for p in copy["response_parts"] if "SECRET" in json.dumps(p)]
+    others = [p for p in copy["response_parts"] if "SECRET" not in json.dumps(p)]
+    edited = {"kept": None, "redacted": others, "duplicated": [*secret, *secret, *others]}[edit]
+    if edited is not None:
         database[CONVERSATIONS].update_one(
-            {"_id": copy["_id"]}, {"$set": {"response_parts": parts}}
+            {"_id": copy["_id"]}, {"$set": {"response_parts": edited}}
         )
 
     assert cli(wire_uri, database, "run") == 0
     capsys.readouterr()
-    expected = 1 if redacted else 0
+    expected = 0 if edit == "kept" else 1
     assert cli(wire_uri, database, "verify") == expected
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == expected
-    assert ("«SECRET RESULT»" in capsys.readouterr().out) is redacted
-    assert (database[LEGACY_TURNS].count_documents({}) == 3) is redacted
+    assert ("«SECRET RESULT»" in capsys.readouterr().out) is bool(expected)
+    assert (database[LEGACY_TURNS].count_documents({}) == 3) is bool(expected)
 
 
 @pytest.mark.wire
