@@ -111,13 +111,15 @@ class LegacyTurns:
         """Which of `conversation_ids` have legacy turns, each found as every read finds a
         conversation's turns (`_turns_of`: its legacy id as text, an ObjectId or a number, the
         legacy id a derived `legacy-conversation-` id stands for, the `_id` a `legacy-turn-`
-        id names). One indexed lookup per id, run at once (`_turns_of`'s for a derived id);
-        none for no ids."""
+        id names). One indexed lookup per id, run at once (`_turns_of`'s for a derived id),
+        and one scan of the turns naming no conversation for all the `legacy-turn-` ids
+        among them; none for no ids."""
         ids = list(dict.fromkeys(conversation_ids))
+        unnamed = await self._unnamed(*ids)  # one scan for all the `legacy-turn-` ids
 
         async def has_turns(conversation_id: str) -> bool:
             with storage_errors("read the legacy turns"):
-                query, _ = await self._turns_of(conversation_id)
+                query, _ = await self._turns_of(conversation_id, unnamed)
                 return await self._turns.find_one(query, {"_id": 1}) is not None
 
         found = await asyncio.gather(*(has_turns(conversation_id) for conversation_id in ids))
@@ -171,19 +173,24 @@ class LegacyTurns:
                 await self._prompts.delete_many({"$and": [prompts, {"$or": theirs}]})
         return int(deleted.deleted_count) if deleted is not None else 0
 
-    async def _turns_of(self, conversation_id: str) -> tuple[dict[str, Any], Unnamed]:
+    async def _turns_of(
+        self, conversation_id: str, unnamed: Unnamed | None = None
+    ) -> tuple[dict[str, Any], Unnamed]:
         """The filter of the legacy turns the store knows as `conversation_id`, and the turns
-        naming no conversation told apart (`tell_apart`): the one rule the read fallback, the
-        ownership check and the delete share (`turns_known_as`)."""
+        naming no conversation told apart (`tell_apart`; `unnamed` when read already): the
+        one rule the read fallback, the ownership check and the delete share
+        (`turns_known_as`)."""
         original = await self._original_id(conversation_id)
-        unnamed = await self._unnamed(conversation_id)
+        if unnamed is None:
+            unnamed = await self._unnamed(conversation_id)
         ids = unnamed.ids.get(conversation_id, [])
         return turns_known_as(conversation_id, original, ids), unnamed
 
-    async def _unnamed(self, conversation_id: str) -> Unnamed:
-        """For a `legacy-turn-` id, the turns naming no conversation, told apart
-        (`tell_apart`: one scan of their `_id`s and times, only for such ids); else none."""
-        if not conversation_id.startswith(DERIVED_TURN_PREFIX):
+    async def _unnamed(self, *conversation_ids: str) -> Unnamed:
+        """When a `legacy-turn-` id is among `conversation_ids`, the turns naming no
+        conversation, told apart (`tell_apart`: one scan of their `_id`s and times, only
+        then); else none."""
+        if not any(cid.startswith(DERIVED_TURN_PREFIX) for cid in conversation_ids):
             return Unnamed({}, {})
         with storage_errors("read the legacy turns"):
             query = names_none("conversation_id")
