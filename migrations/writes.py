@@ -476,7 +476,7 @@ def _dumped(document: Conversation, live: Sequence[dict[str, Any]]) -> dict[str,
         dumped["approved_calls"] = [dict(call) for call in document.approved_calls]
     if document.answered_prompts:  # likewise
         dumped["answered_prompts"] = [
-            {"r": a.request_id, "s": Int64(a.below)} for a in document.answered_prompts
+            a.model_dump(by_alias=True) for a in document.answered_prompts
         ]
     if live:
         dumped |= _live_records(live)

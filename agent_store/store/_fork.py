@@ -7,8 +7,6 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
-from bson import Int64
-
 from agent_store.core import (
     AgentMessage,
     AnsweredPrompt,
@@ -162,7 +160,7 @@ def answers_in_fork(
     seqs = [m.seq or 0 for m in chosen]
     reach = {r: sum(1 for s in seqs if s < below) for r, below in answered.items()}
     return [
-        AnsweredPrompt(request_id=r, below=copied).model_dump(by_alias=True) | {"s": Int64(copied)}
+        AnsweredPrompt(request_id=r, below=copied).model_dump(by_alias=True)
         for r, copied in reach.items()
     ]
 
