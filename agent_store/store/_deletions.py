@@ -11,22 +11,14 @@ from typing import Any
 from agent_store.store._blobs import FullTextStore
 from agent_store.store._driver import Database, storage_errors
 from agent_store.store._indexes import CONVERSATIONS, DELETIONS, MESSAGES
-from agent_store.store._reservation import same_conversation
+from agent_store.store._reservation import same_as_read
 
 
 def recorded_as(conversation_id: str, found: Mapping[str, Any]) -> dict[str, Any]:
     """The records of the deletion of the conversation `found` (as a delete read it): told by
     its `epoch`, or its `created_at` when it had none (`same_conversation`)."""
-    told = _told_apart(conversation_id, found)
+    told = same_as_read(conversation_id, found)
     return {"conversation_id": told.pop("_id"), **told}
-
-
-def _told_apart(conversation_id: str, read: Mapping[str, Any]) -> dict[str, Any]:
-    """The filter for the conversation `read` (a document or a record) named, and no other
-    started under its id since."""
-    return same_conversation(
-        conversation_id, epoch=read.get("epoch"), created_at=read.get("created_at")
-    )
 
 
 class DeletionRecords:
@@ -82,7 +74,7 @@ class DeletionRecords:
             if not records:
                 return 0
             alive = await self._conversations.find(
-                {"$or": [_told_apart(r["conversation_id"], r) for r in records]},
+                {"$or": [same_as_read(r["conversation_id"], r) for r in records]},
                 {"epoch": 1, "created_at": 1},
             ).to_list(None)
         gone = [r for r in records if not any(_is_of(r, a) for a in alive)]
@@ -109,5 +101,5 @@ class DeletionRecords:
 
 def _is_of(record: Mapping[str, Any], conversation: Mapping[str, Any]) -> bool:
     """Whether `conversation` (a document read now) is the one `record` names."""
-    told = _told_apart(record["conversation_id"], record)
+    told = same_as_read(record["conversation_id"], record)
     return all(conversation.get(field) == value for field, value in told.items())

@@ -104,6 +104,7 @@ from agent_store.store._reservation import (
     relocation,
     reservation,
     reservation_filter,
+    same_as_read,
     same_conversation,
 )
 from agent_store.store._text import clean_name
@@ -542,20 +543,29 @@ class AgentMessageLogger:
         raise _fork_stands(conversation_id, fork)
 
     async def _fork_into(
-        self, conversation_id: str, new_conversation_id: str, actor: Actor
+        self,
+        conversation_id: str,
+        new_conversation_id: str,
+        actor: Actor | None,
+        *,
+        unchecked: bool = False,
     ) -> dict[str, Any] | None:
-        """The fork of `conversation_id` holding `new_conversation_id`, if the actor may see
-        it; else None. One round trip, none for an invalid id."""
+        """The fork of `conversation_id` holding `new_conversation_id` (with `unchecked`, only
+        while its check has not passed: it still holds its `fork_check`), if `actor` (any
+        caller for None) may see it; else None. One round trip, none for an invalid id."""
         try:
             new_id = validate_identifier(new_conversation_id, "conversation_id")
         except InvalidInput:
             return None
+        query: dict[str, Any] = {"_id": new_id, "forked_from.conversation_id": conversation_id}
+        if unchecked:
+            query["fork_check"] = {"$ne": None}
         with storage_errors("read the conversation"):
             fork: dict[str, Any] | None = await self._conversations.find_one(
-                {"_id": new_id, "forked_from.conversation_id": conversation_id},
+                query,
                 {"user_id": 1, "epoch": 1, "created_at": 1, "fork_check": 1, "forked_from": 1},
             )
-        if fork is None or actor.refusal(new_id, fork.get("user_id")) is not None:
+        if fork is None or (actor and actor.refusal(new_id, fork.get("user_id")) is not None):
             return None
         return fork
 
@@ -597,7 +607,7 @@ class AgentMessageLogger:
         A delete of the fork's own conversation while the fork writes is a delete racing a turn:
         it sweeps the copies landing late (`ConversationStore.delete`)."""
         if fork is None:
-            fork = await self._unchecked_fork(conversation_id, new_id)
+            fork = await self._fork_into(conversation_id, new_id, None, unchecked=True)
             if fork is None:
                 return  # it stood: an earlier attempt's check passed
         check = ForkCheck.model_validate(fork["fork_check"])
@@ -607,17 +617,14 @@ class AgentMessageLogger:
                 check.taking_back
                 or await self._deletions.under_way(conversation_id, as_read)
                 or await self._conversations.find_one(
-                    same_conversation(
-                        conversation_id, epoch=check.epoch, created_at=check.created_at
-                    ),
-                    {"_id": 1},
+                    same_as_read(conversation_id, as_read), {"_id": 1}
                 )
                 is None
             )
         if not went:
             with storage_errors("record the fork's check"):
                 await self._conversations.update_one(
-                    {**_the_fork(new_id, fork), "fork_check.taking_back": {"$ne": True}},
+                    {**same_as_read(new_id, fork), "fork_check.taking_back": {"$ne": True}},
                     {"$unset": {"fork_check": ""}},
                 )
         elif await self._take_back_fork(new_id, fork):
@@ -625,20 +632,6 @@ class AgentMessageLogger:
                 f"conversation {conversation_id!r} was not found: it was deleted, or is being "
                 "deleted, while the fork copied it"
             )
-
-    async def _unchecked_fork(self, conversation_id: str, new_id: str) -> dict[str, Any] | None:
-        """The fork of `conversation_id` into `new_id` whose check has not passed: it still
-        holds its `fork_check`. One round trip."""
-        with storage_errors("read the conversation"):
-            fork: dict[str, Any] | None = await self._conversations.find_one(
-                {
-                    "_id": new_id,
-                    "forked_from.conversation_id": conversation_id,
-                    "fork_check": {"$ne": None},
-                },
-                {"user_id": 1, "epoch": 1, "created_at": 1, "fork_check": 1},
-            )
-        return fork
 
     async def _settle_earlier_attempt(
         self, conversation_id: str, new_conversation_id: str, actor: Actor
@@ -648,15 +641,11 @@ class AgentMessageLogger:
         holds its `fork_check`). It is checked now, and, its source gone, taken back: a retry
         leaves nothing of a source deleted or erased meanwhile. One round trip when there is
         no such fork, or the actor may not see it."""
-        try:
-            new_id = validate_identifier(new_conversation_id, "conversation_id")
-        except InvalidInput:
-            return
-        fork = await self._unchecked_fork(conversation_id, new_id)
-        if fork is None or actor.refusal(new_id, fork.get("user_id")) is not None:
+        fork = await self._fork_into(conversation_id, new_conversation_id, actor, unchecked=True)
+        if fork is None:
             return
         with contextlib.suppress(NotFound):  # the caller's NotFound is raised instead
-            await self._unless_its_source_went(conversation_id, new_id, fork)
+            await self._unless_its_source_went(conversation_id, fork["_id"], fork)
 
     async def _take_back_fork(self, new_id: str, fork: Mapping[str, Any]) -> bool:
         """What a fork whose source went wrote goes, as a delete of its new conversation would
@@ -667,7 +656,7 @@ class AgentMessageLogger:
         keeps its own), the whole texts no message left names, then its document while it is
         the one the fork created, then the record. False, nothing taken, when the fork stood
         meanwhile: another attempt's check passed and cleared its `fork_check` first."""
-        the_fork = _the_fork(new_id, fork)
+        the_fork = same_as_read(new_id, fork)
         with storage_errors("delete the fork's copies"):
             marked = await self._conversations.update_one(
                 {**the_fork, "fork_check": {"$ne": None}},
@@ -1658,12 +1647,6 @@ def _fork_as_created(reserved: _Reserved, source: Mapping[str, Any]) -> dict[str
 def _as_read(source: Mapping[str, Any]) -> ForkCheck:
     """The fork's source as the fork read it: what its check looks for."""
     return ForkCheck(epoch=source.get("epoch"), created_at=source.get("created_at"))
-
-
-def _the_fork(new_id: str, fork: Mapping[str, Any]) -> dict[str, Any]:
-    """A filter for the fork's conversation `fork` (as created or read), never one started
-    under its id since (`same_conversation`)."""
-    return same_conversation(new_id, epoch=fork.get("epoch"), created_at=fork.get("created_at"))
 
 
 def _same_as_reserved(conversation_id: str, reserved: _Reserved) -> dict[str, Any]:

@@ -63,6 +63,7 @@ from agent_store.store._reservation import (
     answered_calls,
     concerned_calls,
     resolution,
+    same_as_read,
     same_conversation,
 )
 from agent_store.store._text import clean_name, collapse_whitespace, has_positive_term
@@ -366,9 +367,7 @@ class ConversationStore:
             await self._refuse_unmigrated(conversation_id, user_id, "renamed")
         assert found is not None  # else `_refuse_unmigrated` raised
         _require_version(conversation_id, found, version, "renamed")
-        return scope | same_conversation(
-            conversation_id, epoch=found.get("epoch"), created_at=found.get("created_at")
-        )
+        return scope | same_as_read(conversation_id, found)
 
     async def _refuse_unmigrated(
         self, conversation_id: str, user_id: str | None, what: str
@@ -426,9 +425,7 @@ class ConversationStore:
         if self._legacy_source is not None:
             legacy = await self._legacy_source.delete(conversation_id, owner=owner)
         await self._delete_beside(_beside_of(conversation_id, found), "delete the conversation")
-        found_now = scope | same_conversation(
-            conversation_id, epoch=found.get("epoch"), created_at=found.get("created_at")
-        )
+        found_now = scope | same_as_read(conversation_id, found)
         taken = await self._delete_messages_of(found_now, owner, found.get("epoch"))
         if taken is None:
             await self._deletions.done(recorded_as(conversation_id, found))
@@ -1418,9 +1415,7 @@ class ConversationStore:
         read fallback's, NotFound), or for a `life` named, none while it is still there."""
         if pin is None:
             return await self.transcript(scope["_id"], user_id=scope.get("user_id"))
-        life = same_conversation(
-            scope["_id"], epoch=pin.get("epoch"), created_at=pin.get("created_at")
-        )
+        life = same_as_read(scope["_id"], pin)
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(scope | life, {"_id": 1})
         if found is None:
@@ -1432,9 +1427,7 @@ class ConversationStore:
         unless the conversation it served is still under the id and in `scope`, and, when a
         `seq` past `last` is reserved, no delete of it is under way (one lookup more, then)."""
         conversation_id = scope["_id"]
-        life = same_conversation(
-            conversation_id, epoch=pin.get("epoch"), created_at=pin.get("created_at")
-        )
+        life = same_as_read(conversation_id, pin)
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
                 scope | life, {"message_count": 1, "epoch": 1, "created_at": 1}

@@ -74,6 +74,14 @@ def same_conversation(
     return {"_id": conversation_id, "created_at": created_at}
 
 
+def same_as_read(conversation_id: str, read: Mapping[str, Any]) -> dict[str, Any]:
+    """`same_conversation` for the conversation `read` (a document, or a record of one, with
+    its `epoch` and `created_at`) holds."""
+    return same_conversation(
+        conversation_id, epoch=read.get("epoch"), created_at=read.get("created_at")
+    )
+
+
 @dataclass(frozen=True)
 class Actor:
     """Who logs a turn, and so which conversations it may write to."""
