@@ -4,8 +4,7 @@ re-raises driver errors as the store's own."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 from typing import Any
 
 from pymongo import errors as mongo_errors
@@ -55,43 +54,59 @@ def redact_uri(uri: str) -> str:
     return f"{scheme}://{authority}{tail}"
 
 
-@contextmanager
-def storage_errors(action: str) -> Iterator[None]:
+class storage_errors:
     """Re-raise driver errors met while doing `action` as the store's own errors.
 
     The message says what failed in the store's words only; the driver's error, whose
     text may quote documents, commands or hosts, stays attached as `__cause__` for logs.
+    A class rather than a generator: every command of every turn passes through one.
     """
-    try:
-        yield
-    except StoreError:
-        raise
-    except (mongo_errors.NetworkTimeout, mongo_errors.ExecutionTimeout) as exc:
-        raise StorageUnavailable(f"could not {action}: the database timed out") from exc
-    except mongo_errors.WaitQueueTimeoutError as exc:
-        raise StorageUnavailable(
+
+    __slots__ = ("action",)
+
+    def __init__(self, action: str) -> None:
+        self.action = action
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, _: TracebackType | None
+    ) -> None:
+        if error is None or isinstance(error, StoreError):
+            return
+        translated = store_error(self.action, error)
+        if translated is not None:
+            raise translated from error
+
+
+def store_error(action: str, exc: BaseException) -> StoreError | None:
+    """The store's error for a driver's `exc` met while doing `action`; None for any other."""
+    if isinstance(exc, mongo_errors.NetworkTimeout | mongo_errors.ExecutionTimeout):
+        return StorageUnavailable(f"could not {action}: the database timed out")
+    if isinstance(exc, mongo_errors.WaitQueueTimeoutError):
+        return StorageUnavailable(
             f"could not {action}: no connection to the database was free in time"
-        ) from exc
-    except mongo_errors.WTimeoutError as exc:
+        )
+    if isinstance(exc, mongo_errors.WTimeoutError):
         # The write may be applied: sent again, an idempotent write replays it.
-        raise StorageUnavailable(
+        return StorageUnavailable(
             f"could not {action}: the database timed out waiting for replication"
-        ) from exc
-    except mongo_errors.ConnectionFailure as exc:  # AutoReconnect, server selection, ...
-        raise StorageUnavailable(f"could not {action}: the database is unreachable") from exc
-    except mongo_errors.DocumentTooLarge as exc:
-        raise InvalidInput(f"could not {action}: a document is too large") from exc
-    except mongo_errors.OperationFailure as exc:
-        if exc.code == INDEX_NOT_FOUND:
-            raise Unsupported(
-                f"could not {action}: the database lacks the index it needs "
-                "(a full-text search needs the store's text index)"
-            ) from exc
-        raise StorageFailure(f"could not {action}: the database refused the operation") from exc
-    except mongo_errors.PyMongoError as exc:
-        raise StorageFailure(f"could not {action}: the database refused the operation") from exc
-    except NotImplementedError as exc:
-        raise Unsupported(f"could not {action}: this database does not support it") from exc
+        )
+    if isinstance(exc, mongo_errors.ConnectionFailure):  # AutoReconnect, server selection, ...
+        return StorageUnavailable(f"could not {action}: the database is unreachable")
+    if isinstance(exc, mongo_errors.DocumentTooLarge):
+        return InvalidInput(f"could not {action}: a document is too large")
+    if isinstance(exc, mongo_errors.OperationFailure) and exc.code == INDEX_NOT_FOUND:
+        return Unsupported(
+            f"could not {action}: the database lacks the index it needs "
+            "(a full-text search needs the store's text index)"
+        )
+    if isinstance(exc, mongo_errors.PyMongoError):
+        return StorageFailure(f"could not {action}: the database refused the operation")
+    if isinstance(exc, NotImplementedError):
+        return Unsupported(f"could not {action}: this database does not support it")
+    return None
 
 
 def only_duplicates(error: BulkWriteError) -> None:

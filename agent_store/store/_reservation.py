@@ -10,6 +10,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cache
 from typing import Any
 
 from bson import Int64
@@ -424,17 +425,23 @@ def approvals_superseded_by(superseded_by: Any) -> dict[str, Any]:
     return _approvals_changed({"superseded_by": superseded_by})
 
 
-def _approvals_changed(changes: Mapping[str, Any]) -> dict[str, Any]:
-    """`approved_calls` with the fields `changes` names of each entry (`$$a`) set to their
-    expressions, its other fields kept (their defaults for fields an entry stored before
-    them lacks). Left unset on a conversation that has none."""
+@cache
+def _approval_fields() -> dict[str, Any]:
+    """Each field of an `approved_calls` entry (`$$a`) as kept: its default for an entry stored
+    before the field was, the call's key as it is. Built once; never changed in place."""
     fields: dict[str, Any] = {
         name: {"$ifNull": [f"$$a.{name}", literal(field.default)]}
         for name, field in ApprovedCall.model_fields.items()
         if not field.is_required()
     }
-    fields.update(_call_key("a"))
-    fields.update(changes)
+    return fields | _call_key("a")
+
+
+def _approvals_changed(changes: Mapping[str, Any]) -> dict[str, Any]:
+    """`approved_calls` with the fields `changes` names of each entry (`$$a`) set to their
+    expressions, its other fields kept (their defaults for fields an entry stored before
+    them lacks). Left unset on a conversation that has none."""
+    fields = {**_approval_fields(), **changes}
     approved = {"$map": {"input": _kept("approved_calls", []), "as": "a", "in": fields}}
     # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
     unset = {"$eq": [{"$ifNull": ["$approved_calls", None]}, None]}
@@ -598,7 +605,7 @@ def _records(
 ) -> dict[str, Any]:
     """`turns` (the records as they stand, by default) with the record of a block reserved
     now appended, the oldest dropped past `turns_recorded` and counted."""
-    turns = _kept("turns", []) if turns is None else turns
+    turns = _TURNS if turns is None else turns
     record = {
         "k": literal(Int64(key)),
         "f": int64({"$ifNull": ["$message_count", 0]}),
@@ -609,11 +616,30 @@ def _records(
     # A one-element array built by `$map`: some MongoDB-compatible servers (mongomock) keep an
     # array literal's elements unevaluated.
     appended = {"$concatArrays": [turns, {"$map": {"input": [0], "in": record}}]}
-    overflow = {"$subtract": [{"$add": [{"$size": turns}, 1]}, rules.turns_recorded]}
     return {
         "turns": {"$slice": [appended, -rules.turns_recorded]},
-        "turns_dropped": int64({"$add": [_kept("turns_dropped", 0), {"$max": [0, overflow]}]}),
+        "turns_dropped": _dropped(rules.turns_recorded)
+        if turns == _TURNS
+        else _dropped_from(turns, rules.turns_recorded),
     }
+
+
+_TURNS = _kept("turns", [])
+"""The turn records as they stand."""
+
+
+@cache
+def _dropped(turns_recorded: int) -> dict[str, Any]:
+    """`turns_dropped` after a record is appended to the records as they stand: built once per
+    `turns_recorded`, never changed in place."""
+    return _dropped_from(_TURNS, turns_recorded)
+
+
+def _dropped_from(turns: Any, turns_recorded: int) -> dict[str, Any]:
+    """`turns_dropped` after a record is appended to `turns` and the oldest past
+    `turns_recorded` dropped."""
+    overflow = {"$subtract": [{"$add": [{"$size": turns}, 1]}, turns_recorded]}
+    return int64({"$add": [_kept("turns_dropped", 0), {"$max": [0, overflow]}]})
 
 
 def _names(plan: TurnPlan, runtime_name: str | None) -> dict[str, Any]:
@@ -797,16 +823,25 @@ def _assignment(actor: Actor) -> dict[str, Any]:
     by every other turn; only a service naming a user can assign one."""
     if actor.as_user or actor.user_id is None:
         return {}
-    assigns = {
-        "$and": [
-            {"$eq": [{"$ifNull": ["$user_id", None]}, None]},
-            {"$gt": [{"$ifNull": ["$message_count", 0]}, 0]},
-        ]
-    }
-    # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
-    unset = {"$eq": [{"$ifNull": ["$owned_from", None]}, None]}
-    kept = {"$cond": [unset, "$$REMOVE", "$owned_from"]}
-    return {"owned_from": {"$cond": [assigns, int64("$message_count"), kept]}}
+    return {"owned_from": _ASSIGNED_FROM}
+
+
+_ASSIGNED_FROM = {
+    "$cond": [
+        {
+            "$and": [
+                {"$eq": [{"$ifNull": ["$user_id", None]}, None]},
+                {"$gt": [{"$ifNull": ["$message_count", 0]}, 0]},
+            ]
+        },
+        int64("$message_count"),
+        # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it
+        # elsewhere.
+        {"$cond": [{"$eq": [{"$ifNull": ["$owned_from", None]}, None]}, "$$REMOVE", "$owned_from"]},
+    ]
+}
+"""`owned_from` as a turn of a service naming a user sets it (`_assignment`): one expression
+for every such turn, built once and never changed in place."""
 
 
 def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:

@@ -206,6 +206,11 @@ def _cleaned(text: str) -> str:
     return collapse_whitespace(shown_plainly(text))
 
 
+_SPARE = 64
+"""How far past `limit` `shorten` cleans a long text's start first: enough for the white space
+and hidden characters most starts hold, so the rest is never scanned."""
+
+
 def shorten(text: str, limit: int) -> str:
     """Collapse whitespace, leave hidden characters out (`shown_plainly`) and cut at a word
     boundary to at most `limit` characters: a name or preview made from a message.
@@ -213,7 +218,7 @@ def shorten(text: str, limit: int) -> str:
     A long text is shortened from a start of it when that start, cleaned, is longer than
     `limit`: the cleaned start of a text is the start of the cleaned text, so the cut is the
     same, without cleaning what lies past it."""
-    start = _cleaned(text[: 4 * limit]) if len(text) > 4 * limit else ""
+    start = _cleaned(text[: limit + _SPARE]) if len(text) > limit + _SPARE else ""
     text = start if len(start) > limit else _cleaned(text)
     if len(text) <= limit:
         return text

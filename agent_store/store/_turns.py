@@ -709,7 +709,13 @@ def _preview(messages: Sequence[AgentMessage], limit: int) -> str | None:
 
 def _usage(messages: Sequence[AgentMessage]) -> Usage:
     used = [m.token_usage for m in messages if m.token_usage is not None]
+    if not used:
+        return _NO_USAGE
     return Usage.total((u.input_tokens for u in used), (u.output_tokens for u in used))
+
+
+_NO_USAGE = Usage()
+"""What a turn reporting no token usage uses (a frozen model: one for every such turn)."""
 
 
 def _pending_hitl(
@@ -883,6 +889,8 @@ def _pending_calls(
     """
     made = {call.id for m in messages for call in m.tool_calls or ()}
     answers = [m.tool_call_id for m in messages if m.role == "tool" and m.tool_call_id]
+    if not made and not answers and all(m.hitl_action is None for m in messages):
+        return (), (), ()  # nothing made, answered or named: most turns of a chat
     own, earlier = _holders(messages)
     opened = tuple(
         PendingCall(
