@@ -2514,3 +2514,28 @@ async def test_a_deleted_conversations_late_message_is_served_by_no_read_of_the_
     assert {name: [m.content for m in read] for name, read in reads.items()} == {
         name: ["u2 new chat"] for name in reads
     }
+
+
+async def test_a_claim_moves_the_messages_an_assigning_turn_left_unowned_when_it_failed(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HANDED_TO's assigning turn stored its messages and failed before it moved the messages
+    logged unowned before it; a claim of HANDED_TO then moves those too: every message of the
+    conversation is CLAIMER's, as a conversation with an owner holds only its owner's."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=NO_GRACE)
+    await logger.log_messages("c-un", [{"role": "user", "content": "first"}], turn_id="t1")
+
+    async def lost(*_: Any) -> None:
+        raise StorageUnavailable("the connection dropped")
+
+    monkeypatch.setattr(logger, "_hand_over_earlier", lost)
+    with pytest.raises(StorageUnavailable):
+        await logger.log_messages("c-un", [{"role": "user", "content": "assigned"}],
+                                  user_id=HANDED_TO, turn_id="t2")  # fmt: skip
+    await store.claim(HANDED_TO, CLAIMER)
+
+    seen = [m.content for m in await store.transcript("c-un", user_id=CLAIMER)]
+    assert seen == ["first", "assigned"]
+    owners = await backend.db["agent_messages"].distinct("user_id", {"conversation_id": "c-un"})
+    assert owners == [CLAIMER]

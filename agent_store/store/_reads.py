@@ -1230,17 +1230,27 @@ class ConversationStore:
         ids, `CLAIM_CHUNK` at a time, so each command stays small.
         """
         moved = await self._move_claimed(
-            self._messages, "conversation_id", from_user_id, to_user_id
+            self._messages, "conversation_id", from_user_id, to_user_id, unowned=True
         )
         for collection in self._beside:
             await self._move_claimed(collection, "thread_id", from_user_id, to_user_id)
         return moved
 
     async def _move_claimed(
-        self, collection: Any, conversation_field: str, from_user_id: str, to_user_id: str
+        self,
+        collection: Any,
+        conversation_field: str,
+        from_user_id: str,
+        to_user_id: str,
+        *,
+        unowned: bool = False,
     ) -> int:
         """`_move_claimed_messages` in one collection whose documents name their conversation
-        in `conversation_field`; answer how many documents moved."""
+        in `conversation_field`; answer how many documents moved. With `unowned`, documents
+        naming no owner in those conversations move too: messages logged before the turn
+        that assigned the conversation to the old owner, which that turn had not moved yet
+        (it failed, or is still running), as an erasure takes them for the owner's."""
+        owners = [from_user_id, None] if unowned else [from_user_id]
         moved = 0
         with storage_errors("claim the conversations"):
             written = await collection.distinct(conversation_field, {"user_id": from_user_id})
@@ -1251,7 +1261,7 @@ class ConversationStore:
                 )
                 if claimed:
                     result = await collection.update_many(
-                        {"user_id": from_user_id, conversation_field: {"$in": claimed}},
+                        {"user_id": {"$in": owners}, conversation_field: {"$in": claimed}},
                         {"$set": {"user_id": to_user_id}},
                     )
                     moved += result.modified_count
