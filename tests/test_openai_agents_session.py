@@ -363,6 +363,21 @@ async def limits_across_a_paused_call(session: Session) -> list[Any]:
     return [await session.get_items(limit=n) for n in range(1, 8)]
 
 
+async def limits_past_a_call_id_used_again(session: Session) -> list[Any]:
+    """Two calls answered, then a next step whose provider numbers its calls from 0 again:
+    the new `call_0` is another call than the answered one."""
+    for items in (
+        [{"role": "user", "content": "Book the train and the hotel"}],
+        [{"type": "function_call", "call_id": "call_0", "name": "book", "arguments": "{}"},
+         {"type": "function_call", "call_id": "call_1", "name": "book", "arguments": "{}"}],
+        [{"type": "function_call_output", "call_id": "call_0", "output": "train booked"}],
+        [{"type": "function_call_output", "call_id": "call_1", "output": "hotel booked"}],
+        [{"type": "function_call", "call_id": "call_0", "name": "pay", "arguments": "{}"}],
+    ):  # fmt: skip
+        await session.add_items(items)  # type: ignore[arg-type]
+    return [await session.get_items(limit=n) for n in range(1, 7)]
+
+
 @pytest.mark.parametrize(
     "calls",
     [
@@ -372,6 +387,7 @@ async def limits_across_a_paused_call(session: Session) -> list[Any]:
         clear_then_add,
         limits,
         limits_across_a_paused_call,
+        limits_past_a_call_id_used_again,
     ],
 )
 async def test_the_session_answers_as_the_sdks_sqlite_session(

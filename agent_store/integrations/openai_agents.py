@@ -321,9 +321,15 @@ class ConversationSession:
 
 
 def _results_before(messages: list[AgentMessage]) -> bool:
-    """Whether some result among the messages answers a call they do not hold."""
-    calls = {call.id for m in messages for call in m.tool_calls or ()}
-    return any(m.role == "tool" and m.tool_call_id not in calls for m in messages)
+    """Whether some result among the messages answers a call they do not make before it (a
+    call of the same id made later is another call: a provider numbering calls per response
+    reuses ids)."""
+    made: set[str] = set()
+    for message in messages:
+        if message.role == "tool" and message.tool_call_id not in made:
+            return True
+        made.update(call.id for call in message.tool_calls or ())
+    return False
 
 
 if TYPE_CHECKING:
