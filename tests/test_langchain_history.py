@@ -3,6 +3,7 @@ compared with the history langchain-mongodb ships on the same calls."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from agent_store import (
     AgentMessageLogger,
     ConversationStore,
     InvalidInput,
+    StorageUnavailable,
     TurnRules,
     Unsupported,
 )
@@ -444,3 +446,98 @@ async def test_a_call_nothing_but_its_prompt_followed_is_left_for_the_runtime_to
     read_back = await ConversationChatHistory(CID, backend.db).aget_messages()
 
     assert [type(m).__name__ for m in read_back] == ["HumanMessage", "AIMessage", "AIMessage"]
+
+
+# -- retries of adds, by chains sharing one history ----------------------------------
+
+
+def losing_the_replies(history: ConversationChatHistory, *lost: int) -> None:
+    """Every turn is stored; the replies to the adds numbered in `lost` (from 1) are lost."""
+    real = history.logger.log_messages
+    logged = [0]
+
+    async def log_messages(*args: Any, **kwargs: Any) -> Any:
+        stored = await real(*args, **kwargs)
+        logged[0] += 1
+        if logged[0] in lost:
+            raise StorageUnavailable("the reply was lost")
+        return stored
+
+    history.logger.log_messages = log_messages  # type: ignore[method-assign]
+
+
+A_TURN: list[BaseMessage] = [HumanMessage("A: book a table"), AIMessage("A: booked.")]
+B_TURN: list[BaseMessage] = [HumanMessage("B: what time is it"), AIMessage("B: noon.")]
+
+
+async def a_fails_b_adds_a_repeats(history: ConversationChatHistory) -> None:
+    """Chain A's add is stored and its reply lost; chain B adds its turn; chain A repeats its
+    add. Each chain in its own task."""
+    losing_the_replies(history, 1)
+    a_failed, b_added = asyncio.Event(), asyncio.Event()
+
+    async def chain_a() -> None:
+        with pytest.raises(StorageUnavailable):
+            await history.aadd_messages(A_TURN)
+        a_failed.set()
+        await b_added.wait()
+        await history.aadd_messages(A_TURN)
+
+    async def chain_b() -> None:
+        await a_failed.wait()
+        await history.aadd_messages(B_TURN)
+        b_added.set()
+
+    await asyncio.gather(chain_a(), chain_b())
+
+
+async def test_a_repeated_add_is_its_own_retry_after_another_task_added(
+    backend: Backend,
+) -> None:
+    history = ConversationChatHistory(CID, backend.db)
+
+    await a_fails_b_adds_a_repeats(history)
+
+    assert visible(await history.aget_messages()) == visible(A_TURN + B_TURN)
+
+
+async def test_a_repeated_add_through_the_sync_driver_is_its_own_retry_after_another_task_added(
+    database: Any,
+) -> None:
+    """`aadd_messages` over a synchronous database adds in a thread: the retry is still told by
+    the task that called it."""
+    history = ConversationChatHistory(CID, database)
+
+    await a_fails_b_adds_a_repeats(history)
+
+    assert visible(history.messages) == visible(A_TURN + B_TURN)
+
+
+async def test_two_chains_whose_adds_both_failed_each_retry_their_own_once(
+    backend: Backend,
+) -> None:
+    """Both chains' adds are stored and their replies lost, A's then B's; each repeats its add
+    in its own task: the second failure did not replace the first one's retry."""
+    history = ConversationChatHistory(CID, backend.db)
+    losing_the_replies(history, 1, 2)
+    a_failed, b_failed, a_retried = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def chain_a() -> None:
+        with pytest.raises(StorageUnavailable):
+            await history.aadd_messages(A_TURN)
+        a_failed.set()
+        await b_failed.wait()
+        await history.aadd_messages(A_TURN)
+        a_retried.set()
+
+    async def chain_b() -> None:
+        await a_failed.wait()
+        with pytest.raises(StorageUnavailable):
+            await history.aadd_messages(B_TURN)
+        b_failed.set()
+        await a_retried.wait()
+        await history.aadd_messages(B_TURN)
+
+    await asyncio.gather(chain_a(), chain_b())
+
+    assert visible(await history.aget_messages()) == visible(A_TURN + B_TURN)

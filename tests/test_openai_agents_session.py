@@ -6,6 +6,7 @@ given the same calls: what the model is sent, and what the session answers.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -490,6 +491,114 @@ async def test_a_run_retried_after_a_later_add_failed_stores_each_of_its_items_o
     await session.add_items(asked)  # the same words in a later run, nothing failing: new
     pending = {"type": "function_call_output", "call_id": "call_b1", "output": PENDING_RESULT}
     assert await session.get_items() == asked + calls + [pending] + asked  # a replay's stand-in
+
+
+class LosesTheReplies(AgentMessageLogger):
+    """Stores every turn; the replies to the adds numbered in `lost` (from 1) are lost."""
+
+    def __init__(self, db: Any, *lost: int) -> None:
+        super().__init__(db)
+        self.lost, self.logged = set(lost), 0
+
+    async def log_messages(self, *args: Any, **kwargs: Any) -> Any:
+        stored = await super().log_messages(*args, **kwargs)
+        self.logged += 1
+        if self.logged in self.lost:
+            raise StorageUnavailable("the reply was lost")
+        return stored
+
+
+def sharing(db: Any, *lost: int) -> ConversationSession:
+    """One session two runs share, whose adds numbered in `lost` lose their replies."""
+    session = ConversationSession(CID, db)
+    session.logger = session._appends.logger = LosesTheReplies(db, *lost)
+    return session
+
+
+A_ASKED: list[TResponseInputItem] = [{"role": "user", "content": "A: book a table"}]
+B_ASKED: list[TResponseInputItem] = [{"role": "user", "content": "B: what time is it"}]
+EARLIER: list[TResponseInputItem] = [{"role": "user", "content": "Hello, both."}]
+
+
+async def test_a_repeated_add_is_its_own_retry_after_another_task_added(
+    backend: Backend,
+) -> None:
+    """Two runs share one session, each in its own task: run A's add is stored and its reply
+    lost, run B adds its input, then run A repeats its add: that is A's retry, stored once;
+    B's add neither ended nor took A's retry."""
+    session = sharing(backend.db, 1)
+    a_failed, b_added = asyncio.Event(), asyncio.Event()
+
+    async def run_a() -> None:
+        with pytest.raises(StorageUnavailable):
+            await session.add_items(A_ASKED)
+        a_failed.set()
+        await b_added.wait()
+        await session.add_items(A_ASKED)
+
+    async def run_b() -> None:
+        await a_failed.wait()
+        await session.add_items(B_ASKED)
+        b_added.set()
+
+    await asyncio.gather(run_a(), run_b())
+
+    assert await session.get_items() == A_ASKED + B_ASKED
+
+
+async def test_two_runs_whose_adds_both_failed_each_retry_their_own_once(
+    backend: Backend,
+) -> None:
+    """Both runs' adds are stored and their replies lost, A's then B's; each run repeats its
+    add in its own task: the second failure did not replace the first one's retry. (The task
+    that started both had added before: its tasks are not taken for it, nor for each other.)"""
+    session = sharing(backend.db, 2, 3)
+    await session.add_items(EARLIER)
+    a_failed, b_failed, a_retried = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def run_a() -> None:
+        with pytest.raises(StorageUnavailable):
+            await session.add_items(A_ASKED)
+        a_failed.set()
+        await b_failed.wait()
+        await session.add_items(A_ASKED)
+        a_retried.set()
+
+    async def run_b() -> None:
+        await a_failed.wait()
+        with pytest.raises(StorageUnavailable):
+            await session.add_items(B_ASKED)
+        b_failed.set()
+        await a_retried.wait()
+        await session.add_items(B_ASKED)
+
+    await asyncio.gather(run_a(), run_b())
+
+    assert await session.get_items() == EARLIER + A_ASKED + B_ASKED
+
+
+async def test_a_run_again_in_a_task_of_its_own_is_the_retry_of_the_run_that_failed(
+    backend: Backend,
+) -> None:
+    """`Runner.run_streamed` runs each run in a new task: the run again repeats, from another
+    task, the adds of the one that failed, and is its retry while no add of that task failed;
+    the first add that repeats none of them ends the retry."""
+    session = sharing(backend.db, 2)
+    calls: list[TResponseInputItem] = [
+        {"type": "function_call", "call_id": "call_t1", "name": "get_time", "arguments": "{}"}
+    ]
+
+    async def run() -> None:
+        await session.add_items(A_ASKED)
+        await session.add_items(calls)
+
+    with pytest.raises(StorageUnavailable):
+        await asyncio.create_task(run())
+    await asyncio.create_task(run())
+    await asyncio.create_task(session.add_items(A_ASKED))  # the same words later: a new turn
+
+    pending = {"type": "function_call_output", "call_id": "call_t1", "output": PENDING_RESULT}
+    assert await session.get_items() == A_ASKED + calls + [pending] + A_ASKED
 
 
 @function_tool(needs_approval=True)

@@ -8,14 +8,25 @@ failed run saved, from its input on, the appends that succeeded included. Each
 of those appends, repeated in order, is a retry: it reuses its turn id, and the
 logger stores it at most once. The first append that repeats none of them ends
 the retry.
+
+Runs that share one history object are told apart by the asyncio task that
+appends (`adder`): each failed run is remembered with its task, several at once,
+and only that task's appends retry it or end its retry. A run again in a task
+of its own (`Runner.run_streamed` runs each run in a new task) takes over the
+retry of a failed run whose task has ended.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import threading
 import uuid
+import weakref
 from collections.abc import Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 from agent_store.core import AgentMessage
 from agent_store.store import AgentMessageLogger, LoggedTurn
@@ -23,6 +34,59 @@ from agent_store.store import AgentMessageLogger, LoggedTurn
 _NOT_COMPARED = {"created_at"}
 RUN_APPENDS_KEPT = 256
 """How many appends of one run a retry recognises (a run saves a batch per step)."""
+RETRIES_KEPT = 64
+"""How many failed runs one history object remembers at once, not retried yet (the oldest
+are forgotten: a retry of one appends anew)."""
+
+
+class Adder:
+    """Who appends, as far as this process can tell: one asyncio task, or one thread outside
+    an event loop."""
+
+    __slots__ = ("__weakref__", "_owner")
+
+    def __init__(self, owner: asyncio.Task[object] | threading.Thread) -> None:
+        self._owner = weakref.ref(owner)
+
+    def owned_by(self, owner: object) -> bool:
+        return self._owner() is owner
+
+    @property
+    def running(self) -> bool:
+        """Whether its task (or thread) may still append: not done, not gone."""
+        owner = self._owner()
+        if isinstance(owner, threading.Thread):
+            return owner.is_alive()
+        return owner is not None and not owner.done()
+
+
+_ADDER: ContextVar[Adder | None] = ContextVar("agent_store_adder", default=None)
+"""The `Adder` of the calling task, set at its first append. Unlike a pop's caller, a task
+does not pass it to the tasks it starts (two runs gathered by one task are two adders); code
+a task runs in a thread (`asyncio.to_thread`, after `adder()`) appends as that task."""
+
+
+def adder() -> Adder:
+    """The calling task's `Adder` (the thread's outside an event loop), made now if new."""
+    try:
+        task: asyncio.Task[object] | None = asyncio.current_task()
+    except RuntimeError:  # no event loop: a thread, maybe running a task's code
+        task = None
+    held = _ADDER.get()
+    if held is not None and (task is None or held.owned_by(task)):
+        return held
+    made = Adder(task or threading.current_thread())
+    _ADDER.set(made)
+    return made
+
+
+@dataclass
+class _Retry:
+    """A run whose append raised: the appends a run again repeats, in order, not repeated
+    yet, and who retries them."""
+
+    adder: Adder
+    appends: list[tuple[str, str]]
 
 
 def _digest(messages: Sequence[AgentMessage]) -> str:
@@ -49,39 +113,66 @@ class Appends:
         self.conversation_id = conversation_id
         self.user_id = user_id
         self._prefix = prefix
-        self._run: list[tuple[str, str]] = []
-        """(content digest, turn id) of the appends since the last one of a run's input (a
-        batch that starts with a user or system message): what a run again would repeat."""
-        self._retried: list[tuple[str, str]] = []
-        """After an append raised: the appends a run again repeats, in order, not repeated
-        yet."""
+        self._runs: weakref.WeakKeyDictionary[Adder, list[tuple[str, str]]] = (
+            weakref.WeakKeyDictionary()
+        )
+        """By adder, (content digest, turn id) of its appends since its last one of a run's
+        input (a batch that starts with a user or system message): what a run again would
+        repeat."""
+        self._retries: list[_Retry] = []
+        """The runs whose append raised, oldest first, at most one per adder."""
 
-    def _turn_id(self, digest: str) -> str:
-        for index, (done, turn_id) in enumerate(self._retried):
-            if done == digest:
-                del self._retried[: index + 1]
-                return turn_id
-        self._retried = []
+    def _retry_of(self, by: Adder, digest: str) -> _Retry | None:
+        """The failed run `by` retries: its own, else (none of its own) the oldest whose task
+        has ended and whose appends hold `digest`, which `by` takes over."""
+        for retry in self._retries:
+            if retry.adder is by:
+                return retry
+        for retry in self._retries:
+            if not retry.adder.running and any(done == digest for done, _ in retry.appends):
+                retry.adder = by
+                return retry
+        return None
+
+    def _turn_id(self, by: Adder, digest: str) -> str:
+        retry = self._retry_of(by, digest)
+        if retry is not None:
+            for index, (done, turn_id) in enumerate(retry.appends):
+                if done == digest:
+                    del retry.appends[: index + 1]
+                    if not retry.appends:
+                        self._retries.remove(retry)
+                    return turn_id
+            self._retries.remove(retry)
         return f"{self._prefix}-{uuid.uuid4().hex}"
+
+    def _failed(self, by: Adder, run: list[tuple[str, str]]) -> None:
+        """Remember `by`'s run for its retry, before what its earlier retry left to repeat."""
+        for retry in self._retries:
+            if retry.adder is by:
+                retry.appends[:0] = run
+                return
+        self._retries.append(_Retry(by, list(run)))
+        del self._retries[:-RETRIES_KEPT]
 
     def rewound(self) -> None:
         """The history lost its last messages (a pop): no append made so far is one the next
         append retries; the next append is a new turn. (A pop corrects the failed append's
         turn, whose retry is then a `Conflict`.)"""
-        self._run, self._retried = [], []
+        self._runs.clear()
+        self._retries = []
 
     async def append(self, messages: Sequence[AgentMessage]) -> LoggedTurn:
         """Log `messages` as one turn (two round trips); after an append raised, the appends
         a run again repeats are recognised by their content and stored once."""
-        digest = _digest(messages)
-        turn_id = self._turn_id(digest)
-        if messages and messages[0].role in ("user", "system"):
-            self._run = []
-        self._run = [*self._run[-(RUN_APPENDS_KEPT - 1) :], (digest, turn_id)]
+        by, digest = adder(), _digest(messages)
+        turn_id = self._turn_id(by, digest)
+        run = [] if messages and messages[0].role in ("user", "system") else self._runs.get(by, [])
+        run = self._runs[by] = [*run[-(RUN_APPENDS_KEPT - 1) :], (digest, turn_id)]
         try:
             return await self.logger.log_messages(
                 self.conversation_id, messages, user_id=self.user_id, turn_id=turn_id
             )
         except BaseException:
-            self._retried = self._run + self._retried
+            self._failed(by, run)
             raise

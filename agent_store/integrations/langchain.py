@@ -60,7 +60,7 @@ from agent_store.core import (
     describe_validation_error,
     tool_outcome,
 )
-from agent_store.integrations._appends import Appends
+from agent_store.integrations._appends import Appends, adder
 from agent_store.integrations._langchain_messages import chat_message
 from agent_store.integrations._native import native_form, with_native
 from agent_store.integrations._pairing import in_call_order
@@ -227,6 +227,7 @@ class ConversationChatHistory(BaseChatMessageHistory):
     async def aadd_messages(self, messages: Sequence[BaseMessage]) -> None:
         """Store the messages as one turn (idempotent when a failed call is repeated)."""
         if self._sync:
+            adder()  # the thread appends as this task: a retry is told by the task
             await asyncio.to_thread(self.add_messages, messages)
             return
         await self._append(messages)
