@@ -252,18 +252,18 @@ def _refuse_what_a_person_does_not_send(message: AgentMessage) -> None:
 
 
 async def drain_inbox(call: Call[InboxQuery, NoBody]) -> Response:
-    messages = await _inbox(call).drain(
+    page = await _inbox(call).drain_page(
         call.conversation_id, call.path["turn_id"], call.query.after_seq, user_id=call.scope
     )
-    return _json(Delivered(data=messages))
+    return _json(Delivered(data=page.data, has_more=page.has_more))
 
 
 async def close_inbox(call: Call[NoQuery, CloseInboxBody]) -> Response:
     _only_the_runtime(call, "close")
-    late = await _inbox(call).close_inbox(
+    late = await _inbox(call).close_inbox_page(
         call.conversation_id, call.path["turn_id"], call.body.last_seen_seq
     )
-    return _json(InboxClosing(closed=not late, data=late))
+    return _json(InboxClosing(closed=not late.data, data=late.data, has_more=late.has_more))
 
 
 async def fork(call: Call[NoQuery, ForkBody]) -> Response:
@@ -299,13 +299,16 @@ async def search(call: Call[SearchQuery, NoBody]) -> Response:
     query = call.query
     if query.user_id is not None:
         call.caller.require_user(query.user_id)
-    hits = await call.store.conversations.search(
+    page = await call.store.conversations.search_page(
         query.q,
         user_id=call.scope or query.user_id,
         conversation_id=query.conversation_id,
         limit=query.limit,
+        cursor=query.cursor,
     )
-    return _json(SearchResults(data=hits))
+    return _json(
+        SearchResults(data=page.data, has_more=page.has_more, next_cursor=page.next_cursor)
+    )
 
 
 async def export_user(call: Call[ExportQuery, NoBody]) -> Response:

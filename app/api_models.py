@@ -72,6 +72,8 @@ class SearchQuery(_Input):
     conversation_id: Identifier | None = None
     """Search one conversation."""
     limit: PageSize = 20
+    cursor: Annotated[str, StringConstraints(min_length=1, max_length=500)] | None = None
+    """The `next_cursor` of the previous page of this search."""
 
 
 class TranscriptQuery(_Input):
@@ -205,6 +207,12 @@ class HitlResolved(BaseModel):
 
 class SearchResults(BaseModel):
     data: list[SearchHit]
+    """The best hits first, `limit` at most: fewer when the next would take the page past
+    about 4 MiB (`PAGE_BYTES`), one at least."""
+    has_more: bool
+    """More hits follow this page: pass `next_cursor` as `cursor` to read them."""
+    next_cursor: str | None
+    """Pass as `cursor` (with the same search) to read the next page; null on the last."""
 
 
 class InboxOpened(BaseModel):
@@ -222,14 +230,21 @@ class Delivery(BaseModel):
 
 class Delivered(BaseModel):
     data: list[AgentMessage]
-    """The messages delivered into the turn after `after_seq`, by `seq`."""
+    """The messages delivered into the turn after `after_seq`, by `seq`: those that fit in
+    about 4 MiB (`PAGE_BYTES`), one at least."""
+    has_more: bool
+    """More deliveries follow: read on with `after_seq` the last `seq` in `data`."""
 
 
 class InboxClosing(BaseModel):
     closed: bool
     """True: nothing arrived after `last_seen_seq` and the inbox is closed."""
     data: list[AgentMessage]
-    """What arrived after `last_seen_seq` (the inbox stays open): the runtime handles it."""
+    """What arrived after `last_seen_seq` (the inbox stays open): the runtime handles it. A
+    page: those that fit in about 4 MiB (`PAGE_BYTES`), one at least."""
+    has_more: bool
+    """More deliveries follow `data`: the runtime closes again with `last_seen_seq` the last
+    `seq` in `data`, and gets the next page (or the inbox closes)."""
 
 
 class UserExport(BaseModel):

@@ -109,11 +109,13 @@ class Settings(BaseSettings):
     jwt_issuer: str | None = None
     """Required `iss` of user tokens; user tokens are refused while it is unset."""
     max_request_bytes: PositiveInt = 1_048_576 + 65_536
-    """Request bodies over this are refused with 413 (a 1 MiB message plus its envelope)."""
+    """Request bodies over this are refused with 413 (a 1 MiB message plus its envelope), but
+    for the turns and steering deliveries `max_turn_bytes` caps."""
     max_turn_bytes: PositiveInt = 16 * 1_048_576
-    """The cap for a turn posted to be logged. Larger than `max_request_bytes` because a
-    turn may carry big tool results or parsed uploads: the logger stores them truncated
-    to `max_message_bytes` each rather than losing the turn."""
+    """The cap for a turn posted to be logged, and for a message delivered into a running
+    turn's steering inbox (a message as a turn's is). Larger than `max_request_bytes`
+    because a turn may carry big tool results or parsed uploads: the logger stores them
+    truncated to `max_message_bytes` each rather than losing the turn."""
     demo_data: bool = False
     """Load demo conversations at start-up when the store is empty (`python -m app` sets it)."""
 

@@ -323,6 +323,41 @@ async def test_a_search_with_a_positive_term_is_run(backend: Backend, q: str) ->
         assert response.status_code == 200, response.text
 
 
+async def test_a_search_answers_at_most_a_page_of_bytes_and_says_how_to_read_on(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`limit=200` of large matching messages: the answer holds what fits in `PAGE_BYTES`
+    (one hit at least), says `has_more`, and `cursor=next_cursor` serves the rest."""
+    backend.skip_if_lacking("text_search")
+    monkeypatch.setattr("agent_store.store._reads.PAGE_BYTES", 20_000)  # two messages
+    async with serve(backend.db) as api:
+        user = auth_headers(user=OWNER)
+        turn = [{"role": "user", "content": f"zanzibar {n} {'x' * 4_000}"} for n in range(5)]
+        posted = await api.http.post("/v1/conversations/bulky/turns",
+                                     json={"messages": turn}, headers=user)  # fmt: skip
+        assert posted.status_code == 201, posted.text
+        params: dict[str, Any] = {"q": "zanzibar", "limit": 200}
+        sizes, served, ranks = [], [], []
+        while True:
+            found = await api.http.get("/v1/search", params=params, headers=user)
+            assert found.status_code == 200, found.text
+            body = found.json()
+            sizes.append(len(body["data"]))
+            served.append(len(found.content))
+            ranks += [hit["rank"] for hit in body["data"]]
+            if not body["has_more"]:
+                assert body["next_cursor"] is None
+                break
+            params["cursor"] = body["next_cursor"]
+        assert (sizes, ranks) == ([2, 2, 1], [1, 2, 3, 4, 5])
+        assert max(served) < 20_000
+        forged = await api.http.get(
+            "/v1/search", params={**params, "cursor": "eyIkbmUiOiAxfQ"}, headers=user
+        )
+        assert forged.status_code == 422
+        assert "invalid cursor" in forged.json()["error"]["message"]
+
+
 # -- the driver's text -----------------------------------------------------------------------
 
 

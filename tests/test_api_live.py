@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from agent_store import ConversationStore
 from tests.api_harness import (
     OTHER,
     OWNER,
     OWNER_CONVERSATION,
+    api_settings,
     auth_headers,
     mongomock_db,
     serve,
@@ -39,7 +42,7 @@ async def test_a_runtime_opens_drains_and_closes_while_a_person_steers() -> None
 
         assert sent.json() == again.json() == {"delivered": True}
         assert [m["content"] for m in drained] == ["metric, please"]
-        assert closing.json() == {"closed": True, "data": []}
+        assert closing.json() == {"closed": True, "data": [], "has_more": False}
         assert late.json() == {"delivered": False}
         count = await api.db.agent_messages.count_documents({"content": "metric, please"})
         assert count == 1
@@ -158,3 +161,65 @@ async def test_a_fork_retried_over_http_after_its_source_was_popped_is_a_conflic
             assert "turn 'fork-" not in said
         forked = await api.http.get("/v1/conversations/conv-fork-http/transcript", headers=owner)
         assert [m["content"] for m in forked.json()["data"]][-1] == "answer 2"
+
+
+async def test_the_inbox_read_and_close_answer_pages_of_page_bytes_saying_more_follow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`GET …/inbox` and `POST …/inbox/close` serve what fits in `PAGE_BYTES` (one delivery
+    at least) with `has_more`: the runtime reads, and closes, on after the last `seq` it got,
+    and every delivery reaches it once, however much a person delivered."""
+    monkeypatch.setattr("agent_store.store._reads.PAGE_BYTES", 20_000)  # two deliveries
+    async with serve(mongomock_db()) as api:
+        runtime, person = auth_headers(), auth_headers(user=OWNER)
+        assert (await api.http.post(INBOX, headers=runtime)).status_code == 200
+        for n in range(5):
+            sent = await api.http.post(f"{INBOX}/messages", json=steer(f"{n} {'x' * 4_000}",
+                                       f"d{n}"), headers=person)  # fmt: skip
+            assert sent.json() == {"delivered": True}
+
+        read, seen, served = [], -1, []
+        while True:
+            page = await api.http.get(f"{INBOX}?after_seq={seen}", headers=person)
+            served.append(len(page.content))
+            body = page.json()
+            read.append(([int(m["content"].split()[0]) for m in body["data"]], body["has_more"]))
+            if not body["has_more"]:
+                break
+            seen = body["data"][-1]["seq"]
+        closed, seen = [], -1
+        while True:
+            page = await api.http.post(f"{INBOX}/close", json={"last_seen_seq": seen},
+                                       headers=runtime)  # fmt: skip
+            served.append(len(page.content))
+            body = page.json()
+            closed.append(([int(m["content"].split()[0]) for m in body["data"]],
+                           body["has_more"], body["closed"]))  # fmt: skip
+            if body["closed"]:
+                break
+            seen = body["data"][-1]["seq"]
+
+        assert read == [([0, 1], True), ([2, 3], True), ([4], False)]
+        assert closed == [([0, 1], True, False), ([2, 3], True, False), ([4], False, False),
+                          ([], False, True)]  # fmt: skip
+        assert max(served) < 20_000
+
+
+async def test_a_delivery_is_capped_as_a_turn_is_not_as_other_bodies() -> None:
+    """A steering delivery carries a message as a turn does (a pasted document, a tool's
+    result): its body takes the turn cap (`max_turn_bytes`), while other bodies, a
+    resolution's, are refused past `max_request_bytes`."""
+    settings = api_settings(max_request_bytes=10_000, max_turn_bytes=100_000)
+    async with serve(mongomock_db(), settings) as api:
+        runtime, person = auth_headers(), auth_headers(user=OWNER)
+        assert (await api.http.post(INBOX, headers=runtime)).status_code == 200
+        sent = await api.http.post(f"{INBOX}/messages", json=steer("x" * 50_000, "d1"),
+                                   headers=person)  # fmt: skip
+        too_big = await api.http.post(f"{INBOX}/messages", json=steer("x" * 150_000, "d2"),
+                                      headers=person)  # fmt: skip
+        resolve = {"request_id": "r" * 100, "call_ids": ["c" * 100] * 100}
+        other = await api.http.post(f"/v1/conversations/{OWNER_CONVERSATION}/hitl/resolve",
+                                    json=resolve, headers=person)  # fmt: skip
+
+        assert sent.json() == {"delivered": True}
+        assert (too_big.status_code, other.status_code) == (413, 413)

@@ -330,6 +330,35 @@ async def test_search_finds_messages_within_the_scope_only(
     assert [h.message.content for h in in_conversation] == ["Lyon again"]
 
 
+async def test_search_answers_what_fits_in_page_bytes_and_a_cursor_reads_on(
+    store: ConversationStore, backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A search answers its best hits up to `limit`, fewer when they pass `PAGE_BYTES` (one
+    at least), with `has_more` and a `next_cursor` reading on: every hit comes once, ranked
+    on from where the page ended. `search` answers the same first page."""
+    backend.skip_if_lacking("text_search")
+    monkeypatch.setattr("agent_store.store._reads.PAGE_BYTES", 20_000)  # two messages
+    turn = [{"role": "user", "content": f"lyon {n} {BULKY}"} for n in range(5)]
+    await AgentMessageLogger(backend.db).log_messages("bulky", turn, user_id="bulky")
+    found, sizes, cursor = [], [], None
+    while True:
+        page = await store.search_page("lyon", user_id="bulky", limit=200, cursor=cursor)
+        found += [(hit.rank, hit.message.content.split()[1]) for hit in page.data]
+        sizes.append(len(page.data))
+        if not page.has_more:
+            assert page.next_cursor is None
+            break
+        cursor = page.next_cursor
+    assert sizes == [2, 2, 1]
+    assert [rank for rank, _ in found] == [1, 2, 3, 4, 5]
+    assert sorted(n for _, n in found) == ["0", "1", "2", "3", "4"]
+    assert len(await store.search("lyon", user_id="bulky", limit=200)) == 2
+    limited = await store.search_page("lyon", user_id="bulky", limit=1)
+    assert (len(limited.data), limited.has_more) == (1, True)
+    with pytest.raises(InvalidInput, match="invalid cursor"):
+        await store.search_page("lyon", user_id="bulky", cursor="eyIkbmUiOiAxfQ")
+
+
 async def test_search_ranks_the_best_match_first(
     store: ConversationStore, backend: Backend
 ) -> None:

@@ -504,6 +504,105 @@ async def test_an_inbox_takes_at_most_its_rules_deliveries_and_refuses_the_next_
     assert await inbox.close_inbox(CID, TURN, last_seen_seq=late[-1].seq or 0) == []
 
 
+BULKY = "x" * 4_000  # a small page budget (monkeypatched) holds a few of these
+
+
+async def deliver_bulky(backend: Backend, count: int) -> SteeringInbox:
+    """An open inbox holding `count` deliveries of about 4,000 characters each."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    inbox = SteeringInbox(logger)
+    await inbox.open_turn(CID, TURN)
+    for n in range(count):
+        message = {"role": "user", "content": f"{n} {BULKY}"}
+        assert await inbox.try_deliver(CID, TURN, message, delivery_id=f"d{n}")
+    return inbox
+
+
+def numbers(messages: list[Any]) -> list[int]:
+    return [int(m.content.split()[0]) for m in messages]
+
+
+async def test_an_inbox_is_read_in_pages_of_page_bytes_that_say_whether_more_follow(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read of the inbox answers what fits in `PAGE_BYTES` (one delivery at least) and
+    says whether more follow; the runtime reads on after the last `seq` it got, and gets
+    every delivery once, in order. `drain` answers the same first page."""
+    monkeypatch.setattr("agent_store.store._reads.PAGE_BYTES", 20_000)  # two deliveries
+    inbox = await deliver_bulky(backend, 5)
+    pages, seen = [], -1
+    while True:
+        page = await inbox.drain_page(CID, TURN, after_seq=seen)
+        pages.append((numbers(page.data), page.has_more))
+        if not page.has_more:
+            break
+        seen = page.data[-1].seq
+    assert pages == [([0, 1], True), ([2, 3], True), ([4], False)]
+    assert numbers(await inbox.drain(CID, TURN)) == [0, 1]
+    monkeypatch.setattr("agent_store.store._reads.PAGE_BYTES", 1)
+    alone = await inbox.drain_page(CID, TURN)
+    assert (numbers(alone.data), alone.has_more) == ([0], True)
+
+
+async def test_an_inbox_read_reads_no_more_deliveries_than_its_page_can_hold(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However many deliveries an inbox holds, a read of it takes from the database about
+    what its page holds (the first batch, then the room left), never every delivery."""
+    monkeypatch.setattr("agent_store.store._reads.PAGE_BYTES", 20_000)
+    monkeypatch.setattr("agent_store.store._reads.PAGE_FIRST_BATCH", 3)
+    inbox = await deliver_bulky(backend, 20)
+    read: list[int] = []
+    real_find = inbox._messages.find
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        cursor = real_find(*args, **kwargs)
+        real_to_list = cursor.to_list
+
+        async def to_list(length: Any = None) -> list[Any]:
+            docs = await real_to_list(length)
+            read.append(len(docs))
+            return docs
+
+        cursor.to_list = to_list
+        return cursor
+
+    monkeypatch.setattr(inbox._messages, "find", counted)
+    page = await inbox.drain_page(CID, TURN)
+    closing = await inbox.close_inbox_page(CID, TURN, last_seen_seq=-1)
+    assert numbers(page.data) == numbers(closing.data) == [0, 1]
+    assert read == [3, 3]
+
+
+async def test_closing_an_inbox_answers_a_page_of_what_arrived_and_closes_once_all_is_read(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close finding deliveries the runtime has not seen answers a page of them (what fits
+    in `PAGE_BYTES`), saying whether more follow, and leaves the inbox open; the runtime
+    closes again after the last `seq` it got, and the inbox closes once nothing is left
+    unseen, however much was delivered. The list form (`close_inbox`) reads on the same."""
+    monkeypatch.setattr("agent_store.store._reads.PAGE_BYTES", 20_000)
+    inbox = await deliver_bulky(backend, 5)
+    pages, seen = [], 0
+    while (page := await inbox.close_inbox_page(CID, TURN, last_seen_seq=seen)).data:
+        pages.append((numbers(page.data), page.has_more))
+        seen = page.data[-1].seq
+    assert pages == [([0, 1], True), ([2, 3], True), ([4], False)]
+    assert not page.has_more
+    assert await inbox.try_deliver(CID, TURN, {"role": "user", "content": "late"}) is False
+
+    await inbox.open_turn(CID, "run-2")
+    for n in range(3):
+        message = {"role": "user", "content": f"{n} {BULKY}"}
+        assert await inbox.try_deliver(CID, "run-2", message, delivery_id=f"e{n}")
+    got, seen = [], 0
+    while late := await inbox.close_inbox(CID, "run-2", last_seen_seq=seen):
+        got.append(numbers(late))
+        seen = late[-1].seq
+    assert got == [[0, 1], [2]]
+
+
 # -- forks ---------------------------------------------------------------------------------------
 
 

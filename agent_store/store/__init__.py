@@ -24,7 +24,7 @@ from agent_store.store._driver import (
     storage_errors,
 )
 from agent_store.store._fork import fork_turn_id
-from agent_store.store._inbox import SteeringInbox
+from agent_store.store._inbox import InboxPage, SteeringInbox
 from agent_store.store._indexes import (
     BLOB_BUCKET,
     BLOB_CHUNKS,
@@ -61,6 +61,7 @@ from agent_store.store._reads import (
     ConversationStore,
     Deleted,
     SearchHit,
+    SearchPage,
     SortOrder,
 )
 from agent_store.store._reservation import Actor, same_conversation
@@ -157,6 +158,7 @@ __all__ = [
     "FallbackConversation",
     "FullText",
     "FullTextStore",
+    "InboxPage",
     "IndexSetup",
     "KeepPendingHitl",
     "LegacyHolder",
@@ -165,6 +167,7 @@ __all__ = [
     "RetryPolicy",
     "RuntimeContextMarkers",
     "SearchHit",
+    "SearchPage",
     "SortOrder",
     "SteeringInbox",
     "TurnObserver",

@@ -9,7 +9,8 @@ allocates `seq`, so it needs no transaction:
   its own, so a retried delivery is stored once);
 - `close_inbox` removes the entry only if no delivery arrived after what the
   runtime last saw (a version counter, compared in the filter); otherwise it
-  returns the new messages and the inbox stays open.
+  returns the new messages (a page of them, as `drain` does: what fits in
+  `PAGE_BYTES`, read in bounded batches) and the inbox stays open.
 A delivery retried after its inbox closed, whose message was never stored, is
 refused: it cannot come back unseen. One that stored nothing and is retried later
 than the rules' `abandon_after` moves to a new block at the end (DESIGN.md §3) only
@@ -27,6 +28,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from bson import Int64
+from pydantic import BaseModel
 from pymongo import ReturnDocument
 
 from agent_store.core import (
@@ -41,6 +43,7 @@ from agent_store.core import (
 )
 from agent_store.store._driver import storage_errors
 from agent_store.store._logger import AgentMessageLogger, Condition
+from agent_store.store._reads import _bounded_page, _by_seq
 from agent_store.store._reservation import Actor, int64, literal
 from agent_store.store._turns import TurnPlan, plan_turn, turn_key, validate_identifier
 
@@ -55,6 +58,15 @@ class _InboxClosed(StoreError):
 
     code = "inbox_closed"
     status = 409
+
+
+class InboxPage(BaseModel):
+    """A page of the messages delivered into a running turn's inbox, by `seq`."""
+
+    data: list[AgentMessage]
+    has_more: bool
+    """More deliveries follow this page (it ended before the one that would take it past
+    `PAGE_BYTES`): read on after the last `seq` in `data`."""
 
 
 def delivery_turn_id(turn_id: str, delivery: str) -> str:
@@ -254,20 +266,41 @@ class SteeringInbox:
     async def drain(
         self, conversation_id: str, turn_id: str, after_seq: int = -1, *, user_id: str | None = None
     ) -> list[AgentMessage]:
-        """The messages delivered into `turn_id`'s inbox after `after_seq`, by `seq`. With
+        """The messages delivered into `turn_id`'s inbox after `after_seq`, by `seq`: a page of
+        them (`drain_page`), so drain again after the last `seq` returned to read on. With
         `user_id`, only in a conversation that user owns (else NotFound)."""
+        page = await self.drain_page(conversation_id, turn_id, after_seq, user_id=user_id)
+        return page.data
+
+    async def drain_page(
+        self, conversation_id: str, turn_id: str, after_seq: int = -1, *, user_id: str | None = None
+    ) -> InboxPage:
+        """A page of the messages delivered into `turn_id`'s inbox after `after_seq`, by `seq`:
+        those that fit in `PAGE_BYTES` (one at least), `has_more` saying whether more
+        follow it (read on after its last `seq`). With `user_id`, only in a conversation
+        that user owns (else NotFound)."""
         entry = await self._read_entry(conversation_id, turn_id, user_id)
         if entry is None:
-            return []
-        messages, _ = await self._delivered(conversation_id, entry, after_seq)
-        return messages
+            return InboxPage(data=[], has_more=False)
+        messages, _, has_more = await self._delivered(conversation_id, entry, after_seq)
+        return InboxPage(data=messages, has_more=has_more)
 
     async def close_inbox(
         self, conversation_id: str, turn_id: str, last_seen_seq: int, *, user_id: str | None = None
     ) -> list[AgentMessage]:
         """Close the inbox if nothing arrived after `last_seen_seq`, and return [];
-        else return what arrived, in `seq` order, and leave it open. With `user_id`, only in
-        a conversation that user owns (else NotFound).
+        else return (a page of) what arrived, in `seq` order, and leave it open: close again
+        after the last `seq` returned (`close_inbox_page`)."""
+        page = await self.close_inbox_page(conversation_id, turn_id, last_seen_seq, user_id=user_id)
+        return page.data
+
+    async def close_inbox_page(
+        self, conversation_id: str, turn_id: str, last_seen_seq: int, *, user_id: str | None = None
+    ) -> InboxPage:
+        """Close the inbox if nothing arrived after `last_seen_seq` (an empty page); else
+        answer a page of what arrived, in `seq` order (what fits in `PAGE_BYTES`, one at
+        least, `has_more` saying more follow) and leave it open. With `user_id`, only in a
+        conversation that user owns (else NotFound).
 
         A delivery still being written is waited for briefly; if it is still not
         stored, `StorageUnavailable` asks the caller to close again. One given up
@@ -278,10 +311,10 @@ class SteeringInbox:
         for _ in range(4):
             entry = await self._read_entry(conversation_id, turn_id, user_id)
             if entry is None:
-                return []
-            messages, in_flight = await self._delivered(conversation_id, entry, last_seen_seq)
+                return InboxPage(data=[], has_more=False)
+            messages, in_flight, more = await self._delivered(conversation_id, entry, last_seen_seq)
             if messages:
-                return messages
+                return InboxPage(data=messages, has_more=more)
             if in_flight:
                 raise StorageUnavailable(
                     f"a message delivered into turn {turn_id!r} is still being written; "
@@ -295,7 +328,7 @@ class SteeringInbox:
                     return_document=ReturnDocument.BEFORE,
                 )
             if closed is not None:
-                return []
+                return InboxPage(data=[], has_more=False)
         raise StorageUnavailable(f"deliveries into turn {turn_id!r} keep arriving; close again")
 
     async def _read_entry(
@@ -313,41 +346,59 @@ class SteeringInbox:
 
     async def _delivered(
         self, conversation_id: str, entry: dict[str, Any], after_seq: int
-    ) -> tuple[list[AgentMessage], bool]:
-        """The stored deliveries after `after_seq` up to the first one still being written,
-        and whether there is such a one.
+    ) -> tuple[list[AgentMessage], bool, bool]:
+        """A page of the stored deliveries after `after_seq` (`_delivered_page`), waiting
+        briefly for one still being written when none is stored before it: the page, whether
+        it ends at a delivery still being written, and whether more follow it."""
+        # A `seq` listed twice was given back by a pop and taken again: the later one holds it.
+        wanted = {d["s"]: d for d in entry.get("seqs", ()) if d["s"] > after_seq}
+        waited = 0.0
+        while True:
+            ready, in_flight, more = await self._delivered_page(conversation_id, wanted)
+            if ready or not in_flight or waited >= _WAIT_FOR_IN_FLIGHT:
+                return messages_adapter.validate_python(ready), in_flight, more
+            await asyncio.sleep(_WAIT_STEP)
+            waited += _WAIT_STEP
+
+    async def _delivered_page(
+        self, conversation_id: str, wanted: dict[int, Mapping[str, Any]]
+    ) -> tuple[list[dict[str, Any]], bool, bool]:
+        """The stored deliveries among `wanted` (by `seq`) that fit in `PAGE_BYTES` (one at
+        least, read in bounded batches: `_bounded_page`), up to the first one still being
+        written; whether there is such a one; and whether more follow the page.
 
         Deliveries commit out of `seq` order, so returning one past a delivery in flight
         would let the runtime's `after_seq` pass it for good. A delivery with no message of
         its own at its `seq` is passed when a pop removed it (`_undone_by_pop`) or its
         sender gave it up longer than `abandon_after` ago; else it is being written.
         """
-        # A `seq` listed twice was given back by a pop and taken again: the later one holds it.
-        wanted = {d["s"]: d for d in entry.get("seqs", ()) if d["s"] > after_seq}
-        if not wanted:
-            return [], False
-        waited = 0.0
-        while True:
+        pops: Mapping[str, Any] | None = None
+        while wanted:
+            query = {"conversation_id": conversation_id, "seq": {"$in": sorted(wanted)}}
             with storage_errors("read the delivered messages"):
-                found = await self._messages.find(
-                    {"conversation_id": conversation_id, "seq": {"$in": sorted(wanted)}}
-                ).to_list(None)
-            by_seq = {d["seq"]: d for d in found if wanted[d["seq"]].get("m", d["_id"]) == d["_id"]}
-            missing = [s for s in sorted(wanted) if s not in {d["seq"] for d in found}]
-            pops = await self._pops(conversation_id) if missing else {}
-            ready, in_flight = [], False
+                docs, more = await _bounded_page(
+                    self._messages, query, None, *_by_seq("asc"), len(wanted)
+                )
+            read_to = docs[-1]["seq"] if more else None
+            found = {d["seq"]: d for d in docs}
+            ready = []
             for seq, delivery in sorted(wanted.items()):
-                if seq in by_seq:
-                    ready.append(by_seq[seq])
-                elif seq not in missing or _undone_by_pop(pops, delivery):
-                    continue  # another message holds it, or nothing ever will
-                elif utc_now() - delivery["a"] < self._logger.rules.abandon_after:
-                    in_flight = True
+                if read_to is not None and seq > read_to:
                     break
-            if ready or not in_flight or waited >= _WAIT_FOR_IN_FLIGHT:
-                return messages_adapter.validate_python(ready), in_flight
-            await asyncio.sleep(_WAIT_STEP)
-            waited += _WAIT_STEP
+                if (doc := found.get(seq)) is not None:
+                    if delivery.get("m", doc["_id"]) == doc["_id"]:
+                        ready.append(doc)
+                    continue  # else another message holds it
+                pops = await self._pops(conversation_id) if pops is None else pops
+                if _undone_by_pop(pops, delivery):
+                    continue  # nothing ever will hold it
+                if utc_now() - delivery["a"] < self._logger.rules.abandon_after:
+                    return ready, True, False
+            if ready or read_to is None:
+                return ready, False, read_to is not None
+            # A page of other messages only (turns took those `seq`s back): read on past it.
+            wanted = {seq: d for seq, d in wanted.items() if seq > read_to}
+        return [], False, False
 
     async def _pops(self, conversation_id: str) -> Mapping[str, Any]:
         """What the conversation records of its pops (`POPS_READ`), read after the messages,

@@ -14,6 +14,7 @@ import json
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
+    Awaitable,
     Callable,
     Collection,
     Mapping,
@@ -83,10 +84,12 @@ from agent_store.store._values import storable
 
 MAX_PAGE_SIZE = 200
 PAGE_BYTES = 4 * 1024 * 1024
-"""About how much a page of conversations or messages holds at most (`_approximate_size`: its
-text, plus a little per value): a page ends before the item that would take it past this,
-but holds one at least, so a page may hold fewer items than its `limit` (`has_more` then
-says to read on). What a request reads and serves stays about this whatever its `limit`."""
+"""About how much a page of conversations, messages, search hits or steering deliveries holds
+at most (`_approximate_size`: its text, one per character, plus a little per value): a page
+ends before the item that would take it past this, but holds one at least, so a page may
+hold fewer items than its `limit` (`has_more` then says to read on). What a request reads
+and serves stays about this whatever its `limit`; served as JSON, a control character takes
+six bytes (`\\u0001`), so an answer is at most about six times this."""
 PAGE_FIRST_BATCH = 21
 """The first read of a page holds at most this many documents: a page of the default 20 and
 the one telling whether more follow in one round trip, and a reply the server can send (the
@@ -117,6 +120,19 @@ class SearchHit(BaseModel):
     message: AgentMessage
     rank: Count
     """1 for the best match."""
+
+
+class SearchPage(BaseModel):
+    """A page of search hits, best first."""
+
+    model_config = ConfigDict(frozen=True)
+
+    data: list[SearchHit]
+    has_more: bool
+    """More hits follow: the page ended at `limit`, or before the hit that would take it
+    past `PAGE_BYTES`."""
+    next_cursor: str | None = None
+    """Pass as `cursor` to read the next page; null on the last page."""
 
 
 class Deleted(BaseModel):
@@ -166,6 +182,32 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
     except (ValueError, TypeError, OverflowError, OSError, binascii.Error) as exc:
         raise InvalidInput(
             "invalid cursor: pass back the `next_cursor` of a previous page unchanged"
+        ) from exc
+
+
+MAX_SEARCH_SKIP = 2**31 - 1
+"""The most hits a search cursor may pass over (a cursor served never comes near it)."""
+
+
+def encode_search_cursor(after_rank: int) -> str:
+    """The cursor of the search page after the hit ranked `after_rank`."""
+    raw = json.dumps({"after_rank": after_rank}).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_search_cursor(cursor: str) -> int:
+    """The rank a search cursor reads on after (`encode_search_cursor`); InvalidInput for
+    anything else."""
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        decoded = json.loads(base64.urlsafe_b64decode(padded.encode()))
+        after_rank = decoded["after_rank"] if isinstance(decoded, dict) else None
+        if type(after_rank) is not int or not 0 < after_rank <= MAX_SEARCH_SKIP:
+            raise ValueError
+        return after_rank
+    except (ValueError, TypeError, KeyError, binascii.Error) as exc:
+        raise InvalidInput(
+            "invalid cursor: pass back the `next_cursor` of a previous search page unchanged"
         ) from exc
 
 
@@ -1036,8 +1078,55 @@ class ConversationStore:
         conversation_id: str | None = None,
         limit: int = 20,
     ) -> list[SearchHit]:
-        """Messages matching `text`, best first, within one user's or one conversation's."""
+        """Messages matching `text`, best first, within one user's or one conversation's: the
+        first page of `search_page` (fewer than `limit` when they pass `PAGE_BYTES`)."""
+        page = await self.search_page(
+            text, user_id=user_id, conversation_id=conversation_id, limit=limit
+        )
+        return page.data
+
+    async def search_page(
+        self,
+        text: str,
+        *,
+        user_id: str | None = None,
+        conversation_id: str | None = None,
+        limit: int = 20,
+        cursor: str | None = None,
+    ) -> SearchPage:
+        """A page of the messages matching `text`, best first, within one user's or one
+        conversation's: `limit` at most, fewer when they pass `PAGE_BYTES` (one at least);
+        `next_cursor` (passed as `cursor`) reads on, ranked from where this page ended."""
         limit = _page_size(limit)
+        skipped = 0 if cursor is None else decode_search_cursor(cursor)
+        query = await self._search_query(text, user_id, conversation_id)
+        # Sorting by the text score needs no projection of it (MongoDB 4.4+); projecting it
+        # would also trim documents on some MongoDB-compatible servers. `_id` orders ties
+        # the same way on every page.
+        ranked = [("score", {"$meta": "textScore"}), ("_id", 1)]
+
+        async def read(size: int, kept: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            found = self._messages.find(query).sort(ranked).skip(skipped + len(kept))
+            docs: list[dict[str, Any]] = await found.limit(size).to_list(None)
+            return docs
+
+        with storage_errors("search messages"):
+            docs, has_more = await _bounded_read(read, limit)
+        hits = [
+            SearchHit(message=message_adapter.validate_python(d), rank=rank)
+            for rank, d in enumerate(docs, start=skipped + 1)
+        ]
+        after = skipped + len(hits)
+        return SearchPage(
+            data=hits,
+            has_more=has_more,
+            next_cursor=encode_search_cursor(after) if has_more else None,
+        )
+
+    async def _search_query(
+        self, text: str, user_id: str | None, conversation_id: str | None
+    ) -> dict[str, Any]:
+        """The filter of a search for `text` in its scope, refused when it finds nothing."""
         text = collapse_whitespace(text)
         if not text or len(text) > MAX_SEARCH_QUERY_CHARS:
             raise InvalidInput(
@@ -1059,19 +1148,7 @@ class ConversationStore:
             # The text index is compound on `user_id` first: every search names the owner,
             # so it reads one user's postings, never the whole collection's.
             query["user_id"] = await self._owner_of(query["conversation_id"])
-        with storage_errors("search messages"):
-            # Sorting by the text score needs no projection of it (MongoDB 4.4+); projecting
-            # it would also trim documents on some MongoDB-compatible servers.
-            docs = await (
-                self._messages.find(query)
-                .sort([("score", {"$meta": "textScore"})])
-                .limit(limit)
-                .to_list(None)
-            )
-        return [
-            SearchHit(message=message_adapter.validate_python(d), rank=rank)
-            for rank, d in enumerate(docs, start=1)
-        ]
+        return query
 
     async def _owner_of(self, conversation_id: str) -> str | None:
         with storage_errors("read the conversation"):
@@ -1496,16 +1573,33 @@ async def _bounded_page(
     limit: int,
 ) -> tuple[list[dict[str, Any]], bool]:
     """The first `limit` documents of `query` in `sort` order, fewer when they pass
-    `PAGE_BYTES` (one at least), and whether more follow.
+    `PAGE_BYTES` (one at least), and whether more follow (`_bounded_read`), each batch read
+    from where the last ended (`after` the last document read)."""
 
-    Read in batches, each from where the last ended (`after` the last document read): the
-    first of `PAGE_FIRST_BATCH` at most, each next one as many as the room left holds by
+    async def read(size: int, kept: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        scope = {"$and": [query, after(kept[-1])]} if kept else query
+        found: list[dict[str, Any]] = (
+            await collection.find(scope, projection).sort(sort).limit(size).to_list(None)
+        )
+        return found
+
+    return await _bounded_read(read, limit)
+
+
+async def _bounded_read(
+    read: Callable[[int, list[dict[str, Any]]], Awaitable[list[dict[str, Any]]]], limit: int
+) -> tuple[list[dict[str, Any]], bool]:
+    """The first `limit` documents `read` gives, fewer when they pass `PAGE_BYTES` (one at
+    least), and whether more follow.
+
+    `read(size, kept)` reads the next `size` documents after those kept so far. The first
+    batch is of `PAGE_FIRST_BATCH` at most, each next one as many as the room left holds by
     the largest document so far, so a page never reads much past what it serves and no
     reply holds more than about a page."""
     kept: list[dict[str, Any]] = []
-    held, size, scope = 0, min(limit + 1, PAGE_FIRST_BATCH), query
+    held, size = 0, min(limit + 1, PAGE_FIRST_BATCH)
     while True:
-        docs = await collection.find(scope, projection).sort(sort).limit(size).to_list(None)
+        docs = await read(size, kept)
         largest = 1
         for doc in docs:
             weight = _approximate_size(doc)
@@ -1516,7 +1610,6 @@ async def _bounded_page(
         if len(docs) < size:
             return kept, False
         size = max(1, min(limit + 1 - len(kept), (PAGE_BYTES - held) // largest + 1))
-        scope = {"$and": [query, after(docs[-1])]}
 
 
 def _approximate_size(document: Any) -> int:

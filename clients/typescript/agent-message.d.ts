@@ -310,11 +310,13 @@ export interface IDelivery {
 
 export interface IDelivered {
   data: AgentMessageByRole<string>[];
+  has_more: boolean;
 }
 
 export interface IInboxClosing {
   closed: boolean;
   data: AgentMessageByRole<string>[];
+  has_more: boolean;
 }
 
 export interface IPendingHitlState {
@@ -328,6 +330,8 @@ export interface IHitlResolved {
 
 export interface ISearchResults {
   data: ISearchHit[];
+  has_more: boolean;
+  next_cursor: string | null;
 }
 
 /** One conversation with its whole transcript. */
