@@ -664,6 +664,63 @@ def test_a_session_prompt_resolved_in_other_case_or_spaces_is_not_pending(status
     assert pending_from_session_hitl([prompt], messages) == (None, [])
 
 
+RAISED = {"type": "hitl", "action": "refund", "request_id": "req-9", "prompt": "Refund «o-1»?"}
+
+
+@pytest.mark.parametrize(
+    "status",
+    ["rejected", "approved", "Denied", "declined", "timed_out", "Timed Out", "time-out", "timeout",
+     "closed", " ACCEPTED ", "failed", "expired", "cancelled", "completed"],
+)  # fmt: skip
+def test_a_session_prompt_whose_status_says_it_was_answered_or_is_over_is_not_pending(
+    status: str,
+) -> None:
+    """A rejected refund is not asked again: any word saying the prompt was answered or is
+    over, in any case, with spaces, underscores or hyphens, is answered."""
+    messages = convert([turn(1)]).messages
+    prompt = {**PROMPT, "request_id": "req-9", "status": status}
+    assert pending_from_session_hitl([prompt], messages) == (None, [])
+
+
+@pytest.mark.parametrize(
+    "status",
+    ["pending", " Open ", "waiting", "awaiting_approval", "Awaiting input", "asked", "new", "",
+     None],
+)  # fmt: skip
+def test_a_session_prompt_whose_status_says_it_waits_is_pending_without_a_problem(
+    status: str | None,
+) -> None:
+    messages = convert([turn(1, [RAISED])]).messages
+    pending, notes = pending_from_session_hitl(
+        [{**PROMPT, "request_id": "req-9", "status": status}], messages
+    )
+    assert pending is not None
+    assert (pending.request_id, notes) == ("req-9", [])
+
+
+@pytest.mark.parametrize("status", ["snoozed", "in_review", 3, ["approved"], {"state": "done"}])
+def test_a_session_prompt_whose_status_is_no_known_word_stays_pending_and_is_a_problem(
+    status: Any,
+) -> None:
+    """No guess: the prompt stays pending, as for a `resolved` read as neither yes nor no,
+    and the status is kept in a problem (not placed) the drop waits on."""
+    messages = convert([turn(1, [RAISED])]).messages
+    pending, notes = pending_from_session_hitl(
+        [{**PROMPT, "request_id": "req-9", "status": status}], messages
+    )
+    assert pending is not None
+    assert pending.request_id == "req-9"
+    found = [(n.kind, n.field, n.placed, n.content) for n in notes]
+    assert found == [("unreadable_status", "status", False, status)]
+
+
+def test_a_session_prompt_resolved_yes_with_a_status_no_one_reads_is_answered() -> None:
+    """`resolved: true` says it was answered: the status then decides nothing."""
+    messages = convert([turn(1, [RAISED])]).messages
+    prompt = {**PROMPT, "request_id": "req-9", "status": "snoozed", "resolved": True}
+    assert pending_from_session_hitl([prompt], messages) == (None, [])
+
+
 def test_a_session_prompt_without_a_time_gets_the_same_one_on_every_run() -> None:
     messages = convert([turn(1), turn(2)]).messages
     prompt = {**PROMPT, "request_id": "req-9"}
