@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from bson import Decimal128, Int64, ObjectId
+from bson import Code, Decimal128, Int64, ObjectId
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1083,3 +1083,34 @@ def test_problems_of_turns_whose_ids_read_alike_name_each_turn_apart() -> None:
     legacy = from_legacy(parse_turns(turns), conversion.unplaced)
     assert differences(legacy, from_messages(conversion.messages)) == []
     assert "assistant: an answer" in legacy.lines
+
+
+SCOPED = Code("function(){ return x }", {"x": "SCOPE-MARK-42"})
+SCOPED_JSON = {"$code": "function(){ return x }", "$scope": {"x": "SCOPE-MARK-42"}}
+
+
+def test_javascript_code_with_a_scope_is_kept_whole_as_its_extended_json() -> None:
+    """BSON code with a scope is a `str` to Python, its code alone: made text as its extended
+    JSON (`$code` and `$scope`), as an id stored so is named, wherever a legacy value is made
+    text (a call's arguments, a result, a text part, a user's message)."""
+    parts = [
+        {"type": "tool_call", "tool_name": "eval", "args": {"src": SCOPED}, "tool_call_id": "c1"},
+        {"type": "tool_result", "tool_name": "eval", "result": SCOPED, "tool_call_id": "c1"},
+        {"type": "text", "content": SCOPED},
+    ]
+    turns = [turn(1, parts, user_message=SCOPED)]
+    conversion = convert(turns)
+    user, call, result, text = conversion.messages
+
+    assert json.loads(str(user.content)) == SCOPED_JSON
+    assert call.tool_calls is not None
+    assert json.loads(call.tool_calls[0].function.arguments) == {"src": SCOPED_JSON}
+    assert json.loads(str(result.content)) == SCOPED_JSON
+    assert json.loads(str(text.content)) == SCOPED_JSON
+    legacy = from_legacy(parse_turns(turns), conversion.unplaced)
+    assert differences(legacy, from_messages(conversion.messages)) == []
+
+
+def test_javascript_code_without_a_scope_is_its_code_text() -> None:
+    conversion = convert([turn(1, [{"type": "text", "content": Code("return 1")}])])
+    assert conversion.messages[1].content == "return 1"

@@ -726,11 +726,39 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def is_text(value: Any) -> bool:
+    """Whether a legacy value is text, kept as it is: a `str`, BSON code without a scope (its
+    code is all it holds) too; code with a scope is a `str` to Python, its code alone, so it
+    is no text (`dumps` writes it whole)."""
+    return isinstance(value, str) and not (isinstance(value, Code) and value.scope is not None)
+
+
+def _scoped_code(value: Any) -> tuple[Any, bool]:
+    """`value` with each BSON code holding a scope as its extended JSON (`{"$code": …,
+    "$scope": …}`, as an id stored so is named), and whether one was found. JSON writes any
+    `str` as its text: such code would lose its scope."""
+    if isinstance(value, Code) and value.scope is not None:
+        return {"$code": str.__str__(value), "$scope": _scoped_code(value.scope)[0]}, True
+    if isinstance(value, dict):
+        pairs = [(key, _scoped_code(item)) for key, item in value.items()]
+        if any(found for _, (_, found) in pairs):
+            return {key: item for key, (item, _) in pairs}, True
+    elif isinstance(value, list | tuple):
+        items = [_scoped_code(item) for item in value]
+        if any(found for _, found in items):
+            return [item for item, _ in items], True
+    return value, False
+
+
 def dumps(value: Any, *, compact: bool = False) -> tuple[str, bool]:
-    """JSON text of `value`, and whether it is plain JSON (False: some values became strings)."""
+    """JSON text of `value`, and whether it is plain JSON (False: some values became strings,
+    or BSON code with a scope its extended JSON: `_scoped_code`). The one way a legacy value
+    that is not text becomes text."""
     separators = (",", ":") if compact else (", ", ": ")
+    value, scoped = _scoped_code(value)
     try:
-        return json.dumps(value, ensure_ascii=False, separators=separators, allow_nan=False), True
+        text = json.dumps(value, ensure_ascii=False, separators=separators, allow_nan=False)
+        return text, not scoped
     except (TypeError, ValueError):
         text = json.dumps(
             _finite(value), ensure_ascii=False, separators=separators, default=_jsonable
@@ -770,8 +798,9 @@ def storable_text(text: str) -> str:
 
 
 def as_text(value: Any) -> str:
-    """A legacy value as the text a message holds: a string as it is, anything else as JSON."""
-    return value if isinstance(value, str) else dumps(value)[0]
+    """A legacy value as the text a message holds: text as it is (`is_text`), anything else
+    as JSON (`dumps`)."""
+    return value if is_text(value) else dumps(value)[0]
 
 
 def as_count(value: Any) -> int | None:
