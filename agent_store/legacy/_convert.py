@@ -1119,7 +1119,12 @@ def _dated(
         f"no turn of the conversation has a readable time, so {undated_at.isoformat()}"
     )
     detail = f"created_at is missing or unreadable; {source} is used"
-    if epoch_number(turn.created_at) is not None:
+    if isinstance(turn.created_at, datetime):
+        detail = (
+            f"created_at {turn.created_at.isoformat()} is no time the store takes (from 1970 "
+            f"to now and a day: a placeholder); {source} is used"
+        )
+    elif epoch_number(turn.created_at) is not None:
         detail = (
             f"created_at {turn.created_at!r} is a number, not epoch seconds or milliseconds from "
             f"1970 to now; {source} is used"

@@ -255,7 +255,8 @@ def flag(value: Any) -> bool | None:
 def as_time(value: Any) -> datetime | None:
     """A time as aware UTC, from a datetime, an ISO string, or a whole number of epoch
     seconds or milliseconds (`epoch_time`), written as a number or as text (`epoch_number`);
-    None if unreadable. Text is read with the spaces around it left out, as an ISO time
+    None if unreadable or no time the store takes (`taken_time`: 0001-01-01, 1969, 2099).
+    Text is read with the spaces around it left out, as an ISO time
     first (`"20210301"` is a date; a final `z` as `Z`), else as a number, and as a number
     too when the ISO reading is no time a store accepts (`"1704101400000"`, milliseconds, is
     also ISO's basic form of 1704-10-14), else as an RFC 2822 date (HTTP's and e-mail's,
@@ -264,14 +265,21 @@ def as_time(value: Any) -> datetime | None:
     their order; a time stored is cut to the millisecond (`to_utc_millis`)."""
     if isinstance(value, str):
         text = value.strip()
-        iso = _iso_time(text)
-        if iso is not None and EPOCH <= iso <= _latest():
+        if (iso := taken_time(_iso_time(text))) is not None:
             return iso
         number = epoch_number(text)
-        return (epoch_time(number) if number is not None else None) or iso or _rfc2822(text)
+        return (epoch_time(number) if number is not None else None) or _rfc2822(text)
     if (number := epoch_number(value)) is not None:
         return epoch_time(number)
-    return to_utc(value) if isinstance(value, datetime) else None
+    return taken_time(to_utc(value)) if isinstance(value, datetime) else None
+
+
+def taken_time(at: datetime | None) -> datetime | None:
+    """`at` when it is a time the store takes (from 1970 up to now and its future leeway),
+    else None: Go's and .NET's zero time (0001-01-01), a date before 1970 or one decades
+    ahead is a placeholder, read as no time, as `0` is (`epoch_time`). Every time a legacy
+    document carries (`as_time`, an ObjectId's) is read through it."""
+    return at if at is not None and EPOCH <= at <= _latest() else None
 
 
 def _iso_time(text: str) -> datetime | None:
@@ -287,10 +295,9 @@ def _rfc2822(text: str) -> datetime | None:
     """An RFC 2822 date a store accepts (since 1970, up to its future leeway), `-0000` as
     UTC; None if not one."""
     try:
-        at = to_utc(email.utils.parsedate_to_datetime(text))
+        return taken_time(to_utc(email.utils.parsedate_to_datetime(text)))
     except (TypeError, ValueError, IndexError):
         return None
-    return at if EPOCH <= at <= _latest() else None
 
 
 def _latest() -> datetime:
@@ -412,8 +419,10 @@ class LegacyTurn(BaseModel):
         return as_time(self.created_at)
 
     def id_time(self) -> datetime | None:
-        """When the document was created, from its ObjectId; None for other ids."""
-        return to_utc_millis(self.id.generation_time) if isinstance(self.id, ObjectId) else None
+        """When the document was created, from its ObjectId (`taken_time`); None for other ids."""
+        if not isinstance(self.id, ObjectId):
+            return None
+        return taken_time(to_utc_millis(self.id.generation_time))
 
 
 def key_of(text: str) -> str:

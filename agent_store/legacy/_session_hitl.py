@@ -31,7 +31,13 @@ from agent_store.core import (
     to_utc_millis,
 )
 from agent_store.legacy._convert import MIXED_USER_IDS, LegacyConversion, Problem
-from agent_store.legacy._documents import as_time, flag, reference_text, user_named
+from agent_store.legacy._documents import (
+    as_time,
+    flag,
+    reference_text,
+    taken_time,
+    user_named,
+)
 from agent_store.legacy._parts import hitl_params, part_text, read_prompt, said
 
 _ANSWERED = frozenset(
@@ -136,7 +142,9 @@ def _unreadable_state(document: Mapping[str, Any]) -> list[PromptNote]:
 
 def _id_time(document: Mapping[str, Any]) -> datetime | None:
     found = document.get("_id")
-    return to_utc_millis(found.generation_time) if isinstance(found, ObjectId) else None
+    if not isinstance(found, ObjectId):
+        return None
+    return taken_time(to_utc_millis(found.generation_time))
 
 
 def _time(document: Mapping[str, Any]) -> datetime | None:
