@@ -1035,6 +1035,19 @@ def test_a_name_that_shows_nothing_names_nothing_and_is_kept_whole() -> None:
     ]
 
 
+@pytest.mark.parametrize("last", ["   ", "\u200b", "\u3164", "\u202e\x07"])
+def test_a_last_name_that_shows_nothing_leaves_the_earlier_name(last: str) -> None:
+    """An invisible name, or one of control characters alone, names nothing, as a blank one:
+    the last turn whose name shows something names the conversation; one that shows nothing
+    is kept whole in a problem."""
+    conversion = convert([turn(1, name="Trip to Rome 2024"), turn(2, name=last)])
+
+    assert conversion.conversation is not None
+    assert conversion.conversation.name == "Trip to Rome 2024"
+    kept = [(p.kind, p.content) for p in conversion.problems]
+    assert kept == ([] if not last.strip() else [("plain_name", last)])
+
+
 ALIKE = ObjectId("65f000000000000000000001")
 IDS_READING_ALIKE = {
     "an ObjectId and its text": (ALIKE, str(ALIKE)),

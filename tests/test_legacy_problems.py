@@ -1491,6 +1491,17 @@ def test_a_conversation_whose_turns_hold_only_a_name_keeps_it_in_an_unplaced_pro
     )
 
 
+def test_turns_holding_only_names_keep_the_last_that_shows_something() -> None:
+    """A later invisible name names nothing: the real name before it is the one kept."""
+    turns = [{"_id": "t1", "conversation_id": "c-1", "user_id": "u", "name": "«Tax 2024»",
+              "created_at": datetime(2024, 1, 1, tzinfo=UTC)},
+             {"_id": "t2", "conversation_id": "c-1", "user_id": "u", "name": "\u200b",
+              "created_at": datetime(2024, 1, 2, tzinfo=UTC)}]  # fmt: skip
+    [problem] = convert(turns).unplaced
+
+    assert (problem.kind, problem.content) == ("name_without_messages", "«Tax 2024»")
+
+
 def test_turns_naming_several_users_are_an_unplaced_problem_naming_each_users_turns() -> None:
     """The last user owns every message, the others' words too: content no message keeps as
     theirs, so an operator must accept it."""

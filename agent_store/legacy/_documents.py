@@ -37,8 +37,11 @@ from agent_store.core import (
 from agent_store.store import (
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
+    MAX_NAME_CHARS,
     MIGRATED_TURN_PREFIX,
     TurnRules,
+    shorten,
+    shows_nothing,
     validate_identifier,
 )
 
@@ -390,6 +393,17 @@ class LegacyTurn(BaseModel):
         """Whether the turn is a system turn: `is_system` read as yes (`flag`); a value read
         as neither is no, and the converter keeps it in a problem."""
         return flag(self.is_system) is True
+
+    def shown_name(self) -> str | None:
+        """Its name as a conversation holds it (`shorten`: white space collapsed, control and
+        text-direction characters left out, cut at a word to `MAX_NAME_CHARS`); None when it
+        has none, or one that shows nothing (`shows_nothing`: blank, invisible or control
+        characters alone), which names nothing: the last turn whose name shows something
+        names the conversation."""
+        if self.name is None:
+            return None
+        name = shorten(self.name, MAX_NAME_CHARS)
+        return None if shows_nothing(name) else name
 
     def unknown_fields(self) -> dict[str, Any]:
         """The fields no reader takes: those the format does not name (the dual write's own
