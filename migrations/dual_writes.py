@@ -48,7 +48,7 @@ from agent_store.legacy import (
     sort_turns,
     stored_conversation_id,
 )
-from agent_store.store import MAX_NAME_CHARS, MESSAGES, shorten, shows_nothing, turn_key
+from agent_store.store import MESSAGES, turn_key
 from migrations import full_texts
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.transcript import NO_CALL, Transcript, contains, from_legacy, from_messages
@@ -126,14 +126,13 @@ def copy_naming(
     legacy: Sequence[LegacyTurn], copies: Sequence[LegacyTurn]
 ) -> tuple[LegacyTurn, str] | None:
     """The held dual-written copy that names its conversation, and the name as a conversation
-    holds it (`shorten`): the last turn naming it (legacy or copy, `sort_turns`), when that is
-    one of the `copies` and its name shows something; else None (the converter's own rule
+    holds it (`LegacyTurn.shown_name`): the last turn whose name shows something (legacy or
+    copy, `sort_turns`), when that is one of the `copies`; else None (the converter's own rule
     names it from the legacy turns)."""
-    named = [t for t in sort_turns([*legacy, *copies]) if t.name]
+    named = [t for t in sort_turns([*legacy, *copies]) if t.shown_name() is not None]
     if not named or not any(named[-1] is t for t in copies):
         return None
-    name = shorten(named[-1].name or "", MAX_NAME_CHARS)
-    return None if shows_nothing(name) else (named[-1], name)
+    return named[-1], named[-1].shown_name() or ""
 
 
 def _unnamed(

@@ -8,10 +8,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import bson
+from pydantic import ValidationError
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError
 
-from agent_store.core import AgentMessage, message_adapter
+from agent_store.core import AgentMessage, describe_validation_error, message_adapter
 from agent_store.store import (
     BLOB_CHUNKS,
     BLOB_FILES,
@@ -118,12 +119,46 @@ def restore(db: Database[dict[str, Any]], messages: Sequence[AgentMessage]) -> l
     return [with_texts(m, found) for m in messages]
 
 
-def stored_messages(db: Database[dict[str, Any]], ids: list[str]) -> dict[str, list[AgentMessage]]:
+class StoredMessages(dict[str, list[AgentMessage]]):
+    """The stored messages of some conversations by `seq`, by conversation id; `invalid`
+    names, by conversation id, each stored message that no longer validates (edited by hand:
+    a `seq` of -1, a role it cannot have), which is left out: `verify` and `finish` report it
+    as a difference of its conversation."""
+
+    def __init__(self, ids: Iterable[str]) -> None:
+        super().__init__({i: [] for i in ids})
+        self.invalid: dict[str, list[str]] = {}
+
+    def read(self, document: dict[str, Any]) -> AgentMessage | None:
+        """The stored document as a message; None, noted in `invalid`, when it is none."""
+        message, why = stored_message(document)
+        if why is not None:
+            self.invalid.setdefault(str(document.get("conversation_id")), []).append(why)
+        return message
+
+
+def stored_message(document: dict[str, Any]) -> tuple[AgentMessage | None, str | None]:
+    """A stored message document as a message, or None and why it no longer validates (a
+    hand edit): the one boundary where what is stored is read back as a message."""
+    try:
+        return message_adapter.validate_python(document), None
+    except ValidationError as exc:
+        detail = describe_validation_error(exc, subject="message")
+        return None, (
+            f"the stored message {document.get('_id')!r} (seq {document.get('seq')!r}) no "
+            f"longer validates ({detail}): correct or delete it"
+        )
+
+
+def stored_messages(db: Database[dict[str, Any]], ids: list[str]) -> StoredMessages:
     """Every stored message of these conversations by `seq`, cut fields put back whole: one
-    read of the messages and one restore for them all."""
+    read of the messages and one restore for them all. One that no longer validates is left
+    out and named in `StoredMessages.invalid`, never raised: the read of what is stored is
+    where a hand edit shows."""
     query = {"conversation_id": {"$in": ids}}
     docs = db[MESSAGES].find(query).sort([("conversation_id", 1), ("seq", 1)])
-    stored: dict[str, list[AgentMessage]] = {i: [] for i in ids}
-    for message in restore(db, [message_adapter.validate_python(d) for d in docs]):
+    stored = StoredMessages(ids)
+    read = [m for m in map(stored.read, docs) if m is not None]
+    for message in restore(db, read):
         stored[str(message.conversation_id)].append(message)
     return stored

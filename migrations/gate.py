@@ -461,7 +461,8 @@ def _check_batch(
     for item in converted:
         gate.conversations += 1
         cid = item.conversion.conversation_id
-        reasons = _reasons(item, stored, accepted, messages[cid]) + dual.pop(cid, [])
+        reasons = messages.invalid.get(cid, []) + _reasons(item, stored, accepted, messages[cid])
+        reasons += dual.pop(cid, [])
         if reasons:
             gate.left.append(WorkLeft(cid, reasons))
             continue

@@ -116,7 +116,10 @@ def verify(
             result.conversations += 1
             result.unplaced += len(item.conversion.unplaced)
             gone = popped(documents.get(conversation_id))
-            found = compare(item, stored[conversation_id], gone) + dual.pop(conversation_id, [])
+            found = stored.invalid.get(conversation_id, []) + compare(
+                item, stored[conversation_id], gone
+            )
+            found += dual.pop(conversation_id, [])
             if found:
                 result.differences[conversation_id] = found
             else:

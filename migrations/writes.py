@@ -372,7 +372,8 @@ def _plan_messages(
         if found is None:
             planned.messages.append(dumped)
         elif (
-            differs(message_adapter.validate_python(found), m)
+            (read := full_texts.stored_message(found)[0]) is None
+            or differs(read, m)
             or found.get("user_id") != owner
             or stale & set(kept_blob_ids(m).values())
         ):
@@ -815,17 +816,17 @@ def _accept_identical(
     problems: list[Problem] = []
     for wanted in failed:
         found = stored.get(wanted["_id"])
-        same = found is not None and same_bson(
-            message_adapter.validate_python(found), message_adapter.validate_python(wanted)
-        )
-        if not same:
-            problems.append(
-                Problem(
-                    conversation_id=wanted["conversation_id"],
-                    legacy_id=str(wanted.get("turn_id")),
-                    kind="live_conflict",
-                    detail=f"seq {wanted['seq']} was taken by another message during the run",
-                    content=wanted,
-                )
+        read, invalid = full_texts.stored_message(found) if found is not None else (None, None)
+        if read is not None and same_bson(read, message_adapter.validate_python(wanted)):
+            continue
+        detail = f"seq {wanted['seq']} was taken by another message during the run"
+        problems.append(
+            Problem(
+                conversation_id=wanted["conversation_id"],
+                legacy_id=str(wanted.get("turn_id")),
+                kind="live_conflict",
+                detail=invalid or detail,
+                content=wanted,
             )
+        )
     return problems

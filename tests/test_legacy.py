@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from bson import Decimal128, Int64, ObjectId
+from bson import Code, Decimal128, Int64, ObjectId
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -664,6 +664,63 @@ def test_a_session_prompt_resolved_in_other_case_or_spaces_is_not_pending(status
     assert pending_from_session_hitl([prompt], messages) == (None, [])
 
 
+RAISED = {"type": "hitl", "action": "refund", "request_id": "req-9", "prompt": "Refund «o-1»?"}
+
+
+@pytest.mark.parametrize(
+    "status",
+    ["rejected", "approved", "Denied", "declined", "timed_out", "Timed Out", "time-out", "timeout",
+     "closed", " ACCEPTED ", "failed", "expired", "cancelled", "completed"],
+)  # fmt: skip
+def test_a_session_prompt_whose_status_says_it_was_answered_or_is_over_is_not_pending(
+    status: str,
+) -> None:
+    """A rejected refund is not asked again: any word saying the prompt was answered or is
+    over, in any case, with spaces, underscores or hyphens, is answered."""
+    messages = convert([turn(1)]).messages
+    prompt = {**PROMPT, "request_id": "req-9", "status": status}
+    assert pending_from_session_hitl([prompt], messages) == (None, [])
+
+
+@pytest.mark.parametrize(
+    "status",
+    ["pending", " Open ", "waiting", "awaiting_approval", "Awaiting input", "asked", "new", "",
+     None],
+)  # fmt: skip
+def test_a_session_prompt_whose_status_says_it_waits_is_pending_without_a_problem(
+    status: str | None,
+) -> None:
+    messages = convert([turn(1, [RAISED])]).messages
+    pending, notes = pending_from_session_hitl(
+        [{**PROMPT, "request_id": "req-9", "status": status}], messages
+    )
+    assert pending is not None
+    assert (pending.request_id, notes) == ("req-9", [])
+
+
+@pytest.mark.parametrize("status", ["snoozed", "in_review", 3, ["approved"], {"state": "done"}])
+def test_a_session_prompt_whose_status_is_no_known_word_stays_pending_and_is_a_problem(
+    status: Any,
+) -> None:
+    """No guess: the prompt stays pending, as for a `resolved` read as neither yes nor no,
+    and the status is kept in a problem (not placed) the drop waits on."""
+    messages = convert([turn(1, [RAISED])]).messages
+    pending, notes = pending_from_session_hitl(
+        [{**PROMPT, "request_id": "req-9", "status": status}], messages
+    )
+    assert pending is not None
+    assert pending.request_id == "req-9"
+    found = [(n.kind, n.field, n.placed, n.content) for n in notes]
+    assert found == [("unreadable_status", "status", False, status)]
+
+
+def test_a_session_prompt_resolved_yes_with_a_status_no_one_reads_is_answered() -> None:
+    """`resolved: true` says it was answered: the status then decides nothing."""
+    messages = convert([turn(1, [RAISED])]).messages
+    prompt = {**PROMPT, "request_id": "req-9", "status": "snoozed", "resolved": True}
+    assert pending_from_session_hitl([prompt], messages) == (None, [])
+
+
 def test_a_session_prompt_without_a_time_gets_the_same_one_on_every_run() -> None:
     messages = convert([turn(1), turn(2)]).messages
     prompt = {**PROMPT, "request_id": "req-9"}
@@ -978,6 +1035,19 @@ def test_a_name_that_shows_nothing_names_nothing_and_is_kept_whole() -> None:
     ]
 
 
+@pytest.mark.parametrize("last", ["   ", "\u200b", "\u3164", "\u202e\x07"])
+def test_a_last_name_that_shows_nothing_leaves_the_earlier_name(last: str) -> None:
+    """An invisible name, or one of control characters alone, names nothing, as a blank one:
+    the last turn whose name shows something names the conversation; one that shows nothing
+    is kept whole in a problem."""
+    conversion = convert([turn(1, name="Trip to Rome 2024"), turn(2, name=last)])
+
+    assert conversion.conversation is not None
+    assert conversion.conversation.name == "Trip to Rome 2024"
+    kept = [(p.kind, p.content) for p in conversion.problems]
+    assert kept == ([] if not last.strip() else [("plain_name", last)])
+
+
 ALIKE = ObjectId("65f000000000000000000001")
 IDS_READING_ALIKE = {
     "an ObjectId and its text": (ALIKE, str(ALIKE)),
@@ -1026,3 +1096,34 @@ def test_problems_of_turns_whose_ids_read_alike_name_each_turn_apart() -> None:
     legacy = from_legacy(parse_turns(turns), conversion.unplaced)
     assert differences(legacy, from_messages(conversion.messages)) == []
     assert "assistant: an answer" in legacy.lines
+
+
+SCOPED = Code("function(){ return x }", {"x": "SCOPE-MARK-42"})
+SCOPED_JSON = {"$code": "function(){ return x }", "$scope": {"x": "SCOPE-MARK-42"}}
+
+
+def test_javascript_code_with_a_scope_is_kept_whole_as_its_extended_json() -> None:
+    """BSON code with a scope is a `str` to Python, its code alone: made text as its extended
+    JSON (`$code` and `$scope`), as an id stored so is named, wherever a legacy value is made
+    text (a call's arguments, a result, a text part, a user's message)."""
+    parts = [
+        {"type": "tool_call", "tool_name": "eval", "args": {"src": SCOPED}, "tool_call_id": "c1"},
+        {"type": "tool_result", "tool_name": "eval", "result": SCOPED, "tool_call_id": "c1"},
+        {"type": "text", "content": SCOPED},
+    ]
+    turns = [turn(1, parts, user_message=SCOPED)]
+    conversion = convert(turns)
+    user, call, result, text = conversion.messages
+
+    assert json.loads(str(user.content)) == SCOPED_JSON
+    assert call.tool_calls is not None
+    assert json.loads(call.tool_calls[0].function.arguments) == {"src": SCOPED_JSON}
+    assert json.loads(str(result.content)) == SCOPED_JSON
+    assert json.loads(str(text.content)) == SCOPED_JSON
+    legacy = from_legacy(parse_turns(turns), conversion.unplaced)
+    assert differences(legacy, from_messages(conversion.messages)) == []
+
+
+def test_javascript_code_without_a_scope_is_its_code_text() -> None:
+    conversion = convert([turn(1, [{"type": "text", "content": Code("return 1")}])])
+    assert conversion.messages[1].content == "return 1"

@@ -23,6 +23,7 @@ from agent_store.legacy import (
     legacy_turn_documents,
     named_id,
     parse_turns,
+    pending_from_session_hitl,
     prompt_conversation,
     prompts_filter,
     tell_apart,
@@ -1490,6 +1491,17 @@ def test_a_conversation_whose_turns_hold_only_a_name_keeps_it_in_an_unplaced_pro
     )
 
 
+def test_turns_holding_only_names_keep_the_last_that_shows_something() -> None:
+    """A later invisible name names nothing: the real name before it is the one kept."""
+    turns = [{"_id": "t1", "conversation_id": "c-1", "user_id": "u", "name": "«Tax 2024»",
+              "created_at": datetime(2024, 1, 1, tzinfo=UTC)},
+             {"_id": "t2", "conversation_id": "c-1", "user_id": "u", "name": "\u200b",
+              "created_at": datetime(2024, 1, 2, tzinfo=UTC)}]  # fmt: skip
+    [problem] = convert(turns).unplaced
+
+    assert (problem.kind, problem.content) == ("name_without_messages", "«Tax 2024»")
+
+
 def test_turns_naming_several_users_are_an_unplaced_problem_naming_each_users_turns() -> None:
     """The last user owns every message, the others' words too: content no message keeps as
     theirs, so an operator must accept it."""
@@ -1553,3 +1565,64 @@ def test_a_turn_whose_id_spells_the_name_a_later_alike_turn_would_get_keeps_it_a
     assert len(unnamed.ids) == 3
     assert unnamed.ids[f"legacy-turn-{collides}"] == [collides]
     assert sorted(len(ids) for ids in unnamed.ids.values()) == [1, 1, 1]
+
+
+def dated_turn(turn_id: Any, at: Any, text: str) -> dict[str, Any]:
+    answer = [{"type": "text", "content": "ok"}]
+    return {"_id": turn_id, "conversation_id": "c-dates", "user_id": "u1", "created_at": at,
+            "user_message": text, "response_parts": answer}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "placeholder",
+    [datetime(1, 1, 1, tzinfo=UTC), datetime(1969, 7, 20, tzinfo=UTC),
+     datetime(2099, 1, 1, tzinfo=UTC), "1969-07-20T00:00:00Z", "2099-01-01T00:00:00Z"],
+    ids=["zero time", "a date of 1969", "a date of 2099", "1969 as text", "2099 as text"],
+)  # fmt: skip
+def test_a_turn_dated_outside_what_the_store_takes_is_migrated_with_its_neighbours_time(
+    placeholder: Any,
+) -> None:
+    """Go's and .NET's zero time, a date before 1970 or past now and a day is no time the
+    store takes, in BSON or as text, as `0` is none: the turn is migrated with the next
+    readable turn's time, and a `missing_created_at` problem keeps the value found."""
+    later = datetime(2021, 3, 1, 10, 2, tzinfo=UTC)
+    turns = [dated_turn("t1", later - timedelta(minutes=2), "first"),
+             dated_turn("t2", placeholder, "second"), dated_turn("t3", later, "third")]  # fmt: skip
+    conversion = convert(turns)
+
+    users = [(m.content, m.created_at) for m in conversion.messages if m.role == "user"]
+    assert users == [("first", later - timedelta(minutes=2)), ("second", later), ("third", later)]
+    assert [(p.kind, p.legacy_id, p.placed, p.content) for p in conversion.problems] == [
+        ("missing_created_at", "t2", True, placeholder)
+    ]
+
+
+def test_a_turn_whose_object_id_is_dated_past_what_the_store_takes_uses_its_neighbours_time() -> (
+    None
+):
+    at = datetime(2021, 3, 1, 10, tzinfo=UTC)
+    future = ObjectId.from_datetime(datetime(2100, 1, 1, tzinfo=UTC))
+    conversion = convert([dated_turn("t1", at, "first"), dated_turn(future, None, "second")])
+
+    assert [m.created_at for m in conversion.messages if m.role == "user"] == [at, at]
+    assert [p.kind for p in conversion.problems] == ["missing_created_at"]
+
+
+@pytest.mark.parametrize(
+    "placeholder",
+    [datetime(1, 1, 1, tzinfo=UTC), datetime(2099, 1, 1, tzinfo=UTC), "0001-01-01T00:00:00Z"],
+    ids=["zero time", "a date of 2099", "zero time as text"],
+)
+def test_a_pending_prompt_dated_outside_what_the_store_takes_gets_its_messages_time(
+    placeholder: Any,
+) -> None:
+    """As a prompt without a time: the time of the message that raised it."""
+    at = datetime(2021, 3, 1, 10, tzinfo=UTC)
+    raised = {"type": "hitl", "action": "confirm", "request_id": "r1", "prompt": "Confirm?"}
+    conversion = convert([{**dated_turn("t1", at, "book it"), "response_parts": [raised]}])
+    prompt = {"conversation_id": "c-dates", "user_id": "u1", "request_id": "r1",
+              "action": "confirm", "prompt": "Confirm?", "created_at": placeholder}  # fmt: skip
+    pending, _ = pending_from_session_hitl([prompt], conversion.messages)
+
+    assert pending is not None
+    assert pending.created_at == at

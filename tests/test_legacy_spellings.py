@@ -12,7 +12,7 @@ import pytest
 from bson import Decimal128, Int64
 from pymongo.database import Database
 
-from agent_store.legacy import convert
+from agent_store.legacy import SESSION_HITL, convert
 from agent_store.store import CONVERSATIONS, MESSAGES
 from app.presentation import legacy_turn_view
 from migrations.cli import main
@@ -386,3 +386,28 @@ def test_created_at_written_as_epoch_text_dates_and_orders_the_turns(
     assert stored[0]["created_at"] == datetime(2021, 3, 1, 10, 0, tzinfo=UTC)
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(("status", "pending", "finish"), [("rejected", False, 0),
+                         ("Timed-Out", False, 0), ("awaiting approval", True, 0),
+                         ("snoozed", True, 1)])  # fmt: skip
+def test_a_prompt_status_says_answered_or_waiting_else_it_holds_the_drop(
+    wire_uri: str, database: Database[dict[str, Any]], status: str, pending: bool, finish: int
+) -> None:
+    """A prompt the user rejected is not asked again after the migration; one whose status
+    says neither stays pending and `finish` waits for an operator."""
+    raised = {"type": "hitl", "action": "refund", "request_id": "req-r", "prompt": "Refund?"}
+    database[CONVERSATIONS].insert_one({**spelled_turns()[0], "response_parts": [raised]})
+    database[SESSION_HITL].insert_one(
+        {"conversation_id": CID, "user_id": "user-spell", "request_id": "req-r",
+         "action": "refund", "prompt": "Refund?", "status": status, "created_at": AT}
+    )  # fmt: skip
+
+    assert cli(wire_uri, database, "run") == 0
+
+    conversation = database[CONVERSATIONS].find_one({"_id": CID})
+    assert conversation is not None
+    assert (conversation.get("pending_hitl") is not None) is pending
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == finish

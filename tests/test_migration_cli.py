@@ -120,6 +120,49 @@ def test_verify_reports_each_difference_with_its_conversation_id(
 
 
 @pytest.mark.wire
+@pytest.mark.parametrize("command", ["verify", "finish"])
+def test_a_stored_message_that_no_longer_validates_is_a_difference_naming_its_conversation(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    """A message edited by hand past what the store takes (`seq: -1`) is reported with its
+    conversation, exit 1, as any difference: never a traceback."""
+    seed(database)
+    assert cli(wire_uri, database, "run") == 0
+    database[MESSAGES].update_one(
+        {"conversation_id": EXAMPLE_CONVERSATION_ID, "seq": 2}, {"$set": {"seq": -1}}
+    )
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, command) == 1
+    reported = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if EXAMPLE_CONVERSATION_ID in line and "no longer validates" in line
+    ]
+    assert reported
+    assert "seq" in reported[0]
+
+
+@pytest.mark.wire
+def test_a_run_over_a_stored_message_that_no_longer_validates_records_it_never_a_traceback(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    seed(database)
+    assert cli(wire_uri, database, "run") == 0
+    database[MESSAGES].update_one(
+        {"conversation_id": EXAMPLE_CONVERSATION_ID, "seq": 2}, {"$set": {"seq": -1}}
+    )
+
+    assert cli(wire_uri, database, "run") == 0
+    [problem] = database[PROBLEMS].find({"kind": "live_conflict"})
+    assert problem["conversation_id"] == EXAMPLE_CONVERSATION_ID
+    assert "no longer validates" in problem["detail"]
+
+
+@pytest.mark.wire
 def test_dry_run_writes_nothing(wire_uri: str, database: Database[dict[str, Any]]) -> None:
     seed(database)
     before = digest(database)

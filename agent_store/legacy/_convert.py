@@ -81,7 +81,6 @@ from agent_store.store import (
     pending_after,
     plan_turn,
     shorten,
-    shows_nothing,
     split_runtime_context,
     validate_identifier,
     with_texts,
@@ -1074,8 +1073,9 @@ is written, so the name is kept in this problem (not placed)."""
 
 def _check_name_of_nothing(converter: _Converter, turns: Sequence[LegacyTurn]) -> None:
     """A conversation converting to no message gets no document: the name its turns give it
-    (the last turn's naming one, whole) is kept in a problem, never dropped with the turns."""
-    named = [t for t in turns if t.name]
+    (the last turn's whose name shows something, else the last turn's naming one, whole) is
+    kept in a problem, never dropped with the turns."""
+    named = [t for t in turns if t.shown_name() is not None] or [t for t in turns if t.name]
     if named:
         converter.problem(
             named[-1],
@@ -1119,7 +1119,12 @@ def _dated(
         f"no turn of the conversation has a readable time, so {undated_at.isoformat()}"
     )
     detail = f"created_at is missing or unreadable; {source} is used"
-    if epoch_number(turn.created_at) is not None:
+    if isinstance(turn.created_at, datetime):
+        detail = (
+            f"created_at {turn.created_at.isoformat()} is no time the store takes (from 1970 "
+            f"to now and a day: a placeholder); {source} is used"
+        )
+    elif epoch_number(turn.created_at) is not None:
         detail = (
             f"created_at {turn.created_at!r} is a number, not epoch seconds or milliseconds from "
             f"1970 to now; {source} is used"
@@ -1199,19 +1204,33 @@ def _turns_by_user(converter: _Converter, turns: Sequence[LegacyTurn]) -> dict[s
 
 
 def _runtime_name(converter: _Converter, turns: Sequence[LegacyTurn]) -> str | None:
-    """The name of the last turn that has one; one longer than a conversation holds
-    (`MAX_NAME_CHARS`) is cut, one holding control or text-direction characters is stored
-    without them (`shorten`), and a placed problem keeps it whole. One that shows nothing
-    (`shows_nothing`) names nothing, as an automatic name of it would."""
+    """The name of the last turn whose name shows something (`LegacyTurn.shown_name`): one
+    longer than a conversation holds (`MAX_NAME_CHARS`) is cut, one holding control or
+    text-direction characters is stored without them (`shorten`), and a placed problem keeps
+    it whole. A later name that shows nothing (invisible characters, control characters
+    alone) names nothing, as a blank one: a placed problem keeps it whole, and the earlier
+    name stays the conversation's."""
     named = [t for t in turns if t.name]
     if not named:
         return None
-    whole = named[-1].name or ""
-    name = shorten(whole, MAX_NAME_CHARS)
-    stored = None if shows_nothing(name) else name
+    if (last := named[-1]).shown_name() is None:
+        converter.problem(
+            last,
+            "plain_name",
+            "the name holds control or text-direction characters alone, or shows nothing; it "
+            "names nothing, and the last name showing something is kept",
+            field="name",
+            content=last.name,
+            unplaced=False,
+        )
+    showing = [t for t in named if t.shown_name() is not None]
+    if not showing:
+        return None
+    turn = showing[-1]
+    whole, name = turn.name or "", turn.shown_name()
     if len(found := collapse_whitespace(whole)) > MAX_NAME_CHARS:
         converter.problem(
-            named[-1],
+            turn,
             "shortened_name",
             f"the name has {len(found)} characters, more than a conversation holds "
             f"({MAX_NAME_CHARS}); it is cut to {name!r}",
@@ -1219,17 +1238,16 @@ def _runtime_name(converter: _Converter, turns: Sequence[LegacyTurn]) -> str | N
             content=whole,
             unplaced=False,
         )
-    elif name != found or (name and stored is None):
+    elif name != found:
         converter.problem(
-            named[-1],
+            turn,
             "plain_name",
-            "the name holds control or text-direction characters, or shows nothing; it is "
-            f"stored as {stored!r}",
+            f"the name holds control or text-direction characters; it is stored as {name!r}",
             field="name",
             content=whole,
             unplaced=False,
         )
-    return stored
+    return name
 
 
 def _conversation(

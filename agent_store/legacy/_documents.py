@@ -37,8 +37,11 @@ from agent_store.core import (
 from agent_store.store import (
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
+    MAX_NAME_CHARS,
     MIGRATED_TURN_PREFIX,
     TurnRules,
+    shorten,
+    shows_nothing,
     validate_identifier,
 )
 
@@ -255,7 +258,8 @@ def flag(value: Any) -> bool | None:
 def as_time(value: Any) -> datetime | None:
     """A time as aware UTC, from a datetime, an ISO string, or a whole number of epoch
     seconds or milliseconds (`epoch_time`), written as a number or as text (`epoch_number`);
-    None if unreadable. Text is read with the spaces around it left out, as an ISO time
+    None if unreadable or no time the store takes (`taken_time`: 0001-01-01, 1969, 2099).
+    Text is read with the spaces around it left out, as an ISO time
     first (`"20210301"` is a date; a final `z` as `Z`), else as a number, and as a number
     too when the ISO reading is no time a store accepts (`"1704101400000"`, milliseconds, is
     also ISO's basic form of 1704-10-14), else as an RFC 2822 date (HTTP's and e-mail's,
@@ -264,14 +268,21 @@ def as_time(value: Any) -> datetime | None:
     their order; a time stored is cut to the millisecond (`to_utc_millis`)."""
     if isinstance(value, str):
         text = value.strip()
-        iso = _iso_time(text)
-        if iso is not None and EPOCH <= iso <= _latest():
+        if (iso := taken_time(_iso_time(text))) is not None:
             return iso
         number = epoch_number(text)
-        return (epoch_time(number) if number is not None else None) or iso or _rfc2822(text)
+        return (epoch_time(number) if number is not None else None) or _rfc2822(text)
     if (number := epoch_number(value)) is not None:
         return epoch_time(number)
-    return to_utc(value) if isinstance(value, datetime) else None
+    return taken_time(to_utc(value)) if isinstance(value, datetime) else None
+
+
+def taken_time(at: datetime | None) -> datetime | None:
+    """`at` when it is a time the store takes (from 1970 up to now and its future leeway),
+    else None: Go's and .NET's zero time (0001-01-01), a date before 1970 or one decades
+    ahead is a placeholder, read as no time, as `0` is (`epoch_time`). Every time a legacy
+    document carries (`as_time`, an ObjectId's) is read through it."""
+    return at if at is not None and EPOCH <= at <= _latest() else None
 
 
 def _iso_time(text: str) -> datetime | None:
@@ -287,10 +298,9 @@ def _rfc2822(text: str) -> datetime | None:
     """An RFC 2822 date a store accepts (since 1970, up to its future leeway), `-0000` as
     UTC; None if not one."""
     try:
-        at = to_utc(email.utils.parsedate_to_datetime(text))
+        return taken_time(to_utc(email.utils.parsedate_to_datetime(text)))
     except (TypeError, ValueError, IndexError):
         return None
-    return at if EPOCH <= at <= _latest() else None
 
 
 def _latest() -> datetime:
@@ -384,6 +394,17 @@ class LegacyTurn(BaseModel):
         as neither is no, and the converter keeps it in a problem."""
         return flag(self.is_system) is True
 
+    def shown_name(self) -> str | None:
+        """Its name as a conversation holds it (`shorten`: white space collapsed, control and
+        text-direction characters left out, cut at a word to `MAX_NAME_CHARS`); None when it
+        has none, or one that shows nothing (`shows_nothing`: blank, invisible or control
+        characters alone), which names nothing: the last turn whose name shows something
+        names the conversation."""
+        if self.name is None:
+            return None
+        name = shorten(self.name, MAX_NAME_CHARS)
+        return None if shows_nothing(name) else name
+
     def unknown_fields(self) -> dict[str, Any]:
         """The fields no reader takes: those the format does not name (the dual write's own
         `dual_write` and `turn_id` aside)."""
@@ -412,8 +433,10 @@ class LegacyTurn(BaseModel):
         return as_time(self.created_at)
 
     def id_time(self) -> datetime | None:
-        """When the document was created, from its ObjectId; None for other ids."""
-        return to_utc_millis(self.id.generation_time) if isinstance(self.id, ObjectId) else None
+        """When the document was created, from its ObjectId (`taken_time`); None for other ids."""
+        if not isinstance(self.id, ObjectId):
+            return None
+        return taken_time(to_utc_millis(self.id.generation_time))
 
 
 def key_of(text: str) -> str:
@@ -726,11 +749,39 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def is_text(value: Any) -> bool:
+    """Whether a legacy value is text, kept as it is: a `str`, BSON code without a scope (its
+    code is all it holds) too; code with a scope is a `str` to Python, its code alone, so it
+    is no text (`dumps` writes it whole)."""
+    return isinstance(value, str) and not (isinstance(value, Code) and value.scope is not None)
+
+
+def _scoped_code(value: Any) -> tuple[Any, bool]:
+    """`value` with each BSON code holding a scope as its extended JSON (`{"$code": …,
+    "$scope": …}`, as an id stored so is named), and whether one was found. JSON writes any
+    `str` as its text: such code would lose its scope."""
+    if isinstance(value, Code) and value.scope is not None:
+        return {"$code": str.__str__(value), "$scope": _scoped_code(value.scope)[0]}, True
+    if isinstance(value, dict):
+        pairs = [(key, _scoped_code(item)) for key, item in value.items()]
+        if any(found for _, (_, found) in pairs):
+            return {key: item for key, (item, _) in pairs}, True
+    elif isinstance(value, list | tuple):
+        items = [_scoped_code(item) for item in value]
+        if any(found for _, found in items):
+            return [item for item, _ in items], True
+    return value, False
+
+
 def dumps(value: Any, *, compact: bool = False) -> tuple[str, bool]:
-    """JSON text of `value`, and whether it is plain JSON (False: some values became strings)."""
+    """JSON text of `value`, and whether it is plain JSON (False: some values became strings,
+    or BSON code with a scope its extended JSON: `_scoped_code`). The one way a legacy value
+    that is not text becomes text."""
     separators = (",", ":") if compact else (", ", ": ")
+    value, scoped = _scoped_code(value)
     try:
-        return json.dumps(value, ensure_ascii=False, separators=separators, allow_nan=False), True
+        text = json.dumps(value, ensure_ascii=False, separators=separators, allow_nan=False)
+        return text, not scoped
     except (TypeError, ValueError):
         text = json.dumps(
             _finite(value), ensure_ascii=False, separators=separators, default=_jsonable
@@ -770,8 +821,9 @@ def storable_text(text: str) -> str:
 
 
 def as_text(value: Any) -> str:
-    """A legacy value as the text a message holds: a string as it is, anything else as JSON."""
-    return value if isinstance(value, str) else dumps(value)[0]
+    """A legacy value as the text a message holds: text as it is (`is_text`), anything else
+    as JSON (`dumps`)."""
+    return value if is_text(value) else dumps(value)[0]
 
 
 def as_count(value: Any) -> int | None:

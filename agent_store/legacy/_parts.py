@@ -18,7 +18,14 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from agent_store.core import HitlAction
-from agent_store.legacy._documents import LegacyTurn, as_text, dumps, encodes, id_text
+from agent_store.legacy._documents import (
+    LegacyTurn,
+    as_text,
+    dumps,
+    encodes,
+    id_text,
+    is_text,
+)
 
 PartKind = Literal["text", "tool_call", "tool_result", "file_upload", "hitl", "error", "unknown"]
 """What a legacy part is, once its spelling is normalized."""
@@ -423,16 +430,16 @@ def call_arguments(part: LegacyPart) -> tuple[str, bool]:
     """A tool call's arguments as a JSON string, and whether they were plain JSON values."""
     if part.args is None:
         return "{}", True
-    if isinstance(part.args, str):
+    if is_text(part.args):
         return part.args, True
     return dumps(part.args, compact=True)
 
 
 def result_text(part: LegacyPart) -> tuple[str, bool]:
     """A tool result's value as the text a tool message holds, and whether it was plain JSON."""
-    return (part.result, True) if isinstance(part.result, str) else dumps(part.result)
+    return (part.result, True) if is_text(part.result) else dumps(part.result)
 
 
 def error_text(part: LegacyPart) -> str:
     """An error part's message: its text, else the whole part as JSON."""
-    return part.content if isinstance(part.content, str) else dumps(part.raw)[0]
+    return part.content if is_text(part.content) else dumps(part.raw)[0]

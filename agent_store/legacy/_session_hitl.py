@@ -1,9 +1,10 @@
 """The legacy `session_hitl` prompts, merged into a converted conversation. Pure, no I/O.
 
-A prompt document is read as turns are: `resolved: "false"` is false, a status in any
-case or with spaces is the status, a request id stored as a number by its text, a time
-as a datetime or an ISO string; its prompt, action and params as a HITL part's
-(`read_prompt`). Only the owner's prompts are the conversation's (`owners_prompt`): one
+A prompt document is read as turns are: `resolved: "false"` is false, a status as words
+saying answered or waiting (`answered_status`; any other is kept in a problem), a request
+id stored as a number by its text, a time as a datetime or an ISO string; its prompt,
+action and params as a HITL part's (`read_prompt`). Only the owner's prompts are the
+conversation's (`owners_prompt`): one
 naming another user is a `mixed_user_ids` problem, never the owner's pending prompt. The
 newest pending prompt becomes `pending_hitl`; any other pending
 prompt whose content no message holds is kept in a problem, and so is a field of a
@@ -14,6 +15,7 @@ resolved: its request id is the conversation's `resolved_hitl`.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -29,10 +31,31 @@ from agent_store.core import (
     to_utc_millis,
 )
 from agent_store.legacy._convert import MIXED_USER_IDS, LegacyConversion, Problem
-from agent_store.legacy._documents import as_time, flag, reference_text, user_named
+from agent_store.legacy._documents import (
+    as_time,
+    flag,
+    reference_text,
+    taken_time,
+    user_named,
+)
 from agent_store.legacy._parts import hitl_params, part_text, read_prompt, said
 
-_RESOLVED = {"resolved", "answered", "done", "completed", "cancelled", "canceled", "expired"}
+_ANSWERED = frozenset(
+    {"resolved", "answered", "responded", "replied", "done", "complete", "completed"}
+    | {"finished", "closed", "approved", "accepted", "confirmed", "granted", "allowed"}
+    | {"rejected", "denied", "declined", "refused", "dismissed", "skipped", "cancelled"}
+    | {"canceled", "aborted", "expired", "timed_out", "timeout", "time_out", "failed"}
+    | {"succeeded"}
+)
+"""Statuses saying the prompt was answered or is over: never asked again."""
+_WAITING = frozenset(
+    {"pending", "open", "opened", "waiting", "awaiting", "asked", "new", "created"}
+    | {"requested", "sent", "shown", "active", "queued"}
+)
+"""Statuses saying the prompt awaits its answer; so does one starting `pending_`,
+`waiting_` or `awaiting_` (`awaiting_approval`), and none at all (absent, null, blank)."""
+_WAITING_PREFIXES = ("pending_", "waiting_", "awaiting_")
+_SEPARATORS = re.compile(r"[\s_-]+")
 _READ_FIELDS = frozenset(
     {"_id", "conversation_id", "session_id", "user_id", "request_id", "status", "resolved"}
     | {"created_at", "updated_at", "action", "params", "prompt", "content", "dual_write"}
@@ -63,35 +86,65 @@ class PromptNote:
     """The prompt's field concerned; None for the whole prompt."""
 
 
+def answered_status(value: Any) -> bool | None:
+    """Whether a prompt's `status` says it was answered or is over (True: `_ANSWERED`,
+    `rejected`, `timed out`…) or that it waits (False: `_WAITING`, `awaiting_approval`, none
+    at all), in any case, spaces, underscores and hyphens alike (`Timed-Out` is `timed_out`).
+    None for any other value (`snoozed`, a number): the caller keeps it in a problem, never
+    guesses."""
+    if value is None:
+        return False
+    if not isinstance(value, str):
+        return None
+    word = _SEPARATORS.sub("_", value.strip().lower()).strip("_")
+    if word in _ANSWERED:
+        return True
+    if not word or word in _WAITING or word.startswith(_WAITING_PREFIXES):
+        return False
+    return None
+
+
 def is_pending_prompt(document: Mapping[str, Any]) -> bool:
     """Whether a `session_hitl` document is a prompt still awaiting its answer: neither its
-    `resolved` (`flag`: one read as neither yes nor no leaves it to the status, and is noted:
-    `_unreadable_resolved`) nor its status says it was answered."""
-    status = str(document.get("status", "pending")).strip().lower()
-    return flag(document.get("resolved")) is not True and status not in _RESOLVED
+    `resolved` (`flag`) nor its status (`answered_status`) says it was answered. A value read
+    as neither leaves it to the other, pending unless that one says answered, and is noted
+    (`_unreadable_state`)."""
+    return (
+        flag(document.get("resolved")) is not True
+        and answered_status(document.get("status")) is not True
+    )
 
 
-def _unreadable_resolved(document: Mapping[str, Any]) -> list[PromptNote]:
-    """A pending prompt's `resolved` read as neither yes nor no: kept in a note (not placed),
-    for an operator to accept."""
-    value = document.get("resolved")
-    if flag(value) is not None:
-        return []
+def _unreadable_state(document: Mapping[str, Any]) -> list[PromptNote]:
+    """A pending prompt's `resolved` read as neither yes nor no, and its status read as
+    neither answered nor waiting: each kept in a note (not placed), for an operator to
+    accept."""
+    request_id = document.get("request_id")
+    resolved, status = document.get("resolved"), document.get("status")
+    notes = []
+    if flag(resolved) is None:
+        detail = f"has resolved {resolved!r}, read as neither yes nor no"
+        notes.append(("unreadable_flag", "resolved", resolved, detail))
+    if answered_status(status) is None:
+        detail = f"has status {status!r}, read as neither answered nor waiting"
+        notes.append(("unreadable_status", "status", status, detail))
     return [
         PromptNote(
-            "unreadable_flag",
-            f"pending prompt {document.get('request_id')!r} has resolved {value!r}, read as "
-            "neither yes nor no: its status keeps it pending",
+            kind,
+            f"pending prompt {request_id!r} {detail}: it is kept pending",
             content=value,
             placed=False,
-            field="resolved",
+            field=field,
         )
+        for kind, field, value, detail in notes
     ]
 
 
 def _id_time(document: Mapping[str, Any]) -> datetime | None:
     found = document.get("_id")
-    return to_utc_millis(found.generation_time) if isinstance(found, ObjectId) else None
+    if not isinstance(found, ObjectId):
+        return None
+    return taken_time(to_utc_millis(found.generation_time))
 
 
 def _time(document: Mapping[str, Any]) -> datetime | None:
@@ -208,7 +261,7 @@ def pending_from_session_hitl(
     every other pending prompt no message holds, or one without a request id a message can
     hold, is noted with its document (not placed)."""
     pending = [d for d in documents if is_pending_prompt(d)]
-    notes = [n for d in pending for n in _unreadable_resolved(d)]
+    notes = [n for d in pending for n in _unreadable_state(d)]
     notes += [
         _not_placed(d, "has no request id of 1 to 200 characters")
         for d in pending
