@@ -24,6 +24,7 @@ from agent_store.store._driver import (
     storage_errors,
 )
 from agent_store.store._fork import fork_turn_id
+from agent_store.store._fork_read import MAX_FORK_BYTES
 from agent_store.store._inbox import SteeringInbox
 from agent_store.store._indexes import (
     BLOB_BUCKET,
@@ -133,6 +134,7 @@ __all__ = [
     "INVISIBLE_CLASS",
     "INVISIBLE_RANGES",
     "LANGGRAPH_CHECKPOINTS",
+    "MAX_FORK_BYTES",
     "MAX_MESSAGES_PER_TURN",
     "MAX_NAME_CHARS",
     "MAX_PAGE_SIZE",
