@@ -163,6 +163,7 @@ async def test_a_fork_retried_over_http_after_its_source_was_popped_is_a_conflic
         assert [m["content"] for m in forked.json()["data"]][-1] == "answer 2"
 
 
+<<<<<<< HEAD
 async def test_the_inbox_read_and_close_answer_pages_of_page_bytes_saying_more_follow(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -223,3 +224,38 @@ async def test_a_delivery_is_capped_as_a_turn_is_not_as_other_bodies() -> None:
 
         assert sent.json() == {"delivered": True}
         assert (too_big.status_code, other.status_code) == (413, 413)
+=======
+async def test_a_fork_over_http_answers_no_more_than_a_fork_may_copy() -> None:
+    """A user token's fork of 20 messages of 1 MB (each within the 1 MiB bound) is a 422
+    naming where to fork, nothing written; the fork there answers its copies, about
+    `MAX_FORK_BYTES` (16 MiB), and its retry the same."""
+    from agent_store.store import MAX_FORK_BYTES
+
+    async with serve(mongomock_db()) as api:
+        owner = auth_headers(user=OWNER)
+        url = "/v1/conversations/conv-big/forks"
+        for start in (0, 10):
+            said = [{"role": "user", "content": f"m{n} " + "x" * 1_000_000} for n in range(10)]
+            turn = {"messages": said, "turn_id": f"t{start}"}
+            logged = await api.http.post(
+                "/v1/conversations/conv-big/turns", json=turn, headers=owner
+            )
+            assert logged.status_code == 201, logged.text[:200]
+
+        refused = await api.http.post(
+            url, json={"at_seq": 19, "new_conversation_id": "conv-big-fork"}, headers=owner
+        )
+        assert refused.status_code == 422
+        assert refused.json()["error"]["message"].endswith("fork at seq 15 or before")
+        assert await api.db.agent_conversations.find_one({"_id": "conv-big-fork"}) is None
+
+        body = {"at_seq": 15, "new_conversation_id": "conv-big-fork"}
+        forked = await api.http.post(url, json=body, headers=owner)
+        again = await api.http.post(url, json=body, headers=owner)
+        assert (forked.status_code, again.status_code) == (201, 200)
+        assert len(forked.json()["messages"]) == 16
+        assert len(forked.content) < MAX_FORK_BYTES + 64 * 1024
+        assert [m["_id"] for m in again.json()["messages"]] == [
+            m["_id"] for m in forked.json()["messages"]
+        ]
+>>>>>>> fix-fork-bound

@@ -706,7 +706,9 @@ async def test_a_fork_of_more_messages_than_a_turn_holds_is_refused_saying_so() 
 
 async def test_a_fork_making_more_calls_than_a_turn_may_is_refused_naming_where_to_fork() -> None:
     """A fork copies its messages as one turn, whose reservation names every call it makes:
-    past `MAX_TURN_TOOL_CALLS` it is refused as a fork, naming the last `seq` that fits."""
+    past `MAX_TURN_TOOL_CALLS` it is refused as a fork, naming the last `seq` that fits. The
+    fork stops reading at the message that takes it past the limit (seq 13 here), so the
+    refusal says it would copy more, not how many."""
     from mongomock_motor import AsyncMongoMockClient
 
     from agent_store.store import MAX_TURN_TOOL_CALLS
@@ -726,7 +728,7 @@ async def test_a_fork_making_more_calls_than_a_turn_may_is_refused_naming_where_
 
     assert str(refused.value) == (
         f"a fork copies at most {MAX_TURN_TOOL_CALLS:,} tool calls; at_seq 17 would copy "
-        f"{15 * per_message:,}: fork at seq 12 or before"
+        "more: fork at seq 12 or before"
     )
     assert await db[CONVERSATIONS].find_one({"_id": "fork-calls"}) is None
     assert len((await logger.fork(CID, 12, "fork-calls")).messages) == 13
@@ -751,6 +753,61 @@ async def test_a_fork_holding_more_whole_text_than_it_may_read_at_once_is_refuse
     assert str(refused.value).endswith("fork at seq 1 or before")
     assert await backend.db[CONVERSATIONS].find_one({"_id": "fork-big"}) is None
     assert len((await logger.fork(CID, 1, "fork-big")).messages) == 2
+
+
+async def log_megabyte_messages(logger: AgentMessageLogger, count: int) -> None:
+    """`count` user messages of about 1 MB each (within the 1 MiB bound), 12 to a turn."""
+    for start in range(0, count, 12):
+        said = [
+            {"role": "user", "content": f"m{n} " + "x" * 1_000_000}
+            for n in range(start, min(count, start + 12))
+        ]
+        await logger.log_messages(CID, said, turn_id=f"t{start}")
+
+
+async def test_a_fork_copying_more_than_it_may_hold_as_stored_is_refused_naming_where_to_fork(
+    backend: Backend,
+) -> None:
+    """A fork holds what it copies as stored (and echoes it): past `MAX_FORK_BYTES` (16 MiB)
+    it is refused as a fork before anything is written, naming the last `seq` that fits,
+    however many messages it copies; on a server that sends a read in one reply too, never a
+    storage failure (50 messages of 1 MB are past the 48 MB a reply may carry)."""
+    from agent_store.store import MAX_FORK_BYTES
+
+    logger = AgentMessageLogger(backend.db)
+    await log_megabyte_messages(logger, 50)
+
+    with pytest.raises(InvalidInput) as refused:
+        await logger.fork(CID, 49, "fork-big")
+
+    fitting = MAX_FORK_BYTES // 1_000_100 - 1  # each stored message is a little over 1 MB
+    assert str(refused.value) == (
+        f"a fork copies at most {MAX_FORK_BYTES:,} bytes of messages as stored; at_seq 49 "
+        f"would copy more: fork at seq {fitting} or before"
+    )
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "fork-big"}) is None
+    forked = await logger.fork(CID, fitting, "fork-big")
+    assert len(forked.messages) == fitting + 1
+
+
+async def test_a_fork_reads_the_messages_it_copies_not_the_whole_conversation(
+    wire_backend: Backend,
+) -> None:
+    """A fork early in a long conversation holds about what it copies: the messages after
+    where it ends are never read whole (30 MB of them here, traced as the driver decodes)."""
+    import tracemalloc
+
+    logger = AgentMessageLogger(wire_backend.db)
+    await log_megabyte_messages(logger, 30)
+
+    tracemalloc.start()
+    try:
+        forked = await logger.fork(CID, 1, "fork-early")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(forked.messages) == 2
+    assert peak < 12 * 1024 * 1024, f"peak {peak / 2**20:.1f} MiB"
 
 
 def calls_answered_past(calls: int, result: str = "ok") -> list[dict[str, Any]]:
@@ -806,6 +863,28 @@ async def test_a_fork_refused_for_its_whole_texts_names_a_seq_whose_fork_fits(
         await logger.fork(CID, 3, "fork-big")
 
     assert str(refused.value).endswith("fork at seq 0 or before")
+    assert [m.content for m in (await logger.fork(CID, 0, "fork-big")).messages] == ["look them up"]
+
+
+async def test_a_fork_stopped_at_its_limit_never_names_a_call_whose_results_lie_past_it(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork stops reading at the message that takes it past `MAX_FORK_BYTES`: a call whose
+    results lie past that message (known by their outlines, never read whole) is not named,
+    for a fork there copies them; the message before the call is."""
+    from agent_store.store import _fork_read
+
+    monkeypatch.setattr(_fork_read, "MAX_FORK_BYTES", 50_000)
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, calls_answered_past(3, "y" * 30_000), turn_id="t0")
+
+    with pytest.raises(InvalidInput) as refused:
+        await logger.fork(CID, 5, "fork-big")
+
+    assert str(refused.value) == (
+        "a fork copies at most 50,000 bytes of messages as stored; at_seq 5 would copy more: "
+        "fork at seq 0 or before"
+    )
     assert [m.content for m in (await logger.fork(CID, 0, "fork-big")).messages] == ["look them up"]
 
 

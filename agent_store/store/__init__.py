@@ -24,7 +24,12 @@ from agent_store.store._driver import (
     storage_errors,
 )
 from agent_store.store._fork import fork_turn_id
+<<<<<<< HEAD
 from agent_store.store._inbox import InboxPage, SteeringInbox
+=======
+from agent_store.store._fork_read import MAX_FORK_BYTES
+from agent_store.store._inbox import SteeringInbox
+>>>>>>> fix-fork-bound
 from agent_store.store._indexes import (
     BLOB_BUCKET,
     BLOB_CHUNKS,
@@ -134,6 +139,7 @@ __all__ = [
     "INVISIBLE_CLASS",
     "INVISIBLE_RANGES",
     "LANGGRAPH_CHECKPOINTS",
+    "MAX_FORK_BYTES",
     "MAX_MESSAGES_PER_TURN",
     "MAX_NAME_CHARS",
     "MAX_PAGE_SIZE",

@@ -58,17 +58,21 @@ def forked_messages(messages: Sequence[AgentMessage], end: int) -> list[AgentMes
 
 
 def last_fitting_fork(
-    messages: Sequence[AgentMessage], below: int, fits: Callable[[list[AgentMessage]], bool]
+    messages: Sequence[AgentMessage],
+    below: int,
+    fits: Callable[[list[AgentMessage], int], bool],
 ) -> int | None:
     """The last `seq` before `below` at which a fork, moved past the results its turn gave the
-    calls made at or before it (`fork_end`), copies messages that `fits`; None when a fork at
-    the first message does not fit already. A fork at a later `seq` copies what one at an
-    earlier `seq` copies, and more: the `seq`s whose forks fit come first, and a binary search
-    weighs about log2 n forks. The `seq` answered is one whose fork was weighed and fits."""
+    calls made at or before it (`fork_end`), copies messages that `fits` (with its end); None
+    when a fork at the first message does not fit already. A fork at a later `seq` copies what
+    one at an earlier `seq` copies, and more: the `seq`s whose forks fit come first, and a
+    binary search weighs about log2 n forks. The `seq` answered is one whose fork was weighed
+    and fits."""
     seqs = sorted({m.seq for m in messages if m.seq is not None and m.seq < below})
 
     def fork_fits(seq: int) -> bool:
-        return fits(forked_messages(messages, fork_end(messages, seq)))
+        end = fork_end(messages, seq)
+        return fits(forked_messages(messages, end), end)
 
     if not seqs or not fork_fits(seqs[0]):
         return None

@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
+from functools import partial
 from typing import Any, NoReturn, Protocol
 
 from bson import Int64
@@ -74,6 +75,7 @@ from agent_store.store._fork import (
     last_fitting_fork,
     pending_now,
 )
+from agent_store.store._fork_read import ForkRead, limit_said, read_fork
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
 from agent_store.store._legacy_seam import (
     DERIVED_CONVERSATION_PREFIX,
@@ -474,14 +476,15 @@ class AgentMessageLogger:
     ) -> LoggedTurn:
         """One attempt of `fork`, its source's id validated."""
         try:
-            source, messages = await self._fork_source(conversation_id, actor)
+            source, read = await self._fork_source(conversation_id, actor, at_seq)
         except NotFound:
             await self._settle_earlier_attempt(conversation_id, new_conversation_id, actor)
             raise
+        messages = read.messages
         end = fork_end(messages, at_seq)
-        self._refuse_unfinished(conversation_id, source, messages, end)
+        _refuse_too_large_a_fork(read, at_seq, end)
+        self._refuse_unfinished(conversation_id, source, read.stored, end)
         chosen = forked_messages(messages, end)
-        _refuse_too_large_a_fork(messages, chosen, at_seq)
         # Whole texts put back: the copies are bounded again and keep files of their own, so
         # the fork shares none with the original (deleting one leaves the other whole).
         plan = plan_turn(
@@ -677,19 +680,14 @@ class AgentMessageLogger:
         return True
 
     def _refuse_unfinished(
-        self,
-        conversation_id: str,
-        source: Mapping[str, Any],
-        messages: Sequence[AgentMessage],
-        end: int,
+        self, conversation_id: str, source: Mapping[str, Any], stored: Collection[int], end: int
     ) -> None:
         """StorageUnavailable (retry shortly) when a turn up to `end`, or the turn `end` is in,
         is still being written: a fork now would miss its messages, or cut a call from the
         result its turn gives it. Blocks older than `abandon_after`, and `seq`s a pop removed,
-        are passed (`Gaps.passed`)."""
+        are passed (`Gaps.passed`). `stored`: the `seq`s stored up to the end of that turn."""
         gaps = Gaps.of(source)
         through = max(end, gaps.turn_end(end, int(source.get("message_count") or 0)))
-        stored = {m.seq for m in messages}
         missing = [seq for seq in range(through + 1) if seq not in stored]
         writing = gaps.written(missing, now=utc_now(), abandon_after=self.rules.abandon_after)
         if writing is not None:
@@ -699,11 +697,12 @@ class AgentMessageLogger:
             )
 
     async def _fork_source(
-        self, conversation_id: str, actor: Actor
-    ) -> tuple[dict[str, Any], list[AgentMessage]]:
-        """The conversation a fork copies (owner, next `seq`, what it awaits) and its
-        messages as stored. NotFound before any message is read when the
-        conversation is missing or hidden from `actor`, so both cost the same."""
+        self, conversation_id: str, actor: Actor, at_seq: int
+    ) -> tuple[dict[str, Any], ForkRead]:
+        """The conversation a fork copies (owner, next `seq`, what it awaits) and what a fork
+        at `at_seq` reads of its messages as stored (`read_fork`: those it copies, and never
+        much more than it may). NotFound before any message is read when the conversation is
+        missing or hidden from `actor`, so both cost the same."""
         with storage_errors("read the conversation"):
             source = await self._conversations.find_one(
                 {"_id": conversation_id},
@@ -729,8 +728,15 @@ class AgentMessageLogger:
                 "conversation_id": conversation_id,
                 "epoch": {"$in": [source.get("epoch"), None]},
             }
-            stored = await self._messages.find(own).sort("seq", 1).to_list(None)
-        return source, messages_adapter.validate_python(stored)
+            count = int(source.get("message_count") or 0)
+            read = await read_fork(
+                self._messages,
+                own,
+                at_seq,
+                partial(Gaps.of(source).turn_end, message_count=count),
+                self.rules.max_message_bytes,
+            )
+        return source, read
 
     # -- reserving -------------------------------------------------------------------
 
@@ -1512,26 +1518,30 @@ MAX_FORK_WHOLE_TEXT_CHARS = 64 * 1024 * 1024
 one fork copies: it holds them in memory at once."""
 
 
-def _refuse_too_large_a_fork(
-    messages: Sequence[AgentMessage], chosen: Sequence[AgentMessage], at_seq: int
-) -> None:
-    """A fork copies its messages as one turn, their whole texts read back at once: at most
-    `MAX_MESSAGES_PER_TURN` messages, `MAX_TURN_TOOL_CALLS` tool calls and
-    `MAX_FORK_WHOLE_TEXT_CHARS` of whole texts, refused
-    as a fork before any whole text is read, naming the last `seq` whose fork, moved past its
-    calls' results as every fork is, fits (`last_fitting_fork`: never a call whose results lie
-    past the limit, whose fork would be refused again), or saying that none does."""
-    refusal = _too_large(chosen, at_seq)
+def _refuse_too_large_a_fork(read: ForkRead, at_seq: int, end: int) -> None:
+    """A fork copies its messages as one turn, holding them, their whole texts read back, at
+    once: at most `MAX_MESSAGES_PER_TURN` messages, `MAX_TURN_TOOL_CALLS` tool calls,
+    `MAX_FORK_BYTES` of messages as stored and `MAX_FORK_WHOLE_TEXT_CHARS` of whole texts,
+    refused as a fork before any whole text is read or anything written, naming the last
+    `seq` whose fork, moved past its calls' results as every fork is, fits
+    (`last_fitting_fork`: never a call whose results lie past the limit, whose fork would be
+    refused again), or saying that none does."""
+    refusal = _too_large(read, forked_messages(read.messages, end), end, at_seq)
     if refusal is None:
         return
-    fitting = last_fitting_fork(messages, at_seq, lambda c: _too_large(c, at_seq) is None)
+    fitting = last_fitting_fork(
+        read.messages, at_seq, lambda chosen, ends: _too_large(read, chosen, ends, at_seq) is None
+    )
     if fitting is None:
         raise InvalidInput(f"{refusal}, and so would a fork at any seq of this conversation")
     raise InvalidInput(f"{refusal}: fork at seq {fitting} or before")
 
 
-def _too_large(chosen: Sequence[AgentMessage], at_seq: int) -> str | None:
-    """What a fork copying `chosen` copies past its limits, said; None when within them."""
+def _too_large(read: ForkRead, chosen: Sequence[AgentMessage], end: int, at_seq: int) -> str | None:
+    """What a fork ending at `end`, copying `chosen`, copies past its limits, said; None when
+    within them. One ending past what `read` read whole copies past the limit it stopped at."""
+    if end > read.through:
+        return f"{limit_said(read.over or 'bytes')}; at_seq {at_seq} would copy more"
     if len(chosen) > MAX_MESSAGES_PER_TURN:
         return (
             f"a fork copies at most {MAX_MESSAGES_PER_TURN} messages; at_seq {at_seq} would "
@@ -1542,6 +1552,8 @@ def _too_large(chosen: Sequence[AgentMessage], at_seq: int) -> str | None:
             f"a fork copies at most {MAX_TURN_TOOL_CALLS:,} tool calls; at_seq {at_seq} would "
             f"copy {made:,}"
         )
+    if read.bytes_past(end):
+        return f"{limit_said('bytes')}; at_seq {at_seq} would copy more"
     whole = 0
     for message in chosen:
         whole += whole_text_chars(message)
