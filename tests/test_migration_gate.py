@@ -2192,6 +2192,88 @@ def test_a_history_message_not_in_pydantic_ais_shape_is_kept_before_the_drop(
     runbook_keeps(wire_uri, database, [turn], marker)
 
 
+def weather_turn(returned: dict[str, str]) -> dict[str, Any]:
+    """One turn of two calls of one tool whose results, naming no call, trail in the order
+    they came back (Rome's first); its history names each call's id and what it returned."""
+    call = [
+        {
+            "part_kind": "tool-call",
+            "tool_name": "weather",
+            "args": {"city": city},
+            "tool_call_id": f"call_{city.lower()}",
+        }
+        for city in ("Oslo", "Rome")
+    ]
+    back = [
+        {
+            "part_kind": "tool-return",
+            "tool_name": "weather",
+            "content": returned[city],
+            "tool_call_id": f"call_{city.lower()}",
+        }
+        for city in ("Oslo", "Rome")
+    ]
+    history = [
+        {"kind": "request", "parts": [{"part_kind": "user-prompt", "content": "W question"}]},
+        {"kind": "response", "parts": call},
+        {"kind": "request", "parts": back},
+    ]
+    parts = [
+        {"type": "tool_call", "tool_name": "weather", "args": {"city": "Oslo"}},
+        {"type": "tool_call", "tool_name": "weather", "args": {"city": "Rome"}},
+        {"type": "tool_result", "tool_name": "weather", "result": "Rome: 24C"},
+        {"type": "tool_result", "tool_name": "weather", "result": "Oslo: -3C"},
+    ]
+    history_json = json.dumps(history)
+    return legacy_turn("t-w", "c-w", 0, "W") | {
+        "response_parts": parts,
+        "message_history_json": history_json,
+    }
+
+
+def answered(database: Database[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(content, the arguments of the call it answers) of each stored tool message."""
+    stored = stored_messages(database)
+    arguments = {
+        c["id"]: c["function"]["arguments"] for m in stored for c in m.get("tool_calls") or ()
+    }
+    tools = [m for m in stored if m["role"] == "tool"]
+    return [(m["content"], arguments[m["tool_call_id"]]) for m in tools]
+
+
+@pytest.mark.wire
+def test_results_the_history_pairs_are_stored_answering_their_own_calls_before_the_drop(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    database[CONVERSATIONS].insert_one(weather_turn({"Oslo": "Oslo: -3C", "Rome": "Rome: 24C"}))
+    assert cli(wire_uri, database, "run") == 0
+    assert answered(database) == [
+        ("Oslo: -3C", '{"city":"Oslo"}'),
+        ("Rome: 24C", '{"city":"Rome"}'),
+    ]
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+
+@pytest.mark.wire
+def test_a_pairing_the_history_contradicts_holds_the_drop_until_accepted(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The history says the calls returned other texts than the turn's results: which result
+    answered which call is a guess, so the drop waits until an operator accepts it."""
+    database[CONVERSATIONS].insert_one(weather_turn({"Oslo": "Oslo: 12C", "Rome": "Rome: 30C"}))
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert "history_contradicts_pairing" in capsys.readouterr().out
+    found = database[PROBLEMS].find({"kind": "history_contradicts_pairing", "placed": False})
+    assert sorted(p["content"]["result"]["result"] for p in found) == ["Oslo: -3C", "Rome: 24C"]
+    assert database[LEGACY_TURNS].count_documents({}) == 1
+    assert cli(wire_uri, database, "finish", "--accept", "c-w", "--note", "pairing read") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+
 # -- dual-written turns: skipped only while the stored messages hold them -----------------
 
 

@@ -2,6 +2,7 @@
 the read fallback. Built on the store; the store never imports it."""
 
 from agent_store.legacy._convert import (
+    HISTORY_CONTRADICTS_PAIRING,
     MIXED_USER_IDS,
     LegacyConversion,
     Problem,
@@ -72,6 +73,7 @@ from agent_store.legacy._source import LegacyTurns, turns_known_as
 __all__ = [
     "CONVERSATION_COUNTERS",
     "HIDDEN_RUNTIME_CONTEXT",
+    "HISTORY_CONTRADICTS_PAIRING",
     "LEGACY_TURNS",
     "MIXED_USER_IDS",
     "NAMING_FIELDS",

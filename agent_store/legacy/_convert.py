@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -53,8 +53,13 @@ from agent_store.legacy._documents import (
     storable_text,
     turn_names,
 )
-from agent_store.legacy._history import HIDDEN_RUNTIME_CONTEXT, history_findings, read_history
-from agent_store.legacy._pairing import CallPairing
+from agent_store.legacy._history import (
+    HIDDEN_RUNTIME_CONTEXT,
+    history_findings,
+    read_history,
+    returned,
+)
+from agent_store.legacy._pairing import CallPairing, history_call_ids, told_calls
 from agent_store.legacy._parts import (
     LegacyPart,
     PartKind,
@@ -92,6 +97,13 @@ MIXED_USER_IDS = "mixed_user_ids"
 """A conversation whose turns name several users: the last owns every message of it, so the
 others' words reach that user, and their erasure no longer does (not placed: an operator
 accepts it, `finish --accept`). Its content maps each user to the turns naming them."""
+
+
+HISTORY_CONTRADICTS_PAIRING = "history_contradicts_pairing"
+"""A result naming no call, paired by the order of its turn's parts with one of several calls
+of its tool, whose return `message_history_json` gives saying something else (not placed: an
+operator accepts the pairing, `finish --accept`). Its content holds the result, the call it
+answers and the history's return."""
 
 
 class Problem(BaseModel):
@@ -159,36 +171,54 @@ class LegacyConversion:
 # -- real tool-call ids from Pydantic AI's message history -------------------------------
 
 
+@dataclass(frozen=True)
+class _Returned:
+    """A tool return a turn's history holds: of which tool and call, what it says
+    (`returned`), and the part as found."""
+
+    tool_name: str
+    call_id: str
+    says: str | None
+    raw: Any
+
+
 @dataclass
 class _HistoryIds:
-    """Tool-call ids by tool name, from a turn's `message_history_json`."""
+    """The tool calls and returns of a turn's `message_history_json` that name their call's
+    id, in order."""
 
-    calls: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
-    returns: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    calls: list[tuple[str, str, str]] = field(default_factory=list)
+    """(tool name, what its arguments say, call id) of each call."""
+    returns: list[_Returned] = field(default_factory=list)
     readable: bool = True
 
 
-_Ids = tuple[tuple[str, str, str], ...]
-"""A history message's tool parts: (kind, tool name, call id) each, in order."""
+_Ids = tuple[tuple[str, str, str] | _Returned, ...]
+"""A history message's tool calls, (tool name, what its arguments say, call id), and tool
+returns, in order."""
 
 
 def _message_ids(message: Any) -> _Ids:
     parts = message.get("parts") if isinstance(message, dict) else None
-    found: list[tuple[str, str, str]] = []
-    for part in map(normalize_part, parts if isinstance(parts, list) else ()):
+    found: list[tuple[str, str, str] | _Returned] = []
+    for raw in parts if isinstance(parts, list) else ():
+        part = normalize_part(raw)
         call_id, name = part.tool_call_id, part.tool_name
-        named = isinstance(call_id, str) and call_id and isinstance(name, str)
-        if named and part.kind in ("tool_call", "tool_result"):
-            found.append((part.kind, str(name), str(call_id)))
+        if not (isinstance(call_id, str) and call_id and isinstance(name, str)):
+            continue
+        if part.kind == "tool_call":
+            found.append((name, _arguments(part), call_id))
+        elif part.kind == "tool_result":
+            found.append(_Returned(name, call_id, returned(part), raw))
     return tuple(found)
 
 
 class _Histories:
     """Each turn's `message_history_json` read once (`read_history`), in turn order: its
-    tool-call ids, and the messages it adds, by position, which are all the history check
-    looks at (`history_findings`). A history repeats the conversation so far: a message equal
-    to the one at its place in the previous turn's history is neither normalised again nor
-    kept, and only that previous history is kept, so reading a conversation costs one pass
+    tool calls and returns, and the messages it adds, by position, which are all the history
+    check looks at (`history_findings`). A history repeats the conversation so far: a message
+    equal to the one at its place in the previous turn's history is neither normalised again
+    nor kept, and only that previous history is kept, so reading a conversation costs one pass
     over what its histories add."""
 
     def __init__(self) -> None:
@@ -215,40 +245,12 @@ class _Histories:
                 self.added[id(turn)].append((position, message))
                 ids.append(_message_ids(message))
         self._previous, self._previous_ids = history, ids
-        for kind, name, call_id in (i for message_ids in ids for i in message_ids):
-            (found.calls if kind == "tool_call" else found.returns)[name].append(call_id)
+        for entry in (i for message_ids in ids for i in message_ids):
+            if isinstance(entry, _Returned):
+                found.returns.append(entry)
+            else:
+                found.calls.append(entry)
         return found
-
-
-def _aligned(history: list[str], occurrence: int, total: int) -> str | None:
-    """The history id of the `occurrence`-th of `total` same-named parts of a turn.
-
-    A history may hold the whole conversation so far or only the turn: the
-    turn's parts are its last ones, so the two are aligned at the end.
-    """
-    offset = len(history) - total if len(history) >= total else 0
-    index = offset + occurrence
-    return history[index] if 0 <= index < len(history) else None
-
-
-class _RealIds:
-    """Hands out each tool part's real call id: its own, or the history's aligned one."""
-
-    def __init__(self, history: dict[str, list[str]], parts: Sequence[LegacyPart]) -> None:
-        self._history = history
-        self._totals: dict[str, int] = defaultdict(int)
-        self._seen: dict[str, int] = defaultdict(int)
-        for part in parts:
-            self._totals[str(part.tool_name)] += 1
-
-    def of(self, part: LegacyPart) -> str | None:
-        name = str(part.tool_name)
-        occurrence = self._seen[name]
-        self._seen[name] += 1
-        real = part.tool_call_id or _aligned(
-            self._history.get(name, []), occurrence, self._totals[name]
-        )
-        return real if isinstance(real, str) else None
 
 
 def _generated_call_id(legacy_key: str, part_index: int) -> str:
@@ -279,8 +281,10 @@ class _TurnState:
     turn: LegacyTurn
     at: datetime
     items: list[Item]
-    calls: _RealIds
-    results: _RealIds
+    history: _HistoryIds
+    call_ids: dict[int, str | None]
+    """The real id of each tool call part, by its index: its own, or its history's
+    (`history_call_ids`)."""
     groups: list[_CallGroup] = field(default_factory=list)
     open_group: _CallGroup | None = None
     pending_results: list[tuple[int, LegacyPart, str | None]] = field(default_factory=list)
@@ -319,6 +323,8 @@ class _Converter:
         self.unanswered_usage = Usage()
         """Token usage of turns without an assistant message: counted on the conversation."""
         self.histories = _Histories()
+        self.calls_made: Counter[tuple[str, str]] = Counter()
+        """How many calls of each tool with each arguments (`_arguments`) the turns made."""
 
     def problem(
         self,
@@ -382,27 +388,27 @@ class _Converter:
                 content=turn.message_history_json,
                 unplaced=False,
             )
-        normalized = [p for _, p in parts]
+        calls = [(index, part) for index, part in parts if part.kind == "tool_call"]
+        real = history_call_ids(
+            [(p.tool_name, _arguments(p), p.tool_call_id) for _, p in calls],
+            history.calls,
+            self.used_call_ids,
+            self.calls_made,
+        )
         self.pairing.start_turn()
         state = _TurnState(
             turn=turn,
             at=at,
             items=self._opening(turn, at),
-            calls=_RealIds(history.calls, [p for p in normalized if p.kind == "tool_call"]),
-            results=_RealIds(history.returns, [p for p in normalized if p.kind == "tool_result"]),
+            history=history,
+            call_ids={index: found for (index, _), found in zip(calls, real, strict=True)},
         )
         for index, part in parts:
             if part.kind != "tool_call":
                 state.open_group = None
             self._HANDLERS[part.kind](self, state, index, part)
             self._check_spellings(turn, index, part)
-        pending = state.pending_results
-        answered = self.pairing.answer([(part.tool_name, real) for _, part, real in pending])
-        for (index, part, real), call_id in zip(pending, answered, strict=True):
-            if call_id is None:
-                self._unplaced_result(state, index, part, real)
-            else:
-                self._place_result(state, index, part, call_id)
+        self._place_results(state)
         self._check_response_text(turn, state.items)
         self._check_turn_fields(turn)
         self._check_summary_calls(turn, parts, {cid for g in state.groups for cid, _ in g.calls})
@@ -412,7 +418,7 @@ class _Converter:
     # -- the parts of a turn, one handler per kind -----------------------------------------
 
     def _on_tool_call(self, state: _TurnState, index: int, part: LegacyPart) -> None:
-        real = state.calls.of(part)
+        real = state.call_ids[index]
         call = self._call(state.turn, index, part, real)
         if call is None:
             return
@@ -431,9 +437,10 @@ class _Converter:
         state.open_group.calls.append((call["id"], call["function"]["name"]))
         self.groups[call["id"]] = state.open_group
         self.pairing.add_call(call["id"], call["function"]["name"], real)
+        self.calls_made[(call["function"]["name"], _arguments(part))] += 1
 
     def _on_tool_result(self, state: _TurnState, index: int, part: LegacyPart) -> None:
-        state.pending_results.append((index, part, state.results.of(part)))
+        state.pending_results.append((index, part, part.tool_call_id))
 
     def _on_text(self, state: _TurnState, index: int, part: LegacyPart) -> None:
         text = part_text(part)
@@ -732,6 +739,86 @@ class _Converter:
             call_id = _generated_call_id(self.names[id(turn)].key, index)
         self.used_call_ids.add(call_id)
         return call_id
+
+    def _place_results(self, state: _TurnState) -> None:
+        """The turn's results after the calls they answer (`CallPairing`): a result naming no
+        call answers the one its history returns it for (`told_calls`), if any; a result the
+        history tells nothing of is paired as without it, and checked against what the
+        history says its call returned (`_check_history_return`)."""
+        pending = state.pending_results
+        told = self._told(state)
+        answered = self.pairing.answer(
+            [(part.tool_name, real) for _, part, real in pending],
+            [by[0] if by else None for by in told],
+        )
+        used = {by[1] for by in told if by}
+        for (index, part, real), by, call_id in zip(pending, told, answered, strict=True):
+            if call_id is None:
+                self._unplaced_result(state, index, part, real)
+                continue
+            self._place_result(state, index, part, call_id)
+            if by is None and not self.pairing.names_a_call(real):
+                self._check_history_return(state, (index, part, call_id), used)
+
+    def _told(self, state: _TurnState) -> list[tuple[str, int] | None]:
+        """The call the turn's history says each result naming no call answers, and the index
+        of its return saying so (`told_calls`): by what that return says (`returned`), never
+        by position alone."""
+        pending = state.pending_results
+        if not state.history.returns or not pending:
+            return [None] * len(pending)
+        here = [
+            (call["id"], call["function"]["name"], said(call["function"]["arguments"]))
+            for group in state.groups
+            for call in group.message["tool_calls"]
+        ]
+        results = [
+            (part.tool_name, returned(part), real if self.pairing.names_a_call(real) else None)
+            for _, part, real in pending
+        ]
+        returns = [(r.tool_name, r.call_id, r.says) for r in state.history.returns]
+        return told_calls(results, here, returns, self._open_call)
+
+    def _open_call(self, call_id: str, name: str) -> bool:
+        """Whether a call of tool `name` is stored under `call_id`, still unanswered."""
+        group = self.groups.get(call_id)
+        made = group is not None and (call_id, name) in group.calls
+        return made and self.pairing.unanswered(call_id)
+
+    def _check_history_return(
+        self, state: _TurnState, placed: tuple[int, LegacyPart, str], used: set[int]
+    ) -> None:
+        """A result (`placed`: its index, part and the call it answers) paired by the order of
+        its turn's parts with one of several calls of its tool, whose return the history gives
+        saying something else (told no other result: not in `used`): which call it answered
+        is a guess the history contradicts, so a problem not placed keeps the result with the
+        history's return, and the drop of the legacy turns waits on an operator."""
+        index, part, call_id = placed
+        name = part.tool_name
+        if sum(n == name for group in state.groups for _, n in group.calls) < 2:
+            return
+        says = returned(part)
+        other = next(
+            (
+                r
+                for n, r in enumerate(state.history.returns)
+                if r.call_id == call_id and r.says not in (None, says) and n not in used
+            ),
+            None,
+        )
+        if other is None:
+            return
+        self.problem(
+            state.turn,
+            HISTORY_CONTRADICTS_PAIRING,
+            f"the turn makes several calls of {name!r}; this result, naming none, answers call "
+            f"{call_id!r} by the order of the parts, but message_history_json says that call "
+            "returned something else: which call it answered is not known. The message "
+            "answers that call; this problem keeps the result and the history's return",
+            field="message_history_json",
+            part_index=index,
+            content={"result": part.raw, "answers": call_id, "history_return": other.raw},
+        )
 
     def _place_result(self, state: _TurnState, index: int, part: LegacyPart, call_id: str) -> None:
         """A result after the call it answers (`CallPairing`), stored under that call's id."""

@@ -30,7 +30,13 @@ from typing import Any
 
 from agent_store.core import AgentMessage
 from agent_store.legacy._documents import as_text
-from agent_store.legacy._parts import call_arguments, normalize_part, result_text, said
+from agent_store.legacy._parts import (
+    LegacyPart,
+    call_arguments,
+    normalize_part,
+    result_text,
+    said,
+)
 from agent_store.store import RuntimeContextMarkers, split_runtime_context
 
 HISTORY_ONLY_CONTENT = "history_only_content"
@@ -176,6 +182,12 @@ class _Held:
         if call_id:
             return (call_id, text) in self.results_by_id
         return isinstance(name, str) and (name, text) in self.results_by_name
+
+
+def returned(part: LegacyPart) -> str | None:
+    """What a tool result, or a history's tool return, says: as the check compares it (`_key`),
+    so a result and the return it is are one; None when it says nothing (no content)."""
+    return None if part.result in _SAYS_NOTHING else _key(result_text(part)[0])
 
 
 def _text_in(value: Any, texts: set[str]) -> bool:

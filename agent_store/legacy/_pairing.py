@@ -4,12 +4,18 @@ and the migration's transcript names them by (DESIGN §4), so the two never disa
 A call is known by a key of the caller's choosing (the converter: the id it stores the call
 under; the transcript: where the part is), with its tool's name and the id its legacy part
 names. Results are paired a turn at a time, once all of the turn's calls are known.
+
+A turn's `message_history_json` names the real ids of calls whose parts name none
+(`history_call_ids`): by what identifies a call, its tool and its arguments, never by
+position alone. What the history says a call returned then tells which call a result naming
+no id answers (`told_calls`), always one of the result's own tool, so the transcript, which
+names a result by its call's tool, needs no history; `CallPairing` pairs the rest.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -38,17 +44,33 @@ class CallPairing(Generic[K]):
         """Whether an id names a call of the conversation so far."""
         return call_id is not None and call_id in self._by_id
 
-    def answer(self, results: Sequence[tuple[Any, str | None]]) -> list[K | None]:
+    def unanswered(self, call_id: str) -> bool:
+        """Whether an id names a call of the conversation so far that no result answers yet."""
+        return any(key not in self._answered for key in self._by_id.get(call_id, ()))
+
+    def answer(
+        self, results: Sequence[tuple[Any, str | None]], told: Sequence[K | None] = ()
+    ) -> list[K | None]:
         """The call each of this turn's results, (tool name, id), answers; None where no call
-        is left for it. Results whose id names a call are paired first, in order; only then
-        does each result whose id names none take, in order, the first unanswered call of
-        its tool in this turn: a result naming no call never takes one another names."""
+        is left for it. Results whose id names a call are paired first, in order; then each
+        result its turn's history tells the call of (`told`, by key: `told_calls`) takes that
+        call while it is unanswered; only then does each result whose id names none take, in
+        order, the first unanswered call of its tool in this turn: a result naming no call
+        never takes one another names."""
+        told = list(told) or [None] * len(results)
         named = {i for i, (_, call_id) in enumerate(results) if self.names_a_call(call_id)}
-        unnamed = [i for i in range(len(results)) if i not in named]
+        said = [i for i, key in enumerate(told) if key is not None and i not in named]
+        unnamed = [i for i in range(len(results)) if i not in named and i not in said]
         answers: list[K | None] = [None] * len(results)
-        for index in [*sorted(named), *unnamed]:
+        for index in [*sorted(named), *said, *unnamed]:
             tool_name, call_id = results[index]
-            found = self._by_name(call_id, tool_name) if index in named else self._of(tool_name)
+            key = told[index]
+            if index in named:
+                found = self._by_name(call_id, tool_name)
+            elif key is not None and key not in self._answered:
+                found = key
+            else:
+                found = self._of(tool_name)
             if found is not None:
                 self._answered.add(found)
             answers[index] = found
@@ -68,3 +90,123 @@ class CallPairing(Generic[K]):
     def _of(self, tool_name: Any) -> K | None:
         """The first unanswered call of the tool in this turn."""
         return next((k for k, n in self._turn if n == tool_name and k not in self._answered), None)
+
+
+def history_call_ids(
+    calls: Sequence[tuple[Any, str, str | None]],
+    history: Iterable[tuple[str, str, str]],
+    taken: Container[str],
+    made_before: Mapping[tuple[str, str], int],
+) -> list[str | None]:
+    """The real id of each of a turn's calls, given as (tool name, what its arguments say,
+    the id its part names): the part's own id; else the id of a call the history makes of
+    that tool with those arguments (`history`, in order), neither an earlier turn's nor one
+    a call took already (`taken`: the conversation's ids so far) or names as its own; else
+    None. A history holds the conversation so far, so of its calls alike (one tool, the same
+    arguments) the first are the earlier turns' (`made_before`: how many such calls they
+    made), whichever ids those got. Only among calls alike does position choose: they take
+    the history's other alike calls in order, its last ones when it holds more (one from a
+    conversation longer than its turns), its first ones when it holds fewer (saved before the
+    turn's last calls were made)."""
+    own = {call_id for _, _, call_id in calls if call_id}
+    alike: dict[tuple[Any, str], list[str]] = defaultdict(list)
+    for name, arguments, made in history:
+        alike[(name, arguments)].append(made)
+    wanting: dict[tuple[Any, str], list[int]] = defaultdict(list)
+    for index, (name, arguments, own_id) in enumerate(calls):
+        if not own_id and isinstance(name, str):
+            wanting[(name, arguments)].append(index)
+    found: list[str | None] = [call_id or None for _, _, call_id in calls]
+    for key, indexes in wanting.items():
+        ids = list(dict.fromkeys(alike.get(key, ())))[made_before.get(key, 0) :]
+        ids = [made for made in ids if made not in taken and made not in own]
+        for index, made in zip(indexes, ids[max(len(ids) - len(indexes), 0) :], strict=False):
+            found[index] = made
+    return found
+
+
+Returned = tuple[str, str, str | None]
+"""A tool return a turn's history gives: (tool name, call id, what it says), None when it
+says nothing."""
+
+
+def told_calls(
+    results: Sequence[tuple[Any, str | None, str | None]],
+    calls: Sequence[tuple[str, str, str]],
+    returns: Sequence[Returned],
+    earlier: Callable[[str, str], bool],
+) -> list[tuple[str, int] | None]:
+    """The id of the call the turn's history says each result answers, and the index of the
+    return that says so (`returns`), for the results whose
+    id names no call: given as (tool name, what it says, the id it names when that names a
+    call), with the turn's calls, (id, tool name, what its arguments say) in order, and the
+    history's returns. A return of the result's tool saying what it says tells its call's
+    tool and arguments: of the calls alike (that tool, those arguments) no result names, the
+    one the order of the parts gives the result (`positions`), else the return's own call,
+    else the first still free; each return and each call is told once. When the turn makes
+    no call of the result's tool, the return's own call of an earlier turn, if `earlier(id,
+    tool)` (still unanswered). None where the history tells nothing: such a result is paired
+    as without a history (`CallPairing.answer`)."""
+    made = {cid: (name, arguments) for cid, name, arguments in calls}
+    taken = {named for *_, named in results if named is not None}
+    by_what: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for n, (name, _, says) in enumerate(returns):
+        if says is not None:
+            by_what[(name, says)].append(n)
+    used: set[int] = set()
+    told: list[tuple[str, int] | None] = []
+    for (name, says, named), own in zip(results, positions(results, calls), strict=True):
+        found = None
+        if named is None and isinstance(name, str) and says is not None:
+            for n in [n for n in by_what.get((name, says), ()) if n not in used]:
+                call_id = _told(returns[n][1], name, own, made, taken, earlier)
+                if call_id is not None:
+                    found = (call_id, n)
+                    used.add(n)
+                    taken.add(call_id)
+                    break
+        told.append(found)
+    return told
+
+
+def _told(
+    call_id: str,
+    name: str,
+    own: str | None,
+    made: dict[str, tuple[str, str]],
+    taken: set[str],
+    earlier: Callable[[str, str], bool],
+) -> str | None:
+    """The call a result of tool `name` answers, its history's return naming `call_id`."""
+    if call_id in made:
+        if made[call_id][0] != name:
+            return None
+        alike = [cid for cid, what in made.items() if what == made[call_id] and cid not in taken]
+        preferred = [cid for cid in (own, call_id) if cid in alike]
+        return next(iter(preferred or alike), None)
+    if name in {n for n, _ in made.values()} or call_id in taken:
+        return None
+    return call_id if earlier(call_id, name) else None
+
+
+def positions(
+    results: Sequence[tuple[Any, str | None, str | None]], calls: Sequence[tuple[str, str, str]]
+) -> list[str | None]:
+    """The call of its turn the order of the parts gives each result naming no call, as
+    `CallPairing.answer` pairs them without a history: the k-th such result of a tool, the
+    k-th call of that tool in the turn no result names."""
+    named = {named for *_, named in results if named is not None}
+    queues: dict[str, list[str]] = defaultdict(list)
+    for cid, name, _ in calls:
+        if cid not in named:
+            queues[name].append(cid)
+    seen: dict[str, int] = defaultdict(int)
+    found: list[str | None] = []
+    for name, _, call_id in results:
+        if call_id is not None or not isinstance(name, str):
+            found.append(None)
+            continue
+        queue, k = queues.get(name, []), seen[name]
+        seen[name] += 1
+        found.append(queue[k] if k < len(queue) else None)
+    return found
