@@ -163,7 +163,6 @@ async def test_a_fork_retried_over_http_after_its_source_was_popped_is_a_conflic
         assert [m["content"] for m in forked.json()["data"]][-1] == "answer 2"
 
 
-<<<<<<< HEAD
 async def test_the_inbox_read_and_close_answer_pages_of_page_bytes_saying_more_follow(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -224,7 +223,8 @@ async def test_a_delivery_is_capped_as_a_turn_is_not_as_other_bodies() -> None:
 
         assert sent.json() == {"delivered": True}
         assert (too_big.status_code, other.status_code) == (413, 413)
-=======
+
+
 async def test_a_fork_over_http_answers_no_more_than_a_fork_may_copy() -> None:
     """A user token's fork of 20 messages of 1 MB (each within the 1 MiB bound) is a 422
     naming where to fork, nothing written; the fork there answers its copies, about
@@ -258,4 +258,3 @@ async def test_a_fork_over_http_answers_no_more_than_a_fork_may_copy() -> None:
         assert [m["_id"] for m in again.json()["messages"]] == [
             m["_id"] for m in forked.json()["messages"]
         ]
->>>>>>> fix-fork-bound

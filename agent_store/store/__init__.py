@@ -24,12 +24,8 @@ from agent_store.store._driver import (
     storage_errors,
 )
 from agent_store.store._fork import fork_turn_id
-<<<<<<< HEAD
-from agent_store.store._inbox import InboxPage, SteeringInbox
-=======
 from agent_store.store._fork_read import MAX_FORK_BYTES
-from agent_store.store._inbox import SteeringInbox
->>>>>>> fix-fork-bound
+from agent_store.store._inbox import InboxPage, SteeringInbox
 from agent_store.store._indexes import (
     BLOB_BUCKET,
     BLOB_CHUNKS,
