@@ -582,6 +582,14 @@ TWO_SPELLINGS = {
         {"type": "tool_call", "tool_name": "f", "name": "«g»", "args": {}},
         ["name"],
     ),
+    "type and part_kind": (
+        {"type": "text", "part_kind": "error", "content": "Payment failed: card declined"},
+        ["part_kind"],
+    ),
+    "type and part_kind of an upload": (
+        {"type": "file_upload", "part_kind": "text", "filename": "a.pdf"},
+        ["part_kind"],
+    ),
 }
 
 
@@ -606,8 +614,9 @@ def test_a_part_spelling_a_field_twice_with_two_values_keeps_the_unread_one_in_a
         {"type": "text", "content": "same", "text": "same"},
         {"type": "tool_call", "tool_name": "f", "args": {"q": 1}, "arguments": '{"q": 1}'},
         {"type": "tool_result", "tool_name": "f", "result": {"n": 2}, "content": '{"n":2}'},
+        {"type": "tool-return", "part_kind": "tool_result", "tool_name": "f", "result": 1},
     ],
-    ids=["text", "arguments as JSON text", "result as JSON text"],
+    ids=["text", "arguments as JSON text", "result as JSON text", "kind in two spellings"],
 )
 def test_two_spellings_saying_the_same_are_no_problem(part: dict[str, Any]) -> None:
     turn = {"_id": "s-1", "conversation_id": "c-spell", "created_at": MESSY_START,

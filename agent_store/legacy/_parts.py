@@ -88,6 +88,15 @@ def part_kind(part: Any) -> PartKind:
     return _KINDS.get(declared.strip().lower().replace("-", "_"), "unknown")
 
 
+def _kinds_disagree(part: Mapping[str, Any]) -> bool:
+    """Whether a part declares its kind twice, by `type` and by `part_kind`, as two kinds."""
+    kinds = [part.get("type"), part.get("part_kind")]
+    if not all(isinstance(kind, str) for kind in kinds):
+        return False
+    read = [kind.strip().lower().replace("-", "_") for kind in kinds]
+    return _KINDS.get(read[0], read[0]) != _KINDS.get(read[1], read[1])
+
+
 def _declared(part: Any) -> str | None:
     if not isinstance(part, Mapping):
         return None
@@ -235,6 +244,8 @@ def normalize_part(part: Any) -> LegacyPart:
     if not isinstance(part, Mapping):
         return LegacyPart("unknown", None, part)
     found = _read_part(part)
+    if _kinds_disagree(part):  # read by `type`: the other kind is kept in a problem
+        found = replace(found, unread=(*found.unread, "part_kind"))
     if found.kind not in _READ:
         return found
     unknown = tuple(str(name) for name in part if name not in _READ[found.kind])
