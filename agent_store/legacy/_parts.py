@@ -91,10 +91,8 @@ def part_kind(part: Any) -> PartKind:
 def _kinds_disagree(part: Mapping[str, Any]) -> bool:
     """Whether a part declares its kind twice, by `type` and by `part_kind`, as two kinds."""
     kinds = [part.get("type"), part.get("part_kind")]
-    if not all(isinstance(kind, str) for kind in kinds):
-        return False
-    read = [kind.strip().lower().replace("-", "_") for kind in kinds]
-    return _KINDS.get(read[0], read[0]) != _KINDS.get(read[1], read[1])
+    read = [k.strip().lower().replace("-", "_") for k in kinds if isinstance(k, str)]
+    return len(read) == 2 and _KINDS.get(read[0], read[0]) != _KINDS.get(read[1], read[1])
 
 
 def _declared(part: Any) -> str | None:
