@@ -17,6 +17,7 @@ from agent_store import (
     ConversationStore,
     InvalidInput,
     LoggedTurn,
+    NotFound,
 )
 from agent_store.core import (
     DENIED_RESULT,
@@ -363,6 +364,133 @@ async def test_a_refusal_read_before_another_tab_approved_denies_nothing_after_t
     assert [m.content for m in logged.messages] == ["Okay."]
     assert again.replayed
     assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
+
+
+async def _approvals_recorded(runtime: Runtime) -> dict[str, Any]:
+    """What the conversation records of confirm-9's answers: the prompt pending, the calls it
+    holds, the request ids resolved and the calls approved."""
+    pending = await runtime.store.pending_hitl(CID)
+    doc = await runtime.store._conversations.find_one({"_id": CID})
+    assert doc is not None
+    return {
+        "pending_hitl": pending.request_id if pending else None,
+        "held": await held_calls(runtime.store),
+        "resolved_hitl": doc.get("resolved_hitl"),
+        "approved_calls": [a["tool_call_id"] for a in doc.get("approved_calls") or ()],
+    }
+
+
+@pytest.mark.parametrize(
+    ("events", "prompt"),
+    [
+        pytest.param([APPROVED, BOOKED], "yes \ud83d", id="lone-surrogate-in-the-prompt"),
+        pytest.param(
+            [APPROVED, BOOKED, {"type": "stream_token", "token": "Booked \udc00"}], "yes",
+            id="lone-surrogate-in-a-token",
+        ),
+    ],
+)  # fmt: skip
+async def test_a_streamed_turn_refused_as_invalid_records_none_of_the_approvals_it_carries(
+    backend: Backend, events: list[dict[str, Any]], prompt: str
+) -> None:
+    """A rejected turn writes nothing: the approval of an earlier prompt that a stream carries
+    with its call's result is recorded before the turn only once the turn is known to be one
+    the logger takes. Refused (InvalidInput), the prompt is still pending, and the person's
+    later refusal denies the call."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    before = await _approvals_recorded(runtime)
+
+    with pytest.raises(InvalidInput):
+        await runtime.stream(events, prompt=prompt)
+
+    assert await _approvals_recorded(runtime) == before
+    assert before["held"] == [("tc-9", "confirm-9")]
+    await runtime.stream([DENIED], prompt="No, don't.")
+    assert await runtime.answers_of("tc-9") == [(DENIED_RESULT, "tool call denied")]
+
+
+@pytest.mark.parametrize("read_as", ["service", "mallory"])
+async def test_a_streamed_turn_naming_another_user_approves_nothing_of_the_owners(
+    backend: Backend, read_as: str
+) -> None:
+    """A turn naming another user than the conversation's owner is a Conflict, and so is the
+    approval it carries with its call's result: the owner's prompt stays pending, its call
+    held, nothing approved (the pending calls read by a service, or for that user: none)."""
+    runtime = Runtime(backend)
+    ask = turn_from_metadata(ASKS_TO_BOOK, complete=True)
+    await log_streamed_turn(
+        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=ask,
+        turn_id="t1", prompt="Book me the 09:04 to Lyon.", user_id="alice",
+    )  # fmt: skip
+    before = await _approvals_recorded(runtime)
+    read = await runtime.store.pending_calls(
+        CID, user_id=None if read_as == "service" else "mallory"
+    )
+
+    with pytest.raises((Conflict, InvalidInput)) as refused:
+        await _approve_and_book_as(runtime, "mallory", read)
+
+    if read_as == "service":
+        assert isinstance(refused.value, Conflict)
+        assert "belongs to another user" in str(refused.value)
+    assert await _approvals_recorded(runtime) == before
+    assert before["pending_hitl"] == "confirm-9"
+
+
+async def _approve_and_book_as(runtime: Runtime, user_id: str, read: list[PendingCall]) -> None:
+    """A turn naming `user_id`, approving confirm-9 and carrying tc-9's result, built from
+    the pending calls `read`."""
+    approve = turn_from_metadata([APPROVED, BOOKED], complete=True, pending=read)
+    await log_streamed_turn(
+        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=approve,
+        turn_id="t2", prompt="yes", user_id=user_id,
+    )  # fmt: skip
+
+
+async def test_a_streamed_approval_naming_the_owner_is_recorded_before_its_result(
+    backend: Backend,
+) -> None:
+    """The owner's turn (named as `user_id`) approving the prompt and carrying the call's
+    result records the approval before the result clears the prompt, as a service's does."""
+    runtime = Runtime(backend)
+    ask = turn_from_metadata(ASKS_TO_BOOK, complete=True)
+    await log_streamed_turn(
+        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=ask,
+        turn_id="t1", prompt="Book me the 09:04 to Lyon.", user_id="alice",
+    )  # fmt: skip
+    read = await runtime.store.pending_calls(CID, user_id="alice")
+
+    await _approve_and_book_as(runtime, "alice", read)
+
+    recorded = await _approvals_recorded(runtime)
+    assert (recorded["pending_hitl"], recorded["approved_calls"]) == (None, ["tc-9"])
+    assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
+
+
+@pytest.mark.parametrize(("owner", "answered"), [("alice", True), (None, True), ("bob", False)])
+async def test_an_answer_for_a_user_or_unowned_is_recorded_where_that_users_turn_may_write(
+    backend: Backend, owner: str | None, answered: bool
+) -> None:
+    """`resolve_hitl(user_id=..., or_unowned=True)` answers the prompt in that user's
+    conversation or an unowned one, as a turn a service logs naming that user may write to;
+    another user's conversation is not found to it, nothing changed."""
+    runtime = Runtime(backend)
+    ask = turn_from_metadata(ASKS_TO_BOOK, complete=True)
+    await log_streamed_turn(
+        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=ask,
+        turn_id="t1", prompt="Book me the 09:04 to Lyon.", user_id=owner,
+    )  # fmt: skip
+
+    if answered:
+        await runtime.store.resolve_hitl(CID, "confirm-9", user_id="alice", or_unowned=True)
+    else:
+        with pytest.raises(NotFound):
+            await runtime.store.resolve_hitl(CID, "confirm-9", user_id="alice", or_unowned=True)
+
+    held = [("tc-9", None)] if answered else [("tc-9", "confirm-9")]
+    assert await held_calls(runtime.store) == held
+    assert (await runtime.store.get_conversation(CID)).user_id == owner  # never assigned
 
 
 _NEW_CALL = {"role": "assistant", "content": None, "tool_calls": [
@@ -2570,6 +2698,35 @@ async def test_a_refused_late_retry_leaves_pending_only_what_the_stored_messages
     assert await pending_state(store) == ([], None)
     with pytest.raises(Conflict):  # every retry alike
         await logger.log_messages(CID, t1, turn_id="t1")
+    assert await pending_state(store) == ([], None)
+
+
+async def test_a_refused_late_retry_takes_back_the_turn_and_tokens_its_reservation_counted(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RELIABILITY.md: a turn given up for good takes with it what its reservation listed,
+    the turn and the tokens it counted too: t1 [the user's "book", calls c1 and c2 with
+    their tokens] reserves and dies, t2 answers c1, and t1's late retry is refused. The
+    conversation then counts what its stored messages hold, however many retries follow."""
+    from agent_store import Conflict
+
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], turn_id="t0")
+    usage = {"input_tokens": 1000, "output_tokens": 500}
+    t1 = [{"role": "user", "content": "book"}, {**_calls("c1", "c2"), "token_usage": usage}]
+    await _reserved_only(logger, monkeypatch, t1, "t1")
+    counted = await store.get_conversation(CID)
+    assert (counted.turn_count, counted.usage.input_tokens) == (2, 1000)
+    done = [_answer("c1", "R1"), {"role": "assistant", "content": "done", "token_usage":
+            {"input_tokens": 10, "output_tokens": 5}}]  # fmt: skip
+    await logger.log_messages(CID, done, turn_id="t2")
+
+    for _ in range(2):  # every retry alike: taken back once
+        with pytest.raises(Conflict, match=r"a later turn answered its call 'c1'"):
+            await logger.log_messages(CID, t1, turn_id="t1")
+        conversation = await store.get_conversation(CID)
+        assert conversation.turn_count == 1
+        assert (conversation.usage.input_tokens, conversation.usage.output_tokens) == (10, 5)
     assert await pending_state(store) == ([], None)
 
 

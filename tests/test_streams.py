@@ -317,3 +317,69 @@ async def test_a_turn_that_only_resolves_a_prompt_naming_another_user_changes_no
     pending = await store.pending_hitl("c-owned")
     assert pending is not None
     assert pending.request_id == "confirm-1"
+
+
+_DEEP: dict[str, Any] = {}
+_level = _DEEP
+for _ in range(70):
+    _level["x"] = {}
+    _level = _level["x"]
+
+_TOO_MANY_CALLS = [
+    {"type": "tool_start", "tool_name": "t", "tool_call_id": f"c{i}"} for i in range(1001)
+]
+
+
+@pytest.mark.parametrize(
+    ("events", "named"),
+    [
+        pytest.param(
+            [{"type": "tool_start", "tool_name": "t" * 300, "tool_call_id": "tc-1"}],
+            r"0\.tool_start\.tool_name: .*at most 256",
+            id="metadata-tool-name-of-300-characters",
+        ),
+        pytest.param(
+            [{"type": "confirm_required", "request_id": "r1", "action": "a" * 300}],
+            r"0\.confirm_required\.action: .*at most 256",
+            id="metadata-action-of-300-characters",
+        ),
+        pytest.param(
+            [
+                {"type": "stream_token", "token": "Paying."},
+                {"type": "confirm_required", "request_id": "r1", "action": "pay", "params": _DEEP},
+            ],
+            r"1\.confirm_required\.params: .*deeper than 64",
+            id="metadata-params-nested-70-deep",
+        ),
+        pytest.param(
+            [
+                {"type": "tool_call", "tool_name": "t" * 300, "tool_call_id": "tc-1"},
+                {"type": "done"},
+            ],
+            r"0\.tool_call\.tool_name: .*at most 256",
+            id="sse-tool-name-of-300-characters",
+        ),
+        pytest.param(
+            [{"type": "hitl", "request_id": "r1", "action": "a" * 300}, {"type": "done"}],
+            r"0\.hitl\.action: .*at most 256",
+            id="sse-action-of-300-characters",
+        ),
+        pytest.param(
+            _TOO_MANY_CALLS, r"tool_calls: .*at most 1000", id="metadata-1001-calls-in-a-message"
+        ),
+    ],
+)
+def test_a_stream_event_the_turn_cannot_hold_is_invalid_input_naming_it(
+    events: list[dict[str, Any]], named: str
+) -> None:
+    """STREAMING.md: a bad event is refused with an InvalidInput naming the event and field,
+    also when the value is one the stored message refuses (a name, an action, params), never
+    a raw validation error."""
+    build = (
+        (lambda: turn_from_sse(events))
+        if events[-1]["type"] == "done"
+        else (lambda: turn_from_metadata(events, complete=True))
+    )
+
+    with pytest.raises(InvalidInput, match=named):
+        build()

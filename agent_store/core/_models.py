@@ -220,11 +220,17 @@ MAX_NAME_CHARS = 256
 """The longest tool name and prompt action: copied onto the conversation document (its pending
 calls, its pending prompt) and never cut, they are bounded instead."""
 
+BoundedName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]
+"""A tool's name or a prompt's action: 1 to `MAX_NAME_CHARS` characters."""
+
+HitlParams = Annotated[dict[str, Any], AfterValidator(_plain_json)]
+"""A prompt's params: plain JSON values, nested at most `MAX_PARAMS_DEPTH` levels."""
+
 
 class FunctionCall(_Model):
     """The function an assistant asks to call."""
 
-    name: Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]
+    name: BoundedName
     """The tool's name."""
     arguments: Annotated[
         str,
@@ -251,8 +257,8 @@ class ToolCall(_Model):
 class HitlAction(_Model):
     """A human-in-the-loop prompt the assistant raised."""
 
-    action: Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]
-    params: Annotated[dict[str, Any], AfterValidator(_plain_json)] = Field(default_factory=dict)
+    action: BoundedName
+    params: HitlParams = Field(default_factory=dict)
     """Plain JSON values, nested at most `MAX_PARAMS_DEPTH` levels."""
     request_id: Annotated[str, StringConstraints(min_length=1, max_length=200)]
     tool_call_ids: (
@@ -626,6 +632,9 @@ class TurnRecord(_Model):
     """When the turn was reserved."""
     popped: bool = Field(default=False, alias="p")
     """A pop removed one of its messages: a retry of the turn is refused, never replayed."""
+    given_up: bool = Field(default=False, alias="g")
+    """A retry gave the turn up for good, none of its messages stored: what its reservation
+    counted (its turns, its tokens) was taken back then, once."""
 
 
 class PoppedMessage(_Model):

@@ -14,7 +14,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, TypeAdapter, ValidationError
 
-from agent_store.core import InvalidInput, TokenUsage, UtcDatetime, describe_validation_error
+from agent_store.core import (
+    BoundedName,
+    HitlParams,
+    InvalidInput,
+    TokenUsage,
+    UtcDatetime,
+    describe_validation_error,
+)
 
 CallId = Annotated[str, Field(min_length=1, max_length=200)]
 
@@ -46,7 +53,7 @@ class ToolCallEvent(_SseEvent):
 
     type: Literal["tool_call"] = "tool_call"
     tool_call_id: CallId
-    tool_name: str = Field(min_length=1)
+    tool_name: BoundedName
     args: dict[str, Any] | str = Field(default_factory=dict)
 
 
@@ -65,8 +72,8 @@ class HitlEvent(_SseEvent):
     """The assistant asks a person to act before it goes on."""
 
     type: Literal["hitl"] = "hitl"
-    action: str = Field(min_length=1)
-    params: dict[str, Any] = Field(default_factory=dict)
+    action: BoundedName
+    params: HitlParams = Field(default_factory=dict)
     request_id: CallId
     prompt: str | None = None
     tool_call_id: CallId | None = None
@@ -123,7 +130,7 @@ class ToolStart(_Event):
     """A tool call begins. Without an id, it is matched to its end by tool name, in order."""
 
     type: Literal["tool_start"] = "tool_start"
-    tool_name: str = Field(min_length=1)
+    tool_name: BoundedName
     tool_call_id: CallId | None = None
     args: dict[str, Any] | str = Field(default_factory=dict)
 
@@ -151,8 +158,8 @@ class ConfirmRequired(_Event):
 
     type: Literal["confirm_required"] = "confirm_required"
     request_id: CallId
-    action: str = Field(min_length=1)
-    params: dict[str, Any] = Field(default_factory=dict)
+    action: BoundedName
+    params: HitlParams = Field(default_factory=dict)
     prompt: str | None = None
     tool_call_id: CallId | None = None
 

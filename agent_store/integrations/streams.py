@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from agent_store.core import (
     AgentMessage,
@@ -57,6 +57,7 @@ from agent_store.core import (
     ToolMessage,
     ToolOutcome,
     UserMessage,
+    describe_validation_error,
     interruption_notice,
     outcome_error,
     shown,
@@ -484,30 +485,45 @@ def turn_from_sse(
     what the first did not say. `pending` are the calls earlier turns left
     open (`ConversationStore.pending_calls`), which this stream may answer.
     """
-    assembler = TurnAssembler(received_at=received_at, pending=pending)
     cut_off = isinstance(events, SseEvents) and events.cut_off
-    done: list[DoneEvent] = []
-    for event in _first_of_each_id(parse_sse_events(list(events))):
-        if isinstance(event, TextDelta):
-            assembler.text(event.delta, event.at)
-        elif isinstance(event, ToolCallEvent):
-            assembler.call(event.tool_call_id, event.tool_name, event.args, event.at)
-        elif isinstance(event, ToolResultEvent):
-            outcome: ToolOutcome | None = "failed" if event.is_error else None
-            assembler.result(event.tool_call_id, event.result, event.at, outcome=outcome)
-        elif isinstance(event, HitlEvent):
-            assembler.hitl(event)
-        elif isinstance(event, ErrorEvent):
-            assembler.error(event.message, event.at)
-        elif isinstance(event, DeliveredEvent):
-            assembler.delivered(event.seq)
-        else:
-            done.append(event)
-    return assembler.finish(
-        complete=bool(done) and not cut_off,
-        usage=next((d.usage for d in done if d.usage is not None), None),
-        latency_ms=next((d.latency_ms for d in done if d.latency_ms is not None), None),
-    )
+    parsed = _first_of_each_id(parse_sse_events(list(events)))
+    with _made_from("SSE stream"):
+        assembler = TurnAssembler(received_at=received_at, pending=pending)
+        done: list[DoneEvent] = []
+        for event in parsed:
+            if isinstance(event, TextDelta):
+                assembler.text(event.delta, event.at)
+            elif isinstance(event, ToolCallEvent):
+                assembler.call(event.tool_call_id, event.tool_name, event.args, event.at)
+            elif isinstance(event, ToolResultEvent):
+                outcome: ToolOutcome | None = "failed" if event.is_error else None
+                assembler.result(event.tool_call_id, event.result, event.at, outcome=outcome)
+            elif isinstance(event, HitlEvent):
+                assembler.hitl(event)
+            elif isinstance(event, ErrorEvent):
+                assembler.error(event.message, event.at)
+            elif isinstance(event, DeliveredEvent):
+                assembler.delivered(event.seq)
+            else:
+                done.append(event)
+        return assembler.finish(
+            complete=bool(done) and not cut_off,
+            usage=next((d.usage for d in done if d.usage is not None), None),
+            latency_ms=next((d.latency_ms for d in done if d.latency_ms is not None), None),
+        )
+
+
+@contextlib.contextmanager
+def _made_from(subject: str) -> Iterator[None]:
+    """The builders' boundary: a message the stream's events make that no stored message can
+    be (an assistant message calling more tools than a message takes) is InvalidInput saying
+    what, as a bad event is (`parse_sse_events`, `parse_metadata_events`), never a raw
+    validation error."""
+    try:
+        yield
+    except ValidationError as exc:
+        made = f"{subject}: a message its events make"
+        raise InvalidInput(describe_validation_error(exc, subject=made)) from exc
 
 
 def _first_of_each_id(events: list[SseEvent]) -> Iterator[SseEvent]:
@@ -542,29 +558,30 @@ def turn_from_metadata(
     """
     received_at = received_at or utc_now()
     parsed = parse_metadata_events(list(events))
-    assembler = TurnAssembler(received_at=received_at, pending=pending)
     calls = _OpenCalls(pending, stamp=_stream_digest(received_at, parsed))
-    for event in parsed:
-        if isinstance(event, StreamToken):
-            assembler.text(event.token, event.at)
-        elif isinstance(event, ToolStart):
-            call_id = calls.started(event.tool_name, event.tool_call_id)
-            assembler.call(call_id, event.tool_name, event.args, event.at)
-        elif isinstance(event, ToolEnd | ToolError):
-            call_id = calls.ended(event.tool_name, event.tool_call_id)
-            if isinstance(event, ToolEnd):
-                assembler.result(call_id, event.result, event.at)
+    with _made_from("metadata stream"):
+        assembler = TurnAssembler(received_at=received_at, pending=pending)
+        for event in parsed:
+            if isinstance(event, StreamToken):
+                assembler.text(event.token, event.at)
+            elif isinstance(event, ToolStart):
+                call_id = calls.started(event.tool_name, event.tool_call_id)
+                assembler.call(call_id, event.tool_name, event.args, event.at)
+            elif isinstance(event, ToolEnd | ToolError):
+                call_id = calls.ended(event.tool_name, event.tool_call_id)
+                if isinstance(event, ToolEnd):
+                    assembler.result(call_id, event.result, event.at)
+                else:
+                    assembler.result(call_id, event.error, event.at, outcome="failed")
+            elif isinstance(event, ConfirmRequired):
+                assembler.hitl(event)
+            elif isinstance(event, ConfirmResolved):
+                assembler.resolve(event.request_id, approved=event.approved)
+            elif isinstance(event, DeliveredEvent):
+                assembler.delivered(event.seq)
             else:
-                assembler.result(call_id, event.error, event.at, outcome="failed")
-        elif isinstance(event, ConfirmRequired):
-            assembler.hitl(event)
-        elif isinstance(event, ConfirmResolved):
-            assembler.resolve(event.request_id, approved=event.approved)
-        elif isinstance(event, DeliveredEvent):
-            assembler.delivered(event.seq)
-        else:
-            assembler.error(event.message, event.at)
-    return assembler.finish(complete=complete, usage=usage, latency_ms=latency_ms)
+                assembler.error(event.message, event.at)
+        return assembler.finish(complete=complete, usage=usage, latency_ms=latency_ms)
 
 
 def _stream_digest(received_at: datetime, events: Sequence[BaseModel]) -> str:
@@ -635,7 +652,11 @@ async def log_streamed_turn(
     resolved (`ConversationStore.resolve_hitl`), pending or not, while it holds a
     pending call (an approval of an earlier turn's prompt whose call's result the stream
     carries before the turn is logged: the result clears the prompt); one resolved before
-    keeps its first answer. A turn that only
+    keeps its first answer. A rejected turn writes nothing, its answers included: that
+    approval is recorded only once the turn passed the logger's checks
+    (`AgentMessageLogger.check_turn`) and its `user_id` may write to the conversation, and
+    every answer is recorded for that user only (its conversation or an unowned one). A
+    turn that only
     resolved prompts (an approval whose result comes later) stores no message: the
     answer it gave is the prompt's resolution; naming another user than the
     conversation's owner, it is a Conflict, as any turn is. A refusal whose prompt a
@@ -643,13 +664,10 @@ async def log_streamed_turn(
     before) denies nothing: the store refuses the denial (`AnsweredBefore`), and the turn
     is logged without it; a retry of the turn is answered as that logged turn.
     """
-    messages: list[AgentMessage | Mapping[str, Any]] = []
-    if isinstance(prompt, str):
-        messages.append(UserMessage(content=prompt))
-    elif prompt is not None:
-        messages.append(prompt)
-    messages.extend(turn.messages)
-    answered = await _approvals_answered(store, conversation_id, turn)
+    messages = _turn_messages(prompt, turn)
+    answered = await _approvals_answered(
+        logger, store, conversation_id, messages, turn, turn_id, user_id
+    )
     try:
         logged = await _logged(logger, store, conversation_id, messages, turn, turn_id, user_id)
     except AnsweredBefore as refused:
@@ -671,33 +689,85 @@ async def log_streamed_turn(
         concerned = None if calls is None else [(c, m or made.get(c)) for c, m in calls]
         # Resolved before, holding nothing any more, or asked again about other calls.
         with contextlib.suppress(Conflict):
-            await store.resolve_hitl(conversation_id, request_id, **_naming(concerned))
+            await store.resolve_hitl(
+                conversation_id, request_id, **_naming(concerned), **_answering_for(user_id)
+            )
     return logged
 
 
+def _turn_messages(
+    prompt: str | AgentMessage | Mapping[str, Any] | None, turn: StreamedTurn
+) -> list[AgentMessage | Mapping[str, Any]]:
+    """The messages `log_streamed_turn` logs: the user's prompt, if given, then the turn's."""
+    messages: list[AgentMessage | Mapping[str, Any]] = []
+    if isinstance(prompt, str):
+        messages.append(UserMessage(content=prompt))
+    elif prompt is not None:
+        messages.append(prompt)
+    return [*messages, *turn.messages]
+
+
 async def _approvals_answered(
-    store: ConversationStore, conversation_id: str, turn: StreamedTurn
+    logger: AgentMessageLogger,
+    store: ConversationStore,
+    conversation_id: str,
+    messages: list[AgentMessage | Mapping[str, Any]],
+    turn: StreamedTurn,
+    turn_id: str,
+    user_id: str | None,
 ) -> set[str]:
     """Resolve, before the turn is logged, each prompt of an earlier turn the stream approved
     whose call the turn then answers with its result: the answer takes the call out of
     `pending_calls` and clears the prompt, so resolved after it the approval would not be
     recorded (`approved_calls`), and a stale refusal of the prompt (another tab) would deny
-    a call whose tool ran. Returns the request ids it resolved."""
+    a call whose tool ran. Returns the request ids it resolved.
+
+    A rejected turn writes nothing, so these answers are recorded only for a turn the logger
+    takes: what it refuses before writing (`AgentMessageLogger.check_turn`) and a user it
+    does not let write to the conversation (a Conflict) are refused first, and each answer
+    is given for the turn's user only (`_answering_for`)."""
+    early = _approved_with_results(turn)
+    if not early:
+        return set()
+    refused = dict(turn.refused_prompts)
+    logger.check_turn(
+        conversation_id, messages, user_id=user_id, turn_id=turn_id, refused_prompts=refused
+    )
+    if user_id is not None:
+        await _refuse_another_owner(store, conversation_id, user_id)
     resolved: set[str] = set()
+    for request_id, known in early:
+        with contextlib.suppress(Conflict):  # resolved before: its first answer stands
+            await store.resolve_hitl(
+                conversation_id, request_id, **_naming(known), **_answering_for(user_id)
+            )
+            resolved.add(request_id)
+    return resolved
+
+
+def _approved_with_results(
+    turn: StreamedTurn,
+) -> list[tuple[str, list[tuple[str, str | None]]]]:
+    """The approvals of earlier turns' prompts whose calls the turn answers with their results
+    (`_approvals_answered`): each request id, with the earlier calls it held then."""
     refused = {request_id for _, request_id in turn.refused_prompts}
     results = {
         m.tool_call_id
         for m in turn.messages
         if isinstance(m, ToolMessage) and m.tool_call_id and tool_outcome(m) is None
     }
+    early = []
     for request_id, calls in turn.resolved_calls:
-        known = [(c, m) for c, m in calls if m is not None]
-        if request_id in refused or not any(c in results for c, _ in known):
-            continue
-        with contextlib.suppress(Conflict):  # resolved before: its first answer stands
-            await store.resolve_hitl(conversation_id, request_id, **_naming(known))
-            resolved.add(request_id)
-    return resolved
+        known: list[tuple[str, str | None]] = [(c, m) for c, m in calls if m is not None]
+        if request_id not in refused and any(c in results for c, _ in known):
+            early.append((request_id, known))
+    return early
+
+
+def _answering_for(user_id: str | None) -> dict[str, Any]:
+    """The arguments of `ConversationStore.resolve_hitl` answering for the user a turn names:
+    in that user's conversation or an unowned one, where the turn may write."""
+    return {"user_id": user_id, "or_unowned": True}
 
 
 def _naming(calls: Sequence[tuple[str, str | None]] | None) -> dict[str, Any]:

@@ -99,6 +99,7 @@ from agent_store.store._reservation import (
     approved_among,
     blocks_of,
     denials_hold,
+    given_up,
     literal,
     new_epoch,
     recorded_block,
@@ -386,20 +387,63 @@ class AgentMessageLogger:
         prompt each denial of an earlier call answers, as read (`_denials`). Raises
         InvalidInput, writing nothing, when the turn breaks the contract.
         """
-        plan = plan_turn(conversation_id, messages, turn_id=turn_id, rules=self.rules)
-        if user_id is not None:
-            user_id = validate_identifier(user_id, "user_id")
-        if owner_only and user_id is None:
-            raise NotFound(f"conversation {plan.conversation_id!r} was not found")
+        plan, actor, condition = self._planned(
+            conversation_id,
+            messages,
+            user_id=user_id,
+            turn_id=turn_id,
+            owner_only=owner_only,
+            next_seq=next_seq,
+            step=step,
+            refused=refused_prompts,
+        )
         runtime_name = clean_name(name) if name is not None else None
-        actor = Actor(user_id, as_user=owner_only)
         started = time.monotonic()
-        condition = _turn_conditions(plan, next_seq, step, refused_prompts)
         reserved = await self._reserve(plan, actor, runtime_name, condition)
         stored = await self._store(plan, reserved, started)
         if reserved.replayed:
             await self._follow_times(plan.conversation_id, reserved, stored)
         return await self._told(plan, reserved, stored)
+
+    def check_turn(
+        self,
+        conversation_id: str,
+        messages: Sequence[AgentMessage | Mapping[str, Any]],
+        *,
+        user_id: str | None = None,
+        turn_id: str | None = None,
+        refused_prompts: Mapping[str, str] | None = None,
+    ) -> None:
+        """Raise what `log_messages` refuses the same turn with before it writes anything (the
+        InvalidInput of a turn breaking the contract); reads and writes nothing. For a caller
+        that records something the turn concerns before logging it (`log_streamed_turn`
+        records an approval first): a turn it raises for then writes nothing at all."""
+        self._planned(
+            conversation_id, messages, user_id=user_id, turn_id=turn_id, refused=refused_prompts
+        )
+
+    def _planned(
+        self,
+        conversation_id: str,
+        messages: Sequence[AgentMessage | Mapping[str, Any]],
+        *,
+        user_id: str | None,
+        turn_id: str | None,
+        owner_only: bool = False,
+        next_seq: int | None = None,
+        step: str | None = None,
+        refused: Mapping[str, str] | None = None,
+    ) -> tuple[TurnPlan, Actor, Condition | None]:
+        """`log_messages`'s arguments checked, as nothing is written yet: the turn's plan, who
+        logs it and what its reservation must meet."""
+        plan = plan_turn(conversation_id, messages, turn_id=turn_id, rules=self.rules)
+        if user_id is not None:
+            user_id = validate_identifier(user_id, "user_id")
+        if owner_only and user_id is None:
+            raise NotFound(f"conversation {plan.conversation_id!r} was not found")
+        _refuse_migrated_turn_id(plan.turn_id)
+        condition = _turn_conditions(plan, next_seq, step, refused)
+        return plan, Actor(user_id, as_user=owner_only), condition
 
     async def _told(
         self, plan: TurnPlan, reserved: _Reserved, stored: list[AgentMessage]
@@ -874,7 +918,7 @@ class AgentMessageLogger:
             refused = doc is None and guarded is not query
             if refused and await self._conversations.find_one(query, {"_id": 1}) is not None:
                 assert condition is not None
-                await self._give_up(plan.conversation_id, conversation)
+                await self._give_up(plan.conversation_id, conversation, turn=(plan, block))
                 raise condition.refusal
         return None if doc is None else _moved(plan, reserved, doc, observed=bool(self._observers))
 
@@ -1228,14 +1272,18 @@ class AgentMessageLogger:
             found = refuse_a_move_past_answers(plan, block, found)
         except Conflict:
             assert moving is not None  # only a lookup past the block finds a later answer
-            await self._give_up(plan.conversation_id, moving)
+            await self._give_up(plan.conversation_id, moving, turn=(plan, block))
             raise
         if any(d.get("turn_id") != plan.turn_id for d in found):
             raise Conflict(f"the seq block of turn {plan.turn_id!r} holds messages of another turn")
         return found
 
     async def _give_up(
-        self, conversation_id: str, conversation: Mapping[str, Any] | None = None
+        self,
+        conversation_id: str,
+        conversation: Mapping[str, Any] | None = None,
+        *,
+        turn: tuple[TurnPlan, RecordedBlock] | None = None,
     ) -> None:
         """After a retry refused a turn that stored nothing, for good (moved, its call would
         follow its answer; a delivery into an inbox closed since): what its first reservation
@@ -1244,7 +1292,13 @@ class AgentMessageLogger:
         a move (`_relocated.settle`, from `conversation` as read, else read again: one or two
         round trips more, on these rare paths). While a turn below the end is still being
         written its messages are not there to fold: StorageUnavailable, nothing written, and
-        the retry that comes again folds them (the refusal stands)."""
+        the retry that comes again folds them (the refusal stands). `turn` (its plan and the
+        block its record names): what its reservation counted, its turn starts and tokens, is
+        taken back too, once (`given_up`: one round trip more, for a turn that counted any)."""
+        taken_back = None if turn is None else given_up(*turn)
+        if taken_back is not None:
+            with storage_errors("take back what the turn counted"):
+                await self._conversations.update_one(*taken_back)
         settled = await settle(
             self._conversations,
             self._messages,

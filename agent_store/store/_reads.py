@@ -1011,9 +1011,12 @@ class ConversationStore:
         user_id: str | None = None,
         call_ids: Sequence[str] | None = None,
         calls: Sequence[PendingCall | Mapping[str, Any]] | None = None,
+        or_unowned: bool = False,
     ) -> None:
         """Record a person's answer to the prompt `request_id`: Conflict if no prompt of that id
-        is pending, holds back a pending call, or was resolved before.
+        is pending, holds back a pending call, or was resolved before. `user_id`: in that
+        user's conversation only, or with `or_unowned` an unowned one too, as a turn a service
+        logs naming that user may write (`log_streamed_turn`); else NotFound.
 
         The prompt is cleared if it is the pending one, and its request id remembered
         (`resolved_hitl`), so the calls it holds await their results (`pending_calls` serves
@@ -1038,7 +1041,7 @@ class ConversationStore:
             raise InvalidInput("request_id must be a non-empty string")
         request_id = storable(request_id, "request_id")
         concerns = concerned_calls(call_ids, calls)
-        scope = self._scope(conversation_id, user_id)
+        scope = self._scope(conversation_id, user_id, or_unowned=or_unowned)
         query, update = resolution(request_id, concerns)
         with storage_errors("resolve the pending prompt"):
             result = await self._conversations.update_one({**scope, **query}, update)
@@ -1368,10 +1371,13 @@ class ConversationStore:
             yield ConversationExport(conversation=conversation, messages=messages)
 
     @staticmethod
-    def _scope(conversation_id: str, user_id: str | None) -> dict[str, Any]:
+    def _scope(
+        conversation_id: str, user_id: str | None, *, or_unowned: bool = False
+    ) -> dict[str, Any]:
         scope: dict[str, Any] = {"_id": validate_identifier(conversation_id, "conversation_id")}
         if user_id is not None:
-            scope["user_id"] = validate_identifier(user_id, "user_id")
+            owner = validate_identifier(user_id, "user_id")
+            scope["user_id"] = {"$in": [None, owner]} if or_unowned else owner
         return scope
 
     # -- streamed reads: memory bounded by a batch, not by the conversation ----------

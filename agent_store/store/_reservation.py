@@ -612,6 +612,7 @@ def _records(
         "d": literal(Int64(digest)),
         "a": literal(now),
         "p": literal(False),
+        "g": literal(False),
     }
     # A one-element array built by `$map`: some MongoDB-compatible servers (mongomock) keep an
     # array literal's elements unevaluated.
@@ -1042,6 +1043,37 @@ def relocation(
     if assigned:
         stage["owned_from"] = int64({"$ifNull": ["$message_count", 0]})
     return query, [{"$set": stage}]
+
+
+def given_up(
+    plan: TurnPlan, block: RecordedBlock
+) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """The filter and update that take back what a turn's reservation counted (its turn
+    starts, its tokens) once a retry gave it up for good, none of its messages stored
+    (`AgentMessageLogger._give_up`). Its record is marked (`TurnRecord.given_up`) in the same
+    update, which matches only while it is not: a retry given up again takes nothing back
+    twice. None when the turn counted none (nothing to write)."""
+    usage = plan.usage
+    if not (plan.turn_starts or usage.input_tokens or usage.output_tokens):
+        return None
+    key, first = Int64(plan.key), Int64(block.first_seq)
+    query = {
+        "_id": plan.conversation_id,
+        "turns": {"$elemMatch": {"k": key, "f": first, "g": {"$ne": True}}},
+    }
+    own = {"$and": [{"$eq": ["$$record.k", literal(key)]}, {"$eq": ["$$record.f", literal(first)]}]}
+    stage = {
+        "turn_count": less("turn_count", plan.turn_starts),
+        "usage.input_tokens": less("usage.input_tokens", usage.input_tokens),
+        "usage.output_tokens": less("usage.output_tokens", usage.output_tokens),
+        "turns": records_changed(own, {"g": literal(True)}),
+    }
+    return query, [{"$set": stage}]
+
+
+def less(field: str, amount: int) -> dict[str, Any]:
+    """A count taken back by `amount`, never below 0 (a pop's, a turn given up's)."""
+    return int64({"$max": [0, {"$subtract": [{"$ifNull": [f"${field}", 0]}, amount]}]})
 
 
 def _left_behind(first: int, count: int) -> dict[str, Any]:

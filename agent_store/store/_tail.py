@@ -46,6 +46,7 @@ from agent_store.store._reservation import (
     held_before_of,
     held_by_of,
     int64,
+    less,
     literal,
     records_changed,
     resolved_by_request,
@@ -83,10 +84,6 @@ def quoted_in_preview(message: AgentMessage) -> bool:
 def preview_of(message: AgentMessage | None, limit: int) -> str:
     """The preview a conversation shows when `message` is its last one with text."""
     return shorten(message_text(message), limit) if message is not None else ""
-
-
-def _less(field: str, amount: int) -> dict[str, Any]:
-    return int64({"$max": [0, {"$subtract": [{"$ifNull": [f"${field}", 0]}, amount]}]})
 
 
 def reads_pending_before(message: AgentMessage) -> bool:
@@ -198,9 +195,9 @@ def unlogged(pop: PopInProgress) -> list[Any]:
         "message_count": int64({"$cond": [untouched, pop.seq, "$message_count"]}),
         "popped_seqs": _gaps_after(pop.seq, untouched),
         "popped_messages": _popped_messages_with(pop),
-        "turn_count": _less("turn_count", int(pop.started_turn)),
-        "usage.input_tokens": _less("usage.input_tokens", pop.input_tokens),
-        "usage.output_tokens": _less("usage.output_tokens", pop.output_tokens),
+        "turn_count": less("turn_count", int(pop.started_turn)),
+        "usage.input_tokens": less("usage.input_tokens", pop.input_tokens),
+        "usage.output_tokens": less("usage.output_tokens", pop.output_tokens),
         "pending_hitl": {
             "$cond": [
                 {"$eq": ["$pending_hitl.message_id", literal(pop.message_id)]},

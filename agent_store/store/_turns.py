@@ -439,6 +439,7 @@ def stored_turn_record(documents: Sequence[Mapping[str, Any]]) -> dict[str, Any]
         "d": Int64(content_digest(canonical_documents(documents))),
         "a": first["created_at"],
         "p": False,
+        "g": False,
     }
 
 
