@@ -410,6 +410,27 @@ async def test_a_streamed_turn_refused_as_invalid_records_none_of_the_approvals_
     assert await runtime.answers_of("tc-9") == [(DENIED_RESULT, "tool call denied")]
 
 
+async def test_a_streamed_turn_under_an_id_logged_with_other_content_records_no_approval(
+    backend: Backend,
+) -> None:
+    """The same for a turn the logger refuses as a Conflict only once it reads the
+    conversation: its id was logged with other content (the person said "wait" in it). The
+    approval it carries is not recorded, and the person's later refusal denies the call."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    await runtime.stream([{"type": "stream_token", "token": "Waiting."}], prompt="Wait.")
+    before = await _approvals_recorded(runtime)
+    runtime.turns -= 1  # the next stream is logged under "turn-2" again
+
+    with pytest.raises(Conflict, match="logged with other content"):
+        await runtime.stream([APPROVED, BOOKED], prompt="Yes.")
+
+    assert await _approvals_recorded(runtime) == before
+    assert before["pending_hitl"] == "confirm-9"
+    await runtime.stream([DENIED], prompt="No, don't.")
+    assert await runtime.answers_of("tc-9") == [(DENIED_RESULT, "tool call denied")]
+
+
 @pytest.mark.parametrize("read_as", ["service", "mallory"])
 async def test_a_streamed_turn_naming_another_user_approves_nothing_of_the_owners(
     backend: Backend, read_as: str

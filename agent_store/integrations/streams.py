@@ -730,7 +730,7 @@ async def _approvals_answered(
     if not early:
         return set()
     refused = dict(turn.refused_prompts)
-    logger.check_turn(
+    await logger.check_turn(
         conversation_id, messages, user_id=user_id, turn_id=turn_id, refused_prompts=refused
     )
     if user_id is not None:

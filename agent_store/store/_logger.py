@@ -405,7 +405,7 @@ class AgentMessageLogger:
             await self._follow_times(plan.conversation_id, reserved, stored)
         return await self._told(plan, reserved, stored)
 
-    def check_turn(
+    async def check_turn(
         self,
         conversation_id: str,
         messages: Sequence[AgentMessage | Mapping[str, Any]],
@@ -414,13 +414,22 @@ class AgentMessageLogger:
         turn_id: str | None = None,
         refused_prompts: Mapping[str, str] | None = None,
     ) -> None:
-        """Raise what `log_messages` refuses the same turn with before it writes anything (the
-        InvalidInput of a turn breaking the contract); reads and writes nothing. For a caller
-        that records something the turn concerns before logging it (`log_streamed_turn`
-        records an approval first): a turn it raises for then writes nothing at all."""
-        self._planned(
+        """Raise what `log_messages` refuses the same turn with before it writes anything: the
+        InvalidInput of a turn breaking the contract, and the Conflict of a turn id the
+        conversation recorded with other content (one read of the conversation); writes
+        nothing. For a caller that records something the turn concerns before logging it
+        (`log_streamed_turn` records an approval first): a turn it raises for then writes
+        nothing at all."""
+        plan, _, _ = self._planned(
             conversation_id, messages, user_id=user_id, turn_id=turn_id, refused=refused_prompts
         )
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(
+                {"_id": plan.conversation_id}, {"turns": 1, "message_count": 1}
+            )
+        block = None if found is None else recorded_block(found, plan.key)
+        if block is not None and not await self._recognised(plan, block.digest):
+            raise _other_content(plan)
 
     def _planned(
         self,
