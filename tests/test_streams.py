@@ -383,3 +383,15 @@ def test_a_stream_event_the_turn_cannot_hold_is_invalid_input_naming_it(
 
     with pytest.raises(InvalidInput, match=named):
         build()
+
+
+def test_metadata_events_nested_too_deeply_to_write_are_invalid_input() -> None:
+    """Arguments nested past what JSON writing takes are refused as any bad event is, never a
+    raw error."""
+    args: dict[str, Any] = {}
+    for _ in range(300):
+        args = {"a": args}
+    events = [{"type": "tool_start", "tool_name": "t", "tool_call_id": "tc-1", "args": args}]
+
+    with pytest.raises(InvalidInput, match="nests too deeply"):
+        turn_from_metadata(events, complete=True)

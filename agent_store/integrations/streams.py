@@ -585,8 +585,12 @@ def turn_from_metadata(
 
 
 def _stream_digest(received_at: datetime, events: Sequence[BaseModel]) -> str:
-    """Eight hex digits of a stream and the time it was received."""
-    dumped = json.dumps([e.model_dump(mode="json") for e in events], sort_keys=True)
+    """Eight hex digits of a stream and the time it was received. InvalidInput for events
+    nested too deeply to be written as JSON (which no stored message holds either)."""
+    try:
+        dumped = json.dumps([e.model_dump(mode="json") for e in events], sort_keys=True)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidInput(f"metadata stream: an event nests too deeply ({exc})") from exc
     return hashlib.sha256(f"{received_at.isoformat()}\0{dumped}".encode()).hexdigest()[:8]
 
 
