@@ -1585,8 +1585,10 @@ def dated_turn(turn_id: Any, at: Any, text: str) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "placeholder",
     [datetime(1, 1, 1, tzinfo=UTC), datetime(1969, 7, 20, tzinfo=UTC),
-     datetime(2099, 1, 1, tzinfo=UTC), "1969-07-20T00:00:00Z", "2099-01-01T00:00:00Z"],
-    ids=["zero time", "a date of 1969", "a date of 2099", "1969 as text", "2099 as text"],
+     datetime(2099, 1, 1, tzinfo=UTC), "1969-07-20T00:00:00Z", "2099-01-01T00:00:00Z",
+     datetime(1970, 1, 1, tzinfo=UTC), "1970-01-01T00:00:00Z"],
+    ids=["zero time", "a date of 1969", "a date of 2099", "1969 as text", "2099 as text",
+         "Unix time 0", "Unix time 0 as text"],
 )  # fmt: skip
 def test_a_turn_dated_outside_what_the_store_takes_is_migrated_with_its_neighbours_time(
     placeholder: Any,

@@ -278,11 +278,12 @@ def as_time(value: Any) -> datetime | None:
 
 
 def taken_time(at: datetime | None) -> datetime | None:
-    """`at` when it is a time the store takes (from 1970 up to now and its future leeway),
-    else None: Go's and .NET's zero time (0001-01-01), a date before 1970 or one decades
-    ahead is a placeholder, read as no time, as `0` is (`epoch_time`). Every time a legacy
+    """`at` when it is a time the store takes (after the instant 1970-01-01T00:00:00 up to now
+    and its future leeway), else None: Go's and .NET's zero time (0001-01-01), Unix time 0
+    itself (`new Date(0)`, an all-zero ObjectId), a date before 1970 or one decades ahead is
+    a placeholder, read as no time, as `0` is (`epoch_time`). Every time a legacy
     document carries (`as_time`, an ObjectId's) is read through it."""
-    return at if at is not None and EPOCH <= at <= _latest() else None
+    return at if at is not None and EPOCH < at <= _latest() else None
 
 
 def _iso_time(text: str) -> datetime | None:
