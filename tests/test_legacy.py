@@ -1124,6 +1124,17 @@ def test_javascript_code_with_a_scope_is_kept_whole_as_its_extended_json() -> No
     assert differences(legacy, from_messages(conversion.messages)) == []
 
 
+def test_javascript_code_with_a_scope_in_prompt_params_is_kept_as_its_extended_json() -> None:
+    """Params hold plain JSON: such code in them is the text of its extended JSON."""
+    part = {"type": "hitl", "action": "run", "request_id": "r1", "prompt": "Run it?",
+            "params": {"src": SCOPED}}  # fmt: skip
+    conversion = convert([turn(1, [part])])
+    prompt = conversion.messages[1]
+
+    assert prompt.hitl_action is not None
+    assert json.loads(prompt.hitl_action.params["src"]) == SCOPED_JSON
+
+
 def test_javascript_code_without_a_scope_is_its_code_text() -> None:
     conversion = convert([turn(1, [{"type": "text", "content": Code("return 1")}])])
     assert conversion.messages[1].content == "return 1"

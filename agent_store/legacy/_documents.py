@@ -757,6 +757,19 @@ def is_text(value: Any) -> bool:
     return isinstance(value, str) and not (isinstance(value, Code) and value.scope is not None)
 
 
+def scopes_as_text(value: Any) -> Any:
+    """`value` with each BSON code holding a scope as the text of its extended JSON (as an id
+    stored so is named, `id_text`), its scope kept: where a value is kept as JSON (a prompt's
+    params), not made text whole."""
+    if isinstance(value, Code) and value.scope is not None:
+        return id_text(value)
+    if isinstance(value, dict):
+        return {key: scopes_as_text(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [scopes_as_text(item) for item in value]
+    return value
+
+
 def _scoped_code(value: Any) -> tuple[Any, bool]:
     """`value` with each BSON code holding a scope as its extended JSON (`{"$code": …,
     "$scope": …}`, as an id stored so is named), and whether one was found. JSON writes any

@@ -25,6 +25,7 @@ from agent_store.legacy._documents import (
     encodes,
     id_text,
     is_text,
+    scopes_as_text,
 )
 
 PartKind = Literal["text", "tool_call", "tool_result", "file_upload", "hitl", "error", "unknown"]
@@ -399,7 +400,8 @@ def hitl_params(part: LegacyPart) -> dict[str, Any]:
     if part.params is None:
         return {}
     if isinstance(part.params, dict):
-        return part.params
+        kept: dict[str, Any] = scopes_as_text(part.params)  # code keeps its scope
+        return kept
     found = json_object(part.params) if isinstance(part.params, str) else None
     return found if found is not None and _holdable(found) else {"value": part.params}
 
