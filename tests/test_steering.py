@@ -198,6 +198,29 @@ async def test_a_delivery_undone_by_a_pop_is_not_returned_as_what_took_its_seq(
     assert await inbox.close_inbox(CID, TURN, last_seen_seq=0) == []
 
 
+async def test_a_delivery_into_the_seq_of_a_popped_delivery_the_runtime_saw_is_refused(
+    backend: Backend,
+) -> None:
+    """The runtime drained "use metric" (seq 1), the person popped it and sent a correction,
+    which would take seq 1 again: at or below what the runtime has seen, no drain or close
+    would return it. Refused instead (False, nothing stored: sent as a turn); every message
+    delivered reaches the runtime, or is refused to its sender."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    inbox = SteeringInbox(logger)
+    await inbox.open_turn(CID, TURN)
+    assert await inbox.try_deliver(CID, TURN, {"role": "user", "content": "use metric"})
+    [seen] = await inbox.drain(CID, TURN, after_seq=0)
+    assert await store.pop_last_message(CID) is not None
+
+    delivered = await inbox.try_deliver(CID, TURN, {"role": "user", "content": "no, imperial!"})
+    later = await inbox.drain(CID, TURN, after_seq=seen.seq or 0)
+
+    assert (delivered, [m.content for m in later]) == (False, [])
+    assert await backend.db[MESSAGES].count_documents({"content": "no, imperial!"}) == 0
+    assert await inbox.close_inbox(CID, TURN, last_seen_seq=seen.seq or 0) == []
+
+
 class DiesAfterReserving:
     """A sender whose process dies between its two writes: its delivery reserved a `seq` and
     stored nothing."""

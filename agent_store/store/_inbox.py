@@ -209,8 +209,15 @@ class SteeringInbox:
         # answer never tells one from the other.
         missing = NotFound(f"conversation {plan.conversation_id!r} was not found")
         last = self._logger.rules.inbox_deliveries - 1  # the inbox open, and not full
+        # The seq it takes past every seq delivered into the inbox: after a pop gave one back,
+        # a runtime that read up to it would never be handed this one (refused instead).
+        after_the_delivered = {"$lt": [{"$max": f"${field}.seqs.s"}, "$message_count"]}
         condition = Condition(
-            {field: {"$exists": True}, f"{field}.seqs.{last}": {"$exists": False}},
+            {
+                field: {"$exists": True},
+                f"{field}.seqs.{last}": {"$exists": False},
+                "$expr": after_the_delivered,
+            },
             stage,
             _InboxClosed("inbox closed"),
             absent=missing if owner_only else None,
