@@ -2568,3 +2568,30 @@ async def test_a_claim_moves_the_messages_an_assigning_turn_left_unowned_when_it
     assert seen == ["first", "assigned"]
     owners = await backend.db["agent_messages"].distinct("user_id", {"conversation_id": "c-un"})
     assert owners == [CLAIMER]
+
+
+async def test_a_claim_moves_the_messages_left_unowned_by_an_assigning_turn_whose_insert_was_lost(
+    backend: Backend,
+) -> None:
+    """The same when the assigning turn's insert was lost too: no message names HANDED_TO,
+    yet the conversation is HANDED_TO's, and the claim makes its earlier messages CLAIMER's."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=NO_GRACE)
+    await logger.log_messages("c-un", [{"role": "user", "content": "first"}], turn_id="t1")
+    dying = AgentMessageLogger(backend.db)
+
+    class Lost:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(backend.db[MESSAGES], name)
+
+        async def insert_many(self, *_: Any, **__: Any) -> Any:
+            raise StorageUnavailable("the insert was lost")
+
+    dying._messages = Lost()
+    with pytest.raises(StorageUnavailable):
+        await dying.log_messages("c-un", [{"role": "user", "content": "assigned"}],
+                                 user_id=HANDED_TO, turn_id="t2")  # fmt: skip
+    await store.claim(HANDED_TO, CLAIMER)
+
+    seen = [m.content for m in await store.transcript("c-un", user_id=CLAIMER)]
+    assert seen == ["first"]

@@ -1310,27 +1310,37 @@ class ConversationStore:
         ids, `CLAIM_CHUNK` at a time, so each command stays small.
         """
         moved = await self._move_claimed(
-            self._messages, "conversation_id", from_user_id, to_user_id, unowned=True
+            self._messages, "conversation_id", from_user_id, to_user_id
         )
         for collection in self._beside:
             await self._move_claimed(collection, "thread_id", from_user_id, to_user_id)
+        return moved + await self._hand_over_unowned(to_user_id)
+
+    async def _hand_over_unowned(self, to_user_id: str) -> int:
+        """Move to `to_user_id` the messages naming no owner in the conversations it holds that
+        a turn assigned an owner (`owned_from`): those logged before that turn, which it had
+        not moved when it failed (its insert lost, or its move of them), as an erasure takes
+        them for the owner's. Found by the conversations, not by a message naming the old
+        owner: the assigning turn may have stored none. Answer how many moved."""
+        moved = 0
+        with storage_errors("claim the conversations"):
+            assigned = await self._conversations.distinct(
+                "_id", {"user_id": to_user_id, "owned_from": {"$exists": True}}
+            )
+            for start in range(0, len(assigned), CLAIM_CHUNK):
+                result = await self._messages.update_many(
+                    {"conversation_id": {"$in": assigned[start : start + CLAIM_CHUNK]},
+                     "user_id": None},
+                    {"$set": {"user_id": to_user_id}},
+                )  # fmt: skip
+                moved += result.modified_count
         return moved
 
     async def _move_claimed(
-        self,
-        collection: Any,
-        conversation_field: str,
-        from_user_id: str,
-        to_user_id: str,
-        *,
-        unowned: bool = False,
+        self, collection: Any, conversation_field: str, from_user_id: str, to_user_id: str
     ) -> int:
         """`_move_claimed_messages` in one collection whose documents name their conversation
-        in `conversation_field`; answer how many documents moved. With `unowned`, documents
-        naming no owner in those conversations move too: messages logged before the turn
-        that assigned the conversation to the old owner, which that turn had not moved yet
-        (it failed, or is still running), as an erasure takes them for the owner's."""
-        owners = [from_user_id, None] if unowned else [from_user_id]
+        in `conversation_field`; answer how many documents moved."""
         moved = 0
         with storage_errors("claim the conversations"):
             written = await collection.distinct(conversation_field, {"user_id": from_user_id})
@@ -1341,7 +1351,7 @@ class ConversationStore:
                 )
                 if claimed:
                     result = await collection.update_many(
-                        {"user_id": {"$in": owners}, conversation_field: {"$in": claimed}},
+                        {"user_id": from_user_id, conversation_field: {"$in": claimed}},
                         {"$set": {"user_id": to_user_id}},
                     )
                     moved += result.modified_count
