@@ -2579,10 +2579,11 @@ async def test_a_claim_moves_the_messages_left_unowned_by_an_assigning_turn_whos
     store = ConversationStore(backend.db, rules=NO_GRACE)
     await logger.log_messages("c-un", [{"role": "user", "content": "first"}], turn_id="t1")
     dying = AgentMessageLogger(backend.db)
+    real = dying._messages
 
     class Lost:
         def __getattr__(self, name: str) -> Any:
-            return getattr(backend.db[MESSAGES], name)
+            return getattr(real, name)
 
         async def insert_many(self, *_: Any, **__: Any) -> Any:
             raise StorageUnavailable("the insert was lost")
