@@ -152,3 +152,25 @@ async def wire_backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]
     """Backends that speak the wire protocol, where round trips can be counted."""
     async for opened in _open(request.param, request):
         yield opened
+
+
+def count_documents_read(monkeypatch: pytest.MonkeyPatch, collection: Any) -> list[int]:
+    """How many documents each `find(...).to_list()` on `collection` returns, in order, from
+    now on: what a bounded read holds at once."""
+    read: list[int] = []
+    real_find = collection.find
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        cursor = real_find(*args, **kwargs)
+        real_to_list = cursor.to_list
+
+        async def to_list(length: Any = None) -> list[Any]:
+            docs = await real_to_list(length)
+            read.append(len(docs))
+            return docs
+
+        cursor.to_list = to_list
+        return cursor
+
+    monkeypatch.setattr(collection, "find", counted)
+    return read

@@ -35,7 +35,7 @@ from agent_store.store import (
 from app.examples import EXAMPLE_CONVERSATION_ID as CID
 from app.examples import EXAMPLE_USER_ID as OWNER
 from app.examples import example_turns
-from tests.conftest import Backend
+from tests.conftest import Backend, count_documents_read
 
 
 @pytest.fixture
@@ -163,23 +163,8 @@ async def test_a_page_reads_no_more_than_it_can_hold(
     logger = AgentMessageLogger(backend.db)
     turn = [{"role": "user", "content": f"{n} {BULKY}"} for n in range(40)]
     await logger.log_messages("bulky", turn, user_id="bulky", turn_id="t1")
-    read: list[int] = []
     store = ConversationStore(backend.db)
-    real_find = store._messages.find
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        cursor = real_find(*args, **kwargs)
-        real_to_list = cursor.to_list
-
-        async def to_list(length: Any = None) -> list[Any]:
-            docs = await real_to_list(length)
-            read.append(len(docs))
-            return docs
-
-        cursor.to_list = to_list
-        return cursor
-
-    monkeypatch.setattr(store._messages, "find", counted)
+    read = count_documents_read(monkeypatch, store._messages)
     page = await store.messages_page("bulky", limit=40)
     assert [m.seq for m in page.data] == [0, 1, 2, 3, 4]
     assert read == [3, 3]  # three, then the room left for two and one to tell it is full

@@ -31,7 +31,7 @@ from agent_store import (
 from agent_store.integrations.streams import turn_from_sse
 from agent_store.store import CONVERSATIONS, MESSAGES
 from scripts.faulty_proxy import FaultyProxy
-from tests.conftest import Backend
+from tests.conftest import Backend, count_documents_read
 
 CID = "conv-live"
 TURN = "turn-running"
@@ -576,22 +576,7 @@ async def test_an_inbox_read_reads_no_more_deliveries_than_its_page_can_hold(
     monkeypatch.setattr("agent_store.store._reads.PAGE_BYTES", 20_000)
     monkeypatch.setattr("agent_store.store._reads.PAGE_FIRST_BATCH", 3)
     inbox = await deliver_bulky(backend, 20)
-    read: list[int] = []
-    real_find = inbox._messages.find
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        cursor = real_find(*args, **kwargs)
-        real_to_list = cursor.to_list
-
-        async def to_list(length: Any = None) -> list[Any]:
-            docs = await real_to_list(length)
-            read.append(len(docs))
-            return docs
-
-        cursor.to_list = to_list
-        return cursor
-
-    monkeypatch.setattr(inbox._messages, "find", counted)
+    read = count_documents_read(monkeypatch, inbox._messages)
     page = await inbox.drain_page(CID, TURN)
     closing = await inbox.close_inbox_page(CID, TURN, last_seen_seq=-1)
     assert numbers(page.data) == numbers(closing.data) == [0, 1]
