@@ -375,3 +375,95 @@ def test_a_history_consistent_with_the_parts_leaves_every_result_answering_its_o
         assert len(found) == len(results), (example, turns)
         assert [p for p in conversion.problems if not p.placed] == [], (example, turns)
         assert [k for k, _ in kinds(conversion) if k == "duplicate_tool_call_id"] == []
+
+
+def numbered_turn(cities: list[str], before: list[Any], asked: str) -> list[Any]:
+    """A turn's history whose provider numbers call ids per response (`call_0`, `call_1`, …
+    in every response), its returns in reverse order."""
+    ids = [f"call_{k}" for k in range(len(cities))]
+    return [
+        *before,
+        request(prompt(asked)),
+        response(*[h_call(i, city=c) for i, c in zip(ids, cities, strict=True)]),
+        request(
+            *[
+                h_return(i, f"{c}: weather")
+                for i, c in reversed(list(zip(ids, cities, strict=True)))
+            ]
+        ),
+        response({"part_kind": "text", "content": "ok " + asked}),
+    ]
+
+
+def test_ids_numbered_per_turn_still_pair_each_result_with_the_call_its_turns_history_names() -> (
+    None
+):
+    first = numbered_turn(["Oslo", "Rome"], [], "q1")
+    second = numbered_turn(["Paris", "Berlin"], first, "q2")
+    conversion = convert(
+        [
+            turn(
+                1,
+                "q1",
+                [
+                    call(city="Oslo"),
+                    call(city="Rome"),
+                    result("Rome: weather"),
+                    result("Oslo: weather"),
+                ],
+                first,
+            ),
+            turn(
+                2,
+                "q2",
+                [
+                    call(city="Paris"),
+                    call(city="Berlin"),
+                    result("Berlin: weather"),
+                    result("Paris: weather"),
+                ],
+                second,
+            ),
+        ]
+    )
+    assert sorted((text, args) for text, args, _ in answers(conversion.messages)) == [
+        ("Berlin: weather", '{"city":"Berlin"}'),
+        ("Oslo: weather", '{"city":"Oslo"}'),
+        ("Paris: weather", '{"city":"Paris"}'),
+        ("Rome: weather", '{"city":"Rome"}'),
+    ]
+    assert all(
+        placed and kind != "history_contradicts_pairing" for kind, placed in kinds(conversion)
+    )
+
+
+def test_ids_numbered_per_response_pair_each_return_with_the_call_of_its_own_response() -> None:
+    history = [
+        request(prompt(ASKED)),
+        response(h_call("call_0", city="Oslo"), h_call("call_1", city="Rome")),
+        request(h_return("call_1", ROME), h_return("call_0", OSLO)),
+        response(h_call("call_0", city="Paris"), h_call("call_1", city="Berlin")),
+        request(h_return("call_1", "Berlin: 9C"), h_return("call_0", "Paris: 12C")),
+        response({"part_kind": "text", "content": "done"}),
+    ]
+    parts = [
+        call(city="Oslo"),
+        call(city="Rome"),
+        result(ROME),
+        result(OSLO),
+        call(city="Paris"),
+        call(city="Berlin"),
+        result("Berlin: 9C"),
+        result("Paris: 12C"),
+        {"type": "text", "content": "done"},
+    ]
+    conversion = convert([turn(1, ASKED, parts, history)])
+    assert sorted((text, args) for text, args, _ in answers(conversion.messages)) == [
+        ("Berlin: 9C", '{"city":"Berlin"}'),
+        (OSLO, '{"city":"Oslo"}'),
+        ("Paris: 12C", '{"city":"Paris"}'),
+        (ROME, '{"city":"Rome"}'),
+    ]
+    assert all(
+        placed and kind != "history_contradicts_pairing" for kind, placed in kinds(conversion)
+    )

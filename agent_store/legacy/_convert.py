@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any, ClassVar
 
@@ -59,7 +59,7 @@ from agent_store.legacy._history import (
     read_history,
     returned,
 )
-from agent_store.legacy._pairing import CallPairing, history_call_ids, told_calls
+from agent_store.legacy._pairing import CallPairing, history_call_ids, returns_here, told_calls
 from agent_store.legacy._parts import (
     LegacyPart,
     PartKind,
@@ -190,6 +190,8 @@ class _HistoryIds:
     calls: list[tuple[str, str, str]] = field(default_factory=list)
     """(tool name, what its arguments say, call id) of each call."""
     returns: list[_Returned] = field(default_factory=list)
+    segment: list[tuple[str, str, str] | _Returned] = field(default_factory=list)
+    """The calls and returns of what follows the previous turn's history: this turn's own."""
     readable: bool = True
 
 
@@ -238,13 +240,16 @@ class _Histories:
             return found
         previous, previous_ids = self._previous, self._previous_ids
         ids: list[_Ids] = []
+        start = None
         for position, message in enumerate(history):
             if position < len(previous) and previous[position] == message:
                 ids.append(previous_ids[position])
             else:
                 self.added[id(turn)].append((position, message))
                 ids.append(_message_ids(message))
+                start = position if start is None else start
         self._previous, self._previous_ids = history, ids
+        found.segment = [i for m in ids[len(ids) if start is None else start :] for i in m]
         for entry in (i for message_ids in ids for i in message_ids):
             if isinstance(entry, _Returned):
                 found.returns.append(entry)
@@ -746,6 +751,7 @@ class _Converter:
         history tells nothing of is paired as without it, and checked against what the
         history says its call returned (`_check_history_return`)."""
         pending = state.pending_results
+        state.history.returns = self._returns_here(state)
         told = self._told(state)
         answered = self.pairing.answer(
             [(part.tool_name, real) for _, part, real in pending],
@@ -760,6 +766,39 @@ class _Converter:
             if by is None and not self.pairing.names_a_call(real):
                 self._check_history_return(state, (index, part, call_id), used)
 
+    def _returns_here(self, state: _TurnState) -> list[_Returned]:
+        """The history's returns as this turn's results may be told by, each naming the call
+        it answers as the turn stores it (`returns_here`): those of the turn's own part of the
+        history, and the earlier ones whose id neither that part's calls nor the turn's name
+        again, so an id a provider reuses never lets an earlier turn's return count here."""
+        history = state.history
+        here = _calls_here(state)
+        segment = history.segment
+        mine: dict[tuple[str, str], int] = defaultdict(int)
+        for _, name, arguments in here:
+            mine[(name, arguments)] += 1
+        segment_alike: dict[tuple[str, str], int] = defaultdict(int)
+        for entry in segment:
+            if not isinstance(entry, _Returned):
+                segment_alike[(entry[0], entry[1])] += 1
+        before = len(history.calls) - sum(segment_alike.values())
+        prefix: dict[tuple[str, str], int] = defaultdict(int)
+        for name, arguments, _ in history.calls[:before]:
+            prefix[(name, arguments)] += 1
+        earlier = {
+            key: max(self.calls_made[key] - mine[key] - prefix[key], 0) for key in segment_alike
+        }
+        answered = returns_here(
+            here, [e.call_id if isinstance(e, _Returned) else e for e in segment], earlier
+        )
+        own = [e for e in segment if isinstance(e, _Returned)]
+        again = {e[2] for e in segment if not isinstance(e, _Returned)} | {c for c, *_ in here}
+        kept = [
+            r for r in history.returns[: len(history.returns) - len(own)] if r.call_id not in again
+        ]
+        told = [replace(r, call_id=c) for r, c in zip(own, answered, strict=True) if c is not None]
+        return kept + told
+
     def _told(self, state: _TurnState) -> list[tuple[str, int] | None]:
         """The call the turn's history says each result naming no call answers, and the index
         of its return saying so (`told_calls`): by what that return says (`returned`), never
@@ -767,11 +806,7 @@ class _Converter:
         pending = state.pending_results
         if not state.history.returns or not pending:
             return [None] * len(pending)
-        here = [
-            (call["id"], call["function"]["name"], said(call["function"]["arguments"]))
-            for group in state.groups
-            for call in group.message["tool_calls"]
-        ]
+        here = _calls_here(state)
         results = [
             (part.tool_name, returned(part), real if self.pairing.names_a_call(real) else None)
             for _, part, real in pending
@@ -1001,6 +1036,15 @@ OpenAI's, Pydantic AI's. A `total_tokens` that is their sum says nothing more.""
 
 _SAYS_NOTHING: tuple[Any, ...] = (None, "", {}, [])
 """Values of a `token_usage` key that hold nothing to keep."""
+
+
+def _calls_here(state: _TurnState) -> list[tuple[str, str, str]]:
+    """The turn's calls as stored, (id, tool name, what its arguments say), in order."""
+    return [
+        (call["id"], call["function"]["name"], said(call["function"]["arguments"]))
+        for group in state.groups
+        for call in group.message["tool_calls"]
+    ]
 
 
 def _count_or_none(value: Any) -> int | None:

@@ -9,7 +9,9 @@ A turn's `message_history_json` names the real ids of calls whose parts name non
 (`history_call_ids`): by what identifies a call, its tool and its arguments, never by
 position alone. What the history says a call returned then tells which call a result naming
 no id answers (`told_calls`), always one of the result's own tool, so the transcript, which
-names a result by its call's tool, needs no history; `CallPairing` pairs the rest.
+names a result by its call's tool, needs no history; `CallPairing` pairs the rest. A return
+names its call by the latest call of that id in the turn's own part of the history
+(`returns_here`), so ids a provider numbers per response never reach across responses.
 """
 
 from __future__ import annotations
@@ -209,4 +211,44 @@ def positions(
         queue, k = queues.get(name, []), seen[name]
         seen[name] += 1
         found.append(queue[k] if k < len(queue) else None)
+    return found
+
+
+def returns_here(
+    calls: Sequence[tuple[str, str, str]],
+    segment: Sequence[tuple[str, str, str] | str],
+    earlier: Mapping[tuple[str, str], int],
+) -> list[str | None]:
+    """The call of the turn each return of the turn's own part of its history answers: the
+    turn's calls given as (id, tool name, what its arguments say) in order, and that part
+    (`segment`: what follows the previous turn's history) as its calls, (tool name, what its
+    arguments say, id), and its returns, the id each names, in order. The segment's calls go
+    to the turn's calls alike (one tool, the same arguments) as `history_call_ids` gives
+    ids: after the first ones earlier turns made (`earlier`: how many the segment holds),
+    its last ones when it holds more, its first when fewer. A return answers the latest call
+    before it of the id it names, so an id a provider numbers per response (`call_0` in
+    each) never reaches across responses or turns: that call's turn call, whatever id it is
+    stored under; None when that call is none of the turn's; the id it names when no call of
+    the segment made it (an earlier turn's)."""
+    made = [entry for entry in segment if not isinstance(entry, str)]
+    alike: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for n, (name, arguments, _) in enumerate(made):
+        alike[(name, arguments)].append(n)
+    turn_of: dict[int, str] = {}
+    mine: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for call_id, name, arguments in calls:
+        mine[(name, arguments)].append(call_id)
+    for key, ours in mine.items():
+        theirs = alike.get(key, [])[earlier.get(key, 0) :]
+        theirs = theirs[max(len(theirs) - len(ours), 0) :]
+        turn_of.update(zip(theirs, ours, strict=False))
+    latest: dict[str, str | None] = {}
+    found: list[str | None] = []
+    n = 0
+    for entry in segment:
+        if isinstance(entry, str):
+            found.append(latest.get(entry, entry))
+        else:
+            latest[entry[2]] = turn_of.get(n)
+            n += 1
     return found
