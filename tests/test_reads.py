@@ -30,6 +30,7 @@ from agent_store.store import (
     CONVERSATIONS,
     DELETIONS,
     LANGGRAPH_CHECKPOINTS,
+    MESSAGES,
     TEXT_INDEX,
 )
 from app.examples import EXAMPLE_CONVERSATION_ID as CID
@@ -2581,3 +2582,26 @@ async def test_a_claim_moves_the_messages_left_unowned_by_an_assigning_turn_whos
 
     seen = [m.content for m in await store.transcript("c-un", user_id=CLAIMER)]
     assert seen == ["first"]
+
+
+async def test_a_claim_hands_over_no_late_message_of_a_deleted_life_of_the_id(
+    backend: Backend,
+) -> None:
+    """An unowned message of a conversation deleted under the id, landing late (after the
+    delete's last sweep), is not the new life's: the claim leaves it unowned, unread."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db, rules=NO_GRACE)
+    await logger.log_messages("cx", [{"role": "user", "content": "old life"}], turn_id="o0")
+    late = await backend.db[MESSAGES].find_one({"conversation_id": "cx"})
+    assert late is not None
+    await store.delete("cx")
+    await backend.db[MESSAGES].insert_one({**late, "_id": "late-old", "seq": 5})
+    await logger.log_messages("cx", [{"role": "user", "content": "new life"}], turn_id="n0")
+    await logger.log_messages("cx", [{"role": "assistant", "content": "for A"}],
+                              turn_id="n1", user_id=HANDED_TO)  # fmt: skip
+
+    claimed = await store.claim(HANDED_TO, CLAIMER)
+
+    read = [m.content for m in await store.messages_by_seq("cx", start=0, user_id=CLAIMER)]
+    assert read == ["new life", "for A"]
+    assert claimed.messages == 2
+    assert (await backend.db[MESSAGES].find_one({"_id": "late-old"}) or {}).get("user_id") is None

@@ -1321,20 +1321,30 @@ class ConversationStore:
         a turn assigned an owner (`owned_from`): those logged before that turn, which it had
         not moved when it failed (its insert lost, or its move of them), as an erasure takes
         them for the owner's. Found by the conversations, not by a message naming the old
-        owner: the assigning turn may have stored none. Answer how many moved."""
-        moved = 0
+        owner: the assigning turn may have stored none. Only the messages of each
+        conversation's own life move (its `epoch`, or none: stored before epochs were), never
+        a late one of a conversation deleted under the id. Answer how many moved."""
+        moved, lives = 0, []
         with storage_errors("claim the conversations"):
-            assigned = await self._conversations.distinct(
-                "_id", {"user_id": to_user_id, "owned_from": {"$exists": True}}
+            assigned = self._conversations.find(
+                {"user_id": to_user_id, "owned_from": {"$exists": True}}, {"epoch": 1}
             )
-            for start in range(0, len(assigned), CLAIM_CHUNK):
-                result = await self._messages.update_many(
-                    {"conversation_id": {"$in": assigned[start : start + CLAIM_CHUNK]},
-                     "user_id": None},
-                    {"$set": {"user_id": to_user_id}},
-                )  # fmt: skip
-                moved += result.modified_count
+            async for conversation in assigned:
+                life = {"$in": [conversation.get("epoch"), None]}
+                lives.append({"conversation_id": conversation["_id"], "epoch": life})
+                if len(lives) == CLAIM_CHUNK:
+                    moved += await self._own_unowned(lives, to_user_id)
+                    lives = []
+            if lives:
+                moved += await self._own_unowned(lives, to_user_id)
         return moved
+
+    async def _own_unowned(self, lives: list[dict[str, Any]], to_user_id: str) -> int:
+        """The messages naming no owner of the conversations' `lives` moved to `to_user_id`."""
+        result = await self._messages.update_many(
+            {"$or": lives, "user_id": None}, {"$set": {"user_id": to_user_id}}
+        )
+        return int(result.modified_count)
 
     async def _move_claimed(
         self, collection: Any, conversation_field: str, from_user_id: str, to_user_id: str
