@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -684,28 +683,6 @@ def _check_whole(
                 f"{MAX_TURN_TOOL_CALLS:,} (log them over several turns)"
             )
         _check_tool_pairing(messages)
-        _check_params(messages)
-
-
-def _check_params(messages: Sequence[AgentMessage]) -> None:
-    """HITL params are JSON: a NaN or an infinity, which a Python float may be and no JSON
-    number is, is refused (served as JSON it would read back as null)."""
-    for index, message in enumerate(messages):
-        if message.hitl_action is not None and not _finite(message.hitl_action.params):
-            raise InvalidInput(
-                f"invalid turn: message {index} hitl_action.params hold NaN or Infinity, "
-                "which are no JSON numbers"
-            )
-
-
-def _finite(value: Any) -> bool:
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(_finite(item) for item in value.values())
-    if isinstance(value, list):
-        return all(_finite(item) for item in value)
-    return True
 
 
 def tool_calls_made(messages: Sequence[AgentMessage]) -> int:
