@@ -191,6 +191,23 @@ class SteeringInbox:
         actor = Actor(user_id, as_user=owner_only)
         plan = await self._delivery_plan(conversation_id, turn_id, message, delivery_id, field)
 
+        condition = self._delivery_condition(plan, field, owner_only=owner_only)
+        started = time.monotonic()
+        try:
+            reserved = await self._logger._reserve(plan, actor, None, condition)
+        except _InboxClosed:
+            return False
+        if reserved.replayed and not await self._still_deliverable(plan, reserved, field):
+            await self._logger._give_up(plan.conversation_id)
+            return False
+        await self._logger._told(plan, reserved, await self._logger._store(plan, reserved, started))
+        return True
+
+    def _delivery_condition(self, plan: TurnPlan, field: str, *, owner_only: bool) -> Condition:
+        """What a delivery's reservation must meet: the inbox `field` open, not full, and the
+        `seq` it takes past every `seq` delivered into it (after a pop gave one back, a runtime
+        that read up to it would never be handed this one: refused instead); what it records
+        there (its `seq`, time and message id, following it to a new block when moved)."""
         delivered_id = plan.documents[0]["_id"]
 
         def stage(now: datetime, left: int | None = None) -> dict[str, Any]:
@@ -209,10 +226,8 @@ class SteeringInbox:
         # answer never tells one from the other.
         missing = NotFound(f"conversation {plan.conversation_id!r} was not found")
         last = self._logger.rules.inbox_deliveries - 1  # the inbox open, and not full
-        # The seq it takes past every seq delivered into the inbox: after a pop gave one back,
-        # a runtime that read up to it would never be handed this one (refused instead).
         after_the_delivered = {"$lt": [{"$max": f"${field}.seqs.s"}, "$message_count"]}
-        condition = Condition(
+        return Condition(
             {
                 field: {"$exists": True},
                 f"{field}.seqs.{last}": {"$exists": False},
@@ -223,16 +238,6 @@ class SteeringInbox:
             absent=missing if owner_only else None,
             moved=stage,
         )
-        started = time.monotonic()
-        try:
-            reserved = await self._logger._reserve(plan, actor, None, condition)
-        except _InboxClosed:
-            return False
-        if reserved.replayed and not await self._still_deliverable(plan, reserved, field):
-            await self._logger._give_up(plan.conversation_id)
-            return False
-        await self._logger._told(plan, reserved, await self._logger._store(plan, reserved, started))
-        return True
 
     async def _delivery_plan(
         self,
