@@ -431,6 +431,17 @@ async def test_a_streamed_turn_under_an_id_logged_with_other_content_records_no_
     assert await runtime.answers_of("tc-9") == [(DENIED_RESULT, "tool call denied")]
 
 
+async def _alice_asked_to_book(backend: Backend) -> Runtime:
+    """A runtime whose first turn, alice's, asks confirm-9 about booking (call tc-9)."""
+    runtime = Runtime(backend)
+    ask = turn_from_metadata(ASKS_TO_BOOK, complete=True)
+    await log_streamed_turn(
+        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=ask,
+        turn_id="t1", prompt="Book me the 09:04 to Lyon.", user_id="alice",
+    )  # fmt: skip
+    return runtime
+
+
 @pytest.mark.parametrize("read_as", ["service", "mallory"])
 async def test_a_streamed_turn_naming_another_user_approves_nothing_of_the_owners(
     backend: Backend, read_as: str
@@ -438,12 +449,7 @@ async def test_a_streamed_turn_naming_another_user_approves_nothing_of_the_owner
     """A turn naming another user than the conversation's owner is a Conflict, and so is the
     approval it carries with its call's result: the owner's prompt stays pending, its call
     held, nothing approved (the pending calls read by a service, or for that user: none)."""
-    runtime = Runtime(backend)
-    ask = turn_from_metadata(ASKS_TO_BOOK, complete=True)
-    await log_streamed_turn(
-        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=ask,
-        turn_id="t1", prompt="Book me the 09:04 to Lyon.", user_id="alice",
-    )  # fmt: skip
+    runtime = await _alice_asked_to_book(backend)
     before = await _approvals_recorded(runtime)
     read = await runtime.store.pending_calls(
         CID, user_id=None if read_as == "service" else "mallory"
@@ -474,12 +480,7 @@ async def test_a_streamed_approval_naming_the_owner_is_recorded_before_its_resul
 ) -> None:
     """The owner's turn (named as `user_id`) approving the prompt and carrying the call's
     result records the approval before the result clears the prompt, as a service's does."""
-    runtime = Runtime(backend)
-    ask = turn_from_metadata(ASKS_TO_BOOK, complete=True)
-    await log_streamed_turn(
-        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=ask,
-        turn_id="t1", prompt="Book me the 09:04 to Lyon.", user_id="alice",
-    )  # fmt: skip
+    runtime = await _alice_asked_to_book(backend)
     read = await runtime.store.pending_calls(CID, user_id="alice")
 
     await _approve_and_book_as(runtime, "alice", read)
