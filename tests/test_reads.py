@@ -100,16 +100,22 @@ async def test_conversations_with_equal_update_times_are_paged_without_gaps(
 BULKY = "x" * 4_000  # a small page budget (monkeypatched) holds a few of these
 
 
+BULKY_PARAMS = {"in a value": {"blob": BULKY}, "in a key": {BULKY: "blob"}}
+"""The same bytes, where a page's size estimate must count them either way."""
+
+
+@pytest.mark.parametrize("bulk", BULKY_PARAMS)
 async def test_a_conversation_page_stops_at_its_byte_budget_and_pages_on(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, bulk: str
 ) -> None:
-    """A page holds what fits in `PAGE_BYTES` (at least one conversation); `next_cursor`
-    reads on, and every conversation is listed once, in order."""
+    """A page holds what fits in `PAGE_BYTES` (at least one conversation), the text of keys
+    counted as that of values; `next_cursor` reads on, and every conversation is listed
+    once, in order."""
     monkeypatch.setattr("agent_store.store._reads.PAGE_BYTES", 10_000)
     logger = AgentMessageLogger(backend.db)
     ids = [f"bulky-{n}" for n in range(5)]
     for n, conversation_id in enumerate(ids):
-        prompt = {"action": "confirm", "params": {"blob": BULKY}, "request_id": "r1"}
+        prompt = {"action": "confirm", "params": BULKY_PARAMS[bulk], "request_id": "r1"}
         await logger.log_messages(
             conversation_id,
             [

@@ -85,11 +85,12 @@ from agent_store.store._values import storable
 MAX_PAGE_SIZE = 200
 PAGE_BYTES = 4 * 1024 * 1024
 """About how much a page of conversations, messages, search hits or steering deliveries holds
-at most (`_approximate_size`: its text, one per character, plus a little per value): a page
-ends before the item that would take it past this, but holds one at least, so a page may
-hold fewer items than its `limit` (`has_more` then says to read on). What a request reads
-and serves stays about this whatever its `limit`; served as JSON, a control character takes
-six bytes (`\\u0001`), so an answer is at most about six times this."""
+at most (`_approximate_size`: its text, that of its keys too, one per character, plus a
+little per value): a page ends before the item that would take it past this, but holds one
+at least, so a page may hold fewer items than its `limit` (`has_more` then says to read on).
+What a request reads and serves stays about this whatever its `limit`; served as JSON, a
+control character takes six bytes (`\\u0001`), so an answer is at most about six times
+this."""
 PAGE_FIRST_BATCH = 21
 """The first read of a page holds at most this many documents: a page of the default 20 and
 the one telling whether more follow in one round trip, and a reply the server can send (the
@@ -1639,14 +1640,15 @@ async def _bounded_read(
 
 
 def _approximate_size(document: Any) -> int:
-    """Roughly how many bytes a stored document takes: its text, plus a little per value."""
+    """Roughly how many bytes a stored document takes: its text, that of its keys too, plus a
+    little per value."""
     size, stack = 0, [document]
     while stack:
         value = stack.pop()
         if isinstance(value, str):
             size += len(value)
         elif isinstance(value, dict):
-            size += 16 * len(value)
+            size += 16 * len(value) + sum(len(str(key)) for key in value)
             stack.extend(value.values())
         elif isinstance(value, list):
             stack.extend(value)
