@@ -7,6 +7,7 @@ and anything unknown is shown raw rather than dropped.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -28,48 +29,47 @@ ROLE_LABELS = {
 }
 
 
-class _Rewritten(ValueError):
-    """Indenting the JSON text would change what it says."""
+_JSON_TOKENS = re.compile(r'"(?:[^"\\]+|\\.)*"|[{}\[\],:]|[^ \t\n\r{}\[\],:"]+')
+"""The tokens of JSON text: a string literal, a bracket, a comma or colon, another value."""
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    if len({key for key, _ in pairs}) != len(pairs):
-        raise _Rewritten("a repeated key: parsing keeps the last one only")
-    return dict(pairs)
-
-
-def _number(text: str) -> int | float:
-    number = float(text) if any(c in text for c in ".eE") else int(text)
-    if json.dumps(number) != text:
-        raise _Rewritten(f"the number {text} would be written otherwise")
-    return number
-
-
-def _parsed_losing_nothing(text: str) -> Any:
-    """The JSON `text` parsed, when writing it again loses nothing of it: no key is repeated
-    (parsing keeps the last) and every number is written back as it was (`1e400` would come
-    back as Infinity, `0.30000000000000000001` as 0.3, `1E5` as 100000.0). ValueError
-    (`_Rewritten`) otherwise, as for text that is no JSON."""
-    return json.loads(text, object_pairs_hook=_unique_keys, parse_float=_number, parse_int=_number)
+def _reindented(text: str) -> str:
+    """Valid JSON `text` indented by two spaces per level, every token as written: only the
+    white space between tokens changes (a repeated key, `1E5`, an escape stay)."""
+    out: list[str] = []
+    depth, last = 0, ""
+    for token in _JSON_TOKENS.findall(text):
+        if token in ("}", "]"):
+            depth -= 1
+            if last not in ("{", "["):
+                out.append("\n" + "  " * depth)
+        elif last in ("{", "["):
+            out.append("\n" + "  " * depth)
+        out.append({",": ",\n" + "  " * depth, ":": ": "}.get(token, token))
+        depth += token in ("{", "[")
+        last = token
+    return "".join(out)
 
 
 def pretty_json(value: Any) -> str:
     """JSON (given parsed or as text) indented for reading; other text as it is.
 
-    Stored text is shown as stored: JSON text is indented only when that changes nothing but
-    its white space (`_parsed_losing_nothing`); text too deeply nested to parse or indent, or
-    that indenting would rewrite, is shown exactly as it was stored.
+    Stored text is shown as stored: JSON text is indented token by token, changing nothing
+    but its white space (its strings, numbers and keys as written, a repeated key kept);
+    text that is no JSON, or nests too deeply to parse or indent, is shown as it was stored.
     """
     text = value if isinstance(value, str) else None
     if text is not None:
         try:
-            value = _parsed_losing_nothing(text)
+            value = json.loads(text)
         except (ValueError, RecursionError):
             return text
     try:
         if nests_deeper_than(value, PRETTY_DEPTH):
             # Indenting grows with the square of the depth: deep values are shown as stored.
             return text if text is not None else json.dumps(value, ensure_ascii=False, default=str)
+        if text is not None:
+            return _reindented(text)
         return json.dumps(value, indent=2, ensure_ascii=False, default=str)
     except (TypeError, ValueError, RecursionError):
         return text if text is not None else str(value)

@@ -509,12 +509,27 @@ async def test_a_tool_result_names_the_call_it_answers_when_ids_repeat(api: Serv
         pytest.param('{"n": -0}', id="minus-zero"),
         pytest.param('{"n": 1E5}', id="an-exponent"),
         pytest.param('{"n": 1.50}', id="a-trailing-zero"),
+        pytest.param('{"arguments": "\\ud800"}', id="an-escaped-lone-surrogate"),
+        pytest.param('{"attachment": "\\u202egpj.exe"}', id="an-escaped-direction-override"),
+        pytest.param('{"to": "\\u0041lice", "path": "a\\/b"}', id="escapes-of-plain-characters"),
     ],
 )
-def test_json_that_indenting_would_change_is_shown_as_stored(stored: str) -> None:
-    """Indenting would drop a repeated key or write a number otherwise (1e400 as Infinity,
-    0.30000000000000000001 as 0.3): such text is shown as it is, whole."""
-    assert pretty_json(stored) == stored
+def test_json_text_is_indented_changing_nothing_but_its_white_space(stored: str) -> None:
+    """Parsed and written again, it would lose a repeated key, write a number otherwise
+    (1e400 as Infinity, 0.30000000000000000001 as 0.3) or a string otherwise (an escape as
+    the character it stands for: a lone surrogate no page can hold, a hidden direction
+    override): it is indented token by token instead, every token as stored."""
+    shown = pretty_json(stored)
+    assert "\n  " in shown
+    assert same_but_white_space(shown, stored)
+
+
+def same_but_white_space(shown: str, stored: str) -> bool:
+    """Whether `shown` is `stored` with only white space between tokens changed."""
+    literals = re.findall(r'"(?:[^"\\]|\\.)*"', stored)
+    return "".join(shown.split()) == "".join(stored.split()) and literals == re.findall(
+        r'"(?:[^"\\]|\\.)*"', shown
+    )
 
 
 def test_json_is_indented_when_that_changes_none_of_its_values() -> None:
@@ -523,6 +538,56 @@ def test_json_is_indented_when_that_changes_none_of_its_values() -> None:
         '{\n  "a": 1.5,\n  "b": [\n    1,\n    -2,\n    0.1,\n    12345678901234567890123\n  ],'
         '\n  "c": "x",\n  "d": null\n}'
     )
+
+
+async def test_a_result_holding_an_escaped_lone_surrogate_is_shown_as_stored(
+    api: Served,
+) -> None:
+    """JSON text may escape a lone surrogate (JavaScript's `JSON.stringify` writes one so):
+    the pages that show it, the transcript's and the legacy turns', show the escape, as a
+    direction override's, never the character."""
+    escaped = '{"note": "\\ud800", "to": "\\u202egpj.exe"}'
+    call = {"id": "c1", "type": "function", "function": {"name": "note", "arguments": escaped}}
+    await api.store.logger.log_messages(
+        "conv-escaped",
+        [
+            {"role": "user", "content": "note it"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": escaped},
+        ],
+        user_id=OWNER,
+    )
+    await api.db["agent_conversations_deprecated"].insert_one(
+        {
+            "conversation_id": "conv-escaped-old",
+            "user_message": "note it",
+            "response_parts": [
+                {
+                    "part_kind": "tool-call",
+                    "tool_name": "note",
+                    "tool_call_id": "c1",
+                    "args": escaped,
+                },
+                {
+                    "part_kind": "tool-return",
+                    "tool_name": "note",
+                    "tool_call_id": "c1",
+                    "content": escaped,
+                },
+            ],
+        }
+    )
+    await sign_in(api.http)
+    for path in (
+        "/viewer/conversations/conv-escaped",
+        "/viewer/conversations/conv-escaped-old",  # the legacy turns, read as messages
+        "/viewer/conversations/conv-escaped-old/legacy",
+    ):
+        page = await api.http.get(path)
+        assert page.status_code == 200, path
+        shown = [html.unescape(p) for p in re.findall(r"<pre[^>]*>(.*?)</pre>", page.text, re.S)]
+        assert any(same_but_white_space(text, escaped) for text in shown), path
+        assert "\u202e" not in page.text, path
 
 
 async def test_tool_arguments_and_results_are_shown_as_stored(api: Served) -> None:
@@ -543,5 +608,5 @@ async def test_tool_arguments_and_results_are_shown_as_stored(api: Served) -> No
     await sign_in(api.http)
     page = await api.http.get("/viewer/conversations/conv-pay")
     shown = [html.unescape(p) for p in re.findall(r"<pre[^>]*>(.*?)</pre>", page.text, re.S)]
-    assert arguments in shown
-    assert result in shown
+    assert any(same_but_white_space(text, arguments) for text in shown)
+    assert any(same_but_white_space(text, result) for text in shown)
