@@ -1104,8 +1104,8 @@ SCOPED_JSON = {"$code": "function(){ return x }", "$scope": {"x": "SCOPE-MARK-42
 
 def test_javascript_code_with_a_scope_is_kept_whole_as_its_extended_json() -> None:
     """BSON code with a scope is a `str` to Python, its code alone: made text as its extended
-    JSON (`$code` and `$scope`), as an id stored so is named, wherever a legacy value is made
-    text (a call's arguments, a result, a text part, a user's message)."""
+    JSON (`$code` and `$scope`), as an id stored so is named, wherever it stands (a call's
+    arguments, a result, a text part, a user's message)."""
     parts = [
         {"type": "tool_call", "tool_name": "eval", "args": {"src": SCOPED}, "tool_call_id": "c1"},
         {"type": "tool_result", "tool_name": "eval", "result": SCOPED, "tool_call_id": "c1"},
@@ -1117,7 +1117,8 @@ def test_javascript_code_with_a_scope_is_kept_whole_as_its_extended_json() -> No
 
     assert json.loads(str(user.content)) == SCOPED_JSON
     assert call.tool_calls is not None
-    assert json.loads(call.tool_calls[0].function.arguments) == {"src": SCOPED_JSON}
+    held = json.loads(call.tool_calls[0].function.arguments)["src"]  # a value within JSON:
+    assert json.loads(held) == SCOPED_JSON  # the text of its extended JSON, as in params
     assert json.loads(str(result.content)) == SCOPED_JSON
     assert json.loads(str(text.content)) == SCOPED_JSON
     legacy = from_legacy(parse_turns(turns), conversion.unplaced)
@@ -1138,3 +1139,68 @@ def test_javascript_code_with_a_scope_in_prompt_params_is_kept_as_its_extended_j
 def test_javascript_code_without_a_scope_is_its_code_text() -> None:
     conversion = convert([turn(1, [{"type": "text", "content": Code("return 1")}])])
     assert conversion.messages[1].content == "return 1"
+
+
+def test_javascript_code_naming_a_tool_or_holding_its_arguments_is_their_text() -> None:
+    """Code without a scope holds nothing but its text, wherever it stands: a tool's name
+    or a call's arguments too (the conversion once raised TypeError on them, stopping the
+    whole migration)."""
+    parts = [
+        {"type": "tool_call", "tool_name": Code("search"), "args": Code('{"q": "x"}'),
+         "tool_call_id": "k1"},
+        {"type": "tool_result", "tool_name": "search", "result": "found", "tool_call_id": "k1"},
+    ]  # fmt: skip
+    conversion = convert([turn(1, parts)])
+    call, result = conversion.messages[1:]
+
+    assert call.tool_calls is not None
+    assert (call.tool_calls[0].function.name, call.tool_calls[0].function.arguments) == (
+        "search",
+        '{"q": "x"}',
+    )
+    assert (result.tool_call_id, result.content) == (call.tool_calls[0].id, "found")
+    assert conversion.problems == []
+
+
+def scoped(tag: str) -> Code:
+    return Code("return x", {"x": f"SCOPE-{tag}"})
+
+
+SCOPED_PLACES: dict[str, dict[str, Any]] = {
+    "a prompt's params, whole": {
+        "response_parts": [{"type": "hitl", "action": "a", "request_id": "r", "prompt": "p",
+                            "params": scoped("params")}]},
+    "a prompt's action": {
+        "response_parts": [{"type": "hitl", "action": scoped("action"), "request_id": "r",
+                            "prompt": "p"}]},
+    "an upload's parsed text": {
+        "upload_result": {"filename": "a", "file_type": "txt", "size": 1,
+                          "parsed_text": scoped("parsed")}},
+    "an upload's file name": {
+        "upload_result": {"filename": scoped("filename"), "file_type": "txt", "size": 1}},
+    "a file upload part's parsed text": {
+        "response_parts": [{"type": "file_upload", "filename": "f", "file_type": "t", "size": 1,
+                            "parsed_text": scoped("part")}]},
+    "the turn's name": {"name": scoped("name")},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("place", SCOPED_PLACES)
+def test_javascript_code_with_a_scope_keeps_its_scope_wherever_it_stands(place: str) -> None:
+    """Every value of a legacy turn is read with its code made text before any field is:
+    code with a scope as its extended JSON, so no place keeps the code and drops the scope."""
+    conversion = convert([turn(1, **SCOPED_PLACES[place])])
+    kept = [m.model_dump_json() for m in conversion.messages]
+    kept += [conversion.conversation.model_dump_json()] if conversion.conversation else []
+    kept += [json.dumps(p.content, default=str) for p in conversion.problems]
+    assert any("SCOPE-" in text for text in kept), place
+
+
+@pytest.mark.parametrize("field", ["action", "prompt", "params"])
+def test_javascript_code_with_a_scope_in_a_session_prompt_keeps_its_scope(field: str) -> None:
+    prompt = {**PROMPT, "request_id": "req-9", field: scoped(field)}
+    conversion = with_session_prompts(convert([turn(1, [PAY])]), [prompt])
+    assert conversion.conversation is not None
+    kept = [conversion.conversation.model_dump_json()]
+    kept += [json.dumps(p.content, default=str) for p in conversion.problems]
+    assert any("SCOPE-" in text for text in kept), field

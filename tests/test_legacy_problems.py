@@ -268,12 +268,13 @@ def test_a_conversation_without_any_time_takes_the_time_it_is_given() -> None:
     [1614592800, 1614592800.0, 1614592800000, Int64(1614592800000), "1614592800",
      " 1614592800000 ", "1614592800.0", " 2021-03-01T10:00:00Z ", "2021-03-01T10:00:00+00:00",
      "2021-03-01 10:00:00z", bson.Decimal128("1614592800"), bson.Decimal128("1614592800000"),
-     "Mon, 01 Mar 2021 10:00:00 GMT", "Mon, 01 Mar 2021 11:00:00 +0100"],
+     "Mon, 01 Mar 2021 10:00:00 GMT", "Mon, 01 Mar 2021 11:00:00 +0100",
+     bson.Timestamp(1614592800, 1)],
     ids=["seconds", "seconds as a float", "milliseconds", "milliseconds as int64",
          "seconds as text", "milliseconds as text in spaces", "seconds as decimal text",
          "iso text in spaces", "iso text", "rfc 3339 with a lowercase z",
          "seconds as decimal128", "milliseconds as decimal128", "rfc 2822 (http, e-mail)",
-         "rfc 2822 with an offset"],
+         "rfc 2822 with an offset", "a bson timestamp (its seconds)"],
 )  # fmt: skip
 def test_a_time_written_as_whole_epoch_seconds_or_milliseconds_is_read(created_at: Any) -> None:
     """A number or its text by one rule (`epoch_number`); ISO text with spaces around it."""

@@ -22,7 +22,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import bson
-from bson import Code, Decimal128, ObjectId, json_util
+from bson import Code, Decimal128, ObjectId, Timestamp, json_util
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from agent_store.core import (
@@ -256,8 +256,9 @@ def flag(value: Any) -> bool | None:
 
 
 def as_time(value: Any) -> datetime | None:
-    """A time as aware UTC, from a datetime, an ISO string, or a whole number of epoch
-    seconds or milliseconds (`epoch_time`), written as a number or as text (`epoch_number`);
+    """A time as aware UTC, from a datetime, a BSON timestamp (its seconds), an ISO string, or
+    a whole number of epoch seconds or milliseconds (`epoch_time`), written as a number or as
+    text (`epoch_number`);
     None if unreadable or no time the store takes (`taken_time`: 0001-01-01, 1969, 2099).
     Text is read with the spaces around it left out, as an ISO time
     first (`"20210301"` is a date; a final `z` as `Z`), else as a number, and as a number
@@ -274,6 +275,8 @@ def as_time(value: Any) -> datetime | None:
         return (epoch_time(number) if number is not None else None) or _rfc2822(text)
     if (number := epoch_number(value)) is not None:
         return epoch_time(number)
+    if isinstance(value, Timestamp):  # a server's own clock: whole seconds and a counter
+        return taken_time(to_utc(value.as_datetime()))
     return taken_time(to_utc(value)) if isinstance(value, datetime) else None
 
 
@@ -512,7 +515,7 @@ def parse_turns(
     turns = []
     for document in documents:
         try:
-            turn = LegacyTurn.model_validate(dict(document))
+            turn = LegacyTurn.model_validate(read_code_as_text(document))
         except ValidationError as exc:
             raise InvalidInput(
                 describe_validation_error(exc, subject=f"legacy turn {document.get('_id')!r}")
@@ -755,6 +758,36 @@ def is_text(value: Any) -> bool:
     code is all it holds) too; code with a scope is a `str` to Python, its code alone, so it
     is no text (`dumps` writes it whole)."""
     return isinstance(value, str) and not (isinstance(value, Code) and value.scope is not None)
+
+
+def without_code(value: Any) -> Any:
+    """`value` with each BSON JavaScript code in it made text, before any field is read: code
+    without a scope as its code, all it holds; code with a scope as the text of its extended
+    JSON (`id_text`), so no reader keeps the code, a `str` to Python, and drops the scope. The
+    value itself (not a copy) when it holds no code."""
+    if isinstance(value, Code):
+        return str.__str__(value) if value.scope is None else id_text(value)
+    if isinstance(value, dict):
+        read = {key: without_code(item) for key, item in value.items()}
+        return read if any(read[k] is not value[k] for k in value) else value
+    if isinstance(value, list):
+        items = [without_code(item) for item in value]
+        return items if any(a is not b for a, b in zip(items, value, strict=True)) else value
+    return value
+
+
+_NAMED_AS_FOUND = ("_id", "conversation_id", "user_id")
+"""A legacy document's fields its code is not made text in (`without_code`): ids are named
+by `id_text` and `user_named`, which tell code from the text it spells."""
+
+
+def read_code_as_text(document: Mapping[str, Any]) -> dict[str, Any]:
+    """A legacy document (a turn, a `session_hitl` prompt) with the code in its fields made
+    text (`without_code`), its ids as found."""
+    return {
+        key: value if key in _NAMED_AS_FOUND else without_code(value)
+        for key, value in document.items()
+    }
 
 
 def scopes_as_text(value: Any) -> Any:

@@ -34,6 +34,7 @@ from agent_store.legacy._convert import MIXED_USER_IDS, LegacyConversion, Proble
 from agent_store.legacy._documents import (
     as_time,
     flag,
+    read_code_as_text,
     reference_text,
     taken_time,
     user_named,
@@ -260,7 +261,7 @@ def pending_from_session_hitl(
     """The newest unresolved `session_hitl` prompt as `pending_hitl`, and notes on oddities:
     every other pending prompt no message holds, or one without a request id a message can
     hold, is noted with its document (not placed)."""
-    pending = [d for d in documents if is_pending_prompt(d)]
+    pending = [d for d in map(read_code_as_text, documents) if is_pending_prompt(d)]
     notes = [n for d in pending for n in _unreadable_state(d)]
     notes += [
         _not_placed(d, "has no request id of 1 to 200 characters")
@@ -355,7 +356,7 @@ def with_session_prompts(
     become problems. Only the owner's prompts are its own (`owners_prompt`): a prompt naming
     another user makes it a `mixed_user_ids` problem, and a pending one is kept in a problem
     of its own, never given to the owner."""
-    found = list(documents)
+    found = [read_code_as_text(d) for d in documents]
     documents = [d for d in found if owners_prompt(conversion.owner, d)]
     others = [d for d in found if not owners_prompt(conversion.owner, d)]
     pending, notes = pending_from_session_hitl(documents, conversion.messages)
