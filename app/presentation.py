@@ -156,22 +156,37 @@ def _cut_fields(message: AgentMessage) -> list[str]:
     ]
 
 
-def _answers(messages: Sequence[AgentMessage]) -> dict[int, str]:
+def calls_made_before(messages: Sequence[AgentMessage]) -> set[str]:
+    """The call ids of the tool results among `messages` that answer no call among them: on
+    a page of a transcript, those whose call lies before the page (`message_views(before=)`
+    names them from the messages making them, `ConversationStore.calls_before`)."""
+    answered = calls_answered(messages)
+    return {
+        m.tool_call_id
+        for index, m in enumerate(messages)
+        if m.tool_call_id is not None and index not in answered
+    }
+
+
+def _answers(
+    messages: Sequence[AgentMessage], before: Sequence[AgentMessage] = ()
+) -> dict[int, str]:
     """What each tool result answers, by its index, as `name (id)`: the call the store pairs
     it with (`calls_answered`: the latest earlier call of its id without an answer, so a
-    provider reusing `call_0` every turn names each turn's own); `unknown tool` for one
-    answering no call among `messages`."""
-    answered = calls_answered(messages)
+    provider reusing `call_0` every turn names each turn's own), among `before` (earlier
+    messages making calls) and `messages`; `unknown tool` for one answering none of them."""
+    whole = [*before, *messages]
+    answered = calls_answered(whole)
     answers = {}
-    for index, m in enumerate(messages):
+    for index, m in enumerate(messages, start=len(before)):
         if m.tool_call_id is None:
             continue
         name = "unknown tool"
         if (call := answered.get(index)) is not None:
             at, call_id = call
-            made = messages[at].tool_calls or ()
+            made = whole[at].tool_calls or ()
             name = next((c.function.name for c in made if c.id == call_id), name)
-        answers[index] = f"{name} ({m.tool_call_id})"
+        answers[index - len(before)] = f"{name} ({m.tool_call_id})"
     return answers
 
 
@@ -186,10 +201,15 @@ def _hitl_view(message: AgentMessage, pending: PendingHitl | None) -> HitlView |
 
 
 def message_views(
-    messages: Sequence[AgentMessage], *, pending: PendingHitl | None = None
+    messages: Sequence[AgentMessage],
+    *,
+    pending: PendingHitl | None = None,
+    before: Sequence[AgentMessage] = (),
 ) -> list[MessageView]:
-    """The messages as a person reads them; `pending` the conversation's `pending_hitl`."""
-    answers = _answers(messages)
+    """The messages as a person reads them; `pending` the conversation's `pending_hitl`;
+    `before` the messages before them making the calls their results answer (a page of a
+    transcript names calls made on an earlier page: `calls_made_before`)."""
+    answers = _answers(messages, before)
     views = []
     for index, m in enumerate(messages):
         content = m.content

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
@@ -34,6 +35,7 @@ from app.auth import Authenticator, audit_record
 from app.http_errors import HttpProblem, note_store_error
 from app.presentation import (
     TranscriptPages,
+    calls_made_before,
     legacy_turn_view,
     message_views,
     search_hit_view,
@@ -261,14 +263,27 @@ def _from_seq(request: Request) -> int:
     return _seq(request.query_params.get("from_seq", "0"), "from_seq")
 
 
-async def _message_page(
-    store: Store, conversation_id: str, from_seq: int
-) -> tuple[Conversation, list[AgentMessage], bool]:
-    """The conversation, up to `MESSAGES_PER_PAGE + 1` of its messages from `from_seq` on
-    (one more tells of a next page), and whether it is stored (migrated).
+@dataclass(frozen=True)
+class _MessagePage:
+    conversation: Conversation
+    messages: list[AgentMessage]
+    """Up to `MESSAGES_PER_PAGE + 1` messages from `from_seq` on (one more tells of a next
+    page)."""
+    before: list[AgentMessage]
+    """Messages before the page, those making the calls its results answer among them
+    (`calls_made_before`)."""
+    stored: bool
+    """Whether the conversation is stored (migrated)."""
+
+
+async def _message_page(store: Store, conversation_id: str, from_seq: int) -> _MessagePage:
+    """A page of the conversation's messages from `from_seq` on, with the messages before it
+    making the calls its results answer.
 
     A conversation not migrated yet has no stored messages: its converted legacy turns
-    are read whole and cut the same way, by `seq`, on every page.
+    are read whole and cut the same way, by `seq`, on every page; the calls before a page
+    are among them. A stored one's are one more read, only when the page holds a result
+    whose call is not on it (`ConversationStore.calls_before`).
     """
     conversations = store.conversations
     try:
@@ -277,31 +292,34 @@ async def _message_page(
         conversation = await conversations.get_conversation(conversation_id)
         converted = await conversations.transcript(conversation_id)
         after = [m for m in converted if m.seq is not None and m.seq >= from_seq]
-        return conversation, after[: MESSAGES_PER_PAGE + 1], False
+        earlier = [m for m in converted if m.seq is not None and m.seq < from_seq]
+        return _MessagePage(conversation, after[: MESSAGES_PER_PAGE + 1], earlier, stored=False)
     page = await conversations.messages_by_seq(
         conversation.id, start=from_seq, limit=MESSAGES_PER_PAGE + 1
     )
-    return conversation, page, True
+    before = await conversations.calls_before(
+        conversation.id, calls_made_before(page[:MESSAGES_PER_PAGE]), before_seq=from_seq
+    )
+    return _MessagePage(conversation, page, before, stored=True)
 
 
 async def transcript(request: Request, store: Store) -> Response:
     from_seq = _from_seq(request)
-    conversation, messages, stored = await _message_page(
-        store, request.path_params["conversation_id"], from_seq
-    )
-    pages = TranscriptPages.of(conversation.id, messages, from_seq, MESSAGES_PER_PAGE)
-    messages = messages[:MESSAGES_PER_PAGE]
+    page = await _message_page(store, request.path_params["conversation_id"], from_seq)
+    conversation = page.conversation
+    pages = TranscriptPages.of(conversation.id, page.messages, from_seq, MESSAGES_PER_PAGE)
+    messages = page.messages[:MESSAGES_PER_PAGE]
     full = request.query_params.get("full") == "true"
     if full:
         messages = await store.conversations.with_full_texts(messages)
     return render(
         "transcript.html",
         conversation=conversation,
-        messages=message_views(messages, pending=conversation.pending_hitl),
+        messages=message_views(messages, pending=conversation.pending_hitl, before=page.before),
         full=full,
         pages=pages,
         # The store forks stored conversations only: one not migrated yet offers no fork.
-        can_fork=stored,
+        can_fork=page.stored,
         has_legacy=bool(await store.legacy.with_turns([conversation.id])),
     )
 
@@ -323,7 +341,10 @@ async def fork(request: Request, store: Store) -> Response:
 
 async def legacy(request: Request, store: Store) -> Response:
     conversation_id = validate_identifier(request.path_params["conversation_id"], "conversation_id")
-    turns = await store.legacy.turns(conversation_id, limit=MAX_LEGACY_TURNS)
+    # One turn more than shown tells the page to say that more are stored.
+    turns = await store.legacy.turns(conversation_id, limit=MAX_LEGACY_TURNS + 1)
+    more = len(turns) > MAX_LEGACY_TURNS
+    turns = turns[:MAX_LEGACY_TURNS]
     try:
         conversation = await store.conversations.get_conversation(conversation_id, fallback=False)
         messages = await store.conversations.transcript(conversation_id, fallback=False)
@@ -336,6 +357,7 @@ async def legacy(request: Request, store: Store) -> Response:
         conversation_id=conversation_id,
         conversation=conversation,
         turns=[legacy_turn_view(t) for t in turns],
+        shown_at_most=MAX_LEGACY_TURNS if more else None,
         messages=message_views(
             messages, pending=conversation.pending_hitl if conversation else None
         ),

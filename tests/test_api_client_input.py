@@ -222,6 +222,33 @@ async def test_a_name_that_shows_nothing_or_holds_a_direction_mark_is_refused_wi
     assert "name" in message
 
 
+@pytest.mark.parametrize(
+    ("method", "url", "body"),
+    [
+        pytest.param("POST", "/v1/conversations/%2E%2E/turns",
+                     {"turn_id": "t-1", "messages": [{"role": "user", "content": "x"}]},
+                     id="conversation-in-the-path"),
+        pytest.param("POST", "/v1/conversations/conv-dots/turns",
+                     {"turn_id": "t-1", "user_id": "..",
+                      "messages": [{"role": "user", "content": "x"}]},
+                     id="user-in-the-body"),
+        pytest.param("POST", "/v1/conversations/conv-dots/turns",
+                     {"turn_id": ".", "messages": [{"role": "user", "content": "x"}]},
+                     id="turn-in-the-body"),
+        pytest.param("POST", f"{CONV}/forks", {"at_seq": 0, "new_conversation_id": "."},
+                     id="fork-to"),
+        pytest.param("DELETE", "/v1/users/%2E%2E", None, id="user-in-the-path"),
+    ],
+)  # fmt: skip
+async def test_a_dot_or_two_dots_as_an_id_is_refused_with_422(
+    api: Served, method: str, url: str, body: Any
+) -> None:
+    """A URL path reads `.` and `..` as the folder itself and its parent: no id is either."""
+    content = json.dumps(body).encode() if body is not None else b""
+    message = await refused(api, method, url, content, 422)
+    assert "a URL path" in message
+
+
 # -- numbers ---------------------------------------------------------------------------------
 
 HUGE_NUMBERS = [

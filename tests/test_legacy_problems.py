@@ -74,6 +74,25 @@ def test_an_id_with_a_line_break_at_an_end_is_no_identifier_and_gets_a_derived_o
     assert all(m.turn_id and "\n" not in m.turn_id for m in conversion.messages)
 
 
+@pytest.mark.parametrize("dots", [".", ".."])
+def test_a_dot_or_two_dots_as_a_legacy_id_is_no_identifier_and_gets_a_derived_one(
+    dots: str,
+) -> None:
+    """No id is `.` or `..` (a URL path reads them as a folder and its parent): a conversation
+    so named is stored under a derived id, and a user so named owns nothing."""
+    turn = {"_id": "t-dots", "conversation_id": dots, "user_id": dots, "user_message": "hi",
+            "created_at": MESSY_START}  # fmt: skip
+
+    conversion = convert([turn])
+
+    assert conversion.conversation_id == derived_conversation_id(dots)
+    assert conversion.conversation is not None
+    assert conversion.conversation.legacy_conversation_id == dots
+    assert conversion.conversation.user_id is None
+    assert {m.user_id for m in conversion.messages} == {None}
+    assert "derived_conversation_id" in [p.kind for p in conversion.problems]
+
+
 def test_turns_naming_a_conversation_by_its_legacy_id_or_by_its_derived_id_are_one() -> None:
     """A live turn's legacy copy written before the dual write named a conversation as its
     legacy turns do names it by its derived id: whichever turn comes first, the conversation

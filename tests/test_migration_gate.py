@@ -1997,6 +1997,33 @@ def test_an_array_id_is_no_identifier_whatever_it_holds(database: Database[dict[
 
 
 @pytest.mark.wire
+def test_a_conversation_named_by_a_dot_or_two_dots_is_migrated_under_a_derived_id(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """No id is `.` or `..`: the run finds them among the legacy ids that are no identifier
+    (`not_identifiers`) and stores their conversations under derived ids."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-plain", 0, "PLAIN"),
+         legacy_turn("t-2", ".", 1, "DOT") | {"user_id": ".."},
+         legacy_turn("t-3", "..", 2, "DOTS")]
+    )  # fmt: skip
+    odd = database[CONVERSATIONS].find(not_identifiers("conversation_id"))
+    assert sorted(d["_id"] for d in odd) == ["t-2", "t-3"]
+
+    assert cli(wire_uri, database, "run") == 0
+
+    for dots, text in ((".", "DOT"), ("..", "DOTS")):
+        stored = database[CONVERSATIONS].find_one({"_id": derived_conversation_id(dots)})
+        assert stored is not None, dots
+        assert stored["legacy_conversation_id"] == dots
+        assert _contents_of(database, stored["_id"])[0] == f"{text} question"
+    assert database[CONVERSATIONS].count_documents({"_id": {"$in": [".", ".."]}}) == 0
+    assert database[MESSAGES].count_documents({"user_id": ".."}) == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
 def test_a_created_at_of_more_digits_than_any_time_is_a_problem_not_a_crashed_run(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:

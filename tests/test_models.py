@@ -11,14 +11,16 @@ from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+from pydantic import TypeAdapter, ValidationError
 
 from agent_store.core import (
     MAX_TOOL_CALLS,
     AssistantMessage,
+    Identifier,
     InvalidInput,
     message_adapter,
 )
-from agent_store.store import parse_messages
+from agent_store.store import parse_messages, validate_identifier
 from agent_store.store._reservation import recorded_block
 
 
@@ -325,3 +327,34 @@ def test_native_values_outside_64_bits_are_invalid_input_at_any_depth() -> None:
     native = {"format": "langchain", "set": {"a": [{"b": [1, 2**63]}]}}
     with pytest.raises(InvalidInput, match="integers outside 64 bits"):
         parse_messages([{"role": "assistant", "content": "x", "native": native}])
+
+
+DOT_SEGMENTS = [".", ".."]
+IDS_WITH_DOTS = ["...", ".a", "..a", "a.", "a..", "a..b", "v1.2", "." + "a" * 199, "a" * 200]
+
+
+@pytest.mark.parametrize("dots", DOT_SEGMENTS)
+def test_a_dot_or_two_dots_alone_is_no_identifier(dots: str) -> None:
+    """A URL path reads `.` and `..` (`%2E%2E` too) as the folder itself and its parent: a
+    link to `/viewer/conversations/..` leads to `/viewer/`, and clients rewrite
+    `/v1/users/..`. Neither is an id: the store and the API refuse them, saying why."""
+    with pytest.raises(InvalidInput, match=r"invalid user_id: .*a URL path") as refused:
+        validate_identifier(dots, "user_id")
+    assert repr(dots) in refused.value.message
+    with pytest.raises(ValidationError):
+        TypeAdapter(Identifier).validate_python(dots)
+
+
+@pytest.mark.parametrize("text", [*DOT_SEGMENTS, *IDS_WITH_DOTS, "a" * 201, "a b", "a$", ""])
+def test_the_identifier_pattern_and_its_check_agree(text: str) -> None:
+    """The pattern the JSON Schemas publish (no look-ahead: pydantic-core's regex has none)
+    accepts exactly what the store does."""
+    pattern = TypeAdapter(Identifier).json_schema()["pattern"]
+    try:
+        validate_identifier(text, "id")
+    except InvalidInput:
+        accepted = False
+    else:
+        accepted = True
+    assert accepted == (text in IDS_WITH_DOTS)
+    assert bool(re.fullmatch(pattern.removeprefix("^").removesuffix("$"), text)) == accepted

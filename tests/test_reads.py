@@ -97,6 +97,43 @@ async def test_conversations_with_equal_update_times_are_paged_without_gaps(
     assert ids == ["tie-4", "tie-3", "tie-2", "tie-1", "tie-0"]
 
 
+def calling(tool: str, *call_ids: str) -> dict[str, Any]:
+    calls = [
+        {"id": call_id, "type": "function", "function": {"name": tool, "arguments": "{}"}}
+        for call_id in call_ids
+    ]
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+async def test_the_calls_before_a_seq_are_the_latest_messages_making_each_id(
+    backend: Backend,
+) -> None:
+    """`calls_before`: for each call id, the latest message below the seq making it (a call
+    id reused every turn, one made long before, past a batch of others), by seq; none for
+    an id no message makes, and none of another conversation or outside the user's scope."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages("c-calls", [calling("lookup", "call_far")], user_id="u-calls")
+    for n in range(30):  # more than a read's first batch of messages making call_0
+        await logger.log_messages("c-calls", [calling(f"tool_{n}", "call_0")], user_id="u-calls")
+    await logger.log_messages("c-calls", [calling("late", "call_0")], user_id="u-calls")
+    await logger.log_messages("c-other", [calling("elsewhere", "call_1")], user_id="u-calls")
+    store = ConversationStore(backend.db)
+
+    found = await store.calls_before(
+        "c-calls", ["call_0", "call_far", "call_1", "call_none"], before_seq=31
+    )
+    scoped = await store.calls_before("c-calls", ["call_0"], before_seq=31, user_id="u-else")
+
+    assert [(m.seq, m.tool_calls[0].function.name) for m in found] == [
+        (0, "lookup"),
+        (30, "tool_29"),
+    ]
+    assert scoped == []
+    assert await store.calls_before("c-calls", [], before_seq=31) == []
+    with pytest.raises(InvalidInput, match="before_seq"):
+        await store.calls_before("c-calls", ["call_0"], before_seq=-1)
+
+
 BULKY = "x" * 4_000  # a small page budget (monkeypatched) holds a few of these
 
 

@@ -170,3 +170,35 @@ async def test_deleting_a_conversation_costs_nine_round_trips(wire_backend: Back
     assert wire_backend.commands.names == [
         "find", "insert", "delete", "find", "delete", "find", "findAndModify", "find", "delete"
     ]  # fmt: skip
+
+
+async def test_the_calls_before_a_page_are_read_in_one_round_trip(wire_backend: Backend) -> None:
+    """What names the calls a page's first results answer (`calls_before`): one `find` down
+    the `{conversation_id, seq}` index for the latest message making each call id, when
+    other messages making them lie between (a provider reusing `call_0` every turn), and
+    no round trip for no ids."""
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db)
+    await logger.ensure_indexes()
+    for n in range(30):
+        tool = f"tool_{n}"
+        call = {"id": "call_0", "type": "function", "function": {"name": tool, "arguments": "{}"}}
+        await logger.log_messages(
+            CID,
+            [{"role": "user", "content": f"step {n}"},
+             {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_0", "content": f"result of {tool}"}],
+            turn_id=f"t{n}",
+        )  # fmt: skip
+    store = ConversationStore(wire_backend.db)
+    wire_backend.commands.clear()
+
+    found = await store.calls_before(CID, {"call_0"}, before_seq=89)
+    none = await store.calls_before(CID, set(), before_seq=89)
+
+    assert [(m.seq, m.tool_calls[0].function.name) for m in found] == [(88, "tool_29")]
+    assert none == []
+    assert wire_backend.commands.names == ["find"]
+    wire_backend.commands.clear()
+    assert await store.calls_before(CID, {"call_never_made"}, before_seq=89) == []
+    assert wire_backend.commands.names == ["find"]

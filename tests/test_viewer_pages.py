@@ -17,6 +17,7 @@ from pymongo.errors import OperationFailure
 from agent_store.core import Unsupported
 from agent_store.legacy import LEGACY_TURNS, convert
 from agent_store.store import CONVERSATIONS, MESSAGES, storage_errors
+from app import viewer
 from app.demo import OTHER_USER_ID
 from app.viewer import CONVERSATIONS_PER_PAGE, MESSAGES_PER_PAGE, NO_TEXT_INDEX
 from tests.api_harness import (
@@ -347,3 +348,101 @@ async def test_the_legacy_comparison_finds_the_turns_of_a_conversation_however_i
     assert legacy.status_code == 200
     assert legacy.text.count("data-legacy-turn=") == count
     assert f"legacy question {count - 1}" in legacy.text
+
+
+def answers(html: str) -> list[tuple[int, str]]:
+    """Each tool result's seq and the call it is shown answering, in page order."""
+    found = re.findall(
+        r'data-seq="(\d+)"[^>]*>\s*<header>\s*<span class="who">Tool result</span>\s*'
+        r'<span class="answers">answers ([^<]+)</span>',
+        html,
+    )
+    return [(int(seq), call) for seq, call in found]
+
+
+def calling(call_id: str, *tools: str) -> dict[str, Any]:
+    """An assistant message calling each of `tools`, as `call_id`, `call_id`-1…"""
+    calls = [
+        {"id": call_id if n == 0 else f"{call_id}-{n}", "type": "function",
+         "function": {"name": tool, "arguments": "{}"}}
+        for n, tool in enumerate(tools)
+    ]  # fmt: skip
+    return {"role": "assistant", "content": None, "tool_calls": calls}
+
+
+def result(call_id: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": f"result of {call_id}"}
+
+
+async def test_a_result_whose_call_is_on_an_earlier_page_names_that_call(api: Served) -> None:
+    """A page names the call each result answers as the store pairs them, wherever the call
+    is: a result at the top of a page answers the latest earlier call of its id, made on the
+    page before (`call_0` reused: the latest one, not the first)."""
+    filler = [{"role": "user", "content": f"message {n}"} for n in range(MESSAGES_PER_PAGE - 4)]
+    turns = [
+        [*filler, calling("call_0", "read_balance"), result("call_0")],  # the call at seq 96
+        [calling("call_0", "wire_money", "notify"), {"role": "assistant", "content": "wait"}],
+        [result("call_0"), result("call_0-1")],  # seq 100, 101: answering seq 98's calls
+        [calling("call_0", "log"), result("call_0")],
+    ]
+    for turn in turns:
+        await api.store.logger.log_messages("conv-paged-calls", turn, user_id=OWNER)
+    url = "/viewer/conversations/conv-paged-calls"
+
+    second = await api.http.get(f"{url}?from_seq={MESSAGES_PER_PAGE}")
+    first = await api.http.get(url)
+
+    assert answers(second.text) == [
+        (100, "wire_money (call_0)"),
+        (101, "notify (call_0-1)"),
+        (103, "log (call_0)"),
+    ]
+    assert answers(first.text) == [(97, "read_balance (call_0)")]
+    assert answers((await api.http.get(f"{url}?from_seq=99")).text)[:2] == [
+        (100, "wire_money (call_0)"),
+        (101, "notify (call_0-1)"),
+    ]
+
+
+async def test_a_result_whose_call_is_on_an_earlier_page_of_a_legacy_conversation_names_it(
+    api: Served,
+) -> None:
+    """A conversation not migrated yet is paged from its converted turns: a result at the top
+    of a page names the call made on the page before as well."""
+    questions = legacy_turns("conv-old-calls", (MESSAGES_PER_PAGE - 2) // 2)  # seq 0-97
+    tools = {"_id": "lt-tools", "conversation_id": "conv-old-calls", "user_id": "user-old",
+             "created_at": T0 + timedelta(days=1), "user_message": "wire it",  # seq 98
+             "response_parts": [
+                 {"part_kind": "tool-call", "tool_name": "wire_money", "tool_call_id": "call_0",
+                  "args": "{}"},  # seq 99
+                 {"part_kind": "tool-return", "tool_name": "wire_money",
+                  "tool_call_id": "call_0", "content": "wired"}]}  # fmt: skip
+    await api.db[LEGACY_TURNS].insert_many([*questions, tools])
+
+    second = await api.http.get(
+        f"/viewer/conversations/conv-old-calls?from_seq={MESSAGES_PER_PAGE}"
+    )
+
+    assert second.status_code == 200
+    assert answers(second.text) == [(MESSAGES_PER_PAGE, "wire_money (call_0)")]
+
+
+async def test_the_legacy_comparison_says_so_when_it_shows_only_the_first_turns(
+    api: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It reads one turn past the most it shows: an operator checking a migration by eye is
+    told that more turns are stored than the page shows."""
+    monkeypatch.setattr(viewer, "MAX_LEGACY_TURNS", 3)
+    many_turns = legacy_turns("conv-old-many", 5)
+    three_turns = [t | {"_id": f"three-{t['_id']}"} for t in legacy_turns("conv-old-three", 3)]
+    await api.db[LEGACY_TURNS].insert_many(many_turns + three_turns)
+
+    many = await api.http.get("/viewer/conversations/conv-old-many/legacy")
+    three = await api.http.get("/viewer/conversations/conv-old-three/legacy")
+
+    assert many.text.count("data-legacy-turn=") == 3
+    assert (
+        "Only the first 3 legacy turns are shown: this conversation has more stored." in many.text
+    )
+    assert three.text.count("data-legacy-turn=") == 3
+    assert "Only the first" not in three.text

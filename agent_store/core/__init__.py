@@ -20,6 +20,7 @@ from agent_store.core._errors import (
 )
 from agent_store.core._models import (
     HOLDING_PROMPTS_KEPT,
+    IDENTIFIER_PATTERN,
     MAX_HELD_CALLS,
     MAX_SAFE_INTEGER,
     MAX_TOOL_CALLS,
@@ -91,6 +92,7 @@ from agent_store.core._outcomes import (
 __all__ = [
     "DENIED_RESULT",
     "HOLDING_PROMPTS_KEPT",
+    "IDENTIFIER_PATTERN",
     "INTERRUPTED_RESULT",
     "MAX_HELD_CALLS",
     "MAX_SAFE_INTEGER",

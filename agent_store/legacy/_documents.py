@@ -26,6 +26,7 @@ from bson import Code, Decimal128, ObjectId, Timestamp, json_util
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from agent_store.core import (
+    IDENTIFIER_PATTERN,
     MAX_SAFE_INTEGER,
     Conversation,
     InvalidInput,
@@ -56,8 +57,9 @@ neither is a legacy turn, whatever other fields it holds or lacks."""
 
 _KEY = re.compile(r"^[A-Za-z0-9_.:@|-]{1,100}\Z")
 """A document id short enough to appear as it is in the ids derived from it."""
-_IDENTIFIER = re.compile(r"^[A-Za-z0-9_.:@|-]{1,200}\Z")
-"""What `agent_store.core.Identifier` accepts."""
+_IDENTIFIER = re.compile(IDENTIFIER_PATTERN.removesuffix("$") + r"\Z")
+"""What `agent_store.core.Identifier` accepts (not `.` or `..`), ending at the text's end: a
+pattern's `$` also matches before a last line break."""
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 

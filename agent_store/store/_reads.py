@@ -811,6 +811,53 @@ class ConversationStore:
             await self._of_one_life(query["conversation_id"], docs)
         )
 
+    async def calls_before(
+        self,
+        conversation_id: str,
+        call_ids: Collection[str],
+        *,
+        before_seq: int,
+        user_id: str | None = None,
+    ) -> list[AgentMessage]:
+        """The latest stored message below `before_seq` making each tool call of `call_ids`,
+        by `seq` (an id none makes is left out): what a page of a transcript starting at
+        `before_seq` needs to name the calls its results answer (`calls_answered` over
+        these messages and the page's).
+
+        A scan of the `{conversation_id, seq}` index down from `before_seq`, of the messages
+        making one of the ids still unfound, `PAGE_FIRST_BATCH` at a time: one round trip
+        unless more such messages lie between the page and an id's latest call; none for no
+        ids. No legacy fallback: a conversation not migrated yet is read whole.
+        """
+        if isinstance(before_seq, bool) or not isinstance(before_seq, int) or before_seq < 0:
+            raise InvalidInput(f"invalid before_seq {before_seq!r}: it must be a seq, 0 or more")
+        wanted = set(call_ids)
+        if not all(isinstance(call_id, str) for call_id in wanted):
+            raise InvalidInput("invalid call_ids: each must be a tool call id, as text")
+        scope: dict[str, Any] = {
+            "conversation_id": validate_identifier(conversation_id, "conversation_id")
+        }
+        if user_id is not None:
+            scope["user_id"] = validate_identifier(user_id, "user_id")
+        found: list[dict[str, Any]] = []
+        below = before_seq
+        while wanted:
+            query = {**scope, "seq": {"$lt": below}, "tool_calls.id": {"$in": sorted(wanted)}}
+            with storage_errors("read the calls before a page"):
+                docs = await (
+                    self._messages.find(query).sort("seq", -1).limit(PAGE_FIRST_BATCH).to_list(None)
+                )
+            for doc in docs:
+                made = {call.get("id") for call in doc.get("tool_calls") or ()}
+                if made & wanted:
+                    found.append(doc)
+                    wanted -= made
+            if len(docs) < PAGE_FIRST_BATCH:
+                break
+            below = docs[-1]["seq"]
+        docs = await self._of_one_life(scope["conversation_id"], found[::-1])
+        return messages_adapter.validate_python(docs)
+
     async def messages_page(
         self,
         conversation_id: str,
