@@ -113,6 +113,14 @@ def shown(value: str) -> str:
     return repr(value) if _PLAIN_NAME.fullmatch(value) else "<withheld>"
 
 
+DOT_SEGMENTS = (".", "..")
+"""What a URL path reads as the folder itself and its parent (`%2E%2E` too): no id."""
+_DOT_SEGMENT_REASON = (
+    "a URL path reads `.` and `..` as the folder itself and its parent, so no link or client "
+    "could name it"
+)
+
+
 def describe_validation_error(error: ValidationError, *, subject: str = "input") -> str:
     """One line per problem: where it is and what is wrong, without pydantic's URLs."""
     problems = []
@@ -120,6 +128,8 @@ def describe_validation_error(error: ValidationError, *, subject: str = "input")
         # Discriminated unions put the role's tag in the path; it only adds noise.
         location = location_text(item["loc"])
         text = str(item["msg"]).removeprefix("Value error, ")
+        if item["type"] == "string_pattern_mismatch" and item.get("input") in DOT_SEGMENTS:
+            text = f"{item['input']!r} is no id: {_DOT_SEGMENT_REASON}"
         problems.append(f"{location}: {text}" if location else text)
     return f"invalid {subject}: " + "; ".join(problems)
 
