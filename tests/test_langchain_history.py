@@ -541,3 +541,37 @@ async def test_two_chains_whose_adds_both_failed_each_retry_their_own_once(
     await asyncio.gather(chain_a(), chain_b())
 
     assert visible(await history.aget_messages()) == visible(A_TURN + B_TURN)
+
+
+def numbered_step() -> list[BaseMessage]:
+    """A step as a provider numbering its calls per response words it: another chain's step
+    may be the very same messages."""
+    return [
+        AIMessage("", tool_calls=[{"name": "get_time", "args": {}, "id": "call_0"}]),
+        ToolMessage("09:00", tool_call_id="call_0"),
+    ]
+
+
+async def test_a_chain_that_added_anything_else_first_is_not_taken_for_a_failed_chains_retry(
+    backend: Backend,
+) -> None:
+    """Chain A's step is stored and its reply lost, and its task ends; chain B, in a task of
+    its own, adds another question, then a step of the same messages as A's: a step of its
+    own, stored, not a retry of A's (only a task's first add takes over a failed chain)."""
+    history = ConversationChatHistory(CID, backend.db)
+    losing_the_replies(history, 2)
+    answer: list[BaseMessage] = [AIMessage("09:00 there too.")]
+    paris: list[BaseMessage] = [HumanMessage("Time in Paris?")]
+    berlin: list[BaseMessage] = [HumanMessage("In Berlin?")]
+
+    async def chain(*adds: list[BaseMessage]) -> None:
+        for messages in adds:
+            await history.aadd_messages(messages)
+
+    with pytest.raises(StorageUnavailable):
+        await asyncio.create_task(chain(paris, numbered_step()))
+    await asyncio.create_task(chain(berlin, numbered_step(), answer))
+
+    assert visible(await history.aget_messages()) == visible(
+        [*paris, *numbered_step(), *berlin, *numbered_step(), *answer]
+    )

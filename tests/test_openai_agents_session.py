@@ -601,6 +601,34 @@ async def test_a_run_again_in_a_task_of_its_own_is_the_retry_of_the_run_that_fai
     assert await session.get_items() == A_ASKED + calls + [pending] + A_ASKED
 
 
+NUMBERED_STEP: list[TResponseInputItem] = [
+    {"type": "function_call", "call_id": "call_0", "name": "get_time", "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "call_0", "output": "09:00"},
+]
+"""A step as a provider numbering its calls per response words it: another run's step may be
+the very same items."""
+
+
+async def test_a_run_that_added_anything_else_first_is_not_taken_for_a_failed_runs_retry(
+    backend: Backend,
+) -> None:
+    """Run 1's step is stored and its reply lost, and its task ends; run 2, in a task of its
+    own, adds another input, then a step of the same items as run 1's: a step of its own,
+    stored, not a retry of run 1's (only a task's first add takes over a failed run)."""
+    session = sharing(backend.db, 2)
+    answer: list[TResponseInputItem] = [{"role": "assistant", "content": "09:00 there too."}]
+
+    async def run(asked: list[TResponseInputItem], *steps: list[TResponseInputItem]) -> None:
+        for items in (asked, *steps):
+            await session.add_items(items)
+
+    with pytest.raises(StorageUnavailable):
+        await asyncio.create_task(run(A_ASKED, NUMBERED_STEP))
+    await asyncio.create_task(run(B_ASKED, NUMBERED_STEP, answer))
+
+    assert await session.get_items() == A_ASKED + NUMBERED_STEP + B_ASKED + NUMBERED_STEP + answer
+
+
 @function_tool(needs_approval=True)
 def book_train(train: str) -> str:
     """Book a train."""
@@ -725,3 +753,57 @@ async def test_items_added_again_after_a_failed_add_was_popped_are_stored(
     assert popped is not None
     assert popped.get("content") == "book it"
     assert [i.get("content") for i in await session.get_items()] == ["hello", "book it"]
+
+
+async def test_a_pop_from_another_task_leaves_a_failed_runs_retry_to_it(backend: Backend) -> None:
+    """Run A's step is stored and its reply lost; run B, in another task, adds its input and
+    pops it; run A runs again: its adds are its retry, each stored once."""
+    session = sharing(backend.db, 2)
+    a_failed, b_popped = asyncio.Event(), asyncio.Event()
+
+    async def run_a() -> None:
+        await session.add_items(A_ASKED)
+        with pytest.raises(StorageUnavailable):
+            await session.add_items(NUMBERED_STEP)
+        a_failed.set()
+        await b_popped.wait()
+        await session.add_items(A_ASKED)
+        await session.add_items(NUMBERED_STEP)
+
+    async def run_b() -> None:
+        await a_failed.wait()
+        await session.add_items(B_ASKED)
+        assert await session.pop_item() == B_ASKED[0]
+        b_popped.set()
+
+    await asyncio.gather(run_a(), run_b())
+
+    assert await session.get_items() == A_ASKED + NUMBERED_STEP
+
+
+async def test_a_failed_add_whose_items_a_pop_removed_is_stored_again_by_its_retry(
+    backend: Backend,
+) -> None:
+    """Run A's step is stored and its reply lost; another task pops the step's items; run A
+    runs again: its input is its retry, stored once, and its step, popped, is stored anew (a
+    retry of the popped turn would be a Conflict)."""
+    session = sharing(backend.db, 2)
+    a_failed, popped = asyncio.Event(), asyncio.Event()
+
+    async def run_a() -> None:
+        await session.add_items(A_ASKED)
+        with pytest.raises(StorageUnavailable):
+            await session.add_items(NUMBERED_STEP)
+        a_failed.set()
+        await popped.wait()
+        await session.add_items(A_ASKED)
+        await session.add_items(NUMBERED_STEP)
+
+    async def pop_the_step() -> None:
+        await a_failed.wait()
+        assert [await session.pop_item() for _ in NUMBERED_STEP] == NUMBERED_STEP[::-1]
+        popped.set()
+
+    await asyncio.gather(run_a(), pop_the_step())
+
+    assert await session.get_items() == A_ASKED + NUMBERED_STEP

@@ -13,7 +13,13 @@ Runs that share one history object are told apart by the asyncio task that
 appends (`adder`): each failed run is remembered with its task, several at once,
 and only that task's appends retry it or end its retry. A run again in a task
 of its own (`Runner.run_streamed` runs each run in a new task) takes over the
-retry of a failed run whose task has ended.
+retry of a failed run whose task has ended, with its first append: a task that
+appended anything before takes over no other run's retry.
+
+A pop (`popped`) removes a message: what it invalidates is the appends of that
+message's turn, whose retry the logger refuses (`Conflict`). Those are
+forgotten, wherever remembered, and repeated they are stored anew; nothing else
+is: another run's retry still holds.
 """
 
 from __future__ import annotations
@@ -80,13 +86,18 @@ def adder() -> Adder:
     return made
 
 
+_Done = tuple[str, str | None]
+"""An append remembered: its content digest and its turn id (None once a pop removed a
+message of its turn: repeated, it is a new turn)."""
+
+
 @dataclass
 class _Retry:
     """A run whose append raised: the appends a run again repeats, in order, not repeated
     yet, and who retries them."""
 
     adder: Adder
-    appends: list[tuple[str, str]]
+    appends: list[_Done]
 
 
 def _digest(messages: Sequence[AgentMessage]) -> str:
@@ -113,21 +124,23 @@ class Appends:
         self.conversation_id = conversation_id
         self.user_id = user_id
         self._prefix = prefix
-        self._runs: weakref.WeakKeyDictionary[Adder, list[tuple[str, str]]] = (
-            weakref.WeakKeyDictionary()
-        )
-        """By adder, (content digest, turn id) of its appends since its last one of a run's
-        input (a batch that starts with a user or system message): what a run again would
-        repeat."""
+        self._runs: weakref.WeakKeyDictionary[Adder, list[_Done]] = weakref.WeakKeyDictionary()
+        """By adder, its appends since its last one of a run's input (a batch that starts
+        with a user or system message): what a run again would repeat. Every adder that
+        appended has one, so takes over no other run's retry."""
         self._retries: list[_Retry] = []
         """The runs whose append raised, oldest first, at most one per adder."""
 
     def _retry_of(self, by: Adder, digest: str) -> _Retry | None:
-        """The failed run `by` retries: its own, else (none of its own) the oldest whose task
-        has ended and whose appends hold `digest`, which `by` takes over."""
+        """The failed run `by` retries: its own, else, when this is `by`'s first append, the
+        oldest whose task has ended and whose appends hold `digest`, which `by` takes over (a
+        task that appended anything else first is another run, whose appends may repeat a
+        failed run's: a provider numbering its calls per response)."""
         for retry in self._retries:
             if retry.adder is by:
                 return retry
+        if by in self._runs:
+            return None
         for retry in self._retries:
             if not retry.adder.running and any(done == digest for done, _ in retry.appends):
                 retry.adder = by
@@ -142,11 +155,14 @@ class Appends:
                     del retry.appends[: index + 1]
                     if not retry.appends:
                         self._retries.remove(retry)
-                    return turn_id
+                    return turn_id or self._new_turn_id()
             self._retries.remove(retry)
+        return self._new_turn_id()
+
+    def _new_turn_id(self) -> str:
         return f"{self._prefix}-{uuid.uuid4().hex}"
 
-    def _failed(self, by: Adder, run: list[tuple[str, str]]) -> None:
+    def _failed(self, by: Adder, run: list[_Done]) -> None:
         """Remember `by`'s run for its retry, before what its earlier retry left to repeat."""
         for retry in self._retries:
             if retry.adder is by:
@@ -155,12 +171,18 @@ class Appends:
         self._retries.append(_Retry(by, list(run)))
         del self._retries[:-RETRIES_KEPT]
 
-    def rewound(self) -> None:
-        """The history lost its last messages (a pop): no append made so far is one the next
-        append retries; the next append is a new turn. (A pop corrects the failed append's
-        turn, whose retry is then a `Conflict`.)"""
-        self._runs.clear()
-        self._retries = []
+    def popped(self, message: AgentMessage) -> None:
+        """A pop removed `message`: the appends of its turn, whose retry the logger refuses
+        (`Conflict`: the pop corrected the turn), are forgotten wherever remembered, each run's
+        and each failed run's alike. Repeated in a retry, such an append is stored anew as a
+        new turn, and the retry goes on; every other append is remembered as it was."""
+        if message.turn_id is None:
+            return
+        for appends in (*self._runs.values(), *(retry.appends for retry in self._retries)):
+            appends[:] = [
+                (digest, None if turn_id == message.turn_id else turn_id)
+                for digest, turn_id in appends
+            ]
 
     async def append(self, messages: Sequence[AgentMessage]) -> LoggedTurn:
         """Log `messages` as one turn (two round trips); after an append raised, the appends

@@ -303,13 +303,14 @@ class ConversationSession:
         A message that makes no item (another writer's error note) is removed on the way.
         A call repeating one that raised StorageUnavailable is its retry: it finishes the
         earlier pop and returns that item, removing no other message (`pop_last_message`).
-        Items added after a pop are a new turn, even those of an add that raised before it.
+        Items added again after a pop removed them are a new turn, even those of an add that
+        raised before it; a pop leaves any other add that raised to its retry.
         """
         while True:
             message = await self.store.pop_last_message(self.session_id, user_id=self.user_id)
-            self._appends.rewound()
             if message is None:
                 return None
+            self._appends.popped(message)
             items = item_from_message(message)
             if items:
                 return cast(TResponseInputItem, items[-1])
