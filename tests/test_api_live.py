@@ -258,3 +258,63 @@ async def test_a_fork_over_http_answers_no_more_than_a_fork_may_copy() -> None:
         assert [m["_id"] for m in again.json()["messages"]] == [
             m["_id"] for m in forked.json()["messages"]
         ]
+
+
+async def test_a_person_cannot_take_a_deliverys_turn_id_to_have_it_acknowledged_unseen() -> None:
+    """The turn id a delivery is stored under is computable (`delivery-` and a digest of the
+    running turn's id and the delivery id). A person's turn logged under it first made the
+    delivery answer `delivered: true` while the runtime drained nothing and closed. Such a
+    turn is 422, nothing written; the delivery then reaches the runtime."""
+    from agent_store.store._inbox import delivery_turn_id
+
+    async with serve(mongomock_db()) as api:
+        runtime, person = auth_headers(), auth_headers(user=OWNER)
+        assert (await api.http.post(INBOX, headers=runtime)).status_code == 200
+        hotel = {"role": "user", "content": "book the hotel", "created_at": "2026-12-03T08:00:00Z"}
+        turns = f"/v1/conversations/{OWNER_CONVERSATION}/turns"
+        before = await api.digest()
+
+        taken = await api.http.post(
+            turns,
+            json={"turn_id": delivery_turn_id("t-running", "d1"), "messages": [hotel]},
+            headers=person,
+        )
+        assert taken.status_code == 422, taken.text
+        assert "steering delivery" in taken.json()["error"]["message"]
+        assert await api.digest() == before
+
+        delivery = {"message": hotel, "delivery_id": "d1"}
+        sent = await api.http.post(f"{INBOX}/messages", json=delivery, headers=person)
+        drained = (await api.http.get(f"{INBOX}?after_seq=-1", headers=runtime)).json()["data"]
+        assert sent.json() == {"delivered": True}
+        assert [m["content"] for m in drained] == ["book the hotel"]
+
+
+async def test_a_person_cannot_log_a_turn_under_the_id_of_the_turn_running_for_them() -> None:
+    """The person steers by the running turn's id (`…/turns/{turn_id}/inbox/messages`). Their
+    token logging a forged answer under it took the id: the runtime's own turn was 409 and
+    its answer lost. A turn a runtime opened an inbox for is the runtime's: a user token's
+    turn under its id is 409 saying so, nothing written, while the inbox is open and once it
+    closed (before the runtime logs its answer); the runtime's service token logs it."""
+    async with serve(mongomock_db()) as api:
+        runtime, person = auth_headers(), auth_headers(user=OWNER)
+        assert (await api.http.post(INBOX, headers=runtime)).status_code == 200
+        turns = f"/v1/conversations/{OWNER_CONVERSATION}/turns"
+        forged = {"turn_id": "t-running", "messages": [{"role": "assistant", "content": "FORGED"}]}
+        before = await api.digest()
+
+        taken = await api.http.post(turns, json=forged, headers=person)
+        assert taken.status_code == 409, taken.text
+        assert "a runtime's" in taken.json()["error"]["message"]
+        assert await api.digest() == before
+        closing = await api.http.post(f"{INBOX}/close", json={"last_seen_seq": 99},
+                                      headers=runtime)  # fmt: skip
+        assert closing.json()["closed"] is True
+        assert (await api.http.post(turns, json=forged, headers=person)).status_code == 409
+
+        answer = {"role": "assistant", "content": "the real answer"}
+        body = {"turn_id": "t-running", "user_id": OWNER, "messages": [answer]}
+        logged = await api.http.post(turns, json=body, headers=runtime)
+        retried = await api.http.post(turns, json=body, headers=runtime)
+        assert (logged.status_code, retried.status_code) == (201, 200)
+        assert await api.db.agent_messages.count_documents({"content": "FORGED"}) == 0

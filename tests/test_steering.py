@@ -1017,3 +1017,133 @@ async def test_a_delivery_named_like_a_turn_logged_after_its_inbox_closed_is_ref
     assert await inbox.try_deliver(CID, "run-1", done, delivery_id="run-1") is False
     assert await backend.db[MESSAGES].count_documents({"content": "stop"}) == 0
     assert await backend.db[MESSAGES].count_documents({"content": "done"}) == 1
+
+
+HOTEL = {"role": "user", "content": "also book the hotel", "created_at": "2026-12-03T08:00:00Z"}
+
+
+async def test_an_ordinary_turn_cannot_take_the_turn_id_a_delivery_derives(
+    backend: Backend,
+) -> None:
+    """Anyone can compute the turn id a delivery is stored under (`delivery_turn_id`). A person
+    logging a turn under it first, holding the message the delivery will carry, made the
+    delivery a replay of that turn: acknowledged, never in the runtime's inbox. Such a turn
+    is refused, nothing written, and the delivery then reaches the runtime."""
+    from agent_store.store._inbox import delivery_turn_id
+
+    logger = AgentMessageLogger(backend.db)
+    inbox = SteeringInbox(logger)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], user_id="u", turn_id="t0")
+    await inbox.open_turn(CID, "run-1")
+    taken = delivery_turn_id("run-1", "d1")
+
+    for owner_only in (True, False):
+        with pytest.raises(InvalidInput, match="names a steering delivery"):
+            await logger.log_messages(
+                CID, [HOTEL], user_id="u", turn_id=taken, owner_only=owner_only
+            )
+    assert await backend.db[MESSAGES].count_documents({"content": HOTEL["content"]}) == 0
+
+    assert await inbox.try_deliver(CID, "run-1", HOTEL, delivery_id="d1") is True
+    drained = await inbox.drain(CID, "run-1")
+    assert [(m.content, m.turn_id) for m in drained] == [(HOTEL["content"], taken)]
+    assert await inbox.close_inbox(CID, "run-1", drained[-1].seq or 0) == []
+
+
+async def test_a_delivery_its_open_inbox_does_not_list_is_never_acknowledged(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn logged under a delivery's turn id before such turns were refused (the same
+    message, so the delivery replays it) is not that delivery: the open inbox does not list
+    it. The delivery answers False, nothing more stored, and the runtime closes knowing it
+    missed nothing; a delivery it does list still answers True when retried."""
+    from agent_store.store import _logger
+    from agent_store.store._inbox import delivery_turn_id
+
+    logger = AgentMessageLogger(backend.db)
+    inbox = SteeringInbox(logger)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], user_id="u", turn_id="t0")
+    await inbox.open_turn(CID, "run-1")
+    monkeypatch.setattr(_logger, "_refuse_delivery_turn_id", lambda turn_id: None, raising=False)
+    taken = delivery_turn_id("run-1", "d1")
+    await logger.log_messages(CID, [HOTEL], user_id="u", turn_id=taken, owner_only=True)
+    monkeypatch.undo()
+
+    assert await inbox.try_deliver(CID, "run-1", HOTEL, delivery_id="d1") is False
+    assert await inbox.drain(CID, "run-1") == []
+    assert await inbox.try_deliver(CID, "run-1", HOTEL, delivery_id="d2") is True
+    assert await inbox.try_deliver(CID, "run-1", HOTEL, delivery_id="d2") is True
+    drained = await inbox.drain(CID, "run-1")
+    assert [m.turn_id for m in drained] == [delivery_turn_id("run-1", "d2")]
+    assert await inbox.close_inbox(CID, "run-1", drained[-1].seq or 0) == []
+    assert await backend.db[MESSAGES].count_documents({"content": HOTEL["content"]}) == 2
+
+
+async def test_while_a_turns_inbox_is_open_only_its_runtime_logs_a_turn_under_its_id(
+    backend: Backend,
+) -> None:
+    """The person steers by the running turn's id, so knows it. Logged under it first by the
+    person's token (`owner_only`), a forged answer took the id, and the runtime's own turn was
+    a Conflict, its answer lost. While the inbox is open the turn id is its runtime's: the
+    person's turn is a Conflict saying so, nothing written; the runtime logs it (a service),
+    and retries it, while the inbox is open and after it closed; the person logs turns of
+    other ids meanwhile."""
+    logger = AgentMessageLogger(backend.db)
+    inbox = SteeringInbox(logger)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], user_id="u", turn_id="t0")
+    await inbox.open_turn(CID, "run-1")
+    forged = [{"role": "assistant", "content": "FORGED answer"}]
+
+    with pytest.raises(Conflict, match="running"):
+        await logger.log_messages(CID, forged, user_id="u", turn_id="run-1", owner_only=True)
+    assert await backend.db[MESSAGES].count_documents({"content": "FORGED answer"}) == 0
+    aside = [{"role": "user", "content": "an aside"}]
+    assert await logger.log_messages(CID, aside, user_id="u", turn_id="t-aside", owner_only=True)
+
+    answer = [{"role": "assistant", "content": "the real answer"}]
+    first = await logger.log_messages(CID, answer, user_id="u", turn_id="run-1")
+    again = await logger.log_messages(CID, answer, user_id="u", turn_id="run-1")
+    assert (first.replayed, again.replayed) == (False, True)
+    assert await inbox.close_inbox(CID, "run-1", 99) == []
+    after = await logger.log_messages(CID, answer, user_id="u", turn_id="run-1")
+    assert after.replayed
+    with pytest.raises(Conflict, match="other content"):
+        await logger.log_messages(CID, forged, user_id="u", turn_id="run-1", owner_only=True)
+    assert await backend.db[MESSAGES].count_documents({"content": "the real answer"}) == 1
+
+
+async def test_a_turn_a_runtime_opened_an_inbox_for_stays_its_runtimes_once_the_inbox_closed(
+    backend: Backend,
+) -> None:
+    """The runtime closes its inbox, then logs its answer (STREAMING.md's loop): a person's
+    token logging under the turn id in between would take it as surely. The turn stays the
+    runtime's: the person's turn is a Conflict, nothing written, and the runtime's turn is
+    logged, then retried. The conversation remembers the newest `RUNTIME_TURNS_KEPT` such
+    turns, so a person's token takes an id only when it was forgotten long since."""
+    from agent_store.store._turns import RUNTIME_TURNS_KEPT
+
+    logger = AgentMessageLogger(backend.db)
+    inbox = SteeringInbox(logger)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], user_id="u", turn_id="t0")
+    await inbox.open_turn(CID, "run-1")
+    await inbox.open_turn(CID, "run-1")  # opened again: remembered once
+    assert await inbox.close_inbox(CID, "run-1", 0) == []
+    forged = [{"role": "assistant", "content": "FORGED answer"}]
+
+    with pytest.raises(Conflict, match="a runtime's"):
+        await logger.log_messages(CID, forged, user_id="u", turn_id="run-1", owner_only=True)
+    answer = [{"role": "assistant", "content": "the real answer"}]
+    first = await logger.log_messages(CID, answer, user_id="u", turn_id="run-1")
+    again = await logger.log_messages(CID, answer, user_id="u", turn_id="run-1")
+    assert (first.replayed, again.replayed) == (False, True)
+    assert await backend.db[MESSAGES].count_documents({"content": "FORGED answer"}) == 0
+
+    for n in range(RUNTIME_TURNS_KEPT):
+        await inbox.open_turn(CID, f"run-x{n}")
+        assert await inbox.close_inbox(CID, f"run-x{n}", 0) == []
+    doc = await backend.db[CONVERSATIONS].find_one({"_id": CID}, {"runtime_turns": 1})
+    assert len(doc["runtime_turns"]) == RUNTIME_TURNS_KEPT
+    with pytest.raises(Conflict, match="a runtime's"):
+        await logger.log_messages(CID, forged, user_id="u", turn_id="run-x0", owner_only=True)
+    await inbox.open_turn(CID, "run-x100")  # run-x0 is forgotten: a person's turn may take it
+    assert await logger.log_messages(CID, forged, user_id="u", turn_id="run-x0", owner_only=True)

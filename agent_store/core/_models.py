@@ -803,6 +803,10 @@ class Conversation(_Model):
     moves them again)."""
     inbox: dict[str, Any] = Field(default_factory=dict, exclude=True)
     """Open steering inboxes of running turns, by turn (the store's bookkeeping, never served)."""
+    runtime_turns: list[int] = Field(default_factory=list, exclude=True)
+    """The turns runtimes opened a steering inbox for, by turn key (`TurnRecord.key`), the
+    newest 100 (the store's bookkeeping, never served): a user token starts no turn under
+    their ids, the inbox open or closed since, so the runtime logs its own turn."""
     popping: PopInProgress | None = Field(default=None, exclude=True)
     """The pop under way, if any (the store's bookkeeping, never served): the next pop
     finishes it first."""

@@ -3,7 +3,8 @@ refused to the sender — never stored and unseen.
 
 The handshake lives on the conversation document, in the same update that
 allocates `seq`, so it needs no transaction:
-- `open_turn` adds an inbox entry `inbox.<key>` for the running turn;
+- `open_turn` adds an inbox entry `inbox.<key>` for the running turn, and remembers the
+  turn as a runtime's (`runtime_turns`): a user token starts no turn under its id;
 - `try_deliver` reserves the message's `seq` only while that entry exists, and
   appends the `seq` to it in the same atomic update (a delivery is a turn of
   its own, so a retried delivery is stored once);
@@ -12,10 +13,12 @@ allocates `seq`, so it needs no transaction:
   returns the new messages (a page of them, as `drain` does: what fits in
   `PAGE_BYTES`, read in bounded batches) and the inbox stays open.
 A delivery retried after its inbox closed, whose message was never stored, is
-refused: it cannot come back unseen. One that stored nothing and is retried later
-than the rules' `abandon_after` moves to a new block at the end (DESIGN.md §3) only
-while its inbox is open, its entry's `seq` following it in that same update (a new
-version, so a close racing it reads again); its inbox closed, it is refused.
+refused: it cannot come back unseen. One retried while it is open is acknowledged only if
+the entry lists it: a turn found under its turn id otherwise is not it. One that stored
+nothing and is retried later than the rules' `abandon_after` moves to a new block at the
+end (DESIGN.md §3) only while its inbox is open, its entry's `seq` following it in that
+same update (a new version, so a close racing it reads again); its inbox closed, it is
+refused.
 """
 
 from __future__ import annotations
@@ -45,10 +48,16 @@ from agent_store.store._driver import storage_errors
 from agent_store.store._logger import AgentMessageLogger, Condition
 from agent_store.store._reads import _bounded_page, _by_seq
 from agent_store.store._reservation import Actor, int64, literal
-from agent_store.store._turns import TurnPlan, plan_turn, turn_key, validate_identifier
+from agent_store.store._turns import (
+    DELIVERY_TURN,
+    RUNTIME_TURNS_KEPT,
+    TurnPlan,
+    inbox_field,
+    plan_turn,
+    turn_key,
+    validate_identifier,
+)
 
-DELIVERY_TURN = "delivery-"
-"""How the turn id of a delivery begins (`delivery_turn_id`)."""
 _WAIT_STEP = 0.05
 _WAIT_FOR_IN_FLIGHT = 2.0
 
@@ -93,6 +102,20 @@ def _delivered_unscoped(conversation: Mapping[str, Any], field: str, plan: TurnP
     return any(d.get("m", delivered) == delivered and d["s"] in firsts for d in entry["seqs"])
 
 
+def _runtime_turn(turn_id: str) -> dict[str, Any]:
+    """The conversation's `runtime_turns` with `turn_id` the newest: the turn is its
+    runtime's, so a user token starts no turn under its id (`Actor.running_refusal`)."""
+    key = Int64(turn_key(turn_id))
+    others = {
+        "$filter": {
+            "input": {"$ifNull": ["$runtime_turns", []]},
+            "as": "k",
+            "cond": {"$ne": ["$$k", literal(key)]},
+        }
+    }
+    return {"$slice": [{"$concatArrays": [others, literal([key])]}, -RUNTIME_TURNS_KEPT]}
+
+
 POPS_READ: dict[str, Any] = {"message_count": 1, "popped_seqs": 1, "popped_messages": 1}
 """What `drain` and `close_inbox` read of a conversation to tell a delivery a pop removed."""
 
@@ -118,10 +141,6 @@ def _undone_by_pop(conversation: Mapping[str, Any], delivery: Mapping[str, Any])
     return any(p.seq == seq and message_id in (None, p.message_id) for p in popped)
 
 
-def _entry(turn_id: str) -> str:
-    return f"inbox.t{turn_key(turn_id) & 0xFFFFFFFFFFFF:x}"
-
-
 class SteeringInbox:
     """Messages delivered into a running turn, on the logger's database and rules."""
 
@@ -145,8 +164,9 @@ class SteeringInbox:
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         turn_id = validate_identifier(turn_id, "turn_id")
         actor = Actor(user_id, as_user=owner_only)
-        field = _entry(turn_id)
+        field = inbox_field(turn_id)
         opened = {"turn_id": turn_id, "v": Int64(0), "seqs": [], "opened_at": utc_now()}
+        remembered = _runtime_turn(turn_id)
         limit = self._logger.rules.open_inboxes
         room = {"$lt": [{"$size": {"$objectToArray": {"$ifNull": ["$inbox", {}]}}}, limit]}
         query = {
@@ -158,7 +178,14 @@ class SteeringInbox:
             with storage_errors("open the turn's inbox"):
                 doc = await self._conversations.find_one_and_update(
                     query,
-                    [{"$set": {field: {"$ifNull": [f"${field}", literal(opened)]}}}],
+                    [
+                        {
+                            "$set": {
+                                field: {"$ifNull": [f"${field}", literal(opened)]},
+                                "runtime_turns": remembered,
+                            }
+                        }
+                    ],
                     projection={"_id": 1},
                 )
             if doc is not None:
@@ -187,7 +214,7 @@ class SteeringInbox:
         each call, so its retry is stored again unless the message carries its own
         `created_at` (give a `delivery_id` to retry safely).
         """
-        field = _entry(validate_identifier(turn_id, "turn_id"))
+        field = inbox_field(validate_identifier(turn_id, "turn_id"))
         actor = Actor(user_id, as_user=owner_only)
         plan = await self._delivery_plan(conversation_id, turn_id, message, delivery_id, field)
 
@@ -262,18 +289,29 @@ class SteeringInbox:
         scoped = delivery_turn_id(turn_id, unscoped.turn_id)
         return plan_turn(conversation_id, [message], turn_id=scoped, rules=rules)
 
-    async def _still_deliverable(self, plan: Any, reserved: Any, field: str) -> bool:
-        """A replayed delivery may be stored only if it is stored already or its inbox is open."""
+    async def _still_deliverable(self, plan: TurnPlan, reserved: Any, field: str) -> bool:
+        """Whether a replayed delivery is this delivery, to store (if need be) and answer True.
+
+        While its inbox is open, only if the inbox lists it (its `seq` and message id, as its
+        reservation recorded them there): a turn logged under its turn id otherwise (before
+        ordinary turns were refused such ids) is not it, and acknowledging it would answer
+        True for what the runtime never gets. Once the inbox is closed, only if its message is
+        stored: the inbox handed it to the runtime before closing; else it is refused."""
+        delivered = plan.documents[0]["_id"]
         with storage_errors("read the turn's inbox"):
+            doc = await self._conversations.find_one({"_id": plan.conversation_id}, {field: 1})
+        entry = None if doc is None else doc.get("inbox", {}).get(field.split(".")[1])
+        if entry is not None:
+            return any(
+                int(d["s"]) == reserved.first_seq and d.get("m", delivered) == delivered
+                for d in entry.get("seqs", ())
+            )
+        with storage_errors("read the delivered message"):
             stored = await self._messages.find_one(
-                {"conversation_id": plan.conversation_id, "seq": reserved.first_seq}, {"_id": 1}
+                {"conversation_id": plan.conversation_id, "seq": reserved.first_seq},
+                {"_id": 1},
             )
-            if stored is not None:
-                return True
-            open_inbox = await self._conversations.find_one(
-                {"_id": plan.conversation_id, field: {"$exists": True}}, {"_id": 1}
-            )
-        return open_inbox is not None
+        return stored is not None and stored["_id"] == delivered
 
     async def drain(
         self, conversation_id: str, turn_id: str, after_seq: int = -1, *, user_id: str | None = None
@@ -319,7 +357,7 @@ class SteeringInbox:
         by its sender for longer than the rules' `abandon_after` is passed, and one a
         pop removed is passed at once (`_undone_by_pop`).
         """
-        field = _entry(turn_id)
+        field = inbox_field(turn_id)
         for _ in range(4):
             entry = await self._read_entry(conversation_id, turn_id, user_id)
             if entry is None:
@@ -347,7 +385,7 @@ class SteeringInbox:
         self, conversation_id: str, turn_id: str, user_id: str | None
     ) -> dict[str, Any] | None:
         conversation_id = validate_identifier(conversation_id, "conversation_id")
-        field = _entry(validate_identifier(turn_id, "turn_id"))
+        field = inbox_field(validate_identifier(turn_id, "turn_id"))
         owner = Actor(user_id, as_user=user_id is not None).owner_filter()
         with storage_errors("read the turn's inbox"):
             doc = await self._conversations.find_one({"_id": conversation_id, **owner}, {field: 1})

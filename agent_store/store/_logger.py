@@ -113,6 +113,7 @@ from agent_store.store._reservation import (
 from agent_store.store._text import clean_name
 from agent_store.store._turns import (
     ANSWERED_READ,
+    DELIVERY_TURN,
     GAPS_READ,
     MAX_MESSAGES_PER_TURN,
     MAX_TURN_TOOL_CALLS,
@@ -122,6 +123,7 @@ from agent_store.store._turns import (
     answered_in,
     canonical_documents,
     content_digest,
+    is_delivery_turn_id,
     message_id,
     plan_turn,
     records_text_hashes,
@@ -377,7 +379,9 @@ class AgentMessageLogger:
         as a new turn. `name` is a name the runtime generated; it replaces an automatic name
         or an earlier runtime name, never one a person set. `owner_only` says the caller is
         the user `user_id` itself (a user token): it writes only to its own conversations or
-        to a new id, and anything else is NotFound to it. A service naming `user_id` may
+        to a new id, and anything else is NotFound to it; a turn id a runtime opened a
+        steering inbox for is the runtime's, a Conflict to it (`Actor.running_refusal`),
+        nothing written. A service naming `user_id` may
         write to that user's conversations or to unowned ones (which it then assigns). With
         `next_seq`, a new turn is logged only if its first message gets that `seq`
         (compare-and-sets in the reservation's command), and with `step` (an ordering key, a
@@ -385,7 +389,8 @@ class AgentMessageLogger:
         `TranscriptMoved` (`next_seq`, `later_step`: where the conversation is), nothing
         written. A retry of a logged turn is answered as always. `refused_prompts`: the
         prompt each denial of an earlier call answers, as read (`_denials`). Raises
-        InvalidInput, writing nothing, when the turn breaks the contract.
+        InvalidInput, writing nothing, when the turn breaks the contract, or takes the id a
+        steering delivery is stored under (`delivery-` and 32 hex digits).
         """
         plan, actor, condition = self._planned(
             conversation_id,
@@ -451,6 +456,7 @@ class AgentMessageLogger:
         if owner_only and user_id is None:
             raise NotFound(f"conversation {plan.conversation_id!r} was not found")
         _refuse_migrated_turn_id(plan.turn_id)
+        _refuse_delivery_turn_id(plan.turn_id)
         condition = _turn_conditions(plan, next_seq, step, refused)
         return plan, Actor(user_id, as_user=owner_only), condition
 
@@ -844,6 +850,8 @@ class AgentMessageLogger:
                 if replayed is not None:
                     return replayed
                 continue  # another attempt moved the turn meanwhile: its new block is recorded
+            if (running := actor.running_refusal(plan, found)) is not None:
+                raise running
             if condition is not None:
                 raise condition.refused(found)
             # Otherwise a race was lost (the conversation was just created): reserve again.
@@ -1633,6 +1641,18 @@ def _refuse_migrated_turn_id(turn_id: str) -> None:
         raise InvalidInput(
             f"turn id {turn_id!r}: ids starting with {MIGRATED_TURN_PREFIX!r} name "
             "migrated legacy turns; a live turn takes another id"
+        )
+
+
+def _refuse_delivery_turn_id(turn_id: str) -> None:
+    """A turn logged under the turn id a steering delivery derives (`delivery_turn_id`,
+    which anyone can compute) would make that delivery a replay of it: acknowledged, and
+    never in the runtime's inbox. Only a delivery takes such an id."""
+    if is_delivery_turn_id(turn_id):
+        raise InvalidInput(
+            f"turn id {turn_id!r} names a steering delivery ({DELIVERY_TURN!r} and 32 hex "
+            "digits: the id a delivery into a running turn's inbox is stored under); a turn "
+            "takes another id"
         )
 
 

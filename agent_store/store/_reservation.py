@@ -36,6 +36,7 @@ from agent_store.store._turns import (
     KeepPendingHitl,
     TurnPlan,
     TurnRules,
+    inbox_field,
 )
 from agent_store.store._values import storable
 
@@ -100,6 +101,24 @@ class Actor:
             return {"user_id": {"$in": [None, self.user_id]}}
         return {}
 
+    def running_refusal(self, plan: TurnPlan, conversation: Mapping[str, Any]) -> StoreError | None:
+        """Why a user token may not start `plan` in `conversation`: a runtime opened a
+        steering inbox for its turn id (`runtime_turns`, or the inbox itself, open since
+        before inboxes were remembered), so the turn is the runtime's to log, the inbox open
+        or closed since (`reservation_filter` keeps it out); None if it may."""
+        if not self.as_user:
+            return None
+        field = inbox_field(plan.turn_id).split(".")[1]
+        remembered = conversation.get("runtime_turns") or ()
+        if plan.key not in remembered and field not in (conversation.get("inbox") or {}):
+            return None
+        return Conflict(
+            f"turn {plan.turn_id!r} is a runtime's in conversation {plan.conversation_id!r}: "
+            "it opened a steering inbox for the turn it runs under that id, and only the "
+            "runtime (a service token) logs a turn under it. Nothing was written: deliver "
+            "the message into the running turn's inbox, or log a turn of another id"
+        )
+
     def refusal(self, conversation_id: str, owner: str | None) -> StoreError | None:
         """Why this actor may not write to a conversation `owner` holds; None if it may."""
         if self.as_user and owner != self.user_id:
@@ -160,7 +179,8 @@ def blocks_of(document: Mapping[str, Any], key: int) -> set[int]:
 def reservation_filter(
     plan: TurnPlan, actor: Actor, *, records_complete: bool = True
 ) -> dict[str, Any]:
-    """Match the conversation unless it records this turn already (or is another's).
+    """Match the conversation unless it records this turn already (or is another's, or, to
+    a user token, a runtime opened a steering inbox for the turn: `Actor.running_refusal`).
 
     With `records_complete`, also unless some of its oldest records were dropped:
     only then does the absence of a record prove the turn is new.
@@ -170,6 +190,9 @@ def reservation_filter(
         "turns.k": {"$ne": plan.key},
         **actor.owner_filter(),
     }
+    if actor.as_user:  # a runtime's turn id is the runtime's (`Actor.running_refusal`)
+        query["runtime_turns"] = {"$ne": plan.key}
+        query[inbox_field(plan.turn_id)] = {"$exists": False}
     if records_complete:
         query["turns_dropped"] = {"$in": [None, 0]}
     return query

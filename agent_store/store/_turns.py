@@ -347,6 +347,34 @@ def turn_key(turn_id: str) -> int:
     return _digest64(turn_id)
 
 
+DELIVERY_TURN = "delivery-"
+"""How the turn id of a steering delivery begins (`_inbox.delivery_turn_id`)."""
+
+
+def is_delivery_turn_id(turn_id: str) -> bool:
+    """Whether `turn_id` has the form of a steering delivery's turn id: `delivery-` and 32
+    lowercase hex digits (`_inbox.delivery_turn_id`). Only a delivery takes such an id, so a
+    turn recorded under it is one its inbox listed when it was reserved."""
+    digest = turn_id.removeprefix(DELIVERY_TURN)
+    return (
+        len(turn_id) == len(DELIVERY_TURN) + 32
+        and turn_id.startswith(DELIVERY_TURN)
+        and all(c in "0123456789abcdef" for c in digest)
+    )
+
+
+RUNTIME_TURNS_KEPT = 100
+"""A conversation remembers the newest this many turns a runtime opened an inbox for
+(`runtime_turns`): far more than are open at once (`TurnRules.open_inboxes`), and each is
+needed only until its runtime logs the turn."""
+
+
+def inbox_field(turn_id: str) -> str:
+    """Where the conversation document keeps the steering inbox of the running turn `turn_id`
+    while it is open (`SteeringInbox.open_turn`)."""
+    return f"inbox.t{turn_key(turn_id) & 0xFFFFFFFFFFFF:x}"
+
+
 _DIGEST_EXCLUDES = frozenset(
     {"created_at", "seq", "user_id", "_id", "conversation_id", "turn_id", "search_text", "epoch"}
 )

@@ -191,6 +191,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   inbox?: Record<string, unknown>;
   /**
+   * The turns runtimes opened a steering inbox for, by turn key (`TurnRecord.key`), the newest 100 (the store's bookkeeping, never served): a user token starts no turn under their ids, the inbox open or closed since, so the runtime logs its own turn.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  runtime_turns?: unknown[];
+  /**
    * The pop under way, if any (the store's bookkeeping, never served): the next pop finishes it first.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
