@@ -185,11 +185,12 @@ def _upsert(
 
 
 def summary(db: Database[dict[str, Any]]) -> list[tuple[str, bool, int]]:
-    """(kind, placed, count) of every recorded problem, most frequent first."""
+    """(kind, placed, count) of every recorded problem, most frequent first; a kind edited by
+    hand to another value than text (or removed) is counted under its text (`"None"`)."""
     rows = db[PROBLEMS].aggregate(
         [{"$group": {"_id": {"kind": "$kind", "placed": "$placed"}, "n": {"$sum": 1}}}]
     )
-    found = [(r["_id"]["kind"], bool(r["_id"]["placed"]), int(r["n"])) for r in rows]
+    found = [(str(r["_id"].get("kind")), bool(r["_id"].get("placed")), int(r["n"])) for r in rows]
     return sorted(found, key=lambda row: (-row[2], row[0], row[1]))
 
 

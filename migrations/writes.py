@@ -25,7 +25,7 @@ from typing import Any
 
 import bson
 from bson import Int64
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from pymongo import InsertOne, ReplaceOne
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError
@@ -268,12 +268,18 @@ def _live_problem(db: Database[dict[str, Any]], item: Converted, detail: str) ->
 def document_differs(existing: dict[str, Any] | None, wanted: Conversation) -> bool:
     """Whether the stored conversation document differs from the wanted one (and is the
     migration's: one the live logger or a person's pop has written to is never overwritten,
-    `written_since`), as BSON stores it (`same_bson`). The rerun and the exit gate both ask."""
+    `written_since`), as BSON stores it (`same_bson`); one that no longer validates (edited by
+    hand past what the store takes) differs, and is written again. The rerun and the exit gate
+    both ask."""
     if existing is None:
         return True
     if written_since(existing):
         return False
-    return not same_bson(Conversation.model_validate(existing), wanted)
+    try:
+        stored = Conversation.model_validate(existing)
+    except ValidationError:
+        return True
+    return not same_bson(stored, wanted)
 
 
 def wanted_document(

@@ -24,7 +24,7 @@ from agent_store.core import Conversation
 from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
 from agent_store.store import CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
-from migrations import explode, lease, relocate
+from migrations import explode, lease, problems, relocate
 from migrations.cli import _report_id_clustering, main
 from migrations.errors import MigrationError
 from migrations.lease import Lease
@@ -160,6 +160,49 @@ def test_a_run_over_a_stored_message_that_no_longer_validates_records_it_never_a
     [problem] = database[PROBLEMS].find({"kind": "live_conflict"})
     assert problem["conversation_id"] == EXAMPLE_CONVERSATION_ID
     assert "no longer validates" in problem["detail"]
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    "edit",
+    [{"message_count": -1}, {"user_id": {"x": 1}}],
+    ids=["a-negative-count", "an-object-owner"],
+)
+def test_a_conversation_document_that_no_longer_validates_is_work_left_a_run_redoes(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    edit: dict[str, Any],
+) -> None:
+    """The migration's conversation document edited by hand past what the store takes is
+    no longer what its legacy turns convert to: `finish` names it (exit 1, never a
+    traceback), and the next run writes it again."""
+    seed(database)
+    assert cli(wire_uri, database, "run") == 0
+    database[CONVERSATIONS].update_one({"_id": EXAMPLE_CONVERSATION_ID}, {"$set": edit})
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish") == 1
+    named = [
+        line for line in capsys.readouterr().out.splitlines() if EXAMPLE_CONVERSATION_ID in line
+    ]
+    assert any("conversation document differs" in line for line in named)
+    assert cli(wire_uri, database, "run") == 0
+    Conversation.model_validate(database[CONVERSATIONS].find_one({"_id": EXAMPLE_CONVERSATION_ID}))
+    cli(wire_uri, database, "finish")  # exit 1 all the same: the seed's problems wait
+    assert "conversation document differs" not in capsys.readouterr().out
+
+
+def test_problem_records_edited_by_hand_are_summed_up_by_their_kind_as_text() -> None:
+    """A problem whose `kind` an operator edited to a number (or removed) is still counted,
+    under its text, beside the others: never a traceback from sorting them."""
+    database: Database[dict[str, Any]] = mongomock.MongoClient()["edited"]
+    database[PROBLEMS].insert_many(
+        [{"kind": "unknown_part", "placed": False}, {"kind": 5, "placed": True}, {"placed": True}]
+    )
+    assert problems.summary(database) == [
+        ("5", True, 1), ("None", True, 1), ("unknown_part", False, 1)
+    ]  # fmt: skip
 
 
 @pytest.mark.wire
