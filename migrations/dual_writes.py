@@ -336,7 +336,9 @@ def deleted(
         found.setdefault(cid, []).append(
             f"the dual-written copy of the live turn {turn_id!r} is gone from the legacy "
             "collection while its messages are stored (the legacy service deleted the turn "
-            "after a rollback?): delete its messages, or put its copy back"
+            "after a rollback?): pop its messages through the store "
+            "(`ConversationStore.pop_last_message`, which corrects the conversation's counts; "
+            "a delete by hand leaves them counted), or put its copy back"
         )
     return found
 
