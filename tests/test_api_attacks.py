@@ -377,3 +377,21 @@ async def test_a_service_token_steers_any_role(api: Served, message: dict[str, A
     url = await running_turn_awaiting_a_call(api)
     response = await api.http.post(url, json={"message": message}, headers=SERVICE)
     assert response.json() == {"delivered": True}, response.text
+
+
+async def test_a_turn_whose_prompts_name_too_many_earlier_calls_is_422_naming_the_limit(
+    api: Served,
+) -> None:
+    """A user's turn whose prompts name more calls of earlier turns than one turn's may (a
+    1.4 MiB body of prompts naming 7,000 was a 'document is too large' from the reservation)
+    is 422 naming the count and the limit, nothing stored."""
+    from scripts.reservation_bounds import naming_prompts
+
+    body = {"messages": [{"role": "user", "content": "go"}, *naming_prompts(1001)]}
+    owner = auth_headers(user=OWNER)
+    await assert_refused_and_unchanged(
+        api, "POST", f"{CONV}/turns", status=422, json=body, headers=owner
+    )
+    message = (await api.http.post(f"{CONV}/turns", json=body, headers=owner)).json()["error"]
+    assert "1,001 calls of earlier turns named by its prompts" in message["message"]
+    assert "at most 1,000" in message["message"]

@@ -41,7 +41,7 @@ from agent_store.integrations.streams import (
     turn_from_sse,
 )
 from agent_store.store import PENDING_CALLS_KEPT
-from agent_store.store._turns import pending_after
+from agent_store.store._turns import message_id, pending_after
 from tests.api_harness import auth_headers, serve
 from tests.conftest import COUNTED, Backend
 
@@ -1329,6 +1329,40 @@ async def test_a_result_answering_no_call_of_the_turn_nor_any_pending_one_is_ref
     with pytest.raises(InvalidInput, match="a tool result answers 'tc-404', which no call made"):
         await runtime.stream([APPROVED, ghost])
     assert [c.tool_call_id for c in await runtime.store.pending_calls(CID)] == ["tc-9"]
+
+
+async def test_a_turn_of_many_results_for_calls_no_turn_made_takes_only_the_pending_ones(
+    backend: Backend,
+) -> None:
+    """Results answering calls no turn made are stored and change nothing pending, whatever
+    their number; among them, an answer to a pending call takes the latest call of its id (an
+    older one of that id stays pending), and an answer to the call the pending prompt holds
+    clears the prompt, as the fold of the stored messages says. (The reservation compared
+    each answer with the pending calls in an expression of its own.)"""
+    from scripts.reservation_bounds import answers_turn
+
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    asked = {"action": "confirm", "request_id": "confirm-2", "tool_call_ids": ["tc-2"]}
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "go"}, _book("tc-1"), _book("tc-2"), _book("tc-3")],
+        turn_id="t-1",
+    )
+    await logger.log_messages(
+        CID, [_book("tc-1"), {"role": "assistant", "hitl_action": asked}], turn_id="t-2"
+    )
+    assert await pending_state(store) == (["tc-1", "tc-2", "tc-3", "tc-1"], "confirm-2")
+
+    results = answers_turn(120)
+    results[40:40] = [{"role": "tool", "tool_call_id": "tc-1", "content": "ok"}]
+    results[90:90] = [{"role": "tool", "tool_call_id": "tc-2", "content": "ok"}]
+    logged = await logger.log_messages(CID, results, turn_id="t-3")
+
+    assert len(logged.messages) == 123
+    assert await pending_state(store) == (["tc-1", "tc-3"], None)
+    older = (await store.pending_calls(CID))[0]
+    assert older.message_id == message_id(CID, "t-1", 1)  # the older call of its id
+    assert await pending_state(store) == _folded(await store.transcript(CID))
 
 
 async def test_an_answer_posted_over_http_in_a_later_turn_resolves_the_pending_call(

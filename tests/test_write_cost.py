@@ -23,6 +23,7 @@ from pymongo import AsyncMongoClient, monitoring
 from agent_store import AgentMessageLogger
 from agent_store.core import message_adapter, messages_adapter
 from agent_store.core._models import _MessageBase, _Model
+from agent_store.store import MAX_TURN_NAMED_CALLS
 from agent_store.store._text import search_text
 from app.examples import example_turns
 
@@ -439,3 +440,79 @@ def test_a_mapping_subclass_plans_as_the_plain_dict_it_holds() -> None:
     assert (ordered.turn_id, ordered.digest) == (plain.turn_id, plain.digest)
     assert ordered.documents == plain.documents
     assert type(ordered.documents[0]["hitl_action"]["params"]["k"]) is dict
+
+
+# -- a reservation's size: linear in what the turn answers and names -------------------------
+
+
+def reservation_command(messages: list[dict[str, Any]]) -> bytes:
+    """The filter and update a turn's reservation sends (its denials' condition included), as
+    BSON: what the command carries but for a few short fields."""
+    from agent_store.store._reservation import (
+        Actor,
+        denials_hold,
+        reservation,
+        reservation_filter,
+    )
+    from agent_store.store._turns import TurnRules, plan_turn
+
+    plan = plan_turn(CID, messages, turn_id="t-1")
+    actor = Actor("u-1")
+    query = reservation_filter(plan, actor)
+    if plan.denied_calls:
+        query |= denials_hold(plan.denied_calls)
+    update = reservation(plan, actor, None, TurnRules(), datetime.now(UTC))
+    return bson.encode({"q": query, "u": update})
+
+
+def expressions(value: Any) -> int:
+    """How many operators an update holds, constants (`$literal`) counted as one."""
+    if isinstance(value, dict):
+        own = sum(1 for key in value if key.startswith("$"))
+        if "$literal" in value:
+            return own
+        return own + sum(expressions(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(expressions(v) for v in value)
+    return 0
+
+
+def test_a_reservation_names_each_call_its_turn_answers_at_most_twice_whatever_their_number() -> (
+    None
+):
+    """The answers of a turn are compared with the pending calls in one expression, whatever
+    their number: each answered id is written at most twice (with the pending calls, with the
+    prompt), and the operators do not grow with the answers. (Each id was written in an
+    expression of its own, five times over: 999 results of long ids took a 3 MiB command.)"""
+    from scripts.reservation_bounds import answers_turn, long_id
+
+    for results in (10, 999):
+        command = reservation_command(answers_turn(results))
+        named = {command.count(long_id("ghost", i).encode()) for i in range(results)}
+        assert named == {2}, (results, named)
+    few, many = (bson.decode(reservation_command(answers_turn(n))) for n in (10, 999))
+    assert expressions(few) == expressions(many)
+
+
+def test_a_reservation_names_each_call_its_turns_prompts_name_at_most_twice() -> None:
+    """Each call of an earlier turn a prompt names is written at most twice (the prompt
+    holding it, the prompts asking about it again), each request id a few times (with the
+    calls it holds, among the prompts the turn raises), never once per name: the most a
+    turn's prompts may name takes well under 1 MiB. (Each was written eight times: 6,500
+    names of long ids took a 15.7 MiB command, 7,000 were refused as too large.)"""
+    from scripts.reservation_bounds import long_id, naming_prompts
+
+    names = MAX_TURN_NAMED_CALLS
+    command = reservation_command([{"role": "user", "content": "go"}, *naming_prompts(names)])
+    assert max(command.count(long_id("earlier", i).encode()) for i in range(names)) <= 2
+    assert command.count(long_id("r", 0).encode()) <= 3
+    assert len(command) < 2**20
+
+
+def test_the_reservation_of_the_largest_turn_allowed_stays_far_below_16_mib() -> None:
+    """1,000 messages making 10,000 calls, prompts naming the most calls of earlier turns a
+    turn may, the rest denying calls, every id as long as it may be: under 8 MiB, half what
+    MongoDB takes (`python -m scripts.reservation_bounds` measures the command as sent)."""
+    from scripts.reservation_bounds import largest_turn
+
+    assert len(reservation_command(largest_turn())) < 8 * 2**20

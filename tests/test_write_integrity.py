@@ -21,7 +21,7 @@ from agent_store import (
     SteeringInbox,
     TurnRules,
 )
-from agent_store.store import CONVERSATIONS, MESSAGES, PENDING_CALLS_KEPT
+from agent_store.store import CONVERSATIONS, MAX_TURN_NAMED_CALLS, MESSAGES, PENDING_CALLS_KEPT
 from tests.conftest import COUNTED, Backend
 
 CID = "conv-integrity"
@@ -942,3 +942,56 @@ async def test_a_turn_making_the_most_calls_a_turn_may_is_stored_and_one_more_is
     conversation = await check_conversation(backend.db)
     assert conversation["message_count"] == 11
     assert len(conversation["pending_calls"]) == PENDING_CALLS_KEPT
+
+
+async def test_a_turn_whose_prompts_name_the_most_earlier_calls_it_may_is_stored_one_more_refused(
+    backend: Backend,
+) -> None:
+    """Every call of an earlier turn a turn's prompts name is named by its reservation, one
+    command of 16 MiB at most: `MAX_TURN_NAMED_CALLS` names with the longest ids and request
+    ids fit, and hold the calls they name; one name more is refused before any write, saying
+    what to change (7,000 were a 'document is too large', 6,500 a 15.7 MiB command)."""
+    from scripts.reservation_bounds import long_id, naming_prompts
+
+    logger = AgentMessageLogger(backend.db)
+    made = [
+        {"id": long_id("earlier", i), "function": {"name": "t", "arguments": "{}"}}
+        for i in range(3)
+    ]
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "go"}, {"role": "assistant", "tool_calls": made}],
+        user_id="u-1",
+        turn_id="t-1",
+    )
+
+    prompts = naming_prompts(MAX_TURN_NAMED_CALLS)
+    await logger.log_messages(
+        CID, [{"role": "user", "content": "ask"}, *prompts], user_id="u-1", turn_id="t-2"
+    )
+    pending = await ConversationStore(backend.db).pending_calls(CID)
+    assert [(c.tool_call_id, c.request_id) for c in pending] == [
+        (long_id("earlier", i), long_id("r", 0)) for i in range(3)
+    ]
+    one_more = {
+        "role": "assistant",
+        "hitl_action": {
+            "action": "confirm",
+            "request_id": "r-x",
+            "tool_call_ids": [long_id("earlier", 0)],
+        },
+    }
+    with pytest.raises(
+        InvalidInput,
+        match=r"1,001 calls of earlier turns named by its prompts; one turn's prompts name at "
+        r"most 1,000 \(log them over several turns\)",
+    ):
+        await logger.log_messages(
+            CID,
+            [{"role": "user", "content": "again"}, *prompts, one_more],
+            user_id="u-1",
+            turn_id="t-3",
+        )
+
+    conversation = await check_conversation(backend.db)
+    assert conversation["message_count"] == 2 + 1 + len(prompts)

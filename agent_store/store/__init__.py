@@ -101,6 +101,7 @@ from agent_store.store._truncation import (
 )
 from agent_store.store._turns import (
     MAX_MESSAGES_PER_TURN,
+    MAX_TURN_NAMED_CALLS,
     MAX_TURN_TOOL_CALLS,
     PENDING_CALLS_KEPT,
     KeepPendingHitl,
@@ -140,6 +141,7 @@ __all__ = [
     "MAX_NAME_CHARS",
     "MAX_PAGE_SIZE",
     "MAX_SEARCH_QUERY_CHARS",
+    "MAX_TURN_NAMED_CALLS",
     "MAX_TURN_TOOL_CALLS",
     "MESSAGES",
     "MIGRATED_TURN_PREFIX",

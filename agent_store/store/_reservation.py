@@ -433,19 +433,25 @@ def held_before_of(variable: str) -> dict[str, Any]:
     return {"$ifNull": [f"$${variable}.held_before", literal([])]}
 
 
-def approvals_held_by(held_by: Any, held_before: Any = None) -> dict[str, Any]:
+def approvals_held_by(
+    held_by: Any, held_before: Any = None, *, bound: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """`approved_calls` with the `held_by` of each entry (`$$a`) set to the expression
     `held_by`, and its `held_before` to the expression `held_before` (kept when None), its
     other fields kept (their defaults for fields an entry stored before them lacks). Left
-    unset on a conversation that has none."""
+    unset on a conversation that has none. The expressions may use the variables `bound`
+    names: each is written once, whatever the number of entries and the uses."""
     held = held_before_of("a") if held_before is None else held_before
-    return _approvals_changed({"held_by": held_by, "held_before": held})
+    return _approvals_changed({"held_by": held_by, "held_before": held}, bound)
 
 
-def approvals_superseded_by(superseded_by: Any) -> dict[str, Any]:
+def approvals_superseded_by(
+    superseded_by: Any, *, bound: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """`approved_calls` with the `superseded_by` of each entry (`$$a`) set to the expression
-    `superseded_by`, its other fields kept, as `approvals_held_by` keeps them."""
-    return _approvals_changed({"superseded_by": superseded_by})
+    `superseded_by`, its other fields kept, as `approvals_held_by` keeps them (and binds
+    `bound`)."""
+    return _approvals_changed({"superseded_by": superseded_by}, bound)
 
 
 @cache
@@ -460,12 +466,19 @@ def _approval_fields() -> dict[str, Any]:
     return fields | _call_key("a")
 
 
-def _approvals_changed(changes: Mapping[str, Any]) -> dict[str, Any]:
+def _approvals_changed(
+    changes: Mapping[str, Any], bound: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """`approved_calls` with the fields `changes` names of each entry (`$$a`) set to their
     expressions, its other fields kept (their defaults for fields an entry stored before
-    them lacks). Left unset on a conversation that has none."""
+    them lacks), the variables `bound` names bound around them. Left unset on a conversation
+    that has none."""
     fields = {**_approval_fields(), **changes}
-    approved = {"$map": {"input": _kept("approved_calls", []), "as": "a", "in": fields}}
+    approved: dict[str, Any] = {
+        "$map": {"input": _kept("approved_calls", []), "as": "a", "in": fields}
+    }
+    if bound:
+        approved = {"$let": {"vars": dict(bound), "in": approved}}
     # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
     unset = {"$eq": [{"$ifNull": ["$approved_calls", None]}, None]}
     return {"approved_calls": {"$cond": [unset, "$$REMOVE", approved]}}
@@ -731,16 +744,23 @@ def _superseded(plan: TurnPlan) -> dict[str, Any] | None:
     if not made:
         return None
     own = literal(sorted({str(d["_id"]) for d in plan.documents}))
-    pairs = literal([{"c": call_id, "m": made[call_id]} for call_id in sorted(made)])
+    by_maker: dict[str, list[str]] = {}
+    for call_id in sorted(made):
+        by_maker.setdefault(made[call_id], []).append(call_id)
+    makers = literal([{"m": maker, "c": ids} for maker, ids in by_maker.items()])
     naming = {
-        "$filter": {"input": pairs, "as": "p", "cond": {"$eq": ["$$p.c", "$$a.tool_call_id"]}}
+        "$filter": {
+            "input": "$$makers",
+            "as": "p",
+            "cond": {"$in": ["$$a.tool_call_id", "$$p.c"]},
+        }
     }
     maker = {"$arrayElemAt": [{"$map": {"input": naming, "as": "p", "in": "$$p.m"}}, 0]}
     before = {"$ifNull": ["$$a.superseded_by", None]}
     # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
     earlier = {"$eq": [{"$in": ["$$a.message_id", own]}, False]}
     reused = {"$and": [{"$gt": [{"$size": naming}, 0]}, earlier, {"$eq": [before, None]}]}
-    return approvals_superseded_by({"$cond": [reused, maker, before]})
+    return approvals_superseded_by({"$cond": [reused, maker, before]}, bound={"makers": makers})
 
 
 def _asked_again(plan: TurnPlan) -> dict[str, Any]:
@@ -753,16 +773,20 @@ def _asked_again(plan: TurnPlan) -> dict[str, Any]:
     fork cut before it, leaves the call held by the one before it. The approval stays
     recorded, so a refusal of the prompt that gave it, arriving later, still denies nothing.
 
-    One flat expression whatever the number of names, the prompts looked up by call id; the
-    turn's own prompts never remembered twice (the same turn applied again changes
-    nothing)."""
+    One flat expression whatever the number of names, the prompts looked up by call id in
+    one constant (`$$asking`, written once); the turn's own prompts never remembered twice
+    (the same turn applied again changes nothing)."""
     if not plan.asked_again:
         return {}
-    pairs = literal(
-        [{"c": c, "m": list(asking), "b": list(asking[:-1])} for c, asking in plan.asked_again]
+    asking = literal(
+        [{"c": c, "m": list(prompts), "b": list(prompts[:-1])} for c, prompts in plan.asked_again]
     )
     naming = {
-        "$filter": {"input": pairs, "as": "p", "cond": {"$eq": ["$$p.c", "$$a.tool_call_id"]}}
+        "$filter": {
+            "input": "$$asking",
+            "as": "p",
+            "cond": {"$eq": ["$$p.c", "$$a.tool_call_id"]},
+        }
     }
 
     def of_the_turn(field: str) -> dict[str, Any]:
@@ -787,6 +811,7 @@ def _asked_again(plan: TurnPlan) -> dict[str, Any]:
     return approvals_held_by(
         {"$cond": [named, latest, before]},
         {"$cond": [named, kept, held_before_of("a")]},
+        bound={"asking": asking},
     )
 
 
@@ -877,6 +902,7 @@ def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
     join the list (the newest `PENDING_CALLS_KEPT` are kept). A prompt stays pending unless
     the turn raises a new one, clears it (an upload), or answers what it awaits: a call it
     held back, or, holding none, the last held call pending (`_turns.answers_clear`).
+    The ids answered are one constant per field (`$$answered`), whatever their number.
     """
     if calls is None:
         calls = {"$ifNull": ["$pending_calls", literal([])]}
@@ -887,28 +913,38 @@ def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
         plan.holds_pending is None
     ):
         return {"pending_calls": calls, "pending_hitl": hitl}
-    taken = _taken(calls, plan.answered_calls)
 
     def answered(wanted: bool) -> dict[str, Any]:
         # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
-        return {"$filter": {"input": calls, "as": "call", "cond": {"$eq": [taken, wanted]}}}
+        cond = {"$eq": [_taken(calls, plan.answered_calls), wanted]}
+        return {"$filter": {"input": calls, "as": "call", "cond": cond}}
 
     if isinstance(plan.pending_hitl, KeepPendingHitl) and plan.answered_calls:
-        hitl = {"$cond": [_answers_clear(calls, answered(True), answered(False)), None, hitl]}
+        clears = _answering(plan, _answers_clear(calls, answered(True), answered(False)))
+        hitl = {"$cond": [clears, None, hitl]}
     elif _clears_its_prompt(plan):
         was_held = {
             "$and": [
-                {"$in": ["$$call.tool_call_id", literal(list(plan.answered_after_prompt))]},
+                {"$in": ["$$call.tool_call_id", literal(sorted(set(plan.answered_after_prompt)))]},
                 {"$eq": [{"$ifNull": ["$$call.request_id", None]}, None]},
             ]
         }
         held = {"$filter": {"input": answered(True), "as": "call", "cond": was_held}}
-        hitl = {"$cond": [{"$gt": [{"$size": held}, 0]}, None, hitl]}
+        hitl = {"$cond": [_answering(plan, {"$gt": [{"$size": held}, 0]}), None, hitl]}
     # Only the newest `PENDING_CALLS_KEPT` are kept: the command names no more of them.
     opened = literal([call.model_dump() for call in plan.opened_calls[-PENDING_CALLS_KEPT:]])
     left = _holding_named(_held_by(answered(False), plan.holds_pending), plan.named_holds)
     kept = {"$slice": [{"$concatArrays": [left, opened]}, -PENDING_CALLS_KEPT]}
-    return {"pending_calls": kept, "pending_hitl": hitl}
+    return {"pending_calls": _answering(plan, kept), "pending_hitl": hitl}
+
+
+def _answering(plan: TurnPlan, expression: dict[str, Any]) -> dict[str, Any]:
+    """`expression`, which may look a call up among those the turn answers (`_taken`), with
+    their ids bound to `$$answered`: once, sorted, each id once."""
+    if not plan.answered_calls:
+        return expression
+    answered = literal(sorted(set(plan.answered_calls)))
+    return {"$let": {"vars": {"answered": answered}, "in": expression}}
 
 
 def _answers_clear(calls: Any, taken: Any, left: Any) -> dict[str, Any]:
@@ -945,26 +981,18 @@ def _clears_its_prompt(plan: TurnPlan) -> bool:
 
 
 def _taken(calls: Any, answered: Sequence[str]) -> Any:
-    """Whether `$$call` is one the turn's answers take: for each id answered, the latest
-    pending call of that id (`_turns.taking_answers`)."""
+    """Whether `$$call` is one the turn's answers take: for each id answered (`$$answered`,
+    bound by `_answering`), the latest pending call of that id (`_turns.taking_answers`).
+    One expression whatever the number of answers: it looks the call's id up among them and
+    compares the call with the latest of its id, never each answer with each call."""
     if not answered:
         return False
-    return {"$or": [_is_latest_of(calls, call_id) for call_id in answered]}
-
-
-def _is_latest_of(calls: Any, call_id: str) -> dict[str, Any]:
-    """Whether `$$call` is the latest of `calls` with the id `call_id`."""
-    of_id = {
-        "$filter": {
-            "input": calls,
-            "as": "other",
-            "cond": {"$eq": ["$$other.tool_call_id", literal(call_id)]},
-        }
-    }
+    same_id = {"$eq": ["$$other.tool_call_id", "$$call.tool_call_id"]}
+    of_id = {"$filter": {"input": calls, "as": "other", "cond": same_id}}
     latest = {"$let": {"vars": {"last": {"$arrayElemAt": [of_id, -1]}}, "in": "$$last.message_id"}}
     return {
         "$and": [
-            {"$eq": ["$$call.tool_call_id", literal(call_id)]},
+            {"$in": ["$$call.tool_call_id", "$$answered"]},
             {"$eq": ["$$call.message_id", latest]},
         ]
     }
@@ -985,12 +1013,20 @@ def _holding_named(calls: Any, named: Sequence[tuple[str, str]]) -> Any:
     as an expression): the latest of each id named is held by the prompt that named it.
 
     One flat expression whatever the number of names (a nested one per name would pass
-    BSON's nesting limit)."""
+    BSON's nesting limit), the names one constant (`$$holders`): each request id once, with
+    the ids it holds."""
     if not named:
         return calls
-    pairs = literal([{"c": call_id, "r": by} for call_id, by in dict(named).items()])
+    by_holder: dict[str, list[str]] = {}
+    for call_id, by in dict(named).items():
+        by_holder.setdefault(by, []).append(call_id)
+    holders = literal([{"r": by, "c": ids} for by, ids in by_holder.items()])
     naming = {
-        "$filter": {"input": pairs, "as": "p", "cond": {"$eq": ["$$p.c", "$$call.tool_call_id"]}}
+        "$filter": {
+            "input": "$$holders",
+            "as": "p",
+            "cond": {"$in": ["$$call.tool_call_id", "$$p.c"]},
+        }
     }
     same_id = {"$eq": ["$$other.tool_call_id", "$$call.tool_call_id"]}
     of_id = {"$filter": {"input": "$$held", "as": "other", "cond": same_id}}
@@ -1000,7 +1036,7 @@ def _holding_named(calls: Any, named: Sequence[tuple[str, str]]) -> Any:
     fields: dict[str, Any] = {name: f"$$call.{name}" for name in PendingCall.model_fields}
     fields["request_id"] = {"$cond": [named_here, holder, {"$ifNull": ["$$call.request_id", None]}]}
     mapped = {"$map": {"input": "$$held", "as": "call", "in": fields}}
-    return {"$let": {"vars": {"held": calls}, "in": mapped}}
+    return {"$let": {"vars": {"held": calls, "holders": holders}, "in": mapped}}
 
 
 _RECORD_KEYS = tuple(f.alias or name for name, f in TurnRecord.model_fields.items())

@@ -63,6 +63,11 @@ MAX_MESSAGES_PER_TURN = 1000
 MAX_TURN_TOOL_CALLS = 10_000
 """The tool calls one turn (or one fork) makes at most: its reservation names each of them,
 in one command that must stay within MongoDB's 16 MiB whatever their ids and names."""
+MAX_TURN_NAMED_CALLS = 1_000
+"""The calls of earlier turns one turn's prompts name at most (`HitlAction.tool_call_ids`),
+each prompt's counted: its reservation names each, in one command that must stay within
+MongoDB's 16 MiB whatever their ids and request ids. Ten prompts naming the most a prompt may
+(`MAX_HELD_CALLS`, as many as a conversation lists pending)."""
 PENDING_CALLS_KEPT = 100
 """A conversation lists at most this many pending calls; older ones are dropped from the list.
 
@@ -656,6 +661,8 @@ def plan_turn(
     ids = [str(d["_id"]) for d in prepared.documents]
     opened_calls, answered_calls, named_holds = _pending_calls(sources, ids)
     _, asked = _holders(sources)
+    if not copied:  # a fork sets its own pending calls and approvals: no name reaches it
+        _check_named(asked)
     return TurnPlan(
         conversation_id=conversation_id,
         turn_id=turn_id,
@@ -711,6 +718,16 @@ def _check_whole(
                 f"{MAX_TURN_TOOL_CALLS:,} (log them over several turns)"
             )
         _check_tool_pairing(messages)
+
+
+def _check_named(asked: Mapping[str, Sequence[int]]) -> None:
+    """InvalidInput for a turn whose prompts name more calls of earlier turns than
+    `MAX_TURN_NAMED_CALLS` (`asked`, as `_holders` finds them: each prompt's names counted)."""
+    if (named := sum(len(prompts) for prompts in asked.values())) > MAX_TURN_NAMED_CALLS:
+        raise InvalidInput(
+            f"invalid turn: {named:,} calls of earlier turns named by its prompts; one turn's "
+            f"prompts name at most {MAX_TURN_NAMED_CALLS:,} (log them over several turns)"
+        )
 
 
 def tool_calls_made(messages: Sequence[AgentMessage]) -> int:
