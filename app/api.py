@@ -169,6 +169,7 @@ async def log_turn(call: Call[NoQuery, LogTurnBody]) -> Response:
         name=body.name,
         owner_only=call.scope is not None,
         refused_prompts=body.refused_prompts,
+        answers_to=body.answers_to,
     )
     return _json(logged, 200 if logged.replayed else 201)
 

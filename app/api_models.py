@@ -150,6 +150,19 @@ class LogTurnBody(_Input):
     """For each call the turn denies, the request id of the prompt the denial answers, as the
     client read it: a denial of a call that prompt's answer approved first is refused (409),
     also once a second question holds the call again."""
+    answers_to: (
+        Annotated[
+            dict[
+                Annotated[str, StringConstraints(min_length=1, max_length=200)],
+                Annotated[str, StringConstraints(min_length=1, max_length=200)],
+            ],
+            Field(max_length=MAX_HELD_CALLS),
+        ]
+        | None
+    ) = None
+    """For each call of an earlier turn the turn answers (a result or a denial), the message
+    that made it (`message_id`), as the client read `pending_calls`: the turn is refused (409)
+    when another turn answered that call first, as a call's first answer is its answer."""
 
 
 class DeliverBody(_Input):

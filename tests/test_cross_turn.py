@@ -313,6 +313,7 @@ async def test_a_denial_of_a_call_whose_prompt_was_approved_is_refused_and_nothi
 
 _DENIAL = {"role": "tool", "tool_call_id": "tc-9", "content": DENIED_RESULT,
            "error": {"message": "tool call denied"}}  # fmt: skip
+_BOOKED_RESULT = {"role": "tool", "tool_call_id": "tc-9", "content": '{"booking":"B-42"}'}
 
 
 @pytest.mark.parametrize("refused", [None, {"tc-9": "confirm-9"}], ids=["bare", "naming"])
@@ -364,6 +365,191 @@ async def test_a_refusal_read_before_another_tab_approved_denies_nothing_after_t
     assert [m.content for m in logged.messages] == ["Okay."]
     assert again.replayed
     assert await runtime.answers_of("tc-9") == [('{"booking":"B-42"}', None)]
+
+
+_OKAY = {"type": "stream_token", "token": "Okay."}
+
+
+@pytest.mark.parametrize(
+    ("tab_a", "tab_b"),
+    [
+        pytest.param([DENIED], [DENIED, _OKAY], id="deny-then-deny"),
+        pytest.param([DENIED], [APPROVED, BOOKED, _OKAY], id="deny-then-result"),
+        pytest.param([APPROVED, BOOKED], [DENIED, _OKAY], id="result-then-deny"),
+        pytest.param([BOOKED], [BOOKED, _OKAY], id="result-then-result"),
+    ],
+)
+async def test_a_call_answered_in_one_tab_keeps_that_first_answer_against_another_tabs(
+    backend: Backend, tab_a: list[dict[str, Any]], tab_b: list[dict[str, Any]]
+) -> None:
+    """Two tabs build their turns from the same read of the pending calls; tab A's answer to
+    tc-9 (a refusal, or the result) lands first and is the call's answer. Tab B's stale
+    refusal denies nothing: its turn is logged without it, and so is every retry. Tab B's
+    stale result is refused (`AnsweredBefore`, naming tc-9), nothing written, retries too:
+    the tool ran although the call was answered, and the runtime is told so."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    read_by_both = await runtime.store.pending_calls(CID)
+    first = await _log_as_tab(runtime, tab_a, read_by_both, "tab-a")
+    answer = [(m.content, m.error.message if m.error else None) for m in first.messages]
+    before = await runtime.store.transcript(CID)
+
+    if BOOKED in tab_b:  # a result: the tool ran
+        for _ in range(2):  # and its retry
+            with pytest.raises(AnsweredBefore, match=r"'tc-9'.*answered") as refused:
+                await _log_as_tab(runtime, tab_b, read_by_both, "tab-b")
+            assert refused.value.tool_call_ids == ("tc-9",)
+        assert await runtime.store.transcript(CID) == before
+    else:
+        logged = await _log_as_tab(runtime, tab_b, read_by_both, "tab-b")
+        again = await _log_as_tab(runtime, tab_b, read_by_both, "tab-b")
+        assert [m.content for m in logged.messages] == ["Okay."]
+        assert again.replayed
+        assert [m.id for m in again.messages] == [m.id for m in logged.messages]
+
+    assert await runtime.answers_of("tc-9") == answer
+    exported = chat_completions(await runtime.store.transcript(CID))
+    check_chat_completions(exported)
+    assert [(m["tool_call_id"], m["content"]) for m in exported if m["role"] == "tool"] == [
+        ("tc-9", answer[0][0])
+    ]
+
+
+async def _log_as_tab(
+    runtime: Runtime, events: list[dict[str, Any]], read: list[PendingCall], turn_id: str
+) -> LoggedTurn:
+    """A turn of one tab, built from the pending calls it read before (`read`)."""
+    turn = turn_from_metadata(events, complete=True, pending=read)
+    return await log_streamed_turn(
+        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=turn,
+        turn_id=turn_id,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("second", [_DENIAL, _BOOKED_RESULT], ids=["denial", "result"])
+@pytest.mark.parametrize("first", [_DENIAL, _BOOKED_RESULT], ids=["denied", "answered"])
+async def test_a_turn_naming_the_call_it_answers_is_refused_once_another_answered_it(
+    backend: Backend, first: dict[str, Any], second: dict[str, Any]
+) -> None:
+    """A turn logged directly names the call of an earlier turn each of its answers answers
+    (`answers_to`: its id and the message that made it, as `pending_calls` served them):
+    answered by another turn since, the call keeps that first answer, and the turn is
+    refused (`AnsweredBefore`, naming the call), nothing written."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    (call,) = await runtime.store.pending_calls(CID)
+    await runtime.logger.log_messages(
+        CID, [first], turn_id="first", answers_to={"tc-9": call.message_id}
+    )
+    before = await runtime.store.transcript(CID)
+
+    with pytest.raises(AnsweredBefore, match=r"'tc-9'.*answered") as refused:
+        await runtime.logger.log_messages(
+            CID, [{"role": "user", "content": "Again."}, second], turn_id="second",
+            answers_to={"tc-9": call.message_id},
+        )  # fmt: skip
+
+    assert refused.value.tool_call_ids == ("tc-9",)
+    assert await runtime.store.transcript(CID) == before
+
+
+@pytest.mark.parametrize(
+    ("first", "stale"),
+    [("refused", "result"), ("refused", "refusal"), ("approved", "refusal")],
+    ids=["refused-then-result", "refused-then-refusal", "approved-then-refusal"],
+)
+async def test_a_stale_answer_beside_an_approved_result_records_the_approval_only_if_logged(
+    backend: Backend, first: str, stale: str
+) -> None:
+    """Tab B approves confirm-1 and logs tc-1's result, and answers tc-2, which tab A
+    answered first. With a stale refusal the turn is logged without it: the approval is
+    recorded, and a retry of the turn is that logged turn. With a stale result the turn is
+    refused, nothing written, the approval it carries included: confirm-1 still holds tc-1."""
+    runtime = Runtime(backend)
+    await runtime.stream(TWO_ASKS, prompt="Book the train and the hotel.")
+    read_by_both = await runtime.store.pending_calls(CID)
+    hotel_answer = {"type": "confirm_resolved", "request_id": "confirm-2",
+                    "approved": first == "approved"}  # fmt: skip
+    await _log_as_tab(runtime, [hotel_answer], read_by_both, "tab-a")
+    first_answer = await runtime.answers_of("tc-2")
+    hotel: dict[str, Any] = (
+        {"type": "tool_end", "tool_name": "book_hotel", "tool_call_id": "tc-2", "result": "H-7"}
+        if stale == "result"
+        else {**hotel_answer, "approved": False}
+    )
+    tab_b = [{"type": "confirm_resolved", "request_id": "confirm-1", "approved": True},
+             TRAIN_BOOKED, hotel, _OKAY]  # fmt: skip
+    before = await runtime.store.transcript(CID)
+
+    if stale == "result":
+        with pytest.raises(AnsweredBefore, match="'tc-2'"):
+            await _log_as_tab(runtime, tab_b, read_by_both, "tab-b")
+        assert await runtime.store.transcript(CID) == before
+        assert await held_calls(runtime.store) == [("tc-1", "confirm-1")]
+        return
+    logged = await _log_as_tab(runtime, tab_b, read_by_both, "tab-b")
+    again = await _log_as_tab(runtime, tab_b, read_by_both, "tab-b")
+    assert [(m.tool_call_id, m.content) for m in logged.messages] == [
+        ("tc-1", '{"booking":"B-42"}'), (None, "Okay."),
+    ]  # fmt: skip
+    assert again.replayed
+    assert [m.id for m in again.messages] == [m.id for m in logged.messages]
+    assert "tc-1" in (await _approvals_recorded(runtime))["approved_calls"]
+    assert await runtime.answers_of("tc-2") == first_answer
+
+
+async def test_a_stale_answer_is_refused_not_taken_for_a_new_call_reusing_the_id(
+    backend: Backend,
+) -> None:
+    """A provider numbering its calls per response makes tc-9 again after the first tc-9 was
+    answered. An answer read before that first answer (another tab) is refused: it would
+    answer the new call, which nobody asked about. The new call, read afresh, is answered."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    stale = await runtime.store.pending_calls(CID)
+    await runtime.stream([DENIED])
+    await runtime.stream(
+        [{"type": "tool_start", "tool_name": "book_hotel", "tool_call_id": "tc-9", "args": {}},
+         {"type": "confirm_required", "request_id": "confirm-10", "action": "book_hotel",
+          "params": {}, "prompt": "Book the hotel?", "tool_call_id": "tc-9"}],
+        prompt="A hotel, then.",
+    )  # fmt: skip
+
+    with pytest.raises(AnsweredBefore, match="'tc-9'"):
+        await _log_as_tab(runtime, [APPROVED, BOOKED], stale, "stale-tab")
+    assert await held_calls(runtime.store) == [("tc-9", "confirm-10")]
+
+    await runtime.stream([{**BOOKED, "tool_name": "book_hotel", "result": "H-7"}])
+    assert await runtime.answers_of("tc-9") == [
+        (DENIED_RESULT, "tool call denied"), ("H-7", None),
+    ]  # fmt: skip
+    assert await held_calls(runtime.store) == []
+
+
+async def test_a_stale_answer_to_a_call_a_later_call_of_its_id_follows_is_refused(
+    backend: Backend,
+) -> None:
+    """A tab read tc-9 pending; a later turn made a new tc-9, pending too, before the tab
+    answered. The store gives an answer to the latest pending call of its id: the tab's
+    answer would answer the new call, so it is refused (a Conflict), nothing written, and
+    both calls stay pending, each held by its prompt."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    stale = await runtime.store.pending_calls(CID)
+    await runtime.stream(
+        [{"type": "tool_start", "tool_name": "book_hotel", "tool_call_id": "tc-9", "args": {}},
+         {"type": "confirm_required", "request_id": "confirm-10", "action": "book_hotel",
+          "params": {}, "prompt": "Book the hotel?", "tool_call_id": "tc-9"}],
+        prompt="And a hotel.",
+    )  # fmt: skip
+    before = await runtime.store.transcript(CID)
+
+    with pytest.raises(Conflict, match="a later call of that id is pending") as refused:
+        await _log_as_tab(runtime, [BOOKED], stale, "stale-tab")
+
+    assert not isinstance(refused.value, AnsweredBefore)
+    assert await runtime.store.transcript(CID) == before
+    assert await held_calls(runtime.store) == [("tc-9", "confirm-9"), ("tc-9", "confirm-10")]
 
 
 async def _approvals_recorded(runtime: Runtime) -> dict[str, Any]:
@@ -1466,6 +1652,35 @@ async def test_a_stale_http_denial_naming_its_prompt_is_refused_once_a_second_qu
     assert refused.status_code == 409
     assert hostile.status_code == 422
     assert await held_state(store) == ([("tc-9", "confirm-2")], "confirm-2")
+
+
+async def test_a_posted_answer_to_a_call_another_tab_answered_first_is_refused(
+    backend: Backend,
+) -> None:
+    """Over HTTP a turn names the call each of its answers answers (`answers_to`, as read from
+    `pending_calls`): a second answer to a call another turn answered first is a 409, nothing
+    written; one that is not a map of ids is a 422."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    (call,) = await runtime.store.pending_calls(CID)
+    async with serve(backend.db, seeded=False) as api:
+        url, headers = f"/v1/conversations/{CID}/turns", auth_headers()
+
+        def turn(turn_id: str, answer: dict[str, Any]) -> dict[str, Any]:
+            return {"turn_id": turn_id, "messages": [answer],
+                    "answers_to": {"tc-9": call.message_id}}  # fmt: skip
+
+        first = await api.http.post(url, json=turn("tab-a", _DENIAL), headers=headers)
+        second = await api.http.post(url, json=turn("tab-b", _BOOKED_RESULT), headers=headers)
+        hostile = await api.http.post(
+            url, json={**turn("tab-c", _BOOKED_RESULT), "answers_to": ["tc-9"]}, headers=headers
+        )
+
+    assert first.status_code == 201
+    assert second.status_code == 409
+    assert "'tc-9'" in second.json()["error"]["message"]
+    assert hostile.status_code == 422
+    assert await runtime.answers_of("tc-9") == [(DENIED_RESULT, "tool call denied")]
 
 
 async def test_a_retried_http_resolution_naming_calls_by_message_leaves_a_newer_prompt_of_both_ids(

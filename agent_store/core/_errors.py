@@ -62,14 +62,17 @@ class TranscriptMoved(Conflict):
 
 
 class AnsweredBefore(Conflict):
-    """A turn denies tool calls whose confirmation a person approved before (another tab, a
-    replayed event): a request's first answer is its answer, so nothing was written. Log
-    the turn without those denials; the calls await their results."""
+    """A turn answers tool calls a first answer settled (another tab, a replayed event): it
+    denies calls whose confirmation a person approved before (the calls await their
+    results), or answers calls of earlier turns that another turn answered since, naming
+    them as it read them (`answers_to`). A request's first answer is its answer, and so is a
+    call's, so nothing was written. Log the turn without those answers."""
 
     def __init__(self, message: str, *, tool_call_ids: Sequence[str]) -> None:
         super().__init__(message)
         self.tool_call_ids = tuple(tool_call_ids)
-        """The calls the turn denies that their approved confirmation released."""
+        """The calls the turn answers that a first answer settled: released by their approved
+        confirmation, or answered by another turn."""
 
 
 class Unsupported(StoreError):

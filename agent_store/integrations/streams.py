@@ -140,6 +140,12 @@ class StreamedTurn:
     """The refused prompt each denial of a call of an earlier turn answers (tool call id,
     request id), as the builder read them: the store refuses a denial answering a prompt
     whose answer released the call first (`AgentMessageLogger.log_messages`)."""
+    answered_calls: tuple[tuple[str, str], ...] = ()
+    """The calls of earlier turns the turn answers (a result or a denial), each by its tool
+    call id and the message that made it, as the builder read them (its `pending`): the store
+    refuses the turn when another turn answered one of them first
+    (`AgentMessageLogger.log_messages(..., answers_to=...)`), a call's first answer being its
+    answer."""
     delivered_seqs: tuple[int, ...] = ()
     """Messages a person steered into the running turn (`SteeringInbox`), already stored,
     that the model was fed during the stream: the turn's messages go around them."""
@@ -391,6 +397,11 @@ class TurnAssembler:
             resolved_request_ids=tuple(self._resolved),
             resolved_calls=tuple((r, calls) for r, calls in self._resolved.items() if calls),
             refused_prompts=tuple(self._refused.items()),
+            answered_calls=tuple(
+                (call.tool_call_id, call.message_id)
+                for index, call in enumerate(self._earlier)
+                if index in self._earlier_answers or index in self._denied
+            ),
             delivered_seqs=tuple(dict.fromkeys(self._delivered)),
         )
 
@@ -666,7 +677,11 @@ async def log_streamed_turn(
     conversation's owner, it is a Conflict, as any turn is. A refusal whose prompt a
     person approved first (another tab: the turn was built from pending calls read
     before) denies nothing: the store refuses the denial (`AnsweredBefore`), and the turn
-    is logged without it; a retry of the turn is answered as that logged turn.
+    is logged without it; a retry of the turn is answered as that logged turn. So does a
+    refusal of a call another turn answered first (the store checks the calls the turn
+    answers are still pending: `StreamedTurn.answered_calls`), while a result for such a
+    call is refused (`AnsweredBefore`), nothing written: a call's first answer is its
+    answer, and the runtime learns its tool ran although the call had one.
     """
     messages = _turn_messages(prompt, turn)
     answered = await _approvals_answered(
@@ -733,10 +748,7 @@ async def _approvals_answered(
     early = _approved_with_results(turn)
     if not early:
         return set()
-    refused = dict(turn.refused_prompts)
-    await logger.check_turn(
-        conversation_id, messages, user_id=user_id, turn_id=turn_id, refused_prompts=refused
-    )
+    await _checked(logger, conversation_id, messages, turn, turn_id, user_id)
     if user_id is not None:
         await _refuse_another_owner(store, conversation_id, user_id)
     resolved: set[str] = set()
@@ -747,6 +759,41 @@ async def _approvals_answered(
             )
             resolved.add(request_id)
     return resolved
+
+
+async def _checked(
+    logger: AgentMessageLogger,
+    conversation_id: str,
+    messages: list[AgentMessage | Mapping[str, Any]],
+    turn: StreamedTurn,
+    turn_id: str,
+    user_id: str | None,
+) -> None:
+    """Raise what the logger refuses the turn with before it writes anything
+    (`AgentMessageLogger.check_turn`), as `log_streamed_turn` logs it: a turn whose refusals
+    of calls another turn answered first are refused (`AnsweredBefore`) is logged without
+    them, so it is that turn that is checked."""
+    try:
+        await logger.check_turn(
+            conversation_id,
+            messages,
+            user_id=user_id,
+            turn_id=turn_id,
+            refused_prompts=dict(turn.refused_prompts),
+            answers_to=dict(turn.answered_calls),
+        )
+    except AnsweredBefore as refused:
+        without = _without_denials(messages, refused.tool_call_ids)
+        if len(messages) - len(without) < len(set(refused.tool_call_ids)):
+            raise  # an answer other than a denial (a result): the turn is refused
+        await logger.check_turn(
+            conversation_id,
+            without,
+            user_id=user_id,
+            turn_id=turn_id,
+            refused_prompts=dict(turn.refused_prompts),
+            answers_to=dict(turn.answered_calls),
+        )
 
 
 def _approved_with_results(
@@ -802,6 +849,7 @@ async def _logged(
             user_id=user_id,
             turn_id=turn_id,
             refused_prompts=dict(turn.refused_prompts),
+            answers_to=dict(turn.answered_calls),
         )
     if user_id is not None:
         await _refuse_another_owner(store, conversation_id, user_id)

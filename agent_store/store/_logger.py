@@ -96,6 +96,8 @@ from agent_store.store._reservation import (
     SUMMARY,
     Actor,
     RecordedBlock,
+    answered_since,
+    answers_hold,
     approved_among,
     blocks_of,
     denials_hold,
@@ -159,6 +161,10 @@ class Condition:
     for the first reservation only (a fork's, which creates its conversation)."""
     explain: Callable[[Mapping[str, Any]], StoreError] | None = None
     """Builds the refusal from the conversation found instead (None: `refusal`)."""
+    retried: Callable[[Mapping[str, Any]], StoreError | None] | None = None
+    """For a retry of the turn whose content differs from what its record holds: the refusal
+    the conversation found explains (the turn was logged without the answers the condition
+    refused, and this attempt sends them again), else None."""
 
     def refused(self, conversation: Mapping[str, Any]) -> StoreError:
         """The error a conversation that does not meet the condition raises."""
@@ -367,6 +373,7 @@ class AgentMessageLogger:
         next_seq: int | None = None,
         step: str | None = None,
         refused_prompts: Mapping[str, str] | None = None,
+        answers_to: Mapping[str, str] | None = None,
     ) -> LoggedTurn:
         """Log one turn's messages in order, idempotently by `turn_id`.
 
@@ -388,9 +395,14 @@ class AgentMessageLogger:
         LangGraph checkpoint id) only if it is after every step logged before: otherwise
         `TranscriptMoved` (`next_seq`, `later_step`: where the conversation is), nothing
         written. A retry of a logged turn is answered as always. `refused_prompts`: the
-        prompt each denial of an earlier call answers, as read (`_denials`). Raises
-        InvalidInput, writing nothing, when the turn breaks the contract, or takes the id a
-        steering delivery is stored under (`delivery-` and 32 hex digits).
+        prompt each denial of an earlier call answers, as read (`_denials`). `answers_to`:
+        the call of an earlier turn each of its answers (a result or a denial) answers, by
+        tool call id, with the message that made it, as read from `pending_calls`: the turn
+        is logged only while each is still the latest pending call of its id, else
+        `AnsweredBefore` (another turn answered it first: a call's first answer is its
+        answer), nothing written (`_answers`). Raises InvalidInput, writing nothing, when
+        the turn breaks the contract, or takes the id a steering delivery is stored under
+        (`delivery-` and 32 hex digits).
         """
         plan, actor, condition = self._planned(
             conversation_id,
@@ -401,6 +413,7 @@ class AgentMessageLogger:
             next_seq=next_seq,
             step=step,
             refused=refused_prompts,
+            answers_to=answers_to,
         )
         runtime_name = clean_name(name) if name is not None else None
         started = time.monotonic()
@@ -418,23 +431,36 @@ class AgentMessageLogger:
         user_id: str | None = None,
         turn_id: str | None = None,
         refused_prompts: Mapping[str, str] | None = None,
+        answers_to: Mapping[str, str] | None = None,
     ) -> None:
         """Raise what `log_messages` refuses the same turn with before it writes anything: the
-        InvalidInput of a turn breaking the contract, and the Conflict of a turn id the
-        conversation recorded with other content (one read of the conversation); writes
-        nothing. For a caller that records something the turn concerns before logging it
-        (`log_streamed_turn` records an approval first): a turn it raises for then writes
-        nothing at all."""
-        plan, _, _ = self._planned(
-            conversation_id, messages, user_id=user_id, turn_id=turn_id, refused=refused_prompts
+        InvalidInput of a turn breaking the contract, the Conflict of a turn id the
+        conversation recorded with other content, and, for a new turn, the refusal of an
+        answer to a call another turn answered since (`answers_to`, `_answers`), as the
+        conversation stands (one read of it); writes nothing. For a caller that records
+        something the turn concerns before logging it (`log_streamed_turn` records an
+        approval first): a turn it raises for then writes nothing at all."""
+        plan, _, condition = self._planned(
+            conversation_id,
+            messages,
+            user_id=user_id,
+            turn_id=turn_id,
+            refused=refused_prompts,
+            answers_to=answers_to,
         )
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                {"_id": plan.conversation_id}, {"turns": 1, "message_count": 1}
+                {"_id": plan.conversation_id}, _CHECKED_FIELDS
             )
         block = None if found is None else recorded_block(found, plan.key)
         if block is not None and not await self._recognised(plan, block.digest):
-            raise _other_content(plan)
+            assert found is not None
+            raise _retry_refusal(plan, found, condition)
+        named = _named_answers(plan, _answers_to(answers_to))
+        if block is None and found is not None and named:
+            refusal = _answers_refusal(plan, named, found)
+            if refusal is not None:
+                raise refusal
 
     def _planned(
         self,
@@ -447,6 +473,7 @@ class AgentMessageLogger:
         next_seq: int | None = None,
         step: str | None = None,
         refused: Mapping[str, str] | None = None,
+        answers_to: Mapping[str, str] | None = None,
     ) -> tuple[TurnPlan, Actor, Condition | None]:
         """`log_messages`'s arguments checked, as nothing is written yet: the turn's plan, who
         logs it and what its reservation must meet."""
@@ -457,7 +484,7 @@ class AgentMessageLogger:
             raise NotFound(f"conversation {plan.conversation_id!r} was not found")
         _refuse_migrated_turn_id(plan.turn_id)
         _refuse_delivery_turn_id(plan.turn_id)
-        condition = _turn_conditions(plan, next_seq, step, refused)
+        condition = _turn_conditions(plan, next_seq, step, refused, answers_to)
         return plan, Actor(user_id, as_user=owner_only), condition
 
     async def _told(
@@ -906,7 +933,7 @@ class AgentMessageLogger:
         place; one an attempt's insert stored in a block it left by a move, found by id in
         the same lookup, is stored there (`_stored_there`): no move again."""
         block = await self._with_whole_texts_checked(plan, block)
-        reserved = _replay(plan, block, conversation)
+        reserved = _replay(plan, block, conversation, condition)
         age = None if block.reserved_at is None else utc_now() - block.reserved_at
         grace = self.rules.claim_grace
         if age is not None and age < grace:  # the earlier attempt may still be inserting
@@ -1559,19 +1586,22 @@ def _same_content(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
     )
 
 
-def _replay(plan: TurnPlan, block: RecordedBlock, conversation: dict[str, Any]) -> _Reserved:
+def _replay(
+    plan: TurnPlan,
+    block: RecordedBlock,
+    conversation: dict[str, Any],
+    condition: Condition | None = None,
+) -> _Reserved:
     """The block an earlier attempt of the turn reserved, if this attempt sends the same and
-    no pop has removed a message of it since."""
+    no pop has removed a message of it since. One sending answers the turn was logged
+    without (`AnsweredBefore`) is told so again (`Condition.retried`)."""
     if block.popped:
         raise Conflict(
             f"turn {plan.turn_id!r} was corrected since it was logged (a pop removed one of "
             "its messages): it cannot be logged again. Use a new turn_id for a new turn"
         )
     if block.count != plan.count or not plan.matches(block.digest):
-        approved = approved_among(conversation, plan.denied_calls)
-        if approved:  # logged without these denials (`AnsweredBefore`): told so again
-            raise _answered_before(plan, approved)
-        raise _other_content(plan)
+        raise _retry_refusal(plan, conversation, condition)
     summary = Conversation.model_validate(conversation)
     return _Reserved(
         block.first_seq,
@@ -1582,6 +1612,35 @@ def _replay(plan: TurnPlan, block: RecordedBlock, conversation: dict[str, Any]) 
         conversation=summary,
         assigns=_assigned_at(conversation, block.first_seq),
     )
+
+
+def _retry_refusal(
+    plan: TurnPlan, conversation: Mapping[str, Any], condition: Condition | None
+) -> StoreError:
+    """What a retry sending other content than its turn's record holds is refused with: the
+    turn was logged without answers its first attempt was refused (`AnsweredBefore`: denials
+    of calls a person approved, answers to calls another turn answered first), and this
+    attempt sends them again, so it is told so again; else a Conflict."""
+    approved = approved_among(conversation, plan.denied_calls)
+    if approved:
+        return _answered_before(plan, approved)
+    if condition is not None and condition.retried is not None:
+        refusal = condition.retried(conversation)
+        if refusal is not None:
+            return refusal
+    return _other_content(plan)
+
+
+_CHECKED_FIELDS = {
+    "turns": 1,
+    "message_count": 1,
+    "pending_calls": 1,
+    "approved_calls": 1,
+    "resolved_hitl": 1,
+}
+"""What `AgentMessageLogger.check_turn` reads of the conversation: the turn records, and what
+tells a turn's answers from those the conversation settled before (`_retry_refusal`,
+`_answers_refusal`)."""
 
 
 MAX_FORK_WHOLE_TEXT_CHARS = 64 * 1024 * 1024
@@ -1898,12 +1957,103 @@ def _denials(plan: TurnPlan, refused: Mapping[str, str]) -> Condition | None:
     )
 
 
+def _answers(plan: TurnPlan, answers_to: Mapping[str, str]) -> Condition | None:
+    """The condition of a turn naming the calls of earlier turns its answers answer
+    (`answers_to`: tool call id to the message that made the call, as read from
+    `pending_calls`; names of calls the turn does not answer are passed over): each is still
+    the latest pending call of its id (`answers_hold`), the one the answer takes. A call
+    another turn answered since keeps that first answer: `AnsweredBefore`, naming it; one a
+    later call of its id now follows would have the answer taken by that call: a Conflict.
+    Nothing is written either way. None for a turn naming none of its answers."""
+    named = _named_answers(plan, answers_to)
+    if not named:
+        return None
+    every = _answered_first(plan, sorted(named))
+
+    def retried(conversation: Mapping[str, Any]) -> StoreError | None:
+        # Only a turn's denials are left out of it (`log_streamed_turn`): a result answered
+        # since was answered by the turn's first attempt itself.
+        gone, _ = answered_since(conversation, named)
+        denied = [c for c in gone if c in plan.denied_calls]
+        return _answered_first(plan, denied) if denied else None
+
+    return Condition(
+        answers_hold(named),
+        lambda now: {},
+        every,
+        absent=Conflict(
+            f"turn {plan.turn_id!r} answers calls of earlier turns of conversation "
+            f"{plan.conversation_id!r}, which holds none: it does not exist (deleted?)"
+        ),
+        explain=lambda conversation: _answers_refusal(plan, named, conversation) or every,
+        retried=retried,
+    )
+
+
+def _named_answers(plan: TurnPlan, answers_to: Mapping[str, str]) -> dict[str, str]:
+    """Those of `answers_to` (`_answers`) naming calls of earlier turns the turn answers."""
+    return {c: m for c, m in answers_to.items() if c in plan.answered_calls}
+
+
+def _answers_refusal(
+    plan: TurnPlan, named: Mapping[str, str], conversation: Mapping[str, Any]
+) -> StoreError | None:
+    """Why `conversation` does not take the turn's answers to the calls `named` (`_answers`):
+    `AnsweredBefore` for calls another turn answered since, a Conflict for calls a later call
+    of their id now follows; None when each is the latest pending call of its id."""
+    gone, followed = answered_since(conversation, named)
+    if gone:
+        return _answered_first(plan, gone)
+    if followed:
+        return Conflict(
+            f"turn {plan.turn_id!r} answers {', '.join(map(shown, followed))} of an "
+            f"earlier turn in conversation {plan.conversation_id!r}, but a later call of "
+            "that id is pending now, and the store gives an answer to the latest pending "
+            "call of its id: it would answer that call instead. Read the pending calls "
+            "again; answer the later call in a turn of its own first"
+        )
+    return None
+
+
+def _answered_first(plan: TurnPlan, call_ids: Sequence[str]) -> AnsweredBefore:
+    return AnsweredBefore(
+        f"turn {plan.turn_id!r} answers {', '.join(map(shown, call_ids))} of an earlier turn "
+        f"in conversation {plan.conversation_id!r}, but another turn answered that call "
+        "first (another tab, read before it): a call's first answer is its answer, and it "
+        "is no longer pending. Log the turn without that answer",
+        tool_call_ids=call_ids,
+    )
+
+
 def _turn_conditions(
-    plan: TurnPlan, next_seq: int | None, step: str | None, refused: Mapping[str, str] | None
+    plan: TurnPlan,
+    next_seq: int | None,
+    step: str | None,
+    refused: Mapping[str, str] | None,
+    answers_to: Mapping[str, str] | None = None,
 ) -> Condition | None:
-    """What `log_messages`'s reservation of a new turn must meet (`_logged_at`, `_denials`)."""
+    """What `log_messages`'s reservation of a new turn must meet (`_logged_at`, `_answers`,
+    `_denials`): a refusal the denials explain (an approval came first) before one the
+    answers do."""
     denials = _denials(plan, _refused_prompts(refused))
-    return _joined(_logged_at(plan.conversation_id, next_seq, step), denials)
+    answers = _answers(plan, _answers_to(answers_to))
+    return _joined(_joined(_logged_at(plan.conversation_id, next_seq, step), answers), denials)
+
+
+def _answers_to(answers_to: Mapping[str, str] | None) -> dict[str, str]:
+    """`log_messages`'s `answers_to`, checked: tool call ids to message ids."""
+    if answers_to is None:
+        return {}
+    if not isinstance(answers_to, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in answers_to.items()
+    ):
+        raise InvalidInput(
+            "answers_to must map the tool call ids of the calls of earlier turns the turn "
+            "answers to the ids of the messages that made them, as pending_calls serves "
+            "them (strings to strings)"
+        )
+    checked: dict[str, str] = storable(dict(answers_to), "answers_to")
+    return checked
 
 
 def _refused_prompts(refused: Mapping[str, str] | None) -> dict[str, str]:
@@ -1933,21 +2083,31 @@ def _answered_before(plan: TurnPlan, released: Sequence[str]) -> AnsweredBefore:
 
 def _joined(first: Condition | None, second: Condition | None) -> Condition | None:
     """Both conditions, in one reservation: the filters and stages together; a refusal is
-    the first's whose filter the conversation does not meet (`second`'s when unknown)."""
+    the second's when the conversation found explains it (`Condition.explain`), else the
+    first's; a retry's, the second's, else the first's (`Condition.retried`)."""
     if first is None or second is None:
         return first or second
     a, b = first, second
 
     def explain(conversation: Mapping[str, Any]) -> StoreError:
         refused = b.refused(conversation)
-        if isinstance(refused, AnsweredBefore) and refused is not b.refusal:
-            return refused  # the conversation shows the calls it names approved
+        if refused is not b.refusal:
+            return refused  # the conversation shows why (the calls it names approved)
         return a.refused(conversation)
+
+    def retried(conversation: Mapping[str, Any]) -> StoreError | None:
+        for condition in (b, a):
+            refusal = None if condition.retried is None else condition.retried(conversation)
+            if refusal is not None:
+                return refusal
+        return None
 
     return Condition(
         {"$and": [a.filter, b.filter]},
         lambda now: {**a.stage(now), **b.stage(now)},
         a.refusal,
         create=a.create and b.create,
+        absent=(None if a.create else a.absent) or (None if b.create else b.absent),
         explain=explain,
+        retried=retried,
     )

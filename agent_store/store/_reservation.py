@@ -558,6 +558,38 @@ def denials_hold(
     return {"$expr": {"$eq": [{"$or": [released(c) for c in call_ids]}, False]}}
 
 
+def answers_hold(answers: Mapping[str, str]) -> dict[str, Any]:
+    """A filter matching a conversation where each call `answers` names (a tool call id, and
+    the message that made it, as the answering client read `pending_calls`) is still the
+    latest pending call of its id: the call the turn's answer of that id takes (`_taken`).
+    A call another turn answered since (another tab: a call's first answer is its answer),
+    or one a later call of its id was made after, fails it (`answered_since`)."""
+    calls = {"$ifNull": ["$pending_calls", literal([])]}
+
+    def latest(call_id: str, message_id: str) -> dict[str, Any]:
+        same = {"$eq": ["$$call.tool_call_id", literal(call_id)]}
+        of_id = {"$filter": {"input": calls, "as": "call", "cond": same}}
+        made_by = {"$map": {"input": of_id, "as": "call", "in": "$$call.message_id"}}
+        # An empty list has no last element: missing, never equal to the message named.
+        return {"$eq": [{"$arrayElemAt": [made_by, -1]}, literal(message_id)]}
+
+    return {"$expr": {"$and": [latest(c, m) for c, m in sorted(answers.items())]}}
+
+
+def answered_since(
+    conversation: Mapping[str, Any], answers: Mapping[str, str]
+) -> tuple[list[str], list[str]]:
+    """Those of the calls `answers` names (`answers_hold`) that `conversation` no longer
+    serves as the latest pending call of their id: first those no longer pending at all
+    (answered by another turn since, or gone), then those a later call of the id follows."""
+    pending = [c for c in conversation.get("pending_calls") or () if isinstance(c, Mapping)]
+    latest = {c.get("tool_call_id"): c.get("message_id") for c in pending}
+    keys = {(c.get("tool_call_id"), c.get("message_id")) for c in pending}
+    stale = [(c, m) for c, m in answers.items() if latest.get(c) != m]
+    gone = [c for c, m in stale if (c, m) not in keys]
+    return gone, [c for c, m in stale if (c, m) in keys]
+
+
 def _latest_approved_ids() -> dict[str, Any]:
     """The call ids of the `approved_calls` entries no later call reuses the id of
     (`ApprovedCall.superseded_by`), as an expression: the approved call is the latest of its
