@@ -6,9 +6,10 @@ visible text in the same order, every tool result attached to a call of the
 same tool. Tool results are compared as a multiset, since the migration moves
 each one right after its call; both sides name a result by the tool of the call it
 answers: the legacy side pairs results with calls by the converter's own rule
-(`CallPairing`, not a copy of it), the new side by the id each stored result
-carries. What a legacy value
-*says* (a part's kind and fields, the text of a number, a call's arguments) is
+(`CallPairing`, not a copy of it), and names a result whose id names a call of the
+tool it names by that tool, as its parts say, so a pairing at odds with them shows
+even were the rule wrong; the new side by the id each stored result carries. What a
+legacy value *says* (a part's kind and fields, the text of a number, a call's arguments) is
 read by the same functions the converter uses (`agent_store.legacy`), so the
 two can never disagree on that; what the converter reported as not placed is
 left out by the exact field it concerns (runtime context stripped from a user's
@@ -29,6 +30,7 @@ from pydantic import ValidationError
 
 from agent_store.core import AgentMessage, FileUpload
 from agent_store.legacy import (
+    GUESSED_PAIRINGS,
     HIDDEN_RUNTIME_CONTEXT,
     CallPairing,
     LegacyConversion,
@@ -79,6 +81,8 @@ class Skipped:
         for problem in unplaced:
             if problem.kind == HIDDEN_RUNTIME_CONTEXT:
                 skipped.contexts.add(problem.legacy_id)
+            elif problem.kind in GUESSED_PAIRINGS:
+                continue  # a message holds the result, answering the call guessed
             elif problem.field is None:
                 skipped.turns.add(problem.legacy_id)
             elif problem.field == "upload_result":
@@ -146,25 +150,36 @@ class _Calls:
 
     pairing: CallPairing[tuple[int, int]] = field(default_factory=CallPairing)
     tools: dict[tuple[int, int], Any] = field(default_factory=dict)
+    called: set[tuple[str, str]] = field(default_factory=set)
+    """(id, tool name) of each call its part names an id for, so far."""
     turns: int = 0
 
     def turn_results(self, parts: Sequence[tuple[int, LegacyPart]]) -> list[str]:
-        """The turn's results as `tool -> content`, each named by the tool of the call it
-        answers, else (no call left for it) by the tool it names itself; its calls are
-        added first."""
+        """The turn's results as `tool -> content`, its calls added first: each result named
+        by the tool it names itself when its id names a call of that tool (what the parts say
+        it answers, whatever call the pairing gives it), else by the tool of the call it
+        answers, else (no call left for it) by the tool it names itself."""
         self.turns += 1
         self.pairing.start_turn()
         for index, part in parts:
             if part.kind == "tool_call":
                 self.tools[(self.turns, index)] = part.tool_name
                 self.pairing.add_call((self.turns, index), part.tool_name, part.tool_call_id)
+                if part.tool_call_id is not None and isinstance(part.tool_name, str):
+                    self.called.add((part.tool_call_id, part.tool_name))
         results = [part for _, part in parts if part.kind == "tool_result"]
         answered = self.pairing.answer([(p.tool_name, p.tool_call_id) for p in results])
         return [
-            f"{part.tool_name if call is None else self.tools[call]} -> "
-            f"{_json(result_text(part)[0])}"
+            f"{self._named(part, call)} -> {_json(result_text(part)[0])}"
             for part, call in zip(results, answered, strict=True)
         ]
+
+    def _named(self, part: LegacyPart, call: tuple[int, int] | None) -> Any:
+        """The tool a result is named by (`turn_results`)."""
+        name = part.tool_name
+        if call is None or (isinstance(name, str) and (part.tool_call_id, name) in self.called):
+            return part.tool_name
+        return self.tools[call]
 
 
 def _shown(text: str, legacy_id: str, skipped: Skipped) -> str:

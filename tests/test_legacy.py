@@ -545,6 +545,162 @@ def test_the_transcript_pairs_results_under_one_id_with_calls_as_the_converter_d
     assert differences(legacy, from_messages(conversion.messages)) == []
 
 
+BALANCE = "BALANCE: 120 EUR"
+TRANSFER = "TRANSFER OK: 100 EUR to Bob"
+
+
+def balance_then_transfer(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A provider numbering calls per response: turn 1 calls `get_balance` as `call_0`,
+    turn 2 `transfer_funds` as `call_0` too, and turn 2's parts hold `results`."""
+    return [
+        turn(1, [tool_call("get_balance", "call_0")]),
+        turn(2, [tool_call("transfer_funds", "call_0", to="Bob", eur=100), *results,
+                 {"type": "text", "content": "Done."}]),
+    ]  # fmt: skip
+
+
+def answered_by_tool(messages: list[AgentMessage]) -> dict[str, Any]:
+    """Each tool message's content by the tool of the call it answers."""
+    tool_of = {c.id: c.function.name for m in messages for c in m.tool_calls or ()}
+    return {tool_of[str(m.tool_call_id)]: m.content for m in messages if m.role == "tool"}
+
+
+@pytest.mark.parametrize("balance_first", [True, False], ids=["balance first", "transfer first"])
+def test_results_under_an_id_reused_across_turns_answer_the_call_of_the_tool_they_name(
+    balance_first: bool,
+) -> None:
+    """The tool a result names decides among the calls its id names before position does,
+    across turns as within one: whatever the order of the parts, the balance answers the
+    balance, right after its call in turn 1, and the transfer answers the transfer."""
+    results = [tool_result("get_balance", "call_0", BALANCE),
+               tool_result("transfer_funds", "call_0", TRANSFER)]  # fmt: skip
+    turns = balance_then_transfer(results if balance_first else results[::-1])
+    conversion = convert(turns)
+
+    assert answered_by_tool(conversion.messages) == {
+        "get_balance": BALANCE,
+        "transfer_funds": TRANSFER,
+    }
+    assert [(m.role, m.content) for m in conversion.messages] == [
+        ("user", "question 1"), ("assistant", None), ("tool", BALANCE),
+        ("user", "question 2"), ("assistant", None), ("tool", TRANSFER), ("assistant", "Done."),
+    ]  # fmt: skip
+    assert [p.kind for p in conversion.problems] == ["duplicate_tool_call_id"]
+    legacy = from_legacy(parse_turns(turns), conversion.unplaced)
+    assert differences(legacy, from_messages(conversion.messages)) == []
+
+
+def test_a_repeated_result_of_a_reused_id_is_a_duplicate_never_another_tools_answer() -> None:
+    """Turn 2 repeats turn 1's balance under `call_0`, the id of its own transfer: the
+    repeat names a tool whose call is answered, so it is a duplicate, and the transfer keeps
+    its own answer."""
+    turns = balance_then_transfer([tool_result("get_balance", "call_0", BALANCE),
+                                   tool_result("transfer_funds", "call_0", TRANSFER)])  # fmt: skip
+    turns[0]["response_parts"].append(tool_result("get_balance", "call_0", BALANCE))
+    conversion = convert(turns)
+
+    assert answered_by_tool(conversion.messages) == {
+        "get_balance": BALANCE,
+        "transfer_funds": TRANSFER,
+    }
+    assert [(p.kind, p.placed, p.part_index) for p in conversion.problems] == [
+        ("duplicate_tool_call_id", True, 0),
+        ("duplicate_tool_result", False, 1),
+    ]
+
+
+def test_a_result_naming_no_tool_its_reused_id_calls_is_a_guess_that_holds_the_drop() -> None:
+    """`call_0` names an unanswered call of `get_balance` and one of `transfer_funds`; a
+    result naming `refund` answers neither by its name: the message answers the call the
+    order gives (turn 2's), and an `ambiguous_tool_result` problem, not placed, keeps the
+    result and the calls it could answer, so verify shows no difference and the drop waits."""
+    result = tool_result("refund", "call_0", "REFUNDED")
+    conversion = convert(balance_then_transfer([result]))
+
+    assert answered_by_tool(conversion.messages) == {"transfer_funds": "REFUNDED"}
+    found = [(p.kind, p.placed, p.field, p.part_index) for p in conversion.problems]
+    assert found == [
+        ("duplicate_tool_call_id", True, "response_parts", 0),
+        ("ambiguous_tool_result", False, "response_parts", 1),
+    ]
+    ambiguous = conversion.problems[1]
+    assert ambiguous.content["result"] == result
+    assert sorted(c["tool_name"] for c in ambiguous.content["calls"]) == [
+        "get_balance",
+        "transfer_funds",
+    ]
+    legacy = from_legacy(parse_turns(balance_then_transfer([result])), conversion.unplaced)
+    assert differences(legacy, from_messages(conversion.messages)) == []
+
+
+def test_a_result_naming_another_tool_than_the_one_open_call_of_its_reused_id_is_placed() -> None:
+    """Turn 1's balance is answered: `call_0` names one unanswered call, so a result naming
+    another tool answers it unambiguously, and a placed `mismatched_tool_name` keeps it."""
+    turns = balance_then_transfer([tool_result("refund", "call_0", "REFUNDED")])
+    turns[0]["response_parts"].append(tool_result("get_balance", "call_0", BALANCE))
+    conversion = convert(turns)
+
+    assert answered_by_tool(conversion.messages) == {
+        "get_balance": BALANCE,
+        "transfer_funds": "REFUNDED",
+    }
+    assert [(p.kind, p.placed) for p in conversion.problems] == [
+        ("duplicate_tool_call_id", True),
+        ("mismatched_tool_name", True),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "kinds"),
+    [
+        ("get_balance", []),
+        (None, []),
+        ("refund", [("ambiguous_tool_result", False, 1)]),
+    ],
+    ids=["its call's tool", "no tool (the OpenAI way)", "another tool"],
+)
+def test_a_later_turns_result_answers_an_earlier_turns_call_only_by_naming_its_tool(
+    name: str | None, kinds: list[tuple[str, bool, int]]
+) -> None:
+    """A result in turn 2's parts whose id names only turn 1's call (`call_0`, reused per
+    response) is placed right after that call when it names that call's tool, or none; naming
+    another tool, moving it into turn 1 is a guess the id alone makes: an
+    `ambiguous_tool_result` problem, not placed, holds the drop."""
+    result = {"type": "tool_result", "result": "R", "tool_call_id": "call_0"}
+    if name is not None:
+        result["tool_name"] = name
+    turns = [
+        turn(1, [tool_call("get_balance", "call_0")]),
+        turn(2, [{"type": "text", "content": "ok"}, result]),
+    ]
+    conversion = convert(turns)
+
+    assert [m.role for m in conversion.messages] == [
+        "user", "assistant", "tool", "user", "assistant"
+    ]  # fmt: skip
+    assert [(p.kind, p.placed, p.part_index) for p in conversion.problems] == kinds
+    legacy = from_legacy(parse_turns(turns), conversion.unplaced)
+    assert differences(legacy, from_messages(conversion.messages)) == []
+
+
+def test_verify_names_a_result_by_the_tool_it_names_when_its_id_calls_that_tool() -> None:
+    """Stored messages pairing each result with the other tool's call (both under `call_0`)
+    differ from the legacy turns: the legacy side names a result by the tool it names itself
+    whenever its id names a call of that tool, so a pairing at odds with the parts shows."""
+    turns = balance_then_transfer([tool_result("get_balance", "call_0", BALANCE),
+                                   tool_result("transfer_funds", "call_0", TRANSFER)])  # fmt: skip
+    conversion = convert(turns)
+    swapped = {BALANCE: TRANSFER, TRANSFER: BALANCE}
+    tampered = [
+        m.model_copy(update={"content": swapped[str(m.content)]}) if m.role == "tool" else m
+        for m in conversion.messages
+    ]
+
+    legacy = from_legacy(parse_turns(turns), conversion.unplaced)
+    assert legacy.results == (f"get_balance -> {BALANCE}", f"transfer_funds -> {TRANSFER}")
+    assert differences(legacy, from_messages(tampered)) != []
+
+
 def test_each_upload_part_is_a_message_even_when_two_are_identical() -> None:
     upload = {"type": "file_upload", "filename": "invoice.pdf", "file_type": "application/pdf",
               "size": 2048}  # fmt: skip

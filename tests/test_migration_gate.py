@@ -2301,6 +2301,132 @@ def test_a_pairing_the_history_contradicts_holds_the_drop_until_accepted(
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
 
 
+# -- ids a provider numbers per response (`call_0` in every one), reused across turns ------
+
+
+def balance_and_transfer(cid: str, first: str, *, history: bool = False) -> list[dict[str, Any]]:
+    """Turn 1 calls `get_balance` as `call_0`, turn 2 `transfer_funds` as `call_0` too; turn
+    2's parts hold both results, each naming its own tool, the `first` tool's first; with
+    `history`, each turn keeps the Pydantic AI history saying which call returned what."""
+    said = {"get_balance": "BALANCE: 120 EUR", "transfer_funds": "TRANSFER OK: 100 EUR to Bob"}
+    args: dict[str, dict[str, Any]] = {"get_balance": {}, "transfer_funds": {"to": "Bob"}}
+    order = [first, *(t for t in said if t != first)]
+
+    def part(kind: str, tool: str, **more: Any) -> dict[str, Any]:
+        return {"type": kind, "tool_name": tool, "tool_call_id": "call_0", **more}
+
+    def call(tool: str) -> dict[str, Any]:
+        return {"part_kind": "tool-call", "tool_name": tool, "args": args[tool],
+                "tool_call_id": "call_0"}  # fmt: skip
+
+    def back(tool: str) -> dict[str, Any]:
+        return {"part_kind": "tool-return", "tool_name": tool, "content": said[tool],
+                "tool_call_id": "call_0"}  # fmt: skip
+
+    def asked(text: str) -> dict[str, Any]:
+        return {"part_kind": "user-prompt", "content": text}
+
+    first_turn = legacy_turn(f"{cid}-1", cid, 0, "B") | {
+        "response_parts": [part("tool_call", "get_balance", args={})]
+    }
+    second_turn = legacy_turn(f"{cid}-2", cid, 1, "T") | {
+        "response_parts": [part("tool_call", "transfer_funds", args=args["transfer_funds"])]
+        + [part("tool_result", tool, result=said[tool]) for tool in order]
+        + [{"type": "text", "content": "Done."}]
+    }
+    if history:
+        opening = [{"kind": "request", "parts": [asked("B question")]},
+                   {"kind": "response", "parts": [call("get_balance")]}]  # fmt: skip
+        first_turn["message_history_json"] = json.dumps(opening)
+        second_turn["message_history_json"] = json.dumps([*opening,
+            {"kind": "request", "parts": [back("get_balance"), asked("T question")]},
+            {"kind": "response", "parts": [call("transfer_funds")]},
+            {"kind": "request", "parts": [back("transfer_funds")]},
+            {"kind": "response", "parts": [{"part_kind": "text", "content": "Done."}]},
+        ])  # fmt: skip
+    return [first_turn, second_turn]
+
+
+def results_by_tool(database: Database[dict[str, Any]], cid: str) -> list[tuple[int, str, str]]:
+    """(seq, the tool of the call it answers, content) of each stored tool message."""
+    stored = list(database[MESSAGES].find({"conversation_id": cid}, sort=[("seq", 1)]))
+    tools = {c["id"]: c["function"]["name"] for m in stored for c in m.get("tool_calls") or ()}
+    return [
+        (m["seq"], tools[m["tool_call_id"]], m["content"]) for m in stored if m["role"] == "tool"
+    ]
+
+
+REUSED_IDS = {
+    "c-balance-first": ("get_balance", False),
+    "c-transfer-first": ("transfer_funds", False),
+    "c-balance-first-history": ("get_balance", True),
+}
+
+
+@pytest.mark.wire
+def test_results_under_an_id_reused_across_turns_pass_the_gate_answering_their_own_tools(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """Whatever the order of turn 2's results, each answers the call of the tool it names:
+    the balance right after turn 1's call, before the user asked for the transfer."""
+    for cid, (first, history) in REUSED_IDS.items():
+        database[CONVERSATIONS].insert_many(balance_and_transfer(cid, first, history=history))
+    assert cli(wire_uri, database, "run") == 0
+    for cid in REUSED_IDS:
+        assert results_by_tool(database, cid) == [
+            (2, "get_balance", "BALANCE: 120 EUR"),
+            (5, "transfer_funds", "TRANSFER OK: 100 EUR to Bob"),
+        ], cid
+    assert database[PROBLEMS].count_documents({"kind": "mismatched_tool_name"}) == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+
+@pytest.mark.wire
+def test_verify_catches_results_swapped_between_calls_of_one_reused_id(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stored messages where the balance answers the transfer and the transfer the balance
+    (both calls `call_0` in their turns' parts) differ from the legacy turns: verify exits 1."""
+    database[CONVERSATIONS].insert_many(balance_and_transfer("c-swap", "get_balance"))
+    assert cli(wire_uri, database, "run") == 0
+    where = {"conversation_id": "c-swap"}
+    swapped = {2: "TRANSFER OK: 100 EUR to Bob", 5: "BALANCE: 120 EUR"}
+    for seq, content in swapped.items():
+        database[MESSAGES].update_one({**where, "seq": seq}, {"$set": {"content": content}})
+    assert results_by_tool(database, "c-swap") == [
+        (2, "get_balance", "TRANSFER OK: 100 EUR to Bob"),
+        (5, "transfer_funds", "BALANCE: 120 EUR"),
+    ]
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify") == 1
+    assert any(line.startswith("c-swap:") for line in capsys.readouterr().out.splitlines())
+
+
+@pytest.mark.wire
+def test_a_result_naming_no_tool_its_reused_id_calls_holds_the_drop_until_accepted(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`call_0` names two unanswered calls, of other tools than the one a result names:
+    which it answered is a guess, so the drop waits until an operator accepts it."""
+    turns = balance_and_transfer("c-refund", "get_balance")
+    turns[1]["response_parts"][1:3] = [
+        {"type": "tool_result", "tool_name": "refund", "result": "«REFUNDED»",
+         "tool_call_id": "call_0"}
+    ]  # fmt: skip
+    database[CONVERSATIONS].insert_many(turns)
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert "ambiguous_tool_result" in capsys.readouterr().out
+    assert database[LEGACY_TURNS].count_documents({}) == 2
+    assert cli(wire_uri, database, "finish", "--accept", "c-refund", "--note", "read") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert "«REFUNDED»" in kept_text(database)
+
+
 # -- dual-written turns: skipped only while the stored messages hold them -----------------
 
 

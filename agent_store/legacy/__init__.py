@@ -2,6 +2,8 @@
 the read fallback. Built on the store; the store never imports it."""
 
 from agent_store.legacy._convert import (
+    AMBIGUOUS_TOOL_RESULT,
+    GUESSED_PAIRINGS,
     HISTORY_CONTRADICTS_PAIRING,
     MIXED_USER_IDS,
     LegacyConversion,
@@ -71,7 +73,9 @@ from agent_store.legacy._session_hitl import (
 from agent_store.legacy._source import LegacyTurns, turns_known_as
 
 __all__ = [
+    "AMBIGUOUS_TOOL_RESULT",
     "CONVERSATION_COUNTERS",
+    "GUESSED_PAIRINGS",
     "HIDDEN_RUNTIME_CONTEXT",
     "HISTORY_CONTRADICTS_PAIRING",
     "LEGACY_TURNS",

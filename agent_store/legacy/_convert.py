@@ -105,6 +105,17 @@ of its tool, whose return `message_history_json` gives saying something else (no
 operator accepts the pairing, `finish --accept`). Its content holds the result, the call it
 answers and the history's return."""
 
+AMBIGUOUS_TOOL_RESULT = "ambiguous_tool_result"
+"""A result whose id names no call of the tool it names, only unanswered calls of others,
+several or an earlier turn's (an id reused across turns, `call_0` in every response): the
+message answers the one the order gives (this turn's, else the earlier turn's latest), a guess
+(not placed: an operator accepts the pairing, `finish --accept`). Its content holds the
+result, the call it answers and the calls it could answer."""
+
+GUESSED_PAIRINGS = frozenset({HISTORY_CONTRADICTS_PAIRING, AMBIGUOUS_TOOL_RESULT})
+"""Problems not placed whose result a message holds nonetheless, answering the call guessed:
+what they concern is converted, so a transcript of what was placed keeps it."""
+
 
 class Problem(BaseModel):
     """Something in a legacy conversation the converter could not place as it is."""
@@ -758,11 +769,16 @@ class _Converter:
             [by[0] if by else None for by in told],
         )
         used = {by[1] for by in told if by}
-        for (index, part, real), by, call_id in zip(pending, told, answered, strict=True):
+        guessed = dict(self.pairing.guessed)
+        for n, ((index, part, real), by, call_id) in enumerate(
+            zip(pending, told, answered, strict=True)
+        ):
             if call_id is None:
                 self._unplaced_result(state, index, part, real)
                 continue
-            self._place_result(state, index, part, call_id)
+            if n in guessed:
+                self._ambiguous_result(state, (index, part, call_id), guessed[n])
+            self._place_result(state, index, part, call_id, checked=n not in guessed)
             if by is None and not self.pairing.names_a_call(real):
                 self._check_history_return(state, (index, part, call_id), used)
 
@@ -855,12 +871,43 @@ class _Converter:
             content={"result": part.raw, "answers": call_id, "history_return": other.raw},
         )
 
-    def _place_result(self, state: _TurnState, index: int, part: LegacyPart, call_id: str) -> None:
-        """A result after the call it answers (`CallPairing`), stored under that call's id."""
+    def _ambiguous_result(
+        self, state: _TurnState, placed: tuple[int, LegacyPart, str], among: list[str]
+    ) -> None:
+        """A result (`placed`: its index, part and the call it answers) its id alone pairs,
+        naming a tool none of the calls of that id is of, with one of several unanswered calls
+        or an earlier turn's (`CallPairing.guessed`): which it answers is a guess, so a problem
+        not placed keeps the result with the calls, and the drop waits on an operator."""
+        index, part, call_id = placed
+        calls = [{"id": cid, "tool_name": self._tool_of(cid)} for cid in among]
+        named = ", ".join(f"{c['id']!r} of {c['tool_name']!r}" for c in calls)
+        self.problem(
+            state.turn,
+            AMBIGUOUS_TOOL_RESULT,
+            f"a result naming tool {part.tool_name!r} under id {part.tool_call_id!r}, which "
+            f"names no call of that tool: its id alone pairs it with one of the unanswered "
+            f"calls {named} (several, or an earlier turn's), so which it answered is not "
+            f"known. The message answers call {call_id!r}; this problem keeps the result and "
+            "the calls it could answer",
+            field="response_parts",
+            part_index=index,
+            content={"result": part.raw, "answers": call_id, "calls": calls},
+        )
+
+    def _tool_of(self, call_id: str) -> str:
+        """The tool of the call stored under `call_id`."""
+        return next(n for cid, n in self.groups[call_id].calls if cid == call_id)
+
+    def _place_result(
+        self, state: _TurnState, index: int, part: LegacyPart, call_id: str, *, checked: bool
+    ) -> None:
+        """A result after the call it answers (`CallPairing`), stored under that call's id; a
+        tool name it gives that is not its call's kept in a placed problem, unless `checked`
+        is False (an `ambiguous_tool_result` keeps the result already)."""
         name = part.tool_name
         group = self.groups[call_id]
-        called = next(n for cid, n in group.calls if cid == call_id)
-        if name is not None and name != called:
+        called = self._tool_of(call_id)
+        if checked and name is not None and name != called:
             self.problem(
                 state.turn,
                 "mismatched_tool_name",

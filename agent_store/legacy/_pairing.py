@@ -12,6 +12,8 @@ no id answers (`told_calls`), always one of the result's own tool, so the transc
 names a result by its call's tool, needs no history; `CallPairing` pairs the rest. A return
 names its call by the latest call of that id in the turn's own part of the history
 (`returns_here`), so ids a provider numbers per response never reach across responses.
+Of the calls an id names, the tool a result names decides before position, across turns as
+within one; an id alone reaching past its tool's calls is a guess (`CallPairing.guessed`).
 """
 
 from __future__ import annotations
@@ -29,9 +31,14 @@ class CallPairing(Generic[K]):
     def __init__(self) -> None:
         self._by_id: dict[str, list[K]] = defaultdict(list)
         """Each call by the id its legacy part names, in the order they were made."""
+        self._tools: dict[K, Any] = {}
+        """Each call's tool name, by key."""
         self._answered: set[K] = set()
         self._turn: list[tuple[K, Any]] = []
         """This turn's calls, (key, tool name), in the order they were made."""
+        self.guessed: list[tuple[int, list[K]]] = []
+        """The results of the last `answer` whose call is a guess, each by its index with the
+        unanswered calls its id names, none of the tool it names (`_by_name`)."""
 
     def start_turn(self) -> None:
         """The calls made from now on are the next turn's."""
@@ -39,6 +46,7 @@ class CallPairing(Generic[K]):
 
     def add_call(self, key: K, tool_name: Any, call_id: str | None) -> None:
         self._turn.append((key, tool_name))
+        self._tools[key] = tool_name
         if call_id is not None:
             self._by_id[call_id].append(key)
 
@@ -54,21 +62,25 @@ class CallPairing(Generic[K]):
         self, results: Sequence[tuple[Any, str | None]], told: Sequence[K | None] = ()
     ) -> list[K | None]:
         """The call each of this turn's results, (tool name, id), answers; None where no call
-        is left for it. Results whose id names a call are paired first, in order; then each
-        result its turn's history tells the call of (`told`, by key: `told_calls`) takes that
-        call while it is unanswered; only then does each result whose id names none take, in
-        order, the first unanswered call of its tool in this turn: a result naming no call
-        never takes one another names."""
+        is left for it. Results whose id names a call are paired first, in order, by the tool
+        they name before position (`_by_name`; those paired by a guess are in `guessed`);
+        then each result its turn's history tells the call of (`told`, by key: `told_calls`)
+        takes that call while it is unanswered; only then does each result whose id names
+        none take, in order, the first unanswered call of its tool in this turn: a result
+        naming no call never takes one another names."""
         told = list(told) or [None] * len(results)
         named = {i for i, (_, call_id) in enumerate(results) if self.names_a_call(call_id)}
         said = [i for i, key in enumerate(told) if key is not None and i not in named]
         unnamed = [i for i in range(len(results)) if i not in named and i not in said]
         answers: list[K | None] = [None] * len(results)
+        self.guessed = []
         for index in [*sorted(named), *said, *unnamed]:
             tool_name, call_id = results[index]
             key = told[index]
             if index in named:
-                found = self._by_name(call_id, tool_name)
+                found, among = self._by_name(call_id, tool_name)
+                if among:
+                    self.guessed.append((index, among))
             elif key is not None and key not in self._answered:
                 found = key
             else:
@@ -78,16 +90,26 @@ class CallPairing(Generic[K]):
             answers[index] = found
         return answers
 
-    def _by_name(self, call_id: str | None, tool_name: Any) -> K | None:
-        """A result whose id names calls answers this turn's first of them still unanswered,
-        of its tool when it names one (calls one response made under one id are answered in
+    def _by_name(self, call_id: str | None, tool_name: Any) -> tuple[K | None, list[K]]:
+        """The call a result whose id names calls answers, and, when that is a guess, the
+        unanswered calls it was chosen among (else none). The tool a result names decides
+        first, across turns as within one: of the calls its id names, those of its tool when
+        any is (all answered: the result repeats an answer, and answers none); then this
+        turn's first still unanswered (calls one response made under one id are answered in
         the order they were made), else an earlier turn's latest, as the live store pairs
-        them across turns (`answers_to_calls`)."""
-        open_calls = [k for k in self._by_id[str(call_id)] if k not in self._answered]
+        them across turns (`answers_to_calls`). A result naming a tool none of those calls
+        is of is paired so by its id alone: a guess when the id names several unanswered
+        calls, or only an earlier turn's (an id a provider numbers per response says
+        nothing of which turn's call it is; only the tool would). A result naming no tool is
+        paired by that order alone, as the live store pairs it."""
+        calls = self._by_id[str(call_id)]
+        of_its_tool = [k for k in calls if tool_name is not None and self._tools[k] == tool_name]
+        open_calls = [k for k in of_its_tool or calls if k not in self._answered]
         this_turn = [k for k in open_calls if any(k == key for key, _ in self._turn)]
-        of_its_tool = [k for k in this_turn if (k, tool_name) in self._turn]
-        chosen = of_its_tool[:1] or this_turn[:1] or open_calls[-1:]
-        return chosen[0] if chosen else None
+        chosen = this_turn[:1] or open_calls[-1:]
+        by_id_alone = tool_name is not None and not of_its_tool
+        guess = by_id_alone and (len(open_calls) > 1 or not this_turn)
+        return (chosen[0] if chosen else None), (open_calls if guess else [])
 
     def _of(self, tool_name: Any) -> K | None:
         """The first unanswered call of the tool in this turn."""
