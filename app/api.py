@@ -486,7 +486,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "live",
         {201: LoggedTurn, 200: LoggedTurn},
         body=ForkBody,
-        errors=("not_found", "conflict"),
+        errors=("not_found", "conflict", "storage_unavailable"),
     ),
     Endpoint(
         "GET",

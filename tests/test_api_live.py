@@ -163,6 +163,44 @@ async def test_a_fork_retried_over_http_after_its_source_was_popped_is_a_conflic
         assert [m["content"] for m in forked.json()["data"]][-1] == "answer 2"
 
 
+async def test_a_fork_over_http_at_a_seq_whose_turn_is_still_being_written_is_a_503(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A turn reserved `seq`s 2-3 and has not inserted yet: a fork at either asks to be retried
+    (503, nothing written), never a 422; once the turn is stored the same fork is a 201."""
+    async with serve(mongomock_db(), seeded=False) as api:
+        owner = auth_headers(user=OWNER)
+        base = "/v1/conversations/conv-src"
+        said = [{"role": "user", "content": "question"}, {"role": "assistant", "content": "a"}]
+        await api.http.post(f"{base}/turns", json={"messages": said, "turn_id": "t0"},
+                            headers=owner)  # fmt: skip
+        logger = api.store.logger
+
+        async def not_yet(*args: Any, **kwargs: Any) -> None:
+            raise ConnectionError("the turn reserved and has not inserted")
+
+        monkeypatch.setattr(logger._messages, "insert_many", not_yet)
+        with pytest.raises(ConnectionError):
+            await logger.log_messages("conv-src", said, user_id=OWNER, turn_id="t1")
+        monkeypatch.undo()
+        before = await api.digest()
+
+        waits = [
+            await api.http.post(f"{base}/forks", headers=owner,
+                                json={"at_seq": at_seq, "new_conversation_id": "conv-fork"})
+            for at_seq in (2, 3)
+        ]  # fmt: skip
+        assert [(r.status_code, r.json()["error"]["code"]) for r in waits] == [
+            (503, "storage_unavailable")
+        ] * 2
+        assert "still being written at seq 2" in waits[1].json()["error"]["message"]
+        assert await api.digest() == before
+
+        await logger.log_messages("conv-src", said, user_id=OWNER, turn_id="t1")
+        body = {"at_seq": 3, "new_conversation_id": "conv-fork"}
+        assert (await api.http.post(f"{base}/forks", json=body, headers=owner)).status_code == 201
+
+
 async def test_the_inbox_read_and_close_answer_pages_of_page_bytes_saying_more_follow(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -2226,6 +2226,76 @@ async def test_a_fork_waits_for_a_turn_still_being_written_before_its_point(
     assert [m.content for m in forked.messages] == ["hi", "after"]
 
 
+async def test_a_fork_at_a_seq_whose_turn_is_still_being_written_waits_for_it(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `seq` the conversation reserved holds no message yet while its turn is still being
+    written: a fork at it waits (StorageUnavailable, retryable), as one past it does, nothing
+    written (the error names the turn's first `seq`); once the turn is stored the same fork
+    copies it."""
+    from agent_store import StorageUnavailable
+    from agent_store.store import CONVERSATIONS, MESSAGES
+
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "hi"}], turn_id="t1")
+    slow = [{"role": "user", "content": "slow"}, {"role": "assistant", "content": "turn"}]
+    await _reserved_only(logger, monkeypatch, slow, "t2")  # seqs 1-2
+
+    for at_seq in (1, 2):
+        with pytest.raises(StorageUnavailable, match="still being written at seq 1"):
+            await logger.fork(CID, at_seq, f"fork-at-{at_seq}")
+        assert await backend.db[CONVERSATIONS].find_one({"_id": f"fork-at-{at_seq}"}) is None
+    assert await backend.db[MESSAGES].count_documents({"conversation_id": {"$ne": CID}}) == 0
+
+    await logger.log_messages(CID, slow, turn_id="t2")  # the runtime's retry
+    forked = await logger.fork(CID, 2, "fork-at-2")
+    assert [m.content for m in forked.messages] == ["hi", "slow", "turn"]
+
+
+async def test_a_fork_at_the_unstored_seq_of_a_turn_cut_short_waits_for_the_rest(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn [question, call, result] whose insert stored its question only: a fork at its
+    stored `seq` waits for the rest of its turn, and so does one at a `seq` it has not stored
+    yet (it was an InvalidInput, 'no message with seq 3', refused for good)."""
+    from agent_store import StorageUnavailable
+
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "hi"}], turn_id="t0")
+    cut = [{"role": "user", "content": "weather?"}, _book("c1", "weather"), _answer("c1")]
+    await _log_cut_short(logger, monkeypatch, cut, "t1")  # seq 1 stored, 2-3 not yet
+
+    for at_seq in (1, 2, 3):
+        with pytest.raises(StorageUnavailable, match="still being written at seq 2"):
+            await logger.fork(CID, at_seq, "conv-fork")
+
+    await logger.log_messages(CID, cut, turn_id="t1")
+    forked = await logger.fork(CID, 3, "conv-fork")
+    assert [m.role for m in forked.messages] == ["user", "user", "assistant", "tool"]
+
+
+async def test_a_fork_at_a_seq_no_turn_will_write_is_refused_as_holding_no_message(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block older than `abandon_after` that stored nothing is passed: a fork at one of its
+    `seq`s is InvalidInput, as is one at a `seq` not reserved (`message_count` and past),
+    while a turn is still being written below it."""
+    from datetime import timedelta
+
+    from agent_store import TurnRules
+
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "hi"}], turn_id="t1")
+    await _reserved_only(logger, monkeypatch, [{"role": "user", "content": "gone"}], "t2")
+
+    patient = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    with pytest.raises(InvalidInput, match="no message with seq 1"):
+        await patient.fork(CID, 1, "conv-fork")
+    for past_the_end in (2, 7):
+        with pytest.raises(InvalidInput, match=f"no message with seq {past_the_end}"):
+            await logger.fork(CID, past_the_end, "conv-fork")
+
+
 async def test_a_fork_after_a_pop_that_raced_a_turn_passes_the_seq_the_pop_removed(
     backend: Backend,
 ) -> None:

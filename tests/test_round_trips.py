@@ -61,6 +61,30 @@ async def test_a_retry_after_a_crash_costs_four_round_trips(wire_backend: Backen
     assert wire_backend.commands.names == ["findAndModify", "find", "insert", "find"]
 
 
+async def test_a_retry_storing_earlier_times_than_its_first_attempt_costs_two_more(
+    wire_backend: Backend,
+) -> None:
+    """The retry path after a crash (four), then, its turn the conversation's last and dated
+    before the `updated_at` its first attempt reserved with: the message below its block
+    read, and `updated_at` set back (guarded)."""
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db, rules=TurnRules(claim_grace=timedelta(0)))
+    noon = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    turn = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    earlier = [{**m, "created_at": noon - timedelta(days=1)} for m in turn]
+    await logger.log_messages(CID, earlier, turn_id="t-0")
+    await logger.log_messages(CID, [{**m, "created_at": noon} for m in turn], turn_id="t-1")
+    await wire_backend.db.agent_messages.delete_many({"seq": {"$gte": 2}})  # a crash, as above
+    wire_backend.commands.clear()
+
+    behind = [{**m, "created_at": noon - timedelta(minutes=5)} for m in turn]
+    await logger.log_messages(CID, behind, turn_id="t-1")
+
+    assert wire_backend.commands.names == [
+        "findAndModify", "find", "insert", "find", "find", "update"
+    ]  # fmt: skip
+
+
 async def test_a_replay_of_a_stored_turn_costs_four_round_trips(wire_backend: Backend) -> None:
     """A refused reservation, the record, the insert refused on every id, the stored messages."""
     assert wire_backend.commands is not None

@@ -909,6 +909,82 @@ async def test_a_retry_that_stores_later_times_than_its_first_attempt_moves_upda
     assert conversation["updated_at"].replace(tzinfo=UTC) == latest
 
 
+NOON = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+
+
+def at(when: datetime, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**m, "created_at": when} for m in messages]
+
+
+async def reserved_then_died(logger: AgentMessageLogger, messages: list[dict[str, Any]]) -> None:
+    """A first attempt that reserves the turn "t-1" and dies before its insert."""
+
+    async def died(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("the process died after reserving")
+
+    insert_many = logger._messages.insert_many
+    logger._messages.insert_many = died  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ConnectionError):
+            await logger.log_messages(CID, messages, turn_id="t-1")
+    finally:
+        logger._messages.insert_many = insert_many  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(
+    ("below", "shown"),
+    [
+        (NOON - timedelta(days=1), NOON - timedelta(minutes=5)),
+        (NOON - timedelta(minutes=2), NOON - timedelta(minutes=2)),
+    ],
+    ids=["its own time", "the later time of the message below"],
+)
+async def test_a_retry_that_stores_earlier_times_than_its_first_attempt_takes_updated_at_back(
+    backend: Backend, below: datetime, shown: datetime
+) -> None:
+    """The first attempt reserved with its messages' times (noon) and died; the retry, from a
+    pod whose clock is 5 minutes behind, stores its own. `updated_at` is no time of the first
+    attempt's, which no stored message has: it is what a pop of the turn and its append again
+    would leave, the later of the turn's time and the message's below it (DESIGN.md §2)."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(claim_grace=timedelta(0)))
+    await logger.log_messages(CID, at(below, turn("earlier")), turn_id="t-0")
+    await reserved_then_died(logger, at(NOON, turn("hello")))
+
+    retried = await logger.log_messages(
+        CID, at(NOON - timedelta(minutes=5), turn("hello")), turn_id="t-1"
+    )
+
+    assert retried.replayed
+    conversation = await check_conversation(backend.db)
+    assert conversation["updated_at"].replace(tzinfo=UTC) == shown
+    listed = await ConversationStore(backend.db).get_conversation(CID)
+    assert listed.updated_at == shown
+
+
+async def test_a_turn_reserving_past_a_retry_that_stores_earlier_times_keeps_its_own_time(
+    backend: Backend,
+) -> None:
+    """While the retry inserts, a later turn (12:10) reserves past it: `updated_at` is that
+    turn's, never taken back to the retry's time (the correction is guarded: no turn reserved
+    past the retry's, `updated_at` as the retry read it)."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(claim_grace=timedelta(0)))
+    other = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, at(NOON - timedelta(days=1), turn("earlier")), turn_id="t-0")
+    await reserved_then_died(logger, at(NOON, turn("hello")))
+    insert_many = logger._messages.insert_many
+
+    async def a_later_turn_first(*args: Any, **kwargs: Any) -> Any:
+        await other.log_messages(CID, at(NOON + timedelta(minutes=10), turn("later")),
+                                 turn_id="t-2")  # fmt: skip
+        return await insert_many(*args, **kwargs)
+
+    logger._messages.insert_many = a_later_turn_first  # type: ignore[method-assign]
+    await logger.log_messages(CID, at(NOON - timedelta(minutes=5), turn("hello")), turn_id="t-1")
+
+    conversation = await check_conversation(backend.db)
+    assert conversation["updated_at"].replace(tzinfo=UTC) == NOON + timedelta(minutes=10)
+
+
 def calls_turn(messages: int, calls_each: int, prefix: str = "c") -> list[dict[str, Any]]:
     """A question and `messages` assistant messages of `calls_each` calls each, their ids and
     names as long as a message takes (200 and 256 characters)."""

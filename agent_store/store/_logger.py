@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import partial
@@ -52,6 +52,7 @@ from agent_store.core import (
     TranscriptMoved,
     messages_adapter,
     shown,
+    to_utc_millis,
     utc_now,
 )
 from agent_store.store._blobs import (
@@ -419,8 +420,6 @@ class AgentMessageLogger:
         started = time.monotonic()
         reserved = await self._reserve(plan, actor, runtime_name, condition)
         stored = await self._store(plan, reserved, started)
-        if reserved.replayed:
-            await self._follow_times(plan.conversation_id, reserved, stored)
         return await self._told(plan, reserved, stored)
 
     async def check_turn(
@@ -539,7 +538,9 @@ class AgentMessageLogger:
         The copies get new ids and `seq` 0…n in the same order; a fork between a
         tool call and its result moves to the end of the pair. The new conversation
         has its own summary fields, the same owner and `forked_from`; the original
-        is untouched. The same fork retried is stored once; an existing
+        is untouched. A turn up to `at_seq`, or the one it is in (`at_seq` itself, reserved
+        and not stored yet, included), still being written makes the fork wait:
+        StorageUnavailable, nothing written. The same fork retried is stored once; an existing
         `new_conversation_id` is a Conflict. A source deleted, or its user erased, before
         the fork's check of it passed is NotFound, and what the fork wrote is taken back,
         by the attempt that finds it or by a retry (`_unless_its_source_went`). A fork refused
@@ -567,6 +568,7 @@ class AgentMessageLogger:
             await self._settle_earlier_attempt(conversation_id, new_conversation_id, actor)
             raise
         messages = read.messages
+        self._refuse_a_point_being_written(conversation_id, source, read, at_seq)
         end = fork_end(messages, at_seq)
         _refuse_too_large_a_fork(read, at_seq, end)
         self._refuse_unfinished(conversation_id, source, read.stored, end)
@@ -775,6 +777,31 @@ class AgentMessageLogger:
         gaps = Gaps.of(source)
         through = max(end, gaps.turn_end(end, int(source.get("message_count") or 0)))
         missing = [seq for seq in range(through + 1) if seq not in stored]
+        self._refuse_writing(conversation_id, gaps, missing)
+
+    def _refuse_a_point_being_written(
+        self, conversation_id: str, source: Mapping[str, Any], read: ForkRead, at_seq: int
+    ) -> None:
+        """StorageUnavailable, as `_refuse_unfinished` answers, when `at_seq` holds no message
+        because its turn is still being written: reserved (below `message_count`) and not
+        passed (`Gaps.passed`: its block younger than `abandon_after`, no pop removed it). A
+        `seq` never reserved, or passed, is left to `fork_end`: InvalidInput, for good."""
+        if at_seq in read.stored or any(m.seq == at_seq for m in read.messages):
+            return
+        gaps = Gaps.of(source)
+        reserved = 0 <= at_seq < int(source.get("message_count") or 0)
+        if not reserved or gaps.passed(
+            at_seq, now=utc_now(), abandon_after=self.rules.abandon_after
+        ):
+            return
+        # Read whole up to `at_seq` unless a limit stopped the read: the first `seq` up to it
+        # still being written is named, as for a fork at a stored `seq`.
+        missing = range(at_seq + 1) if read.over is None else [at_seq]
+        self._refuse_writing(conversation_id, gaps, [s for s in missing if s not in read.stored])
+
+    def _refuse_writing(self, conversation_id: str, gaps: Gaps, missing: Iterable[int]) -> None:
+        """StorageUnavailable naming the first of the `missing` `seq`s (no message stored at)
+        a turn is still writing (`Gaps.written`); nothing when all are passed."""
         writing = gaps.written(missing, now=utc_now(), abandon_after=self.rules.abandon_after)
         if writing is not None:
             raise StorageUnavailable(
@@ -1115,6 +1142,8 @@ class AgentMessageLogger:
         slow = min(self.rules.claim_grace, self.rules.abandon_after).total_seconds()
         if refilled or time.monotonic() - started > slow:
             stored = await self._follow_the_conversation(plan, reserved, stored)
+        if reserved.replayed and stored:
+            await self._follow_times(plan, reserved, stored, inserted=inserted)
         return stored
 
     async def _wait_until(self, deadline: float) -> None:
@@ -1287,17 +1316,80 @@ class AgentMessageLogger:
         return left
 
     async def _follow_times(
-        self, conversation_id: str, reserved: _Reserved, stored: Sequence[AgentMessage]
+        self,
+        plan: TurnPlan,
+        reserved: _Reserved,
+        stored: Sequence[AgentMessage],
+        *,
+        inserted: bool,
     ) -> None:
-        """After a retry stored the messages its first attempt did not, with later times than
-        that attempt's: the conversation's `updated_at` follows them (one more update, then
-        only)."""
+        """After a retry: the conversation's `updated_at` follows the times stored where they
+        are not those its first attempt reserved with (the retry stamped them again, or came
+        from a pod whose clock differs). Later: it follows them (one update more, then only).
+        Earlier, stored by this retry (`inserted`) in the block its first attempt reserved,
+        while that block ends the conversation: the first attempt's time, which no stored
+        message has, is taken back (`_take_times_back`). A turn moved to a new block keeps
+        what the move set (its retry comes `abandon_after` later, its times rarely earlier).
+        Nothing more on any other path."""
+        read = reserved.conversation
+        if read is None:
+            return
         latest = max(m.created_at for m in stored)
-        if reserved.conversation is not None and latest > reserved.conversation.updated_at:
+        end = reserved.first_seq + plan.count
+        if latest > read.updated_at:
             with storage_errors("update the conversation"):
                 await self._conversations.update_one(
-                    {"_id": conversation_id}, {"$max": {"updated_at": latest}}
+                    {"_id": plan.conversation_id}, {"$max": {"updated_at": latest}}
                 )
+        elif inserted and reserved.moved is None and read.message_count == end:
+            await self._take_times_back(
+                plan.conversation_id, reserved, end, read.updated_at, latest
+            )
+
+    async def _take_times_back(
+        self,
+        conversation_id: str,
+        reserved: _Reserved,
+        end: int,
+        shown: datetime,
+        latest: datetime,
+    ) -> None:
+        """`updated_at` (`shown`, as the retry read it) later than `latest` (the turn's time as
+        stored, its block ending at `end`) is set as a pop of the turn and its append again
+        would set it: to the later of `latest` and the time of the message just below the
+        block (one read and one guarded update more, on this path only). It stays while that
+        `seq` holds no message (a turn may still be writing a later time there, as a pop
+        keeps it), once a turn reserved past this one (its reservation weighed the first
+        attempt's time: that turn's, or a later one, stays), and once anything else set it
+        since it was read."""
+        if latest >= shown:
+            return
+        first = reserved.first_seq
+        if first > 0:
+            with storage_errors("read the message before the turn"):
+                below = await self._messages.find_one(
+                    {
+                        "conversation_id": conversation_id,
+                        "epoch": {"$in": [reserved.epoch, None]},
+                        "seq": {"$lt": first},
+                    },
+                    {"_id": 0, "seq": 1, "created_at": 1},
+                    sort=[("seq", -1)],
+                )
+            if below is None or below["seq"] != first - 1:
+                return
+            latest = max(latest, to_utc_millis(below["created_at"]))
+        if latest >= shown:
+            return
+        with storage_errors("update the conversation"):
+            await self._conversations.update_one(
+                {
+                    **_same_as_reserved(conversation_id, reserved),
+                    "message_count": end,
+                    "updated_at": shown,
+                },
+                {"$set": {"updated_at": latest}},
+            )
 
     async def _stored_in(
         self, plan: TurnPlan, block: RecordedBlock, *, moving: Mapping[str, Any] | None = None
