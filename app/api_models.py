@@ -38,6 +38,11 @@ Name = Annotated[
     ),
 ]
 
+_CallId = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+CallIdMap = Annotated[dict[_CallId, _CallId], Field(max_length=MAX_HELD_CALLS)]
+"""Tool call ids to an id the client read with each (a request id, a message id): as many as
+a conversation lists pending."""
+
 
 class _Input(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
@@ -137,29 +142,11 @@ class LogTurnBody(_Input):
     """The owner of a new conversation (a user token implies its own)."""
     name: Name | None = None
     """A name the runtime chose; never replaces one a person set."""
-    refused_prompts: (
-        Annotated[
-            dict[
-                Annotated[str, StringConstraints(min_length=1, max_length=200)],
-                Annotated[str, StringConstraints(min_length=1, max_length=200)],
-            ],
-            Field(max_length=MAX_HELD_CALLS),
-        ]
-        | None
-    ) = None
+    refused_prompts: CallIdMap | None = None
     """For each call the turn denies, the request id of the prompt the denial answers, as the
     client read it: a denial of a call that prompt's answer approved first is refused (409),
     also once a second question holds the call again."""
-    answers_to: (
-        Annotated[
-            dict[
-                Annotated[str, StringConstraints(min_length=1, max_length=200)],
-                Annotated[str, StringConstraints(min_length=1, max_length=200)],
-            ],
-            Field(max_length=MAX_HELD_CALLS),
-        ]
-        | None
-    ) = None
+    answers_to: CallIdMap | None = None
     """For each call of an earlier turn the turn answers (a result or a denial), the message
     that made it (`message_id`), as the client read `pending_calls`: the turn is refused (409)
     when another turn answered that call first, as a call's first answer is its answer."""

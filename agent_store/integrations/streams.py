@@ -773,27 +773,24 @@ async def _checked(
     (`AgentMessageLogger.check_turn`), as `log_streamed_turn` logs it: a turn whose refusals
     of calls another turn answered first are refused (`AnsweredBefore`) is logged without
     them, so it is that turn that is checked."""
-    try:
+
+    async def check(checked: Sequence[AgentMessage | Mapping[str, Any]]) -> None:
         await logger.check_turn(
             conversation_id,
-            messages,
+            checked,
             user_id=user_id,
             turn_id=turn_id,
             refused_prompts=dict(turn.refused_prompts),
             answers_to=dict(turn.answered_calls),
         )
+
+    try:
+        await check(messages)
     except AnsweredBefore as refused:
         without = _without_denials(messages, refused.tool_call_ids)
         if len(messages) - len(without) < len(set(refused.tool_call_ids)):
             raise  # an answer other than a denial (a result): the turn is refused
-        await logger.check_turn(
-            conversation_id,
-            without,
-            user_id=user_id,
-            turn_id=turn_id,
-            refused_prompts=dict(turn.refused_prompts),
-            answers_to=dict(turn.answered_calls),
-        )
+        await check(without)
 
 
 def _approved_with_results(

@@ -2134,32 +2134,32 @@ def _turn_conditions(
 
 def _answers_to(answers_to: Mapping[str, str] | None) -> dict[str, str]:
     """`log_messages`'s `answers_to`, checked: tool call ids to message ids."""
-    if answers_to is None:
-        return {}
-    if not isinstance(answers_to, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in answers_to.items()
-    ):
-        raise InvalidInput(
-            "answers_to must map the tool call ids of the calls of earlier turns the turn "
-            "answers to the ids of the messages that made them, as pending_calls serves "
-            "them (strings to strings)"
-        )
-    checked: dict[str, str] = storable(dict(answers_to), "answers_to")
-    return checked
+    return _call_id_map(
+        answers_to,
+        "answers_to must map the tool call ids of the calls of earlier turns the turn "
+        "answers to the ids of the messages that made them, as pending_calls serves them",
+    )
 
 
 def _refused_prompts(refused: Mapping[str, str] | None) -> dict[str, str]:
     """`log_messages`'s `refused_prompts`, checked: tool call ids to request ids."""
-    if refused is None:
+    return _call_id_map(
+        refused,
+        "refused_prompts must map tool call ids to the request ids of the refused prompts "
+        "their denials answer",
+    )
+
+
+def _call_id_map(value: Mapping[str, str] | None, what: str) -> dict[str, str]:
+    """A map of tool call ids to text a caller passed, checked (`what` says what it must
+    be, its name first); empty for None."""
+    if value is None:
         return {}
-    if not isinstance(refused, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in refused.items()
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
     ):
-        raise InvalidInput(
-            "refused_prompts must map tool call ids to the request ids of the refused "
-            "prompts their denials answer (strings to strings)"
-        )
-    checked: dict[str, str] = storable(dict(refused), "refused_prompts")
+        raise InvalidInput(f"{what} (strings to strings)")
+    checked: dict[str, str] = storable(dict(value), what.split(" ", 1)[0])
     return checked
 
 
