@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import random
 import re
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,7 +43,7 @@ from agent_store.integrations.streams import (
     turn_from_sse,
 )
 from agent_store.store import PENDING_CALLS_KEPT
-from agent_store.store._turns import message_id, pending_after
+from agent_store.store._turns import answered_in, message_id, pending_after
 from tests.api_harness import auth_headers, serve
 from tests.conftest import COUNTED, Backend
 
@@ -3866,3 +3868,186 @@ async def test_a_pop_below_the_block_a_moved_turn_left_brings_back_the_prompt_as
 
     await logger.fork(CID, 2, "conv-fork")
     assert await held_state(store) == await held_state(store, "conv-fork") == asked
+
+
+# -- a prompt waiting on calls a person released: the fold and the reservation agree ---------
+
+Step = list[dict[str, Any]] | str
+"""A turn's messages, or the request id of a prompt a person resolves (`resolve_hitl`)."""
+
+
+async def _logged(
+    logger: AgentMessageLogger,
+    store: ConversationStore,
+    cid: str,
+    steps: list[Step],
+    start: int = 0,
+) -> Any:
+    """`steps` applied in order to `cid`, each turn under an id of its own (numbered from
+    `start`); what it holds then."""
+    for n, step in enumerate(steps, start):
+        if isinstance(step, str):
+            await store.resolve_hitl(cid, step)
+        else:
+            await logger.log_messages(cid, step, turn_id=f"t{n}")
+    return await held_state(store, cid)
+
+
+def _first(steps: list[Step], count: int) -> list[Step]:
+    """`steps` up to their first `count` messages, the resolutions among them kept."""
+    kept: list[Step] = []
+    for step in steps:
+        if count <= 0:
+            break
+        kept.append(step if isinstance(step, str) else step[:count])
+        count -= 0 if isinstance(step, str) else len(step)
+    return kept
+
+
+RELEASED_THEN_WAITING: list[Step] = [
+    [_user("Book it."), _book("c1"), _asks_about("q1", "c1")],
+    "q1",  # approved: c1 runs, awaiting its result
+    [_user("And?"), _asks("q2"), _say("Waiting.")],  # finds no unheld call: waits on c1
+    [_user("Done?"), _answer("c1", "booked"), _say("Booked.")],  # seqs 6, 7, 8
+    [_user("Thanks.")],
+]
+
+
+@pytest.mark.parametrize("at", [7, 8], ids=["at-the-result", "after-it"])
+async def test_a_fork_after_the_result_of_a_released_call_leaves_the_prompt_waiting_on_it_cleared(
+    backend: Backend, at: int
+) -> None:
+    """DESIGN.md §3 Pending HITL: a prompt finding no call to hold waits on the held calls, a
+    call a person's answer released among them (it awaits its result). Its result clears the
+    prompt as the turns are logged; a fork folding the same messages with the same answer
+    leaves it cleared too."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _logged(logger, store, CID, RELEASED_THEN_WAITING)
+    fresh = await _logged(logger, store, "fresh", _first(RELEASED_THEN_WAITING, at + 1))
+    assert fresh == ([], None)
+
+    await logger.fork(CID, at, "conv-fork")
+
+    assert await held_state(store, "conv-fork") == fresh
+
+
+WAITING_THEN_RELEASED: list[Step] = [
+    [_user("Book it."), _book("c0"), _asks_about("q0", "c0")],
+    [_user("And?"), _asks("r0")],  # finds no unheld call: waits on c0
+    "q0",  # approved: c0 runs, awaiting its result
+    [_user("Go."), _answer("c0", "booked"), _book("c2"), _asks_about("q2", "c2")],  # 5…8
+]
+
+
+@CUT_BY
+async def test_cutting_a_later_question_leaves_the_prompt_waiting_on_a_released_call_cleared(
+    backend: Backend, cut: str
+) -> None:
+    """r0 waits on c0, held by q0; the person approves q0; a turn logs c0's result, makes c2
+    and asks q2 about it. Popping q2, or a fork cut before it, leaves what that turn logged
+    without q2 leaves: r0 cleared by c0's result, c2 pending."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _logged(logger, store, CID, WAITING_THEN_RELEASED)
+    fresh = await _logged(logger, store, "fresh", _first(WAITING_THEN_RELEASED, 8))
+    assert fresh == ([("c2", None)], None)
+
+    cid = await _cut_at(logger, store, cut, 7)
+
+    assert await held_state(store, cid) == fresh
+
+
+@pytest.mark.parametrize("waiting", ["asked-meanwhile", "asked-before"])
+async def test_a_late_retry_answering_a_released_call_clears_the_prompt_waiting_on_it(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, waiting: str
+) -> None:
+    """c1's prompt is approved; the turn answering c1 reserves and dies; r2, a prompt finding
+    no unheld call, was asked before the approval or is asked meanwhile. The answer, retried
+    later than `abandon_after`, moves to the end and clears r2, as the same turns logged in
+    their stored order do."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    ask = [_user("Book it."), _book("c1"), _asks_about("q1", "c1")]
+    asks_r2 = [_user("And?"), _asks("r2"), _say("Waiting.")]
+    answer = [_user("Go."), _answer("c1", "booked"), _say("Booked.")]
+    before: list[Step] = [ask, "q1"] if waiting == "asked-meanwhile" else [ask, asks_r2, "q1"]
+    meanwhile: list[Step] = [asks_r2] if waiting == "asked-meanwhile" else [[_user("Hm.")]]
+    fresh = await _logged(logger, store, "fresh", [*before, *meanwhile, answer])
+    assert fresh == ([], None)
+    await _logged(logger, store, CID, before)
+    await _reserved_only(logger, monkeypatch, answer, "answer")
+    await _logged(logger, store, CID, meanwhile, start=len(before))
+
+    await logger.log_messages(CID, answer, turn_id="answer")  # moved to the end
+
+    assert await held_state(store) == fresh
+
+
+def _small_conversation(rng: random.Random) -> list[Step]:
+    """A small random conversation: calls left open and answered in later turns (a result,
+    or a denial), prompts naming a call of their turn, an open call of an earlier turn, or
+    none (some before any call of their turn, in a turn of their own), and a person
+    resolving an asked prompt between turns; each request id asked once."""
+    steps: list[Step] = []
+    open_calls: list[str] = []
+    asked: list[str] = []
+
+    def ask(call_ids: list[str] | None) -> dict[str, Any]:
+        asked.append(f"q{len(asked)}")
+        return _asks_about(asked[-1], *call_ids) if call_ids else _asks(asked[-1])
+
+    for t in range(rng.randint(3, 6)):
+        turn = [ask(None)] if open_calls and rng.random() < 0.3 else [_user(f"u{t}")]
+        for call_id in [c for c in open_calls if rng.random() < 0.35]:
+            open_calls.remove(call_id)
+            turn.append(_denial(call_id) if rng.random() < 0.2 else _answer(call_id))
+        made = [f"c{t}-{n}" for n in range(rng.randint(0, 2))]
+        if made:
+            turn.append(_calls(*made))
+            open_calls += made
+        for _ in range(rng.randint(0, 2)):
+            named = rng.choice([[], made or open_calls, open_calls])
+            turn.append(ask([rng.choice(named)] if named else None))
+        steps.append(turn)
+        steps += [rng.choice(asked) for _ in range(rng.randint(0, 2)) if asked]
+    return steps
+
+
+def _denial(call_id: str) -> dict[str, Any]:
+    error = {"message": "tool call denied"}
+    return {"role": "tool", "tool_call_id": call_id, "content": DENIED_RESULT, "error": error}
+
+
+async def _as_stored_and_folded(backend: Backend, store: ConversationStore) -> list[Any]:
+    """The conversation's pending calls (with the prompt holding each, as stored) and prompt,
+    as its document holds them, and as the fold of its stored messages with the answers a
+    person gave (`answered_prompts`) leaves them."""
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert doc is not None
+    stored = (
+        [PendingCall.model_validate(c) for c in doc.get("pending_calls") or ()],
+        (doc.get("pending_hitl") or {}).get("request_id"),
+    )
+    calls, prompt = pending_after(await store.transcript(CID), (), answered_in(doc))
+    return [
+        ([(c.tool_call_id, c.message_id, c.request_id) for c in held], request_id)
+        for held, request_id in (stored, (calls, prompt.request_id if prompt else None))
+    ]
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_the_fold_of_the_stored_messages_is_what_their_turns_and_answers_left_stored(
+    backend: Backend, seed: int
+) -> None:
+    """DESIGN.md §3 Pending calls: the reservation, and the fold of the stored messages a pop,
+    a fork or a move applies, follow one rule. Over small random conversations with answers
+    a person gives between turns, after every turn and every answer, the fold of what is
+    stored lists what the reservations left: each call with the prompt holding it, a call an
+    answer released included, and the same prompt pending."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for n, step in enumerate(_small_conversation(random.Random(seed))):
+        with contextlib.suppress(AnsweredBefore, Conflict, NotFound):  # refused: nothing stored
+            if isinstance(step, str):
+                await store.resolve_hitl(CID, step)
+            else:
+                await logger.log_messages(CID, step, turn_id=f"t{n}")
+        stored, folded = await _as_stored_and_folded(backend, store)
+        assert folded == stored, f"after step {n}"

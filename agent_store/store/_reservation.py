@@ -851,7 +851,8 @@ def _released(plan: TurnPlan) -> dict[str, Any] | None:
     """The pending calls before a turn that raises prompts, as an expression: those held by a
     prompt of one of their request ids that a person resolved (`resolved_hitl`) stored with
     `request_id: null`, released for good before the turn asks under that id anew
-    (`_reopened`); None (those stored) when it raises none."""
+    (`_reopened`); None (those stored) when it raises none. The fold applies the same rule
+    (`_turns.released_for_good`)."""
     if not plan.raised_requests:
         return None
     calls = {"$ifNull": ["$pending_calls", literal([])]}

@@ -180,7 +180,7 @@ class TurnPlan:
     def raised_requests(self) -> tuple[str, ...]:
         """The request ids of the prompts the turn raises: each asks anew, whatever an
         earlier prompt of that id was answered (`_reservation.reopened`)."""
-        return tuple(dict.fromkeys(m.hitl_action.request_id for m in self.sources if m.hitl_action))
+        return raised_requests(self.sources)
 
     @cached_property
     def denied_calls(self) -> tuple[str, ...]:
@@ -857,7 +857,9 @@ def answers_clear(
     (`taken` from the pending `calls`, `left` after them): it answers a call the prompt
     holds back; or, the prompt holding none (raised when every pending call was held
     already, as a second question about a paused run: the store cannot tell which call it
-    is about), it answers a held call and leaves none held."""
+    is about), it answers a held call and leaves none held. Held: listed with a prompt
+    (`request_id`), a call a person's answer released included, as the document lists it
+    (`Folded`)."""
     if any(c.request_id == request_id for c in taken):
         return True
     holds_none = all(c.request_id != request_id for c in calls)
@@ -1005,11 +1007,10 @@ def pending_after(
     A prompt resolved by request id leaves no message: without `answered` it is pending
     here. With it (`answered_in`), each answer is given where it came, between the turns
     stored below its reach and those from there on (an answer past the last message, after
-    them all): the prompt of its id pending then is answered, and the calls prompts of that
-    id held then are released (`request_id: null`), as `resolve_hitl` did; a prompt asked
-    again under the id later is a new one."""
-    calls: list[PendingCall] = []
-    hitl: PendingHitl | None = None
+    them all), as `resolve_hitl` gave it: the prompt of its id pending then is answered, and
+    the calls prompts of that id held then are released, still listed with the prompt that
+    held them (`Folded`); a prompt asked again under the id later is a new one."""
+    state = Folded()
     starts = set(turn_starts)
     copies = fork_copies_end(messages) if starts else 0
     answers = sorted((below, r) for r, below in (answered or {}).items())
@@ -1021,29 +1022,66 @@ def pending_after(
             and not (end < copies and messages[end].seq in starts)
         ):
             continue
-        calls, hitl = _fold(calls, hitl, messages[start:end])
+        state = state.logged(messages[start:end])
         start = end
         following = messages[end].seq if end < len(messages) else None
         given = [r for below, r in answers if following is None or below <= following]
         answers = answers[len(given) :]
-        calls, hitl = _answers_given(calls, hitl, given)
-    return calls, hitl
+        state = state.answered(given)
+    return state.calls, state.hitl
 
 
-def _answers_given(
-    calls: list[PendingCall], hitl: PendingHitl | None, request_ids: Collection[str]
-) -> tuple[list[PendingCall], PendingHitl | None]:
-    """What is pending once a person answered the prompts `request_ids` (`resolve_hitl`):
-    none of them pending, the calls they held released."""
-    if not request_ids:
-        return calls, hitl
-    if hitl is not None and hitl.request_id in request_ids:
-        hitl = None
-    released = [
-        c.model_copy(update={"request_id": None}) if c.request_id in request_ids else c
-        for c in calls
+@dataclass(frozen=True)
+class Folded:
+    """What is pending as a fold goes, kept as the conversation document keeps it: the pending
+    calls, each with the prompt holding it (`request_id`), the pending prompt, and the request
+    ids a person answered (`resolved`, as `resolved_hitl`). A person's answer leaves the
+    holder of the calls it releases as it is and records the answer beside them, as
+    `_reservation.resolution` does: a call it released is held, for the rules of the turns
+    after it (a prompt finding none to hold waits on it, `answers_clear`; a prompt raised
+    before any call of its turn does not take it, `held_by`), as in the reservation, which
+    reads the same stored holders; it is served unheld (`core.awaiting_results`)."""
+
+    calls: list[PendingCall] = field(default_factory=list)
+    hitl: PendingHitl | None = None
+    resolved: frozenset[str] = frozenset()
+
+    def logged(self, turn: Sequence[AgentMessage]) -> Folded:
+        """The state after one more turn, by the rules its reservation applies: the calls held
+        by a prompt a person answered are released for good before the turn asks under that
+        request id anew (`released_for_good`), and the id is no longer answered."""
+        raised = raised_requests(turn)
+        calls = released_for_good(self.calls, raised, self.resolved)
+        calls, hitl = _fold(calls, self.hitl, turn)
+        return Folded(calls, hitl, self.resolved - set(raised))
+
+    def answered(self, request_ids: Collection[str]) -> Folded:
+        """The state once a person answered the prompts `request_ids` (`resolve_hitl`): none
+        of them pending, their ids answered; the calls they held keep their holder."""
+        if not request_ids:
+            return self
+        hitl = None if self.hitl is not None and self.hitl.request_id in request_ids else self.hitl
+        return Folded(self.calls, hitl, self.resolved | set(request_ids))
+
+
+def raised_requests(messages: Sequence[AgentMessage]) -> tuple[str, ...]:
+    """The request ids of the prompts `messages` (a turn) raise, once each, in order: each
+    asks anew, whatever an earlier prompt of that id was answered (`TurnPlan.raised_requests`)."""
+    return tuple(dict.fromkeys(m.hitl_action.request_id for m in messages if m.hitl_action))
+
+
+def released_for_good(
+    calls: Sequence[PendingCall], raised: Collection[str], resolved: Collection[str]
+) -> list[PendingCall]:
+    """The pending calls before a turn raising prompts of the request ids `raised`: those held
+    by one of them a person answered (`resolved`) held by none from then on, their answer
+    given before the id asks anew (`_reservation._released`, as an expression)."""
+    again = set(raised) & set(resolved)
+    if not again:
+        return list(calls)
+    return [
+        c.model_copy(update={"request_id": None}) if c.request_id in again else c for c in calls
     ]
-    return released, hitl
 
 
 def _fold(
