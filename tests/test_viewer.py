@@ -540,6 +540,22 @@ def test_json_is_indented_when_that_changes_none_of_its_values() -> None:
     )
 
 
+async def log_call_and_result(
+    api: Served, conversation_id: str, tool: str, arguments: str, result: str
+) -> None:
+    """The owner asks, the assistant calls `tool` with `arguments`, and `result` answers it."""
+    call = {"id": "c1", "type": "function", "function": {"name": tool, "arguments": arguments}}
+    await api.store.logger.log_messages(
+        conversation_id,
+        [
+            {"role": "user", "content": f"{tool} it"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": result},
+        ],
+        user_id=OWNER,
+    )
+
+
 async def test_a_result_holding_an_escaped_lone_surrogate_is_shown_as_stored(
     api: Served,
 ) -> None:
@@ -547,16 +563,7 @@ async def test_a_result_holding_an_escaped_lone_surrogate_is_shown_as_stored(
     the pages that show it, the transcript's and the legacy turns', show the escape, as a
     direction override's, never the character."""
     escaped = '{"note": "\\ud800", "to": "\\u202egpj.exe"}'
-    call = {"id": "c1", "type": "function", "function": {"name": "note", "arguments": escaped}}
-    await api.store.logger.log_messages(
-        "conv-escaped",
-        [
-            {"role": "user", "content": "note it"},
-            {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "c1", "content": escaped},
-        ],
-        user_id=OWNER,
-    )
+    await log_call_and_result(api, "conv-escaped", "note", escaped, escaped)
     await api.db["agent_conversations_deprecated"].insert_one(
         {
             "conversation_id": "conv-escaped-old",
@@ -595,16 +602,7 @@ async def test_tool_arguments_and_results_are_shown_as_stored(api: Served) -> No
         '{"iban": "DE00 1111", "iban": "GB99 6666", "amount": 1e400, "fee": 0.30000000000000000001}'
     )
     result = '{"balance": 1e400, "balance": 2}'
-    call = {"id": "c1", "type": "function", "function": {"name": "pay", "arguments": arguments}}
-    await api.store.logger.log_messages(
-        "conv-pay",
-        [
-            {"role": "user", "content": "pay it"},
-            {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "c1", "content": result},
-        ],
-        user_id=OWNER,
-    )
+    await log_call_and_result(api, "conv-pay", "pay", arguments, result)
     await sign_in(api.http)
     page = await api.http.get("/viewer/conversations/conv-pay")
     shown = [html.unescape(p) for p in re.findall(r"<pre[^>]*>(.*?)</pre>", page.text, re.S)]
