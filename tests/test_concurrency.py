@@ -23,9 +23,11 @@ from agent_store import (
     LoggedTurn,
     RetryPolicy,
     StorageUnavailable,
+    TurnRules,
     with_retries,
 )
 from agent_store.store import CONVERSATIONS, MESSAGES, shorten
+from agent_store.store._turns import POPPED_SEQS_KEPT
 from scripts.faulty_proxy import FaultyProxy
 from tests.conftest import Backend
 
@@ -201,3 +203,43 @@ async def test_writers_behind_a_network_that_drops_connections_lose_nothing_and_
         for client in [*clients, direct]:
             await client.close()
         await proxy.close()
+
+
+async def test_past_the_kept_records_a_turn_sent_twice_at_once_is_stored_and_counted_once(
+    wire_backend: Backend,
+) -> None:
+    """RELIABILITY.md: the same turn logged twice at the same moment is stored once, counted
+    once, and both senders are answered with it. With 4 turn records kept and 30 writers,
+    more than 4 turns often reserve between the two sends' reservations: the second no longer
+    sees the first's record and reserves a block of its own, which it gives back once it
+    meets the turn stored (a gap no turn holds, passed at once)."""
+    db = wire_backend.db
+    rules = TurnRules(turns_recorded=4)
+    await AgentMessageLogger(db).ensure_indexes()
+    ledger = Ledger()
+
+    async def writer(number: int) -> None:
+        logger = AgentMessageLogger(db, rules=rules)
+        for turn in range(3):
+            turn_id = f"w{number}-t{turn}"
+            sent = (logger.log_messages(CID, messages_of(turn_id), turn_id=turn_id) for _ in "ab")
+            for logged in await asyncio.gather(*sent):
+                ledger.note(f"w{number}", logged)
+
+    await asyncio.gather(*(writer(n) for n in range(30)))
+
+    stored = await db[MESSAGES].find({"conversation_id": CID}).sort("seq", 1).to_list(None)
+    conversation = await db[CONVERSATIONS].find_one({"_id": CID})
+    assert len(stored) == 2 * len(ledger.acknowledged) == 180
+    seqs, gaps = [m["seq"] for m in stored], list(conversation.get("popped_seqs") or ())
+    assert not set(seqs) & set(gaps)
+    holes = set(range(conversation["message_count"])) - {*seqs, *gaps}
+    # The newest POPPED_SEQS_KEPT gaps are remembered; an older one is passed as an abandoned
+    # block is, `abandon_after` after its turn reserved.
+    assert not holes or len(gaps) == POPPED_SEQS_KEPT, sorted(holes)
+    assert conversation["turn_count"] == 90
+    assert conversation["usage"] == {"input_tokens": 3 * 90, "output_tokens": 5 * 90}
+    for turn_id, logged in ledger.acknowledged.items():
+        assert [(m.id, m.seq) for m in logged.messages] == [
+            (m["_id"], m["seq"]) for m in stored if m["turn_id"] == turn_id
+        ]

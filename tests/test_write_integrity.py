@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from pymongo.errors import BulkWriteError, DuplicateKeyError
 
 from agent_store import (
     AgentMessageLogger,
@@ -47,15 +48,19 @@ async def digest(db: Any) -> str:
     return hasher.hexdigest()
 
 
-async def check_conversation(db: Any, cid: str = CID) -> dict[str, Any]:
-    """An independent checker: gapless seq, no duplicate, counters equal to what is stored."""
+async def check_conversation(db: Any, cid: str = CID, *, gaps: bool = False) -> dict[str, Any]:
+    """An independent checker: gapless seq, no duplicate, counters equal to what is stored.
+    With `gaps`, a `seq` no message holds must be one no turn holds (`popped_seqs`)."""
     messages = await db[MESSAGES].find({"conversation_id": cid}).sort("seq", 1).to_list(None)
     conversation = await db[CONVERSATIONS].find_one({"_id": cid})
     assert conversation is not None
     seqs = [m["seq"] for m in messages]
-    assert seqs == list(range(len(messages))), f"holes or duplicates in seq: {seqs}"
+    popped = sorted(conversation.get("popped_seqs") or ()) if gaps else []
+    assert not set(seqs) & set(popped), f"a gap holds a message: {seqs}, {popped}"
+    assert sorted([*seqs, *popped]) == list(range(conversation["message_count"])), (
+        f"holes or duplicates in seq: {seqs}, gaps {popped}"
+    )
     assert len({m["_id"] for m in messages}) == len(messages)
-    assert conversation["message_count"] == len(messages)
     by_turn: dict[str, list[str]] = {}
     for message in messages:
         by_turn.setdefault(message["turn_id"], []).append(message["role"])
@@ -202,7 +207,9 @@ async def test_a_second_attempt_past_the_kept_records_never_replaces_the_first_o
     ones; the second attempt, with other content, finds no record nor stored message and
     reserves a new block; the first then lands and is acknowledged. The second collides with
     the first's messages: with records dropped they cannot be told from an earlier
-    conversation's, so the second is refused and the first's stay."""
+    conversation's, so the second is refused and the first's stay. Refused after its
+    reservation counted it, it gives its block back: the conversation counts what is stored,
+    and no `seq` waits for a turn that will never store it."""
     rules = TurnRules(turns_recorded=1)
     logger, second = (
         AgentMessageLogger(backend.db, rules=rules),
@@ -237,6 +244,9 @@ async def test_a_second_attempt_past_the_kept_records_never_replaces_the_first_o
     assert [(m["seq"], m["content"]) for m in stored] == [
         (m.seq, m.content) for m in acknowledged.messages
     ]
+    conversation = await check_conversation(backend.db, gaps=True)
+    assert (conversation["message_count"], conversation["turn_count"]) == (6, 2)
+    await _followed_to_the_end(backend, rules)
 
 
 # -- 3. message ids are the store's --------------------------------------------------------
@@ -886,6 +896,189 @@ async def test_past_the_kept_records_a_new_turn_costs_one_lookup_more(
     assert wire_backend.commands.names == [
         "findAndModify", "find", "find", "findAndModify", "insert",
     ]  # fmt: skip
+
+
+async def _followed_to_the_end(backend: Backend, rules: TurnRules) -> None:
+    """A turn logged now is read by a follower of the tail at once: no `seq` before it waits
+    for a turn that will never store it."""
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    last = await logger.log_messages(CID, turn("next"), turn_id="next")
+    page = await ConversationStore(backend.db, rules=rules).messages_page(CID, limit=200)
+    assert page.pending_seq is None
+    assert [m.id for m in page.data][-2:] == [m.id for m in last.messages]
+    await check_conversation(backend.db, gaps=True)
+
+
+async def _popped_whole_then_past_the_records(
+    backend: Backend, rules: TurnRules, logger: AgentMessageLogger
+) -> None:
+    """Turn "T", stored last, popped whole; then more turns than `turns_recorded`, so its
+    record is dropped."""
+    store = ConversationStore(backend.db, rules=rules)
+    assert await store.pop_last_message(CID) is not None
+    assert await store.pop_last_message(CID) is not None
+    for n in range(rules.turns_recorded + 1):
+        await logger.log_messages(CID, turn(f"turn {n}"), turn_id=f"n{n}")
+
+
+@pytest.mark.parametrize(
+    "grace", [pytest.param(timedelta(minutes=10), id="fast"), pytest.param(timedelta(0), id="slow")]
+)
+async def test_past_the_kept_records_a_turn_popped_whole_is_stored_as_new_however_slow(
+    backend: Backend, grace: timedelta
+) -> None:
+    """RUNTIMES.md: a turn popped whole whose record was dropped leaves no evidence, and its
+    retry is stored as a new turn. Whatever the time from its reservation to its insert
+    (slower than `claim_grace`, the insert is followed by a lookup of the conversation):
+    one outcome, counted once, no `seq` left for followers to wait at."""
+    rules = TurnRules(turns_recorded=4, claim_grace=grace)
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(CID, turn("first"), turn_id="first")
+    await logger.log_messages(CID, turn("T"), turn_id="T")
+    await _popped_whole_then_past_the_records(backend, rules, logger)
+
+    retried = await logger.log_messages(CID, turn("T"), turn_id="T")
+
+    assert not retried.replayed
+    assert [(m.seq, m.content) for m in retried.messages] == [(12, "T?"), (13, "T!")]
+    conversation = await check_conversation(backend.db, gaps=True)
+    assert (conversation["message_count"], conversation["turn_count"]) == (14, 7)
+    await _followed_to_the_end(backend, rules)
+
+
+async def test_past_the_kept_records_a_moved_turn_popped_whole_is_stored_as_new_however_slow(
+    backend: Backend,
+) -> None:
+    """The same for a turn a late retry moved to a new block (its first attempt died before
+    its insert), popped whole since: `abandon_after` 0 makes every insert slow."""
+    rules = TurnRules(turns_recorded=4, abandon_after=timedelta(0))
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(CID, [{"role": "user", "content": "m0"}], turn_id="t0")
+    held = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    dead = asyncio.create_task(held.logger.log_messages(CID, turn("T"), turn_id="T"))
+    await held.reserved.wait()
+    dead.cancel()  # the process died between its two writes
+    moved = await logger.log_messages(CID, turn("T"), turn_id="T")
+    assert [m.seq for m in moved.messages] == [3, 4]
+    await _popped_whole_then_past_the_records(backend, rules, logger)
+
+    retried = await logger.log_messages(CID, turn("T"), turn_id="T")
+
+    assert not retried.replayed
+    assert [m.content for m in retried.messages] == ["T?", "T!"]
+    conversation = await check_conversation(backend.db, gaps=True)
+    assert conversation["turn_count"] == 7
+    await _followed_to_the_end(backend, rules)
+
+
+@pytest.mark.parametrize("landing", ["first attempt first", "second attempt first"])
+async def test_past_the_kept_records_two_attempts_that_both_reserved_store_the_turn_once(
+    backend: Backend, landing: str
+) -> None:
+    """RELIABILITY.md: the same turn sent twice at the same moment is stored once and counted
+    once. With more than `turns_recorded` turns reserved between the two reservations, the
+    second finds neither the first's record (dropped) nor its messages (not inserted yet) and
+    reserves a block of its own. Whichever insert lands first stores the turn; the other
+    attempt finds it there, gives its own block back (its turn and tokens taken back, its
+    `seq`s gaps no turn holds) and answers the stored messages, as a replay."""
+    rules = TurnRules(turns_recorded=1)
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(CID, turn("before"), turn_id="t0")
+    first = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    second = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    a = asyncio.create_task(first.logger.log_messages(CID, turn("same"), turn_id="t1"))
+    await first.reserved.wait()  # seq 2-3, its insert held
+    await logger.log_messages(CID, turn("later"), turn_id="t2")  # t1's record dropped
+    b = asyncio.create_task(second.logger.log_messages(CID, turn("same"), turn_id="t1"))
+    await second.reserved.wait()  # seq 6-7: a second block for the turn, its insert held
+    held = [(first, a), (second, b)]
+    if landing == "second attempt first":
+        held.reverse()
+    answers = []
+    for writer, call in held:
+        writer.release.set()
+        answers.append(await call)
+
+    assert [(m.id, m.seq) for m in answers[0].messages] == [
+        (m.id, m.seq) for m in answers[1].messages
+    ]
+    assert [a.replayed for a in answers] == [False, True]
+    assert answers[0].messages[0].seq == (2 if landing == "first attempt first" else 6)
+    again = await logger.log_messages(CID, turn("same"), turn_id="t1")
+    assert [(m.id, m.seq) for m in again.messages] == [(m.id, m.seq) for m in answers[0].messages]
+    conversation = await check_conversation(backend.db, gaps=True)
+    assert (conversation["message_count"], conversation["turn_count"]) == (8, 3)
+    await _followed_to_the_end(backend, rules)
+
+
+class OneByOne:
+    """Makes a logger's first insert store its messages one at a time, each waiting for an
+    event first: two attempts' inserts interleaved message by message, as an unordered
+    `insert_many` may be. Raises as the driver does for the messages already stored."""
+
+    def __init__(self, logger: AgentMessageLogger, waits: list[asyncio.Event | None]) -> None:
+        self.reserved, self.done = asyncio.Event(), [asyncio.Event() for _ in waits]
+        real, events, calls = logger._messages, waits, []
+        outer = self
+
+        class Interleaved:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            async def insert_many(self, documents: list[Any], **kwargs: Any) -> Any:
+                calls.append(None)
+                if len(calls) > 1:
+                    return await real.insert_many(documents, **kwargs)
+                outer.reserved.set()
+                errors = []
+                for index, (document, event) in enumerate(zip(documents, events, strict=True)):
+                    if event is not None:
+                        await event.wait()
+                    try:
+                        await real.insert_one(document)
+                    except DuplicateKeyError as exc:
+                        errors.append({"index": index, "code": 11000, "errmsg": str(exc)})
+                    outer.done[index].set()
+                if errors:
+                    raise BulkWriteError({"writeErrors": errors, "nInserted": 0})
+                return None
+
+        logger._messages = Interleaved()
+
+
+async def test_past_the_kept_records_two_inserts_each_storing_part_of_the_turn_store_it_once(
+    backend: Backend,
+) -> None:
+    """The same two attempts, their inserts interleaved: the first stores the question in its
+    block (seq 2), the second the answer in its own (seq 7), each meeting the other's copy.
+    The turn is stored in one block, the lower: each attempt moves what the other block holds
+    there, the second gives its block back, and both answer seq 2-3."""
+    rules = TurnRules(turns_recorded=1)
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(CID, turn("before"), turn_id="t0")
+    question, answer = asyncio.Event(), asyncio.Event()
+    first_logger = AgentMessageLogger(backend.db, rules=rules)
+    second_logger = AgentMessageLogger(backend.db, rules=rules)
+    first = OneByOne(first_logger, [question, answer])
+    a = asyncio.create_task(first_logger.log_messages(CID, turn("same"), turn_id="t1"))
+    await first.reserved.wait()  # seq 2-3, its insert held
+    await logger.log_messages(CID, turn("later"), turn_id="t2")  # t1's record dropped
+    second = OneByOne(second_logger, [first.done[0], None])
+    b = asyncio.create_task(second_logger.log_messages(CID, turn("same"), turn_id="t1"))
+    await second.reserved.wait()  # seq 6-7, its insert held until the first's question
+    question.set()  # the first stores the question at 2; the second then its answer at 7
+    await second.done[1].wait()
+    answer.set()
+
+    answers = await asyncio.gather(a, b)
+
+    assert [[m.seq for m in x.messages] for x in answers] == [[2, 3], [2, 3]]
+    assert [x.replayed for x in answers] == [False, True]
+    stored = await backend.db[MESSAGES].find({"turn_id": "t1"}).sort("seq").to_list(None)
+    assert [(m["seq"], m["content"]) for m in stored] == [(2, "same?"), (3, "same!")]
+    conversation = await check_conversation(backend.db, gaps=True)
+    assert (conversation["message_count"], conversation["turn_count"]) == (8, 3)
+    await _followed_to_the_end(backend, rules)
 
 
 async def test_a_retry_that_stores_later_times_than_its_first_attempt_moves_updated_at(

@@ -227,7 +227,8 @@ class SteeringInbox:
         if reserved.replayed and not await self._still_deliverable(plan, reserved, field):
             await self._logger._give_up(plan.conversation_id)
             return False
-        await self._logger._told(plan, reserved, await self._logger._store(plan, reserved, started))
+        stored, reserved = await self._logger._store(plan, reserved, started)
+        await self._logger._told(plan, reserved, stored)
         return True
 
     def _delivery_condition(self, plan: TurnPlan, field: str, *, owner_only: bool) -> Condition:

@@ -102,8 +102,10 @@ from agent_store.store._reservation import (
     approved_among,
     blocks_of,
     denials_hold,
+    given_back,
     given_up,
     literal,
+    moved_key,
     new_epoch,
     recorded_block,
     released_calls,
@@ -419,7 +421,7 @@ class AgentMessageLogger:
         runtime_name = clean_name(name) if name is not None else None
         started = time.monotonic()
         reserved = await self._reserve(plan, actor, runtime_name, condition)
-        stored = await self._store(plan, reserved, started)
+        stored, reserved = await self._store(plan, reserved, started)
         return await self._told(plan, reserved, stored)
 
     async def check_turn(
@@ -594,7 +596,7 @@ class AgentMessageLogger:
         owner = Actor(source.get("user_id"), as_user=actor.as_user)
         started = time.monotonic()
         reserved = await self._reserve(plan, owner, None, condition)
-        stored = await self._store(plan, reserved, started)
+        stored, reserved = await self._store(plan, reserved, started)
         # A replay checks the fork only if its `fork_check` is still there, read back.
         created = None if reserved.replayed else _fork_as_created(reserved, source)
         await self._unless_its_source_went(conversation_id, plan.conversation_id, created)
@@ -989,7 +991,8 @@ class AgentMessageLogger:
             refused = doc is None and guarded is not query
             if refused and await self._conversations.find_one(query, {"_id": 1}) is not None:
                 assert condition is not None
-                await self._give_up(plan.conversation_id, conversation, turn=(plan, block))
+                taken_back = given_up(plan, block)
+                await self._give_up(plan.conversation_id, conversation, taken_back=taken_back)
                 raise condition.refusal
         return None if doc is None else _moved(plan, reserved, doc, observed=bool(self._observers))
 
@@ -1094,8 +1097,10 @@ class AgentMessageLogger:
 
     async def _store(
         self, plan: TurnPlan, reserved: _Reserved, started: float
-    ) -> list[AgentMessage]:
-        """Insert the turn's messages into its block; answer with them as stored.
+    ) -> tuple[list[AgentMessage], _Reserved]:
+        """Insert the turn's messages into its block; answer with them as stored, and the
+        block they are stored in (`reserved`, or the one another attempt of the turn stored
+        them in, a replay: `_given_back`).
 
         A message an earlier attempt stored collides on its `_id` and is read back, so
         a retry answers with the stored timestamps, not its own.
@@ -1123,7 +1128,8 @@ class AgentMessageLogger:
             {**document, "seq": Int64(first + i), "user_id": owner, "epoch": epoch}
             for i, document in enumerate(plan.documents)
         ]
-        found, inserted = await self._insert(plan, documents, owner, epoch)
+        found, inserted, reserved = await self._insert_into(plan, reserved, documents)
+        first = reserved.first_seq
         if reserved.assigns:
             await self._hand_over_earlier(plan.conversation_id, reserved)
         if reserved.moved is not None:  # what it leaves pending, as the stored messages say
@@ -1144,7 +1150,26 @@ class AgentMessageLogger:
             stored = await self._follow_the_conversation(plan, reserved, stored)
         if reserved.replayed and stored:
             await self._follow_times(plan, reserved, stored, inserted=inserted)
-        return stored
+        return stored, reserved
+
+    async def _insert_into(
+        self, plan: TurnPlan, reserved: _Reserved, documents: list[dict[str, Any]]
+    ) -> tuple[list[AgentMessage] | None, bool, _Reserved]:
+        """`_insert` into the reserved block: what it answers, and the block the turn is stored
+        in. A block the turn's own reservation just took (not a retry's, nor a move's) is given
+        back when the turn is refused there, or stored in another block by another attempt
+        (`_given_back`, which makes this attempt a replay of that block)."""
+        owner, epoch, first = reserved.owner, reserved.epoch, reserved.first_seq
+        fresh = not reserved.replayed and reserved.moved is None
+        try:
+            found, inserted = await self._insert(plan, documents, owner, epoch, fresh=fresh)
+        except Conflict:
+            if fresh:  # refused after its reservation counted it
+                await self._give_back(plan, reserved, documents, refused=True)
+            raise
+        if fresh and found is not None and _elsewhere(found, first, plan.count):
+            reserved = await self._given_back(plan, reserved, documents, found)
+        return found, inserted, reserved
 
     async def _wait_until(self, deadline: float) -> None:
         """Sleep until `deadline` (`time.monotonic()`): an earlier attempt of the turn, faster
@@ -1157,13 +1182,21 @@ class AgentMessageLogger:
         documents: list[dict[str, Any]],
         owner: str | None,
         epoch: str | None,
+        *,
+        fresh: bool = False,
     ) -> tuple[list[AgentMessage] | None, bool]:
         """Insert the turn's `documents`: the messages as stored when some were there already
-        (None: as inserted), and whether this insert stored any message."""
+        (None: as inserted), and whether this insert stored any message. `fresh`: into the
+        block the turn's own reservation just took, where another attempt that reserved too
+        may have stored the turn elsewhere (`_another_attempts`)."""
         with storage_errors("insert the messages"):
             try:
                 await self._messages.insert_many(documents, ordered=False)
             except BulkWriteError as exc:
+                only_duplicates(exc)
+                stored = await self._another_attempts(plan, documents, exc) if fresh else None
+                if stored is not None:
+                    return messages_adapter.validate_python(stored), True
                 found = await self._own_duplicates(exc, documents, plan)
                 # Its own document found: inserted in place of what met it (`_in_place_of`).
                 inserted = len(exc.details.get("writeErrors", [])) < len(documents) or any(
@@ -1175,6 +1208,137 @@ class AgentMessageLogger:
                 )
                 return messages_adapter.validate_python(documents), inserted
         return None, True
+
+    async def _another_attempts(
+        self, plan: TurnPlan, documents: list[dict[str, Any]], error: BulkWriteError
+    ) -> list[dict[str, Any]] | None:
+        """The turn as stored, when another attempt that reserved a block of its own stored
+        it (past the kept records the two reservations could not see each other, the first's
+        record dropped by the time the second reserved): every message of this insert that
+        collided is the turn's, with its content, in this conversation (its `epoch`), one
+        block away, and none past the turn's end. The turn is stored in one block: where the
+        other attempt stored it when this insert stored nothing; else (the two inserts each
+        stored part) in the lower of the two, each attempt moving the messages of the higher
+        one there (one delete and one insert more). None otherwise: what met the insert is
+        `_own_duplicates`'s to tell. One lookup more, on that path only."""
+        failed = [documents[e["index"]] for e in error.details.get("writeErrors", [])]
+        past = message_id(plan.conversation_id, plan.turn_id, plan.count)
+        ids = [d["_id"] for d in failed]
+        with storage_errors("look up the turn"):
+            found = {
+                d["_id"]: d
+                async for d in self._messages.find(
+                    {"conversation_id": plan.conversation_id, "_id": {"$in": [*ids, past]}}
+                )
+            }
+        epoch = documents[0].get("epoch")
+        same = past not in found and all(
+            d["_id"] in found
+            and found[d["_id"]].get("epoch") == epoch
+            and _same_content(found[d["_id"]], d)
+            for d in failed
+        )
+        shifts = {int(found[d["_id"]]["seq"]) - int(d["seq"]) for d in failed if d["_id"] in found}
+        if not same or len(shifts) != 1 or 0 in shifts:
+            return None
+        shift = shifts.pop()
+        first = int(documents[0]["seq"])
+        if await self._left(plan, {first, first + shift}):
+            return None  # an attempt of a turn moved to a new block: not two reservations
+        if len(failed) < len(documents) and shift > 0:  # this block is the lower: gathered here
+            moving, shift = [found[d["_id"]] for d in failed], 0
+        elif len(failed) < len(documents):  # the other block is the lower: this one moves
+            moving = [d for d in documents if d not in failed]
+        else:
+            moving = []
+        return await self._gathered(plan, documents, moving, shift)
+
+    async def _left(self, plan: TurnPlan, firsts: set[int]) -> bool:
+        """Whether one of the blocks starting at `firsts` is one the turn left by a move to a
+        new block (recorded under `moved_key`, or its `seq`s gaps no turn holds): one lookup
+        of the conversation's records."""
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(
+                {"_id": plan.conversation_id}, {"turns.k": 1, "turns.f": 1, "popped_seqs": 1}
+            )
+        return found is None or bool(firsts & _blocks_left(found, plan.key))
+
+    async def _gathered(
+        self,
+        plan: TurnPlan,
+        documents: list[dict[str, Any]],
+        moving: list[dict[str, Any]],
+        shift: int,
+    ) -> list[dict[str, Any]]:
+        """The turn's messages in the block `shift` away from this insert's (`documents`), read
+        back once `moving`, its messages stored in the other block, are taken from there and
+        stored in that one (another attempt moving the same meets them there: the same)."""
+        conversation_id = plan.conversation_id
+        with storage_errors("store the turn in one block"):
+            if moving:
+                await self._messages.delete_many(
+                    {"conversation_id": conversation_id, "epoch": documents[0].get("epoch"),
+                     "$or": [{"_id": d["_id"], "seq": d["seq"]} for d in moving]}
+                )  # fmt: skip
+                ids = {d["_id"] for d in moving}
+                wanted = [{**d, "seq": Int64(int(d["seq"]) + shift)} for d in documents
+                          if d["_id"] in ids]  # fmt: skip
+                try:
+                    await self._messages.insert_many(wanted, ordered=False)
+                except BulkWriteError as exc:  # the other attempt moved them first
+                    only_duplicates(exc)
+            there = await self._messages.find(
+                {"conversation_id": conversation_id, "_id": {"$in": [d["_id"] for d in documents]}}
+            ).to_list(None)
+        by_id = {d["_id"]: d for d in there}
+        if any(
+            d["_id"] not in by_id or int(by_id[d["_id"]]["seq"]) != int(d["seq"]) + shift
+            for d in documents
+        ):
+            raise _taken(conversation_id, documents[0]["_id"], int(documents[0]["seq"]) + shift)
+        return [by_id[d["_id"]] for d in documents]
+
+    async def _given_back(
+        self,
+        plan: TurnPlan,
+        reserved: _Reserved,
+        documents: list[dict[str, Any]],
+        stored: list[AgentMessage],
+    ) -> _Reserved:
+        """The block the turn is stored in (`stored`, by another attempt) once the block this
+        attempt's reservation took is given back (`_give_back`): this attempt is a replay."""
+        await self._give_back(plan, reserved, documents, refused=False)
+        first = stored[0].seq
+        assert first is not None
+        return replace(reserved, first_seq=first, replayed=True, assigns=False)
+
+    async def _give_back(
+        self,
+        plan: TurnPlan,
+        reserved: _Reserved,
+        documents: list[dict[str, Any]],
+        *,
+        refused: bool,
+    ) -> None:
+        """After the turn's own reservation (a block just taken, not a retry's), the turn not
+        stored in that block: refused (`refused`) or stored by another attempt elsewhere. What
+        this insert stored there goes (its ids at the block's `seq`s, under its epoch), and the
+        block is given back (`given_back`: its turn and tokens taken back, its `seq`s gaps no
+        turn holds) with the pending state folded again when the turn concerns it
+        (`_give_up`), one round trip more (three with the fold)."""
+        epoch = reserved.epoch
+        with storage_errors("take back the turn's messages"):
+            await self._messages.delete_many(
+                {"conversation_id": plan.conversation_id, "epoch": epoch,
+                 "$or": [{"_id": d["_id"], "seq": d["seq"]} for d in documents]}
+            )  # fmt: skip
+        same = _same_as_reserved(plan.conversation_id, reserved)
+        with storage_errors("take back what the turn counted"):
+            result = await self._conversations.update_one(
+                *given_back(plan, reserved.first_seq, same)
+            )
+        if result.matched_count and plan.concerns_pending:
+            await self._give_up(plan.conversation_id, strict=refused)
 
     async def _hand_over_earlier(self, conversation_id: str, reserved: _Reserved) -> None:
         """After the turn that assigned an unowned conversation its owner: the messages logged
@@ -1255,7 +1419,7 @@ class AgentMessageLogger:
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
                 _same_as_reserved(conversation_id, reserved),
-                {"user_id": 1, "popped_messages.i": 1},
+                {"user_id": 1, "popped_messages": 1, "popped_seqs": 1, "turns.k": 1, "turns.f": 1},
             )
         owner = reserved.owner
         if found is not None:
@@ -1284,17 +1448,29 @@ class AgentMessageLogger:
         found: Mapping[str, Any],
     ) -> list[AgentMessage]:
         """The turn as stored, once what this insert stored of the messages pops removed
-        (`popped_messages`, by id) is taken back: a first attempt slower than `abandon_after`
+        (`popped_messages`) is taken back: a first attempt slower than `abandon_after`
         whose retry moved the turn to a new block and stored it there, a pop then removing
         its last messages, lands in the block the turn left, where the popped ids are free
-        again (or in its own block, refilled by a retry and popped since). Only its own
-        copies go (its ids at the `seq`s of its block, under its epoch): never the retry's,
-        nor a message of the turn no pop removed (an insert of the retry's may still be on
-        its way, and then finds the turn stored here). One delete more, on that path only;
-        Conflict, as a retry of the turn is answered, when none of the turn is left."""
-        popped = {p.get("i") for p in found.get("popped_messages") or () if isinstance(p, Mapping)}
+        again (a block no turn holds: recorded as left, `moved_key`, or its `seq`s gaps,
+        `popped_seqs`), or in its own block, refilled by a retry and popped since (a message
+        popped at the very `seq` this insert stored it at). Only its own copies go (its ids at
+        the `seq`s of its block, under its epoch): never the retry's, nor a message of the turn
+        no pop removed (an insert of the retry's may still be on its way, and then finds the
+        turn stored here), nor a turn reserved anew since the pop (past the kept records, its
+        popped messages' ids are its own again, at other `seq`s: it is stored, however slow).
+        One delete more, on that path only; Conflict, as a retry of the turn is answered, when
+        none of the turn is left."""
+        entries = [p for p in found.get("popped_messages") or () if isinstance(p, Mapping)]
         first, last = reserved.first_seq, reserved.first_seq + plan.count
-        back = [m for m in stored if m.id in popped and m.seq is not None and first <= m.seq < last]
+        popped = {p.get("i") for p in entries} if first in _blocks_left(found, plan.key) else set()
+        popped_here = {(p.get("i"), p.get("s")) for p in entries}
+        back = [
+            m
+            for m in stored
+            if m.seq is not None
+            and first <= m.seq < last
+            and (m.id in popped or (m.id, m.seq) in popped_here)
+        ]
         if not back:
             return stored
         with storage_errors("delete the turn's messages a pop removed"):
@@ -1408,7 +1584,8 @@ class AgentMessageLogger:
             found = refuse_a_move_past_answers(plan, block, found)
         except Conflict:
             assert moving is not None  # only a lookup past the block finds a later answer
-            await self._give_up(plan.conversation_id, moving, turn=(plan, block))
+            taken_back = given_up(plan, block)
+            await self._give_up(plan.conversation_id, moving, taken_back=taken_back)
             raise
         if any(d.get("turn_id") != plan.turn_id for d in found):
             raise Conflict(f"the seq block of turn {plan.turn_id!r} holds messages of another turn")
@@ -1419,7 +1596,8 @@ class AgentMessageLogger:
         conversation_id: str,
         conversation: Mapping[str, Any] | None = None,
         *,
-        turn: tuple[TurnPlan, RecordedBlock] | None = None,
+        taken_back: tuple[dict[str, Any], list[dict[str, Any]]] | None = None,
+        strict: bool = True,
     ) -> None:
         """After a retry refused a turn that stored nothing, for good (moved, its call would
         follow its answer; a delivery into an inbox closed since): what its first reservation
@@ -1428,10 +1606,11 @@ class AgentMessageLogger:
         a move (`_relocated.settle`, from `conversation` as read, else read again: one or two
         round trips more, on these rare paths). While a turn below the end is still being
         written its messages are not there to fold: StorageUnavailable, nothing written, and
-        the retry that comes again folds them (the refusal stands). `turn` (its plan and the
-        block its record names): what its reservation counted, its turn starts and tokens, is
-        taken back too, once (`given_up`: one round trip more, for a turn that counted any)."""
-        taken_back = None if turn is None else given_up(*turn)
+        the retry that comes again folds them (the refusal stands). `taken_back`: the update
+        that takes back what its reservation counted, once (`given_up`, of the block its record
+        names: one round trip more); a block the turn's own reservation took is given back by
+        `_give_back`, which folds here. `strict`: False when the turn is stored by another
+        attempt: the fold is then left undone rather than raised about."""
         if taken_back is not None:
             with storage_errors("take back what the turn counted"):
                 await self._conversations.update_one(*taken_back)
@@ -1443,7 +1622,7 @@ class AgentMessageLogger:
             abandon_after=self.rules.abandon_after,
             given_up=True,
         )
-        if not settled:
+        if not settled and strict:
             raise StorageUnavailable(
                 f"a turn of conversation {conversation_id!r} is still being written: what "
                 "this retry leaves pending cannot be told yet; retry shortly"
@@ -1603,6 +1782,24 @@ class AgentMessageLogger:
                 {"seq": 1, "truncated": 1},
             ).to_list(None)
         return found
+
+
+def _elsewhere(stored: Sequence[AgentMessage], first_seq: int, count: int) -> bool:
+    """Whether none of the turn's `stored` messages is in the block of `count` from
+    `first_seq`: another attempt stored the turn in a block of its own."""
+    return not any(m.seq is not None and first_seq <= m.seq < first_seq + count for m in stored)
+
+
+def _blocks_left(conversation: Mapping[str, Any], key: int) -> set[int]:
+    """The `seq`s where blocks of the turn recorded under `key` may begin that no turn holds
+    any more: the first `seq`s of the blocks it left by a move (their records under
+    `moved_key`), and every `seq` the conversation keeps as a gap (`popped_seqs`)."""
+    left = {
+        int(raw["f"])
+        for raw in conversation.get("turns") or ()
+        if isinstance(raw, Mapping) and raw.get("k") == moved_key(key) and "f" in raw
+    }
+    return left | {int(s) for s in conversation.get("popped_seqs") or ()}
 
 
 def _popped(found: Mapping[str, Any] | None, strays: list[dict[str, Any]]) -> bool:

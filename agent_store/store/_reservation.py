@@ -1163,6 +1163,41 @@ def given_up(
     return query, [{"$set": stage}]
 
 
+def given_back(
+    plan: TurnPlan, first_seq: int, same: dict[str, Any]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The filter and update that give back the block a turn's own reservation took at
+    `first_seq` (a block just reserved, not one a retry found) once the turn is not stored
+    there: refused after that reservation, or stored in another block by another attempt that
+    reserved too (past the kept records, `TurnRules.turns_recorded`). What the reservation
+    counted, its turn starts and tokens, is taken back; its `seq`s become gaps no turn holds
+    (`popped_seqs`, `_left_behind`: followers pass them at once), and its record, if still
+    kept, names the turn no more (`moved_key`, marked given up), so a retry looks the turn up
+    where it is stored, or reserves anew. Matches only the conversation the turn reserved on
+    (`same`, its `same_conversation` filter), once (not while the `seq`s are gaps
+    already), and not when the block is one the turn left by a move or a pop took from (no
+    longer counted as this turn's reservation)."""
+    key, moved, first = Int64(plan.key), Int64(moved_key(plan.key)), Int64(first_seq)
+    query = {
+        **same,
+        "popped_seqs": {"$ne": first},
+        "$nor": [
+            {"turns": {"$elemMatch": {"k": moved, "f": first}}},
+            {"turns": {"$elemMatch": {"k": key, "f": first, "p": True}}},
+        ],
+    }
+    own = {"$and": [{"$eq": ["$$record.k", literal(key)]}, {"$eq": ["$$record.f", literal(first)]}]}
+    usage = plan.usage
+    stage = {
+        "turn_count": less("turn_count", plan.turn_starts),
+        "usage.input_tokens": less("usage.input_tokens", usage.input_tokens),
+        "usage.output_tokens": less("usage.output_tokens", usage.output_tokens),
+        "popped_seqs": _left_behind(first_seq, plan.count),
+        "turns": records_changed(own, {"k": literal(moved), "g": literal(True)}),
+    }
+    return query, [{"$set": stage}]
+
+
 def less(field: str, amount: int) -> dict[str, Any]:
     """A count taken back by `amount`, never below 0 (a pop's, a turn given up's)."""
     return int64({"$max": [0, {"$subtract": [{"$ifNull": [f"${field}", 0]}, amount]}]})

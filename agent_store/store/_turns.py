@@ -221,6 +221,20 @@ class TurnPlan:
         return refusals
 
     @property
+    def concerns_pending(self) -> bool:
+        """Whether the turn's reservation changes what the conversation has pending: calls it
+        opens or answers, prompts it raises, names or clears."""
+        return bool(
+            self.opened_calls
+            or self.answered_calls
+            or self.raised_requests
+            or self.named_holds
+            or self.asked_again
+            or self.holds_pending
+            or not isinstance(self.pending_hitl, KeepPendingHitl)
+        )
+
+    @property
     def count(self) -> int:
         """How many messages the turn holds: the size of its `seq` block."""
         return len(self.documents)
