@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -697,6 +697,20 @@ async def log_streamed_turn(
             logged = await _logged(logger, store, conversation_id, without, turn, turn_id, user_id)
         except Conflict:
             raise refused from None
+    await _resolve_the_rest(store, conversation_id, turn, logged, answered, user_id)
+    return logged
+
+
+async def _resolve_the_rest(
+    store: ConversationStore,
+    conversation_id: str,
+    turn: StreamedTurn,
+    logged: LoggedTurn,
+    answered: Collection[str],
+    user_id: str | None,
+) -> None:
+    """Resolve each prompt the turn answered that `answered` (resolved before it was
+    logged) does not hold, naming the calls it holds where the logged turn made them."""
     held = dict(turn.resolved_calls)
     made = {
         c.id: m.id for m in logged.messages if m.role == "assistant" for c in m.tool_calls or ()
@@ -711,7 +725,6 @@ async def log_streamed_turn(
             await store.resolve_hitl(
                 conversation_id, request_id, **_naming(concerned), **_answering_for(user_id)
             )
-    return logged
 
 
 def _turn_messages(
