@@ -261,7 +261,14 @@ def pending_from_session_hitl(
     """The newest unresolved `session_hitl` prompt as `pending_hitl`, and notes on oddities:
     every other pending prompt no message holds, or one without a request id a message can
     hold, is noted with its document (not placed)."""
-    pending = [d for d in map(read_code_as_text, documents) if is_pending_prompt(d)]
+    return _pending_from([read_code_as_text(d) for d in documents], messages)
+
+
+def _pending_from(
+    documents: Sequence[Mapping[str, Any]], messages: Sequence[AgentMessage]
+) -> tuple[PendingHitl | None, list[PromptNote]]:
+    """`pending_from_session_hitl` of documents whose code is made text already."""
+    pending = [d for d in documents if is_pending_prompt(d)]
     notes = [n for d in pending for n in _unreadable_state(d)]
     notes += [
         _not_placed(d, "has no request id of 1 to 200 characters")
@@ -359,7 +366,7 @@ def with_session_prompts(
     found = [read_code_as_text(d) for d in documents]
     documents = [d for d in found if owners_prompt(conversion.owner, d)]
     others = [d for d in found if not owners_prompt(conversion.owner, d)]
-    pending, notes = pending_from_session_hitl(documents, conversion.messages)
+    pending, notes = _pending_from(documents, conversion.messages)
     notes += [
         _not_placed(
             d,
