@@ -45,7 +45,10 @@ def _reindented(text: str) -> str:
                 out.append("\n" + "  " * depth)
         elif last in ("{", "["):
             out.append("\n" + "  " * depth)
-        out.append({",": ",\n" + "  " * depth, ":": ": "}.get(token, token))
+        if token == ",":
+            out.append(",\n" + "  " * depth)
+        else:
+            out.append(": " if token == ":" else token)
         depth += token in ("{", "[")
         last = token
     return "".join(out)
