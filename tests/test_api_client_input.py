@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pymongo import AsyncMongoClient, monitoring
 
 from agent_store.core import MAX_TOOL_CALLS
@@ -86,11 +88,12 @@ def test_a_body_within_the_rules_is_parsed_without_a_walk(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Numbers are checked as they parse; only a body with more brackets than the limit
-    has its nesting walked, and only a refused number its path."""
+    has its nesting walked, only a refused number its path, and only a body with more `,`
+    `:` `[` than the values limit has its values counted."""
     from app import json_body
 
     walks: list[str] = []
-    for name in ("_shape_problem", "_name_the_number"):
+    for name in ("_values_in", "nests_deeper_than", "_name_the_number"):
         walk = getattr(json_body, name)
         monkeypatch.setattr(
             json_body, name, lambda *a, _w=walk, _n=name: walks.append(_n) or _w(*a)
@@ -102,7 +105,7 @@ def test_a_body_within_the_rules_is_parsed_without_a_walk(
     wide = json.dumps({"a": [[[{"b": [1, 2**63]}]]], "c": [[]] * 70}).encode()
     with pytest.raises(json_body.InvalidRequest, match=r"a\.0\.0\.0\.b\.1: the integer"):
         json_body.decode_body(wide)
-    assert walks == ["_shape_problem", "_name_the_number"]
+    assert walks == ["nests_deeper_than", "_name_the_number"]
 
 
 # -- values ----------------------------------------------------------------------------------
@@ -155,12 +158,12 @@ async def test_commas_and_colons_inside_strings_are_no_values(
     assert response.status_code == 201, response.text[:500]
 
 
-async def test_a_turn_over_the_values_limit_is_refused_before_validation(
+async def test_a_turn_over_the_values_limit_is_refused_before_it_is_parsed(
     api: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """At the real limit: refused by one walk that stops at the limit, before pydantic
-    validates the body or anything is written (the probe's 2.5 million `{}` held the
-    event loop for 25 s)."""
+    """At the real limit: refused by a count of its bytes, before the body is parsed, pydantic
+    validates it or anything is written (the probe's 2.5 million `{}` held the event loop for
+    25 s; parsed before they were counted, 8 million `1,` held it for 5-12 s)."""
     from app import json_body
     from app.api_models import LogTurnBody
 
@@ -171,20 +174,94 @@ async def test_a_turn_over_the_values_limit_is_refused_before_validation(
         validated.append(raw)
         return validate(raw, **options)
 
-    walked: list[Any] = []
-    walk = json_body._shape_problem
-
-    def counted_walk(document: Any) -> Any:
-        walked.append(document)
-        return walk(document)
-
+    parsed: list[str] = []
+    loads = json.loads
     monkeypatch.setattr(LogTurnBody, "model_validate_json", counted)
-    monkeypatch.setattr(json_body, "_shape_problem", counted_walk)
+    monkeypatch.setattr(
+        json_body,
+        "json",
+        type("Parser", (), {"loads": lambda *a, **k: parsed.append("!") or loads(*a, **k)}),
+    )
     body = turn_of_rows(MAX_BODY_VALUES)
     assert values_in(json.loads(body)) > MAX_BODY_VALUES
     message = await refused(api, "POST", TURNS, body, 413)
     assert f"more than {MAX_BODY_VALUES} JSON values" in message
-    assert (len(walked), validated) == (1, [])
+    assert (parsed, validated) == ([], [])
+
+
+# Text that puts JSON's structural characters, escapes and white space inside strings.
+_json_text = st.text(alphabet=st.sampled_from(list(',:[]{}"\\ \t\n\r/aé\u2028\x00')))
+_json_documents: st.SearchStrategy[Any] = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | _json_text,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(_json_text, inner, max_size=5),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    document=_json_documents,
+    indent=st.sampled_from([None, 0, 2, "\t", " \r\n "]),
+    ascii_only=st.booleans(),
+)
+def test_the_values_counted_in_a_bodys_text_are_those_it_holds(
+    document: Any, indent: Any, ascii_only: bool
+) -> None:
+    """The count made of the raw bytes, before any parse, is exact: 1 + `,` + `{` + `[`
+    - `{}` - `[]` outside strings and white space."""
+    from app import json_body
+
+    raw = json.dumps(document, indent=indent, ensure_ascii=ascii_only).encode()
+    assert json_body._values_in(json_body._unescaped(raw)) == values_in(document)
+
+
+def sixteen_mib_of(unit: bytes) -> bytes:
+    """A turn body of the turn cap (16 MiB) whose messages are `unit` after `unit`."""
+    count = (16 * 2**20 - 100) // len(unit)
+    return b'{"turn_id": "t", "messages": [' + unit * (count - 1) + unit[:-1] + b"]}"
+
+
+@pytest.mark.parametrize(
+    "unit",
+    [b"1,", b"{},", b"0.5,", b"[],", b'"",', b'{"k": "v"},', b'"\\\\\\"",', b'",",'],
+    ids=["integers", "empty-objects", "floats", "empty-arrays", "strings", "members",
+         "escapes", "commas-in-strings"],
+)  # fmt: skip
+def test_a_body_of_more_values_than_the_limit_is_refused_before_it_is_parsed(
+    monkeypatch: pytest.MonkeyPatch, unit: bytes
+) -> None:
+    """Counted in its bytes: the parser (a Python call per number) is never reached, so a
+    body of the turn cap holds the event loop for no parse (8 million `1,` held it 5-12 s
+    before the 413, every other request waiting)."""
+    from app import json_body
+
+    parsed: list[str] = []
+    monkeypatch.setattr(
+        json_body, "json", type("Parser", (), {"loads": lambda *_, **__: parsed.append("!")})
+    )
+    with pytest.raises(json_body.PayloadTooLarge, match=f"more than {MAX_BODY_VALUES} JSON"):
+        json_body.decode_body(sixteen_mib_of(unit))
+    assert parsed == []
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_a_body_at_the_values_limit_is_parsed_and_one_over_is_not(
+    monkeypatch: pytest.MonkeyPatch, extra: int
+) -> None:
+    from app import json_body
+
+    rows = MAX_BODY_VALUES - 3 + extra  # besides the body, its `turn_id` and `rows` array
+    body = b'{"turn_id": "t", "rows": [' + b", ".join([b'"{[,"'] * rows) + b"]}"
+    assert values_in(json.loads(body)) == MAX_BODY_VALUES + extra
+    if extra:
+        with pytest.raises(json_body.PayloadTooLarge):
+            json_body.decode_body(body)
+    else:
+        assert json_body.decode_body(body)["rows"][0] == "{[,"
 
 
 async def test_a_message_of_more_tool_calls_than_the_limit_is_refused_with_422(
