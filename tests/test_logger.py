@@ -14,6 +14,8 @@ from agent_store import (
     Conflict,
     ConversationStore,
     InvalidInput,
+    NotFound,
+    StoreError,
     TranscriptMoved,
     Truncation,
 )
@@ -351,6 +353,27 @@ async def test_owner_only_logging_refuses_another_users_conversation(backend: Ba
         await logger.log_messages(
             CID, [{"role": "user", "content": "hi"}], user_id="intruder", owner_only=True
         )
+    assert await backend.db.agent_messages.count_documents({}) == 0
+
+
+async def test_owner_only_answers_in_a_missing_conversation_are_not_found_as_in_a_hidden_one(
+    backend: Backend,
+) -> None:
+    """A turn naming the calls its answers answer (`answers_to`) never creates its
+    conversation: to a user token a missing one is the NotFound another user's is, with the
+    same message; a service is told it does not exist."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.upsert_conversation(CID, user_id="owner")
+    answer = [{"role": "tool", "tool_call_id": "c-1", "content": "x"}]
+    refused = []
+    for conversation_id in (CID, "conv-nowhere"):
+        with pytest.raises(StoreError) as caught:
+            await logger.log_messages(conversation_id, answer, user_id="intruder",
+                                      owner_only=True, answers_to={"c-1": "m-0"})  # fmt: skip
+        refused.append((type(caught.value), str(caught.value).replace(conversation_id, "<id>")))
+    assert refused == [(NotFound, "conversation '<id>' was not found")] * 2
+    with pytest.raises(Conflict, match="which holds none: it does not exist"):
+        await logger.log_messages("conv-nowhere", answer, answers_to={"c-1": "m-0"})
     assert await backend.db.agent_messages.count_documents({}) == 0
 
 

@@ -218,7 +218,7 @@ class SteeringInbox:
         actor = Actor(user_id, as_user=owner_only)
         plan = await self._delivery_plan(conversation_id, turn_id, message, delivery_id, field)
 
-        condition = self._delivery_condition(plan, field, owner_only=owner_only)
+        condition = self._delivery_condition(plan, field)
         started = time.monotonic()
         try:
             reserved = await self._logger._reserve(plan, actor, None, condition)
@@ -231,7 +231,7 @@ class SteeringInbox:
         await self._logger._told(plan, reserved, stored)
         return True
 
-    def _delivery_condition(self, plan: TurnPlan, field: str, *, owner_only: bool) -> Condition:
+    def _delivery_condition(self, plan: TurnPlan, field: str) -> Condition:
         """What a delivery's reservation must meet: the inbox `field` open, not full, and the
         `seq` it takes past every `seq` delivered into it (after a pop gave one back, a runtime
         that read up to it would never be handed this one: refused instead); what it records
@@ -250,9 +250,6 @@ class SteeringInbox:
                 f"{field}.v": int64({"$add": [f"${field}.v", 1]}),
             }
 
-        # To a user token a missing conversation is NotFound, as another user's is: the
-        # answer never tells one from the other.
-        missing = NotFound(f"conversation {plan.conversation_id!r} was not found")
         last = self._logger.rules.inbox_deliveries - 1  # the inbox open, and not full
         after_the_delivered = {"$lt": [{"$max": f"${field}.seqs.s"}, "$message_count"]}
         return Condition(
@@ -263,7 +260,6 @@ class SteeringInbox:
             },
             stage,
             _InboxClosed("inbox closed"),
-            absent=missing if owner_only else None,
             moved=stage,
         )
 

@@ -887,7 +887,10 @@ class AgentMessageLogger:
             if found is None:
                 if not may_create:
                     assert condition is not None
-                    raise condition.absent or condition.refusal
+                    # To a user token a missing conversation is the NotFound another user's
+                    # is (`Actor.refusal` of no owner): the answer never tells them apart.
+                    missing = actor.refusal(plan.conversation_id, None)
+                    raise missing or condition.absent or condition.refusal
                 await self._refuse_unmigrated(plan.conversation_id, actor)
                 _refuse_derived(plan.conversation_id, actor)
                 create = True
