@@ -880,13 +880,9 @@ class ConversationStore:
         if after is not None:
             try:
                 seq, removed = await self._seq_of(after, query)
-            except InvalidInput:
-                if not after.startswith("msg-"):
-                    raise
-                legacy = await self._legacy_page(conversation_id, after, limit, order, user_id)
-                if legacy is None:
-                    raise
-                return legacy
+            except InvalidInput as unknown:
+                return await self._page_after_unknown(conversation_id, after, limit, order,
+                                                      user_id, unknown)  # fmt: skip
             query["seq"] = {"$gt": seq - removed} if order == "asc" else {"$lt": seq}
         with storage_errors("read messages"):
             docs, has_more = await _bounded_page(
@@ -991,6 +987,31 @@ class ConversationStore:
             first_id=page[0].id if page else None,
             last_id=page[-1].id if page else None,
         )
+
+    async def _page_after_unknown(
+        self,
+        conversation_id: str,
+        after: str,
+        limit: int,
+        order: SortOrder,
+        user_id: str | None,
+        unknown: InvalidInput,
+    ) -> MessagePage:
+        """The page after `after`, which no stored message of the conversation is (`unknown`
+        says so): a legacy conversation's page; else NotFound when the caller sees no such
+        conversation (deleted since the id was read, or another user's), as a page without
+        `after` would be; else `unknown` (one lookup more, on this path only)."""
+        if after.startswith("msg-"):
+            legacy = await self._legacy_page(conversation_id, after, limit, order, user_id)
+            if legacy is not None:
+                return legacy
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(
+                self._scope(conversation_id, user_id), {"_id": 1}
+            )
+        if found is None:
+            await self._legacy(conversation_id, user_id)  # NotFound when it has none either
+        raise unknown
 
     async def _seq_of(self, message_id: str, query: dict[str, Any]) -> tuple[int, bool]:
         """The `seq` of the message `message_id` of the conversation `query` names, and whether
