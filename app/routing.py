@@ -147,6 +147,12 @@ async def parse_body(request: Request, model: type[B], limit: int) -> B:
             "the body must be application/json"
             + ("" if media_type else "; the Content-Type header is missing")
         )
+    codings = {c.strip().lower() for v in request.headers.getlist("content-encoding")
+               for c in v.split(",")} - {"", "identity"}  # fmt: skip
+    if codings:  # read as plain, a compressed body would be refused or stored as sent
+        raise UnsupportedMediaType(
+            "the body must be sent uncompressed: the service reads no Content-Encoding but identity"
+        )
     raw = await read_body(request, limit)
     decode_body(raw)  # the rules pydantic cannot apply: depth, 64-bit numbers
     try:

@@ -5,6 +5,7 @@ Each hostile input is answered with a 4xx naming what was wrong, and changes not
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -271,6 +272,44 @@ async def test_a_message_of_more_tool_calls_than_the_limit_is_refused_with_422(
     turn = {"turn_id": "t-calls", "messages": [{"role": "assistant", "tool_calls": calls}]}
     message = await refused(api, "POST", TURNS, json.dumps(turn).encode(), 422)
     assert f"at most {MAX_TOOL_CALLS} items" in message
+
+
+# -- content encoding ------------------------------------------------------------------------
+
+PLAIN_TURN = b'{"turn_id": "t-enc", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+@pytest.mark.parametrize(
+    ("content", "encodings"),
+    [
+        pytest.param(gzip.compress(PLAIN_TURN), ["gzip"], id="gzip"),
+        pytest.param(PLAIN_TURN, ["gzip"], id="plain-labelled-gzip"),
+        pytest.param(PLAIN_TURN, ["zstd"], id="plain-labelled-zstd"),
+        pytest.param(PLAIN_TURN, ["identity, br"], id="identity-then-br"),
+        pytest.param(PLAIN_TURN, ["identity", "deflate"], id="two-lines"),
+    ],
+)
+async def test_a_body_in_a_content_encoding_other_than_identity_is_refused_with_415(
+    api: Served, content: bytes, encodings: list[str]
+) -> None:
+    """The service reads bodies as sent: a coding it would not undo is refused, not read as
+    if it were plain (a real gzip body was "not UTF-8 text", a plain one labelled gzip stored)."""
+    before = await api.digest()
+    headers = [(k, v) for k, v in JSON.items()] + [("Content-Encoding", e) for e in encodings]
+    response = await api.http.post(TURNS, content=content, headers=headers)
+    assert (response.status_code, response.json()["error"]["code"]) == (
+        415,
+        "unsupported_media_type",
+    ), response.text
+    assert "uncompressed" in response.json()["error"]["message"]
+    assert await api.digest() == before
+
+
+@pytest.mark.parametrize("encoding", ["identity", "Identity", " identity "])
+async def test_a_body_in_the_identity_content_encoding_is_read(api: Served, encoding: str) -> None:
+    headers = JSON | {"Content-Encoding": encoding}
+    response = await api.http.post(TURNS, content=PLAIN_TURN, headers=headers)
+    assert response.status_code == 201, response.text
 
 
 # -- names -----------------------------------------------------------------------------------
