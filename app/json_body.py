@@ -141,15 +141,15 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     numbers = _Numbers()
     if raw.startswith(codecs.BOM_UTF8):
         raise InvalidJson("the body starts with a byte order mark: send UTF-8 JSON without one")
-    try:
-        text = raw.decode()  # UTF-8 only (RFC 8259), as the body models read it
-    except UnicodeDecodeError as exc:
-        raise InvalidJson(f"the body is not UTF-8 text: {exc}") from exc
-    if _holds_too_many_values(raw):
+    if _holds_too_many_values(raw):  # before the body is decoded: nothing copied for it
         raise PayloadTooLarge(
             f"the body holds more than {MAX_BODY_VALUES} JSON values (each object, array, "
             "string, number, true, false and null counts one)"
         )
+    try:
+        text = raw.decode()  # UTF-8 only (RFC 8259), as the body models read it
+    except UnicodeDecodeError as exc:
+        raise InvalidJson(f"the body is not UTF-8 text: {exc}") from exc
     try:
         document = json.loads(
             text,
