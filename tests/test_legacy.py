@@ -650,6 +650,49 @@ def test_a_result_naming_another_tool_than_the_one_open_call_of_its_reused_id_is
     ]
 
 
+@pytest.mark.parametrize("stray_first", [True, False], ids=["stray first", "stray last"])
+def test_a_result_naming_its_calls_tool_answers_it_before_one_naming_another_tool(
+    stray_first: bool,
+) -> None:
+    """One call `search` under id `a`, and two results under `a`, one naming `search`, one
+    naming `delete_account`: the tool a result names decides before position, whatever the
+    order of the parts, so `search`'s own result answers the call and the other is the
+    problem, kept whole and holding the drop; verify sees the same pairing."""
+    real, stray = tool_result("search", "a", "REAL"), tool_result("delete_account", "a", "STRAY")
+    turns = [turn(1, [tool_call("search", "a", q="x"), *([stray, real] if stray_first else
+                                                         [real, stray])])]  # fmt: skip
+    conversion = convert(turns)
+
+    assert answers(conversion.messages) == {"a": "REAL"}
+    stray_index = 1 if stray_first else 2
+    assert [(p.kind, p.placed, p.part_index, p.content) for p in conversion.problems] == [
+        ("duplicate_tool_result", False, stray_index, stray)
+    ]
+    legacy = from_legacy(parse_turns(turns), conversion.unplaced)
+    assert differences(legacy, from_messages(conversion.messages)) == []
+
+
+def test_a_result_naming_its_calls_tool_exactly_answers_it_before_one_naming_it_otherwise() -> None:
+    """Under `call_0`, reused per response, turn 2's parts hold `Get_Balance`'s result (a
+    name no call is of: tool names are compared exactly) before `transfer_funds`'s: the
+    transfer's own result answers the transfer; the other, paired by its id alone with turn
+    1's call, is a guess kept in an `ambiguous_tool_result` problem holding the drop."""
+    turns = balance_then_transfer([tool_result("Get_Balance", "call_0", BALANCE),
+                                   tool_result("transfer_funds", "call_0", TRANSFER)])  # fmt: skip
+    conversion = convert(turns)
+
+    assert answered_by_tool(conversion.messages) == {
+        "get_balance": BALANCE,
+        "transfer_funds": TRANSFER,
+    }
+    assert [(p.kind, p.placed, p.part_index) for p in conversion.problems] == [
+        ("duplicate_tool_call_id", True, 0),
+        ("ambiguous_tool_result", False, 1),
+    ]
+    legacy = from_legacy(parse_turns(turns), conversion.unplaced)
+    assert differences(legacy, from_messages(conversion.messages)) == []
+
+
 @pytest.mark.parametrize(
     ("name", "kinds"),
     [

@@ -547,14 +547,34 @@ def answer_turn(parts: list[str], response_text: str) -> dict[str, Any]:
         (["Take 10mg twice"], "Take 1 0mg twice"),
         (["Take 10", "mg twice"], "Take 10 m g twice"),
         (["Take 10mg  twice"], "Take 10mg twice"),
+        (["Take 10mg twice. Then", "rest"], "Take 10mg"),
+        (["Hello.", "Take 10mg", "twice daily."], "Take 10mg twice"),
+        (["Now checking the policy."], "No"),
+        (["Let me check if you are eligible for a refund."], "you are eligible for a refund."),
+        (["Take 10mg", "twice"], "10mg twice"),
+        (["Take 10mg", "Hello.", "twice"], "Take 10mg twice"),
     ],
-    ids=["space-removed", "space-added", "across-parts", "spaced-otherwise"],
+    ids=[
+        "space-removed",
+        "space-added",
+        "across-parts",
+        "spaced-otherwise",
+        "a-part-cut-short",
+        "within-parts",
+        "a-parts-first-letters",
+        "the-end-of-a-part",
+        "a-part-cut-off",
+        "parts-not-one-after-another",
+    ],
 )
-def test_response_text_saying_other_words_than_the_parts_only_by_a_space_is_a_problem(
+def test_response_text_that_is_not_whole_parts_one_after_another_is_a_problem(
     parts: list[str], response_text: str
 ) -> None:
-    """White space inside a text is content, as in a history's pieces: `10mg` is not `1 0mg`;
-    only white space at the ends of a part, or between two, is aside."""
+    """The answer is told by the parts only when it is one or more of their texts, whole, one
+    after another: a piece of a text says something else (`No` is not `Now checking…`; "you
+    are eligible" inside "Let me check if you are eligible" is no answer), and white space
+    inside a text is content, as in a history's pieces: `10mg` is not `1 0mg`; only white
+    space at the ends of a part, or between two, is aside."""
     [problem] = convert([answer_turn(parts, response_text)]).problems
     assert (problem.kind, problem.content) == ("response_text_not_in_parts", response_text)
 
@@ -566,22 +586,93 @@ def test_response_text_saying_other_words_than_the_parts_only_by_a_space_is_a_pr
         (["Take 10mg ", "twice"], "Take 10mg\n\ntwice"),
         (["Take 10", "mg twice"], "Take 10mg twice"),
         (["Take 10mg twice"], " Take 10mg twice\n"),
-        (["Take 10mg twice. Then", "rest"], "Take 10mg"),
-        (["Hello.", "Take 10mg", "twice daily."], "Take 10mg twice"),
+        (["Hello.", "Take 10mg", "twice daily."], "Take 10mg"),
+        (["Hello.", "Take 10mg", "twice daily."], "Take 10mg twice daily."),
     ],
     ids=[
         "joined-by-a-space",
         "joined-by-lines",
         "joined-without",
         "at-the-ends",
-        "cut-short",
-        "within",
+        "one-part",
+        "the-last-parts",
     ],
 )
 def test_response_text_the_parts_hold_but_for_white_space_at_or_between_their_ends_is_no_problem(
     parts: list[str], response_text: str
 ) -> None:
     assert convert([answer_turn(parts, response_text)]).problems == []
+
+
+def checked_turn(response_text: str) -> dict[str, Any]:
+    """A turn saying something, calling a tool, then answering; summed up in `response_text`."""
+    return {
+        "_id": "r-1", "conversation_id": "c-text", "created_at": MESSY_START,
+        "user_message": "Am I eligible for a refund?", "response_text": response_text,
+        "response_parts": [
+            {"type": "text", "content": "Let me check if you are eligible for a refund."},
+            {"type": "tool_call", "tool_name": "refund", "args": {}, "tool_call_id": "c1"},
+            {"type": "tool_result", "tool_name": "refund", "result": "no", "tool_call_id": "c1"},
+            {"type": "text", "content": "Sorry,"},
+            {"type": "text", "content": "you are not eligible."},
+        ],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "response_text",
+    [
+        "Sorry, you are not eligible.",
+        "Let me check if you are eligible for a refund.Sorry,you are not eligible.",
+        "you are not eligible.",
+    ],
+    ids=["the-texts-after-the-tool-round", "every-text-joined", "the-last-text"],
+)
+def test_response_text_that_is_texts_of_the_turn_one_after_another_is_held_across_tool_rounds(
+    response_text: str,
+) -> None:
+    """The final answer after the last tool round, or every text of the turn joined (as the
+    dual write sums a turn up): its texts one after another, the tool round between aside."""
+    assert convert([checked_turn(response_text)]).problems == []
+
+
+@pytest.mark.parametrize(
+    "response_text",
+    ["Checking.Shall I book the 8:04?", "Checking.Booked.", "Shall I book the 8:04?"],
+    ids=["texts-and-the-prompt", "the-texts-alone", "the-prompt"],
+)
+def test_response_text_summing_up_a_turn_with_a_hitl_prompt_is_held(response_text: str) -> None:
+    """What the turn said one after another, its HITL prompt too, or its texts alone (the
+    dual write joins a turn's text parts, leaving its prompts out)."""
+    turn = {
+        "_id": "r-1", "conversation_id": "c-text", "created_at": MESSY_START,
+        "user_message": "book it", "response_text": response_text,
+        "response_parts": [
+            {"type": "text", "content": "Checking."},
+            {"type": "hitl", "action": "confirm", "params": {}, "request_id": "r-1",
+             "prompt": "Shall I book the 8:04?"},
+            {"type": "text", "content": "Booked."},
+        ],
+    }  # fmt: skip
+    assert convert([turn]).problems == []
+
+
+@pytest.mark.parametrize(
+    "response_text", ["you are eligible for a refund.", "No", "Sorry, you are"]
+)
+def test_response_text_that_only_a_piece_of_a_text_holds_is_kept_in_a_problem(
+    response_text: str,
+) -> None:
+    """A final answer whose words lie within a text of the turn (or begin one) says something
+    else than that text: no message holds it, so a problem not placed keeps it, and the drop
+    of the legacy turns waits on it."""
+    [problem] = convert([checked_turn(response_text)]).problems
+    assert (problem.kind, problem.field, problem.placed, problem.content) == (
+        "response_text_not_in_parts",
+        "response_text",
+        False,
+        response_text,
+    )
 
 
 TWO_SPELLINGS = {
@@ -1428,6 +1519,72 @@ def test_history_content_repeated_by_later_turns_is_kept_once_on_the_first_turn(
     assert [(p.kind, p.legacy_id, p.content) for p in problems] == [
         ("history_only_content", "h-0", thinking)
     ]
+
+
+def answers_with_histories(
+    answered: list[bool], *, window: int | None = None
+) -> list[dict[str, Any]]:
+    """Turns each answering "Done.": in its parts where `answered` says so, always in its
+    history (the conversation so far, or its last `window` exchanges)."""
+    turns, said = [], []
+    for n, in_parts in enumerate(answered):
+        said += [
+            {"kind": "request", "parts": [{"part_kind": "user-prompt", "content": f"q{n}"}]},
+            {"kind": "response", "parts": [{"part_kind": "text", "content": "Done."}]},
+        ]
+        parts = (
+            [{"type": "text", "content": "Done."}]
+            if in_parts
+            else [
+                {
+                    "type": "tool_call",
+                    "tool_name": "cancel",
+                    "args": {"n": n},
+                    "tool_call_id": f"c{n}",
+                },
+                {
+                    "type": "tool_result",
+                    "tool_name": "cancel",
+                    "result": "ok",
+                    "tool_call_id": f"c{n}",
+                },
+            ]
+        )
+        shown = said[-2 * window :] if window else said
+        turns.append(
+            {"_id": f"h-{n}", "conversation_id": "c-h",
+             "created_at": MESSY_START + timedelta(hours=n), "user_message": f"q{n}",
+             "response_parts": parts, "message_history_json": json.dumps(shown)}
+        )  # fmt: skip
+    return turns
+
+
+@pytest.mark.parametrize(
+    ("answered", "kept_on"),
+    [([True, False], "h-1"), ([False, True], "h-0"), ([True, False, True], "h-1")],
+    ids=["an-earlier-turn-said-it", "a-later-turn-said-it", "turns-around-said-it"],
+)
+def test_an_answer_only_its_turns_history_holds_is_kept_though_another_turn_said_the_same(
+    answered: list[bool], kept_on: str
+) -> None:
+    """A history says "Done." as often as the turns answered it: an answer no message of its
+    turn holds is kept in a problem on that turn, though another turn's message says the
+    same words; a message holds a history's text only once, and only for its own turn and
+    the later ones."""
+    problems = convert(answers_with_histories(answered)).problems
+
+    assert [(p.kind, p.legacy_id, p.placed, p.content) for p in problems] == [
+        ("history_only_content", kept_on, True, {"part_kind": "text", "content": "Done."})
+    ]
+
+
+@pytest.mark.parametrize("window", [None, 1, 2], ids=["whole", "last-exchange", "last-two"])
+def test_answers_said_alike_by_every_turn_and_its_history_are_no_problem(
+    window: int | None,
+) -> None:
+    """Every turn answered "Done." and its history says so, whole or as a window of its last
+    exchanges (the same text at other places each time): each is held by its turn's message."""
+    assert convert(answers_with_histories([True] * 4, window=window)).problems == []
 
 
 def test_hidden_context_only_a_history_holds_is_kept_as_hidden_runtime_context() -> None:

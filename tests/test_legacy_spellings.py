@@ -238,7 +238,8 @@ def test_a_response_text_that_is_not_text_is_the_answer_as_its_json_text(
 
 
 def test_a_response_text_that_is_not_text_beside_parts_is_compared_as_its_text() -> None:
-    parts = [{"type": "text", "content": "Your order number is 987654321."}]
+    """`987654321` is the part's text `987654321`; `[42]` is no text of the parts."""
+    parts = [{"type": "text", "content": "987654321"}]
     told = turn("t1", "c-answer", response_parts=parts, response_text=987654321)
     untold = turn("t2", "c-answer", 1, response_parts=parts, response_text=[42])
 

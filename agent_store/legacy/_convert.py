@@ -239,6 +239,9 @@ class _Histories:
         self._previous_ids: list[_Ids] = []
         self.added: dict[int, list[tuple[int, Any]]] = {}
         """What each turn's history adds (by `id()` of the turn)."""
+        self.lengths: dict[int, int] = {}
+        """How many messages each turn's history holds, where it holds any and is readable
+        (by `id()` of the turn)."""
 
     def read(self, turn: LegacyTurn) -> _HistoryIds:
         found = _HistoryIds()
@@ -249,6 +252,7 @@ class _Histories:
             return found
         if not history:
             return found
+        self.lengths[id(turn)] = len(history)
         previous, previous_ids = self._previous, self._previous_ids
         ids: list[_Ids] = []
         start = None
@@ -618,18 +622,21 @@ class _Converter:
                 )
 
     def _check_response_text(self, turn: LegacyTurn, items: list[Item]) -> None:
-        """`response_text` summed up the answer: a problem only when some of it is nowhere."""
+        """`response_text` summed up the answer: a problem unless it is what the turn said
+        (its texts, HITL prompts and errors) or its texts alone (as the dual write sums a turn
+        up) one after another (`_told_by`)."""
         text = summary_text(turn)
         if text is None or not text.strip():
             return
+        answers = [m for m in _flatten(items) if m["role"] == "assistant"]
         said = [
             found
-            for m in _flatten(items)
-            if m["role"] == "assistant"
+            for m in answers
             for found in (m.get("content"), (m.get("error") or {}).get("message"))
             if isinstance(found, str) and found
         ]
-        if not _told_by(text, said):
+        texts = [m["content"] for m in answers if m.get("content") and not m.get("hitl_action")]
+        if not (_told_by(text, said) or _told_by(text, texts)):
             self.problem(
                 turn,
                 "response_text_not_in_parts",
@@ -944,8 +951,8 @@ class _Converter:
         if self.pairing.names_a_call(real):
             kind = "duplicate_tool_result"
             detail = (
-                f"a result of {part.tool_name!r} for call {real!r}, already answered; the "
-                "first result is its answer"
+                f"a result of {part.tool_name!r} for call {real!r}, already answered; its "
+                "answer is the result naming the call's tool, else the first one"
             )
         else:
             kind = "unplaced_tool_result"
@@ -1102,20 +1109,32 @@ def _count_or_none(value: Any) -> int | None:
 
 
 def _told_by(summary: str, texts: Sequence[str]) -> bool:
-    """Whether a summary is some of the texts one after another (the last may be cut short),
-    or lies within one of them or within them all run together. Texts are compared as a
-    history's pieces are, exactly but for white space at their ends (`print(a b)` is not
+    """Whether a summary is one of the texts, or several of them one after another (what
+    lies between them that is no text, a tool round, aside), each whole: a piece of a text
+    says something else (`No` is not `Now checking…`). Texts are compared as a history's
+    pieces are, exactly but for white space at their ends (`print(a b)` is not
     `print(ab)`); writers joined parts with and without separators, so between two texts any
-    white space, or none, is no difference."""
+    white space, or none, is no difference. Each text extends the runs that reach it (the
+    places in the summary they end at), so the check is one pass over the texts."""
     pieces = [t.strip() for t in texts if t.strip()]
     whole = summary.strip()
-    remaining = whole
+    ends: set[int] = set()
     for piece in pieces:
-        if piece.startswith(remaining):
+        ends = {
+            _past_white_space(whole, at + len(piece))
+            for at in ends | {0}
+            if whole.startswith(piece, at)
+        }
+        if len(whole) in ends:
             return True
-        if remaining.startswith(piece):
-            remaining = remaining[len(piece) :].lstrip()
-    return any(whole in joint.join(pieces) for joint in ("", " ", "\n"))
+    return False
+
+
+def _past_white_space(text: str, at: int) -> int:
+    """The first place from `at` on in `text` that is not white space."""
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
 
 
 def _flatten(items: Iterable[Item]) -> list[dict[str, Any]]:
@@ -1203,12 +1222,17 @@ def _check_history(
     each once, on the first turn holding it (`history_findings`): a system prompt or
     instructions (`system_prompt_only_in_history`: a system message is the conversation's
     system turn; the history only copies what the model was given, so it makes none),
-    runtime context the user did not see, any other part (`history_only_content`)."""
+    runtime context the user did not see, any other part (`history_only_content`); a
+    response text as often as the history says it beyond what the messages of its turn and
+    the earlier ones say."""
     problems = converter.problems
     whole = {p.legacy_id for p in problems if p.kind in _WHOLE_HISTORY_KINDS}
+    histories = converter.histories
     found = history_findings(
-        [converter.histories.added.get(id(turn), []) for turn in turns],
+        [histories.added.get(id(turn), []) for turn in turns],
         messages,
+        lengths=[histories.lengths.get(id(turn)) for turn in turns],
+        turn_ids=[converter.names[id(turn)].turn_id for turn in turns],
         kept_whole={
             n for n, turn in enumerate(turns) if converter.names[id(turn)].legacy_id in whole
         },

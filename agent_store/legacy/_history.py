@@ -11,7 +11,9 @@ One rule: every key of every history message is either read as a known, checked 
 is metadata (`_MESSAGE_METADATA`, `_BOOKKEEPING`), else it is kept: a message not in Pydantic
 AI's shape (`readable`) whole, a part holding a field no check reads whole. A piece is held
 only by a message of its kind, its text alike but for white space at its ends: a user
-prompt by a user's text, a response text by an assistant's, a tool return by the tool
+prompt by a user's text, a response text by an assistant's of its own turn or an earlier
+one, each message once (a history saying a text more often than those messages is kept
+again, so another turn's same words never hold a turn's answer), a tool return by the tool
 message answering its call (by the call's id when the history names one, else by the
 tool's name), a call by a call of that tool with those arguments; nothing holds thinking.
 
@@ -24,9 +26,11 @@ over what the histories add, not over all they repeat.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from bisect import bisect_right
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent_store.core import AgentMessage
 from agent_store.legacy._documents import as_text
@@ -34,6 +38,7 @@ from agent_store.legacy._parts import (
     LegacyPart,
     call_arguments,
     normalize_part,
+    part_kind,
     result_text,
     said,
 )
@@ -131,16 +136,26 @@ class _Held:
     return by the tool message answering its call."""
 
     user: set[str] = field(default_factory=set)
-    answers: set[str] = field(default_factory=set)
+    answers: dict[str, list[int]] = field(default_factory=dict)
+    """Each assistant's text (and each turn's answer its parts split in several), by the
+    turns saying it (their indexes, in order, one for each time)."""
     errors: set[str] = field(default_factory=set)
     calls: set[tuple[str, str]] = field(default_factory=set)
     results_by_id: set[tuple[str, str]] = field(default_factory=set)
     results_by_name: set[tuple[str, str]] = field(default_factory=set)
     system: set[str] = field(default_factory=set)
     hidden: set[str] = field(default_factory=set)
+    turn: int = 0
+    """The turn whose history is being read."""
+    said: _Said = field(default_factory=lambda: _Said())
+    kept_answers: Counter[str] = field(default_factory=Counter)
+    """How many times a problem keeps each response text of the histories so far."""
 
     @classmethod
-    def of(cls, messages: Sequence[AgentMessage], hidden: Iterable[str]) -> _Held:
+    def of(
+        cls, messages: Sequence[AgentMessage], hidden: Iterable[str], turns: Mapping[Any, int]
+    ) -> _Held:
+        """What the messages hold; `turns` gives the index of each turn by its `turn_id`."""
         held = cls(hidden=set(hidden))
         split: dict[str | None, list[str]] = {}
         names: dict[str, str] = {}
@@ -155,16 +170,20 @@ class _Held:
                 held.results_by_id.add((call_id, _key(m.content)))
                 held.results_by_name.add((names.get(call_id, ""), _key(m.content)))
             elif m.role == "assistant":
-                held.add_answer(m, names)
+                held.add_answer(m, names, turns.get(m.turn_id, 0))
                 if m.content and not m.hitl_action:
                     split.setdefault(m.turn_id, []).append(m.content)
         # A history's text part may be a turn's answer its legacy parts split in several.
-        held.answers |= {_key("".join(texts)) for texts in split.values() if len(texts) > 1}
+        for turn_id, texts in split.items():
+            if len(texts) > 1:
+                held.answers.setdefault(_key("".join(texts)), []).append(turns.get(turn_id, 0))
+        for saying in held.answers.values():
+            saying.sort()
         return held
 
-    def add_answer(self, m: AgentMessage, names: dict[str, str]) -> None:
+    def add_answer(self, m: AgentMessage, names: dict[str, str], turn: int) -> None:
         if m.content:
-            self.answers.add(_key(m.content))
+            self.answers.setdefault(_key(m.content), []).append(turn)
         if m.error is not None and m.error.message:
             self.errors.add(_key(m.error.message))
         for call in m.tool_calls or ():
@@ -182,6 +201,64 @@ class _Held:
         if call_id:
             return (call_id, text) in self.results_by_id
         return isinstance(name, str) and (name, text) in self.results_by_name
+
+    def answer(self, value: Any) -> bool:
+        """Whether the messages hold a response text of the history being read as often as
+        that history says it: the messages of its turn and the earlier ones (another turn's
+        words are not this one's answer, nor is a later turn's), each once, beside the
+        problems keeping it already. One not held is counted as kept."""
+        if value in _SAYS_NOTHING:
+            return True
+        key = _key(as_text(value))
+        told = bisect_right(self.answers.get(key, ()), self.turn)
+        if self.said.counts[key] <= told + self.kept_answers[key]:
+            return True
+        self.kept_answers[key] += 1
+        return False
+
+
+@dataclass
+class _Said:
+    """The response texts of the history being read, by position (`_answer_keys`), and how
+    often it says each. A history replaces messages of the previous one at their places,
+    adds some after them, or ends sooner: only what it adds is read."""
+
+    at: list[list[str]] = field(default_factory=list)
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def read(self, added: Sequence[tuple[int, Any]], length: int | None) -> None:
+        """The next history, by what it adds and its length (None: it holds nothing, or is
+        unreadable, and the previous one stands)."""
+        if length is not None:
+            for keys in self.at[length:]:
+                self.counts.subtract(keys)
+            del self.at[length:]
+            self.at += [[] for _ in range(length - len(self.at))]
+        for position, message in added:
+            self.counts.subtract(self.at[position])
+            self.at[position] = _answer_keys(message)
+            self.counts.update(self.at[position])
+
+
+def _answer_keys(message: Any) -> list[str]:
+    """The response texts of a history's message the check reads (`readable`), as compared."""
+    if not readable(message):
+        return []
+    found = [
+        normalize_part(part)
+        for part in message["parts"]
+        if isinstance(part, dict) and part_kind(part) == "text"
+    ]
+    return [
+        _key(as_text(text.content))
+        for text in found
+        if text.content not in _SAYS_NOTHING and not _unknown(text)
+    ]
+
+
+def _unknown(found: LegacyPart) -> bool:
+    """Whether a part holds something in a field its kind does not read: it is kept whole."""
+    return any(found.raw[name] not in _SAYS_NOTHING for name in found.unknown_fields)
 
 
 def returned(part: LegacyPart) -> str | None:
@@ -218,34 +295,48 @@ def _user_prompt_held(
     return whole, hidden
 
 
-def _part_held(part: Any, held: _Held, markers: RuntimeContextMarkers) -> tuple[bool, str]:
+class _Verdict(NamedTuple):
+    """Whether the messages hold a history's part (`_part_held`)."""
+
+    whole: bool
+    hidden: str = ""
+    """The runtime context hidden in it (a user prompt's)."""
+    counted: bool = False
+    """A response text the messages hold fewer times than the histories say it
+    (`_Held.answer`): kept again, though a problem keeps the same part already."""
+
+
+def _part_held(part: Any, held: _Held, markers: RuntimeContextMarkers) -> _Verdict:
     """Whether a message of the right kind holds every piece of a history's part (its fields
     no check reads empty), and the runtime context hidden in it (a user prompt's)."""
     if not isinstance(part, dict):
-        return part in _SAYS_NOTHING, ""
+        return _Verdict(part in _SAYS_NOTHING)
     kind = part.get("part_kind")
     if kind == "user-prompt":
-        return _user_prompt_held(part, held, markers)
+        return _Verdict(*_user_prompt_held(part, held, markers))
     if kind == "retry-prompt":
         content = part.get("content")
-        return not _unread(part, _PROMPT_FIELDS["retry-prompt"]) and (
-            _text_in(content, held.errors)
-            or _text_in(content, held.user)
-            or held.result(part.get("tool_call_id"), part.get("tool_name"), content)
-        ), ""
+        return _Verdict(
+            not _unread(part, _PROMPT_FIELDS["retry-prompt"])
+            and (
+                _text_in(content, held.errors)
+                or _text_in(content, held.user)
+                or held.result(part.get("tool_call_id"), part.get("tool_name"), content)
+            )
+        )
     found = normalize_part(part)
-    if any(part[name] not in _SAYS_NOTHING for name in found.unknown_fields):
-        return False, ""
+    if _unknown(found):
+        return _Verdict(False)
     if found.kind == "text":
-        return _text_in(found.content, held.answers), ""
+        return _Verdict(whole := held.answer(found.content), counted=not whole)
     if found.kind == "tool_call":
         arguments = said(call_arguments(found)[0])
-        return (found.tool_name, arguments) in held.calls, ""
+        return _Verdict((found.tool_name, arguments) in held.calls)
     if found.kind == "tool_result":
         text = found.result if found.result in _SAYS_NOTHING else result_text(found)[0]
-        return held.result(found.tool_call_id, found.tool_name, text), ""
+        return _Verdict(held.result(found.tool_call_id, found.tool_name, text))
     # A thinking part, a file, a built-in tool's call or return, any kind no reader knows.
-    return not _unread(part, frozenset()), ""
+    return _Verdict(not _unread(part, frozenset()))
 
 
 def _prompts(message: dict[str, Any]) -> list[str]:
@@ -265,22 +356,29 @@ def history_findings(
     histories: Sequence[Sequence[tuple[int, Any]]],
     messages: Sequence[AgentMessage],
     *,
+    lengths: Sequence[int | None],
+    turn_ids: Sequence[Any],
     kept_whole: set[int],
     hidden: Iterable[str],
     markers: RuntimeContextMarkers,
 ) -> list[Finding]:
     """What the histories of a conversation's turns (in turn order) hold that its messages
-    do not, each once. Each history is given by the messages it adds to the previous turn's,
-    by position (the others are equal to the one at their place there, looked at already).
+    do not, each once; a response text as many times as the histories say it beyond what
+    the messages of its turn and the earlier ones say (`_Held.answer`). Each history is
+    given by the messages it adds to the previous turn's, by position (the others are equal
+    to the one at their place there, looked at already), and its length (`lengths`, None
+    where it holds nothing or is unreadable); `turn_ids` names each turn's messages.
     `kept_whole` are the turns whose whole history a problem keeps already (unreadable, or
     the turn converts to no message): what they hold is kept; `hidden` the runtime contexts
     problems keep."""
     if not any(histories):
         return []
-    held = _Held.of(messages, hidden)
+    held = _Held.of(messages, hidden, {turn_id: n for n, turn_id in enumerate(turn_ids)})
     findings: list[Finding] = []
     seen: set[str] = set()
     for index, added in enumerate(histories):
+        held.turn = index
+        held.said.read(added, lengths[index])
         kept = index in kept_whole
         for position, message in added:
             if readable(message):
@@ -319,7 +417,7 @@ def _message_findings(
             if _unread(part, _PROMPT_FIELDS["system-prompt"]):
                 findings += _part_finding(index, position, number, part, seen, kept=kept)
             continue
-        whole, hidden = _part_held(part, held, markers)
+        whole, hidden, counted = _part_held(part, held, markers)
         if hidden and hidden not in held.hidden:
             held.hidden.add(hidden)
             if not kept:
@@ -334,19 +432,28 @@ def _message_findings(
                     )
                 )
         if not whole:
-            findings += _part_finding(index, position, number, part, seen, kept=kept)
+            once = None if counted else seen
+            findings += _part_finding(index, position, number, part, once, kept=kept)
     return findings
 
 
 def _part_finding(
-    index: int, position: int, number: int | None, part: Any, seen: set[str], *, kept: bool
+    index: int,
+    position: int,
+    number: int | None,
+    part: Any,
+    seen: set[str] | None,
+    *,
+    kept: bool,
 ) -> list[Finding]:
-    """A part no message holds, kept once; only remembered when a problem keeps it already
-    (`kept`)."""
-    key = json.dumps(part, sort_keys=True, default=repr)
-    if key in seen:
-        return []
-    seen.add(key)
+    """A part no message holds, kept once (`seen`: the parts kept so far; None for a
+    response text kept as often as it is said, `_Held.answer`); only remembered when a
+    problem keeps it already (`kept`)."""
+    if seen is not None:
+        key = json.dumps(part, sort_keys=True, default=repr)
+        if key in seen:
+            return []
+        seen.add(key)
     if kept:
         return []
     where = f"message {position}" + (f", part {number}" if number is not None else "")

@@ -13,7 +13,8 @@ names a result by its call's tool, needs no history; `CallPairing` pairs the res
 names its call by the latest call of that id in the turn's own part of the history
 (`returns_here`), so ids a provider numbers per response never reach across responses.
 Of the calls an id names, the tool a result names decides before position, across turns as
-within one; an id alone reaching past its tool's calls is a guess (`CallPairing.guessed`).
+within one and whatever the order of the results; an id alone reaching past its tool's calls
+is a guess (`CallPairing.guessed`).
 """
 
 from __future__ import annotations
@@ -62,19 +63,24 @@ class CallPairing(Generic[K]):
         self, results: Sequence[tuple[Any, str | None]], told: Sequence[K | None] = ()
     ) -> list[K | None]:
         """The call each of this turn's results, (tool name, id), answers; None where no call
-        is left for it. Results whose id names a call are paired first, in order, by the tool
-        they name before position (`_by_name`; those paired by a guess are in `guessed`);
-        then each result its turn's history tells the call of (`told`, by key: `told_calls`)
-        takes that call while it is unanswered; only then does each result whose id names
-        none take, in order, the first unanswered call of its tool in this turn: a result
-        naming no call never takes one another names."""
+        is left for it. Results whose id names a call are paired first, by the tool they name
+        before position (`_by_name`; those paired by a guess are in `guessed`): those naming
+        the tool of a call their id names, or none (the OpenAI way), in order, then those
+        naming another tool, in order, so a result naming its call's tool answers it whatever
+        the order of the parts, before one its id alone pairs; then each result
+        its turn's history tells the call of (`told`, by key: `told_calls`) takes that call
+        while it is unanswered; only then does each result whose id names none take, in
+        order, the first unanswered call of its tool in this turn: a result naming no call
+        never takes one another names."""
         told = list(told) or [None] * len(results)
         named = {i for i, (_, call_id) in enumerate(results) if self.names_a_call(call_id)}
+        of_its_tool = [i for i in sorted(named) if not self._names_another_tool(*results[i])]
+        by_id = sorted(named.difference(of_its_tool))
         said = [i for i, key in enumerate(told) if key is not None and i not in named]
         unnamed = [i for i in range(len(results)) if i not in named and i not in said]
         answers: list[K | None] = [None] * len(results)
         self.guessed = []
-        for index in [*sorted(named), *said, *unnamed]:
+        for index in [*of_its_tool, *by_id, *said, *unnamed]:
             tool_name, call_id = results[index]
             key = told[index]
             if index in named:
@@ -89,6 +95,12 @@ class CallPairing(Generic[K]):
                 self._answered.add(found)
             answers[index] = found
         return answers
+
+    def _names_another_tool(self, tool_name: Any, call_id: str | None) -> bool:
+        """Whether a result names a tool no call its id names is of (compared exactly:
+        `Get_Balance` is not `get_balance`), so only its id pairs it."""
+        calls = self._by_id.get(str(call_id), ())
+        return tool_name is not None and all(self._tools[k] != tool_name for k in calls)
 
     def _by_name(self, call_id: str | None, tool_name: Any) -> tuple[K | None, list[K]]:
         """The call a result whose id names calls answers, and, when that is a guess, the
