@@ -21,7 +21,7 @@ from agent_store.core import AgentMessage
 from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import CONVERSATIONS, MIGRATED_TURN_PREFIX, TurnRules, with_texts
 from migrations import dual_writes, full_texts
-from migrations.explode import batches, conversation_ids, convert_batch
+from migrations.explode import batches, conversation_ids, convert_batch, undated_time
 from migrations.transcript import differences, from_legacy, from_messages, not_held
 from migrations.writes import Converted, popped
 
@@ -67,7 +67,8 @@ def compare(item: Converted, stored: list[AgentMessage], popped: Collection[str]
         stored = sorted([*stored, *back], key=lambda m: m.seq or 0)
     migrated = [m for m in stored if (m.turn_id or "").startswith(MIGRATED_TURN_PREFIX)]
     if migrated or not stored:
-        return differences(from_legacy(item.turns, conversion.unplaced), from_messages(migrated))
+        found = differences(from_legacy(item.turns, conversion.unplaced), from_messages(migrated))
+        return found + misdated(conversion.messages, migrated)
     # Logged to live before its migration: its legacy turns were not merged.
     unheld = not_held(stored, item.turns, conversion)
     if not unheld:
@@ -75,6 +76,19 @@ def compare(item: Converted, stored: list[AgentMessage], popped: Collection[str]
     return [
         "logged to live before its migration, and its live messages do not hold its legacy "
         "turns: " + "; ".join(unheld[:5])
+    ]
+
+
+def misdated(wanted: Collection[AgentMessage], stored: Collection[AgentMessage]) -> list[str]:
+    """The stored messages dated otherwise than their legacy turns convert to now: a time
+    misread (an offset or AM/PM ignored) is a difference, even where the order it gave
+    happens to hold."""
+    times = {str(m.id): m.created_at for m in wanted}
+    return [
+        f"message {m.id} (seq {m.seq}) is dated {m.created_at.isoformat()}, its legacy turn "
+        f"{times[str(m.id)].isoformat()}"
+        for m in stored
+        if str(m.id) in times and m.created_at != times[str(m.id)]
     ]
 
 
@@ -96,9 +110,12 @@ def verify(
     else:
         ids = conversation_ids(db)
     moved_at = dual_writes.moved_at(db)
+    undated_at = undated_time(db, record=False)  # the run's time for undated conversations
     for batch in batches(ids, batch_size):
         held: list[dict[str, Any]] = []
-        converted, failed, _ = convert_batch(db, batch, TurnRules(), source=LEGACY_TURNS, held=held)
+        converted, failed, _ = convert_batch(
+            db, batch, TurnRules(), source=LEGACY_TURNS, held=held, undated_at=undated_at
+        )
         for problem in failed:
             result.conversations += 1
             result.differences[problem.conversation_id] = [f"cannot be converted: {problem.detail}"]

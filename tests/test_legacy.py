@@ -866,6 +866,48 @@ def test_a_session_prompt_resolved_in_other_case_or_spaces_is_not_pending(status
 RAISED = {"type": "hitl", "action": "refund", "request_id": "req-9", "prompt": "Refund «o-1»?"}
 
 
+ASKED = {**PROMPT, "request_id": "req-9", "status": "pending", "created_at": T0}
+LATER = T0 + timedelta(minutes=2)
+ANSWERED = {**PROMPT, "request_id": "req-9", "status": "approved", "resolved": True,
+            "created_at": LATER, "updated_at": LATER}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [ANSWERED, {**ANSWERED, "created_at": T0, "updated_at": T0 + timedelta(minutes=2)},
+     {**ANSWERED, "created_at": T0, "updated_at": None}],
+    ids=["recorded after", "updated after", "at the same time"],
+)  # fmt: skip
+def test_a_request_recorded_pending_then_answered_is_answered(answer: dict[str, Any]) -> None:
+    """A request recorded more than once (one request id) is decided by its newest record:
+    a pending record older than its answer is the ask the answer answered, never asked
+    again."""
+    messages = convert([turn(1, [RAISED])]).messages
+
+    assert pending_from_session_hitl([ASKED, answer], messages) == (None, [])
+    assert pending_from_session_hitl([answer, ASKED], messages) == (None, [])
+
+
+@pytest.mark.parametrize(
+    "asked",
+    [{**ASKED, "created_at": T0 + timedelta(minutes=5)}, {**ASKED, "created_at": None}],
+    ids=["pending after its answer", "pending undated"],
+)
+def test_a_request_recorded_pending_after_its_answer_is_a_problem_holding_the_gate(
+    asked: dict[str, Any],
+) -> None:
+    """A pending record newer than the request's answer, or one that cannot be dated against
+    it, contradicts it: the converter cannot tell, so it asks no approval already given and
+    keeps the pending record in a problem (not placed) an operator accepts."""
+    messages = convert([turn(1, [RAISED])]).messages
+    pending, notes = pending_from_session_hitl([ANSWERED, asked], messages)
+
+    assert pending is None
+    [note] = notes
+    assert (note.kind, note.placed, note.content) == ("contradictory_prompt_state", False, asked)
+    assert "req-9" in note.detail
+
+
 @pytest.mark.parametrize(
     "status",
     ["rejected", "approved", "Denied", "declined", "timed_out", "Timed Out", "time-out", "timeout",

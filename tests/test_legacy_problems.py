@@ -183,7 +183,7 @@ async def test_a_prompt_naming_a_blank_conversation_is_found_by_its_session(
 PROMPT_NAMINGS = {
     "text": ({"conversation_id": "c-1"}, "c-1"),
     "number zero, session aside": ({"conversation_id": 0, "session_id": "c-1"}, "0"),
-    "double zero": ({"conversation_id": 0.0, "session_id": "c-1"}, "0.0"),
+    "double zero, by its value": ({"conversation_id": 0.0, "session_id": "c-1"}, "0"),
     "false": ({"conversation_id": False, "session_id": "c-1"}, "False"),
     "blank, by its session": ({"conversation_id": " ", "session_id": "s-1"}, "s-1"),
     "none, by its session": ({"session_id": 7}, "7"),
@@ -303,6 +303,66 @@ def test_a_time_written_as_whole_epoch_seconds_or_milliseconds_is_read(created_a
 
     assert conversion.messages[0].created_at == datetime(2021, 3, 1, 10, tzinfo=UTC)
     assert conversion.problems == []
+
+
+@pytest.mark.parametrize(
+    ("created_at", "meant"),
+    [("Fri Mar 01 2024 10:30:00 GMT+0200 (Central European Summer Time)", "08:30"),
+     ("Fri Mar 01 2024 04:00:00 GMT-0500 (Eastern Standard Time)", "09:00"),
+     ("Fri Mar 01 2024 10:30:00 GMT+0200", "08:30"),
+     ("Fri, 01 Mar 2024 10:30:00 +02:00", "08:30"),
+     ("Fri, 01 Mar 2024 10:30:00 +0200", "08:30"),
+     ("1 Mar 2024 04:00 EST", "09:00"),
+     ("Fri, 01 Mar 2024 01:30:00 PDT", "08:30"),
+     ("Fri, 01 Mar 2024 08:30:00 -0000", "08:30"),
+     ("fri, 01 mar 2024 08:30:00 gmt", "08:30")],
+    ids=["javascript Date.toString, east of utc", "javascript Date.toString, west of utc",
+         "javascript Date.toString without its zone's name", "rfc 2822 with a colon offset",
+         "rfc 2822", "rfc 2822 without a weekday or seconds, a us zone",
+         "rfc 2822, a us daylight zone", "rfc 2822, -0000", "rfc 2822 in lower case"],
+)  # fmt: skip
+def test_a_time_written_as_text_with_an_offset_is_read_at_that_offset(
+    created_at: str, meant: str
+) -> None:
+    """JavaScript's `Date.toString()` and an RFC 2822 date name their offset: 10:30 at +02:00
+    is 08:30 UTC, never 10:30."""
+    turn = {"_id": "d-1", "conversation_id": "c-date", "created_at": created_at,
+            "user_message": "hi"}  # fmt: skip
+    conversion = convert([turn])
+
+    hour, minute = map(int, meant.split(":"))
+    assert conversion.messages[0].created_at == datetime(2024, 3, 1, hour, minute, tzinfo=UTC)
+    assert conversion.problems == []
+
+
+@pytest.mark.parametrize(
+    "created_at",
+    ["Mar 1, 2024 9:00:00 PM", "3/1/2024, 9:00:00 PM", "Fri, 01 Mar 2024 10:30:00",
+     "Fri Mar 01 2024 10:30:00", "Fri, 01 Mar 2024 10:30:00 CEST", "Fri, 01 Mar 2024 10:30:00 XYZ",
+     "Fri, 01 Mar 2024 10:30:00 GMT and then some", "Sat, 01 Mar 2024 10:30:00 GMT",
+     "Fri Mar 01 2024 10:30:00 GMT+0200 (CEST) later", "01 Mar 24 10:30:00 GMT",
+     "Fri, 01 Mar 2024 10:30:00 A", "Fri, 01 Mar 2024 25:30:00 GMT"],
+    ids=["am/pm without a zone", "a locale's date", "rfc 2822 without a zone",
+         "javascript without a zone", "a zone's abbreviation rfc 2822 does not define",
+         "an unknown zone", "text left over", "a weekday the date is not",
+         "text after the zone's name", "a two-digit year", "a military zone", "no hour of a day"],
+)  # fmt: skip
+def test_a_time_written_as_text_that_cannot_be_read_exactly_is_no_time(created_at: str) -> None:
+    """Text the reader cannot read whole (an offset, AM or PM, a weekday) is no time: the turn
+    is dated by its neighbours and a `missing_created_at` problem holds the text, never a
+    reading with part of it ignored."""
+    dated = datetime(2024, 3, 1, 12, tzinfo=UTC)
+    turns = [
+        {"_id": "d-1", "conversation_id": "c-date", "created_at": created_at,
+         "user_message": "EVENING"},
+        {"_id": "d-2", "conversation_id": "c-date", "created_at": dated, "user_message": "NOON"},
+    ]  # fmt: skip
+    conversion = convert(turns)
+
+    assert {m.created_at for m in conversion.messages} == {dated}
+    [problem] = conversion.problems
+    assert (problem.kind, problem.legacy_id, problem.content) == (
+        "missing_created_at", "d-1", created_at)  # fmt: skip
 
 
 def test_milliseconds_as_text_that_iso_reads_as_a_time_before_1970_are_milliseconds() -> None:
@@ -1206,6 +1266,35 @@ def test_a_conversation_id_stored_as_bson_code_is_no_text_id_and_gets_a_derived_
     assert [(p.kind, p.placed, p.content) for p in conversion.problems] == [
         ("derived_conversation_id", True, named)
     ]
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [([42, 42.0, Int64(42), bson.Decimal128("42"), bson.Decimal128("42.0"),
+       bson.Decimal128("4.2E+1"), "42"], "42"),
+     ([-0.0, 0, bson.Decimal128("-0")], "0"),
+     ([42.5, bson.Decimal128("42.50")], "42.5"),
+     ([1e16, Int64(10**16), bson.Decimal128("1E+16")], "10000000000000000")],
+    ids=["42", "zero", "a fraction", "a double an integer is"],
+)  # fmt: skip
+def test_numbers_equal_by_value_name_one_conversation(values: list[Any], named: str) -> None:
+    """The old service found a conversation's turns by an equality query, which matches a
+    number by value whatever its BSON type (`42 == 42.0 == Decimal128("42.0")`): each names
+    one conversation, by one text, and the filter of its turns finds every one of them."""
+    assert {named_id(value) for value in values} == {named}
+    turns = [{"_id": f"n-{n}", "conversation_id": value, "created_at": MESSY_START,
+              "user_message": f"turn {n}"} for n, value in enumerate(values)]  # fmt: skip
+    [conversion] = [convert(group) for group in group_conversations(parse_turns(turns)).values()]
+    assert conversion.conversation_id == named
+    assert conversion.problems == []
+
+
+@pytest.mark.parametrize(
+    "value", [0.1, bson.Decimal128("0.1"), bson.Decimal128("NaN"), float("inf")]
+)
+def test_a_number_no_other_type_holds_the_value_of_keeps_its_own_name(value: Any) -> None:
+    """0.1 as a double is not the decimal 0.1 (a query tells them apart too)."""
+    assert named_id(value) == id_text(value)
 
 
 ALIKE_SPELLINGS = {

@@ -603,6 +603,101 @@ def stored_messages(database: Database[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.wire
+def test_turns_under_numbers_equal_by_value_are_migrated_as_one_conversation(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """The old service's `{conversation_id: 42}` found the turns stored under 42, 42.0,
+    `Decimal128("42.0")` and `Int64(42)`: one conversation, "42", in the run, `verify`,
+    `finish` and a run of it alone."""
+    ids = [42, 42.0, bson.Decimal128("42.0"), bson.Int64(42)]
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", cid, n, f"TURN {n}") for n, cid in enumerate(ids)]
+    )
+
+    assert cli(wire_uri, database, "run", "--batch-size", "1") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+    assert database[CONVERSATIONS].distinct("_id") == ["42"]
+    asked = [m["content"] for m in stored_messages(database) if m["role"] == "user"]
+    assert asked == [f"TURN {n} question" for n in range(4)]
+    assert database[PROBLEMS].count_documents({}) == 0
+    assert cli(wire_uri, database, "run", "--conversation", "42") == 0
+    assert cli(wire_uri, database, "verify", "--conversation", "42") == 0
+    assert database[MESSAGES].count_documents({}) == 8
+
+
+@pytest.mark.wire
+def test_a_request_answered_in_a_later_prompt_record_is_migrated_answered(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two `session_hitl` records of one request, pending then approved: it is answered,
+    never asked again. A pending record after its answer contradicts it: a problem holds the
+    drop until an operator accepts it."""
+    raised = {"type": "hitl", "action": "pay", "request_id": "req-1", "prompt": "Pay Bob?"}
+    database[CONVERSATIONS].insert_one(
+        legacy_turn("t-1", "c-h", 10, "PAY") | {"response_parts": [raised]}
+    )
+    asked = {"conversation_id": "c-h", "user_id": "u-1", "request_id": "req-1",
+             "action": "pay", "prompt": "Pay Bob?", "status": "pending",
+             "created_at": datetime(2024, 1, 1, 10, tzinfo=UTC)}  # fmt: skip
+    answered = {**asked, "status": "approved", "resolved": True,
+                "created_at": datetime(2024, 1, 1, 10, 2, tzinfo=UTC)}  # fmt: skip
+    database[SESSION_HITL].insert_many([asked, answered])
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    migrated = database[CONVERSATIONS].find_one({"_id": "c-h"})
+    assert migrated is not None
+    assert migrated.get("pending_hitl") is None
+    assert database[PROBLEMS].count_documents({}) == 0
+
+    database[SESSION_HITL].update_one(
+        {"status": "pending"}, {"$set": {"created_at": datetime(2024, 1, 1, 10, 5, tzinfo=UTC)}}
+    )
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish") == 1
+    assert "contradictory_prompt_state" in capsys.readouterr().out
+    stored = database[CONVERSATIONS].find_one({"_id": "c-h"})
+    assert stored is not None
+    assert stored.get("pending_hitl") is None
+    assert cli(wire_uri, database, "finish", "--accept", "c-h", "--note", "read") == 0
+
+
+@pytest.mark.wire
+def test_turns_dated_by_text_at_an_offset_are_migrated_in_time_order_and_verify_checks_times(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """10:30 at +02:00 is 08:30 UTC: before a turn of 09:00 UTC, whatever its text says. A
+    stored message dated otherwise than its turn reads (as a reading that ignored the offset
+    stored it) is a difference `verify` names, never a match."""
+    database[CONVERSATIONS].insert_many([
+        legacy_turn("t-2", "c-js", 9, "SECOND"),
+        legacy_turn("t-3", "c-js", 0, "THIRD")
+        | {"created_at": "Mon, 01 Jan 2024 04:30:00 -05:00"},
+        legacy_turn("t-1", "c-js", 0, "FIRST")
+        | {"created_at": "Mon Jan 01 2024 10:30:00 GMT+0200 (Central European Standard Time)"},
+    ])  # fmt: skip
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+
+    asked = [m["content"] for m in stored_messages(database) if m["role"] == "user"]
+    assert asked == ["FIRST question", "SECOND question", "THIRD question"]
+    first = database[MESSAGES].find_one({"content": "FIRST question"})
+    assert first is not None
+    assert first["created_at"].replace(tzinfo=UTC) == datetime(2024, 1, 1, 8, 30, tzinfo=UTC)
+    assert database[PROBLEMS].count_documents({}) == 0
+
+    misread = datetime(2024, 1, 1, 10, 30, tzinfo=UTC)
+    database[MESSAGES].update_many({"turn_id": "legacy-t-1"}, {"$set": {"created_at": misread}})
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 1
+    assert "c-js" in capsys.readouterr().out
+
+
+@pytest.mark.wire
 def test_two_turns_whose_ids_read_alike_in_one_conversation_are_both_migrated(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -781,8 +876,8 @@ def test_legacy_data_edited_after_the_run_that_only_the_conversation_shows_is_wo
 @pytest.mark.wire
 @pytest.mark.parametrize(
     ("odd", "text"),
-    [(7, "7"), (True, "True"), (bson.Decimal128("7"), '"7"')],
-    ids=["number", "bool", "decimal"],
+    [(7, "7"), (True, "True"), (bson.Decimal128("7.0"), "7"), (bson.Decimal128("0.1"), '"0.1"')],
+    ids=["number", "bool", "decimal", "a decimal no double is"],
 )
 def test_a_conversation_whose_turns_name_it_by_a_value_and_by_its_text_is_one_conversation(
     wire_uri: str, database: Database[dict[str, Any]], odd: Any, text: str
@@ -2577,7 +2672,7 @@ DERIVED_CONVERSATIONS = {
     "a legacy id that is not an identifier, its live turn dual-written": ("conv 42/é", True),
     "a legacy id that is not an identifier, its live turn's copy naming the derived id": (
         "conv 42/é", False),
-    "a legacy id stored as a double, its live turn's copy naming the derived id": (1e16, False),
+    "a legacy id stored as a double, its live turn's copy naming the derived id": (1e300, False),
     "a turn naming no conversation, its live turn dual-written": (None, True),
     "a turn naming no conversation, its live turn's copy naming the derived id": (None, False),
 }  # fmt: skip

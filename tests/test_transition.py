@@ -323,8 +323,9 @@ async def test_a_deleted_conversation_leaves_no_dual_written_turn_to_come_back(
 async def test_legacy_ids_stored_as_numbers_are_the_ids_the_migration_reads_them_as(
     backend: Backend,
 ) -> None:
-    """5, 5.0 and -5 are three conversations ("5", "5.0", "-5") to the legacy reader, though
-    5 and 5.0 are one value to a query; an ObjectId's prompt is its conversation's."""
+    """5 and 5.0 are one conversation, "5" (one value to the old service's query), -5 another
+    ("-5"); "5.0" names none of them; an ObjectId's prompt is its conversation's. The last
+    user its turns name owns "5"; a delete by that owner leaves the other user's turn."""
     from bson import ObjectId
 
     oid = ObjectId()
@@ -342,13 +343,15 @@ async def test_legacy_ids_stored_as_numbers_are_the_ids_the_migration_reads_them
 
     owners = {cid: await legacy.holder(cid) for cid in ("5", "5.0", "-5", str(oid), "6")}
     assert {cid: h.user_id if h else None for cid, h in owners.items()} == {
-        "5": "u-int", "5.0": "u-double", "-5": "u-negative", str(oid): "u-oid", "6": None,
+        "5": "u-double", "5.0": None, "-5": "u-negative", str(oid): "u-oid", "6": None,
     }  # fmt: skip
     found = await legacy.conversation(str(oid))
     assert found is not None
     assert found.conversation.pending_hitl is not None
-    assert await legacy.delete("5", owner="u-int") == 1
-    assert await legacy.holder("5.0") is not None
+    assert await legacy.delete("5", owner="u-double") == 1
+    left = await legacy.holder("5")
+    assert left is not None
+    assert left.user_id == "u-int"
     assert await legacy.delete(str(oid), owner="u-oid") == 1
     assert await backend.db[SESSION_HITL].count_documents({}) == 0
 
@@ -472,15 +475,19 @@ async def test_dual_write_documents_of_one_turn_are_named_apart_from_every_turn_
 async def test_a_conversation_migrated_under_a_derived_id_reaches_a_legacy_id_stored_as_a_double(
     backend: Backend,
 ) -> None:
-    """1e16 is read as "1e+16", which is no identifier: the migration derives an id."""
-    from agent_store.legacy import derived_conversation_id
+    """1e300 is named by its value, 301 digits, which is no identifier: the migration derives
+    an id."""
+    from agent_store.legacy import derived_conversation_id, named_id
 
-    derived = derived_conversation_id("1e+16")
+    named = named_id(1e300)
+    assert named is not None
+    assert len(named) == 301
+    derived = derived_conversation_id(named)
     await backend.db[LEGACY_TURNS].insert_one(
-        {"_id": "t-big", "conversation_id": 1e16, "user_message": "hi"}
+        {"_id": "t-big", "conversation_id": 1e300, "user_message": "hi"}
     )
     await backend.db["agent_conversations"].insert_one(
-        {"_id": derived, "legacy_conversation_id": "1e+16"}
+        {"_id": derived, "legacy_conversation_id": named}
     )
 
     assert await LegacyTurns(backend.db).delete(derived, owner=None) == 1
@@ -489,6 +496,46 @@ async def test_a_conversation_migrated_under_a_derived_id_reaches_a_legacy_id_st
 # -- deletes and erasures reach one owner's legacy turns and prompts, whole --------------
 
 VICTIM, MALLORY = "user-victim", "user-mallory"
+
+
+async def test_the_read_fallback_asks_no_request_a_later_record_answered(backend: Backend) -> None:
+    """A request recorded pending, then answered in a later `session_hitl` record, is
+    answered to the read fallback too, as the migration stores it."""
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    asked = {"conversation_id": EXAMPLE_CONVERSATION_ID, "request_id": "req-booking-1",
+             "action": "confirm_booking", "status": "pending",
+             "created_at": datetime(2024, 3, 1, 10, tzinfo=UTC)}  # fmt: skip
+    answered = {**asked, "status": "approved", "resolved": True,
+                "created_at": datetime(2024, 3, 1, 10, 2, tzinfo=UTC)}  # fmt: skip
+    await backend.db[SESSION_HITL].insert_many([asked, answered])
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+    assert await store.pending_hitl(EXAMPLE_CONVERSATION_ID) is None
+    conversation = await store.get_conversation(EXAMPLE_CONVERSATION_ID, user_id=EXAMPLE_USER_ID)
+    assert conversation.pending_hitl is None
+
+
+async def test_the_read_fallback_reads_numbers_equal_by_value_as_one_conversation(
+    backend: Backend,
+) -> None:
+    """`42`, `42.0` and `Decimal128("42.0")` name conversation "42", as the old service's
+    equality query found them, before the migration as after it."""
+    # mongomock matches a Decimal128 by its digits, never by its value (`42` is not `42.0`)
+    decimal = bson.Decimal128("42" if backend.name == "mongomock" else "42.0")
+    turns = [
+        {"_id": f"lt-{n}", "conversation_id": cid, "user_id": "u-1",
+         "created_at": datetime(2024, 3, 1, 10, n, tzinfo=UTC), "user_message": f"turn {n}"}
+        for n, cid in enumerate([42, 42.0, decimal])
+    ]  # fmt: skip
+    await backend.db[LEGACY_TURNS].insert_many(turns)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+    transcript = await store.transcript("42")
+
+    assert [m.content for m in transcript] == ["turn 0", "turn 1", "turn 2"]
+    assert {m.conversation_id for m in transcript} == {"42"}
+    with pytest.raises(NotFound):
+        await store.transcript("42.0")
 
 
 def wired(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import email.utils
 import hashlib
 import itertools
 import json
@@ -19,6 +18,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 import bson
@@ -35,6 +35,7 @@ from agent_store.core import (
     to_utc_millis,
     utc_now,
 )
+from agent_store.legacy._text_times import text_time
 from agent_store.store import (
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
@@ -83,10 +84,77 @@ _BLANK = " \t\n\r\x0b\x0c"
 
 
 def named_id(value: Any) -> str | None:
-    """The conversation a `conversation_id` value names, as the reader names it (`id_text`);
-    None when it names none: null, or text that is blank."""
-    text = id_text(value)
+    """The conversation a `conversation_id` value names, as the reader names it: a number by
+    its value (`number_name`: `42`, `42.0`, `Int64(42)` and `Decimal128("42.0")` are "42", as
+    the old service's equality query found them all), anything else by `id_text`; None when
+    it names none: null, or text that is blank."""
+    text = number_name(value) or id_text(value)
     return None if text is None or not text.strip(_BLANK) else text
+
+
+_WIDEST_NUMBER = 309
+"""Digits of the widest whole number a double holds (1.8e308): a wider whole Decimal128 is
+no double's value, and is named by its text (`id_text`)."""
+
+
+def number_name(value: Any) -> str | None:
+    """The name of a number of any BSON type by its value, alike for every type holding that
+    value (MongoDB's equality matches numbers so): a whole number in decimal digits (`"42"`
+    for `42.0` and `Decimal128("4.2E+1")` too, `"0"` for `-0.0`), a fraction as the double of
+    that value writes it (`"42.5"` for `Decimal128("42.50")`). None for no number (a bool is
+    none), and for one only its own type holds (NaN, an infinity, a Decimal128 fraction no
+    double is, `Decimal128("0.1")`, or wider than any double): `id_text` names it."""
+    if isinstance(value, bool) or not isinstance(value, int | float | Decimal128):
+        return None
+    return _value_name(value.to_decimal() if isinstance(value, Decimal128) else Decimal(value))
+
+
+def _value_name(exact: Decimal) -> str | None:
+    """`number_name` of a number of the exact value `exact`."""
+    if not exact.is_finite() or exact.adjusted() >= _WIDEST_NUMBER:
+        return None
+    if exact == exact.to_integral_value():
+        return str(int(exact))
+    double = float(exact)
+    return repr(double) if Decimal(double) == exact else None
+
+
+def _named_number(text: str) -> Decimal | None:
+    """The value of the numbers `number_name` names `text`, if it names any."""
+    if len(text) > _WIDEST_NUMBER + 1 or not _NUMBER_NAME.fullmatch(text):
+        return None
+    try:
+        exact = Decimal(text) if _WHOLE.fullmatch(text) else Decimal(float(text))
+    except (ValueError, ArithmeticError):
+        return None
+    return exact if _value_name(exact) == text else None
+
+
+_WHOLE = re.compile(r"-?[0-9]+")
+_NUMBER_NAME = re.compile(r"-?[0-9]+(\.[0-9]+)?(e[+-][0-9]+)?")
+
+
+def _number_conditions(text: str, by_value: bool) -> list[dict[str, Any]]:
+    """The conditions finding the numbers named `text`: `by_value`, every number
+    `number_name` names so (`_value_conditions`), else one only its own type holds that
+    `id_text` writes so (NaN, an infinity); without, those `id_text` writes so."""
+    if by_value and (exact := _named_number(text)) is not None:
+        return _value_conditions(exact)
+    found = _text_number_conditions(text)
+    return [c for c in found if not by_value or named_id(c["$eq"]) == text]
+
+
+def _value_conditions(exact: Decimal) -> list[dict[str, Any]]:
+    """The conditions finding every number of the value `exact`, each by its own BSON type:
+    an int, a long, a double and a Decimal128, where the type holds it."""
+    conditions: list[dict[str, Any]] = []
+    if exact == exact.to_integral_value() and _in_int64(whole := int(exact)):
+        conditions += [{"$eq": whole, "$type": kind} for kind in ("int", "long")]
+    if Decimal(double := float(exact)) == exact:
+        conditions.append({"$eq": double, "$type": "double"})
+    with contextlib.suppress(ValueError, ArithmeticError):
+        conditions.append({"$eq": Decimal128(exact), "$type": "decimal"})
+    return conditions
 
 
 def scalar_filter(field: str, condition: Mapping[str, Any]) -> dict[str, Any]:
@@ -118,7 +186,7 @@ _IDENTIFIER_TYPES = ["string", "int", "long", "objectId", "null"]
 def not_identifiers(field: str) -> dict[str, Any]:
     """The filter of the documents whose `field` names an id that is no identifier as text
     (`stored_conversation_id` derives one for it): text that is none, or a value of another
-    type than text, an integer or an ObjectId (a double such as 1e16, an object, a date), or
+    type than text, an integer or an ObjectId (a double such as 1e300, an object, a date), or
     an array, whatever it holds (a query would match it by its elements)."""
     return {
         "$or": [
@@ -145,27 +213,36 @@ _INT64_DIGITS = 20
 is no integer id, nor any time, and is never given to `int` (which refuses over 4,300)."""
 
 
-def id_filter(field: str, text: str) -> dict[str, Any]:
-    """The filter of the documents whose `field` the reader names `text` (`id_text`): the text
-    itself, an ObjectId, an integer or a double it writes so (`str` of the value), each of
-    its own BSON type, as 5 and 5.0 are two ids to the reader and one value to a query; never
-    an array holding one (`scalar_filter`)."""
+def id_filter(field: str, text: str, *, by_value: bool = True) -> dict[str, Any]:
+    """The filter of the documents whose `field` the reader names `text` as it names a
+    conversation (`named_id`): the text itself, an ObjectId it writes, a number of any BSON
+    type of the value it names (`number_name`: "42" finds 42, 42.0 and `Decimal128("42.0")`,
+    as the old service's equality query did), a yes/no, or a value `id_text` names so, each
+    of its own BSON type; never an array holding one (`scalar_filter`). `by_value=False`
+    names a number by `id_text` instead (as a request id is read: 5 and 5.0 are two)."""
     conditions: list[dict[str, Any]] = [{"$eq": text}]
     if ObjectId.is_valid(text):
         conditions.append({"$eq": ObjectId(text)})
-    whole = len(text) <= _INT64_DIGITS and re.fullmatch(r"-?[0-9]+", text)
-    if whole and str(int(text)) == text and _in_int64(int(text)):
-        conditions += [{"$eq": int(text), "$type": kind} for kind in ("int", "long")]
-    elif re.fullmatch(r"-?[0-9.e+-]+|-?inf|nan", text):
-        with contextlib.suppress(ValueError):
-            if str(number := float(text)) == text:
-                conditions.append({"$eq": number, "$type": "double"})
+    conditions += _number_conditions(text, by_value)
     if text in ("True", "False"):
         conditions.append({"$eq": text == "True", "$type": "bool"})
-    if (decimal := _decimal_named(text)) is not None:
+    if (decimal := _decimal_named(text, by_value)) is not None:
         conditions.append({"$eq": decimal, "$type": "decimal"})
     clauses = [scalar_filter(field, condition) for condition in conditions]
     return clauses[0] if len(clauses) == 1 else {"$or": clauses}
+
+
+def _text_number_conditions(text: str) -> list[dict[str, Any]]:
+    """The conditions finding the integer or the double `id_text` writes as `text`, each of its
+    own BSON type (`str` of the value), as 5 and 5.0 are two ids to it."""
+    whole = len(text) <= _INT64_DIGITS and re.fullmatch(r"-?[0-9]+", text)
+    if whole and str(int(text)) == text and _in_int64(int(text)):
+        return [{"$eq": int(text), "$type": kind} for kind in ("int", "long")]
+    if re.fullmatch(r"-?[0-9.e+-]+|-?inf|nan", text):
+        with contextlib.suppress(ValueError):
+            if str(number := float(text)) == text:
+                return [{"$eq": number, "$type": "double"}]
+    return []
 
 
 def named_filter(field: str, value: Any) -> dict[str, Any]:
@@ -177,18 +254,20 @@ def named_filter(field: str, value: Any) -> dict[str, Any]:
     if value is None:
         return scalar_filter(field, {"$eq": None})
     exact = {field: value} if isinstance(value, list) else scalar_filter(field, {"$eq": value})
-    return {"$or": [id_filter(field, str(id_text(value))), exact]}
+    return {"$or": [id_filter(field, str(named_id(value) or id_text(value))), exact]}
 
 
-def _decimal_named(text: str) -> Decimal128 | None:
-    """The Decimal128 `id_text` writes as `text` (its JSON string), if there is one."""
+def _decimal_named(text: str, by_value: bool = False) -> Decimal128 | None:
+    """The Decimal128 `id_text` writes as `text` (its JSON string), if there is one (with
+    `by_value`, one `number_name` does not name by its value)."""
     if not (len(text) > 2 and text[0] == text[-1] == '"'):
         return None
     try:
         decimal = Decimal128(text[1:-1])
     except (ValueError, ArithmeticError, TypeError):
         return None
-    return decimal if id_text(decimal) == text else None
+    named = named_id(decimal) if by_value else id_text(decimal)
+    return decimal if named == text else None
 
 
 def _in_int64(value: int) -> bool:
@@ -266,7 +345,9 @@ def as_time(value: Any) -> datetime | None:
     first (`"20210301"` is a date; a final `z` as `Z`), else as a number, and as a number
     too when the ISO reading is no time a store accepts (`"1704101400000"`, milliseconds, is
     also ISO's basic form of 1704-10-14), else as an RFC 2822 date (HTTP's and e-mail's,
-    `"Mon, 01 Mar 2021 10:00:00 GMT"`). At the precision it was written with (an ISO
+    `"Mon, 01 Mar 2021 10:00:00 GMT"`) or JavaScript's `Date.toString()`, at the offset it
+    names (`text_time`: text it cannot read whole, AM or PM or a zone it does not know, is
+    no time, never a time with part of it ignored). At the precision it was written with (an ISO
     string's or a datetime's microseconds kept), so turns less than a millisecond apart keep
     their order; a time stored is cut to the millisecond (`to_utc_millis`)."""
     if isinstance(value, str):
@@ -274,7 +355,7 @@ def as_time(value: Any) -> datetime | None:
         if (iso := taken_time(_iso_time(text))) is not None:
             return iso
         number = epoch_number(text)
-        return (epoch_time(number) if number is not None else None) or _rfc2822(text)
+        return (epoch_time(number) if number is not None else None) or _dated_text(text)
     if (number := epoch_number(value)) is not None:
         return epoch_time(number)
     if isinstance(value, Timestamp):  # a server's own clock: whole seconds and a counter
@@ -300,13 +381,12 @@ def _iso_time(text: str) -> datetime | None:
     return None
 
 
-def _rfc2822(text: str) -> datetime | None:
-    """An RFC 2822 date a store accepts (since 1970, up to its future leeway), `-0000` as
-    UTC; None if not one."""
-    try:
-        return taken_time(to_utc(email.utils.parsedate_to_datetime(text)))
-    except (TypeError, ValueError, IndexError):
-        return None
+def _dated_text(text: str) -> datetime | None:
+    """An RFC 2822 date or JavaScript's `Date.toString()`, read whole at the offset it names
+    (`text_time`), when it is a time a store accepts (since 1970, up to its future leeway);
+    None if not one."""
+    at = text_time(text)
+    return taken_time(to_utc(at)) if at is not None else None
 
 
 def _latest() -> datetime:

@@ -5,7 +5,8 @@ saying answered or waiting (`answered_status`; any other is kept in a problem), 
 id stored as a number by its text, a time as a datetime or an ISO string; its prompt,
 action and params as a HITL part's (`read_prompt`). Only the owner's prompts are the
 conversation's (`owners_prompt`): one
-naming another user is a `mixed_user_ids` problem, never the owner's pending prompt. The
+naming another user is a `mixed_user_ids` problem, never the owner's pending prompt. A
+request recorded more than once is decided by its newest record (`_still_pending`). The
 newest pending prompt becomes `pending_hitl`; any other pending
 prompt whose content no message holds is kept in a problem, and so is a field of a
 pending prompt no reader takes. A prompt the new service resolved (`resolve_hitl` with the
@@ -153,6 +154,50 @@ def _time(document: Mapping[str, Any]) -> datetime | None:
     return as_time(document.get("created_at")) or _id_time(document)
 
 
+def _answered_at(document: Mapping[str, Any]) -> datetime | None:
+    """When an answered record says its request was answered: its `updated_at`, else when it
+    was recorded (`_time`)."""
+    times = [t for t in (as_time(document.get("updated_at")), _time(document)) if t is not None]
+    return max(times, default=None)
+
+
+def _still_pending(
+    documents: Sequence[Mapping[str, Any]],
+) -> tuple[list[Mapping[str, Any]], list[PromptNote]]:
+    """The pending records (`is_pending_prompt`) whose request no record answers. A request
+    recorded more than once (one request id) is decided by its newest record: a pending
+    record dated no later than an answer of its request is the ask that answer answered.
+    One dated after every answer, or that cannot be dated against one, contradicts it: the
+    request is not asked again (an approval given is never asked twice on a guess), and the
+    pending record is kept in a note (not placed) for an operator to decide."""
+    answers: dict[str, list[datetime | None]] = {}
+    for document in documents:
+        if not is_pending_prompt(document) and (rid := reference_text(document.get("request_id"))):
+            answers.setdefault(rid, []).append(_answered_at(document))
+    still: list[Mapping[str, Any]] = []
+    notes: list[PromptNote] = []
+    for document in filter(is_pending_prompt, documents):
+        request_id = reference_text(document.get("request_id"))
+        if request_id is None or request_id not in answers:
+            still.append(document)
+            continue
+        asked = _time(document)
+        if asked is None or not any(t is not None and asked <= t for t in answers[request_id]):
+            notes.append(_contradiction(document, request_id))
+    return still, notes
+
+
+def _contradiction(document: Mapping[str, Any], request_id: str) -> PromptNote:
+    return PromptNote(
+        "contradictory_prompt_state",
+        f"request {request_id!r} is recorded answered, and pending in a record not dated "
+        "before its answer: it is kept answered (not asked again), the pending record only "
+        "here; restore the answer or the ask, or accept",
+        content=dict(document),
+        placed=False,
+    )
+
+
 def _prompt_text(document: Mapping[str, Any]) -> str | None:
     return part_text(read_prompt(document))
 
@@ -268,8 +313,8 @@ def _pending_from(
     documents: Sequence[Mapping[str, Any]], messages: Sequence[AgentMessage]
 ) -> tuple[PendingHitl | None, list[PromptNote]]:
     """`pending_from_session_hitl` of documents whose code is made text already."""
-    pending = [d for d in documents if is_pending_prompt(d)]
-    notes = [n for d in pending for n in _unreadable_state(d)]
+    pending, notes = _still_pending(documents)
+    notes += [n for d in pending for n in _unreadable_state(d)]
     notes += [
         _not_placed(d, "has no request id of 1 to 200 characters")
         for d in pending

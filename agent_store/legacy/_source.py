@@ -276,7 +276,7 @@ class LegacyTurns:
         query = {
             "$and": [
                 _prompts_filter(conversation_id, original),
-                id_filter("request_id", request_id),
+                id_filter("request_id", request_id, by_value=False),
             ]
         }
         with storage_errors("write the resolved prompt (dual write)"):
@@ -370,7 +370,7 @@ def legacy_id_of(conversation_id: str, recorded: Any) -> str | None:
     for, as its document records it (`legacy_conversation_id`); None for any other id."""
     if not conversation_id.startswith(DERIVED_CONVERSATION_PREFIX):
         return None
-    return recorded if isinstance(recorded, str) else None  # a double such as 1e+16 too
+    return recorded if isinstance(recorded, str) else None  # a number's name (1e300) too
 
 
 def turns_known_as(
