@@ -53,7 +53,7 @@ from migrations import full_texts
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.transcript import NO_CALL, Transcript, contains, from_legacy, from_messages
 from migrations.transcript import differences as transcript_differences
-from migrations.writes import is_migrated
+from migrations.writes import is_migrated, readable
 
 
 def _turn(document: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -145,16 +145,16 @@ def _unnamed(
     person; "" when it holds it, when the last named turn is a legacy one (the run writes
     its name), when there is no document (the gate names that), or when a person renamed
     the conversation since (`name_source` "set": theirs, as a rerun keeps it)."""
-    if document is None or document.get("name_source") == "set":
+    if document is None or (read := readable(document)).get("name_source") == "set":
         return ""
     found = copy_naming(legacy, [t for group in held.values() for t in group])
-    if found is None or found[1] == document.get("name"):
+    if found is None or found[1] == read.get("name"):
         return ""
     turn, wanted = found
     turn_id = next(tid for tid, group in held.items() if any(t is turn for t in group))
     return (
         f"the dual-written turn {turn_id!r} names the conversation {wanted!r}, "
-        f"its conversation document {document.get('name')!r} (the legacy service renamed it "
+        f"its conversation document {read.get('name')!r} (the legacy service renamed it "
         "after a rollback?): rename it on the new service, or restore the turn's name"
     )
 

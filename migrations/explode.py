@@ -76,7 +76,7 @@ from migrations import dual_writes, writes
 from migrations import problems as problem_report
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS, Bounds
 from migrations.errors import Misuse
-from migrations.keys import identity
+from migrations.keys import id_key, identity
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.order import Ranges, plan_ranges, range_ids, spread_ids
 from migrations.relocate import TURN_FILTER
@@ -395,12 +395,14 @@ def convert_batch(
         for cid, group in group_conversations(parsed).items():
             groups.setdefault(cid, []).extend(group)
     converted = []
+    spellings = _spellings(read + joined, alike)
     for cid, group in groups.items():
         turns[cid] = len(group)
         # The legacy spelling first, then the dual writes naming the derived id: the same
         # order whichever of the two a batch reads first (ties in time keep it).
         group.sort(key=lambda t: t.conversation_id == t.stored_conversation_id)
-        converted.append(Converted(group, convert(group, rules=rules, undated_at=undated_at)))
+        conversion = convert(group, rules=rules, undated_at=undated_at)
+        converted.append(Converted(group, conversion, spellings=spellings.get(cid, 1)))
     hitl = read_session_hitl(
         db, {c.conversion.conversation_id: legacy_name(c.turns) for c in converted}
     )
@@ -410,6 +412,17 @@ def convert_batch(
     _named_by_copies(converted, held_documents)
     converted += live_only(db, held_documents, set(groups), rules, undated_at)
     return converted, failed, turns
+
+
+def _spellings(read: list[tuple[Any, list[dict[str, Any]]]], alike: Unnamed) -> dict[str, int]:
+    """How many values of `conversation_id` (by BSON value: `42` is not `"42"`) the turns read
+    name each of their conversations by (`Converted.spellings`)."""
+    values: dict[str, set[bytes]] = {}
+    for _, found in read:
+        for document in found:
+            cid = stored_conversation_id(document, alike.names)
+            values.setdefault(cid, set()).add(id_key(document.get("conversation_id")))
+    return {cid: len(found) for cid, found in values.items()}
 
 
 def _named_by_copies(converted: list[Converted], held: list[dict[str, Any]]) -> None:
@@ -587,9 +600,10 @@ class Explosion:
         self.after_all: Callable[[], None] | None = None
         """Called once a run has gone through every conversation (not one `--conversation`)."""
         self.counts = Counts()
-        self.counted_derived: set[str] = set()
-        """Derived conversation ids counted: the only ones two spellings name, so the only
-        ones two batches can both convert (`other_spellings`)."""
+        self.counted_twice: set[str] = set()
+        """The conversations counted that two batches can both convert: those named more than
+        one way (`Converted.spellings`: `42` and `"42"`, a legacy id and its derived id), and
+        derived ids. Held for the run, so each is counted once; few conversations are."""
         kind = "dry-run-" if options.dry_run else "run-"
         self.run_id = lease.run_id if lease else kind + uuid.uuid4().hex[:8]
         self.started = time.monotonic()
@@ -710,7 +724,14 @@ class Explosion:
         found = list(failed)
         for item in converted:
             found += item.conversion.problems
-        planned = writes.plan(self.db, converted)
+        # A dry run writes nothing: a conversation an earlier batch planned already is written
+        # by that batch in the run, and counted there (the run's second batch finds it done).
+        planning = [
+            c
+            for c in converted
+            if not self.options.dry_run or c.conversion.conversation_id not in before
+        ]
+        planned = writes.plan(self.db, planning)
         found += planned.live
         # A dry run predicts what the plan writes; a run counts what it wrote.
         applied = writes.Applied(
@@ -747,9 +768,10 @@ class Explosion:
         ids counted by an earlier batch."""
         read = {c.conversion.conversation_id for c in converted}
         read |= {p.conversation_id for p in failed} | set(turns)
-        before = read & self.counted_derived
+        before = read & self.counted_twice
         fresh = read - before
-        self.counted_derived |= {cid for cid in fresh if is_derived_id(cid)}
+        twice = {c.conversion.conversation_id for c in converted if c.spellings > 1}
+        self.counted_twice |= {cid for cid in fresh if cid in twice or is_derived_id(cid)}
         self.counts.conversations += len(fresh)
         self.counts.turns += sum(turns.get(cid, 0) for cid in fresh)
         self.counts.messages += sum(

@@ -46,12 +46,10 @@ from migrations.writes import (
     migrated_to,
     owner_after,
     popped,
+    readable,
     unmerged,
     wanted_document,
 )
-
-LIVE_KINDS = ("conversation_already_live", "live_conflict")
-"""Problems only a run can find (they depend on what the live service stored)."""
 
 
 @dataclass
@@ -95,10 +93,10 @@ class _Stored:
     """The epoch each conversation's stored messages carry (`carried_epochs`), by id."""
     messages: set[str]
     texts: set[str]
-    recorded: dict[str, list[tuple[str, str]]]
-    """(kind, digest) of the unplaced problems recorded, by conversation."""
-    kept: dict[str, list[tuple[str, str]]]
-    """(kind, digest) of the placed problems recorded (what they keep), by conversation."""
+    recorded: dict[str, list[dict[str, Any]]]
+    """The unplaced problems recorded, by conversation (`problem_report.records`)."""
+    kept: dict[str, list[dict[str, Any]]]
+    """The placed problems recorded (what they keep), by conversation."""
     live: dict[str, bool]
     """Conversations recorded as already live, and whether the live messages hold them."""
 
@@ -122,8 +120,8 @@ def _stored(
         epochs=carried_epochs(db, ids),
         messages={str(m.id) for stored in messages.values() for m in stored},
         texts=full_texts.present(db, (f.blob_id for c in conversions for f in c.full_texts)),
-        recorded=problem_report.unplaced(db, ids),
-        kept=problem_report.unplaced(db, ids, placed=True),
+        recorded=problem_report.records(db, ids),
+        kept=problem_report.records(db, ids, placed=True),
         live=live,
     )
 
@@ -166,7 +164,8 @@ def _document_reasons(
             "(a name, a usage or a session_hitl prompt changed after the run?): "
             "run the migration again"
         ]
-    return _owner_reasons(conversion, owner_after(found, wanted), messages, found.get("epoch"))
+    epoch = readable(found).get("epoch")
+    return _owner_reasons(conversion, owner_after(found, wanted), messages, epoch)
 
 
 def _owner_reasons(
@@ -323,8 +322,9 @@ def _past_count(found: Mapping[str, Any] | None, messages: Sequence[AgentMessage
     (a late insert of a conversation deleted under the id) is not: a turn takes it over."""
     if found is None:
         return []
-    count = int(found.get("message_count") or 0)
-    past = [m for m in messages if (m.seq or 0) >= count and m.epoch in (None, found.get("epoch"))]
+    read = readable(found)
+    count = int(read.get("message_count") or 0)
+    past = [m for m in messages if (m.seq or 0) >= count and m.epoch in (None, read.get("epoch"))]
     if not past:
         return []
     return [
@@ -334,15 +334,17 @@ def _past_count(found: Mapping[str, Any] | None, messages: Sequence[AgentMessage
     ]
 
 
-def _kept_reasons(problems: Sequence[Problem], recorded: Sequence[tuple[str, str]]) -> list[str]:
+def _kept_reasons(problems: Sequence[Problem], recorded: Sequence[dict[str, Any]]) -> list[str]:
     """Whether what the placed problems keep (a whole name, a history's part no message holds)
-    is recorded as the legacy turns say it now: compared by digest, as unplaced ones are."""
-    found = Counter(problem_report.digest(p) for p in problems if p.placed)
-    if found - Counter(d for kind, d in recorded if kind not in LIVE_KINDS):
+    is recorded as the legacy turns say it now: each record holding it (`held`), as unplaced
+    ones are."""
+    placed = [p for p in problems if p.placed]
+    found = Counter(problem_report.digest(p) for p in placed)
+    if found - problem_report.held(recorded, placed):
         return [
             "content the migration keeps in placed problems is not recorded as it is now "
-            "(new, edited after the run, or the content a problem keeps in GridFS missing or "
-            "damaged): run the migration again"
+            "(new, edited after the run, a problem record edited by hand, or the content a "
+            "problem keeps in GridFS missing or damaged): run the migration again"
         ]
     return []
 
@@ -350,17 +352,17 @@ def _kept_reasons(problems: Sequence[Problem], recorded: Sequence[tuple[str, str
 def _problem_reasons(
     cid: str,
     unplaced: Sequence[Problem],
-    recorded: Sequence[tuple[str, str]],
+    recorded: Sequence[dict[str, Any]],
     accepted: Sequence[str],
 ) -> list[str]:
-    """Whether the content only the legacy data holds is recorded as it is now, and accepted:
-    compared by digest, so content edited after the run or after the acceptance is work
-    left."""
+    """Whether the content only the legacy data holds is recorded as it is now (each record
+    holding what its problem holds, `held`), and accepted (by digest), so content edited after
+    the run or after the acceptance, or a record edited by hand, is work left."""
     found = Counter(problem_report.digest(p) for p in unplaced)
     reasons = _unplaced_reasons(
         cid,
         {p.kind for p in unplaced},
-        unrecorded=bool(found - Counter(d for kind, d in recorded if kind not in LIVE_KINDS)),
+        unrecorded=bool(found - problem_report.held(recorded, unplaced)),
         unaccepted=bool(found - Counter(accepted)),
     )
     owners = [p.detail for p in unplaced if p.kind == MIXED_USER_IDS]
@@ -373,8 +375,8 @@ def _unplaced_reasons(
     if unrecorded:
         return [
             "content only the legacy data holds is not recorded as it is now (new, edited "
-            "after the run, or the content a problem keeps in GridFS missing or damaged): "
-            "run the migration again"
+            "after the run, a problem record edited by hand, or the content a problem keeps "
+            "in GridFS missing or damaged): run the migration again"
         ]
     if unaccepted:
         return [

@@ -2,10 +2,11 @@
 was, or changed; a summary by kind; and the operator's recorded acceptance of a
 conversation's unplaced content.
 
-Each problem is recorded with a digest of all it says (`digest`): the exit gate
-compares it with what the converter finds now, and an acceptance covers the
-digests accepted, so content edited after the run or after the acceptance is
-never dropped as accepted.
+Each problem is recorded with a digest of all it says (`digest`): an acceptance covers the
+digests accepted, so content edited after the run or after the acceptance is never dropped
+as accepted. A record counts as a problem the converter finds now only when it holds what
+that problem's record holds, field by field (`held`): never by the digest it names alone,
+so a record whose content, kind or turn was edited by hand keeps nothing.
 
 Each run replaces the problems of the conversations it converts, so the report
 always says what the current code makes of the legacy turns; problems found a chunk at a
@@ -19,8 +20,9 @@ from __future__ import annotations
 import getpass
 import hashlib
 import socket
+from collections import Counter
 from collections.abc import Iterable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 import bson
@@ -88,8 +90,41 @@ def _file_holds(record: dict[str, Any], found: dict[str, str]) -> bool:
     return hashlib.sha256(text.encode()).hexdigest() == str(record["content_sha256"])
 
 
-KEPT_FIELDS = {"digest": 1, "content_blob_id": 1, "content_length": 1, "content_sha256": 1}
-"""What a record says of its content kept in GridFS, to read it back (`_as_kept`)."""
+_ASIDE = ("run_id",)
+"""What a record holds beside the problem's record: the run that found it (`record_found`)."""
+_WHENEVER = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def held(records: Iterable[dict[str, Any]], problems: Iterable[Problem]) -> Counter[str]:
+    """The digests of `problems` recorded as they are found now, once per record: a record
+    counts when it names a problem's digest and holds what that problem's record under its
+    `_id` holds, every field as BSON stores it (`_holds`; the run that found it aside), its
+    content kept in GridFS there as it says (`_as_kept`). So a record whose content was
+    redacted or removed, or whose kind, turn, field or placement was edited by hand, counts
+    for nothing, whatever digest it names."""
+    wanted = {digest(problem): problem for problem in problems}
+    found: Counter[str] = Counter()
+    for record in records:
+        named = str(record.get("digest"))
+        if (problem := wanted.get(named)) is None:
+            continue
+        if _holds(record, _document(problem, str(record["_id"]), named, at=_WHENEVER)[0]):
+            found[named] += 1
+    return found
+
+
+def _holds(record: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """Whether the record holds every field of `wanted`, and no other, as BSON stores them:
+    each value by its BSON (a time to the millisecond, `120` apart from `120.0`, a NaN as
+    the NaN stored), so a record read back equals the one written."""
+    keys = [key for key in wanted if key not in _ASIDE]
+    if set(keys) != {key for key in record if key not in _ASIDE}:
+        return False
+    return all(_as_stored(record[key]) == _as_stored(wanted[key]) for key in keys)
+
+
+def _as_stored(value: Any) -> bytes:
+    return bson.encode({"value": value})
 
 
 def problem_documents(
@@ -168,11 +203,9 @@ def drop_not_found_by(db: Database[dict[str, Any]], kind: str, run_id: str) -> N
 
 
 def recorded_found(db: Database[dict[str, Any]], problems: Sequence[Problem]) -> set[str]:
-    """The digests of these problems recorded as they are now, unplaced, by `record_found`."""
+    """The digests of these problems recorded as they are now by `record_found` (`held`)."""
     ids = [found_id(p, digest(p)) for p in problems]
-    query = {"_id": {"$in": ids}, "placed": False}
-    records = _as_kept(db, list(db[PROBLEMS].find(query, KEPT_FIELDS)))
-    return {d.get("digest", "") for d in records}
+    return set(held(_as_kept(db, list(db[PROBLEMS].find({"_id": {"$in": ids}}))), problems))
 
 
 def _upsert(
@@ -210,18 +243,31 @@ def print_summary(db: Database[dict[str, Any]], out: TextIO) -> None:
         print(f"  {kind:<{width}}  {n:>6}  {'placed' if placed else 'not placed'}", file=out)
 
 
+def records(
+    db: Database[dict[str, Any]], conversation_ids: Iterable[str], *, placed: bool | None = False
+) -> dict[str, list[dict[str, Any]]]:
+    """The problem records of these conversations, by conversation: the unplaced ones (with
+    `placed`, the placed ones; `None`, all), whole, as `held` compares them (a record whose
+    content kept in GridFS is not there as it says has the digest "": it matches nothing)."""
+    query: dict[str, Any] = {"conversation_id": {"$in": sorted(set(conversation_ids))}}
+    if placed is not None:
+        query["placed"] = placed
+    found: dict[str, list[dict[str, Any]]] = {}
+    for doc in _as_kept(db, list(db[PROBLEMS].find(query))):
+        found.setdefault(str(doc["conversation_id"]), []).append(doc)
+    return found
+
+
 def unplaced(
     db: Database[dict[str, Any]], conversation_ids: Iterable[str], *, placed: bool = False
 ) -> dict[str, list[tuple[str, str]]]:
     """(kind, digest) of the unplaced problems (with `placed`, the placed ones) recorded for
     each of these conversations (a record without a digest, of an older run, or whose content
     kept in GridFS is not there as it says, has the digest "": it matches nothing)."""
-    found: dict[str, list[tuple[str, str]]] = {}
-    query = {"conversation_id": {"$in": sorted(set(conversation_ids))}, "placed": placed}
-    fields = {"conversation_id": 1, "kind": 1} | KEPT_FIELDS
-    for doc in _as_kept(db, list(db[PROBLEMS].find(query, fields))):
-        found.setdefault(doc["conversation_id"], []).append((doc["kind"], doc.get("digest", "")))
-    return found
+    return {
+        cid: [(str(r.get("kind")), str(r.get("digest", ""))) for r in found]
+        for cid, found in records(db, conversation_ids, placed=placed).items()
+    }
 
 
 def accept(db: Database[dict[str, Any]], conversation_id: str, note: str | None) -> None:

@@ -5,14 +5,18 @@ The new side is read with cut fields put back whole from GridFS, so a whole
 text that is missing or altered is a difference; a message a person popped since the run
 (its document lists it) is the person's change, read as the run stored it. A conversation logged to
 live before its migration (its legacy turns were not merged) matches when its
-live messages hold the legacy transcript in order.
+live messages hold the legacy transcript in order. What a conversation's legacy turns hold
+that no message does is left out of the comparison: it must be recorded as a problem, each
+record holding what the conversion finds now (`problems.held`), or the conversation differs.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Collection, Iterator
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from pymongo.database import Database
@@ -21,6 +25,7 @@ from agent_store.core import AgentMessage
 from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import CONVERSATIONS, MIGRATED_TURN_PREFIX, TurnRules, with_texts
 from migrations import dual_writes, full_texts
+from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch, undated_time
 from migrations.transcript import differences, from_legacy, from_messages, not_held
 from migrations.writes import Converted, popped
@@ -92,6 +97,23 @@ def misdated(wanted: Collection[AgentMessage], stored: Collection[AgentMessage])
     ]
 
 
+def unrecorded(item: Converted, records: Sequence[dict[str, Any]]) -> list[str]:
+    """Whether every problem the conversation's legacy turns convert to now is recorded as it
+    is found: the content the comparison leaves out is kept there, and nowhere else."""
+    problems = item.conversion.problems
+    found = Counter(problem_report.digest(p) for p in problems)
+    missing = found - problem_report.held(records, problems)
+    if not missing:
+        return []
+    kinds = sorted({p.kind for p in problems if problem_report.digest(p) in missing})
+    return [
+        f"{missing.total()} problems its legacy turns convert to ({', '.join(kinds)}) are not "
+        f"recorded in {problem_report.PROBLEMS} as they are now (new, edited after the run, a "
+        "problem record edited by hand, or the content a problem keeps in GridFS missing or "
+        "damaged): run the migration again"
+    ]
+
+
 def verify(
     db: Database[dict[str, Any]],
     *,
@@ -99,8 +121,12 @@ def verify(
     sample_size: int | None = None,
     seed: int = 0,
     batch_size: int = 100,
+    undated_at: datetime | None = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> Verification:
+    """Compare the conversations (one, a sample, or all) with their legacy turns, converted
+    as a run converts them (`undated_at`: the time of conversations without any readable
+    time, `explode.undated_time`, so their problems read as recorded)."""
     result = Verification()
     ids: Iterator[Any]
     if conversation is not None:
@@ -109,41 +135,55 @@ def verify(
         ids = iter(sample(conversation_ids(db), sample_size, seed))
     else:
         ids = conversation_ids(db)
+    if undated_at is None:  # the run's time for undated conversations
+        undated_at = undated_time(db, record=False)
     moved_at = dual_writes.moved_at(db)
-    undated_at = undated_time(db, record=False)  # the run's time for undated conversations
     for batch in batches(ids, batch_size):
-        held: list[dict[str, Any]] = []
-        converted, failed, _ = convert_batch(
-            db, batch, TurnRules(), source=LEGACY_TURNS, held=held, undated_at=undated_at
-        )
-        for problem in failed:
-            result.conversations += 1
-            result.differences[problem.conversation_id] = [f"cannot be converted: {problem.detail}"]
-        legacy = {c.conversion.conversation_id: c.turns for c in converted}
-        checked = [c.conversion.conversation_id for c in converted]
-        stored = full_texts.stored_messages(db, checked)
-        documents = {
-            d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": checked}}, _DOCUMENT_READ)
-        }
-        dual = dual_writes.differences(db, held, legacy, documents)
-        for cid, deleted in dual_writes.deleted(db, held, stored, documents, moved_at).items():
-            dual.setdefault(cid, []).extend(deleted)
-        for item in converted:
-            conversation_id = item.conversion.conversation_id
-            result.conversations += 1
-            result.unplaced += len(item.conversion.unplaced)
-            gone = popped(documents.get(conversation_id))
-            found = stored.invalid.get(conversation_id, []) + compare(
-                item, stored[conversation_id], gone
-            )
-            found += dual.pop(conversation_id, [])
-            if found:
-                result.differences[conversation_id] = found
-            else:
-                result.matched += 1
-        for conversation_id, found in dual.items():
-            result.conversations += 1
-            result.differences[conversation_id] = found
+        _verify_batch(db, result, batch, undated_at, moved_at)
         if on_batch is not None:
             on_batch(len(batch))
     return result
+
+
+def _verify_batch(
+    db: Database[dict[str, Any]],
+    result: Verification,
+    batch: list[Any],
+    undated_at: datetime | None,
+    moved_at: datetime | None,
+) -> None:
+    """Compare one batch of conversations, adding what it finds to `result`."""
+    held: list[dict[str, Any]] = []
+    converted, failed, _ = convert_batch(
+        db, batch, TurnRules(), source=LEGACY_TURNS, undated_at=undated_at, held=held
+    )
+    for problem in failed:
+        result.conversations += 1
+        result.differences[problem.conversation_id] = [f"cannot be converted: {problem.detail}"]
+    legacy = {c.conversion.conversation_id: c.turns for c in converted}
+    checked = [c.conversion.conversation_id for c in converted]
+    stored = full_texts.stored_messages(db, checked)
+    documents = {
+        d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": checked}}, _DOCUMENT_READ)
+    }
+    recorded = problem_report.records(db, checked, placed=None)
+    dual = dual_writes.differences(db, held, legacy, documents)
+    for cid, deleted in dual_writes.deleted(db, held, stored, documents, moved_at).items():
+        dual.setdefault(cid, []).extend(deleted)
+    for item in converted:
+        conversation_id = item.conversion.conversation_id
+        result.conversations += 1
+        result.unplaced += len(item.conversion.unplaced)
+        gone = popped(documents.get(conversation_id))
+        found = stored.invalid.get(conversation_id, []) + compare(
+            item, stored[conversation_id], gone
+        )
+        found += unrecorded(item, recorded.get(conversation_id, []))
+        found += dual.pop(conversation_id, [])
+        if found:
+            result.differences[conversation_id] = found
+        else:
+            result.matched += 1
+    for conversation_id, found in dual.items():
+        result.conversations += 1
+        result.differences[conversation_id] = found

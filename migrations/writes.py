@@ -65,6 +65,10 @@ class Converted:
     held: list[LegacyTurn] = field(default_factory=list)
     """For a conversation no other legacy turn makes (`explode.live_only`): its dual-written
     turns, whose messages are stored. They fence its writes as `turns` do (`_turns_gone`)."""
+    spellings: int = 1
+    """How many values (BSON values of `conversation_id`) its legacy turns name it by: `42` and
+    `"42"`, a legacy id and the id derived from it. A conversation named more than one way is
+    converted whole by each batch holding one of them (`explode.convert_batch`)."""
 
 
 @dataclass
@@ -141,8 +145,7 @@ def owner_after(existing: dict[str, Any] | None, wanted: Conversation) -> str | 
     stored one's when the run leaves it (a document the live logger wrote to). The migration's
     messages carry it (DESIGN §3: the denormalized owner)."""
     if written_since(existing):
-        assert existing is not None
-        return existing.get("user_id")
+        return readable(existing).get("user_id")
     return wanted.user_id
 
 
@@ -167,6 +170,46 @@ def same_bson(a: Any, b: Any) -> bool:
     return (integers or type(a) is type(b)) and bool(a == b)
 
 
+def readable(document: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A stored conversation document as the store's model takes it: each field, or entry of
+    a list, it no longer takes (edited by hand: an answered prompt without its `seq`, a count
+    written as text) left out, read as absent. Every read of a conversation document's fields
+    in the migration goes through it, so none raises; the document itself still differs from
+    what a run writes (`document_differs`), which writes it again. {} for none."""
+    found = dict(document or {})
+    for _ in range(len(found) + 1):
+        try:
+            Conversation.model_validate(found)
+        except ValidationError as error:
+            if not _leave_out(found, error):
+                break
+        else:
+            break
+    return found
+
+
+def _leave_out(found: dict[str, Any], error: ValidationError) -> bool:
+    """Leave out of `found` what `error` says the model does not take: the entries of a list
+    it names by index, else the whole field. False when it names nothing `found` holds."""
+    entries: dict[str, set[int]] = {}
+    whole: set[str] = set()
+    for problem in error.errors():
+        loc = problem["loc"]
+        key = loc[0] if loc else None
+        if not isinstance(key, str) or key not in found:
+            continue
+        if len(loc) > 1 and isinstance(loc[1], int) and isinstance(found[key], list):
+            entries.setdefault(key, set()).add(loc[1])
+        else:
+            whole.add(key)
+    for key, indexes in entries.items():
+        if key not in whole:
+            found[key] = [v for i, v in enumerate(found[key]) if i not in indexes]
+    for key in whole:
+        del found[key]
+    return bool(entries or whole)
+
+
 def written_since(existing: Mapping[str, Any] | None) -> bool:
     """Whether a stored conversation document is no longer the migration's alone: the live
     logger recorded a turn in it (`turns`), or a person popped messages from it (`pops`).
@@ -178,9 +221,12 @@ def popped(existing: Mapping[str, Any] | None) -> set[str]:
     """The ids of the messages a person popped from the conversation, as its document lists
     them (`popped_messages`, the newest `POPPED_MESSAGES_KEPT`): a change made since the run,
     which a rerun never undoes (it puts none of them back) and `verify` and `finish` read as
-    the person's (never missing)."""
-    found = (existing or {}).get("popped_messages") or []
-    return {str(p["i"]) for p in found if isinstance(p, Mapping) and "i" in p}
+    the person's (never missing). An entry naming its message is read however else it was
+    edited (`readable` would leave it out, and a run would put the message back); a list
+    edited into something else lists none."""
+    found = (existing or {}).get("popped_messages")
+    entries = found if isinstance(found, list) else []
+    return {str(p["i"]) for p in entries if isinstance(p, Mapping) and "i" in p}
 
 
 def differs(stored: AgentMessage, wanted: AgentMessage) -> bool:
@@ -296,7 +342,7 @@ def wanted_document(
     draws none: its own messages carry none."""
     assert conversion.conversation is not None
     stored_to = max((seq + 1 for seq in live_seqs), default=0)
-    epoch = (existing or {}).get("epoch") or carried
+    epoch = readable(existing).get("epoch") or carried
     document = conversion.conversation.model_copy(
         update={
             "message_count": max(conversion.conversation.message_count, stored_to),
@@ -337,6 +383,7 @@ def _kept_by_people(document: Conversation, found: dict[str, Any] | None) -> Con
     document away, that the dual write marked in `session_hitl`: `document.resolved_hitl`)."""
     if found is None:
         return document
+    found = readable(found)
     # The prompts the new service resolved (`session_hitl`, marked by its dual write) and
     # those the document remembers: the same ones, but for a document written before.
     ids = [*(found.get("resolved_hitl") or []), *document.resolved_hitl]
@@ -556,7 +603,7 @@ def unmerged(
     (`popped`). The rerun and the exit gate both ask."""
     if found is None or not written_since(found):
         return False
-    count = int(found.get("message_count") or 0)
+    count = int(readable(found).get("message_count") or 0)
     for m in conversion.messages:
         seq, held = m.seq or 0, stored.get(m.seq or 0)
         if str(m.id) in gone:

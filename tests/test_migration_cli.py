@@ -165,8 +165,28 @@ def test_a_run_over_a_stored_message_that_no_longer_validates_records_it_never_a
 @pytest.mark.wire
 @pytest.mark.parametrize(
     "edit",
-    [{"message_count": -1}, {"user_id": {"x": 1}}],
-    ids=["a-negative-count", "an-object-owner"],
+    [
+        {"message_count": -1},
+        {"user_id": {"x": 1}},
+        {"message_count": "many"},
+        {"answered_prompts": [{"request_id": "req-1"}]},
+        {"approved_calls": [{"x": 1}]},
+        {"approved_calls": "all"},
+        {"resolved_hitl": [{"x": 1}]},
+        {"popped_messages": -1},
+        {"epoch": -1},
+    ],
+    ids=[
+        "a-negative-count",
+        "an-object-owner",
+        "a-count-of-text",
+        "an-answer-without-its-seq",
+        "an-approval-of-no-call",
+        "approvals-of-text",
+        "a-resolved-prompt-of-no-id",
+        "pops-of-a-number",
+        "an-epoch-of-a-number",
+    ],
 )
 def test_a_conversation_document_that_no_longer_validates_is_work_left_a_run_redoes(
     wire_uri: str,

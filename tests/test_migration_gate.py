@@ -2296,6 +2296,53 @@ def test_content_kept_in_a_placed_problem_and_edited_after_the_run_holds_the_dro
     assert "«edited thinking»" in kept_text(database)
 
 
+EDITS = {
+    "content-redacted": ("unknown_part", {"$set": {"content": "[redacted]"}}),
+    "content-removed": ("unknown_part", {"$unset": {"content": ""}}),
+    "kind": ("unknown_part", {"$set": {"kind": "derived_conversation_id"}}),
+    "legacy_id": ("unknown_part", {"$set": {"legacy_id": "another turn"}}),
+    "field": ("unknown_part", {"$set": {"field": "upload_result"}}),
+    "placed": ("unknown_part", {"$set": {"placed": True}}),
+    "placed-name": ("shortened_name", {"$set": {"content": "[redacted]"}}),
+}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(("kind", "edit"), list(EDITS.values()), ids=list(EDITS))
+def test_a_problem_record_edited_after_the_run_holds_the_drop_back_until_a_run_records_it_again(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    kind: str,
+    edit: dict[str, Any],
+) -> None:
+    """The problem records are the archive of what no message holds: `verify` and `finish`
+    check each holds what the conversion of its legacy turns finds now (its content, kind,
+    turn, field, placed), not only the digest it names, so a record edited or emptied by hand
+    is a difference and work left, and the drop waits until a run records it again."""
+    parts = [{"type": "mystery", "payload": "«UNPLACED»"}, {"type": "text", "content": "P a"}]
+    name = "n" * 300 + "«NAME»"
+    turn = legacy_turn("t-1", "c-p", 0, "P") | {"response_parts": parts, "name": name}
+    database[CONVERSATIONS].insert_one(turn)
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--accept", "c-p", "--note", "kept") == 0
+    assert database[PROBLEMS].update_one({"kind": kind}, edit).modified_count == 1
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify") == 1
+    assert "c-p" in capsys.readouterr().out
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert "c-p" in capsys.readouterr().out
+    assert database[LEGACY_TURNS].count_documents({}) == 1
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    kept = kept_text(database)
+    assert "«UNPLACED»" in kept
+    assert "«NAME»" in kept
+
+
 @pytest.mark.wire
 @pytest.mark.parametrize(
     ("message", "marker"),
@@ -4151,23 +4198,56 @@ def test_finish_names_a_conversation_whose_messages_have_no_document(
 
 @pytest.mark.wire
 @pytest.mark.parametrize("batch_size", ["1", "100"])
+@pytest.mark.parametrize("spelling", ["legacy-and-derived", "number-and-text"])
 def test_a_conversation_its_turns_name_two_ways_counts_once_in_the_runs_summary(
     wire_uri: str,
     database: Database[dict[str, Any]],
     capsys: pytest.CaptureFixture[str],
     batch_size: str,
+    spelling: str,
 ) -> None:
-    """One turn names the legacy id, one the id derived from it (a dual write): one
-    conversation of two turns, whichever batches the two spellings fall in."""
+    """One turn names the legacy id, one the id derived from it (a dual write), or one the
+    number 42, one the text "42": one conversation of two turns, whichever batches the two
+    spellings fall in, counted once, and what it writes counted once: the dry run prints the
+    very summary the run prints."""
     derived = derived_conversation_id(NOT_AN_IDENTIFIER)
-    legacy_spelling = legacy_turn("t-a", NOT_AN_IDENTIFIER, 0, "ONE")
-    database[CONVERSATIONS].insert_many([legacy_spelling, legacy_turn("t-b", derived, 1, "TWO")])
+    first, second, stored = {
+        "legacy-and-derived": (NOT_AN_IDENTIFIER, derived, derived),
+        "number-and-text": (42, "42", "42"),
+    }[spelling]
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-a", first, 0, "ONE"), legacy_turn("t-b", second, 1, "TWO")]
+    )
 
+    assert cli(wire_uri, database, "run", "--dry-run", "--batch-size", batch_size) == 0
+    predicted = summary(capsys.readouterr().out)
     assert cli(wire_uri, database, "run", "--batch-size", batch_size) == 0
 
     counts = summary(capsys.readouterr().out)
+    assert predicted == counts
     assert (counts["conversations"], counts["turns"], counts["messages"]) == (1, 2, 4)
-    assert database[MESSAGES].count_documents({"conversation_id": derived}) == 4
+    assert (counts["messages written"], counts["conversation documents written"]) == (4, 1)
+    assert database[MESSAGES].count_documents({"conversation_id": stored}) == 4
+
+
+@pytest.mark.wire
+def test_verify_and_finish_name_legacy_turns_written_after_the_move(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A legacy turn an old-service writer still running logs into agent_conversations after
+    the move is content no run has read yet: `verify` says so and exits 1, as `finish` does,
+    until `run` moves and migrates it."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "EARLY"))
+    assert cli(wire_uri, database, "run") == 0
+    database[CONVERSATIONS].insert_one(legacy_turn("t-2", "c-1", 1, "LATE"))
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify") == 1
+    assert f"{CONVERSATIONS} still holds legacy turns" in capsys.readouterr().out
+    assert cli(wire_uri, database, "finish") == 1
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
 
 
 @pytest.mark.wire
