@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from pymongo.errors import BulkWriteError, DuplicateKeyError
+from pymongo.errors import AutoReconnect, BulkWriteError, DuplicateKeyError
 
 from agent_store import (
     AgentMessageLogger,
@@ -20,6 +20,7 @@ from agent_store import (
     ConversationStore,
     InvalidInput,
     SteeringInbox,
+    StorageUnavailable,
     TurnRules,
 )
 from agent_store.store import CONVERSATIONS, MAX_TURN_NAMED_CALLS, MESSAGES, PENDING_CALLS_KEPT
@@ -1008,6 +1009,75 @@ async def test_past_the_kept_records_two_attempts_that_both_reserved_store_the_t
     assert [(m.id, m.seq) for m in again.messages] == [(m.id, m.seq) for m in answers[0].messages]
     conversation = await check_conversation(backend.db, gaps=True)
     assert (conversation["message_count"], conversation["turn_count"]) == (8, 3)
+    await _followed_to_the_end(backend, rules)
+
+
+class Unreachable:
+    """Makes one of a logger's collections fail `method` as a dropped connection does (the
+    driver's `AutoReconnect`): a write lost on its way, or its reply lost."""
+
+    def __init__(self, logger: AgentMessageLogger, collection: str, method: str) -> None:
+        real = getattr(logger, collection)
+
+        class Dropped:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+        async def dropped(*args: Any, **kwargs: Any) -> Any:
+            raise AutoReconnect("connection dropped")
+
+        setattr(Dropped, method, staticmethod(dropped))
+        setattr(logger, collection, Dropped())
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["recent", "past-abandon_after"])
+@pytest.mark.parametrize("second", ["died before its insert", "lost its give-back"])
+async def test_past_the_kept_records_a_retry_whose_block_is_empty_answers_the_turn_stored_elsewhere(
+    backend: Backend, second: str, late: bool
+) -> None:
+    """RELIABILITY.md: a retry of any age stores nothing twice. Past the kept records a first
+    attempt reserves (seq 2-3) and stalls before its insert; a second attempt of the turn
+    reserves a block of its own (6-7) and never fills it: its insert is lost, or it meets the
+    first's copy and the update giving its block back is lost (`StorageUnavailable`). The
+    first lands at 2-3. A retry finds the record naming 6-7, empty, while the turn is stored
+    whole one block away: it gives that block back (a gap no turn holds, the turn and tokens
+    counted once) and answers 2-3 as a replay, recent or past `abandon_after`; so does every
+    later retry, taking nothing back twice."""
+    rules = TurnRules(
+        turns_recorded=1, abandon_after=timedelta(0) if late else timedelta(minutes=5)
+    )
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(CID, turn("before"), turn_id="t0")
+    first = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    a = asyncio.create_task(first.logger.log_messages(CID, turn("same"), turn_id="t1"))
+    await first.reserved.wait()  # seq 2-3, its insert held
+    await logger.log_messages(CID, turn("later"), turn_id="t2")  # t1's record dropped
+    other = AgentMessageLogger(backend.db, rules=rules)
+    if second == "died before its insert":
+        Unreachable(other, "_messages", "insert_many")
+        with pytest.raises(StorageUnavailable):
+            await other.log_messages(CID, turn("same"), turn_id="t1")  # seq 6-7, never filled
+        first.release.set()
+    else:
+        held = SlowInsert(other)
+        b = asyncio.create_task(other.log_messages(CID, turn("same"), turn_id="t1"))
+        await held.reserved.wait()  # seq 6-7
+        first.release.set()
+        await a
+        Unreachable(other, "_conversations", "update_one")
+        held.release.set()
+        with pytest.raises(StorageUnavailable, match="take back what the turn counted"):
+            await b
+    stored = await a
+    assert [m.seq for m in stored.messages] == [2, 3]
+
+    for _ in range(2):
+        again = await logger.log_messages(CID, turn("same"), turn_id="t1")
+        assert again.replayed
+        assert [(m.id, m.seq) for m in again.messages] == [(m.id, m.seq) for m in stored.messages]
+        conversation = await check_conversation(backend.db, gaps=True)
+        assert (conversation["message_count"], conversation["turn_count"]) == (8, 3)
+        assert {6, 7} <= set(conversation["popped_seqs"])
     await _followed_to_the_end(backend, rules)
 
 

@@ -141,6 +141,9 @@ from agent_store.store._values import storable
 
 _RESERVE_ATTEMPTS = 4
 
+_Met = Mapping[str, dict[str, Any]]
+"""What met a turn's insert under its ids, by id (`AgentMessageLogger._met`)."""
+
 
 @dataclass(frozen=True)
 class Condition:
@@ -1013,7 +1016,10 @@ class AgentMessageLogger:
         read (`conversation`) does not record may be one another attempt moved the turn to
         since: the records are read again (one lookup, on that path only), and a block they
         record for the turn gives None, the reservation going round once more to answer the
-        turn where it is stored. Else Conflict: what is there is not the turn's."""
+        turn where it is stored. A block no record names, holding the whole turn under the
+        conversation's epoch, is one another attempt reserved past the kept records: its block
+        is kept, for the insert to meet the turn there (`_another_attempts`) and give this one
+        back. Else Conflict: what is there is not the turn's."""
         at = stored_at(plan, stored)
         if at is None or at == block.first_seq:
             return reserved
@@ -1025,7 +1031,11 @@ class AgentMessageLogger:
             )
         if records is not None and at in blocks_of(records, plan.key):
             return None  # moved by another attempt since `conversation` was read
-        raise _taken(plan.conversation_id, plan.documents[0]["_id"], at)
+        ids = {d["_id"] for d in plan.documents}
+        own = [d for d in stored if d["_id"] in ids and d.get("epoch") == reserved.epoch]
+        if len(own) == plan.count:  # whole where another reservation of the turn put it
+            return reserved
+        raise _stored_apart(plan, block.first_seq, plan.documents[0]["_id"], at)
 
     async def _refuse_unmigrated(self, conversation_id: str, actor: Actor) -> None:
         """Refuse a new conversation whose id exists as legacy turns not migrated yet."""
@@ -1160,17 +1170,22 @@ class AgentMessageLogger:
     ) -> tuple[list[AgentMessage] | None, bool, _Reserved]:
         """`_insert` into the reserved block: what it answers, and the block the turn is stored
         in. A block the turn's own reservation just took (not a retry's, nor a move's) is given
-        back when the turn is refused there, or stored in another block by another attempt
-        (`_given_back`, which makes this attempt a replay of that block)."""
+        back when the turn is refused there. The block the attempt writes into, its own
+        reservation's or the one a retry found its record naming (not a move's), is given back
+        when another attempt that reserved too stored the turn in a block of its own
+        (`_another_attempts`; `_given_back`, which makes this attempt a replay of that block)."""
         owner, epoch, first = reserved.owner, reserved.epoch, reserved.first_seq
         fresh = not reserved.replayed and reserved.moved is None
+        gather = reserved.moved is None
         try:
-            found, inserted = await self._insert(plan, documents, owner, epoch, fresh=fresh)
+            found, inserted, gathered = await self._insert(
+                plan, documents, owner, epoch, gather=gather, fresh=fresh
+            )
         except Conflict:
             if fresh:  # refused after its reservation counted it
                 await self._give_back(plan, reserved, documents, refused=True)
             raise
-        if fresh and found is not None and _elsewhere(found, first, plan.count):
+        if (fresh or gathered) and found is not None and _elsewhere(found, first, plan.count):
             reserved = await self._given_back(plan, reserved, documents, found)
         return found, inserted, reserved
 
@@ -1186,21 +1201,31 @@ class AgentMessageLogger:
         owner: str | None,
         epoch: str | None,
         *,
+        gather: bool = False,
         fresh: bool = False,
-    ) -> tuple[list[AgentMessage] | None, bool]:
+    ) -> tuple[list[AgentMessage] | None, bool, bool]:
         """Insert the turn's `documents`: the messages as stored when some were there already
-        (None: as inserted), and whether this insert stored any message. `fresh`: into the
-        block the turn's own reservation just took, where another attempt that reserved too
-        may have stored the turn elsewhere (`_another_attempts`)."""
+        (None: as inserted), whether this insert stored any message, and whether the turn was
+        found stored by another attempt that reserved a block of its own (`_another_attempts`,
+        looked for with `gather`: a block a reservation of the turn took, its own or the one
+        its record names, never one a move took). `fresh`: the block the turn's own
+        reservation just took."""
         with storage_errors("insert the messages"):
             try:
                 await self._messages.insert_many(documents, ordered=False)
             except BulkWriteError as exc:
                 only_duplicates(exc)
-                stored = await self._another_attempts(plan, documents, exc) if fresh else None
-                if stored is not None:
-                    return messages_adapter.validate_python(stored), True
-                found = await self._own_duplicates(exc, documents, plan)
+                met = await self._met(plan, documents, exc)
+                shift = _one_block_away(plan, documents, exc, met) if gather else None
+                if shift is not None:
+                    stored = await self._another_attempts(plan, documents, exc, met, shift)
+                    if stored is not None:
+                        return messages_adapter.validate_python(stored), True, True
+                # Read again after a fresh reservation's look (another attempt may be moving
+                # the turn meanwhile) or `_another_attempts` (it may have moved it).
+                if shift is not None or fresh:
+                    met = await self._met(plan, documents, exc)
+                found = await self._own_duplicates(exc, documents, plan, met)
                 # Its own document found: inserted in place of what met it (`_in_place_of`).
                 inserted = len(exc.details.get("writeErrors", [])) < len(documents) or any(
                     found.get(d["_id"]) is d for d in documents
@@ -1209,44 +1234,45 @@ class AgentMessageLogger:
                 documents = await self._to_the_conversation(
                     plan.conversation_id, documents, owner, epoch
                 )
-                return messages_adapter.validate_python(documents), inserted
-        return None, True
+                return messages_adapter.validate_python(documents), inserted, False
+        return None, True, False
 
-    async def _another_attempts(
+    async def _met(
         self, plan: TurnPlan, documents: list[dict[str, Any]], error: BulkWriteError
-    ) -> list[dict[str, Any]] | None:
-        """The turn as stored, when another attempt that reserved a block of its own stored
-        it (past the kept records the two reservations could not see each other, the first's
-        record dropped by the time the second reserved): every message of this insert that
-        collided is the turn's, with its content, in this conversation (its `epoch`), one
-        block away, and none past the turn's end. The turn is stored in one block: where the
-        other attempt stored it when this insert stored nothing; else (the two inserts each
-        stored part) in the lower of the two, each attempt moving the messages of the higher
-        one there (one delete and one insert more). None otherwise: what met the insert is
-        `_own_duplicates`'s to tell. One lookup more, on that path only."""
-        failed = [documents[e["index"]] for e in error.details.get("writeErrors", [])]
+    ) -> _Met:
+        """What met the insert under the turn's ids, by id, and the turn's message past its
+        end if one is stored (the turn stored more than this attempt sends): one lookup."""
+        ids = [documents[e["index"]]["_id"] for e in error.details.get("writeErrors", [])]
         past = message_id(plan.conversation_id, plan.turn_id, plan.count)
-        ids = [d["_id"] for d in failed]
+        # The conversation id keeps this lookup on one shard of a sharded cluster.
         with storage_errors("look up the turn"):
-            found = {
+            return {
                 d["_id"]: d
                 async for d in self._messages.find(
                     {"conversation_id": plan.conversation_id, "_id": {"$in": [*ids, past]}}
                 )
             }
-        epoch = documents[0].get("epoch")
-        same = past not in found and all(
-            d["_id"] in found
-            and found[d["_id"]].get("epoch") == epoch
-            and _same_content(found[d["_id"]], d)
-            for d in failed
-        )
-        shifts = {int(found[d["_id"]]["seq"]) - int(d["seq"]) for d in failed if d["_id"] in found}
-        if not same or len(shifts) != 1 or 0 in shifts:
-            return None
-        shift = shifts.pop()
+
+    async def _another_attempts(
+        self,
+        plan: TurnPlan,
+        documents: list[dict[str, Any]],
+        error: BulkWriteError,
+        found: _Met,
+        shift: int,
+    ) -> list[dict[str, Any]] | None:
+        """The turn as stored, when another attempt that reserved a block of its own stored
+        it (past the kept records the two reservations could not see each other, the first's
+        record dropped by the time the second reserved): every message of this insert that
+        collided is the turn's, `shift` away (`_one_block_away`), in a block the turn did not
+        leave by a move (`_left`). The turn is stored in one block: where the
+        other attempt stored it when this insert stored nothing; else (the two inserts each
+        stored part) in the lower of the two, each attempt moving the messages of the higher
+        one there (one delete and one insert more). None otherwise: what met the insert is
+        `_own_duplicates`'s to tell. One lookup more, on that path only."""
+        failed = [documents[e["index"]] for e in error.details.get("writeErrors", [])]
         first = int(documents[0]["seq"])
-        if await self._left(plan, {first, first + shift}):
+        if await self._left(plan, first, first + shift):
             return None  # an attempt of a turn moved to a new block: not two reservations
         if len(failed) < len(documents) and shift > 0:  # this block is the lower: gathered here
             moving, shift = [found[d["_id"]] for d in failed], 0
@@ -1256,15 +1282,21 @@ class AgentMessageLogger:
             moving = []
         return await self._gathered(plan, documents, moving, shift)
 
-    async def _left(self, plan: TurnPlan, firsts: set[int]) -> bool:
-        """Whether one of the blocks starting at `firsts` is one the turn left by a move to a
-        new block (recorded under `moved_key`, or its `seq`s gaps no turn holds): one lookup
-        of the conversation's records."""
+    async def _left(self, plan: TurnPlan, first: int, other: int) -> bool:
+        """Whether the block starting at `other`, or this attempt's at `first`, is one the
+        turn left by a move to a new block (recorded under `moved_key`, or its `seq`s gaps no
+        turn holds): one lookup of the conversation's records. This attempt's block given back
+        already (its record marked so: another attempt of the turn found it empty, the turn
+        stored in `other`) is not one it left: the turn is where that attempt found it."""
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                {"_id": plan.conversation_id}, {"turns.k": 1, "turns.f": 1, "popped_seqs": 1}
+                {"_id": plan.conversation_id},
+                {"turns.k": 1, "turns.f": 1, "turns.g": 1, "popped_seqs": 1},
             )
-        return found is None or bool(firsts & _blocks_left(found, plan.key))
+        if found is None:
+            return True
+        left = _blocks_left(found, plan.key)
+        return other in left or (first in left and first not in _given_back_at(found, plan.key))
 
     async def _gathered(
         self,
@@ -1294,11 +1326,11 @@ class AgentMessageLogger:
                 {"conversation_id": conversation_id, "_id": {"$in": [d["_id"] for d in documents]}}
             ).to_list(None)
         by_id = {d["_id"]: d for d in there}
-        if any(
-            d["_id"] not in by_id or int(by_id[d["_id"]]["seq"]) != int(d["seq"]) + shift
-            for d in documents
-        ):
-            raise _taken(conversation_id, documents[0]["_id"], int(documents[0]["seq"]) + shift)
+        for d in documents:
+            at = by_id.get(d["_id"], {}).get("seq")
+            if at is None or int(at) != int(d["seq"]) + shift:
+                where = int(d["seq"]) + shift if at is None else int(at)
+                raise _stored_apart(plan, int(documents[0]["seq"]) + shift, d["_id"], where)
         return [by_id[d["_id"]] for d in documents]
 
     async def _given_back(
@@ -1323,8 +1355,9 @@ class AgentMessageLogger:
         *,
         refused: bool,
     ) -> None:
-        """After the turn's own reservation (a block just taken, not a retry's), the turn not
-        stored in that block: refused (`refused`) or stored by another attempt elsewhere. What
+        """After the turn's own reservation (a block just taken), the turn not stored in that
+        block: refused (`refused`) or stored by another attempt elsewhere; or a retry's block,
+        the one its record names, empty while the turn is stored in another block. What
         this insert stored there goes (its ids at the block's `seq`s, under its epoch), and the
         block is given back (`given_back`: its turn and tokens taken back, its `seq`s gaps no
         turn holds) with the pending state folded again when the turn concerns it
@@ -1632,7 +1665,7 @@ class AgentMessageLogger:
             )
 
     async def _own_duplicates(
-        self, error: BulkWriteError, documents: list[dict[str, Any]], plan: TurnPlan
+        self, error: BulkWriteError, documents: list[dict[str, Any]], plan: TurnPlan, met: _Met
     ) -> dict[str, dict[str, Any]]:
         """The stored messages an earlier attempt of the turn wrote, by id; anything else that
         collided raises (the only write errors swallowed are these duplicate keys).
@@ -1646,18 +1679,13 @@ class AgentMessageLogger:
         turn's message at its `seq`, one under its ids with other content or elsewhere) an
         earlier conversation under the id left, a late insert no delete reached: it gives way
         while the conversation records this turn's block and not the other turns
-        (`_in_place_of`), else Conflict, which names nothing of it."""
+        (`_in_place_of`), else Conflict (`_in_the_way`), which names nothing of what another
+        turn or conversation left. `met`: what met the insert, as `_met` read it."""
         only_duplicates(error)
         write_errors = error.details.get("writeErrors", [])
         failed = {documents[e["index"]]["_id"]: documents[e["index"]] for e in write_errors}
-        # The conversation id keeps this lookup on one shard of a sharded cluster.
         conversation_id = documents[0]["conversation_id"]
-        stored = {
-            doc["_id"]: doc
-            async for doc in self._messages.find(
-                {"conversation_id": conversation_id, "_id": {"$in": list(failed)}}
-            )
-        }
+        stored = {id_: met[id_] for id_ in failed if id_ in met}
         epoch = documents[0].get("epoch")
         same = len(stored) == len(failed) and all(
             stored[id_].get("epoch") in (None, epoch) and _same_content(stored[id_], wanted)
@@ -1734,7 +1762,7 @@ class AgentMessageLogger:
             or any(t.startswith(MIGRATED_TURN_PREFIX) or blocks_of(found, turn_key(t))
                    for t in others)
         )):  # fmt: skip
-            raise _taken(conversation_id, wanted[0]["_id"], wanted[0]["seq"])
+            raise _in_the_way(plan, first_seq, strays, wanted)
         kept = {text.blob_id for text in plan.full_texts}
         await self._full_texts.forget_files(
             [b for d in strays for b in stored_blob_ids(d) if b not in kept]
@@ -1787,6 +1815,31 @@ class AgentMessageLogger:
         return found
 
 
+def _one_block_away(
+    plan: TurnPlan,
+    documents: list[dict[str, Any]],
+    error: BulkWriteError,
+    found: _Met,
+) -> int | None:
+    """How far from this insert's block (`documents`) the messages it collided with are
+    stored, when every one is the turn's, with its content, in this conversation (its
+    `epoch`), all one block away, and none is stored past the turn's end (`found`, by
+    `_met`); None otherwise (its own block holds them, or what met it is not the turn)."""
+    failed = [documents[e["index"]] for e in error.details.get("writeErrors", [])]
+    past = message_id(plan.conversation_id, plan.turn_id, plan.count)
+    epoch = documents[0].get("epoch")
+    same = past not in found and all(
+        d["_id"] in found
+        and found[d["_id"]].get("epoch") == epoch
+        and _same_content(found[d["_id"]], d)
+        for d in failed
+    )
+    shifts = {int(found[d["_id"]]["seq"]) - int(d["seq"]) for d in failed if d["_id"] in found}
+    if not same or len(shifts) != 1 or 0 in shifts:
+        return None
+    return shifts.pop()
+
+
 def _elsewhere(stored: Sequence[AgentMessage], first_seq: int, count: int) -> bool:
     """Whether none of the turn's `stored` messages is in the block of `count` from
     `first_seq`: another attempt stored the turn in a block of its own."""
@@ -1803,6 +1856,19 @@ def _blocks_left(conversation: Mapping[str, Any], key: int) -> set[int]:
         if isinstance(raw, Mapping) and raw.get("k") == moved_key(key) and "f" in raw
     }
     return left | {int(s) for s in conversation.get("popped_seqs") or ()}
+
+
+def _given_back_at(conversation: Mapping[str, Any], key: int) -> set[int]:
+    """The first `seq`s of the blocks of the turn recorded under `key` that were given back
+    (`given_back`: recorded under `moved_key`, marked given up)."""
+    return {
+        int(raw["f"])
+        for raw in conversation.get("turns") or ()
+        if isinstance(raw, Mapping)
+        and raw.get("k") == moved_key(key)
+        and raw.get("g") is True
+        and "f" in raw
+    }
 
 
 def _popped(found: Mapping[str, Any] | None, strays: list[dict[str, Any]]) -> bool:
@@ -2015,8 +2081,34 @@ def _assigned_at(conversation: Mapping[str, Any], first_seq: int) -> bool:
 
 def _taken(conversation_id: str, message_id_: str, seq: int) -> Conflict:
     return Conflict(
-        f"message {message_id_!r} or seq {seq} of conversation {conversation_id!r} is "
-        "already taken by another message"
+        f"seq {seq} of conversation {conversation_id!r} is already taken by a message of "
+        f"another turn, or message {message_id_!r} is stored at another seq"
+    )
+
+
+def _in_the_way(
+    plan: TurnPlan,
+    first_seq: int,
+    strays: Sequence[Mapping[str, Any]],
+    wanted: list[dict[str, Any]],
+) -> Conflict:
+    """The refusal of a turn whose `wanted` messages meet `strays` they may not replace: its
+    own messages stored out of its block (`_stored_apart`), else what holds its `seq`s."""
+    ids = {d["_id"] for d in wanted}
+    own = [d for d in strays if d["_id"] in ids and d.get("seq") is not None]
+    if own:
+        return _stored_apart(plan, first_seq, own[0]["_id"], int(own[0]["seq"]))
+    return _taken(plan.conversation_id, wanted[0]["_id"], wanted[0]["seq"])
+
+
+def _stored_apart(plan: TurnPlan, first_seq: int, message_id_: str, seq: int) -> Conflict:
+    """The refusal of a turn whose own message (`message_id_`, one of its ids) is stored at
+    `seq` where the store cannot take it for the turn stored whole in one block of it (this
+    attempt writes into the block from `first_seq`)."""
+    return Conflict(
+        f"turn {plan.turn_id!r} of conversation {plan.conversation_id!r} has its message "
+        f"{message_id_!r} stored at seq {seq}, and is not stored whole with this content in "
+        f"one block of it (this attempt's from seq {first_seq}): it is not answered from there"
     )
 
 

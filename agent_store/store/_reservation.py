@@ -1166,10 +1166,11 @@ def given_up(
 def given_back(
     plan: TurnPlan, first_seq: int, same: dict[str, Any]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The filter and update that give back the block a turn's own reservation took at
-    `first_seq` (a block just reserved, not one a retry found) once the turn is not stored
-    there: refused after that reservation, or stored in another block by another attempt that
-    reserved too (past the kept records, `TurnRules.turns_recorded`). What the reservation
+    """The filter and update that give back the block a reservation of the turn took at
+    `first_seq` once the turn is not stored there: refused after that reservation, or stored
+    in another block by another attempt that reserved too (past the kept records,
+    `TurnRules.turns_recorded`), found by that reservation's own attempt or by a retry its
+    record sends to the empty block. What the reservation
     counted, its turn starts and tokens, is taken back; its `seq`s become gaps no turn holds
     (`popped_seqs`, `_left_behind`: followers pass them at once), and its record, if still
     kept, names the turn no more (`moved_key`, marked given up), so a retry looks the turn up
