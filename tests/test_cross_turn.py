@@ -2164,6 +2164,31 @@ async def test_a_fork_of_everything_awaits_what_the_original_awaits(backend: Bac
     assert await pending_state(runtime.store, "fork-everything") == ([], None)
 
 
+async def test_a_fork_of_everything_leaves_what_its_copies_leave_not_a_turn_that_died(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3 Forks: a turn answering c1 reserved and died (never stored); its block
+    passed as abandoned. A fork of the whole conversation copies no answer to c1: it leaves
+    what its copies leave, c1 held by q1 and q1 pending, as a fork cut one message earlier
+    and the same messages logged afresh do, not what the original's reservations counted."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    asked = [_user("Book."), _calls("c1", "c2"), _asks_about("q1", "c1")]
+    later = [_user("And c2?"), _answer("c2", "x"), _say("c2 done.")]
+    await logger.log_messages(CID, asked, turn_id="t0")
+    await _reserved_only(logger, monkeypatch, [_user("Yes."), _answer("c1", "booked")], "dead")
+    await logger.log_messages(CID, later, turn_id="t2")
+    fresh = await _logged(logger, store, "fresh", [asked, later])
+    assert fresh == ([("c1", "q1")], "q1")
+    last = (await store.transcript(CID))[-1].seq
+    assert last is not None
+
+    await logger.fork(CID, last, "fork-everything")
+    await logger.fork(CID, last - 1, "fork-earlier")
+
+    assert await held_state(store, "fork-everything") == fresh
+    assert await held_state(store, "fork-earlier") == fresh
+
+
 async def test_a_fork_copies_each_call_with_one_answer_the_real_result(backend: Backend) -> None:
     from agent_store.core import stand_in_result
 
@@ -2667,6 +2692,31 @@ async def test_a_prompt_only_turn_answering_a_call_it_holds_clears_as_two_turns_
     assert await held_state(store, "one-turn") == await held_state(store, "two-turns")
     assert await held_state(store, "one-turn") == ([("c1", "r1")], None)
     assert await recomputed_state(store, "one-turn") == (["c1"], None)
+
+
+async def test_a_prompt_asked_again_after_its_turn_answered_what_it_held_is_a_new_question(
+    backend: Backend,
+) -> None:
+    """STREAMING.md: a confirmation asked again in the stream that answered it is a new
+    question. q1 (naming none) holds c0 and c1; the turn logs c1's result, which clears it,
+    then asks q1 again about c0 and ends: q1 is pending, as when the asking again comes in a
+    turn of its own, in the document, after a retry and in the fold a pop or a fork applies."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    answer_then_ask = [_asks("q1"), _answer("c1"), _asks_about("q1", "c0")]
+    for cid, turns in (
+        ("one-turn", [answer_then_ask]),
+        ("two-turns", [answer_then_ask[:2], answer_then_ask[2:]]),
+    ):
+        await logger.log_messages(cid, [_user("go"), _calls("c0", "c1")], turn_id="t0")
+        for n, turn in enumerate(turns, 1):
+            await logger.log_messages(cid, turn, turn_id=f"t{n}")
+    expected = ([("c0", "q1")], "q1")
+    assert await held_state(store, "two-turns") == expected
+
+    assert await held_state(store, "one-turn") == expected
+    assert await folded_state(store, "one-turn") == expected
+    await logger.log_messages("one-turn", answer_then_ask, turn_id="t1")  # a retry
+    assert await held_state(store, "one-turn") == expected
 
 
 async def test_a_fork_cut_between_two_resolutions_keeps_the_first_resolved(

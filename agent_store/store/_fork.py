@@ -123,8 +123,6 @@ def fork_pending(
     messages: Sequence[AgentMessage],
     end: int,
     fork_ids: Mapping[str, str],
-    now: tuple[Sequence[PendingCall], PendingHitl | None],
-    next_seq: int,
     turn_starts: Collection[int] = (),
     resolved: Collection[str] = (),
     answered: Mapping[str, int] | None = None,
@@ -132,17 +130,15 @@ def fork_pending(
     """What the fork awaits, naming the fork's own messages (`fork_ids`: the original's
     message ids to the fork's).
 
-    A fork of the whole conversation (no `seq` reserved past `end`: `next_seq`) awaits
-    what it awaits `now` (a prompt resolved by request id left no message). A fork cut
-    earlier awaits what the original's messages up to `end` left pending, folded turn by
-    turn as they were logged (`turn_starts`: the original's own, when it is a fork), but
-    for prompts the original resolved by request id (`resolved`), which no message
-    records, and those its answers reached (`answered`: asked before the answer came, under
-    an id asked again since).
+    What the original's messages up to `end` left pending, folded turn by turn as they were
+    logged (`turn_starts`: the original's own, when it is a fork), but for prompts the
+    original resolved by request id (`resolved`), which no message records, and those its
+    answers reached (`answered`: asked before the answer came, under an id asked again
+    since). A fork of the whole conversation too: what the copies leave, never what a turn
+    that reserved and stored nothing (abandoned, passed) left in the original's summary.
     """
-    whole = end + 1 >= next_seq
     upto = [m for m in messages if (m.seq or 0) <= end]
-    calls, hitl = now if whole else pending_after(upto, turn_starts, answered)
+    calls, hitl = pending_after(upto, turn_starts, answered)
     if hitl is not None and hitl.request_id in resolved:
         hitl = None
     return (

@@ -74,7 +74,6 @@ from agent_store.store._fork import (
     fork_turns_of,
     forked_messages,
     last_fitting_fork,
-    pending_now,
 )
 from agent_store.store._fork_read import ForkRead, limit_said, read_fork
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
@@ -2157,8 +2156,6 @@ def _leaving_what_the_copies_left(
         messages,
         origin.seq,
         ids,
-        pending_now(source),
-        int(source.get("message_count") or 0),
         fork_turns_of(source),
         source.get("resolved_hitl") or (),
         answered_in(source),

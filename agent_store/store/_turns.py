@@ -149,8 +149,9 @@ class TurnPlan:
     runtime logging its question apart from the run that paused): it holds back the calls
     earlier turns left pending that no prompt holds (`prompt_before_calls`)."""
     answered_after_prompt: tuple[str, ...] = ()
-    """Ids of earlier calls the turn answers after its `holds_pending` prompt: the prompt
-    is not pending after the turn if it held one (`answered_after_prompt`)."""
+    """Ids of earlier calls the turn answers after its last prompt, when its first is
+    `holds_pending`: that prompt is not pending after the turn if it held one
+    (`answered_after_prompt`)."""
     named_holds: tuple[tuple[str, str], ...] = ()
     """`(tool_call_id, request_id)`: calls of earlier turns a prompt of the turn names
     (`HitlAction.tool_call_ids`); the latest pending call of each id is held by that prompt
@@ -834,12 +835,14 @@ def prompt_before_calls(messages: Sequence[AgentMessage]) -> str | None:
 
 def answered_after_prompt(messages: Sequence[AgentMessage]) -> tuple[str, ...]:
     """In a turn whose first prompt comes before any call or request of its own
-    (`prompt_before_calls`), the ids of earlier turns' calls it answers after that prompt:
-    one the prompt holds clears it, as the same answer in a later turn would."""
+    (`prompt_before_calls`), the ids of earlier turns' calls it answers after its last
+    prompt: one the prompt holds clears it, as the same answer in a later turn would. An
+    answer before the last prompt does not: a prompt asked after it, of the same request id
+    too, is a new question (STREAMING.md), pending as it would be in a turn of its own."""
     if prompt_before_calls(messages) is None:
         return ()
     made = {call.id for m in messages for call in m.tool_calls or ()}
-    start = next(i for i, m in enumerate(messages) if m.hitl_action is not None)
+    start = max(i for i, m in enumerate(messages) if m.hitl_action is not None)
     return tuple(
         m.tool_call_id
         for m in messages[start:]
