@@ -4031,17 +4031,75 @@ async def test_a_late_retry_answering_a_released_call_clears_the_prompt_waiting_
     assert await held_state(store) == fresh
 
 
+ANSWERED_TWICE: list[Step] = [
+    [_user("Go."), _calls("c0", "c1")],
+    [_asks_about("q0", "c1")],
+    "q0",  # approved: c1 released
+    [_user("And c9?"), _calls("c9"), _asks("q0")],  # q0 asked again (numbered per turn)
+    "q0",  # approved again: c9 released
+    [_asks("q1"), _answer("c1"), _asks_about("q1", "c0")],  # seqs 6, 7, 8
+]
+
+
+@CUT_BY
+async def test_each_answer_to_a_request_id_asked_twice_is_folded_where_it_came(
+    backend: Backend, cut: str
+) -> None:
+    """DESIGN.md §3 Pending HITL: a request id asked, answered, asked again and answered
+    again is answered twice, and a pop or a fork folds both answers where they came
+    (`answered_prompts` keeps one entry per answer, not per request id). Cutting the last
+    question leaves what the same messages and answers logged afresh leave: c1, released by
+    the first answer, answered after q1, so q1 cleared."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _logged(logger, store, CID, ANSWERED_TWICE)
+    fresh = await _logged(logger, store, "fresh", _first(ANSWERED_TWICE, 8))
+    assert fresh == ([("c0", "q1"), ("c9", None)], None)
+
+    cid = await _cut_at(logger, store, cut, 7)
+
+    assert await held_state(store, cid) == fresh
+
+
+APPROVED_THEN_ID_REUSED: list[Step] = [
+    [_user("Book it."), _calls("call_0"), _asks_about("q0", "call_0")],
+    [_user("Weather?"), _calls("call_0", "call_1")],  # a provider numbering calls per response
+    "q0",  # approved: the first call_0 released
+    [_asks_about("q1", "call_0")],  # names call_0: holds the latest pending call of the id
+    [_asks("q0")],  # q0 asked again (numbered per turn): seq 6
+]
+
+
+@CUT_BY
+async def test_a_question_naming_a_reused_call_id_leaves_the_approved_older_call_released(
+    backend: Backend, cut: str
+) -> None:
+    """DESIGN.md §3 Pending calls: a prompt naming a call id holds the latest pending call of
+    the id, not an older one of that id a person approved, whose approval stays in force.
+    Cutting a later question asked under the approving prompt's request id leaves what the
+    same turns logged afresh leave: the approved call released, the newer one held by q1."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _logged(logger, store, CID, APPROVED_THEN_ID_REUSED)
+    fresh = await _logged(logger, store, "fresh", _first(APPROVED_THEN_ID_REUSED, 6))
+    assert fresh == ([("call_0", None), ("call_0", "q1"), ("call_1", None)], "q1")
+
+    cid = await _cut_at(logger, store, cut, 5)
+
+    assert await held_state(store, cid) == fresh
+
+
 def _small_conversation(rng: random.Random) -> list[Step]:
     """A small random conversation: calls left open and answered in later turns (a result,
     or a denial), prompts naming a call of their turn, an open call of an earlier turn, or
     none (some before any call of their turn, in a turn of their own), and a person
-    resolving an asked prompt between turns; each request id asked once."""
+    resolving an asked prompt between turns; a request id asked before is asked again now
+    and then (in a later turn, or in the same one: a runtime numbering its confirmations)."""
     steps: list[Step] = []
     open_calls: list[str] = []
     asked: list[str] = []
 
     def ask(call_ids: list[str] | None) -> dict[str, Any]:
-        asked.append(f"q{len(asked)}")
+        again = asked and rng.random() < 0.3
+        asked.append(rng.choice(asked) if again else f"q{len(asked)}")
         return _asks_about(asked[-1], *call_ids) if call_ids else _asks(asked[-1])
 
     for t in range(rng.randint(3, 6)):
@@ -4083,7 +4141,7 @@ async def _as_stored_and_folded(backend: Backend, store: ConversationStore) -> l
     ]
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 async def test_the_fold_of_the_stored_messages_is_what_their_turns_and_answers_left_stored(
     backend: Backend, seed: int
 ) -> None:

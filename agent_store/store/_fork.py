@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
@@ -125,7 +125,7 @@ def fork_pending(
     fork_ids: Mapping[str, str],
     turn_starts: Collection[int] = (),
     resolved: Collection[str] = (),
-    answered: Mapping[str, int] | None = None,
+    answered: Iterable[tuple[str, int]] = (),
 ) -> tuple[tuple[PendingCall, ...], PendingHitl | None]:
     """What the fork awaits, naming the fork's own messages (`fork_ids`: the original's
     message ids to the fork's).
@@ -153,15 +153,16 @@ def fork_pending(
 
 
 def answers_in_fork(
-    answered: Mapping[str, int], chosen: Sequence[AgentMessage]
+    answered: Iterable[tuple[str, int]], chosen: Sequence[AgentMessage]
 ) -> list[dict[str, Any]]:
     """`answered_prompts` of a fork copying `chosen` (`seq` 0…n in their order), from the
     original's (`answered_in`): each answer reaches the copies of the messages it reached."""
     seqs = [m.seq or 0 for m in chosen]
-    reach = {r: sum(1 for s in seqs if s < below) for r, below in answered.items()}
     return [
-        AnsweredPrompt(request_id=r, below=copied).model_dump(by_alias=True)
-        for r, copied in reach.items()
+        AnsweredPrompt(request_id=r, below=sum(1 for s in seqs if s < below)).model_dump(
+            by_alias=True
+        )
+        for r, below in answered
     ]
 
 

@@ -1005,24 +1005,27 @@ ANSWERED_READ: dict[str, Any] = {"answered_prompts": 1}
 """What a fold reads of a conversation besides its messages (`answered_in`)."""
 
 
-def answered_in(conversation: Mapping[str, Any] | None) -> dict[str, int]:
-    """How far the answers a person gave reach, by request id (`Conversation.answered_prompts`,
-    read with `ANSWERED_READ`): a prompt of the id stored below it was answered."""
+def answered_in(conversation: Mapping[str, Any] | None) -> list[tuple[str, int]]:
+    """The answers a person gave, each with its request id and how far it reaches
+    (`Conversation.answered_prompts`, read with `ANSWERED_READ`): a prompt of the id stored
+    below it was answered by it. A request id asked, answered and asked again has an answer
+    for each asking answered."""
     entries = (conversation or {}).get("answered_prompts") or ()
-    return {a.request_id: a.below for a in map(AnsweredPrompt.model_validate, entries)}
+    return [(a.request_id, a.below) for a in map(AnsweredPrompt.model_validate, entries)]
 
 
 def pending_after(
     messages: Sequence[AgentMessage],
     turn_starts: Collection[int] = (),
-    answered: Mapping[str, int] | None = None,
+    answered: Iterable[tuple[str, int]] = (),
 ) -> tuple[list[PendingCall], PendingHitl | None]:
     """The calls and the prompt a conversation's stored messages leave pending, turn by turn
     (runs of one `turn_id`, cut also at the `seq`s of `turn_starts`: a fork's), by the rules
     the reservations apply: what a rewrite of its history (a pop, a fork) lists again.
 
     A prompt resolved by request id leaves no message: without `answered` it is pending
-    here. With it (`answered_in`), each answer is given where it came, between the turns
+    here. With it (`answered_in`), each answer is given where it came (each of a request
+    id asked and answered more than once among them), between the turns
     stored below its reach and those from there on (an answer past the last message, after
     them all), as `resolve_hitl` gave it: the prompt of its id pending then is answered, and
     the calls prompts of that id held then are released, still listed with the prompt that
@@ -1030,7 +1033,7 @@ def pending_after(
     state = Folded()
     starts = set(turn_starts)
     copies = fork_copies_end(messages) if starts else 0
-    answers = sorted((below, r) for r, below in (answered or {}).items())
+    answers = sorted((below, r) for r, below in answered)
     start = 0
     for end in range(1, len(messages) + 1):
         if (
