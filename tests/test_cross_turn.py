@@ -1685,6 +1685,35 @@ async def test_a_posted_answer_to_a_call_another_tab_answered_first_is_refused(
     assert await runtime.answers_of("tc-9") == [(DENIED_RESULT, "tool call denied")]
 
 
+async def test_an_answer_naming_a_message_that_makes_no_such_call_here_is_refused_as_invalid(
+    backend: Backend,
+) -> None:
+    """`answers_to` naming, for a pending call, a message that does not make it in this
+    conversation (the pending calls read from a fork by mistake) is InvalidInput (422) saying
+    so, nothing written: not `AnsweredBefore`, since nobody answered the call, and a runtime
+    told to log the turn without the answer would drop the real result."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Book."), _calls("c1")], turn_id="t0")
+    await logger.fork(CID, 1, "conv-fork")
+    (read_from_the_fork,) = await store.pending_calls("conv-fork")
+
+    with pytest.raises(InvalidInput, match="does not make call 'c1'") as refused:
+        await logger.log_messages(
+            CID, [_answer("c1", "booked")], answers_to={"c1": read_from_the_fork.message_id}
+        )
+
+    assert "answered" not in str(refused.value)
+    assert await held_state(store) == ([("c1", None)], None)
+    async with serve(backend.db, seeded=False) as api:
+        posted = await api.http.post(
+            f"/v1/conversations/{CID}/turns",
+            json={"turn_id": "t1", "messages": [_answer("c1", "booked")],
+                  "answers_to": {"c1": read_from_the_fork.message_id}},
+            headers=auth_headers(),
+        )  # fmt: skip
+    assert posted.status_code == 422
+
+
 async def test_a_retried_http_resolution_naming_calls_by_message_leaves_a_newer_prompt_of_both_ids(
     backend: Backend,
 ) -> None:
