@@ -1685,6 +1685,35 @@ async def test_a_posted_answer_to_a_call_another_tab_answered_first_is_refused(
     assert await runtime.answers_of("tc-9") == [(DENIED_RESULT, "tool call denied")]
 
 
+async def test_an_answer_naming_a_message_that_makes_no_such_call_here_is_refused_as_invalid(
+    backend: Backend,
+) -> None:
+    """`answers_to` naming, for a pending call, a message that does not make it in this
+    conversation (the pending calls read from a fork by mistake) is InvalidInput (422) saying
+    so, nothing written: not `AnsweredBefore`, since nobody answered the call, and a runtime
+    told to log the turn without the answer would drop the real result."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Book."), _calls("c1")], turn_id="t0")
+    await logger.fork(CID, 1, "conv-fork")
+    (read_from_the_fork,) = await store.pending_calls("conv-fork")
+
+    with pytest.raises(InvalidInput, match="does not make call 'c1'") as refused:
+        await logger.log_messages(
+            CID, [_answer("c1", "booked")], answers_to={"c1": read_from_the_fork.message_id}
+        )
+
+    assert "answered" not in str(refused.value)
+    assert await held_state(store) == ([("c1", None)], None)
+    async with serve(backend.db, seeded=False) as api:
+        posted = await api.http.post(
+            f"/v1/conversations/{CID}/turns",
+            json={"turn_id": "t1", "messages": [_answer("c1", "booked")],
+                  "answers_to": {"c1": read_from_the_fork.message_id}},
+            headers=auth_headers(),
+        )  # fmt: skip
+    assert posted.status_code == 422
+
+
 async def test_a_retried_http_resolution_naming_calls_by_message_leaves_a_newer_prompt_of_both_ids(
     backend: Backend,
 ) -> None:
@@ -2162,6 +2191,31 @@ async def test_a_fork_of_everything_awaits_what_the_original_awaits(backend: Bac
     await runtime.logger.fork(CID, last, "fork-everything")
 
     assert await pending_state(runtime.store, "fork-everything") == ([], None)
+
+
+async def test_a_fork_of_everything_leaves_what_its_copies_leave_not_a_turn_that_died(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3 Forks: a turn answering c1 reserved and died (never stored); its block
+    passed as abandoned. A fork of the whole conversation copies no answer to c1: it leaves
+    what its copies leave, c1 held by q1 and q1 pending, as a fork cut one message earlier
+    and the same messages logged afresh do, not what the original's reservations counted."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    asked = [_user("Book."), _calls("c1", "c2"), _asks_about("q1", "c1")]
+    later = [_user("And c2?"), _answer("c2", "x"), _say("c2 done.")]
+    await logger.log_messages(CID, asked, turn_id="t0")
+    await _reserved_only(logger, monkeypatch, [_user("Yes."), _answer("c1", "booked")], "dead")
+    await logger.log_messages(CID, later, turn_id="t2")
+    fresh = await _logged(logger, store, "fresh", [asked, later])
+    assert fresh == ([("c1", "q1")], "q1")
+    last = (await store.transcript(CID))[-1].seq
+    assert last is not None
+
+    await logger.fork(CID, last, "fork-everything")
+    await logger.fork(CID, last - 1, "fork-earlier")
+
+    assert await held_state(store, "fork-everything") == fresh
+    assert await held_state(store, "fork-earlier") == fresh
 
 
 async def test_a_fork_copies_each_call_with_one_answer_the_real_result(backend: Backend) -> None:
@@ -2667,6 +2721,31 @@ async def test_a_prompt_only_turn_answering_a_call_it_holds_clears_as_two_turns_
     assert await held_state(store, "one-turn") == await held_state(store, "two-turns")
     assert await held_state(store, "one-turn") == ([("c1", "r1")], None)
     assert await recomputed_state(store, "one-turn") == (["c1"], None)
+
+
+async def test_a_prompt_asked_again_after_its_turn_answered_what_it_held_is_a_new_question(
+    backend: Backend,
+) -> None:
+    """STREAMING.md: a confirmation asked again in the stream that answered it is a new
+    question. q1 (naming none) holds c0 and c1; the turn logs c1's result, which clears it,
+    then asks q1 again about c0 and ends: q1 is pending, as when the asking again comes in a
+    turn of its own, in the document, after a retry and in the fold a pop or a fork applies."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    answer_then_ask = [_asks("q1"), _answer("c1"), _asks_about("q1", "c0")]
+    for cid, turns in (
+        ("one-turn", [answer_then_ask]),
+        ("two-turns", [answer_then_ask[:2], answer_then_ask[2:]]),
+    ):
+        await logger.log_messages(cid, [_user("go"), _calls("c0", "c1")], turn_id="t0")
+        for n, turn in enumerate(turns, 1):
+            await logger.log_messages(cid, turn, turn_id=f"t{n}")
+    expected = ([("c0", "q1")], "q1")
+    assert await held_state(store, "two-turns") == expected
+
+    assert await held_state(store, "one-turn") == expected
+    assert await folded_state(store, "one-turn") == expected
+    await logger.log_messages("one-turn", answer_then_ask, turn_id="t1")  # a retry
+    assert await held_state(store, "one-turn") == expected
 
 
 async def test_a_fork_cut_between_two_resolutions_keeps_the_first_resolved(
@@ -3981,17 +4060,75 @@ async def test_a_late_retry_answering_a_released_call_clears_the_prompt_waiting_
     assert await held_state(store) == fresh
 
 
+ANSWERED_TWICE: list[Step] = [
+    [_user("Go."), _calls("c0", "c1")],
+    [_asks_about("q0", "c1")],
+    "q0",  # approved: c1 released
+    [_user("And c9?"), _calls("c9"), _asks("q0")],  # q0 asked again (numbered per turn)
+    "q0",  # approved again: c9 released
+    [_asks("q1"), _answer("c1"), _asks_about("q1", "c0")],  # seqs 6, 7, 8
+]
+
+
+@CUT_BY
+async def test_each_answer_to_a_request_id_asked_twice_is_folded_where_it_came(
+    backend: Backend, cut: str
+) -> None:
+    """DESIGN.md §3 Pending HITL: a request id asked, answered, asked again and answered
+    again is answered twice, and a pop or a fork folds both answers where they came
+    (`answered_prompts` keeps one entry per answer, not per request id). Cutting the last
+    question leaves what the same messages and answers logged afresh leave: c1, released by
+    the first answer, answered after q1, so q1 cleared."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _logged(logger, store, CID, ANSWERED_TWICE)
+    fresh = await _logged(logger, store, "fresh", _first(ANSWERED_TWICE, 8))
+    assert fresh == ([("c0", "q1"), ("c9", None)], None)
+
+    cid = await _cut_at(logger, store, cut, 7)
+
+    assert await held_state(store, cid) == fresh
+
+
+APPROVED_THEN_ID_REUSED: list[Step] = [
+    [_user("Book it."), _calls("call_0"), _asks_about("q0", "call_0")],
+    [_user("Weather?"), _calls("call_0", "call_1")],  # a provider numbering calls per response
+    "q0",  # approved: the first call_0 released
+    [_asks_about("q1", "call_0")],  # names call_0: holds the latest pending call of the id
+    [_asks("q0")],  # q0 asked again (numbered per turn): seq 6
+]
+
+
+@CUT_BY
+async def test_a_question_naming_a_reused_call_id_leaves_the_approved_older_call_released(
+    backend: Backend, cut: str
+) -> None:
+    """DESIGN.md §3 Pending calls: a prompt naming a call id holds the latest pending call of
+    the id, not an older one of that id a person approved, whose approval stays in force.
+    Cutting a later question asked under the approving prompt's request id leaves what the
+    same turns logged afresh leave: the approved call released, the newer one held by q1."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await _logged(logger, store, CID, APPROVED_THEN_ID_REUSED)
+    fresh = await _logged(logger, store, "fresh", _first(APPROVED_THEN_ID_REUSED, 6))
+    assert fresh == ([("call_0", None), ("call_0", "q1"), ("call_1", None)], "q1")
+
+    cid = await _cut_at(logger, store, cut, 5)
+
+    assert await held_state(store, cid) == fresh
+
+
 def _small_conversation(rng: random.Random) -> list[Step]:
     """A small random conversation: calls left open and answered in later turns (a result,
     or a denial), prompts naming a call of their turn, an open call of an earlier turn, or
     none (some before any call of their turn, in a turn of their own), and a person
-    resolving an asked prompt between turns; each request id asked once."""
+    resolving an asked prompt between turns; a request id asked before is asked again now
+    and then (in a later turn, or in the same one: a runtime numbering its confirmations)."""
     steps: list[Step] = []
     open_calls: list[str] = []
     asked: list[str] = []
 
     def ask(call_ids: list[str] | None) -> dict[str, Any]:
-        asked.append(f"q{len(asked)}")
+        again = asked and rng.random() < 0.3
+        asked.append(rng.choice(asked) if again else f"q{len(asked)}")
         return _asks_about(asked[-1], *call_ids) if call_ids else _asks(asked[-1])
 
     for t in range(rng.randint(3, 6)):
@@ -4033,7 +4170,7 @@ async def _as_stored_and_folded(backend: Backend, store: ConversationStore) -> l
     ]
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 async def test_the_fold_of_the_stored_messages_is_what_their_turns_and_answers_left_stored(
     backend: Backend, seed: int
 ) -> None:

@@ -751,11 +751,12 @@ def conversation_version(conversation_id: str, epoch: str | None, created_at: da
 
 
 class AnsweredPrompt(_Model):
-    """How far a person's answer to the prompts of one request id reaches (extension; the
-    store's bookkeeping, never served): every prompt of that id stored below `below` was
+    """How far one answer a person gave to the prompts of a request id reaches (extension;
+    the store's bookkeeping, never served): every prompt of that id stored below `below` was
     asked before the answer, and answered by it; one stored from there on (the id asked
     again) was not. A pop, a fork or a move folding the messages again keeps the first
-    answered (`Conversation.answered_prompts`)."""
+    answered, and an id asked and answered again has an entry for each answer
+    (`Conversation.answered_prompts`)."""
 
     request_id: str = Field(alias="r")
     below: Count = Field(alias="s")
@@ -827,8 +828,8 @@ class Conversation(_Model):
     `RESOLVED_PROMPTS_KEPT` (the store's bookkeeping, never served): a resolution leaves no
     message, so a rerun of the migration and a fork folding the messages read them here."""
     answered_prompts: list[AnsweredPrompt] = Field(default_factory=list, exclude=True)
-    """The prompts `resolve_hitl` resolved, by asking (`AnsweredPrompt`, one per request id,
-    the newest `RESOLVED_PROMPTS_KEPT`; the store's bookkeeping, never served): a prompt
+    """The prompts `resolve_hitl` resolved, by asking (`AnsweredPrompt`, one per answer, the
+    newest `RESOLVED_PROMPTS_KEPT`; the store's bookkeeping, never served): a prompt
     asked again under the request id leaves `resolved_hitl`, but a pop of it, or a fork cut
     before it, brings back no prompt of that id asked before the answer."""
     approved_calls: list[ApprovedCall] = Field(default_factory=list, exclude=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
@@ -123,26 +123,22 @@ def fork_pending(
     messages: Sequence[AgentMessage],
     end: int,
     fork_ids: Mapping[str, str],
-    now: tuple[Sequence[PendingCall], PendingHitl | None],
-    next_seq: int,
     turn_starts: Collection[int] = (),
     resolved: Collection[str] = (),
-    answered: Mapping[str, int] | None = None,
+    answered: Iterable[tuple[str, int]] = (),
 ) -> tuple[tuple[PendingCall, ...], PendingHitl | None]:
     """What the fork awaits, naming the fork's own messages (`fork_ids`: the original's
     message ids to the fork's).
 
-    A fork of the whole conversation (no `seq` reserved past `end`: `next_seq`) awaits
-    what it awaits `now` (a prompt resolved by request id left no message). A fork cut
-    earlier awaits what the original's messages up to `end` left pending, folded turn by
-    turn as they were logged (`turn_starts`: the original's own, when it is a fork), but
-    for prompts the original resolved by request id (`resolved`), which no message
-    records, and those its answers reached (`answered`: asked before the answer came, under
-    an id asked again since).
+    What the original's messages up to `end` left pending, folded turn by turn as they were
+    logged (`turn_starts`: the original's own, when it is a fork), but for prompts the
+    original resolved by request id (`resolved`), which no message records, and those its
+    answers reached (`answered`: asked before the answer came, under an id asked again
+    since). A fork of the whole conversation too: what the copies leave, never what a turn
+    that reserved and stored nothing (abandoned, passed) left in the original's summary.
     """
-    whole = end + 1 >= next_seq
     upto = [m for m in messages if (m.seq or 0) <= end]
-    calls, hitl = now if whole else pending_after(upto, turn_starts, answered)
+    calls, hitl = pending_after(upto, turn_starts, answered)
     if hitl is not None and hitl.request_id in resolved:
         hitl = None
     return (
@@ -157,15 +153,16 @@ def fork_pending(
 
 
 def answers_in_fork(
-    answered: Mapping[str, int], chosen: Sequence[AgentMessage]
+    answered: Iterable[tuple[str, int]], chosen: Sequence[AgentMessage]
 ) -> list[dict[str, Any]]:
     """`answered_prompts` of a fork copying `chosen` (`seq` 0…n in their order), from the
     original's (`answered_in`): each answer reaches the copies of the messages it reached."""
     seqs = [m.seq or 0 for m in chosen]
-    reach = {r: sum(1 for s in seqs if s < below) for r, below in answered.items()}
     return [
-        AnsweredPrompt(request_id=r, below=copied).model_dump(by_alias=True)
-        for r, copied in reach.items()
+        AnsweredPrompt(request_id=r, below=sum(1 for s in seqs if s < below)).model_dump(
+            by_alias=True
+        )
+        for r, below in answered
     ]
 
 

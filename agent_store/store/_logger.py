@@ -74,7 +74,6 @@ from agent_store.store._fork import (
     fork_turns_of,
     forked_messages,
     last_fitting_fork,
-    pending_now,
 )
 from agent_store.store._fork_read import ForkRead, limit_said, read_fork
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
@@ -423,9 +422,41 @@ class AgentMessageLogger:
         )
         runtime_name = clean_name(name) if name is not None else None
         started = time.monotonic()
-        reserved = await self._reserve(plan, actor, runtime_name, condition)
+        try:
+            reserved = await self._reserve(plan, actor, runtime_name, condition)
+        except AnsweredBefore as refused:
+            raise await self._misnamed(plan, answers_to, refused) or refused from None
         stored, reserved = await self._store(plan, reserved, started)
         return await self._told(plan, reserved, stored)
+
+    async def _misnamed(
+        self, plan: TurnPlan, answers_to: Mapping[str, str] | None, refused: AnsweredBefore
+    ) -> InvalidInput | None:
+        """For a turn refused as answering calls answered before, InvalidInput when `answers_to`
+        names for one of them a message that does not make that call in the conversation (read
+        from another conversation, a fork): nobody answered that call, which may still be
+        pending; None otherwise. Read only on that refusal."""
+        named = _named_answers(plan, _answers_to(answers_to))
+        named = {c: m for c, m in named.items() if c in refused.tool_call_ids}
+        if not named:
+            return None
+        query = {
+            "_id": {"$in": sorted(set(named.values()))},
+            "conversation_id": plan.conversation_id,
+        }
+        with storage_errors("read the messages answers_to names"):
+            found = await self._messages.find(query, {"tool_calls.id": 1}).to_list(None)
+        makes = {(c.get("id"), d["_id"]) for d in found for c in d.get("tool_calls") or ()}
+        wrong = {c: m for c, m in named.items() if (c, m) not in makes}
+        if not wrong:
+            return None
+        said = "; ".join(f"message {m!r} does not make call {c!r}" for c, m in wrong.items())
+        return InvalidInput(
+            f"invalid answers_to of turn {plan.turn_id!r}: in conversation "
+            f"{plan.conversation_id!r}, {said} (read from another conversation, a fork?). "
+            "Name the message that made each call as this conversation's pending_calls "
+            "serves it"
+        )
 
     async def check_turn(
         self,
@@ -463,6 +494,8 @@ class AgentMessageLogger:
         named = _named_answers(plan, _answers_to(answers_to))
         if block is None and found is not None and named:
             refusal = _answers_refusal(plan, named, found)
+            if isinstance(refusal, AnsweredBefore):
+                raise await self._misnamed(plan, answers_to, refusal) or refusal
             if refusal is not None:
                 raise refusal
 
@@ -2252,8 +2285,6 @@ def _leaving_what_the_copies_left(
         messages,
         origin.seq,
         ids,
-        pending_now(source),
-        int(source.get("message_count") or 0),
         fork_turns_of(source),
         source.get("resolved_hitl") or (),
         answered_in(source),

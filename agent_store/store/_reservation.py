@@ -318,22 +318,18 @@ def resolution(
 
 
 def _answered_now(request_id: str) -> dict[str, Any]:
-    """`answered_prompts` with the answer to the prompts `request_id` reaching every `seq`
-    reserved so far (`message_count`): the prompts of the id asked up to now, a turn still
-    being written among them (its reservation made its prompt the pending one), are answered;
-    the newest `RESOLVED_PROMPTS_KEPT` request ids kept."""
-    others = {
-        "$filter": {
-            "input": _kept("answered_prompts", []),
-            "as": "a",
-            "cond": {"$ne": ["$$a.r", literal(request_id)]},
-        }
-    }
+    """`answered_prompts` with one more answer, to the prompts `request_id`, reaching every
+    `seq` reserved so far (`message_count`): the prompts of the id asked up to now, a turn
+    still being written among them (its reservation made its prompt the pending one), are
+    answered. An earlier answer to the id stays: it answered the prompts of the id asked
+    before it, and a pop or a fork folds each answer where it came. The newest
+    `RESOLVED_PROMPTS_KEPT` answers kept."""
     entry = {"r": literal(request_id), "s": int64({"$ifNull": ["$message_count", 0]})}
     # A one-element array built by `$map`: some servers (mongomock) keep an array literal's
     # elements unevaluated.
     now = {"$map": {"input": literal([0]), "as": "x", "in": entry}}
-    return {"$slice": [{"$concatArrays": [others, now]}, -RESOLVED_PROMPTS_KEPT]}
+    answered = _kept("answered_prompts", [])
+    return {"$slice": [{"$concatArrays": [answered, now]}, -RESOLVED_PROMPTS_KEPT]}
 
 
 def answers_reaching(below: Any, request_ids: Sequence[str] | None = None) -> dict[str, Any]:
@@ -826,7 +822,7 @@ def _asked_again(plan: TurnPlan) -> dict[str, Any]:
         return {"$ifNull": [{"$arrayElemAt": [found, 0]}, literal([])]}
 
     asked, latest = of_the_turn("m"), {"$arrayElemAt": [of_the_turn("m"), -1]}
-    named = {"$gt": [{"$size": naming}, 0]}
+    named = {"$cond": [{"$gt": [{"$size": naming}, 0]}, _latest_of_its_id("a"), False]}
     before = held_by_of("a")
 
     # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
@@ -845,6 +841,19 @@ def _asked_again(plan: TurnPlan) -> dict[str, Any]:
         {"$cond": [named, kept, held_before_of("a")]},
         bound={"asking": asking},
     )
+
+
+def _latest_of_its_id(variable: str) -> dict[str, Any]:
+    """Whether the call of the `approved_calls` entry in `variable` is the latest pending call
+    of its id, or none of its id is pending: the one a prompt naming the id holds
+    (`_turns.holding_named`). An older call of the id a person approved is not: a prompt
+    naming the id holds the newer one, and the approval stays in force."""
+    same_id = {"$eq": ["$$call.tool_call_id", f"$${variable}.tool_call_id"]}
+    calls = {"$ifNull": ["$pending_calls", literal([])]}
+    of_id = {"$filter": {"input": calls, "as": "call", "cond": same_id}}
+    last = {"$arrayElemAt": [of_id, -1]}
+    latest = {"$let": {"vars": {"last": last}, "in": {"$ifNull": ["$$last.message_id", None]}}}
+    return {"$or": [{"$eq": [latest, None]}, {"$eq": [latest, f"$${variable}.message_id"]}]}
 
 
 def _released(plan: TurnPlan) -> dict[str, Any] | None:

@@ -149,8 +149,9 @@ class TurnPlan:
     runtime logging its question apart from the run that paused): it holds back the calls
     earlier turns left pending that no prompt holds (`prompt_before_calls`)."""
     answered_after_prompt: tuple[str, ...] = ()
-    """Ids of earlier calls the turn answers after its `holds_pending` prompt: the prompt
-    is not pending after the turn if it held one (`answered_after_prompt`)."""
+    """Ids of earlier calls the turn answers after its last prompt, when its first is
+    `holds_pending`: that prompt is not pending after the turn if it held one
+    (`answered_after_prompt`)."""
     named_holds: tuple[tuple[str, str], ...] = ()
     """`(tool_call_id, request_id)`: calls of earlier turns a prompt of the turn names
     (`HitlAction.tool_call_ids`); the latest pending call of each id is held by that prompt
@@ -834,12 +835,14 @@ def prompt_before_calls(messages: Sequence[AgentMessage]) -> str | None:
 
 def answered_after_prompt(messages: Sequence[AgentMessage]) -> tuple[str, ...]:
     """In a turn whose first prompt comes before any call or request of its own
-    (`prompt_before_calls`), the ids of earlier turns' calls it answers after that prompt:
-    one the prompt holds clears it, as the same answer in a later turn would."""
+    (`prompt_before_calls`), the ids of earlier turns' calls it answers after its last
+    prompt: one the prompt holds clears it, as the same answer in a later turn would. An
+    answer before the last prompt does not: a prompt asked after it, of the same request id
+    too, is a new question (STREAMING.md), pending as it would be in a turn of its own."""
     if prompt_before_calls(messages) is None:
         return ()
     made = {call.id for m in messages for call in m.tool_calls or ()}
-    start = next(i for i, m in enumerate(messages) if m.hitl_action is not None)
+    start = max(i for i, m in enumerate(messages) if m.hitl_action is not None)
     return tuple(
         m.tool_call_id
         for m in messages[start:]
@@ -1002,24 +1005,27 @@ ANSWERED_READ: dict[str, Any] = {"answered_prompts": 1}
 """What a fold reads of a conversation besides its messages (`answered_in`)."""
 
 
-def answered_in(conversation: Mapping[str, Any] | None) -> dict[str, int]:
-    """How far the answers a person gave reach, by request id (`Conversation.answered_prompts`,
-    read with `ANSWERED_READ`): a prompt of the id stored below it was answered."""
+def answered_in(conversation: Mapping[str, Any] | None) -> list[tuple[str, int]]:
+    """The answers a person gave, each with its request id and how far it reaches
+    (`Conversation.answered_prompts`, read with `ANSWERED_READ`): a prompt of the id stored
+    below it was answered by it. A request id asked, answered and asked again has an answer
+    for each asking answered."""
     entries = (conversation or {}).get("answered_prompts") or ()
-    return {a.request_id: a.below for a in map(AnsweredPrompt.model_validate, entries)}
+    return [(a.request_id, a.below) for a in map(AnsweredPrompt.model_validate, entries)]
 
 
 def pending_after(
     messages: Sequence[AgentMessage],
     turn_starts: Collection[int] = (),
-    answered: Mapping[str, int] | None = None,
+    answered: Iterable[tuple[str, int]] = (),
 ) -> tuple[list[PendingCall], PendingHitl | None]:
     """The calls and the prompt a conversation's stored messages leave pending, turn by turn
     (runs of one `turn_id`, cut also at the `seq`s of `turn_starts`: a fork's), by the rules
     the reservations apply: what a rewrite of its history (a pop, a fork) lists again.
 
     A prompt resolved by request id leaves no message: without `answered` it is pending
-    here. With it (`answered_in`), each answer is given where it came, between the turns
+    here. With it (`answered_in`), each answer is given where it came (each of a request
+    id asked and answered more than once among them), between the turns
     stored below its reach and those from there on (an answer past the last message, after
     them all), as `resolve_hitl` gave it: the prompt of its id pending then is answered, and
     the calls prompts of that id held then are released, still listed with the prompt that
@@ -1027,7 +1033,7 @@ def pending_after(
     state = Folded()
     starts = set(turn_starts)
     copies = fork_copies_end(messages) if starts else 0
-    answers = sorted((below, r) for r, below in (answered or {}).items())
+    answers = sorted((below, r) for r, below in answered)
     start = 0
     for end in range(1, len(messages) + 1):
         if (
