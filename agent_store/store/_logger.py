@@ -382,32 +382,29 @@ class AgentMessageLogger:
     ) -> LoggedTurn:
         """Log one turn's messages in order, idempotently by `turn_id`.
 
-        `turn_id` defaults to a digest of the messages (content and timestamps), so retrying
-        the same messages is safe even without one, as long as they carry their `created_at`
-        (a message without one is stamped on each call). A retry of any age stores nothing
-        twice and answers with the stored messages; a retry with other content raises
-        Conflict. The one exception (DESIGN.md): a first attempt that stored nothing,
-        retried after more than `turns_recorded` later turns, leaves no evidence and is stored
-        as a new turn. `name` is a name the runtime generated; it replaces an automatic name
-        or an earlier runtime name, never one a person set. `owner_only` says the caller is
-        the user `user_id` itself (a user token): it writes only to its own conversations or
-        to a new id, and anything else is NotFound to it; a turn id a runtime opened a
-        steering inbox for is the runtime's, a Conflict to it (`Actor.running_refusal`),
-        nothing written. A service naming `user_id` may
-        write to that user's conversations or to unowned ones (which it then assigns). With
-        `next_seq`, a new turn is logged only if its first message gets that `seq`
-        (compare-and-sets in the reservation's command), and with `step` (an ordering key, a
-        LangGraph checkpoint id) only if it is after every step logged before: otherwise
-        `TranscriptMoved` (`next_seq`, `later_step`: where the conversation is), nothing
-        written. A retry of a logged turn is answered as always. `refused_prompts`: the
-        prompt each denial of an earlier call answers, as read (`_denials`). `answers_to`:
-        the call of an earlier turn each of its answers (a result or a denial) answers, by
-        tool call id, with the message that made it, as read from `pending_calls`: the turn
-        is logged only while each is still the latest pending call of its id, else
-        `AnsweredBefore` (another turn answered it first: a call's first answer is its
-        answer), nothing written (`_answers`). Raises InvalidInput, writing nothing, when
-        the turn breaks the contract, or takes the id a steering delivery is stored under
-        (`delivery-` and 32 hex digits).
+        `turn_id` defaults to a digest of the messages (content and timestamps), so retrying the
+        same messages is safe even without one, as long as they carry their `created_at` (a
+        message without one is stamped on each call). A retry of any age stores nothing twice
+        and answers with the stored messages; a retry with other content raises Conflict; but a
+        first attempt that stored nothing, retried after more than `turns_recorded` later turns,
+        is stored as new (DESIGN.md). `name` is a name the runtime generated; it replaces an
+        automatic name or an earlier runtime name, never one a person set. `owner_only` says the
+        caller is the user `user_id` itself (a user token): it writes only to its own
+        conversations or to a new id, and anything else is NotFound to it; a turn id a runtime
+        opened a steering inbox for is the runtime's, a Conflict to it
+        (`Actor.running_refusal`), nothing written. A service naming `user_id` may write to that
+        user's conversations or to unowned ones (which it then assigns). With `next_seq`, a new
+        turn is logged only if its first message gets that `seq` (compare-and-sets in the
+        reservation's command), and with `step` (an ordering key, a LangGraph checkpoint id)
+        only if it is after every step logged before: otherwise `TranscriptMoved` (`next_seq`,
+        `later_step`: where the conversation is), nothing written. `refused_prompts`: the prompt
+        each denial of an earlier call answers, as read (`_denials`). `answers_to`: the call of
+        an earlier turn each of its answers (a result or a denial) answers, by tool call id,
+        with the message that made it, as read from `pending_calls`: the turn is logged only
+        while each is still the latest pending call of its id, else `AnsweredBefore` (another
+        turn answered it first: a call's first answer is its answer), nothing written
+        (`_answers`). InvalidInput, nothing written, for a turn breaking the contract or taking
+        a steering delivery's id (`delivery-` + 32 hex).
         """
         plan, actor, condition = self._planned(
             conversation_id,
@@ -922,11 +919,7 @@ class AgentMessageLogger:
                 found = await self._conversations.find_one({"_id": plan.conversation_id})
             if found is None:
                 if not may_create:
-                    assert condition is not None
-                    # To a user token a missing conversation is the NotFound another user's
-                    # is (`Actor.refusal` of no owner): the answer never tells them apart.
-                    missing = actor.refusal(plan.conversation_id, None)
-                    raise missing or condition.absent or condition.refusal
+                    raise _absent(plan.conversation_id, actor, condition)
                 await self._refuse_unmigrated(plan.conversation_id, actor)
                 _refuse_derived(plan.conversation_id, actor)
                 create = True
@@ -2160,6 +2153,14 @@ def _fork_stands(conversation_id: str, fork: Mapping[str, Any]) -> Conflict:
         f"{at} as stored then; {conversation_id!r} no longer holds up to that seq what it "
         "copied (a pop or a later turn changed it), or this is another fork: fork into a new id"
     )
+
+
+def _absent(conversation_id: str, actor: Actor, condition: Condition | None) -> Exception:
+    """What a reservation that may not create its conversation raises when it is missing: to
+    a user token the NotFound another user's is (`Actor.refusal` of no owner), so the answer
+    never tells them apart; else the condition's own."""
+    assert condition is not None
+    return actor.refusal(conversation_id, None) or condition.absent or condition.refusal
 
 
 def _refuse_derived(conversation_id: str, actor: Actor) -> None:
