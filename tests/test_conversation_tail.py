@@ -14,6 +14,7 @@ from agent_store import (
     Conflict,
     ConversationStore,
     InvalidInput,
+    NotFound,
     StorageUnavailable,
     StoreError,
     TurnRules,
@@ -491,5 +492,5 @@ async def test_a_tail_follower_whose_last_read_message_was_popped_reads_what_cam
     assert waiting.data == []
     assert [m.content for m in followed.data] == ["corrected answer"]
     assert [m.content for m in backwards.data] == ["Q?"]
-    with pytest.raises(InvalidInput, match="not in this conversation"):
+    with pytest.raises(NotFound, match="not found"):  # another user's: as without `after`
         await store.messages_page(CID, after=page.last_id, user_id="someone-else")
