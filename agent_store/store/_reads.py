@@ -640,16 +640,11 @@ class ConversationStore:
             docs = await (
                 self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH).to_list(None)
             )
-        if not docs:
-            # Tell an empty conversation from a missing or not yet migrated one (costs a
-            # lookup only here).
-            with storage_errors("read the conversation"):
-                found = await self._conversations.find_one(
-                    self._scope(conversation_id, user_id), {"_id": 1}
-                )
-            if found is None:
-                conversion = await self._legacy(conversation_id, user_id)
-                return conversion.messages if fallback else []
+        # Tell an empty conversation from a missing or not yet migrated one (costs a lookup
+        # only here).
+        if not docs and not await self._visible(conversation_id, user_id):
+            conversion = await self._legacy(conversation_id, user_id)
+            return conversion.messages if fallback else []
         return messages_adapter.validate_python(await self._of_one_life(conversation_id, docs))
 
     async def with_full_texts(self, messages: list[AgentMessage]) -> list[AgentMessage]:
@@ -888,16 +883,11 @@ class ConversationStore:
             docs, has_more = await _bounded_page(
                 self._messages, query, None, *_by_seq(order), limit
             )
-        if not docs and after is None:
-            with storage_errors("read the conversation"):
-                found = await self._conversations.find_one(
-                    self._scope(conversation_id, user_id), {"_id": 1}
-                )
-            if found is None:
-                legacy = await self._legacy_page(conversation_id, None, limit, order, user_id)
-                if legacy is None:
-                    raise NotFound(f"conversation {conversation_id!r} was not found")
-                return legacy
+        if not docs and after is None and not await self._visible(conversation_id, user_id):
+            legacy = await self._legacy_page(conversation_id, None, limit, order, user_id)
+            if legacy is None:
+                raise NotFound(f"conversation {conversation_id!r} was not found")
+            return legacy
         pending = None
         docs = await self._of_one_life(conversation_id, docs)
         if order == "asc":
@@ -1005,13 +995,18 @@ class ConversationStore:
             legacy = await self._legacy_page(conversation_id, after, limit, order, user_id)
             if legacy is not None:
                 return legacy
+        if not await self._visible(conversation_id, user_id):
+            await self._legacy(conversation_id, user_id)  # NotFound when it has none either
+        raise unknown
+
+    async def _visible(self, conversation_id: str, user_id: str | None) -> bool:
+        """Whether the conversation document exists and the caller sees it (`_scope`): one
+        lookup, made only where a read found nothing to tell a missing conversation by."""
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
                 self._scope(conversation_id, user_id), {"_id": 1}
             )
-        if found is None:
-            await self._legacy(conversation_id, user_id)  # NotFound when it has none either
-        raise unknown
+        return found is not None
 
     async def _seq_of(self, message_id: str, query: dict[str, Any]) -> tuple[int, bool]:
         """The `seq` of the message `message_id` of the conversation `query` names, and whether
