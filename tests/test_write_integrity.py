@@ -1086,7 +1086,13 @@ class OneByOne:
     event first: two attempts' inserts interleaved message by message, as an unordered
     `insert_many` may be. Raises as the driver does for the messages already stored."""
 
-    def __init__(self, logger: AgentMessageLogger, waits: list[asyncio.Event | None]) -> None:
+    def __init__(
+        self,
+        logger: AgentMessageLogger,
+        waits: list[asyncio.Event | None],
+        *,
+        before_answering: asyncio.Event | None = None,
+    ) -> None:
         self.reserved, self.done = asyncio.Event(), [asyncio.Event() for _ in waits]
         real, events, calls = logger._messages, waits, []
         outer = self
@@ -1109,6 +1115,8 @@ class OneByOne:
                     except DuplicateKeyError as exc:
                         errors.append({"index": index, "code": 11000, "errmsg": str(exc)})
                     outer.done[index].set()
+                if before_answering is not None:  # its reply held back
+                    await before_answering.wait()
                 if errors:
                     raise BulkWriteError({"writeErrors": errors, "nInserted": 0})
                 return None
@@ -1139,6 +1147,85 @@ async def test_past_the_kept_records_two_inserts_each_storing_part_of_the_turn_s
     question.set()  # the first stores the question at 2; the second then its answer at 7
     await second.done[1].wait()
     answer.set()
+
+    answers = await asyncio.gather(a, b)
+
+    assert [[m.seq for m in x.messages] for x in answers] == [[2, 3], [2, 3]]
+    assert [x.replayed for x in answers] == [False, True]
+    stored = await backend.db[MESSAGES].find({"turn_id": "t1"}).sort("seq").to_list(None)
+    assert [(m["seq"], m["content"]) for m in stored] == [(2, "same?"), (3, "same!")]
+    conversation = await check_conversation(backend.db, gaps=True)
+    assert (conversation["message_count"], conversation["turn_count"]) == (8, 3)
+    await _followed_to_the_end(backend, rules)
+
+
+class Step:
+    """Holds one call of a logger's collection method (`method`, its `call`-th) until `wait`
+    is set, telling `entered` it was reached, and sets `then` once it returned: a step of one
+    attempt placed between two of another's."""
+
+    def __init__(
+        self,
+        logger: AgentMessageLogger,
+        collection: str,
+        method: str,
+        *,
+        call: int = 1,
+        entered: asyncio.Event | None = None,
+        wait: asyncio.Event | None = None,
+        then: asyncio.Event | None = None,
+    ) -> None:
+        real, calls = getattr(logger, collection), []
+
+        class Stepped:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+        async def stepped(*args: Any, **kwargs: Any) -> Any:
+            calls.append(None)
+            if len(calls) != call:
+                return await getattr(real, method)(*args, **kwargs)
+            if entered is not None:
+                entered.set()
+            if wait is not None:
+                await wait.wait()
+            result = await getattr(real, method)(*args, **kwargs)
+            if then is not None:
+                then.set()
+            return result
+
+        setattr(Stepped, method, staticmethod(stepped))
+        setattr(logger, collection, Stepped())
+
+
+async def test_past_the_kept_records_a_message_the_other_attempt_moves_into_the_block_is_the_turns(
+    backend: Backend,
+) -> None:
+    """As above, with the second attempt's move of the answer (from seq 7 to 3) straddling
+    the first's looks: the first meets the answer at 7, finds it nowhere (deleted there, not
+    yet inserted at 3), then at 3 as it reads its block. What it finds there is the turn's own
+    message, with its content, in its own block: the turn stored, not a stray in the way."""
+    rules = TurnRules(turns_recorded=1)
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(CID, turn("before"), turn_id="t0")
+    question, answer = asyncio.Event(), asyncio.Event()
+    deleted, looked, moved = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    first_logger = AgentMessageLogger(backend.db, rules=rules)
+    second_logger = AgentMessageLogger(backend.db, rules=rules)
+    first = OneByOne(first_logger, [question, answer], before_answering=deleted)
+    # Its looks for the answer made, it reads its block only after the move.
+    Step(first_logger, "_conversations", "find_one", entered=looked, wait=moved)
+    a = asyncio.create_task(first_logger.log_messages(CID, turn("same"), turn_id="t1"))
+    await first.reserved.wait()  # seq 2-3, its insert held
+    await logger.log_messages(CID, turn("later"), turn_id="t2")  # t1's record dropped
+    second = OneByOne(second_logger, [first.done[0], None])
+    Step(second_logger, "_messages", "delete_many", wait=first.done[1], then=deleted)
+    Step(second_logger, "_messages", "insert_many", call=2, wait=looked, then=moved)
+    b = asyncio.create_task(second_logger.log_messages(CID, turn("same"), turn_id="t1"))
+    await second.reserved.wait()  # seq 6-7
+    question.set()
+    await second.done[1].wait()
+    answer.set()  # the first meets the answer at 7 as the second starts moving it
 
     answers = await asyncio.gather(a, b)
 

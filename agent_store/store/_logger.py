@@ -1741,9 +1741,14 @@ class AgentMessageLogger:
             there = await self._messages.find(
                 {"conversation_id": conversation_id, "seq": {"$in": [d["seq"] for d in wanted]}}
             ).to_list(None)
+        # Another attempt of the turn may have moved its messages here since `met` was read.
+        arrived = _arrived(there, wanted, epoch)
+        wanted = [d for d in wanted if d["_id"] not in arrived]
+        stored = {**stored, **arrived}
         ids = {d["_id"] for d in wanted}
         strays = {d["_id"]: d for d in [*there, *(d for d in stored.values() if d["_id"] in ids)]}
-        await self._in_place_of(plan, records, first, list(strays.values()), wanted)
+        if wanted:
+            await self._in_place_of(plan, records, first, list(strays.values()), wanted)
         return {**stored, **{d["_id"]: d for d in wanted}}
 
     async def _in_place_of(
@@ -1839,6 +1844,23 @@ class AgentMessageLogger:
                 {"seq": 1, "truncated": 1},
             ).to_list(None)
         return found
+
+
+def _arrived(
+    there: list[dict[str, Any]], wanted: list[dict[str, Any]], epoch: str | None
+) -> dict[str, dict[str, Any]]:
+    """The turn's `wanted` messages that are in its block as read (`there`): each at its
+    `seq`, with its content, in this conversation (`epoch`), stored by another attempt of the
+    turn that moved it there after this attempt's insert met it elsewhere. By id."""
+    by_id = {d["_id"]: d for d in wanted}
+    return {
+        d["_id"]: d
+        for d in there
+        if d["_id"] in by_id
+        and d.get("seq") == by_id[d["_id"]]["seq"]
+        and d.get("epoch") in (None, epoch)
+        and _same_content(d, by_id[d["_id"]])
+    }
 
 
 def _one_block_away(
