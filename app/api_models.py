@@ -149,7 +149,8 @@ class LogTurnBody(_Input):
     answers_to: CallIdMap | None = None
     """For each call of an earlier turn the turn answers (a result or a denial), the message
     that made it (`message_id`), as the client read `pending_calls`: the turn is refused (409)
-    when another turn answered that call first, as a call's first answer is its answer."""
+    when another turn answered that call first, as a call's first answer is its answer, and
+    (422) when the message named does not make that call in this conversation."""
 
 
 class DeliverBody(_Input):
