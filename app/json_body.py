@@ -4,7 +4,8 @@ What pydantic cannot refuse on its own, because it happens while parsing or
 only fails once stored: nesting deep enough to exhaust the parser's recursion,
 more values than a request may make the service validate and store, integers
 MongoDB cannot hold (BSON keeps 64 bits), numbers that parse to infinity (JSON
-responses cannot carry them back).
+responses cannot carry them back), a key named twice in one object (readers
+disagree on which value counts).
 """
 
 from __future__ import annotations
@@ -32,6 +33,22 @@ T = TypeVar("T", int, float)
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose every key is named once: which of two values is meant differs from
+    reader to reader (some take the first, Python and JavaScript the last)."""
+    document = dict(pairs)
+    if len(document) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                shown = key if len(key) <= 80 else f"{key[:80]}…"
+                raise InvalidJson(
+                    f"the body names the key {shown!r} twice in one object: send each key once"
+                )
+            seen.add(key)
+    return document
 
 
 def _problem(value: Any) -> str | None:
@@ -153,6 +170,7 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     try:
         document = json.loads(
             text,
+            object_pairs_hook=_unique_keys,
             parse_constant=_refuse_constant,
             parse_int=numbers.integer,
             parse_float=numbers.real,

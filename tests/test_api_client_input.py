@@ -65,6 +65,45 @@ def turn_with_params(params_json: str) -> bytes:
     return f'{{"turn_id": "t-hostile", "messages": [{message}]}}'.encode()
 
 
+# -- duplicate keys --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "body", "key"),
+    [
+        pytest.param(
+            "POST", TURNS,
+            b'{"turn_id": "t-a", "turn_id": "t-b", "messages": [{"role": "user", "content": "x"}]}',
+            "turn_id", id="turn-id",
+        ),
+        pytest.param(
+            "POST", TURNS,
+            b'{"messages": [{"role": "user", "content": "x", "role": "assistant"}]}',
+            "role", id="a-message-role",
+        ),
+        pytest.param(
+            "POST", TURNS, turn_with_params('{"amount": 1, "amount": 1000000}'),
+            "amount", id="a-prompt-param",
+        ),
+        pytest.param("PATCH", CONV, b'{"name": "a", "name": "b"}', "name", id="patch-name"),
+    ],
+)  # fmt: skip
+async def test_a_body_naming_a_key_twice_in_one_object_is_refused_with_400(
+    api: Served, method: str, url: str, body: bytes, key: str
+) -> None:
+    """Which of two values a reader takes differs from reader to reader (this service's
+    parser, a proxy's, an audit log's): the body is refused, nothing written."""
+    message = await refused(api, method, url, body, 400)
+    assert f"names the key {key!r} twice in one object" in message
+
+
+async def test_the_same_key_in_two_objects_is_no_duplicate(api: Served) -> None:
+    messages = b'[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]'
+    body = b'{"messages": ' + messages + b"}"
+    response = await api.http.post(TURNS, content=body, headers=JSON)
+    assert response.status_code == 201, response.text[:500]
+
+
 # -- nesting ---------------------------------------------------------------------------------
 
 
