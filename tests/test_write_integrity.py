@@ -837,6 +837,28 @@ async def test_past_the_kept_records_a_retry_is_still_recognised_by_its_stored_m
     assert len(conversation["turns"]) == 4
 
 
+async def test_past_the_kept_records_a_retry_is_recognised_whatever_order_the_server_returns(
+    backend: Backend,
+) -> None:
+    """A turn whose question was stored after its answer (an attempt moved it into the block
+    the turn is stored in) comes back from an unsorted read answer first on these backends:
+    the retry is still recognised, every time, as the turn is read in `seq` order."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(turns_recorded=1))
+    await logger.log_messages(CID, turn("before"), turn_id="t0")
+    stored = await logger.log_messages(CID, turn("same"), turn_id="t1")
+    question = await backend.db[MESSAGES].find_one({"turn_id": "t1", "seq": 2})
+    await backend.db[MESSAGES].delete_one({"_id": question["_id"]})
+    await backend.db[MESSAGES].insert_one(question)  # stored again, after the answer
+    await logger.log_messages(CID, turn("later"), turn_id="t2")  # t1's record dropped
+
+    for _ in range(3):
+        retried = await logger.log_messages(CID, turn("same"), turn_id="t1")
+        assert retried.replayed
+        assert [(m.id, m.seq) for m in retried.messages] == [(m.id, m.seq) for m in stored.messages]
+    conversation = await check_conversation(backend.db)
+    assert (conversation["message_count"], conversation["turn_count"]) == (6, 3)
+
+
 async def test_past_the_kept_records_a_retry_must_match_every_stored_message(
     backend: Backend,
 ) -> None:
@@ -858,7 +880,7 @@ async def test_past_the_kept_records_a_retry_must_match_every_stored_message(
         await logger.log_messages(CID, turn("first")[:1], turn_id="t-a")
     assert await digest(backend.db) == before
     await backend.db.agent_messages.delete_one({"turn_id": "t-a", "seq": 1})
-    with pytest.raises(Conflict, match="other content"):
+    with pytest.raises(Conflict, match="has 1 of the 2 messages this retry sends stored"):
         await logger.log_messages(CID, turn("first"), turn_id="t-a")
 
     assert await backend.db.agent_messages.count_documents({}) == 21
@@ -1235,6 +1257,65 @@ async def test_past_the_kept_records_a_message_the_other_attempt_moves_into_the_
     assert [(m["seq"], m["content"]) for m in stored] == [(2, "same?"), (3, "same!")]
     conversation = await check_conversation(backend.db, gaps=True)
     assert (conversation["message_count"], conversation["turn_count"]) == (8, 3)
+    await _followed_to_the_end(backend, rules)
+
+
+class DiesAfterFirst:
+    """Makes a logger's insert store the turn's first message only, then lose its connection:
+    an attempt whose process died part-way through its insert, held until `go`."""
+
+    def __init__(self, logger: AgentMessageLogger) -> None:
+        self.reserved, self.go = asyncio.Event(), asyncio.Event()
+        real, outer = logger._messages, self
+
+        class Dying:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            async def insert_many(self, documents: list[Any], **kwargs: Any) -> Any:
+                outer.reserved.set()
+                await outer.go.wait()
+                await real.insert_many(documents[:1], **kwargs)
+                raise AutoReconnect("the process died after its first message")
+
+        logger._messages = Dying()
+
+
+async def test_past_the_kept_records_the_block_of_an_attempt_that_died_part_way_is_given_back(
+    backend: Backend,
+) -> None:
+    """Two attempts of one turn both reserved (2-3 and 6-7); the second stores the question in
+    its block and dies, its record then dropped by a later turn; the first's insert lands,
+    meets the question at 6 and moves it into its block. The emptied block 6-7 is given back
+    by the first attempt (a gap, the turn counted once), and every retry answers 2-3."""
+    rules = TurnRules(turns_recorded=1)
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(CID, turn("before"), turn_id="t0")
+    first_logger = AgentMessageLogger(backend.db, rules=rules)
+    second_logger = AgentMessageLogger(backend.db, rules=rules)
+    first = SlowInsert(first_logger)
+    a = asyncio.create_task(first_logger.log_messages(CID, turn("same"), turn_id="t1"))
+    await first.reserved.wait()  # seq 2-3
+    await logger.log_messages(CID, turn("later"), turn_id="t2")  # t1's record dropped
+    second = DiesAfterFirst(second_logger)
+    b = asyncio.create_task(second_logger.log_messages(CID, turn("same"), turn_id="t1"))
+    await second.reserved.wait()  # seq 6-7
+    second.go.set()
+    with pytest.raises(StorageUnavailable):
+        await b
+    await logger.log_messages(CID, turn("last"), turn_id="t3")  # the second's record dropped
+    first.release.set()
+
+    stored = await a
+
+    assert [m.seq for m in stored.messages] == [2, 3]
+    for _ in range(2):
+        again = await logger.log_messages(CID, turn("same"), turn_id="t1")
+        assert again.replayed
+        assert [m.seq for m in again.messages] == [2, 3]
+    conversation = await check_conversation(backend.db, gaps=True)
+    assert (conversation["message_count"], conversation["turn_count"]) == (10, 4)
+    assert {6, 7} <= set(conversation["popped_seqs"])
     await _followed_to_the_end(backend, rules)
 
 

@@ -1100,9 +1100,9 @@ class AgentMessageLogger:
             return None
         block = RecordedBlock(int(first["seq"]), plan.count, plan.digest)
         stored = await self._stored_in(plan, block)
-        if len(stored) != block.count or not await self._recognised(
-            plan, content_digest(canonical_documents(stored))
-        ):
+        if len(stored) != block.count:
+            raise _stored_in_part(plan, len(stored))
+        if not await self._recognised(plan, content_digest(canonical_documents(stored))):
             raise _other_content(plan)
         return block
 
@@ -1199,20 +1199,27 @@ class AgentMessageLogger:
         back when the turn is refused there. The block the attempt writes into, its own
         reservation's or the one a retry found its record naming (not a move's), is given back
         when another attempt that reserved too stored the turn in a block of its own
-        (`_another_attempts`; `_given_back`, which makes this attempt a replay of that block)."""
+        (`_another_attempts`; `_given_back`, which makes this attempt a replay of that block).
+        The other attempt's block, when it is the higher and what it held was moved into this
+        one, is given back by this attempt too (its own attempt may have died part-way, its
+        record dropped since): once, whichever attempt gives it back first."""
         owner, epoch, first = reserved.owner, reserved.epoch, reserved.first_seq
         fresh = not reserved.replayed and reserved.moved is None
         gather = reserved.moved is None
         try:
-            found, inserted, gathered = await self._insert(
+            found, inserted, other = await self._insert(
                 plan, documents, owner, epoch, gather=gather, fresh=fresh
             )
         except Conflict:
             if fresh:  # refused after its reservation counted it
                 await self._give_back(plan, reserved, documents, refused=True)
             raise
+        gathered = other is not None
         if (fresh or gathered) and found is not None and _elsewhere(found, first, plan.count):
             reserved = await self._given_back(plan, reserved, documents, found)
+        elif other is not None and other > first:  # what the other block held moved here
+            shifted = [{**d, "seq": Int64(int(d["seq"]) - first + other)} for d in documents]
+            await self._give_back(plan, replace(reserved, first_seq=other), shifted, refused=False)
         return found, inserted, reserved
 
     async def _wait_until(self, deadline: float) -> None:
@@ -1229,13 +1236,13 @@ class AgentMessageLogger:
         *,
         gather: bool = False,
         fresh: bool = False,
-    ) -> tuple[list[AgentMessage] | None, bool, bool]:
+    ) -> tuple[list[AgentMessage] | None, bool, int | None]:
         """Insert the turn's `documents`: the messages as stored when some were there already
-        (None: as inserted), whether this insert stored any message, and whether the turn was
-        found stored by another attempt that reserved a block of its own (`_another_attempts`,
-        looked for with `gather`: a block a reservation of the turn took, its own or the one
-        its record names, never one a move took). `fresh`: the block the turn's own
-        reservation just took."""
+        (None: as inserted), whether this insert stored any message, and, when the turn was
+        found stored by another attempt that reserved a block of its own, the first `seq` of
+        that attempt's block (`_another_attempts`, looked for with `gather`: a block a
+        reservation of the turn took, its own or the one its record names, never one a move
+        took). `fresh`: the block the turn's own reservation just took."""
         with storage_errors("insert the messages"):
             try:
                 await self._messages.insert_many(documents, ordered=False)
@@ -1246,7 +1253,8 @@ class AgentMessageLogger:
                 if shift is not None:
                     stored = await self._another_attempts(plan, documents, exc, met, shift)
                     if stored is not None:
-                        return messages_adapter.validate_python(stored), True, True
+                        other = int(documents[0]["seq"]) + shift
+                        return messages_adapter.validate_python(stored), True, other
                 # Read again after a fresh reservation's look (another attempt may be moving
                 # the turn meanwhile) or `_another_attempts` (it may have moved it).
                 if shift is not None or fresh:
@@ -1260,8 +1268,8 @@ class AgentMessageLogger:
                 documents = await self._to_the_conversation(
                     plan.conversation_id, documents, owner, epoch
                 )
-                return messages_adapter.validate_python(documents), inserted, False
-        return None, True, False
+                return messages_adapter.validate_python(documents), inserted, None
+        return None, True, None
 
     async def _met(
         self, plan: TurnPlan, documents: list[dict[str, Any]], error: BulkWriteError
@@ -1632,9 +1640,10 @@ class AgentMessageLogger:
     async def _stored_in(
         self, plan: TurnPlan, block: RecordedBlock, *, moving: Mapping[str, Any] | None = None
     ) -> list[dict[str, Any]]:
-        """The turn's messages already stored in its block. `moving` (the conversation as read,
-        the turn's block may have been passed): the same lookup also finds the later messages
-        that answer its calls, and an empty block whose calls were answered so is refused
+        """The turn's messages already stored in its block, in `seq` order. `moving` (the
+        conversation as read, the turn's block may have been passed): the same lookup also
+        finds the later messages that answer its calls, and an empty block whose calls were
+        answered so is refused
         (`_relocated`). The turn is then given up for good, and so is what its first
         reservation listed pending: the conversation's pending state is folded again from
         the stored messages (`settle`, as after a move: one or two round trips more)."""
@@ -1642,6 +1651,7 @@ class AgentMessageLogger:
             found: list[dict[str, Any]] = await self._messages.find(
                 lookup(plan, block, moving=moving is not None)
             ).to_list(None)
+        found.sort(key=lambda d: int(d["seq"]))  # a server answers an unsorted find any order
         try:
             found = refuse_a_move_past_answers(plan, block, found)
         except Conflict:
@@ -2157,6 +2167,15 @@ def _stored_apart(plan: TurnPlan, first_seq: int, message_id_: str, seq: int) ->
         f"turn {plan.turn_id!r} of conversation {plan.conversation_id!r} has its message "
         f"{message_id_!r} stored at seq {seq}, and is not stored whole with this content in "
         f"one block of it (this attempt's from seq {first_seq}): it is not answered from there"
+    )
+
+
+def _stored_in_part(plan: TurnPlan, stored: int) -> Conflict:
+    return Conflict(
+        f"turn {plan.turn_id!r} has {stored} of the {plan.count} messages this retry sends "
+        "stored, and its record is no longer kept: an earlier attempt stored it in part, or "
+        "it was logged with fewer messages. It is not completed from a retry; use a new "
+        "turn_id for what was not stored"
     )
 
 
