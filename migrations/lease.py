@@ -31,11 +31,12 @@ from pymongo.database import Database
 from pymongo.errors import DuplicateKeyError
 
 from agent_store.core import utc_now
+from agent_store.legacy import MIGRATION_STATE, MIGRATION_STATE_ID
 from migrations.errors import LockHeld
 
-STATE = "agent_migrations"
+STATE = MIGRATION_STATE
 LOCK_ID = "lock:legacy-turns"
-STATE_ID = "state:legacy-turns"
+STATE_ID = MIGRATION_STATE_ID
 """The migration's state document: the checkpoint, its times (`undated_at`, `moved_at`: the
 legacy turns' last move aside, `finished_at`, `dropping_at` and `dropped_at`: a drop begun,
 then made), and the lock holder that may write it (`holder`)."""

@@ -698,6 +698,51 @@ def test_turns_dated_by_text_at_an_offset_are_migrated_in_time_order_and_verify_
 
 
 @pytest.mark.wire
+def test_a_conversation_without_a_readable_time_keeps_its_times_and_version_when_moved(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """Read through the fallback after a run recorded its first start, a conversation none of
+    whose turns has a readable time is served that start, as the run then writes it: its
+    times and version (its `ETag`) are the same before and after the run moves it, and a
+    delete naming the version read before the move deletes it."""
+    undated = legacy_turn("t-u", "c-undated", 0, "OLD")
+    del undated["created_at"]
+    database[CONVERSATIONS].insert_many([undated, legacy_turn("t-a", "c-a", 0, "A")])
+    assert cli(wire_uri, database, "run", "--conversation", "c-a") == 0  # moves both aside
+    started = database[lease.STATE].find_one({"_id": lease.STATE_ID})["undated_at"]
+
+    async def served() -> tuple[str, set[datetime]]:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            store = ConversationStore(
+                client[database.name], legacy=LegacyTurns(client[database.name])
+            )
+            found = await store.get_conversation("c-undated", user_id="u-1")
+            transcript = await store.transcript("c-undated", user_id="u-1")
+            return found.version, {found.created_at} | {m.created_at for m in transcript}
+        finally:
+            await client.close()
+
+    async def delete(version: str) -> int:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            store = ConversationStore(
+                client[database.name], legacy=LegacyTurns(client[database.name])
+            )
+            return (await store.delete("c-undated", user_id="u-1", version=version)).conversations
+        finally:
+            await client.close()
+
+    before = asyncio.run(served())
+    assert database[CONVERSATIONS].find_one({"_id": "c-undated"}) is None  # the fallback's
+    assert cli(wire_uri, database, "run") == 0
+
+    assert asyncio.run(served()) == before
+    assert before[1] == {started}
+    assert asyncio.run(delete(before[0])) == 1
+
+
+@pytest.mark.wire
 def test_two_turns_whose_ids_read_alike_in_one_conversation_are_both_migrated(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:

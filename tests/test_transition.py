@@ -29,6 +29,7 @@ from agent_store.legacy import (
 )
 from agent_store.store import CONVERSATIONS, MESSAGES, is_derived_id
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_legacy_turns
+from migrations.lease import STATE, STATE_ID
 from migrations.transcript import differences, from_legacy, from_messages
 from tests.conftest import COUNTED, Backend
 from tests.test_logger import log_example
@@ -215,6 +216,72 @@ async def test_deleting_an_unmigrated_conversation_naming_its_version_checks_it(
     assert await backend.db[LEGACY_TURNS].count_documents({}) == 4
     deleted = await store.delete(EXAMPLE_CONVERSATION_ID, version=version)
     assert deleted.legacy_turns == 4
+
+
+UNDATED = {
+    "a text _id, no created_at": {"_id": "lt-1"},
+    "an unreadable created_at": {"_id": "lt-1", "created_at": "sometime last spring"},
+    "an all-zero ObjectId, created_at 0": {"_id": bson.ObjectId("0" * 24), "created_at": 0},
+}
+"""Legacy turns without a readable time: neither a `created_at` the store takes nor an
+ObjectId's time."""
+
+
+def undated_turn(shape: str) -> dict[str, Any]:
+    return {"conversation_id": "c-undated", "user_id": "u-1", "user_message": "old",
+            "response_parts": [{"type": "text", "content": "a"}], **UNDATED[shape]}  # fmt: skip
+
+
+async def served_times(store: ConversationStore) -> tuple[str, set[datetime]]:
+    """The version of the conversation of `undated_turn`, and every time its reads serve: the
+    conversation's, the transcript's, a page's."""
+    conversation = await store.get_conversation("c-undated", user_id="u-1")
+    transcript = await store.transcript("c-undated", user_id="u-1")
+    page = await store.messages_page("c-undated", user_id="u-1", limit=1, order="desc")
+    times = {conversation.created_at, conversation.updated_at}
+    return conversation.version, times | {m.created_at for m in transcript + page.data}
+
+
+@pytest.mark.parametrize("shape", list(UNDATED))
+async def test_a_legacy_conversation_without_a_readable_time_is_served_the_same_on_every_read(
+    backend: Backend, shape: str
+) -> None:
+    """No turn of it has a readable time, and no migration has recorded its first start: every
+    read serves the Unix epoch, the store's "unknown", never the time of the read; so its
+    version (the `ETag`) is the same on every read, and a delete naming it deletes it."""
+    await backend.db[LEGACY_TURNS].insert_one(undated_turn(shape))
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+    version, times = await served_times(store)
+    await asyncio.sleep(0.01)
+
+    assert await served_times(store) == (version, times)
+    assert times == {datetime(1970, 1, 1, tzinfo=UTC)}
+    deleted = await store.delete("c-undated", user_id="u-1", version=version)
+    assert deleted.legacy_turns == 1
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
+
+
+async def test_a_legacy_conversation_without_a_readable_time_is_served_the_migrations_time(
+    backend: Backend,
+) -> None:
+    """Once a run recorded its first start (the time it gives such a conversation), the read
+    fallback serves that time, read and never written: the conversation keeps its times and
+    its version when the run moves it."""
+    given = datetime(2025, 6, 1, 8, 30, 0, 123000, tzinfo=UTC)
+    await backend.db[STATE].insert_one({"_id": STATE_ID, "undated_at": given})
+    turn = undated_turn("a text _id, no created_at")
+    await backend.db[LEGACY_TURNS].insert_one(turn)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+    migrated = convert([turn], undated_at=given).conversation
+    assert migrated is not None
+
+    version, times = await served_times(store)
+
+    assert (version, times) == (migrated.version, {given})
+    assert await served_times(store) == (version, times)
+    assert await backend.db[STATE].find_one({"_id": STATE_ID}, {"_id": 0}) == {"undated_at": given}
+    assert (await store.delete("c-undated", user_id="u-1", version=version)).legacy_turns == 1
 
 
 async def test_a_deleted_migrated_conversation_does_not_come_back_from_its_legacy_turns(

@@ -13,6 +13,8 @@ from agent_store.legacy._convert import (
 from agent_store.legacy._documents import (
     CONVERSATION_COUNTERS,
     LEGACY_TURNS,
+    MIGRATION_STATE,
+    MIGRATION_STATE_ID,
     NAMING_FIELDS,
     SESSION_HITL,
     TURN_ONLY_FIELDS,
@@ -79,6 +81,8 @@ __all__ = [
     "HIDDEN_RUNTIME_CONTEXT",
     "HISTORY_CONTRADICTS_PAIRING",
     "LEGACY_TURNS",
+    "MIGRATION_STATE",
+    "MIGRATION_STATE_ID",
     "MIXED_USER_IDS",
     "NAMING_FIELDS",
     "SESSION_HITL",

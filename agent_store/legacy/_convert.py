@@ -32,9 +32,9 @@ from agent_store.core import (
     describe_validation_error,
     message_adapter,
     to_utc_millis,
-    utc_now,
 )
 from agent_store.legacy._documents import (
+    EPOCH,
     MAX_REFERENCE_LENGTH,
     LegacyTurn,
     TurnName,
@@ -1163,7 +1163,8 @@ def convert(
     A conversation id that is not an identifier (or a turn naming none) is stored
     under a derived one (`derived_conversation_id`), recorded in a problem and on
     the conversation document. `undated_at` is the time given to turns when no
-    turn of the conversation has a readable time (default: now). Raises
+    turn of the conversation has a readable time (default: the Unix epoch, "unknown":
+    the same turns convert the same on every call). Raises
     InvalidInput only when the turns belong to more than one conversation; every
     other oddity becomes a `Problem`.
     """
@@ -1177,7 +1178,7 @@ def convert(
     conversation_id = validate_identifier(ids.pop(), "conversation_id")
     converter = _Converter(conversation_id, rules, turn_names(turns))
     original = _original_id(converter, turns)
-    messages, plans = _convert_turns(converter, turns, undated_at or utc_now())
+    messages, plans = _convert_turns(converter, turns, undated_at or EPOCH)
     whole = {f.blob_id: f.text for plan in plans for f in plan.full_texts}
     _check_history(converter, turns, [with_texts(m, whole) for m in messages])
     owner = _owner(converter, turns)

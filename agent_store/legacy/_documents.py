@@ -51,6 +51,11 @@ LEGACY_TURNS = "agent_conversations_deprecated"
 """Where the legacy turns live once moved aside (DESIGN §5, step 1)."""
 SESSION_HITL = "session_hitl"
 """The legacy collection of pending HITL prompts."""
+MIGRATION_STATE = "agent_migrations"
+"""The migration's collection: its state document, its runs and its lock."""
+MIGRATION_STATE_ID = "state:legacy-turns"
+"""The migration's state document. Its `undated_at` is the time a conversation none of whose
+turns has a readable time gets: the first run's start, recorded before it converts any."""
 CONVERSATION_COUNTERS = ("message_count", "turn_count")
 """The counters the store writes on every conversation document (its stored schema requires
 them) and no legacy turn holds (DESIGN §4): in `agent_conversations`, a document holding
@@ -62,6 +67,9 @@ _IDENTIFIER = re.compile(IDENTIFIER_PATTERN.removesuffix("$") + r"\Z")
 """What `agent_store.core.Identifier` accepts (not `.` or `..`), ending at the text's end: a
 pattern's `$` also matches before a last line break."""
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+"""Unix time 0: a placeholder in a legacy turn (`taken_time`), and the time a conversation
+none of whose turns has a readable time is served with before a run recorded its own
+(`LegacyTurns.conversation`): "unknown", the same on every read."""
 
 
 def id_text(value: Any) -> str | None:

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 import bson
 
-from agent_store.core import AgentMessage, Conversation, utc_now
+from agent_store.core import AgentMessage, Conversation, to_utc_millis, utc_now
 from agent_store.legacy._convert import convert
 from agent_store.legacy._documents import (
+    EPOCH,
     LEGACY_TURNS,
+    MIGRATION_STATE,
+    MIGRATION_STATE_ID,
     NAMING_FIELDS,
     SESSION_HITL,
+    LegacyTurn,
     Unnamed,
     id_filter,
     named_filter,
@@ -25,6 +30,7 @@ from agent_store.legacy._documents import (
     prompts_filter,
     scalar_filter,
     tell_apart,
+    turn_times,
     user_named,
     user_values,
     users_part,
@@ -75,6 +81,7 @@ class LegacyTurns:
         self._turns = db[LEGACY_TURNS]
         self._prompts = db[SESSION_HITL]
         self._conversations = db[CONVERSATIONS]
+        self._migration = db[MIGRATION_STATE]
         self._full_texts = FullTextStore(db)
         self._rules = rules or TurnRules()
         self.read_fallback = read_fallback
@@ -97,7 +104,7 @@ class LegacyTurns:
             turns = [turns[i] for i in users_part(turns, user_id)]
         if not turns:
             return None
-        conversion = convert(turns, rules=self._rules)
+        conversion = convert(turns, rules=self._rules, undated_at=await self._undated_at(turns))
         if conversion.conversation is None:
             return None
         with storage_errors("read the pending prompt"):
@@ -106,6 +113,19 @@ class LegacyTurns:
         conversion = with_session_prompts(conversion, prompts)
         assert conversion.conversation is not None
         return FallbackConversation(conversion.conversation, conversion.messages)
+
+    async def _undated_at(self, turns: Sequence[LegacyTurn]) -> datetime:
+        """The time served for turns none of which has a readable time (`turn_times`), the
+        same on every read of the same data, so the conversation's times and version (its
+        `ETag`) are too: the time the migration gives them, its first run's start, once a
+        run recorded it (read here, never written: moving the conversation changes neither),
+        else the Unix epoch, "unknown". Costs a lookup only for such turns."""
+        if any(turn_times(turns)):
+            return EPOCH  # not used: the turns' own times date them
+        with storage_errors("read the migration's state"):
+            state = await self._migration.find_one({"_id": MIGRATION_STATE_ID}, {"undated_at": 1})
+        recorded = (state or {}).get("undated_at")
+        return to_utc_millis(recorded) if isinstance(recorded, datetime) else EPOCH
 
     async def with_turns(self, conversation_ids: Sequence[str]) -> set[str]:
         """Which of `conversation_ids` have legacy turns, each found as every read finds a
