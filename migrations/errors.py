@@ -19,6 +19,14 @@ class Misuse(MigrationError):
     exit_code = 2
 
 
+class WorkLeft(MigrationError):
+    """The data holds what the command may not settle by itself (a turn logged after the move
+    under the `_id` of a moved-aside turn with other content): work left, as `verify` and
+    `finish` report it, never misuse."""
+
+    exit_code = 1
+
+
 class LockHeld(MigrationError):
     """Another run holds the migration lock."""
 

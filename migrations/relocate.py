@@ -22,7 +22,7 @@ from pymongo.errors import BulkWriteError, OperationFailure
 
 from agent_store.legacy import CONVERSATION_COUNTERS, LEGACY_TURNS, TURN_ONLY_FIELDS
 from agent_store.store import CONVERSATIONS, only_duplicates
-from migrations.errors import MigrationError
+from migrations.errors import MigrationError, WorkLeft
 from migrations.keys import identity
 
 _BAD_VALUE = 2
@@ -157,7 +157,8 @@ def _accept_identical_copies(
     ids = [document["_id"] for document in wanted.values()]
     for found in target.find({"_id": {"$in": ids}}):
         if bson.encode(found) != bson.encode(wanted[identity(found)]):
-            raise MigrationError(
+            raise WorkLeft(
                 f"turn document {found['_id']!r} exists in {LEGACY_TURNS} with other content; "
-                "refusing to overwrite or delete it"
+                f"refusing to overwrite or delete it: give the turn in {CONVERSATIONS} another "
+                "_id, then `run` again"
             ) from error

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import bson
 import pytest
-from bson import Code, Int64, ObjectId
+from bson import Code, Decimal128, Int64, ObjectId
 
 from agent_store import ConversationStore, LegacyTurns
 from agent_store.legacy import (
@@ -1903,3 +1904,86 @@ def test_a_pending_prompt_dated_outside_what_the_store_takes_gets_its_messages_t
 
     assert pending is not None
     assert pending.created_at == at
+
+
+NOT_JSON: dict[str, Any] = {
+    "bytes": b"\x00\xffsecret",
+    "uuid": bson.Binary.from_uuid(uuid.UUID("12345678-1234-5678-1234-567812345678")),
+    "time": datetime(2024, 2, 29, 12, tzinfo=UTC),
+    "objectid": ObjectId("65e1f0000000000000000001"),
+    "decimal128": Decimal128("1.50"),
+}
+"""BSON values JSON cannot encode."""
+
+
+def _text_turn(where: str, value: Any) -> dict[str, Any]:
+    """A turn holding `value` where a message's text is made of it."""
+    turn: dict[str, Any] = {"_id": "t1", "conversation_id": "c-text", "user_id": "u1",
+                            "created_at": MESSY_START, "user_message": "question",
+                            "response_parts": [{"type": "text", "content": "answer"}]}  # fmt: skip
+    part = {
+        "text": {"type": "text", "content": value},
+        "prompt": {"type": "hitl", "action": "confirm", "request_id": "r1", "prompt": value},
+        "error": {"type": "error", "message": value},
+    }
+    if where in part:
+        turn["response_parts"] = [part[where]]
+    elif where == "response_text":
+        del turn["response_parts"]
+        turn["response_text"] = value
+    else:
+        turn[where] = value
+    return turn
+
+
+TEXT_FIELDS = {
+    "user_message": ("user_message", None),
+    "text": ("response_parts", 0),
+    "prompt": ("response_parts", 0),
+    "error": ("response_parts", 0),
+    "response_text": ("response_text", None),
+    "name": ("name", None),
+}
+"""Where a message's (or the conversation's) text is made of a legacy value: the field and
+part index a problem about it names."""
+
+
+@pytest.mark.parametrize("value", list(NOT_JSON.values()), ids=list(NOT_JSON))
+@pytest.mark.parametrize("where", list(TEXT_FIELDS))
+def test_a_text_made_of_a_value_json_cannot_encode_is_a_placed_problem_keeping_it(
+    where: str, value: Any
+) -> None:
+    """The text stored is the JSON text spelling the value (a time as ISO text, bytes as
+    base64): no longer the value. A placed `non_json_value` problem keeps the value as found
+    (an error's whole part, which its text is made of), as for a call's arguments and a
+    result: a turn holding the text that value is made into is told apart from it."""
+    turn = _text_turn(where, value)
+    conversion = convert([turn])
+
+    field, part_index = TEXT_FIELDS[where]
+    found = [(p.kind, p.field, p.part_index, p.placed, p.content) for p in conversion.problems]
+    kept = turn["response_parts"][0] if where == "error" else value
+    assert found == [("non_json_value", field, part_index, True, kept)]
+    assert bson.encode({"content": conversion.problems[0].content}) == bson.encode(
+        {"content": kept}
+    )
+
+
+@pytest.mark.parametrize("where", list(TEXT_FIELDS))
+def test_the_text_such_a_value_is_stored_as_is_no_problem(where: str) -> None:
+    """The same text, found as text, is stored as it is: no problem."""
+    typed = convert([_text_turn(where, NOT_JSON["time"])])
+    text = convert([_text_turn(where, '"2024-02-29T12:00:00+00:00"')])
+
+    assert text.problems == []
+    assert [m.content for m in text.messages] == [m.content for m in typed.messages]
+
+
+@pytest.mark.parametrize("value", [42, 2.5, True, {"title": "Book?"}, ["a", 1]])
+@pytest.mark.parametrize("where", list(TEXT_FIELDS))
+def test_a_plain_json_value_read_as_its_json_text_is_no_problem(where: str, value: Any) -> None:
+    """A number, a yes/no, an object or a list is read as its JSON text, as documented: the
+    text says the value, nothing is changed."""
+    conversion = convert([_text_turn(where, value)])
+
+    assert [p.kind for p in conversion.problems if p.kind == "non_json_value"] == []

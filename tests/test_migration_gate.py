@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import re
+import uuid
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -4293,6 +4294,97 @@ def test_verify_and_finish_name_legacy_turns_written_after_the_move(
     assert cli(wire_uri, database, "run") == 0
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_turn_logged_after_the_move_under_a_moved_turns_id_is_work_left_never_overwritten(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An old-service writer logs a turn after the move under an `_id` the moved-aside turns
+    hold with other content: data the run may not resolve alone, no misuse. `run` names it
+    and exits 1, work left as `verify` and `finish` say it is; nothing is overwritten or
+    deleted, on either side."""
+    database[CONVERSATIONS].insert_one(legacy_turn("turn-1", "A", 0, "EARLY"))
+    assert cli(wire_uri, database, "run") == 0
+    late = legacy_turn("turn-1", "B", 5, "LATE")
+    database[CONVERSATIONS].insert_one(late)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 1
+    captured = capsys.readouterr()
+    assert "'turn-1' exists in agent_conversations_deprecated with other content" in (
+        captured.out + captured.err
+    )
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert database[CONVERSATIONS].find_one({"_id": "turn-1"}) == late
+    moved = database[LEGACY_TURNS].find_one({"_id": "turn-1"})
+    assert moved is not None
+    assert moved["conversation_id"] == "A"
+
+
+NON_JSON_TEXTS: dict[str, Any] = {
+    "user_message": bson.Binary.from_uuid(uuid.UUID("12345678-1234-5678-1234-567812345678")),
+    "text": datetime(2024, 2, 29, 12, tzinfo=UTC),
+    "error": bson.ObjectId("65e1f0000000000000000001"),
+    "name": b"\xffname",
+    "response_text": bson.Decimal128("1.50"),
+}
+"""A value JSON cannot encode in each field a message's text is made of."""
+
+
+def _non_json_turns() -> list[dict[str, Any]]:
+    values = NON_JSON_TEXTS
+    parts = [
+        {"type": "text", "content": values["text"]},
+        {"type": "error", "message": values["error"]},
+    ]
+    typed = legacy_turn("t-1", "c-typed", 0, "typed")
+    typed |= {
+        "user_message": values["user_message"],
+        "name": values["name"],
+        "response_parts": parts,
+    }
+    summed = legacy_turn("t-2", "c-summed", 1, "summed")
+    del summed["response_parts"]
+    summed["response_text"] = values["response_text"]
+    return [typed, summed]
+
+
+@pytest.mark.wire
+def test_a_text_made_of_a_value_json_cannot_encode_is_kept_as_found_through_the_drop(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user's message, a text, an error, a name or a response text holding a BSON value
+    JSON cannot encode (a UUID, a time, an ObjectId, bytes, a Decimal128) is stored as the
+    JSON text spelling it, and a placed `non_json_value` problem keeps the value as found:
+    the gate checks each such record field by field, so the drop never takes the only copy."""
+    database[CONVERSATIONS].insert_many(_non_json_turns())
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
+    records = list(database[PROBLEMS].find({"kind": "non_json_value"}))
+    assert all(r["placed"] for r in records)
+    kept = {r["field"] if r["field"] != "response_parts" else r["part_index"]: r for r in records}
+    assert kept["user_message"]["content"] == NON_JSON_TEXTS["user_message"]
+    assert kept[0]["content"] == NON_JSON_TEXTS["text"]
+    assert kept[1]["content"] == {"type": "error", "message": NON_JSON_TEXTS["error"]}
+    assert kept["name"]["content"] == NON_JSON_TEXTS["name"]
+    assert kept["response_text"]["content"] == NON_JSON_TEXTS["response_text"]
+    assert len(records) == len(NON_JSON_TEXTS)
+
+    database[PROBLEMS].update_one(
+        {"_id": kept["user_message"]["_id"]}, {"$set": {"content": "EjRWeBI0VngSNFZ4EjRWeA=="}}
+    )
+    assert cli(wire_uri, database, "finish") == 1
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert LEGACY_TURNS not in database.list_collection_names()
+    after = database[PROBLEMS].find_one({"kind": "non_json_value", "field": "user_message"})
+    assert after is not None
+    assert after["content"] == NON_JSON_TEXTS["user_message"]
 
 
 @pytest.mark.wire

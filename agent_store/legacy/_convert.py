@@ -43,8 +43,10 @@ from agent_store.legacy._documents import (
     dated_turns,
     epoch_number,
     flag,
+    is_text,
     named_by,
     named_users,
+    not_json,
     owner_of,
     parse_turns,
     reference_text,
@@ -394,6 +396,31 @@ class _Converter:
             )
             return None
 
+    def made_text(
+        self,
+        turn: LegacyTurn,
+        value: Any,
+        what: str,
+        *,
+        field: str,
+        part_index: int | None = None,
+    ) -> None:
+        """`value` (`what` the turn holds in `field`) made the text a message holds: a value
+        JSON cannot encode (`not_json`) is stored as the JSON text spelling it, a string for
+        each such value (a time as ISO text, bytes as base64), which is no longer the value,
+        so a placed problem keeps it as found, its one record once the legacy turns are
+        dropped. The one rule for every text a message or a conversation is made of."""
+        if not_json(value):
+            self.problem(
+                turn,
+                "non_json_value",
+                f"{what} held values JSON cannot encode; stored as strings",
+                field=field,
+                part_index=part_index,
+                content=value,
+                unplaced=False,
+            )
+
     def turn_items(self, turn: LegacyTurn, at: datetime) -> list[Item]:
         """One turn's items in order; tool results are attached to their call groups."""
         parts = self._parts(turn)
@@ -465,6 +492,9 @@ class _Converter:
     def _on_text(self, state: _TurnState, index: int, part: LegacyPart) -> None:
         text = part_text(part)
         if text is not None:
+            self.made_text(
+                state.turn, part.content, "the text", field="response_parts", part_index=index
+            )
             self._add(state, index, {"role": "assistant", "content": text})
 
     def _on_hitl(self, state: _TurnState, index: int, part: LegacyPart) -> None:
@@ -477,10 +507,15 @@ class _Converter:
             "content": part_text(part),
             "hitl_action": {"action": part.action, "params": params, "request_id": request_id},
         }
+        self.made_text(
+            state.turn, part.content, "the prompt", field="response_parts", part_index=index
+        )
         self._add(state, index, message)
 
     def _on_error(self, state: _TurnState, index: int, part: LegacyPart) -> None:
         message = {"role": "assistant", "content": None, "error": {"message": error_text(part)}}
+        made_of = part.content if is_text(part.content) else part.raw  # `error_text`
+        self.made_text(state.turn, made_of, "the error", field="response_parts", part_index=index)
         self._add(state, index, message)
 
     def _on_file_upload(self, state: _TurnState, index: int, part: LegacyPart) -> None:
@@ -636,7 +671,9 @@ class _Converter:
             if isinstance(found, str) and found
         ]
         texts = [m["content"] for m in answers if m.get("content") and not m.get("hitl_action")]
-        if not (_told_by(text, said) or _told_by(text, texts)):
+        if _told_by(text, said) or _told_by(text, texts):
+            self.made_text(turn, turn.response_text, "response_text", field="response_text")
+        else:
             self.problem(
                 turn,
                 "response_text_not_in_parts",
@@ -663,6 +700,8 @@ class _Converter:
         elif text:
             items.append({"role": "user", "content": text, "created_at": at})
             self._check_runtime_context(turn, text)
+        if text:
+            self.made_text(turn, turn.user_message, "the user's message", field="user_message")
         for upload_index, upload in turn_uploads(turn):
             valid = self.checked(
                 turn, _upload_adapter, upload, kind="invalid_upload", index=upload_index
@@ -713,19 +752,9 @@ class _Converter:
         }
 
     def _arguments(self, turn: LegacyTurn, index: int, part: LegacyPart) -> str:
-        arguments, plain = call_arguments(part)
-        if not plain:
-            self.problem(
-                turn,
-                "non_json_value",
-                f"arguments of {part.tool_name!r} held values JSON cannot encode; stored as "
-                "strings",
-                field="response_parts",
-                part_index=index,
-                content=part.args,
-                unplaced=False,
-            )
-        return arguments
+        what = f"arguments of {part.tool_name!r}"
+        self.made_text(turn, part.args, what, field="response_parts", part_index=index)
+        return call_arguments(part)[0]
 
     def _reference(self, turn: LegacyTurn, index: int, found: str | None, what: str) -> str | None:
         """A tool call id or request id found, if a message can hold it (`reference_text`);
@@ -926,21 +955,12 @@ class _Converter:
                 content=part.raw,
                 unplaced=False,
             )
-        content, plain = result_text(part)
-        if not plain:
-            self.problem(
-                state.turn,
-                "non_json_value",
-                f"the result of {name!r} held values JSON cannot encode; stored as strings",
-                field="response_parts",
-                part_index=index,
-                content=part.result,
-                unplaced=False,
-            )
+        what = f"the result of {name!r}"
+        self.made_text(state.turn, part.result, what, field="response_parts", part_index=index)
         group.results[call_id] = {
             "role": "tool",
             "tool_call_id": call_id,
-            "content": content,
+            "content": result_text(part)[0],
             "created_at": state.at,
         }
 
@@ -1280,6 +1300,7 @@ def _check_name_of_nothing(converter: _Converter, turns: Sequence[LegacyTurn]) -
     kept in a problem, never dropped with the turns."""
     named = [t for t in turns if t.shown_name() is not None] or [t for t in turns if t.name]
     if named:
+        converter.made_text(named[-1], named[-1].name_as_found, "the name", field="name")
         converter.problem(
             named[-1],
             NAME_WITHOUT_MESSAGES,
@@ -1430,6 +1451,7 @@ def _runtime_name(converter: _Converter, turns: Sequence[LegacyTurn]) -> str | N
     if not showing:
         return None
     turn = showing[-1]
+    converter.made_text(turn, turn.name_as_found, "the name", field="name")
     whole, name = turn.name or "", turn.shown_name()
     if len(found := collapse_whitespace(whole)) > MAX_NAME_CHARS:
         converter.problem(

@@ -23,7 +23,17 @@ from typing import Any
 
 import bson
 from bson import Code, Decimal128, ObjectId, Timestamp, json_util
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from agent_store.core import (
     IDENTIFIER_PATTERN,
@@ -475,12 +485,30 @@ class LegacyTurn(BaseModel):
     def _id_as_text(cls, value: Any) -> Any:
         return named_id(value)
 
+    _name_as_found: Any = PrivateAttr(default=None)
+
     @field_validator("user_id", "name", mode="before")
     @classmethod
-    def _blank_is_none(cls, value: Any) -> Any:
+    def _blank_is_none(cls, value: Any, info: ValidationInfo) -> Any:
+        """A blank one is none. A user id is read by its `str()`; a name as every text a
+        message is made of (`as_text`): a value that is not text as its JSON text."""
         if value is None or (isinstance(value, str) and not value.strip()):
             return None
-        return str(value)
+        return str(value) if info.field_name == "user_id" else as_text(value)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_name_as_found(cls, data: Any, handler: ModelWrapValidatorHandler[LegacyTurn]) -> Any:
+        turn = handler(data)
+        if isinstance(data, Mapping):
+            turn._name_as_found = data.get("name")
+        return turn
+
+    @property
+    def name_as_found(self) -> Any:
+        """`name` as the document holds it (`name` is its text): a value JSON cannot encode
+        is not what its text says (`not_json`)."""
+        return self._name_as_found
 
     @property
     def system(self) -> bool:
@@ -955,6 +983,14 @@ def storable_text(text: str) -> str:
     JSON text spells it. What `storable` makes of a value BSON cannot hold, and every text of
     a problem (a detail naming a part kind read from JSON, say)."""
     return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def not_json(value: Any) -> bool:
+    """Whether `as_text` makes of `value` a text that no longer is it: a value that is not
+    text holding one JSON cannot encode (bytes, a UUID, a time, an ObjectId, a Decimal128),
+    which `dumps` writes as a string (`'"2024-02-29T12:00:00+00:00"'` is a time and the text
+    alike). Text, and a plain JSON value (read as its JSON text), say what they are."""
+    return value is not None and not is_text(value) and not dumps(value)[1]
 
 
 def as_text(value: Any) -> str:
