@@ -516,8 +516,7 @@ class AgentMessageLogger:
             user_id = validate_identifier(user_id, "user_id")
         if owner_only and user_id is None:
             raise NotFound(f"conversation {plan.conversation_id!r} was not found")
-        _refuse_migrated_turn_id(plan.turn_id)
-        _refuse_delivery_turn_id(plan.turn_id)
+        refuse_unloggable_turn_id(plan.turn_id)
         condition = _turn_conditions(plan, next_seq, step, refused, answers_to)
         return plan, Actor(user_id, as_user=owner_only), condition
 
@@ -2099,6 +2098,14 @@ def _too_large(read: ForkRead, chosen: Sequence[AgentMessage], end: int, at_seq:
                 f"of cut messages; at_seq {at_seq} would copy more"
             )
     return None
+
+
+def refuse_unloggable_turn_id(turn_id: str) -> None:
+    """InvalidInput for a turn id no turn may be logged under: a migrated legacy turn's, a
+    steering delivery's. Refused to a turn, and to a steering inbox, whose runtime could never
+    log the turn it runs."""
+    _refuse_migrated_turn_id(turn_id)
+    _refuse_delivery_turn_id(turn_id)
 
 
 def _refuse_migrated_turn_id(turn_id: str) -> None:
