@@ -404,7 +404,7 @@ class AgentMessageLogger:
         while each is still the latest pending call of its id, else `AnsweredBefore` (another
         turn answered it first: a call's first answer is its answer), nothing written
         (`_answers`). InvalidInput, nothing written, for a turn breaking the contract or taking
-        a steering delivery's id (`delivery-` + 32 hex).
+        a steering delivery's id (`delivery-` + 32 lowercase hex).
         """
         plan, actor, condition = self._planned(
             conversation_id,
@@ -2122,9 +2122,9 @@ def _refuse_delivery_turn_id(turn_id: str) -> None:
     never in the runtime's inbox. Only a delivery takes such an id."""
     if is_delivery_turn_id(turn_id):
         raise InvalidInput(
-            f"turn id {turn_id!r} names a steering delivery ({DELIVERY_TURN!r} and 32 hex "
-            "digits: the id a delivery into a running turn's inbox is stored under); a turn "
-            "takes another id"
+            f"turn id {turn_id!r} names a steering delivery ({DELIVERY_TURN!r} and 32 "
+            "lowercase hex digits: the id a delivery into a running turn's inbox is stored "
+            "under); a turn takes another id"
         )
 
 
