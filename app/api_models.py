@@ -6,7 +6,8 @@ value reaches a database filter other than as a plain, validated scalar.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import re
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
@@ -48,7 +49,33 @@ class _Input(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
-class NoQuery(_Input):
+_QUERY_INTEGER = re.compile(r"[0-9]{1,18}|-[1-9][0-9]{0,17}")
+"""How a query writes an integer: ASCII digits (`0`-`9`), at most 18 (below 2**63), `-` before
+them for a negative one. `int()` reads far more (`+5`, ` 5`, `1_0`, another script's digits),
+and pydantic `5.0` too."""
+
+
+class _Query(_Input):
+    """A route's query parameters: every integer among them is written in ASCII digits
+    (`_QUERY_INTEGER`), else 422 naming it, as a value out of its range is."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integers_in_digits(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, field in cls.model_fields.items():
+            value = data.get(name)
+            written = not isinstance(value, str) or _QUERY_INTEGER.fullmatch(value) is not None
+            if field.annotation is int and not written:
+                raise ValueError(
+                    f"{name}: an integer is written in ASCII digits 0-9 (at most 18, '-' "
+                    f"before them for a negative one), not {str(value)[:20]!r}"
+                )
+        return data
+
+
+class NoQuery(_Query):
     """The route takes no query parameters."""
 
 
@@ -56,20 +83,20 @@ class NoBody(_Input):
     """The route takes no body."""
 
 
-class ConversationListQuery(_Input):
+class ConversationListQuery(_Query):
     limit: PageSize = 20
     cursor: Annotated[str, StringConstraints(min_length=1, max_length=500)] | None = None
     """The `next_cursor` of the previous page."""
 
 
-class MessagePageQuery(_Input):
+class MessagePageQuery(_Query):
     after: Identifier | None = None
     """A message id: the page starts after it (in `order`)."""
     limit: PageSize = 20
     order: Literal["asc", "desc"] = "asc"
 
 
-class SearchQuery(_Input):
+class SearchQuery(_Query):
     q: Annotated[str, StringConstraints(min_length=1, max_length=MAX_SEARCH_QUERY_CHARS)]
     """Words to find (full-text)."""
     user_id: Identifier | None = None
@@ -81,12 +108,12 @@ class SearchQuery(_Input):
     """The `next_cursor` of the previous page of this search."""
 
 
-class TranscriptQuery(_Input):
+class TranscriptQuery(_Query):
     full: bool = False
     """Put back whole every field that was cut to bound its message (kept in GridFS)."""
 
 
-class ExportQuery(_Input):
+class ExportQuery(_Query):
     format: Literal["jsonl", "json"] = "jsonl"
     """`jsonl`: one conversation with its messages per line; `json`: one document."""
     full: bool = False
@@ -161,7 +188,7 @@ class DeliverBody(_Input):
     """The sender's id of this delivery: a retried POST with it stores the message once."""
 
 
-class InboxQuery(_Input):
+class InboxQuery(_Query):
     after_seq: Annotated[int, Field(ge=-1, le=2**53 - 1)] = -1
     """Return the messages delivered after this `seq` (-1: all)."""
 

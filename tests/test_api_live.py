@@ -356,3 +356,29 @@ async def test_a_person_cannot_log_a_turn_under_the_id_of_the_turn_running_for_t
         retried = await api.http.post(turns, json=body, headers=runtime)
         assert (logged.status_code, retried.status_code) == (201, 200)
         assert await api.db.agent_messages.count_documents({"content": "FORGED"}) == 0
+
+
+async def test_a_runtime_opens_no_inbox_under_a_turn_id_a_person_took_first() -> None:
+    """A person who guesses the runtime's turn id logs a forged answer under it before the
+    inbox opens: the open quietly succeeded and the runtime's answer was then 409, the forged
+    turn staying. The open is 409 saying the id holds a person's turn, nothing changed; the
+    runtime opens its inbox under a new id, and logs its answer there."""
+    async with serve(mongomock_db()) as api:
+        runtime, person = auth_headers(), auth_headers(user=OWNER)
+        turns = f"/v1/conversations/{OWNER_CONVERSATION}/turns"
+        forged = {"turn_id": "t7", "messages": [{"role": "assistant", "content": "FORGED"}]}
+        assert (await api.http.post(turns, json=forged, headers=person)).status_code == 201
+        before = await api.digest()
+
+        taken = await api.http.post(f"{turns}/t7/inbox", headers=runtime)
+        assert taken.status_code == 409, taken.text
+        assert "a person's turn" in taken.json()["error"]["message"]
+        assert await api.digest() == before
+
+        assert (await api.http.post(f"{turns}/t7-2/inbox", headers=runtime)).status_code == 200
+        closing = await api.http.post(f"{turns}/t7-2/inbox/close", json={"last_seen_seq": -1},
+                                      headers=runtime)  # fmt: skip
+        assert closing.json()["closed"] is True
+        answer = {"role": "assistant", "content": "the real answer"}
+        body = {"turn_id": "t7-2", "user_id": OWNER, "messages": [answer]}
+        assert (await api.http.post(turns, json=body, headers=runtime)).status_code == 201

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -509,6 +510,37 @@ async def test_page_sizes_over_the_cap_are_refused(api: Served, url: str, limit:
     response = await api.http.get(url, params={"limit": limit}, headers=SERVICE)
     assert (response.status_code, error_code(response)) == (422, "invalid_input")
     assert "limit" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "written", ["+5", " 5", "5 ", "5.0", "1_0", "5e0", "\uff15", "\u0665", "-0", "--1", ""]
+)
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"/v1/users/{OWNER}/conversations?limit=",
+        f"{CONV}/messages?limit=",
+        "/v1/search?q=a&user_id=u&limit=",
+        f"{CONV}/turns/t-running/inbox?after_seq=",
+    ],
+)
+async def test_query_integers_are_written_in_ascii_digits_only(
+    api: Served, url: str, written: str
+) -> None:
+    """A query integer is ASCII digits, `-` before them for a negative one (`after_seq=-1`):
+    a sign, a space, a point, an underscore, an exponent or another script's digits is 422
+    naming the parameter, as a value out of its range is, never read as the number."""
+    response = await api.http.get(url + quote(written), headers=SERVICE)
+    assert (response.status_code, error_code(response)) == (422, "invalid_input"), response.text
+    assert url.rsplit("?", 1)[1].rsplit("&", 1)[-1].removesuffix("=") in response.text
+
+
+@pytest.mark.parametrize(
+    "url",
+    [f"{CONV}/messages?limit=05", f"{CONV}/messages?limit=5", f"{CONV}/turns/t/inbox?after_seq=-1"],
+)
+async def test_query_integers_in_ascii_digits_are_read(api: Served, url: str) -> None:
+    assert (await api.http.get(url, headers=SERVICE)).status_code == 200
 
 
 @pytest.mark.parametrize(

@@ -647,6 +647,10 @@ class TurnRecord(_Model):
     given_up: bool = Field(default=False, alias="g")
     """A retry gave the turn up for good, none of its messages stored: what its reservation
     counted (its turns, its tokens) was taken back then, once."""
+    by_person: bool = Field(default=False, alias="u")
+    """A user token logged the turn (a person's, `owner_only`): no runtime opens a steering
+    inbox under its id (`SteeringInbox.open_turn`). False for a service's turn, and for one
+    recorded before records said so."""
 
 
 class PoppedMessage(_Model):

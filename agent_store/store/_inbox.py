@@ -4,7 +4,9 @@ refused to the sender — never stored and unseen.
 The handshake lives on the conversation document, in the same update that
 allocates `seq`, so it needs no transaction:
 - `open_turn` adds an inbox entry `inbox.<key>` for the running turn, and remembers the
-  turn as a runtime's (`runtime_turns`): a user token starts no turn under its id;
+  turn as a runtime's (`runtime_turns`): a user token starts no turn under its id. It opens
+  none under an id a user token logged a turn under first (`TurnRecord.by_person`): that
+  turn id is the person's, and the runtime runs its turn under another;
 - `try_deliver` reserves the message's `seq` only while that entry exists, and
   appends the `seq` to it in the same atomic update (a delivery is a turn of
   its own, so a retried delivery is stored once);
@@ -45,7 +47,11 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.store._driver import storage_errors
-from agent_store.store._logger import AgentMessageLogger, Condition
+from agent_store.store._logger import (
+    AgentMessageLogger,
+    Condition,
+    refuse_unloggable_turn_id,
+)
 from agent_store.store._reads import _bounded_page, _by_seq
 from agent_store.store._reservation import Actor, int64, literal
 from agent_store.store._turns import (
@@ -100,6 +106,16 @@ def _delivered_unscoped(conversation: Mapping[str, Any], field: str, plan: TurnP
         return False
     delivered = plan.documents[0]["_id"]
     return any(d.get("m", delivered) == delivered and d["s"] in firsts for d in entry["seqs"])
+
+
+def _person_took(conversation: Mapping[str, Any], turn_id: str) -> bool:
+    """Whether `conversation` (its `turns`' keys and authors) records a turn a user token logged
+    under `turn_id` (`TurnRecord.by_person`): no runtime's inbox opens under that id."""
+    key = turn_key(turn_id)
+    return any(
+        isinstance(r, Mapping) and r.get("k") == key and r.get("u") is True
+        for r in conversation.get("turns") or ()
+    )
 
 
 def _runtime_turn(turn_id: str) -> dict[str, Any]:
@@ -159,10 +175,14 @@ class SteeringInbox:
         owner_only: bool = False,
     ) -> None:
         """Mark `turn_id` running with an open inbox (idempotent). The conversation must exist
-        and be the caller's (the same ownership rules as logging), and have fewer inboxes
-        open than the rules' `open_inboxes` (else Conflict, nothing written)."""
+        and be the caller's (the same ownership rules as logging), hold no turn a user token
+        logged under `turn_id` (a person who guessed the id took it first: `_person_took`),
+        and have fewer inboxes open than the rules' `open_inboxes` (else Conflict, nothing
+        written). An id no turn may be logged under (`refuse_unloggable_turn_id`) is
+        InvalidInput: its runtime could never log the turn it runs."""
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         turn_id = validate_identifier(turn_id, "turn_id")
+        refuse_unloggable_turn_id(turn_id)
         actor = Actor(user_id, as_user=owner_only)
         field = inbox_field(turn_id)
         opened = {"turn_id": turn_id, "v": Int64(0), "seqs": [], "opened_at": utc_now()}
@@ -173,6 +193,7 @@ class SteeringInbox:
             "_id": conversation_id,
             **actor.owner_filter(),
             "$or": [{field: {"$exists": True}}, {"$expr": room}],
+            "$nor": [{"turns": {"$elemMatch": {"k": Int64(turn_key(turn_id)), "u": True}}}],
         }
         for _ in range(3):  # another inbox may close between a refusal and its explanation
             with storage_errors("open the turn's inbox"):
@@ -190,7 +211,7 @@ class SteeringInbox:
                 )
             if doc is not None:
                 return
-            await self._explain_unopened(conversation_id, actor, field)
+            await self._explain_unopened(conversation_id, actor, turn_id)
         raise StorageUnavailable(f"inboxes of {conversation_id!r} keep changing; open again")
 
     async def try_deliver(
@@ -454,18 +475,26 @@ class SteeringInbox:
             doc = await self._conversations.find_one({"_id": conversation_id}, POPS_READ)
         return doc or {}
 
-    async def _explain_unopened(self, conversation_id: str, actor: Actor, field: str) -> None:
-        """Why an inbox was not opened: the conversation is missing or another's, or it has
-        as many inboxes open as the rules allow (unless one closed meanwhile: opened now)."""
+    async def _explain_unopened(self, conversation_id: str, actor: Actor, turn_id: str) -> None:
+        """Why an inbox was not opened: the conversation is missing or another's, a person
+        took the turn id (`_person_took`), or it has as many inboxes open as the rules allow
+        (unless one closed meanwhile: opened now)."""
+        read = {"user_id": 1, "inbox": 1, "turns.k": 1, "turns.u": 1}
         with storage_errors("read the conversation"):
-            doc = await self._conversations.find_one(
-                {"_id": conversation_id}, {"user_id": 1, "inbox": 1}
-            )
+            doc = await self._conversations.find_one({"_id": conversation_id}, read)
         if doc is None:
             raise NotFound(f"conversation {conversation_id!r} was not found")
         refusal = actor.refusal(conversation_id, doc.get("user_id"))
         if refusal is not None:
             raise refusal
+        if _person_took(doc, turn_id):
+            raise Conflict(
+                f"turn id {turn_id!r} of conversation {conversation_id!r} already holds a "
+                "person's turn (a user token logged it before the inbox opened): the id is "
+                "theirs. Nothing was changed: open the inbox under a new turn id, one a person "
+                "cannot guess (a uuid4), and run the turn under it"
+            )
+        field = inbox_field(turn_id)
         inboxes: dict[str, Any] = doc.get("inbox") or {}
         limit = self._logger.rules.open_inboxes
         if field.split(".")[1] in inboxes or len(inboxes) < limit:

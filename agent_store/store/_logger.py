@@ -404,7 +404,7 @@ class AgentMessageLogger:
         while each is still the latest pending call of its id, else `AnsweredBefore` (another
         turn answered it first: a call's first answer is its answer), nothing written
         (`_answers`). InvalidInput, nothing written, for a turn breaking the contract or taking
-        a steering delivery's id (`delivery-` + 32 hex).
+        a steering delivery's id (`delivery-` + 32 lowercase hex).
         """
         plan, actor, condition = self._planned(
             conversation_id,
@@ -516,8 +516,7 @@ class AgentMessageLogger:
             user_id = validate_identifier(user_id, "user_id")
         if owner_only and user_id is None:
             raise NotFound(f"conversation {plan.conversation_id!r} was not found")
-        _refuse_migrated_turn_id(plan.turn_id)
-        _refuse_delivery_turn_id(plan.turn_id)
+        refuse_unloggable_turn_id(plan.turn_id)
         condition = _turn_conditions(plan, next_seq, step, refused, answers_to)
         return plan, Actor(user_id, as_user=owner_only), condition
 
@@ -2111,6 +2110,14 @@ def _too_large(read: ForkRead, chosen: Sequence[AgentMessage], end: int, at_seq:
     return None
 
 
+def refuse_unloggable_turn_id(turn_id: str) -> None:
+    """InvalidInput for a turn id no turn may be logged under: a migrated legacy turn's, a
+    steering delivery's. Refused to a turn, and to a steering inbox, whose runtime could never
+    log the turn it runs."""
+    _refuse_migrated_turn_id(turn_id)
+    _refuse_delivery_turn_id(turn_id)
+
+
 def _refuse_migrated_turn_id(turn_id: str) -> None:
     if turn_id.startswith(MIGRATED_TURN_PREFIX):
         raise InvalidInput(
@@ -2125,9 +2132,9 @@ def _refuse_delivery_turn_id(turn_id: str) -> None:
     never in the runtime's inbox. Only a delivery takes such an id."""
     if is_delivery_turn_id(turn_id):
         raise InvalidInput(
-            f"turn id {turn_id!r} names a steering delivery ({DELIVERY_TURN!r} and 32 hex "
-            "digits: the id a delivery into a running turn's inbox is stored under); a turn "
-            "takes another id"
+            f"turn id {turn_id!r} names a steering delivery ({DELIVERY_TURN!r} and 32 "
+            "lowercase hex digits: the id a delivery into a running turn's inbox is stored "
+            "under); a turn takes another id"
         )
 
 

@@ -142,6 +142,9 @@ class RecordedBlock:
     """When the turn reserved the block (its record's time); None when no record is left."""
     popped: bool = False
     """A pop removed one of its messages: no retry of the turn is a replay."""
+    by_person: bool = False
+    """A user token logged the turn (`TurnRecord.by_person`): its record says so wherever it
+    moves."""
 
 
 def recorded_block(document: Mapping[str, Any], key: int) -> RecordedBlock | None:
@@ -160,7 +163,12 @@ def recorded_block(document: Mapping[str, Any], key: int) -> RecordedBlock | Non
             )
             count = following - record.first_seq
             return RecordedBlock(
-                record.first_seq, count, record.digest, record.at, popped=record.popped
+                record.first_seq,
+                count,
+                record.digest,
+                record.at,
+                popped=record.popped,
+                by_person=record.by_person,
             )
     return None
 
@@ -665,10 +673,11 @@ def _capped(field: str, amount: int) -> dict[str, Any]:
 
 
 def _records(
-    key: int, digest: int, rules: TurnRules, now: datetime, turns: Any = None
+    key: int, digest: int, rules: TurnRules, now: datetime, turns: Any = None, *, person: bool
 ) -> dict[str, Any]:
     """`turns` (the records as they stand, by default) with the record of a block reserved
-    now appended, the oldest dropped past `turns_recorded` and counted."""
+    now appended (`person`: a user token logs the turn), the oldest dropped past
+    `turns_recorded` and counted."""
     turns = _TURNS if turns is None else turns
     record = {
         "k": literal(Int64(key)),
@@ -677,6 +686,7 @@ def _records(
         "a": literal(now),
         "p": literal(False),
         "g": literal(False),
+        "u": literal(person),
     }
     # A one-element array built by `$map`: some MongoDB-compatible servers (mongomock) keep an
     # array literal's elements unevaluated.
@@ -748,7 +758,7 @@ def reservation(
         "forked_from": _kept("forked_from", None),
         "legacy_conversation_id": _kept("legacy_conversation_id", None),
         **_appended(plan, _released(plan)),
-        **_records(plan.key, plan.digest, rules, now),
+        **_records(plan.key, plan.digest, rules, now, person=actor.as_user),
         **_names(plan, runtime_name),
         **_assignment(actor),
         **_reopened(plan),
@@ -1131,7 +1141,7 @@ def relocation(
         "message_count": _plus("message_count", plan.count),
         "popped_seqs": _left_behind(block.first_seq, plan.count),
         **_appended(plan, _without_calls_of(plan)),
-        **_records(plan.key, block.digest, rules, now, turns),
+        **_records(plan.key, block.digest, rules, now, turns, person=block.by_person),
     }
     if plan.raised_requests:  # an answer that came while it waited answered its prompts
         waited = {"$gt": ["$$s", first]}

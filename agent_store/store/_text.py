@@ -285,7 +285,9 @@ def clean_name(name: object) -> str:
 
     Raises InvalidInput for a name that is not text, is empty once collapsed, is too long,
     cannot be stored (a lone surrogate), or holds a control or text-direction character
-    (a name shows as it reads: `shown_plainly`).
+    (a name shows as it reads: `shown_plainly`). The controls `str.isspace` holds for (tab,
+    newline, U+001C-U+001F, U+0085) are white space here, collapsed to one space like the
+    rest (`HIDDEN_CHARACTERS` leaves them out).
     """
     if not isinstance(name, str):
         raise InvalidInput(f"invalid name: it must be a string, not {type(name).__name__}")

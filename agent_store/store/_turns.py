@@ -479,7 +479,8 @@ def content_digest(documents: Sequence[Mapping[str, Any]]) -> int:
 
 def stored_turn_record(documents: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The record the logger keeps of a turn, as stored on its conversation, rebuilt from the
-    turn's stored messages (in `seq` order): what a retry of the turn is checked against."""
+    turn's stored messages (in `seq` order): what a retry of the turn is checked against. The
+    messages do not tell who logged it: the record is not a person's (`TurnRecord.by_person`)."""
     first = documents[0]
     return {
         "k": Int64(turn_key(str(first["turn_id"]))),
@@ -488,6 +489,7 @@ def stored_turn_record(documents: Sequence[Mapping[str, Any]]) -> dict[str, Any]
         "a": first["created_at"],
         "p": False,
         "g": False,
+        "u": False,
     }
 
 
