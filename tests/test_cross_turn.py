@@ -1714,6 +1714,118 @@ async def test_an_answer_naming_a_message_that_makes_no_such_call_here_is_refuse
     assert posted.status_code == 422
 
 
+async def _a_call_the_bounded_list_dropped(
+    logger: AgentMessageLogger, store: ConversationStore
+) -> PendingCall:
+    """c0 left pending, then `PENDING_CALLS_KEPT` turns each leaving a call pending: c0 is
+    off the bounded list, though nobody answered it. Returns c0 as it was listed."""
+    await logger.log_messages(CID, [_user("Look it up."), _calls("c0")], turn_id="t0")
+    (read,) = await store.pending_calls(CID)
+    for n in range(1, PENDING_CALLS_KEPT + 1):
+        await logger.log_messages(CID, [_calls(f"c{n}")], turn_id=f"t{n}")
+    assert "c0" not in [c.tool_call_id for c in await store.pending_calls(CID)]
+    return read
+
+
+async def test_an_answer_to_a_call_the_bounded_pending_list_dropped_is_stored_as_its_answer(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3: a call off the bounded `pending_calls` list is not answered. Its answer,
+    naming it as it was listed (`answers_to`), is stored, the list as it was; a second
+    answer naming it is then refused (`AnsweredBefore`): that first answer is there."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    read = await _a_call_the_bounded_list_dropped(logger, store)
+    listed = await store.pending_calls(CID)
+
+    logged = await logger.log_messages(
+        CID, [_answer("c0", "42")], turn_id="late", answers_to={"c0": read.message_id}
+    )
+
+    assert [m.content for m in logged.messages] == ["42"]
+    assert await store.pending_calls(CID) == listed
+    with pytest.raises(AnsweredBefore, match="'c0'"):
+        await logger.log_messages(
+            CID, [_answer("c0", "43")], turn_id="later", answers_to={"c0": read.message_id}
+        )
+    assert [m.content for m in await store.transcript(CID) if m.tool_call_id == "c0"] == ["42"]
+
+
+async def test_a_posted_answer_to_a_call_the_bounded_pending_list_dropped_is_stored(
+    backend: Backend,
+) -> None:
+    """Over HTTP too: the answer naming a call off the bounded list, which nobody answered,
+    is 201, not the 409 of a call another turn answered first."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    read = await _a_call_the_bounded_list_dropped(logger, store)
+    async with serve(backend.db, seeded=False) as api:
+        posted = await api.http.post(
+            f"/v1/conversations/{CID}/turns",
+            json={"turn_id": "late", "messages": [_answer("c0", "42")],
+                  "answers_to": {"c0": read.message_id}},
+            headers=auth_headers(),
+        )  # fmt: skip
+
+    assert posted.status_code == 201
+    assert [m.content for m in await store.transcript(CID) if m.tool_call_id == "c0"] == ["42"]
+
+
+async def _answer_reserved_only(
+    logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch, read: PendingCall
+) -> None:
+    """A turn answering `read` reserves (taking it off `pending_calls`) and stores nothing:
+    still being written, or its process died and it is never retried."""
+
+    async def lost(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("the turn reserved and has not inserted")
+
+    monkeypatch.setattr(logger._messages, "insert_many", lost)
+    with pytest.raises(ConnectionError):
+        await logger.log_messages(
+            CID, [_answer("c0", "A")], turn_id="dead", answers_to={"c0": read.message_id}
+        )
+    monkeypatch.undo()
+
+
+async def test_an_answer_whose_only_earlier_answer_was_abandoned_unstored_is_stored(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn answering c0 reserved and never stored its answer; past `abandon_after` its
+    block is passed, and c0 has no answer: a later answer naming c0 (`answers_to`, as
+    `log_streamed_turn` always names it) is stored, and every replay gives it."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Look it up."), _calls("c0")], turn_id="t0")
+    (read,) = await store.pending_calls(CID)
+    await _answer_reserved_only(logger, monkeypatch, read)
+
+    await logger.log_messages(
+        CID, [_answer("c0", "B")], turn_id="other", answers_to={"c0": read.message_id}
+    )
+
+    assert await store.pending_calls(CID) == []
+    exported = chat_completions(await store.transcript(CID))
+    assert [m["content"] for m in exported if m.get("tool_call_id") == "c0"] == ["B"]
+
+
+async def test_an_answer_while_another_answer_to_its_call_is_still_being_written_is_refused(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn answering c0 reserved less than `abandon_after` ago: its insert may still land,
+    so c0 is answered, and a second answer naming it is refused (`AnsweredBefore`), nothing
+    written."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Look it up."), _calls("c0")], turn_id="t0")
+    (read,) = await store.pending_calls(CID)
+    await _answer_reserved_only(logger, monkeypatch, read)
+    before = await store.transcript(CID)
+
+    with pytest.raises(AnsweredBefore, match="'c0'"):
+        await logger.log_messages(
+            CID, [_answer("c0", "B")], turn_id="other", answers_to={"c0": read.message_id}
+        )
+
+    assert await store.transcript(CID) == before
+
+
 async def test_a_retried_http_resolution_naming_calls_by_message_leaves_a_newer_prompt_of_both_ids(
     backend: Backend,
 ) -> None:

@@ -27,7 +27,7 @@ import contextlib
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import partial
 from typing import Any, NoReturn, Protocol
 
@@ -92,12 +92,16 @@ from agent_store.store._relocated import (
     stored_at,
 )
 from agent_store.store._reservation import (
+    ANSWERS_READ,
     RESERVED,
     SUMMARY,
     Actor,
+    AsRead,
     RecordedBlock,
+    answer_found,
     answered_since,
     answers_hold,
+    answers_lookup,
     approved_among,
     blocks_of,
     denials_hold,
@@ -403,8 +407,9 @@ class AgentMessageLogger:
         with the message that made it, as read from `pending_calls`: the turn is logged only
         while each is still the latest pending call of its id, else `AnsweredBefore` (another
         turn answered it first: a call's first answer is its answer), nothing written
-        (`_answers`). InvalidInput, nothing written, for a turn breaking the contract or taking
-        a steering delivery's id (`delivery-` + 32 lowercase hex).
+        (`_answers`); a call merely off the list, no answer to it stored nor being written, is
+        answered (`_reserve_answering`). InvalidInput, nothing written, for a turn breaking the
+        contract or taking a steering delivery's id (`delivery-` + 32 lowercase hex).
         """
         plan, actor, condition = self._planned(
             conversation_id,
@@ -419,40 +424,93 @@ class AgentMessageLogger:
         )
         runtime_name = clean_name(name) if name is not None else None
         started = time.monotonic()
-        try:
-            reserved = await self._reserve(plan, actor, runtime_name, condition)
-        except AnsweredBefore as refused:
-            raise await self._misnamed(plan, answers_to, refused) or refused from None
+        conditions = partial(_turn_conditions, plan, next_seq, step, refused_prompts, answers_to)
+        reserved = await self._reserve_answering(
+            plan, actor, runtime_name, condition, conditions, (answers_to, refused_prompts)
+        )
         stored, reserved = await self._store(plan, reserved, started)
         return await self._told(plan, reserved, stored)
 
-    async def _misnamed(
-        self, plan: TurnPlan, answers_to: Mapping[str, str] | None, refused: AnsweredBefore
-    ) -> InvalidInput | None:
-        """For a turn refused as answering calls answered before, InvalidInput when `answers_to`
-        names for one of them a message that does not make that call in the conversation (read
-        from another conversation, a fork): nobody answered that call, which may still be
-        pending; None otherwise. Read only on that refusal."""
+    async def _reserve_answering(
+        self,
+        plan: TurnPlan,
+        actor: Actor,
+        name: str | None,
+        condition: Condition | None,
+        conditions: Callable[[AsRead], Condition | None],
+        named: tuple[Mapping[str, str] | None, Mapping[str, str] | None],
+    ) -> _Reserved:
+        """`_reserve`, for a turn refused `AnsweredBefore` only for a call another answer to is
+        really there for (`_unanswered`): a call merely off `pending_calls` (the bounded list
+        dropped it, or the turn that took it off was abandoned unstored) is reserved again,
+        taken as read (`AsRead`, `conditions` builds the reservation's condition with them),
+        while the conversation is as read; moved meanwhile, it is looked up again, at most
+        `_ANSWER_LOOKUPS` times. `named` are the turn's `answers_to` and `refused_prompts`."""
+        for lookups in range(_ANSWER_LOOKUPS + 1):
+            try:
+                return await self._reserve(plan, actor, name, condition)
+            except AnsweredBefore as refused:
+                if lookups == _ANSWER_LOOKUPS:
+                    raise
+                as_read = await self._unanswered(plan, *named, refused)
+                condition = conditions(as_read)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _unanswered(
+        self,
+        plan: TurnPlan,
+        answers_to: Mapping[str, str] | None,
+        refused_prompts: Mapping[str, str] | None,
+        refused: AnsweredBefore,
+    ) -> AsRead:
+        """For a turn refused as answering calls answered before (`refused`), the calls it
+        names (`answers_to`) that are off `pending_calls` though no answer to them is there:
+        none stored (`answer_found`), and no block reserved after the call less than
+        `abandon_after` ago still unstored (its insert may still land: it may answer it).
+        Else raises: `refused` (a person approved a call the turn denies, a call answered
+        or possibly being answered), InvalidInput for a message named that does not make its
+        call here (read from another conversation, a fork: nobody answered that call), a
+        Conflict for a call a later call of its id without an answer follows. Two reads (the
+        conversation, then the messages), on that refusal only."""
         named = _named_answers(plan, _answers_to(answers_to))
         named = {c: m for c, m in named.items() if c in refused.tool_call_ids}
-        if not named:
-            return None
-        query = {
-            "_id": {"$in": sorted(set(named.values()))},
-            "conversation_id": plan.conversation_id,
-        }
+        if not named:  # denials only: a person approved the calls first
+            raise refused
+        with storage_errors("read the conversation"):
+            conversation = await self._conversations.find_one(
+                {"_id": plan.conversation_id}, _ANSWERED_FIELDS
+            )
+        if conversation is None:
+            raise refused
+        gaps, now = Gaps.of(conversation), utc_now()
+        from_seq = gaps.unpassed_from(now=now, abandon_after=self.rules.abandon_after)
+        query = answers_lookup(plan.conversation_id, named, from_seq)
         with storage_errors("read the messages answers_to names"):
-            found = await self._messages.find(query, {"tool_calls.id": 1}).to_list(None)
-        makes = {(c.get("id"), d["_id"]) for d in found for c in d.get("tool_calls") or ()}
-        wrong = {c: m for c, m in named.items() if (c, m) not in makes}
-        if not wrong:
-            return None
-        said = "; ".join(f"message {m!r} does not make call {c!r}" for c, m in wrong.items())
-        return InvalidInput(
-            f"invalid answers_to of turn {plan.turn_id!r}: in conversation "
-            f"{plan.conversation_id!r}, {said} (read from another conversation, a fork?). "
-            "Name the message that made each call as this conversation's pending_calls "
-            "serves it"
+            found = await self._messages.find(query, ANSWERS_READ).sort("seq", 1).to_list(None)
+        if (misnamed := _misnamed(plan, named, found)) is not None:
+            raise misnamed
+        refused_prompts = _refused_prompts(refused_prompts)
+        if released_calls(conversation, _denied(plan, refused_prompts), refused_prompts):
+            raise refused  # a person approved a call the turn denies first
+        gone, _ = answered_since(conversation, named)
+        states = {c: answer_found(found, c, named[c]) for c in gone}
+        if followed := [c for c, state in states.items() if state == "followed"]:
+            raise _followed(plan, followed)
+        stored = {int(d["seq"]) for d in found}
+        count = int(conversation.get("message_count") or 0)
+        answered = [
+            c
+            for c, state in states.items()
+            if state == "answered"
+            or _written_after(gaps, found, named[c], stored, count, now, self.rules.abandon_after)
+        ]
+        if answered:
+            raise _answered_first(plan, answered)
+        return AsRead(
+            calls={c: named[c] for c in gone},
+            message_count=count,
+            pops=int(conversation.get("pops") or 0),
+            epoch=conversation.get("epoch"),
         )
 
     async def check_turn(
@@ -469,7 +527,8 @@ class AgentMessageLogger:
         InvalidInput of a turn breaking the contract, the Conflict of a turn id the
         conversation recorded with other content, and, for a new turn, the refusal of an
         answer to a call another turn answered since (`answers_to`, `_answers`), as the
-        conversation stands (one read of it); writes nothing. For a caller that records
+        conversation stands (one read of it; two more for a call off `pending_calls`, looked
+        up as `_unanswered` does); writes nothing. For a caller that records
         something the turn concerns before logging it (`log_streamed_turn` records an
         approval first): a turn it raises for then writes nothing at all."""
         plan, _, condition = self._planned(
@@ -491,9 +550,9 @@ class AgentMessageLogger:
         named = _named_answers(plan, _answers_to(answers_to))
         if block is None and found is not None and named:
             refusal = _answers_refusal(plan, named, found)
-            if isinstance(refusal, AnsweredBefore):
-                raise await self._misnamed(plan, answers_to, refusal) or refusal
-            if refusal is not None:
+            if isinstance(refusal, AnsweredBefore):  # raised if answered, else taken as read
+                await self._unanswered(plan, answers_to, refused_prompts, refusal)
+            elif refusal is not None:
                 raise refusal
 
     def _planned(
@@ -2046,6 +2105,21 @@ def _retry_refusal(
     return _other_content(plan)
 
 
+_ANSWER_LOOKUPS = 3
+"""How many times a turn refused as answering calls answered before looks up whether an
+answer to them is really there, the conversation moving meanwhile (`_reserve_answering`)."""
+_ANSWERED_FIELDS = {
+    "message_count": 1,
+    "pops": 1,
+    "epoch": 1,
+    "turns": 1,
+    "popped_seqs": 1,
+    "pending_calls": 1,
+    "approved_calls": 1,
+    "resolved_hitl": 1,
+}
+"""What `_unanswered` reads of the conversation: where it stands (`AsRead`), its `Gaps`, and
+what tells which of a turn's answers it settled before (`answered_since`, `released_calls`)."""
 _CHECKED_FIELDS = {
     "turns": 1,
     "message_count": 1,
@@ -2402,8 +2476,7 @@ def _denials(plan: TurnPlan, refused: Mapping[str, str]) -> Condition | None:
 
     Its refusal names every call denied; one naming those the conversation shows approved
     is built from the conversation found (`_joined` takes only that one as decisive)."""
-    own = plan.refusals_of_own_prompts
-    denied = tuple(c for c in plan.denied_calls if c not in own or refused.get(c, own[c]) != own[c])
+    denied = _denied(plan, refused)
     if not denied:
         return None
     every = _answered_before(plan, list(denied))
@@ -2421,18 +2494,76 @@ def _denials(plan: TurnPlan, refused: Mapping[str, str]) -> Condition | None:
     )
 
 
-def _answers(plan: TurnPlan, answers_to: Mapping[str, str]) -> Condition | None:
+def _denied(plan: TurnPlan, refused: Mapping[str, str]) -> tuple[str, ...]:
+    """The calls of earlier turns a turn denies that a person's approval may have answered
+    first (`_denials`): all it denies but those a question of its own asks about before the
+    denial (`refusals_of_own_prompts`), unless `refused` names another prompt for it."""
+    own = plan.refusals_of_own_prompts
+    return tuple(c for c in plan.denied_calls if c not in own or refused.get(c, own[c]) != own[c])
+
+
+def _misnamed(
+    plan: TurnPlan, named: Mapping[str, str], found: Sequence[Mapping[str, Any]]
+) -> InvalidInput | None:
+    """InvalidInput when `answers_to` names for a call (`named`) a message that does not make
+    that call in the conversation (`found`, `answers_lookup`: read from another conversation,
+    a fork): nobody answered that call, which may still be pending; None otherwise."""
+    makes = {(c.get("id"), d["_id"]) for d in found for c in d.get("tool_calls") or ()}
+    wrong = {c: m for c, m in named.items() if (c, m) not in makes}
+    if not wrong:
+        return None
+    said = "; ".join(f"message {m!r} does not make call {c!r}" for c, m in wrong.items())
+    return InvalidInput(
+        f"invalid answers_to of turn {plan.turn_id!r}: in conversation "
+        f"{plan.conversation_id!r}, {said} (read from another conversation, a fork?). "
+        "Name the message that made each call as this conversation's pending_calls "
+        "serves it"
+    )
+
+
+def _written_after(
+    gaps: Gaps,
+    found: Sequence[Mapping[str, Any]],
+    made_by: str,
+    stored: Collection[int],
+    count: int,
+    now: datetime,
+    abandon_after: timedelta,
+) -> bool:
+    """Whether a block past the message `made_by` (in `found`, with every message of the
+    blocks readers may not pass yet: `answers_lookup`) is still being written: a `seq` there
+    holds no message (of `stored`, below `count`) and is not passed (`Gaps.written`). Its
+    insert may still land, answering the call the message makes."""
+    unpassed = gaps.unpassed_from(now=now, abandon_after=abandon_after)
+    if unpassed is None:
+        return False
+    made_at = next(int(d["seq"]) for d in found if d["_id"] == made_by)
+    start = max(made_at + 1, unpassed)
+    missing = [s for s in range(start, count) if s not in stored]
+    return gaps.written(missing, now=now, abandon_after=abandon_after) is not None
+
+
+def _answers(
+    plan: TurnPlan, answers_to: Mapping[str, str], as_read: AsRead | None = None
+) -> Condition | None:
     """The condition of a turn naming the calls of earlier turns its answers answer
     (`answers_to`: tool call id to the message that made the call, as read from
     `pending_calls`; names of calls the turn does not answer are passed over): each is still
     the latest pending call of its id (`answers_hold`), the one the answer takes. A call
     another turn answered since keeps that first answer: `AnsweredBefore`, naming it; one a
     later call of its id now follows would have the answer taken by that call: a Conflict.
-    Nothing is written either way. None for a turn naming none of its answers."""
+    Nothing is written either way. None for a turn naming none of its answers.
+
+    With `as_read`, the calls it lists, off `pending_calls` though no answer to them is there
+    (`AgentMessageLogger._unanswered`), are taken while the conversation is as read."""
     named = _named_answers(plan, answers_to)
     if not named:
         return None
     every = _answered_first(plan, sorted(named))
+    held = {c: m for c, m in named.items() if as_read is None or c not in as_read.calls}
+    holds = [answers_hold(held)] if held else []
+    if as_read is not None:
+        holds.append(as_read.filter())
 
     def retried(conversation: Mapping[str, Any]) -> StoreError | None:
         # Only a turn's denials are left out of it (`log_streamed_turn`): a result answered
@@ -2442,7 +2573,7 @@ def _answers(plan: TurnPlan, answers_to: Mapping[str, str]) -> Condition | None:
         return _answered_first(plan, denied) if denied else None
 
     return Condition(
-        answers_hold(named),
+        holds[0] if len(holds) == 1 else {"$and": holds},
         lambda now: {},
         every,
         absent=Conflict(
@@ -2469,14 +2600,18 @@ def _answers_refusal(
     if gone:
         return _answered_first(plan, gone)
     if followed:
-        return Conflict(
-            f"turn {plan.turn_id!r} answers {', '.join(map(shown, followed))} of an "
-            f"earlier turn in conversation {plan.conversation_id!r}, but a later call of "
-            "that id is pending now, and the store gives an answer to the latest pending "
-            "call of its id: it would answer that call instead. Read the pending calls "
-            "again; answer the later call in a turn of its own first"
-        )
+        return _followed(plan, followed)
     return None
+
+
+def _followed(plan: TurnPlan, followed: Sequence[str]) -> Conflict:
+    return Conflict(
+        f"turn {plan.turn_id!r} answers {', '.join(map(shown, followed))} of an "
+        f"earlier turn in conversation {plan.conversation_id!r}, but a later call of "
+        "that id is pending now, and the store gives an answer to the latest pending "
+        "call of its id: it would answer that call instead. Read the pending calls "
+        "again; answer the later call in a turn of its own first"
+    )
 
 
 def _answered_first(plan: TurnPlan, call_ids: Sequence[str]) -> AnsweredBefore:
@@ -2495,12 +2630,13 @@ def _turn_conditions(
     step: str | None,
     refused: Mapping[str, str] | None,
     answers_to: Mapping[str, str] | None = None,
+    as_read: AsRead | None = None,
 ) -> Condition | None:
     """What `log_messages`'s reservation of a new turn must meet (`_logged_at`, `_answers`,
-    `_denials`): a refusal the denials explain (an approval came first) before one the
-    answers do."""
+    with the calls `as_read` lists taken as read, `_denials`): a refusal the denials explain
+    (an approval came first) before one the answers do."""
     denials = _denials(plan, _refused_prompts(refused))
-    answers = _answers(plan, _answers_to(answers_to))
+    answers = _answers(plan, _answers_to(answers_to), as_read)
     return _joined(_joined(_logged_at(plan.conversation_id, next_seq, step), answers), denials)
 
 

@@ -594,6 +594,76 @@ def answered_since(
     return gone, [c for c, m in stale if (c, m) in keys]
 
 
+ANSWERS_READ: dict[str, Any] = {"seq": 1, "role": 1, "tool_call_id": 1, "tool_calls.id": 1}
+"""What the lookup of the answers to calls off `pending_calls` reads of each message
+(`answers_lookup`)."""
+
+
+def answers_lookup(
+    conversation_id: str, answers: Mapping[str, str], from_seq: int | None
+) -> dict[str, Any]:
+    """A filter for the messages that tell whether the calls `answers` names (`answers_hold`),
+    off `pending_calls`, have an answer: the messages named, those making or answering a
+    call of their ids, and, with `from_seq`, every message from that `seq` on (those of
+    blocks still being written, `Gaps.unpassed_from`)."""
+    ids = sorted(answers)
+    wanted: list[dict[str, Any]] = [
+        {"_id": {"$in": sorted(set(answers.values()))}},
+        {"tool_calls.id": {"$in": ids}},
+        {"role": "tool", "tool_call_id": {"$in": ids}},
+    ]
+    if from_seq is not None:
+        wanted.append({"seq": {"$gte": from_seq}})
+    return {"conversation_id": conversation_id, "$or": wanted}
+
+
+def answer_found(found: Sequence[Mapping[str, Any]], call_id: str, made_by: str) -> str | None:
+    """How the stored messages `found` (`answers_lookup`, in `seq` order) leave the call
+    `call_id` the message `made_by` makes, by the pairing every replay applies
+    (`core.calls_answered`: an answer takes the latest earlier call of its id without one):
+    "answered" when a stored answer takes it, "followed" when a later call of its id has
+    none (an answer now would take that call), None when it awaits its answer."""
+    start = next((i for i, d in enumerate(found) if d.get("_id") == made_by), None)
+    if start is None:
+        return None
+    calls: list[int] = []
+    taken: set[int] = set()
+    for index in range(start, len(found)):
+        message = found[index]
+        made = {c.get("id") for c in message.get("tool_calls") or () if isinstance(c, Mapping)}
+        if call_id in made:
+            calls.append(index)
+        elif message.get("role") == "tool" and message.get("tool_call_id") == call_id and calls:
+            taken.add(next((c for c in reversed(calls) if c not in taken), calls[-1]))
+    if start in taken:
+        return "answered"
+    return "followed" if any(c not in taken for c in calls if c != start) else None
+
+
+@dataclass(frozen=True)
+class AsRead:
+    """The calls of earlier turns a turn answers that are off `pending_calls` though no answer
+    to them is there (the bounded list dropped them, or the turn that took them was
+    abandoned unstored): tool call id to the message that made it. The turn takes them only
+    while the conversation is as it was read when that was found: no turn reserved, none
+    moved and no pop since (`filter`)."""
+
+    calls: Mapping[str, str]
+    message_count: int
+    pops: int
+    epoch: str | None
+
+    def filter(self) -> dict[str, Any]:
+        """Matches the conversation while it is as read."""
+        query: dict[str, Any] = {
+            "message_count": self.message_count,
+            "pops": {"$in": [None, 0]} if self.pops == 0 else self.pops,
+        }
+        if self.epoch is not None:
+            query["epoch"] = self.epoch
+        return query
+
+
 def _latest_approved_ids() -> dict[str, Any]:
     """The call ids of the `approved_calls` entries no later call reuses the id of
     (`ApprovedCall.superseded_by`), as an expression: the approved call is the latest of its

@@ -1179,6 +1179,16 @@ class Gaps:
             self.records, seq, now=now, abandon_after=abandon_after
         )
 
+    def unpassed_from(self, *, now: datetime, abandon_after: timedelta) -> int | None:
+        """The lowest `seq` a reader may not pass yet (`passed`) when no message is stored
+        there: the first of the blocks reserved less than `abandon_after` ago (every `seq`
+        when the oldest kept record is that young, the older blocks no longer recorded).
+        None when every block is older."""
+        young = [r.first_seq for r in self.records if now - r.at < abandon_after]
+        if not young:
+            return None
+        return 0 if now - self.records[0].at < abandon_after else min(young)
+
     def turn_end(self, seq: int, message_count: int) -> int:
         """The last `seq` of the block (the turn) that reserved `seq`: the block ends where
         the next turn's begins, the newest at `message_count`. A turn a pop took from is no
