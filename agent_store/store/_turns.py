@@ -1030,6 +1030,17 @@ def pending_after(
     them all), as `resolve_hitl` gave it: the prompt of its id pending then is answered, and
     the calls prompts of that id held then are released, still listed with the prompt that
     held them (`Folded`); a prompt asked again under the id later is a new one."""
+    state = folded_after(messages, turn_starts, answered)
+    return state.calls, state.hitl
+
+
+def folded_after(
+    messages: Sequence[AgentMessage],
+    turn_starts: Collection[int] = (),
+    answered: Iterable[tuple[str, int]] = (),
+) -> Folded:
+    """The state the fold of `pending_after` ends in: what is pending, the request ids
+    answered, and the calls each answer released (`Folded`)."""
     state = Folded()
     starts = set(turn_starts)
     copies = fork_copies_end(messages) if starts else 0
@@ -1048,7 +1059,7 @@ def pending_after(
         given = [r for below, r in answers if following is None or below <= following]
         answers = answers[len(given) :]
         state = state.answered(given)
-    return state.calls, state.hitl
+    return state
 
 
 @dataclass(frozen=True)
@@ -1065,6 +1076,9 @@ class Folded:
     calls: list[PendingCall] = field(default_factory=list)
     hitl: PendingHitl | None = None
     resolved: frozenset[str] = frozenset()
+    released: tuple[tuple[str, str, str], ...] = ()
+    """The calls the answers released, in order: each call's id and message, with the request
+    id of the answer (as `_reservation.resolution` records them in `approved_calls`)."""
 
     def logged(self, turn: Sequence[AgentMessage]) -> Folded:
         """The state after one more turn, by the rules its reservation applies: the calls held
@@ -1073,7 +1087,7 @@ class Folded:
         raised = raised_requests(turn)
         calls = released_for_good(self.calls, raised, self.resolved)
         calls, hitl = _fold(calls, self.hitl, turn)
-        return Folded(calls, hitl, self.resolved - set(raised))
+        return Folded(calls, hitl, self.resolved - set(raised), self.released)
 
     def answered(self, request_ids: Collection[str]) -> Folded:
         """The state once a person answered the prompts `request_ids` (`resolve_hitl`): none
@@ -1081,7 +1095,14 @@ class Folded:
         if not request_ids:
             return self
         hitl = None if self.hitl is not None and self.hitl.request_id in request_ids else self.hitl
-        return Folded(self.calls, hitl, self.resolved | set(request_ids))
+        released = [
+            (c.tool_call_id, c.message_id, c.request_id)
+            for c in self.calls
+            if c.request_id is not None and c.request_id in request_ids
+        ]
+        return Folded(
+            self.calls, hitl, self.resolved | set(request_ids), (*self.released, *released)
+        )
 
 
 def raised_requests(messages: Sequence[AgentMessage]) -> tuple[str, ...]:
