@@ -1624,6 +1624,93 @@ async def test_a_retried_http_resolution_naming_its_calls_leaves_a_newer_prompt_
     assert await held_state(store) == ([("tc-1", None), ("tc-20", "confirm-1")], "confirm-1")
 
 
+async def test_an_answer_naming_its_calls_releases_only_those_of_a_request_id_asked_twice(
+    backend: Backend,
+) -> None:
+    """API.md (`calls` tells them apart): `confirm-1` asked about `a`, then again about `b`,
+    neither answered. An answer naming `b` releases `b` only: `a`, which nobody approved,
+    stays held by its question, the person refuses it, and answering it later naming `a`
+    releases it. The fold of the stored messages with the answers says the same."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(
+        CID, [_user("Clean up."), _book("a", "delete_files"), _asks_about("confirm-1", "a")],
+        turn_id="t0",
+    )  # fmt: skip
+    await logger.log_messages(
+        CID, [_user("Mail Bob."), _book("b", "send_mail"), _asks_about("confirm-1", "b")],
+        turn_id="t1",
+    )  # fmt: skip
+    read = await store.pending_calls(CID)
+
+    await store.resolve_hitl(CID, "confirm-1", calls=[c for c in read if c.tool_call_id == "b"])
+
+    assert await held_state(store) == ([("a", "confirm-1"), ("b", None)], None)
+    stored, folded = await _as_stored_and_folded(backend, store)
+    assert folded == stored
+    await store.resolve_hitl(CID, "confirm-1", calls=[c for c in read if c.tool_call_id == "b"])
+    assert await held_state(store) == ([("a", "confirm-1"), ("b", None)], None)  # a retry
+    await logger.log_messages(CID, [_user("Don't delete."), _denial("a")], turn_id="t2")
+    assert await held_state(store) == ([("b", None)], None)
+
+
+async def test_an_answer_naming_the_first_questions_call_releases_it_and_not_the_second(
+    backend: Backend,
+) -> None:
+    """The other way round: naming `a` releases `a` only, `b` stays held, and an answer naming
+    `b` then releases it; the request id is then resolved, as an answer naming every call."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(
+        CID, [_user("Clean up."), _book("a", "delete_files"), _asks_about("confirm-1", "a")],
+        turn_id="t0",
+    )  # fmt: skip
+    await logger.log_messages(
+        CID, [_user("Mail Bob."), _book("b", "send_mail"), _asks_about("confirm-1", "b")],
+        turn_id="t1",
+    )  # fmt: skip
+
+    await store.resolve_hitl(CID, "confirm-1", call_ids=["a"])
+    assert (await held_state(store))[0] == [("a", None), ("b", "confirm-1")]
+    stored, folded = await _as_stored_and_folded(backend, store)
+    assert folded == stored
+    await store.resolve_hitl(CID, "confirm-1", call_ids=["b"])
+
+    assert await held_state(store) == ([("a", None), ("b", None)], None)
+    stored, folded = await _as_stored_and_folded(backend, store)
+    assert folded == stored
+    with pytest.raises(AnsweredBefore):
+        await logger.log_messages(CID, [_user("No."), _denial("b")], turn_id="t2")
+
+
+async def test_an_http_answer_naming_one_call_of_a_request_id_asked_twice_leaves_the_other_held(
+    backend: Backend,
+) -> None:
+    """API.md: over HTTP, the owner answers the second `confirm-1` naming its call; the first
+    question's call stays held, and the turn refusing it is stored (201), not 409."""
+    async with serve(backend.db, seeded=False) as api:
+        url, headers = f"/v1/conversations/{CID}", auth_headers()
+        for turn_id, call_id, tool in (("t1", "a", "delete_files"), ("t2", "b", "send_mail")):
+            body = {"turn_id": turn_id, "messages": _asks_over_http(call_id, tool)}
+            assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
+        served = (await api.http.get(url, headers=headers)).json()["pending_calls"]
+        named = [
+            {"tool_call_id": c["tool_call_id"], "message_id": c["message_id"]}
+            for c in served
+            if c["tool_call_id"] == "b"
+        ]
+        answer = {"request_id": "confirm-1", "calls": named}
+        resolved = await api.http.post(f"{url}/hitl/resolve", json=answer, headers=headers)
+        after = (await api.http.get(url, headers=headers)).json()["pending_calls"]
+        refusal = {"turn_id": "t3", "messages": [_user("Don't delete."), _denial("a")]}
+        refused = await api.http.post(f"{url}/turns", json=refusal, headers=headers)
+
+    assert resolved.status_code == 200
+    assert [(c["tool_call_id"], c["request_id"]) for c in after] == [
+        ("a", "confirm-1"),
+        ("b", None),
+    ]
+    assert refused.status_code == 201, refused.text
+
+
 async def test_a_stale_http_denial_naming_its_prompt_is_refused_once_a_second_question_holds_it(
     backend: Backend,
 ) -> None:
@@ -4265,6 +4352,27 @@ async def test_the_fold_of_the_stored_messages_is_what_their_turns_and_answers_l
         with contextlib.suppress(AnsweredBefore, Conflict, NotFound):  # refused: nothing stored
             if isinstance(step, str):
                 await store.resolve_hitl(CID, step)
+            else:
+                await logger.log_messages(CID, step, turn_id=f"t{n}")
+        stored, folded = await _as_stored_and_folded(backend, store)
+        assert folded == stored, f"after step {n}"
+
+
+@pytest.mark.parametrize("seed", [14, 37, 48, 83, 85, 92, 95, 113])  # each names some only
+async def test_the_fold_follows_answers_naming_some_of_the_calls_their_prompts_hold(
+    backend: Backend, seed: int
+) -> None:
+    """DESIGN.md §3 Pending calls: as above, with the person's answers naming some of the
+    calls the prompts of their request id hold (`calls`, as `pending_calls` serves them),
+    others none: the fold of what is stored lists what the reservations and answers left."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    rng = random.Random(seed)
+    for n, step in enumerate(_small_conversation(random.Random(seed))):
+        with contextlib.suppress(AnsweredBefore, Conflict, NotFound):  # refused: nothing stored
+            if isinstance(step, str):
+                held = [c for c in await store.pending_calls(CID) if c.request_id == step]
+                named = rng.sample(held, rng.randint(1, len(held))) if held else None
+                await store.resolve_hitl(CID, step, calls=named if rng.random() < 0.7 else None)
             else:
                 await logger.log_messages(CID, step, turn_id=f"t{n}")
         stored, folded = await _as_stored_and_folded(backend, store)

@@ -20,6 +20,7 @@ from agent_store.core import (
 )
 from agent_store.store._turns import (
     FORK_TURN,
+    Answer,
     Folded,
     count_turn_starts,
     folded_after,
@@ -131,7 +132,7 @@ class ForkAnswers:
     (`resolved`, `resolved_in_fork`) and the original's approvals it keeps (`approved`,
     `approvals_in_fork`)."""
 
-    copied: list[tuple[str, int]]
+    copied: list[Answer]
     folded: Folded
     resolved: list[str]
     approved: list[Mapping[str, Any]]
@@ -141,7 +142,7 @@ def fork_fold(
     messages: Sequence[AgentMessage],
     end: int,
     turn_starts: Collection[int] = (),
-    answered: Iterable[tuple[str, int]] = (),
+    answered: Iterable[Answer] = (),
 ) -> Folded:
     """The fold of the original's messages up to `end`, turn by turn as they were logged
     (`turn_starts`: the original's own, when it is a fork), with the answers the fork copies
@@ -172,20 +173,20 @@ def fork_pending(
     )
 
 
-def answers_before(answered: Iterable[tuple[str, int]], reach: int | None) -> list[tuple[str, int]]:
+def answers_before(answered: Iterable[Answer], reach: int | None) -> list[Answer]:
     """The original's answers (`answered_in`) a fork copies: those given before the original
     stored a message past the fork's end, or reserved one a turn is still writing (`reach`,
     the first such `seq`; None when there is none). An answer reaching `seq`s up to `reach`
     came before that message, within the part the fork copies or right after it; a later
     one came once the original had gone past the fork's point, which never sees it: the
     fork is the same whenever it is taken."""
-    return [(r, below) for r, below in answered if reach is None or below <= reach]
+    return [answer for answer in answered if reach is None or answer[1] <= reach]
 
 
 def resolved_in_fork(
     resolved: Sequence[str],
-    answered: Iterable[tuple[str, int]],
-    copied: Sequence[tuple[str, int]],
+    answered: Iterable[Answer],
+    copied: Sequence[Answer],
     folded: Folded,
 ) -> list[str]:
     """The `resolved_hitl` of a fork: the original's request ids resolved (`resolved`) with
@@ -193,22 +194,22 @@ def resolved_in_fork(
     were recorded, where they came unknown), then those the answers the fork copies
     (`copied`) leave answered (`fork_fold`), in the order of their last answer; the newest
     `RESOLVED_PROMPTS_KEPT`."""
-    recorded = {r for r, _ in answered}
+    recorded = {answer[0] for answer in answered}
     unplaced = [r for r in resolved if r not in recorded]
-    in_order = [r for _, r in sorted((below, r) for r, below in copied)]
+    in_order = [answer[0] for answer in sorted(copied, key=lambda answer: answer[1])]
     last = list(dict.fromkeys(reversed(in_order)))[::-1]
     return [*unplaced, *(r for r in last if r in folded.resolved)][-RESOLVED_PROMPTS_KEPT:]
 
 
 def approvals_in_fork(
-    approved: Iterable[Any], answered: Iterable[tuple[str, int]], folded: Folded
+    approved: Iterable[Any], answered: Iterable[Answer], folded: Folded
 ) -> list[Mapping[str, Any]]:
     """The original's `approved_calls` a fork may keep, as stored: those the answers it
     copies gave (`Folded.released`: of a call and request id, the first as many as those
     answers released), and those of a request id with no answer recorded (`answered`, every
     one the original keeps), or recorded without one, where they came unknown. An approval
     an answer gave once the original had gone past the fork's point is not the fork's."""
-    recorded = {r for r, _ in answered}
+    recorded = {answer[0] for answer in answered}
     left: Counter[tuple[Any, Any, Any]] = Counter(folded.released)
     kept: list[Mapping[str, Any]] = []
     for approval in approved:
@@ -225,16 +226,22 @@ def approvals_in_fork(
 
 
 def answers_in_fork(
-    answered: Iterable[tuple[str, int]], chosen: Sequence[AgentMessage]
+    answered: Iterable[Answer], chosen: Sequence[AgentMessage], fork_ids: Mapping[str, str]
 ) -> list[dict[str, Any]]:
     """`answered_prompts` of a fork copying `chosen` (`seq` 0…n in their order), from the
-    answers it copies (`answers_before`): each reaches the copies of the messages it reached."""
+    answers it copies (`answers_before`): each reaches the copies of the messages it reached,
+    and names the copies of the calls it named (`fork_ids`: the original's message ids to the
+    fork's)."""
     seqs = [m.seq or 0 for m in chosen]
     return [
-        AnsweredPrompt(request_id=r, below=sum(1 for s in seqs if s < below)).model_dump(
-            by_alias=True
-        )
-        for r, below in answered
+        AnsweredPrompt(
+            request_id=r,
+            below=sum(1 for s in seqs if s < below),
+            calls=None
+            if calls is None
+            else [(c, None if m is None else fork_ids.get(m, m)) for c, m in calls],
+        ).model_dump(by_alias=True, exclude_none=True)
+        for r, below, calls in answered
     ]
 
 

@@ -126,6 +126,7 @@ from agent_store.store._turns import (
     GAPS_READ,
     MAX_MESSAGES_PER_TURN,
     MAX_TURN_TOOL_CALLS,
+    Answer,
     Gaps,
     TurnPlan,
     TurnRules,
@@ -630,7 +631,7 @@ class AgentMessageLogger:
         kept = await self._answers_kept(source, messages, end)
         approved = _approvals_of_copies(kept.approved, chosen, plan)
         plan = _leaving_what_the_copies_left(plan, chosen, origin, kept)
-        answered = answers_in_fork(kept.copied, chosen)
+        answered = answers_in_fork(kept.copied, chosen, _fork_ids(chosen, plan))
         condition = _fork_condition(plan, origin, source, kept.resolved, approved, answered)
         owner = Actor(source.get("user_id"), as_user=actor.as_user)
         started = time.monotonic()
@@ -658,12 +659,12 @@ class AgentMessageLogger:
         )
 
     async def _answers_reach(
-        self, source: Mapping[str, Any], end: int, answered: Sequence[tuple[str, int]]
+        self, source: Mapping[str, Any], end: int, answered: Sequence[Answer]
     ) -> int | None:
         """The first `seq` past `end` where `source` stored a message, or a turn is still
         writing one (`Gaps.written`), below the farthest reach of its answers; None when
         none is (one read, none when no answer reaches past `end + 1`)."""
-        farthest = max((below for _, below in answered), default=0)
+        farthest = max((answer[1] for answer in answered), default=0)
         if farthest <= end + 1:
             return None
         own = _own_messages(str(source["_id"]), source)
@@ -2310,6 +2311,11 @@ def _written_by(
     }
 
 
+def _fork_ids(chosen: Sequence[AgentMessage], plan: TurnPlan) -> dict[str, str]:
+    """The original's message ids a fork copies (`chosen`) to its copies' (`plan`)."""
+    return {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
+
+
 def _approvals_of_copies(
     approvals: Iterable[Mapping[str, Any]], chosen: Sequence[AgentMessage], plan: TurnPlan
 ) -> list[dict[str, Any]]:
@@ -2320,7 +2326,7 @@ def _approvals_of_copies(
     them the fork copies; held by none it copies, it is in force. One a later call reusing
     its call's id superseded (`superseded_by`) stays superseded if the fork copies that
     call."""
-    ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
+    ids = _fork_ids(chosen, plan)
 
     def copied(a: Mapping[str, Any]) -> dict[str, Any]:
         earlier = a.get("held_before")
@@ -2345,7 +2351,7 @@ def _leaving_what_the_copies_left(
     turn starts), and their pending calls and prompt follow the messages as stored (a
     prompt's params stay bounded), by the original's turn starts and the answers the fork
     keeps (`kept`)."""
-    ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
+    ids = _fork_ids(chosen, plan)
     calls, prompt = fork_pending(kept.folded, ids, kept.resolved)
     return replace(
         plan,
