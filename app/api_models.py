@@ -144,8 +144,10 @@ class ResolveHitlBody(_Input):
         | None
     ) = None
     """The calls the answer concerns, by id, as the client read them (`pending_calls`): the
-    prompt is resolved only while it holds one of them, or, holding none, is the pending one,
-    so a retry does not answer a later prompt asked under the same request id."""
+    prompt is resolved only while it holds one of them not released yet, or, holding none,
+    is the pending one, so a retry does not answer a later prompt asked under the same
+    request id; and only those calls are released, one another prompt of the id holds
+    staying held."""
     calls: Annotated[list[CallIdentity], Field(max_length=MAX_HELD_CALLS)] | None = None
     """The calls the answer concerns, each by its id and the message that made it, as the
     client read them (`pending_calls`): as `call_ids`, and a later call of the same id (a

@@ -1624,6 +1624,93 @@ async def test_a_retried_http_resolution_naming_its_calls_leaves_a_newer_prompt_
     assert await held_state(store) == ([("tc-1", None), ("tc-20", "confirm-1")], "confirm-1")
 
 
+async def test_an_answer_naming_its_calls_releases_only_those_of_a_request_id_asked_twice(
+    backend: Backend,
+) -> None:
+    """API.md (`calls` tells them apart): `confirm-1` asked about `a`, then again about `b`,
+    neither answered. An answer naming `b` releases `b` only: `a`, which nobody approved,
+    stays held by its question, the person refuses it, and answering it later naming `a`
+    releases it. The fold of the stored messages with the answers says the same."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(
+        CID, [_user("Clean up."), _book("a", "delete_files"), _asks_about("confirm-1", "a")],
+        turn_id="t0",
+    )  # fmt: skip
+    await logger.log_messages(
+        CID, [_user("Mail Bob."), _book("b", "send_mail"), _asks_about("confirm-1", "b")],
+        turn_id="t1",
+    )  # fmt: skip
+    read = await store.pending_calls(CID)
+
+    await store.resolve_hitl(CID, "confirm-1", calls=[c for c in read if c.tool_call_id == "b"])
+
+    assert await held_state(store) == ([("a", "confirm-1"), ("b", None)], None)
+    stored, folded = await _as_stored_and_folded(backend, store)
+    assert folded == stored
+    await store.resolve_hitl(CID, "confirm-1", calls=[c for c in read if c.tool_call_id == "b"])
+    assert await held_state(store) == ([("a", "confirm-1"), ("b", None)], None)  # a retry
+    await logger.log_messages(CID, [_user("Don't delete."), _denial("a")], turn_id="t2")
+    assert await held_state(store) == ([("b", None)], None)
+
+
+async def test_an_answer_naming_the_first_questions_call_releases_it_and_not_the_second(
+    backend: Backend,
+) -> None:
+    """The other way round: naming `a` releases `a` only, `b` stays held, and an answer naming
+    `b` then releases it; the request id is then resolved, as an answer naming every call."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(
+        CID, [_user("Clean up."), _book("a", "delete_files"), _asks_about("confirm-1", "a")],
+        turn_id="t0",
+    )  # fmt: skip
+    await logger.log_messages(
+        CID, [_user("Mail Bob."), _book("b", "send_mail"), _asks_about("confirm-1", "b")],
+        turn_id="t1",
+    )  # fmt: skip
+
+    await store.resolve_hitl(CID, "confirm-1", call_ids=["a"])
+    assert (await held_state(store))[0] == [("a", None), ("b", "confirm-1")]
+    stored, folded = await _as_stored_and_folded(backend, store)
+    assert folded == stored
+    await store.resolve_hitl(CID, "confirm-1", call_ids=["b"])
+
+    assert await held_state(store) == ([("a", None), ("b", None)], None)
+    stored, folded = await _as_stored_and_folded(backend, store)
+    assert folded == stored
+    with pytest.raises(AnsweredBefore):
+        await logger.log_messages(CID, [_user("No."), _denial("b")], turn_id="t2")
+
+
+async def test_an_http_answer_naming_one_call_of_a_request_id_asked_twice_leaves_the_other_held(
+    backend: Backend,
+) -> None:
+    """API.md: over HTTP, the owner answers the second `confirm-1` naming its call; the first
+    question's call stays held, and the turn refusing it is stored (201), not 409."""
+    async with serve(backend.db, seeded=False) as api:
+        url, headers = f"/v1/conversations/{CID}", auth_headers()
+        for turn_id, call_id, tool in (("t1", "a", "delete_files"), ("t2", "b", "send_mail")):
+            body = {"turn_id": turn_id, "messages": _asks_over_http(call_id, tool)}
+            assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
+        served = (await api.http.get(url, headers=headers)).json()["pending_calls"]
+        named = [
+            {"tool_call_id": c["tool_call_id"], "message_id": c["message_id"]}
+            for c in served
+            if c["tool_call_id"] == "b"
+        ]
+        answer = {"request_id": "confirm-1", "calls": named}
+        resolved = await api.http.post(f"{url}/hitl/resolve", json=answer, headers=headers)
+        after = (await api.http.get(url, headers=headers)).json()["pending_calls"]
+        refusal = {"turn_id": "t3", "messages": [_user("Don't delete."), _denial("a")]}
+        refused = await api.http.post(f"{url}/turns", json=refusal, headers=headers)
+
+    assert resolved.status_code == 200
+    assert [(c["tool_call_id"], c["request_id"]) for c in after] == [
+        ("a", "confirm-1"),
+        ("b", None),
+    ]
+    assert refused.status_code == 201, refused.text
+
+
 async def test_a_stale_http_denial_naming_its_prompt_is_refused_once_a_second_question_holds_it(
     backend: Backend,
 ) -> None:
@@ -2224,24 +2311,27 @@ async def test_two_pops_racing_leave_no_call_of_either_message_pending(
     assert await pending_state(first) == ([], None)
 
 
-async def test_a_fork_at_an_approved_prompt_stops_there_its_call_awaiting_the_result(
+async def test_a_fork_at_a_prompt_approved_after_a_later_turn_stops_there_still_asking(
     backend: Backend,
 ) -> None:
-    """The fork stops at the prompt; the approval (recorded even though the same stream's
-    result answered the call) stays the prompt's answer, so its call awaits its result
-    there, held by no prompt, as after an approval in a turn of its own."""
+    """The fork stops at the prompt. The approval (recorded even though the same stream's
+    result answered the call) came once the original had logged a later turn: it is not the
+    fork's (DESIGN.md §3 Forks), which asks the question still, its call held, as the same
+    fork taken before the approval did. The fork of the whole conversation has it."""
     runtime = Runtime(backend)
     await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")  # seq 0-2
     await runtime.stream([{"type": "stream_token", "token": "Sunny."}], prompt="Weather?")
-    await runtime.stream([APPROVED, BOOKED, {"type": "stream_token", "token": "Booked."}])
-
     prompt = next(m for m in await runtime.store.transcript(CID) if m.hitl_action)
     assert prompt.seq is not None
+    await runtime.logger.fork(CID, prompt.seq, "fork-before")
+    await runtime.stream([APPROVED, BOOKED, {"type": "stream_token", "token": "Booked."}])
 
     forked = await runtime.logger.fork(CID, prompt.seq, "fork-at-prompt")
 
     assert [m.seq for m in forked.messages] == list(range(prompt.seq + 1))
-    assert await pending_state(runtime.store, "fork-at-prompt") == (["tc-9"], None)
+    asking = ([("tc-9", "confirm-9")], "confirm-9")
+    assert await held_state(runtime.store, "fork-at-prompt") == asking
+    assert await held_state(runtime.store, "fork-before") == asking
     stored = await runtime.store.transcript(CID)
     whole = await runtime.logger.fork(CID, len(stored) - 1, "fork-whole")
     assert len(whole.messages) == len(stored)
@@ -4036,6 +4126,84 @@ async def test_a_fork_at_a_turn_boundary_awaits_the_same_whenever_it_is_taken(
     assert await held_state(store, "fork-late") == await held_state(store)
 
 
+async def test_a_fork_copies_no_answer_the_person_gave_after_the_original_went_past_its_point(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3 Forks: a fork copies the answers given within its copied part, each where
+    it came, and none the person gave once the original had logged past the fork's point.
+    Taken before or after such an answer, the fork at a `seq` awaits the same: the question,
+    its call held; the person answers it in the fork as in a fresh conversation."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(
+        CID, [_user("Clean up."), _book("a", "delete_files"), _asks_about("q0", "a")], turn_id="t0"
+    )
+    await logger.log_messages(CID, [_user("Hello?"), _say("Waiting for you.")], turn_id="t1")
+    await logger.fork(CID, 2, "fork-early")
+    await store.resolve_hitl(CID, "q0")  # came after t1: a fork cut at t0 never saw it
+    await logger.fork(CID, 2, "fork-late")
+
+    asked = ([("a", "q0")], "q0")
+    assert await held_state(store, "fork-early") == asked
+    assert await held_state(store, "fork-late") == asked
+    assert await held_state(store) == ([("a", None)], None)
+    for cid in ("fork-early", "fork-late"):  # not answered there: a refusal is stored
+        await logger.log_messages(cid, [_user("No."), _denial("a")], turn_id="t-no")
+        assert await held_state(store, cid) == ([], None)
+
+
+async def test_a_whole_fork_and_a_fork_cut_before_the_next_message_copy_an_answer_given_then(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3 Forks: an answer the person gave before the original logged past the
+    fork's point belongs to the fork, taken before or after the original went on: the fork of
+    the whole conversation, and the same fork taken once a later turn was logged."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(
+        CID, [_user("Clean up."), _book("a", "delete_files"), _asks_about("q0", "a")], turn_id="t0"
+    )
+    await store.resolve_hitl(CID, "q0")
+    await logger.fork(CID, 2, "fork-whole")
+    await logger.log_messages(CID, [_user("Thanks."), _say("Deleting.")], turn_id="t1")
+    await logger.fork(CID, 2, "fork-after")
+
+    answered = ([("a", None)], None)
+    assert await held_state(store, "fork-whole") == answered
+    assert await held_state(store, "fork-after") == answered
+    with pytest.raises(AnsweredBefore):  # approved in the fork too: the tool runs
+        await logger.log_messages("fork-after", [_user("No."), _denial("a")], turn_id="t-no")
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_a_fork_at_every_seq_awaits_the_same_whenever_taken_once_the_original_went_on(
+    backend: Backend, seed: int
+) -> None:
+    """DESIGN.md §3 Forks: over small random conversations with answers a person gives
+    between turns, the fork at each `seq` taken just before the original stores past it and
+    the fork at that `seq` taken at the end await the same, and pop the same; the fork of the
+    whole conversation awaits what the original awaits."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    last: list[int] = []
+    early: dict[int, str] = {}
+    for n, step in enumerate(_small_conversation(random.Random(seed))):
+        with contextlib.suppress(AnsweredBefore, Conflict, NotFound):  # refused: nothing stored
+            if isinstance(step, str):
+                await store.resolve_hitl(CID, step)
+                continue
+            for seq in last:
+                await logger.fork(CID, seq, f"early-{seq}-{n}")
+            logged = await logger.log_messages(CID, step, turn_id=f"t{n}")
+            early |= {seq: f"early-{seq}-{n}" for seq in last}
+            last = [int(m.seq or 0) for m in logged.messages]
+    await logger.fork(CID, last[-1], "whole")
+    assert await held_state(store, "whole") == await held_state(store)
+    for seq, taken in early.items():
+        await logger.fork(CID, seq, f"late-{seq}")
+        assert await held_state(store, f"late-{seq}") == await held_state(store, taken), seq
+        for cid in (taken, f"late-{seq}"):
+            await store.pop_last_message(cid)
+        assert await held_state(store, f"late-{seq}") == await held_state(store, taken), seq
+
+
 @pytest.mark.parametrize("second", ["a-question", "an-answer"])
 async def test_a_pop_below_the_block_a_moved_turn_left_brings_back_the_prompt_as_a_fork_does(
     backend: Backend, monkeypatch: pytest.MonkeyPatch, second: str
@@ -4296,6 +4464,27 @@ async def test_the_fold_of_the_stored_messages_is_what_their_turns_and_answers_l
         with contextlib.suppress(AnsweredBefore, Conflict, NotFound):  # refused: nothing stored
             if isinstance(step, str):
                 await store.resolve_hitl(CID, step)
+            else:
+                await logger.log_messages(CID, step, turn_id=f"t{n}")
+        stored, folded = await _as_stored_and_folded(backend, store)
+        assert folded == stored, f"after step {n}"
+
+
+@pytest.mark.parametrize("seed", [14, 37, 48, 83, 85, 92, 95, 113])  # each names some only
+async def test_the_fold_follows_answers_naming_some_of_the_calls_their_prompts_hold(
+    backend: Backend, seed: int
+) -> None:
+    """DESIGN.md §3 Pending calls: as above, with the person's answers naming some of the
+    calls the prompts of their request id hold (`calls`, as `pending_calls` serves them),
+    others none: the fold of what is stored lists what the reservations and answers left."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    rng = random.Random(seed)
+    for n, step in enumerate(_small_conversation(random.Random(seed))):
+        with contextlib.suppress(AnsweredBefore, Conflict, NotFound):  # refused: nothing stored
+            if isinstance(step, str):
+                held = [c for c in await store.pending_calls(CID) if c.request_id == step]
+                named = rng.sample(held, rng.randint(1, len(held))) if held else None
+                await store.resolve_hitl(CID, step, calls=named if rng.random() < 0.7 else None)
             else:
                 await logger.log_messages(CID, step, turn_id=f"t{n}")
         stored, folded = await _as_stored_and_folded(backend, store)

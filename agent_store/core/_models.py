@@ -766,6 +766,11 @@ class AnsweredPrompt(_Model):
     below: Count = Field(alias="s")
     """The conversation's next free `seq` when the answer came, brought down to a `seq` a
     pop gives back (a prompt stored there later is a new one)."""
+    calls: list[tuple[str, str | None]] | None = Field(default=None, alias="c")
+    """The calls the answer named (`resolve_hitl`'s `calls` or `call_ids`), each its id and
+    the message that made it (null: named by id alone): it released those of them the
+    prompts of the id held, and answered the id once none of the calls they held is left
+    unreleased. None (absent): it named none, and answered every prompt of the id."""
 
 
 class Conversation(_Model):

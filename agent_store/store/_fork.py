@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
 from agent_store.core import (
+    RESOLVED_PROMPTS_KEPT,
     AgentMessage,
     AnsweredPrompt,
     InvalidInput,
@@ -17,9 +20,11 @@ from agent_store.core import (
 )
 from agent_store.store._turns import (
     FORK_TURN,
+    Answer,
+    Folded,
     count_turn_starts,
+    folded_after,
     fork_copies_end,
-    pending_after,
 )
 
 _STORE_FIELDS = {"id", "seq", "user_id", "conversation_id", "turn_id", "search_text"}
@@ -119,26 +124,42 @@ def fork_turn_count(chosen: Sequence[AgentMessage], turn_starts: Sequence[int]) 
     return sum(count_turn_starts(chosen[a:b]) for a, b in pairwise(cuts))
 
 
-def fork_pending(
+@dataclass(frozen=True)
+class ForkAnswers:
+    """What a fork keeps of the answers a person gave in its original: those given before the
+    original went past the fork's end (`copied`, `answers_before`), the fold of the copied
+    messages with them (`folded`, `fork_fold`), the request ids it keeps resolved
+    (`resolved`, `resolved_in_fork`) and the original's approvals it keeps (`approved`,
+    `approvals_in_fork`)."""
+
+    copied: list[Answer]
+    folded: Folded
+    resolved: list[str]
+    approved: list[Mapping[str, Any]]
+
+
+def fork_fold(
     messages: Sequence[AgentMessage],
     end: int,
-    fork_ids: Mapping[str, str],
     turn_starts: Collection[int] = (),
-    resolved: Collection[str] = (),
-    answered: Iterable[tuple[str, int]] = (),
-) -> tuple[tuple[PendingCall, ...], PendingHitl | None]:
-    """What the fork awaits, naming the fork's own messages (`fork_ids`: the original's
-    message ids to the fork's).
-
-    What the original's messages up to `end` left pending, folded turn by turn as they were
-    logged (`turn_starts`: the original's own, when it is a fork), but for prompts the
-    original resolved by request id (`resolved`), which no message records, and those its
-    answers reached (`answered`: asked before the answer came, under an id asked again
-    since). A fork of the whole conversation too: what the copies leave, never what a turn
-    that reserved and stored nothing (abandoned, passed) left in the original's summary.
-    """
+    answered: Iterable[Answer] = (),
+) -> Folded:
+    """The fold of the original's messages up to `end`, turn by turn as they were logged
+    (`turn_starts`: the original's own, when it is a fork), with the answers the fork copies
+    (`answers_before`), each given where it came (`folded_after`). A fork of the whole
+    conversation too: what the copies leave, never what a turn that reserved and stored
+    nothing (abandoned, passed) left in the original's summary."""
     upto = [m for m in messages if (m.seq or 0) <= end]
-    calls, hitl = pending_after(upto, turn_starts, answered)
+    return folded_after(upto, turn_starts, answered)
+
+
+def fork_pending(
+    folded: Folded, fork_ids: Mapping[str, str], resolved: Collection[str] = ()
+) -> tuple[tuple[PendingCall, ...], PendingHitl | None]:
+    """What the fork awaits (`fork_fold`), naming the fork's own messages (`fork_ids`: the
+    original's message ids to the fork's), but for prompts the fork remembers resolved by
+    request id (`resolved`, `resolved_in_fork`) which no answer it copies records."""
+    calls, hitl = folded.calls, folded.hitl
     if hitl is not None and hitl.request_id in resolved:
         hitl = None
     return (
@@ -152,17 +173,75 @@ def fork_pending(
     )
 
 
+def answers_before(answered: Iterable[Answer], reach: int | None) -> list[Answer]:
+    """The original's answers (`answered_in`) a fork copies: those given before the original
+    stored a message past the fork's end, or reserved one a turn is still writing (`reach`,
+    the first such `seq`; None when there is none). An answer reaching `seq`s up to `reach`
+    came before that message, within the part the fork copies or right after it; a later
+    one came once the original had gone past the fork's point, which never sees it: the
+    fork is the same whenever it is taken."""
+    return [answer for answer in answered if reach is None or answer[1] <= reach]
+
+
+def resolved_in_fork(
+    resolved: Sequence[str],
+    answered: Iterable[Answer],
+    copied: Sequence[Answer],
+    folded: Folded,
+) -> list[str]:
+    """The `resolved_hitl` of a fork: the original's request ids resolved (`resolved`) with
+    no answer recorded (`answered`, every one the original keeps: resolved before answers
+    were recorded, where they came unknown), then those the answers the fork copies
+    (`copied`) leave answered (`fork_fold`), in the order of their last answer; the newest
+    `RESOLVED_PROMPTS_KEPT`."""
+    recorded = {answer[0] for answer in answered}
+    unplaced = [r for r in resolved if r not in recorded]
+    in_order = [answer[0] for answer in sorted(copied, key=lambda answer: answer[1])]
+    last = list(dict.fromkeys(reversed(in_order)))[::-1]
+    return [*unplaced, *(r for r in last if r in folded.resolved)][-RESOLVED_PROMPTS_KEPT:]
+
+
+def approvals_in_fork(
+    approved: Iterable[Any], answered: Iterable[Answer], folded: Folded
+) -> list[Mapping[str, Any]]:
+    """The original's `approved_calls` a fork may keep, as stored: those the answers it
+    copies gave (`Folded.released`: of a call and request id, the first as many as those
+    answers released), and those of a request id with no answer recorded (`answered`, every
+    one the original keeps), or recorded without one, where they came unknown. An approval
+    an answer gave once the original had gone past the fork's point is not the fork's."""
+    recorded = {answer[0] for answer in answered}
+    left: Counter[tuple[Any, Any, Any]] = Counter(folded.released)
+    kept: list[Mapping[str, Any]] = []
+    for approval in approved:
+        if not isinstance(approval, Mapping):
+            continue
+        request_id = approval.get("request_id")
+        key = (approval.get("tool_call_id"), approval.get("message_id"), request_id)
+        if request_id is None or request_id not in recorded:
+            kept.append(approval)
+        elif left[key] > 0:
+            left[key] -= 1
+            kept.append(approval)
+    return kept
+
+
 def answers_in_fork(
-    answered: Iterable[tuple[str, int]], chosen: Sequence[AgentMessage]
+    answered: Iterable[Answer], chosen: Sequence[AgentMessage], fork_ids: Mapping[str, str]
 ) -> list[dict[str, Any]]:
     """`answered_prompts` of a fork copying `chosen` (`seq` 0…n in their order), from the
-    original's (`answered_in`): each answer reaches the copies of the messages it reached."""
+    answers it copies (`answers_before`): each reaches the copies of the messages it reached,
+    and names the copies of the calls it named (`fork_ids`: the original's message ids to the
+    fork's)."""
     seqs = [m.seq or 0 for m in chosen]
     return [
-        AnsweredPrompt(request_id=r, below=sum(1 for s in seqs if s < below)).model_dump(
-            by_alias=True
-        )
-        for r, below in answered
+        AnsweredPrompt(
+            request_id=r,
+            below=sum(1 for s in seqs if s < below),
+            calls=None
+            if calls is None
+            else [(c, None if m is None else fork_ids.get(m, m)) for c, m in calls],
+        ).model_dump(by_alias=True, exclude_none=True)
+        for r, below, calls in answered
     ]
 
 

@@ -64,9 +64,13 @@ from agent_store.store._blobs import (
 from agent_store.store._deletions import DeletionRecords, recorded_as
 from agent_store.store._driver import Database, only_duplicates, storage_errors
 from agent_store.store._fork import (
+    ForkAnswers,
+    answers_before,
     answers_in_fork,
+    approvals_in_fork,
     fork_copies,
     fork_end,
+    fork_fold,
     fork_pending,
     fork_turn_count,
     fork_turn_id,
@@ -74,6 +78,7 @@ from agent_store.store._fork import (
     fork_turns_of,
     forked_messages,
     last_fitting_fork,
+    resolved_in_fork,
 )
 from agent_store.store._fork_read import ForkRead, limit_said, read_fork
 from agent_store.store._indexes import CONVERSATIONS, MESSAGES, IndexSetup
@@ -125,6 +130,7 @@ from agent_store.store._turns import (
     GAPS_READ,
     MAX_MESSAGES_PER_TURN,
     MAX_TURN_TOOL_CALLS,
+    Answer,
     Gaps,
     TurnPlan,
     TurnRules,
@@ -680,10 +686,11 @@ class AgentMessageLogger:
             seq=end,
             turn_starts=fork_turn_starts(chosen, fork_turns_of(source)),
         )
-        approved = _approvals_of_copies(source, chosen, plan)
-        plan = _leaving_what_the_copies_left(plan, chosen, messages, origin, source)
-        answered = answers_in_fork(answered_in(source), chosen)
-        condition = _fork_condition(plan, origin, source, approved, answered)
+        kept = await self._answers_kept(source, messages, end)
+        approved = _approvals_of_copies(kept.approved, chosen, plan)
+        plan = _leaving_what_the_copies_left(plan, chosen, origin, kept)
+        answered = answers_in_fork(kept.copied, chosen, _fork_ids(chosen, plan))
+        condition = _fork_condition(plan, origin, source, kept.resolved, approved, answered)
         owner = Actor(source.get("user_id"), as_user=actor.as_user)
         started = time.monotonic()
         reserved = await self._reserve(plan, owner, None, condition)
@@ -692,6 +699,46 @@ class AgentMessageLogger:
         created = None if reserved.replayed else _fork_as_created(reserved, source)
         await self._unless_its_source_went(conversation_id, plan.conversation_id, created)
         return await self._told(plan, reserved, stored)
+
+    async def _answers_kept(
+        self, source: Mapping[str, Any], messages: Sequence[AgentMessage], end: int
+    ) -> ForkAnswers:
+        """What a fork ending at `end` keeps of the answers a person gave in `source`: those
+        given before the original went past `end` (`answers_before`), folded with the
+        messages it copies, the request ids they leave resolved and the approvals they gave."""
+        answered = answered_in(source)
+        copied = answers_before(answered, await self._answers_reach(source, end, answered))
+        folded = fork_fold(messages, end, fork_turns_of(source), copied)
+        return ForkAnswers(
+            copied=copied,
+            folded=folded,
+            resolved=resolved_in_fork(source.get("resolved_hitl") or (), answered, copied, folded),
+            approved=approvals_in_fork(source.get("approved_calls") or (), answered, folded),
+        )
+
+    async def _answers_reach(
+        self, source: Mapping[str, Any], end: int, answered: Sequence[Answer]
+    ) -> int | None:
+        """The first `seq` past `end` where `source` stored a message, or a turn is still
+        writing one (`Gaps.written`), below the farthest reach of its answers; None when
+        none is (one read, none when no answer reaches past `end + 1`)."""
+        farthest = max((answer[1] for answer in answered), default=0)
+        if farthest <= end + 1:
+            return None
+        own = _own_messages(str(source["_id"]), source)
+        query = {**own, "seq": {"$gt": end, "$lt": farthest}}
+        with storage_errors("read the conversation"):
+            found = (
+                await self._messages.find(query, {"_id": 0, "seq": 1})
+                .sort("seq", 1)
+                .limit(1)
+                .to_list(None)
+            )
+        first = int(found[0]["seq"]) if found else farthest
+        writing = Gaps.of(source).written(
+            range(end + 1, first), now=utc_now(), abandon_after=self.rules.abandon_after
+        )
+        return writing if writing is not None else (first if found else None)
 
     async def _settle_refused_fork(
         self,
@@ -928,12 +975,7 @@ class AgentMessageLogger:
             )
             if source is None or actor.refusal(conversation_id, source.get("user_id")):
                 raise NotFound(f"conversation {conversation_id!r} was not found")
-            # Its own messages (its epoch, or none: stored before epochs), never what a
-            # conversation deleted since left under the id.
-            own = {
-                "conversation_id": conversation_id,
-                "epoch": {"$in": [source.get("epoch"), None]},
-            }
+            own = _own_messages(conversation_id, source)
             count = int(source.get("message_count") or 0)
             read = await read_fork(
                 self._messages,
@@ -2299,19 +2341,26 @@ def _refuse_derived(conversation_id: str, actor: Actor) -> None:
     )
 
 
+def _own_messages(conversation_id: str, source: Mapping[str, Any]) -> dict[str, Any]:
+    """A filter for the messages of the conversation document `source`: its epoch's, or
+    none's (stored before epochs), never what a conversation deleted since left under the
+    id."""
+    return {"conversation_id": conversation_id, "epoch": {"$in": [source.get("epoch"), None]}}
+
+
 def _fork_condition(
     plan: TurnPlan,
     origin: ForkOrigin,
     source: Mapping[str, Any],
+    resolved: list[str],
     approved: list[dict[str, Any]],
     answered: list[dict[str, Any]],
 ) -> Condition:
     """A fork's reservation creates its conversation (an existing one is a Conflict) with its
-    origin, the prompts its source resolved by request id, the answers that reach into its
-    copies (`answers_in_fork`) and the approvals it keeps, and its source as it read it
-    (`ForkCheck`), kept until the fork's check of that source passes."""
+    origin, the prompts it keeps resolved by request id and the answers it copies
+    (`ForkAnswers`), the approvals it keeps, and its source as it read it (`ForkCheck`),
+    kept until the fork's check of that source passes."""
     forked_from = origin.model_dump()
-    resolved = list(source.get("resolved_hitl") or ())  # the fork remembers them too
     unchecked = _as_read(source).model_dump()
     return Condition(
         {"created_at": {"$exists": False}},
@@ -2362,16 +2411,22 @@ def _written_by(
     }
 
 
+def _fork_ids(chosen: Sequence[AgentMessage], plan: TurnPlan) -> dict[str, str]:
+    """The original's message ids a fork copies (`chosen`) to its copies' (`plan`)."""
+    return {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
+
+
 def _approvals_of_copies(
-    source: Mapping[str, Any], chosen: Sequence[AgentMessage], plan: TurnPlan
+    approvals: Iterable[Mapping[str, Any]], chosen: Sequence[AgentMessage], plan: TurnPlan
 ) -> list[dict[str, Any]]:
-    """The original's `approved_calls` a fork remembers: those of the calls its copies make,
+    """The original's `approved_calls` a fork keeps (`approvals_in_fork`) it remembers: those
+    of the calls its copies make,
     naming the copies (a call a person approved stays approved in the fork). One later
     prompts hold again (`held_by`, after `held_before`) is held by the copy of the latest of
     them the fork copies; held by none it copies, it is in force. One a later call reusing
     its call's id superseded (`superseded_by`) stays superseded if the fork copies that
     call."""
-    ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
+    ids = _fork_ids(chosen, plan)
 
     def copied(a: Mapping[str, Any]) -> dict[str, Any]:
         earlier = a.get("held_before")
@@ -2385,33 +2440,19 @@ def _approvals_of_copies(
             "superseded_by": ids.get(str(a.get("superseded_by"))),
         }
 
-    return [
-        copied(a)
-        for a in source.get("approved_calls") or ()
-        if isinstance(a, Mapping) and str(a.get("message_id")) in ids
-    ]
+    return [copied(a) for a in approvals if str(a.get("message_id")) in ids]
 
 
 def _leaving_what_the_copies_left(
-    plan: TurnPlan,
-    chosen: Sequence[AgentMessage],
-    messages: Sequence[AgentMessage],
-    origin: ForkOrigin,
-    source: Mapping[str, Any],
+    plan: TurnPlan, chosen: Sequence[AgentMessage], origin: ForkOrigin, kept: ForkAnswers
 ) -> TurnPlan:
     """A fork's plan leaving counted and pending what the copied messages' turns did: the
     copies are one turn, but they count the turns of the original they copy (`origin`'s
     turn starts), and their pending calls and prompt follow the messages as stored (a
-    prompt's params stay bounded), by the original's turn starts and resolutions."""
-    ids = {str(m.id): str(d["_id"]) for m, d in zip(chosen, plan.documents, strict=True)}
-    calls, prompt = fork_pending(
-        messages,
-        origin.seq,
-        ids,
-        fork_turns_of(source),
-        source.get("resolved_hitl") or (),
-        answered_in(source),
-    )
+    prompt's params stay bounded), by the original's turn starts and the answers the fork
+    keeps (`kept`)."""
+    ids = _fork_ids(chosen, plan)
+    calls, prompt = fork_pending(kept.folded, ids, kept.resolved)
     return replace(
         plan,
         turn_starts=fork_turn_count(chosen, origin.turn_starts),

@@ -1093,13 +1093,17 @@ class ConversationStore:
         `calls` are the calls the answer concerns, as the answering client read them
         (`pending_calls`: each a `PendingCall`, or a mapping holding its `tool_call_id` and
         `message_id`; `log_streamed_turn` passes those each prompt held in the turn's
-        `pending`): the prompt is then resolved only while it holds one of those very calls,
-        or, holding no call, is the pending one, so an answer read before a later prompt
-        asked under the same request id (a runtime numbering its confirmations per turn) does
-        not answer that one, even about a call of the same id (a provider numbering its calls
-        per response): Conflict, or, when the calls it names were released by an answer to a
-        prompt of that id, an answer as the first one's. `call_ids` name the calls by their
-        ids only: a later call of the same id is then taken for the one read.
+        `pending`): the prompt is then resolved only while it holds one of those very calls
+        not released yet, or, holding no call, is the pending one, and only those calls are
+        released: one another prompt of the id holds (the id asked again about another call,
+        neither answered) stays held until an answer names it, or names none, and the id is
+        remembered (`resolved_hitl`) once none of its calls is left unreleased. An answer
+        read before a later prompt asked under the same request id (a runtime numbering its
+        confirmations per turn) does not answer that one, even about a call of the same id
+        (a provider numbering its calls per response): Conflict, or, when the calls it names
+        were released by an answer to a prompt of that id, an answer as the first one's.
+        `call_ids` name the calls by their ids only: a later call of the same id is then taken
+        for the one read.
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidInput("request_id must be a non-empty string")

@@ -296,43 +296,75 @@ def resolution(
     `RESOLVED_PROMPTS_KEPT`), and release the calls it holds (`approved_calls`).
 
     With `concerns` (the calls the answer concerns, as its client read them) they match only
-    while a prompt of that id holds one of them (that very call, when its message is named),
-    or, holding none, is the pending one: an answer read before a later prompt asked under
-    the id again does not answer that one."""
+    while a prompt of that id holds one of them (that very call, when its message is named)
+    not released yet, or, holding none, is the pending one: an answer read before a later
+    prompt asked under the id again does not answer that one. They then release those of
+    the calls only (`_named`): a call a prompt of the id holds that the answer does not
+    name stays held, and the request id is remembered once none is left unreleased."""
     pending: dict[str, Any] = {"pending_hitl.request_id": request_id}
     held: dict[str, Any] = {"resolved_hitl": {"$ne": request_id}}
+    named: dict[str, Any] | None = None
     if concerns is not None:
+        named = _named(concerns)
         held.update(_holding(request_id, concerns))
+        held["$expr"] = {"$gt": [{"$size": _held_unreleased(request_id, named)}, 0]}
         pending["pending_calls.request_id"] = {"$ne": request_id}
     else:
         held = {"pending_calls.request_id": request_id, **held}
     query = {"$or": [pending, held]}
     resolved = _kept("resolved_hitl", [])
-    remembered = {"$concatArrays": [resolved, literal([request_id])]}
+    remembered: dict[str, Any] = {
+        "$slice": [{"$concatArrays": [resolved, literal([request_id])]}, -RESOLVED_PROMPTS_KEPT]
+    }
+    if named is not None:  # remembered once the answer leaves none of its calls held
+        unnamed = {"$eq": [named, False]}
+        left = {"$size": _held_unreleased(request_id, unnamed)}
+        remembered = {"$cond": [{"$eq": [left, 0]}, remembered, resolved]}
     is_pending = {"$eq": [{"$ifNull": ["$pending_hitl.request_id", None]}, literal(request_id)]}
     stage = {
         "pending_hitl": {"$cond": [is_pending, None, _kept("pending_hitl", None)]},
-        "resolved_hitl": {
-            "$cond": [
-                resolved_by_request(request_id),
-                resolved,
-                {"$slice": [remembered, -RESOLVED_PROMPTS_KEPT]},
-            ]
-        },
-        "approved_calls": _approved_with(request_id),
-        "answered_prompts": _answered_now(request_id),
+        "resolved_hitl": {"$cond": [resolved_by_request(request_id), resolved, remembered]},
+        "approved_calls": _approved_with(request_id, named),
+        "answered_prompts": _answered_now(request_id, concerns),
     }
     return query, [{"$set": stage}]
 
 
-def _answered_now(request_id: str) -> dict[str, Any]:
+def _named(concerns: Sequence[CallKey]) -> dict[str, Any]:
+    """Whether the pending call in `$$call` is one of the calls `concerns` names, as an
+    expression: one of an id named alone, or that very call (id and message)."""
+    ids = sorted({call_id for call_id, message_id in concerns if message_id is None})
+    exact = sorted({(c, m) for c, m in concerns if m is not None})
+    named: list[Any] = []
+    if ids:
+        named.append({"$in": ["$$call.tool_call_id", literal(ids)]})
+    if exact:
+        keys = [{"tool_call_id": c, "message_id": m} for c, m in exact]
+        named.append({"$in": [_call_key("call"), literal(keys)]})
+    return {"$or": named or [False]}
+
+
+def _held_unreleased(request_id: str, cond: dict[str, Any]) -> dict[str, Any]:
+    """The pending calls a prompt `request_id` holds that meet `cond` (on `$$call`) and no
+    answer to that id released yet (`approved_calls`), as an expression."""
+    by_it = _approval_keys(request_id=literal(request_id))
+    unreleased = {"$eq": [{"$in": [_call_key("call"), by_it]}, False]}
+    holder = {"$eq": [{"$ifNull": ["$$call.request_id", None]}, literal(request_id)]}
+    calls = {"$ifNull": ["$pending_calls", literal([])]}
+    return {"$filter": {"input": calls, "as": "call", "cond": {"$and": [holder, cond, unreleased]}}}
+
+
+def _answered_now(request_id: str, concerns: Sequence[CallKey] | None) -> dict[str, Any]:
     """`answered_prompts` with one more answer, to the prompts `request_id`, reaching every
     `seq` reserved so far (`message_count`): the prompts of the id asked up to now, a turn
     still being written among them (its reservation made its prompt the pending one), are
     answered. An earlier answer to the id stays: it answered the prompts of the id asked
-    before it, and a pop or a fork folds each answer where it came. The newest
+    before it, and a pop or a fork folds each answer where it came. The calls it names
+    (`concerns`) are recorded with it (`AnsweredPrompt.calls`). The newest
     `RESOLVED_PROMPTS_KEPT` answers kept."""
     entry = {"r": literal(request_id), "s": int64({"$ifNull": ["$message_count", 0]})}
+    if concerns is not None:
+        entry["c"] = literal([list(key) for key in concerns])
     # A one-element array built by `$map`: some servers (mongomock) keep an array literal's
     # elements unevaluated.
     now = {"$map": {"input": literal([0]), "as": "x", "in": entry}}
@@ -348,7 +380,11 @@ def answers_reaching(below: Any, request_ids: Sequence[str] | None = None) -> di
     if request_ids is not None:
         named = {"$in": ["$$a.r", literal(list(request_ids))]}
         reach = {"$cond": [named, below, "$$s"]}
-    entry = {"r": "$$a.r", "s": int64({"$let": {"vars": {"s": "$$a.s"}, "in": reach}})}
+    entry = {
+        "r": "$$a.r",
+        "s": int64({"$let": {"vars": {"s": "$$a.s"}, "in": reach}}),
+        "c": {"$ifNull": ["$$a.c", None]},
+    }
     answered = {"$map": {"input": _kept("answered_prompts", []), "as": "a", "in": entry}}
     # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
     unset = {"$eq": [{"$ifNull": ["$answered_prompts", None]}, None]}
@@ -488,17 +524,18 @@ def _approvals_changed(
     return {"approved_calls": {"$cond": [unset, "$$REMOVE", approved]}}
 
 
-def _approved_with(request_id: str) -> dict[str, Any]:
-    """`approved_calls` with the pending calls the prompt `request_id` holds, as an expression:
+def _approved_with(request_id: str, named: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`approved_calls` with the pending calls the prompt `request_id` holds (those `named`
+    names, when given: an expression on `$$call`, `_named`), as an expression:
     those of calls still pending are all kept (`pending_calls` is bounded), the others the
     newest `RESOLVED_PROMPTS_KEPT` (a retry of a turn whose denial of one was refused is
     recognised by them: `approved_among`)."""
     calls = {"$ifNull": ["$pending_calls", literal([])]}
     approved = _kept("approved_calls", [])
     holder = {"$ifNull": ["$$call.request_id", None]}
-    held = {
-        "$filter": {"input": calls, "as": "call", "cond": {"$eq": [holder, literal(request_id)]}}
-    }
+    holds: dict[str, Any] = {"$eq": [holder, literal(request_id)]}
+    cond = holds if named is None else {"$and": [holds, named]}
+    held = {"$filter": {"input": calls, "as": "call", "cond": cond}}
     entry = {**_call_key("call"), "request_id": literal(request_id)}
     entries = {"$map": {"input": held, "as": "call", "in": entry}}
     in_force = _approval_keys(held_again=False)

@@ -1003,23 +1003,33 @@ def fork_copies_end(messages: Sequence[AgentMessage]) -> int:
     return next((i for i, m in enumerate(messages) if m.turn_id != first), len(messages))
 
 
+NamedCalls = tuple[tuple[str, str | None], ...]
+"""The calls an answer named (`AnsweredPrompt.calls`): each call's id and message, the
+message None when named by id alone."""
+Answer = tuple[str, int, NamedCalls | None]
+"""One answer a person gave (`answered_in`): its request id, its reach
+(`AnsweredPrompt.below`) and the calls it named (None: it named none)."""
+
 ANSWERED_READ: dict[str, Any] = {"answered_prompts": 1}
 """What a fold reads of a conversation besides its messages (`answered_in`)."""
 
 
-def answered_in(conversation: Mapping[str, Any] | None) -> list[tuple[str, int]]:
-    """The answers a person gave, each with its request id and how far it reaches
-    (`Conversation.answered_prompts`, read with `ANSWERED_READ`): a prompt of the id stored
-    below it was answered by it. A request id asked, answered and asked again has an answer
-    for each asking answered."""
+def answered_in(conversation: Mapping[str, Any] | None) -> list[Answer]:
+    """The answers a person gave, each with its request id, how far it reaches and the calls
+    it named (`Conversation.answered_prompts`, read with `ANSWERED_READ`): a prompt of the
+    id stored below it was answered by it. A request id asked, answered and asked again has
+    an answer for each asking answered."""
     entries = (conversation or {}).get("answered_prompts") or ()
-    return [(a.request_id, a.below) for a in map(AnsweredPrompt.model_validate, entries)]
+    return [
+        (a.request_id, a.below, None if a.calls is None else tuple(a.calls))
+        for a in map(AnsweredPrompt.model_validate, entries)
+    ]
 
 
 def pending_after(
     messages: Sequence[AgentMessage],
     turn_starts: Collection[int] = (),
-    answered: Iterable[tuple[str, int]] = (),
+    answered: Iterable[Answer] = (),
 ) -> tuple[list[PendingCall], PendingHitl | None]:
     """The calls and the prompt a conversation's stored messages leave pending, turn by turn
     (runs of one `turn_id`, cut also at the `seq`s of `turn_starts`: a fork's), by the rules
@@ -1032,10 +1042,21 @@ def pending_after(
     them all), as `resolve_hitl` gave it: the prompt of its id pending then is answered, and
     the calls prompts of that id held then are released, still listed with the prompt that
     held them (`Folded`); a prompt asked again under the id later is a new one."""
+    state = folded_after(messages, turn_starts, answered)
+    return state.calls, state.hitl
+
+
+def folded_after(
+    messages: Sequence[AgentMessage],
+    turn_starts: Collection[int] = (),
+    answered: Iterable[Answer] = (),
+) -> Folded:
+    """The state the fold of `pending_after` ends in: what is pending, the request ids
+    answered, and the calls each answer released (`Folded`)."""
     state = Folded()
     starts = set(turn_starts)
     copies = fork_copies_end(messages) if starts else 0
-    answers = sorted((below, r) for r, below in answered)
+    answers = sorted(answered, key=lambda answer: answer[1])  # in the order given, by reach
     start = 0
     for end in range(1, len(messages) + 1):
         if (
@@ -1047,10 +1068,10 @@ def pending_after(
         state = state.logged(messages[start:end])
         start = end
         following = messages[end].seq if end < len(messages) else None
-        given = [r for below, r in answers if following is None or below <= following]
+        given = [a for a in answers if following is None or a[1] <= following]
         answers = answers[len(given) :]
-        state = state.answered(given)
-    return state.calls, state.hitl
+        state = state.answered([(r, calls) for r, _, calls in given])
+    return state
 
 
 @dataclass(frozen=True)
@@ -1067,6 +1088,9 @@ class Folded:
     calls: list[PendingCall] = field(default_factory=list)
     hitl: PendingHitl | None = None
     resolved: frozenset[str] = frozenset()
+    released: tuple[tuple[str, str, str], ...] = ()
+    """The calls the answers released, in order: each call's id and message, with the request
+    id of the answer (as `_reservation.resolution` records them in `approved_calls`)."""
 
     def logged(self, turn: Sequence[AgentMessage]) -> Folded:
         """The state after one more turn, by the rules its reservation applies: the calls held
@@ -1075,15 +1099,41 @@ class Folded:
         raised = raised_requests(turn)
         calls = released_for_good(self.calls, raised, self.resolved)
         calls, hitl = _fold(calls, self.hitl, turn)
-        return Folded(calls, hitl, self.resolved - set(raised))
+        return Folded(calls, hitl, self.resolved - set(raised), self.released)
 
-    def answered(self, request_ids: Collection[str]) -> Folded:
-        """The state once a person answered the prompts `request_ids` (`resolve_hitl`): none
-        of them pending, their ids answered; the calls they held keep their holder."""
-        if not request_ids:
-            return self
-        hitl = None if self.hitl is not None and self.hitl.request_id in request_ids else self.hitl
-        return Folded(self.calls, hitl, self.resolved | set(request_ids))
+    def answered(self, answers: Sequence[tuple[str, NamedCalls | None]]) -> Folded:
+        """The state once a person gave `answers` (`resolve_hitl`), in order: each to the
+        prompts of its request id, naming calls or not (`answered_one`)."""
+        state = self
+        for request_id, calls in answers:
+            state = state.answered_one(request_id, calls)
+        return state
+
+    def answered_one(self, request_id: str, calls: NamedCalls | None) -> Folded:
+        """The state once a person answered the prompts `request_id`, as
+        `_reservation.resolution` records it: the calls they hold released, only those
+        `calls` names when it names some (`AnsweredPrompt.calls`); the prompt of the id no
+        longer pending; the id answered once none of the calls they hold is left unreleased.
+        The calls keep their holder."""
+        done = {(c, m) for c, m, r in self.released if r == request_id}
+        held = [
+            c
+            for c in self.calls
+            if c.request_id == request_id and (c.tool_call_id, c.message_id) not in done
+        ]
+        fresh = [c for c in held if names_call(calls, c)]
+        hitl = None if self.hitl is not None and self.hitl.request_id == request_id else self.hitl
+        resolved = self.resolved if len(fresh) < len(held) else self.resolved | {request_id}
+        released = ((c.tool_call_id, c.message_id, request_id) for c in fresh)
+        return Folded(self.calls, hitl, resolved, (*self.released, *released))
+
+
+def names_call(calls: NamedCalls | None, call: PendingCall) -> bool:
+    """Whether an answer naming `calls` (None: naming none, so every one) concerns `call`: one
+    naming its id alone, or its id and its message."""
+    return calls is None or any(
+        c == call.tool_call_id and m in (None, call.message_id) for c, m in calls
+    )
 
 
 def raised_requests(messages: Sequence[AgentMessage]) -> tuple[str, ...]:
