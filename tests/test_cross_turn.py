@@ -1624,13 +1624,23 @@ async def test_a_retried_http_resolution_naming_its_calls_leaves_a_newer_prompt_
     assert await held_state(store) == ([("tc-1", None), ("tc-20", "confirm-1")], "confirm-1")
 
 
-async def test_an_answer_naming_its_calls_releases_only_those_of_a_request_id_asked_twice(
-    backend: Backend,
-) -> None:
-    """API.md (`calls` tells them apart): `confirm-1` asked about `a`, then again about `b`,
-    neither answered. An answer naming `b` releases `b` only: `a`, which nobody approved,
-    stays held by its question, the person refuses it, and answering it later naming `a`
-    releases it. The fold of the stored messages with the answers says the same."""
+async def _posted_answer(
+    backend: Backend, turn_id: str, call_id: str, content: str, made_by: str
+) -> Any:
+    """The response to a turn posted with a service token answering `call_id`, naming
+    `made_by` as the message that made it (`answers_to`)."""
+    async with serve(backend.db, seeded=False) as api:
+        return await api.http.post(
+            f"/v1/conversations/{CID}/turns",
+            json={"turn_id": turn_id, "messages": [_answer(call_id, content)],
+                  "answers_to": {call_id: made_by}},
+            headers=auth_headers(),
+        )  # fmt: skip
+
+
+async def _confirm_1_asked_twice(backend: Backend) -> tuple[AgentMessageLogger, ConversationStore]:
+    """`confirm-1` asks about `a` (delete_files), then again about `b` (send_mail), one turn
+    each, neither answered."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     await logger.log_messages(
         CID, [_user("Clean up."), _book("a", "delete_files"), _asks_about("confirm-1", "a")],
@@ -1640,6 +1650,17 @@ async def test_an_answer_naming_its_calls_releases_only_those_of_a_request_id_as
         CID, [_user("Mail Bob."), _book("b", "send_mail"), _asks_about("confirm-1", "b")],
         turn_id="t1",
     )  # fmt: skip
+    return logger, store
+
+
+async def test_an_answer_naming_its_calls_releases_only_those_of_a_request_id_asked_twice(
+    backend: Backend,
+) -> None:
+    """API.md (`calls` tells them apart): `confirm-1` asked about `a`, then again about `b`,
+    neither answered. An answer naming `b` releases `b` only: `a`, which nobody approved,
+    stays held by its question, the person refuses it, and answering it later naming `a`
+    releases it. The fold of the stored messages with the answers says the same."""
+    logger, store = await _confirm_1_asked_twice(backend)
     read = await store.pending_calls(CID)
 
     await store.resolve_hitl(CID, "confirm-1", calls=[c for c in read if c.tool_call_id == "b"])
@@ -1658,15 +1679,7 @@ async def test_an_answer_naming_the_first_questions_call_releases_it_and_not_the
 ) -> None:
     """The other way round: naming `a` releases `a` only, `b` stays held, and an answer naming
     `b` then releases it; the request id is then resolved, as an answer naming every call."""
-    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
-    await logger.log_messages(
-        CID, [_user("Clean up."), _book("a", "delete_files"), _asks_about("confirm-1", "a")],
-        turn_id="t0",
-    )  # fmt: skip
-    await logger.log_messages(
-        CID, [_user("Mail Bob."), _book("b", "send_mail"), _asks_about("confirm-1", "b")],
-        turn_id="t1",
-    )  # fmt: skip
+    logger, store = await _confirm_1_asked_twice(backend)
 
     await store.resolve_hitl(CID, "confirm-1", call_ids=["a"])
     assert (await held_state(store))[0] == [("a", None), ("b", "confirm-1")]
@@ -1791,13 +1804,7 @@ async def test_an_answer_naming_a_message_that_makes_no_such_call_here_is_refuse
 
     assert "answered" not in str(refused.value)
     assert await held_state(store) == ([("c1", None)], None)
-    async with serve(backend.db, seeded=False) as api:
-        posted = await api.http.post(
-            f"/v1/conversations/{CID}/turns",
-            json={"turn_id": "t1", "messages": [_answer("c1", "booked")],
-                  "answers_to": {"c1": read_from_the_fork.message_id}},
-            headers=auth_headers(),
-        )  # fmt: skip
+    posted = await _posted_answer(backend, "t1", "c1", "booked", read_from_the_fork.message_id)
     assert posted.status_code == 422
 
 
@@ -1844,13 +1851,7 @@ async def test_a_posted_answer_to_a_call_the_bounded_pending_list_dropped_is_sto
     is 201, not the 409 of a call another turn answered first."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     read = await _a_call_the_bounded_list_dropped(logger, store)
-    async with serve(backend.db, seeded=False) as api:
-        posted = await api.http.post(
-            f"/v1/conversations/{CID}/turns",
-            json={"turn_id": "late", "messages": [_answer("c0", "42")],
-                  "answers_to": {"c0": read.message_id}},
-            headers=auth_headers(),
-        )  # fmt: skip
+    posted = await _posted_answer(backend, "late", "c0", "42", read.message_id)
 
     assert posted.status_code == 201
     assert [m.content for m in await store.transcript(CID) if m.tool_call_id == "c0"] == ["42"]

@@ -8,6 +8,7 @@ import copy
 import hashlib
 import json
 import random
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -19,6 +20,7 @@ from agent_store import (
     Conflict,
     ConversationStore,
     InvalidInput,
+    LoggedTurn,
     SteeringInbox,
     StorageUnavailable,
     TurnRules,
@@ -1103,6 +1105,20 @@ async def test_past_the_kept_records_a_retry_whose_block_is_empty_answers_the_tu
     await _followed_to_the_end(backend, rules)
 
 
+async def _stored_once_in_the_lower_block(
+    backend: Backend, rules: TurnRules, answers: Sequence[LoggedTurn]
+) -> None:
+    """Both attempts of "t1" answer seq 2-3, the first as its own insert, the second as a
+    replay; the turn is stored there once and the conversation counts it once."""
+    assert [[m.seq for m in x.messages] for x in answers] == [[2, 3], [2, 3]]
+    assert [x.replayed for x in answers] == [False, True]
+    stored = await backend.db[MESSAGES].find({"turn_id": "t1"}).sort("seq").to_list(None)
+    assert [(m["seq"], m["content"]) for m in stored] == [(2, "same?"), (3, "same!")]
+    conversation = await check_conversation(backend.db, gaps=True)
+    assert (conversation["message_count"], conversation["turn_count"]) == (8, 3)
+    await _followed_to_the_end(backend, rules)
+
+
 class OneByOne:
     """Makes a logger's first insert store its messages one at a time, each waiting for an
     event first: two attempts' inserts interleaved message by message, as an unordered
@@ -1172,13 +1188,7 @@ async def test_past_the_kept_records_two_inserts_each_storing_part_of_the_turn_s
 
     answers = await asyncio.gather(a, b)
 
-    assert [[m.seq for m in x.messages] for x in answers] == [[2, 3], [2, 3]]
-    assert [x.replayed for x in answers] == [False, True]
-    stored = await backend.db[MESSAGES].find({"turn_id": "t1"}).sort("seq").to_list(None)
-    assert [(m["seq"], m["content"]) for m in stored] == [(2, "same?"), (3, "same!")]
-    conversation = await check_conversation(backend.db, gaps=True)
-    assert (conversation["message_count"], conversation["turn_count"]) == (8, 3)
-    await _followed_to_the_end(backend, rules)
+    await _stored_once_in_the_lower_block(backend, rules, answers)
 
 
 class Step:
@@ -1251,13 +1261,7 @@ async def test_past_the_kept_records_a_message_the_other_attempt_moves_into_the_
 
     answers = await asyncio.gather(a, b)
 
-    assert [[m.seq for m in x.messages] for x in answers] == [[2, 3], [2, 3]]
-    assert [x.replayed for x in answers] == [False, True]
-    stored = await backend.db[MESSAGES].find({"turn_id": "t1"}).sort("seq").to_list(None)
-    assert [(m["seq"], m["content"]) for m in stored] == [(2, "same?"), (3, "same!")]
-    conversation = await check_conversation(backend.db, gaps=True)
-    assert (conversation["message_count"], conversation["turn_count"]) == (8, 3)
-    await _followed_to_the_end(backend, rules)
+    await _stored_once_in_the_lower_block(backend, rules, answers)
 
 
 class DiesAfterFirst:
