@@ -1086,24 +1086,20 @@ class ConversationStore:
         (`resolved_hitl`), so the calls it holds await their results (`pending_calls` serves
         them with `request_id: null`), also when another prompt is the pending one. A request's
         first answer is its answer: resolving it again (a retry whose first reply was lost,
-        another tab) answers as the first call did and writes nothing. That check is one more
-        lookup, on the no-match path only. The calls the prompt held stay released (a denial
-        of one is refused) whatever becomes of its request id (`approved_calls`).
+        another tab) answers as the first call did and writes nothing (one lookup more, then
+        only). The calls the prompt held stay released (a denial of one is refused).
 
         `calls` are the calls the answer concerns, as the answering client read them
         (`pending_calls`: each a `PendingCall`, or a mapping holding its `tool_call_id` and
         `message_id`; `log_streamed_turn` passes those each prompt held in the turn's
-        `pending`): the prompt is then resolved only while it holds one of those very calls
-        not released yet, or, holding no call, is the pending one, and only those calls are
-        released: one another prompt of the id holds (the id asked again about another call,
-        neither answered) stays held until an answer names it, or names none, and the id is
-        remembered (`resolved_hitl`) once none of its calls is left unreleased. An answer
-        read before a later prompt asked under the same request id (a runtime numbering its
-        confirmations per turn) does not answer that one, even about a call of the same id
-        (a provider numbering its calls per response): Conflict, or, when the calls it names
-        were released by an answer to a prompt of that id, an answer as the first one's.
-        `call_ids` name the calls by their ids only: a later call of the same id is then taken
-        for the one read.
+        `pending`): the prompt is resolved only while it holds one of them not released yet
+        (or, holding no call, is the pending one), and only those are released: a call
+        another prompt of the id holds stays held until an answer names it (or names none);
+        the id is remembered once none of its calls is left unreleased. An answer read
+        before a later prompt asked under the same request id does not answer that one, even
+        about a call of the same id: Conflict, or, when the calls it names were released by
+        an answer to a prompt of that id, an answer as the first one's. `call_ids` name the
+        calls by their ids only: a later call of the same id is taken for the one read.
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidInput("request_id must be a non-empty string")
