@@ -559,6 +559,10 @@ def balance_then_transfer(results: list[dict[str, Any]]) -> list[dict[str, Any]]
     ]  # fmt: skip
 
 
+EACH_BY_ITS_OWN_RESULT = {"get_balance": BALANCE, "transfer_funds": TRANSFER}
+"""The balance answered by the balance, the transfer by the transfer (`answered_by_tool`)."""
+
+
 def answered_by_tool(messages: list[AgentMessage]) -> dict[str, Any]:
     """Each tool message's content by the tool of the call it answers."""
     tool_of = {c.id: c.function.name for m in messages for c in m.tool_calls or ()}
@@ -577,10 +581,7 @@ def test_results_under_an_id_reused_across_turns_answer_the_call_of_the_tool_the
     turns = balance_then_transfer(results if balance_first else results[::-1])
     conversion = convert(turns)
 
-    assert answered_by_tool(conversion.messages) == {
-        "get_balance": BALANCE,
-        "transfer_funds": TRANSFER,
-    }
+    assert answered_by_tool(conversion.messages) == EACH_BY_ITS_OWN_RESULT
     assert [(m.role, m.content) for m in conversion.messages] == [
         ("user", "question 1"), ("assistant", None), ("tool", BALANCE),
         ("user", "question 2"), ("assistant", None), ("tool", TRANSFER), ("assistant", "Done."),
@@ -599,10 +600,7 @@ def test_a_repeated_result_of_a_reused_id_is_a_duplicate_never_another_tools_ans
     turns[0]["response_parts"].append(tool_result("get_balance", "call_0", BALANCE))
     conversion = convert(turns)
 
-    assert answered_by_tool(conversion.messages) == {
-        "get_balance": BALANCE,
-        "transfer_funds": TRANSFER,
-    }
+    assert answered_by_tool(conversion.messages) == EACH_BY_ITS_OWN_RESULT
     assert [(p.kind, p.placed, p.part_index) for p in conversion.problems] == [
         ("duplicate_tool_call_id", True, 0),
         ("duplicate_tool_result", False, 1),
@@ -681,10 +679,7 @@ def test_a_result_naming_its_calls_tool_exactly_answers_it_before_one_naming_it_
                                    tool_result("transfer_funds", "call_0", TRANSFER)])  # fmt: skip
     conversion = convert(turns)
 
-    assert answered_by_tool(conversion.messages) == {
-        "get_balance": BALANCE,
-        "transfer_funds": TRANSFER,
-    }
+    assert answered_by_tool(conversion.messages) == EACH_BY_ITS_OWN_RESULT
     assert [(p.kind, p.placed, p.part_index) for p in conversion.problems] == [
         ("duplicate_tool_call_id", True, 0),
         ("ambiguous_tool_result", False, 1),

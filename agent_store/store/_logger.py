@@ -27,7 +27,7 @@ import contextlib
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import datetime
 from functools import partial
 from typing import Any, NoReturn, Protocol
 
@@ -508,7 +508,7 @@ class AgentMessageLogger:
             c
             for c, state in states.items()
             if state == "answered"
-            or _written_after(gaps, found, named[c], stored, count, now, self.rules.abandon_after)
+            or _written_after(gaps, found, named[c], stored, count, from_seq, now, self.rules)
         ]
         if answered:
             raise _answered_first(plan, answered)
@@ -1830,7 +1830,8 @@ class AgentMessageLogger:
         shifts = {
             int(stored[id_]["seq"]) - int(w["seq"]) for id_, w in failed.items() if id_ in stored
         }
-        if same and shifts == {0}:
+        in_place = _arrived(list(stored.values()), list(failed.values()), epoch)
+        if len(in_place) == len(failed):
             return stored  # stored by an earlier attempt, in this block
         with storage_errors("read the conversation"):
             records = await self._conversations.find_one(
@@ -1844,9 +1845,7 @@ class AgentMessageLogger:
         if moved and first + next(iter(shifts)) in blocks_of(records or {}, plan.key):
             return stored  # stored by an earlier attempt, in another block of the turn
         # Not the turn's attempts: what an earlier conversation under the id left in the way.
-        wanted = [d for id_, d in failed.items() if stored.get(id_, {}).get("seq") != d["seq"]
-                  or stored[id_].get("epoch") not in (None, epoch)
-                  or not _same_content(stored[id_], d)]  # fmt: skip
+        wanted = [d for id_, d in failed.items() if id_ not in in_place]
         with storage_errors("read the messages in the turn's block"):
             there = await self._messages.find(
                 {"conversation_id": conversation_id, "seq": {"$in": [d["seq"] for d in wanted]}}
@@ -1960,8 +1959,9 @@ def _arrived(
     there: list[dict[str, Any]], wanted: list[dict[str, Any]], epoch: str | None
 ) -> dict[str, dict[str, Any]]:
     """The turn's `wanted` messages that are in its block as read (`there`): each at its
-    `seq`, with its content, in this conversation (`epoch`), stored by another attempt of the
-    turn that moved it there after this attempt's insert met it elsewhere. By id."""
+    `seq`, with its content, in this conversation (`epoch`), stored by an earlier attempt of
+    the turn, or by another that moved it there after this attempt's insert met it elsewhere.
+    By id."""
     by_id = {d["_id"]: d for d in wanted}
     return {
         d["_id"]: d
@@ -2568,20 +2568,20 @@ def _written_after(
     made_by: str,
     stored: Collection[int],
     count: int,
+    unpassed: int | None,
     now: datetime,
-    abandon_after: timedelta,
+    rules: TurnRules,
 ) -> bool:
     """Whether a block past the message `made_by` (in `found`, with every message of the
-    blocks readers may not pass yet: `answers_lookup`) is still being written: a `seq` there
-    holds no message (of `stored`, below `count`) and is not passed (`Gaps.written`). Its
-    insert may still land, answering the call the message makes."""
-    unpassed = gaps.unpassed_from(now=now, abandon_after=abandon_after)
+    blocks readers may not pass yet, from `unpassed`: `answers_lookup`) is still being
+    written: a `seq` there holds no message (of `stored`, below `count`) and is not passed
+    (`Gaps.written`). Its insert may still land, answering the call the message makes."""
     if unpassed is None:
         return False
     made_at = next(int(d["seq"]) for d in found if d["_id"] == made_by)
     start = max(made_at + 1, unpassed)
     missing = [s for s in range(start, count) if s not in stored]
-    return gaps.written(missing, now=now, abandon_after=abandon_after) is not None
+    return gaps.written(missing, now=now, abandon_after=rules.abandon_after) is not None
 
 
 def _answers(
