@@ -17,6 +17,7 @@ from bson import Code, Decimal128, Int64, ObjectId
 from agent_store import ConversationStore, LegacyTurns
 from agent_store.legacy import (
     LEGACY_TURNS,
+    as_text,
     convert,
     derived_conversation_id,
     group_conversations,
@@ -1967,6 +1968,53 @@ def test_a_text_made_of_a_value_json_cannot_encode_is_a_placed_problem_keeping_i
     assert bson.encode({"content": conversion.problems[0].content}) == bson.encode(
         {"content": kept}
     )
+
+
+def _session_prompt(**fields: Any) -> dict[str, Any]:
+    """A pending `session_hitl` prompt of `_text_turn`'s conversation, with `fields`."""
+    found = {"conversation_id": "c-text", "user_id": "u1", "request_id": "r1",
+             "action": "confirm", "prompt": "Confirm?", "created_at": MESSY_START}  # fmt: skip
+    return found | fields
+
+
+@pytest.mark.parametrize("value", list(NOT_JSON.values()), ids=list(NOT_JSON))
+@pytest.mark.parametrize("field", ["prompt", "content"])
+def test_a_session_prompt_text_made_of_a_value_json_cannot_encode_is_a_placed_problem(
+    field: str, value: Any
+) -> None:
+    """The pending prompt's text made of a value JSON cannot encode is its JSON text, as a
+    turn's prompt is, and a placed `non_json_value` problem keeps the value as found."""
+    conversion = convert([_text_turn("prompt", "Confirm?")])
+    prompt = _session_prompt(prompt=None) | {field: value}
+
+    pending, notes = pending_from_session_hitl([prompt], conversion.messages)
+
+    assert pending is not None
+    assert pending.prompt == as_text(value)
+    found = [(n.kind, n.field, n.placed, n.content) for n in notes]
+    assert found == [("non_json_value", field, True, value)]
+
+
+@pytest.mark.parametrize("value", list(NOT_JSON.values()), ids=list(NOT_JSON))
+def test_session_prompt_params_a_message_cannot_hold_are_kept_in_a_problem_not_pending(
+    value: Any,
+) -> None:
+    """Params holding a value JSON cannot encode are not what a message holds (a turn's
+    HITL part holding them is an invalid part): the pending prompt takes its message's
+    params, and a problem (not placed) keeps the prompt's as found. Every reader of the
+    conversation can then write its pending prompt as JSON."""
+    conversion = convert([_text_turn("prompt", "Confirm?")])
+    params = {"booking": {"id": value}}
+
+    pending, notes = pending_from_session_hitl(
+        [_session_prompt(params=params)], conversion.messages
+    )
+
+    assert pending is not None
+    assert pending.params == {}
+    json.loads(pending.model_dump_json())
+    found = [(n.kind, n.field, n.placed, n.content) for n in notes]
+    assert found == [("unread_field", "params", False, params)]
 
 
 @pytest.mark.parametrize("where", list(TEXT_FIELDS))

@@ -180,6 +180,27 @@ async def test_reads_of_an_unmigrated_conversation_fall_back_to_its_legacy_turns
         ).transcript(EXAMPLE_CONVERSATION_ID)
 
 
+async def test_the_read_fallbacks_pending_prompt_holding_values_json_cannot_encode_reads_as_json(
+    backend: Backend,
+) -> None:
+    """A `session_hitl` prompt whose params hold an ObjectId, bytes or a Decimal128 gives
+    the conversation a pending prompt the service can write as JSON: the params its message
+    raised it with (MIGRATION.md), not those values."""
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    await backend.db[SESSION_HITL].insert_one(
+        {"conversation_id": EXAMPLE_CONVERSATION_ID, "request_id": "req-booking-1",
+         "action": "confirm_booking",
+         "params": {"id": bson.ObjectId(), "raw": b"\x00\xff", "price": bson.Decimal128("35")}}
+    )  # fmt: skip
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+    conversation = await store.get_conversation(EXAMPLE_CONVERSATION_ID, user_id=EXAMPLE_USER_ID)
+
+    assert conversation.pending_hitl is not None
+    assert conversation.pending_hitl.params == {"train": "TGV 6601", "price_eur": 35}
+    conversation.model_dump_json()
+
+
 async def test_an_unmigrated_conversation_cannot_be_renamed_yet(backend: Backend) -> None:
     await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
     store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))

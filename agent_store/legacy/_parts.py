@@ -403,10 +403,10 @@ def hitl_params(part: LegacyPart) -> dict[str, Any]:
         kept: dict[str, Any] = scopes_as_text(part.params)  # code keeps its scope
         return kept
     found = json_object(part.params) if isinstance(part.params, str) else None
-    return found if found is not None and _holdable(found) else {"value": part.params}
+    return found if found is not None and holdable_params(found) else {"value": part.params}
 
 
-def _holdable(params: dict[str, Any]) -> bool:
+def holdable_params(params: dict[str, Any]) -> bool:
     """Whether a message can hold these params: the store's rule for them (plain JSON, not
     too deep, no NUL in a key) and text BSON encodes (no lone surrogate)."""
     try:

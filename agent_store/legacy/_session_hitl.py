@@ -35,12 +35,20 @@ from agent_store.legacy._convert import MIXED_USER_IDS, LegacyConversion, Proble
 from agent_store.legacy._documents import (
     as_time,
     flag,
+    not_json,
     read_code_as_text,
     reference_text,
     taken_time,
     user_named,
 )
-from agent_store.legacy._parts import hitl_params, part_text, read_prompt, said
+from agent_store.legacy._parts import (
+    LegacyPart,
+    hitl_params,
+    holdable_params,
+    part_text,
+    read_prompt,
+    said,
+)
 
 _ANSWERED = frozenset(
     {"resolved", "answered", "responded", "replied", "done", "complete", "completed"}
@@ -284,12 +292,12 @@ def _pending(
         notes.append(PromptNote("pending_hitl_without_message", detail))
     action = raised.hitl_action if raised is not None else None
     found = read_prompt(newest)
+    params, params_notes = _params(found, action.params if action else {}, request_id)
+    notes += params_notes + _text_notes(newest, found, request_id)
     prompt = PendingHitl(
         request_id=request_id,
         action=str(found.action or (action.action if action else "unknown")),
-        params=hitl_params(found)
-        if found.params is not None
-        else (action.params if action else {}),
+        params=params,
         prompt=_prompt_text(newest) or (raised.content if raised else None),
         message_id=raised.id if raised is not None and raised.id else "",
         created_at=as_time(newest.get("created_at"))
@@ -298,6 +306,38 @@ def _pending(
         or messages[-1].created_at,
     )
     return prompt, notes
+
+
+def _params(
+    found: LegacyPart, raised: dict[str, Any], request_id: str
+) -> tuple[dict[str, Any], list[PromptNote]]:
+    """The pending prompt's params: its own as a HITL part's (`hitl_params`), else those of
+    the message that raised it (`raised`). Its own holding what no message can hold (a value
+    JSON cannot encode), which make a turn's HITL part an invalid part, are not taken: a
+    note (not placed) keeps them as found, and the message's are pending."""
+    if found.params is None:
+        return raised, []
+    params = hitl_params(found)
+    if holdable_params(params):
+        return params, []
+    detail = (
+        f"pending prompt {request_id!r} holds params no message can hold (values JSON cannot "
+        "encode); the params of the message that raised it are pending instead"
+    )
+    return raised, [PromptNote("unread_field", detail, found.params, False, "params")]
+
+
+def _text_notes(
+    document: Mapping[str, Any], found: LegacyPart, request_id: str
+) -> list[PromptNote]:
+    """A placed `non_json_value` note keeping the prompt's text as found when it is made of
+    a value JSON cannot encode (`not_json`), as for a turn's prompt: the text pending is the
+    JSON text spelling it, no longer the value."""
+    if not not_json(found.content):
+        return []
+    field = "prompt" if document.get("prompt") is found.content else "content"
+    detail = f"pending prompt {request_id!r} held values JSON cannot encode; stored as strings"
+    return [PromptNote("non_json_value", detail, found.content, True, field)]
 
 
 def pending_from_session_hitl(
