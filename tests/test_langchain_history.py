@@ -219,8 +219,7 @@ def test_three_turns_cost_six_round_trips_here_and_eight_inserts_there(
         peer = MongoDBChatMessageHistory(
             None, CID, name, collection_name="peer", client=their_client, create_index=False
         )
-        for index, turn in enumerate(TURNS):
-            reply = AIMessage(content=f"reply {index}")
+        for turn, reply in zip(TURNS, fake_model().messages, strict=True):
             history.add_messages([*turn, reply])
             peer.add_messages([*turn, reply])
         assert ours.names == ["findAndModify", "insert"] * 3
@@ -437,15 +436,137 @@ async def test_a_call_the_conversation_went_on_after_unanswered_gets_a_marked_st
     assert chat_completions_problems(convert_to_openai_messages(read_back)) == []
 
 
-async def test_a_call_nothing_but_its_prompt_followed_is_left_for_the_runtime_to_answer(
+async def test_a_call_its_prompt_followed_is_answered_by_a_stand_in_before_the_prompts_text(
     backend: Backend,
 ) -> None:
+    """The prompt's text is a message after the call: a model given it would be given the
+    call without a result before it."""
     logger = AgentMessageLogger(backend.db)
     await _a_call_awaiting_approval(logger)
 
     read_back = await ConversationChatHistory(CID, backend.db).aget_messages()
 
-    assert [type(m).__name__ for m in read_back] == ["HumanMessage", "AIMessage", "AIMessage"]
+    assert [type(m).__name__ for m in read_back] == [
+        "HumanMessage", "AIMessage", "ToolMessage", "AIMessage",
+    ]  # fmt: skip
+
+
+class RefusingModel(GenericFakeChatModel):
+    """A fake chat model refusing, as the Chat Completions API does (its 400), a history that
+    breaks the pairing rules (`chat_completions_problems`)."""
+
+    def _generate(self, messages: list[BaseMessage], *args: Any, **kwargs: Any) -> Any:
+        from langchain_core.messages.utils import convert_to_openai_messages
+
+        from agent_store.integrations.exports import chat_completions_problems
+
+        problems = chat_completions_problems(convert_to_openai_messages(messages))
+        if problems:
+            raise ValueError(f"400 from the model API: {problems}")
+        return super()._generate(messages, *args, **kwargs)
+
+
+async def _approved_while_the_model_went_on(backend: Backend) -> None:
+    """tc-1 awaits approval (turn t1); in turn t2 it is approved, its result still to come,
+    and the model meanwhile calls and answers tc-2, with no user message in between."""
+    await _a_call_awaiting_approval(AgentMessageLogger(backend.db))
+    await ConversationStore(backend.db).resolve_hitl(CID, "confirm-9")
+    calls = [{"id": "tc-2", "function": {"name": "get_weather", "arguments": "{}"}}]
+    await AgentMessageLogger(backend.db).log_messages(
+        CID,
+        [{"role": "assistant", "content": None, "tool_calls": calls},
+         {"role": "tool", "tool_call_id": "tc-2", "content": "sunny"},
+         {"role": "assistant", "content": "Sunny in Lyon."}],
+        turn_id="t2",
+    )  # fmt: skip
+
+
+async def test_a_call_later_messages_of_the_model_followed_is_answered_by_a_marked_stand_in(
+    backend: Backend,
+) -> None:
+    """The model was called again past tc-9 (it made tc-2): tc-9 is answered right after its
+    call, as `chat_completions` answers it, not left open before tc-2."""
+    from langchain_core.messages.utils import convert_to_openai_messages
+
+    from agent_store.core import PENDING_RESULT
+    from agent_store.integrations.exports import chat_completions_problems
+
+    await _approved_while_the_model_went_on(backend)
+
+    read_back = await ConversationChatHistory(CID, backend.db).aget_messages()
+
+    assert [(type(m).__name__, getattr(m, "tool_call_id", None)) for m in read_back] == [
+        ("HumanMessage", None), ("AIMessage", None), ("ToolMessage", "tc-9"), ("AIMessage", None),
+        ("AIMessage", None), ("ToolMessage", "tc-2"), ("AIMessage", None),
+    ]  # fmt: skip
+    assert (read_back[2].content, read_back[2].status) == (PENDING_RESULT, "error")  # type: ignore[attr-defined]
+    assert chat_completions_problems(convert_to_openai_messages(read_back)) == []
+
+
+@pytest.mark.parametrize(
+    "model_went_on", [pytest.param(True, id="model-went-on"), pytest.param(False, id="prompt-last")]
+)
+async def test_a_chain_goes_on_past_a_call_whose_result_is_still_to_come(
+    backend: Backend, model_went_on: bool
+) -> None:
+    """The person writes something else while tc-9 is without a result: the model takes the
+    history (a chain stores the person's message only once the model answered, so a history
+    the model refused would be refused for every message after it)."""
+    if model_went_on:
+        await _approved_while_the_model_went_on(backend)
+    else:
+        await _a_call_awaiting_approval(AgentMessageLogger(backend.db))
+    history = ConversationChatHistory(CID, backend.db)
+    chain = RunnableWithMessageHistory(
+        RefusingModel(messages=iter([AIMessage("Nothing else.")])), lambda session_id: history
+    )
+    stored = len(await history.aget_messages())
+
+    reply = await chain.ainvoke("Thanks. Anything else?", CONFIG)
+
+    assert reply.content == "Nothing else."
+    assert len(await history.aget_messages()) == stored + 2
+
+
+async def test_a_call_nothing_follows_is_left_for_the_runtime_to_answer(backend: Backend) -> None:
+    """The model's last message makes a call: the runtime answers it with the chain's next
+    input, which the model takes right after the call."""
+    history = ConversationChatHistory(CID, backend.db)
+    calls = [{"name": "search", "args": {}, "id": "tc-1"}]
+    replies = iter([AIMessage("", tool_calls=calls), AIMessage("Found it.")])
+    chain = RunnableWithMessageHistory(RefusingModel(messages=replies), lambda session_id: history)
+    await chain.ainvoke("Search", CONFIG)
+
+    read_back = await history.aget_messages()
+    assert [type(m).__name__ for m in read_back] == ["HumanMessage", "AIMessage"]
+    reply = await chain.ainvoke([ToolMessage("found", tool_call_id="tc-1")], CONFIG)
+    assert reply.content == "Found it."
+
+
+async def test_a_result_answering_no_call_is_left_out(backend: Backend) -> None:
+    """The runtime popped its paused call, then logged the approved tool's result: no call is
+    left for it to answer, and a chat model refuses a tool message answering none."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    calls = [{"id": "call_b1", "function": {"name": "book_train", "arguments": "{}"}}]
+    await logger.log_messages(
+        CID,
+        [{"role": "user", "content": "Book the 09:04."},
+         {"role": "assistant", "content": None, "tool_calls": calls}],
+        turn_id="t1",
+    )  # fmt: skip
+    await store.pop_last_message(CID)
+    await logger.log_messages(
+        CID,
+        [{"role": "tool", "tool_call_id": "call_b1", "content": "booked 09:04"},
+         {"role": "assistant", "content": "Booked."}],
+        turn_id="t2",
+    )  # fmt: skip
+
+    read_back = await ConversationChatHistory(CID, backend.db).aget_messages()
+
+    assert [(type(m).__name__, m.content) for m in read_back] == [
+        ("HumanMessage", "Book the 09:04."), ("AIMessage", "Booked."),
+    ]  # fmt: skip
 
 
 # -- retries of adds, by chains sharing one history ----------------------------------

@@ -160,7 +160,7 @@ APPROVED_AND_BOOKED = [
 SOMETHING_ELSE = [{"type": "stream_token", "token": "It is 09:00."}]
 
 
-async def stream(backend: Backend, turns: list[tuple[list[dict[str, Any]], str]]) -> None:
+async def stream(backend: Backend, turns: list[tuple[list[dict[str, Any]], str | None]]) -> None:
     """Turns streamed in the metadata protocol and logged as STREAMING.md documents."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     for number, (events, prompt) in enumerate(turns, start=1):
@@ -238,18 +238,56 @@ async def test_a_stand_in_comes_before_a_text_the_response_making_its_call_went_
     assert problems_of(items) == []
 
 
-async def test_a_call_nothing_but_its_prompt_followed_is_left_for_the_runtime_to_answer(
+async def test_a_call_its_prompt_followed_is_answered_by_a_stand_in_before_the_prompts_text(
     backend: Backend,
 ) -> None:
+    """The prompt's text is an item after the call: a model given it would be given the call
+    without a result before it (the SDK drops such a call from what it sends)."""
     await stream(backend, [(ASKED, "Book the 09:04.")])
 
     items = await ConversationSession(CID, backend.db).get_items()
     history = await ConversationChatHistory(CID, backend.db).aget_messages()
 
     assert kinds(items) == [
-        "message:user", "message:assistant", "function_call:tc-9", "message:assistant",
+        "message:user", "message:assistant", "function_call:tc-9", "function_call_output:tc-9",
+        "message:assistant",
     ]  # fmt: skip
-    assert [type(m).__name__ for m in history] == ["HumanMessage", "AIMessage", "AIMessage"]
+    assert items[3]["output"] == PENDING_RESULT
+    assert [type(m).__name__ for m in history] == [
+        "HumanMessage", "AIMessage", "ToolMessage", "AIMessage",
+    ]  # fmt: skip
+
+
+APPROVED_WHILE_THE_MODEL_WENT_ON = [
+    {"type": "confirm_resolved", "request_id": "confirm-9", "approved": True},
+    {"type": "tool_start", "tool_name": "get_weather", "tool_call_id": "tc-2", "args": {}},
+    {"type": "tool_end", "tool_name": "get_weather", "tool_call_id": "tc-2", "result": "sunny"},
+    {"type": "stream_token", "token": "Sunny in Lyon."},
+]
+"""tc-9 is approved, its result still to come, and the model meanwhile calls and answers tc-2
+(no user message in between)."""
+
+
+async def test_a_call_later_items_of_the_model_followed_is_answered_by_a_marked_stand_in(
+    backend: Backend,
+) -> None:
+    """The model was called again past tc-9: the SDK is given tc-9 with a stand-in right
+    after it, not tc-9 without a result (which it drops from what it sends)."""
+    await stream(backend, [(ASKED, "Book the 09:04."), (APPROVED_WHILE_THE_MODEL_WENT_ON, None)])
+    transport = FakeChatCompletionsTransport()
+
+    await Runner.run(
+        chat_agent(transport), "and now?", session=ConversationSession(CID, backend.db)
+    )
+
+    sent = transport.sent[0]
+    # The SDK's converter joins the prompt's text and tc-2 in one assistant message.
+    assert [(m["role"], m.get("tool_call_id")) for m in sent] == [
+        ("user", None), ("assistant", None), ("tool", "tc-9"), ("assistant", None),
+        ("tool", "tc-2"), ("assistant", None), ("user", None),
+    ]  # fmt: skip
+    assert sent[2]["content"] == PENDING_RESULT
+    assert chat_completions_problems(sent) == []
 
 
 # -- the session's own items keep their order -----------------------------------------

@@ -673,6 +673,33 @@ async def test_a_resumed_run_retried_after_a_lost_reply_answers_its_call_once(
     check_chat_completions(chat_completions(await ConversationStore(backend.db).transcript(CID)))
 
 
+async def test_a_result_whose_call_was_popped_is_left_out_of_the_items(
+    backend: Backend,
+) -> None:
+    """The run pauses for approval, the runtime pops the paused call, and the approved run
+    resumes: the SDK saves the tool's result, which answers no call left; the next run's
+    model is not given it (the Responses API refuses an output answering no call)."""
+    model = ScriptedModel()
+    model.steps = [
+        [call("book_train", {"train": "09:04"}, "call_b1")],
+        [text("Booked.", "msg_1")],
+        [text("Anything else?", "msg_2")],
+    ]
+    agent = Agent(name="assistant", model=model, tools=[book_train])
+    session = ConversationSession(CID, backend.db)
+    paused = await Runner.run(agent, "Book the 09:04.", session=session)
+    await session.pop_item()
+    state = paused.to_state()
+    state.approve(state.get_interruptions()[0])
+    await Runner.run(agent, state, session=session)
+
+    await Runner.run(agent, "Thanks.", session=session)
+
+    assert [i.get("type", i.get("role")) for i in model.inputs[-1]] == [
+        "user", "message", "user",
+    ]  # fmt: skip
+
+
 async def test_a_session_of_one_user_neither_reads_nor_writes_anothers(backend: Backend) -> None:
     await ConversationSession(CID, backend.db, user_id="alice").add_items(
         [{"role": "user", "content": "mine"}]

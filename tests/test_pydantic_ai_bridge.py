@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -602,3 +605,56 @@ async def test_a_resumed_run_answering_calls_asked_about_one_prompt_each_leaves_
     assert resumed.output == "Both booked."
     assert await store.pending_calls(CID) == []
     assert await store.pending_hitl(CID) is None
+
+
+def documented_history(store: ConversationStore) -> Any:
+    """RUNTIMES.md's Pydantic AI recipe as written: its `history = …` line, run on `store`."""
+    runtimes = (Path(__file__).parents[1] / "docs" / "RUNTIMES.md").read_text()
+    recipe = re.search(r"## Pydantic AI\n.*?```python\n(.*?)```", runtimes, re.DOTALL)
+    assert recipe is not None
+    (line,) = [line for line in recipe.group(1).splitlines() if line.startswith("history = ")]
+    namespace = {"store": store, "history_from_messages": history_from_messages}
+    code = compile(line, "docs/RUNTIMES.md", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+
+    async def run() -> Any:
+        await eval(code, namespace)  # a coroutine: the line awaits
+        return namespace["history"]
+
+    return run()
+
+
+async def test_the_documented_recipe_resumes_a_call_whose_arguments_were_cut_on_them_whole(
+    backend: Backend,
+) -> None:
+    """The call awaiting approval has arguments over the message bound (1 MiB), so its message
+    is stored with them cut: the recipe's history holds them whole, and the approved tool
+    runs on them."""
+    body = "x" * (1024 * 1024 + 10)
+    ran: list[str] = []
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if not any(isinstance(m, ModelResponse) for m in messages):
+            call = ToolCallPart("send_email", {"body": body}, tool_call_id="tc-mail")
+            return ModelResponse(parts=[call])
+        return ModelResponse(parts=[TextPart("Sent.")])
+
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        FunctionModel(respond), output_type=[str, DeferredToolRequests]
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def send_email(body: str) -> str:
+        ran.append(body)
+        return "sent"
+
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    first = await agent.run("Email the report.")
+    await log_run(logger, "conv-42", first.new_messages(), turn_id="run-1")
+    assert (await store.transcript("conv-42"))[-1].truncated  # the bound cut the arguments
+
+    await agent.run(
+        message_history=await documented_history(store),
+        deferred_tool_results=DeferredToolResults(approvals={"tc-mail": True}),
+    )
+
+    assert ran == [body]

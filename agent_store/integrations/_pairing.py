@@ -58,19 +58,18 @@ def in_call_order(
     A response is the message making the call, or with `joins`, the consecutive assistant
     messages it joins. The answers (by the rules above) of a response's calls follow it, in
     the order they were stored, so answers stored right after it stay as they are; an answer
-    that lost to another (a stand-in a real result replaced) is left out, and a tool message
-    answering no call stays where it was stored. A call without an answer that the
-    conversation went on after (a later user or system message: the model is called again
-    past it) is answered after those by a stand-in (`pending_stand_in`), never stored. A call
-    only assistant messages followed (its prompt) is left open: the runtime is about to
-    answer it.
+    that lost to another (a stand-in a real result replaced), and a tool message answering
+    no call, are left out. A call without an answer is answered, as `chat_completions`
+    answers it, by a stand-in (`pending_stand_in`, never stored) when a message a model is
+    given follows its response (`_given`: the model is called again past the call, and a
+    chat model refuses a call without a result before a later message). A call of the last
+    response, nothing but its answers after it, is left open: the runtime is about to answer
+    it.
     """
     answers = answers_to_calls(messages)
-    winners = {id(answer) for answer in answers.values()}
     stored_at = {id(message): index for index, message in enumerate(messages)}
-    prompts = [i for i, m in enumerate(messages) if isinstance(m, UserMessage | SystemMessage)]
-    went_on_until = prompts[-1] if prompts else -1
-    made: set[str] = set()
+    given = [i for i, m in enumerate(messages) if _given(m)]
+    went_on_until = given[-1] if given else -1
     placed: list[AgentMessage] = []
     response: list[tuple[int, AssistantMessage]] = []
     after_calls = 0  # where in `placed` the response's last message making calls ends
@@ -88,16 +87,25 @@ def in_call_order(
         if message is None:
             break
         if isinstance(message, AssistantMessage):
-            made |= {call.id for call in message.tool_calls or ()}
             response.append((index, message))
             if message.tool_calls:
                 after_calls = len(placed) + 1
-        elif isinstance(message, ToolMessage) and (
-            id(message) in winners or message.tool_call_id in made
-        ):
-            continue  # placed with its call, or lost to the answer placed there
+        elif isinstance(message, ToolMessage):
+            continue  # placed with the call it answers, or answering none: left out
         placed.append(message)
     return placed
+
+
+def _given(message: AgentMessage) -> bool:
+    """Whether a model is given the message where it was stored: a user or system message,
+    or an assistant message with text or calls (not an error note, a HITL action alone or
+    another runtime's item, which no history gives a chat model). A tool message is given
+    with its call."""
+    if isinstance(message, UserMessage | SystemMessage):
+        return True
+    return isinstance(message, AssistantMessage) and (
+        message.content is not None or bool(message.tool_calls)
+    )
 
 
 def _answered(

@@ -14,8 +14,9 @@ What a message holds beyond the chat fields (its `id`, `name`, `additional_kwarg
 back equal the ones written. Messages other writers stored come back as the messages their
 chat fields make; items only another runtime can take (an Agents SDK reasoning item) are
 left out; a call's result stored a turn later (a confirmation) comes right after the call,
-as a chat model requires, and a call the conversation went on after without a result is
-answered in the history only by a marked stand-in (`PENDING_RESULT`, `status="error"`).
+as a chat model requires, a call the conversation went on after without a result is
+answered in the history only by a marked stand-in (`PENDING_RESULT`, `status="error"`), and
+a result answering no call is left out.
 
 One `aadd_messages` call is one logged turn (two round trips); `aget_messages` is one round
 trip. The async methods need an async database (PyMongo `AsyncDatabase`, Motor); the sync
@@ -176,11 +177,11 @@ def langchain_from_message(message: AgentMessage) -> BaseMessage | None:
 def _history(messages: Sequence[AgentMessage]) -> list[BaseMessage]:
     """The LangChain history of stored messages: each as `langchain_from_message` gives it,
     each call answered right after its message (`in_call_order`). A call no stored result
-    answers that the conversation went on after (a later user or system message: the model
-    is called again past it) is answered there by a stand-in, `PENDING_RESULT` with
+    answers that the conversation went on after (any later message a model is given: the
+    model is called again past it) is answered there by a stand-in, `PENDING_RESULT` with
     `status="error"`, as the Chat Completions export answers it: a chat model refuses a call
-    without a result. A call nothing but assistant messages followed (its prompt) is left
-    open: the runtime is about to answer it."""
+    without a result. A call of the last message is left open: the runtime is about to
+    answer it. A result answering no call is left out."""
     converted = (langchain_from_message(message) for message in in_call_order(messages))
     return [message for message in converted if message is not None]
 

@@ -23,7 +23,8 @@ make, an assistant message with the `id` an output message item needs
 (`msg_<message id>`). `get_items` gives each call's answers right after the
 model response making it, and a stand-in (`PENDING_RESULT`) for a call the
 conversation went on after without a result, as the LangChain history does
-(`in_call_order`); a call only its prompt followed is left open.
+(`in_call_order`); a call of the last response is left open, and a result answering
+no call is left out.
 """
 
 from __future__ import annotations
