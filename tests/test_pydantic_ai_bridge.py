@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -602,3 +603,15 @@ async def test_a_resumed_run_answering_calls_asked_about_one_prompt_each_leaves_
     assert resumed.output == "Both booked."
     assert await store.pending_calls(CID) == []
     assert await store.pending_hitl(CID) is None
+
+
+@pytest.mark.parametrize("millis", [29, 1001, 1003, 86_400_007])
+def test_a_responses_latency_is_its_whole_milliseconds_after_the_request(millis: int) -> None:
+    """Exact integer milliseconds: `total_seconds() * 1000` falls below 1001 and was cut to
+    1000."""
+    sent = datetime(2026, 3, 1, 14, tzinfo=UTC)
+    run = [
+        ModelRequest(parts=[UserPromptPart("hi", timestamp=sent)], timestamp=sent),
+        ModelResponse(parts=[TextPart("ok")], timestamp=sent + timedelta(milliseconds=millis)),
+    ]
+    assert [m.latency_ms for m in messages_from_run(run) if m.role == "assistant"] == [millis]

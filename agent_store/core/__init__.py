@@ -70,6 +70,7 @@ from agent_store.core._models import (
     to_utc,
     to_utc_millis,
     utc_now,
+    whole_millis,
 )
 from agent_store.core._outcomes import (
     DENIED_RESULT,
@@ -175,4 +176,5 @@ __all__ = [
     "to_utc_millis",
     "tool_outcome",
     "utc_now",
+    "whole_millis",
 ]

@@ -77,11 +77,16 @@ _UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MILLISECOND = timedelta(milliseconds=1)
 
 
+def whole_millis(duration: timedelta) -> int:
+    """A duration in whole milliseconds (the microseconds below cut off), in exact integer
+    arithmetic: a float's `total_seconds() * 1000` (or `timestamp() * 1000`) lands below the
+    whole millisecond for some durations (1.001 s) and loses one when truncated."""
+    return duration // _MILLISECOND
+
+
 def epoch_millis(value: datetime) -> int:
-    """A time as whole milliseconds since 1970 (`to_utc`; the microseconds below the
-    millisecond cut off), in exact integer arithmetic: a float's `timestamp() * 1000` lands
-    below the whole millisecond for some times and loses one when truncated."""
-    return (to_utc(value) - _UNIX_EPOCH) // _MILLISECOND
+    """A time as whole milliseconds since 1970 (`to_utc`, `whole_millis`)."""
+    return whole_millis(to_utc(value) - _UNIX_EPOCH)
 
 
 def from_epoch_millis(millis: int) -> datetime:
