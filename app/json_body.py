@@ -15,7 +15,7 @@ import json
 import math
 from typing import Any, TypeVar
 
-from agent_store.core import location_text
+from agent_store.core import location_text, shown_key
 from app.http_errors import InvalidJson, InvalidRequest, PayloadTooLarge
 
 MAX_BODY_DEPTH = 64
@@ -43,9 +43,9 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         for key, _ in pairs:
             if key in seen:
-                shown = key if len(key) <= 80 else f"{key[:80]}…"
                 raise InvalidJson(
-                    f"the body names the key {shown!r} twice in one object: send each key once"
+                    f"the body names the key {shown_key(key)} twice in one object: "
+                    "send each key once"
                 )
             seen.add(key)
     return document

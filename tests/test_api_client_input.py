@@ -94,7 +94,44 @@ async def test_a_body_naming_a_key_twice_in_one_object_is_refused_with_400(
     """Which of two values a reader takes differs from reader to reader (this service's
     parser, a proxy's, an audit log's): the body is refused, nothing written."""
     message = await refused(api, method, url, body, 400)
-    assert f"names the key {key!r} twice in one object" in message
+    assert f"names the key {key} twice in one object" in message
+
+
+async def test_a_key_named_twice_that_is_no_plain_name_is_shown_as_key(api: Served) -> None:
+    """SECURITY.md: an error never repeats raw input; a body key that is not a plain name is
+    shown as `<key>`, as everywhere else."""
+    key = "<script>alert(1)</script>"
+    body = json.dumps({"name": "a", "k": 1}).replace('"k": 1', f'"{key}": 1, "{key}": 2')
+    message = await refused(api, "PATCH", CONV, body.encode(), 400)
+    assert "names the key <key> twice in one object" in message
+    assert "script" not in message
+
+
+HOSTILE_ROLE = "<img src=x onerror=alert(1)>\r\nX-Injected: 1 " + "A" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("url", "wrap"),
+    [
+        pytest.param(TURNS, lambda m: {"turn_id": "t-r", "messages": [m]}, id="a-turn"),
+        pytest.param(f"{TURNS}/t-run/inbox/messages", lambda m: {"message": m}, id="a-delivery"),
+    ],
+)
+@pytest.mark.parametrize("role", [HOSTILE_ROLE, "<b>x</b>"], ids=["long-markup", "markup"])
+async def test_a_role_that_is_none_of_the_roles_is_refused_naming_the_roles_not_the_input(
+    api: Served, url: str, wrap: Any, role: str
+) -> None:
+    body = json.dumps(wrap({"role": role, "content": "hi"})).encode()
+    message = await refused(api, "POST", url, body, 422)
+    assert "'role' must be one of 'system', 'user', 'assistant', 'tool', not <withheld>" in message
+    assert not any(raw in message for raw in ("<b>", "img", "\r"))
+    assert len(message) < 200
+
+
+async def test_a_role_that_is_a_plain_name_but_no_role_is_shown(api: Served) -> None:
+    body = json.dumps({"turn_id": "t-r", "messages": [{"role": "User", "content": "hi"}]})
+    message = await refused(api, "POST", TURNS, body.encode(), 422)
+    assert "'role' must be one of 'system', 'user', 'assistant', 'tool', not 'User'" in message
 
 
 async def test_the_same_key_in_two_objects_is_no_duplicate(api: Served) -> None:
@@ -483,8 +520,8 @@ async def test_a_content_length_not_a_byte_count_in_ascii_digits_is_refused(
 # -- search ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("q", ["-a -b", "-paris", "-", "!!!", '-"in paris"', "--a", "- -"])
-async def test_a_search_without_a_positive_term_is_refused_with_422(
+@pytest.mark.parametrize("q", ["-a -b", "-paris", '-"in paris"', "--a", '- -"in"'])
+async def test_a_search_of_only_excluded_words_is_refused_saying_so(
     backend: Backend, q: str
 ) -> None:
     async with serve(backend.db) as api:
@@ -492,7 +529,26 @@ async def test_a_search_without_a_positive_term_is_refused_with_422(
             "/v1/search", params={"q": q, "user_id": OWNER}, headers=SERVICE
         )
         assert response.status_code == 422, response.text
-        assert "at least one word" in response.json()["error"]["message"]
+        assert response.json()["error"]["message"] == (
+            "invalid search: the query needs at least one word to find, not only words "
+            "excluded with '-'"
+        )
+
+
+@pytest.mark.parametrize("q", ["\\", "\x00", '"', '""', "¿?", "-", "!!!", "- -"])
+async def test_a_search_holding_no_word_is_refused_saying_it_holds_none(
+    backend: Backend, q: str
+) -> None:
+    """Nothing was excluded: the message says there is no word, not that words were excluded."""
+    async with serve(backend.db) as api:
+        response = await api.http.get(
+            "/v1/search", params={"q": q, "user_id": OWNER}, headers=SERVICE
+        )
+        assert response.status_code == 422, response.text
+        assert response.json()["error"]["message"] == (
+            "invalid search: the query holds no word to search for (a word holds a letter or "
+            "a digit)"
+        )
 
 
 @pytest.mark.parametrize("q", ["paris -lyon", '"in paris"', "- paris", "the"])

@@ -221,7 +221,7 @@ async def test_concurrent_turns_get_unique_increasing_seq_and_exact_turn_count(
         ),
         pytest.param(
             [{"role": "narrator", "content": "hi"}],
-            "does not match any of the expected tags",
+            "'role' must be one of 'system', 'user', 'assistant', 'tool', not 'narrator'",
             id="unknown-role",
         ),
         pytest.param(

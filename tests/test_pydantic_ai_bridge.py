@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -658,3 +659,15 @@ async def test_the_documented_recipe_resumes_a_call_whose_arguments_were_cut_on_
     )
 
     assert ran == [body]
+
+
+@pytest.mark.parametrize("millis", [29, 1001, 1003, 86_400_007])
+def test_a_responses_latency_is_its_whole_milliseconds_after_the_request(millis: int) -> None:
+    """Exact integer milliseconds: `total_seconds() * 1000` falls below 1001 and was cut to
+    1000."""
+    sent = datetime(2026, 3, 1, 14, tzinfo=UTC)
+    run = [
+        ModelRequest(parts=[UserPromptPart("hi", timestamp=sent)], timestamp=sent),
+        ModelResponse(parts=[TextPart("ok")], timestamp=sent + timedelta(milliseconds=millis)),
+    ]
+    assert [m.latency_ms for m in messages_from_run(run) if m.role == "assistant"] == [millis]

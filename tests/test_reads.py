@@ -7,6 +7,7 @@ import re
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import pytest
@@ -95,6 +96,45 @@ async def test_conversations_with_equal_update_times_are_paged_without_gaps(
     third = await store.list_conversations("tied", limit=2, cursor=second.next_cursor)
     ids = [c.id for page in (first, second, third) for c in page.data]
     assert ids == ["tie-4", "tie-3", "tie-2", "tie-1", "tie-0"]
+
+
+async def _listed_page_by_page(read: Callable[..., Awaitable[Any]]) -> list[str]:
+    """The ids of every conversation `read` lists, two to a page, reading on to the end."""
+    seen: list[str] = []
+    cursor = None
+    while True:
+        page = await read(limit=2, cursor=cursor)
+        seen += [c.id for c in page.data]
+        if not page.has_more:
+            return seen
+        cursor = page.next_cursor
+
+
+@pytest.mark.parametrize(
+    "when",
+    [
+        "2026-03-01T14:00:00.123Z",
+        # times whose float `timestamp() * 1000` falls just below the whole millisecond
+        "2004-02-29T16:00:25.919Z",
+        "1987-04-02T13:35:29.943Z",
+        "1978-09-10T07:30:21.965Z",
+    ],
+)
+async def test_conversations_updated_in_the_same_millisecond_are_each_listed_once_at_any_time(
+    backend: Backend, when: str
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    ids = [f"same-ms-{n}" for n in range(5)]
+    for conversation_id in ids:
+        await logger.log_messages(
+            conversation_id,
+            [{"role": "user", "content": "imported", "created_at": when}],
+            user_id="tied",
+        )
+    store = ConversationStore(backend.db)
+    listed = await _listed_page_by_page(partial(store.list_conversations, "tied"))
+    recent = await _listed_page_by_page(store.recent_conversations)
+    assert listed == recent == list(reversed(ids))
 
 
 def calling(tool: str, *call_ids: str) -> dict[str, Any]:

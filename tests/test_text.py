@@ -268,9 +268,9 @@ def test_a_cut_message_fits_its_bound_whatever_its_text_escapes_to(
     ],
 )
 def test_a_search_needs_a_word_that_is_not_excluded(query: str, positive: bool) -> None:
-    from agent_store.store._text import has_positive_term
+    from agent_store.store._text import search_words
 
-    assert has_positive_term(query) is positive
+    assert search_words(query)[0] is positive
 
 
 def test_every_format_character_shows_nothing() -> None:

@@ -1201,6 +1201,40 @@ NAMED_BY_ANY_VALUE = pytest.mark.parametrize(
 """Values the old service may have stored as `user_id`, each read as the user its text is."""
 
 
+LETTERED_ID = bson.ObjectId("6b0d2c1e9f1a4b3c2d1e0f1a")
+"""An ObjectId whose hex holds letters in both halves."""
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [str.upper, lambda hex_: hex_[:12] + hex_[12:].upper()],
+    ids=["upper-case", "mixed-case"],
+)
+async def test_a_conversation_filed_under_an_object_id_answers_only_to_its_lowercase_hex(
+    backend: Backend, spelling: Any
+) -> None:
+    """Ids are case-sensitive and the migration names the conversation by `str(ObjectId)`:
+    another spelling of its hex is another conversation, one the owner may start, and
+    neither reads nor deletes the legacy one."""
+    await backend.db[LEGACY_TURNS].insert_one(
+        {"_id": "lt-oid", "conversation_id": LETTERED_ID, "user_id": BOB,
+         "created_at": datetime(2025, 1, 1, tzinfo=UTC),
+         "user_message": "grace legacy words", "response_text": "ok"}
+    )  # fmt: skip
+    logger, store = wired(backend)
+    other = spelling(str(LETTERED_ID))
+
+    with pytest.raises(NotFound):
+        await store.transcript(other, user_id=BOB)
+    with pytest.raises(NotFound):
+        await store.delete(other, user_id=BOB)
+    await logger.log_messages(other, [{"role": "user", "content": "new"}], user_id=BOB)
+
+    assert await _said(store, other, BOB) == ["new"]
+    assert await _said(store, str(LETTERED_ID), BOB) == ["grace legacy words"]
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 1
+
+
 async def legacy_turn_naming(backend: Backend, named_as: Any) -> None:
     """A legacy turn and its prompt naming a user by a value that is not text, as the old
     service may have written it."""

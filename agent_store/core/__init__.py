@@ -17,6 +17,7 @@ from agent_store.core._errors import (
     describe_validation_error,
     location_text,
     shown,
+    shown_key,
 )
 from agent_store.core._models import (
     HOLDING_PROMPTS_KEPT,
@@ -61,12 +62,15 @@ from agent_store.core._models import (
     approval_held_again,
     awaiting_results,
     conversation_version,
+    epoch_millis,
+    from_epoch_millis,
     message_adapter,
     messages_adapter,
     rfc3339_millis,
     to_utc,
     to_utc_millis,
     utc_now,
+    whole_millis,
 )
 from agent_store.core._outcomes import (
     DENIED_RESULT,
@@ -154,8 +158,10 @@ __all__ = [
     "calls_answered",
     "conversation_version",
     "describe_validation_error",
+    "epoch_millis",
     "feedback_cause",
     "feedback_error",
+    "from_epoch_millis",
     "interruption_notice",
     "is_stand_in",
     "location_text",
@@ -164,9 +170,11 @@ __all__ = [
     "outcome_error",
     "rfc3339_millis",
     "shown",
+    "shown_key",
     "stand_in_result",
     "to_utc",
     "to_utc_millis",
     "tool_outcome",
     "utc_now",
+    "whole_millis",
 ]

@@ -99,14 +99,16 @@ class StorageFailure(StoreError):
 def location_text(parts: Sequence[str | int]) -> str:
     """Where in a document a problem is, as `a.0.b`, fit to show to whoever sent it.
 
-    Keys that are not plain names (the sender's own text, say) are shown as `<key>`, so
-    an error message never repeats arbitrary input back.
+    Keys that are not plain names (the sender's own text, say) are shown as `<key>`
+    (`shown_key`), so an error message never repeats arbitrary input back.
     """
-    return ".".join(
-        str(part) if _PLAIN_NAME.fullmatch(str(part)) else "<key>"
-        for part in parts
-        if part not in _UNION_TAGS
-    )
+    return ".".join(shown_key(part) for part in parts if part not in _UNION_TAGS)
+
+
+def shown_key(key: str | int) -> str:
+    """A key of a caller's document (or an index in it) as an error message may show it: as
+    it is when it is a plain name, else `<key>`."""
+    return str(key) if _PLAIN_NAME.fullmatch(str(key)) else "<key>"
 
 
 def shown(value: str) -> str:
@@ -133,6 +135,12 @@ def describe_validation_error(error: ValidationError, *, subject: str = "input")
         text = str(item["msg"]).removeprefix("Value error, ")
         if item["type"] == "string_pattern_mismatch" and item.get("input") in DOT_SEGMENTS:
             text = f"{item['input']!r} is no id: {_DOT_SEGMENT_REASON}"
+        elif item["type"] == "union_tag_invalid":  # pydantic's text repeats the tag as sent
+            ctx = item.get("ctx") or {}
+            text = (
+                f"{ctx.get('discriminator')} must be one of {ctx.get('expected_tags')}, "
+                f"not {shown(str(ctx.get('tag')))}"
+            )
         problems.append(f"{location}: {text}" if location else text)
     return f"invalid {subject}: " + "; ".join(problems)
 

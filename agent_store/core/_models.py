@@ -11,7 +11,7 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, ClassVar, Generic, Literal, Self, TypeVar
 
 from bson import Int64
@@ -71,6 +71,28 @@ def to_utc_millis(value: datetime) -> datetime:
     if value.microsecond % 1000:
         value = value.replace(microsecond=value.microsecond // 1000 * 1000)
     return value
+
+
+_UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MILLISECOND = timedelta(milliseconds=1)
+
+
+def whole_millis(duration: timedelta) -> int:
+    """A duration in whole milliseconds (the microseconds below cut off), in exact integer
+    arithmetic: a float's `total_seconds() * 1000` (or `timestamp() * 1000`) lands below the
+    whole millisecond for some durations (1.001 s) and loses one when truncated."""
+    return duration // _MILLISECOND
+
+
+def epoch_millis(value: datetime) -> int:
+    """A time as whole milliseconds since 1970 (`to_utc`, `whole_millis`)."""
+    return whole_millis(to_utc(value) - _UNIX_EPOCH)
+
+
+def from_epoch_millis(millis: int) -> datetime:
+    """The aware UTC time `millis` whole milliseconds from 1970 (`epoch_millis` read back);
+    OverflowError when no datetime is that far."""
+    return _UNIX_EPOCH + millis * _MILLISECOND
 
 
 def utc_now() -> datetime:

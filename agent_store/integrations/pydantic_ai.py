@@ -65,6 +65,7 @@ from agent_store.core import (
     feedback_error,
     outcome_error,
     tool_outcome,
+    whole_millis,
 )
 from agent_store.integrations._pairing import CallKey, answers_to_calls, unique_call_id
 from agent_store.integrations.exports import as_messages
@@ -212,7 +213,7 @@ def _from_response(response: pai.ModelResponse, sent_at: datetime | None) -> Ass
     ]
     latency = None
     if sent_at is not None and response.timestamp >= sent_at:
-        latency = int((response.timestamp - sent_at).total_seconds() * 1000)
+        latency = whole_millis(response.timestamp - sent_at)
     return AssistantMessage(
         # A response of thinking alone still took a request and its tokens: keep it as "".
         content="".join(texts) if texts or not calls else None,

@@ -41,6 +41,7 @@ from agent_store.core import (
     Conversation,
     InvalidInput,
     describe_validation_error,
+    epoch_millis,
     to_utc,
     to_utc_millis,
     utc_now,
@@ -231,6 +232,15 @@ _INT64_DIGITS = 20
 is no integer id, nor any time, and is never given to `int` (which refuses over 4,300)."""
 
 
+def object_id_named(text: str) -> ObjectId | None:
+    """The ObjectId whose text (`str`, 24 lower-case hex digits) `text` is, as a reader
+    names an id by `str()`; None for any other text, another spelling of the hex included
+    (ids are case-sensitive, and a migration names the conversation by that text)."""
+    if ObjectId.is_valid(text) and str(object_id := ObjectId(text)) == text:
+        return object_id
+    return None
+
+
 def id_filter(field: str, text: str, *, by_value: bool = True) -> dict[str, Any]:
     """The filter of the documents whose `field` the reader names `text` as it names a
     conversation (`named_id`): the text itself, an ObjectId it writes, a number of any BSON
@@ -239,8 +249,8 @@ def id_filter(field: str, text: str, *, by_value: bool = True) -> dict[str, Any]
     of its own BSON type; never an array holding one (`scalar_filter`). `by_value=False`
     names a number by `id_text` instead (as a request id is read: 5 and 5.0 are two)."""
     conditions: list[dict[str, Any]] = [{"$eq": text}]
-    if ObjectId.is_valid(text):
-        conditions.append({"$eq": ObjectId(text)})
+    if (object_id := object_id_named(text)) is not None:
+        conditions.append({"$eq": object_id})
     conditions += _number_conditions(text, by_value)
     if text in ("True", "False"):
         conditions.append({"$eq": text == "True", "$type": "bool"})
@@ -447,7 +457,7 @@ def epoch_time(number: float) -> datetime | None:
         return None
     whole = int(number)
     latest = _latest()
-    if whole <= 0 or whole > (latest - EPOCH).total_seconds() * 1000:
+    if whole <= 0 or whole > epoch_millis(latest):
         return None
     at = EPOCH + (
         timedelta(milliseconds=whole) if whole >= _MILLIS_FROM else timedelta(seconds=whole)
@@ -831,8 +841,8 @@ def user_values(user_id: str) -> list[Any]:
         with contextlib.suppress(ValueError, ArithmeticError, TypeError):
             if str(number := number_type(user_id)) == user_id:
                 values.append(number)
-    if ObjectId.is_valid(user_id) and str(ObjectId(user_id)) == user_id:
-        values.append(ObjectId(user_id))
+    if (object_id := object_id_named(user_id)) is not None:
+        values.append(object_id)
     return values
 
 

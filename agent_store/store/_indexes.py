@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from bson import Int64
 from pymongo import ASCENDING, DESCENDING, TEXT, IndexModel
 
+from agent_store.core import epoch_millis
 from agent_store.store._driver import Database, storage_errors
 
 MESSAGES = "agent_messages"
@@ -39,12 +40,8 @@ documents stored before they named it have none."""
 def conversation_mark(created_at: datetime) -> Int64:
     """The conversation a thread's documents and cached messages belong to, as stored: its
     creation time in whole milliseconds (what a BSON date keeps of it, read back or not)."""
-    if created_at.tzinfo is None:
-        created_at = created_at.replace(tzinfo=UTC)
-    return Int64((created_at - _EPOCH) // timedelta(milliseconds=1))
+    return Int64(epoch_millis(created_at))
 
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 SHARD_KEYS: dict[str, dict[str, Any]] = {
     MESSAGES: {"conversation_id": 1, "seq": 1},

@@ -20,7 +20,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -41,6 +41,8 @@ from agent_store.core import (
     VersionMismatch,
     awaiting_results,
     conversation_version,
+    epoch_millis,
+    from_epoch_millis,
     message_adapter,
     messages_adapter,
     shown,
@@ -67,7 +69,7 @@ from agent_store.store._reservation import (
     same_as_read,
     same_conversation,
 )
-from agent_store.store._text import clean_name, collapse_whitespace, has_positive_term
+from agent_store.store._text import clean_name, collapse_whitespace, search_words
 from agent_store.store._truncation import NATIVE
 from agent_store.store._turns import (
     ANSWERED_READ,
@@ -167,8 +169,7 @@ def _page_size(limit: int) -> int:
 
 
 def encode_cursor(conversation: Conversation) -> str:
-    millis = int(conversation.updated_at.timestamp() * 1000)
-    raw = json.dumps([millis, conversation.id]).encode()
+    raw = json.dumps([epoch_millis(conversation.updated_at), conversation.id]).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
@@ -179,7 +180,7 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
         if not isinstance(millis, int) or not isinstance(conversation_id, str):
             raise ValueError
         conversation_id.encode()  # UnicodeEncodeError (a ValueError) for a lone surrogate
-        return datetime.fromtimestamp(millis / 1000, UTC), conversation_id
+        return from_epoch_millis(millis), conversation_id
     except (ValueError, TypeError, OverflowError, OSError, binascii.Error) as exc:
         raise InvalidInput(
             "invalid cursor: pass back the `next_cursor` of a previous page unchanged"
@@ -1199,10 +1200,14 @@ class ConversationStore:
             raise InvalidInput(
                 f"invalid search: the query must have 1 to {MAX_SEARCH_QUERY_CHARS} characters"
             )
-        if not has_positive_term(text):
+        found, excluded = search_words(text)
+        if not found:
             raise InvalidInput(
                 "invalid search: the query needs at least one word to find, not only words "
                 "excluded with '-'"
+                if excluded
+                else "invalid search: the query holds no word to search for (a word holds a "
+                "letter or a digit)"
             )
         if user_id is None and conversation_id is None:
             raise InvalidInput("invalid search: scope it to a user_id or a conversation_id")

@@ -309,16 +309,20 @@ def clean_name(name: object) -> str:
 _SEARCH_TERM = re.compile(r'(-?)"([^"]*)"?|(\S+)')
 
 
-def has_positive_term(query: str) -> bool:
-    """Whether a `$text` query has a word to look for, not only words excluded with `-`.
+def search_words(query: str) -> tuple[bool, bool]:
+    """Whether a `$text` query has a word to look for, and whether it has words excluded
+    with `-`: a word (a term or a quoted phrase) holds a letter or a digit.
 
     MongoDB (and compatible servers) refuse or match nothing for a query of only
-    negated terms or punctuation; a positive term holds a letter or a digit.
+    negated terms or punctuation.
     """
+    found = excluded = False
     for match in _SEARCH_TERM.finditer(query):
         negated, phrase, word = match.groups()
         term = phrase if phrase is not None else word
-        excluded = bool(negated) if phrase is not None else word.startswith("-")
-        if not excluded and any(character.isalnum() for character in term):
-            return True
-    return False
+        if any(character.isalnum() for character in term):
+            if bool(negated) if phrase is not None else word.startswith("-"):
+                excluded = True
+            else:
+                found = True
+    return found, excluded
