@@ -137,9 +137,8 @@ def after_the_drop(db: Database[dict[str, Any]]) -> str | None:
     if dropped is None:
         return None
     restore = (
-        f"restore the dropped legacy turns from a backup into {LEGACY_TURNS}, unset "
-        f"`dropped_at` and `dropping_at` in the {STATE_ID!r} document of {STATE}, and run "
-        "the migration again"
+        f"restore the dropped legacy turns from a backup into {LEGACY_TURNS} and unset "
+        f"`dropped_at` and `dropping_at` in the {STATE_ID!r} document of {STATE}"
     )
     late = db[CONVERSATIONS].count_documents(TURN_FILTER)
     if not late:
@@ -159,8 +158,8 @@ def after_the_drop(db: Database[dict[str, Any]]) -> str | None:
         f"(conversations {shown}): their content is in no new collection, and no run can "
         "migrate them now (a run, or the gate, would take every migrated conversation for one "
         "no legacy turn makes). Stop the old-service writers; then, to migrate them, "
-        f"{restore} (it moves them aside and migrates them with the rest); until then they "
-        f"stay in {CONVERSATIONS}, as they are"
+        f"{restore}, and run the migration again (it moves them aside and migrates them with "
+        f"the rest); until then they stay in {CONVERSATIONS}, as they are"
     )
 
 
