@@ -103,10 +103,7 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
                 "`finish --drop-legacy --yes` finishes it"
             )
         if state.get("dropped_at") is not None:
-            print(
-                f"legacy turns dropped at {state['dropped_at']} by `finish --drop-legacy`: "
-                "nothing is left to migrate or check"
-            )
+            print(f"legacy turns: {explode.after_the_drop(db)}")
     last = db[lease.STATE].find_one({"kind": "run"}, sort=[("started_at", -1)])
     if last:
         counts = last.get("counts", {})
@@ -274,7 +271,21 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         print(f"problems are in {problem_report.PROBLEMS}; `status` summarizes them by kind")
     elapsed = time.monotonic() - run.started
     print(f"took {elapsed:.1f}s, {run.counts.turns / max(elapsed, 1e-9):.1f} turns/s")
-    return 0
+    return _left_for_the_next_run(run.counts.reowned)
+
+
+def _left_for_the_next_run(reowned: list[str]) -> int:
+    """1, naming them, when conversations changed owner while the run wrote them (an
+    account claim): none of them is left to the old owner, and none is migrated yet."""
+    if not reowned:
+        return 0
+    shown = ", ".join(reowned[:MAX_LISTED]) + (" …" if len(reowned) > MAX_LISTED else "")
+    print(
+        f"{len(reowned)} conversations changed owner (an account claim) while the run wrote "
+        f"them, so nothing more of theirs was written: run the migration again to migrate "
+        f"them under their new owner: {shown}"
+    )
+    return 1
 
 
 def _require_legacy_data(db: Database[dict[str, Any]]) -> None:
@@ -355,13 +366,15 @@ def cmd_finish(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     """The gate, holding the migration lock: a run going on meanwhile (a rerun in another
     terminal) could change what the gate read, and, the legacy turns dropped under it, would
     take every conversation it migrated for one no legacy turn makes any more."""
-    if relocate.holds_turns(db, CONVERSATIONS):
-        print(NOT_MOVED)
-        return 1
     if args.drop_legacy and not args.yes:
         raise Misuse("--drop-legacy deletes the rollback copy: add --yes to confirm")
+    # A drop begun is finished whatever was logged since: it drops the legacy collection only.
     unfinished = args.drop_legacy and explode.drop_unfinished(db) is not None
     if not unfinished:
+        explode.refuse_after_the_drop(db)  # before the turns not moved: no run can move them
+        if relocate.holds_turns(db, CONVERSATIONS):
+            print(NOT_MOVED)
+            return 1
         _require_legacy_data(db)
     run_id = time.strftime("finish-%Y%m%dT%H%M%SZ-", time.gmtime()) + uuid.uuid4().hex[:6]
     held = lease.Lease(db, run_id)

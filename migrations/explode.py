@@ -109,26 +109,58 @@ def drop_unfinished(db: Database[dict[str, Any]]) -> Any:
 
 def refuse_after_the_drop(db: Database[dict[str, Any]]) -> None:
     """Raise Misuse once `finish --drop-legacy` dropped the legacy turns, or began to
-    (`dropped_at`): `run`, `verify` and `finish` alike, since what the legacy collection
-    holds then are the copies a service still dual-writing made."""
+    (`dropped_at`): `run`, `verify` and `finish` alike, saying what `after_the_drop` says."""
+    said = after_the_drop(db)
+    if said is not None:
+        raise Misuse(said)
+
+
+LATE_SHOWN = 5
+"""How many conversations of turns logged after the drop `after_the_drop` names."""
+
+
+def after_the_drop(db: Database[dict[str, Any]]) -> str | None:
+    """What every command says once `finish --drop-legacy` dropped the legacy turns, or began
+    to (None: it did not): `run`, `verify` and `finish` refuse with it (exit 2), and `status`
+    prints it. No run goes on: the gate would take every migrated conversation for one no
+    legacy turn makes. The legacy collection then holds only copies a service still
+    dual-writing made; legacy turns in `CONVERSATIONS` an old-service writer logged after
+    the drop hold content no new collection does, and it names them."""
     begun = drop_unfinished(db)
     if begun is not None:
-        raise Misuse(
+        return (
             f"`finish --drop-legacy` began dropping the legacy turns at {begun}, its gate "
             "passed, and was stopped before it recorded the drop: run `finish --drop-legacy "
             "--yes` again to finish it. Nothing is migrated or checked meanwhile"
         )
     dropped = dropped_at(db)
-    if dropped is not None:
-        raise Misuse(
+    if dropped is None:
+        return None
+    restore = (
+        f"restore the dropped legacy turns from a backup into {LEGACY_TURNS} and unset "
+        f"`dropped_at` and `dropping_at` in the {STATE_ID!r} document of {STATE}"
+    )
+    late = db[CONVERSATIONS].count_documents(TURN_FILTER)
+    if not late:
+        return (
             f"`finish --drop-legacy` dropped the legacy turns at {dropped}, every legacy "
             "conversation migrated: what the legacy collection holds now are copies a service "
             f"still dual-writing made of turns already in {MESSAGES}. There is nothing to "
             "migrate or check, and a run (or the gate) would take every migrated conversation "
-            "for one no legacy turn makes. Unset AGENT_STORE_LEGACY_DUAL_WRITE; after "
-            f"restoring the legacy turns from a backup, unset `dropped_at` in {STATE} to run "
-            "again"
+            f"for one no legacy turn makes. Unset AGENT_STORE_LEGACY_DUAL_WRITE; to run again, "
+            f"{restore}"
         )
+    named = db[CONVERSATIONS].distinct("conversation_id", TURN_FILTER)
+    shown = ", ".join(map(repr, named[:LATE_SHOWN])) + (" …" if len(named) > LATE_SHOWN else "")
+    return (
+        f"`finish --drop-legacy` dropped the legacy turns at {dropped}, and {CONVERSATIONS} "
+        f"holds {late} legacy turns an old-service writer logged after the drop "
+        f"(conversations {shown}): their content is in no new collection, and no run can "
+        "migrate them now (a run, or the gate, would take every migrated conversation for one "
+        "no legacy turn makes). Stop the old-service writers; then, to migrate them, "
+        f"{restore}, and run the migration again (it moves them aside and migrates them with "
+        f"the rest); until then they stay in {CONVERSATIONS}, as they are"
+    )
 
 
 def prove_lease(db: Database[dict[str, Any]], lease: Lease | None) -> None:
@@ -181,6 +213,10 @@ class Counts:
     """Conversations the migration made that no legacy turn makes now, removed (`abandoned`)."""
     abandoned_left: int = 0
     """Such conversations live turns wrote to: reported, not removed."""
+    reowned: list[str] = field(default_factory=list)
+    """Conversations whose legacy turns changed owner (an account claim) between a batch's
+    plan and its writes: nothing more of theirs was written, and they are left for the next
+    run (`writes.Applied.reowned`); the run exits 1 naming them."""
 
     def as_document(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -190,6 +226,7 @@ class Counts:
         self.messages_written += written.written
         self.conversations_written += written.documents
         self.full_texts_written += written.full_texts
+        self.reowned += sorted(written.reowned - set(self.reowned))
         self.add_problems(found)
 
     def add_problems(self, found: list[Problem]) -> None:

@@ -28,7 +28,7 @@ from migrations import dual_writes, full_texts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch, undated_time
 from migrations.transcript import differences, from_legacy, from_messages, not_held
-from migrations.writes import Converted, popped
+from migrations.writes import Converted, owner_after, popped, readable
 
 
 @dataclass
@@ -44,9 +44,18 @@ class Verification:
         return not self.differences
 
 
-_DOCUMENT_READ = {"popped_messages": 1, "epoch": 1, "turns": 1, "name": 1, "name_source": 1}
-"""What `verify` reads of a conversation document: its pops, and what the checks of its held
-dual-written turns read (`dual_writes.differences`, `dual_writes.deleted`)."""
+_DOCUMENT_READ = {
+    "popped_messages": 1,
+    "epoch": 1,
+    "turns": 1,
+    "pops": 1,
+    "name": 1,
+    "name_source": 1,
+    "user_id": 1,
+}
+"""What `verify` reads of a conversation document: its pops, its owner (`owner_differences`),
+and what the checks of its held dual-written turns read (`dual_writes.differences`,
+`dual_writes.deleted`)."""
 
 
 def sample(ids: Iterator[Any], size: int, seed: int) -> list[Any]:
@@ -82,6 +91,37 @@ def compare(item: Converted, stored: list[AgentMessage], popped: Collection[str]
         "logged to live before its migration, and its live messages do not hold its legacy "
         "turns: " + "; ".join(unheld[:5])
     ]
+
+
+def owner_differences(
+    item: Converted, found: dict[str, Any] | None, stored: Sequence[AgentMessage]
+) -> list[str]:
+    """Who may read the conversation: whether its document is stored, and it and the
+    migration's messages name the owner its legacy turns do now (`owner_after`: a document a
+    live turn or a person wrote to since keeps its owner, which the messages follow). A
+    conversation its legacy turns make no document of is not asked."""
+    conversation = item.conversion.conversation
+    if conversation is None:
+        return []
+    if found is None:
+        return ["no conversation document (deleted since the run?): run the migration again"]
+    owner = owner_after(found, conversation)
+    stored_owner = readable(found).get("user_id")
+    found_else = []
+    if stored_owner != owner:
+        found_else.append(
+            f"its conversation document names the owner {stored_owner!r}, its legacy turns "
+            f"{owner!r} (an account claim or an owner corrected since the run?): run the "
+            "migration again"
+        )
+    ids = {str(m.id) for m in item.conversion.messages}
+    others = sum(1 for m in stored if str(m.id) in ids and m.user_id != owner)
+    if others:
+        found_else.append(
+            f"{others} of its messages name another owner than {owner!r}, whom its legacy "
+            "turns and its conversation document name: run the migration again"
+        )
+    return found_else
 
 
 def misdated(wanted: Collection[AgentMessage], stored: Collection[AgentMessage]) -> list[str]:
@@ -178,6 +218,7 @@ def _verify_batch(
         found = stored.invalid.get(conversation_id, []) + compare(
             item, stored[conversation_id], gone
         )
+        found += owner_differences(item, documents.get(conversation_id), stored[conversation_id])
         found += unrecorded(item, recorded.get(conversation_id, []))
         found += dual.pop(conversation_id, [])
         if found:

@@ -64,7 +64,7 @@ class Converted:
     conversion: LegacyConversion
     held: list[LegacyTurn] = field(default_factory=list)
     """For a conversation no other legacy turn makes (`explode.live_only`): its dual-written
-    turns, whose messages are stored. They fence its writes as `turns` do (`_turns_gone`)."""
+    turns, whose messages are stored. They fence its writes as `turns` do (`_turns_since`)."""
     spellings: int = 1
     """How many values (BSON values of `conversation_id`) its legacy turns name it by: `42` and
     `"42"`, a legacy id and the id derived from it. A conversation named more than one way is
@@ -112,7 +112,12 @@ class Applied:
     """Problems of races with the live service: a message's `seq` taken (`live_conflict`), a
     conversation a live turn wrote to since the plan (`conversation_already_live`)."""
     gone: set[str] = field(default_factory=set)
-    """Conversations whose document was deleted since the plan: nothing of theirs written."""
+    """Conversations whose document was deleted since the plan, or whose legacy turns went or
+    changed owner (`reowned`): nothing of theirs written past the change."""
+    reowned: set[str] = field(default_factory=set)
+    """Conversations some legacy turn of which names another owner than the plan read (an
+    account claim since): what the plan holds would leave them to the old owner, so nothing
+    more of theirs is written; the next run migrates them under the owner named then."""
 
 
 def _taken(
@@ -665,10 +670,12 @@ def apply(
     `source`; a conversation whose document is not as planned then (deleted, or written by
     a live turn, since the plan) or whose legacy turns are gone (a delete, an erasure) gets
     nothing else: its messages would stand without a document, or between a live turn's,
-    or bring back what a person deleted."""
+    or bring back what a person deleted. The legacy turns are looked for again before the
+    messages: a conversation whose turns went or changed owner since the plan (a delete, an
+    erasure, an account claim) gets none (`_turns_since`), and is left for the next run."""
     fence()
-    skipped = _write_conversations(db, planned, bounds, source)
-    applied = Applied(gone={cid for cid, found in skipped.items() if found is None})
+    applied = Applied()
+    skipped = _write_conversations(db, planned, bounds, source, applied)
     for cid, found in skipped.items():
         if _live_since(found, planned.read.get(cid)):
             applied.problems.append(_live_problem(db, planned.converted[cid], LIVE_SINCE))
@@ -676,6 +683,9 @@ def apply(
     texts = [f for f in planned.full_texts if f.conversation_id not in skipped]
     full_texts.keep(db, texts, bounds)
     applied.full_texts = len(texts)
+    writing = {cid: item for cid, item in planned.converted.items() if cid not in skipped}
+    skipped |= _changed_since(_turns_since(db, source, writing), applied)
+    applied.gone = {cid for cid, found in skipped.items() if found is None}
     moved = [i for cid, ids in planned.moved.items() if cid not in skipped for i in ids]
     if moved:
         db[MESSAGES].delete_many({"_id": {"$in": moved}})
@@ -701,37 +711,71 @@ def apply(
 LIVE_SINCE = "a live turn wrote to the conversation between the run's plan and its writes"
 
 _TURNS_A_READ = 10_000
-"""Legacy turn ids one read of `_turns_gone` names."""
+"""Legacy turn ids one read of `_turns_since` names."""
 
 
-def _turns_gone(
+@dataclass
+class _Since:
+    """What became of a batch's legacy turns since the plan read them."""
+
+    gone: set[str] = field(default_factory=set)
+    """Conversations some legacy turn of which is no longer in the source (a person deleted
+    the conversation, an erasure took the turns)."""
+    reowned: set[str] = field(default_factory=set)
+    """Conversations some legacy turn of which names another owner now (an account claim
+    moved it, keeping its `_id`)."""
+
+    @property
+    def changed(self) -> set[str]:
+        return self.gone | self.reowned
+
+
+def _turns_since(
     db: Database[dict[str, Any]], source: str, items: Mapping[str, Converted]
-) -> set[str]:
+) -> _Since:
     """The conversations of `items` some legacy turn of which, as the plan read them, is no
-    longer in `source` (a person deleted the conversation, an erasure took the turns): one
-    read of their `_id`s (per `_TURNS_A_READ`)."""
+    longer in `source`, or names another owner than the plan read (`LegacyTurn.user_id`, as
+    the converter reads it): one read of their `_id`s and owners (per `_TURNS_A_READ`)."""
     wanted = [turn.id for item in items.values() for turn in item.turns + item.held]
-    found: set[bytes] = set()
+    owners: dict[bytes, str | None] = {}
     for start in range(0, len(wanted), _TURNS_A_READ):
         query = {"_id": {"$in": wanted[start : start + _TURNS_A_READ]}}
-        found |= {identity(d) for d in db[source].find(query, {"_id": 1})}
-    return {
-        cid
-        for cid, item in items.items()
-        if any(id_key(turn.id) not in found for turn in item.turns + item.held)
-    }
+        for found in db[source].find(query, {"_id": 1, "user_id": 1}):
+            owner = LegacyTurn.model_validate({"user_id": found.get("user_id")}).user_id
+            owners[identity(found)] = owner
+    since = _Since()
+    for cid, item in items.items():
+        now = [owners.get(id_key(turn.id), _GONE) for turn in item.turns + item.held]
+        if _GONE in now:
+            since.gone.add(cid)
+        elif any(o != t.user_id for o, t in zip(now, item.turns + item.held, strict=True)):
+            since.reowned.add(cid)
+    return since
+
+
+_GONE = object()
+"""A legacy turn `_turns_since` no longer finds."""
+
+
+def _changed_since(since: _Since, applied: Applied) -> dict[str, None]:
+    """The conversations whose turns went or changed owner since the plan (`_turns_since`),
+    as conversations nothing more is written of; those whose turns changed owner are noted
+    as left for the next run (`Applied.reowned`)."""
+    applied.reowned |= since.reowned
+    return dict.fromkeys(since.changed)
 
 
 def _write_conversations(
-    db: Database[dict[str, Any]], planned: Planned, bounds: Bounds, source: str
+    db: Database[dict[str, Any]], planned: Planned, bounds: Bounds, source: str, applied: Applied
 ) -> dict[str, dict[str, Any] | None]:
     """Write the conversation documents, fenced by the legacy turns the plan read: none for a
-    conversation whose turns are gone since; then, for those this run inserted, the turns are
-    looked for again, and the document of one whose turns went meanwhile is taken back out
-    (as inserted: a live turn's or a person's since stays). The conversations not as planned
-    (`_not_as_planned`), those whose turns are gone with None: nothing else of them is
-    written, and no problem of theirs is kept."""
-    vanished = _turns_gone(db, source, planned.converted)
+    conversation whose turns are gone or changed owner since (`_turns_since`); then, for those
+    this run inserted, the turns are looked for again, and the document of one whose turns
+    went or changed owner meanwhile is taken back out (as inserted: a live turn's or a
+    person's since stays, and so does one a claim moved to the new owner). The conversations
+    not as planned (`_not_as_planned`), those whose turns changed with None: nothing else of
+    them is written, and no problem of theirs is kept."""
+    vanished = _changed_since(_turns_since(db, source, planned.converted), applied)
     documents = [d for d in planned.conversations if d["_id"] not in vanished]
     written = _write_documents(db, documents, planned.read, bounds)
     inserted = {
@@ -739,13 +783,14 @@ def _write_conversations(
         for d in documents
         if planned.read.get(d["_id"]) is None and d["_id"] not in written.duplicates
     }
-    late = _turns_gone(db, source, {cid: planned.converted[cid] for cid in inserted})
+    since = _turns_since(db, source, {cid: planned.converted[cid] for cid in inserted})
+    late = _changed_since(since, applied)
     for cid in sorted(late):
         document = inserted[cid]
         unchanged = {k: {"$exists": False} for k in PEOPLES_FIELDS if k not in document}
         db[CONVERSATIONS].delete_one({**_as_stored(db, document), **unchanged})
     skipped = _not_as_planned(db, planned, written)
-    return skipped | dict.fromkeys(vanished | late)
+    return skipped | vanished | late
 
 
 def _live_since(found: dict[str, Any] | None, read: dict[str, Any] | None) -> bool:

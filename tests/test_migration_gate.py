@@ -3305,7 +3305,41 @@ def test_finish_and_verify_after_the_drop_say_so_and_never_advise_a_run(
     assert said.err.count("dropped the legacy turns at") == 2
     assert "again" not in said.out + said.err.replace("to run again", "")
     assert cli(wire_uri, database, "status") == 0
-    assert "legacy turns dropped at" in capsys.readouterr().out
+    assert "dropped the legacy turns at" in capsys.readouterr().out
+
+
+@pytest.mark.wire
+def test_a_legacy_turn_an_old_writer_logs_after_the_drop_gets_one_instruction_from_every_command(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An old-service writer never stopped logs a legacy turn into `agent_conversations`
+    after `finish --drop-legacy`: its content is in no new collection, and no run can
+    migrate it now. `run`, `verify` and `finish` all exit 2 with one message naming what was
+    found (the turn logged after the drop, its conversation) and what to do with it, and
+    `status` says the same; none advises a run, or says only dual-write copies remain."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(2)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    database[CONVERSATIONS].insert_one(legacy_turn("t-late", "c-0", 9, "LATE"))
+    capsys.readouterr()
+
+    said = []
+    for command in ("finish", "run", "verify"):
+        assert cli(wire_uri, database, command) == 2, command
+        out = capsys.readouterr()
+        said.append(out.err + out.out)
+    assert cli(wire_uri, database, "status") == 0
+    status = capsys.readouterr().out
+
+    [message] = {s.strip() for s in said}
+    assert "1 legacy turns an old-service writer logged after the drop" in message
+    assert "c-0" in message
+    assert "dual-writing made" not in message
+    assert message.removeprefix("error: ") in status.replace("\n", " ")
+    assert "nothing is left to migrate" not in status
+    assert database[CONVERSATIONS].find_one({"_id": "t-late"}) is not None
 
 
 @pytest.mark.wire
@@ -4055,6 +4089,146 @@ def test_a_delete_landing_just_before_a_runs_document_insert_takes_the_conversat
 
     assert done
     _nothing_of_c1_is_stored(database)
+
+
+def _claims_u1(wire_uri: str, database: Database[dict[str, Any]]) -> Callable[[], None]:
+    """The store's account claim of u-1 by u-2: its conversations, messages and legacy
+    turns move to u-2 (no grace wait: nothing else is logging)."""
+
+    async def go() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            db = client[database.name]
+            rules = TurnRules(claim_grace=timedelta(0))
+            await ConversationStore(db, legacy=LegacyTurns(db), rules=rules).claim("u-1", "u-2")
+        finally:
+            await client.close()
+
+    return lambda: asyncio.run(go())
+
+
+def _owners(database: Database[dict[str, Any]], cid: str) -> set[Any]:
+    """The owners the conversation's document and its messages name."""
+    documents = database[CONVERSATIONS].find({"_id": cid, "message_count": {"$exists": True}})
+    stored = database[MESSAGES].find({"conversation_id": cid})
+    return {d.get("user_id") for d in documents} | {m.get("user_id") for m in stored}
+
+
+def _claimed_pair(database: Database[dict[str, Any]]) -> None:
+    """c-1 of u-1 (two turns), and c-2 of u-3, which no claim moves."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"SECRET {n}") for n in range(2)]
+        + [legacy_turn("t-9", "c-2", 5, "Other") | {"user_id": "u-3"}]
+    )
+
+
+def _claim_leaves_c1_to_the_next_run(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """After a run a claim raced: nothing of c-1 is left to u-1, the run said so and exited
+    1, `verify` and `finish` exit 1, and a rerun migrates it under u-2."""
+    assert cli(wire_uri, database, "run") == 1
+    said = capsys.readouterr().out
+    assert "c-1" in said
+    assert "run the migration again" in said
+    monkeypatch.undo()
+    assert "u-1" not in _owners(database, "c-1")
+    assert _owners(database, "c-2") == {"u-3"}
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+    assert cli(wire_uri, database, "run") == 0
+    assert _owners(database, "c-1") == {"u-2"}
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_claim_between_a_runs_plan_and_its_writes_leaves_nothing_to_the_old_owner(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An account claim (u-1 -> u-2) lands after a run planned a batch and before its writes:
+    the legacy turns keep their `_id`s and name u-2 now. The run writes nothing of the
+    conversation under u-1 (no document, no message the old owner could read), names it as
+    left for the next run and exits 1; the rerun migrates it under u-2."""
+    _claimed_pair(database)
+    _between_plan_and_writes(monkeypatch, _claims_u1(wire_uri, database))
+
+    _claim_leaves_c1_to_the_next_run(wire_uri, database, monkeypatch, capsys)
+
+
+@pytest.mark.wire
+def test_a_claim_after_a_runs_documents_and_before_its_messages_leaves_no_message_to_the_old_owner(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The claim lands after the run wrote the batch's conversation documents (the claim
+    moves them to u-2) and before its messages: no message is written under u-1; the
+    conversation is left for the next run, which migrates it under u-2."""
+    _claimed_pair(database)
+    keep = full_texts.keep
+    claim = _claims_u1(wire_uri, database)
+    done: list[bool] = []
+
+    def racing(*args: Any, **kwargs: Any) -> Any:
+        if not done:
+            done.append(True)
+            claim()
+        return keep(*args, **kwargs)
+
+    monkeypatch.setattr(full_texts, "keep", racing)
+
+    _claim_leaves_c1_to_the_next_run(wire_uri, database, monkeypatch, capsys)
+    assert done
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        pytest.param(
+            lambda db: db[CONVERSATIONS].delete_one({"_id": "c-1"}), id="document-deleted"
+        ),
+        pytest.param(
+            lambda db: db[CONVERSATIONS].update_one({"_id": "c-1"}, {"$set": {"user_id": "u-9"}}),
+            id="document-owner",
+        ),
+        pytest.param(
+            lambda db: db[MESSAGES].update_one(
+                {"conversation_id": "c-1", "seq": 1}, {"$set": {"user_id": "u-9"}}
+            ),
+            id="message-owner",
+        ),
+        pytest.param(
+            lambda db: db[LEGACY_TURNS].update_many({}, {"$set": {"user_id": "u-9"}}),
+            id="legacy-owner",
+        ),
+    ],
+)
+def test_verify_fails_a_conversation_whose_document_is_missing_or_names_another_owner(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    tamper: Callable[[Database[dict[str, Any]]], Any],
+) -> None:
+    """Who may read a conversation is its document's owner and its messages': `verify`
+    exits 1, naming the conversation, when the document is missing or it or a message names
+    another owner than the legacy turns do now, as `finish` does."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "SECRET"))
+    assert cli(wire_uri, database, "run") == 0
+    tamper(database)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify") == 1
+    assert "c-1: " in capsys.readouterr().out
+    assert cli(wire_uri, database, "finish") == 1
 
 
 def owned_turn(turn_id: str, cid: Any, hour: int, user: str) -> dict[str, Any]:

@@ -201,10 +201,43 @@ async def test_the_read_fallbacks_pending_prompt_holding_values_json_cannot_enco
     conversation.model_dump_json()
 
 
+async def test_answering_an_unmigrated_conversations_prompt_is_refused_as_not_migrated_yet(
+    backend: Backend,
+) -> None:
+    """The read fallback shows the prompt of a conversation not migrated yet as pending; an
+    answer to it is refused as every write to a conversation that exists only as legacy
+    turns is (the logger's words), not as an answer read before the prompt was asked again
+    (it named no calls), and nothing is written."""
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    await backend.db[SESSION_HITL].insert_one(
+        {"conversation_id": EXAMPLE_CONVERSATION_ID, "request_id": "req-booking-1",
+         "action": "confirm_booking", "status": "pending", "user_id": EXAMPLE_USER_ID}
+    )  # fmt: skip
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db, dual_write=True))
+    pending = await store.pending_hitl(EXAMPLE_CONVERSATION_ID, user_id=EXAMPLE_USER_ID)
+    assert pending is not None
+
+    with pytest.raises(Conflict) as refused:
+        await store.resolve_hitl(EXAMPLE_CONVERSATION_ID, "req-booking-1", user_id=EXAMPLE_USER_ID)
+
+    assert str(refused.value) == (
+        f"conversation {EXAMPLE_CONVERSATION_ID!r} exists as legacy turns not migrated yet; it "
+        "can be answered once `python -m migrations run` has migrated it"
+    )
+    assert await backend.db[CONVERSATIONS].count_documents({}) == 0
+    prompt = await backend.db[SESSION_HITL].find_one({"request_id": "req-booking-1"})
+    assert prompt is not None
+    assert prompt["status"] == "pending"
+    with pytest.raises(NotFound):
+        await store.resolve_hitl(EXAMPLE_CONVERSATION_ID, "req-booking-1", user_id="someone-else")
+
+
 async def test_an_unmigrated_conversation_cannot_be_renamed_yet(backend: Backend) -> None:
     await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
     store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
-    with pytest.raises(Conflict, match="is not migrated yet; it can be renamed once"):
+    with pytest.raises(
+        Conflict, match="exists as legacy turns not migrated yet; it can be renamed once"
+    ):
         await store.rename(EXAMPLE_CONVERSATION_ID, "New name")
     with pytest.raises(NotFound):
         await store.delete("never-existed")

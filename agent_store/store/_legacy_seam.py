@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from agent_store.core import AgentMessage, Conversation
+from agent_store.core import AgentMessage, Conflict, Conversation
 
 DERIVED_CONVERSATION_PREFIX = "legacy-conversation-"
 """How the migration names a conversation whose legacy id is not an identifier (a digest
@@ -30,6 +30,16 @@ def is_derived_id(conversation_id: str) -> bool:
     """Whether the id is one the migration derives: no other writer creates a conversation
     under it, since a digest cannot be traced back to the legacy turns it will name."""
     return conversation_id.startswith((DERIVED_CONVERSATION_PREFIX, DERIVED_TURN_PREFIX))
+
+
+def not_migrated_yet(conversation_id: str, what: str = "written") -> Conflict:
+    """The refusal of every change to a conversation that exists only as legacy turns (a
+    turn, a rename, an answer to its prompt): they are read-only until the migration has
+    run, which would undo, or lose, a change made to them here."""
+    return Conflict(
+        f"conversation {conversation_id!r} exists as legacy turns not migrated yet; it can "
+        f"be {what} once `python -m migrations run` has migrated it"
+    )
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,7 @@ from agent_store.store._legacy_seam import (
     MIGRATED_TURN_PREFIX,
     LegacySource,
     is_derived_id,
+    not_migrated_yet,
 )
 from agent_store.store._relocated import (
     MOVED,
@@ -1172,10 +1173,7 @@ class AgentMessageLogger:
             return
         if actor.as_user and holder.user_id != actor.user_id:
             raise NotFound(f"conversation {conversation_id!r} was not found")
-        raise Conflict(
-            f"conversation {conversation_id!r} exists as legacy turns not migrated yet; it can "
-            "be written once `python -m migrations run` has migrated it"
-        )
+        raise not_migrated_yet(conversation_id)
 
     async def _block_of_an_old_turn(self, plan: TurnPlan) -> RecordedBlock | None:
         """Past the kept records: the block of a turn whose first message is stored, else None.

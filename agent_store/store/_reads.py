@@ -59,7 +59,7 @@ from agent_store.store._indexes import (
     THREAD_CONVERSATION,
     conversation_mark,
 )
-from agent_store.store._legacy_seam import FallbackConversation, LegacySource
+from agent_store.store._legacy_seam import FallbackConversation, LegacySource, not_migrated_yet
 from agent_store.store._pop import Pop, PopMemory
 from agent_store.store._reservation import (
     SUMMARY,
@@ -416,16 +416,10 @@ class ConversationStore:
     async def _refuse_unmigrated(
         self, conversation_id: str, user_id: str | None, what: str
     ) -> None:
-        """NotFound, or Conflict for a conversation that exists only as legacy turns.
-
-        The legacy turns are read-only until the migration has run: changing them here
-        would be undone, or lost, by the migration.
-        """
+        """NotFound, or Conflict for a conversation that exists only as legacy turns
+        (`not_migrated_yet`)."""
         await self._legacy(conversation_id, user_id)
-        raise Conflict(
-            f"conversation {conversation_id!r} is not migrated yet; it can be {what} once "
-            "`python -m migrations run` has migrated it"
-        )
+        raise not_migrated_yet(conversation_id, what)
 
     async def delete(
         self, conversation_id: str, *, user_id: str | None = None, version: str | None = None
@@ -1116,17 +1110,17 @@ class ConversationStore:
             doc = await self._conversations.find_one(
                 scope, {"pending_hitl": 1, "resolved_hitl": 1, "approved_calls": 1}
             )
-        if doc is None:
-            pending = await self.pending_hitl(conversation_id, user_id=user_id)
-        else:
-            if request_id in (doc.get("resolved_hitl") or ()) or answered_calls(
-                doc, request_id, concerns
-            ):
-                # Resolved before: its first answer stands (its dual write again, for a
-                # retry whose first attempt failed after the answer was recorded).
-                return await self._resolved_in_legacy(conversation_id, request_id)
-            raw = doc.get("pending_hitl")
-            pending = PendingHitl.model_validate(raw) if raw else None
+        if doc is None:  # NotFound, or legacy turns not migrated yet: read-only
+            await self._refuse_unmigrated(conversation_id, user_id, "answered")
+        assert doc is not None  # else `_refuse_unmigrated` raised
+        if request_id in (doc.get("resolved_hitl") or ()) or answered_calls(
+            doc, request_id, concerns
+        ):
+            # Resolved before: its first answer stands (its dual write again, for a retry
+            # whose first attempt failed after the answer was recorded).
+            return await self._resolved_in_legacy(conversation_id, request_id)
+        raw = doc.get("pending_hitl")
+        pending = PendingHitl.model_validate(raw) if raw else None
         raise _not_resolvable(conversation_id, request_id, pending)
 
     async def _resolved_in_legacy(self, conversation_id: str, request_id: str) -> None:
