@@ -287,15 +287,8 @@ def unlogged(pop: PopInProgress) -> list[Any]:
     stage["turns"] = turns if pop.turn_key is not None else {"$cond": [unset, "$$REMOVE", turns]}
     # The `seq`s given back are free again: a prompt stored there later is a new one.
     stage.update(answers_reaching({"$cond": [untouched, {"$min": ["$$s", pop.seq]}, "$$s"]}))
-    if pop.made_calls or pop.pending_before is not None:
-        stage["pending_calls"] = _calls_without(pop, pop.pending_before or [])
     settled = _settled(pop, untouched)
-    if settled is not None:
-        calls = literal([c.model_dump() for c in pop.pending_before or ()])
-        stage["pending_calls"] = {"$cond": [settled, calls, stage["pending_calls"]]}
-        unset = {"$eq": [{"$ifNull": ["$resolved_hitl", None]}, None]}
-        kept = {"$cond": [unset, "$$REMOVE", "$resolved_hitl"]}
-        stage["resolved_hitl"] = {"$cond": [settled, literal(pop.resolved_left), kept]}
+    stage.update(_pending_left(pop, settled))
     if pop.hitl_request_id is not None:
         stage.update(_approvals_unheld_by(pop.message_id))
     if pop.preview is not None:  # a turn that reserved past it set its own, if it had text
@@ -307,13 +300,28 @@ def unlogged(pop: PopInProgress) -> list[Any]:
                 "$last_message_preview",
             ]
         }
-    # The approvals the messages that remain give none of go first, from the list as read.
-    changed = pop.withdrawn_approvals or pop.approvals_left is not None
-    stages = [{"$set": _approvals_left(pop, settled)}] if changed else []
-    stages.append({"$set": stage})
+    stages = [*_approvals_left(pop, settled), {"$set": stage}]
     if pop.made_calls:  # its calls no longer reuse the ids of approved calls
         stages.append({"$set": _approvals_unsuperseded_by(pop.message_id)})
     return stages
+
+
+def _pending_left(pop: PopInProgress, settled: Any) -> dict[str, Any]:
+    """`pending_calls` and `resolved_hitl` once the message is removed: what the messages
+    that remain and the answers a person gave leave (`pending_before`, `resolved_left`)
+    while `settled`; else the list as it is without the message's own effect
+    (`_calls_without`), and the resolutions as they are."""
+    fields: dict[str, Any] = {}
+    if pop.made_calls or pop.pending_before is not None:
+        fields["pending_calls"] = _calls_without(pop, pop.pending_before or [])
+    if settled is None:
+        return fields
+    calls = literal([c.model_dump() for c in pop.pending_before or ()])
+    fields["pending_calls"] = {"$cond": [settled, calls, fields["pending_calls"]]}
+    unset = {"$eq": [{"$ifNull": ["$resolved_hitl", None]}, None]}
+    kept = {"$cond": [unset, "$$REMOVE", "$resolved_hitl"]}
+    fields["resolved_hitl"] = {"$cond": [settled, literal(pop.resolved_left), kept]}
+    return fields
 
 
 def _settled(pop: PopInProgress, untouched: Any) -> Any:
@@ -327,17 +335,20 @@ def _settled(pop: PopInProgress, untouched: Any) -> Any:
     return {"$and": [untouched, {"$eq": [answers, literal(pop.answers_read)]}]}
 
 
-def _approvals_left(pop: PopInProgress, settled: Any) -> dict[str, Any]:
-    """`approved_calls` once the message is removed: those the messages that remain and the
-    answers a person gave keep (`approvals_left`) while `settled`; else the list as it is
-    without those they give none of (`_approvals_without`)."""
+def _approvals_left(pop: PopInProgress, settled: Any) -> list[dict[str, Any]]:
+    """The stage setting `approved_calls` once the message is removed, none when nothing
+    changes them: those the messages that remain and the answers a person gave keep
+    (`approvals_left`) while `settled`; else the list as it is without those they give none
+    of (`_approvals_without`). The first stage, so it reads the list as the pop read it."""
+    if not pop.withdrawn_approvals and pop.approvals_left is None:
+        return []
     without = _approvals_without(pop.withdrawn_approvals)
     if settled is None or pop.approvals_left is None:
-        return without
+        return [{"$set": without}]
     left = without["approved_calls"]["$cond"][2]
     kept = {"$cond": [settled, literal(pop.approvals_left), left]}
     unset = {"$eq": [{"$ifNull": ["$approved_calls", None]}, None]}
-    return {"approved_calls": {"$cond": [unset, "$$REMOVE", kept]}}
+    return [{"$set": {"approved_calls": {"$cond": [unset, "$$REMOVE", kept]}}}]
 
 
 def _approvals_without(withdrawn: list[tuple[str, str, str]]) -> dict[str, Any]:
