@@ -4548,19 +4548,27 @@ async def test_popping_a_question_asked_again_and_approved_leaves_what_the_rest_
         assert await held_state(runtime.store, cid) == ([], None), cid
 
 
-async def _state_by_seq(store: ConversationStore, cid: str) -> Any:
+async def _state_by_seq(store: ConversationStore, cid: str, backend: Backend) -> Any:
     """What `cid` awaits as served: each pending call by id, the `seq` of its message and the
-    prompt holding it (None once a person's answer released it), and the pending prompt."""
+    prompt holding it (None once a person's answer released it), and the pending prompt;
+    then, as stored for the turns to come, each call's holder and the resolved request ids."""
     seqs = {m.id: m.seq for m in await store.transcript(cid)}
     calls = [
         (c.tool_call_id, seqs.get(c.message_id), c.request_id)
         for c in await store.pending_calls(cid)
     ]
     prompt = await store.pending_hitl(cid)
-    return calls, prompt.request_id if prompt else None
+    doc = await backend.db.agent_conversations.find_one({"_id": cid})
+    assert doc is not None
+    holders = [
+        (c["tool_call_id"], seqs.get(c["message_id"]), c.get("request_id"))
+        for c in doc.get("pending_calls") or ()
+    ]
+    resolved = sorted(doc.get("resolved_hitl") or ())
+    return calls, prompt.request_id if prompt else None, holders, resolved
 
 
-@pytest.mark.parametrize("seed", [11, 15, 30, 62, 68, 91, 94, 145, 3, 7])
+@pytest.mark.parametrize("seed", [11, 15, 16, 17, 25, 30, 35, 62, 68, 91, 94, 145])
 async def test_each_pop_leaves_what_a_fork_of_all_that_remains_leaves(
     backend: Backend, seed: int
 ) -> None:
@@ -4569,7 +4577,8 @@ async def test_each_pop_leaves_what_a_fork_of_all_that_remains_leaves(
     random conversations with answers a person gives between turns, after each of the last
     four messages is popped, the conversation awaits what a fork of all that remains awaits
     (the fold of those messages with those answers): the same calls, each held by the same
-    prompt or released, and the same prompt pending."""
+    prompt or released, and the same prompt pending; stored for the turns to come, the same
+    holders and the same request ids resolved."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     for n, step in enumerate(_small_conversation(random.Random(seed))):
         with contextlib.suppress(AnsweredBefore, Conflict, NotFound):  # refused: nothing stored
@@ -4585,8 +4594,8 @@ async def test_each_pop_leaves_what_a_fork_of_all_that_remains_leaves(
         assert last is not None
         await logger.fork(CID, last, f"conv-fork-{n}")
         popped, forked = (
-            await _state_by_seq(store, CID),
-            await _state_by_seq(store, f"conv-fork-{n}"),
+            await _state_by_seq(store, CID, backend),
+            await _state_by_seq(store, f"conv-fork-{n}", backend),
         )
         assert popped == forked, f"after pop {n}"
 
