@@ -67,19 +67,20 @@ BOOKED = {"type": "tool_end", "tool_name": "book_train", "tool_call_id": "tc-9",
 class Runtime:
     """A runtime streaming turns of one conversation in the metadata protocol, as documented."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, cid: str = CID) -> None:
         self.logger = AgentMessageLogger(backend.db)
         self.store = ConversationStore(backend.db)
+        self.cid = cid
         self.turns = 0
 
     async def stream(self, events: list[dict[str, Any]], prompt: str | None = None) -> LoggedTurn:
         self.turns += 1
-        pending = await self.store.pending_calls(CID)  # none before the first turn
+        pending = await self.store.pending_calls(self.cid)  # none before the first turn
         turn = turn_from_metadata(events, complete=True, pending=pending)
         return await log_streamed_turn(
             logger=self.logger,
             store=self.store,
-            conversation_id=CID,
+            conversation_id=self.cid,
             turn=turn,
             turn_id=f"turn-{self.turns}",
             prompt=prompt,
@@ -88,7 +89,7 @@ class Runtime:
     async def answers_of(self, call_id: str) -> list[tuple[str | None, str | None]]:
         return [
             (m.content, m.error.message if m.error else None)
-            for m in await self.store.transcript(CID)
+            for m in await self.store.transcript(self.cid)
             if m.tool_call_id == call_id
         ]
 
@@ -4490,3 +4491,135 @@ async def test_the_fold_follows_answers_naming_some_of_the_calls_their_prompts_h
                 await logger.log_messages(CID, step, turn_id=f"t{n}")
         stored, folded = await _as_stored_and_folded(backend, store)
         assert folded == stored, f"after step {n}"
+
+
+# -- a pop leaves what the fold of what remains leaves -----------------------------------
+
+ASKED_AGAIN_UNDER_ITS_ID = [
+    [_start("c1"), _confirm("q1", "c1")],
+    [{"type": "stream_token", "token": "Hm. "}, _confirm("q2", "c1"), _confirm("q1", "c1")],
+]
+APPROVES_Q1 = {"type": "confirm_resolved", "request_id": "q1", "approved": True}
+
+
+async def _asked_again_and_approved(
+    runtime: Runtime, answered: str, *, asks_q1_again: bool
+) -> None:
+    """c1 asked about by q1; the next turn asks q2 about it, then (`asks_q1_again`) q1 again;
+    a person approves q1 in that stream, or by request id after it (refused when q1 was not
+    asked again: it is not pending and holds nothing, and the refusal leaves the same)."""
+    first, second = ASKED_AGAIN_UNDER_ITS_ID
+    await runtime.stream(first, prompt="Book it.")
+    second = second if asks_q1_again else second[:-1]
+    if answered == "in-the-stream":
+        await runtime.stream([*second, APPROVES_Q1])
+    else:
+        await runtime.stream(second)
+        with contextlib.suppress(Conflict):
+            await runtime.store.resolve_hitl(runtime.cid, "q1")
+
+
+@pytest.mark.parametrize("answered", ["in-the-stream", "by-request-id"])
+async def test_popping_a_question_asked_again_and_approved_leaves_what_the_rest_logged_afresh_does(
+    backend: Backend, answered: str
+) -> None:
+    """DESIGN.md §3 Pending HITL: c1 asked about by q1; the next turn asks q2 about it, then
+    q1 again, which a person approves; the runtime pops that last question. What remains
+    leaves what the same messages and answer logged afresh leave, and a fork of the whole
+    conversation the same: q1's approval released nothing (q2 held c1 when it came), so c1
+    waits for q2, and a refusal of q2 denies it."""
+    runtime, fresh = Runtime(backend), Runtime(backend, "conv-fresh")
+    await _asked_again_and_approved(runtime, answered, asks_q1_again=True)
+    await _asked_again_and_approved(fresh, answered, asks_q1_again=False)
+
+    popped = await runtime.store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.hitl_action is not None
+    last = (await runtime.store.transcript(CID))[-1].seq
+    assert last is not None
+    await runtime.logger.fork(CID, last, "conv-fork")
+    for cid in (CID, "conv-fresh", "conv-fork"):
+        assert await held_state(runtime.store, cid) == ([("c1", "q2")], "q2"), cid
+        refusing = Runtime(backend, cid)
+        refusing.turns = 2  # its turn is the third
+        await refusing.stream([{"type": "confirm_resolved", "request_id": "q2", "approved": False}])
+        assert await refusing.answers_of("c1") == [(DENIED_RESULT, "tool call denied")], cid
+        assert await held_state(runtime.store, cid) == ([], None), cid
+
+
+async def _state_by_seq(store: ConversationStore, cid: str, backend: Backend) -> Any:
+    """What `cid` awaits as served: each pending call by id, the `seq` of its message and the
+    prompt holding it (None once a person's answer released it), and the pending prompt;
+    then, as stored for the turns to come, each call's holder and the resolved request ids."""
+    seqs = {m.id: m.seq for m in await store.transcript(cid)}
+    calls = [
+        (c.tool_call_id, seqs.get(c.message_id), c.request_id)
+        for c in await store.pending_calls(cid)
+    ]
+    prompt = await store.pending_hitl(cid)
+    doc = await backend.db.agent_conversations.find_one({"_id": cid})
+    assert doc is not None
+    holders = [
+        (c["tool_call_id"], seqs.get(c["message_id"]), c.get("request_id"))
+        for c in doc.get("pending_calls") or ()
+    ]
+    resolved = sorted(doc.get("resolved_hitl") or ())
+    return calls, prompt.request_id if prompt else None, holders, resolved
+
+
+@pytest.mark.parametrize("seed", [11, 15, 16, 17, 25, 30, 35, 62, 68, 91, 94, 145])
+async def test_each_pop_leaves_what_a_fork_of_all_that_remains_leaves(
+    backend: Backend, seed: int
+) -> None:
+    """DESIGN.md §3: a pop leaves what the same stored messages and answers leave when logged
+    afresh, and a fork of the whole conversation is the same whenever taken. Over small
+    random conversations with answers a person gives between turns, after each of the last
+    four messages is popped, the conversation awaits what a fork of all that remains awaits
+    (the fold of those messages with those answers): the same calls, each held by the same
+    prompt or released, and the same prompt pending; stored for the turns to come, the same
+    holders and the same request ids resolved."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for n, step in enumerate(_small_conversation(random.Random(seed))):
+        with contextlib.suppress(AnsweredBefore, Conflict, NotFound):  # refused: nothing stored
+            if isinstance(step, str):
+                await store.resolve_hitl(CID, step)
+            else:
+                await logger.log_messages(CID, step, turn_id=f"t{n}")
+    for n in range(4):
+        if len(await store.transcript(CID)) < 2:
+            break
+        await store.pop_last_message(CID)
+        last = (await store.transcript(CID))[-1].seq
+        assert last is not None
+        await logger.fork(CID, last, f"conv-fork-{n}")
+        popped, forked = (
+            await _state_by_seq(store, CID, backend),
+            await _state_by_seq(store, f"conv-fork-{n}", backend),
+        )
+        assert popped == forked, f"after pop {n}"
+
+
+async def test_answering_the_newer_of_two_questions_leaves_none_pending_the_older_still_listed(
+    backend: Backend,
+) -> None:
+    """STREAMING.md (Several questions open at once): `pending_hitl` is the latest question
+    asked and not answered. Answering the newer of two questions (one per paused call)
+    leaves none pending, the older one still holding its call in `pending_calls`, where a
+    client finds it, and still answerable; a pop of the newer question brings it back."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    asks = [_user("Book a train and a hotel."), _calls("tc-1", "tc-2"),
+            _asks_about("q-train", "tc-1"), _asks_about("q-hotel", "tc-2")]  # fmt: skip
+    await logger.log_messages(CID, asks, turn_id="t1")
+    await logger.log_messages("conv-popped", asks, turn_id="t1")
+
+    await store.resolve_hitl(CID, "q-hotel")
+    await store.pop_last_message("conv-popped")
+
+    assert await held_state(store) == ([("tc-1", "q-train"), ("tc-2", None)], None)
+    assert await held_state(store, "conv-popped") == (
+        [("tc-1", "q-train"), ("tc-2", None)],
+        "q-train",
+    )
+    await store.resolve_hitl(CID, "q-train")
+    assert await held_state(store) == ([("tc-1", None), ("tc-2", None)], None)

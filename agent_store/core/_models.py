@@ -726,6 +726,20 @@ class PopInProgress(_Model):
     """For an answer or an upload: the prompt the messages before it leave pending, pending
     again if the message cleared it (none is pending, no turn reserved past the message, and
     it was not resolved by request id)."""
+    withdrawn_approvals: list[tuple[str, str, str]] = []
+    """The `approved_calls` (call id, message id, request id) that the messages before it,
+    with the answers a person gave, give none of: removed with it, as a fork of all that
+    remains leaves them out (read when `pending_before` is)."""
+    answers_read: list[dict[str, Any]] | None = None
+    """The `answered_prompts` the pop read with the messages before it, when it read them all
+    (none missing): while they are unchanged and no turn reserved past the message, what
+    those messages and answers leave replaces the conversation's pending calls, approvals
+    and resolutions (`pending_before`, `approvals_left`, `resolved_left`), as a fork of all
+    that remains leaves them."""
+    approvals_left: list[dict[str, Any]] | None = None
+    """The `approved_calls` as read that those messages and answers keep, as stored."""
+    resolved_left: list[str] | None = None
+    """The `resolved_hitl` those messages and answers leave."""
 
 
 class ForkOrigin(_Model):

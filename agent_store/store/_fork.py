@@ -225,6 +225,38 @@ def approvals_in_fork(
     return kept
 
 
+ApprovalKey = tuple[str, str, str]
+"""An `approved_calls` entry's call id, the message making the call, and the request id of
+the answer that released it."""
+
+
+def approvals_withdrawn(
+    approved: Iterable[Any], answered: Iterable[Answer], folded: Folded
+) -> list[ApprovalKey]:
+    """The keys of the stored `approved_calls` that the fold of the messages left, with the
+    answers a person gave (`folded`, all of `answered`), gives none of: what a pop withdraws,
+    so the conversation keeps the approvals a fork of all that remains keeps
+    (`approvals_in_fork`, the one rule). An approval answering a prompt that no longer held
+    the call when the answer came (a later question had taken it) released nothing."""
+    approved = list(approved)
+    kept = {_approval_key(a) for a in approvals_in_fork(approved, answered, folded)}
+    return sorted(
+        {key for key in map(_approval_key, approved) if key is not None and key not in kept}
+    )
+
+
+def _approval_key(approval: Any) -> ApprovalKey | None:
+    """The key of a stored `approved_calls` entry (None for one without a request id, or not
+    an entry: no answer recorded it, so no fold withdraws it)."""
+    if not isinstance(approval, Mapping):
+        return None
+    call_id, message_id = approval.get("tool_call_id"), approval.get("message_id")
+    request_id = approval.get("request_id")
+    if isinstance(call_id, str) and isinstance(message_id, str) and isinstance(request_id, str):
+        return call_id, message_id, request_id
+    return None
+
+
 def answers_in_fork(
     answered: Iterable[Answer], chosen: Sequence[AgentMessage], fork_ids: Mapping[str, str]
 ) -> list[dict[str, Any]]:

@@ -49,8 +49,6 @@ from typing import Any
 from agent_store.core import (
     AgentMessage,
     Conflict,
-    PendingCall,
-    PendingHitl,
     PopInProgress,
     PoppedMessage,
     StorageUnavailable,
@@ -61,6 +59,7 @@ from agent_store.store._blobs import kept_blob_ids
 from agent_store.store._driver import storage_errors
 from agent_store.store._fork import fork_turns_of
 from agent_store.store._tail import (
+    LeftBefore,
     free_to_mark,
     mark,
     pop_in_progress,
@@ -81,11 +80,10 @@ _IN_DOUBT_KEPT = 64
 are forgotten: a retry of one pops anew)."""
 
 
-CallsBefore = Callable[
-    [AgentMessage], Awaitable[tuple[list[PendingCall], PendingHitl | None, list[int]]]
-]
-"""What the messages before a message leave pending, calls and prompt, and the `seq`s below
-it with no message (`ConversationStore`'s own read)."""
+CallsBefore = Callable[[AgentMessage], Awaitable[LeftBefore]]
+"""What the messages before a message leave, with the answers a person gave: calls and
+prompt pending, approvals withdrawn, and the `seq`s below it with no message
+(`ConversationStore`'s own read)."""
 PREVIEW_WINDOW = 16
 """How many messages before the last one a pop reads at once to find the preview's source
 (the window widens fourfold while none of them has text)."""
@@ -312,8 +310,7 @@ class Pop:
         writing it (`_wait_below`)."""
         assert message.seq is not None
         started, preview, quoted = False, None, None
-        calls: list[PendingCall] | None = None
-        prompt: PendingHitl | None = None
+        before: LeftBefore | None = None
         missing: set[int] = set()
         with storage_errors("read the messages before the last one"):
             previous, updated_at = await self._last_before(message)
@@ -332,8 +329,8 @@ class Pop:
                 preview = preview_of(source, self.preview_chars)
                 quoted = preview_of(message, self.preview_chars)
             if reads_pending_before(message):
-                calls, prompt, unseen = await self.calls_before(message)
-                missing.update(unseen)
+                before = await self.calls_before(message)
+                missing.update(before.missing)
         if missing:
             await self._wait_below(message, sorted(missing))
         return pop_in_progress(
@@ -342,8 +339,7 @@ class Pop:
             preview=preview,
             updated_at=updated_at,
             quoted=quoted,
-            pending_before=calls,
-            prompt=prompt,
+            before=before,
         )
 
     async def _last_before(self, message: AgentMessage) -> tuple[dict[str, Any] | None, Any]:

@@ -51,7 +51,7 @@ from agent_store.core import (
 from agent_store.store._blobs import FullTextStore, parts_by_whole_text
 from agent_store.store._deletions import DeletionRecords, recorded_as
 from agent_store.store._driver import Database, storage_errors
-from agent_store.store._fork import fork_turns_of
+from agent_store.store._fork import approvals_withdrawn, fork_turns_of
 from agent_store.store._indexes import (
     CONVERSATIONS,
     MESSAGES,
@@ -69,16 +69,16 @@ from agent_store.store._reservation import (
     same_as_read,
     same_conversation,
 )
+from agent_store.store._tail import LEFT_BEFORE_READ, LeftBefore, settled
 from agent_store.store._text import clean_name, collapse_whitespace, search_words
 from agent_store.store._truncation import NATIVE
 from agent_store.store._turns import (
-    ANSWERED_READ,
     GAPS_READ,
     Gaps,
     TurnRules,
     answered_in,
+    folded_after,
     is_fork_turn,
-    pending_after,
     turn_key,
     validate_identifier,
 )
@@ -713,8 +713,9 @@ class ConversationStore:
         nothing. Four to seven round trips: the last message, the mark, the removal,
         the summary update, and the messages before it when it started a turn or was the
         preview's source, or (all of them) when it answered a call or raised a prompt (what
-        they leave pending says what comes back; in a fork, one more for where its copies
-        began the original's turns). Three more when this store has not seen the
+        they leave pending says what comes back; one more for the answers a person gave
+        and the approvals, when a prompt is among them or is the message, or in a fork, where
+        its copies began the original's turns). Three more when this store has not seen the
         conversation's count of finished pops yet and another pop was finished before, or
         when it passes a block abandoned past the last message; one more when the reads of
         the messages before it find a `seq` with no message (the conversation's gaps).
@@ -735,14 +736,15 @@ class ConversationStore:
         )
         return await pop.run()
 
-    async def _pending_before(
-        self, popped: AgentMessage
-    ) -> tuple[list[PendingCall], PendingHitl | None, list[int]]:
-        """The calls and the prompt the messages before `popped` leave pending (reads them
-        all: a pop of an answer or a prompt is rare, and what is pending depends on every
-        turn, on how far a person's answers reach when a prompt was asked, and in a fork on
-        where its copies began the original's turns: one lookup more then), and the `seq`s
-        below it with no message (the pop waits for a turn still writing one)."""
+    async def _pending_before(self, popped: AgentMessage) -> LeftBefore:
+        """What the messages before `popped` leave (reads them all: a pop of an answer or a
+        prompt is rare, and what is pending depends on every turn, on how far a person's
+        answers reach when a prompt was asked, and in a fork on where its copies began the
+        original's turns), folded with the answers a person gave as a fork of them all folds
+        them (`folded_after`): the calls and the prompt pending, the approvals none of those
+        answers gives (`approvals_withdrawn`); and the `seq`s below it with no message (the
+        pop waits for a turn still writing one). One lookup more of the conversation when a
+        prompt is among them or is `popped`, or they are a fork's."""
         docs = await (
             self._messages.find(
                 {"conversation_id": popped.conversation_id, "seq": {"$lt": popped.seq}}
@@ -753,15 +755,26 @@ class ConversationStore:
         messages = messages_adapter.validate_python(docs)
         forked = any(is_fork_turn(m.turn_id) for m in messages)
         conversation: Mapping[str, Any] | None = None
-        if forked or any(m.hitl_action is not None for m in messages):
+        if forked or any(m.hitl_action is not None for m in [*messages, popped]):
             conversation = await self._conversations.find_one(
-                {"_id": popped.conversation_id}, {"forked_from.turn_starts": 1, **ANSWERED_READ}
+                {"_id": popped.conversation_id},
+                {"forked_from.turn_starts": 1, **LEFT_BEFORE_READ},
             )
         starts = fork_turns_of(conversation or {}) if forked else []
+        answered = answered_in(conversation)
+        folded = folded_after(messages, starts, answered)
         stored = {m.seq for m in messages}
         assert popped.seq is not None
         missing = [seq for seq in range(popped.seq) if seq not in stored]
-        return (*pending_after(messages, starts, answered_in(conversation)), missing)
+        return LeftBefore(
+            calls=folded.calls,
+            prompt=folded.hitl,
+            withdrawn=approvals_withdrawn(
+                (conversation or {}).get("approved_calls") or (), answered, folded
+            ),
+            missing=missing,
+            settled=None if conversation is None or missing else settled(conversation, folded),
+        )
 
     async def messages_by_seq(
         self,

@@ -33,12 +33,15 @@ mark): whichever pop finishes it sends the same update (`agent_store.store._pop`
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from bson import Int64
 
 from agent_store.core import AgentMessage, PendingCall, PendingHitl, PopInProgress
+from agent_store.store._fork import ApprovalKey, approvals_in_fork, resolved_in_fork
 from agent_store.store._reservation import (
     answers_reaching,
     approvals_held_by,
@@ -53,9 +56,12 @@ from agent_store.store._reservation import (
 )
 from agent_store.store._text import message_text, shorten
 from agent_store.store._turns import (
+    ANSWERED_READ,
     PENDING_CALLS_KEPT,
     POPPED_MESSAGES_KEPT,
     POPPED_SEQS_KEPT,
+    Folded,
+    answered_in,
     taking_answers,
     turn_key,
 )
@@ -99,6 +105,64 @@ def _may_clear_a_prompt(message: AgentMessage) -> bool:
     return message.role == "tool" or (message.role == "user" and message.upload is not None)
 
 
+@dataclass(frozen=True)
+class LeftBefore:
+    """What the messages before a popped message leave, folded with the answers a person gave
+    as a fork of them all folds them (`_turns.folded_after`), read when
+    `reads_pending_before`."""
+
+    calls: list[PendingCall]
+    """The calls pending, each with the prompt holding it."""
+    prompt: PendingHitl | None
+    """The prompt pending."""
+    withdrawn: list[ApprovalKey]
+    """The stored approvals none of the answers gives there (`_fork.approvals_withdrawn`)."""
+    missing: list[int]
+    """The `seq`s below the message with no message (a turn may still be writing one)."""
+    settled: Settled | None = None
+    """With the conversation's answers as read, all the messages below read (none missing):
+    what those messages and answers leave, in full."""
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What the messages before a popped message and the answers a person gave leave of the
+    approvals and resolutions, as a fork of them all keeps them (`_fork.approvals_in_fork`,
+    `_fork.resolved_in_fork`), with the answers as read: the pop sets them, with the
+    pending calls, only while those answers are unchanged (no answer came since)."""
+
+    answers: list[dict[str, Any]]
+    """`answered_prompts` as read."""
+    approvals: list[dict[str, Any]]
+    """`approved_calls` as read, those the fold keeps."""
+    resolved: list[str]
+    """`resolved_hitl` as the fold leaves it."""
+
+
+LEFT_BEFORE_READ: dict[str, Any] = {
+    "approved_calls": 1,
+    "resolved_hitl": 1,
+    **ANSWERED_READ,
+}
+"""What a pop reads of the conversation besides the messages before the last one, for what
+those messages and the answers a person gave leave (`settled`)."""
+
+
+def settled(conversation: Mapping[str, Any], folded: Folded) -> Settled:
+    """What the messages before a popped message, folded with the answers `conversation`
+    records (`folded`: `answered_in`), leave of its approvals and resolutions, as a fork of
+    them all keeps them (read with `LEFT_BEFORE_READ`)."""
+    answered = answered_in(conversation)
+    approvals = approvals_in_fork(conversation.get("approved_calls") or (), answered, folded)
+    return Settled(
+        answers=[dict(a) for a in conversation.get("answered_prompts") or ()],
+        approvals=[dict(a) for a in approvals],
+        resolved=resolved_in_fork(
+            conversation.get("resolved_hitl") or (), answered, answered, folded
+        ),
+    )
+
+
 def pop_in_progress(
     message: AgentMessage,
     *,
@@ -106,17 +170,16 @@ def pop_in_progress(
     preview: str | None,
     updated_at: datetime | None = None,
     quoted: str | None = None,
-    pending_before: list[PendingCall] | None = None,
-    prompt: PendingHitl | None = None,
+    before: LeftBefore | None = None,
 ) -> PopInProgress:
     """What removing `message`, the conversation's last, changes in its summary.
 
     `preview` is the new preview, or None to keep the current one; `updated_at` the time of
     the last message that remains, or None to keep the current one; `quoted` the preview
-    the message itself gives (a preview still quoting it is replaced). `pending_before` are the
-    calls the messages before it leave pending (`pending_after`), read when
-    `reads_pending_before`, and `prompt` the prompt they leave pending (kept for an answer,
-    which may have cleared it).
+    the message itself gives (a preview still quoting it is replaced). `before` is what the
+    messages before it leave (`LeftBefore`), read when `reads_pending_before`: the calls
+    pending, the prompt pending (kept for an answer, which may have cleared it), and the
+    approvals withdrawn.
     """
     assert message.seq is not None
     usage = message.token_usage
@@ -136,8 +199,12 @@ def pop_in_progress(
         made_calls=bool(message.tool_calls),
         answered_call=message.tool_call_id if message.role == "tool" else None,
         hitl_request_id=message.hitl_action.request_id if message.hitl_action else None,
-        pending_before=pending_before,
-        prompt_back=prompt if reads_pending_before(message) else None,
+        pending_before=before.calls if before else None,
+        prompt_back=before.prompt if before and reads_pending_before(message) else None,
+        withdrawn_approvals=before.withdrawn if before else [],
+        answers_read=before.settled.answers if before and before.settled else None,
+        approvals_left=before.settled.approvals if before and before.settled else None,
+        resolved_left=before.settled.resolved if before and before.settled else None,
     )
 
 
@@ -220,8 +287,8 @@ def unlogged(pop: PopInProgress) -> list[Any]:
     stage["turns"] = turns if pop.turn_key is not None else {"$cond": [unset, "$$REMOVE", turns]}
     # The `seq`s given back are free again: a prompt stored there later is a new one.
     stage.update(answers_reaching({"$cond": [untouched, {"$min": ["$$s", pop.seq]}, "$$s"]}))
-    if pop.made_calls or pop.pending_before is not None:
-        stage["pending_calls"] = _calls_without(pop, pop.pending_before or [])
+    settled = _settled(pop, untouched)
+    stage.update(_pending_left(pop, settled))
     if pop.hitl_request_id is not None:
         stage.update(_approvals_unheld_by(pop.message_id))
     if pop.preview is not None:  # a turn that reserved past it set its own, if it had text
@@ -233,9 +300,79 @@ def unlogged(pop: PopInProgress) -> list[Any]:
                 "$last_message_preview",
             ]
         }
+    stages = [*_approvals_left(pop, settled), {"$set": stage}]
     if pop.made_calls:  # its calls no longer reuse the ids of approved calls
-        return [{"$set": stage}, {"$set": _approvals_unsuperseded_by(pop.message_id)}]
-    return [{"$set": stage}]
+        stages.append({"$set": _approvals_unsuperseded_by(pop.message_id)})
+    return stages
+
+
+def _pending_left(pop: PopInProgress, settled: Any) -> dict[str, Any]:
+    """`pending_calls` and `resolved_hitl` once the message is removed: what the messages
+    that remain and the answers a person gave leave (`pending_before`, `resolved_left`)
+    while `settled`; else the list as it is without the message's own effect
+    (`_calls_without`), and the resolutions as they are."""
+    fields: dict[str, Any] = {}
+    if pop.made_calls or pop.pending_before is not None:
+        fields["pending_calls"] = _calls_without(pop, pop.pending_before or [])
+    if settled is None:
+        return fields
+    calls = literal([c.model_dump() for c in pop.pending_before or ()])
+    fields["pending_calls"] = {"$cond": [settled, calls, fields["pending_calls"]]}
+    unset = {"$eq": [{"$ifNull": ["$resolved_hitl", None]}, None]}
+    kept = {"$cond": [unset, "$$REMOVE", "$resolved_hitl"]}
+    fields["resolved_hitl"] = {"$cond": [settled, literal(pop.resolved_left), kept]}
+    return fields
+
+
+def _settled(pop: PopInProgress, untouched: Any) -> Any:
+    """Whether what the messages that remain and the answers the pop read leave in full
+    (`PopInProgress.answers_read`) may replace the conversation's pending calls, approvals and
+    resolutions, as an expression: no answer came since the pop read them and no turn
+    reserved past the message. None when the pop did not read them so."""
+    if pop.answers_read is None:
+        return None
+    answers = {"$ifNull": ["$answered_prompts", literal([])]}
+    return {"$and": [untouched, {"$eq": [answers, literal(pop.answers_read)]}]}
+
+
+def _approvals_left(pop: PopInProgress, settled: Any) -> list[dict[str, Any]]:
+    """The stage setting `approved_calls` once the message is removed, none when nothing
+    changes them: those the messages that remain and the answers a person gave keep
+    (`approvals_left`) while `settled`; else the list as it is without those they give none
+    of (`_approvals_without`). The first stage, so it reads the list as the pop read it."""
+    if not pop.withdrawn_approvals and pop.approvals_left is None:
+        return []
+    without = _approvals_without(pop.withdrawn_approvals)
+    if settled is None or pop.approvals_left is None:
+        return [{"$set": without}]
+    left = without["approved_calls"]["$cond"][2]
+    kept = {"$cond": [settled, literal(pop.approvals_left), left]}
+    unset = {"$eq": [{"$ifNull": ["$approved_calls", None]}, None]}
+    return [{"$set": {"approved_calls": {"$cond": [unset, "$$REMOVE", kept]}}}]
+
+
+def _approvals_without(withdrawn: list[tuple[str, str, str]]) -> dict[str, Any]:
+    """`approved_calls` without the approvals `withdrawn` names (call id, message id, request
+    id): those the messages that remain, with the answers a person gave, give none of
+    (`LeftBefore.withdrawn`). Others, an answer given since the pop read them among them,
+    are kept as they are."""
+    key = {
+        "tool_call_id": "$$a.tool_call_id",
+        "message_id": "$$a.message_id",
+        "request_id": {"$ifNull": ["$$a.request_id", None]},
+    }
+    keys = literal([{"tool_call_id": c, "message_id": m, "request_id": r} for c, m, r in withdrawn])
+    approved = {
+        "$filter": {
+            "input": {"$ifNull": ["$approved_calls", literal([])]},
+            "as": "a",
+            # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+            "cond": {"$eq": [{"$in": [key, keys]}, False]},
+        }
+    }
+    # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
+    unset = {"$eq": [{"$ifNull": ["$approved_calls", None]}, None]}
+    return {"approved_calls": {"$cond": [unset, "$$REMOVE", approved]}}
 
 
 def _approvals_unsuperseded_by(message_id: str) -> dict[str, Any]:
