@@ -128,6 +128,7 @@ from agent_store.store._text import clean_name
 from agent_store.store._turns import (
     ANSWERED_READ,
     DELIVERY_TURN,
+    FORK_TURN,
     GAPS_READ,
     MAX_MESSAGES_PER_TURN,
     MAX_TURN_TOOL_CALLS,
@@ -1095,7 +1096,10 @@ class AgentMessageLogger:
         place; one an attempt's insert stored in a block it left by a move, found by id in
         the same lookup, is stored there (`_stored_there`): no move again."""
         block = await self._with_whole_texts_checked(plan, block)
-        if not block.popped and (block.count != plan.count or not plan.matches(block.digest)):
+        other = block.count != plan.count or not plan.matches(block.digest)
+        # A fork's or a delivery's retry settles other content its own way (`_fork_once`).
+        own = not plan.turn_id.startswith((FORK_TURN, DELIVERY_TURN))
+        if other and own and not block.popped:
             await self._retried_with_other_content(plan, block, conversation, condition)
             return None  # its empty block given back: the turn reserves anew
         reserved = _replay(plan, block, conversation, condition)
