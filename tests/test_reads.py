@@ -37,6 +37,7 @@ from agent_store.store import (
 from app.examples import EXAMPLE_CONVERSATION_ID as CID
 from app.examples import EXAMPLE_USER_ID as OWNER
 from app.examples import example_turns
+from tests.api_harness import auth_headers, serve
 from tests.conftest import Backend, count_documents_read
 
 
@@ -2688,3 +2689,100 @@ async def test_a_claim_hands_over_no_late_message_of_a_deleted_life_of_the_id(
     assert read == ["new life", "for A"]
     assert claimed.messages == 2
     assert (await backend.db[MESSAGES].find_one({"_id": "late-old"}) or {}).get("user_id") is None
+
+
+LATE_TEXT = [
+    {"role": "user", "content": "my card number is zanzibar 4111"},
+    {"role": "assistant", "content": "noted zanzibar"},
+]
+LATE_USER = "user-late"
+
+
+async def _a_late_insert_after(
+    backend: Backend, removal: Callable[[ConversationStore], Awaitable[Any]]
+) -> ConversationStore:
+    """LATE_USER's conversation "c-late": its second turn reserved before `removal` and its
+    insert applied by the server only after the removal returned (after its last sweep), the
+    writer gone, never retrying. Set up as the server ends: the turn's messages, as its insert
+    wrote them (the removed conversation's epoch, naming LATE_USER), stand under the id."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages("c-late", [{"role": "user", "content": "alpha"}],
+                              user_id=LATE_USER, turn_id="t0")  # fmt: skip
+    await logger.log_messages("c-late", LATE_TEXT, user_id=LATE_USER, turn_id="t1")
+    landed = await backend.db[MESSAGES].find({"turn_id": "t1"}).to_list(None)
+    await backend.db[MESSAGES].delete_many({"turn_id": "t1"})  # reserved, not inserted yet
+    store = ConversationStore(backend.db, rules=NO_GRACE)
+    await removal(store)
+    await backend.db[MESSAGES].insert_many(landed)  # the late insert
+    return store
+
+
+@pytest.mark.parametrize("removal", ["delete", "erase_user"])
+async def test_search_serves_no_message_a_late_insert_left_of_a_removed_conversation(
+    backend: Backend, removal: str
+) -> None:
+    """A deleted (or erased) conversation's text is never found again by its owner's search,
+    through the library or the API, whatever insert of it reached the server late."""
+    backend.skip_if_lacking("text_search")
+
+    async def remove(store: ConversationStore) -> Any:
+        if removal == "delete":
+            return await store.delete("c-late", user_id=LATE_USER)
+        return await store.erase_user(LATE_USER)
+
+    store = await _a_late_insert_after(backend, remove)
+
+    assert await store.search("zanzibar", user_id=LATE_USER) == []
+    async with serve(backend.db, seeded=False) as api:
+        found = await api.http.get(
+            "/v1/search", params={"q": "zanzibar"}, headers=auth_headers(user=LATE_USER)
+        )
+    assert (found.status_code, found.json()["data"]) == (200, [])
+
+
+async def test_deleting_again_removes_what_a_late_insert_left_of_a_deleted_conversation(
+    backend: Backend,
+) -> None:
+    """The conversation is gone, its late messages are not: deleting its id again removes them
+    (the owner's, of an epoch no conversation under the id has), and a third time finds
+    nothing."""
+    store = await _a_late_insert_after(
+        backend, lambda store: store.delete("c-late", user_id=LATE_USER)
+    )
+
+    again = await store.delete("c-late", user_id=LATE_USER)
+
+    assert (again.conversations, again.messages) == (0, 2)
+    assert await backend.db[MESSAGES].count_documents({"conversation_id": "c-late"}) == 0
+    with pytest.raises(NotFound):
+        await store.delete("c-late", user_id=LATE_USER)
+
+
+async def test_search_by_the_guest_id_serves_no_message_of_a_conversation_claimed_since(
+    backend: Backend,
+) -> None:
+    """A guest's turn reserved before the claim of the guest's account lands after the claim's
+    last sweep, naming the guest: the guest id's search does not find it (the conversation is
+    the new owner's)."""
+    backend.skip_if_lacking("text_search")
+    store = await _a_late_insert_after(backend, lambda store: store.claim(LATE_USER, NEW_OWNER))
+
+    assert await store.search("zanzibar", user_id=LATE_USER) == []
+
+
+async def test_a_repeated_claim_moves_what_a_late_insert_left_under_the_guest_id(
+    backend: Backend,
+) -> None:
+    """The guest's late messages land after the claim's last sweep, its writer gone: they keep
+    the guest id, a hole in the new owner's transcript, until the claim is run again, which
+    moves them."""
+    store = await _a_late_insert_after(backend, lambda store: store.claim(LATE_USER, NEW_OWNER))
+    before = await store.transcript("c-late", user_id=NEW_OWNER)
+
+    again = await store.claim(LATE_USER, NEW_OWNER)
+
+    assert [m.seq for m in before] == [0]
+    assert again.messages == 2
+    after = await store.transcript("c-late", user_id=NEW_OWNER)
+    assert [m.content for m in after] == ["alpha", *(m["content"] for m in LATE_TEXT)]

@@ -10,6 +10,7 @@ import json
 import random
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from agent_store import (
     TurnRules,
 )
 from agent_store.store import CONVERSATIONS, MAX_TURN_NAMED_CALLS, MESSAGES, PENDING_CALLS_KEPT
+from tests.api_harness import auth_headers, serve
 from tests.conftest import COUNTED, Backend
 
 CID = "conv-integrity"
@@ -1506,3 +1508,84 @@ async def test_a_turn_whose_prompts_name_the_most_earlier_calls_it_may_is_stored
 
     conversation = await check_conversation(backend.db)
     assert conversation["message_count"] == 2 + 1 + len(prompts)
+
+
+async def _edited_after_a_lost_insert(logger: AgentMessageLogger) -> list[dict[str, Any]]:
+    """Turn "t0" stored at 0-1; turn "t-1" reserved 2-3 (a turn start, 3 tokens each way
+    counted) and died before its insert. What its retry sends: a regenerated answer, 4 tokens."""
+    await logger.log_messages(CID, turn("m0"), turn_id="t0")
+    await reserved_then_died(logger, turn("first", usage=3))
+    return turn("regenerated", usage=4)
+
+
+async def test_a_retry_with_other_content_while_its_empty_block_may_still_be_written_is_retryable(
+    backend: Backend,
+) -> None:
+    """Within `abandon_after` the first attempt may still insert into its block: a retry with
+    other content is refused as retryable, saying nothing of the turn is stored yet, nothing
+    written; the first attempt's own content is still stored in its block."""
+    logger = AgentMessageLogger(backend.db)
+    regenerated = await _edited_after_a_lost_insert(logger)
+    before = await digest(backend.db)
+
+    with pytest.raises(StorageUnavailable, match="nothing of turn 't-1' is stored yet"):
+        await logger.log_messages(CID, regenerated, turn_id="t-1")
+
+    assert await digest(backend.db) == before
+    first = await logger.log_messages(CID, turn("first", usage=3), turn_id="t-1")
+    assert [m.seq for m in first.messages] == [2, 3]
+    await check_conversation(backend.db)
+
+
+async def test_a_retry_with_other_content_past_its_empty_blocks_abandonment_gives_it_back(
+    backend: Backend,
+) -> None:
+    """Past `abandon_after` the first attempt's empty block is given back (its turn start and
+    tokens taken back, its `seq`s gaps tail readers pass) and the retry's content is logged
+    under the turn id, once; the first attempt's content is then other content."""
+    rules = TurnRules(abandon_after=timedelta(0))
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    regenerated = await _edited_after_a_lost_insert(logger)
+
+    logged = await logger.log_messages(CID, regenerated, turn_id="t-1")
+    again = await logger.log_messages(CID, regenerated, turn_id="t-1")
+
+    assert [m.seq for m in logged.messages] == [m.seq for m in again.messages] == [4, 5]
+    conversation = await check_conversation(backend.db, gaps=True)
+    assert (conversation["message_count"], conversation["turn_count"]) == (6, 2)
+    assert conversation["usage"] == {"input_tokens": 5, "output_tokens": 5}
+    page = await ConversationStore(backend.db, rules=rules).messages_page(CID, after=None)
+    assert [m.content for m in page.data] == ["m0?", "m0!", "regenerated?", "regenerated!"]
+    assert page.pending_seq is None
+    with pytest.raises(Conflict, match="was logged with other content"):
+        await logger.log_messages(CID, turn("first", usage=3), turn_id="t-1")
+
+
+async def test_over_http_a_retry_with_other_content_after_a_lost_insert_is_logged_once_abandoned(
+    backend: Backend,
+) -> None:
+    """The same through the API: 503 (retry) while the first attempt may still write, then 201
+    with the new content under the turn id, the conversation counting it alone."""
+    async with serve(backend.db, seeded=False) as api:
+        regenerated = await _edited_after_a_lost_insert(api.store.logger)
+        post = partial(api.http.post, f"/v1/conversations/{CID}/turns", headers=auth_headers())
+
+        waiting = await post(json={"messages": regenerated, "turn_id": "t-1"})
+        conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+        turns = [
+            {**record, "a": record["a"] - timedelta(hours=1)} for record in conversation["turns"]
+        ]
+        await backend.db[CONVERSATIONS].update_one({"_id": CID}, {"$set": {"turns": turns}})
+        logged = await post(json={"messages": regenerated, "turn_id": "t-1"})
+        summary = await api.http.get(f"/v1/conversations/{CID}", headers=auth_headers())
+        page = await api.http.get(f"/v1/conversations/{CID}/messages", headers=auth_headers())
+
+    assert waiting.status_code == 503
+    assert "nothing of turn 't-1' is stored yet" in waiting.json()["error"]["message"]
+    assert logged.status_code == 201, logged.text
+    assert [m["seq"] for m in logged.json()["messages"]] == [4, 5]
+    assert (summary.json()["turn_count"], summary.json()["usage"]) == (
+        2, {"input_tokens": 5, "output_tokens": 5}
+    )  # fmt: skip
+    assert [m["seq"] for m in page.json()["data"]] == [0, 1, 4, 5]
+    assert page.json().get("pending_seq") is None

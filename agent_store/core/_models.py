@@ -673,6 +673,12 @@ class TurnRecord(_Model):
     """A user token logged the turn (a person's, `owner_only`): no runtime opens a steering
     inbox under its id (`SteeringInbox.open_turn`). False for a service's turn, and for one
     recorded before records said so."""
+    counted: Count | tuple[Count, Count, Count] | None = Field(default=None, alias="c")
+    """What the turn's reservation counted: its turn starts, input and output tokens (given
+    back with its block when a retry of other content finds the block empty and abandoned),
+    packed into one integer when each fits (starts below 2**8 in the low bits, then each
+    count below 2**22: at most 2**52), else the three. None on a record kept before records
+    said so."""
 
 
 class PoppedMessage(_Model):

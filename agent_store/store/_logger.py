@@ -112,6 +112,7 @@ from agent_store.store._reservation import (
     blocks_of,
     denials_hold,
     given_back,
+    given_back_abandoned,
     given_up,
     literal,
     moved_key,
@@ -128,6 +129,7 @@ from agent_store.store._text import clean_name
 from agent_store.store._turns import (
     ANSWERED_READ,
     DELIVERY_TURN,
+    FORK_TURN,
     GAPS_READ,
     MAX_MESSAGES_PER_TURN,
     MAX_TURN_TOOL_CALLS,
@@ -1095,6 +1097,12 @@ class AgentMessageLogger:
         place; one an attempt's insert stored in a block it left by a move, found by id in
         the same lookup, is stored there (`_stored_there`): no move again."""
         block = await self._with_whole_texts_checked(plan, block)
+        other = block.count != plan.count or not plan.matches(block.digest)
+        # A fork's or a delivery's retry settles other content its own way (`_fork_once`).
+        own = not plan.turn_id.startswith((FORK_TURN, DELIVERY_TURN))
+        if other and own and not block.popped:
+            await self._retried_with_other_content(plan, block, conversation, condition)
+            return None  # its empty block given back: the turn reserves anew
         reserved = _replay(plan, block, conversation, condition)
         age = None if block.reserved_at is None else utc_now() - block.reserved_at
         grace = self.rules.claim_grace
@@ -1128,6 +1136,47 @@ class AgentMessageLogger:
                 await self._give_up(plan.conversation_id, conversation, taken_back=taken_back)
                 raise condition.refusal
         return None if doc is None else _moved(plan, reserved, doc, observed=bool(self._observers))
+
+    async def _retried_with_other_content(
+        self,
+        plan: TurnPlan,
+        block: RecordedBlock,
+        conversation: Mapping[str, Any],
+        condition: Condition | None,
+    ) -> None:
+        """A retry sending other content than its turn's record holds (a regenerated answer
+        after a lost insert): refused (`_retry_refusal`) when a message of the turn is stored,
+        in its block or under its ids (one lookup), or its record does not say what it
+        counted. Nothing of it stored: while its first attempt may still insert (reserved less
+        than `abandon_after` ago) StorageUnavailable, nothing written; past that its block is
+        given back (`given_back_abandoned`, once: its turn starts and tokens taken back, its
+        `seq`s gaps tail readers pass, its record naming the turn no more) with the pending
+        state folded again (`_give_up`), and the turn reserves anew with this content."""
+        refused = _retry_refusal(plan, conversation, condition)
+        if not isinstance(refused, _OtherContent):
+            raise refused
+        cid, end = plan.conversation_id, block.first_seq + block.count
+        ids = [message_id(cid, plan.turn_id, i) for i in range(max(plan.count, block.count))]
+        in_block = {"seq": {"$gte": block.first_seq, "$lt": end}}
+        with storage_errors("read the turn's messages"):
+            stored = await self._messages.find(
+                {"conversation_id": cid, "$or": [in_block, {"_id": {"$in": ids}}]}, {"_id": 1}
+            ).to_list(1)
+        if stored or block.counted is None or block.reserved_at is None:
+            raise refused
+        if utc_now() - block.reserved_at < self.rules.abandon_after:
+            raise StorageUnavailable(
+                f"nothing of turn {plan.turn_id!r} is stored yet, but its first attempt "
+                "reserved its place with other content and may still store it until "
+                f"`abandon_after` ({self.rules.abandon_after}) from then: retry later, and "
+                "this content is logged under the turn id"
+            )
+        epoch, created = conversation.get("epoch"), conversation.get("created_at")
+        same = same_conversation(cid, epoch=epoch, created_at=created)
+        with storage_errors("take back what the turn counted"):
+            result = await self._conversations.update_one(*given_back_abandoned(plan, block, same))
+        if result.matched_count:
+            await self._give_up(cid, strict=False)
 
     async def _stored_there(
         self,
@@ -2300,8 +2349,12 @@ def _stored_in_part(plan: TurnPlan, stored: int) -> Conflict:
     )
 
 
+class _OtherContent(Conflict):
+    """A retry of a turn sending other content than it was logged with."""
+
+
 def _other_content(plan: TurnPlan) -> Conflict:
-    return Conflict(
+    return _OtherContent(
         f"turn {plan.turn_id!r} was logged with other content ({plan.count} messages "
         "now); a retry must send the same messages. Use a new turn_id for a new turn"
     )

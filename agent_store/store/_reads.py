@@ -507,12 +507,34 @@ class ConversationStore:
         if user_id is not None:
             scope["user_id"] = user_id
         swept = await self._deletions.finish(scope, self._grace)
+        swept += await self._delete_strays(scope)
         try:
             return await self._delete_legacy_only(conversation_id, user_id, version)
         except NotFound:
             if not swept:
                 raise
         return Deleted(conversations=0, messages=swept, legacy_turns=0)
+
+    async def _delete_strays(self, scope: dict[str, Any]) -> int:
+        """The messages `scope` selects (an id, the caller's for a user's delete) that no
+        conversation under the id holds: late inserts of one deleted since, their writer gone
+        before taking them back. They go with their whole texts, by their epochs, but the
+        epoch of a conversation started under the id meanwhile. How many; one lookup on a
+        delete finding no conversation, two round trips more when any is there."""
+        conversation_id = scope["conversation_id"]
+        with storage_errors("delete the conversation"):
+            found = await self._messages.find(scope, {"epoch": 1}).to_list(None)
+            if not found:
+                return 0
+            standing = await self._conversations.find_one({"_id": conversation_id}, {"epoch": 1})
+            epochs = {d.get("epoch") for d in found}
+            if standing is not None:  # started under the id meanwhile: its messages stay
+                epochs -= {None, standing.get("epoch")}
+            if not epochs:
+                return 0
+            swept = await self._messages.delete_many({**scope, "epoch": {"$in": list(epochs)}})
+        await self._full_texts.forget_conversations({conversation_id: list(epochs)})
+        return int(swept.deleted_count)
 
     async def _found_to_delete(
         self, scope: dict[str, Any], version: str | None
@@ -1171,7 +1193,10 @@ class ConversationStore:
     ) -> SearchPage:
         """A page of the messages matching `text`, best first, within one user's or one
         conversation's: `limit` at most, fewer when they pass `PAGE_BYTES` (one at least);
-        `next_cursor` (passed as `cursor`) reads on, ranked from where this page ended."""
+        `next_cursor` (passed as `cursor`) reads on, ranked from where this page ended. Only
+        messages of a conversation standing under its id, of their epoch, and the scope's
+        owner's are served (`_served_by_search`: one read more on a page with hits), so a page
+        may hold fewer, its ranks skipping what it left out."""
         limit = _page_size(limit)
         skipped = 0 if cursor is None else decode_search_cursor(cursor)
         query = await self._search_query(text, user_id, conversation_id)
@@ -1187,16 +1212,39 @@ class ConversationStore:
 
         with storage_errors("search messages"):
             docs, has_more = await _bounded_read(read, limit)
+        served = await self._served_by_search(docs, query["user_id"])
         hits = [
             SearchHit(message=message_adapter.validate_python(d), rank=rank)
             for rank, d in enumerate(docs, start=skipped + 1)
+            if d["_id"] in served
         ]
-        after = skipped + len(hits)
+        after = skipped + len(docs)
         return SearchPage(
             data=hits,
             has_more=has_more,
             next_cursor=encode_search_cursor(after) if has_more else None,
         )
+
+    async def _served_by_search(self, docs: list[dict[str, Any]], owner: str | None) -> set[Any]:
+        """The ids of the found messages `docs` whose conversation is under its id, of the
+        message's epoch and owned by `owner` (the searching scope's owner): a late insert of a
+        conversation deleted, erased or claimed since (its writer gone before it could take
+        it back) is never served. One read of the page's conversations, on pages with hits
+        only."""
+        if not docs:
+            return set()
+        ids = list({d["conversation_id"] for d in docs})
+        with storage_errors("search messages"):
+            found = await self._conversations.find(
+                {"_id": {"$in": ids}}, {"user_id": 1, "epoch": 1}
+            ).to_list(None)
+        standing = {c["_id"]: c for c in found if c.get("user_id") == owner}
+        return {
+            d["_id"]
+            for d in docs
+            if d["conversation_id"] in standing
+            and d.get("epoch") in (None, standing[d["conversation_id"]].get("epoch"))
+        }
 
     async def _search_query(
         self, text: str, user_id: str | None, conversation_id: str | None

@@ -145,6 +145,8 @@ class RecordedBlock:
     by_person: bool = False
     """A user token logged the turn (`TurnRecord.by_person`): its record says so wherever it
     moves."""
+    counted: tuple[int, int, int] | None = None
+    """What its reservation counted (`TurnRecord.counted`); None when its record does not say."""
 
 
 def recorded_block(document: Mapping[str, Any], key: int) -> RecordedBlock | None:
@@ -169,8 +171,38 @@ def recorded_block(document: Mapping[str, Any], key: int) -> RecordedBlock | Non
                 record.at,
                 popped=record.popped,
                 by_person=record.by_person,
+                counted=_unpacked(record.counted),
             )
     return None
+
+
+_STARTS_BITS, _TOKEN_BITS = 8, 22
+"""How `TurnRecord.counted` packs into one integer: turn starts, then each token count."""
+
+
+def _packed(counted: tuple[int, int, int] | None) -> Int64 | list[Int64] | None:
+    """`TurnRecord.counted` as stored: one integer (11 bytes a record, not 38) when each part
+    fits, else the three."""
+    if counted is None:
+        return None
+    starts, tokens_in, tokens_out = counted
+    if starts < 1 << _STARTS_BITS and max(tokens_in, tokens_out) < 1 << _TOKEN_BITS:
+        return Int64(
+            starts | tokens_in << _STARTS_BITS | tokens_out << (_STARTS_BITS + _TOKEN_BITS)
+        )
+    return [Int64(n) for n in counted]
+
+
+def _unpacked(counted: int | tuple[int, int, int] | None) -> tuple[int, int, int] | None:
+    """`TurnRecord.counted` as `_packed` stored it, as its three counts."""
+    if not isinstance(counted, int):
+        return counted
+    tokens = (1 << _TOKEN_BITS) - 1
+    return (
+        counted & ((1 << _STARTS_BITS) - 1),
+        counted >> _STARTS_BITS & tokens,
+        counted >> (_STARTS_BITS + _TOKEN_BITS) & tokens,
+    )
 
 
 def blocks_of(document: Mapping[str, Any], key: int) -> set[int]:
@@ -780,11 +812,18 @@ def _capped(field: str, amount: int) -> dict[str, Any]:
 
 
 def _records(
-    key: int, digest: int, rules: TurnRules, now: datetime, turns: Any = None, *, person: bool
+    key: int,
+    digest: int,
+    rules: TurnRules,
+    now: datetime,
+    turns: Any = None,
+    *,
+    person: bool,
+    counted: tuple[int, int, int] | None,
 ) -> dict[str, Any]:
     """`turns` (the records as they stand, by default) with the record of a block reserved
-    now appended (`person`: a user token logs the turn), the oldest dropped past
-    `turns_recorded` and counted."""
+    now appended (`person`: a user token logs the turn; `counted`: what its reservation
+    counted), the oldest dropped past `turns_recorded` and counted."""
     turns = _TURNS if turns is None else turns
     record = {
         "k": literal(Int64(key)),
@@ -794,6 +833,7 @@ def _records(
         "p": literal(False),
         "g": literal(False),
         "u": literal(person),
+        "c": literal(_packed(counted)),
     }
     # A one-element array built by `$map`: some MongoDB-compatible servers (mongomock) keep an
     # array literal's elements unevaluated.
@@ -865,7 +905,7 @@ def reservation(
         "forked_from": _kept("forked_from", None),
         "legacy_conversation_id": _kept("legacy_conversation_id", None),
         **_appended(plan, _released(plan)),
-        **_records(plan.key, plan.digest, rules, now, person=actor.as_user),
+        **_records(plan.key, plan.digest, rules, now, person=actor.as_user, counted=counted(plan)),
         **_names(plan, runtime_name),
         **_assignment(actor),
         **_reopened(plan),
@@ -1248,7 +1288,15 @@ def relocation(
         "message_count": _plus("message_count", plan.count),
         "popped_seqs": _left_behind(block.first_seq, plan.count),
         **_appended(plan, _without_calls_of(plan)),
-        **_records(plan.key, block.digest, rules, now, turns, person=block.by_person),
+        **_records(
+            plan.key,
+            block.digest,
+            rules,
+            now,
+            turns,
+            person=block.by_person,
+            counted=block.counted,
+        ),
     }
     if plan.raised_requests:  # an answer that came while it waited answered its prompts
         waited = {"$gt": ["$$s", first]}
@@ -1304,7 +1352,32 @@ def given_back(
     (`same`, its `same_conversation` filter), once (not while the `seq`s are gaps
     already), and not when the block is one the turn left by a move or a pop took from (no
     longer counted as this turn's reservation)."""
-    key, moved, first = Int64(plan.key), Int64(moved_key(plan.key)), Int64(first_seq)
+    return _given_back(plan.key, first_seq, plan.count, counted(plan), same)
+
+
+def given_back_abandoned(
+    plan: TurnPlan, block: RecordedBlock, same: dict[str, Any]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """`given_back` for the empty block an earlier attempt of the turn reserved with other
+    content, abandoned: what its record says it counted (`RecordedBlock.counted`, which must
+    be known) is taken back, its `block.count` `seq`s become gaps."""
+    assert block.counted is not None
+    return _given_back(plan.key, block.first_seq, block.count, block.counted, same)
+
+
+def counted(plan: TurnPlan) -> tuple[int, int, int]:
+    """What a reservation of the turn counts: its turn starts, input and output tokens."""
+    return plan.turn_starts, plan.usage.input_tokens, plan.usage.output_tokens
+
+
+def _given_back(
+    turn_key: int,
+    first_seq: int,
+    count: int,
+    taken: tuple[int, int, int],
+    same: dict[str, Any],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    key, moved, first = Int64(turn_key), Int64(moved_key(turn_key)), Int64(first_seq)
     query = {
         **same,
         "popped_seqs": {"$ne": first},
@@ -1314,12 +1387,12 @@ def given_back(
         ],
     }
     own = {"$and": [{"$eq": ["$$record.k", literal(key)]}, {"$eq": ["$$record.f", literal(first)]}]}
-    usage = plan.usage
+    starts, input_tokens, output_tokens = taken
     stage = {
-        "turn_count": less("turn_count", plan.turn_starts),
-        "usage.input_tokens": less("usage.input_tokens", usage.input_tokens),
-        "usage.output_tokens": less("usage.output_tokens", usage.output_tokens),
-        "popped_seqs": _left_behind(first_seq, plan.count),
+        "turn_count": less("turn_count", starts),
+        "usage.input_tokens": less("usage.input_tokens", input_tokens),
+        "usage.output_tokens": less("usage.output_tokens", output_tokens),
+        "popped_seqs": _left_behind(first_seq, count),
         "turns": records_changed(own, {"k": literal(moved), "g": literal(True)}),
     }
     return query, [{"$set": stage}]
