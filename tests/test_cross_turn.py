@@ -4435,6 +4435,18 @@ def _denial(call_id: str) -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call_id, "content": DENIED_RESULT, "error": error}
 
 
+async def _take_step(
+    logger: AgentMessageLogger, store: ConversationStore, n: int, step: Step
+) -> None:
+    """A small conversation's step `n`: a person's answer by request id, or a turn; one the
+    store refuses stores nothing."""
+    with contextlib.suppress(AnsweredBefore, Conflict, NotFound):
+        if isinstance(step, str):
+            await store.resolve_hitl(CID, step)
+        else:
+            await logger.log_messages(CID, step, turn_id=f"t{n}")
+
+
 async def _as_stored_and_folded(backend: Backend, store: ConversationStore) -> list[Any]:
     """The conversation's pending calls (with the prompt holding each, as stored) and prompt,
     as its document holds them, and as the fold of its stored messages with the answers a
@@ -4463,11 +4475,7 @@ async def test_the_fold_of_the_stored_messages_is_what_their_turns_and_answers_l
     answer released included, and the same prompt pending."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     for n, step in enumerate(_small_conversation(random.Random(seed))):
-        with contextlib.suppress(AnsweredBefore, Conflict, NotFound):  # refused: nothing stored
-            if isinstance(step, str):
-                await store.resolve_hitl(CID, step)
-            else:
-                await logger.log_messages(CID, step, turn_id=f"t{n}")
+        await _take_step(logger, store, n, step)
         stored, folded = await _as_stored_and_folded(backend, store)
         assert folded == stored, f"after step {n}"
 
@@ -4581,11 +4589,7 @@ async def test_each_pop_leaves_what_a_fork_of_all_that_remains_leaves(
     holders and the same request ids resolved."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     for n, step in enumerate(_small_conversation(random.Random(seed))):
-        with contextlib.suppress(AnsweredBefore, Conflict, NotFound):  # refused: nothing stored
-            if isinstance(step, str):
-                await store.resolve_hitl(CID, step)
-            else:
-                await logger.log_messages(CID, step, turn_id=f"t{n}")
+        await _take_step(logger, store, n, step)
     for n in range(4):
         if len(await store.transcript(CID)) < 2:
             break
