@@ -282,9 +282,7 @@ def unlogged(pop: PopInProgress) -> list[Any]:
     if pop.updated_at is not None:  # a turn that reserved past it set its own
         stage["updated_at"] = {"$cond": [untouched, literal(pop.updated_at), "$updated_at"]}
     turns = _marked_popped(pop.turn_key, pop.seq, untouched)
-    # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
-    unset = {"$eq": [{"$ifNull": ["$turns", None]}, None]}
-    stage["turns"] = turns if pop.turn_key is not None else {"$cond": [unset, "$$REMOVE", turns]}
+    stage["turns"] = turns if pop.turn_key is not None else _absent_stays("turns", turns)
     # The `seq`s given back are free again: a prompt stored there later is a new one.
     stage.update(answers_reaching({"$cond": [untouched, {"$min": ["$$s", pop.seq]}, "$$s"]}))
     settled = _settled(pop, untouched)
@@ -318,8 +316,7 @@ def _pending_left(pop: PopInProgress, settled: Any) -> dict[str, Any]:
         return fields
     calls = literal([c.model_dump() for c in pop.pending_before or ()])
     fields["pending_calls"] = {"$cond": [settled, calls, fields["pending_calls"]]}
-    unset = {"$eq": [{"$ifNull": ["$resolved_hitl", None]}, None]}
-    kept = {"$cond": [unset, "$$REMOVE", "$resolved_hitl"]}
+    kept = _absent_stays("resolved_hitl", "$resolved_hitl")
     fields["resolved_hitl"] = {"$cond": [settled, literal(pop.resolved_left), kept]}
     return fields
 
@@ -342,27 +339,31 @@ def _approvals_left(pop: PopInProgress, settled: Any) -> list[dict[str, Any]]:
     of (`_approvals_without`). The first stage, so it reads the list as the pop read it."""
     if not pop.withdrawn_approvals and pop.approvals_left is None:
         return []
-    without = _approvals_without(pop.withdrawn_approvals)
-    if settled is None or pop.approvals_left is None:
-        return [{"$set": without}]
-    left = without["approved_calls"]["$cond"][2]
-    kept = {"$cond": [settled, literal(pop.approvals_left), left]}
-    unset = {"$eq": [{"$ifNull": ["$approved_calls", None]}, None]}
-    return [{"$set": {"approved_calls": {"$cond": [unset, "$$REMOVE", kept]}}}]
+    left = _approvals_without(pop.withdrawn_approvals)
+    if settled is not None and pop.approvals_left is not None:
+        left = {"$cond": [settled, literal(pop.approvals_left), left]}
+    return [{"$set": {"approved_calls": _absent_stays("approved_calls", left)}}]
 
 
-def _approvals_without(withdrawn: list[tuple[str, str, str]]) -> dict[str, Any]:
+def _absent_stays(field: str, value: Any) -> dict[str, Any]:
+    """`value` as the new `field`, as an expression, but absent while the field is absent.
+    `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere."""
+    unset = {"$eq": [{"$ifNull": [f"${field}", None]}, None]}
+    return {"$cond": [unset, "$$REMOVE", value]}
+
+
+def _approvals_without(withdrawn: list[ApprovalKey]) -> dict[str, Any]:
     """`approved_calls` without the approvals `withdrawn` names (call id, message id, request
-    id): those the messages that remain, with the answers a person gave, give none of
-    (`LeftBefore.withdrawn`). Others, an answer given since the pop read them among them,
-    are kept as they are."""
+    id), as an expression: those the messages that remain, with the answers a person gave,
+    give none of (`LeftBefore.withdrawn`). Others, an answer given since the pop read them
+    among them, are kept as they are."""
     key = {
         "tool_call_id": "$$a.tool_call_id",
         "message_id": "$$a.message_id",
         "request_id": {"$ifNull": ["$$a.request_id", None]},
     }
     keys = literal([{"tool_call_id": c, "message_id": m, "request_id": r} for c, m, r in withdrawn])
-    approved = {
+    return {
         "$filter": {
             "input": {"$ifNull": ["$approved_calls", literal([])]},
             "as": "a",
@@ -370,9 +371,6 @@ def _approvals_without(withdrawn: list[tuple[str, str, str]]) -> dict[str, Any]:
             "cond": {"$eq": [{"$in": [key, keys]}, False]},
         }
     }
-    # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
-    unset = {"$eq": [{"$ifNull": ["$approved_calls", None]}, None]}
-    return {"approved_calls": {"$cond": [unset, "$$REMOVE", approved]}}
 
 
 def _approvals_unsuperseded_by(message_id: str) -> dict[str, Any]:
