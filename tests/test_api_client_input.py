@@ -473,6 +473,12 @@ HUGE_NUMBERS = [
         "messages.0.hitl_action.params.amount",
         id="hitl-param-1e400",
     ),
+    pytest.param(  # keys named like roles are the sender's keys here, shown as they are
+        '{"role": "assistant", "content": "x", "hitl_action": {"action": "pay", '
+        f'"request_id": "r", "params": {{"user": {{"tool": [{10**30}]}}}}}}}}',
+        "messages.0.hitl_action.params.user.tool.0",
+        id="hitl-param-under-role-named-keys",
+    ),
     pytest.param(  # past the digits Python's int() reads at all
         f'{{"role": "assistant", "content": "x", "latency_ms": {"9" * 4301}}}',
         "messages.0.latency_ms",

@@ -102,7 +102,7 @@ def location_text(parts: Sequence[str | int]) -> str:
     Keys that are not plain names (the sender's own text, say) are shown as `<key>`
     (`shown_key`), so an error message never repeats arbitrary input back.
     """
-    return ".".join(shown_key(part) for part in parts if part not in _UNION_TAGS)
+    return ".".join(shown_key(part) for part in parts)
 
 
 def shown_key(key: str | int) -> str:
@@ -130,8 +130,7 @@ def describe_validation_error(error: ValidationError, *, subject: str = "input")
     """One line per problem: where it is and what is wrong, without pydantic's URLs."""
     problems = []
     for item in error.errors(include_url=False):
-        # Discriminated unions put the role's tag in the path; it only adds noise.
-        location = location_text(item["loc"])
+        location = location_text(_without_role_tags(item["loc"]))
         text = str(item["msg"]).removeprefix("Value error, ")
         if item["type"] == "string_pattern_mismatch" and item.get("input") in DOT_SEGMENTS:
             text = f"{item['input']!r} is no id: {_DOT_SEGMENT_REASON}"
@@ -145,5 +144,18 @@ def describe_validation_error(error: ValidationError, *, subject: str = "input")
     return f"invalid {subject}: " + "; ".join(problems)
 
 
-_UNION_TAGS = {"system", "user", "assistant", "tool"}
+_ROLE_TAGS = {"system", "user", "assistant", "tool"}
+
+
+def _without_role_tags(loc: Sequence[str | int]) -> list[str | int]:
+    """A pydantic location without the role a union of messages puts after a message's
+    place (first, or after its index in a list): it only adds noise. A key named like a
+    role anywhere else is the sender's own and stays."""
+    return [
+        part
+        for i, part in enumerate(loc)
+        if not (part in _ROLE_TAGS and (i == 0 or isinstance(loc[i - 1], int)))
+    ]
+
+
 _PLAIN_NAME = re.compile(r"[\w$.:@|-]{1,64}")
