@@ -261,6 +261,13 @@ def _kept(field: str, default: Any) -> dict[str, Any]:
     return {"$ifNull": [f"${field}", literal(default)]}
 
 
+def absent_stays(field: str, value: Any) -> dict[str, Any]:
+    """`value` as the new `field`, as an expression, but absent while the field is absent.
+    `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere."""
+    unset = {"$eq": [{"$ifNull": [f"${field}", None]}, None]}
+    return {"$cond": [unset, "$$REMOVE", value]}
+
+
 def resolved_by_request(request_id: str) -> dict[str, Any]:
     """Whether a person resolved the prompt `request_id` by request id (`resolved_hitl`), as
     an expression of the conversation being updated."""
@@ -418,9 +425,7 @@ def answers_reaching(below: Any, request_ids: Sequence[str] | None = None) -> di
         "c": {"$ifNull": ["$$a.c", None]},
     }
     answered = {"$map": {"input": _kept("answered_prompts", []), "as": "a", "in": entry}}
-    # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
-    unset = {"$eq": [{"$ifNull": ["$answered_prompts", None]}, None]}
-    return {"answered_prompts": {"$cond": [unset, "$$REMOVE", answered]}}
+    return {"answered_prompts": absent_stays("answered_prompts", answered)}
 
 
 def _holding(request_id: str, concerns: Sequence[CallKey]) -> dict[str, Any]:
@@ -551,9 +556,7 @@ def _approvals_changed(
     }
     if bound:
         approved = {"$let": {"vars": dict(bound), "in": approved}}
-    # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
-    unset = {"$eq": [{"$ifNull": ["$approved_calls", None]}, None]}
-    return {"approved_calls": {"$cond": [unset, "$$REMOVE", approved]}}
+    return {"approved_calls": absent_stays("approved_calls", approved)}
 
 
 def _approved_with(request_id: str, named: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -1044,9 +1047,7 @@ def _reopened(plan: TurnPlan) -> dict[str, Any]:
     # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
     kept = {"$eq": [{"$in": ["$$r", asked]}, False]}
     reopened = {"$filter": {"input": _kept("resolved_hitl", []), "as": "r", "cond": kept}}
-    # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere.
-    unset = {"$eq": [{"$ifNull": ["$resolved_hitl", None]}, None]}
-    return {"resolved_hitl": {"$cond": [unset, "$$REMOVE", reopened]}}
+    return {"resolved_hitl": absent_stays("resolved_hitl", reopened)}
 
 
 def _appended(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
@@ -1083,9 +1084,7 @@ _ASSIGNED_FROM = {
             ]
         },
         int64("$message_count"),
-        # `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it
-        # elsewhere.
-        {"$cond": [{"$eq": [{"$ifNull": ["$owned_from", None]}, None]}, "$$REMOVE", "$owned_from"]},
+        absent_stays("owned_from", "$owned_from"),
     ]
 }
 """`owned_from` as a turn of a service naming a user sets it (`_assignment`): one expression

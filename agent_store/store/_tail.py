@@ -43,6 +43,7 @@ from bson import Int64
 from agent_store.core import AgentMessage, PendingCall, PendingHitl, PopInProgress
 from agent_store.store._fork import ApprovalKey, approvals_in_fork, resolved_in_fork
 from agent_store.store._reservation import (
+    absent_stays,
     answers_reaching,
     approvals_held_by,
     approvals_superseded_by,
@@ -282,7 +283,7 @@ def unlogged(pop: PopInProgress) -> list[Any]:
     if pop.updated_at is not None:  # a turn that reserved past it set its own
         stage["updated_at"] = {"$cond": [untouched, literal(pop.updated_at), "$updated_at"]}
     turns = _marked_popped(pop.turn_key, pop.seq, untouched)
-    stage["turns"] = turns if pop.turn_key is not None else _absent_stays("turns", turns)
+    stage["turns"] = turns if pop.turn_key is not None else absent_stays("turns", turns)
     # The `seq`s given back are free again: a prompt stored there later is a new one.
     stage.update(answers_reaching({"$cond": [untouched, {"$min": ["$$s", pop.seq]}, "$$s"]}))
     settled = _settled(pop, untouched)
@@ -316,7 +317,7 @@ def _pending_left(pop: PopInProgress, settled: Any) -> dict[str, Any]:
         return fields
     calls = literal([c.model_dump() for c in pop.pending_before or ()])
     fields["pending_calls"] = {"$cond": [settled, calls, fields["pending_calls"]]}
-    kept = _absent_stays("resolved_hitl", "$resolved_hitl")
+    kept = absent_stays("resolved_hitl", "$resolved_hitl")
     fields["resolved_hitl"] = {"$cond": [settled, literal(pop.resolved_left), kept]}
     return fields
 
@@ -342,14 +343,7 @@ def _approvals_left(pop: PopInProgress, settled: Any) -> list[dict[str, Any]]:
     left = _approvals_without(pop.withdrawn_approvals)
     if settled is not None and pop.approvals_left is not None:
         left = {"$cond": [settled, literal(pop.approvals_left), left]}
-    return [{"$set": {"approved_calls": _absent_stays("approved_calls", left)}}]
-
-
-def _absent_stays(field: str, value: Any) -> dict[str, Any]:
-    """`value` as the new `field`, as an expression, but absent while the field is absent.
-    `$$REMOVE` as a branch of its own: some servers (mongoeco) store null for it elsewhere."""
-    unset = {"$eq": [{"$ifNull": [f"${field}", None]}, None]}
-    return {"$cond": [unset, "$$REMOVE", value]}
+    return [{"$set": {"approved_calls": absent_stays("approved_calls", left)}}]
 
 
 def _approvals_without(withdrawn: list[ApprovalKey]) -> dict[str, Any]:
