@@ -376,6 +376,8 @@ def cmd_finish(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
             print(NOT_MOVED)
             return 1
         _require_legacy_data(db)
+        for conversation_id in args.accept or ():
+            _acceptable(db, conversation_id)
     run_id = time.strftime("finish-%Y%m%dT%H%M%SZ-", time.gmtime()) + uuid.uuid4().hex[:6]
     held = lease.Lease(db, run_id)
     held.acquire()
@@ -386,6 +388,19 @@ def cmd_finish(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         return _finish(db, args, held)
     finally:
         held.release()
+
+
+def _acceptable(db: Database[dict[str, Any]], conversation_id: str) -> None:
+    """Misuse, before anything is accepted, when `--accept` names no conversation: none whose
+    legacy turns, conversation document or problems are there (a mistyped id, which an
+    acceptance would cover nothing of), as `verify --conversation` refuses it."""
+    if problem_report.recorded_for(db, conversation_id):
+        return
+    if not explode.names_a_conversation(db, conversation_id, source=LEGACY_TURNS):
+        raise Misuse(
+            f"{explode.no_legacy_turns(conversation_id, LEGACY_TURNS)}, nor a problem recorded "
+            "for it: nothing is accepted"
+        )
 
 
 def _finish(db: Database[dict[str, Any]], args: argparse.Namespace, held: lease.Lease) -> int:

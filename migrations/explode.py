@@ -306,21 +306,42 @@ def conversation_named(db: Database[dict[str, Any]], given: str, *, source: str)
     are stored under it as the reader names ids (`turns_filter`), else the legacy id of the
     conversation the migration stored under `given` (an id derived from a legacy one, as
     `verify` and `finish` print it). Misuse when it names no conversation's turns."""
-    if db[source].find_one(turns_filter([given]), {"_id": 1}) is not None:
-        return given
-    document = db[CONVERSATIONS].find_one({"_id": given}, {"legacy_conversation_id": 1}) or {}
-    legacy = document.get("legacy_conversation_id")
-    if legacy is not None and db[source].find_one(turns_filter([legacy]), {"_id": 1}):
+    legacy, document = _named(db, given, source=source)
+    if legacy is not None:
         return legacy
-    if document and legacy is None:
+    if document and document.get("legacy_conversation_id") is None:
         raise Misuse(
             f"{given!r} is a conversation the migration made of a turn naming no conversation; "
             "no --conversation names it: `verify` without one checks it"
         )
-    raise Misuse(
+    raise Misuse(no_legacy_turns(given, source))
+
+
+def names_a_conversation(db: Database[dict[str, Any]], given: str, *, source: str) -> bool:
+    """Whether `given` names a legacy conversation (`conversation_named`) or a conversation
+    document, whatever made it (a turn naming no conversation, a live turn)."""
+    legacy, document = _named(db, given, source=source)
+    return legacy is not None or bool(document)
+
+
+def no_legacy_turns(given: str, source: str) -> str:
+    """What a command says of an id naming no conversation's turns (`conversation_named`)."""
+    return (
         f"no legacy turns for conversation {given!r} in {source}, nor a migrated conversation "
         "of that id whose legacy turns are there"
     )
+
+
+def _named(db: Database[dict[str, Any]], given: str, *, source: str) -> tuple[Any, dict[str, Any]]:
+    """The legacy id `given` names (None: none), and the conversation document stored under
+    `given` (`legacy_conversation_id` alone; empty: none)."""
+    if db[source].find_one(turns_filter([given]), {"_id": 1}) is not None:
+        return given, {}
+    document = db[CONVERSATIONS].find_one({"_id": given}, {"legacy_conversation_id": 1}) or {}
+    legacy = document.get("legacy_conversation_id")
+    if legacy is not None and db[source].find_one(turns_filter([legacy]), {"_id": 1}):
+        return legacy, document
+    return None, document
 
 
 def _key(value: Any) -> Any:

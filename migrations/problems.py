@@ -270,6 +270,12 @@ def unplaced(
     }
 
 
+def recorded_for(db: Database[dict[str, Any]], conversation_id: str) -> bool:
+    """Whether a problem, placed or not, is recorded for the conversation (by the id the
+    record names: a prompt without legacy turns names the conversation its prompt does)."""
+    return db[PROBLEMS].find_one({"conversation_id": conversation_id}, {"_id": 1}) is not None
+
+
 def accept(db: Database[dict[str, Any]], conversation_id: str, note: str | None) -> None:
     """Record that an operator accepts the conversation's unplaced content, as recorded now,
     as kept elsewhere: its problems' kinds (for people) and digests (what it covers)."""

@@ -1284,6 +1284,72 @@ def test_a_last_name_that_shows_nothing_leaves_the_earlier_name(last: str) -> No
     assert kept == ([] if not last.strip() else [("plain_name", last)])
 
 
+def test_an_earlier_name_of_a_renamed_conversation_is_kept_whole_in_a_placed_problem() -> None:
+    """MIGRATION.md: every piece of legacy content is in a message, a file or a problem. A
+    conversation renamed between turns is stored under its last name; each earlier name it
+    went by is kept whole in an `earlier_name` problem (placed), once, on the first turn
+    giving it, so the drop never takes it."""
+    turns = [
+        turn(1, name="Alpha «m1»"),
+        turn(2, name="Beta «m4»"),
+        turn(3, name="Alpha «m1»"),
+        turn(4, name="Gamma"),
+        turn(5, name="Gamma"),
+    ]
+    conversion = convert(turns)
+
+    assert conversion.conversation is not None
+    assert conversion.conversation.name == "Gamma"
+    assert [(p.kind, p.placed, p.field, p.legacy_id, p.content) for p in conversion.problems] == [
+        ("earlier_name", True, "name", f"{1:024x}", "Alpha «m1»"),
+        ("earlier_name", True, "name", f"{2:024x}", "Beta «m4»"),
+    ]
+
+
+def test_every_name_that_shows_nothing_or_holds_control_characters_is_kept_whole() -> None:
+    """An earlier name holding a direction character is kept whole (`earlier_name`), and every
+    name showing nothing gets its `plain_name` problem, not only the last one."""
+    shown = "Trip \u202eto Paris"
+    turns = [
+        turn(1, name=shown),
+        turn(2, name="Plain"),
+        turn(3, name="\u200b\x00\u200b"),
+        turn(4, name="\u200b"),
+    ]
+    conversion = convert(turns)
+
+    assert conversion.conversation is not None
+    assert conversion.conversation.name == "Plain"
+    assert [(p.kind, p.placed, p.field, p.content) for p in conversion.problems] == [
+        ("earlier_name", True, "name", shown),
+        ("plain_name", True, "name", "\u200b\x00\u200b"),
+        ("plain_name", True, "name", "\u200b"),
+    ]
+
+
+def test_a_name_repeated_with_other_white_space_is_one_name() -> None:
+    """White space a stored name collapses is no content (`shorten`): a name repeated with
+    other spaces is the name the conversation holds, no earlier one."""
+    conversion = convert([turn(1, name="Trip  to Rome"), turn(2, name=" Trip to Rome ")])
+
+    assert conversion.conversation is not None
+    assert conversion.conversation.name == "Trip to Rome"
+    assert conversion.problems == []
+
+
+def test_a_conversation_of_names_and_no_message_keeps_each_earlier_name_too() -> None:
+    turns = [{"_id": f"n-{n}", "conversation_id": CID, "name": name,
+              "created_at": T0 + timedelta(minutes=n)}
+             for n, name in enumerate(["Tax return «m1»", "Taxes 2024"])]  # fmt: skip
+    conversion = convert(turns)
+
+    assert conversion.conversation is None
+    assert [(p.kind, p.placed, p.content) for p in conversion.problems] == [
+        ("earlier_name", True, "Tax return «m1»"),
+        ("name_without_messages", False, "Taxes 2024"),
+    ]
+
+
 ALIKE = ObjectId("65f000000000000000000001")
 IDS_READING_ALIKE = {
     "an ObjectId and its text": (ALIKE, str(ALIKE)),

@@ -254,6 +254,69 @@ def test_a_number_past_what_a_message_keeps_is_a_problem_holding_it_never_the_tu
     ]
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        -0.4,
+        "-0.4",
+        -1,
+        "-3",
+        "1_000",
+        "\u0661\u0662",
+        "\uff11\uff12",
+        "12\u00b2",
+        "inf",
+        "nan",
+        "0x10",
+    ],
+    ids=[
+        "a negative fraction",
+        "a negative fraction as text",
+        "a negative number",
+        "a negative number as text",
+        "digits grouped by underscores",
+        "arabic-indic digits",
+        "full-width digits",
+        "a superscript digit",
+        "an infinity as text",
+        "nan as text",
+        "a hexadecimal text",
+    ],
+)
+@pytest.mark.parametrize("field", ["latency_ms", "input_tokens"])
+def test_a_count_that_is_negative_or_no_ascii_decimal_spelling_is_a_problem_holding_it(
+    field: str, value: Any
+) -> None:
+    """MIGRATION.md: a count is a number from 0 to 2**53 - 1, or its text in ASCII decimal
+    digits; anything else (negative, `-0.4` too, which rounds to 0; digits grouped by `_`,
+    digits of another script, which Python's `float` reads) is an `unreadable_number`
+    problem holding the value, never a count read as another."""
+    usage = {"input_tokens": value, "output_tokens": 1} if field == "input_tokens" else None
+    turn = usage_turn(usage) | ({"latency_ms": value} if field == "latency_ms" else {})
+    conversion = convert([turn])
+
+    [answer] = [m for m in conversion.messages if m.role == "assistant"]
+    assert answer.latency_ms is None
+    assert answer.token_usage is None or answer.token_usage.input_tokens == 0
+    kept = usage if field == "input_tokens" else value
+    wanted = "token_usage" if field == "input_tokens" else field
+    assert [(p.kind, p.field, p.placed, p.content) for p in conversion.problems] == [
+        ("unreadable_number", wanted, False, kept)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "count"),
+    [("  12.4e2 ", 1240), ("+7", 7), ("850.6", 851), ("-0", 0), (-0.0, 0), (".5E1", 5)],
+)
+def test_a_count_spelt_in_ascii_decimal_digits_is_read(value: Any, count: int) -> None:
+    conversion = convert([usage_turn(None) | {"latency_ms": value}])
+
+    [answer] = [m for m in conversion.messages if m.role == "assistant"]
+    assert answer.latency_ms == count
+    assert conversion.problems == []
+
+
 def test_a_first_turn_without_a_time_takes_the_next_turns_and_the_problem_says_so() -> None:
     conversion = convert(conversation("mess-numbers-dates"))
     second_turn_time = MESSY_START + timedelta(minutes=5)
@@ -387,14 +450,27 @@ MICROS = datetime(2024, 1, 1, tzinfo=UTC)
         ("2024-01-01T00:00:00.000900+00:00", "2024-01-01T00:00:00.000100+00:00"),
         (MICROS + timedelta(microseconds=900), MICROS + timedelta(microseconds=100)),
         (datetime(2024, 1, 1, 0, 0, 0, 900), datetime(2024, 1, 1, 0, 0, 0, 100)),
+        ("2024-01-01T00:00:00.000000900Z", "2024-01-01T00:00:00.000000100Z"),
+        ("2024-01-01T00:00:00.0000001Z", "2024-01-01T00:00:00Z"),
+        ("2024-01-01T00:00:00.0000001Z", MICROS),
+        ("20240101T010000,0000000000002+01:00", "2024-01-01T00:00:00.0000000000001Z"),
     ],
-    ids=["iso-text", "aware-datetime", "naive-datetime"],
+    ids=[
+        "iso-text",
+        "aware-datetime",
+        "naive-datetime",
+        "nanoseconds",
+        "a tenth of a microsecond after none",
+        "a tenth of a microsecond after a datetime",
+        "past nanoseconds at an offset",
+    ],
 )
 def test_turns_less_than_a_millisecond_apart_keep_their_time_order(
     later: Any, earlier: Any
 ) -> None:
     """MIGRATION.md step 2: turns by time (ties in stored order), at the precision they were
-    written with; only the stored times are cut to the millisecond BSON holds. `verify`
+    written with (an ISO text's digits past the microsecond a datetime holds too: Go's
+    RFC3339Nano); only the stored times are cut to the millisecond BSON holds. `verify`
     renders the legacy turns in that one order."""
     turns = [
         {"_id": "t-b", "conversation_id": "c-us", "created_at": later,

@@ -289,6 +289,44 @@ def test_run_conversation_migrates_a_conversation_whose_legacy_id_is_a_number(
 
 
 @pytest.mark.wire
+def test_an_acceptance_naming_no_conversation_is_misuse_and_records_nothing(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`finish --accept` with a mistyped id is refused as `verify --conversation` refuses it
+    (exit 2, the same words), and no acceptance is recorded, for it or for an id beside it;
+    an id naming a conversation, or only problems (a prompt without legacy turns), is taken."""
+    database[CONVERSATIONS].insert_one(
+        {"_id": "t1", "conversation_id": "conv-real", "user_id": "u",
+         "created_at": datetime(2025, 5, 1, tzinfo=UTC), "user_message": "q",
+         "response_parts": [{"type": "sticker", "x": 1}]}
+    )  # fmt: skip
+    database[SESSION_HITL].insert_one(
+        {"conversation_id": "c-gone", "request_id": "r-1", "status": "pending", "prompt": "Pay?"}
+    )
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify", "--conversation", "conv-reel") == 2
+    said = capsys.readouterr().err
+    assert "no legacy turns for conversation 'conv-reel'" in said
+    accept = ("--accept", "conv-real", "--accept", "conv-reel", "--note", "kept in S3")
+    assert cli(wire_uri, database, "finish", *accept) == 2
+    refused = capsys.readouterr()
+    assert "no legacy turns for conversation 'conv-reel'" in refused.err
+    assert "recorded" not in refused.out
+    assert list(database["agent_migrations"].find({"kind": "acceptance"})) == []
+
+    accept = ("--accept", "conv-real", "--accept", "c-gone", "--note", "kept in S3")
+    assert cli(wire_uri, database, "finish", *accept) == 0
+    assert sorted(
+        database["agent_migrations"].distinct("conversation_id", {"kind": "acceptance"})
+    ) == [
+        "c-gone",
+        "conv-real",
+    ]
+
+
+@pytest.mark.wire
 def test_a_held_lock_stops_a_second_run_until_forced_or_expired(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -4958,6 +4958,35 @@ def test_a_conversation_whose_turns_hold_only_a_name_keeps_it_until_the_operator
 
 
 @pytest.mark.wire
+def test_an_earlier_name_of_a_renamed_conversation_outlives_the_drop(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """ "What finish guarantees": every piece of legacy content is in a message, a file or a
+    problem record. A conversation named `Alpha` on its first turn and `Beta` on its second
+    is stored as `Beta`; `Alpha` stays in a placed `earlier_name` problem, which the gate
+    checks as it checks every placed problem and the drop leaves."""
+    database[CONVERSATIONS].insert_many(
+        [
+            legacy_turn("n1", "c-names", 0, "first") | {"name": "Alpha «m1»"},
+            legacy_turn("n2", "c-names", 1, "second") | {"name": "Beta «m4»"},
+        ]
+    )
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    database[PROBLEMS].update_one({"kind": "earlier_name"}, {"$set": {"content": "[redacted]"}})
+    assert cli(wire_uri, database, "finish") == 1
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+    conversation = database[CONVERSATIONS].find_one({"_id": "c-names"})
+    assert conversation is not None
+    assert conversation["name"] == "Beta «m4»"
+    assert "Alpha «m1»" in kept_text(database)
+
+
+@pytest.mark.wire
 def test_a_run_after_one_that_merged_turns_naming_no_conversation_keeps_the_firsts_ids(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:

@@ -1300,6 +1300,7 @@ def _check_name_of_nothing(converter: _Converter, turns: Sequence[LegacyTurn]) -
     kept in a problem, never dropped with the turns."""
     named = [t for t in turns if t.shown_name() is not None] or [t for t in turns if t.name]
     if named:
+        _other_names(converter, [t for t in turns if t.name], named[-1])
         converter.made_text(named[-1], named[-1].name_as_found, "the name", field="name")
         converter.problem(
             named[-1],
@@ -1427,27 +1428,22 @@ def _turns_by_user(converter: _Converter, turns: Sequence[LegacyTurn]) -> dict[s
     return found
 
 
+EARLIER_NAME = "earlier_name"
+"""A name a conversation went by before a later turn renamed it (placed: the conversation
+holds its last name). Its content is that name, whole, as the first turn giving it held it:
+a conversation stores one name, and the drop would take every other."""
+
+
 def _runtime_name(converter: _Converter, turns: Sequence[LegacyTurn]) -> str | None:
     """The name of the last turn whose name shows something (`LegacyTurn.shown_name`): one
     longer than a conversation holds (`MAX_NAME_CHARS`) is cut, one holding control or
     text-direction characters is stored without them (`shorten`), and a placed problem keeps
     it whole. A later name that shows nothing (invisible characters, control characters
-    alone) names nothing, as a blank one: a placed problem keeps it whole, and the earlier
-    name stays the conversation's."""
+    alone) names nothing, as a blank one, and the earlier name stays the conversation's.
+    Every other name the turns give is kept whole too (`_other_names`)."""
     named = [t for t in turns if t.name]
-    if not named:
-        return None
-    if (last := named[-1]).shown_name() is None:
-        converter.problem(
-            last,
-            "plain_name",
-            "the name holds control or text-direction characters alone, or shows nothing; it "
-            "names nothing, and the last name showing something is kept",
-            field="name",
-            content=last.name,
-            unplaced=False,
-        )
     showing = [t for t in named if t.shown_name() is not None]
+    _other_names(converter, named, showing[-1] if showing else None)
     if not showing:
         return None
     turn = showing[-1]
@@ -1473,6 +1469,41 @@ def _runtime_name(converter: _Converter, turns: Sequence[LegacyTurn]) -> str | N
             unplaced=False,
         )
     return name
+
+
+def _other_names(
+    converter: _Converter, named: Sequence[LegacyTurn], kept: LegacyTurn | None
+) -> None:
+    """Each name the turns give (`named`, in conversation order) other than the one `kept`
+    (the conversation's, which its caller keeps), once, on the first turn giving it, kept
+    whole in a placed problem: one that shows nothing names nothing (`plain_name`), any other
+    is an earlier name (`earlier_name`). Names differing in white space alone are one, as a
+    stored name collapses it."""
+    seen = {collapse_whitespace(kept.name or "")} if kept is not None else set()
+    for turn in named:
+        whole = turn.name or ""
+        if (key := collapse_whitespace(whole)) in seen:
+            continue
+        seen.add(key)
+        converter.made_text(turn, turn.name_as_found, "the name", field="name")
+        if turn.shown_name() is None:
+            detail = (
+                "the name holds control or text-direction characters alone, or shows nothing; "
+                "it names nothing, and the last name showing something is kept"
+            )
+            converter.problem(
+                turn, "plain_name", detail, field="name", content=whole, unplaced=False
+            )
+            continue
+        converter.problem(
+            turn,
+            EARLIER_NAME,
+            f"the conversation was named {whole!r} before a later turn renamed it; it holds "
+            "its last name",
+            field="name",
+            content=whole,
+            unplaced=False,
+        )
 
 
 def _conversation(

@@ -409,6 +409,27 @@ def _iso_time(text: str) -> datetime | None:
     return None
 
 
+_CLOCK_FRACTION = re.compile(r"(?:.{7}|.{8}|.{10}).[0-9]{2}:?[0-9]{2}:?[0-9]{2}[.,]([0-9]+)")
+"""An ISO time's fraction of a second (its date in any form `datetime.fromisoformat` reads,
+a separator, then its clock), never an offset's."""
+_NO_REST = Decimal(0)
+
+
+def _past_micros(value: Any) -> Decimal:
+    """What a time written as ISO text says past the microsecond `as_time` keeps, as a
+    fraction of a microsecond (`"…00.000000900Z"`: 0.9, Go's RFC3339Nano); 0 for any other
+    value, and for text `as_time` reads otherwise. Turns are ordered by both (`sort_turns`),
+    at the precision they were written with."""
+    if not isinstance(value, str):
+        return _NO_REST
+    found = _CLOCK_FRACTION.match(text := value.strip())
+    if found is None or len(digits := found[1]) <= 6:
+        return _NO_REST
+    if (at := _iso_time(text)) is None or as_time(text) != at:
+        return _NO_REST
+    return Decimal(f"0.{digits[6:]}")
+
+
 def _dated_text(text: str) -> datetime | None:
     """An RFC 2822 date or JavaScript's `Date.toString()`, read whole at the offset it names
     (`text_time`), when it is a time a store accepts (since 1970, up to its future leeway);
@@ -754,11 +775,14 @@ class TurnTime:
     millisecond."""
     source: str
     """Where the time came from, for a person: `its created_at`, `its ObjectId's time`, …"""
+    past_micros: Decimal = _NO_REST
+    """What the time as written says past `at`'s microseconds (`_past_micros`): turns are
+    ordered by both."""
 
 
 def _own_time(turn: LegacyTurn) -> TurnTime | None:
     if (at := turn.time()) is not None:
-        return TurnTime(at, "its created_at")
+        return TurnTime(at, "its created_at", _past_micros(turn.created_at))
     if (at := turn.id_time()) is not None:
         return TurnTime(at, "its ObjectId's time")
     return None
@@ -780,7 +804,8 @@ def dated_turns(turns: Iterable[LegacyTurn]) -> list[TurnTime]:
         for index in indexes:
             if (found := own[index]) is not None:
                 turn = str(ordered[index].id)
-                donor = TurnTime(found.at, f"the {step} readable turn's time (turn {turn!r})")
+                source = f"the {step} readable turn's time (turn {turn!r})"
+                donor = TurnTime(found.at, source, found.past_micros)
             elif times[index] is None:
                 times[index] = donor
     return [found or TurnTime(None, "") for found in times]
@@ -792,12 +817,13 @@ def turn_times(turns: Iterable[LegacyTurn]) -> list[datetime | None]:
 
 
 def sort_turns(turns: Iterable[LegacyTurn]) -> list[LegacyTurn]:
-    """By time (see `turn_times`), at the precision it was written with (two turns 0.8 ms
-    apart are no tie); ties and turns without any time keep the stored order."""
+    """By time (see `dated_turns`), at the precision it was written with (two turns 0.8 ms
+    apart are no tie, nor two ISO texts 800 ns apart: `_past_micros`); ties and turns without
+    any time keep the stored order."""
     ordered = list(turns)
-    times = turn_times(ordered)
+    times = dated_turns(ordered)
     floor = datetime.min.replace(tzinfo=UTC)
-    keyed = sorted(range(len(ordered)), key=lambda i: times[i] or floor)
+    keyed = sorted(range(len(ordered)), key=lambda i: (times[i].at or floor, times[i].past_micros))
     return [ordered[i] for i in keyed]
 
 
@@ -1009,28 +1035,33 @@ def as_text(value: Any) -> str:
     return value if is_text(value) else dumps(value)[0]
 
 
+_COUNT_TEXT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+"""A count written as text: ASCII decimal digits, a sign, a decimal point and an exponent
+allowed (`"1200"`, `" 850.6 "`, `"12.4e2"`). Not Python's `float` spellings besides: digits
+grouped by `_` (`"1_000"`), digits of another script (`"١٢"`), `"inf"`, `"nan"`."""
+
+
 def as_count(value: Any) -> int | None:
-    """A count (tokens, milliseconds) from a number or a numeric string, rounded.
+    """A count (tokens, milliseconds) from a number or its text (`_COUNT_TEXT`, spaces around
+    it aside), rounded to the nearest whole number (a half to the even one).
 
     None for a missing value (None or a blank string). Raises ValueError for
-    anything else: a word, a negative or non-finite number, a bool, one above 2**53 - 1,
-    the largest a message keeps (`Count`: a 64-bit "not measured" placeholder is no count).
+    anything else: other text, a negative number (`-0.4` too: the sign is read before the
+    rounding), a non-finite number, a bool, one above 2**53 - 1, the largest a message keeps
+    (`Count`: a 64-bit "not measured" placeholder is no count).
     """
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a count")
     number: float | int
-    if isinstance(value, str):
-        text = value.strip()
-        number = int(text) if text.isdigit() else float(text)
-    elif isinstance(value, int | float):
+    if isinstance(value, str) and _COUNT_TEXT.fullmatch(text := value.strip()):
+        number = float(text)
+    elif isinstance(value, int | float) and not isinstance(value, bool):
         number = value
     else:
-        raise ValueError(f"{value!r} is not a count")
+        raise ValueError(f"{value!r} is not a count: a number, or its text in ASCII decimal digits")
     if isinstance(number, float) and not math.isfinite(number):
         raise ValueError(f"{value!r} is not a count")
     rounded = round(number)
-    if not 0 <= rounded <= MAX_SAFE_INTEGER:
+    if number < 0 or rounded > MAX_SAFE_INTEGER:
         raise ValueError(f"{value!r} is not a count from 0 to {MAX_SAFE_INTEGER}")
     return rounded
