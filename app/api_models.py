@@ -11,7 +11,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from agent_store.core import MAX_HELD_CALLS, AgentMessage, Identifier, PendingHitl
+from agent_store.core import (
+    MAX_HELD_CALLS,
+    AgentMessage,
+    Identifier,
+    InvalidInput,
+    PendingHitl,
+    described_pattern,
+)
 from agent_store.store import (
     HIDDEN_CHARACTERS,
     INVISIBLE_CLASS,
@@ -21,6 +28,7 @@ from agent_store.store import (
     MAX_SEARCH_QUERY_CHARS,
     ConversationExport,
     SearchHit,
+    clean_name,
 )
 
 PageSize = Annotated[int, Field(ge=1, le=MAX_PAGE_SIZE)]
@@ -30,12 +38,26 @@ PageSize = Annotated[int, Field(ge=1, le=MAX_PAGE_SIZE)]
 # JSON Schema reads it alike.
 _WHITE_SPACE = "".join(c for c in map(chr, range(0x3001)) if c.isspace())
 _PLAIN = f"[^{HIDDEN_CHARACTERS}]*"
+
+
+def _not_a_name(value: str) -> str:
+    """What is wrong with a name the pattern refuses, in the words the store's one rule for
+    names (`clean_name`) uses."""
+    try:
+        clean_name(value)
+    except InvalidInput as refusal:
+        return refusal.message.removeprefix("invalid name: ")
+    return "a name is plain text that shows something besides white space"
+
+
 Name = Annotated[
     str,
     StringConstraints(
         min_length=1,
         max_length=MAX_NAME_CHARS,
-        pattern=f"^{_PLAIN}[^{_WHITE_SPACE}{HIDDEN_CHARACTERS}{INVISIBLE_CLASS}]{_PLAIN}$",
+        pattern=described_pattern(
+            f"^{_PLAIN}[^{_WHITE_SPACE}{HIDDEN_CHARACTERS}{INVISIBLE_CLASS}]{_PLAIN}$", _not_a_name
+        ),
     ),
 ]
 

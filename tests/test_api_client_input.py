@@ -9,15 +9,16 @@ import gzip
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import StringConstraints, TypeAdapter, ValidationError
 from pymongo import AsyncMongoClient, monitoring
 
-from agent_store.core import MAX_TOOL_CALLS
+from agent_store.core import MAX_TOOL_CALLS, UNDESCRIBED_PATTERN, describe_validation_error
 from agent_store.store import MESSAGES
 from app.json_body import MAX_BODY_DEPTH, MAX_BODY_VALUES
 from tests.api_harness import (
@@ -747,3 +748,98 @@ async def test_a_resolution_naming_calls_both_ways_is_refused_with_422(api: Serv
     body = json.dumps({"request_id": "req-ada", "call_ids": ["call_0"], "calls": [A_CALL]})
     message = await refused(api, "POST", HITL, body.encode(), 422)
     assert "send calls or call_ids, not both" in message
+
+
+# -- what a refusal repeats of the request --------------------------------------------------
+
+MARKUP_CALL = "<img src=x onerror=alert(1)>\u202eevil"
+MARKUP_MESSAGE = "<script>steal()</script>"
+
+
+async def test_an_answers_to_refusal_shows_ids_that_are_no_plain_names_as_withheld(
+    api: Served,
+) -> None:
+    """SECURITY.md: a caller's value that is not a plain name (a tool call id, a message id it
+    names) is shown as `<withheld>`, also where `answers_to` names a message that does not
+    make the call."""
+    call = {"id": MARKUP_CALL, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    asks = [{"role": "user", "content": "go"}, {"role": "assistant", "tool_calls": [call]}]
+    url = "/v1/conversations/conv-echo/turns"
+    first = await api.http.post(url, json={"turn_id": "t0", "messages": asks}, headers=SERVICE)
+    assert first.status_code == 201, first.text
+    answer = {"role": "tool", "tool_call_id": MARKUP_CALL, "content": "done"}
+    body = {"turn_id": "t1", "messages": [answer], "answers_to": {MARKUP_CALL: MARKUP_MESSAGE}}
+
+    message = await refused(api, "POST", url, json.dumps(body).encode(), 422)
+
+    assert "message <withheld> does not make call <withheld>" in message
+    assert not any(raw in message for raw in ("<img", "<script", "\u202e"))
+
+
+async def test_a_dollar_key_of_native_set_is_shown_as_key_and_only_a_few_are_listed(
+    api: Served,
+) -> None:
+    """SECURITY.md: a body key that is not a plain name is shown as `<key>`; a refusal lists
+    the first few such keys and counts the rest, whatever their number and length."""
+    long_key = "$<script>alert(1)</script>" + "A" * 20_000
+    keys = [long_key, long_key + "B", "$set", *(f"$k{n}" for n in range(20))]
+    native = {"format": "openai-agents", "set": dict.fromkeys(keys, 1)}
+    body = {"turn_id": "t1", "messages": [{"role": "assistant", "content": "x", "native": native}]}
+
+    message = await refused(api, "POST", TURNS, json.dumps(body).encode(), 422)
+
+    assert "native keys must not start with `$`: <key>, <key>, $set and 20 more" in message
+    assert "script" not in message
+    assert len(message) < 300
+
+
+A_TURN = {"messages": [{"role": "user", "content": "x"}]}
+NAME_REFUSALS = [
+    pytest.param("PATCH", CONV, {"name": "invoice \u202egpj.exe"},
+                 "it holds U+202E at character 8, a control or text-direction character",
+                 id="patch-direction-override"),
+    pytest.param("POST", TURNS, {"turn_id": "t-n", "name": "\u200b", **A_TURN},
+                 "show something besides invisible characters", id="turn-name-invisible"),
+    pytest.param("POST", TURNS, {"turn_id": "a b", **A_TURN},
+                 "an id is 1-200 characters of", id="turn-id-with-a-space"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "url", "body", "words"), NAME_REFUSALS)
+async def test_a_value_refused_for_its_form_says_what_is_wrong_in_words_never_the_pattern(
+    api: Served, method: str, url: str, body: dict[str, Any], words: str
+) -> None:
+    message = await refused(api, method, url, json.dumps(body).encode(), 422)
+
+    assert words in message
+    assert "pattern" not in message
+    assert all(c.isprintable() for c in message), ascii(message)
+    assert len(message) < 200
+
+
+def _patterns(schema: Any) -> set[str]:
+    if isinstance(schema, dict):
+        found = {schema["pattern"]} if isinstance(schema.get("pattern"), str) else set()
+        return found.union(*(_patterns(v) for v in schema.values()))
+    if isinstance(schema, list):
+        return set().union(*(_patterns(v) for v in schema))
+    return set()
+
+
+async def test_every_pattern_the_service_checks_is_refused_in_words_of_its_own(
+    api: Served,
+) -> None:
+    """Each `pattern` the OpenAPI document names (the API's and the stored shapes' alike) has
+    words saying what a value lacks: a refusal never shows a pattern, nor the generic words
+    kept for a pattern no one described."""
+    document = (await api.http.get("/openapi.json")).json()
+    patterns = _patterns(document)
+    assert len(patterns) >= 3
+    for pattern in patterns:
+        adapter = TypeAdapter(Annotated[str, StringConstraints(pattern=pattern)])
+        with pytest.raises(ValidationError) as refusal:
+            adapter.validate_python("\x00 $")
+        text = describe_validation_error(refusal.value)
+        assert pattern not in text
+        assert "pattern" not in text
+        assert UNDESCRIBED_PATTERN not in text, pattern

@@ -1473,6 +1473,45 @@ async def test_an_answer_naming_calls_the_pending_prompt_does_not_hold_says_so(
 
 
 @pytest.mark.parametrize(
+    "named",
+    [
+        pytest.param({"call_ids": ["tc-1"]}, id="call_ids"),
+        pytest.param({"calls": [{"tool_call_id": "tc-1", "message_id": "m-1"}]}, id="calls"),
+    ],
+)
+async def test_an_answer_naming_a_call_a_prompt_asked_once_never_held_names_the_calls_it_holds(
+    backend: Backend, named: dict[str, Any]
+) -> None:
+    """A mistyped call id: the prompt was asked once, so the refusal says which calls it holds,
+    not that it was asked again."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+
+    with pytest.raises(Conflict) as refusal:
+        await runtime.store.resolve_hitl(CID, "confirm-9", **named)
+
+    assert "holds none of the calls the answer names; it holds 'tc-9'" in refusal.value.message
+    assert "asked again" not in refusal.value.message
+    assert await held_state(runtime.store) == ([("tc-9", "confirm-9")], "confirm-9")
+
+
+async def test_an_answer_read_before_its_prompt_was_asked_again_is_refused_saying_so(
+    backend: Backend,
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(_asks_reusing("call_0", "book_train"), prompt="Book the train.")
+    read_by_tab_b = await runtime.store.pending_calls(CID)
+    await runtime.stream([{**BOOKED, "tool_call_id": "call_0"}])
+    await runtime.stream(_asks_reusing("call_1", "wire_money"), prompt="Now pay my rent.")
+    held_before = await held_state(runtime.store)
+
+    with pytest.raises(Conflict, match="it was asked again since the answer was read"):
+        await runtime.store.resolve_hitl(CID, "confirm-1", calls=read_by_tab_b)
+
+    assert await held_state(runtime.store) == held_before
+
+
+@pytest.mark.parametrize(
     ("refused", "error"),
     [
         ({"tc-9": 9}, re.escape("refused_prompts must map tool call ids")),

@@ -163,7 +163,7 @@ def test_datetimes_become_aware_utc_at_millisecond_precision() -> None:
         ),
         pytest.param(
             {"role": "user", "content": "x", "_id": "$where"},
-            "_id: String should match pattern",
+            "_id: an id is 1-200 characters of",
             id="operator-id",
         ),
     ],

@@ -180,6 +180,28 @@ async def test_a_delivered_message_retried_is_stored_once_and_still_acknowledged
     assert await inbox.close_inbox(CID, TURN, last_seen_seq=late[-1].seq or 0) == []
 
 
+async def test_a_delivery_id_retried_with_another_message_is_refused_naming_the_delivery_id(
+    backend: Backend,
+) -> None:
+    """The sender names a delivery by its `delivery_id`, never by a turn id: the refusal says
+    that id holds another message and to use a new `delivery_id`."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "start"}], turn_id="t0")
+    inbox = SteeringInbox(logger)
+    await inbox.open_turn(CID, TURN)
+    assert await inbox.try_deliver(CID, TURN, {"role": "user", "content": "stop"}, delivery_id="d1")
+
+    with pytest.raises(Conflict) as refusal:
+        await inbox.try_deliver(CID, TURN, {"role": "user", "content": "go on"}, delivery_id="d1")
+
+    message = refusal.value.message
+    assert "delivery 'd1' into the inbox of turn 'turn-running' was" in message
+    assert "Use a new delivery_id for a new delivery" in message
+    assert "delivery-" not in message
+    assert "turn_id" not in message
+    assert await backend.db[MESSAGES].count_documents({"content": "go on"}) == 0
+
+
 async def test_a_delivery_undone_by_a_pop_is_not_returned_as_what_took_its_seq(
     backend: Backend,
 ) -> None:

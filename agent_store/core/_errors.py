@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pydantic import ValidationError
 
@@ -111,6 +111,20 @@ def shown_key(key: str | int) -> str:
     return str(key) if _PLAIN_NAME.fullmatch(str(key)) else "<key>"
 
 
+LISTED = 3
+"""How many of a caller's keys or values a refusal about them lists (`listed`); it counts the
+rest."""
+
+
+def listed(values: Sequence[str], show: Callable[[str], str]) -> str:
+    """The first `LISTED` of a caller's keys or values as an error message may show them
+    (`show`: `shown_key` or `shown`), and how many more there are: a message of bounded
+    length, whatever was sent."""
+    first = ", ".join(show(value) for value in values[:LISTED])
+    more = len(values) - LISTED
+    return f"{first} and {more} more" if more > 0 else first
+
+
 def shown(value: str) -> str:
     """A caller's value as an error message may show it: quoted when it is a plain name
     (an id such as `call_0`), else `<withheld>`, so a message never repeats arbitrary
@@ -120,7 +134,7 @@ def shown(value: str) -> str:
 
 DOT_SEGMENTS = (".", "..")
 """What a URL path reads as the folder itself and its parent (`%2E%2E` too): no id."""
-_DOT_SEGMENT_REASON = (
+DOT_SEGMENT_REASON = (
     "a URL path reads `.` and `..` as the folder itself and its parent, so no link or client "
     "could name it"
 )
@@ -132,8 +146,8 @@ def describe_validation_error(error: ValidationError, *, subject: str = "input")
     for item in error.errors(include_url=False):
         location = location_text(_without_role_tags(item["loc"]))
         text = str(item["msg"]).removeprefix("Value error, ")
-        if item["type"] == "string_pattern_mismatch" and item.get("input") in DOT_SEGMENTS:
-            text = f"{item['input']!r} is no id: {_DOT_SEGMENT_REASON}"
+        if item["type"] == "string_pattern_mismatch":  # the pattern may hold what it refuses
+            text = _pattern_refusal(item.get("input"), (item.get("ctx") or {}).get("pattern"))
         elif item["type"] == "union_tag_invalid":  # pydantic's text repeats the tag as sent
             ctx = item.get("ctx") or {}
             text = (
@@ -142,6 +156,29 @@ def describe_validation_error(error: ValidationError, *, subject: str = "input")
             )
         problems.append(f"{location}: {text}" if location else text)
     return f"invalid {subject}: " + "; ".join(problems)
+
+
+UNDESCRIBED_PATTERN = "it does not have the form this field takes"
+"""What a refusal says of a value failing a `pattern=` no one described (`described_pattern`):
+never the pattern itself."""
+
+_PATTERN_WORDS: dict[str, Callable[[str], str]] = {}
+
+
+def described_pattern(pattern: str, words: str | Callable[[str], str]) -> str:
+    """`pattern`, for a `pattern=` constraint, recorded with the words that say what a value
+    failing it lacks (or a function of the value giving them): a refusal says those words
+    (`describe_validation_error`), never the pattern, which may hold the very characters it
+    refuses. Every pattern a type checks is described where the type is defined."""
+    _PATTERN_WORDS[pattern] = words if callable(words) else lambda _value: words
+    return pattern
+
+
+def _pattern_refusal(value: object, pattern: object) -> str:
+    words = _PATTERN_WORDS.get(pattern) if isinstance(pattern, str) else None
+    if words is None or not isinstance(value, str):
+        return UNDESCRIBED_PATTERN
+    return words(value)
 
 
 _ROLE_TAGS = {"system", "user", "assistant", "tool"}

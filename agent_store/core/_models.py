@@ -35,7 +35,14 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
-from agent_store.core._errors import shown
+from agent_store.core._errors import (
+    DOT_SEGMENT_REASON,
+    DOT_SEGMENTS,
+    described_pattern,
+    listed,
+    shown,
+    shown_key,
+)
 
 Role = Literal["system", "user", "assistant", "tool"]
 """Who speaks a message, as in the OpenAI chat format."""
@@ -109,7 +116,10 @@ def rfc3339_millis(value: datetime) -> str:
     return to_utc_millis(value).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
-RFC3339_MILLIS_PATTERN = r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z$"
+RFC3339_MILLIS_PATTERN = described_pattern(
+    r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z$",
+    "a time is written in RFC 3339 in UTC with three fractional digits: 2026-01-31T09:30:00.000Z",
+)
 """The one shape of a time in the JSON the store serves (`rfc3339_millis`)."""
 
 UtcDatetime = Annotated[
@@ -169,12 +179,22 @@ without look-ahead (pydantic-core's regex has none): an id starts with a charact
 with a dot and then another, or with two dots and then anything."""
 
 
+def _not_an_id(value: str) -> str:
+    """What is wrong with a value failing `IDENTIFIER_PATTERN`, in words."""
+    if value in DOT_SEGMENTS:
+        return f"{value!r} is no id: {DOT_SEGMENT_REASON}"
+    return "an id is 1-200 characters of A-Z, a-z, 0-9 and _ . : @ | -, not `.` or `..` alone"
+
+
 Identifier = Annotated[
-    str, StringConstraints(min_length=1, max_length=200, pattern=IDENTIFIER_PATTERN)
+    str,
+    StringConstraints(
+        min_length=1, max_length=200, pattern=described_pattern(IDENTIFIER_PATTERN, _not_an_id)
+    ),
 ]
 """Ids of conversations, users, turns and messages: 1-200 characters, no spaces or `$`, not
-`.` or `..` (`IDENTIFIER_PATTERN`; the error for those two says why: `describe_validation_error`).
-No Python validator: every stored message read validates four of them."""
+`.` or `..` (`IDENTIFIER_PATTERN`; a refusal says so in words, and for those two why:
+`_not_an_id`). No Python validator: every stored message read validates four of them."""
 
 
 def _arguments_as_json_string(value: Any) -> Any:
@@ -330,6 +350,9 @@ class TokenUsage(_Model):
     output_tokens: Count = 0
 
 
+_SHA256_HEX = described_pattern("^[0-9a-f]{64}$", "a SHA-256 digest is 64 lowercase hex digits")
+
+
 class Truncation(_Model):
     """Where a text cut to bound its message is kept whole (extension)."""
 
@@ -338,16 +361,16 @@ class Truncation(_Model):
     blob_id: str | None = None
     """The GridFS file (bucket `agent_message_blobs`) holding the whole text; None when it
     was not kept (`search_text`, which is derived from the other fields)."""
-    sha256: Annotated[str, StringConstraints(pattern="^[0-9a-f]{64}$")] | None = None
+    sha256: Annotated[str, StringConstraints(pattern=_SHA256_HEX)] | None = None
     """The SHA-256 of the whole text as the file holds it (UTF-8), in hex: the message's
     content digest covers the whole text, not only the part kept. None when the text was
     not kept, or was cut before the store recorded it."""
 
 
 def _native_keys(value: dict[str, Any]) -> dict[str, Any]:
-    refused = sorted(key for key in value if key.startswith("$"))
+    refused = [key for key in value if key.startswith("$")]
     if refused:
-        raise ValueError(f"native keys must not start with `$`: {refused}")
+        raise ValueError(f"native keys must not start with `$`: {listed(refused, shown_key)}")
     # An integer the store cannot hold is refused here, before any write (HITL params are
     # walked for the same reason when a turn is planned).
     return _plain_json(value, wide_ints_refused=True)

@@ -44,12 +44,14 @@ from agent_store.core import (
     StorageUnavailable,
     StoreError,
     messages_adapter,
+    shown,
     utc_now,
 )
 from agent_store.store._driver import storage_errors
 from agent_store.store._logger import (
     AgentMessageLogger,
     Condition,
+    OtherContent,
     refuse_unloggable_turn_id,
 )
 from agent_store.store._reads import _bounded_page, _by_seq
@@ -239,6 +241,18 @@ class SteeringInbox:
         actor = Actor(user_id, as_user=owner_only)
         plan = await self._delivery_plan(conversation_id, turn_id, message, delivery_id, field)
 
+        try:
+            return await self._stored_delivery(plan, actor, field)
+        except OtherContent as exc:  # the sender names it by its delivery id, not a turn id
+            named = f"delivery {shown(delivery_id)}" if delivery_id else "this delivery"
+            raise Conflict(
+                f"{named} into the inbox of turn {turn_id!r} was stored with another message; "
+                "a retry must send the same message. Use a new delivery_id for a new delivery"
+            ) from exc
+
+    async def _stored_delivery(self, plan: TurnPlan, actor: Actor, field: str) -> bool:
+        """The delivery `plan` stored (or found stored) into the inbox `field`: True; False
+        when the inbox is closed or full, or its turn id holds what the inbox does not list."""
         condition = self._delivery_condition(plan, field)
         started = time.monotonic()
         try:

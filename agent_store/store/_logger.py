@@ -1153,7 +1153,7 @@ class AgentMessageLogger:
         `seq`s gaps tail readers pass, its record naming the turn no more) with the pending
         state folded again (`_give_up`), and the turn reserves anew with this content."""
         refused = _retry_refusal(plan, conversation, condition)
-        if not isinstance(refused, _OtherContent):
+        if not isinstance(refused, OtherContent):
             raise refused
         cid, end = plan.conversation_id, block.first_seq + block.count
         ids = [message_id(cid, plan.turn_id, i) for i in range(max(plan.count, block.count))]
@@ -2349,12 +2349,12 @@ def _stored_in_part(plan: TurnPlan, stored: int) -> Conflict:
     )
 
 
-class _OtherContent(Conflict):
+class OtherContent(Conflict):
     """A retry of a turn sending other content than it was logged with."""
 
 
 def _other_content(plan: TurnPlan) -> Conflict:
-    return _OtherContent(
+    return OtherContent(
         f"turn {plan.turn_id!r} was logged with other content ({plan.count} messages "
         "now); a retry must send the same messages. Use a new turn_id for a new turn"
     )
@@ -2604,7 +2604,7 @@ def _misnamed(
     wrong = {c: m for c, m in named.items() if (c, m) not in makes}
     if not wrong:
         return None
-    said = "; ".join(f"message {m!r} does not make call {c!r}" for c, m in wrong.items())
+    said = "; ".join(f"message {shown(m)} does not make call {shown(c)}" for c, m in wrong.items())
     return InvalidInput(
         f"invalid answers_to of turn {plan.turn_id!r}: in conversation "
         f"{plan.conversation_id!r}, {said} (read from another conversation, a fork?). "

@@ -43,6 +43,7 @@ from agent_store.core import (
     conversation_version,
     epoch_millis,
     from_epoch_millis,
+    listed,
     message_adapter,
     messages_adapter,
     shown,
@@ -63,6 +64,7 @@ from agent_store.store._legacy_seam import FallbackConversation, LegacySource, n
 from agent_store.store._pop import Pop, PopMemory
 from agent_store.store._reservation import (
     SUMMARY,
+    CallKey,
     answered_calls,
     concerned_calls,
     resolution,
@@ -253,13 +255,30 @@ def _beside_of(conversation_id: str, found: dict[str, Any]) -> dict[str, Any]:
     return query
 
 
-def _not_resolvable(conversation_id: str, request_id: str, pending: PendingHitl | None) -> Conflict:
-    """Why an answer to the prompt `request_id` matched nothing (`resolve_hitl`)."""
+def _not_resolvable(
+    conversation_id: str,
+    request_id: str,
+    pending: PendingHitl | None,
+    held: Sequence[Mapping[str, Any]],
+    asked_again: bool,
+) -> Conflict:
+    """Why an answer to the prompt `request_id` matched nothing (`resolve_hitl`): the pending
+    prompt holds none of the calls it names, asked again since the answer was read (after a
+    named call was made) or holding others (`held`); or another prompt is the pending one."""
     if pending is not None and pending.request_id == request_id:
+        said = f"the prompt {shown(request_id)} pending in conversation {conversation_id!r}"
+        if asked_again:
+            return Conflict(
+                f"{said} holds none of the calls the answer names: it was asked again since "
+                "the answer was read (read pending_calls again)"
+            )
+        calls = [
+            f"{shown(str(c.get('tool_call_id')))} of message {shown(str(c.get('message_id')))}"
+            for c in held
+        ]
+        holds = f"it holds {listed(calls, str)}" if calls else "it holds no call"
         return Conflict(
-            f"the prompt {shown(request_id)} pending in conversation {conversation_id!r} "
-            "holds none of the calls the answer names: it was asked again since the answer "
-            "was read (read pending_calls again)"
+            f"{said} holds none of the calls the answer names; {holds} (read pending_calls again)"
         )
     return Conflict(
         f"no pending prompt {shown(request_id)} in conversation {conversation_id!r}"
@@ -1143,7 +1162,8 @@ class ConversationStore:
             return await self._resolved_in_legacy(conversation_id, request_id)
         with storage_errors("read the pending prompt"):
             doc = await self._conversations.find_one(
-                scope, {"pending_hitl": 1, "resolved_hitl": 1, "approved_calls": 1}
+                scope,
+                {"pending_hitl": 1, "resolved_hitl": 1, "approved_calls": 1, "pending_calls": 1},
             )
         if doc is None:  # NotFound, or legacy turns not migrated yet: read-only
             await self._refuse_unmigrated(conversation_id, user_id, "answered")
@@ -1154,9 +1174,37 @@ class ConversationStore:
             # Resolved before: its first answer stands (its dual write again, for a retry
             # whose first attempt failed after the answer was recorded).
             return await self._resolved_in_legacy(conversation_id, request_id)
+        raise await self._not_resolved(conversation_id, request_id, doc, concerns)
+
+    async def _not_resolved(
+        self,
+        conversation_id: str,
+        request_id: str,
+        doc: Mapping[str, Any],
+        concerns: Sequence[CallKey] | None,
+    ) -> Conflict:
+        """Why the answer `resolve_hitl` read the conversation `doc` for matched nothing."""
         raw = doc.get("pending_hitl")
         pending = PendingHitl.model_validate(raw) if raw else None
-        raise _not_resolvable(conversation_id, request_id, pending)
+        held = [c for c in doc.get("pending_calls") or () if c.get("request_id") == request_id]
+        again = await self._asked_after(conversation_id, pending, concerns)
+        return _not_resolvable(conversation_id, request_id, pending, held, again)
+
+    async def _asked_after(
+        self, conversation_id: str, pending: PendingHitl | None, concerns: Sequence[CallKey] | None
+    ) -> bool:
+        """Whether the `pending` prompt was asked after one of the calls `concerns` names was
+        made in the conversation (by that very message when it is named): an answer read
+        before it was asked again. One lookup of the prompt's message, one more if stored."""
+        if pending is None or not concerns:
+            return False
+        with storage_errors("read the pending prompt"):
+            prompt = await self._messages.find_one({"_id": pending.message_id}, {"seq": 1})
+            if prompt is None or prompt.get("seq") is None:
+                return False
+            made = [{"tool_calls.id": c, **({} if m is None else {"_id": m})} for c, m in concerns]
+            query = {"conversation_id": conversation_id, "seq": {"$lt": prompt["seq"]}}
+            return await self._messages.find_one({**query, "$or": made}, {"_id": 1}) is not None
 
     async def _resolved_in_legacy(self, conversation_id: str, request_id: str) -> None:
         """The answer's dual write (`LegacySource.prompt_resolved`): its legacy prompt marked
