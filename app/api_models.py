@@ -18,6 +18,7 @@ from agent_store.core import (
     InvalidInput,
     PendingHitl,
     described_pattern,
+    shown,
 )
 from agent_store.store import (
     HIDDEN_CHARACTERS,
@@ -92,7 +93,7 @@ class _Query(_Input):
             if field.annotation is int and not written:
                 raise ValueError(
                     f"{name}: an integer is written in ASCII digits 0-9 (at most 18, '-' "
-                    f"before them for a negative one), not {str(value)[:20]!r}"
+                    f"before them for a negative one), not {shown(str(value))}"
                 )
         return data
 

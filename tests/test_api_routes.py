@@ -536,6 +536,19 @@ async def test_query_integers_are_written_in_ascii_digits_only(
 
 
 @pytest.mark.parametrize(
+    ("written", "shown"),
+    [("<b>1</b>", "<withheld>"), ("1\u202e2", "<withheld>"), ("9" * 19, repr("9" * 19))],
+)
+async def test_a_refused_query_integer_is_shown_by_the_shown_value_rule(
+    api: Served, written: str, shown: str
+) -> None:
+    """Repeated only when it is a plain name, as every caller's value an error shows."""
+    response = await api.http.get(f"{CONV}/messages?limit=" + quote(written), headers=SERVICE)
+    assert response.status_code == 422, response.text
+    assert f"not {shown}" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
     "url",
     [f"{CONV}/messages?limit=05", f"{CONV}/messages?limit=5", f"{CONV}/turns/t/inbox?after_seq=-1"],
 )

@@ -26,6 +26,7 @@ from agent_store import (
     NotFound,
     StorageUnavailable,
 )
+from agent_store.integrations._langgraph_documents import check_metadata_keys, metadata_filter
 from agent_store.integrations.exports import chat_completions
 from agent_store.integrations.langgraph import CHECKPOINTS, REWRITTEN, AgentStoreSaver
 from agent_store.integrations.pydantic_ai import history_from_messages
@@ -1034,7 +1035,7 @@ async def test_metadata_a_document_cannot_hold_is_refused_before_the_messages_ar
     config = thread()
     checkpoint = empty_checkpoint()
     checkpoint["channel_values"] = {"messages": [HumanMessage("hi", id="h1")]}
-    with pytest.raises(InvalidInput, match=r"metadata key '\$where'"):
+    with pytest.raises(InvalidInput, match=r"metadata key \$where:"):
         await saver.aput(config, checkpoint, {"$where": "1"}, {})  # type: ignore[typeddict-unknown-key]
     assert await _counts(backend.db) == (0, 0, 0)
 
@@ -1117,3 +1118,28 @@ async def test_the_integers_the_checkpointer_computes_are_stored_as_int64(
         widths += [("seq", type(e["seq"])) for e in doc.get("extras", ())]
     assert {name for name, _ in widths} >= {"from", "to", "idx", "seq"}
     assert {kind for _, kind in widths} == {Int64}
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        pytest.param({"$<script>x</script>": 1}, id="dollar-key"),
+        pytest.param({"a": {"<img onerror=x>": {"$where": 1}}}, id="nested-under-markup"),
+        pytest.param({"a": [{"\x00\u202e" * 500: 1}]}, id="nul-in-a-list"),
+    ],
+)
+def test_a_refused_checkpoint_metadata_key_is_shown_as_key(metadata: dict[str, Any]) -> None:
+    """Keys that are no plain names are never repeated back, as in every other refusal."""
+    with pytest.raises(InvalidInput) as refused:
+        check_metadata_keys(metadata)
+    assert "<key>" in str(refused.value)
+    assert not [s for s in ("<script>", "<img", "\x00", "\u202e") if s in str(refused.value)]
+
+
+@pytest.mark.parametrize("key", ["$<where>", "a.<script>", "<b>.x"])
+def test_a_refused_filter_key_is_shown_as_key(key: str) -> None:
+    with pytest.raises(InvalidInput) as refused:
+        metadata_filter({key: 1})
+    assert "<key>" in str(refused.value)
+    assert "<script>" not in str(refused.value)
+    assert "<b>" not in str(refused.value)

@@ -18,7 +18,7 @@ from typing import Any
 from bson import Int64
 from langchain_core.messages import BaseMessage
 
-from agent_store.core import InvalidInput
+from agent_store.core import InvalidInput, shown_key
 from agent_store.store import LANGGRAPH_CHECKPOINTS, THREAD_CONVERSATION
 from agent_store.store import conversation_mark as conversation_mark
 
@@ -213,10 +213,11 @@ def check_metadata_keys(value: Any, path: str = "metadata") -> None:
         for key, inner in value.items():
             if not isinstance(key, str) or key.startswith("$") or "\x00" in key:
                 raise InvalidInput(
-                    f"invalid checkpoint {path} key {key!r}: keys are strings without a "
+                    f"invalid checkpoint {path} key {shown_key(str(key))}: keys are strings "
+                    "without a "
                     "leading `$` or NUL"
                 )
-            check_metadata_keys(inner, f"{path}.{key}")
+            check_metadata_keys(inner, f"{path}.{shown_key(key)}")
     elif isinstance(value, list | tuple):
         for item in value:
             check_metadata_keys(item, path)
@@ -225,7 +226,8 @@ def check_metadata_keys(value: Any, path: str = "metadata") -> None:
 def _refuse_operators(key: Any, value: Any, where: str) -> None:
     if not isinstance(key, str) or not _PLAIN_KEY.match(key):
         raise InvalidInput(
-            f"invalid {where} key {key!r}: keys are plain names (no leading `$`, no `.`)"
+            f"invalid {where} key {shown_key(str(key))}: keys are plain names (no leading "
+            "`$`, no `.`)"
         )
     if isinstance(value, Mapping):
         for inner_key, inner in value.items():
