@@ -1038,6 +1038,72 @@ async def test_past_the_kept_records_two_attempts_that_both_reserved_store_the_t
     await _followed_to_the_end(backend, rules)
 
 
+async def _an_edited_attempt_held_past_the_records(
+    backend: Backend, rules: TurnRules
+) -> tuple[SlowInsert, asyncio.Task[LoggedTurn]]:
+    """Past the kept records: a first attempt of "t1" reserves seq 2-3 and is held; "t2"
+    drops its record; a second attempt sending an edited answer finds neither record nor
+    message and reserves 6-7, held; the first lands at 2-3. The second, still held."""
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(CID, turn("before"), turn_id="t0")
+    first = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    a = asyncio.create_task(first.logger.log_messages(CID, turn("same"), turn_id="t1"))
+    await first.reserved.wait()  # seq 2-3, its insert held
+    await logger.log_messages(CID, turn("later"), turn_id="t2")  # t1's record dropped
+    second = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    b = asyncio.create_task(second.logger.log_messages(CID, turn("edited"), turn_id="t1"))
+    await second.reserved.wait()  # seq 6-7, its insert held
+    first.release.set()
+    assert [m.seq for m in (await a).messages] == [2, 3]
+    return second, b
+
+
+async def test_a_block_given_back_leaves_the_preview_and_time_of_the_last_stored_message(
+    backend: Backend,
+) -> None:
+    """DESIGN.md: the preview is the text of the last user or assistant message. An attempt
+    refused after its reservation set the preview and `updated_at` gives its block back: the
+    conversation then shows what its last stored message says, as if it never reserved."""
+    rules = TurnRules(turns_recorded=1)
+    second, b = await _an_edited_attempt_held_past_the_records(backend, rules)
+    second.release.set()
+    with pytest.raises(Conflict):
+        await b
+    conversation = await check_conversation(backend.db, gaps=True)
+    last = await backend.db[MESSAGES].find_one({"conversation_id": CID}, sort=[("seq", -1)])
+    assert (last["seq"], last["content"]) == (5, "later!")
+    assert {6, 7} <= set(conversation["popped_seqs"])
+    assert conversation["last_message_preview"] == "later!"
+    assert conversation["updated_at"] == last["created_at"]
+    served = await ConversationStore(backend.db, rules=rules).get_conversation(CID)
+    assert served.last_message_preview == "later!"
+
+
+async def test_a_retry_of_the_stored_content_is_a_replay_whatever_the_record_says(
+    backend: Backend,
+) -> None:
+    """RELIABILITY.md: a retry of the same messages is a replay. The stored messages of a
+    turn are the truth: while an attempt with an edited answer holds the turn's record (its
+    block reserved past the kept records, not filled), a retry sending what is stored is
+    answered with the stored messages, checked first and logged alike; the edited attempt is
+    refused and gives its block back."""
+    rules = TurnRules(turns_recorded=1)
+    second, b = await _an_edited_attempt_held_past_the_records(backend, rules)
+    retry = AgentMessageLogger(backend.db, rules=rules)
+    await retry.check_turn(CID, turn("same"), turn_id="t1")
+    again = await retry.log_messages(CID, turn("same"), turn_id="t1")
+    assert again.replayed
+    assert [(m.seq, m.content) for m in again.messages] == [(2, "same?"), (3, "same!")]
+    second.release.set()
+    with pytest.raises(Conflict):
+        await b
+    later = await retry.log_messages(CID, turn("same"), turn_id="t1")
+    assert later.replayed
+    assert [m.id for m in later.messages] == [m.id for m in again.messages]
+    conversation = await check_conversation(backend.db, gaps=True)
+    assert (conversation["message_count"], conversation["turn_count"]) == (8, 3)
+
+
 class Unreachable:
     """Makes one of a logger's collections fail `method` as a dropped connection does (the
     driver's `AutoReconnect`): a write lost on its way, or its reply lost."""

@@ -90,6 +90,7 @@ from agent_store.store._legacy_seam import (
     is_derived_id,
     not_migrated_yet,
 )
+from agent_store.store._pop import last_before, preview_source
 from agent_store.store._relocated import (
     MOVED,
     lookup,
@@ -104,6 +105,7 @@ from agent_store.store._reservation import (
     Actor,
     AsRead,
     RecordedBlock,
+    ShownBefore,
     answer_found,
     answered_since,
     answers_hold,
@@ -125,6 +127,7 @@ from agent_store.store._reservation import (
     same_as_read,
     same_conversation,
 )
+from agent_store.store._tail import preview_of
 from agent_store.store._text import clean_name
 from agent_store.store._turns import (
     ANSWERED_READ,
@@ -555,7 +558,7 @@ class AgentMessageLogger:
         block = None if found is None else recorded_block(found, plan.key)
         if block is not None and not await self._recognised(plan, block.digest):
             assert found is not None
-            raise _retry_refusal(plan, found, condition)
+            await self._stored_as_sent(plan, _retry_refusal(plan, found, condition))
         named = _named_answers(plan, _answers_to(answers_to))
         if block is None and found is not None and named:
             refusal = _answers_refusal(plan, named, found)
@@ -1101,8 +1104,10 @@ class AgentMessageLogger:
         # A fork's or a delivery's retry settles other content its own way (`_fork_once`).
         own = not plan.turn_id.startswith((FORK_TURN, DELIVERY_TURN))
         if other and own and not block.popped:
-            await self._retried_with_other_content(plan, block, conversation, condition)
-            return None  # its empty block given back: the turn reserves anew
+            found = await self._retried_with_other_content(plan, block, conversation, condition)
+            if found is None:
+                return None  # its empty block given back: the turn reserves anew
+            block = found  # stored with this content elsewhere: a replay of it
         reserved = _replay(plan, block, conversation, condition)
         age = None if block.reserved_at is None else utc_now() - block.reserved_at
         grace = self.rules.claim_grace
@@ -1143,15 +1148,17 @@ class AgentMessageLogger:
         block: RecordedBlock,
         conversation: Mapping[str, Any],
         condition: Condition | None,
-    ) -> None:
+    ) -> RecordedBlock | None:
         """A retry sending other content than its turn's record holds (a regenerated answer
-        after a lost insert): refused (`_retry_refusal`) when a message of the turn is stored,
-        in its block or under its ids (one lookup), or its record does not say what it
-        counted. Nothing of it stored: while its first attempt may still insert (reserved less
-        than `abandon_after` ago) StorageUnavailable, nothing written; past that its block is
-        given back (`given_back_abandoned`, once: its turn starts and tokens taken back, its
-        `seq`s gaps tail readers pass, its record naming the turn no more) with the pending
-        state folded again (`_give_up`), and the turn reserves anew with this content."""
+        after a lost insert): when a message of the turn is stored, in its block or under its
+        ids (one lookup), the block its stored messages hold with this retry's content
+        (`_stored_as_sent`: a replay of it), else refused (`_retry_refusal`); refused too
+        when its record does not say what it counted. Nothing of it stored: while its first
+        attempt may still insert (reserved less than `abandon_after` ago) StorageUnavailable,
+        nothing written; past that its block is given back (`given_back_abandoned`, once: its
+        turn starts and tokens taken back, its `seq`s gaps tail readers pass, its record
+        naming the turn no more) with the pending state folded again (`_give_up`), and the
+        turn reserves anew with this content (None)."""
         refused = _retry_refusal(plan, conversation, condition)
         if not isinstance(refused, OtherContent):
             raise refused
@@ -1162,7 +1169,9 @@ class AgentMessageLogger:
             stored = await self._messages.find(
                 {"conversation_id": cid, "$or": [in_block, {"_id": {"$in": ids}}]}, {"_id": 1}
             ).to_list(1)
-        if stored or block.counted is None or block.reserved_at is None:
+        if stored:
+            return await self._stored_as_sent(plan, refused)
+        if block.counted is None or block.reserved_at is None:
             raise refused
         if utc_now() - block.reserved_at < self.rules.abandon_after:
             raise StorageUnavailable(
@@ -1177,6 +1186,23 @@ class AgentMessageLogger:
             result = await self._conversations.update_one(*given_back_abandoned(plan, block, same))
         if result.matched_count:
             await self._give_up(cid, strict=False)
+        return None
+
+    async def _stored_as_sent(self, plan: TurnPlan, refused: StoreError) -> RecordedBlock:
+        """The block the turn's messages are stored in, whole, with the content this retry
+        sends, though its record says other content (`refused`): the stored messages are the
+        truth (the record may be an attempt's that reserved past the kept records and is
+        refused when its insert meets them), looked up as past the kept records
+        (`_block_of_an_old_turn`: one or two lookups, on this path only). Else `refused`."""
+        if not isinstance(refused, _OtherContent):
+            raise refused
+        try:
+            found = await self._block_of_an_old_turn(plan)
+        except Conflict:
+            raise refused from None
+        if found is None:
+            raise refused
+        return found
 
     async def _stored_there(
         self,
@@ -1225,7 +1251,8 @@ class AgentMessageLogger:
         raise not_migrated_yet(conversation_id)
 
     async def _block_of_an_old_turn(self, plan: TurnPlan) -> RecordedBlock | None:
-        """Past the kept records: the block of a turn whose first message is stored, else None.
+        """Past the kept records (or a record naming another attempt's block, `_stored_as_sent`):
+        the block of a turn whose first message is stored, else None.
 
         With no record left, the stored messages are the only evidence of what the turn
         was: all of them must be there and be this turn's, and none past them. A block an
@@ -1541,8 +1568,9 @@ class AgentMessageLogger:
         the one its record names, empty while the turn is stored in another block. What
         this insert stored there goes (its ids at the block's `seq`s, under its epoch), and the
         block is given back (`given_back`: its turn and tokens taken back, its `seq`s gaps no
-        turn holds) with the pending state folded again when the turn concerns it
-        (`_give_up`), one round trip more (three with the fold)."""
+        turn holds) and the preview and `updated_at` its reservation set taken back
+        (`_shown_before`), with the pending state folded again when the turn concerns it
+        (`_give_up`): three round trips more (five with the fold)."""
         epoch = reserved.epoch
         with storage_errors("take back the turn's messages"):
             await self._messages.delete_many(
@@ -1550,12 +1578,32 @@ class AgentMessageLogger:
                  "$or": [{"_id": d["_id"], "seq": d["seq"]} for d in documents]}
             )  # fmt: skip
         same = _same_as_reserved(plan.conversation_id, reserved)
+        shown = await self._shown_before(plan, reserved.first_seq)
         with storage_errors("take back what the turn counted"):
             result = await self._conversations.update_one(
-                *given_back(plan, reserved.first_seq, same)
+                *given_back(plan, reserved.first_seq, same, shown)
             )
         if result.matched_count and plan.concerns_pending:
             await self._give_up(plan.conversation_id, strict=refused)
+
+    async def _shown_before(self, plan: TurnPlan, first_seq: int) -> ShownBefore:
+        """What the conversation shows without the turn's block from `first_seq`, read from
+        the messages stored before it as a pop reads them without its message
+        (`_pop.last_before`, `_pop.preview_source`): one or two lookups."""
+        cid = plan.conversation_id
+        with storage_errors("read the messages before the turn"):
+            previous, updated_at = await last_before(
+                self._messages, self._conversations, cid, first_seq
+            )
+            source = None
+            if plan.preview is not None:
+                source, _ = await preview_source(self._messages, cid, first_seq)
+        return ShownBefore(
+            preview=preview_of(source, self.rules.preview_chars),
+            quoted=plan.preview,
+            updated_at=updated_at,
+            after=-1 if previous is None else int(previous["seq"]),
+        )
 
     async def _hand_over_earlier(self, conversation_id: str, reserved: _Reserved) -> None:
         """After the turn that assigned an unowned conversation its owner: the messages logged

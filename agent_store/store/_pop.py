@@ -313,7 +313,9 @@ class Pop:
         before: LeftBefore | None = None
         missing: set[int] = set()
         with storage_errors("read the messages before the last one"):
-            previous, updated_at = await self._last_before(message)
+            previous, updated_at = await last_before(
+                self.messages, self.conversations, message.conversation_id, message.seq
+            )
             adjacent = previous if previous and previous["seq"] == message.seq - 1 else None
             if adjacent is None and message.seq > 0:
                 updated_at = None  # a turn may still be writing a later time there: kept
@@ -324,7 +326,9 @@ class Pop:
                     message
                 )
             if quoted_in_preview(message):
-                source, unseen = await self._preview_source(message)
+                source, unseen = await preview_source(
+                    self.messages, message.conversation_id, message.seq
+                )
                 missing.update(unseen)
                 preview = preview_of(source, self.preview_chars)
                 quoted = preview_of(message, self.preview_chars)
@@ -342,20 +346,6 @@ class Pop:
             before=before,
         )
 
-    async def _last_before(self, message: AgentMessage) -> tuple[dict[str, Any] | None, Any]:
-        """The last message stored before `message` (None if none is), and the conversation's
-        `updated_at` without `message`: that message's time, else the conversation's
-        `created_at` (one more read, only when no message remains)."""
-        assert message.seq is not None
-        previous = await self.messages.find_one(
-            {"conversation_id": message.conversation_id, "seq": {"$lt": message.seq}},
-            sort=[("seq", -1)],
-        )
-        if previous is not None:
-            return previous, previous["created_at"]
-        doc = await self.conversations.find_one({"_id": message.conversation_id}, {"created_at": 1})
-        return None, (doc or {}).get("created_at")
-
     async def _begins_a_copied_turn(self, message: AgentMessage) -> bool:
         """Whether `message`, a fork's copy, began a turn of the fork's original (its `seq` in
         `forked_from.turn_starts`): the fork counted it (`fork_turn_count`), though its copies
@@ -368,32 +358,6 @@ class Pop:
             {"_id": message.conversation_id}, {"forked_from.turn_starts": 1}
         )
         return message.seq in fork_turns_of(doc or {})
-
-    async def _preview_source(self, message: AgentMessage) -> tuple[AgentMessage | None, list[int]]:
-        """The last user or assistant message with text before `message` (the preview's
-        source, None if there is none), and the `seq`s between them with no message.
-
-        Reads the `PREVIEW_WINDOW` messages before it, then a window four times wider below
-        while none has text: one round trip unless that many messages without text precede
-        it."""
-        assert message.seq is not None
-        upper, size, missing = message.seq, PREVIEW_WINDOW, list[int]()
-        while upper > 0:
-            low = max(0, upper - size)
-            window = {
-                "conversation_id": message.conversation_id,
-                "seq": {"$gte": low, "$lt": upper},
-            }
-            docs = await self.messages.find(window).sort("seq", -1).to_list(None)
-            for doc in docs:
-                missing += range(int(doc["seq"]) + 1, upper)
-                upper = int(doc["seq"])
-                found = message_adapter.validate_python(doc)
-                if quoted_in_preview(found):
-                    return found, missing
-            missing += range(low, upper)
-            upper, size = low, size * 4
-        return None, missing
 
     async def _wait_below(self, message: AgentMessage, missing: list[int]) -> None:
         """StorageUnavailable when a turn is still writing one of `missing`, `seq`s below
@@ -476,6 +440,48 @@ class Pop:
             await self._finish(conversation_id, pop)
             return True, None, removed or (pop.message_id, pop.pop_id) == earlier
         return True, doc, removed
+
+
+async def last_before(
+    messages: Any, conversations: Any, conversation_id: str | None, seq: int
+) -> tuple[dict[str, Any] | None, Any]:
+    """The last message stored before `seq` (None if none is), and the conversation's
+    `updated_at` without what lies from `seq` on: that message's time, else the
+    conversation's `created_at` (one more read, only when no message remains)."""
+    previous = await messages.find_one(
+        {"conversation_id": conversation_id, "seq": {"$lt": seq}}, sort=[("seq", -1)]
+    )
+    if previous is not None:
+        return previous, previous["created_at"]
+    doc = await conversations.find_one({"_id": conversation_id}, {"created_at": 1})
+    return None, (doc or {}).get("created_at")
+
+
+async def preview_source(
+    messages: Any, conversation_id: str | None, seq: int
+) -> tuple[AgentMessage | None, list[int]]:
+    """The last user or assistant message with text before `seq` (the preview's source once
+    what lies from `seq` on is gone, None if there is none), and the `seq`s between them
+    with no message: what a pop reads for the message it removes, and a block given back
+    for its turn (`AgentMessageLogger._give_back`).
+
+    Reads the `PREVIEW_WINDOW` messages before it, then a window four times wider below
+    while none has text: one round trip unless that many messages without text precede
+    it."""
+    upper, size, missing = seq, PREVIEW_WINDOW, list[int]()
+    while upper > 0:
+        low = max(0, upper - size)
+        window = {"conversation_id": conversation_id, "seq": {"$gte": low, "$lt": upper}}
+        docs = await messages.find(window).sort("seq", -1).to_list(None)
+        for doc in docs:
+            missing += range(int(doc["seq"]) + 1, upper)
+            upper = int(doc["seq"])
+            found = message_adapter.validate_python(doc)
+            if quoted_in_preview(found):
+                return found, missing
+        missing += range(low, upper)
+        upper, size = low, size * 4
+    return None, missing
 
 
 def _own(query: dict[str, Any], conversation: Mapping[str, Any] | None) -> dict[str, Any]:

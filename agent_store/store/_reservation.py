@@ -1336,8 +1336,25 @@ def given_up(
     return query, [{"$set": stage}]
 
 
+@dataclass(frozen=True)
+class ShownBefore:
+    """What a conversation shows without a block given back, from the messages stored before
+    it, as a pop computes it for the message it removes (`_pop.preview_source`,
+    `_pop.last_before`)."""
+
+    preview: str
+    """The preview the last user or assistant message with text before the block gives."""
+    quoted: str | None
+    """The preview the block's turn set (`TurnPlan.preview`), None when it set none."""
+    updated_at: datetime | None
+    """The time of the last message stored before the block (the conversation's creation
+    when none is), None when unknown."""
+    after: int
+    """The `seq` of that message, -1 when none is."""
+
+
 def given_back(
-    plan: TurnPlan, first_seq: int, same: dict[str, Any]
+    plan: TurnPlan, first_seq: int, same: dict[str, Any], shown: ShownBefore | None = None
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update that give back the block a reservation of the turn took at
     `first_seq` once the turn is not stored there: refused after that reservation, or stored
@@ -1350,8 +1367,60 @@ def given_back(
     where it is stored, or reserves anew. Matches only the conversation the turn reserved on
     (`same`, its `same_conversation` filter), once (not while the `seq`s are gaps
     already), and not when the block is one the turn left by a move or a pop took from (no
-    longer counted as this turn's reservation)."""
-    return _given_back(plan.key, first_seq, plan.count, counted(plan), same)
+    longer counted as this turn's reservation). With `shown`, the summary its reservation
+    set is taken back too when nothing is reserved past the block (`_shown_again`)."""
+    query, pipeline = _given_back(plan.key, first_seq, plan.count, counted(plan), same)
+    if shown is not None:
+        pipeline[0]["$set"].update(_shown_again(shown, first_seq, plan.count))
+    return query, pipeline
+
+
+def _shown_again(shown: ShownBefore, first_seq: int, count: int) -> dict[str, Any]:
+    """The preview and `updated_at` without the `count` `seq`s from `first_seq`, as a pop
+    sets them without its message (`_tail.unlogged`): the preview the messages before them
+    give, while no turn holds a `seq` past them (`nothing_reserved_past`) or the preview
+    still quotes the block's turn (a turn past it set none); `updated_at` the time of the
+    last message before them, while no turn holds a `seq` past them nor one between that
+    message and the block (a turn still writing there set a later time)."""
+    untouched = nothing_reserved_past(first_seq + count - 1)
+    fields: dict[str, Any] = {}
+    if shown.quoted is not None:
+        still_quoted = {"$eq": ["$last_message_preview", literal(shown.quoted)]}
+        fields["last_message_preview"] = {
+            "$cond": [
+                {"$or": [untouched, still_quoted]},
+                literal(shown.preview),
+                "$last_message_preview",
+            ]
+        }
+    if shown.updated_at is not None:
+        between = _only_gaps_between(shown.after, first_seq)
+        time = literal(shown.updated_at)
+        fields["updated_at"] = {"$cond": [{"$and": [untouched, between]}, time, "$updated_at"]}
+    return fields
+
+
+def nothing_reserved_past(seq: int) -> dict[str, Any]:
+    """Whether no turn holds a `seq` past `seq` (a pipeline expression): every `seq` from it
+    to `message_count` is a gap no turn holds (`popped_seqs`: a pop left it, or a turn moved
+    away from its block), none a turn reserved."""
+    above = {
+        "$filter": {
+            "input": {"$ifNull": ["$popped_seqs", literal([])]},
+            "as": "gap",
+            "cond": {"$gt": ["$$gap", seq]},
+        }
+    }
+    reserved = {"$subtract": [{"$ifNull": ["$message_count", 0]}, seq + 1]}
+    return {"$eq": [reserved, {"$size": above}]}
+
+
+def _only_gaps_between(low: int, high: int) -> dict[str, Any]:
+    """Whether every `seq` strictly between `low` and `high` is a gap no turn holds
+    (`popped_seqs`), as an expression."""
+    inside = {"$and": [{"$gt": ["$$gap", low]}, {"$lt": ["$$gap", high]}]}
+    gaps = {"$filter": {"input": _kept("popped_seqs", []), "as": "gap", "cond": inside}}
+    return {"$eq": [{"$size": gaps}, high - low - 1]}
 
 
 def given_back_abandoned(

@@ -52,6 +52,7 @@ from agent_store.store._reservation import (
     int64,
     less,
     literal,
+    nothing_reserved_past,
     records_changed,
     resolved_by_request,
 )
@@ -207,21 +208,6 @@ def pop_in_progress(
         approvals_left=before.settled.approvals if before and before.settled else None,
         resolved_left=before.settled.resolved if before and before.settled else None,
     )
-
-
-def nothing_reserved_past(seq: int) -> dict[str, Any]:
-    """Whether no turn holds a `seq` past `seq` (a pipeline expression): every `seq` from it
-    to `message_count` is a gap no turn holds (`popped_seqs`: a pop left it, or a turn moved
-    away from its block), none a turn reserved."""
-    above = {
-        "$filter": {
-            "input": {"$ifNull": ["$popped_seqs", literal([])]},
-            "as": "gap",
-            "cond": {"$gt": ["$$gap", seq]},
-        }
-    }
-    reserved = {"$subtract": [{"$ifNull": ["$message_count", 0]}, seq + 1]}
-    return {"$eq": [reserved, {"$size": above}]}
 
 
 def free_to_mark(pops: int, seq: int, *, message_count: int | None = None) -> dict[str, Any]:
