@@ -1194,7 +1194,7 @@ class AgentMessageLogger:
         truth (the record may be an attempt's that reserved past the kept records and is
         refused when its insert meets them), looked up as past the kept records
         (`_block_of_an_old_turn`: one or two lookups, on this path only). Else `refused`."""
-        if not isinstance(refused, _OtherContent):
+        if not isinstance(refused, OtherContent):
             raise refused
         try:
             found = await self._block_of_an_old_turn(plan)
