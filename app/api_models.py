@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 from agent_store.core import (
     MAX_HELD_CALLS,
     AgentMessage,
+    CallId,
     Identifier,
     InvalidInput,
     PendingHitl,
@@ -62,8 +63,7 @@ Name = Annotated[
     ),
 ]
 
-_CallId = Annotated[str, StringConstraints(min_length=1, max_length=200)]
-CallIdMap = Annotated[dict[_CallId, _CallId], Field(max_length=MAX_HELD_CALLS)]
+CallIdMap = Annotated[dict[CallId, CallId], Field(max_length=MAX_HELD_CALLS)]
 """Tool call ids to an id the client read with each (a request id, a message id): as many as
 a conversation lists pending."""
 
@@ -150,7 +150,7 @@ class RenameBody(_Input):
 class CallIdentity(_Input):
     """A call an answer concerns, by its identity as `pending_calls` serves it."""
 
-    tool_call_id: Annotated[str, StringConstraints(min_length=1, max_length=200)]
+    tool_call_id: CallId
     """The call's id, as `pending_calls` serves it."""
     message_id: Identifier
     """The assistant message that made the call, as `pending_calls` serves it."""
@@ -159,13 +159,7 @@ class CallIdentity(_Input):
 class ResolveHitlBody(_Input):
     request_id: Annotated[str, StringConstraints(min_length=1, max_length=200)]
     """The `request_id` of the pending prompt being answered."""
-    call_ids: (
-        Annotated[
-            list[Annotated[str, StringConstraints(min_length=1, max_length=200)]],
-            Field(max_length=MAX_HELD_CALLS),
-        ]
-        | None
-    ) = None
+    call_ids: Annotated[list[CallId], Field(max_length=MAX_HELD_CALLS)] | None = None
     """The calls the answer concerns, by id, as the client read them (`pending_calls`): the
     prompt is resolved only while it holds one of them not released yet, or, holding none,
     is the pending one, so a retry does not answer a later prompt asked under the same

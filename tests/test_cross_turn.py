@@ -1547,6 +1547,70 @@ async def test_resolving_with_call_ids_that_are_not_a_list_of_ids_is_refused_wri
     assert await runtime.store.pending_hitl(CID) is not None
 
 
+@pytest.mark.parametrize(
+    ("naming", "error"),
+    [
+        pytest.param(
+            {"call_ids": ["tc-9", "x" * 201]},
+            "call_ids[1] is 201 characters long: a tool call id has 1 to 200",
+            id="an-id-too-long",
+        ),
+        pytest.param(
+            {"call_ids": [f"tc-{i}" for i in range(101)]},
+            "call_ids names 101 calls: an answer names at most 100",
+            id="too-many-ids",
+        ),
+        pytest.param(
+            {"calls": [{"tool_call_id": "y" * 201, "message_id": "m-1"}]},
+            "calls[0].tool_call_id is 201 characters long: a tool call id has 1 to 200",
+            id="a-call-id-too-long",
+        ),
+        pytest.param(
+            {"calls": [{"tool_call_id": f"tc-{i}", "message_id": "m-1"} for i in range(101)]},
+            "calls names 101 calls: an answer names at most 100",
+            id="too-many-calls",
+        ),
+    ],
+)
+async def test_resolving_with_call_ids_past_the_http_limits_is_refused_writing_nothing(
+    backend: Backend, naming: dict[str, Any], error: str
+) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    before = await backend.db["agent_conversations"].find_one({"_id": CID})
+
+    with pytest.raises(InvalidInput, match=re.escape(error)):
+        await runtime.store.resolve_hitl(CID, "confirm-9", **naming)
+
+    assert await backend.db["agent_conversations"].find_one({"_id": CID}) == before
+
+
+async def test_an_answer_records_only_the_calls_its_prompt_holds(backend: Backend) -> None:
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    strangers = [f"stranger-{i}-" + "z" * 150 for i in range(99)]
+
+    await runtime.store.resolve_hitl(CID, "confirm-9", call_ids=["tc-9", *strangers])
+
+    doc = await backend.db["agent_conversations"].find_one({"_id": CID})
+    assert [a.get("c") for a in doc["answered_prompts"]] == [[["tc-9", None]]]
+    assert await held_calls(runtime.store) == [("tc-9", None)]
+
+
+async def test_an_answer_naming_no_call_its_prompt_holds_records_none(backend: Backend) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    asked = {"action": "confirm", "request_id": "q1", "params": {}}
+    await logger.log_messages(
+        CID, [{"role": "user", "content": "x"}, {"role": "assistant", "hitl_action": asked}]
+    )
+
+    await store.resolve_hitl(CID, "q1", call_ids=[f"{i}-" + "x" * 190 for i in range(100)])
+
+    doc = await backend.db["agent_conversations"].find_one({"_id": CID})
+    assert [a.get("c") for a in doc["answered_prompts"]] == [[]]
+    assert await store.pending_hitl(CID) is None
+
+
 async def test_a_result_answering_no_call_of_the_turn_nor_any_pending_one_is_refused(
     backend: Backend,
 ) -> None:

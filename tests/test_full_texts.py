@@ -802,3 +802,77 @@ async def test_a_full_stream_puts_whole_texts_back_a_part_at_a_time(
 
     assert [len(b) for b in batches] == [2, 2, 1]
     assert [m.content for b in batches for m in b] == [f"{n}" * 60_000 for n in range(5)]
+
+
+def cut_prompt() -> list[dict[str, Any]]:
+    """A turn raising a prompt whose question and params are both cut to `CUT`."""
+    params = {"files": [f"/data/report-{i:06d}.csv" for i in range(2_000)], "amount": 10}
+    action = {"request_id": "r-cut", "action": "delete_files", "params": params}
+    return [
+        {"role": "user", "content": "clean up"},
+        {"role": "assistant", "content": LONG + "delete them?", "hitl_action": action},
+    ]
+
+
+async def test_a_pending_prompt_cut_to_bound_its_message_is_marked_and_read_back_whole(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db, rules=CUT), ConversationStore(backend.db)
+    sent = cut_prompt()
+    await logger.log_messages(CID, sent, turn_id="t-1")
+
+    conversation = await store.get_conversation(CID)
+    assert conversation is not None
+    assert conversation.pending_hitl is not None
+    summary = conversation.pending_hitl
+    assert summary.truncated == ["params", "prompt"]
+    assert "truncated_json" in summary.params
+
+    pending = await store.pending_hitl(CID)
+    assert pending is not None
+    assert pending.params == sent[1]["hitl_action"]["params"]
+    assert pending.prompt == LONG + "delete them?"
+    assert pending.truncated is None
+    assert pending.request_id == "r-cut"
+
+
+@pytest.mark.wire
+async def test_a_pending_prompt_is_read_in_one_lookup_and_a_cut_one_in_three_more(
+    wire_backend: Backend,
+) -> None:
+    assert wire_backend.commands is not None
+    logger, store = AgentMessageLogger(wire_backend.db), ConversationStore(wire_backend.db)
+    await logger.log_messages(CID, approve(10), turn_id="t-1")
+    await logger.log_messages("other", cut_prompt(), turn_id="t-1")
+    cut = AgentMessageLogger(wire_backend.db, rules=CUT)
+    await cut.log_messages("cut", cut_prompt(), turn_id="t-1")
+    wire_backend.commands.clear()
+
+    pending = await store.pending_hitl(CID)
+    assert pending is not None
+    assert pending.truncated is None
+    assert pending.params == {"blob": "C" * 20_000, "amount": 10}
+    assert wire_backend.commands.names == ["find"]
+    wire_backend.commands.clear()
+
+    # a cut one: the prompt's message, then the files and chunks of its whole texts
+    whole = await store.pending_hitl("cut")
+    assert whole is not None
+    assert whole.params == cut_prompt()[1]["hitl_action"]["params"]
+    assert wire_backend.commands.names == ["find", "find", "find", "find"]
+
+
+async def test_the_hitl_route_serves_a_cut_prompts_whole_params() -> None:
+    async with serve(mongomock_db()) as served:
+        await served.store.logger.log_messages(CID, oversized_prompt(), turn_id="t-1")
+        got = await served.http.get(f"/v1/conversations/{CID}/hitl", headers=SERVICE)
+        summary = await served.http.get(f"/v1/conversations/{CID}", headers=SERVICE)
+    assert got.status_code == 200
+    assert got.json()["pending"]["params"] == {"body": HUGE}
+    assert got.json()["pending"]["truncated"] is None
+    assert summary.json()["pending_hitl"]["truncated"] == ["params"]
+
+
+def oversized_prompt() -> list[dict[str, Any]]:
+    action = {"request_id": "r-big", "action": "send", "params": {"body": HUGE}}
+    return [{"role": "assistant", "content": "send it?", "hitl_action": action}]

@@ -152,6 +152,25 @@ async def test_a_message_whose_own_form_is_over_the_bound_is_stored_bounded_and_
     assert await history.aget_messages() == [question]
 
 
+async def test_a_call_awaiting_approval_whose_arguments_were_cut_is_read_back_whole(
+    backend: Backend,
+) -> None:
+    """The runtime resuming the approved call runs it on the arguments it stored."""
+    bound = TurnRules(max_message_bytes=16 * 1024)
+    history = ConversationChatHistory(CID, backend.db, user_id="u-1", rules=bound)
+    args = {"to": "all@corp", "body": "x" * 100_000}
+    call = AIMessage(content="", tool_calls=[{"id": "c-1", "name": "send_mail", "args": args}])
+
+    await history.aadd_messages([HumanMessage("mail everyone"), call])
+
+    stored = await backend.db["agent_messages"].find_one({"role": "assistant"})
+    assert stored is not None
+    assert "tool_calls.0.function.arguments" in stored["truncated"]
+    back = await history.aget_messages()
+    assert isinstance(back[-1], AIMessage)
+    assert back[-1].tool_calls[0]["args"] == args
+
+
 async def test_messages_are_stored_as_chat_messages_ordered_by_seq(backend: Backend) -> None:
     await three_turns(ConversationChatHistory(CID, backend.db, user_id="u1"))
     store = ConversationStore(backend.db)

@@ -203,6 +203,23 @@ async def test_an_item_over_the_bound_is_stored_bounded_and_read_back_whole(
     assert "native" in stored["truncated"]
 
 
+async def test_a_call_awaiting_approval_whose_arguments_were_cut_is_read_back_whole(
+    backend: Backend,
+) -> None:
+    """The runtime resuming the approved call runs it on the arguments it stored."""
+    session = ConversationSession(CID, backend.db, rules=TurnRules(max_message_bytes=16 * 1024))
+    arguments = json.dumps({"to": "all@corp", "body": "x" * 100_000})
+    call = {"type": "function_call", "call_id": "c-1", "name": "send_mail", "arguments": arguments}
+
+    await session.add_items([{"role": "user", "content": "mail"}, call])  # type: ignore[list-item]
+
+    stored = await backend.db["agent_messages"].find_one({"role": "assistant"})
+    assert stored is not None
+    assert "tool_calls.0.function.arguments" in stored["truncated"]
+    items = await session.get_items()
+    assert items[-1]["arguments"] == arguments  # type: ignore[typeddict-item]
+
+
 async def test_items_the_chat_format_cannot_hold_are_never_shown_to_other_readers(
     backend: Backend,
 ) -> None:

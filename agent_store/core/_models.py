@@ -161,6 +161,13 @@ MAX_HELD_CALLS = 100
 """How many calls one HITL prompt may name (`HitlAction.tool_call_ids`): as many as a
 conversation lists pending."""
 
+MAX_CALL_ID_CHARS = 200
+"""How long a tool call id an answer names (`ConversationStore.resolve_hitl`) may be."""
+
+CallId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_CALL_ID_CHARS)]
+"""A tool call id an answer names: 1 to `MAX_CALL_ID_CHARS` characters. An answer names at
+most `MAX_HELD_CALLS` of them, as many as a prompt holds."""
+
 MAX_TOOL_CALLS = 1000
 """The most tool calls one assistant message may make: far more than a model asks for at once.
 Each is listed on its conversation while it waits, and a message over its byte bound made of
@@ -560,6 +567,10 @@ message_adapter: TypeAdapter[AgentMessage] = TypeAdapter(AgentMessage)
 messages_adapter: TypeAdapter[list[AgentMessage]] = TypeAdapter(list[AgentMessage])
 
 
+PendingHitlField = Literal["params", "prompt"]
+"""A field of a pending prompt that its message's bound can cut."""
+
+
 class PendingHitl(_Model):
     """The unresolved HITL prompt of a conversation (extension)."""
 
@@ -571,6 +582,10 @@ class PendingHitl(_Model):
     message_id: str
     """The assistant message that raised it."""
     created_at: UtcDatetime
+    truncated: list[PendingHitlField] | None = None
+    """The fields served cut, as their message was cut to bound it (its `truncated` map): the
+    conversation's copy keeps them cut; `ConversationStore.pending_hitl` reads them back whole
+    (and lists here only a field whose whole text is not found)."""
 
 
 class PendingCall(_Model):

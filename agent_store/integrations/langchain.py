@@ -269,7 +269,9 @@ class ConversationChatHistory(BaseChatMessageHistory):
 
     async def _read(self) -> list[BaseMessage]:
         stored = await self.store.recent_messages(self.conversation_id, user_id=self.user_id)
-        stored = await self.store.with_native_forms(stored)
+        # Every cut text back whole (a call awaiting approval runs on its whole arguments):
+        # two lookups when a message was cut, none otherwise.
+        stored = await self.store.with_full_texts(stored)
         return _history(stored)
 
     async def _append(self, messages: Sequence[BaseMessage]) -> None:

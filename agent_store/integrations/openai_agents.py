@@ -269,7 +269,9 @@ class ConversationSession:
         if limit is not None and limit <= 0:
             return []
         messages = await self._window(limit)
-        messages = await self.store.with_native_forms(messages)
+        # Every cut text back whole (a call awaiting approval runs on its whole arguments):
+        # two lookups when a message was cut, none otherwise.
+        messages = await self.store.with_full_texts(messages)
         items = items_from_messages(messages)
         return cast(list[TResponseInputItem], items[-limit:] if limit else items)
 

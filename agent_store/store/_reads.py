@@ -81,8 +81,10 @@ from agent_store.store._turns import (
     answered_in,
     folded_after,
     is_fork_turn,
+    seems_cut,
     turn_key,
     validate_identifier,
+    whole_prompt,
 )
 from agent_store.store._values import storable
 
@@ -1083,15 +1085,43 @@ class ConversationStore:
     async def pending_hitl(
         self, conversation_id: str, *, user_id: str | None = None
     ) -> PendingHitl | None:
-        """The conversation's unresolved HITL prompt, in one lookup."""
+        """The conversation's unresolved HITL prompt, whole, in one lookup.
+
+        A prompt whose message was cut to bound it (its params or question: the copy on the
+        conversation lists them in `truncated`) is read back whole from its message and
+        GridFS, in three lookups more, as `with_full_texts` reads; a field whose whole text
+        is not found stays cut and listed in `truncated`.
+        """
         with storage_errors("read the pending prompt"):
             doc = await self._conversations.find_one(
-                self._scope(conversation_id, user_id), {"pending_hitl": 1}
+                self._scope(conversation_id, user_id), {"pending_hitl": 1, "epoch": 1}
             )
         if doc is None:
             return (await self._legacy(conversation_id, user_id)).conversation.pending_hitl
         pending = doc.get("pending_hitl")
-        return PendingHitl.model_validate(pending) if pending else None
+        if not pending:
+            return None
+        prompt = PendingHitl.model_validate(pending)
+        if not seems_cut(prompt):
+            return prompt
+        return await self._whole_prompt(conversation_id, doc.get("epoch"), prompt)
+
+    async def _whole_prompt(
+        self, conversation_id: str, epoch: str | None, prompt: PendingHitl
+    ) -> PendingHitl:
+        """The prompt with its cut fields read back whole from its message (as it is when
+        the message is gone)."""
+        query = {
+            "_id": prompt.message_id,
+            "conversation_id": conversation_id,
+            "epoch": {"$in": [None, epoch]},
+        }
+        with storage_errors("read the pending prompt"):
+            found = await self._messages.find_one(query)
+        if found is None:
+            return prompt
+        [message] = await self.with_full_texts([message_adapter.validate_python(found)])
+        return whole_prompt(prompt, message)
 
     async def pending_calls(
         self, conversation_id: str, *, user_id: str | None = None

@@ -17,6 +17,8 @@ from bson import Int64
 
 from agent_store.core import (
     HOLDING_PROMPTS_KEPT,
+    MAX_CALL_ID_CHARS,
+    MAX_HELD_CALLS,
     MAX_SAFE_INTEGER,
     RESOLVED_PROMPTS_KEPT,
     ApprovedCall,
@@ -37,6 +39,7 @@ from agent_store.store._turns import (
     TurnPlan,
     TurnRules,
     inbox_field,
+    validate_identifier,
 )
 from agent_store.store._values import storable
 
@@ -296,7 +299,7 @@ def concerned_calls(
     if call_ids is not None:
         if isinstance(call_ids, str | bytes) or not all(isinstance(c, str) for c in call_ids):
             raise InvalidInput("call_ids must be a list of tool call ids (strings)")
-        return [(call_id, None) for call_id in storable(list(call_ids), "call_ids")]
+        return _within_limits([(c, None) for c in storable(list(call_ids), "call_ids")], "call_ids")
     if calls is None:
         return None
     if isinstance(calls, str | bytes | Mapping) or not isinstance(calls, Sequence):
@@ -304,8 +307,31 @@ def concerned_calls(
             "calls must be a list of the calls the answer concerns: PendingCall objects or "
             f"mappings holding {_CALLS_SHAPE}"
         )
+    if len(calls) > MAX_HELD_CALLS:
+        raise InvalidInput(_too_many("calls", len(calls)))
     keys = [_call_identity(index, call) for index, call in enumerate(calls)]
-    return [(call_id, message_id) for call_id, message_id in storable(keys, "calls")]
+    return _within_limits([(c, m) for c, m in storable(keys, "calls")], "calls")
+
+
+def _too_many(what: str, count: int) -> str:
+    return f"{what} names {count} calls: an answer names at most {MAX_HELD_CALLS} (MAX_HELD_CALLS)"
+
+
+def _within_limits(keys: list[CallKey], what: str) -> list[CallKey]:
+    """The calls an answer names, within the limits the HTTP body has too (`CallId`,
+    `MAX_HELD_CALLS`): InvalidInput naming the first call past them."""
+    if len(keys) > MAX_HELD_CALLS:
+        raise InvalidInput(_too_many(what, len(keys)))
+    for index, (call_id, message_id) in enumerate(keys):
+        where = f"{what}[{index}]" + (".tool_call_id" if message_id is not None else "")
+        if not 0 < len(call_id) <= MAX_CALL_ID_CHARS:
+            raise InvalidInput(
+                f"{where} is {len(call_id)} characters long: a tool call id has 1 to "
+                f"{MAX_CALL_ID_CHARS} (MAX_CALL_ID_CHARS)"
+            )
+        if message_id is not None:
+            validate_identifier(message_id, f"{what}[{index}].message_id")
+    return keys
 
 
 def _call_identity(index: int, call: Any) -> CallKey:
@@ -399,16 +425,48 @@ def _answered_now(request_id: str, concerns: Sequence[CallKey] | None) -> dict[s
     still being written among them (its reservation made its prompt the pending one), are
     answered. An earlier answer to the id stays: it answered the prompts of the id asked
     before it, and a pop or a fork folds each answer where it came. The calls it names
-    (`concerns`) are recorded with it (`AnsweredPrompt.calls`). The newest
-    `RESOLVED_PROMPTS_KEPT` answers kept."""
-    entry = {"r": literal(request_id), "s": int64({"$ifNull": ["$message_count", 0]})}
+    (`concerns`) that a prompt of the id holds are recorded with it (`AnsweredPrompt.calls`):
+    the others it releases none of, and are not kept. The newest `RESOLVED_PROMPTS_KEPT`
+    answers kept."""
+    entry: dict[str, Any] = {
+        "r": literal(request_id),
+        "s": int64({"$ifNull": ["$message_count", 0]}),
+    }
     if concerns is not None:
-        entry["c"] = literal([list(key) for key in concerns])
+        entry["c"] = _held_of(request_id, concerns)
     # A one-element array built by `$map`: some servers (mongomock) keep an array literal's
     # elements unevaluated.
     now = {"$map": {"input": literal([0]), "as": "x", "in": entry}}
     answered = _kept("answered_prompts", [])
     return {"$slice": [{"$concatArrays": [answered, now]}, -RESOLVED_PROMPTS_KEPT]}
+
+
+def _held_of(request_id: str, concerns: Sequence[CallKey]) -> dict[str, Any]:
+    """The calls of `concerns` a prompt `request_id` holds (a pending call of the id named
+    alone, or that very call), as an expression: `[[id, message id or null], ...]`."""
+    holding = {
+        "$filter": {
+            "input": _kept("pending_calls", []),
+            "as": "p",
+            "cond": {"$eq": [{"$ifNull": ["$$p.request_id", None]}, literal(request_id)]},
+        }
+    }
+    # A call's key: its id alone, or its id and then its message's (an id: no space in it).
+    ids = {"$map": {"input": holding, "as": "p", "in": "$$p.tool_call_id"}}
+    pairs = {
+        "$map": {
+            "input": holding,
+            "as": "p",
+            "in": {"$concat": ["$$p.tool_call_id", " ", "$$p.message_id"]},
+        }
+    }
+    named = [
+        {"key": c if m is None else f"{c} {m}", "exact": m is not None, "call": [c, m]}
+        for c, m in dict.fromkeys((c, m) for c, m in concerns)
+    ]
+    held = {"$in": ["$$k.key", {"$cond": ["$$k.exact", pairs, ids]}]}
+    kept = {"$filter": {"input": literal(named), "as": "k", "cond": held}}
+    return {"$map": {"input": kept, "as": "k", "in": "$$k.call"}}
 
 
 def answers_reaching(below: Any, request_ids: Sequence[str] | None = None) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from agent_store.core import (
     InvalidInput,
     PendingCall,
     PendingHitl,
+    PendingHitlField,
     TurnRecord,
     Usage,
     describe_validation_error,
@@ -45,6 +46,7 @@ from agent_store.store._text import (
 )
 from agent_store.store._truncation import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    TRUNCATION_MARK,
     BoundedMessage,
     FullText,
     bound,
@@ -808,6 +810,7 @@ def _pending_hitl(
                 prompt=message.content,
                 message_id=message_id_,
                 created_at=message.created_at,
+                truncated=prompt_fields_cut(message),
             )
             named = message.hitl_action.tool_call_ids
             if named is None:
@@ -820,6 +823,39 @@ def _pending_hitl(
                 outcome = None
             unheld.discard(message.tool_call_id)
     return outcome
+
+
+_PROMPT_FIELDS: tuple[tuple[str, PendingHitlField], ...] = (
+    ("hitl_action.params", "params"),
+    ("content", "prompt"),
+)
+
+
+def prompt_fields_cut(message: AgentMessage) -> list[PendingHitlField] | None:
+    """The fields of the prompt a message raises that its bound cut (`PendingHitl.truncated`)."""
+    cut = message.truncated or {}
+    return [name for path, name in _PROMPT_FIELDS if path in cut] or None
+
+
+def seems_cut(prompt: PendingHitl) -> bool:
+    """Whether a pending prompt may hold fields its message's bound cut: it lists them, or
+    (stored before prompts listed them) its params or question have the shape of a cut."""
+    params_cut = set(prompt.params) == {"truncated_json"}
+    prompt_cut = prompt.prompt is not None and prompt.prompt.endswith(TRUNCATION_MARK)
+    return bool(prompt.truncated) or params_cut or prompt_cut
+
+
+def whole_prompt(prompt: PendingHitl, message: AgentMessage) -> PendingHitl:
+    """The prompt with the fields of its message (read back whole, `with_full_texts`): those
+    still cut listed in `truncated`."""
+    if message.hitl_action is None or message.hitl_action.request_id != prompt.request_id:
+        return prompt
+    update = {
+        "params": message.hitl_action.params,
+        "prompt": message.content,
+        "truncated": prompt_fields_cut(message),
+    }
+    return prompt.model_copy(update=update)
 
 
 def prompt_before_calls(messages: Sequence[AgentMessage]) -> str | None:

@@ -474,6 +474,12 @@ export interface IPendingHitl<TDate extends DateLike> {
   /** The assistant message that raised it. */
   message_id: string;
   created_at: TDate;
+  /**
+   * The fields served cut, as their message was cut to bound it (its `truncated` map): the
+   * conversation's copy keeps them cut; `ConversationStore.pending_hitl` reads them back whole
+   * (and lists here only a field whose whole text is not found).
+   */
+  truncated: ("params" | "prompt")[] | null;
 }
 
 /** One message that matched a search, with its relevance. */
