@@ -1038,18 +1038,28 @@ async def test_past_the_kept_records_two_attempts_that_both_reserved_store_the_t
     await _followed_to_the_end(backend, rules)
 
 
-async def _an_edited_attempt_held_past_the_records(
+async def _a_first_attempt_held_past_the_records(
     backend: Backend, rules: TurnRules
-) -> tuple[SlowInsert, asyncio.Task[LoggedTurn]]:
-    """Past the kept records: a first attempt of "t1" reserves seq 2-3 and is held; "t2"
-    drops its record; a second attempt sending an edited answer finds neither record nor
-    message and reserves 6-7, held; the first lands at 2-3. The second, still held."""
+) -> tuple[AgentMessageLogger, SlowInsert, asyncio.Task[LoggedTurn]]:
+    """A first attempt of "t1" (after "t0") reserves seq 2-3 and is held before its insert;
+    "t2" is logged meanwhile, which drops t1's record (`turns_recorded=1`). A logger of its
+    own, the held attempt, and its task."""
     logger = AgentMessageLogger(backend.db, rules=rules)
     await logger.log_messages(CID, turn("before"), turn_id="t0")
     first = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
     a = asyncio.create_task(first.logger.log_messages(CID, turn("same"), turn_id="t1"))
     await first.reserved.wait()  # seq 2-3, its insert held
     await logger.log_messages(CID, turn("later"), turn_id="t2")  # t1's record dropped
+    return logger, first, a
+
+
+async def _an_edited_attempt_held_past_the_records(
+    backend: Backend, rules: TurnRules
+) -> tuple[SlowInsert, asyncio.Task[LoggedTurn]]:
+    """Past the kept records: a first attempt of "t1" reserves seq 2-3 and is held; "t2"
+    drops its record; a second attempt sending an edited answer finds neither record nor
+    message and reserves 6-7, held; the first lands at 2-3. The second, still held."""
+    _, first, a = await _a_first_attempt_held_past_the_records(backend, rules)
     second = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
     b = asyncio.create_task(second.logger.log_messages(CID, turn("edited"), turn_id="t1"))
     await second.reserved.wait()  # seq 6-7, its insert held
@@ -1138,12 +1148,7 @@ async def test_past_the_kept_records_a_retry_whose_block_is_empty_answers_the_tu
     rules = TurnRules(
         turns_recorded=1, abandon_after=timedelta(0) if late else timedelta(minutes=5)
     )
-    logger = AgentMessageLogger(backend.db, rules=rules)
-    await logger.log_messages(CID, turn("before"), turn_id="t0")
-    first = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
-    a = asyncio.create_task(first.logger.log_messages(CID, turn("same"), turn_id="t1"))
-    await first.reserved.wait()  # seq 2-3, its insert held
-    await logger.log_messages(CID, turn("later"), turn_id="t2")  # t1's record dropped
+    logger, first, a = await _a_first_attempt_held_past_the_records(backend, rules)
     other = AgentMessageLogger(backend.db, rules=rules)
     if second == "died before its insert":
         Unreachable(other, "_messages", "insert_many")
