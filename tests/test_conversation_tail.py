@@ -494,3 +494,26 @@ async def test_a_tail_follower_whose_last_read_message_was_popped_reads_what_cam
     assert [m.content for m in backwards.data] == ["Q?"]
     with pytest.raises(NotFound, match="not found"):  # another user's: as without `after`
         await store.messages_page(CID, after=page.last_id, user_id="someone-else")
+
+
+async def test_a_tail_follower_reads_a_regenerated_turn_whose_pops_went_below_its_cursor(
+    backend: Backend,
+) -> None:
+    """DESIGN §3 "Tail reads never skip": the runtime regenerates a whole turn, popping its
+    answer and then its question, and logs a new one at the `seq`s given back. A follower that
+    had read the popped answer gets the whole new turn: every `seq` given back by a pop after
+    its message's was filled after the follower read."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [user("Q1?"), answer("A1")], turn_id="t1")
+    await logger.log_messages(CID, [user("Q2?"), answer("A2 draft")], turn_id="t2")
+    store = ConversationStore(backend.db)
+    page = await store.messages_page(CID)
+
+    await store.pop_last_message(CID)
+    await store.pop_last_message(CID)
+    await logger.log_messages(CID, [user("Q2, asked again?"), answer("A2")], turn_id="t2-again")
+    followed = await store.messages_page(CID, after=page.last_id)
+
+    assert [m.content for m in followed.data] == ["Q2, asked again?", "A2"]
+    assert not followed.has_more

@@ -1063,7 +1063,11 @@ class ConversationStore:
         """The `seq` of the message `message_id` of the conversation `query` names, and whether
         a pop removed it (one more lookup, of the conversation's `popped_messages`, only when
         it is not stored; one older than the newest `POPPED_MESSAGES_KEPT` is InvalidInput).
-        What a pop gave its `seq` back to was logged after the message it removed."""
+
+        For a removed message, the lowest `seq` its pop and every later one gave back: what
+        a pop gave its `seq` back to was logged after the message it removed, and a reader
+        that had read that message had read the ones below it that later pops removed (a
+        turn regenerated whole: its answer popped, then its question)."""
         message_id = validate_identifier(message_id, "after")
         with storage_errors("find the cursor message"):
             doc = await self._messages.find_one({"_id": message_id, **query}, {"seq": 1})
@@ -1075,10 +1079,13 @@ class ConversationStore:
             conversation = await self._conversations.find_one(scope, {"popped_messages": 1})
         found = (conversation or {}).get("popped_messages") or ()
         popped = [PoppedMessage.model_validate(p) for p in found]
-        seq = next((p.seq for p in reversed(popped) if p.message_id == message_id), None)
-        if seq is None:
+        removal = next(
+            (at for at in range(len(popped) - 1, -1, -1) if popped[at].message_id == message_id),
+            None,
+        )
+        if removal is None:
             raise InvalidInput(f"invalid after: message {message_id!r} is not in this conversation")
-        return seq, True
+        return min(p.seq for p in popped[removal:]), True
 
     # -- human in the loop -----------------------------------------------------------
 
