@@ -301,7 +301,24 @@ NOT_MOVED = (
 """What `verify` and `finish` say of legacy turns not moved aside: content neither compares."""
 
 
+WHILE_A_RUN = "{command} reads nothing while a run goes on: run it again once that run ends"
+"""What `verify` and `finish` say, exit 3, when a run holds the lock: part of the legacy turns
+may be moved aside, part of a conversation migrated, and neither is work left."""
+
+
+def _not_moved(db: Database[dict[str, Any]], command: str) -> bool:
+    """Whether `agent_conversations` holds legacy turns no run is moving aside. A run moves
+    them in batches, holding the lock: the lock is looked at again after the turns are read
+    (LockHeld), so a run begun since the command's first look is not taken for an
+    old-service writer."""
+    if not relocate.holds_turns(db, CONVERSATIONS):
+        return False
+    lease.refuse_while_held(db, WHILE_A_RUN.format(command=command))
+    return True
+
+
 def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
+    lease.refuse_while_held(db, WHILE_A_RUN.format(command="`verify`"))
     _require_legacy_data(db)
     if args.sample is not None and args.sample < 1:
         raise Misuse(f"--sample {args.sample}: a sample holds at least one conversation")
@@ -340,7 +357,7 @@ def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         f"{len(result.differences)} differ; {result.unplaced} legacy parts were recorded as "
         f"problems and left out (see {problem_report.PROBLEMS})"
     )
-    if relocate.holds_turns(db, CONVERSATIONS):
+    if _not_moved(db, "`verify`"):
         print(NOT_MOVED)
         return 1
     return 0 if result.ok else 1
@@ -363,21 +380,24 @@ def _report(found: gate.Gate) -> None:
 
 
 def cmd_finish(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
-    """The gate, holding the migration lock: a run going on meanwhile (a rerun in another
-    terminal) could change what the gate read, and, the legacy turns dropped under it, would
-    take every conversation it migrated for one no legacy turn makes any more."""
+    """The gate, holding the migration lock, and nothing read before while a run holds it
+    (exit 3: a run's half-moved turns are no work left): a run going on meanwhile (a rerun
+    in another terminal) could change what the gate read, and, the legacy turns dropped
+    under it, would take every conversation it migrated for one no legacy turn makes any
+    more."""
     if args.drop_legacy and not args.yes:
         raise Misuse("--drop-legacy deletes the rollback copy: add --yes to confirm")
+    lease.refuse_while_held(db, WHILE_A_RUN.format(command="`finish`"))
     # A drop begun is finished whatever was logged since: it drops the legacy collection only.
     unfinished = args.drop_legacy and explode.drop_unfinished(db) is not None
+    accepting: list[tuple[str, str]] = []
     if not unfinished:
         explode.refuse_after_the_drop(db)  # before the turns not moved: no run can move them
-        if relocate.holds_turns(db, CONVERSATIONS):
+        if _not_moved(db, "`finish`"):
             print(NOT_MOVED)
             return 1
         _require_legacy_data(db)
-        for conversation_id in args.accept or ():
-            _acceptable(db, conversation_id)
+        accepting = [_acceptable(db, conversation_id) for conversation_id in args.accept or ()]
     run_id = time.strftime("finish-%Y%m%dT%H%M%SZ-", time.gmtime()) + uuid.uuid4().hex[:6]
     held = lease.Lease(db, run_id)
     held.acquire()
@@ -385,28 +405,43 @@ def cmd_finish(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         if unfinished:  # its gate passed when the drop began: the drop only is left
             _drop(db, held)
             return 0
-        return _finish(db, args, held)
+        return _finish(db, args, held, accepting)
     finally:
         held.release()
 
 
-def _acceptable(db: Database[dict[str, Any]], conversation_id: str) -> None:
-    """Misuse, before anything is accepted, when `--accept` names no conversation: none whose
-    legacy turns, conversation document or problems are there (a mistyped id, which an
-    acceptance would cover nothing of), as `verify --conversation` refuses it."""
-    if problem_report.recorded_for(db, conversation_id):
-        return
-    if not explode.names_a_conversation(db, conversation_id, source=LEGACY_TURNS):
+def _acceptable(db: Database[dict[str, Any]], given: str) -> tuple[str, str]:
+    """The id `--accept` names, and the id its acceptance is recorded under, the one the gate
+    names: `given` when problems are recorded under it, else the id the conversation it names
+    is stored under (a legacy id that is no identifier, `conv 42/x`, names the conversation
+    migrated under the id derived from it, as `verify --conversation` takes it). Misuse,
+    before anything is accepted, when it names no conversation: none whose legacy turns,
+    conversation document or problems are there (a mistyped id, which an acceptance would
+    cover nothing of), as `verify --conversation` refuses it."""
+    if problem_report.recorded_for(db, given):
+        return given, given
+    stored = explode.stored_id_named(db, given, source=LEGACY_TURNS)
+    if stored is None:
         raise Misuse(
-            f"{explode.no_legacy_turns(conversation_id, LEGACY_TURNS)}, nor a problem recorded "
+            f"{explode.no_legacy_turns(given, LEGACY_TURNS)}, nor a problem recorded "
             "for it: nothing is accepted"
         )
+    return given, stored
 
 
-def _finish(db: Database[dict[str, Any]], args: argparse.Namespace, held: lease.Lease) -> int:
-    for conversation_id in args.accept or ():
+def _finish(
+    db: Database[dict[str, Any]],
+    args: argparse.Namespace,
+    held: lease.Lease,
+    accepting: list[tuple[str, str]],
+) -> int:
+    for given, conversation_id in accepting:
         problem_report.accept(db, conversation_id, args.note)
-        print(f"recorded: the unplaced content of {conversation_id!r} is accepted ({args.note})")
+        named = "" if given == conversation_id else f" (legacy id {given!r})"
+        print(
+            f"recorded: the unplaced content of {conversation_id!r}{named} is accepted "
+            f"({args.note})"
+        )
     found = gate.check(db, undated_at=explode.undated_time(db, record=False), renew=held.renew)
     _report(found)
     problem_report.print_summary(db, sys.stdout)

@@ -317,11 +317,17 @@ def conversation_named(db: Database[dict[str, Any]], given: str, *, source: str)
     raise Misuse(no_legacy_turns(given, source))
 
 
-def names_a_conversation(db: Database[dict[str, Any]], given: str, *, source: str) -> bool:
-    """Whether `given` names a legacy conversation (`conversation_named`) or a conversation
-    document, whatever made it (a turn naming no conversation, a live turn)."""
+def stored_id_named(db: Database[dict[str, Any]], given: str, *, source: str) -> str | None:
+    """The id the conversation `given` names is stored under, as the gate and the problems
+    name it: `given` when a conversation document is stored under it, whatever made it (a
+    turn naming no conversation, a live turn), else the id the run stores its legacy turns
+    under (`stored_conversation_id`: one derived from a legacy id that is no identifier,
+    `conv 42/x`). None when it names no conversation (`conversation_named`)."""
     legacy, document = _named(db, given, source=source)
-    return legacy is not None or bool(document)
+    if document:
+        return given
+    turn = None if legacy is None else db[source].find_one(turns_filter([legacy]), NAMING_FIELDS)
+    return None if turn is None else stored_conversation_id(turn)
 
 
 def no_legacy_turns(given: str, source: str) -> str:

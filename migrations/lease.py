@@ -120,12 +120,7 @@ class Lease:
                 upsert=True,
             )
         except DuplicateKeyError as exc:
-            raise LockHeld(
-                "another migration run holds the lock: "
-                + describe(collection.find_one({"_id": LOCK_ID}))
-                + ". Wait for it to finish; if that process is gone, wait for the lease to "
-                "expire or take it over with `run --force-unlock`"
-            ) from exc
+            raise LockHeld(_held(collection.find_one({"_id": LOCK_ID}))) from exc
 
     def renew(self) -> None:
         result = self.db[STATE].update_one(
@@ -158,3 +153,24 @@ class Lease:
 
 def current(db: Database[dict[str, Any]]) -> dict[str, Any] | None:
     return db[STATE].find_one({"_id": LOCK_ID})
+
+
+def _held(lock: dict[str, Any] | None) -> str:
+    return (
+        f"another migration run holds the lock: {describe(lock)}. Wait for it to finish; if "
+        "that process is gone, wait for the lease to expire or take it over with "
+        "`run --force-unlock`"
+    )
+
+
+def refuse_while_held(db: Database[dict[str, Any]], doing: str) -> None:
+    """LockHeld, reading only, while a run or `finish` holds the lock (its lease not ended):
+    what a command reads then is what that run is still writing or moving aside. `doing`
+    says what the refused command does not do meanwhile."""
+    lock = current(db)
+    if lock is None:
+        return
+    expires = lock.get("expires_at")
+    if isinstance(expires, datetime) and expires < utc_now():
+        return  # a killed holder's: the next run or `finish` takes it over
+    raise LockHeld(f"{_held(lock)}; {doing}")

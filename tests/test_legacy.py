@@ -1337,6 +1337,34 @@ def test_a_name_repeated_with_other_white_space_is_one_name() -> None:
     assert conversion.problems == []
 
 
+@pytest.mark.parametrize(
+    ("names", "kept"),
+    [
+        pytest.param(["Trip\nPlan"], [("plain_name", "Trip\nPlan")], id="alone"),
+        pytest.param(["Trip\nPlan", "Trip\nPlan"], [("plain_name", "Trip\nPlan")], id="twice"),
+        pytest.param(["Trip\nPlan", "Trip Plan"], [("earlier_name", "Trip\nPlan")], id="then"),
+        pytest.param(
+            ["Trip\nPlan", "Trip\tPlan"],
+            [("earlier_name", "Trip\nPlan"), ("plain_name", "Trip\tPlan")],
+            id="then-a-tab",
+        ),
+    ],
+)
+def test_a_name_holding_a_tab_or_line_break_is_stored_spaced_and_kept_whole(
+    names: list[str], kept: list[tuple[str, str]]
+) -> None:
+    """A stored name holds spaces alone: a tab or a line break in a legacy name becomes one,
+    and the name as found is kept whole (`plain_name` for the name the conversation holds,
+    `earlier_name` for one before it), as a control character is: nothing is lost
+    silently. Names differing in spaces alone stay one (the test above)."""
+    conversion = convert([turn(n + 1, name=name) for n, name in enumerate(names)])
+
+    assert conversion.conversation is not None
+    assert conversion.conversation.name == "Trip Plan"
+    assert [(p.kind, p.content) for p in conversion.problems if p.placed] == kept
+    assert all(p.field == "name" for p in conversion.problems)
+
+
 def test_a_conversation_of_names_and_no_message_keeps_each_earlier_name_too() -> None:
     turns = [{"_id": f"n-{n}", "conversation_id": CID, "name": name,
               "created_at": T0 + timedelta(minutes=n)}

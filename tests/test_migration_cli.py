@@ -327,6 +327,33 @@ def test_an_acceptance_naming_no_conversation_is_misuse_and_records_nothing(
 
 
 @pytest.mark.wire
+def test_an_acceptance_naming_a_legacy_id_is_recorded_under_the_id_it_migrates_to(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A legacy conversation id that is no identifier is migrated under a derived id: an
+    operator naming it by its legacy id in `finish --accept` (as `verify --conversation`
+    takes it) accepts the conversation the gate names, and is told which id was recorded."""
+    legacy_id = "conv 42/\u03b1"
+    database[CONVERSATIONS].insert_one(
+        {"_id": "t0", "conversation_id": legacy_id, "user_id": "u",
+         "created_at": datetime(2025, 1, 1, tzinfo=UTC), "user_message": "q",
+         "response_parts": [{"type": "sticker", "x": 1}, {"type": "text", "content": "a"}]}
+    )  # fmt: skip
+    assert cli(wire_uri, database, "run") == 0
+    [stored] = database[CONVERSATIONS].distinct("_id")
+    assert stored.startswith("legacy-conversation-")
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish", "--accept", legacy_id, "--note", "in problems") == 0
+    said = capsys.readouterr().out
+    assert f"recorded: the unplaced content of {stored!r} (legacy id {legacy_id!r})" in said
+    assert "work left" not in said
+    assert database["agent_migrations"].distinct("conversation_id", {"kind": "acceptance"}) == [
+        stored
+    ]
+
+
+@pytest.mark.wire
 def test_a_held_lock_stops_a_second_run_until_forced_or_expired(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -3027,6 +3027,34 @@ def test_finish_waits_for_no_run_holding_the_lock_and_drops_nothing_while_one_ru
 
 
 @pytest.mark.wire
+def test_finish_and_verify_while_a_run_moves_turns_aside_exit_3_before_reading_anything(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run holding the lock is moving the legacy turns aside in batches: part of them are
+    in each collection. `finish` (with or without the drop) and `verify` say a run goes on
+    (exit 3), not that an old-service writer logged turns after the move, and write
+    nothing."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(4)]
+    )
+    held = Lease(database, "run-moving-turns", timedelta(minutes=5))
+    held.acquire()
+    moved = list(database[CONVERSATIONS].find({"_id": {"$in": ["t-0", "t-1"]}}))
+    database[LEGACY_TURNS].insert_many(moved)
+    database[CONVERSATIONS].delete_many({"_id": {"$in": ["t-0", "t-1"]}})
+    before = digest(database)
+
+    for command in (["finish"], ["finish", "--drop-legacy", "--yes"], ["verify"]):
+        assert cli(wire_uri, database, *command) == 3, command
+        said = capsys.readouterr()
+        assert "another migration run holds the lock" in said.err
+        assert "run-moving-turns" in said.err
+        assert "old-service writer" not in said.out + said.err
+    assert digest(database) == before
+    assert lease.current(database)["run_id"] == "run-moving-turns"
+
+
+@pytest.mark.wire
 def test_a_run_whose_legacy_turns_vanish_under_it_removes_no_migrated_conversation(
     wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -1459,16 +1460,32 @@ def _runtime_name(converter: _Converter, turns: Sequence[LegacyTurn]) -> str | N
             content=whole,
             unplaced=False,
         )
-    elif name != found:
+    elif name != found or _spaced_otherwise(whole):
         converter.problem(
             turn,
             "plain_name",
-            f"the name holds control or text-direction characters; it is stored as {name!r}",
+            "the name holds control or text-direction characters, or white space other than "
+            f"spaces (a tab, a line break); it is stored as {name!r}",
             field="name",
             content=whole,
             unplaced=False,
         )
     return name
+
+
+def _spaced_otherwise(whole: str) -> bool:
+    """Whether a name holds white space other than spaces (a tab, a line break): a stored
+    name holds a space for it, so the name as found is kept whole (`plain_name`)."""
+    return _OTHER_SPACE.search(whole) is not None
+
+
+_OTHER_SPACE = re.compile(r"[^\S ]")
+
+
+def _name_key(whole: str) -> str:
+    """What tells one name from another: names differing in spaces alone are one (a stored
+    name collapses them, `collapse_whitespace`); one holding other white space is itself."""
+    return whole if _spaced_otherwise(whole) else collapse_whitespace(whole)
 
 
 def _other_names(
@@ -1477,12 +1494,12 @@ def _other_names(
     """Each name the turns give (`named`, in conversation order) other than the one `kept`
     (the conversation's, which its caller keeps), once, on the first turn giving it, kept
     whole in a placed problem: one that shows nothing names nothing (`plain_name`), any other
-    is an earlier name (`earlier_name`). Names differing in white space alone are one, as a
-    stored name collapses it."""
-    seen = {collapse_whitespace(kept.name or "")} if kept is not None else set()
+    is an earlier name (`earlier_name`). Names differing in spaces alone are one, as a stored
+    name collapses them (`_name_key`)."""
+    seen = {_name_key(kept.name or "")} if kept is not None else set()
     for turn in named:
         whole = turn.name or ""
-        if (key := collapse_whitespace(whole)) in seen:
+        if (key := _name_key(whole)) in seen:
             continue
         seen.add(key)
         converter.made_text(turn, turn.name_as_found, "the name", field="name")
