@@ -72,7 +72,7 @@ from app.metrics import ServiceMetrics, TurnCounter
 from app.openapi import build_openapi
 from app.public_pages import public_routes
 from app.request_log import RequestLogMiddleware
-from app.routing import Call, Endpoint, routes_of
+from app.routing import IDEMPOTENCY_KEY, Call, Endpoint, routes_of
 from app.service import Store, open_store
 from app.sessions import ViewerSessions
 from app.settings import Settings, settings_from_environment
@@ -174,30 +174,34 @@ async def log_turn(call: Call[NoQuery, LogTurnBody]) -> Response:
     return _json(logged, 200 if logged.replayed else 201)
 
 
-IDEMPOTENCY_KEY = "Idempotency-Key"
-
-
 def _turn_id(call: Call[NoQuery, LogTurnBody]) -> str | None:
-    """The turn's id: the body's `turn_id`, else the `Idempotency-Key` header HTTP clients
-    retry with, as it is when it is an identifier, else `idempotency-` and its digest."""
+    """The turn's id: the body's `turn_id`, else the `Idempotency-Key` header (`_keyed`)."""
+    return _keyed(call, call.body.turn_id, "turn_id", "turn")
+
+
+def _keyed(call: Call[Any, Any], named: str | None, field: str, noun: str) -> str | None:
+    """The id of what the call writes (a `noun`): the body's `field` (`named`), else the
+    `Idempotency-Key` header HTTP clients retry with, as it is when it is an identifier, else
+    `idempotency-` and its digest. 422 for a header sent twice, empty, or naming another
+    than the body's `field`."""
     keys = call.request.headers.getlist(IDEMPOTENCY_KEY)
     if len(keys) > 1:
         raise InvalidInput(f"the {IDEMPOTENCY_KEY} header is sent twice or more: send it once")
     if not keys:
-        return call.body.turn_id
+        return named
     key = keys[0]
     if not key.strip():
-        raise InvalidInput(f"the {IDEMPOTENCY_KEY} header is empty: send a key naming the turn")
+        raise InvalidInput(f"the {IDEMPOTENCY_KEY} header is empty: send a key naming the {noun}")
     try:
-        named = validate_identifier(key, "turn_id")
+        keyed = validate_identifier(key, field)
     except InvalidInput:
-        named = "idempotency-" + hashlib.sha256(key.encode()).hexdigest()[:32]
-    if call.body.turn_id not in (None, named):
+        keyed = "idempotency-" + hashlib.sha256(key.encode()).hexdigest()[:32]
+    if named not in (None, keyed):
         raise InvalidInput(
-            f"turn_id {call.body.turn_id!r} and the {IDEMPOTENCY_KEY} header name two turns: "
-            "send one of them, or both naming the same turn"
+            f"{field} {named!r} and the {IDEMPOTENCY_KEY} header name two {noun}s: "
+            f"send one of them, or both naming the same {noun}"
         )
-    return named
+    return keyed
 
 
 def _inbox(call: Call[Any, Any]) -> SteeringInbox:
@@ -229,7 +233,7 @@ async def deliver(call: Call[NoQuery, DeliverBody]) -> Response:
         call.conversation_id,
         call.path["turn_id"],
         call.body.message,
-        delivery_id=call.body.delivery_id,
+        delivery_id=_keyed(call, call.body.delivery_id, "delivery_id", "delivery"),
         user_id=call.scope,
         owner_only=call.scope is not None,
     )
@@ -393,7 +397,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         body=RenameBody,
         errors=("not_found", "conflict"),
         serves_etag=True,
-        if_match=True,
+        checks_version=True,
     ),
     Endpoint(
         "DELETE",
@@ -403,7 +407,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "conversations",
         {200: Deleted},
         errors=("not_found",),
-        if_match=True,
+        checks_version=True,
     ),
     Endpoint(
         "GET",
@@ -456,6 +460,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         body=DeliverBody,
         errors=("not_found", "conflict"),
         carries_turns=True,
+        idempotency_key=True,
     ),
     Endpoint(
         "GET",

@@ -38,7 +38,8 @@ IF_MATCH = {
     "required": False,
     "description": (
         "The ETag a read served (its quotes may be left out): only the conversation it names "
-        "is changed, else 412 and nothing changes. `*` or absent: whatever is under the id."
+        "is read or changed, else 412 and nothing changes. `*` or absent: whatever is under "
+        "the id. Routes naming no conversation refuse it (422)."
     ),
     "schema": {"type": "string"},
 }
@@ -48,9 +49,10 @@ IDEMPOTENCY_KEY = {
     "in": "header",
     "required": False,
     "description": (
-        "Names the turn when the body has no `turn_id` (as it is when an identifier, else "
-        "`idempotency-` and its SHA-256): a retry under the same key is answered the stored "
-        "turn. With a `turn_id` naming another turn, empty, or sent twice, 422."
+        "Names what the route writes when the body does not (a turn's `turn_id`, a "
+        "delivery's `delivery_id`), as it is when an identifier, else `idempotency-` and its "
+        "SHA-256: a retry under the same key is stored once. Naming another than the body's "
+        "id, empty, or sent twice, 422; other POST routes refuse it (422)."
     ),
     "schema": {"type": "string"},
 }

@@ -21,6 +21,7 @@ from agent_store.core import describe_validation_error
 from agent_store.store import validate_identifier
 from app.api_models import NoBody, NoQuery
 from app.auth import Caller, audit_record
+from app.etags import version_named
 from app.http_errors import InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 from app.json_body import decode_body
 from app.service import Store
@@ -74,12 +75,20 @@ class Endpoint:
     """The body holds a whole turn: capped at `max_turn_bytes`, not `max_request_bytes`."""
     serves_etag: bool = False
     """Its answer carries the conversation's version as `ETag` (app/etags.py)."""
-    if_match: bool = False
-    """It honours `If-Match` naming a conversation's version: 412 `precondition_failed`
-    when the conversation under the id is not the one named."""
+    checks_version: bool = False
+    """Its store call takes the version `If-Match` names and checks it with its write (a
+    DELETE, a PATCH); every other route naming one conversation has it checked as the
+    request starts (`_evaluate_if_match`)."""
     idempotency_key: bool = False
     """It takes `Idempotency-Key` as the id of what it writes: a retry under it is answered
-    what the first attempt stored."""
+    what the first attempt stored. Another POST refuses the header (`_refuse_unread_headers`)."""
+
+    @property
+    def if_match(self) -> bool:
+        """It honours `If-Match` naming a conversation's version (it names one conversation):
+        412 `precondition_failed` when the conversation under the id is not the one named.
+        A route naming none refuses the header (`_evaluate_if_match`)."""
+        return "{conversation_id}" in self.path
 
 
 # -- request parsing -------------------------------------------------------------------
@@ -169,9 +178,47 @@ async def _run(endpoint: Endpoint, request: Request) -> Response:
         caller = state.authenticator.authenticate(request.headers, audit_record(request.scope))
     path = {name: validate_identifier(v, name) for name, v in request.path_params.items()}
     query = parse_query(request, endpoint.query)
+    _refuse_unread_headers(endpoint, request)
     limit = state.max_turn_bytes if endpoint.carries_turns else state.max_request_bytes
     body = NoBody() if endpoint.body is NoBody else await parse_body(request, endpoint.body, limit)
-    return await endpoint.handler(Call(request, state.store, caller, path, query, body))
+    call = Call(request, state.store, caller, path, query, body)
+    await _evaluate_if_match(endpoint, call)
+    return await endpoint.handler(call)
+
+
+IDEMPOTENCY_KEY = "Idempotency-Key"
+
+
+def _refuse_unread_headers(endpoint: Endpoint, request: Request) -> None:
+    """422 for a header the route would otherwise pass over, misleading a client relying on
+    it: `If-Match` where no conversation is named, `Idempotency-Key` on a POST that names
+    what it writes otherwise (or is idempotent as it is)."""
+    where = f"{endpoint.method} {endpoint.path}"
+    if "if-match" in request.headers and not endpoint.if_match:
+        raise InvalidRequest(
+            f"the If-Match header names a conversation's version (its ETag), and {where} "
+            "names no conversation, so it cannot evaluate it: send the request without it"
+        )
+    unread = endpoint.method == "POST" and not endpoint.idempotency_key
+    if unread and IDEMPOTENCY_KEY.lower() in request.headers:
+        raise InvalidRequest(
+            f"{where} does not take the {IDEMPOTENCY_KEY} header (it is idempotent by its "
+            "path and body, or not retried under a key): send the request without it"
+        )
+
+
+async def _evaluate_if_match(endpoint: Endpoint, call: Call[Any, Any]) -> None:
+    """The conversation's version `If-Match` names (`version_named`; absent or `*`: any),
+    checked before a route naming one conversation does anything, as DELETE checks it: 412
+    `precondition_failed` when the conversation under the id is another, 404 when there is
+    none (one round trip). A route whose store call checks it (`checks_version`) is left
+    to do so with its write."""
+    version = version_named(call.request.headers)
+    if version is None or not endpoint.if_match or endpoint.checks_version:
+        return
+    await call.store.conversations.require_version(
+        call.conversation_id, version, user_id=call.scope
+    )
 
 
 def routes_of(endpoints: Sequence[Endpoint]) -> list[BaseRoute]:

@@ -49,6 +49,80 @@ async def test_a_runtime_opens_drains_and_closes_while_a_person_steers() -> None
         assert await api.db.agent_messages.count_documents({"content": "too late"}) == 0
 
 
+@pytest.mark.parametrize(
+    "key", ["k1", "key with spaces, $ and / (not an id)"], ids=["an identifier", "any text"]
+)
+async def test_a_delivery_retried_with_its_idempotency_key_is_stored_once(key: str) -> None:
+    """`Idempotency-Key` names the delivery as `delivery_id` does (as POST …/turns takes it
+    as the turn id): a retry under the same key is stored, and drained, once."""
+    message = {"message": {"role": "user", "content": "stop, use the cheaper flight"}}
+    async with serve(mongomock_db()) as api:
+        runtime, person = auth_headers(), auth_headers(user=OWNER)
+        assert (await api.http.post(INBOX, headers=runtime)).status_code == 200
+        keyed = person | {"Idempotency-Key": key}
+
+        answers = [await api.http.post(f"{INBOX}/messages", json=message, headers=keyed)
+                   for _ in range(2)]  # fmt: skip
+        other = await api.http.post(
+            f"{INBOX}/messages", json=message, headers=person | {"Idempotency-Key": "k2"}
+        )
+
+        assert [a.json() for a in answers] == [{"delivered": True}] * 2
+        assert other.json() == {"delivered": True}
+        drained = (await api.http.get(f"{INBOX}?after_seq=-1", headers=runtime)).json()["data"]
+        assert len(drained) == 2
+
+
+async def test_an_idempotency_key_naming_another_delivery_than_its_delivery_id_is_422() -> None:
+    async with serve(mongomock_db()) as api:
+        runtime, person = auth_headers(), auth_headers(user=OWNER)
+        assert (await api.http.post(INBOX, headers=runtime)).status_code == 200
+        before = await api.digest()
+
+        other = await api.http.post(
+            f"{INBOX}/messages", json=steer("x", "d1"), headers=person | {"Idempotency-Key": "d2"}
+        )
+        empty = await api.http.post(
+            f"{INBOX}/messages", json=steer("x", "d1"), headers=person | {"Idempotency-Key": " "}
+        )
+
+        assert (other.status_code, empty.status_code) == (422, 422)
+        said = other.json()["error"]["message"]
+        assert "delivery_id" in said
+        assert "Idempotency-Key" in said
+        assert await api.digest() == before
+        same = await api.http.post(
+            f"{INBOX}/messages", json=steer("x", "d1"), headers=person | {"Idempotency-Key": "d1"}
+        )
+        assert same.json() == {"delivered": True}
+
+
+@pytest.mark.parametrize(
+    ("url", "body"),
+    [
+        (INBOX, None),
+        (f"{INBOX}/close", {"last_seen_seq": -1}),
+        (f"/v1/conversations/{OWNER_CONVERSATION}/forks",
+         {"at_seq": 0, "new_conversation_id": "f-idem"}),
+        ("/v1/claims", {"from_user_id": OTHER, "to_user_id": OWNER}),
+    ],
+    ids=["open an inbox", "close an inbox", "fork", "claim"],
+)  # fmt: skip
+async def test_an_idempotency_key_on_a_post_that_does_not_take_one_is_422(
+    url: str, body: dict[str, Any] | None
+) -> None:
+    """A POST that names what it writes otherwise (or is idempotent as it is) refuses the
+    header rather than ignore it: a client relying on it would be misled."""
+    async with serve(mongomock_db()) as api:
+        before = await api.digest()
+        response = await api.http.post(
+            url, json=body, headers=auth_headers() | {"Idempotency-Key": "k1"}
+        )
+        assert response.status_code == 422, response.text
+        assert "Idempotency-Key" in response.json()["error"]["message"]
+        assert await api.digest() == before
+
+
 async def test_another_users_token_reaches_no_inbox_and_forks_nothing() -> None:
     async with serve(mongomock_db()) as api:
         await api.http.post(INBOX, headers=auth_headers())

@@ -237,6 +237,88 @@ async def test_a_rename_naming_an_earlier_conversations_etag_is_refused(api: Ser
     assert (renamed.status_code, renamed.json()["name"]) == (200, "Fresh")
 
 
+NOT_SERVED = '"0123456789abcdef0123456789abcdef"'
+"""An ETag no conversation was served with."""
+INBOX = f"{CONV}/turns/run-if-match/inbox"
+NAMING_ONE_CONVERSATION = {
+    "log a turn": ("POST", f"{CONV}/turns", AGAIN),
+    "fork": ("POST", f"{CONV}/forks", {"at_seq": 0, "new_conversation_id": "fork-if-match"}),
+    "deliver": ("POST", f"{INBOX}/messages", {"message": {"role": "user", "content": "stop"}}),
+    "resolve": (
+        "POST",
+        f"/v1/conversations/{OWNER_HITL_CONVERSATION}/hitl/resolve",
+        {"request_id": "req-ada"},
+    ),
+    "close an inbox": ("POST", f"{INBOX}/close", {"last_seen_seq": -1}),
+    "read": ("GET", f"{CONV}/transcript", None),
+}
+
+
+@pytest.mark.parametrize("route", list(NAMING_ONE_CONVERSATION))
+async def test_every_route_naming_a_conversation_evaluates_if_match_and_writes_nothing_on_412(
+    api: Served, route: str
+) -> None:
+    """If-Match is evaluated wherever a route names one conversation, as DELETE does: a tag
+    that is not the conversation's is 412 `precondition_failed`, nothing written."""
+    assert (await api.http.post(INBOX, headers=SERVICE)).status_code == 200
+    method, url, body = NAMING_ONE_CONVERSATION[route]
+    before = await api.digest()
+
+    response = await api.http.request(
+        method, url, json=body, headers=SERVICE | {"If-Match": NOT_SERVED}
+    )
+
+    assert (response.status_code, error_code(response)) == (412, "precondition_failed")
+    assert await api.digest() == before
+
+
+async def test_a_turn_or_fork_naming_an_earlier_conversations_etag_is_refused(
+    api: Served,
+) -> None:
+    """A turn meant for the conversation as it was read, sent after it was deleted and
+    started again, is 412 and lands nowhere; naming the current ETag, it is logged."""
+    etag = (await api.http.get(CONV, headers=SERVICE)).headers["etag"]
+    await api.http.delete(CONV, headers=SERVICE)
+    await api.http.post(f"{CONV}/turns", json=AGAIN, headers=SERVICE)
+    stale = SERVICE | {"If-Match": etag}
+    before = await api.digest()
+
+    turn = await api.http.post(f"{CONV}/turns", json={**AGAIN, "turn_id": "t-x"}, headers=stale)
+    forked = await api.http.post(
+        f"{CONV}/forks", json={"at_seq": 0, "new_conversation_id": "f-x"}, headers=stale
+    )
+
+    assert (turn.status_code, error_code(turn)) == (412, "precondition_failed")
+    assert (forked.status_code, error_code(forked)) == (412, "precondition_failed")
+    assert await api.digest() == before
+    current = SERVICE | {"If-Match": (await api.http.get(CONV, headers=SERVICE)).headers["etag"]}
+    logged = await api.http.post(f"{CONV}/turns", json={**AGAIN, "turn_id": "t-y"}, headers=current)
+    assert logged.status_code == 201, logged.text
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "body"),
+    [
+        ("GET", "/v1/search?q=hello", None),
+        ("POST", "/v1/claims", {"from_user_id": OTHER, "to_user_id": OWNER}),
+        ("GET", f"/v1/users/{OWNER}/conversations", None),
+    ],
+    ids=["search", "claim", "list"],
+)
+async def test_if_match_on_a_route_naming_no_conversation_is_refused(
+    api: Served, method: str, url: str, body: dict[str, str] | None
+) -> None:
+    """If-Match names a conversation's version: a route naming none cannot evaluate it, so
+    it refuses the header (422) rather than act as if it were not sent."""
+    before = await api.digest()
+    response = await api.http.request(
+        method, url, json=body, headers=SERVICE | {"If-Match": NOT_SERVED}
+    )
+    assert (response.status_code, error_code(response)) == (422, "invalid_input")
+    assert "If-Match" in response.json()["error"]["message"]
+    assert await api.digest() == before
+
+
 async def test_another_users_delete_learns_nothing_from_if_match(api: Served) -> None:
     """Another user's token gets the same 404 with the owner's ETag, another tag or none,
     and no ETag; the conversation stays whole."""

@@ -342,6 +342,52 @@ async def test_naming_an_owner_for_an_unowned_conversation_hands_them_its_messag
     ]  # fmt: skip
 
 
+async def test_a_retried_turn_naming_a_user_assigns_an_unowned_conversation_as_a_new_one_does(
+    backend: Backend,
+) -> None:
+    """A turn logged unowned, retried by a service naming OWNER: the replay assigns the
+    conversation to OWNER as the same turn logged fresh would, and every message is OWNER's;
+    retried naming another user than the owner then, it is a Conflict, nothing written."""
+    from agent_store import AgentMessageLogger, Conflict, ConversationStore
+
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    first = [{"role": "user", "content": "hello", "created_at": "2026-12-01T00:00:00Z"}]
+    await logger.log_messages("c-re", first, turn_id="t1")
+
+    again = await logger.log_messages("c-re", first, user_id=OWNER, turn_id="t1")
+
+    assert again.replayed
+    assert [m.user_id for m in again.messages] == [OWNER]
+    assert (await store.get_conversation("c-re")).user_id == OWNER
+    assert [m.content for m in await store.transcript("c-re", user_id=OWNER)] == ["hello"]
+    stored = await backend.db[MESSAGES].find({"conversation_id": "c-re"}).to_list(None)
+    assert {m["user_id"] for m in stored} == {OWNER}
+    with pytest.raises(Conflict, match="belongs to another user"):
+        await logger.log_messages("c-re", first, user_id=OTHER, turn_id="t1")
+    assert (await store.get_conversation("c-re")).user_id == OWNER
+
+
+async def test_a_retried_turn_naming_a_user_over_http_assigns_the_unowned_conversation(
+    backend: Backend,
+) -> None:
+    """POST …/turns retried with `user_id` for an unowned conversation: 200 replayed, and the
+    conversation is that user's, whose token reads it."""
+    async with serve(backend.db) as api:
+        turn = said("before", "t-1")
+        first = await api.http.post(f"{ASSIGNED}/turns", json=turn, headers=auth_headers())
+        assert first.status_code == 201, first.text
+
+        retried = await api.http.post(
+            f"{ASSIGNED}/turns", json={**turn, "user_id": OWNER}, headers=auth_headers()
+        )
+
+        assert retried.status_code == 200, retried.text
+        assert [m["user_id"] for m in retried.json()["messages"]] == [OWNER]
+        read = await api.http.get(f"{ASSIGNED}/transcript", headers=auth_headers(user=OWNER))
+        assert read.status_code == 200, read.text
+        assert [m["content"] for m in read.json()["data"]] == ["before"]
+
+
 async def test_naming_an_owner_hands_them_a_turn_still_being_written_too(
     backend: Backend,
 ) -> None:

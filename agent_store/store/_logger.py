@@ -311,19 +311,38 @@ class AgentMessageLogger:
             if owned is not None:
                 return Conversation.model_validate(owned)
         doc = await self._created_or_assigned(conversation_id, Actor(user_id), update)
-        if user_id is not None and int(doc.get("message_count") or 0):
-            # It assigned an unowned conversation: its messages go to the owner, as an
-            # assigning turn's do (turns still being written included).
-            block = int(doc["message_count"])
-            reserved = _Reserved(
-                block,
-                user_id,
-                replayed=False,
-                created_at=doc.get("created_at"),
-                epoch=doc.get("epoch"),
-            )
-            await self._hand_over_earlier(conversation_id, reserved)
+        if user_id is not None:
+            await self._hand_over_all(conversation_id, doc)
         return Conversation.model_validate(doc)
+
+    async def _assign(
+        self, conversation_id: str, user_id: str, same: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        """Name `user_id` the owner of the conversation `same` finds, unowned or theirs
+        already, and hand them its messages (`_hand_over_all`), as `upsert_conversation`
+        naming them does: its summary, or None when `same` finds it no more (deleted) or
+        another user owns it now. One round trip, and the hand-over's."""
+        update = {"$set": {"user_id": user_id}}
+        doc = await self._upsert(conversation_id, Actor(user_id), update, create=False, same=same)
+        if doc is not None:
+            await self._hand_over_all(conversation_id, doc)
+        return doc
+
+    async def _hand_over_all(self, conversation_id: str, doc: Mapping[str, Any]) -> None:
+        """After a user was named the owner of a conversation (`doc`, as that left it) that
+        may have been unowned: its messages go to the owner, as an assigning turn's do (turns
+        still being written included, `_hand_over_earlier`); none to hand over, nothing done."""
+        block = int(doc.get("message_count") or 0)
+        if not block:
+            return
+        reserved = _Reserved(
+            block,
+            doc.get("user_id"),
+            replayed=False,
+            created_at=doc.get("created_at"),
+            epoch=doc.get("epoch"),
+        )
+        await self._hand_over_earlier(conversation_id, reserved)
 
     async def _created_or_assigned(
         self, conversation_id: str, actor: Actor, update: dict[str, Any]
@@ -348,14 +367,21 @@ class AgentMessageLogger:
         return found is not None
 
     async def _upsert(
-        self, conversation_id: str, actor: Actor, update: dict[str, Any], *, create: bool
+        self,
+        conversation_id: str,
+        actor: Actor,
+        update: dict[str, Any],
+        *,
+        create: bool,
+        same: Mapping[str, Any] | None = None,
     ) -> dict[str, Any] | None:
-        """Update the conversation the actor may write to (creating it if `create`); its
-        summary, or None when it is not there and `create` is false."""
+        """Update the conversation the actor may write to (creating it if `create`; only the
+        one `same` finds, when given: `same_conversation`); its summary, or None when it is
+        not there and `create` is false."""
         with storage_errors("upsert the conversation"):
             try:
                 found: dict[str, Any] | None = await self._conversations.find_one_and_update(
-                    {"_id": conversation_id, **actor.owner_filter()},
+                    {"_id": conversation_id, **(same or {}), **actor.owner_filter()},
                     update,
                     upsert=create,
                     projection=SUMMARY,
@@ -1040,7 +1066,7 @@ class AgentMessageLogger:
                     complete = False
                     continue
             if block is not None:
-                replayed = await self._replayed(plan, block, found, condition)
+                replayed = await self._replayed_by(actor, plan, block, found, condition)
                 if replayed is not None:
                     return replayed
                 continue  # another attempt moved the turn meanwhile: its new block is recorded
@@ -1080,6 +1106,31 @@ class AgentMessageLogger:
             except DuplicateKeyError:
                 return None
         return doc
+
+    async def _replayed_by(
+        self,
+        actor: Actor,
+        plan: TurnPlan,
+        block: RecordedBlock,
+        conversation: dict[str, Any],
+        condition: Condition | None = None,
+    ) -> _Reserved | None:
+        """`_replayed`, with the ownership the turn logged fresh would give the conversation:
+        a service naming a user for a conversation still unowned assigns it to that user, its
+        messages theirs (`_assign`, as `upsert_conversation` naming them does). None when the
+        turn moved, or the conversation was deleted or taken by another user meanwhile: the
+        reservation looks again (and refuses another owner's, `Actor.refusal`)."""
+        reserved = await self._replayed(plan, block, conversation, condition)
+        if reserved is None or reserved.owner is not None:
+            return reserved
+        if actor.as_user or actor.user_id is None:
+            return reserved
+        same = _same_as_reserved(plan.conversation_id, reserved)
+        doc = await self._assign(plan.conversation_id, actor.user_id, same)
+        if doc is None:
+            return None
+        summary = None if reserved.conversation is None else Conversation.model_validate(doc)
+        return replace(reserved, owner=actor.user_id, conversation=summary)
 
     async def _replayed(
         self,

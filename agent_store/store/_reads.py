@@ -380,6 +380,18 @@ class ConversationStore:
             return (await self._legacy(conversation_id, user_id)).conversation
         return Conversation.model_validate(doc)
 
+    async def require_version(
+        self, conversation_id: str, version: str, *, user_id: str | None = None
+    ) -> None:
+        """`VersionMismatch` unless the conversation under the id is the one `version`
+        (`Conversation.version`, an ETag as served) names, as `delete` checks it; NotFound
+        when there is none visible to `user_id`. One round trip (more for a conversation
+        that exists only as legacy turns). What a call about to act on the conversation it
+        read checks first: one deleted and started again since is another."""
+        found = await self.get_conversation(conversation_id, user_id=user_id)
+        if found.version != version:
+            raise _version_mismatch(conversation_id, "done")
+
     async def turn_count(self, conversation_id: str, *, user_id: str | None = None) -> int:
         with storage_errors("read the turn count"):
             doc = await self._conversations.find_one(
