@@ -27,6 +27,7 @@ the dual write on, its copy is one the legacy service deleted after a rollback.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
@@ -37,6 +38,7 @@ from pymongo.database import Database
 from agent_store.core import AgentMessage, InvalidInput, Usage, to_utc_millis, utc_now
 from agent_store.legacy import (
     LEGACY_TURNS,
+    NATIVE_FIELD,
     LegacyConversion,
     LegacyTurn,
     Problem,
@@ -169,10 +171,13 @@ def _unheld(
     id of a conversation it names by its legacy id), its transcript both ways (they may hold
     more only of results of an earlier turn's calls: `_removed`), its owner, its token usage
     and latency."""
+    natives = [p for p in conversion.problems if _native(p)]
     problems = [
         p
         for p in conversion.problems
-        if p.kind != "derived_conversation_id" and not _earlier_answer(p, messages)
+        if p.kind != "derived_conversation_id"
+        and not _earlier_answer(p, messages)
+        and not _native(p)
     ]
     if problems:
         kinds = ", ".join(sorted({p.kind for p in problems}))
@@ -183,7 +188,7 @@ def _unheld(
         return "; ".join(transcript_differences(legacy, transcript)[:3])
     if removed := _removed(legacy, transcript) or _earlier_answers_gone(conversion, messages):
         return removed
-    if owner := _owner(conversion, messages):
+    if owner := _owner(conversion, messages) or _natives_differ(natives, messages):
         return owner
     for what, wanted, found in (
         ("token usage", _usage(conversion.messages), _usage(messages)),
@@ -251,6 +256,30 @@ def _earlier_answer(problem: Problem, messages: Sequence[AgentMessage]) -> bool:
         return False
     answer = _answer(problem)
     return any((m.tool_call_id, m.content) == answer for m in messages if m.role == "tool")
+
+
+def _native(problem: Problem) -> bool:
+    """Whether a problem is the copy's `native` forms (`NATIVE_FIELD`), which no legacy part
+    holds: no difference while its stored messages hold them (`_natives_differ`)."""
+    return problem.kind == "unread_field" and problem.field == NATIVE_FIELD
+
+
+def _natives_differ(natives: Sequence[Problem], messages: Sequence[AgentMessage]) -> str:
+    """Whether the copy's `native` forms (its `_native` problems) are not those its stored
+    messages hold, for a person; "" when they are the same."""
+    kept = Counter(
+        json.dumps(form, sort_keys=True)
+        for p in natives
+        for form in (p.content if isinstance(p.content, list) else [p.content])
+    )
+    stored = Counter(
+        json.dumps(m.native.model_dump(mode="json"), sort_keys=True)
+        for m in messages
+        if m.native is not None
+    )
+    if kept == stored:
+        return ""
+    return "its `native` forms are not those its stored messages hold"
 
 
 def _answer(problem: Problem) -> tuple[str | None, str | None]:

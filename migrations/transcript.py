@@ -237,18 +237,27 @@ def from_messages(messages: Iterable[AgentMessage]) -> Transcript:
         elif message.role == "tool":
             name = names.get(message.tool_call_id or "", NO_CALL)
             results.append(f"{name} -> {_json(message.content or '')}")
-        elif message.hitl_action is not None:
-            prompt = message.hitl_action
-            lines.append(_prompt(prompt.action, message.content, prompt.params))
-        elif message.error is not None:
-            lines.append(f"error: {message.error.message}")
-        elif message.tool_calls:
-            for call in message.tool_calls:
-                names[call.id] = call.function.name
-                lines.append(f"call {call.function.name}({_json(call.function.arguments)})")
-        elif message.content:
-            lines.append(f"assistant: {message.content}")
+        else:
+            lines += _response_lines(message, names)
     return Transcript(tuple(lines), tuple(sorted(results)))
+
+
+def _response_lines(message: AgentMessage, names: dict[str, str]) -> list[str]:
+    """An assistant message's lines, each thing it says in the order a legacy turn holds it
+    (the dual write's): its text, its calls, the prompt asking about them, its error;
+    `names` gains its calls' tools."""
+    lines: list[str] = []
+    prompt = message.hitl_action
+    if message.content and prompt is None:
+        lines.append(f"assistant: {message.content}")
+    for call in message.tool_calls or ():
+        names[call.id] = call.function.name
+        lines.append(f"call {call.function.name}({_json(call.function.arguments)})")
+    if prompt is not None:
+        lines.append(_prompt(prompt.action, message.content, prompt.params))
+    if message.error is not None:
+        lines.append(f"error: {message.error.message}")
+    return lines
 
 
 def differences(legacy: Transcript, new: Transcript) -> list[str]:

@@ -5079,3 +5079,64 @@ def test_erasing_the_other_user_of_a_mixed_conversation_under_ids_read_alike_kee
     assert bobs() == ["«bob private» question", "«nobody named» question"]
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
     assert bobs() == ["«bob private» question", "«nobody named» question"]
+
+
+_WEATHER = {"id": "call-1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+DUAL_WRITTEN_SHAPES = {
+    "text and a call in one message": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [_WEATHER]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "rain"},
+        {"role": "assistant", "content": "It rains."}],
+    "two user messages and a system one": [
+        {"role": "user", "content": "first"}, {"role": "assistant", "content": "one"},
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "second"}, {"role": "assistant", "content": "two"}],
+    "a result without content": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [_WEATHER]},
+        {"role": "tool", "tool_call_id": "call-1", "content": None},
+        {"role": "assistant", "content": "ok"}],
+    "a text beside an error, and a native item": [
+        {"role": "user", "content": "sum up"},
+        {"role": "assistant", "content": "«PARTIAL»", "error": {"message": "cut"}},
+        {"role": "assistant", "content": None, "native": {
+            "format": "openai-agents", "set": {"type": "reasoning", "summary": ["«NATIVE»"]}}},
+        {"role": "assistant", "content": "Done."}],
+}  # fmt: skip
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("shape", DUAL_WRITTEN_SHAPES.values(), ids=list(DUAL_WRITTEN_SHAPES))
+def test_a_held_dual_written_turn_of_any_shape_is_no_difference(
+    wire_uri: str, database: Database[dict[str, Any]], shape: list[dict[str, Any]]
+) -> None:
+    """MIGRATION.md, transition flags: the copy converts back to its messages, in order, so a
+    held copy its messages hold is no work left, whatever shape its messages have."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-o", "c-other", 0, "O"))
+    assert cli(wire_uri, database, "run") == 0
+    _logged(wire_uri, database, "c-dual", shape, dual_write=True)
+
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_dual_written_native_item_after_a_rollback_is_work_left_until_accepted(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """No legacy part holds a runtime's own item: after a rollback clearing agent_messages,
+    the copy converts without it, and the gate counts it (kept in a problem) until accepted;
+    the text beside an error comes back."""
+    shape = DUAL_WRITTEN_SHAPES["a text beside an error, and a native item"]
+    database[CONVERSATIONS].insert_one(legacy_turn("t-o", "c-other", 0, "O"))
+    assert cli(wire_uri, database, "run") == 0
+    _logged(wire_uri, database, "c-dual", shape, dual_write=True)
+    roll_back(database, clear_messages=True)
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish") == 1
+    assert "«PARTIAL»" in json.dumps(stored_messages(database), default=str, ensure_ascii=False)
+    assert "«NATIVE»" in kept_text(database)
+    accept = ("--accept", "c-dual", "--note", "native item kept in its problem")
+    assert cli(wire_uri, database, "finish", *accept) == 0

@@ -1326,3 +1326,113 @@ async def test_a_claim_moves_the_legacy_turns_and_prompts_naming_the_user_by_any
     assert [m.content for m in read] == ["my medical history", "ok"]
     with pytest.raises(NotFound):
         await store.transcript("conv-n", user_id=user)
+
+
+_CALL = {"id": "call-1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+_NATIVE = {"format": "openai-agents", "set": {"type": "reasoning", "summary": ["«REASONING»"]}}
+_PROMPT = {"action": "approve", "params": {"amount": 5}, "request_id": "r1"}
+_UPLOAD = {"filename": "f.txt", "file_type": "text/plain", "size": 4, "parsed_text": "abcd"}
+TURN_SHAPES: dict[str, list[dict[str, Any]]] = {
+    "text and a call in one message": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [_CALL]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "rain"},
+        {"role": "assistant", "content": "It rains."}],
+    "two user messages": [
+        {"role": "user", "content": "first"}, {"role": "assistant", "content": "one"},
+        {"role": "user", "content": "second"}, {"role": "assistant", "content": "two"}],
+    "a system message mid-turn": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "one"},
+        {"role": "system", "content": "be brief"}, {"role": "assistant", "content": "two"}],
+    "a system prompt first": [
+        {"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}],
+    "a prompt holding its calls": [
+        {"role": "user", "content": "pay"},
+        {"role": "assistant", "content": "Pay?", "tool_calls": [_CALL],
+         "hitl_action": _PROMPT | {"tool_call_ids": ["call-1"]}}],
+    "a prompt after its calls": [
+        {"role": "user", "content": "pay"},
+        {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+        {"role": "assistant", "content": "Pay?", "hitl_action": _PROMPT}],
+    "a result without content": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+        {"role": "tool", "tool_call_id": "call-1", "content": None},
+        {"role": "assistant", "content": "ok"}],
+    "an error beside a text": [
+        {"role": "user", "content": "sum up"},
+        {"role": "assistant", "content": "«PARTIAL»", "error": {"message": "cut"}}],
+    "uploads on two user messages": [
+        {"role": "user", "content": "see", "upload": _UPLOAD},
+        {"role": "user", "content": None, "upload": _UPLOAD | {"filename": "g.txt"}},
+        {"role": "assistant", "content": "ok"}],
+    "an assistant first": [{"role": "assistant", "content": "How can I help?"}],
+}  # fmt: skip
+
+
+def said_in_order(messages: list[AgentMessage]) -> list[tuple[object, ...]]:
+    """What messages say, in order, one entry per thing said: what the legacy format holds of
+    a message (an assistant's text beside its calls comes back as a message of its own, a
+    result without content as an empty one)."""
+    found: list[tuple[object, ...]] = []
+    for m in messages:
+        if m.role == "tool":
+            found.append(("tool", m.tool_call_id, m.content or ""))
+            continue
+        if m.content and m.hitl_action is None:
+            found.append((m.role, "content", m.content))
+        if m.upload is not None:
+            found.append((m.role, "upload", m.upload))
+        found += [(m.role, "call", c.id, c.function.name, c.function.arguments)
+                  for c in m.tool_calls or ()]  # fmt: skip
+        if m.hitl_action is not None:
+            prompt = m.hitl_action
+            found.append((m.role, "hitl", m.content, prompt.action, prompt.params))
+        if m.error is not None:
+            found.append((m.role, "error", m.error.message))
+    return found
+
+
+@pytest.mark.parametrize("shape", TURN_SHAPES.values(), ids=list(TURN_SHAPES))
+async def test_a_dual_written_turn_converts_back_to_what_its_messages_say_in_order(
+    backend: Backend, shape: list[dict[str, Any]]
+) -> None:
+    """MIGRATION.md, transition flags: the copy converts back to the same messages, in order,
+    whatever shape a turn's messages have; the old gate reads it as its messages."""
+    logger = AgentMessageLogger(backend.db, observers=[LegacyTurns(backend.db, dual_write=True)])
+    await logger.log_messages("conv-shape", shape, turn_id="t-1")
+
+    documents = await backend.db[LEGACY_TURNS].find().to_list(None)
+    stored = await ConversationStore(backend.db).transcript("conv-shape")
+    converted = convert(documents)
+
+    assert converted.problems == []
+    assert said_in_order(converted.messages) == said_in_order(stored)
+    assert differences(from_legacy(parse_turns(documents)), from_messages(stored)) == []
+
+
+async def test_a_dual_written_native_item_is_kept_where_the_migration_counts_it(
+    backend: Backend,
+) -> None:
+    """A runtime's own item (`native`) has no legacy part: the copy keeps it in a field the
+    converter reports as content no message holds, never dropped unseen."""
+    logger = AgentMessageLogger(backend.db, observers=[LegacyTurns(backend.db, dual_write=True)])
+    await logger.log_messages(
+        "conv-native",
+        [{"role": "user", "content": "hi"},
+         {"role": "assistant", "content": None, "native": _NATIVE},
+         {"role": "assistant", "content": "hello"}],
+        turn_id="t-1",
+    )  # fmt: skip
+
+    documents = await backend.db[LEGACY_TURNS].find().to_list(None)
+    converted = convert(documents)
+
+    assert [(m.role, m.content) for m in converted.messages] == [
+        ("user", "hi"), ("assistant", "hello")
+    ]  # fmt: skip
+    assert [(p.kind, p.field, p.placed) for p in converted.problems] == [
+        ("unread_field", "native", False)
+    ]
+    assert "«REASONING»" in str(converted.problems[0].content)

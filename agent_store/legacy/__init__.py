@@ -47,6 +47,7 @@ from agent_store.legacy._documents import (
     turn_times,
 )
 from agent_store.legacy._dual_write import (
+    NATIVE_FIELD,
     legacy_turn_document,
     legacy_turn_documents,
     legacy_turn_id,
@@ -85,6 +86,7 @@ __all__ = [
     "MIGRATION_STATE_ID",
     "MIXED_USER_IDS",
     "NAMING_FIELDS",
+    "NATIVE_FIELD",
     "SESSION_HITL",
     "TURN_ONLY_FIELDS",
     "CallPairing",

@@ -39,15 +39,21 @@ def _as_found(text: str | None, *, compact: bool) -> Any:
 
 @dataclass
 class _Turn:
-    """What one legacy document gathers from a turn's messages."""
+    """What one legacy document gathers from a run of a turn's messages opened by at most
+    one user or system message (`_pieces`): its opening, then each response as parts, in
+    order."""
 
     user_texts: list[str] = field(default_factory=list)
     uploads: list[dict[str, Any]] = field(default_factory=list)
     parts: list[dict[str, Any]] = field(default_factory=list)
     names: dict[str, str] = field(default_factory=dict)
+    natives: list[dict[str, Any]] = field(default_factory=list)
+    """The `native` forms of the messages, which no legacy part holds (`NATIVE_FIELD`)."""
     is_system: bool = False
 
     def add(self, message: AgentMessage) -> None:
+        if message.native is not None:
+            self.natives.append(message.native.model_dump(mode="json"))
         if message.role in ("user", "system"):
             self.is_system = self.is_system or message.role == "system"
             if message.content:
@@ -59,7 +65,8 @@ class _Turn:
                 {
                     "type": "tool_result",
                     "tool_name": self.names.get(message.tool_call_id or "", ""),
-                    "result": _as_found(message.content, compact=False),
+                    # no content reads back as no text: a null result would read as "null"
+                    "result": _as_found(message.content or "", compact=False),
                     "tool_call_id": message.tool_call_id,
                 }
             )
@@ -67,6 +74,10 @@ class _Turn:
             self._add_response(message)
 
     def _add_response(self, message: AgentMessage) -> None:
+        """A response's parts in the order the converter reads them back: its text, its calls,
+        then the prompt asking about them and its error (each one a message of its own)."""
+        if message.content and message.hitl_action is None:
+            self.parts.append({"type": "text", "content": message.content})
         for call in message.tool_calls or ():
             self.names[call.id] = call.function.name
             self.parts.append(
@@ -80,10 +91,15 @@ class _Turn:
         if message.hitl_action is not None:
             hitl = message.hitl_action.model_dump(exclude={"tool_call_ids"})  # not a legacy key
             self.parts.append({"type": "hitl", **hitl, "prompt": message.content})
-        elif message.error is not None:
+        if message.error is not None:
             self.parts.append({"type": "error", "message": message.error.message})
-        elif message.content:
-            self.parts.append({"type": "text", "content": message.content})
+
+
+NATIVE_FIELD = "native"
+"""The field of a dual-written turn keeping its messages' `native` forms (a runtime's own
+item, a reasoning item say), which no legacy part holds: the converter reports it as content
+no message holds (`unread_field`), so a copy converted after a rollback never drops it
+unseen, and the migration's gate counts it."""
 
 
 def legacy_turn_document(
@@ -96,7 +112,10 @@ def legacy_turn_document(
     part: str = "",
     legacy_id: str | None = None,
 ) -> dict[str, Any]:
-    """One logged turn as a legacy turn document (DESIGN §4), for rollback to the old reader.
+    """Messages of a logged turn as a legacy turn document (DESIGN §4), for rollback to the
+    old reader: converted back, it is those messages in order when at most its first is a
+    user's or system message (`legacy_turn_documents` cuts a turn so); a later one's text
+    joins the first's.
 
     Marked `dual_write: true`: the migration skips these while their messages are stored.
     `part` names a second document of the same turn (its `_id` no turn id can give).
@@ -132,6 +151,8 @@ def legacy_turn_document(
     }
     if turn.uploads:
         document["upload_result"] = turn.uploads[0]
+    if turn.natives:
+        document[NATIVE_FIELD] = turn.natives
     usage = [m.token_usage for m in messages if m.token_usage is not None]
     if usage:
         total = Usage.total((u.input_tokens for u in usage), (u.output_tokens for u in usage))
@@ -155,21 +176,16 @@ def legacy_turn_documents(
     """A logged turn as legacy turn documents: one (`legacy_turn_document`) per run of its
     messages, cut at the `seq`s of `starts` (a fork's copies: where the turns of its original
     began, `ForkOrigin.turn_starts`, so the old reader reads the fork's history turn by turn,
-    as the original's), each named apart by its first `seq`. A run holding a system prompt
-    beside a user's message, which one legacy turn cannot hold (a system turn has only its
-    system text), is two: the system turn first, then the rest."""
+    as the original's), each named apart by its first `seq`; and a run cut again before each
+    user or system message but its first (`_pieces`): one legacy turn opens with one user's
+    message, or is a system turn holding its system text alone, so each converts back to
+    its messages in order."""
     cuts = [i for i, m in enumerate(messages) if i and m.seq in starts]
     documents: list[dict[str, Any]] = []
     for first, end in pairwise([0, *cuts, len(messages)]):
         run = messages[first:end]
         part = f"seq-{run[0].seq}" if first else ""
-        system = [m for m in run if m.role == "system"]
-        rest = [m for m in run if m.role != "system"]
-        split = bool(system) and any(m.role == "user" for m in rest)
-        pieces: list[tuple[Sequence[AgentMessage], str]] = (
-            [(system, "system"), (rest, "")] if split else [(run, "")]
-        )
-        for piece, suffix in pieces:
+        for piece, suffix in _pieces(run, part):
             documents.append(
                 legacy_turn_document(
                     conversation_id,
@@ -177,8 +193,36 @@ def legacy_turn_documents(
                     piece,
                     user_id=user_id,
                     name=name,
-                    part=part + suffix,
+                    part=suffix,
                     legacy_id=legacy_id,
                 )
             )
     return documents
+
+
+def _pieces(run: Sequence[AgentMessage], part: str) -> list[tuple[Sequence[AgentMessage], str]]:
+    """A run of a turn's messages as the legacy turns holding it, each with the part naming
+    it: cut before each user or system message but the first, and after each system message
+    (a system turn holds its text alone). The first piece opened by a system message is
+    named `part` + "system" and the first other one `part` when the run holds a user's
+    message beside a system one (as they were named before a run was cut further); any
+    other piece is named by its first `seq`."""
+    bounds = [
+        i
+        for i, m in enumerate(run)
+        if i and (m.role in ("user", "system") or run[i - 1].role == "system")
+    ]
+    pieces = [run[a:b] for a, b in pairwise([0, *bounds, len(run)])]
+    split = any(m.role == "system" for m in run) and any(m.role == "user" for m in run)
+    named: list[tuple[Sequence[AgentMessage], str]] = []
+    system_named = user_named = False
+    for index, piece in enumerate(pieces):
+        opens_system = piece[0].role == "system"
+        if split and opens_system and not system_named:
+            system_named, suffix = True, part + "system"
+        elif (not split and index == 0) or (split and not opens_system and not user_named):
+            user_named, suffix = True, part
+        else:
+            suffix = f"seq-{piece[0].seq}"
+        named.append((piece, suffix))
+    return named
