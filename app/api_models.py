@@ -159,16 +159,19 @@ class CallIdentity(_Input):
 class ResolveHitlBody(_Input):
     request_id: Annotated[str, StringConstraints(min_length=1, max_length=200)]
     """The `request_id` of the pending prompt being answered."""
-    call_ids: Annotated[list[CallId], Field(max_length=MAX_HELD_CALLS)] | None = None
+    call_ids: Annotated[list[CallId], Field(min_length=1, max_length=MAX_HELD_CALLS)] | None = None
     """The calls the answer concerns, by id, as the client read them (`pending_calls`): the
     prompt is resolved only while it holds one of them not released yet, or, holding none,
     is the pending one, so a retry does not answer a later prompt asked under the same
     request id; and only those calls are released, one another prompt of the id holds
-    staying held."""
-    calls: Annotated[list[CallIdentity], Field(max_length=MAX_HELD_CALLS)] | None = None
+    staying held. At least one: to answer whatever the prompt holds, leave it out."""
+    calls: Annotated[list[CallIdentity], Field(min_length=1, max_length=MAX_HELD_CALLS)] | None = (
+        None
+    )
     """The calls the answer concerns, each by its id and the message that made it, as the
     client read them (`pending_calls`): as `call_ids`, and a later call of the same id (a
-    provider numbering its calls per response) is told apart. Send one or the other."""
+    provider numbering its calls per response) is told apart. Send one or the other, naming
+    at least one call."""
 
     @model_validator(mode="after")
     def _one_way_of_naming_calls(self) -> ResolveHitlBody:

@@ -750,6 +750,18 @@ async def test_a_resolution_naming_calls_both_ways_is_refused_with_422(api: Serv
     assert "send calls or call_ids, not both" in message
 
 
+@pytest.mark.parametrize("field", ["call_ids", "calls"])
+async def test_a_resolution_naming_an_empty_list_of_calls_is_refused_with_422(
+    api: Served, field: str
+) -> None:
+    """An empty list names no call an answer could concern: a 422 naming the field, not a
+    409 a retry cannot fix (leave the field out to answer whatever the prompt holds)."""
+    body = json.dumps({"request_id": "req-ada", field: []})
+    message = await refused(api, "POST", HITL, body.encode(), 422)
+    assert field in message
+    assert "at least 1" in message
+
+
 # -- what a refusal repeats of the request --------------------------------------------------
 
 MARKUP_CALL = "<img src=x onerror=alert(1)>\u202eevil"

@@ -1511,6 +1511,115 @@ async def test_an_answer_read_before_its_prompt_was_asked_again_is_refused_sayin
     assert await held_state(runtime.store) == held_before
 
 
+# -- an answer to a prompt answered before ---------------------------------------------------
+
+_DENIED = {"content": DENIED_RESULT, "error": {"message": "tool call denied"}}
+
+
+async def _pay_and_mail_asked(
+    backend: Backend,
+) -> tuple[AgentMessageLogger, dict[str, PendingCall]]:
+    """`confirm-1` holds pay (`a`) and mail (`b`), asked in one turn: the calls as read."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(
+        CID, [_user("Pay and mail."), _book("a", "pay"), _book("b", "mail"),
+              _asks_about("confirm-1", "a", "b")],
+        turn_id="t0",
+    )  # fmt: skip
+    return logger, {c.tool_call_id: c for c in await store.pending_calls(CID)}
+
+
+@pytest.mark.parametrize("naming", ["calls", "call_ids"])
+async def test_an_answer_naming_a_call_a_runtime_denied_is_refused_once_another_call_is_approved(
+    backend: Backend, naming: str
+) -> None:
+    """A runtime's turn denied `b`; tab A then approves `a`, then `b`: the approval of `b`
+    names a call no answer to `confirm-1` released, so it is refused as it is before `a`'s
+    approval (Conflict), not told the prompt was resolved."""
+    logger, read = await _pay_and_mail_asked(backend)
+    store = ConversationStore(backend.db)
+    denial = {"role": "tool", "tool_call_id": "b", **_DENIED}
+    await logger.log_messages(
+        CID, [denial], turn_id="t1", answers_to={"b": read["b"].message_id},
+        refused_prompts={"b": "confirm-1"},
+    )  # fmt: skip
+
+    def named(call: PendingCall) -> dict[str, Any]:
+        return {"calls": [call]} if naming == "calls" else {"call_ids": [call.tool_call_id]}
+
+    await store.resolve_hitl(CID, "confirm-1", **named(read["a"]))
+    with pytest.raises(Conflict, match="'confirm-1'"):
+        await store.resolve_hitl(CID, "confirm-1", **named(read["b"]))
+    await store.resolve_hitl(CID, "confirm-1", **named(read["a"]))  # a retry: as the first
+
+    assert await held_state(store) == ([("a", None)], None)
+
+
+@pytest.mark.parametrize(
+    "named",
+    [
+        pytest.param({"call_ids": ["tc-2"]}, id="another-prompts-call"),
+        pytest.param({"call_ids": ["tc-1", "tc-2"]}, id="its-call-and-another-prompts"),
+        pytest.param({"call_ids": ["tc-nowhere"]}, id="no-such-call"),
+    ],
+)
+async def test_an_answer_to_a_resolved_prompt_naming_a_call_it_never_released_is_refused(
+    backend: Backend, named: dict[str, Any]
+) -> None:
+    """`confirm-1` was answered (releasing tc-1): an answer to it naming tc-2, which
+    `confirm-2` holds, or a call no prompt holds, is no retry of that answer: Conflict, and
+    tc-2 stays held by `confirm-2`."""
+    runtime = Runtime(backend)
+    await runtime.stream(TWO_ASKS, prompt="Book the train and the hotel.")
+    await runtime.store.resolve_hitl(CID, "confirm-1", call_ids=["tc-1"])
+
+    with pytest.raises(Conflict, match="'confirm-1'"):
+        await runtime.store.resolve_hitl(CID, "confirm-1", **named)
+
+    assert await held_state(runtime.store) == ([("tc-1", None), ("tc-2", "confirm-2")], "confirm-2")
+
+
+async def test_a_retried_answer_to_a_prompt_holding_no_call_answers_as_the_first_did(
+    backend: Backend,
+) -> None:
+    """A question holding no call is answered whatever calls the answer names: a retry of
+    that answer is answered the same (200), releasing nothing."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Hi."), _asks("confirm-1")], turn_id="t0")
+
+    await store.resolve_hitl(CID, "confirm-1", call_ids=["tc-1"])
+    await store.resolve_hitl(CID, "confirm-1", call_ids=["tc-1"])
+
+    assert await held_state(store) == ([], None)
+
+
+@pytest.mark.parametrize(
+    "answered_second", [False, True], ids=["second-pending", "second-answered"]
+)
+async def test_an_answer_naming_a_call_an_older_open_prompt_does_not_hold_names_those_it_holds(
+    backend: Backend, answered_second: bool
+) -> None:
+    """`confirm-1` (asked first) holds tc-1 while `confirm-2` is the pending prompt: an answer
+    to `confirm-1` naming another call is refused naming the calls `confirm-1` holds, not
+    saying no such prompt is pending."""
+    runtime = Runtime(backend)
+    await runtime.stream(TWO_ASKS, prompt="Book the train and the hotel.")
+    if answered_second:
+        await runtime.store.resolve_hitl(CID, "confirm-2", call_ids=["tc-2"])
+    before = await held_state(runtime.store)
+
+    for typo in (["tc-l"], ["tc-2"]):
+        with pytest.raises(Conflict) as refusal:
+            await runtime.store.resolve_hitl(CID, "confirm-1", call_ids=typo)
+        assert "'confirm-1'" in refusal.value.message
+        assert "holds none of the calls the answer names; it holds 'tc-1'" in (
+            refusal.value.message
+        )
+        assert "no pending prompt" not in refusal.value.message
+
+    assert await held_state(runtime.store) == before
+
+
 @pytest.mark.parametrize(
     ("refused", "error"),
     [

@@ -65,7 +65,7 @@ from agent_store.store._pop import Pop, PopMemory
 from agent_store.store._reservation import (
     SUMMARY,
     CallKey,
-    answered_calls,
+    answered_before,
     concerned_calls,
     resolution,
     same_as_read,
@@ -264,11 +264,19 @@ def _not_resolvable(
     held: Sequence[Mapping[str, Any]],
     asked_again: bool,
 ) -> Conflict:
-    """Why an answer to the prompt `request_id` matched nothing (`resolve_hitl`): the pending
-    prompt holds none of the calls it names, asked again since the answer was read (after a
-    named call was made) or holding others (`held`); or another prompt is the pending one."""
-    if pending is not None and pending.request_id == request_id:
-        said = f"the prompt {shown(request_id)} pending in conversation {conversation_id!r}"
+    """Why an answer to the prompt `request_id` matched nothing (`resolve_hitl`): the prompt,
+    pending or open (holding calls no answer released, `held`) while another is the pending
+    one, holds none of the calls it names, asked again since the answer was read (after a
+    named call was made) or holding others; or no prompt of the id is open."""
+    asked = pending is not None and pending.request_id == request_id
+    if asked or held:
+        where = f"in conversation {conversation_id!r}"
+        if asked:
+            said = f"the prompt {shown(request_id)} pending {where}"
+        else:
+            said = f"the prompt {shown(request_id)} {where}" + (
+                f" (the pending one is {shown(pending.request_id)})" if pending else ""
+            )
         if asked_again:
             return Conflict(
                 f"{said} holds none of the calls the answer names: it was asked again since "
@@ -1196,8 +1204,10 @@ class ConversationStore:
         the id is remembered once none of its calls is left unreleased. An answer read
         before a later prompt asked under the same request id does not answer that one, even
         about a call of the same id: Conflict, or, when the calls it names were released by
-        an answer to a prompt of that id, an answer as the first one's. `call_ids` name the
-        calls by their ids only: a later call of the same id is taken for the one read.
+        an answer to a prompt of that id, an answer as the first one's. Once the id is
+        resolved, an answer naming a call no answer of the id released (a call a turn
+        denied, another prompt's) is refused as before. `call_ids` name the calls by their
+        ids only: a later call of the same id is taken for the one read.
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidInput("request_id must be a non-empty string")
@@ -1217,9 +1227,7 @@ class ConversationStore:
         if doc is None:  # NotFound, or legacy turns not migrated yet: read-only
             await self._refuse_unmigrated(conversation_id, user_id, "answered")
         assert doc is not None  # else `_refuse_unmigrated` raised
-        if request_id in (doc.get("resolved_hitl") or ()) or answered_calls(
-            doc, request_id, concerns
-        ):
+        if answered_before(doc, request_id, concerns):
             # Resolved before: its first answer stands (its dual write again, for a retry
             # whose first attempt failed after the answer was recorded).
             return await self._resolved_in_legacy(conversation_id, request_id)
@@ -1235,8 +1243,14 @@ class ConversationStore:
         """Why the answer `resolve_hitl` read the conversation `doc` for matched nothing."""
         raw = doc.get("pending_hitl")
         pending = PendingHitl.model_validate(raw) if raw else None
-        held = [c for c in doc.get("pending_calls") or () if c.get("request_id") == request_id]
-        again = await self._asked_after(conversation_id, pending, concerns)
+        open_calls = awaiting_results(
+            doc.get("pending_calls") or (),
+            doc.get("resolved_hitl") or (),
+            doc.get("approved_calls") or (),
+        )
+        held = [c for c in open_calls if c.get("request_id") == request_id]
+        asked = pending if pending and pending.request_id == request_id else None
+        again = await self._asked_after(conversation_id, asked, concerns)
         return _not_resolvable(conversation_id, request_id, pending, held, again)
 
     async def _asked_after(

@@ -511,20 +511,30 @@ def _holding(request_id: str, concerns: Sequence[CallKey]) -> dict[str, Any]:
     return {"$or": matches}
 
 
-def answered_calls(
+def answered_before(
     conversation: Mapping[str, Any], request_id: str, concerns: Sequence[CallKey] | None
 ) -> bool:
-    """Whether an answer to the prompt `request_id` released one of the calls `concerns` names
-    (`approved_calls`: that very call when its message is named): a resolution naming them
-    took effect, whatever became of the request id since (asked again: no longer in
-    `resolved_hitl`)."""
-    ids = {call_id for call_id, message_id in concerns or () if message_id is None}
-    exact = {key for key in concerns or () if key[1] is not None}
-    return any(
-        isinstance(a, Mapping)
-        and a.get("request_id") == request_id
-        and (a.get("tool_call_id") in ids or (a.get("tool_call_id"), a.get("message_id")) in exact)
+    """Whether an answer to the prompt `request_id` naming the calls `concerns` is a retry of
+    one that took effect (`resolve_hitl` then answers as the first did): naming no call, the
+    id was resolved (`resolved_hitl`); naming calls, an answer to the id released each of them
+    (`approved_calls`: that very call when its message is named), whatever became of the
+    request id since (asked again: no longer in `resolved_hitl`), or the id was resolved and
+    its answers released no call (its prompt held none: any answer to it was its answer). A
+    call no answer to the id released (denied, held by another prompt, never made) is no
+    retry: refused as before the id was resolved."""
+    resolved = request_id in (conversation.get("resolved_hitl") or ())
+    if concerns is None:
+        return resolved
+    released = [
+        (a.get("tool_call_id"), a.get("message_id"))
         for a in conversation.get("approved_calls") or ()
+        if isinstance(a, Mapping) and a.get("request_id") == request_id
+    ]
+    if not released:
+        return resolved
+    ids = {call_id for call_id, _ in released}
+    return bool(concerns) and all(
+        (key in released) if key[1] is not None else (key[0] in ids) for key in concerns
     )
 
 
