@@ -295,8 +295,9 @@ def _require_legacy_data(db: Database[dict[str, Any]]) -> None:
 
 
 NOT_MOVED = (
-    f"{CONVERSATIONS} still holds legacy turns (logged after the move: an old-service writer "
-    "still running?): no run has read them; run the migration first"
+    f"{CONVERSATIONS} still holds legacy turns (a run stopped before it moved them all, or "
+    "turns an old-service writer still running logged after the move): no run has read them "
+    "all; run the migration again"
 )
 """What `verify` and `finish` say of legacy turns not moved aside: content neither compares."""
 

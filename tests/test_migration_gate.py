@@ -3055,6 +3055,27 @@ def test_finish_and_verify_while_a_run_moves_turns_aside_exit_3_before_reading_a
 
 
 @pytest.mark.wire
+def test_finish_after_a_run_stopped_while_moving_turns_aside_names_the_stopped_run_too(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run killed while it moved the legacy turns aside leaves part of them in each
+    collection and no lock: `finish` says so, not only that an old-service writer may have
+    logged them, and tells the operator to run the migration again."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(4)]
+    )
+    moved = list(database[CONVERSATIONS].find({"_id": {"$in": ["t-0", "t-1"]}}))
+    database[LEGACY_TURNS].insert_many(moved)
+    database[CONVERSATIONS].delete_many({"_id": {"$in": ["t-0", "t-1"]}})
+
+    assert cli(wire_uri, database, "finish") == 1
+
+    said = capsys.readouterr().out
+    assert "a run stopped before it moved them all" in said
+    assert "run the migration again" in said
+
+
+@pytest.mark.wire
 def test_a_run_whose_legacy_turns_vanish_under_it_removes_no_migrated_conversation(
     wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
