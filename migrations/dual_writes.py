@@ -188,8 +188,8 @@ def _unheld(
         return "; ".join(transcript_differences(legacy, transcript)[:3])
     if removed := _removed(legacy, transcript) or _earlier_answers_gone(conversion, messages):
         return removed
-    if owner := _owner(conversion, messages) or _natives_differ(natives, messages):
-        return owner
+    if differs := _owner(conversion, messages) or _natives_differ(natives, messages):
+        return differs
     for what, wanted, found in (
         ("token usage", _usage(conversion.messages), _usage(messages)),
         ("latency", _latency(conversion.messages), _latency(messages)),

@@ -48,7 +48,7 @@ def describe(lock: dict[str, Any] | None) -> str:
     if lock is None:
         return "free"
     expires = lock.get("expires_at")
-    state = "expired" if isinstance(expires, datetime) and expires < utc_now() else "held"
+    state = "expired" if _expired(lock) else "held"
     return (
         f"{state} by {lock.get('host')} pid {lock.get('pid')} (run {lock.get('run_id')}) "
         f"since {lock.get('acquired_at')}, lease until {expires}"
@@ -168,9 +168,12 @@ def refuse_while_held(db: Database[dict[str, Any]], doing: str) -> None:
     what a command reads then is what that run is still writing or moving aside. `doing`
     says what the refused command does not do meanwhile."""
     lock = current(db)
-    if lock is None:
+    if lock is None or _expired(lock):  # a killed holder's: the next run or `finish` takes it
         return
-    expires = lock.get("expires_at")
-    if isinstance(expires, datetime) and expires < utc_now():
-        return  # a killed holder's: the next run or `finish` takes it over
     raise LockHeld(f"{_held(lock)}; {doing}")
+
+
+def _expired(lock: dict[str, Any]) -> bool:
+    """Whether the lock's lease has ended (its holder killed): another run may take it."""
+    expires = lock.get("expires_at")
+    return isinstance(expires, datetime) and expires < utc_now()

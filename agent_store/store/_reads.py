@@ -1099,13 +1099,10 @@ class ConversationStore:
             conversation = await self._conversations.find_one(scope, {"popped_messages": 1})
         found = (conversation or {}).get("popped_messages") or ()
         popped = [PoppedMessage.model_validate(p) for p in found]
-        removal = next(
-            (at for at in range(len(popped) - 1, -1, -1) if popped[at].message_id == message_id),
-            None,
-        )
-        if removal is None:
+        removals = [at for at, p in enumerate(popped) if p.message_id == message_id]
+        if not removals:
             raise InvalidInput(f"invalid after: message {message_id!r} is not in this conversation")
-        return min(p.seq for p in popped[removal:]), True
+        return min(p.seq for p in popped[removals[-1] :]), True
 
     # -- human in the loop -----------------------------------------------------------
 
