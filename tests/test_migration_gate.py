@@ -45,6 +45,7 @@ from migrations.problems import PROBLEMS
 from scripts.legacy_corpus import BIG_RESULT_CHARS, NOT_AN_IDENTIFIER, messy_corpus
 from tests.conftest import COUNTED, CommandLog
 from tests.test_migration_cli import cli, corpus, digest
+from tests.turn_shapes import NATIVE_SHAPE, TURN_SHAPES
 
 MARK = re.compile(r"«m\d+»")
 
@@ -5102,29 +5103,7 @@ def test_erasing_the_other_user_of_a_mixed_conversation_under_ids_read_alike_kee
     assert bobs() == ["«bob private» question", "«nobody named» question"]
 
 
-_WEATHER = {"id": "call-1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
-DUAL_WRITTEN_SHAPES = {
-    "text and a call in one message": [
-        {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "Let me check.", "tool_calls": [_WEATHER]},
-        {"role": "tool", "tool_call_id": "call-1", "content": "rain"},
-        {"role": "assistant", "content": "It rains."}],
-    "two user messages and a system one": [
-        {"role": "user", "content": "first"}, {"role": "assistant", "content": "one"},
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "second"}, {"role": "assistant", "content": "two"}],
-    "a result without content": [
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": None, "tool_calls": [_WEATHER]},
-        {"role": "tool", "tool_call_id": "call-1", "content": None},
-        {"role": "assistant", "content": "ok"}],
-    "a text beside an error, and a native item": [
-        {"role": "user", "content": "sum up"},
-        {"role": "assistant", "content": "«PARTIAL»", "error": {"message": "cut"}},
-        {"role": "assistant", "content": None, "native": {
-            "format": "openai-agents", "set": {"type": "reasoning", "summary": ["«NATIVE»"]}}},
-        {"role": "assistant", "content": "Done."}],
-}  # fmt: skip
+DUAL_WRITTEN_SHAPES = TURN_SHAPES | {"a text beside an error, and a native item": NATIVE_SHAPE}
 
 
 @pytest.mark.wire
@@ -5149,7 +5128,7 @@ def test_a_dual_written_native_item_after_a_rollback_is_work_left_until_accepted
     """No legacy part holds a runtime's own item: after a rollback clearing agent_messages,
     the copy converts without it, and the gate counts it (kept in a problem) until accepted;
     the text beside an error comes back."""
-    shape = DUAL_WRITTEN_SHAPES["a text beside an error, and a native item"]
+    shape = NATIVE_SHAPE
     database[CONVERSATIONS].insert_one(legacy_turn("t-o", "c-other", 0, "O"))
     assert cli(wire_uri, database, "run") == 0
     _logged(wire_uri, database, "c-dual", shape, dual_write=True)

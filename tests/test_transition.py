@@ -33,6 +33,7 @@ from migrations.lease import STATE, STATE_ID
 from migrations.transcript import differences, from_legacy, from_messages
 from tests.conftest import COUNTED, Backend
 from tests.test_logger import log_example
+from tests.turn_shapes import NATIVE_FORM, TURN_SHAPES
 
 
 def visible(messages: list[AgentMessage]) -> list[tuple[object, ...]]:
@@ -1328,49 +1329,6 @@ async def test_a_claim_moves_the_legacy_turns_and_prompts_naming_the_user_by_any
         await store.transcript("conv-n", user_id=user)
 
 
-_CALL = {"id": "call-1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
-_NATIVE = {"format": "openai-agents", "set": {"type": "reasoning", "summary": ["«REASONING»"]}}
-_PROMPT = {"action": "approve", "params": {"amount": 5}, "request_id": "r1"}
-_UPLOAD = {"filename": "f.txt", "file_type": "text/plain", "size": 4, "parsed_text": "abcd"}
-TURN_SHAPES: dict[str, list[dict[str, Any]]] = {
-    "text and a call in one message": [
-        {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "Let me check.", "tool_calls": [_CALL]},
-        {"role": "tool", "tool_call_id": "call-1", "content": "rain"},
-        {"role": "assistant", "content": "It rains."}],
-    "two user messages": [
-        {"role": "user", "content": "first"}, {"role": "assistant", "content": "one"},
-        {"role": "user", "content": "second"}, {"role": "assistant", "content": "two"}],
-    "a system message mid-turn": [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "one"},
-        {"role": "system", "content": "be brief"}, {"role": "assistant", "content": "two"}],
-    "a system prompt first": [
-        {"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "hello"}],
-    "a prompt holding its calls": [
-        {"role": "user", "content": "pay"},
-        {"role": "assistant", "content": "Pay?", "tool_calls": [_CALL],
-         "hitl_action": _PROMPT | {"tool_call_ids": ["call-1"]}}],
-    "a prompt after its calls": [
-        {"role": "user", "content": "pay"},
-        {"role": "assistant", "content": None, "tool_calls": [_CALL]},
-        {"role": "assistant", "content": "Pay?", "hitl_action": _PROMPT}],
-    "a result without content": [
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": None, "tool_calls": [_CALL]},
-        {"role": "tool", "tool_call_id": "call-1", "content": None},
-        {"role": "assistant", "content": "ok"}],
-    "an error beside a text": [
-        {"role": "user", "content": "sum up"},
-        {"role": "assistant", "content": "«PARTIAL»", "error": {"message": "cut"}}],
-    "uploads on two user messages": [
-        {"role": "user", "content": "see", "upload": _UPLOAD},
-        {"role": "user", "content": None, "upload": _UPLOAD | {"filename": "g.txt"}},
-        {"role": "assistant", "content": "ok"}],
-    "an assistant first": [{"role": "assistant", "content": "How can I help?"}],
-}  # fmt: skip
-
-
 def said_in_order(messages: list[AgentMessage]) -> list[tuple[object, ...]]:
     """What messages say, in order, one entry per thing said: what the legacy format holds of
     a message (an assistant's text beside its calls comes back as a message of its own, a
@@ -1421,7 +1379,7 @@ async def test_a_dual_written_native_item_is_kept_where_the_migration_counts_it(
     await logger.log_messages(
         "conv-native",
         [{"role": "user", "content": "hi"},
-         {"role": "assistant", "content": None, "native": _NATIVE},
+         {"role": "assistant", "content": None, "native": NATIVE_FORM},
          {"role": "assistant", "content": "hello"}],
         turn_id="t-1",
     )  # fmt: skip
