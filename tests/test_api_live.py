@@ -456,3 +456,58 @@ async def test_a_runtime_opens_no_inbox_under_a_turn_id_a_person_took_first() ->
         answer = {"role": "assistant", "content": "the real answer"}
         body = {"turn_id": "t7-2", "user_id": OWNER, "messages": [answer]}
         assert (await api.http.post(turns, json=body, headers=runtime)).status_code == 201
+
+
+async def test_a_delivery_a_pop_removed_retried_is_409_naming_the_delivery_id() -> None:
+    """The runtime popped the delivery; the person's client retries it: 409 naming the
+    `delivery_id` and the inbox's turn, saying to send it under a new `delivery_id`, never the
+    turn id the delivery is stored under."""
+    async with serve(mongomock_db()) as api:
+        runtime, person = auth_headers(), auth_headers(user=OWNER)
+        assert (await api.http.post(INBOX, headers=runtime)).status_code == 200
+        body = steer("use metric", "d1")
+        sent = await api.http.post(f"{INBOX}/messages", json=body, headers=person)
+        assert sent.json() == {"delivered": True}
+        popped = await api.store.conversations.pop_last_message(OWNER_CONVERSATION)
+        assert popped is not None
+
+        retried = await api.http.post(f"{INBOX}/messages", json=body, headers=person)
+
+        said = retried.json()["error"]["message"]
+        assert retried.status_code == 409
+        assert "delivery 'd1' into the inbox of turn 't-running'" in said
+        assert "new delivery_id" in said
+        assert "delivery-" not in said
+        assert "turn_id" not in said
+
+
+async def test_a_delivery_whose_insert_was_lost_retried_with_another_message_is_503() -> None:
+    """The first attempt's reservation applied and its insert failed; the person edits the
+    message and retries under the same `delivery_id`: 503 naming the delivery (its first
+    attempt may still store what it sent), nothing stored, never a 409 saying it is stored.
+    The message as first sent is then delivered."""
+    from tests.test_reliability import FailOnce
+
+    async with serve(mongomock_db()) as api:
+        runtime, person = auth_headers(), auth_headers(user=OWNER)
+        assert (await api.http.post(INBOX, headers=runtime)).status_code == 200
+        real = api.store.logger._messages
+        api.store.logger._messages = FailOnce(real, "insert_many", after_applying=False)
+        lost = await api.http.post(f"{INBOX}/messages", json=steer("use metrc", "d1"),
+                                   headers=person)  # fmt: skip
+        api.store.logger._messages = real
+        assert lost.status_code == 503
+
+        edited = await api.http.post(f"{INBOX}/messages", json=steer("use metric", "d1"),
+                                     headers=person)  # fmt: skip
+        again = await api.http.post(f"{INBOX}/messages", json=steer("use metrc", "d1"),
+                                    headers=person)  # fmt: skip
+
+        said = edited.json()["error"]["message"]
+        assert edited.status_code == 503
+        assert "delivery 'd1' into the inbox of turn 't-running'" in said
+        assert "stored with" not in said
+        assert "delivery-" not in said
+        assert again.json() == {"delivered": True}
+        drained = (await api.http.get(f"{INBOX}?after_seq=-1", headers=runtime)).json()["data"]
+        assert [m["content"] for m in drained] == ["use metrc"]

@@ -305,6 +305,83 @@ async def _a_popped_delivery(backend: Backend) -> SteeringInbox:
     return inbox
 
 
+async def test_a_delivery_a_pop_removed_retried_is_refused_naming_the_delivery_id(
+    backend: Backend,
+) -> None:
+    """A pop removed the delivery after it was delivered; its sender retries it as sent. The
+    refusal speaks of the delivery (its `delivery_id`, the inbox's turn), never of the turn
+    id it is stored under, and says what to do: a new `delivery_id` delivers it again."""
+    inbox = await _a_popped_delivery(backend)
+
+    steer = {"role": "user", "content": "in metric"}
+    with pytest.raises(Conflict) as refusal:
+        await inbox.try_deliver(CID, TURN, steer, delivery_id="d1")
+
+    message = refusal.value.message
+    assert "delivery 'd1' into the inbox of turn 'turn-running' was delivered" in message
+    assert "removed" in message
+    assert "new delivery_id" in message
+    assert "delivery-" not in message
+    assert "turn_id" not in message
+    assert await backend.db[MESSAGES].count_documents({"content": "in metric"}) == 0
+
+
+async def test_a_delivery_whose_insert_was_lost_retried_with_another_message_is_503_meanwhile(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As for a turn (CHANGELOG 0.2.0): the first attempt reserved and stored nothing, and may
+    still store its message until `abandon_after`; a retry editing the message is
+    StorageUnavailable naming the delivery, nothing written, never a Conflict saying it was
+    stored. A retry of the message as first sent stores it, and the runtime gets it."""
+    from agent_store.store import _inbox
+
+    monkeypatch.setattr(_inbox, "_WAIT_FOR_IN_FLIGHT", 0.1)
+    sent = {"role": "user", "content": "use metrc"}
+    logger, runtime = await _a_delivery_that_died(backend, sent, rules=TurnRules())
+    before = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    inbox = SteeringInbox(logger)
+
+    edited = {"role": "user", "content": "use metric"}
+    with pytest.raises(StorageUnavailable) as refusal:
+        await inbox.try_deliver(CID, TURN, edited, delivery_id="d1")
+
+    message = refusal.value.message
+    assert "delivery 'd1' into the inbox of turn 'turn-running'" in message
+    assert "stored with" not in message
+    assert "delivery-" not in message
+    assert "turn_id" not in message
+    assert await backend.db[CONVERSATIONS].find_one({"_id": CID}) == before
+    assert await backend.db[MESSAGES].count_documents({"content": {"$regex": "^use metr"}}) == 0
+    assert await inbox.try_deliver(CID, TURN, sent, delivery_id="d1")
+    assert [m.content for m in await runtime.close_inbox(CID, TURN, last_seen_seq=0)] == [
+        "use metrc"
+    ]
+
+
+@pytest.mark.parametrize("closed", [False, True], ids=["inbox open", "inbox closed"])
+async def test_a_delivery_whose_insert_was_lost_retried_late_with_another_message_is_delivered(
+    backend: Backend, closed: bool
+) -> None:
+    """Past `abandon_after` the empty block is given back, as a turn's is, and the edited
+    message is delivered in its place while the inbox is open: the runtime gets it once, and
+    closes over the empty block at once. Into an inbox closed meanwhile it is refused
+    (False), nothing stored, as any late delivery."""
+    logger, runtime = await _a_delivery_that_died(backend, {"role": "user", "content": "use metrc"})
+    if closed:
+        assert await runtime.close_inbox(CID, TURN, last_seen_seq=0) == []
+    edited = {"role": "user", "content": "use metric"}
+
+    delivered = await SteeringInbox(logger).try_deliver(CID, TURN, edited, delivery_id="d1")
+
+    stored = await backend.db[MESSAGES].find({"conversation_id": CID}).to_list(None)
+    assert delivered is not closed
+    assert [m["content"] for m in stored] == ["start"] + ["use metric"] * (not closed)
+    if not closed:
+        drained = await runtime.drain(CID, TURN, after_seq=0)
+        assert [m.content for m in drained] == ["use metric"]
+        assert await runtime.close_inbox(CID, TURN, last_seen_seq=drained[-1].seq or 0) == []
+
+
 async def test_a_delivery_a_pop_undid_is_passed_at_once_by_drain_and_close(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -20,7 +20,10 @@ the entry lists it: a turn found under its turn id otherwise is not it. One that
 nothing and is retried later than the rules' `abandon_after` moves to a new block at the
 end (DESIGN.md §3) only while its inbox is open, its entry's `seq` following it in that
 same update (a new version, so a close racing it reads again); its inbox closed, it is
-refused.
+refused. One retried with another message is a turn retried with other content (503 while
+its first attempt may still store its own; past that its empty block given back and the new
+message delivered in its place). Whatever the logger refuses a delivery's turn with names
+that turn's id, which the sender never sees: `delivery_refusal` words it for the delivery.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from bson import Int64
@@ -38,6 +41,7 @@ from pymongo import ReturnDocument
 
 from agent_store.core import (
     AgentMessage,
+    AnsweredBefore,
     Conflict,
     NotFound,
     PoppedMessage,
@@ -51,6 +55,8 @@ from agent_store.store._driver import storage_errors
 from agent_store.store._logger import (
     AgentMessageLogger,
     Condition,
+    Corrected,
+    NotStoredYet,
     OtherContent,
     refuse_unloggable_turn_id,
 )
@@ -59,6 +65,7 @@ from agent_store.store._reservation import Actor, int64, literal
 from agent_store.store._turns import (
     DELIVERY_TURN,
     RUNTIME_TURNS_KEPT,
+    TurnConflict,
     TurnPlan,
     inbox_field,
     plan_turn,
@@ -132,6 +139,44 @@ def _runtime_turn(turn_id: str) -> dict[str, Any]:
         }
     }
     return {"$slice": [{"$concatArrays": [others, literal([key])]}, -RUNTIME_TURNS_KEPT]}
+
+
+def delivery_refusal(error: StoreError, named: str, abandon_after: timedelta) -> StoreError:
+    """What the logger refused a delivery's turn with (`error`, naming the turn id the
+    delivery is stored under), worded for its sender, who names the delivery by its delivery
+    id (`named`: it and the inbox's turn), with what to do. The same class, so the same
+    status: 409, or 503 while its first attempt may still store it (`NotStoredYet`)."""
+    if isinstance(error, NotStoredYet):
+        return NotStoredYet(
+            f"nothing of {named} is stored yet, but its first attempt took its place with "
+            f"another message and may still store it until `abandon_after` ({abandon_after}) "
+            "from then; nothing was written. Retry later: this message is then delivered in "
+            "its place while the inbox is open"
+        )
+    if isinstance(error, Corrected):
+        return Corrected(
+            f"{named} was delivered, and removed since by a pop (the conversation was "
+            "corrected); nothing was stored again. Send the message under a new delivery_id "
+            "if it should be delivered again"
+        )
+    if isinstance(error, OtherContent):
+        return OtherContent(
+            f"{named} was first sent with another message; a retry must send the same "
+            "message. Use a new delivery_id for a new delivery"
+        )
+    if isinstance(error, AnsweredBefore):
+        return AnsweredBefore(
+            f"{named} denies a tool call whose confirmation a person approved first: the tool "
+            "runs, and its result answers the call. Nothing was stored; deliver the message "
+            "without the denial, under a new delivery_id",
+            tool_call_ids=error.tool_call_ids,
+        )
+    return TurnConflict(
+        f"{named} is not stored: what the conversation holds where it goes is not this "
+        "delivery as sent (an earlier attempt stored it in part or elsewhere, or other "
+        "messages hold its place). Send the message under a new delivery_id if it should be "
+        "delivered"
+    )
 
 
 POPS_READ: dict[str, Any] = {"message_count": 1, "popped_seqs": 1, "popped_messages": 1}
@@ -243,12 +288,10 @@ class SteeringInbox:
 
         try:
             return await self._stored_delivery(plan, actor, field)
-        except OtherContent as exc:  # the sender names it by its delivery id, not a turn id
+        except (TurnConflict, AnsweredBefore, NotStoredYet) as exc:
             named = f"delivery {shown(delivery_id)}" if delivery_id else "this delivery"
-            raise Conflict(
-                f"{named} into the inbox of turn {turn_id!r} was stored with another message; "
-                "a retry must send the same message. Use a new delivery_id for a new delivery"
-            ) from exc
+            named += f" into the inbox of turn {turn_id!r}"
+            raise delivery_refusal(exc, named, self._logger.rules.abandon_after) from exc
 
     async def _stored_delivery(self, plan: TurnPlan, actor: Actor, field: str) -> bool:
         """The delivery `plan` stored (or found stored) into the inbox `field`: True; False

@@ -138,6 +138,7 @@ from agent_store.store._turns import (
     MAX_TURN_TOOL_CALLS,
     Answer,
     Gaps,
+    TurnConflict,
     TurnPlan,
     TurnRules,
     answered_in,
@@ -1152,8 +1153,8 @@ class AgentMessageLogger:
         the same lookup, is stored there (`_stored_there`): no move again."""
         block = await self._with_whole_texts_checked(plan, block)
         other = block.count != plan.count or not plan.matches(block.digest)
-        # A fork's or a delivery's retry settles other content its own way (`_fork_once`).
-        own = not plan.turn_id.startswith((FORK_TURN, DELIVERY_TURN))
+        # A fork's retry settles other content its own way (`_fork_once`); a delivery's as a turn's.
+        own = not plan.turn_id.startswith(FORK_TURN)
         if other and own and not block.popped:
             found = await self._retried_with_other_content(plan, block, conversation, condition)
             if found is None:
@@ -1225,7 +1226,7 @@ class AgentMessageLogger:
         if block.counted is None or block.reserved_at is None:
             raise refused
         if utc_now() - block.reserved_at < self.rules.abandon_after:
-            raise StorageUnavailable(
+            raise NotStoredYet(
                 f"nothing of turn {plan.turn_id!r} is stored yet, but its first attempt "
                 "reserved its place with other content and may still store it until "
                 f"`abandon_after` ({self.rules.abandon_after}) from then: retry later, and "
@@ -1801,10 +1802,7 @@ class AgentMessageLogger:
         await self._full_texts.forget_files([b for m in back for b in kept_blob_ids(m).values()])
         left = [m for m in stored if m not in back]
         if not left:
-            raise Conflict(
-                f"turn {plan.turn_id!r} was corrected since it was logged (a pop removed its "
-                "messages): it cannot be logged again. Use a new turn_id for a new turn"
-            )
+            raise _corrected(plan)
         return left
 
     async def _follow_times(
@@ -1906,7 +1904,9 @@ class AgentMessageLogger:
             await self._give_up(plan.conversation_id, moving, taken_back=taken_back)
             raise
         if any(d.get("turn_id") != plan.turn_id for d in found):
-            raise Conflict(f"the seq block of turn {plan.turn_id!r} holds messages of another turn")
+            raise TurnConflict(
+                f"the seq block of turn {plan.turn_id!r} holds messages of another turn"
+            )
         return found
 
     async def _give_up(
@@ -2258,10 +2258,7 @@ def _replay(
     no pop has removed a message of it since. One sending answers the turn was logged
     without (`AnsweredBefore`) is told so again (`Condition.retried`)."""
     if block.popped:
-        raise Conflict(
-            f"turn {plan.turn_id!r} was corrected since it was logged (a pop removed one of "
-            "its messages): it cannot be logged again. Use a new turn_id for a new turn"
-        )
+        raise _corrected(plan)
     if block.count != plan.count or not plan.matches(block.digest):
         raise _retry_refusal(plan, conversation, condition)
     summary = Conversation.model_validate(conversation)
@@ -2407,7 +2404,7 @@ def _assigned_at(conversation: Mapping[str, Any], first_seq: int) -> bool:
 
 
 def _taken(conversation_id: str, message_id_: str, seq: int) -> Conflict:
-    return Conflict(
+    return TurnConflict(
         f"seq {seq} of conversation {conversation_id!r} is already taken by a message of "
         f"another turn, or message {message_id_!r} is stored at another seq"
     )
@@ -2432,7 +2429,7 @@ def _stored_apart(plan: TurnPlan, first_seq: int, message_id_: str, seq: int) ->
     """The refusal of a turn whose own message (`message_id_`, one of its ids) is stored at
     `seq` where the store cannot take it for the turn stored whole in one block of it (this
     attempt writes into the block from `first_seq`)."""
-    return Conflict(
+    return TurnConflict(
         f"turn {plan.turn_id!r} of conversation {plan.conversation_id!r} has its message "
         f"{message_id_!r} stored at seq {seq}, and is not stored whole with this content in "
         f"one block of it (this attempt's from seq {first_seq}): it is not answered from there"
@@ -2440,7 +2437,7 @@ def _stored_apart(plan: TurnPlan, first_seq: int, message_id_: str, seq: int) ->
 
 
 def _stored_in_part(plan: TurnPlan, stored: int) -> Conflict:
-    return Conflict(
+    return TurnConflict(
         f"turn {plan.turn_id!r} has {stored} of the {plan.count} messages this retry sends "
         "stored, and its record is no longer kept: an earlier attempt stored it in part, or "
         "it was logged with fewer messages. It is not completed from a retry; use a new "
@@ -2448,8 +2445,26 @@ def _stored_in_part(plan: TurnPlan, stored: int) -> Conflict:
     )
 
 
-class OtherContent(Conflict):
+class OtherContent(TurnConflict):
     """A retry of a turn sending other content than it was logged with."""
+
+
+class Corrected(TurnConflict):
+    """A retry of a turn a pop removed a message of since it was logged: it is not logged
+    again."""
+
+
+def _corrected(plan: TurnPlan) -> Conflict:
+    return Corrected(
+        f"turn {plan.turn_id!r} was corrected since it was logged (a pop removed one of "
+        "its messages): it cannot be logged again. Use a new turn_id for a new turn"
+    )
+
+
+class NotStoredYet(StorageUnavailable):
+    """A retry of a turn sending other content than its first attempt reserved its place
+    with, nothing of it stored yet, while that attempt may still store it (until the rules'
+    `abandon_after` from its reservation): retry later."""
 
 
 def _other_content(plan: TurnPlan) -> Conflict:

@@ -27,7 +27,6 @@ from bson import Int64
 
 from agent_store.core import (
     AgentMessage,
-    Conflict,
     PendingCall,
     PendingHitl,
     answers_to_calls,
@@ -41,6 +40,7 @@ from agent_store.store._turns import (
     ANSWERED_READ,
     GAPS_READ,
     Gaps,
+    TurnConflict,
     TurnPlan,
     answered_in,
     pending_after,
@@ -111,7 +111,7 @@ def refuse_a_move_past_answers(plan: TurnPlan, block: RecordedBlock, found: Any)
     answered = answered_later(plan, messages_adapter.validate_python(later))
     if answered:
         names = ", ".join(repr(call_id) for call_id in answered)
-        raise Conflict(
+        raise TurnConflict(
             f"turn {plan.turn_id!r} reserved seq {block.first_seq} and stored nothing; since "
             f"then a later turn answered its call {names}, so it cannot move to the end (its "
             "call would follow its answer): it is not stored. Log what the conversation "
@@ -210,5 +210,5 @@ def stored_at(plan: TurnPlan, stored: Sequence[Mapping[str, Any]]) -> int | None
     index = {d["_id"]: i for i, d in enumerate(plan.documents)}
     firsts = {int(d["seq"]) - index[d["_id"]] for d in stored if d["_id"] in index}
     if len(firsts) > 1:
-        raise Conflict(f"the messages of turn {plan.turn_id!r} are stored in several blocks")
+        raise TurnConflict(f"the messages of turn {plan.turn_id!r} are stored in several blocks")
     return firsts.pop() if firsts else None

@@ -22,6 +22,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from agent_store.core import (
     AgentMessage,
     AnsweredPrompt,
+    Conflict,
     Identifier,
     InvalidInput,
     PendingCall,
@@ -371,6 +372,13 @@ def turn_key(turn_id: str) -> int:
 
 DELIVERY_TURN = "delivery-"
 """How the turn id of a steering delivery begins (`_inbox.delivery_turn_id`)."""
+
+
+class TurnConflict(Conflict):
+    """What the conversation holds of a turn (its record, its block, its messages' ids)
+    contradicts this attempt of it, named by its turn id: nothing more of it is stored. A
+    steering delivery's sender names it by its delivery id, not that turn id: the inbox
+    words each such refusal for the delivery (`_inbox.delivery_refusal`)."""
 
 
 def is_delivery_turn_id(turn_id: str) -> bool:
