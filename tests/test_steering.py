@@ -1315,3 +1315,41 @@ async def test_a_delivery_like_turn_id_in_uppercase_hex_is_an_ordinary_turn_id(
     await logger.log_messages(CID, [HOTEL], user_id="u", turn_id=upper, owner_only=True)
     assert await inbox.try_deliver(CID, "run-1", HOTEL, delivery_id="d1") is True
     assert [m.turn_id for m in await inbox.drain(CID, "run-1")] == [taken]
+
+
+@pytest.mark.parametrize(
+    "kind", ["NotStoredYet", "Corrected", "OtherContent", "AnsweredBefore", "TurnConflict"]
+)
+def test_every_refusal_of_a_deliverys_turn_is_worded_for_the_delivery_with_its_status(
+    kind: str,
+) -> None:
+    """Whatever the logger refuses a delivery's turn with names the turn id the delivery is
+    stored under; the sender reads the delivery id, the running turn and what to do, with the
+    same class (so the same status)."""
+    from datetime import timedelta
+
+    from agent_store.core import AnsweredBefore, StoreError
+    from agent_store.store import _inbox, _logger, _turns
+
+    internal = "turn 'delivery-0123456789abcdef0123456789abcdef': use a new turn_id"
+    classes: dict[str, type[StoreError]] = {
+        "NotStoredYet": _logger.NotStoredYet,
+        "Corrected": _logger.Corrected,
+        "OtherContent": _logger.OtherContent,
+        "TurnConflict": _turns.TurnConflict,
+    }
+    error = (
+        AnsweredBefore(internal, tool_call_ids=["call_1"])
+        if kind == "AnsweredBefore"
+        else classes[kind](internal)
+    )
+    named = "delivery 'd1' into the inbox of turn 'turn-running'"
+
+    worded = _inbox.delivery_refusal(error, named, timedelta(minutes=5))
+
+    assert type(worded) is type(error)
+    assert (worded.status, worded.code) == (error.status, error.code)
+    assert named in worded.message
+    assert "delivery-" not in worded.message
+    assert "turn_id" not in worded.message
+    assert "delivery_id" in worded.message or kind == "NotStoredYet"

@@ -173,9 +173,9 @@ def delivery_refusal(error: StoreError, named: str, abandon_after: timedelta) ->
         )
     return TurnConflict(
         f"{named} is not stored: what the conversation holds where it goes is not this "
-        "delivery as sent (an earlier attempt stored it in part or elsewhere, or other "
-        "messages hold its place). Send the message under a new delivery_id if it should be "
-        "delivered"
+        "delivery as sent (an earlier attempt stored it in part or elsewhere, other messages "
+        "hold its place, or a later message answers its call). Send the message under a new "
+        "delivery_id if it should be delivered"
     )
 
 
