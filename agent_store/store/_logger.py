@@ -453,7 +453,7 @@ class AgentMessageLogger:
         turn answered it first: a call's first answer is its answer), nothing written
         (`_answers`); a call merely off the list, no answer to it stored nor being written, is
         answered (`_reserve_answering`). InvalidInput, nothing written, for a turn breaking the
-        contract or taking a steering delivery's id (`delivery-` + 32 lowercase hex).
+        contract (`_check_answers_named` too) or taking a delivery's id (`delivery-` + hex).
         """
         plan, actor, condition = self._planned(
             conversation_id,
@@ -2746,8 +2746,9 @@ def _answers(
 ) -> Condition | None:
     """The condition of a turn naming the calls of earlier turns its answers answer
     (`answers_to`: tool call id to the message that made the call, as read from
-    `pending_calls`; names of calls the turn does not answer are passed over): each is still
-    the latest pending call of its id (`answers_hold`), the one the answer takes. A call
+    `pending_calls`; one naming a call the turn does not answer is refused as it is planned,
+    `_check_answers_named`): each is still the latest pending call of its id
+    (`answers_hold`), the one the answer takes. A call
     another turn answered since keeps that first answer: `AnsweredBefore`, naming it; one a
     later call of its id now follows would have the answer taken by that call: a Conflict.
     Nothing is written either way. None for a turn naming none of its answers.
