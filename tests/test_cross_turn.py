@@ -1727,7 +1727,8 @@ async def test_a_result_answering_no_call_of_the_turn_nor_any_pending_one_is_ref
     await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
     ghost = {"type": "tool_end", "tool_name": "book_train", "tool_call_id": "tc-404"}
 
-    with pytest.raises(InvalidInput, match="a tool result answers 'tc-404', which no call made"):
+    said = "a tool result answers 'tc-404', which is no call of this turn and no longer pending"
+    with pytest.raises(InvalidInput, match=re.escape(said)):
         await runtime.stream([APPROVED, ghost])
     assert [c.tool_call_id for c in await runtime.store.pending_calls(CID)] == ["tc-9"]
 
@@ -4839,3 +4840,140 @@ async def test_answering_the_newer_of_two_questions_leaves_none_pending_the_olde
     )
     await store.resolve_hitl(CID, "q-train")
     assert await held_state(store) == ([("tc-1", None), ("tc-2", None)], None)
+
+
+async def test_a_turn_whose_prompt_would_hold_calls_off_the_bounded_pending_list_is_refused(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3: an approval releases the calls its prompt holds, as `pending_calls` lists
+    them (the newest `PENDING_CALLS_KEPT`). A turn leaving more calls pending than the list
+    keeps, a prompt holding one of those it drops, would have that call held where no
+    approval reaches it (a later denial of it stored though the person approved it): the
+    turn is refused, naming the prompt and the call, nothing written."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    ids = [f"c{n:03d}" for n in range(PENDING_CALLS_KEPT + 1)]
+
+    for prompt in (_asks("r1"), _asks_about("r1", "c000")):
+        with pytest.raises(InvalidInput, match=r"newest 100.*prompt 'r1' holds 'c000'"):
+            await logger.log_messages(CID, [_user("Book all."), _calls(*ids), prompt])
+        with pytest.raises(NotFound):
+            await store.transcript(CID)
+
+    held = [_user("Book all."), _calls(*ids), _asks_about("r1", *ids[1:])]
+    await logger.log_messages(CID, held, turn_id="t1")  # the call it drops is held by none
+    await store.resolve_hitl(CID, "r1")
+    with pytest.raises(AnsweredBefore):
+        await logger.log_messages(CID, [_denial("c001")], turn_id="t2")
+
+
+async def test_an_answer_naming_a_call_its_prompt_does_not_hold_says_what_it_holds(
+    backend: Backend,
+) -> None:
+    """An answer naming a call the prompt never held is refused saying what the prompt holds,
+    not that it was asked again since the answer was read (it was asked once)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Go."), _calls("c1", "c2"), _asks_about("r1", "c2")])
+
+    with pytest.raises(Conflict) as refused:
+        await store.resolve_hitl(CID, "r1", call_ids=["c1"])
+
+    assert "asked again" not in str(refused.value)
+    assert "it holds 'c2'" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("named", "said"),
+    [
+        ({"answers_to": {"zzz": "MSG"}}, "invalid answers_to.*'zzz'"),
+        ({"answers_to": {"c1": "MSG", "c2": "MSG"}}, "invalid answers_to.*'c2'"),
+        ({"refused_prompts": {"c2": "r1"}}, "invalid refused_prompts.*'c2'"),
+        ({"refused_prompts": {"c1": "r1"}}, "invalid refused_prompts.*'c1'"),
+    ],
+    ids=["a-call-never-made", "a-call-the-turn-leaves-open", "denying-none", "a-result-no-denial"],
+)
+async def test_an_answers_to_entry_naming_a_call_the_turn_does_not_answer_is_invalid(
+    backend: Backend, named: dict[str, dict[str, str]], said: str
+) -> None:
+    """API.md: `answers_to` names, for each call of an earlier turn the turn answers, the
+    message that made it; `refused_prompts`, for each it denies, the prompt the denial
+    answers. An entry naming a call no message of the turn answers (denies) is InvalidInput
+    naming it, checked before anything is read, nothing written."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Go."), _calls("c1", "c2"), _asks("r1")], turn_id="t1")
+    made_by = (await store.pending_calls(CID))[0].message_id
+    given = {k: {c: made_by if m == "MSG" else m for c, m in v.items()} for k, v in named.items()}
+    before = await store.transcript(CID)
+
+    with pytest.raises(InvalidInput, match=said):
+        await logger.log_messages(CID, [_answer("c1", "done")], turn_id="t2", **given)  # type: ignore[arg-type]
+
+    assert await store.transcript(CID) == before
+
+
+async def test_a_posted_answers_to_entry_naming_a_call_the_turn_does_not_answer_is_422(
+    backend: Backend,
+) -> None:
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Go."), _calls("c1")], turn_id="t1")
+    made_by = (await store.pending_calls(CID))[0].message_id
+    async with serve(backend.db, seeded=False) as api:
+        posted = await api.http.post(
+            f"/v1/conversations/{CID}/turns",
+            json={"turn_id": "t2", "messages": [_answer("c1", "done")],
+                  "answers_to": {"c1": made_by, "zzz": made_by}},
+            headers=auth_headers(),
+        )  # fmt: skip
+
+    assert posted.status_code == 422
+    assert posted.json()["error"]["code"] == "invalid_input"
+    assert "'zzz'" in posted.json()["error"]["message"]
+    assert [m.tool_call_id for m in await store.transcript(CID) if m.role == "tool"] == []
+
+
+async def test_a_late_result_of_a_call_a_cut_off_stream_marked_interrupted_is_refused_saying_so(
+    backend: Backend,
+) -> None:
+    """STREAMING.md: a cut-off stream answers a call without a result by a stand-in marked
+    interrupted; a result of it in a later stream answers no pending call and is refused,
+    saying the call is no longer pending (answered) and how to log the late result, not
+    that no call made it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    look = {"type": "tool_start", "tool_name": "look", "tool_call_id": "tc-2", "args": {}}
+    cut = turn_from_metadata([look], complete=False, pending=[])
+    await log_streamed_turn(logger=logger, store=store, conversation_id=CID, turn=cut, turn_id="t1")
+    late = {"type": "tool_end", "tool_name": "look", "tool_call_id": "tc-2", "result": "late"}
+
+    with pytest.raises(InvalidInput) as refused:
+        turn_from_metadata([late], complete=True, pending=await store.pending_calls(CID))
+
+    said = str(refused.value)
+    assert "which no call made" not in said
+    assert "'tc-2'" in said
+    assert "no longer pending" in said
+    assert "interrupted" in said
+    assert "log_messages" in said
+
+
+async def test_a_turn_pushing_a_held_call_off_the_bounded_pending_list_is_refused(
+    backend: Backend,
+) -> None:
+    """The same across turns: c0, held by r1 nobody answered, is the oldest of the
+    `PENDING_CALLS_KEPT` calls listed; a turn making one more call would push it off the
+    list, where r1's approval would not reach it: a Conflict naming them, nothing written.
+    Once r1 is answered the turn is logged, and the approval holds (a denial of c0 is
+    refused)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    others = [f"c{n}" for n in range(1, PENDING_CALLS_KEPT)]
+    await logger.log_messages(CID, [_user("Go."), _calls("c0"), _asks_about("r1", "c0")])
+    await logger.log_messages(CID, [_calls(*others)], turn_id="t1")
+    before = await store.transcript(CID)
+
+    with pytest.raises(Conflict, match=r"pushing off the call 'c0' the prompt 'r1' holds"):
+        await logger.log_messages(CID, [_calls("c100")], turn_id="t2")
+    assert await store.transcript(CID) == before
+
+    await store.resolve_hitl(CID, "r1")
+    await logger.log_messages(CID, [_calls("c100")], turn_id="t2")
+    assert "c0" not in [c.tool_call_id for c in await store.pending_calls(CID)]
+    with pytest.raises(AnsweredBefore):
+        await logger.log_messages(CID, [_denial("c0")], turn_id="t3", refused_prompts={"c0": "r1"})

@@ -238,6 +238,44 @@ async def test_a_stand_in_comes_before_a_text_the_response_making_its_call_went_
     assert problems_of(items) == []
 
 
+async def test_a_result_and_a_stand_in_come_together_right_after_the_calls_before_the_text(
+    backend: Backend,
+) -> None:
+    """A response makes a and b, then says something; a prompt holds both; the person approves
+    a only and a's result comes a turn later. RUNTIMES.md: each answer goes right after its
+    call, before the prompt and the text the response went on with: a's result and b's
+    stand-in both come right after the calls (the SDK's converter joins the text to the
+    calls only when no answer comes between them: a's result after it would follow an
+    assistant message without calls, which the API refuses)."""
+
+    def call(call_id: str) -> dict[str, Any]:
+        return {"role": "assistant", "tool_calls": [{"id": call_id, "function": {"name": "book"}}]}
+
+    ask = {"action": "book", "params": {}, "request_id": "r1", "tool_call_ids": ["a", "b"]}
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [
+        {"role": "user", "content": "Book both."}, call("a"), call("b"),
+        {"role": "assistant", "content": "I need your approval."},
+        {"role": "assistant", "content": "Book both?", "hitl_action": ask},
+    ], turn_id="t1")  # fmt: skip
+    pending = await store.pending_calls(CID)
+    await store.resolve_hitl(CID, "r1", calls=[c for c in pending if c.tool_call_id == "a"])
+    await logger.log_messages(
+        CID, [{"role": "tool", "tool_call_id": "a", "content": "booked a"}], turn_id="t2"
+    )
+
+    items = await ConversationSession(CID, backend.db).get_items()
+    history = await ConversationChatHistory(CID, backend.db).aget_messages()
+
+    assert kinds(items)[1:6] == [
+        "function_call:a", "function_call:b", "function_call_output:a", "function_call_output:b",
+        "message:assistant",
+    ]  # fmt: skip
+    assert [items[3]["output"], items[4]["output"]] == ["booked a", PENDING_RESULT]
+    assert problems_of(items) == []
+    assert chat_completions_problems(convert_to_openai_messages(history)) == []
+
+
 async def test_a_call_its_prompt_followed_is_answered_by_a_stand_in_before_the_prompts_text(
     backend: Backend,
 ) -> None:

@@ -106,7 +106,7 @@ def test_trailing_result_keeps_its_own_time_but_sits_after_its_call() -> None:
     [
         pytest.param(
             [{"type": "tool_result", "tool_call_id": "ghost", "result": 1}],
-            "a tool result answers 'ghost', which no call made",
+            "a tool result answers 'ghost', which is no call of this turn",
             id="result-without-call",
         ),
         pytest.param(

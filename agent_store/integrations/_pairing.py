@@ -56,15 +56,17 @@ def in_call_order(
     response making it.
 
     A response is the message making the call, or with `joins`, the consecutive assistant
-    messages it joins. The answers (by the rules above) of a response's calls follow it, in
-    the order they were stored, so answers stored right after it stay as they are; an answer
-    that lost to another (a stand-in a real result replaced), and a tool message answering
-    no call, are left out. A call without an answer is answered, as `chat_completions`
-    answers it, by a stand-in (`pending_stand_in`, never stored) when a message a model is
-    given follows its response (`_given`: the model is called again past the call, and a
-    chat model refuses a call without a result before a later message). A call of the last
-    response, nothing but its answers after it, is left open: the runtime is about to answer
-    it.
+    messages it joins. The answers (by the rules above) of a response's calls follow it
+    together, in the order they were stored, so answers stored right after it stay as they
+    are; an answer that lost to another (a stand-in a real result replaced), and a tool
+    message answering no call, are left out. A call without an answer is answered, as
+    `chat_completions` answers it, by a stand-in (`pending_stand_in`, never stored) when a
+    message a model is given follows its response (`_given`: the model is called again past
+    the call, and a chat model refuses a call without a result before a later message). A
+    call of the last response, nothing but its answers after it, is left open: the runtime is
+    about to answer it. A response with a stand-in has all its answers, the stored ones too,
+    right after its last message making calls, before a text of the response after them
+    (`_answered`).
     """
     answers = answers_to_calls(messages)
     stored_at = {id(message): index for index, message in enumerate(messages)}
@@ -80,9 +82,9 @@ def in_call_order(
             and joins([m for _, m in response], message)
         ):
             went_on = response[-1][0] < went_on_until
-            found, stand_ins = _answered(response, answers, stored_at, went_on=went_on)
-            placed[after_calls:after_calls] = stand_ins
-            placed += found
+            together, at_calls = _answered(response, answers, stored_at, went_on=went_on)
+            at = after_calls if at_calls else len(placed)
+            placed[at:at] = together
             response = []
         if message is None:
             break
@@ -114,11 +116,13 @@ def _answered(
     stored_at: Mapping[int, int],
     *,
     went_on: bool,
-) -> tuple[list[AgentMessage], list[AgentMessage]]:
-    """A response's answers in stored order, and the stand-ins of its calls without one when
-    the conversation went on after it: those go right after the response's last message
-    making calls, before a text of the response after it (the Agents SDK's converter starts
-    a new assistant message at each text, which a call's answer may not follow)."""
+) -> tuple[list[AgentMessage], bool]:
+    """A response's answers, kept together: those stored in stored order, then the stand-ins
+    of its calls without one when the conversation went on after it, in call order; and
+    whether they go right after its last message making calls (True: it has a stand-in,
+    which goes before a text of the response after the calls, the Agents SDK's converter
+    joining such a text to the calls only when no answer comes between them, so none of the
+    answers may come after it) rather than after the whole response (as stored)."""
     found: list[AgentMessage] = []
     stand_ins: list[AgentMessage] = []
     for index, message in response:
@@ -128,7 +132,8 @@ def _answered(
                 found.append(answer)
             elif went_on:
                 stand_ins.append(pending_stand_in(call.id, message.created_at))
-    return sorted(found, key=lambda answer: stored_at[id(answer)]), stand_ins
+    found.sort(key=lambda answer: stored_at[id(answer)])
+    return [*found, *stand_ins], bool(stand_ins)
 
 
 def pending_stand_in(call_id: str, created_at: datetime) -> ToolMessage:

@@ -246,9 +246,7 @@ class TurnAssembler:
         block = self._block_of_call.get(tool_call_id)
         earlier = self._latest_earlier.get(tool_call_id)
         if block is None and earlier is None:
-            raise InvalidInput(
-                f"invalid stream: a tool result answers {shown(tool_call_id)}, which no call made"
-            )
+            raise _answers_no_open_call(tool_call_id)
         answer = ToolMessage(
             tool_call_id=tool_call_id,
             content=content if isinstance(content, str) else _json(content),
@@ -396,7 +394,11 @@ class TurnAssembler:
             interrupted=not complete,
             resolved_request_ids=tuple(self._resolved),
             resolved_calls=tuple((r, calls) for r, calls in self._resolved.items() if calls),
-            refused_prompts=tuple(self._refused.items()),
+            refused_prompts=tuple(
+                (call_id, request_id)
+                for call_id, request_id in self._refused.items()
+                if self._latest_earlier[call_id] not in self._earlier_answers
+            ),  # a call whose result came anyway is not denied
             answered_calls=tuple(
                 (call.tool_call_id, call.message_id)
                 for index, call in enumerate(self._earlier)
@@ -471,6 +473,21 @@ class TurnAssembler:
     def _finished_message(self, message: AssistantMessage) -> None:
         self._open = None
         self._blocks.append(_Block(created_at=message.created_at, message=message))
+
+
+def _answers_no_open_call(tool_call_id: str) -> InvalidInput:
+    """The refusal of a result answering no call of the turn nor a call still pending from an
+    earlier one (the `pending` the builder was given): the call, if an earlier turn made it,
+    is no longer pending, answered already."""
+    return InvalidInput(
+        f"invalid stream: a tool result answers {shown(tool_call_id)}, which is no call of "
+        "this turn and no longer pending from an earlier one (pending_calls): such a call was "
+        "answered already, by its result, a denial, or, for a stream cut off before its "
+        "result, the stand-in marking it interrupted (or was never made). Leave the result "
+        "out of the stream; a late result of a call marked interrupted is logged as a tool "
+        "message in a turn of its own (log_messages), and wins over the stand-in in every "
+        "replay"
+    )
 
 
 def _two_results(tool_call_id: str) -> InvalidInput:
@@ -793,8 +810,8 @@ async def _checked(
             checked,
             user_id=user_id,
             turn_id=turn_id,
-            refused_prompts=dict(turn.refused_prompts),
-            answers_to=dict(turn.answered_calls),
+            refused_prompts=_calls_named(turn.refused_prompts, checked),
+            answers_to=_calls_named(turn.answered_calls, checked),
         )
 
     try:
@@ -858,8 +875,8 @@ async def _logged(
             messages,
             user_id=user_id,
             turn_id=turn_id,
-            refused_prompts=dict(turn.refused_prompts),
-            answers_to=dict(turn.answered_calls),
+            refused_prompts=_calls_named(turn.refused_prompts, messages),
+            answers_to=_calls_named(turn.answered_calls, messages),
         )
     if user_id is not None:
         await _refuse_another_owner(store, conversation_id, user_id)
@@ -869,6 +886,16 @@ async def _logged(
         messages=[],
         replayed=False,
     )
+
+
+def _calls_named(
+    named: Sequence[tuple[str, str]], messages: Sequence[AgentMessage | Mapping[str, Any]]
+) -> dict[str, str]:
+    """The entries of `named` (`StreamedTurn.refused_prompts`, `answered_calls`) for the calls
+    of earlier turns the turn's `messages` answer, as `log_messages` takes them: logged
+    without its stale denials (`_without_denials`), a turn names the calls it answers then."""
+    answered = {m.tool_call_id for m in messages if isinstance(m, ToolMessage)}
+    return {call_id: value for call_id, value in named if call_id in answered}
 
 
 def _without_denials(

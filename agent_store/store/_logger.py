@@ -46,10 +46,13 @@ from agent_store.core import (
     ForkOrigin,
     InvalidInput,
     NotFound,
+    PendingCall,
     StorageFailure,
     StorageUnavailable,
     StoreError,
     TranscriptMoved,
+    awaiting_results,
+    listed,
     messages_adapter,
     shown,
     to_utc_millis,
@@ -116,6 +119,7 @@ from agent_store.store._reservation import (
     given_back,
     given_back_abandoned,
     given_up,
+    held_calls_kept,
     literal,
     moved_key,
     new_epoch,
@@ -136,6 +140,7 @@ from agent_store.store._turns import (
     GAPS_READ,
     MAX_MESSAGES_PER_TURN,
     MAX_TURN_TOOL_CALLS,
+    PENDING_CALLS_KEPT,
     Answer,
     Gaps,
     TurnConflict,
@@ -144,6 +149,7 @@ from agent_store.store._turns import (
     answered_in,
     canonical_documents,
     content_digest,
+    held_off_list,
     is_delivery_turn_id,
     message_id,
     plan_turn,
@@ -448,7 +454,7 @@ class AgentMessageLogger:
         turn answered it first: a call's first answer is its answer), nothing written
         (`_answers`); a call merely off the list, no answer to it stored nor being written, is
         answered (`_reserve_answering`). InvalidInput, nothing written, for a turn breaking the
-        contract or taking a steering delivery's id (`delivery-` + 32 lowercase hex).
+        contract (`_check_answers_named` too) or taking a delivery's id (`delivery-` + hex).
         """
         plan, actor, condition = self._planned(
             conversation_id,
@@ -615,6 +621,7 @@ class AgentMessageLogger:
         if owner_only and user_id is None:
             raise NotFound(f"conversation {plan.conversation_id!r} was not found")
         refuse_unloggable_turn_id(plan.turn_id)
+        _check_answers_named(plan, _answers_to(answers_to), _refused_prompts(refused))
         condition = _turn_conditions(plan, next_seq, step, refused, answers_to)
         return plan, Actor(user_id, as_user=owner_only), condition
 
@@ -2754,8 +2761,9 @@ def _answers(
 ) -> Condition | None:
     """The condition of a turn naming the calls of earlier turns its answers answer
     (`answers_to`: tool call id to the message that made the call, as read from
-    `pending_calls`; names of calls the turn does not answer are passed over): each is still
-    the latest pending call of its id (`answers_hold`), the one the answer takes. A call
+    `pending_calls`; one naming a call the turn does not answer is refused as it is planned,
+    `_check_answers_named`): each is still the latest pending call of its id
+    (`answers_hold`), the one the answer takes. A call
     another turn answered since keeps that first answer: `AnsweredBefore`, naming it; one a
     later call of its id now follows would have the answer taken by that call: a Conflict.
     Nothing is written either way. None for a turn naming none of its answers.
@@ -2843,7 +2851,64 @@ def _turn_conditions(
     (an approval came first) before one the answers do."""
     denials = _denials(plan, _refused_prompts(refused))
     answers = _answers(plan, _answers_to(answers_to), as_read)
-    return _joined(_joined(_logged_at(plan.conversation_id, next_seq, step), answers), denials)
+    at = _joined(_joined(_logged_at(plan.conversation_id, next_seq, step), answers), denials)
+    return _joined(at, _held_kept(plan))
+
+
+def _held_kept(plan: TurnPlan) -> Condition | None:
+    """The condition of a turn making calls: it pushes no call a prompt holds, unreleased,
+    off the bounded `pending_calls` (`held_calls_kept`), else a Conflict naming the prompt
+    and the call, nothing written. None for a turn making none."""
+    if not plan.opened_calls:
+        return None
+    every = Conflict(
+        f"turn {plan.turn_id!r} would push a call a prompt holds off the pending calls of "
+        f"conversation {plan.conversation_id!r} (the newest {PENDING_CALLS_KEPT})"
+    )
+
+    def pushed_off(conversation: Mapping[str, Any]) -> StoreError:
+        served = awaiting_results(
+            conversation.get("pending_calls") or (),
+            conversation.get("resolved_hitl") or (),
+            conversation.get("approved_calls") or (),
+        )
+        calls = [PendingCall.model_validate(c) for c in served]
+        released = {(c.tool_call_id, c.message_id) for c in calls if c.request_id is None}
+        stored = [PendingCall.model_validate(c) for c in conversation.get("pending_calls") or ()]
+        off = held_off_list(plan, stored, released)
+        if not off:
+            return every
+        return Conflict(
+            f"turn {plan.turn_id!r} leaves more calls pending in conversation "
+            f"{plan.conversation_id!r} than pending_calls keeps (the newest "
+            f"{PENDING_CALLS_KEPT}), pushing off the call {shown(off[0].tool_call_id)} the "
+            f"prompt {shown(str(off[0].request_id))} holds, which no answer released: an "
+            "answer to the prompt releases the calls the list holds only. Answer it first "
+            "(resolve_hitl, or the call's result or denial), then log the turn; nothing was "
+            "stored"
+        )
+
+    return Condition(held_calls_kept(plan), lambda now: {}, every, create=True, explain=pushed_off)
+
+
+def _check_answers_named(
+    plan: TurnPlan, answers_to: Mapping[str, str], refused: Mapping[str, str]
+) -> None:
+    """InvalidInput, nothing written, for an `answers_to` entry naming a call no message of
+    the turn answers as a call of an earlier turn (`TurnPlan.answered_calls`), or a
+    `refused_prompts` entry naming one no message of the turn denies (`denied_calls`): the
+    turn says it answers a call it does not."""
+    for what, named, answered, verb, by in (
+        ("answers_to", answers_to, plan.answered_calls, "answers", "a tool message"),
+        ("refused_prompts", refused, plan.denied_calls, "denies", "a denial"),
+    ):
+        if stray := [c for c in named if c not in answered]:
+            raise InvalidInput(
+                f"invalid {what} of turn {plan.turn_id!r}: it names {listed(stray, shown)}, "
+                f"a call of an earlier turn no message of the turn {verb} ({by} naming its "
+                f"tool_call_id). Name in {what} only the calls the turn {verb}; nothing was "
+                "stored"
+            )
 
 
 def _answers_to(answers_to: Mapping[str, str] | None) -> dict[str, str]:

@@ -266,8 +266,9 @@ def _not_resolvable(
 ) -> Conflict:
     """Why an answer to the prompt `request_id` matched nothing (`resolve_hitl`): the prompt,
     pending or open (holding calls no answer released, `held`) while another is the pending
-    one, holds none of the calls it names, asked again since the answer was read (after a
-    named call was made) or holding others; or no prompt of the id is open."""
+    one, holds none of the calls it names, asked again since the answer was read (a prompt
+    of the id asked after a named call was made, then this one: `asked_again`) or holding
+    others; or no prompt of the id is open."""
     asked = pending is not None and pending.request_id == request_id
     if asked or held:
         where = f"in conversation {conversation_id!r}"
@@ -1253,9 +1254,11 @@ class ConversationStore:
     async def _asked_after(
         self, conversation_id: str, pending: PendingHitl | None, concerns: Sequence[CallKey] | None
     ) -> bool:
-        """Whether the `pending` prompt was asked after one of the calls `concerns` names was
-        made in the conversation (by that very message when it is named): an answer read
-        before it was asked again. One lookup of the prompt's message, one more if stored."""
+        """Whether the `pending` prompt asks its request id again since one of the calls
+        `concerns` names was made (by that very message when it is named): a prompt of the
+        id was asked between that call and it, so an answer read then was read before this
+        question. A prompt asked once, after the call, was not asked again. One lookup of
+        the prompt's message, two more if stored."""
         if pending is None or not concerns:
             return False
         with storage_errors("read the pending prompt"):
@@ -1264,7 +1267,15 @@ class ConversationStore:
                 return False
             made = [{"tool_calls.id": c, **({} if m is None else {"_id": m})} for c, m in concerns]
             query = {"conversation_id": conversation_id, "seq": {"$lt": prompt["seq"]}}
-            return await self._messages.find_one({**query, "$or": made}, {"_id": 1}) is not None
+            found = await self._messages.find(
+                {**query, "$or": made}, {"seq": 1}, sort=[("seq", -1)], limit=1
+            ).to_list(None)
+            if not found:
+                return False
+            between = {"$gt": found[0]["seq"], "$lt": prompt["seq"]}
+            asked = {"conversation_id": conversation_id, "seq": between}
+            asked["hitl_action.request_id"] = pending.request_id
+            return await self._messages.find_one(asked, {"_id": 1}) is not None
 
     async def _resolved_in_legacy(self, conversation_id: str, request_id: str) -> None:
         """The answer's dual write (`LegacySource.prompt_resolved`): its legacy prompt marked

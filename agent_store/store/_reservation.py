@@ -1204,6 +1204,35 @@ def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
     return {"pending_calls": _answering(plan, kept), "pending_hitl": hitl}
 
 
+def held_calls_kept(plan: TurnPlan) -> dict[str, Any]:
+    """A filter matching a conversation where the turn's calls push no call a prompt holds,
+    no answer having released it (`resolved_hitl`, `approved_calls`), off `pending_calls`
+    (the newest `PENDING_CALLS_KEPT`, `_pending_state`): an answer to a prompt releases the
+    calls the list holds, so one it dropped would stay held where no approval reaches it."""
+    calls = {"$ifNull": ["$pending_calls", literal([])]}
+    same = {"$eq": [_taken(calls, plan.answered_calls), False]}
+    left = {"$filter": {"input": calls, "as": "call", "cond": same}}
+    left = _holding_named(_held_by(left, plan.holds_pending), plan.named_holds)
+    opened = literal([call.model_dump() for call in plan.opened_calls[-PENDING_CALLS_KEPT:]])
+    every = {"$concatArrays": [left, opened]}
+    # What the list keeps, by key (a call's message and id tell it from every other): a
+    # constant count, which every server takes in `$slice`.
+    kept = {"$slice": ["$$every", -PENDING_CALLS_KEPT]}
+    kept_keys = {"$map": {"input": kept, "as": "k", "in": _call_key("k")}}
+    holder = {"$ifNull": ["$$call.request_id", None]}
+    held = {
+        "$and": [
+            {"$eq": [{"$in": [_call_key("call"), kept_keys]}, False]},
+            {"$ne": [holder, None]},
+            {"$eq": [{"$in": [holder, _kept("resolved_hitl", [])]}, False]},
+            {"$eq": [{"$in": [_call_key("call"), _approval_keys(held_again=False)]}, False]},
+        ]
+    }
+    unreleased = {"$filter": {"input": "$$every", "as": "call", "cond": held}}
+    count = {"$let": {"vars": {"every": every}, "in": {"$size": unreleased}}}
+    return {"$expr": _answering(plan, {"$eq": [count, 0]})}
+
+
 def _answering(plan: TurnPlan, expression: dict[str, Any]) -> dict[str, Any]:
     """`expression`, which may look a call up among those the turn answers (`_taken`), with
     their ids bound to `$$answered`: once, sorted, each id once."""

@@ -31,6 +31,7 @@ from agent_store.core import (
     TurnRecord,
     Usage,
     describe_validation_error,
+    listed,
     messages_adapter,
     shown,
     tool_outcome,
@@ -690,6 +691,7 @@ def plan_turn(
     _, asked = _holders(sources)
     if not copied:  # a fork sets its own pending calls and approvals: no name reaches it
         _check_named(asked)
+        _check_held_listed(opened_calls)
     return TurnPlan(
         conversation_id=conversation_id,
         turn_id=turn_id,
@@ -755,6 +757,46 @@ def _check_named(asked: Mapping[str, Sequence[int]]) -> None:
             f"invalid turn: {named:,} calls of earlier turns named by its prompts; one turn's "
             f"prompts name at most {MAX_TURN_NAMED_CALLS:,} (log them over several turns)"
         )
+
+
+def held_off_list(
+    plan: TurnPlan, calls: Sequence[PendingCall], released: Collection[tuple[str, str]]
+) -> list[PendingCall]:
+    """The pending calls `calls` (as stored) a prompt holds that the turn would push off the
+    bounded list, no answer having released them (`released`: their keys, or their holders
+    resolved): what `_reservation.held_calls_kept` refuses, as the conversation stands."""
+    _, left = taking_answers(calls, plan.answered_calls)
+    every = holding_named(held_by(left, plan.holds_pending), plan.named_holds)
+    every += plan.opened_calls[-PENDING_CALLS_KEPT:]
+    dropped = every[: max(len(every) - PENDING_CALLS_KEPT, 0)]
+    return [
+        c
+        for c in dropped
+        if c.request_id is not None and (c.tool_call_id, c.message_id) not in released
+    ]
+
+
+def _check_held_listed(opened: Sequence[PendingCall]) -> None:
+    """InvalidInput for a turn leaving more calls pending than `pending_calls` keeps (the
+    newest `PENDING_CALLS_KEPT`) while a prompt holds one of those the list drops: an
+    answer to that prompt releases the calls it lists only, so an approval would not reach
+    that call (a later denial of it would be stored as its answer)."""
+    dropped = [c for c in opened[:-PENDING_CALLS_KEPT] if c.request_id is not None]
+    if not dropped:
+        return
+    by_prompt: dict[str, list[str]] = {}
+    for call in dropped:
+        by_prompt.setdefault(str(call.request_id), []).append(call.tool_call_id)
+    (first, ids), *others = by_prompt.items()
+    holds = f"prompt {shown(first)} holds {listed(ids, shown)}"
+    if others:
+        holds += f" (and {len(others)} more prompts hold calls)"
+    raise InvalidInput(
+        f"invalid turn: it leaves {len(opened):,} calls pending, and pending_calls keeps the "
+        f"newest {PENDING_CALLS_KEPT} (PENDING_CALLS_KEPT), where an answer to a prompt "
+        f"releases the calls it holds; {holds}, older than those. Log the calls over several "
+        "turns, or name (tool_call_ids) the calls each prompt holds among the newest"
+    )
 
 
 def tool_calls_made(messages: Sequence[AgentMessage]) -> int:
