@@ -20,10 +20,11 @@ def etag_headers(conversation: Conversation) -> dict[str, str]:
 
 def version_named(headers: Headers) -> str | None:
     """The version an `If-Match` header names: None when it is absent or `*` (any
-    conversation), the tag of an ETag as served (its quotes may be left out), else the
-    header as sent, which no conversation's version is: a weak tag never matches under
-    If-Match's strong comparison, and a list of tags is not taken: one written across
-    several header lines too, which HTTP reads as one list."""
+    conversation, where there is one: a route finds it or answers 404), the tag of an ETag
+    as served (its quotes may be left out), else the header as sent, which no
+    conversation's version is: a weak tag never matches under If-Match's strong comparison,
+    and a list of tags is not taken: one written across several header lines too, which
+    HTTP reads as one list."""
     lines = headers.getlist("if-match")
     value = ", ".join(lines) if lines else None
     if value is None or value.strip() == "*":

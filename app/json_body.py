@@ -5,7 +5,8 @@ only fails once stored: nesting deep enough to exhaust the parser's recursion,
 more values than a request may make the service validate and store, integers
 MongoDB cannot hold (BSON keeps 64 bits), numbers that parse to infinity (JSON
 responses cannot carry them back), a key named twice in one object (readers
-disagree on which value counts).
+disagree on which value counts), a lone UTF-16 surrogate escaped (`"\\ud800"`: no text,
+which the parser would refuse in words of its own, not naming where it is).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from __future__ import annotations
 import codecs
 import json
 import math
+import re
 from typing import Any, TypeVar
 
 from agent_store.core import location_text, shown_key
+from agent_store.store import storable
 from app.http_errors import InvalidJson, InvalidRequest, PayloadTooLarge
 
 MAX_BODY_DEPTH = 64
@@ -145,6 +148,27 @@ def _holds_too_many_values(raw: bytes) -> bool:
     return _values_in(unescaped) > MAX_BODY_VALUES
 
 
+_LONE_HALF = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)
+"""An escape of a UTF-16 half that no escape of the other half pairs with (an escaped
+backslash before it is a false alarm, which costs one walk)."""
+
+
+def _name_the_lone_surrogate(document: dict[str, Any]) -> None:
+    """InvalidInput naming the first string (a key too) holding a lone UTF-16 surrogate, as
+    the store words it (`storable`): a turn's message as the store names it (`message 0`),
+    any other value by its field."""
+    for key, value in document.items():
+        storable(key, "body key")
+        if key == "messages" and isinstance(value, list):
+            for index, message in enumerate(value):
+                storable(message, f"message {index}")
+        else:
+            storable(value, shown_key(key))
+
+
 def decode_body(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object within the rules above; InvalidJson, InvalidRequest or
     PayloadTooLarge if not.
@@ -186,4 +210,6 @@ def decode_body(raw: bytes) -> dict[str, Any]:
         raise InvalidJson(f"the body nests deeper than {MAX_BODY_DEPTH} levels")
     if numbers.refused:
         _name_the_number(document)
+    if _LONE_HALF.search(raw):
+        _name_the_lone_surrogate(document)
     return document

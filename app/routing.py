@@ -171,6 +171,23 @@ async def parse_body(request: Request, model: type[B], limit: int) -> B:
         raise InvalidRequest(describe_validation_error(exc, subject="body")) from exc
 
 
+_JSON_WHITE_SPACE = b" \t\r\n"
+
+
+async def _no_body(endpoint: Endpoint, request: Request, limit: int) -> NoBody:
+    """What a route that takes no body reads: an empty one (no bytes, or only white space).
+    Any other is refused, not passed over (a client may think it asked for something):
+    415 when it is not JSON, as a body elsewhere, else 422."""
+    raw = await read_body(request, limit)
+    if not raw.strip(_JSON_WHITE_SPACE):
+        return NoBody()
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    refusal = f"{endpoint.method} {endpoint.path} takes no body: send the request without one"
+    if media_type != "application/json":
+        raise UnsupportedMediaType(f"{refusal} (a body must be application/json where one is)")
+    raise InvalidRequest(f"{refusal} (its options, if any, are query parameters)")
+
+
 async def _run(endpoint: Endpoint, request: Request) -> Response:
     state = request.app.state
     caller = Caller(service="")
@@ -180,7 +197,10 @@ async def _run(endpoint: Endpoint, request: Request) -> Response:
     query = parse_query(request, endpoint.query)
     _refuse_unread_headers(endpoint, request)
     limit = state.max_turn_bytes if endpoint.carries_turns else state.max_request_bytes
-    body = NoBody() if endpoint.body is NoBody else await parse_body(request, endpoint.body, limit)
+    if endpoint.body is NoBody:
+        body: BaseModel = await _no_body(endpoint, request, limit)
+    else:
+        body = await parse_body(request, endpoint.body, limit)
     call = Call(request, state.store, caller, path, query, body)
     await _evaluate_if_match(endpoint, call)
     return await endpoint.handler(call)
@@ -208,17 +228,21 @@ def _refuse_unread_headers(endpoint: Endpoint, request: Request) -> None:
 
 
 async def _evaluate_if_match(endpoint: Endpoint, call: Call[Any, Any]) -> None:
-    """The conversation's version `If-Match` names (`version_named`; absent or `*`: any),
-    checked before a route naming one conversation does anything, as DELETE checks it: 412
-    `precondition_failed` when the conversation under the id is another, 404 when there is
-    none (one round trip). A route whose store call checks it (`checks_version`) is left
-    to do so with its write."""
-    version = version_named(call.request.headers)
-    if version is None or not endpoint.if_match or endpoint.checks_version:
+    """The conversation's version `If-Match` names (`version_named`), checked before a route
+    naming one conversation does anything, as DELETE checks it: 412 `precondition_failed`
+    when the conversation under the id is another, 404 when there is none (one round trip).
+    `*` names any conversation, but one (RFC 9110 13.1.1: it is false where there is none):
+    404 too when there is none, so a turn sent with it never creates its conversation. A
+    route whose store call checks it (`checks_version`) is left to do so with its write."""
+    headers = call.request.headers
+    if "if-match" not in headers or not endpoint.if_match or endpoint.checks_version:
         return
-    await call.store.conversations.require_version(
-        call.conversation_id, version, user_id=call.scope
-    )
+    version = version_named(headers)
+    conversations = call.store.conversations
+    if version is None:  # `*`
+        await conversations.get_conversation(call.conversation_id, user_id=call.scope)
+    else:
+        await conversations.require_version(call.conversation_id, version, user_id=call.scope)
 
 
 def routes_of(endpoints: Sequence[Endpoint]) -> list[BaseRoute]:

@@ -105,14 +105,18 @@ def _value(value: Any) -> str:
     return json.dumps(value, sort_keys=True, ensure_ascii=False, default=repr)
 
 
-def _upload(upload: Any) -> str:
-    """An upload's line: every field, its parsed text too (content a reader may not see)."""
+def _upload(upload: Any, *, context_kept: bool = False) -> str:
+    """An upload's line: every field, its parsed text too (content a reader may not see), its
+    runtime context left out when a problem keeps the turn's (`context_kept`, as `_shown`)."""
     try:
         found = FileUpload.model_validate(upload)
     except ValidationError:
         return f"upload: {upload!r}"
     line = f"upload: {found.filename} ({found.file_type}, {found.size} B)"
-    return line if found.parsed_text is None else f"{line} parsed {_value(found.parsed_text)}"
+    if found.parsed_text is None:
+        return line
+    parsed = strip_runtime_context(found.parsed_text) if context_kept else found.parsed_text
+    return f"{line} parsed {_value(parsed)}"
 
 
 def _prompt(action: Any, text: str | None, params: Any) -> str:
@@ -198,7 +202,8 @@ def _turn_lines(
         lines.append(f"system: {text or ''}")
     elif text and (shown := _shown(text, legacy_id, skipped)):
         lines.append(f"user: {shown}")
-    lines += [_upload(u) for u in _uploads(turn, legacy_id, skipped)]
+    kept = legacy_id in skipped.contexts
+    lines += [_upload(u, context_kept=kept) for u in _uploads(turn, legacy_id, skipped)]
     parts = [(i, p) for i, p in turn_parts(turn) if (legacy_id, i) not in skipped.parts]
     lines += [line for _, part in parts if (line := _part_line(part)) is not None]
     return lines, calls.turn_results(parts)

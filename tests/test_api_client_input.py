@@ -389,6 +389,113 @@ async def test_a_body_in_the_identity_content_encoding_is_read(api: Served, enco
     assert response.status_code == 201, response.text
 
 
+# -- lone surrogates -----------------------------------------------------------------------
+
+
+def lone_half(where: str, escape: str) -> str:
+    return (
+        f"invalid {where}: it holds a lone UTF-16 surrogate ({escape}), half of a character "
+        "and no text: text must be valid Unicode"
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "body", "words"),
+    [
+        pytest.param("POST", TURNS, b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+                     lone_half("message 0.content", "\\ud800"), id="high-in-content"),
+        pytest.param("POST", TURNS, b'{"messages": [{"role": "user", "content": "a\\uDC00"}]}',
+                     lone_half("message 0.content", "\\udc00"), id="low-in-content"),
+        pytest.param("POST", TURNS, b'{"messages": [{"role": "user", "content": "x"}, '
+                     b'{"role": "assistant", "content": "\\ud83d", "error": null}]}',
+                     lone_half("message 1.content", "\\ud83d"), id="second-message"),
+        pytest.param("POST", TURNS, b'{"messages": [{"role": "user", "content": "x", "native": '
+                     b'{"format": "x", "set": {"\\ud800": 1}}}]}',
+                     lone_half("message 0.native.set key", "\\ud800"), id="key-in-native"),
+        pytest.param("POST", TURNS, b'{"messages": [{"role": "user", "content": "x", "native": '
+                     b'{"format": "x", "set": {"<b>k</b>": ["\\udbff"]}}}]}',
+                     lone_half("message 0.native.set.<key>.0", "\\udbff"), id="under-a-key"),
+        pytest.param("POST", TURNS, b'{"turn_id": "\\ud800", "messages": [{"role": "user", '
+                     b'"content": "x"}]}', lone_half("turn_id", "\\ud800"), id="turn-id"),
+        pytest.param("PATCH", CONV, b'{"name": "Trip \\udfff"}', lone_half("name", "\\udfff"),
+                     id="rename"),
+        pytest.param("POST", f"{CONV}/turns/run-1/inbox/messages",
+                     b'{"message": {"role": "user", "content": "\\ud800\\ud800"}}',
+                     lone_half("message.content", "\\ud800"), id="delivery"),
+    ],
+)  # fmt: skip
+async def test_a_lone_surrogate_in_a_body_is_refused_naming_where_it_is_in_the_stores_words(
+    api: Served, method: str, url: str, body: bytes, words: str
+) -> None:
+    """Not the parser's words ("unexpected end of hex escape", a low half called "leading"):
+    a turn's message is named as the store names it, any other value by its field."""
+    assert (await api.http.post(f"{CONV}/turns/run-1/inbox", headers=SERVICE)).status_code == 200
+    assert await refused(api, method, url, body, 422) == words
+
+
+async def test_a_surrogate_pair_escaped_in_a_body_is_one_character(api: Served) -> None:
+    content = b'"\\ud83d\\ude00 \\\\ud800"'  # a pair, and a backslash before `ud800`
+    body = b'{"turn_id": "t-pair", "messages": [{"role": "user", "content": ' + content + b"}]}"
+    response = await api.http.post(TURNS, content=body, headers=JSON)
+    assert response.status_code == 201, response.text
+    assert response.json()["messages"][0]["content"] == "\U0001f600 \\ud800"
+
+
+# -- routes that take no body ----------------------------------------------------------------
+
+NO_BODY_ROUTES = [
+    pytest.param("DELETE", CONV, "/v1/conversations/{conversation_id}", id="delete-conversation"),
+    pytest.param("DELETE", f"/v1/users/{OWNER}", "/v1/users/{user_id}", id="erase-user"),
+    pytest.param(
+        "POST",
+        f"{CONV}/turns/run-9/inbox",
+        "/v1/conversations/{conversation_id}/turns/{turn_id}/inbox",
+        id="open-inbox",
+    ),
+    pytest.param("GET", CONV, "/v1/conversations/{conversation_id}", id="get-conversation"),
+]
+
+
+@pytest.mark.parametrize(("method", "url", "route"), NO_BODY_ROUTES)
+@pytest.mark.parametrize(
+    "content", [b'{"dry_run": true}', b'{"messages_only": true}', b"{}", b"[]", b"x"]
+)
+async def test_a_body_sent_to_a_route_that_takes_none_is_refused_with_422(
+    api: Served, method: str, url: str, route: str, content: bytes
+) -> None:
+    """Not passed over: `DELETE /v1/users/{id}` with `{"dry_run": true}` erased everything."""
+    message = await refused(api, method, url, content, 422)
+    assert message == (
+        f"{method} {route} takes no body: send the request without one (its options, if any, "
+        "are query parameters)"
+    )
+
+
+@pytest.mark.parametrize(("method", "url", "route"), NO_BODY_ROUTES)
+async def test_a_body_that_is_no_json_sent_to_a_route_that_takes_none_is_refused_with_415(
+    api: Served, method: str, url: str, route: str
+) -> None:
+    before = await api.digest()
+    headers = SERVICE | {"Content-Type": "text/plain"}
+    response = await api.http.request(method, url, content=b"not json at all", headers=headers)
+    assert (response.status_code, response.json()["error"]["code"]) == (
+        415,
+        "unsupported_media_type",
+    ), response.text
+    assert f"{method} {route} takes no body" in response.json()["error"]["message"]
+    assert await api.digest() == before
+
+
+@pytest.mark.parametrize("content", [b"", b" \r\n\t "])
+@pytest.mark.parametrize("content_type", ["application/json", "text/plain", None])
+async def test_an_empty_body_is_no_body(
+    api: Served, content: bytes, content_type: str | None
+) -> None:
+    headers = SERVICE | ({"Content-Type": content_type} if content_type else {})
+    response = await api.http.request("DELETE", CONV, content=content, headers=headers)
+    assert response.status_code == 200, response.text
+
+
 # -- names -----------------------------------------------------------------------------------
 
 

@@ -296,6 +296,50 @@ async def test_a_turn_or_fork_naming_an_earlier_conversations_etag_is_refused(
     assert logged.status_code == 201, logged.text
 
 
+MISSING = "/v1/conversations/missing-if-match"
+
+
+@pytest.mark.parametrize("caller", [None, OWNER], ids=["a service", "a user's token"])
+@pytest.mark.parametrize(
+    "route", [*NAMING_ONE_CONVERSATION, "open an inbox", "rename", "delete", "log with a key"]
+)
+async def test_if_match_any_on_a_conversation_that_does_not_exist_is_404_and_creates_nothing(
+    api: Served, route: str, caller: str | None
+) -> None:
+    """`If-Match: *` holds only where there is a conversation (RFC 9110 13.1.1): on an id
+    naming none it is 404, as a tag is (to a user's token too, on a service's route), and
+    nothing is created (a turn was stored, 201)."""
+    method, url, body = {
+        **NAMING_ONE_CONVERSATION,
+        "open an inbox": ("POST", INBOX, None),
+        "rename": ("PATCH", CONV, {"name": "Renamed"}),
+        "delete": ("DELETE", CONV, None),
+        "log with a key": ("POST", f"{CONV}/turns", {"messages": AGAIN["messages"]}),
+    }[route]
+    url = url.replace(CONV, MISSING).replace(f"/{OWNER_HITL_CONVERSATION}/", "/missing-if-match/")
+    headers = auth_headers(user=caller) | {"If-Match": "*", "Idempotency-Key": "k-1"}
+    if route != "log with a key":
+        del headers["Idempotency-Key"]
+    before = await api.digest()
+
+    response = await api.http.request(method, url, json=body, headers=headers)
+
+    assert (response.status_code, error_code(response)) == (404, "not_found"), response.text
+    assert await api.digest() == before
+
+
+@pytest.mark.parametrize("route", [*NAMING_ONE_CONVERSATION, "open an inbox", "rename"])
+async def test_if_match_any_on_a_conversation_that_exists_is_met(api: Served, route: str) -> None:
+    method, url, body = {
+        **NAMING_ONE_CONVERSATION,
+        "open an inbox": ("POST", f"{CONV}/turns/run-any/inbox", None),
+        "rename": ("PATCH", CONV, {"name": "Renamed"}),
+    }[route]
+    assert (await api.http.post(INBOX, headers=SERVICE)).status_code == 200
+    response = await api.http.request(method, url, json=body, headers=SERVICE | {"If-Match": "*"})
+    assert response.is_success, response.text
+
+
 @pytest.mark.parametrize(
     ("method", "url", "body"),
     [

@@ -277,3 +277,43 @@ async def test_a_runtimes_history_never_stores_hidden_context_cut_across_its_par
     stored = json.dumps(await backend.db[MESSAGES].find({}).to_list(None), default=str)
     assert [s for s in re.findall(r"s3cr3t\d{7}", text) if s in stored] == []
     assert "RUNTIMECON" not in stored.replace(" ", "")
+
+
+async def test_a_user_messages_native_form_and_upload_text_store_no_hidden_context(
+    backend: Backend,
+) -> None:
+    block = f"{START}plan=gold {S1}{END}"
+    native = {"type": "message", "content": [{"type": "input_text", "text": block + "Hi"}]}
+    turn = [
+        {
+            "role": "user",
+            "content": block + "book a table",
+            "native": {"format": "openai-agents", "set": native},
+        },
+        {"role": "user", "content": "see file", "native": {"format": "x", "set": {"t": block}}},
+        {
+            "role": "user",
+            "content": None,
+            "upload": {
+                "filename": "a.txt",
+                "file_type": "text/plain",
+                "size": 3,
+                "parsed_text": block + "file text",
+            },
+        },
+    ]
+    logger = AgentMessageLogger(backend.db)
+    first = await logger.log_messages(CID, turn, turn_id="t1")
+    again = await logger.log_messages(CID, turn, turn_id="t1")
+
+    stored = json.dumps(await backend.db[MESSAGES].find({}).to_list(None), default=str)
+    assert S1 not in stored
+    assert "RUNTIME CONTEXT" not in stored
+    assert [m.native.set if m.native else None for m in first.messages[:2]] == [
+        {"content": [{"type": "input_text", "text": "Hi"}], "type": "message"},
+        {"t": ""},
+    ]
+    assert first.messages[2].upload is not None
+    assert first.messages[2].upload.parsed_text == "file text"
+    assert again.replayed
+    assert again.messages == first.messages

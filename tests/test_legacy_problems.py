@@ -32,7 +32,7 @@ from agent_store.legacy import (
     with_session_prompts,
 )
 from agent_store.store import CONVERSATIONS, MESSAGES
-from migrations.transcript import from_legacy
+from migrations.transcript import from_legacy, from_messages
 from scripts.legacy_corpus import MESSY_START, NOT_AN_IDENTIFIER, messy_corpus
 from tests.conftest import Backend
 
@@ -1236,6 +1236,34 @@ def test_runtime_context_a_legacy_user_message_held_is_kept_in_an_unplaced_probl
     assert [(p.kind, p.legacy_id, p.field, p.placed, p.content) for p in conversion.problems] == [
         ("hidden_runtime_context", "t-1", "user_message", False, hidden)
     ]
+
+
+@pytest.mark.parametrize("where", ["upload_result", "response_parts"])
+def test_runtime_context_a_legacy_uploads_parsed_text_held_is_kept_in_an_unplaced_problem(
+    where: str,
+) -> None:
+    """An upload's parsed text is text of the user's message too: it keeps what the user
+    saw, and what is stripped is kept, as written, in a `hidden_runtime_context` problem;
+    the transcript `verify` compares leaves it out of the legacy side as well."""
+    upload = {"filename": "a.txt", "file_type": "text/plain", "size": 3,
+              "parsed_text": f"{HIDDEN} file text"}  # fmt: skip
+    answer: list[dict[str, Any]] = [{"type": "text", "content": "hi"}]
+    turn = {"_id": "t-1", "conversation_id": "c-ctx", "created_at": MESSY_START,
+            "user_message": "see", "response_parts": answer}  # fmt: skip
+    if where == "upload_result":
+        turn["upload_result"] = upload
+    else:
+        answer.insert(0, {"type": "file_upload", **upload})
+    conversion = convert([turn])
+
+    uploads = [m.upload for m in conversion.messages if m.upload is not None]
+    assert [u.parsed_text for u in uploads] == ["file text"]
+    index = None if where == "upload_result" else 0
+    assert [(p.kind, p.field, p.part_index, p.placed, p.content) for p in conversion.problems] == [
+        ("hidden_runtime_context", where, index, False, HIDDEN)
+    ]
+    legacy = from_legacy(parse_turns([turn]), conversion.problems)
+    assert legacy.lines == from_messages(conversion.messages).lines
 
 
 def test_runtime_context_markers_in_a_system_turn_are_no_problem() -> None:

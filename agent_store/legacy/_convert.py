@@ -710,6 +710,9 @@ class _Converter:
             if valid is None:
                 continue
             checked = valid.model_dump()
+            if valid.parsed_text:
+                where = "upload_result" if upload_index is None else "response_parts"
+                self._check_runtime_context(turn, valid.parsed_text, where, upload_index)
             first = items[0] if items else None
             if isinstance(first, dict) and first["role"] == "user" and "upload" not in first:
                 first["upload"] = checked
@@ -717,18 +720,29 @@ class _Converter:
                 items.append({"role": "user", "content": None, "upload": checked, "created_at": at})
         return items
 
-    def _check_runtime_context(self, turn: LegacyTurn, text: str) -> None:
-        """Hidden runtime context in the user's text: the message keeps only what the user saw
-        (DESIGN §3: the store strips it, `plan_turn`), so what is stripped, as written, is
-        kept in a problem no message holds (`HIDDEN_RUNTIME_CONTEXT`)."""
+    def _check_runtime_context(
+        self,
+        turn: LegacyTurn,
+        text: str,
+        field: str = "user_message",
+        part_index: int | None = None,
+    ) -> None:
+        """Hidden runtime context in the user's text (an upload's parsed text too, in `field`,
+        at `part_index`): the message keeps only what the user saw (DESIGN §3: the store
+        strips it, `plan_turn`), so what is stripped, as written, is kept in a problem no
+        message holds (`HIDDEN_RUNTIME_CONTEXT`)."""
         hidden = split_runtime_context(text, self.rules.markers)[1]
         if hidden:
+            what = field if field == "user_message" else f"the parsed_text of {field}"
+            if part_index is not None:
+                what += f" {part_index}"
             self.problem(
                 turn,
                 HIDDEN_RUNTIME_CONTEXT,
-                "user_message holds runtime context the user did not see; the message keeps "
+                f"{what} holds runtime context the user did not see; the message keeps "
                 "only the text they saw",
-                field="user_message",
+                field=field,
+                part_index=part_index,
                 content=hidden,
             )
 

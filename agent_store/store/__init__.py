@@ -87,6 +87,7 @@ from agent_store.store._text import (
     strip_runtime_context,
     strip_runtime_context_blocks,
     strip_runtime_context_pieces,
+    without_runtime_context,
 )
 from agent_store.store._truncation import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -115,6 +116,7 @@ from agent_store.store._turns import (
     turn_key,
     validate_identifier,
 )
+from agent_store.store._values import storable
 
 __all__ = [
     "BLOB_BUCKET",
@@ -205,6 +207,7 @@ __all__ = [
     "shorten",
     "shows_nothing",
     "split_runtime_context",
+    "storable",
     "storage_errors",
     "stored_blob_ids",
     "stored_turn_record",
@@ -217,4 +220,5 @@ __all__ = [
     "validate_identifier",
     "with_retries",
     "with_texts",
+    "without_runtime_context",
 ]

@@ -137,6 +137,40 @@ def strip_runtime_context_blocks(
     return blocks
 
 
+def _stripped_value(value: Any, markers: RuntimeContextMarkers) -> Any:
+    """A plain JSON value with hidden runtime context removed from every string in it: a
+    list's texts as one prompt (`strip_runtime_context_blocks`), then each item's own."""
+    if isinstance(value, str):
+        return strip_runtime_context(value, markers)
+    if isinstance(value, list):
+        blocks = strip_runtime_context_blocks(value, markers)
+        return [b if isinstance(b, str) else _stripped_value(b, markers) for b in blocks]
+    if isinstance(value, Mapping):
+        return {key: _stripped_value(item, markers) for key, item in value.items()}
+    return value
+
+
+def without_runtime_context(
+    message: AgentMessage, markers: RuntimeContextMarkers = DEFAULT_MARKERS
+) -> AgentMessage:
+    """A user message with hidden runtime context removed from every text it stores: its
+    content, its upload's parsed text and each string of its `native` form. What holds no
+    marker is kept as it is; any other message comes back as it is."""
+    if message.role != "user":
+        return message
+    update: dict[str, Any] = {}
+    if message.content and _has_marker(message.content, markers):
+        update["content"] = strip_runtime_context(message.content, markers)
+    upload = message.upload
+    if upload is not None and upload.parsed_text and _has_marker(upload.parsed_text, markers):
+        parsed = strip_runtime_context(upload.parsed_text, markers)
+        update["upload"] = upload.model_copy(update={"parsed_text": parsed})
+    native = message.native
+    if native is not None and (kept := _stripped_value(native.set, markers)) != native.set:
+        update["native"] = native.model_copy(update={"set": kept})
+    return message.model_copy(update=update) if update else message
+
+
 def collapse_whitespace(text: str) -> str:
     """Runs of white space as one space, none at either end.
 

@@ -44,7 +44,7 @@ from agent_store.store._text import (
     message_text,
     search_text,
     shorten,
-    strip_runtime_context,
+    without_runtime_context,
 )
 from agent_store.store._truncation import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -653,14 +653,6 @@ def _check_tool_pairing(messages: Sequence[AgentMessage]) -> None:
             answered.add(call_id)
 
 
-def _clean(message: AgentMessage, rules: TurnRules) -> AgentMessage:
-    if message.role == "user" and message.content:
-        stripped = strip_runtime_context(message.content, rules.markers)
-        if stripped != message.content:
-            message = message.model_copy(update={"content": stripped})
-    return message
-
-
 def plan_turn(
     conversation_id: str,
     raw_messages: Sequence[AgentMessage | Mapping[str, Any]],
@@ -723,7 +715,7 @@ def _dumped(
     parsed: Sequence[AgentMessage], rules: TurnRules
 ) -> tuple[list[AgentMessage], list[dict[str, Any]], str]:
     """The messages cleaned, the one dump of each, and their content as one text."""
-    messages = [_clean(m, rules) for m in parsed]
+    messages = [without_runtime_context(m, rules.markers) for m in parsed]
     documents = [m.model_dump(by_alias=True) for m in messages]
     return messages, documents, _canonical(documents)
 

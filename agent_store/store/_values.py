@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from agent_store.core import InvalidInput
+from agent_store.core import InvalidInput, shown_key
 
 EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
 """No stored time is before this."""
@@ -32,9 +32,10 @@ def _joined(text: str, where: str) -> str:
         return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le")
     except UnicodeDecodeError as exc:
         lone = next(c for c in text if "\ud800" <= c <= "\udfff")
+        escape = lone.encode("unicode_escape").decode()
         raise InvalidInput(
-            f"invalid {where}: it holds a lone surrogate ({lone.encode('unicode_escape').decode()})"
-            "; text must be valid Unicode"
+            f"invalid {where}: it holds a lone UTF-16 surrogate ({escape}), half of a character "
+            "and no text: text must be valid Unicode"
         ) from exc
 
 
@@ -69,7 +70,7 @@ def storable(value: Any, where: str) -> Any:
 
     A value whose strings are all valid already comes back as it is, after one walk
     that names no path. Raises InvalidInput naming the path of a string that cannot be
-    stored.
+    stored (a key that is no plain name shown as `<key>`: an error never repeats input).
     """
     if _plain(value):
         return value
@@ -77,7 +78,7 @@ def storable(value: Any, where: str) -> Any:
         return _joined(value, where)
     if isinstance(value, Mapping):
         return {
-            storable(key, f"{where} key"): storable(item, f"{where}.{key}")
+            storable(key, f"{where} key"): storable(item, f"{where}.{shown_key(str(key))}")
             for key, item in value.items()
         }
     if isinstance(value, list | tuple):
