@@ -190,7 +190,7 @@ def _verify_batch(
     result: Verification,
     batch: list[Any],
     undated_at: datetime | None,
-    moved_at: datetime | None,
+    moved_at: dual_writes.Moves | None,
 ) -> None:
     """Compare one batch of conversations, adding what it finds to `result`."""
     held: list[dict[str, Any]] = []
