@@ -5,11 +5,11 @@ so they are looked for here: the conversations whose first message (`seq` 0) is 
 migration's (a `legacy-…` turn id, which no live turn may take; the migration writes a
 conversation's messages from `seq` 0 on) and that no legacy turn names now, by the rule the
 read fallback names a conversation's turns by (`turns_known_as`). Those with no first message
-whose document is the migration's (`writes.written_by_migration`: a run killed between a batch's
-documents and its messages, the conversation deleted meanwhile), too. And the conversations of
-the migration's messages whose document is gone and that no legacy turn names (a person
-deleted the conversation while a run wrote them): served by search, and holding the `seq`
-values a new turn under the id takes.
+whose document is the migration's (`writes.written_by_migration`: a run killed between a
+batch's documents and its messages, the conversation deleted meanwhile), too. And the
+conversations of the migration's messages whose document is gone and that no legacy turn
+names (a person deleted the conversation while a run wrote them): served by search, and
+holding the `seq` values a new turn under the id takes.
 
 A run's last step removes each (its messages, their whole texts, or every whole text kept
 under its id when it holds no message, its document and its recorded problems): their
@@ -73,8 +73,8 @@ class Abandoned:
     """How many of its messages live turns wrote (one more when its document holds turn
     records): while any, it is reported, not removed."""
     document_only: bool = False
-    """Its document is the migration's and it has no first message (`writes.written_by_migration`):
-    with no message either, its document alone is left."""
+    """Its document is the migration's and it has no first message
+    (`writes.written_by_migration`): with no message either, its document alone is left."""
 
     @property
     def reason(self) -> str:
