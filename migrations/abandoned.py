@@ -5,11 +5,11 @@ so they are looked for here: the conversations whose first message (`seq` 0) is 
 migration's (a `legacy-…` turn id, which no live turn may take; the migration writes a
 conversation's messages from `seq` 0 on) and that no legacy turn names now, by the rule the
 read fallback names a conversation's turns by (`turns_known_as`). Those with no first message
-whose document is the migration's (`_written_by_migration`: a run killed between a batch's
-documents and its messages, the conversation deleted meanwhile), too. And the conversations of
-the migration's messages whose document is gone and that no legacy turn names (a person
-deleted the conversation while a run wrote them): served by search, and holding the `seq`
-values a new turn under the id takes.
+whose document is the migration's (`writes.written_by_migration`: a run killed between a
+batch's documents and its messages, the conversation deleted meanwhile), too. And the
+conversations of the migration's messages whose document is gone and that no legacy turn
+names (a person deleted the conversation while a run wrote them): served by search, and
+holding the `seq` values a new turn under the id takes.
 
 A run's last step removes each (its messages, their whole texts, or every whole text kept
 under its id when it holds no message, its document and its recorded problems): their
@@ -30,7 +30,14 @@ from typing import Any
 from pymongo.database import Database
 
 from agent_store.core import InvalidInput
-from agent_store.legacy import LEGACY_TURNS, not_identifiers, parse_turns, turns_known_as
+from agent_store.legacy import (
+    CONVERSATION_COUNTERS,
+    LEGACY_TURNS,
+    TURN_ONLY_FIELDS,
+    not_identifiers,
+    parse_turns,
+    turns_known_as,
+)
 from agent_store.store import (
     CONVERSATIONS,
     DERIVED_CONVERSATION_PREFIX,
@@ -41,7 +48,7 @@ from migrations import full_texts
 from migrations import problems as problem_report
 from migrations.errors import MigrationError
 from migrations.explode import LEGACY_FILTER, Explosion, batches, dropped_at, turns_made_of
-from migrations.writes import is_migrated
+from migrations.writes import holds_turn_fields, is_migrated, written_by_migration
 
 CHUNK = 1000
 """Conversation documents looked at a time."""
@@ -50,6 +57,9 @@ _UNNAMED_BY_TEXT = (
     "dbPointer", "minKey", "maxKey", "javascriptWithScope",
 )  # fmt: skip
 """BSON types of a legacy conversation id that `id_filter` cannot find by the id's text."""
+_NO_TURN_FIELD = {name: {"$exists": False} for name in TURN_ONLY_FIELDS}
+"""No field only a legacy turn holds (`writes.holds_turn_fields`): a removal takes no such
+document, even one edited so since it was read."""
 
 
 @dataclass
@@ -63,8 +73,8 @@ class Abandoned:
     """How many of its messages live turns wrote (one more when its document holds turn
     records): while any, it is reported, not removed."""
     document_only: bool = False
-    """Its document is the migration's and it has no first message (`_written_by_migration`):
-    with no message either, its document alone is left."""
+    """Its document is the migration's and it has no first message
+    (`writes.written_by_migration`): with no message either, its document alone is left."""
 
     @property
     def reason(self) -> str:
@@ -120,20 +130,6 @@ def _derived_unknown(document: Mapping[str, Any]) -> bool:
     return cid.startswith(DERIVED_CONVERSATION_PREFIX) and "legacy_conversation_id" not in document
 
 
-def _written_by_migration(document: Mapping[str, Any]) -> bool:
-    """Whether a conversation document is one the migration wrote, whatever became of its
-    messages: it counts messages (the legacy turns'), yet no turn was logged to it (no turn
-    records, of either release) and it draws no `epoch`, which every document a person
-    (`upsert_conversation`, counting none) or a live turn creates draws, and the migration
-    never does (`writes.wanted_document`)."""
-    return (
-        int(document.get("message_count") or 0) > 0
-        and not document.get("turns")
-        and not document.get("recent_turns")
-        and document.get("epoch") is None
-    )
-
-
 def _migrated(
     db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]
 ) -> tuple[list[Mapping[str, Any]], set[str]]:
@@ -145,8 +141,10 @@ def _migrated(
         for m in db[MESSAGES].find(query, {"conversation_id": 1, "turn_id": 1})
     }
     made = {cid for cid, m in first.items() if is_migrated(m.get("turn_id"))}
-    bare = {d["_id"] for d in documents if d["_id"] not in first and _written_by_migration(d)}
-    return [d for d in documents if d["_id"] in made | bare], bare
+    bare = {d["_id"] for d in documents if d["_id"] not in first and written_by_migration(d)}
+    # A document holding a field only a legacy turn holds is no conversation the migration
+    # made, whatever messages its id names: never removed, and the gate names it.
+    return [d for d in documents if d["_id"] in made | bare and not holds_turn_fields(d)], bare
 
 
 def _abandoned(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]) -> list[Abandoned]:
@@ -177,8 +175,9 @@ def chunks(db: Database[dict[str, Any]]) -> Iterator[list[Abandoned]]:
     """The abandoned conversations, a chunk of `CHUNK` conversation documents at a time; then
     those of the migration's messages whose conversation document is gone (`_without_document`)."""
     fields = {
-        "_id": 1, "legacy_conversation_id": 1, "turns": 1, "recent_turns": 1, "epoch": 1,
-        "message_count": 1,
+        "_id": 1, "conversation_id": 1, "legacy_conversation_id": 1, "turns": 1,
+        "recent_turns": 1, "epoch": 1, **dict.fromkeys(CONVERSATION_COUNTERS, 1),
+        **dict.fromkeys(TURN_ONLY_FIELDS, 1),
     }  # fmt: skip
     documents = db[CONVERSATIONS].find({}, fields).sort("_id", 1)
     for chunk in batches(iter(documents), CHUNK):
@@ -244,7 +243,7 @@ def remove(run: Explosion) -> list[Abandoned]:
         # created again under its id since draws an epoch).
         kept = {"$or": [{"_id": {"$nin": bare}}, {"epoch": None}]}
         run.db[CONVERSATIONS].delete_many(
-            {"_id": {"$in": ids}, "turns.0": {"$exists": False}, **kept}
+            {"_id": {"$in": ids}, "turns.0": {"$exists": False}, **kept, **_NO_TURN_FIELD}
         )
         _forget_texts_of_removed(run.db, bare)
         problem_report.replace(run.db, ids, [], at=run.undated_at, bounds=run.options.bounds)

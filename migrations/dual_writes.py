@@ -30,7 +30,8 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from pymongo.database import Database
@@ -298,25 +299,48 @@ def _latency(messages: Sequence[AgentMessage]) -> int:
     return sum(m.latency_ms or 0 for m in messages)
 
 
+@dataclass(frozen=True)
+class Moves:
+    """When the legacy turns were moved aside (`record_move`)."""
+
+    first: datetime
+    """The first move: a live turn stored before it was logged before any attempt, while no
+    dual write copied anything (a writer without the legacy reader started its conversation
+    live: `conversation_already_live`), so it never had a copy to lose. `UNKNOWN` for a
+    state recorded before the first move was: every turn is then taken for a copied one."""
+    last: datetime
+    """The last move: an attempt's start (the first, or a second one after a rollback put
+    them back)."""
+
+
+UNKNOWN = datetime(1970, 1, 1, tzinfo=UTC)
+"""The first move of a state that did not record it (`Moves.first`)."""
+
+
 def record_move(db: Database[dict[str, Any]], held: Lease | None) -> None:
-    """Record when the legacy turns were last moved aside (`moved_at`): an attempt's start
-    (the first, or a second one after a rollback put them back). Every live turn stored
-    before it was logged during an earlier attempt, with the dual write on (the runbook's
-    rule), so its copy is in the legacy collection unless the old service deleted it
-    (`deleted`)."""
-    update = {"$set": {"moved_at": utc_now()}}
+    """Record when the legacy turns were moved aside: the last move (`moved_at`), and the
+    first (`first_moved_at`, kept). Every live turn stored between the two was logged during
+    an earlier attempt, with the dual write on (the runbook's rule), so its copy is in the
+    legacy collection unless the old service deleted it (`deleted`)."""
+    now = utc_now()
+    state = db[STATE].find_one({"_id": STATE_ID}, {"moved_at": 1}) or {}
+    first = UNKNOWN if "moved_at" in state else now  # moved before the first was recorded
+    update = {"$set": {"moved_at": now}, "$min": {"first_moved_at": first}}
     if held is None:
         db[STATE].update_one({"_id": STATE_ID}, update, upsert=True)
     else:
         held.write_state(update)  # only while the lock names this run
 
 
-def moved_at(db: Database[dict[str, Any]]) -> datetime | None:
-    """When the legacy turns were last moved aside (`record_move`); None before any run
-    recorded it."""
-    state = db[STATE].find_one({"_id": STATE_ID}, {"moved_at": 1}) or {}
-    found = state.get("moved_at")
-    return to_utc_millis(found) if isinstance(found, datetime) else None
+def moved_at(db: Database[dict[str, Any]]) -> Moves | None:
+    """When the legacy turns were first and last moved aside (`record_move`); None before
+    any run recorded a move."""
+    state = db[STATE].find_one({"_id": STATE_ID}, {"moved_at": 1, "first_moved_at": 1}) or {}
+    last, first = state.get("moved_at"), state.get("first_moved_at")
+    if not isinstance(last, datetime):
+        return None
+    first = to_utc_millis(first) if isinstance(first, datetime) else UNKNOWN
+    return Moves(first, to_utc_millis(last))
 
 
 def deleted(
@@ -324,15 +348,18 @@ def deleted(
     held: Iterable[Mapping[str, Any]],
     stored: Mapping[str, Sequence[AgentMessage]],
     conversations: Mapping[str, Mapping[str, Any]],
-    since: datetime | None,
+    since: Moves | None,
 ) -> dict[str, list[str]]:
     """The live turns stored in these conversations (`stored`, their messages by conversation)
     before the legacy turns were last moved aside (`since`, `moved_at`) whose dual-written
     copy is gone: logged with the dual write on during an earlier attempt, so the old service
     deleted the copy after a rollback (a person deleted the exchange), while the new store
     still serves it. A turn stored since is not (the dual write is unset at the end of the
-    rollback window, and turns go on), nor one of another `epoch` than its conversation's (a
-    late insert of a conversation deleted under the id). When a turn was stored is read from
+    rollback window, and turns go on), nor one stored before the first move (no attempt had
+    begun, so no dual write copied it: its conversation was live before its migration, which
+    the run records as `conversation_already_live`), nor one of another `epoch` than its
+    conversation's (a late insert of a conversation deleted under the id). When a turn was
+    stored is read from
     its turn record on the conversation's document (`conversations`, with `epoch` and
     `turns`), else its first message's time. A copy among the `held` ones is
     there; the others are looked up by the `_id` every dual write of a turn gives one of its
@@ -351,7 +378,7 @@ def deleted(
     wanted = [
         (cid, turn_id)
         for cid, turn_id, first in uncopied
-        if reserved[cid].get(turn_key(turn_id), first.created_at) < since
+        if since.first <= reserved[cid].get(turn_key(turn_id), first.created_at) < since.last
     ]
     if not wanted:
         return {}

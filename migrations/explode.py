@@ -80,7 +80,7 @@ from migrations.keys import id_key, identity
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.order import Ranges, plan_ranges, range_ids, spread_ids
 from migrations.relocate import TURN_FILTER
-from migrations.writes import Converted, is_migrated
+from migrations.writes import ALREADY_LIVE, Converted, is_migrated
 
 LEGACY_FILTER: dict[str, Any] = TURN_FILTER
 """Legacy turns, those the new logger wrote for rollback too: each read is narrowed to what
@@ -821,7 +821,7 @@ class Explosion:
                 earlier=self.earlier_problems,
             )
         counted = [p for p in found if p.conversation_id not in before]
-        self.counts.live_skipped += sum(1 for p in counted if p.kind == "conversation_already_live")
+        self.counts.live_skipped += sum(1 for p in counted if p.kind == ALREADY_LIVE)
         self.counts.add(applied, counted)
 
     def _count_read(

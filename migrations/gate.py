@@ -28,7 +28,13 @@ from typing import Any
 from pymongo.database import Database
 
 from agent_store.core import AgentMessage
-from agent_store.legacy import LEGACY_TURNS, MIXED_USER_IDS, LegacyConversion, Problem
+from agent_store.legacy import (
+    CONVERSATION_COUNTERS,
+    LEGACY_TURNS,
+    MIXED_USER_IDS,
+    LegacyConversion,
+    Problem,
+)
 from agent_store.store import CONVERSATIONS, MESSAGES, TurnRules, with_texts
 from migrations import abandoned, dual_writes, full_texts, orphan_prompts
 from migrations import problems as problem_report
@@ -36,10 +42,13 @@ from migrations.explode import batches, conversation_ids, convert_batch
 from migrations.relocate import CONVERSATION_FILTER, NEITHER_FILTER
 from migrations.verify import compare
 from migrations.writes import (
+    ALREADY_LIVE,
     CHANGED_SINCE,
     Converted,
+    already_live,
     carried_epochs,
     changed_problem,
+    counters_as_numbers,
     differs,
     document_differs,
     is_migrated,
@@ -47,6 +56,7 @@ from migrations.writes import (
     owner_after,
     popped,
     readable,
+    stored_count,
     unmerged,
     wanted_document,
 )
@@ -112,7 +122,7 @@ def _stored(
     live = {
         d["conversation_id"]: bool(d.get("placed"))
         for d in db[problem_report.PROBLEMS].find(
-            {"conversation_id": {"$in": ids}, "kind": "conversation_already_live"}
+            {"conversation_id": {"$in": ids}, "kind": ALREADY_LIVE}
         )
     }
     return _Stored(
@@ -217,7 +227,7 @@ def _reasons(
     every = {m.seq or 0: (str(m.id), m.turn_id) for m in messages}
     unplaced = list(conversion.unplaced)
     if cid in stored.live:
-        reasons = _live_reasons(item, stored.live[cid], messages, gone)
+        reasons = _live_reasons(item, stored, accepted.get(cid, []), messages, gone)
     elif unmerged(found, conversion, every, gone):
         reasons, changed = _unmerged_reasons(item, stored, accepted, every, gone)
         unplaced += changed
@@ -232,16 +242,38 @@ def _reasons(
 
 
 def _live_reasons(
-    item: Converted, held: bool, messages: list[AgentMessage], gone: set[str]
+    item: Converted,
+    stored: _Stored,
+    accepted: Sequence[str],
+    messages: list[AgentMessage],
+    gone: set[str],
 ) -> list[str]:
-    """A conversation recorded as logged to live where its legacy turns go."""
-    reasons = _differences(item, messages, gone)
-    if not held:
-        reasons.append(
-            "a live turn holds places its legacy turns convert to (see its "
-            "conversation_already_live problem); its legacy turns are not merged"
-        )
-    return reasons
+    """A conversation recorded as logged to live where its legacy turns go: it passes when its
+    live messages hold its legacy content, or, when they do not, once its
+    `conversation_already_live` problem keeps its legacy turns as they convert now (rebuilt
+    with the detail it records, `writes.already_live`, compared by `problems.held`) and an
+    operator accepted it, as MIGRATION.md lists it (not placed: work left until accepted)."""
+    cid = item.conversion.conversation_id
+    if stored.live[cid]:
+        return _differences(item, messages, gone)
+    records = [r for r in stored.recorded.get(cid, []) if r.get("kind") == ALREADY_LIVE]
+    now = [already_live(item.conversion, str(r.get("detail")), held=False) for r in records]
+    kept = problem_report.held(records, now)
+    if not kept:
+        return [
+            f"logged to live where its legacy turns go, and its {ALREADY_LIVE} problem does not "
+            "keep them as they convert now (a legacy turn edited since, or its record edited "
+            "by hand): run the migration again"
+        ]
+    if kept & Counter(accepted):
+        return []
+    return [
+        f"logged to live where its legacy turns go ({ALREADY_LIVE}: a writer without the "
+        "legacy reader logged to it before its migration, or a live turn holds places its "
+        "legacy turns convert to now), and its live messages do not hold them: they are not "
+        f"merged, and its problem keeps them (see {problem_report.PROBLEMS}); once they are "
+        f"kept elsewhere, `finish --accept {cid}`"
+    ]
 
 
 def _unmerged_reasons(
@@ -323,7 +355,14 @@ def _past_count(found: Mapping[str, Any] | None, messages: Sequence[AgentMessage
     if found is None:
         return []
     read = readable(found)
-    count = int(read.get("message_count") or 0)
+    count = stored_count(found)
+    if count is None or not counters_as_numbers(found):
+        counters = {name: found.get(name) for name in CONVERSATION_COUNTERS}
+        return [
+            f"its conversation document's counters, {counters!r}, are not stored as counts "
+            "(edited by hand?), which the next turn cannot add to: `run` writes the "
+            "migration's own document again; on one a live turn wrote to, set them as numbers"
+        ]
     past = [m for m in messages if (m.seq or 0) >= count and m.epoch in (None, read.get("epoch"))]
     if not past:
         return []
@@ -444,10 +483,10 @@ def _check_batch(
     ids: list[Any],
     accepted: dict[str, list[str]],
     undated_at: datetime | None,
-    moved_at: datetime | None,
+    moved_at: dual_writes.Moves | None,
 ) -> None:
-    """Check one batch of legacy conversations (`moved_at`: when the legacy turns were last
-    moved aside, `dual_writes.moved_at`)."""
+    """Check one batch of legacy conversations (`moved_at`: when the legacy turns were first
+    and last moved aside, `dual_writes.moved_at`)."""
     held: list[dict[str, Any]] = []
     converted, failed, _ = convert_batch(db, ids, TurnRules(), undated_at=undated_at, held=held)
     gate.conversations += len(failed)

@@ -28,7 +28,7 @@ from migrations import dual_writes, full_texts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch, undated_time
 from migrations.transcript import differences, from_legacy, from_messages, not_held
-from migrations.writes import Converted, owner_after, popped, readable
+from migrations.writes import ALREADY_LIVE, Converted, owner_after, popped, readable
 
 
 @dataclass
@@ -89,7 +89,8 @@ def compare(item: Converted, stored: list[AgentMessage], popped: Collection[str]
         return []
     return [
         "logged to live before its migration, and its live messages do not hold its legacy "
-        "turns: " + "; ".join(unheld[:5])
+        f"turns ({ALREADY_LIVE}: `run` keeps them in that problem; once they are kept "
+        f"elsewhere, `finish --accept {conversion.conversation_id}`): " + "; ".join(unheld[:5])
     ]
 
 
@@ -190,7 +191,7 @@ def _verify_batch(
     result: Verification,
     batch: list[Any],
     undated_at: datetime | None,
-    moved_at: datetime | None,
+    moved_at: dual_writes.Moves | None,
 ) -> None:
     """Compare one batch of conversations, adding what it finds to `result`."""
     held: list[dict[str, Any]] = []

@@ -38,7 +38,15 @@ from agent_store.core import (
     message_adapter,
     messages_adapter,
 )
-from agent_store.legacy import LEGACY_TURNS, LegacyConversion, LegacyTurn, Problem
+from agent_store.legacy import (
+    CONVERSATION_COUNTERS,
+    LEGACY_TURNS,
+    TURN_ONLY_FIELDS,
+    LegacyConversion,
+    LegacyTurn,
+    Problem,
+    as_count,
+)
 from agent_store.store import (
     CONVERSATIONS,
     MESSAGES,
@@ -215,6 +223,69 @@ def _leave_out(found: dict[str, Any], error: ValidationError) -> bool:
     return bool(entries or whole)
 
 
+def stored_count(document: Mapping[str, Any] | None) -> int | None:
+    """How many messages a conversation document counts (`message_count`, the next free
+    `seq`), read by one rule wherever the migration reads it (the abandoned conversations,
+    the rerun, the gate): the legacy converter's rule for a count (`as_count`: a number of
+    any BSON type, or its text in ASCII decimal digits, spaces around it aside), and whole;
+    absent or null, 0. None for a value that is no count of messages (`"n/a"`, `[1]`,
+    `"1.5"`, a bool, a negative number, blank text): edited by hand, which the caller names
+    rather than guess (no traceback)."""
+    value = (document or {}).get("message_count")
+    if value is None:
+        return 0
+    try:
+        count = as_count(value)
+    except ValueError:
+        return None
+    number = value.strip() if isinstance(value, str) else value
+    if count is None or float(number) != count:
+        return None
+    return count
+
+
+def counters_as_numbers(document: Mapping[str, Any]) -> bool:
+    """Whether a conversation document's counters (`CONVERSATION_COUNTERS`) are stored as
+    numbers, as a run and the store write them: the model reads `"2"` as 2, but the store's
+    next turn adds to them in the database (`$inc`), which refuses text, a bool or a list."""
+    return all(
+        isinstance(value, int | float) and not isinstance(value, bool)
+        for name in CONVERSATION_COUNTERS
+        if (value := document.get(name)) is not None
+    )
+
+
+def holds_turn_fields(document: Mapping[str, Any]) -> bool:
+    """Whether a document holds a field only a legacy turn holds (`TURN_ONLY_FIELDS`): no
+    conversation document the migration wrote does. One in `agent_conversations` holding a
+    conversation document's counters too is neither (`relocate.NEITHER_FILTER`): never moved
+    or converted, never removed, and named by the gate."""
+    return any(name in document for name in TURN_ONLY_FIELDS)
+
+
+def written_by_migration(document: Mapping[str, Any]) -> bool:
+    """Whether a conversation document is one the migration wrote, whatever became of its
+    messages: the one definition wherever a document is removed or taken as the migration's
+    (`abandoned`). It holds what a run writes on every document (`wanted_document`: a text
+    `_id` that is its `conversation_id`, both counters, a number of messages above 0, stored
+    as a number: `stored_count`) and no field only a legacy turn holds (`holds_turn_fields`);
+    no turn was logged to it (no turn records, of either release) and it draws no `epoch`,
+    which every document a person (`upsert_conversation`, counting none) or a live turn
+    creates draws, and the migration never does."""
+    cid = document.get("_id")
+    return (
+        isinstance(cid, str)
+        and document.get("conversation_id") == cid
+        and all(name in document for name in CONVERSATION_COUNTERS)
+        and isinstance(document["message_count"], int)
+        and (stored_count(document) or 0) > 0
+        and not holds_turn_fields(document)
+        and not document.get("turns")
+        and not document.get("recent_turns")
+        and document.get("epoch") is None
+    )
+
+
 def written_since(existing: Mapping[str, Any] | None) -> bool:
     """Whether a stored conversation document is no longer the migration's alone: the live
     logger recorded a turn in it (`turns`), or a person popped messages from it (`pops`).
@@ -295,6 +366,10 @@ def live_detail(taken: int, extent: int, after: bool) -> str:
     return f"{held} (the conversation was logged to before it was migrated)"
 
 
+ALREADY_LIVE = "conversation_already_live"
+"""The problem of a conversation logged to live where its legacy turns go (`already_live`)."""
+
+
 def _live_problem(db: Database[dict[str, Any]], item: Converted, detail: str) -> Problem:
     """A conversation logged to live where its legacy turns would go: they are not merged;
     `detail` says how it was found."""
@@ -304,11 +379,21 @@ def _live_problem(db: Database[dict[str, Any]], item: Converted, detail: str) ->
     unheld = not_held(live, item.turns, conversion)
     held = not unheld
     detail += "; its legacy turns were not merged"
+    detail += "; the live messages hold their content" if held else f"; {unheld[0]}"
+    return already_live(conversion, detail, held=held)
+
+
+def already_live(conversion: LegacyConversion, detail: str, *, held: bool) -> Problem:
+    """The `conversation_already_live` problem of a conversation logged to live where its
+    legacy turns go, found as `detail` says: placed when the live messages hold the legacy
+    content (`held`), else keeping every message its legacy turns convert to, for an operator
+    to keep elsewhere and accept. A run records it; the gate rebuilds it from the legacy
+    turns as they are now, to tell whether the record and an acceptance still cover them."""
     return Problem(
         conversation_id=conversion.conversation_id,
         legacy_id="*",
-        kind="conversation_already_live",
-        detail=detail + ("; the live messages hold their content" if held else f"; {unheld[0]}"),
+        kind=ALREADY_LIVE,
+        detail=detail,
         content=None
         if held
         else [m.model_dump(mode="json", by_alias=True) for m in conversion.messages],
@@ -326,6 +411,8 @@ def document_differs(existing: dict[str, Any] | None, wanted: Conversation) -> b
         return True
     if written_since(existing):
         return False
+    if not counters_as_numbers(existing):
+        return True
     try:
         stored = Conversation.model_validate(existing)
     except ValidationError:
@@ -608,7 +695,7 @@ def unmerged(
     (`popped`). The rerun and the exit gate both ask."""
     if found is None or not written_since(found):
         return False
-    count = int(readable(found).get("message_count") or 0)
+    count = stored_count(found) or 0  # no count: where the next turn goes is unknown
     for m in conversion.messages:
         seq, held = m.seq or 0, stored.get(m.seq or 0)
         if str(m.id) in gone:

@@ -26,6 +26,7 @@ from agent_store.core import AgentMessage, Conversation, message_adapter
 from agent_store.legacy import (
     LEGACY_TURNS,
     SESSION_HITL,
+    TURN_ONLY_FIELDS,
     convert,
     derived_conversation_id,
     dumps,
@@ -1810,6 +1811,125 @@ def test_finish_refuses_the_drop_while_a_document_is_neither_a_turn_nor_a_conver
     assert database[LEGACY_TURNS].count_documents({}) >= 1
 
 
+TURNS_HOLDING_A_COUNTER = {
+    "message_count": {"message_count": 2},
+    "both counters": {"message_count": 3, "turn_count": 1},
+}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("counters", TURNS_HOLDING_A_COUNTER.values(),
+                         ids=list(TURNS_HOLDING_A_COUNTER))  # fmt: skip
+@pytest.mark.parametrize("options", [(), ("--limit", "1")], ids=["whole", "limit-1"])
+def test_a_legacy_turn_holding_a_counter_is_never_removed_and_is_work_left(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    counters: dict[str, Any],
+    options: tuple[str, ...],
+) -> None:
+    """A legacy turn holding a conversation document's counter is neither a turn nor a
+    conversation document: it is not moved, and it is not a document the migration wrote
+    (`writes.written_by_migration`), so no run, dry or not, removes it as abandoned; the
+    gate names it, and the drop waits."""
+    turn = legacy_turn(bson.ObjectId(), "c-mc", 0, "«m5»") | counters
+    database[CONVERSATIONS].insert_many([turn, legacy_turn(bson.ObjectId(), "c-ok", 1, "OK")])
+
+    assert cli(wire_uri, database, "run", "--dry-run", *options) == 0
+    said = summary(capsys.readouterr().out)
+    assert said.get("conversations no legacy turn makes now removed", 0) == 0
+    assert cli(wire_uri, database, "run", *options) == 0
+    assert database[CONVERSATIONS].find_one({"_id": turn["_id"]}) == turn
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert repr(turn["_id"]) in capsys.readouterr().out
+    assert database[CONVERSATIONS].find_one({"_id": turn["_id"]}) == turn
+
+
+@pytest.mark.wire
+def test_no_document_holding_a_turn_only_field_is_one_the_migration_wrote(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """One definition of a document the migration wrote: a conversation document as a run
+    writes it (its messages gone since) is one; the same holding any field only a legacy turn
+    holds, or lacking what a run writes (a text `_id` that is its `conversation_id`, a count
+    of messages stored as a number), is not."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "A"))
+    assert cli(wire_uri, database, "run") == 0
+    written = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert written is not None
+    assert writes.written_by_migration(written)
+    for name in TURN_ONLY_FIELDS:
+        assert not writes.written_by_migration(written | {name: "x"}), name
+    for lacking in (
+        {"_id": bson.ObjectId()},
+        {"conversation_id": "c-2"},
+        {"message_count": "2"},
+        {"message_count": 2.0},
+        {"message_count": True},
+    ):
+        assert not writes.written_by_migration(written | lacking), lacking
+
+
+NO_COUNTS = ["n/a", [1], "1.5", "", True, -1]
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("count", NO_COUNTS, ids=repr)
+def test_a_conversation_documents_count_that_is_no_count_stops_no_command(
+    wire_uri: str, database: Database[dict[str, Any]], count: Any
+) -> None:
+    """A conversation document no legacy turn makes whose `message_count` is no count (edited
+    by hand): no document the migration wrote (it writes a number), so no run removes it, and
+    `run`, `verify` and `finish` agree, without a traceback."""
+    at = datetime(2025, 3, 1, 9, tzinfo=UTC)
+    edited = {
+        "_id": "c-edited", "conversation_id": "c-edited", "user_id": "u-1", "created_at": at,
+        "updated_at": at, "message_count": count, "turn_count": 1, "name": "x",
+    }  # fmt: skip
+    database[CONVERSATIONS].insert_many([legacy_turn("t-1", "c-1", 0, "A"), edited])
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-edited"}) == edited
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("count", ["n/a", "2.0", "two", [2], "1.5", -1], ids=repr)
+@pytest.mark.parametrize("live", [False, True], ids=["migrated", "live-since"])
+def test_the_migrations_document_whose_count_was_edited_is_named_by_finish(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    count: Any,
+    live: bool,
+) -> None:
+    """MIGRATION.md: the migration's own conversation document edited so (a count written as
+    text) is named by `finish` (work left) and written again by the next `run`; every command
+    reads the count by one rule (`writes.stored_count`), never with a traceback. One a live
+    turn wrote to since is the person's: a run leaves it, and `finish` goes on naming it."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "A"))
+    assert cli(wire_uri, database, "run") == 0
+    if live:
+        log_live(wire_uri, database, "c-1", "live-1", "B")
+    was = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert was is not None
+    database[CONVERSATIONS].update_one({"_id": "c-1"}, {"$set": {"message_count": count}})
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish") == 1
+    assert "c-1" in capsys.readouterr().out
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    if live:
+        assert cli(wire_uri, database, "finish") == 1
+        assert database[CONVERSATIONS].find_one({"_id": "c-1"})["message_count"] == count
+    else:
+        assert cli(wire_uri, database, "finish") == 0
+        assert database[CONVERSATIONS].find_one({"_id": "c-1"}) == was
+
+
 # -- hidden runtime context a legacy user message holds ----------------------------------
 
 HIDDEN = "[RUNTIME CONTEXT] «ctx-marker» account tier: gold [/RUNTIME CONTEXT]"
@@ -2918,6 +3038,41 @@ def test_a_dual_written_turn_the_old_service_deleted_is_work_left_while_its_mess
     # The end of the rollback window: the dual write unset, a turn logged without a copy.
     log_live(wire_uri, database, "c-1", "live-2", "«AFTER»")
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+
+@pytest.mark.wire
+def test_a_conversation_live_before_its_migration_is_already_live_not_a_copy_gone(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A writer without the legacy reader logs a turn to an unmigrated conversation, the dual
+    write off, before any run: no copy of it was ever made, so none went missing. `verify`
+    and `finish` name it `conversation_already_live` (its legacy turns kept in the problem,
+    for an operator to accept), never advise deleting the person's live messages, and
+    `finish --accept` covers it, as MIGRATION.md says; a legacy turn edited after the
+    acceptance is work left again."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "«LEGACY»"))
+    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»")
+
+    assert cli(wire_uri, database, "run") == 0
+    [problem] = database[PROBLEMS].find({"conversation_id": "c-1"})
+    assert (problem["kind"], problem["placed"]) == ("conversation_already_live", False)
+    capsys.readouterr()
+    for command in ("verify", "finish"):
+        assert cli(wire_uri, database, command) == 1
+        out = capsys.readouterr().out
+        assert "conversation_already_live" in out
+        assert "finish --accept c-1" in out
+        assert "dual-written copy" not in out
+        assert "pop_last_message" not in out
+
+    assert cli(wire_uri, database, "finish", "--accept", "c-1", "--note", "kept") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    edit = {"$set": {"user_message": "«LEGACY» edited"}}
+    database[LEGACY_TURNS].update_one({"_id": "t-1"}, edit)
+    assert cli(wire_uri, database, "finish") == 1
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish") == 1
+    assert cli(wire_uri, database, "finish", "--accept", "c-1", "--note", "kept") == 0
 
 
 def _the_old_service_reads(database: Database[dict[str, Any]], cid: str) -> Conversation | None:
