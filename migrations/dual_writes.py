@@ -323,8 +323,9 @@ def record_move(db: Database[dict[str, Any]], held: Lease | None) -> None:
     an earlier attempt, with the dual write on (the runbook's rule), so its copy is in the
     legacy collection unless the old service deleted it (`deleted`)."""
     now = utc_now()
-    state = db[STATE].find_one({"_id": STATE_ID}, {"moved_at": 1}) or {}
-    first = UNKNOWN if "moved_at" in state else now  # moved before the first was recorded
+    state = db[STATE].find_one({"_id": STATE_ID}, {"moved_at": 1, "first_moved_at": 1}) or {}
+    # Moved before the first move was recorded: unknown (`$min` keeps a first one recorded).
+    first = UNKNOWN if "moved_at" in state and "first_moved_at" not in state else now
     update = {"$set": {"moved_at": now}, "$min": {"first_moved_at": first}}
     if held is None:
         db[STATE].update_one({"_id": STATE_ID}, update, upsert=True)

@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import re
+import time
 import uuid
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
@@ -38,7 +39,17 @@ from agent_store.legacy import (
 )
 from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES, TurnRules
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
-from migrations import abandoned, explode, full_texts, gate, lease, orphan_prompts, relocate, writes
+from migrations import (
+    abandoned,
+    dual_writes,
+    explode,
+    full_texts,
+    gate,
+    lease,
+    orphan_prompts,
+    relocate,
+    writes,
+)
 from migrations.cli import main
 from migrations.errors import LockHeld
 from migrations.lease import Lease
@@ -3073,6 +3084,22 @@ def test_a_conversation_live_before_its_migration_is_already_live_not_a_copy_gon
     assert cli(wire_uri, database, "run") == 0
     assert cli(wire_uri, database, "finish") == 1
     assert cli(wire_uri, database, "finish", "--accept", "c-1", "--note", "kept") == 0
+
+
+@pytest.mark.wire
+def test_a_second_move_keeps_the_first_moves_time(database: Database[dict[str, Any]]) -> None:
+    """The state keeps when the legacy turns were first moved aside, whatever moves follow (a
+    second attempt after a rollback): a turn logged live before it needed no copy."""
+    dual_writes.record_move(database, None)
+    first = dual_writes.moved_at(database)
+    assert first is not None
+    assert first.first != dual_writes.UNKNOWN
+    time.sleep(0.01)
+    dual_writes.record_move(database, None)
+
+    again = dual_writes.moved_at(database)
+    assert again is not None
+    assert (again.first, again.last > first.last) == (first.first, True)
 
 
 def _the_old_service_reads(database: Database[dict[str, Any]], cid: str) -> Conversation | None:
