@@ -12,9 +12,11 @@ even were the rule wrong; the new side by the id each stored result carries. Wha
 legacy value *says* (a part's kind and fields, the text of a number, a call's arguments) is
 read by the same functions the converter uses (`agent_store.legacy`), so the
 two can never disagree on that; what the converter reported as not placed is
-left out by the exact field it concerns (runtime context stripped from a user's
-text too: left out of the legacy side only where a problem keeps it, so context
-lost unrecorded is a difference).
+left out by exactly what it names, a turn's upload, part or whole turn by the kind of its
+problem (`Skipped`: a problem of a `session_hitl` prompt hides nothing, whatever turn `_id`
+reads as its `legacy_id`) (runtime context stripped from a user's text or an upload's too:
+left out of the legacy side only where a problem keeps it, so context lost unrecorded is a
+difference).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from agent_store.core import AgentMessage, FileUpload
 from agent_store.legacy import (
     GUESSED_PAIRINGS,
     HIDDEN_RUNTIME_CONTEXT,
+    INVALID_TURN,
+    INVALID_UPLOAD,
     CallPairing,
     LegacyConversion,
     LegacyPart,
@@ -62,33 +66,50 @@ class Transcript:
     """Tool results as `tool name -> content`, sorted."""
 
 
+Place = tuple[str, str | None, int | None]
+"""What a problem of a turn names: (turn, field, index in `response_parts`). A turn's
+`upload_result` is `(turn, "upload_result", None)`, so no part shares its place, not even one
+rebuilt from `tool_calls` at a negative index; its user text `(turn, "user_message", None)`."""
+
+
+def _part(legacy_id: str, index: int | None) -> Place:
+    """The place of a part (an upload's part too), or of the `upload_result` (`index` None,
+    as `turn_uploads` gives it)."""
+    if index is None:
+        return (legacy_id, "upload_result", None)
+    return (legacy_id, "response_parts", index)
+
+
 @dataclass(frozen=True)
 class Skipped:
-    """What the converter reported as not placed, by the exact place it concerns."""
+    """What the converter reported as not placed, each by exactly what its problem names. The
+    kind of a problem says what it hides, never its `legacy_id` alone: a problem of a
+    `session_hitl` prompt (`legacy_id` "session_hitl", no part index) hides nothing of a turn
+    whose `_id` reads the same."""
 
     turns: set[str] = field(default_factory=set)
-    """Whole turns (`field` None)."""
-    uploads: set[str] = field(default_factory=set)
-    """Turns whose `upload_result` was not placed."""
-    parts: set[tuple[str, int]] = field(default_factory=set)
-    """(turn, index) of parts not placed."""
-    contexts: set[str] = field(default_factory=set)
-    """Turns whose user text's runtime context is kept in a problem, not in the message."""
+    """Turns no message holds any of (`INVALID_TURN`)."""
+    places: set[Place] = field(default_factory=set)
+    """Uploads (`INVALID_UPLOAD`) and parts not placed, by their place."""
+    contexts: set[Place] = field(default_factory=set)
+    """Texts (the user's, an upload's parsed text) whose runtime context is kept in a
+    problem, not in the message, by their place."""
 
     @classmethod
     def of(cls, unplaced: Iterable[Problem]) -> Skipped:
         skipped = cls()
         for problem in unplaced:
+            place = (problem.legacy_id, problem.field, problem.part_index)
             if problem.kind == HIDDEN_RUNTIME_CONTEXT:
-                skipped.contexts.add(problem.legacy_id)
+                skipped.contexts.add(place)
             elif problem.kind in GUESSED_PAIRINGS:
                 continue  # a message holds the result, answering the call guessed
-            elif problem.field is None:
+            elif problem.kind == INVALID_TURN:
                 skipped.turns.add(problem.legacy_id)
-            elif problem.field == "upload_result":
-                skipped.uploads.add(problem.legacy_id)
-            elif problem.field == "response_parts" and problem.part_index is not None:
-                skipped.parts.add((problem.legacy_id, problem.part_index))
+            elif problem.kind == INVALID_UPLOAD or (
+                problem.field == "response_parts" and problem.part_index is not None
+            ):
+                skipped.places.add(place)
         return skipped
 
 
@@ -107,7 +128,7 @@ def _value(value: Any) -> str:
 
 def _upload(upload: Any, *, context_kept: bool = False) -> str:
     """An upload's line: every field, its parsed text too (content a reader may not see), its
-    runtime context left out when a problem keeps the turn's (`context_kept`, as `_shown`)."""
+    runtime context left out when a problem keeps this upload's (`context_kept`, as `_shown`)."""
     try:
         found = FileUpload.model_validate(upload)
     except ValidationError:
@@ -137,13 +158,13 @@ def _part_line(part: LegacyPart) -> str | None:
     return None
 
 
-def _uploads(turn: LegacyTurn, legacy_id: str, skipped: Skipped) -> list[Any]:
-    """The turn's uploads as the converter gathers them, less those it could not place."""
+def _uploads(turn: LegacyTurn, legacy_id: str, skipped: Skipped) -> list[str]:
+    """The lines of the turn's uploads as the converter gathers them, less those it could not
+    place, each with its runtime context left out where a problem keeps it."""
     return [
-        upload
+        _upload(upload, context_kept=place in skipped.contexts)
         for index, upload in turn_uploads(turn)
-        if not (index is None and legacy_id in skipped.uploads)
-        and (legacy_id, index if index is not None else -1) not in skipped.parts
+        if (place := _part(legacy_id, index)) not in skipped.places
     ]
 
 
@@ -188,7 +209,8 @@ class _Calls:
 
 def _shown(text: str, legacy_id: str, skipped: Skipped) -> str:
     """A user's text as written, its runtime context left out only where a problem keeps it."""
-    return strip_runtime_context(text) if legacy_id in skipped.contexts else text
+    kept = (legacy_id, "user_message", None) in skipped.contexts
+    return strip_runtime_context(text) if kept else text
 
 
 def _turn_lines(
@@ -202,9 +224,8 @@ def _turn_lines(
         lines.append(f"system: {text or ''}")
     elif text and (shown := _shown(text, legacy_id, skipped)):
         lines.append(f"user: {shown}")
-    kept = legacy_id in skipped.contexts
-    lines += [_upload(u, context_kept=kept) for u in _uploads(turn, legacy_id, skipped)]
-    parts = [(i, p) for i, p in turn_parts(turn) if (legacy_id, i) not in skipped.parts]
+    lines += _uploads(turn, legacy_id, skipped)
+    parts = [(i, p) for i, p in turn_parts(turn) if _part(legacy_id, i) not in skipped.places]
     lines += [line for _, part in parts if (line := _part_line(part)) is not None]
     return lines, calls.turn_results(parts)
 

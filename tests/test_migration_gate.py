@@ -505,6 +505,43 @@ def test_live_messages_without_an_uploads_parsed_text_or_a_prompts_params_do_not
     assert cli(wire_uri, database, "finish") == 1
 
 
+UNREADABLE_FIRST_PARTS = {
+    "tool_calls holding an entry of no call": {"tool_calls": [{"foo": "x"}]},
+    "tool_calls as one object of no call": {"tool_calls": {"foo": "x"}},
+    "tool_calls holding a number": {"tool_calls": [7]},
+    "a first response part of no known type": {"response_parts": [{"foo": "x"}]},
+}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    "unreadable", UNREADABLE_FIRST_PARTS.values(), ids=list(UNREADABLE_FIRST_PARTS)
+)
+def test_an_upload_beside_an_unreadable_first_part_is_verified_as_any_upload(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    unreadable: dict[str, Any],
+) -> None:
+    """A problem keeping a part hides that part from `verify`, never the turn's upload: a
+    faithful run verifies and is accepted, and an upload lost from its message is a
+    difference."""
+    database[CONVERSATIONS].insert_one({
+        "_id": "t-1", "conversation_id": "c-u", "user_id": "u-1",
+        "created_at": datetime(2025, 1, 1, 18, tzinfo=UTC), "user_message": "see my file",
+        "upload_result": UPLOAD | {"parsed_text": PARSED},
+    } | unreadable)  # fmt: skip
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish", "--accept", "c-u", "--note", "archived") == 0
+    capsys.readouterr()
+
+    database[MESSAGES].update_many({"upload": {"$ne": None}}, {"$set": {"upload": None}})
+
+    assert cli(wire_uri, database, "verify") == 1
+    assert "legacy has 'upload: contract.pdf" in capsys.readouterr().out
+
+
 @pytest.mark.wire
 @pytest.mark.parametrize("edited", ["upload_result.parsed_text", "response_parts.0.params"])
 def test_a_dual_written_turn_whose_parsed_text_or_params_the_legacy_service_edited_is_work_left(
@@ -678,6 +715,31 @@ def test_a_request_answered_in_a_later_prompt_record_is_migrated_answered(
     assert stored is not None
     assert stored.get("pending_hitl") is None
     assert cli(wire_uri, database, "finish", "--accept", "c-h", "--note", "read") == 0
+
+
+@pytest.mark.wire
+def test_a_turn_whose_id_names_the_prompts_collection_is_verified_as_any_turn(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A problem of a `session_hitl` prompt is never taken for a problem of a turn, whatever
+    the turn's `_id`: a faithful run verifies and is accepted, and the turn's message lost is
+    a difference."""
+    database[CONVERSATIONS].insert_many([
+        legacy_turn("t-1", "c-s", 9, "FIRST"), legacy_turn(SESSION_HITL, "c-s", 10, "SECOND")
+    ])  # fmt: skip
+    database[SESSION_HITL].insert_one(  # no request id: kept in a problem, not placed
+        {"conversation_id": "c-s", "user_id": "u-1", "status": "pending", "prompt": "ok?",
+         "action": "pay"}
+    )  # fmt: skip
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish", "--accept", "c-s", "--note", "read") == 0
+    capsys.readouterr()
+
+    database[MESSAGES].delete_one({"conversation_id": "c-s", "content": "SECOND question"})
+
+    assert cli(wire_uri, database, "verify") == 1
+    assert "legacy has 'user: SECOND question' only" in capsys.readouterr().out
 
 
 @pytest.mark.wire

@@ -115,6 +115,14 @@ message answers the one the order gives (this turn's, else the earlier turn's la
 (not placed: an operator accepts the pairing, `finish --accept`). Its content holds the
 result, the call it answers and the calls it could answer."""
 
+INVALID_TURN = "invalid_turn"
+"""A turn the store refuses whole (`plan_turn`): no message holds any of it, its problem
+keeps it (`field` None)."""
+
+INVALID_UPLOAD = "invalid_upload"
+"""An upload the upload model refuses: no message holds it, its problem keeps it (`field`
+`upload_result`, or `response_parts` and the index of its part)."""
+
 GUESSED_PAIRINGS = frozenset({HISTORY_CONTRADICTS_PAIRING, AMBIGUOUS_TOOL_RESULT})
 """Problems not placed whose result a message holds nonetheless, answering the call guessed:
 what they concern is converted, so a transcript of what was placed keeps it."""
@@ -386,7 +394,7 @@ class _Converter:
         try:
             return adapter.validate_python(value)
         except ValidationError as exc:
-            upload = kind == "invalid_upload"
+            upload = kind == INVALID_UPLOAD
             self.problem(
                 turn,
                 kind,
@@ -705,7 +713,7 @@ class _Converter:
             self.made_text(turn, turn.user_message, "the user's message", field="user_message")
         for upload_index, upload in turn_uploads(turn):
             valid = self.checked(
-                turn, _upload_adapter, upload, kind="invalid_upload", index=upload_index
+                turn, _upload_adapter, upload, kind=INVALID_UPLOAD, index=upload_index
             )
             if valid is None:
                 continue
@@ -1402,7 +1410,7 @@ def _convert_turns(
                 rules=converter.rules,
             )
         except InvalidInput as exc:
-            converter.problem(turn, "invalid_turn", exc.message, field=None, content=wanted)
+            converter.problem(turn, INVALID_TURN, exc.message, field=None, content=wanted)
             continue
         plans.append(plan)
         messages += plan.messages
