@@ -32,6 +32,7 @@ from pydantic_ai.usage import RequestUsage
 
 from agent_store import AgentMessageLogger, ConversationStore, TurnRules
 from agent_store.integrations.pydantic_ai import history_from_messages, log_run, messages_from_run
+from agent_store.integrations.streams import log_streamed_turn, turn_from_metadata
 from agent_store.store import RuntimeContextMarkers
 from tests.conftest import Backend
 
@@ -671,3 +672,112 @@ def test_a_responses_latency_is_its_whole_milliseconds_after_the_request(millis:
         ModelResponse(parts=[TextPart("ok")], timestamp=sent + timedelta(milliseconds=millis)),
     ]
     assert [m.latency_ms for m in messages_from_run(run) if m.role == "assistant"] == [millis]
+
+
+# -- one response the stream stored as several assistant messages ----------------------
+
+
+def _asks(call_id: str, tool: str, what: str) -> list[dict[str, Any]]:
+    """A call needing approval and the prompt asking about it, as a runtime streams them."""
+    return [
+        {"type": "tool_start", "tool_name": tool, "tool_call_id": call_id,
+         "args": {tool.removeprefix("book_"): what}},
+        {"type": "confirm_required", "request_id": f"r-{call_id}", "action": tool,
+         "params": {"what": what}, "prompt": f"Book {what}?", "tool_call_id": call_id},
+    ]  # fmt: skip
+
+
+async def _stream(
+    backend: Backend, events: list[dict[str, Any]], *, turn_id: str, prompt: str
+) -> None:
+    store = ConversationStore(backend.db)
+    turn = turn_from_metadata(events, complete=True, pending=await store.pending_calls(CID))
+    await log_streamed_turn(
+        logger=AgentMessageLogger(backend.db),
+        store=store,
+        conversation_id=CID,
+        turn=turn,
+        turn_id=turn_id,
+        prompt=prompt,
+    )
+
+
+def _ran(result: Any) -> list[tuple[str, Any]]:
+    returns = [p for m in result.new_messages() for p in m.parts if isinstance(p, ToolReturnPart)]
+    return [(r.tool_call_id, r.content) for r in returns]
+
+
+def _after_approvals(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    return ModelResponse(parts=[TextPart("Done.")])
+
+
+@pytest.mark.parametrize(
+    ("events", "approved"),
+    [
+        pytest.param(
+            [{"type": "stream_token", "token": "Two bookings."},
+             *_asks("tc-1", "book_train", "TGV 6601"), *_asks("tc-2", "book_hotel", "Ritz")],
+            {"tc-1": "booked TGV 6601", "tc-2": "booked Ritz"},
+            id="two-calls-one-prompt-each",
+        ),
+        pytest.param(
+            [*_asks("tc-1", "book_train", "TGV 6601"),
+             {"type": "stream_token", "token": "I need your approval before booking."}],
+            {"tc-1": "booked TGV 6601"},
+            id="text-after-the-prompt",
+        ),
+    ],
+)  # fmt: skip
+async def test_calls_one_streamed_response_leaves_awaiting_approval_stay_open_in_one_response(
+    backend: Backend, events: list[dict[str, Any]], approved: dict[str, str]
+) -> None:
+    """The stream builder puts a call or text after a prompt into a new assistant message:
+    still what the model said in one response. The history gives it back as one response
+    whose calls await approval, and a run given `deferred_tool_results` resumes them."""
+    await _stream(backend, events, turn_id="turn-1", prompt="Book the train and a hotel.")
+    store = ConversationStore(backend.db)
+    assert [c.tool_call_id for c in await store.pending_calls(CID)] == list(approved)
+
+    history = history_from_messages(await store.transcript(CID))
+
+    assert [type(m).__name__ for m in history] == ["ModelRequest", "ModelResponse"]
+    assert [c.tool_call_id for c in history[-1].parts if isinstance(c, ToolCallPart)] == list(
+        approved
+    )
+    resumed = await _train_and_hotel_agent(_after_approvals).run(
+        message_history=history,
+        deferred_tool_results=DeferredToolResults(approvals=dict.fromkeys(approved, True)),
+    )
+    assert _ran(resumed) == list(approved.items())
+    assert resumed.output == "Done."
+
+
+async def test_an_approved_call_a_resumed_turn_left_awaiting_its_result_stays_open(
+    backend: Backend,
+) -> None:
+    """The resuming turn (the person's "go") returns the first call and approves the second
+    without its result: the approval is the conversation's (`pending_calls`), not a message,
+    so the history leaves the call open and `deferred_tool_results` resumes it; the call
+    already answered is not run again."""
+    asked = [*_asks("tc-1", "book_train", "TGV 6601"), *_asks("tc-2", "book_hotel", "Ritz")]
+    await _stream(backend, asked, turn_id="turn-1", prompt="Book the train and a hotel.")
+    resumed_turn = [
+        {"type": "confirm_resolved", "request_id": "r-tc-1", "approved": True},
+        {"type": "tool_end", "tool_name": "book_train", "tool_call_id": "tc-1",
+         "result": "booked TGV 6601"},
+        {"type": "confirm_resolved", "request_id": "r-tc-2", "approved": True},
+    ]  # fmt: skip
+    await _stream(backend, resumed_turn, turn_id="turn-2", prompt="go")
+    store = ConversationStore(backend.db)
+    assert [(c.tool_call_id, c.request_id) for c in await store.pending_calls(CID)] == [
+        ("tc-2", None)
+    ]
+
+    history = history_from_messages(await store.transcript(CID))
+
+    resumed = await _train_and_hotel_agent(_after_approvals).run(
+        message_history=history,
+        deferred_tool_results=DeferredToolResults(approvals={"tc-2": True}),
+    )
+    assert _ran(resumed) == [("tc-2", "booked Ritz")]
+    assert resumed.output == "Done."

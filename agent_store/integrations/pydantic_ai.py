@@ -259,46 +259,88 @@ def history_from_messages(
 
     Messages the model never produced or received are left out: an assistant
     message carrying only an `error`, and the text of a HITL prompt (the
-    runtime's question; its calls stay). Each call is answered right after its
-    response by the result stored for it, wherever it was stored (a real result wins over an
-    `interrupted` stand-in); a tool message answering no earlier call is left
-    out. A call with no stored result gets an `interrupted` return when the
-    conversation went on after it; when nothing followed, it is left open, as
-    Pydantic AI leaves a call awaiting approval, so that a run given
+    runtime's question; its calls stay). Assistant messages with nothing but
+    assistant messages between them are one response, as the model gave it (a
+    stream stores a call or text after a prompt in a new message): its parts in
+    stored order. Each call is answered right after its response by the result stored
+    for it, wherever it was stored (a real result wins over an `interrupted` stand-in); a
+    tool message answering no earlier call is left out. A call with no stored result gets
+    an `interrupted` return when the conversation went on after it (a later response, or
+    a user or system message of a turn that answers none of its response's calls); else
+    it is left open, as Pydantic AI leaves a call awaiting approval, so that a run given
     `deferred_tool_results` resumes it from this history alone.
     """
     messages = as_messages(stored)
     answers = answers_to_calls(messages)
     history: list[pai.ModelMessage] = []
     parts: list[Any] = []
+    said: list[AgentMessage] = []
+    """The user and system messages since the last response, sent in the next request."""
     answering: list[tuple[int, AssistantMessage]] = []
-    """The last response, whose calls the next request answers."""
+    """The messages of the last response, whose calls the next request answers."""
 
     def flush_request(*, at_end: bool = False) -> None:
-        returns = _returns(answering, answers, leave_open=at_end and not parts)
-        request_parts = [*returns, *parts]
+        leave_open = at_end and _resumes(answering, answers, said)
+        request_parts = [*_returns(answering, answers, leave_open=leave_open), *parts]
         answering.clear()
         parts.clear()
+        said.clear()
         if request_parts:
             history.append(
                 pai.ModelRequest(parts=request_parts, timestamp=request_parts[0].timestamp)
             )
 
-    for index, message in enumerate(messages):
-        if isinstance(message, AssistantMessage):
-            response = _to_response(message)
-            if response is None:
-                continue
+    for item in _responses_gathered(messages):
+        if isinstance(item, list):
             flush_request()
-            history.append(response)
-            answering.append((index, message))
-        elif isinstance(message, SystemMessage):
-            parts.append(pai.SystemPromptPart(message.content or "", timestamp=message.created_at))
-        elif isinstance(message, UserMessage):
-            parts.append(_to_user_part(message))
+            history.append(_to_response([message for _, message in item]))
+            answering.extend(item)
+        elif isinstance(item, SystemMessage):
+            parts.append(pai.SystemPromptPart(item.content or "", timestamp=item.created_at))
+            said.append(item)
+        elif isinstance(item, UserMessage):
+            parts.append(_to_user_part(item))
+            said.append(item)
         # A tool message is placed with the call it answers, by `_returns`.
     flush_request(at_end=True)
     return history
+
+
+def _responses_gathered(
+    messages: Sequence[AgentMessage],
+) -> list[AgentMessage | list[tuple[int, AssistantMessage]]]:
+    """The messages, each run of assistant messages the model said as one response gathered
+    into a list of them (with their indexes), nothing else between them: a stream stores a
+    call or text coming after a HITL prompt in a new assistant message. One it never said
+    (an `error` alone, a prompt holding no call) is left out."""
+    items: list[AgentMessage | list[tuple[int, AssistantMessage]]] = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, AssistantMessage):
+            items.append(message)
+        elif _said_by_model(message):
+            if items and isinstance(items[-1], list):
+                items[-1].append((index, message))
+            else:
+                items.append([(index, message)])
+    return items
+
+
+def _resumes(
+    responses: Sequence[tuple[int, AssistantMessage]],
+    answers: Mapping[CallKey, ToolMessage],
+    said: Sequence[AgentMessage],
+) -> bool:
+    """Whether what follows the last response leaves its unanswered calls open: nothing, or
+    its calls' results and the prompt of the turn that gave them (a run resumed with
+    `deferred_tool_results` and a `user_prompt`: Pydantic AI sends them in one request). A
+    message of another turn went on past the calls."""
+    resuming = {
+        answer.turn_id
+        for index, message in responses
+        for call in message.tool_calls or ()
+        if (answer := answers.get((index, call.id))) is not None and answer.turn_id is not None
+    }
+    return all(message.turn_id in resuming for message in said)
 
 
 def _returns(
@@ -319,26 +361,35 @@ def _returns(
     return returns
 
 
-def _to_response(message: AssistantMessage) -> pai.ModelResponse | None:
+def _said_by_model(message: AssistantMessage) -> bool:
+    """Whether the message holds something the model said: text (an empty one, of a response
+    that only thought, too) or calls. A HITL prompt's text is the runtime's question."""
+    return message.tool_calls is not None or (
+        message.hitl_action is None and message.content is not None
+    )
+
+
+def _to_response(messages: Sequence[AssistantMessage]) -> pai.ModelResponse:
+    """One response of the messages it was stored as, its parts in stored order."""
     # A HITL prompt's text is the runtime's question, not the model's: replayed as a response
     # it would end the run before the call it holds, which then could never be resumed.
-    text = message.content if message.hitl_action is None else None
-    if text is None and message.tool_calls is None:
-        return None  # an empty text (a response that only thought) is still a response
     response_parts: list[pai.ModelResponsePart] = []
-    if text:
-        response_parts.append(pai.TextPart(text))
-    for call in message.tool_calls or ():
-        response_parts.append(
-            pai.ToolCallPart(
-                call.function.name, _json_or_text(call.function.arguments), tool_call_id=call.id
+    input_tokens = output_tokens = 0
+    for message in messages:
+        if message.content and message.hitl_action is None:
+            response_parts.append(pai.TextPart(message.content))
+        for call in message.tool_calls or ():
+            arguments = _json_or_text(call.function.arguments)
+            response_parts.append(
+                pai.ToolCallPart(call.function.name, arguments, tool_call_id=call.id)
             )
-        )
-    usage = message.token_usage or TokenUsage()
+        usage = message.token_usage or TokenUsage()
+        input_tokens += usage.input_tokens
+        output_tokens += usage.output_tokens
     return pai.ModelResponse(
         parts=response_parts,
-        usage=RequestUsage(input_tokens=usage.input_tokens, output_tokens=usage.output_tokens),
-        timestamp=message.created_at,
+        usage=RequestUsage(input_tokens=input_tokens, output_tokens=output_tokens),
+        timestamp=messages[0].created_at,
     )
 
 
