@@ -198,7 +198,7 @@ async def test_reading_the_last_messages_costs_one_round_trip(wire_backend: Back
     assert len(everything) == 150
 
 
-async def test_popping_costs_five_round_trips_and_one_more_per_read_of_the_messages_before(
+async def test_popping_costs_six_round_trips_and_one_more_per_read_of_the_messages_before(
     wire_backend: Backend,
 ) -> None:
     assert wire_backend.commands is not None
@@ -214,16 +214,33 @@ async def test_popping_costs_five_round_trips_and_one_more_per_read_of_the_messa
     wire_backend.commands.clear()
     await store.pop_last_message(CID)  # the user message: it started a turn and is the preview
     # The last message, the one before it (its time is `updated_at` now), the preview's
-    # window, then mark, remove, correct the summary.
-    assert wire_backend.commands.names == ["find", "find", "find", "update", "delete", "update"]
+    # window, the LangGraph checkpoints referring to it (none), then mark, remove, correct
+    # the summary.
+    assert wire_backend.commands.names == [
+        "find",
+        "find",
+        "find",
+        "find",
+        "update",
+        "delete",
+        "update",
+    ]
 
     wire_backend.commands.clear()
     await store.pop_last_message(CID)  # the answer: its call comes back as listed before it
-    assert wire_backend.commands.names == ["find", "find", "find", "update", "delete", "update"]
+    assert wire_backend.commands.names == [
+        "find",
+        "find",
+        "find",
+        "find",
+        "update",
+        "delete",
+        "update",
+    ]
 
     wire_backend.commands.clear()
     await store.pop_last_message(CID)  # the tool call: it leaves the list, one read before it
-    assert wire_backend.commands.names == ["find", "find", "update", "delete", "update"]
+    assert wire_backend.commands.names == ["find", "find", "find", "update", "delete", "update"]
 
 
 async def test_a_pop_racing_a_new_turn_leaves_the_new_turns_preview(backend: Backend) -> None:

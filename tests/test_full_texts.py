@@ -199,9 +199,10 @@ async def test_popping_a_cut_message_costs_two_round_trips_more(wire_backend: Ba
     await store.pop_last_message(CID)
 
     # the last message, the one before it (none) and the conversation's creation time (for
-    # `updated_at`), mark, remove, correct the summary; then its chunks and its files
+    # `updated_at`), the LangGraph checkpoints referring to it (none), mark, remove, correct
+    # the summary; then its chunks and its files
     assert wire_backend.commands.names == [
-        "find", "find", "find", "update", "delete", "update", "delete", "delete"
+        "find", "find", "find", "find", "update", "delete", "update", "delete", "delete"
     ]  # fmt: skip
     assert await wire_backend.db[FILES].count_documents({}) == 0
 

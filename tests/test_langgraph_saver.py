@@ -4,8 +4,10 @@ each message stored once in the conversation, histories rewritten, forks, owners
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from collections import Counter
+from datetime import timedelta
 from typing import Any
 
 import httpx
@@ -24,13 +26,15 @@ from agent_store import (
     ConversationStore,
     InvalidInput,
     NotFound,
+    StorageFailure,
     StorageUnavailable,
+    TurnRules,
 )
 from agent_store.integrations._langgraph_documents import check_metadata_keys, metadata_filter
 from agent_store.integrations.exports import chat_completions
 from agent_store.integrations.langgraph import CHECKPOINTS, REWRITTEN, AgentStoreSaver
 from agent_store.integrations.pydantic_ai import history_from_messages
-from agent_store.store import CONVERSATIONS, MESSAGES
+from agent_store.store import CONVERSATIONS, MESSAGES, checkpoints_referring_to
 from scripts.langgraph_agent import approval_agent, comparable, question, tool_agent
 from tests.api_harness import SERVICE_TOKEN, auth_headers, serve
 from tests.conftest import COUNTED, Backend
@@ -265,6 +269,98 @@ async def test_replaying_from_before_the_models_call_leaves_the_call_pending_aga
     state = (await graph.aget_state(config)).values["messages"]
     # The transcript ends as the state does: the call made again, its denial, the answer.
     assert [m.content for m in transcript[-3:]] == [m.content or None for m in state[-3:]]
+
+
+async def test_a_pop_of_a_message_a_paused_graphs_checkpoint_refers_to_is_refused(
+    backend: Backend,
+) -> None:
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    graph = approval_agent(AgentStoreSaver(backend.db))
+    store = ConversationStore(backend.db)
+    await graph.ainvoke(question(2), config)  # paused on call-2
+    before = await store.transcript(thread_id)
+
+    with pytest.raises(Conflict, match=re.escape("belongs to a LangGraph thread")) as refused:
+        await store.pop_last_message(thread_id)
+    assert "update_state" in str(refused.value)
+    assert "delete the thread" in str(refused.value)
+    assert await store.transcript(thread_id) == before  # nothing removed
+    assert [c.tool_call_id for c in await store.pending_calls(thread_id)] == ["call-2"]
+
+    # The graph goes on as if nothing was asked: resumed, it finishes.
+    await graph.ainvoke(Command(resume="yes"), config)
+    state = (await approval_agent(AgentStoreSaver(backend.db)).aget_state(config)).values
+    assert state["messages"][-1].content == "Answer 2: City 2: 18 degrees, light wind"
+    assert await store.pending_calls(thread_id) == []
+
+
+async def test_a_pop_of_a_message_the_checkpointer_logged_waits_for_its_checkpoint(
+    backend: Backend,
+) -> None:
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    await approval_agent(AgentStoreSaver(backend.db)).ainvoke(question(2), config)  # call-2
+    # The checkpoint that logged seq 1 not stored yet (its put is between the two writes).
+    await backend.db[CHECKPOINTS].delete_many(checkpoints_referring_to(thread_id, 1))
+    store = ConversationStore(backend.db)
+    before = await store.transcript(thread_id)
+
+    with pytest.raises(StorageUnavailable, match="no checkpoint refers to it yet"):
+        await store.pop_last_message(thread_id)
+    assert await store.transcript(thread_id) == before
+
+    # Still none past `abandon_after` from when it was logged (a put that never stored it):
+    # the message pops as any other.
+    late = ConversationStore(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    popped = await late.pop_last_message(thread_id)
+    assert popped is not None
+    assert popped.seq == 1
+
+
+async def test_a_pop_of_a_message_another_writer_logged_after_the_checkpoint_still_works(
+    backend: Backend,
+) -> None:
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    graph = approval_agent(AgentStoreSaver(backend.db))
+    store = ConversationStore(backend.db)
+    await graph.ainvoke(question(1), config)  # answered at once: the graph's last checkpoint
+    note = {"role": "user", "content": "a note another writer logged"}
+    await AgentMessageLogger(backend.db).log_messages(thread_id, [note])
+
+    popped = await store.pop_last_message(thread_id)
+    assert popped is not None
+    assert popped.content == "a note another writer logged"
+    await graph.ainvoke(question(3), config)  # the thread goes on
+    state = (await approval_agent(AgentStoreSaver(backend.db)).aget_state(config)).values
+    assert state["messages"][-1].content == "Answer 3: noted"
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["same-process", "new-process"])
+async def test_a_message_removed_outside_the_checkpointer_makes_a_resume_a_storage_failure(
+    backend: Backend, warm: bool
+) -> None:
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    graph = approval_agent(AgentStoreSaver(backend.db))
+    store = ConversationStore(backend.db)
+    await graph.ainvoke(question(2), config)  # paused on call-2, seq 1
+    # A pop made before pops of a thread's messages were refused: the message is gone and the
+    # conversation gives its seq back.
+    removed = await backend.db[MESSAGES].delete_one({"conversation_id": thread_id, "seq": 1})
+    assert removed.deleted_count == 1
+    await backend.db[CONVERSATIONS].update_one({"_id": thread_id}, {"$inc": {"message_count": -1}})
+
+    resumed = graph if warm else approval_agent(AgentStoreSaver(backend.db))
+    with pytest.raises(StorageFailure, match=re.escape("message seq 1")) as failed:
+        await resumed.ainvoke(Command(resume="yes"), config)
+    assert not isinstance(failed.value, StorageUnavailable)
+    assert "removed outside the checkpointer" in str(failed.value)
+    assert "delete the thread" in str(failed.value)
+    with pytest.raises(StorageFailure, match="removed outside the checkpointer"):
+        await approval_agent(AgentStoreSaver(backend.db)).aget_state(config)
+    assert len(await store.transcript(thread_id)) == 1  # nothing logged meanwhile
 
 
 async def test_a_fork_put_again_by_a_new_process_refers_to_the_copies_it_logged(

@@ -55,6 +55,7 @@ from agent_store.integrations._langgraph_documents import (
 )
 from agent_store.integrations._langgraph_messages import extras_of, from_stored, to_stored
 from agent_store.store import (
+    LANGGRAPH_TURN,
     MAX_MESSAGES_PER_TURN,
     AgentMessageLogger,
     ConversationStore,
@@ -261,6 +262,7 @@ class TranscriptLink:
                 try:
                     segments, extras, end = await self._place_once(state, step, moved, attempt)
                 except TranscriptMoved as exc:
+                    self._refuse_lost(step, exc)
                     if exc.later_step is None:
                         moved = exc.next_seq
                         kept = exc.extras if isinstance(exc, _Replayed) else kept
@@ -274,6 +276,15 @@ class TranscriptLink:
             f"thread {thread_id!r}: other puts kept logging messages while this one was placed; "
             "retry it"
         )
+
+    def _refuse_lost(self, step: _Step, moved: TranscriptMoved) -> None:
+        """StorageFailure when the transcript moved back below a message the step's parent
+        refers to (`_lost_below`): removed outside the checkpointer, which no retry undoes.
+        What this process holds of the thread is dropped: it is stale."""
+        lost = _lost_below(step, moved)
+        if lost is not None:
+            self.forget(step.thread_id)
+            raise _removed_outside(step.thread_id, lost) from moved
 
     async def _place_once(
         self, state: _Thread, step: _Step, moved: int | None, attempt: int
@@ -628,12 +639,28 @@ def _assemble(state: _Thread, thread_id: str, segments: Sequence[Segment]) -> li
         try:
             messages.extend(state.by_seq[s] for s in range(segment.start, segment.stop))
         except KeyError as exc:
-            raise StorageFailure(
-                f"thread {thread_id!r}: a checkpoint refers to message seq {exc.args[0]} of its "
-                "conversation, which is no longer stored (was the conversation deleted outside "
-                "the checkpointer? delete the thread to start it over)"
-            ) from exc
+            raise _removed_outside(thread_id, exc.args[0]) from exc
     return messages
+
+
+def _lost_below(step: _Step, moved: TranscriptMoved) -> int | None:
+    """The first `seq` the step's parent refers to that the transcript no longer holds: the
+    conversation's next `seq` went back below it (a pop gave it back), which no put undoes."""
+    if step.base is None or moved.later_step is not None:
+        return None
+    held = [s for s in step.base.segments if isinstance(s, SeqRange) and s.stop > moved.next_seq]
+    return max(held[0].start, moved.next_seq) if held else None
+
+
+def _removed_outside(thread_id: str, seq: int) -> StorageFailure:
+    """A checkpoint refers to a message of the transcript that is gone: retrying cannot help."""
+    return StorageFailure(
+        f"thread {thread_id!r}: a checkpoint refers to message seq {seq} of its conversation, "
+        "which is no longer stored: it was removed outside the checkpointer (a pop made "
+        "before pops of a thread's messages were refused, or a direct write), or the "
+        "conversation deleted; retrying cannot bring it back: delete the thread to start it "
+        "over"
+    )
 
 
 def _step_turn_id(
@@ -646,7 +673,7 @@ def _step_turn_id(
     if fork_id is not None:
         named_by.append(fork_id)
     named = json.dumps(named_by, sort_keys=True, ensure_ascii=False)
-    return "lg-" + hashlib.sha256(named.encode()).hexdigest()[:32]
+    return LANGGRAPH_TURN + hashlib.sha256(named.encode()).hexdigest()[:32]
 
 
 def _fork_turn_id(source_id: str, first_message_id: str) -> str:

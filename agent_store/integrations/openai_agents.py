@@ -307,7 +307,8 @@ class ConversationSession:
         A call repeating one that raised StorageUnavailable is its retry: it finishes the
         earlier pop and returns that item, removing no other message (`pop_last_message`).
         Items added again after a pop removed them are a new turn, even those of an add that
-        raised before it; a pop leaves any other add that raised to its retry.
+        raised before it; a pop leaves any other add that raised to its retry. A message a
+        LangGraph checkpoint of the conversation refers to is not removed (Conflict).
         """
         while True:
             message = await self.store.pop_last_message(self.session_id, user_id=self.user_id)

@@ -23,6 +23,19 @@ BLOB_FILES = f"{BLOB_BUCKET}.files"
 BLOB_CHUNKS = f"{BLOB_BUCKET}.chunks"
 LANGGRAPH_CHECKPOINTS = "langgraph_checkpoints"
 """The LangGraph checkpointer's collection (`agent_store.integrations.langgraph`)."""
+LANGGRAPH_TURN = "lg-"
+"""How the turn ids the LangGraph checkpointer logs a checkpoint's messages under begin: the
+checkpoint refers to them, or will once its document, written after them, is stored."""
+
+
+def checkpoints_referring_to(conversation_id: str, seq: int) -> dict[str, Any]:
+    """The query of the LangGraph checkpoint documents of a conversation whose messages refer to
+    its message `seq`: a range `{from, to}` of `messages.segments` holds it (see
+    `agent_store.integrations._langgraph_documents.encode_segments`)."""
+    held = {"from": {"$lte": seq}, "to": {"$gt": seq}}
+    return {"thread_id": conversation_id, "messages.segments": {"$elemMatch": held}}
+
+
 THREAD_COLLECTIONS: tuple[str, ...] = (LANGGRAPH_CHECKPOINTS,)
 """Collections integrations keep beside the conversations (their indexes are theirs): each
 document names its conversation as `thread_id`, when it has one the user it was written for

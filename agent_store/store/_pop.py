@@ -58,6 +58,7 @@ from agent_store.core import (
 from agent_store.store._blobs import kept_blob_ids
 from agent_store.store._driver import storage_errors
 from agent_store.store._fork import fork_turns_of
+from agent_store.store._indexes import LANGGRAPH_TURN, checkpoints_referring_to
 from agent_store.store._tail import (
     LeftBefore,
     free_to_mark,
@@ -189,6 +190,8 @@ class Pop:
     """How long a turn may hold a `seq` past the last message before the pop passes it."""
     forget_texts: Callable[[Sequence[str]], Awaitable[None]]
     """Deletes whole texts by blob id (`FullTextStore.forget_files`)."""
+    checkpoints: Any
+    """The LangGraph checkpointer's collection: a message its checkpoints refer to stays."""
 
     async def run(self) -> AgentMessage | None:
         """Remove the last message and answer it; None when there is none."""
@@ -219,6 +222,7 @@ class Pop:
             elif pop is None or pop.message_id != message.id:  # else what it read still holds
                 pop = await self._what_removing_changes(message)
             assert pop is not None
+            await self._refuse_a_threads(scope[0], message)
             count = self._passing(message, conversation)
             if await self._remove(scope, message, pop, count):
                 return message
@@ -282,6 +286,34 @@ class Pop:
             _removed_by(PoppedMessage.model_validate(p), *earlier.earlier)
             for p in doc.get("popped_messages") or ()
         )
+
+    async def _refuse_a_threads(self, conversation_id: str, message: AgentMessage) -> None:
+        """Conflict, before anything is written, when a LangGraph checkpoint of the
+        conversation refers to the message: removed, it would leave the thread's checkpoints
+        referring to a message no longer stored. A message the checkpointer logged
+        (`LANGGRAPH_TURN`) that none refers to yet is waited for as a turn still being
+        written (StorageUnavailable: its checkpoint, stored after it, may be on its way)
+        until `abandon_after` from when it was logged (a put that never stored it): then it
+        pops as any other."""
+        assert message.seq is not None
+        query = checkpoints_referring_to(conversation_id, message.seq)
+        with storage_errors("read the conversation's LangGraph checkpoints"):
+            referred = await self.checkpoints.find_one(query, {"_id": 1}) is not None
+        if referred:
+            raise Conflict(
+                f"could not pop the last message of conversation {conversation_id!r}: "
+                f"message seq {message.seq} belongs to a LangGraph thread's checkpoints, which "
+                "refer to it (removing it would break the thread); nothing was removed. Go "
+                "back with the graph's own means (`graph.update_state`, or resuming from an "
+                "earlier checkpoint_id), or delete the thread to start it over"
+            )
+        logged = (message.turn_id or "").startswith(LANGGRAPH_TURN)
+        if logged and utc_now() - message.created_at < self.abandon_after:
+            raise StorageUnavailable(
+                f"message seq {message.seq} of conversation {conversation_id!r} was "
+                "logged by the LangGraph checkpointer and no checkpoint refers to it yet (its "
+                "checkpoint may still be being written): retry the pop in a moment"
+            )
 
     def _passing(self, message: AgentMessage, conversation: Mapping[str, Any] | None) -> int | None:
         """None when the mark may simply require that no turn holds a `seq` past `message`

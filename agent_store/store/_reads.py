@@ -55,6 +55,7 @@ from agent_store.store._driver import Database, storage_errors
 from agent_store.store._fork import approvals_withdrawn, fork_turns_of
 from agent_store.store._indexes import (
     CONVERSATIONS,
+    LANGGRAPH_CHECKPOINTS,
     MESSAGES,
     THREAD_COLLECTIONS,
     THREAD_CONVERSATION,
@@ -310,6 +311,7 @@ class ConversationStore:
         self._messages = db[MESSAGES]
         self._conversations = db[CONVERSATIONS]
         self._beside = [db[name] for name in THREAD_COLLECTIONS]
+        self._checkpoints = db[LANGGRAPH_CHECKPOINTS]
         self._legacy_source = legacy
         self._full_texts = FullTextStore(db)
         self._deletions = DeletionRecords(db, self._full_texts)
@@ -774,7 +776,11 @@ class ConversationStore:
         the last message by `seq`: while a turn that reserved past it, or a turn below it
         whose messages what removing it changes depends on, is still being written
         (younger than `TurnRules.abandon_after`), it raises StorageUnavailable and removes
-        nothing. Four to seven round trips: the last message, the mark, the removal,
+        nothing. A message a LangGraph checkpoint of the conversation refers to is not
+        removed (Conflict: go back through the graph, or delete the thread), nor one the
+        checkpointer logged that none refers to yet, younger than `abandon_after`
+        (StorageUnavailable: its checkpoint may be on its way). Five to eight round trips:
+        the last message, the checkpoints referring to it, the mark, the removal,
         the summary update, and the messages before it when it started a turn or was the
         preview's source, or (all of them) when it answered a call or raised a prompt (what
         they leave pending says what comes back; one more for the answers a person gave
@@ -797,6 +803,7 @@ class ConversationStore:
             memory=self._pops,
             abandon_after=self._rules.abandon_after,
             forget_texts=self._full_texts.forget_files,
+            checkpoints=self._checkpoints,
         )
         return await pop.run()
 
