@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
+from bson.codec_options import DatetimeConversion
 from pymongo import AsyncMongoClient
 from pymongo.monitoring import CommandListener
 
@@ -70,6 +71,8 @@ async def open_store(
         client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
             uri,
             tz_aware=True,
+            # A legacy date outside Python's range (year 0, 55840) reads as a `DatetimeMS`.
+            datetime_conversion=DatetimeConversion.DATETIME_AUTO,
             serverSelectionTimeoutMS=10_000,
             event_listeners=list(command_listeners),
         )

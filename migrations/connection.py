@@ -16,6 +16,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+from bson.codec_options import DatetimeConversion
 from pymongo import MongoClient
 from pymongo.errors import ConfigurationError, PyMongoError
 
@@ -47,9 +48,12 @@ def database(args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
         where = "MONGODB_URI" if uri and not args.uri else "--uri"
         if not uri:
             uri, where = _embedded(Path(args.data_dir), stack)
-        try:
+        try:  # a legacy date outside Python's range (year 0, 55840) reads as a `DatetimeMS`
             client: MongoClient[dict[str, Any]] = MongoClient(
-                uri, tz_aware=True, serverSelectionTimeoutMS=int(args.timeout * 1000)
+                uri,
+                tz_aware=True,
+                datetime_conversion=DatetimeConversion.DATETIME_AUTO,
+                serverSelectionTimeoutMS=int(args.timeout * 1000),
             )
         except ConfigurationError as exc:
             raise Unreachable(f"invalid MongoDB URI {redact_uri(uri)!r}: {exc}") from exc

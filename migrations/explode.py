@@ -123,9 +123,10 @@ def after_the_drop(db: Database[dict[str, Any]]) -> str | None:
     """What every command says once `finish --drop-legacy` dropped the legacy turns, or began
     to (None: it did not): `run`, `verify` and `finish` refuse with it (exit 2), and `status`
     prints it. No run goes on: the gate would take every migrated conversation for one no
-    legacy turn makes. The legacy collection then holds only copies a service still
-    dual-writing made; legacy turns in `CONVERSATIONS` an old-service writer logged after
-    the drop hold content no new collection does, and it names them."""
+    legacy turn makes. It says what the legacy collection holds as it is (empty, or how many
+    documents, and how many a service still dual-writing made: `_held_after_the_drop`);
+    legacy turns in `CONVERSATIONS` an old-service writer logged after the drop hold content
+    no new collection does, and it names them."""
     begun = drop_unfinished(db)
     if begun is not None:
         return (
@@ -142,13 +143,13 @@ def after_the_drop(db: Database[dict[str, Any]]) -> str | None:
     )
     late = db[CONVERSATIONS].count_documents(TURN_FILTER)
     if not late:
+        held, copies = _held_after_the_drop(db)
+        stop = ". Unset AGENT_STORE_LEGACY_DUAL_WRITE" if copies else ""
         return (
             f"`finish --drop-legacy` dropped the legacy turns at {dropped}, every legacy "
-            "conversation migrated: what the legacy collection holds now are copies a service "
-            f"still dual-writing made of turns already in {MESSAGES}. There is nothing to "
-            "migrate or check, and a run (or the gate) would take every migrated conversation "
-            f"for one no legacy turn makes. Unset AGENT_STORE_LEGACY_DUAL_WRITE; to run again, "
-            f"{restore}"
+            f"conversation migrated; {held}. There is nothing to migrate or check, and a run "
+            "(or the gate) would take every migrated conversation for one no legacy turn "
+            f"makes{stop}; to run again, {restore}"
         )
     named = db[CONVERSATIONS].distinct("conversation_id", TURN_FILTER)
     shown = ", ".join(map(repr, named[:LATE_SHOWN])) + (" …" if len(named) > LATE_SHOWN else "")
@@ -161,6 +162,26 @@ def after_the_drop(db: Database[dict[str, Any]]) -> str | None:
         f"{restore}, and run the migration again (it moves them aside and migrates them with "
         f"the rest); until then they stay in {CONVERSATIONS}, as they are"
     )
+
+
+def _held_after_the_drop(db: Database[dict[str, Any]]) -> tuple[str, int]:
+    """What the legacy collection holds after the drop, as it is, and how many of its documents
+    are copies a service still dual-writing made (`dual_write: true`)."""
+    held = db[LEGACY_TURNS].count_documents({})
+    if not held:
+        return f"{LEGACY_TURNS} is empty", 0
+    copies = db[LEGACY_TURNS].count_documents({"dual_write": True})
+    made = f"copies a service still dual-writing made of turns in {MESSAGES}"
+    if held == copies:
+        what = f"a copy a service still dual-writing made of a turn in {MESSAGES}"
+        return f"{LEGACY_TURNS} holds {held} " + (
+            f"document: {what}" if held == 1 else f"documents: {made}"
+        ), copies
+    documents = "1 document" if held == 1 else f"{held} documents"
+    return (
+        f"{LEGACY_TURNS} holds {documents} put there after the drop, {copies} of them "
+        f"{made} (marked `dual_write`)"
+    ), copies
 
 
 def prove_lease(db: Database[dict[str, Any]], lease: Lease | None) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import bson
 import pytest
-from bson import Int64
+from bson import DatetimeMS, Int64
 
 from app.service import open_store
 from app.settings import Settings
@@ -51,3 +52,12 @@ def test_an_int64_cursor_id_continues_and_kills_a_cursor(database: Any) -> None:
     killed = database.command({"killCursors": "things", "cursors": [cursor_id]})
     assert killed["cursorsKilled"] == [cursor_id]
     assert all(type(i) is Int64 for i in killed["cursorsKilled"])
+
+
+async def test_the_services_client_decodes_a_date_outside_pythons_range(wire_uri: str) -> None:
+    """The service's client reads a legacy date Python's `datetime` cannot hold as a
+    `DatetimeMS`: a conversation holding one stays readable."""
+    async with open_store(Settings(mongodb_uri=wire_uri)) as store:
+        options = store.db.codec_options
+    decoded = bson.decode(bson.encode({"t": DatetimeMS(2**62)}), codec_options=options)
+    assert decoded["t"] == DatetimeMS(2**62)

@@ -12,7 +12,7 @@ from typing import Any
 
 import bson
 import pytest
-from bson import Code, Decimal128, Int64, ObjectId
+from bson import Code, DatetimeMS, Decimal128, Int64, ObjectId
 
 from agent_store import ConversationStore, LegacyTurns
 from agent_store.legacy import (
@@ -2139,3 +2139,29 @@ def test_a_plain_json_value_read_as_its_json_text_is_no_problem(where: str, valu
     conversion = convert([_text_turn(where, value)])
 
     assert [p.kind for p in conversion.problems if p.kind == "non_json_value"] == []
+
+
+async def test_a_legacy_conversation_holding_dates_outside_pythons_range_is_read(
+    backend: Backend,
+) -> None:
+    """The service reads a legacy conversation whose turns hold dates no `datetime` holds
+    (a client decoding with `DATETIME_AUTO` reads them as `DatetimeMS`): such a time is no
+    readable time, and a value in arguments or results is written as text."""
+    if backend.name != "mongomock":
+        pytest.skip(f"{backend.name}: the server refuses a date outside Python's range")
+    year_0, garbage = DatetimeMS(-62_198_755_200_000), DatetimeMS(2**62)
+    turn = {"_id": "b-1", "conversation_id": "c-dates", "user_id": "alice",
+            "created_at": garbage, "timestamp": year_0, "user_message": "when?",
+            "response_parts": [
+                {"type": "tool_call", "tool_name": "when", "args": {"at": garbage},
+                 "tool_call_id": "x"},
+                {"type": "tool_result", "tool_name": "when", "result": year_0,
+                 "tool_call_id": "x"}]}  # fmt: skip
+    await backend.db[LEGACY_TURNS].insert_one(turn)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+    transcript = await store.transcript("c-dates")
+
+    assert [m.role for m in transcript] == ["user", "assistant", "tool"]
+    assert str(2**62) in transcript[1].model_dump_json()
+    assert str(-62_198_755_200_000) in (transcript[2].content or "")

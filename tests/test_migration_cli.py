@@ -14,9 +14,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import bson
 import mongomock
 import pytest
-from bson import Decimal128, Int64, ObjectId
+from bson import DatetimeMS, Decimal128, Int64, ObjectId
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
@@ -25,7 +26,8 @@ from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
 from agent_store.store import CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from migrations import explode, lease, problems, relocate
-from migrations.cli import _report_id_clustering, main
+from migrations.cli import _report_id_clustering, main, parser
+from migrations.connection import database
 from migrations.errors import MigrationError
 from migrations.lease import Lease
 from migrations.problems import PROBLEMS
@@ -794,3 +796,17 @@ def test_a_run_resumed_slice_by_slice_reaches_ids_the_server_sorts_after_text(
 
     assert sorted(database[CONVERSATIONS].distinct("_id")) == ["1099511627776", "7", "s"]
     assert cli(wire_uri, database, "finish") == 0
+
+
+OUT_OF_RANGE = bson.encode({"t": DatetimeMS(2**62)})
+"""A BSON date no Python `datetime` holds (year 146,140,482 and on)."""
+
+
+@pytest.mark.wire
+def test_the_migrations_client_decodes_a_date_outside_pythons_range(wire_uri: str) -> None:
+    """The migration's client reads a legacy date Python's `datetime` cannot hold (year 0,
+    year 55840, a garbage timestamp) as a `DatetimeMS`, never stopping a run on its batch."""
+    args = parser().parse_args(["status", "--uri", wire_uri])
+    with database(args) as (client, _):
+        decoded = bson.decode(OUT_OF_RANGE, codec_options=client.codec_options)
+    assert decoded["t"] == DatetimeMS(2**62)

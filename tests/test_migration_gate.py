@@ -5,18 +5,20 @@ nowhere else; dry runs predict runs; commands stay bounded; the lock waits for a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import re
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import bson
 import gridfs
+import mongomock
 import pytest
 from pymongo import AsyncMongoClient, MongoClient, monitoring
 from pymongo.collection import Collection
@@ -50,6 +52,7 @@ from migrations import (
     relocate,
     writes,
 )
+from migrations import cli as cli_module
 from migrations.cli import main
 from migrations.errors import LockHeld
 from migrations.lease import Lease
@@ -3603,6 +3606,42 @@ def test_finish_and_verify_after_the_drop_say_so_and_never_advise_a_run(
 
 
 @pytest.mark.wire
+def test_after_the_drop_every_command_says_what_the_legacy_collection_holds_as_it_is(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After `finish --drop-legacy`, `run`, `verify`, `finish` and `status` say what the
+    legacy collection holds as it is: empty when nothing was dual-written since, else how
+    many documents, and how many of them a service still dual-writing made; never a guess."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(2)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    capsys.readouterr()
+
+    def said() -> list[str]:
+        for command in ("run", "verify", "finish"):
+            assert cli(wire_uri, database, command) == 2, command
+        assert cli(wire_uri, database, "status") == 0
+        out = capsys.readouterr()
+        return [out.err, out.out]
+
+    err, status = said()
+    assert err.count(f"{LEGACY_TURNS} is empty") == 3
+    assert f"{LEGACY_TURNS} is empty" in status
+    assert "dual-writing made" not in err + status
+    assert "AGENT_STORE_LEGACY_DUAL_WRITE" not in err + status
+
+    copy = legacy_turn("t-copy", "c-0", 9, "COPY") | {"dual_write": True, "turn_id": "turn-9"}
+    database[LEGACY_TURNS].insert_one(copy)
+    err, status = said()
+    held = f"{LEGACY_TURNS} holds 1 document: a copy a service still dual-writing made"
+    assert err.count(held) == 3
+    assert held in status.replace("\n", " ")
+    assert "Unset AGENT_STORE_LEGACY_DUAL_WRITE" in err
+
+
+@pytest.mark.wire
 def test_a_legacy_turn_an_old_writer_logs_after_the_drop_gets_one_instruction_from_every_command(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -5384,3 +5423,98 @@ def test_a_dual_written_native_item_after_a_rollback_is_work_left_until_accepted
     assert "«NATIVE»" in kept_text(database)
     accept = ("--accept", "c-dual", "--note", "native item kept in its problem")
     assert cli(wire_uri, database, "finish", *accept) == 0
+
+
+OUTSIDE = (
+    bson.DatetimeMS(-62_198_755_200_000),  # year 0
+    bson.DatetimeMS(1_699_999_999_999_999),  # year 55840
+    bson.DatetimeMS(2**62),  # a garbage timestamp
+)
+"""BSON dates no Python `datetime` holds, as a client decoding with `DATETIME_AUTO` reads them."""
+INSIDE = (
+    datetime(1, 1, 1, tzinfo=UTC),
+    datetime(9999, 12, 31, tzinfo=UTC),
+    datetime(1000, 1, 1, tzinfo=UTC),
+)
+"""Dates a `datetime` holds that are no time a store takes either: the faithful run's."""
+
+
+def _dated_turns(dates: tuple[Any, Any, Any]) -> list[dict[str, Any]]:
+    """Legacy turns holding `dates` as their times and inside arguments and results."""
+    year_0, year_55840, garbage = dates
+    dated = legacy_turn("t-1", "c-dates", 0, "dated")
+    dated |= {"created_at": year_0, "timestamp": year_55840, "note": garbage}
+    called = legacy_turn("t-2", "c-dates", 1, "called")
+    called["created_at"] = garbage
+    called["response_parts"] = [
+        {"type": "tool_call", "tool_name": "when", "args": {"at": year_55840}, "tool_call_id": "x"},
+        {
+            "type": "tool_result",
+            "tool_name": "when",
+            "result": {"was": year_0},
+            "tool_call_id": "x",
+        },
+        {"type": "text", "content": "done"},
+    ]
+    return [dated, called]
+
+
+def _without_sort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mongomock's bulk writes as PyMongo calls them now: with a `sort` it has no use for
+    (PyMongo 4.11 passes one, None here, to each replace and update)."""
+    builder = mongomock.collection.BulkOperationBuilder
+    for name in ("add_replace", "add_update"):
+        method = getattr(builder, name)
+
+        def without(self: Any, *args: Any, method: Any = method, **kwargs: Any) -> Any:
+            kwargs.pop("sort", None)
+            return method(self, *args, **kwargs)
+
+        monkeypatch.setattr(builder, name, without)
+
+
+def _commands_on_mongomock(
+    monkeypatch: pytest.MonkeyPatch, turns: list[dict[str, Any]]
+) -> tuple[list[int], Database[dict[str, Any]]]:
+    """The exit codes of `run`, `verify`, `finish` and `finish --drop-legacy` on `turns`, on
+    mongomock (which stores a `DatetimeMS` as given; a server holding one is a real MongoDB)."""
+    client: Any = mongomock.MongoClient(tz_aware=True)
+    database = client["dates"]
+
+    @contextlib.contextmanager
+    def on_mongomock(args: Any) -> Iterator[tuple[Any, str]]:
+        yield client, "--uri"
+
+    monkeypatch.setattr(cli_module, "database", on_mongomock)
+    _without_sort(monkeypatch)
+    database[CONVERSATIONS].insert_many(turns)
+    commands = [
+        ("run", "--spread", "1"),
+        ("verify",),
+        ("finish",),
+        ("finish", "--drop-legacy", "--yes"),
+        ("finish", "--accept", "c-dates"),
+        ("finish", "--drop-legacy", "--yes"),
+    ]
+    return [cli("mongodb://unused", database, *command) for command in commands], database
+
+
+def test_dates_outside_pythons_range_are_migrated_and_kept_through_the_gate(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A legacy turn holding a date outside Python's range (year 0, year 55840, a garbage
+    timestamp) as its time, in its arguments, results or other fields: `run` migrates it
+    (such a time is no readable time), each such value is kept as found (a placed problem, or
+    an unplaced one `finish` names), and every command exits as on the same turns holding
+    dates a `datetime` holds."""
+    faithful, _ = _commands_on_mongomock(monkeypatch, _dated_turns(INSIDE))
+    capsys.readouterr()
+    codes, database = _commands_on_mongomock(monkeypatch, _dated_turns(OUTSIDE))
+    out = capsys.readouterr().out
+
+    assert codes == faithful
+    assert codes[:2] == [0, 0], out
+    kept = json.dumps(list(database[PROBLEMS].find()), default=repr)
+    assert all(repr(date) in kept for date in OUTSIDE)
+    assert "c-dates: content only the legacy data holds (unread_field" in out
+    assert codes[-1] == faithful[-1] == 0
