@@ -127,17 +127,22 @@ def _value(value: Any) -> str:
 
 
 def _upload(upload: Any, *, context_kept: bool = False) -> str:
-    """An upload's line: every field, its parsed text too (content a reader may not see), its
-    runtime context left out when a problem keeps this upload's (`context_kept`, as `_shown`)."""
+    """An upload's line: every field, its parsed text too (content a reader may not see), the
+    runtime context of each of its texts left out when a problem keeps this upload's
+    (`context_kept`, as `_shown`)."""
     try:
         found = FileUpload.model_validate(upload)
     except ValidationError:
         return f"upload: {upload!r}"
+    if context_kept:
+        texts = {
+            k: strip_runtime_context(v) for k, v in found.__dict__.items() if isinstance(v, str)
+        }
+        found = found.model_copy(update=texts)
     line = f"upload: {found.filename} ({found.file_type}, {found.size} B)"
     if found.parsed_text is None:
         return line
-    parsed = strip_runtime_context(found.parsed_text) if context_kept else found.parsed_text
-    return f"{line} parsed {_value(parsed)}"
+    return f"{line} parsed {_value(found.parsed_text)}"
 
 
 def _prompt(action: Any, text: str | None, params: Any) -> str:

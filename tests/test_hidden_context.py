@@ -43,7 +43,14 @@ from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import CONVERSATIONS, MESSAGES
 from app.api import create_app
 from app.service import Store
-from tests.api_harness import api_settings, auth_headers, mongomock_db
+from tests.api_harness import (
+    OWNER,
+    OWNER_CONVERSATION,
+    api_settings,
+    auth_headers,
+    mongomock_db,
+    serve,
+)
 from tests.conftest import Backend
 
 START, END = "[RUNTIME CONTEXT]", "[/RUNTIME CONTEXT]"
@@ -317,3 +324,64 @@ async def test_a_user_messages_native_form_and_upload_text_store_no_hidden_conte
     assert first.messages[2].upload.parsed_text == "file text"
     assert again.replayed
     assert again.messages == first.messages
+
+
+def _context_in_every_text(block: str) -> list[dict[str, Any]]:
+    """User messages whose upload's name and type, and whose error, hold a hidden block."""
+    upload = {"filename": f"report{block}.pdf", "file_type": f"{block}application/pdf",
+              "size": 10}  # fmt: skip
+    return [
+        {"role": "user", "content": "see file", "upload": upload},
+        {"role": "user", "content": "hi", "error": {"message": f"oops {block}"}},
+    ]
+
+
+def _assert_no_context_kept(stored: list[dict[str, Any]]) -> None:
+    assert S1 not in json.dumps(stored, default=str)
+    assert "RUNTIME CONTEXT" not in json.dumps(stored, default=str)
+    by_content = {m["content"]: m for m in stored if m["role"] == "user"}
+    assert by_content["see file"]["upload"]["filename"] == "report.pdf"
+    assert by_content["see file"]["upload"]["file_type"] == "application/pdf"
+    assert by_content["see file"]["search_text"] == "see file report.pdf"
+    assert by_content["hi"]["error"] == {"message": "oops"}
+    assert by_content["hi"]["search_text"] == "hi oops"
+
+
+async def test_a_user_messages_upload_name_and_error_store_no_hidden_context(
+    backend: Backend,
+) -> None:
+    """Every text a user message stores is stripped, not only its content: an upload's file
+    name and type, an error's message (each string of its sub-models), so none is indexed.
+    A retry of the same turn replays it (the digest is of what is stored)."""
+    turn = _context_in_every_text(f"{START}plan=gold {S1}{END}")
+    logger = AgentMessageLogger(backend.db)
+    first = await logger.log_messages(CID, turn, turn_id="t1")
+    again = await logger.log_messages(CID, turn, turn_id="t1")
+
+    _assert_no_context_kept(await backend.db[MESSAGES].find({}).to_list(None))
+    assert again.replayed
+    assert again.messages == first.messages
+
+
+async def test_a_user_messages_upload_name_and_error_over_http_store_no_hidden_context(
+    backend: Backend,
+) -> None:
+    """The same over HTTP, a person's turn and a person's steering delivery alike."""
+    block = f"{START}plan=gold {S1}{END}"
+    turn, steer = _context_in_every_text(block)
+    person = auth_headers(user=OWNER)
+    async with serve(backend.db) as api:
+        turns = f"/v1/conversations/{CID}/turns"
+        logged = await api.http.post(turns, json={"messages": [turn]}, headers=person)
+        inbox = f"/v1/conversations/{OWNER_CONVERSATION}/turns/t-run/inbox"
+        assert (await api.http.post(inbox, headers=auth_headers())).status_code == 200
+        sent = await api.http.post(f"{inbox}/messages", json={"message": steer}, headers=person)
+        assert (logged.status_code, sent.status_code) == (201, 200), (logged.text, sent.text)
+        found = await api.http.get("/v1/search", params={"q": S1}, headers=person)
+
+    stored = await backend.db[MESSAGES].find({"content": {"$in": ["see file", "hi"]}}).to_list(None)
+    assert len(stored) == 2
+    _assert_no_context_kept(stored)
+    if "text_search" not in backend.lacks:
+        assert found.status_code == 200, found.text
+        assert found.json()["data"] == []

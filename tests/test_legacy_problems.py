@@ -1266,6 +1266,41 @@ def test_runtime_context_a_legacy_uploads_parsed_text_held_is_kept_in_an_unplace
     assert legacy.lines == from_messages(conversion.messages).lines
 
 
+@pytest.mark.parametrize("where", ["upload_result", "response_parts"])
+def test_runtime_context_a_legacy_uploads_file_name_held_is_kept_in_an_unplaced_problem(
+    where: str,
+) -> None:
+    """Every text of an upload is text of the user's message (its file name and type too,
+    not only its parsed text): the upload keeps what the user saw, each text's stripped
+    context is kept, as written, in a `hidden_runtime_context` problem naming the field, and
+    the transcript `verify` compares leaves it out of the legacy side as well."""
+    upload = {"filename": f"report{HIDDEN}.pdf", "file_type": f"{HIDDEN}application/pdf",
+              "size": 3, "parsed_text": "file text"}  # fmt: skip
+    answer: list[dict[str, Any]] = [{"type": "text", "content": "hi"}]
+    turn = {"_id": "t-1", "conversation_id": "c-ctx", "created_at": MESSY_START,
+            "user_message": "see", "response_parts": answer}  # fmt: skip
+    if where == "upload_result":
+        turn["upload_result"] = upload
+    else:
+        answer.insert(0, {"type": "file_upload", **upload})
+    conversion = convert([turn])
+
+    uploads = [m.upload for m in conversion.messages if m.upload is not None]
+    assert [(u.filename, u.file_type, u.parsed_text) for u in uploads] == [
+        ("report.pdf", "application/pdf", "file text")
+    ]
+    stored = [m.model_dump(mode="json") for m in conversion.messages]
+    assert "«ctx-marker»" not in json.dumps(stored, ensure_ascii=False)
+    index = None if where == "upload_result" else 0
+    assert [(p.kind, p.field, p.part_index, p.placed, p.content) for p in conversion.problems] == [
+        ("hidden_runtime_context", where, index, False, HIDDEN),
+        ("hidden_runtime_context", where, index, False, HIDDEN),
+    ]
+    assert ["filename" in p.detail for p in conversion.problems] == [True, False]
+    legacy = from_legacy(parse_turns([turn]), conversion.problems)
+    assert legacy.lines == from_messages(conversion.messages).lines
+
+
 def test_runtime_context_markers_in_a_system_turn_are_no_problem() -> None:
     """A system turn is stored as it was written: nothing is stripped from it."""
     turn = {"_id": "s-1", "conversation_id": "c-ctx", "created_at": MESSY_START,

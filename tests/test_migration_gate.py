@@ -2042,6 +2042,35 @@ def test_a_drop_never_deletes_the_runtime_context_a_legacy_user_message_holds(
     assert "«ctx-marker»" in kept_text(database)
 
 
+@pytest.mark.wire
+def test_a_drop_never_deletes_the_runtime_context_a_legacy_uploads_file_name_holds(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An upload's file name is text of the user's message: the message holds what the user
+    saw (`report.pdf`), the context is kept in an unplaced `hidden_runtime_context` problem,
+    `verify` sees it left out there (0 on a faithful run), and the drop waits for an
+    operator, then keeps it."""
+    upload = {"filename": f"report{HIDDEN}.pdf", "file_type": "application/pdf", "size": 3}
+    database[CONVERSATIONS].insert_one(
+        legacy_turn("t-1", "c-ctx", 0, "") | {"upload_result": upload}
+    )
+
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    stored = json.dumps(list(database[MESSAGES].find()), default=str, ensure_ascii=False)
+    assert "«ctx-marker»" not in stored
+    assert "report.pdf" in stored
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert "hidden_runtime_context" in capsys.readouterr().out
+    assert cli(wire_uri, database, "finish", "--accept", "c-ctx", "--note", "kept") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+    assert "«ctx-marker»" in kept_text(database)
+
+
 # -- the order of turns: by time at full precision ----------------------------------------
 
 

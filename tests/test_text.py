@@ -8,7 +8,7 @@ import unicodedata
 
 import pytest
 
-from agent_store import Truncation
+from agent_store import InvalidInput, Truncation
 from agent_store.store import (
     TRUNCATION_MARK,
     RuntimeContextMarkers,
@@ -22,6 +22,7 @@ from agent_store.store import (
     split_runtime_context,
     strip_runtime_context,
     strip_runtime_context_pieces,
+    without_runtime_context,
 )
 from agent_store.store._text import HIDDEN_CHARACTERS, shows_nothing
 
@@ -278,3 +279,23 @@ def test_every_format_character_shows_nothing() -> None:
     formats = [chr(c) for c in range(0x110000) if unicodedata.category(chr(c)) == "Cf"]
     assert [f"U+{ord(c):04X}" for c in formats if not shows_nothing(c)] == []
     assert not shows_nothing("\u200ba\u200b")
+
+
+def test_a_user_message_holding_no_marker_is_stored_as_it_is_without_a_copy() -> None:
+    """The turn's hot path: every text of a user message is looked at, none copied."""
+    (message,) = parse_messages([{
+        "role": "user", "content": "see [file]", "error": {"message": "oops"},
+        "upload": {"filename": "a.txt", "file_type": "text/plain", "size": 3, "parsed_text": "x"},
+        "native": {"format": "openai-agents", "set": {"content": [{"text": "[RUNTIME", "t": 1}]}},
+    }])  # fmt: skip
+
+    assert without_runtime_context(message) is message
+
+
+def test_a_user_messages_text_that_was_only_context_and_must_not_be_empty_is_refused() -> None:
+    """A `native` format that held nothing but hidden context is empty once it is removed:
+    refused, saying where, rather than stored as no message could be read back."""
+    turn = [{"role": "user", "content": "hi", "native": {"format": f"{RC}x{END}", "set": {}}}]
+
+    with pytest.raises(InvalidInput, match=r"runtime context removed.*native\.format"):
+        plan_turn("c-1", turn)

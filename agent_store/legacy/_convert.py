@@ -718,9 +718,10 @@ class _Converter:
             if valid is None:
                 continue
             checked = valid.model_dump()
-            if valid.parsed_text:
-                where = "upload_result" if upload_index is None else "response_parts"
-                self._check_runtime_context(turn, valid.parsed_text, where, upload_index)
+            where = "upload_result" if upload_index is None else "response_parts"
+            for name, value in checked.items():  # every text of it: the store strips each
+                if isinstance(value, str):
+                    self._check_runtime_context(turn, value, where, upload_index, name)
             first = items[0] if items else None
             if isinstance(first, dict) and first["role"] == "user" and "upload" not in first:
                 first["upload"] = checked
@@ -734,14 +735,16 @@ class _Converter:
         text: str,
         field: str = "user_message",
         part_index: int | None = None,
+        upload_field: str | None = None,
     ) -> None:
-        """Hidden runtime context in the user's text (an upload's parsed text too, in `field`,
-        at `part_index`): the message keeps only what the user saw (DESIGN §3: the store
-        strips it, `plan_turn`), so what is stripped, as written, is kept in a problem no
-        message holds (`HIDDEN_RUNTIME_CONTEXT`)."""
+        """Hidden runtime context in the user's text (a text of an upload too, its
+        `upload_field`, in `field`, at `part_index`): the message keeps only what the user
+        saw (DESIGN §3: the store strips every text of a user message, `plan_turn`), so what
+        is stripped, as written, is kept in a problem no message holds
+        (`HIDDEN_RUNTIME_CONTEXT`)."""
         hidden = split_runtime_context(text, self.rules.markers)[1]
         if hidden:
-            what = field if field == "user_message" else f"the parsed_text of {field}"
+            what = field if upload_field is None else f"the {upload_field} of {field}"
             if part_index is not None:
                 what += f" {part_index}"
             self.problem(

@@ -7,7 +7,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agent_store.core import AgentMessage, InvalidInput
+from pydantic import BaseModel, ValidationError
+
+from agent_store.core import AgentMessage, InvalidInput, describe_validation_error
 from agent_store.store._values import storable
 
 ELLIPSIS = "…"
@@ -116,6 +118,15 @@ def strip_runtime_context_pieces(
 _ASCII_RUNS = ("  ", "\n", "\t", "\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x1f")
 
 
+def _text_blocks(blocks: Sequence[Any]) -> list[int]:
+    """Where the texts of a list of blocks are: a string block, or a block's `text`."""
+    return [
+        i
+        for i, b in enumerate(blocks)
+        if isinstance(b, str) or (isinstance(b, Mapping) and isinstance(b.get("text"), str))
+    ]
+
+
 def strip_runtime_context_blocks(
     content: str | Sequence[Any], markers: RuntimeContextMarkers = DEFAULT_MARKERS
 ) -> str | list[Any]:
@@ -126,49 +137,66 @@ def strip_runtime_context_blocks(
     if isinstance(content, str):
         return strip_runtime_context(content, markers)
     blocks = list(content)
-    where = [
-        i
-        for i, b in enumerate(blocks)
-        if isinstance(b, str) or (isinstance(b, Mapping) and isinstance(b.get("text"), str))
-    ]
+    where = _text_blocks(blocks)
     texts = [b if isinstance(b, str) else b["text"] for b in (blocks[i] for i in where)]
     for i, shown in zip(where, strip_runtime_context_pieces(texts, markers), strict=True):
         blocks[i] = shown if isinstance(blocks[i], str) else {**blocks[i], "text": shown}
     return blocks
 
 
+def _holds_marker(value: Any, markers: RuntimeContextMarkers) -> bool:
+    """Whether a marker is anywhere in a value: in a string, in a list's texts read as one
+    prompt (a marker may be cut across them) or its items, a mapping's values, or a
+    model's fields. A few C-level scans of each string: what holds none is left alone."""
+    if isinstance(value, str):
+        return _has_marker(value, markers)
+    if isinstance(value, BaseModel):
+        return any(_holds_marker(item, markers) for item in value.__dict__.values())
+    if isinstance(value, Mapping):
+        return any(_holds_marker(item, markers) for item in value.values())
+    if isinstance(value, list):
+        texts = "".join(
+            b if isinstance(b, str) else b["text"]
+            for b in map(value.__getitem__, _text_blocks(value))
+        )
+        return _has_marker(texts, markers) or any(
+            _holds_marker(item, markers) for item in value if not isinstance(item, str)
+        )
+    return False
+
+
 def _stripped_value(value: Any, markers: RuntimeContextMarkers) -> Any:
-    """A plain JSON value with hidden runtime context removed from every string in it: a
-    list's texts as one prompt (`strip_runtime_context_blocks`), then each item's own."""
+    """A value with hidden runtime context removed from every string in it, the value itself
+    when it holds no marker: a model's fields each (as a mapping of them, for the message's
+    model to validate again: a text that was only context is empty now), a list's texts as
+    one prompt (`strip_runtime_context_blocks`), then each item's own, a mapping's values."""
+    if not _holds_marker(value, markers):
+        return value
     if isinstance(value, str):
         return strip_runtime_context(value, markers)
     if isinstance(value, list):
         blocks = strip_runtime_context_blocks(value, markers)
         return [b if isinstance(b, str) else _stripped_value(b, markers) for b in blocks]
-    if isinstance(value, Mapping):
-        return {key: _stripped_value(item, markers) for key, item in value.items()}
-    return value
+    items = value.__dict__ if isinstance(value, BaseModel) else value
+    return {key: _stripped_value(item, markers) for key, item in items.items()}
 
 
 def without_runtime_context(
     message: AgentMessage, markers: RuntimeContextMarkers = DEFAULT_MARKERS
 ) -> AgentMessage:
-    """A user message with hidden runtime context removed from every text it stores: its
-    content, its upload's parsed text and each string of its `native` form. What holds no
-    marker is kept as it is; any other message comes back as it is."""
-    if message.role != "user":
+    """A user message with hidden runtime context removed from every text it stores: each
+    string of it and of its parts (its content, its upload's and error's texts, its `native`
+    form), whatever fields they have. A message holding no marker is the message itself;
+    any other role's comes back as it is. InvalidInput when a text is refused once its
+    context is removed (a `native` format that was nothing else)."""
+    if message.role != "user" or not _holds_marker(message, markers):
         return message
-    update: dict[str, Any] = {}
-    if message.content and _has_marker(message.content, markers):
-        update["content"] = strip_runtime_context(message.content, markers)
-    upload = message.upload
-    if upload is not None and upload.parsed_text and _has_marker(upload.parsed_text, markers):
-        parsed = strip_runtime_context(upload.parsed_text, markers)
-        update["upload"] = upload.model_copy(update={"parsed_text": parsed})
-    native = message.native
-    if native is not None and (kept := _stripped_value(native.set, markers)) != native.set:
-        update["native"] = native.model_copy(update={"set": kept})
-    return message.model_copy(update=update) if update else message
+    try:
+        return type(message).model_validate(_stripped_value(message, markers))
+    except ValidationError as exc:
+        raise InvalidInput(
+            describe_validation_error(exc, subject="message, its runtime context removed")
+        ) from exc
 
 
 def collapse_whitespace(text: str) -> str:
