@@ -208,3 +208,46 @@ async def test_an_idempotency_key_empty_sent_twice_or_naming_another_turn_is_422
         assert "Idempotency-Key" in other.json()["error"]["message"]
         assert "twice" in twice.json()["error"]["message"]
         assert await api.db.agent_messages.count_documents({}) == 1
+
+
+async def test_a_turn_into_a_conversation_whose_delete_failed_part_way_is_a_503(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DELETE fails at its last command (the conversation document, lost before it applied):
+    503, the messages gone, the document left. A turn posted then, new or a retry of the
+    deleted one, is a 503 saying the conversation is being deleted, nothing stored; once
+    DELETE is run again, the turn starts a new conversation (201)."""
+    from typing import Any
+
+    from pymongo.errors import AutoReconnect
+
+    from tests.api_harness import OWNER, auth_headers, serve
+
+    url = "/v1/conversations/c-half"
+    turn = {"turn_id": "t1", "user_id": OWNER, "messages": [{"role": "user", "content": "hi"}]}
+    async with serve(backend.db, seeded=False) as api:
+        assert (await api.http.post(f"{url}/turns", json=turn, headers=auth_headers())).is_success
+        conversations = api.store.conversations._conversations
+
+        async def lost(*args: Any, **kwargs: Any) -> Any:
+            raise AutoReconnect("connection lost (injected)")
+
+        monkeypatch.setattr(conversations, "find_one_and_delete", lost)
+        assert (await api.http.delete(url, headers=auth_headers())).status_code == 503
+        monkeypatch.undo()
+        before = await api.digest()
+
+        refused = [
+            await api.http.post(f"{url}/turns", json=turn | {"turn_id": t}, headers=auth_headers())
+            for t in ("t1", "t2")
+        ]
+
+        assert [(r.status_code, r.json()["error"]["code"]) for r in refused] == [
+            (503, "storage_unavailable")
+        ] * 2
+        assert "conversation 'c-half' is being deleted" in refused[1].json()["error"]["message"]
+        assert "may be sent again once the delete finished" in refused[1].json()["error"]["message"]
+        assert await api.digest() == before
+        assert (await api.http.delete(url, headers=auth_headers())).status_code == 200
+        again = await api.http.post(f"{url}/turns", json=turn, headers=auth_headers())
+        assert again.status_code == 201, again.text

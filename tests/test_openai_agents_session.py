@@ -729,7 +729,7 @@ async def test_a_session_of_one_user_neither_reads_nor_writes_anothers(backend: 
     assert await intruder.pop_item() is None
 
 
-async def test_adding_costs_two_round_trips_reading_one_and_clearing_nine(
+async def test_adding_costs_two_round_trips_reading_one_and_clearing_ten(
     wire_backend: Backend,
 ) -> None:
     assert wire_backend.commands is not None
@@ -752,7 +752,8 @@ async def test_adding_costs_two_round_trips_reading_one_and_clearing_nine(
     wire_backend.commands.clear()
     await session.clear_session()
     # The conversation, the record of the deletion in progress (a repeated clear finishes one
-    # that failed part-way), its LangGraph checkpoints (none here), a lookup that finds it still
+    # that failed part-way), the mark on its document (no turn writes to it from then), its
+    # LangGraph checkpoints (none here), a lookup that finds it still
     # the conversation the first found (a delete racing another never takes a conversation
     # started under the id since), its messages, its cut texts' files (none here), its
     # document, a look for messages a turn in flight may have inserted meanwhile, and the
@@ -760,6 +761,7 @@ async def test_adding_costs_two_round_trips_reading_one_and_clearing_nine(
     assert wire_backend.commands.names == [
         "find",
         "insert",
+        "update",
         "delete",
         "find",
         "delete",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 import warnings
 from collections import Counter
 from datetime import timedelta
@@ -28,6 +29,7 @@ from agent_store import (
     Conflict,
     ConversationStore,
     InvalidInput,
+    NotFound,
     RetryPolicy,
     StorageUnavailable,
     TurnRules,
@@ -934,3 +936,69 @@ async def test_a_retry_that_cannot_be_told_among_pops_in_doubt_is_refused_removi
     popped = await store.pop_last_message(CID)
     assert popped is not None
     assert popped.content == "B!"
+
+
+async def _half_deleted(backend: Backend) -> tuple[AgentMessageLogger, ConversationStore]:
+    """Two turns logged into `CID`, then a delete of it whose last command (the conversation
+    document's delete) is lost before it applied: its messages went, its document stays."""
+    await _two_turns_of_two(backend)
+    store = ConversationStore(backend.db)
+    real = store._conversations
+    store._conversations = FailOnce(real, "find_one_and_delete", after_applying=False)
+    with pytest.raises(StorageUnavailable):
+        await store.delete(CID)
+    store._conversations = real
+    assert await _stored_contents(backend) == []
+    return AgentMessageLogger(backend.db), store
+
+
+BEING_DELETED = f"conversation {CID!r} is being deleted"
+
+
+async def test_a_turn_into_a_conversation_whose_delete_failed_part_way_is_refused(
+    backend: Backend,
+) -> None:
+    """A new turn, and a retry of a deleted one, are refused (to be sent again once the delete
+    finished) and store nothing: no turn is added to a half-deleted conversation, no deleted
+    message comes back."""
+    logger, _ = await _half_deleted(backend)
+    before = await backend.db.agent_conversations.find_one({"_id": CID})
+
+    for turn_id, content in [("t-new", "new"), ("t0", "u0"), ("t1", "u1")]:
+        with pytest.raises(StorageUnavailable, match=re.escape(BEING_DELETED)):
+            await logger.log_messages(CID, [{"role": "user", "content": content}], turn_id=turn_id)
+
+    assert await _stored_contents(backend) == []
+    after = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert after == before
+
+
+async def test_a_pop_and_a_fork_of_a_conversation_whose_delete_failed_part_way_are_refused(
+    backend: Backend,
+) -> None:
+    """A pop is refused as a turn is; a fork answers NotFound (docs/RELIABILITY.md), not a
+    turn "still being written" at the `seq`s the delete emptied."""
+    logger, store = await _half_deleted(backend)
+
+    with pytest.raises(StorageUnavailable, match=re.escape(BEING_DELETED)):
+        await store.pop_last_message(CID)
+    with pytest.raises(NotFound, match=re.escape(f"conversation {CID!r} was not found")):
+        await logger.fork(CID, 1, "c-fork")
+
+    assert await backend.db.agent_conversations.find_one({"_id": "c-fork"}) is None
+
+
+async def test_a_delete_run_again_finishes_and_a_turn_after_it_starts_a_new_conversation(
+    backend: Backend,
+) -> None:
+    logger, store = await _half_deleted(backend)
+
+    deleted = await store.delete(CID)
+    logged = await logger.log_messages(CID, [{"role": "user", "content": "new"}], turn_id="t0")
+
+    assert deleted.conversations == 1
+    assert not logged.replayed
+    assert [m.seq for m in logged.messages] == [0]
+    conversation = await store.get_conversation(CID)
+    assert (conversation.turn_count, conversation.message_count) == (1, 1)
+    assert await backend.db.agent_deletions.count_documents({}) == 0

@@ -146,7 +146,7 @@ def test_the_conversation_document_declares_the_bookkeeping_as_optional() -> Non
     assert "extends IAgentConversation<Date> {" in block.splitlines()[0]
     assert declared_properties(block) == {
         "turns?": "unknown[]", "turns_dropped?": "number", "inbox?": "Record<string, unknown>",
-        "runtime_turns?": "unknown[]",
+        "runtime_turns?": "unknown[]", "deleting_since?": "string | null",
         "fork_check?": "Record<string, unknown> | null",
         "popping?": "Record<string, unknown> | null", "pops?": "number",
         "popped_seqs?": "unknown[]", "popped_messages?": "unknown[]",

@@ -897,6 +897,10 @@ class Conversation(_Model):
     """The turns runtimes opened a steering inbox for, by turn key (`TurnRecord.key`), the
     newest 100 (the store's bookkeeping, never served): a user token starts no turn under
     their ids, the inbox open or closed since, so the runtime logs its own turn."""
+    deleting_since: UtcDatetime | None = Field(default=None, exclude=True)
+    """When a delete or an erasure of this conversation began (the store's bookkeeping, never
+    served; absent but while one is under way, or failed part-way until it is run again): no
+    turn, retry or pop writes to it, and forks find it gone."""
     popping: PopInProgress | None = Field(default=None, exclude=True)
     """The pop under way, if any (the store's bookkeeping, never served): the next pop
     finishes it first."""

@@ -11,7 +11,7 @@ from typing import Any
 from agent_store.store._blobs import FullTextStore
 from agent_store.store._driver import Database, storage_errors
 from agent_store.store._indexes import CONVERSATIONS, DELETIONS, MESSAGES
-from agent_store.store._reservation import same_as_read
+from agent_store.store._reservation import DELETING, same_as_read
 
 
 def recorded_as(conversation_id: str, found: Mapping[str, Any]) -> dict[str, Any]:
@@ -34,7 +34,10 @@ class DeletionRecords:
 
     async def record(self, found: Iterable[Mapping[str, Any]], user_id: str | None) -> None:
         """Record the deletion of each conversation `found` (`_id`, `epoch`, `created_at`),
-        owned by `user_id`. One round trip; none for no conversation."""
+        owned by `user_id`, then mark each (`DELETING`, while it is the one found): turns,
+        their retries and pops are refused from then on (`being_deleted`), and forks answer
+        `NotFound`. Two round trips; none for no conversation."""
+        found = list(found)
         started = datetime.now(UTC)
         records = [
             {
@@ -49,6 +52,12 @@ class DeletionRecords:
         if records:
             with storage_errors("record the deletion"):
                 await self._records.insert_many(records)
+                # Fenced on its own document: no turn, retry or pop interleaves with the
+                # deletion, nor writes to what a deletion failing part-way leaves.
+                await self._conversations.update_many(
+                    {"$or": [same_as_read(d["_id"], d) for d in found]},
+                    {"$set": {DELETING: started}},
+                )
 
     async def under_way(self, conversation_id: str, found: Mapping[str, Any]) -> bool:
         """Whether a delete or an erasure of the conversation `found` (as read: its `epoch`, or

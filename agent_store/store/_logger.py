@@ -103,6 +103,7 @@ from agent_store.store._relocated import (
 )
 from agent_store.store._reservation import (
     ANSWERS_READ,
+    DELETING,
     RESERVED,
     SUMMARY,
     Actor,
@@ -114,6 +115,7 @@ from agent_store.store._reservation import (
     answers_hold,
     answers_lookup,
     approved_among,
+    being_deleted,
     blocks_of,
     denials_hold,
     given_back,
@@ -1009,11 +1011,14 @@ class AgentMessageLogger:
                     "forked_from": 1,
                     "resolved_hitl": 1,
                     "approved_calls": 1,
+                    DELETING: 1,
                     **ANSWERED_READ,
                     **GAPS_READ,
                 },
             )
-            if source is None or actor.refusal(conversation_id, source.get("user_id")):
+            # A source being deleted (or whose delete failed part-way) is gone to forks.
+            hidden = source is None or source.get(DELETING) is not None
+            if hidden or actor.refusal(conversation_id, source.get("user_id")):
                 raise NotFound(f"conversation {conversation_id!r} was not found")
             own = _own_messages(conversation_id, source)
             count = int(source.get("message_count") or 0)
@@ -1067,6 +1072,8 @@ class AgentMessageLogger:
             refusal = actor.refusal(plan.conversation_id, found.get("user_id"))
             if refusal is not None:
                 raise refusal
+            if found.get(DELETING) is not None:  # before any replay: nothing comes back
+                raise being_deleted(plan.conversation_id, f"turn {plan.turn_id!r}")
             block = recorded_block(found, plan.key)
             if block is None and complete and found.get("turns_dropped"):
                 block = await self._block_of_an_old_turn(plan)

@@ -59,6 +59,7 @@ from agent_store.store._blobs import kept_blob_ids
 from agent_store.store._driver import storage_errors
 from agent_store.store._fork import fork_turns_of
 from agent_store.store._indexes import LANGGRAPH_TURN, checkpoints_referring_to
+from agent_store.store._reservation import DELETING, being_deleted
 from agent_store.store._tail import (
     LeftBefore,
     free_to_mark,
@@ -209,6 +210,7 @@ class Pop:
                     _own(self.query, conversation), sort=[("seq", -1)]
                 )
             if doc is None:
+                await self._refuse_if_being_deleted()
                 return None
             message = message_adapter.validate_python(doc)
             if conversation is None and message.epoch is not None:
@@ -445,6 +447,16 @@ class Pop:
             )
         self.memory.remember(conversation_id, self.memory.counts.get(conversation_id, 0) + 1)
 
+    async def _refuse_if_being_deleted(self) -> None:
+        """`being_deleted` when the conversation, holding no message to pop, is marked by a
+        delete or an erasure (one that failed part-way took its messages): the pop is
+        refused as a turn is, not answered as one of an empty conversation. One round trip,
+        on that path only."""
+        with storage_errors("read the conversation"):
+            doc = await self.conversations.find_one(self.scope, {DELETING: 1})
+        if doc is not None and doc.get(DELETING) is not None:
+            raise being_deleted(str(self.scope["_id"]), "the pop")
+
     async def _finish_under_way(
         self, earlier: tuple[str | None, str | None] | None = None
     ) -> tuple[bool, Mapping[str, Any] | None, bool]:
@@ -455,13 +467,15 @@ class Pop:
         removed its message from this conversation (the pop it finished, or one its
         `popped_messages` lists: by that pop, or by any pop for an entry that names none)."""
         conversation_id = str(self.scope["_id"])
-        read = {"popping": 1, "pops": 1, "message_count": 1, "epoch": 1, **GAPS_READ}
+        read = {"popping": 1, "pops": 1, "message_count": 1, "epoch": 1, DELETING: 1, **GAPS_READ}
         if earlier is not None:
             read["popped_messages"] = 1
         with storage_errors("read the conversation"):
             doc: Mapping[str, Any] | None = await self.conversations.find_one(self.scope, read)
         if doc is None:
             return False, None, False
+        if doc.get(DELETING) is not None:
+            raise being_deleted(conversation_id, "the pop")
         self.memory.remember(conversation_id, int(doc.get("pops") or 0))
         removed = earlier is not None and any(
             _removed_by(PoppedMessage.model_validate(p), *earlier)

@@ -27,6 +27,7 @@ from agent_store.core import (
     NotFound,
     PendingCall,
     PendingHitl,
+    StorageUnavailable,
     StoreError,
     TurnRecord,
     approval_held_again,
@@ -58,6 +59,24 @@ RESERVED: dict[str, Any] = {
 the epoch (else the creation time) that tells this conversation from one created again
 under its id (`same_conversation`), the `seq` from which a turn assigned it an owner, and
 the epoch its messages carry)."""
+
+
+DELETING = "deleting_since"
+"""The field a delete or an erasure marks a conversation with (the time it began) before its
+first destructive command: from then no turn, retry or pop writes to it."""
+NOT_BEING_DELETED: dict[str, Any] = {DELETING: {"$exists": False}}
+"""The filter part of every write a conversation takes from a turn or a pop."""
+
+
+def being_deleted(conversation_id: str, what: str) -> StorageUnavailable:
+    """The refusal of `what` (a turn, a pop) in a conversation whose delete or erasure has
+    begun (`DELETING`): once it finished, the caller may send it again (it starts a new
+    conversation); one that failed part-way finishes when it is run again."""
+    return StorageUnavailable(
+        f"conversation {conversation_id!r} is being deleted: {what} may be sent again once "
+        "the delete finished (a delete or erasure that failed part-way finishes when it is "
+        "run again)"
+    )
 
 
 def new_epoch() -> str:
@@ -232,6 +251,7 @@ def reservation_filter(
         "_id": plan.conversation_id,
         "turns.k": {"$ne": plan.key},
         **actor.owner_filter(),
+        **NOT_BEING_DELETED,
     }
     if actor.as_user:  # a runtime's turn id is the runtime's (`Actor.running_refusal`)
         query["runtime_turns"] = {"$ne": plan.key}

@@ -197,6 +197,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   runtime_turns?: unknown[];
   /**
+   * When a delete or an erasure of this conversation began (the store's bookkeeping, never served; absent but while one is under way, or failed part-way until it is run again): no turn, retry or pop writes to it, and forks find it gone.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  deleting_since?: string | null;
+  /**
    * The pop under way, if any (the store's bookkeeping, never served): the next pop finishes it first.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
