@@ -198,6 +198,11 @@ async def test_reading_the_last_messages_costs_one_round_trip(wire_backend: Back
     assert len(everything) == 150
 
 
+POP_COMMANDS = ["find", "find", "find", "find", "update", "delete", "update"]
+"""A pop's commands: the last message, the one before it, the preview's window, the LangGraph
+checkpoints referring to it, then mark, remove, correct the summary."""
+
+
 async def test_popping_costs_six_round_trips_and_one_more_per_read_of_the_messages_before(
     wire_backend: Backend,
 ) -> None:
@@ -213,30 +218,12 @@ async def test_popping_costs_six_round_trips_and_one_more_per_read_of_the_messag
 
     wire_backend.commands.clear()
     await store.pop_last_message(CID)  # the user message: it started a turn and is the preview
-    # The last message, the one before it (its time is `updated_at` now), the preview's
-    # window, the LangGraph checkpoints referring to it (none), then mark, remove, correct
-    # the summary.
-    assert wire_backend.commands.names == [
-        "find",
-        "find",
-        "find",
-        "find",
-        "update",
-        "delete",
-        "update",
-    ]
+    # The one before it is read for its time (`updated_at` now); no checkpoint refers to it.
+    assert wire_backend.commands.names == POP_COMMANDS
 
     wire_backend.commands.clear()
     await store.pop_last_message(CID)  # the answer: its call comes back as listed before it
-    assert wire_backend.commands.names == [
-        "find",
-        "find",
-        "find",
-        "find",
-        "update",
-        "delete",
-        "update",
-    ]
+    assert wire_backend.commands.names == POP_COMMANDS
 
     wire_backend.commands.clear()
     await store.pop_last_message(CID)  # the tool call: it leaves the list, one read before it

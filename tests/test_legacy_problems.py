@@ -1238,6 +1238,19 @@ def test_runtime_context_a_legacy_user_message_held_is_kept_in_an_unplaced_probl
     ]
 
 
+def _turn_with_upload(upload: dict[str, Any], where: str) -> dict[str, Any]:
+    """A legacy turn holding `upload` as its `upload_result`, or as its first response part
+    (`where` "response_parts"), before an answer."""
+    answer: list[dict[str, Any]] = [{"type": "text", "content": "hi"}]
+    turn = {"_id": "t-1", "conversation_id": "c-ctx", "created_at": MESSY_START,
+            "user_message": "see", "response_parts": answer}  # fmt: skip
+    if where == "upload_result":
+        turn["upload_result"] = upload
+    else:
+        answer.insert(0, {"type": "file_upload", **upload})
+    return turn
+
+
 @pytest.mark.parametrize("where", ["upload_result", "response_parts"])
 def test_runtime_context_a_legacy_uploads_parsed_text_held_is_kept_in_an_unplaced_problem(
     where: str,
@@ -1247,13 +1260,7 @@ def test_runtime_context_a_legacy_uploads_parsed_text_held_is_kept_in_an_unplace
     the transcript `verify` compares leaves it out of the legacy side as well."""
     upload = {"filename": "a.txt", "file_type": "text/plain", "size": 3,
               "parsed_text": f"{HIDDEN} file text"}  # fmt: skip
-    answer: list[dict[str, Any]] = [{"type": "text", "content": "hi"}]
-    turn = {"_id": "t-1", "conversation_id": "c-ctx", "created_at": MESSY_START,
-            "user_message": "see", "response_parts": answer}  # fmt: skip
-    if where == "upload_result":
-        turn["upload_result"] = upload
-    else:
-        answer.insert(0, {"type": "file_upload", **upload})
+    turn = _turn_with_upload(upload, where)
     conversion = convert([turn])
 
     uploads = [m.upload for m in conversion.messages if m.upload is not None]
@@ -1276,13 +1283,7 @@ def test_runtime_context_a_legacy_uploads_file_name_held_is_kept_in_an_unplaced_
     the transcript `verify` compares leaves it out of the legacy side as well."""
     upload = {"filename": f"report{HIDDEN}.pdf", "file_type": f"{HIDDEN}application/pdf",
               "size": 3, "parsed_text": "file text"}  # fmt: skip
-    answer: list[dict[str, Any]] = [{"type": "text", "content": "hi"}]
-    turn = {"_id": "t-1", "conversation_id": "c-ctx", "created_at": MESSY_START,
-            "user_message": "see", "response_parts": answer}  # fmt: skip
-    if where == "upload_result":
-        turn["upload_result"] = upload
-    else:
-        answer.insert(0, {"type": "file_upload", **upload})
+    turn = _turn_with_upload(upload, where)
     conversion = convert([turn])
 
     uploads = [m.upload for m in conversion.messages if m.upload is not None]
