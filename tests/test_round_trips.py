@@ -176,9 +176,10 @@ async def test_resolving_a_prompt_costs_one_round_trip_and_its_retry_two(
         assert wire_backend.commands.names == expected
 
 
-async def test_deleting_a_conversation_costs_nine_round_trips(wire_backend: Backend) -> None:
+async def test_deleting_a_conversation_costs_ten_round_trips(wire_backend: Backend) -> None:
     """Its lookup; the record of the deletion in progress (so that a repeated delete finishes
-    one that failed once the document went); the documents beside it (one command per
+    one that failed once the document went); the mark on its document (no turn or pop writes
+    to it from then); the documents beside it (one command per
     collection); a lookup that finds it still the conversation the first found, right before
     its messages go; its whole texts' files; its document; the sweep for a turn that reserved
     before it; the record's removal."""
@@ -192,7 +193,8 @@ async def test_deleting_a_conversation_costs_nine_round_trips(wire_backend: Back
     await ConversationStore(wire_backend.db).delete(CID, user_id="user-deleting")
 
     assert wire_backend.commands.names == [
-        "find", "insert", "delete", "find", "delete", "find", "findAndModify", "find", "delete"
+        "find", "insert", "update", "delete", "find", "delete", "find", "findAndModify", "find",
+        "delete",
     ]  # fmt: skip
 
 
