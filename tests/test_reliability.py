@@ -15,7 +15,7 @@ import gc
 import re
 import warnings
 from collections import Counter
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -31,6 +31,7 @@ from agent_store import (
     InvalidInput,
     NotFound,
     RetryPolicy,
+    SteeringInbox,
     StorageUnavailable,
     TurnRules,
     with_retries,
@@ -986,6 +987,115 @@ async def test_a_pop_and_a_fork_of_a_conversation_whose_delete_failed_part_way_a
         await logger.fork(CID, 1, "c-fork")
 
     assert await backend.db.agent_conversations.find_one({"_id": "c-fork"}) is None
+
+
+async def test_no_write_lands_on_a_conversation_whose_delete_failed_part_way(
+    backend: Backend,
+) -> None:
+    """A rename, an upsert (naming a user or a name), an answer to a prompt and a steering
+    inbox are refused as a turn is, the conversation document left as the delete marked it:
+    nothing is written to what a failed delete leaves, nor handed to a user."""
+    logger, store = await _half_deleted(backend)
+    before = await backend.db.agent_conversations.find_one({"_id": CID})
+    writes = [
+        lambda: store.rename(CID, "renamed"),
+        lambda: logger.upsert_conversation(CID, name="renamed"),
+        lambda: logger.upsert_conversation(CID, user_id="alice"),
+        lambda: store.resolve_hitl(CID, "req-1"),
+        lambda: SteeringInbox(logger).open_turn(CID, "run-1"),
+    ]
+
+    for write in writes:
+        with pytest.raises(StorageUnavailable, match=re.escape(BEING_DELETED)):
+            await write()
+
+    assert await backend.db.agent_conversations.find_one({"_id": CID}) == before
+
+
+async def test_a_claim_leaves_a_conversation_whose_delete_failed_part_way_to_its_owner(
+    backend: Backend,
+) -> None:
+    """A claim moves the user's conversations but one being deleted: it stays the owner's,
+    whose delete run again finishes it (moved, it would be another user's to finish, and
+    refuse their turns until then)."""
+    logger = AgentMessageLogger(backend.db)
+    for cid in (CID, "c-kept"):
+        await logger.log_messages(cid, [{"role": "user", "content": "u0"}], user_id="alice")
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(0)))
+    real = store._conversations
+    store._conversations = FailOnce(real, "find_one_and_delete", after_applying=False)
+    with pytest.raises(StorageUnavailable):
+        await store.delete(CID, user_id="alice")
+    store._conversations = real
+
+    claimed = await store.claim("alice", "bob")
+
+    assert claimed.conversations == 1
+    assert (await store.get_conversation("c-kept")).user_id == "bob"
+    deleted = await store.delete(CID, user_id="alice")
+    assert deleted.conversations == 1
+    assert await backend.db.agent_conversations.find_one({"_id": CID}) is None
+
+
+class MarkedBefore:
+    """The conversations collection, which marks the conversation as a delete does
+    (`deleting_since`) just before its call of `method` after the first `skip` ones: a delete
+    beginning between a retry's read of the conversation and its next write."""
+
+    def __init__(self, collection: Any, method: str, skip: int) -> None:
+        self._collection = collection
+        self._method = method
+        self._skip = skip
+        self.marked: dict[str, Any] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._collection, name)
+        if name != self._method:
+            return real
+
+        async def marking_first(*args: Any, **kwargs: Any) -> Any:
+            if self._skip == 0 and self.marked is None:
+                await self._collection.update_one(
+                    {"_id": CID}, {"$set": {"deleting_since": datetime.now(UTC)}}
+                )
+                self.marked = await self._collection.find_one({"_id": CID})
+            self._skip -= 1
+            return await real(*args, **kwargs)
+
+        return marking_first
+
+
+@pytest.mark.parametrize(
+    ("content", "method", "skip"),
+    [
+        pytest.param("same", "find_one_and_update", 1, id="moved"),
+        pytest.param("other", "update_one", 0, id="given-back"),
+    ],
+)
+async def test_a_retry_moving_its_turn_as_a_delete_begins_is_refused(
+    backend: Backend, content: str, method: str, skip: int
+) -> None:
+    """A turn reserved whose insert failed, retried past `abandon_after` (its block moves to
+    the end, or, with other content, is given back) just as a delete marks the conversation:
+    refused as any turn then, no message stored, the document as the mark left it."""
+    await _two_turns_of_two(backend)
+    logger = AgentMessageLogger(backend.db)
+    logger._messages = FailOnce(logger._messages, "insert_many", after_applying=False)
+    sent = [{"role": "user", "content": "u2"}]
+    with pytest.raises(StorageUnavailable):
+        await logger.log_messages(CID, sent, turn_id="t2")
+    await logger.log_messages(CID, [{"role": "user", "content": "u3"}], turn_id="t3")
+    patient = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    marking = MarkedBefore(patient._conversations, method, skip)
+    patient._conversations = marking
+    retried = sent if content == "same" else [{"role": "user", "content": "u2, again"}]
+
+    with pytest.raises(StorageUnavailable, match=re.escape(BEING_DELETED)):
+        await patient.log_messages(CID, retried, turn_id="t2")
+
+    assert marking.marked is not None
+    assert await _stored_contents(backend) == ["u0", "a0", "u1", "a1", "u3"]
+    assert await backend.db.agent_conversations.find_one({"_id": CID}) == marking.marked
 
 
 async def test_a_delete_run_again_finishes_and_a_turn_after_it_starts_a_new_conversation(

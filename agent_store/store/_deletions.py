@@ -11,7 +11,17 @@ from typing import Any
 from agent_store.store._blobs import FullTextStore
 from agent_store.store._driver import Database, storage_errors
 from agent_store.store._indexes import CONVERSATIONS, DELETIONS, MESSAGES
-from agent_store.store._reservation import DELETING, same_as_read
+from agent_store.store._reservation import DELETING, being_deleted, same_as_read
+
+
+async def refuse_if_being_deleted(conversations: Any, query: Mapping[str, Any], what: str) -> None:
+    """`being_deleted` for `what` when the conversation `query` finds is marked by a delete or
+    an erasure (`DELETING`): a write the mark fences (`NOT_BEING_DELETED`) matched nothing, or
+    found nothing to do, for that. One round trip, on that path only."""
+    with storage_errors("read the conversation"):
+        doc = await conversations.find_one(query, {DELETING: 1})
+    if doc is not None and doc.get(DELETING) is not None:
+        raise being_deleted(str(query["_id"]), what)
 
 
 def recorded_as(conversation_id: str, found: Mapping[str, Any]) -> dict[str, Any]:

@@ -64,7 +64,7 @@ from agent_store.store._blobs import (
     stored_blob_ids,
     whole_text_chars,
 )
-from agent_store.store._deletions import DeletionRecords, recorded_as
+from agent_store.store._deletions import DeletionRecords, recorded_as, refuse_if_being_deleted
 from agent_store.store._driver import Database, only_duplicates, storage_errors
 from agent_store.store._fork import (
     ForkAnswers,
@@ -104,6 +104,7 @@ from agent_store.store._relocated import (
 from agent_store.store._reservation import (
     ANSWERS_READ,
     DELETING,
+    NOT_BEING_DELETED,
     RESERVED,
     SUMMARY,
     Actor,
@@ -386,17 +387,22 @@ class AgentMessageLogger:
     ) -> dict[str, Any] | None:
         """Update the conversation the actor may write to (creating it if `create`; only the
         one `same` finds, when given: `same_conversation`); its summary, or None when it is
-        not there and `create` is false."""
+        not there, or marked by a delete (`NOT_BEING_DELETED`), and `create` is false. Creating
+        it finds it marked: `being_deleted`."""
+        query = {"_id": conversation_id, **(same or {}), **actor.owner_filter()}
         with storage_errors("upsert the conversation"):
             try:
                 found: dict[str, Any] | None = await self._conversations.find_one_and_update(
-                    {"_id": conversation_id, **(same or {}), **actor.owner_filter()},
+                    query | NOT_BEING_DELETED,
                     update,
                     upsert=create,
                     projection=SUMMARY,
                     return_document=ReturnDocument.AFTER,
                 )
             except DuplicateKeyError as exc:
+                await refuse_if_being_deleted(
+                    self._conversations, query, "the update of the conversation"
+                )
                 raise Conflict(
                     f"conversation {conversation_id!r} belongs to another user; "
                     "use claim to move it"

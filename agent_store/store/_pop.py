@@ -56,6 +56,7 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.store._blobs import kept_blob_ids
+from agent_store.store._deletions import refuse_if_being_deleted
 from agent_store.store._driver import storage_errors
 from agent_store.store._fork import fork_turns_of
 from agent_store.store._indexes import LANGGRAPH_TURN, checkpoints_referring_to
@@ -210,7 +211,7 @@ class Pop:
                     _own(self.query, conversation), sort=[("seq", -1)]
                 )
             if doc is None:
-                await self._refuse_if_being_deleted()
+                await refuse_if_being_deleted(self.conversations, self.scope, "the pop")
                 return None
             message = message_adapter.validate_python(doc)
             if conversation is None and message.epoch is not None:
@@ -446,16 +447,6 @@ class Pop:
                 {"_id": conversation_id, "popping.message_id": pop.message_id}, unlogged(pop)
             )
         self.memory.remember(conversation_id, self.memory.counts.get(conversation_id, 0) + 1)
-
-    async def _refuse_if_being_deleted(self) -> None:
-        """`being_deleted` when the conversation, holding no message to pop, is marked by a
-        delete or an erasure (one that failed part-way took its messages): the pop is
-        refused as a turn is, not answered as one of an empty conversation. One round trip,
-        on that path only."""
-        with storage_errors("read the conversation"):
-            doc = await self.conversations.find_one(self.scope, {DELETING: 1})
-        if doc is not None and doc.get(DELETING) is not None:
-            raise being_deleted(str(self.scope["_id"]), "the pop")
 
     async def _finish_under_way(
         self, earlier: tuple[str | None, str | None] | None = None

@@ -50,7 +50,7 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.store._blobs import FullTextStore, parts_by_whole_text
-from agent_store.store._deletions import DeletionRecords, recorded_as
+from agent_store.store._deletions import DeletionRecords, recorded_as, refuse_if_being_deleted
 from agent_store.store._driver import Database, storage_errors
 from agent_store.store._fork import approvals_withdrawn, fork_turns_of
 from agent_store.store._indexes import (
@@ -64,9 +64,12 @@ from agent_store.store._indexes import (
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource, not_migrated_yet
 from agent_store.store._pop import Pop, PopMemory
 from agent_store.store._reservation import (
+    DELETING,
+    NOT_BEING_DELETED,
     SUMMARY,
     CallKey,
     answered_before,
+    being_deleted,
     concerned_calls,
     resolution,
     same_as_read,
@@ -430,11 +433,13 @@ class ConversationStore:
             scope = await self._named(conversation_id, user_id, version)
         with storage_errors("rename the conversation"):
             doc = await self._conversations.find_one_and_update(
-                scope,
+                scope | NOT_BEING_DELETED,
                 {"$set": {"name": clean, "name_source": "set"}},
                 projection=SUMMARY,
                 return_document=ReturnDocument.AFTER,
             )
+        if doc is None:
+            await refuse_if_being_deleted(self._conversations, scope, "the rename")
         if doc is None and version is not None:
             await self._named(conversation_id, user_id, version)  # NotFound when gone
             raise _version_mismatch(conversation_id, "renamed")
@@ -1221,17 +1226,27 @@ class ConversationStore:
         scope = self._scope(conversation_id, user_id, or_unowned=or_unowned)
         query, update = resolution(request_id, concerns)
         with storage_errors("resolve the pending prompt"):
-            result = await self._conversations.update_one({**scope, **query}, update)
+            result = await self._conversations.update_one(
+                {**scope, **query, **NOT_BEING_DELETED}, update
+            )
         if result.matched_count:
             return await self._resolved_in_legacy(conversation_id, request_id)
         with storage_errors("read the pending prompt"):
             doc = await self._conversations.find_one(
                 scope,
-                {"pending_hitl": 1, "resolved_hitl": 1, "approved_calls": 1, "pending_calls": 1},
+                {
+                    "pending_hitl": 1,
+                    "resolved_hitl": 1,
+                    "approved_calls": 1,
+                    "pending_calls": 1,
+                    DELETING: 1,
+                },
             )
         if doc is None:  # NotFound, or legacy turns not migrated yet: read-only
             await self._refuse_unmigrated(conversation_id, user_id, "answered")
         assert doc is not None  # else `_refuse_unmigrated` raised
+        if doc.get(DELETING) is not None:  # before any replay of an answer, as for a turn
+            raise being_deleted(conversation_id, f"the answer to {request_id!r}")
         if answered_before(doc, request_id, concerns):
             # Resolved before: its first answer stands (its dual write again, for a retry
             # whose first attempt failed after the answer was recorded).
@@ -1522,7 +1537,8 @@ class ConversationStore:
         between the two moves stays its own, with its messages. A turn reserved before, under
         the old owner, whose messages land after the messages moved is moved by a
         last sweep `TurnRules.claim_grace` later, or, slower than that, by its
-        logger (`AgentMessageLogger.log_messages`).
+        logger (`AgentMessageLogger.log_messages`). A conversation whose delete has begun
+        (`NOT_BEING_DELETED`) stays the old owner's, whose delete run again finishes it.
         """
         from_user_id = validate_identifier(from_user_id, "from_user_id")
         to_user_id = validate_identifier(to_user_id, "to_user_id")
@@ -1530,7 +1546,7 @@ class ConversationStore:
             raise InvalidInput("invalid claim: the two user ids are the same")
         with storage_errors("claim the conversations"):
             conversations = await self._conversations.update_many(
-                {"user_id": from_user_id}, {"$set": {"user_id": to_user_id}}
+                {"user_id": from_user_id, **NOT_BEING_DELETED}, {"$set": {"user_id": to_user_id}}
             )
         messages = await self._move_claimed_messages(from_user_id, to_user_id)
         # Not migrated yet, or kept for rollback: they must follow their owner too.

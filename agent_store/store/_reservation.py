@@ -65,7 +65,9 @@ DELETING = "deleting_since"
 """The field a delete or an erasure marks a conversation with (the time it began) before its
 first destructive command: from then no turn, retry or pop writes to it."""
 NOT_BEING_DELETED: dict[str, Any] = {DELETING: {"$exists": False}}
-"""The filter part of every write a conversation takes from a turn or a pop."""
+"""The filter part of every write a conversation takes but a delete's own: a turn's
+reservation, move or give-back, a pop, a rename, an upsert, an answer to a prompt, a steering
+inbox opened. A write it stops is refused (`being_deleted`) once the mark is read."""
 
 
 def being_deleted(conversation_id: str, what: str) -> StorageUnavailable:
@@ -1390,13 +1392,15 @@ def relocation(
     its new place, `answered_prompts`). That pending state is
     a first estimate: after the insert the logger folds it from the stored messages
     (`_relocated.settle`), which it stays only when that cannot be done. The filter matches
-    only while the old record is there: a second attempt moving the turn at the same time
-    matches nothing, and finds the new block by the turn's record.
+    only while the old record is there and no delete has begun (`NOT_BEING_DELETED`): a
+    second attempt moving the turn at the same time matches nothing, and finds the new block
+    by the turn's record; a retry finding the conversation marked is refused (`being_deleted`).
     """
     key, first = literal(Int64(plan.key)), literal(Int64(block.first_seq))
     query = {
         "_id": plan.conversation_id,
         "turns": {"$elemMatch": {"k": Int64(plan.key), "f": Int64(block.first_seq)}},
+        **NOT_BEING_DELETED,
     }
     old = {"$and": [{"$eq": ["$$record.k", key]}, {"$eq": ["$$record.f", first]}]}
     turns = records_changed(old, {"k": literal(Int64(moved_key(plan.key)))})
@@ -1565,6 +1569,7 @@ def _given_back(
     key, moved, first = Int64(turn_key), Int64(moved_key(turn_key)), Int64(first_seq)
     query = {
         **same,
+        **NOT_BEING_DELETED,
         "popped_seqs": {"$ne": first},
         "$nor": [
             {"turns": {"$elemMatch": {"k": moved, "f": first}}},
