@@ -1103,14 +1103,9 @@ class AgentMessageLogger:
                 if replayed is not None:
                     return replayed
                 continue  # another attempt moved the turn meanwhile: its new block is recorded
-            if condition is not None and condition.new_only:
-                raise condition.refused(found)
-            if found.get(FORK_CHECK) is not None:  # only the fork's own turn writes to it
-                raise unfinished_fork(plan.conversation_id, f"turn {plan.turn_id!r}")
-            if (running := actor.running_refusal(plan, found)) is not None:
-                raise running
-            if condition is not None:
-                raise condition.refused(found)
+            refused = _new_turn_refused(plan, actor, found, condition)
+            if refused is not None:
+                raise refused
             # Otherwise a race was lost (the conversation was just created): reserve again.
         raise StorageFailure(
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
@@ -2547,6 +2542,22 @@ def _own_messages(conversation_id: str, source: Mapping[str, Any]) -> dict[str, 
     none's (stored before epochs), never what a conversation deleted since left under the
     id."""
     return {"conversation_id": conversation_id, "epoch": {"$in": [source.get("epoch"), None]}}
+
+
+def _new_turn_refused(
+    plan: TurnPlan, actor: Actor, found: Mapping[str, Any], condition: Condition | None
+) -> StoreError | None:
+    """Why the conversation `found`, which records no block of the turn, refuses it: a fork's
+    reservation by its condition (`Condition.new_only`), a fork not made yet (`FORK_CHECK`:
+    only the fork's own turn writes to it, `unfinished_fork`), a runtime's turn id
+    (`Actor.running_refusal`), then the condition; None when nothing does."""
+    if condition is not None and condition.new_only:
+        return condition.refused(found)
+    if found.get(FORK_CHECK) is not None:
+        return unfinished_fork(plan.conversation_id, f"turn {plan.turn_id!r}")
+    if (running := actor.running_refusal(plan, found)) is not None:
+        return running
+    return None if condition is None else condition.refused(found)
 
 
 def _fork_condition(
