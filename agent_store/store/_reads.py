@@ -302,6 +302,16 @@ def _not_resolvable(
     )
 
 
+_PROMPTS_READ = {
+    "pending_hitl": 1,
+    "resolved_hitl": 1,
+    "approved_calls": 1,
+    "pending_calls": 1,
+    DELETING: 1,
+}
+"""What an answer that resolved nothing reads to tell why (`resolve_hitl`)."""
+
+
 class ConversationStore:
     """Reads and administers conversations. Takes the same database handles as the logger."""
 
@@ -1232,22 +1242,11 @@ class ConversationStore:
         scope = self._scope(conversation_id, user_id, or_unowned=or_unowned)
         query, update = resolution(request_id, concerns)
         with storage_errors("resolve the pending prompt"):
-            result = await self._conversations.update_one(
-                {**scope, **query, **NOT_BEING_DELETED}, update
-            )
+            result = await self._conversations.update_one(scope | query | NOT_BEING_DELETED, update)
         if result.matched_count:
             return await self._resolved_in_legacy(conversation_id, request_id)
         with storage_errors("read the pending prompt"):
-            doc = await self._conversations.find_one(
-                scope,
-                {
-                    "pending_hitl": 1,
-                    "resolved_hitl": 1,
-                    "approved_calls": 1,
-                    "pending_calls": 1,
-                    DELETING: 1,
-                },
-            )
+            doc = await self._conversations.find_one(scope, _PROMPTS_READ)
         if doc is None:  # NotFound, or legacy turns not migrated yet: read-only
             await self._refuse_unmigrated(conversation_id, user_id, "answered")
         assert doc is not None  # else `_refuse_unmigrated` raised
