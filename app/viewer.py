@@ -320,20 +320,34 @@ async def transcript(request: Request, store: Store) -> Response:
         pages=pages,
         # The store forks stored conversations only: one not migrated yet offers no fork.
         can_fork=page.stored,
+        fork_id=_fork_id(),
         has_legacy=bool(await store.legacy.with_turns([conversation.id])),
     )
 
 
+def _fork_id() -> str:
+    """The id a transcript page's forms fork into, drawn as the page is rendered: each form
+    sends it with its `seq` (`<id>-<seq>`), so a form sent again retries the same fork."""
+    return uuid.uuid4().hex
+
+
 async def fork(request: Request, store: Store) -> Response:
-    """ "Continue from here": a new conversation with the messages up to a seq, then its page."""
+    """ "Continue from here": a new conversation with the messages up to a seq, then its page.
+    The form names the new conversation (`_fork_id`): sent again after a failure, it retries
+    that fork, which the store makes once, rather than leaving it half made and making
+    another."""
     if not _same_origin(request):
         message = "A fork must come from this site's own pages."
         return render("error.html", 403, code="forbidden", message=message)
-    form = await _posted_form(request)
-    at_seq = _seq((form or {}).get("at_seq", ""), "at_seq")
-    forked = await store.logger.fork(
-        request.path_params["conversation_id"], at_seq, str(uuid.uuid4())
-    )
+    form = await _posted_form(request) or {}
+    at_seq = _seq(form.get("at_seq", ""), "at_seq")
+    if not form.get("new_conversation_id"):
+        raise InvalidInput(
+            "invalid fork: the form names no new_conversation_id; continue from a message of "
+            "the conversation's page, which names one"
+        )
+    new_id = validate_identifier(form["new_conversation_id"], "new_conversation_id")
+    forked = await store.logger.fork(request.path_params["conversation_id"], at_seq, new_id)
     return RedirectResponse(
         f"/viewer/conversations/{quote(forked.conversation_id)}", 303, headers=_SECURITY_HEADERS
     )

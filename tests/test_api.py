@@ -251,3 +251,56 @@ async def test_a_turn_into_a_conversation_whose_delete_failed_part_way_is_a_503(
         assert (await api.http.delete(url, headers=auth_headers())).status_code == 200
         again = await api.http.post(f"{url}/turns", json=turn, headers=auth_headers())
         assert again.status_code == 201, again.text
+
+
+@pytest.mark.parametrize("unmade", ["delete failed part-way", "fork lost its copies"])
+async def test_a_conversation_that_is_no_conversation_is_a_404_to_every_reader(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, unmade: str
+) -> None:
+    """A conversation whose DELETE failed part-way (its messages gone, its document marked),
+    or a fork whose insert of its copies failed (503): GET, its transcript and its messages
+    are 404, the owner's list and export leave it out (no count or preview of messages it
+    does not hold); a person's turn into the fork is a 503 until the fork is retried."""
+    from typing import Any
+
+    from pymongo.errors import AutoReconnect
+
+    from tests.api_harness import OWNER, auth_headers, serve
+
+    said = [{"role": "user", "content": "secret plan"}, {"role": "assistant", "content": "noted"}]
+    turn = {"turn_id": "t1", "user_id": OWNER, "messages": said}
+    async with serve(backend.db, seeded=False) as api:
+        source = "/v1/conversations/c-src/turns"
+        assert (await api.http.post(source, json=turn, headers=auth_headers())).is_success
+
+        async def lost(*args: Any, **kwargs: Any) -> Any:
+            raise AutoReconnect("connection lost (injected)")
+
+        if unmade == "delete failed part-way":
+            gone = "c-src"
+            conversations = api.store.conversations._conversations
+            monkeypatch.setattr(conversations, "find_one_and_delete", lost)
+            failed = await api.http.delete(f"/v1/conversations/{gone}", headers=auth_headers())
+        else:
+            gone = "c-fork"
+            monkeypatch.setattr(api.store.logger._messages, "insert_many", lost)
+            fork = {"at_seq": 1, "new_conversation_id": gone}
+            failed = await api.http.post(
+                "/v1/conversations/c-src/forks", json=fork, headers=auth_headers()
+            )
+        assert failed.status_code == 503
+        monkeypatch.undo()
+        person = auth_headers(user=OWNER)
+        url = f"/v1/conversations/{gone}"
+
+        for read in (url, f"{url}/transcript", f"{url}/messages"):
+            assert (await api.http.get(read, headers=person)).status_code == 404, read
+        listed = await api.http.get(f"/v1/users/{OWNER}/conversations", headers=person)
+        assert gone not in [c["conversation_id"] for c in listed.json()["data"]]
+        exported = await api.http.get(f"/v1/users/{OWNER}/export?format=jsonl", headers=person)
+        assert f'"conversation_id":"{gone}"' not in exported.text
+        if unmade == "fork lost its copies":
+            more = {"turn_id": "t9", "messages": [{"role": "user", "content": "go on"}]}
+            refused = await api.http.post(f"{url}/turns", json=more, headers=person)
+            assert refused.status_code == 503, refused.text
+            assert "is a fork not made yet" in refused.json()["error"]["message"]

@@ -1753,6 +1753,81 @@ async def test_a_forks_retry_after_its_source_changed_takes_back_the_empty_fork_
     assert await backend.db[DELETIONS].count_documents({}) == 0
 
 
+UNFINISHED_FORK = "conversation 'c-fork' is a fork not made yet"
+
+
+async def _absent(store: ConversationStore, conversation_id: str) -> None:
+    """`conversation_id` is served by no read: NotFound by id, left out of lists and exports."""
+    missing = re.escape(f"conversation {conversation_id!r} was not found")
+    for read in (store.get_conversation, store.transcript, store.messages_page):
+        with pytest.raises(NotFound, match=missing):
+            await read(conversation_id, user_id=OWNER)
+    assert conversation_id not in [c.id for c in (await store.list_conversations(OWNER)).data]
+    assert conversation_id not in [c.id for c in (await store.recent_conversations()).data]
+    assert conversation_id not in [e.conversation.id async for e in store.export_user(OWNER)]
+
+
+@pytest.mark.parametrize("sender", ["a user's token", "a service naming the user"])
+async def test_a_fork_whose_copies_were_never_stored_is_no_conversation_until_retried(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, sender: str
+) -> None:
+    """The fork's first attempt created "c-fork" and lost the insert of its copies (503): it is
+    no conversation yet. No read serves it (not its source's counts and preview over an empty
+    transcript); a turn into it is refused, nothing stored, to be sent again once the fork is
+    made; the same fork retried makes it whole, and the turn then follows its copies."""
+    logger = await _owners_three_turns(backend)
+    store = ConversationStore(backend.db)
+    _the_forks_insert_failing(logger, monkeypatch, applied=False)
+    with pytest.raises(StorageUnavailable):
+        await logger.fork("c-x", 3, "c-fork", user_id=OWNER)
+    before = await backend.db.agent_conversations.find_one({"_id": "c-fork"})
+
+    await _absent(store, "c-fork")
+    turn = [{"role": "user", "content": "continue in the fork"}]
+    owner_only = sender == "a user's token"
+    with pytest.raises(StorageUnavailable, match=re.escape(UNFINISHED_FORK)):
+        await logger.log_messages("c-fork", turn, user_id=OWNER, owner_only=owner_only)
+    with pytest.raises(NotFound):
+        await logger.fork("c-fork", 0, "c-fork-of-fork", user_id=OWNER)
+    assert await backend.db.agent_conversations.find_one({"_id": "c-fork"}) == before
+    assert await backend.db.agent_messages.count_documents({"conversation_id": "c-fork"}) == 0
+
+    retried = await logger.fork("c-x", 3, "c-fork", user_id=OWNER)
+    logged = await logger.log_messages("c-fork", turn, user_id=OWNER, owner_only=owner_only)
+
+    assert [m.seq for m in retried.messages] == [0, 1, 2, 3]
+    assert [m.seq for m in logged.messages] == [4]
+    fork = await store.get_conversation("c-fork", user_id=OWNER)
+    assert (fork.message_count, fork.last_message_preview) == (5, "continue in the fork")
+    assert "c-fork" in [c.id for c in (await store.list_conversations(OWNER)).data]
+
+
+async def test_a_fork_is_absent_while_an_attempt_makes_it_and_stands_once_its_check_passed(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork whose copies landed and whose check of its source has not passed (an attempt
+    still making it, or one whose check failed) is not served yet; its retry checks it, and
+    from then it is a conversation like any other."""
+    logger = await _owners_conversation_with_a_cut_message(backend)
+    store = ConversationStore(backend.db)
+    checking = _the_forks_check_interrupted(logger, monkeypatch, "its check fails")
+    fork = asyncio.create_task(logger.fork("c-x", 1, "c-fork", user_id=OWNER))
+    await checking()
+    await _interrupted(fork, "its check fails")
+
+    with pytest.raises(NotFound):
+        await store.get_conversation("c-fork", user_id=OWNER)
+    assert [c.id for c in (await store.list_conversations(OWNER)).data] == ["c-x"]
+    turn = [{"role": "user", "content": "go on"}]
+    with pytest.raises(StorageUnavailable, match=re.escape(UNFINISHED_FORK)):
+        await logger.log_messages("c-fork", turn, user_id=OWNER, owner_only=True)
+
+    await logger.fork("c-x", 1, "c-fork", user_id=OWNER)
+
+    assert (await store.get_conversation("c-fork", user_id=OWNER)).message_count == 2
+    assert {c.id for c in (await store.list_conversations(OWNER)).data} == {"c-x", "c-fork"}
+
+
 @pytest.mark.parametrize("change", SOURCE_CHANGES)
 @pytest.mark.parametrize("first", ["answered", "stored, its reply lost"])
 async def test_a_forks_retry_after_its_source_changed_is_a_conflict_naming_the_fork_it_stored(
@@ -1778,6 +1853,8 @@ async def test_a_forks_retry_after_its_source_changed_is_a_conflict_naming_the_f
     assert "turn 'fork-" not in str(refused.value)
     kept = await store.transcript("c-fork", user_id=OWNER)
     assert [m.content for m in kept][-1] == "answer 2"
+    # It stands: checked by the refused retry when its first attempt's check never ran.
+    assert (await store.get_conversation("c-fork", user_id=OWNER)).message_count == 6
     assert len(kept) == 6
 
 

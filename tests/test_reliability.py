@@ -1012,6 +1012,78 @@ async def test_no_write_lands_on_a_conversation_whose_delete_failed_part_way(
     assert await backend.db.agent_conversations.find_one({"_id": CID}) == before
 
 
+async def assert_absent_to_every_read(
+    backend: Backend, store: ConversationStore, conversation_id: str, user_id: str | None = None
+) -> None:
+    """Every read of conversations answers `conversation_id` as a missing one: NotFound for
+    one named, left out of every list, page, export and search."""
+    missing = re.escape(f"conversation {conversation_id!r} was not found")
+    reads = [
+        lambda: store.get_conversation(conversation_id, user_id=user_id),
+        lambda: store.turn_count(conversation_id, user_id=user_id),
+        lambda: store.transcript(conversation_id, user_id=user_id),
+        lambda: store.messages_page(conversation_id, user_id=user_id),
+        lambda: store.pending_hitl(conversation_id, user_id=user_id),
+        lambda: store.search("u0", conversation_id=conversation_id),
+        lambda: _streamed(store.stream_transcript(conversation_id, user_id=user_id)),
+    ]
+    for read in reads:
+        with pytest.raises(NotFound, match=missing):
+            await read()
+    assert await store.pending_calls(conversation_id, user_id=user_id) == []  # as for none
+    listed = (await store.recent_conversations()).data
+    assert conversation_id not in [c.id for c in listed]
+    if user_id is not None:
+        assert conversation_id not in [c.id for c in (await store.list_conversations(user_id)).data]
+        exported = [e.conversation.id async for e in store.export_user(user_id)]
+        assert conversation_id not in exported
+        if "text_search" not in backend.lacks:
+            hits = await store.search("u0 u1 a0 a1", user_id=user_id)
+            assert conversation_id not in [h.message.conversation_id for h in hits]
+
+
+async def _streamed(batches: Any) -> list[Any]:
+    return [m async for batch in batches for m in batch]
+
+
+async def test_a_conversation_whose_delete_failed_part_way_is_absent_to_every_read(
+    backend: Backend,
+) -> None:
+    """Its messages went, its document stays marked (`deleting_since`) until the delete is run
+    again: no read serves it, its counts and preview of messages that no longer exist
+    included; the delete run again still finishes it."""
+    _, store = await _half_deleted(backend)
+
+    await assert_absent_to_every_read(backend, store, CID)
+
+    assert (await store.delete(CID)).conversations == 1
+
+
+async def test_the_conversations_of_a_user_whose_erasure_failed_part_way_are_absent(
+    backend: Backend,
+) -> None:
+    """An erasure whose delete of the conversation documents is lost after it took their
+    messages: the user's own lists, export and reads serve none of them (their previews
+    quote what was erased); the erasure run again finishes."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    for cid in (CID, "c-second"):
+        said = [{"role": "user", "content": "u0"}, {"role": "assistant", "content": "a0"}]
+        await logger.log_messages(cid, said, user_id="alice", turn_id="t0")
+    store = ConversationStore(backend.db)
+    real = store._conversations
+    store._conversations = FailOnce(real, "delete_many", after_applying=False)
+    with pytest.raises(StorageUnavailable):
+        await store.erase_user("alice")
+    store._conversations = real
+    assert await backend.db.agent_conversations.count_documents({"user_id": "alice"}) == 2
+
+    for cid in (CID, "c-second"):
+        await assert_absent_to_every_read(backend, store, cid, "alice")
+
+    assert (await store.erase_user("alice")).conversations == 2
+
+
 async def test_a_claim_leaves_a_conversation_whose_delete_failed_part_way_to_its_owner(
     backend: Backend,
 ) -> None:

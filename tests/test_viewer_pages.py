@@ -12,7 +12,7 @@ import httpx
 import pytest
 from bson import ObjectId
 from markupsafe import escape
-from pymongo.errors import OperationFailure
+from pymongo.errors import AutoReconnect, OperationFailure
 
 from agent_store.core import Unsupported
 from agent_store.legacy import LEGACY_TURNS, convert
@@ -145,12 +145,22 @@ async def test_a_truncated_field_offers_its_full_text_where_the_store_kept_it(ap
     assert "show the full text" not in full.text
 
 
+def fork_form(html: str, seq: int) -> dict[str, str]:
+    """The fields of the "Continue from here" form of the message at `seq`, as rendered."""
+    forms = re.findall(r'<form class="fork".*?</form>', html, re.DOTALL)
+    for form in forms:
+        fields = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', form))
+        if fields.get("at_seq") == str(seq):
+            return fields
+    raise AssertionError(f"no fork form at seq {seq}")
+
+
 async def test_continue_from_here_forks_the_conversation_at_that_message(api: Served) -> None:
     page = await api.http.get(f"/viewer/conversations/{OWNER_CONVERSATION}")
     assert page.text.count("Continue from here") == 12
     forked = await api.http.post(
         f"/viewer/conversations/{OWNER_CONVERSATION}/forks",
-        data={"at_seq": "3"},
+        data=fork_form(page.text, 3),
         headers=SAME_ORIGIN,
     )
     assert forked.status_code == 303
@@ -165,10 +175,49 @@ async def test_continue_from_here_forks_the_conversation_at_that_message(api: Se
     assert seqs(shown.text) == [0, 1, 2, 3]
 
 
+async def test_a_resubmitted_continue_from_here_retries_the_same_fork(
+    api: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each rendering of a transcript draws the id its forms fork into: a form sent again after
+    its fork failed (the insert of its copies lost) retries that fork, which is then made whole,
+    rather than making another; until then the half-made fork is shown nowhere."""
+    page = await api.http.get(f"/viewer/conversations/{OWNER_CONVERSATION}")
+    form = fork_form(page.text, 3)
+    again = await api.http.get(f"/viewer/conversations/{OWNER_CONVERSATION}")
+    assert fork_form(again.text, 3)["new_conversation_id"] != form["new_conversation_id"]
+    assert fork_form(page.text, 5)["new_conversation_id"] != form["new_conversation_id"]
+    messages = api.store.logger._messages
+    insert_many = messages.insert_many
+
+    async def lost(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(messages, "insert_many", insert_many)
+        raise AutoReconnect("connection reset (injected)")
+
+    monkeypatch.setattr(messages, "insert_many", lost)
+    url = f"/viewer/conversations/{OWNER_CONVERSATION}/forks"
+    failed = await api.http.post(url, data=form, headers=SAME_ORIGIN)
+    assert failed.status_code == 503
+    listed = await api.http.get(f"/viewer/users/{OWNER}")
+    assert form["new_conversation_id"] not in rows(listed.text)
+
+    retried = await api.http.post(url, data=form, headers=SAME_ORIGIN)
+
+    assert retried.status_code == 303
+    assert retried.headers["location"] == f"/viewer/conversations/{form['new_conversation_id']}"
+    shown = await api.http.get(retried.headers["location"])
+    assert seqs(shown.text) == [0, 1, 2, 3]
+    listed = await api.http.get(f"/viewer/users/{OWNER}")
+    assert form["new_conversation_id"] in rows(listed.text)
+    forks = {"forked_from.conversation_id": OWNER_CONVERSATION}
+    assert await api.db[CONVERSATIONS].count_documents(forks) == 1
+
+
 @pytest.mark.parametrize(
     ("headers", "form"),
     [
         pytest.param({"Origin": "https://evil.example"}, {"at_seq": "3"}, id="another-site"),
+        pytest.param(SAME_ORIGIN, {"at_seq": "3"}, id="no-new-conversation-id"),
+        pytest.param(SAME_ORIGIN, {"at_seq": "3", "new_conversation_id": "a b"}, id="bad-new-id"),
         pytest.param(SAME_ORIGIN, {"at_seq": "three"}, id="not-a-seq"),
         # `"²".isdigit()` holds, and int() refuses it; int() reads "٣" as 3
         pytest.param(SAME_ORIGIN, {"at_seq": "\u00b2"}, id="superscript-two"),

@@ -104,6 +104,7 @@ from agent_store.store._relocated import (
 from agent_store.store._reservation import (
     ANSWERS_READ,
     DELETING,
+    FORK_CHECK,
     NOT_BEING_DELETED,
     RESERVED,
     SUMMARY,
@@ -123,6 +124,7 @@ from agent_store.store._reservation import (
     given_back_abandoned,
     given_up,
     held_calls_kept,
+    is_standing,
     literal,
     moved_key,
     new_epoch,
@@ -133,6 +135,7 @@ from agent_store.store._reservation import (
     reservation_filter,
     same_as_read,
     same_conversation,
+    unfinished_fork,
 )
 from agent_store.store._tail import preview_of
 from agent_store.store._text import clean_name
@@ -196,6 +199,9 @@ class Condition:
     """For a retry of the turn whose content differs from what its record holds: the refusal
     the conversation found explains (the turn was logged without the answers the condition
     refused, and this attempt sends them again), else None."""
+    new_only: bool = False
+    """The reservation only creates the conversation (a fork's): one found that does not
+    record the turn is refused by this condition, before any other rule."""
 
     def refused(self, conversation: Mapping[str, Any]) -> StoreError:
         """The error a conversation that does not meet the condition raises."""
@@ -813,12 +819,16 @@ class AgentMessageLogger:
         fork = await self._fork_into(conversation_id, new_conversation_id, actor)
         if fork is None or at_seq > ForkOrigin.model_validate(fork["forked_from"]).seq:
             raise refused
-        if fork.get("fork_check") is not None and not await self._copies_stored(fork):
-            await asyncio.sleep(self.rules.claim_grace.total_seconds())
-            if not await self._copies_stored(fork) and await self._take_back_fork(
-                fork["_id"], fork
-            ):
-                return
+        if fork.get(FORK_CHECK) is not None:
+            if not await self._copies_stored(fork):
+                await asyncio.sleep(self.rules.claim_grace.total_seconds())
+                if not await self._copies_stored(fork) and await self._take_back_fork(
+                    fork["_id"], fork
+                ):
+                    return
+            # Its copies stored and its check never passed (its answer lost): checked now,
+            # so the fork the Conflict names is served (or, its source gone, taken back).
+            await self._unless_its_source_went(conversation_id, fork["_id"], fork)
         raise _fork_stands(conversation_id, fork)
 
     async def _fork_into(
@@ -1018,12 +1028,14 @@ class AgentMessageLogger:
                     "resolved_hitl": 1,
                     "approved_calls": 1,
                     DELETING: 1,
+                    FORK_CHECK: 1,
                     **ANSWERED_READ,
                     **GAPS_READ,
                 },
             )
-            # A source being deleted (or whose delete failed part-way) is gone to forks.
-            hidden = source is None or source.get(DELETING) is not None
+            # A source being deleted (or whose delete failed part-way), or a fork not made yet
+            # (`STANDING`), is no conversation to forks either.
+            hidden = source is None or not is_standing(source)
             if hidden or actor.refusal(conversation_id, source.get("user_id")):
                 raise NotFound(f"conversation {conversation_id!r} was not found")
             own = _own_messages(conversation_id, source)
@@ -1091,10 +1103,9 @@ class AgentMessageLogger:
                 if replayed is not None:
                     return replayed
                 continue  # another attempt moved the turn meanwhile: its new block is recorded
-            if (running := actor.running_refusal(plan, found)) is not None:
-                raise running
-            if condition is not None:
-                raise condition.refused(found)
+            refused = _new_turn_refused(plan, actor, found, condition)
+            if refused is not None:
+                raise refused
             # Otherwise a race was lost (the conversation was just created): reserve again.
         raise StorageFailure(
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
@@ -2533,6 +2544,22 @@ def _own_messages(conversation_id: str, source: Mapping[str, Any]) -> dict[str, 
     return {"conversation_id": conversation_id, "epoch": {"$in": [source.get("epoch"), None]}}
 
 
+def _new_turn_refused(
+    plan: TurnPlan, actor: Actor, found: Mapping[str, Any], condition: Condition | None
+) -> StoreError | None:
+    """Why the conversation `found`, which records no block of the turn, refuses it: a fork's
+    reservation by its condition (`Condition.new_only`), a fork not made yet (`FORK_CHECK`:
+    only the fork's own turn writes to it, `unfinished_fork`), a runtime's turn id
+    (`Actor.running_refusal`), then the condition; None when nothing does."""
+    if condition is not None and condition.new_only:
+        return condition.refused(found)
+    if found.get(FORK_CHECK) is not None:
+        return unfinished_fork(plan.conversation_id, f"turn {plan.turn_id!r}")
+    if (running := actor.running_refusal(plan, found)) is not None:
+        return running
+    return None if condition is None else condition.refused(found)
+
+
 def _fork_condition(
     plan: TurnPlan,
     origin: ForkOrigin,
@@ -2558,6 +2585,7 @@ def _fork_condition(
         },
         Conflict(f"conversation {plan.conversation_id!r} exists already; fork into a new id"),
         create=True,
+        new_only=True,
     )
 
 

@@ -66,6 +66,7 @@ from agent_store.store._pop import Pop, PopMemory
 from agent_store.store._reservation import (
     DELETING,
     NOT_BEING_DELETED,
+    STANDING,
     SUMMARY,
     CallKey,
     answered_before,
@@ -369,6 +370,7 @@ class ConversationStore:
         self, query: dict[str, Any], limit: int, cursor: str | None
     ) -> ConversationPage:
         limit = _page_size(limit)
+        query |= STANDING
         if cursor is not None:
             query.update(_listed_after(*decode_cursor(cursor)))
         with storage_errors("list conversations"):
@@ -397,7 +399,9 @@ class ConversationStore:
         With `fallback=False`, a conversation not migrated yet is NotFound.
         """
         with storage_errors("read the conversation"):
-            doc = await self._conversations.find_one(self._scope(conversation_id, user_id), SUMMARY)
+            doc = await self._conversations.find_one(
+                self._standing(conversation_id, user_id), SUMMARY
+            )
         if doc is None:
             if not fallback:
                 raise NotFound(f"conversation {conversation_id!r} was not found")
@@ -419,7 +423,7 @@ class ConversationStore:
     async def turn_count(self, conversation_id: str, *, user_id: str | None = None) -> int:
         with storage_errors("read the turn count"):
             doc = await self._conversations.find_one(
-                self._scope(conversation_id, user_id), {"turn_count": 1}
+                self._standing(conversation_id, user_id), {"turn_count": 1}
             )
         if doc is None:
             return (await self._legacy(conversation_id, user_id)).conversation.turn_count
@@ -443,7 +447,7 @@ class ConversationStore:
             scope = await self._named(conversation_id, user_id, version)
         with storage_errors("rename the conversation"):
             doc = await self._conversations.find_one_and_update(
-                scope | NOT_BEING_DELETED,
+                scope | STANDING,
                 {"$set": {"name": clean, "name_source": "set"}},
                 projection=SUMMARY,
                 return_document=ReturnDocument.AFTER,
@@ -465,7 +469,9 @@ class ConversationStore:
         Conflict, not migrated yet) when there is none."""
         scope = self._scope(conversation_id, user_id)
         with storage_errors("read the conversation"):
-            found = await self._conversations.find_one(scope, {"epoch": 1, "created_at": 1})
+            found = await self._conversations.find_one(
+                scope | STANDING, {"epoch": 1, "created_at": 1}
+            )
         if found is None:
             await self._refuse_unmigrated(conversation_id, user_id, "renamed")
         assert found is not None  # else `_refuse_unmigrated` raised
@@ -1098,7 +1104,7 @@ class ConversationStore:
         lookup, made only where a read found nothing to tell a missing conversation by."""
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                self._scope(conversation_id, user_id), {"_id": 1}
+                self._standing(conversation_id, user_id), {"_id": 1}
             )
         return found is not None
 
@@ -1141,7 +1147,7 @@ class ConversationStore:
         """
         with storage_errors("read the pending prompt"):
             doc = await self._conversations.find_one(
-                self._scope(conversation_id, user_id), {"pending_hitl": 1, "epoch": 1}
+                self._standing(conversation_id, user_id), {"pending_hitl": 1, "epoch": 1}
             )
         if doc is None:
             return (await self._legacy(conversation_id, user_id)).conversation.pending_hitl
@@ -1181,7 +1187,7 @@ class ConversationStore:
         """
         with storage_errors("read the pending calls"):
             doc = await self._conversations.find_one(
-                self._scope(conversation_id, user_id),
+                self._standing(conversation_id, user_id),
                 {"pending_calls": 1, "resolved_hitl": 1, "approved_calls": 1},
             )
         if doc is None:
@@ -1376,7 +1382,7 @@ class ConversationStore:
         ids = list({d["conversation_id"] for d in docs})
         with storage_errors("search messages"):
             found = await self._conversations.find(
-                {"_id": {"$in": ids}}, {"user_id": 1, "epoch": 1}
+                {"_id": {"$in": ids}, **STANDING}, {"user_id": 1, "epoch": 1}
             ).to_list(None)
         standing = {c["_id"]: c for c in found if c.get("user_id") == owner}
         return {
@@ -1419,7 +1425,9 @@ class ConversationStore:
 
     async def _owner_of(self, conversation_id: str) -> str | None:
         with storage_errors("read the conversation"):
-            doc = await self._conversations.find_one({"_id": conversation_id}, {"user_id": 1})
+            doc = await self._conversations.find_one(
+                {"_id": conversation_id, **STANDING}, {"user_id": 1}
+            )
         if doc is None:
             raise NotFound(f"conversation {conversation_id!r} was not found")
         owner: str | None = doc.get("user_id")
@@ -1655,6 +1663,12 @@ class ConversationStore:
                 await batches.aclose()
             yield ConversationExport(conversation=conversation, messages=messages)
 
+    @classmethod
+    def _standing(cls, conversation_id: str, user_id: str | None) -> dict[str, Any]:
+        """`_scope` for a read: only a conversation that is one (`STANDING`), never a document
+        a delete marked or a fork not made yet, answered as missing."""
+        return cls._scope(conversation_id, user_id) | STANDING
+
     @staticmethod
     def _scope(
         conversation_id: str, user_id: str | None, *, or_unowned: bool = False
@@ -1699,7 +1713,7 @@ class ConversationStore:
         """
         if not 1 <= batch_size <= TRANSCRIPT_BATCH:
             raise InvalidInput(f"invalid batch_size {batch_size}: 1 to {TRANSCRIPT_BATCH}")
-        scope = self._scope(conversation_id, user_id)
+        scope = self._standing(conversation_id, user_id)
         pin = None if life is None else await self._life_named(scope, life)
         size, after, largest = min(STREAM_FIRST_BATCH, batch_size), -1, 1
         while True:
@@ -1825,7 +1839,7 @@ class ConversationStore:
         `PAGE_FIRST_BATCH` at a time: a reply the server can send whatever their size."""
         user_id = validate_identifier(user_id, "user_id")
         cursor = (
-            self._conversations.find({"user_id": user_id}, SUMMARY)
+            self._conversations.find({"user_id": user_id, **STANDING}, SUMMARY)
             .sort("_id", 1)
             .batch_size(PAGE_FIRST_BATCH)
         )

@@ -70,6 +70,32 @@ reservation, move or give-back, a pop, a rename, an upsert, an answer to a promp
 inbox opened. A write it stops is refused (`being_deleted`) once the mark is read."""
 
 
+FORK_CHECK = "fork_check"
+"""The field a fork creates its conversation with (`ForkCheck`), removed once its copies are
+stored and its check of its source passed: until then the conversation is a fork not made
+yet."""
+STANDING: dict[str, Any] = {**NOT_BEING_DELETED, FORK_CHECK: {"$exists": False}}
+"""The filter part of every read of conversations: a conversation a delete or an erasure
+marked (`DELETING`), or a fork not made yet (`FORK_CHECK`), is no conversation, answered as a
+missing one (NotFound, left out of lists). Two fields absent from every other document: the
+indexes a read uses still choose what it reads, this leaves out the few it finds marked."""
+
+
+def is_standing(conversation: Mapping[str, Any]) -> bool:
+    """Whether a conversation document read (with `DELETING` and `FORK_CHECK`) is one
+    `STANDING` matches: neither marked by a delete nor a fork not made yet."""
+    return conversation.get(DELETING) is None and conversation.get(FORK_CHECK) is None
+
+
+def unfinished_fork(conversation_id: str, what: str) -> StorageUnavailable:
+    """The refusal of `what` (a turn) in a fork not made yet (`FORK_CHECK`): an attempt of the
+    fork is making it, or failed before it was made, and the same fork retried makes it."""
+    return StorageUnavailable(
+        f"conversation {conversation_id!r} is a fork not made yet: {what} may be sent again "
+        "once the fork is made (a fork that failed is made when it is retried)"
+    )
+
+
 def being_deleted(conversation_id: str, what: str) -> StorageUnavailable:
     """The refusal of `what` (a turn, a pop) in a conversation whose delete or erasure has
     begun (`DELETING`): once it finished, the caller may send it again (it starts a new
@@ -244,7 +270,9 @@ def reservation_filter(
     plan: TurnPlan, actor: Actor, *, records_complete: bool = True
 ) -> dict[str, Any]:
     """Match the conversation unless it records this turn already (or is another's, or, to
-    a user token, a runtime opened a steering inbox for the turn: `Actor.running_refusal`).
+    a user token, a runtime opened a steering inbox for the turn: `Actor.running_refusal`, or
+    it is no conversation: `STANDING`, a delete begun or a fork not made yet, whose own
+    first reservation creates it and whose retry finds its turn recorded).
 
     With `records_complete`, also unless some of its oldest records were dropped:
     only then does the absence of a record prove the turn is new.
@@ -253,7 +281,7 @@ def reservation_filter(
         "_id": plan.conversation_id,
         "turns.k": {"$ne": plan.key},
         **actor.owner_filter(),
-        **NOT_BEING_DELETED,
+        **STANDING,
     }
     if actor.as_user:  # a runtime's turn id is the runtime's (`Actor.running_refusal`)
         query["runtime_turns"] = {"$ne": plan.key}
