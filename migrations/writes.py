@@ -34,6 +34,7 @@ from agent_store.core import (
     RESOLVED_PROMPTS_KEPT,
     AgentMessage,
     AnsweredPrompt,
+    ApprovedCall,
     Conversation,
     message_adapter,
     messages_adapter,
@@ -618,8 +619,10 @@ def _dumped(document: Conversation, live: Sequence[dict[str, Any]]) -> dict[str,
         dumped["resolved_hitl"] = document.resolved_hitl
     if document.epoch is not None:
         dumped["epoch"] = document.epoch
-    if document.approved_calls:  # as read back from the document it replaces
-        dumped["approved_calls"] = [dict(call) for call in document.approved_calls]
+    if document.approved_calls:  # as read back from the document it replaces, every key
+        dumped["approved_calls"] = [
+            ApprovedCall.model_validate(call).model_dump() for call in document.approved_calls
+        ]
     if document.answered_prompts:  # likewise
         dumped["answered_prompts"] = [
             a.model_dump(by_alias=True) for a in document.answered_prompts

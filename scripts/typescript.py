@@ -105,9 +105,12 @@ _BOOKKEEPING_TYPES = {
 
 def _bookkeeping_type(schema: dict[str, Any]) -> str:
     """The TypeScript type of a bookkeeping field (its schema is simple: a JSON type, or a
-    choice of them)."""
+    choice of them), in a document as the Node.js driver returns it: a time is a BSON date
+    there (schemas/stored: `BsonDate`), so a `Date`."""
     if "anyOf" in schema:
         return " | ".join(_bookkeeping_type(option) for option in schema["anyOf"])
+    if schema.get("type") == "string" and schema.get("format") == "date-time":
+        return "Date"
     return _BOOKKEEPING_TYPES[schema["type"]]
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -18,11 +20,19 @@ from bson import Int64
 from bson.json_util import CANONICAL_JSON_OPTIONS, dumps
 from jsonschema import Draft202012Validator, FormatChecker
 
-from agent_store.core import MAX_SAFE_INTEGER, rfc3339_millis
+from agent_store import (
+    AgentMessageLogger,
+    ConversationStore,
+    StorageUnavailable,
+    TurnRules,
+)
+from agent_store.core import DENIED_RESULT, MAX_SAFE_INTEGER, rfc3339_millis
+from agent_store.store import SteeringInbox
 from app.examples import EXAMPLE_CONVERSATION_ID
 from scripts.contract import digits_at_most, walk
 from scripts.schema import SCHEMA_DIR, render
 from tests.conftest import Backend
+from tests.test_reliability import FailOnce
 from tests.test_stored_shapes import stored, write_every_kind_of_document
 
 
@@ -159,3 +169,174 @@ async def test_a_stored_int32_or_a_missing_key_is_refused(wire_backend: Backend)
     assert errors(validator, narrow)
     assert errors(validator, {k: v for k, v in document.items() if k != "forked_from"})
     assert errors(validator, document | {"message_count": canonical({"n": Int64(2**53)})["n"]})
+
+
+# -- states sequences of writes reach -------------------------------------------------------
+
+SEQ_CID = "conv-answered"
+
+
+def _calls(*call_ids: str) -> dict[str, Any]:
+    calls = [{"id": c, "function": {"name": "book", "arguments": "{}"}} for c in call_ids]
+    return {"role": "assistant", "tool_calls": calls}
+
+
+def _asks(request_id: str, *naming: str) -> dict[str, Any]:
+    hitl: dict[str, Any] = {"action": "confirm", "params": {}, "request_id": request_id}
+    if naming:
+        hitl["tool_call_ids"] = list(naming)
+    return {"role": "assistant", "content": "Sure?", "hitl_action": hitl}
+
+
+def _result(call_id: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": "booked"}
+
+
+def _denial(call_id: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": DENIED_RESULT,
+            "error": {"message": "tool call denied"}}  # fmt: skip
+
+
+ASKED = {"role": "user", "content": "Book it."}
+
+
+class WriteSequence:
+    """Writes to one conversation, every stored document of both collections checked against
+    schemas/stored after each: what they break, by step and document."""
+
+    def __init__(self, backend: Backend, logger: AgentMessageLogger | None = None) -> None:
+        self.backend = backend
+        self.logger = logger or AgentMessageLogger(backend.db)
+        self.store = ConversationStore(backend.db)
+        self.turns = 0
+        self.broken: dict[str, list[str]] = {}
+
+    async def log(self, *messages: dict[str, Any]) -> None:
+        self.turns += 1
+        turn_id = f"turn-{self.turns}"
+        await self.step(turn_id, self.logger.log_messages(SEQ_CID, messages, turn_id=turn_id))
+
+    async def step(self, name: str, write: Awaitable[Any]) -> None:
+        await write
+        await self.check(name)
+
+    async def check(self, name: str) -> None:
+        for collection, kind in (("agent_messages", "message"), ("agent_conversations", "conv")):
+            validator = schema(f"stored/agent-{'message' if kind == 'message' else 'conversation'}")
+            for document in await stored(self.backend, collection):
+                found = [
+                    f"{e.json_path}: {e.message}"
+                    for e in validator.iter_errors(canonical(document))
+                ]
+                if found:
+                    self.broken[f"{name}: {document['_id']}"] = found
+
+
+async def _answered_naming_no_call(s: WriteSequence, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Answered without naming calls; the call's result; forks of it; pops after the answer."""
+    await s.log(ASKED, _calls("c1"), _asks("r1"))
+    await s.step("answered", s.store.resolve_hitl(SEQ_CID, "r1"))
+    await s.log(_result("c1"))
+    await s.step("fork", s.logger.fork(SEQ_CID, 3, "fork-answered"))
+    await s.step("fork before the prompt", s.logger.fork(SEQ_CID, 1, "fork-cut"))
+    await s.step("result popped", s.store.pop_last_message(SEQ_CID))
+    await s.step("prompt popped", s.store.pop_last_message(SEQ_CID))
+
+
+async def _partly_approved_and_denied(s: WriteSequence, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer naming one of two calls its prompt holds; the other denied; forks; pops."""
+    await s.log(ASKED, _calls("c1", "c2"), _asks("r1"))
+    await s.step("partial", s.store.resolve_hitl(SEQ_CID, "r1", call_ids=["c1"]))
+    await s.log(_denial("c2"))
+    await s.step("fork", s.logger.fork(SEQ_CID, 3, "fork-partial"))
+    await s.log(_result("c1"))
+    await s.step("result popped", s.store.pop_last_message(SEQ_CID))
+    await s.step("denial popped", s.store.pop_last_message(SEQ_CID))
+
+
+async def _asked_again(s: WriteSequence, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An approved call asked about again, that question popped, asked again and refused."""
+    await s.log(ASKED, _calls("c1"), _asks("r1"))
+    await s.step("answered", s.store.resolve_hitl(SEQ_CID, "r1", call_ids=["c1"]))
+    await s.log(_asks("r2", "c1"))
+    await s.step("fork", s.logger.fork(SEQ_CID, 3, "fork-asked-again"))
+    await s.step("question popped", s.store.pop_last_message(SEQ_CID))
+    await s.log(_asks("r3", "c1"))
+    await s.log(_denial("c1"))
+    await s.log(_calls("c1"))
+
+
+async def _relocated(s: WriteSequence, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn retried after a person answered its prompt moves past the turn logged meanwhile."""
+    s.logger = AgentMessageLogger(s.backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    await s.log(ASKED)
+
+    async def lost(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("the turn reserved and has not inserted")
+
+    monkeypatch.setattr(s.logger._messages, "insert_many", lost)
+    with pytest.raises(ConnectionError):
+        await s.logger.log_messages(SEQ_CID, [_calls("c1"), _asks("r1")], turn_id="moved")
+    monkeypatch.undo()
+    await s.check("reserved only")
+    await s.step("answered", s.store.resolve_hitl(SEQ_CID, "r1"))
+    await s.log({"role": "user", "content": "Thanks."})
+    moved = s.logger.log_messages(SEQ_CID, [_calls("c1"), _asks("r1")], turn_id="moved")
+    await s.step("moved", moved)
+    transcript = [m.content for m in await s.store.transcript(SEQ_CID)]
+    assert transcript == ["Book it.", "Thanks.", None, "Sure?"]
+
+
+async def _half_popped(s: WriteSequence, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pop of an answered prompt whose removal was lost: its mark stays until the next pop."""
+    await s.log(ASKED, _calls("c1"), _asks("r1"))
+    await s.step("answered", s.store.resolve_hitl(SEQ_CID, "r1"))
+    await s.log(_result("c1"))
+    failing = FailOnce(s.store._messages, "delete_one", after_applying=False)
+    monkeypatch.setattr(s.store, "_messages", failing)
+    with pytest.raises(StorageUnavailable):
+        await s.store.pop_last_message(SEQ_CID)
+    monkeypatch.undo()
+    assert (await s.backend.db.agent_conversations.find_one({"_id": SEQ_CID}))["popping"]
+    await s.check("pop under way")
+    await s.step("pop finished", s.store.pop_last_message(SEQ_CID))
+
+
+async def _owned_steered_and_claimed(s: WriteSequence, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unowned conversation a turn assigns, a runtime's step, a steered turn, a claim."""
+    await s.log(ASKED)
+    owned = s.logger.log_messages(SEQ_CID, [ASKED], user_id="user-a", turn_id="owned", step="1")
+    await s.step("owned", owned)
+    inbox = SteeringInbox(s.logger)
+    await s.step("opened", inbox.open_turn(SEQ_CID, "steered"))
+    steer = {"role": "user", "content": "also Lille"}
+    await s.step("delivered", inbox.try_deliver(SEQ_CID, "steered", steer))
+    await s.step("closed", inbox.close_inbox(SEQ_CID, "steered", -1))
+    await s.step("claimed", s.store.claim("user-a", "user-b"))
+
+
+@pytest.mark.parametrize(
+    "sequence",
+    [
+        _answered_naming_no_call,
+        _partly_approved_and_denied,
+        _asked_again,
+        _relocated,
+        _half_popped,
+        _owned_steered_and_claimed,
+    ],
+    ids=lambda f: f.__name__.strip("_").replace("_", "-"),
+)
+async def test_every_state_a_sequence_of_writes_reaches_conforms_to_the_stored_schemas(
+    wire_backend: Backend,
+    monkeypatch: pytest.MonkeyPatch,
+    sequence: Callable[[WriteSequence, pytest.MonkeyPatch], Awaitable[None]],
+) -> None:
+    """Answers to prompts (naming calls or not, in part), denials, pops, forks, moved turns,
+    a pop under way: the bookkeeping they write holds every key its model has, as the
+    schemas say and TypeScript readers validate (docs/TYPESCRIPT.md)."""
+    states = WriteSequence(wire_backend)
+
+    await sequence(states, monkeypatch)
+
+    assert states.broken == {}, "\n".join(f"{k}: {v}" for k, v in states.broken.items())

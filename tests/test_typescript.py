@@ -30,7 +30,7 @@ from agent_store.core import (
 from agent_store.store import LoggedTurn
 from app.api_models import Transcript, UserExport
 from app.http_errors import ApiErrorBody
-from scripts.contract import response_models, served
+from scripts.contract import bookkeeping, response_models, served
 from scripts.typescript import (
     OUTPUT,
     DeclarationRenderer,
@@ -146,7 +146,7 @@ def test_the_conversation_document_declares_the_bookkeeping_as_optional() -> Non
     assert "extends IAgentConversation<Date> {" in block.splitlines()[0]
     assert declared_properties(block) == {
         "turns?": "unknown[]", "turns_dropped?": "number", "inbox?": "Record<string, unknown>",
-        "runtime_turns?": "unknown[]", "deleting_since?": "string | null",
+        "runtime_turns?": "unknown[]", "deleting_since?": "Date | null",
         "fork_check?": "Record<string, unknown> | null",
         "popping?": "Record<string, unknown> | null", "pops?": "number",
         "popped_seqs?": "unknown[]", "popped_messages?": "unknown[]",
@@ -155,6 +155,24 @@ def test_the_conversation_document_declares_the_bookkeeping_as_optional() -> Non
         "last_step?": "string | null",
         "epoch?": "string | null",
     }  # fmt: skip
+
+
+def test_a_bookkeeping_time_is_declared_as_the_date_the_driver_returns() -> None:
+    """A bookkeeping field holding a time is a BSON date on disk (schemas/stored: `BsonDate`),
+    which the Node.js driver returns as a `Date`: its declaration says so, not `string`."""
+    conversation = declared_properties(interface_block(render(), "IAgentConversationDocument"))
+    message = re.search(r"AgentMessageDocument = .*& \{ (.*) \};", render())
+    assert message
+    declared = conversation | dict(re.findall(r"(\w+\??): ([^;]+)", message.group(1)))
+    dated = [
+        name
+        for name, schema in {**bookkeeping(), **bookkeeping(UserMessage)}.items()
+        if any(option.get("format") == "date-time" for option in schema.get("anyOf", [schema]))
+    ]
+    assert "deleting_since" in dated
+    assert {name: declared[f"{name}?"].split(" | ") for name in dated} == {
+        name: ["Date", "null"] for name in dated
+    }
 
 
 def test_field_docstrings_become_jsdoc_comments() -> None:

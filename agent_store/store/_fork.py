@@ -272,7 +272,7 @@ def answers_in_fork(
             calls=None
             if calls is None
             else [(c, None if m is None else fork_ids.get(m, m)) for c, m in calls],
-        ).model_dump(by_alias=True, exclude_none=True)
+        ).model_dump(by_alias=True)
         for r, below, calls in answered
     ]
 

@@ -40,6 +40,7 @@ from agent_store.core import (
     MAX_SAFE_INTEGER,
     AgentMessage,
     AnsweredBefore,
+    ApprovedCall,
     Conflict,
     Conversation,
     ForkCheck,
@@ -2645,13 +2646,14 @@ def _approvals_of_copies(
         earlier = a.get("held_before")
         holders = [*(earlier if isinstance(earlier, list) else ()), a.get("held_by")]
         held = [ids[h] for h in holders if isinstance(h, str) and h in ids]
-        return {
+        copy = {
             **a,
             "message_id": ids[str(a.get("message_id"))],
             "held_by": held[-1] if held else None,
             "held_before": held[:-1],
             "superseded_by": ids.get(str(a.get("superseded_by"))),
         }
+        return ApprovedCall.model_validate(copy).model_dump()  # every key, as the model has
 
     return [copied(a) for a in approvals if str(a.get("message_id")) in ids]
 

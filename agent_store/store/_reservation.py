@@ -481,9 +481,9 @@ def _answered_now(request_id: str, concerns: Sequence[CallKey] | None) -> dict[s
     entry: dict[str, Any] = {
         "r": literal(request_id),
         "s": int64({"$ifNull": ["$message_count", 0]}),
+        # Every key of `AnsweredPrompt`, as the model dumps it: null, it named no call.
+        "c": literal(None) if concerns is None else _held_of(request_id, concerns),
     }
-    if concerns is not None:
-        entry["c"] = _held_of(request_id, concerns)
     # A one-element array built by `$map`: some servers (mongomock) keep an array literal's
     # elements unevaluated.
     now = {"$map": {"input": literal([0]), "as": "x", "in": entry}}
@@ -661,6 +661,18 @@ def _approval_fields() -> dict[str, Any]:
     return fields | _call_key("a")
 
 
+def _new_approval(variable: str, request_id: str) -> dict[str, Any]:
+    """The `approved_calls` entry releasing the pending call in `variable`, as an expression:
+    every key of `ApprovedCall`, as the model dumps it (the stored schema requires them all),
+    its fields past the call's key and `request_id` at their defaults."""
+    defaults = {
+        name: literal(field.default)
+        for name, field in ApprovedCall.model_fields.items()
+        if not field.is_required() and name != "request_id"
+    }
+    return {**_call_key(variable), "request_id": literal(request_id), **defaults}
+
+
 def _approvals_changed(
     changes: Mapping[str, Any], bound: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -689,8 +701,7 @@ def _approved_with(request_id: str, named: dict[str, Any] | None = None) -> dict
     holds: dict[str, Any] = {"$eq": [holder, literal(request_id)]}
     cond = holds if named is None else {"$and": [holds, named]}
     held = {"$filter": {"input": calls, "as": "call", "cond": cond}}
-    entry = {**_call_key("call"), "request_id": literal(request_id)}
-    entries = {"$map": {"input": held, "as": "call", "in": entry}}
+    entries = {"$map": {"input": held, "as": "call", "in": _new_approval("call", request_id)}}
     in_force = _approval_keys(held_again=False)
     # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
     fresh = {

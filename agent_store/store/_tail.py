@@ -40,7 +40,7 @@ from typing import Any
 
 from bson import Int64
 
-from agent_store.core import AgentMessage, PendingCall, PendingHitl, PopInProgress
+from agent_store.core import AgentMessage, ApprovedCall, PendingCall, PendingHitl, PopInProgress
 from agent_store.store._fork import ApprovalKey, approvals_in_fork, resolved_in_fork
 from agent_store.store._reservation import (
     NOT_BEING_DELETED,
@@ -159,7 +159,7 @@ def settled(conversation: Mapping[str, Any], folded: Folded) -> Settled:
     approvals = approvals_in_fork(conversation.get("approved_calls") or (), answered, folded)
     return Settled(
         answers=[dict(a) for a in conversation.get("answered_prompts") or ()],
-        approvals=[dict(a) for a in approvals],
+        approvals=[ApprovedCall.model_validate(a).model_dump() for a in approvals],
         resolved=resolved_in_fork(
             conversation.get("resolved_hitl") or (), answered, answered, folded
         ),

@@ -201,7 +201,7 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
    */
-  deleting_since?: string | null;
+  deleting_since?: Date | null;
   /**
    * The pop under way, if any (the store's bookkeeping, never served): the next pop finishes it first.
    *
