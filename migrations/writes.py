@@ -618,6 +618,8 @@ def _dumped(document: Conversation, live: Sequence[dict[str, Any]]) -> dict[str,
         dumped["resolved_hitl"] = document.resolved_hitl
     if document.epoch is not None:
         dumped["epoch"] = document.epoch
+    if document.name_message_id is not None:
+        dumped["name_message_id"] = document.name_message_id
     if document.approved_calls:  # as read back from the document it replaces
         dumped["approved_calls"] = [dict(call) for call in document.approved_calls]
     if document.answered_prompts:  # likewise

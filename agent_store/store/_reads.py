@@ -800,6 +800,7 @@ class ConversationStore:
             query=query,
             calls_before=self._pending_before,
             preview_chars=self._rules.preview_chars,
+            name_chars=self._rules.name_chars,
             memory=self._pops,
             abandon_after=self._rules.abandon_after,
             forget_texts=self._full_texts.forget_files,
