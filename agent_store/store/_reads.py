@@ -760,7 +760,8 @@ class ConversationStore:
         """Remove the conversation's last message and return it; None when it has none.
 
         The conversation's summary is corrected as if the message had never been logged
-        (see `agent_store.store._tail`): its turn, tokens, preview and pending prompt, and
+        (see `agent_store.store._tail`): its turn, tokens, preview and pending prompt, an
+        automatic name taken from it (the next turn names the conversation anew), and
         `message_count`, which gives the `seq` back unless another turn reserved past it;
         its turn's record is marked popped, so a retry of that turn is a Conflict.
 

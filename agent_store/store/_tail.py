@@ -3,7 +3,8 @@
 A runtime that corrects a turn (the Agents SDK's `pop_item`) removes the last
 stored message. The conversation's summary must then say what it would have
 said had the message never been logged: the turn it started is no longer
-counted, its tokens are no longer summed, the preview no longer quotes it, a
+counted, its tokens are no longer summed, the preview no longer quotes it, an
+automatic name taken from it is taken back (`name_message_id`), a
 HITL prompt it raised is no longer pending, the calls it made are not either
 (a call it answered is again), and its `seq` is free again. The calls are
 changed as a reservation changes them, on the list as it stands: a turn still
