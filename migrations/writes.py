@@ -619,6 +619,8 @@ def _dumped(document: Conversation, live: Sequence[dict[str, Any]]) -> dict[str,
         dumped["resolved_hitl"] = document.resolved_hitl
     if document.epoch is not None:
         dumped["epoch"] = document.epoch
+    if document.name_message_id is not None:
+        dumped["name_message_id"] = document.name_message_id
     if document.approved_calls:  # as read back from the document it replaces, every key
         dumped["approved_calls"] = [
             ApprovedCall.model_validate(call).model_dump() for call in document.approved_calls

@@ -521,3 +521,116 @@ async def test_a_tail_follower_reads_a_regenerated_turn_whose_pops_went_below_it
 
     assert [m.content for m in followed.data] == ["Q2, asked again?", "A2"]
     assert not followed.has_more
+
+
+async def test_a_pop_of_the_message_that_named_the_conversation_takes_its_automatic_name_back(
+    backend: Backend,
+) -> None:
+    """The automatic name is the popped message's text: without the message, the
+    conversation has none, and the next turn names it as it would name a new conversation."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [user("oops my password is hunter2"), answer("noted")])
+    store = ConversationStore(backend.db)
+
+    await store.pop_last_message(CID)  # the answer: the name's message stays
+    kept = await store.get_conversation(CID)
+    await store.pop_last_message(CID)  # the message the name was taken from
+    unnamed = await store.get_conversation(CID)
+    await logger.log_messages(CID, [user("what is the weather")])
+    named = await store.get_conversation(CID)
+
+    assert (kept.name, kept.name_source) == ("oops my password is hunter2", "auto")
+    assert (unnamed.name, unnamed.name_source) == (None, None)
+    assert (named.name, named.name_source) == ("what is the weather", "auto")
+    stored = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert "hunter2" not in str(stored)
+
+
+async def test_a_pop_of_a_later_message_of_the_same_text_keeps_the_automatic_name(
+    backend: Backend,
+) -> None:
+    """The name's message is told by its id, not its text: a later message saying the same
+    is not the one the name came from."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [user("hello"), answer("hi")])
+    await logger.log_messages(CID, [user("hello")])
+    store = ConversationStore(backend.db)
+
+    await store.pop_last_message(CID)
+
+    conversation = await store.get_conversation(CID)
+    assert (conversation.name, conversation.name_source) == ("hello", "auto")
+
+
+@pytest.mark.parametrize("given_by", ["runtime", "person"])
+async def test_a_pop_of_the_first_message_keeps_a_name_a_runtime_or_a_person_gave(
+    backend: Backend, given_by: str
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    runtime_name = "Trip plan" if given_by == "runtime" else None
+    await logger.log_messages(CID, [user("plan my trip")], name=runtime_name)
+    store = ConversationStore(backend.db)
+    if given_by == "person":
+        await store.rename(CID, "Paris weekend")
+
+    await store.pop_last_message(CID)
+
+    conversation = await store.get_conversation(CID)
+    expected = ("Trip plan", "runtime") if given_by == "runtime" else ("Paris weekend", "set")
+    assert (conversation.name, conversation.name_source) == expected
+
+
+async def test_a_fork_before_the_naming_message_is_unnamed_and_a_forks_pop_takes_its_name_back(
+    backend: Backend,
+) -> None:
+    """A fork names itself from the copies it holds: none before the name's message. A fork
+    holding a copy of it is named by the copy, which a pop of the copy takes back."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [answer("Welcome! Ask me anything.")])
+    await logger.log_messages(CID, [user("plan my trip"), answer("where to?")])
+    store = ConversationStore(backend.db)
+
+    await logger.fork(CID, 0, "fork-early")
+    await logger.fork(CID, 2, "fork-late")
+    early = await store.get_conversation("fork-early")
+    late = await store.get_conversation("fork-late")
+    await store.pop_last_message("fork-late")
+    await store.pop_last_message("fork-late")
+    popped = await store.get_conversation("fork-late")
+    await logger.log_messages("fork-late", [user("book a hotel")])
+    renamed = await store.get_conversation("fork-late")
+
+    assert (early.name, early.name_source) == (None, None)
+    assert (late.name, late.name_source) == ("plan my trip", "auto")
+    assert (popped.name, popped.name_source) == (None, None)
+    assert (renamed.name, renamed.name_source) == ("book a hotel", "auto")
+    original = await store.get_conversation(CID)
+    assert (original.name, original.name_source) == ("plan my trip", "auto")
+
+
+async def test_a_pop_takes_back_an_automatic_name_stored_without_its_message(
+    backend: Backend,
+) -> None:
+    """A conversation named before the store recorded which message its automatic name came
+    from: a pop of a message giving that very name takes it back."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [user("hello there"), answer("hi")])
+    await logger.log_messages(CID, [user("something else")])
+    await backend.db.agent_conversations.update_one(
+        {"_id": CID}, {"$unset": {"name_message_id": ""}}
+    )
+    store = ConversationStore(backend.db)
+
+    await store.pop_last_message(CID)  # "something else" gave no name
+    kept = await store.get_conversation(CID)
+    await store.pop_last_message(CID)
+    await store.pop_last_message(CID)  # "hello there": the name's text
+    unnamed = await store.get_conversation(CID)
+
+    assert (kept.name, kept.name_source) == ("hello there", "auto")
+    assert (unnamed.name, unnamed.name_source) == (None, None)

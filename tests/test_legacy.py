@@ -369,9 +369,13 @@ def test_a_name_longer_than_a_conversation_holds_is_cut_and_kept_whole_in_a_prob
 
 
 def test_without_any_name_the_first_user_text_names_the_conversation() -> None:
-    conversation = convert([turn(1), turn(2)]).conversation
+    conversion = convert([turn(1), turn(2)])
+    conversation = conversion.conversation
     assert conversation is not None
     assert (conversation.name, conversation.name_source) == ("question 1", "auto")
+    # Its message recorded, as a turn records it: a pop of that message takes the name back.
+    assert conversation.name_message_id == conversion.messages[0].id
+    assert conversion.messages[0].content == "question 1"
 
 
 def test_real_ids_from_parts_and_message_history_win_over_generated_ones() -> None:

@@ -3247,6 +3247,67 @@ def test_a_prompt_resolved_on_the_new_service_stays_resolved_after_a_rollback(
 
 
 @pytest.mark.wire
+def test_a_pop_of_the_migrated_message_a_conversation_is_named_by_takes_the_name_back(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A migrated conversation named by its first question, as a turn names one: popping
+    the question takes the name back, and the next turn names the conversation; a rerun
+    finds the document as the person left it."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-n", n, f"Q{n}") for n in range(2)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    named = database[CONVERSATIONS].find_one({"_id": "c-n"})
+    assert named is not None
+    assert (named["name"], named["name_source"]) == ("Q0 question", "auto")
+
+    async def pop_to_the_first_question(store: ConversationStore) -> None:
+        for _ in range(3):
+            await store.pop_last_message("c-n", user_id="u-1")
+
+    _as_a_person(wire_uri, database, pop_to_the_first_question)
+    kept = database[CONVERSATIONS].find_one({"_id": "c-n"})
+    _as_a_person(wire_uri, database, lambda s: s.pop_last_message("c-n", user_id="u-1"))
+    unnamed = database[CONVERSATIONS].find_one({"_id": "c-n"})
+    log_live(wire_uri, database, "c-n", "live-1", "LIVE")
+    renamed = database[CONVERSATIONS].find_one({"_id": "c-n"})
+
+    assert kept is not None
+    assert unnamed is not None
+    assert renamed is not None
+    assert (kept["name"], kept["name_source"]) == ("Q0 question", "auto")
+    assert (unnamed["name"], unnamed["name_source"]) == (None, None)
+    assert (renamed["name"], renamed["name_source"]) == ("LIVE?", "auto")
+    assert cli(wire_uri, database, "run") == 0
+    rerun = database[CONVERSATIONS].find_one({"_id": "c-n"})
+    assert rerun is not None
+    assert (rerun["name"], rerun["name_source"]) == ("LIVE?", "auto")
+
+
+@pytest.mark.wire
+def test_a_document_migrated_before_its_names_message_was_recorded_is_written_again_once(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A document an earlier version's run wrote holds no `name_message_id`: the rerun
+    writes that document again, and nothing else."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-n", n, f"Q{n}") for n in range(2)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    database[CONVERSATIONS].update_one({"_id": "c-n"}, {"$unset": {"name_message_id": ""}})
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 0
+    counts = summary(capsys.readouterr().out)
+    assert (counts["conversation documents written"], counts["messages written"]) == (1, 0)
+    found = database[CONVERSATIONS].find_one({"_id": "c-n"})
+    first = database[MESSAGES].find_one({"conversation_id": "c-n", "seq": 0})
+    assert found is not None
+    assert first is not None
+    assert found["name_message_id"] == first["_id"]
+
+
+@pytest.mark.wire
 def test_a_second_attempt_keeps_a_live_turn_logged_where_a_person_popped_a_migrated_message(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -153,7 +153,7 @@ def test_the_conversation_document_declares_the_bookkeeping_as_optional() -> Non
         "resolved_hitl?": "unknown[]", "answered_prompts?": "unknown[]",
         "approved_calls?": "unknown[]", "owned_from?": "number",
         "last_step?": "string | null",
-        "epoch?": "string | null",
+        "epoch?": "string | null", "name_message_id?": "string | null",
     }  # fmt: skip
 
 

@@ -784,6 +784,10 @@ class PopInProgress(_Model):
     """The `approved_calls` as read that those messages and answers keep, as stored."""
     resolved_left: list[str] | None = None
     """The `resolved_hitl` those messages and answers leave."""
+    named: str | None = None
+    """The automatic name the message itself gives (a user message's text): a name taken
+    from it before the conversation recorded its message (`Conversation.name_message_id`
+    absent) is taken back when it is this one."""
 
 
 class ForkOrigin(_Model):
@@ -864,6 +868,10 @@ class Conversation(_Model):
     name: str | None = None
     name_source: Literal["auto", "runtime", "set"] | None = None
     """Who chose `name` (extension): automatic names yield to a runtime's, both to a person's."""
+    name_message_id: str | None = Field(default=None, exclude=True)
+    """The message an automatic name (`name_source` "auto") was taken from (the store's
+    bookkeeping, never served; absent when no turn named the conversation so, or it was
+    named before the store recorded it): a pop of that message takes the name back."""
     created_at: UtcDatetime
     updated_at: UtcDatetime
     """The time of the last message."""

@@ -1556,8 +1556,10 @@ def _conversation(
     owner: str | None,
 ) -> Conversation:
     source = "runtime" if name else None
-    if name is None:
-        name = next((p.auto_name for p in plans if p.auto_name), None)
+    named_by = None
+    if name is None:  # as turns name it: by the first user text, its message recorded
+        named = next(((p.auto_name, p.auto_name_from) for p in plans if p.auto_name), None)
+        name, named_by = named or (None, None)
         source = "auto" if name else None
     previews = [p.preview for p in plans if p.preview is not None]
     return Conversation.model_validate(
@@ -1567,6 +1569,7 @@ def _conversation(
             "user_id": owner,
             "name": name,
             "name_source": source,
+            "name_message_id": named_by,
             "created_at": messages[0].created_at,
             "updated_at": max(m.created_at for m in messages),
             "turn_count": sum(p.turn_starts for p in plans),

@@ -72,6 +72,7 @@ from agent_store.store._tail import (
     starts_a_turn,
     unlogged,
 )
+from agent_store.store._text import auto_name
 from agent_store.store._turns import FORK_TURN, GAPS_READ, Gaps
 
 POP_ATTEMPTS = 5
@@ -187,6 +188,8 @@ class Pop:
     query: dict[str, Any]
     calls_before: CallsBefore
     preview_chars: int
+    name_chars: int
+    """How long an automatic name is (`TurnRules.name_chars`): the name the message gives."""
     memory: PopMemory
     abandon_after: timedelta
     """How long a turn may hold a `seq` past the last message before the pop passes it."""
@@ -379,6 +382,7 @@ class Pop:
             updated_at=updated_at,
             quoted=quoted,
             before=before,
+            named=auto_name(message, self.name_chars) if message.upload is None else None,
         )
 
     async def _begins_a_copied_turn(self, message: AgentMessage) -> bool:

@@ -781,7 +781,8 @@ class ConversationStore:
         """Remove the conversation's last message and return it; None when it has none.
 
         The conversation's summary is corrected as if the message had never been logged
-        (see `agent_store.store._tail`): its turn, tokens, preview and pending prompt, and
+        (see `agent_store.store._tail`): its turn, tokens, preview and pending prompt, an
+        automatic name taken from it (the next turn names the conversation anew), and
         `message_count`, which gives the `seq` back unless another turn reserved past it;
         its turn's record is marked popped, so a retry of that turn is a Conflict.
 
@@ -821,6 +822,7 @@ class ConversationStore:
             query=query,
             calls_before=self._pending_before,
             preview_chars=self._rules.preview_chars,
+            name_chars=self._rules.name_chars,
             memory=self._pops,
             abandon_after=self._rules.abandon_after,
             forget_texts=self._full_texts.forget_files,

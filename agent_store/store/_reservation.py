@@ -996,8 +996,15 @@ def _dropped_from(turns: Any, turns_recorded: int) -> dict[str, Any]:
     return int64({"$add": [_kept("turns_dropped", 0), {"$max": [0, overflow]}]})
 
 
+_NAME_MESSAGE_KEPT = absent_stays("name_message_id", "$name_message_id")
+"""`name_message_id` as it is (absent while it is absent)."""
+
+
 def _names(plan: TurnPlan, runtime_name: str | None) -> dict[str, Any]:
-    """Automatic names yield to a runtime's, and both to a person's (`name_source`)."""
+    """Automatic names yield to a runtime's, and both to a person's (`name_source`). An
+    automatic name records the message it is taken from (`name_message_id`), which a pop
+    of that message reads (under a runtime's or a person's name it is left as it is, read
+    by no pop: `name_source` is no longer "auto")."""
     name_is_unset = {"$eq": [_kept("name", None), None]}
     if runtime_name is not None:
         replaceable = {
@@ -1015,6 +1022,9 @@ def _names(plan: TurnPlan, runtime_name: str | None) -> dict[str, Any]:
         return {
             "name": {"$cond": [name_is_unset, literal(plan.auto_name), "$name"]},
             "name_source": {"$cond": [name_is_unset, "auto", "$name_source"]},
+            "name_message_id": {
+                "$cond": [name_is_unset, literal(plan.auto_name_from), _NAME_MESSAGE_KEPT]
+            },
         }
     return {"name": _kept("name", None), "name_source": _kept("name_source", None)}
 

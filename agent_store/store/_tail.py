@@ -3,7 +3,8 @@
 A runtime that corrects a turn (the Agents SDK's `pop_item`) removes the last
 stored message. The conversation's summary must then say what it would have
 said had the message never been logged: the turn it started is no longer
-counted, its tokens are no longer summed, the preview no longer quotes it, a
+counted, its tokens are no longer summed, the preview no longer quotes it, an
+automatic name taken from it is taken back (`name_message_id`), a
 HITL prompt it raised is no longer pending, the calls it made are not either
 (a call it answered is again), and its `seq` is free again. The calls are
 changed as a reservation changes them, on the list as it stands: a turn still
@@ -174,6 +175,7 @@ def pop_in_progress(
     updated_at: datetime | None = None,
     quoted: str | None = None,
     before: LeftBefore | None = None,
+    named: str | None = None,
 ) -> PopInProgress:
     """What removing `message`, the conversation's last, changes in its summary.
 
@@ -182,7 +184,8 @@ def pop_in_progress(
     the message itself gives (a preview still quoting it is replaced). `before` is what the
     messages before it leave (`LeftBefore`), read when `reads_pending_before`: the calls
     pending, the prompt pending (kept for an answer, which may have cleared it), and the
-    approvals withdrawn.
+    approvals withdrawn. `named` is the automatic name the message itself gives (`auto_name`),
+    if any.
     """
     assert message.seq is not None
     usage = message.token_usage
@@ -208,6 +211,7 @@ def pop_in_progress(
         answers_read=before.settled.answers if before and before.settled else None,
         approvals_left=before.settled.approvals if before and before.settled else None,
         resolved_left=before.settled.resolved if before and before.settled else None,
+        named=named,
     )
 
 
@@ -292,9 +296,32 @@ def unlogged(pop: PopInProgress) -> list[Any]:
             ]
         }
     stages = [*_approvals_left(pop, settled), {"$set": stage}]
+    if pop.role == "user":  # it may be the message the automatic name was taken from
+        stage.update(_unnamed(pop))
     if pop.made_calls:  # its calls no longer reuse the ids of approved calls
         stages.append({"$set": _approvals_unsuperseded_by(pop.message_id)})
     return stages
+
+
+def _unnamed(pop: PopInProgress) -> dict[str, Any]:
+    """`name`, `name_source` and `name_message_id` once the user message is removed: an
+    automatic name taken from it (`name_message_id`, or, for a name stored before the
+    conversation recorded its message, the very name the message gives: `named`) is taken
+    back, so the next turn names the conversation as it names a new one; any other name
+    (another message's, a runtime's, a person's) stays."""
+    recorded = {"$ifNull": ["$name_message_id", None]}
+    by_it: dict[str, Any] = {"$eq": [recorded, literal(pop.message_id)]}
+    if pop.named is not None:
+        by_text = {"$and": [{"$eq": [recorded, None]}, {"$eq": ["$name", literal(pop.named)]}]}
+        by_it = {"$or": [by_it, by_text]}
+    taken = {"$and": [{"$eq": ["$name_source", "auto"]}, by_it]}
+    return {
+        "name": {"$cond": [taken, literal(None), "$name"]},
+        "name_source": {"$cond": [taken, literal(None), "$name_source"]},
+        "name_message_id": {
+            "$cond": [taken, "$$REMOVE", absent_stays("name_message_id", "$name_message_id")]
+        },
+    }
 
 
 def _pending_left(pop: PopInProgress, settled: Any) -> dict[str, Any]:

@@ -138,6 +138,8 @@ class TurnPlan:
     """The prompt left pending after the turn; None clears it."""
     auto_name: str | None = None
     """A name from the first user text, used only while the conversation has none."""
+    auto_name_from: str | None = None
+    """The id of the message `auto_name` is taken from: a pop of it takes the name back."""
     key: int = 0
     """A 64-bit digest of the turn id: how the conversation's turn records name it."""
     digest: int = 0
@@ -681,6 +683,7 @@ def plan_turn(
     ids = [str(d["_id"]) for d in prepared.documents]
     opened_calls, answered_calls, named_holds = _pending_calls(sources, ids)
     _, asked = _holders(sources)
+    named = _auto_named(sources, ids, rules.name_chars)
     if not copied:  # a fork sets its own pending calls and approvals: no name reaches it
         _check_named(asked)
         _check_held_listed(opened_calls)
@@ -695,10 +698,8 @@ def plan_turn(
         preview=_preview(sources, rules.preview_chars),
         usage=_usage(sources),
         pending_hitl=_pending_hitl(sources, ids),
-        auto_name=next(
-            (n for m in sources if m.upload is None and (n := auto_name(m, rules.name_chars))),
-            None,
-        ),
+        auto_name=named[0] if named else None,
+        auto_name_from=named[1] if named else None,
         key=turn_key(turn_id),
         digest=_digest64(_canonical(prepared.documents) if prepared.cut else canonical),
         full_texts=tuple(prepared.full_texts),
@@ -709,6 +710,17 @@ def plan_turn(
         named_holds=named_holds,
         asked_again=tuple((c, tuple(ids[i] for i in asking)) for c, asking in asked.items()),
     )
+
+
+def _auto_named(
+    sources: Sequence[AgentMessage], ids: Sequence[str], limit: int
+) -> tuple[str, str] | None:
+    """The automatic name the turn gives (its first user text, an upload's aside) and the id
+    of the message it is taken from; None when no message gives one."""
+    for message, message_id in zip(sources, ids, strict=True):
+        if message.upload is None and (name := auto_name(message, limit)):
+            return name, message_id
+    return None
 
 
 def _dumped(

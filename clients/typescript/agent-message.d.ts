@@ -161,6 +161,12 @@ export type AgentMessageDocument = AgentMessageByRole<Date> & { epoch?: string |
  */
 export interface IAgentConversationDocument extends IAgentConversation<Date> {
   /**
+   * The message an automatic name (`name_source` "auto") was taken from (the store's bookkeeping, never served; absent when no turn named the conversation so, or it was named before the store recorded it): a pop of that message takes the name back.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  name_message_id?: string | null;
+  /**
    * Set as a fork creates this conversation, cleared once the fork's check found its source whole (`ForkCheck`; the store's bookkeeping, never served): a fork still holding it has not stood yet.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
