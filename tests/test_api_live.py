@@ -511,3 +511,94 @@ async def test_a_delivery_whose_insert_was_lost_retried_with_another_message_is_
         assert again.json() == {"delivered": True}
         drained = (await api.http.get(f"{INBOX}?after_seq=-1", headers=runtime)).json()["data"]
         assert [m["content"] for m in drained] == ["use metrc"]
+
+
+def _pay(call_id: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": "pay", "arguments": "{}"}}
+
+
+async def test_a_delivery_denying_a_call_a_person_approved_is_409_as_such_a_turn_is() -> None:
+    """A person approved paying; the runtime's delivery of a denial of that call is refused
+    as a turn carrying it is (409), naming the delivery and the inbox, nothing stored."""
+    async with serve(mongomock_db()) as api:
+        runtime, person = auth_headers(), auth_headers(user=OWNER)
+        conv = "/v1/conversations/conv-pay"
+        asks = {"action": "confirm", "params": {}, "request_id": "r1", "tool_call_ids": ["pay1"]}
+        first = [{"role": "user", "content": "pay"},
+                 {"role": "assistant", "content": None, "tool_calls": [_pay("pay1")]},
+                 {"role": "assistant", "content": "pay?", "hitl_action": asks}]  # fmt: skip
+        body = {"turn_id": "t1", "messages": first}
+        assert (await api.http.post(f"{conv}/turns", json=body, headers=person)).status_code == 201
+        resolved = await api.http.post(f"{conv}/hitl/resolve", json={"request_id": "r1"},
+                                       headers=person)  # fmt: skip
+        assert resolved.status_code == 200, resolved.text
+        assert (
+            await api.http.post(f"{conv}/turns/run-1/inbox", headers=runtime)
+        ).status_code == 200
+        before = await api.digest()
+        denial = {"role": "tool", "tool_call_id": "pay1", "content": "tool call denied",
+                  "error": {"message": "tool call denied"}}  # fmt: skip
+
+        sent = await api.http.post(f"{conv}/turns/run-1/inbox/messages",
+                                   json={"delivery_id": "d1", "message": denial},
+                                   headers=runtime)  # fmt: skip
+
+        said = sent.json()["error"]["message"]
+        assert sent.status_code == 409, sent.text
+        assert "delivery 'd1' into the inbox of turn 'run-1' denies" in said
+        assert "delivery-" not in said
+        assert await api.digest() == before
+
+
+async def test_a_delivery_into_a_conversation_being_deleted_is_503_naming_the_delivery() -> None:
+    """The delete failed part-way: a delivery is 503 as a turn is, naming the delivery and
+    the inbox it was sent into, never the turn id it is stored under (no sender may send
+    that one)."""
+    from agent_store.core import StorageUnavailable
+
+    async with serve(mongomock_db()) as api:
+        runtime, person = auth_headers(), auth_headers(user=OWNER)
+        assert (await api.http.post(INBOX, headers=runtime)).status_code == 200
+        conversations = api.store.conversations
+
+        async def dropped(*args: Any, **kwargs: Any) -> Any:
+            raise StorageUnavailable("simulated: connection dropped")
+
+        real, conversations._delete_document = conversations._delete_document, dropped
+        gone = await api.http.delete(f"/v1/conversations/{OWNER_CONVERSATION}", headers=person)
+        conversations._delete_document = real
+        assert gone.status_code == 503
+
+        sent = await api.http.post(f"{INBOX}/messages", json=steer("steer", "d1"), headers=person)
+
+        said = sent.json()["error"]["message"]
+        assert sent.status_code == 503, sent.text
+        assert "delivery 'd1' into the inbox of turn 't-running' may be sent again" in said
+        assert "delivery-" not in said
+        assert await api.db.agent_messages.count_documents({"content": "steer"}) == 0
+
+
+async def test_a_fork_of_a_conversation_not_migrated_yet_is_409_as_a_write_to_it_is() -> None:
+    """The owner reads her legacy-only conversation; a fork of it is 409 saying it can be
+    forked once migrated (to her and to a service), as a turn into it is, not 404; another
+    user's token finds nothing."""
+    from agent_store.legacy import LEGACY_TURNS
+
+    async with serve(mongomock_db()) as api:
+        await api.db[LEGACY_TURNS].insert_one(
+            {"_id": "lt-1", "conversation_id": "conv-old", "user_id": OWNER,
+             "user_message": "hello", "created_at": "2025-01-01T00:00:00Z",
+             "response_parts": [{"type": "text", "content": "ok"}]}
+        )  # fmt: skip
+        forks = "/v1/conversations/conv-old/forks"
+        body = {"at_seq": 0, "new_conversation_id": "conv-old-fork"}
+        person = auth_headers(user=OWNER)
+        assert (await api.http.get("/v1/conversations/conv-old", headers=person)).status_code == 200
+
+        for headers in (person, auth_headers()):
+            forked = await api.http.post(forks, json=body, headers=headers)
+            assert forked.status_code == 409, forked.text
+            assert "can be forked once" in forked.json()["error"]["message"]
+        stranger = await api.http.post(forks, json=body, headers=auth_headers(user=OTHER))
+        assert stranger.status_code == 404
+        assert await api.db.agent_conversations.find_one({"_id": "conv-old-fork"}) is None

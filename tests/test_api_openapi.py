@@ -63,6 +63,13 @@ CASES: dict[str, Case] = {
     "rename-deep": ("PATCH", CONV, b'{"name": ' + b"[" * 5000 + b"]" * 5000 + b"}", JSON_BODY, 400),
     "rename-text": ("PATCH", CONV, b"x", SERVICE | {"Content-Type": "text/plain"}, 415),
     "rename-too-large": ("PATCH", CONV, {"name": "x" * 2_000_000}, SERVICE, 413),
+    "fork-legacy-only": (
+        "POST",
+        f"/v1/conversations/{LEGACY_ONLY}/forks",
+        {"at_seq": 0, "new_conversation_id": "conv-legacy-fork"},
+        SERVICE,
+        409,
+    ),
     "delete-legacy-only": ("DELETE", f"/v1/conversations/{LEGACY_ONLY}", None, SERVICE, 200),
     "delete-missing": ("DELETE", "/v1/conversations/missing", None, SERVICE, 404),
     "transcript": ("GET", f"{CONV}/transcript", None, SERVICE, 200),

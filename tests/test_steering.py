@@ -10,6 +10,7 @@ import asyncio
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
@@ -25,6 +26,7 @@ from agent_store import (
     RetryPolicy,
     SteeringInbox,
     StorageUnavailable,
+    StoreError,
     TurnRules,
     with_retries,
 )
@@ -1318,8 +1320,10 @@ async def test_a_delivery_like_turn_id_in_uppercase_hex_is_an_ordinary_turn_id(
 
 
 @pytest.mark.parametrize(
-    "kind", ["NotStoredYet", "Corrected", "OtherContent", "AnsweredBefore", "TurnConflict"]
-)
+    "kind",
+    ["NotStoredYet", "Corrected", "OtherContent", "AnsweredBefore", "TurnConflict", "HeldOff",
+     "BeingDeleted", "Unreserved"],
+)  # fmt: skip
 def test_every_refusal_of_a_deliverys_turn_is_worded_for_the_delivery_with_its_status(
     kind: str,
 ) -> None:
@@ -1328,7 +1332,7 @@ def test_every_refusal_of_a_deliverys_turn_is_worded_for_the_delivery_with_its_s
     same class (so the same status)."""
     from datetime import timedelta
 
-    from agent_store.core import AnsweredBefore, StoreError
+    from agent_store.core import AnsweredBefore
     from agent_store.store import _inbox, _logger, _turns
 
     internal = "turn 'delivery-0123456789abcdef0123456789abcdef': use a new turn_id"
@@ -1338,11 +1342,15 @@ def test_every_refusal_of_a_deliverys_turn_is_worded_for_the_delivery_with_its_s
         "OtherContent": _logger.OtherContent,
         "TurnConflict": _turns.TurnConflict,
     }
-    error = (
-        AnsweredBefore(internal, tool_call_ids=["call_1"])
-        if kind == "AnsweredBefore"
-        else classes[kind](internal)
-    )
+    from agent_store.store._reservation import BeingDeleted
+
+    made: dict[str, StoreError] = {
+        "AnsweredBefore": AnsweredBefore(internal, tool_call_ids=["call_1"]),
+        "HeldOff": _logger.HeldOff(internal, conversation_id=CID, held=("c0", "r1")),
+        "BeingDeleted": BeingDeleted(internal, conversation_id=CID),
+        "Unreserved": _logger.Unreserved(internal),
+    }
+    error = made[kind] if kind in made else classes[kind](internal)
     named = "delivery 'd1' into the inbox of turn 'turn-running'"
 
     worded = _inbox.delivery_refusal(error, named, timedelta(minutes=5))
@@ -1352,4 +1360,128 @@ def test_every_refusal_of_a_deliverys_turn_is_worded_for_the_delivery_with_its_s
     assert named in worded.message
     assert "delivery-" not in worded.message
     assert "turn_id" not in worded.message
-    assert "delivery_id" in worded.message or kind == "NotStoredYet"
+    assert "delivery_id" in worded.message or kind in ("NotStoredYet", "BeingDeleted")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [NotFound(f"conversation {CID!r} was not found"),
+     Conflict(f"conversation {CID!r} belongs to another user than 'u'; use claim to move it"),
+     StorageUnavailable("could not reserve the turn: the database is unreachable")],
+    ids=["not-found", "another-owner", "unreachable"],
+)  # fmt: skip
+def test_a_refusal_of_a_delivery_naming_no_turn_reaches_its_sender_as_it_is(
+    error: StoreError,
+) -> None:
+    """A refusal naming the conversation only (missing, another user's) or the database is
+    what the sender reads: `delivery_refusal` words only those naming the turn."""
+    from datetime import timedelta
+
+    from agent_store.store import _inbox
+
+    named = "delivery 'd1' into the inbox of turn 'turn-running'"
+    assert _inbox.delivery_refusal(error, named, timedelta(minutes=5)) is error
+
+
+# -- a delivery is a turn: every rule a turn meets, its refusals worded for its sender -----
+
+
+def _calls(*ids: str) -> dict[str, Any]:
+    tool_calls = [{"id": i, "function": {"name": "pay", "arguments": "{}"}} for i in ids]
+    return {"role": "assistant", "tool_calls": tool_calls}
+
+
+def _asks_about(request_id: str, *call_ids: str) -> dict[str, Any]:
+    hitl = {"action": "confirm", "params": {}, "request_id": request_id,
+            "tool_call_ids": list(call_ids)}  # fmt: skip
+    return {"role": "assistant", "content": "Sure?", "hitl_action": hitl}
+
+
+DENIAL = {"role": "tool", "tool_call_id": "pay1", "content": "tool call denied",
+          "error": {"message": "tool call denied"}}  # fmt: skip
+INTO_RUN_1 = "delivery 'd1' into the inbox of turn 'run-1'"
+
+
+async def test_a_delivery_denying_a_call_a_person_approved_first_is_refused_as_a_turn_is(
+    backend: Backend,
+) -> None:
+    """A person approved the confirmation holding `pay1`; a turn denying it is refused
+    (`AnsweredBefore`: the tool runs, its result answers the call), and so is a delivery
+    carrying that denial: nothing stored, the refusal naming the delivery and its inbox."""
+    from agent_store.core import AnsweredBefore
+
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    inbox = SteeringInbox(logger)
+    first = [{"role": "user", "content": "pay"}, _calls("pay1"), _asks_about("r1", "pay1")]
+    await logger.log_messages(CID, first, turn_id="t0")
+    await store.resolve_hitl(CID, "r1")
+    await inbox.open_turn(CID, "run-1")
+    before = await store.transcript(CID)
+
+    with pytest.raises(AnsweredBefore) as refused:
+        await inbox.try_deliver(CID, "run-1", DENIAL, delivery_id="d1")
+
+    said = refused.value.message
+    assert f"{INTO_RUN_1} denies a tool call whose confirmation a person approved first" in said
+    assert "delivery-" not in said
+    assert list(refused.value.tool_call_ids) == ["pay1"]
+    assert await store.transcript(CID) == before
+    assert await inbox.close_inbox(CID, "run-1", last_seen_seq=len(before) - 1) == []
+
+
+async def test_a_delivery_pushing_a_held_call_off_the_pending_list_is_refused_as_a_turn_is(
+    backend: Backend,
+) -> None:
+    """`c0`, held by the prompt `r1` nobody answered, is the oldest of the calls
+    `pending_calls` keeps; a delivery making one more call would push it off, where r1's
+    approval would not reach it: refused as such a turn is, nothing stored, naming the
+    delivery, the prompt and the call. Once r1 is answered, it is delivered."""
+    from agent_store.store import PENDING_CALLS_KEPT
+
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    inbox = SteeringInbox(logger)
+    others = [f"c{n}" for n in range(1, PENDING_CALLS_KEPT)]
+    go = {"role": "user", "content": "go"}
+    await logger.log_messages(CID, [go, _calls("c0"), _asks_about("r1", "c0")], turn_id="t0")
+    await logger.log_messages(CID, [_calls(*others)], turn_id="t1")
+    await inbox.open_turn(CID, "run-1")
+    before = await store.transcript(CID)
+
+    with pytest.raises(Conflict) as refused:
+        await inbox.try_deliver(CID, "run-1", _calls("c100"), delivery_id="d1")
+
+    said = refused.value.message
+    assert f"{INTO_RUN_1} would push the call 'c0' the prompt 'r1' holds" in said
+    assert "delivery_id" in said
+    assert "delivery-" not in said
+    assert await store.transcript(CID) == before
+    assert ("c0", "r1") in [(c.tool_call_id, c.request_id) for c in await store.pending_calls(CID)]
+
+    await store.resolve_hitl(CID, "r1")
+    assert await inbox.try_deliver(CID, "run-1", _calls("c100"), delivery_id="d1") is True
+
+
+async def test_a_delivery_into_a_conversation_being_deleted_is_refused_naming_the_delivery(
+    backend: Backend,
+) -> None:
+    """A delete of the conversation has begun (or failed part-way): a delivery is refused as
+    a turn is (StorageUnavailable, nothing stored), naming the delivery and its inbox, never
+    the turn id it is stored under, which no sender may send."""
+    from agent_store.store._reservation import DELETING
+
+    logger = AgentMessageLogger(backend.db)
+    inbox = SteeringInbox(logger)
+    await logger.log_messages(CID, [{"role": "user", "content": "hello"}], turn_id="t0")
+    await inbox.open_turn(CID, "run-1")
+    marked = {"$set": {DELETING: datetime.now(UTC)}}
+    await backend.db[CONVERSATIONS].update_one({"_id": CID}, marked)
+
+    with pytest.raises(StorageUnavailable) as refused:
+        await inbox.try_deliver(CID, "run-1", {"role": "user", "content": "steer"},
+                                delivery_id="d1")  # fmt: skip
+
+    said = refused.value.message
+    assert f"{INTO_RUN_1} may be sent again once the delete finished" in said
+    assert f"conversation {CID!r} is being deleted" in said
+    assert "delivery-" not in said
+    assert await backend.db[MESSAGES].count_documents({"content": "steer"}) == 0

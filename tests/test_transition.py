@@ -245,6 +245,33 @@ async def test_an_unmigrated_conversation_cannot_be_renamed_yet(backend: Backend
     assert await backend.db[LEGACY_TURNS].count_documents({}) == 4
 
 
+async def test_an_unmigrated_conversation_cannot_be_forked_yet(backend: Backend) -> None:
+    """A fork of a conversation that exists only as legacy turns is refused as every write
+    to it is (409, to be made once the migration has run), to its owner and to a service,
+    never NotFound for what its owner reads; another user's token still finds nothing. No
+    fork is created."""
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    legacy = LegacyTurns(backend.db)
+    logger = AgentMessageLogger(backend.db, legacy=legacy)
+    not_yet = (
+        f"conversation {EXAMPLE_CONVERSATION_ID!r} exists as legacy turns not migrated yet; it "
+        "can be forked once `python -m migrations run` has migrated it"
+    )
+
+    for user_id, owner_only in [(EXAMPLE_USER_ID, True), (None, False)]:
+        with pytest.raises(Conflict) as refused:
+            await logger.fork(
+                EXAMPLE_CONVERSATION_ID, 0, "c-fork", user_id=user_id, owner_only=owner_only
+            )
+        assert str(refused.value) == not_yet
+    with pytest.raises(NotFound):
+        await logger.fork(EXAMPLE_CONVERSATION_ID, 0, "c-fork", user_id="someone-else",
+                          owner_only=True)  # fmt: skip
+
+    assert await backend.db[CONVERSATIONS].count_documents({}) == 0
+    assert await backend.db[MESSAGES].count_documents({}) == 0
+
+
 async def test_deleting_an_unmigrated_conversation_removes_its_legacy_turns(
     backend: Backend,
 ) -> None:

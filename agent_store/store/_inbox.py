@@ -22,8 +22,10 @@ end (DESIGN.md §3) only while its inbox is open, its entry's `seq` following it
 same update (a new version, so a close racing it reads again); its inbox closed, it is
 refused. One retried with another message is a turn retried with other content (503 while
 its first attempt may still store its own; past that its empty block given back and the new
-message delivered in its place). Whatever the logger refuses a delivery's turn with names
-that turn's id, which the sender never sees: `delivery_refusal` words it for the delivery.
+message delivered in its place). A delivery being a turn, its reservation meets every
+condition a turn of its message meets besides its inbox's (`_as_a_turn`). Whatever the
+logger refuses a delivery's turn with names that turn's id, which the sender never sees:
+`delivery_refusal` words it for the delivery.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -56,8 +58,11 @@ from agent_store.store._logger import (
     AgentMessageLogger,
     Condition,
     Corrected,
+    HeldOff,
     NotStoredYet,
     OtherContent,
+    Unreserved,
+    _turn_conditions,
     refuse_unloggable_turn_id,
 )
 from agent_store.store._reads import _bounded_page, _by_seq
@@ -65,12 +70,14 @@ from agent_store.store._reservation import (
     DELETING,
     NOT_BEING_DELETED,
     Actor,
+    BeingDeleted,
     being_deleted,
     int64,
     literal,
 )
 from agent_store.store._turns import (
     DELIVERY_TURN,
+    PENDING_CALLS_KEPT,
     RUNTIME_TURNS_KEPT,
     TurnConflict,
     TurnPlan,
@@ -149,10 +156,14 @@ def _runtime_turn(turn_id: str) -> dict[str, Any]:
 
 
 def delivery_refusal(error: StoreError, named: str, abandon_after: timedelta) -> StoreError:
-    """What the logger refused a delivery's turn with (`error`, naming the turn id the
-    delivery is stored under), worded for its sender, who names the delivery by its delivery
-    id (`named`: it and the inbox's turn), with what to do. The same class, so the same
-    status: 409, or 503 while its first attempt may still store it (`NotStoredYet`)."""
+    """What the logger refused a delivery's turn with (`error`), worded for its sender, who
+    names the delivery by its delivery id (`named`: it and the inbox's turn), with what to do.
+    Every refusal naming the turn id the delivery is stored under, which the sender never
+    sees, is worded so: those of the turn as the conversation holds it (`_turn_refusal`), a
+    first attempt that may still store it (`NotStoredYet`), a conversation being deleted
+    (`BeingDeleted`), a reservation that lost every race (`Unreserved`). The same class, so
+    the same status. Any other refusal names no turn (the conversation missing or another
+    user's, the database unreachable): `error` itself."""
     if isinstance(error, NotStoredYet):
         return NotStoredYet(
             f"nothing of {named} is stored yet, but its first attempt took its place with "
@@ -160,6 +171,23 @@ def delivery_refusal(error: StoreError, named: str, abandon_after: timedelta) ->
             "from then; nothing was written. Retry later: this message is then delivered in "
             "its place while the inbox is open"
         )
+    if isinstance(error, BeingDeleted):
+        return being_deleted(error.conversation_id, named)
+    if isinstance(error, Unreserved):
+        return Unreserved(
+            f"{named} could not take its place: the conversation kept changing under it. "
+            "Nothing was stored; deliver it again under the same delivery_id"
+        )
+    if isinstance(error, (TurnConflict, AnsweredBefore, HeldOff)):
+        return _turn_refusal(error, named)
+    return error
+
+
+def _turn_refusal(error: TurnConflict | AnsweredBefore | HeldOff, named: str) -> StoreError:
+    """`delivery_refusal` of what the conversation holds refusing the delivery's turn: a
+    retry of it, popped since or sent with another message; a denial of a call a person
+    approved first; a call a prompt holds pushed off `pending_calls`; else what holds its
+    place."""
     if isinstance(error, Corrected):
         return Corrected(
             f"{named} was delivered, and removed since by a pop (the conversation was "
@@ -178,12 +206,66 @@ def delivery_refusal(error: StoreError, named: str, abandon_after: timedelta) ->
             "without the denial, under a new delivery_id",
             tool_call_ids=error.tool_call_ids,
         )
+    if isinstance(error, HeldOff):
+        held = (
+            "a call a prompt"
+            if error.held is None
+            else "the call {} the prompt {}".format(*map(shown, error.held))
+        )
+        return HeldOff(
+            f"{named} would push {held} holds off the pending calls of conversation "
+            f"{error.conversation_id!r} (the newest {PENDING_CALLS_KEPT}), which no answer "
+            "released: an answer to the prompt releases the calls the list holds only. "
+            "Nothing was stored; answer the prompt first (resolve_hitl, or the call's result "
+            "or denial), then deliver the message again under the same delivery_id",
+            conversation_id=error.conversation_id,
+            held=error.held,
+        )
     return TurnConflict(
         f"{named} is not stored: what the conversation holds where it goes is not this "
         "delivery as sent (an earlier attempt stored it in part or elsewhere, other messages "
         "hold its place, or a later message answers its call). Send the message under a new "
         "delivery_id if it should be delivered"
     )
+
+
+def _as_a_turn(
+    plan: TurnPlan, inbox: Condition, takes: Callable[[Mapping[str, Any]], bool]
+) -> Condition:
+    """A delivery's condition: its inbox's (`inbox`) and every one a turn of its message
+    meets (`_turn_conditions`, as `log_messages` builds them for a turn naming no
+    `next_seq`, `step`, `answers_to` or `refused_prompts`, none of which a delivery takes:
+    no denial of a call a person approved first, no call a prompt holds pushed off
+    `pending_calls`), in its reservation's one command. Refused as the inbox refuses when the
+    conversation found shows it closed, full or past the delivery (`takes`: False), else as
+    such a turn is refused. A move to a new block meets the inbox's condition only, as a
+    turn's move meets none of the turn's."""
+    turn = _turn_conditions(plan, None, None, None)
+    if turn is None:
+        return inbox
+
+    def explain(found: Mapping[str, Any]) -> StoreError:
+        return turn.refused(found) if takes(found) else inbox.refusal
+
+    return Condition(
+        {"$and": [inbox.filter, turn.filter]},
+        lambda now: {**inbox.stage(now), **turn.stage(now)},
+        inbox.refusal,
+        moved=inbox.moved,
+        moved_filter=inbox.filter,
+        explain=explain,
+    )
+
+
+def _inbox_takes(found: Mapping[str, Any], field: str, limit: int) -> bool:
+    """Whether the conversation `found` meets a delivery's inbox condition: the inbox `field`
+    open, holding fewer than `limit` deliveries, each before the conversation's next `seq`."""
+    entry = (found.get("inbox") or {}).get(field.split(".")[1])
+    if not isinstance(entry, Mapping):
+        return False
+    seqs = entry.get("seqs") or ()
+    count = int(found.get("message_count") or 0)
+    return len(seqs) < limit and all(int(d["s"]) < count for d in seqs)
 
 
 POPS_READ: dict[str, Any] = {"message_count": 1, "popped_seqs": 1, "popped_messages": 1}
@@ -296,10 +378,13 @@ class SteeringInbox:
 
         try:
             return await self._stored_delivery(plan, actor, field)
-        except (TurnConflict, AnsweredBefore, NotStoredYet) as exc:
+        except StoreError as exc:
             named = f"delivery {shown(delivery_id)}" if delivery_id else "this delivery"
             named += f" into the inbox of turn {turn_id!r}"
-            raise delivery_refusal(exc, named, self._logger.rules.abandon_after) from exc
+            refusal = delivery_refusal(exc, named, self._logger.rules.abandon_after)
+            if refusal is exc:
+                raise
+            raise refusal from exc
 
     async def _stored_delivery(self, plan: TurnPlan, actor: Actor, field: str) -> bool:
         """The delivery `plan` stored (or found stored) into the inbox `field`: True; False
@@ -321,7 +406,8 @@ class SteeringInbox:
         """What a delivery's reservation must meet: the inbox `field` open, not full, and the
         `seq` it takes past every `seq` delivered into it (after a pop gave one back, a runtime
         that read up to it would never be handed this one: refused instead); what it records
-        there (its `seq`, time and message id, following it to a new block when moved)."""
+        there (its `seq`, time and message id, following it to a new block when moved). And,
+        a delivery being a turn, every condition a turn of its message meets (`_as_a_turn`)."""
         delivered_id = plan.documents[0]["_id"]
 
         def stage(now: datetime, left: int | None = None) -> dict[str, Any]:
@@ -336,18 +422,19 @@ class SteeringInbox:
                 f"{field}.v": int64({"$add": [f"${field}.v", 1]}),
             }
 
-        last = self._logger.rules.inbox_deliveries - 1  # the inbox open, and not full
+        limit = self._logger.rules.inbox_deliveries  # the inbox open, and not full
         after_the_delivered = {"$lt": [{"$max": f"${field}.seqs.s"}, "$message_count"]}
-        return Condition(
+        inbox = Condition(
             {
                 field: {"$exists": True},
-                f"{field}.seqs.{last}": {"$exists": False},
+                f"{field}.seqs.{limit - 1}": {"$exists": False},
                 "$expr": after_the_delivered,
             },
             stage,
             _InboxClosed("inbox closed"),
             moved=stage,
         )
+        return _as_a_turn(plan, inbox, lambda found: _inbox_takes(found, field, limit))
 
     async def _delivery_plan(
         self,

@@ -194,6 +194,10 @@ class Condition:
     own, given the time of the update and the first `seq` of the block it leaves; the move
     then needs `filter` to match too, else `refusal` is raised. None: the condition holds
     for the first reservation only (a fork's, which creates its conversation)."""
+    moved_filter: dict[str, Any] | None = None
+    """What a move needs instead of `filter`, when that holds more than a move must meet (a
+    delivery's: its inbox's, not a turn's own conditions, which its first reservation met
+    and which a turn's move does not meet again); None: `filter`."""
     explain: Callable[[Mapping[str, Any]], StoreError] | None = None
     """Builds the refusal from the conversation found instead (None: `refusal`)."""
     retried: Callable[[Mapping[str, Any]], StoreError | None] | None = None
@@ -1034,6 +1038,8 @@ class AgentMessageLogger:
                     **GAPS_READ,
                 },
             )
+            if source is None:  # legacy turns not migrated yet: refused as any write to them
+                await self._refuse_unmigrated(conversation_id, actor, "forked")
             # A source being deleted (or whose delete failed part-way), or a fork not made yet
             # (`STANDING`), is no conversation to forks either.
             hidden = source is None or not is_standing(source)
@@ -1108,7 +1114,7 @@ class AgentMessageLogger:
             if refused is not None:
                 raise refused
             # Otherwise a race was lost (the conversation was just created): reserve again.
-        raise StorageFailure(
+        raise Unreserved(
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
         )
 
@@ -1208,7 +1214,8 @@ class AgentMessageLogger:
         guarded = query
         if condition is not None and condition.moved is not None:
             pipeline[0]["$set"] |= condition.moved(now, block.first_seq)
-            guarded = {**query, **condition.filter}
+            moving = condition.filter if condition.moved_filter is None else condition.moved_filter
+            guarded = {**query, **moving}
         with storage_errors("move the turn to a new block"):
             doc: dict[str, Any] | None = await self._conversations.find_one_and_update(
                 guarded,
@@ -1323,8 +1330,12 @@ class AgentMessageLogger:
             return reserved
         raise _stored_apart(plan, block.first_seq, plan.documents[0]["_id"], at)
 
-    async def _refuse_unmigrated(self, conversation_id: str, actor: Actor) -> None:
-        """Refuse a new conversation whose id exists as legacy turns not migrated yet."""
+    async def _refuse_unmigrated(
+        self, conversation_id: str, actor: Actor, what: str = "written"
+    ) -> None:
+        """Refuse a new conversation, or a fork of one (`what` it can be once migrated), whose
+        id exists as legacy turns not migrated yet (`not_migrated_yet`); NotFound to a user
+        token not their owner's."""
         if self._legacy is None:
             return
         holder = await self._legacy.holder(conversation_id)
@@ -1332,7 +1343,7 @@ class AgentMessageLogger:
             return
         if actor.as_user and holder.user_id != actor.user_id:
             raise NotFound(f"conversation {conversation_id!r} was not found")
-        raise not_migrated_yet(conversation_id)
+        raise not_migrated_yet(conversation_id, what)
 
     async def _block_of_an_old_turn(self, plan: TurnPlan) -> RecordedBlock | None:
         """Past the kept records (or a record naming another attempt's block, `_stored_as_sent`):
@@ -2493,6 +2504,29 @@ def _corrected(plan: TurnPlan) -> Conflict:
     )
 
 
+class Unreserved(StorageFailure):
+    """A turn's reservation found the conversation changed under it at each attempt:
+    nothing was written."""
+
+
+class HeldOff(Conflict):
+    """A turn making calls would push a call a prompt holds, unreleased, off the bounded
+    `pending_calls` (`_held_kept`): nothing was written."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        conversation_id: str,
+        held: tuple[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.conversation_id = conversation_id
+        self.held = held
+        """The call pushed off and the prompt holding it, by their ids; None when the
+        conversation read after the refusal no longer tells them."""
+
+
 class NotStoredYet(StorageUnavailable):
     """A retry of a turn sending other content than its first attempt reserved its place
     with, nothing of it stored yet, while that attempt may still store it (until the rules'
@@ -2904,9 +2938,10 @@ def _held_kept(plan: TurnPlan) -> Condition | None:
     and the call, nothing written. None for a turn making none."""
     if not plan.opened_calls:
         return None
-    every = Conflict(
+    every = HeldOff(
         f"turn {plan.turn_id!r} would push a call a prompt holds off the pending calls of "
-        f"conversation {plan.conversation_id!r} (the newest {PENDING_CALLS_KEPT})"
+        f"conversation {plan.conversation_id!r} (the newest {PENDING_CALLS_KEPT})",
+        conversation_id=plan.conversation_id,
     )
 
     def pushed_off(conversation: Mapping[str, Any]) -> StoreError:
@@ -2921,14 +2956,16 @@ def _held_kept(plan: TurnPlan) -> Condition | None:
         off = held_off_list(plan, stored, released)
         if not off:
             return every
-        return Conflict(
+        return HeldOff(
             f"turn {plan.turn_id!r} leaves more calls pending in conversation "
             f"{plan.conversation_id!r} than pending_calls keeps (the newest "
             f"{PENDING_CALLS_KEPT}), pushing off the call {shown(off[0].tool_call_id)} the "
             f"prompt {shown(str(off[0].request_id))} holds, which no answer released: an "
             "answer to the prompt releases the calls the list holds only. Answer it first "
             "(resolve_hitl, or the call's result or denial), then log the turn; nothing was "
-            "stored"
+            "stored",
+            conversation_id=plan.conversation_id,
+            held=(off[0].tool_call_id, str(off[0].request_id)),
         )
 
     return Condition(held_calls_kept(plan), lambda now: {}, every, create=True, explain=pushed_off)

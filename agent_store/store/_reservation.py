@@ -96,14 +96,23 @@ def unfinished_fork(conversation_id: str, what: str) -> StorageUnavailable:
     )
 
 
-def being_deleted(conversation_id: str, what: str) -> StorageUnavailable:
+class BeingDeleted(StorageUnavailable):
+    """A write into a conversation whose delete or erasure has begun (`being_deleted`)."""
+
+    def __init__(self, message: str, *, conversation_id: str) -> None:
+        super().__init__(message)
+        self.conversation_id = conversation_id
+
+
+def being_deleted(conversation_id: str, what: str) -> BeingDeleted:
     """The refusal of `what` (a turn, a pop) in a conversation whose delete or erasure has
     begun (`DELETING`): once it finished, the caller may send it again (it starts a new
     conversation); one that failed part-way finishes when it is run again."""
-    return StorageUnavailable(
+    return BeingDeleted(
         f"conversation {conversation_id!r} is being deleted: {what} may be sent again once "
         "the delete finished (a delete or erasure that failed part-way finishes when it is "
-        "run again)"
+        "run again)",
+        conversation_id=conversation_id,
     )
 
 
