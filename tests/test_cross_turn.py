@@ -6,6 +6,7 @@ import contextlib
 import random
 import re
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from agent_store import (
     InvalidInput,
     LoggedTurn,
     NotFound,
+    StorageUnavailable,
+    TurnRules,
 )
 from agent_store.core import (
     DENIED_RESULT,
@@ -29,6 +32,7 @@ from agent_store.core import (
     MessageError,
     PendingCall,
     answers_to_calls,
+    messages_adapter,
 )
 from agent_store.integrations.exports import (
     chat_completions,
@@ -37,12 +41,15 @@ from agent_store.integrations.exports import (
 )
 from agent_store.integrations.pydantic_ai import history_from_messages
 from agent_store.integrations.streams import (
+    StreamedTurn,
     log_streamed_turn,
     parse_sse_text,
     turn_from_metadata,
     turn_from_sse,
 )
 from agent_store.store import PENDING_CALLS_KEPT
+from agent_store.store._logger import Corrected, OtherContent
+from agent_store.store._reservation import DELETING
 from agent_store.store._turns import answered_in, message_id, pending_after
 from tests.api_harness import auth_headers, serve
 from tests.conftest import COUNTED, Backend
@@ -4977,3 +4984,124 @@ async def test_a_turn_pushing_a_held_call_off_the_bounded_pending_list_is_refuse
     assert "c0" not in [c.tool_call_id for c in await store.pending_calls(CID)]
     with pytest.raises(AnsweredBefore):
         await logger.log_messages(CID, [_denial("c0")], turn_id="t3", refused_prompts={"c0": "r1"})
+
+
+# -- check_turn refuses exactly what log_messages refuses -------------------------------
+
+PAST_TWO = TurnRules(turns_recorded=2)
+"""Rules keeping the records of the last two turns only: a retry after three is past them."""
+AT = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+ASKS_TO_PAY = [
+    {"role": "user", "content": "Pay the invoice.", "created_at": AT},
+    {"role": "assistant", "content": "Shall I pay?", "created_at": AT,
+     "tool_calls": [{"id": "c0", "function": {"name": "pay", "arguments": {"amount": 10}}}],
+     "hitl_action": {"action": "confirm_payment", "params": {}, "request_id": "r0"}},
+]  # fmt: skip
+PAID = [
+    {"role": "tool", "tool_call_id": "c0", "content": '{"paid": true}', "created_at": AT},
+    {"role": "assistant", "content": "Paid.", "created_at": AT},
+]
+
+
+async def _later_turns(logger: AgentMessageLogger, cid: str, count: int) -> None:
+    for n in range(count):
+        later = [{"role": "user", "content": f"later {n}"}, {"role": "assistant", "content": "ok"}]
+        await logger.log_messages(cid, later, turn_id=f"later-{n}", user_id="u1")
+
+
+async def _situation(
+    name: str, logger: AgentMessageLogger, store: ConversationStore, backend: Backend
+) -> tuple[list[dict[str, Any]], str]:
+    """The conversation `name` describes, asking about c0 (r0) first: the messages a turn `T`
+    answering c0 sends then, and the user logging it."""
+    asked = await logger.log_messages(CID, ASKS_TO_PAY, turn_id="ask", user_id="u1")
+    made_by = {"c0": asked.messages[1].id}
+    if name != "new turn" and name != "a call another turn answered":
+        await logger.log_messages(CID, PAID, turn_id="T", user_id="u1", answers_to=made_by)
+    if name == "retry past turns_recorded":
+        await _later_turns(logger, CID, PAST_TWO.turns_recorded + 1)
+    elif name == "retry after a pop shortened the turn":
+        await store.pop_last_message(CID)
+    elif name == "a call another turn answered":
+        other = [{**PAID[0], "content": '{"paid": "by tab b"}'}]
+        await logger.log_messages(CID, other, turn_id="tab-b", user_id="u1", answers_to=made_by)
+    elif name == "a conversation being deleted":
+        await backend.db.agent_conversations.update_one({"_id": CID}, {"$set": {DELETING: AT}})
+    elif name == "a conversation deleted":
+        await store.delete(CID)
+    if name == "retry with other content":
+        return [PAID[0], {**PAID[1], "content": "Paid twice."}], "u1"
+    return PAID, "u2" if name == "another user's conversation" else "u1"
+
+
+async def _outcome(call: Any) -> type[Exception] | None:
+    try:
+        await call
+    except Exception as refused:  # the class is what is compared
+        return type(refused)
+    return None
+
+
+@pytest.mark.parametrize(
+    ("name", "refused"),
+    [
+        ("new turn", None),
+        ("immediate retry", None),
+        ("retry past turns_recorded", None),
+        ("retry after a pop shortened the turn", Corrected),
+        ("retry with other content", OtherContent),
+        ("a call another turn answered", AnsweredBefore),
+        ("a conversation being deleted", StorageUnavailable),
+        ("a conversation deleted", Conflict),
+        ("another user's conversation", Conflict),
+    ],
+)
+async def test_check_turn_raises_exactly_what_log_messages_raises(
+    backend: Backend, name: str, refused: type[Exception] | None
+) -> None:
+    """LIBRARY.md: `check_turn` raises what `log_messages` refuses the same turn with, as
+    the conversation stands, and writes nothing: the same class, or both pass."""
+    logger = AgentMessageLogger(backend.db, rules=PAST_TWO)
+    store = ConversationStore(backend.db, rules=PAST_TWO)
+    messages, user_id = await _situation(name, logger, store, backend)
+    raw = await backend.db.agent_conversations.find_one({"_id": CID})
+    made_by = {"c0": message_id(CID, "ask", 1)}
+    turn: dict[str, Any] = {"turn_id": "T", "user_id": user_id, "answers_to": made_by}
+
+    checked = await _outcome(logger.check_turn(CID, messages, **turn))
+    assert await backend.db.agent_conversations.find_one({"_id": CID}) == raw  # read only
+    logged = await _outcome(logger.log_messages(CID, messages, **turn))
+
+    assert (checked, logged) == (refused, refused)
+
+
+async def test_a_late_retry_of_a_streamed_turn_is_a_replay_however_many_turns_came_in_between(
+    backend: Backend,
+) -> None:
+    """A streamed turn approving r0 and carrying c0's result, stored, its reply lost, retried
+    after more than `turns_recorded` later turns: a replay of the stored messages, as a
+    `log_messages` retry of it is (was: `AnsweredBefore`, its own first attempt taken for
+    another turn answering c0, and a runtime logging it without the answer stored it twice)."""
+    logger = AgentMessageLogger(backend.db, rules=PAST_TWO)
+    store = ConversationStore(backend.db, rules=PAST_TWO)
+    asked = await logger.log_messages(CID, ASKS_TO_PAY, turn_id="ask", user_id="u1")
+    made_by = asked.messages[1].id
+    turn = StreamedTurn(
+        messages=tuple(messages_adapter.validate_python(PAID)),
+        interrupted=False,
+        resolved_request_ids=("r0",),
+        resolved_calls=(("r0", (("c0", made_by),)),),
+        answered_calls=(("c0", made_by),),
+    )
+    streamed = partial(
+        log_streamed_turn, logger=logger, store=store, conversation_id=CID, turn=turn,
+        turn_id="t-stream", user_id="u1",
+    )  # fmt: skip
+    first = await streamed()
+    await _later_turns(logger, CID, PAST_TWO.turns_recorded + 1)
+
+    late = await streamed()
+
+    assert late.replayed
+    assert [m.id for m in late.messages] == [m.id for m in first.messages]
+    assert [m.content for m in await store.transcript(CID)].count("Paid.") == 1

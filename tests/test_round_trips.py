@@ -98,6 +98,30 @@ async def test_a_replay_of_a_stored_turn_costs_four_round_trips(wire_backend: Ba
     assert wire_backend.commands.names == ["findAndModify", "find", "insert", "find"]
 
 
+async def test_checking_a_turn_costs_one_round_trip_and_a_retry_past_the_kept_records_three(
+    wire_backend: Backend,
+) -> None:
+    """`check_turn` reads the conversation once, for a new turn and for a retry alike; once
+    some records were dropped, a retry of a turn none names is looked up by its first
+    message, then its block's messages are read (two lookups more, that path only)."""
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db, rules=TurnRules(turns_recorded=2))
+    turns = example_turns()
+    (turn_id, messages), (later_id, later) = turns[:2]
+    await logger.log_messages(CID, messages, turn_id=turn_id)
+    for checked_id, checked in ((turn_id, messages), (later_id, later)):
+        wire_backend.commands.clear()
+        await logger.check_turn(CID, checked, turn_id=checked_id)
+        assert wire_backend.commands.names == ["find"], checked_id
+    for n in range(3):
+        await logger.log_messages(CID, later, turn_id=f"later-{n}")
+    wire_backend.commands.clear()
+
+    await logger.check_turn(CID, messages, turn_id=turn_id)
+
+    assert wire_backend.commands.names == ["find", "find", "find"]
+
+
 async def test_a_retry_later_than_abandon_after_of_a_turn_that_stored_nothing_costs_seven(
     wire_backend: Backend,
 ) -> None:

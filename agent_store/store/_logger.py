@@ -241,6 +241,22 @@ class _Reserved:
     reservation). None otherwise."""
 
 
+@dataclass(frozen=True)
+class _Verdict:
+    """What a conversation as read says of a turn (`AgentMessageLogger._verdict`), once every
+    refusal it explains was raised: a retry, or a new turn (no block)."""
+
+    block: RecordedBlock | None = None
+    """The block an earlier attempt reserved, holding what this one sends: a replay of it.
+    None: the turn is new, and the reservation's condition decides."""
+    proved_new: bool = False
+    """Some records were dropped, none names the turn and its first message is not stored
+    (`_block_of_an_old_turn`): new, however old a retry of a turn that stored nothing."""
+    abandoned: RecordedBlock | None = None
+    """The block a first attempt with other content reserved over `abandon_after` ago and
+    stored nothing in: given back (`_give_back_abandoned`), then the turn is new."""
+
+
 class LoggedTurn(BaseModel):
     """What `log_messages` stored."""
 
@@ -587,15 +603,19 @@ class AgentMessageLogger:
         refused_prompts: Mapping[str, str] | None = None,
         answers_to: Mapping[str, str] | None = None,
     ) -> None:
-        """Raise what `log_messages` refuses the same turn with before it writes anything: the
-        InvalidInput of a turn breaking the contract, the Conflict of a turn id the
-        conversation recorded with other content, and, for a new turn, the refusal of an
-        answer to a call another turn answered since (`answers_to`, `_answers`), as the
-        conversation stands (one read of it; two more for a call off `pending_calls`, looked
-        up as `_unanswered` does); writes nothing. For a caller that records
-        something the turn concerns before logging it (`log_streamed_turn` records an
-        approval first): a turn it raises for then writes nothing at all."""
-        plan, _, condition = self._planned(
+        """Raise what `log_messages` refuses the same turn with before it writes anything, as
+        the conversation stands: the InvalidInput of a turn breaking the contract; what the
+        conversation says of the turn, decided as `log_messages` decides it (`_verdict`: a
+        retry is a replay however many turns came in between, one of a turn a pop corrected
+        or sent with other content refused, as is a conversation missing, another user's or
+        being deleted); and, for a new turn, the refusal of an answer to a call another turn
+        answered since (`answers_to`, `_answers`). One read of the conversation; two more to
+        look a turn up past the kept records, when some were dropped and none names it; two
+        more for a call off `pending_calls`, looked up as `_unanswered` does. Writes nothing.
+        For a caller that records something the turn concerns before logging it
+        (`log_streamed_turn` records an approval first): a turn it raises for then writes
+        nothing at all."""
+        plan, actor, condition = self._planned(
             conversation_id,
             messages,
             user_id=user_id,
@@ -607,12 +627,11 @@ class AgentMessageLogger:
             found = await self._conversations.find_one(
                 {"_id": plan.conversation_id}, _CHECKED_FIELDS
             )
-        block = None if found is None else recorded_block(found, plan.key)
-        if block is not None and not await self._recognised(plan, block.digest):
-            assert found is not None
-            await self._stored_as_sent(plan, _retry_refusal(plan, found, condition))
+        verdict = await self._verdict(plan, actor, found, condition)
+        if verdict.block is not None:
+            return  # a replay
         named = _named_answers(plan, _answers_to(answers_to))
-        if block is None and found is not None and named:
+        if found is not None and named:
             refusal = _answers_refusal(plan, named, found)
             if isinstance(refusal, AnsweredBefore):  # raised if answered, else taken as read
                 await self._unanswered(plan, answers_to, refused_prompts, refusal)
@@ -1087,36 +1106,71 @@ class AgentMessageLogger:
                 return _reserved(plan, doc, observed=bool(self._observers))
             with storage_errors("read the conversation"):
                 found = await self._conversations.find_one({"_id": plan.conversation_id})
-            if found is None:
-                if not may_create:
-                    raise _absent(plan.conversation_id, actor, condition)
-                await self._refuse_unmigrated(plan.conversation_id, actor)
-                _refuse_derived(plan.conversation_id, actor)
+            verdict = await self._verdict(plan, actor, found, condition, complete=complete)
+            if found is None:  # may be created: `_verdict` refused it otherwise
                 create = True
                 continue
-            refusal = actor.refusal(plan.conversation_id, found.get("user_id"))
-            if refusal is not None:
-                raise refusal
-            if found.get(DELETING) is not None:  # before any replay: nothing comes back
-                raise being_deleted(plan.conversation_id, f"turn {plan.turn_id!r}")
-            block = recorded_block(found, plan.key)
-            if block is None and complete and found.get("turns_dropped"):
-                block = await self._block_of_an_old_turn(plan)
-                if block is None:  # proved new: looked up once, then the condition refuses
-                    complete = False
-                    continue
-            if block is not None:
-                replayed = await self._replayed_by(actor, plan, block, found, condition)
+            if verdict.proved_new:  # looked up once, then the condition refuses
+                complete = False
+                continue
+            if verdict.abandoned is not None:  # given back, the turn reserves anew
+                await self._give_back_abandoned(plan, verdict.abandoned, found)
+                continue
+            if verdict.block is not None:
+                replayed = await self._replayed_by(actor, plan, verdict.block, found, condition)
                 if replayed is not None:
                     return replayed
                 continue  # another attempt moved the turn meanwhile: its new block is recorded
-            refused = _new_turn_refused(plan, actor, found, condition)
-            if refused is not None:
-                raise refused
+            if condition is not None:
+                raise condition.refused(found)
             # Otherwise a race was lost (the conversation was just created): reserve again.
         raise Unreserved(
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
         )
+
+    async def _verdict(
+        self,
+        plan: TurnPlan,
+        actor: Actor,
+        found: Mapping[str, Any] | None,
+        condition: Condition | None,
+        *,
+        complete: bool = True,
+    ) -> _Verdict:
+        """Whether the turn is new, a retry, or refused, and why, as the conversation `found`
+        says: what `_reserve` does once its reservation matched nothing, and `check_turn`
+        does before writing, so the two cannot drift. Read only. Raises: the conversation
+        missing and not to be created (`_absent`; a legacy or derived id, `_refuse_unmigrated`),
+        another user's (`Actor.refusal`), being deleted (before any replay: nothing comes
+        back), a retry's refusal (`_retry_of`: popped, other content), a fork not made yet
+        (`FORK_CHECK`: only the fork's own turn writes to it, `unfinished_fork`), a runtime's
+        turn id (`Actor.running_refusal`). The turn's block is its record's, or, with records
+        dropped (and `complete`: not proved new already), that of its first message stored,
+        looked up as past the kept records (`_block_of_an_old_turn`: on that path only),
+        however many turns came in between. A new turn's condition is the caller's to decide."""
+        if found is None:
+            if condition is not None and not condition.create:
+                raise _absent(plan.conversation_id, actor, condition)
+            await self._refuse_unmigrated(plan.conversation_id, actor)
+            _refuse_derived(plan.conversation_id, actor)
+            return _Verdict()
+        refusal = actor.refusal(plan.conversation_id, found.get("user_id"))
+        if refusal is not None:
+            raise refusal
+        if found.get(DELETING) is not None:
+            raise being_deleted(plan.conversation_id, f"turn {plan.turn_id!r}")
+        block = recorded_block(found, plan.key)
+        looked_up = block is None and complete and bool(found.get("turns_dropped"))
+        if looked_up:
+            block = await self._block_of_an_old_turn(plan)
+        if block is not None:
+            return await self._retry_of(plan, block, found, condition)
+        new_only = condition is not None and condition.new_only
+        if found.get(FORK_CHECK) is not None and not new_only:  # only the fork's own turn
+            raise unfinished_fork(plan.conversation_id, f"turn {plan.turn_id!r}")
+        if (running := actor.running_refusal(plan, found)) is not None:
+            raise running
+        return _Verdict(proved_new=looked_up)
 
     async def _try_reserve(
         self,
@@ -1188,16 +1242,8 @@ class AgentMessageLogger:
         its empty block (`_relocated`), and given up (`_give_up`). None when another attempt
         moved the turn meanwhile. A turn that stored part of its block completes it in
         place; one an attempt's insert stored in a block it left by a move, found by id in
-        the same lookup, is stored there (`_stored_there`): no move again."""
-        block = await self._with_whole_texts_checked(plan, block)
-        other = block.count != plan.count or not plan.matches(block.digest)
-        # A fork's retry settles other content its own way (`_fork_once`); a delivery's as a turn's.
-        own = not plan.turn_id.startswith(FORK_TURN)
-        if other and own and not block.popped:
-            found = await self._retried_with_other_content(plan, block, conversation, condition)
-            if found is None:
-                return None  # its empty block given back: the turn reserves anew
-            block = found  # stored with this content elsewhere: a replay of it
+        the same lookup, is stored there (`_stored_there`): no move again. `block` is the
+        one `_verdict` found the retry's content matches."""
         reserved = _replay(plan, block, conversation, condition)
         age = None if block.reserved_at is None else utc_now() - block.reserved_at
         grace = self.rules.claim_grace
@@ -1233,26 +1279,37 @@ class AgentMessageLogger:
                 raise condition.refusal
         return None if doc is None else _moved(plan, reserved, doc, observed=bool(self._observers))
 
-    async def _retried_with_other_content(
+    async def _retry_of(
         self,
         plan: TurnPlan,
         block: RecordedBlock,
         conversation: Mapping[str, Any],
         condition: Condition | None,
-    ) -> RecordedBlock | None:
-        """A retry sending other content than its turn's record holds (a regenerated answer
-        after a lost insert): when a message of the turn is stored, in its block or under its
-        ids (one lookup), the block its stored messages hold with this retry's content
-        (`_stored_as_sent`: a replay of it), else refused (`_retry_refusal`); refused too
-        when its record does not say what it counted. Nothing of it stored: while its first
-        attempt may still insert (reserved less than `abandon_after` ago) StorageUnavailable,
-        nothing written; past that its block is given back (`given_back_abandoned`, once: its
-        turn starts and tokens taken back, its `seq`s gaps tail readers pass, its record
-        naming the turn no more) with the pending state folded again (`_give_up`), and the
-        turn reserves anew with this content (None)."""
+    ) -> _Verdict:
+        """`_verdict` of a retry of the turn recorded at `block`, read only: the block, when
+        no pop removed a message of it since (else `Corrected`) and it holds what the retry
+        sends (its whole texts checked, `_with_whole_texts_checked`); else `_other_sent`.
+        A fork's retry settles other content its own way (`_fork_once`): refused here."""
+        block = await self._with_whole_texts_checked(plan, block)
+        if block.popped:
+            raise _corrected(plan)
+        if block.count == plan.count and plan.matches(block.digest):
+            return _Verdict(block)
         refused = _retry_refusal(plan, conversation, condition)
-        if not isinstance(refused, OtherContent):
+        if not isinstance(refused, OtherContent) or plan.turn_id.startswith(FORK_TURN):
             raise refused
+        return await self._other_sent(plan, block, refused)
+
+    async def _other_sent(
+        self, plan: TurnPlan, block: RecordedBlock, refused: OtherContent
+    ) -> _Verdict:
+        """A retry sending other content than its turn's record holds (a regenerated answer
+        after a lost insert), read only: when a message of the turn is stored, in its block
+        or under its ids (one lookup), the block its stored messages hold with this retry's
+        content (`_stored_as_sent`: a replay of it), else `refused`; refused too when its
+        record does not say what it counted. Nothing of it stored: while its first attempt
+        may still insert (reserved less than `abandon_after` ago) StorageUnavailable; past
+        that its block is to be given back (`_Verdict.abandoned`), the turn new."""
         cid, end = plan.conversation_id, block.first_seq + block.count
         ids = [message_id(cid, plan.turn_id, i) for i in range(max(plan.count, block.count))]
         in_block = {"seq": {"$gte": block.first_seq, "$lt": end}}
@@ -1261,7 +1318,7 @@ class AgentMessageLogger:
                 {"conversation_id": cid, "$or": [in_block, {"_id": {"$in": ids}}]}, {"_id": 1}
             ).to_list(1)
         if stored:
-            return await self._stored_as_sent(plan, refused)
+            return _Verdict(await self._stored_as_sent(plan, refused))
         if block.counted is None or block.reserved_at is None:
             raise refused
         if utc_now() - block.reserved_at < self.rules.abandon_after:
@@ -1271,13 +1328,22 @@ class AgentMessageLogger:
                 f"`abandon_after` ({self.rules.abandon_after}) from then: retry later, and "
                 "this content is logged under the turn id"
             )
+        return _Verdict(abandoned=block)
+
+    async def _give_back_abandoned(
+        self, plan: TurnPlan, block: RecordedBlock, conversation: Mapping[str, Any]
+    ) -> None:
+        """Give back the block a first attempt with other content reserved and stored nothing
+        in (`_Verdict.abandoned`): once (`given_back_abandoned`: its turn starts and tokens
+        taken back, its `seq`s gaps tail readers pass, its record naming the turn no more),
+        with the pending state folded again (`_give_up`); the turn then reserves anew."""
+        cid = plan.conversation_id
         epoch, created = conversation.get("epoch"), conversation.get("created_at")
         same = same_conversation(cid, epoch=epoch, created_at=created)
         with storage_errors("take back what the turn counted"):
             result = await self._conversations.update_one(*given_back_abandoned(plan, block, same))
         if result.matched_count:
             await self._give_up(cid, strict=False)
-        return None
 
     async def _stored_as_sent(self, plan: TurnPlan, refused: StoreError) -> RecordedBlock:
         """The block the turn's messages are stored in, whole, with the content this retry
@@ -2349,14 +2415,18 @@ _ANSWERED_FIELDS = {
 """What `_unanswered` reads of the conversation: where it stands (`AsRead`), its `Gaps`, and
 what tells which of a turn's answers it settled before (`answered_since`, `released_calls`)."""
 _CHECKED_FIELDS = {
+    "user_id": 1,
+    DELETING: 1,
     "turns": 1,
+    "turns_dropped": 1,
     "message_count": 1,
     "pending_calls": 1,
     "approved_calls": 1,
     "resolved_hitl": 1,
 }
-"""What `AgentMessageLogger.check_turn` reads of the conversation: the turn records, and what
-tells a turn's answers from those the conversation settled before (`_retry_refusal`,
+"""What `AgentMessageLogger.check_turn` reads of the conversation: what `_verdict` decides by
+(its owner, a delete's mark, the turn records and whether some were dropped), and what tells
+a turn's answers from those the conversation settled before (`_retry_refusal`,
 `_answers_refusal`)."""
 
 
@@ -2577,22 +2647,6 @@ def _own_messages(conversation_id: str, source: Mapping[str, Any]) -> dict[str, 
     none's (stored before epochs), never what a conversation deleted since left under the
     id."""
     return {"conversation_id": conversation_id, "epoch": {"$in": [source.get("epoch"), None]}}
-
-
-def _new_turn_refused(
-    plan: TurnPlan, actor: Actor, found: Mapping[str, Any], condition: Condition | None
-) -> StoreError | None:
-    """Why the conversation `found`, which records no block of the turn, refuses it: a fork's
-    reservation by its condition (`Condition.new_only`), a fork not made yet (`FORK_CHECK`:
-    only the fork's own turn writes to it, `unfinished_fork`), a runtime's turn id
-    (`Actor.running_refusal`), then the condition; None when nothing does."""
-    if condition is not None and condition.new_only:
-        return condition.refused(found)
-    if found.get(FORK_CHECK) is not None:
-        return unfinished_fork(plan.conversation_id, f"turn {plan.turn_id!r}")
-    if (running := actor.running_refusal(plan, found)) is not None:
-        return running
-    return None if condition is None else condition.refused(found)
 
 
 def _fork_condition(
