@@ -38,6 +38,7 @@ from pymongo.database import Database
 
 from agent_store.core import AgentMessage, InvalidInput, Usage, to_utc_millis, utc_now
 from agent_store.legacy import (
+    DUAL_WRITE_NOT_EXACT,
     LEGACY_TURNS,
     NATIVE_FIELD,
     LegacyConversion,
@@ -176,7 +177,7 @@ def _unheld(
     problems = [
         p
         for p in conversion.problems
-        if p.kind != "derived_conversation_id"
+        if p.kind not in ("derived_conversation_id", DUAL_WRITE_NOT_EXACT)  # held: compared
         and not _earlier_answer(p, messages)
         and not _native(p)
     ]

@@ -22,7 +22,7 @@ from typing import Any
 from pymongo.database import Database
 
 from agent_store.core import AgentMessage
-from agent_store.legacy import LEGACY_TURNS
+from agent_store.legacy import DUAL_WRITE_NOT_EXACT, LEGACY_TURNS
 from agent_store.store import CONVERSATIONS, MIGRATED_TURN_PREFIX, TurnRules, with_texts
 from migrations import dual_writes, full_texts
 from migrations import problems as problem_report
@@ -155,6 +155,23 @@ def unrecorded(item: Converted, records: Sequence[dict[str, Any]]) -> list[str]:
     ]
 
 
+def not_exact(item: Converted, accepted: Collection[str]) -> list[str]:
+    """The dual-written turns converted without their live messages into other messages
+    than those (`dual_write_not_exact`), unless an operator accepted them (by digest): the
+    messages stored are the conversion's, so only their problem tells."""
+    problems = [
+        p
+        for p in item.conversion.problems
+        if p.kind == DUAL_WRITE_NOT_EXACT and problem_report.digest(p) not in accepted
+    ]
+    return [
+        f"{p.detail} ({DUAL_WRITE_NOT_EXACT}, legacy turn {p.legacy_id!r}): check them against "
+        f"the live service's, restore what differs, then `finish --accept "
+        f"{p.conversation_id}`"
+        for p in problems
+    ]
+
+
 def verify(
     db: Database[dict[str, Any]],
     *,
@@ -179,8 +196,9 @@ def verify(
     if undated_at is None:  # the run's time for undated conversations
         undated_at = undated_time(db, record=False)
     moved_at = dual_writes.moved_at(db)
+    accepted = problem_report.accepted(db)
     for batch in batches(ids, batch_size):
-        _verify_batch(db, result, batch, undated_at, moved_at)
+        _verify_batch(db, result, batch, undated_at, (moved_at, accepted))
         if on_batch is not None:
             on_batch(len(batch))
     return result
@@ -191,9 +209,11 @@ def _verify_batch(
     result: Verification,
     batch: list[Any],
     undated_at: datetime | None,
-    moved_at: dual_writes.Moves | None,
+    read: tuple[dual_writes.Moves | None, dict[str, list[str]]],
 ) -> None:
-    """Compare one batch of conversations, adding what it finds to `result`."""
+    """Compare one batch of conversations, adding what it finds to `result` (`read`: when
+    the legacy turns were moved, and the acceptances recorded)."""
+    moved_at, accepted = read
     held: list[dict[str, Any]] = []
     converted, failed, _ = convert_batch(
         db, batch, TurnRules(), source=LEGACY_TURNS, undated_at=undated_at, held=held
@@ -221,6 +241,7 @@ def _verify_batch(
         )
         found += owner_differences(item, documents.get(conversation_id), stored[conversation_id])
         found += unrecorded(item, recorded.get(conversation_id, []))
+        found += not_exact(item, accepted.get(conversation_id, []))
         found += dual.pop(conversation_id, [])
         if found:
             result.differences[conversation_id] = found

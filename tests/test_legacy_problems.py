@@ -110,11 +110,17 @@ def test_turns_naming_a_conversation_by_its_legacy_id_or_by_its_derived_id_are_o
     assert conversion.conversation is not None
     assert conversion.conversation.legacy_conversation_id == NOT_AN_IDENTIFIER
     assert [m.content for m in conversion.messages] == ["«LIVE»", "«OLD»"]
-    [problem] = conversion.problems
+    [problem, unsure] = conversion.problems
     assert (problem.kind, problem.legacy_id, problem.content) == (
         "derived_conversation_id",
         "t-1",
         NOT_AN_IDENTIFIER,
+    )
+    # a copy recording no digest of its live messages cannot tell it converts back to them
+    assert (unsure.kind, unsure.legacy_id, unsure.placed) == (
+        "dual_write_not_exact",
+        "dual-1",
+        False,
     )
 
 

@@ -33,6 +33,7 @@ from agent_store.legacy import (
     convert,
     derived_conversation_id,
     dumps,
+    exact_form,
     legacy_turn_documents,
     legacy_turn_id,
     not_identifiers,
@@ -5513,6 +5514,184 @@ def test_a_dual_written_native_item_after_a_rollback_is_work_left_until_accepted
     assert "«NATIVE»" in kept_text(database)
     accept = ("--accept", "c-dual", "--note", "native item kept in its problem")
     assert cli(wire_uri, database, "finish", *accept) == 0
+
+
+def _call(call_id: str, name: str = "lookup") -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+
+_APPROVAL = {"action": "approve", "params": {"amount": 5}, "request_id": "r1"}
+_FILE = {"filename": "a.txt", "file_type": "text/plain", "size": 1, "parsed_text": "a"}
+NOT_EXACT_COPIES: dict[str, list[list[dict[str, Any]]]] = {
+    "an approval's result logged in the turn after its call": [
+        [{"role": "user", "content": "pay the bill"},
+         {"role": "assistant", "content": "Pay 5 EUR?", "tool_calls": [_call("c1", "pay")],
+          "hitl_action": _APPROVAL | {"tool_call_ids": ["c1"]}}],
+        [{"role": "user", "content": "yes"},
+         {"role": "tool", "tool_call_id": "c1", "content": "paid"},
+         {"role": "assistant", "content": "done"}]],
+    "a slow tool's result logged after the user's next message": [
+        [{"role": "user", "content": "q1"},
+         {"role": "assistant", "content": None, "tool_calls": [_call("c1", "slow")]}],
+        [{"role": "user", "content": "q2"},
+         {"role": "tool", "tool_call_id": "c1", "content": "late"},
+         {"role": "assistant", "content": "done"}]],
+    "results in another order than their calls": [[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [_call("c1", "a"), _call("c2", "b")]},
+        {"role": "tool", "tool_call_id": "c2", "content": "B"},
+        {"role": "tool", "tool_call_id": "c1", "content": "A"}]],
+    "a text said between two results": [[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [_call("c1", "a"), _call("c2", "b")]},
+        {"role": "tool", "tool_call_id": "c2", "content": "B"},
+        {"role": "assistant", "content": "B is in; waiting for A"},
+        {"role": "tool", "tool_call_id": "c1", "content": "A"}]],
+    "an empty second user message": [[
+        {"role": "user", "content": "one"}, {"role": "assistant", "content": "a"},
+        {"role": "user", "content": ""}, {"role": "assistant", "content": "b"}]],
+    "an empty response": [[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
+        {"role": "assistant", "content": "ok"}]],
+    "an empty text beside calls": [[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [_call("c1")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r"}]],
+    "an empty user text beside an upload": [[
+        {"role": "user", "content": "", "upload": _FILE}, {"role": "assistant", "content": "ok"}]],
+}  # fmt: skip
+"""Live turns whose dual-written copies convert, alone in a second attempt, to other messages
+than the live service stored (the legacy format cannot say them)."""
+
+
+def _log_turns(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    turns: list[list[dict[str, Any]]],
+    rules: TurnRules | None = None,
+) -> list[dict[str, Any]]:
+    """`turns` logged as live turns of "c-dual" (user "u-1", dual write on, the logger's
+    `rules`); the messages stored."""
+
+    async def log() -> None:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+        try:
+            db = client[database.name]
+            legacy = LegacyTurns(db, rules=rules, read_fallback=True, dual_write=True)
+            logger = AgentMessageLogger(db, observers=[legacy], legacy=legacy, rules=rules)
+            for n, turn in enumerate(turns):
+                await logger.log_messages("c-dual", turn, user_id="u-1", turn_id=f"live-{n}")
+        finally:
+            await client.close()
+
+    asyncio.run(log())
+    return list(database[MESSAGES].find({"conversation_id": "c-dual"}).sort("seq"))
+
+
+def _said(messages: list[dict[str, Any]]) -> list[Any]:
+    return [
+        (m["role"], m.get("content"), [c["id"] for c in m.get("tool_calls") or []],
+         m.get("tool_call_id"), (m.get("hitl_action") or {}).get("request_id"))
+        for m in messages
+    ]  # fmt: skip
+
+
+def _not_exact_until_accepted(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> list[dict[str, Any]]:
+    """After a rollback that cleared agent_messages: `run` exits 0, `verify` and `finish`
+    exit 1 naming the conversation's `dual_write_not_exact` problem until an operator
+    accepts it, then pass; its problems."""
+    roll_back(database, clear_messages=True)
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+    out = capsys.readouterr().out
+    assert "c-dual" in out, out
+    assert "dual_write_not_exact" in out, out
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    accept = ("--accept", "c-dual", "--note", "checked against the live service's backup")
+    assert cli(wire_uri, database, "finish", *accept) == 0
+    assert cli(wire_uri, database, "verify") == 0
+    return list(database[PROBLEMS].find({"kind": "dual_write_not_exact"}))
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("turns", NOT_EXACT_COPIES.values(), ids=list(NOT_EXACT_COPIES))
+def test_a_dual_written_copy_converting_to_other_messages_is_work_left_until_accepted(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    turns: list[list[dict[str, Any]]],
+) -> None:
+    """MIGRATION.md, Rollback: a copy converted without its live messages (agent_messages
+    cleared) must give exactly those, or the gate says it does not: never an exit 0 for a
+    conversation whose messages came back otherwise than the live service stored them."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-o", "c-other", 0, "O"))
+    assert cli(wire_uri, database, "run") == 0
+    live = _said(_log_turns(wire_uri, database, turns))
+
+    problems = _not_exact_until_accepted(wire_uri, database, capsys)
+
+    assert problems
+    assert {p["conversation_id"] for p in problems} == {"c-dual"}
+    assert not any(p["placed"] for p in problems)
+    assert _said(list(database[MESSAGES].find({"conversation_id": "c-dual"}).sort("seq"))) != live
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("shape", TURN_SHAPES.values(), ids=list(TURN_SHAPES))
+def test_a_dual_written_copy_of_any_shape_converts_back_exactly_after_a_rollback(
+    wire_uri: str, database: Database[dict[str, Any]], shape: list[dict[str, Any]]
+) -> None:
+    """Every shape the legacy format can say comes back as its messages (a response's text
+    and calls as two responses, the one documented change) and the gate passes unasked."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-o", "c-other", 0, "O"))
+    assert cli(wire_uri, database, "run") == 0
+    live = _log_turns(wire_uri, database, [shape])
+    roll_back(database, clear_messages=True)
+
+    _second_attempt(wire_uri, database)
+
+    back = list(database[MESSAGES].find({"conversation_id": "c-dual"}).sort("seq"))
+    assert exact_form(message_adapter.validate_python(m) for m in back) == exact_form(
+        message_adapter.validate_python(m) for m in live
+    )
+    assert database[PROBLEMS].count_documents({"kind": "dual_write_not_exact"}) == 0
+
+
+@pytest.mark.wire
+def test_a_dual_written_copy_holding_texts_cut_to_fit_is_work_left_naming_their_whole_texts(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A live turn whose whole texts do not fit one legacy document is copied with its texts
+    cut: converted after a rollback it gives the cut texts, so the gate holds the drop back,
+    and the problem names the GridFS files keeping them whole, for an operator to restore."""
+    from agent_store.legacy import _source
+
+    monkeypatch.setattr(_source, "MAX_LEGACY_DOCUMENT_BYTES", 30_000)
+    database[CONVERSATIONS].insert_one(legacy_turn("t-o", "c-other", 0, "O"))
+    assert cli(wire_uri, database, "run") == 0
+    page = "p" * 40_000 + "«END OF PAGE»"
+    turn = [
+        {"role": "user", "content": "scrape"},
+        {"role": "assistant", "content": None, "tool_calls": [_call("c1", "scrape")]},
+        {"role": "tool", "tool_call_id": "c1", "content": page},
+        {"role": "assistant", "content": "done"},
+    ]
+    live = _log_turns(wire_uri, database, [turn], TurnRules(max_message_bytes=16_384))
+    [blob] = [m["truncated"]["content"]["blob_id"] for m in live if m.get("truncated")]
+
+    [problem] = _not_exact_until_accepted(wire_uri, database, capsys)
+
+    assert problem["content"]["whole_texts"] == [blob]
+    assert blob in problem["detail"]
+    files = gridfs.GridFS(database, collection=BLOB_BUCKET)
+    assert files.get(blob).read().decode() == page
 
 
 OUTSIDE = (

@@ -3,6 +3,7 @@ the read fallback. Built on the store; the store never imports it."""
 
 from agent_store.legacy._convert import (
     AMBIGUOUS_TOOL_RESULT,
+    DUAL_WRITE_NOT_EXACT,
     GUESSED_PAIRINGS,
     HISTORY_CONTRADICTS_PAIRING,
     INVALID_TURN,
@@ -50,6 +51,7 @@ from agent_store.legacy._documents import (
 )
 from agent_store.legacy._dual_write import (
     NATIVE_FIELD,
+    exact_form,
     legacy_turn_document,
     legacy_turn_documents,
     legacy_turn_id,
@@ -80,6 +82,7 @@ from agent_store.legacy._source import LegacyTurns, turns_known_as
 __all__ = [
     "AMBIGUOUS_TOOL_RESULT",
     "CONVERSATION_COUNTERS",
+    "DUAL_WRITE_NOT_EXACT",
     "GUESSED_PAIRINGS",
     "HIDDEN_RUNTIME_CONTEXT",
     "HISTORY_CONTRADICTS_PAIRING",
@@ -111,6 +114,7 @@ __all__ = [
     "derived_conversation_id",
     "dumps",
     "error_text",
+    "exact_form",
     "flag",
     "group_conversations",
     "hitl_params",

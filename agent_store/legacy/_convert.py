@@ -36,7 +36,9 @@ from agent_store.core import (
 )
 from agent_store.legacy._documents import (
     EPOCH,
+    EXACT_FIELD,
     MAX_REFERENCE_LENGTH,
+    WHOLE_TEXTS_FIELD,
     LegacyTurn,
     TurnName,
     TurnTime,
@@ -56,6 +58,7 @@ from agent_store.legacy._documents import (
     storable_text,
     turn_names,
 )
+from agent_store.legacy._dual_write import exact_digest
 from agent_store.legacy._history import (
     HIDDEN_RUNTIME_CONTEXT,
     history_findings,
@@ -122,6 +125,15 @@ keeps it (`field` None)."""
 INVALID_UPLOAD = "invalid_upload"
 """An upload the upload model refuses: no message holds it, its problem keeps it (`field`
 `upload_result`, or `response_parts` and the index of its part)."""
+
+DUAL_WRITE_NOT_EXACT = "dual_write_not_exact"
+"""A dual-written turn converted without the live messages it was written from (a second
+attempt after a rollback that cleared `agent_messages`) that gives other messages than those
+(`exact_digest`): a text cut to fit the copy, messages the legacy format put in another order
+or left out, one it wrote without its digest (before copies recorded one), or one the legacy
+service edited since. Its messages are stored as it converts (not placed: an operator checks
+them and accepts, `finish --accept`); its content names the live turn and the GridFS files
+keeping its cut texts whole."""
 
 GUESSED_PAIRINGS = frozenset({HISTORY_CONTRADICTS_PAIRING, AMBIGUOUS_TOOL_RESULT})
 """Problems not placed whose result a message holds nonetheless, answering the call guessed:
@@ -1401,23 +1413,66 @@ def _convert_turns(
     messages: list[AgentMessage] = []
     plans: list[TurnPlan] = []
     for turn, items in turn_items:
-        wanted = _flatten(items)
-        if not wanted:
-            _check_history_of_nothing(converter, turn)
-            continue
-        try:
-            plan = plan_turn(
-                converter.conversation_id,
-                wanted,
-                turn_id=converter.names[id(turn)].turn_id,
-                rules=converter.rules,
-            )
-        except InvalidInput as exc:
-            converter.problem(turn, INVALID_TURN, exc.message, field=None, content=wanted)
-            continue
-        plans.append(plan)
-        messages += plan.messages
+        plan = _planned(converter, turn, _flatten(items))
+        _check_exact(converter, turn, plan)
+        if plan is not None:
+            plans.append(plan)
+            messages += plan.messages
     return messages, plans
+
+
+def _planned(
+    converter: _Converter, turn: LegacyTurn, wanted: list[dict[str, Any]]
+) -> TurnPlan | None:
+    """The turn's messages planned as the store writes them; None when it has none, or the
+    store refuses them (kept in a problem)."""
+    if not wanted:
+        _check_history_of_nothing(converter, turn)
+        return None
+    try:
+        return plan_turn(
+            converter.conversation_id,
+            wanted,
+            turn_id=converter.names[id(turn)].turn_id,
+            rules=converter.rules,
+        )
+    except InvalidInput as exc:
+        converter.problem(turn, INVALID_TURN, exc.message, field=None, content=wanted)
+        return None
+
+
+def _check_exact(converter: _Converter, turn: LegacyTurn, plan: TurnPlan | None) -> None:
+    """A dual-written turn converts to exactly the messages it was written from, as its
+    digest records them (`exact_digest`, every text whole), or a `dual_write_not_exact`
+    problem says it does not, naming the live turn and the GridFS files keeping its cut
+    texts whole: the gate never passes a copy that gives other messages unseen."""
+    extra = turn.model_extra or {}
+    if extra.get("dual_write") is not True:
+        return
+    whole = {} if plan is None else {f.blob_id: f.text for f in plan.full_texts}
+    converted = [] if plan is None else [with_texts(m, whole) for m in plan.messages]
+    recorded = extra.get(EXACT_FIELD)
+    if recorded == exact_digest(converted):
+        return
+    cut = extra.get(WHOLE_TEXTS_FIELD)
+    detail = (
+        "the dual-written copy of live turn "
+        f"{extra.get('turn_id')!r} converts to other messages than the live service stored"
+        + (
+            " (it records no digest of them: written before copies did, so it cannot tell)"
+            if recorded is None
+            else ""
+        )
+        + (
+            f"; it holds texts cut to fit one legacy document, kept whole in GridFS "
+            f"(bucket agent_message_blobs) as {', '.join(map(str, cut))}"
+            if isinstance(cut, list) and cut
+            else ""
+        )
+        + "; its messages are stored as it converts"
+    )
+    content = {"turn_id": extra.get("turn_id"), "whole_texts": cut if cut else None}
+    converter.problem(turn, DUAL_WRITE_NOT_EXACT, detail, field=None, content=content)
 
 
 def _owner(converter: _Converter, turns: list[LegacyTurn]) -> str | None:

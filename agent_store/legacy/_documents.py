@@ -338,8 +338,15 @@ def derived_conversation_id(original: str | None, *, turn_key: str = "") -> str:
     return DERIVED_CONVERSATION_PREFIX + digest[:32]
 
 
-_DUAL_WRITE_FIELDS = frozenset({"dual_write", "turn_id"})
-"""What the dual write adds to a legacy turn: its mark, and the turn id it logged."""
+EXACT_FIELD = "dual_write_exact"
+"""The field of a dual-written turn holding the digest of the messages it was written from
+(`exact_digest`): converted without them, it must give exactly those."""
+WHOLE_TEXTS_FIELD = "dual_write_whole_texts"
+"""The field of a dual-written turn holding its texts cut (too large whole for one legacy
+document): the GridFS files (bucket `agent_message_blobs`) keeping them whole."""
+_DUAL_WRITE_FIELDS = frozenset({"dual_write", "turn_id", EXACT_FIELD, WHOLE_TEXTS_FIELD})
+"""What the dual write adds to a legacy turn: its mark, the turn id it logged, the digest of
+its messages, and where its cut texts are kept whole."""
 _FALSE_WORDS = frozenset({"", "false", "f", "no", "n", "off", "none", "null"})
 _TRUE_WORDS = frozenset({"true", "t", "yes", "y", "on"})
 

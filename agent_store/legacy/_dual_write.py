@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
 from bson import Int64
 
-from agent_store.core import MAX_SAFE_INTEGER, AgentMessage, Usage
-from agent_store.legacy._documents import dumps, encodes
+from agent_store.core import MAX_SAFE_INTEGER, AgentMessage, Truncation, Usage
+from agent_store.legacy._documents import EXACT_FIELD, WHOLE_TEXTS_FIELD, dumps, encodes
+from agent_store.store import kept_blob_ids
 
 
 def legacy_turn_id(conversation_id: str, turn_id: str) -> str:
@@ -95,6 +96,58 @@ class _Turn:
             self.parts.append({"type": "error", "message": message.error.message})
 
 
+def exact_form(messages: Iterable[AgentMessage]) -> list[list[Any]]:
+    """What messages say, in order, as a dual-written turn must convert back to it: each
+    message's pieces (a user's or system text with its upload, a tool result with the call it
+    answers, a response's text, each call, its prompt, its error), every text whole as given
+    (`""` is not None), a field cut to its bound by its length and digest. A response's
+    pieces are not told apart from the same pieces said in one response after another: the
+    legacy format holds a text and calls as two responses (MIGRATION.md), the one change
+    its conversion makes. A response holding nothing is a piece of its own; one holding a
+    runtime's own item alone none (the copy keeps it in `native`, the converter reports it)."""
+    form: list[list[Any]] = []
+    for message in messages:
+        if message.role in ("user", "system"):
+            upload = None if message.upload is None else message.upload.model_dump(mode="json")
+            form.append([message.role, message.content, upload])
+        elif message.role == "tool":
+            # no content is written as an empty result (`_Turn.add`), which reads back empty
+            form.append(["tool", message.tool_call_id, message.content or ""])
+        else:
+            form += _response_form(message)
+        cut = {
+            path: [entry.length, entry.sha256] if isinstance(entry, Truncation) else entry
+            for path, entry in (message.truncated or {}).items()
+            if path != "search_text"  # derived from the other fields, never kept
+        }
+        if cut:
+            form.append(["cut", cut])
+    return form
+
+
+def _response_form(message: AgentMessage) -> list[list[Any]]:
+    form: list[list[Any]] = []
+    if message.content is not None and message.hitl_action is None:
+        form.append(["text", message.content])
+    for call in message.tool_calls or ():
+        form.append(["call", call.id, call.function.name, call.function.arguments])
+    if message.hitl_action is not None:
+        # the calls a prompt holds are not a legacy key: the converter pairs them again
+        prompt = message.hitl_action.model_dump(mode="json", exclude={"tool_call_ids"})
+        form.append(["prompt", prompt, message.content])
+    if message.error is not None:
+        form.append(["error", message.error.message])
+    if not form and message.native is None:
+        form.append(["empty response"])
+    return form
+
+
+def exact_digest(messages: Iterable[AgentMessage]) -> str:
+    """The SHA-256 of what the messages say (`exact_form`), in hex."""
+    text = json.dumps(exact_form(messages), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 NATIVE_FIELD = "native"
 """The field of a dual-written turn keeping its messages' `native` forms (a runtime's own
 item, a reasoning item say), which no legacy part holds: the converter reports it as content
@@ -118,6 +171,10 @@ def legacy_turn_document(
     joins the first's.
 
     Marked `dual_write: true`: the migration skips these while their messages are stored.
+    It records the digest of the messages it was written from (`exact_digest`, under
+    `dual_write_exact`) and the GridFS files keeping whole the texts it holds cut
+    (`dual_write_whole_texts`): converted without them, it must give exactly those messages,
+    or the converter says it does not (`dual_write_not_exact`). The old reader reads neither.
     `part` names a second document of the same turn (its `_id` no turn id can give).
     `legacy_id` is the legacy id a conversation stored under a derived id stands for
     (`Conversation.legacy_conversation_id`): the document names the conversation by it, as
@@ -153,14 +210,24 @@ def legacy_turn_document(
         document["upload_result"] = turn.uploads[0]
     if turn.natives:
         document[NATIVE_FIELD] = turn.natives
+    return document | _recorded(messages)
+
+
+def _recorded(messages: Sequence[AgentMessage]) -> dict[str, Any]:
+    """What a legacy turn records of its messages beside its parts: the digest of what they
+    say (`exact_digest`), the GridFS files keeping whole the texts it holds cut, and their
+    token usage and latency summed."""
+    recorded: dict[str, Any] = {EXACT_FIELD: exact_digest(messages)}
+    if whole := [b for m in messages for b in kept_blob_ids(m).values()]:
+        recorded[WHOLE_TEXTS_FIELD] = whole
     usage = [m.token_usage for m in messages if m.token_usage is not None]
     if usage:
         total = Usage.total((u.input_tokens for u in usage), (u.output_tokens for u in usage))
-        document["token_usage"] = total.model_dump()  # saturated sums, int64 as stored
+        recorded["token_usage"] = total.model_dump()  # saturated sums, int64 as stored
     latency = [m.latency_ms for m in messages if m.latency_ms is not None]
     if latency:
-        document["latency_ms"] = Int64(min(sum(latency), MAX_SAFE_INTEGER))
-    return document
+        recorded["latency_ms"] = Int64(min(sum(latency), MAX_SAFE_INTEGER))
+    return recorded
 
 
 def legacy_turn_documents(
