@@ -4824,6 +4824,118 @@ async def test_each_pop_leaves_what_a_fork_of_all_that_remains_leaves(
         assert popped == forked, f"after pop {n}"
 
 
+async def _logged_and_folded(
+    backend: Backend, store: ConversationStore, logger: AgentMessageLogger, step: int = 0
+) -> list[Any]:
+    """What the conversation awaits (`_state_by_seq`), then what it awaits once a question
+    it did not ask before is asked and popped (a pop: the fold of what remains), then what a
+    fork of all of it awaits (fork `step`): the same messages and answers, the same three
+    times."""
+    before = await _state_by_seq(store, CID, backend)
+    await logger.log_messages(CID, [_asks("unrelated")], turn_id=f"unrelated-{step}")
+    await store.pop_last_message(CID)
+    popped = await _state_by_seq(store, CID, backend)
+    last = (await store.transcript(CID))[-1].seq
+    assert last is not None
+    await logger.fork(CID, last, f"{CID}-fork-{step}")
+    return [before, popped, await _state_by_seq(store, f"{CID}-fork-{step}", backend)]
+
+
+@pytest.mark.parametrize("holding", [True, False], ids=["holding-a-call", "holding-none"])
+async def test_a_question_asked_again_at_seq_0_after_a_pop_took_back_its_answered_one_is_new(
+    backend: Backend, holding: bool
+) -> None:
+    """DESIGN.md §3 (`answered_prompts`): a pop giving back `seq`s brings an answer's reach
+    down to them, and a prompt stored there later is a new one; the fold gives each answer
+    at its reach, before the message at that `seq`, the first one too. r2 (holding a call
+    c1, or none) is approved, then both messages are popped, the conversation empty; the
+    runtime asks r2 anew from `seq` 0 (about a new c1). The conversation, after a question
+    asked and popped, and a fork of it all await what the same turn logged afresh awaits:
+    r2 pending, holding the new c1, whose denial is stored."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    asks = [_calls("c1"), _asks_about("r2", "c1")] if holding else [_say("Go?"), _asks("r2")]
+    await logger.log_messages(CID, asks, turn_id="t1")
+    await store.resolve_hitl(CID, "r2")
+    await store.pop_last_message(CID)
+    await store.pop_last_message(CID)
+    await logger.log_messages(CID, asks, turn_id="t2")
+    await logger.log_messages("conv-fresh", asks, turn_id="t2")
+
+    fresh = await _state_by_seq(store, "conv-fresh", backend)
+    assert fresh[:2] == (([("c1", 0, "r2")], "r2") if holding else ([], "r2"))
+    assert await _logged_and_folded(backend, store, logger) == [fresh] * 3
+    for cid in (CID, f"{CID}-fork-0") if holding else ():
+        await logger.log_messages(cid, [_denial("c1")], turn_id="no", refused_prompts={"c1": "r2"})
+        assert await held_state(store, cid) == ([], None), cid
+
+
+async def test_a_call_approved_each_time_its_request_id_asked_stays_approved_when_asked_again(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3 (`approved_calls`): a turn denying an approved call is refused, however
+    many prompts are resolved after it, whatever becomes of its prompt's request id; a pop
+    or a fork leaves what the same stored messages and answers leave. t1 makes c2; t2 asks
+    r1 about it, approved; t3 asks r1 about it again, approved again; t4 asks r1 naming no
+    call. Each answer released c2 when it came: it stays approved (served unheld, a denial
+    refused) in the conversation, after a question asked and popped, and in a fork of it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Book it."), _calls("c2")], turn_id="t1")
+    for turn in ("t2", "t3"):
+        await logger.log_messages(CID, [_asks_about("r1", "c2")], turn_id=turn)
+        await store.resolve_hitl(CID, "r1")
+    await logger.log_messages(CID, [_asks("r1")], turn_id="t4")
+
+    states = await _logged_and_folded(backend, store, logger)
+
+    assert states[0][:2] == ([("c2", 1, None)], "r1")
+    assert states == [states[0]] * 3
+    for cid in (CID, f"{CID}-fork-0"):
+        with pytest.raises(AnsweredBefore, match="'c2'"):
+            await logger.log_messages(
+                cid, [_denial("c2")], turn_id="no", refused_prompts={"c2": "r1"}
+            )
+
+
+def _with_pops(rng: random.Random, steps: list[Step]) -> list[Step | int]:
+    """A small conversation's steps (`_small_conversation`) with pops among them: now and
+    then, the last one to three messages taken back (`int`: how many)."""
+    popping: list[Step | int] = []
+    for step in steps:
+        popping.append(step)
+        if rng.random() < 0.25:
+            popping.append(rng.randint(1, 3))
+    return popping
+
+
+@pytest.mark.parametrize("seed", [63, 81, 85, 150, 223, 227])  # each pops an answer down to seq 0
+async def test_what_a_conversation_awaits_is_what_a_fork_of_it_and_a_popped_question_leave(
+    backend: Backend, seed: int
+) -> None:
+    """DESIGN.md §3: a pop, a fork or a move leaves what the same stored messages and answers
+    leave when logged afresh. Over small random conversations with answers between turns and
+    pops taking messages back (down to none), after every step the conversation awaits what
+    it awaits once a question is asked and popped, and what a fork of all of it awaits."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    rng = random.Random(seed)
+    for n, step in enumerate(_with_pops(rng, _small_conversation(rng))):
+        if isinstance(step, int):
+            for _ in range(step):
+                with contextlib.suppress(NotFound):
+                    await store.pop_last_message(CID)
+        else:
+            await _take_step(logger, store, n, step)
+        if not await _stored_messages(store):
+            continue
+        states = await _logged_and_folded(backend, store, logger, n)
+        assert states == [states[0]] * 3, f"after step {n}: {step}"
+
+
+async def _stored_messages(store: ConversationStore) -> int:
+    with contextlib.suppress(NotFound):
+        return len(await store.transcript(CID))
+    return 0
+
+
 async def test_answering_the_newer_of_two_questions_leaves_none_pending_the_older_still_listed(
     backend: Backend,
 ) -> None:

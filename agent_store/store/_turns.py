@@ -1142,11 +1142,29 @@ def folded_after(
     answered: Iterable[Answer] = (),
 ) -> Folded:
     """The state the fold of `pending_after` ends in: what is pending, the request ids
-    answered, and the calls each answer released (`Folded`)."""
+    answered, and the calls each answer released (`Folded`). Each answer is given at its
+    reach, before the turn whose first message is stored there or past it (before the
+    first turn too: an answer a pop brought down to `seq` 0 answered none of the prompts
+    stored from there on), those reaching past every message after them all."""
     state = Folded()
+    answers = sorted(answered, key=lambda answer: answer[1])  # in the order given, by reach
+    for turn in turns_of(messages, turn_starts):
+        first = turn[0].seq or 0
+        given = [a for a in answers if a[1] <= first]
+        answers = answers[len(given) :]
+        state = state.answered([(r, calls) for r, _, calls in given]).logged(turn)
+    return state.answered([(r, calls) for r, _, calls in answers])
+
+
+def turns_of(
+    messages: Sequence[AgentMessage], turn_starts: Collection[int] = ()
+) -> list[Sequence[AgentMessage]]:
+    """The turns of stored messages, as their reservations logged them: runs of one
+    `turn_id`, cut also at the `seq`s of `turn_starts` among a fork's copies (the
+    original's turns)."""
     starts = set(turn_starts)
     copies = fork_copies_end(messages) if starts else 0
-    answers = sorted(answered, key=lambda answer: answer[1])  # in the order given, by reach
+    turns: list[Sequence[AgentMessage]] = []
     start = 0
     for end in range(1, len(messages) + 1):
         if (
@@ -1155,13 +1173,9 @@ def folded_after(
             and not (end < copies and messages[end].seq in starts)
         ):
             continue
-        state = state.logged(messages[start:end])
+        turns.append(messages[start:end])
         start = end
-        following = messages[end].seq if end < len(messages) else None
-        given = [a for a in answers if following is None or a[1] <= following]
-        answers = answers[len(given) :]
-        state = state.answered([(r, calls) for r, _, calls in given])
-    return state
+    return turns
 
 
 @dataclass(frozen=True)
@@ -1181,6 +1195,10 @@ class Folded:
     released: tuple[tuple[str, str, str], ...] = ()
     """The calls the answers released, in order: each call's id and message, with the request
     id of the answer (as `_reservation.resolution` records them in `approved_calls`)."""
+    in_force: frozenset[tuple[str, str]] = frozenset()
+    """The calls (id and message) an answer released that no prompt named since: their
+    approval is in force (`approved_calls` entries not held again, `approval_held_again`).
+    An answer releases the calls its prompts hold but these, as the reservation does."""
 
     def logged(self, turn: Sequence[AgentMessage]) -> Folded:
         """The state after one more turn, by the rules its reservation applies: the calls held
@@ -1188,8 +1206,9 @@ class Folded:
         request id anew (`released_for_good`), and the id is no longer answered."""
         raised = raised_requests(turn)
         calls = released_for_good(self.calls, raised, self.resolved)
+        in_force = self.in_force - asked_again(self.calls, turn, self.in_force)
         calls, hitl = _fold(calls, self.hitl, turn)
-        return Folded(calls, hitl, self.resolved - set(raised), self.released)
+        return Folded(calls, hitl, self.resolved - set(raised), self.released, in_force)
 
     def answered(self, answers: Sequence[tuple[str, NamedCalls | None]]) -> Folded:
         """The state once a person gave `answers` (`resolve_hitl`), in order: each to the
@@ -1202,20 +1221,40 @@ class Folded:
     def answered_one(self, request_id: str, calls: NamedCalls | None) -> Folded:
         """The state once a person answered the prompts `request_id`, as
         `_reservation.resolution` records it: the calls they hold released, only those
-        `calls` names when it names some (`AnsweredPrompt.calls`); the prompt of the id no
-        longer pending; the id answered once none of the calls they hold is left unreleased.
-        The calls keep their holder."""
+        `calls` names when it names some (`AnsweredPrompt.calls`), but those whose approval
+        is in force (`in_force`: a call approved, asked about again and approved again is
+        released by each answer); the prompt of the id no longer pending; the id answered
+        once none of the calls they hold is left that no answer to the id released. The
+        calls keep their holder."""
         done = {(c, m) for c, m, r in self.released if r == request_id}
-        held = [
-            c
-            for c in self.calls
-            if c.request_id == request_id and (c.tool_call_id, c.message_id) not in done
+        held = [c for c in self.calls if c.request_id == request_id]
+        unreleased = [c for c in held if (c.tool_call_id, c.message_id) not in done]
+        named = [c for c in unreleased if names_call(calls, c)]
+        fresh = [
+            (c.tool_call_id, c.message_id)
+            for c in held
+            if names_call(calls, c) and (c.tool_call_id, c.message_id) not in self.in_force
         ]
-        fresh = [c for c in held if names_call(calls, c)]
         hitl = None if self.hitl is not None and self.hitl.request_id == request_id else self.hitl
-        resolved = self.resolved if len(fresh) < len(held) else self.resolved | {request_id}
-        released = ((c.tool_call_id, c.message_id, request_id) for c in fresh)
-        return Folded(self.calls, hitl, resolved, (*self.released, *released))
+        resolved = self.resolved if len(named) < len(unreleased) else self.resolved | {request_id}
+        released = (*self.released, *((c, m, request_id) for c, m in fresh))
+        return Folded(self.calls, hitl, resolved, released, self.in_force | set(fresh))
+
+
+def asked_again(
+    calls: Sequence[PendingCall],
+    turn: Sequence[AgentMessage],
+    approved: Collection[tuple[str, str]],
+) -> set[tuple[str, str]]:
+    """Those of the `approved` calls (id and message) a prompt of `turn` names, a call of an
+    earlier turn (`TurnPlan.asked_again`): the latest pending call of its id (`calls`, before
+    the turn), or one of an id no call of which is pending. The prompt holds it again until
+    it is answered itself (`_reservation._asked_again`)."""
+    if not approved:
+        return set()
+    _, earlier = _holders(turn)
+    latest = {c.tool_call_id: c.message_id for c in calls}
+    return {(c, m) for c, m in approved if c in earlier and latest.get(c, m) == m}
 
 
 def names_call(calls: NamedCalls | None, call: PendingCall) -> bool:
