@@ -15,6 +15,7 @@ from agent_store import (
     ConversationStore,
     InvalidInput,
     NotFound,
+    SteeringInbox,
     StorageUnavailable,
     StoreError,
     TurnRules,
@@ -634,3 +635,96 @@ async def test_a_pop_takes_back_an_automatic_name_stored_without_its_message(
 
     assert (kept.name, kept.name_source) == ("hello there", "auto")
     assert (unnamed.name, unnamed.name_source) == (None, None)
+
+
+def stall_after_reserving(logger: AgentMessageLogger, seconds: float) -> asyncio.Event:
+    """The logger's first reservation returns, then the writer stalls `seconds` before going on
+    (alive but slow: a pause, a throttled CPU): the event is set once it has reserved."""
+    reserved, real = asyncio.Event(), logger._conversations
+    reserve = real.find_one_and_update
+
+    async def stalled(*args: Any, **kwargs: Any) -> Any:
+        doc = await reserve(*args, **kwargs)
+        if not reserved.is_set():
+            reserved.set()
+            await asyncio.sleep(seconds)
+        return doc
+
+    real.find_one_and_update = stalled  # type: ignore[method-assign]
+    return reserved
+
+
+async def test_a_writer_slower_than_abandon_after_stores_its_turn_past_what_readers_passed(
+    backend: Backend,
+) -> None:
+    """DESIGN §3 "Tail reads never skip": a block older than `abandon_after` is passed by tail
+    readers and never written. A live writer that stalls that long between its reservation and
+    its insert does not insert into its block: it moves the turn to a new block at the end, as
+    a late retry does, and is answered with the `seq`s its messages are at; a follower reads
+    them."""
+    rules = TurnRules(abandon_after=timedelta(seconds=0.3))
+    fast = AgentMessageLogger(backend.db, rules=rules)
+    await fast.ensure_indexes()
+    store = ConversationStore(backend.db, rules=rules)
+    await fast.log_messages(CID, [user("t0?"), answer("t0!")], turn_id="t0")
+    page = await store.messages_page(CID)
+    seen, after = [m.seq for m in page.data], page.last_id
+    slow = AgentMessageLogger(backend.db, rules=rules)
+    reserved = stall_after_reserving(slow, 1.2)
+
+    writer = asyncio.create_task(slow.log_messages(CID, [user("t1?"), answer("t1!")], turn_id="t1"))
+    await reserved.wait()  # t1 holds seq 2-3
+    await asyncio.sleep(0.4)
+    await fast.log_messages(CID, [user("t2?"), answer("t2!")], turn_id="t2")  # seq 4-5
+    page = await store.messages_page(CID, after=after)  # passes 2-3, older than abandon_after
+    seen += [m.seq for m in page.data]
+    after = page.last_id or after
+    logged = await writer
+    page = await store.messages_page(CID, after=after)
+    seen += [m.seq for m in page.data]
+
+    stored = await store.transcript(CID)
+    assert [m.content for m in stored] == ["t0?", "t0!", "t2?", "t2!", "t1?", "t1!"]
+    assert [m.seq for m in logged.messages] == [m.seq for m in stored[4:]] == [6, 7]
+    assert not logged.replayed
+    assert seen == [m.seq for m in stored]
+    conversation = await store.get_conversation(CID)
+    assert (conversation.turn_count, conversation.last_message_preview) == (3, "t1!")
+
+
+async def test_a_delivery_slower_than_abandon_after_is_stored_past_what_readers_passed(
+    backend: Backend,
+) -> None:
+    """As a turn (above): a steering delivery whose sender stalls past `abandon_after` after
+    reserving its `seq` moves to the end before its insert; the inbox follows it there, and a
+    follower and the runtime draining the inbox both read it."""
+    rules = TurnRules(abandon_after=timedelta(seconds=0.3))
+    fast = AgentMessageLogger(backend.db, rules=rules)
+    await fast.ensure_indexes()
+    store = ConversationStore(backend.db, rules=rules)
+    await fast.log_messages(CID, [user("start")], turn_id="t0")  # seq 0
+    runtime = SteeringInbox(fast)
+    await runtime.open_turn(CID, "t-running")
+    page = await store.messages_page(CID)
+    seen, after = [m.seq for m in page.data], page.last_id
+    slow = AgentMessageLogger(backend.db, rules=rules)
+    reserved = stall_after_reserving(slow, 1.2)
+
+    steer = {"role": "user", "content": "in metric, please"}
+    sender = asyncio.create_task(SteeringInbox(slow).try_deliver(CID, "t-running", steer))
+    await reserved.wait()  # the delivery holds seq 1
+    await asyncio.sleep(0.4)
+    await fast.log_messages(CID, [user("elsewhere?"), answer("there")], turn_id="t2")  # seq 2-3
+    page = await store.messages_page(CID, after=after)  # passes seq 1
+    seen += [m.seq for m in page.data]
+    after = page.last_id or after
+    assert await sender
+    page = await store.messages_page(CID, after=after)
+    seen += [m.seq for m in page.data]
+
+    stored = await store.transcript(CID)
+    assert [m.content for m in stored] == ["start", "elsewhere?", "there", "in metric, please"]
+    assert seen == [m.seq for m in stored]
+    assert [(m.seq, m.content) for m in await runtime.drain(CID, "t-running")] == [
+        (stored[-1].seq, "in metric, please")
+    ]

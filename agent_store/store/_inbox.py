@@ -388,7 +388,9 @@ class SteeringInbox:
 
     async def _stored_delivery(self, plan: TurnPlan, actor: Actor, field: str) -> bool:
         """The delivery `plan` stored (or found stored) into the inbox `field`: True; False
-        when the inbox is closed or full, or its turn id holds what the inbox does not list."""
+        when the inbox is closed or full, or its turn id holds what the inbox does not list. A
+        sender too slow to insert before tail readers may pass its `seq` moves the delivery to
+        the end first, as a late retry does, the inbox open still (`_store`)."""
         condition = self._delivery_condition(plan, field)
         started = time.monotonic()
         try:
@@ -398,7 +400,12 @@ class SteeringInbox:
         if reserved.replayed and not await self._still_deliverable(plan, reserved, field):
             await self._logger._give_up(plan.conversation_id)
             return False
-        stored, reserved = await self._logger._store(plan, reserved, started)
+        try:  # a move (a slow sender) checks the inbox again
+            stored, reserved = await self._logger._store(
+                plan, reserved, started, (actor, condition)
+            )
+        except _InboxClosed:
+            return False
         await self._logger._told(plan, reserved, stored)
         return True
 

@@ -27,7 +27,7 @@ import contextlib
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import partial
 from typing import Any, NoReturn, Protocol
 
@@ -169,6 +169,9 @@ from agent_store.store._turns import (
 from agent_store.store._values import storable
 
 _RESERVE_ATTEMPTS = 4
+_MARGIN = 10
+"""A writer does not insert into its block once `abandon_after` less a tenth of it has passed
+since its reservation (`_insert_by`): the tenth is the margin of its check."""
 
 _Met = Mapping[str, dict[str, Any]]
 """What met a turn's insert under its ids, by id (`AgentMessageLogger._met`)."""
@@ -213,6 +216,11 @@ class Condition:
         return self.refusal if self.explain is None else self.explain(conversation)
 
 
+_Writer = tuple[Actor, Condition | None]
+"""Who reserved a turn and the condition its reservation met: a move of its block takes them
+again (`AgentMessageLogger._past_what_readers_passed`)."""
+
+
 @dataclass(frozen=True)
 class _Reserved:
     """A turn's block, its conversation's owner, and whether an earlier attempt reserved it."""
@@ -234,6 +242,10 @@ class _Reserved:
     moved: dict[str, Any] | None = None
     """The conversation as the turn's move to a new block at the end left it (`MOVED`);
     None when the turn did not move."""
+    insert_by: float | None = None
+    """The `time.monotonic()` past which the attempt no longer inserts into the block, as tail
+    readers may have passed it by then (`_insert_by`); None: measured from the attempt's start
+    (`AgentMessageLogger._past_what_readers_passed`)."""
     in_flight_until: float | None = None
     """For a retry that found its turn reserved less than `TurnRules.claim_grace` ago: the
     `time.monotonic()` until which an earlier attempt, faster than the grace, may still insert
@@ -508,7 +520,7 @@ class AgentMessageLogger:
         reserved = await self._reserve_answering(
             plan, actor, runtime_name, condition, conditions, (answers_to, refused_prompts)
         )
-        stored, reserved = await self._store(plan, reserved, started)
+        stored, reserved = await self._store(plan, reserved, started, (actor, condition))
         return await self._told(plan, reserved, stored)
 
     async def _reserve_answering(
@@ -772,7 +784,8 @@ class AgentMessageLogger:
         owner = Actor(source.get("user_id"), as_user=actor.as_user)
         started = time.monotonic()
         reserved = await self._reserve(plan, owner, None, condition)
-        stored, reserved = await self._store(plan, reserved, started)
+        # Its copies keep 0…n, which `forked_from.turn_starts` names: a fork never moves them.
+        stored, reserved = await self._store(plan, reserved, started, None)
         # A replay checks the fork only if its `fork_check` is still there, read back.
         created = None if reserved.replayed else _fork_as_created(reserved, source)
         await self._unless_its_source_went(conversation_id, plan.conversation_id, created)
@@ -1207,13 +1220,15 @@ class AgentMessageLogger:
         block: RecordedBlock,
         conversation: dict[str, Any],
         condition: Condition | None = None,
+        *,
+        late: bool = False,
     ) -> _Reserved | None:
         """`_replayed`, with the ownership the turn logged fresh would give the conversation:
         a service naming a user for a conversation still unowned assigns it to that user, its
         messages theirs (`_assign`, as `upsert_conversation` naming them does). None when the
         turn moved, or the conversation was deleted or taken by another user meanwhile: the
         reservation looks again (and refuses another owner's, `Actor.refusal`)."""
-        reserved = await self._replayed(plan, block, conversation, condition)
+        reserved = await self._replayed(plan, block, conversation, condition, late=late)
         if reserved is None or reserved.owner is not None:
             return reserved
         if actor.as_user or actor.user_id is None:
@@ -1231,13 +1246,17 @@ class AgentMessageLogger:
         block: RecordedBlock,
         conversation: dict[str, Any],
         condition: Condition | None = None,
+        *,
+        late: bool = False,
     ) -> _Reserved | None:
         """A retry's block: the one its first attempt reserved, unless tail readers may have
-        passed it (reserved `abandon_after` ago) and none of its messages is there: then a
-        new block at the end (`relocation`; a reader following the tail never looks back),
-        at the cost of one lookup and one update more (a rare path), the update setting the
-        summary the turn's new place gives it (what it leaves pending is folded from the
-        stored messages after its insert: `_relocated.settle`, two round trips more). A turn
+        passed it (reserved `abandon_after` ago, or `late`: the attempt that reserved it found
+        itself too slow to insert there, `_past_what_readers_passed`) and none of its messages
+        is there: then a new block at the end (`_moved_to_the_end`; a reader following the
+        tail never looks back), at the cost of one lookup and one update more (a rare path),
+        the update setting the summary the turn's new place gives it (what it leaves pending
+        is folded from the stored messages after its insert: `_relocated.settle`, two round
+        trips more). A turn
         whose call a later message answers is not moved: Conflict, found by the lookup of
         its empty block (`_relocated`), and given up (`_give_up`). None when another attempt
         moved the turn meanwhile. A turn that stored part of its block completes it in
@@ -1245,18 +1264,36 @@ class AgentMessageLogger:
         the same lookup, is stored there (`_stored_there`): no move again. `block` is the
         one `_verdict` found the retry's content matches."""
         reserved = _replay(plan, block, conversation, condition)
+        checked = time.monotonic()
         age = None if block.reserved_at is None else utc_now() - block.reserved_at
         grace = self.rules.claim_grace
         if age is not None and age < grace:  # the earlier attempt may still be inserting
-            until = time.monotonic() + grace.total_seconds()
+            until = checked + grace.total_seconds()
             reserved = replace(reserved, in_flight_until=until)
-        if age is None or age < self.rules.abandon_after:
-            return reserved
+        if not late and (age is None or age < self.rules.abandon_after):
+            by = None if age is None else _insert_by(self.rules, checked, age)
+            return replace(reserved, insert_by=by)
         stored = await self._stored_in(plan, block, moving=conversation)
         if stored:  # in its block, or where an earlier attempt's insert landed
             return await self._stored_there(plan, block, conversation, reserved, stored)
-        now = utc_now()
+        return await self._moved_to_the_end(plan, block, conversation, reserved, condition)
+
+    async def _moved_to_the_end(
+        self,
+        plan: TurnPlan,
+        block: RecordedBlock,
+        conversation: Mapping[str, Any],
+        reserved: _Reserved,
+        condition: Condition | None,
+    ) -> _Reserved | None:
+        """`_replayed`'s move of the turn, none of whose messages is stored, from `block` to a
+        new block at the end (`relocation`, guarded by the condition when it says what a move
+        sets, `Condition.moved`): the block moved to, inserted into before `_insert_by` from
+        the move's command; None when another attempt moved the turn meanwhile. A condition no
+        longer met gives the turn up (`_give_up`) and raises its refusal."""
+        sent, now = time.monotonic(), utc_now()
         query, pipeline = relocation(plan, block, self.rules, now, assigned=reserved.assigns)
+        reserved = replace(reserved, insert_by=_insert_by(self.rules, sent))
         guarded = query
         if condition is not None and condition.moved is not None:
             pipeline[0]["$set"] |= condition.moved(now, block.first_seq)
@@ -1470,11 +1507,12 @@ class AgentMessageLogger:
     # -- storing ---------------------------------------------------------------------
 
     async def _store(
-        self, plan: TurnPlan, reserved: _Reserved, started: float
+        self, plan: TurnPlan, reserved: _Reserved, started: float, writer: _Writer | None
     ) -> tuple[list[AgentMessage], _Reserved]:
         """Insert the turn's messages into its block; answer with them as stored, and the
         block they are stored in (`reserved`, or the one another attempt of the turn stored
-        them in, a replay: `_given_back`).
+        them in, a replay: `_given_back`, or the one an attempt too slow to insert before tail
+        readers may pass its block moves it to as `writer`, `_past_what_readers_passed`).
 
         A message an earlier attempt stored collides on its `_id` and is read back, so
         a retry answers with the stored timestamps, not its own.
@@ -1497,6 +1535,7 @@ class AgentMessageLogger:
         """
         plan = plan.for_epoch(reserved.epoch)  # its whole texts are this conversation's only
         await self._full_texts.keep(plan.full_texts)  # a turn with a cut message: 2 more commands
+        reserved = await self._past_what_readers_passed(plan, reserved, started, writer)
         owner, first, epoch = reserved.owner, reserved.first_seq, reserved.epoch
         documents = [
             {**document, "seq": Int64(first + i), "user_id": owner, "epoch": epoch}
@@ -1525,6 +1564,47 @@ class AgentMessageLogger:
         if reserved.replayed and stored:
             await self._follow_times(plan, reserved, stored, inserted=inserted)
         return stored, reserved
+
+    async def _past_what_readers_passed(
+        self, plan: TurnPlan, reserved: _Reserved, started: float, writer: _Writer | None
+    ) -> _Reserved:
+        """The block the attempt inserts into: `reserved`, unless it is past the time tail
+        readers may pass it (`_Reserved.insert_by`, else `_insert_by` from `started`, taken
+        before its reservation command was sent: never later than the time the reservation
+        recorded). Then, as a late retry of the turn (`_replayed`, `late`: whatever its age
+        on the store's clock), the turn moves to a new block at the end (`relocation`), unless
+        its messages are stored already (another attempt); the answer says where they are. A
+        rare path: one lookup, and a move's (`_replayed`). A conversation gone meanwhile
+        (deleted, or being deleted) or no longer recording the turn keeps `reserved`: its
+        messages are swept after their insert (`_follow_the_conversation`), as before. No
+        `writer` (a fork's copies, the first block of a conversation its fork call has not
+        handed out yet, which keep `seq` 0…n): `reserved`."""
+        by = (
+            reserved.insert_by
+            if reserved.insert_by is not None
+            else _insert_by(self.rules, started)
+        )
+        if writer is None or by is None or time.monotonic() <= by:
+            return reserved
+        actor, condition = writer
+        for _ in range(_RESERVE_ATTEMPTS):
+            same = _same_as_reserved(plan.conversation_id, reserved)
+            with storage_errors("read the conversation"):
+                found = await self._conversations.find_one(same)
+            block = None if found is None else recorded_block(found, plan.key)
+            if found is None or block is None or found.get(DELETING) is not None:
+                return reserved
+            late = block.first_seq == reserved.first_seq  # else another attempt moved it
+            moved = await self._replayed_by(actor, plan, block, found, condition, late=late)
+            if moved is None:
+                continue  # moved by another attempt meanwhile: its new block is recorded
+            if moved.moved is None:
+                return moved
+            return replace(moved, replayed=reserved.replayed)  # a first attempt is no retry
+        raise StorageFailure(
+            f"could not move turn {plan.turn_id!r} past what readers passed after "
+            f"{_RESERVE_ATTEMPTS} attempts"
+        )
 
     async def _insert_into(
         self, plan: TurnPlan, reserved: _Reserved, documents: list[dict[str, Any]]
@@ -2306,6 +2386,18 @@ def _epochs_left_over(
     if None in epochs or epoch in epochs:
         return []
     return sorted(e for e in epochs if isinstance(e, str))
+
+
+def _insert_by(rules: TurnRules, since: float, age: timedelta = timedelta(0)) -> float | None:
+    """The `time.monotonic()` past which an attempt does not insert into a block reserved
+    `age` before `since` (a `time.monotonic()`): `abandon_after` less its margin (a tenth,
+    `_MARGIN`) after the reservation, tail readers passing it `abandon_after` after the time
+    its record holds. None with an `abandon_after` of zero: readers pass any block not yet
+    written at once, and no writer inserts before them (a setting for tests)."""
+    if not rules.abandon_after:
+        return None
+    bound = rules.abandon_after - rules.abandon_after / _MARGIN - age
+    return since + bound.total_seconds()
 
 
 def _moved(
