@@ -215,6 +215,10 @@ class Condition:
         """The error a conversation that does not meet the condition raises."""
         return self.refusal if self.explain is None else self.explain(conversation)
 
+    def met_by_a_move(self) -> dict[str, Any]:
+        """What a move of the turn to a new block must meet: `moved_filter`, else `filter`."""
+        return self.filter if self.moved_filter is None else self.moved_filter
+
 
 _Writer = tuple[Actor, Condition | None]
 """Who reserved a turn and the condition its reservation met: a move of its block takes them
@@ -1297,8 +1301,7 @@ class AgentMessageLogger:
         guarded = query
         if condition is not None and condition.moved is not None:
             pipeline[0]["$set"] |= condition.moved(now, block.first_seq)
-            moving = condition.filter if condition.moved_filter is None else condition.moved_filter
-            guarded = {**query, **moving}
+            guarded = {**query, **condition.met_by_a_move()}
         with storage_errors("move the turn to a new block"):
             doc: dict[str, Any] | None = await self._conversations.find_one_and_update(
                 guarded,
