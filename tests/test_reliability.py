@@ -63,6 +63,8 @@ class FailOnce:
         self._hang = hang
         """Wait for a reply that never comes, rather than fail: a caller's timeout ends it."""
         self.failed = False
+        self.hanging = asyncio.Event()
+        """Set once the call hangs (with `hang`): the caller may be cut off from then."""
 
     def __getattr__(self, name: str) -> Any:
         real = getattr(self._collection, name)
@@ -77,6 +79,7 @@ class FailOnce:
             if self._after_applying:
                 await real(*args, **kwargs)
             if self._hang:
+                self.hanging.set()
                 await asyncio.Event().wait()
             raise AutoReconnect(f"connection lost during {name} (injected)")
 
@@ -187,15 +190,20 @@ async def test_a_pop_cut_off_by_a_timeout_at_any_write_point_removes_one_message
 ) -> None:
     """A caller's timeout cancels the pop while a write is on its way: its outcome is as
     unknown as after a network error, and its retry through the same store removes the
-    message the first attempt took, no other."""
+    message the first attempt took, no other. Cut off once the write hangs, however slow
+    the machine is to reach it (a fixed timeout could cut it before, and the retry would
+    then meet the hang)."""
     await log_three_turns(backend)
     store = ConversationStore(backend.db)
     hanging = FailOnce(getattr(store, collection), method, after_applying=after_applying,
                        skip=skip, hang=True)  # fmt: skip
     setattr(store, collection, hanging)
 
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(store.pop_last_message(CID), timeout=0.2)
+    first = asyncio.create_task(store.pop_last_message(CID))
+    await asyncio.wait_for(hanging.hanging.wait(), timeout=60)
+    first.cancel()  # what a caller's timeout does, once the write is on its way
+    with pytest.raises(asyncio.CancelledError):
+        await first
     popped = await store.pop_last_message(CID)
 
     assert hanging.failed
