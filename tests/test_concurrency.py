@@ -102,10 +102,10 @@ def crashing(logger: AgentMessageLogger, turn_id: str) -> None:
     """The logger's process dies between the two writes of `turn_id` (once)."""
     real = logger._store
 
-    async def store(plan: Any, reserved: Any, started: float) -> Any:
+    async def store(plan: Any, *rest: Any) -> Any:
         if plan.turn_id == turn_id:
             raise CrashBeforeInsert
-        return await real(plan, reserved, started)
+        return await real(plan, *rest)
 
     logger._store = store  # type: ignore[method-assign]
 
