@@ -49,7 +49,7 @@ from agent_store.integrations.streams import (
 )
 from agent_store.store import PENDING_CALLS_KEPT
 from agent_store.store._logger import Corrected, OtherContent
-from agent_store.store._reservation import DELETING
+from agent_store.store._reservation import DELETING, BeingDeleted
 from agent_store.store._turns import answered_in, message_id, pending_after
 from tests.api_harness import auth_headers, serve
 from tests.conftest import COUNTED, Backend
@@ -2691,7 +2691,7 @@ async def test_a_fork_waits_for_a_turn_still_being_written_before_its_point(
     is stored or, abandoned, passed after `abandon_after`."""
     from datetime import timedelta
 
-    from agent_store import StorageUnavailable, TurnRules
+    from agent_store import TurnRules
 
     logger = AgentMessageLogger(backend.db)
     await logger.log_messages(CID, [{"role": "user", "content": "hi"}], turn_id="t1")
@@ -2713,7 +2713,6 @@ async def test_a_fork_at_a_seq_whose_turn_is_still_being_written_waits_for_it(
     written: a fork at it waits (StorageUnavailable, retryable), as one past it does, nothing
     written (the error names the turn's first `seq`); once the turn is stored the same fork
     copies it."""
-    from agent_store import StorageUnavailable
     from agent_store.store import CONVERSATIONS, MESSAGES
 
     logger = AgentMessageLogger(backend.db)
@@ -2738,7 +2737,6 @@ async def test_a_fork_at_the_unstored_seq_of_a_turn_cut_short_waits_for_the_rest
     """A turn [question, call, result] whose insert stored its question only: a fork at its
     stored `seq` waits for the rest of its turn, and so does one at a `seq` it has not stored
     yet (it was an InvalidInput, 'no message with seq 3', refused for good)."""
-    from agent_store import StorageUnavailable
 
     logger = AgentMessageLogger(backend.db)
     await logger.log_messages(CID, [{"role": "user", "content": "hi"}], turn_id="t0")
@@ -3583,7 +3581,7 @@ async def test_a_late_retry_refused_while_a_turn_below_is_being_written_is_retri
     read t3's messages, so the retry is told to come again (`StorageUnavailable`, nothing
     written) rather than refused with what t1's reservation listed left pending; once t3 is
     stored, the retry is refused and the summary is the fold of the stored messages."""
-    from agent_store import Conflict, StorageUnavailable
+    from agent_store import Conflict
 
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     await logger.log_messages(CID, [{"role": "user", "content": "go"}], turn_id="t0")
@@ -4136,7 +4134,6 @@ async def test_a_fork_at_a_call_whose_result_its_turn_is_still_writing_waits_for
     alone to stay pending in the fork (a runtime would run it again); nothing is written, and
     once the turn is stored the same fork copies the pair."""
 
-    from agent_store import StorageUnavailable
     from agent_store.store import CONVERSATIONS, MESSAGES
 
     logger = AgentMessageLogger(backend.db)
@@ -4217,7 +4214,6 @@ async def test_a_fork_waits_for_the_turn_that_took_seqs_a_popped_turn_gave_back(
     """t3 reserves the `seq`s the pops gave back (2-3) and stores its call only: the popped
     t2's record (first `seq` 3) does not end t3's block."""
 
-    from agent_store import StorageUnavailable
     from agent_store.store import CONVERSATIONS
 
     logger = await _logged_then_popped_twice(backend)
@@ -4237,8 +4233,6 @@ async def _log_cut_short(
     """Log a turn whose insert stores its first message only, the connection dropped (its
     retry still to come): `StorageUnavailable`."""
     from pymongo.errors import AutoReconnect
-
-    from agent_store import StorageUnavailable
 
     insert_many = logger._messages.insert_many
 
@@ -5163,7 +5157,7 @@ async def _outcome(call: Any) -> type[Exception] | None:
         ("retry after a pop shortened the turn", Corrected),
         ("retry with other content", OtherContent),
         ("a call another turn answered", AnsweredBefore),
-        ("a conversation being deleted", StorageUnavailable),
+        ("a conversation being deleted", BeingDeleted),
         ("a conversation deleted", Conflict),
         ("another user's conversation", Conflict),
     ],

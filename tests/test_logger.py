@@ -132,9 +132,7 @@ async def test_retry_after_crash_between_the_two_writes_stores_each_message_once
     logger = AgentMessageLogger(backend.db)
     turn_id, messages = example_turns()[0]
 
-    async def crash(
-        self: AgentMessageLogger, plan: object, reserved: object, started: float
-    ) -> None:
+    async def crash(self: AgentMessageLogger, *step: object) -> None:
         raise CrashBeforeInsert
 
     with monkeypatch.context() as patch:
