@@ -5072,15 +5072,17 @@ async def test_a_turn_pushing_a_held_call_off_the_bounded_pending_list_is_refuse
 ) -> None:
     """The same across turns: c0, held by r1 nobody answered, is the oldest of the
     `PENDING_CALLS_KEPT` calls listed; a turn making one more call would push it off the
-    list, where r1's approval would not reach it: a Conflict naming them, nothing written.
-    Once r1 is answered the turn is logged, and the approval holds (a denial of c0 is
-    refused)."""
+    list, where r1's approval would not reach it: a Conflict naming them, nothing written
+    (`check_turn` raises it too). Once r1 is answered the turn is logged, and the approval
+    holds (a denial of c0 is refused)."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     others = [f"c{n}" for n in range(1, PENDING_CALLS_KEPT)]
     await logger.log_messages(CID, [_user("Go."), _calls("c0"), _asks_about("r1", "c0")])
     await logger.log_messages(CID, [_calls(*others)], turn_id="t1")
     before = await store.transcript(CID)
 
+    with pytest.raises(Conflict, match=r"pushing off the call 'c0' the prompt 'r1' holds"):
+        await logger.check_turn(CID, [_calls("c100")], turn_id="t2")
     with pytest.raises(Conflict, match=r"pushing off the call 'c0' the prompt 'r1' holds"):
         await logger.log_messages(CID, [_calls("c100")], turn_id="t2")
     assert await store.transcript(CID) == before
@@ -5179,6 +5181,28 @@ async def test_check_turn_raises_exactly_what_log_messages_raises(
     logged = await _outcome(logger.log_messages(CID, messages, **turn))
 
     assert (checked, logged) == (refused, refused)
+
+
+async def test_check_turn_refuses_a_denial_of_a_call_a_person_approved_as_log_messages_does(
+    backend: Backend,
+) -> None:
+    """A turn denying c0, which a person approved first (r0): `check_turn` raises what
+    `log_messages` refuses it with (the conditions a new turn's reservation must meet,
+    checked by the same filter, read only), and neither writes anything."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db)
+    await logger.log_messages(CID, ASKS_TO_PAY, turn_id="ask", user_id="u1")
+    await store.resolve_hitl(CID, "r0", user_id="u1")
+    raw = await backend.db.agent_conversations.find_one({"_id": CID})
+    turn: dict[str, Any] = {"turn_id": "T", "user_id": "u1", "refused_prompts": {"c0": "r0"}}
+    denial = [{"role": "user", "content": "No."}, _denial("c0")]
+
+    checked = await _outcome(logger.check_turn(CID, denial, **turn))
+    assert await backend.db.agent_conversations.find_one({"_id": CID}) == raw  # read only
+    logged = await _outcome(logger.log_messages(CID, denial, **turn))
+
+    assert (checked, logged) == (AnsweredBefore, AnsweredBefore)
+    assert await backend.db.agent_conversations.find_one({"_id": CID}) == raw
 
 
 async def test_a_late_retry_of_a_streamed_turn_is_a_replay_however_many_turns_came_in_between(

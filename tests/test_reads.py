@@ -1802,6 +1802,46 @@ async def test_a_fork_whose_copies_were_never_stored_is_no_conversation_until_re
     assert "c-fork" in [c.id for c in (await store.list_conversations(OWNER)).data]
 
 
+@pytest.mark.parametrize("copies", ["never stored", "stored, the reply lost"])
+async def test_no_write_but_the_forks_own_lands_on_a_fork_not_made_yet(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, copies: str
+) -> None:
+    """The fork's first attempt created "c-fork" and its insert of the copies failed: until the
+    same fork is retried, a pop, a rename, an upsert (a name, a user), an answer to a prompt and
+    a steering inbox are refused as a turn into it is (503, to be sent again once the fork is
+    made), the document and the copies left as they were; once retried, each goes through."""
+    logger = await _owners_three_turns(backend)
+    store = ConversationStore(backend.db)
+    _the_forks_insert_failing(logger, monkeypatch, applied=copies != "never stored")
+    with pytest.raises(StorageUnavailable):
+        await logger.fork("c-x", 3, "c-fork", user_id=OWNER)
+    before = await backend.db.agent_conversations.find_one({"_id": "c-fork"})
+    copied = await backend.db.agent_messages.count_documents({"conversation_id": "c-fork"})
+    writes = [
+        lambda: store.pop_last_message("c-fork", user_id=OWNER),
+        lambda: store.rename("c-fork", "renamed", user_id=OWNER),
+        lambda: logger.upsert_conversation("c-fork", name="renamed"),
+        lambda: logger.upsert_conversation("c-fork", user_id=OWNER),
+        lambda: store.resolve_hitl("c-fork", "req-1", user_id=OWNER),
+        lambda: SteeringInbox(logger).open_turn("c-fork", "run-1", user_id=OWNER),
+    ]
+
+    for write in writes:
+        with pytest.raises(StorageUnavailable, match=re.escape(UNFINISHED_FORK)):
+            await write()
+
+    assert await backend.db.agent_conversations.find_one({"_id": "c-fork"}) == before
+    after = await backend.db.agent_messages.count_documents({"conversation_id": "c-fork"})
+    assert after == copied
+    await logger.fork("c-x", 3, "c-fork", user_id=OWNER)
+    await store.rename("c-fork", "renamed", user_id=OWNER)
+    await SteeringInbox(logger).open_turn("c-fork", "run-1", user_id=OWNER)
+    popped = await store.pop_last_message("c-fork", user_id=OWNER)
+    assert popped is not None
+    assert popped.content == "answer 1"
+    assert (await store.get_conversation("c-fork", user_id=OWNER)).name == "renamed"
+
+
 async def test_a_fork_is_absent_while_an_attempt_makes_it_and_stands_once_its_check_passed(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

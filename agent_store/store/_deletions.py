@@ -11,17 +11,24 @@ from typing import Any
 from agent_store.store._blobs import FullTextStore
 from agent_store.store._driver import Database, storage_errors
 from agent_store.store._indexes import CONVERSATIONS, DELETIONS, MESSAGES
-from agent_store.store._reservation import DELETING, being_deleted, same_as_read
+from agent_store.store._reservation import (
+    DELETING,
+    UNSTANDING_READ,
+    refusal_unless_standing,
+    same_as_read,
+)
 
 
-async def refuse_if_being_deleted(conversations: Any, query: Mapping[str, Any], what: str) -> None:
-    """`being_deleted` for `what` when the conversation `query` finds is marked by a delete or
-    an erasure (`DELETING`): a write the mark fences (`NOT_BEING_DELETED`) matched nothing, or
-    found nothing to do, for that. One round trip, on that path only."""
+async def refuse_unless_standing(conversations: Any, query: Mapping[str, Any], what: str) -> None:
+    """The refusal of `what` when the conversation `query` finds is no conversation: marked by
+    a delete or an erasure (`being_deleted`), or a fork not made yet (`unfinished_fork`). For a
+    write `STANDING` fences that matched nothing, or found nothing to do. One round trip, on
+    that path only."""
     with storage_errors("read the conversation"):
-        doc = await conversations.find_one(query, {DELETING: 1})
-    if doc is not None and doc.get(DELETING) is not None:
-        raise being_deleted(str(query["_id"]), what)
+        doc = await conversations.find_one(query, UNSTANDING_READ)
+    refusal = None if doc is None else refusal_unless_standing(str(query["_id"]), doc, what)
+    if refusal is not None:
+        raise refusal
 
 
 def recorded_as(conversation_id: str, found: Mapping[str, Any]) -> dict[str, Any]:

@@ -67,13 +67,14 @@ from agent_store.store._logger import (
 )
 from agent_store.store._reads import _bounded_page, _by_seq
 from agent_store.store._reservation import (
-    DELETING,
-    NOT_BEING_DELETED,
+    STANDING,
+    UNSTANDING_READ,
     Actor,
     BeingDeleted,
     being_deleted,
     int64,
     literal,
+    refusal_unless_standing,
 )
 from agent_store.store._turns import (
     DELIVERY_TURN,
@@ -330,7 +331,7 @@ class SteeringInbox:
             **actor.owner_filter(),
             "$or": [{field: {"$exists": True}}, {"$expr": room}],
             "$nor": [{"turns": {"$elemMatch": {"k": Int64(turn_key(turn_id)), "u": True}}}],
-            **NOT_BEING_DELETED,
+            **STANDING,
         }
         for _ in range(3):  # another inbox may close between a refusal and its explanation
             with storage_errors("open the turn's inbox"):
@@ -636,10 +637,10 @@ class SteeringInbox:
 
     async def _explain_unopened(self, conversation_id: str, actor: Actor, turn_id: str) -> None:
         """Why an inbox was not opened: the conversation is missing or another's, a delete of it
-        has begun (`being_deleted`), a person
+        has begun or it is a fork not made yet (`refusal_unless_standing`), a person
         took the turn id (`_person_took`), or it has as many inboxes open as the rules allow
         (unless one closed meanwhile: opened now)."""
-        read = {"user_id": 1, "inbox": 1, "turns.k": 1, "turns.u": 1, DELETING: 1}
+        read = {"user_id": 1, "inbox": 1, "turns.k": 1, "turns.u": 1, **UNSTANDING_READ}
         with storage_errors("read the conversation"):
             doc = await self._conversations.find_one({"_id": conversation_id}, read)
         if doc is None:
@@ -647,8 +648,9 @@ class SteeringInbox:
         refusal = actor.refusal(conversation_id, doc.get("user_id"))
         if refusal is not None:
             raise refusal
-        if doc.get(DELETING) is not None:
-            raise being_deleted(conversation_id, "the inbox of turn " + repr(turn_id))
+        refusal = refusal_unless_standing(conversation_id, doc, f"the inbox of turn {turn_id!r}")
+        if refusal is not None:
+            raise refusal
         if _person_took(doc, turn_id):
             raise Conflict(
                 f"turn id {turn_id!r} of conversation {conversation_id!r} already holds a "

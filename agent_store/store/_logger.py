@@ -65,7 +65,7 @@ from agent_store.store._blobs import (
     stored_blob_ids,
     whole_text_chars,
 )
-from agent_store.store._deletions import DeletionRecords, recorded_as, refuse_if_being_deleted
+from agent_store.store._deletions import DeletionRecords, recorded_as, refuse_unless_standing
 from agent_store.store._driver import Database, only_duplicates, storage_errors
 from agent_store.store._fork import (
     ForkAnswers,
@@ -108,6 +108,7 @@ from agent_store.store._reservation import (
     FORK_CHECK,
     NOT_BEING_DELETED,
     RESERVED,
+    STANDING,
     SUMMARY,
     Actor,
     AsRead,
@@ -376,7 +377,14 @@ class AgentMessageLogger:
         naming them does: its summary, or None when `same` finds it no more (deleted) or
         another user owns it now. One round trip, and the hand-over's."""
         update = {"$set": {"user_id": user_id}}
-        doc = await self._upsert(conversation_id, Actor(user_id), update, create=False, same=same)
+        doc = await self._upsert(
+            conversation_id,
+            Actor(user_id),
+            update,
+            create=False,
+            same=same,
+            fence=NOT_BEING_DELETED,
+        )
         if doc is not None:
             await self._hand_over_all(conversation_id, doc)
         return doc
@@ -427,23 +435,26 @@ class AgentMessageLogger:
         *,
         create: bool,
         same: Mapping[str, Any] | None = None,
+        fence: dict[str, Any] = STANDING,
     ) -> dict[str, Any] | None:
         """Update the conversation the actor may write to (creating it if `create`; only the
         one `same` finds, when given: `same_conversation`); its summary, or None when it is
-        not there, or marked by a delete (`NOT_BEING_DELETED`), and `create` is false. Creating
-        it finds it marked: `being_deleted`."""
+        not there, or `fence` leaves it out (`STANDING`: marked by a delete, or a fork not made
+        yet; `_assign`, for a replayed turn whose own checks came first, passes
+        `NOT_BEING_DELETED`), and `create` is false.
+        Creating it finds it so: `being_deleted`, `unfinished_fork`."""
         query = {"_id": conversation_id, **(same or {}), **actor.owner_filter()}
         with storage_errors("upsert the conversation"):
             try:
                 found: dict[str, Any] | None = await self._conversations.find_one_and_update(
-                    query | NOT_BEING_DELETED,
+                    query | fence,
                     update,
                     upsert=create,
                     projection=SUMMARY,
                     return_document=ReturnDocument.AFTER,
                 )
             except DuplicateKeyError as exc:
-                await refuse_if_being_deleted(
+                await refuse_unless_standing(
                     self._conversations, query, "the update of the conversation"
                 )
                 raise Conflict(
@@ -625,9 +636,12 @@ class AgentMessageLogger:
         retry is a replay however many turns came in between, one of a turn a pop corrected
         or sent with other content refused, as is a conversation missing, another user's or
         being deleted); and, for a new turn, the refusal of an answer to a call another turn
-        answered since (`answers_to`, `_answers`). One read of the conversation; two more to
-        look a turn up past the kept records, when some were dropped and none names it; two
-        more for a call off `pending_calls`, looked up as `_unanswered` does. Writes nothing.
+        answered since (`answers_to`, `_answers`) and of what else its reservation's condition
+        refuses (`_check_condition`: a denial of a call a person approved, a call pushing a
+        held one off `pending_calls`). One read of the conversation, one more for a new turn
+        with a condition; two more to look a turn up past the kept records, when some were
+        dropped and none names it; two more for a call off `pending_calls`, looked up as
+        `_unanswered` does. Writes nothing.
         For a caller that records something the turn concerns before logging it
         (`log_streamed_turn` records an approval first): a turn it raises for then writes
         nothing at all."""
@@ -653,6 +667,38 @@ class AgentMessageLogger:
                 await self._unanswered(plan, answers_to, refused_prompts, refusal)
             elif refusal is not None:
                 raise refusal
+        if found is not None and condition is not None:
+            conditions = partial(_turn_conditions, plan, None, None, refused_prompts, answers_to)
+            await self._check_condition(plan, condition, conditions, (answers_to, refused_prompts))
+
+    async def _check_condition(
+        self,
+        plan: TurnPlan,
+        condition: Condition | None,
+        conditions: Callable[[AsRead], Condition | None],
+        named: tuple[Mapping[str, str] | None, Mapping[str, str] | None],
+    ) -> None:
+        """`_reserve_answering`'s decision on a new turn's condition, read only: the
+        conversation looked up with the condition's filter (the very one the reservation adds
+        to its own), and, matching none, read whole for the refusal the condition explains;
+        one the answers' lookup (`_unanswered`) takes as read is looked up again with them, as
+        `log_messages` reserves again. One round trip; two more on a refusal."""
+        for lookups in range(_ANSWER_LOOKUPS + 1):
+            if condition is None:
+                return
+            with storage_errors("read the conversation"):
+                met = await self._conversations.find_one(
+                    {**condition.filter, "_id": plan.conversation_id}, {"_id": 1}
+                )
+                if met is not None:
+                    return
+                found = await self._conversations.find_one({"_id": plan.conversation_id})
+            if found is None:
+                return  # gone meanwhile: as `_verdict` found it, nothing to refuse here
+            refusal = condition.refused(found)
+            if not isinstance(refusal, AnsweredBefore) or lookups == _ANSWER_LOOKUPS:
+                raise refusal
+            condition = conditions(await self._unanswered(plan, *named, refusal))
 
     def _planned(
         self,

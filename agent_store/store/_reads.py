@@ -50,7 +50,7 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.store._blobs import FullTextStore, parts_by_whole_text
-from agent_store.store._deletions import DeletionRecords, recorded_as, refuse_if_being_deleted
+from agent_store.store._deletions import DeletionRecords, recorded_as, refuse_unless_standing
 from agent_store.store._driver import Database, storage_errors
 from agent_store.store._fork import approvals_withdrawn, fork_turns_of
 from agent_store.store._indexes import (
@@ -64,14 +64,14 @@ from agent_store.store._indexes import (
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource, not_migrated_yet
 from agent_store.store._pop import Pop, PopMemory
 from agent_store.store._reservation import (
-    DELETING,
     NOT_BEING_DELETED,
     STANDING,
     SUMMARY,
+    UNSTANDING_READ,
     CallKey,
     answered_before,
-    being_deleted,
     concerned_calls,
+    refusal_unless_standing,
     resolution,
     same_as_read,
     same_conversation,
@@ -307,7 +307,7 @@ _PROMPTS_READ = {
     "resolved_hitl": 1,
     "approved_calls": 1,
     "pending_calls": 1,
-    DELETING: 1,
+    **UNSTANDING_READ,
 }
 """What an answer that resolved nothing reads to tell why (`resolve_hitl`)."""
 
@@ -453,7 +453,7 @@ class ConversationStore:
                 return_document=ReturnDocument.AFTER,
             )
         if doc is None:
-            await refuse_if_being_deleted(self._conversations, scope, "the rename")
+            await refuse_unless_standing(self._conversations, scope, "the rename")
         if doc is None and version is not None:
             await self._named(conversation_id, user_id, version)  # NotFound when gone
             raise _version_mismatch(conversation_id, "renamed")
@@ -1244,7 +1244,7 @@ class ConversationStore:
         scope = self._scope(conversation_id, user_id, or_unowned=or_unowned)
         query, update = resolution(request_id, concerns)
         with storage_errors("resolve the pending prompt"):
-            result = await self._conversations.update_one(scope | query | NOT_BEING_DELETED, update)
+            result = await self._conversations.update_one(scope | query | STANDING, update)
         if result.matched_count:
             return await self._resolved_in_legacy(conversation_id, request_id)
         with storage_errors("read the pending prompt"):
@@ -1252,8 +1252,9 @@ class ConversationStore:
         if doc is None:  # NotFound, or legacy turns not migrated yet: read-only
             await self._refuse_unmigrated(conversation_id, user_id, "answered")
         assert doc is not None  # else `_refuse_unmigrated` raised
-        if doc.get(DELETING) is not None:  # before any replay of an answer, as for a turn
-            raise being_deleted(conversation_id, f"the answer to {request_id!r}")
+        refusal = refusal_unless_standing(conversation_id, doc, f"the answer to {request_id!r}")
+        if refusal is not None:  # before any replay of an answer, as for a turn
+            raise refusal
         if answered_before(doc, request_id, concerns):
             # Resolved before: its first answer stands (its dual write again, for a retry
             # whose first attempt failed after the answer was recorded).

@@ -44,7 +44,7 @@ from bson import Int64
 from agent_store.core import AgentMessage, ApprovedCall, PendingCall, PendingHitl, PopInProgress
 from agent_store.store._fork import ApprovalKey, approvals_in_fork, resolved_in_fork
 from agent_store.store._reservation import (
-    NOT_BEING_DELETED,
+    STANDING,
     absent_stays,
     answers_reaching,
     approvals_held_by,
@@ -218,13 +218,14 @@ def pop_in_progress(
 def free_to_mark(pops: int, seq: int, *, message_count: int | None = None) -> dict[str, Any]:
     """The filter part that lets a pop mark its message at `seq`: no pop under way, none
     finished since the pop read `pops` (so the message it read is still stored), and no turn
-    holding a `seq` past it (`nothing_reserved_past`), and no delete begun (`NOT_BEING_DELETED`).
+    holding a `seq` past it (`nothing_reserved_past`), and a conversation that is one (`STANDING`:
+    no delete begun, not a fork not made yet).
     With `message_count`, read when every `seq` past the message was found passed
     (`Gaps.passed`), only that it is unchanged."""
     free: dict[str, Any] = {
         "popping": None,
         "pops": {"$in": [None, 0]} if pops == 0 else pops,
-        **NOT_BEING_DELETED,
+        **STANDING,
     }
     if message_count is None:
         free["$expr"] = nothing_reserved_past(seq)
