@@ -183,6 +183,7 @@ async def test_popping_an_empty_or_unknown_conversation_returns_none(backend: Ba
 
 
 async def test_reading_the_last_messages_costs_one_round_trip(wire_backend: Backend) -> None:
+    """The messages, and the conversation document read with them (two commands, one wait)."""
     assert wire_backend.commands is not None
     logger = AgentMessageLogger(wire_backend.db)
     await logger.log_messages(CID, [user(f"message {n}") for n in range(150)])
@@ -190,12 +191,12 @@ async def test_reading_the_last_messages_costs_one_round_trip(wire_backend: Back
 
     wire_backend.commands.clear()
     last = await store.recent_messages(CID, limit=120)
-    assert wire_backend.commands.names == ["find"]
+    assert wire_backend.commands.names == ["find", "find"]
     assert [m.seq for m in last] == list(range(30, 150))
 
     wire_backend.commands.clear()
     everything = await store.recent_messages(CID)
-    assert wire_backend.commands.names == ["find"]
+    assert wire_backend.commands.names == ["find", "find"]
     assert len(everything) == 150
 
 

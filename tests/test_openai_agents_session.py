@@ -746,8 +746,8 @@ async def test_adding_costs_two_round_trips_reading_one_and_clearing_ten(
 
     for limit in (None, 3):
         wire_backend.commands.clear()
-        await session.get_items(limit)
-        assert wire_backend.commands.names == ["find"]
+        await session.get_items(limit)  # its messages, and its document read with them
+        assert wire_backend.commands.names == ["find", "find"]
 
     wire_backend.commands.clear()
     await session.clear_session()

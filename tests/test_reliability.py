@@ -1038,7 +1038,14 @@ async def assert_absent_to_every_read(
     for read in reads:
         with pytest.raises(NotFound, match=missing):
             await read()
-    assert await store.pending_calls(conversation_id, user_id=user_id) == []  # as for none
+    with pytest.raises(NotFound, match=missing):
+        await store.messages_page(conversation_id, user_id=user_id, order="desc")
+    # As for a conversation that does not exist: none of its messages.
+    assert await store.pending_calls(conversation_id, user_id=user_id) == []
+    assert await store.recent_messages(conversation_id, user_id=user_id) == []
+    assert await store.recent_messages(conversation_id, limit=1, user_id=user_id) == []
+    assert await store.messages_by_seq(conversation_id, user_id=user_id) == []
+    assert await store.calls_before(conversation_id, ["c0"], before_seq=9, user_id=user_id) == []
     listed = (await store.recent_conversations()).data
     assert conversation_id not in [c.id for c in listed]
     if user_id is not None:
@@ -1065,6 +1072,39 @@ async def test_a_conversation_whose_delete_failed_part_way_is_absent_to_every_re
     await assert_absent_to_every_read(backend, store, CID)
 
     assert (await store.delete(CID)).conversations == 1
+
+
+@pytest.mark.parametrize("failed", ["delete", "erasure"])
+async def test_a_conversation_whose_delete_failed_before_its_messages_went_serves_none(
+    backend: Backend, failed: str
+) -> None:
+    """The delete (or the erasure of its user) marks the conversation, then its first removal
+    of messages is lost: every message is still stored. None is served, to its owner or a
+    service, by any read of messages (transcripts, pages either way, streams, the last
+    messages, by `seq`, an inbox's deliveries): the conversation is no conversation until the
+    delete, run again, finishes it."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    said = [{"role": "user", "content": "my address is 1 Main St"},
+            {"role": "assistant", "content": "noted"}]  # fmt: skip
+    await logger.log_messages(CID, said, user_id="alice", turn_id="t0")
+    inbox = SteeringInbox(logger)
+    await inbox.open_turn(CID, "run-1", user_id="alice")
+    store = ConversationStore(backend.db)
+    real = store._messages
+    store._messages = FailOnce(real, "delete_many", after_applying=False)  # type: ignore[assignment]
+    with pytest.raises(StorageUnavailable):
+        await (store.delete(CID) if failed == "delete" else store.erase_user("alice"))
+    store._messages = real
+    assert await backend.db.agent_messages.count_documents({"conversation_id": CID}) == 2
+
+    for user_id in ("alice", None):
+        await assert_absent_to_every_read(backend, store, CID, user_id)
+        with pytest.raises(NotFound):
+            await inbox.drain(CID, "run-1", user_id=user_id)
+
+    await (store.delete(CID) if failed == "delete" else store.erase_user("alice"))
+    assert await backend.db.agent_messages.count_documents({"conversation_id": CID}) == 0
 
 
 async def test_the_conversations_of_a_user_whose_erasure_failed_part_way_are_absent(

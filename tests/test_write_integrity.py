@@ -439,6 +439,32 @@ async def test_a_tail_reader_never_skips_messages_committed_out_of_seq_order(
     assert page.pending_seq is None
 
 
+async def test_a_reader_paging_back_newest_first_never_skips_a_turn_still_being_written(
+    backend: Backend,
+) -> None:
+    """A holds seq 1-2, its insert slow; B is stored at 3. Newest first, the page stops above
+    the `seq`s A is writing and says where (`pending_seq`), as the ascending read does: read
+    on once it landed, nothing is passed over."""
+    fast = AgentMessageLogger(backend.db)
+    await fast.log_messages(CID, [{"role": "user", "content": "m0"}], turn_id="t0")
+    slow = AgentMessageLogger(backend.db)
+    held = SlowInsert(slow)
+    writer_a = asyncio.create_task(slow.log_messages(CID, turn("A"), turn_id="tA"))
+    await held.reserved.wait()
+    await fast.log_messages(CID, [{"role": "user", "content": "B1"}], turn_id="tB")
+    store = ConversationStore(backend.db)
+
+    page = await store.messages_page(CID, order="desc", limit=10)
+    assert [m.content for m in page.data] == ["B1"]
+    assert (page.pending_seq, page.has_more) == (2, True)
+    held.release.set()
+    await writer_a
+    older = await store.messages_page(CID, order="desc", limit=10, after=page.last_id)
+
+    assert [m.content for m in older.data] == ["A!", "A?", "m0"]
+    assert (older.pending_seq, older.has_more) == (None, False)
+
+
 async def test_a_reservation_abandoned_for_longer_than_the_rules_allow_is_passed(
     backend: Backend,
 ) -> None:

@@ -566,7 +566,9 @@ class SteeringInbox:
         field = inbox_field(validate_identifier(turn_id, "turn_id"))
         owner = Actor(user_id, as_user=user_id is not None).owner_filter()
         with storage_errors("read the turn's inbox"):
-            doc = await self._conversations.find_one({"_id": conversation_id, **owner}, {field: 1})
+            doc = await self._conversations.find_one(
+                {"_id": conversation_id, **owner, **STANDING}, {field: 1}
+            )
         if doc is None:
             raise NotFound(f"conversation {conversation_id!r} was not found")
         entry: dict[str, Any] | None = doc.get("inbox", {}).get(field.split(".")[1])

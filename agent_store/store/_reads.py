@@ -71,6 +71,7 @@ from agent_store.store._reservation import (
     CallKey,
     answered_before,
     concerned_calls,
+    is_standing,
     refusal_unless_standing,
     resolution,
     same_as_read,
@@ -301,6 +302,9 @@ def _not_resolvable(
         + (f"; the pending one is {shown(pending.request_id)}" if pending else "")
     )
 
+
+_STANDING_READ = {"epoch": 1, "created_at": 1, **UNSTANDING_READ}
+"""What a read of messages looks up of their conversation, at once (`_in_scope`)."""
 
 _PROMPTS_READ = {
     "pending_hitl": 1,
@@ -710,7 +714,9 @@ class ConversationStore:
     async def transcript(
         self, conversation_id: str, *, user_id: str | None = None, fallback: bool = True
     ) -> list[AgentMessage]:
-        """Every message of a conversation in `seq` order, in one round trip.
+        """Every message of a conversation in `seq` order, in one round trip: its messages
+        and its document, which says whether they are a conversation's (`_its_messages`), read
+        at once.
 
         With `fallback=False`, a conversation not migrated yet has no messages
         rather than those converted from its legacy turns.
@@ -718,16 +724,14 @@ class ConversationStore:
         query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
         if user_id is not None:
             query["user_id"] = validate_identifier(user_id, "user_id")
-        with storage_errors("read the transcript"):
-            docs = await (
-                self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH).to_list(None)
-            )
-        # Tell an empty conversation from a missing or not yet migrated one (costs a lookup
-        # only here).
-        if not docs and not await self._visible(conversation_id, user_id):
+        found = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
+        docs = await self._of_standing(
+            conversation_id, user_id, found.to_list(None), "read the transcript"
+        )
+        if docs is None:  # no conversation document: a conversation not migrated yet, or none
             conversion = await self._legacy(conversation_id, user_id)
             return conversion.messages if fallback else []
-        return messages_adapter.validate_python(await self._of_one_life(conversation_id, docs))
+        return messages_adapter.validate_python(docs)
 
     async def with_full_texts(self, messages: list[AgentMessage]) -> list[AgentMessage]:
         """The messages with every field cut to bound them put back whole, from GridFS.
@@ -758,22 +762,28 @@ class ConversationStore:
     ) -> list[AgentMessage]:
         """The last `limit` messages of a conversation (all with None), in `seq` order.
 
-        One round trip for up to 10,000 messages; a conversation that does not exist has
-        none. No legacy fallback: for runtimes that keep their own history here.
+        One round trip for up to 10,000 messages, the conversation document read with them; a
+        conversation that does not exist, or is no conversation (`_its_messages`), has none.
+        No legacy fallback: for runtimes that keep their own history here.
         """
         query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
         if user_id is not None:
             query["user_id"] = validate_identifier(user_id, "user_id")
         if limit is not None and (isinstance(limit, bool) or limit < 1):
             raise InvalidInput(f"invalid limit {limit!r}: it must be at least 1, or None for all")
-        with storage_errors("read the last messages"):
-            if limit is None:
-                cursor = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
-                docs = await cursor.to_list(None)
-            else:
-                cursor = self._messages.find(query).sort("seq", -1).limit(limit)
-                docs = (await cursor.batch_size(min(limit, TRANSCRIPT_BATCH)).to_list(None))[::-1]
-        return messages_adapter.validate_python(await self._of_one_life(conversation_id, docs))
+        if limit is None:
+            cursor = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
+        else:
+            cursor = self._messages.find(query).sort("seq", -1).limit(limit)
+            cursor = cursor.batch_size(min(limit, TRANSCRIPT_BATCH))
+        read = cursor.to_list(None)
+        docs = await self._of_standing(
+            conversation_id, user_id, read, "read the last messages", absent_is_empty=True
+        )
+        docs = docs or []
+        if limit is not None:
+            docs = docs[::-1]
+        return messages_adapter.validate_python(docs)
 
     async def pop_last_message(
         self, conversation_id: str, *, user_id: str | None = None
@@ -882,9 +892,10 @@ class ConversationStore:
         """The stored messages with `start <= seq < stop` (to the end without `stop`), by `seq`;
         the first `limit` of them when given (a page of a long transcript).
 
-        One range scan of the `{conversation_id, seq}` index, for callers that keep a
-        position in the transcript (the LangGraph checkpointer). A `seq` reserved but not
-        stored is simply absent. No legacy fallback: legacy turns have no `seq`.
+        One range scan of the `{conversation_id, seq}` index, with the conversation document
+        read at once (none for one that does not exist or is no conversation, `_its_messages`),
+        for callers that keep a position in the transcript (the LangGraph checkpointer). A `seq`
+        reserved but not stored is simply absent. No legacy fallback: legacy turns have no `seq`.
         """
         if start < 0 or (stop is not None and stop < start):
             raise InvalidInput(f"invalid seq range {start}..{stop}: need 0 <= start <= stop")
@@ -902,11 +913,11 @@ class ConversationStore:
         found = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
         if limit is not None:
             found = found.limit(limit)
-        with storage_errors("read messages"):
-            docs = await found.to_list(None)
-        return messages_adapter.validate_python(
-            await self._of_one_life(query["conversation_id"], docs)
+        read = found.to_list(None)
+        docs = await self._of_standing(
+            conversation_id, user_id, read, "read messages", absent_is_empty=True
         )
+        return messages_adapter.validate_python(docs or [])
 
     async def calls_before(
         self,
@@ -936,14 +947,23 @@ class ConversationStore:
         }
         if user_id is not None:
             scope["user_id"] = validate_identifier(user_id, "user_id")
+        if not wanted:
+            return []
+        read = self._latest_calls(scope, wanted, before_seq)
+        step = "read the calls before a page"
+        docs = await self._of_standing(conversation_id, user_id, read, step, absent_is_empty=True)
+        return messages_adapter.validate_python(docs or [])
+
+    async def _latest_calls(
+        self, scope: dict[str, Any], wanted: set[str], before_seq: int
+    ) -> list[dict[str, Any]]:
+        """`calls_before`'s scan of the messages below `before_seq` in `scope`, by `seq`."""
         found: list[dict[str, Any]] = []
         below = before_seq
         while wanted:
             query = {**scope, "seq": {"$lt": below}, "tool_calls.id": {"$in": sorted(wanted)}}
-            with storage_errors("read the calls before a page"):
-                docs = await (
-                    self._messages.find(query).sort("seq", -1).limit(PAGE_FIRST_BATCH).to_list(None)
-                )
+            cursor = self._messages.find(query).sort("seq", -1).limit(PAGE_FIRST_BATCH)
+            docs = await cursor.to_list(None)
             for doc in docs:
                 made = {call.get("id") for call in doc.get("tool_calls") or ()}
                 if made & wanted:
@@ -952,8 +972,7 @@ class ConversationStore:
             if len(docs) < PAGE_FIRST_BATCH:
                 break
             below = docs[-1]["seq"]
-        docs = await self._of_one_life(scope["conversation_id"], found[::-1])
-        return messages_adapter.validate_python(docs)
+        return found[::-1]
 
     async def messages_page(
         self,
@@ -981,20 +1000,29 @@ class ConversationStore:
                 return await self._page_after_unknown(conversation_id, after, limit, order,
                                                       user_id, unknown)  # fmt: skip
             query["seq"] = {"$gt": seq - removed} if order == "asc" else {"$lt": seq}
+        page = _bounded_page(self._messages, query, None, *_by_seq(order), limit)
         with storage_errors("read messages"):
-            docs, has_more = await _bounded_page(
-                self._messages, query, None, *_by_seq(order), limit
+            (read, has_more), found = await asyncio.gather(
+                page, self._in_scope(conversation_id, user_id)
             )
-        if not docs and after is None and not await self._visible(conversation_id, user_id):
-            legacy = await self._legacy_page(conversation_id, None, limit, order, user_id)
+        docs = _its_messages(conversation_id, found, read)
+        if docs is None:  # no conversation document: one not migrated yet, or none
+            legacy = (
+                None
+                if after is not None
+                else await self._legacy_page(conversation_id, None, limit, order, user_id)
+            )
             if legacy is None:
                 raise NotFound(f"conversation {conversation_id!r} was not found")
             return legacy
-        pending = None
-        docs = await self._of_one_life(conversation_id, docs)
         if order == "asc":
             first = query["seq"]["$gt"] + 1 if after is not None else 0
             docs, pending = await self._committed(query["conversation_id"], docs, first)
+        else:
+            top = query["seq"]["$lt"] - 1 if after is not None else None
+            docs, pending = await self._committed_down(
+                query["conversation_id"], docs, top, has_more
+            )
         messages = messages_adapter.validate_python(docs)
         return MessagePage(
             data=messages,
@@ -1029,23 +1057,52 @@ class ConversationStore:
             expected = doc["seq"] + 1
         return docs, None
 
-    async def _of_one_life(
-        self, conversation_id: str, docs: list[dict[str, Any]]
-    ) -> list[dict[str, Any]]:
-        """The messages read of the conversation under the id now. Read by id alone (a
-        service's read), they may hold messages of two `epoch`s: a turn of a deleted
-        conversation, reserved before the delete and inserted after it, lands under the id
-        while someone has started the conversation again, and stays until the delete's next
-        sweep. Then one lookup of the conversation's `epoch` leaves the other's out (messages
-        stored before epochs, with none, are kept); no lookup otherwise."""
-        epochs = {doc.get("epoch") for doc in docs}
-        epochs.discard(None)
-        if len(epochs) < 2:
-            return docs
-        with storage_errors("read the conversation"):
-            found = await self._conversations.find_one({"_id": conversation_id}, {"epoch": 1})
-        now = (found or {}).get("epoch")
-        return [doc for doc in docs if doc.get("epoch") in (None, now)]
+    async def _of_standing(
+        self,
+        conversation_id: str,
+        user_id: str | None,
+        read: Awaitable[list[dict[str, Any]]],
+        step: str,
+        *,
+        absent_is_empty: bool = False,
+    ) -> list[dict[str, Any]] | None:
+        """The messages `read` reads, read at once with the conversation document in the
+        caller's scope (two commands, one wait), as that document serves them
+        (`_its_messages`): NotFound for one that is no conversation, None for none; with
+        `absent_is_empty`, none for either, as for a conversation that does not exist."""
+        with storage_errors(step):
+            docs, found = await asyncio.gather(read, self._in_scope(conversation_id, user_id))
+        if absent_is_empty and (found is None or not is_standing(found)):
+            return []
+        return _its_messages(conversation_id, found, docs)
+
+    async def _in_scope(self, conversation_id: str, user_id: str | None) -> Any:
+        """The conversation document in the caller's scope, as much as tells whether it is one
+        (`is_standing`) and its `epoch`; None when there is none."""
+        scope = self._scope(conversation_id, user_id)
+        return await self._conversations.find_one(scope, _STANDING_READ)
+
+    async def _committed_down(
+        self, conversation_id: str, docs: list[dict[str, Any]], top: int | None, more: bool
+    ) -> tuple[list[dict[str, Any]], int | None]:
+        """`_committed` for a page newest first, from `seq` `top` down (from its first message
+        without `after`: what is written above it later is newer than the page): the page down
+        to the first `seq` a turn still being written holds below a stored one, or, the page
+        ending the conversation, below its last message; and that `seq`."""
+        expected, gaps = (docs[0]["seq"] if top is None and docs else top), None
+        bottoms = [int(doc["seq"]) for doc in docs] + ([] if more else [-1])
+        for index, seq in enumerate(bottoms):
+            if expected is not None and seq != expected:
+                if gaps is None:
+                    gaps = await self._gaps(conversation_id)
+                missing = range(expected, seq, -1)
+                writing = gaps.written(
+                    missing, now=utc_now(), abandon_after=self._rules.abandon_after
+                )
+                if writing is not None:
+                    return docs[:index], writing
+            expected = seq - 1
+        return docs, None
 
     async def _gaps(self, conversation_id: str) -> Gaps:
         with storage_errors("read the conversation's turns"):
@@ -1709,10 +1766,11 @@ class ConversationStore:
         one finds the conversation still there, the same one and `user_id`'s, its messages
         not being deleted, else `Conflict` (deleted, started again or claimed away while it
         was read: what was served is not its whole transcript). A `life` gone before the
-        first batch (deleted, started again, claimed away) is NotFound, nothing served. One
-        round trip more than its batches for a transcript of more than one batch (two when
-        its first batch names no epoch, or a `seq` past the last message is reserved); none
-        for one of a single batch, the same read as `transcript`.
+        first batch (deleted, started again, claimed away) is NotFound, nothing served, as is
+        one that is no conversation (`_its_messages`). The first batch is read at once with the
+        conversation document, as `transcript` reads (two commands, one wait); one round trip
+        more than its batches for a transcript of more than one batch (two when a `seq` past
+        the last message is reserved); none for one of a single batch.
         """
         if not 1 <= batch_size <= TRANSCRIPT_BATCH:
             raise InvalidInput(f"invalid batch_size {batch_size}: 1 to {TRANSCRIPT_BATCH}")
@@ -1720,22 +1778,22 @@ class ConversationStore:
         pin = None if life is None else await self._life_named(scope, life)
         size, after, largest = min(STREAM_FIRST_BATCH, batch_size), -1, 1
         while True:
-            docs = await self._stream_batch(scope, pin, after, size)
-            first, last = after < 0, len(docs) < size
-            if first and not docs:
-                async for part in self._served(await self._unstreamed(scope, pin), full):
-                    yield part
-                return
-            if docs:
-                after, largest = int(docs[-1]["seq"]), max(map(_approximate_size, docs))
-            if pin is None and not last:
-                pin = await self._pinned_life(scope, {d.get("epoch") for d in docs})
-            if pin is None:  # the whole transcript in one read, as `transcript` reads it
-                docs = await self._of_one_life(scope["_id"], docs)
+            first = after < 0
+            if first:
+                read, docs, pinned = await self._first_batch(scope, pin, size, user_id)
+                if pinned is None:  # `transcript`'s answer: empty, legacy turns, or NotFound
+                    async for part in self._served(await self._unstreamed(scope, pin), full):
+                        yield part
+                    return
+                pin = pinned
             else:
-                docs = [d for d in docs if d.get("epoch") in (None, pin.get("epoch"))]
+                assert pin is not None  # pinned by the first batch
+                read = await self._stream_batch(scope, pin, after, size)
+                docs = [d for d in read if d.get("epoch") in (None, pin.get("epoch"))]
+            last = len(read) < size
+            if read:
+                after, largest = int(read[-1]["seq"]), max(map(_approximate_size, read))
             if last and not first:
-                assert pin is not None  # pinned when the first batch came full
                 await self._lived_through(scope, pin, after)
             if docs or first:
                 async for part in self._served(messages_adapter.validate_python(docs), full):
@@ -1743,6 +1801,23 @@ class ConversationStore:
             if last:
                 return
             size = max(1, min(batch_size, batch_bytes // max(largest, 1)))
+
+    async def _first_batch(
+        self, scope: dict[str, Any], pin: dict[str, Any] | None, size: int, user_id: str | None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any] | None]:
+        """A stream's first batch, read at once with the conversation as `transcript` reads
+        it: the messages read, those served (`_its_messages`), and the life the stream serves
+        (`pin`, or the conversation's as found); none when no message is served, for
+        `_unstreamed` to answer."""
+        with storage_errors("read the transcript"):
+            read, found = await asyncio.gather(
+                self._stream_batch(scope, pin, -1, size), self._in_scope(scope["_id"], user_id)
+            )
+        docs = _its_messages(scope["_id"], found, read) or []
+        if not docs:
+            return read, docs, None
+        life = pin or {"epoch": found.get("epoch"), "created_at": found.get("created_at")}
+        return read, docs, life
 
     async def _served(
         self, messages: list[AgentMessage], full: bool
@@ -1870,6 +1945,24 @@ def _by_seq(
     """How a page of messages in `order` sorts, and the messages after a message read."""
     step = "$gt" if order == "asc" else "$lt"
     return [("seq", 1 if order == "asc" else -1)], lambda last: {"seq": {step: last["seq"]}}
+
+
+def _its_messages(
+    conversation_id: str, found: Mapping[str, Any] | None, docs: list[dict[str, Any]]
+) -> list[dict[str, Any]] | None:
+    """Of the messages read under a conversation's id, those the conversation document
+    `found` with them (`_in_scope`) serves: none when it is no conversation (`STANDING`: a
+    delete or an erasure that failed before its messages went, a fork not made yet):
+    NotFound; None when no document is there (the caller tells a conversation not migrated
+    yet from none at all); else those of its `epoch`, and those stored before epochs (a turn
+    of a deleted conversation, reserved before the delete and inserted after it, may land
+    under the id once the conversation was started again, until the delete's sweep)."""
+    if found is None:
+        return None
+    if not is_standing(found):
+        raise NotFound(f"conversation {conversation_id!r} was not found")
+    epoch = found.get("epoch")
+    return [doc for doc in docs if doc.get("epoch") in (None, epoch)]
 
 
 async def _bounded_page(
