@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, TurnRules
 from agent_store.core import (
+    DENIED_RESULT,
     INTERRUPTED_RESULT,
     PENDING_RESULT,
     AgentMessage,
@@ -329,3 +330,81 @@ async def test_export_user_leaves_out_a_conversation_gone_before_its_turn_and_go
 
     assert [e.conversation.id for e in exported] == left
     assert [m.content for e in exported for m in e.messages] == left
+
+
+_BOOK_AND_QUOTE = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "book", "arguments": "{}"}},
+        {"id": "b", "type": "function", "function": {"name": "quote", "arguments": "{}"}},
+    ],
+}
+
+
+async def test_a_tool_result_stored_as_only_an_error_is_replayed_as_a_failure_with_its_reason(
+    backend: Backend,
+) -> None:
+    """A result with no text and an error did not succeed: the replay says so, never an empty
+    output the model reads as success. The denial marker reads as the library's own denial."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    said = [
+        {"role": "user", "content": "Book it"},
+        _BOOK_AND_QUOTE,
+        {"role": "tool", "tool_call_id": "a", "content": None,
+         "error": {"message": "tool call denied"}},
+        {"role": "tool", "tool_call_id": "b", "content": None,
+         "error": {"message": "upstream timeout"}},
+    ]  # fmt: skip
+    await logger.log_messages("c", said, user_id="u", turn_id="t1")
+    stored = await store.transcript("c")
+
+    results = [(m["tool_call_id"], m["content"]) for m in chat_completions(stored)[2:]]
+    assert results == [("a", DENIED_RESULT), ("b", "The tool call failed: upstream timeout")]
+    outputs = [(i["call_id"], i["output"]) for i in responses_items(stored)[-2:]]
+    assert outputs == results
+
+
+async def test_a_user_message_with_an_upload_and_only_hidden_context_replays_as_the_file_note(
+    backend: Backend,
+) -> None:
+    """Stored with no text once its runtime context was removed, an upload still tells the
+    model which file it sent, in both formats."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    upload = {"filename": "invoice.pdf", "file_type": "application/pdf", "size": 10}
+    said = [{"role": "user", "content": "[RUNTIME CONTEXT] tz=UTC [/RUNTIME CONTEXT]",
+             "upload": upload}]  # fmt: skip
+    await logger.log_messages("c", said, user_id="u", turn_id="t1")
+    stored = await store.transcript("c")
+
+    note = "[uploaded invoice.pdf (application/pdf)]"
+    assert [m.content for m in stored] == [""]
+    assert chat_completions(stored) == [{"role": "user", "content": note}]
+    assert responses_items(stored) == [{"type": "message", "role": "user", "content": note}]
+    assert chat_completions(said) == [{"role": "user", "content": note}]  # not from the store
+
+
+@pytest.mark.parametrize(
+    ("content", "error", "replayed"),
+    [
+        (None, "tool call denied: user_rejected", DENIED_RESULT),
+        (None, "tool call interrupted", INTERRUPTED_RESULT),
+        (None, "tool call failed", "The tool call failed."),
+        (None, "tool call failed: ValueError", "The tool call failed: ValueError"),
+        (None, "tool call retried: model_retry", "The tool call failed: model_retry"),
+        ("", "upstream timeout", "The tool call failed: upstream timeout"),
+        ("no seats left", "tool call failed", "no seats left"),  # the text the model was shown
+        ("", None, ""),  # an empty success stays one
+    ],
+)
+def test_a_tool_result_replays_its_text_or_what_its_error_says(
+    content: str | None, error: str | None, replayed: str
+) -> None:
+    answer: dict[str, Any] = {"role": "tool", "tool_call_id": "a", "content": content}
+    answer |= {"error": {"message": error}} if error else {}
+    stored = [{"role": "user", "content": "Book it"}, _BOOK_AND_QUOTE, answer]
+
+    exported = chat_completions(stored, dangling="drop")
+    check_chat_completions(exported)
+    assert exported[2] == {"role": "tool", "tool_call_id": "a", "content": replayed}
+    assert responses_items(stored, dangling="drop")[-1]["output"] == replayed

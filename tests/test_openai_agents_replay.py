@@ -21,7 +21,7 @@ from openai.types.responses import ResponseInputItemParam
 from pydantic import TypeAdapter
 
 from agent_store import AgentMessageLogger, ConversationStore
-from agent_store.core import PENDING_RESULT
+from agent_store.core import DENIED_RESULT, PENDING_RESULT
 from agent_store.integrations.exports import chat_completions_problems
 from agent_store.integrations.langchain import ConversationChatHistory
 from agent_store.integrations.openai_agents import ConversationSession
@@ -365,3 +365,26 @@ async def test_items_the_session_added_come_back_in_the_order_added(
     await session.add_items(added)  # type: ignore[arg-type]
 
     assert await session.get_items() == added
+
+
+async def test_a_result_another_writer_stored_as_only_an_error_is_an_output_saying_it_failed(
+    backend: Backend,
+) -> None:
+    """As in the exports (`result_text`): never an empty output a model reads as a success."""
+    calls = [{"id": i, "type": "function", "function": {"name": n, "arguments": "{}"}}
+             for i, n in (("a", "book"), ("b", "quote"))]  # fmt: skip
+    said = [
+        {"role": "user", "content": "Book it"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "a", "content": None,
+         "error": {"message": "tool call denied"}},
+        {"role": "tool", "tool_call_id": "b", "content": None,
+         "error": {"message": "upstream timeout"}},
+    ]  # fmt: skip
+    await AgentMessageLogger(backend.db).log_messages(CID, said, user_id="u", turn_id="t1")
+
+    items = await ConversationSession(CID, backend.db).get_items()
+
+    outputs = [(i["call_id"], i["output"]) for i in items if "output" in i]
+    assert outputs == [("a", DENIED_RESULT), ("b", "The tool call failed: upstream timeout")]
+    assert problems_of(items) == []

@@ -9,6 +9,7 @@ import unicodedata
 import pytest
 
 from agent_store import InvalidInput, Truncation
+from agent_store.core import message_adapter
 from agent_store.store import (
     TRUNCATION_MARK,
     RuntimeContextMarkers,
@@ -18,13 +19,14 @@ from agent_store.store import (
     document_size,
     parse_messages,
     plan_turn,
+    prompt_text,
     shorten,
     split_runtime_context,
     strip_runtime_context,
     strip_runtime_context_pieces,
     without_runtime_context,
 )
-from agent_store.store._text import HIDDEN_CHARACTERS, shows_nothing
+from agent_store.store._text import HIDDEN_CHARACTERS, message_text, search_text, shows_nothing
 
 
 @pytest.mark.parametrize(
@@ -299,3 +301,24 @@ def test_a_user_messages_text_that_was_only_context_and_must_not_be_empty_is_ref
 
     with pytest.raises(InvalidInput, match=r"runtime context removed.*native\.format"):
         plan_turn("c-1", turn)
+
+
+@pytest.mark.parametrize(
+    ("content", "given", "shown"),
+    [
+        (None, "[uploaded invoice.pdf (application/pdf)]", "invoice.pdf"),
+        ("", "[uploaded invoice.pdf (application/pdf)]", "invoice.pdf"),  # was only context
+        ("Pay this", "Pay this", "Pay this"),
+    ],
+)
+def test_an_upload_with_no_text_stands_for_the_message_to_a_model_and_in_previews(
+    content: str | None, given: str, shown: str
+) -> None:
+    """No text, or none left once hidden context is removed, is the same: the file note goes
+    to a model (`prompt_text`: every replay), its name to previews, and search finds it."""
+    upload = {"filename": "invoice.pdf", "file_type": "application/pdf", "size": 10}
+    said = message_adapter.validate_python({"role": "user", "content": content, "upload": upload})
+
+    assert prompt_text(said) == given
+    assert message_text(said) == shown
+    assert "invoice.pdf" in (search_text(said) or "")

@@ -80,6 +80,7 @@ from agent_store.core._models import (
 )
 from agent_store.core._outcomes import (
     DENIED_RESULT,
+    FAILED_RESULT,
     INTERRUPTED_RESULT,
     PENDING_RESULT,
     RETRY_FEEDBACK,
@@ -95,12 +96,14 @@ from agent_store.core._outcomes import (
     interruption_notice,
     is_stand_in,
     outcome_error,
+    result_text,
     stand_in_result,
     tool_outcome,
 )
 
 __all__ = [
     "DENIED_RESULT",
+    "FAILED_RESULT",
     "HOLDING_PROMPTS_KEPT",
     "IDENTIFIER_PATTERN",
     "INTERRUPTED_RESULT",
@@ -180,6 +183,7 @@ __all__ = [
     "message_adapter",
     "messages_adapter",
     "outcome_error",
+    "result_text",
     "rfc3339_millis",
     "shown",
     "shown_key",

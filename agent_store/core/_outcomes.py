@@ -36,6 +36,8 @@ INTERRUPTED_RESULT = "No result: the run ended before this tool call returned."
 DENIED_RESULT = "The user denied this tool call."
 PENDING_RESULT = "No result yet: this tool call awaits approval or its result."
 """What an export answers a pending call with, in the replay it produces; never stored."""
+FAILED_RESULT = "The tool call failed"
+"""How a replay begins the text of a result stored with only an error (`result_text`)."""
 
 _OUTCOME_MARKER = re.compile(r"^tool call (failed|denied|interrupted|retried)(?:: ([A-Za-z_]+))?\Z")
 _FEEDBACK_MARKER = re.compile(r"^retry feedback(?:: ([A-Za-z_]+))?\Z")
@@ -133,6 +135,23 @@ _STAND_IN_TEXT: dict[ToolOutcome, str] = {
     "interrupted": INTERRUPTED_RESULT,
     "denied": DENIED_RESULT,
 }
+
+
+def result_text(message: ToolMessage) -> str:
+    """What a model is given of a tool result: its content; for one stored with no text and
+    an `error`, a text saying the call did not succeed and why, never an empty output a model
+    would read as a success. A denial or an interruption reads as the library's own stand-in
+    (`DENIED_RESULT`, `INTERRUPTED_RESULT`); any other error as `The tool call failed: ` and
+    its cause, or the error's message when it is no marker (`upstream timeout`)."""
+    if message.content or message.error is None:
+        return message.content or ""
+    marker = _OUTCOME_MARKER.match(message.error.message)
+    if marker is None:
+        return f"{FAILED_RESULT}: {message.error.message}"
+    outcome, cause = _BY_NAME[marker.group(1)], marker.group(2)
+    if outcome in _STAND_IN_TEXT:
+        return _STAND_IN_TEXT[outcome]
+    return f"{FAILED_RESULT}: {cause}" if cause else f"{FAILED_RESULT}."
 
 
 def stand_in_result(

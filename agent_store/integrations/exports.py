@@ -24,6 +24,7 @@ from agent_store.core import (
     ToolMessage,
     describe_validation_error,
     messages_adapter,
+    result_text,
 )
 from agent_store.integrations._pairing import CallKey, answers_to_calls, unique_call_id
 from agent_store.store import (
@@ -71,11 +72,13 @@ def chat_completions(
     later are moved up, and a real result stored later wins over an
     `interrupted` stand-in); a result that answers no call is left out; a call
     with no stored result — a pending call — gets `PENDING_RESULT` in the
-    export only or, with `dangling="drop"`, is removed. A call id used again
+    export only or, with `dangling="drop"`, is removed; a result stored with
+    no text and an error says the call failed and why (`result_text`). A call id used again
     later in the conversation is renamed `<id>_<n>` so ids stay unique.
     Assistant messages the model never said — an `error` or a HITL action
     with no text, or no text once its calls were dropped — are left out, and
-    a user message with only an upload becomes a short note naming the file.
+    a user message with only an upload (no text, or none once its hidden
+    context is removed) becomes a short note naming the file.
     Hidden runtime context (between `markers`) is removed from user text, as
     the logger does, should the messages not come from the store.
     """
@@ -94,10 +97,13 @@ def chat_completions(
 
 
 def _exported_prompt(message: AgentMessage, markers: RuntimeContextMarkers) -> list[dict[str, Any]]:
-    """A system or user message: its text, or a note naming an uploaded file."""
+    """A system or user message: its text, or a note naming an uploaded file when nothing of
+    its text is left once hidden context is removed (`prompt_text`)."""
+    if message.content and message.role == "user":
+        shown = strip_runtime_context(message.content, markers)
+        if shown != message.content:
+            message = message.model_copy(update={"content": shown})
     text = prompt_text(message)
-    if message.content is not None and message.role == "user":
-        text = strip_runtime_context(message.content, markers)
     return [] if text is None else [{"role": message.role, "content": text}]
 
 
@@ -118,7 +124,7 @@ def _exported_response(
         call_id = unique_call_id(call.id, used_ids)
         function = {"name": call.function.name, "arguments": call.function.arguments}
         calls.append({"id": call_id, "type": "function", "function": function})
-        content = PENDING_RESULT if answer is None else (answer.content or "")
+        content = PENDING_RESULT if answer is None else result_text(answer)
         results.append({"role": "tool", "tool_call_id": call_id, "content": content})
     if not message.content and not calls:
         return []  # nothing the model said is left

@@ -59,6 +59,7 @@ from agent_store.core import (
     ToolMessage,
     UserMessage,
     describe_validation_error,
+    result_text,
 )
 from agent_store.integrations._appends import Appends
 from agent_store.integrations._native import native_form, with_native
@@ -170,7 +171,7 @@ def _rebuilt(message: AgentMessage) -> list[dict[str, Any]]:
             {
                 "type": "function_call_output",
                 "call_id": message.tool_call_id,
-                "output": message.content or "",
+                "output": result_text(message),
             }
         ]
     if isinstance(message, AssistantMessage):

@@ -292,8 +292,9 @@ def shorten(text: str, limit: int) -> str:
 
 def prompt_text(message: AgentMessage) -> str | None:
     """What a model is given of a system or user message: its content, or a note naming the
-    file it uploaded; None when it has neither."""
-    if message.content is None and message.upload is not None:
+    file it uploaded when it has no text (None, or "" as a text that was only hidden runtime
+    context is stored); None when it has neither."""
+    if not message.content and message.upload is not None:
         return f"[uploaded {message.upload.filename} ({message.upload.file_type})]"
     return message.content
 
