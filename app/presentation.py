@@ -176,16 +176,25 @@ def _cut_fields(message: AgentMessage) -> list[str]:
     ]
 
 
-def calls_made_before(messages: Sequence[AgentMessage]) -> set[str]:
-    """The call ids of the tool results among `messages` that answer no call among them: on
-    a page of a transcript, those whose call lies before the page (`message_views(before=)`
-    names them from the messages making them, `ConversationStore.calls_before`)."""
+def calls_made_before(messages: Sequence[AgentMessage]) -> list[str]:
+    """The call ids of the tool results among `messages` that answer no call among them, once
+    per such result: on a page of a transcript, those that take a call made before the page
+    (`message_views(before=)` pairs them with the messages before it that
+    `ConversationStore.calls_before` reads). A result takes the latest earlier call of its
+    id still without an answer (`calls_answered`), so one whose every earlier call on the
+    page is answered takes one before the page too, if one is still open there."""
     answered = calls_answered(messages)
-    return {
-        m.tool_call_id
-        for index, m in enumerate(messages)
-        if m.tool_call_id is not None and index not in answered
-    }
+    taken: set[tuple[int, str]] = set()
+    ids = []
+    for index, m in enumerate(messages):
+        if m.tool_call_id is None:
+            continue
+        call = answered.get(index)
+        if call is None or call in taken:
+            ids.append(m.tool_call_id)
+        if call is not None:
+            taken.add(call)
+    return ids
 
 
 def _answers(
@@ -194,7 +203,8 @@ def _answers(
     """What each tool result answers, by its index, as `name (id)`: the call the store pairs
     it with (`calls_answered`: the latest earlier call of its id without an answer, so a
     provider reusing `call_0` every turn names each turn's own), among `before` (earlier
-    messages making calls) and `messages`; `unknown tool` for one answering none of them."""
+    messages making and answering calls) and `messages`; `unknown tool` for one answering
+    none of them."""
     whole = [*before, *messages]
     answered = calls_answered(whole)
     answers = {}
@@ -227,8 +237,9 @@ def message_views(
     before: Sequence[AgentMessage] = (),
 ) -> list[MessageView]:
     """The messages as a person reads them; `pending` the conversation's `pending_hitl`;
-    `before` the messages before them making the calls their results answer (a page of a
-    transcript names calls made on an earlier page: `calls_made_before`)."""
+    `before` the messages before them making and answering the calls their results may
+    answer (a page of a transcript names calls made on an earlier page: `calls_made_before`,
+    `ConversationStore.calls_before`)."""
     answers = _answers(messages, before)
     views = []
     for index, m in enumerate(messages):
