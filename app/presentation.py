@@ -21,6 +21,11 @@ from app.json_body import nests_deeper_than
 SNIPPET_CHARS = 300
 PRETTY_DEPTH = 32
 """JSON nested deeper than this is shown as stored rather than indented."""
+PRETTY_GROWTH = 4
+PRETTY_SLACK = 4_096
+"""JSON indented is at most `PRETTY_GROWTH` times its length and `PRETTY_SLACK` characters
+more (a small text may grow more, a large one not): longer, it is shown as stored, so a
+page costs a few times what it shows, never its size times its depth."""
 ROLE_LABELS = {
     "system": "System trigger",
     "user": "User",
@@ -33,12 +38,14 @@ _JSON_TOKENS = re.compile(r'"(?:[^"\\]+|\\.)*"|[{}\[\],:]|[^ \t\n\r{}\[\],:"]+')
 """The tokens of JSON text: a string literal, a bracket, a comma or colon, another value."""
 
 
-def _reindented(text: str) -> str:
+def _reindented(text: str, most: int) -> str | None:
     """Valid JSON `text` indented by two spaces per level, every token as written: only the
-    white space between tokens changes (a repeated key, `1E5`, an escape stay)."""
+    white space between tokens changes (a repeated key, `1E5`, an escape stay); None once
+    the indented text would pass `most` characters (built no further)."""
     out: list[str] = []
-    depth, last = 0, ""
+    depth, last, size = 0, "", 0
     for token in _JSON_TOKENS.findall(text):
+        before = len(out)
         if token in ("}", "]"):
             depth -= 1
             if last not in ("{", "["):
@@ -51,6 +58,9 @@ def _reindented(text: str) -> str:
             out.append(": " if token == ":" else token)
         depth += token in ("{", "[")
         last = token
+        size += sum(len(piece) for piece in out[before:])
+        if size > most:
+            return None
     return "".join(out)
 
 
@@ -59,23 +69,30 @@ def pretty_json(value: Any) -> str:
 
     Stored text is shown as stored: JSON text is indented token by token, changing nothing
     but its white space (its strings, numbers and keys as written, a repeated key kept);
-    text that is no JSON, or nests too deeply to parse or indent, is shown as it was stored.
+    text that is no JSON, nests too deeply to parse or indent, or would grow past
+    `PRETTY_GROWTH` times its length indented, is shown as it was stored. A parsed value is
+    written as JSON text first, then shown by the same rule.
     """
-    text = value if isinstance(value, str) else None
-    if text is not None:
-        try:
-            value = json.loads(text)
-        except (ValueError, RecursionError):
-            return text
     try:
-        if nests_deeper_than(value, PRETTY_DEPTH):
-            # Indenting grows with the square of the depth: deep values are shown as stored.
-            return text if text is not None else json.dumps(value, ensure_ascii=False, default=str)
-        if text is not None:
-            return _reindented(text)
-        return json.dumps(value, indent=2, ensure_ascii=False, default=str)
+        text = (
+            value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+        )
     except (TypeError, ValueError, RecursionError):
-        return text if text is not None else str(value)
+        return str(value)
+    try:
+        parsed = json.loads(text) if isinstance(value, str) else value
+    except (ValueError, RecursionError):
+        return text
+    try:
+        if nests_deeper_than(parsed, PRETTY_DEPTH):
+            # Indenting grows with the square of the depth: deep values are shown as stored.
+            return text
+    except RecursionError:
+        return text
+    # Each value takes a line of two spaces per level: a wide value deep down would take
+    # `PRETTY_DEPTH` times its size, so indenting stops at a few times the text's.
+    indented = _reindented(text, PRETTY_GROWTH * len(text) + PRETTY_SLACK)
+    return text if indented is None else indented
 
 
 def human_size(size: int) -> str:
@@ -159,16 +176,25 @@ def _cut_fields(message: AgentMessage) -> list[str]:
     ]
 
 
-def calls_made_before(messages: Sequence[AgentMessage]) -> set[str]:
-    """The call ids of the tool results among `messages` that answer no call among them: on
-    a page of a transcript, those whose call lies before the page (`message_views(before=)`
-    names them from the messages making them, `ConversationStore.calls_before`)."""
+def calls_made_before(messages: Sequence[AgentMessage]) -> list[str]:
+    """The call ids of the tool results among `messages` that answer no call among them, once
+    per such result: on a page of a transcript, those that take a call made before the page
+    (`message_views(before=)` pairs them with the messages before it that
+    `ConversationStore.calls_before` reads). A result takes the latest earlier call of its
+    id still without an answer (`calls_answered`), so one whose every earlier call on the
+    page is answered takes one before the page too, if one is still open there."""
     answered = calls_answered(messages)
-    return {
-        m.tool_call_id
-        for index, m in enumerate(messages)
-        if m.tool_call_id is not None and index not in answered
-    }
+    taken: set[tuple[int, str]] = set()
+    ids = []
+    for index, m in enumerate(messages):
+        if m.tool_call_id is None:
+            continue
+        call = answered.get(index)
+        if call is None or call in taken:
+            ids.append(m.tool_call_id)
+        if call is not None:
+            taken.add(call)
+    return ids
 
 
 def _answers(
@@ -177,7 +203,8 @@ def _answers(
     """What each tool result answers, by its index, as `name (id)`: the call the store pairs
     it with (`calls_answered`: the latest earlier call of its id without an answer, so a
     provider reusing `call_0` every turn names each turn's own), among `before` (earlier
-    messages making calls) and `messages`; `unknown tool` for one answering none of them."""
+    messages making and answering calls) and `messages`; `unknown tool` for one answering
+    none of them."""
     whole = [*before, *messages]
     answered = calls_answered(whole)
     answers = {}
@@ -210,8 +237,9 @@ def message_views(
     before: Sequence[AgentMessage] = (),
 ) -> list[MessageView]:
     """The messages as a person reads them; `pending` the conversation's `pending_hitl`;
-    `before` the messages before them making the calls their results answer (a page of a
-    transcript names calls made on an earlier page: `calls_made_before`)."""
+    `before` the messages before them making and answering the calls their results may
+    answer (a page of a transcript names calls made on an earlier page: `calls_made_before`,
+    `ConversationStore.calls_before`)."""
     answers = _answers(messages, before)
     views = []
     for index, m in enumerate(messages):

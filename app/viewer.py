@@ -270,20 +270,20 @@ class _MessagePage:
     """Up to `MESSAGES_PER_PAGE + 1` messages from `from_seq` on (one more tells of a next
     page)."""
     before: list[AgentMessage]
-    """Messages before the page, those making the calls its results answer among them
-    (`calls_made_before`)."""
+    """Messages before the page making or answering the calls its results may answer, as
+    far back as pairing them needs (`calls_made_before`, `ConversationStore.calls_before`)."""
     stored: bool
     """Whether the conversation is stored (migrated)."""
 
 
 async def _message_page(store: Store, conversation_id: str, from_seq: int) -> _MessagePage:
     """A page of the conversation's messages from `from_seq` on, with the messages before it
-    making the calls its results answer.
+    that pair its results with their calls.
 
     A conversation not migrated yet has no stored messages: its converted legacy turns
     are read whole and cut the same way, by `seq`, on every page; the calls before a page
     are among them. A stored one's are one more read, only when the page holds a result
-    whose call is not on it (`ConversationStore.calls_before`).
+    that may answer a call not on it (`ConversationStore.calls_before`).
     """
     conversations = store.conversations
     try:

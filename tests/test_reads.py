@@ -25,6 +25,7 @@ from agent_store import (
     Unsupported,
     VersionMismatch,
 )
+from agent_store.core import AgentMessage, calls_answered, messages_adapter
 from agent_store.store import (
     BLOB_CHUNKS,
     BLOB_FILES,
@@ -173,6 +174,45 @@ async def test_the_calls_before_a_seq_are_the_latest_messages_making_each_id(
     assert await store.calls_before("c-calls", [], before_seq=31) == []
     with pytest.raises(InvalidInput, match="before_seq"):
         await store.calls_before("c-calls", ["call_0"], before_seq=-1)
+
+
+async def test_the_calls_before_a_seq_pair_a_pages_results_as_the_whole_transcript_does(
+    backend: Backend,
+) -> None:
+    """A result answers the latest earlier call of its id without an answer (`calls_answered`):
+    `calls_before` gives the messages making and answering each id down to the call a page's
+    results take, an id given n times (n results) down to the n-th call still open, so the
+    pairing over them and the page is the pairing over the whole transcript."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages("c-reused", [calling("book_flight", "call_0")], user_id="u")  # 0
+    await logger.log_messages("c-reused", [calling("pay", "call_0")], user_id="u")  # 1
+    await logger.log_messages(
+        "c-reused",
+        [calling("search_hotels", "call_0"), {"role": "tool", "tool_call_id": "call_0",
+                                              "content": "3 hotels"}],  # 2, 3
+        user_id="u",
+    )  # fmt: skip
+    store = ConversationStore(backend.db)
+    late = [{"role": "tool", "tool_call_id": "call_0", "content": "done"}] * 2
+    page = messages_adapter.validate_python(
+        [{**m, "seq": 4 + n, "conversation_id": "c-reused"} for n, m in enumerate(late)]
+    )
+
+    once = await store.calls_before("c-reused", ["call_0"], before_seq=4)
+    twice = await store.calls_before("c-reused", ["call_0", "call_0"], before_seq=4)
+
+    def answered(before: list[AgentMessage], results: int) -> list[str]:
+        whole = [*before, *page[:results]]
+        pairs = calls_answered(whole)
+        return [
+            (whole[pairs[n][0]].tool_calls or [])[0].function.name
+            for n in range(len(before), len(whole))
+        ]
+
+    assert [m.seq for m in once] == [1, 2, 3]
+    assert answered(once, 1) == ["pay"]
+    assert [m.seq for m in twice] == [0, 1, 2, 3]
+    assert answered(twice, 2) == ["pay", "book_flight"]
 
 
 BULKY = "x" * 4_000  # a small page budget (monkeypatched) holds a few of these

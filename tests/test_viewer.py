@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import html
+import json
 import re
 import time
 from collections import Counter
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from app.auth import Authenticator
-from app.presentation import legacy_turn_view, pretty_json
+from app.presentation import PRETTY_DEPTH, legacy_turn_view, pretty_json
 from app.sessions import SESSION_COOKIE, SESSION_SECONDS, issue_session, session_service
 from app.throttle import SignInLimiter
 from tests.api_harness import (
@@ -265,6 +266,52 @@ async def test_the_viewer_shows_stored_text_however_deeply_it_nests(
         page = await api.http.get(url)
         assert page.status_code == 200, url
         assert page.text.count(deep) >= 2, url
+
+
+WIDE = [[0] * 30_000]
+for _ in range(PRETTY_DEPTH - 2):
+    WIDE = [WIDE]
+WIDE_TEXT = json.dumps(WIDE, separators=(",", ":"))
+"""30,000 small values nested as deep as the viewer indents (`PRETTY_DEPTH`): indented,
+each would take a line of 64 spaces."""
+
+
+def wide_turn(where: str) -> list[dict[str, Any]]:
+    """A turn holding `WIDE` as a call's arguments, a result or a prompt's params."""
+    arguments = WIDE_TEXT if where == "arguments" else "{}"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    asked = {"action": "confirm", "request_id": "r1", "params": {"rows": WIDE[0]}}
+    prompt = {"role": "assistant", "content": "ok?", "hitl_action": asked}
+    return [
+        {"role": "user", "content": "wide"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": WIDE_TEXT if where == "result" else "ok"},
+        *([prompt] if where == "params" else []),
+    ]
+
+
+@pytest.mark.parametrize("where", ["arguments", "result", "params"])
+async def test_a_page_grows_with_what_it_shows_never_with_its_depth_times_its_size(
+    api: Served, where: str
+) -> None:
+    """Indenting gives each value a line of two spaces per level: stored JSON is indented only
+    while that keeps it within a few times its stored size (`PRETTY_GROWTH`), else it is shown
+    as stored, so a page costs about what its messages weigh (a user's 600 KB of arguments
+    nested 32 deep made 20 MB of HTML)."""
+    await api.store.logger.log_messages(f"conv-{where}", wide_turn(where), user_id=OWNER)
+    await sign_in(api.http)
+
+    page = await api.http.get(f"/viewer/conversations/conv-{where}")
+
+    assert page.status_code == 200
+    assert len(page.content) < 2 * len(WIDE_TEXT) + 20_000
+    assert re.search(r"0, ?0, ?0, ?0", page.text)  # shown as stored, each row on one line
+
+
+def test_json_indented_beyond_a_few_times_its_size_is_shown_as_stored() -> None:
+    assert pretty_json(WIDE_TEXT) == WIDE_TEXT
+    assert pretty_json(WIDE) == json.dumps(WIDE, ensure_ascii=False)
+    assert pretty_json("[[[1]]]") == "[\n  [\n    [\n      1\n    ]\n  ]\n]"  # a small text
 
 
 # -- sessions on the server, sign-in limits, origins -----------------------------------------

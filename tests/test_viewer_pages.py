@@ -453,6 +453,35 @@ async def test_a_result_whose_call_is_on_an_earlier_page_names_that_call(api: Se
     ]
 
 
+async def test_a_result_on_a_later_page_names_the_open_call_of_a_reused_id(api: Served) -> None:
+    """A result answers the latest earlier call of its id still without an answer: on a later
+    page too, past a reuse of the id answered in between (`book_flight`'s `call_0` held for
+    approval, `search_hotels`' answered at once), and past a call of the id on the page whose
+    answer comes first."""
+    held = [{"role": "user", "content": "book"}, calling("call_0", "book_flight")]  # 0, 1
+    hotels = [calling("call_0", "search_hotels"), result("call_0")]
+    filler = [{"role": "user", "content": f"message {n}"} for n in range(MESSAGES_PER_PAGE - 4)]
+    turns = {
+        "conv-late": [held, [*hotels, *filler[:-2]], [result("call_0")]],  # 2-3, 4-97, 98
+        "conv-page": [held, filler, hotels, [result("call_0")]],  # 2-97, 98-99, 100
+    }
+    for conversation_id, logged in turns.items():
+        for turn in logged:
+            await api.store.logger.log_messages(conversation_id, turn, user_id=OWNER)
+    paged = {
+        conversation_id: (
+            await api.http.get(f"/viewer/conversations/{conversation_id}?from_seq=97")
+        ).text
+        for conversation_id in turns
+    }
+
+    assert answers(paged["conv-late"]) == [(98, "book_flight (call_0)")]
+    assert answers(paged["conv-page"]) == [
+        (99, "search_hotels (call_0)"),
+        (100, "book_flight (call_0)"),
+    ]
+
+
 async def test_a_result_whose_call_is_on_an_earlier_page_of_a_legacy_conversation_names_it(
     api: Served,
 ) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import binascii
 import json
+from collections import Counter
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -40,6 +41,7 @@ from agent_store.core import (
     PoppedMessage,
     VersionMismatch,
     awaiting_results,
+    calls_answered,
     conversation_version,
     epoch_millis,
     from_epoch_millis,
@@ -927,52 +929,59 @@ class ConversationStore:
         before_seq: int,
         user_id: str | None = None,
     ) -> list[AgentMessage]:
-        """The latest stored message below `before_seq` making each tool call of `call_ids`,
-        by `seq` (an id none makes is left out): what a page of a transcript starting at
-        `before_seq` needs to name the calls its results answer (`calls_answered` over
-        these messages and the page's).
+        """The stored messages below `before_seq` that pair the tool results of a page
+        starting there with their calls as the whole transcript pairs them (`calls_answered`
+        over these and the page's): for each id of `call_ids`, the messages making or
+        answering it, by `seq`, from the page down to its latest call still without an
+        answer, or its n-th latest for an id given n times (n results of the page answer no
+        call on it); down to its first for fewer (a result then answers the id's latest
+        call). An id no message makes gives none.
 
         A scan of the `{conversation_id, seq}` index down from `before_seq`, of the messages
-        making one of the ids still unfound, `PAGE_FIRST_BATCH` at a time: one round trip
-        unless more such messages lie between the page and an id's latest call; none for no
-        ids. No legacy fallback: a conversation not migrated yet is read whole.
+        making or answering an id still unpaired, `PAGE_FIRST_BATCH` at a time: one round
+        trip unless more such messages lie between the page and the calls its results take
+        (an id whose every earlier call is answered is read down to its first), the
+        conversation document read with the first (`_of_standing`: none of one that is no
+        conversation); none for no ids. No legacy fallback: a conversation not migrated yet is
+        read whole.
         """
         if isinstance(before_seq, bool) or not isinstance(before_seq, int) or before_seq < 0:
             raise InvalidInput(f"invalid before_seq {before_seq!r}: it must be a seq, 0 or more")
-        wanted = set(call_ids)
-        if not all(isinstance(call_id, str) for call_id in wanted):
+        needed = Counter(call_ids)
+        if not all(isinstance(call_id, str) for call_id in needed):
             raise InvalidInput("invalid call_ids: each must be a tool call id, as text")
         scope: dict[str, Any] = {
             "conversation_id": validate_identifier(conversation_id, "conversation_id")
         }
         if user_id is not None:
             scope["user_id"] = validate_identifier(user_id, "user_id")
-        if not wanted:
+        if not needed:
             return []
-        read = self._latest_calls(scope, wanted, before_seq)
+        read = self._paired_calls(scope, needed, before_seq)
         step = "read the calls before a page"
         docs = await self._of_standing(conversation_id, user_id, read, step, absent_is_empty=True)
         return messages_adapter.validate_python(docs or [])
 
-    async def _latest_calls(
-        self, scope: dict[str, Any], wanted: set[str], before_seq: int
+    async def _paired_calls(
+        self, scope: dict[str, Any], needed: Counter[str], before_seq: int
     ) -> list[dict[str, Any]]:
         """`calls_before`'s scan of the messages below `before_seq` in `scope`, by `seq`."""
-        found: list[dict[str, Any]] = []
+        found: list[tuple[dict[str, Any], AgentMessage]] = []
+        reach: dict[str, int] = {}
         below = before_seq
-        while wanted:
-            query = {**scope, "seq": {"$lt": below}, "tool_calls.id": {"$in": sorted(wanted)}}
+        while len(reach) < len(needed):
+            wanted = sorted(set(needed) - set(reach))
+            either = [{"tool_calls.id": {"$in": wanted}}, {"tool_call_id": {"$in": wanted}}]
+            query = {**scope, "seq": {"$lt": below}, "$or": either}
             cursor = self._messages.find(query).sort("seq", -1).limit(PAGE_FIRST_BATCH)
             docs = await cursor.to_list(None)
-            for doc in docs:
-                made = {call.get("id") for call in doc.get("tool_calls") or ()}
-                if made & wanted:
-                    found.append(doc)
-                    wanted -= made
+            found += zip(docs, messages_adapter.validate_python(docs), strict=True)
+            stretch = [m for _, m in reversed(found)]
+            reach |= _reached(stretch, {call_id: needed[call_id] for call_id in wanted})
             if len(docs) < PAGE_FIRST_BATCH:
                 break
             below = docs[-1]["seq"]
-        return found[::-1]
+        return [doc for doc, message in reversed(found) if _kept(message, reach)]
 
     async def messages_page(
         self,
@@ -2029,3 +2038,31 @@ def _approximate_size(document: Any) -> int:
         else:
             size += 8
     return size
+
+
+def _kept(message: AgentMessage, reach: Mapping[str, int]) -> bool:
+    """Whether a message making or answering tool calls is on the stretch a page needs for one
+    of their ids: from the page down to its `reach`, all the way for an id without one."""
+    ids = [call.id for call in message.tool_calls or ()]
+    if message.tool_call_id is not None:
+        ids.append(message.tool_call_id)
+    return any((message.seq or 0) >= reach.get(call_id, -1) for call_id in ids)
+
+
+def _reached(messages: Sequence[AgentMessage], needed: Mapping[str, int]) -> dict[str, int]:
+    """By id of `needed` with that many calls among `messages` (a stretch of a transcript
+    up to a page, by `seq`) that no result among them answers (`calls_answered`), the `seq`
+    of the earliest of the latest `needed[id]` of them: what a page's results take. An
+    answer earlier than `messages` takes none of these (the later a call, the sooner it is
+    taken), so the stretch from there on pairs them as the whole transcript does."""
+    taken = {(messages[at].seq, call_id) for at, call_id in calls_answered(messages).values()}
+    open_calls: dict[str, list[int]] = {}
+    for message in reversed(messages):
+        for call in message.tool_calls or ():
+            if message.seq is not None and (message.seq, call.id) not in taken:
+                open_calls.setdefault(call.id, []).append(message.seq)
+    return {
+        call_id: seqs[count - 1]
+        for call_id, count in needed.items()
+        if len(seqs := open_calls.get(call_id, [])) >= count
+    }
