@@ -964,6 +964,35 @@ async def _half_deleted(backend: Backend) -> tuple[AgentMessageLogger, Conversat
 BEING_DELETED = f"conversation {CID!r} is being deleted"
 
 
+async def test_a_turn_whose_reservation_lost_every_race_is_sent_again_as_it_is(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its reservation found the conversation changed under it at each attempt (writers
+    racing it): nothing is written, and the refusal is one to retry as it is (503,
+    `StorageUnavailable`, as a dropped connection is), which `with_retries` retries, not a
+    failure to report; sent again, it is stored once."""
+    logger = AgentMessageLogger(backend.db)
+    said = [{"role": "user", "content": "u0"}]
+    await logger.log_messages(CID, said, turn_id="t0")
+    try_reserve, attempts = logger._try_reserve, 0
+
+    async def racing(*args: Any, **kwargs: Any) -> Any:
+        nonlocal attempts
+        attempts += 1
+        return None if attempts <= 4 else await try_reserve(*args, **kwargs)
+
+    monkeypatch.setattr(logger, "_try_reserve", racing)
+    turn = [{"role": "user", "content": "u1"}]
+    with pytest.raises(StorageUnavailable, match="could not reserve turn 't1'"):
+        await logger.log_messages(CID, turn, turn_id="t1")
+    assert await _stored_contents(backend) == ["u0"]
+
+    logged = await with_retries(lambda: logger.log_messages(CID, turn, turn_id="t1"))
+
+    assert [m.seq for m in logged.messages] == [1]
+    assert await _stored_contents(backend) == ["u0", "u1"]
+
+
 async def test_a_turn_into_a_conversation_whose_delete_failed_part_way_is_refused(
     backend: Backend,
 ) -> None:

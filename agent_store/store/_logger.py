@@ -2715,9 +2715,10 @@ def _corrected(plan: TurnPlan) -> Conflict:
     )
 
 
-class Unreserved(StorageFailure):
-    """A turn's reservation found the conversation changed under it at each attempt:
-    nothing was written."""
+class Unreserved(StorageUnavailable):
+    """A turn's reservation found the conversation changed under it at each attempt (writers
+    racing): nothing was written, and the turn may be sent again as it is (503, as for a
+    dropped connection), which a retry policy does."""
 
 
 class HeldOff(Conflict):
