@@ -973,3 +973,16 @@ async def test_several_text_parts_of_a_response_come_back_as_those_parts(
         {"content": [{"type": "text", "text": t} for t in ("Step one: mix.", "Step two: bake.")]},
     )
     assert model_view(from_store) == model_view(in_memory)
+
+
+def test_a_native_form_that_is_no_list_of_text_parts_replays_the_stored_text() -> None:
+    for kept in ([], ["Step one."], [{"type": "image_url"}], "Step one."):
+        stored = {
+            "role": "assistant",
+            "content": "Step one. Step two.",
+            "native": {"format": "pydantic-ai", "set": {"content": kept}},
+        }
+        (response,) = history_from_messages([stored])
+        assert [p.content for p in response.parts if isinstance(p, TextPart)] == [
+            "Step one. Step two."
+        ]

@@ -276,10 +276,14 @@ def _text_parts_form(texts: Sequence[str]) -> NativeForm | None:
 
 
 def _text_parts(message: AssistantMessage) -> list[str]:
-    """The texts of a response stored as `message`: its kept parts, or its one text."""
-    kept = message.native.set.get("content") if message.native else None
-    if message.native is not None and message.native.format == FORMAT and isinstance(kept, list):
-        return [str(part.get("text", "")) for part in kept]
+    """The texts of a response stored as `message`: its kept text parts, or its one text (also
+    when what `native` holds is not a list of text parts: someone else's form)."""
+    native = message.native
+    kept = native.set.get("content") if native is not None and native.format == FORMAT else None
+    if isinstance(kept, list) and kept:
+        texts = [part.get("text") if isinstance(part, dict) else None for part in kept]
+        if all(isinstance(text, str) for text in texts):
+            return [str(text) for text in texts]
     return [message.content] if message.content else []
 
 
