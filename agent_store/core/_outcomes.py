@@ -1,11 +1,11 @@
-"""How a tool result that is not a plain success, and a retry note, are told apart in the store.
+"""How a tool result that is not a plain success, a retry note, and a tool's content in the
+user's voice are told apart in the store.
 
-The OpenAI chat format has no field for "this call failed" or "this is the
-framework asking the model to try again", and the contract adds none. The
-message's `error` field carries a short, fixed marker instead; its `content`
-stays exactly what the model was shown, so exports and replays send the same
-text. Pure, no I/O: the Pydantic AI bridge, the stream builders and the
-exports share these markers.
+The OpenAI chat format has no field for "this call failed", "this is the framework asking
+the model to try again" or "this user-voice text is a tool's", and the contract adds none.
+The message's `error` field carries a short, fixed marker instead; its `content` stays
+exactly what the model was shown, so exports and replays send the same text. Pure, no I/O:
+the Pydantic AI bridge, the stream builders and the exports share these markers.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ TOOL_OUTCOMES: tuple[ToolOutcome, ...] = get_args(ToolOutcome)
 _BY_NAME: dict[str, ToolOutcome] = {outcome: outcome for outcome in TOOL_OUTCOMES}
 
 RETRY_FEEDBACK = "retry feedback"
+TOOL_CONTENT = "tool content"
+"""The marker of a user message that is content a tool returned for the model to read (a
+Pydantic AI `ToolReturn`'s `content`): the model receives it in the user's voice, yet it is
+the tool's, never the person's, words."""
 STREAM_INTERRUPTED = "stream interrupted"
 
 INTERRUPTED_RESULT = "No result: the run ended before this tool call returned."
@@ -129,6 +133,16 @@ def feedback_cause(message: UserMessage) -> tuple[bool, str | None]:
         return False, None
     match = _FEEDBACK_MARKER.match(message.error.message)
     return (match is not None), (match.group(1) if match else None)
+
+
+def tool_content_error() -> MessageError:
+    """The `error` marker of a user message that is content a tool returned, not a person's."""
+    return MessageError(message=TOOL_CONTENT)
+
+
+def is_tool_content(message: AgentMessage) -> bool:
+    """Whether a message is content a tool returned for the model, in the user's voice."""
+    return message.error is not None and message.error.message == TOOL_CONTENT
 
 
 _STAND_IN_TEXT: dict[ToolOutcome, str] = {

@@ -11,7 +11,15 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
 - system prompt, user prompt, text, tool call (with Pydantic AI's own
   `tool_call_id`), tool return: as the matching OpenAI message, one assistant
   message per model response with `token_usage` and `latency_ms` (the time
-  from the request being sent to the response).
+  from the request being sent to the response). A response's several texts are
+  one `content` joined with a blank line, as Pydantic AI's OpenAI Chat mapping
+  sends them, and kept apart as OpenAI content parts in `native` (format
+  `pydantic-ai`), so the history gives back each text part.
+- a prompt's text items (`str`, `TextContent`, `StructuredContent`): the text
+  the model is sent, one line each; a `CachePoint` adds nothing.
+- content a tool returned for the model (`ToolReturn(content=...)`, sent as a
+  user prompt after the tool returns): a `user` message marked
+  `error: {message: "tool content"}`: it is the tool's text, never a person's.
 - a tool return that is not a success (`failed`, `denied`, `interrupted`,
   `retried` — a tool retry prompt is a retried return): a `tool` message with
   the content the model was shown and an `error` marker naming the outcome,
@@ -28,8 +36,9 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
   content would replay it as if the model had said it.
 - framework bookkeeping parts (instruction and capability deltas,
   compaction) and provider-native tool parts (a provider's own web search,
-  say) are not stored; a non-text user prompt item is kept as a `[kind]` note,
-  and a file the model produced as a `[file <media type>]` note in its text.
+  say) are not stored; a file in a user prompt or in a tool's result is kept as
+  a `[kind]` note (`[binary]`, `[image-url]`, …) in its place, and a file the
+  model produced as a `[file <media type>]` note in its text.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ from agent_store.core import (
     AgentMessage,
     AssistantMessage,
     FunctionCall,
+    NativeForm,
     SystemMessage,
     TokenUsage,
     ToolCall,
@@ -64,6 +74,7 @@ from agent_store.core import (
     feedback_cause,
     feedback_error,
     outcome_error,
+    tool_content_error,
     tool_outcome,
     whole_millis,
 )
@@ -82,6 +93,12 @@ from agent_store.store import (
 __all__ = ["history_from_messages", "log_run", "messages_from_run"]
 
 _log = logging.getLogger("agent_store.integrations.pydantic_ai")
+
+FORMAT = "pydantic-ai"
+"""The `native.format` of a response's several texts, kept as their content parts."""
+_TEXTS_JOINED = "\n\n"
+"""How several texts of one response are joined in its stored `content`: as Pydantic AI's
+OpenAI Chat mapping joins them for the model, so a chat-format reader gives the same text."""
 
 _TOOL_RETRY_CAUSES: dict[str, pai.ToolRetryCause] = {
     cause: cause
@@ -109,12 +126,26 @@ def messages_from_run(
     sent_at: datetime | None = None
     for message in messages:
         if isinstance(message, pai.ModelRequest):
+            from_tools = _tool_content(message, opens_run=sent_at is None)
             sent_at = message.timestamp
             for part in message.parts:
-                stored.extend(_from_request_part(part, markers))
+                stored.extend(_from_request_part(part, markers, from_tool=id(part) in from_tools))
         else:
             stored.append(_from_response(message, sent_at))
     return _with_unique_call_ids(stored)
+
+
+def _tool_content(request: pai.ModelRequest, *, opens_run: bool) -> set[int]:
+    """The ids of a request's user prompt parts that hold content tools returned (a
+    `ToolReturn`'s `content`): Pydantic AI puts them after the request's tool returns. When
+    the run's first request holds tool returns (a run resumed with `deferred_tool_results`),
+    the last of them is the run's own prompt, the person's."""
+    parts = list(request.parts)
+    first_return = next((i for i, p in enumerate(parts) if isinstance(p, pai.ToolReturnPart)), None)
+    if first_return is None:
+        return set()
+    prompts = [id(p) for p in parts[first_return:] if isinstance(p, pai.UserPromptPart)]
+    return set(prompts[:-1] if opens_run else prompts)
 
 
 def _with_unique_call_ids(messages: list[AgentMessage]) -> list[AgentMessage]:
@@ -152,18 +183,26 @@ def _with_unique_call_ids(messages: list[AgentMessage]) -> list[AgentMessage]:
     return renamed
 
 
-def _from_request_part(part: Any, markers: RuntimeContextMarkers) -> list[AgentMessage]:
+def _from_request_part(
+    part: Any, markers: RuntimeContextMarkers, *, from_tool: bool = False
+) -> list[AgentMessage]:
     if isinstance(part, pai.SystemPromptPart):
         return [SystemMessage(content=part.content, created_at=part.timestamp)]
     if isinstance(part, pai.UserPromptPart):
-        return [UserMessage(content=_user_text(part.content, markers), created_at=part.timestamp)]
+        return [
+            UserMessage(
+                content=_items_text(part.content, markers),
+                error=tool_content_error() if from_tool else None,
+                created_at=part.timestamp,
+            )
+        ]
     if isinstance(part, pai.ToolReturnPart):
         outcome = part.outcome if part.outcome != "success" else None
         cause = part.retry.cause if part.retry is not None else None
         return [
             ToolMessage(
                 tool_call_id=part.tool_call_id,
-                content=part.model_response_str(wrap_if_error=False),
+                content=_tool_return_text(part),
                 error=outcome_error(outcome, cause) if outcome else None,
                 created_at=part.timestamp,
             )
@@ -216,8 +255,9 @@ def _from_response(response: pai.ModelResponse, sent_at: datetime | None) -> Ass
         latency = whole_millis(response.timestamp - sent_at)
     return AssistantMessage(
         # A response of thinking alone still took a request and its tokens: keep it as "".
-        content="".join(texts) if texts or not calls else None,
+        content=_TEXTS_JOINED.join(texts) if texts or not calls else None,
         tool_calls=calls or None,
+        native=_text_parts_form(texts),
         token_usage=TokenUsage(
             input_tokens=response.usage.input_tokens, output_tokens=response.usage.output_tokens
         ),
@@ -226,16 +266,58 @@ def _from_response(response: pai.ModelResponse, sent_at: datetime | None) -> Ass
     )
 
 
-def _user_text(content: str | Sequence[Any], markers: RuntimeContextMarkers) -> str:
-    """A user prompt as stored text: non-text items as `[kind]` notes, hidden context removed."""
+def _text_parts_form(texts: Sequence[str]) -> NativeForm | None:
+    """Several texts of one response kept apart: their OpenAI content parts, which the stored
+    `content`, one string, cannot tell apart (a text may hold a blank line)."""
+    if len(texts) < 2:
+        return None
+    parts = [{"type": "text", "text": text} for text in texts]
+    return NativeForm(format=FORMAT, set={"content": parts})
+
+
+def _text_parts(message: AssistantMessage) -> list[str]:
+    """The texts of a response stored as `message`: its kept text parts, or its one text (also
+    when what `native` holds is not a list of text parts: someone else's form)."""
+    native = message.native
+    kept = native.set.get("content") if native is not None and native.format == FORMAT else None
+    if isinstance(kept, list) and kept:
+        texts = [part.get("text") if isinstance(part, dict) else None for part in kept]
+        if all(isinstance(text, str) for text in texts):
+            return [str(text) for text in texts]
+    return [message.content] if message.content else []
+
+
+def _items_text(content: str | Sequence[Any], markers: RuntimeContextMarkers | None) -> str:
+    """Content items as stored text, one line each: a text item as the model is sent it (a
+    `TextContent`'s, a `StructuredContent`'s `content`), any other item a `[kind]` note, a
+    `CachePoint` (a cache boundary, nothing sent) nothing. With `markers`, hidden context is
+    removed from the text items read as one text, so a block cut across items goes too."""
     if isinstance(content, str):
-        return strip_runtime_context(content, markers)
-    texts = iter(strip_runtime_context_pieces([i for i in content if isinstance(i, str)], markers))
-    items = [
-        next(texts) if isinstance(item, str) else f"[{getattr(item, 'kind', type(item).__name__)}]"
-        for item in content
+        return content if markers is None else strip_runtime_context(content, markers)
+    items = [item for item in content if not isinstance(item, pai.CachePoint)]
+    sent = [_sent_text(item) for item in items]
+    texts = [text for text in sent if text is not None]
+    visible = iter(texts if markers is None else strip_runtime_context_pieces(texts, markers))
+    lines = [
+        next(visible) if text is not None else f"[{getattr(item, 'kind', type(item).__name__)}]"
+        for item, text in zip(items, sent, strict=True)
     ]
-    return "\n".join(item for item in items if item)
+    return "\n".join(line for line in lines if line)
+
+
+def _sent_text(item: Any) -> str | None:
+    """The text the model is sent of a content item, or None for a file."""
+    if isinstance(item, str):
+        return item
+    return item.content if isinstance(item, pai.TextContent) else None
+
+
+def _tool_return_text(part: pai.ToolReturnPart) -> str:
+    """A tool's result as stored text: the JSON text the model is sent; with files, its items
+    in order as `_items_text` stores a prompt's, each file a `[kind]` note."""
+    if not part.files:
+        return part.model_response_str(wrap_if_error=False)
+    return _items_text(part.content_items(mode="str", wrap_if_error=False), None)
 
 
 def _retry_text(content: str | Sequence[Any]) -> str:
@@ -376,8 +458,8 @@ def _to_response(messages: Sequence[AssistantMessage]) -> pai.ModelResponse:
     response_parts: list[pai.ModelResponsePart] = []
     input_tokens = output_tokens = 0
     for message in messages:
-        if message.content and message.hitl_action is None:
-            response_parts.append(pai.TextPart(message.content))
+        if message.hitl_action is None:
+            response_parts.extend(pai.TextPart(text) for text in _text_parts(message))
         for call in message.tool_calls or ():
             arguments = _json_or_text(call.function.arguments)
             response_parts.append(

@@ -445,7 +445,10 @@ export interface IMessageError {
  * holds the whole item; only the runtime named by `format` is given it back.
  */
 export interface INativeForm {
-  /** Whose form: `openai-agents` (an Agents SDK item) or `langchain` (a LangChain message). */
+  /**
+   * Whose form: `openai-agents` (an Agents SDK item), `langchain` (a LangChain message) or
+   * `pydantic-ai` (a response's several texts, as content parts).
+   */
   format: string;
   /** Top-level keys whose values the rebuilt form lacks or holds otherwise; plain JSON. */
   set: Record<string, unknown>;
