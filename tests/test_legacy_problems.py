@@ -916,6 +916,15 @@ UNREAD_FIELDS = {
         {"feedback": {"rating": -1, "comment": "«wrong»"}}, "feedback",
         {"rating": -1, "comment": "«wrong»"},
     ),
+    # the dual write's own fields, read on a dual-written turn (`dual_write: true`) alone
+    "an old service's turn id": ({"turn_id": "«OLD-7f3a»"}, "turn_id", "«OLD-7f3a»"),
+    "a dual_write that is no mark": ({"dual_write": "«flag»"}, "dual_write", "«flag»"),
+    "a digest field on an old turn": (
+        {"dual_write_exact": "«5b2d»"}, "dual_write_exact", "«5b2d»",
+    ),
+    "whole texts on an old turn": (
+        {"dual_write_whole_texts": ["«3e8f»"]}, "dual_write_whole_texts", ["«3e8f»"],
+    ),
 }  # fmt: skip
 
 

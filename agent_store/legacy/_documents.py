@@ -566,10 +566,13 @@ class LegacyTurn(BaseModel):
         return None if shows_nothing(name) else name
 
     def unknown_fields(self) -> dict[str, Any]:
-        """The fields no reader takes: those the format does not name (the dual write's own
-        `dual_write` and `turn_id` aside)."""
+        """The fields no reader takes: those the format does not name, the dual write's own
+        (`_DUAL_WRITE_FIELDS`) aside on a dual-written turn (`dual_write: true`) alone, whose
+        check reads them (`_check_exact`). On any other turn a `turn_id` or `dual_write_exact`
+        is the old service's own field, which nothing reads."""
         extra = self.model_extra or {}
-        return {k: v for k, v in extra.items() if k not in _DUAL_WRITE_FIELDS}
+        read = _DUAL_WRITE_FIELDS if extra.get("dual_write") is True else frozenset()
+        return {k: v for k, v in extra.items() if k not in read}
 
     @property
     def key(self) -> str:
