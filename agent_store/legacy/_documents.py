@@ -338,6 +338,20 @@ def derived_conversation_id(original: str | None, *, turn_key: str = "") -> str:
     return DERIVED_CONVERSATION_PREFIX + digest[:32]
 
 
+DERIVED_USER_PREFIX = "legacy-user-"
+"""How the migration names the owner of a conversation whose legacy `user_id` is no
+identifier (a digest of it follows): `derived_user_id`."""
+
+
+def derived_user_id(original: str) -> str:
+    """The user a conversation is stored owned by when its legacy owner's id is no
+    identifier (`alice+work@example.com`, `Alice Smith`): stable across runs, and no other
+    user's, so the store's ownership rules keep it from every other user as they keep any
+    owner's; `claim` moves it to the user an operator maps it to."""
+    digest = hashlib.sha256(original.encode("utf-8", "surrogatepass")).hexdigest()
+    return DERIVED_USER_PREFIX + digest[:32]
+
+
 EXACT_FIELD = "dual_write_exact"
 """The field of a dual-written turn holding the digest of the messages it was written from
 (`exact_digest`): converted without them, it must give exactly those."""
