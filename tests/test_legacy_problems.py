@@ -20,6 +20,7 @@ from agent_store.legacy import (
     as_text,
     convert,
     derived_conversation_id,
+    derived_user_id,
     group_conversations,
     id_text,
     legacy_turn_documents,
@@ -81,7 +82,8 @@ def test_a_dot_or_two_dots_as_a_legacy_id_is_no_identifier_and_gets_a_derived_on
     dots: str,
 ) -> None:
     """No id is `.` or `..` (a URL path reads them as a folder and its parent): a conversation
-    so named is stored under a derived id, and a user so named owns nothing."""
+    so named is stored under a derived id, and a user so named owns it under the user id
+    derived from it, never no one (`invalid_user_id`, not placed)."""
     turn = {"_id": "t-dots", "conversation_id": dots, "user_id": dots, "user_message": "hi",
             "created_at": MESSY_START}  # fmt: skip
 
@@ -90,9 +92,10 @@ def test_a_dot_or_two_dots_as_a_legacy_id_is_no_identifier_and_gets_a_derived_on
     assert conversion.conversation_id == derived_conversation_id(dots)
     assert conversion.conversation is not None
     assert conversion.conversation.legacy_conversation_id == dots
-    assert conversion.conversation.user_id is None
-    assert {m.user_id for m in conversion.messages} == {None}
-    assert "derived_conversation_id" in [p.kind for p in conversion.problems]
+    assert conversion.conversation.user_id == derived_user_id(dots)
+    assert {m.user_id for m in conversion.messages} == {derived_user_id(dots)}
+    kinds = {p.kind: p.placed for p in conversion.problems}
+    assert kinds == {"derived_conversation_id": True, "invalid_user_id": False}
 
 
 def test_turns_naming_a_conversation_by_its_legacy_id_or_by_its_derived_id_are_one() -> None:
@@ -915,6 +918,15 @@ UNREAD_FIELDS = {
     "turn feedback": (
         {"feedback": {"rating": -1, "comment": "«wrong»"}}, "feedback",
         {"rating": -1, "comment": "«wrong»"},
+    ),
+    # the dual write's own fields, read on a dual-written turn (`dual_write: true`) alone
+    "an old service's turn id": ({"turn_id": "«OLD-7f3a»"}, "turn_id", "«OLD-7f3a»"),
+    "a dual_write that is no mark": ({"dual_write": "«flag»"}, "dual_write", "«flag»"),
+    "a digest field on an old turn": (
+        {"dual_write_exact": "«5b2d»"}, "dual_write_exact", "«5b2d»",
+    ),
+    "whole texts on an old turn": (
+        {"dual_write_whole_texts": ["«3e8f»"]}, "dual_write_whole_texts", ["«3e8f»"],
     ),
 }  # fmt: skip
 

@@ -25,13 +25,14 @@ from pymongo.collection import Collection
 from pymongo.database import Database
 
 from agent_store import AgentMessageLogger, ConversationStore, LegacyTurns, LoggedTurn
-from agent_store.core import AgentMessage, Conversation, message_adapter
+from agent_store.core import AgentMessage, Conflict, Conversation, NotFound, message_adapter
 from agent_store.legacy import (
     LEGACY_TURNS,
     SESSION_HITL,
     TURN_ONLY_FIELDS,
     convert,
     derived_conversation_id,
+    derived_user_id,
     dumps,
     exact_form,
     legacy_turn_documents,
@@ -2387,8 +2388,11 @@ def test_a_conversation_named_by_a_dot_or_two_dots_is_migrated_under_a_derived_i
         assert _contents_of(database, stored["_id"])[0] == f"{text} question"
     assert database[CONVERSATIONS].count_documents({"_id": {"$in": [".", ".."]}}) == 0
     assert database[MESSAGES].count_documents({"user_id": ".."}) == 0
+    assert _owners(database, derived_conversation_id(".")) == {derived_user_id("..")}
     assert cli(wire_uri, database, "verify") == 0
-    assert cli(wire_uri, database, "finish") == 0
+    assert cli(wire_uri, database, "finish") == 1  # `..` owns it: `invalid_user_id`
+    dot = derived_conversation_id(".")
+    assert cli(wire_uri, database, "finish", "--accept", dot, "--note", "kept") == 0
 
 
 @pytest.mark.wire
@@ -4712,6 +4716,72 @@ def test_a_conversation_whose_legacy_turns_name_several_users_needs_the_operator
     [problem] = database[PROBLEMS].find({"kind": "mixed_user_ids"})
     assert problem["conversation_id"] == stored_id
     assert sorted(problem["content"]) == users
+
+
+NOT_A_USER_IDENTIFIER = [
+    "alice+work@example.com", "dXNlcjo0Mg==", "Alice Smith", "alice ", "josé", "tenant/alice",
+    "a" * 201,
+]  # fmt: skip
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("legacy_user", NOT_A_USER_IDENTIFIER, ids=lambda u: repr(u[:24]))
+def test_a_legacy_owner_that_is_no_identifier_keeps_the_conversation_and_holds_the_gate(
+    wire_uri: str, database: Database[dict[str, Any]], legacy_user: str
+) -> None:
+    """A legacy `user_id` the new store cannot name a user by (an e-mail with `+`, base64, a
+    space, an accent, a slash, too long) never leaves the conversation unowned: it is stored
+    owned by the id derived from that user id, which no other user's turn adopts and no
+    other user reads, and `finish` holds the drop until an operator accepts it (or maps the
+    id and runs again)."""
+    database[CONVERSATIONS].insert_one(owned_turn("t-1", "c-odd-owner", 0, legacy_user))
+    owner = derived_user_id(legacy_user)
+
+    assert cli(wire_uri, database, "run") == 0
+    assert _owners(database, "c-odd-owner") == {owner}
+    [problem] = database[PROBLEMS].find({"kind": "invalid_user_id"})
+    assert (problem["placed"], problem["content"]) == (
+        False, {"user_id": legacy_user, "stored_as": owner}
+    )  # fmt: skip
+    assert cli(wire_uri, database, "finish") == 1
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+
+    async def mallory(store: ConversationStore, logger: AgentMessageLogger) -> list[str]:
+        said = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        refused = []
+        for attempt in (
+            logger.log_messages("c-odd-owner", said, user_id="mallory", turn_id="m-1"),
+            logger.log_messages("c-odd-owner", said, user_id="mallory", owner_only=True),
+            logger.upsert_conversation("c-odd-owner", user_id="mallory"),
+            store.transcript("c-odd-owner", user_id="mallory"),
+        ):
+            with pytest.raises((Conflict, NotFound)) as caught:
+                await attempt
+            refused.append(type(caught.value).__name__)
+        return refused
+
+    refused = _on_the_service(wire_uri, database, mallory)
+    assert refused == ["Conflict", "NotFound", "Conflict", "NotFound"]
+    assert "mallory" not in {m["user_id"] for m in database[MESSAGES].find()}
+    assert cli(wire_uri, database, "finish", "--accept", "c-odd-owner", "--note", "kept") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+
+
+@pytest.mark.wire
+def test_a_legacy_owner_mapped_to_an_identifier_and_run_again_owns_the_conversation(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """The operator's other way out of `invalid_user_id`: rewrite the legacy turns' user id
+    to the new store's identifier, run again; the owner is that user, nothing is left."""
+    database[CONVERSATIONS].insert_one(owned_turn("t-1", "c-mapped", 0, "Alice Smith"))
+    assert cli(wire_uri, database, "run") == 0
+    database[LEGACY_TURNS].update_one({"_id": "t-1"}, {"$set": {"user_id": "alice"}})
+
+    assert cli(wire_uri, database, "run") == 0
+    assert _owners(database, "c-mapped") == {"alice"}
+    assert database[PROBLEMS].count_documents({"kind": "invalid_user_id"}) == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
 
 
 # -- a second attempt after a rollback keeps every live conversation ----------------------

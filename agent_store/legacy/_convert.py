@@ -44,6 +44,7 @@ from agent_store.legacy._documents import (
     TurnTime,
     as_count,
     dated_turns,
+    derived_user_id,
     epoch_number,
     flag,
     is_text,
@@ -104,6 +105,11 @@ MIXED_USER_IDS = "mixed_user_ids"
 others' words reach that user, and their erasure no longer does (not placed: an operator
 accepts it, `finish --accept`). Its content maps each user to the turns naming them."""
 
+INVALID_USER_ID = "invalid_user_id"
+"""A conversation whose owner's legacy `user_id` is no identifier: stored owned by the user id
+derived from it (`derived_user_id`), never unowned, which the next service turn naming any
+user would adopt with its history (not placed: an operator maps the id and runs again, or
+accepts it). Its content is the legacy user id and the id it is stored as."""
 
 HISTORY_CONTRADICTS_PAIRING = "history_contradicts_pairing"
 """A result naming no call, paired by the order of its turn's parts with one of several calls
@@ -1489,13 +1495,15 @@ def _owner(converter: _Converter, turns: list[LegacyTurn]) -> str | None:
             content=_turns_by_user(converter, turns),
         )
     if user_ids and owner is None:
+        owner = derived_user_id(user_ids[-1])
         converter.problem(
             turns[-1],
-            "invalid_user_id",
-            f"user id {user_ids[-1]!r} is not an identifier; left unowned",
+            INVALID_USER_ID,
+            f"user id {user_ids[-1]!r} is not an identifier; the conversation is stored owned "
+            f"by {owner!r}, derived from it, which no other user's turn adopts: map the legacy "
+            "user id to an identifier and run again, or accept it (`claim` moves it later)",
             field="user_id",
-            content=user_ids[-1],
-            unplaced=False,
+            content={"user_id": user_ids[-1], "stored_as": owner},
         )
     return owner
 

@@ -338,6 +338,20 @@ def derived_conversation_id(original: str | None, *, turn_key: str = "") -> str:
     return DERIVED_CONVERSATION_PREFIX + digest[:32]
 
 
+DERIVED_USER_PREFIX = "legacy-user-"
+"""How the migration names the owner of a conversation whose legacy `user_id` is no
+identifier (a digest of it follows): `derived_user_id`."""
+
+
+def derived_user_id(original: str) -> str:
+    """The user a conversation is stored owned by when its legacy owner's id is no
+    identifier (`alice+work@example.com`, `Alice Smith`): stable across runs, and no other
+    user's, so the store's ownership rules keep it from every other user as they keep any
+    owner's; `claim` moves it to the user an operator maps it to."""
+    digest = hashlib.sha256(original.encode("utf-8", "surrogatepass")).hexdigest()
+    return DERIVED_USER_PREFIX + digest[:32]
+
+
 EXACT_FIELD = "dual_write_exact"
 """The field of a dual-written turn holding the digest of the messages it was written from
 (`exact_digest`): converted without them, it must give exactly those."""
@@ -566,10 +580,13 @@ class LegacyTurn(BaseModel):
         return None if shows_nothing(name) else name
 
     def unknown_fields(self) -> dict[str, Any]:
-        """The fields no reader takes: those the format does not name (the dual write's own
-        `dual_write` and `turn_id` aside)."""
+        """The fields no reader takes: those the format does not name, the dual write's own
+        (`_DUAL_WRITE_FIELDS`) aside on a dual-written turn (`dual_write: true`) alone, whose
+        check reads them (`_check_exact`). On any other turn a `turn_id` or `dual_write_exact`
+        is the old service's own field, which nothing reads."""
         extra = self.model_extra or {}
-        return {k: v for k, v in extra.items() if k not in _DUAL_WRITE_FIELDS}
+        read = _DUAL_WRITE_FIELDS if extra.get("dual_write") is True else frozenset()
+        return {k: v for k, v in extra.items() if k not in read}
 
     @property
     def key(self) -> str:
