@@ -18,6 +18,7 @@ from agent_store.core import (
     Identifier,
     InvalidInput,
     PendingHitl,
+    Whole,
     described_pattern,
     shown,
 )
@@ -216,12 +217,12 @@ class InboxQuery(_Query):
 
 
 class CloseInboxBody(_Input):
-    last_seen_seq: Annotated[int, Field(ge=-1, le=2**53 - 1)]
+    last_seen_seq: Annotated[int, Whole, Field(ge=-1, le=2**53 - 1)]
     """The last `seq` the runtime has seen: the inbox closes only if nothing came after it."""
 
 
 class ForkBody(_Input):
-    at_seq: Annotated[int, Field(ge=0, le=2**53 - 1)]
+    at_seq: Annotated[int, Whole, Field(ge=0, le=2**53 - 1)]
     """Copy the messages up to this `seq` (moved past a tool call's results)."""
     new_conversation_id: Identifier
     """The id of the new conversation; random (UUIDv4) ids spread a sharded cluster's writes."""

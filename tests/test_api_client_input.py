@@ -962,3 +962,61 @@ async def test_every_pattern_the_service_checks_is_refused_in_words_of_its_own(
         assert pattern not in text
         assert "pattern" not in text
         assert UNDESCRIBED_PATTERN not in text, pattern
+
+
+# JSON Schema's `integer` is any number with no fractional part: `120.0` and `1E2` are integers.
+WHOLE_NUMBERS_WITH_A_FRACTION_PART = [
+    pytest.param(
+        b'{"role": "assistant", "content": "hi", "latency_ms": 120.0}',
+        {"latency_ms": 120},
+        id="latency-120.0",
+    ),
+    pytest.param(
+        b'{"role": "assistant", "content": "hi",'
+        b' "token_usage": {"input_tokens": 1E2, "output_tokens": 5.0}}',
+        {"token_usage": {"input_tokens": 100, "output_tokens": 5}},
+        id="tokens-1E2-and-5.0",
+    ),
+]
+
+
+@pytest.mark.parametrize(("message", "stored"), WHOLE_NUMBERS_WITH_A_FRACTION_PART)
+async def test_an_integer_written_with_a_zero_fraction_is_an_integer_and_stored_as_one(
+    api: Served, message: bytes, stored: dict[str, Any]
+) -> None:
+    body = b'{"turn_id": "t-whole", "messages": [' + message + b"]}"
+    response = await api.http.post(TURNS, content=body, headers=JSON)
+
+    assert response.status_code == 201, response.text
+    document = await api.db[MESSAGES].find_one({"turn_id": "t-whole"})
+    assert document is not None
+    for key, value in stored.items():
+        assert document[key] == value
+        assert json.dumps(document[key]) == json.dumps(value)  # ints, not floats
+
+
+async def test_a_fork_at_a_seq_written_with_a_zero_fraction_is_made(api: Served) -> None:
+    body = b'{"at_seq": 1.0, "new_conversation_id": "fork-whole"}'
+    response = await api.http.post(f"{CONV}/forks", content=body, headers=JSON)
+
+    assert response.status_code == 201, response.text
+
+
+NO_INTEGERS = [
+    pytest.param(b"120.5", "valid integer", id="fraction"),
+    pytest.param(b'"120"', "valid integer", id="string"),
+    pytest.param(b"true", "valid integer", id="boolean"),
+    pytest.param(b"1E300", "less than or equal to", id="past-64-bits-as-a-float"),
+    pytest.param(b"-1.0", "greater than or equal to", id="negative"),
+]
+
+
+@pytest.mark.parametrize(("value", "said"), NO_INTEGERS)
+async def test_a_number_with_a_fraction_or_no_number_is_still_no_integer(
+    api: Served, value: bytes, said: str
+) -> None:
+    body = b'{"messages": [{"role": "assistant", "content": "x", "latency_ms": ' + value + b"}]}"
+    text = await refused(api, "POST", TURNS, body, 422)
+
+    assert "messages.0.latency_ms" in text
+    assert said in text

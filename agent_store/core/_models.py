@@ -146,8 +146,22 @@ def _stored_width(value: int, info: SerializationInfo) -> int:
     return value if info.mode_is_json() else Int64(value)
 
 
+def whole(value: Any) -> Any:
+    """A float with no fractional part as the integer it is, any other value as it is: JSON
+    Schema's `integer` is any number without a fraction (`120.0` and `1E2` are integers), and
+    strict validation would refuse every float. A fraction, a string or a boolean is left to
+    the integer's own check, which refuses it; so is a float past the field's bounds."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+Whole = BeforeValidator(whole)
+"""Put in an integer's `Annotated`: a JSON number written `120.0` or `1E2` is that integer."""
+
 Count = Annotated[
     int,
+    Whole,
     Field(ge=0, le=MAX_SAFE_INTEGER),
     PlainSerializer(_stored_width, return_type=int),
     WithJsonSchema(
