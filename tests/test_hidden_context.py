@@ -28,7 +28,7 @@ from pydantic_ai import Agent
 from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from agent_store import AgentMessageLogger, ConversationStore, LegacyTurns
+from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, LegacyTurns
 from agent_store.integrations.exports import chat_completions, responses_items
 from agent_store.integrations.langchain import ConversationChatHistory
 from agent_store.integrations.openai_agents import ConversationSession
@@ -324,6 +324,44 @@ async def test_a_user_messages_native_form_and_upload_text_store_no_hidden_conte
     assert first.messages[2].upload.parsed_text == "file text"
     assert again.replayed
     assert again.messages == first.messages
+
+
+async def test_hidden_context_in_a_key_of_a_user_messages_native_form_is_stripped_as_in_a_value(
+    backend: Backend,
+) -> None:
+    """DESIGN.md: stripped from each string of the `native` form, its keys as its values."""
+    block = f"{START}plan=gold {S1}{END}"
+    native = {"v": block + "visible", "nested": {block + "seen": 1, "kept": [{block: 2}]}}
+    turn = [{"role": "user", "content": "hi", "native": {"format": "x", "set": native}}]
+    logger = AgentMessageLogger(backend.db)
+
+    first = await logger.log_messages(CID, turn, turn_id="t1")
+    again = await logger.log_messages(CID, turn, turn_id="t1")
+
+    stored = json.dumps(await backend.db[MESSAGES].find({}).to_list(None), default=str)
+    assert S1 not in stored
+    assert "RUNTIME CONTEXT" not in stored
+    assert first.messages[0].native is not None
+    assert first.messages[0].native.set == {
+        "v": "visible",
+        "nested": {"seen": 1, "kept": [{"": 2}]},
+    }
+    assert again.replayed
+
+
+async def test_a_native_key_that_names_another_once_its_context_is_stripped_is_refused(
+    backend: Backend,
+) -> None:
+    """Two keys one once its hidden context is removed: neither value is dropped unsaid."""
+    native = {"a": 1, f"{START}{S1}{END}a": 2}
+    turn = [{"role": "user", "content": "hi", "native": {"format": "x", "set": native}}]
+    logger = AgentMessageLogger(backend.db)
+
+    with pytest.raises(InvalidInput, match="names the key a twice") as refused:
+        await logger.log_messages(CID, turn, turn_id="t1")
+
+    assert S1 not in str(refused.value)
+    assert await backend.db[MESSAGES].count_documents({}) == 0
 
 
 def _context_in_every_text(block: str) -> list[dict[str, Any]]:

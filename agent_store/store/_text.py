@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from agent_store.core import AgentMessage, InvalidInput, describe_validation_error
+from agent_store.core import AgentMessage, InvalidInput, describe_validation_error, shown_key
 from agent_store.store._values import storable
 
 ELLIPSIS = "…"
@@ -146,14 +146,17 @@ def strip_runtime_context_blocks(
 
 def _holds_marker(value: Any, markers: RuntimeContextMarkers) -> bool:
     """Whether a marker is anywhere in a value: in a string, in a list's texts read as one
-    prompt (a marker may be cut across them) or its items, a mapping's values, or a
-    model's fields. A few C-level scans of each string: what holds none is left alone."""
+    prompt (a marker may be cut across them) or its items, a mapping's keys and values, or
+    a model's fields. A few C-level scans of each string: what holds none is left alone."""
     if isinstance(value, str):
         return _has_marker(value, markers)
     if isinstance(value, BaseModel):
         return any(_holds_marker(item, markers) for item in value.__dict__.values())
     if isinstance(value, Mapping):
-        return any(_holds_marker(item, markers) for item in value.values())
+        return any(
+            (isinstance(key, str) and _has_marker(key, markers)) or _holds_marker(item, markers)
+            for key, item in value.items()
+        )
     if isinstance(value, list):
         texts = "".join(
             b if isinstance(b, str) else b["text"]
@@ -169,7 +172,8 @@ def _stripped_value(value: Any, markers: RuntimeContextMarkers) -> Any:
     """A value with hidden runtime context removed from every string in it, the value itself
     when it holds no marker: a model's fields each (as a mapping of them, for the message's
     model to validate again: a text that was only context is empty now), a list's texts as
-    one prompt (`strip_runtime_context_blocks`), then each item's own, a mapping's values."""
+    one prompt (`strip_runtime_context_blocks`), then each item's own, a mapping's keys and
+    values (`_stripped_mapping`)."""
     if not _holds_marker(value, markers):
         return value
     if isinstance(value, str):
@@ -178,7 +182,23 @@ def _stripped_value(value: Any, markers: RuntimeContextMarkers) -> Any:
         blocks = strip_runtime_context_blocks(value, markers)
         return [b if isinstance(b, str) else _stripped_value(b, markers) for b in blocks]
     items = value.__dict__ if isinstance(value, BaseModel) else value
-    return {key: _stripped_value(item, markers) for key, item in items.items()}
+    return _stripped_mapping(items, markers)
+
+
+def _stripped_mapping(items: Mapping[Any, Any], markers: RuntimeContextMarkers) -> dict[Any, Any]:
+    """A mapping with hidden runtime context removed from its keys and values. InvalidInput
+    when two keys are one once stripped: keeping either would drop the other's value unsaid
+    (the key is shown as stripped, never with the context it held)."""
+    stripped: dict[Any, Any] = {}
+    for key, item in items.items():
+        shown = strip_runtime_context(key, markers) if isinstance(key, str) else key
+        if shown in stripped:
+            raise InvalidInput(
+                f"invalid message: its runtime context removed, a mapping in it names the key "
+                f"{shown_key(shown)} twice: send each key once, context aside"
+            )
+        stripped[shown] = _stripped_value(item, markers)
+    return stripped
 
 
 def without_runtime_context(
