@@ -55,15 +55,16 @@ async def test_a_streamed_transcript_comes_in_seq_order_batch_by_batch(backend: 
 async def test_a_streamed_transcript_of_300_short_messages_costs_three_round_trips(
     wire_backend: Backend,
 ) -> None:
-    """Its two batches, and the lookup after the last one finding the conversation still the
-    one whose messages were served."""
+    """Its two batches, the first read with the conversation document (sent at once: one
+    wait), and the lookup after the last one finding the conversation still the one whose
+    messages were served."""
     await add_big_conversation(wire_backend.db, "conv-300", messages=300, chars=200)
     store = ConversationStore(wire_backend.db)
     assert wire_backend.commands is not None
     wire_backend.commands.clear()
     batches = [len(b) async for b in store.stream_transcript("conv-300")]
     assert batches == [32, 268]
-    assert wire_backend.commands.names == ["find", "find", "find"]
+    assert wire_backend.commands.names == ["find", "find", "find", "find"]
 
 
 async def test_the_transcript_route_sends_the_same_document_as_before(backend: Backend) -> None:

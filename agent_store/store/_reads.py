@@ -22,7 +22,8 @@ from collections.abc import (
     Sequence,
 )
 from datetime import datetime
-from typing import Any, Literal
+from functools import partial
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 from pymongo import ReturnDocument
@@ -95,6 +96,9 @@ from agent_store.store._turns import (
     whole_prompt,
 )
 from agent_store.store._values import storable
+
+_First = TypeVar("_First")
+_Second = TypeVar("_Second")
 
 MAX_PAGE_SIZE = 200
 PAGE_BYTES = 4 * 1024 * 1024
@@ -728,7 +732,7 @@ class ConversationStore:
             query["user_id"] = validate_identifier(user_id, "user_id")
         found = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
         docs = await self._of_standing(
-            conversation_id, user_id, found.to_list(None), "read the transcript"
+            conversation_id, user_id, partial(found.to_list, None), "read the transcript"
         )
         if docs is None:  # no conversation document: a conversation not migrated yet, or none
             conversion = await self._legacy(conversation_id, user_id)
@@ -778,7 +782,7 @@ class ConversationStore:
         else:
             cursor = self._messages.find(query).sort("seq", -1).limit(limit)
             cursor = cursor.batch_size(min(limit, TRANSCRIPT_BATCH))
-        read = cursor.to_list(None)
+        read = partial(cursor.to_list, None)
         docs = await self._of_standing(
             conversation_id, user_id, read, "read the last messages", absent_is_empty=True
         )
@@ -915,7 +919,7 @@ class ConversationStore:
         found = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
         if limit is not None:
             found = found.limit(limit)
-        read = found.to_list(None)
+        read = partial(found.to_list, None)
         docs = await self._of_standing(
             conversation_id, user_id, read, "read messages", absent_is_empty=True
         )
@@ -957,7 +961,7 @@ class ConversationStore:
             scope["user_id"] = validate_identifier(user_id, "user_id")
         if not needed:
             return []
-        read = self._paired_calls(scope, needed, before_seq)
+        read = partial(self._paired_calls, scope, needed, before_seq)
         step = "read the calls before a page"
         docs = await self._of_standing(conversation_id, user_id, read, step, absent_is_empty=True)
         return messages_adapter.validate_python(docs or [])
@@ -1009,10 +1013,10 @@ class ConversationStore:
                 return await self._page_after_unknown(conversation_id, after, limit, order,
                                                       user_id, unknown)  # fmt: skip
             query["seq"] = {"$gt": seq - removed} if order == "asc" else {"$lt": seq}
-        page = _bounded_page(self._messages, query, None, *_by_seq(order), limit)
+        page = partial(_bounded_page, self._messages, query, None, *_by_seq(order), limit)
         with storage_errors("read messages"):
-            (read, has_more), found = await asyncio.gather(
-                page, self._in_scope(conversation_id, user_id)
+            (read, has_more), found = await _at_once(
+                page, partial(self._in_scope, conversation_id, user_id)
             )
         docs = _its_messages(conversation_id, found, read)
         if docs is None:  # no conversation document: one not migrated yet, or none
@@ -1070,7 +1074,7 @@ class ConversationStore:
         self,
         conversation_id: str,
         user_id: str | None,
-        read: Awaitable[list[dict[str, Any]]],
+        read: Callable[[], Awaitable[list[dict[str, Any]]]],
         step: str,
         *,
         absent_is_empty: bool = False,
@@ -1080,7 +1084,7 @@ class ConversationStore:
         (`_its_messages`): NotFound for one that is no conversation, None for none; with
         `absent_is_empty`, none for either, as for a conversation that does not exist."""
         with storage_errors(step):
-            docs, found = await asyncio.gather(read, self._in_scope(conversation_id, user_id))
+            docs, found = await _at_once(read, partial(self._in_scope, conversation_id, user_id))
         if absent_is_empty and (found is None or not is_standing(found)):
             return []
         return _its_messages(conversation_id, found, docs)
@@ -1819,8 +1823,9 @@ class ConversationStore:
         (`pin`, or the conversation's as found); none when no message is served, for
         `_unstreamed` to answer."""
         with storage_errors("read the transcript"):
-            read, found = await asyncio.gather(
-                self._stream_batch(scope, pin, -1, size), self._in_scope(scope["_id"], user_id)
+            read, found = await _at_once(
+                partial(self._stream_batch, scope, pin, -1, size),
+                partial(self._in_scope, scope["_id"], user_id),
             )
         docs = _its_messages(scope["_id"], found, read) or []
         if not docs:
@@ -1954,6 +1959,38 @@ def _by_seq(
     """How a page of messages in `order` sorts, and the messages after a message read."""
     step = "$gt" if order == "asc" else "$lt"
     return [("seq", 1 if order == "asc" else -1)], lambda last: {"seq": {step: last["seq"]}}
+
+
+async def _at_once(
+    first: Callable[[], Awaitable[_First]], second: Callable[[], Awaitable[_Second]]
+) -> tuple[_First, _Second]:
+    """Both reads, the second sent while the first is (one wait, two commands): the second as
+    a task of the running loop, awaited after the first, or cancelled (and its outcome
+    retrieved) when the first fails or the caller is cancelled. Without a running loop (the
+    synchronous driver, which answers each call at once: `run_sync`) one after the other.
+    Each read is begun only where it is awaited or scheduled, so none is left never awaited."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return await first(), await second()
+    task = loop.create_task(_awaited(second))
+    try:
+        done = await first()
+    except BaseException:
+        task.cancel()
+        task.add_done_callback(_retrieved)
+        raise
+    return done, await task
+
+
+async def _awaited(read: Callable[[], Awaitable[_Second]]) -> _Second:
+    return await read()
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """Retrieve the outcome of a task no one awaits (cancelled, or failed first)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _its_messages(
