@@ -1089,11 +1089,12 @@ class ConversationStore:
             return []
         return _its_messages(conversation_id, found, docs)
 
-    async def _in_scope(self, conversation_id: str, user_id: str | None) -> Any:
+    def _in_scope(self, conversation_id: str, user_id: str | None) -> Awaitable[Any]:
         """The conversation document in the caller's scope, as much as tells whether it is one
-        (`is_standing`) and its `epoch`; None when there is none."""
+        (`is_standing`) and its `epoch`; None when there is none: the driver's awaitable."""
         scope = self._scope(conversation_id, user_id)
-        return await self._conversations.find_one(scope, _STANDING_READ)
+        found: Awaitable[Any] = self._conversations.find_one(scope, _STANDING_READ)
+        return found
 
     async def _committed_down(
         self, conversation_id: str, docs: list[dict[str, Any]], top: int | None, more: bool
@@ -1965,15 +1966,14 @@ async def _at_once(
     first: Callable[[], Awaitable[_First]], second: Callable[[], Awaitable[_Second]]
 ) -> tuple[_First, _Second]:
     """Both reads, the second sent while the first is (one wait, two commands): the second as
-    a task of the running loop, awaited after the first, or cancelled (and its outcome
-    retrieved) when the first fails or the caller is cancelled. Without a running loop (the
-    synchronous driver, which answers each call at once: `run_sync`) one after the other.
-    Each read is begun only where it is awaited or scheduled, so none is left never awaited."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return await first(), await second()
-    task = loop.create_task(_awaited(second))
+    a task, awaited after the first, or cancelled (and its outcome retrieved) when the first
+    fails or the caller is cancelled. One the driver answers at once (the synchronous driver
+    of `run_sync`, whose awaitables are neither coroutines nor futures) is simply awaited
+    after the first. Each read is begun only where it is awaited or scheduled at once."""
+    pending = second()
+    if not (asyncio.iscoroutine(pending) or asyncio.isfuture(pending)):
+        return await first(), await pending
+    task = asyncio.ensure_future(pending)
     try:
         done = await first()
     except BaseException:
@@ -1981,10 +1981,6 @@ async def _at_once(
         task.add_done_callback(_retrieved)
         raise
     return done, await task
-
-
-async def _awaited(read: Callable[[], Awaitable[_Second]]) -> _Second:
-    return await read()
 
 
 def _retrieved(task: asyncio.Task[Any]) -> None:
