@@ -338,8 +338,8 @@ async def test_pops_after_one_that_raced_a_turn_still_correct_the_preview_and_gi
 ) -> None:
     """RUNTIMES.md (pop_item): the summary is corrected as if the message had never been
     logged. A pop that raced a turn of an older writer (`an_older_writer`) leaves its `seq` as
-    a gap; later pops, with no writer
-    anywhere, still recompute the preview and give their `seq`s back, the gap with them."""
+    a gap; later pops, with no writer anywhere, still recompute the preview and give their
+    `seq`s back, the gap with them."""
     logger = AgentMessageLogger(backend.db)
     await logger.ensure_indexes()
     await logger.log_messages(CID, [user("a"), answer("A-answer")], turn_id="a")
@@ -371,8 +371,8 @@ async def test_a_pop_racing_a_turn_without_text_leaves_no_preview_of_the_removed
 ) -> None:
     """DESIGN §2: the preview is the text of the last user/assistant message. A turn without
     text (a call and its result) logged while the pop ran, by an older writer that reserves
-    past a pop under way (`an_older_writer`), sets no preview of its own: the
-    preview is then the last text that remains, never the removed message's."""
+    past a pop under way (`an_older_writer`), sets no preview of its own: the preview is then
+    the last text that remains, never the removed message's."""
     logger = AgentMessageLogger(backend.db)
     await logger.ensure_indexes()
     await logger.log_messages(CID, [user("hello"), answer("SECRET")], turn_id="a")

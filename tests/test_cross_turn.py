@@ -2778,8 +2778,8 @@ async def test_a_fork_after_a_pop_that_raced_a_turn_passes_the_seq_the_pop_remov
     backend: Backend,
 ) -> None:
     """RUNTIMES.md (pop_item): a pop that raced a turn of an older writer leaves its `seq` as
-    a gap. A `seq` a
-    pop removed is not being written: a fork past it is not refused (nor is a tail read)."""
+    a gap. A `seq` a pop removed is not being written: a fork past it is not refused (nor is
+    a tail read)."""
     from tests.test_conversation_tail import an_older_writer, racing_the_summary_update
 
     logger = AgentMessageLogger(backend.db)
