@@ -232,15 +232,47 @@ async def test_popping_costs_six_round_trips_and_one_more_per_read_of_the_messag
     assert wire_backend.commands.names == ["find", "find", "find", "update", "delete", "update"]
 
 
-async def test_a_pop_racing_a_new_turn_leaves_the_new_turns_preview(backend: Backend) -> None:
-    """The new turn reserves between the pop's removal and its summary update."""
+async def test_a_turn_logged_while_a_pop_is_under_way_finishes_the_pop_first(
+    backend: Backend,
+) -> None:
+    """RELIABILITY.md (pops): no write decides on a summary a pop under way has not corrected
+    yet. A new turn logged between the pop's removal and its summary update finds the pop's
+    mark, finishes the pop, and reserves on the corrected summary: it takes the `seq` given
+    back, and the pop's own update, finding its mark cleared, changes nothing."""
     logger = AgentMessageLogger(backend.db)
     await logger.log_messages(CID, [user("first"), {"role": "assistant", "content": "one"}])
     await logger.log_messages(CID, [user("second")], turn_id="t-2")
     store = ConversationStore(backend.db)
 
     async def a_turn() -> None:
-        await logger.log_messages(CID, [user("racing")], turn_id="t-race")
+        logged = await logger.log_messages(CID, [user("racing")], turn_id="t-race")
+        assert [m.seq for m in logged.messages] == [2]
+
+    racing_the_summary_update(store, a_turn)
+    popped = await store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.content == "second"
+    conversation = await store.get_conversation(CID)
+    assert conversation.last_message_preview == "racing"
+    assert (conversation.message_count, conversation.turn_count) == (3, 2)
+    assert [m.content for m in await store.transcript(CID)] == ["first", "one", "racing"]
+
+
+async def test_a_pop_racing_a_turn_of_an_older_writer_leaves_the_new_turns_preview(
+    backend: Backend,
+) -> None:
+    """A turn of a writer that reserves past a pop under way (one from before turns finished
+    it, in a rolling upgrade) between the pop's removal and its summary update: the removed
+    `seq` stays a gap, and the preview is the new turn's."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [user("first"), {"role": "assistant", "content": "one"}])
+    await logger.log_messages(CID, [user("second")], turn_id="t-2")
+    store = ConversationStore(backend.db)
+    older = an_older_writer(backend)
+
+    async def a_turn() -> None:
+        await older.log_messages(CID, [user("racing")], turn_id="t-race")
 
     racing_the_summary_update(store, a_turn)
     await store.pop_last_message(CID)
@@ -248,6 +280,31 @@ async def test_a_pop_racing_a_new_turn_leaves_the_new_turns_preview(backend: Bac
     conversation = await store.get_conversation(CID)
     assert conversation.last_message_preview == "racing"
     assert conversation.message_count == 4  # seq 2 is not given back: the new turn holds 3
+
+
+def an_older_writer(backend: Backend) -> AgentMessageLogger:
+    """A logger whose turns reserve while a pop is under way, as writers did before a turn
+    finished the pop first: its reservation's filter does not ask for no pop's mark."""
+    logger = AgentMessageLogger(backend.db)
+    logger._conversations = _Unmarked(logger._conversations)  # type: ignore[assignment]
+    return logger
+
+
+class _Unmarked:
+    """A conversations collection whose `find_one_and_update` filters drop `popping`."""
+
+    def __init__(self, collection: Any) -> None:
+        self._collection = collection
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._collection, name)
+        if name != "find_one_and_update":
+            return real
+
+        async def reserve(query: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            return await real({k: v for k, v in query.items() if k != "popping"}, *args, **kwargs)
+
+        return reserve
 
 
 class BeforeCall:
@@ -281,16 +338,18 @@ async def test_pops_after_one_that_raced_a_turn_still_correct_the_preview_and_gi
     backend: Backend,
 ) -> None:
     """RUNTIMES.md (pop_item): the summary is corrected as if the message had never been
-    logged. A pop that raced a turn leaves its `seq` as a gap; later pops, with no writer
-    anywhere, still recompute the preview and give their `seq`s back, the gap with them."""
+    logged. A pop that raced a turn of an older writer (`an_older_writer`) leaves its `seq` as
+    a gap; later pops, with no writer anywhere, still recompute the preview and give their
+    `seq`s back, the gap with them."""
     logger = AgentMessageLogger(backend.db)
     await logger.ensure_indexes()
     await logger.log_messages(CID, [user("a"), answer("A-answer")], turn_id="a")
     await logger.log_messages(CID, [user("b"), answer("B-answer")], turn_id="b")
     racing = ConversationStore(backend.db)
+    older = an_older_writer(backend)
 
     async def a_turn() -> None:
-        await logger.log_messages(CID, [user("c")], turn_id="c")
+        await older.log_messages(CID, [user("c")], turn_id="c")
 
     racing_the_summary_update(racing, a_turn)
     popped = [await racing.pop_last_message(CID)]  # B-answer: seq 3 stays a gap
@@ -312,16 +371,18 @@ async def test_a_pop_racing_a_turn_without_text_leaves_no_preview_of_the_removed
     backend: Backend,
 ) -> None:
     """DESIGN §2: the preview is the text of the last user/assistant message. A turn without
-    text (a call and its result) logged while the pop ran sets no preview of its own: the
-    preview is then the last text that remains, never the removed message's."""
+    text (a call and its result) logged while the pop ran, by an older writer that reserves
+    past a pop under way (`an_older_writer`), sets no preview of its own: the preview is then
+    the last text that remains, never the removed message's."""
     logger = AgentMessageLogger(backend.db)
     await logger.ensure_indexes()
     await logger.log_messages(CID, [user("hello"), answer("SECRET")], turn_id="a")
     store = ConversationStore(backend.db)
+    older = an_older_writer(backend)
     call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
 
     async def a_turn_without_text() -> None:
-        await logger.log_messages(
+        await older.log_messages(
             CID,
             [{"role": "assistant", "content": None, "tool_calls": [call]},
              {"role": "tool", "tool_call_id": "c1", "content": '{"ok": true}'}],
@@ -500,6 +561,35 @@ async def test_a_tail_follower_whose_last_read_message_was_popped_reads_what_cam
     assert [m.content for m in backwards.data] == ["Q?"]
     with pytest.raises(NotFound, match="not found"):  # another user's: as without `after`
         await store.messages_page(CID, after=page.last_id, user_id="someone-else")
+
+
+async def test_a_tail_follower_reading_while_its_last_read_message_is_popped_reads_on(
+    backend: Backend,
+) -> None:
+    """RELIABILITY.md (pops): a tail reader's `after` naming a message a pop removed reads on
+    from there, also while the pop is under way: between its removal and its summary update,
+    the pop's mark names the message and its `seq`."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [user("Q?"), answer("draft answer")], turn_id="t1")
+    reader = ConversationStore(backend.db)
+    page = await reader.messages_page(CID)
+    during: list[Any] = []
+
+    async def a_read() -> None:
+        during.append(await reader.messages_page(CID, after=page.last_id))
+
+    popping = ConversationStore(backend.db)
+    racing_the_summary_update(popping, a_read)
+    popped = await popping.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.id == page.last_id
+    assert [m.content for m in during[0].data] == []
+    assert during[0].pending_seq is None
+    await logger.log_messages(CID, [answer("corrected answer")], turn_id="t2")
+    followed = await reader.messages_page(CID, after=page.last_id)
+    assert [m.content for m in followed.data] == ["corrected answer"]
 
 
 async def test_a_tail_follower_reads_a_regenerated_turn_whose_pops_went_below_its_cursor(

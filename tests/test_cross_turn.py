@@ -2777,9 +2777,10 @@ async def test_a_fork_at_a_seq_no_turn_will_write_is_refused_as_holding_no_messa
 async def test_a_fork_after_a_pop_that_raced_a_turn_passes_the_seq_the_pop_removed(
     backend: Backend,
 ) -> None:
-    """RUNTIMES.md (pop_item): a pop that raced a turn leaves its `seq` as a gap. A `seq` a
-    pop removed is not being written: a fork past it is not refused (nor is a tail read)."""
-    from tests.test_conversation_tail import racing_the_summary_update
+    """RUNTIMES.md (pop_item): a pop that raced a turn of an older writer leaves its `seq` as
+    a gap. A `seq` a pop removed is not being written: a fork past it is not refused (nor is
+    a tail read)."""
+    from tests.test_conversation_tail import an_older_writer, racing_the_summary_update
 
     logger = AgentMessageLogger(backend.db)
     await logger.log_messages(
@@ -2787,9 +2788,10 @@ async def test_a_fork_after_a_pop_that_raced_a_turn_passes_the_seq_the_pop_remov
         turn_id="a",
     )  # fmt: skip
     store = ConversationStore(backend.db)
+    older = an_older_writer(backend)  # its turns reserve past a pop under way
 
     async def a_turn() -> None:
-        await logger.log_messages(CID, [{"role": "user", "content": "b"}], turn_id="b")
+        await older.log_messages(CID, [{"role": "user", "content": "b"}], turn_id="b")
 
     racing_the_summary_update(store, a_turn)
     popped = await store.pop_last_message(CID)

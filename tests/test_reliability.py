@@ -234,6 +234,94 @@ async def test_a_pop_that_died_after_removing_its_message_is_finished_by_the_nex
     assert await summary_disagreements(store) == []
 
 
+async def a_pop_that_died(backend: Backend) -> str:
+    """Turn A, then turn B whose answer makes call `call-b` (tokens 3 and 5), popped by a pop
+    whose summary update is lost for good (its caller gives up, as a dying process does): the
+    mark stands, the message is gone. The removed message's id."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    first = [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "A!"}]
+    await logger.log_messages(CID, first, turn_id="A")
+    call = {"id": "call-b", "function": {"name": "lookup", "arguments": "{}"}}
+    usage = {"input_tokens": 3, "output_tokens": 5}
+    made = {"role": "assistant", "tool_calls": [call], "token_usage": usage}
+    logged = await logger.log_messages(CID, [{"role": "user", "content": "B?"}, made], turn_id="B")
+    dying = ConversationStore(backend.db)
+    dying._conversations = FailOnce(dying._conversations, "update_one", after_applying=False,
+                                    skip=1)  # fmt: skip
+    with pytest.raises(StorageUnavailable):
+        await dying.pop_last_message(CID)
+    assert await backend.db["agent_messages"].count_documents({"_id": logged.messages[1].id}) == 0
+    return logged.messages[1].id
+
+
+async def test_reads_after_a_pop_that_died_serve_the_summary_without_its_message(
+    backend: Backend,
+) -> None:
+    """RELIABILITY.md (pops): no read serves the summary of a message a pop under way has
+    removed. The pop's summary update lost for good, a read finishes the pop (as the next pop
+    would) and answers as if the message had never been logged: its call not pending, its
+    tokens not counted."""
+    await a_pop_that_died(backend)
+    store = ConversationStore(backend.db)
+
+    pending = await store.pending_calls(CID)
+    conversation = await store.get_conversation(CID)
+
+    assert pending == []
+    assert (conversation.usage.input_tokens, conversation.usage.output_tokens) == (0, 0)
+    assert (conversation.message_count, conversation.turn_count) == (3, 2)
+    assert conversation.last_message_preview == "B?"
+    assert await store.pending_hitl(CID) is None
+    assert [m.content for m in await store.transcript(CID)] == ["A?", "A!", "B?"]
+
+
+async def test_a_turn_after_a_pop_that_died_finishes_it_and_an_answer_to_its_call_is_refused(
+    backend: Backend,
+) -> None:
+    """RELIABILITY.md (pops): no write decides on a summary a pop under way has not corrected
+    yet. A turn finds the pop's mark, finishes the pop, then decides on the summary without
+    the removed message: an answer to the call that message made awaits nothing (refused,
+    nothing stored), and a turn after it takes the `seq` the pop gave back."""
+    removed = await a_pop_that_died(backend)
+    logger = AgentMessageLogger(backend.db)
+    result = {"role": "tool", "tool_call_id": "call-b", "content": "found"}
+
+    with pytest.raises(InvalidInput, match="does not make call 'call-b'"):
+        await logger.check_turn(CID, [result], turn_id="D", answers_to={"call-b": removed})
+    with pytest.raises(InvalidInput, match="does not make call 'call-b'"):
+        await logger.log_messages(CID, [result], turn_id="D", answers_to={"call-b": removed})
+    logged = await logger.log_messages(CID, [{"role": "user", "content": "C?"}], turn_id="C")
+
+    assert [m.seq for m in logged.messages] == [3]
+    store = ConversationStore(backend.db)
+    assert [m.content for m in await store.transcript(CID)] == ["A?", "A!", "B?", "C?"]
+    assert await summary_disagreements(store) == []
+    assert await store.pending_calls(CID) == []
+
+
+async def test_a_tail_reader_after_the_message_of_a_pop_that_died_reads_on_from_its_seq(
+    backend: Backend,
+) -> None:
+    """RELIABILITY.md: a tail reader's `after` naming a message a pop removed reads on from
+    there, its pop's summary update lost or not: the pop's mark names the message and its
+    `seq` until a write or a read finishes it."""
+    removed = await a_pop_that_died(backend)
+    conversations = backend.db["agent_conversations"]
+    assert (await conversations.find_one({"_id": CID}))["popping"]["message_id"] == removed
+    store = ConversationStore(backend.db)
+
+    waiting = await store.messages_page(CID, after=removed)
+    await AgentMessageLogger(backend.db).log_messages(
+        CID, [{"role": "user", "content": "C?"}], turn_id="C"
+    )
+    followed = await store.messages_page(CID, after=removed)
+
+    assert waiting.data == []
+    assert waiting.pending_seq is None
+    assert [m.content for m in followed.data] == ["C?"]
+
+
 async def test_a_pop_scoped_to_another_user_never_answers_or_consumes_the_owners_pop(
     backend: Backend,
 ) -> None:

@@ -6,9 +6,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from agent_store import AgentMessageLogger, ConversationStore, TurnRules
+from agent_store import AgentMessageLogger, ConversationStore, StorageUnavailable, TurnRules
 from app.examples import example_turns
 from tests.conftest import COUNTED, Backend
+from tests.test_reliability import FailOnce
 
 pytestmark = pytest.mark.wire
 
@@ -256,3 +257,41 @@ async def test_the_calls_before_a_page_are_read_in_one_round_trip(wire_backend: 
     wire_backend.commands.clear()
     assert await store.calls_before(CID, {"call_never_made"}, before_seq=89) == []
     assert wire_backend.commands.names == ["find", "find"]
+
+
+async def test_a_turn_or_a_read_finding_a_pop_under_way_finishes_it_and_costs_more_only_then(
+    wire_backend: Backend,
+) -> None:
+    """RELIABILITY.md (pops): a turn's reservation refused for a pop's mark reads the
+    conversation, finishes the pop (its removal and its summary update) and reserves again:
+    four round trips more; a read of the summary finding the mark finishes the pop and reads
+    again: three more. With no mark, a turn and a read cost what they did."""
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db, rules=COUNTED)
+    await logger.ensure_indexes()
+    store = ConversationStore(wire_backend.db)
+    question = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A!"}]
+
+    async def marked(conversation_id: str) -> None:
+        """A pop whose summary update is lost for good (its process died): its mark stands."""
+        await logger.log_messages(conversation_id, question)
+        dying = ConversationStore(wire_backend.db)
+        dying._conversations = FailOnce(dying._conversations, "update_one",
+                                        after_applying=False, skip=1)  # fmt: skip
+        with pytest.raises(StorageUnavailable):
+            await dying.pop_last_message(conversation_id)
+
+    await marked(CID)
+    wire_backend.commands.clear()
+    await logger.log_messages(CID, question)
+    assert wire_backend.commands.names == [
+        "findAndModify", "find", "delete", "update", "findAndModify", "insert",
+    ]  # fmt: skip
+
+    await marked("round-trips-read")
+    wire_backend.commands.clear()
+    await store.get_conversation("round-trips-read")
+    assert wire_backend.commands.names == ["find", "delete", "update", "find"]
+    wire_backend.commands.clear()
+    await store.pending_calls("round-trips-read")
+    assert wire_backend.commands.names == ["find"]

@@ -94,7 +94,7 @@ from agent_store.store._legacy_seam import (
     is_derived_id,
     not_migrated_yet,
 )
-from agent_store.store._pop import last_before, preview_source
+from agent_store.store._pop import finish_marked, last_before, preview_source
 from agent_store.store._relocated import (
     MOVED,
     lookup,
@@ -641,7 +641,9 @@ class AgentMessageLogger:
         held one off `pending_calls`). One read of the conversation, one more for a new turn
         with a condition; two more to look a turn up past the kept records, when some were
         dropped and none names it; two more for a call off `pending_calls`, looked up as
-        `_unanswered` does. Writes nothing.
+        `_unanswered` does. Writes nothing of the turn's; a pop under way it finds (`popping`)
+        is finished first, as the turn's reservation finishes it, and the conversation read
+        again (two round trips and a read more, only then).
         For a caller that records something the turn concerns before logging it
         (`log_streamed_turn` records an approval first): a turn it raises for then writes
         nothing at all."""
@@ -653,10 +655,11 @@ class AgentMessageLogger:
             refused=refused_prompts,
             answers_to=answers_to,
         )
+        query = {"_id": plan.conversation_id}
         with storage_errors("read the conversation"):
-            found = await self._conversations.find_one(
-                {"_id": plan.conversation_id}, _CHECKED_FIELDS
-            )
+            found = await self._conversations.find_one(query, _CHECKED_FIELDS)
+            if await self._finished_a_pop(actor, found):  # read again once it is finished
+                found = await self._conversations.find_one(query, _CHECKED_FIELDS)
         verdict = await self._verdict(plan, actor, found, condition)
         if verdict.block is not None:
             return  # a replay
@@ -1169,6 +1172,8 @@ class AgentMessageLogger:
                 return _reserved(plan, doc, observed=bool(self._observers))
             with storage_errors("read the conversation"):
                 found = await self._conversations.find_one({"_id": plan.conversation_id})
+            if await self._finished_a_pop(actor, found):
+                continue  # its summary corrected: the turn decides on it as it now stands
             verdict = await self._verdict(plan, actor, found, condition, complete=complete)
             if found is None:  # may be created: `_verdict` refused it otherwise
                 create = True
@@ -1190,6 +1195,17 @@ class AgentMessageLogger:
         raise Unreserved(
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
         )
+
+    async def _finished_a_pop(self, actor: Actor, found: Mapping[str, Any] | None) -> bool:
+        """Whether the conversation `found` (read whole, or with `popping`), which `actor` may
+        write to, was marked by a pop under way, now finished (`_pop.finish_marked`): its
+        summary is read again before anything is decided on it. None is finished for a
+        conversation `_verdict` refuses anyway (another user's, or no conversation)."""
+        if found is None or not is_standing(found):
+            return False
+        if actor.refusal(str(found["_id"]), found.get("user_id")) is not None:
+            return False
+        return await finish_marked(self._messages, self._conversations, found)
 
     async def _verdict(
         self,
@@ -2558,6 +2574,7 @@ what tells which of a turn's answers it settled before (`answered_since`, `relea
 _CHECKED_FIELDS = {
     "user_id": 1,
     DELETING: 1,
+    "popping": 1,
     "turns": 1,
     "turns_dropped": 1,
     "message_count": 1,
@@ -2566,7 +2583,8 @@ _CHECKED_FIELDS = {
     "resolved_hitl": 1,
 }
 """What `AgentMessageLogger.check_turn` reads of the conversation: what `_verdict` decides by
-(its owner, a delete's mark, the turn records and whether some were dropped), and what tells
+(its owner, a delete's mark, the turn records and whether some were dropped), a pop under way
+(finished before anything is decided), and what tells
 a turn's answers from those the conversation settled before (`_retry_refusal`,
 `_answers_refusal`)."""
 

@@ -442,14 +442,7 @@ class Pop:
 
     async def _finish(self, conversation_id: str, pop: PopInProgress) -> None:
         """Remove the marked message (a no-op if it is gone) and correct the summary once."""
-        with storage_errors("remove the last message"):
-            await self.messages.delete_one(
-                {"_id": pop.message_id, "conversation_id": conversation_id, "epoch": pop.epoch}
-            )
-        with storage_errors("update the conversation"):
-            await self.conversations.update_one(
-                {"_id": conversation_id, "popping.message_id": pop.message_id}, unlogged(pop)
-            )
+        await finish_pop(self.messages, self.conversations, conversation_id, pop)
         self.memory.remember(conversation_id, self.memory.counts.get(conversation_id, 0) + 1)
 
     async def _finish_under_way(
@@ -483,6 +476,42 @@ class Pop:
             await self._finish(conversation_id, pop)
             return True, None, removed or (pop.message_id, pop.pop_id) == earlier
         return True, doc, removed
+
+
+async def finish_pop(
+    messages: Any, conversations: Any, conversation_id: str, pop: PopInProgress
+) -> None:
+    """Roll the pop under way `pop` (the conversation's mark) forward: remove its message (a
+    no-op if it is gone) and correct the summary once, clearing the mark (an update matched by
+    the mark: a no-op if another write finished it first). What any pop does with a mark it
+    finds, and what a turn's reservation and a read of the summary do (`finish_marked`)."""
+    with storage_errors("remove the last message"):
+        await messages.delete_one(
+            {"_id": pop.message_id, "conversation_id": conversation_id, "epoch": pop.epoch}
+        )
+    with storage_errors("update the conversation"):
+        await conversations.update_one(
+            {"_id": conversation_id, "popping.message_id": pop.message_id}, unlogged(pop)
+        )
+
+
+async def finish_marked(
+    messages: Any, conversations: Any, conversation: Mapping[str, Any] | None
+) -> bool:
+    """Finish the pop under way that `conversation` (a document read with its `popping`) is
+    marked with, if any: True when there was one (what was read is stale, read it again).
+
+    No write decides on a summary a pop under way has not corrected yet, and no read serves
+    it: a turn's reservation matches only a conversation with no mark (`reservation_filter`),
+    and, refused for one, finishes the pop and reserves again; the reads of the summary
+    finish it and read again. Two round trips more, only when a mark is found."""
+    marked = (conversation or {}).get("popping")
+    if not marked:
+        return False
+    assert conversation is not None
+    pop = PopInProgress.model_validate(marked)
+    await finish_pop(messages, conversations, str(conversation["_id"]), pop)
+    return True
 
 
 async def last_before(

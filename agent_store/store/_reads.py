@@ -65,7 +65,7 @@ from agent_store.store._indexes import (
     conversation_mark,
 )
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource, not_migrated_yet
-from agent_store.store._pop import Pop, PopMemory
+from agent_store.store._pop import Pop, PopMemory, finish_marked
 from agent_store.store._reservation import (
     NOT_BEING_DELETED,
     STANDING,
@@ -312,6 +312,17 @@ def _not_resolvable(
 _STANDING_READ = {"epoch": 1, "created_at": 1, **UNSTANDING_READ}
 """What a read of messages looks up of their conversation, at once (`_in_scope`)."""
 
+
+def _popped_messages(conversation: Mapping[str, Any]) -> list[PoppedMessage]:
+    """The messages pops removed from `conversation`, oldest first: `popped_messages`, then the
+    message of the pop under way (`popping`, its mark), whose removal is its latest."""
+    popped = [PoppedMessage.model_validate(p) for p in conversation.get("popped_messages") or ()]
+    marked = conversation.get("popping")
+    if marked:
+        popped.append(PoppedMessage.model_validate({"s": marked["seq"], "i": marked["message_id"]}))
+    return popped
+
+
 _PROMPTS_READ = {
     "pending_hitl": 1,
     "resolved_hitl": 1,
@@ -408,15 +419,29 @@ class ConversationStore:
 
         With `fallback=False`, a conversation not migrated yet is NotFound.
         """
-        with storage_errors("read the conversation"):
-            doc = await self._conversations.find_one(
-                self._standing(conversation_id, user_id), SUMMARY
-            )
+        doc = await self._summary(conversation_id, user_id, SUMMARY, "read the conversation")
         if doc is None:
             if not fallback:
                 raise NotFound(f"conversation {conversation_id!r} was not found")
             return (await self._legacy(conversation_id, user_id)).conversation
         return Conversation.model_validate(doc)
+
+    async def _summary(
+        self, conversation_id: str, user_id: str | None, projection: dict[str, Any], what: str
+    ) -> dict[str, Any] | None:
+        """The conversation `user_id` sees, read with `projection`, as its summary stands once
+        no pop is under way: a pop's mark found (`popping`, read with it) is finished, and the
+        conversation read again (`_pop.finish_marked`, as a turn's reservation finishes it),
+        so no read serves the summary of a message a pop removed. One lookup; three more only
+        when a mark is found."""
+        query = self._standing(conversation_id, user_id)
+        included = any(on for name, on in projection.items() if name != "_id")
+        projection = {**projection, "popping": 1} if included else {**projection}
+        with storage_errors(what):
+            doc: dict[str, Any] | None = await self._conversations.find_one(query, projection)
+            if await finish_marked(self._messages, self._conversations, doc):
+                doc = await self._conversations.find_one(query, projection)
+        return doc
 
     async def require_version(
         self, conversation_id: str, version: str, *, user_id: str | None = None
@@ -431,10 +456,9 @@ class ConversationStore:
             raise _version_mismatch(conversation_id, "done")
 
     async def turn_count(self, conversation_id: str, *, user_id: str | None = None) -> int:
-        with storage_errors("read the turn count"):
-            doc = await self._conversations.find_one(
-                self._standing(conversation_id, user_id), {"turn_count": 1}
-            )
+        doc = await self._summary(
+            conversation_id, user_id, {"turn_count": 1}, "read the turn count"
+        )
         if doc is None:
             return (await self._legacy(conversation_id, user_id)).conversation.turn_count
         return int(doc.get("turn_count", 0))
@@ -1183,8 +1207,14 @@ class ConversationStore:
 
     async def _seq_of(self, message_id: str, query: dict[str, Any]) -> tuple[int, bool]:
         """The `seq` of the message `message_id` of the conversation `query` names, and whether
-        a pop removed it (one more lookup, of the conversation's `popped_messages`, only when
-        it is not stored; one older than the newest `POPPED_MESSAGES_KEPT` is InvalidInput).
+        a pop removed it (one more lookup, of the conversation's `popped_messages` and its
+        pop under way, only when it is not stored; one older than the newest
+        `POPPED_MESSAGES_KEPT` is InvalidInput).
+
+        A pop under way (its mark, `popping`, names the message and its `seq`) counts as its
+        record: its message is deleted before the update that lists it in `popped_messages`
+        clears the mark, in one write, so the lookup finds it in one or the other, whether
+        that update is on its way or was lost (until a later write or read finishes the pop).
 
         For a removed message, the lowest `seq` its pop and every later one gave back: what
         a pop gave its `seq` back to was logged after the message it removed, and a reader
@@ -1195,12 +1225,16 @@ class ConversationStore:
             doc = await self._messages.find_one({"_id": message_id, **query}, {"seq": 1})
             if doc is not None:
                 return int(doc["seq"]), False
-            scope = {"_id": query["conversation_id"], "popped_messages.i": message_id}
+            scope: dict[str, Any] = {
+                "_id": query["conversation_id"],
+                "$or": [{"popped_messages.i": message_id}, {"popping.message_id": message_id}],
+            }
             if "user_id" in query:
                 scope["user_id"] = query["user_id"]
-            conversation = await self._conversations.find_one(scope, {"popped_messages": 1})
-        found = (conversation or {}).get("popped_messages") or ()
-        popped = [PoppedMessage.model_validate(p) for p in found]
+            conversation = await self._conversations.find_one(
+                scope, {"popped_messages": 1, "popping.message_id": 1, "popping.seq": 1}
+            )
+        popped = _popped_messages(conversation or {})
         removals = [at for at, p in enumerate(popped) if p.message_id == message_id]
         if not removals:
             raise InvalidInput(f"invalid after: message {message_id!r} is not in this conversation")
@@ -1218,10 +1252,9 @@ class ConversationStore:
         GridFS, in three lookups more, as `with_full_texts` reads; a field whose whole text
         is not found stays cut and listed in `truncated`.
         """
-        with storage_errors("read the pending prompt"):
-            doc = await self._conversations.find_one(
-                self._standing(conversation_id, user_id), {"pending_hitl": 1, "epoch": 1}
-            )
+        doc = await self._summary(
+            conversation_id, user_id, {"pending_hitl": 1, "epoch": 1}, "read the pending prompt"
+        )
         if doc is None:
             return (await self._legacy(conversation_id, user_id)).conversation.pending_hitl
         pending = doc.get("pending_hitl")
@@ -1258,11 +1291,8 @@ class ConversationStore:
         result or denial can answer them. A conversation that does not exist
         yet (or is not the user's) awaits nothing: the list is empty.
         """
-        with storage_errors("read the pending calls"):
-            doc = await self._conversations.find_one(
-                self._standing(conversation_id, user_id),
-                {"pending_calls": 1, "resolved_hitl": 1, "approved_calls": 1},
-            )
+        read = {"pending_calls": 1, "resolved_hitl": 1, "approved_calls": 1}
+        doc = await self._summary(conversation_id, user_id, read, "read the pending calls")
         if doc is None:
             return []
         calls = awaiting_results(

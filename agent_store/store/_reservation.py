@@ -81,6 +81,12 @@ missing one (NotFound, left out of lists). Two fields absent from every other do
 indexes a read uses still choose what it reads, this leaves out the few it finds marked."""
 
 
+NO_POP_UNDER_WAY: dict[str, Any] = {"popping": {"$not": {"$type": "object"}}}
+"""The filter part of a turn's reservation: no pop is under way (its mark, `popping`, is
+missing, or null once a pop cleared it). Not an equality, which an upsert would copy into the
+conversation it creates."""
+
+
 def is_standing(conversation: Mapping[str, Any]) -> bool:
     """Whether a conversation document read (with `DELETING` and `FORK_CHECK`) is one
     `STANDING` matches: neither marked by a delete nor a fork not made yet."""
@@ -298,7 +304,9 @@ def reservation_filter(
     """Match the conversation unless it records this turn already (or is another's, or, to
     a user token, a runtime opened a steering inbox for the turn: `Actor.running_refusal`, or
     it is no conversation: `STANDING`, a delete begun or a fork not made yet, whose own
-    first reservation creates it and whose retry finds its turn recorded).
+    first reservation creates it and whose retry finds its turn recorded, or a pop is under
+    way: `popping`, a summary the pop has not corrected yet, which the logger finishes,
+    `_pop.finish_marked`, before it reserves again).
 
     With `records_complete`, also unless some of its oldest records were dropped:
     only then does the absence of a record prove the turn is new.
@@ -308,6 +316,7 @@ def reservation_filter(
         "turns.k": {"$ne": plan.key},
         **actor.owner_filter(),
         **STANDING,
+        **NO_POP_UNDER_WAY,
     }
     if actor.as_user:  # a runtime's turn id is the runtime's (`Actor.running_refusal`)
         query["runtime_turns"] = {"$ne": plan.key}
