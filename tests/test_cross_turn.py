@@ -3544,6 +3544,27 @@ async def test_a_moved_turn_carries_the_answer_given_after_the_last_question_of_
     assert await held_state(store, "fork-all") == await held_state(store)
 
 
+async def test_a_moved_turn_asks_again_after_an_answer_that_left_its_id_unresolved(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3 (`answered_prompts`): an answer naming some of the calls of the id leaves
+    it unresolved, so the move cannot tell a reservation asking the id again since, not
+    stored yet, from none: the safe side, the answer keeps its reach and the moved question
+    asks again, the call it approved held again, in the conversation and a fork alike."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "u0"}], turn_id="t0")
+    both = [{"role": "user", "content": "u1"}, _calls("c1", "c2"), _asks_about("q0", "c1", "c2")]
+    await _reserved_only(logger, monkeypatch, both, "t1")
+    await store.resolve_hitl(CID, "q0", call_ids=["c1"])
+    assert await held_state(store) == ([("c1", None), ("c2", "q0")], None)
+
+    await logger.log_messages(CID, both, turn_id="t1")
+
+    assert await held_state(store) == ([("c1", "q0"), ("c2", "q0")], "q0")
+    await _whole_fork(logger, store, "fork-all")
+    assert await held_state(store, "fork-all") == await held_state(store)
+
+
 def _answer(call_id: str, text: str = "ok") -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call_id, "content": text}
 
