@@ -1122,20 +1122,14 @@ def _asked_again_parts(
     plan: TurnPlan, answered: Callable[[Any], Any] | None = None
 ) -> tuple[Any, Any, dict[str, Any]]:
     """`_asked_again`'s `held_by` and `held_before` of each `approved_calls` entry (`$$a`), as
-    expressions, and the variable they use (`$$asking`). `answered`: an expression on the
-    request id of the last prompt naming the call (`$$asking`'s `r`) saying its answer
-    reaches it, the approval then left as it is (`_moved_reach`)."""
-    request_ids = {
-        str(d["_id"]): m.hitl_action.request_id
-        for m, d in zip(plan.messages, plan.documents, strict=True)
-        if m.hitl_action is not None
-    }
+    expressions, and the variables they use (`$$asking`; with `answered`, `$$prompts`, the
+    request id of each prompt of the turn, written once each). `answered`: an expression on
+    the request id of the last prompt naming the call saying its answer reaches it, the
+    approval then left as it is (`_moved_reach`)."""
     asking = literal(
-        [
-            {"c": c, "m": list(prompts), "b": list(prompts[:-1]), "r": request_ids[prompts[-1]]}
-            for c, prompts in plan.asked_again
-        ]
+        [{"c": c, "m": list(prompts), "b": list(prompts[:-1])} for c, prompts in plan.asked_again]
     )
+    bound: dict[str, Any] = {"asking": asking}
     naming = {
         "$filter": {
             "input": "$$asking",
@@ -1151,7 +1145,17 @@ def _asked_again_parts(
     asked, latest = of_the_turn("m"), {"$arrayElemAt": [of_the_turn("m"), -1]}
     named = {"$cond": [{"$gt": [{"$size": naming}, 0]}, _latest_of_its_id("a"), False]}
     if answered is not None:
-        asked_under = {"$arrayElemAt": [{"$map": {"input": naming, "as": "p", "in": "$$p.r"}}, 0]}
+        bound["prompts"] = literal(
+            [
+                {"p": str(d["_id"]), "r": m.hitl_action.request_id}
+                for m, d in zip(plan.messages, plan.documents, strict=True)
+                if m.hitl_action is not None
+            ]
+        )
+        asked_by = {
+            "$filter": {"input": "$$prompts", "as": "q", "cond": {"$eq": ["$$q.p", latest]}}
+        }
+        asked_under = {"$arrayElemAt": [{"$map": {"input": asked_by, "as": "q", "in": "$$q.r"}}, 0]}
         not_answered = {
             "$eq": [{"$let": {"vars": {"r": asked_under}, "in": answered("$$r")}}, False]
         }
@@ -1170,7 +1174,7 @@ def _asked_again_parts(
     remembered = {"$concatArrays": [earlier, previous, of_the_turn("b")]}
     kept = {"$slice": [remembered, -HOLDING_PROMPTS_KEPT]}
     held_by = {"$cond": [named, latest, before]}
-    return held_by, {"$cond": [named, kept, held_before_of("a")]}, {"asking": asking}
+    return held_by, {"$cond": [named, kept, held_before_of("a")]}, bound
 
 
 def _latest_of_its_id(variable: str) -> dict[str, Any]:
@@ -1592,7 +1596,9 @@ def _carried(
 
 def _own_holders(plan: TurnPlan) -> list[dict[str, str]]:
     """The turn's own calls its prompts hold (`_turns._holders`): `{c: call id, m: the
-    message making it, r: the request id holding it, p: the holding prompt's message}`."""
+    message making it, r: the request id holding it, p: the holding prompt's message}`, of
+    those its reservation listed pending only (the newest `PENDING_CALLS_KEPT`): no answer
+    approved another, and the move's command names no more of them."""
     made: dict[str, str] = {}
     held: dict[str, tuple[str, str]] = {}
     for message, document in zip(plan.messages, plan.documents, strict=True):
@@ -1605,7 +1611,12 @@ def _own_holders(plan: TurnPlan) -> list[dict[str, str]]:
             held |= {c: prompt for c in made if c not in held}
         else:
             held |= {c: prompt for c in dict.fromkeys(action.tool_call_ids) if c in made}
-    return [{"c": c, "m": made[c], "r": r, "p": p} for c, (r, p) in held.items()]
+    listed = {(c.tool_call_id, c.message_id) for c in plan.opened_calls[-PENDING_CALLS_KEPT:]}
+    return [
+        {"c": c, "m": made[c], "r": r, "p": p}
+        for c, (r, p) in held.items()
+        if (c, made[c]) in listed
+    ]
 
 
 def given_up(
