@@ -1122,12 +1122,20 @@ def _asked_again_parts(
     plan: TurnPlan, answered: Callable[[Any], Any] | None = None
 ) -> tuple[Any, Any, dict[str, Any]]:
     """`_asked_again`'s `held_by` and `held_before` of each `approved_calls` entry (`$$a`), as
-    expressions, and the variables they use (`$$asking`; with `answered`, `$$prompts`, the
-    request id of each prompt of the turn, written once each). `answered`: an expression on
-    the request id of the last prompt naming the call saying its answer reaches it, the
-    approval then left as it is (`_moved_reach`)."""
+    expressions, and the variable they use (`$$asking`). `answered`: an expression on the
+    request id of the last prompt naming the call (`$$asking`'s `r`, written for a move only)
+    saying its answer reaches it, the approval then left as it is (`_moved_reach`)."""
+    request_ids = {
+        str(d["_id"]): m.hitl_action.request_id
+        for m, d in zip(plan.messages, plan.documents, strict=True)
+        if m.hitl_action is not None and answered is not None
+    }
     asking = literal(
-        [{"c": c, "m": list(prompts), "b": list(prompts[:-1])} for c, prompts in plan.asked_again]
+        [
+            {"c": c, "m": list(prompts), "b": list(prompts[:-1])}
+            | ({"r": request_ids[prompts[-1]]} if answered is not None else {})
+            for c, prompts in plan.asked_again
+        ]
     )
     bound: dict[str, Any] = {"asking": asking}
     naming = {
@@ -1145,17 +1153,7 @@ def _asked_again_parts(
     asked, latest = of_the_turn("m"), {"$arrayElemAt": [of_the_turn("m"), -1]}
     named = {"$cond": [{"$gt": [{"$size": naming}, 0]}, _latest_of_its_id("a"), False]}
     if answered is not None:
-        bound["prompts"] = literal(
-            [
-                {"p": str(d["_id"]), "r": m.hitl_action.request_id}
-                for m, d in zip(plan.messages, plan.documents, strict=True)
-                if m.hitl_action is not None
-            ]
-        )
-        asked_by = {
-            "$filter": {"input": "$$prompts", "as": "q", "cond": {"$eq": ["$$q.p", latest]}}
-        }
-        asked_under = {"$arrayElemAt": [{"$map": {"input": asked_by, "as": "q", "in": "$$q.r"}}, 0]}
+        asked_under = {"$arrayElemAt": [{"$map": {"input": naming, "as": "p", "in": "$$p.r"}}, 0]}
         not_answered = {
             "$eq": [{"$let": {"vars": {"r": asked_under}, "in": answered("$$r")}}, False]
         }
