@@ -3447,6 +3447,126 @@ async def test_a_relocated_prompt_a_person_resolved_meanwhile_stays_resolved(
     assert await pending_state(store) == ([], None)
 
 
+def _denial_of(call_id: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": DENIED_RESULT,
+            "error": {"message": "tool call denied"}}  # fmt: skip
+
+
+def _asks_for(text: str, call_id: str, request_id: str = "confirm") -> list[dict[str, Any]]:
+    """A turn: the user's request, the call, and the question holding it under `request_id`."""
+    return [{"role": "user", "content": text}, _calls(call_id), _asks_about(request_id, call_id)]
+
+
+async def _whole_fork(logger: AgentMessageLogger, store: ConversationStore, fork_id: str) -> None:
+    await logger.fork(CID, (await store.transcript(CID))[-1].seq, fork_id)
+
+
+async def test_a_moved_turn_does_not_carry_an_answer_over_the_same_id_asked_after_it(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3 (`answered_prompts`): t1 asked `confirm` about c1 and stored nothing; a
+    person approved `confirm`; t2 then asked `confirm` again about c2. t1, retried past
+    `abandon_after`, moves to the end: the answer's reach stays where the answer came, below
+    t2's question, which nobody answered. t2's question stays pending and c2 held, in the
+    conversation and in a fork of all of it (where a denial of c2 is stored); t1's question,
+    asked again past t2's under the id, is pending too (no reach can cover it and not t2's)."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "Hi"}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, _asks_for("Pay invoice A", "c1"), "t1")
+    await store.resolve_hitl(CID, "confirm")  # the person approves invoice A
+    await logger.log_messages(CID, _asks_for("Pay invoice B", "c2"), turn_id="t2")
+    assert await held_state(store) == ([("c1", None), ("c2", "confirm")], "confirm")
+
+    await logger.log_messages(CID, _asks_for("Pay invoice A", "c1"), turn_id="t1")
+
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert [(a["r"], a["s"]) for a in doc["answered_prompts"]] == [("confirm", 4)]
+    assert await held_state(store) == ([("c2", "confirm"), ("c1", "confirm")], "confirm")
+    assert await held_state(store) == await folded_state(store)
+    await _whole_fork(logger, store, "fork-all")
+    assert await held_state(store, "fork-all") == await held_state(store)
+    await logger.log_messages(
+        "fork-all", [{"role": "user", "content": "No."}, _denial_of("c2")], turn_id="deny"
+    )
+    calls, _ = await held_state(store, "fork-all")  # the denial answers c2: stored
+    assert calls == [("c1", "confirm")]
+    assert await held_state(store, "fork-all") == await folded_state(store, "fork-all")
+
+
+async def test_a_moved_turn_leaves_a_later_answer_to_its_id_where_it_came(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3 (`answered_prompts`): t1 asked `q0` about c3 and stored nothing; a person
+    answered; t6 asked `q0` about c0 and a person answered that too; t2 asked `q0` about c5.
+    t1 moved to the end carries neither answer over t2's question: each keeps its reach, so
+    c0 stays approved, c5 held and t2's question pending, in a fork of all of it alike."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "u0"}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, _asks_for("u1", "c3", "q0"), "t1")
+    await store.resolve_hitl(CID, "q0")
+    await logger.log_messages(CID, _asks_for("u6", "c0", "q0"), turn_id="t6")
+    await store.resolve_hitl(CID, "q0")
+    await logger.log_messages(CID, _asks_for("u2", "c5", "q0"), turn_id="t2")
+
+    await logger.log_messages(CID, _asks_for("u1", "c3", "q0"), turn_id="t1")
+
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert [(a["r"], a["s"]) for a in doc["answered_prompts"]] == [("q0", 4), ("q0", 7)]
+    held = ([("c0", None), ("c5", "q0"), ("c3", "q0")], "q0")
+    assert await held_state(store) == held
+    await _whole_fork(logger, store, "fork-all")
+    assert await held_state(store, "fork-all") == held
+    await logger.log_messages(
+        "fork-all", [{"role": "user", "content": "No."}, _denial_of("c5")], turn_id="deny"
+    )
+    calls, _ = await held_state(store, "fork-all")  # the denial answers c5: stored
+    assert calls == [("c0", None), ("c3", "q0")]
+
+
+async def test_a_moved_turn_carries_the_answer_given_after_the_last_question_of_its_id(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3 (`answered_prompts`): t1 asked `q0` about c3 and stored nothing; a person
+    answered; t6 asked `q0` about c0 and a person answered that too, the id asked no more.
+    t1 moved to the end stays answered by the later answer, whose reach moves past it; the
+    earlier one stays below t6's question, asked after it."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "u0"}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, _asks_for("u1", "c3", "q0"), "t1")
+    await store.resolve_hitl(CID, "q0")
+    await logger.log_messages(CID, _asks_for("u6", "c0", "q0"), turn_id="t6")
+    await store.resolve_hitl(CID, "q0")
+
+    await logger.log_messages(CID, _asks_for("u1", "c3", "q0"), turn_id="t1")
+
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert [(a["r"], a["s"]) for a in doc["answered_prompts"]] == [("q0", 4), ("q0", 10)]
+    assert await held_state(store) == ([("c0", None), ("c3", None)], None)
+    await _whole_fork(logger, store, "fork-all")
+    assert await held_state(store, "fork-all") == await held_state(store)
+
+
+async def test_a_moved_turn_asks_again_after_an_answer_that_left_its_id_unresolved(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3 (`answered_prompts`): an answer naming some of the calls of the id leaves
+    it unresolved, so the move cannot tell a reservation asking the id again since, not
+    stored yet, from none: the safe side, the answer keeps its reach and the moved question
+    asks again, the call it approved held again, in the conversation and a fork alike."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "u0"}], turn_id="t0")
+    both = [{"role": "user", "content": "u1"}, _calls("c1", "c2"), _asks_about("q0", "c1", "c2")]
+    await _reserved_only(logger, monkeypatch, both, "t1")
+    await store.resolve_hitl(CID, "q0", call_ids=["c1"])
+    assert await held_state(store) == ([("c1", None), ("c2", "q0")], None)
+
+    await logger.log_messages(CID, both, turn_id="t1")
+
+    assert await held_state(store) == ([("c1", "q0"), ("c2", "q0")], "q0")
+    await _whole_fork(logger, store, "fork-all")
+    assert await held_state(store, "fork-all") == await held_state(store)
+
+
 def _answer(call_id: str, text: str = "ok") -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call_id, "content": text}
 

@@ -97,6 +97,7 @@ from agent_store.store._legacy_seam import (
 from agent_store.store._pop import finish_marked, last_before, preview_source
 from agent_store.store._relocated import (
     MOVED,
+    asked_past,
     lookup,
     refuse_a_move_past_answers,
     settle,
@@ -1339,10 +1340,10 @@ class AgentMessageLogger:
         if not late and (age is None or age < self.rules.abandon_after):
             by = None if age is None else _insert_by(self.rules, checked, age)
             return replace(reserved, insert_by=by)
-        stored = await self._stored_in(plan, block, moving=conversation)
+        stored, asked = await self._stored_in(plan, block, moving=conversation)
         if stored:  # in its block, or where an earlier attempt's insert landed
             return await self._stored_there(plan, block, conversation, reserved, stored)
-        return await self._moved_to_the_end(plan, block, conversation, reserved, condition)
+        return await self._moved_to_the_end(plan, block, conversation, reserved, condition, asked)
 
     async def _moved_to_the_end(
         self,
@@ -1351,14 +1352,18 @@ class AgentMessageLogger:
         conversation: Mapping[str, Any],
         reserved: _Reserved,
         condition: Condition | None,
+        asked: Mapping[str, int],
     ) -> _Reserved | None:
         """`_replayed`'s move of the turn, none of whose messages is stored, from `block` to a
         new block at the end (`relocation`, guarded by the condition when it says what a move
         sets, `Condition.moved`): the block moved to, inserted into before `_insert_by` from
         the move's command; None when another attempt moved the turn meanwhile. A condition no
-        longer met gives the turn up (`_give_up`) and raises its refusal."""
+        longer met gives the turn up (`_give_up`) and raises its refusal. `asked`: the latest
+        prompt stored past the block under each request id the turn raises (`asked_past`)."""
         sent, now = time.monotonic(), utc_now()
-        query, pipeline = relocation(plan, block, self.rules, now, assigned=reserved.assigns)
+        query, pipeline = relocation(
+            plan, block, self.rules, now, assigned=reserved.assigns, asked=asked
+        )
         reserved = replace(reserved, insert_by=_insert_by(self.rules, sent))
         guarded = query
         if condition is not None and condition.moved is not None:
@@ -1536,7 +1541,7 @@ class AgentMessageLogger:
         if first is None:
             return None
         block = RecordedBlock(int(first["seq"]), plan.count, plan.digest)
-        stored = await self._stored_in(plan, block)
+        stored, _ = await self._stored_in(plan, block)
         if len(stored) != block.count:
             raise _stored_in_part(plan, len(stored))
         if not await self._recognised(plan, content_digest(canonical_documents(stored))):
@@ -2137,8 +2142,10 @@ class AgentMessageLogger:
 
     async def _stored_in(
         self, plan: TurnPlan, block: RecordedBlock, *, moving: Mapping[str, Any] | None = None
-    ) -> list[dict[str, Any]]:
-        """The turn's messages already stored in its block, in `seq` order. `moving` (the
+    ) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        """The turn's messages already stored in its block, in `seq` order, and (`moving`)
+        the latest prompt stored past the block under each request id the turn raises
+        (`asked_past`). `moving` (the
         conversation as read, the turn's block may have been passed): the same lookup also
         finds the later messages that answer its calls, and an empty block whose calls were
         answered so is refused
@@ -2150,6 +2157,7 @@ class AgentMessageLogger:
                 lookup(plan, block, moving=moving is not None)
             ).to_list(None)
         found.sort(key=lambda d: int(d["seq"]))  # a server answers an unsorted find any order
+        asked = asked_past(plan, block, found)
         try:
             found = refuse_a_move_past_answers(plan, block, found)
         except Conflict:
@@ -2161,7 +2169,7 @@ class AgentMessageLogger:
             raise TurnConflict(
                 f"the seq block of turn {plan.turn_id!r} holds messages of another turn"
             )
-        return found
+        return found, asked
 
     async def _give_up(
         self,

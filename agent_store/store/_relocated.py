@@ -7,7 +7,9 @@ messages say:
 
 - Before the move (in the lookup of its empty block, the same round trip): a turn whose
   call a later message answers cannot move, since its call would follow its answer; the
-  retry is refused (`Conflict`), no message written (`answered_later`).
+  retry is refused (`Conflict`), no message written (`answered_later`). The same find
+  returns the prompts stored past the block under the turn's request ids (`asked_past`): an
+  answer given before one of them does not reach the moved turn (`_reservation._moved_reach`).
 - After the move and its insert: what it leaves pending is folded from the stored messages,
   in their stored order, as pops and forks fold them (`_turns.pending_after`), a prompt
   resolved by request id (`resolved_hitl`) staying resolved; written only if no turn
@@ -69,8 +71,10 @@ def _made(plan: TurnPlan) -> list[str]:
 def lookup(plan: TurnPlan, block: RecordedBlock, *, moving: bool = False) -> dict[str, Any]:
     """The messages stored in the turn's block and, `moving`, the turn's own messages
     wherever they are (by their stable ids: an earlier attempt's insert may have landed in a
-    block the turn left) and, for a turn that makes calls, the messages past the block that
-    make or answer a call of the same ids: one find, as the block's alone."""
+    block the turn left), for a turn that makes calls the messages past the block that
+    make or answer a call of the same ids, and for a turn that raises prompts the prompts
+    past the block asked under the same request ids (`asked_past`): one find, as the
+    block's alone."""
     first, past = block.first_seq, block.first_seq + block.count
     query: dict[str, Any] = {"conversation_id": plan.conversation_id}
     in_block = {"seq": {"$gte": first, "$lt": past}}
@@ -83,8 +87,24 @@ def lookup(plan: TurnPlan, block: RecordedBlock, *, moving: bool = False) -> dic
         if made
         else []
     )
+    if plan.raised_requests:
+        raised = list(plan.raised_requests)
+        answering.append({**later, "hitl_action.request_id": {"$in": raised}})
     own = {"_id": {"$in": [d["_id"] for d in plan.documents]}}
     return {**query, "$or": [in_block, own, *answering]}
+
+
+def asked_past(plan: TurnPlan, block: RecordedBlock, found: Sequence[Any]) -> dict[str, int]:
+    """The `seq` of the latest prompt stored past the turn's block under each request id the
+    turn raises, from what `lookup` found: a move carries no answer to the id given before
+    it over that prompt, asked after the answer (`_reservation.relocation`)."""
+    past, own = block.first_seq + block.count, {d["_id"] for d in plan.documents}
+    raised, latest = set(plan.raised_requests), dict[str, int]()
+    for d in found:
+        request_id = (d.get("hitl_action") or {}).get("request_id")
+        if request_id in raised and d["seq"] >= past and d["_id"] not in own:
+            latest[request_id] = max(int(d["seq"]), latest.get(request_id, -1))
+    return latest
 
 
 def answered_later(plan: TurnPlan, later: Sequence[AgentMessage]) -> list[str]:

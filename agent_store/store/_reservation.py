@@ -7,7 +7,7 @@ refuse a turn already recorded, and where a recorded turn's `seq` block is.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
@@ -1140,9 +1140,30 @@ def _asked_again(plan: TurnPlan) -> dict[str, Any]:
     (the same turn applied again changes nothing)."""
     if not plan.asked_again:
         return {}
+    held_by, held_before, bound = _asked_again_parts(plan)
+    return approvals_held_by(held_by, held_before, bound=bound)
+
+
+def _asked_again_parts(
+    plan: TurnPlan, answered: Callable[[Any], Any] | None = None
+) -> tuple[Any, Any, dict[str, Any]]:
+    """`_asked_again`'s `held_by` and `held_before` of each `approved_calls` entry (`$$a`), as
+    expressions, and the variable they use (`$$asking`). `answered`: an expression on the
+    request id of the last prompt naming the call (`$$asking`'s `r`, written for a move only)
+    saying its answer reaches it, the approval then left as it is (`_moved_reach`)."""
+    request_ids = {
+        str(d["_id"]): m.hitl_action.request_id
+        for m, d in zip(plan.messages, plan.documents, strict=True)
+        if m.hitl_action is not None and answered is not None
+    }
     asking = literal(
-        [{"c": c, "m": list(prompts), "b": list(prompts[:-1])} for c, prompts in plan.asked_again]
+        [
+            {"c": c, "m": list(prompts), "b": list(prompts[:-1])}
+            | ({"r": request_ids[prompts[-1]]} if answered is not None else {})
+            for c, prompts in plan.asked_again
+        ]
     )
+    bound: dict[str, Any] = {"asking": asking}
     naming = {
         "$filter": {
             "input": "$$asking",
@@ -1157,6 +1178,12 @@ def _asked_again(plan: TurnPlan) -> dict[str, Any]:
 
     asked, latest = of_the_turn("m"), {"$arrayElemAt": [of_the_turn("m"), -1]}
     named = {"$cond": [{"$gt": [{"$size": naming}, 0]}, _latest_of_its_id("a"), False]}
+    if answered is not None:
+        asked_under = {"$arrayElemAt": [{"$map": {"input": naming, "as": "p", "in": "$$p.r"}}, 0]}
+        not_answered = {
+            "$eq": [{"$let": {"vars": {"r": asked_under}, "in": answered("$$r")}}, False]
+        }
+        named = {"$and": [named, not_answered]}
     before = held_by_of("a")
 
     # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
@@ -1170,11 +1197,8 @@ def _asked_again(plan: TurnPlan) -> dict[str, Any]:
     previous = {"$cond": [handed_over, {"$map": {"input": [0], "in": before}}, literal([])]}
     remembered = {"$concatArrays": [earlier, previous, of_the_turn("b")]}
     kept = {"$slice": [remembered, -HOLDING_PROMPTS_KEPT]}
-    return approvals_held_by(
-        {"$cond": [named, latest, before]},
-        {"$cond": [named, kept, held_before_of("a")]},
-        bound={"asking": asking},
-    )
+    held_by = {"$cond": [named, latest, before]}
+    return held_by, {"$cond": [named, kept, held_before_of("a")]}, bound
 
 
 def _latest_of_its_id(variable: str) -> dict[str, Any]:
@@ -1458,7 +1482,13 @@ def moved_key(key: int) -> int:
 
 
 def relocation(
-    plan: TurnPlan, block: RecordedBlock, rules: TurnRules, now: datetime, *, assigned: bool
+    plan: TurnPlan,
+    block: RecordedBlock,
+    rules: TurnRules,
+    now: datetime,
+    *,
+    assigned: bool,
+    asked: Mapping[str, int] | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update that move a recorded turn, none of whose messages is stored,
     from a block tail readers have passed (`block_abandoned`) to a new one at the end.
@@ -1472,10 +1502,10 @@ def relocation(
     turn appended there (`_appended`: `updated_at`, the preview, what it leaves pending),
     computed on the conversation as it stands now: the calls the turn left open when it
     first reserved are listed once, in their new place, and a prompt it raises that a
-    person resolved meanwhile (`resolved_hitl`) is not raised again (and the answer reaches
-    its new place, `answered_prompts`). That pending state is
-    a first estimate: after the insert the logger folds it from the stored messages
-    (`_relocated.settle`), which it stays only when that cannot be done. The filter matches
+    person resolved meanwhile (`resolved_hitl`) is not raised again: the answer reaches its
+    new place unless the id was asked after it (`_moved_reach`; `asked`: `asked_past`). That
+    pending state is a first estimate: after the insert the logger folds it from the stored
+    messages (`_relocated.settle`), kept only when that cannot be done. The filter matches
     only while the old record is there and no delete has begun (`NOT_BEING_DELETED`): a
     second attempt moving the turn at the same time matches nothing, and finds the new block
     by the turn's record; a retry finding the conversation marked is refused (`being_deleted`).
@@ -1503,9 +1533,7 @@ def relocation(
         ),
     }
     if plan.raised_requests:  # an answer that came while it waited answered its prompts
-        waited = {"$gt": ["$$s", first]}
-        moved_end = int64({"$add": [{"$ifNull": ["$message_count", 0]}, plan.count]})
-        stage.update(answers_reaching({"$cond": [waited, moved_end, "$$s"]}, plan.raised_requests))
+        stage.update(_moved_reach(plan, block.first_seq, asked or {}))
     if isinstance(plan.pending_hitl, PendingHitl):
         resolved = resolved_by_request(plan.pending_hitl.request_id)
         kept = {"$ifNull": ["$pending_hitl", None]}
@@ -1513,6 +1541,106 @@ def relocation(
     if assigned:
         stage["owned_from"] = int64({"$ifNull": ["$message_count", 0]})
     return query, [{"$set": stage}]
+
+
+def _moved_reach(plan: TurnPlan, first: int, asked: Mapping[str, int]) -> dict[str, Any]:
+    """`answered_prompts` and `approved_calls` as a move of the turn from its block at `first`
+    to the end sets them. An answer to one of the turn's request ids that came while it
+    waited answered its prompt and reaches its new block (`_carried`), but only over prompts
+    of the id asked before the answer. Else it keeps its reach, and the moved prompt asks
+    again: the calls of the turn it holds, released by the answer meanwhile, are held by it
+    again (`ApprovedCall.held_by`), as the fold of the stored messages holds them."""
+    moved_end = int64({"$add": [{"$ifNull": ["$message_count", 0]}, plan.count]})
+    waited = _carried("$$a.r", "$$s", first, asked)
+    reach = answers_reaching({"$cond": [waited, moved_end, "$$s"]}, plan.raised_requests)
+
+    def answered(request_id: Any) -> dict[str, Any]:
+        reaching = _carried(request_id, "$$x.s", first, asked, answer="$$x.r")
+        answers = {"$filter": {"input": _kept("answered_prompts", []), "as": "x", "cond": reaching}}
+        return {"$gt": [{"$size": answers}, 0]}
+
+    holders = _own_holders(plan)
+    held_by: Any = held_by_of("a")
+    held_before: Any = held_before_of("a")
+    bound: dict[str, Any] = {}
+    if plan.asked_again:
+        held_by, held_before, bound = _asked_again_parts(plan, answered)
+    if holders:
+        held_by, bound = _own_held_by(held_by, answered), {**bound, "holders": literal(holders)}
+    if not bound:
+        return reach
+    return reach | approvals_held_by(held_by, held_before, bound=bound)
+
+
+def _own_held_by(otherwise: Any, answered: Callable[[Any], Any]) -> dict[str, Any]:
+    """The `held_by` of an `approved_calls` entry (`$$a`) releasing a call of the moved turn:
+    the prompt holding it in the turn (`$$holders`, `_own_holders`) when no answer reaches
+    its new place (`answered`), else as it is; `otherwise` for an entry of another call."""
+    mine = {
+        "$filter": {
+            "input": "$$holders",
+            "as": "h",
+            "cond": {
+                "$and": [
+                    {"$eq": ["$$h.c", "$$a.tool_call_id"]},
+                    {"$eq": ["$$h.m", "$$a.message_id"]},
+                ]
+            },
+        }
+    }
+    holder = {"$arrayElemAt": [mine, 0]}
+    again = {"$cond": [answered("$$h.r"), held_by_of("a"), "$$h.p"]}
+    return {
+        "$cond": [
+            {"$gt": [{"$size": mine}, 0]},
+            {"$let": {"vars": {"h": holder}, "in": again}},
+            otherwise,
+        ]
+    }
+
+
+def _carried(
+    request_id: Any, reach: Any, first: int, asked: Mapping[str, int], *, answer: Any = None
+) -> dict[str, Any]:
+    """Whether an answer to the prompt `request_id` (expressions) of reach `reach` (its `s`)
+    answers the moved turn's prompt of that id at its new block: it came while the turn
+    waited (past `first`), after every prompt of the id stored past the turn's block
+    (`asked`, the latest, by request id), and no turn raised the id since the last answer to
+    it (still in `resolved_hitl`, which a turn raising it leaves). `answer`: the answer's
+    request id, when not `request_id` itself."""
+    latest: Any = literal(Int64(first))
+    for raised, seq in asked.items():
+        later = literal(Int64(max(first, seq)))
+        latest = {"$cond": [{"$eq": [request_id, literal(raised)]}, later, latest]}
+    conds = [{"$gt": [reach, latest]}, {"$in": [request_id, _kept("resolved_hitl", [])]}]
+    if answer is not None:
+        conds.append({"$eq": [answer, request_id]})
+    return {"$and": conds}
+
+
+def _own_holders(plan: TurnPlan) -> list[dict[str, str]]:
+    """The turn's own calls its prompts hold (`_turns._holders`): `{c: call id, m: the
+    message making it, r: the request id holding it, p: the holding prompt's message}`, of
+    those its reservation listed pending only (the newest `PENDING_CALLS_KEPT`): no answer
+    approved another, and the move's command names no more of them."""
+    made: dict[str, str] = {}
+    held: dict[str, tuple[str, str]] = {}
+    for message, document in zip(plan.messages, plan.documents, strict=True):
+        made |= {call.id: str(document["_id"]) for call in message.tool_calls or ()}
+        action = message.hitl_action
+        if action is None:
+            continue
+        prompt = (action.request_id, str(document["_id"]))
+        if action.tool_call_ids is None:
+            held |= {c: prompt for c in made if c not in held}
+        else:
+            held |= {c: prompt for c in dict.fromkeys(action.tool_call_ids) if c in made}
+    listed = {(c.tool_call_id, c.message_id) for c in plan.opened_calls[-PENDING_CALLS_KEPT:]}
+    return [
+        {"c": c, "m": made[c], "r": r, "p": p}
+        for c, (r, p) in held.items()
+        if (c, made[c]) in listed
+    ]
 
 
 def given_up(
