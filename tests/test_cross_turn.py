@@ -3493,6 +3493,20 @@ async def test_a_moved_turn_does_not_carry_an_answer_over_the_same_id_asked_afte
     assert await held_state(store, "fork-all") == await folded_state(store, "fork-all")
 
 
+async def _t1_waiting_through_two_answers(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> tuple[AgentMessageLogger, ConversationStore]:
+    """t1 asked `q0` about c3 and stored nothing; a person answered; t6 asked `q0` about c0
+    and a person answered that too."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "u0"}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, _asks_for("u1", "c3", "q0"), "t1")
+    await store.resolve_hitl(CID, "q0")
+    await logger.log_messages(CID, _asks_for("u6", "c0", "q0"), turn_id="t6")
+    await store.resolve_hitl(CID, "q0")
+    return logger, store
+
+
 async def test_a_moved_turn_leaves_a_later_answer_to_its_id_where_it_came(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -3500,12 +3514,7 @@ async def test_a_moved_turn_leaves_a_later_answer_to_its_id_where_it_came(
     answered; t6 asked `q0` about c0 and a person answered that too; t2 asked `q0` about c5.
     t1 moved to the end carries neither answer over t2's question: each keeps its reach, so
     c0 stays approved, c5 held and t2's question pending, in a fork of all of it alike."""
-    logger, store = _late_logger(backend), ConversationStore(backend.db)
-    await logger.log_messages(CID, [{"role": "user", "content": "u0"}], turn_id="t0")
-    await _reserved_only(logger, monkeypatch, _asks_for("u1", "c3", "q0"), "t1")
-    await store.resolve_hitl(CID, "q0")
-    await logger.log_messages(CID, _asks_for("u6", "c0", "q0"), turn_id="t6")
-    await store.resolve_hitl(CID, "q0")
+    logger, store = await _t1_waiting_through_two_answers(backend, monkeypatch)
     await logger.log_messages(CID, _asks_for("u2", "c5", "q0"), turn_id="t2")
 
     await logger.log_messages(CID, _asks_for("u1", "c3", "q0"), turn_id="t1")
@@ -3530,12 +3539,7 @@ async def test_a_moved_turn_carries_the_answer_given_after_the_last_question_of_
     answered; t6 asked `q0` about c0 and a person answered that too, the id asked no more.
     t1 moved to the end stays answered by the later answer, whose reach moves past it; the
     earlier one stays below t6's question, asked after it."""
-    logger, store = _late_logger(backend), ConversationStore(backend.db)
-    await logger.log_messages(CID, [{"role": "user", "content": "u0"}], turn_id="t0")
-    await _reserved_only(logger, monkeypatch, _asks_for("u1", "c3", "q0"), "t1")
-    await store.resolve_hitl(CID, "q0")
-    await logger.log_messages(CID, _asks_for("u6", "c0", "q0"), turn_id="t6")
-    await store.resolve_hitl(CID, "q0")
+    logger, store = await _t1_waiting_through_two_answers(backend, monkeypatch)
 
     await logger.log_messages(CID, _asks_for("u1", "c3", "q0"), turn_id="t1")
 
