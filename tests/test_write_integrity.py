@@ -282,6 +282,41 @@ async def test_a_truncated_map_is_the_stores_to_set(backend: Backend) -> None:
         await logger.log_messages(CID, [message], turn_id="t1")
 
 
+@pytest.mark.parametrize(("field", "value"), [("turn_id", "turn-B"), ("user_id", "user-ada")])
+async def test_a_message_naming_another_turn_or_user_than_its_own_is_refused_naming_it(
+    backend: Backend, field: str, value: str
+) -> None:
+    """A message's `turn_id` or `user_id` is the store's to set: one naming another turn than
+    the one logged, or another user than the one the turn is logged for, is refused before
+    any write (was: stored under the turn and user of the call, without a word); the same
+    values as the store sets (a message read back and sent again) are accepted."""
+    logger = AgentMessageLogger(backend.db)
+    before = await digest(backend.db)
+    said = {"role": "user", "content": "hi", field: value}
+
+    with pytest.raises(InvalidInput, match=f"message 0 carries `{field}` {value!r}"):
+        await logger.log_messages(CID, [said], turn_id="turn-A", user_id="user-grace")
+    assert await digest(backend.db) == before
+
+    again = {"role": "user", "content": "hi", "turn_id": "turn-A", "user_id": "user-grace"}
+    logged = await logger.log_messages(CID, [again], turn_id="turn-A", user_id="user-grace")
+    assert (logged.messages[0].turn_id, logged.messages[0].user_id) == ("turn-A", "user-grace")
+
+
+async def test_the_api_refuses_a_message_naming_another_turn_or_user_with_422(
+    backend: Backend,
+) -> None:
+    async with serve(backend.db, seeded=False) as api:
+        url = f"/v1/conversations/{CID}/turns"
+        for field, value in [("turn_id", "turn-B"), ("user_id", "user-ada")]:
+            message = {"role": "user", "content": "hi", field: value}
+            body = {"turn_id": "turn-A", "messages": [message]}
+            answer = await api.http.post(url, json=body, headers=auth_headers(user="user-grace"))
+            assert answer.status_code == 422, answer.text
+            assert f"carries `{field}`" in answer.text
+    assert await backend.db.agent_messages.count_documents({}) == 0
+
+
 # -- 5. and 6. every check before the first write; counters that cannot jam -------------------
 
 

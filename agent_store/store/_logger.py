@@ -722,6 +722,7 @@ class AgentMessageLogger:
         plan = plan_turn(conversation_id, messages, turn_id=turn_id, rules=self.rules)
         if user_id is not None:
             user_id = validate_identifier(user_id, "user_id")
+        _refuse_other_owners(messages, turn_id=turn_id, user_id=user_id)
         if owner_only and user_id is None:
             raise NotFound(f"conversation {plan.conversation_id!r} was not found")
         refuse_unloggable_turn_id(plan.turn_id)
@@ -3135,6 +3136,32 @@ def _answered_first(plan: TurnPlan, call_ids: Sequence[str]) -> AnsweredBefore:
         "is no longer pending. Log the turn without that answer",
         tool_call_ids=call_ids,
     )
+
+
+def _refuse_other_owners(
+    messages: Sequence[AgentMessage | Mapping[str, Any]],
+    *,
+    turn_id: str | None,
+    user_id: str | None,
+) -> None:
+    """InvalidInput for a message naming another turn than the one the call logs (`turn_id`,
+    when it names one) or another user than the one it logs it for (`user_id`, when named):
+    fields the store sets, refused rather than replaced without a word, as a message naming
+    another conversation is. The values the store sets (a message read back and sent again)
+    pass; so does any value of a call naming neither, where the store decides them."""
+    expected = {"turn_id": turn_id, "user_id": user_id}
+    for index, message in enumerate(messages):
+        for field, value in expected.items():
+            if value is None:
+                continue
+            said = message.get(field) if isinstance(message, Mapping) else getattr(message, field)
+            if said is not None and said != value:
+                named = shown(said) if isinstance(said, str) else "<withheld>"
+                raise InvalidInput(
+                    f"invalid turn: message {index} carries `{field}` {named}, not the "
+                    f"{field.removesuffix('_id')} it is logged for ({shown(value)}); `{field}` "
+                    "is the store's to set: leave it out"
+                )
 
 
 def _turn_conditions(
