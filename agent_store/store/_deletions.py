@@ -14,21 +14,21 @@ from agent_store.store._indexes import CONVERSATIONS, DELETIONS, MESSAGES
 from agent_store.store._reservation import (
     DELETING,
     UNSTANDING_READ,
-    refusal_unless_standing,
+    refuse_unless_standing,
     same_as_read,
 )
 
 
-async def refuse_unless_standing(conversations: Any, query: Mapping[str, Any], what: str) -> None:
+async def refuse_unless_found_standing(
+    conversations: Any, query: Mapping[str, Any], what: str
+) -> None:
     """The refusal of `what` when the conversation `query` finds is no conversation: marked by
     a delete or an erasure (`being_deleted`), or a fork not made yet (`unfinished_fork`). For a
     write `STANDING` fences that matched nothing, or found nothing to do. One round trip, on
     that path only."""
     with storage_errors("read the conversation"):
         doc = await conversations.find_one(query, UNSTANDING_READ)
-    refusal = None if doc is None else refusal_unless_standing(str(query["_id"]), doc, what)
-    if refusal is not None:
-        raise refusal
+    refuse_unless_standing(str(query["_id"]), doc, what)
 
 
 def recorded_as(conversation_id: str, found: Mapping[str, Any]) -> dict[str, Any]:

@@ -74,7 +74,7 @@ from agent_store.store._reservation import (
     being_deleted,
     int64,
     literal,
-    refusal_unless_standing,
+    refuse_unless_standing,
 )
 from agent_store.store._turns import (
     DELIVERY_TURN,
@@ -639,7 +639,7 @@ class SteeringInbox:
 
     async def _explain_unopened(self, conversation_id: str, actor: Actor, turn_id: str) -> None:
         """Why an inbox was not opened: the conversation is missing or another's, a delete of it
-        has begun or it is a fork not made yet (`refusal_unless_standing`), a person
+        has begun or it is a fork not made yet (`refuse_unless_standing`), a person
         took the turn id (`_person_took`), or it has as many inboxes open as the rules allow
         (unless one closed meanwhile: opened now)."""
         read = {"user_id": 1, "inbox": 1, "turns.k": 1, "turns.u": 1, **UNSTANDING_READ}
@@ -650,9 +650,7 @@ class SteeringInbox:
         refusal = actor.refusal(conversation_id, doc.get("user_id"))
         if refusal is not None:
             raise refusal
-        refusal = refusal_unless_standing(conversation_id, doc, f"the inbox of turn {turn_id!r}")
-        if refusal is not None:
-            raise refusal
+        refuse_unless_standing(conversation_id, doc, f"the inbox of turn {turn_id!r}")
         if _person_took(doc, turn_id):
             raise Conflict(
                 f"turn id {turn_id!r} of conversation {conversation_id!r} already holds a "

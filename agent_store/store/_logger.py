@@ -65,7 +65,7 @@ from agent_store.store._blobs import (
     stored_blob_ids,
     whole_text_chars,
 )
-from agent_store.store._deletions import DeletionRecords, recorded_as, refuse_unless_standing
+from agent_store.store._deletions import DeletionRecords, recorded_as, refuse_unless_found_standing
 from agent_store.store._driver import Database, only_duplicates, storage_errors
 from agent_store.store._fork import (
     ForkAnswers,
@@ -455,7 +455,7 @@ class AgentMessageLogger:
                     return_document=ReturnDocument.AFTER,
                 )
             except DuplicateKeyError as exc:
-                await refuse_unless_standing(
+                await refuse_unless_found_standing(
                     self._conversations, query, "the update of the conversation"
                 )
                 raise Conflict(

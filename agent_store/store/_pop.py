@@ -56,11 +56,11 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.store._blobs import kept_blob_ids
-from agent_store.store._deletions import refuse_unless_standing
+from agent_store.store._deletions import refuse_unless_found_standing
 from agent_store.store._driver import storage_errors
 from agent_store.store._fork import fork_turns_of
 from agent_store.store._indexes import LANGGRAPH_TURN, checkpoints_referring_to
-from agent_store.store._reservation import UNSTANDING_READ, refusal_unless_standing
+from agent_store.store._reservation import UNSTANDING_READ, refuse_unless_standing
 from agent_store.store._tail import (
     LeftBefore,
     free_to_mark,
@@ -214,7 +214,7 @@ class Pop:
                     _own(self.query, conversation), sort=[("seq", -1)]
                 )
             if doc is None:
-                await refuse_unless_standing(self.conversations, self.scope, "the pop")
+                await refuse_unless_found_standing(self.conversations, self.scope, "the pop")
                 return None
             message = message_adapter.validate_python(doc)
             if conversation is None and message.epoch is not None:
@@ -463,9 +463,7 @@ class Pop:
             doc: Mapping[str, Any] | None = await self.conversations.find_one(self.scope, read)
         if doc is None:
             return False, None, False
-        refusal = refusal_unless_standing(conversation_id, doc, "the pop")
-        if refusal is not None:
-            raise refusal
+        refuse_unless_standing(conversation_id, doc, "the pop")
         self.memory.remember(conversation_id, int(doc.get("pops") or 0))
         removed = earlier is not None and any(
             _removed_by(PoppedMessage.model_validate(p), *earlier)

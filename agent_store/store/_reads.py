@@ -53,7 +53,7 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.store._blobs import FullTextStore, parts_by_whole_text
-from agent_store.store._deletions import DeletionRecords, recorded_as, refuse_unless_standing
+from agent_store.store._deletions import DeletionRecords, recorded_as, refuse_unless_found_standing
 from agent_store.store._driver import Database, storage_errors
 from agent_store.store._fork import approvals_withdrawn, fork_turns_of
 from agent_store.store._indexes import (
@@ -75,7 +75,7 @@ from agent_store.store._reservation import (
     answered_before,
     concerned_calls,
     is_standing,
-    refusal_unless_standing,
+    refuse_unless_standing,
     resolution,
     same_as_read,
     same_conversation,
@@ -487,7 +487,7 @@ class ConversationStore:
                 return_document=ReturnDocument.AFTER,
             )
         if doc is None:
-            await refuse_unless_standing(self._conversations, scope, "the rename")
+            await refuse_unless_found_standing(self._conversations, scope, "the rename")
         if doc is None and version is not None:
             await self._named(conversation_id, user_id, version)  # NotFound when gone
             raise _version_mismatch(conversation_id, "renamed")
@@ -985,15 +985,21 @@ class ConversationStore:
             scope["user_id"] = validate_identifier(user_id, "user_id")
         if not needed:
             return []
-        read = partial(self._paired_calls, scope, needed, before_seq)
+        validated: dict[Any, AgentMessage] = {}
+        read = partial(self._paired_calls, scope, needed, before_seq, validated)
         step = "read the calls before a page"
         docs = await self._of_standing(conversation_id, user_id, read, step, absent_is_empty=True)
-        return messages_adapter.validate_python(docs or [])
+        return [validated[doc["_id"]] for doc in docs or ()]
 
     async def _paired_calls(
-        self, scope: dict[str, Any], needed: Counter[str], before_seq: int
+        self,
+        scope: dict[str, Any],
+        needed: Counter[str],
+        before_seq: int,
+        validated: dict[Any, AgentMessage],
     ) -> list[dict[str, Any]]:
-        """`calls_before`'s scan of the messages below `before_seq` in `scope`, by `seq`."""
+        """`calls_before`'s scan of the messages below `before_seq` in `scope`, by `seq`; each
+        kept validated once, into `validated` by `_id`."""
         found: list[tuple[dict[str, Any], AgentMessage]] = []
         reach: dict[str, int] = {}
         below = before_seq
@@ -1009,7 +1015,9 @@ class ConversationStore:
             if len(docs) < PAGE_FIRST_BATCH:
                 break
             below = docs[-1]["seq"]
-        return [doc for doc, message in reversed(found) if _kept(message, reach)]
+        kept = [(doc, message) for doc, message in reversed(found) if _kept(message, reach)]
+        validated.update((doc["_id"], message) for doc, message in kept)
+        return [doc for doc, _ in kept]
 
     async def messages_page(
         self,
@@ -1353,9 +1361,8 @@ class ConversationStore:
         if doc is None:  # NotFound, or legacy turns not migrated yet: read-only
             await self._refuse_unmigrated(conversation_id, user_id, "answered")
         assert doc is not None  # else `_refuse_unmigrated` raised
-        refusal = refusal_unless_standing(conversation_id, doc, f"the answer to {request_id!r}")
-        if refusal is not None:  # before any replay of an answer, as for a turn
-            raise refusal
+        # Before any replay of an answer, as for a turn.
+        refuse_unless_standing(conversation_id, doc, f"the answer to {request_id!r}")
         if answered_before(doc, request_id, concerns):
             # Resolved before: its first answer stands (its dual write again, for a retry
             # whose first attempt failed after the answer was recorded).
@@ -1833,7 +1840,7 @@ class ConversationStore:
             else:
                 assert pin is not None  # pinned by the first batch
                 read = await self._stream_batch(scope, pin, after, size)
-                docs = [d for d in read if d.get("epoch") in (None, pin.get("epoch"))]
+                docs = _of_epoch(read, pin.get("epoch"))
             last = len(read) < size
             if read:
                 after, largest = int(read[-1]["seq"]), max(map(_approximate_size, read))
@@ -1895,28 +1902,15 @@ class ConversationStore:
 
     async def _life_named(self, scope: dict[str, Any], life: Conversation) -> dict[str, Any]:
         """The life a stream serves when its caller read the conversation before (`life`):
-        its `epoch`, or for one read before it had one, what it has now (a lookup)."""
+        its `epoch`, or for one read before it had one, what it has now (a lookup; NotFound
+        when it is gone)."""
         if life.id != scope["_id"]:
             raise InvalidInput(
                 f"invalid life: it is conversation {life.id!r}, not {scope['_id']!r}"
             )
         if life.epoch is not None:
             return {"epoch": life.epoch}
-        return await self._pinned_life(scope, set(), created_at=life.created_at)
-
-    async def _pinned_life(
-        self, scope: dict[str, Any], epochs: set[str | None], *, created_at: datetime | None = None
-    ) -> dict[str, Any]:
-        """The life of the conversation a stream serves: the one `epoch` its first batch
-        names, else (none, or a deleted conversation's late message beside) the conversation
-        under the id now, told by its `epoch` or, without one, its `created_at` (a lookup;
-        NotFound when it is gone)."""
-        epochs = epochs - {None}
-        if len(epochs) == 1:
-            return {"epoch": epochs.pop()}
-        query = scope
-        if created_at is not None:
-            query = scope | same_conversation(scope["_id"], epoch=None, created_at=created_at)
+        query = scope | same_conversation(scope["_id"], epoch=None, created_at=life.created_at)
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(query, {"epoch": 1, "created_at": 1})
         if found is None:
@@ -2033,7 +2027,11 @@ def _its_messages(
         return None
     if not is_standing(found):
         raise NotFound(f"conversation {conversation_id!r} was not found")
-    epoch = found.get("epoch")
+    return _of_epoch(docs, found.get("epoch"))
+
+
+def _of_epoch(docs: list[dict[str, Any]], epoch: Any) -> list[dict[str, Any]]:
+    """The messages of the life whose `epoch` is given, and those stored before epochs."""
     return [doc for doc in docs if doc.get("epoch") in (None, epoch)]
 
 

@@ -103,20 +103,22 @@ def unfinished_fork(conversation_id: str, what: str) -> StorageUnavailable:
 
 
 UNSTANDING_READ: dict[str, Any] = {DELETING: 1, FORK_CHECK: 1}
-"""The projection a write's explanation of its refusal reads (`refusal_unless_standing`)."""
+"""The projection a write's explanation of its refusal reads (`refuse_unless_standing`)."""
 
 
-def refusal_unless_standing(
-    conversation_id: str, conversation: Mapping[str, Any], what: str
-) -> StorageUnavailable | None:
-    """The refusal of `what`, a write other than a turn's own, into a conversation that is no
+def refuse_unless_standing(
+    conversation_id: str, conversation: Mapping[str, Any] | None, what: str
+) -> None:
+    """Refuse `what`, a write other than a turn's own, into a conversation that is no
     conversation (`STANDING` did not match it): `being_deleted`, or `unfinished_fork` (only
-    the fork's own attempts write to a fork not made yet). None for one that is standing."""
+    the fork's own attempts write to a fork not made yet). Nothing for one that is standing,
+    or none at all (`conversation` None)."""
+    if conversation is None:
+        return
     if conversation.get(DELETING) is not None:
-        return being_deleted(conversation_id, what)
+        raise being_deleted(conversation_id, what)
     if conversation.get(FORK_CHECK) is not None:
-        return unfinished_fork(conversation_id, what)
-    return None
+        raise unfinished_fork(conversation_id, what)
 
 
 class BeingDeleted(StorageUnavailable):
