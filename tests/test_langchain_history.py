@@ -35,6 +35,7 @@ from agent_store import (
     TurnRules,
     Unsupported,
 )
+from agent_store.core import DENIED_RESULT, FAILED_RESULT, INTERRUPTED_RESULT
 from agent_store.integrations.langchain import ConversationChatHistory, message_from_langchain
 from tests.conftest import COUNTED, Backend, CommandLog
 
@@ -715,3 +716,34 @@ async def test_a_chain_that_added_anything_else_first_is_not_taken_for_a_failed_
     assert visible(await history.aget_messages()) == visible(
         [*paris, *numbered_step(), *berlin, *numbered_step(), *answer]
     )
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        pytest.param("tool call denied", DENIED_RESULT, id="denied"),
+        pytest.param("tool call interrupted", INTERRUPTED_RESULT, id="interrupted"),
+        pytest.param("tool call failed: quota", f"{FAILED_RESULT}: quota", id="failed"),
+        pytest.param("upstream timeout", f"{FAILED_RESULT}: upstream timeout", id="unmarked"),
+    ],
+)
+async def test_a_result_stored_with_only_an_error_replays_as_what_the_error_says(
+    backend: Backend, error: str, expected: str
+) -> None:
+    """Another writer stored a call's result as an error with no text: the model is told the
+    call did not succeed (as the exports tell it), never given an empty success."""
+    calls = [{"id": "tc-1", "function": {"name": "delete_files", "arguments": "{}"}}]
+    await AgentMessageLogger(backend.db).log_messages(
+        CID,
+        [{"role": "user", "content": "Clean up."},
+         {"role": "assistant", "content": None, "tool_calls": calls},
+         {"role": "tool", "tool_call_id": "tc-1", "content": None, "error": {"message": error}},
+         {"role": "assistant", "content": "I could not."}],
+        turn_id="t1",
+    )  # fmt: skip
+
+    read_back = await ConversationChatHistory(CID, backend.db).aget_messages()
+
+    result = read_back[2]
+    assert isinstance(result, ToolMessage)
+    assert (result.content, result.status) == (expected, "error")

@@ -6,7 +6,8 @@ of the package does not import this module.
 - `AIMessage`: an `assistant` message with its text, its `tool_calls` (ids kept, `args` as
   JSON) and its `usage_metadata` as `token_usage`;
 - `ToolMessage`: a `tool` message answering its `tool_call_id`; `status="error"` is marked
-  as a failed call;
+  as a failed call, and a stored result marked with any error reads back as `status="error"`
+  (one with no text as what its error says, `result_text`);
 - `SystemMessage`: a `system` message.
 
 What a message holds beyond the chat fields (its `id`, `name`, `additional_kwargs`,
@@ -59,6 +60,7 @@ from agent_store.core import (
     Unsupported,
     UserMessage,
     describe_validation_error,
+    result_text,
     tool_outcome,
 )
 from agent_store.integrations._appends import Appends, adder
@@ -129,11 +131,10 @@ def _rebuilt(message: AgentMessage) -> BaseMessage | None:
     if isinstance(message, SystemMessage):
         return LangChainSystemMessage(content=message.content or "")
     if isinstance(message, ToolMessage):
-        outcome = tool_outcome(message)
         return LangChainToolMessage(
-            content=message.content or "",
+            content=result_text(message),
             tool_call_id=message.tool_call_id or "",
-            status="error" if outcome is not None and outcome[0] == "failed" else "success",
+            status="success" if tool_outcome(message) is None else "error",
         )
     if message.content is None and message.tool_calls is None:
         return None  # an error note, a HITL action alone, another runtime's item
