@@ -624,13 +624,21 @@ async def test_a_resumed_run_answering_calls_asked_about_one_prompt_each_leaves_
 
 
 def documented_history(store: ConversationStore) -> Any:
-    """RUNTIMES.md's Pydantic AI recipe as written: its `history = …` line, run on `store`."""
+    """RUNTIMES.md's Pydantic AI recipe as written: its `stored = …` and `history = …` lines
+    (the history of conv-42 as user-7's), run on `store`."""
     runtimes = (Path(__file__).parents[1] / "docs" / "RUNTIMES.md").read_text()
     recipe = re.search(r"## Pydantic AI\n.*?```python\n(.*?)```", runtimes, re.DOTALL)
     assert recipe is not None
-    (line,) = [line for line in recipe.group(1).splitlines() if line.startswith("history = ")]
+    lines = [
+        line
+        for line in recipe.group(1).splitlines()
+        if line.startswith(("stored = ", "history = "))
+    ]
+    assert len(lines) == 2
     namespace = {"store": store, "history_from_messages": history_from_messages}
-    code = compile(line, "docs/RUNTIMES.md", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    code = compile(
+        "\n".join(lines), "docs/RUNTIMES.md", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+    )
 
     async def run() -> Any:
         await eval(code, namespace)  # a coroutine: the line awaits
@@ -665,7 +673,7 @@ async def test_the_documented_recipe_resumes_a_call_whose_arguments_were_cut_on_
 
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     first = await agent.run("Email the report.")
-    await log_run(logger, "conv-42", first.new_messages(), turn_id="run-1")
+    await log_run(logger, "conv-42", first.new_messages(), turn_id="run-1", user_id="user-7")
     assert (await store.transcript("conv-42"))[-1].truncated  # the bound cut the arguments
 
     await agent.run(
@@ -674,6 +682,24 @@ async def test_the_documented_recipe_resumes_a_call_whose_arguments_were_cut_on_
     )
 
     assert ran == [body]
+
+
+async def test_the_documented_recipe_gives_the_model_none_of_another_users_conversation(
+    backend: Backend,
+) -> None:
+    """conv-42 is user-8's: user-7's run is given no message of it (the run's log is then
+    refused), and a conversation not stored yet gives its first run an empty history."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    assert await documented_history(store) == []  # not stored yet: the first run
+
+    await logger.log_messages(
+        "conv-42",
+        [{"role": "user", "content": "My IBAN is FR76 3000 6000 0112 3456 7890 189."}],
+        user_id="user-8",
+        turn_id="t-1",
+    )
+
+    assert await documented_history(store) == []
 
 
 @pytest.mark.parametrize("millis", [29, 1001, 1003, 86_400_007])
