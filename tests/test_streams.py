@@ -18,7 +18,7 @@ from agent_store import (
     LoggedTurn,
     TurnRules,
 )
-from agent_store.core import messages_adapter
+from agent_store.core import MAX_CALL_ID_CHARS, PendingCall, TokenUsage, messages_adapter
 from agent_store.integrations.exports import chat_completions, check_chat_completions
 from agent_store.integrations.streams import (
     StreamedTurn,
@@ -395,3 +395,87 @@ def test_metadata_events_nested_too_deeply_to_write_are_invalid_input() -> None:
 
     with pytest.raises(InvalidInput, match="nests too deeply"):
         turn_from_metadata(events, complete=True)
+
+
+_BOOKING = PendingCall(
+    tool_call_id="call-1",
+    tool_name="book",
+    message_id="m-1",
+    request_id="req-1",
+    created_at=RECEIVED_AT,
+)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(
+            lambda: turn_from_sse(
+                [{"type": "tool_result", "tool_call_id": "call-1", "result": "booked"},
+                 {"type": "done", "usage": {"input_tokens": 5, "output_tokens": 0}}],
+                pending=[_BOOKING],
+            ),
+            id="sse-usage-of-a-turn-answering-an-earlier-call",
+        ),
+        pytest.param(
+            lambda: turn_from_sse(
+                [{"type": "tool_result", "tool_call_id": "call-1", "result": "booked"},
+                 {"type": "done", "latency_ms": 12}],
+                pending=[_BOOKING],
+            ),
+            id="sse-latency-of-a-turn-answering-an-earlier-call",
+        ),
+        pytest.param(
+            lambda: turn_from_metadata(
+                [{"type": "tool_end", "tool_name": "book", "tool_call_id": "call-1",
+                  "result": "booked"}],
+                complete=True,
+                pending=[_BOOKING],
+                usage=TokenUsage(input_tokens=5, output_tokens=0),
+            ),
+            id="metadata-usage-of-a-turn-answering-an-earlier-call",
+        ),
+        pytest.param(
+            lambda: turn_from_metadata(
+                [{"type": "confirm_resolved", "request_id": "req-1", "approved": False}],
+                complete=True,
+                pending=[_BOOKING],
+                latency_ms=40,
+            ),
+            id="metadata-latency-of-a-turn-only-refusing-a-prompt",
+        ),
+    ],
+)  # fmt: skip
+def test_usage_or_latency_of_a_turn_the_model_said_nothing_in_is_invalid_input_saying_so(
+    build: Any,
+) -> None:
+    """Usage and latency go on the turn's last assistant message (STREAMING.md); a turn with
+    none (it only answers earlier calls or prompts) has nowhere to keep them: refused, saying
+    so, never a raw error."""
+    with pytest.raises(InvalidInput, match="no assistant message"):
+        build()
+
+
+@pytest.mark.parametrize("length", [1, 190, 195, 256])
+def test_a_call_without_an_id_gets_one_within_the_bound_whatever_its_tools_name(
+    length: int,
+) -> None:
+    """A tool name may have 256 characters; the id given to its call without one
+    (`<tool_name>-<digest>-<n>`) keeps to the 200 a call id may have, and never repeats."""
+    name = "t" * length
+    events = [
+        {"type": "tool_start", "tool_name": name, "args": {}},
+        {"type": "tool_start", "tool_name": name, "args": {}},
+        {"type": "tool_end", "tool_name": name, "result": "one"},
+        {"type": "tool_end", "tool_name": name, "result": "two"},
+    ]
+
+    turn = turn_from_metadata(events, complete=True, received_at=RECEIVED_AT)
+
+    (calls,) = [m.tool_calls for m in turn.messages if m.role == "assistant"]
+    assert calls is not None
+    ids = [call.id for call in calls]
+    assert len(set(ids)) == 2
+    assert all(len(i) <= MAX_CALL_ID_CHARS and i.startswith(name[:150]) for i in ids)
+    results = [m.tool_call_id for m in turn.messages if m.role == "tool"]
+    assert results == ids

@@ -42,6 +42,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from agent_store.core import (
+    MAX_CALL_ID_CHARS,
     AgentMessage,
     AnsweredBefore,
     AssistantMessage,
@@ -385,7 +386,14 @@ class TurnAssembler:
         if not complete:
             messages.append(interruption_notice(self._now))
         if usage is not None or latency_ms is not None:
-            last = max(i for i, m in enumerate(messages) if m.role == "assistant")
+            said = [i for i, m in enumerate(messages) if m.role == "assistant"]
+            if not said:
+                raise InvalidInput(
+                    "invalid stream: usage and latency_ms go on the turn's last assistant "
+                    "message, and this turn has no assistant message (it only answers earlier "
+                    "calls or prompts): send it without them"
+                )
+            last = said[-1]
             messages[last] = messages[last].model_copy(
                 update={"token_usage": usage, "latency_ms": latency_ms}
             )
@@ -579,7 +587,8 @@ def turn_from_metadata(
     closed normally (`complete`). `pending` are the calls earlier turns left
     open (`ConversationStore.pending_calls`), which this stream may answer or
     deny. A `tool_start` without `tool_call_id` is given
-    `<tool_name>-<digest>-<n>`, the digest taken from the stream and
+    `<tool_name>-<digest>-<n>` (the name cut to keep it within `MAX_CALL_ID_CHARS`),
+    the digest taken from the stream and
     `received_at`, so generated ids never repeat within a conversation; a
     `tool_end` or `tool_error` without one ends the oldest open call of that
     tool in this turn, else the oldest pending call of that tool.
@@ -635,7 +644,8 @@ class _OpenCalls:
 
     def started(self, tool_name: str, tool_call_id: str | None) -> str:
         self._started += 1
-        call_id = tool_call_id or f"{tool_name}-{self._stamp}-{self._started}"
+        suffix = f"-{self._stamp}-{self._started}"
+        call_id = tool_call_id or tool_name[: MAX_CALL_ID_CHARS - len(suffix)] + suffix
         self._this_turn.setdefault(tool_name, []).append(call_id)
         return call_id
 
