@@ -119,6 +119,17 @@ async def test_the_list_page_shows_the_users_conversations(api: Served) -> None:
     assert redirect.headers["location"] == f"/viewer/users/{OWNER}"
 
 
+async def test_the_list_page_names_the_next_free_seq_as_what_it_is_not_a_count(
+    api: Served,
+) -> None:
+    """`message_count` is the `seq` the next message takes: a pop or a retry moved past a lost
+    insert leaves it above the messages held, so the page does not call it "Messages"."""
+    await sign_in(api.http)
+    page = await api.http.get(f"/viewer/users/{OWNER}")
+    headers = re.findall(r"<th(?: [^>]*)?>([^<]*)</th>", page.text)
+    assert headers == ["Name", "Last message", "Updated", "Turns", "Next seq", ""]
+
+
 async def test_the_transcript_renders_every_role_as_a_person_reads_it(api: Served) -> None:
     await sign_in(api.http)
     page = await api.http.get(f"/viewer/conversations/{OWNER_CONVERSATION}")
