@@ -489,6 +489,31 @@ async def test_a_pop_waits_for_an_earlier_turn_still_inserting_then_previews_its
     assert (await store.get_conversation(CID)).last_message_preview == "B, inserted late"
 
 
+async def test_a_pop_of_a_conversation_whose_only_turn_is_still_inserting_waits_for_it(
+    backend: Backend,
+) -> None:
+    """RELIABILITY.md: a pop racing a turn between its two writes past the last message is
+    StorageUnavailable, also when no message is stored yet: never "no message" (None), which
+    a runtime takes for an empty session and does not retry; once the turn is stored, the pop
+    removes its last message."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.upsert_conversation(CID)
+    writing, held = await holding(backend, [user("A?"), answer("A!")], "a")
+    store = ConversationStore(backend.db)
+
+    with pytest.raises(StorageUnavailable, match="still being written at seq 0"):
+        await store.pop_last_message(CID)
+    held.release.set()
+    await writing
+    popped = await store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.content == "A!"
+    assert await store.pop_last_message(CID) is not None
+    assert await store.pop_last_message(CID) is None  # nothing in flight, nothing left
+
+
 async def test_popping_an_answer_to_a_call_of_a_turn_still_inserting_waits_and_lists_it_again(
     backend: Backend,
 ) -> None:

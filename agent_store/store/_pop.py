@@ -56,7 +56,6 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.store._blobs import kept_blob_ids
-from agent_store.store._deletions import refuse_unless_found_standing
 from agent_store.store._driver import storage_errors
 from agent_store.store._fork import fork_turns_of
 from agent_store.store._indexes import LANGGRAPH_TURN, checkpoints_referring_to
@@ -214,7 +213,7 @@ class Pop:
                     _own(self.query, conversation), sort=[("seq", -1)]
                 )
             if doc is None:
-                await refuse_unless_found_standing(self.conversations, self.scope, "the pop")
+                await self._nothing_to_pop()
                 return None
             message = message_adapter.validate_python(doc)
             if conversation is None and message.epoch is not None:
@@ -239,6 +238,26 @@ class Pop:
             f"could not pop the last message of conversation {scope[0]!r}: other pops or "
             f"turns came first {POP_ATTEMPTS} times"
         )
+
+    async def _nothing_to_pop(self) -> None:
+        """No message found: refused for no conversation (a delete's mark, a fork not made
+        yet), StorageUnavailable while a turn is still writing its first messages (its block
+        reserved, nothing inserted yet: the pop would answer "no message" just before it
+        lands); else there is nothing to pop. One read, as the refusal's explanation alone."""
+        with storage_errors("read the conversation"):
+            doc = await self.conversations.find_one(
+                self.scope, {**UNSTANDING_READ, **GAPS_READ, "message_count": 1}
+            )
+        conversation_id = str(self.scope["_id"])
+        refuse_unless_standing(conversation_id, doc, "the pop")
+        gaps, now = Gaps.of(doc), utc_now()
+        first = gaps.unpassed_from(now=now, abandon_after=self.abandon_after)
+        if first is None:
+            return
+        count = int((doc or {}).get("message_count") or 0)
+        writing = gaps.written(range(first, count), now=now, abandon_after=self.abandon_after)
+        if writing is not None:
+            raise _still_written(conversation_id, writing)
 
     async def _retry(
         self, scope: Scope
@@ -336,7 +355,7 @@ class Pop:
             return None
         writing = gaps.written(past, now=utc_now(), abandon_after=self.abandon_after)
         if writing is not None:
-            raise _still_written(message, writing)
+            raise _still_written(str(message.conversation_id), writing)
         return count
 
     async def _what_removing_changes(self, message: AgentMessage) -> PopInProgress:
@@ -407,7 +426,7 @@ class Pop:
             doc = await self.conversations.find_one({"_id": message.conversation_id}, GAPS_READ)
         writing = Gaps.of(doc).written(missing, now=utc_now(), abandon_after=self.abandon_after)
         if writing is not None:
-            raise _still_written(message, writing)
+            raise _still_written(str(message.conversation_id), writing)
 
     async def _remove(
         self, scope: Scope, message: AgentMessage, pop: PopInProgress, count: int | None
@@ -568,8 +587,8 @@ def _removed_by(entry: PoppedMessage, message_id: str | None, pop_id: str | None
     return entry.message_id == message_id and entry.pop_id in (None, pop_id)
 
 
-def _still_written(message: AgentMessage, seq: int) -> StorageUnavailable:
+def _still_written(conversation_id: str, seq: int) -> StorageUnavailable:
     return StorageUnavailable(
-        f"a turn of conversation {message.conversation_id!r} is still being written at seq "
+        f"a turn of conversation {conversation_id!r} is still being written at seq "
         f"{seq}: retry the pop in a moment"
     )
