@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Sequence
-from datetime import UTC, datetime
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import bson
@@ -26,6 +26,7 @@ from langchain_core.messages import (
 from langchain_core.runnables.history import RunnableWithMessageHistory
 from langchain_mongodb import MongoDBChatMessageHistory
 from pymongo import MongoClient
+from pymongo.errors import AutoReconnect
 
 from agent_store import (
     AgentMessageLogger,
@@ -652,6 +653,82 @@ async def test_a_repeated_add_through_the_sync_driver_is_its_own_retry_after_ano
     await a_fails_b_adds_a_repeats(history)
 
     assert visible(history.messages) == visible(A_TURN + B_TURN)
+
+
+GRACE = TurnRules(claim_grace=timedelta(seconds=0.2))
+"""A short `claim_grace`: a retry at once waits it out, as with the default second."""
+
+
+def losing_the_insert(history: ConversationChatHistory) -> Callable[[], None]:
+    """The next inserts of messages fail as a reset connection does (after the turn reserved
+    its `seq`s: its outcome unknown); the returned call brings the network back."""
+    messages = history.logger._messages
+
+    def lost(*args: Any, **kwargs: Any) -> Any:
+        raise AutoReconnect("connection reset while inserting")
+
+    messages.insert_many = lost
+
+    def back() -> None:
+        del messages.insert_many
+
+    return back
+
+
+def test_an_add_whose_insert_failed_repeated_at_once_through_the_sync_driver_is_stored_once(
+    database: Any,
+) -> None:
+    """The repeat comes within `claim_grace` of the failed attempt's reservation: it waits for
+    that attempt to land if it ever does, blocking as every call of the synchronous driver
+    does, then stores the turn once."""
+    history = ConversationChatHistory(CID, database, user_id="u1", rules=GRACE)
+    history.add_messages([HumanMessage("hello"), AIMessage("hi")])
+    network_back = losing_the_insert(history)
+    with pytest.raises(StorageUnavailable):
+        history.add_messages(A_TURN)
+    network_back()
+
+    history.add_messages(A_TURN)
+
+    assert [m.content for m in history.messages] == ["hello", "hi", *(m.content for m in A_TURN)]
+    assert database.agent_messages.count_documents({"conversation_id": CID}) == 4
+
+
+async def test_aadd_messages_repeated_at_once_through_the_sync_driver_is_stored_once(
+    database: Any,
+) -> None:
+    history = ConversationChatHistory(CID, database, rules=GRACE)
+    network_back = losing_the_insert(history)
+    with pytest.raises(StorageUnavailable):
+        await history.aadd_messages(A_TURN)
+    network_back()
+
+    await history.aadd_messages(A_TURN)
+
+    assert visible(await history.aget_messages()) == visible(A_TURN)
+
+
+@pytest.mark.parametrize("method", ["clear", "aclear"])
+async def test_clear_after_a_failed_add_through_the_sync_driver_deletes_the_conversation(
+    database: Any, method: str
+) -> None:
+    """A `seq` reserved and not stored: the delete sweeps again `claim_grace` later (a turn may
+    still be inserting), blocking as the synchronous driver does, and returns."""
+    history = ConversationChatHistory(CID, database, user_id="u1", rules=GRACE)
+    history.add_messages([HumanMessage("x")])
+    network_back = losing_the_insert(history)
+    with pytest.raises(StorageUnavailable):
+        history.add_messages([HumanMessage("y")])
+    network_back()
+
+    if method == "clear":
+        history.clear()
+    else:
+        await history.aclear()
+
+    assert database.agent_conversations.count_documents({"_id": CID}) == 0
+    assert database.agent_messages.count_documents({"conversation_id": CID}) == 0
+    assert history.messages == []
 
 
 async def test_two_chains_whose_adds_both_failed_each_retry_their_own_once(

@@ -73,3 +73,44 @@ def test_modules_below_the_packages_are_private() -> None:
             if path.name != "__init__.py" and not path.name.startswith("_"):
                 public.append(str(path.relative_to(ROOT)))
     assert public == []
+
+
+LOOP_FREE = {
+    ("_driver.py", "sleep"): "`pause`, the store's one wait, when an event loop runs it",
+    ("_reads.py", "iscoroutine"): "`_at_once` tells the synchronous driver's awaitables apart",
+    ("_reads.py", "isfuture"): "`_at_once` tells the synchronous driver's awaitables apart",
+    ("_reads.py", "ensure_future"): "`_at_once`: only for a coroutine or a future",
+    ("_reads.py", "Task"): "a type hint",
+    ("_indexes.py", "Lock"): "`ensure_indexes`, which no caller runs over a synchronous Database",
+    ("_appends.py", "current_task"): "`adder`: none with no event loop (a thread appends)",
+    ("_appends.py", "Task"): "a type hint",
+    ("langchain.py", "to_thread"): "the async methods, which run the sync ones in a thread",
+}
+"""Each use of asyncio in the code a synchronous Database reaches (the store, and LangChain's
+history over it), and why the synchronous driver (`run_sync`, no event loop) runs it."""
+SYNC_REACHED = ["core/*.py", "store/*.py", "integrations/_appends.py", "integrations/langchain.py"]
+
+
+def loop_calls(path: Path) -> set[tuple[str, str]]:
+    """The asyncio names a module uses, and its `time.sleep`, by module name."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module in ("asyncio", "time"):
+            found |= {(path.name, f"from {node.module} import {a.name}") for a in node.names}
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)):
+            continue
+        if node.value.id == "asyncio" or (node.value.id, node.attr) == ("time", "sleep"):
+            found.add((path.name, node.attr))
+    return found
+
+
+def test_the_store_waits_only_through_pause_which_the_synchronous_driver_can_run() -> None:
+    """The store's code runs with no event loop under the synchronous driver (LangChain's
+    sync methods, `run_sync`): a wait (a retry within `claim_grace`, a delete's last sweep)
+    goes through `pause`, which blocks there, and no other asyncio primitive is used."""
+    used = set()
+    for pattern in SYNC_REACHED:
+        for path in sorted((ROOT / "agent_store").glob(pattern)):
+            used |= loop_calls(path)
+    assert ("_driver.py", "sleep") in used  # the scan sees `pause` itself
+    assert used <= set(LOOP_FREE)

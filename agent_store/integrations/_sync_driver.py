@@ -3,7 +3,8 @@
 The store awaits its collection calls. Wrapped here, a synchronous `Database`
 answers each call at once with an awaitable whose value is already there, so
 a coroutine of the store runs to its end on its first step: `run_sync` takes
-that step and returns the result. Only for callers that hold a synchronous
+that step and returns the result; a wait of the store (`pause`) blocks the
+thread meanwhile, as each call does. Only for callers that hold a synchronous
 driver and call synchronous methods (LangChain's `messages`, `add_messages`).
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator
 from typing import Any, TypeVar
+
+from agent_store.store import blocking_waits
 
 T = TypeVar("T")
 
@@ -85,9 +88,11 @@ class SyncDatabase:
 
 
 def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine of the store over a `SyncDatabase` to its end, without an event loop."""
+    """Run a coroutine of the store over a `SyncDatabase` to its end, without an event loop:
+    its waits block (`blocking_waits`). One that awaits anything else is closed, refused."""
     try:
-        coroutine.send(None)
+        with blocking_waits():
+            coroutine.send(None)
     except StopIteration as finished:
         return finished.value  # type: ignore[no-any-return]
     coroutine.close()

@@ -19,6 +19,7 @@ from agent_store.store._blobs import (
 from agent_store.store._driver import (
     DUPLICATE_KEY,
     Database,
+    blocking_waits,
     only_duplicates,
     redact_uri,
     storage_errors,
@@ -185,6 +186,7 @@ __all__ = [
     "auto_name",
     "blob_documents",
     "blob_id",
+    "blocking_waits",
     "bound",
     "bound_message",
     "checkpoints_referring_to",

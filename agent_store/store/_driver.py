@@ -1,9 +1,14 @@
-"""The storage boundary: the database handles the store accepts, and the one place that
-re-raises driver errors as the store's own."""
+"""The storage boundary: the database handles the store accepts, how the store waits on them
+(`pause`), and the one place that re-raises driver errors as the store's own."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from types import TracebackType
 from typing import Any
 
@@ -23,6 +28,31 @@ Database = Any
 
 They share the awaitable collection API the store uses, but no common type.
 """
+
+_BLOCKING: ContextVar[bool] = ContextVar("agent_store_blocking_waits", default=False)
+"""Whether the store's code runs with no event loop, stepped by the synchronous driver."""
+
+
+async def pause(seconds: float) -> None:
+    """Wait `seconds`: every wait of the store (a retry within `TurnRules.claim_grace`, a
+    delete's last sweep). Asleep in the event loop; under `blocking_waits` (the synchronous
+    driver, with no event loop to sleep in) blocking the thread, as each of its calls does."""
+    if _BLOCKING.get():
+        time.sleep(seconds)  # noqa: ASYNC251 - no event loop runs this coroutine
+    else:
+        await asyncio.sleep(seconds)
+
+
+@contextmanager
+def blocking_waits() -> Iterator[None]:
+    """Within it, the store's waits (`pause`) block the thread: for a coroutine of the store
+    stepped with no event loop over a synchronous `Database`, whose every call blocks."""
+    token = _BLOCKING.set(True)
+    try:
+        yield
+    finally:
+        _BLOCKING.reset(token)
+
 
 DUPLICATE_KEY = 11000
 """The server's code for a duplicate-key error: the only write error the store swallows."""

@@ -30,7 +30,6 @@ logger refuses a delivery's turn with names that turn's id, which the sender nev
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import time
 from collections.abc import Callable, Mapping
@@ -53,7 +52,7 @@ from agent_store.core import (
     shown,
     utc_now,
 )
-from agent_store.store._driver import storage_errors
+from agent_store.store._driver import pause, storage_errors
 from agent_store.store._logger import (
     AgentMessageLogger,
     Condition,
@@ -587,7 +586,7 @@ class SteeringInbox:
             ready, in_flight, more = await self._delivered_page(conversation_id, wanted)
             if ready or not in_flight or waited >= _WAIT_FOR_IN_FLIGHT:
                 return messages_adapter.validate_python(ready), in_flight, more
-            await asyncio.sleep(_WAIT_STEP)
+            await pause(_WAIT_STEP)
             waited += _WAIT_STEP
 
     async def _delivered_page(

@@ -22,7 +22,6 @@ lookup of its first message) before it may reserve.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -66,7 +65,7 @@ from agent_store.store._blobs import (
     whole_text_chars,
 )
 from agent_store.store._deletions import DeletionRecords, recorded_as, refuse_unless_found_standing
-from agent_store.store._driver import Database, only_duplicates, storage_errors
+from agent_store.store._driver import Database, only_duplicates, pause, storage_errors
 from agent_store.store._fork import (
     ForkAnswers,
     answers_before,
@@ -913,7 +912,7 @@ class AgentMessageLogger:
             raise refused
         if fork.get(FORK_CHECK) is not None:
             if not await self._copies_stored(fork):
-                await asyncio.sleep(self.rules.claim_grace.total_seconds())
+                await pause(self.rules.claim_grace.total_seconds())
                 if not await self._copies_stored(fork) and await self._take_back_fork(
                     fork["_id"], fork
                 ):
@@ -1709,9 +1708,9 @@ class AgentMessageLogger:
         return found, inserted, reserved
 
     async def _wait_until(self, deadline: float) -> None:
-        """Sleep until `deadline` (`time.monotonic()`): an earlier attempt of the turn, faster
+        """Wait until `deadline` (`time.monotonic()`): an earlier attempt of the turn, faster
         than `TurnRules.claim_grace`, has inserted by then if it ever does."""
-        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+        await pause(max(0.0, deadline - time.monotonic()))
 
     async def _insert(
         self,
@@ -1936,7 +1935,7 @@ class AgentMessageLogger:
             await self._move_unowned(earlier, reserved)
             if stored >= reserved.first_seq:
                 return
-            await asyncio.sleep(self.rules.claim_grace.total_seconds())
+            await pause(self.rules.claim_grace.total_seconds())
             await self._move_unowned(earlier, reserved)
 
     async def _move_unowned(self, earlier: dict[str, Any], reserved: _Reserved) -> None:

@@ -54,7 +54,7 @@ from agent_store.core import (
 )
 from agent_store.store._blobs import FullTextStore, parts_by_whole_text
 from agent_store.store._deletions import DeletionRecords, recorded_as, refuse_unless_found_standing
-from agent_store.store._driver import Database, storage_errors
+from agent_store.store._driver import Database, pause, storage_errors
 from agent_store.store._fork import approvals_withdrawn, fork_turns_of
 from agent_store.store._indexes import (
     CONVERSATIONS,
@@ -689,7 +689,7 @@ class ConversationStore:
 
     async def _grace(self) -> None:
         """The wait before a last sweep for turns still inserting: `TurnRules.claim_grace`."""
-        await asyncio.sleep(self._rules.claim_grace.total_seconds())
+        await pause(self._rules.claim_grace.total_seconds())
 
     async def _delete_legacy_only(
         self, conversation_id: str, user_id: str | None, version: str | None

@@ -16,13 +16,13 @@ right after it fail at once: a first delay of a second rides that out
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from agent_store.core import StorageUnavailable
+from agent_store.store._driver import pause
 
 T = TypeVar("T")
 
@@ -61,7 +61,7 @@ async def with_retries(
     rng = rng or random.Random()
     for retry in range(policy.attempts):
         if retry:
-            await asyncio.sleep(policy.delay(retry, rng))
+            await pause(policy.delay(retry, rng))
         try:
             return await operation()
         except StorageUnavailable:
