@@ -2642,10 +2642,15 @@ async def test_a_fork_of_everything_leaves_what_its_copies_leave_not_a_turn_that
     assert await held_state(store, "fork-earlier") == fresh
 
 
-async def test_a_fork_copies_each_call_with_one_answer_the_real_result(backend: Backend) -> None:
+async def test_a_fork_copies_a_stand_in_and_the_real_result_and_replays_the_real_one(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3 Forks: a fork copies every message up to its end, a stand-in and the real
+    result that came for its call later both; its replays answer the call with the real
+    result, as the original's do."""
     from agent_store.core import stand_in_result
 
-    logger = AgentMessageLogger(backend.db)
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     call = {"id": "c1", "function": {"name": "search", "arguments": "{}"}}
     stand_in = stand_in_result("c1", datetime(2026, 1, 1, tzinfo=UTC)).model_dump(by_alias=True)
     await logger.log_messages(
@@ -2660,7 +2665,34 @@ async def test_a_fork_copies_each_call_with_one_answer_the_real_result(backend: 
 
     forked = await logger.fork(CID, 3, "fork-answered")
 
-    assert [m.content for m in forked.messages if m.role == "tool"] == ["found"]
+    tool_texts = [m.content for m in forked.messages if m.role == "tool"]
+    assert tool_texts == [stand_in["content"], "found"]
+    replayed = chat_completions(await store.transcript("fork-answered"))
+    assert [m.get("content") for m in replayed if m["role"] == "tool"] == ["found"]
+    assert replayed == chat_completions(await store.transcript(CID))
+
+
+async def test_a_fork_of_everything_copies_a_repeated_result_and_counts_the_turns_counted(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3 Forks: a fork copies the messages up to `at_seq`, `seq` 0…n in the same
+    order, and counts the turns the original counted over them. t1 calls c1 and has its
+    result; t2 sends c1's result again between two user messages (two turn starts). A fork
+    of everything copies the seven messages and counts three turns, as the original does."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("hi"), _calls("c1"), _answer("c1", "r")], turn_id="t1")
+    again = [_user("hi"), _answer("c1", "r"), _user("and?"), _say("ok")]
+    await logger.log_messages(CID, again, turn_id="t2")
+    source = await store.transcript(CID)
+    assert source[-1].seq is not None
+
+    await logger.fork(CID, source[-1].seq, "fork-all")
+
+    forked = await store.transcript("fork-all")
+    assert [(m.role, m.tool_call_id) for m in forked] == [(m.role, m.tool_call_id) for m in source]
+    assert [m.seq for m in forked] == list(range(len(source)))
+    assert (await store.get_conversation("fork-all")).turn_count == 3
+    assert await store.turn_count(CID) == 3
 
 
 async def test_a_fork_at_the_last_stored_message_ignores_a_turn_still_being_written(
@@ -5054,6 +5086,100 @@ async def _stored_messages(store: ConversationStore) -> int:
     with contextlib.suppress(NotFound):
         return len(await store.transcript(CID))
     return 0
+
+
+# -- a fork answers every reader as its original did at that point ------------------------
+
+
+def _answered_again_conversation(rng: random.Random) -> list[Step]:
+    """A small random conversation whose calls are answered in later turns, by a result or
+    by a stand-in a real result replaces later, whose answered calls get a result again in a
+    later turn (between two user messages now and then: two turn starts), some calls reusing
+    an id made before, assistant replies reporting token usage, prompts, and a person
+    answering them between turns."""
+    from agent_store.core import stand_in_result
+
+    steps: list[Step] = []
+    open_calls: list[str] = []
+    answered: list[str] = []
+    asked: list[str] = []
+    for t in range(rng.randint(3, 6)):
+        turn: list[dict[str, Any]] = [_user(f"u{t}")]
+        late = [c for c in open_calls if rng.random() < 0.5]
+        for call_id in late:
+            open_calls.remove(call_id)
+            stand_in = stand_in_result(call_id, datetime.now(UTC)).model_dump(by_alias=True)
+            turn.append(stand_in if rng.random() < 0.3 else _answer(call_id, f"late {t}"))
+        again = [c for c in answered if c not in late and rng.random() < 0.3]
+        for call_id in dict.fromkeys(again):
+            turn += [_answer(call_id, f"again {t}"), *([_user(f"then {t}")] * rng.randint(0, 1))]
+        answered += late
+        done = [c for c in answered if c not in open_calls and c not in late and c not in again]
+        made = [rng.choice(done) if done and rng.random() < 0.2 else f"c{t}-{n}"
+                for n in range(rng.randint(0, 2))]  # fmt: skip
+        if made := list(dict.fromkeys(made)):
+            turn.append(_calls(*made))
+            open_calls += [c for c in made if c not in open_calls]
+        if made and rng.random() < 0.3:
+            asked.append(f"q{t}")
+            turn.append(_asks_about(asked[-1], made[0]))
+        usage = {"input_tokens": t + 1, "output_tokens": 2}
+        turn.append({**_say(f"a{t}"), "token_usage": usage})
+        steps.append(turn)
+        steps += [rng.choice(asked) for _ in range(rng.randint(0, 1)) if asked]
+    return steps
+
+
+async def _as_read(store: ConversationStore, cid: str) -> dict[str, Any]:
+    """What every reader answers for `cid`, messages named by `seq` (a fork's have ids of
+    their own): the transcript, its exports and replays, what it awaits, and its summary."""
+    transcript = await store.transcript(cid)
+    seqs = {m.id: m.seq for m in transcript}
+    conversation = await store.get_conversation(cid)
+    prompt = await store.pending_hitl(cid)
+    own = {"id", "seq", "conversation_id", "turn_id", "search_text"}
+    return {
+        "transcript": [m.model_dump(exclude=own) for m in transcript],
+        "chat_completions": chat_completions(transcript),
+        "responses_items": responses_items(transcript),
+        "pydantic_ai": [repr(m) for m in history_from_messages(transcript)],
+        "pending_calls": [
+            {**c.model_dump(), "message_id": seqs.get(c.message_id)}
+            for c in await store.pending_calls(cid)
+        ],
+        "pending_hitl": prompt and {**prompt.model_dump(), "message_id": seqs[prompt.message_id]},
+        "turn_count": (await store.turn_count(cid), conversation.turn_count),
+        "summary": conversation.model_dump(
+            include={"usage", "last_message_preview", "message_count", "name", "user_id"}
+        ),
+    }
+
+
+@pytest.mark.parametrize("seed", [1, 3, 4, 7, 9, 11, 12, 14])  # each answers a call again
+async def test_every_reader_answers_for_a_fork_what_it_answered_for_the_original_at_that_point(
+    backend: Backend, seed: int
+) -> None:
+    """DESIGN.md §3 Forks: a fork copies the messages up to `at_seq`, `seq` 0…n in the same
+    order, and is the same whenever taken. Over small random conversations with late
+    results, stand-ins a real result replaces, results sent again in later turns, call ids
+    reused and answers between turns, a fork of all there is, taken at once and again once
+    the original went on, answers every reader (transcript, exports and replays, pending
+    calls and prompt, turn count, usage, preview) as the original answered then."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    then: dict[int, dict[str, Any]] = {}
+    for n, step in enumerate(_answered_again_conversation(random.Random(seed))):
+        with contextlib.suppress(InvalidInput):
+            await _take_step(logger, store, n, step)
+        last = (await store.transcript(CID))[-1].seq
+        assert last is not None
+        then[last] = await _as_read(store, CID)
+        await logger.fork(CID, last, f"{CID}-now-{n}")
+        assert await _as_read(store, f"{CID}-now-{n}") == then[last], f"after step {n}"
+    stored = await store.transcript(CID)
+    assert len([m for m in stored if m.role == "tool"]) > len(answers_to_calls(stored))
+    for last, read in then.items():
+        await logger.fork(CID, last, f"{CID}-later-{last}")
+        assert await _as_read(store, f"{CID}-later-{last}") == read, f"at seq {last}"
 
 
 async def test_answering_the_newer_of_two_questions_leaves_none_pending_the_older_still_listed(

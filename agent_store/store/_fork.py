@@ -16,7 +16,6 @@ from agent_store.core import (
     InvalidInput,
     PendingCall,
     PendingHitl,
-    answers_to_calls,
 )
 from agent_store.store._turns import (
     FORK_TURN,
@@ -48,18 +47,11 @@ def fork_end(messages: Sequence[AgentMessage], at_seq: int) -> int:
 
 
 def forked_messages(messages: Sequence[AgentMessage], end: int) -> list[AgentMessage]:
-    """The messages a fork at `end` copies: those up to `end`, each call answered once (one
-    turn answers a call once) by its answer in every replay (`answers_to_calls`: the first
-    real result, else the first stand-in); a result answering no call is copied as stored."""
-    copied = [m for m in messages if (m.seq or 0) <= end]
-    answers = {id(m) for m in answers_to_calls(copied).values()}
-    made: set[str] = set()
-    kept: list[AgentMessage] = []
-    for message in copied:
-        made |= {call.id for call in message.tool_calls or ()}
-        if message.role != "tool" or id(message) in answers or message.tool_call_id not in made:
-            kept.append(message)
-    return kept
+    """The messages a fork at `end` copies: every one up to `end`, as stored and in order.
+    None is left out: a call with several results (a stand-in and the real one, a result
+    sent again in a later turn) keeps them all, and every reader picks the answer among them
+    as it does in the original (`answers_to_calls`), so the fork reads as its original did."""
+    return [m for m in messages if (m.seq or 0) <= end]
 
 
 def last_fitting_fork(

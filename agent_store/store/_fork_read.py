@@ -62,8 +62,6 @@ class ForkRead:
     stored: set[int] = field(default_factory=set)
     """Every `seq` stored up to the end of the turn the fork ends in, once `over` is None."""
     made: set[str] = field(default_factory=set)
-    answering: int = 0
-    """Results read answering a call read before: the only messages a fork may leave out."""
     calls: int = 0
     total: int = 0
     largest: int = 1
@@ -76,8 +74,6 @@ class ForkRead:
         self.sizes[seq] = size = len(bson.encode(document))
         self.total += size
         self.largest = max(self.largest, size) if self.messages else size
-        if message.role == "tool" and message.tool_call_id in self.made:
-            self.answering += 1
         made = [call.id for call in message.tool_calls or ()]
         self.made.update(made)
         self.calls += len(made)
@@ -86,7 +82,7 @@ class ForkRead:
         self.through = seq
         if self.total > MAX_FORK_BYTES:
             self.over = "bytes"
-        elif len(self.messages) - self.answering > MAX_MESSAGES_PER_TURN:
+        elif len(self.messages) > MAX_MESSAGES_PER_TURN:
             self.over = "messages"
         elif self.calls > MAX_TURN_TOOL_CALLS:
             self.over = "tool calls"
