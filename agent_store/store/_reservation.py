@@ -1685,7 +1685,7 @@ class ShownBefore:
     """The latest time of the messages stored before the block, whatever their `seq` order
     (the conversation's creation when none is), None when unknown."""
     after: int
-    """The `seq` of that message, -1 when none is."""
+    """The `seq` of the last message stored before the block, -1 when none is."""
 
 
 def given_back(
