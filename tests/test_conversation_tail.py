@@ -86,7 +86,8 @@ async def test_popping_the_last_message_puts_updated_at_back_on_the_last_that_re
     backend: Backend,
 ) -> None:
     """`updated_at` is the last message's time: after a pop, the time of the one before it
-    (the conversation's creation when none remains), so the list no longer sorts by it."""
+    (the latest that remains, here), or the conversation's creation when none remains, so
+    the list no longer sorts by the popped one."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     start = datetime(2025, 1, 1, tzinfo=UTC)
     await logger.log_messages(CID, [{**user("hi"), "created_at": start}], turn_id="t0")
@@ -102,6 +103,66 @@ async def test_popping_the_last_message_puts_updated_at_back_on_the_last_that_re
     await store.pop_last_message(CID)
     emptied = await store.get_conversation(CID)
     assert emptied.updated_at == emptied.created_at
+
+
+@pytest.mark.parametrize(
+    "hours",
+    [[3, 1, 2], [3, 1, 0, 5], [1, 3, 2], [0, 1, 2], [2, 2, 1, 2]],
+    ids=["latest-first", "latest-deep-below", "below-the-latest", "in-order", "ties"],
+)
+async def test_a_pop_leaves_updated_at_as_logging_the_messages_that_remain_would(
+    backend: Backend, hours: list[int]
+) -> None:
+    """DESIGN.md: `updated_at` is the last message's time, which a turn keeps as the latest
+    time logged (clocks skew between pods, runtimes send their own `created_at`). A pop
+    leaves what logging the messages that remain would set: the latest of their times,
+    whatever their `seq` order, so the newest-first list orders the popped conversation by
+    the messages it holds."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    start = datetime(2026, 6, 1, tzinfo=UTC)
+
+    async def logged(conversation_id: str, times: list[int]) -> None:
+        for n, hour in enumerate(times):
+            message = {
+                **user(f"{conversation_id} {n}"),
+                "created_at": start + timedelta(hours=hour),
+            }
+            await logger.log_messages(conversation_id, [message], turn_id=f"t{n}", user_id="u1")
+
+    await logged("conv-popped", hours)
+    await logged("conv-logged", hours[:-1])
+    await logged("conv-between", [max(hours[:-1]) - 1])
+
+    await store.pop_last_message("conv-popped")
+
+    popped = await store.get_conversation("conv-popped")
+    kept = await store.get_conversation("conv-logged")
+    assert popped.updated_at == kept.updated_at == start + timedelta(hours=max(hours[:-1]))
+    listed = [c.id for c in (await store.list_conversations("u1", limit=10)).data]
+    assert listed.index("conv-popped") < listed.index("conv-between")
+    for _ in hours[:-1]:
+        await store.pop_last_message("conv-popped")
+    emptied = await store.get_conversation("conv-popped")
+    assert emptied.updated_at == emptied.created_at
+
+
+async def test_a_pop_never_takes_updated_at_before_the_conversations_creation(
+    backend: Backend,
+) -> None:
+    """A conversation created before its messages' times (`upsert_conversation`, then turns
+    a runtime dates earlier) has its creation time as `updated_at`, as an empty one does: a
+    pop leaves it there, as logging the messages that remain would."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    created = await logger.upsert_conversation(CID, user_id="u1")
+    start = created.created_at - timedelta(days=1)
+    for n, hour in enumerate([3, 1, 2]):
+        message = {**user(f"turn {n}"), "created_at": start + timedelta(hours=hour)}
+        await logger.log_messages(CID, [message], turn_id=f"t{n}", user_id="u1")
+    assert (await store.get_conversation(CID)).updated_at == created.created_at
+
+    await store.pop_last_message(CID)
+
+    assert (await store.get_conversation(CID)).updated_at == created.created_at
 
 
 async def test_popping_past_a_block_abandoned_by_its_turn_gives_no_seq_back(

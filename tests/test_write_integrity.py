@@ -1150,6 +1150,39 @@ async def test_a_block_given_back_leaves_the_preview_and_time_of_the_last_stored
     assert served.last_message_preview == "later!"
 
 
+async def test_a_block_given_back_leaves_updated_at_as_logging_the_stored_messages_would(
+    backend: Backend,
+) -> None:
+    """The same, with times out of `seq` order (clocks skew between pods): `updated_at` is
+    taken back to the latest time of the messages stored, as a pop takes its message's back,
+    not to the time of the one last by `seq`."""
+    rules = TurnRules(turns_recorded=1)
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(CID, at(NOON, turn("before")), turn_id="t0")  # seq 0-1
+    first = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    a = asyncio.create_task(
+        first.logger.log_messages(CID, at(NOON - timedelta(hours=1), turn("same")), turn_id="t1")
+    )
+    await first.reserved.wait()  # seq 2-3, its insert held
+    later = at(NOON - timedelta(hours=2), turn("later"))
+    await logger.log_messages(CID, later, turn_id="t2")  # seq 4-5, t1's record dropped
+    second = SlowInsert(AgentMessageLogger(backend.db, rules=rules))
+    edited = at(NOON + timedelta(hours=1), turn("edited"))
+    b = asyncio.create_task(second.logger.log_messages(CID, edited, turn_id="t1"))
+    await second.reserved.wait()  # seq 6-7, its insert held
+    first.release.set()
+    await a
+    second.release.set()
+    with pytest.raises(Conflict):
+        await b
+
+    conversation = await check_conversation(backend.db, gaps=True)
+    stored = await backend.db[MESSAGES].find({"conversation_id": CID}).to_list(None)
+    assert conversation["last_message_preview"] == "later!"
+    assert conversation["updated_at"].replace(tzinfo=UTC) == NOON
+    assert max(m["created_at"] for m in stored).replace(tzinfo=UTC) == NOON
+
+
 async def test_a_retry_of_the_stored_content_is_a_replay_whatever_the_record_says(
     backend: Backend,
 ) -> None:
@@ -1528,6 +1561,23 @@ async def test_a_retry_that_stores_earlier_times_than_its_first_attempt_takes_up
     assert conversation["updated_at"].replace(tzinfo=UTC) == shown
     listed = await ConversationStore(backend.db).get_conversation(CID)
     assert listed.updated_at == shown
+
+
+async def test_a_retry_taking_updated_at_back_takes_it_to_the_latest_time_stored_below(
+    backend: Backend,
+) -> None:
+    """The same, with the messages below out of time order: the latest of them (11:58) is
+    deeper than the one just below the turn (a day before): `updated_at` is the latest time
+    stored, as a pop of the turn and its append again leave it (was: 11:55)."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(claim_grace=timedelta(0)))
+    await logger.log_messages(CID, at(NOON - timedelta(minutes=2), turn("deep")), turn_id="t-00")
+    await logger.log_messages(CID, at(NOON - timedelta(days=1), turn("earlier")), turn_id="t-0")
+    await reserved_then_died(logger, at(NOON, turn("hello")))
+
+    await logger.log_messages(CID, at(NOON - timedelta(minutes=5), turn("hello")), turn_id="t-1")
+
+    conversation = await check_conversation(backend.db)
+    assert conversation["updated_at"].replace(tzinfo=UTC) == NOON - timedelta(minutes=2)
 
 
 async def test_a_turn_reserving_past_a_retry_that_stores_earlier_times_keeps_its_own_time(

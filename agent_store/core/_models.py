@@ -769,8 +769,9 @@ class PopInProgress(_Model):
     preview: str | None = None
     """The preview without the message; None keeps the current one."""
     updated_at: UtcDatetime | None = None
-    """The time of the last message that remains (the conversation's `created_at` when none
-    does): `updated_at` without the message. None keeps the current one."""
+    """The latest time of the messages that remain, whatever their `seq` order (the
+    conversation's `created_at` when none does): `updated_at` without the message, never
+    before `created_at`. None keeps the current one."""
     quoted: str | None = None
     """The preview the message itself gives: a preview still quoting it is replaced, even
     after a turn reserved past it (a turn without text sets none of its own)."""
@@ -889,7 +890,9 @@ class Conversation(_Model):
     named before the store recorded it): a pop of that message takes the name back."""
     created_at: UtcDatetime
     updated_at: UtcDatetime
-    """The time of the last message."""
+    """The latest time of its messages, whatever their `seq` order (the last message's when
+    they are logged in time order), or `created_at` when later (a conversation holding none,
+    or created before its messages' times)."""
     turn_count: Count = 0
     last_message_preview: str = ""
     message_count: Count = 0

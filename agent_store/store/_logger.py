@@ -93,7 +93,7 @@ from agent_store.store._legacy_seam import (
     is_derived_id,
     not_migrated_yet,
 )
-from agent_store.store._pop import finish_marked, last_before, preview_source
+from agent_store.store._pop import finish_marked, last_and_latest, last_before, preview_source
 from agent_store.store._relocated import (
     MOVED,
     asked_past,
@@ -138,6 +138,7 @@ from agent_store.store._reservation import (
     same_as_read,
     same_conversation,
     unfinished_fork,
+    updated_at_left,
 )
 from agent_store.store._tail import preview_of
 from agent_store.store._text import clean_name
@@ -2105,29 +2106,29 @@ class AgentMessageLogger:
     ) -> None:
         """`updated_at` (`shown`, as the retry read it) later than `latest` (the turn's time as
         stored, its block ending at `end`) is set as a pop of the turn and its append again
-        would set it: to the later of `latest` and the time of the message just below the
-        block (one read and one guarded update more, on this path only). It stays while that
-        `seq` holds no message (a turn may still be writing a later time there, as a pop
-        keeps it), once a turn reserved past this one (its reservation weighed the first
-        attempt's time: that turn's, or a later one, stays), and once anything else set it
-        since it was read."""
+        would set it: to the latest of `latest` and the times of the messages below the
+        block, whatever their `seq` order (one read, two when times run out of `seq` order
+        below it, and one guarded update more, on this path only: `_pop.last_and_latest`).
+        It stays while the `seq` just below holds no message (a turn may still be writing a
+        later time there, as a pop keeps it), once a turn reserved past this one (its
+        reservation weighed the first attempt's time: that turn's, or a later one, stays),
+        and once anything else set it since it was read."""
         if latest >= shown:
             return
         first = reserved.first_seq
         if first > 0:
-            with storage_errors("read the message before the turn"):
-                below = await self._messages.find_one(
-                    {
-                        "conversation_id": conversation_id,
-                        "epoch": {"$in": [reserved.epoch, None]},
-                        "seq": {"$lt": first},
-                    },
-                    {"_id": 0, "seq": 1, "created_at": 1},
-                    sort=[("seq", -1)],
+            stored_below = {
+                "conversation_id": conversation_id,
+                "epoch": {"$in": [reserved.epoch, None]},
+                "seq": {"$lt": first},
+            }
+            with storage_errors("read the messages before the turn"):
+                below, latest_below = await last_and_latest(
+                    self._messages, stored_below, first, {"_id": 0, "seq": 1, "created_at": 1}
                 )
-            if below is None or below["seq"] != first - 1:
+            if below is None or latest_below is None or below["seq"] != first - 1:
                 return
-            latest = max(latest, to_utc_millis(below["created_at"]))
+            latest = max(latest, to_utc_millis(latest_below["created_at"]))
         if latest >= shown:
             return
         with storage_errors("update the conversation"):
@@ -2137,7 +2138,7 @@ class AgentMessageLogger:
                     "message_count": end,
                     "updated_at": shown,
                 },
-                {"$set": {"updated_at": latest}},
+                [{"$set": {"updated_at": updated_at_left(latest)}}],
             )
 
     async def _stored_in(

@@ -535,15 +535,30 @@ async def last_before(
     messages: Any, conversations: Any, conversation_id: str | None, seq: int
 ) -> tuple[dict[str, Any] | None, Any]:
     """The last message stored before `seq` (None if none is), and the conversation's
-    `updated_at` without what lies from `seq` on: that message's time, else the
-    conversation's `created_at` (one more read, only when no message remains)."""
-    previous = await messages.find_one(
-        {"conversation_id": conversation_id, "seq": {"$lt": seq}}, sort=[("seq", -1)]
-    )
-    if previous is not None:
-        return previous, previous["created_at"]
+    `updated_at` without what lies from `seq` on, as logging the messages before alone sets
+    it (a turn keeps the latest time logged): the latest of their times, whatever their
+    `seq` order, else the conversation's `created_at` (one more read, only when no message
+    remains). One read while times follow `seq` order (`last_and_latest`)."""
+    below = {"conversation_id": conversation_id, "seq": {"$lt": seq}}
+    previous, latest = await last_and_latest(messages, below, seq)
+    if latest is not None:
+        return previous, latest["created_at"]
     doc = await conversations.find_one({"_id": conversation_id}, {"created_at": 1})
     return None, (doc or {}).get("created_at")
+
+
+async def last_and_latest(
+    messages: Any, below: dict[str, Any], seq: int, projection: dict[str, Any] | None = None
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Of the messages `below` finds (stored before `seq`): the last by `seq`, and the latest
+    by time (`created_at`; the later `seq` of equal times), None when none is. The latest is
+    read first: while times follow `seq` order it is the one at `seq - 1`, the last, and one
+    read gives both; the last is read too (one read more) only when they do not (clocks skew
+    between pods, runtimes send their own times) or `seq - 1` holds no message."""
+    latest = await messages.find_one(below, projection, sort=[("created_at", -1), ("seq", -1)])
+    if latest is None or latest["seq"] == seq - 1:
+        return latest, latest
+    return await messages.find_one(below, projection, sort=[("seq", -1)]), latest
 
 
 async def preview_source(

@@ -1682,10 +1682,10 @@ class ShownBefore:
     quoted: str | None
     """The preview the block's turn set (`TurnPlan.preview`), None when it set none."""
     updated_at: datetime | None
-    """The time of the last message stored before the block (the conversation's creation
-    when none is), None when unknown."""
+    """The latest time of the messages stored before the block, whatever their `seq` order
+    (the conversation's creation when none is), None when unknown."""
     after: int
-    """The `seq` of that message, -1 when none is."""
+    """The `seq` of the last message stored before the block, -1 when none is."""
 
 
 def given_back(
@@ -1714,9 +1714,9 @@ def _shown_again(shown: ShownBefore, first_seq: int, count: int) -> dict[str, An
     """The preview and `updated_at` without the `count` `seq`s from `first_seq`, as a pop
     sets them without its message (`_tail.unlogged`): the preview the messages before them
     give, while no turn holds a `seq` past them (`nothing_reserved_past`) or the preview
-    still quotes the block's turn (a turn past it set none); `updated_at` the time of the
-    last message before them, while no turn holds a `seq` past them nor one between that
-    message and the block (a turn still writing there set a later time)."""
+    still quotes the block's turn (a turn past it set none); `updated_at` the latest time
+    of the messages before them, while no turn holds a `seq` past them nor one between the
+    last of those messages and the block (a turn still writing there set a later time)."""
     untouched = nothing_reserved_past(first_seq + count - 1)
     fields: dict[str, Any] = {}
     if shown.quoted is not None:
@@ -1730,9 +1730,17 @@ def _shown_again(shown: ShownBefore, first_seq: int, count: int) -> dict[str, An
         }
     if shown.updated_at is not None:
         between = _only_gaps_between(shown.after, first_seq)
-        time = literal(shown.updated_at)
-        fields["updated_at"] = {"$cond": [{"$and": [untouched, between]}, time, "$updated_at"]}
+        fields["updated_at"] = updated_at_left(shown.updated_at, {"$and": [untouched, between]})
     return fields
+
+
+def updated_at_left(latest: datetime, unless_changed: Any = True) -> dict[str, Any]:
+    """`updated_at` once `latest` is the latest time of the messages a conversation keeps, as
+    logging them alone sets it (an expression): no earlier than its `created_at`, the time an
+    empty conversation has (one created before its messages' times keeps it); the current
+    one while `unless_changed` (an expression) is false: a turn reserved since set its own."""
+    time = {"$max": ["$created_at", literal(latest)]}
+    return time if unless_changed is True else {"$cond": [unless_changed, time, "$updated_at"]}
 
 
 def nothing_reserved_past(seq: int) -> dict[str, Any]:

@@ -57,6 +57,7 @@ from agent_store.store._reservation import (
     nothing_reserved_past,
     records_changed,
     resolved_by_request,
+    updated_at_left,
 )
 from agent_store.store._text import message_text, shorten
 from agent_store.store._turns import (
@@ -179,8 +180,8 @@ def pop_in_progress(
 ) -> PopInProgress:
     """What removing `message`, the conversation's last, changes in its summary.
 
-    `preview` is the new preview, or None to keep the current one; `updated_at` the time of
-    the last message that remains, or None to keep the current one; `quoted` the preview
+    `preview` is the new preview, or None to keep the current one; `updated_at` the latest
+    time of the messages that remain, or None to keep the current one; `quoted` the preview
     the message itself gives (a preview still quoting it is replaced). `before` is what the
     messages before it leave (`LeftBefore`), read when `reads_pending_before`: the calls
     pending, the prompt pending (kept for an answer, which may have cleared it), and the
@@ -278,7 +279,7 @@ def unlogged(pop: PopInProgress) -> list[Any]:
             pop.prompt_back, pop.message_id, untouched, stage["pending_hitl"]
         )
     if pop.updated_at is not None:  # a turn that reserved past it set its own
-        stage["updated_at"] = {"$cond": [untouched, literal(pop.updated_at), "$updated_at"]}
+        stage["updated_at"] = updated_at_left(pop.updated_at, untouched)
     turns = _marked_popped(pop.turn_key, pop.seq, untouched)
     stage["turns"] = turns if pop.turn_key is not None else absent_stays("turns", turns)
     # The `seq`s given back are free again: a prompt stored there later is a new one.

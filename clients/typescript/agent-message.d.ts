@@ -130,7 +130,11 @@ export interface IAgentConversation<TDate extends DateLike> {
   /** Who chose `name` (extension): automatic names yield to a runtime's, both to a person's. */
   name_source: "auto" | "runtime" | "set" | null;
   created_at: TDate;
-  /** The time of the last message. */
+  /**
+   * The latest time of its messages, whatever their `seq` order (the last message's when
+   * they are logged in time order), or `created_at` when later (a conversation holding none,
+   * or created before its messages' times).
+   */
   updated_at: TDate;
   turn_count: number;
   last_message_preview: string;
