@@ -1517,7 +1517,7 @@ class AgentMessageLogger:
         turns not migrated yet (`not_migrated_yet`), as every write to it is; NotFound to a
         user token not their owner's. A reservation that only creates (`condition`, a
         fork's) is refused as for any id that is taken (`_held`). One round trip when wired to
-        legacy turns, none otherwise: only on the way to a refusal."""
+        legacy turns (a conversation missing here only: a new one, or a refusal), else none."""
         if self._legacy is None:
             return
         holder = await self._legacy.holder(conversation_id)
