@@ -250,6 +250,82 @@ async def test_a_fork_into_an_id_the_migration_derives_is_refused() -> None:
         assert await digests(api.db) == before
 
 
+# Steering a conversation that exists only as legacy turns: opening, delivering into and
+# closing an inbox are writes, answered as every write to it (409 "not migrated yet"; a user
+# token opens and closes none: 403); reading the inbox is a read, served as GET serves the
+# conversation: no inbox is open in it. Another user's token gets 404 throughout.
+INBOX_ON_LEGACY: dict[str, dict[str, int]] = {
+    #                  open  deliver close read
+    "service":       {"open": 409, "deliver": 409, "close": 409, "read": 200},
+    "owner-token":   {"open": 403, "deliver": 409, "close": 403, "read": 200},
+    "another-token": {"open": 403, "deliver": 404, "close": 403, "read": 404},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("caller", list(INBOX_ON_LEGACY))
+async def test_the_inbox_of_a_conversation_only_legacy_turns_hold_answers_as_every_write_to_it(
+    caller: str,
+) -> None:
+    async with serve(mongomock_db()) as api:
+        await seed_states(api)
+        before = await digests(api.db)
+        base = f"/v1/conversations/{conversation_id('legacy-mine')}/turns/run-1/inbox"
+        message = {"message": {"role": "user", "content": "steer"}, "delivery_id": "d1"}
+        calls = {
+            "open": ("POST", base, None),
+            "deliver": ("POST", f"{base}/messages", message),
+            "close": ("POST", f"{base}/close", {"last_seen_seq": -1}),
+            "read": ("GET", base, None),
+        }
+
+        for action, status in INBOX_ON_LEGACY[caller].items():
+            method, url, body = calls[action]
+            answer = await api.http.request(method, url, json=body, headers=headers_for(caller))
+
+            assert answer.status_code == status, (action, answer.text)
+            if status == 409:
+                assert "not migrated yet" in answer.json()["error"]["message"], action
+            if status == 200:
+                assert answer.json() == {"data": [], "has_more": False}
+        assert await digests(api.db) == before
+
+
+@pytest.mark.parametrize("caller", ["service", "owner-token"])
+@pytest.mark.parametrize("state", ["mine", "another", "unowned", "legacy-another", "legacy-mine"])
+async def test_a_fork_into_an_id_that_is_taken_is_told_the_id_exists_already(
+    caller: str, state: str
+) -> None:
+    """A fork never writes into an existing id, whoever holds it: 409 "exists already; fork
+    into a new id", naming no other user and advising no claim or migration (neither makes
+    the fork). To a user token an id it may not see (another user's, unowned, another user's
+    legacy turns) is 404, as every write of it there is. Nothing written."""
+    async with serve(mongomock_db()) as api:
+        await seed_states(api)
+        said = {"turn_id": "s-1", "messages": [{"role": "user", "content": "to fork"}]}
+        made = await api.http.post(
+            "/v1/conversations/conv-fork-source/turns", json=said, headers=auth_headers(user=OWNER)
+        )
+        assert made.status_code == 201, made.text
+        before = await digests(api.db)
+        target = conversation_id(state)
+
+        answer = await api.http.post(
+            "/v1/conversations/conv-fork-source/forks",
+            json={"at_seq": 0, "new_conversation_id": target},
+            headers=headers_for(caller),
+        )
+
+        seen = caller == "service" or state in ("mine", "legacy-mine")
+        if seen:
+            assert answer.status_code == 409, answer.text
+            said_back = answer.json()["error"]["message"]
+            assert said_back == f"conversation {target!r} exists already; fork into a new id"
+        else:
+            assert answer.status_code == 404, answer.text
+            assert OTHER not in answer.text
+        assert await digests(api.db) == before
+
+
 async def test_no_upsert_creates_a_conversation_under_an_id_the_migration_derives() -> None:
     """`upsert_conversation` (the LangGraph saver's way in) refuses what a turn refuses."""
     from agent_store import InvalidInput

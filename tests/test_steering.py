@@ -1322,7 +1322,7 @@ async def test_a_delivery_like_turn_id_in_uppercase_hex_is_an_ordinary_turn_id(
 @pytest.mark.parametrize(
     "kind",
     ["NotStoredYet", "Corrected", "OtherContent", "AnsweredBefore", "TurnConflict", "HeldOff",
-     "BeingDeleted", "Unreserved"],
+     "BeingDeleted", "Unreserved", "UnfinishedFork", "AnyOther"],
 )  # fmt: skip
 def test_every_refusal_of_a_deliverys_turn_is_worded_for_the_delivery_with_its_status(
     kind: str,
@@ -1335,32 +1335,38 @@ def test_every_refusal_of_a_deliverys_turn_is_worded_for_the_delivery_with_its_s
     from agent_store.core import AnsweredBefore
     from agent_store.store import _inbox, _logger, _turns
 
-    internal = "turn 'delivery-0123456789abcdef0123456789abcdef': use a new turn_id"
+    stored_as = "delivery-0123456789abcdef0123456789abcdef"
+    internal = f"turn {stored_as!r}: use a new turn_id"
     classes: dict[str, type[StoreError]] = {
         "NotStoredYet": _logger.NotStoredYet,
         "Corrected": _logger.Corrected,
         "OtherContent": _logger.OtherContent,
         "TurnConflict": _turns.TurnConflict,
     }
-    from agent_store.store._reservation import BeingDeleted
+    from agent_store.store._reservation import BeingDeleted, unfinished_fork
 
     made: dict[str, StoreError] = {
         "AnsweredBefore": AnsweredBefore(internal, tool_call_ids=["call_1"]),
         "HeldOff": _logger.HeldOff(internal, conversation_id=CID, held=("c0", "r1")),
         "BeingDeleted": BeingDeleted(internal, conversation_id=CID),
         "Unreserved": _logger.Unreserved(internal),
+        "UnfinishedFork": unfinished_fork(CID, f"turn {stored_as!r}"),
+        "AnyOther": StorageUnavailable(
+            f"could not move turn {stored_as!r} past what readers passed"
+        ),
     }
     error = made[kind] if kind in made else classes[kind](internal)
     named = "delivery 'd1' into the inbox of turn 'turn-running'"
 
-    worded = _inbox.delivery_refusal(error, named, timedelta(minutes=5))
+    worded = _inbox.delivery_refusal(error, named, timedelta(minutes=5), stored_as)
 
     assert type(worded) is type(error)
     assert (worded.status, worded.code) == (error.status, error.code)
     assert named in worded.message
     assert "delivery-" not in worded.message
     assert "turn_id" not in worded.message
-    assert "delivery_id" in worded.message or kind in ("NotStoredYet", "BeingDeleted")
+    worded_as_named = ("NotStoredYet", "BeingDeleted", "UnfinishedFork", "AnyOther")
+    assert "delivery_id" in worded.message or kind in worded_as_named
 
 
 @pytest.mark.parametrize(
@@ -1380,7 +1386,8 @@ def test_a_refusal_of_a_delivery_naming_no_turn_reaches_its_sender_as_it_is(
     from agent_store.store import _inbox
 
     named = "delivery 'd1' into the inbox of turn 'turn-running'"
-    assert _inbox.delivery_refusal(error, named, timedelta(minutes=5)) is error
+    stored_as = "delivery-0123456789abcdef0123456789abcdef"
+    assert _inbox.delivery_refusal(error, named, timedelta(minutes=5), stored_as) is error
 
 
 # -- a delivery is a turn: every rule a turn meets, its refusals worded for its sender -----
@@ -1485,3 +1492,99 @@ async def test_a_delivery_into_a_conversation_being_deleted_is_refused_naming_th
     assert f"conversation {CID!r} is being deleted" in said
     assert "delivery-" not in said
     assert await backend.db[MESSAGES].count_documents({"content": "steer"}) == 0
+
+
+async def test_a_delivery_into_a_fork_not_made_yet_is_refused_naming_the_delivery(
+    backend: Backend,
+) -> None:
+    """Until a fork is made (its `fork_check` still there), a delivery into it is refused as a
+    turn is (StorageUnavailable, nothing stored), naming the delivery and its inbox, never the
+    turn id it is stored under."""
+    from agent_store.store._reservation import FORK_CHECK
+
+    logger = AgentMessageLogger(backend.db)
+    inbox = SteeringInbox(logger)
+    await logger.log_messages(CID, [{"role": "user", "content": "hello"}], turn_id="t0")
+    await inbox.open_turn(CID, "run-1")
+    unmade = {"$set": {FORK_CHECK: {"epoch": "0123456789abcdef", "created_at": None}}}
+    await backend.db[CONVERSATIONS].update_one({"_id": CID}, unmade)
+
+    with pytest.raises(StorageUnavailable) as refused:
+        await inbox.try_deliver(CID, "run-1", {"role": "user", "content": "steer"},
+                                delivery_id="d1")  # fmt: skip
+
+    said = refused.value.message
+    assert f"{INTO_RUN_1} may be sent again once the fork is made" in said
+    assert "delivery-" not in said
+    assert await backend.db[MESSAGES].count_documents({"content": "steer"}) == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("user_id", "user-ada"), ("turn_id", "zzz"), ("turn_id", "run-1")]
+)
+async def test_a_delivery_whose_message_names_another_user_or_turn_is_refused_as_a_turns_is(
+    backend: Backend, field: str, value: str
+) -> None:
+    """A delivery is a turn: its message passes the check a turn's does
+    (`_refuse_other_owners`). A `user_id` other than the user it is delivered for, or a
+    `turn_id` other than the one the delivery is stored under (the running turn's included:
+    the message is not stored under it), is InvalidInput naming the delivery, never its
+    internal turn id, nothing stored (was: accepted and replaced without a word). The values
+    the store sets pass: a delivered message read back and delivered again is its retry."""
+    logger = AgentMessageLogger(backend.db)
+    inbox = SteeringInbox(logger)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], user_id="user-grace",
+                              turn_id="t0")  # fmt: skip
+    await inbox.open_turn(CID, "run-1")
+    said = {"role": "user", "content": "steer", field: value}
+
+    with pytest.raises(InvalidInput, match=f"message 0 carries `{field}` {value!r}") as refused:
+        await inbox.try_deliver(CID, "run-1", said, delivery_id="d1", user_id="user-grace",
+                                owner_only=True)  # fmt: skip
+
+    assert "delivery-" not in refused.value.message
+    if field == "turn_id":
+        assert INTO_RUN_1 in refused.value.message
+    assert await backend.db[MESSAGES].count_documents({"content": "steer"}) == 0
+    fresh = {"role": "user", "content": "steer"}
+    assert await inbox.try_deliver(CID, "run-1", fresh, delivery_id="d1", user_id="user-grace",
+                                   owner_only=True)  # fmt: skip
+    read_back = (await inbox.drain(CID, "run-1"))[0].model_dump(exclude={"id", "seq"})
+    assert await inbox.try_deliver(CID, "run-1", read_back, delivery_id="d1",
+                                   user_id="user-grace", owner_only=True)  # fmt: skip
+    assert await backend.db[MESSAGES].count_documents({"content": "steer"}) == 1
+
+
+async def test_steering_a_conversation_only_legacy_turns_hold_is_refused_as_every_write_to_it(
+    backend: Backend,
+) -> None:
+    """Legacy turns not migrated yet are read-only: opening an inbox, delivering into one and
+    closing one are refused as a turn is (Conflict, "not migrated yet"), for a service and the
+    owner; another user is told NotFound, as a missing conversation. Reading the inbox is a
+    read, served as the conversation is: no inbox is open in it. Nothing written."""
+    from agent_store.legacy import LEGACY_TURNS, LegacyTurns
+
+    await backend.db[LEGACY_TURNS].insert_one(
+        {"_id": "lt-1", "conversation_id": CID, "user_id": "user-grace",
+         "user_message": "q", "response_parts": [{"type": "text", "content": "a"}]}
+    )  # fmt: skip
+    inbox = SteeringInbox(AgentMessageLogger(backend.db, legacy=LegacyTurns(backend.db)))
+    steer = {"role": "user", "content": "steer"}
+    grace = {"user_id": "user-grace", "owner_only": True}
+
+    for write in (
+        partial(inbox.open_turn, CID, "run-1"),
+        partial(inbox.try_deliver, CID, "run-1", steer, delivery_id="d1"),
+        partial(inbox.try_deliver, CID, "run-1", steer, delivery_id="d1", **grace),
+        partial(inbox.close_inbox, CID, "run-1", -1),
+    ):
+        with pytest.raises(Conflict, match="exists as legacy turns not migrated yet"):
+            await write()
+    with pytest.raises(NotFound):
+        await inbox.try_deliver(CID, "run-1", steer, user_id="user-ada", owner_only=True)
+    with pytest.raises(NotFound):
+        await inbox.drain(CID, "run-1", user_id="user-ada")
+    assert await inbox.drain(CID, "run-1") == []
+    assert await inbox.drain(CID, "run-1", user_id="user-grace") == []
+    assert await backend.db[CONVERSATIONS].count_documents({}) == 0
+    assert await backend.db[MESSAGES].count_documents({}) == 0

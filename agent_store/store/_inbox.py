@@ -23,7 +23,9 @@ same update (a new version, so a close racing it reads again); its inbox closed,
 refused. One retried with another message is a turn retried with other content (503 while
 its first attempt may still store its own; past that its empty block given back and the new
 message delivered in its place). A delivery being a turn, its reservation meets every
-condition a turn of its message meets besides its inbox's (`_as_a_turn`). Whatever the
+condition a turn of its message meets besides its inbox's (`_as_a_turn`), and its message
+passes a turn's check of the turn and user it names (`_refuse_other_owners`: the turn id it
+is stored under, as served, or none). Whatever the
 logger refuses a delivery's turn with names that turn's id, which the sender never sees:
 `delivery_refusal` words it for the delivery.
 """
@@ -61,6 +63,7 @@ from agent_store.store._logger import (
     NotStoredYet,
     OtherContent,
     Unreserved,
+    _refuse_other_owners,
     _turn_conditions,
     refuse_unloggable_turn_id,
 )
@@ -155,14 +158,19 @@ def _runtime_turn(turn_id: str) -> dict[str, Any]:
     return {"$slice": [{"$concatArrays": [others, literal([key])]}, -RUNTIME_TURNS_KEPT]}
 
 
-def delivery_refusal(error: StoreError, named: str, abandon_after: timedelta) -> StoreError:
+def delivery_refusal(
+    error: StoreError, named: str, abandon_after: timedelta, stored_as: str
+) -> StoreError:
     """What the logger refused a delivery's turn with (`error`), worded for its sender, who
     names the delivery by its delivery id (`named`: it and the inbox's turn), with what to do.
-    Every refusal naming the turn id the delivery is stored under, which the sender never
-    sees, is worded so: those of the turn as the conversation holds it (`_turn_refusal`), a
-    first attempt that may still store it (`NotStoredYet`), a conversation being deleted
-    (`BeingDeleted`), a reservation that lost every race (`Unreserved`). The same class, so
-    the same status. Any other refusal names no turn (the conversation missing or another
+    Every refusal naming the turn id the delivery is stored under (`stored_as`), which the
+    sender never sees, is worded so, with the same class (so the same status): those whose
+    advice differs for a delivery with advice of their own (the turn as the conversation holds
+    it, `_turn_refusal`; a first attempt that may still store it, `NotStoredYet`; a
+    conversation being deleted, `BeingDeleted`; a reservation that lost every race,
+    `Unreserved`), any other (a fork not made yet, the message's check) with the turn it names
+    (`turn '…'`, as every refusal of the logger names one) named as the sender names the
+    delivery (`_renamed`). A refusal naming no turn (the conversation missing or another
     user's, the database unreachable): `error` itself."""
     if isinstance(error, NotStoredYet):
         return NotStoredYet(
@@ -180,7 +188,19 @@ def delivery_refusal(error: StoreError, named: str, abandon_after: timedelta) ->
         )
     if isinstance(error, (TurnConflict, AnsweredBefore, HeldOff)):
         return _turn_refusal(error, named)
-    return error
+    return _renamed(error, f"turn {stored_as!r}", named)
+
+
+def _renamed(error: StoreError, internal: str, named: str) -> StoreError:
+    """`error` with the turn it names (`internal`) named as `named` instead, of the same class
+    and with the same attributes; `error` itself when it names no such turn."""
+    if internal not in error.message:
+        return error
+    text = error.message.replace(internal, named)
+    worded = type(error).__new__(type(error), text)
+    worded.__dict__.update(error.__dict__)
+    worded.args, worded.message = (text,), text
+    return worded
 
 
 def _turn_refusal(error: TurnConflict | AnsweredBefore | HeldOff, named: str) -> StoreError:
@@ -377,11 +397,13 @@ class SteeringInbox:
         plan = await self._delivery_plan(conversation_id, turn_id, message, delivery_id, field)
 
         try:
+            # A delivery is a turn: its message passes a turn's check of what it names.
+            _refuse_other_owners([message], turn_id=plan.turn_id, user_id=user_id)
             return await self._stored_delivery(plan, actor, field)
         except StoreError as exc:
             named = f"delivery {shown(delivery_id)}" if delivery_id else "this delivery"
             named += f" into the inbox of turn {turn_id!r}"
-            refusal = delivery_refusal(exc, named, self._logger.rules.abandon_after)
+            refusal = delivery_refusal(exc, named, self._logger.rules.abandon_after, plan.turn_id)
             if refusal is exc:
                 raise
             raise refusal from exc
@@ -506,7 +528,7 @@ class SteeringInbox:
         those that fit in `PAGE_BYTES` (one at least), `has_more` saying whether more
         follow it (read on after its last `seq`). With `user_id`, only in a conversation
         that user owns (else NotFound)."""
-        entry = await self._read_entry(conversation_id, turn_id, user_id)
+        entry = await self._read_entry(conversation_id, turn_id, user_id, writes=False)
         if entry is None:
             return InboxPage(data=[], has_more=False)
         messages, _, has_more = await self._delivered(conversation_id, entry, after_seq)
@@ -536,7 +558,7 @@ class SteeringInbox:
         """
         field = inbox_field(turn_id)
         for _ in range(4):
-            entry = await self._read_entry(conversation_id, turn_id, user_id)
+            entry = await self._read_entry(conversation_id, turn_id, user_id, writes=True)
             if entry is None:
                 return InboxPage(data=[], has_more=False)
             messages, in_flight, more = await self._delivered(conversation_id, entry, last_seen_seq)
@@ -559,19 +581,37 @@ class SteeringInbox:
         raise StorageUnavailable(f"deliveries into turn {turn_id!r} keep arriving; close again")
 
     async def _read_entry(
-        self, conversation_id: str, turn_id: str, user_id: str | None
+        self, conversation_id: str, turn_id: str, user_id: str | None, *, writes: bool
     ) -> dict[str, Any] | None:
+        """The inbox entry of `turn_id` (None: not open) in the conversation `user_id` (any,
+        for None) sees, for a read of the inbox or, `writes`, its close. Its conversation
+        missing: `_unstanding`."""
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         field = inbox_field(validate_identifier(turn_id, "turn_id"))
-        owner = Actor(user_id, as_user=user_id is not None).owner_filter()
+        actor = Actor(user_id, as_user=user_id is not None)
         with storage_errors("read the turn's inbox"):
             doc = await self._conversations.find_one(
-                {"_id": conversation_id, **owner, **STANDING}, {field: 1}
+                {"_id": conversation_id, **actor.owner_filter(), **STANDING}, {field: 1}
             )
         if doc is None:
-            raise NotFound(f"conversation {conversation_id!r} was not found")
+            await self._unstanding(conversation_id, actor, writes=writes)
+            return None
         entry: dict[str, Any] | None = doc.get("inbox", {}).get(field.split(".")[1])
         return entry
+
+    async def _unstanding(self, conversation_id: str, actor: Actor, *, writes: bool) -> None:
+        """What the inbox of a conversation `actor` finds no conversation under answers: when
+        the id exists only as legacy turns (their owner's or a service's), a write (`writes`: a
+        close) is refused as every write to them is (409 `not_migrated_yet`), and a read
+        finds no inbox open, as the conversation is served from them (returns); NotFound
+        otherwise, and to a user token not their owner's. One more round trip, only here."""
+        if writes:
+            await self._logger._refuse_unmigrated(conversation_id, actor)
+        elif (legacy := self._logger._legacy) is not None and legacy.read_fallback:
+            holder = await legacy.holder(conversation_id)
+            if holder is not None and actor.refusal(conversation_id, holder.user_id) is None:
+                return
+        raise NotFound(f"conversation {conversation_id!r} was not found")
 
     async def _delivered(
         self, conversation_id: str, entry: dict[str, Any], after_seq: int
@@ -637,15 +677,16 @@ class SteeringInbox:
         return doc or {}
 
     async def _explain_unopened(self, conversation_id: str, actor: Actor, turn_id: str) -> None:
-        """Why an inbox was not opened: the conversation is missing or another's, a delete of it
-        has begun or it is a fork not made yet (`refuse_unless_standing`), a person
-        took the turn id (`_person_took`), or it has as many inboxes open as the rules allow
-        (unless one closed meanwhile: opened now)."""
+        """Why an inbox was not opened: the conversation is missing (or exists only as legacy
+        turns: `_unstanding`) or another's, a delete of it has begun or it is a fork not made
+        yet (`refuse_unless_standing`), a person took the turn id (`_person_took`), or it has as
+        many inboxes open as the rules allow (unless one closed meanwhile: opened now)."""
         read = {"user_id": 1, "inbox": 1, "turns.k": 1, "turns.u": 1, **UNSTANDING_READ}
         with storage_errors("read the conversation"):
             doc = await self._conversations.find_one({"_id": conversation_id}, read)
         if doc is None:
-            raise NotFound(f"conversation {conversation_id!r} was not found")
+            await self._unstanding(conversation_id, actor, writes=True)
+        assert doc is not None  # else `_unstanding` raised
         refusal = actor.refusal(conversation_id, doc.get("user_id"))
         if refusal is not None:
             raise refusal

@@ -1230,14 +1230,14 @@ class AgentMessageLogger:
         looked up as past the kept records (`_block_of_an_old_turn`: on that path only),
         however many turns came in between. A new turn's condition is the caller's to decide."""
         if found is None:
+            await self._refuse_unmigrated(plan.conversation_id, actor, condition=condition)
             if condition is not None and not condition.create:
                 raise _absent(plan.conversation_id, actor, condition)
-            await self._refuse_unmigrated(plan.conversation_id, actor)
             _refuse_derived(plan.conversation_id, actor)
             return _Verdict()
         refusal = actor.refusal(plan.conversation_id, found.get("user_id"))
         if refusal is not None:
-            raise refusal
+            raise _held(refusal, condition)
         if found.get(DELETING) is not None:
             raise being_deleted(plan.conversation_id, f"turn {plan.turn_id!r}")
         block = recorded_block(found, plan.key)
@@ -1505,11 +1505,19 @@ class AgentMessageLogger:
         raise _stored_apart(plan, block.first_seq, plan.documents[0]["_id"], at)
 
     async def _refuse_unmigrated(
-        self, conversation_id: str, actor: Actor, what: str = "written"
+        self,
+        conversation_id: str,
+        actor: Actor,
+        what: str = "written",
+        *,
+        condition: Condition | None = None,
     ) -> None:
-        """Refuse a new conversation, or a fork of one (`what` it can be once migrated), whose
-        id exists as legacy turns not migrated yet (`not_migrated_yet`); NotFound to a user
-        token not their owner's."""
+        """Refuse a write to a conversation missing here (a turn, a delivery, an inbox opened
+        or closed, a fork of it: `what` it can be once migrated) whose id exists as legacy
+        turns not migrated yet (`not_migrated_yet`), as every write to it is; NotFound to a
+        user token not their owner's. A reservation that only creates (`condition`, a
+        fork's) is refused as for any id that is taken (`_held`). One round trip when wired to
+        legacy turns (a conversation missing here only: a new one, or a refusal), else none."""
         if self._legacy is None:
             return
         holder = await self._legacy.holder(conversation_id)
@@ -1517,7 +1525,7 @@ class AgentMessageLogger:
             return
         if actor.as_user and holder.user_id != actor.user_id:
             raise NotFound(f"conversation {conversation_id!r} was not found")
-        raise not_migrated_yet(conversation_id, what)
+        raise _held(not_migrated_yet(conversation_id, what), condition)
 
     async def _block_of_an_old_turn(self, plan: TurnPlan) -> RecordedBlock | None:
         """Past the kept records (or a record naming another attempt's block, `_stored_as_sent`):
@@ -2797,6 +2805,17 @@ def _absent(conversation_id: str, actor: Actor, condition: Condition | None) -> 
     return actor.refusal(conversation_id, None) or condition.absent or condition.refusal
 
 
+def _held(refusal: StoreError, condition: Condition | None) -> StoreError:
+    """What a reservation raises when its id holds what it may not write to (`refusal`: another
+    user's conversation, legacy turns not migrated yet). A reservation that only creates its
+    conversation (`Condition.new_only`, a fork's) is refused by its condition, as for any id
+    that is taken ("exists already"): no claim or migration would make it there. A NotFound
+    stays: to a user token another user's id is as one that is missing."""
+    if condition is None or not condition.new_only or isinstance(refusal, NotFound):
+        return refusal
+    return condition.refusal
+
+
 def _refuse_derived(conversation_id: str, actor: Actor) -> None:
     """Refuse a new conversation under an id the migration derives. To a user token it is
     NotFound, as another user's conversation is: the answer tells nothing of what exists."""
@@ -3158,8 +3177,8 @@ def _refuse_other_owners(
             if said is not None and said != value:
                 named = shown(said) if isinstance(said, str) else "<withheld>"
                 raise InvalidInput(
-                    f"invalid turn: message {index} carries `{field}` {named}, not the "
-                    f"{field.removesuffix('_id')} it is logged for ({shown(value)}); `{field}` "
+                    f"invalid turn: message {index} carries `{field}` {named}, not that of "
+                    f"{field.removesuffix('_id')} {shown(value)} it is logged for; `{field}` "
                     "is the store's to set: leave it out"
                 )
 
