@@ -51,7 +51,7 @@ from agent_store.store import PENDING_CALLS_KEPT
 from agent_store.store._logger import Corrected, OtherContent
 from agent_store.store._reservation import DELETING, BeingDeleted
 from agent_store.store._turns import answered_in, message_id, pending_after
-from tests.api_harness import auth_headers, serve
+from tests.api_harness import auth_headers, digest, serve
 from tests.conftest import COUNTED, Backend
 
 STREAMS = Path(__file__).parent / "streams"
@@ -3672,6 +3672,70 @@ async def test_a_late_retry_of_a_turn_whose_call_a_later_turn_answered_is_refuse
     assert [m.content for m in await store.transcript(CID)] == ["go", "R1", "done"]
     assert await backend.db.agent_conversations.find_one({"_id": CID}) == before
     assert await pending_state(store) == ([], None)
+
+
+def _book_it(user: str, tokens: int) -> list[dict[str, Any]]:
+    """A user's request and the call c1 it makes, with its tokens."""
+    usage = {"input_tokens": tokens, "output_tokens": tokens}
+    return [{"role": "user", "content": user}, {**_calls("c1"), "token_usage": usage}]
+
+
+async def test_a_late_retry_with_other_content_whose_call_a_later_turn_answered_is_refused_too(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3: a turn logged at the end in place of the empty block it reserved is not
+    moved past an answer to its call, whatever content the retry sends. t1 [user, call c1]
+    reserves and dies; t2 answers c1; t1's retry with a regenerated prompt still calling c1
+    is refused as its first content is (its call would follow its answer, pending again and
+    run twice), nothing of it stored; the turn is given up for good, and what its first
+    reservation counted (not the retry's content) is taken back, once."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, _book_it("delete my file", 1000), "t1")
+    done = [_answer("c1", "removed"), {"role": "assistant", "content": "done"}]
+    await logger.log_messages(CID, done, turn_id="t2")
+
+    for retried in (_book_it("delete my file please", 7), _book_it("delete my file", 1000)):
+        with pytest.raises(Conflict, match=r"a later turn answered its call 'c1'"):
+            await logger.log_messages(CID, retried, turn_id="t1")
+        assert [m.content for m in await store.transcript(CID)] == ["go", "removed", "done"]
+        assert await pending_state(store) == await recomputed_state(store) == ([], None)
+        conversation = await store.get_conversation(CID)
+        assert (conversation.turn_count, conversation.usage.input_tokens) == (1, 0)
+
+
+@pytest.mark.parametrize("answered", [True, False], ids=["answered-since", "not-answered"])
+@pytest.mark.parametrize("content", ["same", "other"])
+async def test_checking_a_late_retry_raises_what_logging_it_does(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, content: str, answered: bool
+) -> None:
+    """LIBRARY.md: `check_turn` raises what `log_messages` refuses the same turn with, decided
+    as it decides, writing nothing. A late retry of a turn that stored nothing, whose call a
+    later turn answered, with its first content or another: both refuse it (it cannot move
+    to the end); without that answer both take it (moved to the end)."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, _book_it("delete my file", 3), "t1")
+    later = _answer("c1", "removed") if answered else {"role": "user", "content": "hurry"}
+    await logger.log_messages(CID, [later], turn_id="t2")
+    retried = _book_it("delete my file" if content == "same" else "delete it", 3)
+    before = await digest(backend.db)
+
+    if not answered:
+        await logger.check_turn(CID, retried, turn_id="t1")
+        assert await digest(backend.db) == before
+        logged = await logger.log_messages(CID, retried, turn_id="t1")
+        assert [m.seq for m in logged.messages] == [4, 5]
+        return
+    with pytest.raises(Conflict, match=r"a later turn answered its call 'c1'") as checked:
+        await logger.check_turn(CID, retried, turn_id="t1")
+    assert await digest(backend.db) == before
+    with pytest.raises(Conflict) as refused:
+        await logger.log_messages(CID, retried, turn_id="t1")
+    assert (type(checked.value), str(checked.value)) == (type(refused.value), str(refused.value))
+    assert [m.content for m in await store.transcript(CID)] == ["go", "removed"]
+    with pytest.raises(Conflict, match=r"a later turn answered its call 'c1'"):  # given up
+        await logger.check_turn(CID, retried, turn_id="t1")
 
 
 @pytest.mark.parametrize("prompt", [False, True], ids=["calls", "calls-and-prompt"])

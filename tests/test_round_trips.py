@@ -156,6 +156,28 @@ async def test_a_retry_later_than_abandon_after_of_a_turn_that_stored_nothing_co
     ]  # fmt: skip
 
 
+async def test_checking_a_retry_later_than_abandon_after_costs_one_read_more(
+    wire_backend: Backend,
+) -> None:
+    """`check_turn` of that retry reads the conversation, then looks its empty block up as
+    the move does (with any later answer to its calls, which it would be refused for)."""
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db, rules=COUNTED)
+    (turn_id, messages), (later_id, later) = example_turns()[:2]
+    await logger.log_messages(CID, messages, turn_id=turn_id)
+    await wire_backend.db.agent_messages.delete_many({})  # as a crash before the insert
+    await logger.log_messages(CID, later, turn_id=later_id)
+    long_ago = datetime.now(UTC) - timedelta(minutes=10)
+    await wire_backend.db.agent_conversations.update_one(
+        {"_id": CID}, {"$set": {"turns.0.a": long_ago}}
+    )
+    wire_backend.commands.clear()
+
+    await logger.check_turn(CID, messages, turn_id=turn_id)
+
+    assert wire_backend.commands.names == ["find", "find"]
+
+
 async def test_a_missing_conversation_is_looked_up_once(wire_backend: Backend) -> None:
     """A read that finds no conversation asks the database nothing more (no legacy wired)."""
     from agent_store import NotFound

@@ -96,9 +96,10 @@ from agent_store.store._legacy_seam import (
 from agent_store.store._pop import finish_marked, last_and_latest, last_before, preview_source
 from agent_store.store._relocated import (
     MOVED,
-    asked_past,
+    Looked,
+    Unmovable,
+    looked_up,
     lookup,
-    refuse_a_move_past_answers,
     settle,
     stored_at,
 )
@@ -273,6 +274,9 @@ class _Verdict:
     abandoned: RecordedBlock | None = None
     """The block a first attempt with other content reserved over `abandon_after` ago and
     stored nothing in: given back (`_give_back_abandoned`), then the turn is new."""
+    looked: Looked | None = None
+    """For a retry of `block` past `abandon_after`: the lookup of its block a move rests on
+    (`_looked_up`), which the move then takes as read."""
 
 
 class LoggedTurn(BaseModel):
@@ -636,15 +640,18 @@ class AgentMessageLogger:
         conversation says of the turn, decided as `log_messages` decides it (`_verdict`: a
         retry is a replay however many turns came in between, one of a turn a pop corrected
         or sent with other content refused, as is a conversation missing, another user's or
-        being deleted); and, for a new turn, the refusal of an answer to a call another turn
-        answered since (`answers_to`, `_answers`) and of what else its reservation's condition
-        refuses (`_check_condition`: a denial of a call a person approved, a call pushing a
-        held one off `pending_calls`). One read of the conversation, one more for a new turn
-        with a condition; two more to look a turn up past the kept records, when some were
-        dropped and none names it; two more for a call off `pending_calls`, looked up as
-        `_unanswered` does. Writes nothing of the turn's; a pop under way it finds (`popping`)
-        is finished first, as the turn's reservation finishes it, and the conversation read
-        again (two round trips and a read more, only then).
+        being deleted, and one past `abandon_after` that cannot move to the end, a later
+        message answering its call, looked up as the move looks it up); and, for a new turn,
+        the refusal of an answer to a call another turn answered since (`answers_to`,
+        `_answers`) and of what else its reservation's condition refuses
+        (`_check_condition`: a denial of a call a person approved, a call pushing a held one
+        off `pending_calls`). One read of the conversation, one more for a new turn with a
+        condition; one more for a retry past `abandon_after` (its empty block); two more to
+        look a turn up past the kept records, when some were dropped and none names it; two
+        more for a call off `pending_calls`, looked up as `_unanswered` does. Writes nothing
+        of the turn's; a pop under way it finds (`popping`) is finished first, as the turn's
+        reservation finishes it, and the conversation read again (two round trips and a read
+        more, only then).
         For a caller that records something the turn concerns before logging it
         (`log_streamed_turn` records an approval first): a turn it raises for then writes
         nothing at all."""
@@ -1176,7 +1183,15 @@ class AgentMessageLogger:
                 found = await self._conversations.find_one({"_id": plan.conversation_id})
             if await self._finished_a_pop(actor, found):
                 continue  # its summary corrected: the turn decides on it as it now stands
-            verdict = await self._verdict(plan, actor, found, condition, complete=complete)
+            try:  # a retry past `abandon_after` that cannot move gives its turn up
+                verdict = await self._verdict(plan, actor, found, condition, complete=complete)
+                replayed = await self._replayed_by(actor, plan, verdict, found, condition)
+            except Unmovable as refused:
+                assert found is not None  # only a conversation records a block
+                await self._given_up_for(plan, refused, found)
+                raise
+            if replayed is not None:
+                return replayed
             if found is None:  # may be created: `_verdict` refused it otherwise
                 create = True
                 continue
@@ -1187,9 +1202,6 @@ class AgentMessageLogger:
                 await self._give_back_abandoned(plan, verdict.abandoned, found)
                 continue
             if verdict.block is not None:
-                replayed = await self._replayed_by(actor, plan, verdict.block, found, condition)
-                if replayed is not None:
-                    return replayed
                 continue  # another attempt moved the turn meanwhile: its new block is recorded
             if condition is not None:
                 raise condition.refused(found)
@@ -1223,7 +1235,9 @@ class AgentMessageLogger:
         does before writing, so the two cannot drift. Read only. Raises: the conversation
         missing and not to be created (`_absent`; a legacy or derived id, `_refuse_unmigrated`),
         another user's (`Actor.refusal`), being deleted (before any replay: nothing comes
-        back), a retry's refusal (`_retry_of`: popped, other content), a fork not made yet
+        back), a retry's refusal (`_retry_of`: popped, other content; past `abandon_after`,
+        nothing stored, a later message answering its call: `Unmovable`, whatever content it
+        sends, from the lookup of its empty block the move then takes), a fork not made yet
         (`FORK_CHECK`: only the fork's own turn writes to it, `unfinished_fork`), a runtime's
         turn id (`Actor.running_refusal`). The turn's block is its record's, or, with records
         dropped (and `complete`: not proved new already), that of its first message stored,
@@ -1285,18 +1299,25 @@ class AgentMessageLogger:
         self,
         actor: Actor,
         plan: TurnPlan,
-        block: RecordedBlock,
-        conversation: dict[str, Any],
+        verdict: _Verdict,
+        conversation: dict[str, Any] | None,
         condition: Condition | None = None,
         *,
         late: bool = False,
     ) -> _Reserved | None:
-        """`_replayed`, with the ownership the turn logged fresh would give the conversation:
-        a service naming a user for a conversation still unowned assigns it to that user, its
-        messages theirs (`_assign`, as `upsert_conversation` naming them does). None when the
-        turn moved, or the conversation was deleted or taken by another user meanwhile: the
-        reservation looks again (and refuses another owner's, `Actor.refusal`)."""
-        reserved = await self._replayed(plan, block, conversation, condition, late=late)
+        """`_replayed` of the verdict's block (with the lookup it made, `_Verdict.looked`),
+        with the ownership the turn logged fresh would give the conversation: a service
+        naming a user for a conversation still unowned assigns it to that user, its messages
+        theirs (`_assign`, as `upsert_conversation` naming them does). None when the verdict
+        is no retry's (no block); when the turn moved, or the conversation was deleted or
+        taken by another user meanwhile: the reservation looks again (and refuses another
+        owner's, `Actor.refusal`)."""
+        if verdict.block is None or conversation is None:
+            return None
+        block, looked = verdict.block, verdict.looked
+        reserved = await self._replayed(
+            plan, block, conversation, condition, late=late, looked=looked
+        )
         if reserved is None or reserved.owner is not None:
             return reserved
         if actor.as_user or actor.user_id is None:
@@ -1316,6 +1337,7 @@ class AgentMessageLogger:
         condition: Condition | None = None,
         *,
         late: bool = False,
+        looked: Looked | None = None,
     ) -> _Reserved | None:
         """A retry's block: the one its first attempt reserved, unless tail readers may have
         passed it (reserved `abandon_after` ago, or `late`: the attempt that reserved it found
@@ -1330,7 +1352,9 @@ class AgentMessageLogger:
         moved the turn meanwhile. A turn that stored part of its block completes it in
         place; one an attempt's insert stored in a block it left by a move, found by id in
         the same lookup, is stored there (`_stored_there`): no move again. `block` is the
-        one `_verdict` found the retry's content matches."""
+        one `_verdict` found the retry's content matches; `looked`, its lookup `_verdict`
+        made (`_Verdict.looked`), else made here. Raises `Unmovable` (the caller gives the
+        turn up, `_given_up_for`)."""
         reserved = _replay(plan, block, conversation, condition)
         checked = time.monotonic()
         age = None if block.reserved_at is None else utc_now() - block.reserved_at
@@ -1338,12 +1362,17 @@ class AgentMessageLogger:
         if age is not None and age < grace:  # the earlier attempt may still be inserting
             until = checked + grace.total_seconds()
             reserved = replace(reserved, in_flight_until=until)
-        if not late and (age is None or age < self.rules.abandon_after):
+        if looked is None and not late and (age is None or age < self.rules.abandon_after):
             by = None if age is None else _insert_by(self.rules, checked, age)
             return replace(reserved, insert_by=by)
-        stored, asked = await self._stored_in(plan, block, moving=conversation)
+        if looked is None:
+            looked = await self._looked_up(plan, block)
+        if looked.refusal is not None:
+            raise looked.refusal
+        stored = _of_the_turn(plan, looked.stored)
         if stored:  # in its block, or where an earlier attempt's insert landed
             return await self._stored_there(plan, block, conversation, reserved, stored)
+        asked = looked.asked
         return await self._moved_to_the_end(plan, block, conversation, reserved, condition, asked)
 
     async def _moved_to_the_end(
@@ -1402,7 +1431,12 @@ class AgentMessageLogger:
         if block.popped:
             raise _corrected(plan)
         if block.count == plan.count and plan.matches(block.digest):
-            return _Verdict(block)
+            if not self._passed(block):
+                return _Verdict(block)
+            looked = await self._looked_up(plan, block)  # moved unless stored
+            if looked.refusal is not None:
+                raise looked.refusal
+            return _Verdict(block, looked=looked)
         refused = _retry_refusal(plan, conversation, condition)
         if not isinstance(refused, OtherContent) or plan.turn_id.startswith(FORK_TURN):
             raise refused
@@ -1417,25 +1451,23 @@ class AgentMessageLogger:
         content (`_stored_as_sent`: a replay of it), else `refused`; refused too when its
         record does not say what it counted. Nothing of it stored: while its first attempt
         may still insert (reserved less than `abandon_after` ago) StorageUnavailable; past
-        that its block is to be given back (`_Verdict.abandoned`), the turn new."""
-        cid, end = plan.conversation_id, block.first_seq + block.count
-        ids = [message_id(cid, plan.turn_id, i) for i in range(max(plan.count, block.count))]
-        in_block = {"seq": {"$gte": block.first_seq, "$lt": end}}
-        with storage_errors("read the turn's messages"):
-            stored = await self._messages.find(
-                {"conversation_id": cid, "$or": [in_block, {"_id": {"$in": ids}}]}, {"_id": 1}
-            ).to_list(1)
-        if stored:
+        that its block is to be given back (`_Verdict.abandoned`), the turn new, unless a
+        message logged meanwhile answers one of its calls (`Unmovable`, as a retry of its
+        first content: found by the same lookup, `_looked_up`)."""
+        looked = await self._looked_up(plan, block)
+        if looked.stored:
             return _Verdict(await self._stored_as_sent(plan, refused))
         if block.counted is None or block.reserved_at is None:
             raise refused
-        if utc_now() - block.reserved_at < self.rules.abandon_after:
+        if not self._passed(block):
             raise NotStoredYet(
                 f"nothing of turn {plan.turn_id!r} is stored yet, but its first attempt "
                 "reserved its place with other content and may still store it until "
                 f"`abandon_after` ({self.rules.abandon_after}) from then: retry later, and "
                 "this content is logged under the turn id"
             )
+        if looked.refusal is not None:
+            raise looked.refusal
         return _Verdict(abandoned=block)
 
     async def _give_back_abandoned(
@@ -1550,7 +1582,7 @@ class AgentMessageLogger:
         if first is None:
             return None
         block = RecordedBlock(int(first["seq"]), plan.count, plan.digest)
-        stored, _ = await self._stored_in(plan, block)
+        stored = await self._stored_in(plan, block)
         if len(stored) != block.count:
             raise _stored_in_part(plan, len(stored))
         if not await self._recognised(plan, content_digest(canonical_documents(stored))):
@@ -1674,7 +1706,13 @@ class AgentMessageLogger:
             if found is None or block is None or found.get(DELETING) is not None:
                 return reserved
             late = block.first_seq == reserved.first_seq  # else another attempt moved it
-            moved = await self._replayed_by(actor, plan, block, found, condition, late=late)
+            try:
+                moved = await self._replayed_by(
+                    actor, plan, _Verdict(block), found, condition, late=late
+                )
+            except Unmovable as refused:
+                await self._given_up_for(plan, refused, found)
+                raise
             if moved is None:
                 continue  # moved by another attempt meanwhile: its new block is recorded
             if moved.moved is None:
@@ -2149,36 +2187,43 @@ class AgentMessageLogger:
                 [{"$set": {"updated_at": updated_at_left(latest)}}],
             )
 
-    async def _stored_in(
-        self, plan: TurnPlan, block: RecordedBlock, *, moving: Mapping[str, Any] | None = None
-    ) -> tuple[list[dict[str, Any]], dict[str, int]]:
-        """The turn's messages already stored in its block, in `seq` order, and (`moving`)
-        the latest prompt stored past the block under each request id the turn raises
-        (`asked_past`). `moving` (the
-        conversation as read, the turn's block may have been passed): the same lookup also
-        finds the later messages that answer its calls, and an empty block whose calls were
-        answered so is refused
-        (`_relocated`). The turn is then given up for good, and so is what its first
-        reservation listed pending: the conversation's pending state is folded again from
-        the stored messages (`settle`, as after a move: one or two round trips more)."""
+    async def _stored_in(self, plan: TurnPlan, block: RecordedBlock) -> list[dict[str, Any]]:
+        """The turn's messages already stored in its block, in `seq` order."""
         with storage_errors("read the turn's messages"):
-            found: list[dict[str, Any]] = await self._messages.find(
-                lookup(plan, block, moving=moving is not None)
-            ).to_list(None)
-        found.sort(key=lambda d: int(d["seq"]))  # a server answers an unsorted find any order
-        asked = asked_past(plan, block, found)
-        try:
-            found = refuse_a_move_past_answers(plan, block, found)
-        except Conflict:
-            assert moving is not None  # only a lookup past the block finds a later answer
-            taken_back = given_up(plan, block)
-            await self._give_up(plan.conversation_id, moving, taken_back=taken_back)
-            raise
-        if any(d.get("turn_id") != plan.turn_id for d in found):
-            raise TurnConflict(
-                f"the seq block of turn {plan.turn_id!r} holds messages of another turn"
+            found: list[dict[str, Any]] = await self._messages.find(lookup(plan, block)).to_list(
+                None
             )
-        return found, asked
+        found.sort(key=lambda d: int(d["seq"]))  # a server answers an unsorted find any order
+        return _of_the_turn(plan, found)
+
+    async def _looked_up(self, plan: TurnPlan, block: RecordedBlock) -> Looked:
+        """The lookup of a retry's empty block (its record's) before the turn is logged at
+        the end in its place, read only: moved with the same content, the block given back
+        with other content (`_relocated.lookup`, moving, and `looked_up`: one find). It finds
+        the messages stored there or under the turn's ids (the turn is then stored there,
+        not logged at the end), the prompts past it under the turn's request ids, and the
+        later messages that answer a call the retry makes, for which it is refused
+        (`Looked.refusal`, raised by `_verdict` or the move: `check_turn` raises it as
+        `log_messages` does, which then gives the turn up, `_given_up_for`)."""
+        with storage_errors("read the turn's messages"):
+            found = await self._messages.find(lookup(plan, block, moving=True)).to_list(None)
+        return looked_up(plan, block, found)
+
+    def _passed(self, block: RecordedBlock) -> bool:
+        """Whether tail readers may have passed the block (reserved `abandon_after` ago, on
+        the store's clock): a retry that finds nothing stored there is logged at the end."""
+        at = block.reserved_at
+        return at is not None and utc_now() - at >= self.rules.abandon_after
+
+    async def _given_up_for(
+        self, plan: TurnPlan, refused: Unmovable, conversation: Mapping[str, Any]
+    ) -> None:
+        """After a retry refused as `Unmovable` (`conversation`: as it read it): the turn is
+        given up for good, and so is what its first reservation counted and listed pending
+        (`given_up`, of the block its record names; `_give_up`, as after a move: the pending
+        state folded from the stored messages, one or two round trips more)."""
+        taken_back = given_up(plan, refused.block)
+        await self._give_up(plan.conversation_id, conversation, taken_back=taken_back)
 
     async def _give_up(
         self,
@@ -2732,6 +2777,14 @@ def _stored_in_part(plan: TurnPlan, stored: int) -> Conflict:
         "it was logged with fewer messages. It is not completed from a retry; use a new "
         "turn_id for what was not stored"
     )
+
+
+def _of_the_turn(plan: TurnPlan, found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`found`, the messages stored in the turn's block or under its ids; Conflict when one
+    of them is another turn's."""
+    if any(d.get("turn_id") != plan.turn_id for d in found):
+        raise TurnConflict(f"the seq block of turn {plan.turn_id!r} holds messages of another turn")
+    return found
 
 
 class OtherContent(TurnConflict):

@@ -5,9 +5,12 @@ A retry later than `TurnRules.abandon_after` of a turn that stored nothing moves
 turns logged meanwhile (DESIGN.md §3). Two rules keep the conversation what its stored
 messages say:
 
-- Before the move (in the lookup of its empty block, the same round trip): a turn whose
-  call a later message answers cannot move, since its call would follow its answer; the
-  retry is refused (`Conflict`), no message written (`answered_later`). The same find
+- Before the move (in the lookup of its empty block, the same round trip, `looked_up`): a
+  turn whose call a later message answers cannot move, since its call would follow its
+  answer; the retry is refused (`Unmovable`, a `Conflict`), no message written
+  (`answered_later`). The same holds for a retry with other content, logged at the end once
+  the block is given back: one lookup, one check, for either, made by `_verdict` (so
+  `check_turn` raises it too) or by a writer found too slow for its block. The same find
   returns the prompts stored past the block under the turn's request ids (`asked_past`): an
   answer given before one of them does not reach the moved turn (`_reservation._moved_reach`).
 - After the move and its insert: what it leaves pending is folded from the stored messages,
@@ -22,6 +25,7 @@ messages say:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -45,6 +49,7 @@ from agent_store.store._turns import (
     TurnConflict,
     TurnPlan,
     answered_in,
+    message_id,
     pending_after,
 )
 
@@ -66,6 +71,13 @@ _FOLD_ATTEMPTS = 3
 
 def _made(plan: TurnPlan) -> list[str]:
     return sorted({call.id for m in plan.messages for call in m.tool_calls or ()})
+
+
+def _own_ids(plan: TurnPlan, block: RecordedBlock) -> set[str]:
+    """The ids of the turn's messages, as many as the retry sends or its block holds (a retry
+    with other content may send fewer than its first attempt reserved for)."""
+    count = max(plan.count, block.count)
+    return {message_id(plan.conversation_id, plan.turn_id, i) for i in range(count)}
 
 
 def lookup(plan: TurnPlan, block: RecordedBlock, *, moving: bool = False) -> dict[str, Any]:
@@ -90,7 +102,7 @@ def lookup(plan: TurnPlan, block: RecordedBlock, *, moving: bool = False) -> dic
     if plan.raised_requests:
         raised = list(plan.raised_requests)
         answering.append({**later, "hitl_action.request_id": {"$in": raised}})
-    own = {"_id": {"$in": [d["_id"] for d in plan.documents]}}
+    own = {"_id": {"$in": sorted(_own_ids(plan, block))}}
     return {**query, "$or": [in_block, own, *answering]}
 
 
@@ -98,7 +110,7 @@ def asked_past(plan: TurnPlan, block: RecordedBlock, found: Sequence[Any]) -> di
     """The `seq` of the latest prompt stored past the turn's block under each request id the
     turn raises, from what `lookup` found: a move carries no answer to the id given before
     it over that prompt, asked after the answer (`_reservation.relocation`)."""
-    past, own = block.first_seq + block.count, {d["_id"] for d in plan.documents}
+    past, own = block.first_seq + block.count, _own_ids(plan, block)
     raised, latest = set(plan.raised_requests), dict[str, int]()
     for d in found:
         request_id = (d.get("hitl_action") or {}).get("request_id")
@@ -118,26 +130,54 @@ def answered_later(plan: TurnPlan, later: Sequence[AgentMessage]) -> list[str]:
     )
 
 
-def refuse_a_move_past_answers(plan: TurnPlan, block: RecordedBlock, found: Any) -> list[Any]:
-    """The messages stored in the turn's block and the turn's own wherever they are, from
-    what `lookup` found; Conflict when there are none and a later message answers one of its
-    calls."""
+class Unmovable(TurnConflict):
+    """A retry of a turn that stored nothing in the block it reserved, to be logged at the
+    end in its place (moved, or, with other content, the block given back), whose call a
+    message logged meanwhile answers: refused, as its call would follow its answer. The
+    turn is then given up for good (`block`: the empty block its record names)."""
+
+    def __init__(self, message: str, block: RecordedBlock) -> None:
+        super().__init__(message)
+        self.block = block
+
+
+@dataclass(frozen=True)
+class Looked:
+    """What the lookup of a turn's block before it is logged at the end found (`lookup`,
+    moving; `looked_up`)."""
+
+    stored: list[dict[str, Any]]
+    """The messages stored in the block and the turn's own wherever they are, in `seq`
+    order: when any, the turn is stored there, not logged at the end."""
+    asked: dict[str, int]
+    """`asked_past`."""
+    refusal: Unmovable | None
+    """None stored and a later message answering one of the retry's calls: the refusal of
+    logging it at the end, raised by whichever retry would (same content or other)."""
+
+
+def looked_up(plan: TurnPlan, block: RecordedBlock, found: Sequence[Any]) -> Looked:
+    """What `lookup` (moving) found of the turn's block, read in any order. The one check
+    of a turn logged at the end in place of its empty block, whatever content the retry
+    sends: refused (`Looked.refusal`) when nothing is stored and a later message answers
+    one of the retry's calls."""
+    found = sorted(found, key=lambda d: int(d["seq"]))  # a server answers any order
     first, past = block.first_seq, block.first_seq + block.count
-    ids = {d["_id"] for d in plan.documents}
+    ids = _own_ids(plan, block)
     stored = [d for d in found if first <= d["seq"] < past or d["_id"] in ids]
     later = [d for d in found if d["seq"] >= past and d["_id"] not in ids]
-    if stored or not later:
-        return stored
-    answered = answered_later(plan, messages_adapter.validate_python(later))
+    answered = [] if stored else answered_later(plan, messages_adapter.validate_python(later))
+    refusal = None
     if answered:
         names = ", ".join(repr(call_id) for call_id in answered)
-        raise TurnConflict(
+        refusal = Unmovable(
             f"turn {plan.turn_id!r} reserved seq {block.first_seq} and stored nothing; since "
             f"then a later turn answered its call {names}, so it cannot move to the end (its "
             "call would follow its answer): it is not stored. Log what the conversation "
-            "still needs as a new turn"
+            "still needs as a new turn",
+            block,
         )
-    return stored
+    return Looked(stored, asked_past(plan, block, found), refusal)
 
 
 def refolded(

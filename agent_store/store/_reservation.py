@@ -1649,12 +1649,14 @@ def given_up(
     plan: TurnPlan, block: RecordedBlock
 ) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
     """The filter and update that take back what a turn's reservation counted (its turn
-    starts, its tokens) once a retry gave it up for good, none of its messages stored
-    (`AgentMessageLogger._give_up`). Its record is marked (`TurnRecord.given_up`) in the same
-    update, which matches only while it is not: a retry given up again takes nothing back
-    twice. None when the turn counted none (nothing to write)."""
-    usage = plan.usage
-    if not (plan.turn_starts or usage.input_tokens or usage.output_tokens):
+    starts, its tokens: what its record says, `RecordedBlock.counted`, else what the retry,
+    of the same content, counts) once a retry gave it up for good, none of its messages
+    stored (`AgentMessageLogger._give_up`); a retry with other content counts otherwise.
+    Its record is marked (`TurnRecord.given_up`) in the same update, which matches only
+    while it is not: a retry given up again takes nothing back twice. None when the turn
+    counted none (nothing to write)."""
+    starts, input_tokens, output_tokens = block.counted or counted(plan)
+    if not (starts or input_tokens or output_tokens):
         return None
     key, first = Int64(plan.key), Int64(block.first_seq)
     query = {
@@ -1663,9 +1665,9 @@ def given_up(
     }
     own = {"$and": [{"$eq": ["$$record.k", literal(key)]}, {"$eq": ["$$record.f", literal(first)]}]}
     stage = {
-        "turn_count": less("turn_count", plan.turn_starts),
-        "usage.input_tokens": less("usage.input_tokens", usage.input_tokens),
-        "usage.output_tokens": less("usage.output_tokens", usage.output_tokens),
+        "turn_count": less("turn_count", starts),
+        "usage.input_tokens": less("usage.input_tokens", input_tokens),
+        "usage.output_tokens": less("usage.output_tokens", output_tokens),
         "turns": records_changed(own, {"g": literal(True)}),
     }
     return query, [{"$set": stage}]
