@@ -16,12 +16,14 @@ from pydantic_ai import (
     DeferredToolRequests,
     DeferredToolResults,
     ModelRetry,
+    RunContext,
     ToolDenied,
     ToolReturn,
 )
 from pydantic_ai.messages import (
     BinaryContent,
     CachePoint,
+    CompactionPart,
     DocumentUrl,
     FilePart,
     ImageUrl,
@@ -29,10 +31,14 @@ from pydantic_ai.messages import (
     ModelMessagesTypeAdapter,
     ModelRequest,
     ModelResponse,
+    NativeToolCallPart,
+    NativeToolReturnPart,
     RetryFeedbackPart,
     RetryInfo,
     RetryPromptPart,
+    SpeechPart,
     StructuredContent,
+    SystemPromptPart,
     TextContent,
     TextPart,
     ThinkingPart,
@@ -44,7 +50,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.usage import RequestUsage
 
 from agent_store import AgentMessageLogger, ConversationStore, TurnRules
-from agent_store.integrations.exports import chat_completions
+from agent_store.integrations.exports import chat_completions, chat_completions_problems
 from agent_store.integrations.pydantic_ai import history_from_messages, log_run, messages_from_run
 from agent_store.integrations.streams import log_streamed_turn, turn_from_metadata
 from agent_store.store import RuntimeContextMarkers
@@ -1012,3 +1018,124 @@ def test_a_native_form_that_is_no_list_of_text_parts_replays_the_stored_text() -
         assert [p.content for p in response.parts if isinstance(p, TextPart)] == [
             "Step one. Step two."
         ]
+
+
+async def test_a_dynamic_system_prompt_is_evaluated_again_on_a_history_from_the_store(
+    backend: Backend,
+) -> None:
+    given: list[list[ModelMessage]] = []
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        given.append(list(messages))
+        return ModelResponse(parts=[TextPart("ok")])
+
+    agent: Agent[str, str] = Agent(FunctionModel(respond), deps_type=str)
+
+    @agent.system_prompt(dynamic=True)
+    def plan(ctx: RunContext[str]) -> str:
+        return f"The user's plan is {ctx.deps}."
+
+    first = await agent.run("Hi.", deps="free")
+    await agent.run("Upgraded?", deps="pro", message_history=first.all_messages())
+    in_memory = given[-1]
+    first = await agent.run("Hi.", deps="free")
+    await log_run(AgentMessageLogger(backend.db), CID, first.new_messages(), turn_id="run-1")
+    stored = await ConversationStore(backend.db).transcript(CID)
+    await agent.run("Upgraded?", deps="pro", message_history=history_from_messages(stored))
+
+    system = stored[0]
+    assert (system.role, system.content) == ("system", "The user's plan is free.")
+    assert system.native is not None
+    assert (system.native.format, system.native.set) == (
+        "pydantic-ai",
+        {"dynamic_ref": plan.__qualname__},
+    )
+    prompts = [p for m in given[-1] for p in m.parts if isinstance(p, SystemPromptPart)]
+    assert [p.content for p in prompts] == ["The user's plan is pro."]
+    assert model_view(given[-1]) == model_view(in_memory)
+
+
+CODE_CALL = NativeToolCallPart(
+    "code_execution", {"code": "print(6*7)"}, tool_call_id="ce1", provider_name="function"
+)
+CODE_RETURN = NativeToolReturnPart(
+    "code_execution", {"stdout": "42\n"}, tool_call_id="ce1", provider_name="function"
+)
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        pytest.param([CODE_CALL, CODE_RETURN, TextPart("It printed 42.")], id="code-then-text"),
+        pytest.param(
+            [TextPart("Running it."), CODE_CALL, CODE_RETURN, TextPart("It printed 42.")],
+            id="between-two-texts",
+        ),
+        pytest.param([CODE_CALL, CODE_RETURN], id="no-text"),
+        pytest.param(
+            [CODE_CALL, CODE_RETURN, ToolCallPart("read", {"what": "page"}, tool_call_id="c1")],
+            id="before-a-call",
+        ),
+        pytest.param(
+            [ToolCallPart("read", {"what": "page"}, tool_call_id="c1"), TextPart("Reading.")],
+            id="a-call-before-a-text",
+        ),
+        pytest.param(
+            [CompactionPart("Earlier: 6*7.", provider_name="function"), TextPart("Go on.")],
+            id="compaction",
+        ),
+    ],
+)
+async def test_a_providers_own_tool_parts_come_back_whole_in_their_place(
+    backend: Backend, parts: list[Any]
+) -> None:
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        given.append(list(messages))
+        responses = sum(isinstance(m, ModelResponse) for m in messages)
+        return ModelResponse(parts=parts if responses == 0 else [TextPart("ok")])
+
+    given: list[list[ModelMessage]] = []
+    agent = reading_agent("page")(respond)
+    first = await agent.run("6*7?")
+    await agent.run("Thanks.", message_history=first.all_messages())
+    in_memory = given[-1]
+    first = await agent.run("6*7?")
+    await log_run(AgentMessageLogger(backend.db), CID, first.new_messages(), turn_id="run-1")
+    stored = await ConversationStore(backend.db).transcript(CID)
+    await agent.run("Thanks.", message_history=history_from_messages(stored))
+
+    assert model_view(given[-1]) == model_view(in_memory)
+    # The chat fields hold what the chat format can: the text, and only calls a tool answers.
+    response = next(m for m in stored if m.role == "assistant")
+    texts = [p.content for p in parts if isinstance(p, TextPart)]
+    calls = [p.tool_call_id for p in parts if isinstance(p, ToolCallPart)]
+    exported = chat_completions(stored)
+    assert chat_completions_problems(exported) == []
+    said = [m for m in exported if m["role"] == "assistant"]
+    if not texts and not calls:  # nothing a chat reader can be given: left out of exports
+        assert (response.content, response.tool_calls, len(said)) == ("", None, 1)
+    else:
+        assert said[0]["content"] == ("\n\n".join(texts) if texts else None)
+        assert [c["id"] for c in said[0].get("tool_calls") or ()] == calls
+
+
+def test_a_native_parts_form_that_does_not_validate_replays_the_chat_fields() -> None:
+    for kept in ([{"part_kind": "builtin-tool-call"}], "parts", [{"part_kind": "text"}, 3]):
+        stored = {
+            "role": "assistant",
+            "content": "It printed 42.",
+            "native": {"format": "pydantic-ai", "set": {"parts": kept}},
+        }
+        (response,) = history_from_messages([stored])
+        assert [type(p) for p in response.parts] == [TextPart]
+
+
+def test_a_spoken_response_is_kept_whole_but_its_audio() -> None:
+    audio = BinaryContent(data=b"RIFF", media_type="audio/wav")
+    spoken = SpeechPart(speaker="assistant", transcript="It is 42.", audio=audio)
+    response = ModelResponse(parts=[spoken])
+
+    (stored,) = messages_from_run([response])
+    (replayed,) = history_from_messages([stored])
+
+    assert replayed.parts == [replace(spoken, audio=None)]

@@ -409,7 +409,8 @@ class NativeForm(_Model):
 
     format: Annotated[str, StringConstraints(min_length=1, max_length=100)]
     """Whose form: `openai-agents` (an Agents SDK item), `langchain` (a LangChain message) or
-    `pydantic-ai` (a response's several texts, as content parts)."""
+    `pydantic-ai` (a response's several texts as content parts, its parts' order with the
+    parts the chat fields cannot hold; a system prompt's fields beyond its text)."""
     set: Annotated[dict[str, Any], AfterValidator(_native_keys)] = Field(default_factory=dict)
     """Top-level keys whose values the rebuilt form lacks or holds otherwise; plain JSON."""
     unset: list[str] = Field(default_factory=list)

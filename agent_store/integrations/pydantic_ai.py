@@ -34,22 +34,33 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
 - thinking: not stored. It is the model's private reasoning, not part of the
   conversation; providers drop or re-sign it across turns, and storing it as
   content would replay it as if the model had said it.
-- framework bookkeeping parts (instruction and capability deltas,
-  compaction) and provider-native tool parts (a provider's own web search,
-  say) are not stored; a file in a user prompt or in a tool's result is kept as
-  a `[kind]` note (`[binary]`, `[image-url]`, …) in its place, and a file the
-  model produced as a `[file <media type>]` note in its text.
+- a system prompt's fields beyond its text (a dynamic prompt's `dynamic_ref`):
+  in `native` of its system message, so Pydantic AI evaluates it again on the
+  next run, as from memory.
+- a response part the chat fields have no place for (a provider's own tool
+  call and its return — web search, code execution —, a compaction, a spoken
+  reply without its audio): kept whole in `native` (`parts`, the response's
+  parts in order, one the chat fields hold as a stand-in naming its kind) and
+  given back in its place; the chat fields hold the text and only the calls
+  the runtime's tools answer.
+- framework bookkeeping parts of a request (instruction and capability
+  deltas, a compaction the application wrote) are not stored; a file in a user
+  prompt or in a tool's result is kept as a `[kind]` note (`[binary]`,
+  `[image-url]`, …) in its place, and a file the model produced as a
+  `[file <media type>]` note in its text.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
 import pydantic_core
+from pydantic import TypeAdapter, ValidationError
 
 try:
     from pydantic_ai import messages as pai
@@ -65,12 +76,14 @@ from agent_store.core import (
     AgentMessage,
     AssistantMessage,
     FunctionCall,
+    InvalidInput,
     NativeForm,
     SystemMessage,
     TokenUsage,
     ToolCall,
     ToolMessage,
     UserMessage,
+    describe_validation_error,
     feedback_cause,
     feedback_error,
     outcome_error,
@@ -78,6 +91,7 @@ from agent_store.core import (
     tool_outcome,
     whole_millis,
 )
+from agent_store.integrations._native import native_form, with_native
 from agent_store.integrations._pairing import CallKey, answers_to_calls, unique_call_id
 from agent_store.integrations.exports import as_messages
 from agent_store.store import (
@@ -95,10 +109,18 @@ __all__ = ["history_from_messages", "log_run", "messages_from_run"]
 _log = logging.getLogger("agent_store.integrations.pydantic_ai")
 
 FORMAT = "pydantic-ai"
-"""The `native.format` of a response's several texts, kept as their content parts."""
+"""The `native.format` of what the chat fields cannot hold of a part: a response's several
+texts (as content parts) and its parts' order with the parts kept whole, a system prompt's
+fields beyond its text."""
 _TEXTS_JOINED = "\n\n"
 """How several texts of one response are joined in its stored `content`: as Pydantic AI's
 OpenAI Chat mapping joins them for the model, so a chat-format reader gives the same text."""
+
+_SYSTEM_PROMPT: TypeAdapter[pai.SystemPromptPart] = TypeAdapter(pai.SystemPromptPart)
+_RESPONSE_PART: TypeAdapter[pai.ModelResponsePart] = TypeAdapter(pai.ModelResponsePart)
+_IN_CHAT_FIELDS = ("text", "tool-call")
+"""The stand-ins, in a response's kept order, for a part the chat fields hold: a text (or a
+file's note), a call; taken from `content` and `tool_calls` in turn."""
 
 _TOOL_RETRY_CAUSES: dict[str, pai.ToolRetryCause] = {
     cause: cause
@@ -187,7 +209,9 @@ def _from_request_part(
     part: Any, markers: RuntimeContextMarkers, *, from_tool: bool = False
 ) -> list[AgentMessage]:
     if isinstance(part, pai.SystemPromptPart):
-        return [SystemMessage(content=part.content, created_at=part.timestamp)]
+        message = SystemMessage(content=part.content, created_at=part.timestamp)
+        rebuilt = pai.SystemPromptPart(part.content, timestamp=part.timestamp)
+        return [with_native(message, FORMAT, _dumped_prompt(part), _dumped_prompt(rebuilt))]
     if isinstance(part, pai.UserPromptPart):
         return [
             UserMessage(
@@ -257,7 +281,7 @@ def _from_response(response: pai.ModelResponse, sent_at: datetime | None) -> Ass
         # A response of thinking alone still took a request and its tokens: keep it as "".
         content=_TEXTS_JOINED.join(texts) if texts or not calls else None,
         tool_calls=calls or None,
-        native=_text_parts_form(texts),
+        native=_response_form(texts, calls, _parts_kept(response.parts)),
         token_usage=TokenUsage(
             input_tokens=response.usage.input_tokens, output_tokens=response.usage.output_tokens
         ),
@@ -266,13 +290,47 @@ def _from_response(response: pai.ModelResponse, sent_at: datetime | None) -> Ass
     )
 
 
-def _text_parts_form(texts: Sequence[str]) -> NativeForm | None:
-    """Several texts of one response kept apart: their OpenAI content parts, which the stored
-    `content`, one string, cannot tell apart (a text may hold a blank line)."""
-    if len(texts) < 2:
+def _dumped_prompt(part: pai.SystemPromptPart) -> dict[str, Any]:
+    """A system prompt's fields as `native` compares them (its timestamp is `created_at`)."""
+    return dict(_SYSTEM_PROMPT.dump_python(part, mode="json", exclude={"timestamp"}, fallback=str))
+
+
+def _parts_kept(parts: Sequence[pai.ModelResponsePart]) -> list[dict[str, Any]]:
+    """A response's parts in order as `native` keeps them: one the chat fields hold as a
+    stand-in naming its kind (`text`, for a file's note too; `tool-call`), any other whole as
+    Pydantic AI serializes it (a provider's own tool call and its return, a compaction, a
+    spoken reply without its audio: the store keeps no files). Thinking is left out."""
+    kept: list[dict[str, Any]] = []
+    for part in parts:
+        if isinstance(part, pai.TextPart | pai.FilePart):
+            kept.append({"part_kind": "text"})
+        elif isinstance(part, pai.ToolCallPart):
+            kept.append({"part_kind": "tool-call"})
+        elif not isinstance(part, pai.ThinkingPart):
+            whole = replace(part, audio=None) if isinstance(part, pai.SpeechPart) else part
+            kept.append(_RESPONSE_PART.dump_python(whole, mode="json", fallback=str))
+    return kept
+
+
+def _response_form(
+    texts: Sequence[str], calls: Sequence[ToolCall], kept: list[dict[str, Any]]
+) -> NativeForm | None:
+    """What the chat fields cannot hold of a response: its several texts apart, as OpenAI
+    content parts (one `content` string cannot tell them apart: a text may hold a blank line),
+    and its parts' order with the parts they have no place for, unless it is theirs (its texts,
+    then its calls)."""
+    difference: dict[str, Any] = {}
+    if len(texts) > 1:
+        difference["content"] = [{"type": "text", "text": text} for text in texts]
+    in_chat_order = [{"part_kind": "text"}] * len(texts) + [{"part_kind": "tool-call"}] * len(calls)
+    if kept != in_chat_order:
+        difference["parts"] = kept
+    if not difference:
         return None
-    parts = [{"type": "text", "text": text} for text in texts]
-    return NativeForm(format=FORMAT, set={"content": parts})
+    try:
+        return NativeForm(format=FORMAT, set=difference)
+    except ValidationError as exc:
+        raise InvalidInput(describe_validation_error(exc, subject="pydantic-ai response")) from exc
 
 
 def _text_parts(message: AssistantMessage) -> list[str]:
@@ -378,7 +436,7 @@ def history_from_messages(
             history.append(_to_response([message for _, message in item]))
             answering.extend(item)
         elif isinstance(item, SystemMessage):
-            parts.append(pai.SystemPromptPart(item.content or "", timestamp=item.created_at))
+            parts.append(_to_system_part(item))
             said.append(item)
         elif isinstance(item, UserMessage):
             parts.append(_to_user_part(item))
@@ -458,13 +516,14 @@ def _to_response(messages: Sequence[AssistantMessage]) -> pai.ModelResponse:
     response_parts: list[pai.ModelResponsePart] = []
     input_tokens = output_tokens = 0
     for message in messages:
-        if message.hitl_action is None:
-            response_parts.extend(pai.TextPart(text) for text in _text_parts(message))
-        for call in message.tool_calls or ():
-            arguments = _json_or_text(call.function.arguments)
-            response_parts.append(
-                pai.ToolCallPart(call.function.name, arguments, tool_call_id=call.id)
+        texts = _text_parts(message) if message.hitl_action is None else []
+        calls = [
+            pai.ToolCallPart(
+                call.function.name, _json_or_text(call.function.arguments), tool_call_id=call.id
             )
+            for call in message.tool_calls or ()
+        ]
+        response_parts.extend(_in_kept_order(message, [*map(pai.TextPart, texts)], calls))
         usage = message.token_usage or TokenUsage()
         input_tokens += usage.input_tokens
         output_tokens += usage.output_tokens
@@ -473,6 +532,61 @@ def _to_response(messages: Sequence[AssistantMessage]) -> pai.ModelResponse:
         usage=RequestUsage(input_tokens=input_tokens, output_tokens=output_tokens),
         timestamp=messages[0].created_at,
     )
+
+
+def _in_kept_order(
+    message: AssistantMessage, texts: list[pai.TextPart], calls: list[pai.ToolCallPart]
+) -> list[pai.ModelResponsePart]:
+    """A stored response's parts in the order `native` keeps: each stand-in the next text or
+    call of the chat fields, each other part whole; what the chat fields hold beyond the
+    stand-ins after them. With no kept order, or one that is not Pydantic AI's parts (someone
+    else's form): its texts, then its calls."""
+    kept = _kept_order(message)
+    if kept is None:
+        return [*texts, *calls]
+    in_chat: dict[str, Iterator[pai.ModelResponsePart]] = {
+        "text": iter(texts),
+        "tool-call": iter(calls),
+    }
+    parts: list[pai.ModelResponsePart] = []
+    for entry in kept:
+        taken = next(in_chat[entry], None) if isinstance(entry, str) else entry
+        if taken is not None:
+            parts.append(taken)
+    return [*parts, *in_chat["text"], *in_chat["tool-call"]]
+
+
+def _kept_order(message: AssistantMessage) -> list[pai.ModelResponsePart | str] | None:
+    """The parts `native` keeps of a response, a stand-in as the kind it stands for."""
+    native = message.native
+    kept = native.set.get("parts") if native is not None and native.format == FORMAT else None
+    if not isinstance(kept, list):
+        return None
+    order: list[pai.ModelResponsePart | str] = []
+    for entry in kept:
+        if isinstance(entry, dict) and entry.keys() == {"part_kind"}:
+            if entry["part_kind"] not in _IN_CHAT_FIELDS:
+                return None
+            order.append(entry["part_kind"])
+            continue
+        try:
+            order.append(_RESPONSE_PART.validate_python(entry))
+        except ValidationError:
+            return None
+    return order
+
+
+def _to_system_part(message: SystemMessage) -> pai.SystemPromptPart:
+    """A system prompt with the fields `native` keeps (a dynamic prompt's `dynamic_ref`, so
+    Pydantic AI evaluates it again on the next run), or only its text when they are not a
+    system prompt's fields."""
+    rebuilt = pai.SystemPromptPart(message.content or "", timestamp=message.created_at)
+    form = native_form(FORMAT, message, _dumped_prompt(rebuilt))
+    try:
+        prompt = _SYSTEM_PROMPT.validate_python(form)
+    except ValidationError:
+        return rebuilt
+    return replace(prompt, timestamp=rebuilt.timestamp)
 
 
 def _to_tool_return(message: ToolMessage, tool_name: str) -> pai.ToolReturnPart:

@@ -451,7 +451,8 @@ export interface IMessageError {
 export interface INativeForm {
   /**
    * Whose form: `openai-agents` (an Agents SDK item), `langchain` (a LangChain message) or
-   * `pydantic-ai` (a response's several texts, as content parts).
+   * `pydantic-ai` (a response's several texts as content parts, its parts' order with the
+   * parts the chat fields cannot hold; a system prompt's fields beyond its text).
    */
   format: string;
   /** Top-level keys whose values the rebuilt form lacks or holds otherwise; plain JSON. */
