@@ -163,9 +163,10 @@ class ResolveHitlBody(_Input):
     call_ids: Annotated[list[CallId], Field(min_length=1, max_length=MAX_HELD_CALLS)] | None = None
     """The calls the answer concerns, by id, as the client read them (`pending_calls`): the
     prompt is resolved only while it holds one of them not released yet, or, holding none,
-    is the pending one, so a retry does not answer a later prompt asked under the same
-    request id; and only those calls are released, one another prompt of the id holds
-    staying held. At least one: to answer whatever the prompt holds, leave it out."""
+    is the pending one not asked again since one of them was made, so a retry does not
+    answer a later prompt asked under the same request id; and only those calls are
+    released, one another prompt of the id holds staying held. At least one: to answer
+    whatever the prompt holds, leave it out."""
     calls: Annotated[list[CallIdentity], Field(min_length=1, max_length=MAX_HELD_CALLS)] | None = (
         None
     )

@@ -1518,6 +1518,149 @@ async def test_an_answer_read_before_its_prompt_was_asked_again_is_refused_sayin
     assert await held_state(runtime.store) == held_before
 
 
+# -- an answer naming calls does not answer a later question of its id holding none ----------
+
+
+async def _paid_then_asked_to_delete(
+    backend: Backend, answered: bool, result: bool = True
+) -> tuple[AgentMessageLogger, list[PendingCall]]:
+    """`confirm-1` asks "Pay 35 EUR?" about `c1` (pay); the calls as the person read them;
+    their answer (when `answered`); `c1`'s result (when `result`; else still running), then
+    `confirm-1` asked again: "Delete your account?", a question holding no call."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(
+        CID, [_user("Pay."), _book("c1", "pay"), _asks_about("confirm-1", "c1")], turn_id="t0"
+    )
+    read = await store.pending_calls(CID)
+    if answered:
+        await store.resolve_hitl(CID, "confirm-1", calls=read)
+    if result:
+        await logger.log_messages(CID, [_answer("c1", "paid")], turn_id="t1")
+    await logger.log_messages(CID, [_user("Delete my account."), _asks("confirm-1")], turn_id="t2")
+    return logger, read
+
+
+@pytest.mark.parametrize("result", [True, False], ids=["result-came", "still-running"])
+@pytest.mark.parametrize("naming", ["calls", "call_ids"])
+async def test_a_retried_answer_naming_its_calls_leaves_a_later_question_holding_none_pending(
+    backend: Backend, naming: str, result: bool
+) -> None:
+    """A retry whose first reply was lost, sent after `confirm-1` was asked again about no
+    call: the calls it names were released by the first answer, so it answers as the first
+    did, writing nothing, and the new question stays pending."""
+    _, read = await _paid_then_asked_to_delete(backend, answered=True, result=result)
+    store = ConversationStore(backend.db)
+    before = await backend.db.agent_conversations.find_one({"_id": CID})
+    held_before = await held_state(store)
+    assert held_before[1] == "confirm-1"
+
+    named: dict[str, Any] = (
+        {"calls": read} if naming == "calls" else {"call_ids": [c.tool_call_id for c in read]}
+    )
+    await store.resolve_hitl(CID, "confirm-1", **named)
+
+    assert await held_state(store) == held_before
+    after = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert after["answered_prompts"] == before["answered_prompts"]
+    assert len(after["answered_prompts"]) == 1
+
+
+async def test_a_stale_answer_naming_a_call_answered_otherwise_does_not_answer_a_later_question(
+    backend: Backend,
+) -> None:
+    """The person read "Pay 35 EUR?" about `c1`; `c1` got its result otherwise and
+    `confirm-1` was asked again about no call: their answer, never given before, is a
+    Conflict saying the question was asked again, nothing written."""
+    _, read = await _paid_then_asked_to_delete(backend, answered=False)
+    store = ConversationStore(backend.db)
+    held_before = await held_state(store)
+    assert held_before == ([], "confirm-1")
+
+    for named in ({"calls": read}, {"call_ids": ["c1"]}):
+        with pytest.raises(Conflict, match="it was asked again since the answer was read"):
+            await store.resolve_hitl(CID, "confirm-1", **named)
+
+    assert await held_state(store) == held_before
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert "answered_prompts" not in doc or not doc["answered_prompts"]
+
+
+async def test_a_retried_streamed_approval_leaves_a_later_question_holding_none_pending(
+    backend: Backend,
+) -> None:
+    """A turn that only approved `confirm-9` (its call's result came later), retried after a
+    later turn asked `confirm-9` again about no call: the retry is that turn, a replay, and
+    the new question stays pending."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book the train.")
+    approval = turn_from_metadata(
+        [APPROVED], complete=True, pending=await runtime.store.pending_calls(CID)
+    )
+    await log_streamed_turn(
+        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=approval,
+        turn_id="approves",
+    )  # fmt: skip
+    await runtime.stream([BOOKED])
+    delete = {"type": "confirm_required", "request_id": "confirm-9", "action": "delete_account",
+              "params": {}, "prompt": "Delete your account?"}  # fmt: skip
+    await runtime.stream([delete], prompt="Delete my account.")
+    held_before = await held_state(runtime.store)
+    assert held_before == ([], "confirm-9")
+
+    await log_streamed_turn(
+        logger=runtime.logger, store=runtime.store, conversation_id=CID, turn=approval,
+        turn_id="approves",
+    )  # fmt: skip
+
+    assert await held_state(runtime.store) == held_before
+
+
+async def test_a_retried_http_answer_naming_its_calls_leaves_a_later_question_holding_none(
+    backend: Backend,
+) -> None:
+    """API.md: over HTTP, a retry of an answer naming its calls (`calls`), sent after the
+    request id was asked again about no call, answers 200 as the first did and leaves the
+    new question pending."""
+    store = ConversationStore(backend.db)
+    async with serve(backend.db, seeded=False) as api:
+        url, headers = f"/v1/conversations/{CID}", auth_headers()
+        body = {"turn_id": "t1", "messages": _asks_over_http("c1", "pay")}
+        assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
+        calls = [{"tool_call_id": c.tool_call_id, "message_id": c.message_id}
+                 for c in await store.pending_calls(CID)]  # fmt: skip
+        answer = {"request_id": "confirm-1", "calls": calls}
+        first = await api.http.post(f"{url}/hitl/resolve", json=answer, headers=headers)
+        for turn_id, messages in (
+            ("t2", [_answer("c1", "paid")]),
+            ("t3", [_user("Delete my account."), _asks("confirm-1")]),
+        ):
+            body = {"turn_id": turn_id, "messages": messages}
+            assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
+
+        retry = await api.http.post(f"{url}/hitl/resolve", json=answer, headers=headers)
+
+    assert (first.status_code, retry.status_code) == (200, 200)
+    assert retry.json() == first.json()
+    assert await held_state(store) == ([], "confirm-1")
+
+
+async def test_an_answer_naming_a_call_its_question_asked_about_before_making_it_answers_it(
+    backend: Backend,
+) -> None:
+    """A question asked about `c1` before its turn makes `c1` holds no call: an answer naming
+    `c1` answers it, as one naming no call would."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(
+        CID, [_user("Pay."), _asks_about("confirm-1", "c1"), _book("c1", "pay")], turn_id="t0"
+    )
+    read = await store.pending_calls(CID)
+    assert (await held_state(store))[1] == "confirm-1"
+
+    await store.resolve_hitl(CID, "confirm-1", calls=read)
+
+    assert (await held_state(store))[1] is None
+
+
 # -- an answer to a prompt answered before ---------------------------------------------------
 
 _DENIED = {"content": DENIED_RESULT, "error": {"message": "tool call denied"}}

@@ -1336,15 +1336,17 @@ class ConversationStore:
         (`pending_calls`: each a `PendingCall`, or a mapping holding its `tool_call_id` and
         `message_id`; `log_streamed_turn` passes those each prompt held in the turn's
         `pending`): the prompt is resolved only while it holds one of them not released yet
-        (or, holding no call, is the pending one), and only those are released: a call
-        another prompt of the id holds stays held until an answer names it (or names none);
-        the id is remembered once none of its calls is left unreleased. An answer read
-        before a later prompt asked under the same request id does not answer that one, even
-        about a call of the same id: Conflict, or, when the calls it names were released by
-        an answer to a prompt of that id, an answer as the first one's. Once the id is
-        resolved, an answer naming a call no answer of the id released (a call a turn
-        denied, another prompt's) is refused as before. `call_ids` name the calls by their
-        ids only: a later call of the same id is taken for the one read.
+        (or, holding none, is the pending one not asked again since one of them was made: a
+        lookup of their messages, then a second update), and only those are released: a
+        call another prompt of the id holds stays held until an answer names it (or names
+        none); the id is remembered once none of its calls is left unreleased.
+        An answer read before a later prompt asked under the same request id does not answer
+        that one, even about a call of the same id or holding no call: Conflict, or, when
+        the calls it names were released by an answer to a prompt of that id, an answer as
+        the first one's. Once the id is resolved, an answer naming a call no answer of the
+        id released (a call a turn denied, another prompt's) is refused as before.
+        `call_ids` name the calls by their ids only: a later call of the same id is taken
+        for the one read.
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidInput("request_id must be a non-empty string")
@@ -1363,20 +1365,25 @@ class ConversationStore:
         assert doc is not None  # else `_refuse_unmigrated` raised
         # Before any replay of an answer, as for a turn.
         refuse_unless_standing(conversation_id, doc, f"the answer to {request_id!r}")
-        if answered_before(doc, request_id, concerns):
-            # Resolved before: its first answer stands (its dual write again, for a retry
-            # whose first attempt failed after the answer was recorded).
-            return await self._resolved_in_legacy(conversation_id, request_id)
-        raise await self._not_resolved(conversation_id, request_id, doc, concerns)
+        # Resolved before, its first answer standing, or answered by `_answer_unheld`: its
+        # dual write (again, for a retry whose first attempt failed after the answer).
+        if not answered_before(doc, request_id, concerns):
+            await self._answer_unheld(scope, conversation_id, request_id, doc, concerns)
+        return await self._resolved_in_legacy(conversation_id, request_id)
 
-    async def _not_resolved(
+    async def _answer_unheld(
         self,
+        scope: dict[str, Any],
         conversation_id: str,
         request_id: str,
         doc: Mapping[str, Any],
         concerns: Sequence[CallKey] | None,
-    ) -> Conflict:
-        """Why the answer `resolve_hitl` read the conversation `doc` for matched nothing."""
+    ) -> None:
+        """Answer the pending prompt `request_id` holding no call, which `resolution` leaves
+        to this check when the answer names calls, only when it was not asked again since
+        one of them was made (`_asked_after`), and that very prompt (its message), so one
+        asked meanwhile is not answered; else the Conflict saying why the answer
+        `resolve_hitl` read the conversation `doc` for matched nothing."""
         raw = doc.get("pending_hitl")
         pending = PendingHitl.model_validate(raw) if raw else None
         open_calls = awaiting_results(
@@ -1387,7 +1394,14 @@ class ConversationStore:
         held = [c for c in open_calls if c.get("request_id") == request_id]
         asked = pending if pending and pending.request_id == request_id else None
         again = await self._asked_after(conversation_id, asked, concerns)
-        return _not_resolvable(conversation_id, request_id, pending, held, again)
+        holding = any(c.get("request_id") == request_id for c in doc.get("pending_calls") or ())
+        if asked is not None and concerns is not None and not (again or holding):
+            query, update = resolution(request_id, concerns, asked=asked.message_id)
+            with storage_errors("resolve the pending prompt"):
+                result = await self._conversations.update_one(scope | query | STANDING, update)
+            if result.matched_count:
+                return
+        raise _not_resolvable(conversation_id, request_id, pending, held, again)
 
     async def _asked_after(
         self, conversation_id: str, pending: PendingHitl | None, concerns: Sequence[CallKey] | None

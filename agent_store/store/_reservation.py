@@ -439,7 +439,7 @@ def _call_identity(index: int, call: Any) -> CallKey:
 
 
 def resolution(
-    request_id: str, concerns: Sequence[CallKey] | None = None
+    request_id: str, concerns: Sequence[CallKey] | None = None, *, asked: str | None = None
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update that record a person's answer to the prompt `request_id`
     (`ConversationStore.resolve_hitl`): they match while the prompt is pending or holds back a
@@ -449,21 +449,28 @@ def resolution(
 
     With `concerns` (the calls the answer concerns, as its client read them) they match only
     while a prompt of that id holds one of them (that very call, when its message is named)
-    not released yet, or, holding none, is the pending one: an answer read before a later
-    prompt asked under the id again does not answer that one. They then release those of
-    the calls only (`_named`): a call a prompt of the id holds that the answer does not
-    name stays held, and the request id is remembered once none is left unreleased."""
+    not released yet; with `asked` too, only while the pending prompt is the one its message
+    `asked` raised and no prompt of the id holds a call. Only `resolve_hitl` knows when an
+    answer may take a prompt holding none of the calls it names: when that prompt was not
+    asked again since they were made (an answer read before a later prompt asked under the
+    id does not answer that one). They then release those of the calls only (`_named`): a
+    call a prompt of the id holds that the answer does not name stays held, and the request
+    id is remembered once none is left unreleased."""
     pending: dict[str, Any] = {"pending_hitl.request_id": request_id}
     held: dict[str, Any] = {"resolved_hitl": {"$ne": request_id}}
     named: dict[str, Any] | None = None
-    if concerns is not None:
+    query: dict[str, Any]
+    if concerns is None:
+        query = {"$or": [pending, {"pending_calls.request_id": request_id, **held}]}
+    elif asked is None:
         named = _named(concerns)
         held.update(_holding(request_id, concerns))
         held["$expr"] = {"$gt": [{"$size": _held_unreleased(request_id, named)}, 0]}
-        pending["pending_calls.request_id"] = {"$ne": request_id}
+        query = held
     else:
-        held = {"pending_calls.request_id": request_id, **held}
-    query = {"$or": [pending, held]}
+        named = _named(concerns)
+        pending["pending_hitl.message_id"] = asked
+        query = {**pending, "pending_calls.request_id": {"$ne": request_id}}
     resolved = _kept("resolved_hitl", [])
     remembered: dict[str, Any] = {
         "$slice": [{"$concatArrays": [resolved, literal([request_id])]}, -RESOLVED_PROMPTS_KEPT]
