@@ -812,7 +812,7 @@ class AgentMessageLogger:
             raise
         messages = read.messages
         self._refuse_a_point_being_written(conversation_id, source, read, at_seq)
-        end = fork_end(messages, at_seq)
+        end = fork_end(messages, at_seq, read.turn_starts)
         _refuse_too_large_a_fork(read, at_seq, end)
         self._refuse_unfinished(conversation_id, source, read.stored, end)
         chosen = forked_messages(messages, end)
@@ -828,7 +828,7 @@ class AgentMessageLogger:
         origin = ForkOrigin(
             conversation_id=conversation_id,
             seq=end,
-            turn_starts=fork_turn_starts(chosen, fork_turns_of(source)),
+            turn_starts=fork_turn_starts(chosen, read.turn_starts),
         )
         kept = await self._answers_kept(source, messages, end)
         approved = _approvals_of_copies(kept.approved, chosen, plan)
@@ -1139,6 +1139,7 @@ class AgentMessageLogger:
                 at_seq,
                 partial(Gaps.of(source).turn_end, message_count=count),
                 self.rules.max_message_bytes,
+                fork_turns_of(source),
             )
         return source, read
 
@@ -2614,7 +2615,10 @@ def _refuse_too_large_a_fork(read: ForkRead, at_seq: int, end: int) -> None:
     if refusal is None:
         return
     fitting = last_fitting_fork(
-        read.messages, at_seq, lambda chosen, ends: _too_large(read, chosen, ends, at_seq) is None
+        read.messages,
+        at_seq,
+        lambda chosen, ends: _too_large(read, chosen, ends, at_seq) is None,
+        read.turn_starts,
     )
     if fitting is None:
         raise InvalidInput(f"{refusal}, and so would a fork at any seq of this conversation")
