@@ -920,7 +920,7 @@ class AgentMessageLogger:
             # Its copies stored and its check never passed (its answer lost): checked now,
             # so the fork the Conflict names is served (or, its source gone, taken back).
             await self._unless_its_source_went(conversation_id, fork["_id"], fork)
-        raise _fork_stands(conversation_id, fork)
+        raise _fork_stands(conversation_id, fork, at_seq, refused)
 
     async def _fork_into(
         self,
@@ -2782,13 +2782,43 @@ def _other_content(plan: TurnPlan) -> Conflict:
     )
 
 
-def _fork_stands(conversation_id: str, fork: Mapping[str, Any]) -> Conflict:
-    """The refusal of a fork into the id of a fork of the same source that stored its copies."""
+def _fork_stands(
+    conversation_id: str, fork: Mapping[str, Any], at_seq: int, refused: StoreError
+) -> Conflict:
+    """The refusal of a fork into the id of a fork of the same source that stored its copies,
+    saying what changed, from what refused the retry (`_what_changed`)."""
     at = fork.get("forked_from", {}).get("seq")
     return Conflict(
         f"conversation {fork['_id']!r} exists already, the fork of {conversation_id!r} at seq "
-        f"{at} as stored then; {conversation_id!r} no longer holds up to that seq what it "
-        "copied (a pop or a later turn changed it), or this is another fork: fork into a new id"
+        f"{at} as stored then; {_what_changed(conversation_id, fork, at_seq, refused)}: fork "
+        "into a new id"
+    )
+
+
+def _what_changed(
+    conversation_id: str, fork: Mapping[str, Any], at_seq: int, refused: StoreError
+) -> str:
+    """Why a retry of a fork at `at_seq` is not the fork stored, as its refusal tells: a pop
+    in the fork took some of its copies (`Corrected`: the turn holding them was corrected),
+    the source holds other messages up to the fork's end (`OtherContent`: the same turn with
+    other copies) or none at `at_seq` (`InvalidInput`), or the retry ends at another `seq`
+    (the turn holding the copies another one: another fork, or its source changed so)."""
+    at = fork.get("forked_from", {}).get("seq")
+    if isinstance(refused, Corrected):
+        return (
+            f"a pop in {fork['_id']!r} removed some of its copies since, so a retry can no "
+            "longer be that fork"
+        )
+    if isinstance(refused, OtherContent | InvalidInput):
+        return (
+            f"{conversation_id!r} no longer holds up to seq {at} what it copied (a pop, or a "
+            "pop and a later turn, changed it)"
+        )
+    if isinstance(refused, TurnConflict):
+        return f"{fork['_id']!r} or {conversation_id!r} changed since"
+    return (
+        f"a fork of {conversation_id!r} at seq {at_seq} ends at another seq: another fork, "
+        f"or {conversation_id!r} changed up to it since"
     )
 
 
