@@ -5563,3 +5563,25 @@ async def test_a_fork_of_a_fork_ends_where_a_fork_of_the_original_at_that_point_
         for source in ("copy", "copy-of-copy"):
             await logger.fork(source, index, f"{source}-{index}")
             assert await _as_read(store, f"{source}-{index}") == expected, f"{source} at {index}"
+
+
+async def test_a_pop_in_a_later_turn_named_like_a_forks_copies_uncounts_only_what_it_counted(
+    backend: Backend,
+) -> None:
+    """A fork's turn starts mark where its copies began a turn of the original: a later turn
+    logged over popped copies under an id that looks like a fork's (a caller may name a turn
+    so) is no copy. Popping the second of its two user messages, which began no turn, leaves
+    the turn count as it was (was: one turn less, its `seq` taken for a copy's turn start)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for n in range(3):
+        await logger.log_messages("orig", [_user(f"q{n}"), _say(f"a{n}")], turn_id=f"t{n}")
+    await logger.fork("orig", 5, "copy")  # its turns began at seq 2 and 4
+    for _ in range(3):
+        await store.pop_last_message("copy")
+    await logger.log_messages("copy", [_user("x"), _user("y")], turn_id="fork-mine")
+    assert (await store.get_conversation("copy")).turn_count == 3
+
+    await store.pop_last_message("copy")
+
+    assert (await store.get_conversation("copy")).turn_count == 3
+    assert await store.turn_count("copy") == 3

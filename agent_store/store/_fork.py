@@ -273,6 +273,15 @@ def answers_in_fork(
     ]
 
 
+def copies_turn_of(conversation: Mapping[str, Any]) -> str | None:
+    """The id of the turn holding a fork's copies (`fork_turn_id` of its `forked_from`), None
+    unless a fork: a later turn a caller named so too is not its copies."""
+    origin = conversation.get("forked_from") or {}
+    if not isinstance(origin.get("conversation_id"), str) or origin.get("seq") is None:
+        return None
+    return fork_turn_id(origin["conversation_id"], int(origin["seq"]))
+
+
 def fork_turns_of(conversation: Mapping[str, Any]) -> list[int]:
     """The `seq`s where a fork's copies began a turn of its original (none unless a fork)."""
     return list((conversation.get("forked_from") or {}).get("turn_starts") or ())
