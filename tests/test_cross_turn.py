@@ -5694,3 +5694,101 @@ async def test_a_late_retry_of_a_streamed_turn_is_a_replay_however_many_turns_ca
     assert late.replayed
     assert [m.id for m in late.messages] == [m.id for m in first.messages]
     assert [m.content for m in await store.transcript(CID)].count("Paid.") == 1
+
+
+async def test_a_fork_of_a_fork_at_a_question_copies_no_answer_a_later_turn_gave(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3 Forks: a fork's turns are its original's (`forked_from.turn_starts`), not
+    the one turn holding its copies. Forking a copy of a conversation at a confirmation
+    question ("what if I had said no") stops there, as a fork of the original does: the
+    payment's result, logged by the next turn, is not copied and the call is still pending."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(
+        CID, [_user("Pay the invoice."), _calls("pay"), _asks_about("r1", "pay")], turn_id="t1"
+    )
+    await store.resolve_hitl(CID, "r1")
+    await logger.log_messages(CID, [_answer("pay", "paid"), _say("Paid.")], turn_id="t2")
+    await logger.log_messages(CID, [_user("Thanks."), _say("Welcome.")], turn_id="t3")
+    await logger.fork(CID, 6, "copy")
+
+    direct = await logger.fork(CID, 2, "direct")
+    again = await logger.fork("copy", 2, "again")
+
+    assert [m.content for m in again.messages] == [m.content for m in direct.messages]
+    assert len(again.messages) == 3
+    assert await pending_state(store, "again") == await pending_state(store, "direct")
+
+
+def _paired_conversation(rng: random.Random) -> list[Step]:
+    """A small random conversation whose calls are answered in their own turn (right after
+    the call, or after a reply) or left open for a later turn's result, some turns with two
+    user messages, prompts about a call, and a person answering them between turns."""
+    steps: list[Step] = []
+    open_calls: list[str] = []
+    for t in range(rng.randint(3, 6)):
+        turn = [_user(f"u{t}"), *([_user(f"and {t}")] * rng.randint(0, 1))]
+        for call_id in [c for c in open_calls if rng.random() < 0.5]:
+            open_calls.remove(call_id)
+            turn.append(_answer(call_id, f"late {t}"))
+        for n in range(rng.randint(0, 2)):
+            call_id = f"c{t}-{n}"
+            turn.append(_calls(call_id))
+            if rng.random() < 0.3:
+                turn.append(_asks_about(f"q{t}-{n}", call_id))
+                steps.append(turn)
+                steps.append(f"q{t}-{n}")
+                turn = []
+            if rng.random() < 0.5:
+                turn += [*([_say(f"working {t}")] * rng.randint(0, 1)), _answer(call_id)]
+            else:
+                open_calls.append(call_id)
+        steps.append([*turn, _say(f"a{t}")])
+    return steps
+
+
+@pytest.mark.parametrize("seed", [0, 1, 4])  # each cuts a call from a later turn's result
+async def test_a_fork_of_a_fork_ends_where_a_fork_of_the_original_at_that_point_ends(
+    backend: Backend, seed: int
+) -> None:
+    """DESIGN.md §3 Forks: tool pairs are never cut within a turn, and a fork's turns are its
+    original's (`forked_from.turn_starts`): a fork of a fork cuts where a fork of the original
+    at the same point cuts, never carrying on to a result a later turn of the original gave a
+    call made at or before that point. Over small random conversations, a fork of a copy of
+    the whole conversation, and of a copy of that copy, at every `seq` answers every reader as
+    the fork of the original at the same message does."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for n, step in enumerate(_paired_conversation(random.Random(seed))):
+        await _take_step(logger, store, n, step)
+    seqs = [m.seq for m in await store.transcript(CID)]
+    await logger.fork(CID, seqs[-1], "copy")
+    await logger.fork("copy", len(seqs) - 1, "copy-of-copy")
+    for index, seq in enumerate(seqs):
+        assert seq is not None
+        await logger.fork(CID, seq, f"direct-{index}")
+        expected = await _as_read(store, f"direct-{index}")
+        for source in ("copy", "copy-of-copy"):
+            await logger.fork(source, index, f"{source}-{index}")
+            assert await _as_read(store, f"{source}-{index}") == expected, f"{source} at {index}"
+
+
+async def test_a_pop_in_a_later_turn_named_like_a_forks_copies_uncounts_only_what_it_counted(
+    backend: Backend,
+) -> None:
+    """A fork's turn starts mark where its copies began a turn of the original: a later turn
+    logged over popped copies under an id that looks like a fork's (a caller may name a turn
+    so) is no copy. Popping the second of its two user messages, which began no turn, leaves
+    the turn count as it was (was: one turn less, its `seq` taken for a copy's turn start)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for n in range(3):
+        await logger.log_messages("orig", [_user(f"q{n}"), _say(f"a{n}")], turn_id=f"t{n}")
+    await logger.fork("orig", 5, "copy")  # its turns began at seq 2 and 4
+    for _ in range(3):
+        await store.pop_last_message("copy")
+    await logger.log_messages("copy", [_user("x"), _user("y")], turn_id="fork-mine")
+    assert (await store.get_conversation("copy")).turn_count == 3
+
+    await store.pop_last_message("copy")
+
+    assert (await store.get_conversation("copy")).turn_count == 3
+    assert await store.turn_count("copy") == 3

@@ -1938,6 +1938,40 @@ async def test_a_forks_retry_after_its_source_changed_is_a_conflict_naming_the_f
     assert len(kept) == 6
 
 
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ("a pop in the fork", r"a pop in 'c-fork' removed some of its copies since"),
+        ("popped", r"'c-x' no longer holds up to seq 5 what it copied"),
+        ("popped and corrected", r"'c-x' no longer holds up to seq 5 what it copied"),
+        ("another fork", r"a fork of 'c-x' at seq 3 ends at another seq: another fork"),
+    ],
+)
+async def test_a_forks_refused_retry_says_whether_the_fork_or_its_source_changed(
+    backend: Backend, change: str, said: str
+) -> None:
+    """API.md (forks): a retry that can no longer be the fork stored under its new id is a 409
+    naming the fork, its source and `seq`, and what changed: a pop in the fork itself (its
+    source untouched, never blamed), its source up to that seq (a pop, or a pop and a later
+    turn), or a retry at another seq, another fork of the source."""
+    logger = await _owners_three_turns(backend)
+    store = ConversationStore(backend.db)
+    await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
+    source = await store.transcript("c-x", user_id=OWNER)
+    if change == "a pop in the fork":
+        await store.pop_last_message("c-fork", user_id=OWNER)
+    elif change != "another fork":
+        await _changed(logger, store, change)
+
+    with pytest.raises(Conflict, match=r"'c-fork'.*'c-x' at seq 5") as refused:
+        await logger.fork("c-x", 3 if change == "another fork" else 5, "c-fork", user_id=OWNER)
+
+    assert re.search(said, str(refused.value)), str(refused.value)
+    if change in ("a pop in the fork", "another fork"):
+        assert "'c-x' no longer holds" not in str(refused.value)
+        assert await store.transcript("c-x", user_id=OWNER) == source
+
+
 async def _a_fork_slow_to_insert(
     logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[asyncio.Task[Any], asyncio.Event]:

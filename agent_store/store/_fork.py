@@ -23,25 +23,34 @@ from agent_store.store._turns import (
     Folded,
     count_turn_starts,
     folded_after,
-    fork_copies_end,
+    turn_keys,
 )
 
 _STORE_FIELDS = {"id", "seq", "user_id", "conversation_id", "turn_id", "search_text"}
 
 
-def fork_end(messages: Sequence[AgentMessage], at_seq: int) -> int:
+def fork_end(
+    messages: Sequence[AgentMessage], at_seq: int, turn_starts: Collection[int] = ()
+) -> int:
     """The last `seq` a fork at `at_seq` copies: `at_seq`, moved past the results its turn
     gave the calls made at or before it, so a call and its result are never cut apart
-    within a turn. A call its turn left open stays pending in the fork, as it was then."""
+    within a turn. A call its turn left open stays pending in the fork, as it was then.
+    Turns are told apart as the fold tells them (`turn_keys`, with `turn_starts`: the
+    source's own when it is a fork), so a fork of a fork ends where a fork of its original
+    at the same point ends, never at a result a later turn of the original gave."""
     if not any(m.seq == at_seq for m in messages):
         raise InvalidInput(f"invalid fork: the conversation has no message with seq {at_seq}")
+    keys = turn_keys(messages, turn_starts)
     calls = {
-        c.id: m.turn_id for m in messages if (m.seq or 0) <= at_seq for c in m.tool_calls or ()
+        c.id: key
+        for m, key in zip(messages, keys, strict=True)
+        if (m.seq or 0) <= at_seq
+        for c in m.tool_calls or ()
     }
     answers = [
         m.seq or 0
-        for m in messages
-        if m.role == "tool" and m.tool_call_id in calls and calls[m.tool_call_id] == m.turn_id
+        for m, key in zip(messages, keys, strict=True)
+        if m.role == "tool" and m.tool_call_id in calls and calls[m.tool_call_id] == key
     ]
     return max([at_seq, *answers])
 
@@ -58,17 +67,18 @@ def last_fitting_fork(
     messages: Sequence[AgentMessage],
     below: int,
     fits: Callable[[list[AgentMessage], int], bool],
+    turn_starts: Collection[int] = (),
 ) -> int | None:
     """The last `seq` before `below` at which a fork, moved past the results its turn gave the
     calls made at or before it (`fork_end`), copies messages that `fits` (with its end); None
     when a fork at the first message does not fit already. A fork at a later `seq` copies what
     one at an earlier `seq` copies, and more: the `seq`s whose forks fit come first, and a
     binary search weighs about log2 n forks. The `seq` answered is one whose fork was weighed
-    and fits."""
+    and fits. `turn_starts`: the source's own when it is a fork, as `fork_end` takes them."""
     seqs = sorted({m.seq for m in messages if m.seq is not None and m.seq < below})
 
     def fork_fits(seq: int) -> bool:
-        end = fork_end(messages, seq)
+        end = fork_end(messages, seq, turn_starts)
         return fits(forked_messages(messages, end), end)
 
     if not seqs or not fork_fits(seqs[0]):
@@ -96,16 +106,10 @@ def fork_turn_id(conversation_id: str, end: int) -> str:
 
 def fork_turn_starts(chosen: Sequence[AgentMessage], turn_starts: Collection[int]) -> list[int]:
     """Where the original's turns begin among a fork's copies (`seq` 0…n in the order of
-    `chosen`), after the first: where `turn_id` changes, or where the original, a fork
-    itself, had a turn begin (`turn_starts`)."""
-    starts = set(turn_starts)
-    copies = fork_copies_end(chosen)
-    return [
-        index
-        for index in range(1, len(chosen))
-        if chosen[index].turn_id != chosen[index - 1].turn_id
-        or (index < copies and chosen[index].seq in starts)
-    ]
+    `chosen`), after the first: where the turn changes (`turn_keys`, with `turn_starts`:
+    the original's own when it is a fork)."""
+    keys = turn_keys(chosen, turn_starts)
+    return [index for index in range(1, len(chosen)) if keys[index] != keys[index - 1]]
 
 
 def fork_turn_count(chosen: Sequence[AgentMessage], turn_starts: Sequence[int]) -> int:
@@ -267,6 +271,15 @@ def answers_in_fork(
         ).model_dump(by_alias=True)
         for r, below, calls in answered
     ]
+
+
+def copies_turn_of(conversation: Mapping[str, Any]) -> str | None:
+    """The id of the turn holding a fork's copies (`fork_turn_id` of its `forked_from`), None
+    unless a fork: a later turn a caller named so too is not its copies."""
+    origin = conversation.get("forked_from") or {}
+    if not isinstance(origin.get("conversation_id"), str) or origin.get("seq") is None:
+        return None
+    return fork_turn_id(origin["conversation_id"], int(origin["seq"]))
 
 
 def fork_turns_of(conversation: Mapping[str, Any]) -> list[int]:

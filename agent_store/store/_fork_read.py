@@ -3,7 +3,7 @@ batches a reply of any server carries, and never much past what a fork may copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,9 @@ class ForkRead:
     ones a fork's end depends on (the message at `at_seq`, results of calls read whole)."""
 
     messages: list[AgentMessage] = field(default_factory=list)
+    turn_starts: Sequence[int] = ()
+    """Where the source's copies began a turn of its original, when it is a fork
+    (`forked_from.turn_starts`): its turns, as `fork_end` tells them apart."""
     sizes: dict[int, int] = field(default_factory=dict)
     """Each `seq` read whole: its message's size as stored."""
     through: int = -1
@@ -98,19 +101,21 @@ async def read_fork(
     at_seq: int,
     turn_end: Callable[[int], int],
     largest: int,
+    turn_starts: Sequence[int] = (),
 ) -> ForkRead:
     """What a fork at `at_seq` of the messages `own` selects reads: every message up to where
     it ends (`fork_end`) whole, in batches, unless they go past a limit first (the read
     stops there), the outlines of the later ones its end depends on, and, when it read all,
     the `seq`s stored up to `turn_end` of its end. `largest`: the largest message a turn
-    may store, which sizes the first read."""
-    read = ForkRead(largest=max(1, largest))
+    may store, which sizes the first read. `turn_starts`: the source's, when it is a fork
+    (`ForkRead.turn_starts`)."""
+    read = ForkRead(turn_starts=turn_starts, largest=max(1, largest))
     await _read_whole(read, collection, own, -1, at_seq)
     later = await _outlines(read, collection, own, at_seq)
     if read.over is not None or at_seq not in read.stored:
         read.messages += later
         return read
-    end = fork_end([*read.messages, *later], at_seq)
+    end = fork_end([*read.messages, *later], at_seq, turn_starts)
     await _read_whole(read, collection, own, at_seq, end)
     if read.over is not None:
         read.messages += await _outlines(read, collection, own, at_seq)

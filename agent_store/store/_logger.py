@@ -820,7 +820,7 @@ class AgentMessageLogger:
             raise
         messages = read.messages
         self._refuse_a_point_being_written(conversation_id, source, read, at_seq)
-        end = fork_end(messages, at_seq)
+        end = fork_end(messages, at_seq, read.turn_starts)
         _refuse_too_large_a_fork(read, at_seq, end)
         self._refuse_unfinished(conversation_id, source, read.stored, end)
         chosen = forked_messages(messages, end)
@@ -836,7 +836,7 @@ class AgentMessageLogger:
         origin = ForkOrigin(
             conversation_id=conversation_id,
             seq=end,
-            turn_starts=fork_turn_starts(chosen, fork_turns_of(source)),
+            turn_starts=fork_turn_starts(chosen, read.turn_starts),
         )
         kept = await self._answers_kept(source, messages, end)
         approved = _approvals_of_copies(kept.approved, chosen, plan)
@@ -928,7 +928,7 @@ class AgentMessageLogger:
             # Its copies stored and its check never passed (its answer lost): checked now,
             # so the fork the Conflict names is served (or, its source gone, taken back).
             await self._unless_its_source_went(conversation_id, fork["_id"], fork)
-        raise _fork_stands(conversation_id, fork)
+        raise _fork_stands(conversation_id, fork, at_seq, refused)
 
     async def _fork_into(
         self,
@@ -1147,6 +1147,7 @@ class AgentMessageLogger:
                 at_seq,
                 partial(Gaps.of(source).turn_end, message_count=count),
                 self.rules.max_message_bytes,
+                fork_turns_of(source),
             )
         return source, read
 
@@ -2668,7 +2669,10 @@ def _refuse_too_large_a_fork(read: ForkRead, at_seq: int, end: int) -> None:
     if refusal is None:
         return
     fitting = last_fitting_fork(
-        read.messages, at_seq, lambda chosen, ends: _too_large(read, chosen, ends, at_seq) is None
+        read.messages,
+        at_seq,
+        lambda chosen, ends: _too_large(read, chosen, ends, at_seq) is None,
+        read.turn_starts,
     )
     if fitting is None:
         raise InvalidInput(f"{refusal}, and so would a fork at any seq of this conversation")
@@ -2840,13 +2844,43 @@ def _other_content(plan: TurnPlan) -> Conflict:
     )
 
 
-def _fork_stands(conversation_id: str, fork: Mapping[str, Any]) -> Conflict:
-    """The refusal of a fork into the id of a fork of the same source that stored its copies."""
+def _fork_stands(
+    conversation_id: str, fork: Mapping[str, Any], at_seq: int, refused: StoreError
+) -> Conflict:
+    """The refusal of a fork into the id of a fork of the same source that stored its copies,
+    saying what changed, from what refused the retry (`_what_changed`)."""
     at = fork.get("forked_from", {}).get("seq")
     return Conflict(
         f"conversation {fork['_id']!r} exists already, the fork of {conversation_id!r} at seq "
-        f"{at} as stored then; {conversation_id!r} no longer holds up to that seq what it "
-        "copied (a pop or a later turn changed it), or this is another fork: fork into a new id"
+        f"{at} as stored then; {_what_changed(conversation_id, fork, at_seq, refused)}: fork "
+        "into a new id"
+    )
+
+
+def _what_changed(
+    conversation_id: str, fork: Mapping[str, Any], at_seq: int, refused: StoreError
+) -> str:
+    """Why a retry of a fork at `at_seq` is not the fork stored, as its refusal tells: a pop
+    in the fork took some of its copies (`Corrected`: the turn holding them was corrected),
+    the source holds other messages up to the fork's end (`OtherContent`: the same turn with
+    other copies) or none at `at_seq` (`InvalidInput`), or the retry ends at another `seq`
+    (the turn holding the copies another one: another fork, or its source changed so)."""
+    at = fork.get("forked_from", {}).get("seq")
+    if isinstance(refused, Corrected):
+        return (
+            f"a pop in {fork['_id']!r} removed some of its copies since, so a retry can no "
+            "longer be that fork"
+        )
+    if isinstance(refused, OtherContent | InvalidInput):
+        return (
+            f"{conversation_id!r} no longer holds up to seq {at} what it copied (a pop, or a "
+            "pop and a later turn, changed it)"
+        )
+    if isinstance(refused, TurnConflict):
+        return f"{fork['_id']!r} or {conversation_id!r} changed since"
+    return (
+        f"a fork of {conversation_id!r} at seq {at_seq} ends at another seq: another fork, "
+        f"or {conversation_id!r} changed up to it since"
     )
 
 

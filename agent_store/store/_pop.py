@@ -57,7 +57,7 @@ from agent_store.core import (
 )
 from agent_store.store._blobs import kept_blob_ids
 from agent_store.store._driver import storage_errors
-from agent_store.store._fork import fork_turns_of
+from agent_store.store._fork import copies_turn_of, fork_turns_of
 from agent_store.store._indexes import LANGGRAPH_TURN, checkpoints_referring_to
 from agent_store.store._reservation import UNSTANDING_READ, refuse_unless_standing
 from agent_store.store._tail import (
@@ -405,7 +405,8 @@ class Pop:
         )
 
     async def _begins_a_copied_turn(self, message: AgentMessage) -> bool:
-        """Whether `message`, a fork's copy, began a turn of the fork's original (its `seq` in
+        """Whether `message`, a fork's copy (of the turn holding its copies, `copies_turn_of`,
+        not a later turn named like it), began a turn of the fork's original (its `seq` in
         `forked_from.turn_starts`): the fork counted it (`fork_turn_count`), though its copies
         are one turn. One more read, only for a prompt copied after another one."""
         if message.role not in ("user", "system") or not (message.turn_id or "").startswith(
@@ -413,9 +414,10 @@ class Pop:
         ):
             return False
         doc = await self.conversations.find_one(
-            {"_id": message.conversation_id}, {"forked_from.turn_starts": 1}
+            {"_id": message.conversation_id}, {"forked_from": 1}
         )
-        return message.seq in fork_turns_of(doc or {})
+        copied = message.turn_id == copies_turn_of(doc or {})
+        return copied and message.seq in fork_turns_of(doc or {})
 
     async def _wait_below(self, message: AgentMessage, missing: list[int]) -> None:
         """StorageUnavailable when a turn is still writing one of `missing`, `seq`s below

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from bisect import bisect_right
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -1159,23 +1160,38 @@ def folded_after(
 def turns_of(
     messages: Sequence[AgentMessage], turn_starts: Collection[int] = ()
 ) -> list[Sequence[AgentMessage]]:
-    """The turns of stored messages, as their reservations logged them: runs of one
-    `turn_id`, cut also at the `seq`s of `turn_starts` among a fork's copies (the
-    original's turns)."""
-    starts = set(turn_starts)
-    copies = fork_copies_end(messages) if starts else 0
+    """The turns of stored messages, as their reservations logged them: runs of one turn
+    (`turn_keys`: of one `turn_id`, cut also at the `seq`s of `turn_starts` among a fork's
+    copies, the original's turns)."""
+    keys = turn_keys(messages, turn_starts)
     turns: list[Sequence[AgentMessage]] = []
     start = 0
     for end in range(1, len(messages) + 1):
-        if (
-            end < len(messages)
-            and messages[end].turn_id == messages[start].turn_id
-            and not (end < copies and messages[end].seq in starts)
-        ):
+        if end < len(messages) and keys[end] == keys[start]:
             continue
         turns.append(messages[start:end])
         start = end
     return turns
+
+
+TurnKey = tuple[str | None, int]
+"""The turn a stored message belongs to (`turn_keys`)."""
+
+
+def turn_keys(messages: Sequence[AgentMessage], turn_starts: Collection[int] = ()) -> list[TurnKey]:
+    """The turn each of the stored messages (in `seq` order, some left out or not) belongs
+    to, the one notion every rule telling turns apart uses (a fork's end, its turn starts,
+    the fold): its `turn_id`, and for a fork's copies (`fork_copies_end`), which all have
+    the one id of the turn holding them, the turn of the original each copies: how many of
+    `turn_starts` (the fork's `forked_from.turn_starts`) are at or below its `seq`. A fork
+    of a fork so tells its copies apart as a fork of the original tells the original's
+    turns apart."""
+    starts = sorted(set(turn_starts))
+    copies = fork_copies_end(messages) if starts else 0
+    return [
+        (m.turn_id, bisect_right(starts, m.seq or 0) if index < copies else 0)
+        for index, m in enumerate(messages)
+    ]
 
 
 @dataclass(frozen=True)
