@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import random
 import re
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -2904,6 +2905,102 @@ async def test_a_fork_at_a_seq_whose_turn_is_still_being_written_waits_for_it(
     await logger.log_messages(CID, slow, turn_id="t2")  # the runtime's retry
     forked = await logger.fork(CID, 2, "fork-at-2")
     assert [m.content for m in forked.messages] == ["hi", "slow", "turn"]
+
+
+class _ThenCursor:
+    """A cursor of messages whose read, once returned, runs `then`."""
+
+    def __init__(self, cursor: Any, then: Callable[[], Awaitable[Any]]) -> None:
+        self._cursor, self._then = cursor, then
+
+    def sort(self, *args: Any) -> _ThenCursor:
+        self._cursor = self._cursor.sort(*args)
+        return self
+
+    def limit(self, length: int) -> _ThenCursor:
+        self._cursor = self._cursor.limit(length)
+        return self
+
+    def batch_size(self, size: int) -> _ThenCursor:
+        self._cursor = self._cursor.batch_size(size)
+        return self
+
+    async def to_list(self, length: int | None) -> list[Any]:
+        found: list[Any] = await self._cursor.to_list(length)
+        await self._then()
+        return found
+
+
+def _after_the_logger_read(
+    logger: AgentMessageLogger,
+    monkeypatch: pytest.MonkeyPatch,
+    reads: int,
+    then: Callable[[], Awaitable[Any]],
+) -> None:
+    """Once the logger's `reads`-th read of messages (a `find`) returned, `then` runs; the
+    logger reads as always from then on."""
+    find, made = logger._messages.find, [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        made[0] += 1
+        if made[0] < reads:
+            return find(*args, **kwargs)
+        monkeypatch.setattr(logger._messages, "find", find)
+        return _ThenCursor(find(*args, **kwargs), then)
+
+    monkeypatch.setattr(logger._messages, "find", counted)
+
+
+async def test_a_fork_at_a_seq_whose_turn_lands_between_its_reads_waits_for_it(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn at the fork's at_seq reserved, and lands right after the fork read the
+    messages up to it (none there yet): the fork waits, as for a turn still being written
+    (StorageUnavailable, nothing written; it was InvalidInput, "a fork copies at most
+    16,777,216 bytes", for four small messages), and the same fork then copies it."""
+    from agent_store.store import CONVERSATIONS
+
+    logger, forker = AgentMessageLogger(backend.db), AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "hi"}], turn_id="t1")
+    slow = [{"role": "user", "content": "slow"}, {"role": "assistant", "content": "turn"}]
+    await _reserved_only(logger, monkeypatch, slow, "t2")  # seqs 1-2
+
+    async def lands() -> None:
+        await logger.log_messages(CID, slow, turn_id="t2")
+
+    _after_the_logger_read(forker, monkeypatch, 1, lands)
+    with pytest.raises(StorageUnavailable, match="still being written at seq 1"):
+        await forker.fork(CID, 2, "fork-at-2")
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "fork-at-2"}) is None
+
+    forked = await forker.fork(CID, 2, "fork-at-2")
+    assert [m.content for m in forked.messages] == ["hi", "slow", "turn"]
+
+
+async def test_a_fork_whose_end_a_pop_took_between_its_reads_waits_not_refused_for_its_size(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fork at a call moves to its result; that result is popped between the fork's read of
+    where it ends and its read of the messages up to there: the fork waits (StorageUnavailable,
+    nothing written), never refused for a size it is not, and the same fork then copies the
+    call, left pending as the original now leaves it."""
+    from agent_store.store import CONVERSATIONS
+
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    forker = AgentMessageLogger(backend.db)
+    turn = [{"role": "user", "content": "weather?"}, _book("c1", "weather"), _answer("c1")]
+    await logger.log_messages(CID, turn, turn_id="t1")  # seq 0-2
+
+    async def popped() -> None:
+        await store.pop_last_message(CID)
+
+    _after_the_logger_read(forker, monkeypatch, 2, popped)
+    with pytest.raises(StorageUnavailable, match="retry the fork in a moment"):
+        await forker.fork(CID, 1, "fork-at-1")
+    assert await backend.db[CONVERSATIONS].find_one({"_id": "fork-at-1"}) is None
+
+    forked = await forker.fork(CID, 1, "fork-at-1")
+    assert [m.role for m in forked.messages] == ["user", "assistant"]
 
 
 async def test_a_fork_at_the_unstored_seq_of_a_turn_cut_short_waits_for_the_rest(

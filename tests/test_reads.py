@@ -1701,6 +1701,82 @@ async def test_a_forks_retry_replaying_an_attempt_whose_check_was_interrupted_ch
     await _nothing_of_owner_is_left(backend, store)
 
 
+def _the_take_backs_delete_failing(
+    logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The logger's next delete of messages (a take-back's, of the fork's copies) is lost on
+    its way to the store, once."""
+    delete_many = logger._messages.delete_many
+
+    async def failing(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(logger._messages, "delete_many", delete_many)
+        raise AutoReconnect("the connection dropped (injected)")
+
+    monkeypatch.setattr(logger._messages, "delete_many", failing)
+
+
+async def test_a_forks_retry_finishes_a_take_back_cut_short_though_its_source_id_started_again(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The source "c-x" is deleted between the fork's writes and its check: the fork takes its
+    copies back, and that take-back is cut short (its delete of the copies lost). The runtime
+    then starts a new "c-x". The fork's retry finds the fork the first attempt was taking
+    back (its record names the "c-x" it copied), finishes the take-back and answers NotFound:
+    nothing of the deleted "c-x" is left under "c-fork", and "c-fork" takes turns again (it
+    was BeingDeleted on every retry and every turn, for good)."""
+    logger = await _owners_conversation_with_a_cut_message(backend)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+
+    async def delete() -> None:
+        await store.delete("c-x", user_id=OWNER)
+        _the_take_backs_delete_failing(logger, monkeypatch)
+
+    _around_the_forks_check(logger, monkeypatch, before=delete)
+    with pytest.raises(StorageUnavailable, match="delete the fork's copies"):
+        await logger.fork("c-x", 1, "c-fork", user_id=OWNER)
+    monkeypatch.undo()
+    again = [{"role": "user", "content": "a new"}, {"role": "assistant", "content": "one"}]
+    await logger.log_messages("c-x", again, user_id=OWNER, turn_id="t-new")  # holds seq 1 too
+
+    with pytest.raises(NotFound, match="'c-x'"):
+        await logger.fork("c-x", 1, "c-fork", user_id=OWNER)
+
+    assert await backend.db.agent_messages.count_documents({"conversation_id": "c-fork"}) == 0
+    assert await backend.db.agent_conversations.count_documents({"_id": "c-fork"}) == 0
+    assert await backend.db[DELETIONS].count_documents({}) == 0
+    assert await backend.db[BLOB_FILES].count_documents({}) == 0
+    turn = [{"role": "user", "content": "a conversation of its own"}]
+    await logger.log_messages("c-fork", turn, user_id=OWNER, turn_id="t-own")
+    kept = [m.content for m in await store.transcript("c-x", user_id=OWNER)]
+    assert kept == ["a new", "one"]
+
+
+async def test_a_forks_retry_finishes_taking_back_an_empty_fork_and_makes_the_fork_fresh(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fork's first attempt lost the insert of its copies; "c-x" then changed (its at_seq
+    popped, and corrected), so the retry takes the empty fork back, and that take-back is cut
+    short. The next retry finishes it and makes the fork as a fresh one of "c-x", which stands
+    as the fork's record says it copied it (was: BeingDeleted for good)."""
+    logger = await _owners_three_turns(backend)
+    store = ConversationStore(backend.db)
+    _the_forks_insert_failing(logger, monkeypatch, applied=False)
+    with pytest.raises(StorageUnavailable):
+        await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
+    await _changed(logger, store, "popped and corrected")
+    _the_take_backs_delete_failing(logger, monkeypatch)
+    with pytest.raises(StorageUnavailable, match="delete the fork's copies"):
+        await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
+
+    retried = await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
+
+    kept = await store.transcript("c-fork", user_id=OWNER)
+    assert not retried.replayed
+    assert [m.seq for m in kept] == list(range(6))
+    assert kept[-1].content == "corrected answer"
+    assert await backend.db[DELETIONS].count_documents({}) == 0
+
+
 async def test_a_fork_whose_retry_found_its_source_whole_stands_though_its_first_check_failed(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

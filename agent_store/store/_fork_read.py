@@ -108,11 +108,18 @@ async def read_fork(
     stops there), the outlines of the later ones its end depends on, and, when it read all,
     the `seq`s stored up to `turn_end` of its end. `largest`: the largest message a turn
     may store, which sizes the first read. `turn_starts`: the source's, when it is a fork
-    (`ForkRead.turn_starts`)."""
+    (`ForkRead.turn_starts`).
+
+    Read whole up to `at_seq` with no message there, it reads nothing more: a message landing
+    at `at_seq` since is a turn the fork raced, never one a later read puts in what it read
+    whole (the fork waits for that turn, or holds no message at `at_seq`). A read past those
+    read whole so follows only a limit the read stopped at (`ForkRead.over`)."""
     read = ForkRead(turn_starts=turn_starts, largest=max(1, largest))
     await _read_whole(read, collection, own, -1, at_seq)
+    if read.over is None and at_seq not in read.stored:
+        return read
     later = await _outlines(read, collection, own, at_seq)
-    if read.over is not None or at_seq not in read.stored:
+    if read.over is not None:
         read.messages += later
         return read
     end = fork_end([*read.messages, *later], at_seq, turn_starts)

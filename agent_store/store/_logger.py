@@ -113,6 +113,7 @@ from agent_store.store._reservation import (
     SUMMARY,
     Actor,
     AsRead,
+    BeingDeleted,
     RecordedBlock,
     ShownBefore,
     answer_found,
@@ -797,7 +798,9 @@ class AgentMessageLogger:
         by the attempt that finds it or by a retry (`_unless_its_source_went`). A fork refused
         while an earlier attempt's fork, never given its copies, holds `new_conversation_id`
         takes that empty fork back and is made as a fresh fork now; one refused by a fork that
-        stored its copies is a Conflict naming it (`_settle_refused_fork`).
+        stored its copies is a Conflict naming it (`_settle_refused_fork`). A take-back cut
+        short is finished by a retry, whatever stands under the source's id since
+        (`_finish_taking_back`).
         """
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         actor = Actor(user_id, owner_only)
@@ -807,6 +810,8 @@ class AgentMessageLogger:
             await self._settle_refused_fork(
                 conversation_id, at_seq, new_conversation_id, actor, refused
             )
+        except BeingDeleted as refused:
+            await self._finish_taking_back(conversation_id, new_conversation_id, actor, refused)
         return await self._fork_once(conversation_id, at_seq, new_conversation_id, actor)
 
     async def _fork_once(
@@ -999,27 +1004,52 @@ class AgentMessageLogger:
             if fork is None:
                 return  # it stood: an earlier attempt's check passed
         check = ForkCheck.model_validate(fork["fork_check"])
-        as_read = {"epoch": check.epoch, "created_at": check.created_at}
-        with storage_errors("read the conversation"):
-            went = (
-                check.taking_back
-                or await self._deletions.under_way(conversation_id, as_read)
-                or await self._conversations.find_one(
-                    same_as_read(conversation_id, as_read), {"_id": 1}
-                )
-                is None
-            )
-        if not went:
+        if not (check.taking_back or await self._source_went(conversation_id, check)):
             with storage_errors("record the fork's check"):
                 await self._conversations.update_one(
                     {**same_as_read(new_id, fork), "fork_check.taking_back": {"$ne": True}},
                     {"$unset": {"fork_check": ""}},
                 )
         elif await self._take_back_fork(new_id, fork):
-            raise NotFound(
-                f"conversation {conversation_id!r} was not found: it was deleted, or is being "
-                "deleted, while the fork copied it"
+            raise _source_went_away(conversation_id)
+
+    async def _source_went(self, conversation_id: str, check: ForkCheck) -> bool:
+        """Whether the conversation a fork copied, as its `check` names it, went: a delete or
+        an erasure of it has begun, or it is gone (perhaps started again under its id: another
+        `epoch`). Two round trips, the second only when no deletion is under way."""
+        as_read = {"epoch": check.epoch, "created_at": check.created_at}
+        with storage_errors("read the conversation"):
+            return (
+                await self._deletions.under_way(conversation_id, as_read)
+                or await self._conversations.find_one(
+                    same_as_read(conversation_id, as_read), {"_id": 1}
+                )
+                is None
             )
+
+    async def _finish_taking_back(
+        self,
+        conversation_id: str,
+        new_conversation_id: str,
+        actor: Actor,
+        refused: BeingDeleted,
+    ) -> None:
+        """After a fork was `refused` as a write into a conversation being deleted: when that
+        is an earlier attempt's fork of this source whose take-back was cut short (it holds
+        `fork_check.taking_back`), the take-back is finished (`_take_back_fork`), whatever
+        stands under the source's id since. Then NotFound, as the attempt that began it
+        answers, when the source the fork copied (its check names its `epoch`) went; else
+        returns, to have the fork made as a fresh one (the take-back of an empty fork,
+        `_settle_refused_fork`). Raises `refused` when no such fork is there: a delete of
+        `new_conversation_id` is under way. One round trip when there is none."""
+        fork = await self._fork_into(conversation_id, new_conversation_id, actor, unchecked=True)
+        check = None if fork is None else ForkCheck.model_validate(fork[FORK_CHECK])
+        if fork is None or check is None or not check.taking_back:
+            raise refused
+        if not await self._take_back_fork(fork["_id"], fork):
+            raise refused  # it stood meanwhile: another attempt's check passed first
+        if await self._source_went(conversation_id, check):
+            raise _source_went_away(conversation_id)
 
     async def _settle_earlier_attempt(
         self, conversation_id: str, new_conversation_id: str, actor: Actor
@@ -2657,6 +2687,14 @@ MAX_FORK_WHOLE_TEXT_CHARS = 64 * 1024 * 1024
 one fork copies: it holds them in memory at once."""
 
 
+def _source_went_away(conversation_id: str) -> NotFound:
+    """What a fork answers once it took back what it wrote of a source that went."""
+    return NotFound(
+        f"conversation {conversation_id!r} was not found: it was deleted, or is being "
+        "deleted, while the fork copied it"
+    )
+
+
 def _refuse_too_large_a_fork(read: ForkRead, at_seq: int, end: int) -> None:
     """A fork copies its messages as one turn, holding them, their whole texts read back, at
     once: at most `MAX_MESSAGES_PER_TURN` messages, `MAX_TURN_TOOL_CALLS` tool calls,
@@ -2681,9 +2719,12 @@ def _refuse_too_large_a_fork(read: ForkRead, at_seq: int, end: int) -> None:
 
 def _too_large(read: ForkRead, chosen: Sequence[AgentMessage], end: int, at_seq: int) -> str | None:
     """What a fork ending at `end`, copying `chosen`, copies past its limits, said; None when
-    within them. One ending past what `read` read whole copies past the limit it stopped at."""
+    within them. One ending past what `read` read whole copies past the limit it stopped at:
+    `read_fork` reads past those only once a limit stopped it, so no race between its reads
+    is ever said as a limit."""
     if end > read.through:
-        return f"{limit_said(read.over or 'bytes')}; at_seq {at_seq} would copy more"
+        assert read.over is not None  # `read_fork`: read whole up to its end unless stopped
+        return f"{limit_said(read.over)}; at_seq {at_seq} would copy more"
     if len(chosen) > MAX_MESSAGES_PER_TURN:
         return (
             f"a fork copies at most {MAX_MESSAGES_PER_TURN} messages; at_seq {at_seq} would "
