@@ -764,7 +764,10 @@ def apply(
     nothing else: its messages would stand without a document, or between a live turn's,
     or bring back what a person deleted. The legacy turns are looked for again before the
     messages: a conversation whose turns went or changed owner since the plan (a delete, an
-    erasure, an account claim) gets none (`_turns_since`), and is left for the next run."""
+    erasure, an account claim) gets none (`_turns_since`), and is left for the next run; and
+    once more after them, for a change landing between that look and the inserts (which for
+    a long conversation are several commands): what the run wrote of such a conversation is
+    taken back out (`_take_back`)."""
     fence()
     applied = Applied()
     skipped = _write_conversations(db, planned, bounds, source, applied)
@@ -797,7 +800,49 @@ def apply(
     for batch in bounded(rewrites, [len(bson.encode(d)) for d in rewritten], bounds):
         db[MESSAGES].bulk_write(batch, ordered=False)
     applied.written += len(rewritten)
+    writing = {cid: item for cid, item in writing.items() if cid not in skipped}
+    _take_back(db, planned, _turns_since(db, source, writing), texts, applied)
     return applied
+
+
+def _take_back(
+    db: Database[dict[str, Any]],
+    planned: Planned,
+    since: _Since,
+    texts: Sequence[FullText],
+    applied: Applied,
+) -> None:
+    """Take back out what the run wrote of the conversations whose legacy turns went or
+    changed owner while it wrote their messages (`since`, looked up after them): their
+    messages, by the ids the plan gave them (none of a live turn's); of one whose turns went
+    (a delete, an erasure), its whole texts and its document too, where still as this run
+    inserted it; one whose turns changed owner (a claim) keeps its document, which the claim
+    moved to the new owner, and is named as left for the next run (`Applied.reowned`).
+    Nothing of theirs is left behind a delete, an erasure or a claim, and no problem of
+    theirs is kept (`Applied.gone`)."""
+    changed = _changed_since(since, applied)
+    if not changed:
+        return
+    applied.gone |= set(changed)
+    ids = [
+        d["_id"] for d in planned.messages + planned.rewritten if d["conversation_id"] in changed
+    ]
+    db[MESSAGES].delete_many({"conversation_id": {"$in": sorted(changed)}, "_id": {"$in": ids}})
+    applied.written = max(0, applied.written - len(ids))  # none of theirs is left written
+    full_texts.forget(db, [f.blob_id for f in texts if f.conversation_id in since.gone])
+    wrote = [d for d in planned.conversations if d["_id"] in since.gone]
+    if not wrote:
+        return
+    # Most often the person's delete took the document already: only one still standing
+    # and as this run inserted it goes (one a person or a live turn changed since stays).
+    query = {"_id": {"$in": [d["_id"] for d in wrote]}}
+    standing = {d["_id"] for d in db[CONVERSATIONS].find(query, {"_id": 1})}
+    for document in (d for d in wrote if d["_id"] in standing):
+        if planned.read.get(document["_id"]) is None:
+            unchanged = {k: {"$exists": False} for k in PEOPLES_FIELDS if k not in document}
+            taken = db[CONVERSATIONS].delete_one({**_as_stored(db, document), **unchanged})
+            standing -= {document["_id"]} if taken.deleted_count else set()
+    applied.documents -= len(wrote) - len(standing)
 
 
 LIVE_SINCE = "a live turn wrote to the conversation between the run's plan and its writes"
