@@ -52,6 +52,7 @@ from agent_store.store import (
     CONVERSATIONS,
     MESSAGES,
     MIGRATED_TURN_PREFIX,
+    MIGRATING,
     FullText,
     TurnRules,
     kept_blob_ids,
@@ -408,8 +409,8 @@ def document_differs(existing: dict[str, Any] | None, wanted: Conversation) -> b
     `written_since`), as BSON stores it (`same_bson`); one that no longer validates (edited by
     hand past what the store takes) differs, and is written again. The rerun and the exit gate
     both ask."""
-    if existing is None:
-        return True
+    if existing is None or existing.get(MIGRATING) is not None:
+        return True  # none, or one a run wrote and did not finish (its messages not all in)
     if written_since(existing):
         return False
     if not counters_as_numbers(existing):
@@ -604,7 +605,10 @@ def _plan_one(
     if item.held and live:
         document = _as_stored_messages_leave_it(document, live)
     if document_differs(found, document):
-        planned.conversations.append(_dumped(document, live))
+        dumped = _dumped(document, live)
+        if found is None or found.get(MIGRATING) is not None:
+            dumped[MIGRATING] = True  # until its messages are in (`apply`)
+        planned.conversations.append(dumped)
     planned.read[cid] = found
     planned.converted[cid] = item
     _plan_messages(db, planned, conversion, stored, owner_after(found, document), gone)
@@ -800,9 +804,28 @@ def apply(
     for batch in bounded(rewrites, [len(bson.encode(d)) for d in rewritten], bounds):
         db[MESSAGES].bulk_write(batch, ordered=False)
     applied.written += len(rewritten)
-    writing = {cid: item for cid, item in writing.items() if cid not in skipped}
-    _take_back(db, planned, _turns_since(db, source, writing), texts, applied)
+    written = {cid: item for cid, item in writing.items() if cid not in skipped}
+    _after_messages(db, planned, _turns_since(db, source, written), texts, applied)
     return applied
+
+
+def _after_messages(
+    db: Database[dict[str, Any]],
+    planned: Planned,
+    since: _Since,
+    texts: Sequence[FullText],
+    applied: Applied,
+) -> None:
+    """Once a batch's messages are in, with its legacy turns looked up again (`since`): what
+    it wrote of a conversation whose turns went or changed owner meanwhile is taken back out
+    (`_take_back`), and every other conversation it wrote to is migrated, its `MIGRATING`
+    mark removed (served and written by the service from now on; one a run left marked, by
+    a crash, is finished so by the next)."""
+    _take_back(db, planned, since, texts, applied)
+    done = sorted(cid for cid in since.looked_at if cid not in since.changed)
+    if done:
+        query = {"_id": {"$in": done}, MIGRATING: {"$exists": True}}
+        db[CONVERSATIONS].update_many(query, {"$unset": {MIGRATING: ""}})
 
 
 def _take_back(
@@ -861,6 +884,8 @@ class _Since:
     reowned: set[str] = field(default_factory=set)
     """Conversations some legacy turn of which names another owner now (an account claim
     moved it, keeping its `_id`)."""
+    looked_at: set[str] = field(default_factory=set)
+    """Every conversation whose legacy turns were looked up."""
 
     @property
     def changed(self) -> set[str]:
@@ -880,7 +905,7 @@ def _turns_since(
         for found in db[source].find(query, {"_id": 1, "user_id": 1}):
             owner = LegacyTurn.model_validate({"user_id": found.get("user_id")}).user_id
             owners[identity(found)] = owner
-    since = _Since()
+    since = _Since(looked_at=set(items))
     for cid, item in items.items():
         now = [owners.get(id_key(turn.id), _GONE) for turn in item.turns + item.held]
         if _GONE in now:

@@ -4725,6 +4725,77 @@ def test_migrated_messages_from_past_seq_0_without_their_conversation_are_remove
 
 
 @pytest.mark.wire
+def test_a_pop_while_a_run_fills_a_long_conversation_is_refused_and_reads_serve_it_whole(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between two insert commands of a conversation's messages its document stands already:
+    until its messages are all in, the service takes it for one not migrated yet, reading it
+    from its legacy turns (the transcript whole) and refusing its writes (a pop: 409, nothing
+    written); the run then stores it whole, and its last message is its legacy answer."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(3)]
+    )
+    seen: list[Any] = []
+
+    async def pop(store: ConversationStore) -> None:
+        seen.append(len(await store.transcript("c-1", user_id="u-1")))
+        try:
+            seen.append(await store.pop_last_message("c-1", user_id="u-1"))
+        except Conflict as refused:
+            seen.append(refused)
+
+    person = lambda: _as_a_person(wire_uri, database, pop, dual_write=True)  # noqa: E731
+    _before_message_insert(monkeypatch, 2, person)
+
+    assert cli(wire_uri, database, "run", "--max-command-documents", "2") == 0
+
+    assert seen[0] == 6
+    assert isinstance(seen[1], Conflict)
+    assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) == 6
+    monkeypatch.undo()
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_run_stopped_while_filling_a_conversation_leaves_it_unmigrated_until_the_next_run(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed between two insert commands of a conversation's messages leaves its
+    document marked as being migrated: the service reads it from its legacy turns and refuses
+    its writes (409), `finish` counts it as work left, and the next run finishes it."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(3)]
+    )
+
+    def killed() -> None:
+        raise KeyboardInterrupt
+
+    _before_message_insert(monkeypatch, 2, killed)
+    assert cli(wire_uri, database, "run", "--max-command-documents", "2") == 130
+    monkeypatch.undo()
+    seen: list[Any] = []
+
+    async def rename(store: ConversationStore) -> None:
+        seen.append(len(await store.transcript("c-1", user_id="u-1")))
+        with pytest.raises(Conflict, match="not migrated yet"):
+            await store.rename("c-1", "Renamed", user_id="u-1")
+        seen.append(True)
+
+    _as_a_person(wire_uri, database, rename)
+    assert seen == [6, True]
+    assert cli(wire_uri, database, "finish") == 1
+
+    assert cli(wire_uri, database, "run") == 0
+
+    [document] = database[CONVERSATIONS].find({"_id": "c-1"})
+    assert "migrating" not in document
+    assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) == 6
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
 @pytest.mark.parametrize(
     "tamper",
     [
