@@ -7,9 +7,10 @@ conversation's messages from `seq` 0 on) and that no legacy turn names now, by t
 read fallback names a conversation's turns by (`turns_known_as`). Those with no first message
 whose document is the migration's (`writes.written_by_migration`: a run killed between a
 batch's documents and its messages, the conversation deleted meanwhile), too. And the
-conversations of the migration's messages whose document is gone and that no legacy turn
-names (a person deleted the conversation while a run wrote them): served by search, and
-holding the `seq` values a new turn under the id takes.
+conversations holding any of the migration's messages, at any `seq`, whose document is gone
+and that no legacy turn names (a person deleted the conversation while a run wrote them,
+between two of its insert commands, say, so that only the later messages are left): served
+by search, and holding the `seq` values a new turn under the id takes.
 
 A run's last step removes each (its messages, their whole texts, or every whole text kept
 under its id when it holds no message, its document and its recorded problems): their
@@ -23,6 +24,7 @@ the conversations found.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +44,7 @@ from agent_store.store import (
     CONVERSATIONS,
     DERIVED_CONVERSATION_PREFIX,
     MESSAGES,
+    MIGRATED_TURN_PREFIX,
     stored_blob_ids,
 )
 from migrations import full_texts
@@ -75,6 +78,8 @@ class Abandoned:
     document_only: bool = False
     """Its document is the migration's and it has no first message
     (`writes.written_by_migration`): with no message either, its document alone is left."""
+    stored: bool = True
+    """Its conversation document is stored (else its messages are left without one)."""
 
     @property
     def reason(self) -> str:
@@ -147,8 +152,12 @@ def _migrated(
     return [d for d in documents if d["_id"] in made | bare and not holds_turn_fields(d)], bare
 
 
-def _abandoned(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]) -> list[Abandoned]:
-    made, bare = _migrated(db, documents)
+def _abandoned(
+    db: Database[dict[str, Any]], documents: list[Mapping[str, Any]], *, stored: bool = True
+) -> list[Abandoned]:
+    """The abandoned conversations of these documents (not `stored`: ids of conversations of
+    no document holding some message of the migration's, `_without_document`)."""
+    made, bare = _migrated(db, documents) if stored else (documents, set())
     named = _named(db, made) if made else set()
     if named is None:
         return []
@@ -158,7 +167,10 @@ def _abandoned(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]])
     ids = [d["_id"] for d in unnamed]
     found = {
         d["_id"]: Abandoned(
-            d["_id"], live=1 if d.get("turns") else 0, document_only=d["_id"] in bare
+            d["_id"],
+            live=1 if d.get("turns") else 0,
+            document_only=d["_id"] in bare,
+            stored=stored,
         )
         for d in unnamed
     }
@@ -171,43 +183,57 @@ def _abandoned(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]])
     return [item for item in found.values() if item.migrated or item.document_only]
 
 
-def chunks(db: Database[dict[str, Any]]) -> Iterator[list[Abandoned]]:
-    """The abandoned conversations, a chunk of `CHUNK` conversation documents at a time; then
-    those of the migration's messages whose conversation document is gone (`_without_document`)."""
+def chunks(db: Database[dict[str, Any]], *, documents: bool = True) -> Iterator[list[Abandoned]]:
+    """The abandoned conversations, a chunk of `CHUNK` conversation documents at a time
+    (unless not `documents`); then those of the migration's messages whose conversation
+    document is gone (`_without_document`)."""
     fields = {
         "_id": 1, "conversation_id": 1, "legacy_conversation_id": 1, "turns": 1,
         "recent_turns": 1, "epoch": 1, **dict.fromkeys(CONVERSATION_COUNTERS, 1),
         **dict.fromkeys(TURN_ONLY_FIELDS, 1),
     }  # fmt: skip
-    documents = db[CONVERSATIONS].find({}, fields).sort("_id", 1)
-    for chunk in batches(iter(documents), CHUNK):
-        yield _abandoned(db, chunk)
+    if documents:
+        for chunk in batches(iter(db[CONVERSATIONS].find({}, fields).sort("_id", 1)), CHUNK):
+            yield _abandoned(db, chunk)
     for ids in batches(_without_document(db), CHUNK):
-        yield _abandoned(db, [{"_id": cid} for cid in ids])
+        yield _abandoned(db, [{"_id": cid} for cid in ids], stored=False)
 
 
 def _without_document(db: Database[dict[str, Any]]) -> Iterator[str]:
-    """The conversations whose first message is the migration's and that have no document (a
-    run wrote their messages after a person deleted the conversation): one read of the first
-    messages, and one of their documents a chunk at a time."""
-    first = db[MESSAGES].find({"seq": 0}, {"conversation_id": 1, "turn_id": 1})
-    made = (m["conversation_id"] for m in first if is_migrated(m.get("turn_id")))
+    """The conversations holding a message of the migration's, at any `seq`, and no document
+    (a run wrote their messages after a person deleted the conversation, maybe only those of
+    its later insert commands): one pass over the migration's messages' conversation ids
+    (grouped by the server), and one read of their documents a chunk at a time."""
+    grouped = db[MESSAGES].aggregate(
+        [
+            {"$match": {"turn_id": {"$regex": f"^{re.escape(MIGRATED_TURN_PREFIX)}"}}},
+            {"$group": {"_id": "$conversation_id"}},
+        ],
+        allowDiskUse=True,
+    )
+    made = (g["_id"] for g in grouped)
     for ids in batches(made, CHUNK):
         stored = {d["_id"] for d in db[CONVERSATIONS].find({"_id": {"$in": ids}}, {"_id": 1})}
         yield from (cid for cid in ids if cid not in stored)
 
 
-def _still_safe(run: Explosion) -> None:
+def _still_safe(run: Explosion) -> bool:
     """Before each removal: the run still holds the lock (a `finish` that took it over may
-    have dropped the legacy turns), and they are still there: with none, or dropped by
-    `finish`, every conversation the migration made would look abandoned."""
+    have dropped the legacy turns), and they were not dropped (by `finish`, or the collection
+    gone): then every conversation the migration made would look abandoned. Answers whether
+    any legacy turn is there: a collection standing empty was emptied by its owners (each
+    deleted their conversations, or was erased), and only the conversations of no document
+    are removed then (what a run wrote while a person deleted one); never is the operator
+    told to bring back, from a backup, what the owners deleted."""
     run.fence()
-    if run.db[run.source].find_one(LEGACY_FILTER, {"_id": 1}) is None or dropped_at(run.db):
+    standing = run.db.list_collection_names(filter={"name": run.source})
+    if not standing or dropped_at(run.db):
         raise MigrationError(
             f"{run.source} holds no legacy turn any more (dropped while this run went on?): "
             "every conversation the migration made would look abandoned; removing none. "
             "Restore the legacy turns (from a backup) before running again"
         )
+    return run.db[run.source].find_one(LEGACY_FILTER, {"_id": 1}) is not None
 
 
 def _forget_texts_of_removed(db: Database[dict[str, Any]], bare: list[str]) -> None:
@@ -223,15 +249,16 @@ def remove(run: Explosion) -> list[Abandoned]:
     """A run's last step, once it has gone through every conversation: remove each abandoned
     conversation holding only the migration's messages (unless a dry run); answer those left
     because live turns wrote to them."""
-    _still_safe(run)
+    turns_left = _still_safe(run)
     left: list[Abandoned] = []
-    for found in chunks(run.db):
+    for found in chunks(run.db, documents=turns_left):
         left += [item for item in found if item.live]
         gone = [item for item in found if not item.live]
+        if gone and not run.options.dry_run and not _still_safe(run):
+            gone = [item for item in gone if not item.stored]  # emptied by their owners since
         run.counts.abandoned_removed += len(gone)
         if run.options.dry_run or not gone:
             continue
-        _still_safe(run)
         ids = [item.conversation_id for item in gone]
         messages = [m for item in gone for m in item.migrated]
         run.db[MESSAGES].delete_many(

@@ -52,6 +52,7 @@ from agent_store.store import (
     CONVERSATIONS,
     MESSAGES,
     MIGRATED_TURN_PREFIX,
+    MIGRATING,
     FullText,
     TurnRules,
     kept_blob_ids,
@@ -408,8 +409,8 @@ def document_differs(existing: dict[str, Any] | None, wanted: Conversation) -> b
     `written_since`), as BSON stores it (`same_bson`); one that no longer validates (edited by
     hand past what the store takes) differs, and is written again. The rerun and the exit gate
     both ask."""
-    if existing is None:
-        return True
+    if existing is None or existing.get(MIGRATING) is not None:
+        return True  # none, or one a run wrote and did not finish (its messages not all in)
     if written_since(existing):
         return False
     if not counters_as_numbers(existing):
@@ -604,7 +605,10 @@ def _plan_one(
     if item.held and live:
         document = _as_stored_messages_leave_it(document, live)
     if document_differs(found, document):
-        planned.conversations.append(_dumped(document, live))
+        dumped = _dumped(document, live)
+        if found is None or found.get(MIGRATING) is not None:
+            dumped[MIGRATING] = True  # until its messages are in (`apply`)
+        planned.conversations.append(dumped)
     planned.read[cid] = found
     planned.converted[cid] = item
     _plan_messages(db, planned, conversion, stored, owner_after(found, document), gone)
@@ -764,7 +768,10 @@ def apply(
     nothing else: its messages would stand without a document, or between a live turn's,
     or bring back what a person deleted. The legacy turns are looked for again before the
     messages: a conversation whose turns went or changed owner since the plan (a delete, an
-    erasure, an account claim) gets none (`_turns_since`), and is left for the next run."""
+    erasure, an account claim) gets none (`_turns_since`), and is left for the next run; and
+    once more after them, for a change landing between that look and the inserts (which for
+    a long conversation are several commands): what the run wrote of such a conversation is
+    taken back out (`_take_back`)."""
     fence()
     applied = Applied()
     skipped = _write_conversations(db, planned, bounds, source, applied)
@@ -797,7 +804,68 @@ def apply(
     for batch in bounded(rewrites, [len(bson.encode(d)) for d in rewritten], bounds):
         db[MESSAGES].bulk_write(batch, ordered=False)
     applied.written += len(rewritten)
+    written = {cid: item for cid, item in writing.items() if cid not in skipped}
+    _after_messages(db, planned, _turns_since(db, source, written), texts, applied)
     return applied
+
+
+def _after_messages(
+    db: Database[dict[str, Any]],
+    planned: Planned,
+    since: _Since,
+    texts: Sequence[FullText],
+    applied: Applied,
+) -> None:
+    """Once a batch's messages are in, with its legacy turns looked up again (`since`): what
+    it wrote of a conversation whose turns went or changed owner meanwhile is taken back out
+    (`_take_back`), and every other conversation it wrote to is migrated, its `MIGRATING`
+    mark removed (served and written by the service from now on; one a run left marked, by
+    a crash, is finished so by the next)."""
+    _take_back(db, planned, since, texts, applied)
+    done = sorted(cid for cid in since.looked_at if cid not in since.changed)
+    if done:
+        query = {"_id": {"$in": done}, MIGRATING: {"$exists": True}}
+        db[CONVERSATIONS].update_many(query, {"$unset": {MIGRATING: ""}})
+
+
+def _take_back(
+    db: Database[dict[str, Any]],
+    planned: Planned,
+    since: _Since,
+    texts: Sequence[FullText],
+    applied: Applied,
+) -> None:
+    """Take back out what the run wrote of the conversations whose legacy turns went or
+    changed owner while it wrote their messages (`since`, looked up after them): their
+    messages, by the ids the plan gave them (none of a live turn's); of one whose turns went
+    (a delete, an erasure), its whole texts and its document too, where still as this run
+    inserted it; one whose turns changed owner (a claim) keeps its document, which the claim
+    moved to the new owner, and is named as left for the next run (`Applied.reowned`).
+    Nothing of theirs is left behind a delete, an erasure or a claim, and no problem of
+    theirs is kept (`Applied.gone`)."""
+    changed = _changed_since(since, applied)
+    if not changed:
+        return
+    applied.gone |= set(changed)
+    ids = [
+        d["_id"] for d in planned.messages + planned.rewritten if d["conversation_id"] in changed
+    ]
+    db[MESSAGES].delete_many({"conversation_id": {"$in": sorted(changed)}, "_id": {"$in": ids}})
+    applied.written = max(0, applied.written - len(ids))  # none of theirs is left written
+    full_texts.forget(db, [f.blob_id for f in texts if f.conversation_id in since.gone])
+    wrote = [d for d in planned.conversations if d["_id"] in since.gone]
+    if not wrote:
+        return
+    # Most often the person's delete took the document already: only one still standing
+    # and as this run inserted it goes (one a person or a live turn changed since stays).
+    query = {"_id": {"$in": [d["_id"] for d in wrote]}}
+    standing = {d["_id"] for d in db[CONVERSATIONS].find(query, {"_id": 1})}
+    for document in (d for d in wrote if d["_id"] in standing):
+        if planned.read.get(document["_id"]) is None:
+            unchanged = {k: {"$exists": False} for k in PEOPLES_FIELDS if k not in document}
+            taken = db[CONVERSATIONS].delete_one({**_as_stored(db, document), **unchanged})
+            standing -= {document["_id"]} if taken.deleted_count else set()
+    applied.documents -= len(wrote) - len(standing)
 
 
 LIVE_SINCE = "a live turn wrote to the conversation between the run's plan and its writes"
@@ -816,6 +884,8 @@ class _Since:
     reowned: set[str] = field(default_factory=set)
     """Conversations some legacy turn of which names another owner now (an account claim
     moved it, keeping its `_id`)."""
+    looked_at: set[str] = field(default_factory=set)
+    """Every conversation whose legacy turns were looked up."""
 
     @property
     def changed(self) -> set[str]:
@@ -835,7 +905,7 @@ def _turns_since(
         for found in db[source].find(query, {"_id": 1, "user_id": 1}):
             owner = LegacyTurn.model_validate({"user_id": found.get("user_id")}).user_id
             owners[identity(found)] = owner
-    since = _Since()
+    since = _Since(looked_at=set(items))
     for cid, item in items.items():
         now = [owners.get(id_key(turn.id), _GONE) for turn in item.turns + item.held]
         if _GONE in now:

@@ -97,6 +97,7 @@ def _only_null(schema: Mapping[str, Any]) -> bool:
 _BOOKKEEPING_TYPES = {
     "array": "unknown[]",
     "integer": "number",
+    "boolean": "boolean",
     "object": "Record<string, unknown>",
     "string": "string",
     "null": "null",

@@ -3475,10 +3475,10 @@ def test_a_run_that_lost_its_lock_during_its_last_step_removes_nothing_more(
     before = database[MESSAGES].count_documents({})
     chunks = abandoned.chunks
 
-    def finish_meanwhile(db: Database[dict[str, Any]]) -> Any:
+    def finish_meanwhile(db: Database[dict[str, Any]], **kwargs: Any) -> Any:
         Lease(database, "finish-elsewhere").acquire(force=True)
         database[LEGACY_TURNS].drop()
-        return chunks(db)
+        return chunks(db, **kwargs)
 
     monkeypatch.setattr(abandoned, "chunks", finish_meanwhile)
 
@@ -4615,6 +4615,184 @@ def test_a_claim_after_a_runs_documents_and_before_its_messages_leaves_no_messag
 
     _claim_leaves_c1_to_the_next_run(wire_uri, database, monkeypatch, capsys)
     assert done
+
+
+def _before_message_insert(
+    monkeypatch: pytest.MonkeyPatch, command: int, meanwhile: Callable[[], None]
+) -> list[int]:
+    """`meanwhile` happens once, right before the run's `command`-th insert of c-1's messages
+    (counted from 1): after the run last looked at the legacy turns before its messages. The
+    sizes of c-1's insert commands are answered."""
+    insert_many = Collection.insert_many
+    sizes: list[int] = []
+
+    def racing(self: Collection[Any], documents: Any, *args: Any, **kwargs: Any) -> Any:
+        documents = list(documents)
+        if self.name == MESSAGES and any(d["conversation_id"] == "c-1" for d in documents):
+            sizes.append(len(documents))
+            if len(sizes) == command:
+                meanwhile()
+        return insert_many(self, documents, *args, **kwargs)
+
+    monkeypatch.setattr(Collection, "insert_many", racing)
+    return sizes
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("how", ["delete", "erase_user"])
+def test_a_delete_between_a_runs_message_inserts_leaves_nothing_of_the_conversation(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A conversation whose messages take several insert commands (more than N, or than M
+    bytes) is deleted (or its owner erased) between two of them: the run takes back out what
+    it wrote of it (the later commands' messages, its whole texts), says nothing of it, and
+    `finish` passes on what is left."""
+    _unmigrated_pair(database)
+    sizes = _before_message_insert(monkeypatch, 2, _deletes_c1(wire_uri, database, how))
+
+    assert cli(wire_uri, database, "run", "--max-command-documents", "2") == 0
+
+    assert len(sizes) > 1
+    _nothing_of_c1_is_stored(database)
+    monkeypatch.undo()
+    assert cli(wire_uri, database, "run") == 0
+    assert database[MESSAGES].count_documents({"conversation_id": "c-2"}) == 2
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("how", ["delete", "erase_user"])
+def test_a_delete_of_the_last_legacy_conversation_during_a_run_leaves_nothing_and_no_restore(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    how: str,
+) -> None:
+    """The only conversation with legacy turns is deleted (or its owner erased) after the run
+    last looked at them and before its messages: the legacy collection is empty, by its
+    owners' will, not a drop. The run takes back out what it wrote, exits 0, and never tells
+    the operator to restore the legacy turns from a backup (which would bring back what the
+    owner deleted)."""
+    _unmigrated_pair(database)
+    database[CONVERSATIONS].delete_many({"conversation_id": "c-2"})
+    _before_message_insert(monkeypatch, 1, _deletes_c1(wire_uri, database, how))
+
+    assert cli(wire_uri, database, "run") == 0
+
+    assert "backup" not in capsys.readouterr().out
+    _nothing_of_c1_is_stored(database)
+
+
+@pytest.mark.wire
+def test_a_claim_between_a_runs_last_look_and_its_message_inserts_is_named_and_left_to_no_one(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An account claim (u-1 -> u-2) lands after the run last looked at the legacy turns and
+    before it inserts the conversation's messages: the run takes back out the messages it
+    wrote under u-1, names the conversation as left for the next run and exits 1; the rerun
+    migrates it under u-2."""
+    _claimed_pair(database)
+    _before_message_insert(monkeypatch, 1, _claims_u1(wire_uri, database))
+
+    _claim_leaves_c1_to_the_next_run(wire_uri, database, monkeypatch, capsys)
+
+
+@pytest.mark.wire
+def test_migrated_messages_from_past_seq_0_without_their_conversation_are_removed_by_a_run(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Messages of legacy turns, from a later `seq` on, whose conversation document and
+    legacy turns are gone (a person deleted the conversation between two insert commands of
+    a run killed before it looked again): `finish` names them as the migration's, and the
+    next run removes them, whatever `seq` the first of them holds."""
+    _unmigrated_pair(database)
+    assert cli(wire_uri, database, "run") == 0
+    database[CONVERSATIONS].delete_one({"_id": "c-1"})
+    database[LEGACY_TURNS].delete_many({"conversation_id": "c-1"})
+    database[MESSAGES].delete_many({"conversation_id": "c-1", "seq": {"$lt": 2}})
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish") == 1
+    assert "c-1: holds 1 messages of legacy turns" in capsys.readouterr().out
+
+    assert cli(wire_uri, database, "run") == 0
+    assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_pop_while_a_run_fills_a_long_conversation_is_refused_and_reads_serve_it_whole(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between two insert commands of a conversation's messages its document stands already:
+    until its messages are all in, the service takes it for one not migrated yet, reading it
+    from its legacy turns (the transcript whole) and refusing its writes (a pop: 409, nothing
+    written); the run then stores it whole, and its last message is its legacy answer."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(3)]
+    )
+    seen: list[Any] = []
+
+    async def pop(store: ConversationStore) -> None:
+        seen.append(len(await store.transcript("c-1", user_id="u-1")))
+        try:
+            seen.append(await store.pop_last_message("c-1", user_id="u-1"))
+        except Conflict as refused:
+            seen.append(refused)
+
+    person = lambda: _as_a_person(wire_uri, database, pop, dual_write=True)  # noqa: E731
+    _before_message_insert(monkeypatch, 2, person)
+
+    assert cli(wire_uri, database, "run", "--max-command-documents", "2") == 0
+
+    assert seen[0] == 6
+    assert isinstance(seen[1], Conflict)
+    assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) == 6
+    monkeypatch.undo()
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_run_stopped_while_filling_a_conversation_leaves_it_unmigrated_until_the_next_run(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed between two insert commands of a conversation's messages leaves its
+    document marked as being migrated: the service reads it from its legacy turns and refuses
+    its writes (409), `finish` counts it as work left, and the next run finishes it."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(3)]
+    )
+
+    def killed() -> None:
+        raise KeyboardInterrupt
+
+    _before_message_insert(monkeypatch, 2, killed)
+    assert cli(wire_uri, database, "run", "--max-command-documents", "2") == 130
+    monkeypatch.undo()
+    seen: list[Any] = []
+
+    async def rename(store: ConversationStore) -> None:
+        seen.append(len(await store.transcript("c-1", user_id="u-1")))
+        with pytest.raises(Conflict, match="not migrated yet"):
+            await store.rename("c-1", "Renamed", user_id="u-1")
+        seen.append(True)
+
+    _as_a_person(wire_uri, database, rename)
+    assert seen == [6, True]
+    assert cli(wire_uri, database, "finish") == 1
+
+    assert cli(wire_uri, database, "run") == 0
+
+    [document] = database[CONVERSATIONS].find({"_id": "c-1"})
+    assert "migrating" not in document
+    assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) == 6
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
 
 
 @pytest.mark.wire

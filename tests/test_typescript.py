@@ -147,7 +147,7 @@ def test_the_conversation_document_declares_the_bookkeeping_as_optional() -> Non
     assert declared_properties(block) == {
         "turns?": "unknown[]", "turns_dropped?": "number", "inbox?": "Record<string, unknown>",
         "runtime_turns?": "unknown[]", "deleting_since?": "Date | null",
-        "fork_check?": "Record<string, unknown> | null",
+        "fork_check?": "Record<string, unknown> | null", "migrating?": "boolean | null",
         "popping?": "Record<string, unknown> | null", "pops?": "number",
         "popped_seqs?": "unknown[]", "popped_messages?": "unknown[]",
         "resolved_hitl?": "unknown[]", "answered_prompts?": "unknown[]",

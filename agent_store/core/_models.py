@@ -928,6 +928,11 @@ class Conversation(_Model):
     """When a delete or an erasure of this conversation began (the store's bookkeeping, never
     served; absent but while one is under way, or failed part-way until it is run again): no
     turn, retry or pop writes to it, and forks find it gone."""
+    migrating: bool | None = Field(default=None, exclude=True)
+    """Set as `python -m migrations run` writes this conversation's document, cleared once
+    its messages are all in (the store's bookkeeping, never served; absent on every other
+    document): until then the conversation is read from its legacy turns, and a turn, a pop,
+    a rename or a fork of it is refused as of one not migrated yet (409)."""
     popping: PopInProgress | None = Field(default=None, exclude=True)
     """The pop under way, if any (the store's bookkeeping, never served): the next pop
     finishes it first."""

@@ -68,7 +68,7 @@ from agent_store.store._reads import (
     SearchPage,
     SortOrder,
 )
-from agent_store.store._reservation import Actor, same_conversation
+from agent_store.store._reservation import MIGRATING, Actor, same_conversation
 from agent_store.store._retry import RetryPolicy, with_retries
 from agent_store.store._text import (
     DEFAULT_MARKERS,
@@ -151,6 +151,7 @@ __all__ = [
     "MAX_TURN_TOOL_CALLS",
     "MESSAGES",
     "MIGRATED_TURN_PREFIX",
+    "MIGRATING",
     "PENDING_CALLS_KEPT",
     "SHARD_KEYS",
     "TEXT_INDEX",

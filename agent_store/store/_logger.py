@@ -107,6 +107,7 @@ from agent_store.store._reservation import (
     ANSWERS_READ,
     DELETING,
     FORK_CHECK,
+    MIGRATING,
     NOT_BEING_DELETED,
     RESERVED,
     STANDING,
@@ -122,6 +123,7 @@ from agent_store.store._reservation import (
     answers_lookup,
     approved_among,
     being_deleted,
+    being_migrated,
     blocks_of,
     denials_hold,
     given_back,
@@ -1158,11 +1160,14 @@ class AgentMessageLogger:
                     "approved_calls": 1,
                     DELETING: 1,
                     FORK_CHECK: 1,
+                    MIGRATING: 1,
                     **ANSWERED_READ,
                     **GAPS_READ,
                 },
             )
-            if source is None:  # legacy turns not migrated yet: refused as any write to them
+            # Legacy turns not migrated yet (or still being migrated, `MIGRATING`): refused
+            # as any write to them.
+            if source is None or source.get(MIGRATING) is not None:
                 await self._refuse_unmigrated(conversation_id, actor, "forked")
             # A source being deleted (or whose delete failed part-way), or a fork not made yet
             # (`STANDING`), is no conversation to forks either.
@@ -1285,6 +1290,8 @@ class AgentMessageLogger:
             raise _held(refusal, condition)
         if found.get(DELETING) is not None:
             raise being_deleted(plan.conversation_id, f"turn {plan.turn_id!r}")
+        if found.get(MIGRATING) is not None:  # the migration is still writing it
+            raise being_migrated(plan.conversation_id, f"turn {plan.turn_id!r}")
         block = recorded_block(found, plan.key)
         looked_up = block is None and complete and bool(found.get("turns_dropped"))
         if looked_up:

@@ -67,6 +67,7 @@ from agent_store.store._indexes import (
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource, not_migrated_yet
 from agent_store.store._pop import Pop, PopMemory, finish_marked
 from agent_store.store._reservation import (
+    MIGRATING,
     NOT_BEING_DELETED,
     STANDING,
     SUMMARY,
@@ -2037,8 +2038,8 @@ def _its_messages(
     yet from none at all); else those of its `epoch`, and those stored before epochs (a turn
     of a deleted conversation, reserved before the delete and inserted after it, may land
     under the id once the conversation was started again, until the delete's sweep)."""
-    if found is None:
-        return None
+    if found is None or found.get(MIGRATING) is not None:
+        return None  # one the migration is still writing is read from its legacy turns
     if not is_standing(found):
         raise NotFound(f"conversation {conversation_id!r} was not found")
     return _of_epoch(docs, found.get("epoch"))

@@ -74,11 +74,21 @@ FORK_CHECK = "fork_check"
 """The field a fork creates its conversation with (`ForkCheck`), removed once its copies are
 stored and its check of its source passed: until then the conversation is a fork not made
 yet."""
-STANDING: dict[str, Any] = {**NOT_BEING_DELETED, FORK_CHECK: {"$exists": False}}
+MIGRATING = "migrating"
+"""The field `python -m migrations run` writes a conversation document with before its
+messages, removed once they are all in (a long conversation's take several commands): until
+then the conversation is not migrated yet, read from its legacy turns, and every write to it
+is refused as to one not migrated yet (`being_migrated`)."""
+STANDING: dict[str, Any] = {
+    **NOT_BEING_DELETED,
+    FORK_CHECK: {"$exists": False},
+    MIGRATING: {"$exists": False},
+}
 """The filter part of every read of conversations: a conversation a delete or an erasure
-marked (`DELETING`), or a fork not made yet (`FORK_CHECK`), is no conversation, answered as a
-missing one (NotFound, left out of lists). Two fields absent from every other document: the
-indexes a read uses still choose what it reads, this leaves out the few it finds marked."""
+marked (`DELETING`), a fork not made yet (`FORK_CHECK`), or one the migration is still
+writing (`MIGRATING`: read from its legacy turns), is no conversation, answered as a missing
+one (NotFound, left out of lists). Fields absent from every other document: the indexes a
+read uses still choose what it reads, this leaves out the few it finds marked."""
 
 
 NO_POP_UNDER_WAY: dict[str, Any] = {"popping": {"$not": {"$type": "object"}}}
@@ -90,7 +100,7 @@ conversation it creates."""
 def is_standing(conversation: Mapping[str, Any]) -> bool:
     """Whether a conversation document read (with `DELETING` and `FORK_CHECK`) is one
     `STANDING` matches: neither marked by a delete nor a fork not made yet."""
-    return conversation.get(DELETING) is None and conversation.get(FORK_CHECK) is None
+    return all(conversation.get(mark) is None for mark in (DELETING, FORK_CHECK, MIGRATING))
 
 
 def unfinished_fork(conversation_id: str, what: str) -> StorageUnavailable:
@@ -102,7 +112,16 @@ def unfinished_fork(conversation_id: str, what: str) -> StorageUnavailable:
     )
 
 
-UNSTANDING_READ: dict[str, Any] = {DELETING: 1, FORK_CHECK: 1}
+def being_migrated(conversation_id: str, what: str) -> Conflict:
+    """The refusal of `what` (a turn, a pop, a rename) in a conversation the migration is
+    still writing (`MIGRATING`): as to one not migrated yet, sent again once it is."""
+    return Conflict(
+        f"conversation {conversation_id!r} exists as legacy turns not migrated yet; {what} "
+        "may be sent again once `python -m migrations run` has migrated it"
+    )
+
+
+UNSTANDING_READ: dict[str, Any] = {DELETING: 1, FORK_CHECK: 1, MIGRATING: 1}
 """The projection a write's explanation of its refusal reads (`refuse_unless_standing`)."""
 
 
@@ -110,15 +129,17 @@ def refuse_unless_standing(
     conversation_id: str, conversation: Mapping[str, Any] | None, what: str
 ) -> None:
     """Refuse `what`, a write other than a turn's own, into a conversation that is no
-    conversation (`STANDING` did not match it): `being_deleted`, or `unfinished_fork` (only
-    the fork's own attempts write to a fork not made yet). Nothing for one that is standing,
-    or none at all (`conversation` None)."""
+    conversation (`STANDING` did not match it): `being_deleted`, `unfinished_fork` (only
+    the fork's own attempts write to a fork not made yet), or `being_migrated`. Nothing for
+    one that is standing, or none at all (`conversation` None)."""
     if conversation is None:
         return
     if conversation.get(DELETING) is not None:
         raise being_deleted(conversation_id, what)
     if conversation.get(FORK_CHECK) is not None:
         raise unfinished_fork(conversation_id, what)
+    if conversation.get(MIGRATING) is not None:
+        raise being_migrated(conversation_id, what)
 
 
 class BeingDeleted(StorageUnavailable):

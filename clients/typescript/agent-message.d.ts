@@ -213,6 +213,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   deleting_since?: Date | null;
   /**
+   * Set as `python -m migrations run` writes this conversation's document, cleared once its messages are all in (the store's bookkeeping, never served; absent on every other document): until then the conversation is read from its legacy turns, and a turn, a pop, a rename or a fork of it is refused as of one not migrated yet (409).
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  migrating?: boolean | null;
+  /**
    * The pop under way, if any (the store's bookkeeping, never served): the next pop finishes it first.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
