@@ -900,6 +900,49 @@ async def test_a_retry_after_a_claim_of_a_pop_that_removed_nothing_removes_nothi
     assert await summary_disagreements(store) == []
 
 
+async def test_a_turn_whose_insert_was_lost_retried_after_a_claim_is_stored_as_the_new_owners(
+    backend: Backend,
+) -> None:
+    """DESIGN.md: a turn is stored once and counted once. A service logs "user-guest"'s turn:
+    reserved (its block, its turn and tokens counted), its insert lost; then the account is
+    claimed by "user-ada"; the runtime retries the turn naming "user-guest". The retry is the
+    turn reserved while "user-guest" held the conversation, as a late insert of its first
+    attempt would be (the claim moves those too): stored in its block as the owner's, counted
+    once, and a follower of the tail reads on past it. A new turn naming the old owner is
+    still refused, the error telling the runtime to log it as the conversation's owner."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    said = [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "A!"}]
+    await logger.log_messages(CID, said, user_id="user-guest", turn_id="t0")
+    failing = FailOnce(logger._messages, "insert_many", after_applying=False)
+    logger._messages = failing  # type: ignore[assignment]
+    turn = [
+        {"role": "user", "content": "B?"},
+        {"role": "assistant", "content": "B!", "token_usage": {"input_tokens": 1000}},
+    ]
+    with pytest.raises(StorageUnavailable):
+        await logger.log_messages(CID, turn, user_id="user-guest", turn_id="t1")
+    store = ConversationStore(backend.db)
+    await store.claim("user-guest", "user-ada")
+
+    retried = await logger.log_messages(CID, turn, user_id="user-guest", turn_id="t1")
+
+    assert failing.failed
+    assert retried.replayed
+    assert [(m.seq, m.user_id) for m in retried.messages] == [(2, "user-ada"), (3, "user-ada")]
+    assert await _stored_contents(backend) == ["A?", "A!", "B?", "B!"]
+    assert await summary_disagreements(store) == []
+    conversation = await store.get_conversation(CID)
+    assert (conversation.turn_count, conversation.usage.input_tokens) == (2, 1000)
+    new = [{"role": "user", "content": "C?"}]
+    with pytest.raises(Conflict, match="log the turn as the conversation's owner"):
+        await logger.log_messages(CID, new, user_id="user-guest", turn_id="t2")
+    after = await logger.log_messages(CID, new, user_id="user-ada", turn_id="t2")
+    page = await store.messages_page(CID, after=retried.messages[-1].id, limit=10)
+    assert (page.pending_seq, [m.id for m in page.data]) == (None, [after.messages[0].id])
+    assert await summary_disagreements(store) == []
+
+
 class TwoPopsInDoubt:
     """Wraps a store's collections so that the pop run by the task named "first" has its
     removal applied and its reply held until `release`, then lost, and the pop run by the

@@ -1272,6 +1272,38 @@ async def test_past_the_kept_records_a_retry_whose_block_is_empty_answers_the_tu
     await _followed_to_the_end(backend, rules)
 
 
+async def test_past_the_kept_records_a_lost_give_back_of_the_lower_block_is_finished_by_its_retry(
+    backend: Backend,
+) -> None:
+    """RELIABILITY.md: a retry of any age stores nothing twice and counts the turn once. Past
+    the kept records a first attempt reserves seq 2-3 and stalls before its insert; a second
+    attempt finds neither record nor message and stores the turn at 6-7. The first's insert
+    lands, meets the turn one block away, and the update giving its block back is lost
+    (`StorageUnavailable`): no record names 2-3 any more. Its retry finishes that give-back
+    (2-3 gaps no turn holds, the turn and its tokens counted once) and answers 6-7 as a
+    replay; every later retry alike, taking nothing back twice; a follower reads on at once."""
+    rules = TurnRules(turns_recorded=1)
+    _, first, a = await _a_first_attempt_held_past_the_records(backend, rules)
+    other = AgentMessageLogger(backend.db, rules=rules)
+    stored = await other.log_messages(CID, turn("same"), turn_id="t1")
+    assert [m.seq for m in stored.messages] == [6, 7]
+    connected = first.logger._conversations
+    Unreachable(first.logger, "_conversations", "update_one")
+    first.release.set()
+    with pytest.raises(StorageUnavailable, match="take back what the turn counted"):
+        await a
+    first.logger._conversations = connected  # the connection is back
+
+    for _ in range(2):
+        again = await first.logger.log_messages(CID, turn("same"), turn_id="t1")
+        assert again.replayed
+        assert [(m.id, m.seq) for m in again.messages] == [(m.id, m.seq) for m in stored.messages]
+        conversation = await check_conversation(backend.db, gaps=True)
+        assert (conversation["message_count"], conversation["turn_count"]) == (8, 3)
+        assert {2, 3} <= set(conversation["popped_seqs"])
+    await _followed_to_the_end(backend, rules)
+
+
 async def _stored_once_in_the_lower_block(
     backend: Backend, rules: TurnRules, answers: Sequence[LoggedTurn]
 ) -> None:

@@ -264,6 +264,21 @@ class _Reserved:
 
 
 @dataclass(frozen=True)
+class _GiveBack:
+    """A give-back of a turn's block in doubt (`AgentMessageLogger._give_back` raised): what
+    finishes it."""
+
+    plan: TurnPlan
+    reserved: _Reserved
+    documents: list[dict[str, Any]]
+    refused: bool
+
+
+_IN_DOUBT_KEPT = 1024
+"""How many give-backs in doubt a logger remembers for its retries, the oldest forgotten."""
+
+
+@dataclass(frozen=True)
 class _Verdict:
     """What a conversation as read says of a turn (`AgentMessageLogger._verdict`), once every
     refusal it explains was raised: a retry, or a new turn (no block)."""
@@ -331,6 +346,9 @@ class AgentMessageLogger:
         self._legacy = legacy
         self._full_texts = FullTextStore(db)
         self._deletions = DeletionRecords(db, self._full_texts)
+        self._in_doubt: dict[tuple[str, int], _GiveBack] = {}
+        """The give-backs of a turn's block whose writes raised (`_give_back`), by
+        conversation and turn key: finished by the turn's retry through this logger."""
 
     def add_observer(self, observer: TurnObserver) -> None:
         """Tell `observer` too of every turn stored from now on (e.g. a service's metrics)."""
@@ -466,8 +484,8 @@ class AgentMessageLogger:
                     self._conversations, query, "the update of the conversation"
                 )
                 raise Conflict(
-                    f"conversation {conversation_id!r} belongs to another user; "
-                    "use claim to move it"
+                    f"conversation {conversation_id!r} belongs to another user: name its "
+                    "owner (the user id it was claimed by, if it was), or claim it first"
                 ) from exc
         return found
 
@@ -1201,6 +1219,7 @@ class AgentMessageLogger:
         conversation exists but does not meet it, its `refusal` is raised.
         """
         _refuse_migrated_turn_id(plan.turn_id)
+        await self._finish_in_doubt(plan)
         complete = True
         may_create = condition is None or condition.create
         # Wired to legacy turns, a new conversation is first checked against them; an id
@@ -1270,7 +1289,8 @@ class AgentMessageLogger:
         says: what `_reserve` does once its reservation matched nothing, and `check_turn`
         does before writing, so the two cannot drift. Read only. Raises: the conversation
         missing and not to be created (`_absent`; a legacy or derived id, `_refuse_unmigrated`),
-        another user's (`Actor.refusal`), being deleted (before any replay: nothing comes
+        another user's (`Actor.refusal`; but a service's retry of a turn reserved before a
+        claim, `_reserved_before_a_claim`), being deleted (before any replay: nothing comes
         back), a retry's refusal (`_retry_of`: popped, other content; past `abandon_after`,
         nothing stored, a later message answering its call: `Unmovable`, whatever content it
         sends, from the lookup of its empty block the move then takes), a fork not made yet
@@ -1286,7 +1306,7 @@ class AgentMessageLogger:
             _refuse_derived(plan.conversation_id, actor)
             return _Verdict()
         refusal = actor.refusal(plan.conversation_id, found.get("user_id"))
-        if refusal is not None:
+        if refusal is not None and not await self._reserved_before_a_claim(plan, actor, found):
             raise _held(refusal, condition)
         if found.get(DELETING) is not None:
             raise being_deleted(plan.conversation_id, f"turn {plan.turn_id!r}")
@@ -1304,6 +1324,30 @@ class AgentMessageLogger:
         if (running := actor.running_refusal(plan, found)) is not None:
             raise running
         return _Verdict(proved_new=looked_up)
+
+    async def _reserved_before_a_claim(
+        self, plan: TurnPlan, actor: Actor, found: Mapping[str, Any]
+    ) -> bool:
+        """Whether a service naming a user that does not own the conversation (its user id
+        claimed by another since) sends a retry of a turn the conversation records with this
+        very content, not popped, and not stored whole (its insert lost): the turn reserved
+        while it could write there, its block, turn and tokens counted. It is stored there as
+        the owner's, as a late insert of its first attempt is (the claim moves those too),
+        and counted once; refused, it stayed counted for good, its block a hole followers
+        wait at. One lookup of its messages, on that path only. A user token never writes to
+        another user's conversation; a new turn, other content, a turn stored whole or whose
+        record was dropped is refused as before."""
+        block = recorded_block(found, plan.key)
+        if actor.as_user or block is None or block.popped:
+            return False
+        if block.count != plan.count or not plan.matches(block.digest):
+            return False
+        ids = [message_id(plan.conversation_id, plan.turn_id, i) for i in range(plan.count)]
+        with storage_errors("read the turn's messages"):
+            stored = await self._messages.find(
+                {"conversation_id": plan.conversation_id, "_id": {"$in": ids}}, {"_id": 1}
+            ).to_list(None)
+        return len(stored) < plan.count
 
     async def _try_reserve(
         self,
@@ -1966,11 +2010,29 @@ class AgentMessageLogger:
         block is given back (`given_back`: its turn and tokens taken back, its `seq`s gaps no
         turn holds) and the preview and `updated_at` its reservation set taken back
         (`_shown_before`), with the pending state folded again when the turn concerns it
-        (`_give_up`): three round trips more (five with the fold)."""
-        epoch = reserved.epoch
+        (`_give_up`): three round trips more (five with the fold). Raising, it is in doubt:
+        the turn's retry through this logger finishes it (`_finish_in_doubt`)."""
+        try:
+            matched = await self._given_back_once(plan, reserved, documents)
+        except StorageUnavailable:  # in doubt: the turn's retry finishes it (`_finish_in_doubt`)
+            self._in_doubt.pop((plan.conversation_id, plan.key), None)
+            self._in_doubt[plan.conversation_id, plan.key] = _GiveBack(
+                plan, reserved, documents, refused
+            )
+            while len(self._in_doubt) > _IN_DOUBT_KEPT:
+                del self._in_doubt[next(iter(self._in_doubt))]
+            raise
+        if matched and plan.concerns_pending:
+            await self._give_up(plan.conversation_id, strict=refused)
+
+    async def _given_back_once(
+        self, plan: TurnPlan, reserved: _Reserved, documents: list[dict[str, Any]]
+    ) -> bool:
+        """`_give_back`'s writes: what the insert stored in the block goes, then the block is
+        given back (`given_back`, matching once); whether that update matched."""
         with storage_errors("take back the turn's messages"):
             await self._messages.delete_many(
-                {"conversation_id": plan.conversation_id, "epoch": epoch,
+                {"conversation_id": plan.conversation_id, "epoch": reserved.epoch,
                  "$or": [{"_id": d["_id"], "seq": d["seq"]} for d in documents]}
             )  # fmt: skip
         same = _same_as_reserved(plan.conversation_id, reserved)
@@ -1979,8 +2041,20 @@ class AgentMessageLogger:
             result = await self._conversations.update_one(
                 *given_back(plan, reserved.first_seq, same, shown)
             )
-        if result.matched_count and plan.concerns_pending:
-            await self._give_up(plan.conversation_id, strict=refused)
+        return bool(result.matched_count)
+
+    async def _finish_in_doubt(self, plan: TurnPlan) -> None:
+        """Finish the give-back of a block of this turn an earlier attempt through this logger
+        left in doubt (`_give_back` raised, its update perhaps lost): past the kept records no
+        record names that block any more, and nothing stored tells it from a turn still
+        writing, so only the attempt knows it; its retry gives it back before it reserves (the
+        update matches only while the block is still counted: once, however many retries, and
+        not once a move or a pop took it). No command unless one is in doubt."""
+        doubt = self._in_doubt.pop((plan.conversation_id, plan.key), None)
+        if doubt is not None:
+            await self._give_back(
+                doubt.plan, doubt.reserved, doubt.documents, refused=doubt.refused
+            )
 
     async def _shown_before(self, plan: TurnPlan, first_seq: int) -> ShownBefore:
         """What the conversation shows without the turn's block from `first_seq`, read from

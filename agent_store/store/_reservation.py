@@ -231,7 +231,8 @@ class Actor:
         if not self.as_user and self.user_id is not None and owner not in (None, self.user_id):
             return Conflict(
                 f"conversation {conversation_id!r} belongs to another user than "
-                f"{self.user_id!r}; use claim to move it"
+                f"{self.user_id!r}: log the turn as the conversation's owner (the user id "
+                f"{self.user_id!r} was claimed by, if it was), or claim it first"
             )
         return None
 
