@@ -1489,17 +1489,17 @@ def _around_the_forks_check(
 def _erasure_held_before_its_deletes(
     store: ConversationStore, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[asyncio.Event, asyncio.Event]:
-    """The erasure of OWNER, past its conversations' messages and the whole texts of OWNER's
-    messages, waits before deleting every message naming OWNER, then the conversations."""
-    delete_many, reached, go = store._messages.delete_many, asyncio.Event(), asyncio.Event()
+    """The erasure of OWNER, past its conversations' messages and their whole texts, waits
+    before deleting the conversations, then every message naming OWNER left."""
+    delete_many, reached, go = store._conversations.delete_many, asyncio.Event(), asyncio.Event()
 
     async def held(query: Any, *args: Any, **kwargs: Any) -> Any:
-        if query == {"user_id": OWNER} and not reached.is_set():
+        if not reached.is_set():
             reached.set()
             await go.wait()
         return await delete_many(query, *args, **kwargs)
 
-    monkeypatch.setattr(store._messages, "delete_many", held)
+    monkeypatch.setattr(store._conversations, "delete_many", held)
     return reached, go
 
 
