@@ -1489,17 +1489,17 @@ def _around_the_forks_check(
 def _erasure_held_before_its_deletes(
     store: ConversationStore, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[asyncio.Event, asyncio.Event]:
-    """The erasure of OWNER, past its conversations' messages and the whole texts of OWNER's
-    messages, waits before deleting every message naming OWNER, then the conversations."""
-    delete_many, reached, go = store._messages.delete_many, asyncio.Event(), asyncio.Event()
+    """The erasure of OWNER, past its conversations' messages and their whole texts, waits
+    before deleting the conversations, then every message naming OWNER left."""
+    delete_many, reached, go = store._conversations.delete_many, asyncio.Event(), asyncio.Event()
 
     async def held(query: Any, *args: Any, **kwargs: Any) -> Any:
-        if query == {"user_id": OWNER} and not reached.is_set():
+        if not reached.is_set():
             reached.set()
             await go.wait()
         return await delete_many(query, *args, **kwargs)
 
-    monkeypatch.setattr(store._messages, "delete_many", held)
+    monkeypatch.setattr(store._conversations, "delete_many", held)
     return reached, go
 
 
@@ -2306,6 +2306,94 @@ async def test_a_conversation_its_user_starts_during_the_erasures_wait_keeps_its
 
     assert [m.content for m in await store.transcript("c-new", user_id=OWNER)] == ["back again"]
     assert await backend.db.agent_messages.count_documents({"conversation_id": "c-x"}) == 0
+
+
+def _after_the_documents_went(
+    store: ConversationStore, monkeypatch: pytest.MonkeyPatch, then: Callable[[], Awaitable[None]]
+) -> None:
+    """`then` runs once, right after the store's delete of conversation documents answered."""
+    delete_many, done = store._conversations.delete_many, []
+
+    async def delete_then(*args: Any, **kwargs: Any) -> Any:
+        deleted = await delete_many(*args, **kwargs)
+        if not done:
+            done.append(True)
+            await then()
+        return deleted
+
+    monkeypatch.setattr(store._conversations, "delete_many", delete_then)
+
+
+def _a_turn(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": f"q {text}"}, {"role": "assistant", "content": f"a {text}"}]
+
+
+@pytest.mark.parametrize("conversation_id", ["c-x", "c-new"], ids=["its id", "a new id"])
+async def test_a_conversation_its_user_starts_once_the_erasure_deleted_the_documents_keeps_its_turn(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, conversation_id: str
+) -> None:
+    """The user's runtime logs a turn right after the erasure deleted the user's conversation
+    documents, under the id of the one erased or a new one: the conversation it starts keeps
+    the acknowledged turn, which no later sweep of the erasure takes (was: its messages deleted,
+    its document left counting them and quoting one)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db, rules=NO_GRACE)
+    await logger.log_messages("c-x", _a_turn("old"), user_id=OWNER, turn_id="old")
+    acknowledged = []
+
+    async def runtime_logs() -> None:
+        logged = await logger.log_messages(
+            conversation_id, _a_turn("new"), user_id=OWNER, turn_id="new"
+        )
+        acknowledged.append([m.seq for m in logged.messages])
+
+    _after_the_documents_went(store, monkeypatch, runtime_logs)
+
+    erased = await store.erase_user(OWNER)
+
+    seen = [(m.seq, m.content) for m in await store.transcript(conversation_id, user_id=OWNER)]
+    assert (acknowledged, seen) == ([[0, 1]], [(0, "q new"), (1, "a new")])
+    assert (await store.get_conversation(conversation_id, user_id=OWNER)).message_count == 2
+    assert await backend.db.agent_messages.count_documents({"turn_id": "old"}) == 0
+    assert (erased.conversations, erased.messages) == (1, 2)
+
+
+@pytest.mark.parametrize("lands", ["before its last sweeps", "during its wait"])
+async def test_a_late_insert_of_an_erased_conversation_goes_from_the_one_its_user_started_since(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, lands: str
+) -> None:
+    """OWNER's second turn on "c-x", reserved before the erasure, inserts once the erasure
+    deleted the documents and OWNER started "c-x" again: its messages carry the erased
+    conversation's `epoch` and go, the new conversation's turn stays (was: both went, or,
+    landing during the wait, the late one stayed inside the new conversation)."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+    go, turn = await _owners_second_turn_in_flight(
+        logger, AgentMessageLogger(backend.db), monkeypatch
+    )
+    grace = store._grace
+
+    async def started_again_then_landing() -> None:
+        said = [{"role": "user", "content": "back again"}]
+        await logger.log_messages("c-x", said, user_id=OWNER, turn_id="new")
+        go.set()
+        await turn
+
+    if lands == "during its wait":
+
+        async def landing_then_grace() -> None:
+            await started_again_then_landing()
+            await grace()
+
+        monkeypatch.setattr(store, "_grace", landing_then_grace)
+    else:
+        _after_the_documents_went(store, monkeypatch, started_again_then_landing)
+
+    erased = await store.erase_user(OWNER)
+
+    stored = await backend.db.agent_messages.find({"conversation_id": "c-x"}).to_list(None)
+    assert [(d["seq"], d["content"]) for d in stored] == [(0, "back again")]
+    assert (await store.get_conversation("c-x", user_id=OWNER)).message_count == 1
+    assert (erased.conversations, erased.messages) == (1, 2)
 
 
 async def test_a_delete_waits_for_no_turn_when_every_reserved_message_is_stored(

@@ -622,19 +622,41 @@ class ConversationStore:
         epoch of a conversation started under the id meanwhile. How many; one lookup on a
         delete finding no conversation, two round trips more when any is there."""
         conversation_id = scope["conversation_id"]
+        lives = await self._lives_of_no_conversation(scope, {}, "delete the conversation")
+        epochs = list(lives.get(conversation_id, ()))
+        if not epochs:
+            return 0
         with storage_errors("delete the conversation"):
-            found = await self._messages.find(scope, {"epoch": 1}).to_list(None)
-            if not found:
-                return 0
-            standing = await self._conversations.find_one({"_id": conversation_id}, {"epoch": 1})
-            epochs = {d.get("epoch") for d in found}
-            if standing is not None:  # started under the id meanwhile: its messages stay
-                epochs -= {None, standing.get("epoch")}
-            if not epochs:
-                return 0
-            swept = await self._messages.delete_many({**scope, "epoch": {"$in": list(epochs)}})
-        await self._full_texts.forget_conversations({conversation_id: list(epochs)})
+            swept = await self._messages.delete_many({**scope, "epoch": {"$in": epochs}})
+        await self._full_texts.forget_conversations({conversation_id: epochs})
         return int(swept.deleted_count)
+
+    async def _lives_of_no_conversation(
+        self, scope: dict[str, Any], holders: dict[str, Any], action: str
+    ) -> dict[str, set[str | None]]:
+        """The conversations, each id's `epoch`s, whose messages `scope` selects and that no
+        conversation standing under their id now holds (of those `holders` selects): deleted,
+        their late inserts or what their writers left, or never created. A conversation started
+        under the id since keeps its messages, told by its `epoch` (and those of none, stored
+        before epochs), and one started after this lookup draws an epoch not listed: a delete
+        by these, however late it reaches the server, takes nothing of either. One round trip
+        when `scope` selects no message, two otherwise."""
+        with storage_errors(action):
+            found = await self._messages.find(scope, {"conversation_id": 1, "epoch": 1}).to_list(
+                None
+            )
+            if not found:
+                return {}
+            ids = list({d["conversation_id"] for d in found})
+            standing = await self._conversations.find(
+                {"_id": {"$in": ids}, **holders}, {"epoch": 1}
+            ).to_list(None)
+        held = {d["_id"]: (d.get("epoch"), None) for d in standing}
+        lives: dict[str, set[str | None]] = {}
+        for d in found:
+            if d.get("epoch") not in held.get(d["conversation_id"], ()):
+                lives.setdefault(d["conversation_id"], set()).add(d.get("epoch"))
+        return lives
 
     async def _found_to_delete(
         self, scope: dict[str, Any], version: str | None
@@ -1570,11 +1592,13 @@ class ConversationStore:
         beside the conversations (`THREAD_COLLECTIONS`: LangGraph checkpoints): the user's
         conversations' documents beside them and messages first, `CLAIM_CHUNK`
         conversations per command, each chunk looked up again first (a conversation
-        deleted meanwhile, its id perhaps taken by anyone, is left out), then any message
-        still naming the user,
-        then the conversations, then the messages and the documents beside naming the user
-        written meanwhile, and, when a reserved `seq` held no message, once more
-        `TurnRules.claim_grace` later those outside the conversations the user holds by then.
+        deleted meanwhile, its id perhaps taken by anyone, is left out), then the documents of
+        the conversations it found and marked, then every message naming the user outside
+        the conversations the user holds by then (`_erase_strays`: late inserts of the erased
+        ones, messages of no conversation or of another's), and, when a reserved `seq` held
+        no message, those once more `TurnRules.claim_grace` later. Each sweep takes messages by
+        their conversation's `epoch`: a conversation the user starts while the erasure runs,
+        under a new id or one it erased, is not the erasure's and keeps every message.
         Erased, a conversation id exists nowhere. The conversations it erases are recorded
         first (`DeletionRecords`) and the records removed last: a repeated erasure first
         finishes the deletions of the user's conversations that failed once their documents
@@ -1585,47 +1609,36 @@ class ConversationStore:
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.erase_user(user_id)
-        messages, reserved = await self._erase_messages_of_conversations(user_id)
-        messages += finished
-        await self._full_texts.forget({"user_id": user_id})
-        with storage_errors("erase the user's data"):
-            named = await self._messages.delete_many({"user_id": user_id})
-            conversations = await self._conversations.delete_many({"user_id": user_id})
-            # Messages logged between the two deletes would otherwise be orphans.
-            late = (await self._messages.delete_many({"user_id": user_id})).deleted_count
-        if messages < reserved:
-            # A seq of the user's conversations reserved and not stored there: a turn may still
-            # be inserting (as for a delete). Messages naming the user elsewhere do not count.
-            await self._grace()
-            with storage_errors("erase the user's data"):
-                started = await self._conversations.distinct("_id", {"user_id": user_id})
-                swept = await self._messages.delete_many(
-                    {"user_id": user_id, "conversation_id": {"$nin": started}}
-                )
-            late += swept.deleted_count
-        await self._delete_beside({"user_id": user_id}, "erase the user's data")
-        await self._deletions.done({"user_id": user_id})
-        return Deleted(
-            conversations=conversations.deleted_count,
-            messages=messages + named.deleted_count + late,
-            legacy_turns=legacy,
-        )
-
-    async def _erase_messages_of_conversations(self, user_id: str) -> tuple[int, int]:
-        """Delete the messages (and whole texts, and documents beside) of the conversations
-        `user_id` owns, naming the user or no owner (logged before a turn assigned the
-        conversation), `CLAIM_CHUNK` conversations per command; answer how many messages, and
-        how many `seq`s those conversations reserved.
-
-        Each chunk is looked up again right before its deletes (one round trip): a
-        conversation deleted since the first lookup, and perhaps started again under its id
-        by anyone, is left out."""
-        erased = reserved = 0
         with storage_errors("erase the user's data"):
             found = await self._conversations.find(
                 {"user_id": user_id}, {"epoch": 1, "created_at": 1}
             ).to_list(None)
         await self._deletions.record(found, user_id)
+        messages, reserved = await self._erase_messages_of_conversations(user_id, found)
+        messages += finished
+        conversations = await self._erase_documents(user_id, found)
+        late = await self._erase_strays(user_id)
+        if messages < reserved:
+            # A seq of the user's conversations reserved and not stored there: a turn may still
+            # be inserting (as for a delete). Messages naming the user elsewhere do not count.
+            await self._grace()
+            late += await self._erase_strays(user_id)
+        await self._delete_beside({"user_id": user_id}, "erase the user's data")
+        await self._deletions.done({"user_id": user_id})
+        return Deleted(conversations=conversations, messages=messages + late, legacy_turns=legacy)
+
+    async def _erase_messages_of_conversations(
+        self, user_id: str, found: list[dict[str, Any]]
+    ) -> tuple[int, int]:
+        """Delete the messages (and whole texts, and documents beside) of the conversations
+        `user_id` owns (`found`, recorded), naming the user or no owner (logged before a turn
+        assigned the conversation), `CLAIM_CHUNK` conversations per command; answer how many
+        messages, and how many `seq`s those conversations reserved.
+
+        Each chunk is looked up again right before its deletes (one round trip): a
+        conversation deleted since the first lookup, and perhaps started again under its id
+        by anyone, is left out."""
+        erased = reserved = 0
         listed = [d["_id"] for d in found]
         mine = _one_of_or_none(user_id)
         for start in range(0, len(listed), CLAIM_CHUNK):
@@ -1650,6 +1663,39 @@ class ConversationStore:
                 erased += (await self._messages.delete_many(chunk)).deleted_count
             await self._full_texts.forget_conversations({d["_id"]: (d.get("epoch"),) for d in held})
         return erased, reserved
+
+    async def _erase_documents(self, user_id: str, found: list[dict[str, Any]]) -> int:
+        """Delete the documents of the conversations the erasure found (`found`, marked), still
+        the user's, `CLAIM_CHUNK` per command, each told by its `epoch` (`same_as_read`): one
+        started since under any id, by the user too, is not the erasure's. How many."""
+        conversations = 0
+        for start in range(0, len(found), CLAIM_CHUNK):
+            chunk = found[start : start + CLAIM_CHUNK]
+            with storage_errors("erase the user's data"):
+                gone = await self._conversations.delete_many(
+                    {"$or": [same_as_read(d["_id"], d) for d in chunk], "user_id": user_id}
+                )
+            conversations += int(gone.deleted_count)
+        return conversations
+
+    async def _erase_strays(self, user_id: str) -> int:
+        """Delete the messages naming `user_id` that no conversation the user holds now holds,
+        by their conversation's id and `epoch` (`_lives_of_no_conversation`): a late insert of
+        a conversation erased (its epoch), messages of no conversation (logged before a
+        document, the migration's, left by a deletion) or naming the user in another's. A
+        conversation the user holds now (started since the erasure looked, under any id) keeps
+        its messages, one started later too. Their whole texts go first. How many."""
+        lives = await self._lives_of_no_conversation(
+            {"user_id": user_id}, {"user_id": user_id}, "erase the user's data"
+        )
+        if not lives:
+            return 0
+        each = [{"conversation_id": c, "epoch": {"$in": list(e)}} for c, e in lives.items()]
+        strays = {"user_id": user_id, "$or": each}
+        await self._full_texts.forget(strays)
+        with storage_errors("erase the user's data"):
+            swept = await self._messages.delete_many(strays)
+        return int(swept.deleted_count)
 
     async def _delete_beside(self, query: dict[str, Any], action: str) -> None:
         """Delete what `query` selects in each collection integrations keep beside the
