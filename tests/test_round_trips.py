@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -127,6 +128,26 @@ async def test_checking_a_turn_costs_one_round_trip_and_a_retry_past_the_kept_re
     assert wire_backend.commands.names == ["find", "find", "find"]
 
 
+async def _a_turn_that_stored_nothing_long_ago(
+    wire_backend: Backend,
+) -> tuple[AgentMessageLogger, list[Any], list[Any]]:
+    """Turn "t-lost" reserved its block ten minutes ago (past `abandon_after`) and stored
+    nothing (as a crash before its insert); a later turn is stored after it. The commands
+    counted from here."""
+    assert wire_backend.commands is not None
+    logger = AgentMessageLogger(wire_backend.db, rules=COUNTED)
+    (_, messages), (later_id, later) = example_turns()[:2]
+    await logger.log_messages(CID, messages, turn_id="t-lost")
+    await wire_backend.db.agent_messages.delete_many({})  # as a crash before the insert
+    await logger.log_messages(CID, later, turn_id=later_id)
+    long_ago = datetime.now(UTC) - timedelta(minutes=10)
+    await wire_backend.db.agent_conversations.update_one(
+        {"_id": CID}, {"$set": {"turns.0.a": long_ago}}
+    )
+    wire_backend.commands.clear()
+    return logger, messages, later
+
+
 async def test_a_retry_later_than_abandon_after_of_a_turn_that_stored_nothing_costs_seven(
     wire_backend: Backend,
 ) -> None:
@@ -136,19 +157,9 @@ async def test_a_retry_later_than_abandon_after_of_a_turn_that_stored_nothing_co
     leave pending written (guarded: no turn reserved meanwhile). The crashed attempt's record
     is dated ten minutes back, past `abandon_after`; the retry itself is far faster than
     that: no lookup of the conversation follows its insert."""
-    assert wire_backend.commands is not None
-    logger = AgentMessageLogger(wire_backend.db, rules=COUNTED)
-    (turn_id, messages), (later_id, later) = example_turns()[:2]
-    await logger.log_messages(CID, messages, turn_id=turn_id)
-    await wire_backend.db.agent_messages.delete_many({})  # as a crash before the insert
-    await logger.log_messages(CID, later, turn_id=later_id)
-    long_ago = datetime.now(UTC) - timedelta(minutes=10)
-    await wire_backend.db.agent_conversations.update_one(
-        {"_id": CID}, {"$set": {"turns.0.a": long_ago}}
-    )
-    wire_backend.commands.clear()
+    logger, messages, later = await _a_turn_that_stored_nothing_long_ago(wire_backend)
 
-    retried = await logger.log_messages(CID, messages, turn_id=turn_id)
+    retried = await logger.log_messages(CID, messages, turn_id="t-lost")
 
     assert retried.messages[0].seq == len(messages) + len(later)
     assert wire_backend.commands.names == [
@@ -161,19 +172,9 @@ async def test_checking_a_retry_later_than_abandon_after_costs_one_read_more(
 ) -> None:
     """`check_turn` of that retry reads the conversation, then looks its empty block up as
     the move does (with any later answer to its calls, which it would be refused for)."""
-    assert wire_backend.commands is not None
-    logger = AgentMessageLogger(wire_backend.db, rules=COUNTED)
-    (turn_id, messages), (later_id, later) = example_turns()[:2]
-    await logger.log_messages(CID, messages, turn_id=turn_id)
-    await wire_backend.db.agent_messages.delete_many({})  # as a crash before the insert
-    await logger.log_messages(CID, later, turn_id=later_id)
-    long_ago = datetime.now(UTC) - timedelta(minutes=10)
-    await wire_backend.db.agent_conversations.update_one(
-        {"_id": CID}, {"$set": {"turns.0.a": long_ago}}
-    )
-    wire_backend.commands.clear()
+    logger, messages, _ = await _a_turn_that_stored_nothing_long_ago(wire_backend)
 
-    await logger.check_turn(CID, messages, turn_id=turn_id)
+    await logger.check_turn(CID, messages, turn_id="t-lost")
 
     assert wire_backend.commands.names == ["find", "find"]
 
