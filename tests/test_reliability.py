@@ -900,16 +900,13 @@ async def test_a_retry_after_a_claim_of_a_pop_that_removed_nothing_removes_nothi
     assert await summary_disagreements(store) == []
 
 
-async def test_a_turn_whose_insert_was_lost_retried_after_a_claim_is_stored_as_the_new_owners(
+async def test_a_lost_turn_retried_after_a_claim_is_refused_then_stored_as_the_new_owners(
     backend: Backend,
 ) -> None:
-    """DESIGN.md: a turn is stored once and counted once. A service logs "user-guest"'s turn:
-    reserved (its block, its turn and tokens counted), its insert lost; then the account is
-    claimed by "user-ada"; the runtime retries the turn naming "user-guest". The retry is the
-    turn reserved while "user-guest" held the conversation, as a late insert of its first
-    attempt would be (the claim moves those too): stored in its block as the owner's, counted
-    once, and a follower of the tail reads on past it. A new turn naming the old owner is
-    still refused, the error telling the runtime to log it as the conversation's owner."""
+    """A service logs "user-guest"'s turn: reserved, its insert lost; the account is claimed
+    by "user-ada"; a retry naming "user-guest" is refused (the store cannot tell it from
+    another user's write), saying to log the turn as the conversation's owner; that retry
+    stores it in its block, counted once, and a follower of the tail reads on past it."""
     logger = AgentMessageLogger(backend.db)
     await logger.ensure_indexes()
     said = [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "A!"}]
@@ -925,7 +922,9 @@ async def test_a_turn_whose_insert_was_lost_retried_after_a_claim_is_stored_as_t
     store = ConversationStore(backend.db)
     await store.claim("user-guest", "user-ada")
 
-    retried = await logger.log_messages(CID, turn, user_id="user-guest", turn_id="t1")
+    with pytest.raises(Conflict, match="log the turn as the conversation's owner"):
+        await logger.log_messages(CID, turn, user_id="user-guest", turn_id="t1")
+    retried = await logger.log_messages(CID, turn, user_id="user-ada", turn_id="t1")
 
     assert failing.failed
     assert retried.replayed
@@ -935,12 +934,32 @@ async def test_a_turn_whose_insert_was_lost_retried_after_a_claim_is_stored_as_t
     conversation = await store.get_conversation(CID)
     assert (conversation.turn_count, conversation.usage.input_tokens) == (2, 1000)
     new = [{"role": "user", "content": "C?"}]
-    with pytest.raises(Conflict, match="log the turn as the conversation's owner"):
-        await logger.log_messages(CID, new, user_id="user-guest", turn_id="t2")
     after = await logger.log_messages(CID, new, user_id="user-ada", turn_id="t2")
     page = await store.messages_page(CID, after=retried.messages[-1].id, limit=10)
     assert (page.pending_seq, [m.id for m in page.data]) == (None, [after.messages[0].id])
-    assert await summary_disagreements(store) == []
+
+
+async def test_a_service_naming_a_user_who_never_owned_the_conversation_cannot_complete_its_turn(
+    backend: Backend,
+) -> None:
+    """bob's turn t1 is reserved, its insert lost; a service call naming mallory, who never
+    held the conversation, sends t1 with the very same content: a Conflict, nothing stored,
+    as any turn naming another user than the owner."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [{"role": "user", "content": "A?"}], user_id="bob", turn_id="t0")
+    failing = FailOnce(logger._messages, "insert_many", after_applying=False)
+    logger._messages = failing  # type: ignore[assignment]
+    turn = [{"role": "user", "content": "B?"}, {"role": "assistant", "content": "B!"}]
+    with pytest.raises(StorageUnavailable):
+        await logger.log_messages(CID, turn, user_id="bob", turn_id="t1")
+
+    with pytest.raises(Conflict):
+        await logger.check_turn(CID, turn, user_id="mallory", turn_id="t1")
+    with pytest.raises(Conflict):
+        await logger.log_messages(CID, turn, user_id="mallory", turn_id="t1")
+
+    assert await _stored_contents(backend) == ["A?"]
 
 
 class TwoPopsInDoubt:

@@ -1289,8 +1289,7 @@ class AgentMessageLogger:
         says: what `_reserve` does once its reservation matched nothing, and `check_turn`
         does before writing, so the two cannot drift. Read only. Raises: the conversation
         missing and not to be created (`_absent`; a legacy or derived id, `_refuse_unmigrated`),
-        another user's (`Actor.refusal`; but a service's retry of a turn reserved before a
-        claim, `_reserved_before_a_claim`), being deleted (before any replay: nothing comes
+        another user's (`Actor.refusal`), being deleted (before any replay: nothing comes
         back), a retry's refusal (`_retry_of`: popped, other content; past `abandon_after`,
         nothing stored, a later message answering its call: `Unmovable`, whatever content it
         sends, from the lookup of its empty block the move then takes), a fork not made yet
@@ -1306,7 +1305,7 @@ class AgentMessageLogger:
             _refuse_derived(plan.conversation_id, actor)
             return _Verdict()
         refusal = actor.refusal(plan.conversation_id, found.get("user_id"))
-        if refusal is not None and not await self._reserved_before_a_claim(plan, actor, found):
+        if refusal is not None:
             raise _held(refusal, condition)
         if found.get(DELETING) is not None:
             raise being_deleted(plan.conversation_id, f"turn {plan.turn_id!r}")
@@ -1324,30 +1323,6 @@ class AgentMessageLogger:
         if (running := actor.running_refusal(plan, found)) is not None:
             raise running
         return _Verdict(proved_new=looked_up)
-
-    async def _reserved_before_a_claim(
-        self, plan: TurnPlan, actor: Actor, found: Mapping[str, Any]
-    ) -> bool:
-        """Whether a service naming a user that does not own the conversation (its user id
-        claimed by another since) sends a retry of a turn the conversation records with this
-        very content, not popped, and not stored whole (its insert lost): the turn reserved
-        while it could write there, its block, turn and tokens counted. It is stored there as
-        the owner's, as a late insert of its first attempt is (the claim moves those too),
-        and counted once; refused, it stayed counted for good, its block a hole followers
-        wait at. One lookup of its messages, on that path only. A user token never writes to
-        another user's conversation; a new turn, other content, a turn stored whole or whose
-        record was dropped is refused as before."""
-        block = recorded_block(found, plan.key)
-        if actor.as_user or block is None or block.popped:
-            return False
-        if block.count != plan.count or not plan.matches(block.digest):
-            return False
-        ids = [message_id(plan.conversation_id, plan.turn_id, i) for i in range(plan.count)]
-        with storage_errors("read the turn's messages"):
-            stored = await self._messages.find(
-                {"conversation_id": plan.conversation_id, "_id": {"$in": ids}}, {"_id": 1}
-            ).to_list(None)
-        return len(stored) < plan.count
 
     async def _try_reserve(
         self,
