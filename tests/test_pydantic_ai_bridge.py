@@ -115,7 +115,7 @@ _UNSTORED_KEYS = {
     "timestamp", "run_id", "conversation_id", "model_name", "model_id", "provider_name",
     "provider_url", "provider_details", "provider_response_id", "finish_reason", "metadata",
     "state", "canonical_system", "workspace_ref", "history_digest", "failed_attempts",
-    "instructions",
+    "instructions", "request_timestamp", "duration",
 }  # fmt: skip
 
 
