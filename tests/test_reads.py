@@ -3141,3 +3141,30 @@ async def test_a_repeated_claim_moves_what_a_late_insert_left_under_the_guest_id
     assert again.messages == 2
     after = await store.transcript("c-late", user_id=NEW_OWNER)
     assert [m.content for m in after] == ["alpha", *(m["content"] for m in LATE_TEXT)]
+
+
+async def test_an_erasure_leaves_whole_the_conversation_its_user_started_again_under_an_erased_id(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the erasure's first read and its mark, OWNER deletes "c-x" and starts it again:
+    that conversation is not the erasure's and keeps its document and every message (was: its
+    messages deleted, its document left counting them)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db, rules=NO_GRACE)
+    await logger.log_messages("c-x", _a_turn("old"), user_id=OWNER, turn_id="old")
+    await logger.log_messages("c-y", _a_turn("other"), user_id=OWNER, turn_id="other")
+    record = store._deletions.record
+
+    async def started_again_then_record(found: Any, user_id: str | None) -> Any:
+        await ConversationStore(backend.db).delete("c-x", user_id=OWNER)
+        await logger.log_messages("c-x", _a_turn("new"), user_id=OWNER, turn_id="new")
+        return await record(found, user_id)
+
+    monkeypatch.setattr(store._deletions, "record", started_again_then_record)
+
+    erased = await store.erase_user(OWNER)
+
+    seen = [m.content for m in await store.transcript("c-x", user_id=OWNER)]
+    assert seen == ["q new", "a new"]
+    assert (await store.get_conversation("c-x", user_id=OWNER)).message_count == 2
+    assert await backend.db.agent_messages.count_documents({"conversation_id": "c-y"}) == 0
+    assert (erased.conversations, erased.messages) == (1, 2)

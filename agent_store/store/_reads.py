@@ -1635,16 +1635,17 @@ class ConversationStore:
         assigned the conversation), `CLAIM_CHUNK` conversations per command; answer how many
         messages, and how many `seq`s those conversations reserved.
 
-        Each chunk is looked up again right before its deletes (one round trip): a
-        conversation deleted since the first lookup, and perhaps started again under its id
-        by anyone, is left out."""
+        Each chunk is looked up again right before its deletes (one round trip), each
+        conversation as found, told by its `epoch` (`same_as_read`): one deleted since the
+        first lookup, and perhaps started again under its id by anyone, the user too, is left
+        out."""
         erased = reserved = 0
-        listed = [d["_id"] for d in found]
         mine = _one_of_or_none(user_id)
-        for start in range(0, len(listed), CLAIM_CHUNK):
+        for start in range(0, len(found), CLAIM_CHUNK):
+            chunk = found[start : start + CLAIM_CHUNK]
             with storage_errors("erase the user's data"):
                 held = await self._conversations.find(
-                    {"_id": {"$in": listed[start : start + CLAIM_CHUNK]}, "user_id": user_id},
+                    {"$or": [same_as_read(d["_id"], d) for d in chunk], "user_id": user_id},
                     {"message_count": 1, "epoch": 1},
                 ).to_list(None)
             if not held:
@@ -1659,8 +1660,8 @@ class ConversationStore:
                 # takes nothing of one started again under the id since.
                 each = [{"conversation_id": d["_id"], "epoch": _one_of_or_none(d.get("epoch"))}
                         for d in held]  # fmt: skip
-                chunk = {"$or": each, "user_id": mine}
-                erased += (await self._messages.delete_many(chunk)).deleted_count
+                of_held = {"$or": each, "user_id": mine}
+                erased += (await self._messages.delete_many(of_held)).deleted_count
             await self._full_texts.forget_conversations({d["_id"]: (d.get("epoch"),) for d in held})
         return erased, reserved
 
