@@ -3168,3 +3168,41 @@ async def test_an_erasure_leaves_whole_the_conversation_its_user_started_again_u
     assert (await store.get_conversation("c-x", user_id=OWNER)).message_count == 2
     assert await backend.db.agent_messages.count_documents({"conversation_id": "c-y"}) == 0
     assert (erased.conversations, erased.messages) == (1, 2)
+
+
+@pytest.mark.parametrize("deletion", ["erasure", "user's delete", "service's delete"])
+async def test_a_claim_landing_before_a_deletions_mark_leaves_the_new_owner_a_usable_conversation(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, deletion: str
+) -> None:
+    """OWNER's conversation is claimed by "user-bob" between a deletion's first read and its
+    mark: the mark takes only the owner the deletion read, so the conversation is not the
+    erasure's nor the user's delete's (bob keeps it, readable and writable); a service's delete
+    deletes the conversation it found, bob's now (was: bob's conversation marked for good, no
+    record left)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db, rules=NO_GRACE)
+    await logger.log_messages("c-x", _a_turn("old"), user_id=OWNER, turn_id="old")
+    record = store._deletions.record
+
+    async def claimed_then_record(found: Any, user_id: str | None) -> Any:
+        if user_id == OWNER:
+            await ConversationStore(backend.db, rules=NO_GRACE).claim(OWNER, "user-bob")
+        return await record(found, user_id)
+
+    monkeypatch.setattr(store._deletions, "record", claimed_then_record)
+
+    if deletion == "erasure":
+        erased = await store.erase_user(OWNER)
+        assert (erased.conversations, erased.messages) == (0, 0)
+    elif deletion == "user's delete":
+        deleted = await store.delete("c-x", user_id=OWNER)
+        assert (deleted.conversations, deleted.messages) == (0, 0)
+    else:
+        deleted = await store.delete("c-x")
+        assert (deleted.conversations, deleted.messages) == (1, 2)
+        assert await backend.db.agent_messages.count_documents({}) == 0
+        assert await backend.db.agent_conversations.count_documents({}) == 0
+        return
+    await logger.log_messages("c-x", _a_turn("bob"), user_id="user-bob", turn_id="bob")
+    conversation = await store.get_conversation("c-x", user_id="user-bob")
+    assert (conversation.user_id, conversation.message_count) == ("user-bob", 4)
+    assert await backend.db.agent_deletions.count_documents({}) == 0

@@ -255,6 +255,10 @@ def _one_of_or_none(*values: str | None) -> dict[str, Any]:
     return {"$in": [*dict.fromkeys(v for v in values if v is not None), None]}
 
 
+_TO_DELETE = {"user_id": 1, "created_at": 1, "legacy_conversation_id": 1, "epoch": 1}
+"""What a delete reads of the conversation it deletes (`_found_to_delete`)."""
+
+
 def _beside_of(conversation_id: str, found: dict[str, Any]) -> dict[str, Any]:
     """What a delete of the conversation `found` (its owner and `created_at`) takes in the
     collections beside the conversations: the documents of its thread written for its owner
@@ -557,8 +561,10 @@ class ConversationStore:
         found = await self._found_to_delete(scope, version)
         if found is None:
             return await self._finish_delete(conversation_id, user_id, version)
+        found = await self._marked_to_delete(conversation_id, found, user_id)
+        if found is None:
+            return Deleted(conversations=0, messages=0, legacy_turns=0)
         owner = found.get("user_id")
-        await self._deletions.record([found], owner)
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.delete(conversation_id, owner=owner)
@@ -579,6 +585,26 @@ class ConversationStore:
         return Deleted(
             conversations=int(gone is not None), messages=messages + late, legacy_turns=legacy
         )
+
+    async def _marked_to_delete(
+        self, conversation_id: str, found: dict[str, Any], user_id: str | None
+    ) -> dict[str, Any] | None:
+        """Record and mark the conversation a delete found (`DeletionRecords.record`) while
+        it is the one found and its owner is the one read: the conversation as marked, or
+        None when it is not the delete's: deleted since, or for a user's delete, claimed
+        since. A service's delete reads again the one it found, claimed or assigned since,
+        and marks it under the owner it has now."""
+        while not await self._deletions.record([found], found.get("user_id")):
+            if user_id is not None:
+                return None
+            with storage_errors("read the conversation"):
+                again = await self._conversations.find_one(
+                    same_as_read(conversation_id, found), _TO_DELETE
+                )
+            if again is None:
+                return None
+            found = again
+        return found
 
     async def _delete_document(
         self, found_now: dict[str, Any], messages: int
@@ -667,9 +693,7 @@ class ConversationStore:
         one step of a delete not scoped to the conversation it found is checked here, and
         every later one is scoped to what this read found (`same_conversation`)."""
         with storage_errors("read the conversation"):
-            found: dict[str, Any] | None = await self._conversations.find_one(
-                scope, {"user_id": 1, "created_at": 1, "legacy_conversation_id": 1, "epoch": 1}
-            )
+            found: dict[str, Any] | None = await self._conversations.find_one(scope, _TO_DELETE)
         if found is not None:
             _require_version(scope["_id"], found, version)
         return found
@@ -1613,7 +1637,7 @@ class ConversationStore:
             found = await self._conversations.find(
                 {"user_id": user_id}, {"epoch": 1, "created_at": 1}
             ).to_list(None)
-        await self._deletions.record(found, user_id)
+        found = await self._deletions.record(found, user_id)
         messages, reserved = await self._erase_messages_of_conversations(user_id, found)
         messages += finished
         conversations = await self._erase_documents(user_id, found)
@@ -1628,7 +1652,7 @@ class ConversationStore:
         return Deleted(conversations=conversations, messages=messages + late, legacy_turns=legacy)
 
     async def _erase_messages_of_conversations(
-        self, user_id: str, found: list[dict[str, Any]]
+        self, user_id: str, found: Sequence[Mapping[str, Any]]
     ) -> tuple[int, int]:
         """Delete the messages (and whole texts, and documents beside) of the conversations
         `user_id` owns (`found`, recorded), naming the user or no owner (logged before a turn
@@ -1665,7 +1689,7 @@ class ConversationStore:
             await self._full_texts.forget_conversations({d["_id"]: (d.get("epoch"),) for d in held})
         return erased, reserved
 
-    async def _erase_documents(self, user_id: str, found: list[dict[str, Any]]) -> int:
+    async def _erase_documents(self, user_id: str, found: Sequence[Mapping[str, Any]]) -> int:
         """Delete the documents of the conversations the erasure found (`found`, marked), still
         the user's, `CLAIM_CHUNK` per command, each told by its `epoch` (`same_as_read`): one
         started since under any id, by the user too, is not the erasure's. How many."""
