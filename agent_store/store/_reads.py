@@ -264,11 +264,17 @@ def _beside_of(conversation_id: str, found: dict[str, Any]) -> dict[str, Any]:
     collections beside the conversations: the documents of its thread written for its owner
     or for no user, for this conversation or for none named (stored before documents named
     it), never those of a conversation started under the id since."""
-    query: dict[str, Any] = {
-        "thread_id": conversation_id,
+    return {
+        **_thread_of(conversation_id, found.get("created_at")),
         "user_id": _one_of_or_none(found.get("user_id")),
     }
-    created_at = found.get("created_at")
+
+
+def _thread_of(conversation_id: str, created_at: datetime | None) -> dict[str, Any]:
+    """The documents beside the conversations (`THREAD_COLLECTIONS`) of the conversation
+    under `conversation_id` created at `created_at`, or of none named (stored before
+    documents named it)."""
+    query: dict[str, Any] = {"thread_id": conversation_id}
     if created_at is not None:
         query[THREAD_CONVERSATION] = {"$in": [conversation_mark(created_at), None]}
     return query
@@ -1647,7 +1653,7 @@ class ConversationStore:
             # be inserting (as for a delete). Messages naming the user elsewhere do not count.
             await self._grace()
             late += await self._erase_strays(user_id)
-        await self._delete_beside({"user_id": user_id}, "erase the user's data")
+        await self._erase_stray_beside(user_id)
         await self._deletions.done({"user_id": user_id})
         return Deleted(conversations=conversations, messages=messages + late, legacy_turns=legacy)
 
@@ -1721,6 +1727,22 @@ class ConversationStore:
         with storage_errors("erase the user's data"):
             swept = await self._messages.delete_many(strays)
         return int(swept.deleted_count)
+
+    async def _erase_stray_beside(self, user_id: str) -> None:
+        """Delete the documents beside the conversations (`THREAD_COLLECTIONS`) naming
+        `user_id` but those of the conversations the user holds now (started while the
+        erasure ran, under any id: each told by its `created_at`, `THREAD_CONVERSATION`, or
+        written before documents named it), as `_erase_strays` leaves their messages. One
+        round trip more than the deletes."""
+        with storage_errors("erase the user's data"):
+            held = await self._conversations.find({"user_id": user_id}, {"created_at": 1}).to_list(
+                None
+            )
+        kept = [_thread_of(d["_id"], d.get("created_at")) for d in held]
+        query: dict[str, Any] = {"user_id": user_id}
+        if kept:
+            query["$nor"] = kept
+        await self._delete_beside(query, "erase the user's data")
 
     async def _delete_beside(self, query: dict[str, Any], action: str) -> None:
         """Delete what `query` selects in each collection integrations keep beside the
