@@ -1622,13 +1622,15 @@ class ConversationStore:
         beside the conversations (`THREAD_COLLECTIONS`: LangGraph checkpoints): the user's
         conversations' documents beside them and messages first, `CLAIM_CHUNK`
         conversations per command, each chunk looked up again first (a conversation
-        deleted meanwhile, its id perhaps taken by anyone, is left out), then the documents of
-        the conversations it found and marked, then every message naming the user outside
+        deleted meanwhile, its id perhaps taken by anyone, is left out; one claimed before its
+        mark took is not the erasure's), then the documents of the conversations it found
+        and marked, then every message naming the user outside
         the conversations the user holds by then (`_erase_strays`: late inserts of the erased
         ones, messages of no conversation or of another's), and, when a reserved `seq` held
         no message, those once more `TurnRules.claim_grace` later. Each sweep takes messages by
         their conversation's `epoch`: a conversation the user starts while the erasure runs,
-        under a new id or one it erased, is not the erasure's and keeps every message.
+        under a new id or one it erased, is not the erasure's and keeps every message (and
+        checkpoint: `_erase_stray_beside`).
         Erased, a conversation id exists nowhere. The conversations it erases are recorded
         first (`DeletionRecords`) and the records removed last: a repeated erasure first
         finishes the deletions of the user's conversations that failed once their documents
