@@ -1239,3 +1239,29 @@ def test_a_refused_filter_key_is_shown_as_key(key: str) -> None:
     assert "<key>" in str(refused.value)
     assert "<script>" not in str(refused.value)
     assert "<b>" not in str(refused.value)
+
+
+async def test_a_thread_its_user_starts_while_the_erasure_runs_keeps_its_checkpoints(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md: a conversation the user starts while the erasure runs keeps its turns; its
+    graph state too, which the erasure's last sweep of checkpoints naming the user leaves
+    (was: every checkpoint gone, the graph answering from an empty state while the transcript
+    held every turn)."""
+    ada, old = thread("user-ada", "conv-new"), thread("user-ada", "conv-old")
+    await tool_agent(AgentStoreSaver(backend.db)).ainvoke(question(1), old)
+    store = ConversationStore(backend.db)
+    strays = store._erase_strays
+
+    async def new_thread_then_strays(user_id: str) -> int:
+        await tool_agent(AgentStoreSaver(backend.db)).ainvoke(question(2), ada)
+        return await strays(user_id)
+
+    monkeypatch.setattr(store, "_erase_strays", new_thread_then_strays)
+
+    await store.erase_user("user-ada")
+
+    state = (await tool_agent(AgentStoreSaver(backend.db)).aget_state(ada)).values
+    transcript = await store.transcript("conv-new", user_id="user-ada")
+    assert len(state["messages"]) == len(transcript) > 0
+    assert await backend.db[CHECKPOINTS].count_documents({"thread_id": "conv-old"}) == 0

@@ -3141,3 +3141,68 @@ async def test_a_repeated_claim_moves_what_a_late_insert_left_under_the_guest_id
     assert again.messages == 2
     after = await store.transcript("c-late", user_id=NEW_OWNER)
     assert [m.content for m in after] == ["alpha", *(m["content"] for m in LATE_TEXT)]
+
+
+async def test_an_erasure_leaves_whole_the_conversation_its_user_started_again_under_an_erased_id(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the erasure's first read and its mark, OWNER deletes "c-x" and starts it again:
+    that conversation is not the erasure's and keeps its document and every message (was: its
+    messages deleted, its document left counting them)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db, rules=NO_GRACE)
+    await logger.log_messages("c-x", _a_turn("old"), user_id=OWNER, turn_id="old")
+    await logger.log_messages("c-y", _a_turn("other"), user_id=OWNER, turn_id="other")
+    record = store._deletions.record
+
+    async def started_again_then_record(found: Any, user_id: str | None) -> Any:
+        await ConversationStore(backend.db).delete("c-x", user_id=OWNER)
+        await logger.log_messages("c-x", _a_turn("new"), user_id=OWNER, turn_id="new")
+        return await record(found, user_id)
+
+    monkeypatch.setattr(store._deletions, "record", started_again_then_record)
+
+    erased = await store.erase_user(OWNER)
+
+    seen = [m.content for m in await store.transcript("c-x", user_id=OWNER)]
+    assert seen == ["q new", "a new"]
+    assert (await store.get_conversation("c-x", user_id=OWNER)).message_count == 2
+    assert await backend.db.agent_messages.count_documents({"conversation_id": "c-y"}) == 0
+    assert (erased.conversations, erased.messages) == (1, 2)
+
+
+@pytest.mark.parametrize("deletion", ["erasure", "user's delete", "service's delete"])
+async def test_a_claim_landing_before_a_deletions_mark_leaves_the_new_owner_a_usable_conversation(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, deletion: str
+) -> None:
+    """OWNER's conversation is claimed by "user-bob" between a deletion's first read and its
+    mark: the mark takes only the owner the deletion read, so the conversation is not the
+    erasure's nor the user's delete's (bob keeps it, readable and writable); a service's delete
+    deletes the conversation it found, bob's now (was: bob's conversation marked for good, no
+    record left)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db, rules=NO_GRACE)
+    await logger.log_messages("c-x", _a_turn("old"), user_id=OWNER, turn_id="old")
+    record = store._deletions.record
+
+    async def claimed_then_record(found: Any, user_id: str | None) -> Any:
+        if user_id == OWNER:
+            await ConversationStore(backend.db, rules=NO_GRACE).claim(OWNER, "user-bob")
+        return await record(found, user_id)
+
+    monkeypatch.setattr(store._deletions, "record", claimed_then_record)
+
+    if deletion == "erasure":
+        erased = await store.erase_user(OWNER)
+        assert (erased.conversations, erased.messages) == (0, 0)
+    elif deletion == "user's delete":
+        deleted = await store.delete("c-x", user_id=OWNER)
+        assert (deleted.conversations, deleted.messages) == (0, 0)
+    else:
+        deleted = await store.delete("c-x")
+        assert (deleted.conversations, deleted.messages) == (1, 2)
+        assert await backend.db.agent_messages.count_documents({}) == 0
+        assert await backend.db.agent_conversations.count_documents({}) == 0
+        return
+    await logger.log_messages("c-x", _a_turn("bob"), user_id="user-bob", turn_id="bob")
+    conversation = await store.get_conversation("c-x", user_id="user-bob")
+    assert (conversation.user_id, conversation.message_count) == ("user-bob", 4)
+    assert await backend.db.agent_deletions.count_documents({}) == 0

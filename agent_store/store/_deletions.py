@@ -49,12 +49,18 @@ class DeletionRecords:
         self._conversations = db[CONVERSATIONS]
         self._full_texts = full_texts
 
-    async def record(self, found: Iterable[Mapping[str, Any]], user_id: str | None) -> None:
+    async def record(
+        self, found: Iterable[Mapping[str, Any]], user_id: str | None
+    ) -> list[Mapping[str, Any]]:
         """Record the deletion of each conversation `found` (`_id`, `epoch`, `created_at`),
-        owned by `user_id`, then mark each (`DELETING`, while it is the one found): turns,
-        their retries and pops are refused from then on (`being_deleted`), and forks answer
-        `NotFound`. Two round trips; none for no conversation."""
+        owned by `user_id`, then mark each (`DELETING`) while it is the one found and still
+        `user_id`'s (no user's for None): turns, their retries and pops are refused from then
+        on (`being_deleted`), and forks answer `NotFound`. Answer those marked: one claimed
+        (or assigned) since it was read is not this deletion's, left unmarked and its record
+        removed. Two round trips (none for no conversation), two more when a mark missed."""
         found = list(found)
+        if not found:
+            return []
         started = datetime.now(UTC)
         records = [
             {
@@ -66,15 +72,28 @@ class DeletionRecords:
             }
             for d in found
         ]
-        if records:
-            with storage_errors("record the deletion"):
-                await self._records.insert_many(records)
-                # Fenced on its own document: no turn, retry or pop interleaves with the
-                # deletion, nor writes to what a deletion failing part-way leaves.
-                await self._conversations.update_many(
-                    {"$or": [same_as_read(d["_id"], d) for d in found]},
-                    {"$set": {DELETING: started}},
-                )
+        as_found = {"$or": [same_as_read(d["_id"], d) for d in found], "user_id": user_id}
+        with storage_errors("record the deletion"):
+            await self._records.insert_many(records)
+            # Fenced on its own document: no turn, retry or pop interleaves with the
+            # deletion, nor writes to what a deletion failing part-way leaves.
+            marked = await self._conversations.update_many(as_found, {"$set": {DELETING: started}})
+            if marked.matched_count == len(found):
+                return found
+            held = await self._conversations.find(
+                {**as_found, DELETING: {"$ne": None}}, {"epoch": 1, "created_at": 1}
+            ).to_list(None)
+        ours = [d for d in found if any(_is_of(recorded_as(d["_id"], d), h) for h in held)]
+        missed = [d for d in found if d not in ours]
+        if missed:
+            await self.done(
+                {
+                    "$or": [recorded_as(d["_id"], d) for d in missed],
+                    "user_id": user_id,
+                    "started": started,
+                }
+            )
+        return ours
 
     async def under_way(self, conversation_id: str, found: Mapping[str, Any]) -> bool:
         """Whether a delete or an erasure of the conversation `found` (as read: its `epoch`, or

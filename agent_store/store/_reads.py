@@ -255,16 +255,26 @@ def _one_of_or_none(*values: str | None) -> dict[str, Any]:
     return {"$in": [*dict.fromkeys(v for v in values if v is not None), None]}
 
 
+_TO_DELETE = {"user_id": 1, "created_at": 1, "legacy_conversation_id": 1, "epoch": 1}
+"""What a delete reads of the conversation it deletes (`_found_to_delete`)."""
+
+
 def _beside_of(conversation_id: str, found: dict[str, Any]) -> dict[str, Any]:
     """What a delete of the conversation `found` (its owner and `created_at`) takes in the
     collections beside the conversations: the documents of its thread written for its owner
     or for no user, for this conversation or for none named (stored before documents named
     it), never those of a conversation started under the id since."""
-    query: dict[str, Any] = {
-        "thread_id": conversation_id,
+    return {
+        **_thread_of(conversation_id, found.get("created_at")),
         "user_id": _one_of_or_none(found.get("user_id")),
     }
-    created_at = found.get("created_at")
+
+
+def _thread_of(conversation_id: str, created_at: datetime | None) -> dict[str, Any]:
+    """The documents beside the conversations (`THREAD_COLLECTIONS`) of the conversation
+    under `conversation_id` created at `created_at`, or of none named (stored before
+    documents named it)."""
+    query: dict[str, Any] = {"thread_id": conversation_id}
     if created_at is not None:
         query[THREAD_CONVERSATION] = {"$in": [conversation_mark(created_at), None]}
     return query
@@ -557,8 +567,10 @@ class ConversationStore:
         found = await self._found_to_delete(scope, version)
         if found is None:
             return await self._finish_delete(conversation_id, user_id, version)
+        found = await self._marked_to_delete(conversation_id, found, user_id)
+        if found is None:
+            return Deleted(conversations=0, messages=0, legacy_turns=0)
         owner = found.get("user_id")
-        await self._deletions.record([found], owner)
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.delete(conversation_id, owner=owner)
@@ -579,6 +591,26 @@ class ConversationStore:
         return Deleted(
             conversations=int(gone is not None), messages=messages + late, legacy_turns=legacy
         )
+
+    async def _marked_to_delete(
+        self, conversation_id: str, found: dict[str, Any], user_id: str | None
+    ) -> dict[str, Any] | None:
+        """Record and mark the conversation a delete found (`DeletionRecords.record`) while
+        it is the one found and its owner is the one read: the conversation as marked, or
+        None when it is not the delete's: deleted since, or for a user's delete, claimed
+        since. A service's delete reads again the one it found, claimed or assigned since,
+        and marks it under the owner it has now."""
+        while not await self._deletions.record([found], found.get("user_id")):
+            if user_id is not None:
+                return None
+            with storage_errors("read the conversation"):
+                again = await self._conversations.find_one(
+                    same_as_read(conversation_id, found), _TO_DELETE
+                )
+            if again is None:
+                return None
+            found = again
+        return found
 
     async def _delete_document(
         self, found_now: dict[str, Any], messages: int
@@ -667,9 +699,7 @@ class ConversationStore:
         one step of a delete not scoped to the conversation it found is checked here, and
         every later one is scoped to what this read found (`same_conversation`)."""
         with storage_errors("read the conversation"):
-            found: dict[str, Any] | None = await self._conversations.find_one(
-                scope, {"user_id": 1, "created_at": 1, "legacy_conversation_id": 1, "epoch": 1}
-            )
+            found: dict[str, Any] | None = await self._conversations.find_one(scope, _TO_DELETE)
         if found is not None:
             _require_version(scope["_id"], found, version)
         return found
@@ -1592,13 +1622,15 @@ class ConversationStore:
         beside the conversations (`THREAD_COLLECTIONS`: LangGraph checkpoints): the user's
         conversations' documents beside them and messages first, `CLAIM_CHUNK`
         conversations per command, each chunk looked up again first (a conversation
-        deleted meanwhile, its id perhaps taken by anyone, is left out), then the documents of
-        the conversations it found and marked, then every message naming the user outside
+        deleted meanwhile, its id perhaps taken by anyone, is left out; one claimed before its
+        mark took is not the erasure's), then the documents of the conversations it found
+        and marked, then every message naming the user outside
         the conversations the user holds by then (`_erase_strays`: late inserts of the erased
         ones, messages of no conversation or of another's), and, when a reserved `seq` held
         no message, those once more `TurnRules.claim_grace` later. Each sweep takes messages by
         their conversation's `epoch`: a conversation the user starts while the erasure runs,
-        under a new id or one it erased, is not the erasure's and keeps every message.
+        under a new id or one it erased, is not the erasure's and keeps every message (and
+        checkpoint: `_erase_stray_beside`).
         Erased, a conversation id exists nowhere. The conversations it erases are recorded
         first (`DeletionRecords`) and the records removed last: a repeated erasure first
         finishes the deletions of the user's conversations that failed once their documents
@@ -1613,7 +1645,7 @@ class ConversationStore:
             found = await self._conversations.find(
                 {"user_id": user_id}, {"epoch": 1, "created_at": 1}
             ).to_list(None)
-        await self._deletions.record(found, user_id)
+        found = await self._deletions.record(found, user_id)
         messages, reserved = await self._erase_messages_of_conversations(user_id, found)
         messages += finished
         conversations = await self._erase_documents(user_id, found)
@@ -1623,28 +1655,29 @@ class ConversationStore:
             # be inserting (as for a delete). Messages naming the user elsewhere do not count.
             await self._grace()
             late += await self._erase_strays(user_id)
-        await self._delete_beside({"user_id": user_id}, "erase the user's data")
+        await self._erase_stray_beside(user_id)
         await self._deletions.done({"user_id": user_id})
         return Deleted(conversations=conversations, messages=messages + late, legacy_turns=legacy)
 
     async def _erase_messages_of_conversations(
-        self, user_id: str, found: list[dict[str, Any]]
+        self, user_id: str, found: Sequence[Mapping[str, Any]]
     ) -> tuple[int, int]:
         """Delete the messages (and whole texts, and documents beside) of the conversations
         `user_id` owns (`found`, recorded), naming the user or no owner (logged before a turn
         assigned the conversation), `CLAIM_CHUNK` conversations per command; answer how many
         messages, and how many `seq`s those conversations reserved.
 
-        Each chunk is looked up again right before its deletes (one round trip): a
-        conversation deleted since the first lookup, and perhaps started again under its id
-        by anyone, is left out."""
+        Each chunk is looked up again right before its deletes (one round trip), each
+        conversation as found, told by its `epoch` (`same_as_read`): one deleted since the
+        first lookup, and perhaps started again under its id by anyone, the user too, is left
+        out."""
         erased = reserved = 0
-        listed = [d["_id"] for d in found]
         mine = _one_of_or_none(user_id)
-        for start in range(0, len(listed), CLAIM_CHUNK):
+        for start in range(0, len(found), CLAIM_CHUNK):
+            chunk = found[start : start + CLAIM_CHUNK]
             with storage_errors("erase the user's data"):
                 held = await self._conversations.find(
-                    {"_id": {"$in": listed[start : start + CLAIM_CHUNK]}, "user_id": user_id},
+                    {"$or": [same_as_read(d["_id"], d) for d in chunk], "user_id": user_id},
                     {"message_count": 1, "epoch": 1},
                 ).to_list(None)
             if not held:
@@ -1659,12 +1692,12 @@ class ConversationStore:
                 # takes nothing of one started again under the id since.
                 each = [{"conversation_id": d["_id"], "epoch": _one_of_or_none(d.get("epoch"))}
                         for d in held]  # fmt: skip
-                chunk = {"$or": each, "user_id": mine}
-                erased += (await self._messages.delete_many(chunk)).deleted_count
+                of_held = {"$or": each, "user_id": mine}
+                erased += (await self._messages.delete_many(of_held)).deleted_count
             await self._full_texts.forget_conversations({d["_id"]: (d.get("epoch"),) for d in held})
         return erased, reserved
 
-    async def _erase_documents(self, user_id: str, found: list[dict[str, Any]]) -> int:
+    async def _erase_documents(self, user_id: str, found: Sequence[Mapping[str, Any]]) -> int:
         """Delete the documents of the conversations the erasure found (`found`, marked), still
         the user's, `CLAIM_CHUNK` per command, each told by its `epoch` (`same_as_read`): one
         started since under any id, by the user too, is not the erasure's. How many."""
@@ -1696,6 +1729,22 @@ class ConversationStore:
         with storage_errors("erase the user's data"):
             swept = await self._messages.delete_many(strays)
         return int(swept.deleted_count)
+
+    async def _erase_stray_beside(self, user_id: str) -> None:
+        """Delete the documents beside the conversations (`THREAD_COLLECTIONS`) naming
+        `user_id` but those of the conversations the user holds now (started while the
+        erasure ran, under any id: each told by its `created_at`, `THREAD_CONVERSATION`, or
+        written before documents named it), as `_erase_strays` leaves their messages. One
+        round trip more than the deletes."""
+        with storage_errors("erase the user's data"):
+            held = await self._conversations.find({"user_id": user_id}, {"created_at": 1}).to_list(
+                None
+            )
+        kept = [_thread_of(d["_id"], d.get("created_at")) for d in held]
+        query: dict[str, Any] = {"user_id": user_id}
+        if kept:
+            query["$nor"] = kept
+        await self._delete_beside(query, "erase the user's data")
 
     async def _delete_beside(self, query: dict[str, Any], action: str) -> None:
         """Delete what `query` selects in each collection integrations keep beside the
