@@ -604,14 +604,37 @@ def _plan_one(
     document = wanted_document(conversion, found, (int(d["seq"]) for d in live), carried)
     if item.held and live:
         document = _as_stored_messages_leave_it(document, live)
-    if document_differs(found, document):
-        dumped = _dumped(document, live)
-        if found is None or found.get(MIGRATING) is not None:
-            dumped[MIGRATING] = True  # until its messages are in (`apply`)
-        planned.conversations.append(dumped)
     planned.read[cid] = found
     planned.converted[cid] = item
+    before = len(planned.messages) + len(planned.rewritten)
     _plan_messages(db, planned, conversion, stored, owner_after(found, document), gone)
+    fills = cid in planned.moved or len(planned.messages) + len(planned.rewritten) > before
+    _plan_document(planned, found, document, live, fills=fills)
+
+
+def _plan_document(
+    planned: Planned,
+    found: dict[str, Any] | None,
+    document: Conversation,
+    live: Sequence[dict[str, Any]],
+    *,
+    fills: bool,
+) -> None:
+    """The conversation document a run writes, if any: one that differs from the stored one
+    (`found`, `document_differs`; with the turn records of the `live` messages kept past the
+    legacy ones), and one whose messages the run is about to write (`fills`:
+    inserted, moved or rewritten), written marked `MIGRATING` until they are all in and
+    looked at again (`apply`): meanwhile the service reads it from its legacy turns, whole,
+    and refuses its writes, never serving a part. A document a live turn or a person's pop
+    wrote to since (`written_since`) is never rewritten, so never marked."""
+    marked = found is None or found.get(MIGRATING) is not None
+    marked |= fills and not written_since(found)
+    if not marked and not document_differs(found, document):
+        return
+    dumped = _dumped(document, live)
+    if marked:
+        dumped[MIGRATING] = True  # until its messages are in (`apply`)
+    planned.conversations.append(dumped)
 
 
 def _dumped(document: Conversation, live: Sequence[dict[str, Any]]) -> dict[str, Any]:

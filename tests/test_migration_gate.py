@@ -4800,6 +4800,45 @@ def test_a_run_stopped_while_filling_a_conversation_leaves_it_unmigrated_until_t
 
 
 @pytest.mark.wire
+def test_a_rerun_adding_messages_to_a_migrated_conversation_marks_it_until_they_are_all_in(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An old-service writer logs legacy turns to a conversation already migrated: the rerun
+    writes its document marked as being migrated before it inserts the new messages (several
+    commands), so in between the service reads it whole from its legacy turns and refuses a
+    pop (409); the run then stores it whole and removes the mark."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(2)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(2, 4)]
+    )
+    seen: list[Any] = []
+
+    async def pop(store: ConversationStore) -> None:
+        seen.append(len(await store.transcript("c-1", user_id="u-1")))
+        try:
+            seen.append(await store.pop_last_message("c-1", user_id="u-1"))
+        except Conflict as refused:
+            seen.append(refused)
+
+    person = lambda: _as_a_person(wire_uri, database, pop, dual_write=True)  # noqa: E731
+    _before_message_insert(monkeypatch, 2, person)
+
+    assert cli(wire_uri, database, "run", "--max-command-documents", "2") == 0
+
+    assert seen[0] == 8
+    assert isinstance(seen[1], Conflict)
+    stored = database[MESSAGES].find({"conversation_id": "c-1"}, sort=[("seq", 1)])
+    assert [m["seq"] for m in stored] == list(range(8))
+    assert "migrating" not in database[CONVERSATIONS].find_one({"_id": "c-1"}) or {}
+    monkeypatch.undo()
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
 @pytest.mark.parametrize(
     "tamper",
     [
