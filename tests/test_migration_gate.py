@@ -4839,6 +4839,60 @@ def test_a_rerun_adding_messages_to_a_migrated_conversation_marks_it_until_they_
 
 
 @pytest.mark.wire
+def test_a_claim_while_a_rerun_rewrites_messages_takes_back_only_what_the_run_inserted(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Legacy turns of a migrated conversation are edited since, so a rerun rewrites their
+    messages (marked as being migrated meanwhile); an account claim lands between two of its
+    rewrite commands. The run takes back nothing it only rewrote (those messages were stored
+    before it; those it rewrote after the claim go to the new owner), names the conversation
+    as left for the next run and exits 1; the new owner reads it whole, and the next run
+    rewrites its messages under the new owner."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(3)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    for turn in ("t-0", "t-2"):
+        edit = {"$set": {"user_message": f"{turn} edited"}}
+        database[LEGACY_TURNS].update_one({"_id": turn}, edit)
+    claim = _claims_u1(wire_uri, database)
+    bulk_write = Collection.bulk_write
+    commands: list[int] = []
+
+    def racing(self: Collection[Any], requests: Any, *args: Any, **kwargs: Any) -> Any:
+        result = bulk_write(self, requests, *args, **kwargs)
+        if self.name == MESSAGES:
+            commands.append(len(requests))
+            if len(commands) == 1:
+                claim()
+        return result
+
+    monkeypatch.setattr(Collection, "bulk_write", racing)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run", "--max-command-documents", "1") == 1
+
+    assert "c-1" in capsys.readouterr().out
+    monkeypatch.undo()
+    assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) == 6
+    assert _owners(database, "c-1") == {"u-2"}
+    seen: list[int] = []
+
+    async def read(store: ConversationStore) -> None:
+        seen.append(len(await store.transcript("c-1", user_id="u-2")))
+
+    _as_a_person(wire_uri, database, read)
+    assert seen == [6]
+    assert cli(wire_uri, database, "run") == 0
+    assert _owners(database, "c-1") == {"u-2"}
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
 @pytest.mark.parametrize(
     "tamper",
     [
