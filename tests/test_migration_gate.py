@@ -4893,6 +4893,40 @@ def test_a_claim_while_a_rerun_rewrites_messages_takes_back_only_what_the_run_in
 
 
 @pytest.mark.wire
+def test_finish_names_a_conversation_a_stopped_run_left_marked_as_such(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A run stopped after a conversation's messages are all in but before it removed the
+    mark: `finish` names the conversation as one a run was stopped while writing (never as
+    a document changed after the run) and says to run again, which finishes it."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(3)]
+    )
+    update_many = Collection.update_many
+
+    def stopped(self: Collection[Any], query: Any, update: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.name == CONVERSATIONS and "migrating" in update.get("$unset", {}):
+            raise KeyboardInterrupt
+        return update_many(self, query, update, *args, **kwargs)
+
+    monkeypatch.setattr(Collection, "update_many", stopped)
+    assert cli(wire_uri, database, "run") == 130
+    monkeypatch.undo()
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish") == 1
+
+    said = capsys.readouterr().out
+    assert "c-1: a run was stopped while writing it" in said
+    assert "changed after the run" not in said
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
 @pytest.mark.parametrize(
     "tamper",
     [
