@@ -4927,6 +4927,45 @@ def test_finish_names_a_conversation_a_stopped_run_left_marked_as_such(
 
 
 @pytest.mark.wire
+def test_a_run_killed_after_the_owners_emptied_the_legacy_turns_is_finished_by_the_next_run(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last conversation with legacy turns is deleted by its owner between two insert
+    commands of a run, killed before it looks at the legacy turns again: the legacy
+    collection stands empty, emptied by its owners. The next run still reaches its last step
+    and removes the messages it left of the deleted conversation, and `verify` and `finish`
+    pass on what is left (never "no legacy data")."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"SECRET {n}") for n in range(3)]
+    )
+    person = _deletes_c1(wire_uri, database, "delete")
+    insert_many = Collection.insert_many
+    commands: list[int] = []
+
+    def racing(self: Collection[Any], documents: Any, *args: Any, **kwargs: Any) -> Any:
+        documents = list(documents)
+        if self.name == MESSAGES and any(d["conversation_id"] == "c-1" for d in documents):
+            commands.append(len(documents))
+            if len(commands) == 2:
+                person()
+            if len(commands) == 3:
+                raise KeyboardInterrupt
+        return insert_many(self, documents, *args, **kwargs)
+
+    monkeypatch.setattr(Collection, "insert_many", racing)
+    assert cli(wire_uri, database, "run", "--max-command-documents", "2") == 130
+    monkeypatch.undo()
+    assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) > 0
+    assert database[LEGACY_TURNS].count_documents({}) == 0
+
+    assert cli(wire_uri, database, "run") == 0
+
+    _nothing_of_c1_is_stored(database)
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
 @pytest.mark.parametrize(
     "tamper",
     [
