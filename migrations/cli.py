@@ -142,7 +142,10 @@ def _source(
 ) -> str:
     """Move the legacy turns aside (a dry run only says it would), fenced by the run's lease
     (`explode.prove_lease`); where to read them from. `args.conversation` becomes the legacy
-    id it names (`explode.conversation_named`)."""
+    id it names (`explode.conversation_named`). A legacy collection moved aside and standing
+    empty was emptied by the turns' owners (a killed run may have left messages of a
+    conversation deleted meanwhile): the run goes on to its last step, which removes them
+    (`abandoned.remove`); with none anywhere there is no legacy data."""
     source = LEGACY_TURNS
     if args.dry_run:
         if relocate.holds_turns(db, CONVERSATIONS):
@@ -159,7 +162,8 @@ def _source(
             print(f"moved {moved.moved} turn documents to {LEGACY_TURNS} ({moved.how})")
             if moved.detail:
                 print(f"  {moved.detail}")
-    if not relocate.holds_turns(db, source):
+    emptied = source == LEGACY_TURNS and _legacy_stands(db)
+    if not emptied and not relocate.holds_turns(db, source):
         raise Misuse(
             f"no legacy data: neither {CONVERSATIONS} nor {LEGACY_TURNS} holds turn documents"
         )
@@ -288,9 +292,15 @@ def _left_for_the_next_run(reowned: list[str]) -> int:
     return 1
 
 
+def _legacy_stands(db: Database[dict[str, Any]]) -> bool:
+    """Whether the legacy collection moved aside stands, even empty: emptied by the turns'
+    owners (each deleted their conversations or was erased), which is legacy data still."""
+    return bool(db.list_collection_names(filter={"name": LEGACY_TURNS}))
+
+
 def _require_legacy_data(db: Database[dict[str, Any]]) -> None:
     explode.refuse_after_the_drop(db)
-    if not relocate.holds_turns(db, LEGACY_TURNS):
+    if not _legacy_stands(db):
         raise Misuse(f"no legacy data in {LEGACY_TURNS}: run `python -m migrations run` first")
 
 

@@ -35,7 +35,7 @@ from agent_store.legacy import (
     LegacyConversion,
     Problem,
 )
-from agent_store.store import CONVERSATIONS, MESSAGES, TurnRules, with_texts
+from agent_store.store import CONVERSATIONS, MESSAGES, MIGRATING, TurnRules, with_texts
 from migrations import abandoned, dual_writes, full_texts, orphan_prompts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
@@ -162,6 +162,11 @@ def _document_reasons(
         return []
     if found is None:
         return ["no conversation document"]
+    if found.get(MIGRATING) is not None:
+        return [
+            "a run was stopped while writing it (its document is marked as being migrated, "
+            "its messages perhaps not all in): run the migration again"
+        ]
     live_seqs = [
         m.seq or 0
         for m in messages

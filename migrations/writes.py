@@ -604,14 +604,37 @@ def _plan_one(
     document = wanted_document(conversion, found, (int(d["seq"]) for d in live), carried)
     if item.held and live:
         document = _as_stored_messages_leave_it(document, live)
-    if document_differs(found, document):
-        dumped = _dumped(document, live)
-        if found is None or found.get(MIGRATING) is not None:
-            dumped[MIGRATING] = True  # until its messages are in (`apply`)
-        planned.conversations.append(dumped)
     planned.read[cid] = found
     planned.converted[cid] = item
+    before = len(planned.messages) + len(planned.rewritten)
     _plan_messages(db, planned, conversion, stored, owner_after(found, document), gone)
+    fills = cid in planned.moved or len(planned.messages) + len(planned.rewritten) > before
+    _plan_document(planned, found, document, live, fills=fills)
+
+
+def _plan_document(
+    planned: Planned,
+    found: dict[str, Any] | None,
+    document: Conversation,
+    live: Sequence[dict[str, Any]],
+    *,
+    fills: bool,
+) -> None:
+    """The conversation document a run writes, if any: one that differs from the stored one
+    (`found`, `document_differs`; with the turn records of the `live` messages kept past the
+    legacy ones), and one whose messages the run is about to write (`fills`:
+    inserted, moved or rewritten), written marked `MIGRATING` until they are all in and
+    looked at again (`apply`): meanwhile the service reads it from its legacy turns, whole,
+    and refuses its writes, never serving a part. A document a live turn or a person's pop
+    wrote to since (`written_since`) is never rewritten, so never marked."""
+    marked = found is None or found.get(MIGRATING) is not None
+    marked |= fills and not written_since(found)
+    if not marked and not document_differs(found, document):
+        return
+    dumped = _dumped(document, live)
+    if marked:
+        dumped[MIGRATING] = True  # until its messages are in (`apply`)
+    planned.conversations.append(dumped)
 
 
 def _dumped(document: Conversation, live: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -836,20 +859,22 @@ def _take_back(
     applied: Applied,
 ) -> None:
     """Take back out what the run wrote of the conversations whose legacy turns went or
-    changed owner while it wrote their messages (`since`, looked up after them): their
-    messages, by the ids the plan gave them (none of a live turn's); of one whose turns went
-    (a delete, an erasure), its whole texts and its document too, where still as this run
-    inserted it; one whose turns changed owner (a claim) keeps its document, which the claim
-    moved to the new owner, and is named as left for the next run (`Applied.reowned`).
-    Nothing of theirs is left behind a delete, an erasure or a claim, and no problem of
-    theirs is kept (`Applied.gone`)."""
+    changed owner while it wrote their messages (`since`, looked up after them): the
+    messages it inserted, by the ids the plan gave them (none of a live turn's, none it only
+    rewrote: those were stored and served before the run, and a delete or an erasure takes
+    them as any other); of one whose turns went (a delete, an erasure), its whole texts and
+    its document too, where still as this run inserted it; one whose turns changed owner (a
+    claim) keeps its document, which the claim moved to the new owner, still marked
+    `MIGRATING` (read from its legacy turns, whole), and is named as left for the next run
+    (`Applied.reowned`), which rewrites its messages under the new owner (meanwhile those
+    it rewrote go to that owner: `_hand_over_rewritten`). Nothing of theirs is left behind a
+    delete, an erasure or a claim, and no problem of theirs is kept (`Applied.gone`)."""
     changed = _changed_since(since, applied)
     if not changed:
         return
     applied.gone |= set(changed)
-    ids = [
-        d["_id"] for d in planned.messages + planned.rewritten if d["conversation_id"] in changed
-    ]
+    _hand_over_rewritten(db, planned, since.reowned)
+    ids = [d["_id"] for d in planned.messages if d["conversation_id"] in changed]
     db[MESSAGES].delete_many({"conversation_id": {"$in": sorted(changed)}, "_id": {"$in": ids}})
     applied.written = max(0, applied.written - len(ids))  # none of theirs is left written
     full_texts.forget(db, [f.blob_id for f in texts if f.conversation_id in since.gone])
@@ -866,6 +891,21 @@ def _take_back(
             taken = db[CONVERSATIONS].delete_one({**_as_stored(db, document), **unchanged})
             standing -= {document["_id"]} if taken.deleted_count else set()
     applied.documents -= len(wrote) - len(standing)
+
+
+def _hand_over_rewritten(db: Database[dict[str, Any]], planned: Planned, reowned: set[str]) -> None:
+    """The messages the run rewrote of the conversations whose legacy turns changed owner
+    meanwhile (a claim, which moves the documents first and the legacy turns last) go to the
+    owner their document names now: a rewrite landing after the claim moved the messages
+    leaves none in the old owner's name."""
+    rewritten = [d for d in planned.rewritten if d["conversation_id"] in reowned]
+    if not rewritten:
+        return
+    query = {"_id": {"$in": sorted({d["conversation_id"] for d in rewritten})}}
+    for found in db[CONVERSATIONS].find(query, {"user_id": 1}):
+        ids = [d["_id"] for d in rewritten if d["conversation_id"] == found["_id"]]
+        held = {"conversation_id": found["_id"], "_id": {"$in": ids}}
+        db[MESSAGES].update_many(held, {"$set": {"user_id": found.get("user_id")}})
 
 
 LIVE_SINCE = "a live turn wrote to the conversation between the run's plan and its writes"

@@ -4800,6 +4800,172 @@ def test_a_run_stopped_while_filling_a_conversation_leaves_it_unmigrated_until_t
 
 
 @pytest.mark.wire
+def test_a_rerun_adding_messages_to_a_migrated_conversation_marks_it_until_they_are_all_in(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An old-service writer logs legacy turns to a conversation already migrated: the rerun
+    writes its document marked as being migrated before it inserts the new messages (several
+    commands), so in between the service reads it whole from its legacy turns and refuses a
+    pop (409); the run then stores it whole and removes the mark."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(2)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(2, 4)]
+    )
+    seen: list[Any] = []
+
+    async def pop(store: ConversationStore) -> None:
+        seen.append(len(await store.transcript("c-1", user_id="u-1")))
+        try:
+            seen.append(await store.pop_last_message("c-1", user_id="u-1"))
+        except Conflict as refused:
+            seen.append(refused)
+
+    person = lambda: _as_a_person(wire_uri, database, pop, dual_write=True)  # noqa: E731
+    _before_message_insert(monkeypatch, 2, person)
+
+    assert cli(wire_uri, database, "run", "--max-command-documents", "2") == 0
+
+    assert seen[0] == 8
+    assert isinstance(seen[1], Conflict)
+    stored = database[MESSAGES].find({"conversation_id": "c-1"}, sort=[("seq", 1)])
+    assert [m["seq"] for m in stored] == list(range(8))
+    assert "migrating" not in database[CONVERSATIONS].find_one({"_id": "c-1"}) or {}
+    monkeypatch.undo()
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_claim_while_a_rerun_rewrites_messages_takes_back_only_what_the_run_inserted(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Legacy turns of a migrated conversation are edited since, so a rerun rewrites their
+    messages (marked as being migrated meanwhile); an account claim lands between two of its
+    rewrite commands. The run takes back nothing it only rewrote (those messages were stored
+    before it; those it rewrote after the claim go to the new owner), names the conversation
+    as left for the next run and exits 1; the new owner reads it whole, and the next run
+    rewrites its messages under the new owner."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(3)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    for turn in ("t-0", "t-2"):
+        edit = {"$set": {"user_message": f"{turn} edited"}}
+        database[LEGACY_TURNS].update_one({"_id": turn}, edit)
+    claim = _claims_u1(wire_uri, database)
+    bulk_write = Collection.bulk_write
+    commands: list[int] = []
+
+    def racing(self: Collection[Any], requests: Any, *args: Any, **kwargs: Any) -> Any:
+        result = bulk_write(self, requests, *args, **kwargs)
+        if self.name == MESSAGES:
+            commands.append(len(requests))
+            if len(commands) == 1:
+                claim()
+        return result
+
+    monkeypatch.setattr(Collection, "bulk_write", racing)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run", "--max-command-documents", "1") == 1
+
+    assert "c-1" in capsys.readouterr().out
+    monkeypatch.undo()
+    assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) == 6
+    assert _owners(database, "c-1") == {"u-2"}
+    seen: list[int] = []
+
+    async def read(store: ConversationStore) -> None:
+        seen.append(len(await store.transcript("c-1", user_id="u-2")))
+
+    _as_a_person(wire_uri, database, read)
+    assert seen == [6]
+    assert cli(wire_uri, database, "run") == 0
+    assert _owners(database, "c-1") == {"u-2"}
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_finish_names_a_conversation_a_stopped_run_left_marked_as_such(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A run stopped after a conversation's messages are all in but before it removed the
+    mark: `finish` names the conversation as one a run was stopped while writing (never as
+    a document changed after the run) and says to run again, which finishes it."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(3)]
+    )
+    update_many = Collection.update_many
+
+    def stopped(self: Collection[Any], query: Any, update: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.name == CONVERSATIONS and "migrating" in update.get("$unset", {}):
+            raise KeyboardInterrupt
+        return update_many(self, query, update, *args, **kwargs)
+
+    monkeypatch.setattr(Collection, "update_many", stopped)
+    assert cli(wire_uri, database, "run") == 130
+    monkeypatch.undo()
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "finish") == 1
+
+    said = capsys.readouterr().out
+    assert "c-1: a run was stopped while writing it" in said
+    assert "changed after the run" not in said
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+def test_a_run_killed_after_the_owners_emptied_the_legacy_turns_is_finished_by_the_next_run(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last conversation with legacy turns is deleted by its owner between two insert
+    commands of a run, killed before it looks at the legacy turns again: the legacy
+    collection stands empty, emptied by its owners. The next run still reaches its last step
+    and removes the messages it left of the deleted conversation, and `verify` and `finish`
+    pass on what is left (never "no legacy data")."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"SECRET {n}") for n in range(3)]
+    )
+    person = _deletes_c1(wire_uri, database, "delete")
+    insert_many = Collection.insert_many
+    commands: list[int] = []
+
+    def racing(self: Collection[Any], documents: Any, *args: Any, **kwargs: Any) -> Any:
+        documents = list(documents)
+        if self.name == MESSAGES and any(d["conversation_id"] == "c-1" for d in documents):
+            commands.append(len(documents))
+            if len(commands) == 2:
+                person()
+            if len(commands) == 3:
+                raise KeyboardInterrupt
+        return insert_many(self, documents, *args, **kwargs)
+
+    monkeypatch.setattr(Collection, "insert_many", racing)
+    assert cli(wire_uri, database, "run", "--max-command-documents", "2") == 130
+    monkeypatch.undo()
+    assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) > 0
+    assert database[LEGACY_TURNS].count_documents({}) == 0
+
+    assert cli(wire_uri, database, "run") == 0
+
+    _nothing_of_c1_is_stored(database)
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
 @pytest.mark.parametrize(
     "tamper",
     [
