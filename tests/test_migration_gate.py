@@ -4728,6 +4728,26 @@ def test_migrated_messages_from_past_seq_0_without_their_conversation_are_remove
     assert cli(wire_uri, database, "finish") == 0
 
 
+def _reads_then_pops_c1_before_insert(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, n: int
+) -> list[Any]:
+    """Before the run's `n`th insert of messages, u-1 reads c-1's transcript, then pops its
+    last message: what they saw (the transcript's length, then the popped message or the
+    `Conflict` refusing the pop), filled in as the run goes."""
+    seen: list[Any] = []
+
+    async def pop(store: ConversationStore) -> None:
+        seen.append(len(await store.transcript("c-1", user_id="u-1")))
+        try:
+            seen.append(await store.pop_last_message("c-1", user_id="u-1"))
+        except Conflict as refused:
+            seen.append(refused)
+
+    person = lambda: _as_a_person(wire_uri, database, pop, dual_write=True)  # noqa: E731
+    _before_message_insert(monkeypatch, n, person)
+    return seen
+
+
 @pytest.mark.wire
 def test_a_pop_while_a_run_fills_a_long_conversation_is_refused_and_reads_serve_it_whole(
     wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
@@ -4739,17 +4759,7 @@ def test_a_pop_while_a_run_fills_a_long_conversation_is_refused_and_reads_serve_
     database[CONVERSATIONS].insert_many(
         [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(3)]
     )
-    seen: list[Any] = []
-
-    async def pop(store: ConversationStore) -> None:
-        seen.append(len(await store.transcript("c-1", user_id="u-1")))
-        try:
-            seen.append(await store.pop_last_message("c-1", user_id="u-1"))
-        except Conflict as refused:
-            seen.append(refused)
-
-    person = lambda: _as_a_person(wire_uri, database, pop, dual_write=True)  # noqa: E731
-    _before_message_insert(monkeypatch, 2, person)
+    seen = _reads_then_pops_c1_before_insert(wire_uri, database, monkeypatch, 2)
 
     assert cli(wire_uri, database, "run", "--max-command-documents", "2") == 0
 
@@ -4814,17 +4824,7 @@ def test_a_rerun_adding_messages_to_a_migrated_conversation_marks_it_until_they_
     database[CONVERSATIONS].insert_many(
         [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(2, 4)]
     )
-    seen: list[Any] = []
-
-    async def pop(store: ConversationStore) -> None:
-        seen.append(len(await store.transcript("c-1", user_id="u-1")))
-        try:
-            seen.append(await store.pop_last_message("c-1", user_id="u-1"))
-        except Conflict as refused:
-            seen.append(refused)
-
-    person = lambda: _as_a_person(wire_uri, database, pop, dual_write=True)  # noqa: E731
-    _before_message_insert(monkeypatch, 2, person)
+    seen = _reads_then_pops_c1_before_insert(wire_uri, database, monkeypatch, 2)
 
     assert cli(wire_uri, database, "run", "--max-command-documents", "2") == 0
 
