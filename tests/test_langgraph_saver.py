@@ -903,6 +903,41 @@ async def test_a_services_turn_after_a_claim_is_in_the_new_owners_state(
     assert again == adas
 
 
+async def test_erasing_the_old_id_while_its_claim_moves_the_threads_leaves_the_new_owners_state(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim moved the guest's conversation to its new owner; before it moves the messages
+    and checkpoints, the guest id is erased: they are the new owner's, so the erasure finishes
+    the move (was: the new owner's graph state emptied)."""
+    thread_id = "conv-claim-in-flight"
+    await tool_agent(AgentStoreSaver(backend.db)).ainvoke(
+        question(1), thread("user-guest", thread_id)
+    )
+    before = await AgentStoreSaver(backend.db).aget_tuple(thread("user-guest", thread_id))
+    assert before is not None
+    guests = await tool_agent(AgentStoreSaver(backend.db)).aget_state(
+        thread("user-guest", thread_id)
+    )
+    claimer, eraser = ConversationStore(backend.db), ConversationStore(backend.db)
+    move = claimer._move_claimed_messages
+
+    async def erased_then_moved(from_user_id: str, to_user_id: str) -> int:
+        await eraser.erase_user("user-guest")
+        return await move(from_user_id, to_user_id)
+
+    monkeypatch.setattr(claimer, "_move_claimed_messages", erased_then_moved)
+    await claimer.claim("user-guest", "user-ada")
+
+    adas = await AgentStoreSaver(backend.db).aget_tuple(thread("user-ada", thread_id))
+    assert adas is not None
+    assert adas.checkpoint["id"] == before.checkpoint["id"]
+    state = await tool_agent(AgentStoreSaver(backend.db)).aget_state(thread("user-ada", thread_id))
+    assert [m.content for m in state.values["messages"]] == [
+        m.content for m in guests.values["messages"]
+    ]
+    assert await backend.db[CHECKPOINTS].count_documents({"user_id": "user-guest"}) == 0
+
+
 async def test_a_services_checkpoint_landing_after_its_user_was_erased_is_not_the_next_owners(
     backend: Backend,
 ) -> None:

@@ -3206,3 +3206,38 @@ async def test_a_claim_landing_before_a_deletions_mark_leaves_the_new_owner_a_us
     conversation = await store.get_conversation("c-x", user_id="user-bob")
     assert (conversation.user_id, conversation.message_count) == ("user-bob", 4)
     assert await backend.db.agent_deletions.count_documents({}) == 0
+
+
+@pytest.mark.parametrize("claim", ["still moving", "failed half-way"])
+async def test_erasing_the_old_id_of_a_claim_not_done_moving_hands_its_messages_to_the_new_owner(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, claim: str
+) -> None:
+    """The claim moved OWNER's conversation to NEW_OWNER but not yet its messages (still
+    moving, or its connection dropped there) when OWNER, the old id, is erased: the messages in
+    NEW_OWNER's conversation are NEW_OWNER's, so the erasure finishes the claim's move instead
+    of deleting them (was: NEW_OWNER's conversation counting 2 messages and holding none)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db, rules=NO_GRACE)
+    await logger.log_messages("c-x", _a_turn("guest"), user_id=OWNER, turn_id="guest")
+    claimer = ConversationStore(backend.db, rules=NO_GRACE)
+    move = claimer._move_claimed_messages
+
+    async def erased_then_moved(from_user_id: str, to_user_id: str) -> int:
+        if claim == "failed half-way":
+            raise StorageUnavailable("the connection dropped (injected)")
+        await store.erase_user(OWNER)
+        return await move(from_user_id, to_user_id)
+
+    monkeypatch.setattr(claimer, "_move_claimed_messages", erased_then_moved)
+    if claim == "failed half-way":
+        with pytest.raises(StorageUnavailable):
+            await claimer.claim(OWNER, NEW_OWNER)
+        await store.erase_user(OWNER)
+    else:
+        await claimer.claim(OWNER, NEW_OWNER)
+
+    seen = await store.transcript("c-x", user_id=NEW_OWNER)
+    assert [(m.content, m.user_id) for m in seen] == [
+        ("q guest", NEW_OWNER),
+        ("a guest", NEW_OWNER),
+    ]
+    assert await backend.db[MESSAGES].count_documents({"user_id": OWNER}) == 0

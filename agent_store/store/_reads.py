@@ -1715,12 +1715,14 @@ class ConversationStore:
         """Delete the messages naming `user_id` that no conversation the user holds now holds,
         by their conversation's id and `epoch` (`_lives_of_no_conversation`): a late insert of
         a conversation erased (its epoch), messages of no conversation (logged before a
-        document, the migration's, left by a deletion) or naming the user in another's. A
+        document, the migration's, left by a deletion); those in the life of another user's
+        conversation, a claim's not moved yet, go to that user (`_hand_over_claimed`). A
         conversation the user holds now (started since the erasure looked, under any id) keeps
         its messages, one started later too. Their whole texts go first. How many."""
         lives = await self._lives_of_no_conversation(
             {"user_id": user_id}, {"user_id": user_id}, "erase the user's data"
         )
+        lives = await self._hand_over_claimed(user_id, lives)
         if not lives:
             return 0
         each = [{"conversation_id": c, "epoch": {"$in": list(e)}} for c, e in lives.items()]
@@ -1730,21 +1732,73 @@ class ConversationStore:
             swept = await self._messages.delete_many(strays)
         return int(swept.deleted_count)
 
+    async def _hand_over_claimed(
+        self, user_id: str, lives: dict[str, set[str | None]]
+    ) -> dict[str, set[str | None]]:
+        """Of `lives` (messages naming `user_id` outside the user's conversations), give the
+        ones of a conversation another user holds, of its life (its `epoch`, or none), to that
+        user, and answer the others. Only a claim of `user_id` leaves them there: one still
+        moving them, or cut short before it did, whose messages are the new owner's as its
+        conversations are; the erasure finishes that move instead of deleting them. One round
+        trip when `lives` names any conversation, and one per conversation handed over."""
+        if not lives:
+            return lives
+        with storage_errors("erase the user's data"):
+            claimed = await self._conversations.find(
+                {"_id": {"$in": list(lives)}, "user_id": {"$nin": [user_id, None]}},
+                {"epoch": 1, "user_id": 1},
+            ).to_list(None)
+            for conversation in claimed:
+                ours = lives[conversation["_id"]] & {conversation.get("epoch"), None}
+                if not ours:
+                    continue  # a late message of an earlier life under the id: a stray
+                await self._messages.update_many(
+                    {"conversation_id": conversation["_id"], "epoch": {"$in": list(ours)},
+                     "user_id": user_id},
+                    {"$set": {"user_id": conversation["user_id"]}},
+                )  # fmt: skip
+                lives[conversation["_id"]] -= ours
+        return {c: epochs for c, epochs in lives.items() if epochs}
+
     async def _erase_stray_beside(self, user_id: str) -> None:
         """Delete the documents beside the conversations (`THREAD_COLLECTIONS`) naming
         `user_id` but those of the conversations the user holds now (started while the
         erasure ran, under any id: each told by its `created_at`, `THREAD_CONVERSATION`, or
-        written before documents named it), as `_erase_strays` leaves their messages. One
-        round trip more than the deletes."""
+        written before documents named it), as `_erase_strays` leaves their messages; those of
+        a conversation another user holds, of its life, a claim of the user not done moving,
+        go to that user (`_hand_over_claimed_beside`). One round trip more than the deletes,
+        and one per collection."""
         with storage_errors("erase the user's data"):
             held = await self._conversations.find({"user_id": user_id}, {"created_at": 1}).to_list(
                 None
             )
         kept = [_thread_of(d["_id"], d.get("created_at")) for d in held]
+        await self._hand_over_claimed_beside(user_id, {d["_id"] for d in held})
         query: dict[str, Any] = {"user_id": user_id}
         if kept:
             query["$nor"] = kept
         await self._delete_beside(query, "erase the user's data")
+
+    async def _hand_over_claimed_beside(self, user_id: str, held: set[str]) -> None:
+        """Give the documents beside the conversations naming `user_id` in a thread another
+        user's conversation holds, of its life (`_thread_of`), to that user, as
+        `_hand_over_claimed` gives their messages. One round trip per collection, one more when
+        any names a thread outside `held`, and one per thread handed over."""
+        with storage_errors("erase the user's data"):
+            for collection in self._beside:
+                threads = set(await collection.distinct("thread_id", {"user_id": user_id})) - held
+                if not threads:
+                    continue
+                claimed = self._conversations.find(
+                    {"_id": {"$in": list(threads)}, "user_id": {"$nin": [user_id, None]}},
+                    {"created_at": 1, "user_id": 1},
+                )
+                async for conversation in claimed:
+                    await collection.update_many(
+                        {**_thread_of(conversation["_id"], conversation.get("created_at")),
+                         "user_id": user_id},
+                        {"$set": {"user_id": conversation["user_id"]}},
+                    )  # fmt: skip
 
     async def _delete_beside(self, query: dict[str, Any], action: str) -> None:
         """Delete what `query` selects in each collection integrations keep beside the
