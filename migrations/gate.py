@@ -44,6 +44,7 @@ from migrations.verify import compare
 from migrations.writes import (
     ALREADY_LIVE,
     CHANGED_SINCE,
+    STOPPED_WHILE_WRITING,
     Converted,
     already_live,
     carried_epochs,
@@ -163,10 +164,7 @@ def _document_reasons(
     if found is None:
         return ["no conversation document"]
     if found.get(MIGRATING) is not None:
-        return [
-            "a run was stopped while writing it (its document is marked as being migrated, "
-            "its messages perhaps not all in): run the migration again"
-        ]
+        return [STOPPED_WHILE_WRITING]
     live_seqs = [
         m.seq or 0
         for m in messages

@@ -4893,15 +4893,17 @@ def test_a_claim_while_a_rerun_rewrites_messages_takes_back_only_what_the_run_in
 
 
 @pytest.mark.wire
-def test_finish_names_a_conversation_a_stopped_run_left_marked_as_such(
+def test_a_conversation_a_stopped_run_left_marked_is_named_as_such_by_status_verify_and_finish(
     wire_uri: str,
     database: Database[dict[str, Any]],
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A run stopped after a conversation's messages are all in but before it removed the
-    mark: `finish` names the conversation as one a run was stopped while writing (never as
-    a document changed after the run) and says to run again, which finishes it."""
+    mark: the service still answers it from its legacy turns and refuses its writes, so
+    `verify` exits 1 and `finish` 1, both naming the conversation as one a run was stopped
+    while writing (never as a document changed after the run), `status` counts and names
+    it, and each says to run again, which finishes it."""
     database[CONVERSATIONS].insert_many(
         [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(3)]
     )
@@ -4917,12 +4919,21 @@ def test_finish_names_a_conversation_a_stopped_run_left_marked_as_such(
     monkeypatch.undo()
     capsys.readouterr()
 
+    assert cli(wire_uri, database, "status") == 0
+    said = capsys.readouterr().out
+    assert "conversations left marked as being migrated (`migrating`): 1: c-1" in said
+    assert cli(wire_uri, database, "verify") == 1
+    assert "c-1: a run was stopped while writing it" in capsys.readouterr().out
     assert cli(wire_uri, database, "finish") == 1
 
     said = capsys.readouterr().out
     assert "c-1: a run was stopped while writing it" in said
     assert "changed after the run" not in said
     assert cli(wire_uri, database, "run") == 0
+    assert "migrating" not in capsys.readouterr().out.replace("migrations", "")
+    assert cli(wire_uri, database, "status") == 0
+    assert "left marked" not in capsys.readouterr().out
+    assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
 
 
