@@ -258,12 +258,19 @@ def summary_line(label: str, counts: explode.Counts) -> str:
 
 
 def _abandoned_words(counts: explode.Counts) -> str:
-    """The conversations no legacy turn makes now, when there are any (`abandoned`)."""
+    """The conversations no legacy turn makes now, when there are any, and those the
+    migration's messages of an earlier life were removed from (`abandoned`)."""
+    earlier = (
+        f"; {counts.earlier_removed} conversations started again under the id cleared of the "
+        "migration's messages of the deleted one"
+        if counts.earlier_removed
+        else ""
+    )
     if not counts.abandoned_removed and not counts.abandoned_left:
-        return ""
+        return earlier
     return (
         f"; {counts.abandoned_removed} conversations no legacy turn makes now removed, "
-        f"{counts.abandoned_left} left (live turns wrote to them)"
+        f"{counts.abandoned_left} left (live turns wrote to them)" + earlier
     )
 
 

@@ -444,8 +444,13 @@ def check(
         _check_batch(db, gate, ids, accepted, undated_at, moved_at)
         renew()
     _check_orphan_prompts(db, gate, accepted, renew)
+    listed = {left.conversation_id: left for left in gate.left}
     for found in abandoned.chunks(db):
-        gate.left += [WorkLeft(item.conversation_id, [item.reason]) for item in found]
+        for item in found:  # one a legacy turn names is listed already: one entry each
+            if item.conversation_id in listed:
+                listed[item.conversation_id].reasons.append(item.reason)
+            else:
+                gate.left.append(listed.setdefault(item.conversation_id, _left(item)))
         renew()
     named = {left.conversation_id for left in gate.left}
     for ids in batches(live_without_document(db), abandoned.CHUNK):
@@ -454,6 +459,10 @@ def check(
         renew()
     gate.unread = unread_documents(db)
     return gate
+
+
+def _left(item: abandoned.Abandoned) -> WorkLeft:
+    return WorkLeft(item.conversation_id, [item.reason])
 
 
 WITHOUT_DOCUMENT = (
