@@ -10,7 +10,10 @@ batch's documents and its messages, the conversation deleted meanwhile), too. An
 conversations holding any of the migration's messages, at any `seq`, whose document is gone
 and that no legacy turn names (a person deleted the conversation while a run wrote them,
 between two of its insert commands, say, so that only the later messages are left): served
-by search, and holding the `seq` values a new turn under the id takes.
+by search, and holding the `seq` values a new turn under the id takes. And the migration's
+messages past the count of a conversation document of another life (someone started the
+conversation again under the id before the next run) that no legacy turn filed under the id
+goes by now (`_of_earlier_lives`): of those, only the messages go.
 
 A run's last step removes each (its messages, their whole texts, or every whole text kept
 under its id when it holds no message, its document and its recorded problems): their
@@ -36,8 +39,10 @@ from agent_store.legacy import (
     CONVERSATION_COUNTERS,
     LEGACY_TURNS,
     TURN_ONLY_FIELDS,
+    LegacyTurn,
     not_identifiers,
     parse_turns,
+    turn_names,
     turns_known_as,
 )
 from agent_store.store import (
@@ -51,7 +56,7 @@ from migrations import full_texts
 from migrations import problems as problem_report
 from migrations.errors import MigrationError
 from migrations.explode import LEGACY_FILTER, Explosion, batches, dropped_at, turns_made_of
-from migrations.writes import holds_turn_fields, is_migrated, written_by_migration
+from migrations.writes import holds_turn_fields, is_migrated, stored_count, written_by_migration
 
 CHUNK = 1000
 """Conversation documents looked at a time."""
@@ -60,6 +65,14 @@ _UNNAMED_BY_TEXT = (
     "dbPointer", "minKey", "maxKey", "javascriptWithScope",
 )  # fmt: skip
 """BSON types of a legacy conversation id that `id_filter` cannot find by the id's text."""
+_READ = {
+    "_id": 1, "conversation_id": 1, "legacy_conversation_id": 1, "turns": 1,
+    "recent_turns": 1, "epoch": 1, **dict.fromkeys(CONVERSATION_COUNTERS, 1),
+    **dict.fromkeys(TURN_ONLY_FIELDS, 1),
+}  # fmt: skip
+"""What is read of a conversation document: what tells whether the migration made it."""
+_MIGRATIONS = {"$regex": f"^{re.escape(MIGRATED_TURN_PREFIX)}"}
+"""A turn id of the migration's (`writes.is_migrated`), as a filter."""
 _NO_TURN_FIELD = {name: {"$exists": False} for name in TURN_ONLY_FIELDS}
 """No field only a legacy turn holds (`writes.holds_turn_fields`): a removal takes no such
 document, even one edited so since it was read."""
@@ -80,9 +93,20 @@ class Abandoned:
     (`writes.written_by_migration`): with no message either, its document alone is left."""
     stored: bool = True
     """Its conversation document is stored (else its messages are left without one)."""
+    earlier: bool = False
+    """A conversation document of another life stands under its id (`_of_earlier_lives`):
+    only `migrated` goes, never the document, its other messages or its problems."""
 
     @property
     def reason(self) -> str:
+        if self.earlier:
+            return (
+                f"holds {len(self.migrated)} messages of legacy turns past its conversation "
+                "document's count that no legacy turn names now (a conversation deleted while "
+                "a run wrote them, started again under the id since: its next turns would "
+                "find their places taken): run the migration again, which removes them, and "
+                "only them"
+            )
         found = (
             f"holds {len(self.migrated)} messages of legacy turns that none of the legacy "
             "turns names now (re-filed under another conversation or deleted after the run)"
@@ -103,6 +127,16 @@ class Abandoned:
 def _named(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]) -> set[str] | None:
     """Which of these conversations some legacy turn makes now (None: a turn could not be
     read, so none is taken as abandoned)."""
+    turns = _turns_of(db, documents, {"_id": 1, "conversation_id": 1})
+    return None if turns is None else {turn.stored_conversation_id for turn in turns}
+
+
+def _turns_of(
+    db: Database[dict[str, Any]], documents: list[Mapping[str, Any]], fields: dict[str, int] | None
+) -> list[LegacyTurn] | None:
+    """The legacy turns that may make these conversations now, read with `fields` (all:
+    None), by the rule the read fallback names a conversation's turns by (`turns_known_as`);
+    a turn's `stored_conversation_id` says which it makes. None: a turn could not be read."""
     made = turns_made_of(db, [str(d["_id"]) for d in documents])
     clauses = []
     for d in documents:
@@ -122,11 +156,9 @@ def _named(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]) -> 
         clauses.append(not_identifiers("conversation_id"))
     query = {"$and": [{"$or": clauses}, LEGACY_FILTER]}
     try:
-        found = db[LEGACY_TURNS].find(query, {"_id": 1, "conversation_id": 1})
-        turns = parse_turns(found, made.names)
+        return parse_turns(db[LEGACY_TURNS].find(query, fields), made.names)
     except InvalidInput:
         return None
-    return {turn.stored_conversation_id for turn in turns}
 
 
 def _derived_unknown(document: Mapping[str, Any]) -> bool:
@@ -156,7 +188,7 @@ def _abandoned(
     db: Database[dict[str, Any]], documents: list[Mapping[str, Any]], *, stored: bool = True
 ) -> list[Abandoned]:
     """The abandoned conversations of these documents (not `stored`: ids of conversations of
-    no document holding some message of the migration's, `_without_document`)."""
+    no document holding some message of the migration's, `_not_held`)."""
     made, bare = _migrated(db, documents) if stored else (documents, set())
     named = _named(db, made) if made else set()
     if named is None:
@@ -185,36 +217,99 @@ def _abandoned(
 
 def chunks(db: Database[dict[str, Any]], *, documents: bool = True) -> Iterator[list[Abandoned]]:
     """The abandoned conversations, a chunk of `CHUNK` conversation documents at a time
-    (unless not `documents`); then those of the migration's messages whose conversation
-    document is gone (`_without_document`)."""
-    fields = {
-        "_id": 1, "conversation_id": 1, "legacy_conversation_id": 1, "turns": 1,
-        "recent_turns": 1, "epoch": 1, **dict.fromkeys(CONVERSATION_COUNTERS, 1),
-        **dict.fromkeys(TURN_ONLY_FIELDS, 1),
-    }  # fmt: skip
+    (unless not `documents`); then the migration's messages no conversation document of
+    theirs holds (`_not_held`): those whose document is gone, and those past the count of a
+    document of another life (`_of_earlier_lives`)."""
     if documents:
-        for chunk in batches(iter(db[CONVERSATIONS].find({}, fields).sort("_id", 1)), CHUNK):
+        for chunk in batches(iter(db[CONVERSATIONS].find({}, _READ).sort("_id", 1)), CHUNK):
             yield _abandoned(db, chunk)
-    for ids in batches(_without_document(db), CHUNK):
-        yield _abandoned(db, [{"_id": cid} for cid in ids], stored=False)
+    for found in batches(_not_held(db), CHUNK):
+        gone: list[Mapping[str, Any]] = [{"_id": cid} for cid, d in found if d is None]
+        if gone:
+            yield _abandoned(db, gone, stored=False)
+        standing = [document for _, document in found if document is not None]
+        if standing:
+            yield _of_earlier_lives(db, standing)
 
 
-def _without_document(db: Database[dict[str, Any]]) -> Iterator[str]:
-    """The conversations holding a message of the migration's, at any `seq`, and no document
-    (a run wrote their messages after a person deleted the conversation, maybe only those of
-    its later insert commands): one pass over the migration's messages' conversation ids
-    (grouped by the server), and one read of their documents a chunk at a time."""
+def _not_held(
+    db: Database[dict[str, Any]],
+) -> Iterator[tuple[str, Mapping[str, Any] | None]]:
+    """The conversations holding a message of the migration's that no conversation document
+    of theirs holds: with no document (a run wrote their messages after a person deleted
+    the conversation, maybe only those of its later insert commands), or with one past whose
+    count (`message_count`) the migration's last message stands and that is not the
+    migration's (`writes.written_by_migration`): another life of the conversation, started
+    under the id since, maybe (`_of_earlier_lives` tells). One pass over the migration's
+    messages' conversation ids and last `seq` values (grouped by the server), and one read
+    of their documents a chunk at a time."""
     grouped = db[MESSAGES].aggregate(
         [
-            {"$match": {"turn_id": {"$regex": f"^{re.escape(MIGRATED_TURN_PREFIX)}"}}},
-            {"$group": {"_id": "$conversation_id"}},
+            {"$match": {"turn_id": _MIGRATIONS}},
+            {"$group": {"_id": "$conversation_id", "last": {"$max": "$seq"}}},
         ],
         allowDiskUse=True,
     )
-    made = (g["_id"] for g in grouped)
-    for ids in batches(made, CHUNK):
-        stored = {d["_id"] for d in db[CONVERSATIONS].find({"_id": {"$in": ids}}, {"_id": 1})}
-        yield from (cid for cid in ids if cid not in stored)
+    for chunk in batches(grouped, CHUNK):
+        ids = [g["_id"] for g in chunk]
+        stored = {d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": ids}}, _READ)}
+        for g in chunk:
+            document = stored.get(g["_id"])
+            if document is None:
+                yield g["_id"], None
+            elif _past_count(document, g["last"]) and not written_by_migration(document):
+                yield g["_id"], document
+
+
+def _past_count(document: Mapping[str, Any], seq: Any) -> bool:
+    """Whether a message at `seq` stands past what the conversation document counts."""
+    count = stored_count(document)
+    return count is not None and isinstance(seq, int | float) and seq >= count
+
+
+def _of_earlier_lives(
+    db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]
+) -> list[Abandoned]:
+    """The migration's messages past the count of these conversation documents that are of
+    another life than theirs: the conversation's first message (`seq` 0) is not the
+    migration's (a conversation the migration made is `_abandoned`'s), and no legacy turn
+    filed under the conversation now goes by the message's turn id (a person deleted the
+    conversation while a run wrote it, and someone started it again under the id, before
+    the run, killed, could take them back out). A live message carries an epoch and a turn
+    id of its own, never the migration's: none is ever taken. One read of their first
+    messages, one of the legacy turns, one of those messages."""
+    ids = [d["_id"] for d in documents]
+    query = {"conversation_id": {"$in": ids}, "seq": 0}
+    first = {m["conversation_id"]: m.get("turn_id") for m in db[MESSAGES].find(query)}
+    others = [d for d in documents if not is_migrated(first.get(d["_id"]))]
+    turns = _turns_of(db, others, None) if others else []
+    if turns is None:
+        return []
+    named = _turn_ids(turns)
+    past = [
+        {"conversation_id": d["_id"], "seq": {"$gte": stored_count(d)}, "turn_id": _MIGRATIONS}
+        for d in others
+    ]
+    found: dict[str, Abandoned] = {}
+    for message in db[MESSAGES].find({"$or": past}) if past else ():
+        cid = message["conversation_id"]
+        if message.get("epoch") is None and message["turn_id"] not in named.get(cid, set()):
+            found.setdefault(cid, Abandoned(cid, earlier=True)).migrated.append(message)
+    return list(found.values())
+
+
+def _turn_ids(turns: list[LegacyTurn]) -> dict[str, set[str]]:
+    """conversation id -> every turn id its legacy turns go by now: the one each goes by in
+    its conversation (`turn_names`, over all of its turns), and the one its `_id` alone
+    would give it, so that no message of a turn filed there is ever taken."""
+    by_conversation: dict[str, list[LegacyTurn]] = {}
+    for turn in turns:
+        by_conversation.setdefault(turn.stored_conversation_id, []).append(turn)
+    return {
+        cid: {name.turn_id for name in turn_names(group).values()}
+        | {f"{MIGRATED_TURN_PREFIX}{turn.key}" for turn in group}
+        for cid, group in by_conversation.items()
+    }
 
 
 def _still_safe(run: Explosion) -> bool:
@@ -255,8 +350,10 @@ def remove(run: Explosion) -> list[Abandoned]:
         left += [item for item in found if item.live]
         gone = [item for item in found if not item.live]
         if gone and not run.options.dry_run and not _still_safe(run):
-            gone = [item for item in gone if not item.stored]  # emptied by their owners since
-        run.counts.abandoned_removed += len(gone)
+            # emptied by their owners since: only what no document of theirs holds goes
+            gone = [item for item in gone if not item.stored or item.earlier]
+        run.counts.abandoned_removed += sum(1 for item in gone if not item.earlier)
+        run.counts.earlier_removed += sum(1 for item in gone if item.earlier)
         if run.options.dry_run or not gone:
             continue
         ids = [item.conversation_id for item in gone]
@@ -265,6 +362,9 @@ def remove(run: Explosion) -> list[Abandoned]:
             {"conversation_id": {"$in": ids}, "_id": {"$in": [m["_id"] for m in messages]}}
         )
         full_texts.forget(run.db, [b for m in messages for b in stored_blob_ids(m)])
+        # Of a conversation of another life (`earlier`) only the migration's messages go:
+        # its document, its other messages and its problems are the new life's.
+        ids = [item.conversation_id for item in gone if not item.earlier]
         bare = [item.conversation_id for item in gone if item.document_only and not item.migrated]
         # A document of no message goes only while still the migration's (one a person
         # created again under its id since draws an epoch).

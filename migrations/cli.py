@@ -25,7 +25,17 @@ from pymongo.errors import PyMongoError
 from agent_store.core import utc_now
 from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import CONVERSATIONS, MESSAGES, create_indexes_sync
-from migrations import abandoned, dual_writes, explode, gate, lease, order, orphan_prompts, relocate
+from migrations import (
+    abandoned,
+    dual_writes,
+    explode,
+    gate,
+    lease,
+    order,
+    orphan_prompts,
+    relocate,
+    writes,
+)
 from migrations import problems as problem_report
 from migrations.bounds import MAX_COMMAND_BYTES, MAX_COMMAND_DOCUMENTS
 from migrations.connection import database
@@ -112,11 +122,27 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
             f"{last.get('seconds')}s, {counts.get('conversations')} conversations, "
             f"{counts.get('turns')} turns, {counts.get('messages_written')} messages written"
         )
+    _report_left_marked(db)
     problem_report.print_summary(db, sys.stdout)
     _report_id_clustering(db, CONVERSATIONS if in_place else LEGACY_TURNS)
     if not in_place and legacy == 0:
         print("no legacy data found")
     return 0
+
+
+def _report_left_marked(db: Database[dict[str, Any]]) -> None:
+    """The conversations whose document is marked as being migrated, when there are any:
+    the service answers them from their legacy turns and refuses their writes until a run
+    removes the mark (`verify` and `finish` exit 1 meanwhile)."""
+    count, ids = writes.left_marked(db, MAX_LISTED)
+    if not count:
+        return
+    shown = ", ".join(ids) + (" …" if count > len(ids) else "")
+    print(
+        f"conversations left marked as being migrated (`migrating`): {count}: {shown} (a run "
+        "is writing them, or was stopped while writing them: the service answers them from "
+        "their legacy turns and refuses their writes; `run` again finishes them)"
+    )
 
 
 def _report_id_clustering(db: Database[dict[str, Any]], source: str, sample: int = 1000) -> None:
@@ -232,12 +258,19 @@ def summary_line(label: str, counts: explode.Counts) -> str:
 
 
 def _abandoned_words(counts: explode.Counts) -> str:
-    """The conversations no legacy turn makes now, when there are any (`abandoned`)."""
+    """The conversations no legacy turn makes now, when there are any, and those the
+    migration's messages of an earlier life were removed from (`abandoned`)."""
+    earlier = (
+        f"; {counts.earlier_removed} conversations started again under the id cleared of the "
+        "migration's messages of the deleted one"
+        if counts.earlier_removed
+        else ""
+    )
     if not counts.abandoned_removed and not counts.abandoned_left:
-        return ""
+        return earlier
     return (
         f"; {counts.abandoned_removed} conversations no legacy turn makes now removed, "
-        f"{counts.abandoned_left} left (live turns wrote to them)"
+        f"{counts.abandoned_left} left (live turns wrote to them)" + earlier
     )
 
 

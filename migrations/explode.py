@@ -234,6 +234,9 @@ class Counts:
     """Conversations the migration made that no legacy turn makes now, removed (`abandoned`)."""
     abandoned_left: int = 0
     """Such conversations live turns wrote to: reported, not removed."""
+    earlier_removed: int = 0
+    """Conversations of another life the migration's messages of an earlier one (a deleted
+    conversation's) were removed from, the conversation kept (`abandoned.Abandoned.earlier`)."""
     reowned: list[str] = field(default_factory=list)
     """Conversations whose legacy turns changed owner (an account claim) between a batch's
     plan and its writes: nothing more of theirs was written, and they are left for the next

@@ -44,6 +44,7 @@ from migrations.verify import compare
 from migrations.writes import (
     ALREADY_LIVE,
     CHANGED_SINCE,
+    STOPPED_WHILE_WRITING,
     Converted,
     already_live,
     carried_epochs,
@@ -163,10 +164,7 @@ def _document_reasons(
     if found is None:
         return ["no conversation document"]
     if found.get(MIGRATING) is not None:
-        return [
-            "a run was stopped while writing it (its document is marked as being migrated, "
-            "its messages perhaps not all in): run the migration again"
-        ]
+        return [STOPPED_WHILE_WRITING]
     live_seqs = [
         m.seq or 0
         for m in messages
@@ -446,8 +444,13 @@ def check(
         _check_batch(db, gate, ids, accepted, undated_at, moved_at)
         renew()
     _check_orphan_prompts(db, gate, accepted, renew)
+    listed = {left.conversation_id: left for left in gate.left}
     for found in abandoned.chunks(db):
-        gate.left += [WorkLeft(item.conversation_id, [item.reason]) for item in found]
+        for item in found:  # one a legacy turn names is listed already: one entry each
+            if item.conversation_id in listed:
+                listed[item.conversation_id].reasons.append(item.reason)
+            else:
+                gate.left.append(listed.setdefault(item.conversation_id, _left(item)))
         renew()
     named = {left.conversation_id for left in gate.left}
     for ids in batches(live_without_document(db), abandoned.CHUNK):
@@ -456,6 +459,10 @@ def check(
         renew()
     gate.unread = unread_documents(db)
     return gate
+
+
+def _left(item: abandoned.Abandoned) -> WorkLeft:
+    return WorkLeft(item.conversation_id, [item.reason])
 
 
 WITHOUT_DOCUMENT = (

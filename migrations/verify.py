@@ -23,12 +23,25 @@ from pymongo.database import Database
 
 from agent_store.core import AgentMessage
 from agent_store.legacy import DUAL_WRITE_NOT_EXACT, LEGACY_TURNS
-from agent_store.store import CONVERSATIONS, MIGRATED_TURN_PREFIX, TurnRules, with_texts
+from agent_store.store import (
+    CONVERSATIONS,
+    MIGRATED_TURN_PREFIX,
+    MIGRATING,
+    TurnRules,
+    with_texts,
+)
 from migrations import dual_writes, full_texts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch, undated_time
 from migrations.transcript import differences, from_legacy, from_messages, not_held
-from migrations.writes import ALREADY_LIVE, Converted, owner_after, popped, readable
+from migrations.writes import (
+    ALREADY_LIVE,
+    STOPPED_WHILE_WRITING,
+    Converted,
+    owner_after,
+    popped,
+    readable,
+)
 
 
 @dataclass
@@ -52,10 +65,11 @@ _DOCUMENT_READ = {
     "name": 1,
     "name_source": 1,
     "user_id": 1,
+    MIGRATING: 1,
 }
 """What `verify` reads of a conversation document: its pops, its owner (`owner_differences`),
-and what the checks of its held dual-written turns read (`dual_writes.differences`,
-`dual_writes.deleted`)."""
+whether a run left it marked as being migrated (`STOPPED_WHILE_WRITING`), and what the
+checks of its held dual-written turns read (`dual_writes.differences`, `dual_writes.deleted`)."""
 
 
 def sample(ids: Iterator[Any], size: int, seed: int) -> list[Any]:
@@ -106,6 +120,8 @@ def owner_differences(
         return []
     if found is None:
         return ["no conversation document (deleted since the run?): run the migration again"]
+    if found.get(MIGRATING) is not None:  # the service still answers it from legacy turns
+        return [STOPPED_WHILE_WRITING]
     owner = owner_after(found, conversation)
     stored_owner = readable(found).get("user_id")
     found_else = []

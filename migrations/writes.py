@@ -403,6 +403,26 @@ def already_live(conversion: LegacyConversion, detail: str, *, held: bool) -> Pr
     )
 
 
+STOPPED_WHILE_WRITING = (
+    "a run was stopped while writing it (its document is marked as being migrated, "
+    "its messages perhaps not all in): run the migration again"
+)
+"""What `verify` and `finish` say of a conversation whose document is left `MIGRATING`."""
+
+
+def left_marked(db: Database[dict[str, Any]], listed: int) -> tuple[int, list[str]]:
+    """How many conversation documents are marked `MIGRATING` (a run writing them, or one
+    stopped before it removed the mark: the service answers them from their legacy turns
+    and refuses their writes), and the ids of the first `listed`: one pass over the
+    documents' ids."""
+    count, ids = 0, list[str]()
+    for found in db[CONVERSATIONS].find({MIGRATING: {"$exists": True}}, {"_id": 1}):
+        count += 1
+        if len(ids) < listed:
+            ids.append(str(found["_id"]))
+    return count, ids
+
+
 def document_differs(existing: dict[str, Any] | None, wanted: Conversation) -> bool:
     """Whether the stored conversation document differs from the wanted one (and is the
     migration's: one the live logger or a person's pop has written to is never overwritten,

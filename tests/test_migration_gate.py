@@ -4893,15 +4893,17 @@ def test_a_claim_while_a_rerun_rewrites_messages_takes_back_only_what_the_run_in
 
 
 @pytest.mark.wire
-def test_finish_names_a_conversation_a_stopped_run_left_marked_as_such(
+def test_a_conversation_a_stopped_run_left_marked_is_named_as_such_by_status_verify_and_finish(
     wire_uri: str,
     database: Database[dict[str, Any]],
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A run stopped after a conversation's messages are all in but before it removed the
-    mark: `finish` names the conversation as one a run was stopped while writing (never as
-    a document changed after the run) and says to run again, which finishes it."""
+    mark: the service still answers it from its legacy turns and refuses its writes, so
+    `verify` exits 1 and `finish` 1, both naming the conversation as one a run was stopped
+    while writing (never as a document changed after the run), `status` counts and names
+    it, and each says to run again, which finishes it."""
     database[CONVERSATIONS].insert_many(
         [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(3)]
     )
@@ -4917,12 +4919,21 @@ def test_finish_names_a_conversation_a_stopped_run_left_marked_as_such(
     monkeypatch.undo()
     capsys.readouterr()
 
+    assert cli(wire_uri, database, "status") == 0
+    said = capsys.readouterr().out
+    assert "conversations left marked as being migrated (`migrating`): 1: c-1" in said
+    assert cli(wire_uri, database, "verify") == 1
+    assert "c-1: a run was stopped while writing it" in capsys.readouterr().out
     assert cli(wire_uri, database, "finish") == 1
 
     said = capsys.readouterr().out
     assert "c-1: a run was stopped while writing it" in said
     assert "changed after the run" not in said
     assert cli(wire_uri, database, "run") == 0
+    assert "migrating" not in capsys.readouterr().out.replace("migrations", "")
+    assert cli(wire_uri, database, "status") == 0
+    assert "left marked" not in capsys.readouterr().out
+    assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
 
 
@@ -4961,6 +4972,79 @@ def test_a_run_killed_after_the_owners_emptied_the_legacy_turns_is_finished_by_t
     assert cli(wire_uri, database, "run") == 0
 
     _nothing_of_c1_is_stored(database)
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("dual_write", [True, False], ids=["dual-write", "no-dual-write"])
+def test_a_killed_runs_messages_of_a_conversation_deleted_and_started_again_are_removed(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    dual_write: bool,
+) -> None:
+    """u-1 deletes c-1 between two insert commands of a run's messages of it, and u-2 starts
+    a new c-1 (a document of another life: its own epoch, its own owner); the run inserts
+    u-1's later messages (no epoch, `legacy-…` turn ids) past the new document's count and is
+    killed before its take-back. The next run's last step removes those messages, and only
+    those (no legacy turn names them, and no conversation document of theirs holds them):
+    u-2's conversation stays whole, its next turns take their places, and `verify` and
+    `finish` pass."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"SECRET {n}") for n in range(3)]
+    )
+
+    def started_again() -> None:
+        _deletes_c1(wire_uri, database, "delete")()
+
+        async def log(_: ConversationStore, logger: AgentMessageLogger) -> LoggedTurn:
+            said = [{"role": "user", "content": "new owner"}]
+            return await logger.log_messages("c-1", said, user_id="u-2", turn_id="n-0")
+
+        _on_the_service(wire_uri, database, log, dual_write=dual_write)
+
+    insert_many = Collection.insert_many
+    commands: list[int] = []
+
+    def racing(self: Collection[Any], documents: Any, *args: Any, **kwargs: Any) -> Any:
+        documents = list(documents)
+        if self.name == MESSAGES and any(d["turn_id"].startswith("legacy-") for d in documents):
+            commands.append(len(documents))
+            if len(commands) == 2:
+                started_again()
+            if len(commands) == 3:
+                raise KeyboardInterrupt
+        return insert_many(self, documents, *args, **kwargs)
+
+    monkeypatch.setattr(Collection, "insert_many", racing)
+    assert cli(wire_uri, database, "run", "--max-command-documents", "2") == 130
+    monkeypatch.undo()
+    assert _owners(database, "c-1") == {"u-1", "u-2"}
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish") == 1
+    said = capsys.readouterr().out
+    assert "work left in 1 conversations" in said
+    assert "holds 2 messages of legacy turns past its conversation document's count" in said
+
+    assert cli(wire_uri, database, "run") == 0
+
+    assert "1 conversations started again under the id cleared" in capsys.readouterr().out
+    assert _owners(database, "c-1") == {"u-2"}
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"})["user_id"] == "u-2"
+    for n in (1, 2):
+
+        async def log(_: ConversationStore, logger: AgentMessageLogger, n: int = n) -> Any:
+            said = [{"role": "user", "content": f"new owner {n}"}]
+            return await logger.log_messages("c-1", said, user_id="u-2", turn_id=f"n-{n}")
+
+        _on_the_service(wire_uri, database, log, dual_write=dual_write)
+    stored = database[MESSAGES].find({"conversation_id": "c-1"}, sort=[("seq", 1)])
+    assert [(m["seq"], m["content"]) for m in stored] == [
+        (0, "new owner"), (1, "new owner 1"), (2, "new owner 2"),
+    ]  # fmt: skip
+    assert "SECRET" not in "\n".join(gridfs_texts(database))
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
 
