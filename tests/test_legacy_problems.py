@@ -1912,6 +1912,40 @@ def test_a_prompt_naming_another_user_than_the_owner_is_a_mixed_users_problem_no
     assert [p.kind for p in only_alice.problems] == ["pending_hitl_without_message"]
 
 
+@pytest.mark.parametrize(
+    "other", ["alice+work@example.com", "tenant/alice", 4.2e20], ids=["email", "path", "double"]
+)
+def test_a_prompt_naming_a_user_no_token_can_be_is_not_the_owners_prompt(other: Any) -> None:
+    """A user id that is no identifier still names a user (the one the migration stores it
+    as, `derived_user_id`): their pending prompt is kept in a problem, never the owner's."""
+    at = datetime(2024, 1, 1, tzinfo=UTC)
+    turns = [
+        {"_id": f"t{n}", "conversation_id": "c-1", "user_id": user,
+         "created_at": at + timedelta(minutes=n), "user_message": "hi",
+         "response_parts": [{"type": "text", "content": "hello"}]}
+        for n, user in enumerate([other, "mallory"])
+    ]  # fmt: skip
+    prompt = {"_id": "p-1", "conversation_id": "c-1", "user_id": other, "request_id": "r9",
+              "action": "wire_money", "prompt": "approve?", "status": "pending",
+              "created_at": at + timedelta(minutes=2)}  # fmt: skip
+    conversion = with_session_prompts(convert(turns), [prompt])
+
+    assert conversion.conversation is not None
+    assert conversion.conversation.pending_hitl is None
+    by_kind = {p.kind: p for p in conversion.unplaced}
+    assert set(by_kind) == {"mixed_user_ids", "pending_prompt_not_placed"}
+    assert by_kind["mixed_user_ids"].content == {
+        str(other): ["t0", "session_hitl|r9"],
+        "mallory": ["t1"],
+    }
+    assert by_kind["pending_prompt_not_placed"].content == prompt
+    owned = with_session_prompts(convert(turns[:1]), [prompt]).conversation
+    assert owned is not None
+    assert owned.user_id == derived_user_id(str(other))
+    assert owned.pending_hitl is not None
+    assert owned.pending_hitl.request_id == "r9"
+
+
 def test_a_conversation_whose_turns_hold_only_a_name_keeps_it_in_an_unplaced_problem() -> None:
     """No message, so no conversation document holds the name: a problem does."""
     turns = [{"_id": "t1", "conversation_id": "c-1", "user_id": "u", "name": "«Tax 2024»"}]

@@ -23,6 +23,7 @@ from agent_store.legacy import (
     LEGACY_TURNS,
     SESSION_HITL,
     convert,
+    derived_user_id,
     is_pending_prompt,
     parse_turns,
     with_session_prompts,
@@ -1113,19 +1114,21 @@ async def test_a_steering_delivery_is_dual_written(backend: Backend) -> None:
 SAME_ID_TWO_WAYS = [pytest.param(42, "42", id="a-number-and-its-text"), ("conv-m", "conv-m")]
 
 
-async def two_users_legacy_turns(backend: Backend, victims_id: Any, owners_id: Any) -> None:
+async def two_users_legacy_turns(
+    backend: Backend, victims_id: Any, owners_id: Any, victim: Any = VICTIM
+) -> None:
     """The victim's legacy turn, then, a day later, Mallory's under an id read alike: Mallory
     is the last user the turns name, so the conversation's owner (`owner_of`)."""
     day = datetime(2025, 1, 1, tzinfo=UTC)
     await backend.db[LEGACY_TURNS].insert_many(
-        [{"_id": "lt-victim", "conversation_id": victims_id, "user_id": VICTIM, "created_at": day,
+        [{"_id": "lt-victim", "conversation_id": victims_id, "user_id": victim, "created_at": day,
           "user_message": "victim's words", "response_parts": [{"type": "text", "content": "ok"}]},
          {"_id": "lt-mallory", "conversation_id": owners_id, "user_id": MALLORY,
           "created_at": day + timedelta(days=1), "user_message": "hers",
           "response_parts": [{"type": "text", "content": "hi"}]}]
     )  # fmt: skip
     await backend.db[SESSION_HITL].insert_one(
-        {"_id": "p-victim", "conversation_id": victims_id, "user_id": VICTIM,
+        {"_id": "p-victim", "conversation_id": victims_id, "user_id": victim,
          "request_id": "r-victim", "action": "confirm", "status": "pending"}
     )  # fmt: skip
 
@@ -1172,6 +1175,123 @@ async def test_erasing_the_owner_of_a_legacy_conversation_leaves_another_users_t
 
     assert [t["_id"] for t in await backend.db[LEGACY_TURNS].find().to_list(None)] == ["lt-victim"]
     assert [p["_id"] for p in await backend.db[SESSION_HITL].find().to_list(None)] == ["p-victim"]
+
+
+NO_TOKENS_USERS = pytest.mark.parametrize(
+    "victim",
+    [
+        pytest.param("alice+work@example.com", id="an-email-with-a-plus"),
+        pytest.param("tenant/alice", id="a-path"),
+        pytest.param(4.2e20, id="a-double-written-4.2e+20"),
+    ],
+)
+"""Legacy user ids no token can be (no identifier), each a user all the same: the one the
+migration stores it as (`derived_user_id`)."""
+
+
+@NO_TOKENS_USERS
+async def test_the_owner_of_a_legacy_conversation_reads_none_of_a_user_no_token_can_be(
+    backend: Backend, victim: Any
+) -> None:
+    """Only a missing, null or blank `user_id` names no user: a turn or prompt naming a user
+    whose id is no identifier is that user's, never the owner's part."""
+    await two_users_legacy_turns(backend, "conv-m", "conv-m", victim)
+    _, store = wired(backend)
+
+    transcript = await store.transcript("conv-m", user_id=MALLORY)
+    conversation = await store.get_conversation("conv-m", user_id=MALLORY)
+
+    assert [m.content for m in transcript] == ["hers", "hi"]
+    assert conversation.pending_hitl is None
+    assert await store.pending_hitl("conv-m", user_id=MALLORY) is None
+    assert conversation.message_count == 2
+
+
+@NO_TOKENS_USERS
+@pytest.mark.parametrize("how", ["delete the conversation", "erase the user"])
+async def test_the_owners_delete_or_erasure_leaves_the_legacy_turns_of_a_user_no_token_can_be(
+    backend: Backend, victim: Any, how: str
+) -> None:
+    await two_users_legacy_turns(backend, "conv-m", "conv-m", victim)
+    _, store = wired(backend)
+
+    if how == "erase the user":
+        deleted = (await store.erase_user(MALLORY)).legacy_turns
+    else:
+        deleted = (await store.delete("conv-m", user_id=MALLORY)).legacy_turns
+
+    assert deleted == 1
+    assert [t["_id"] for t in await backend.db[LEGACY_TURNS].find().to_list(None)] == ["lt-victim"]
+    assert [p["_id"] for p in await backend.db[SESSION_HITL].find().to_list(None)] == ["p-victim"]
+
+
+@NO_TOKENS_USERS
+@pytest.mark.parametrize("how", ["delete the conversation", "erase the user"])
+async def test_a_legacy_conversation_a_user_no_token_can_be_owns_is_the_derived_users_part(
+    backend: Backend, victim: Any, how: str
+) -> None:
+    """Mallory's turn, then the victim's: the victim owns it as the user the migration stores
+    them as (`derived_user_id`), whose token alone reads their part; that user's delete or
+    erasure takes it, prompt too. Mallory's token gets 404, and her turn stays."""
+    await two_users_legacy_turns(backend, "conv-m", "conv-m", victim)
+    await backend.db[LEGACY_TURNS].update_one(  # Mallory's turn is the older one now
+        {"_id": "lt-mallory"}, {"$set": {"created_at": datetime(2024, 12, 1, tzinfo=UTC)}}
+    )
+    _, store = wired(backend)
+    owner = derived_user_id(str(victim))
+
+    said = [m.content for m in await store.transcript("conv-m", user_id=owner)]
+    pending = await store.pending_hitl("conv-m", user_id=owner)
+    with pytest.raises(NotFound):
+        await store.transcript("conv-m", user_id=MALLORY)
+    if how == "erase the user":
+        deleted = await store.erase_user(owner)
+    else:
+        deleted = await store.delete("conv-m", user_id=owner)
+
+    assert said == ["victim's words", "ok"]
+    assert pending is not None
+    assert pending.request_id == "r-victim"
+    assert deleted.legacy_turns == 1
+    assert [t["_id"] for t in await backend.db[LEGACY_TURNS].find().to_list(None)] == ["lt-mallory"]
+    assert await backend.db[SESSION_HITL].count_documents({}) == 0
+
+
+@NO_TOKENS_USERS
+async def test_a_claim_of_the_derived_user_moves_the_legacy_turns_and_prompts_naming_it(
+    backend: Backend, victim: Any
+) -> None:
+    """`claim` maps the user the migration derives for an id that is no identifier to the
+    real one: the legacy turns and prompts naming that id move too, Mallory's stay."""
+    await two_users_legacy_turns(backend, "conv-m", "conv-m", victim)
+    _, store = wired(backend)
+
+    await store.claim(derived_user_id(str(victim)), "user-alice")
+
+    users = {t["_id"]: t["user_id"] for t in await backend.db[LEGACY_TURNS].find().to_list(None)}
+    assert users == {"lt-victim": "user-alice", "lt-mallory": MALLORY}
+    [prompt] = await backend.db[SESSION_HITL].find().to_list(None)
+    assert prompt["user_id"] == "user-alice"
+
+
+@pytest.mark.parametrize("nobody", [None, "", "   "], ids=["null", "empty", "blank"])
+async def test_a_legacy_turn_naming_no_user_is_the_owners_part(
+    backend: Backend, nobody: Any
+) -> None:
+    """A missing, null or blank `user_id` names no user: the owner reads, deletes and erases
+    such a turn and prompt as their own."""
+    await two_users_legacy_turns(backend, "conv-m", "conv-m", nobody)
+    _, store = wired(backend)
+
+    said = [m.content for m in await store.transcript("conv-m", user_id=MALLORY)]
+    pending = await store.pending_hitl("conv-m", user_id=MALLORY)
+    erased = await store.erase_user(MALLORY)
+
+    assert said == ["victim's words", "ok", "hers", "hi"]
+    assert pending is not None
+    assert pending.request_id == "r-victim"
+    assert erased.legacy_turns == 2
+    assert await backend.db[SESSION_HITL].count_documents({}) == 0
 
 
 ALICE, BOB = "user-alice", "user-bob"

@@ -44,7 +44,6 @@ from agent_store.legacy._documents import (
     TurnTime,
     as_count,
     dated_turns,
-    derived_user_id,
     epoch_number,
     flag,
     is_text,
@@ -1494,8 +1493,7 @@ def _owner(converter: _Converter, turns: list[LegacyTurn]) -> str | None:
             field="user_id",
             content=_turns_by_user(converter, turns),
         )
-    if user_ids and owner is None:
-        owner = derived_user_id(user_ids[-1])
+    if owner is not None and owner != user_ids[-1]:  # no identifier: the derived user
         converter.problem(
             turns[-1],
             INVALID_USER_ID,

@@ -216,6 +216,13 @@ def not_identifiers(field: str) -> dict[str, Any]:
     }
 
 
+def may_not_be_identifiers(field: str) -> dict[str, Any]:
+    """The filter of the documents whose `field` holds a value that may be no identifier as
+    text (`user_named` derives a user for it): any but null and identifier text (a superset
+    of `not_identifiers`, without a `$type` list: every backend selects by it)."""
+    return {"$nor": [{field: None}, {field: _IDENTIFIER}]}
+
+
 MAX_REFERENCE_LENGTH = 200
 """The longest tool call id or HITL request id a message holds."""
 
@@ -857,20 +864,23 @@ def named_users(turns: Iterable[LegacyTurn]) -> list[str]:
 
 
 def owner_of(turns: Iterable[LegacyTurn]) -> str | None:
-    """Who owns a legacy conversation: the last user its turns name, if that is an identifier."""
+    """Who owns a legacy conversation: the last user its turns name (`user_named`), as the
+    migration stores it; None when no turn names one."""
     users = named_users(turns)
     return user_named(users[-1]) if users else None
 
 
 def user_named(value: Any) -> str | None:
-    """The user a legacy `user_id` value names, as a turn reads it (its text), when a token
-    can be that user (an identifier); None for none (null, blank text) or no identifier."""
+    """The user a legacy `user_id` value names, as a turn reads it (its text): None only for
+    none (missing, null, blank text); else its text when that is an identifier, and when it
+    is not (`alice+work@example.com`, `4.2e+20`) the user the migration stores it as
+    (`derived_user_id`), another user than every other, whom no token of another user is."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     try:
         return validate_identifier(str(value), "user_id")
     except InvalidInput:
-        return None
+        return derived_user_id(str(value))
 
 
 _INTEGER_TEXT = re.compile(r"-?(0|[1-9][0-9]{0,18})")
@@ -898,10 +908,11 @@ def user_values(user_id: str) -> list[Any]:
 
 def users_part(turns: list[LegacyTurn], user_id: str | None) -> list[int]:
     """The indexes of the turns that are `user_id`'s part of one legacy conversation: those
-    naming the user, and, when the user owns the conversation (`owner_of`), those naming no
-    user a token can be. Another user's turns are never part of it, whatever id they are
-    filed under: ids that read alike (`42` and `"42"`) make one conversation of two users'
-    turns, which the owner reads, deletes and erases without the other's words."""
+    naming the user (`user_named`), and, when the user owns the conversation (`owner_of`),
+    those naming no user (a missing, null or blank `user_id`). Another user's turns are
+    never part of it, whatever id they are filed under or named by, an identifier or not:
+    ids that read alike (`42` and `"42"`) make one conversation of two users' turns, which
+    the owner reads, deletes and erases without the other's words."""
     owns = owner_of(turns) == user_id
     named = [user_named(turn.user_id) for turn in turns]
     return [i for i, user in enumerate(named) if user == user_id or (owns and user is None)]

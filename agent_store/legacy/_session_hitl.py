@@ -395,9 +395,9 @@ def resolved_on_the_new_service(documents: Iterable[Mapping[str, Any]]) -> list[
 
 def owners_prompt(owner: str | None, document: Mapping[str, Any]) -> bool:
     """Whether a prompt is part of the owner's conversation, as its owner's token reads it
-    (`users_part` for turns): it names the owner or no user a token can be (`user_named`);
-    any, when no user owns it. The read fallback and each conversion take a conversation's
-    prompts by this one rule."""
+    (`users_part` for turns): it names the owner (`user_named`) or no user (a missing, null
+    or blank `user_id`); any, when no user owns it. The read fallback and each conversion
+    take a conversation's prompts by this one rule."""
     return owner is None or user_named(document.get("user_id")) in (None, owner)
 
 
@@ -418,9 +418,7 @@ def _mixed_users(
         return []
     users = {user: list(names) for user, names in conversion.users.items()}
     for document in others:
-        users.setdefault(str(user_named(document.get("user_id"))), []).append(
-            _prompt_name(document)
-        )
+        users.setdefault(str(document.get("user_id")), []).append(_prompt_name(document))
     turns = next((p for p in conversion.problems if p.kind == MIXED_USER_IDS), None)
     conversion.problems = [p for p in conversion.problems if p is not turns]
     return [

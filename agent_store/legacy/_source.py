@@ -13,6 +13,7 @@ import bson
 from agent_store.core import AgentMessage, Conversation, to_utc_millis, utc_now
 from agent_store.legacy._convert import convert
 from agent_store.legacy._documents import (
+    DERIVED_USER_PREFIX,
     EPOCH,
     LEGACY_TURNS,
     MIGRATION_STATE,
@@ -22,6 +23,7 @@ from agent_store.legacy._documents import (
     LegacyTurn,
     Unnamed,
     id_filter,
+    may_not_be_identifiers,
     named_filter,
     named_id,
     names_none,
@@ -443,11 +445,16 @@ async def _naming(
     collection: Any, user_id: str, fields: dict[str, Any], scope: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
     """The documents (`fields` of them) of `collection`, within `scope`, naming `user_id` by
-    any value read as it (`user_values`: `42` is user "42", as the read fallback reads it),
-    so a delete, an erasure or a claim reaches what the user's token reads."""
+    any value read as it (`user_named`: `42` is user "42", as the read fallback reads it),
+    so a delete, an erasure or a claim reaches what the user's token reads. Found by those
+    values (`user_values`); for a user the migration derives (`derived_user_id`), named by a
+    value that is no identifier, by those values too (`may_not_be_identifiers`: a scan, for
+    such a user only); within a `scope` (one conversation's), by every document of it."""
     query: dict[str, Any] = {"user_id": {"$in": user_values(user_id)}}
+    if user_id.startswith(DERIVED_USER_PREFIX):
+        query = {"$or": [query, may_not_be_identifiers("user_id")]}
     if scope is not None:
-        query = {"$and": [scope, query]}
+        query = scope
     found = await collection.find(query, {**fields, "user_id": 1}).to_list(None)
     return [d for d in found if user_named(d.get("user_id")) == user_id]
 
