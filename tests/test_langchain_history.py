@@ -342,6 +342,64 @@ def test_messages_the_store_cannot_take_are_refused_naming_them(
         message_from_langchain(message)
 
 
+WEI = 10**20
+"""100 ETH in wei: plain JSON, wider than the 64 bits a BSON integer holds."""
+
+
+def as_json(messages: Sequence[BaseMessage]) -> list[str]:
+    """Messages as JSON text, where NaN equals NaN."""
+    return [json.dumps(m.model_dump(), sort_keys=True, default=str) for m in messages]
+
+
+def _said(metadata: dict[str, Any]) -> list[BaseMessage]:
+    return [HumanMessage("Hi", id="h1"), AIMessage("Hello", id="a1", response_metadata=metadata)]
+
+
+@pytest.mark.parametrize(
+    "turn",
+    [
+        pytest.param(
+            [
+                HumanMessage("What is my balance?", id="h1"),
+                AIMessage("", id="a1", tool_calls=[{"name": "balance", "args": {}, "id": "c1"}]),
+                ToolMessage("100 ETH", tool_call_id="c1", id="t1", artifact={"wei": WEI}),
+                AIMessage("You hold 100 ETH.", id="a2"),
+            ],
+            id="artifact-wider-than-64-bits",
+        ),
+        pytest.param(_said({"seed": WEI}), id="metadata-wider-than-64-bits"),
+        pytest.param(_said({"logprobs": [{"logprob": float("-inf")}]}), id="infinity"),
+        pytest.param(_said({"logprob": float("nan")}), id="nan"),
+    ],
+)
+async def test_a_number_bson_cannot_hold_as_it_is_is_kept_as_json_text_and_read_back_equal(
+    backend: Backend, turn: list[BaseMessage]
+) -> None:
+    """Never the whole turn refused, never the number changed (a JSON dump writes NaN as null)."""
+    history = ConversationChatHistory(CID, backend.db, user_id="u-1")
+
+    await history.aadd_messages(turn)
+
+    assert as_json(await history.aget_messages()) == as_json(turn)
+    docs = await backend.db["agent_messages"].find({"conversation_id": CID}).to_list()
+    (native,) = [d["native"] for d in docs if d["native"] and d["native"]["json_text"]]
+    assert all(isinstance(native["set"][key], str) for key in native["json_text"])
+
+
+async def test_a_key_the_store_cannot_take_in_a_field_native_keeps_is_refused_naming_it(
+    backend: Backend,
+) -> None:
+    history = ConversationChatHistory(CID, backend.db, user_id="u-1")
+
+    with pytest.raises(InvalidInput) as refused:
+        await history.aadd_messages(_said({"a\x00b": 1}))
+
+    assert str(refused.value) == (
+        "invalid message 1 (ai): native.set.response_metadata: keys must not contain NUL characters"
+    )
+    assert await backend.db["agent_messages"].count_documents({}) == 0
+
+
 async def test_an_answer_stored_a_turn_later_comes_back_right_after_its_call(
     backend: Backend,
 ) -> None:

@@ -18,6 +18,7 @@ from agent_store.core import (
     AssistantMessage,
     Identifier,
     InvalidInput,
+    NativeForm,
     message_adapter,
 )
 from agent_store.store import parse_messages, validate_identifier
@@ -323,9 +324,50 @@ def test_params_with_a_key_that_is_no_json_key_are_invalid_input(params: dict[st
         parse_messages([_hitl(params)])
 
 
-def test_native_values_outside_64_bits_are_invalid_input_at_any_depth() -> None:
-    native = {"format": "langchain", "set": {"a": [{"b": [1, 2**63]}]}}
-    with pytest.raises(InvalidInput, match="integers outside 64 bits"):
+@pytest.mark.parametrize("number", [2**63, -(2**63) - 1, float("inf"), float("nan")])
+def test_a_native_value_bson_cannot_hold_as_it_is_is_invalid_input_at_any_depth(
+    number: float,
+) -> None:
+    """Such a value is kept as its JSON text (`NativeForm.keeping`), never as it is."""
+    native = {"format": "langchain", "set": {"a": [{"b": [1, number]}]}}
+    with pytest.raises(InvalidInput, match=r"native\.set\.a: .*its JSON text"):
+        parse_messages([{"role": "assistant", "content": "x", "native": native}])
+
+
+def test_a_native_value_bson_cannot_hold_as_it_is_is_kept_as_its_json_text() -> None:
+    value = {"wei": 10**20, "logprob": float("-inf"), "nan": float("nan"), "s": "é"}
+    form = NativeForm.keeping("langchain", {"meta": value, "id": 2**62}, ["name"])
+
+    assert form.json_text == ["meta"]
+    assert form.set == {
+        "meta": json.dumps(value, ensure_ascii=False, separators=(",", ":")),
+        "id": 2**62,
+    }
+    assert form.unset == ["name"]
+    given = form.set_values()
+    assert json.dumps(given) == json.dumps({"meta": value, "id": 2**62})
+    assert NativeForm.model_validate(form.model_dump()) == form  # as it is stored and read
+
+
+@pytest.mark.parametrize("refused", [{"a\x00": 1}, {1: "x"}], ids=["nul-in-a-key", "integer-key"])
+def test_a_value_beside_such_a_number_that_is_no_json_is_refused_not_made_text(
+    refused: dict[Any, Any],
+) -> None:
+    """JSON text would keep the NUL, and spell the integer key as text: the value changed."""
+    with pytest.raises(ValidationError, match=r"set\.meta"):
+        NativeForm.keeping("langchain", {"meta": {"wei": 10**20, "inner": refused}})
+
+
+@pytest.mark.parametrize(
+    ("set", "json_text"),
+    [({"a": 1}, ["a"]), ({"a": "not json"}, ["a"]), ({}, ["a"]), ({"a": "[1]"}, ["a", "a"])],
+    ids=["not-a-text", "no-json-text", "not-in-set", "twice"],
+)
+def test_a_key_listed_as_json_text_holds_json_text(
+    set: dict[str, Any], json_text: list[str]
+) -> None:
+    native = {"format": "langchain", "set": set, "json_text": json_text}
+    with pytest.raises(InvalidInput, match="json_text"):
         parse_messages([{"role": "assistant", "content": "x", "native": native}])
 
 

@@ -284,6 +284,18 @@ async def test_items_the_chat_format_cannot_hold_are_never_shown_to_other_reader
             {"type": "reasoning", "id": "rs_9", "summary": [], "encrypted_content": "gAAAA"},
             id="encrypted-reasoning",
         ),
+        pytest.param(
+            {
+                "type": "mcp_call",
+                "id": "mcp_1",
+                "server_label": "chain",
+                "name": "balance",
+                "arguments": "{}",
+                "output": None,
+                "wei": [10**20, -(2**64)],
+            },
+            id="a-number-bson-cannot-hold-kept-as-json-text",
+        ),
     ],
 )
 def test_every_item_comes_back_exactly_as_it_came(item: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
 from collections.abc import Callable
 from dataclasses import replace
@@ -1117,6 +1118,32 @@ async def test_a_providers_own_tool_parts_come_back_whole_in_their_place(
     else:
         assert said[0]["content"] == ("\n\n".join(texts) if texts else None)
         assert [c["id"] for c in said[0].get("tool_calls") or ()] == calls
+
+
+@pytest.mark.parametrize(
+    "number",
+    [
+        pytest.param(10**20, id="wider-than-64-bits"),
+        pytest.param(float("-inf"), id="infinity"),
+        pytest.param(float("nan"), id="nan"),
+    ],
+)
+async def test_a_providers_tool_return_holding_a_number_bson_cannot_hold_comes_back_equal(
+    backend: Backend, number: float
+) -> None:
+    """Kept as JSON text: never the run refused, never the number changed (NaN to null)."""
+    returned = replace(CODE_RETURN, content={"return_value": number})
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        return ModelResponse(parts=[CODE_CALL, returned, TextPart("Done.")])
+
+    run = await Agent(FunctionModel(respond)).run("Compute it.")
+    await log_run(AgentMessageLogger(backend.db), CID, run.new_messages(), turn_id="run-1")
+    stored = await ConversationStore(backend.db).transcript(CID)
+
+    replayed = history_from_messages(stored)
+    (part,) = [p for m in replayed for p in m.parts if isinstance(p, NativeToolReturnPart)]
+    assert json.dumps(part.content) == json.dumps(returned.content)
 
 
 def test_a_native_parts_form_that_does_not_validate_replays_the_chat_fields() -> None:

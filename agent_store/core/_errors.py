@@ -140,11 +140,14 @@ DOT_SEGMENT_REASON = (
 )
 
 
-def describe_validation_error(error: ValidationError, *, subject: str = "input") -> str:
-    """One line per problem: where it is and what is wrong, without pydantic's URLs."""
+def describe_validation_error(
+    error: ValidationError, *, subject: str = "input", within: Sequence[str] = ()
+) -> str:
+    """One line per problem: where it is (in the field `within` names, when the model that
+    failed is one field of the subject) and what is wrong, without pydantic's URLs."""
     problems = []
     for item in error.errors(include_url=False):
-        location = location_text(_without_role_tags(item["loc"]))
+        location = location_text([*within, *_without_role_tags(item["loc"])])
         text = str(item["msg"]).removeprefix("Value error, ")
         if item["type"] == "string_pattern_mismatch":  # the pattern may hold what it refuses
             text = _pattern_refusal(item.get("input"), (item.get("ctx") or {}).get("pattern"))

@@ -7,8 +7,10 @@ the exported JSON Schema.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from datetime import UTC, datetime, timedelta
@@ -218,10 +220,19 @@ Identifier = Annotated[
 `_not_an_id`). No Python validator: every stored message read validates four of them."""
 
 
+def json_text(value: Any, *, non_finite: bool = False) -> str:
+    """`value` as its JSON text, compact and unescaped: how a call's arguments are kept, and a
+    native value BSON cannot hold as it is (`NativeForm.json_text`). With `non_finite`, NaN
+    and the infinities are spelt as Python's `json` reads them back (`NaN`, `-Infinity`);
+    else they are a ValueError. Raises TypeError, ValueError or RecursionError for a value
+    that is no JSON."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=non_finite)
+
+
 def _arguments_as_json_string(value: Any) -> Any:
     if isinstance(value, dict | list):
         try:
-            return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            return json_text(value)
         except (TypeError, ValueError, RecursionError) as exc:
             raise ValueError(f"arguments must hold JSON values only: {exc}") from exc
     return value
@@ -230,40 +241,59 @@ def _arguments_as_json_string(value: Any) -> Any:
 _INT64_RANGE = range(-(2**63), 2**63)
 
 
-def _check_tree(value: Any, *, wide_ints_refused: bool = False) -> None:
+class _UnheldNumber(ValueError):
+    """A JSON value holds a number BSON cannot hold as it is (`_unheld`)."""
+
+
+_UNHELD_NUMBER = (
+    "values must not hold an integer outside 64 bits, NaN or an infinity as it is: "
+    "a runtime's form keeps such a value as its JSON text (`json_text`)"
+)
+
+
+def _unheld(value: Any) -> bool:
+    """Whether `value` is a number BSON cannot hold as it is: an integer outside 64 bits, or
+    NaN or an infinity (a BSON double holds them, but JSON has no spelling of them)."""
+    if type(value) is int:
+        return value not in _INT64_RANGE
+    return type(value) is float and not math.isfinite(value)
+
+
+def _check_tree(value: Any, *, unheld_refused: bool = False) -> None:
     """One walk (level by level, without recursion) of a JSON value: ValueError if it nests
-    deeper than `MAX_PARAMS_DEPTH`, has a key holding NUL or, if refused, an integer BSON
-    cannot store (outside 64 bits). Each value is visited once, whatever its shape."""
-    level, depth = [value], 1
+    deeper than `MAX_PARAMS_DEPTH`, has a key holding NUL or, if refused, a number BSON
+    cannot hold as it is (`_unheld`, an `_UnheldNumber`). Each value is visited once."""
+    if unheld_refused and _unheld(value):
+        raise _UnheldNumber(_UNHELD_NUMBER)
+    level: list[Any] = [value] if isinstance(value, dict | list) else []
+    depth = 1
     while level:
         if depth > MAX_PARAMS_DEPTH:
-            raise ValueError(f"params nest deeper than {MAX_PARAMS_DEPTH} levels")
+            raise ValueError(f"values nest deeper than {MAX_PARAMS_DEPTH} levels")
         inner: list[Any] = []
         for item in level:
             children = item
             if isinstance(item, dict):
                 if item and any(isinstance(key, str) and "\x00" in key for key in item):
-                    raise ValueError("params keys must not contain NUL characters")
+                    raise ValueError("keys must not contain NUL characters")
                 children = item.values()
-            if wide_ints_refused and any(
-                type(child) is int and child not in _INT64_RANGE for child in children
-            ):
-                raise ValueError("native values must not hold integers outside 64 bits")
+            if unheld_refused and any(map(_unheld, children)):
+                raise _UnheldNumber(_UNHELD_NUMBER)
             inner += [child for child in children if isinstance(child, dict | list)]
         level, depth = inner, depth + 1
 
 
-_json_values: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(dict[str, JsonValue])
+_json_value: TypeAdapter[JsonValue] = TypeAdapter(JsonValue)
 
 
-def _plain_json(value: dict[str, Any], *, wide_ints_refused: bool = False) -> dict[str, Any]:
+def _plain_json(value: Any, *, unheld_refused: bool = False) -> Any:
     """`value` as plain dicts and lists of JSON values: one walk for what pydantic does not
     check (`_check_tree`), then one validation, which copies it."""
-    _check_tree(value, wide_ints_refused=wide_ints_refused)
+    _check_tree(value, unheld_refused=unheld_refused)
     try:
-        plain = _json_values.validate_python(value, strict=True)
+        plain = _json_value.validate_python(value, strict=True)
     except ValidationError as exc:
-        raise ValueError(f"params must hold JSON values only ({exc.errors()[0]['msg']})") from exc
+        raise ValueError(f"values must be JSON values only ({exc.errors()[0]['msg']})") from exc
     return plain  # plain dicts and lists, whatever mappings the caller passed
 
 
@@ -392,9 +422,28 @@ def _native_keys(value: dict[str, Any]) -> dict[str, Any]:
     refused = [key for key in value if key.startswith("$")]
     if refused:
         raise ValueError(f"native keys must not start with `$`: {listed(refused, shown_key)}")
-    # An integer the store cannot hold is refused here, before any write (HITL params are
-    # walked for the same reason when a turn is planned).
-    return _plain_json(value, wide_ints_refused=True)
+    return value
+
+
+def _native_value(value: Any) -> Any:
+    # A number BSON cannot hold as it is is refused here, before any write (HITL params are
+    # walked for the same reason when a turn is planned); `NativeForm.keeping` keeps it.
+    return _plain_json(value, unheld_refused=True)
+
+
+def _is_json_text(value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        json.loads(value)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+NativeValue = Annotated[Any, AfterValidator(_native_value)]
+"""A value of `NativeForm.set`: plain JSON, nested at most `MAX_PARAMS_DEPTH` levels, holding
+no number BSON cannot hold as it is. One value at a time, so a refusal names its key."""
 
 
 class NativeForm(_Model):
@@ -411,10 +460,52 @@ class NativeForm(_Model):
     """Whose form: `openai-agents` (an Agents SDK item), `langchain` (a LangChain message) or
     `pydantic-ai` (a response's several texts as content parts, its parts' order with the
     parts the chat fields cannot hold; a system prompt's fields beyond its text)."""
-    set: Annotated[dict[str, Any], AfterValidator(_native_keys)] = Field(default_factory=dict)
+    set: Annotated[dict[str, NativeValue], AfterValidator(_native_keys)] = Field(
+        default_factory=dict
+    )
     """Top-level keys whose values the rebuilt form lacks or holds otherwise; plain JSON."""
     unset: list[str] = Field(default_factory=list)
     """Keys of the rebuilt form that the runtime's form does not have."""
+    json_text: list[str] = Field(default_factory=list)
+    """Keys of `set` whose value is kept as its JSON text, as a call's arguments are: a value
+    holding, at any depth, a number BSON cannot hold as it is (an integer outside 64 bits,
+    NaN or an infinity, spelt `NaN`, `Infinity`, `-Infinity`). The runtime is given the
+    value the text spells (`set_values`), the one it stored."""
+
+    @model_validator(mode="after")
+    def _json_text_is_json_text(self) -> Self:
+        if len(set(self.json_text)) != len(self.json_text):
+            raise ValueError("json_text must not name a key twice")
+        for key in self.json_text:
+            if not _is_json_text(self.set.get(key)):
+                raise ValueError(f"json_text names {shown_key(key)}, whose value is no JSON text")
+        return self
+
+    @classmethod
+    def keeping(
+        cls, format: str, changed: Mapping[str, Any], removed: Iterable[str] = ()
+    ) -> NativeForm:
+        """The form of a runtime's values `changed` and keys `removed`: each value holding a
+        number BSON cannot hold as it is kept as its JSON text (`json_text`), so the runtime
+        gets it back as it was. Raises ValidationError for what cannot be kept."""
+        kept, texts = dict(changed), []
+        for key, value in changed.items():
+            try:
+                _native_value(value)
+            except _UnheldNumber:
+                # Plain JSON but for its numbers (text keys alone, as JSON text keeps them),
+                # else refused by validation, as it is.
+                with contextlib.suppress(ValueError, TypeError, RecursionError):
+                    _plain_json(value)
+                    kept[key] = json_text(value, non_finite=True)
+                    texts.append(key)
+            except ValueError:
+                pass  # refused by validation, as it is
+        return cls(format=format, set=kept, unset=list(removed), json_text=texts)
+
+    def set_values(self) -> dict[str, Any]:
+        """`set` as the runtime gave it: each key of `json_text` as the value its text spells."""
+        return {**self.set, **{key: json.loads(self.set[key]) for key in self.json_text}}
 
 
 def _only_null(schema: JsonSchemaValue, role: str) -> JsonSchemaValue:

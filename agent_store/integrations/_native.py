@@ -9,28 +9,47 @@ gets back exactly what it stored while the common case stores nothing extra.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import to_jsonable_python
 
 from agent_store.core import AgentMessage, InvalidInput, NativeForm, describe_validation_error
 
 
+def kept_form(
+    format: str, changed: Mapping[str, Any], removed: Iterable[str] = (), *, subject: str
+) -> NativeForm:
+    """The native form keeping a runtime's values `changed` and keys `removed`, a value BSON
+    cannot hold as it is as its JSON text (`NativeForm.keeping`). Raises InvalidInput naming
+    `subject` (the message) and the field for what cannot be kept."""
+    try:
+        return NativeForm.keeping(format, changed, removed)
+    except ValidationError as exc:
+        described = describe_validation_error(exc, subject=subject, within=("native",))
+        raise InvalidInput(described) from exc
+
+
+def runtime_json(dumped: Any, *, fallback: Callable[[Any], Any] | None = None) -> Any:
+    """A runtime's form, dumped in Python mode, as JSON values (as a JSON dump makes it)
+    but for NaN and the infinities, kept as they are: a JSON dump makes them null, which
+    would change what the runtime gets back (`NativeForm.keeping` keeps them as text)."""
+    return to_jsonable_python(dumped, inf_nan_mode="constants", fallback=fallback)
+
+
 def native_difference(
-    format: str, native: Mapping[str, Any], rebuilt: Mapping[str, Any]
+    format: str, native: Mapping[str, Any], rebuilt: Mapping[str, Any], *, subject: str
 ) -> NativeForm | None:
-    """What `native` holds beyond `rebuilt`, or None when the rebuilt form is the same."""
+    """What `native` holds beyond `rebuilt`, or None when the rebuilt form is the same.
+    Raises InvalidInput naming `subject` (the message) for what cannot be kept."""
     changed = {
         key: value for key, value in native.items() if key not in rebuilt or rebuilt[key] != value
     }
     missing = [key for key in rebuilt if key not in native]
     if not changed and not missing:
         return None
-    try:
-        return NativeForm(format=format, set=changed, unset=missing)
-    except ValidationError as exc:
-        raise InvalidInput(describe_validation_error(exc, subject=f"{format} item")) from exc
+    return kept_form(format, changed, missing, subject=subject)
 
 
 def native_form(format: str, message: AgentMessage, rebuilt: Mapping[str, Any]) -> dict[str, Any]:
@@ -44,13 +63,19 @@ def native_form(format: str, message: AgentMessage, rebuilt: Mapping[str, Any]) 
         return form
     for key in native.unset:
         form.pop(key, None)
-    form.update(native.set)
+    form.update(native.set_values())
     return form
 
 
 def with_native(
-    message: AgentMessage, format: str, native: Mapping[str, Any], rebuilt: Mapping[str, Any]
+    message: AgentMessage,
+    format: str,
+    native: Mapping[str, Any],
+    rebuilt: Mapping[str, Any],
+    *,
+    subject: str,
 ) -> AgentMessage:
-    """`message` carrying the difference between the runtime's form and the rebuilt one."""
-    difference = native_difference(format, native, rebuilt)
+    """`message` carrying the difference between the runtime's form and the rebuilt one.
+    Raises InvalidInput naming `subject` (the message) for what cannot be kept."""
+    difference = native_difference(format, native, rebuilt, subject=subject)
     return message if difference is None else message.model_copy(update={"native": difference})

@@ -65,7 +65,7 @@ from agent_store.core import (
 )
 from agent_store.integrations._appends import Appends, adder
 from agent_store.integrations._langchain_messages import chat_message
-from agent_store.integrations._native import native_form, with_native
+from agent_store.integrations._native import native_form, runtime_json, with_native
 from agent_store.integrations._pairing import in_call_order
 from agent_store.integrations._sync_driver import SyncDatabase, run_sync
 from agent_store.store import (
@@ -105,7 +105,7 @@ def message_from_langchain(
                 f"invalid message {index} (ai): tool call {missing[0]} has no id, so no tool "
                 "message could answer it"
             )
-    native = message.model_dump(mode="json")
+    native = runtime_json(message.model_dump())
     try:
         stored = chat_message(message, call_id=lambda _, call: call["id"] or "")
     except ValidationError as exc:
@@ -118,7 +118,8 @@ def message_from_langchain(
         )
     rebuilt = _rebuilt(stored)
     assert rebuilt is not None
-    return with_native(stored, FORMAT, native, rebuilt.model_dump(mode="json"))
+    subject = f"message {index} ({message.type})"
+    return with_native(stored, FORMAT, native, runtime_json(rebuilt.model_dump()), subject=subject)
 
 
 # -- stored messages into LangChain messages ------------------------------------------
@@ -170,7 +171,7 @@ def langchain_from_message(message: AgentMessage) -> BaseMessage | None:
     rebuilt = _rebuilt(message)
     if message.native is None or message.native.format != FORMAT:
         return rebuilt
-    base = rebuilt.model_dump(mode="json") if rebuilt is not None else {}
+    base = runtime_json(rebuilt.model_dump()) if rebuilt is not None else {}
     form = native_form(FORMAT, message, base)
     return messages_from_dict([{"type": form["type"], "data": form}])[0]
 

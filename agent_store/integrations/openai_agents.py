@@ -52,7 +52,6 @@ from agent_store.core import (
     AssistantMessage,
     FunctionCall,
     InvalidInput,
-    NativeForm,
     NotFound,
     SystemMessage,
     ToolCall,
@@ -62,7 +61,7 @@ from agent_store.core import (
     result_text,
 )
 from agent_store.integrations._appends import Appends
-from agent_store.integrations._native import native_form, with_native
+from agent_store.integrations._native import kept_form, native_form, with_native
 from agent_store.integrations._pairing import in_call_order
 from agent_store.store import (
     DEFAULT_MARKERS,
@@ -101,15 +100,14 @@ def message_from_item(
         raise InvalidInput(f"invalid item {index}: it has neither a `type` nor a `role`")
     if kind == "message" and item.get("role") == "user":
         item = _without_hidden_context(item, markers)
+    subject = f"item {index} ({kind})"
     try:
         message = _chat_message(kind, item, index)
-        if message is None:
-            return AssistantMessage(native=NativeForm(format=FORMAT, set=dict(item)))
     except ValidationError as exc:
-        raise InvalidInput(
-            describe_validation_error(exc, subject=f"item {index} ({kind})")
-        ) from exc
-    return with_native(message, FORMAT, item, _rebuilt(message)[0])
+        raise InvalidInput(describe_validation_error(exc, subject=subject)) from exc
+    if message is None:
+        return AssistantMessage(native=kept_form(FORMAT, item, subject=subject))
+    return with_native(message, FORMAT, item, _rebuilt(message)[0], subject=subject)
 
 
 def _chat_message(kind: str, item: Mapping[str, Any], index: int) -> AgentMessage | None:

@@ -76,14 +76,12 @@ from agent_store.core import (
     AgentMessage,
     AssistantMessage,
     FunctionCall,
-    InvalidInput,
     NativeForm,
     SystemMessage,
     TokenUsage,
     ToolCall,
     ToolMessage,
     UserMessage,
-    describe_validation_error,
     feedback_cause,
     feedback_error,
     outcome_error,
@@ -91,7 +89,7 @@ from agent_store.core import (
     tool_outcome,
     whole_millis,
 )
-from agent_store.integrations._native import native_form, with_native
+from agent_store.integrations._native import kept_form, native_form, runtime_json, with_native
 from agent_store.integrations._pairing import CallKey, answers_to_calls, unique_call_id
 from agent_store.integrations.exports import as_messages
 from agent_store.store import (
@@ -146,14 +144,16 @@ def messages_from_run(
     """
     stored: list[AgentMessage] = []
     sent_at: datetime | None = None
-    for message in messages:
+    for index, message in enumerate(messages):
+        subject = f"message {index} ({message.kind})"
         if isinstance(message, pai.ModelRequest):
             from_tools = _tool_content(message, opens_run=sent_at is None)
             sent_at = message.timestamp
             for part in message.parts:
-                stored.extend(_from_request_part(part, markers, from_tool=id(part) in from_tools))
+                from_tool = id(part) in from_tools
+                stored.extend(_from_request_part(part, markers, subject, from_tool=from_tool))
         else:
-            stored.append(_from_response(message, sent_at))
+            stored.append(_from_response(message, sent_at, subject))
     return _with_unique_call_ids(stored)
 
 
@@ -206,12 +206,13 @@ def _with_unique_call_ids(messages: list[AgentMessage]) -> list[AgentMessage]:
 
 
 def _from_request_part(
-    part: Any, markers: RuntimeContextMarkers, *, from_tool: bool = False
+    part: Any, markers: RuntimeContextMarkers, subject: str, *, from_tool: bool = False
 ) -> list[AgentMessage]:
     if isinstance(part, pai.SystemPromptPart):
         message = SystemMessage(content=part.content, created_at=part.timestamp)
         rebuilt = pai.SystemPromptPart(part.content, timestamp=part.timestamp)
-        return [with_native(message, FORMAT, _dumped_prompt(part), _dumped_prompt(rebuilt))]
+        dumped, base = _dumped_prompt(part), _dumped_prompt(rebuilt)
+        return [with_native(message, FORMAT, dumped, base, subject=subject)]
     if isinstance(part, pai.UserPromptPart):
         return [
             UserMessage(
@@ -260,7 +261,9 @@ def _from_request_part(
     return []
 
 
-def _from_response(response: pai.ModelResponse, sent_at: datetime | None) -> AssistantMessage:
+def _from_response(
+    response: pai.ModelResponse, sent_at: datetime | None, subject: str
+) -> AssistantMessage:
     texts = [
         p.content if isinstance(p, pai.TextPart) else f"[file {p.content.media_type}]"
         for p in response.parts
@@ -281,7 +284,7 @@ def _from_response(response: pai.ModelResponse, sent_at: datetime | None) -> Ass
         # A response of thinking alone still took a request and its tokens: keep it as "".
         content=_TEXTS_JOINED.join(texts) if texts or not calls else None,
         tool_calls=calls or None,
-        native=_response_form(texts, calls, _parts_kept(response.parts)),
+        native=_response_form(texts, calls, _parts_kept(response.parts), subject),
         token_usage=TokenUsage(
             input_tokens=response.usage.input_tokens, output_tokens=response.usage.output_tokens
         ),
@@ -292,7 +295,8 @@ def _from_response(response: pai.ModelResponse, sent_at: datetime | None) -> Ass
 
 def _dumped_prompt(part: pai.SystemPromptPart) -> dict[str, Any]:
     """A system prompt's fields as `native` compares them (its timestamp is `created_at`)."""
-    return dict(_SYSTEM_PROMPT.dump_python(part, mode="json", exclude={"timestamp"}, fallback=str))
+    dumped = _SYSTEM_PROMPT.dump_python(part, exclude={"timestamp"}, fallback=str)
+    return dict(runtime_json(dumped, fallback=str))
 
 
 def _parts_kept(parts: Sequence[pai.ModelResponsePart]) -> list[dict[str, Any]]:
@@ -308,12 +312,12 @@ def _parts_kept(parts: Sequence[pai.ModelResponsePart]) -> list[dict[str, Any]]:
             kept.append({"part_kind": "tool-call"})
         elif not isinstance(part, pai.ThinkingPart):
             whole = replace(part, audio=None) if isinstance(part, pai.SpeechPart) else part
-            kept.append(_RESPONSE_PART.dump_python(whole, mode="json", fallback=str))
+            kept.append(runtime_json(_RESPONSE_PART.dump_python(whole, fallback=str), fallback=str))
     return kept
 
 
 def _response_form(
-    texts: Sequence[str], calls: Sequence[ToolCall], kept: list[dict[str, Any]]
+    texts: Sequence[str], calls: Sequence[ToolCall], kept: list[dict[str, Any]], subject: str
 ) -> NativeForm | None:
     """What the chat fields cannot hold of a response: its several texts apart, as OpenAI
     content parts (one `content` string cannot tell them apart: a text may hold a blank line),
@@ -325,19 +329,19 @@ def _response_form(
     in_chat_order = [{"part_kind": "text"}] * len(texts) + [{"part_kind": "tool-call"}] * len(calls)
     if kept != in_chat_order:
         difference["parts"] = kept
-    if not difference:
-        return None
-    try:
-        return NativeForm(format=FORMAT, set=difference)
-    except ValidationError as exc:
-        raise InvalidInput(describe_validation_error(exc, subject="pydantic-ai response")) from exc
+    return kept_form(FORMAT, difference, subject=subject) if difference else None
+
+
+def _kept(message: AgentMessage, key: str) -> Any:
+    """What a message's own Pydantic AI form (`native`) holds under `key`, as it was given."""
+    native = message.native
+    return native.set_values().get(key) if native is not None and native.format == FORMAT else None
 
 
 def _text_parts(message: AssistantMessage) -> list[str]:
     """The texts of a response stored as `message`: its kept text parts, or its one text (also
     when what `native` holds is not a list of text parts: someone else's form)."""
-    native = message.native
-    kept = native.set.get("content") if native is not None and native.format == FORMAT else None
+    kept = _kept(message, "content")
     if isinstance(kept, list) and kept:
         texts = [part.get("text") if isinstance(part, dict) else None for part in kept]
         if all(isinstance(text, str) for text in texts):
@@ -558,8 +562,7 @@ def _in_kept_order(
 
 def _kept_order(message: AssistantMessage) -> list[pai.ModelResponsePart | str] | None:
     """The parts `native` keeps of a response, a stand-in as the kind it stands for."""
-    native = message.native
-    kept = native.set.get("parts") if native is not None and native.format == FORMAT else None
+    kept = _kept(message, "parts")
     if not isinstance(kept, list):
         return None
     order: list[pai.ModelResponsePart | str] = []

@@ -465,6 +465,13 @@ export interface INativeForm {
   set: Record<string, unknown>;
   /** Keys of the rebuilt form that the runtime's form does not have. */
   unset: string[];
+  /**
+   * Keys of `set` whose value is kept as its JSON text, as a call's arguments are: a value
+   * holding, at any depth, a number BSON cannot hold as it is (an integer outside 64 bits,
+   * NaN or an infinity, spelt `NaN`, `Infinity`, `-Infinity`). The runtime is given the
+   * value the text spells (`set_values`), the one it stored.
+   */
+  json_text: string[];
 }
 
 /**
