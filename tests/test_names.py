@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from agent_store import AgentMessageLogger, ConversationStore, InvalidInput
+from agent_store import AgentMessageLogger, Conflict, ConversationStore, InvalidInput
 from agent_store.core import UserMessage
 from agent_store.store import (
     ELLIPSIS,
@@ -19,6 +20,7 @@ from agent_store.store import (
     auto_name,
     collapse_whitespace,
 )
+from agent_store.store._turns import message_id
 from app.settings import Settings
 from tests.conftest import COUNTED, Backend
 
@@ -213,6 +215,89 @@ async def test_an_invalid_runtime_name_is_refused_and_nothing_is_written(
         await AgentMessageLogger(backend.db).log_messages(CID, [user("hi")], name=bad_name)
     assert await backend.db.agent_conversations.count_documents({}) == 0
     assert await backend.db.agent_messages.count_documents({}) == 0
+
+
+async def test_a_turn_refused_after_its_reservation_takes_its_automatic_name_back(
+    backend: Backend,
+) -> None:
+    """A stray message under an id the turn derives refuses it after its reservation named
+    the conversation: the block is given back with the name, and the next turn names it."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.upsert_conversation(CID, user_id="u")
+    stray = {"_id": message_id(CID, "t1", 0), "conversation_id": "other", "seq": 0}
+    await backend.db.agent_messages.insert_one({**stray, "role": "user", "content": "stray"})
+
+    with pytest.raises(Conflict, match="already taken by a message of another turn"):
+        await logger.log_messages(CID, [user("private question"), answer()], turn_id="t1")
+    refused = await name_of(backend)
+    await logger.log_messages(CID, [user("hello world"), answer()], turn_id="t2")
+
+    assert refused == (None, None)
+    assert await name_of(backend) == ("hello world", "auto")
+
+
+async def _named_by_a_turn_never_stored(backend: Backend) -> AgentMessageLogger:
+    """Turn "t-lost" named the conversation, reserved ten minutes ago (past `abandon_after`)
+    and stored nothing (as a crash before its insert); turn "t2" is stored after it."""
+    logger = AgentMessageLogger(backend.db, rules=COUNTED)
+    await logger.log_messages(CID, [user("secret draft question"), answer()], turn_id="t-lost")
+    await backend.db.agent_messages.delete_many({})
+    await logger.log_messages(CID, [user("what is the weather"), answer()], turn_id="t2")
+    long_ago = datetime.now(UTC) - timedelta(minutes=10)
+    await backend.db.agent_conversations.update_one({"_id": CID}, {"$set": {"turns.0.a": long_ago}})
+    return logger
+
+
+async def test_pops_leaving_no_message_take_back_a_name_no_stored_message_gives(
+    backend: Backend,
+) -> None:
+    logger = await _named_by_a_turn_never_stored(backend)
+    store = ConversationStore(backend.db, rules=COUNTED)
+
+    await store.pop_last_message(CID)
+    await store.pop_last_message(CID)
+    emptied = await name_of(backend)
+    await logger.log_messages(CID, [user("new topic"), answer()], turn_id="t3")
+
+    assert emptied == (None, None)
+    assert await name_of(backend) == ("new topic", "auto")
+
+
+async def test_a_turn_moved_to_the_end_leaves_the_name_to_the_first_stored_user_text(
+    backend: Backend,
+) -> None:
+    logger = await _named_by_a_turn_never_stored(backend)
+
+    moved = await logger.log_messages(
+        CID, [user("secret draft question"), answer()], turn_id="t-lost"
+    )
+
+    assert moved.messages[0].seq == 4
+    assert await name_of(backend) == ("what is the weather", "auto")
+
+
+async def test_a_turn_given_back_for_other_content_leaves_the_name_to_the_stored_messages(
+    backend: Backend,
+) -> None:
+    """A retry with other content past `abandon_after` gives the first attempt's block back
+    (the name it gave with it) and is logged anew at the end, after a stored user text."""
+    logger = await _named_by_a_turn_never_stored(backend)
+
+    await logger.log_messages(CID, [user("another draft"), answer()], turn_id="t-lost")
+
+    assert await name_of(backend) == ("what is the weather", "auto")
+
+
+async def test_a_name_a_person_set_stays_when_the_turn_that_named_first_moves(
+    backend: Backend,
+) -> None:
+    logger = await _named_by_a_turn_never_stored(backend)
+    await ConversationStore(backend.db).rename(CID, "Drafts")
+
+    await logger.log_messages(CID, [user("secret draft question"), answer()], turn_id="t-lost")
+    await ConversationStore(backend.db, rules=COUNTED).pop_last_message(CID)
+
+    assert await name_of(backend) == ("Drafts", "set")
 
 
 @pytest.mark.wire

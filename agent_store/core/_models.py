@@ -896,6 +896,9 @@ class PopInProgress(_Model):
     """The automatic name the message itself gives (a user message's text): a name taken
     from it before the conversation recorded its message (`Conversation.name_message_id`
     absent) is taken back when it is this one."""
+    left_none: bool = False
+    """No message is left before it, none being written there either: an automatic name is
+    taken back with it, whatever message it was taken from (one never stored among them)."""
 
 
 class ForkOrigin(_Model):

@@ -93,6 +93,7 @@ from agent_store.store._legacy_seam import (
     is_derived_id,
     not_migrated_yet,
 )
+from agent_store.store._naming import named_again, named_by_stored, taken_from
 from agent_store.store._pop import finish_marked, last_and_latest, last_before, preview_source
 from agent_store.store._relocated import (
     MOVED,
@@ -1720,6 +1721,7 @@ class AgentMessageLogger:
                 plan.conversation_id,
                 reserved.moved,
                 abandon_after=self.rules.abandon_after,
+                name_chars=self.rules.name_chars,
             )
         stored = found if found is not None else plan.stored(first, owner, epoch)
         refilled = inserted and reserved.replayed and reserved.moved is None
@@ -1984,8 +1986,9 @@ class AgentMessageLogger:
         this insert stored there goes (its ids at the block's `seq`s, under its epoch), and the
         block is given back (`given_back`: its turn and tokens taken back, its `seq`s gaps no
         turn holds) and the preview and `updated_at` its reservation set taken back
-        (`_shown_before`), with the pending state folded again when the turn concerns it
-        (`_give_up`): three round trips more (five with the fold). Raising, it is in doubt:
+        (`_shown_before`), and the automatic name it gave (`_named_without`), with the
+        pending state folded again when the turn concerns it (`_give_up`): three round trips
+        more (four for a turn with user text; two more with the fold). Raising, it is in doubt:
         the turn's retry through this logger finishes it (`_finish_in_doubt`)."""
         try:
             matched = await self._given_back_once(plan, reserved, documents)
@@ -2012,11 +2015,28 @@ class AgentMessageLogger:
             )  # fmt: skip
         same = _same_as_reserved(plan.conversation_id, reserved)
         shown = await self._shown_before(plan, reserved.first_seq)
+        query, update = given_back(plan, reserved.first_seq, same, shown)
+        if plan.auto_name_from is not None:  # the name its reservation may have given goes
+            update.append({"$set": await self._named_without(plan, reserved)})
         with storage_errors("take back what the turn counted"):
-            result = await self._conversations.update_one(
-                *given_back(plan, reserved.first_seq, same, shown)
-            )
+            result = await self._conversations.update_one(query, update)
         return bool(result.matched_count)
+
+    async def _named_without(self, plan: TurnPlan, reserved: _Reserved) -> dict[str, Any]:
+        """The names once the turn's block is given back: an automatic name its reservation
+        gave (`TurnPlan.auto_name_from`) goes back to the one the messages stored elsewhere
+        give (`named_by_stored`: one read more), else to none (`named_again`)."""
+        block = range(reserved.first_seq, reserved.first_seq + plan.count)
+        with storage_errors("read the conversation's user messages"):
+            named = await named_by_stored(
+                self._messages,
+                plan.conversation_id,
+                self.rules.name_chars,
+                epoch=reserved.epoch,
+                without=block,
+            )
+        assert plan.auto_name_from is not None
+        return named_again(taken_from([plan.auto_name_from]), named)
 
     async def _finish_in_doubt(self, plan: TurnPlan) -> None:
         """Finish the give-back of a block of this turn an earlier attempt through this logger
@@ -2341,6 +2361,7 @@ class AgentMessageLogger:
             conversation_id,
             conversation,
             abandon_after=self.rules.abandon_after,
+            name_chars=self.rules.name_chars,
             given_up=True,
         )
         if not settled and strict:

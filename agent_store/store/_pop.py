@@ -376,6 +376,7 @@ class Pop:
             adjacent = previous if previous and previous["seq"] == message.seq - 1 else None
             if adjacent is None and message.seq > 0:
                 updated_at = None  # a turn may still be writing a later time there: kept
+            left_none = previous is None and await self._nothing_below(message)
             if message.role in ("user", "system"):
                 if adjacent is None and message.seq > 0:
                     missing.add(message.seq - 1)
@@ -402,7 +403,20 @@ class Pop:
             quoted=quoted,
             before=before,
             named=auto_name(message, self.name_chars) if message.upload is None else None,
+            left_none=left_none,
         )
+
+    async def _nothing_below(self, message: AgentMessage) -> bool:
+        """Whether no message is left below `message`, where its reads found none: none is
+        stored there, and no turn is still writing one (`Gaps.written`: passed are the gaps
+        pops left and the blocks older than `abandon_after`). One more read, only when the
+        message is not at `seq` 0."""
+        assert message.seq is not None
+        if message.seq == 0:
+            return True
+        doc = await self.conversations.find_one({"_id": message.conversation_id}, GAPS_READ)
+        below = range(message.seq)
+        return Gaps.of(doc).written(below, now=utc_now(), abandon_after=self.abandon_after) is None
 
     async def _begins_a_copied_turn(self, message: AgentMessage) -> bool:
         """Whether `message`, a fork's copy (of the turn holding its copies, `copies_turn_of`,

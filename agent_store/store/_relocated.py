@@ -41,6 +41,7 @@ from agent_store.core import (
 )
 from agent_store.store._driver import storage_errors
 from agent_store.store._fork import fork_turns_of, pending_now
+from agent_store.store._naming import first_named, renamed
 from agent_store.store._reservation import RESERVED, RecordedBlock, literal, resolved_by_request
 from agent_store.store._turns import (
     ANSWERED_READ,
@@ -60,9 +61,12 @@ MOVED: dict[str, Any] = {
     "forked_from": 1,
     "pops": 1,
     "popping": 1,
+    "name_source": 1,
+    "name_message_id": 1,
 }
 """What the move returns of the conversation: what a reservation returns, and what the fold
-after it needs (the gaps below the new block, a fork's turn starts, the pops' guard)."""
+after it needs (the gaps below the new block, a fork's turn starts, the pops' guard, where
+an automatic name was taken from)."""
 _FOLD_READ: dict[str, Any] = {**MOVED, "pending_calls": 1, "pending_hitl": 1, "resolved_hitl": 1}
 """What the fold reads of a conversation it reads again: `MOVED` and the pending state."""
 
@@ -211,13 +215,17 @@ async def settle(
     moved: Mapping[str, Any] | None,
     *,
     abandon_after: timedelta,
+    name_chars: int,
     given_up: bool = False,
 ) -> bool:
     """After a moved turn's insert: its conversation's pending state folded from the stored
     messages and written (`refolded`), from `moved` (the conversation as the move left it)
     first, read again when another turn or a pop changed it meanwhile (a few times). False,
     leaving the state as the move set it, when a turn below the end is still being written
-    (its messages are not there to fold) or the conversation kept changing.
+    (its messages are not there to fold) or the conversation kept changing. An automatic
+    name taken from a message that is not the first stored user text (the moved turn's,
+    now behind another one; a turn's given up, never stored) goes back to the one the
+    stored messages give (`_naming.renamed`, `name_chars` long), in the same update.
 
     `given_up`: after a refused move instead, `moved` being the conversation as the retry
     read it (every field): the turn is never stored, so the fold leaves out what its first
@@ -241,9 +249,11 @@ async def settle(
         if Gaps.of(moved).written(missing, now=utc_now(), abandon_after=abandon_after) is not None:
             return False
         calls, prompt = pending_after(stored, fork_turns_of(moved), answered_in(moved))
-        if given_up and _already(moved, calls, prompt):
+        names = renamed(moved, first_named(stored, name_chars))
+        if given_up and not names and _already(moved, calls, prompt):
             return True
         query, update = refolded(moved, calls, prompt)
+        update[0]["$set"].update(names)
         with storage_errors("set what the moved turn leaves pending"):
             result = await conversations.update_one(query, update)
         if result.matched_count:

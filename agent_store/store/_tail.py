@@ -43,6 +43,7 @@ from bson import Int64
 
 from agent_store.core import AgentMessage, ApprovedCall, PendingCall, PendingHitl, PopInProgress
 from agent_store.store._fork import ApprovalKey, approvals_in_fork, resolved_in_fork
+from agent_store.store._naming import AUTOMATIC, named_again
 from agent_store.store._reservation import (
     STANDING,
     absent_stays,
@@ -177,6 +178,7 @@ def pop_in_progress(
     quoted: str | None = None,
     before: LeftBefore | None = None,
     named: str | None = None,
+    left_none: bool = False,
 ) -> PopInProgress:
     """What removing `message`, the conversation's last, changes in its summary.
 
@@ -186,7 +188,7 @@ def pop_in_progress(
     messages before it leave (`LeftBefore`), read when `reads_pending_before`: the calls
     pending, the prompt pending (kept for an answer, which may have cleared it), and the
     approvals withdrawn. `named` is the automatic name the message itself gives (`auto_name`),
-    if any.
+    if any; `left_none` that no message is left before it (`PopInProgress.left_none`).
     """
     assert message.seq is not None
     usage = message.token_usage
@@ -213,6 +215,7 @@ def pop_in_progress(
         approvals_left=before.settled.approvals if before and before.settled else None,
         resolved_left=before.settled.resolved if before and before.settled else None,
         named=named,
+        left_none=left_none,
     )
 
 
@@ -298,7 +301,7 @@ def unlogged(pop: PopInProgress) -> list[Any]:
             ]
         }
     stages = [*_approvals_left(pop, settled), {"$set": stage}]
-    if pop.role == "user":  # it may be the message the automatic name was taken from
+    if pop.role == "user" or pop.left_none:  # it may leave the automatic name to none
         stage.update(_unnamed(pop))
     if pop.made_calls:  # its calls no longer reuse the ids of approved calls
         stages.append({"$set": _approvals_unsuperseded_by(pop.message_id)})
@@ -306,24 +309,20 @@ def unlogged(pop: PopInProgress) -> list[Any]:
 
 
 def _unnamed(pop: PopInProgress) -> dict[str, Any]:
-    """`name`, `name_source` and `name_message_id` once the user message is removed: an
+    """`name`, `name_source` and `name_message_id` once the message is removed: an
     automatic name taken from it (`name_message_id`, or, for a name stored before the
     conversation recorded its message, the very name the message gives: `named`) is taken
-    back, so the next turn names the conversation as it names a new one; any other name
-    (another message's, a runtime's, a person's) stays."""
+    back, so the next turn names the conversation as it names a new one (`named_again`);
+    so is any automatic name once no message is left (`left_none`: none gives it). Any
+    other name (another message's, a runtime's, a person's) stays."""
+    if pop.left_none:
+        return named_again(AUTOMATIC, None)
     recorded = {"$ifNull": ["$name_message_id", None]}
     by_it: dict[str, Any] = {"$eq": [recorded, literal(pop.message_id)]}
     if pop.named is not None:
         by_text = {"$and": [{"$eq": [recorded, None]}, {"$eq": ["$name", literal(pop.named)]}]}
         by_it = {"$or": [by_it, by_text]}
-    taken = {"$and": [{"$eq": ["$name_source", "auto"]}, by_it]}
-    return {
-        "name": {"$cond": [taken, literal(None), "$name"]},
-        "name_source": {"$cond": [taken, literal(None), "$name_source"]},
-        "name_message_id": {
-            "$cond": [taken, "$$REMOVE", absent_stays("name_message_id", "$name_message_id")]
-        },
-    }
+    return named_again({"$and": [AUTOMATIC, by_it]}, None)
 
 
 def _pending_left(pop: PopInProgress, settled: Any) -> dict[str, Any]:

@@ -1,0 +1,99 @@
+"""The automatic name as the stored messages give it.
+
+An automatic name (`name_source` "auto") is the name the message `name_message_id` names
+gives while that message is stored as the conversation's first user message with real text
+(`auto_name`): a turn's reservation names a conversation still unnamed, before its messages
+are stored. A pop of that message takes the name back (`_tail.unlogged`); so does whatever
+else leaves it not so: the turn's block given back (refused after its reservation, or
+abandoned by a first attempt with other content), the turn moved to the end behind another
+user text (`_relocated.settle`), pops leaving no message at all. The name then goes back to
+the one the stored messages give (`first_named`), else to none, so the next turn names the
+conversation as it names a new one. A name a runtime or a person gave is never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from bson import Int64
+
+from agent_store.core import AgentMessage, message_adapter
+from agent_store.store._reservation import absent_stays, literal
+from agent_store.store._text import auto_name
+
+_WINDOW = 20
+"""How many user messages one read of `named_by_stored` takes at a time."""
+
+AUTOMATIC: dict[str, Any] = {"$eq": ["$name_source", "auto"]}
+"""Whether the conversation's name is an automatic one (an expression)."""
+
+
+def first_named(stored: Iterable[AgentMessage], limit: int) -> tuple[str, str] | None:
+    """The automatic name the first user message with real text among `stored` (in `seq`
+    order) gives, and that message's id; None when none gives one."""
+    for message in stored:
+        if message.id and message.upload is None and (name := auto_name(message, limit)):
+            return name, message.id
+    return None
+
+
+def taken_from(message_ids: Sequence[str]) -> dict[str, Any]:
+    """Whether the conversation's name is an automatic one taken from one of `message_ids`
+    (an expression)."""
+    by = {"$ifNull": ["$name_message_id", None]}
+    return {"$and": [AUTOMATIC, {"$in": [by, literal(list(message_ids))]}]}
+
+
+def named_again(taken: Any, named: tuple[str, str] | None) -> dict[str, Any]:
+    """`name`, `name_source` and `name_message_id` where `taken` (an expression) says the
+    automatic name goes: the name `named` gives (the stored messages', `first_named`), else
+    none; as they are otherwise."""
+    name: Any
+    source: Any
+    by: Any
+    if named is None:
+        name, source, by = literal(None), literal(None), "$$REMOVE"
+    else:
+        name, source, by = literal(named[0]), "auto", literal(named[1])
+    kept_by = absent_stays("name_message_id", "$name_message_id")
+    return {
+        "name": {"$cond": [taken, name, "$name"]},
+        "name_source": {"$cond": [taken, source, "$name_source"]},
+        "name_message_id": {"$cond": [taken, by, kept_by]},
+    }
+
+
+def renamed(conversation: Mapping[str, Any], named: tuple[str, str] | None) -> dict[str, Any]:
+    """The fields `named_again` sets on `conversation` (as read) when its automatic name is
+    taken from a message that is not the first stored user message with real text (`named`:
+    the one that is, `first_named`), guarded by the message it was read with; none
+    otherwise (a runtime's or a person's name, one stored before `name_message_id` was)."""
+    by = conversation.get("name_message_id")
+    if conversation.get("name_source") != "auto" or by is None:
+        return {}
+    if named is not None and named[1] == by:
+        return {}
+    return named_again(taken_from([str(by)]), named)
+
+
+async def named_by_stored(
+    messages: Any, conversation_id: str, limit: int, *, epoch: str | None, without: range
+) -> tuple[str, str] | None:
+    """`first_named` of the conversation's stored user messages (of its `epoch`, or none),
+    but those at the `seq`s `without` (a block given back): one read while one of the first
+    `_WINDOW` user messages has real text."""
+    query: dict[str, Any] = {"conversation_id": conversation_id, "role": "user"}
+    if epoch is not None:
+        query["epoch"] = {"$in": [epoch, None]}
+    left_out = [Int64(seq) for seq in without]
+    after = -1
+    while True:
+        seqs: dict[str, Any] = {"$gt": after, "$nin": left_out}
+        docs = await (
+            messages.find({**query, "seq": seqs}).sort("seq", 1).limit(_WINDOW).to_list(None)
+        )
+        named = first_named((message_adapter.validate_python(d) for d in docs), limit)
+        if named is not None or len(docs) < _WINDOW:
+            return named
+        after = int(docs[-1]["seq"])
