@@ -37,6 +37,7 @@ from agent_store import (
     with_retries,
 )
 from agent_store.store import plan_turn, storage_errors
+from agent_store.store._logger import OtherContent
 from app.examples import example_turns
 from tests.conftest import Backend
 
@@ -400,6 +401,83 @@ async def test_the_same_turn_logged_by_two_writers_at_once_is_stored_once(
     assert await backend.db.agent_messages.count_documents({}) == len(messages)
     conversation = await ConversationStore(backend.db).get_conversation(CID)
     assert (conversation.turn_count, conversation.message_count) == (1, len(messages))
+
+
+class HeldInsert:
+    """The messages collection, whose first `insert_many` waits until released before it
+    reaches the server: a writer stalled between its pre-insert check and its insert."""
+
+    def __init__(self, collection: Any) -> None:
+        self._collection = collection
+        self.reached = asyncio.Event()
+        self.release = asyncio.Event()
+        self._done = False
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._collection, name)
+        if name != "insert_many" or self._done:
+            return real
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            self._done = True
+            self.reached.set()
+            await self.release.wait()
+            return await real(*args, **kwargs)
+
+        return held
+
+
+def _answer(version: int, answers: int) -> list[dict[str, Any]]:
+    answer = {
+        "role": "assistant",
+        "content": f"version {version}",
+        "token_usage": {"input_tokens": 1, "output_tokens": 1},
+    }
+    return [{"role": "user", "content": "q"}, *[answer] * answers]
+
+
+@pytest.mark.parametrize(
+    ("sent", "answers"),
+    [(1, 1), (1, 2), (2, 1)],
+    ids=["as-many", "retry-sends-more", "stalled-sends-more"],
+)
+async def test_a_stalled_insert_landing_after_a_retry_logged_other_content_deletes_nothing(
+    backend: Backend, sent: int, answers: int
+) -> None:
+    """A first attempt passes its pre-insert check, then its insert stalls past
+    `abandon_after`; a retry regenerating the answer gives its empty block back and is logged
+    at the end. The stalled insert then meets the retry's messages under the turn's ids: the
+    turn was logged with other content meanwhile, so it is refused (`OtherContent`), takes
+    back only what it inserted, and the retry's acknowledged messages stay, counted as
+    stored."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [{"role": "user", "content": "hello"}], turn_id="t0")
+    stalled = AgentMessageLogger(backend.db)
+    held = HeldInsert(stalled._messages)
+    stalled._messages = held
+    first = asyncio.create_task(stalled.log_messages(CID, _answer(0, sent), turn_id="same"))
+    await held.reached.wait()
+    patient = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+
+    retried = await patient.log_messages(CID, _answer(1, answers), turn_id="same")
+    held.release.set()
+
+    with pytest.raises(OtherContent, match="logged with other content"):
+        await first
+    stored = await backend.db.agent_messages.find({"conversation_id": CID}).to_list(None)
+    assert sorted((d["seq"], d["content"]) for d in stored) == [
+        (0, "hello"),
+        *[(m.seq, m.content) for m in retried.messages],
+    ]
+    conversation = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert conversation["turn_count"] == 2
+    assert conversation["usage"] == {"input_tokens": answers, "output_tokens": answers}
+    seqs = {d["seq"] for d in stored} | set(conversation.get("popped_seqs") or ())
+    assert seqs == set(range(conversation["message_count"]))
+    again = await patient.log_messages(CID, _answer(1, answers), turn_id="same")
+    assert again.replayed
+    assert [(m.id, m.seq) for m in again.messages] == [(m.id, m.seq) for m in retried.messages]
 
 
 @pytest.mark.wire

@@ -2379,14 +2379,13 @@ class AgentMessageLogger:
         A stored message is the turn's only with the same content as the turn's message for
         it (`_same_content`) and at its `seq`, or all of them one block away, in a block the
         conversation records for the turn (one lookup of its records more, on that path
-        only): an attempt's insert that landed after another attempt moved the
-        turn (or before, the other attempt's landing after). Wherever they are, the turn is
-        stored there and every attempt answers them. Anything else in the way (another
-        turn's message at its `seq`, one under its ids with other content or elsewhere) an
-        earlier conversation under the id left, a late insert no delete reached: it gives way
-        while the conversation records this turn's block and not the other turns
-        (`_in_place_of`), else Conflict (`_in_the_way`), which names nothing of what another
-        turn or conversation left. `met`: what met the insert, as `_met` read it."""
+        only): an attempt's insert that landed after another attempt moved the turn (or
+        before); the turn is stored there and every attempt answers them. One with other
+        content where the turn's record places it stays, this attempt refused
+        (`_logged_otherwise`). Anything else (another turn's message at its `seq`, one of an
+        earlier life, popped or in a block given back) gives way while the conversation
+        records this turn's block and not the other turns (`_in_place_of`), else Conflict
+        (`_in_the_way`), naming nothing of what another turn left. `met`: as `_met` read it."""
         only_duplicates(error)
         write_errors = error.details.get("writeErrors", [])
         failed = {documents[e["index"]]["_id"]: documents[e["index"]] for e in write_errors}
@@ -2414,6 +2413,8 @@ class AgentMessageLogger:
         moved = same and len(shifts) == 1 and records is not None
         if moved and first + next(iter(shifts)) in blocks_of(records or {}, plan.key):
             return stored  # stored by an earlier attempt, in another block of the turn
+        if _logged_otherwise(plan, records, stored, failed, first):
+            await self._take_back_inserted(plan, documents, failed, epoch)
         # Not the turn's attempts: what an earlier conversation under the id left in the way.
         wanted = [d for id_, d in failed.items() if id_ not in in_place]
         with storage_errors("read the messages in the turn's block"):
@@ -2429,6 +2430,33 @@ class AgentMessageLogger:
         if wanted:
             await self._in_place_of(plan, records, first, list(strays.values()), wanted)
         return {**stored, **{d["_id"]: d for d in wanted}}
+
+    async def _take_back_inserted(
+        self,
+        plan: TurnPlan,
+        documents: list[dict[str, Any]],
+        failed: Mapping[str, Any],
+        epoch: str | None,
+    ) -> NoReturn:
+        """A late insert of the turn meeting its own ids holding other content of this
+        conversation's life (`_logged_otherwise`): another attempt logged the turn with that
+        content meanwhile, and what it stored stays. What this insert stored goes (its
+        documents that met nothing, by id and `seq`: one round trip more when there are
+        any), and it is refused, `OtherContent` (the block a fresh reservation took is then
+        given back, `_insert_into`; another's was given back by the attempt that logged the
+        turn elsewhere)."""
+        inserted = [d for d in documents if d["_id"] not in failed]
+        if inserted:
+            with storage_errors("take back the turn's messages"):
+                await self._messages.delete_many(
+                    {"conversation_id": plan.conversation_id, "epoch": epoch,
+                     "$or": [{"_id": d["_id"], "seq": d["seq"]} for d in inserted]}
+                )  # fmt: skip
+        raise OtherContent(
+            f"turn {plan.turn_id!r} was logged with other content by another "
+            "attempt while this one's insert was on its way (it is kept, this attempt's is "
+            "not stored); a retry must send the same messages. Use a new turn_id for a new turn"
+        )
 
     async def _in_place_of(
         self,
@@ -2541,6 +2569,37 @@ def _arrived(
         and d.get("epoch") in (None, epoch)
         and _same_content(d, by_id[d["_id"]])
     }
+
+
+def _logged_otherwise(
+    plan: TurnPlan,
+    records: Mapping[str, Any] | None,
+    stored: Mapping[str, Mapping[str, Any]],
+    failed: Mapping[str, Mapping[str, Any]],
+    first_seq: int,
+) -> bool:
+    """Whether a message the insert (its block from `first_seq`) met under one of the turn's
+    own ids (`stored`, by id, of `failed`) has other content than the turn's message for it,
+    and is of this conversation's life (`records`, read after the insert: its `epoch` is
+    the insert's), not listed as popped, at its place in the block the conversation records
+    for the turn: another attempt of the turn logged it with that content, which a late
+    insert never replaces. What lies elsewhere (a block given back or left by a move, which
+    a late insert may still reach) is not such a turn: `_in_place_of` tells it."""
+    if records is None:
+        return False
+    live = {
+        int(raw["f"])
+        for raw in records.get("turns") or ()
+        if isinstance(raw, Mapping) and raw.get("k") == plan.key and "f" in raw
+    }
+    popped = {(p.get("i"), p.get("s")) for p in records.get("popped_messages") or ()}
+    return any(
+        int(d["seq"]) - int(failed[id_]["seq"]) + first_seq in live
+        and d.get("epoch") in (None, failed[id_].get("epoch"))
+        and (id_, d.get("seq")) not in popped
+        and not _same_content(d, failed[id_])
+        for id_, d in stored.items()
+    )
 
 
 def _one_block_away(
