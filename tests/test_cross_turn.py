@@ -5283,6 +5283,45 @@ async def test_popping_a_question_asked_again_and_approved_leaves_what_the_rest_
         assert await held_state(runtime.store, cid) == ([], None), cid
 
 
+async def _waits_then_asked_about_c2_c3(
+    logger: AgentMessageLogger, store: ConversationStore, cid: str, *, asks: bool
+) -> None:
+    """r2 answered; asked again about c1, whose result comes; asked again with nothing left to
+    hold, so it waits, pending; then c2 and c3 are called and (`asks`) r2 asked about both."""
+    await logger.log_messages(cid, [_calls("c1"), _asks("r2")], turn_id="t1")
+    await store.resolve_hitl(cid, "r2")
+    await logger.log_messages(cid, [_user("go"), _calls("c1"), _asks("r2")], turn_id="t2")
+    await logger.log_messages(cid, [_answer("c1"), _asks("r2")], turn_id="t3")
+    t4 = [_user("go"), _calls("c2"), _calls("c3"), *([_asks("r2")] if asks else [])]
+    await logger.log_messages(cid, t4, turn_id="t4")
+
+
+async def test_popping_a_question_answered_in_part_leaves_what_the_rest_logged_afresh_does(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3 Pending calls: r2 waits, holding no call; asked again about c2 and c3, it
+    gets an answer naming c2 (c3 stays held); the runtime pops that question. What remains
+    leaves what the same messages and answer leave logged afresh (there the answer meets
+    the waiting r2, the pending one, asked before c2 was made and holding none: it answers
+    it, `resolve_hitl`), and a fork of the popped conversation the same."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for cid, asks in ((CID, True), ("conv-fresh", False)):
+        await _waits_then_asked_about_c2_c3(logger, store, cid, asks=asks)
+        c2 = [c for c in await store.pending_calls(cid) if c.tool_call_id == "c2"]
+        await store.resolve_hitl(cid, "r2", calls=c2)
+
+    popped = await store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.hitl_action is not None
+    assert popped.seq is not None
+    await logger.fork(CID, popped.seq - 1, "conv-fork")
+    states = {cid: await held_state(store, cid) for cid in (CID, "conv-fresh", "conv-fork")}
+    assert states == dict.fromkeys(states, states["conv-fresh"])
+    stored, folded = await _as_stored_and_folded(backend, store)
+    assert folded == stored
+
+
 async def _state_by_seq(store: ConversationStore, cid: str, backend: Backend) -> Any:
     """What `cid` awaits as served: each pending call by id, the `seq` of its message and the
     prompt holding it (None once a person's answer released it), and the pending prompt;
