@@ -808,6 +808,57 @@ async def test_a_new_prompt_reusing_a_resolved_request_id_is_answered_afresh(
     assert await runtime.store.pending_hitl(CID) is None
 
 
+def _answer_1(approved: bool) -> dict[str, Any]:
+    return {"type": "confirm_resolved", "request_id": "confirm-1", "approved": approved}
+
+
+PAID_TC_1 = {"type": "tool_end", "tool_name": "pay", "tool_call_id": "tc-1", "result": "paid"}
+ANSWER_BEFORE_QUESTION = {
+    # tc-1's question approved and paid; a replayed answer to it opens the next stream, which
+    # then asks confirm-1 again about tc-20
+    "stale-refusal": [[*_asks_reusing("tc-1", "pay"), _answer_1(True), PAID_TC_1],
+                      [_answer_1(False), *_asks_reusing("tc-20", "pay")]],
+    "stale-approval": [[*_asks_reusing("tc-1", "pay"), _answer_1(True), PAID_TC_1],
+                       [_answer_1(True), *_asks_reusing("tc-20", "pay")]],
+    # a question holding no call, pending; the next stream says no, then asks about tc-20
+    "refused-plain-question": [
+        [{"type": "confirm_required", "request_id": "confirm-1", "action": "ask", "params": {},
+          "prompt": "Also book a hotel?"}],
+        [_answer_1(False), *_asks_reusing("tc-20", "pay")]],
+    # one stream: a refusal of nothing asked yet, then the question
+    "one-stream": [[_answer_1(False), *_asks_reusing("tc-20", "pay")]],
+    # the question asked after the answer holds no call: it waits, pending
+    "plain-question-after": [[_answer_1(True), {
+        "type": "confirm_required", "request_id": "confirm-1", "action": "ask", "params": {},
+        "prompt": "Also book a hotel?"}]],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ANSWER_BEFORE_QUESTION)
+async def test_an_answer_in_a_stream_answers_no_question_the_stream_asks_after_it(
+    backend: Backend, case: str
+) -> None:
+    """STREAMING.md: an answer in a stream answers the question asked before it (a replayed
+    one, or a refusal, changes nothing of a question answered before); a question asked
+    after it under the same request id (a runtime numbering its confirmations per turn) is
+    a new question: it holds its call until it is answered itself, so nothing releases or
+    denies tc-20, and `confirm-1` is pending."""
+    runtime = Runtime(backend)
+    for n, events in enumerate(ANSWER_BEFORE_QUESTION[case]):
+        await runtime.stream(events, prompt=f"step {n}")
+
+    held = [] if case == "plain-question-after" else [("tc-20", "confirm-1")]
+    assert await held_calls(runtime.store) == held
+    assert await runtime.answers_of("tc-20") == []
+    pending = await runtime.store.pending_hitl(CID)
+    assert pending is not None
+    assert pending.request_id == "confirm-1"
+    await runtime.stream([_answer_1(False)], prompt="No.")  # the question's own answer
+    assert await held_calls(runtime.store) == []
+    denied = [] if case == "plain-question-after" else [(DENIED_RESULT, "tool call denied")]
+    assert await runtime.answers_of("tc-20") == denied
+
+
 async def _log_as_tab_b(
     runtime: Runtime, events: list[dict[str, Any]], read: list[PendingCall]
 ) -> LoggedTurn:
@@ -5230,6 +5281,45 @@ async def test_popping_a_question_asked_again_and_approved_leaves_what_the_rest_
         await refusing.stream([{"type": "confirm_resolved", "request_id": "q2", "approved": False}])
         assert await refusing.answers_of("c1") == [(DENIED_RESULT, "tool call denied")], cid
         assert await held_state(runtime.store, cid) == ([], None), cid
+
+
+async def _waits_then_asked_about_c2_c3(
+    logger: AgentMessageLogger, store: ConversationStore, cid: str, *, asks: bool
+) -> None:
+    """r2 answered; asked again about c1, whose result comes; asked again with nothing left to
+    hold, so it waits, pending; then c2 and c3 are called and (`asks`) r2 asked about both."""
+    await logger.log_messages(cid, [_calls("c1"), _asks("r2")], turn_id="t1")
+    await store.resolve_hitl(cid, "r2")
+    await logger.log_messages(cid, [_user("go"), _calls("c1"), _asks("r2")], turn_id="t2")
+    await logger.log_messages(cid, [_answer("c1"), _asks("r2")], turn_id="t3")
+    t4 = [_user("go"), _calls("c2"), _calls("c3"), *([_asks("r2")] if asks else [])]
+    await logger.log_messages(cid, t4, turn_id="t4")
+
+
+async def test_popping_a_question_answered_in_part_leaves_what_the_rest_logged_afresh_does(
+    backend: Backend,
+) -> None:
+    """DESIGN.md §3 Pending calls: r2 waits, holding no call; asked again about c2 and c3, it
+    gets an answer naming c2 (c3 stays held); the runtime pops that question. What remains
+    leaves what the same messages and answer leave logged afresh (there the answer meets
+    the waiting r2, the pending one, asked before c2 was made and holding none: it answers
+    it, `resolve_hitl`), and a fork of the popped conversation the same."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for cid, asks in ((CID, True), ("conv-fresh", False)):
+        await _waits_then_asked_about_c2_c3(logger, store, cid, asks=asks)
+        c2 = [c for c in await store.pending_calls(cid) if c.tool_call_id == "c2"]
+        await store.resolve_hitl(cid, "r2", calls=c2)
+
+    popped = await store.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.hitl_action is not None
+    assert popped.seq is not None
+    await logger.fork(CID, popped.seq - 1, "conv-fork")
+    states = {cid: await held_state(store, cid) for cid in (CID, "conv-fresh", "conv-fork")}
+    assert states == dict.fromkeys(states, states["conv-fresh"])
+    stored, folded = await _as_stored_and_folded(backend, store)
+    assert folded == stored
 
 
 async def _state_by_seq(store: ConversationStore, cid: str, backend: Backend) -> Any:

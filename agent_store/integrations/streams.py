@@ -131,7 +131,9 @@ class StreamedTurn:
     interrupted: bool
     """The stream was cut off before its end; the last message says so."""
     resolved_request_ids: tuple[str, ...] = ()
-    """HITL prompts a person answered during the stream, to clear once the turn is logged."""
+    """HITL prompts a person answered during the stream, to clear once the turn is logged;
+    not a request whose last answer held no call and that the stream asked again after it:
+    once logged, that later question would be the one cleared."""
     resolved_calls: tuple[tuple[str, tuple[tuple[str, str | None], ...]], ...] = ()
     """The calls each prompt answered held when it was answered, as the builder read them (its
     `pending`, this turn's calls): the answer concerns those only. Each is (request id, calls),
@@ -286,13 +288,13 @@ class TurnAssembler:
         message = AssistantMessage(
             content=prompt.prompt, hitl_action=action, created_at=prompt.at or self._now
         )
+        if prompt.request_id in self._resolved:  # asked again: a new question
+            self._asked_again.add(prompt.request_id)
+            self._released += self._held_by.pop(prompt.request_id, [])
         if call_id is None:
             self._finished_message(message)
             return
         held = self._named(call_id)
-        if prompt.request_id in self._resolved:  # asked again: a new question
-            self._asked_again.add(prompt.request_id)
-            self._released += self._held_by.pop(prompt.request_id, [])
         for holds in [*self._held_by.values(), self._released]:
             if held in holds:  # a later prompt naming a call holds it instead
                 holds.remove(held)
@@ -400,7 +402,7 @@ class TurnAssembler:
         return StreamedTurn(
             messages=tuple(messages),
             interrupted=not complete,
-            resolved_request_ids=tuple(self._resolved),
+            resolved_request_ids=tuple(r for r in self._resolved if not self._after_answer(r)),
             resolved_calls=tuple((r, calls) for r, calls in self._resolved.items() if calls),
             refused_prompts=tuple(
                 (call_id, request_id)
@@ -414,6 +416,14 @@ class TurnAssembler:
             ),
             delivered_seqs=tuple(dict.fromkeys(self._delivered)),
         )
+
+    def _after_answer(self, request_id: str) -> bool:
+        """Whether the last answer to `request_id` in the stream held no call and the stream
+        asked the request again after it: once the turn is logged, the pending prompt of the
+        id is that later question, which holds its calls until it is answered itself, so no
+        answer is recorded (one holding calls names them: it answers only a prompt holding
+        one, `resolved_calls`)."""
+        return request_id in self._asked_again and not self._resolved[request_id]
 
     def _answer(self, block: _Block, call_id: str) -> ToolMessage | None:
         if call_id in block.results:

@@ -1447,8 +1447,7 @@ class ConversationStore:
         held = [c for c in open_calls if c.get("request_id") == request_id]
         asked = pending if pending and pending.request_id == request_id else None
         again = await self._asked_after(conversation_id, asked, concerns)
-        holding = any(c.get("request_id") == request_id for c in doc.get("pending_calls") or ())
-        if asked is not None and concerns is not None and not (again or holding):
+        if asked is not None and concerns is not None and not (again or held):
             query, update = resolution(request_id, concerns, asked=asked.message_id)
             with storage_errors("resolve the pending prompt"):
                 result = await self._conversations.update_one(scope | query | STANDING, update)

@@ -472,10 +472,11 @@ def resolution(
     With `concerns` (the calls the answer concerns, as its client read them) they match only
     while a prompt of that id holds one of them (that very call, when its message is named)
     not released yet; with `asked` too, only while the pending prompt is the one its message
-    `asked` raised and no prompt of the id holds a call. Only `resolve_hitl` knows when an
-    answer may take a prompt holding none of the calls it names: when that prompt was not
-    asked again since they were made (an answer read before a later prompt asked under the
-    id does not answer that one). They then release those of the calls only (`_named`): a
+    `asked` raised and no prompt of the id holds a call no answer to the id released (one
+    released waits on its result, held by none). Only `resolve_hitl` knows when an answer
+    may take a prompt holding none of the calls it names: when that prompt was not asked
+    again since they were made (an answer read before a later prompt asked under the id
+    does not answer that one). They then release those of the calls only (`_named`): a
     call a prompt of the id holds that the answer does not name stays held, and the request
     id is remembered once none is left unreleased."""
     pending: dict[str, Any] = {"pending_hitl.request_id": request_id}
@@ -492,7 +493,8 @@ def resolution(
     else:
         named = _named(concerns)
         pending["pending_hitl.message_id"] = asked
-        query = {**pending, "pending_calls.request_id": {"$ne": request_id}}
+        unheld = {"$eq": [{"$size": _held_unreleased(request_id, literal(True))}, 0]}
+        query = {**pending, "$expr": unheld}
     resolved = _kept("resolved_hitl", [])
     remembered: dict[str, Any] = {
         "$slice": [{"$concatArrays": [resolved, literal([request_id])]}, -RESOLVED_PROMPTS_KEPT]
