@@ -4064,6 +4064,42 @@ async def test_a_late_retry_refused_while_a_turn_below_is_being_written_is_retri
     assert await pending_state(store) == await recomputed_state(store) == ([], None)
 
 
+@pytest.mark.parametrize("content", ["same", "other"])
+async def test_a_late_retry_is_not_moved_past_a_turn_still_writing_the_answer_to_its_call(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, content: str
+) -> None:
+    """DESIGN.md §3: a turn whose call a message logged meanwhile answers is not moved, nor
+    is one an answer reserved meanwhile and still on its way may answer. t1 [user, call c1]
+    reserves and dies; t2 [c1's result] reserves on time (its reservation took c1 off the
+    pending calls) and has not inserted yet when t1's late retry comes. Moved past t2's
+    block, t1's call would follow its answer once t2 lands, pending again and run twice: the
+    retry, with its first content or another, is told to come again (`StorageUnavailable`,
+    nothing written, `check_turn` alike), and once t2 is stored it is refused as answered."""
+    from agent_store import Conflict
+
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, _book_it("delete my file", 3), "t1")
+    await _age(backend, "t1")
+    done = [_answer("c1", "removed"), {"role": "assistant", "content": "done"}]
+    await _reserved_only(logger, monkeypatch, done, "t2")  # on time, its insert on its way
+    retried = _book_it("delete my file" if content == "same" else "delete it", 3)
+    before = await backend.db.agent_conversations.find_one({"_id": CID})
+
+    with pytest.raises(StorageUnavailable, match="still being written"):
+        await logger.check_turn(CID, retried, turn_id="t1")
+    with pytest.raises(StorageUnavailable, match="still being written"):
+        await logger.log_messages(CID, retried, turn_id="t1")
+    assert await backend.db.agent_conversations.find_one({"_id": CID}) == before
+    assert [m.content for m in await store.transcript(CID)] == ["go"]
+
+    await logger.log_messages(CID, done, turn_id="t2")  # t2's insert lands
+    with pytest.raises(Conflict, match=r"a later turn answered its call 'c1'"):
+        await logger.log_messages(CID, retried, turn_id="t1")
+    assert [m.content for m in await store.transcript(CID)] == ["go", "removed", "done"]
+    assert await pending_state(store) == await recomputed_state(store) == ([], None)
+
+
 async def _age(backend: Backend, turn_id: str) -> None:
     """Set the turn's record back 30 minutes, past the default `abandon_after`."""
     from datetime import timedelta

@@ -98,6 +98,7 @@ from agent_store.store._relocated import (
     MOVED,
     Looked,
     Unmovable,
+    Unwritten,
     looked_up,
     lookup,
     settle,
@@ -1423,7 +1424,7 @@ class AgentMessageLogger:
             by = None if age is None else _insert_by(self.rules, checked, age)
             return replace(reserved, insert_by=by)
         if looked is None:
-            looked = await self._looked_up(plan, block)
+            looked = await self._looked_up(plan, block, conversation)
         if looked.refusal is not None:
             raise looked.refusal
         stored = _of_the_turn(plan, looked.stored)
@@ -1490,17 +1491,21 @@ class AgentMessageLogger:
         if block.count == plan.count and plan.matches(block.digest):
             if not self._passed(block):
                 return _Verdict(block)
-            looked = await self._looked_up(plan, block)  # moved unless stored
+            looked = await self._looked_up(plan, block, conversation)  # moved unless stored
             if looked.refusal is not None:
                 raise looked.refusal
             return _Verdict(block, looked=looked)
         refused = _retry_refusal(plan, conversation, condition)
         if not isinstance(refused, OtherContent) or plan.turn_id.startswith(FORK_TURN):
             raise refused
-        return await self._other_sent(plan, block, refused)
+        return await self._other_sent(plan, block, conversation, refused)
 
     async def _other_sent(
-        self, plan: TurnPlan, block: RecordedBlock, refused: OtherContent
+        self,
+        plan: TurnPlan,
+        block: RecordedBlock,
+        conversation: Mapping[str, Any],
+        refused: OtherContent,
     ) -> _Verdict:
         """A retry sending other content than its turn's record holds (a regenerated answer
         after a lost insert), read only: when a message of the turn is stored, in its block
@@ -1511,7 +1516,7 @@ class AgentMessageLogger:
         that its block is to be given back (`_Verdict.abandoned`), the turn new, unless a
         message logged meanwhile answers one of its calls (`Unmovable`, as a retry of its
         first content: found by the same lookup, `_looked_up`)."""
-        looked = await self._looked_up(plan, block)
+        looked = await self._looked_up(plan, block, conversation)
         if looked.stored:
             return _Verdict(await self._stored_as_sent(plan, refused))
         if block.counted is None or block.reserved_at is None:
@@ -2283,7 +2288,9 @@ class AgentMessageLogger:
         found.sort(key=lambda d: int(d["seq"]))  # a server answers an unsorted find any order
         return _of_the_turn(plan, found)
 
-    async def _looked_up(self, plan: TurnPlan, block: RecordedBlock) -> Looked:
+    async def _looked_up(
+        self, plan: TurnPlan, block: RecordedBlock, conversation: Mapping[str, Any]
+    ) -> Looked:
         """The lookup of a retry's empty block (its record's) before the turn is logged at
         the end in its place, read only: moved with the same content, the block given back
         with other content (`_relocated.lookup`, moving, and `looked_up`: one find). It finds
@@ -2291,10 +2298,16 @@ class AgentMessageLogger:
         not logged at the end), the prompts past it under the turn's request ids, and the
         later messages that answer a call the retry makes, for which it is refused
         (`Looked.refusal`, raised by `_verdict` or the move: `check_turn` raises it as
-        `log_messages` does, which then gives the turn up, `_given_up_for`)."""
+        `log_messages` does, which then gives the turn up, `_given_up_for`); and, when a
+        call of the turn is off `pending_calls` in `conversation` (as read), the messages of
+        the blocks past it still being written (`Unwritten`): one of them unstored, the
+        retry is told to come again (StorageUnavailable), nothing given up."""
+        rules = self.rules
+        unwritten = Unwritten.of(plan, block, conversation, abandon_after=rules.abandon_after)
+        query = lookup(plan, block, moving=True, unwritten=unwritten)
         with storage_errors("read the turn's messages"):
-            found = await self._messages.find(lookup(plan, block, moving=True)).to_list(None)
-        return looked_up(plan, block, found)
+            found = await self._messages.find(query).to_list(None)
+        return looked_up(plan, block, found, unwritten)
 
     def _passed(self, block: RecordedBlock) -> bool:
         """Whether tail readers may have passed the block (reserved `abandon_after` ago, on
@@ -2725,6 +2738,7 @@ _CHECKED_FIELDS = {
     DELETING: 1,
     "popping": 1,
     "turns": 1,
+    "popped_seqs": 1,
     "turns_dropped": 1,
     "message_count": 1,
     "pending_calls": 1,
@@ -2732,7 +2746,8 @@ _CHECKED_FIELDS = {
     "resolved_hitl": 1,
 }
 """What `AgentMessageLogger.check_turn` reads of the conversation: what `_verdict` decides by
-(its owner, a delete's mark, the turn records and whether some were dropped), a pop under way
+(its owner, a delete's mark, the turn records and whether some were dropped, the gaps and
+pending calls a late retry's lookup weighs, `Unwritten`), a pop under way
 (finished before anything is decided), and what tells
 a turn's answers from those the conversation settled before (`_retry_refusal`,
 `_answers_refusal`)."""

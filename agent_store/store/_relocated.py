@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from bson import Int64
@@ -35,6 +35,7 @@ from agent_store.core import (
     AgentMessage,
     PendingCall,
     PendingHitl,
+    StorageUnavailable,
     answers_to_calls,
     messages_adapter,
     utc_now,
@@ -80,13 +81,20 @@ def _own_ids(plan: TurnPlan, block: RecordedBlock) -> set[str]:
     return {message_id(plan.conversation_id, plan.turn_id, i) for i in range(count)}
 
 
-def lookup(plan: TurnPlan, block: RecordedBlock, *, moving: bool = False) -> dict[str, Any]:
+def lookup(
+    plan: TurnPlan,
+    block: RecordedBlock,
+    *,
+    moving: bool = False,
+    unwritten: Unwritten | None = None,
+) -> dict[str, Any]:
     """The messages stored in the turn's block and, `moving`, the turn's own messages
     wherever they are (by their stable ids: an earlier attempt's insert may have landed in a
     block the turn left), for a turn that makes calls the messages past the block that
-    make or answer a call of the same ids, and for a turn that raises prompts the prompts
-    past the block asked under the same request ids (`asked_past`): one find, as the
-    block's alone."""
+    make or answer a call of the same ids, for a turn that raises prompts the prompts
+    past the block asked under the same request ids (`asked_past`), and with `unwritten`
+    every message from its `from_seq` on (which of those blocks are stored): one find, as
+    the block's alone."""
     first, past = block.first_seq, block.first_seq + block.count
     query: dict[str, Any] = {"conversation_id": plan.conversation_id}
     in_block = {"seq": {"$gte": first, "$lt": past}}
@@ -102,6 +110,8 @@ def lookup(plan: TurnPlan, block: RecordedBlock, *, moving: bool = False) -> dic
     if plan.raised_requests:
         raised = list(plan.raised_requests)
         answering.append({**later, "hitl_action.request_id": {"$in": raised}})
+    if unwritten is not None:
+        answering.append({"seq": {"$gte": unwritten.from_seq}})
     own = {"_id": {"$in": sorted(_own_ids(plan, block))}}
     return {**query, "$or": [in_block, own, *answering]}
 
@@ -130,6 +140,59 @@ def answered_later(plan: TurnPlan, later: Sequence[AgentMessage]) -> list[str]:
     )
 
 
+@dataclass(frozen=True)
+class Unwritten:
+    """The blocks reserved past a turn's empty block that tail readers may not pass yet (a
+    turn still writing there, younger than `abandon_after`), when one of them may answer a
+    call of the turn: one the turn leaves open is off `pending_calls`, where its first
+    reservation listed it (by the id of the message making it), so a later reservation may
+    have taken it off, answering it (`of`). Until those blocks are stored, the turn is not
+    logged past them (`looked_up`): `StorageUnavailable`, retry shortly."""
+
+    gaps: Gaps
+    from_seq: int
+    """The first `seq` past the block that a turn may still be writing."""
+    message_count: int
+    now: datetime
+    abandon_after: timedelta
+
+    @classmethod
+    def of(
+        cls,
+        plan: TurnPlan,
+        block: RecordedBlock,
+        conversation: Mapping[str, Any],
+        *,
+        abandon_after: timedelta,
+    ) -> Unwritten | None:
+        """The blocks past `block` still being written as `conversation` (read with
+        `GAPS_READ`, `message_count` and `pending_calls`) records them, when a call of the turn
+        is off its pending calls; None when none may answer one (no call off the list, or
+        every block past it older than `abandon_after`)."""
+        listed = {
+            (c.get("tool_call_id"), c.get("message_id"))
+            for c in conversation.get("pending_calls") or ()
+            if isinstance(c, Mapping)
+        }
+        opened = {(c.tool_call_id, c.message_id) for c in plan.opened_calls}
+        if opened <= listed:
+            return None
+        now, gaps = utc_now(), Gaps.of(conversation)
+        unpassed = gaps.unpassed_from(now=now, abandon_after=abandon_after)
+        start = max(block.first_seq + block.count, unpassed or 0)
+        count = int(conversation.get("message_count") or 0)
+        if unpassed is None or start >= count:
+            return None
+        return cls(gaps, start, count, now, abandon_after)
+
+    def written(self, found: Sequence[Mapping[str, Any]]) -> int | None:
+        """The first `seq` from `from_seq` that no message of `found` (`lookup`) is stored at
+        and a turn is still writing (`Gaps.written`); None when all are stored or passed."""
+        stored = {int(d["seq"]) for d in found}
+        missing = (s for s in range(self.from_seq, self.message_count) if s not in stored)
+        return self.gaps.written(missing, now=self.now, abandon_after=self.abandon_after)
+
+
 class Unmovable(TurnConflict):
     """A retry of a turn that stored nothing in the block it reserved, to be logged at the
     end in its place (moved, or, with other content, the block given back), whose call a
@@ -151,23 +214,31 @@ class Looked:
     order: when any, the turn is stored there, not logged at the end."""
     asked: dict[str, int]
     """`asked_past`."""
-    refusal: Unmovable | None
+    refusal: Unmovable | StorageUnavailable | None
     """None stored and a later message answering one of the retry's calls: the refusal of
-    logging it at the end, raised by whichever retry would (same content or other)."""
+    logging it at the end, raised by whichever retry would (same content or other); or,
+    none stored answering one, a block past it still being written that may
+    (`Unwritten`): StorageUnavailable, retry shortly, nothing given up."""
 
 
-def looked_up(plan: TurnPlan, block: RecordedBlock, found: Sequence[Any]) -> Looked:
-    """What `lookup` (moving) found of the turn's block, read in any order. The one check
-    of a turn logged at the end in place of its empty block, whatever content the retry
-    sends: refused (`Looked.refusal`) when nothing is stored and a later message answers
-    one of the retry's calls."""
+def looked_up(
+    plan: TurnPlan,
+    block: RecordedBlock,
+    found: Sequence[Any],
+    unwritten: Unwritten | None = None,
+) -> Looked:
+    """What `lookup` (moving, with `unwritten`) found of the turn's block, read in any
+    order. The one check of a turn logged at the end in place of its empty block, whatever
+    content the retry sends: refused (`Looked.refusal`) when nothing is stored and a later
+    message answers one of the retry's calls, or a block past it that may answer one is
+    still being written (`Unwritten.written`)."""
     found = sorted(found, key=lambda d: int(d["seq"]))  # a server answers any order
     first, past = block.first_seq, block.first_seq + block.count
     ids = _own_ids(plan, block)
     stored = [d for d in found if first <= d["seq"] < past or d["_id"] in ids]
     later = [d for d in found if d["seq"] >= past and d["_id"] not in ids]
     answered = [] if stored else answered_later(plan, messages_adapter.validate_python(later))
-    refusal = None
+    refusal: Unmovable | StorageUnavailable | None = None
     if answered:
         names = ", ".join(repr(call_id) for call_id in answered)
         refusal = Unmovable(
@@ -176,6 +247,13 @@ def looked_up(plan: TurnPlan, block: RecordedBlock, found: Sequence[Any]) -> Loo
             "call would follow its answer): it is not stored. Log what the conversation "
             "still needs as a new turn",
             block,
+        )
+    elif not stored and unwritten is not None and (at := unwritten.written(found)) is not None:
+        refusal = StorageUnavailable(
+            f"a later turn of conversation {plan.conversation_id!r} is still being written at "
+            f"seq {at} and may answer a call of turn {plan.turn_id!r}, which reserved seq "
+            f"{block.first_seq} and stored nothing: retry shortly (the turn is not logged "
+            "past that answer)"
         )
     return Looked(stored, asked_past(plan, block, found), refusal)
 
