@@ -5176,6 +5176,100 @@ async def _as_stored_and_folded(backend: Backend, store: ConversationStore) -> l
     ]
 
 
+@pytest.mark.parametrize("answer_retried", [False, True], ids=["asked-again", "answer-retried"])
+async def test_a_block_given_back_leaves_a_prompt_its_reservation_asked_again_resolved(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, answer_retried: bool
+) -> None:
+    """DESIGN.md §2 `resolved_hitl`, §3: a block given back leaves the summary the fold of the
+    stored messages and answers leaves. t0 makes c0 under q0, which the person resolves; t1
+    [ask q0 again] reserves (taking q0 out of `resolved_hitl`) and dies; its late retry with
+    other content gives the block back, so q0, asked again by no stored message, is
+    resolved again: a retry of the person's answer writes nothing, and once t2 asks q0
+    anew the pending state stored is the fold's."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    t0 = [{"role": "user", "content": "book it"}, _calls("c0"), _asks_about("q0", "c0")]
+    await logger.log_messages(CID, t0, turn_id="t0")
+    await store.resolve_hitl(CID, "q0")
+    asks_again = [{"role": "user", "content": "and?"}, {"role": "assistant", "content": "hm"}]
+    await _reserved_only(logger, monkeypatch, [*asks_again, _asks("q0")], "t1")
+    regenerated = [{"role": "user", "content": "and? (regenerated)"}]
+    await logger.log_messages(CID, [*regenerated, {"role": "assistant", "content": "ok"}],
+                              turn_id="t1")  # fmt: skip
+
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert doc["resolved_hitl"] == ["q0"]
+    answers = doc["answered_prompts"]
+    if answer_retried:
+        await store.resolve_hitl(CID, "q0")  # the person's answer, retried: writes nothing
+        doc = await backend.db.agent_conversations.find_one({"_id": CID})
+        assert doc["answered_prompts"] == answers
+    t2 = [{"role": "user", "content": "now the hotel"}, _calls("c2"), _asks("q0")]
+    await logger.log_messages(CID, t2, turn_id="t2")
+    stored, folded = await _as_stored_and_folded(backend, store)
+    assert folded == stored
+
+
+async def test_a_turn_given_up_leaves_an_id_another_unstored_turn_asked_again_unresolved(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, with another turn's block reserved and not stored when a turn is given up:
+    t3 asks q0 again (its reservation took q0 out of `resolved_hitl`) and dies; t1's late
+    retry is refused (t2 answered its call) and given up. Its fold does not resolve q0
+    again: t3 may still be moved, and q0 off the list tells its move the question is asked
+    anew. Moved, t3's question is pending, as the fold of the stored messages says."""
+    from agent_store import Conflict
+
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "u0"}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, [{"role": "user", "content": "u1"},
+                                               _calls("c1")], "t1")  # fmt: skip
+    t2 = [{"role": "user", "content": "u2"}, _answer("c1"), _calls("c2"), _asks_about("q0", "c2")]
+    await logger.log_messages(CID, t2, turn_id="t2")
+    await store.resolve_hitl(CID, "q0")
+    t3 = [{"role": "user", "content": "u3"}, _asks("q0")]
+    await _reserved_only(logger, monkeypatch, t3, "t3")
+    with pytest.raises(Conflict, match="a later turn answered its call 'c1'"):
+        await logger.log_messages(CID, [{"role": "user", "content": "u1"}, _calls("c1")],
+                                  turn_id="t1")  # fmt: skip
+
+    await logger.log_messages(CID, t3, turn_id="t3")
+
+    stored, folded = await _as_stored_and_folded(backend, store)
+    assert folded == stored
+    assert stored[1] == "q0"
+
+
+async def test_a_block_given_back_leaves_an_approval_its_prompt_held_again_in_force(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §2 `approved_calls`: a later prompt naming an approved call holds it again,
+    until that prompt is gone (a pop of it puts the approval back in force); a prompt of a
+    block given back was never stored. t0 makes c0 and c1 under q0; the person approves c0
+    alone; t1 [ask q1 about c0] reserves (holding c0 again) and dies; its late retry with
+    other content gives the block back: c0 is served released again, and a denial of it is
+    refused (`AnsweredBefore`), as before t1."""
+    from agent_store import AnsweredBefore
+
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    t0 = [{"role": "user", "content": "u0"}, _calls("c0", "c1"), _asks_about("q0", "c0", "c1")]
+    await logger.log_messages(CID, t0, turn_id="t0")
+    c0 = [c for c in await store.pending_calls(CID) if c.tool_call_id == "c0"]
+    await store.resolve_hitl(CID, "q0", calls=c0)
+    assert await held_state(store) == ([("c0", None), ("c1", "q0")], None)
+    asks_again = [{"role": "user", "content": "u1"}, _asks_about("q1", "c0")]
+    await _reserved_only(logger, monkeypatch, asks_again, "t1")
+    assert await held_state(store) == ([("c0", "q1"), ("c1", "q0")], "q1")
+
+    await logger.log_messages(CID, [{"role": "user", "content": "u1 again"}], turn_id="t1")
+
+    assert await held_state(store) == ([("c0", None), ("c1", "q0")], None)
+    denies = [{"role": "user", "content": "u2"}, _denial("c0")]
+    with pytest.raises(AnsweredBefore):
+        await logger.check_turn(CID, denies, turn_id="t2")
+    with pytest.raises(AnsweredBefore):
+        await logger.log_messages(CID, denies, turn_id="t2")
+
+
 @pytest.mark.parametrize("seed", range(12))
 async def test_the_fold_of_the_stored_messages_is_what_their_turns_and_answers_left_stored(
     backend: Backend, seed: int

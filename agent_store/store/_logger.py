@@ -1469,8 +1469,10 @@ class AgentMessageLogger:
             refused = doc is None and guarded is not query
             if refused and await self._conversations.find_one(query, {"_id": 1}) is not None:
                 assert condition is not None
-                taken_back = given_up(plan, block)
-                await self._give_up(plan.conversation_id, conversation, taken_back=taken_back)
+                taken_back = given_up(plan, block, conversation)
+                await self._give_up(
+                    plan.conversation_id, conversation, taken_back=taken_back, own=block
+                )
                 raise condition.refusal
         return None if doc is None else _moved(plan, reserved, doc, observed=bool(self._observers))
 
@@ -1543,7 +1545,9 @@ class AgentMessageLogger:
         epoch, created = conversation.get("epoch"), conversation.get("created_at")
         same = same_conversation(cid, epoch=epoch, created_at=created)
         with storage_errors("take back what the turn counted"):
-            result = await self._conversations.update_one(*given_back_abandoned(plan, block, same))
+            result = await self._conversations.update_one(
+                *given_back_abandoned(plan, block, same, conversation)
+            )
         if result.matched_count:
             await self._give_up(cid, strict=False)
 
@@ -1993,7 +1997,7 @@ class AgentMessageLogger:
         (`_give_up`): three round trips more (five with the fold). Raising, it is in doubt:
         the turn's retry through this logger finishes it (`_finish_in_doubt`)."""
         try:
-            matched = await self._given_back_once(plan, reserved, documents)
+            matched = await self._given_back_once(plan, reserved, documents, refused=refused)
         except StorageUnavailable:  # in doubt: the turn's retry finishes it (`_finish_in_doubt`)
             self._in_doubt.pop((plan.conversation_id, plan.key), None)
             self._in_doubt[plan.conversation_id, plan.key] = _GiveBack(
@@ -2006,7 +2010,12 @@ class AgentMessageLogger:
             await self._give_up(plan.conversation_id, strict=refused)
 
     async def _given_back_once(
-        self, plan: TurnPlan, reserved: _Reserved, documents: list[dict[str, Any]]
+        self,
+        plan: TurnPlan,
+        reserved: _Reserved,
+        documents: list[dict[str, Any]],
+        *,
+        refused: bool,
     ) -> bool:
         """`_give_back`'s writes: what the insert stored in the block goes, then the block is
         given back (`given_back`, matching once); whether that update matched."""
@@ -2019,7 +2028,7 @@ class AgentMessageLogger:
         shown = await self._shown_before(plan, reserved.first_seq)
         with storage_errors("take back what the turn counted"):
             result = await self._conversations.update_one(
-                *given_back(plan, reserved.first_seq, same, shown)
+                *given_back(plan, reserved.first_seq, same, shown, refused=refused)
             )
         return bool(result.matched_count)
 
@@ -2322,8 +2331,9 @@ class AgentMessageLogger:
         given up for good, and so is what its first reservation counted and listed pending
         (`given_up`, of the block its record names; `_give_up`, as after a move: the pending
         state folded from the stored messages, one or two round trips more)."""
-        taken_back = given_up(plan, refused.block)
-        await self._give_up(plan.conversation_id, conversation, taken_back=taken_back)
+        taken_back = given_up(plan, refused.block, conversation)
+        own = refused.block
+        await self._give_up(plan.conversation_id, conversation, taken_back=taken_back, own=own)
 
     async def _give_up(
         self,
@@ -2332,6 +2342,7 @@ class AgentMessageLogger:
         *,
         taken_back: tuple[dict[str, Any], list[dict[str, Any]]] | None = None,
         strict: bool = True,
+        own: RecordedBlock | None = None,
     ) -> None:
         """After a retry refused a turn that stored nothing, for good (moved, its call would
         follow its answer; a delivery into an inbox closed since): what its first reservation
@@ -2344,10 +2355,12 @@ class AgentMessageLogger:
         that takes back what its reservation counted, once (`given_up`, of the block its record
         names: one round trip more); a block the turn's own reservation took is given back by
         `_give_back`, which folds here. `strict`: False when the turn is stored by another
-        attempt: the fold is then left undone rather than raised about."""
+        attempt: the fold is then left undone rather than raised about. `own`: the block given
+        up (`taken_back`), whose `seq`s no message fills."""
         if taken_back is not None:
             with storage_errors("take back what the turn counted"):
                 await self._conversations.update_one(*taken_back)
+        seqs = range(0) if own is None else range(own.first_seq, own.first_seq + own.count)
         settled = await settle(
             self._conversations,
             self._messages,
@@ -2355,6 +2368,7 @@ class AgentMessageLogger:
             conversation,
             abandon_after=self.rules.abandon_after,
             given_up=True,
+            own=seqs,
         )
         if not settled and strict:
             raise StorageUnavailable(

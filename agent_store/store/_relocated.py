@@ -41,8 +41,14 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.store._driver import storage_errors
-from agent_store.store._fork import fork_turns_of, pending_now
-from agent_store.store._reservation import RESERVED, RecordedBlock, literal, resolved_by_request
+from agent_store.store._fork import fork_turns_of, pending_now, resolved_in_fork
+from agent_store.store._reservation import (
+    RESERVED,
+    RecordedBlock,
+    absent_stays,
+    literal,
+    resolved_by_request,
+)
 from agent_store.store._turns import (
     ANSWERED_READ,
     GAPS_READ,
@@ -50,8 +56,8 @@ from agent_store.store._turns import (
     TurnConflict,
     TurnPlan,
     answered_in,
+    folded_after,
     message_id,
-    pending_after,
 )
 
 MOVED: dict[str, Any] = {
@@ -258,27 +264,104 @@ def looked_up(
     return Looked(stored, asked_past(plan, block, found), refusal)
 
 
+@dataclass(frozen=True)
+class Refold:
+    """What a conversation's stored messages and the answers a person gave leave, folded as
+    pops and forks fold them (`_turns.folded_after`), from the conversation as read."""
+
+    conversation: Mapping[str, Any]
+    """The conversation as read (`_FOLD_READ`, or every field)."""
+    calls: list[PendingCall]
+    prompt: PendingHitl | None
+    resolved: list[str] | None
+    """`resolved_hitl` as the fold leaves it (`_fork.resolved_in_fork`, as a pop sets it): a
+    prompt a person answered that no stored message asks again stays resolved. None (left
+    as it is) while a block other than `own` is reserved and not stored, passed or not: a
+    retry may still move its turn, and an id its reservation asked again, no longer in
+    `resolved_hitl`, tells the move so (`_reservation.relocation`)."""
+
+    def summary(self) -> dict[str, Any]:
+        """The conversation as read with its pending state and resolutions the fold's."""
+        prompt = None if self.prompt is None else self.prompt.model_dump()
+        summary = {
+            **self.conversation,
+            "pending_calls": [c.model_dump() for c in self.calls],
+            "pending_hitl": prompt,
+        }
+        if self.resolved is not None:
+            summary["resolved_hitl"] = self.resolved
+        return summary
+
+
+async def refold(
+    conversations: Any,
+    messages: Any,
+    conversation_id: str,
+    conversation: Mapping[str, Any] | None,
+    *,
+    abandon_after: timedelta,
+    own: range = range(0),
+) -> Refold | None:
+    """The fold of the conversation's stored messages (`Refold`), from `conversation` as
+    read, else read here (one round trip more), and its messages below `message_count` (one
+    more). None when the conversation is gone, or a turn below the end is still being
+    written (its messages are not there to fold). `own`: the `seq`s of the block given back
+    or up, not stored (the resolutions are folded only when no other block is unstored)."""
+    if conversation is None:
+        with storage_errors("read the conversation"):
+            conversation = await conversations.find_one({"_id": conversation_id}, _FOLD_READ)
+        if conversation is None:
+            return None
+    count = int(conversation["message_count"])
+    with storage_errors("read the messages"):
+        docs = await (
+            messages.find({"conversation_id": conversation_id, "seq": {"$lt": count}}).sort(
+                "seq", 1
+            )
+        ).to_list(None)
+    stored = messages_adapter.validate_python(docs)
+    seqs = {m.seq for m in stored}
+    missing = [s for s in range(count) if s not in seqs]
+    gaps = Gaps.of(conversation)
+    if gaps.written(missing, now=utc_now(), abandon_after=abandon_after) is not None:
+        return None
+    answered = answered_in(conversation)
+    folded = folded_after(stored, fork_turns_of(conversation), answered)
+    kept = conversation.get("resolved_hitl") or ()
+    alone = all(s in gaps.popped or s in own for s in missing)
+    resolved = resolved_in_fork(kept, answered, answered, folded) if alone else None
+    return Refold(conversation, folded.calls, folded.hitl, resolved)
+
+
 def refolded(
-    conversation: Mapping[str, Any],
-    calls: Sequence[PendingCall],
-    prompt: PendingHitl | None,
+    fold: Refold, *, resolutions: bool = False
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The filter and update that set a conversation's pending state to `calls` and `prompt`
-    (folded from its messages as `conversation` was read): matching only while no turn
-    reserved (`message_count`) and no pop ran or is under way since; a prompt resolved by
-    request id, even meanwhile, stays resolved."""
+    """The filter and update that set a conversation's pending state to the fold's (from the
+    conversation as it was read): matching only while no turn reserved (`message_count`)
+    and no pop ran or is under way since; a prompt resolved by request id, even meanwhile,
+    stays resolved. With `resolutions`, `resolved_hitl` too, while no answer came since
+    (`answered_prompts` as read)."""
+    conversation = fold.conversation
     pops = int(conversation.get("pops") or 0)
-    query = {
+    query: dict[str, Any] = {
         "_id": conversation["_id"],
         "message_count": Int64(int(conversation["message_count"])),
         "pops": pops if pops else {"$in": [None, 0]},
         "popping": None,
     }
     hitl: Any = literal(None)
-    if prompt is not None:
-        resolved = resolved_by_request(prompt.request_id)
-        hitl = {"$cond": [resolved, literal(None), literal(prompt.model_dump())]}
-    stage = {"pending_calls": literal([c.model_dump() for c in calls]), "pending_hitl": hitl}
+    if fold.prompt is not None:
+        resolved = resolved_by_request(fold.prompt.request_id)
+        hitl = {"$cond": [resolved, literal(None), literal(fold.prompt.model_dump())]}
+    calls = literal([c.model_dump() for c in fold.calls])
+    stage: dict[str, Any] = {"pending_calls": calls, "pending_hitl": hitl}
+    if resolutions and fold.resolved is not None:
+        answers = list(conversation.get("answered_prompts") or ())
+        given = {"$ifNull": ["$answered_prompts", literal([])]}
+        query["$expr"] = {"$eq": [given, literal(answers)]}
+        stage["resolved_hitl"] = absent_stays("resolved_hitl", literal(fold.resolved))
+        if fold.resolved:
+            stage["resolved_hitl"] = literal(fold.resolved)
     return query, [{"$set": stage}]
 
 
@@ -290,38 +373,29 @@ async def settle(
     *,
     abandon_after: timedelta,
     given_up: bool = False,
+    own: range = range(0),
 ) -> bool:
     """After a moved turn's insert: its conversation's pending state folded from the stored
-    messages and written (`refolded`), from `moved` (the conversation as the move left it)
-    first, read again when another turn or a pop changed it meanwhile (a few times). False,
-    leaving the state as the move set it, when a turn below the end is still being written
-    (its messages are not there to fold) or the conversation kept changing.
+    messages and written (`refold`, `refolded`), from `moved` (the conversation as the move
+    left it) first, read again when another turn or a pop changed it meanwhile (a few
+    times). False, leaving the state as the move set it, when a turn below the end is still
+    being written (its messages are not there to fold) or the conversation kept changing.
 
-    `given_up`: after a refused move instead, `moved` being the conversation as the retry
-    read it (every field): the turn is never stored, so the fold leaves out what its first
-    reservation listed; written only when the summary says otherwise."""
+    `given_up`: after a refused move or a block given back instead, `moved` being the
+    conversation as the retry read it (every field), else None: the turn is never stored,
+    so the fold leaves out what its first reservation changed, `resolved_hitl` too (a
+    prompt it asked again under an answered id is resolved again, while no other block is
+    unstored: `Refold.resolved`; `own`, the `seq`s of the block given up, not stored);
+    written only when the summary says otherwise."""
     for _ in range(_FOLD_ATTEMPTS):
-        if moved is None:
-            with storage_errors("read the conversation"):
-                moved = await conversations.find_one({"_id": conversation_id}, _FOLD_READ)
-            if moved is None:
-                return False
-        count = int(moved["message_count"])
-        with storage_errors("read the messages"):
-            docs = await (
-                messages.find({"conversation_id": conversation_id, "seq": {"$lt": count}}).sort(
-                    "seq", 1
-                )
-            ).to_list(None)
-        stored = messages_adapter.validate_python(docs)
-        seqs = {m.seq for m in stored}
-        missing = (s for s in range(count) if s not in seqs)
-        if Gaps.of(moved).written(missing, now=utc_now(), abandon_after=abandon_after) is not None:
+        fold = await refold(
+            conversations, messages, conversation_id, moved, abandon_after=abandon_after, own=own
+        )
+        if fold is None:
             return False
-        calls, prompt = pending_after(stored, fork_turns_of(moved), answered_in(moved))
-        if given_up and _already(moved, calls, prompt):
+        if given_up and _already(fold):
             return True
-        query, update = refolded(moved, calls, prompt)
+        query, update = refolded(fold, resolutions=given_up)
         with storage_errors("set what the moved turn leaves pending"):
             result = await conversations.update_one(query, update)
         if result.matched_count:
@@ -330,15 +404,17 @@ async def settle(
     return False
 
 
-def _already(
-    conversation: Mapping[str, Any], calls: Sequence[PendingCall], prompt: PendingHitl | None
-) -> bool:
-    """Whether the conversation's summary lists `calls` pending and `prompt` already (or no
-    prompt, when a person resolved it by request id)."""
+def _already(fold: Refold) -> bool:
+    """Whether the conversation's summary lists the fold's calls pending and its prompt
+    already (or no prompt, when a person resolved it by request id), and the fold's
+    resolutions."""
+    conversation, prompt = fold.conversation, fold.prompt
     now_calls, now_prompt = pending_now(conversation)
-    if prompt is not None and prompt.request_id in (conversation.get("resolved_hitl") or ()):
+    resolved = conversation.get("resolved_hitl") or ()
+    if prompt is not None and prompt.request_id in resolved:
         prompt = None
-    return now_calls == list(calls) and now_prompt == prompt
+    same = fold.resolved is None or set(resolved) == set(fold.resolved)
+    return same and now_calls == list(fold.calls) and now_prompt == prompt
 
 
 def stored_at(plan: TurnPlan, stored: Sequence[Mapping[str, Any]]) -> int | None:
