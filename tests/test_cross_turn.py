@@ -5176,6 +5176,62 @@ async def _as_stored_and_folded(backend: Backend, store: ConversationStore) -> l
     ]
 
 
+async def test_a_late_retry_with_other_content_denying_a_call_held_again_is_logged(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §2 `approved_calls`: a later prompt naming an approved call holds it again,
+    and a denial of it is then an answer, not refused. t0 makes c0-0 and c0-1 under q0, which
+    the person approves; t1 answers c0-0, makes c1-0 and asks q2 about c0-1 again. t2 [deny
+    c0-1, answer c1-0] reserves and dies (its reservation took both calls off the list); its
+    late retry with other content, denying c0-1 alone, is judged as the conversation stands
+    once t2's block is given back, without what its first reservation changed: logged, as
+    the same content as a new turn is (`check_turn` alike), and c1-0 stays pending."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    t0 = [{"role": "user", "content": "u0"}, _calls("c0-0", "c0-1"), _asks("q0")]
+    await logger.log_messages(CID, t0, turn_id="t0")
+    await store.resolve_hitl(CID, "q0")
+    t1 = [{"role": "user", "content": "u1"}, _answer("c0-0"), _calls("c1-0"),
+          _asks_about("q0", "c1-0"), _asks_about("q2", "c0-1")]  # fmt: skip
+    await logger.log_messages(CID, t1, turn_id="t1")
+    assert await held_state(store) == ([("c0-1", "q2"), ("c1-0", "q0")], "q2")
+    t2 = [{"role": "user", "content": "u2"}, _denial("c0-1"), _answer("c1-0")]
+    await _reserved_only(logger, monkeypatch, t2, "t2")
+    retried = [{"role": "user", "content": "regenerated"}, _denial("c0-1")]
+
+    await logger.check_turn(CID, retried, turn_id="t2")
+    logged = await logger.log_messages(CID, retried, turn_id="t2")
+
+    assert [m.content for m in logged.messages] == ["regenerated", DENIED_RESULT]
+    assert (await pending_state(store))[0] == ["c1-0"]
+    stored, folded = await _as_stored_and_folded(backend, store)
+    assert folded == stored
+
+
+async def test_checking_a_retry_with_other_content_weighs_the_approvals_its_give_back_restores(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LIBRARY.md: `check_turn` raises what `log_messages` does. t0 makes c0 and c1 under q0;
+    the person approves c0 alone; t1 [ask q1 about c0] reserves (holding c0 again) and dies;
+    its late retry with other content denies c0. Its block given back, c0's approval is in
+    force again, so the denial is refused (`AnsweredBefore`) by both, nothing stored."""
+    from agent_store import AnsweredBefore
+
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    t0 = [{"role": "user", "content": "u0"}, _calls("c0", "c1"), _asks_about("q0", "c0", "c1")]
+    await logger.log_messages(CID, t0, turn_id="t0")
+    c0 = [c for c in await store.pending_calls(CID) if c.tool_call_id == "c0"]
+    await store.resolve_hitl(CID, "q0", calls=c0)
+    asks_again = [{"role": "user", "content": "u1"}, _asks_about("q1", "c0")]
+    await _reserved_only(logger, monkeypatch, asks_again, "t1")
+    denies = [{"role": "user", "content": "u1 again"}, _denial("c0")]
+
+    with pytest.raises(AnsweredBefore):
+        await logger.check_turn(CID, denies, turn_id="t1")
+    with pytest.raises(AnsweredBefore):
+        await logger.log_messages(CID, denies, turn_id="t1")
+    assert [m.content for m in await store.transcript(CID)] == ["u0", None, "Sure?"]
+
+
 @pytest.mark.parametrize("answer_retried", [False, True], ids=["asked-again", "answer-retried"])
 async def test_a_block_given_back_leaves_a_prompt_its_reservation_asked_again_resolved(
     backend: Backend, monkeypatch: pytest.MonkeyPatch, answer_retried: bool

@@ -101,6 +101,7 @@ from agent_store.store._relocated import (
     Unwritten,
     looked_up,
     lookup,
+    refold,
     settle,
     stored_at,
 )
@@ -122,6 +123,7 @@ from agent_store.store._reservation import (
     answered_since,
     answers_hold,
     answers_lookup,
+    approvals_left_unstored,
     approved_among,
     being_deleted,
     being_migrated,
@@ -161,6 +163,7 @@ from agent_store.store._turns import (
     TurnPlan,
     TurnRules,
     answered_in,
+    block_ids,
     canonical_documents,
     content_digest,
     held_off_list,
@@ -670,13 +673,13 @@ class AgentMessageLogger:
         off `pending_calls`). One read of the conversation, one more for a new turn with a
         condition; one more for a retry past `abandon_after` (its empty block); two more to
         look a turn up past the kept records, when some were dropped and none names it; two
-        more for a call off `pending_calls`, looked up as `_unanswered` does. Writes nothing
-        of the turn's; a pop under way it finds (`popping`) is finished first, as the turn's
-        reservation finishes it, and the conversation read again (two round trips and a read
-        more, only then).
+        more for a call off `pending_calls`, as `_unanswered` does, or for a retry with
+        other content judged as its give-back leaves the conversation (`_as_given_back`).
+        Writes nothing of the turn's; a pop under way it finds (`popping`) is finished
+        first, as the turn's reservation finishes it, and read again (two round trips and a
+        read more, only then).
         For a caller that records something the turn concerns before logging it
-        (`log_streamed_turn` records an approval first): a turn it raises for then writes
-        nothing at all."""
+        (`log_streamed_turn` records an approval first): a turn it raises for writes nothing."""
         plan, actor, condition = self._planned(
             conversation_id,
             messages,
@@ -693,6 +696,10 @@ class AgentMessageLogger:
         verdict = await self._verdict(plan, actor, found, condition)
         if verdict.block is not None:
             return  # a replay
+        if found is not None and verdict.abandoned is not None:  # judged as given back
+            found = await self._as_given_back(plan, found, verdict.abandoned)
+            _check_as_given_back(plan, found, _refused_prompts(refused_prompts))
+            condition = None
         named = _named_answers(plan, _answers_to(answers_to))
         if found is not None and named:
             refusal = _answers_refusal(plan, named, found)
@@ -703,6 +710,29 @@ class AgentMessageLogger:
         if found is not None and condition is not None:
             conditions = partial(_turn_conditions, plan, None, None, refused_prompts, answers_to)
             await self._check_condition(plan, condition, conditions, (answers_to, refused_prompts))
+
+    async def _as_given_back(
+        self, plan: TurnPlan, found: Mapping[str, Any], block: RecordedBlock
+    ) -> Mapping[str, Any]:
+        """The conversation `found` (as `check_turn` read it) as the give-back of a retry's
+        abandoned block leaves it (`_give_back_abandoned`), without what its first reservation
+        changed: the approvals its messages held again or superseded as before them
+        (`approvals_left_unstored`), its pending state and resolutions folded from the stored
+        messages (`_relocated.refold`: two reads, on that path only; as found while a turn
+        below the end is still being written, as the give-back leaves them then)."""
+        fold = await refold(
+            self._conversations,
+            self._messages,
+            plan.conversation_id,
+            None,
+            abandon_after=self.rules.abandon_after,
+            own=range(block.first_seq, block.first_seq + block.count),
+        )
+        approvals = approvals_left_unstored(
+            found.get("approved_calls") or (), block_ids(plan, block.count)
+        )
+        found = {**found, "approved_calls": approvals}
+        return found if fold is None else {**found, **fold.summary()}
 
     async def _check_condition(
         self,
@@ -1498,7 +1528,7 @@ class AgentMessageLogger:
                 raise looked.refusal
             return _Verdict(block, looked=looked)
         refused = _retry_refusal(plan, conversation, condition)
-        if not isinstance(refused, OtherContent) or plan.turn_id.startswith(FORK_TURN):
+        if plan.turn_id.startswith(FORK_TURN):
             raise refused
         return await self._other_sent(plan, block, conversation, refused)
 
@@ -1507,17 +1537,20 @@ class AgentMessageLogger:
         plan: TurnPlan,
         block: RecordedBlock,
         conversation: Mapping[str, Any],
-        refused: OtherContent,
+        refused: StoreError,
     ) -> _Verdict:
         """A retry sending other content than its turn's record holds (a regenerated answer
         after a lost insert), read only: when a message of the turn is stored, in its block
         or under its ids (one lookup), the block its stored messages hold with this retry's
-        content (`_stored_as_sent`: a replay of it), else `refused`; refused too when its
-        record does not say what it counted. Nothing of it stored: while its first attempt
-        may still insert (reserved less than `abandon_after` ago) StorageUnavailable; past
-        that its block is to be given back (`_Verdict.abandoned`), the turn new, unless a
-        message logged meanwhile answers one of its calls (`Unmovable`, as a retry of its
-        first content: found by the same lookup, `_looked_up`)."""
+        content (`_stored_as_sent`: a replay of it), else `refused` (`_retry_refusal`: the
+        answers the stored turn was logged without, sent again, or other content); refused
+        too when its record does not say what it counted. Nothing of it stored: while its
+        first attempt may still insert (reserved less than `abandon_after` ago)
+        StorageUnavailable; past that its block is to be given back (`_Verdict.abandoned`),
+        the turn new, unless a message logged meanwhile answers one of its calls
+        (`Unmovable`, as a retry of its first content: found by the same lookup,
+        `_looked_up`). A new turn's conditions are then judged as the give-back leaves the
+        conversation, without what its first reservation changed, not by `refused`."""
         looked = await self._looked_up(plan, block, conversation)
         if looked.stored:
             return _Verdict(await self._stored_as_sent(plan, refused))
@@ -3413,6 +3446,38 @@ def _turn_conditions(
     return _joined(at, _held_kept(plan))
 
 
+def _check_as_given_back(
+    plan: TurnPlan, conversation: Mapping[str, Any], refused: Mapping[str, str]
+) -> None:
+    """`check_turn`'s decision on the conditions of a retry with other content whose
+    abandoned block is given back before it reserves as a new turn: judged on
+    `conversation` as the give-back leaves it (`AgentMessageLogger._as_given_back`), which
+    no server holds yet, by the rules the reservation's filter applies (`released_calls`
+    for `denials_hold`, `held_off_list` for `held_calls_kept`); its answers are judged by
+    `_answers_refusal` after this."""
+    denied = _denied(plan, refused)
+    released = released_calls(conversation, denied, refused) if denied else []
+    if released:
+        raise _answered_before(plan, released)
+    held = _held_kept(plan)
+    if held is not None and _held_off(plan, conversation):
+        raise held.refused(conversation)
+
+
+def _held_off(plan: TurnPlan, conversation: Mapping[str, Any]) -> list[PendingCall]:
+    """The calls a prompt holds, unreleased, that the turn's calls would push off the bounded
+    `pending_calls` of `conversation` (`held_off_list`)."""
+    served = awaiting_results(
+        conversation.get("pending_calls") or (),
+        conversation.get("resolved_hitl") or (),
+        conversation.get("approved_calls") or (),
+    )
+    calls = [PendingCall.model_validate(c) for c in served]
+    released = {(c.tool_call_id, c.message_id) for c in calls if c.request_id is None}
+    stored = [PendingCall.model_validate(c) for c in conversation.get("pending_calls") or ()]
+    return held_off_list(plan, stored, released)
+
+
 def _held_kept(plan: TurnPlan) -> Condition | None:
     """The condition of a turn making calls: it pushes no call a prompt holds, unreleased,
     off the bounded `pending_calls` (`held_calls_kept`), else a Conflict naming the prompt
@@ -3426,15 +3491,7 @@ def _held_kept(plan: TurnPlan) -> Condition | None:
     )
 
     def pushed_off(conversation: Mapping[str, Any]) -> StoreError:
-        served = awaiting_results(
-            conversation.get("pending_calls") or (),
-            conversation.get("resolved_hitl") or (),
-            conversation.get("approved_calls") or (),
-        )
-        calls = [PendingCall.model_validate(c) for c in served]
-        released = {(c.tool_call_id, c.message_id) for c in calls if c.request_id is None}
-        stored = [PendingCall.model_validate(c) for c in conversation.get("pending_calls") or ()]
-        off = held_off_list(plan, stored, released)
+        off = _held_off(plan, conversation)
         if not off:
             return every
         return HeldOff(

@@ -7,7 +7,7 @@ refuse a turn already recorded, and where a recorded turn's `seq` block is.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
@@ -804,6 +804,31 @@ def approvals_unstored(
         "superseded_by": {"$cond": [{"$in": [superseded, unstored]}, None, superseded]},
     }
     return [{"$set": _approvals_changed(changes)}]
+
+
+def approvals_left_unstored(
+    approved: Iterable[Any], message_ids: Collection[str]
+) -> list[Mapping[str, Any]]:
+    """`approved_calls` as `approvals_unstored` leaves them, computed from the list as read
+    (`check_turn` weighs a give-back it does not write)."""
+    ids, left = set(message_ids), list[Mapping[str, Any]]()
+    for approval in approved:
+        if not isinstance(approval, Mapping):
+            continue
+        before = [m for m in approval.get("held_before") or () if m not in ids]
+        held_by = approval.get("held_by")
+        if held_by in ids:
+            held_by = before[-1] if before else None
+        superseded = approval.get("superseded_by")
+        left.append(
+            {
+                **approval,
+                "held_by": held_by,
+                "held_before": [m for m in before if m != held_by],
+                "superseded_by": None if superseded in ids else superseded,
+            }
+        )
+    return left
 
 
 def _approved_with(request_id: str, named: dict[str, Any] | None = None) -> dict[str, Any]:
