@@ -4115,6 +4115,42 @@ async def test_a_late_retry_refused_while_a_turn_below_is_being_written_is_retri
     assert await pending_state(store) == await recomputed_state(store) == ([], None)
 
 
+@pytest.mark.parametrize("content", ["same", "other"])
+async def test_a_late_retry_is_not_moved_past_a_turn_still_writing_the_answer_to_its_call(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, content: str
+) -> None:
+    """DESIGN.md §3: a turn whose call a message logged meanwhile answers is not moved, nor
+    is one an answer reserved meanwhile and still on its way may answer. t1 [user, call c1]
+    reserves and dies; t2 [c1's result] reserves on time (its reservation took c1 off the
+    pending calls) and has not inserted yet when t1's late retry comes. Moved past t2's
+    block, t1's call would follow its answer once t2 lands, pending again and run twice: the
+    retry, with its first content or another, is told to come again (`StorageUnavailable`,
+    nothing written, `check_turn` alike), and once t2 is stored it is refused as answered."""
+    from agent_store import Conflict
+
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, _book_it("delete my file", 3), "t1")
+    await _age(backend, "t1")
+    done = [_answer("c1", "removed"), {"role": "assistant", "content": "done"}]
+    await _reserved_only(logger, monkeypatch, done, "t2")  # on time, its insert on its way
+    retried = _book_it("delete my file" if content == "same" else "delete it", 3)
+    before = await backend.db.agent_conversations.find_one({"_id": CID})
+
+    with pytest.raises(StorageUnavailable, match="still being written"):
+        await logger.check_turn(CID, retried, turn_id="t1")
+    with pytest.raises(StorageUnavailable, match="still being written"):
+        await logger.log_messages(CID, retried, turn_id="t1")
+    assert await backend.db.agent_conversations.find_one({"_id": CID}) == before
+    assert [m.content for m in await store.transcript(CID)] == ["go"]
+
+    await logger.log_messages(CID, done, turn_id="t2")  # t2's insert lands
+    with pytest.raises(Conflict, match=r"a later turn answered its call 'c1'"):
+        await logger.log_messages(CID, retried, turn_id="t1")
+    assert [m.content for m in await store.transcript(CID)] == ["go", "removed", "done"]
+    assert await pending_state(store) == await recomputed_state(store) == ([], None)
+
+
 async def _age(backend: Backend, turn_id: str) -> None:
     """Set the turn's record back 30 minutes, past the default `abandon_after`."""
     from datetime import timedelta
@@ -5189,6 +5225,156 @@ async def _as_stored_and_folded(backend: Backend, store: ConversationStore) -> l
         ([(c.tool_call_id, c.message_id, c.request_id) for c in held], request_id)
         for held, request_id in (stored, (calls, prompt.request_id if prompt else None))
     ]
+
+
+async def test_a_late_retry_with_other_content_denying_a_call_held_again_is_logged(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §2 `approved_calls`: a later prompt naming an approved call holds it again,
+    and a denial of it is then an answer, not refused. t0 makes c0-0 and c0-1 under q0, which
+    the person approves; t1 answers c0-0, makes c1-0 and asks q2 about c0-1 again. t2 [deny
+    c0-1, answer c1-0] reserves and dies (its reservation took both calls off the list); its
+    late retry with other content, denying c0-1 alone, is judged as the conversation stands
+    once t2's block is given back, without what its first reservation changed: logged, as
+    the same content as a new turn is (`check_turn` alike), and c1-0 stays pending."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    t0 = [{"role": "user", "content": "u0"}, _calls("c0-0", "c0-1"), _asks("q0")]
+    await logger.log_messages(CID, t0, turn_id="t0")
+    await store.resolve_hitl(CID, "q0")
+    t1 = [{"role": "user", "content": "u1"}, _answer("c0-0"), _calls("c1-0"),
+          _asks_about("q0", "c1-0"), _asks_about("q2", "c0-1")]  # fmt: skip
+    await logger.log_messages(CID, t1, turn_id="t1")
+    assert await held_state(store) == ([("c0-1", "q2"), ("c1-0", "q0")], "q2")
+    t2 = [{"role": "user", "content": "u2"}, _denial("c0-1"), _answer("c1-0")]
+    await _reserved_only(logger, monkeypatch, t2, "t2")
+    retried = [{"role": "user", "content": "regenerated"}, _denial("c0-1")]
+
+    await logger.check_turn(CID, retried, turn_id="t2")
+    logged = await logger.log_messages(CID, retried, turn_id="t2")
+
+    assert [m.content for m in logged.messages] == ["regenerated", DENIED_RESULT]
+    assert (await pending_state(store))[0] == ["c1-0"]
+    stored, folded = await _as_stored_and_folded(backend, store)
+    assert folded == stored
+
+
+async def test_checking_a_retry_with_other_content_weighs_the_approvals_its_give_back_restores(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LIBRARY.md: `check_turn` raises what `log_messages` does. t0 makes c0 and c1 under q0;
+    the person approves c0 alone; t1 [ask q1 about c0] reserves (holding c0 again) and dies;
+    its late retry with other content denies c0. Its block given back, c0's approval is in
+    force again, so the denial is refused (`AnsweredBefore`) by both, nothing stored."""
+    from agent_store import AnsweredBefore
+
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    t0 = [{"role": "user", "content": "u0"}, _calls("c0", "c1"), _asks_about("q0", "c0", "c1")]
+    await logger.log_messages(CID, t0, turn_id="t0")
+    c0 = [c for c in await store.pending_calls(CID) if c.tool_call_id == "c0"]
+    await store.resolve_hitl(CID, "q0", calls=c0)
+    asks_again = [{"role": "user", "content": "u1"}, _asks_about("q1", "c0")]
+    await _reserved_only(logger, monkeypatch, asks_again, "t1")
+    denies = [{"role": "user", "content": "u1 again"}, _denial("c0")]
+
+    with pytest.raises(AnsweredBefore):
+        await logger.check_turn(CID, denies, turn_id="t1")
+    with pytest.raises(AnsweredBefore):
+        await logger.log_messages(CID, denies, turn_id="t1")
+    assert [m.content for m in await store.transcript(CID)] == ["u0", None, "Sure?"]
+
+
+@pytest.mark.parametrize("answer_retried", [False, True], ids=["asked-again", "answer-retried"])
+async def test_a_block_given_back_leaves_a_prompt_its_reservation_asked_again_resolved(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, answer_retried: bool
+) -> None:
+    """DESIGN.md §2 `resolved_hitl`, §3: a block given back leaves the summary the fold of the
+    stored messages and answers leaves. t0 makes c0 under q0, which the person resolves; t1
+    [ask q0 again] reserves (taking q0 out of `resolved_hitl`) and dies; its late retry with
+    other content gives the block back, so q0, asked again by no stored message, is
+    resolved again: a retry of the person's answer writes nothing, and once t2 asks q0
+    anew the pending state stored is the fold's."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    t0 = [{"role": "user", "content": "book it"}, _calls("c0"), _asks_about("q0", "c0")]
+    await logger.log_messages(CID, t0, turn_id="t0")
+    await store.resolve_hitl(CID, "q0")
+    asks_again = [{"role": "user", "content": "and?"}, {"role": "assistant", "content": "hm"}]
+    await _reserved_only(logger, monkeypatch, [*asks_again, _asks("q0")], "t1")
+    regenerated = [{"role": "user", "content": "and? (regenerated)"}]
+    await logger.log_messages(CID, [*regenerated, {"role": "assistant", "content": "ok"}],
+                              turn_id="t1")  # fmt: skip
+
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert doc["resolved_hitl"] == ["q0"]
+    answers = doc["answered_prompts"]
+    if answer_retried:
+        await store.resolve_hitl(CID, "q0")  # the person's answer, retried: writes nothing
+        doc = await backend.db.agent_conversations.find_one({"_id": CID})
+        assert doc["answered_prompts"] == answers
+    t2 = [{"role": "user", "content": "now the hotel"}, _calls("c2"), _asks("q0")]
+    await logger.log_messages(CID, t2, turn_id="t2")
+    stored, folded = await _as_stored_and_folded(backend, store)
+    assert folded == stored
+
+
+async def test_a_turn_given_up_leaves_an_id_another_unstored_turn_asked_again_unresolved(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, with another turn's block reserved and not stored when a turn is given up:
+    t3 asks q0 again (its reservation took q0 out of `resolved_hitl`) and dies; t1's late
+    retry is refused (t2 answered its call) and given up. Its fold does not resolve q0
+    again: t3 may still be moved, and q0 off the list tells its move the question is asked
+    anew. Moved, t3's question is pending, as the fold of the stored messages says."""
+    from agent_store import Conflict
+
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "u0"}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, [{"role": "user", "content": "u1"},
+                                               _calls("c1")], "t1")  # fmt: skip
+    t2 = [{"role": "user", "content": "u2"}, _answer("c1"), _calls("c2"), _asks_about("q0", "c2")]
+    await logger.log_messages(CID, t2, turn_id="t2")
+    await store.resolve_hitl(CID, "q0")
+    t3 = [{"role": "user", "content": "u3"}, _asks("q0")]
+    await _reserved_only(logger, monkeypatch, t3, "t3")
+    with pytest.raises(Conflict, match="a later turn answered its call 'c1'"):
+        await logger.log_messages(CID, [{"role": "user", "content": "u1"}, _calls("c1")],
+                                  turn_id="t1")  # fmt: skip
+
+    await logger.log_messages(CID, t3, turn_id="t3")
+
+    stored, folded = await _as_stored_and_folded(backend, store)
+    assert folded == stored
+    assert stored[1] == "q0"
+
+
+async def test_a_block_given_back_leaves_an_approval_its_prompt_held_again_in_force(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §2 `approved_calls`: a later prompt naming an approved call holds it again,
+    until that prompt is gone (a pop of it puts the approval back in force); a prompt of a
+    block given back was never stored. t0 makes c0 and c1 under q0; the person approves c0
+    alone; t1 [ask q1 about c0] reserves (holding c0 again) and dies; its late retry with
+    other content gives the block back: c0 is served released again, and a denial of it is
+    refused (`AnsweredBefore`), as before t1."""
+    from agent_store import AnsweredBefore
+
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    t0 = [{"role": "user", "content": "u0"}, _calls("c0", "c1"), _asks_about("q0", "c0", "c1")]
+    await logger.log_messages(CID, t0, turn_id="t0")
+    c0 = [c for c in await store.pending_calls(CID) if c.tool_call_id == "c0"]
+    await store.resolve_hitl(CID, "q0", calls=c0)
+    assert await held_state(store) == ([("c0", None), ("c1", "q0")], None)
+    asks_again = [{"role": "user", "content": "u1"}, _asks_about("q1", "c0")]
+    await _reserved_only(logger, monkeypatch, asks_again, "t1")
+    assert await held_state(store) == ([("c0", "q1"), ("c1", "q0")], "q1")
+
+    await logger.log_messages(CID, [{"role": "user", "content": "u1 again"}], turn_id="t1")
+
+    assert await held_state(store) == ([("c0", None), ("c1", "q0")], None)
+    denies = [{"role": "user", "content": "u2"}, _denial("c0")]
+    with pytest.raises(AnsweredBefore):
+        await logger.check_turn(CID, denies, turn_id="t2")
+    with pytest.raises(AnsweredBefore):
+        await logger.log_messages(CID, denies, turn_id="t2")
 
 
 @pytest.mark.parametrize("seed", range(12))

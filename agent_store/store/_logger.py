@@ -99,8 +99,10 @@ from agent_store.store._relocated import (
     MOVED,
     Looked,
     Unmovable,
+    Unwritten,
     looked_up,
     lookup,
+    refold,
     settle,
     stored_at,
 )
@@ -122,6 +124,7 @@ from agent_store.store._reservation import (
     answered_since,
     answers_hold,
     answers_lookup,
+    approvals_left_unstored,
     approved_among,
     being_deleted,
     being_migrated,
@@ -161,6 +164,7 @@ from agent_store.store._turns import (
     TurnPlan,
     TurnRules,
     answered_in,
+    block_ids,
     canonical_documents,
     content_digest,
     held_off_list,
@@ -670,13 +674,13 @@ class AgentMessageLogger:
         off `pending_calls`). One read of the conversation, one more for a new turn with a
         condition; one more for a retry past `abandon_after` (its empty block); two more to
         look a turn up past the kept records, when some were dropped and none names it; two
-        more for a call off `pending_calls`, looked up as `_unanswered` does. Writes nothing
-        of the turn's; a pop under way it finds (`popping`) is finished first, as the turn's
-        reservation finishes it, and the conversation read again (two round trips and a read
-        more, only then).
+        more for a call off `pending_calls`, as `_unanswered` does, or for a retry with
+        other content judged as its give-back leaves the conversation (`_as_given_back`).
+        Writes nothing of the turn's; a pop under way it finds (`popping`) is finished
+        first, as the turn's reservation finishes it, and read again (two round trips and a
+        read more, only then).
         For a caller that records something the turn concerns before logging it
-        (`log_streamed_turn` records an approval first): a turn it raises for then writes
-        nothing at all."""
+        (`log_streamed_turn` records an approval first): a turn it raises for writes nothing."""
         plan, actor, condition = self._planned(
             conversation_id,
             messages,
@@ -693,6 +697,10 @@ class AgentMessageLogger:
         verdict = await self._verdict(plan, actor, found, condition)
         if verdict.block is not None:
             return  # a replay
+        if found is not None and verdict.abandoned is not None:  # judged as given back
+            found = await self._as_given_back(plan, found, verdict.abandoned)
+            _check_as_given_back(plan, found, _refused_prompts(refused_prompts))
+            condition = None
         named = _named_answers(plan, _answers_to(answers_to))
         if found is not None and named:
             refusal = _answers_refusal(plan, named, found)
@@ -703,6 +711,29 @@ class AgentMessageLogger:
         if found is not None and condition is not None:
             conditions = partial(_turn_conditions, plan, None, None, refused_prompts, answers_to)
             await self._check_condition(plan, condition, conditions, (answers_to, refused_prompts))
+
+    async def _as_given_back(
+        self, plan: TurnPlan, found: Mapping[str, Any], block: RecordedBlock
+    ) -> Mapping[str, Any]:
+        """The conversation `found` (as `check_turn` read it) as the give-back of a retry's
+        abandoned block leaves it (`_give_back_abandoned`), without what its first reservation
+        changed: the approvals its messages held again or superseded as before them
+        (`approvals_left_unstored`), its pending state and resolutions folded from the stored
+        messages (`_relocated.refold`: two reads, on that path only; as found while a turn
+        below the end is still being written, as the give-back leaves them then)."""
+        fold = await refold(
+            self._conversations,
+            self._messages,
+            plan.conversation_id,
+            None,
+            abandon_after=self.rules.abandon_after,
+            own=range(block.first_seq, block.first_seq + block.count),
+        )
+        approvals = approvals_left_unstored(
+            found.get("approved_calls") or (), block_ids(plan, block.count)
+        )
+        found = {**found, "approved_calls": approvals}
+        return found if fold is None else {**found, **fold.summary()}
 
     async def _check_condition(
         self,
@@ -1424,7 +1455,7 @@ class AgentMessageLogger:
             by = None if age is None else _insert_by(self.rules, checked, age)
             return replace(reserved, insert_by=by)
         if looked is None:
-            looked = await self._looked_up(plan, block)
+            looked = await self._looked_up(plan, block, conversation)
         if looked.refusal is not None:
             raise looked.refusal
         stored = _of_the_turn(plan, looked.stored)
@@ -1469,8 +1500,10 @@ class AgentMessageLogger:
             refused = doc is None and guarded is not query
             if refused and await self._conversations.find_one(query, {"_id": 1}) is not None:
                 assert condition is not None
-                taken_back = given_up(plan, block)
-                await self._give_up(plan.conversation_id, conversation, taken_back=taken_back)
+                taken_back = given_up(plan, block, conversation)
+                await self._give_up(
+                    plan.conversation_id, conversation, taken_back=taken_back, own=block
+                )
                 raise condition.refusal
         return None if doc is None else _moved(plan, reserved, doc, observed=bool(self._observers))
 
@@ -1491,28 +1524,35 @@ class AgentMessageLogger:
         if block.count == plan.count and plan.matches(block.digest):
             if not self._passed(block):
                 return _Verdict(block)
-            looked = await self._looked_up(plan, block)  # moved unless stored
+            looked = await self._looked_up(plan, block, conversation)  # moved unless stored
             if looked.refusal is not None:
                 raise looked.refusal
             return _Verdict(block, looked=looked)
         refused = _retry_refusal(plan, conversation, condition)
-        if not isinstance(refused, OtherContent) or plan.turn_id.startswith(FORK_TURN):
+        if plan.turn_id.startswith(FORK_TURN):
             raise refused
-        return await self._other_sent(plan, block, refused)
+        return await self._other_sent(plan, block, conversation, refused)
 
     async def _other_sent(
-        self, plan: TurnPlan, block: RecordedBlock, refused: OtherContent
+        self,
+        plan: TurnPlan,
+        block: RecordedBlock,
+        conversation: Mapping[str, Any],
+        refused: StoreError,
     ) -> _Verdict:
         """A retry sending other content than its turn's record holds (a regenerated answer
         after a lost insert), read only: when a message of the turn is stored, in its block
         or under its ids (one lookup), the block its stored messages hold with this retry's
-        content (`_stored_as_sent`: a replay of it), else `refused`; refused too when its
-        record does not say what it counted. Nothing of it stored: while its first attempt
-        may still insert (reserved less than `abandon_after` ago) StorageUnavailable; past
-        that its block is to be given back (`_Verdict.abandoned`), the turn new, unless a
-        message logged meanwhile answers one of its calls (`Unmovable`, as a retry of its
-        first content: found by the same lookup, `_looked_up`)."""
-        looked = await self._looked_up(plan, block)
+        content (`_stored_as_sent`: a replay of it), else `refused` (`_retry_refusal`: the
+        answers the stored turn was logged without, sent again, or other content); refused
+        too when its record does not say what it counted. Nothing of it stored: while its
+        first attempt may still insert (reserved less than `abandon_after` ago)
+        StorageUnavailable; past that its block is to be given back (`_Verdict.abandoned`),
+        the turn new, unless a message logged meanwhile answers one of its calls
+        (`Unmovable`, as a retry of its first content: found by the same lookup,
+        `_looked_up`). A new turn's conditions are then judged as the give-back leaves the
+        conversation, without what its first reservation changed, not by `refused`."""
+        looked = await self._looked_up(plan, block, conversation)
         if looked.stored:
             return _Verdict(await self._stored_as_sent(plan, refused))
         if block.counted is None or block.reserved_at is None:
@@ -1539,7 +1579,9 @@ class AgentMessageLogger:
         epoch, created = conversation.get("epoch"), conversation.get("created_at")
         same = same_conversation(cid, epoch=epoch, created_at=created)
         with storage_errors("take back what the turn counted"):
-            result = await self._conversations.update_one(*given_back_abandoned(plan, block, same))
+            result = await self._conversations.update_one(
+                *given_back_abandoned(plan, block, same, conversation)
+            )
         if result.matched_count:
             await self._give_up(cid, strict=False)
 
@@ -1991,7 +2033,7 @@ class AgentMessageLogger:
         more (four for a turn with user text; two more with the fold). Raising, it is in doubt:
         the turn's retry through this logger finishes it (`_finish_in_doubt`)."""
         try:
-            matched = await self._given_back_once(plan, reserved, documents)
+            matched = await self._given_back_once(plan, reserved, documents, refused=refused)
         except StorageUnavailable:  # in doubt: the turn's retry finishes it (`_finish_in_doubt`)
             self._in_doubt.pop((plan.conversation_id, plan.key), None)
             self._in_doubt[plan.conversation_id, plan.key] = _GiveBack(
@@ -2004,7 +2046,12 @@ class AgentMessageLogger:
             await self._give_up(plan.conversation_id, strict=refused)
 
     async def _given_back_once(
-        self, plan: TurnPlan, reserved: _Reserved, documents: list[dict[str, Any]]
+        self,
+        plan: TurnPlan,
+        reserved: _Reserved,
+        documents: list[dict[str, Any]],
+        *,
+        refused: bool,
     ) -> bool:
         """`_give_back`'s writes: what the insert stored in the block goes, then the block is
         given back (`given_back`, matching once); whether that update matched."""
@@ -2015,7 +2062,7 @@ class AgentMessageLogger:
             )  # fmt: skip
         same = _same_as_reserved(plan.conversation_id, reserved)
         shown = await self._shown_before(plan, reserved.first_seq)
-        query, update = given_back(plan, reserved.first_seq, same, shown)
+        query, update = given_back(plan, reserved.first_seq, same, shown, refused=refused)
         if plan.auto_name_from is not None:  # the name its reservation may have given goes
             update.append({"$set": await self._named_without(plan, reserved)})
         with storage_errors("take back what the turn counted"):
@@ -2303,7 +2350,9 @@ class AgentMessageLogger:
         found.sort(key=lambda d: int(d["seq"]))  # a server answers an unsorted find any order
         return _of_the_turn(plan, found)
 
-    async def _looked_up(self, plan: TurnPlan, block: RecordedBlock) -> Looked:
+    async def _looked_up(
+        self, plan: TurnPlan, block: RecordedBlock, conversation: Mapping[str, Any]
+    ) -> Looked:
         """The lookup of a retry's empty block (its record's) before the turn is logged at
         the end in its place, read only: moved with the same content, the block given back
         with other content (`_relocated.lookup`, moving, and `looked_up`: one find). It finds
@@ -2311,10 +2360,16 @@ class AgentMessageLogger:
         not logged at the end), the prompts past it under the turn's request ids, and the
         later messages that answer a call the retry makes, for which it is refused
         (`Looked.refusal`, raised by `_verdict` or the move: `check_turn` raises it as
-        `log_messages` does, which then gives the turn up, `_given_up_for`)."""
+        `log_messages` does, which then gives the turn up, `_given_up_for`); and, when a
+        call of the turn is off `pending_calls` in `conversation` (as read), the messages of
+        the blocks past it still being written (`Unwritten`): one of them unstored, the
+        retry is told to come again (StorageUnavailable), nothing given up."""
+        rules = self.rules
+        unwritten = Unwritten.of(plan, block, conversation, abandon_after=rules.abandon_after)
+        query = lookup(plan, block, moving=True, unwritten=unwritten)
         with storage_errors("read the turn's messages"):
-            found = await self._messages.find(lookup(plan, block, moving=True)).to_list(None)
-        return looked_up(plan, block, found)
+            found = await self._messages.find(query).to_list(None)
+        return looked_up(plan, block, found, unwritten)
 
     def _passed(self, block: RecordedBlock) -> bool:
         """Whether tail readers may have passed the block (reserved `abandon_after` ago, on
@@ -2329,8 +2384,9 @@ class AgentMessageLogger:
         given up for good, and so is what its first reservation counted and listed pending
         (`given_up`, of the block its record names; `_give_up`, as after a move: the pending
         state folded from the stored messages, one or two round trips more)."""
-        taken_back = given_up(plan, refused.block)
-        await self._give_up(plan.conversation_id, conversation, taken_back=taken_back)
+        taken_back = given_up(plan, refused.block, conversation)
+        own = refused.block
+        await self._give_up(plan.conversation_id, conversation, taken_back=taken_back, own=own)
 
     async def _give_up(
         self,
@@ -2339,6 +2395,7 @@ class AgentMessageLogger:
         *,
         taken_back: tuple[dict[str, Any], list[dict[str, Any]]] | None = None,
         strict: bool = True,
+        own: RecordedBlock | None = None,
     ) -> None:
         """After a retry refused a turn that stored nothing, for good (moved, its call would
         follow its answer; a delivery into an inbox closed since): what its first reservation
@@ -2351,10 +2408,12 @@ class AgentMessageLogger:
         that takes back what its reservation counted, once (`given_up`, of the block its record
         names: one round trip more); a block the turn's own reservation took is given back by
         `_give_back`, which folds here. `strict`: False when the turn is stored by another
-        attempt: the fold is then left undone rather than raised about."""
+        attempt: the fold is then left undone rather than raised about. `own`: the block given
+        up (`taken_back`), whose `seq`s no message fills."""
         if taken_back is not None:
             with storage_errors("take back what the turn counted"):
                 await self._conversations.update_one(*taken_back)
+        seqs = range(0) if own is None else range(own.first_seq, own.first_seq + own.count)
         settled = await settle(
             self._conversations,
             self._messages,
@@ -2363,6 +2422,7 @@ class AgentMessageLogger:
             abandon_after=self.rules.abandon_after,
             name_chars=self.rules.name_chars,
             given_up=True,
+            own=seqs,
         )
         if not settled and strict:
             raise StorageUnavailable(
@@ -2805,6 +2865,7 @@ _CHECKED_FIELDS = {
     DELETING: 1,
     "popping": 1,
     "turns": 1,
+    "popped_seqs": 1,
     "turns_dropped": 1,
     "message_count": 1,
     "pending_calls": 1,
@@ -2812,7 +2873,8 @@ _CHECKED_FIELDS = {
     "resolved_hitl": 1,
 }
 """What `AgentMessageLogger.check_turn` reads of the conversation: what `_verdict` decides by
-(its owner, a delete's mark, the turn records and whether some were dropped), a pop under way
+(its owner, a delete's mark, the turn records and whether some were dropped, the gaps and
+pending calls a late retry's lookup weighs, `Unwritten`), a pop under way
 (finished before anything is decided), and what tells
 a turn's answers from those the conversation settled before (`_retry_refusal`,
 `_answers_refusal`)."""
@@ -3464,6 +3526,38 @@ def _turn_conditions(
     return _joined(at, _held_kept(plan))
 
 
+def _check_as_given_back(
+    plan: TurnPlan, conversation: Mapping[str, Any], refused: Mapping[str, str]
+) -> None:
+    """`check_turn`'s decision on the conditions of a retry with other content whose
+    abandoned block is given back before it reserves as a new turn: judged on
+    `conversation` as the give-back leaves it (`AgentMessageLogger._as_given_back`), which
+    no server holds yet, by the rules the reservation's filter applies (`released_calls`
+    for `denials_hold`, `held_off_list` for `held_calls_kept`); its answers are judged by
+    `_answers_refusal` after this."""
+    denied = _denied(plan, refused)
+    released = released_calls(conversation, denied, refused) if denied else []
+    if released:
+        raise _answered_before(plan, released)
+    held = _held_kept(plan)
+    if held is not None and _held_off(plan, conversation):
+        raise held.refused(conversation)
+
+
+def _held_off(plan: TurnPlan, conversation: Mapping[str, Any]) -> list[PendingCall]:
+    """The calls a prompt holds, unreleased, that the turn's calls would push off the bounded
+    `pending_calls` of `conversation` (`held_off_list`)."""
+    served = awaiting_results(
+        conversation.get("pending_calls") or (),
+        conversation.get("resolved_hitl") or (),
+        conversation.get("approved_calls") or (),
+    )
+    calls = [PendingCall.model_validate(c) for c in served]
+    released = {(c.tool_call_id, c.message_id) for c in calls if c.request_id is None}
+    stored = [PendingCall.model_validate(c) for c in conversation.get("pending_calls") or ()]
+    return held_off_list(plan, stored, released)
+
+
 def _held_kept(plan: TurnPlan) -> Condition | None:
     """The condition of a turn making calls: it pushes no call a prompt holds, unreleased,
     off the bounded `pending_calls` (`held_calls_kept`), else a Conflict naming the prompt
@@ -3477,15 +3571,7 @@ def _held_kept(plan: TurnPlan) -> Condition | None:
     )
 
     def pushed_off(conversation: Mapping[str, Any]) -> StoreError:
-        served = awaiting_results(
-            conversation.get("pending_calls") or (),
-            conversation.get("resolved_hitl") or (),
-            conversation.get("approved_calls") or (),
-        )
-        calls = [PendingCall.model_validate(c) for c in served]
-        released = {(c.tool_call_id, c.message_id) for c in calls if c.request_id is None}
-        stored = [PendingCall.model_validate(c) for c in conversation.get("pending_calls") or ()]
-        off = held_off_list(plan, stored, released)
+        off = _held_off(plan, conversation)
         if not off:
             return every
         return HeldOff(

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from bson import Int64
@@ -35,14 +35,21 @@ from agent_store.core import (
     AgentMessage,
     PendingCall,
     PendingHitl,
+    StorageUnavailable,
     answers_to_calls,
     messages_adapter,
     utc_now,
 )
 from agent_store.store._driver import storage_errors
-from agent_store.store._fork import fork_turns_of, pending_now
+from agent_store.store._fork import fork_turns_of, pending_now, resolved_in_fork
 from agent_store.store._naming import first_named, renamed
-from agent_store.store._reservation import RESERVED, RecordedBlock, literal, resolved_by_request
+from agent_store.store._reservation import (
+    RESERVED,
+    RecordedBlock,
+    absent_stays,
+    literal,
+    resolved_by_request,
+)
 from agent_store.store._turns import (
     ANSWERED_READ,
     GAPS_READ,
@@ -50,8 +57,8 @@ from agent_store.store._turns import (
     TurnConflict,
     TurnPlan,
     answered_in,
+    folded_after,
     message_id,
-    pending_after,
 )
 
 MOVED: dict[str, Any] = {
@@ -84,13 +91,20 @@ def _own_ids(plan: TurnPlan, block: RecordedBlock) -> set[str]:
     return {message_id(plan.conversation_id, plan.turn_id, i) for i in range(count)}
 
 
-def lookup(plan: TurnPlan, block: RecordedBlock, *, moving: bool = False) -> dict[str, Any]:
+def lookup(
+    plan: TurnPlan,
+    block: RecordedBlock,
+    *,
+    moving: bool = False,
+    unwritten: Unwritten | None = None,
+) -> dict[str, Any]:
     """The messages stored in the turn's block and, `moving`, the turn's own messages
     wherever they are (by their stable ids: an earlier attempt's insert may have landed in a
     block the turn left), for a turn that makes calls the messages past the block that
-    make or answer a call of the same ids, and for a turn that raises prompts the prompts
-    past the block asked under the same request ids (`asked_past`): one find, as the
-    block's alone."""
+    make or answer a call of the same ids, for a turn that raises prompts the prompts
+    past the block asked under the same request ids (`asked_past`), and with `unwritten`
+    every message from its `from_seq` on (which of those blocks are stored): one find, as
+    the block's alone."""
     first, past = block.first_seq, block.first_seq + block.count
     query: dict[str, Any] = {"conversation_id": plan.conversation_id}
     in_block = {"seq": {"$gte": first, "$lt": past}}
@@ -106,6 +120,8 @@ def lookup(plan: TurnPlan, block: RecordedBlock, *, moving: bool = False) -> dic
     if plan.raised_requests:
         raised = list(plan.raised_requests)
         answering.append({**later, "hitl_action.request_id": {"$in": raised}})
+    if unwritten is not None:
+        answering.append({"seq": {"$gte": unwritten.from_seq}})
     own = {"_id": {"$in": sorted(_own_ids(plan, block))}}
     return {**query, "$or": [in_block, own, *answering]}
 
@@ -134,6 +150,59 @@ def answered_later(plan: TurnPlan, later: Sequence[AgentMessage]) -> list[str]:
     )
 
 
+@dataclass(frozen=True)
+class Unwritten:
+    """The blocks reserved past a turn's empty block that tail readers may not pass yet (a
+    turn still writing there, younger than `abandon_after`), when one of them may answer a
+    call of the turn: one the turn leaves open is off `pending_calls`, where its first
+    reservation listed it (by the id of the message making it), so a later reservation may
+    have taken it off, answering it (`of`). Until those blocks are stored, the turn is not
+    logged past them (`looked_up`): `StorageUnavailable`, retry shortly."""
+
+    gaps: Gaps
+    from_seq: int
+    """The first `seq` past the block that a turn may still be writing."""
+    message_count: int
+    now: datetime
+    abandon_after: timedelta
+
+    @classmethod
+    def of(
+        cls,
+        plan: TurnPlan,
+        block: RecordedBlock,
+        conversation: Mapping[str, Any],
+        *,
+        abandon_after: timedelta,
+    ) -> Unwritten | None:
+        """The blocks past `block` still being written as `conversation` (read with
+        `GAPS_READ`, `message_count` and `pending_calls`) records them, when a call of the turn
+        is off its pending calls; None when none may answer one (no call off the list, or
+        every block past it older than `abandon_after`)."""
+        listed = {
+            (c.get("tool_call_id"), c.get("message_id"))
+            for c in conversation.get("pending_calls") or ()
+            if isinstance(c, Mapping)
+        }
+        opened = {(c.tool_call_id, c.message_id) for c in plan.opened_calls}
+        if opened <= listed:
+            return None
+        now, gaps = utc_now(), Gaps.of(conversation)
+        unpassed = gaps.unpassed_from(now=now, abandon_after=abandon_after)
+        start = max(block.first_seq + block.count, unpassed or 0)
+        count = int(conversation.get("message_count") or 0)
+        if unpassed is None or start >= count:
+            return None
+        return cls(gaps, start, count, now, abandon_after)
+
+    def written(self, found: Sequence[Mapping[str, Any]]) -> int | None:
+        """The first `seq` from `from_seq` that no message of `found` (`lookup`) is stored at
+        and a turn is still writing (`Gaps.written`); None when all are stored or passed."""
+        stored = {int(d["seq"]) for d in found}
+        missing = (s for s in range(self.from_seq, self.message_count) if s not in stored)
+        return self.gaps.written(missing, now=self.now, abandon_after=self.abandon_after)
+
+
 class Unmovable(TurnConflict):
     """A retry of a turn that stored nothing in the block it reserved, to be logged at the
     end in its place (moved, or, with other content, the block given back), whose call a
@@ -155,23 +224,31 @@ class Looked:
     order: when any, the turn is stored there, not logged at the end."""
     asked: dict[str, int]
     """`asked_past`."""
-    refusal: Unmovable | None
+    refusal: Unmovable | StorageUnavailable | None
     """None stored and a later message answering one of the retry's calls: the refusal of
-    logging it at the end, raised by whichever retry would (same content or other)."""
+    logging it at the end, raised by whichever retry would (same content or other); or,
+    none stored answering one, a block past it still being written that may
+    (`Unwritten`): StorageUnavailable, retry shortly, nothing given up."""
 
 
-def looked_up(plan: TurnPlan, block: RecordedBlock, found: Sequence[Any]) -> Looked:
-    """What `lookup` (moving) found of the turn's block, read in any order. The one check
-    of a turn logged at the end in place of its empty block, whatever content the retry
-    sends: refused (`Looked.refusal`) when nothing is stored and a later message answers
-    one of the retry's calls."""
+def looked_up(
+    plan: TurnPlan,
+    block: RecordedBlock,
+    found: Sequence[Any],
+    unwritten: Unwritten | None = None,
+) -> Looked:
+    """What `lookup` (moving, with `unwritten`) found of the turn's block, read in any
+    order. The one check of a turn logged at the end in place of its empty block, whatever
+    content the retry sends: refused (`Looked.refusal`) when nothing is stored and a later
+    message answers one of the retry's calls, or a block past it that may answer one is
+    still being written (`Unwritten.written`)."""
     found = sorted(found, key=lambda d: int(d["seq"]))  # a server answers any order
     first, past = block.first_seq, block.first_seq + block.count
     ids = _own_ids(plan, block)
     stored = [d for d in found if first <= d["seq"] < past or d["_id"] in ids]
     later = [d for d in found if d["seq"] >= past and d["_id"] not in ids]
     answered = [] if stored else answered_later(plan, messages_adapter.validate_python(later))
-    refusal = None
+    refusal: Unmovable | StorageUnavailable | None = None
     if answered:
         names = ", ".join(repr(call_id) for call_id in answered)
         refusal = Unmovable(
@@ -181,30 +258,116 @@ def looked_up(plan: TurnPlan, block: RecordedBlock, found: Sequence[Any]) -> Loo
             "still needs as a new turn",
             block,
         )
+    elif not stored and unwritten is not None and (at := unwritten.written(found)) is not None:
+        refusal = StorageUnavailable(
+            f"a later turn of conversation {plan.conversation_id!r} is still being written at "
+            f"seq {at} and may answer a call of turn {plan.turn_id!r}, which reserved seq "
+            f"{block.first_seq} and stored nothing: retry shortly (the turn is not logged "
+            "past that answer)"
+        )
     return Looked(stored, asked_past(plan, block, found), refusal)
 
 
+@dataclass(frozen=True)
+class Refold:
+    """What a conversation's stored messages and the answers a person gave leave, folded as
+    pops and forks fold them (`_turns.folded_after`), from the conversation as read."""
+
+    conversation: Mapping[str, Any]
+    """The conversation as read (`_FOLD_READ`, or every field)."""
+    calls: list[PendingCall]
+    prompt: PendingHitl | None
+    resolved: list[str] | None
+    """`resolved_hitl` as the fold leaves it (`_fork.resolved_in_fork`, as a pop sets it): a
+    prompt a person answered that no stored message asks again stays resolved. None (left
+    as it is) while a block other than `own` is reserved and not stored, passed or not: a
+    retry may still move its turn, and an id its reservation asked again, no longer in
+    `resolved_hitl`, tells the move so (`_reservation.relocation`)."""
+    stored: Sequence[AgentMessage] = ()
+    """The stored messages folded, in `seq` order."""
+
+    def summary(self) -> dict[str, Any]:
+        """The conversation as read with its pending state and resolutions the fold's."""
+        prompt = None if self.prompt is None else self.prompt.model_dump()
+        summary = {
+            **self.conversation,
+            "pending_calls": [c.model_dump() for c in self.calls],
+            "pending_hitl": prompt,
+        }
+        if self.resolved is not None:
+            summary["resolved_hitl"] = self.resolved
+        return summary
+
+
+async def refold(
+    conversations: Any,
+    messages: Any,
+    conversation_id: str,
+    conversation: Mapping[str, Any] | None,
+    *,
+    abandon_after: timedelta,
+    own: range = range(0),
+) -> Refold | None:
+    """The fold of the conversation's stored messages (`Refold`), from `conversation` as
+    read, else read here (one round trip more), and its messages below `message_count` (one
+    more). None when the conversation is gone, or a turn below the end is still being
+    written (its messages are not there to fold). `own`: the `seq`s of the block given back
+    or up, not stored (the resolutions are folded only when no other block is unstored)."""
+    if conversation is None:
+        with storage_errors("read the conversation"):
+            conversation = await conversations.find_one({"_id": conversation_id}, _FOLD_READ)
+        if conversation is None:
+            return None
+    count = int(conversation["message_count"])
+    with storage_errors("read the messages"):
+        docs = await (
+            messages.find({"conversation_id": conversation_id, "seq": {"$lt": count}}).sort(
+                "seq", 1
+            )
+        ).to_list(None)
+    stored = messages_adapter.validate_python(docs)
+    seqs = {m.seq for m in stored}
+    missing = [s for s in range(count) if s not in seqs]
+    gaps = Gaps.of(conversation)
+    if gaps.written(missing, now=utc_now(), abandon_after=abandon_after) is not None:
+        return None
+    answered = answered_in(conversation)
+    folded = folded_after(stored, fork_turns_of(conversation), answered)
+    kept = conversation.get("resolved_hitl") or ()
+    alone = all(s in gaps.popped or s in own for s in missing)
+    resolved = resolved_in_fork(kept, answered, answered, folded) if alone else None
+    return Refold(conversation, folded.calls, folded.hitl, resolved, stored)
+
+
 def refolded(
-    conversation: Mapping[str, Any],
-    calls: Sequence[PendingCall],
-    prompt: PendingHitl | None,
+    fold: Refold, *, resolutions: bool = False
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The filter and update that set a conversation's pending state to `calls` and `prompt`
-    (folded from its messages as `conversation` was read): matching only while no turn
-    reserved (`message_count`) and no pop ran or is under way since; a prompt resolved by
-    request id, even meanwhile, stays resolved."""
+    """The filter and update that set a conversation's pending state to the fold's (from the
+    conversation as it was read): matching only while no turn reserved (`message_count`)
+    and no pop ran or is under way since; a prompt resolved by request id, even meanwhile,
+    stays resolved. With `resolutions`, `resolved_hitl` too, while no answer came since
+    (`answered_prompts` as read)."""
+    conversation = fold.conversation
     pops = int(conversation.get("pops") or 0)
-    query = {
+    query: dict[str, Any] = {
         "_id": conversation["_id"],
         "message_count": Int64(int(conversation["message_count"])),
         "pops": pops if pops else {"$in": [None, 0]},
         "popping": None,
     }
     hitl: Any = literal(None)
-    if prompt is not None:
-        resolved = resolved_by_request(prompt.request_id)
-        hitl = {"$cond": [resolved, literal(None), literal(prompt.model_dump())]}
-    stage = {"pending_calls": literal([c.model_dump() for c in calls]), "pending_hitl": hitl}
+    if fold.prompt is not None:
+        resolved = resolved_by_request(fold.prompt.request_id)
+        hitl = {"$cond": [resolved, literal(None), literal(fold.prompt.model_dump())]}
+    calls = literal([c.model_dump() for c in fold.calls])
+    stage: dict[str, Any] = {"pending_calls": calls, "pending_hitl": hitl}
+    if resolutions and fold.resolved is not None:
+        answers = list(conversation.get("answered_prompts") or ())
+        given = {"$ifNull": ["$answered_prompts", literal([])]}
+        query["$expr"] = {"$eq": [given, literal(answers)]}
+        stage["resolved_hitl"] = absent_stays("resolved_hitl", literal(fold.resolved))
+        if fold.resolved:
+            stage["resolved_hitl"] = literal(fold.resolved)
     return query, [{"$set": stage}]
 
 
@@ -217,42 +380,33 @@ async def settle(
     abandon_after: timedelta,
     name_chars: int,
     given_up: bool = False,
+    own: range = range(0),
 ) -> bool:
     """After a moved turn's insert: its conversation's pending state folded from the stored
-    messages and written (`refolded`), from `moved` (the conversation as the move left it)
-    first, read again when another turn or a pop changed it meanwhile (a few times). False,
-    leaving the state as the move set it, when a turn below the end is still being written
-    (its messages are not there to fold) or the conversation kept changing. An automatic
-    name taken from a message that is not the first stored user text (the moved turn's,
-    now behind another one; a turn's given up, never stored) goes back to the one the
-    stored messages give (`_naming.renamed`, `name_chars` long), in the same update.
+    messages and written (`refold`, `refolded`), from `moved` (the conversation as the move
+    left it) first, read again when another turn or a pop changed it meanwhile (a few
+    times). False, leaving the state as the move set it, when a turn below the end is still
+    being written (its messages are not there to fold) or the conversation kept changing.
+    An automatic name taken from a message that is not the first stored user text (the
+    moved turn's, now behind another one; a turn's given up, never stored) goes back to the
+    one the stored messages give (`_naming.renamed`, `name_chars` long), in the same update.
 
-    `given_up`: after a refused move instead, `moved` being the conversation as the retry
-    read it (every field): the turn is never stored, so the fold leaves out what its first
-    reservation listed; written only when the summary says otherwise."""
+    `given_up`: after a refused move or a block given back instead, `moved` being the
+    conversation as the retry read it (every field), else None: the turn is never stored,
+    so the fold leaves out what its first reservation changed, `resolved_hitl` too (a
+    prompt it asked again under an answered id is resolved again, while no other block is
+    unstored: `Refold.resolved`; `own`, the `seq`s of the block given up, not stored);
+    written only when the summary says otherwise."""
     for _ in range(_FOLD_ATTEMPTS):
-        if moved is None:
-            with storage_errors("read the conversation"):
-                moved = await conversations.find_one({"_id": conversation_id}, _FOLD_READ)
-            if moved is None:
-                return False
-        count = int(moved["message_count"])
-        with storage_errors("read the messages"):
-            docs = await (
-                messages.find({"conversation_id": conversation_id, "seq": {"$lt": count}}).sort(
-                    "seq", 1
-                )
-            ).to_list(None)
-        stored = messages_adapter.validate_python(docs)
-        seqs = {m.seq for m in stored}
-        missing = (s for s in range(count) if s not in seqs)
-        if Gaps.of(moved).written(missing, now=utc_now(), abandon_after=abandon_after) is not None:
+        fold = await refold(
+            conversations, messages, conversation_id, moved, abandon_after=abandon_after, own=own
+        )
+        if fold is None:
             return False
-        calls, prompt = pending_after(stored, fork_turns_of(moved), answered_in(moved))
-        names = renamed(moved, first_named(stored, name_chars))
-        if given_up and not names and _already(moved, calls, prompt):
+        names = renamed(fold.conversation, first_named(fold.stored, name_chars))
+        if given_up and not names and _already(fold):
             return True
-        query, update = refolded(moved, calls, prompt)
+        query, update = refolded(fold, resolutions=given_up)
         update[0]["$set"].update(names)
         with storage_errors("set what the moved turn leaves pending"):
             result = await conversations.update_one(query, update)
@@ -262,15 +416,17 @@ async def settle(
     return False
 
 
-def _already(
-    conversation: Mapping[str, Any], calls: Sequence[PendingCall], prompt: PendingHitl | None
-) -> bool:
-    """Whether the conversation's summary lists `calls` pending and `prompt` already (or no
-    prompt, when a person resolved it by request id)."""
+def _already(fold: Refold) -> bool:
+    """Whether the conversation's summary lists the fold's calls pending and its prompt
+    already (or no prompt, when a person resolved it by request id), and the fold's
+    resolutions."""
+    conversation, prompt = fold.conversation, fold.prompt
     now_calls, now_prompt = pending_now(conversation)
-    if prompt is not None and prompt.request_id in (conversation.get("resolved_hitl") or ()):
+    resolved = conversation.get("resolved_hitl") or ()
+    if prompt is not None and prompt.request_id in resolved:
         prompt = None
-    return now_calls == list(calls) and now_prompt == prompt
+    same = fold.resolved is None or set(resolved) == set(fold.resolved)
+    return same and now_calls == list(fold.calls) and now_prompt == prompt
 
 
 def stored_at(plan: TurnPlan, stored: Sequence[Mapping[str, Any]]) -> int | None:

@@ -7,7 +7,7 @@ refuse a turn already recorded, and where a recorded turn's `seq` block is.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
@@ -39,6 +39,7 @@ from agent_store.store._turns import (
     KeepPendingHitl,
     TurnPlan,
     TurnRules,
+    block_ids,
     inbox_field,
     validate_identifier,
 )
@@ -755,6 +756,81 @@ def _approvals_changed(
     if bound:
         approved = {"$let": {"vars": dict(bound), "in": approved}}
     return {"approved_calls": absent_stays("approved_calls", approved)}
+
+
+def approvals_unstored(
+    conversation: Mapping[str, Any] | None, message_ids: Collection[str]
+) -> list[dict[str, Any]]:
+    """The stage setting `approved_calls` once the messages `message_ids`, which a
+    reservation counted and no insert stored, are given back (a block given back, a turn
+    given up), as a pop of each sets them (`_tail`): an approval a prompt among them held
+    again is held by the latest earlier prompt that held it (`held_before`, those among
+    them left out), or, with none, in force again; one a call among them superseded is of
+    the latest call of its id again. None (no stage) when no approval of `conversation` (as
+    read: only this turn's reservation names its messages) names any of them; always one
+    without `conversation`."""
+    ids = set(message_ids)
+    named = conversation is None or any(
+        isinstance(a, Mapping)
+        and (
+            a.get("held_by") in ids
+            or a.get("superseded_by") in ids
+            or bool(ids.intersection(a.get("held_before") or ()))
+        )
+        for a in conversation.get("approved_calls") or ()
+    )
+    if not named:
+        return []
+    unstored = literal(sorted(ids))
+    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+    stored = {"$eq": [{"$in": ["$$m", unstored]}, False]}
+    before = {"$filter": {"input": held_before_of("a"), "as": "m", "cond": stored}}
+    held_by = held_by_of("a")
+    previous = {"$ifNull": [{"$arrayElemAt": ["$$before", -1]}, None]}
+    now_held_by = {"$cond": [{"$in": [held_by, unstored]}, previous, held_by]}
+    superseded = {"$ifNull": ["$$a.superseded_by", None]}
+    changes = {
+        "held_by": {"$let": {"vars": {"before": before}, "in": now_held_by}},
+        "held_before": {
+            "$let": {
+                "vars": {"before": before},
+                "in": {
+                    "$filter": {
+                        "input": "$$before",
+                        "as": "m",
+                        "cond": {"$ne": ["$$m", now_held_by]},
+                    }
+                },
+            }
+        },
+        "superseded_by": {"$cond": [{"$in": [superseded, unstored]}, None, superseded]},
+    }
+    return [{"$set": _approvals_changed(changes)}]
+
+
+def approvals_left_unstored(
+    approved: Iterable[Any], message_ids: Collection[str]
+) -> list[Mapping[str, Any]]:
+    """`approved_calls` as `approvals_unstored` leaves them, computed from the list as read
+    (`check_turn` weighs a give-back it does not write)."""
+    ids, left = set(message_ids), list[Mapping[str, Any]]()
+    for approval in approved:
+        if not isinstance(approval, Mapping):
+            continue
+        before = [m for m in approval.get("held_before") or () if m not in ids]
+        held_by = approval.get("held_by")
+        if held_by in ids:
+            held_by = before[-1] if before else None
+        superseded = approval.get("superseded_by")
+        left.append(
+            {
+                **approval,
+                "held_by": held_by,
+                "held_before": [m for m in before if m != held_by],
+                "superseded_by": None if superseded in ids else superseded,
+            }
+        )
+    return left
 
 
 def _approved_with(request_id: str, named: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -1677,17 +1753,20 @@ def _own_holders(plan: TurnPlan) -> list[dict[str, str]]:
 
 
 def given_up(
-    plan: TurnPlan, block: RecordedBlock
+    plan: TurnPlan, block: RecordedBlock, conversation: Mapping[str, Any]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
     """The filter and update that take back what a turn's reservation counted (its turn
     starts, its tokens: what its record says, `RecordedBlock.counted`, else what the retry,
     of the same content, counts) once a retry gave it up for good, none of its messages
     stored (`AgentMessageLogger._give_up`); a retry with other content counts otherwise.
     Its record is marked (`TurnRecord.given_up`) in the same update, which matches only
-    while it is not: a retry given up again takes nothing back twice. None when the turn
-    counted none (nothing to write)."""
+    while it is not: a retry given up again takes nothing back twice. The approvals its
+    prompts held again or its calls superseded, in `conversation` as read, are as before it
+    (`approvals_unstored`). None when the turn counted none and changed no approval
+    (nothing to write)."""
     starts, input_tokens, output_tokens = block.counted or counted(plan)
-    if not (starts or input_tokens or output_tokens):
+    approvals = approvals_unstored(conversation, block_ids(plan, block.count))
+    if not (starts or input_tokens or output_tokens or approvals):
         return None
     key, first = Int64(plan.key), Int64(block.first_seq)
     query = {
@@ -1701,7 +1780,7 @@ def given_up(
         "usage.output_tokens": less("usage.output_tokens", output_tokens),
         "turns": records_changed(own, {"g": literal(True)}),
     }
-    return query, [{"$set": stage}]
+    return query, [{"$set": stage}, *approvals]
 
 
 @dataclass(frozen=True)
@@ -1722,7 +1801,12 @@ class ShownBefore:
 
 
 def given_back(
-    plan: TurnPlan, first_seq: int, same: dict[str, Any], shown: ShownBefore | None = None
+    plan: TurnPlan,
+    first_seq: int,
+    same: dict[str, Any],
+    shown: ShownBefore | None = None,
+    *,
+    refused: bool = False,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update that give back the block a reservation of the turn took at
     `first_seq` once the turn is not stored there: refused after that reservation, or stored
@@ -1736,8 +1820,15 @@ def given_back(
     (`same`, its `same_conversation` filter), once (not while the `seq`s are gaps
     already), and not when the block is one the turn left by a move or a pop took from (no
     longer counted as this turn's reservation). With `shown`, the summary its reservation
-    set is taken back too when nothing is reserved past the block (`_shown_again`)."""
+    set is taken back too when nothing is reserved past the block (`_shown_again`).
+    `refused`: the turn is stored nowhere, so the approvals its prompts held again or its
+    calls superseded are as before it (`approvals_unstored`); stored elsewhere, under the
+    same ids, they stand."""
+    changes_approvals = refused and bool(plan.asked_again or plan.opened_calls)
+    ids = [str(d["_id"]) for d in plan.documents] if changes_approvals else []
+    approvals = approvals_unstored(None, ids) if ids else []
     query, pipeline = _given_back(plan.key, first_seq, plan.count, counted(plan), same)
+    pipeline.extend(approvals)
     if shown is not None:
         pipeline[0]["$set"].update(_shown_again(shown, first_seq, plan.count))
     return query, pipeline
@@ -1800,13 +1891,17 @@ def _only_gaps_between(low: int, high: int) -> dict[str, Any]:
 
 
 def given_back_abandoned(
-    plan: TurnPlan, block: RecordedBlock, same: dict[str, Any]
+    plan: TurnPlan, block: RecordedBlock, same: dict[str, Any], conversation: Mapping[str, Any]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """`given_back` for the empty block an earlier attempt of the turn reserved with other
     content, abandoned: what its record says it counted (`RecordedBlock.counted`, which must
-    be known) is taken back, its `block.count` `seq`s become gaps."""
+    be known) is taken back, its `block.count` `seq`s become gaps, and the approvals its
+    messages changed, in `conversation` as read, are as before them
+    (`approvals_unstored`)."""
     assert block.counted is not None
-    return _given_back(plan.key, block.first_seq, block.count, block.counted, same)
+    query, pipeline = _given_back(plan.key, block.first_seq, block.count, block.counted, same)
+    pipeline.extend(approvals_unstored(conversation, block_ids(plan, block.count)))
+    return query, pipeline
 
 
 def counted(plan: TurnPlan) -> tuple[int, int, int]:

@@ -631,6 +631,12 @@ def message_id(conversation_id: str, turn_id: str, index: int) -> str:
     return "msg-" + digest[:32]
 
 
+def block_ids(plan: TurnPlan, count: int) -> list[str]:
+    """The ids of the `count` messages a reservation of the turn counted (its first
+    attempt's, whatever content a retry sends: the ids name the turn and the index)."""
+    return [message_id(plan.conversation_id, plan.turn_id, i) for i in range(count)]
+
+
 def _check_tool_pairing(messages: Sequence[AgentMessage]) -> None:
     calls_seen: set[str] = set()
     calls_later = {c.id for m in messages for c in m.tool_calls or ()}
