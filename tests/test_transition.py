@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 import bson
 import pytest
@@ -13,6 +13,7 @@ from agent_store import (
     AgentMessageLogger,
     Conflict,
     ConversationStore,
+    InvalidInput,
     LegacyTurns,
     NotFound,
     SteeringInbox,
@@ -414,6 +415,42 @@ async def test_a_migrated_conversation_is_read_from_the_new_collections(backend:
     store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
     transcript = await store.transcript(EXAMPLE_CONVERSATION_ID)
     assert transcript[0].turn_id == "turn-1"
+
+
+async def marked_as_being_migrated(backend: Backend) -> ConversationStore:
+    """The example conversation stored with its legacy turns beside it (dual write), its
+    document then marked as a migration run marks the one it is writing (`migrating`): the
+    store reading it, the read fallback on."""
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(backend.db, observers=[legacy], legacy=legacy)
+    await logger.ensure_indexes()
+    await log_example(logger)
+    marked = {"$set": {"migrating": True}}
+    await backend.db[CONVERSATIONS].update_one({"_id": EXAMPLE_CONVERSATION_ID}, marked)
+    return ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+
+@pytest.mark.parametrize("order", ["asc", "desc"])
+async def test_a_conversation_being_migrated_pages_after_a_message_as_the_fallback_serves_it(
+    backend: Backend, order: Literal["asc", "desc"]
+) -> None:
+    """Pages of a conversation a migration run is writing are the read fallback's, `after` a
+    message it serves too; `after` a message it does not serve (one stored, not in its legacy
+    turns) is 422, as for any message not in the conversation, never 404: it is served."""
+    store = await marked_as_being_migrated(backend)
+    stored = await backend.db[MESSAGES].find({}, {"_id": 1}).to_list(None)
+    served = await store.transcript(EXAMPLE_CONVERSATION_ID)
+    served = served[::-1] if order == "desc" else served
+
+    page = await store.messages_page(
+        EXAMPLE_CONVERSATION_ID, after=served[1].id, limit=3, order=order
+    )
+
+    assert page.data == served[2:5]
+    assert page.has_more
+    assert {m.id for m in served}.isdisjoint(d["_id"] for d in stored)
+    with pytest.raises(InvalidInput, match="not in this conversation"):
+        await store.messages_page(EXAMPLE_CONVERSATION_ID, after=stored[0]["_id"], order=order)
 
 
 @pytest.mark.wire

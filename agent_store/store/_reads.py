@@ -1104,15 +1104,14 @@ class ConversationStore:
                 page, partial(self._in_scope, conversation_id, user_id)
             )
         docs = _its_messages(conversation_id, found, read)
-        if docs is None:  # no conversation document: one not migrated yet, or none
-            legacy = (
-                None
-                if after is not None
-                else await self._legacy_page(conversation_id, None, limit, order, user_id)
-            )
-            if legacy is None:
-                raise NotFound(f"conversation {conversation_id!r} was not found")
-            return legacy
+        if docs is None:  # not migrated yet (no document, or one being migrated), or none
+            legacy = await self._legacy_page(conversation_id, after, limit, order, user_id)
+            if legacy is not None:
+                return legacy
+            if after is not None:  # a message the fallback does not serve: NotFound, else 422
+                await self._legacy(conversation_id, user_id)
+                raise InvalidInput(f"invalid after: message {after!r} is not in this conversation")
+            raise NotFound(f"conversation {conversation_id!r} was not found")
         if order == "asc":
             first = query["seq"]["$gt"] + 1 if after is not None else 0
             docs, pending = await self._committed(query["conversation_id"], docs, first)
