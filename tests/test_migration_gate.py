@@ -4873,6 +4873,45 @@ def _rerun_adding_two_turns_to_migrated_c1(
 
 
 @pytest.mark.wire
+def test_a_conversation_a_rerun_adds_messages_to_stays_listed_exported_and_found(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a rerun writes the messages an old-service writer added to a migrated
+    conversation (marked as being migrated), the conversation stays in its owner's list (its
+    document's summary, as `get_conversation` serves it), in the export (its transcript as
+    the read fallback serves it, whole) and in search (hits from its stored messages): it is
+    served, so it is never silently left out of them."""
+    seen: dict[str, Any] = {}
+
+    async def read(store: ConversationStore) -> None:
+        seen["listed"] = (await store.list_conversations("u-1")).data
+        seen["recent"] = [c.id for c in (await store.recent_conversations()).data]
+        seen["exported"] = [e async for e in store.export_user("u-1")]
+        seen["served"] = await store.get_conversation("c-1", user_id="u-1")
+        seen["transcript"] = await store.transcript("c-1", user_id="u-1")
+        found = await store.search("Legacy", user_id="u-1", limit=50)
+        seen["found"] = {h.message.conversation_id for h in found}
+        try:
+            found = await store.search("Legacy", conversation_id="c-1", limit=50)
+            seen["found_in_c1"] = {h.message.conversation_id for h in found}
+        except NotFound as refused:
+            seen["found_in_c1"] = refused
+
+    _rerun_adding_two_turns_to_migrated_c1(wire_uri, database, monkeypatch, read)
+
+    listed = {c.id: c for c in seen["listed"]}
+    assert sorted(listed) == ["c-1", "c-2"]
+    assert listed["c-1"].model_dump() == seen["served"].model_dump()
+    assert sorted(seen["recent"]) == ["c-1", "c-2"]
+    exported = {e.conversation.id: e for e in seen["exported"]}
+    assert sorted(exported) == ["c-1", "c-2"]
+    assert len(seen["transcript"]) == 8
+    assert exported["c-1"].messages == seen["transcript"]
+    assert seen["found"] == {"c-1", "c-2"}
+    assert seen["found_in_c1"] == {"c-1"}
+
+
+@pytest.mark.wire
 @pytest.mark.parametrize("order", ["asc", "desc"])
 def test_paging_a_conversation_a_rerun_adds_messages_to_after_a_message_serves_the_next_page(
     wire_uri: str,

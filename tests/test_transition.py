@@ -430,6 +430,50 @@ async def marked_as_being_migrated(backend: Backend) -> ConversationStore:
     return ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
 
 
+async def test_a_conversation_being_migrated_is_listed_and_exported_as_its_reads_serve_it(
+    backend: Backend,
+) -> None:
+    """A conversation a migration run is writing is served from its legacy turns: lists show
+    it (its document's summary) and the export holds it with the transcript the fallback
+    serves; without the fallback no read serves it, and none lists it. One a delete marked
+    since is left out, as ever."""
+    store = await marked_as_being_migrated(backend)
+    served = await store.transcript(EXAMPLE_CONVERSATION_ID, user_id=EXAMPLE_USER_ID)
+
+    listed = await store.list_conversations(EXAMPLE_USER_ID)
+    recent = await store.recent_conversations()
+    exported = [e async for e in store.export_user(EXAMPLE_USER_ID)]
+
+    assert [c.id for c in listed.data] == [EXAMPLE_CONVERSATION_ID]
+    assert [c.id for c in recent.data] == [EXAMPLE_CONVERSATION_ID]
+    assert [(e.conversation.id, e.messages) for e in exported] == [
+        (EXAMPLE_CONVERSATION_ID, served)
+    ]
+    unserved = ConversationStore(backend.db, legacy=LegacyTurns(backend.db, read_fallback=False))
+    with pytest.raises(NotFound):
+        await unserved.get_conversation(EXAMPLE_CONVERSATION_ID)
+    assert (await unserved.list_conversations(EXAMPLE_USER_ID)).data == []
+    assert [e async for e in unserved.export_user(EXAMPLE_USER_ID)] == []
+    deleting = {"$set": {"deleting_since": utc_now()}}
+    await backend.db[CONVERSATIONS].update_one({"_id": EXAMPLE_CONVERSATION_ID}, deleting)
+    assert (await store.list_conversations(EXAMPLE_USER_ID)).data == []
+    assert [e async for e in store.export_user(EXAMPLE_USER_ID)] == []
+
+
+async def test_a_conversation_being_migrated_is_found_by_search_in_its_stored_messages(
+    backend: Backend,
+) -> None:
+    backend.skip_if_lacking("text_search")
+    store = await marked_as_being_migrated(backend)
+
+    by_user = await store.search("Paris", user_id=EXAMPLE_USER_ID)
+    in_it = await store.search("Paris", conversation_id=EXAMPLE_CONVERSATION_ID)
+
+    assert by_user
+    assert {h.message.conversation_id for h in by_user} == {EXAMPLE_CONVERSATION_ID}
+    assert [h.message.id for h in in_it] == [h.message.id for h in by_user]
+
+
 @pytest.mark.parametrize("order", ["asc", "desc"])
 async def test_a_conversation_being_migrated_pages_after_a_message_as_the_fallback_serves_it(
     backend: Backend, order: Literal["asc", "desc"]
