@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import bson
 import gridfs
@@ -4836,6 +4836,112 @@ def test_a_rerun_adding_messages_to_a_migrated_conversation_marks_it_until_they_
     monkeypatch.undo()
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
+
+
+async def _text_indexed(wire_uri: str, database: Database[dict[str, Any]]) -> None:
+    """The service's indexes, the text index searches read among them."""
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri, tz_aware=True)
+    try:
+        await AgentMessageLogger(client[database.name]).ensure_indexes()
+    finally:
+        await client.close()
+
+
+def _rerun_adding_two_turns_to_migrated_c1(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    read: Callable[[ConversationStore], Coroutine[Any, Any, Any]],
+) -> None:
+    """c-1 (two legacy turns) and c-2 (one) are migrated; an old-service writer logs two more
+    legacy turns of c-1, and the rerun adding their messages (marking c-1 until they are all
+    in) runs with `read` done by u-1 between its two insert commands of c-1's messages."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(2)]
+        + [legacy_turn("o-0", "c-2", 0, "Legacy other")]
+    )
+    assert cli(wire_uri, database, "run") == 0
+
+    asyncio.run(_text_indexed(wire_uri, database))
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"Legacy {n}") for n in range(2, 4)]
+    )
+    _before_message_insert(monkeypatch, 2, lambda: _as_a_person(wire_uri, database, read))
+    assert cli(wire_uri, database, "run", "--max-command-documents", "2") == 0
+    monkeypatch.undo()
+    assert "migrating" not in database[CONVERSATIONS].find_one({"_id": "c-1"}) or {}
+
+
+@pytest.mark.wire
+def test_a_conversation_a_rerun_adds_messages_to_stays_listed_exported_and_found(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a rerun writes the messages an old-service writer added to a migrated
+    conversation (marked as being migrated), the conversation stays in its owner's list (its
+    document's summary, as `get_conversation` serves it), in the export (its transcript as
+    the read fallback serves it, whole) and in search (hits from its stored messages): it is
+    served, so it is never silently left out of them."""
+    seen: dict[str, Any] = {}
+
+    async def read(store: ConversationStore) -> None:
+        seen["listed"] = (await store.list_conversations("u-1")).data
+        seen["recent"] = [c.id for c in (await store.recent_conversations()).data]
+        seen["exported"] = [e async for e in store.export_user("u-1")]
+        seen["served"] = await store.get_conversation("c-1", user_id="u-1")
+        seen["transcript"] = await store.transcript("c-1", user_id="u-1")
+        found = await store.search("Legacy", user_id="u-1", limit=50)
+        seen["found"] = {h.message.conversation_id for h in found}
+        try:
+            found = await store.search("Legacy", conversation_id="c-1", limit=50)
+            seen["found_in_c1"] = {h.message.conversation_id for h in found}
+        except NotFound as refused:
+            seen["found_in_c1"] = refused
+
+    _rerun_adding_two_turns_to_migrated_c1(wire_uri, database, monkeypatch, read)
+
+    listed = {c.id: c for c in seen["listed"]}
+    assert sorted(listed) == ["c-1", "c-2"]
+    assert listed["c-1"].model_dump() == seen["served"].model_dump()
+    assert sorted(seen["recent"]) == ["c-1", "c-2"]
+    exported = {e.conversation.id: e for e in seen["exported"]}
+    assert sorted(exported) == ["c-1", "c-2"]
+    assert len(seen["transcript"]) == 8
+    assert exported["c-1"].messages == seen["transcript"]
+    assert seen["found"] == {"c-1", "c-2"}
+    assert seen["found_in_c1"] == {"c-1"}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("order", ["asc", "desc"])
+def test_paging_a_conversation_a_rerun_adds_messages_to_after_a_message_serves_the_next_page(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    order: Literal["asc", "desc"],
+) -> None:
+    """While a rerun writes the messages an old-service writer added to a migrated
+    conversation, a reader paging it `after` a message it read (stored before the rerun)
+    gets the next page of what the read fallback serves, as without `after` (was: 404, the
+    conversation said to be missing while every other read served it)."""
+    seen: list[Any] = []
+
+    async def read(store: ConversationStore) -> None:
+        whole = await store.transcript("c-1", user_id="u-1")
+        if order == "desc":
+            whole = whole[::-1]
+        stored = [m for m in whole if m.seq < 4]
+        after = stored[1].id if order == "asc" else stored[-3].id
+        page = await store.messages_page("c-1", after=after, limit=2, order=order, user_id="u-1")
+        at = [m.id for m in whole].index(after)
+        seen.append((page, whole[at + 1 : at + 3], len(whole) > at + 3))
+        with pytest.raises(NotFound):
+            await store.messages_page("c-1", after=after, user_id="u-2")
+
+    _rerun_adding_two_turns_to_migrated_c1(wire_uri, database, monkeypatch, read)
+
+    [(page, expected, more)] = seen
+    assert page.data == expected
+    assert page.has_more is more
 
 
 @pytest.mark.wire

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 import bson
 import pytest
@@ -13,6 +13,7 @@ from agent_store import (
     AgentMessageLogger,
     Conflict,
     ConversationStore,
+    InvalidInput,
     LegacyTurns,
     NotFound,
     SteeringInbox,
@@ -414,6 +415,86 @@ async def test_a_migrated_conversation_is_read_from_the_new_collections(backend:
     store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
     transcript = await store.transcript(EXAMPLE_CONVERSATION_ID)
     assert transcript[0].turn_id == "turn-1"
+
+
+async def marked_as_being_migrated(backend: Backend) -> ConversationStore:
+    """The example conversation stored with its legacy turns beside it (dual write), its
+    document then marked as a migration run marks the one it is writing (`migrating`): the
+    store reading it, the read fallback on."""
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(backend.db, observers=[legacy], legacy=legacy)
+    await logger.ensure_indexes()
+    await log_example(logger)
+    marked = {"$set": {"migrating": True}}
+    await backend.db[CONVERSATIONS].update_one({"_id": EXAMPLE_CONVERSATION_ID}, marked)
+    return ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+
+async def test_a_conversation_being_migrated_is_listed_and_exported_as_its_reads_serve_it(
+    backend: Backend,
+) -> None:
+    """A conversation a migration run is writing is served from its legacy turns: lists show
+    it (its document's summary) and the export holds it with the transcript the fallback
+    serves; without the fallback no read serves it, and none lists it. One a delete marked
+    since is left out, as ever."""
+    store = await marked_as_being_migrated(backend)
+    served = await store.transcript(EXAMPLE_CONVERSATION_ID, user_id=EXAMPLE_USER_ID)
+
+    listed = await store.list_conversations(EXAMPLE_USER_ID)
+    recent = await store.recent_conversations()
+    exported = [e async for e in store.export_user(EXAMPLE_USER_ID)]
+
+    assert [c.id for c in listed.data] == [EXAMPLE_CONVERSATION_ID]
+    assert [c.id for c in recent.data] == [EXAMPLE_CONVERSATION_ID]
+    assert [(e.conversation.id, e.messages) for e in exported] == [
+        (EXAMPLE_CONVERSATION_ID, served)
+    ]
+    unserved = ConversationStore(backend.db, legacy=LegacyTurns(backend.db, read_fallback=False))
+    with pytest.raises(NotFound):
+        await unserved.get_conversation(EXAMPLE_CONVERSATION_ID)
+    assert (await unserved.list_conversations(EXAMPLE_USER_ID)).data == []
+    assert [e async for e in unserved.export_user(EXAMPLE_USER_ID)] == []
+    deleting = {"$set": {"deleting_since": utc_now()}}
+    await backend.db[CONVERSATIONS].update_one({"_id": EXAMPLE_CONVERSATION_ID}, deleting)
+    assert (await store.list_conversations(EXAMPLE_USER_ID)).data == []
+    assert [e async for e in store.export_user(EXAMPLE_USER_ID)] == []
+
+
+async def test_a_conversation_being_migrated_is_found_by_search_in_its_stored_messages(
+    backend: Backend,
+) -> None:
+    backend.skip_if_lacking("text_search")
+    store = await marked_as_being_migrated(backend)
+
+    by_user = await store.search("Paris", user_id=EXAMPLE_USER_ID)
+    in_it = await store.search("Paris", conversation_id=EXAMPLE_CONVERSATION_ID)
+
+    assert by_user
+    assert {h.message.conversation_id for h in by_user} == {EXAMPLE_CONVERSATION_ID}
+    assert [h.message.id for h in in_it] == [h.message.id for h in by_user]
+
+
+@pytest.mark.parametrize("order", ["asc", "desc"])
+async def test_a_conversation_being_migrated_pages_after_a_message_as_the_fallback_serves_it(
+    backend: Backend, order: Literal["asc", "desc"]
+) -> None:
+    """Pages of a conversation a migration run is writing are the read fallback's, `after` a
+    message it serves too; `after` a message it does not serve (one stored, not in its legacy
+    turns) is 422, as for any message not in the conversation, never 404: it is served."""
+    store = await marked_as_being_migrated(backend)
+    stored = await backend.db[MESSAGES].find({}, {"_id": 1}).to_list(None)
+    served = await store.transcript(EXAMPLE_CONVERSATION_ID)
+    served = served[::-1] if order == "desc" else served
+
+    page = await store.messages_page(
+        EXAMPLE_CONVERSATION_ID, after=served[1].id, limit=3, order=order
+    )
+
+    assert page.data == served[2:5]
+    assert page.has_more
+    assert {m.id for m in served}.isdisjoint(d["_id"] for d in stored)
+    with pytest.raises(InvalidInput, match="not in this conversation"):
+        await store.messages_page(EXAMPLE_CONVERSATION_ID, after=stored[0]["_id"], order=order)
 
 
 @pytest.mark.wire

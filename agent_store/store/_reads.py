@@ -67,6 +67,7 @@ from agent_store.store._indexes import (
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource, not_migrated_yet
 from agent_store.store._pop import Pop, PopMemory, finish_marked
 from agent_store.store._reservation import (
+    LISTED,
     MIGRATING,
     NOT_BEING_DELETED,
     STANDING,
@@ -363,6 +364,18 @@ class ConversationStore:
         self._deletions = DeletionRecords(db, self._full_texts)
         self._pops = PopMemory()
 
+    @property
+    def _listed(self) -> dict[str, Any]:
+        """The filter part of a read of many conversations: `LISTED` (one the migration is
+        still writing among them) while the read fallback serves such a one, else
+        `STANDING`."""
+        source = self._legacy_source
+        return LISTED if source is not None and source.read_fallback else STANDING
+
+    def _as_listed(self, scope: dict[str, Any]) -> dict[str, Any]:
+        """A read's `scope` (`_standing`) taking what a list lists (`_listed`)."""
+        return {name: on for name, on in scope.items() if name != MIGRATING} | self._listed
+
     async def _legacy(self, conversation_id: str, user_id: str | None) -> FallbackConversation:
         """A conversation not migrated yet, converted from its legacy turns; else NotFound.
 
@@ -402,7 +415,7 @@ class ConversationStore:
         self, query: dict[str, Any], limit: int, cursor: str | None
     ) -> ConversationPage:
         limit = _page_size(limit)
-        query |= STANDING
+        query |= self._listed
         if cursor is not None:
             query.update(_listed_after(*decode_cursor(cursor)))
         with storage_errors("list conversations"):
@@ -1104,15 +1117,14 @@ class ConversationStore:
                 page, partial(self._in_scope, conversation_id, user_id)
             )
         docs = _its_messages(conversation_id, found, read)
-        if docs is None:  # no conversation document: one not migrated yet, or none
-            legacy = (
-                None
-                if after is not None
-                else await self._legacy_page(conversation_id, None, limit, order, user_id)
-            )
-            if legacy is None:
-                raise NotFound(f"conversation {conversation_id!r} was not found")
-            return legacy
+        if docs is None:  # not migrated yet (no document, or one being migrated), or none
+            legacy = await self._legacy_page(conversation_id, after, limit, order, user_id)
+            if legacy is not None:
+                return legacy
+            if after is not None:  # a message the fallback does not serve: NotFound, else 422
+                await self._legacy(conversation_id, user_id)
+                raise InvalidInput(f"invalid after: message {after!r} is not in this conversation")
+            raise NotFound(f"conversation {conversation_id!r} was not found")
         if order == "asc":
             first = query["seq"]["$gt"] + 1 if after is not None else 0
             docs, pending = await self._committed(query["conversation_id"], docs, first)
@@ -1559,7 +1571,7 @@ class ConversationStore:
         ids = list({d["conversation_id"] for d in docs})
         with storage_errors("search messages"):
             found = await self._conversations.find(
-                {"_id": {"$in": ids}, **STANDING}, {"user_id": 1, "epoch": 1}
+                {"_id": {"$in": ids}, **self._listed}, {"user_id": 1, "epoch": 1}
             ).to_list(None)
         standing = {c["_id"]: c for c in found if c.get("user_id") == owner}
         return {
@@ -1603,7 +1615,7 @@ class ConversationStore:
     async def _owner_of(self, conversation_id: str) -> str | None:
         with storage_errors("read the conversation"):
             doc = await self._conversations.find_one(
-                {"_id": conversation_id, **STANDING}, {"user_id": 1}
+                {"_id": conversation_id, **self._listed}, {"user_id": 1}
             )
         if doc is None:
             raise NotFound(f"conversation {conversation_id!r} was not found")
@@ -2073,7 +2085,8 @@ class ConversationStore:
             )
         if life.epoch is not None:
             return {"epoch": life.epoch}
-        query = scope | same_conversation(scope["_id"], epoch=None, created_at=life.created_at)
+        life_read = same_conversation(scope["_id"], epoch=None, created_at=life.created_at)
+        query = self._as_listed(scope) | life_read
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(query, {"epoch": 1, "created_at": 1})
         if found is None:
@@ -2084,14 +2097,20 @@ class ConversationStore:
         self, scope: dict[str, Any], pin: dict[str, Any] | None
     ) -> list[AgentMessage]:
         """A stream whose first batch found no message: `transcript`'s answer (empty, the
-        read fallback's, NotFound), or for a `life` named, none while it is still there."""
+        read fallback's, NotFound), or for a `life` named (a listing's), none while it is
+        still there, or the read fallback's while the migration is writing it (`MIGRATING`,
+        listed as `_listed` lists it)."""
         if pin is None:
             return await self.transcript(scope["_id"], user_id=scope.get("user_id"))
         life = same_as_read(scope["_id"], pin)
         with storage_errors("read the conversation"):
-            found = await self._conversations.find_one(scope | life, {"_id": 1})
+            found = await self._conversations.find_one(
+                self._as_listed(scope) | life, {MIGRATING: 1}
+            )
         if found is None:
             raise NotFound(f"conversation {scope['_id']!r} was not found")
+        if found.get(MIGRATING) is not None:
+            return await self.transcript(scope["_id"], user_id=scope.get("user_id"))
         return []
 
     async def _lived_through(self, scope: dict[str, Any], pin: dict[str, Any], last: int) -> None:
@@ -2119,7 +2138,7 @@ class ConversationStore:
         `PAGE_FIRST_BATCH` at a time: a reply the server can send whatever their size."""
         user_id = validate_identifier(user_id, "user_id")
         cursor = (
-            self._conversations.find({"user_id": user_id, **STANDING}, SUMMARY)
+            self._conversations.find({"user_id": user_id, **self._listed}, SUMMARY)
             .sort("_id", 1)
             .batch_size(PAGE_FIRST_BATCH)
         )

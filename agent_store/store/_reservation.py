@@ -80,16 +80,18 @@ MIGRATING = "migrating"
 messages, removed once they are all in (a long conversation's take several commands): until
 then the conversation is not migrated yet, read from its legacy turns, and every write to it
 is refused as to one not migrated yet (`being_migrated`)."""
-STANDING: dict[str, Any] = {
-    **NOT_BEING_DELETED,
-    FORK_CHECK: {"$exists": False},
-    MIGRATING: {"$exists": False},
-}
-"""The filter part of every read of conversations: a conversation a delete or an erasure
+LISTED: dict[str, Any] = {**NOT_BEING_DELETED, FORK_CHECK: {"$exists": False}}
+"""The filter part of a read of many conversations (a list, an export, a search): every
+conversation a read serves, one the migration is still writing (`MIGRATING`) among them (read
+from its legacy turns, listed by its document's summary), never one a delete or an erasure
+marked (`DELETING`) nor a fork not made yet (`FORK_CHECK`)."""
+STANDING: dict[str, Any] = {**LISTED, MIGRATING: {"$exists": False}}
+"""The filter part of every read of one conversation: a conversation a delete or an erasure
 marked (`DELETING`), a fork not made yet (`FORK_CHECK`), or one the migration is still
-writing (`MIGRATING`: read from its legacy turns), is no conversation, answered as a missing
-one (NotFound, left out of lists). Fields absent from every other document: the indexes a
-read uses still choose what it reads, this leaves out the few it finds marked."""
+writing (`MIGRATING`: read from its legacy turns instead), is no conversation here, answered
+as a missing one (NotFound; lists, exports and searches leave out the first two, `LISTED`).
+Fields absent from every other document: the indexes a read uses still choose what it reads,
+this leaves out the few it finds marked."""
 
 
 NO_POP_UNDER_WAY: dict[str, Any] = {"popping": {"$not": {"$type": "object"}}}
