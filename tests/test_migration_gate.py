@@ -3282,6 +3282,45 @@ def test_an_answer_on_the_new_service_leaves_another_users_prompt_pending_and_ke
 
 
 @pytest.mark.wire
+def test_a_prompt_naming_a_user_is_never_given_to_a_conversation_no_user_owns(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Turns naming no user, a pending prompt naming u-a (its params an IBAN): the
+    conversation is stored unowned without it, the prompt kept in a problem and `finish`
+    holding until an operator accepts; the next service turn naming anyone adopts the
+    conversation and never reads or answers u-a's prompt."""
+    turn = legacy_turn("t-1", "c-n", 0, "N")
+    del turn["user_id"]
+    database[CONVERSATIONS].insert_one(turn)
+    database[SESSION_HITL].insert_one(
+        {"_id": "p-a", "conversation_id": "c-n", "user_id": "u-a", "request_id": "req-1",
+         "status": "pending", "action": "pay", "params": {"iban": "A-SECRET-IBAN"},
+         "created_at": datetime(2024, 1, 1, 1, tzinfo=UTC)}
+    )  # fmt: skip
+    assert cli(wire_uri, database, "run") == 0
+    stored = database[CONVERSATIONS].find_one({"_id": "c-n"})
+    assert stored is not None
+    assert (stored["user_id"], stored["pending_hitl"]) == (None, None)
+    kept = database[PROBLEMS].find_one({"kind": "pending_prompt_not_placed"})
+    assert kept is not None
+    assert kept["content"]["params"] == {"iban": "A-SECRET-IBAN"}
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish") == 1
+    assert "c-n" in capsys.readouterr().out
+    log_live(wire_uri, database, "c-n", "live-1", "LIVE")  # u-1's turn adopts it
+    seen: list[Any] = []
+
+    async def read(store: ConversationStore) -> None:
+        seen.append(await store.pending_hitl("c-n", user_id="u-1"))
+        with pytest.raises(Conflict):
+            await store.resolve_hitl("c-n", "req-1", user_id="u-1")
+
+    _as_a_person(wire_uri, database, read)
+    assert seen == [None]
+    assert cli(wire_uri, database, "finish", "--accept", "c-n", "--note", "kept") == 0
+
+
+@pytest.mark.wire
 def test_a_pop_of_the_migrated_message_a_conversation_is_named_by_takes_the_name_back(
     wire_uri: str, database: Database[dict[str, Any]]
 ) -> None:

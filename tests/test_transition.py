@@ -182,6 +182,31 @@ async def test_reads_of_an_unmigrated_conversation_fall_back_to_its_legacy_turns
         ).transcript(EXAMPLE_CONVERSATION_ID)
 
 
+async def test_the_read_fallback_shows_no_users_prompt_as_a_conversation_no_user_owns(
+    backend: Backend,
+) -> None:
+    """Before the migration as after it (`owners_prompt`): a prompt naming a user is never
+    the pending prompt of a conversation whose turns name no user; one naming no user is."""
+    await backend.db[LEGACY_TURNS].insert_one(
+        {"_id": "t-1", "conversation_id": "c-n", "created_at": utc_now(),
+         "user_message": "pay my rent", "response_parts": [{"type": "text", "content": "ok"}]}
+    )  # fmt: skip
+    asked = {"_id": "p-1", "conversation_id": "c-n", "request_id": "req-1", "action": "pay",
+             "params": {"iban": "A-SECRET-IBAN"}, "status": "pending"}  # fmt: skip
+    await backend.db[SESSION_HITL].insert_one(asked | {"user_id": "u-a"})
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+    conversation = await store.get_conversation("c-n")
+
+    assert conversation.user_id is None
+    assert conversation.pending_hitl is None
+    assert await store.pending_hitl("c-n") is None
+    await backend.db[SESSION_HITL].replace_one({"_id": "p-1"}, asked)
+    nobodys = await store.pending_hitl("c-n")
+    assert nobodys is not None
+    assert nobodys.request_id == "req-1"
+
+
 async def test_the_read_fallbacks_pending_prompt_holding_values_json_cannot_encode_reads_as_json(
     backend: Backend,
 ) -> None:
