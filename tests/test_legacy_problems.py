@@ -1912,6 +1912,36 @@ def test_a_prompt_naming_another_user_than_the_owner_is_a_mixed_users_problem_no
     assert [p.kind for p in only_alice.problems] == ["pending_hitl_without_message"]
 
 
+def test_a_prompt_naming_a_user_is_never_the_pending_prompt_of_a_conversation_no_user_owns() -> (
+    None
+):
+    """Turns naming no user make a conversation no user owns, which the next service turn
+    naming anyone adopts: a prompt naming a user is never its pending prompt (that user owns
+    no such conversation); the pending one is kept whole in a problem, and the conversation
+    is a `mixed_user_ids` problem naming that user (both not placed). A prompt naming no
+    user is its own."""
+    at = datetime(2024, 1, 1, tzinfo=UTC)
+    turns = [
+        {"_id": "t1", "conversation_id": "c-n", "created_at": at, "user_message": "pay rent",
+         "response_parts": [{"type": "text", "content": "I need approval"}]}
+    ]  # fmt: skip
+    prompt = {"_id": "p-1", "conversation_id": "c-n", "user_id": "u-a", "request_id": "r1",
+              "action": "pay", "params": {"iban": "A-SECRET-IBAN"}, "status": "pending",
+              "created_at": at + timedelta(minutes=5)}  # fmt: skip
+    conversion = with_session_prompts(convert(turns), [prompt])
+
+    assert conversion.conversation is not None
+    assert conversion.conversation.user_id is None
+    assert conversion.conversation.pending_hitl is None
+    by_kind = {p.kind: p for p in conversion.unplaced}
+    assert set(by_kind) == {"mixed_user_ids", "pending_prompt_not_placed"}
+    assert by_kind["mixed_user_ids"].content == {"u-a": ["session_hitl|r1"]}
+    assert by_kind["pending_prompt_not_placed"].content == prompt
+    nobodys = with_session_prompts(convert(turns), [prompt | {"user_id": " "}]).conversation
+    assert nobodys is not None
+    assert nobodys.pending_hitl is not None
+
+
 @pytest.mark.parametrize(
     "other", ["alice+work@example.com", "tenant/alice", 4.2e20], ids=["email", "path", "double"]
 )

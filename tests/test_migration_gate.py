@@ -35,6 +35,7 @@ from agent_store.legacy import (
     derived_user_id,
     dumps,
     exact_form,
+    is_pending_prompt,
     legacy_turn_documents,
     legacy_turn_id,
     not_identifiers,
@@ -3249,6 +3250,74 @@ def test_a_prompt_resolved_on_the_new_service_stays_resolved_after_a_rollback(
     capsys.readouterr()
     assert cli(wire_uri, database, "run") == 0
     assert summary(capsys.readouterr().out)["conversation documents written"] == 0
+
+
+@pytest.mark.wire
+def test_an_answer_on_the_new_service_leaves_another_users_prompt_pending_and_kept(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """Another user's pending prompt under the owner's request id is kept in a
+    `pending_prompt_not_placed` problem; the owner's answer, dual-written, marks the owner's
+    prompt alone resolved, so the other stays pending in `session_hitl` and a rerun keeps
+    its problem: `finish` holds until the conversation is accepted."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-o", 0, "O") | {"user_id": "u-b"})
+    asked = {"conversation_id": "c-o", "request_id": "req-1", "action": "pay",
+             "status": "pending", "created_at": datetime(2024, 1, 1, 1, tzinfo=UTC)}  # fmt: skip
+    database[SESSION_HITL].insert_many(
+        [asked | {"_id": "p-a", "user_id": "u-a", "params": {"iban": "A-IBAN"}},
+         asked | {"_id": "p-b", "user_id": "u-b", "params": {"iban": "B-IBAN"}}]
+    )  # fmt: skip
+    assert cli(wire_uri, database, "run") == 0
+    resolve = lambda s: s.resolve_hitl("c-o", "req-1", user_id="u-b")  # noqa: E731
+    _as_a_person(wire_uri, database, resolve, dual_write=True)
+
+    theirs = database[SESSION_HITL].find_one({"_id": "p-a"})
+    assert theirs is not None
+    assert is_pending_prompt(theirs)
+    assert "dual_write" not in theirs
+    assert cli(wire_uri, database, "run") == 0
+    kept = list(database[PROBLEMS].find({"kind": "pending_prompt_not_placed"}))
+    assert [p["content"]["params"] for p in kept] == [{"iban": "A-IBAN"}]
+    assert cli(wire_uri, database, "finish") == 1
+
+
+@pytest.mark.wire
+def test_a_prompt_naming_a_user_is_never_given_to_a_conversation_no_user_owns(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Turns naming no user, a pending prompt naming u-a (its params an IBAN): the
+    conversation is stored unowned without it, the prompt kept in a problem and `finish`
+    holding until an operator accepts; the next service turn naming anyone adopts the
+    conversation and never reads or answers u-a's prompt."""
+    turn = legacy_turn("t-1", "c-n", 0, "N")
+    del turn["user_id"]
+    database[CONVERSATIONS].insert_one(turn)
+    database[SESSION_HITL].insert_one(
+        {"_id": "p-a", "conversation_id": "c-n", "user_id": "u-a", "request_id": "req-1",
+         "status": "pending", "action": "pay", "params": {"iban": "A-SECRET-IBAN"},
+         "created_at": datetime(2024, 1, 1, 1, tzinfo=UTC)}
+    )  # fmt: skip
+    assert cli(wire_uri, database, "run") == 0
+    stored = database[CONVERSATIONS].find_one({"_id": "c-n"})
+    assert stored is not None
+    assert (stored["user_id"], stored["pending_hitl"]) == (None, None)
+    kept = database[PROBLEMS].find_one({"kind": "pending_prompt_not_placed"})
+    assert kept is not None
+    assert kept["content"]["params"] == {"iban": "A-SECRET-IBAN"}
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish") == 1
+    assert "c-n" in capsys.readouterr().out
+    log_live(wire_uri, database, "c-n", "live-1", "LIVE")  # u-1's turn adopts it
+    seen: list[Any] = []
+
+    async def read(store: ConversationStore) -> None:
+        seen.append(await store.pending_hitl("c-n", user_id="u-1"))
+        with pytest.raises(Conflict):
+            await store.resolve_hitl("c-n", "req-1", user_id="u-1")
+
+    _as_a_person(wire_uri, database, read)
+    assert seen == [None]
+    assert cli(wire_uri, database, "finish", "--accept", "c-n", "--note", "kept") == 0
 
 
 @pytest.mark.wire

@@ -183,6 +183,31 @@ async def test_reads_of_an_unmigrated_conversation_fall_back_to_its_legacy_turns
         ).transcript(EXAMPLE_CONVERSATION_ID)
 
 
+async def test_the_read_fallback_shows_no_users_prompt_as_a_conversation_no_user_owns(
+    backend: Backend,
+) -> None:
+    """Before the migration as after it (`owners_prompt`): a prompt naming a user is never
+    the pending prompt of a conversation whose turns name no user; one naming no user is."""
+    await backend.db[LEGACY_TURNS].insert_one(
+        {"_id": "t-1", "conversation_id": "c-n", "created_at": utc_now(),
+         "user_message": "pay my rent", "response_parts": [{"type": "text", "content": "ok"}]}
+    )  # fmt: skip
+    asked = {"_id": "p-1", "conversation_id": "c-n", "request_id": "req-1", "action": "pay",
+             "params": {"iban": "A-SECRET-IBAN"}, "status": "pending"}  # fmt: skip
+    await backend.db[SESSION_HITL].insert_one(asked | {"user_id": "u-a"})
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+    conversation = await store.get_conversation("c-n")
+
+    assert conversation.user_id is None
+    assert conversation.pending_hitl is None
+    assert await store.pending_hitl("c-n") is None
+    await backend.db[SESSION_HITL].replace_one({"_id": "p-1"}, asked)
+    nobodys = await store.pending_hitl("c-n")
+    assert nobodys is not None
+    assert nobodys.request_id == "req-1"
+
+
 async def test_the_read_fallbacks_pending_prompt_holding_values_json_cannot_encode_reads_as_json(
     backend: Backend,
 ) -> None:
@@ -1082,6 +1107,38 @@ async def test_with_dual_write_a_resolved_prompt_is_resolved_in_session_hitl_too
     assert conversion.conversation.resolved_hitl == ["r-1"]
 
 
+async def test_with_dual_write_an_answer_marks_the_owners_prompt_never_another_users(
+    backend: Backend,
+) -> None:
+    """Another user's `session_hitl` prompt of the same request id is no part of the owner's
+    conversation (`owners_prompt`): the owner's answer marks the owner's prompt and those
+    naming no user resolved, and leaves the other user's pending, as a delete leaves it."""
+    call = {"type": "hitl", "action": "pay", "params": {}, "request_id": "req-1"}
+    turn = {"_id": "t-1", "conversation_id": "c-o", "user_id": "u-b",
+            "created_at": utc_now(), "user_message": "pay?", "response_parts": [call]}  # fmt: skip
+    asked = {"conversation_id": "c-o", "request_id": "req-1", "action": "pay",
+             "status": "pending"}  # fmt: skip
+    await backend.db[SESSION_HITL].insert_many(
+        [asked | {"_id": "p-a", "user_id": "u-a", "params": {"iban": "A-IBAN"}},
+         asked | {"_id": "p-b", "user_id": "u-b"},
+         asked | {"_id": "p-none"}]
+    )  # fmt: skip
+    cid = await migrated(backend, [turn])
+    prompts = await backend.db[SESSION_HITL].find().to_list(None)
+    document = with_session_prompts(convert([turn]), prompts).conversation
+    assert document is not None
+    await backend.db[CONVERSATIONS].replace_one({"_id": cid}, document.model_dump(by_alias=True))
+    _, store = wired(backend, dual_write=True)
+
+    await store.resolve_hitl(cid, "req-1", user_id="u-b")
+
+    found = await backend.db[SESSION_HITL].find().to_list(None)
+    pending = {p["_id"]: is_pending_prompt(p) for p in found}
+    assert pending == {"p-a": True, "p-b": False, "p-none": False}
+    kept = next(p for p in found if p["_id"] == "p-a")
+    assert "dual_write" not in kept
+
+
 async def test_a_resolution_retried_after_its_dual_write_failed_writes_it(
     backend: Backend,
 ) -> None:
@@ -1121,7 +1178,9 @@ def test_a_prompt_the_old_service_resolved_is_not_remembered_as_the_new_services
 
 
 @pytest.mark.wire
-async def test_a_resolutions_dual_write_costs_one_more_round_trip(wire_backend: Backend) -> None:
+async def test_a_resolutions_dual_write_costs_three_more_round_trips(wire_backend: Backend) -> None:
+    """The conversation's owner (`owners_prompt` takes the prompts of its part only), its
+    prompts of the request id, the mark on the owner's."""
     assert wire_backend.commands is not None
     cid = await _a_migrated_prompt(wire_backend)
     _, store = wired(wire_backend, dual_write=True)
@@ -1129,7 +1188,7 @@ async def test_a_resolutions_dual_write_costs_one_more_round_trip(wire_backend: 
 
     await store.resolve_hitl(cid, "r-1")
 
-    assert wire_backend.commands.names == ["update", "update"]
+    assert wire_backend.commands.names == ["update", "find", "find", "update"]
 
 
 # -- every write that adds messages is dual-written ---------------------------------------

@@ -396,9 +396,12 @@ def resolved_on_the_new_service(documents: Iterable[Mapping[str, Any]]) -> list[
 def owners_prompt(owner: str | None, document: Mapping[str, Any]) -> bool:
     """Whether a prompt is part of the owner's conversation, as its owner's token reads it
     (`users_part` for turns): it names the owner (`user_named`) or no user (a missing, null
-    or blank `user_id`); any, when no user owns it. The read fallback and each conversion
-    take a conversation's prompts by this one rule."""
-    return owner is None or user_named(document.get("user_id")) in (None, owner)
+    or blank `user_id`). A conversation no user owns (its turns name none: the next service
+    turn naming anyone adopts it) takes only the prompts naming no user: a prompt naming a
+    user is never the pending prompt of a conversation that user does not own. The read
+    fallback, each conversion and an answer's dual write take a conversation's prompts by
+    this one rule."""
+    return user_named(document.get("user_id")) in (None, owner)
 
 
 def _prompt_name(document: Mapping[str, Any]) -> str:
@@ -427,15 +430,27 @@ def _mixed_users(
             legacy_id=turns.legacy_id if turns is not None else "session_hitl",
             field="user_id",
             kind=MIXED_USER_IDS,
-            detail=(
-                f"turns and session_hitl prompts name several users {sorted(users)}; "
-                f"{conversion.owner!r} owns it and every message of it, the other users' "
-                "turns too; a prompt naming another user is never its pending prompt (a "
-                "pending one is kept in a pending_prompt_not_placed problem)"
-            ),
+            detail=_mixed_detail(conversion.owner, users),
             content=users,
         )
     ]
+
+
+def _mixed_detail(owner: str | None, users: Mapping[str, Any]) -> str:
+    """What the mixed users problem tells of a conversation: who owns it, and that a prompt
+    naming another user is never its pending prompt."""
+    kept = "(a pending one is kept in a pending_prompt_not_placed problem)"
+    if owner is None:
+        return (
+            f"its turns name no user, so no user owns it (the next service turn naming "
+            f"anyone adopts it), and session_hitl prompts name users {sorted(users)}; a "
+            f"prompt naming a user is never its pending prompt {kept}"
+        )
+    return (
+        f"turns and session_hitl prompts name several users {sorted(users)}; {owner!r} owns "
+        "it and every message of it, the other users' turns too; a prompt naming another "
+        f"user is never its pending prompt {kept}"
+    )
 
 
 def with_session_prompts(
@@ -450,11 +465,12 @@ def with_session_prompts(
     documents = [d for d in found if owners_prompt(conversion.owner, d)]
     others = [d for d in found if not owners_prompt(conversion.owner, d)]
     pending, notes = _pending_from(documents, conversion.messages)
+    owned = "no user owns" if conversion.owner is None else f"{conversion.owner!r} owns"
     notes += [
         _not_placed(
             d,
-            f"names user {d.get('user_id')!r}, not the conversation's owner "
-            f"{conversion.owner!r}, so it is not the owner's pending prompt",
+            f"names user {d.get('user_id')!r}, not the conversation's owner ({owned} it), "
+            "so it is not its pending prompt",
         )
         for d in others
         if is_pending_prompt(d)

@@ -38,7 +38,11 @@ from agent_store.legacy._documents import (
     users_part,
 )
 from agent_store.legacy._dual_write import legacy_turn_documents
-from agent_store.legacy._session_hitl import resolved_by_dual_write, with_session_prompts
+from agent_store.legacy._session_hitl import (
+    owners_prompt,
+    resolved_by_dual_write,
+    with_session_prompts,
+)
 from agent_store.store import (
     CONVERSATIONS,
     DERIVED_CONVERSATION_PREFIX,
@@ -289,12 +293,23 @@ class LegacyTurns:
     async def prompt_resolved(self, conversation_id: str, request_id: str) -> None:
         """With `dual_write`, mark the conversation's `session_hitl` prompt `request_id`
         resolved (`resolved_by_dual_write`), where the old service records it: after a
-        rollback it asks it no more, and a second attempt keeps it resolved. One round trip
-        (one more lookup for a derived id, for the legacy id its prompts name); a prompt
-        `session_hitl` does not hold (raised by a live turn) gets none."""
+        rollback it asks it no more, and a second attempt keeps it resolved. Only the
+        prompts of its owner's part (`owners_prompt`, as a delete and the migration take
+        them): another user's prompt of the same request id is never marked by the owner's
+        answer, and stays pending, kept in its problem. Three round trips: the
+        conversation's owner (and the legacy id a derived id names), its prompts of the id,
+        the mark; a prompt `session_hitl` does not hold (raised by a live turn) gets none."""
         if not self.dual_write:
             return
-        original = await self._original_id(conversation_id)
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(
+                {"_id": conversation_id}, {"user_id": 1, "legacy_conversation_id": 1}
+            )
+        found = found or {}
+        original = None
+        if conversation_id.startswith(DERIVED_CONVERSATION_PREFIX):
+            original = legacy_id_of(conversation_id, found.get("legacy_conversation_id"))
+        owner = found.get("user_id")
         query = {
             "$and": [
                 _prompts_filter(conversation_id, original),
@@ -302,7 +317,11 @@ class LegacyTurns:
             ]
         }
         with storage_errors("write the resolved prompt (dual write)"):
-            await self._prompts.update_many(query, {"$set": resolved_by_dual_write(utc_now())})
+            prompts = await self._prompts.find(query, {"user_id": 1}).to_list(None)
+            ids = [d["_id"] for d in prompts if owners_prompt(owner, d)]
+            if ids:
+                mark = {"$set": resolved_by_dual_write(utc_now())}
+                await self._prompts.update_many({"_id": {"$in": ids}}, mark)
 
     async def turn_logged(self, turn: LoggedTurn, conversation: Conversation) -> None:
         """With `dual_write`, upsert the turn as legacy turns; a retry rewrites the same ones.

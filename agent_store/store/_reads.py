@@ -1495,8 +1495,8 @@ class ConversationStore:
 
     async def _resolved_in_legacy(self, conversation_id: str, request_id: str) -> None:
         """The answer's dual write (`LegacySource.prompt_resolved`): its legacy prompt marked
-        resolved, so a rollback keeps it answered (one more round trip with the dual write
-        on, none without)."""
+        resolved (the owner's, never another user's of the same request id), so a rollback
+        keeps it answered (three more round trips with the dual write on, none without)."""
         if self._legacy_source is not None:
             await self._legacy_source.prompt_resolved(conversation_id, request_id)
 
