@@ -5124,21 +5124,7 @@ def test_a_run_killed_after_the_owners_emptied_the_legacy_turns_is_finished_by_t
     database[CONVERSATIONS].insert_many(
         [legacy_turn(f"t-{n}", "c-1", n, f"SECRET {n}") for n in range(3)]
     )
-    person = _deletes_c1(wire_uri, database, "delete")
-    insert_many = Collection.insert_many
-    commands: list[int] = []
-
-    def racing(self: Collection[Any], documents: Any, *args: Any, **kwargs: Any) -> Any:
-        documents = list(documents)
-        if self.name == MESSAGES and any(d["conversation_id"] == "c-1" for d in documents):
-            commands.append(len(documents))
-            if len(commands) == 2:
-                person()
-            if len(commands) == 3:
-                raise KeyboardInterrupt
-        return insert_many(self, documents, *args, **kwargs)
-
-    monkeypatch.setattr(Collection, "insert_many", racing)
+    _killed_at_third_insert_of_c1(monkeypatch, _deletes_c1(wire_uri, database, "delete"))
     assert cli(wire_uri, database, "run", "--max-command-documents", "2") == 130
     monkeypatch.undo()
     assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) > 0
@@ -5149,6 +5135,27 @@ def test_a_run_killed_after_the_owners_emptied_the_legacy_turns_is_finished_by_t
     _nothing_of_c1_is_stored(database)
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
+
+
+def _killed_at_third_insert_of_c1(
+    monkeypatch: pytest.MonkeyPatch, between: Callable[[], None]
+) -> None:
+    """The run's inserts of c-1's messages: `between` runs before the second command, and
+    the run is stopped (Ctrl-C) at the third, before its look at the legacy turns again."""
+    insert_many = Collection.insert_many
+    commands: list[int] = []
+
+    def racing(self: Collection[Any], documents: Any, *args: Any, **kwargs: Any) -> Any:
+        documents = list(documents)
+        if self.name == MESSAGES and any(d["conversation_id"] == "c-1" for d in documents):
+            commands.append(len(documents))
+            if len(commands) == 2:
+                between()
+            if len(commands) == 3:
+                raise KeyboardInterrupt
+        return insert_many(self, documents, *args, **kwargs)
+
+    monkeypatch.setattr(Collection, "insert_many", racing)
 
 
 @pytest.mark.wire
@@ -5180,20 +5187,7 @@ def test_a_killed_runs_messages_of_a_conversation_deleted_and_started_again_are_
 
         _on_the_service(wire_uri, database, log, dual_write=dual_write)
 
-    insert_many = Collection.insert_many
-    commands: list[int] = []
-
-    def racing(self: Collection[Any], documents: Any, *args: Any, **kwargs: Any) -> Any:
-        documents = list(documents)
-        if self.name == MESSAGES and any(d["turn_id"].startswith("legacy-") for d in documents):
-            commands.append(len(documents))
-            if len(commands) == 2:
-                started_again()
-            if len(commands) == 3:
-                raise KeyboardInterrupt
-        return insert_many(self, documents, *args, **kwargs)
-
-    monkeypatch.setattr(Collection, "insert_many", racing)
+    _killed_at_third_insert_of_c1(monkeypatch, started_again)
     assert cli(wire_uri, database, "run", "--max-command-documents", "2") == 130
     monkeypatch.undo()
     assert _owners(database, "c-1") == {"u-1", "u-2"}
