@@ -1323,10 +1323,15 @@ NO_TOKENS_USERS = pytest.mark.parametrize(
         pytest.param("alice+work@example.com", id="an-email-with-a-plus"),
         pytest.param("tenant/alice", id="a-path"),
         pytest.param(4.2e20, id="a-double-written-4.2e+20"),
+        pytest.param(["alice"], id="an-array-of-an-identifier"),
+        pytest.param([None], id="an-array-holding-null"),
+        pytest.param("alice\n", id="an-identifier-and-a-line-break"),
     ],
 )
 """Legacy user ids no token can be (no identifier), each a user all the same: the one the
-migration stores it as (`derived_user_id`)."""
+migration stores it as (`derived_user_id`, of its text: `str()`). An array is no identifier
+whatever it holds (a query matches one by its elements), nor text ending in a line break (a
+server's `$` matches before one)."""
 
 
 @NO_TOKENS_USERS
@@ -1414,18 +1419,28 @@ async def test_a_claim_of_the_derived_user_moves_the_legacy_turns_and_prompts_na
     assert prompt["user_id"] == "user-alice"
 
 
-@pytest.mark.parametrize("nobody", [None, "", "   "], ids=["null", "empty", "blank"])
+@pytest.mark.parametrize(
+    "nobody",
+    [None, "", "   ", "\u00a0", "\u3000 \t", "\x1f", "\u2028\n"],
+    ids=["null", "empty", "blank", "no-break-space", "ideographic-space", "unit-separator",
+         "line-separators"],
+)  # fmt: skip
+@pytest.mark.parametrize("how", ["delete the conversation", "erase the user"])
 async def test_a_legacy_turn_naming_no_user_is_the_owners_part(
-    backend: Backend, nobody: Any
+    backend: Backend, nobody: Any, how: str
 ) -> None:
-    """A missing, null or blank `user_id` names no user: the owner reads, deletes and erases
-    such a turn and prompt as their own."""
+    """A missing, null or blank `user_id` names no user, blank as Python's `str.strip()`
+    tells it (any Unicode white space): the owner reads, deletes and erases such a turn and
+    prompt as their own."""
     await two_users_legacy_turns(backend, "conv-m", "conv-m", nobody)
     _, store = wired(backend)
 
     said = [m.content for m in await store.transcript("conv-m", user_id=MALLORY)]
     pending = await store.pending_hitl("conv-m", user_id=MALLORY)
-    erased = await store.erase_user(MALLORY)
+    if how == "erase the user":
+        erased = await store.erase_user(MALLORY)
+    else:
+        erased = await store.delete("conv-m", user_id=MALLORY)
 
     assert said == ["victim's words", "ok", "hers", "hi"]
     assert pending is not None

@@ -74,9 +74,11 @@ neither is a legacy turn, whatever other fields it holds or lacks."""
 
 _KEY = re.compile(r"^[A-Za-z0-9_.:@|-]{1,100}\Z")
 """A document id short enough to appear as it is in the ids derived from it."""
-_IDENTIFIER = re.compile(IDENTIFIER_PATTERN.removesuffix("$") + r"\Z")
+_IDENTIFIER = re.compile(IDENTIFIER_PATTERN.removesuffix("$") + r"(?![\s\S])")
 """What `agent_store.core.Identifier` accepts (not `.` or `..`), ending at the text's end: a
-pattern's `$` also matches before a last line break."""
+pattern's `$` also matches before a last line break, and so does a server's `\\Z` (PCRE),
+while `\\z` is no Python pattern before 3.14; "no character follows" is the end to both, in
+Python and in a query (`may_not_be_identifiers`: `"alice\\n"` is no identifier)."""
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 """Unix time 0: a placeholder in a legacy turn (`taken_time`), and the time a conversation
 none of whose turns has a readable time is served with before a run recorded its own
@@ -218,9 +220,17 @@ def not_identifiers(field: str) -> dict[str, Any]:
 
 def may_not_be_identifiers(field: str) -> dict[str, Any]:
     """The filter of the documents whose `field` holds a value that may be no identifier as
-    text (`user_named` derives a user for it): any but null and identifier text (a superset
-    of `not_identifiers`, without a `$type` list: every backend selects by it)."""
-    return {"$nor": [{field: None}, {field: _IDENTIFIER}]}
+    text (`user_named` derives a user for it): any but a missing or null value and
+    identifier text, itself (`scalar_filter`): an array is no identifier whatever it holds
+    (`["alice"]`, `[null]`), though a query matches one by its elements. A superset of
+    `not_identifiers` (blank text too, which names no user), without a `$type` list: every
+    backend selects by it; its reader keeps what `user_named` reads as the user."""
+    return {
+        "$nor": [
+            scalar_filter(field, {"$eq": None}),
+            scalar_filter(field, {"$regex": _IDENTIFIER.pattern}),
+        ]
+    }
 
 
 MAX_REFERENCE_LENGTH = 200
@@ -914,8 +924,17 @@ def users_part(turns: list[LegacyTurn], user_id: str | None) -> list[int]:
     ids that read alike (`42` and `"42"`) make one conversation of two users' turns, which
     the owner reads, deletes and erases without the other's words."""
     owns = owner_of(turns) == user_id
-    named = [user_named(turn.user_id) for turn in turns]
-    return [i for i, user in enumerate(named) if user == user_id or (owns and user is None)]
+    return [i for i, turn in enumerate(turns) if part_of(turn.user_id, user_id, owns=owns)]
+
+
+def part_of(value: Any, user_id: str | None, *, owns: bool) -> bool:
+    """Whether a legacy turn or prompt whose `user_id` is `value` is `user_id`'s part of its
+    conversation, `owns` when the user owns it (`owner_of`): it names the user, or no user
+    (`user_named`: missing, null, or blank as `str.strip()` tells it, any Unicode white
+    space) and the user owns it. A filter cannot tell blank so, nor a value's text: the
+    delete and the erasure read the documents and keep those this says are the user's."""
+    named = user_named(value)
+    return named == user_id or (owns and named is None)
 
 
 # -- text of odd values ------------------------------------------------------------------

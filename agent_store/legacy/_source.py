@@ -29,6 +29,8 @@ from agent_store.legacy._documents import (
     names_none,
     owner_of,
     parse_turns,
+    part_of,
+    prompt_conversation,
     prompts_filter,
     scalar_filter,
     tell_apart,
@@ -190,13 +192,11 @@ class LegacyTurns:
             among = {"$and": [turns, *_among_ids(ids)]}
             deleted = await self._turns.delete_many(among) if ids else None
             prompts = _prompts_filter(conversation_id, original)
-            theirs: list[dict[str, Any]] = [{"user_id": None}]
-            if owner is not None:
-                theirs = _among_ids(await _ids_naming(self._prompts, owner, prompts))
-            if owner_of(parsed) == owner:
-                theirs.append(names_none("user_id"))
+            owns = owner_of(parsed) == owner
+            found = await self._prompts.find(prompts, {"user_id": 1}).to_list(None)
+            theirs = [d["_id"] for d in found if part_of(d.get("user_id"), owner, owns=owns)]
             if theirs:
-                await self._prompts.delete_many({"$and": [prompts, {"$or": theirs}]})
+                await self._prompts.delete_many({"$and": [prompts, *_among_ids(theirs)]})
         return int(deleted.deleted_count) if deleted is not None else 0
 
     async def _turns_of(
@@ -242,11 +242,9 @@ class LegacyTurns:
             owned, part = await self._users_parts(user_id, naming)
             turns = [d["_id"] for d in naming] + part
             deleted = await self._turns.delete_many({"_id": {"$in": turns}}) if turns else None
-            nobodys = names_none("user_id")
-            prompts = [{"$and": [prompts_filter(name), nobodys]} for name in owned]
-            prompts += _among_ids(await _ids_naming(self._prompts, user_id))
+            prompts = await _users_prompts(self._prompts, user_id, owned)
             if prompts:
-                await self._prompts.delete_many({"$or": prompts})
+                await self._prompts.delete_many({"_id": {"$in": prompts}})
         return int(deleted.deleted_count) if deleted is not None else 0
 
     async def _users_parts(
@@ -460,22 +458,40 @@ def _conversations_named(turns: list[dict[str, Any]]) -> list[Any]:
     return [t["conversation_id"] for t in named.values() if named_id(t.get("conversation_id"))]
 
 
-async def _naming(
-    collection: Any, user_id: str, fields: dict[str, Any], scope: dict[str, Any] | None = None
-) -> list[dict[str, Any]]:
-    """The documents (`fields` of them) of `collection`, within `scope`, naming `user_id` by
-    any value read as it (`user_named`: `42` is user "42", as the read fallback reads it),
-    so a delete, an erasure or a claim reaches what the user's token reads. Found by those
-    values (`user_values`); for a user the migration derives (`derived_user_id`), named by a
-    value that is no identifier, by those values too (`may_not_be_identifiers`: a scan, for
-    such a user only); within a `scope` (one conversation's), by every document of it."""
+async def _naming(collection: Any, user_id: str, fields: dict[str, Any]) -> list[dict[str, Any]]:
+    """The documents (`fields` of them) of `collection` naming `user_id` by any value read
+    as it (`user_named`: `42` is user "42", as the read fallback reads it), so an erasure or
+    a claim reaches what the user's token reads. Found by those values (`user_values`); for
+    a user the migration derives (`derived_user_id`), named by a value that is no
+    identifier, by those values too (`may_not_be_identifiers`: a scan, for such a user
+    only)."""
+    found = await collection.find(_naming_query(user_id), {**fields, "user_id": 1}).to_list(None)
+    return [d for d in found if user_named(d.get("user_id")) == user_id]
+
+
+def _naming_query(user_id: str) -> dict[str, Any]:
+    """A filter of every document naming `user_id` (`_naming`), and more: those found by the
+    values `user_values` lists, and for a derived user every value that may be no identifier
+    (`may_not_be_identifiers`)."""
     query: dict[str, Any] = {"user_id": {"$in": user_values(user_id)}}
     if user_id.startswith(DERIVED_USER_PREFIX):
         query = {"$or": [query, may_not_be_identifiers("user_id")]}
-    if scope is not None:
-        query = scope
-    found = await collection.find(query, {**fields, "user_id": 1}).to_list(None)
-    return [d for d in found if user_named(d.get("user_id")) == user_id]
+    return query
+
+
+async def _users_prompts(prompts: Any, user_id: str, owned: list[str]) -> list[Any]:
+    """The `_id`s of the `session_hitl` prompts an erasure of `user_id` takes, in one read:
+    those naming the user (`_naming`), and those naming no user in a conversation the user
+    owns (`owned`, each as `prompt_conversation` names it), told by `part_of` over every
+    prompt of those conversations, as the delete tells them."""
+    query = {"$or": [_naming_query(user_id), *(prompts_filter(name) for name in owned)]}
+    fields = {"user_id": 1, "conversation_id": 1, "session_id": 1}
+    found = await prompts.find(query, fields).to_list(None)
+    return [
+        d["_id"]
+        for d in found
+        if part_of(d.get("user_id"), user_id, owns=prompt_conversation(d) in owned)
+    ]
 
 
 def _among_ids(ids: list[Any]) -> list[dict[str, Any]]:
@@ -484,8 +500,6 @@ def _among_ids(ids: list[Any]) -> list[dict[str, Any]]:
     return [{"_id": {"$in": ids}}] if ids else []
 
 
-async def _ids_naming(
-    collection: Any, user_id: str, scope: dict[str, Any] | None = None
-) -> list[Any]:
+async def _ids_naming(collection: Any, user_id: str) -> list[Any]:
     """The `_id`s of `_naming`'s documents."""
-    return [d["_id"] for d in await _naming(collection, user_id, {"_id": 1}, scope)]
+    return [d["_id"] for d in await _naming(collection, user_id, {"_id": 1})]
