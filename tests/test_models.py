@@ -371,6 +371,33 @@ def test_a_key_listed_as_json_text_holds_json_text(
         parse_messages([{"role": "assistant", "content": "x", "native": native}])
 
 
+def _nested(levels: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("value", "refusal"),
+    [
+        ([10**20, {"a\x00": 1}], "keys must not contain NUL characters"),
+        ([10**20, _nested(64)], "nest deeper than 64"),
+        ([10**20, {1: "x"}], "JSON values only"),
+        ([10**5000], "too long for JSON text"),
+    ],
+    ids=["nul-in-a-key", "nested-too-deeply", "integer-key", "too-many-digits"],
+)
+def test_a_value_beside_such_a_number_is_refused_naming_what_cannot_be_kept(
+    value: list[Any], refusal: str
+) -> None:
+    """The number alone would be kept as JSON text: the refusal names what truly cannot."""
+    with pytest.raises(ValidationError, match=r"set\.meta") as refused:
+        NativeForm.keeping("langchain", {"meta": {"d": value}})
+    assert refusal in str(refused.value)
+    assert "outside 64 bits" not in str(refused.value)
+
+
 DOT_SEGMENTS = [".", ".."]
 IDS_WITH_DOTS = ["...", ".a", "..a", "a.", "a..", "a..b", "v1.2", "." + "a" * 199, "a" * 200]
 
