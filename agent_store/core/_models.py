@@ -446,14 +446,26 @@ def _native_value(value: Any) -> Any:
         raise
 
 
-def _is_json_text(value: Any) -> bool:
-    if not isinstance(value, str):
-        return False
+_NO_JSON = object()
+
+
+def _json_text_refusal(value: Any) -> str | None:
+    """What is wrong with `value` as the JSON text of a native value (`NativeForm.json_text`),
+    None if nothing: it is what `NativeForm.keeping` writes, JSON text spelling a value that
+    passes the checks of a value of `set` but for one or more numbers BSON cannot hold."""
     try:
-        json.loads(value)
+        spelt = json.loads(value) if isinstance(value, str) else _NO_JSON
     except (ValueError, RecursionError):
-        return False
-    return True
+        spelt = _NO_JSON
+    if spelt is _NO_JSON:
+        return "is no JSON text"
+    try:
+        _plain_json(spelt, unheld_refused=True)
+    except _UnheldNumber:
+        return None
+    except ValueError as exc:
+        return f"spells one that cannot be kept: {exc}"
+    return "holds no number BSON cannot hold as it is: keep the value itself"
 
 
 NativeValue = Annotated[Any, AfterValidator(_native_value)]
@@ -492,8 +504,8 @@ class NativeForm(_Model):
         if len(set(self.json_text)) != len(self.json_text):
             raise ValueError("json_text must not name a key twice")
         for key in self.json_text:
-            if not _is_json_text(self.set.get(key)):
-                raise ValueError(f"json_text names {shown_key(key)}, whose value is no JSON text")
+            if refusal := _json_text_refusal(self.set.get(key)):
+                raise ValueError(f"json_text names {shown_key(key)}, whose value {refusal}")
         return self
 
     @classmethod
