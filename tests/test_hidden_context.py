@@ -29,6 +29,7 @@ from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, LegacyTurns
+from agent_store.core import NativeForm
 from agent_store.integrations.exports import chat_completions, responses_items
 from agent_store.integrations.langchain import ConversationChatHistory
 from agent_store.integrations.openai_agents import ConversationSession
@@ -40,7 +41,7 @@ from agent_store.integrations.streams import (
     turn_from_sse,
 )
 from agent_store.legacy import LEGACY_TURNS
-from agent_store.store import CONVERSATIONS, MESSAGES
+from agent_store.store import CONVERSATIONS, MESSAGES, RuntimeContextMarkers, TurnRules
 from app.api import create_app
 from app.service import Store
 from tests.api_harness import (
@@ -362,6 +363,58 @@ async def test_a_native_key_that_names_another_once_its_context_is_stripped_is_r
 
     assert S1 not in str(refused.value)
     assert await backend.db[MESSAGES].count_documents({}) == 0
+
+
+MARKERS = {
+    "default": RuntimeContextMarkers(),
+    "line-breaks": RuntimeContextMarkers("<<CONTEXT\n", "\nCONTEXT>>"),
+    "quotes": RuntimeContextMarkers('<context source="runtime">', '</context source="runtime">'),
+}
+"""Markers JSON text spells otherwise (escaped) or that cut across a value's keys in it."""
+
+
+def _value_with_context(markers: RuntimeContextMarkers, number: int) -> dict[str, Any]:
+    start, end = markers.start, markers.end
+    return {"a": f"ok {start}{S1}", "b": f"{S2} {end} fine", "c": f"see {start}{S3}{end} it",
+            "n": number}  # fmt: skip
+
+
+@pytest.mark.parametrize("markers", MARKERS.values(), ids=MARKERS.keys())
+async def test_a_native_value_kept_as_json_text_is_stripped_as_the_value_it_spells(
+    backend: Backend, markers: RuntimeContextMarkers
+) -> None:
+    """A value holding a number BSON cannot hold as it is is kept as its JSON text: its hidden
+    context is removed from the value that text spells, so what is kept is what the same
+    value with a small number keeps, that number aside."""
+    kept = {}
+    for number in (1, 10**20):
+        native = NativeForm.keeping("x", {"k": _value_with_context(markers, number)})
+        turn = [{"role": "user", "content": "hi", "native": native.model_dump()}]
+        logger = AgentMessageLogger(backend.db, rules=TurnRules(markers=markers))
+        logged = await logger.log_messages(f"{CID}-{number}", turn, turn_id="t1")
+        assert logged.messages[0].native is not None
+        kept[number] = logged.messages[0].native
+
+    stored = json.dumps(await backend.db[MESSAGES].find({}).to_list(None), default=str)
+    assert [s for s in (S1, S2, S3) if s in stored] == []
+    assert kept[10**20].json_text == ["k"]
+    assert kept[10**20].set_values() == {"k": {**kept[1].set_values()["k"], "n": 10**20}}
+    assert kept[1].set_values() == {"k": {"a": "ok", "b": "fine", "c": "see  it", "n": 1}}
+
+
+async def test_a_native_value_kept_as_json_text_whose_context_start_was_cut_off_is_stored(
+    backend: Backend,
+) -> None:
+    """Context whose start was cut off ends where the value's text does, not mid-JSON text:
+    the turn is stored, as it is with a small number."""
+    value = {"b": f"{S2} {END} fine", "n": 10**20}
+    native = NativeForm.keeping("x", {"k": value}).model_dump()
+    turn = [{"role": "user", "content": "hi", "native": native}]
+
+    logged = await AgentMessageLogger(backend.db).log_messages(CID, turn, turn_id="t1")
+
+    assert logged.messages[0].native is not None
+    assert logged.messages[0].native.set_values() == {"k": {"b": "fine", "n": 10**20}}
 
 
 def _context_in_every_text(block: str) -> list[dict[str, Any]]:

@@ -32,12 +32,14 @@ from agent_store import (
     AgentMessageLogger,
     ConversationStore,
     InvalidInput,
+    RuntimeContextMarkers,
     StorageUnavailable,
     TurnRules,
     Unsupported,
 )
 from agent_store.core import DENIED_RESULT, FAILED_RESULT, INTERRUPTED_RESULT
 from agent_store.integrations.langchain import ConversationChatHistory, message_from_langchain
+from agent_store.store import MESSAGES
 from tests.conftest import COUNTED, Backend, CommandLog
 
 pytestmark = [
@@ -171,6 +173,24 @@ async def test_a_call_awaiting_approval_whose_arguments_were_cut_is_read_back_wh
     back = await history.aget_messages()
     assert isinstance(back[-1], AIMessage)
     assert back[-1].tool_calls[0]["args"] == args
+
+
+@pytest.mark.parametrize("number", [1, 10**20])
+async def test_hidden_context_in_a_human_messages_kwargs_is_never_stored_nor_replayed(
+    backend: Backend, number: int
+) -> None:
+    """Markers holding a line break, which JSON text escapes: a value holding a number BSON
+    cannot hold as it is (kept as its JSON text) is stripped as the value it spells."""
+    markers = RuntimeContextMarkers(start="<<CONTEXT\n", end="\nCONTEXT>>")
+    history = ConversationChatHistory(CID, backend.db, rules=TurnRules(markers=markers))
+    note = f"visible {markers.start}SECRET-4242{markers.end} text"
+    human = HumanMessage("hi", id="h1", additional_kwargs={"note": note, "n": number})
+    await history.aadd_messages([human, AIMessage("x", id="a1")])
+
+    stored = json.dumps(await backend.db[MESSAGES].find({}).to_list(None), default=str)
+    assert "SECRET-4242" not in stored
+    read_back = await history.aget_messages()
+    assert read_back[0].additional_kwargs == {"note": "visible  text", "n": number}
 
 
 async def test_messages_are_stored_as_chat_messages_ordered_by_seq(backend: Backend) -> None:

@@ -371,6 +371,50 @@ def test_a_key_listed_as_json_text_holds_json_text(
         parse_messages([{"role": "assistant", "content": "x", "native": native}])
 
 
+@pytest.mark.parametrize(
+    ("text", "refusal"),
+    [
+        ('{"a\\u0000b":[100000000000000000000]}', "keys must not contain NUL characters"),
+        ("[" * 65 + "1e400" + "]" * 65, "values nest deeper than 64 levels"),
+        ('{"a":[1,2.5,"x"]}', "holds no number BSON cannot hold as it is"),
+    ],
+    ids=["nul-in-a-key", "nested-too-deeply", "no-such-number"],
+)
+def test_a_json_text_value_is_what_keeping_would_write(text: str, refusal: str) -> None:
+    """What its text spells passes the checks of a value of `set`, but for the numbers BSON
+    cannot hold as they are: it holds one, or it would be kept as it is."""
+    native = {"format": "langchain", "set": {"a": text}, "json_text": ["a"]}
+    with pytest.raises(InvalidInput, match=rf"native: json_text names a, .*{refusal}"):
+        parse_messages([{"role": "assistant", "content": "x", "native": native}])
+
+
+def _nested(levels: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("value", "refusal"),
+    [
+        ([10**20, {"a\x00": 1}], "keys must not contain NUL characters"),
+        ([10**20, _nested(64)], "nest deeper than 64"),
+        ([10**20, {1: "x"}], "JSON values only"),
+        ([10**5000], "too long for JSON text"),
+    ],
+    ids=["nul-in-a-key", "nested-too-deeply", "integer-key", "too-many-digits"],
+)
+def test_a_value_beside_such_a_number_is_refused_naming_what_cannot_be_kept(
+    value: list[Any], refusal: str
+) -> None:
+    """The number alone would be kept as JSON text: the refusal names what truly cannot."""
+    with pytest.raises(ValidationError, match=r"set\.meta") as refused:
+        NativeForm.keeping("langchain", {"meta": {"d": value}})
+    assert refusal in str(refused.value)
+    assert "outside 64 bits" not in str(refused.value)
+
+
 DOT_SEGMENTS = [".", ".."]
 IDS_WITH_DOTS = ["...", ".a", "..a", "a.", "a..", "a..b", "v1.2", "." + "a" * 199, "a" * 200]
 

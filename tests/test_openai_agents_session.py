@@ -42,6 +42,7 @@ from agent_store.integrations.openai_agents import (
     item_from_message,
     message_from_item,
 )
+from agent_store.store import MESSAGES
 from tests.conftest import COUNTED, Backend
 
 CID = "conv-agents"
@@ -159,6 +160,23 @@ async def test_the_third_run_sends_the_model_what_an_in_memory_session_sends(
         "function_call_output", "function_call_output", "message",
         "user", "function_call", "function_call_output", "message", "user",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("number", [1, 10**20])
+async def test_hidden_context_in_a_user_items_extra_key_is_stripped_as_the_value_it_spells(
+    backend: Backend, number: int
+) -> None:
+    """Context cut across two values, in a value kept as its JSON text or not: each value
+    loses its own part, no key is lost or merged into another."""
+    session = ConversationSession(CID, backend.db)
+    extra = {"a": "ok [RUNTIME CONTEXT] SECRET", "b": "s2 [/RUNTIME CONTEXT] fine", "n": number}
+    await session.add_items([{"role": "user", "content": "hi", "extra": extra}])  # type: ignore[list-item]
+
+    stored = json.dumps(await backend.db[MESSAGES].find({}).to_list(None), default=str)
+    assert "SECRET" not in stored
+    assert await session.get_items() == [
+        {"role": "user", "content": "hi", "extra": {"a": "ok", "b": "fine", "n": number}}
+    ]
 
 
 async def test_items_are_stored_as_chat_messages_with_the_real_call_ids(backend: Backend) -> None:

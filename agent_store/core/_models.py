@@ -7,7 +7,6 @@ the exported JSON Schema.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -242,7 +241,10 @@ _INT64_RANGE = range(-(2**63), 2**63)
 
 
 class _UnheldNumber(ValueError):
-    """A JSON value holds a number BSON cannot hold as it is (`_unheld`)."""
+    """A JSON value holds a number BSON cannot hold as it is (`_unheld`), and nothing else
+    that cannot be kept: `text` is its JSON text (`json_text`), once `_native_value` spelt it."""
+
+    text = ""
 
 
 _UNHELD_NUMBER = (
@@ -259,12 +261,12 @@ def _unheld(value: Any) -> bool:
     return type(value) is float and not math.isfinite(value)
 
 
-def _check_tree(value: Any, *, unheld_refused: bool = False) -> None:
+def _check_tree(value: Any, *, unheld_sought: bool = False) -> bool:
     """One walk (level by level, without recursion) of a JSON value: ValueError if it nests
-    deeper than `MAX_PARAMS_DEPTH`, has a key holding NUL or, if refused, a number BSON
-    cannot hold as it is (`_unheld`, an `_UnheldNumber`). Each value is visited once."""
-    if unheld_refused and _unheld(value):
-        raise _UnheldNumber(_UNHELD_NUMBER)
+    deeper than `MAX_PARAMS_DEPTH` or has a key holding NUL; if sought, whether it holds a
+    number BSON cannot hold as it is (`_unheld`). Each value is visited once; such a number
+    does not end the walk, so what cannot be kept at all is found wherever it is."""
+    unheld = unheld_sought and _unheld(value)
     level: list[Any] = [value] if isinstance(value, dict | list) else []
     depth = 1
     while level:
@@ -277,10 +279,10 @@ def _check_tree(value: Any, *, unheld_refused: bool = False) -> None:
                 if item and any(isinstance(key, str) and "\x00" in key for key in item):
                     raise ValueError("keys must not contain NUL characters")
                 children = item.values()
-            if unheld_refused and any(map(_unheld, children)):
-                raise _UnheldNumber(_UNHELD_NUMBER)
+            unheld = unheld or (unheld_sought and any(map(_unheld, children)))
             inner += [child for child in children if isinstance(child, dict | list)]
         level, depth = inner, depth + 1
+    return unheld
 
 
 _json_value: TypeAdapter[JsonValue] = TypeAdapter(JsonValue)
@@ -288,12 +290,15 @@ _json_value: TypeAdapter[JsonValue] = TypeAdapter(JsonValue)
 
 def _plain_json(value: Any, *, unheld_refused: bool = False) -> Any:
     """`value` as plain dicts and lists of JSON values: one walk for what pydantic does not
-    check (`_check_tree`), then one validation, which copies it."""
-    _check_tree(value, unheld_refused=unheld_refused)
+    check (`_check_tree`), then one validation, which copies it. If refused, a number BSON
+    cannot hold as it is is an `_UnheldNumber`, once nothing else is wrong with the value."""
+    unheld = _check_tree(value, unheld_sought=unheld_refused)
     try:
         plain = _json_value.validate_python(value, strict=True)
     except ValidationError as exc:
         raise ValueError(f"values must be JSON values only ({exc.errors()[0]['msg']})") from exc
+    if unheld:
+        raise _UnheldNumber(_UNHELD_NUMBER)
     return plain  # plain dicts and lists, whatever mappings the caller passed
 
 
@@ -427,18 +432,40 @@ def _native_keys(value: dict[str, Any]) -> dict[str, Any]:
 
 def _native_value(value: Any) -> Any:
     # A number BSON cannot hold as it is is refused here, before any write (HITL params are
-    # walked for the same reason when a turn is planned); `NativeForm.keeping` keeps it.
-    return _plain_json(value, unheld_refused=True)
-
-
-def _is_json_text(value: Any) -> bool:
-    if not isinstance(value, str):
-        return False
+    # walked for the same reason when a turn is planned); `NativeForm.keeping` keeps it, as
+    # the JSON text spelt here: an integer with more digits than Python spells is refused.
     try:
-        json.loads(value)
+        return _plain_json(value, unheld_refused=True)
+    except _UnheldNumber as unheld:
+        try:
+            unheld.text = json_text(value, non_finite=True)
+        except ValueError as exc:
+            raise ValueError(
+                f"values must not hold an integer too long for JSON text ({exc})"
+            ) from exc
+        raise
+
+
+_NO_JSON = object()
+
+
+def _json_text_refusal(value: Any) -> str | None:
+    """What is wrong with `value` as the JSON text of a native value (`NativeForm.json_text`),
+    None if nothing: it is what `NativeForm.keeping` writes, JSON text spelling a value that
+    passes the checks of a value of `set` but for one or more numbers BSON cannot hold."""
+    try:
+        spelt = json.loads(value) if isinstance(value, str) else _NO_JSON
     except (ValueError, RecursionError):
-        return False
-    return True
+        spelt = _NO_JSON
+    if spelt is _NO_JSON:
+        return "is no JSON text"
+    try:
+        _plain_json(spelt, unheld_refused=True)
+    except _UnheldNumber:
+        return None
+    except ValueError as exc:
+        return f"spells one that cannot be kept: {exc}"
+    return "holds no number BSON cannot hold as it is: keep the value itself"
 
 
 NativeValue = Annotated[Any, AfterValidator(_native_value)]
@@ -477,8 +504,8 @@ class NativeForm(_Model):
         if len(set(self.json_text)) != len(self.json_text):
             raise ValueError("json_text must not name a key twice")
         for key in self.json_text:
-            if not _is_json_text(self.set.get(key)):
-                raise ValueError(f"json_text names {shown_key(key)}, whose value is no JSON text")
+            if refusal := _json_text_refusal(self.set.get(key)):
+                raise ValueError(f"json_text names {shown_key(key)}, whose value {refusal}")
         return self
 
     @classmethod
@@ -488,20 +515,24 @@ class NativeForm(_Model):
         """The form of a runtime's values `changed` and keys `removed`: each value holding a
         number BSON cannot hold as it is kept as its JSON text (`json_text`), so the runtime
         gets it back as it was. Raises ValidationError for what cannot be kept."""
+        kept, texts = cls.kept_values(changed)
+        return cls(format=format, set=kept, unset=list(removed), json_text=texts)
+
+    @staticmethod
+    def kept_values(changed: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """The values of `set` that keep `changed`, and the keys of `json_text`: each value
+        holding a number BSON cannot hold as it is (and nothing else that cannot be kept) as
+        its JSON text; any other value as it is, for validation to keep or refuse."""
         kept, texts = dict(changed), []
         for key, value in changed.items():
             try:
                 _native_value(value)
-            except _UnheldNumber:
-                # Plain JSON but for its numbers (text keys alone, as JSON text keeps them),
-                # else refused by validation, as it is.
-                with contextlib.suppress(ValueError, TypeError, RecursionError):
-                    _plain_json(value)
-                    kept[key] = json_text(value, non_finite=True)
-                    texts.append(key)
+            except _UnheldNumber as unheld:
+                kept[key] = unheld.text
+                texts.append(key)
             except ValueError:
-                pass  # refused by validation, as it is
-        return cls(format=format, set=kept, unset=list(removed), json_text=texts)
+                pass  # refused by validation, as it is, naming what cannot be kept
+        return kept, texts
 
     def set_values(self) -> dict[str, Any]:
         """`set` as the runtime gave it: each key of `json_text` as the value its text spells."""

@@ -9,7 +9,13 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from agent_store.core import AgentMessage, InvalidInput, describe_validation_error, shown_key
+from agent_store.core import (
+    AgentMessage,
+    InvalidInput,
+    NativeForm,
+    describe_validation_error,
+    shown_key,
+)
 from agent_store.store._values import storable
 
 ELLIPSIS = "…"
@@ -150,6 +156,8 @@ def _holds_marker(value: Any, markers: RuntimeContextMarkers) -> bool:
     a model's fields. A few C-level scans of each string: what holds none is left alone."""
     if isinstance(value, str):
         return _has_marker(value, markers)
+    if isinstance(value, NativeForm) and value.json_text:
+        return _holds_marker(_spelt(value), markers)
     if isinstance(value, BaseModel):
         return any(_holds_marker(item, markers) for item in value.__dict__.values())
     if isinstance(value, Mapping):
@@ -181,8 +189,19 @@ def _stripped_value(value: Any, markers: RuntimeContextMarkers) -> Any:
     if isinstance(value, list):
         blocks = strip_runtime_context_blocks(value, markers)
         return [b if isinstance(b, str) else _stripped_value(b, markers) for b in blocks]
+    if isinstance(value, NativeForm) and value.json_text:
+        stripped = _stripped_mapping(_spelt(value), markers)
+        kept, texts = NativeForm.kept_values(stripped["set"])
+        return {**stripped, "set": kept, "json_text": texts}
     items = value.__dict__ if isinstance(value, BaseModel) else value
     return _stripped_mapping(items, markers)
+
+
+def _spelt(form: NativeForm) -> dict[str, Any]:
+    """A native form's fields with each value kept as JSON text as the value it spells: its
+    hidden context is stripped from that value (a marker JSON text spells otherwise, or
+    context cut across its keys, would else be kept or join keys), then kept as text again."""
+    return {**form.__dict__, "set": form.set_values()}
 
 
 def _stripped_mapping(items: Mapping[Any, Any], markers: RuntimeContextMarkers) -> dict[Any, Any]:
