@@ -309,10 +309,11 @@ async def refold(
     own: range = range(0),
 ) -> Refold | None:
     """The fold of the conversation's stored messages (`Refold`), from `conversation` as
-    read, else read here (one round trip more), and its messages below `message_count` (one
-    more). None when the conversation is gone, or a turn below the end is still being
-    written (its messages are not there to fold). `own`: the `seq`s of the block given back
-    or up, not stored (the resolutions are folded only when no other block is unstored)."""
+    read, else read here (one round trip more), and its messages below `message_count`, of
+    its own life (`of_its_life`; one more). None when the conversation is gone, or a turn
+    below the end is still being written (its messages are not there to fold). `own`: the
+    `seq`s of the block given back or up, not stored (the resolutions are folded only when
+    no other block is unstored)."""
     if conversation is None:
         with storage_errors("read the conversation"):
             conversation = await conversations.find_one({"_id": conversation_id}, _FOLD_READ)
@@ -320,11 +321,7 @@ async def refold(
             return None
     count = int(conversation["message_count"])
     with storage_errors("read the messages"):
-        docs = await (
-            messages.find({"conversation_id": conversation_id, "seq": {"$lt": count}}).sort(
-                "seq", 1
-            )
-        ).to_list(None)
+        docs = await messages.find(of_its_life(conversation, count)).sort("seq", 1).to_list(None)
     stored = messages_adapter.validate_python(docs)
     seqs = {m.seq for m in stored}
     missing = [s for s in range(count) if s not in seqs]
@@ -337,6 +334,16 @@ async def refold(
     alone = all(s in gaps.popped or s in own for s in missing)
     resolved = resolved_in_fork(kept, answered, answered, folded) if alone else None
     return Refold(conversation, folded.calls, folded.hitl, resolved, stored)
+
+
+def of_its_life(conversation: Mapping[str, Any], count: int) -> dict[str, Any]:
+    """The filter for the messages below `count` of `conversation`'s own life: of its
+    `epoch`, or of none (stored before epochs were), never a stray an earlier life under the
+    id left (a deleted conversation's late insert), which neither folds nor names."""
+    query: dict[str, Any] = {"conversation_id": conversation["_id"], "seq": {"$lt": count}}
+    if (epoch := conversation.get("epoch")) is not None:
+        query["epoch"] = {"$in": [epoch, None]}
+    return query
 
 
 def refolded(
