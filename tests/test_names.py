@@ -329,6 +329,40 @@ async def test_a_moved_turn_never_names_from_a_message_of_an_earlier_life(
     assert await name_of(backend) == ("what is the weather", "auto")
 
 
+async def test_a_give_back_never_names_from_a_message_popped_meanwhile(
+    backend: Backend,
+) -> None:
+    """The give-back reads the first stored user text, a person pops it before the
+    give-back's update: the name is not that popped text, and the next turn names it."""
+    logger = AgentMessageLogger(backend.db, rules=COUNTED)
+    other = AgentMessageLogger(backend.db, rules=COUNTED)
+    store = ConversationStore(backend.db, rules=COUNTED)
+    await other.log_messages(CID, [answer("Hi, how can I help?")], turn_id="t0")
+    stray = {"_id": message_id(CID, "t1", 0), "conversation_id": "other", "seq": 0}
+    await backend.db.agent_messages.insert_one({**stray, "role": "user", "content": "stray"})
+    read = logger._named_without
+
+    async def popped_meanwhile(*args: Any) -> dict[str, Any]:
+        long_ago = datetime.now(UTC) - timedelta(minutes=10)  # t1 slower than abandon_after
+        await backend.db.agent_conversations.update_one(
+            {"_id": CID}, {"$set": {"turns.1.a": long_ago}}
+        )
+        await other.log_messages(CID, [user("what is the weather"), answer()], turn_id="t2")
+        names = await read(*args)
+        await store.pop_last_message(CID)
+        await store.pop_last_message(CID)
+        return names
+
+    logger._named_without = popped_meanwhile  # type: ignore[method-assign]
+    with pytest.raises(Conflict):
+        await logger.log_messages(CID, [user("private question"), answer()], turn_id="t1")
+    refused = await name_of(backend)
+    await other.log_messages(CID, [user("new topic"), answer()], turn_id="t3")
+
+    assert refused == (None, None)
+    assert await name_of(backend) == ("new topic", "auto")
+
+
 @pytest.mark.wire
 @pytest.mark.parametrize(
     ("turn", "name"),
