@@ -363,6 +363,33 @@ async def test_a_give_back_never_names_from_a_message_popped_meanwhile(
     assert await name_of(backend) == ("new topic", "auto")
 
 
+async def test_a_moved_turn_names_a_conversation_pops_left_unnamed(backend: Backend) -> None:
+    """Pops leave no message and take the automatic name back; the lost turn's retry, moved
+    to the end, is then the first stored user text and names the conversation."""
+    logger = await _named_by_a_turn_never_stored(backend)
+    store = ConversationStore(backend.db, rules=COUNTED)
+    await store.pop_last_message(CID)
+    await store.pop_last_message(CID)
+
+    await logger.log_messages(CID, [user("secret draft question"), answer()], turn_id="t-lost")
+
+    assert await name_of(backend) == ("secret draft question", "auto")
+
+
+async def test_a_moved_turn_never_names_a_conversation_a_person_left_unnamed(
+    backend: Backend,
+) -> None:
+    logger = await _named_by_a_turn_never_stored(backend)
+    store = ConversationStore(backend.db, rules=COUNTED)
+    await store.pop_last_message(CID)
+    await store.pop_last_message(CID)
+    await store.rename(CID, "Drafts")
+
+    await logger.log_messages(CID, [user("secret draft question"), answer()], turn_id="t-lost")
+
+    assert await name_of(backend) == ("Drafts", "set")
+
+
 @pytest.mark.wire
 @pytest.mark.parametrize(
     ("turn", "name"),

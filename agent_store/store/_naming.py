@@ -90,12 +90,27 @@ def named_again(taken: Any, named: Named | None) -> dict[str, Any]:
     }
 
 
+UNNAMED: dict[str, Any] = {
+    "$and": [
+        {"$eq": [{"$ifNull": ["$name", None]}, None]},
+        {"$eq": [{"$ifNull": ["$name_source", None]}, None]},
+    ]
+}
+"""Whether the conversation has no name and none a person or a runtime gave (an
+expression): the next turn would name it."""
+
+
 def renamed(conversation: Mapping[str, Any], named: Named | None) -> dict[str, Any]:
     """The fields `named_again` sets on `conversation` (as read) when its automatic name is
     taken from a message that is not the first stored user message with real text (`named`:
-    the one that is, `first_named`), guarded by the message it was read with; none
-    otherwise (a runtime's or a person's name, one stored before `name_message_id` was)."""
+    the one that is, `first_named`), guarded by the message it was read with; or, when it
+    has no name (`UNNAMED`: read so, and still so), the name `named` gives, as a new turn
+    names it; none otherwise (a runtime's or a person's name, one stored before
+    `name_message_id` was)."""
     by = conversation.get("name_message_id")
+    unnamed = conversation.get("name") is None and conversation.get("name_source") is None
+    if unnamed and named is not None:
+        return named_again(UNNAMED, named)
     if conversation.get("name_source") != "auto" or by is None:
         return {}
     if named is not None and named.message_id == by:

@@ -68,12 +68,13 @@ MOVED: dict[str, Any] = {
     "forked_from": 1,
     "pops": 1,
     "popping": 1,
+    "name": 1,
     "name_source": 1,
     "name_message_id": 1,
 }
 """What the move returns of the conversation: what a reservation returns, and what the fold
-after it needs (the gaps below the new block, a fork's turn starts, the pops' guard, where
-an automatic name was taken from)."""
+after it needs (the gaps below the new block, a fork's turn starts, the pops' guard, its
+name and where an automatic name was taken from)."""
 _FOLD_READ: dict[str, Any] = {**MOVED, "pending_calls": 1, "pending_hitl": 1, "resolved_hitl": 1}
 """What the fold reads of a conversation it reads again: `MOVED` and the pending state."""
 
@@ -396,7 +397,8 @@ async def settle(
     being written (its messages are not there to fold) or the conversation kept changing.
     An automatic name taken from a message that is not the first stored user text (the
     moved turn's, now behind another one; a turn's given up, never stored) goes back to the
-    one the stored messages give (`_naming.renamed`, `name_chars` long), in the same update.
+    one the stored messages give (`_naming.renamed`, `name_chars` long), in the same update;
+    a conversation with no name (pops leaving no message took it back) is named so.
 
     `given_up`: after a refused move or a block given back instead, `moved` being the
     conversation as the retry read it (every field), else None: the turn is never stored,
