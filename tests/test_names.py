@@ -300,6 +300,96 @@ async def test_a_name_a_person_set_stays_when_the_turn_that_named_first_moves(
     assert await name_of(backend) == ("Drafts", "set")
 
 
+async def test_a_moved_turn_never_names_from_a_message_of_an_earlier_life(
+    backend: Backend,
+) -> None:
+    """A deleted life's late insert lands in a gap of the conversation started again under
+    its id: the fold after a move reads only this life's messages, so the name goes to this
+    life's first stored user text, never to the deleted one's."""
+    logger = AgentMessageLogger(backend.db, rules=COUNTED)
+    await logger.log_messages(CID, [user("OLD LIFE SECRET"), answer()], user_id="alice")
+    old = await backend.db.agent_messages.find_one({"conversation_id": CID, "seq": 0})
+    await ConversationStore(backend.db).delete(CID, user_id="alice")
+    stray = {"_id": message_id(CID, "tx", 0), "conversation_id": "other", "seq": 0}
+    await backend.db.agent_messages.insert_one({**stray, "role": "user", "content": "x"})
+    with pytest.raises(Conflict):  # refused after its reservation: 0-1 given back, a gap
+        await logger.log_messages(CID, [user("refused"), answer()], turn_id="tx", user_id="bob")
+    await backend.db.agent_messages.delete_many({"conversation_id": "other"})
+    lost = [user("secret draft question"), answer()]
+    await logger.log_messages(CID, lost, turn_id="t-lost", user_id="bob")
+    await backend.db.agent_messages.delete_many({})
+    await backend.db.agent_messages.insert_one(old)  # the deleted life's insert, late
+    await logger.log_messages(CID, [user("what is the weather"), answer()], user_id="bob")
+    long_ago = datetime.now(UTC) - timedelta(minutes=10)
+    await backend.db.agent_conversations.update_one({"_id": CID}, {"$set": {"turns.1.a": long_ago}})
+
+    moved = await logger.log_messages(CID, lost, turn_id="t-lost", user_id="bob")
+
+    assert moved.messages[0].seq == 6
+    assert await name_of(backend) == ("what is the weather", "auto")
+
+
+async def test_a_give_back_never_names_from_a_message_popped_meanwhile(
+    backend: Backend,
+) -> None:
+    """The give-back reads the first stored user text, a person pops it before the
+    give-back's update: the name is not that popped text, and the next turn names it."""
+    logger = AgentMessageLogger(backend.db, rules=COUNTED)
+    other = AgentMessageLogger(backend.db, rules=COUNTED)
+    store = ConversationStore(backend.db, rules=COUNTED)
+    await other.log_messages(CID, [answer("Hi, how can I help?")], turn_id="t0")
+    stray = {"_id": message_id(CID, "t1", 0), "conversation_id": "other", "seq": 0}
+    await backend.db.agent_messages.insert_one({**stray, "role": "user", "content": "stray"})
+    read = logger._named_without
+
+    async def popped_meanwhile(*args: Any) -> dict[str, Any]:
+        long_ago = datetime.now(UTC) - timedelta(minutes=10)  # t1 slower than abandon_after
+        await backend.db.agent_conversations.update_one(
+            {"_id": CID}, {"$set": {"turns.1.a": long_ago}}
+        )
+        await other.log_messages(CID, [user("what is the weather"), answer()], turn_id="t2")
+        names = await read(*args)
+        await store.pop_last_message(CID)
+        await store.pop_last_message(CID)
+        return names
+
+    logger._named_without = popped_meanwhile  # type: ignore[method-assign]
+    with pytest.raises(Conflict):
+        await logger.log_messages(CID, [user("private question"), answer()], turn_id="t1")
+    refused = await name_of(backend)
+    await other.log_messages(CID, [user("new topic"), answer()], turn_id="t3")
+
+    assert refused == (None, None)
+    assert await name_of(backend) == ("new topic", "auto")
+
+
+async def test_a_moved_turn_names_a_conversation_pops_left_unnamed(backend: Backend) -> None:
+    """Pops leave no message and take the automatic name back; the lost turn's retry, moved
+    to the end, is then the first stored user text and names the conversation."""
+    logger = await _named_by_a_turn_never_stored(backend)
+    store = ConversationStore(backend.db, rules=COUNTED)
+    await store.pop_last_message(CID)
+    await store.pop_last_message(CID)
+
+    await logger.log_messages(CID, [user("secret draft question"), answer()], turn_id="t-lost")
+
+    assert await name_of(backend) == ("secret draft question", "auto")
+
+
+async def test_a_moved_turn_never_names_a_conversation_a_person_left_unnamed(
+    backend: Backend,
+) -> None:
+    logger = await _named_by_a_turn_never_stored(backend)
+    store = ConversationStore(backend.db, rules=COUNTED)
+    await store.pop_last_message(CID)
+    await store.pop_last_message(CID)
+    await store.rename(CID, "Drafts")
+
+    await logger.log_messages(CID, [user("secret draft question"), answer()], turn_id="t-lost")
+
+    assert await name_of(backend) == ("Drafts", "set")
+
+
 @pytest.mark.wire
 @pytest.mark.parametrize(
     ("turn", "name"),

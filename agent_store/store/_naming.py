@@ -14,7 +14,7 @@ conversation as it names a new one. A name a runtime or a person gave is never t
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from bson import Int64
 
@@ -29,12 +29,20 @@ AUTOMATIC: dict[str, Any] = {"$eq": ["$name_source", "auto"]}
 """Whether the conversation's name is an automatic one (an expression)."""
 
 
-def first_named(stored: Iterable[AgentMessage], limit: int) -> tuple[str, str] | None:
+class Named(NamedTuple):
+    """The automatic name a stored message gives, and that message's id and `seq`."""
+
+    name: str
+    message_id: str
+    seq: int | None
+
+
+def first_named(stored: Iterable[AgentMessage], limit: int) -> Named | None:
     """The automatic name the first user message with real text among `stored` (in `seq`
-    order) gives, and that message's id; None when none gives one."""
+    order) gives, with that message; None when none gives one."""
     for message in stored:
         if message.id and message.upload is None and (name := auto_name(message, limit)):
-            return name, message.id
+            return Named(name, message.id, message.seq)
     return None
 
 
@@ -45,17 +53,35 @@ def taken_from(message_ids: Sequence[str]) -> dict[str, Any]:
     return {"$and": [AUTOMATIC, {"$in": [by, literal(list(message_ids))]}]}
 
 
-def named_again(taken: Any, named: tuple[str, str] | None) -> dict[str, Any]:
+def popped(named: Named) -> dict[str, Any]:
+    """Whether a pop removed the message `named` was read from, or is removing it (an
+    expression): the conversation lists it at its `seq` in `popped_messages` (its id alone
+    may be stored again at another `seq`, by its turn reserved anew) or marks it `popping`."""
+    listed = {"$ifNull": ["$popped_messages", literal([])]}
+    message = literal(named.message_id)
+    seq = -1 if named.seq is None else named.seq
+    at = {"$and": [{"$eq": ["$$p.i", message]}, {"$eq": ["$$p.s", seq]}]}
+    removed = {"$size": {"$filter": {"input": listed, "as": "p", "cond": at}}}
+    under_way = {"$ifNull": ["$popping.message_id", None]}
+    return {"$or": [{"$gt": [removed, 0]}, {"$eq": [under_way, message]}]}
+
+
+def named_again(taken: Any, named: Named | None) -> dict[str, Any]:
     """`name`, `name_source` and `name_message_id` where `taken` (an expression) says the
-    automatic name goes: the name `named` gives (the stored messages', `first_named`), else
-    none; as they are otherwise."""
+    automatic name goes: the name `named` gives (the stored messages', `first_named`) while
+    its message still stands, else none (a pop between the read of `named` and this update
+    removed it or is removing it: `popped`; the next turn names the conversation); as they
+    are otherwise."""
     name: Any
     source: Any
     by: Any
     if named is None:
         name, source, by = literal(None), literal(None), "$$REMOVE"
     else:
-        name, source, by = literal(named[0]), "auto", literal(named[1])
+        gone = popped(named)
+        name = {"$cond": [gone, literal(None), literal(named.name)]}
+        source = {"$cond": [gone, literal(None), "auto"]}
+        by = {"$cond": [gone, "$$REMOVE", literal(named.message_id)]}
     kept_by = absent_stays("name_message_id", "$name_message_id")
     return {
         "name": {"$cond": [taken, name, "$name"]},
@@ -64,22 +90,37 @@ def named_again(taken: Any, named: tuple[str, str] | None) -> dict[str, Any]:
     }
 
 
-def renamed(conversation: Mapping[str, Any], named: tuple[str, str] | None) -> dict[str, Any]:
+UNNAMED: dict[str, Any] = {
+    "$and": [
+        {"$eq": [{"$ifNull": ["$name", None]}, None]},
+        {"$eq": [{"$ifNull": ["$name_source", None]}, None]},
+    ]
+}
+"""Whether the conversation has no name and none a person or a runtime gave (an
+expression): the next turn would name it."""
+
+
+def renamed(conversation: Mapping[str, Any], named: Named | None) -> dict[str, Any]:
     """The fields `named_again` sets on `conversation` (as read) when its automatic name is
     taken from a message that is not the first stored user message with real text (`named`:
-    the one that is, `first_named`), guarded by the message it was read with; none
-    otherwise (a runtime's or a person's name, one stored before `name_message_id` was)."""
+    the one that is, `first_named`), guarded by the message it was read with; or, when it
+    has no name (`UNNAMED`: read so, and still so), the name `named` gives, as a new turn
+    names it; none otherwise (a runtime's or a person's name, one stored before
+    `name_message_id` was)."""
     by = conversation.get("name_message_id")
+    unnamed = conversation.get("name") is None and conversation.get("name_source") is None
+    if unnamed and named is not None:
+        return named_again(UNNAMED, named)
     if conversation.get("name_source") != "auto" or by is None:
         return {}
-    if named is not None and named[1] == by:
+    if named is not None and named.message_id == by:
         return {}
     return named_again(taken_from([str(by)]), named)
 
 
 async def named_by_stored(
     messages: Any, conversation_id: str, limit: int, *, epoch: str | None, without: range
-) -> tuple[str, str] | None:
+) -> Named | None:
     """`first_named` of the conversation's stored user messages (of its `epoch`, or none),
     but those at the `seq`s `without` (a block given back): one read while one of the first
     `_WINDOW` user messages has real text."""

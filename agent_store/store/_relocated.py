@@ -68,12 +68,13 @@ MOVED: dict[str, Any] = {
     "forked_from": 1,
     "pops": 1,
     "popping": 1,
+    "name": 1,
     "name_source": 1,
     "name_message_id": 1,
 }
 """What the move returns of the conversation: what a reservation returns, and what the fold
-after it needs (the gaps below the new block, a fork's turn starts, the pops' guard, where
-an automatic name was taken from)."""
+after it needs (the gaps below the new block, a fork's turn starts, the pops' guard, its
+name and where an automatic name was taken from)."""
 _FOLD_READ: dict[str, Any] = {**MOVED, "pending_calls": 1, "pending_hitl": 1, "resolved_hitl": 1}
 """What the fold reads of a conversation it reads again: `MOVED` and the pending state."""
 
@@ -309,10 +310,11 @@ async def refold(
     own: range = range(0),
 ) -> Refold | None:
     """The fold of the conversation's stored messages (`Refold`), from `conversation` as
-    read, else read here (one round trip more), and its messages below `message_count` (one
-    more). None when the conversation is gone, or a turn below the end is still being
-    written (its messages are not there to fold). `own`: the `seq`s of the block given back
-    or up, not stored (the resolutions are folded only when no other block is unstored)."""
+    read, else read here (one round trip more), and its messages below `message_count`, of
+    its own life (`of_its_life`; one more). None when the conversation is gone, or a turn
+    below the end is still being written (its messages are not there to fold). `own`: the
+    `seq`s of the block given back or up, not stored (the resolutions are folded only when
+    no other block is unstored)."""
     if conversation is None:
         with storage_errors("read the conversation"):
             conversation = await conversations.find_one({"_id": conversation_id}, _FOLD_READ)
@@ -320,11 +322,7 @@ async def refold(
             return None
     count = int(conversation["message_count"])
     with storage_errors("read the messages"):
-        docs = await (
-            messages.find({"conversation_id": conversation_id, "seq": {"$lt": count}}).sort(
-                "seq", 1
-            )
-        ).to_list(None)
+        docs = await messages.find(of_its_life(conversation, count)).sort("seq", 1).to_list(None)
     stored = messages_adapter.validate_python(docs)
     seqs = {m.seq for m in stored}
     missing = [s for s in range(count) if s not in seqs]
@@ -337,6 +335,16 @@ async def refold(
     alone = all(s in gaps.popped or s in own for s in missing)
     resolved = resolved_in_fork(kept, answered, answered, folded) if alone else None
     return Refold(conversation, folded.calls, folded.hitl, resolved, stored)
+
+
+def of_its_life(conversation: Mapping[str, Any], count: int) -> dict[str, Any]:
+    """The filter for the messages below `count` of `conversation`'s own life: of its
+    `epoch`, or of none (stored before epochs were), never a stray an earlier life under the
+    id left (a deleted conversation's late insert), which neither folds nor names."""
+    query: dict[str, Any] = {"conversation_id": conversation["_id"], "seq": {"$lt": count}}
+    if (epoch := conversation.get("epoch")) is not None:
+        query["epoch"] = {"$in": [epoch, None]}
+    return query
 
 
 def refolded(
@@ -389,7 +397,8 @@ async def settle(
     being written (its messages are not there to fold) or the conversation kept changing.
     An automatic name taken from a message that is not the first stored user text (the
     moved turn's, now behind another one; a turn's given up, never stored) goes back to the
-    one the stored messages give (`_naming.renamed`, `name_chars` long), in the same update.
+    one the stored messages give (`_naming.renamed`, `name_chars` long), in the same update;
+    a conversation with no name (pops leaving no message took it back) is named so.
 
     `given_up`: after a refused move or a block given back instead, `moved` being the
     conversation as the retry read it (every field), else None: the turn is never stored,
