@@ -37,7 +37,7 @@ from agent_store import (
     with_retries,
 )
 from agent_store.store import plan_turn, storage_errors
-from agent_store.store._logger import OtherContent
+from agent_store.store._logger import Corrected, OtherContent
 from app.examples import example_turns
 from tests.conftest import Backend
 
@@ -478,6 +478,48 @@ async def test_a_stalled_insert_landing_after_a_retry_logged_other_content_delet
     again = await patient.log_messages(CID, _answer(1, answers), turn_id="same")
     assert again.replayed
     assert [(m.id, m.seq) for m in again.messages] == [(m.id, m.seq) for m in retried.messages]
+
+
+@pytest.mark.parametrize(
+    ("pops", "refused"),
+    [(1, OtherContent), (2, Corrected)],
+    ids=["answer-popped", "turn-popped"],
+)
+async def test_a_stalled_insert_landing_in_a_given_back_block_after_a_pop_deletes_nothing(
+    backend: Backend, pops: int, refused: type[Exception]
+) -> None:
+    """As above, and a person pops the retry's answer (or the whole retried turn) before the
+    stalled insert lands: the conversation records the turn in another block, so the late
+    insert, meeting the retry's user message with its own content, deletes nothing there and
+    fills nothing of the block given back; it takes back what it inserted and is refused
+    (`OtherContent`; `Corrected` when it met nothing, the whole turn popped). What the pops
+    removed stays removed. The stall outlasts the stalled writer's `claim_grace`, as any
+    stall a retry passes does (it outlasts `abandon_after`)."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [{"role": "user", "content": "hello"}], turn_id="t0")
+    stalled = AgentMessageLogger(backend.db, rules=TurnRules(claim_grace=timedelta(0)))
+    held = HeldInsert(stalled._messages)
+    stalled._messages = held
+    first = asyncio.create_task(stalled.log_messages(CID, _answer(0, 1), turn_id="same"))
+    await held.reached.wait()
+    rules = TurnRules(abandon_after=timedelta(0))
+    retried = await AgentMessageLogger(backend.db, rules=rules).log_messages(
+        CID, _answer(1, 1), turn_id="same"
+    )
+    store = ConversationStore(backend.db, rules=rules)
+    for _ in range(pops):
+        await store.pop_last_message(CID)
+    held.release.set()
+
+    with pytest.raises(refused):
+        await first
+    kept = [(m.seq, m.content) for m in retried.messages][: len(retried.messages) - pops]
+    stored = await backend.db.agent_messages.find({"conversation_id": CID}).to_list(None)
+    assert sorted((d["seq"], d["content"]) for d in stored) == [(0, "hello"), *kept]
+    assert [(m.seq, m.content) for m in await store.transcript(CID)] == [(0, "hello"), *kept]
+    conversation = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert conversation["turn_count"] == (2 if kept else 1)
 
 
 @pytest.mark.wire

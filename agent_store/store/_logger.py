@@ -1936,11 +1936,20 @@ class AgentMessageLogger:
         other attempt stored it when this insert stored nothing; else (the two inserts each
         stored part) in the lower of the two, each attempt moving the messages of the higher
         one there (one delete and one insert more). None otherwise: what met the insert is
-        `_own_duplicates`'s to tell. One lookup more, on that path only."""
+        `_own_duplicates`'s to tell. One lookup more, on that path only.
+
+        This attempt's block given back already (another attempt found it empty and stored
+        the turn in the other block) is no block to gather into: an insert that stored
+        messages there the other block lacks (popped since, or the turn logged with fewer)
+        takes them back and is refused, `OtherContent`, touching nothing of the other block."""
         failed = [documents[e["index"]] for e in error.details.get("writeErrors", [])]
         first = int(documents[0]["seq"])
-        if await self._left(plan, first, first + shift):
+        left, given_back = await self._left(plan, first, first + shift)
+        if left:
             return None  # an attempt of a turn moved to a new block: not two reservations
+        if given_back and len(failed) < len(documents):
+            met = {d["_id"]: d for d in failed}
+            await self._take_back_inserted(plan, documents, met, documents[0].get("epoch"))
         if len(failed) < len(documents) and shift > 0:  # this block is the lower: gathered here
             moving, shift = [found[d["_id"]] for d in failed], 0
         elif len(failed) < len(documents):  # the other block is the lower: this one moves
@@ -1949,10 +1958,11 @@ class AgentMessageLogger:
             moving = []
         return await self._gathered(plan, documents, moving, shift)
 
-    async def _left(self, plan: TurnPlan, first: int, other: int) -> bool:
+    async def _left(self, plan: TurnPlan, first: int, other: int) -> tuple[bool, bool]:
         """Whether the block starting at `other`, or this attempt's at `first`, is one the
         turn left by a move to a new block (recorded under `moved_key`, or its `seq`s gaps no
-        turn holds): one lookup of the conversation's records. This attempt's block given back
+        turn holds), and whether this attempt's block was given back (below): one lookup of
+        the conversation's records. This attempt's block given back
         already (its record marked so: another attempt of the turn found it empty, the turn
         stored in `other`) is not one it left: the turn is where that attempt found it."""
         with storage_errors("read the conversation"):
@@ -1961,9 +1971,9 @@ class AgentMessageLogger:
                 {"turns.k": 1, "turns.f": 1, "turns.g": 1, "popped_seqs": 1},
             )
         if found is None:
-            return True
-        left = _blocks_left(found, plan.key)
-        return other in left or (first in left and first not in _given_back_at(found, plan.key))
+            return True, False
+        left, given_back = _blocks_left(found, plan.key), first in _given_back_at(found, plan.key)
+        return other in left or (first in left and not given_back), given_back
 
     async def _gathered(
         self,
