@@ -39,7 +39,7 @@ from agent_store import (
 from agent_store.store import plan_turn, storage_errors
 from agent_store.store._logger import Corrected, OtherContent
 from app.examples import example_turns
-from tests.conftest import Backend
+from tests.conftest import COUNTED, Backend
 
 CID = "conv-reliability"
 
@@ -520,6 +520,37 @@ async def test_a_stalled_insert_landing_in_a_given_back_block_after_a_pop_delete
     assert [(m.seq, m.content) for m in await store.transcript(CID)] == [(0, "hello"), *kept]
     conversation = await backend.db.agent_conversations.find_one({"_id": CID})
     assert conversation["turn_count"] == (2 if kept else 1)
+
+
+async def test_an_earlier_lifes_late_message_in_a_lost_turns_block_gives_way_to_its_retry(
+    backend: Backend,
+) -> None:
+    """A deleted conversation's late insert lands in the block a lost turn of the new life
+    reserved under the id: it is a stray of another life, not another turn's message, so the
+    turn's retry past `abandon_after` is not refused as the block's "other turn"; it is
+    stored, and the earlier life's message is not served."""
+    logger = AgentMessageLogger(backend.db, rules=COUNTED)
+    await logger.ensure_indexes()
+    store = ConversationStore(backend.db, rules=COUNTED)
+    asked = [{"role": "user", "content": "draft question"}, {"role": "assistant", "content": "A"}]
+    old = [{"role": "user", "content": "old life"}, {"role": "assistant", "content": "B"}]
+    await logger.log_messages(CID, old, turn_id="old")
+    late = await backend.db.agent_messages.find_one({"conversation_id": CID, "seq": 0})
+    await store.delete(CID)
+    await logger.log_messages(CID, asked, turn_id="t-lost")
+    await backend.db.agent_messages.delete_many({})  # its insert lost
+    await backend.db.agent_messages.insert_one(late)  # the deleted life's, landing late
+    weather = [{"role": "user", "content": "weather"}, {"role": "assistant", "content": "C"}]
+    await logger.log_messages(CID, weather, turn_id="t2")
+    long_ago = datetime.now(UTC) - timedelta(minutes=10)
+    await backend.db.agent_conversations.update_one({"_id": CID}, {"$set": {"turns.0.a": long_ago}})
+
+    retried = await logger.log_messages(CID, asked, turn_id="t-lost")
+
+    assert [m.content for m in retried.messages] == ["draft question", "A"]
+    served = [m.content for m in await store.transcript(CID)]
+    assert "old life" not in served
+    assert served.count("draft question") == 1
 
 
 @pytest.mark.wire

@@ -2379,7 +2379,7 @@ class AgentMessageLogger:
         query = lookup(plan, block, moving=True, unwritten=unwritten)
         with storage_errors("read the turn's messages"):
             found = await self._messages.find(query).to_list(None)
-        return looked_up(plan, block, found, unwritten)
+        return looked_up(plan, block, found, unwritten, conversation.get("epoch"))
 
     def _passed(self, block: RecordedBlock) -> bool:
         """Whether tail readers may have passed the block (reserved `abandon_after` ago, on
