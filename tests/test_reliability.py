@@ -522,6 +522,43 @@ async def test_a_stalled_insert_landing_in_a_given_back_block_after_a_pop_delete
     assert conversation["turn_count"] == (2 if kept else 1)
 
 
+async def test_a_stalled_move_landing_in_a_given_back_block_after_a_pop_is_refused(
+    backend: Backend,
+) -> None:
+    """A lost turn's late retry moves it to a new block, and its insert there stalls; a
+    retry with other content gives that block back and is logged at the end, and a person
+    pops its answer. The stalled insert then lands in the given-back block: the turn is
+    recorded elsewhere, so it takes back what it inserted and is refused (`OtherContent`),
+    not answered with the other retry's question as its turn."""
+    zero = TurnRules(abandon_after=timedelta(0), claim_grace=timedelta(0))
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [{"role": "user", "content": "hello"}], turn_id="t0")
+    await logger.log_messages(CID, _answer(0, 1), turn_id="same")
+    await backend.db.agent_messages.delete_many({"turn_id": "same"})  # its insert lost
+    await logger.log_messages(CID, [{"role": "user", "content": "x"}], turn_id="t1")
+    stalled = AgentMessageLogger(backend.db, rules=zero)
+    held = HeldInsert(stalled._messages)
+    stalled._messages = held
+    first = asyncio.create_task(stalled.log_messages(CID, _answer(0, 1), turn_id="same"))
+    await held.reached.wait()
+    retried = await AgentMessageLogger(backend.db, rules=zero).log_messages(
+        CID, _answer(1, 1), turn_id="same"
+    )
+    await ConversationStore(backend.db, rules=zero).pop_last_message(CID)
+    held.release.set()
+
+    with pytest.raises(OtherContent, match="logged with other content"):
+        await first
+    stored = await backend.db.agent_messages.find({"conversation_id": CID}).to_list(None)
+    question = retried.messages[0]
+    assert sorted((d["seq"], d["content"]) for d in stored) == [
+        (0, "hello"),
+        (3, "x"),
+        (question.seq, "q"),
+    ]
+
+
 async def test_an_earlier_lifes_late_message_in_a_lost_turns_block_gives_way_to_its_retry(
     backend: Backend,
 ) -> None:

@@ -2452,10 +2452,12 @@ class AgentMessageLogger:
         only): an attempt's insert that landed after another attempt moved the turn (or
         before); the turn is stored there and every attempt answers them. One with other
         content where the turn's record places it stays, this attempt refused
-        (`_logged_otherwise`). Anything else (another turn's message at its `seq`, one of an
-        earlier life, popped or in a block given back) gives way while the conversation
-        records this turn's block and not the other turns (`_in_place_of`), else Conflict
-        (`_in_the_way`), naming nothing of what another turn left. `met`: as `_met` read it."""
+        (`_logged_otherwise`), as is one landing in a block of the turn given back (another
+        attempt logged it elsewhere with other content) that stored messages there. Anything
+        else (another turn's message at its `seq`, one of an earlier life, popped or in a
+        block given back) gives way while the conversation records this turn's block and not
+        the other turns (`_in_place_of`), else Conflict (`_in_the_way`), naming nothing of
+        what another turn left. `met`: as `_met` read it."""
         only_duplicates(error)
         write_errors = error.details.get("writeErrors", [])
         failed = {documents[e["index"]]["_id"]: documents[e["index"]] for e in write_errors}
@@ -2472,14 +2474,12 @@ class AgentMessageLogger:
         in_place = _arrived(list(stored.values()), list(failed.values()), epoch)
         if len(in_place) == len(failed):
             return stored  # stored by an earlier attempt, in this block
-        with storage_errors("read the conversation"):
-            records = await self._conversations.find_one(
-                {"_id": conversation_id},
-                {"turns.k": 1, "turns.f": 1, "turns_dropped": 1, "epoch": 1, "popped_messages": 1},
-            )
+        records = await self._turn_records(conversation_id)
         if epoch is not None and (records is None or records.get("epoch") not in (None, epoch)):
             await self._take_back(conversation_id, documents, epoch)
         first = int(documents[0]["seq"])
+        if len(failed) < len(documents) and first in _given_back_at(records or {}, plan.key):
+            await self._take_back_inserted(plan, documents, failed, epoch)  # logged elsewhere
         moved = same and len(shifts) == 1 and records is not None
         if moved and first + next(iter(shifts)) in blocks_of(records or {}, plan.key):
             return stored  # stored by an earlier attempt, in another block of the turn
@@ -2500,6 +2500,17 @@ class AgentMessageLogger:
         if wanted:
             await self._in_place_of(plan, records, first, list(strays.values()), wanted)
         return {**stored, **{d["_id"]: d for d in wanted}}
+
+    async def _turn_records(self, conversation_id: str) -> dict[str, Any] | None:
+        """The conversation's turn records (their key, first `seq` and given-back mark), its
+        epoch and the messages pops removed, as `_own_duplicates` reads them."""
+        with storage_errors("read the conversation"):
+            found: dict[str, Any] | None = await self._conversations.find_one(
+                {"_id": conversation_id},
+                {"turns.k": 1, "turns.f": 1, "turns.g": 1, "turns_dropped": 1, "epoch": 1,
+                 "popped_messages": 1},
+            )  # fmt: skip
+        return found
 
     async def _take_back_inserted(
         self,
