@@ -37,9 +37,9 @@ from agent_store import (
     with_retries,
 )
 from agent_store.store import plan_turn, storage_errors
-from agent_store.store._logger import OtherContent
+from agent_store.store._logger import Corrected, OtherContent
 from app.examples import example_turns
-from tests.conftest import Backend
+from tests.conftest import COUNTED, Backend
 
 CID = "conv-reliability"
 
@@ -478,6 +478,116 @@ async def test_a_stalled_insert_landing_after_a_retry_logged_other_content_delet
     again = await patient.log_messages(CID, _answer(1, answers), turn_id="same")
     assert again.replayed
     assert [(m.id, m.seq) for m in again.messages] == [(m.id, m.seq) for m in retried.messages]
+
+
+@pytest.mark.parametrize(
+    ("pops", "refused"),
+    [(1, OtherContent), (2, Corrected)],
+    ids=["answer-popped", "turn-popped"],
+)
+async def test_a_stalled_insert_landing_in_a_given_back_block_after_a_pop_deletes_nothing(
+    backend: Backend, pops: int, refused: type[Exception]
+) -> None:
+    """As above, and a person pops the retry's answer (or the whole retried turn) before the
+    stalled insert lands: the conversation records the turn in another block, so the late
+    insert, meeting the retry's user message with its own content, deletes nothing there and
+    fills nothing of the block given back; it takes back what it inserted and is refused
+    (`OtherContent`; `Corrected` when it met nothing, the whole turn popped). What the pops
+    removed stays removed. The stall outlasts the stalled writer's `claim_grace`, as any
+    stall a retry passes does (it outlasts `abandon_after`)."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [{"role": "user", "content": "hello"}], turn_id="t0")
+    stalled = AgentMessageLogger(backend.db, rules=TurnRules(claim_grace=timedelta(0)))
+    held = HeldInsert(stalled._messages)
+    stalled._messages = held
+    first = asyncio.create_task(stalled.log_messages(CID, _answer(0, 1), turn_id="same"))
+    await held.reached.wait()
+    rules = TurnRules(abandon_after=timedelta(0))
+    retried = await AgentMessageLogger(backend.db, rules=rules).log_messages(
+        CID, _answer(1, 1), turn_id="same"
+    )
+    store = ConversationStore(backend.db, rules=rules)
+    for _ in range(pops):
+        await store.pop_last_message(CID)
+    held.release.set()
+
+    with pytest.raises(refused):
+        await first
+    kept = [(m.seq, m.content) for m in retried.messages][: len(retried.messages) - pops]
+    stored = await backend.db.agent_messages.find({"conversation_id": CID}).to_list(None)
+    assert sorted((d["seq"], d["content"]) for d in stored) == [(0, "hello"), *kept]
+    assert [(m.seq, m.content) for m in await store.transcript(CID)] == [(0, "hello"), *kept]
+    conversation = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert conversation["turn_count"] == (2 if kept else 1)
+
+
+async def test_a_stalled_move_landing_in_a_given_back_block_after_a_pop_is_refused(
+    backend: Backend,
+) -> None:
+    """A lost turn's late retry moves it to a new block, and its insert there stalls; a
+    retry with other content gives that block back and is logged at the end, and a person
+    pops its answer. The stalled insert then lands in the given-back block: the turn is
+    recorded elsewhere, so it takes back what it inserted and is refused (`OtherContent`),
+    not answered with the other retry's question as its turn."""
+    zero = TurnRules(abandon_after=timedelta(0), claim_grace=timedelta(0))
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    await logger.log_messages(CID, [{"role": "user", "content": "hello"}], turn_id="t0")
+    await logger.log_messages(CID, _answer(0, 1), turn_id="same")
+    await backend.db.agent_messages.delete_many({"turn_id": "same"})  # its insert lost
+    await logger.log_messages(CID, [{"role": "user", "content": "x"}], turn_id="t1")
+    stalled = AgentMessageLogger(backend.db, rules=zero)
+    held = HeldInsert(stalled._messages)
+    stalled._messages = held
+    first = asyncio.create_task(stalled.log_messages(CID, _answer(0, 1), turn_id="same"))
+    await held.reached.wait()
+    retried = await AgentMessageLogger(backend.db, rules=zero).log_messages(
+        CID, _answer(1, 1), turn_id="same"
+    )
+    await ConversationStore(backend.db, rules=zero).pop_last_message(CID)
+    held.release.set()
+
+    with pytest.raises(OtherContent, match="logged with other content"):
+        await first
+    stored = await backend.db.agent_messages.find({"conversation_id": CID}).to_list(None)
+    question = retried.messages[0]
+    assert sorted((d["seq"], d["content"]) for d in stored) == [
+        (0, "hello"),
+        (3, "x"),
+        (question.seq, "q"),
+    ]
+
+
+async def test_an_earlier_lifes_late_message_in_a_lost_turns_block_gives_way_to_its_retry(
+    backend: Backend,
+) -> None:
+    """A deleted conversation's late insert lands in the block a lost turn of the new life
+    reserved under the id: it is a stray of another life, not another turn's message, so the
+    turn's retry past `abandon_after` is not refused as the block's "other turn"; it is
+    stored, and the earlier life's message is not served."""
+    logger = AgentMessageLogger(backend.db, rules=COUNTED)
+    await logger.ensure_indexes()
+    store = ConversationStore(backend.db, rules=COUNTED)
+    asked = [{"role": "user", "content": "draft question"}, {"role": "assistant", "content": "A"}]
+    old = [{"role": "user", "content": "old life"}, {"role": "assistant", "content": "B"}]
+    await logger.log_messages(CID, old, turn_id="old")
+    late = await backend.db.agent_messages.find_one({"conversation_id": CID, "seq": 0})
+    await store.delete(CID)
+    await logger.log_messages(CID, asked, turn_id="t-lost")
+    await backend.db.agent_messages.delete_many({})  # its insert lost
+    await backend.db.agent_messages.insert_one(late)  # the deleted life's, landing late
+    weather = [{"role": "user", "content": "weather"}, {"role": "assistant", "content": "C"}]
+    await logger.log_messages(CID, weather, turn_id="t2")
+    long_ago = datetime.now(UTC) - timedelta(minutes=10)
+    await backend.db.agent_conversations.update_one({"_id": CID}, {"$set": {"turns.0.a": long_ago}})
+
+    retried = await logger.log_messages(CID, asked, turn_id="t-lost")
+
+    assert [m.content for m in retried.messages] == ["draft question", "A"]
+    served = [m.content for m in await store.transcript(CID)]
+    assert "old life" not in served
+    assert served.count("draft question") == 1
 
 
 @pytest.mark.wire

@@ -1936,11 +1936,20 @@ class AgentMessageLogger:
         other attempt stored it when this insert stored nothing; else (the two inserts each
         stored part) in the lower of the two, each attempt moving the messages of the higher
         one there (one delete and one insert more). None otherwise: what met the insert is
-        `_own_duplicates`'s to tell. One lookup more, on that path only."""
+        `_own_duplicates`'s to tell. One lookup more, on that path only.
+
+        This attempt's block given back already (another attempt found it empty and stored
+        the turn in the other block) is no block to gather into: an insert that stored
+        messages there the other block lacks (popped since, or the turn logged with fewer)
+        takes them back and is refused, `OtherContent`, touching nothing of the other block."""
         failed = [documents[e["index"]] for e in error.details.get("writeErrors", [])]
         first = int(documents[0]["seq"])
-        if await self._left(plan, first, first + shift):
+        left, given_back = await self._left(plan, first, first + shift)
+        if left:
             return None  # an attempt of a turn moved to a new block: not two reservations
+        if given_back and len(failed) < len(documents):
+            met = {d["_id"]: d for d in failed}
+            await self._take_back_inserted(plan, documents, met, documents[0].get("epoch"))
         if len(failed) < len(documents) and shift > 0:  # this block is the lower: gathered here
             moving, shift = [found[d["_id"]] for d in failed], 0
         elif len(failed) < len(documents):  # the other block is the lower: this one moves
@@ -1949,10 +1958,11 @@ class AgentMessageLogger:
             moving = []
         return await self._gathered(plan, documents, moving, shift)
 
-    async def _left(self, plan: TurnPlan, first: int, other: int) -> bool:
+    async def _left(self, plan: TurnPlan, first: int, other: int) -> tuple[bool, bool]:
         """Whether the block starting at `other`, or this attempt's at `first`, is one the
         turn left by a move to a new block (recorded under `moved_key`, or its `seq`s gaps no
-        turn holds): one lookup of the conversation's records. This attempt's block given back
+        turn holds), and whether this attempt's block was given back (below): one lookup of
+        the conversation's records. This attempt's block given back
         already (its record marked so: another attempt of the turn found it empty, the turn
         stored in `other`) is not one it left: the turn is where that attempt found it."""
         with storage_errors("read the conversation"):
@@ -1961,9 +1971,9 @@ class AgentMessageLogger:
                 {"turns.k": 1, "turns.f": 1, "turns.g": 1, "popped_seqs": 1},
             )
         if found is None:
-            return True
-        left = _blocks_left(found, plan.key)
-        return other in left or (first in left and first not in _given_back_at(found, plan.key))
+            return True, False
+        left, given_back = _blocks_left(found, plan.key), first in _given_back_at(found, plan.key)
+        return other in left or (first in left and not given_back), given_back
 
     async def _gathered(
         self,
@@ -2369,7 +2379,7 @@ class AgentMessageLogger:
         query = lookup(plan, block, moving=True, unwritten=unwritten)
         with storage_errors("read the turn's messages"):
             found = await self._messages.find(query).to_list(None)
-        return looked_up(plan, block, found, unwritten)
+        return looked_up(plan, block, found, unwritten, conversation.get("epoch"))
 
     def _passed(self, block: RecordedBlock) -> bool:
         """Whether tail readers may have passed the block (reserved `abandon_after` ago, on
@@ -2442,10 +2452,12 @@ class AgentMessageLogger:
         only): an attempt's insert that landed after another attempt moved the turn (or
         before); the turn is stored there and every attempt answers them. One with other
         content where the turn's record places it stays, this attempt refused
-        (`_logged_otherwise`). Anything else (another turn's message at its `seq`, one of an
-        earlier life, popped or in a block given back) gives way while the conversation
-        records this turn's block and not the other turns (`_in_place_of`), else Conflict
-        (`_in_the_way`), naming nothing of what another turn left. `met`: as `_met` read it."""
+        (`_logged_otherwise`), as is one landing in a block of the turn given back (another
+        attempt logged it elsewhere with other content) that stored messages there. Anything
+        else (another turn's message at its `seq`, one of an earlier life, popped or in a
+        block given back) gives way while the conversation records this turn's block and not
+        the other turns (`_in_place_of`), else Conflict (`_in_the_way`), naming nothing of
+        what another turn left. `met`: as `_met` read it."""
         only_duplicates(error)
         write_errors = error.details.get("writeErrors", [])
         failed = {documents[e["index"]]["_id"]: documents[e["index"]] for e in write_errors}
@@ -2462,14 +2474,12 @@ class AgentMessageLogger:
         in_place = _arrived(list(stored.values()), list(failed.values()), epoch)
         if len(in_place) == len(failed):
             return stored  # stored by an earlier attempt, in this block
-        with storage_errors("read the conversation"):
-            records = await self._conversations.find_one(
-                {"_id": conversation_id},
-                {"turns.k": 1, "turns.f": 1, "turns_dropped": 1, "epoch": 1, "popped_messages": 1},
-            )
+        records = await self._turn_records(conversation_id)
         if epoch is not None and (records is None or records.get("epoch") not in (None, epoch)):
             await self._take_back(conversation_id, documents, epoch)
         first = int(documents[0]["seq"])
+        if len(failed) < len(documents) and first in _given_back_at(records or {}, plan.key):
+            await self._take_back_inserted(plan, documents, failed, epoch)  # logged elsewhere
         moved = same and len(shifts) == 1 and records is not None
         if moved and first + next(iter(shifts)) in blocks_of(records or {}, plan.key):
             return stored  # stored by an earlier attempt, in another block of the turn
@@ -2490,6 +2500,17 @@ class AgentMessageLogger:
         if wanted:
             await self._in_place_of(plan, records, first, list(strays.values()), wanted)
         return {**stored, **{d["_id"]: d for d in wanted}}
+
+    async def _turn_records(self, conversation_id: str) -> dict[str, Any] | None:
+        """The conversation's turn records (their key, first `seq` and given-back mark), its
+        epoch and the messages pops removed, as `_own_duplicates` reads them."""
+        with storage_errors("read the conversation"):
+            found: dict[str, Any] | None = await self._conversations.find_one(
+                {"_id": conversation_id},
+                {"turns.k": 1, "turns.f": 1, "turns.g": 1, "turns_dropped": 1, "epoch": 1,
+                 "popped_messages": 1},
+            )  # fmt: skip
+        return found
 
     async def _take_back_inserted(
         self,

@@ -237,12 +237,17 @@ def looked_up(
     block: RecordedBlock,
     found: Sequence[Any],
     unwritten: Unwritten | None = None,
+    epoch: str | None = None,
 ) -> Looked:
     """What `lookup` (moving, with `unwritten`) found of the turn's block, read in any
     order. The one check of a turn logged at the end in place of its empty block, whatever
     content the retry sends: refused (`Looked.refusal`) when nothing is stored and a later
     message answers one of the retry's calls, or a block past it that may answer one is
-    still being written (`Unwritten.written`)."""
+    still being written (`Unwritten.written`). Messages of another life of the conversation
+    than `epoch` (the conversation's, as read), late inserts of one deleted since, are
+    strays: no turn's, they are left out (never "another turn's" in the block)."""
+    lives = (None, epoch)
+    found = [d for d in found if epoch is None or d.get("epoch") in lives]
     found = sorted(found, key=lambda d: int(d["seq"]))  # a server answers any order
     first, past = block.first_seq, block.first_seq + block.count
     ids = _own_ids(plan, block)
