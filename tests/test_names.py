@@ -217,6 +217,14 @@ async def test_an_invalid_runtime_name_is_refused_and_nothing_is_written(
     assert await backend.db.agent_messages.count_documents({}) == 0
 
 
+async def _a_stray_under_t1s_first_id(backend: Backend) -> None:
+    """A message stored under the id turn "t1" derives for its first message (another
+    conversation's, left there): "t1" is refused once its reservation has named the
+    conversation."""
+    stray = {"_id": message_id(CID, "t1", 0), "conversation_id": "other", "seq": 0}
+    await backend.db.agent_messages.insert_one({**stray, "role": "user", "content": "stray"})
+
+
 async def test_a_turn_refused_after_its_reservation_takes_its_automatic_name_back(
     backend: Backend,
 ) -> None:
@@ -224,8 +232,7 @@ async def test_a_turn_refused_after_its_reservation_takes_its_automatic_name_bac
     the conversation: the block is given back with the name, and the next turn names it."""
     logger = AgentMessageLogger(backend.db)
     await logger.upsert_conversation(CID, user_id="u")
-    stray = {"_id": message_id(CID, "t1", 0), "conversation_id": "other", "seq": 0}
-    await backend.db.agent_messages.insert_one({**stray, "role": "user", "content": "stray"})
+    await _a_stray_under_t1s_first_id(backend)
 
     with pytest.raises(Conflict, match="already taken by a message of another turn"):
         await logger.log_messages(CID, [user("private question"), answer()], turn_id="t1")
@@ -338,8 +345,7 @@ async def test_a_give_back_never_names_from_a_message_popped_meanwhile(
     other = AgentMessageLogger(backend.db, rules=COUNTED)
     store = ConversationStore(backend.db, rules=COUNTED)
     await other.log_messages(CID, [answer("Hi, how can I help?")], turn_id="t0")
-    stray = {"_id": message_id(CID, "t1", 0), "conversation_id": "other", "seq": 0}
-    await backend.db.agent_messages.insert_one({**stray, "role": "user", "content": "stray"})
+    await _a_stray_under_t1s_first_id(backend)
     read = logger._named_without
 
     async def popped_meanwhile(*args: Any) -> dict[str, Any]:
