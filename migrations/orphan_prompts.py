@@ -51,22 +51,25 @@ def _problem(prompt: Mapping[str, Any]) -> Problem:
     )
 
 
-def _with_turns(db: Database[dict[str, Any]], names: set[str]) -> set[str]:
-    """The conversations of `names` a run converts: those some legacy turn names."""
+def _with_turns(db: Database[dict[str, Any]], names: set[str], source: str) -> set[str]:
+    """The conversations of `names` a run converts: those some legacy turn in `source` names
+    (where the run reads its turns: `agent_conversations` for a dry run before the move)."""
     if not names:
         return set()
     clauses = [id_filter("conversation_id", name) for name in sorted(names)]
     query = {"$and": [{"$or": clauses}, NOT_DUAL_WRITTEN]}
-    found = (named_id(value) for value in db[LEGACY_TURNS].distinct("conversation_id", query))
+    found = (named_id(value) for value in db[source].distinct("conversation_id", query))
     return {name for name in found if name in names}
 
 
-def _alone(db: Database[dict[str, Any]], pending: list[Mapping[str, Any]]) -> Iterator[Problem]:
+def _alone(
+    db: Database[dict[str, Any]], pending: list[Mapping[str, Any]], source: str
+) -> Iterator[Problem]:
     """The prompts of `pending` no conversion reads, decided by the conversions' own read of
     prompts (`read_session_hitl`): a prompt naming no conversation, or one without legacy
-    turns, or one that read does not find."""
+    turns in `source`, or one that read does not find."""
     names = {name for p in pending if (name := prompt_conversation(p)) is not None}
-    converted = _with_turns(db, names)
+    converted = _with_turns(db, names, source)
     among = {"_id": {"$in": [p["_id"] for p in pending]}}
     read = read_session_hitl(db, {name: name for name in converted}, among=among)
     held = {identity(doc) for docs in read.values() for doc in docs}
@@ -75,20 +78,23 @@ def _alone(db: Database[dict[str, Any]], pending: list[Mapping[str, Any]]) -> It
             yield _problem(prompt)
 
 
-def chunks(db: Database[dict[str, Any]]) -> Iterator[list[Problem]]:
-    """A problem for every pending prompt no conversion reads, a chunk of `CHUNK` prompts at
-    a time, in the order of the prompts' ids: memory holds one chunk."""
+def chunks(db: Database[dict[str, Any]], source: str = LEGACY_TURNS) -> Iterator[list[Problem]]:
+    """A problem for every pending prompt no conversion of the turns in `source` reads, a
+    chunk of `CHUNK` prompts at a time, in the order of the prompts' ids: memory holds one
+    chunk."""
     prompts = db[SESSION_HITL].find().sort("_id", 1)
     for chunk in batches(iter(prompts), CHUNK):
-        yield list(_alone(db, [p for p in chunk if is_pending_prompt(p)]))
+        yield list(_alone(db, [p for p in chunk if is_pending_prompt(p)], source))
 
 
 def record(run: Explosion) -> None:
     """A run's last step, once it has gone through every conversation: count the prompts no
     conversation takes and (unless a dry run) make the recorded `orphan_pending_hitl`
     problems exactly these: each chunk's recorded as the scan goes, marked with the run, then
-    those of earlier runs the scan did not find again deleted."""
-    for found in chunks(run.db):
+    those of earlier runs the scan did not find again deleted. The turns are read where the
+    run reads them (`run.source`): a dry run before the move reads them in
+    `agent_conversations`, so it counts the orphans the run records."""
+    for found in chunks(run.db, run.source):
         run.counts.add_problems(found)
         if not run.options.dry_run:
             run.fence()  # a run paused past its lease records no chunk read before

@@ -271,17 +271,30 @@ def test_status_and_finish_summarize_problems_by_kind(
 
 
 @pytest.mark.wire
+@pytest.mark.parametrize("moved", [True, False], ids=["after-the-move", "before-the-move"])
 def test_a_dry_run_predicts_exactly_what_the_run_does(
-    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    moved: bool,
 ) -> None:
+    """The dry run prints the very summary the run prints: after a partial run, and before
+    the move too (reading the turns where they are then), pending prompts included: one a
+    conversation takes is no orphan, one of a conversation without turns is."""
     database[CONVERSATIONS].insert_many(corpus(4))
     seed_mess(database, NOT_AN_IDENTIFIER, "mess-undated")
-    relocate.relocate(database)
-    database[MESSAGES].insert_one(
-        {"_id": "live-0", "conversation_id": EXAMPLE_CONVERSATION_ID, "seq": 0, "role": "user",
-         "content": "logged live first"}
+    database[SESSION_HITL].insert_many(
+        [{"conversation_id": cid, "request_id": f"r-{n}", "action": "confirm",
+          "status": "pending", "user_id": "u-1"}
+         for n, cid in enumerate([EXAMPLE_CONVERSATION_ID, "mess-undated", "no-turns"])]
     )  # fmt: skip
-    assert cli(wire_uri, database, "run", "--limit", "2", "--batch-size", "1") == 0
+    if moved:
+        relocate.relocate(database)
+        database[MESSAGES].insert_one(
+            {"_id": "live-0", "conversation_id": EXAMPLE_CONVERSATION_ID, "seq": 0,
+             "role": "user", "content": "logged live first"}
+        )  # fmt: skip
+        assert cli(wire_uri, database, "run", "--limit", "2", "--batch-size", "1") == 0
     capsys.readouterr()
 
     assert cli(wire_uri, database, "run", "--dry-run", "--restart") == 0
@@ -290,8 +303,9 @@ def test_a_dry_run_predicts_exactly_what_the_run_does(
     done = summary(capsys.readouterr().out)
 
     assert predicted == done
-    assert done["already live"] == 1
+    assert done["already live"] == (1 if moved else 0)
     assert done["messages written"] > 0
+    assert database[PROBLEMS].count_documents({"kind": "orphan_pending_hitl"}) == 1
 
 
 class InsertLog(monitoring.CommandListener):
