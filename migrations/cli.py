@@ -123,6 +123,7 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
             f"{counts.get('turns')} turns, {counts.get('messages_written')} messages written"
         )
     _report_left_marked(db)
+    _report_unread(db)
     problem_report.print_summary(db, sys.stdout)
     _report_id_clustering(db, CONVERSATIONS if in_place else LEGACY_TURNS)
     if not in_place and legacy == 0:
@@ -143,6 +144,16 @@ def _report_left_marked(db: Database[dict[str, Any]]) -> None:
         "is writing them, or was stopped while writing them: the service answers them from "
         "their legacy turns and refuses their writes; `run` again finishes them)"
     )
+
+
+def _report_unread(db: Database[dict[str, Any]]) -> bool:
+    """Name the documents no run converts (`gate.unread_documents`: neither legacy turns nor
+    conversation documents), as `finish` does; whether there are any. `run`, `verify` and
+    `finish` exit 1 for them, so no step of the runbook passes over content no run reads."""
+    unread = gate.unread_documents(db)
+    for item in unread:
+        print(f"work left in {item.conversation_id}: {'; '.join(item.reasons)}")
+    return bool(unread)
 
 
 def _report_id_clustering(db: Database[dict[str, Any]], source: str, sample: int = 1000) -> None:
@@ -308,7 +319,8 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         print(f"problems are in {problem_report.PROBLEMS}; `status` summarizes them by kind")
     elapsed = time.monotonic() - run.started
     print(f"took {elapsed:.1f}s, {run.counts.turns / max(elapsed, 1e-9):.1f} turns/s")
-    return _left_for_the_next_run(run.counts.reowned)
+    unread = _report_unread(db)
+    return max(_left_for_the_next_run(run.counts.reowned), int(unread))
 
 
 def _left_for_the_next_run(reowned: list[str]) -> int:
@@ -401,10 +413,11 @@ def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         f"{len(result.differences)} differ; {result.unplaced} legacy parts were recorded as "
         f"problems and left out (see {problem_report.PROBLEMS})"
     )
+    unread = _report_unread(db)
     if _not_moved(db, "`verify`"):
         print(NOT_MOVED)
         return 1
-    return 0 if result.ok else 1
+    return 0 if result.ok and not unread else 1
 
 
 def _report(found: gate.Gate) -> None:

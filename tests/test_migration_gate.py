@@ -1928,15 +1928,51 @@ def test_a_legacy_turn_holding_a_counter_is_never_removed_and_is_work_left(
     turn = legacy_turn(bson.ObjectId(), "c-mc", 0, "«m5»") | counters
     database[CONVERSATIONS].insert_many([turn, legacy_turn(bson.ObjectId(), "c-ok", 1, "OK")])
 
-    assert cli(wire_uri, database, "run", "--dry-run", *options) == 0
+    assert cli(wire_uri, database, "run", "--dry-run", *options) == 1
     said = summary(capsys.readouterr().out)
     assert said.get("conversations no legacy turn makes now removed", 0) == 0
-    assert cli(wire_uri, database, "run", *options) == 0
+    assert cli(wire_uri, database, "run", *options) == 1
     assert database[CONVERSATIONS].find_one({"_id": turn["_id"]}) == turn
     capsys.readouterr()
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
     assert repr(turn["_id"]) in capsys.readouterr().out
     assert database[CONVERSATIONS].find_one({"_id": turn["_id"]}) == turn
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    "counters",
+    [{"turn_count": 3}, {"message_count": 2}, {"turn_count": None}, {"message_count": "2"}],
+    ids=["turn_count", "message_count", "null-turn_count", "text-message_count"],
+)
+def test_verify_and_status_name_a_document_neither_a_turn_nor_a_conversation(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    counters: dict[str, Any],
+) -> None:
+    """A legacy turn holding a counter under an `_id` of its own is never moved nor migrated:
+    `run` names it and exits 1, `status` names it (its progress is not the migration's), and
+    `verify` names it and exits 1, as `finish` does, so no runbook step passes over it; once
+    an operator takes the counter off, a run migrates it and `verify` matches it."""
+    turn = legacy_turn("x1", "counted", 0, "«m8»") | counters
+    database[CONVERSATIONS].insert_many([legacy_turn("n1", "normal", 0, "OK"), turn])
+
+    assert cli(wire_uri, database, "run") == 1
+    assert "'x1'" in capsys.readouterr().out
+    for command in ("status", "verify", "finish"):
+        code = cli(wire_uri, database, command)
+        out = capsys.readouterr().out
+        assert "'x1'" in out, (command, out)
+        assert code == (0 if command == "status" else 1), (command, out)
+
+    database[CONVERSATIONS].update_one({"_id": "x1"}, {"$unset": dict.fromkeys(counters, "")})
+    assert cli(wire_uri, database, "run") == 0
+    assert database[MESSAGES].count_documents({"conversation_id": "counted"}) == 2
+    assert cli(wire_uri, database, "verify") == 0
+    assert "verified 2 conversations" in capsys.readouterr().out
+    assert cli(wire_uri, database, "finish") == 0
+    assert "«m8»" in kept_text(database)
 
 
 @pytest.mark.wire
