@@ -56,7 +56,13 @@ from migrations import full_texts
 from migrations import problems as problem_report
 from migrations.errors import MigrationError
 from migrations.explode import LEGACY_FILTER, Explosion, batches, dropped_at, turns_made_of
-from migrations.writes import holds_turn_fields, is_migrated, stored_count, written_by_migration
+from migrations.writes import (
+    NO_TURN_FIELD,
+    holds_turn_fields,
+    is_migrated,
+    stored_count,
+    written_by_migration,
+)
 
 CHUNK = 1000
 """Conversation documents looked at a time."""
@@ -73,9 +79,6 @@ _READ = {
 """What is read of a conversation document: what tells whether the migration made it."""
 _MIGRATIONS = {"$regex": f"^{re.escape(MIGRATED_TURN_PREFIX)}"}
 """A turn id of the migration's (`writes.is_migrated`), as a filter."""
-_NO_TURN_FIELD = {name: {"$exists": False} for name in TURN_ONLY_FIELDS}
-"""No field only a legacy turn holds (`writes.holds_turn_fields`): a removal takes no such
-document, even one edited so since it was read."""
 
 
 @dataclass
@@ -370,7 +373,7 @@ def remove(run: Explosion) -> list[Abandoned]:
         # created again under its id since draws an epoch).
         kept = {"$or": [{"_id": {"$nin": bare}}, {"epoch": None}]}
         run.db[CONVERSATIONS].delete_many(
-            {"_id": {"$in": ids}, "turns.0": {"$exists": False}, **kept, **_NO_TURN_FIELD}
+            {"_id": {"$in": ids}, "turns.0": {"$exists": False}, **kept, **NO_TURN_FIELD}
         )
         _forget_texts_of_removed(run.db, bare)
         problem_report.replace(run.db, ids, [], at=run.undated_at, bounds=run.options.bounds)

@@ -536,7 +536,9 @@ def unread_documents(db: Database[dict[str, Any]]) -> list[WorkLeft]:
     """Documents no run converts, which a drop must not take unseen: in the legacy collection,
     any that is not a legacy turn (it holds a conversation document's counters); in
     `agent_conversations`, any holding those counters and a field only a legacy turn holds
-    (neither a turn, which the move would take, nor a conversation document)."""
+    (neither a turn, which the move would take, nor a conversation document: no run writes a
+    conversation over it, `writes.NO_TURN_FIELD`, so one under a conversation's id holds
+    that conversation back)."""
     left: list[WorkLeft] = []
     for name, query in ((LEGACY_TURNS, CONVERSATION_FILTER), (CONVERSATIONS, NEITHER_FILTER)):
         ids = [d["_id"] for d in db[name].find(query, {"_id": 1}).limit(SHOWN)]
@@ -549,7 +551,8 @@ def unread_documents(db: Database[dict[str, Any]]) -> list[WorkLeft]:
                 name,
                 [
                     f"{count} documents are neither legacy turns nor conversation documents "
-                    f"({shown}): no run converts them; move or correct them, then `run` again"
+                    f"({shown}): no run converts them, nor writes over them; move or correct "
+                    "them, then `run` again"
                 ],
             )
         )

@@ -261,8 +261,16 @@ def holds_turn_fields(document: Mapping[str, Any]) -> bool:
     """Whether a document holds a field only a legacy turn holds (`TURN_ONLY_FIELDS`): no
     conversation document the migration wrote does. One in `agent_conversations` holding a
     conversation document's counters too is neither (`relocate.NEITHER_FILTER`): never moved
-    or converted, never removed, and named by the gate."""
+    or converted, never removed, never written over (`NO_TURN_FIELD`), and named by the
+    gate. The counters cannot tell whether it is a turn or a conversation document, so
+    neither is guessed: either guess could lose words of the other."""
     return any(name in document for name in TURN_ONLY_FIELDS)
+
+
+NO_TURN_FIELD: dict[str, Any] = {name: {"$exists": False} for name in TURN_ONLY_FIELDS}
+"""No field only a legacy turn holds (`holds_turn_fields`), as a filter: every replace or
+delete of a conversation document by the migration holds it, so none takes such a document,
+even one edited so since it was read."""
 
 
 def written_by_migration(document: Mapping[str, Any]) -> bool:
@@ -427,10 +435,13 @@ def document_differs(existing: dict[str, Any] | None, wanted: Conversation) -> b
     """Whether the stored conversation document differs from the wanted one (and is the
     migration's: one the live logger or a person's pop has written to is never overwritten,
     `written_since`), as BSON stores it (`same_bson`); one that no longer validates (edited by
-    hand past what the store takes) differs, and is written again. The rerun and the exit gate
-    both ask."""
+    hand past what the store takes) differs, and is written again; one holding a legacy
+    turn's fields (`holds_turn_fields`) is not the conversation's document: it differs, and
+    no run writes over it (`_plan_one`). The rerun and the exit gate both ask."""
     if existing is None or existing.get(MIGRATING) is not None:
         return True  # none, or one a run wrote and did not finish (its messages not all in)
+    if holds_turn_fields(existing):
+        return True
     if written_since(existing):
         return False
     if not counters_as_numbers(existing):
@@ -588,7 +599,11 @@ def _plan_one(
 ) -> None:
     """One conversation's writes: `found` its stored document, `stored` the messages at its
     `seq` values, `next_free` the `seq` after its last stored message, `carried` the epoch its
-    stored messages carry (`carried_epochs`)."""
+    stored messages carry (`carried_epochs`). Nothing of a conversation whose `_id` holds a
+    document with a legacy turn's fields (`holds_turn_fields`): a run never writes over it,
+    nor messages without their document; the gate names it (`gate.unread_documents`)."""
+    if found is not None and holds_turn_fields(found):
+        return
     conversion = item.conversion
     extent = len(conversion.messages)
     gone = popped(found)
@@ -908,7 +923,9 @@ def _take_back(
     for document in (d for d in wrote if d["_id"] in standing):
         if planned.read.get(document["_id"]) is None:
             unchanged = {k: {"$exists": False} for k in PEOPLES_FIELDS if k not in document}
-            taken = db[CONVERSATIONS].delete_one({**_as_stored(db, document), **unchanged})
+            taken = db[CONVERSATIONS].delete_one(
+                {**_as_stored(db, document), **unchanged, **NO_TURN_FIELD}
+            )
             standing -= {document["_id"]} if taken.deleted_count else set()
     applied.documents -= len(wrote) - len(standing)
 
@@ -1010,7 +1027,7 @@ def _write_conversations(
     for cid in sorted(late):
         document = inserted[cid]
         unchanged = {k: {"$exists": False} for k in PEOPLES_FIELDS if k not in document}
-        db[CONVERSATIONS].delete_one({**_as_stored(db, document), **unchanged})
+        db[CONVERSATIONS].delete_one({**_as_stored(db, document), **unchanged, **NO_TURN_FIELD})
     skipped = _not_as_planned(db, planned, written)
     return skipped | vanished | late
 
@@ -1117,7 +1134,8 @@ def _write(
     if read is None:
         return InsertOne(document)
     added = (set(document) | set(PEOPLES_FIELDS)) - set(read)
-    return ReplaceOne({**read, **{k: {"$exists": False} for k in sorted(added)}}, document)
+    unchanged = {k: {"$exists": False} for k in sorted(added)}
+    return ReplaceOne({**read, **unchanged, **NO_TURN_FIELD}, document)
 
 
 def _accept_identical(

@@ -42,7 +42,7 @@ from agent_store.legacy import (
     parse_turns,
     with_session_prompts,
 )
-from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES, TurnRules
+from agent_store.store import BLOB_BUCKET, CONVERSATIONS, MESSAGES, MIGRATING, TurnRules
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
 from migrations import (
     abandoned,
@@ -1937,6 +1937,75 @@ def test_a_legacy_turn_holding_a_counter_is_never_removed_and_is_work_left(
     assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
     assert repr(turn["_id"]) in capsys.readouterr().out
     assert database[CONVERSATIONS].find_one({"_id": turn["_id"]}) == turn
+
+
+COUNTER_CLASHES = {
+    "turn_count": {"turn_count": 2},
+    "message_count": {"message_count": 4},
+    "null turn_count": {"turn_count": None},
+}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("counters", COUNTER_CLASHES.values(), ids=list(COUNTER_CLASHES))
+@pytest.mark.parametrize("of", ["c-1", "c-2"], ids=["its-own", "another-conversations"])
+def test_a_legacy_turn_holding_a_counter_under_a_conversations_id_is_never_written_over(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    counters: dict[str, Any],
+    of: str,
+) -> None:
+    """A document holding a legacy turn's fields is never replaced by a conversation document,
+    whatever counter it holds too: a legacy turn of `of` stored under the `_id` of conversation
+    c-1 and holding a counter is neither a turn nor a conversation document, so the run writes
+    nothing of c-1 over it (its messages neither), names it and exits 1, the dry run alike, and
+    `verify` and `finish` exit 1 until an operator moves it; then a run migrates every word."""
+    clash = legacy_turn("c-1", of, 1, "«m7»") | counters
+    database[CONVERSATIONS].insert_many([legacy_turn("t-1", "c-1", 0, "«m6»"), clash])
+
+    assert cli(wire_uri, database, "run", "--dry-run") == 1
+    assert cli(wire_uri, database, "run") == 1
+    assert "'c-1'" in capsys.readouterr().out
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"}) == clash
+    assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) == 0
+    assert cli(wire_uri, database, "verify") == 1
+    assert "'c-1'" in capsys.readouterr().out
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 1
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"}) == clash
+    assert database[LEGACY_TURNS].count_documents({}) == 1
+
+    # The operator files the turn under an `_id` of its own, without the counter.
+    database[CONVERSATIONS].delete_one({"_id": "c-1"})
+    moved = {k: v for k, v in clash.items() if k not in counters} | {"_id": "t-2"}
+    database[CONVERSATIONS].insert_one(moved)
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    assert {"«m6»", "«m7»"} <= set(MARK.findall(kept_text(database)))
+
+
+@pytest.mark.wire
+def test_a_conversation_document_given_a_legacy_turns_field_after_the_plan_is_not_written_over(
+    wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every replace of a conversation document by a run holds `writes.NO_TURN_FIELD`: one
+    edited to hold a legacy turn's field between the plan and the writes stays as it is
+    (neither a turn nor a conversation document now, which the run names)."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "A"))
+    assert cli(wire_uri, database, "run") == 0
+    database[LEGACY_TURNS].update_one({"_id": "t-1"}, {"$set": {"user_message": "edited"}})
+    edit = {"$set": {"user_message": "«m9»"}}
+    _between_plan_and_writes(
+        monkeypatch, lambda: database[CONVERSATIONS].update_one({"_id": "c-1"}, edit)
+    )
+
+    assert cli(wire_uri, database, "run") == 1
+
+    stored = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert stored is not None
+    assert stored["user_message"] == "«m9»"
+    assert MIGRATING not in stored
 
 
 @pytest.mark.wire
