@@ -406,6 +406,27 @@ async def test_a_number_bson_cannot_hold_as_it_is_is_kept_as_json_text_and_read_
     assert all(isinstance(native["set"][key], str) for key in native["json_text"])
 
 
+async def test_a_calls_args_holding_nan_or_an_infinity_are_stored_and_read_back_equal(
+    backend: Backend,
+) -> None:
+    """LangChain's parsers read a model's `{"rate": NaN}` as a float: the turn is kept, the
+    arguments as JSON text (never refused: under RunnableWithMessageHistory that is lost)."""
+    history = ConversationChatHistory(CID, backend.db, user_id="u-1")
+    args = {"rate": float("nan"), "cap": float("inf")}
+    turn = [
+        HumanMessage("Convert 5 EUR to USD", id="h1"),
+        AIMessage("", id="a1", tool_calls=[{"name": "convert", "args": args, "id": "c1"}]),
+        ToolMessage("no rate", tool_call_id="c1", id="t1"),
+        AIMessage("The rate is unknown.", id="a2"),
+    ]
+
+    await history.aadd_messages(turn)
+
+    assert as_json(await history.aget_messages()) == as_json(turn)
+    call = await backend.db["agent_messages"].find_one({"tool_calls": {"$ne": None}})
+    assert call["tool_calls"][0]["function"]["arguments"] == '{"rate":NaN,"cap":Infinity}'
+
+
 async def test_a_key_the_store_cannot_take_in_a_field_native_keeps_is_refused_naming_it(
     backend: Backend,
 ) -> None:

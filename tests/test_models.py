@@ -41,6 +41,21 @@ def test_a_dict_of_arguments_is_stored_as_a_json_string() -> None:
     assert json.loads(arguments) == {"a": [1, "é"]}
 
 
+@pytest.mark.parametrize(
+    ("number", "spelt"),
+    [(float("nan"), "NaN"), (float("inf"), "Infinity"), (float("-inf"), "-Infinity")],
+    ids=["nan", "infinity", "minus-infinity"],
+)
+def test_a_dict_of_arguments_holding_nan_or_an_infinity_is_kept_as_pythons_json_writes_it(
+    number: float, spelt: str
+) -> None:
+    """As a model's argument string holding them is kept: a parser's dict of it is no less."""
+    call = {"id": "c1", "function": {"name": "f", "arguments": {"rate": [number]}}}
+    message = parse({"role": "assistant", "tool_calls": [call]})
+
+    assert message.tool_calls[0].function.arguments == f'{{"rate":[{spelt}]}}'
+
+
 def test_a_model_string_that_is_not_json_is_kept_as_it_came() -> None:
     message = parse(
         {

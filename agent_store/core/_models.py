@@ -250,9 +250,11 @@ def joined_text(text: str) -> str:
 
 
 def _arguments_as_json_string(value: Any) -> Any:
+    # NaN and the infinities as Python's `json` writes and reads them: a parser's dict of a
+    # model's `{"rate": NaN}` is kept as the string holding it would be.
     if isinstance(value, dict | list):
         try:
-            return json_text(value)
+            return json_text(value, non_finite=True)
         except (TypeError, ValueError, RecursionError) as exc:
             raise ValueError(f"arguments must hold JSON values only: {exc}") from exc
     return value
@@ -369,7 +371,8 @@ class FunctionCall(_Model):
             _arguments_as_json_string, json_schema_input_type=str | dict[str, Any] | list[Any]
         ),
     ] = "{}"
-    """The arguments as a JSON string; a dict is accepted and serialized.
+    """The arguments as a JSON string; a dict is accepted and serialized (NaN and the
+    infinities spelt `NaN`, `Infinity`, `-Infinity`, as Python's `json` reads them back).
 
     As in the OpenAI format, a string the model produced is kept as it is,
     even when it is not valid JSON, so that a turn is never lost over it.
