@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,8 +120,11 @@ class Authenticator:
             raise Unauthorized("invalid user token: `exp` and `iat` must be numbers")
         lifetime = times[0] - times[1]
         if lifetime > self._max_lifetime:
+            # Rounded up: a lifetime a fraction of a second over the maximum is shown over it.
+            shown = math.ceil(lifetime)
+            rounded = "" if shown == lifetime else ", rounded up"
             raise Unauthorized(
-                f"invalid user token: its lifetime (exp - iat) is {lifetime:.0f} s; "
+                f"invalid user token: its lifetime (exp - iat) is {shown} s{rounded}; "
                 f"at most {self._max_lifetime} s are accepted"
             )
         try:

@@ -441,6 +441,25 @@ async def test_a_surrogate_pair_escaped_in_a_body_is_one_character(api: Served) 
     assert response.json()["messages"][0]["content"] == "\U0001f600 \\ud800"
 
 
+@pytest.mark.parametrize(
+    ("text", "escape"),
+    [
+        pytest.param(r"[10000000000000000000000000, \"\\ud800\"]", "\\ud800", id="in-a-value"),
+        pytest.param(r"{\"\\udfff\": 1e400}", "\\udfff", id="in-a-key"),
+    ],
+)
+async def test_a_native_json_text_spelling_a_lone_surrogate_is_refused_as_the_value_would_be(
+    api: Served, text: str, escape: str
+) -> None:
+    """The text is ASCII; the value it spells, which a runtime is given back, is no text."""
+    native = f'{{"format": "langchain", "set": {{"k": "{text}"}}, "json_text": ["k"]}}'
+    message = f'{{"role": "assistant", "content": "x", "native": {native}}}'
+    body = f'{{"turn_id": "t-forged", "messages": [{message}]}}'.encode()
+    words = await refused(api, "POST", TURNS, body, 422)
+    assert "json_text names k" in words
+    assert f"lone UTF-16 surrogate ({escape})" in words
+
+
 # -- routes that take no body ----------------------------------------------------------------
 
 NO_BODY_ROUTES = [

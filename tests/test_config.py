@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -179,6 +180,22 @@ async def test_user_tokens_living_longer_than_the_maximum_are_refused(
         assert response.status_code == status, response.text
         if status == 401:
             assert "lifetime" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("over", [0.4, 0.5, 1.5], ids=["0.4-s-over", "0.5-s-over", "1.5-s-over"])
+async def test_the_refusal_of_a_token_living_too_long_shows_a_lifetime_over_the_maximum(
+    over: float,
+) -> None:
+    async with serve(mongomock_db()) as api:
+        now = int(time.time())
+        token = _token_living(3600, iat=now, exp=now + 3600 + over)
+        headers = auth_headers() | {"X-User-JWT": token}
+        response = await api.http.get(f"/v1/conversations/{OWNER_CONVERSATION}", headers=headers)
+        assert response.status_code == 401
+        message = response.json()["error"]["message"]
+        shown = re.search(r"lifetime \(exp - iat\) is (\d+) s", message)
+        assert shown is not None, message
+        assert int(shown[1]) > 3600, message
 
 
 async def test_a_user_token_without_an_issue_time_is_refused() -> None:

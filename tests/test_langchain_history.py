@@ -8,6 +8,7 @@ import json
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 import bson
@@ -15,6 +16,7 @@ import mongomock
 import pytest
 from langchain_core.chat_history import BaseChatMessageHistory
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
+from langchain_core.load import dumpd
 from langchain_core.messages import (
     AIMessage,
     BaseMessage,
@@ -406,6 +408,27 @@ async def test_a_number_bson_cannot_hold_as_it_is_is_kept_as_json_text_and_read_
     assert all(isinstance(native["set"][key], str) for key in native["json_text"])
 
 
+async def test_a_calls_args_holding_nan_or_an_infinity_are_stored_and_read_back_equal(
+    backend: Backend,
+) -> None:
+    """LangChain's parsers read a model's `{"rate": NaN}` as a float: the turn is kept, the
+    arguments as JSON text (never refused: under RunnableWithMessageHistory that is lost)."""
+    history = ConversationChatHistory(CID, backend.db, user_id="u-1")
+    args = {"rate": float("nan"), "cap": float("inf")}
+    turn = [
+        HumanMessage("Convert 5 EUR to USD", id="h1"),
+        AIMessage("", id="a1", tool_calls=[{"name": "convert", "args": args, "id": "c1"}]),
+        ToolMessage("no rate", tool_call_id="c1", id="t1"),
+        AIMessage("The rate is unknown.", id="a2"),
+    ]
+
+    await history.aadd_messages(turn)
+
+    assert as_json(await history.aget_messages()) == as_json(turn)
+    call = await backend.db["agent_messages"].find_one({"tool_calls": {"$ne": None}})
+    assert call["tool_calls"][0]["function"]["arguments"] == '{"rate":NaN,"cap":Infinity}'
+
+
 async def test_a_key_the_store_cannot_take_in_a_field_native_keeps_is_refused_naming_it(
     backend: Backend,
 ) -> None:
@@ -418,6 +441,68 @@ async def test_a_key_the_store_cannot_take_in_a_field_native_keeps_is_refused_na
         "invalid message 1 (ai): native.set.response_metadata: keys must not contain NUL characters"
     )
     assert await backend.db["agent_messages"].count_documents({}) == 0
+
+
+class _Opaque:
+    """A value of no JSON type, which no JSON text keeps."""
+
+
+def _in_metadata(key: str, value: Any) -> tuple[list[BaseMessage], str]:
+    return _said({key: value}), f"response_metadata.{key}"
+
+
+@pytest.mark.parametrize(
+    ("turn", "where", "kind"),
+    [
+        pytest.param(*_in_metadata("raw", b"\xff\x00"), "value of type bytes", id="no-utf8"),
+        pytest.param(*_in_metadata("o", _Opaque()), "value of type _Opaque", id="an-object"),
+        pytest.param(*_in_metadata("price", Decimal("19.90")), "value of type Decimal",
+                     id="decimal"),
+        pytest.param(*_in_metadata("at", datetime(2026, 1, 2, 3, 4, 5)),
+                     "value of type datetime", id="datetime"),
+        pytest.param(*_in_metadata("tags", {"a"}), "value of type set", id="set"),
+        pytest.param(*_in_metadata("b", b"abc"), "value of type bytes", id="bytes"),
+        pytest.param(_said({"n": {1: "x"}}), "response_metadata.n", "key of type int",
+                     id="int-key"),
+        pytest.param(
+            [
+                HumanMessage("Price?", id="h1"),
+                AIMessage("", id="a1", tool_calls=[{"name": "price", "args": {}, "id": "c1"}]),
+                ToolMessage("19.90", tool_call_id="c1", id="t1",
+                            artifact={"deep": [{"price": Decimal("19.90")}]}),
+            ],
+            "artifact.deep.0.price", "value of type Decimal", id="in-an-artifact",
+        ),
+    ],
+)  # fmt: skip
+async def test_a_value_that_would_not_come_back_as_it_is_is_refused_naming_it(
+    backend: Backend, turn: list[BaseMessage], where: str, kind: str
+) -> None:
+    """As the Agents SDK session refuses it, and as LangChain's own `load(dumpd(...))` cannot
+    give it back: never an error of the serializer's, never a value changed on the way back
+    (a Decimal as text, a set as a list)."""
+    history = ConversationChatHistory(CID, backend.db, user_id="u-1")
+
+    with pytest.raises(InvalidInput) as refused:
+        await history.aadd_messages(turn)
+
+    subject = "message 2 (tool)" if where.startswith("artifact") else "message 1 (ai)"
+    assert str(refused.value).startswith(f"invalid {subject}: {where}: ")
+    assert f"a {kind} would not come back as it is" in str(refused.value)
+    assert await backend.db["agent_messages"].count_documents({}) == 0
+
+
+async def test_a_tuple_comes_back_a_list_as_langchains_own_dumpd_writes_it(
+    backend: Backend,
+) -> None:
+    history = ConversationChatHistory(CID, backend.db, user_id="u-1")
+
+    await history.aadd_messages(_said({"pair": (1, "a")}))
+
+    [_, said] = await history.aget_messages()
+    assert said.response_metadata == {"pair": [1, "a"]}
+    dumped = dumpd(_said({"pair": (1, "a")})[1])
+    assert said.response_metadata == dumped["kwargs"]["response_metadata"]
 
 
 async def test_an_answer_stored_a_turn_later_comes_back_right_after_its_call(

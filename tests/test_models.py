@@ -41,6 +41,21 @@ def test_a_dict_of_arguments_is_stored_as_a_json_string() -> None:
     assert json.loads(arguments) == {"a": [1, "é"]}
 
 
+@pytest.mark.parametrize(
+    ("number", "spelt"),
+    [(float("nan"), "NaN"), (float("inf"), "Infinity"), (float("-inf"), "-Infinity")],
+    ids=["nan", "infinity", "minus-infinity"],
+)
+def test_a_dict_of_arguments_holding_nan_or_an_infinity_is_kept_as_pythons_json_writes_it(
+    number: float, spelt: str
+) -> None:
+    """As a model's argument string holding them is kept: a parser's dict of it is no less."""
+    call = {"id": "c1", "function": {"name": "f", "arguments": {"rate": [number]}}}
+    message = parse({"role": "assistant", "tool_calls": [call]})
+
+    assert message.tool_calls[0].function.arguments == f'{{"rate":[{spelt}]}}'
+
+
 def test_a_model_string_that_is_not_json_is_kept_as_it_came() -> None:
     message = parse(
         {
@@ -377,8 +392,10 @@ def test_a_key_listed_as_json_text_holds_json_text(
         ('{"a\\u0000b":[100000000000000000000]}', "keys must not contain NUL characters"),
         ("[" * 65 + "1e400" + "]" * 65, "values nest deeper than 64 levels"),
         ('{"a":[1,2.5,"x"]}', "holds no number BSON cannot hold as it is"),
+        ('[10000000000000000000000000,"\\ud800"]', r"lone UTF-16 surrogate \(\\ud800\)"),
+        ('{"\\udfff":1e400}', r"lone UTF-16 surrogate \(\\udfff\)"),
     ],
-    ids=["nul-in-a-key", "nested-too-deeply", "no-such-number"],
+    ids=["nul-in-a-key", "nested-too-deeply", "no-such-number", "lone-surrogate", "in-a-key"],
 )
 def test_a_json_text_value_is_what_keeping_would_write(text: str, refusal: str) -> None:
     """What its text spells passes the checks of a value of `set`, but for the numbers BSON
@@ -386,6 +403,14 @@ def test_a_json_text_value_is_what_keeping_would_write(text: str, refusal: str) 
     native = {"format": "langchain", "set": {"a": text}, "json_text": ["a"]}
     with pytest.raises(InvalidInput, match=rf"native: json_text names a, .*{refusal}"):
         parse_messages([{"role": "assistant", "content": "x", "native": native}])
+
+
+def test_a_json_text_value_escaping_a_surrogate_pair_spells_one_character() -> None:
+    native = {"format": "langchain", "set": {"a": '["\\ud83d\\ude00",1e400]'}, "json_text": ["a"]}
+    [message] = parse_messages([{"role": "assistant", "content": "x", "native": native}])
+
+    assert message.native is not None
+    assert message.native.set_values() == {"a": ["\U0001f600", float("inf")]}
 
 
 def _nested(levels: int) -> list[Any]:

@@ -189,6 +189,53 @@ async def test_cut_off_stream_is_stored_marked_interrupted(backend: Backend) -> 
     check_chat_completions(chat_completions(stored, dangling="drop"))
 
 
+@pytest.mark.parametrize(
+    "turn",
+    [
+        pytest.param(
+            lambda: turn_from_sse(
+                parse_sse_text(
+                    'event: tool_call\ndata: {"tool_call_id": "c1", "tool_name": "f", '
+                    '"args": {"x": NaN}}\n\n'
+                    'event: tool_result\ndata: {"tool_call_id": "c1", "result": "ok"}\n\n'
+                    "event: done\ndata: {}\n\n"
+                )
+            ),
+            id="sse-args-object",
+        ),
+        pytest.param(
+            lambda: turn_from_metadata(
+                [
+                    {"type": "tool_start", "tool_name": "f", "tool_call_id": "c1",
+                     "args": {"x": float("nan")}},
+                    {"type": "tool_end", "tool_name": "f", "tool_call_id": "c1", "result": "ok"},
+                ],
+                complete=True,
+            ),
+            id="metadata-args",
+        ),
+    ],
+)  # fmt: skip
+async def test_a_calls_args_object_holding_nan_is_stored_as_the_same_args_as_a_string_are(
+    backend: Backend, turn: Any
+) -> None:
+    """Python's json reads a model's `{"x": NaN}` as a float; as an object or as a string, the
+    call's arguments are kept as JSON text, the turn neither refused nor changed."""
+    store = ConversationStore(backend.db)
+    await log_streamed_turn(
+        logger=AgentMessageLogger(backend.db),
+        store=store,
+        conversation_id=CID,
+        turn=turn(),
+        turn_id="turn-1",
+        prompt="look it up",
+    )
+
+    [call] = [m for m in await store.transcript(CID) if m.role == "assistant" and m.tool_calls]
+    assert call.tool_calls is not None
+    assert call.tool_calls[0].function.arguments == '{"x":NaN}'
+
+
 @pytest.mark.parametrize("markers", [None, RuntimeContextMarkers("<<ctx>>", "<</ctx>>")])
 async def test_runtime_context_in_the_prompt_of_a_streamed_turn_is_not_stored(
     backend: Backend, markers: RuntimeContextMarkers | None

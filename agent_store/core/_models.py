@@ -228,10 +228,33 @@ def json_text(value: Any, *, non_finite: bool = False) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=non_finite)
 
 
+def joined_text(text: str) -> str:
+    """`text` with UTF-16 surrogate pairs joined into the characters they encode: the text BSON
+    (UTF-8) holds. A JavaScript runtime that slices a string between the two halves of a
+    character sends each half on its own; once concatenated they form a valid pair. Raises
+    ValueError naming a half alone, which is no text and cannot be stored."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le")
+    except UnicodeDecodeError as exc:
+        lone = next(c for c in text if "\ud800" <= c <= "\udfff")
+        escape = lone.encode("unicode_escape").decode()
+        raise ValueError(
+            f"it holds a lone UTF-16 surrogate ({escape}), half of a character and no text: "
+            "text must be valid Unicode"
+        ) from exc
+
+
 def _arguments_as_json_string(value: Any) -> Any:
+    # NaN and the infinities as Python's `json` writes and reads them: a parser's dict of a
+    # model's `{"rate": NaN}` is kept as the string holding it would be.
     if isinstance(value, dict | list):
         try:
-            return json_text(value)
+            return json_text(value, non_finite=True)
         except (TypeError, ValueError, RecursionError) as exc:
             raise ValueError(f"arguments must hold JSON values only: {exc}") from exc
     return value
@@ -348,7 +371,8 @@ class FunctionCall(_Model):
             _arguments_as_json_string, json_schema_input_type=str | dict[str, Any] | list[Any]
         ),
     ] = "{}"
-    """The arguments as a JSON string; a dict is accepted and serialized.
+    """The arguments as a JSON string; a dict is accepted and serialized (NaN and the
+    infinities spelt `NaN`, `Infinity`, `-Infinity`, as Python's `json` reads them back).
 
     As in the OpenAI format, a string the model produced is kept as it is,
     even when it is not valid JSON, so that a turn is never lost over it.
@@ -462,6 +486,12 @@ def _json_text_refusal(value: Any) -> str | None:
     try:
         _plain_json(spelt, unheld_refused=True)
     except _UnheldNumber:
+        try:
+            # Its strings, keys too, as the store takes a value's (`joined_text`): an escape
+            # of a half alone spells no text. Its JSON text has each string whole.
+            joined_text(json_text(spelt, non_finite=True))
+        except ValueError as exc:
+            return f"spells one that cannot be kept: {exc}"
         return None
     except ValueError as exc:
         return f"spells one that cannot be kept: {exc}"

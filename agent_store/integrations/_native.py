@@ -13,9 +13,15 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pydantic import ValidationError
-from pydantic_core import to_jsonable_python
+from pydantic_core import PydanticSerializationError, to_jsonable_python
 
-from agent_store.core import AgentMessage, InvalidInput, NativeForm, describe_validation_error
+from agent_store.core import (
+    AgentMessage,
+    InvalidInput,
+    NativeForm,
+    describe_validation_error,
+    shown_key,
+)
 
 
 def kept_form(
@@ -31,11 +37,49 @@ def kept_form(
         raise InvalidInput(described) from exc
 
 
-def runtime_json(dumped: Any, *, fallback: Callable[[Any], Any] | None = None) -> Any:
+def runtime_json(dumped: Any, *, subject: str, fallback: Callable[[Any], Any] | None = None) -> Any:
     """A runtime's form, dumped in Python mode, as JSON values (as a JSON dump makes it)
     but for NaN and the infinities, kept as they are: a JSON dump makes them null, which
-    would change what the runtime gets back (`NativeForm.keeping` keeps them as text)."""
-    return to_jsonable_python(dumped, inf_nan_mode="constants", fallback=fallback)
+    would change what the runtime gets back (`NativeForm.keeping` keeps them as text).
+
+    Without `fallback`, every value must come back as it is: one that would not (a Decimal,
+    a datetime, a set, bytes, a key that is no string, an object of no JSON type) is refused,
+    as the Agents SDK session refuses it. A tuple comes back a list, and a str, int or float
+    of a subclass (an enum of them) the plain value, as LangChain's own `dumpd` writes them.
+    Raises InvalidInput naming `subject` (the message), and the field when it is known."""
+    if fallback is None and (changed := _changed(dumped)) is not None:
+        where, kind = changed
+        raise InvalidInput(
+            f"invalid {subject}: {where}: values must be JSON values only: a {kind} would not "
+            "come back as it is"
+        )
+    try:
+        return to_jsonable_python(dumped, inf_nan_mode="constants", fallback=fallback)
+    except (PydanticSerializationError, ValueError, RecursionError) as exc:
+        # UnicodeDecodeError (bytes that are no UTF-8 text) is a ValueError.
+        raise InvalidInput(f"invalid {subject}: values must be JSON values only ({exc})") from exc
+
+
+def _changed(value: Any) -> tuple[str, str] | None:
+    """Where in `value` (a dumped form, keyed by field) the first value is that its JSON
+    text would not give back as it is, and what it is; None if nothing. One walk without
+    recursion, in the order the value is written."""
+    pending: list[tuple[str, Any]] = [("", value)]
+    while pending:
+        where, item = pending.pop()
+        if isinstance(item, dict):
+            for key in item:
+                if not isinstance(key, str):
+                    return where or "<key>", f"key of type {type(key).__name__}"
+            inner = [(f"{where}.{shown_key(key)}".lstrip("."), item[key]) for key in item]
+        elif isinstance(item, list | tuple):
+            inner = [(f"{where}.{index}".lstrip("."), each) for index, each in enumerate(item)]
+        elif item is None or isinstance(item, str | int | float):
+            continue
+        else:
+            return where or "<value>", f"value of type {type(item).__name__}"
+        pending.extend(reversed(inner))
+    return None
 
 
 def native_difference(

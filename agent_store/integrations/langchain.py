@@ -105,11 +105,11 @@ def message_from_langchain(
                 f"invalid message {index} (ai): tool call {missing[0]} has no id, so no tool "
                 "message could answer it"
             )
-    native = runtime_json(message.model_dump())
+    subject = f"message {index} ({message.type})"
+    native = runtime_json(message.model_dump(), subject=subject)
     try:
         stored = chat_message(message, call_id=lambda _, call: call["id"] or "")
     except ValidationError as exc:
-        subject = f"message {index} ({message.type})"
         raise InvalidInput(describe_validation_error(exc, subject=subject)) from exc
     if stored is None:
         raise InvalidInput(
@@ -118,8 +118,8 @@ def message_from_langchain(
         )
     rebuilt = _rebuilt(stored)
     assert rebuilt is not None
-    subject = f"message {index} ({message.type})"
-    return with_native(stored, FORMAT, native, runtime_json(rebuilt.model_dump()), subject=subject)
+    base = runtime_json(rebuilt.model_dump(), subject=subject)
+    return with_native(stored, FORMAT, native, base, subject=subject)
 
 
 # -- stored messages into LangChain messages ------------------------------------------
@@ -171,7 +171,8 @@ def langchain_from_message(message: AgentMessage) -> BaseMessage | None:
     rebuilt = _rebuilt(message)
     if message.native is None or message.native.format != FORMAT:
         return rebuilt
-    base = runtime_json(rebuilt.model_dump()) if rebuilt is not None else {}
+    subject = f"stored message {message.id}"
+    base = runtime_json(rebuilt.model_dump(), subject=subject) if rebuilt is not None else {}
     form = native_form(FORMAT, message, base)
     return messages_from_dict([{"type": form["type"], "data": form}])[0]
 

@@ -211,7 +211,7 @@ def _from_request_part(
     if isinstance(part, pai.SystemPromptPart):
         message = SystemMessage(content=part.content, created_at=part.timestamp)
         rebuilt = pai.SystemPromptPart(part.content, timestamp=part.timestamp)
-        dumped, base = _dumped_prompt(part), _dumped_prompt(rebuilt)
+        dumped, base = _dumped_prompt(part, subject), _dumped_prompt(rebuilt, subject)
         return [with_native(message, FORMAT, dumped, base, subject=subject)]
     if isinstance(part, pai.UserPromptPart):
         return [
@@ -284,7 +284,7 @@ def _from_response(
         # A response of thinking alone still took a request and its tokens: keep it as "".
         content=_TEXTS_JOINED.join(texts) if texts or not calls else None,
         tool_calls=calls or None,
-        native=_response_form(texts, calls, _parts_kept(response.parts), subject),
+        native=_response_form(texts, calls, _parts_kept(response.parts, subject), subject),
         token_usage=TokenUsage(
             input_tokens=response.usage.input_tokens, output_tokens=response.usage.output_tokens
         ),
@@ -293,13 +293,13 @@ def _from_response(
     )
 
 
-def _dumped_prompt(part: pai.SystemPromptPart) -> dict[str, Any]:
+def _dumped_prompt(part: pai.SystemPromptPart, subject: str) -> dict[str, Any]:
     """A system prompt's fields as `native` compares them (its timestamp is `created_at`)."""
     dumped = _SYSTEM_PROMPT.dump_python(part, exclude={"timestamp"}, fallback=str)
-    return dict(runtime_json(dumped, fallback=str))
+    return dict(runtime_json(dumped, subject=subject, fallback=str))
 
 
-def _parts_kept(parts: Sequence[pai.ModelResponsePart]) -> list[dict[str, Any]]:
+def _parts_kept(parts: Sequence[pai.ModelResponsePart], subject: str) -> list[dict[str, Any]]:
     """A response's parts in order as `native` keeps them: one the chat fields hold as a
     stand-in naming its kind (`text`, for a file's note too; `tool-call`), any other whole as
     Pydantic AI serializes it (a provider's own tool call and its return, a compaction, a
@@ -312,7 +312,8 @@ def _parts_kept(parts: Sequence[pai.ModelResponsePart]) -> list[dict[str, Any]]:
             kept.append({"part_kind": "tool-call"})
         elif not isinstance(part, pai.ThinkingPart):
             whole = replace(part, audio=None) if isinstance(part, pai.SpeechPart) else part
-            kept.append(runtime_json(_RESPONSE_PART.dump_python(whole, fallback=str), fallback=str))
+            dumped = _RESPONSE_PART.dump_python(whole, fallback=str)
+            kept.append(runtime_json(dumped, subject=subject, fallback=str))
     return kept
 
 
@@ -584,7 +585,7 @@ def _to_system_part(message: SystemMessage) -> pai.SystemPromptPart:
     Pydantic AI evaluates it again on the next run), or only its text when they are not a
     system prompt's fields."""
     rebuilt = pai.SystemPromptPart(message.content or "", timestamp=message.created_at)
-    form = native_form(FORMAT, message, _dumped_prompt(rebuilt))
+    form = native_form(FORMAT, message, _dumped_prompt(rebuilt, f"stored message {message.id}"))
     try:
         prompt = _SYSTEM_PROMPT.validate_python(form)
     except ValidationError:

@@ -10,33 +10,18 @@ from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from agent_store.core import InvalidInput, shown_key
+from agent_store.core import InvalidInput, joined_text, shown_key
 
 EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
 """No stored time is before this."""
 
 
 def _joined(text: str, where: str) -> str:
-    """`text` with UTF-16 surrogate pairs joined into the characters they encode.
-
-    A JavaScript runtime that slices a string between the two halves of a
-    character sends each half on its own; once concatenated they form a valid
-    pair. A half alone cannot be stored (BSON holds UTF-8) and is refused.
-    """
+    """`text` with UTF-16 surrogate pairs joined (`joined_text`); a half alone is refused."""
     try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        pass
-    try:
-        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le")
-    except UnicodeDecodeError as exc:
-        lone = next(c for c in text if "\ud800" <= c <= "\udfff")
-        escape = lone.encode("unicode_escape").decode()
-        raise InvalidInput(
-            f"invalid {where}: it holds a lone UTF-16 surrogate ({escape}), half of a character "
-            "and no text: text must be valid Unicode"
-        ) from exc
+        return joined_text(text)
+    except ValueError as exc:
+        raise InvalidInput(f"invalid {where}: {exc}") from exc
 
 
 def _plain(value: Any) -> bool:

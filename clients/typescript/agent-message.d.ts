@@ -418,7 +418,8 @@ export interface IFunctionCall {
   /** The tool's name. */
   name: string;
   /**
-   * The arguments as a JSON string; a dict is accepted and serialized.
+   * The arguments as a JSON string; a dict is accepted and serialized (NaN and the
+   * infinities spelt `NaN`, `Infinity`, `-Infinity`, as Python's `json` reads them back).
    *
    * As in the OpenAI format, a string the model produced is kept as it is,
    * even when it is not valid JSON, so that a turn is never lost over it.
