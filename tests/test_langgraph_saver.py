@@ -192,6 +192,23 @@ async def test_an_edited_message_is_held_by_the_checkpoint_and_the_conversation_
     assert sum("data" in segment for segment in latest["messages"]["segments"]) == 1
 
 
+async def test_a_calls_args_holding_nan_are_in_the_conversation_as_langchain_history_keeps_them(
+    backend: Backend,
+) -> None:
+    """The transcript other readers see holds a call's NaN and infinities as JSON text, as
+    LangChain's history stores them, not an empty `{}`."""
+    config = thread()
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    await run_turns(graph, config, range(1, 2))
+    call = {"name": "convert", "args": {"rate": float("nan"), "cap": float("inf")}, "id": "c-nan"}
+    await graph.aupdate_state(config, {"messages": [AIMessage("", id="ai-nan", tool_calls=[call])]})
+
+    transcript = await ConversationStore(backend.db).transcript(config["configurable"]["thread_id"])
+    [stored] = [m for m in transcript if m.role == "assistant" and m.tool_calls]
+    assert stored.tool_calls is not None
+    assert stored.tool_calls[0].function.arguments == '{"rate":NaN,"cap":Infinity}'
+
+
 async def test_a_graph_that_only_appends_is_never_marked_rewritten(backend: Backend) -> None:
     config = thread()
     graph = tool_agent(AgentStoreSaver(backend.db))

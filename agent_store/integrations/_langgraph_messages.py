@@ -57,10 +57,12 @@ def to_stored(message: BaseMessage) -> AgentMessage | None:
 
 
 def _arguments(args: Any) -> str:
+    """A call's arguments as the store keeps them from any LangChain message (NaN and the
+    infinities spelt as Python's `json` reads them back, `FunctionCall.arguments`)."""
     try:
-        return json.dumps(args, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError):
-        return "{}"  # the real arguments are kept in the extras
+        return json.dumps(args, ensure_ascii=False, separators=(",", ":"), allow_nan=True)
+    except (TypeError, ValueError, RecursionError):
+        return "{}"  # no JSON at all: the real arguments are kept in the extras
 
 
 def from_stored(stored: AgentMessage, extras: Mapping[str, Any] | None = None) -> BaseMessage:
