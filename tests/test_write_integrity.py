@@ -427,6 +427,26 @@ async def test_usage_saturates_within_one_turn_too(backend: Backend) -> None:
     assert conversation["usage"]["input_tokens"] == MAX_SAFE
 
 
+@pytest.mark.parametrize("take_back", ["a pop", "a block given back"])
+async def test_a_take_back_leaves_saturated_usage_at_what_the_stored_messages_hold(
+    backend: Backend, take_back: str
+) -> None:
+    """RELIABILITY.md: usage saturates at 2**53 - 1. A turn logged past the cap added nothing
+    to it, so taking that turn back (a pop of its message, or its empty block given back to a
+    retry with other content) takes nothing off: usage stays what the stored messages hold."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    await logger.log_messages(CID, turn("huge", usage=MAX_SAFE), turn_id="t-huge")
+    await logger.log_messages(CID, turn("small", usage=10), turn_id="t-small")
+    if take_back == "a pop":
+        assert await ConversationStore(backend.db).pop_last_message(CID) is not None
+    else:
+        await backend.db[MESSAGES].delete_many({"turn_id": "t-small"})  # as if never inserted
+        await logger.log_messages(CID, turn("small, regenerated", usage=0), turn_id="t-small")
+
+    conversation = await check_conversation(backend.db, gaps=True)
+    assert conversation["usage"] == {"input_tokens": MAX_SAFE, "output_tokens": MAX_SAFE}
+
+
 # -- 4. tail reads that never skip ---------------------------------------------------------
 
 
