@@ -8,6 +8,7 @@ import copy
 import hashlib
 import json
 import random
+import re
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from functools import partial
@@ -27,6 +28,7 @@ from agent_store import (
     TurnRules,
 )
 from agent_store.store import CONVERSATIONS, MAX_TURN_NAMED_CALLS, MESSAGES, PENDING_CALLS_KEPT
+from agent_store.store._logger import OtherContent
 from tests.api_harness import auth_headers, serve
 from tests.conftest import COUNTED, Backend
 
@@ -957,7 +959,7 @@ async def test_past_the_kept_records_a_retry_must_match_every_stored_message(
         await logger.log_messages(CID, turn(f"turn {n}"), turn_id=f"t{n}")
     before = await digest(backend.db)
 
-    with pytest.raises(Conflict):
+    with pytest.raises(Conflict, match="other content"):
         await logger.log_messages(CID, [*turn("first"), {"role": "assistant", "content": "+"}],
                                   turn_id="t-a")  # fmt: skip
     assert await digest(backend.db) == before
@@ -969,6 +971,33 @@ async def test_past_the_kept_records_a_retry_must_match_every_stored_message(
         await logger.log_messages(CID, turn("first"), turn_id="t-a")
 
     assert await backend.db.agent_messages.count_documents({}) == 21
+
+
+@pytest.mark.parametrize("later", [0, 6], ids=["record-kept", "record-dropped"])
+async def test_a_retry_sending_one_message_more_is_other_content_however_old_its_record(
+    backend: Backend, later: int
+) -> None:
+    """LIBRARY.md: a retry with other content raises `Conflict` and writes nothing. A retry of
+    a turn stored as 2 messages sending them and one more is the same refusal
+    (`OtherContent`, with its advice) while the turn's record is kept and after it is
+    dropped, when the 3 `seq`s its block would span run into the next turn: the block's
+    first messages are the turn's own, so the turn was logged with other content."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(turns_recorded=4))
+    await logger.log_messages(CID, turn("first"), turn_id="t-a")
+    for n in range(later):
+        await logger.log_messages(CID, [{"role": "user", "content": f"later {n}"}],
+                                  turn_id=f"t{n}")  # fmt: skip
+    longer = [*turn("first"), {"role": "assistant", "content": "regenerated"}]
+    before = await digest(backend.db)
+    advice = (
+        "turn 't-a' was logged with other content (3 messages now); a retry must send the "
+        "same messages. Use a new turn_id for a new turn"
+    )
+
+    for call in (logger.check_turn, logger.log_messages):
+        with pytest.raises(OtherContent, match=re.escape(advice)):
+            await call(CID, longer, turn_id="t-a")
+    assert await digest(backend.db) == before
 
 
 async def test_past_the_kept_records_a_fork_or_delivery_refused_by_its_condition_says_why(
