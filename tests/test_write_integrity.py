@@ -1000,6 +1000,34 @@ async def test_a_retry_sending_one_message_more_is_other_content_however_old_its
     assert await digest(backend.db) == before
 
 
+@pytest.mark.parametrize("later", [3, 4], ids=["turns_recorded-1", "turns_recorded"])
+async def test_a_first_attempt_that_stored_nothing_is_counted_again_from_turns_recorded_later_turns(
+    backend: Backend, later: int
+) -> None:
+    """DESIGN.md §3, the case left uncovered: a turn whose first attempt reserved and stored
+    nothing is stored in its own block, counted once, while its record is kept, that is while
+    fewer than `turns_recorded` (4) later turns followed. From `turns_recorded` later turns on
+    its record is dropped (the records kept are the later turns'): the retry is stored in a new
+    block and the turn counted again, its first block left reserved and empty."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(turns_recorded=4))
+    await logger.log_messages(CID, turn("lost"), turn_id="t-lost")
+    await backend.db[MESSAGES].delete_many({"turn_id": "t-lost"})  # as if never inserted
+    for n in range(later):
+        await logger.log_messages(CID, turn(f"later {n}"), turn_id=f"t{n}")
+
+    retried = await logger.log_messages(CID, turn("lost"), turn_id="t-lost")
+
+    if later < 4:
+        assert [m.seq for m in retried.messages] == [0, 1]
+        conversation = await check_conversation(backend.db)
+        assert conversation["turn_count"] == later + 1
+    else:
+        assert [m.seq for m in retried.messages] == [10, 11]
+        conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+        assert (conversation["turn_count"], conversation["usage"]["input_tokens"]) == (6, 6)
+        assert await backend.db[MESSAGES].count_documents({"seq": {"$lt": 2}}) == 0
+
+
 async def test_past_the_kept_records_a_fork_or_delivery_refused_by_its_condition_says_why(
     backend: Backend,
 ) -> None:

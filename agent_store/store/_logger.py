@@ -529,7 +529,7 @@ class AgentMessageLogger:
         same messages is safe even without one, as long as they carry their `created_at` (a
         message without one is stamped on each call). A retry of any age stores nothing twice
         and answers with the stored messages; a retry with other content raises Conflict; but a
-        first attempt that stored nothing, retried after more than `turns_recorded` later turns,
+        first attempt that stored nothing, retried after `turns_recorded` or more later turns,
         is stored as new (DESIGN.md). `name` is a name the runtime generated; it replaces an
         automatic name or an earlier runtime name, never one a person set. `owner_only` says the
         caller is the user `user_id` itself (a user token): it writes only to its own
