@@ -8,6 +8,7 @@ import copy
 import hashlib
 import json
 import random
+import re
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from functools import partial
@@ -27,6 +28,7 @@ from agent_store import (
     TurnRules,
 )
 from agent_store.store import CONVERSATIONS, MAX_TURN_NAMED_CALLS, MESSAGES, PENDING_CALLS_KEPT
+from agent_store.store._logger import OtherContent
 from tests.api_harness import auth_headers, serve
 from tests.conftest import COUNTED, Backend
 
@@ -425,6 +427,26 @@ async def test_usage_saturates_within_one_turn_too(backend: Backend) -> None:
 
     conversation = await check_conversation(backend.db)
     assert conversation["usage"]["input_tokens"] == MAX_SAFE
+
+
+@pytest.mark.parametrize("take_back", ["a pop", "a block given back"])
+async def test_a_take_back_leaves_saturated_usage_at_what_the_stored_messages_hold(
+    backend: Backend, take_back: str
+) -> None:
+    """RELIABILITY.md: usage saturates at 2**53 - 1. A turn logged past the cap added nothing
+    to it, so taking that turn back (a pop of its message, or its empty block given back to a
+    retry with other content) takes nothing off: usage stays what the stored messages hold."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    await logger.log_messages(CID, turn("huge", usage=MAX_SAFE), turn_id="t-huge")
+    await logger.log_messages(CID, turn("small", usage=10), turn_id="t-small")
+    if take_back == "a pop":
+        assert await ConversationStore(backend.db).pop_last_message(CID) is not None
+    else:
+        await backend.db[MESSAGES].delete_many({"turn_id": "t-small"})  # as if never inserted
+        await logger.log_messages(CID, turn("small, regenerated", usage=0), turn_id="t-small")
+
+    conversation = await check_conversation(backend.db, gaps=True)
+    assert conversation["usage"] == {"input_tokens": MAX_SAFE, "output_tokens": MAX_SAFE}
 
 
 # -- 4. tail reads that never skip ---------------------------------------------------------
@@ -937,7 +959,7 @@ async def test_past_the_kept_records_a_retry_must_match_every_stored_message(
         await logger.log_messages(CID, turn(f"turn {n}"), turn_id=f"t{n}")
     before = await digest(backend.db)
 
-    with pytest.raises(Conflict):
+    with pytest.raises(Conflict, match="other content"):
         await logger.log_messages(CID, [*turn("first"), {"role": "assistant", "content": "+"}],
                                   turn_id="t-a")  # fmt: skip
     assert await digest(backend.db) == before
@@ -949,6 +971,61 @@ async def test_past_the_kept_records_a_retry_must_match_every_stored_message(
         await logger.log_messages(CID, turn("first"), turn_id="t-a")
 
     assert await backend.db.agent_messages.count_documents({}) == 21
+
+
+@pytest.mark.parametrize("later", [0, 6], ids=["record-kept", "record-dropped"])
+async def test_a_retry_sending_one_message_more_is_other_content_however_old_its_record(
+    backend: Backend, later: int
+) -> None:
+    """LIBRARY.md: a retry with other content raises `Conflict` and writes nothing. A retry of
+    a turn stored as 2 messages sending them and one more is the same refusal
+    (`OtherContent`, with its advice) while the turn's record is kept and after it is
+    dropped, when the 3 `seq`s its block would span run into the next turn: the block's
+    first messages are the turn's own, so the turn was logged with other content."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(turns_recorded=4))
+    await logger.log_messages(CID, turn("first"), turn_id="t-a")
+    for n in range(later):
+        await logger.log_messages(CID, [{"role": "user", "content": f"later {n}"}],
+                                  turn_id=f"t{n}")  # fmt: skip
+    longer = [*turn("first"), {"role": "assistant", "content": "regenerated"}]
+    before = await digest(backend.db)
+    advice = (
+        "turn 't-a' was logged with other content (3 messages now); a retry must send the "
+        "same messages. Use a new turn_id for a new turn"
+    )
+
+    for call in (logger.check_turn, logger.log_messages):
+        with pytest.raises(OtherContent, match=re.escape(advice)):
+            await call(CID, longer, turn_id="t-a")
+    assert await digest(backend.db) == before
+
+
+@pytest.mark.parametrize("later", [3, 4], ids=["turns_recorded-1", "turns_recorded"])
+async def test_a_first_attempt_that_stored_nothing_is_counted_again_from_turns_recorded_later_turns(
+    backend: Backend, later: int
+) -> None:
+    """DESIGN.md §3, the case left uncovered: a turn whose first attempt reserved and stored
+    nothing is stored in its own block, counted once, while its record is kept, that is while
+    fewer than `turns_recorded` (4) later turns followed. From `turns_recorded` later turns on
+    its record is dropped (the records kept are the later turns'): the retry is stored in a new
+    block and the turn counted again, its first block left reserved and empty."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(turns_recorded=4))
+    await logger.log_messages(CID, turn("lost"), turn_id="t-lost")
+    await backend.db[MESSAGES].delete_many({"turn_id": "t-lost"})  # as if never inserted
+    for n in range(later):
+        await logger.log_messages(CID, turn(f"later {n}"), turn_id=f"t{n}")
+
+    retried = await logger.log_messages(CID, turn("lost"), turn_id="t-lost")
+
+    if later < 4:
+        assert [m.seq for m in retried.messages] == [0, 1]
+        conversation = await check_conversation(backend.db)
+        assert conversation["turn_count"] == later + 1
+    else:
+        assert [m.seq for m in retried.messages] == [10, 11]
+        conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+        assert (conversation["turn_count"], conversation["usage"]["input_tokens"]) == (6, 6)
+        assert await backend.db[MESSAGES].count_documents({"seq": {"$lt": 2}}) == 0
 
 
 async def test_past_the_kept_records_a_fork_or_delivery_refused_by_its_condition_says_why(

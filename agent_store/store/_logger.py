@@ -28,6 +28,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from functools import partial
+from itertools import takewhile
 from typing import Any, NoReturn, Protocol
 
 from bson import Int64
@@ -528,7 +529,7 @@ class AgentMessageLogger:
         same messages is safe even without one, as long as they carry their `created_at` (a
         message without one is stamped on each call). A retry of any age stores nothing twice
         and answers with the stored messages; a retry with other content raises Conflict; but a
-        first attempt that stored nothing, retried after more than `turns_recorded` later turns,
+        first attempt that stored nothing, retried after `turns_recorded` or more later turns,
         is stored as new (DESIGN.md). `name` is a name the runtime generated; it replaces an
         automatic name or an earlier runtime name, never one a person set. `owner_only` says the
         caller is the user `user_id` itself (a user token): it writes only to its own
@@ -2352,12 +2353,20 @@ class AgentMessageLogger:
             )
 
     async def _stored_in(self, plan: TurnPlan, block: RecordedBlock) -> list[dict[str, Any]]:
-        """The turn's messages already stored in its block, in `seq` order."""
+        """The turn's messages already stored in its block, in `seq` order. A block holding
+        the turn's own messages and then another turn's is a turn logged with fewer messages
+        than the retry sends (`OtherContent`, as while its record is kept); another turn's
+        anywhere else is a Conflict."""
         with storage_errors("read the turn's messages"):
             found: list[dict[str, Any]] = await self._messages.find(lookup(plan, block)).to_list(
                 None
             )
         found.sort(key=lambda d: int(d["seq"]))  # a server answers an unsorted find any order
+        own = len(list(takewhile(lambda d: d.get("turn_id") == plan.turn_id, found)))
+        if 0 < own < len(found) and all(d.get("turn_id") != plan.turn_id for d in found[own:]):
+            # The block runs past the turn's own messages into the next turn's: the turn was
+            # logged with fewer messages than this retry sends.
+            raise _other_content(plan)
         return _of_the_turn(plan, found)
 
     async def _looked_up(

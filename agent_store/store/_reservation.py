@@ -1778,8 +1778,7 @@ def given_up(
     own = {"$and": [{"$eq": ["$$record.k", literal(key)]}, {"$eq": ["$$record.f", literal(first)]}]}
     stage = {
         "turn_count": less("turn_count", starts),
-        "usage.input_tokens": less("usage.input_tokens", input_tokens),
-        "usage.output_tokens": less("usage.output_tokens", output_tokens),
+        **usage_less(input_tokens, output_tokens),
         "turns": records_changed(own, {"g": literal(True)}),
     }
     return query, [{"$set": stage}, *approvals]
@@ -1932,8 +1931,7 @@ def _given_back(
     starts, input_tokens, output_tokens = taken
     stage = {
         "turn_count": less("turn_count", starts),
-        "usage.input_tokens": less("usage.input_tokens", input_tokens),
-        "usage.output_tokens": less("usage.output_tokens", output_tokens),
+        **usage_less(input_tokens, output_tokens),
         "popped_seqs": _left_behind(first_seq, count),
         "turns": records_changed(own, {"k": literal(moved), "g": literal(True)}),
     }
@@ -1943,6 +1941,23 @@ def _given_back(
 def less(field: str, amount: int) -> dict[str, Any]:
     """A count taken back by `amount`, never below 0 (a pop's, a turn given up's)."""
     return int64({"$max": [0, {"$subtract": [{"$ifNull": [f"${field}", 0]}, amount]}]})
+
+
+def usage_less(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    """The `usage` sums taken back by the tokens of a turn or a message (a pop's, a turn
+    given up's or given back's), each as `less` takes a count back, except a sum saturated
+    at 2**53 - 1 (`_capped`): it stays there. What was added past the cap is not known, and
+    taking the whole amount off would leave the sum below what the stored messages hold."""
+    return {
+        f"usage.{name}": {
+            "$cond": [
+                {"$gte": [f"$usage.{name}", MAX_SAFE_INTEGER]},
+                f"$usage.{name}",
+                less(f"usage.{name}", amount),
+            ]
+        }
+        for name, amount in (("input_tokens", input_tokens), ("output_tokens", output_tokens))
+    }
 
 
 def _left_behind(first: int, count: int) -> dict[str, Any]:

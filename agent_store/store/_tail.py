@@ -59,6 +59,7 @@ from agent_store.store._reservation import (
     records_changed,
     resolved_by_request,
     updated_at_left,
+    usage_less,
 )
 from agent_store.store._text import message_text, shorten
 from agent_store.store._turns import (
@@ -265,8 +266,7 @@ def unlogged(pop: PopInProgress) -> list[Any]:
         "popped_seqs": _gaps_after(pop.seq, untouched),
         "popped_messages": _popped_messages_with(pop),
         "turn_count": less("turn_count", int(pop.started_turn)),
-        "usage.input_tokens": less("usage.input_tokens", pop.input_tokens),
-        "usage.output_tokens": less("usage.output_tokens", pop.output_tokens),
+        **usage_less(pop.input_tokens, pop.output_tokens),
         "pending_hitl": {
             "$cond": [
                 {"$eq": ["$pending_hitl.message_id", literal(pop.message_id)]},
