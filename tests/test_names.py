@@ -11,7 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from agent_store import AgentMessageLogger, Conflict, ConversationStore, InvalidInput
+from agent_store import (
+    AgentMessageLogger,
+    Conflict,
+    ConversationStore,
+    InvalidInput,
+    StorageUnavailable,
+)
 from agent_store.core import UserMessage
 from agent_store.store import (
     ELLIPSIS,
@@ -292,6 +298,75 @@ async def test_a_turn_given_back_for_other_content_leaves_the_name_to_the_stored
 
     await logger.log_messages(CID, [user("another draft"), answer()], turn_id="t-lost")
 
+    assert await name_of(backend) == ("what is the weather", "auto")
+
+
+@pytest.mark.parametrize(
+    "retried",
+    [
+        pytest.param([user("secret draft question"), answer()], id="moved"),
+        pytest.param([user("another draft"), answer()], id="given-back-for-other-content"),
+    ],
+)
+async def test_the_name_goes_to_the_stored_messages_while_a_later_turn_is_still_being_written(
+    backend: Backend, retried: Turn
+) -> None:
+    """Turn "t3" reserved after "t2" and its insert is still on its way when the lost turn's
+    retry is logged at the end: what the retry leaves pending waits for "t3", its name does
+    not, and "t3" landing above "t2" leaves it so (was: the lost turn's name, for good)."""
+    logger = await _named_by_a_turn_never_stored(backend)
+    await logger.log_messages(CID, [user("a third question"), answer()], turn_id="t3")
+    on_its_way = await backend.db.agent_messages.find({"seq": {"$gte": 4}}).to_list(None)
+    await backend.db.agent_messages.delete_many({"seq": {"$gte": 4}})
+
+    await logger.log_messages(CID, retried, turn_id="t-lost")
+    retaken = await name_of(backend)
+    await backend.db.agent_messages.insert_many(on_its_way)  # "t3"'s insert lands
+
+    assert retaken == ("what is the weather", "auto")
+    assert await name_of(backend) == ("what is the weather", "auto")
+
+
+async def test_popping_a_retry_logged_while_a_later_turn_was_being_written_keeps_the_name(
+    backend: Backend,
+) -> None:
+    """The same, then pops remove the retry logged at the end (stored under the ids the lost
+    turn's first attempt named the conversation from): the name is the first stored user
+    text's, which no pop touched (was: none, for good, though "t2" is stored)."""
+    logger = await _named_by_a_turn_never_stored(backend)
+    await logger.log_messages(CID, [user("a third question"), answer()], turn_id="t3")
+    on_its_way = await backend.db.agent_messages.find({"seq": {"$gte": 4}}).to_list(None)
+    await backend.db.agent_messages.delete_many({"seq": {"$gte": 4}})
+    await logger.log_messages(CID, [user("another draft"), answer()], turn_id="t-lost")
+    await backend.db.agent_messages.insert_many(on_its_way)
+    store = ConversationStore(backend.db, rules=COUNTED)
+
+    assert (await store.pop_last_message(CID)).content == "Sure."
+    assert (await store.pop_last_message(CID)).content == "another draft"
+    await logger.log_messages(CID, [user("a fourth question"), answer()], turn_id="t4")
+
+    assert await name_of(backend) == ("what is the weather", "auto")
+
+
+async def test_a_give_back_whose_fold_is_lost_still_takes_its_name_with_it(
+    backend: Backend,
+) -> None:
+    """The update folding what the lost turn's give-back leaves pending is lost (a dropped
+    connection); the retry is then logged anew under the same ids with other text: the name
+    went with the block, in the give-back's own update (was: the lost turn's, for good)."""
+    logger = await _named_by_a_turn_never_stored(backend)
+    give_up = logger._give_up
+
+    async def lost(*args: Any, **kwargs: Any) -> None:
+        logger._give_up = give_up  # type: ignore[method-assign]
+        raise StorageUnavailable("the fold's update was lost")
+
+    logger._give_up = lost  # type: ignore[method-assign]
+    with pytest.raises(StorageUnavailable):
+        await logger.log_messages(CID, [user("another draft"), answer()], turn_id="t-lost")
+    retried = await logger.log_messages(CID, [user("another draft"), answer()], turn_id="t-lost")
+
+    assert retried.messages[0].seq == 4
     assert await name_of(backend) == ("what is the weather", "auto")
 
 

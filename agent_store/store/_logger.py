@@ -1575,14 +1575,21 @@ class AgentMessageLogger:
         """Give back the block a first attempt with other content reserved and stored nothing
         in (`_Verdict.abandoned`): once (`given_back_abandoned`: its turn starts and tokens
         taken back, its `seq`s gaps tail readers pass, its record naming the turn no more),
-        with the pending state folded again (`_give_up`); the turn then reserves anew."""
+        with the pending state folded again (`_give_up`); the turn then reserves anew. An
+        automatic name its first attempt gave (`conversation` as read takes it from one of
+        the block's ids) goes in the same update, as `_give_back` takes it (one read more,
+        then only): a fold lost after it leaves no name the retry, stored anew under those
+        ids, would keep."""
         cid = plan.conversation_id
         epoch, created = conversation.get("epoch"), conversation.get("created_at")
         same = same_conversation(cid, epoch=epoch, created_at=created)
+        query, update = given_back_abandoned(plan, block, same, conversation)
+        ids = block_ids(plan, block.count)
+        if conversation.get("name_source") == "auto" and conversation.get("name_message_id") in ids:
+            seqs = range(block.first_seq, block.first_seq + block.count)
+            update.append({"$set": await self._named_from_stored(cid, ids, seqs, epoch)})
         with storage_errors("take back what the turn counted"):
-            result = await self._conversations.update_one(
-                *given_back_abandoned(plan, block, same, conversation)
-            )
+            result = await self._conversations.update_one(query, update)
         if result.matched_count:
             await self._give_up(cid, strict=False)
 
@@ -2085,16 +2092,25 @@ class AgentMessageLogger:
         gave (`TurnPlan.auto_name_from`) goes back to the one the messages stored elsewhere
         give (`named_by_stored`: one read more), else to none (`named_again`)."""
         block = range(reserved.first_seq, reserved.first_seq + plan.count)
+        assert plan.auto_name_from is not None
+        taken = [plan.auto_name_from]
+        return await self._named_from_stored(plan.conversation_id, taken, block, reserved.epoch)
+
+    async def _named_from_stored(
+        self, conversation_id: str, taken: list[str], without: range, epoch: str | None
+    ) -> dict[str, Any]:
+        """The names once the block at the `seq`s `without` is given back: an automatic name
+        taken from one of the messages `taken` goes back to the one the messages stored
+        elsewhere (of `epoch`) give (`named_by_stored`: one read), else to none."""
         with storage_errors("read the conversation's user messages"):
             named = await named_by_stored(
                 self._messages,
-                plan.conversation_id,
+                conversation_id,
                 self.rules.name_chars,
-                epoch=reserved.epoch,
-                without=block,
+                epoch=epoch,
+                without=without,
             )
-        assert plan.auto_name_from is not None
-        return named_again(taken_from([plan.auto_name_from]), named)
+        return named_again(taken_from(taken), named)
 
     async def _finish_in_doubt(self, plan: TurnPlan) -> None:
         """Finish the give-back of a block of this turn an earlier attempt through this logger

@@ -103,7 +103,8 @@ expression): the next turn would name it."""
 def renamed(conversation: Mapping[str, Any], named: Named | None) -> dict[str, Any]:
     """The fields `named_again` sets on `conversation` (as read) when its automatic name is
     taken from a message that is not the first stored user message with real text (`named`:
-    the one that is, `first_named`), guarded by the message it was read with; or, when it
+    the one that is, `first_named`), or is not the name that message gives (its turn stored
+    anew under the same ids with other text), guarded by the message it was read with; or, when it
     has no name (`UNNAMED`: read so, and still so), the name `named` gives, as a new turn
     names it; none otherwise (a runtime's or a person's name, one stored before
     `name_message_id` was)."""
@@ -113,7 +114,7 @@ def renamed(conversation: Mapping[str, Any], named: Named | None) -> dict[str, A
         return named_again(UNNAMED, named)
     if conversation.get("name_source") != "auto" or by is None:
         return {}
-    if named is not None and named.message_id == by:
+    if named is not None and named.message_id == by and conversation.get("name") == named.name:
         return {}
     return named_again(taken_from([str(by)]), named)
 

@@ -291,6 +291,10 @@ class Refold:
     `resolved_hitl`, tells the move so (`_reservation.relocation`)."""
     stored: Sequence[AgentMessage] = ()
     """The stored messages folded, in `seq` order."""
+    folded: bool = True
+    """False when a turn below the end is still being written (`refold`, `partial`): its
+    messages are not there to fold, so `calls`, `prompt` and `resolved` are no fold's; the
+    stored messages still give the name (`settle`)."""
 
     def summary(self) -> dict[str, Any]:
         """The conversation as read with its pending state and resolutions the fold's."""
@@ -313,13 +317,15 @@ async def refold(
     *,
     abandon_after: timedelta,
     own: range = range(0),
+    partial: bool = False,
 ) -> Refold | None:
     """The fold of the conversation's stored messages (`Refold`), from `conversation` as
     read, else read here (one round trip more), and its messages below `message_count`, of
     its own life (`of_its_life`; one more). None when the conversation is gone, or a turn
-    below the end is still being written (its messages are not there to fold). `own`: the
-    `seq`s of the block given back or up, not stored (the resolutions are folded only when
-    no other block is unstored)."""
+    below the end is still being written (its messages are not there to fold), unless
+    `partial`: then the stored messages, not folded (`Refold.folded`). `own`: the `seq`s of
+    the block given back or up, not stored (the resolutions are folded only when no other
+    block is unstored)."""
     if conversation is None:
         with storage_errors("read the conversation"):
             conversation = await conversations.find_one({"_id": conversation_id}, _FOLD_READ)
@@ -333,7 +339,7 @@ async def refold(
     missing = [s for s in range(count) if s not in seqs]
     gaps = Gaps.of(conversation)
     if gaps.written(missing, now=utc_now(), abandon_after=abandon_after) is not None:
-        return None
+        return Refold(conversation, [], None, None, stored, folded=False) if partial else None
     answered = answered_in(conversation)
     folded = folded_after(stored, fork_turns_of(conversation), answered)
     kept = conversation.get("resolved_hitl") or ()
@@ -401,9 +407,12 @@ async def settle(
     times). False, leaving the state as the move set it, when a turn below the end is still
     being written (its messages are not there to fold) or the conversation kept changing.
     An automatic name taken from a message that is not the first stored user text (the
-    moved turn's, now behind another one; a turn's given up, never stored) goes back to the
-    one the stored messages give (`_naming.renamed`, `name_chars` long), in the same update;
-    a conversation with no name (pops leaving no message took it back) is named so.
+    moved turn's, now behind another one; a turn's given up, never stored), or that the
+    message under its id no longer gives, goes back to the one the stored messages give
+    (`_naming.renamed`, `name_chars` long), in the same update; a conversation with no name
+    (pops leaving no message took it back) is named so. The name does not wait for a turn
+    still being written: it is written alone then, as the stored messages give it, under
+    the same guard (`refold`, `partial`).
 
     `given_up`: after a refused move or a block given back instead, `moved` being the
     conversation as the retry read it (every field), else None: the turn is never stored,
@@ -413,19 +422,27 @@ async def settle(
     written only when the summary says otherwise."""
     for _ in range(_FOLD_ATTEMPTS):
         fold = await refold(
-            conversations, messages, conversation_id, moved, abandon_after=abandon_after, own=own
+            conversations,
+            messages,
+            conversation_id,
+            moved,
+            abandon_after=abandon_after,
+            own=own,
+            partial=True,
         )
         if fold is None:
             return False
         names = renamed(fold.conversation, first_named(fold.stored, name_chars))
-        if given_up and not names and _already(fold):
-            return True
+        if not names and (not fold.folded or (given_up and _already(fold))):
+            return fold.folded
         query, update = refolded(fold, resolutions=given_up)
+        if not fold.folded:  # the name alone, under the same guard
+            update = [{"$set": {}}]
         update[0]["$set"].update(names)
         with storage_errors("set what the moved turn leaves pending"):
             result = await conversations.update_one(query, update)
         if result.matched_count:
-            return True
+            return fold.folded
         moved = None
     return False
 
