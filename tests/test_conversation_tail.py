@@ -165,6 +165,125 @@ async def test_a_pop_never_takes_updated_at_before_the_conversations_creation(
     assert (await store.get_conversation(CID)).updated_at == created.created_at
 
 
+def at(seconds: int, message: dict[str, Any]) -> dict[str, Any]:
+    """`message` dated `seconds` after 2026-01-01 (a runtime's own time)."""
+    return {**message, "created_at": datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=seconds)}
+
+
+async def lost(backend: Backend, conversation_id: str, messages: list[dict[str, Any]]) -> None:
+    """Turn "lost" reserves its block and its process dies before the insert."""
+    held = SlowInsert(AgentMessageLogger(backend.db))
+    dead = asyncio.create_task(held.logger.log_messages(conversation_id, messages, turn_id="lost"))
+    await held.reserved.wait()
+    dead.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await dead
+
+
+async def updated_at_and_latest(store: ConversationStore, conversation_id: str) -> Any:
+    """The conversation's `updated_at`, and what DESIGN.md says it is: the latest time of
+    the messages it keeps (its `created_at` when later)."""
+    conversation = await store.get_conversation(conversation_id)
+    times = [m.created_at for m in await store.transcript(conversation_id)]
+    return conversation.updated_at, max([conversation.created_at, *times])
+
+
+@pytest.mark.parametrize("changed", [False, True], ids=["same-content", "changed-content"])
+@pytest.mark.parametrize("forked", [False, True], ids=["conversation", "fork"])
+async def test_a_pop_above_the_gap_a_moved_turn_left_sets_updated_at_from_the_messages_below(
+    backend: Backend, changed: bool, forked: bool
+) -> None:
+    """DESIGN.md: `updated_at` is the latest message time. Turn "lost" reserved seq 2 at
+    17 s and its insert was lost; its retry past `abandon_after` moves it to seq 3, leaving
+    seq 2 a gap no turn holds (`popped_seqs`), which no turn will ever fill. Popping the
+    moved turn sets `updated_at` to the latest time stored below it (2 s), as with no gap:
+    only a turn still being written under the message keeps it. The same on a fork."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    first = [at(1, user("first question")), at(2, answer("first answer"))]
+    conversation_id = CID
+    if forked:
+        await logger.log_messages("conv-source", first, turn_id="t1")
+        await logger.fork("conv-source", 1, CID)
+    else:
+        await logger.log_messages(CID, first, turn_id="t1")
+    sent = [at(17, user("lost question"))]
+    await lost(backend, conversation_id, sent)
+    patient = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    retried = sent + ([at(18, answer("regenerated"))] if changed else [])
+    moved = await patient.log_messages(conversation_id, retried, turn_id="lost")
+    assert moved.messages[0].seq == 3
+    store = ConversationStore(backend.db)
+
+    for _ in retried:
+        await store.pop_last_message(conversation_id)
+
+    updated_at, latest = await updated_at_and_latest(store, conversation_id)
+    assert updated_at == latest == first[1]["created_at"]
+
+
+async def test_pops_down_past_a_moved_turns_gap_and_forks_above_it_keep_updated_at_right(
+    backend: Backend,
+) -> None:
+    """Turn "lost" (seq 2-3, 17-18 s) lost its insert, turn "mid" was stored at seq 4 (20 s)
+    and the lost turn's retry moved it to seq 5-6. A fork cut at "mid", just above the gap,
+    shows its copies' latest time, and so does each pop down to the first turn, on the fork
+    and on the conversation: no message time is kept past the pop that removed it."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    first = [at(1, user("first question")), at(2, answer("first answer"))]
+    await logger.log_messages(CID, first, turn_id="t1")
+    sent = [at(17, user("lost question")), at(18, answer("lost answer"))]
+    await lost(backend, CID, sent)
+    await logger.log_messages(CID, [at(20, user("mid question"))], turn_id="mid")
+    patient = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    moved = await patient.log_messages(CID, sent, turn_id="lost")
+    assert [m.seq for m in moved.messages] == [5, 6]
+    store = ConversationStore(backend.db)
+    await logger.fork(CID, 4, "conv-fork")
+
+    for conversation_id in (CID, "conv-fork"):
+        while await store.transcript(conversation_id):
+            updated_at, latest = await updated_at_and_latest(store, conversation_id)
+            assert updated_at == latest, conversation_id
+            await store.pop_last_message(conversation_id)
+        updated_at, latest = await updated_at_and_latest(store, conversation_id)
+        assert updated_at == latest, conversation_id
+
+
+@pytest.mark.parametrize("abandoned", [True, False], ids=["abandoned", "young"])
+@pytest.mark.parametrize("role", ["user", "assistant"])
+async def test_a_pop_above_a_block_its_turn_abandoned_sets_updated_at_from_the_messages_below(
+    backend: Backend, role: str, abandoned: bool
+) -> None:
+    """A block reserved (17 s) and never inserted, older than `abandon_after`, is passed
+    as tail readers pass it: popping the message above it (20 s) sets `updated_at` to the
+    latest time stored below (2 s). While the block is younger, a pop of a tool call (no
+    text, read from nothing below) keeps `updated_at` (the turn may still land a later time
+    there), and a pop of a prompt waits."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    first = [at(1, user("first question")), at(2, answer("first answer"))]
+    await logger.log_messages(CID, first, turn_id="t1")
+    await lost(backend, CID, [at(17, user("lost question"))])
+    call = {"id": "call_1", "function": {"name": "lookup", "arguments": "{}"}}
+    above = at(20, user("above") if role == "user" else {"role": role, "tool_calls": [call]})
+    await logger.log_messages(CID, [above], turn_id="above")
+    rules = TurnRules(abandon_after=timedelta(0) if abandoned else timedelta(minutes=5))
+    store = ConversationStore(backend.db, rules=rules)
+
+    if role == "user" and not abandoned:
+        with pytest.raises(StorageUnavailable, match="still being written at seq 2"):
+            await store.pop_last_message(CID)
+        assert len(await store.transcript(CID)) == 3
+        return
+    assert await store.pop_last_message(CID) is not None
+
+    updated_at, latest = await updated_at_and_latest(store, CID)
+    assert latest == first[1]["created_at"]
+    assert updated_at == (latest if abandoned else above["created_at"])
+
+
 async def test_popping_past_a_block_abandoned_by_its_turn_gives_no_seq_back(
     backend: Backend,
 ) -> None:

@@ -364,7 +364,7 @@ class Pop:
 
         Computed before the mark, so before anything is removed: when these reads come upon
         a `seq` below the message with no message, StorageUnavailable while a turn is still
-        writing it (`_wait_below`)."""
+        writing it (`_gaps_below`)."""
         assert message.seq is not None
         started, preview, quoted = False, None, None
         before: LeftBefore | None = None
@@ -373,13 +373,13 @@ class Pop:
             previous, updated_at = await last_before(
                 self.messages, self.conversations, message.conversation_id, message.seq
             )
-            adjacent = previous if previous and previous["seq"] == message.seq - 1 else None
-            if adjacent is None and message.seq > 0:
-                updated_at = None  # a turn may still be writing a later time there: kept
-            left_none = previous is None and await self._nothing_below(message)
+            # The `seq`s just under the message with no message stored (a turn may still be
+            # writing a later time there, or they are gaps no turn will fill).
+            under = range(0 if previous is None else int(previous["seq"]) + 1, message.seq)
             if message.role in ("user", "system"):
-                if adjacent is None and message.seq > 0:
+                if under:
                     missing.add(message.seq - 1)
+                adjacent = None if under else previous
                 started = starts_a_turn(message, adjacent) or await self._begins_a_copied_turn(
                     message
                 )
@@ -393,30 +393,19 @@ class Pop:
             if reads_pending_before(message):
                 before = await self.calls_before(message)
                 missing.update(before.missing)
-        if missing:
-            await self._wait_below(message, sorted(missing))
+        # Kept while a turn is still writing under the message; past gaps no turn holds (a
+        # pop's, a moved turn's, an abandoned block) the time of the messages stored below.
+        writing_under = await self._gaps_below(message, sorted(missing), under)
         return pop_in_progress(
             message,
             started_turn=started,
             preview=preview,
-            updated_at=updated_at,
+            updated_at=None if writing_under else updated_at,
             quoted=quoted,
             before=before,
             named=auto_name(message, self.name_chars) if message.upload is None else None,
-            left_none=left_none,
+            left_none=previous is None and not writing_under,
         )
-
-    async def _nothing_below(self, message: AgentMessage) -> bool:
-        """Whether no message is left below `message`, where its reads found none: none is
-        stored there, and no turn is still writing one (`Gaps.written`: passed are the gaps
-        pops left and the blocks older than `abandon_after`). One more read, only when the
-        message is not at `seq` 0."""
-        assert message.seq is not None
-        if message.seq == 0:
-            return True
-        doc = await self.conversations.find_one({"_id": message.conversation_id}, GAPS_READ)
-        below = range(message.seq)
-        return Gaps.of(doc).written(below, now=utc_now(), abandon_after=self.abandon_after) is None
 
     async def _begins_a_copied_turn(self, message: AgentMessage) -> bool:
         """Whether `message`, a fork's copy (of the turn holding its copies, `copies_turn_of`,
@@ -433,16 +422,22 @@ class Pop:
         copied = message.turn_id == copies_turn_of(doc or {})
         return copied and message.seq in fork_turns_of(doc or {})
 
-    async def _wait_below(self, message: AgentMessage, missing: list[int]) -> None:
+    async def _gaps_below(self, message: AgentMessage, missing: list[int], under: range) -> bool:
         """StorageUnavailable when a turn is still writing one of `missing`, `seq`s below
         `message` where its reads found no message: what removing it changes depends on
-        them. Passed (`Gaps.passed`): the gaps pops left and the blocks older than
-        `abandon_after`. One more round trip, only when the reads found such a `seq`."""
+        them. Else whether a turn is still writing one of `under`, the `seq`s just under it
+        with no message. Passed (`Gaps.passed`): the gaps pops and moved turns left
+        (`popped_seqs`) and the blocks older than `abandon_after`. One more round trip, only
+        when the reads found such a `seq`."""
+        if not missing and not under:
+            return False
         with storage_errors("read the conversation's turns"):
             doc = await self.conversations.find_one({"_id": message.conversation_id}, GAPS_READ)
-        writing = Gaps.of(doc).written(missing, now=utc_now(), abandon_after=self.abandon_after)
+        gaps, now = Gaps.of(doc), utc_now()
+        writing = gaps.written(missing, now=now, abandon_after=self.abandon_after)
         if writing is not None:
             raise _still_written(str(message.conversation_id), writing)
+        return gaps.written(under, now=now, abandon_after=self.abandon_after) is not None
 
     async def _remove(
         self, scope: Scope, message: AgentMessage, pop: PopInProgress, count: int | None
