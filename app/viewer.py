@@ -273,27 +273,38 @@ class _MessagePage:
     """Messages before the page making or answering the calls its results may answer, as
     far back as pairing them needs (`calls_made_before`, `ConversationStore.calls_before`)."""
     stored: bool
-    """Whether the conversation is stored (migrated)."""
+    """Whether the conversation is read from its stored messages (migrated, and no migration
+    run writing it)."""
+    being_migrated: bool = False
+    """Whether a migration run is writing it, or was stopped while writing it (`migrating`):
+    read from its legacy turns until a run finishes it."""
 
 
 async def _message_page(store: Store, conversation_id: str, from_seq: int) -> _MessagePage:
     """A page of the conversation's messages from `from_seq` on, with the messages before it
     that pair its results with their calls.
 
-    A conversation not migrated yet has no stored messages: its converted legacy turns
-    are read whole and cut the same way, by `seq`, on every page; the calls before a page
-    are among them. A stored one's are one more read, only when the page holds a result
-    that may answer a call not on it (`ConversationStore.calls_before`).
+    A conversation not migrated yet, or one a migration run is writing (read from its legacy
+    turns until a run finishes it, as the store reads it), is read from its converted legacy
+    turns, whole, cut the same way, by `seq`, on every page; the calls before a page are among
+    them. A stored one's are one more read, only when the page holds a result that may answer
+    a call not on it (`ConversationStore.calls_before`).
     """
     conversations = store.conversations
     try:
-        conversation = await conversations.get_conversation(conversation_id, fallback=False)
+        conversation = await conversations.stored_conversation(conversation_id)
     except NotFound:
+        conversation = None
+    if conversation is None or conversation.migrating:
+        being_migrated = conversation is not None
         conversation = await conversations.get_conversation(conversation_id)
         converted = await conversations.transcript(conversation_id)
         after = [m for m in converted if m.seq is not None and m.seq >= from_seq]
         earlier = [m for m in converted if m.seq is not None and m.seq < from_seq]
-        return _MessagePage(conversation, after[: MESSAGES_PER_PAGE + 1], earlier, stored=False)
+        page = after[: MESSAGES_PER_PAGE + 1]
+        return _MessagePage(
+            conversation, page, earlier, stored=False, being_migrated=being_migrated
+        )
     page = await conversations.messages_by_seq(
         conversation.id, start=from_seq, limit=MESSAGES_PER_PAGE + 1
     )
@@ -320,6 +331,7 @@ async def transcript(request: Request, store: Store) -> Response:
         pages=pages,
         # The store forks stored conversations only: one not migrated yet offers no fork.
         can_fork=page.stored,
+        being_migrated=page.being_migrated,
         fork_id=_fork_id(),
         has_legacy=bool(await store.legacy.with_turns([conversation.id])),
     )
@@ -359,9 +371,9 @@ async def legacy(request: Request, store: Store) -> Response:
     turns = await store.legacy.turns(conversation_id, limit=MAX_LEGACY_TURNS + 1)
     more = len(turns) > MAX_LEGACY_TURNS
     turns = turns[:MAX_LEGACY_TURNS]
-    try:
-        conversation = await store.conversations.get_conversation(conversation_id, fallback=False)
-        messages = await store.conversations.transcript(conversation_id, fallback=False)
+    try:  # what is stored, one a migration run is writing (`migrating`) among them
+        conversation = await store.conversations.stored_conversation(conversation_id)
+        messages = await store.conversations.stored_transcript(conversation_id)
     except NotFound:
         if not turns:
             raise

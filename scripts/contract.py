@@ -16,19 +16,29 @@ Two forms of the same documents:
   which keeps BSON types: every time a BSON date, every integer a BSON int64
   within 0…2**53 - 1. A conversation also holds the store's bookkeeping
   (`turns`, `turns_dropped`, `inbox`, `resolved_hitl`, `epoch`, ...), and a message its
-  `epoch`, never served and absent until used.
+  `epoch`, never served and absent until used. A key a version added to a stored shape
+  (`AbsentBefore` on its field: `native.json_text`, `truncated.*.sha256`) is not required
+  there, since documents stored before it lack it (`absent_before`); the API serves it
+  always, and the TypeScript declarations mark it optional (`?`).
 """
 
 from __future__ import annotations
 
 import copy
 import re
+import typing
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from pydantic import BaseModel, TypeAdapter
 
-from agent_store.core import MAX_SAFE_INTEGER, AgentMessage, Conversation, UserMessage
+from agent_store.core import (
+    MAX_SAFE_INTEGER,
+    AbsentBefore,
+    AgentMessage,
+    Conversation,
+    UserMessage,
+)
 from app.api import ENDPOINTS
 from app.http_errors import ApiErrorBody
 
@@ -48,6 +58,42 @@ MESSAGE_BOOKKEEPING = tuple(
     name for name, field in UserMessage.model_fields.items() if field.exclude
 )
 """A message's fields the store keeps for itself (every role has them): stored, never served."""
+
+
+def _models_in(hint: Any) -> Iterator[type[BaseModel]]:
+    """The models a type hint names, however nested in unions, generics and `Annotated`."""
+    if isinstance(hint, type) and issubclass(hint, BaseModel):
+        yield hint
+    for argument in typing.get_args(hint):
+        yield from _models_in(argument)
+
+
+def absent_before() -> dict[str, dict[str, str]]:
+    """The keys documents stored before some version lack, by the definition (model) holding
+    them: {definition: {key: version}}, from the `AbsentBefore` marks on the fields of the
+    models the documents hold, however deep."""
+    found: dict[str, dict[str, str]] = {}
+    pending = [*_models_in(AgentMessage), Conversation]
+    seen: set[type[BaseModel]] = set()
+    while pending:
+        model = pending.pop()
+        if model in seen:
+            continue
+        seen.add(model)
+        for name, field in model.model_fields.items():
+            marks = [m for m in field.metadata if isinstance(m, AbsentBefore)]
+            if marks:
+                found.setdefault(model.__name__, {})[field.alias or name] = marks[0].version
+            pending += _models_in(field.annotation)
+    return found
+
+
+def absent_note(version: str) -> str:
+    """What the description of a key `absent_before` names adds."""
+    return (
+        f"Absent on documents stored before {version}, read as the default "
+        "(the API serves it always)."
+    )
 
 
 def response_models() -> list[type[BaseModel]]:
@@ -221,7 +267,31 @@ def stored() -> dict[str, dict[str, Any]]:
     for variant in files[MESSAGE]["oneOf"]:  # optional: absent on messages stored before
         name = variant["$ref"].split("/")[-1]
         files[MESSAGE]["$defs"][name]["properties"].update(copy.deepcopy(message_extra))
+    absent = absent_before()
+    placed = [_not_required_where_absent(document, absent) for document in files.values()]
+    unplaced = set(absent).difference(*placed)
+    if unplaced:
+        raise ValueError(f"no stored document holds the definitions {sorted(unplaced)}")
     return files
+
+
+def _not_required_where_absent(
+    document: dict[str, Any], absent: Mapping[str, Mapping[str, str]]
+) -> set[str]:
+    """The keys documents stored before some version lack (`absent_before`) left out of what
+    `document`'s definitions require, each described as such; the definitions changed."""
+    definitions = document.get("$defs", {})
+    changed = set(absent) & set(definitions)
+    for definition in changed:
+        keys = absent[definition]
+        node = definitions[definition]
+        node["required"] = [key for key in node["required"] if key not in keys]
+        for key, version in keys.items():
+            described = node["properties"][key]
+            note = absent_note(version)
+            text = described.get("description")
+            described["description"] = f"{text}\n\n{note}" if text else note
+    return changed
 
 
 FILE_NAMES = {MESSAGE: "agent-message", "Conversation": "agent-conversation"}

@@ -25,6 +25,8 @@ from scripts.contract import (
     BOOKKEEPING,
     MESSAGE,
     MESSAGE_BOOKKEEPING,
+    absent_before,
+    absent_note,
     bookkeeping,
     referenced,
     served,
@@ -50,7 +52,9 @@ HEADER = f"""\
 // as schemas/. Do not edit: run `make types`; a test fails when this file is stale.
 //
 // Every key is present in every document and every API object; a missing
-// value is `null`, never `undefined`. Integers are at most 2**53 - 1.
+// value is `null`, never `undefined`. The few keys marked optional (`?`) are
+// absent from documents stored before the version that added them (the API
+// serves them always). Integers are at most 2**53 - 1.
 
 /**
  * How a time reaches the reader.
@@ -129,6 +133,8 @@ class DeclarationRenderer:
                 shared |= set(referenced(self.roots[document], definitions))
         self.shared = shared
         """Definitions the documents hold: generic over the type of a time."""
+        self.absent = absent_before()
+        """The keys documents stored before some version lack, by definition: optional."""
         self._dated: dict[str, bool] = {}
 
     # -- which definitions hold dates ------------------------------------------------
@@ -216,13 +222,18 @@ class DeclarationRenderer:
         if "properties" not in schema:
             raise UnsupportedSchema(f"{definition} is not an object with properties")
         dates = DATE_PARAM if self.generic(definition) else API_DATE
+        absent = self.absent.get(definition, {})
+        properties: dict[str, tuple[str, str | None]] = {}
+        for prop, prop_schema in schema["properties"].items():
+            doc = prop_schema.get("description")
+            if prop in absent:
+                note = absent_note(absent[prop])
+                prop, doc = f"{prop}?", f"{doc}\n\n{note}" if doc else note
+            properties[prop] = (self.type_of(prop_schema, dates), doc)
         return self._declare(
             f"{interface_name(definition)}{self._parameters(definition)}",
             schema.get("description"),
-            {
-                prop: (self.type_of(prop_schema, dates), prop_schema.get("description"))
-                for prop, prop_schema in schema["properties"].items()
-            },
+            properties,
         )
 
     @staticmethod

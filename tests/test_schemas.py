@@ -26,7 +26,7 @@ from agent_store import (
     StorageUnavailable,
     TurnRules,
 )
-from agent_store.core import DENIED_RESULT, MAX_SAFE_INTEGER, rfc3339_millis
+from agent_store.core import DENIED_RESULT, MAX_SAFE_INTEGER, NativeForm, rfc3339_millis
 from agent_store.store import SteeringInbox
 from app.examples import EXAMPLE_CONVERSATION_ID
 from scripts.contract import digits_at_most, walk
@@ -169,6 +169,40 @@ async def test_a_stored_int32_or_a_missing_key_is_refused(wire_backend: Backend)
     assert errors(validator, narrow)
     assert errors(validator, {k: v for k, v in document.items() if k != "forked_from"})
     assert errors(validator, document | {"message_count": canonical({"n": Int64(2**53)})["n"]})
+
+
+async def test_a_message_stored_before_0_2_0_conforms_to_the_stored_schema(
+    wire_backend: Backend,
+) -> None:
+    """A message stored before 0.2.0 has no `native.json_text` and a text it cut has no
+    `sha256` (DESIGN.md), which the store reads as none: the stored schema takes both, and
+    the API's, which serves them always, still requires them."""
+    logger = AgentMessageLogger(wire_backend.db)
+    native = NativeForm.keeping("langchain", {"response_metadata": {"model": "m"}})
+    answer = {"role": "assistant", "content": "ok", "native": native}
+    await logger.log_messages("c-old", [{"role": "user", "content": "hi"}, answer], turn_id="t-1")
+    messages = wire_backend.db.agent_messages
+    await messages.update_one({"seq": 1}, {"$unset": {"native.json_text": ""}})
+    cut = {"content": {"length": Int64(5000), "blob_id": "blob-old"}}
+    await messages.update_one({"seq": 0}, {"$set": {"truncated": cut}})
+    validator = schema("stored/agent-message")
+
+    found = sorted(await stored(wire_backend, "agent_messages"), key=lambda d: d["seq"])
+    documents = [canonical(d) for d in found]
+
+    assert [errors(validator, d) for d in documents] == [[], []]
+    without_format = copy.deepcopy(documents[1])
+    del without_format["native"]["format"]
+    assert errors(validator, without_format)
+    served = [
+        m.model_dump(mode="json", by_alias=True)
+        for m in await ConversationStore(wire_backend.db).transcript("c-old")
+    ]
+    api = schema("api/agent-message")
+    assert [errors(api, m) for m in served] == [[], []]
+    del served[0]["truncated"]["content"]["sha256"]
+    del served[1]["native"]["json_text"]
+    assert all(errors(api, m) for m in served)
 
 
 # -- states sequences of writes reach -------------------------------------------------------

@@ -485,6 +485,34 @@ async def test_a_conversation_being_migrated_is_listed_and_exported_as_its_reads
     assert [e async for e in store.export_user(EXAMPLE_USER_ID)] == []
 
 
+async def test_what_is_stored_of_a_conversation_being_migrated_is_read_as_it_stands(
+    backend: Backend,
+) -> None:
+    """What the new collections hold of a conversation a migration run is writing, or one a
+    stopped run left marked, is read as it stands for an operator comparing it with the
+    legacy turns (`stored_conversation`, `stored_transcript`), whatever the read fallback:
+    the document marked `migrating`, and the messages stored so far. One a delete marked is
+    no conversation; one not migrated yet has none stored."""
+    store = await marked_as_being_migrated(backend)
+    stored = await backend.db[MESSAGES].find({}, {"_id": 1}).sort("seq", 1).to_list(None)
+    unserved = ConversationStore(backend.db, legacy=LegacyTurns(backend.db, read_fallback=False))
+
+    for reader in (store, unserved):
+        conversation = await reader.stored_conversation(EXAMPLE_CONVERSATION_ID)
+        messages = await reader.stored_transcript(EXAMPLE_CONVERSATION_ID, user_id=EXAMPLE_USER_ID)
+        assert (conversation.id, conversation.migrating) == (EXAMPLE_CONVERSATION_ID, True)
+        assert [m.id for m in messages] == [d["_id"] for d in stored]
+    with pytest.raises(NotFound):
+        await store.stored_conversation("conv-not-migrated")
+    assert await store.stored_transcript("conv-not-migrated") == []
+    deleting = {"$set": {"deleting_since": utc_now()}}
+    await backend.db[CONVERSATIONS].update_one({"_id": EXAMPLE_CONVERSATION_ID}, deleting)
+    with pytest.raises(NotFound):
+        await store.stored_conversation(EXAMPLE_CONVERSATION_ID)
+    with pytest.raises(NotFound):
+        await store.stored_transcript(EXAMPLE_CONVERSATION_ID)
+
+
 async def test_a_conversation_being_migrated_is_found_by_search_in_its_stored_messages(
     backend: Backend,
 ) -> None:

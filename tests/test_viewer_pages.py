@@ -399,6 +399,35 @@ async def test_the_legacy_comparison_finds_the_turns_of_a_conversation_however_i
     assert f"legacy question {count - 1}" in legacy.text
 
 
+async def test_a_conversation_a_migration_run_is_writing_is_shown_as_being_migrated(
+    api: Served,
+) -> None:
+    """A migrated conversation a rerun is writing again, or one a stopped run left marked
+    (`migrating`), is read from its legacy turns until a run finishes it: its page says it is
+    being migrated, not that it never was, and the comparison shows the messages stored so
+    far beside the legacy turns, with the way to its transcript."""
+    turns = legacy_turns("conv-rerun", 3, user_id="user-rerun")
+    conversion = convert(turns[:2])  # migrated with 2 turns; the old service added a third
+    assert conversion.conversation is not None
+    marked = conversion.conversation.model_dump(by_alias=True) | {"migrating": True}
+    await api.db[CONVERSATIONS].insert_one(marked)
+    await api.db[MESSAGES].insert_many([m.model_dump(by_alias=True) for m in conversion.messages])
+    await api.db[LEGACY_TURNS].insert_many(turns)
+    page = await api.http.get("/viewer/conversations/conv-rerun")
+    assert page.status_code == 200
+    assert seqs(page.text) == list(range(6))  # read from its legacy turns
+    assert "Not migrated yet" not in page.text
+    assert "Being migrated" in page.text
+    assert "Continue from here" not in page.text
+    legacy = await api.http.get("/viewer/conversations/conv-rerun/legacy")
+    assert legacy.status_code == 200
+    assert "Not migrated yet" not in legacy.text
+    assert "Being migrated" in legacy.text
+    assert "<h2>Messages (4)</h2>" in legacy.text
+    assert legacy.text.count("data-legacy-turn=") == 3
+    assert 'href="/viewer/conversations/conv-rerun"' in legacy.text
+
+
 def answers(html: str) -> list[tuple[int, str]]:
     """Each tool result's seq and the call it is shown answering, in page order."""
     found = re.findall(

@@ -12,6 +12,7 @@ import json
 import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, ClassVar, Generic, Literal, Self, TypeVar
 
@@ -325,6 +326,16 @@ def _plain_json(value: Any, *, unheld_refused: bool = False) -> Any:
     return plain  # plain dicts and lists, whatever mappings the caller passed
 
 
+@dataclass(frozen=True)
+class AbsentBefore:
+    """A field's mark (`Annotated[..., AbsentBefore("0.2.0")]`): documents stored before
+    `version` lack its key, which the store reads as the field's default. The stored contract
+    (scripts/contract.py: schemas/stored, the TypeScript declarations) does not require the
+    key; the API serves it always."""
+
+    version: str
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
@@ -441,7 +452,9 @@ class Truncation(_Model):
     blob_id: str | None = None
     """The GridFS file (bucket `agent_message_blobs`) holding the whole text; None when it
     was not kept (`search_text`, which is derived from the other fields)."""
-    sha256: Annotated[str, StringConstraints(pattern=_SHA256_HEX)] | None = None
+    sha256: Annotated[
+        Annotated[str, StringConstraints(pattern=_SHA256_HEX)] | None, AbsentBefore("0.2.0")
+    ] = None
     """The SHA-256 of the whole text as the file holds it (UTF-8), in hex: the message's
     content digest covers the whole text, not only the part kept. None when the text was
     not kept, or was cut before the store recorded it."""
@@ -523,7 +536,7 @@ class NativeForm(_Model):
     """Top-level keys whose values the rebuilt form lacks or holds otherwise; plain JSON."""
     unset: list[str] = Field(default_factory=list)
     """Keys of the rebuilt form that the runtime's form does not have."""
-    json_text: list[str] = Field(default_factory=list)
+    json_text: Annotated[list[str], AbsentBefore("0.2.0")] = Field(default_factory=list)
     """Keys of `set` whose value is kept as its JSON text, as a call's arguments are: a value
     holding, at any depth, a number BSON cannot hold as it is (an integer outside 64 bits,
     NaN or an infinity, spelt `NaN`, `Infinity`, `-Infinity`). The runtime is given the

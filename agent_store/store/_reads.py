@@ -76,6 +76,7 @@ from agent_store.store._reservation import (
     CallKey,
     answered_before,
     concerned_calls,
+    is_listed,
     is_standing,
     refuse_unless_standing,
     resolution,
@@ -450,15 +451,38 @@ class ConversationStore:
             return (await self._legacy(conversation_id, user_id)).conversation
         return Conversation.model_validate(doc)
 
+    async def stored_conversation(
+        self, conversation_id: str, *, user_id: str | None = None
+    ) -> Conversation:
+        """The conversation's document as the new collections hold it, one a migration run
+        is still writing among them (its `migrating` True: every other read of the one
+        conversation answers it from its legacy turns, and refuses its writes, until a run
+        finishes it); NotFound when none is stored (not migrated yet, or none) or it is no
+        conversation (a delete or a fork not made yet marked it). What an operator comparing
+        the migrated side with the legacy turns reads (the viewer). One lookup."""
+        doc = await self._summary(
+            conversation_id, user_id, SUMMARY, "read the conversation", fence=LISTED
+        )
+        if doc is None:
+            raise NotFound(f"conversation {conversation_id!r} was not found")
+        return Conversation.model_validate(doc)
+
     async def _summary(
-        self, conversation_id: str, user_id: str | None, projection: dict[str, Any], what: str
+        self,
+        conversation_id: str,
+        user_id: str | None,
+        projection: dict[str, Any],
+        what: str,
+        *,
+        fence: dict[str, Any] = STANDING,
     ) -> dict[str, Any] | None:
         """The conversation `user_id` sees, read with `projection`, as its summary stands once
         no pop is under way: a pop's mark found (`popping`, read with it) is finished, and the
         conversation read again (`_pop.finish_marked`, as a turn's reservation finishes it),
-        so no read serves the summary of a message a pop removed. One lookup; three more only
-        when a mark is found."""
-        query = self._standing(conversation_id, user_id)
+        so no read serves the summary of a message a pop removed. Only one `fence` matches
+        (`STANDING`; `LISTED` takes one being migrated too). One lookup; three more only when
+        a mark is found."""
+        query = self._scope(conversation_id, user_id) | fence
         included = any(on for name, on in projection.items() if name != "_id")
         projection = {**projection, "popping": 1} if included else {**projection}
         with storage_errors(what):
@@ -828,6 +852,25 @@ class ConversationStore:
             conversion = await self._legacy(conversation_id, user_id)
             return conversion.messages if fallback else []
         return messages_adapter.validate_python(docs)
+
+    async def stored_transcript(
+        self, conversation_id: str, *, user_id: str | None = None
+    ) -> list[AgentMessage]:
+        """Every message the new collections hold for the conversation, in `seq` order, as
+        `transcript` reads them, one a migration run is still writing among them
+        (`stored_conversation`): the messages it stored so far. None for a conversation not
+        migrated yet (an empty list, as for none); NotFound for one a delete or a fork not
+        made yet marked. One round trip: its messages and its document, read at once."""
+        query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
+        if user_id is not None:
+            query["user_id"] = validate_identifier(user_id, "user_id")
+        found = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
+        with storage_errors("read the stored messages"):
+            docs, conversation = await _at_once(
+                partial(found.to_list, None), partial(self._in_scope, conversation_id, user_id)
+            )
+        stored = _its_messages(conversation_id, conversation, docs, being_migrated=True)
+        return messages_adapter.validate_python(stored or [])
 
     async def with_full_texts(self, messages: list[AgentMessage]) -> list[AgentMessage]:
         """The messages with every field cut to bound them put back whole, from GridFS.
@@ -2196,18 +2239,24 @@ def _retrieved(task: asyncio.Task[Any]) -> None:
 
 
 def _its_messages(
-    conversation_id: str, found: Mapping[str, Any] | None, docs: list[dict[str, Any]]
+    conversation_id: str,
+    found: Mapping[str, Any] | None,
+    docs: list[dict[str, Any]],
+    *,
+    being_migrated: bool = False,
 ) -> list[dict[str, Any]] | None:
     """Of the messages read under a conversation's id, those the conversation document
     `found` with them (`_in_scope`) serves: none when it is no conversation (`STANDING`: a
     delete or an erasure that failed before its messages went, a fork not made yet):
     NotFound; None when no document is there (the caller tells a conversation not migrated
-    yet from none at all); else those of its `epoch`, and those stored before epochs (a turn
-    of a deleted conversation, reserved before the delete and inserted after it, may land
-    under the id once the conversation was started again, until the delete's sweep)."""
-    if found is None or found.get(MIGRATING) is not None:
+    yet from none at all), or one a migration run is still writing (`MIGRATING`: read from
+    its legacy turns) unless `being_migrated` takes its messages stored so far; else those of
+    its `epoch`, and those stored before epochs (a turn of a deleted conversation, reserved
+    before the delete and inserted after it, may land under the id once the conversation was
+    started again, until the delete's sweep)."""
+    if found is None or (found.get(MIGRATING) is not None and not being_migrated):
         return None  # one the migration is still writing is read from its legacy turns
-    if not is_standing(found):
+    if not is_listed(found):
         raise NotFound(f"conversation {conversation_id!r} was not found")
     return _of_epoch(docs, found.get("epoch"))
 

@@ -101,9 +101,15 @@ conversation it creates."""
 
 
 def is_standing(conversation: Mapping[str, Any]) -> bool:
-    """Whether a conversation document read (with `DELETING` and `FORK_CHECK`) is one
-    `STANDING` matches: neither marked by a delete nor a fork not made yet."""
-    return all(conversation.get(mark) is None for mark in (DELETING, FORK_CHECK, MIGRATING))
+    """Whether a conversation document read (with `UNSTANDING_READ`) is one `STANDING`
+    matches: neither marked by a delete, nor a fork not made yet, nor being migrated."""
+    return is_listed(conversation) and conversation.get(MIGRATING) is None
+
+
+def is_listed(conversation: Mapping[str, Any]) -> bool:
+    """Whether a conversation document read (with `UNSTANDING_READ`) is one `LISTED`
+    matches: neither marked by a delete nor a fork not made yet (one being migrated may be)."""
+    return all(conversation.get(mark) is None for mark in (DELETING, FORK_CHECK))
 
 
 def unfinished_fork(conversation_id: str, what: str) -> StorageUnavailable:

@@ -4,7 +4,9 @@
 // as schemas/. Do not edit: run `make types`; a test fails when this file is stale.
 //
 // Every key is present in every document and every API object; a missing
-// value is `null`, never `undefined`. Integers are at most 2**53 - 1.
+// value is `null`, never `undefined`. The few keys marked optional (`?`) are
+// absent from documents stored before the version that added them (the API
+// serves them always). Integers are at most 2**53 - 1.
 
 /**
  * How a time reaches the reader.
@@ -471,8 +473,10 @@ export interface INativeForm {
    * holding, at any depth, a number BSON cannot hold as it is (an integer outside 64 bits,
    * NaN or an infinity, spelt `NaN`, `Infinity`, `-Infinity`). The runtime is given the
    * value the text spells (`set_values`), the one it stored.
+   *
+   * Absent on documents stored before 0.2.0, read as the default (the API serves it always).
    */
-  json_text: string[];
+  json_text?: string[];
 }
 
 /**
@@ -549,8 +553,10 @@ export interface ITruncation {
    * The SHA-256 of the whole text as the file holds it (UTF-8), in hex: the message's
    * content digest covers the whole text, not only the part kept. None when the text was
    * not kept, or was cut before the store recorded it.
+   *
+   * Absent on documents stored before 0.2.0, read as the default (the API serves it always).
    */
-  sha256: string | null;
+  sha256?: string | null;
 }
 
 /** Token usage summed over a conversation (extension); each sum stops at 2**53 - 1. */
