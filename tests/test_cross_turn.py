@@ -3894,6 +3894,103 @@ async def test_a_moved_turn_asks_again_after_an_answer_that_left_its_id_unresolv
     assert await held_state(store, "fork-all") == await held_state(store)
 
 
+async def _approved_while_reserved_then_retried_without_the_question(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> tuple[AgentMessageLogger, ConversationStore]:
+    """t1 [user, call c1, question `confirm` about c1] reserved and stored nothing; a person
+    approved `confirm` while it was pending from that reservation; t1, retried past
+    `abandon_after` with other content (the call, no question: its ids are t1's again), is
+    logged at the end, its empty block given back."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "Hi"}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, _asks_for("Pay invoice A", "c1"), "t1")
+    await store.resolve_hitl(CID, "confirm")  # the person approves invoice A
+    assert await held_state(store) == ([("c1", None)], None)
+    retried = [
+        {"role": "user", "content": "Pay invoice A"},
+        _calls("c1"),
+        {"role": "assistant", "content": "Paying invoice A."},
+    ]
+    await logger.check_turn(CID, retried, turn_id="t1")
+    await logger.log_messages(CID, retried, turn_id="t1")
+    return logger, store
+
+
+async def _approved_calls(backend: Backend, cid: str = CID) -> list[str]:
+    doc = await backend.db.agent_conversations.find_one({"_id": cid})
+    return [a["tool_call_id"] for a in doc.get("approved_calls") or ()]
+
+
+async def test_an_answer_to_a_question_its_turn_was_retried_without_approves_nothing(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3 (`answered_prompts`: an answer answers the questions stored below its `s`;
+    a pop, a fork or a move leaves what the same stored messages and answers leave logged
+    afresh): no stored turn asked the person about c1 before the answer (t1's question is
+    stored nowhere), so the answer approves nothing. c1 stays pending unapproved, in the
+    conversation and in a fork of all of it alike: a denial of it is stored in both."""
+    logger, store = await _approved_while_reserved_then_retried_without_the_question(
+        backend, monkeypatch
+    )
+
+    assert await _approved_calls(backend) == []
+    assert await held_state(store) == ([("c1", None)], None)
+    await _whole_fork(logger, store, "fork-all")
+    assert await held_state(store, "fork-all") == await held_state(store)
+    for cid in (CID, "fork-all"):
+        await logger.log_messages(
+            cid, [{"role": "user", "content": "No."}, _denial_of("c1")], turn_id="deny"
+        )
+        assert await held_state(store, cid) == ([], None)  # the denial answers c1: stored
+
+
+async def test_a_later_question_holds_a_call_whose_question_its_turn_was_retried_without(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, then t2 asks `r1`, naming no call: it holds c1, pending and approved by no
+    stored question, in the conversation as in a fork of all of it."""
+    logger, store = await _approved_while_reserved_then_retried_without_the_question(
+        backend, monkeypatch
+    )
+
+    await logger.log_messages(CID, [_asks("r1")], turn_id="t2")
+
+    assert await held_state(store) == ([("c1", "r1")], "r1")
+    await _whole_fork(logger, store, "fork-all")
+    assert await held_state(store, "fork-all") == await held_state(store)
+
+
+async def test_moved_questions_answered_before_their_id_was_asked_again_hold_their_calls(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3 (`answered_prompts`): t5 asks `r2` about c, t8 `r2` about a, both store
+    nothing; a person answers `r2`; t10 asks `r2` again. t5 and t8, retried, move past t10:
+    the answer keeps its reach, below t10's question, and reaches no stored question, so it
+    approves nothing and the moved questions hold their calls again. A later question
+    naming none holds them, in the conversation and in a fork of all of it alike."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_asks_about("r1", "a")], turn_id="t2")
+    await logger.log_messages(CID, [_calls("a", "c")], turn_id="t4")
+    await _reserved_only(logger, monkeypatch, [_asks_about("r2", "c")], "t5")
+    await _reserved_only(logger, monkeypatch, [_asks_about("r2", "a")], "t8")
+    await store.resolve_hitl(CID, "r2")
+    asked_again = [{"role": "user", "content": "go"}, _calls("c", "a"), _asks("r2")]
+    await logger.log_messages(CID, asked_again, turn_id="t10")
+    await logger.log_messages(CID, [_asks_about("r2", "c")], turn_id="t5")
+    await logger.log_messages(CID, [_asks_about("r2", "a")], turn_id="t8")
+
+    assert await _approved_calls(backend) == []
+    assert await held_state(store) == await folded_state(store)
+    a_of_t10 = message_id(CID, "t10", 1)
+    await logger.log_messages(
+        CID, [_answer("a", "done"), _asks("r1")], turn_id="t13", answers_to={"a": a_of_t10}
+    )
+
+    assert await held_state(store) == ([("a", "r1"), ("c", "r1"), ("c", "r2")], "r1")
+    await _whole_fork(logger, store, "fork-all")
+    assert await held_state(store, "fork-all") == await held_state(store)
+
+
 def _answer(call_id: str, text: str = "ok") -> dict[str, Any]:
     return {"role": "tool", "tool_call_id": call_id, "content": text}
 

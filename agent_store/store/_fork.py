@@ -235,13 +235,13 @@ def approvals_withdrawn(
     (`approvals_in_fork`, the one rule). An approval answering a prompt that no longer held
     the call when the answer came (a later question had taken it) released nothing."""
     approved = list(approved)
-    kept = {_approval_key(a) for a in approvals_in_fork(approved, answered, folded)}
+    kept = {approval_key(a) for a in approvals_in_fork(approved, answered, folded)}
     return sorted(
-        {key for key in map(_approval_key, approved) if key is not None and key not in kept}
+        {key for key in map(approval_key, approved) if key is not None and key not in kept}
     )
 
 
-def _approval_key(approval: Any) -> ApprovalKey | None:
+def approval_key(approval: Any) -> ApprovalKey | None:
     """The key of a stored `approved_calls` entry (None for one without a request id, or not
     an entry: no answer recorded it, so no fold withdraws it)."""
     if not isinstance(approval, Mapping):

@@ -719,9 +719,9 @@ class AgentMessageLogger:
         """The conversation `found` (as `check_turn` read it) as the give-back of a retry's
         abandoned block leaves it (`_give_back_abandoned`), without what its first reservation
         changed: the approvals its messages held again or superseded as before them
-        (`approvals_left_unstored`), its pending state and resolutions folded from the stored
-        messages (`_relocated.refold`: two reads, on that path only; as found while a turn
-        below the end is still being written, as the give-back leaves them then)."""
+        (`approvals_left_unstored`), its pending state, resolutions and approvals folded from
+        the stored messages (`_relocated.refold`: two reads, on that path only; as found while
+        a turn below the end is still being written, as the give-back leaves them then)."""
         fold = await refold(
             self._conversations,
             self._messages,
@@ -733,8 +733,9 @@ class AgentMessageLogger:
         approvals = approvals_left_unstored(
             found.get("approved_calls") or (), block_ids(plan, block.count)
         )
-        found = {**found, "approved_calls": approvals}
-        return found if fold is None else {**found, **fold.summary()}
+        if fold is None:
+            return {**found, "approved_calls": approvals}
+        return {**found, **fold.summary(), "approved_calls": fold.approvals_kept(approvals)}
 
     async def _check_condition(
         self,

@@ -15,7 +15,8 @@ messages say:
   answer given before one of them does not reach the moved turn (`_reservation._moved_reach`).
 - After the move and its insert: what it leaves pending is folded from the stored messages,
   in their stored order, as pops and forks fold them (`_turns.pending_after`), a prompt
-  resolved by request id (`resolved_hitl`) staying resolved; written only if no turn
+  resolved by request id (`resolved_hitl`) staying resolved, and the approvals kept as a
+  fork of all of it keeps them (`Refold.withdrawn`); written only if no turn
   reserved and no pop ran meanwhile (`refolded`). Two round trips more, on this rare path.
 - A refused move gives the turn up for good: what its first reservation listed pending (its
   calls, its prompt) no stored message makes, so the same fold, without it, is written
@@ -24,7 +25,7 @@ messages say:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -41,12 +42,20 @@ from agent_store.core import (
     utc_now,
 )
 from agent_store.store._driver import storage_errors
-from agent_store.store._fork import fork_turns_of, pending_now, resolved_in_fork
+from agent_store.store._fork import (
+    ApprovalKey,
+    approval_key,
+    approvals_withdrawn,
+    fork_turns_of,
+    pending_now,
+    resolved_in_fork,
+)
 from agent_store.store._naming import first_named, renamed
 from agent_store.store._reservation import (
     RESERVED,
     RecordedBlock,
     absent_stays,
+    approvals_without,
     literal,
     resolved_by_request,
 )
@@ -66,6 +75,7 @@ MOVED: dict[str, Any] = {
     **GAPS_READ,
     **ANSWERED_READ,
     "forked_from": 1,
+    "approved_calls": 1,
     "pops": 1,
     "popping": 1,
     "name": 1,
@@ -73,8 +83,8 @@ MOVED: dict[str, Any] = {
     "name_message_id": 1,
 }
 """What the move returns of the conversation: what a reservation returns, and what the fold
-after it needs (the gaps below the new block, a fork's turn starts, the pops' guard, its
-name and where an automatic name was taken from)."""
+after it needs (the gaps below the new block, a fork's turn starts, the approvals, the pops'
+guard, its name and where an automatic name was taken from)."""
 _FOLD_READ: dict[str, Any] = {**MOVED, "pending_calls": 1, "pending_hitl": 1, "resolved_hitl": 1}
 """What the fold reads of a conversation it reads again: `MOVED` and the pending state."""
 
@@ -295,9 +305,17 @@ class Refold:
     """False when a turn below the end is still being written (`refold`, `partial`): its
     messages are not there to fold, so `calls`, `prompt` and `resolved` are no fold's; the
     stored messages still give the name (`settle`)."""
+    withdrawn: Sequence[ApprovalKey] = ()
+    """The approvals as read (`approved_calls`) that the fold gives none of, with the answers
+    a person gave (`_fork.approvals_withdrawn`): an answer approves only calls that questions
+    stored below its reach held, so the conversation keeps the approvals a fork of all of it
+    keeps (`_fork.approvals_in_fork`, the one rule pops follow too). None withdrawn while
+    `resolved` is None: a block reserved and not stored may still store, where an answer
+    reaches it, the question that answer was for."""
 
     def summary(self) -> dict[str, Any]:
-        """The conversation as read with its pending state and resolutions the fold's."""
+        """The conversation as read with its pending state, resolutions and approvals the
+        fold's."""
         prompt = None if self.prompt is None else self.prompt.model_dump()
         summary = {
             **self.conversation,
@@ -306,7 +324,16 @@ class Refold:
         }
         if self.resolved is not None:
             summary["resolved_hitl"] = self.resolved
+        if self.withdrawn:
+            summary["approved_calls"] = self.approvals_kept(
+                self.conversation.get("approved_calls") or ()
+            )
         return summary
+
+    def approvals_kept(self, approved: Iterable[Any]) -> list[Any]:
+        """`approved` (`approved_calls` entries) without those the fold withdraws."""
+        withdrawn = set(self.withdrawn)
+        return [a for a in approved if approval_key(a) not in withdrawn]
 
 
 async def refold(
@@ -345,7 +372,9 @@ async def refold(
     kept = conversation.get("resolved_hitl") or ()
     alone = all(s in gaps.popped or s in own for s in missing)
     resolved = resolved_in_fork(kept, answered, answered, folded) if alone else None
-    return Refold(conversation, folded.calls, folded.hitl, resolved, stored)
+    approved = conversation.get("approved_calls") or ()
+    withdrawn = approvals_withdrawn(approved, answered, folded) if alone else []
+    return Refold(conversation, folded.calls, folded.hitl, resolved, stored, withdrawn=withdrawn)
 
 
 def of_its_life(conversation: Mapping[str, Any], count: int) -> dict[str, Any]:
@@ -364,8 +393,9 @@ def refolded(
     """The filter and update that set a conversation's pending state to the fold's (from the
     conversation as it was read): matching only while no turn reserved (`message_count`)
     and no pop ran or is under way since; a prompt resolved by request id, even meanwhile,
-    stays resolved. With `resolutions`, `resolved_hitl` too, while no answer came since
-    (`answered_prompts` as read)."""
+    stays resolved. The approvals the fold withdraws (`Refold.withdrawn`) go while no answer
+    came since (`answered_prompts` as read); with `resolutions`, `resolved_hitl` too, the
+    whole update matching only while no answer came since."""
     conversation = fold.conversation
     pops = int(conversation.get("pops") or 0)
     query: dict[str, Any] = {
@@ -380,10 +410,14 @@ def refolded(
         hitl = {"$cond": [resolved, literal(None), literal(fold.prompt.model_dump())]}
     calls = literal([c.model_dump() for c in fold.calls])
     stage: dict[str, Any] = {"pending_calls": calls, "pending_hitl": hitl}
+    answers = list(conversation.get("answered_prompts") or ())
+    given = {"$ifNull": ["$answered_prompts", literal([])]}
+    unanswered_since = {"$eq": [given, literal(answers)]}
+    if fold.withdrawn:  # while no answer came since they were read
+        left = {"$cond": [unanswered_since, approvals_without(fold.withdrawn), "$approved_calls"]}
+        stage["approved_calls"] = absent_stays("approved_calls", left)
     if resolutions and fold.resolved is not None:
-        answers = list(conversation.get("answered_prompts") or ())
-        given = {"$ifNull": ["$answered_prompts", literal([])]}
-        query["$expr"] = {"$eq": [given, literal(answers)]}
+        query["$expr"] = unanswered_since
         stage["resolved_hitl"] = absent_stays("resolved_hitl", literal(fold.resolved))
         if fold.resolved:
             stage["resolved_hitl"] = literal(fold.resolved)
@@ -401,11 +435,12 @@ async def settle(
     given_up: bool = False,
     own: range = range(0),
 ) -> bool:
-    """After a moved turn's insert: its conversation's pending state folded from the stored
-    messages and written (`refold`, `refolded`), from `moved` (the conversation as the move
-    left it) first, read again when another turn or a pop changed it meanwhile (a few
-    times). False, leaving the state as the move set it, when a turn below the end is still
-    being written (its messages are not there to fold) or the conversation kept changing.
+    """After a moved turn's insert: its conversation's pending state (and the approvals a fork
+    of all of it keeps: `Refold.withdrawn`) folded from the stored messages and written
+    (`refold`, `refolded`), from `moved` (the conversation as the move left it) first, read
+    again when another turn or a pop changed it meanwhile (a few times). False, leaving the
+    state as the move set it, when a turn below the end is still being written (its
+    messages are not there to fold) or the conversation kept changing.
     An automatic name taken from a message that is not the first stored user text (the
     moved turn's, now behind another one; a turn's given up, never stored), or that the
     message under its id no longer gives, goes back to the one the stored messages give
@@ -457,7 +492,7 @@ def _already(fold: Refold) -> bool:
     if prompt is not None and prompt.request_id in resolved:
         prompt = None
     same = fold.resolved is None or set(resolved) == set(fold.resolved)
-    return same and now_calls == list(fold.calls) and now_prompt == prompt
+    return same and not fold.withdrawn and now_calls == list(fold.calls) and now_prompt == prompt
 
 
 def stored_at(plan: TurnPlan, stored: Sequence[Mapping[str, Any]]) -> int | None:

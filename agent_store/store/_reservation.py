@@ -841,6 +841,28 @@ def approvals_left_unstored(
     return left
 
 
+def approvals_without(withdrawn: Iterable[tuple[str, str, str]]) -> dict[str, Any]:
+    """`approved_calls` without the approvals `withdrawn` names (call id, message id, request
+    id), as an expression: those the stored messages, with the answers a person gave, give
+    none of (`_fork.approvals_withdrawn`, read by a pop or the fold after a move or a
+    give-back). Others, an answer given since they were read among them, are kept as they
+    are."""
+    key = {
+        "tool_call_id": "$$a.tool_call_id",
+        "message_id": "$$a.message_id",
+        "request_id": {"$ifNull": ["$$a.request_id", None]},
+    }
+    keys = literal([{"tool_call_id": c, "message_id": m, "request_id": r} for c, m, r in withdrawn])
+    return {
+        "$filter": {
+            "input": {"$ifNull": ["$approved_calls", literal([])]},
+            "as": "a",
+            # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+            "cond": {"$eq": [{"$in": [key, keys]}, False]},
+        }
+    }
+
+
 def _approved_with(request_id: str, named: dict[str, Any] | None = None) -> dict[str, Any]:
     """`approved_calls` with the pending calls the prompt `request_id` holds (those `named`
     names, when given: an expression on `$$call`, `_named`), as an expression:
@@ -1830,7 +1852,9 @@ def given_back(
     set is taken back too when nothing is reserved past the block (`_shown_again`).
     `refused`: the turn is stored nowhere, so the approvals its prompts held again or its
     calls superseded are as before it (`approvals_unstored`); stored elsewhere, under the
-    same ids, they stand."""
+    same ids, they stand. Either way the fold that follows (`AgentMessageLogger._give_up`,
+    `_relocated.settle`) withdraws the approvals no stored question below an answer's reach
+    gives (`_fork.approvals_in_fork`, as a fork of all of it keeps them)."""
     changes_approvals = refused and bool(plan.asked_again or plan.opened_calls)
     ids = [str(d["_id"]) for d in plan.documents] if changes_approvals else []
     approvals = approvals_unstored(None, ids) if ids else []

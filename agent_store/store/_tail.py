@@ -50,6 +50,7 @@ from agent_store.store._reservation import (
     answers_reaching,
     approvals_held_by,
     approvals_superseded_by,
+    approvals_without,
     held_before_of,
     held_by_of,
     int64,
@@ -357,34 +358,13 @@ def _approvals_left(pop: PopInProgress, settled: Any) -> list[dict[str, Any]]:
     """The stage setting `approved_calls` once the message is removed, none when nothing
     changes them: those the messages that remain and the answers a person gave keep
     (`approvals_left`) while `settled`; else the list as it is without those they give none
-    of (`_approvals_without`). The first stage, so it reads the list as the pop read it."""
+    of (`approvals_without`). The first stage, so it reads the list as the pop read it."""
     if not pop.withdrawn_approvals and pop.approvals_left is None:
         return []
-    left = _approvals_without(pop.withdrawn_approvals)
+    left = approvals_without(pop.withdrawn_approvals)
     if settled is not None and pop.approvals_left is not None:
         left = {"$cond": [settled, literal(pop.approvals_left), left]}
     return [{"$set": {"approved_calls": absent_stays("approved_calls", left)}}]
-
-
-def _approvals_without(withdrawn: list[ApprovalKey]) -> dict[str, Any]:
-    """`approved_calls` without the approvals `withdrawn` names (call id, message id, request
-    id), as an expression: those the messages that remain, with the answers a person gave,
-    give none of (`LeftBefore.withdrawn`). Others, an answer given since the pop read them
-    among them, are kept as they are."""
-    key = {
-        "tool_call_id": "$$a.tool_call_id",
-        "message_id": "$$a.message_id",
-        "request_id": {"$ifNull": ["$$a.request_id", None]},
-    }
-    keys = literal([{"tool_call_id": c, "message_id": m, "request_id": r} for c, m, r in withdrawn])
-    return {
-        "$filter": {
-            "input": {"$ifNull": ["$approved_calls", literal([])]},
-            "as": "a",
-            # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
-            "cond": {"$eq": [{"$in": [key, keys]}, False]},
-        }
-    }
 
 
 def _approvals_unsuperseded_by(message_id: str) -> dict[str, Any]:
