@@ -955,6 +955,36 @@ async def test_erasing_the_old_id_while_its_claim_moves_the_threads_leaves_the_n
     assert await backend.db[CHECKPOINTS].count_documents({"user_id": "user-guest"}) == 0
 
 
+async def test_erasing_the_new_id_while_its_claim_moves_the_threads_leaves_no_checkpoint(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim moved the guest's conversation to its new owner; before it moves the messages
+    and checkpoints, which name the guest, the new owner is erased: every checkpoint and
+    message of the thread's conversation goes, and the next holder of the id reads no state
+    (was: the guest's checkpoints and messages left for good, with no conversation)."""
+    thread_id = "conv-claim-erased"
+    await tool_agent(AgentStoreSaver(backend.db)).ainvoke(
+        question(1), thread("user-guest", thread_id)
+    )
+    stored = await backend.db[MESSAGES].count_documents({"conversation_id": thread_id})
+    claimer, eraser = ConversationStore(backend.db), ConversationStore(backend.db)
+    move, erased = claimer._move_claimed_messages, []
+
+    async def erased_then_moved(from_user_id: str, to_user_id: str) -> int:
+        erased.append(await eraser.erase_user(to_user_id))
+        return await move(from_user_id, to_user_id)
+
+    monkeypatch.setattr(claimer, "_move_claimed_messages", erased_then_moved)
+    await claimer.claim("user-guest", "user-ada")
+
+    assert stored > 0
+    assert (erased[0].conversations, erased[0].messages) == (1, stored)
+    assert await backend.db[CHECKPOINTS].count_documents({"thread_id": thread_id}) == 0
+    assert await backend.db[MESSAGES].count_documents({"conversation_id": thread_id}) == 0
+    eve = await AgentStoreSaver(backend.db).aget_tuple(thread("user-eve", thread_id))
+    assert eve is None
+
+
 async def test_a_services_checkpoint_landing_after_its_user_was_erased_is_not_the_next_owners(
     backend: Backend,
 ) -> None:

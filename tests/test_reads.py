@@ -3241,3 +3241,129 @@ async def test_erasing_the_old_id_of_a_claim_not_done_moving_hands_its_messages_
         ("a guest", NEW_OWNER),
     ]
     assert await backend.db[MESSAGES].count_documents({"user_id": OWNER}) == 0
+
+
+async def _claimed_with_the_new_id_erased_between_the_moves(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, claim: str, erasure: ConversationStore
+) -> Any:
+    """OWNER's conversation "c-x" is claimed by NEW_OWNER, and NEW_OWNER erased by `erasure`
+    once the claim moved the conversation, before it moved its messages and checkpoints
+    (still moving, or its connection dropped there): the erasure's answer."""
+    claimer = ConversationStore(backend.db, rules=NO_GRACE)
+    move, erased = claimer._move_claimed_messages, []
+
+    async def erased_then_moved(from_user_id: str, to_user_id: str) -> int:
+        if claim == "failed half-way":
+            raise StorageUnavailable("the connection dropped (injected)")
+        erased.append(await erasure.erase_user(to_user_id))
+        return await move(from_user_id, to_user_id)
+
+    monkeypatch.setattr(claimer, "_move_claimed_messages", erased_then_moved)
+    if claim == "failed half-way":
+        with pytest.raises(StorageUnavailable):
+            await claimer.claim(OWNER, NEW_OWNER)
+        return await erasure.erase_user(NEW_OWNER)
+    await claimer.claim(OWNER, NEW_OWNER)
+    return erased[0]
+
+
+async def _a_checkpoint_of(backend: Backend, conversation_id: str, user_id: str) -> None:
+    """A checkpoint of the conversation under the id, written for `user_id`."""
+    found = await backend.db[CONVERSATIONS].find_one({"_id": conversation_id})
+    mark = round(found["created_at"].timestamp() * 1000)
+    await backend.db[LANGGRAPH_CHECKPOINTS].insert_one(
+        {"_id": f"{conversation_id}/{user_id}", "thread_id": conversation_id,
+         "conversation_created_ms": mark, "user_id": user_id}
+    )  # fmt: skip
+
+
+async def _nothing_is_left_of(backend: Backend, conversation_id: str) -> None:
+    """No message or checkpoint under the id, and whoever starts it again finds none."""
+    assert await backend.db[MESSAGES].count_documents({"conversation_id": conversation_id}) == 0
+    beside = backend.db[LANGGRAPH_CHECKPOINTS]
+    assert await beside.count_documents({"thread_id": conversation_id}) == 0
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(conversation_id, _a_turn("new"), user_id=SOMEONE_ELSE, turn_id="n")
+    seen = await ConversationStore(backend.db).transcript(conversation_id, user_id=SOMEONE_ELSE)
+    assert [m.content for m in seen] == ["q new", "a new"]
+
+
+@pytest.mark.parametrize("claim", ["still moving", "failed half-way"])
+async def test_erasing_the_new_id_of_a_claim_not_done_moving_leaves_nothing_of_its_conversations(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, claim: str
+) -> None:
+    """The claim moved OWNER's conversation to NEW_OWNER but not yet its messages and
+    checkpoints, which name OWNER, when NEW_OWNER is erased: every message and checkpoint of
+    the erased conversation's life goes, whatever user it names, and the erasure counts them
+    (was: `messages=0`, the messages and checkpoints left for good with no conversation, the
+    claim finding no conversation of NEW_OWNER's to move them into)."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages("c-x", _a_turn("guest"), user_id=OWNER, turn_id="guest")
+    await _a_checkpoint_of(backend, "c-x", OWNER)
+
+    erasure = ConversationStore(backend.db, rules=NO_GRACE)
+    erased = await _claimed_with_the_new_id_erased_between_the_moves(
+        backend, monkeypatch, claim, erasure
+    )
+
+    assert (erased.conversations, erased.messages) == (1, 2)
+    await _nothing_is_left_of(backend, "c-x")
+
+
+async def test_the_erasures_last_sweep_takes_a_late_insert_of_the_old_id_in_a_claimed_conversation(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, a turn of OWNER's reserved before the claim inserting only after the
+    erasure deleted the conversation's messages (during its wait): its last sweep,
+    `claim_grace` later, takes it too, whatever user it names, and counts it (was: left,
+    naming OWNER, with no conversation)."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages("c-x", _a_turn("first"), user_id=OWNER, turn_id="first")
+    await logger.log_messages("c-x", _a_turn("slow"), user_id=OWNER, turn_id="slow")
+    landed = await backend.db[MESSAGES].find({"turn_id": "slow"}).to_list(None)
+    await backend.db[MESSAGES].delete_many({"turn_id": "slow"})  # reserved, not inserted yet
+    erasure = ConversationStore(backend.db, rules=NO_GRACE)
+    grace = erasure._grace
+
+    async def the_late_insert_lands() -> None:
+        await backend.db[MESSAGES].insert_many(landed)
+        await grace()
+
+    monkeypatch.setattr(erasure, "_grace", the_late_insert_lands)
+
+    erased = await _claimed_with_the_new_id_erased_between_the_moves(
+        backend, monkeypatch, "still moving", erasure
+    )
+
+    assert (erased.conversations, erased.messages) == (1, 4)
+    await _nothing_is_left_of(backend, "c-x")
+
+
+@pytest.mark.parametrize("deleter", [NEW_OWNER, None], ids=["the new owner's token", "a service"])
+async def test_a_delete_between_a_claims_moves_takes_the_turns_its_records_no_longer_keep(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, deleter: str | None
+) -> None:
+    """The claim moved OWNER's conversation, three turns long, to NEW_OWNER but not yet its
+    messages and checkpoints when it is deleted, its records keeping the last turn only
+    (`turns_recorded=1`): every message and checkpoint of the conversation's life goes,
+    whatever user it names, not only the messages of the turns it recorded (was: the first two
+    turns and the checkpoint left under OWNER, with no conversation)."""
+    rules = TurnRules(claim_grace=timedelta(0), turns_recorded=1)
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    for turn in ("one", "two", "three"):
+        await logger.log_messages("c-x", _a_turn(turn), user_id=OWNER, turn_id=turn)
+    await _a_checkpoint_of(backend, "c-x", OWNER)
+    claimer = ConversationStore(backend.db, rules=rules)
+    move, deleted = claimer._move_claimed_messages, []
+
+    async def deleted_then_moved(from_user_id: str, to_user_id: str) -> int:
+        if not deleted:
+            store = ConversationStore(backend.db, rules=rules)
+            deleted.append(await store.delete("c-x", user_id=deleter))
+        return await move(from_user_id, to_user_id)
+
+    monkeypatch.setattr(claimer, "_move_claimed_messages", deleted_then_moved)
+    await claimer.claim(OWNER, NEW_OWNER)
+
+    assert (deleted[0].conversations, deleted[0].messages) == (1, 6)
+    await _nothing_is_left_of(backend, "c-x")

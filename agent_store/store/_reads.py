@@ -262,14 +262,18 @@ _TO_DELETE = {"user_id": 1, "created_at": 1, "legacy_conversation_id": 1, "epoch
 
 
 def _beside_of(conversation_id: str, found: dict[str, Any]) -> dict[str, Any]:
-    """What a delete of the conversation `found` (its owner and `created_at`) takes in the
-    collections beside the conversations: the documents of its thread written for its owner
-    or for no user, for this conversation or for none named (stored before documents named
-    it), never those of a conversation started under the id since."""
-    return {
-        **_thread_of(conversation_id, found.get("created_at")),
-        "user_id": _one_of_or_none(found.get("user_id")),
-    }
+    """What a delete of the conversation `found` (its `created_at`) takes in the collections
+    beside the conversations: the documents of its thread written for this conversation or
+    for none named (stored before documents named it), whatever user they name (a claim moves
+    the conversation before them), never those of a conversation started under the id since."""
+    return _thread_of(conversation_id, found.get("created_at"))
+
+
+def _lives_of(found: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The messages of the lives of the conversations `found` (each its id and `epoch`, or
+    none: stored before it had one), whatever user they name."""
+    each = [{"conversation_id": d["_id"], "epoch": _one_of_or_none(d.get("epoch"))} for d in found]
+    return {"$or": each}
 
 
 def _thread_of(conversation_id: str, created_at: datetime | None) -> dict[str, Any]:
@@ -584,10 +588,10 @@ class ConversationStore:
         never legacy turns that a migration re-run or the read fallback would bring back to
         life. Each step takes the conversation the delete found only, told by its `epoch`
         (`same_conversation`) from one started under the id since, by anyone, whatever its
-        `created_at`: the documents beside it written for it (or for no conversation named) and
-        for its owner (or no user); its owner's messages and those naming no owner (logged
-        before a turn assigned it), once a lookup finds it still under its id; the whole texts
-        no message left under the id names, but those of a conversation started under the id
+        `created_at`: the documents beside it written for it (or for no conversation named)
+        and the messages of its life (its `epoch`, or none), whatever user they name (a claim
+        moves it before them), once a lookup finds it still under its id; the whole texts no
+        message left under the id names, but those of a conversation started under the id
         since (`FullTextStore.forget_conversations`); its document while it is the one found. A
         delete finding it gone by then (another delete of it finished first: a client's retry)
         stops there, as for a deleted conversation. A turn that reserved before the delete and
@@ -613,7 +617,7 @@ class ConversationStore:
             legacy = await self._legacy_source.delete(conversation_id, owner=owner)
         await self._delete_beside(_beside_of(conversation_id, found), "delete the conversation")
         found_now = scope | same_as_read(conversation_id, found)
-        taken = await self._delete_messages_of(found_now, owner, found.get("epoch"))
+        taken = await self._delete_messages_of(found_now, found.get("epoch"))
         if taken is None:
             await self._deletions.done(recorded_as(conversation_id, found))
             return Deleted(conversations=0, messages=0, legacy_turns=legacy)
@@ -687,17 +691,22 @@ class ConversationStore:
     async def _delete_strays(self, scope: dict[str, Any]) -> int:
         """The messages `scope` selects (an id, the caller's for a user's delete) that no
         conversation under the id holds: late inserts of one deleted since, their writer gone
-        before taking them back. They go with their whole texts, by their epochs, but the
-        epoch of a conversation started under the id meanwhile. How many; one lookup on a
-        delete finding no conversation, two round trips more when any is there."""
-        conversation_id = scope["conversation_id"]
-        lives = await self._lives_of_no_conversation(scope, {}, "delete the conversation")
-        epochs = list(lives.get(conversation_id, ()))
-        if not epochs:
+        before taking them back (`_sweep_strays`)."""
+        return await self._sweep_strays(scope, "delete the conversation")
+
+    async def _sweep_strays(self, scope: dict[str, Any], action: str) -> int:
+        """Delete the messages `scope` selects that no conversation standing under their id
+        holds (`_lives_of_no_conversation`), whatever user they name, with their whole texts,
+        by their conversations' ids and epochs: never those of a conversation started under
+        the id meanwhile (another epoch). How many; one lookup when `scope` selects none, two
+        round trips more when any is there."""
+        lives = await self._lives_of_no_conversation(scope, {}, action)
+        if not lives:
             return 0
-        with storage_errors("delete the conversation"):
-            swept = await self._messages.delete_many({**scope, "epoch": {"$in": epochs}})
-        await self._full_texts.forget_conversations({conversation_id: epochs})
+        each = [{"conversation_id": c, "epoch": {"$in": list(e)}} for c, e in lives.items()]
+        with storage_errors(action):
+            swept = await self._messages.delete_many({"$and": [scope, {"$or": each}]})
+        await self._full_texts.forget_conversations(lives)
         return int(swept.deleted_count)
 
     async def _lives_of_no_conversation(
@@ -742,28 +751,24 @@ class ConversationStore:
         return found
 
     async def _delete_messages_of(
-        self, found_now: dict[str, Any], owner: str | None, epoch: str | None
+        self, found_now: dict[str, Any], epoch: str | None
     ) -> tuple[int, tuple[str | None, ...]] | None:
-        """Delete the messages of the conversation `found_now` selects (its id, scope and
-        `epoch`, or `created_at` for one found without: `same_conversation`) that name its
-        owner, the one it has now (after a claim) or none, and carry its `epoch` (as found,
-        or as a first turn after an upgrade set it) or none; how many, and those epochs (its whole
-        texts are told by them). None, deleting
-        nothing, when a lookup (one round trip) finds it no longer there: deleted meanwhile,
-        and perhaps started again under its id by anyone. A delete reaching the server
-        however late takes nothing of a conversation started under the id since: its
-        messages carry another epoch."""
+        """Delete the messages of the life of the conversation `found_now` selects (its id,
+        scope and `epoch`, or `created_at` for one found without: `same_conversation`): those
+        carrying its `epoch` (as found, or as a first turn after an upgrade set it) or none,
+        whatever user they name (its owner; none, logged before a turn assigned it; the old id
+        of a claim that moved it and not yet its messages); how many, and those epochs (its
+        whole texts are told by them). None, deleting nothing, when a lookup (one round trip)
+        finds it no longer there: deleted meanwhile, and perhaps started again under its id by
+        anyone. A delete reaching the server however late takes nothing of a conversation
+        started under the id since: its messages carry another epoch."""
         with storage_errors("delete the conversation"):
-            still = await self._conversations.find_one(found_now, {"user_id": 1, "epoch": 1})
+            still = await self._conversations.find_one(found_now, {"epoch": 1})
             if still is None:
                 return None
             epochs = (epoch, still.get("epoch"))
             deleted = await self._messages.delete_many(
-                {
-                    "conversation_id": found_now["_id"],
-                    "user_id": _one_of_or_none(owner, still.get("user_id")),
-                    "epoch": _one_of_or_none(*epochs),
-                }
+                {"conversation_id": found_now["_id"], "epoch": _one_of_or_none(*epochs)}
             )
         return int(deleted.deleted_count), epochs
 
@@ -1670,10 +1675,12 @@ class ConversationStore:
     async def erase_user(self, user_id: str) -> Deleted:
         """Delete every conversation and message of a user. Re-runnable after a crash.
 
-        Every message of the user's conversations goes, the user's and those naming no owner
-        (logged before a turn assigned the conversation to the user, whose move to the user
-        did not happen yet), with the full texts of cut ones and what integrations keep
-        beside the conversations (`THREAD_COLLECTIONS`: LangGraph checkpoints): the user's
+        Every message of the user's conversations goes, of each one's life (its `epoch`),
+        whatever user it names (the user; none, logged before a turn assigned the conversation
+        to the user, whose move to the user did not happen yet; the old id of a claim that
+        moved the conversation to the user and not yet its messages), with the full texts of
+        cut ones and what integrations keep beside the conversations (`THREAD_COLLECTIONS`:
+        LangGraph checkpoints) of their lives or in the user's name: the user's
         conversations' documents beside them and messages first, `CLAIM_CHUNK`
         conversations per command, each chunk looked up again first (a conversation
         deleted meanwhile, its id perhaps taken by anyone, is left out; one claimed before its
@@ -1681,7 +1688,10 @@ class ConversationStore:
         and marked, then every message naming the user outside
         the conversations the user holds by then (`_erase_strays`: late inserts of the erased
         ones, messages of no conversation or of another's), and, when a reserved `seq` held
-        no message, those once more `TurnRules.claim_grace` later. Each sweep takes messages by
+        no message, those once more `TurnRules.claim_grace` later, with the messages of the
+        erased conversations' lives no conversation holds, whatever user they name (a turn
+        reserved under the old id of a claim, inserting late: `_erase_lives`, as a delete
+        finding no conversation sweeps its id). Each sweep takes messages by
         their conversation's `epoch`: a conversation the user starts while the erasure runs,
         under a new id or one it erased, is not the erasure's and keeps every message (and
         checkpoint: `_erase_stray_beside`).
@@ -1706,9 +1716,12 @@ class ConversationStore:
         late = await self._erase_strays(user_id)
         if messages < reserved:
             # A seq of the user's conversations reserved and not stored there: a turn may still
-            # be inserting (as for a delete). Messages naming the user elsewhere do not count.
+            # be inserting (as for a delete), under the user or, reserved before a claim moved
+            # the conversation to the user, under the old id. Messages naming the user
+            # elsewhere do not count.
             await self._grace()
             late += await self._erase_strays(user_id)
+            late += await self._erase_lives(found)
         await self._erase_stray_beside(user_id)
         await self._deletions.done({"user_id": user_id})
         return Deleted(conversations=conversations, messages=messages + late, legacy_turns=legacy)
@@ -1717,9 +1730,12 @@ class ConversationStore:
         self, user_id: str, found: Sequence[Mapping[str, Any]]
     ) -> tuple[int, int]:
         """Delete the messages (and whole texts, and documents beside) of the conversations
-        `user_id` owns (`found`, recorded), naming the user or no owner (logged before a turn
-        assigned the conversation), `CLAIM_CHUNK` conversations per command; answer how many
-        messages, and how many `seq`s those conversations reserved.
+        `user_id` owns (`found`, recorded), those of each conversation's life (its `epoch`, or
+        none; beside, its thread's documents of its `created_at` or none named) whatever user
+        they name (no owner: logged before a turn assigned the conversation; the old id of a
+        claim that moved the conversation and not yet its messages), and every document
+        beside their threads naming the user, `CLAIM_CHUNK` conversations per command; answer
+        how many messages, and how many `seq`s those conversations reserved.
 
         Each chunk is looked up again right before its deletes (one round trip), each
         conversation as found, told by its `epoch` (`same_as_read`): one deleted since the
@@ -1732,24 +1748,34 @@ class ConversationStore:
             with storage_errors("erase the user's data"):
                 held = await self._conversations.find(
                     {"$or": [same_as_read(d["_id"], d) for d in chunk], "user_id": user_id},
-                    {"message_count": 1, "epoch": 1},
+                    {"message_count": 1, "epoch": 1, "created_at": 1},
                 ).to_list(None)
             if not held:
                 continue
             owned = [d["_id"] for d in held]
             reserved += sum(int(d.get("message_count") or 0) for d in held)
+            lives = [_thread_of(d["_id"], d.get("created_at")) for d in held]
             await self._delete_beside(
-                {"thread_id": {"$in": owned}, "user_id": mine}, "erase the user's data"
+                {"$or": [{"thread_id": {"$in": owned}, "user_id": mine}, *lives]},
+                "erase the user's data",
             )
             with storage_errors("erase the user's data"):
-                # Each conversation's messages by its epoch: a delete reaching the server late
+                # Each conversation's messages by its epoch, whatever user they name (a claim
+                # moves a conversation before its messages): a delete reaching the server late
                 # takes nothing of one started again under the id since.
-                each = [{"conversation_id": d["_id"], "epoch": _one_of_or_none(d.get("epoch"))}
-                        for d in held]  # fmt: skip
-                of_held = {"$or": each, "user_id": mine}
-                erased += (await self._messages.delete_many(of_held)).deleted_count
+                erased += (await self._messages.delete_many(_lives_of(held))).deleted_count
             await self._full_texts.forget_conversations({d["_id"]: (d.get("epoch"),) for d in held})
         return erased, reserved
+
+    async def _erase_lives(self, found: Sequence[Mapping[str, Any]]) -> int:
+        """Delete the messages of the lives of the conversations the erasure found (`found`,
+        erased) that no conversation holds, whatever user they name (`_sweep_strays`),
+        `CLAIM_CHUNK` conversations per lookup. How many."""
+        swept = 0
+        for start in range(0, len(found), CLAIM_CHUNK):
+            lives = _lives_of(found[start : start + CLAIM_CHUNK])
+            swept += await self._sweep_strays(lives, "erase the user's data")
+        return swept
 
     async def _erase_documents(self, user_id: str, found: Sequence[Mapping[str, Any]]) -> int:
         """Delete the documents of the conversations the erasure found (`found`, marked), still
