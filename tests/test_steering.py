@@ -384,6 +384,32 @@ async def test_a_delivery_whose_insert_was_lost_retried_late_with_another_messag
         assert await runtime.close_inbox(CID, TURN, last_seen_seq=drained[-1].seq or 0) == []
 
 
+@pytest.mark.parametrize("closed", [False, True], ids=["inbox open", "inbox closed"])
+async def test_a_delivery_given_back_for_another_message_takes_its_preview_and_time_back(
+    backend: Backend, closed: bool
+) -> None:
+    """As a turn's (DESIGN.md): the lost delivery (noon) set the preview and `updated_at`;
+    its late retry, with another message holding no text and dated earlier, gives its empty
+    block back: the conversation shows what its stored messages say, never the lost
+    message, and their latest time; the same when the inbox closed meanwhile refuses it."""
+    from datetime import timedelta
+
+    noon = datetime(2026, 1, 1, 12, tzinfo=UTC)
+    start = [{"role": "user", "content": "start", "created_at": noon - timedelta(hours=2)}]
+    steer = {"role": "user", "content": "never stored", "created_at": noon}
+    logger, runtime = await _a_delivery_that_died(backend, steer, first=start)
+    if closed:
+        assert await runtime.close_inbox(CID, TURN, last_seen_seq=0) == []
+    edited = {"role": "user", "content": "", "created_at": noon - timedelta(hours=3)}
+
+    delivered = await SteeringInbox(logger).try_deliver(CID, TURN, edited, delivery_id="d1")
+
+    assert delivered is not closed
+    conversation = await ConversationStore(backend.db).get_conversation(CID)
+    assert conversation.last_message_preview == "start"
+    assert conversation.updated_at == noon - timedelta(hours=2)
+
+
 async def test_a_delivery_a_pop_undid_is_passed_at_once_by_drain_and_close(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1852,6 +1852,41 @@ async def test_a_retry_with_other_content_past_its_empty_blocks_abandonment_give
         await logger.log_messages(CID, turn("first", usage=3), turn_id="t-1")
 
 
+@pytest.mark.parametrize(
+    ("regenerated", "preview"),
+    [
+        ([{"role": "assistant", "content": "regenerated!"}], "regenerated!"),
+        ([{"role": "assistant", "tool_calls": [{"id": "k1", "function": {"name": "f"}}]}], "m0!"),
+        ([{"role": "system", "content": "be brief"}], "m0!"),
+    ],
+    ids=["an answer", "a call, no text", "a system message"],
+)
+async def test_a_block_given_back_for_other_content_takes_its_preview_and_time_back(
+    backend: Backend, regenerated: list[dict[str, Any]], preview: str
+) -> None:
+    """DESIGN.md: the preview and `updated_at` a reservation set are taken back with its
+    block, whichever attempt gives it back. The first attempt reserved at noon with an answer
+    and died before its insert; past `abandon_after` its retry sends other content, dated
+    earlier (a pod whose clock is behind): the preview is what the stored messages say (the
+    lost answer is stored nowhere), and `updated_at` their latest time, as for a conversation
+    that logged them alone; the list ranks it below one updated later (an hour before
+    noon)."""
+    rules = TurnRules(abandon_after=timedelta(0))
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(CID, at(NOON - timedelta(hours=2), turn("m0")), turn_id="t0")
+    await reserved_then_died(logger, at(NOON, turn("never stored")))
+
+    await logger.log_messages(CID, at(NOON - timedelta(hours=3), regenerated), turn_id="t-1")
+
+    conversation = await check_conversation(backend.db, gaps=True)
+    assert conversation["last_message_preview"] == preview
+    assert conversation["updated_at"].replace(tzinfo=UTC) == NOON - timedelta(hours=2)
+    await logger.log_messages("later", at(NOON - timedelta(hours=1), turn("other")), turn_id="o")
+    listed = await ConversationStore(backend.db, rules=rules).recent_conversations()
+    assert [c.id for c in listed.data] == ["later", CID]
+    assert listed.data[1].last_message_preview == preview
+
+
 async def test_over_http_a_retry_with_other_content_after_a_lost_insert_is_logged_once_abandoned(
     backend: Backend,
 ) -> None:

@@ -1575,16 +1575,19 @@ class AgentMessageLogger:
     ) -> None:
         """Give back the block a first attempt with other content reserved and stored nothing
         in (`_Verdict.abandoned`): once (`given_back_abandoned`: its turn starts and tokens
-        taken back, its `seq`s gaps tail readers pass, its record naming the turn no more),
-        with the pending state folded again (`_give_up`); the turn then reserves anew. An
-        automatic name its first attempt gave (`conversation` as read takes it from one of
-        the block's ids) goes in the same update, as `_give_back` takes it (one read more,
-        then only): a fold lost after it leaves no name the retry, stored anew under those
-        ids, would keep."""
+        taken back, its `seq`s gaps tail readers pass, its record naming the turn no more, the
+        preview and `updated_at` its reservation set taken back, read first as `_give_back`
+        reads them: `_shown_before`, two or three lookups, on this path only), with the
+        pending state folded again (`_give_up`); the turn then reserves anew. An automatic
+        name its first attempt gave (`conversation` as read takes it from one of the block's
+        ids) goes in the same update, as `_give_back` takes it (one read more, then only): a
+        fold lost after it leaves no name the retry, stored anew under those ids, would
+        keep."""
         cid = plan.conversation_id
         epoch, created = conversation.get("epoch"), conversation.get("created_at")
         same = same_conversation(cid, epoch=epoch, created_at=created)
-        query, update = given_back_abandoned(plan, block, same, conversation)
+        shown = await self._shown_before(plan, block.first_seq, abandoned=True)
+        query, update = given_back_abandoned(plan, block, same, conversation, shown)
         ids = block_ids(plan, block.count)
         if conversation.get("name_source") == "auto" and conversation.get("name_message_id") in ids:
             seqs = range(block.first_seq, block.first_seq + block.count)
@@ -2126,23 +2129,29 @@ class AgentMessageLogger:
                 doubt.plan, doubt.reserved, doubt.documents, refused=doubt.refused
             )
 
-    async def _shown_before(self, plan: TurnPlan, first_seq: int) -> ShownBefore:
+    async def _shown_before(
+        self, plan: TurnPlan, first_seq: int, *, abandoned: bool = False
+    ) -> ShownBefore:
         """What the conversation shows without the turn's block from `first_seq`, read from
         the messages stored before it as a pop reads them without its message
-        (`_pop.last_before`, `_pop.preview_source`): one or two lookups."""
+        (`_pop.last_before`, `_pop.preview_source`): one or two lookups, one more for a turn
+        with text. `abandoned`: the block an attempt with other content reserved, whose
+        preview is not known (`ShownBefore.abandoned`): the preview is read too."""
         cid = plan.conversation_id
+        quoted = None if abandoned else plan.preview
         with storage_errors("read the messages before the turn"):
             previous, updated_at = await last_before(
                 self._messages, self._conversations, cid, first_seq
             )
             source = None
-            if plan.preview is not None:
+            if quoted is not None or abandoned:
                 source, _ = await preview_source(self._messages, cid, first_seq)
         return ShownBefore(
             preview=preview_of(source, self.rules.preview_chars),
-            quoted=plan.preview,
+            quoted=quoted,
             updated_at=updated_at,
             after=-1 if previous is None else int(previous["seq"]),
+            abandoned=abandoned,
         )
 
     async def _hand_over_earlier(self, conversation_id: str, reserved: _Reserved) -> None:

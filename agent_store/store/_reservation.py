@@ -1827,6 +1827,10 @@ class ShownBefore:
     (the conversation's creation when none is), None when unknown."""
     after: int
     """The `seq` of the last message stored before the block, -1 when none is."""
+    abandoned: bool = False
+    """The block is one an attempt with other content reserved and abandoned
+    (`given_back_abandoned`): what it quoted is not known (`quoted` None), so the preview is
+    taken back while no turn holds a `seq` past the block."""
 
 
 def given_back(
@@ -1874,14 +1878,13 @@ def _shown_again(shown: ShownBefore, first_seq: int, count: int) -> dict[str, An
     last of those messages and the block (a turn still writing there set a later time)."""
     untouched = nothing_reserved_past(first_seq + count - 1)
     fields: dict[str, Any] = {}
-    if shown.quoted is not None:
-        still_quoted = {"$eq": ["$last_message_preview", literal(shown.quoted)]}
+    if shown.quoted is not None or shown.abandoned:
+        taken_back = untouched
+        if shown.quoted is not None:
+            still_quoted = {"$eq": ["$last_message_preview", literal(shown.quoted)]}
+            taken_back = {"$or": [untouched, still_quoted]}
         fields["last_message_preview"] = {
-            "$cond": [
-                {"$or": [untouched, still_quoted]},
-                literal(shown.preview),
-                "$last_message_preview",
-            ]
+            "$cond": [taken_back, literal(shown.preview), "$last_message_preview"]
         }
     if shown.updated_at is not None:
         between = _only_gaps_between(shown.after, first_seq)
@@ -1922,16 +1925,22 @@ def _only_gaps_between(low: int, high: int) -> dict[str, Any]:
 
 
 def given_back_abandoned(
-    plan: TurnPlan, block: RecordedBlock, same: dict[str, Any], conversation: Mapping[str, Any]
+    plan: TurnPlan,
+    block: RecordedBlock,
+    same: dict[str, Any],
+    conversation: Mapping[str, Any],
+    shown: ShownBefore,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """`given_back` for the empty block an earlier attempt of the turn reserved with other
     content, abandoned: what its record says it counted (`RecordedBlock.counted`, which must
-    be known) is taken back, its `block.count` `seq`s become gaps, and the approvals its
+    be known) is taken back, its `block.count` `seq`s become gaps, the approvals its
     messages changed, in `conversation` as read, are as before them
-    (`approvals_unstored`)."""
+    (`approvals_unstored`), and the summary its reservation set is taken back as `given_back`
+    takes it back (`_shown_again`, `shown` abandoned)."""
     assert block.counted is not None
     query, pipeline = _given_back(plan.key, block.first_seq, block.count, block.counted, same)
     pipeline.extend(approvals_unstored(conversation, block_ids(plan, block.count)))
+    pipeline[0]["$set"].update(_shown_again(shown, block.first_seq, block.count))
     return query, pipeline
 
 
