@@ -915,6 +915,46 @@ async def test_a_pop_whose_retry_fails_too_is_still_retried_as_one(backend: Back
     assert await _stored_contents(backend) == ["u0", "a0", "u1"]
 
 
+@pytest.mark.parametrize("later", [0, 5], ids=["record-kept", "record-dropped"])
+@pytest.mark.parametrize("dead_above", [False, True], ids=["plain", "dead-turn-above"])
+async def test_a_retry_of_a_turn_whose_answer_a_person_popped_is_corrected_however_late(
+    backend: Backend, later: int, dead_above: bool
+) -> None:
+    """`pop_last_message`: a retry of a turn a pop took a message of is refused `Corrected`,
+    writing nothing, however many turns came since: while its record is kept (marked popped)
+    and once it is dropped (`turns_recorded` 4 here), the conversation listing the popped
+    answer's id at its `seq` in the turn's block. So too when a turn reserved above it whose
+    insert never came (passed by the pop, so the answer's `seq` stays a gap): the refusal
+    never says the turn was stored in part, which would have the runtime log the removed
+    answer again under a new turn id. `check_turn` says the same."""
+    rules = TurnRules(turns_recorded=4, abandon_after=timedelta(0))
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(CID, [{"role": "user", "content": "hello"}], turn_id="t0")
+    await logger.log_messages(CID, _answer(0, 1), turn_id="T")
+    if dead_above:
+        await logger.log_messages(CID, _answer(9, 1), turn_id="dead")
+        await backend.db.agent_messages.delete_many({"turn_id": "dead"})  # never inserted
+    popped = await ConversationStore(backend.db, rules=rules).pop_last_message(CID)
+    assert popped is not None
+    assert popped.turn_id == "T"
+    for n in range(later):
+        await logger.log_messages(CID, [{"role": "user", "content": f"later {n}"}],
+                                  turn_id=f"later-{n}")  # fmt: skip
+    stored = await _stored_contents(backend)
+    conversation = await backend.db.agent_conversations.find_one({"_id": CID})
+    corrected = (
+        "turn 'T' was corrected since it was logged (a pop removed one of its messages): it "
+        "cannot be logged again"
+    )
+
+    for call in (logger.check_turn, logger.log_messages):
+        with pytest.raises(Corrected, match=re.escape(corrected)):
+            await call(CID, _answer(0, 1), turn_id="T")
+
+    assert await _stored_contents(backend) == stored
+    assert await backend.db.agent_conversations.find_one({"_id": CID}) == conversation
+
+
 def _fail_once_after_the_documents_go(
     store: ConversationStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

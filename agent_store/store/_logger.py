@@ -1678,7 +1678,9 @@ class AgentMessageLogger:
         With no record left, the stored messages are the only evidence of what the turn
         was: all of them must be there and be this turn's, and none past them. A block an
         earlier attempt filled only in part is refused rather than completed, since nothing
-        tells a turn cut short from a retry sending more messages than it first did.
+        tells a turn cut short from a retry sending more messages than it first did; one a
+        pop took a message of is refused `Corrected`, as while the record is kept
+        (`_corrected_or`).
         """
         first_id = message_id(plan.conversation_id, plan.turn_id, 0)
         past_id = message_id(plan.conversation_id, plan.turn_id, plan.count)
@@ -1694,12 +1696,30 @@ class AgentMessageLogger:
         if first is None:
             return None
         block = RecordedBlock(int(first["seq"]), plan.count, plan.digest)
-        stored = await self._stored_in(plan, block)
-        if len(stored) != block.count:
-            raise _stored_in_part(plan, len(stored))
+        try:
+            stored = await self._stored_in(plan, block)
+            if len(stored) != block.count:
+                raise _stored_in_part(plan, len(stored))
+        except TurnConflict as refused:
+            raise await self._corrected_or(plan, block, refused) from None
         if not await self._recognised(plan, content_digest(canonical_documents(stored))):
             raise _other_content(plan)
         return block
+
+    async def _corrected_or(
+        self, plan: TurnPlan, block: RecordedBlock, refused: Conflict
+    ) -> Conflict:
+        """The refusal of a retry past the kept records whose `block` does not hold the turn
+        whole (`refused`: stored in part, or holding another turn's messages): `Corrected`
+        when a pop removed one of the turn's messages from that block, as the conversation,
+        read after the block's messages (one lookup, on this path only), tells it: listed
+        with its `seq` (`popped_messages`) or marked by a pop under way (`popping`). Else
+        `refused`, with its advice: nothing tells that a person removed what is not stored."""
+        with storage_errors("read the conversation's pops"):
+            pops = await self._conversations.find_one(
+                {"_id": plan.conversation_id}, {"popped_messages": 1, "popping": 1}
+            )
+        return _corrected(plan) if _popped_from(plan, block, pops) else refused
 
     async def _with_whole_texts_checked(
         self, plan: TurnPlan, block: RecordedBlock
@@ -2382,7 +2402,8 @@ class AgentMessageLogger:
         """The turn's messages already stored in its block, in `seq` order. A block holding
         the turn's own messages and then another turn's is a turn logged with fewer messages
         than the retry sends (`OtherContent`, as while its record is kept); another turn's
-        anywhere else is a Conflict."""
+        anywhere else is a Conflict (either `Corrected` when a pop took a message of the turn
+        from the block, `_corrected_or`)."""
         with storage_errors("read the turn's messages"):
             found: list[dict[str, Any]] = await self._messages.find(lookup(plan, block)).to_list(
                 None
@@ -3076,6 +3097,23 @@ def _stored_in_part(plan: TurnPlan, stored: int) -> Conflict:
         "it was logged with fewer messages. It is not completed from a retry; use a new "
         "turn_id for what was not stored"
     )
+
+
+def _popped_from(plan: TurnPlan, block: RecordedBlock, pops: Mapping[str, Any] | None) -> bool:
+    """Whether the conversation's `pops` (`popped_messages`, `popping`) tell that a pop
+    removed, or is removing, one of the turn's messages (by its id) at a `seq` of `block`."""
+    ids = {d["_id"] for d in plan.documents}
+    seqs = range(block.first_seq, block.first_seq + plan.count)
+    found = pops or {}
+    removed = [
+        (p.get("i"), p.get("s"))
+        for p in found.get("popped_messages") or ()
+        if isinstance(p, Mapping)
+    ]
+    popping = found.get("popping")
+    if isinstance(popping, Mapping):
+        removed.append((popping.get("message_id"), popping.get("seq")))
+    return any(id_ in ids and isinstance(seq, int) and seq in seqs for id_, seq in removed)
 
 
 def _of_the_turn(plan: TurnPlan, found: list[dict[str, Any]]) -> list[dict[str, Any]]:
