@@ -210,9 +210,9 @@ def _owner_reasons(
     if live_else:
         reasons.append(
             f"{live_else} messages of live turns name another owner than the conversation "
-            f"document, {owner!r} (its legacy turns moved to another user after a rollback?): "
-            "a run never rewrites a live turn; move them with the new service's `claim`, or "
-            "give the legacy turns their owner back"
+            f"document, {owner!r}, the last user its turns name (its dual-written copies "
+            "included): a run never rewrites a live turn; move them with the new service's "
+            "`claim`, or give the legacy turns the owner their live messages name"
         )
     return reasons
 

@@ -3182,7 +3182,6 @@ def _rolled_back_with_a_live_turn(wire_uri: str, database: Database[dict[str, An
 OLD_SERVICE_OWNER_EDITS = {
     "an account claim: every turn, the dual-written copy too": ({}, True),
     "the dual-written copy only": ({"dual_write": True}, True),
-    "the legacy turns only": ({"dual_write": {"$ne": True}}, False),
 }
 
 
@@ -3215,6 +3214,28 @@ def test_a_dual_written_turn_the_old_service_gave_another_owner_is_work_left(
     assert "c-1" in out
     assert "owner" in out or "user" in out
     assert database[LEGACY_TURNS].count_documents({}) == 3
+
+
+@pytest.mark.wire
+def test_legacy_turns_the_old_service_gave_another_owner_before_a_held_copy_leave_it_the_copys(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The old service moves the legacy turns of a conversation to another user but not the
+    dual-written copy of its latest turn: the last user its turns name (the copy counted as
+    a turn, as the old service reads it too) is still the first one, who owns it and every
+    message of it; `finish` passes and never says the legacy turns moved."""
+    _rolled_back_with_a_live_turn(wire_uri, database)
+    database[CONVERSATIONS].update_many(
+        {"conversation_id": "c-1", "dual_write": {"$ne": True}}, {"$set": {"user_id": "u-2"}}
+    )
+
+    assert cli(wire_uri, database, "run") == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"})["user_id"] == "u-1"  # type: ignore[index]
+    assert {m["user_id"] for m in database[MESSAGES].find({"conversation_id": "c-1"})} == {"u-1"}
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    assert "moved to another user" not in capsys.readouterr().out
 
 
 @pytest.mark.wire
@@ -6577,3 +6598,25 @@ def test_dates_outside_pythons_range_are_migrated_and_kept_through_the_gate(
     assert all(repr(date) in kept for date in OUTSIDE)
     assert "c-dates: content only the legacy data holds (unread_field" in out
     assert codes[-1] == faithful[-1] == 0
+
+
+@pytest.mark.wire
+def test_a_second_attempt_owns_an_adopted_conversation_as_its_held_copies_name(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md: the owner is the last user a conversation's turns name, the held
+    dual-written copies counted as turns. An unowned legacy conversation adopted by a live
+    turn (its copy names the user) is owned by that user after a rollback and a second
+    attempt: never unowned again, which any user's next turn would adopt."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-1", 0, "OLD") | {"user_id": None})
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»", dual_write=True)
+    roll_back(database, clear_messages=False)
+
+    assert cli(wire_uri, database, "run") == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"})["user_id"] == "u-1"  # type: ignore[index]
+    owners = {m["user_id"] for m in database[MESSAGES].find({"conversation_id": "c-1"})}
+    assert owners == {"u-1"}
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
