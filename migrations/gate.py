@@ -40,7 +40,7 @@ from migrations import abandoned, dual_writes, full_texts, orphan_prompts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
 from migrations.relocate import CONVERSATION_FILTER, NEITHER_FILTER
-from migrations.verify import compare
+from migrations.verify import compare, name_reasons
 from migrations.writes import (
     ALREADY_LIVE,
     CHANGED_SINCE,
@@ -239,6 +239,7 @@ def _reasons(
     return (
         reasons
         + _past_count(found, messages)
+        + name_reasons(found, messages)
         + _problem_reasons(cid, unplaced, stored.recorded.get(cid, []), accepted.get(cid, []))
         + _kept_reasons(conversion.problems, stored.kept.get(cid, []))
     )

@@ -6620,3 +6620,42 @@ def test_a_second_attempt_owns_an_adopted_conversation_as_its_held_copies_name(
     capsys.readouterr()
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
+
+
+@pytest.mark.wire
+def test_an_erased_users_words_never_stay_as_the_name_of_a_conversation_written_live_since(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md's `mixed_user_ids` remedy: erase the other user, then `run` again, which
+    removes their turns' messages. An automatic name taken from one of those messages is
+    retaken as the store does (the first stored user text), even on a document a live turn
+    wrote to since; `verify` flags an automatic name whose message is not stored."""
+    database[CONVERSATIONS].insert_many(
+        [
+            legacy_turn("t-0", "c-1", 0, "«SECRET»") | {"user_id": "u-a"},
+            legacy_turn("t-1", "c-1", 1, "«OWNER»"),
+        ]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"})["name"] == "«SECRET» question"  # type: ignore[index]
+    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»", dual_write=True)
+    _as_a_person(wire_uri, database, lambda s: s.erase_user("u-a"))
+
+    assert cli(wire_uri, database, "run") == 0
+    document = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert document is not None
+    first = database[MESSAGES].find_one(
+        {"conversation_id": "c-1", "role": "user"}, sort=[("seq", 1)]
+    )
+    assert first is not None
+    assert first["content"] == "«OWNER» question"
+    assert (document["name"], document["name_source"]) == ("«OWNER» question", "auto")
+    assert document["name_message_id"] == first["_id"]
+    [copy] = database[LEGACY_TURNS].find({"dual_write": True})
+    assert copy["name"] == "«OWNER» question"  # a rollback brings no erased words back
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
+
+    database[CONVERSATIONS].update_one({"_id": "c-1"}, {"$set": {"name_message_id": "msg-gone"}})
+    assert cli(wire_uri, database, "verify") == 1
+    assert "msg-gone" in capsys.readouterr().out
