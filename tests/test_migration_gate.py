@@ -6659,3 +6659,40 @@ def test_an_erased_users_words_never_stay_as_the_name_of_a_conversation_written_
     database[CONVERSATIONS].update_one({"_id": "c-1"}, {"$set": {"name_message_id": "msg-gone"}})
     assert cli(wire_uri, database, "verify") == 1
     assert "msg-gone" in capsys.readouterr().out
+
+
+OLD_SERVICE_COPY_EDITS = {
+    "re-filed under another conversation": {"conversation_id": "c-2"},
+    "dated before the legacy turns": {"created_at": datetime(2023, 12, 31, tzinfo=UTC)},
+}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("edit", OLD_SERVICE_COPY_EDITS.values(), ids=list(OLD_SERVICE_COPY_EDITS))
+def test_a_dual_written_copy_the_old_service_refiled_or_redated_is_work_left_never_migrated_again(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    edit: dict[str, Any],
+) -> None:
+    """A dual-written copy is the turn it copies, by its `_id`: one the old service re-filed
+    under another conversation or re-dated after a rollback no longer says where its stored
+    messages are. It is never converted again (the live turn would be stored twice), and
+    `verify` and `finish` name it until it is put back."""
+    _rolled_back_with_a_live_turn(wire_uri, database)
+    database[CONVERSATIONS].insert_one(legacy_turn("t-2", "c-2", 2, "OTHER"))
+    copy = database[CONVERSATIONS].find_one_and_update({"dual_write": True}, {"$set": edit})
+    assert copy is not None
+
+    assert cli(wire_uri, database, "run") == 0
+    live = [m["conversation_id"] for m in database[MESSAGES].find({"content": "«LIVE»"})]
+    assert live == ["c-1"]  # stored once, where the live turn logged it
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+    assert "'live-1'" in capsys.readouterr().out
+
+    database[LEGACY_TURNS].replace_one({"_id": copy["_id"]}, copy)  # put back
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
