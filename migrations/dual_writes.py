@@ -73,7 +73,11 @@ def _turn(document: Mapping[str, Any]) -> tuple[str, str] | None:
 
 def held(db: Database[dict[str, Any]], documents: Sequence[Mapping[str, Any]]) -> set[int]:
     """Which of these documents (by `id()`) are dual-written turns whose messages are stored:
-    one read of `agent_messages` for them all, none when there is no such turn."""
+    one read of `agent_messages` for them all, none when there is no such turn. A copy is the
+    turn it copies, by its `_id` (`legacy_turn_id` of the conversation and turn it was
+    written for): one the old service re-filed under another conversation after a rollback
+    is held by its messages where they are (`_filed_elsewhere`), never converted again into
+    the conversation it names now; `differences` names it."""
     turns = {key for d in documents if (key := _turn(d)) is not None}
     if not turns:
         return set()
@@ -82,7 +86,45 @@ def held(db: Database[dict[str, Any]], documents: Sequence[Mapping[str, Any]]) -
         (m.get("conversation_id"), m.get("turn_id"))
         for m in db[MESSAGES].find(query, {"conversation_id": 1, "turn_id": 1})
     }
-    return {id(d) for d in documents if _turn(d) in found}
+    kept = {id(d) for d in documents if _turn(d) in found}
+    rest = [d for d in documents if _turn(d) is not None and id(d) not in kept]
+    return kept | set(_filed_elsewhere(db, rest))
+
+
+def _written_for(document: Mapping[str, Any], cid: str, seqs: Iterable[int] = ()) -> bool:
+    """Whether a dual-written copy's `_id` is the one the dual write gives a document of its
+    turn in conversation `cid` (`legacy_turn_id`; a later piece of the turn is named by a
+    part, `legacy_turn_documents`: "system", or the `seq` it opens at, `seqs`)."""
+    turn_id = str(document.get("turn_id"))
+    parts = ["", "system", *(f"seq-{s}{end}" for s in seqs for end in ("", "system"))]
+    ids = {legacy_turn_id(cid, f"{turn_id}\0{p}" if p else turn_id) for p in parts}
+    return document.get("_id") in ids
+
+
+def _filed_elsewhere(
+    db: Database[dict[str, Any]], documents: Sequence[Mapping[str, Any]]
+) -> dict[int, str]:
+    """Of these dual-written copies no message under the conversation they name holds, those
+    whose turn's messages are stored under the conversation their `_id` was written for (the
+    old service re-filed them), by `id()`, with that conversation: one read, by turn id, only
+    for copies whose `_id` is not that of a first piece of their turn in the conversation
+    they name (a second attempt after messages were cleared reads nothing)."""
+    wanted = [d for d in documents if not _written_for(d, _turn(d)[0])]  # type: ignore[index]
+    if not wanted:
+        return {}
+    query = {"turn_id": {"$in": sorted({str(d.get("turn_id")) for d in wanted})}}
+    stored: dict[tuple[str, str], list[int]] = {}
+    for m in db[MESSAGES].find(query, {"conversation_id": 1, "turn_id": 1, "seq": 1}):
+        key = (str(m.get("conversation_id")), str(m.get("turn_id")))
+        stored.setdefault(key, []).append(int(m.get("seq") or 0))
+    return {
+        id(d): cid
+        for d in wanted
+        for (cid, turn_id), seqs in stored.items()
+        if turn_id == d.get("turn_id")
+        and cid != _turn(d)[0]  # type: ignore[index]
+        and _written_for(d, cid, seqs)
+    }
 
 
 def differences(
@@ -105,7 +147,20 @@ def differences(
     stored = full_texts.stored_messages(db, cids)
     found: dict[str, list[str]] = {}
     held: dict[str, dict[str, list[LegacyTurn]]] = {}
+    # Only a copy no stored message of its turn in the conversation it names is written for.
+    elsewhere = _filed_elsewhere(
+        db,
+        [
+            d
+            for (cid, turn_id), group in turns.items()
+            for d in group
+            if not _written_for(d, cid, _seqs(stored.get(cid, []), turn_id))
+        ],
+    )
     for (cid, turn_id), group in sorted(turns.items()):
+        if moved := sorted({elsewhere[id(d)] for d in group if id(d) in elsewhere}):
+            found.setdefault(cid, []).append(_refiled(turn_id, cid, moved))
+            continue
         try:
             conversion = convert(group)
         except InvalidInput as exc:
@@ -124,6 +179,22 @@ def differences(
         if unnamed := _unnamed(legacy.get(cid, []), by_turn, conversations.get(cid)):
             found.setdefault(cid, []).append(unnamed)
     return found
+
+
+def _seqs(messages: Sequence[AgentMessage], turn_id: str) -> list[int]:
+    """The `seq`s of a turn's stored messages."""
+    return [m.seq or 0 for m in messages if m.turn_id == turn_id]
+
+
+def _refiled(turn_id: str, cid: str, stored: Sequence[str]) -> str:
+    """A dual-written turn filed under another conversation than its stored messages, for a
+    person."""
+    return (
+        f"the dual-written turn {turn_id!r} is filed under {cid!r} while its stored messages "
+        f"are in {', '.join(map(repr, stored))} (the legacy service re-filed it after a "
+        "rollback?): file it back, or pop its messages through the store and remove its "
+        "`dual_write` mark so `run` migrates it where it is filed now"
+    )
 
 
 def copy_naming(
@@ -190,7 +261,11 @@ def _unheld(
         return "; ".join(transcript_differences(legacy, transcript)[:3])
     if removed := _removed(legacy, transcript) or _earlier_answers_gone(conversion, messages):
         return removed
-    if differs := _owner(conversion, messages) or _natives_differ(natives, messages):
+    if differs := (
+        _owner(conversion, messages)
+        or _natives_differ(natives, messages)
+        or _dated(group, messages)
+    ):
         return differs
     for what, wanted, found in (
         ("token usage", _usage(conversion.messages), _usage(messages)),
@@ -248,6 +323,18 @@ def _owner(conversion: LegacyConversion, messages: Sequence[AgentMessage]) -> st
     if owner is None or found == [owner]:
         return ""
     return f"it names user {owner!r}, its stored messages {found or 'none'}"
+
+
+def _dated(group: Sequence[Mapping[str, Any]], messages: Sequence[AgentMessage]) -> str:
+    """Whether each document of the turn is dated as the stored message it opens with (the
+    dual write dates it so), for a person; "" when it is: a copy re-dated after a rollback
+    would put the turn elsewhere in its conversation than its stored messages are."""
+    stored = {to_utc_millis(m.created_at) for m in messages}
+    for document in group:
+        at = document.get("created_at")
+        if isinstance(at, datetime) and to_utc_millis(at) not in stored:
+            return f"it is dated {to_utc_millis(at).isoformat()}, none of its stored messages so"
+    return ""
 
 
 def _earlier_answer(problem: Problem, messages: Sequence[AgentMessage]) -> bool:

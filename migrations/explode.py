@@ -55,6 +55,7 @@ from agent_store.legacy import (
     named_id,
     names_none,
     not_identifiers,
+    owner_of,
     parse_turns,
     prompt_conversation,
     prompts_filter,
@@ -491,13 +492,13 @@ def convert_batch(
         group.sort(key=lambda t: t.conversation_id == t.stored_conversation_id)
         conversion = convert(group, rules=rules, undated_at=undated_at)
         converted.append(Converted(group, conversion, spellings=spellings.get(cid, 1)))
+    held_documents = [d for _, found in read + joined for d in found if id(d) in stored]
+    _as_copies_say(converted, held_documents)
     hitl = read_session_hitl(
         db, {c.conversion.conversation_id: legacy_name(c.turns) for c in converted}
     )
     for item in converted:
         with_session_prompts(item.conversion, hitl.get(item.conversion.conversation_id, []))
-    held_documents = [d for _, found in read + joined for d in found if id(d) in stored]
-    _named_by_copies(converted, held_documents)
     converted += live_only(db, held_documents, set(groups), rules, undated_at)
     return converted, failed, turns
 
@@ -513,12 +514,14 @@ def _spellings(read: list[tuple[Any, list[dict[str, Any]]]], alike: Unnamed) -> 
     return {cid: len(found) for cid, found in values.items()}
 
 
-def _named_by_copies(converted: list[Converted], held: list[dict[str, Any]]) -> None:
-    """Give each conversion the name its held dual-written copies give it, when the last turn
-    naming one is a copy (a runtime's `name=` on a live turn): the conversion reads the
-    legacy turns only, and a second attempt after a rollback would otherwise rename the
-    conversation after an older turn (`dual_writes.copy_naming`, the rule `differences`
-    checks the document by)."""
+def _as_copies_say(converted: list[Converted], held: list[dict[str, Any]]) -> None:
+    """Give each conversion what its held dual-written copies, turns of it like any other,
+    make of it though the conversion reads the legacy turns only: its owner, the last user
+    its turns name, copies included (`owner_of`: a live turn that adopted an unowned
+    conversation names its user, which a second attempt after a rollback would otherwise
+    give back to nobody), and its name, when the last turn naming one is a copy (a runtime's
+    `name=` on a live turn: `dual_writes.copy_naming`, the rule `differences` checks the
+    document by)."""
     copies: dict[str, list[LegacyTurn]] = {}
     for document in held:
         try:
@@ -527,13 +530,20 @@ def _named_by_copies(converted: list[Converted], held: list[dict[str, Any]]) -> 
             continue  # a copy no model holds names nothing; `dual_writes.differences` says why
         copies.setdefault(turn.stored_conversation_id, []).append(turn)
     for item in converted:
-        conversation = item.conversion.conversation
-        own = copies.get(item.conversion.conversation_id)
-        if conversation is None or not own:
+        conversion = item.conversion
+        own = copies.get(conversion.conversation_id)
+        if conversion.conversation is None or not own:
             continue
+        update: dict[str, Any] = {}
+        if (owner := owner_of([*item.turns, *own])) != conversion.owner:
+            conversion.owner = owner
+            conversion.messages = [
+                m.model_copy(update={"user_id": owner}) for m in conversion.messages
+            ]
+            update["user_id"] = owner
         if (found := dual_writes.copy_naming(item.turns, own)) is not None:
-            update = {"name": found[1], "name_source": "runtime"}
-            item.conversion.conversation = conversation.model_copy(update=update)
+            update |= {"name": found[1], "name_source": "runtime"}
+        conversion.conversation = conversion.conversation.model_copy(update=update)
 
 
 def live_only(

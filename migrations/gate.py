@@ -40,7 +40,7 @@ from migrations import abandoned, dual_writes, full_texts, orphan_prompts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
 from migrations.relocate import CONVERSATION_FILTER, NEITHER_FILTER
-from migrations.verify import compare
+from migrations.verify import compare, name_reasons
 from migrations.writes import (
     ALREADY_LIVE,
     CHANGED_SINCE,
@@ -210,9 +210,9 @@ def _owner_reasons(
     if live_else:
         reasons.append(
             f"{live_else} messages of live turns name another owner than the conversation "
-            f"document, {owner!r} (its legacy turns moved to another user after a rollback?): "
-            "a run never rewrites a live turn; move them with the new service's `claim`, or "
-            "give the legacy turns their owner back"
+            f"document, {owner!r}, the last user its turns name (its dual-written copies "
+            "included): a run never rewrites a live turn; move them with the new service's "
+            "`claim`, or give the legacy turns the owner their live messages name"
         )
     return reasons
 
@@ -239,6 +239,7 @@ def _reasons(
     return (
         reasons
         + _past_count(found, messages)
+        + name_reasons(found, messages)
         + _problem_reasons(cid, unplaced, stored.recorded.get(cid, []), accepted.get(cid, []))
         + _kept_reasons(conversion.problems, stored.kept.get(cid, []))
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -64,11 +64,13 @@ _DOCUMENT_READ = {
     "pops": 1,
     "name": 1,
     "name_source": 1,
+    "name_message_id": 1,
     "user_id": 1,
     MIGRATING: 1,
 }
 """What `verify` reads of a conversation document: its pops, its owner (`owner_differences`),
-whether a run left it marked as being migrated (`STOPPED_WHILE_WRITING`), and what the
+whether a run left it marked as being migrated (`STOPPED_WHILE_WRITING`), the message its
+automatic name is taken from (`name_reasons`), and what the
 checks of its held dual-written turns read (`dual_writes.differences`, `dual_writes.deleted`)."""
 
 
@@ -139,6 +141,22 @@ def owner_differences(
             "turns and its conversation document name: run the migration again"
         )
     return found_else
+
+
+def name_reasons(found: Mapping[str, Any] | None, messages: Sequence[AgentMessage]) -> list[str]:
+    """An automatic name (`name_source` "auto") whose message (`name_message_id`) is not
+    stored: words of a message removed since (an erased user's, a turn moved out) that the
+    store would not take its name from, for a person; none otherwise."""
+    by = (found or {}).get("name_message_id")
+    if (found or {}).get("name_source") != "auto" or by is None:
+        return []
+    if any(str(m.id) == str(by) for m in messages):
+        return []
+    return [
+        f"its automatic name is taken from the message {by!r}, which is not stored (removed "
+        "since: an erased user's, a turn moved out): run the migration again, which retakes "
+        "it, or rename the conversation on the new service"
+    ]
 
 
 def misdated(wanted: Collection[AgentMessage], stored: Collection[AgentMessage]) -> list[str]:
@@ -257,6 +275,7 @@ def _verify_batch(
         )
         found += owner_differences(item, documents.get(conversation_id), stored[conversation_id])
         found += unrecorded(item, recorded.get(conversation_id, []))
+        found += name_reasons(documents.get(conversation_id), stored[conversation_id])
         found += not_exact(item, accepted.get(conversation_id, []))
         found += dual.pop(conversation_id, [])
         if found:

@@ -26,7 +26,7 @@ from typing import Any
 import bson
 from bson import Int64
 from pydantic import BaseModel, ValidationError
-from pymongo import InsertOne, ReplaceOne
+from pymongo import InsertOne, ReplaceOne, ReturnDocument
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError
 
@@ -54,10 +54,13 @@ from agent_store.store import (
     MIGRATED_TURN_PREFIX,
     MIGRATING,
     FullText,
+    Named,
     TurnRules,
+    first_named,
     kept_blob_ids,
     only_duplicates,
     pending_after,
+    renamed,
     stored_turn_record,
 )
 from migrations import full_texts
@@ -862,9 +865,58 @@ def apply(
     for batch in bounded(rewrites, [len(bson.encode(d)) for d in rewritten], bounds):
         db[MESSAGES].bulk_write(batch, ordered=False)
     applied.written += len(rewritten)
+    _names_retaken(db, [cid for cid in planned.moved if cid not in skipped], source)
     written = {cid: item for cid, item in writing.items() if cid not in skipped}
     _after_messages(db, planned, _turns_since(db, source, written), texts, applied)
     return applied
+
+
+_NAMED_WINDOW = 20
+"""How many user messages one read of `_stored_name` takes at a time."""
+
+
+def _names_retaken(db: Database[dict[str, Any]], ids: Sequence[str], source: str) -> None:
+    """Retake, as the store does (`renamed`), the automatic name of each conversation whose
+    messages the run removed (`Planned.moved`: a turn edited or erased since): a name whose
+    message is no longer the first stored user text goes back to the one the stored
+    messages give, else to none, in one update guarded by the message it was read with;
+    even on a document a live turn wrote to since, which a run otherwise never rewrites (an
+    erased user's words would stay its name). The dual-written copies in `source` holding
+    the name it had take the new one (a rollback would bring the old one back). Reads and
+    writes for such conversations only."""
+    fields = {"name": 1, "name_source": 1, "name_message_id": 1, "epoch": 1}
+    for cid in ids:
+        found = db[CONVERSATIONS].find_one({"_id": cid}, fields | {"legacy_conversation_id": 1})
+        if found is None or holds_turn_fields(found):
+            continue
+        names = renamed(found, _stored_name(db, cid, found.get("epoch")))
+        if not names:
+            continue
+        after = db[CONVERSATIONS].find_one_and_update(
+            {"_id": cid}, [{"$set": names}], fields, return_document=ReturnDocument.AFTER
+        )
+        if after is None or after.get("name") == found.get("name"):
+            continue
+        named = [cid, *([found["legacy_conversation_id"]] * ("legacy_conversation_id" in found))]
+        copies = {"conversation_id": {"$in": named}, "dual_write": True, "name": found["name"]}
+        db[source].update_many(copies, {"$set": {"name": after.get("name")}})
+
+
+def _stored_name(db: Database[dict[str, Any]], cid: str, epoch: Any) -> Named | None:
+    """The automatic name the conversation's stored user messages (of its `epoch`, or none)
+    give (`first_named`), as the store reads it."""
+    query: dict[str, Any] = {"conversation_id": cid, "role": "user"}
+    if isinstance(epoch, str):
+        query["epoch"] = {"$in": [epoch, None]}
+    after = -1
+    while True:
+        window = {**query, "seq": {"$gt": after}}
+        docs = list(db[MESSAGES].find(window).sort("seq", 1).limit(_NAMED_WINDOW))
+        stored = [m for d in docs if (m := full_texts.stored_message(d)[0]) is not None]
+        named = first_named(stored, TurnRules().name_chars)
+        if named is not None or len(docs) < _NAMED_WINDOW:
+            return named
+        after = int(docs[-1]["seq"])
 
 
 def _after_messages(

@@ -3182,7 +3182,6 @@ def _rolled_back_with_a_live_turn(wire_uri: str, database: Database[dict[str, An
 OLD_SERVICE_OWNER_EDITS = {
     "an account claim: every turn, the dual-written copy too": ({}, True),
     "the dual-written copy only": ({"dual_write": True}, True),
-    "the legacy turns only": ({"dual_write": {"$ne": True}}, False),
 }
 
 
@@ -3215,6 +3214,28 @@ def test_a_dual_written_turn_the_old_service_gave_another_owner_is_work_left(
     assert "c-1" in out
     assert "owner" in out or "user" in out
     assert database[LEGACY_TURNS].count_documents({}) == 3
+
+
+@pytest.mark.wire
+def test_legacy_turns_the_old_service_gave_another_owner_before_a_held_copy_leave_it_the_copys(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The old service moves the legacy turns of a conversation to another user but not the
+    dual-written copy of its latest turn: the last user its turns name (the copy counted as
+    a turn, as the old service reads it too) is still the first one, who owns it and every
+    message of it; `finish` passes and never says the legacy turns moved."""
+    _rolled_back_with_a_live_turn(wire_uri, database)
+    database[CONVERSATIONS].update_many(
+        {"conversation_id": "c-1", "dual_write": {"$ne": True}}, {"$set": {"user_id": "u-2"}}
+    )
+
+    assert cli(wire_uri, database, "run") == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"})["user_id"] == "u-1"  # type: ignore[index]
+    assert {m["user_id"] for m in database[MESSAGES].find({"conversation_id": "c-1"})} == {"u-1"}
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+    assert "moved to another user" not in capsys.readouterr().out
 
 
 @pytest.mark.wire
@@ -6577,3 +6598,101 @@ def test_dates_outside_pythons_range_are_migrated_and_kept_through_the_gate(
     assert all(repr(date) in kept for date in OUTSIDE)
     assert "c-dates: content only the legacy data holds (unread_field" in out
     assert codes[-1] == faithful[-1] == 0
+
+
+@pytest.mark.wire
+def test_a_second_attempt_owns_an_adopted_conversation_as_its_held_copies_name(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md: the owner is the last user a conversation's turns name, the held
+    dual-written copies counted as turns. An unowned legacy conversation adopted by a live
+    turn (its copy names the user) is owned by that user after a rollback and a second
+    attempt: never unowned again, which any user's next turn would adopt."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-1", 0, "OLD") | {"user_id": None})
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»", dual_write=True)
+    roll_back(database, clear_messages=False)
+
+    assert cli(wire_uri, database, "run") == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"})["user_id"] == "u-1"  # type: ignore[index]
+    owners = {m["user_id"] for m in database[MESSAGES].find({"conversation_id": "c-1"})}
+    assert owners == {"u-1"}
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
+
+
+@pytest.mark.wire
+def test_an_erased_users_words_never_stay_as_the_name_of_a_conversation_written_live_since(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MIGRATION.md's `mixed_user_ids` remedy: erase the other user, then `run` again, which
+    removes their turns' messages. An automatic name taken from one of those messages is
+    retaken as the store does (the first stored user text), even on a document a live turn
+    wrote to since; `verify` flags an automatic name whose message is not stored."""
+    database[CONVERSATIONS].insert_many(
+        [
+            legacy_turn("t-0", "c-1", 0, "«SECRET»") | {"user_id": "u-a"},
+            legacy_turn("t-1", "c-1", 1, "«OWNER»"),
+        ]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"})["name"] == "«SECRET» question"  # type: ignore[index]
+    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»", dual_write=True)
+    _as_a_person(wire_uri, database, lambda s: s.erase_user("u-a"))
+
+    assert cli(wire_uri, database, "run") == 0
+    document = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert document is not None
+    first = database[MESSAGES].find_one(
+        {"conversation_id": "c-1", "role": "user"}, sort=[("seq", 1)]
+    )
+    assert first is not None
+    assert first["content"] == "«OWNER» question"
+    assert (document["name"], document["name_source"]) == ("«OWNER» question", "auto")
+    assert document["name_message_id"] == first["_id"]
+    [copy] = database[LEGACY_TURNS].find({"dual_write": True})
+    assert copy["name"] == "«OWNER» question"  # a rollback brings no erased words back
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
+
+    database[CONVERSATIONS].update_one({"_id": "c-1"}, {"$set": {"name_message_id": "msg-gone"}})
+    assert cli(wire_uri, database, "verify") == 1
+    assert "msg-gone" in capsys.readouterr().out
+
+
+OLD_SERVICE_COPY_EDITS = {
+    "re-filed under another conversation": {"conversation_id": "c-2"},
+    "dated before the legacy turns": {"created_at": datetime(2023, 12, 31, tzinfo=UTC)},
+}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("edit", OLD_SERVICE_COPY_EDITS.values(), ids=list(OLD_SERVICE_COPY_EDITS))
+def test_a_dual_written_copy_the_old_service_refiled_or_redated_is_work_left_never_migrated_again(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    edit: dict[str, Any],
+) -> None:
+    """A dual-written copy is the turn it copies, by its `_id`: one the old service re-filed
+    under another conversation or re-dated after a rollback no longer says where its stored
+    messages are. It is never converted again (the live turn would be stored twice), and
+    `verify` and `finish` name it until it is put back."""
+    _rolled_back_with_a_live_turn(wire_uri, database)
+    database[CONVERSATIONS].insert_one(legacy_turn("t-2", "c-2", 2, "OTHER"))
+    copy = database[CONVERSATIONS].find_one_and_update({"dual_write": True}, {"$set": edit})
+    assert copy is not None
+
+    assert cli(wire_uri, database, "run") == 0
+    live = [m["conversation_id"] for m in database[MESSAGES].find({"content": "«LIVE»"})]
+    assert live == ["c-1"]  # stored once, where the live turn logged it
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+    assert "'live-1'" in capsys.readouterr().out
+
+    database[LEGACY_TURNS].replace_one({"_id": copy["_id"]}, copy)  # put back
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0

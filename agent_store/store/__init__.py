@@ -57,6 +57,7 @@ from agent_store.store._legacy_seam import (
     is_derived_id,
 )
 from agent_store.store._logger import AgentMessageLogger, LoggedTurn, TurnObserver
+from agent_store.store._naming import Named, first_named, renamed
 from agent_store.store._reads import (
     MAX_PAGE_SIZE,
     MAX_SEARCH_QUERY_CHARS,
@@ -175,6 +176,7 @@ __all__ = [
     "LegacyHolder",
     "LegacySource",
     "LoggedTurn",
+    "Named",
     "RetryPolicy",
     "RuntimeContextMarkers",
     "SearchHit",
@@ -197,6 +199,7 @@ __all__ = [
     "create_indexes",
     "create_indexes_sync",
     "document_size",
+    "first_named",
     "fork_turn_id",
     "is_derived_id",
     "kept_blob_ids",
@@ -209,6 +212,7 @@ __all__ = [
     "plan_turn",
     "prompt_text",
     "redact_uri",
+    "renamed",
     "same_conversation",
     "search_text",
     "shorten",
