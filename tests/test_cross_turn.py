@@ -3960,6 +3960,36 @@ async def test_a_later_question_holds_a_call_whose_question_its_turn_was_retried
     assert await held_state(store, "fork-all") == await held_state(store)
 
 
+async def test_an_approval_whose_answer_is_no_longer_recorded_outlives_a_give_back(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3 (`approved_calls`: those of calls still pending are all kept, a denial
+    refused however many prompts are resolved after it): a person approved c1 under `r1`,
+    then c2 under `r1` asked again; a hundred answers later only the second is recorded. A
+    give-back refolds the conversation: no recorded answer named c1, so nothing the fold
+    can tell withdraws its approval, and its denial is still refused."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_calls("c1"), _asks_about("r1", "c1")], turn_id="t1")
+    await store.resolve_hitl(CID, "r1", call_ids=["c1"])
+    await logger.log_messages(CID, [_calls("c2"), _asks_about("r1", "c2")], turn_id="t2")
+    await store.resolve_hitl(CID, "r1", call_ids=["c2"])
+    for index in range(RESOLVED_PROMPTS_KEPT - 1):
+        await logger.log_messages(CID, [_asks(f"x{index}")], turn_id=f"x{index}")
+        await store.resolve_hitl(CID, f"x{index}")
+    await _reserved_only(
+        logger, monkeypatch, [{"role": "assistant", "content": "first try"}], "lost"
+    )
+
+    await logger.log_messages(
+        CID, [{"role": "assistant", "content": "second try, other content"}], turn_id="lost"
+    )
+
+    assert sorted(await _approved_calls(backend)) == ["c1", "c2"]
+    assert await held_state(store) == ([("c1", None), ("c2", None)], None)
+    with pytest.raises(AnsweredBefore):
+        await logger.log_messages(CID, [_denial_of("c1")], turn_id="deny")
+
+
 async def test_moved_questions_answered_before_their_id_was_asked_again_hold_their_calls(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -202,10 +202,10 @@ def approvals_in_fork(
 ) -> list[Mapping[str, Any]]:
     """The original's `approved_calls` a fork may keep, as stored: those the answers it
     copies gave (`Folded.released`: of a call and request id, the first as many as those
-    answers released), and those of a request id with no answer recorded (`answered`, every
-    one the original keeps), or recorded without one, where they came unknown. An approval
+    answers released), and those no recorded answer could have given (`_given_by_one_of`;
+    `answered`, every one the original keeps), or recorded without one, where they came
+    unknown. An approval
     an answer gave once the original had gone past the fork's point is not the fork's."""
-    recorded = {answer[0] for answer in answered}
     left: Counter[tuple[Any, Any, Any]] = Counter(folded.released)
     kept: list[Mapping[str, Any]] = []
     for approval in approved:
@@ -213,12 +213,31 @@ def approvals_in_fork(
             continue
         request_id = approval.get("request_id")
         key = (approval.get("tool_call_id"), approval.get("message_id"), request_id)
-        if request_id is None or request_id not in recorded:
+        if not _given_by_one_of(key, answered):
             kept.append(approval)
         elif left[key] > 0:
             left[key] -= 1
             kept.append(approval)
     return kept
+
+
+def _given_by_one_of(key: tuple[Any, Any, Any], answered: Iterable[Answer]) -> bool:
+    """Whether one of the recorded `answered` could have given the approval `key` (call id,
+    message, request id): one of its request id naming no call, or naming that call. Only
+    the newest answers are kept (`RESOLVED_PROMPTS_KEPT`): an approval no recorded answer
+    could have given came from one no longer recorded, and nothing the fold can tell
+    withdraws it."""
+    call_id, message_id, request_id = key
+    if request_id is None:
+        return False
+    for answer_id, _below, named in answered:
+        if answer_id != request_id:
+            continue
+        if named is None or any(
+            call == call_id and message in (None, message_id) for call, message in named
+        ):
+            return True
+    return False
 
 
 ApprovalKey = tuple[str, str, str]
