@@ -27,6 +27,7 @@ from langchain_core.messages import (
 )
 from langchain_core.runnables.history import RunnableWithMessageHistory
 from langchain_mongodb import MongoDBChatMessageHistory
+from pydantic import BaseModel
 from pymongo import MongoClient
 from pymongo.errors import AutoReconnect
 
@@ -443,6 +444,33 @@ async def test_a_key_the_store_cannot_take_in_a_field_native_keeps_is_refused_na
     assert await backend.db["agent_messages"].count_documents({}) == 0
 
 
+@pytest.mark.parametrize(
+    ("metadata", "where", "escape"),
+    [
+        pytest.param({"s": "\ud800"}, "response_metadata.s", "\\ud800", id="alone"),
+        pytest.param({"rate": float("nan"), "s": "\ud800"}, "response_metadata.s", "\\ud800",
+                     id="beside-nan"),
+        pytest.param({"seed": 10**20, "l": ["\udfff"]}, "response_metadata.l.0", "\\udfff",
+                     id="beside-a-wide-integer"),
+    ],
+)  # fmt: skip
+async def test_a_lone_surrogate_is_refused_naming_its_field_even_beside_a_wide_number(
+    backend: Backend, metadata: dict[str, Any], where: str, escape: str
+) -> None:
+    """Checked before the value is kept as JSON text: never the store's own `json_text`
+    named, never the path inside the value lost."""
+    history = ConversationChatHistory(CID, backend.db, user_id="u-1")
+
+    with pytest.raises(InvalidInput) as refused:
+        await history.aadd_messages(_said(metadata))
+
+    words = str(refused.value)
+    assert words.startswith(f"invalid message 1 (ai): native.set.{where}: ")
+    assert f"lone UTF-16 surrogate ({escape})" in words
+    assert "json_text" not in words
+    assert await backend.db["agent_messages"].count_documents({}) == 0
+
+
 class _Opaque:
     """A value of no JSON type, which no JSON text keeps."""
 
@@ -490,6 +518,31 @@ async def test_a_value_that_would_not_come_back_as_it_is_is_refused_naming_it(
     assert str(refused.value).startswith(f"invalid {subject}: {where}: ")
     assert f"a {kind} would not come back as it is" in str(refused.value)
     assert await backend.db["agent_messages"].count_documents({}) == 0
+
+
+class _Parsed(BaseModel):
+    """A structured output, as ChatOpenAI puts it in `additional_kwargs["parsed"]`."""
+
+    answer: str
+    score: float
+
+
+async def test_a_model_in_a_field_comes_back_as_its_dict_as_messages_to_dict_gives_it(
+    backend: Backend,
+) -> None:
+    """What `message.model_dump()` makes of it, as LangChain's own JSON histories give it
+    back: never refused (that would lose the turn of every structured output)."""
+    from langchain_core.messages import messages_from_dict, messages_to_dict
+
+    history = ConversationChatHistory(CID, backend.db, user_id="u-1")
+    said = AIMessage("x", id="a1", additional_kwargs={"parsed": _Parsed(answer="x", score=0.5)})
+
+    await history.aadd_messages([HumanMessage("Hi", id="h1"), said])
+
+    [_, read] = await history.aget_messages()
+    assert read.additional_kwargs == {"parsed": {"answer": "x", "score": 0.5}}
+    [langchains] = messages_from_dict(messages_to_dict([said]))
+    assert read.additional_kwargs == langchains.additional_kwargs
 
 
 async def test_a_tuple_comes_back_a_list_as_langchains_own_dumpd_writes_it(

@@ -413,6 +413,35 @@ def test_a_json_text_value_escaping_a_surrogate_pair_spells_one_character() -> N
     assert message.native.set_values() == {"a": ["\U0001f600", float("inf")]}
 
 
+@pytest.mark.parametrize(
+    ("value", "where"),
+    [
+        ({"s": "\ud800"}, "set.meta.s"),
+        ({"l": [1, {"t": "a\udfff"}]}, "set.meta.l.1.t"),
+        ({"k": {"\udfff": 1}}, "set.meta.k"),
+    ],
+    ids=["in-a-value", "nested", "in-a-key"],
+)
+@pytest.mark.parametrize("number", [None, 10**20, float("nan")], ids=["alone", "wide", "nan"])
+def test_a_lone_surrogate_is_refused_by_its_path_with_or_without_such_a_number(
+    value: dict[str, Any], where: str, number: float | None
+) -> None:
+    """Checked as a value of `set` is, before it would be kept as JSON text: the same
+    refusal either way, never the `json_text` key named in place of the path."""
+    with pytest.raises(ValidationError) as refused:
+        NativeForm.keeping("langchain", {"meta": {**value, "n": number}})
+
+    [error] = refused.value.errors()
+    assert ".".join(map(str, error["loc"])) == where
+    assert "lone UTF-16 surrogate" in error["msg"]
+
+
+def test_a_surrogate_pair_split_in_a_native_value_is_no_lone_surrogate() -> None:
+    form = NativeForm.keeping("langchain", {"meta": {"s": "\ud83d\ude00", "n": 10**20}})
+
+    assert form.json_text == ["meta"]
+
+
 def _nested(levels: int) -> list[Any]:
     value: list[Any] = []
     for _ in range(levels - 1):

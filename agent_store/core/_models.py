@@ -35,7 +35,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic.json_schema import JsonSchemaValue
-from pydantic_core import CoreSchema
+from pydantic_core import CoreSchema, InitErrorDetails, PydanticCustomError
 
 from agent_store.core._errors import (
     DOT_SEGMENT_REASON,
@@ -467,13 +467,57 @@ def _native_keys(value: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
+def _lone_surrogate(value: Any) -> tuple[tuple[str | int, ...], str] | None:
+    """Where in a JSON value the first text holding a UTF-16 surrogate alone is (`joined_text`:
+    a pair split in two is no such text), keys too, and what is wrong; None if nowhere. One
+    walk without recursion; a text is encoded only when it is not ASCII."""
+    pending: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
+    while pending:
+        where, item = pending.pop()
+        if isinstance(item, str):
+            refusal = _text_refusal(item)
+            if refusal is not None:
+                return where, refusal
+        elif isinstance(item, dict):
+            for key in item:
+                refusal = _text_refusal(key) if isinstance(key, str) else None
+                if refusal is not None:
+                    return where, f"a key {refusal.removeprefix('it ')}"
+            pending += [((*where, key), item[key]) for key in reversed(item)]
+        elif isinstance(item, list):
+            pending += [((*where, i), item[i]) for i in reversed(range(len(item)))]
+    return None
+
+
+def _text_refusal(text: str) -> str | None:
+    if text.isascii():
+        return None
+    try:
+        joined_text(text)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _refuse_lone_surrogate(value: Any) -> None:
+    """ValidationError naming the path, within the value, of a text that is no text."""
+    if (found := _lone_surrogate(value)) is not None:
+        where, refusal = found
+        error = PydanticCustomError("lone_surrogate", "{refusal}", {"refusal": refusal})
+        details = InitErrorDetails(type=error, loc=where, input=value)
+        raise ValidationError.from_exception_data("NativeValue", [details])
+
+
 def _native_value(value: Any) -> Any:
     # A number BSON cannot hold as it is is refused here, before any write (HITL params are
     # walked for the same reason when a turn is planned); `NativeForm.keeping` keeps it, as
     # the JSON text spelt here: an integer with more digits than Python spells is refused.
+    # A text holding a half of a character alone is refused first, by its path in the value,
+    # whether or not the value would be kept as JSON text (which could only name the key).
     try:
-        return _plain_json(value, unheld_refused=True)
+        plain = _plain_json(value, unheld_refused=True)
     except _UnheldNumber as unheld:
+        _refuse_lone_surrogate(value)
         try:
             unheld.text = json_text(value, non_finite=True)
         except ValueError as exc:
@@ -481,6 +525,8 @@ def _native_value(value: Any) -> Any:
                 f"values must not hold an integer too long for JSON text ({exc})"
             ) from exc
         raise
+    _refuse_lone_surrogate(plain)
+    return plain
 
 
 _NO_JSON = object()
