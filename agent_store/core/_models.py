@@ -545,13 +545,10 @@ def _json_text_refusal(value: Any) -> str | None:
     try:
         _plain_json(spelt, unheld_refused=True)
     except _UnheldNumber:
-        try:
-            # Its strings, keys too, as the store takes a value's (`joined_text`): an escape
-            # of a half alone spells no text. Its JSON text has each string whole.
-            joined_text(json_text(spelt, non_finite=True))
-        except ValueError as exc:
-            return f"spells one that cannot be kept: {exc}"
-        return None
+        # Its strings, keys too, as a value's (`_lone_surrogate`): an escape of a half alone
+        # spells no text.
+        found = _lone_surrogate(spelt)
+        return None if found is None else f"spells one that cannot be kept: {found[1]}"
     except ValueError as exc:
         return f"spells one that cannot be kept: {exc}"
     return "holds no number BSON cannot hold as it is: keep the value itself"
