@@ -2729,7 +2729,7 @@ def _logged_otherwise(
         for raw in records.get("turns") or ()
         if isinstance(raw, Mapping) and raw.get("k") == plan.key and "f" in raw
     }
-    popped = {(p.get("i"), p.get("s")) for p in records.get("popped_messages") or ()}
+    popped = _popped_at(records)
     return any(
         int(d["seq"]) - int(failed[id_]["seq"]) + first_seq in live
         and d.get("epoch") in (None, failed[id_].get("epoch"))
@@ -2795,11 +2795,18 @@ def _given_back_at(conversation: Mapping[str, Any], key: int) -> set[int]:
     }
 
 
+def _popped_at(found: Mapping[str, Any] | None) -> set[tuple[Any, Any]]:
+    """The messages the conversation `found` lists as popped (`popped_messages`), as pairs of
+    id and `seq`."""
+    entries = (found or {}).get("popped_messages") or ()
+    return {(p.get("i"), p.get("s")) for p in entries if isinstance(p, Mapping)}
+
+
 def _popped(found: Mapping[str, Any] | None, strays: list[dict[str, Any]]) -> bool:
     """Whether every stray is a message the conversation lists as popped (`popped_messages`,
     by id and `seq`): an earlier attempt's insert of its turn, landing after a retry was
     stored and a pop removed it, put it back where a later turn now goes."""
-    listed = {(p.get("i"), p.get("s")) for p in (found or {}).get("popped_messages") or ()}
+    listed = _popped_at(found)
     return all((d["_id"], d.get("seq")) in listed for d in strays)
 
 
@@ -3104,15 +3111,10 @@ def _popped_from(plan: TurnPlan, block: RecordedBlock, pops: Mapping[str, Any] |
     removed, or is removing, one of the turn's messages (by its id) at a `seq` of `block`."""
     ids = {d["_id"] for d in plan.documents}
     seqs = range(block.first_seq, block.first_seq + plan.count)
-    found = pops or {}
-    removed = [
-        (p.get("i"), p.get("s"))
-        for p in found.get("popped_messages") or ()
-        if isinstance(p, Mapping)
-    ]
-    popping = found.get("popping")
+    removed = _popped_at(pops)
+    popping = (pops or {}).get("popping")
     if isinstance(popping, Mapping):
-        removed.append((popping.get("message_id"), popping.get("seq")))
+        removed.add((popping.get("message_id"), popping.get("seq")))
     return any(id_ in ids and isinstance(seq, int) and seq in seqs for id_, seq in removed)
 
 
