@@ -204,8 +204,8 @@ def approvals_in_fork(
     copies gave (`Folded.released`: of a call and request id, the first as many as those
     answers released), and those no recorded answer could have given (`_given_by_one_of`;
     `answered`, every one the original keeps), or recorded without one, where they came
-    unknown. An approval
-    an answer gave once the original had gone past the fork's point is not the fork's."""
+    unknown. An approval an answer gave once the original had gone past the fork's point is
+    not the fork's."""
     left: Counter[tuple[Any, Any, Any]] = Counter(folded.released)
     kept: list[Mapping[str, Any]] = []
     for approval in approved:

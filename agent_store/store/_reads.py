@@ -680,19 +680,14 @@ class ConversationStore:
         if user_id is not None:
             scope["user_id"] = user_id
         swept = await self._deletions.finish(scope, self._grace)
-        swept += await self._delete_strays(scope)
+        # Late inserts of one deleted since, their writer gone before taking them back.
+        swept += await self._sweep_strays(scope, "delete the conversation")
         try:
             return await self._delete_legacy_only(conversation_id, user_id, version)
         except NotFound:
             if not swept:
                 raise
         return Deleted(conversations=0, messages=swept, legacy_turns=0)
-
-    async def _delete_strays(self, scope: dict[str, Any]) -> int:
-        """The messages `scope` selects (an id, the caller's for a user's delete) that no
-        conversation under the id holds: late inserts of one deleted since, their writer gone
-        before taking them back (`_sweep_strays`)."""
-        return await self._sweep_strays(scope, "delete the conversation")
 
     async def _sweep_strays(self, scope: dict[str, Any], action: str) -> int:
         """Delete the messages `scope` selects that no conversation standing under their id
@@ -846,10 +841,7 @@ class ConversationStore:
         With `fallback=False`, a conversation not migrated yet has no messages
         rather than those converted from its legacy turns.
         """
-        query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
-        if user_id is not None:
-            query["user_id"] = validate_identifier(user_id, "user_id")
-        found = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
+        found = self._transcript_cursor(conversation_id, user_id)
         docs = await self._of_standing(
             conversation_id, user_id, partial(found.to_list, None), "read the transcript"
         )
@@ -857,6 +849,14 @@ class ConversationStore:
             conversion = await self._legacy(conversation_id, user_id)
             return conversion.messages if fallback else []
         return messages_adapter.validate_python(docs)
+
+    def _transcript_cursor(self, conversation_id: str, user_id: str | None) -> Any:
+        """The cursor over the messages under a conversation's id (the user's only, when
+        named), in `seq` order: what a transcript reads."""
+        query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
+        if user_id is not None:
+            query["user_id"] = validate_identifier(user_id, "user_id")
+        return self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
 
     async def stored_transcript(
         self, conversation_id: str, *, user_id: str | None = None
@@ -866,10 +866,7 @@ class ConversationStore:
         (`stored_conversation`): the messages it stored so far. None for a conversation not
         migrated yet (an empty list, as for none); NotFound for one a delete or a fork not
         made yet marked. One round trip: its messages and its document, read at once."""
-        query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
-        if user_id is not None:
-            query["user_id"] = validate_identifier(user_id, "user_id")
-        found = self._messages.find(query).sort("seq", 1).batch_size(TRANSCRIPT_BATCH)
+        found = self._transcript_cursor(conversation_id, user_id)
         with storage_errors("read the stored messages"):
             docs, conversation = await _at_once(
                 partial(found.to_list, None), partial(self._in_scope, conversation_id, user_id)
