@@ -53,11 +53,13 @@ from agent_store.store import (
     MESSAGES,
     MIGRATED_TURN_PREFIX,
     MIGRATING,
+    NAMED_WINDOW,
     FullText,
     Named,
     TurnRules,
     first_named,
     kept_blob_ids,
+    named_window,
     only_duplicates,
     pending_after,
     renamed,
@@ -871,10 +873,6 @@ def apply(
     return applied
 
 
-_NAMED_WINDOW = 20
-"""How many user messages one read of `_stored_name` takes at a time."""
-
-
 def _names_retaken(db: Database[dict[str, Any]], ids: Sequence[str], source: str) -> None:
     """Retake, as the store does (`renamed`), the automatic name of each conversation whose
     messages the run removed (`Planned.moved`: a turn edited or erased since): a name whose
@@ -905,16 +903,13 @@ def _names_retaken(db: Database[dict[str, Any]], ids: Sequence[str], source: str
 def _stored_name(db: Database[dict[str, Any]], cid: str, epoch: Any) -> Named | None:
     """The automatic name the conversation's stored user messages (of its `epoch`, or none)
     give (`first_named`), as the store reads it."""
-    query: dict[str, Any] = {"conversation_id": cid, "role": "user"}
-    if isinstance(epoch, str):
-        query["epoch"] = {"$in": [epoch, None]}
     after = -1
     while True:
-        window = {**query, "seq": {"$gt": after}}
-        docs = list(db[MESSAGES].find(window).sort("seq", 1).limit(_NAMED_WINDOW))
+        window = named_window(cid, epoch if isinstance(epoch, str) else None, after)
+        docs = list(db[MESSAGES].find(window).sort("seq", 1).limit(NAMED_WINDOW))
         stored = [m for d in docs if (m := full_texts.stored_message(d)[0]) is not None]
         named = first_named(stored, TurnRules().name_chars)
-        if named is not None or len(docs) < _NAMED_WINDOW:
+        if named is not None or len(docs) < NAMED_WINDOW:
             return named
         after = int(docs[-1]["seq"])
 

@@ -57,7 +57,7 @@ from agent_store.store._legacy_seam import (
     is_derived_id,
 )
 from agent_store.store._logger import AgentMessageLogger, LoggedTurn, TurnObserver
-from agent_store.store._naming import Named, first_named, renamed
+from agent_store.store._naming import NAMED_WINDOW, Named, first_named, named_window, renamed
 from agent_store.store._reads import (
     MAX_PAGE_SIZE,
     MAX_SEARCH_QUERY_CHARS,
@@ -153,6 +153,7 @@ __all__ = [
     "MESSAGES",
     "MIGRATED_TURN_PREFIX",
     "MIGRATING",
+    "NAMED_WINDOW",
     "PENDING_CALLS_KEPT",
     "SHARD_KEYS",
     "TEXT_INDEX",
@@ -206,6 +207,7 @@ __all__ = [
     "left_behind",
     "message_id",
     "message_text",
+    "named_window",
     "only_duplicates",
     "parse_messages",
     "pending_after",

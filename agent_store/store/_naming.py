@@ -22,8 +22,8 @@ from agent_store.core import AgentMessage, message_adapter
 from agent_store.store._reservation import absent_stays, literal
 from agent_store.store._text import auto_name
 
-_WINDOW = 20
-"""How many user messages one read of `named_by_stored` takes at a time."""
+NAMED_WINDOW = 20
+"""How many user messages one read of the name's source takes at a time (`named_window`)."""
 
 AUTOMATIC: dict[str, Any] = {"$eq": ["$name_source", "auto"]}
 """Whether the conversation's name is an automatic one (an expression)."""
@@ -124,18 +124,25 @@ async def named_by_stored(
 ) -> Named | None:
     """`first_named` of the conversation's stored user messages (of its `epoch`, or none),
     but those at the `seq`s `without` (a block given back): one read while one of the first
-    `_WINDOW` user messages has real text."""
+    `NAMED_WINDOW` user messages has real text."""
+    after = -1
+    while True:
+        window = named_window(conversation_id, epoch, after, without)
+        docs = await messages.find(window).sort("seq", 1).limit(NAMED_WINDOW).to_list(None)
+        named = first_named((message_adapter.validate_python(d) for d in docs), limit)
+        if named is not None or len(docs) < NAMED_WINDOW:
+            return named
+        after = int(docs[-1]["seq"])
+
+
+def named_window(
+    conversation_id: str, epoch: str | None, after: int, without: range = range(0)
+) -> dict[str, Any]:
+    """The filter of the conversation's stored user messages (of its `epoch`, or none) past
+    `seq` `after`, but those at the `seq`s `without`: read in `seq` order, `NAMED_WINDOW` at a
+    time, they hold the first one naming it (`first_named`)."""
     query: dict[str, Any] = {"conversation_id": conversation_id, "role": "user"}
     if epoch is not None:
         query["epoch"] = {"$in": [epoch, None]}
-    left_out = [Int64(seq) for seq in without]
-    after = -1
-    while True:
-        seqs: dict[str, Any] = {"$gt": after, "$nin": left_out}
-        docs = await (
-            messages.find({**query, "seq": seqs}).sort("seq", 1).limit(_WINDOW).to_list(None)
-        )
-        named = first_named((message_adapter.validate_python(d) for d in docs), limit)
-        if named is not None or len(docs) < _WINDOW:
-            return named
-        after = int(docs[-1]["seq"])
+    query["seq"] = {"$gt": after, "$nin": [Int64(seq) for seq in without]}
+    return query
