@@ -231,6 +231,23 @@ async def _a_stray_under_t1s_first_id(backend: Backend) -> None:
     await backend.db.agent_messages.insert_one({**stray, "role": "user", "content": "stray"})
 
 
+async def _t1_refused_then_named_by(
+    backend: Backend,
+    refused_by: AgentMessageLogger,
+    next_by: AgentMessageLogger,
+    text: str,
+    *,
+    match: str | None = None,
+) -> tuple[tuple[str | None, str | None], tuple[str | None, str | None]]:
+    """Turn "t1" ("private question") refused (`Conflict`, matching `match`), then a next
+    turn asking `text`: the conversation's name and its source after each."""
+    with pytest.raises(Conflict, match=match):
+        await refused_by.log_messages(CID, [user("private question"), answer()], turn_id="t1")
+    refused = await name_of(backend)
+    await next_by.log_messages(CID, [user(text), answer()], turn_id="t-next")
+    return refused, await name_of(backend)
+
+
 async def test_a_turn_refused_after_its_reservation_takes_its_automatic_name_back(
     backend: Backend,
 ) -> None:
@@ -240,13 +257,12 @@ async def test_a_turn_refused_after_its_reservation_takes_its_automatic_name_bac
     await logger.upsert_conversation(CID, user_id="u")
     await _a_stray_under_t1s_first_id(backend)
 
-    with pytest.raises(Conflict, match="already taken by a message of another turn"):
-        await logger.log_messages(CID, [user("private question"), answer()], turn_id="t1")
-    refused = await name_of(backend)
-    await logger.log_messages(CID, [user("hello world"), answer()], turn_id="t2")
+    refused, then = await _t1_refused_then_named_by(
+        backend, logger, logger, "hello world", match="already taken by a message of another turn"
+    )
 
     assert refused == (None, None)
-    assert await name_of(backend) == ("hello world", "auto")
+    assert then == ("hello world", "auto")
 
 
 async def _named_by_a_turn_never_stored(backend: Backend) -> AgentMessageLogger:
@@ -435,13 +451,10 @@ async def test_a_give_back_never_names_from_a_message_popped_meanwhile(
         return names
 
     logger._named_without = popped_meanwhile  # type: ignore[method-assign]
-    with pytest.raises(Conflict):
-        await logger.log_messages(CID, [user("private question"), answer()], turn_id="t1")
-    refused = await name_of(backend)
-    await other.log_messages(CID, [user("new topic"), answer()], turn_id="t3")
+    refused, then = await _t1_refused_then_named_by(backend, logger, other, "new topic")
 
     assert refused == (None, None)
-    assert await name_of(backend) == ("new topic", "auto")
+    assert then == ("new topic", "auto")
 
 
 async def test_a_moved_turn_names_a_conversation_pops_left_unnamed(backend: Backend) -> None:
