@@ -1980,6 +1980,11 @@ class AgentMessageLogger:
         if left:
             return None  # an attempt of a turn moved to a new block: not two reservations
         if given_back and len(failed) < len(documents):
+            # The other attempt gathered what this one stored into its block, the same: the
+            # turn is stored there. Anything else stored there (popped since, or logged with
+            # fewer messages) is not this insert's to complete.
+            if (held := await self._held_there(plan, documents, shift)) is not None:
+                return held
             met = {d["_id"]: d for d in failed}
             await self._take_back_inserted(plan, documents, met, documents[0].get("epoch"))
         if len(failed) < len(documents) and shift > 0:  # this block is the lower: gathered here
@@ -1989,6 +1994,27 @@ class AgentMessageLogger:
         else:
             moving = []
         return await self._gathered(plan, documents, moving, shift)
+
+    async def _held_there(
+        self, plan: TurnPlan, documents: list[dict[str, Any]], shift: int
+    ) -> list[dict[str, Any]] | None:
+        """The turn's messages as stored in the block `shift` away from this insert's
+        (`documents`) when that block holds every one of them, each with this insert's
+        content (`_same_content`); None otherwise. One lookup."""
+        with storage_errors("read the turn's messages"):
+            there = await self._messages.find(
+                {"conversation_id": plan.conversation_id,
+                 "_id": {"$in": [d["_id"] for d in documents]}}
+            ).to_list(None)  # fmt: skip
+        by_id = {d["_id"]: d for d in there}
+        held = [by_id.get(d["_id"]) for d in documents]
+        whole = all(
+            found is not None
+            and int(found["seq"]) == int(d["seq"]) + shift
+            and _same_content(found, d)
+            for found, d in zip(held, documents, strict=True)
+        )
+        return [d for d in held if d is not None] if whole else None
 
     async def _left(self, plan: TurnPlan, first: int, other: int) -> tuple[bool, bool]:
         """Whether the block starting at `other`, or this attempt's at `first`, is one the
