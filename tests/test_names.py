@@ -277,14 +277,20 @@ async def _named_by_a_turn_never_stored(backend: Backend) -> AgentMessageLogger:
     return logger
 
 
+async def _popped_empty(backend: Backend) -> ConversationStore:
+    """A person pops both messages the stored turn "t2" left: no message is stored."""
+    store = ConversationStore(backend.db, rules=COUNTED)
+    await store.pop_last_message(CID)
+    await store.pop_last_message(CID)
+    return store
+
+
 async def test_pops_leaving_no_message_take_back_a_name_no_stored_message_gives(
     backend: Backend,
 ) -> None:
     logger = await _named_by_a_turn_never_stored(backend)
-    store = ConversationStore(backend.db, rules=COUNTED)
 
-    await store.pop_last_message(CID)
-    await store.pop_last_message(CID)
+    await _popped_empty(backend)
     emptied = await name_of(backend)
     await logger.log_messages(CID, [user("new topic"), answer()], turn_id="t3")
 
@@ -461,9 +467,7 @@ async def test_a_moved_turn_names_a_conversation_pops_left_unnamed(backend: Back
     """Pops leave no message and take the automatic name back; the lost turn's retry, moved
     to the end, is then the first stored user text and names the conversation."""
     logger = await _named_by_a_turn_never_stored(backend)
-    store = ConversationStore(backend.db, rules=COUNTED)
-    await store.pop_last_message(CID)
-    await store.pop_last_message(CID)
+    await _popped_empty(backend)
 
     await logger.log_messages(CID, [user("secret draft question"), answer()], turn_id="t-lost")
 
@@ -474,9 +478,7 @@ async def test_a_moved_turn_never_names_a_conversation_a_person_left_unnamed(
     backend: Backend,
 ) -> None:
     logger = await _named_by_a_turn_never_stored(backend)
-    store = ConversationStore(backend.db, rules=COUNTED)
-    await store.pop_last_message(CID)
-    await store.pop_last_message(CID)
+    store = await _popped_empty(backend)
     await store.rename(CID, "Drafts")
 
     await logger.log_messages(CID, [user("secret draft question"), answer()], turn_id="t-lost")
