@@ -471,6 +471,29 @@ async def test_a_lone_surrogate_is_refused_naming_its_field_even_beside_a_wide_n
     assert await backend.db["agent_messages"].count_documents({}) == 0
 
 
+@pytest.mark.parametrize(
+    ("metadata", "where"),
+    [
+        pytest.param({"\ud800k": 1}, "response_metadata", id="a-key"),
+        pytest.param({"a": [{"\udfffk": "v"}]}, "response_metadata.a.0", id="a-nested-key"),
+        pytest.param({"a": {"\ud800k": float("nan")}}, "response_metadata.a", id="beside-nan"),
+    ],
+)  # fmt: skip
+async def test_a_key_holding_a_lone_surrogate_is_refused_naming_where_it_is(
+    backend: Backend, metadata: dict[str, Any], where: str
+) -> None:
+    """A key is text as a value is: never the serializer's own words about a codec."""
+    history = ConversationChatHistory(CID, backend.db, user_id="u-1")
+
+    with pytest.raises(InvalidInput) as refused:
+        await history.aadd_messages(_said(metadata))
+
+    words = str(refused.value)
+    assert words.startswith(f"invalid message 1 (ai): {where}: a key holds a lone UTF-16 ")
+    assert "codec" not in words
+    assert await backend.db["agent_messages"].count_documents({}) == 0
+
+
 class _Opaque:
     """A value of no JSON type, which no JSON text keeps."""
 

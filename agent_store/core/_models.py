@@ -467,7 +467,7 @@ def _native_keys(value: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
-def _lone_surrogate(value: Any) -> tuple[tuple[str | int, ...], str] | None:
+def lone_surrogate(value: Any) -> tuple[tuple[str | int, ...], str] | None:
     """Where in a JSON value the first text holding a UTF-16 surrogate alone is (`joined_text`:
     a pair split in two is no such text), keys too, and what is wrong; None if nowhere. One
     walk without recursion; a text is encoded only when it is not ASCII."""
@@ -501,7 +501,7 @@ def _text_refusal(text: str) -> str | None:
 
 def _refuse_lone_surrogate(value: Any) -> None:
     """ValidationError naming the path, within the value, of a text that is no text."""
-    if (found := _lone_surrogate(value)) is not None:
+    if (found := lone_surrogate(value)) is not None:
         where, refusal = found
         error = PydanticCustomError("lone_surrogate", "{refusal}", {"refusal": refusal})
         details = InitErrorDetails(type=error, loc=where, input=value)
@@ -545,9 +545,9 @@ def _json_text_refusal(value: Any) -> str | None:
     try:
         _plain_json(spelt, unheld_refused=True)
     except _UnheldNumber:
-        # Its strings, keys too, as a value's (`_lone_surrogate`): an escape of a half alone
+        # Its strings, keys too, as a value's (`lone_surrogate`): an escape of a half alone
         # spells no text.
-        found = _lone_surrogate(spelt)
+        found = lone_surrogate(spelt)
         return None if found is None else f"spells one that cannot be kept: {found[1]}"
     except ValueError as exc:
         return f"spells one that cannot be kept: {exc}"

@@ -20,6 +20,8 @@ from agent_store.core import (
     InvalidInput,
     NativeForm,
     describe_validation_error,
+    location_text,
+    lone_surrogate,
     shown_key,
 )
 
@@ -56,7 +58,13 @@ def runtime_json(dumped: Any, *, subject: str, fallback: Callable[[Any], Any] | 
     try:
         return to_jsonable_python(dumped, inf_nan_mode="constants", fallback=fallback)
     except (PydanticSerializationError, ValueError, RecursionError) as exc:
-        # UnicodeDecodeError (bytes that are no UTF-8 text) is a ValueError.
+        # UnicodeDecodeError (bytes that are no UTF-8 text) is a ValueError; so is a key
+        # holding half of a character alone, named by where it is.
+        if (found := lone_surrogate(dumped)) is not None:
+            path, refusal = found
+            raise InvalidInput(
+                f"invalid {subject}: {location_text(path) or '<value>'}: {refusal}"
+            ) from exc
         raise InvalidInput(f"invalid {subject}: values must be JSON values only ({exc})") from exc
 
 
