@@ -283,6 +283,21 @@ def test_every_format_character_shows_nothing() -> None:
     assert not shows_nothing("\u200ba\u200b")
 
 
+# Unicode's Default_Ignorable_Code_Point (DerivedCoreProperties.txt, Unicode 15.1), which
+# Python's unicodedata does not expose: reserved code points among them show nothing either.
+DEFAULT_IGNORABLE = (
+    (0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160), (0x17B4, 0x17B5),
+    (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164),
+    (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0x1BCA0, 0x1BCA3),
+    (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF),
+)  # fmt: skip
+
+
+def test_every_default_ignorable_code_point_shows_nothing() -> None:
+    ignorable = [chr(c) for first, last in DEFAULT_IGNORABLE for c in range(first, last + 1)]
+    assert [f"U+{ord(c):04X}" for c in ignorable if not shows_nothing(c)] == []
+
+
 def test_a_user_message_holding_no_marker_is_stored_as_it_is_without_a_copy() -> None:
     """The turn's hot path: every text of a user message is looked at, none copied."""
     (message,) = parse_messages([{
