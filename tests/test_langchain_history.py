@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from functools import reduce
 from typing import Any
 
 import bson
@@ -40,7 +41,7 @@ from agent_store import (
     TurnRules,
     Unsupported,
 )
-from agent_store.core import DENIED_RESULT, FAILED_RESULT, INTERRUPTED_RESULT
+from agent_store.core import DENIED_RESULT, FAILED_RESULT, INTERRUPTED_RESULT, MAX_PARAMS_DEPTH
 from agent_store.integrations.langchain import ConversationChatHistory, message_from_langchain
 from agent_store.store import MESSAGES
 from tests.conftest import COUNTED, Backend, CommandLog
@@ -491,6 +492,34 @@ async def test_a_key_holding_a_lone_surrogate_is_refused_naming_where_it_is(
     words = str(refused.value)
     assert words.startswith(f"invalid message 1 (ai): {where}: a key holds a lone UTF-16 ")
     assert "codec" not in words
+    assert await backend.db["agent_messages"].count_documents({}) == 0
+
+
+def _holding_itself() -> list[Any]:
+    looped: list[Any] = []
+    looped.append(looped)
+    return looped
+
+
+@pytest.mark.parametrize(
+    ("metadata", "where"),
+    [
+        pytest.param({"l": _holding_itself()}, "response_metadata", id="a-list-holding-itself"),
+        pytest.param({"d": reduce(lambda inner, _: {"k": inner}, range(200), {})},
+                     "response_metadata", id="nested-200-levels"),
+    ],
+)  # fmt: skip
+async def test_a_value_nested_too_deep_or_holding_itself_is_refused_not_walked_for_ever(
+    backend: Backend, metadata: dict[str, Any], where: str
+) -> None:
+    history = ConversationChatHistory(CID, backend.db, user_id="u-1")
+
+    with pytest.raises(InvalidInput) as refused:
+        await asyncio.wait_for(history.aadd_messages(_said(metadata)), timeout=30)
+
+    words = str(refused.value)
+    assert words.startswith(f"invalid message 1 (ai): {where}: ")
+    assert f"nest deeper than {MAX_PARAMS_DEPTH} levels" in words
     assert await backend.db["agent_messages"].count_documents({}) == 0
 
 

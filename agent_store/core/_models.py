@@ -470,10 +470,13 @@ def _native_keys(value: dict[str, Any]) -> dict[str, Any]:
 def lone_surrogate(value: Any) -> tuple[tuple[str | int, ...], str] | None:
     """Where in a JSON value the first text holding a UTF-16 surrogate alone is (`joined_text`:
     a pair split in two is no such text), keys too, and what is wrong; None if nowhere. One
-    walk without recursion; a text is encoded only when it is not ASCII."""
+    walk without recursion; a text is encoded only when it is not ASCII. It goes no deeper
+    than a value may nest (deeper is refused for that), so a value holding itself ends."""
     pending: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
     while pending:
         where, item = pending.pop()
+        if len(where) > MAX_PARAMS_DEPTH + 2:
+            continue
         if isinstance(item, str):
             refusal = _text_refusal(item)
             if refusal is not None:

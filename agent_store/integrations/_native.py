@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from agent_store.core import (
+    MAX_PARAMS_DEPTH,
     AgentMessage,
     InvalidInput,
     NativeForm,
@@ -50,11 +51,8 @@ def runtime_json(dumped: Any, *, subject: str, fallback: Callable[[Any], Any] | 
     of a subclass (an enum of them) the plain value, as LangChain's own `dumpd` writes them.
     Raises InvalidInput naming `subject` (the message), and the field when it is known."""
     if fallback is None and (changed := _changed(dumped)) is not None:
-        where, kind = changed
-        raise InvalidInput(
-            f"invalid {subject}: {where}: values must be JSON values only: a {kind} would not "
-            "come back as it is"
-        )
+        where, wrong = changed
+        raise InvalidInput(f"invalid {subject}: {where}: {wrong}")
     try:
         return to_jsonable_python(dumped, inf_nan_mode="constants", fallback=fallback)
     except (PydanticSerializationError, ValueError, RecursionError) as exc:
@@ -70,24 +68,31 @@ def runtime_json(dumped: Any, *, subject: str, fallback: Callable[[Any], Any] | 
 
 def _changed(value: Any) -> tuple[str, str] | None:
     """Where in `value` (a dumped form, keyed by field) the first value is that its JSON
-    text would not give back as it is, and what it is; None if nothing. One walk without
-    recursion, in the order the value is written."""
-    pending: list[tuple[str, Any]] = [("", value)]
+    text would not give back as it is, and what is wrong; None if nothing. One walk without
+    recursion, in the order the value is written, no deeper than a stored value may nest
+    (`MAX_PARAMS_DEPTH` below the field): a value holding itself ends there too."""
+    pending: list[tuple[str, Any, int]] = [("", value, 0)]
     while pending:
-        where, item = pending.pop()
+        where, item, depth = pending.pop()
+        if depth > MAX_PARAMS_DEPTH + 1:
+            return where.partition(".")[0], f"values nest deeper than {MAX_PARAMS_DEPTH} levels"
         if isinstance(item, dict):
             for key in item:
                 if not isinstance(key, str):
-                    return where or "<key>", f"key of type {type(key).__name__}"
+                    return where or "<key>", _not_back(f"key of type {type(key).__name__}")
             inner = [(f"{where}.{shown_key(key)}".lstrip("."), item[key]) for key in item]
         elif isinstance(item, list | tuple):
             inner = [(f"{where}.{index}".lstrip("."), each) for index, each in enumerate(item)]
         elif item is None or isinstance(item, str | int | float):
             continue
         else:
-            return where or "<value>", f"value of type {type(item).__name__}"
-        pending.extend(reversed(inner))
+            return where or "<value>", _not_back(f"value of type {type(item).__name__}")
+        pending.extend((at, each, depth + 1) for at, each in reversed(inner))
     return None
+
+
+def _not_back(kind: str) -> str:
+    return f"values must be JSON values only: a {kind} would not come back as it is"
 
 
 def native_difference(
