@@ -1175,6 +1175,69 @@ async def test_a_conversation_the_guest_starts_between_the_claims_two_moves_keep
     assert [m.content for m in await store.transcript("c-old", user_id=NEW_OWNER)] == ["hi"]
 
 
+@pytest.mark.parametrize(
+    "between",
+    ["_conversations", "_messages"],
+    ids=["after-the-conversations-move", "as-the-messages-are-handed-over"],
+)
+async def test_two_claims_chained_at_once_leave_the_messages_with_their_conversations_holder(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, between: str
+) -> None:
+    """bob's account is claimed by alice while alice's is claimed by carol: the second claim
+    runs whole within the first one, taking bob's conversation on to carol. The first claim's
+    messages follow the conversation where it is now: carol's (its last sweep hands on those it
+    gave alice just as the conversation moved on)."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=NO_GRACE)
+    await logger.log_messages("conv-b", [{"role": "user", "content": "bob's question"},
+                                         {"role": "assistant", "content": "bob's answer"}],
+                              user_id="bob", turn_id="t1")  # fmt: skip
+    collection = getattr(store, between)
+    move = collection.update_many
+    chained: list[Any] = []
+
+    async def the_next_claim_there(*args: Any, **kwargs: Any) -> Any:
+        if between == "_messages" and not chained:
+            chained.append(None)  # the second claim's own moves go through as they are
+            chained[0] = await store.claim("alice", "carol")
+        moved = await move(*args, **kwargs)
+        if not chained:
+            chained.append(None)
+            chained[0] = await store.claim("alice", "carol")
+        return moved
+
+    monkeypatch.setattr(collection, "update_many", the_next_claim_there)
+    first = await store.claim("bob", "alice")
+
+    assert (await store.get_conversation("conv-b")).user_id == "carol"
+    seen = await store.transcript("conv-b", user_id="carol")
+    assert [(m.content, m.user_id) for m in seen] == [
+        ("bob's question", "carol"), ("bob's answer", "carol"),
+    ]  # fmt: skip
+    assert (first.messages, chained[0].conversations) == (2, 1)
+
+
+async def test_a_claims_messages_never_follow_a_deleted_life_into_another_users_conversation(
+    backend: Backend,
+) -> None:
+    """bob deleted "cx" and dave started "cx" again; a late message of bob's life naming bob
+    stands under the id. A claim of bob's account leaves it where it is: never dave's."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db, rules=NO_GRACE)
+    await logger.log_messages("cx", [{"role": "user", "content": "bob's secret"}],
+                              user_id="bob", turn_id="o0")  # fmt: skip
+    late = await backend.db[MESSAGES].find_one({"conversation_id": "cx"})
+    assert late is not None
+    await store.delete("cx", user_id="bob")
+    await logger.log_messages("cx", [{"role": "user", "content": "dave's"}], user_id="dave")
+    await backend.db[MESSAGES].insert_one({**late, "_id": "late-old", "seq": 5})
+
+    claimed = await store.claim("bob", "alice")
+
+    assert claimed.messages == 0
+    assert [m.content for m in await store.transcript("cx", user_id="dave")] == ["dave's"]
+    assert (await backend.db[MESSAGES].find_one({"_id": "late-old"}) or {})["user_id"] == "bob"
+
+
 async def _owners_second_turn_in_flight(
     logger: AgentMessageLogger,
     slow: AgentMessageLogger,

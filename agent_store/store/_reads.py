@@ -1916,6 +1916,9 @@ class ConversationStore:
         if conversations.modified_count:
             await self._grace()
             late = await self._move_claimed_messages(from_user_id, to_user_id)
+            # A claim of the new owner's own account, chained at once, may have moved a
+            # conversation on just as these messages were handed to the new owner (counted).
+            await self._hand_to_holders(to_user_id)
         return Claimed(
             conversations=conversations.modified_count,
             messages=messages + late,
@@ -1924,9 +1927,10 @@ class ConversationStore:
 
     async def _move_claimed_messages(self, from_user_id: str, to_user_id: str) -> int:
         """Move to the new owner the messages, and the documents beside the conversations,
-        still under the old owner in conversations the new owner holds; answer how many
-        messages. Run as the claim moved the conversations, and as its last sweep
-        `claim_grace` later (a turn slower than that moves its own).
+        still under the old owner in conversations the new owner holds (or a claim chained at
+        once moved on: `_move_claimed`); answer how many messages. Run as the claim moved the
+        conversations, and as its last sweep `claim_grace` later (a turn slower than that
+        moves its own).
 
         Scoped to the conversations, not to the old owner: a conversation the old owner
         started after the claim moved the conversations stays its own, with its messages;
@@ -1934,12 +1938,15 @@ class ConversationStore:
         being listed before. Which conversations is asked of the messages' conversation
         ids, `CLAIM_CHUNK` at a time, so each command stays small.
         """
-        moved = await self._move_claimed(
-            self._messages, "conversation_id", from_user_id, to_user_id
-        )
+        return await self._hand_to_holders(from_user_id) + await self._hand_over_unowned(to_user_id)
+
+    async def _hand_to_holders(self, user_id: str) -> int:
+        """The messages, and the documents beside them, naming `user_id` in conversations
+        another user holds moved to that user (`_move_claimed`); answer how many messages."""
+        moved = await self._move_claimed(self._messages, "conversation_id", user_id)
         for collection in self._beside:
-            await self._move_claimed(collection, "thread_id", from_user_id, to_user_id)
-        return moved + await self._hand_over_unowned(to_user_id)
+            await self._move_claimed(collection, "thread_id", user_id)
+        return moved
 
     async def _hand_over_unowned(self, to_user_id: str) -> int:
         """Move to `to_user_id` the messages naming no owner in the conversations it holds that
@@ -1972,22 +1979,37 @@ class ConversationStore:
         return int(result.modified_count)
 
     async def _move_claimed(
-        self, collection: Any, conversation_field: str, from_user_id: str, to_user_id: str
+        self, collection: Any, conversation_field: str, from_user_id: str
     ) -> int:
         """`_move_claimed_messages` in one collection whose documents name their conversation
-        in `conversation_field`; answer how many documents moved."""
+        in `conversation_field`; answer how many documents moved.
+
+        Each goes to the user holding its conversation now: the new owner, or whoever a claim
+        chained at once (the new owner's own, between this claim's two moves) handed it to:
+        a conversation holding documents of the old owner that another user holds is one a
+        claim moved (the migration stamps a conversation's messages with its owner). Only
+        its life's (its `epoch`, or none: written before epochs were), never a late one of a
+        conversation deleted under the id and started again by someone else."""
         moved = 0
         with storage_errors("claim the conversations"):
             written = await collection.distinct(conversation_field, {"user_id": from_user_id})
             for start in range(0, len(written), CLAIM_CHUNK):
-                claimed = await self._conversations.distinct(
-                    "_id",
-                    {"_id": {"$in": written[start : start + CLAIM_CHUNK]}, "user_id": to_user_id},
+                held = self._conversations.find(
+                    {
+                        "_id": {"$in": written[start : start + CLAIM_CHUNK]},
+                        "user_id": {"$nin": [from_user_id, None]},
+                    },
+                    {"user_id": 1, "epoch": 1},
                 )
-                if claimed:
+                lives: dict[str, list[dict[str, Any]]] = {}
+                async for conversation in held:
+                    life = {"$in": [conversation.get("epoch"), None]}
+                    lives.setdefault(conversation["user_id"], []).append(
+                        {conversation_field: conversation["_id"], "epoch": life}
+                    )
+                for holder, of_holder in lives.items():
                     result = await collection.update_many(
-                        {"user_id": from_user_id, conversation_field: {"$in": claimed}},
-                        {"$set": {"user_id": to_user_id}},
+                        {"$or": of_holder, "user_id": from_user_id}, {"$set": {"user_id": holder}}
                     )
                     moved += result.modified_count
         return moved
