@@ -1986,6 +1986,85 @@ def test_a_legacy_turn_holding_a_counter_under_a_conversations_id_is_never_writt
 
 
 @pytest.mark.wire
+@pytest.mark.parametrize("counters", COUNTER_CLASHES.values(), ids=list(COUNTER_CLASHES))
+def test_a_legacy_turn_holding_a_counter_holds_back_the_conversation_it_names(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    counters: dict[str, Any],
+) -> None:
+    """A legacy turn holding a counter holds back the conversation it would belong to, as one
+    under a conversation's `_id` does: no run migrates c-1 from its other turns alone (no
+    document, no message: the service reads it from its legacy turns and refuses its writes),
+    `run`, `verify` and `finish` name it and exit 1; once an operator takes the counter off, a run
+    migrates c-1 whole, the turn in its place."""
+    held = legacy_turn("t-2", "c-1", 1, "«m7»") | counters
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-1", 0, "«m6»"), held, legacy_turn("t-3", "c-1", 2, "«m8»")]
+    )
+
+    for command in ("run", "verify", "finish"):
+        assert cli(wire_uri, database, command) == 1, command
+        said = capsys.readouterr().out
+        assert "'t-2'" in said, (command, said)
+        assert "hold back conversations 'c-1'" in said, (command, said)
+        assert database[CONVERSATIONS].find_one({"_id": "c-1"}) is None
+        assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) == 0
+
+    database[CONVERSATIONS].update_one({"_id": "t-2"}, {"$unset": dict.fromkeys(counters, "")})
+    assert cli(wire_uri, database, "run") == 0
+    stored = database[MESSAGES].find({"conversation_id": "c-1"}, sort=[("seq", 1)])
+    assert (
+        MARK.findall(" ".join(m["content"] for m in stored))
+        == ["«m6»"] * 2 + ["«m7»"] * 2 + ["«m8»"] * 2
+    )
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("counters", COUNTER_CLASHES.values(), ids=list(COUNTER_CLASHES))
+def test_a_moved_turn_gaining_a_counter_leaves_its_migrated_conversation_as_it_is(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    counters: dict[str, Any],
+) -> None:
+    """A legacy turn moved aside that gains a counter since is no turn of its conversation any
+    more, yet holds it back: the next run neither removes the conversation it alone made (its
+    document and messages) nor moves its messages out of the one it shares; `verify` and
+    `finish` exit 1 until an operator takes the counter off, and a run changes nothing then."""
+    database[CONVERSATIONS].insert_many(
+        [
+            legacy_turn("t-1", "c-1", 0, "«m1»"),
+            legacy_turn("t-2", "c-1", 1, "«m2»"),
+            legacy_turn("t-3", "c-2", 2, "«m3»"),
+        ]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    before = stored_messages(database), list(database[CONVERSATIONS].find({}, sort=[("_id", 1)]))
+    for turn in ("t-2", "t-3"):
+        database[LEGACY_TURNS].update_one({"_id": turn}, {"$set": counters})
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 1
+    said = capsys.readouterr().out
+    assert "'t-2'" in said
+    assert summary(said).get("conversations no legacy turn makes now removed", 0) == 0
+    after = stored_messages(database), list(database[CONVERSATIONS].find({}, sort=[("_id", 1)]))
+    assert after == before
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+
+    for turn in ("t-2", "t-3"):
+        database[LEGACY_TURNS].update_one({"_id": turn}, {"$unset": dict.fromkeys(counters, "")})
+    assert cli(wire_uri, database, "run") == 0
+    assert stored_messages(database) == before[0]
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
 def test_a_conversation_document_given_a_legacy_turns_field_after_the_plan_is_not_written_over(
     wire_uri: str, database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
