@@ -68,6 +68,7 @@ from agent_store.store import (
 from migrations import full_texts
 from migrations.bounds import Bounds, bounded
 from migrations.keys import id_key, identity
+from migrations.relocate import CONVERSATION_FILTER
 from migrations.transcript import not_held
 
 
@@ -570,7 +571,12 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
     if not wanted:
         return planned
     ids = [item.conversion.conversation_id for item in wanted]
-    existing = {d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": ids}})}
+    # Conversation documents only: before the move (a dry run) `agent_conversations` holds
+    # the legacy turns too, and a turn whose `_id` is another conversation's id is no
+    # document of that one (one holding a counter as well is neither, and read: it holds
+    # the conversation back).
+    query = {"_id": {"$in": ids}, **CONVERSATION_FILTER}
+    existing = {d["_id"]: d for d in db[CONVERSATIONS].find(query)}
     taken = _taken(db, [item.conversion for item in wanted])
     next_free = _next_free_seq(db, ids)
     carried = carried_epochs(db, ids)

@@ -280,8 +280,12 @@ def test_a_dry_run_predicts_exactly_what_the_run_does(
 ) -> None:
     """The dry run prints the very summary the run prints: after a partial run, and before
     the move too (reading the turns where they are then), pending prompts included: one a
-    conversation takes is no orphan, one of a conversation without turns is."""
+    conversation takes is no orphan, one of a conversation without turns is; a legacy turn
+    whose `_id` is another conversation's id is no stored document of that one."""
     database[CONVERSATIONS].insert_many(corpus(4))
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("7", "c-42", 0, "A"), legacy_turn("t-7", "7", 1, "B")]
+    )
     seed_mess(database, NOT_AN_IDENTIFIER, "mess-undated")
     database[SESSION_HITL].insert_many(
         [{"conversation_id": cid, "request_id": f"r-{n}", "action": "confirm",
