@@ -6744,6 +6744,54 @@ def test_an_erased_users_words_never_stay_as_the_name_of_a_conversation_written_
     assert "msg-gone" in capsys.readouterr().out
 
 
+ERASED_NAMES = {
+    "none left": ([], ("«OWNER» question", "auto")),
+    "the owner's": (
+        [legacy_turn("t-0", "c-1", 0, "«FIRST»") | {"name": "«OWNER» trip"}],
+        ("«OWNER» trip", "runtime"),
+    ),
+}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(("before", "after"), ERASED_NAMES.values(), ids=list(ERASED_NAMES))
+def test_an_erased_users_turn_name_never_stays_on_a_conversation_written_live_since(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    before: list[dict[str, Any]],
+    after: tuple[str, str],
+) -> None:
+    """MIGRATION.md's `mixed_user_ids` remedy retakes a name the erased user's turn gave as
+    its own `name` (a runtime name) as it retakes an automatic one: on a document a live
+    turn wrote to since too, and on its dual-written copy (which holds the conversation's
+    name): the name the turns left give (a turn's own name, else the first stored user
+    text), and the erased user's words nowhere."""
+    database[CONVERSATIONS].insert_many(
+        [
+            *before,
+            legacy_turn("t-1", "c-1", 1, "«A»") | {"user_id": "u-a", "name": "«SECRET» trip"},
+            legacy_turn("t-2", "c-1", 2, "«OWNER»"),
+        ]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"})["name"] == "«SECRET» trip"  # type: ignore[index]
+    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»", dual_write=True)
+    _as_a_person(wire_uri, database, lambda s: s.erase_user("u-a"))
+
+    assert cli(wire_uri, database, "run") == 0
+    document = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert document is not None
+    assert (document["name"], document["name_source"]) == after
+    [copy] = database[LEGACY_TURNS].find({"dual_write": True})
+    assert copy["name"] == after[0]  # a rollback brings no erased words back
+    for name in (CONVERSATIONS, LEGACY_TURNS):
+        assert "SECRET" not in json.dumps(list(database[name].find()), default=str), name
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
+    assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
+
+
 OLD_SERVICE_COPY_EDITS = {
     "re-filed under another conversation": {"conversation_id": "c-2"},
     "dated before the legacy turns": {"created_at": datetime(2023, 12, 31, tzinfo=UTC)},
