@@ -56,6 +56,7 @@ from migrations import full_texts
 from migrations import problems as problem_report
 from migrations.errors import MigrationError
 from migrations.explode import LEGACY_FILTER, Explosion, batches, dropped_at, turns_made_of
+from migrations.relocate import held_back
 from migrations.writes import (
     NO_TURN_FIELD,
     holds_turn_fields,
@@ -222,11 +223,14 @@ def chunks(db: Database[dict[str, Any]], *, documents: bool = True) -> Iterator[
     """The abandoned conversations, a chunk of `CHUNK` conversation documents at a time
     (unless not `documents`); then the migration's messages no conversation document of
     theirs holds (`_not_held`): those whose document is gone, and those past the count of a
-    document of another life (`_of_earlier_lives`)."""
+    document of another life (`_of_earlier_lives`). None a document no run reads holds back
+    (`relocate.held_back`: a legacy turn gaining a counter since is still its conversation's,
+    which no legacy turn may seem to make now)."""
+    held = held_back(db)
     if documents:
         for chunk in batches(iter(db[CONVERSATIONS].find({}, _READ).sort("_id", 1)), CHUNK):
-            yield _abandoned(db, chunk)
-    for found in batches(_not_held(db), CHUNK):
+            yield _abandoned(db, [d for d in chunk if d["_id"] not in held])
+    for found in batches(_not_held(db, held), CHUNK):
         gone: list[Mapping[str, Any]] = [{"_id": cid} for cid, d in found if d is None]
         if gone:
             yield _abandoned(db, gone, stored=False)
@@ -236,7 +240,7 @@ def chunks(db: Database[dict[str, Any]], *, documents: bool = True) -> Iterator[
 
 
 def _not_held(
-    db: Database[dict[str, Any]],
+    db: Database[dict[str, Any]], held: set[str]
 ) -> Iterator[tuple[str, Mapping[str, Any] | None]]:
     """The conversations holding a message of the migration's that no conversation document
     of theirs holds: with no document (a run wrote their messages after a person deleted
@@ -256,7 +260,7 @@ def _not_held(
     for chunk in batches(grouped, CHUNK):
         ids = [g["_id"] for g in chunk]
         stored = {d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": ids}}, _READ)}
-        for g in chunk:
+        for g in (g for g in chunk if g["_id"] not in held):
             document = stored.get(g["_id"])
             if document is None:
                 yield g["_id"], None

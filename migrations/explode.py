@@ -80,7 +80,7 @@ from migrations.errors import Misuse
 from migrations.keys import id_key, identity
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.order import Ranges, plan_ranges, range_ids, spread_ids
-from migrations.relocate import TURN_FILTER
+from migrations.relocate import TURN_FILTER, held_back
 from migrations.writes import ALREADY_LIVE, Converted, is_migrated
 
 LEGACY_FILTER: dict[str, Any] = TURN_FILTER
@@ -707,6 +707,9 @@ class Explosion:
         self.started = time.monotonic()
         self.undated_at = undated_time(db, record=not options.dry_run)
         self.earlier_problems = db[problem_report.PROBLEMS].find_one({}, {"_id": 1}) is not None
+        self.held_back = held_back(db)
+        """The conversations documents no run reads hold back (`relocate.held_back`): read,
+        counted, and left as they are, nothing of them planned, written or recorded."""
 
     # -- the run record ------------------------------------------------------------------
 
@@ -819,6 +822,8 @@ class Explosion:
             self.db, ids, self.rules, source=self.source, undated_at=self.undated_at
         )
         before = self._count_read(converted, failed, turns)
+        converted = [c for c in converted if c.conversion.conversation_id not in self.held_back]
+        failed = [p for p in failed if p.conversation_id not in self.held_back]
         found = list(failed)
         for item in converted:
             found += item.conversion.problems

@@ -30,7 +30,6 @@ from pymongo.database import Database
 from agent_store.core import AgentMessage
 from agent_store.legacy import (
     CONVERSATION_COUNTERS,
-    LEGACY_TURNS,
     MIXED_USER_IDS,
     LegacyConversion,
     Problem,
@@ -39,7 +38,7 @@ from agent_store.store import CONVERSATIONS, MESSAGES, MIGRATING, TurnRules, wit
 from migrations import abandoned, dual_writes, full_texts, orphan_prompts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
-from migrations.relocate import CONVERSATION_FILTER, NEITHER_FILTER
+from migrations.relocate import UNREAD, held_back
 from migrations.verify import compare, name_reasons
 from migrations.writes import (
     ALREADY_LIVE,
@@ -539,9 +538,9 @@ def unread_documents(db: Database[dict[str, Any]]) -> list[WorkLeft]:
     `agent_conversations`, any holding those counters and a field only a legacy turn holds
     (neither a turn, which the move would take, nor a conversation document: no run writes a
     conversation over it, `writes.NO_TURN_FIELD`, so one under a conversation's id holds
-    that conversation back)."""
+    that conversation back), and the conversations they hold back (`relocate.held_back`)."""
     left: list[WorkLeft] = []
-    for name, query in ((LEGACY_TURNS, CONVERSATION_FILTER), (CONVERSATIONS, NEITHER_FILTER)):
+    for name, query in UNREAD:
         ids = [d["_id"] for d in db[name].find(query, {"_id": 1}).limit(SHOWN)]
         if not ids:
             continue
@@ -556,6 +555,13 @@ def unread_documents(db: Database[dict[str, Any]]) -> list[WorkLeft]:
                     "them, then `run` again"
                 ],
             )
+        )
+    held = sorted(held_back(db)) if left else []
+    if held:
+        shown = ", ".join(map(repr, held[:SHOWN])) + (", …" if len(held) > SHOWN else "")
+        left[-1].reasons.append(
+            f"they hold back conversations {shown}: no run migrates, changes or removes any of "
+            "them until then"
         )
     return left
 

@@ -20,7 +20,13 @@ import bson
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError, OperationFailure
 
-from agent_store.legacy import CONVERSATION_COUNTERS, LEGACY_TURNS, TURN_ONLY_FIELDS
+from agent_store.core import InvalidInput
+from agent_store.legacy import (
+    CONVERSATION_COUNTERS,
+    LEGACY_TURNS,
+    TURN_ONLY_FIELDS,
+    stored_conversation_id,
+)
 from agent_store.store import CONVERSATIONS, only_duplicates
 from migrations.errors import MigrationError, WorkLeft
 from migrations.keys import identity
@@ -41,6 +47,33 @@ NEITHER_FILTER: dict[str, Any] = {
 }
 """Documents of `agent_conversations` holding a conversation document's counters and a field
 only a legacy turn holds: neither, so nothing moves or converts them."""
+UNREAD: tuple[tuple[str, dict[str, Any]], ...] = (
+    (LEGACY_TURNS, CONVERSATION_FILTER),
+    (CONVERSATIONS, NEITHER_FILTER),
+)
+"""Where documents no run reads stand, by collection: in the legacy collection, any that is
+not a legacy turn (it holds a conversation document's counters); in `agent_conversations`,
+any that is neither a turn nor a conversation document (`NEITHER_FILTER`)."""
+
+
+def held_back(db: Database[dict[str, Any]]) -> set[str]:
+    """The conversations no run writes, removes or changes while a document no run reads
+    (`UNREAD`) is there: the one whose `_id` it holds, and the one it would belong to as a
+    turn (its `conversation_id`, named as a run stores its turns, `stored_conversation_id`).
+    Migrated without it, a conversation would be served without its words and opened to
+    live turns, or lose its migrated messages; so it waits, whole, until an operator moves
+    or corrects the document, and the next run migrates it with the turn in its place. One
+    read of each collection a run (few such documents stand: each is named as work left)."""
+    held: set[str] = set()
+    for name, query in UNREAD:
+        for document in db[name].find(query, {"_id": 1, "conversation_id": 1}):
+            if name == CONVERSATIONS and isinstance(document["_id"], str):
+                held.add(document["_id"])
+            try:
+                held.add(stored_conversation_id(document))
+            except InvalidInput:  # an id no turn can be filed under: none is held by it
+                continue
+    return held
 
 
 @dataclass

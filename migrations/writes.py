@@ -47,6 +47,7 @@ from agent_store.legacy import (
     LegacyTurn,
     Problem,
     as_count,
+    sort_turns,
 )
 from agent_store.store import (
     CONVERSATIONS,
@@ -68,6 +69,7 @@ from agent_store.store import (
 from migrations import full_texts
 from migrations.bounds import Bounds, bounded
 from migrations.keys import id_key, identity
+from migrations.relocate import CONVERSATION_FILTER
 from migrations.transcript import not_held
 
 
@@ -111,6 +113,11 @@ class Planned:
     converted: dict[str, Converted] = field(default_factory=dict)
     """What each conversation it writes to converts to: a live turn since the plan makes it
     `conversation_already_live` (`apply`)."""
+    names_given: dict[str, str | None] = field(default_factory=dict)
+    """For each conversation some of whose migrated messages' turns no legacy turn makes now
+    (erased, deleted): the name its legacy turns give as their own (`name`, `_turns_name`;
+    None: none). A runtime name no legacy turn gives on a document a live turn wrote to
+    since was given by one of those turns, and is taken back (`_names_retaken`)."""
 
 
 @dataclass
@@ -570,7 +577,12 @@ def plan(db: Database[dict[str, Any]], batch: Sequence[Converted]) -> Planned:
     if not wanted:
         return planned
     ids = [item.conversion.conversation_id for item in wanted]
-    existing = {d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": ids}})}
+    # Conversation documents only: before the move (a dry run) `agent_conversations` holds
+    # the legacy turns too, and a turn whose `_id` is another conversation's id is no
+    # document of that one (one holding a counter as well is neither, and read: it holds
+    # the conversation back).
+    query = {"_id": {"$in": ids}, **CONVERSATION_FILTER}
+    existing = {d["_id"]: d for d in db[CONVERSATIONS].find(query)}
     taken = _taken(db, [item.conversion for item in wanted])
     next_free = _next_free_seq(db, ids)
     carried = carried_epochs(db, ids)
@@ -636,9 +648,7 @@ def _plan_one(
     for seq in [seq for seq in stored if seq not in at]:
         del stored[seq]  # a popped message's place: what holds it now is left as it is
     live = [d for d in past if not is_migrated(d.get("turn_id"))]
-    moved = [d["_id"] for d in foreign + past if is_migrated(d.get("turn_id"))]
-    if moved and not item.held:  # only the legacy turns' own conversion moves their messages
-        planned.moved[cid] = moved
+    _plan_moved(planned, item, foreign + past)
     for d in foreign:
         del stored[d["seq"]]
     document = wanted_document(conversion, found, (int(d["seq"]) for d in live), carried)
@@ -650,6 +660,28 @@ def _plan_one(
     _plan_messages(db, planned, conversion, stored, owner_after(found, document), gone)
     fills = cid in planned.moved or len(planned.messages) + len(planned.rewritten) > before
     _plan_document(planned, found, document, live, fills=fills)
+
+
+def _plan_moved(planned: Planned, item: Converted, stored: Sequence[dict[str, Any]]) -> None:
+    """The migration's messages among `stored` that the legacy turns no longer put there are
+    moved (only the legacy turns' own conversion moves their messages, not one of held
+    copies); when some are of a turn gone (erased, deleted), the name the turns left give
+    is noted (`Planned.names_given`)."""
+    ours = [d for d in stored if is_migrated(d.get("turn_id"))]
+    if not ours or item.held:
+        return
+    cid = item.conversion.conversation_id
+    planned.moved[cid] = [d["_id"] for d in ours]
+    kept = {m.turn_id for m in item.conversion.messages}
+    if any(d.get("turn_id") not in kept for d in ours):
+        planned.names_given[cid] = _turns_name(item.turns)
+
+
+def _turns_name(turns: Sequence[LegacyTurn]) -> str | None:
+    """The name legacy turns give as their own: the last one's whose name shows something,
+    as a conversation holds it (`LegacyTurn.shown_name`, the converter's rule)."""
+    named = [name for t in sort_turns(turns) if (name := t.shown_name()) is not None]
+    return named[-1] if named else None
 
 
 def _plan_document(
@@ -867,37 +899,73 @@ def apply(
     for batch in bounded(rewrites, [len(bson.encode(d)) for d in rewritten], bounds):
         db[MESSAGES].bulk_write(batch, ordered=False)
     applied.written += len(rewritten)
-    _names_retaken(db, [cid for cid in planned.moved if cid not in skipped], source)
+    _names_retaken(db, planned, [cid for cid in planned.moved if cid not in skipped], source)
     written = {cid: item for cid, item in writing.items() if cid not in skipped}
     _after_messages(db, planned, _turns_since(db, source, written), texts, applied)
     return applied
 
 
-def _names_retaken(db: Database[dict[str, Any]], ids: Sequence[str], source: str) -> None:
+def _names_retaken(
+    db: Database[dict[str, Any]], planned: Planned, ids: Sequence[str], source: str
+) -> None:
     """Retake, as the store does (`renamed`), the automatic name of each conversation whose
     messages the run removed (`Planned.moved`: a turn edited or erased since): a name whose
     message is no longer the first stored user text goes back to the one the stored
     messages give, else to none, in one update guarded by the message it was read with;
     even on a document a live turn wrote to since, which a run otherwise never rewrites (an
-    erased user's words would stay its name). The dual-written copies in `source` holding
-    the name it had take the new one (a rollback would bring the old one back). Reads and
+    erased user's words would stay its name). A runtime name a turn gone gave (`_given_by`)
+    on such a document is retaken alike. The dual-written copies in `source` holding the
+    name it had take the new one (a rollback would bring the old one back). Reads and
     writes for such conversations only."""
     fields = {"name": 1, "name_source": 1, "name_message_id": 1, "epoch": 1}
     for cid in ids:
-        found = db[CONVERSATIONS].find_one({"_id": cid}, fields | {"legacy_conversation_id": 1})
+        found = db[CONVERSATIONS].find_one(
+            {"_id": cid}, fields | {"legacy_conversation_id": 1, "turns": 1, "pops": 1}
+        )
         if found is None or holds_turn_fields(found):
             continue
-        names = renamed(found, _stored_name(db, cid, found.get("epoch")))
-        if not names:
+        query: dict[str, Any] = {"_id": cid}
+        update: Any = renamed(found, _stored_name(db, cid, found.get("epoch")))
+        if update:
+            update = [{"$set": update}]
+        elif (given := _given_by(db, planned, cid, found)) is not None:
+            query |= {"name": found.get("name"), "name_source": "runtime"}
+            update = given
+        else:
             continue
         after = db[CONVERSATIONS].find_one_and_update(
-            {"_id": cid}, [{"$set": names}], fields, return_document=ReturnDocument.AFTER
+            query, update, fields, return_document=ReturnDocument.AFTER
         )
         if after is None or after.get("name") == found.get("name"):
             continue
         named = [cid, *([found["legacy_conversation_id"]] * ("legacy_conversation_id" in found))]
         copies = {"conversation_id": {"$in": named}, "dual_write": True, "name": found["name"]}
         db[source].update_many(copies, {"$set": {"name": after.get("name")}})
+
+
+def _given_by(
+    db: Database[dict[str, Any]], planned: Planned, cid: str, found: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """The update taking back a runtime name (a turn's own `name`) that a turn gone gave: on
+    a document a live turn wrote to since (the run rewrote any other as its legacy turns
+    give it), one whose legacy turns lost some (`Planned.names_given`) and whose name none
+    of those left gives. It goes to the name they give, else to the automatic name the
+    stored messages give (`_stored_name`), else to none. None: nothing to take back. A
+    copy holds the conversation's name, so a name a live turn gave cannot be told from one
+    it carried: such a name goes too (the runtime's next turn names the conversation again);
+    a person's (`name_source` "set") never does."""
+    if cid not in planned.names_given or not written_since(found):
+        return None
+    given = planned.names_given[cid]
+    if found.get("name_source") != "runtime" or found.get("name") == given:
+        return None
+    if given is not None:
+        return {"$set": {"name": given, "name_source": "runtime"}}
+    named = _stored_name(db, cid, found.get("epoch"))
+    if named is None:
+        return {"$set": {"name": None, "name_source": None}, "$unset": {"name_message_id": ""}}
+    auto = {"name": named.name, "name_source": "auto", "name_message_id": named.message_id}
+    return {"$set": auto}
 
 
 def _stored_name(db: Database[dict[str, Any]], cid: str, epoch: Any) -> Named | None:

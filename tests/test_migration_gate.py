@@ -280,8 +280,12 @@ def test_a_dry_run_predicts_exactly_what_the_run_does(
 ) -> None:
     """The dry run prints the very summary the run prints: after a partial run, and before
     the move too (reading the turns where they are then), pending prompts included: one a
-    conversation takes is no orphan, one of a conversation without turns is."""
+    conversation takes is no orphan, one of a conversation without turns is; a legacy turn
+    whose `_id` is another conversation's id is no stored document of that one."""
     database[CONVERSATIONS].insert_many(corpus(4))
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("7", "c-42", 0, "A"), legacy_turn("t-7", "7", 1, "B")]
+    )
     seed_mess(database, NOT_AN_IDENTIFIER, "mess-undated")
     database[SESSION_HITL].insert_many(
         [{"conversation_id": cid, "request_id": f"r-{n}", "action": "confirm",
@@ -1983,6 +1987,85 @@ def test_a_legacy_turn_holding_a_counter_under_a_conversations_id_is_never_writt
     assert cli(wire_uri, database, "verify") == 0
     assert cli(wire_uri, database, "finish") == 0
     assert {"«m6»", "«m7»"} <= set(MARK.findall(kept_text(database)))
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("counters", COUNTER_CLASHES.values(), ids=list(COUNTER_CLASHES))
+def test_a_legacy_turn_holding_a_counter_holds_back_the_conversation_it_names(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    counters: dict[str, Any],
+) -> None:
+    """A legacy turn holding a counter holds back the conversation it would belong to, as one
+    under a conversation's `_id` does: no run migrates c-1 from its other turns alone (no
+    document, no message: the service reads it from its legacy turns and refuses its writes),
+    `run`, `verify` and `finish` name it and exit 1; once an operator takes the counter off, a run
+    migrates c-1 whole, the turn in its place."""
+    held = legacy_turn("t-2", "c-1", 1, "«m7»") | counters
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-1", 0, "«m6»"), held, legacy_turn("t-3", "c-1", 2, "«m8»")]
+    )
+
+    for command in ("run", "verify", "finish"):
+        assert cli(wire_uri, database, command) == 1, command
+        said = capsys.readouterr().out
+        assert "'t-2'" in said, (command, said)
+        assert "hold back conversations 'c-1'" in said, (command, said)
+        assert database[CONVERSATIONS].find_one({"_id": "c-1"}) is None
+        assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) == 0
+
+    database[CONVERSATIONS].update_one({"_id": "t-2"}, {"$unset": dict.fromkeys(counters, "")})
+    assert cli(wire_uri, database, "run") == 0
+    stored = database[MESSAGES].find({"conversation_id": "c-1"}, sort=[("seq", 1)])
+    assert (
+        MARK.findall(" ".join(m["content"] for m in stored))
+        == ["«m6»"] * 2 + ["«m7»"] * 2 + ["«m8»"] * 2
+    )
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("counters", COUNTER_CLASHES.values(), ids=list(COUNTER_CLASHES))
+def test_a_moved_turn_gaining_a_counter_leaves_its_migrated_conversation_as_it_is(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    counters: dict[str, Any],
+) -> None:
+    """A legacy turn moved aside that gains a counter since is no turn of its conversation any
+    more, yet holds it back: the next run neither removes the conversation it alone made (its
+    document and messages) nor moves its messages out of the one it shares; `verify` and
+    `finish` exit 1 until an operator takes the counter off, and a run changes nothing then."""
+    database[CONVERSATIONS].insert_many(
+        [
+            legacy_turn("t-1", "c-1", 0, "«m1»"),
+            legacy_turn("t-2", "c-1", 1, "«m2»"),
+            legacy_turn("t-3", "c-2", 2, "«m3»"),
+        ]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    before = stored_messages(database), list(database[CONVERSATIONS].find({}, sort=[("_id", 1)]))
+    for turn in ("t-2", "t-3"):
+        database[LEGACY_TURNS].update_one({"_id": turn}, {"$set": counters})
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run") == 1
+    said = capsys.readouterr().out
+    assert "'t-2'" in said
+    assert summary(said).get("conversations no legacy turn makes now removed", 0) == 0
+    after = stored_messages(database), list(database[CONVERSATIONS].find({}, sort=[("_id", 1)]))
+    assert after == before
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "finish") == 1
+
+    for turn in ("t-2", "t-3"):
+        database[LEGACY_TURNS].update_one({"_id": turn}, {"$unset": dict.fromkeys(counters, "")})
+    assert cli(wire_uri, database, "run") == 0
+    assert stored_messages(database) == before[0]
+    assert cli(wire_uri, database, "verify") == 0
+    assert cli(wire_uri, database, "finish") == 0
 
 
 @pytest.mark.wire
@@ -6659,6 +6742,54 @@ def test_an_erased_users_words_never_stay_as_the_name_of_a_conversation_written_
     database[CONVERSATIONS].update_one({"_id": "c-1"}, {"$set": {"name_message_id": "msg-gone"}})
     assert cli(wire_uri, database, "verify") == 1
     assert "msg-gone" in capsys.readouterr().out
+
+
+ERASED_NAMES = {
+    "none left": ([], ("«OWNER» question", "auto")),
+    "the owner's": (
+        [legacy_turn("t-0", "c-1", 0, "«FIRST»") | {"name": "«OWNER» trip"}],
+        ("«OWNER» trip", "runtime"),
+    ),
+}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(("before", "after"), ERASED_NAMES.values(), ids=list(ERASED_NAMES))
+def test_an_erased_users_turn_name_never_stays_on_a_conversation_written_live_since(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    before: list[dict[str, Any]],
+    after: tuple[str, str],
+) -> None:
+    """MIGRATION.md's `mixed_user_ids` remedy retakes a name the erased user's turn gave as
+    its own `name` (a runtime name) as it retakes an automatic one: on a document a live
+    turn wrote to since too, and on its dual-written copy (which holds the conversation's
+    name): the name the turns left give (a turn's own name, else the first stored user
+    text), and the erased user's words nowhere."""
+    database[CONVERSATIONS].insert_many(
+        [
+            *before,
+            legacy_turn("t-1", "c-1", 1, "«A»") | {"user_id": "u-a", "name": "«SECRET» trip"},
+            legacy_turn("t-2", "c-1", 2, "«OWNER»"),
+        ]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"})["name"] == "«SECRET» trip"  # type: ignore[index]
+    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»", dual_write=True)
+    _as_a_person(wire_uri, database, lambda s: s.erase_user("u-a"))
+
+    assert cli(wire_uri, database, "run") == 0
+    document = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert document is not None
+    assert (document["name"], document["name_source"]) == after
+    [copy] = database[LEGACY_TURNS].find({"dual_write": True})
+    assert copy["name"] == after[0]  # a rollback brings no erased words back
+    for name in (CONVERSATIONS, LEGACY_TURNS):
+        assert "SECRET" not in json.dumps(list(database[name].find()), default=str), name
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
+    assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
 
 
 OLD_SERVICE_COPY_EDITS = {
