@@ -13,13 +13,14 @@ from typing import Annotated, Any
 
 import httpx
 import pytest
+from bson import DBRef
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import StringConstraints, TypeAdapter, ValidationError
 from pymongo import AsyncMongoClient, monitoring
 
 from agent_store.core import MAX_TOOL_CALLS, UNDESCRIBED_PATTERN, describe_validation_error
-from agent_store.store import MESSAGES
+from agent_store.store import CONVERSATIONS, MESSAGES
 from app.json_body import MAX_BODY_DEPTH, MAX_BODY_VALUES
 from tests.api_harness import (
     OTHER,
@@ -1039,3 +1040,69 @@ async def test_a_number_with_a_fraction_or_no_number_is_still_no_integer(
 
     assert "messages.0.latency_ms" in text
     assert said in text
+
+
+# -- objects MongoDB reads back as a database reference -------------------------------------
+
+SCHEMA = {
+    "$id": "https://example.com/city.json",
+    "$ref": "#/$defs/city",
+    "$defs": {"city": {"type": "string"}},
+}
+"""A JSON Schema: a text `$ref` beside an `$id`, which MongoDB drivers read as a DBRef."""
+
+
+async def test_a_prompt_whose_params_hold_a_dbref_shape_is_refused_naming_where(
+    wire_backend: Backend,
+) -> None:
+    async with serve(wire_backend.db) as api:
+        body = json.dumps(
+            {
+                "user_id": OWNER,
+                "turn_id": "t-schema",
+                "messages": [
+                    {"role": "user", "content": "Book me a city tour"},
+                    {
+                        "role": "assistant",
+                        "content": "Which city?",
+                        "hitl_action": {
+                            "action": "form",
+                            "request_id": "r-1",
+                            "params": {"schema": SCHEMA},
+                        },
+                    },
+                ],
+            }
+        ).encode()
+        message = await refused(api, "POST", TURNS, body, 422)
+    assert "message 1 hitl_action.params.schema" in message
+    assert "DBRef" in message
+
+
+async def test_a_stored_dbref_is_served_as_the_object_it_was_written_as(
+    wire_backend: Backend,
+) -> None:
+    """Written by another app, or before the store refused such params: the conversation,
+    its owner's list and export read it back as the plain object."""
+    async with serve(wire_backend.db) as api:
+        ref = DBRef(SCHEMA["$ref"], SCHEMA["$id"], _extra={"$defs": SCHEMA["$defs"]})
+        hitl = f"/v1/conversations/{OWNER_HITL_CONVERSATION}"
+        await api.db[MESSAGES].update_one(
+            {"conversation_id": OWNER_HITL_CONVERSATION, "hitl_action": {"$ne": None}},
+            {"$set": {"hitl_action.params.schema": ref}},
+        )
+        await api.db[CONVERSATIONS].update_one(
+            {"_id": OWNER_HITL_CONVERSATION}, {"$set": {"pending_hitl.params.schema": ref}}
+        )
+        for path in (
+            f"{hitl}/messages",
+            f"{hitl}/transcript",
+            f"{hitl}/hitl",
+            hitl,
+            f"/v1/users/{OWNER}/conversations",
+            f"/v1/users/{OWNER}/export?format=jsonl",
+        ):
+            for headers in (SERVICE, auth_headers(user=OWNER)):
+                response = await api.http.get(path, headers=headers)
+                assert response.status_code == 200, (path, response.text[:300])
+                assert json.dumps(SCHEMA["$defs"], separators=(",", ":")) in response.text, path

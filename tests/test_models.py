@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+from bson import DBRef
 from pydantic import TypeAdapter, ValidationError
 
 from agent_store.core import (
@@ -362,6 +363,47 @@ def test_a_native_value_bson_cannot_hold_as_it_is_is_kept_as_its_json_text() -> 
     given = form.set_values()
     assert json.dumps(given) == json.dumps({"meta": value, "id": 2**62})
     assert NativeForm.model_validate(form.model_dump()) == form  # as it is stored and read
+
+
+SCHEMA = {"$id": "https://example.com/city.json", "$ref": "#/$defs/city", "$defs": {}}
+"""A JSON Schema that BSON gives back as a database reference (PyMongo: a `bson.DBRef`)."""
+
+
+@pytest.mark.parametrize(
+    "value", [SCHEMA, [{"s": SCHEMA}], {**SCHEMA, "$db": None}], ids=["itself", "nested", "db"]
+)
+def test_a_native_value_bson_reads_back_as_a_dbref_is_kept_as_its_json_text(value: Any) -> None:
+    form = NativeForm.keeping("langchain", {"meta": value})
+
+    assert form.json_text == ["meta"]
+    assert form.set_values() == {"meta": value}
+    native = {"format": "langchain", "set": {"meta": value}}
+    with pytest.raises(InvalidInput, match=r"native\.set\.meta: .*DBRef.*its JSON text"):
+        parse_messages([{"role": "assistant", "content": "x", "native": native}])
+
+
+@pytest.mark.parametrize(
+    "value",
+    [{"$ref": 1, "$id": 1}, {"$ref": "a"}, {"$ref": "a", "$id": 1, "$db": 5}],
+    ids=["ref-no-text", "no-id", "db-no-text"],
+)
+def test_an_object_bson_gives_back_as_it_is_is_kept_as_it_is(value: dict[str, Any]) -> None:
+    assert NativeForm.keeping("langchain", {"meta": value}).set == {"meta": value}
+
+
+def test_a_stored_dbref_reads_as_the_object_it_was_written_as() -> None:
+    """In a native form as its JSON text, as the store keeps one now; in params as it is."""
+    ref = DBRef(SCHEMA["$ref"], SCHEMA["$id"], _extra={"$defs": {"c": DBRef("x", 1)}})
+    written = {**SCHEMA, "$defs": {"c": {"$ref": "x", "$id": 1}}}
+    native = {"format": "langchain", "set": {"meta": [ref], "n": 1}, "json_text": []}
+    [message] = parse_messages([{"role": "assistant", "content": "x", "native": native}])
+    assert message.native is not None
+    assert message.native.json_text == ["meta"]
+    assert message.native.set_values() == {"meta": [written], "n": 1}
+    params = {"schema": ref}
+    [message] = parse_messages([_hitl(params)])
+    assert message.hitl_action is not None
+    assert message.hitl_action.params == {"schema": written}
 
 
 @pytest.mark.parametrize("refused", [{"a\x00": 1}, {1: "x"}], ids=["nul-in-a-key", "integer-key"])

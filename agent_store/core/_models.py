@@ -10,13 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import operator
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, ClassVar, Generic, Literal, Self, TypeVar
 
-from bson import Int64
+from bson import DBRef, Int64
 from bson.tz_util import utc as BSON_UTC
 from pydantic import (
     AfterValidator,
@@ -26,6 +27,7 @@ from pydantic import (
     Field,
     GetJsonSchemaHandler,
     JsonValue,
+    ModelWrapValidatorHandler,
     PlainSerializer,
     SerializationInfo,
     StringConstraints,
@@ -264,16 +266,20 @@ def _arguments_as_json_string(value: Any) -> Any:
 _INT64_RANGE = range(-(2**63), 2**63)
 
 
-class _UnheldNumber(ValueError):
-    """A JSON value holds a number BSON cannot hold as it is (`_unheld`), and nothing else
-    that cannot be kept: `text` is its JSON text (`json_text`), once `_native_value` spelt it."""
+class _UnheldValue(ValueError):
+    """A JSON value holds what BSON would not give back as it is (`_unheld`, `read_as_dbref`),
+    and nothing else that cannot be kept: `value` is the JSON value (a database reference read
+    back as the object it was written as, `without_dbrefs`), `text` its JSON text
+    (`json_text`), once `_native_value` spelt it."""
 
+    value: Any = None
     text = ""
 
 
-_UNHELD_NUMBER = (
-    "values must not hold an integer outside 64 bits, NaN or an infinity as it is: "
-    "a runtime's form keeps such a value as its JSON text (`json_text`)"
+_UNHELD_VALUE = (
+    "values must not hold an integer outside 64 bits, NaN or an infinity as it is, nor an "
+    "object holding a text `$ref` and an `$id` (MongoDB reads it back as a database "
+    "reference, a DBRef): a runtime's form keeps such a value as its JSON text (`json_text`)"
 )
 
 
@@ -285,11 +291,58 @@ def _unheld(value: Any) -> bool:
     return type(value) is float and not math.isfinite(value)
 
 
+def read_as_dbref(value: Any) -> bool:
+    """Whether BSON gives `value` back as a database reference (`bson.DBRef`), not as the
+    object it is: an object holding a text `$ref` and an `$id` (and no `$db` but a text or
+    null), as PyMongo's decoder reads every sub-document (`bson._get_object`). A JSON Schema
+    may be one (`{"$id": "https://…", "$ref": "#/$defs/city"}`)."""
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("$ref"), str)
+        and "$id" in value
+        and isinstance(value.get("$db"), str | None)
+    )
+
+
+def dbref_path(value: Any) -> tuple[str | int, ...] | None:
+    """Where in a JSON value the first object BSON gives back as a database reference is
+    (`read_as_dbref`), `()` for the value itself; None if nowhere. One walk, no recursion."""
+    pending: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
+    while pending:
+        where, item = pending.pop()
+        if isinstance(item, dict):
+            if read_as_dbref(item):
+                return where
+            pending += [((*where, key), item[key]) for key in reversed(item)]
+        elif isinstance(item, list):
+            pending += [((*where, i), item[i]) for i in reversed(range(len(item)))]
+    return None
+
+
+def without_dbrefs(value: Any) -> Any:
+    """`value` with each database reference the driver read back (`bson.DBRef`: an object
+    stored by another app, or before the store kept or refused such objects) as the plain
+    object it was written as (`DBRef.as_doc`: its `$ref`, `$id` and `$db` first, then its
+    other keys in stored order; a `$db` stored null is lost, the driver drops it); `value`
+    itself when it holds none. Stored values nest at most 100 levels (MongoDB's bound)."""
+    if isinstance(value, DBRef):
+        return without_dbrefs(dict(value.as_doc()))
+    if isinstance(value, dict):
+        read = {key: without_dbrefs(item) for key, item in value.items()}
+        return value if all(read[key] is item for key, item in value.items()) else read
+    if isinstance(value, list):
+        items = [without_dbrefs(item) for item in value]
+        return value if all(map(operator.is_, items, value)) else items
+    return value
+
+
 def _check_tree(value: Any, *, unheld_sought: bool = False) -> bool:
     """One walk (level by level, without recursion) of a JSON value: ValueError if it nests
-    deeper than `MAX_PARAMS_DEPTH` or has a key holding NUL; if sought, whether it holds a
-    number BSON cannot hold as it is (`_unheld`). Each value is visited once; such a number
-    does not end the walk, so what cannot be kept at all is found wherever it is."""
+    deeper than `MAX_PARAMS_DEPTH` or has a key holding NUL; if sought, whether it holds what
+    BSON would not give back as it is: a number it cannot hold as it is (`_unheld`), or an
+    object it reads back as a database reference (`read_as_dbref`). Each value is visited
+    once; such a value does not end the walk, so what cannot be kept at all is found wherever
+    it is."""
     unheld = unheld_sought and _unheld(value)
     level: list[Any] = [value] if isinstance(value, dict | list) else []
     depth = 1
@@ -303,6 +356,7 @@ def _check_tree(value: Any, *, unheld_sought: bool = False) -> bool:
                 if item and any(isinstance(key, str) and "\x00" in key for key in item):
                     raise ValueError("keys must not contain NUL characters")
                 children = item.values()
+                unheld = unheld or (unheld_sought and read_as_dbref(item))
             unheld = unheld or (unheld_sought and any(map(_unheld, children)))
             inner += [child for child in children if isinstance(child, dict | list)]
         level, depth = inner, depth + 1
@@ -314,15 +368,21 @@ _json_value: TypeAdapter[JsonValue] = TypeAdapter(JsonValue)
 
 def _plain_json(value: Any, *, unheld_refused: bool = False) -> Any:
     """`value` as plain dicts and lists of JSON values: one walk for what pydantic does not
-    check (`_check_tree`), then one validation, which copies it. If refused, a number BSON
-    cannot hold as it is is an `_UnheldNumber`, once nothing else is wrong with the value."""
+    check (`_check_tree`), then one validation, which copies it. A database reference the
+    driver read back is the object it was written as (`without_dbrefs`, sought only when the
+    validation refuses). If refused, what BSON would not give back as it is is an
+    `_UnheldValue`, once nothing else is wrong with the value."""
     unheld = _check_tree(value, unheld_sought=unheld_refused)
     try:
         plain = _json_value.validate_python(value, strict=True)
     except ValidationError as exc:
+        if (read := without_dbrefs(value)) is not value:
+            return _plain_json(read, unheld_refused=unheld_refused)
         raise ValueError(f"values must be JSON values only ({exc.errors()[0]['msg']})") from exc
     if unheld:
-        raise _UnheldNumber(_UNHELD_NUMBER)
+        unheld_value = _UnheldValue(_UNHELD_VALUE)
+        unheld_value.value = value
+        raise unheld_value
     return plain  # plain dicts and lists, whatever mappings the caller passed
 
 
@@ -404,7 +464,9 @@ class HitlAction(_Model):
 
     action: BoundedName
     params: HitlParams = Field(default_factory=dict)
-    """Plain JSON values, nested at most `MAX_PARAMS_DEPTH` levels."""
+    """Plain JSON values, nested at most `MAX_PARAMS_DEPTH` levels. A turn's prompt holding
+    an object with a text `$ref` beside an `$id` (MongoDB reads it back as a database
+    reference, a DBRef) is refused; one stored so before is read back as that object."""
     request_id: Annotated[str, StringConstraints(min_length=1, max_length=200)]
     tool_call_ids: (
         Annotated[
@@ -512,17 +574,17 @@ def _refuse_lone_surrogate(value: Any) -> None:
 
 
 def _native_value(value: Any) -> Any:
-    # A number BSON cannot hold as it is is refused here, before any write (HITL params are
-    # walked for the same reason when a turn is planned); `NativeForm.keeping` keeps it, as
-    # the JSON text spelt here: an integer with more digits than Python spells is refused.
+    # What BSON would not give back as it is is refused here, before any write (HITL params
+    # are walked for the same reason when a turn is planned); `NativeForm.keeping` keeps it,
+    # as the JSON text spelt here: an integer with more digits than Python spells is refused.
     # A text holding a half of a character alone is refused first, by its path in the value,
     # whether or not the value would be kept as JSON text (which could only name the key).
     try:
         plain = _plain_json(value, unheld_refused=True)
-    except _UnheldNumber as unheld:
-        _refuse_lone_surrogate(value)
+    except _UnheldValue as unheld:
+        _refuse_lone_surrogate(unheld.value)
         try:
-            unheld.text = json_text(value, non_finite=True)
+            unheld.text = json_text(unheld.value, non_finite=True)
         except ValueError as exc:
             raise ValueError(
                 f"values must not hold an integer too long for JSON text ({exc})"
@@ -538,7 +600,7 @@ _NO_JSON = object()
 def _json_text_refusal(value: Any) -> str | None:
     """What is wrong with `value` as the JSON text of a native value (`NativeForm.json_text`),
     None if nothing: it is what `NativeForm.keeping` writes, JSON text spelling a value that
-    passes the checks of a value of `set` but for one or more numbers BSON cannot hold."""
+    passes the checks of a value of `set` but for what BSON would not give back as it is."""
     try:
         spelt = json.loads(value) if isinstance(value, str) else _NO_JSON
     except (ValueError, RecursionError):
@@ -547,14 +609,17 @@ def _json_text_refusal(value: Any) -> str | None:
         return "is no JSON text"
     try:
         _plain_json(spelt, unheld_refused=True)
-    except _UnheldNumber:
+    except _UnheldValue:
         # Its strings, keys too, as a value's (`lone_surrogate`): an escape of a half alone
         # spells no text.
         found = lone_surrogate(spelt)
         return None if found is None else f"spells one that cannot be kept: {found[1]}"
     except ValueError as exc:
         return f"spells one that cannot be kept: {exc}"
-    return "holds no number BSON cannot hold as it is: keep the value itself"
+    return (
+        "holds no number BSON cannot hold as it is, nor an object it reads back as a "
+        "database reference: keep the value itself"
+    )
 
 
 NativeValue = Annotated[Any, AfterValidator(_native_value)]
@@ -584,9 +649,28 @@ class NativeForm(_Model):
     """Keys of the rebuilt form that the runtime's form does not have."""
     json_text: Annotated[list[str], AbsentBefore("0.2.0")] = Field(default_factory=list)
     """Keys of `set` whose value is kept as its JSON text, as a call's arguments are: a value
-    holding, at any depth, a number BSON cannot hold as it is (an integer outside 64 bits,
-    NaN or an infinity, spelt `NaN`, `Infinity`, `-Infinity`). The runtime is given the
-    value the text spells (`set_values`), the one it stored."""
+    holding, at any depth, what BSON would not give back as it is: a number it cannot hold
+    as it is (an integer outside 64 bits, NaN or an infinity, spelt `NaN`, `Infinity`,
+    `-Infinity`), or an object it reads back as a database reference (a text `$ref` beside
+    an `$id`, as a JSON Schema may hold). The runtime is given the value
+    the text spells (`set_values`), the one it stored."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _stored_dbrefs_as_json_text(
+        cls, data: Any, handler: ModelWrapValidatorHandler[Self]
+    ) -> Self:
+        """A value stored holding such an object as it is (by another app, or before the store
+        kept them as text), which the driver read back as a database reference, is read as
+        the JSON text of the object it was written as: as the store keeps one now. Sought
+        only when the form as read is refused."""
+        try:
+            return handler(data)
+        except ValidationError:
+            read = _stored_dbrefs_kept(data)
+            if read is None:
+                raise
+            return handler(read)
 
     @model_validator(mode="after")
     def _json_text_is_json_text(self) -> Self:
@@ -616,7 +700,7 @@ class NativeForm(_Model):
         for key, value in changed.items():
             try:
                 _native_value(value)
-            except _UnheldNumber as unheld:
+            except _UnheldValue as unheld:
                 kept[key] = unheld.text
                 texts.append(key)
             except ValueError:
@@ -626,6 +710,25 @@ class NativeForm(_Model):
     def set_values(self) -> dict[str, Any]:
         """`set` as the runtime gave it: each key of `json_text` as the value its text spells."""
         return {**self.set, **{key: json.loads(self.set[key]) for key in self.json_text}}
+
+
+def _stored_dbrefs_kept(data: Any) -> dict[str, Any] | None:
+    """A stored native form (`data`) with each value of `set` that holds a database reference
+    the driver read back kept as the JSON text of the plain value (`without_dbrefs`), as
+    `NativeForm.keeping` keeps one; None when no value holds one (or one is no JSON)."""
+    values = data.get("set") if isinstance(data, Mapping) else None
+    if not isinstance(values, Mapping):
+        return None
+    kept, texts = dict(values), list(data.get("json_text") or ())
+    for key, value in values.items():
+        if (read := without_dbrefs(value)) is value:
+            continue
+        try:
+            kept[key] = json_text(read)
+        except (TypeError, ValueError, RecursionError):
+            return None  # no JSON: refused as it was read
+        texts.append(key)
+    return None if kept == values else {**data, "set": kept, "json_text": texts}
 
 
 def _only_null(schema: JsonSchemaValue, role: str) -> JsonSchemaValue:
@@ -803,7 +906,7 @@ class PendingHitl(_Model):
 
     request_id: str
     action: str
-    params: dict[str, Any] = Field(default_factory=dict)
+    params: Annotated[dict[str, Any], BeforeValidator(without_dbrefs)] = Field(default_factory=dict)
     prompt: str | None = None
     """The assistant's text that asked the question."""
     message_id: str

@@ -31,8 +31,10 @@ from agent_store.core import (
     PendingHitlField,
     TurnRecord,
     Usage,
+    dbref_path,
     describe_validation_error,
     listed,
+    location_text,
     messages_adapter,
     shown,
     tool_outcome,
@@ -758,6 +760,24 @@ def _check_whole(
                 f"{MAX_TURN_TOOL_CALLS:,} (log them over several turns)"
             )
         _check_tool_pairing(messages)
+        _refuse_dbrefs_in_params(messages)
+
+
+def _refuse_dbrefs_in_params(messages: Sequence[AgentMessage]) -> None:
+    """InvalidInput for a prompt whose params hold an object BSON gives back as a database
+    reference (`read_as_dbref`): read back, it would be no JSON. Params are served as they
+    are, so no JSON text can keep it (a runtime's `native` form keeps one so). Copies of
+    stored messages are not refused: whatever they hold reads back as it was written."""
+    for index, message in enumerate(messages):
+        if message.hitl_action is None or (where := dbref_path(message.hitl_action.params)) is None:
+            continue
+        path = location_text(("hitl_action", "params", *where))
+        raise InvalidInput(
+            f"invalid turn: message {index} {path} is an object holding a text `$ref` and an "
+            "`$id`, which MongoDB reads back as a database reference (a DBRef), not as the "
+            "object (a JSON Schema may be one): params cannot hold it; send it as text, or "
+            "rename one of its keys"
+        )
 
 
 def _check_named(asked: Mapping[str, Sequence[int]]) -> None:

@@ -432,7 +432,11 @@ export interface IFunctionCall {
 /** A human-in-the-loop prompt the assistant raised. */
 export interface IHitlAction {
   action: string;
-  /** Plain JSON values, nested at most `MAX_PARAMS_DEPTH` levels. */
+  /**
+   * Plain JSON values, nested at most `MAX_PARAMS_DEPTH` levels. A turn's prompt holding
+   * an object with a text `$ref` beside an `$id` (MongoDB reads it back as a database
+   * reference, a DBRef) is refused; one stored so before is read back as that object.
+   */
   params: Record<string, unknown>;
   request_id: string;
   /**
@@ -470,9 +474,11 @@ export interface INativeForm {
   unset: string[];
   /**
    * Keys of `set` whose value is kept as its JSON text, as a call's arguments are: a value
-   * holding, at any depth, a number BSON cannot hold as it is (an integer outside 64 bits,
-   * NaN or an infinity, spelt `NaN`, `Infinity`, `-Infinity`). The runtime is given the
-   * value the text spells (`set_values`), the one it stored.
+   * holding, at any depth, what BSON would not give back as it is: a number it cannot hold
+   * as it is (an integer outside 64 bits, NaN or an infinity, spelt `NaN`, `Infinity`,
+   * `-Infinity`), or an object it reads back as a database reference (a text `$ref` beside
+   * an `$id`, as a JSON Schema may hold). The runtime is given the value
+   * the text spells (`set_values`), the one it stored.
    *
    * Absent on documents stored before 0.2.0, read as the default (the API serves it always).
    */
