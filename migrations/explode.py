@@ -532,6 +532,7 @@ def _as_copies_say(converted: list[Converted], held: list[dict[str, Any]]) -> No
     for item in converted:
         conversion = item.conversion
         own = copies.get(conversion.conversation_id)
+        item.copies = len(own or [])
         if conversion.conversation is None or not own:
             continue
         update: dict[str, Any] = {}

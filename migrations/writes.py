@@ -80,6 +80,11 @@ class Converted:
     held: list[LegacyTurn] = field(default_factory=list)
     """For a conversation no other legacy turn makes (`explode.live_only`): its dual-written
     turns, whose messages are stored. They fence its writes as `turns` do (`_turns_since`)."""
+    copies: int = 0
+    """How many held dual-written copies name it (`explode._as_copies_say`; `held`, for one
+    only they make): the new service logged to it during the transition, so it is a
+    conversation of the transition, not one logged to live before its migration
+    (`migrated_to`)."""
     spellings: int = 1
     """How many values (BSON values of `conversation_id`) its legacy turns name it by: `42` and
     `"42"`, a legacy id and the id derived from it. A conversation named more than one way is
@@ -487,7 +492,8 @@ def _live_records(live: Sequence[dict[str, Any]]) -> dict[str, Any]:
     rebuilt from their messages: theirs went with the conversation document a rollback moved
     away, and a runtime retrying one of those turns must get its stored messages back, at
     the cost of any turn (the store's bookkeeping, never served: written by hand)."""
-    turns = itertools.groupby(live, key=lambda d: d.get("turn_id"))
+    recorded = (d for d in live if d.get("turn_id") is not None)  # a record is by turn id
+    turns = itertools.groupby(recorded, key=lambda d: d.get("turn_id"))
     records = [stored_turn_record(list(run)) for _, run in turns]
     kept = TurnRules().turns_recorded
     return {"turns": records[-kept:], "turns_dropped": Int64(max(0, len(records) - kept))}
@@ -626,7 +632,7 @@ def _plan_one(
     refused = _not_merged(db, item, found, every, foreign)
     if refused is not None:
         planned.live.append(refused)
-        if found is None and refused.kind == CHANGED_SINCE:
+        if found is None:  # live messages, no document: a rollback moved it away
             _plan_moved_away(planned, item, [*stored.values(), *past], carried)
         return
     # Its own messages at other places than the legacy turns put them now (a turn edited
@@ -704,12 +710,13 @@ def _dumped(document: Conversation, live: Sequence[dict[str, Any]]) -> dict[str,
 def _plan_moved_away(
     planned: Planned, item: Converted, stored: Sequence[dict[str, Any]], carried: str | None
 ) -> None:
-    """A conversation the migration wrote to, changed by a person since (a live turn where
-    its legacy turns go: a popped message's place, or a legacy turn added since), whose
-    document a rollback moved away: its document is written again as the person left it
-    (its live turns' records, their `seq` values kept, the next turn after them: writable),
-    and nothing else; its legacy turns are not merged (the `conversation_changed_since`
-    problem keeps them), as when the document had stayed."""
+    """A conversation logged to live where its legacy turns go (a popped message's place, a
+    legacy turn added since, or one the old service logged into a conversation the new
+    service started), whose document a rollback moved away: its document is written again as
+    the person left it (its live turns' records, their `seq` values kept, the next turn after
+    them: listed and writable), and nothing else; its legacy turns are not merged (its
+    `conversation_changed_since` or `conversation_already_live` problem keeps them), as when
+    the document had stayed."""
     live = sorted(
         (d for d in stored if not is_migrated(d.get("turn_id"))), key=lambda d: int(d["seq"])
     )
@@ -731,17 +738,19 @@ def _not_merged(
     """The problem of a conversation whose legacy turns are not merged, or None: one a person
     changed since the migration whose legacy turns changed since (`unmerged`; also when a
     rollback moved its document away: a live turn holds places of its legacy turns in a
-    conversation the migration wrote to), or one a live turn holds places of (`foreign`:
-    messages the migration did not write where its legacy turns go) that the migration never
-    wrote to (`migrated_to`)."""
+    conversation of the transition), or one a live turn holds places of (`foreign`: messages
+    the migration did not write where its legacy turns go) that is no conversation of the
+    transition (`migrated_to`: the migration never wrote to it, and no held dual-written copy
+    names it)."""
     conversion = item.conversion
     gone = popped(found)
-    if unmerged(found, conversion, every, gone) and migrated_to(conversion, every, gone):
+    ours = migrated_to(conversion, every, gone, copies=item.copies)
+    if unmerged(found, conversion, every, gone) and ours:
         return changed_problem(conversion)
     # The migration's own messages are those of legacy turns, these or any filed here
     # before (their turn ids are the migration's: no live writer may name a turn so).
     live = not all(is_migrated(d.get("turn_id")) for d in foreign)
-    if live and found is None and migrated_to(conversion, every, gone):
+    if live and found is None and ours:
         return changed_problem(conversion)  # its document moved away: `_plan_moved_away`
     if live or unmerged(found, conversion, every, gone):
         after = any(is_migrated(turn) for _, turn in every.values())
@@ -778,12 +787,19 @@ def unmerged(
 
 
 def migrated_to(
-    conversion: LegacyConversion, stored: Mapping[int, tuple[str, Any]], gone: set[str]
+    conversion: LegacyConversion,
+    stored: Mapping[int, tuple[str, Any]],
+    gone: set[str],
+    *,
+    copies: int = 0,
 ) -> bool:
-    """Whether a run wrote to the conversation: it holds the migration's messages, or a person
-    popped some of them (else a conversation logged to live is `conversation_already_live`)."""
+    """Whether the conversation is one of the transition: a run wrote to it (it holds the
+    migration's messages, or a person popped some of them), or the new service logged to it
+    with the dual write on (`copies`: held dual-written copies name it, as for one it
+    started or a fork it made). Else a conversation logged to live is
+    `conversation_already_live`."""
     ids = {str(m.id) for m in conversion.messages}
-    return bool(gone & ids) or any(is_migrated(turn) for _, turn in stored.values())
+    return bool(copies or gone & ids) or any(is_migrated(turn) for _, turn in stored.values())
 
 
 CHANGED_SINCE = "conversation_changed_since"
