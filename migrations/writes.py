@@ -643,7 +643,10 @@ def _plan_one(
         del stored[seq]  # a popped message's place: what holds it now is left as it is
     live = [d for d in past if not is_migrated(d.get("turn_id"))]
     moved = [d["_id"] for d in foreign + past if is_migrated(d.get("turn_id"))]
-    if moved and not item.held:  # only the legacy turns' own conversion moves their messages
+    # Its own conversion moves them, or, for a conversation no legacy turn but its held copies
+    # makes, one whose document a rollback moved away (legacy turns the old service deleted
+    # since); a standing one's are `abandoned`'s (of an earlier life of the conversation).
+    if moved and (found is None or not item.held):
         planned.moved[cid] = moved
     for d in foreign:
         del stored[d["seq"]]

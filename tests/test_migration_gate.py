@@ -5719,6 +5719,39 @@ def test_a_conversation_of_the_transition_the_old_service_changed_is_whole_after
 
 
 @pytest.mark.wire
+def test_a_conversation_whose_legacy_turns_the_old_service_deleted_keeps_its_live_turns(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """After a rollback a person deletes a migrated conversation's exchanges on the old
+    service; the live turn's dual-written copy stays. The second attempt writes the document
+    again from the copy, removes the migration's messages of the deleted exchanges, keeps the
+    live turn where it is, and the conversation is written to as before; `verify` checks it,
+    and names its document when it is missing (exit 1)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"«L{n}»") for n in range(2)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    _on_the_service(wire_uri, database, _turn("c-1", "live-1", "«LIVE»"))
+    roll_back(database, clear_messages=False)
+    database[CONVERSATIONS].delete_many({"conversation_id": "c-1", "dual_write": {"$ne": True}})
+
+    assert cli(wire_uri, database, "run") == 0
+    document = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert document is not None
+    database[CONVERSATIONS].delete_one({"_id": "c-1"})
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "verify", "--conversation", "c-1") == 1
+    database[CONVERSATIONS].insert_one(document)
+    _second_attempt(wire_uri, database)
+
+    assert _texts_of(database, "c-1") == ["«LIVE»?", "«LIVE»"]
+    _on_the_service(wire_uri, database, _turn("c-1", "live-2", "«AFTER»"), dual_write=False)
+    stored = database[MESSAGES].find({"conversation_id": "c-1"}).sort("seq", 1)
+    assert [(m["seq"], m["content"]) for m in stored] == [
+        (4, "«LIVE»?"), (5, "«LIVE»"), (6, "«AFTER»?"), (7, "«AFTER»")]  # fmt: skip
+
+
+@pytest.mark.wire
 def test_finish_names_a_conversation_whose_messages_have_no_document(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
