@@ -81,7 +81,7 @@ from migrations.keys import id_key, identity
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.order import Ranges, plan_ranges, range_ids, spread_ids
 from migrations.relocate import TURN_FILTER, held_back
-from migrations.writes import ALREADY_LIVE, Converted, is_migrated
+from migrations.writes import ALREADY_LIVE, Converted
 
 LEGACY_FILTER: dict[str, Any] = TURN_FILTER
 """Legacy turns, those the new logger wrote for rollback too: each read is narrowed to what
@@ -468,7 +468,8 @@ def convert_batch(
     if held is not None:
         held += [d for _, found in read for d in found if id(d) in stored]
     alike = unnamed_turns(db, [d for _, found in read for d in found], source=source)
-    joined = other_spellings(db, read, lambda d: id(d) not in stored, source=source, alike=alike)
+    # Held copies too: one no turn under any spelling of its id makes is `live_only`'s.
+    joined = other_spellings(db, read, lambda _: True, source=source, alike=alike)
     if not alike.ids:
         alike = unnamed_turns(db, [d for _, found in joined for d in found], source=source)
     stored |= dual_writes.held(db, [d for _, found in joined for d in found])
@@ -499,7 +500,7 @@ def convert_batch(
     )
     for item in converted:
         with_session_prompts(item.conversion, hitl.get(item.conversion.conversation_id, []))
-    converted += live_only(db, held_documents, set(groups), rules, undated_at)
+    converted += live_only(held_documents, set(groups), rules, undated_at)
     return converted, failed, turns
 
 
@@ -532,6 +533,7 @@ def _as_copies_say(converted: list[Converted], held: list[dict[str, Any]]) -> No
     for item in converted:
         conversion = item.conversion
         own = copies.get(conversion.conversation_id)
+        item.copies = len(own or [])
         if conversion.conversation is None or not own:
             continue
         update: dict[str, Any] = {}
@@ -547,41 +549,35 @@ def _as_copies_say(converted: list[Converted], held: list[dict[str, Any]]) -> No
 
 
 def live_only(
-    db: Database[dict[str, Any]],
     documents: list[dict[str, Any]],
     converted: set[str],
     rules: TurnRules,
     undated_at: datetime | None,
 ) -> list[Converted]:
-    """The conversations of these held dual writes (`dual_writes.held`) that the new service
-    started, or forked, during the transition: no other legacy turn of the batch makes them
-    (not in `converted`) and their first message (`seq` 0) is a live turn's, not the
-    migration's (one indexed read; a conversation holding migrated messages is its legacy
-    turns', whichever batch reads them). Each is a conversation document to write again (a
-    rollback moved it away) and no message (theirs are stored): its summary is what its dual
-    writes convert to (`writes` counts and folds its stored messages), and its dual writes
-    fence its writes as legacy turns do (`Converted.held`). It reads no `session_hitl`
-    prompt: one naming it is an orphan (`orphan_prompts`, which reads no dual write either)."""
+    """The conversations of these held dual writes (`dual_writes.held`) no other legacy turn
+    makes (not in `converted`: the batch read every turn naming them, under every spelling,
+    `other_spellings`): one the new service started, or forked, during the transition, or
+    one whose other legacy turns the old service deleted after a rollback. Each is a
+    conversation document to write again (a rollback moved it away) and no message (theirs
+    are stored; once its document is gone, the migration's, of legacy turns deleted since,
+    are removed: `writes.plan`): its
+    summary is what its dual writes convert to (`writes` counts and folds its stored
+    messages), and its dual writes fence its writes as legacy turns do (`Converted.held`). It
+    reads no `session_hitl` prompt: one naming it is an orphan (`orphan_prompts`, which reads
+    no dual write either)."""
     try:
         turns = parse_turns(documents)
     except InvalidInput:  # a dual write edited past reading: `dual_writes.differences` says so
         return []
     groups = {c: g for c, g in group_conversations(turns).items() if c not in converted}
-    if not groups:
-        return []
-    first = db[MESSAGES].find(
-        {"conversation_id": {"$in": sorted(groups)}, "seq": 0}, {"conversation_id": 1, "turn_id": 1}
-    )
-    live = {m["conversation_id"] for m in first if not is_migrated(m.get("turn_id"))}
     found: list[Converted] = []
     for cid, group in groups.items():
-        if cid not in live:
-            continue
         conversion = convert(group, rules=rules, undated_at=undated_at)
         if conversion.conversation is None:
             continue
         summary = conversion.conversation.model_copy(update={"message_count": 0})
-        found.append(Converted([], LegacyConversion(cid, [], summary, [], 0), held=group))
+        conversion = LegacyConversion(cid, [], summary, [], 0)
+        found.append(Converted([], conversion, held=group, copies=len(group)))
     return found
 
 

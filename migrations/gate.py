@@ -230,6 +230,8 @@ def _reasons(
     unplaced = list(conversion.unplaced)
     if cid in stored.live:
         reasons = _live_reasons(item, stored, accepted.get(cid, []), messages, gone)
+        if found is None and conversion.conversation is not None:
+            reasons.append(NO_DOCUMENT)  # a rollback moved it away since the run
     elif unmerged(found, conversion, every, gone):
         reasons, changed = _unmerged_reasons(item, stored, accepted, every, gone)
         unplaced += changed
@@ -292,7 +294,7 @@ def _unmerged_reasons(
     wrote to it, until a run records it as logged to live."""
     conversion = item.conversion
     cid = conversion.conversation_id
-    if not migrated_to(conversion, every, gone):
+    if not migrated_to(conversion, every, gone, copies=item.copies):
         return [
             "a live turn holds places its legacy turns convert to, or they convert to places "
             "past its conversation document's count: run the migration again to record it "
@@ -465,11 +467,18 @@ def _left(item: abandoned.Abandoned) -> WorkLeft:
     return WorkLeft(item.conversation_id, [item.reason])
 
 
+NO_DOCUMENT = (
+    "no conversation document (its live messages stored, the document moved away by a "
+    "rollback?): unlisted, and refused writes as legacy turns not migrated yet; run the "
+    "migration again, which writes it as the person left it"
+)
+"""What the gate says of a conversation a legacy turn makes whose document is gone."""
+
 WITHOUT_DOCUMENT = (
-    "its messages are stored without a conversation document, and no legacy turn makes it "
-    "(logged while the dual write was off, its document moved away by a rollback?): unlisted, "
-    "and its next turn would take their places. Put its conversation document back (from "
-    "where the rollback moved it), or delete its messages"
+    "its messages are stored without a conversation document, and no legacy turn makes it, "
+    "so no run writes one (logged while the dual write was off, its document moved away by a "
+    "rollback?): unlisted, and its next turn would take their places. Put its conversation "
+    "document back (from where the rollback moved it), or delete its messages"
 )
 
 

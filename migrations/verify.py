@@ -36,6 +36,7 @@ from migrations.explode import batches, conversation_ids, convert_batch, undated
 from migrations.transcript import differences, from_legacy, from_messages, not_held
 from migrations.writes import (
     ALREADY_LIVE,
+    CHANGED_SINCE,
     STOPPED_WHILE_WRITING,
     Converted,
     owner_after,
@@ -99,14 +100,25 @@ def compare(item: Converted, stored: list[AgentMessage], popped: Collection[str]
     if migrated or not stored:
         found = differences(from_legacy(item.turns, conversion.unplaced), from_messages(migrated))
         return found + misdated(conversion.messages, migrated)
-    # Logged to live before its migration: its legacy turns were not merged.
+    # Logged to live where its legacy turns go: they were not merged.
     unheld = not_held(stored, item.turns, conversion)
     if not unheld:
         return []
+    cid = conversion.conversation_id
+    if item.copies:  # the new service's (`migrated_to`): a legacy turn added since
+        how = (
+            "the new service logged to it during the transition, and its legacy turns convert "
+            "to messages its live ones do not hold (a turn the old service logged after a "
+            f"rollback?): they are not merged ({CHANGED_SINCE}"
+        )
+    else:
+        how = (
+            "logged to live before its migration, and its live messages do not hold its "
+            f"legacy turns ({ALREADY_LIVE}"
+        )
     return [
-        "logged to live before its migration, and its live messages do not hold its legacy "
-        f"turns ({ALREADY_LIVE}: `run` keeps them in that problem; once they are kept "
-        f"elsewhere, `finish --accept {conversion.conversation_id}`): " + "; ".join(unheld[:5])
+        f"{how}: `run` keeps them in that problem; once they are kept elsewhere, "
+        f"`finish --accept {cid}`): " + "; ".join(unheld[:5])
     ]
 
 

@@ -82,6 +82,11 @@ class Converted:
     held: list[LegacyTurn] = field(default_factory=list)
     """For a conversation no other legacy turn makes (`explode.live_only`): its dual-written
     turns, whose messages are stored. They fence its writes as `turns` do (`_turns_since`)."""
+    copies: int = 0
+    """How many held dual-written copies name it (`explode._as_copies_say`; `held`, for one
+    only they make): the new service logged to it during the transition, so it is a
+    conversation of the transition, not one logged to live before its migration
+    (`migrated_to`)."""
     spellings: int = 1
     """How many values (BSON values of `conversation_id`) its legacy turns name it by: `42` and
     `"42"`, a legacy id and the id derived from it. A conversation named more than one way is
@@ -494,7 +499,8 @@ def _live_records(live: Sequence[dict[str, Any]]) -> dict[str, Any]:
     rebuilt from their messages: theirs went with the conversation document a rollback moved
     away, and a runtime retrying one of those turns must get its stored messages back, at
     the cost of any turn (the store's bookkeeping, never served: written by hand)."""
-    turns = itertools.groupby(live, key=lambda d: d.get("turn_id"))
+    recorded = (d for d in live if d.get("turn_id") is not None)  # a record is by turn id
+    turns = itertools.groupby(recorded, key=lambda d: d.get("turn_id"))
     records = [stored_turn_record(list(run)) for _, run in turns]
     kept = TurnRules().turns_recorded
     return {"turns": records[-kept:], "turns_dropped": Int64(max(0, len(records) - kept))}
@@ -638,7 +644,7 @@ def _plan_one(
     refused = _not_merged(db, item, found, every, foreign)
     if refused is not None:
         planned.live.append(refused)
-        if found is None and refused.kind == CHANGED_SINCE:
+        if found is None:  # live messages, no document: a rollback moved it away
             _plan_moved_away(planned, item, [*stored.values(), *past], carried)
         return
     # Its own messages at other places than the legacy turns put them now (a turn edited
@@ -648,7 +654,7 @@ def _plan_one(
     for seq in [seq for seq in stored if seq not in at]:
         del stored[seq]  # a popped message's place: what holds it now is left as it is
     live = [d for d in past if not is_migrated(d.get("turn_id"))]
-    _plan_moved(planned, item, foreign + past)
+    _plan_moved(planned, item, foreign + past, found)
     for d in foreign:
         del stored[d["seq"]]
     document = wanted_document(conversion, found, (int(d["seq"]) for d in live), carried)
@@ -662,13 +668,20 @@ def _plan_one(
     _plan_document(planned, found, document, live, fills=fills)
 
 
-def _plan_moved(planned: Planned, item: Converted, stored: Sequence[dict[str, Any]]) -> None:
+def _plan_moved(
+    planned: Planned,
+    item: Converted,
+    stored: Sequence[dict[str, Any]],
+    found: Mapping[str, Any] | None,
+) -> None:
     """The migration's messages among `stored` that the legacy turns no longer put there are
-    moved (only the legacy turns' own conversion moves their messages, not one of held
-    copies); when some are of a turn gone (erased, deleted), the name the turns left give
-    is noted (`Planned.names_given`)."""
+    moved: by the legacy turns' own conversion, or, for a conversation no legacy turn but its
+    held copies makes, one whose document a rollback moved away (`found` None: legacy turns
+    the old service deleted since); a standing one's are `abandoned`'s (of an earlier life of
+    the conversation). When some are of a turn gone (erased, deleted), the name the turns
+    left give is noted (`Planned.names_given`)."""
     ours = [d for d in stored if is_migrated(d.get("turn_id"))]
-    if not ours or item.held:
+    if not ours or (item.held and found is not None):
         return
     cid = item.conversion.conversation_id
     planned.moved[cid] = [d["_id"] for d in ours]
@@ -736,12 +749,13 @@ def _dumped(document: Conversation, live: Sequence[dict[str, Any]]) -> dict[str,
 def _plan_moved_away(
     planned: Planned, item: Converted, stored: Sequence[dict[str, Any]], carried: str | None
 ) -> None:
-    """A conversation the migration wrote to, changed by a person since (a live turn where
-    its legacy turns go: a popped message's place, or a legacy turn added since), whose
-    document a rollback moved away: its document is written again as the person left it
-    (its live turns' records, their `seq` values kept, the next turn after them: writable),
-    and nothing else; its legacy turns are not merged (the `conversation_changed_since`
-    problem keeps them), as when the document had stayed."""
+    """A conversation logged to live where its legacy turns go (a popped message's place, a
+    legacy turn added since, or one the old service logged into a conversation the new
+    service started), whose document a rollback moved away: its document is written again as
+    the person left it (its live turns' records, their `seq` values kept, the next turn after
+    them: listed and writable), and nothing else; its legacy turns are not merged (its
+    `conversation_changed_since` or `conversation_already_live` problem keeps them), as when
+    the document had stayed."""
     live = sorted(
         (d for d in stored if not is_migrated(d.get("turn_id"))), key=lambda d: int(d["seq"])
     )
@@ -763,17 +777,19 @@ def _not_merged(
     """The problem of a conversation whose legacy turns are not merged, or None: one a person
     changed since the migration whose legacy turns changed since (`unmerged`; also when a
     rollback moved its document away: a live turn holds places of its legacy turns in a
-    conversation the migration wrote to), or one a live turn holds places of (`foreign`:
-    messages the migration did not write where its legacy turns go) that the migration never
-    wrote to (`migrated_to`)."""
+    conversation of the transition), or one a live turn holds places of (`foreign`: messages
+    the migration did not write where its legacy turns go) that is no conversation of the
+    transition (`migrated_to`: the migration never wrote to it, and no held dual-written copy
+    names it)."""
     conversion = item.conversion
     gone = popped(found)
-    if unmerged(found, conversion, every, gone) and migrated_to(conversion, every, gone):
+    ours = migrated_to(conversion, every, gone, copies=item.copies)
+    if unmerged(found, conversion, every, gone) and ours:
         return changed_problem(conversion)
     # The migration's own messages are those of legacy turns, these or any filed here
     # before (their turn ids are the migration's: no live writer may name a turn so).
     live = not all(is_migrated(d.get("turn_id")) for d in foreign)
-    if live and found is None and migrated_to(conversion, every, gone):
+    if live and found is None and ours:
         return changed_problem(conversion)  # its document moved away: `_plan_moved_away`
     if live or unmerged(found, conversion, every, gone):
         after = any(is_migrated(turn) for _, turn in every.values())
@@ -810,12 +826,19 @@ def unmerged(
 
 
 def migrated_to(
-    conversion: LegacyConversion, stored: Mapping[int, tuple[str, Any]], gone: set[str]
+    conversion: LegacyConversion,
+    stored: Mapping[int, tuple[str, Any]],
+    gone: set[str],
+    *,
+    copies: int = 0,
 ) -> bool:
-    """Whether a run wrote to the conversation: it holds the migration's messages, or a person
-    popped some of them (else a conversation logged to live is `conversation_already_live`)."""
+    """Whether the conversation is one of the transition: a run wrote to it (it holds the
+    migration's messages, or a person popped some of them), or the new service logged to it
+    with the dual write on (`copies`: held dual-written copies name it, as for one it
+    started or a fork it made). Else a conversation logged to live is
+    `conversation_already_live`."""
     ids = {str(m.id) for m in conversion.messages}
-    return bool(gone & ids) or any(is_migrated(turn) for _, turn in stored.values())
+    return bool(copies or gone & ids) or any(is_migrated(turn) for _, turn in stored.values())
 
 
 CHANGED_SINCE = "conversation_changed_since"

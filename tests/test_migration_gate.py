@@ -5713,6 +5713,127 @@ def test_a_fork_made_during_the_transition_is_whole_after_a_rollback_and_a_secon
     assert _texts_of(database, "f-1") == [*history, "«G»?", "«G»"]
 
 
+def _started_live(wire_uri: str, database: Database[dict[str, Any]]) -> list[str]:
+    """A conversation the new service started, dual write on; its texts."""
+    _on_the_service(wire_uri, database, _turn("n-1", "live-1", "«NEW»"))
+    return ["«NEW»?", "«NEW»"]
+
+
+def _forked(wire_uri: str, database: Database[dict[str, Any]]) -> list[str]:
+    """A fork the new service made of the migrated "c-old", dual write on; its texts."""
+
+    async def fork(_: ConversationStore, logger: AgentMessageLogger) -> LoggedTurn:
+        return await logger.fork("c-old", 1, "n-1", user_id="u-1")
+
+    _on_the_service(wire_uri, database, fork)
+    return ["«OLD» question", "«OLD» answer"]
+
+
+def _old_service_logs_a_turn(database: Database[dict[str, Any]]) -> None:
+    database[CONVERSATIONS].insert_one(legacy_turn("o-1", "n-1", 5, "«OLD-SERVICE»"))
+
+
+def _old_service_resaves_the_copy(database: Database[dict[str, Any]]) -> None:
+    """The old service saves the copy again without the marks it does not know."""
+    unset = {"dual_write": "", "turn_id": "", "dual_write_exact": ""}
+    database[CONVERSATIONS].update_many({"conversation_id": "n-1"}, {"$unset": unset})
+
+
+TRANSITION_CONVERSATIONS_CHANGED = {
+    "started live, a turn the old service logged into it": (
+        _started_live, _old_service_logs_a_turn, "conversation_changed_since", False),
+    "started live, its copy saved again without the marks": (
+        _started_live, _old_service_resaves_the_copy, "conversation_already_live", True),
+    "a fork, a turn the old service logged into it": (
+        _forked, _old_service_logs_a_turn, "conversation_changed_since", False),
+}  # fmt: skip
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(("made", "changed", "kind", "placed"),
+                         TRANSITION_CONVERSATIONS_CHANGED.values(),
+                         ids=list(TRANSITION_CONVERSATIONS_CHANGED))  # fmt: skip
+def test_a_conversation_of_the_transition_the_old_service_changed_is_whole_after_a_second_attempt(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    made: Callable[[str, Database[dict[str, Any]]], list[str]],
+    changed: Callable[[Database[dict[str, Any]]], None],
+    kind: str,
+    placed: bool,
+) -> None:
+    """A conversation the new service started or forked during the transition, which the
+    old service changed after the rollback: the second attempt writes its document again as
+    the person left it, so it is listed, read and written to as before; a legacy turn the old
+    service logged into it is not merged (`conversation_changed_since`, work left until an
+    operator accepts it), and one that only says again what its live messages hold is
+    placed."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-old", 0, "«OLD»"))
+    assert cli(wire_uri, database, "run") == 0
+    texts = made(wire_uri, database)
+    roll_back(database, clear_messages=False)
+    changed(database)
+
+    assert cli(wire_uri, database, "run") == 0
+
+    async def read_then_write(store: ConversationStore, logger: AgentMessageLogger) -> list[str]:
+        listed = await store.list_conversations("u-1")
+        await store.get_conversation("n-1", user_id="u-1")
+        await _turn("n-1", "live-2", "«AFTER»")(store, logger)
+        return sorted(c.id for c in listed.data)
+
+    assert _on_the_service(wire_uri, database, read_then_write, dual_write=False) == [
+        "c-old",
+        "n-1",
+    ]
+    assert _texts_of(database, "n-1") == [*texts, "«AFTER»?", "«AFTER»"]
+    [problem] = database[PROBLEMS].find({"conversation_id": "n-1"})
+    assert (problem["kind"], problem["placed"]) == (kind, placed)
+    capsys.readouterr()
+    assert cli(wire_uri, database, "finish") == (0 if placed else 1)
+    out = capsys.readouterr().out
+    assert "no legacy turn makes it" not in out
+    if not placed:
+        assert "«OLD-SERVICE» answer" in json.dumps(problem["content"], ensure_ascii=False)
+        assert cli(wire_uri, database, "finish", "--accept", "n-1", "--note", "kept") == 0
+    assert cli(wire_uri, database, "run") == 0
+    assert cli(wire_uri, database, "finish", "--drop-legacy", "--yes") == 0
+    assert _texts_of(database, "n-1") == [*texts, "«AFTER»?", "«AFTER»"]
+
+
+@pytest.mark.wire
+def test_a_conversation_whose_legacy_turns_the_old_service_deleted_keeps_its_live_turns(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """After a rollback a person deletes a migrated conversation's exchanges on the old
+    service; the live turn's dual-written copy stays. The second attempt writes the document
+    again from the copy, removes the migration's messages of the deleted exchanges, keeps the
+    live turn where it is, and the conversation is written to as before; `verify` checks it,
+    and names its document when it is missing (exit 1)."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", "c-1", n, f"«L{n}»") for n in range(2)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    _on_the_service(wire_uri, database, _turn("c-1", "live-1", "«LIVE»"))
+    roll_back(database, clear_messages=False)
+    database[CONVERSATIONS].delete_many({"conversation_id": "c-1", "dual_write": {"$ne": True}})
+
+    assert cli(wire_uri, database, "run") == 0
+    document = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert document is not None
+    database[CONVERSATIONS].delete_one({"_id": "c-1"})
+    assert cli(wire_uri, database, "verify") == 1
+    assert cli(wire_uri, database, "verify", "--conversation", "c-1") == 1
+    database[CONVERSATIONS].insert_one(document)
+    _second_attempt(wire_uri, database)
+
+    assert _texts_of(database, "c-1") == ["«LIVE»?", "«LIVE»"]
+    _on_the_service(wire_uri, database, _turn("c-1", "live-2", "«AFTER»"), dual_write=False)
+    stored = database[MESSAGES].find({"conversation_id": "c-1"}).sort("seq", 1)
+    assert [(m["seq"], m["content"]) for m in stored] == [
+        (4, "«LIVE»?"), (5, "«LIVE»"), (6, "«AFTER»?"), (7, "«AFTER»")]  # fmt: skip
+
+
 @pytest.mark.wire
 def test_finish_names_a_conversation_whose_messages_have_no_document(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
