@@ -238,6 +238,38 @@ async def test_a_call_awaiting_approval_whose_arguments_were_cut_is_read_back_wh
     assert items[-1]["arguments"] == arguments  # type: ignore[typeddict-item]
 
 
+BOUNDED = TurnRules(max_message_bytes=16 * 1024)
+"""A bound the items below pass: each is cut in its message and kept whole in GridFS."""
+FILE_DATA = "data:application/pdf;base64," + "JVBERi0x" * 4_000
+CUT_ITEMS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": [
+        {"type": "input_text", "text": "Summarise this contract"},
+        {"type": "input_file", "filename": "contract.pdf", "file_data": FILE_DATA}]}],
+    [{"role": "user", "content": "store it"},
+     {"type": "function_call", "call_id": "c1", "name": "save", "id": "fc_1",
+      "status": "completed", "arguments": json.dumps({"doc": "x" * 40_000})}],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("items", CUT_ITEMS, ids=["file", "call"])
+async def test_a_popped_item_cut_to_its_bound_is_the_item_added(
+    backend: Backend, in_memory: SQLiteSession, items: list[TResponseInputItem]
+) -> None:
+    """RUNTIMES.md: `pop_item` returns the item added, as `SQLiteSession` does, though its
+    message was cut to its bound: the pop reads its whole texts before deleting them, so the
+    item put back (an app's undo, the SDK restoring a rewind) is stored whole again."""
+    session = ConversationSession(CID, backend.db, rules=BOUNDED)
+    await session.add_items(items)
+    await in_memory.add_items(items)
+
+    popped = await session.pop_item()
+
+    assert popped == await in_memory.pop_item() == items[-1]
+    assert popped is not None
+    await session.add_items([popped])
+    assert await session.get_items() == items
+
+
 async def test_items_the_chat_format_cannot_hold_are_never_shown_to_other_readers(
     backend: Backend,
 ) -> None:
