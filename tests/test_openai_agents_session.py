@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from openai.types.responses import (
 )
 from openai.types.responses.response_function_web_search import ActionSearch
 from openai.types.responses.response_reasoning_item import Summary
+from pymongo.errors import AutoReconnect
 
 from agent_store import (
     AgentMessageLogger,
@@ -686,6 +688,53 @@ NUMBERED_STEP: list[TResponseInputItem] = [
 ]
 """A step as a provider numbering its calls per response words it: another run's step may be
 the very same items."""
+
+
+async def test_a_run_again_whose_step_is_worded_otherwise_retries_the_step_whose_insert_was_lost(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md (Retries): a run's step loses its insert; the run again, in a task of its
+    own, repeats its input (a replay) and the model words its step otherwise: that step is
+    at the lost one's place and is logged under its turn id, so the store gives the empty
+    block back (its `seq` a gap no turn holds)."""
+    session = ConversationSession(CID, backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    turn_ids: list[str] = []
+    real = session.logger.log_messages
+
+    async def log_messages(*args: Any, **kwargs: Any) -> Any:
+        turn_ids.append(kwargs["turn_id"])
+        return await real(*args, **kwargs)
+
+    session.logger.log_messages = log_messages  # type: ignore[method-assign]
+    worded: list[TResponseInputItem] = [{"role": "assistant", "content": "Booked for 8."}]
+    otherwise: list[TResponseInputItem] = [{"role": "assistant", "content": "Done: 8 pm."}]
+
+    async def run(step: list[TResponseInputItem]) -> None:
+        await session.add_items(A_ASKED)
+        await session.add_items(step)
+
+    messages = session.logger._messages
+    messages.insert_many = _lost_once(messages.insert_many, after=1)
+    with pytest.raises(StorageUnavailable):
+        await asyncio.create_task(run(worded))
+    await asyncio.create_task(run(otherwise))
+
+    assert turn_ids[2:] == turn_ids[:2]
+    assert await session.get_items() == A_ASKED + otherwise
+    assert (await session.store.get_conversation(CID)).turn_count == 1
+
+
+def _lost_once(insert: Any, *, after: int) -> Any:
+    """`insert`, losing the call after the first `after` ones as a reset connection does."""
+    calls = [0]
+
+    async def inserting(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == after + 1:
+            raise AutoReconnect("connection reset while inserting")
+        return await insert(*args, **kwargs)
+
+    return inserting
 
 
 async def test_a_run_that_added_anything_else_first_is_not_taken_for_a_failed_runs_retry(
