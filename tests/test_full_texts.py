@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from datetime import timedelta
@@ -190,7 +191,7 @@ async def test_a_replayed_cut_turn_compares_its_files_in_two_round_trips_more(
 
 
 @pytest.mark.wire
-async def test_popping_a_cut_message_costs_two_round_trips_more(wire_backend: Backend) -> None:
+async def test_popping_a_cut_message_costs_four_round_trips_more(wire_backend: Backend) -> None:
     assert wire_backend.commands is not None
     logger, store = AgentMessageLogger(wire_backend.db), ConversationStore(wire_backend.db)
     await logger.log_messages(CID, [{"role": "user", "content": HUGE}], turn_id="t-1")
@@ -200,9 +201,11 @@ async def test_popping_a_cut_message_costs_two_round_trips_more(wire_backend: Ba
 
     # the last message, the one before it (none) and the conversation's creation time (for
     # `updated_at`), the LangGraph checkpoints referring to it (none), mark, remove, correct
-    # the summary; then its chunks and its files
+    # the summary; then its whole text read back (files, chunks), and its chunks and its
+    # files deleted
     assert wire_backend.commands.names == [
-        "find", "find", "find", "find", "update", "delete", "update", "delete", "delete"
+        "find", "find", "find", "find", "update", "delete", "update", "find", "find",
+        "delete", "delete",
     ]  # fmt: skip
     assert await wire_backend.db[FILES].count_documents({}) == 0
 
@@ -295,18 +298,52 @@ async def test_deleting_a_conversation_removes_the_files_no_message_names(
     assert await backend.db[CHUNKS].count_documents({}) == 0
 
 
-async def test_a_pop_removes_the_whole_texts_of_the_message_it_pops(backend: Backend) -> None:
+async def test_a_pop_answers_the_message_whole_and_removes_its_whole_texts(
+    backend: Backend,
+) -> None:
+    """The popped message is the one logged, its cut fields read back whole before their
+    files go: nothing else holds them once the pop is done."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     await logger.log_messages(CID, oversized_turn()[:3], user_id="user-f", turn_id="t-1")
 
     popped = await store.pop_last_message(CID)
 
     assert popped is not None
-    assert popped.truncated is not None
+    assert (popped.content, popped.truncated) == (HUGE, None)
     assert await backend.db[FILES].count_documents({}) == 1  # the tool call's arguments
-    await store.pop_last_message(CID)
+    call = await store.pop_last_message(CID)
+    assert call is not None
+    assert call.truncated is None
+    assert call.tool_calls is not None
+    assert json.loads(call.tool_calls[0].function.arguments) == {"path": HUGE}
     assert await backend.db[FILES].count_documents({}) == 0
     assert await backend.db[CHUNKS].count_documents({}) == 0
+
+
+async def test_the_retry_of_a_pop_that_raised_before_reading_its_whole_texts_answers_it_whole(
+    backend: Backend,
+) -> None:
+    """The pop removed the message, then its read of the whole texts was lost: its retry
+    answers the message whole (its files are deleted only after that read)."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": HUGE}], turn_id="t-1")
+    original = store._full_texts.texts
+    lost = {"once": True}
+
+    async def read_lost(blob_ids: Any) -> dict[str, str]:
+        if lost.pop("once", False):
+            raise StorageUnavailable("the read of the whole texts was lost")
+        return await original(blob_ids)
+
+    store._full_texts.texts = read_lost  # type: ignore[method-assign]
+    with pytest.raises(StorageUnavailable):
+        await store.pop_last_message(CID)
+
+    popped = await store.pop_last_message(CID)
+
+    assert popped is not None
+    assert (popped.content, popped.truncated) == (HUGE, None)
+    assert await store.transcript(CID) == []
 
 
 MALLORY = "user-mallory"

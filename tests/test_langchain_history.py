@@ -34,6 +34,7 @@ from pymongo.errors import AutoReconnect
 
 from agent_store import (
     AgentMessageLogger,
+    Conflict,
     ConversationStore,
     InvalidInput,
     RuntimeContextMarkers,
@@ -1027,6 +1028,113 @@ async def test_two_chains_whose_adds_both_failed_each_retry_their_own_once(
     await asyncio.gather(chain_a(), chain_b())
 
     assert visible(await history.aget_messages()) == visible(A_TURN + B_TURN)
+
+
+def answer(text: str, tokens: int) -> AIMessage:
+    return AIMessage(
+        text,
+        usage_metadata={
+            "input_tokens": tokens,
+            "output_tokens": tokens,
+            "total_tokens": 2 * tokens,
+        },
+    )
+
+
+ASKED = HumanMessage("What is 2+2?")
+PASSED = TurnRules(abandon_after=timedelta(0))
+"""`abandon_after` over at once: what the default five minutes give once they have passed."""
+
+
+async def counted(history: ConversationChatHistory) -> tuple[int, int, int]:
+    """The conversation's turns and input and output tokens."""
+    conversation = await history.store.get_conversation(CID)
+    usage = conversation.usage
+    return conversation.turn_count, usage.input_tokens, usage.output_tokens
+
+
+async def test_a_chain_run_again_with_a_regenerated_answer_after_a_lost_insert_counts_it_once(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md (Retries): the add's insert is lost, the chain runs again in a task of its
+    own and the model words its answer otherwise. The add at the failed one's place (the
+    same question) reuses its turn id, so the store gives the empty block back: the lost
+    answer's turn and tokens are not counted."""
+    history = ConversationChatHistory(CID, backend.db, rules=PASSED)
+    network_back = losing_the_insert(history)
+    with pytest.raises(StorageUnavailable):
+        await asyncio.create_task(history.aadd_messages([ASKED, answer("4", 100)]))
+    network_back()
+
+    await asyncio.create_task(history.aadd_messages([ASKED, answer("It is 4.", 120)]))
+
+    assert [m.content for m in await history.aget_messages()] == [ASKED.content, "It is 4."]
+    assert await counted(history) == (1, 120, 120)
+
+
+async def test_a_regenerated_answer_while_the_lost_insert_may_still_land_waits_for_it(
+    backend: Backend,
+) -> None:
+    """Within `abandon_after` of the failed add the first attempt may still be writing: the
+    regenerated add is `StorageUnavailable`, nothing written; repeated once that has
+    passed, it is stored and counted once."""
+    rules = TurnRules(claim_grace=timedelta(seconds=0.05), abandon_after=timedelta(seconds=1))
+    history = ConversationChatHistory(CID, backend.db, rules=rules)
+    network_back = losing_the_insert(history)
+    with pytest.raises(StorageUnavailable):
+        await history.aadd_messages([ASKED, answer("4", 100)])
+    network_back()
+    regenerated = [ASKED, answer("It is 4.", 120)]
+
+    with pytest.raises(StorageUnavailable, match="nothing of turn"):
+        await history.aadd_messages(regenerated)
+    assert await history.aget_messages() == []
+    await asyncio.sleep(1.1)
+    await history.aadd_messages(regenerated)
+
+    assert [m.content for m in await history.aget_messages()] == [ASKED.content, "It is 4."]
+    assert await counted(history) == (1, 120, 120)
+
+
+async def test_a_regenerated_answer_after_a_lost_reply_is_refused_and_then_stored_anew(
+    backend: Backend,
+) -> None:
+    """The first attempt was stored whole, its reply lost: the regenerated add at its place
+    is refused as a retry with other content (`Conflict`, nothing written), the history
+    holding the first answer, counted once; a refusal is no outcome in doubt, so the same
+    add again is a new turn, as any add after a call that did not raise."""
+    history = ConversationChatHistory(CID, backend.db, rules=PASSED)
+    losing_the_replies(history, 1)
+    with pytest.raises(StorageUnavailable):
+        await history.aadd_messages([ASKED, answer("4", 100)])
+    regenerated = [ASKED, answer("It is 4.", 120)]
+
+    with pytest.raises(Conflict, match="other content"):
+        await history.aadd_messages(regenerated)
+    assert [m.content for m in await history.aget_messages()] == [ASKED.content, "4"]
+    assert await counted(history) == (1, 100, 100)
+    await history.aadd_messages(regenerated)
+
+    assert [m.content for m in await history.aget_messages()] == [
+        ASKED.content, "4", ASKED.content, "It is 4.",
+    ]  # fmt: skip
+    assert await counted(history) == (2, 220, 220)
+
+
+async def test_another_question_after_a_lost_insert_is_no_retry_of_it(backend: Backend) -> None:
+    """An add whose first messages are not the failed add's (another question) is stored at
+    once, in its own turn: only the add at the failed one's place is taken for its retry."""
+    history = ConversationChatHistory(CID, backend.db)
+    network_back = losing_the_insert(history)
+    with pytest.raises(StorageUnavailable):
+        await asyncio.create_task(history.aadd_messages([ASKED, answer("4", 100)]))
+    network_back()
+
+    await asyncio.create_task(history.aadd_messages([HumanMessage("Hello"), answer("Hi!", 7)]))
+    await history.aadd_messages([HumanMessage("And 3+3?"), answer("6", 9)])
+
+    contents = [m.content for m in await history.aget_messages()]
+    assert contents == ["Hello", "Hi!", "And 3+3?", "6"]
 
 
 def numbered_step() -> list[BaseMessage]:

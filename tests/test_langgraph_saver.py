@@ -1083,6 +1083,31 @@ async def test_a_copied_thread_is_a_fork_that_shares_no_document(backend: Backen
     assert len((await graph.aget_state(source)).values["messages"]) == len(before)
 
 
+async def test_a_copied_thread_keeps_the_whole_text_of_a_cut_message(backend: Backend) -> None:
+    """LANGGRAPH.md `copy_thread`: a fork, as the store's own fork is: a message cut to its
+    bound is logged again from its whole text, cut and kept whole for the copy, which
+    outlives the source."""
+    rules = TurnRules(max_message_bytes=16 * 1024)
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    saver = AgentStoreSaver(backend.db, logger=logger)
+    source, target = thread("user-ada"), thread("user-ada")
+    pasted = "Clause " + "x" * 40_000
+    graph = tool_agent(saver)
+    await graph.ainvoke({"messages": [HumanMessage(pasted, id="human-1")]}, source)
+    source_id, target_id = (c["configurable"]["thread_id"] for c in (source, target))
+
+    await saver.acopy_thread(source_id, target_id)
+    await saver.adelete_thread(source_id)
+
+    store = ConversationStore(backend.db)
+    copied = (await store.transcript(target_id))[0]
+    assert copied.truncated is not None
+    assert "content" in copied.truncated
+    assert (await store.with_full_texts([copied]))[0].content == pasted
+    state = (await tool_agent(AgentStoreSaver(backend.db)).aget_state(target)).values
+    assert state["messages"][0].content == pasted
+
+
 async def test_a_thread_that_decided_a_call_again_copies_with_the_call_still_open(
     backend: Backend,
 ) -> None:

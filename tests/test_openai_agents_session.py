@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from openai.types.responses import (
 )
 from openai.types.responses.response_function_web_search import ActionSearch
 from openai.types.responses.response_reasoning_item import Summary
+from pymongo.errors import AutoReconnect
 
 from agent_store import (
     AgentMessageLogger,
@@ -236,6 +238,38 @@ async def test_a_call_awaiting_approval_whose_arguments_were_cut_is_read_back_wh
     assert "tool_calls.0.function.arguments" in stored["truncated"]
     items = await session.get_items()
     assert items[-1]["arguments"] == arguments  # type: ignore[typeddict-item]
+
+
+BOUNDED = TurnRules(max_message_bytes=16 * 1024)
+"""A bound the items below pass: each is cut in its message and kept whole in GridFS."""
+FILE_DATA = "data:application/pdf;base64," + "JVBERi0x" * 4_000
+CUT_ITEMS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": [
+        {"type": "input_text", "text": "Summarise this contract"},
+        {"type": "input_file", "filename": "contract.pdf", "file_data": FILE_DATA}]}],
+    [{"role": "user", "content": "store it"},
+     {"type": "function_call", "call_id": "c1", "name": "save", "id": "fc_1",
+      "status": "completed", "arguments": json.dumps({"doc": "x" * 40_000})}],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("items", CUT_ITEMS, ids=["file", "call"])
+async def test_a_popped_item_cut_to_its_bound_is_the_item_added(
+    backend: Backend, in_memory: SQLiteSession, items: list[TResponseInputItem]
+) -> None:
+    """RUNTIMES.md: `pop_item` returns the item added, as `SQLiteSession` does, though its
+    message was cut to its bound: the pop reads its whole texts before deleting them, so the
+    item put back (an app's undo, the SDK restoring a rewind) is stored whole again."""
+    session = ConversationSession(CID, backend.db, rules=BOUNDED)
+    await session.add_items(items)
+    await in_memory.add_items(items)
+
+    popped = await session.pop_item()
+
+    assert popped == await in_memory.pop_item() == items[-1]
+    assert popped is not None
+    await session.add_items([popped])
+    assert await session.get_items() == items
 
 
 async def test_items_the_chat_format_cannot_hold_are_never_shown_to_other_readers(
@@ -654,6 +688,53 @@ NUMBERED_STEP: list[TResponseInputItem] = [
 ]
 """A step as a provider numbering its calls per response words it: another run's step may be
 the very same items."""
+
+
+async def test_a_run_again_whose_step_is_worded_otherwise_retries_the_step_whose_insert_was_lost(
+    backend: Backend,
+) -> None:
+    """RUNTIMES.md (Retries): a run's step loses its insert; the run again, in a task of its
+    own, repeats its input (a replay) and the model words its step otherwise: that step is
+    at the lost one's place and is logged under its turn id, so the store gives the empty
+    block back (its `seq` a gap no turn holds)."""
+    session = ConversationSession(CID, backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    turn_ids: list[str] = []
+    real = session.logger.log_messages
+
+    async def log_messages(*args: Any, **kwargs: Any) -> Any:
+        turn_ids.append(kwargs["turn_id"])
+        return await real(*args, **kwargs)
+
+    session.logger.log_messages = log_messages  # type: ignore[method-assign]
+    worded: list[TResponseInputItem] = [{"role": "assistant", "content": "Booked for 8."}]
+    otherwise: list[TResponseInputItem] = [{"role": "assistant", "content": "Done: 8 pm."}]
+
+    async def run(step: list[TResponseInputItem]) -> None:
+        await session.add_items(A_ASKED)
+        await session.add_items(step)
+
+    messages = session.logger._messages
+    messages.insert_many = _lost_once(messages.insert_many, after=1)
+    with pytest.raises(StorageUnavailable):
+        await asyncio.create_task(run(worded))
+    await asyncio.create_task(run(otherwise))
+
+    assert turn_ids[2:] == turn_ids[:2]
+    assert await session.get_items() == A_ASKED + otherwise
+    assert (await session.store.get_conversation(CID)).turn_count == 1
+
+
+def _lost_once(insert: Any, *, after: int) -> Any:
+    """`insert`, losing the call after the first `after` ones as a reset connection does."""
+    calls = [0]
+
+    async def inserting(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == after + 1:
+            raise AutoReconnect("connection reset while inserting")
+        return await insert(*args, **kwargs)
+
+    return inserting
 
 
 async def test_a_run_that_added_anything_else_first_is_not_taken_for_a_failed_runs_retry(

@@ -6,8 +6,14 @@ id, and the same messages may rightly be appended twice (a user who says
 raised (its outcome unknown): a runtime that runs again saves again what the
 failed run saved, from its input on, the appends that succeeded included. Each
 of those appends, repeated in order, is a retry: it reuses its turn id, and the
-logger stores it at most once. The first append that repeats none of them ends
-the retry.
+logger stores it at most once. The append at the place of the one that raised
+(every append before it repeated, and its first user or system messages the
+same: the same input) reuses that turn id even with other content (the model
+words its answer otherwise): the logger then gives back the block the lost
+attempt reserved and stored nothing in, or refuses the append (Conflict) when
+that attempt was stored. The first other append that repeats none of them
+ends the retry. An append the logger refused (InvalidInput, Conflict: nothing
+written) is no outcome in doubt: it is not retried.
 
 Runs that share one history object are told apart by the asyncio task that
 appends (`adder`): each failed run is remembered with its task, several at once,
@@ -32,9 +38,9 @@ import uuid
 import weakref
 from collections.abc import Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from agent_store.core import AgentMessage
+from agent_store.core import AgentMessage, Conflict, InvalidInput
 from agent_store.store import AgentMessageLogger, LoggedTurn
 
 _NOT_COMPARED = {"created_at"}
@@ -86,9 +92,19 @@ def adder() -> Adder:
     return made
 
 
-_Done = tuple[str, str | None]
-"""An append remembered: its content digest and its turn id (None once a pop removed a
-message of its turn: repeated, it is a new turn)."""
+@dataclass(frozen=True)
+class _Done:
+    """An append remembered."""
+
+    digest: str
+    """Its content's."""
+    turn_id: str | None
+    """None once a pop removed a message of its turn: repeated, it is a new turn."""
+    opening: str
+    """The digest of its first user or system messages (its input), "" for none."""
+    raised: bool = False
+    """It raised, its outcome unknown: an append at its place retries it, whatever its
+    content."""
 
 
 @dataclass
@@ -98,6 +114,13 @@ class _Retry:
 
     adder: Adder
     appends: list[_Done]
+
+
+def _opening(messages: Sequence[AgentMessage]) -> str:
+    """The digest of the first messages while they are user or system ones ("" for none)."""
+    count = next((i for i, m in enumerate(messages) if m.role not in ("user", "system")), None)
+    opening = messages[: len(messages) if count is None else count]
+    return _digest(opening) if opening else ""
 
 
 def _digest(messages: Sequence[AgentMessage]) -> str:
@@ -131,39 +154,51 @@ class Appends:
         self._retries: list[_Retry] = []
         """The runs whose append raised, oldest first, at most one per adder."""
 
-    def _retry_of(self, by: Adder, digest: str) -> _Retry | None:
+    def _retry_of(self, by: Adder, done: _Done) -> _Retry | None:
         """The failed run `by` retries: its own, else, when this is `by`'s first append, the
-        oldest whose task has ended and whose appends hold `digest`, which `by` takes over (a
-        task that appended anything else first is another run, whose appends may repeat a
-        failed run's: a provider numbering its calls per response)."""
+        oldest whose task has ended and whose appends hold `done`'s content, or whose next
+        append is one that raised with `done`'s input (not none: `_at_place`), which `by`
+        takes over (a task that appended anything else first is another run, whose appends
+        may repeat a failed run's: a provider numbering its calls per response)."""
         for retry in self._retries:
             if retry.adder is by:
                 return retry
         if by in self._runs:
             return None
         for retry in self._retries:
-            if not retry.adder.running and any(done == digest for done, _ in retry.appends):
+            held = any(d.digest == done.digest for d in retry.appends)
+            if not retry.adder.running and (held or (done.opening and _at_place(retry, done))):
                 retry.adder = by
                 return retry
         return None
 
-    def _turn_id(self, by: Adder, digest: str) -> str:
-        retry = self._retry_of(by, digest)
+    def _turn_id(self, by: Adder, done: _Done) -> str:
+        """The turn id of the append `done` (its own not drawn yet): the one of the append
+        it repeats in `by`'s retry, or of the one that raised at its place; else a new one."""
+        retry = self._retry_of(by, done)
         if retry is not None:
-            for index, (done, turn_id) in enumerate(retry.appends):
-                if done == digest:
-                    del retry.appends[: index + 1]
-                    if not retry.appends:
-                        self._retries.remove(retry)
-                    return turn_id or self._new_turn_id()
+            index = next(
+                (i for i, d in enumerate(retry.appends) if d.digest == done.digest),
+                0 if _at_place(retry, done) else None,
+            )
+            if index is not None:
+                retried = retry.appends[index]
+                del retry.appends[: index + 1]
+                if not retry.appends:
+                    self._retries.remove(retry)
+                return retried.turn_id or self._new_turn_id()
             self._retries.remove(retry)
         return self._new_turn_id()
 
     def _new_turn_id(self) -> str:
         return f"{self._prefix}-{uuid.uuid4().hex}"
 
-    def _failed(self, by: Adder, run: list[_Done]) -> None:
-        """Remember `by`'s run for its retry, before what its earlier retry left to repeat."""
+    def _failed(self, by: Adder, run: list[_Done], *, refused: bool) -> None:
+        """Remember `by`'s run for its retry, before what its earlier retry left to repeat: its
+        last append raised (`_Done.raised`), or, `refused`, is left out (nothing written)."""
+        run = run[:-1] if refused else [*run[:-1], replace(run[-1], raised=True)]
+        if not run:
+            return
         for retry in self._retries:
             if retry.adder is by:
                 retry.appends[:0] = run
@@ -180,21 +215,33 @@ class Appends:
             return
         for appends in (*self._runs.values(), *(retry.appends for retry in self._retries)):
             appends[:] = [
-                (digest, None if turn_id == message.turn_id else turn_id)
-                for digest, turn_id in appends
+                replace(done, turn_id=None) if done.turn_id == message.turn_id else done
+                for done in appends
             ]
 
     async def append(self, messages: Sequence[AgentMessage]) -> LoggedTurn:
         """Log `messages` as one turn (two round trips); after an append raised, the appends
-        a run again repeats are recognised by their content and stored once."""
-        by, digest = adder(), _digest(messages)
-        turn_id = self._turn_id(by, digest)
+        a run again repeats are recognised by their content and stored once, and the append
+        at the place of the one that raised is its retry (`_at_place`)."""
+        by = adder()
+        done = _Done(_digest(messages), None, _opening(messages))
+        turn_id = self._turn_id(by, done)
         run = [] if messages and messages[0].role in ("user", "system") else self._runs.get(by, [])
-        run = self._runs[by] = [*run[-(RUN_APPENDS_KEPT - 1) :], (digest, turn_id)]
+        run = self._runs[by] = [*run[-(RUN_APPENDS_KEPT - 1) :], replace(done, turn_id=turn_id)]
         try:
             return await self.logger.log_messages(
                 self.conversation_id, messages, user_id=self.user_id, turn_id=turn_id
             )
-        except BaseException:
-            self._failed(by, run)
+        except BaseException as exc:
+            self._failed(by, run, refused=isinstance(exc, InvalidInput | Conflict))
             raise
+
+
+def _at_place(retry: _Retry, done: _Done) -> bool:
+    """Whether the append `done` is at the place of one that raised: the retry has repeated
+    every append before that one, and `done` opens with the same user or system messages
+    (the same input; none for a model's step). Its content may differ (the model worded its
+    answer otherwise): it retries that append, under its turn id."""
+    return (
+        bool(retry.appends) and retry.appends[0].raised and retry.appends[0].opening == done.opening
+    )

@@ -502,7 +502,8 @@ class TranscriptLink:
 
         The copy is logged through the logger, turn by turn of the source, so it has
         documents of its own (nothing shared to corrupt) and the source's owner (a
-        target that belongs to another user is a Conflict, before anything is copied).
+        target that belongs to another user is a Conflict, before anything is copied); a
+        message cut to its bound is logged from its whole text, kept whole for the copy.
         Answers where each source `seq` went, with its new message id, and the target
         conversation (`conversation_mark`; None without a source conversation). Re-running it
         after a crash converges.
@@ -512,7 +513,9 @@ class TranscriptLink:
         except NotFound:
             return {}, None
         target = await self._logger.upsert_conversation(target_id, user_id=source.user_id)
-        stored = await self._store.messages_by_seq(source_id)
+        # Cut messages go from their whole texts (two lookups, only when one was cut), as the
+        # store's own fork copies them: the logger cuts them again and keeps the copy's own.
+        stored = await self._store.with_full_texts(await self._store.messages_by_seq(source_id))
         moved: dict[int, tuple[int, str]] = {}
         for chunk in _turn_chunks(stored):
             logged = await self._logger.log_messages(

@@ -18,9 +18,11 @@ A pop is three writes on two documents, and none of them can be undone by the ne
 3. finish: the summary is corrected and the mark cleared in one update, matched by the
    mark's message id, so it applies once (`_tail.unlogged`).
 
-Then the whole texts of a cut message go, by the ids its `truncated` map names (two more
-round trips, for a cut message only). A pop that stops before leaves them to the
-conversation's delete or its owner's erasure, which find them by conversation id.
+Then the whole texts of a cut message are read back, so that the pop answers the message
+as it was logged, and go, by the ids its `truncated` map names (four more round trips, for a
+cut message only): once the pop is done nothing else holds them. A pop that stops before
+leaves them to the conversation's delete or its owner's erasure, which find them by
+conversation id; its retry answers the message whole from them.
 
 Any pop that finds a mark finishes that pop first (2 and 3 again: a no-op delete, then
 the guarded update), whoever started it. A pop that raised remembers the message it was
@@ -194,6 +196,9 @@ class Pop:
     """How long a turn may hold a `seq` past the last message before the pop passes it."""
     forget_texts: Callable[[Sequence[str]], Awaitable[None]]
     """Deletes whole texts by blob id (`FullTextStore.forget_files`)."""
+    restore: Callable[[Sequence[AgentMessage]], Awaitable[list[AgentMessage]]]
+    """Puts the cut fields of messages back whole (`FullTextStore.restore`): what a pop
+    answers, read before `forget_texts` deletes them."""
     checkpoints: Any
     """The LangGraph checkpointer's collection: a message its checkpoints refer to stays."""
 
@@ -229,8 +234,9 @@ class Pop:
             assert pop is not None
             await self._refuse_a_threads(scope[0], message)
             count = self._passing(message, conversation)
-            if await self._remove(scope, message, pop, count):
-                return message
+            removed = await self._remove(scope, message, pop, count)
+            if removed is not None:
+                return removed
             visible, conversation, _ = await self._finish_under_way()
             if not visible:
                 return None  # the conversation is gone
@@ -263,7 +269,7 @@ class Pop:
         self, scope: Scope
     ) -> tuple[bool, AgentMessage | None, Mapping[str, Any] | None]:
         """Finish the pop in doubt this call retries (`PopMemory.take`), if any. True and its
-        message when it removed it from this conversation; True and None when it removed
+        message (whole) when it removed it from this conversation; True and None when it removed
         nothing and the conversation is no longer the scope's (claimed, or gone): nothing
         to pop. Else False, and the conversation as read (None when not read, or a pop was
         finished since). Conflict when the call cannot be told among pops in doubt: the
@@ -275,6 +281,7 @@ class Pop:
             visible, conversation, removed = await self._finish_under_way(earlier.earlier)
             if not visible:
                 removed = await self._finish_own(scope, earlier)
+            answer = await self._whole(earlier.message) if removed and told else None
         except BaseException:  # a StoreError, or a caller's timeout cancelling it
             self.memory.keep(scope, earlier if told else replace(earlier, shared=True))
             raise
@@ -286,7 +293,7 @@ class Pop:
                 "the pop in doubt is finished and nothing more removed; read the transcript"
             )
         if removed or not visible:
-            return True, earlier.message if removed else None, None
+            return True, answer, None
         return False, None, conversation
 
     async def _finish_own(self, scope: Scope, earlier: InDoubt) -> bool:
@@ -441,9 +448,10 @@ class Pop:
 
     async def _remove(
         self, scope: Scope, message: AgentMessage, pop: PopInProgress, count: int | None
-    ) -> bool:
-        """Mark, remove, finish; False when the mark was refused (another pop came first, or
-        a turn holds a `seq` past the message; with `count`, `message_count` changed).
+    ) -> AgentMessage | None:
+        """Mark, remove, finish, and answer the message whole (`_whole`); None when the mark
+        was refused (another pop came first, or a turn holds a `seq` past the message; with
+        `count`, `message_count` changed).
 
         The count of finished pops it marks under is the last one this store saw (0 for a
         conversation it never saw popped): a wrong one is refused, read, and tried again.
@@ -456,10 +464,12 @@ class Pop:
             with storage_errors("mark the pop"):
                 marked = await self.conversations.update_one({**self.scope, **free}, mark(pop))
             if not marked.matched_count:
-                return False
+                return None
             await self._finish(conversation_id, pop)
-            # Its whole texts, once it is gone (a crash before leaves them to the
-            # conversation's delete or its owner's erasure, which find them by conversation).
+            # Its whole texts, read for the answer, then deleted, once it is gone (a crash
+            # before leaves them to the conversation's delete or its owner's erasure, which
+            # find them by conversation; its retry reads them).
+            whole = await self._whole(message)
             await self.forget_texts(list(kept_blob_ids(message).values()))
         except BaseException:
             # Its outcome unknown (a StoreError, or a caller's timeout cancelling it while a
@@ -468,7 +478,14 @@ class Pop:
             # once never take each other for a retry.
             self.memory.keep(scope, InDoubt(message, pop.pop_id, _caller()))
             raise
-        return True
+        return whole
+
+    async def _whole(self, message: AgentMessage) -> AgentMessage:
+        """The message with its cut fields put back whole, as it was logged (two round trips
+        for a cut message, none otherwise; a field whose whole text is gone stays cut)."""
+        if not kept_blob_ids(message):
+            return message
+        return (await self.restore([message]))[0]
 
     async def _finish(self, conversation_id: str, pop: PopInProgress) -> None:
         """Remove the marked message (a no-op if it is gone) and correct the summary once."""

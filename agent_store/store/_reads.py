@@ -929,7 +929,8 @@ class ConversationStore:
     async def pop_last_message(
         self, conversation_id: str, *, user_id: str | None = None
     ) -> AgentMessage | None:
-        """Remove the conversation's last message and return it; None when it has none.
+        """Remove the conversation's last message and return it as it was logged, its cut
+        fields read back whole before their whole texts are deleted; None when it has none.
 
         The conversation's summary is corrected as if the message had never been logged
         (see `agent_store.store._tail`): its turn, tokens, preview and pending prompt, an
@@ -962,6 +963,7 @@ class ConversationStore:
         conversation's count of finished pops yet and another pop was finished before, or
         when it passes a block abandoned past the last message; one more when the reads of
         the messages before it find a `seq` with no message (the conversation's gaps).
+        Four more for a cut message: its whole texts read back, then deleted.
         """
         query = {"conversation_id": validate_identifier(conversation_id, "conversation_id")}
         if user_id is not None:
@@ -977,6 +979,7 @@ class ConversationStore:
             memory=self._pops,
             abandon_after=self._rules.abandon_after,
             forget_texts=self._full_texts.forget_files,
+            restore=self._full_texts.restore,
             checkpoints=self._checkpoints,
         )
         return await pop.run()
