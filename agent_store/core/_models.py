@@ -226,7 +226,15 @@ def json_text(value: Any, *, non_finite: bool = False) -> str:
     and the infinities are spelt as Python's `json` reads them back (`NaN`, `-Infinity`);
     else they are a ValueError. Raises TypeError, ValueError or RecursionError for a value
     that is no JSON."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=non_finite)
+    return _JSON_TEXT[non_finite].encode(value)
+
+
+_JSON_TEXT = {
+    non_finite: json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=non_finite)
+    for non_finite in (False, True)
+}
+"""`json_text`'s encoders, by `non_finite`: what `json.dumps` builds anew on every call given
+options (the encoder keeps no state between calls)."""
 
 
 def joined_text(text: str) -> str:
