@@ -163,15 +163,21 @@ Whole = BeforeValidator(whole)
 
 Count = Annotated[
     int,
-    Whole,
     Field(ge=0, le=MAX_SAFE_INTEGER),
+    Whole,
     PlainSerializer(_stored_width, return_type=int),
     WithJsonSchema(
         {"type": "integer", "minimum": 0, "maximum": MAX_SAFE_INTEGER}, mode="serialization"
     ),
+    WithJsonSchema({"ge": 0, "le": MAX_SAFE_INTEGER, "type": "integer"}, mode="validation"),
 ]
 """A non-negative integer a JavaScript reader can hold exactly (at most 2**53 - 1), stored as
-a BSON int64."""
+a BSON int64.
+
+The bounds come before `Whole` so pydantic-core checks them as the integer's own, not as two
+Python calls after it (every stored message read holds two to four counts); `Whole` still
+runs first. The schema of what is accepted is written out as it was with the bounds after
+`Whole` (pydantic's `ge`/`le` keys, what `/openapi.json` has always said)."""
 
 MAX_HELD_CALLS = 100
 """How many calls one HITL prompt may name (`HitlAction.tool_call_ids`): as many as a
