@@ -350,6 +350,10 @@ class AbsentBefore:
     version: str
 
 
+_set = object.__setattr__
+"""How `_Model.replacing` sets a frozen copy's slots (looked up once)."""
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
@@ -364,13 +368,11 @@ class _Model(BaseModel):
         """A copy with the fields of `update` replaced by values already valid for them:
         `model_copy(update=...)` without its generic copying, for the copy the store
         makes of every message it writes. The models hold no extra or private values."""
-        copy = self.__class__.__new__(self.__class__)
-        object.__setattr__(copy, "__dict__", {**self.__dict__, **update})
-        object.__setattr__(
-            copy, "__pydantic_fields_set__", self.__pydantic_fields_set__ | update.keys()
-        )
-        object.__setattr__(copy, "__pydantic_extra__", None)
-        object.__setattr__(copy, "__pydantic_private__", None)
+        copy = object.__new__(self.__class__)
+        _set(copy, "__dict__", {**self.__dict__, **update})
+        _set(copy, "__pydantic_fields_set__", self.__pydantic_fields_set__.union(update))
+        _set(copy, "__pydantic_extra__", None)
+        _set(copy, "__pydantic_private__", None)
         return copy
 
 
