@@ -165,15 +165,21 @@ Whole = BeforeValidator(whole)
 
 Count = Annotated[
     int,
-    Whole,
     Field(ge=0, le=MAX_SAFE_INTEGER),
+    Whole,
     PlainSerializer(_stored_width, return_type=int),
     WithJsonSchema(
         {"type": "integer", "minimum": 0, "maximum": MAX_SAFE_INTEGER}, mode="serialization"
     ),
+    WithJsonSchema({"ge": 0, "le": MAX_SAFE_INTEGER, "type": "integer"}, mode="validation"),
 ]
 """A non-negative integer a JavaScript reader can hold exactly (at most 2**53 - 1), stored as
-a BSON int64."""
+a BSON int64.
+
+The bounds come before `Whole` so pydantic-core checks them as the integer's own, not as two
+Python calls after it (every stored message read holds two to four counts); `Whole` still
+runs first. The schema of what is accepted is written out as it was with the bounds after
+`Whole` (pydantic's `ge`/`le` keys, what `/openapi.json` has always said)."""
 
 MAX_HELD_CALLS = 100
 """How many calls one HITL prompt may name (`HitlAction.tool_call_ids`): as many as a
@@ -228,7 +234,15 @@ def json_text(value: Any, *, non_finite: bool = False) -> str:
     and the infinities are spelt as Python's `json` reads them back (`NaN`, `-Infinity`);
     else they are a ValueError. Raises TypeError, ValueError or RecursionError for a value
     that is no JSON."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=non_finite)
+    return _JSON_TEXT[non_finite].encode(value)
+
+
+_JSON_TEXT = {
+    non_finite: json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=non_finite)
+    for non_finite in (False, True)
+}
+"""`json_text`'s encoders, by `non_finite`: what `json.dumps` builds anew on every call given
+options (the encoder keeps no state between calls)."""
 
 
 def joined_text(text: str) -> str:
@@ -396,6 +410,10 @@ class AbsentBefore:
     version: str
 
 
+_set = object.__setattr__
+"""How `_Model.replacing` sets a frozen copy's slots (looked up once)."""
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
@@ -410,13 +428,11 @@ class _Model(BaseModel):
         """A copy with the fields of `update` replaced by values already valid for them:
         `model_copy(update=...)` without its generic copying, for the copy the store
         makes of every message it writes. The models hold no extra or private values."""
-        copy = self.__class__.__new__(self.__class__)
-        object.__setattr__(copy, "__dict__", {**self.__dict__, **update})
-        object.__setattr__(
-            copy, "__pydantic_fields_set__", self.__pydantic_fields_set__ | update.keys()
-        )
-        object.__setattr__(copy, "__pydantic_extra__", None)
-        object.__setattr__(copy, "__pydantic_private__", None)
+        copy = object.__new__(self.__class__)
+        _set(copy, "__dict__", {**self.__dict__, **update})
+        _set(copy, "__pydantic_fields_set__", self.__pydantic_fields_set__.union(update))
+        _set(copy, "__pydantic_extra__", None)
+        _set(copy, "__pydantic_private__", None)
         return copy
 
 

@@ -3616,12 +3616,13 @@ def _refuse_other_owners(
     fields the store sets, refused rather than replaced without a word, as a message naming
     another conversation is. The values the store sets (a message read back and sent again)
     pass; so does any value of a call naming neither, where the store decides them."""
-    expected = {"turn_id": turn_id, "user_id": user_id}
+    expected = {f: v for f, v in (("turn_id", turn_id), ("user_id", user_id)) if v is not None}
+    if not expected:
+        return
     for index, message in enumerate(messages):
+        values = message if isinstance(message, Mapping) else None  # one check per message
         for field, value in expected.items():
-            if value is None:
-                continue
-            said = message.get(field) if isinstance(message, Mapping) else getattr(message, field)
+            said = values.get(field) if values is not None else getattr(message, field)
             if said is not None and said != value:
                 named = shown(said) if isinstance(said, str) else "<withheld>"
                 raise InvalidInput(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -150,10 +151,16 @@ def strip_runtime_context_blocks(
     return blocks
 
 
+_NO_TEXT = frozenset({bool, int, float, datetime})
+"""Types of values that hold no text: `_holds_marker` answers for them at once."""
+
+
 def _holds_marker(value: Any, markers: RuntimeContextMarkers) -> bool:
     """Whether a marker is anywhere in a value: in a string, in a list's texts read as one
     prompt (a marker may be cut across them) or its items, a mapping's keys and values, or
     a model's fields. A few C-level scans of each string: what holds none is left alone."""
+    if value is None or type(value) in _NO_TEXT:  # most fields: no isinstance (an ABC's)
+        return False
     if isinstance(value, str):
         return _has_marker(value, markers)
     if isinstance(value, NativeForm) and value.json_text:
