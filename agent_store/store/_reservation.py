@@ -1784,20 +1784,20 @@ def _own_holders(plan: TurnPlan) -> list[dict[str, str]]:
 
 def given_up(
     plan: TurnPlan, block: RecordedBlock, conversation: Mapping[str, Any]
-) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update that take back what a turn's reservation counted (its turn
     starts, its tokens: what its record says, `RecordedBlock.counted`, else what the retry,
     of the same content, counts) once a retry gave it up for good, none of its messages
     stored (`AgentMessageLogger._give_up`); a retry with other content counts otherwise.
     Its record is marked (`TurnRecord.given_up`) in the same update, which matches only
-    while it is not: a retry given up again takes nothing back twice. The approvals its
-    prompts held again or its calls superseded, in `conversation` as read, are as before it
-    (`approvals_unstored`). None when the turn counted none and changed no approval
-    (nothing to write)."""
+    while it is not: a retry given up again takes nothing back twice. Its block's `seq`s
+    become gaps no turn holds (`popped_seqs`, `_left_behind`), as a block given back does:
+    every count of gaps (readers, forks, pops, the fold after a later give-back or move)
+    then passes them rather than waiting for the turn. The approvals its prompts held again
+    or its calls superseded, in `conversation` as read, are as before it
+    (`approvals_unstored`)."""
     starts, input_tokens, output_tokens = block.counted or counted(plan)
     approvals = approvals_unstored(conversation, block_ids(plan, block.count))
-    if not (starts or input_tokens or output_tokens or approvals):
-        return None
     key, first = Int64(plan.key), Int64(block.first_seq)
     query = {
         "_id": plan.conversation_id,
@@ -1807,6 +1807,7 @@ def given_up(
     stage = {
         "turn_count": less("turn_count", starts),
         **usage_less(input_tokens, output_tokens),
+        "popped_seqs": _left_behind(block.first_seq, block.count),
         "turns": records_changed(own, {"g": literal(True)}),
     }
     return query, [{"$set": stage}, *approvals]
@@ -2005,7 +2006,11 @@ def _left_behind(first: int, count: int) -> dict[str, Any]:
     (the newest `POPPED_SEQS_KEPT` kept). A pop below them then gives them back with its own
     (`_tail.nothing_reserved_past`), and readers pass them at once."""
     gaps = _kept("popped_seqs", [])
-    left = literal([Int64(seq) for seq in range(first, first + count)])
+    block = literal([Int64(seq) for seq in range(first, first + count)])
+    # Each once: a turn given up may move later (its answer popped), leaving them again.
+    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+    new = {"$eq": [{"$in": ["$$seq", gaps]}, False]}
+    left = {"$filter": {"input": block, "as": "seq", "cond": new}}
     return {"$slice": [{"$concatArrays": [gaps, left]}, -POPPED_SEQS_KEPT]}
 
 
