@@ -6346,3 +6346,34 @@ async def test_a_block_given_up_is_a_gap_so_a_later_give_back_withdraws_what_a_f
     live, forked = await _forked_state(logger, store, backend, "fork-all")
     assert live == forked == (([("c3", "q1")], "q1"), [])
     assert [await _denial_stored(logger, cid, "c3") for cid in (CID, "fork-all")] == [True] * 2
+
+
+async def test_a_moved_question_keeps_the_calls_an_answer_naming_another_call_left_held(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §2 `answered_prompts` (an answer naming its calls releases those of them the
+    prompts of the id held, the others staying held) and §3 (a move leaves what the same
+    stored messages and answers leave logged afresh). t1 makes c3 under r1; t2 [deny c3,
+    ask r3] and t3 [c1, c3, ask r1] reserve and die; t2's retry with other content gives
+    its block back; the person answers r1 naming the call they see, t1's c3; t3's late
+    retry moves to the end. Its calls stay held by r1, in the conversation as in a fork
+    of all of it, and a denial of its c1 is stored in both."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "u0"}, _calls("c3"), _asks("r1")],
+                              turn_id="t1")  # fmt: skip
+    denies = [{"role": "user", "content": "u1"}, _denial("c3"), _asks_about("r3", "c3")]
+    await _reserved_only(logger, monkeypatch, denies, "t2")
+    t3 = [{"role": "user", "content": "u2"}, _calls("c1", "c3"), _asks("r1")]
+    await _reserved_only(logger, monkeypatch, t3, "t3")
+    monkeypatch.undo()
+    await logger.log_messages(CID, [{"role": "user", "content": "u1 (regenerated)"}],
+                              turn_id="t2")  # fmt: skip
+    seen = await store.pending_calls(CID)
+    await store.resolve_hitl(CID, "r1", calls=[c for c in seen if c.tool_call_id == "c3"])
+
+    await logger.log_messages(CID, t3, turn_id="t3")
+
+    live, forked = await _forked_state(logger, store, backend, "fork-all")
+    assert live == forked
+    assert live[0][0] == [("c3", None), ("c1", "r1"), ("c3", "r1")]
+    assert [await _denial_stored(logger, cid, "c1") for cid in (CID, "fork-all")] == [True] * 2
