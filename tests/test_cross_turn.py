@@ -4073,7 +4073,9 @@ async def test_a_late_retry_of_a_turn_whose_call_a_later_turn_answered_is_refuse
     """DESIGN.md §3 Tool pairing: an answer names a call of an earlier message. t1 [call c1,
     prompt r1] reserves and dies; its reservation listed c1, so t2 answers it. Moved to the
     end, t1's call would follow its own answer (asked again, run twice, its result dropped
-    as an orphan): the retry is refused with Conflict naming why, and nothing is written."""
+    as an orphan): the retry is refused with Conflict naming why, and nothing of it is
+    written; the turn is given up, its block's `seq`s gaps no turn holds (`popped_seqs`),
+    once."""
     from agent_store import Conflict
 
     logger, store = _late_logger(backend), ConversationStore(backend.db)
@@ -4088,7 +4090,10 @@ async def test_a_late_retry_of_a_turn_whose_call_a_later_turn_answered_is_refuse
             await logger.log_messages(CID, [_calls("c1"), _asks("r1")], turn_id="t1")
 
     assert [m.content for m in await store.transcript(CID)] == ["go", "R1", "done"]
-    assert await backend.db.agent_conversations.find_one({"_id": CID}) == before
+    after = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert after["popped_seqs"] == [1, 2]
+    assert [bool(r.get("g")) for r in after["turns"]] == [False, True, False]
+    assert {**after, "popped_seqs": [], "turns": before["turns"]} == {**before, "popped_seqs": []}
     assert await pending_state(store) == ([], None)
 
 
@@ -6292,3 +6297,83 @@ async def test_a_pop_in_a_later_turn_named_like_a_forks_copies_uncounts_only_wha
 
     assert (await store.get_conversation("copy")).turn_count == 3
     assert await store.turn_count("copy") == 3
+
+
+async def _forked_state(
+    logger: AgentMessageLogger, store: ConversationStore, backend: Backend, fork_id: str
+) -> list[Any]:
+    """`held_state` and `approved_calls`, in the conversation and in a fork of all of it."""
+    await _whole_fork(logger, store, fork_id)
+    return [
+        (await held_state(store, cid), sorted(await _approved_calls(backend, cid)))
+        for cid in (CID, fork_id)
+    ]
+
+
+async def _denial_stored(logger: AgentMessageLogger, cid: str, call_id: str) -> bool:
+    try:
+        await logger.log_messages(cid, [{"role": "user", "content": "No!"}, _denial(call_id)],
+                                  turn_id="deny")  # fmt: skip
+    except AnsweredBefore:
+        return False
+    return True
+
+
+async def test_a_block_given_up_is_a_gap_so_a_later_give_back_withdraws_what_a_fork_does(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3: a block a turn does not fill, refused after its reservation, is given
+    back, its `seq`s gaps no turn holds. t4 [c3, pay 35 EUR, asked by q1] and t5 [c4]
+    reserve and die; the person approves q1; t7 answers c4, so t5's late retry is refused
+    (`Unmovable`) and given up. t4's retry with other content (c3 now pays 3500 EUR) gives
+    its block back: no stored question below the answer's reach asked about c3, so the
+    approval goes, in the conversation as in a fork of all of it, and a denial of c3 is
+    stored in both."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    pay = [{"role": "user", "content": "pay the bills"}, _calls("c3"), _asks_about("q1", "c3")]
+    await _reserved_only(logger, monkeypatch, pay, "t4")
+    rent = [{"role": "user", "content": "and the rent"}, _calls("c4")]
+    await _reserved_only(logger, monkeypatch, rent, "t5")
+    monkeypatch.undo()
+    await store.resolve_hitl(CID, "q1")
+    await logger.log_messages(CID, [{"role": "user", "content": "no rent"}, _denial("c4")],
+                              turn_id="t7")  # fmt: skip
+    with pytest.raises(Conflict, match="a later turn answered its call 'c4'"):  # given up
+        await logger.log_messages(CID, rent, turn_id="t5")
+    costly = {**_calls("c3"), "content": "3500 EUR"}
+    await logger.log_messages(CID, [pay[0], costly, _asks_about("q1", "c3")], turn_id="t4")
+
+    live, forked = await _forked_state(logger, store, backend, "fork-all")
+    assert live == forked == (([("c3", "q1")], "q1"), [])
+    assert [await _denial_stored(logger, cid, "c3") for cid in (CID, "fork-all")] == [True] * 2
+
+
+async def test_a_moved_question_keeps_the_calls_an_answer_naming_another_call_left_held(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §2 `answered_prompts` (an answer naming its calls releases those of them the
+    prompts of the id held, the others staying held) and §3 (a move leaves what the same
+    stored messages and answers leave logged afresh). t1 makes c3 under r1; t2 [deny c3,
+    ask r3] and t3 [c1, c3, ask r1] reserve and die; t2's retry with other content gives
+    its block back; the person answers r1 naming the call they see, t1's c3; t3's late
+    retry moves to the end. Its calls stay held by r1, in the conversation as in a fork
+    of all of it, and a denial of its c1 is stored in both."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "u0"}, _calls("c3"), _asks("r1")],
+                              turn_id="t1")  # fmt: skip
+    denies = [{"role": "user", "content": "u1"}, _denial("c3"), _asks_about("r3", "c3")]
+    await _reserved_only(logger, monkeypatch, denies, "t2")
+    t3 = [{"role": "user", "content": "u2"}, _calls("c1", "c3"), _asks("r1")]
+    await _reserved_only(logger, monkeypatch, t3, "t3")
+    monkeypatch.undo()
+    await logger.log_messages(CID, [{"role": "user", "content": "u1 (regenerated)"}],
+                              turn_id="t2")  # fmt: skip
+    seen = await store.pending_calls(CID)
+    await store.resolve_hitl(CID, "r1", calls=[c for c in seen if c.tool_call_id == "c3"])
+
+    await logger.log_messages(CID, t3, turn_id="t3")
+
+    live, forked = await _forked_state(logger, store, backend, "fork-all")
+    assert live == forked
+    assert live[0][0] == [("c3", None), ("c1", "r1"), ("c3", "r1")]
+    assert [await _denial_stored(logger, cid, "c1") for cid in (CID, "fork-all")] == [True] * 2

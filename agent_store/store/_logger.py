@@ -2497,14 +2497,12 @@ class AgentMessageLogger:
         round trips more, on these rare paths). While a turn below the end is still being
         written its messages are not there to fold: StorageUnavailable, nothing written, and
         the retry that comes again folds them (the refusal stands). `taken_back`: the update
-        that takes back what its reservation counted, once (`given_up`, of the block its record
-        names: one round trip more); a block the turn's own reservation took is given back by
-        `_give_back`, which folds here. `strict`: False when the turn is stored by another
-        attempt: the fold is then left undone rather than raised about. `own`: the block given
-        up (`taken_back`), whose `seq`s no message fills."""
-        if taken_back is not None:
-            with storage_errors("take back what the turn counted"):
-                await self._conversations.update_one(*taken_back)
+        that takes back what its reservation counted and makes its block gaps, once
+        (`given_up`, of the block its record names: one round trip more), once the fold is
+        written; a block the turn's own reservation took is given back by `_give_back`, which
+        folds here. `strict`: False when the turn is stored by another attempt: the fold is
+        then left undone rather than raised about. `own`: the block given up (`taken_back`),
+        whose `seq`s no message fills (the fold counts them as gaps already)."""
         seqs = range(0) if own is None else range(own.first_seq, own.first_seq + own.count)
         settled = await settle(
             self._conversations,
@@ -2521,6 +2519,9 @@ class AgentMessageLogger:
                 f"a turn of conversation {conversation_id!r} is still being written: what "
                 "this retry leaves pending cannot be told yet; retry shortly"
             )
+        if taken_back is not None:
+            with storage_errors("take back what the turn counted"):
+                await self._conversations.update_one(*taken_back)
 
     async def _own_duplicates(
         self, error: BulkWriteError, documents: list[dict[str, Any]], plan: TurnPlan, met: _Met

@@ -14,10 +14,12 @@ messages say:
   returns the prompts stored past the block under the turn's request ids (`asked_past`): an
   answer given before one of them does not reach the moved turn (`_reservation._moved_reach`).
 - After the move and its insert: what it leaves pending is folded from the stored messages,
-  in their stored order, as pops and forks fold them (`_turns.pending_after`), a prompt
-  resolved by request id (`resolved_hitl`) staying resolved, and the approvals kept as a
-  fork of all of it keeps them (`Refold.withdrawn`); written only if no turn
-  reserved and no pop ran meanwhile (`refolded`). Two round trips more, on this rare path.
+  in their stored order, as pops and forks fold them (`_turns.pending_after`), and
+  `resolved_hitl` and the approvals are what a fork of all of it keeps
+  (`Refold.resolved`, `Refold.withdrawn`: an answer naming calls leaves the moved
+  question's other calls held, its id unresolved); written only if no turn reserved, no
+  pop ran and no answer came meanwhile (`refolded`). Two round trips more, on this rare
+  path.
 - A refused move gives the turn up for good: what its first reservation listed pending (its
   calls, its prompt) no stored message makes, so the same fold, without it, is written
   (`settle`, `given_up`): one round trip more, two when the summary differs from the fold.
@@ -387,15 +389,14 @@ def of_its_life(conversation: Mapping[str, Any], count: int) -> dict[str, Any]:
     return query
 
 
-def refolded(
-    fold: Refold, *, resolutions: bool = False
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update that set a conversation's pending state to the fold's (from the
     conversation as it was read): matching only while no turn reserved (`message_count`)
-    and no pop ran or is under way since; a prompt resolved by request id, even meanwhile,
-    stays resolved. The approvals the fold withdraws (`Refold.withdrawn`) go while no answer
-    came since (`answered_prompts` as read); with `resolutions`, `resolved_hitl` too, the
-    whole update matching only while no answer came since."""
+    and no pop ran or is under way since. The approvals the fold withdraws
+    (`Refold.withdrawn`) go while no answer came since (`answered_prompts` as read). When
+    the fold tells `resolved_hitl` (`Refold.resolved`), it is set too, and the prompt is
+    pending unless among them, the whole update matching only while no answer came since;
+    else a prompt resolved by request id, even meanwhile, stays resolved."""
     conversation = fold.conversation
     pops = int(conversation.get("pops") or 0)
     query: dict[str, Any] = {
@@ -407,6 +408,8 @@ def refolded(
     hitl: Any = literal(None)
     if fold.prompt is not None:
         resolved = resolved_by_request(fold.prompt.request_id)
+        if fold.resolved is not None:
+            resolved = literal(fold.prompt.request_id in fold.resolved)
         hitl = {"$cond": [resolved, literal(None), literal(fold.prompt.model_dump())]}
     calls = literal([c.model_dump() for c in fold.calls])
     stage: dict[str, Any] = {"pending_calls": calls, "pending_hitl": hitl}
@@ -416,7 +419,7 @@ def refolded(
     if fold.withdrawn:  # while no answer came since they were read
         left = {"$cond": [unanswered_since, approvals_without(fold.withdrawn), "$approved_calls"]}
         stage["approved_calls"] = absent_stays("approved_calls", left)
-    if resolutions and fold.resolved is not None:
+    if fold.resolved is not None:
         query["$expr"] = unanswered_since
         stage["resolved_hitl"] = absent_stays("resolved_hitl", literal(fold.resolved))
         if fold.resolved:
@@ -449,12 +452,14 @@ async def settle(
     still being written: it is written alone then, as the stored messages give it, under
     the same guard (`refold`, `partial`).
 
-    `given_up`: after a refused move or a block given back instead, `moved` being the
-    conversation as the retry read it (every field), else None: the turn is never stored,
-    so the fold leaves out what its first reservation changed, `resolved_hitl` too (a
-    prompt it asked again under an answered id is resolved again, while no other block is
-    unstored: `Refold.resolved`; `own`, the `seq`s of the block given up, not stored);
-    written only when the summary says otherwise."""
+    `resolved_hitl` is the fold's too (`Refold.resolved`, while no other block is unstored),
+    after a move as after a give-up: an answer that named calls, carried to the moved
+    question, released only those, and its id stays unresolved while the question holds
+    others. `given_up`: after a refused move or a block given back instead, `moved` being
+    the conversation as the retry read it (every field), else None: the turn is never
+    stored, so the fold leaves out what its first reservation changed (a prompt it asked
+    again under an answered id is resolved again; `own`, the `seq`s of the block given
+    up, not stored); written only when the summary says otherwise."""
     for _ in range(_FOLD_ATTEMPTS):
         fold = await refold(
             conversations,
@@ -470,7 +475,7 @@ async def settle(
         names = renamed(fold.conversation, first_named(fold.stored, name_chars))
         if not names and (not fold.folded or (given_up and _already(fold))):
             return fold.folded
-        query, update = refolded(fold, resolutions=given_up)
+        query, update = refolded(fold)
         if not fold.folded:  # the name alone, under the same guard
             update = [{"$set": {}}]
         update[0]["$set"].update(names)

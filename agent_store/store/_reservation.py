@@ -1683,15 +1683,18 @@ def relocation(
 
 
 def _moved_reach(plan: TurnPlan, first: int, asked: Mapping[str, int]) -> dict[str, Any]:
-    """`answered_prompts` and `approved_calls` as a move of the turn from its block at `first`
-    to the end sets them. An answer to one of the turn's request ids that came while it
-    waited answered its prompt and reaches its new block (`_carried`), but only over prompts
-    of the id asked before the answer. Else it keeps its reach, and the moved prompt asks
-    again: the calls of the turn it holds, released by the answer meanwhile, are held by it
-    again (`ApprovedCall.held_by`), as the fold of the stored messages holds them."""
+    """`answered_prompts`, `resolved_hitl` and `approved_calls` as a move of the turn from its
+    block at `first` to the end sets them. An answer to one of the turn's request ids that
+    came while it waited answered its prompt and reaches its new block (`_carried`), but
+    only over prompts of the id asked before the answer; naming calls, it released only
+    those, and the id is resolved no more while the prompt holds another
+    (`_moved_resolutions`). Else it keeps its reach, and the moved prompt asks again: the
+    calls of the turn it holds, released by the answer meanwhile, are held by it again
+    (`ApprovedCall.held_by`), as the fold of the stored messages holds them."""
     moved_end = int64({"$add": [{"$ifNull": ["$message_count", 0]}, plan.count]})
     waited = _carried("$$a.r", "$$s", first, asked)
     reach = answers_reaching({"$cond": [waited, moved_end, "$$s"]}, plan.raised_requests)
+    reach |= _moved_resolutions(plan, first, asked)
 
     def answered(request_id: Any) -> dict[str, Any]:
         reaching = _carried(request_id, "$$x.s", first, asked, answer="$$x.r")
@@ -1709,6 +1712,43 @@ def _moved_reach(plan: TurnPlan, first: int, asked: Mapping[str, int]) -> dict[s
     if not bound:
         return reach
     return reach | approvals_held_by(held_by, held_before, bound=bound)
+
+
+def _moved_resolutions(plan: TurnPlan, first: int, asked: Mapping[str, int]) -> dict[str, Any]:
+    """`resolved_hitl` as a move of the turn from its block at `first` to the end sets it: an
+    id stays resolved only while every call of the turn its prompts hold (`_own_holders`) is
+    released by an answer reaching the new block (`_carried`) that named it, or named none
+    (`_turns.names_call`): an answer naming other calls left it held, and the id is
+    answered once none of its prompts' calls is left unreleased (`_turns.Folded.answered_one`).
+    The fold after the insert (`_relocated.settle`) sets the same; this holds until it does."""
+    holders = _own_holders(plan)
+    if not holders:
+        return {}
+
+    def names(entry: str) -> dict[str, Any]:
+        call, message = {"$arrayElemAt": [entry, 0]}, {"$arrayElemAt": [entry, 1]}
+        by_message = {"$or": [{"$eq": [message, None]}, {"$eq": [message, "$$h.m"]}]}
+        return {"$and": [{"$eq": [call, "$$h.c"]}, by_message]}
+
+    named = {"$filter": {"input": {"$ifNull": ["$$x.c", []]}, "as": "n", "cond": names("$$n")}}
+    releases = {
+        "$and": [
+            _carried("$$h.r", "$$x.s", first, asked, answer="$$x.r"),
+            {
+                "$or": [
+                    {"$eq": [{"$ifNull": ["$$x.c", None]}, None]},
+                    {"$gt": [{"$size": named}, 0]},
+                ]
+            },
+        ]
+    }
+    releasing = {"$filter": {"input": _kept("answered_prompts", []), "as": "x", "cond": releases}}
+    held = {"$filter": {"input": literal(holders), "as": "h", "cond": {"$eq": [releasing, []]}}}
+    still = {"$map": {"input": held, "as": "h", "in": "$$h.r"}}
+    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+    kept = {"$eq": [{"$in": ["$$r", still]}, False]}
+    left = {"$filter": {"input": _kept("resolved_hitl", []), "as": "r", "cond": kept}}
+    return {"resolved_hitl": absent_stays("resolved_hitl", left)}
 
 
 def _own_held_by(otherwise: Any, answered: Callable[[Any], Any]) -> dict[str, Any]:
@@ -1784,20 +1824,20 @@ def _own_holders(plan: TurnPlan) -> list[dict[str, str]]:
 
 def given_up(
     plan: TurnPlan, block: RecordedBlock, conversation: Mapping[str, Any]
-) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update that take back what a turn's reservation counted (its turn
     starts, its tokens: what its record says, `RecordedBlock.counted`, else what the retry,
     of the same content, counts) once a retry gave it up for good, none of its messages
     stored (`AgentMessageLogger._give_up`); a retry with other content counts otherwise.
     Its record is marked (`TurnRecord.given_up`) in the same update, which matches only
-    while it is not: a retry given up again takes nothing back twice. The approvals its
-    prompts held again or its calls superseded, in `conversation` as read, are as before it
-    (`approvals_unstored`). None when the turn counted none and changed no approval
-    (nothing to write)."""
+    while it is not: a retry given up again takes nothing back twice. Its block's `seq`s
+    become gaps no turn holds (`popped_seqs`, `_left_behind`), as a block given back does:
+    every count of gaps (readers, forks, pops, the fold after a later give-back or move)
+    then passes them rather than waiting for the turn. The approvals its prompts held again
+    or its calls superseded, in `conversation` as read, are as before it
+    (`approvals_unstored`)."""
     starts, input_tokens, output_tokens = block.counted or counted(plan)
     approvals = approvals_unstored(conversation, block_ids(plan, block.count))
-    if not (starts or input_tokens or output_tokens or approvals):
-        return None
     key, first = Int64(plan.key), Int64(block.first_seq)
     query = {
         "_id": plan.conversation_id,
@@ -1807,6 +1847,7 @@ def given_up(
     stage = {
         "turn_count": less("turn_count", starts),
         **usage_less(input_tokens, output_tokens),
+        "popped_seqs": _left_behind(block.first_seq, block.count),
         "turns": records_changed(own, {"g": literal(True)}),
     }
     return query, [{"$set": stage}, *approvals]
@@ -2005,7 +2046,11 @@ def _left_behind(first: int, count: int) -> dict[str, Any]:
     (the newest `POPPED_SEQS_KEPT` kept). A pop below them then gives them back with its own
     (`_tail.nothing_reserved_past`), and readers pass them at once."""
     gaps = _kept("popped_seqs", [])
-    left = literal([Int64(seq) for seq in range(first, first + count)])
+    block = literal([Int64(seq) for seq in range(first, first + count)])
+    # Each once: a turn given up may move later (its answer popped), leaving them again.
+    # `$eq` to a boolean rather than `$not`, which mongomock evaluates wrongly.
+    new = {"$eq": [{"$in": ["$$seq", gaps]}, False]}
+    left = {"$filter": {"input": block, "as": "seq", "cond": new}}
     return {"$slice": [{"$concatArrays": [gaps, left]}, -POPPED_SEQS_KEPT]}
 
 
