@@ -154,7 +154,6 @@ from agent_store.store._text import clean_name
 from agent_store.store._turns import (
     ANSWERED_READ,
     DELIVERY_TURN,
-    FORK_TURN,
     GAPS_READ,
     MAX_MESSAGES_PER_TURN,
     MAX_TURN_TOOL_CALLS,
@@ -170,6 +169,7 @@ from agent_store.store._turns import (
     content_digest,
     held_off_list,
     is_delivery_turn_id,
+    is_fork_turn,
     message_id,
     plan_turn,
     records_text_hashes,
@@ -1538,7 +1538,7 @@ class AgentMessageLogger:
                 raise looked.refusal
             return _Verdict(block, looked=looked)
         refused = _retry_refusal(plan, conversation, condition)
-        if plan.turn_id.startswith(FORK_TURN):
+        if is_fork_turn(plan.turn_id):
             raise refused
         return await self._other_sent(plan, block, conversation, refused)
 
