@@ -32,6 +32,7 @@ from agent_store.store import (
     Deleted,
     LoggedTurn,
     SteeringInbox,
+    refuse_own_turn_id,
     validate_identifier,
 )
 from app.api_models import (
@@ -175,8 +176,12 @@ async def log_turn(call: Call[NoQuery, LogTurnBody]) -> Response:
 
 
 def _turn_id(call: Call[NoQuery, LogTurnBody]) -> str | None:
-    """The turn's id: the body's `turn_id`, else the `Idempotency-Key` header (`_keyed`)."""
-    return _keyed(call, call.body.turn_id, "turn_id", "turn")
+    """The turn's id: the body's `turn_id`, else the `Idempotency-Key` header (`_keyed`); 422
+    for one of the exact shape of the store's own turn ids (`refuse_own_turn_id`)."""
+    turn_id = _keyed(call, call.body.turn_id, "turn_id", "turn")
+    if turn_id is not None:
+        refuse_own_turn_id(turn_id)
+    return turn_id
 
 
 def _keyed(call: Call[Any, Any], named: str | None, field: str, noun: str) -> str | None:

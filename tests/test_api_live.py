@@ -372,6 +372,44 @@ async def test_a_fork_over_http_answers_no_more_than_a_fork_may_copy() -> None:
         ]
 
 
+@pytest.mark.parametrize(
+    ("named", "whose"),
+    [
+        ({"turn_id": "fork-" + "0" * 32}, "a fork's copies"),
+        ({"turn_id": "lg-" + "ab" * 16}, "a LangGraph step"),
+        ({"Idempotency-Key": "fork-" + "9f" * 16}, "a fork's copies"),
+    ],
+)
+async def test_a_turn_id_of_the_shape_of_the_stores_own_is_refused_with_422(
+    named: dict[str, str], whose: str
+) -> None:
+    """API.md: the store names a fork's copies `fork-` and 32 hex digits and a LangGraph
+    step's turn `lg-` and 32: a caller's turn under such an id would be taken for one (no
+    give-back of its empty block, its last message waited for as a checkpoint's). It is 422,
+    nothing written; any other spelling (`fork-9f2c`, `lg-run-1`) is an ordinary turn id."""
+    async with serve(mongomock_db()) as api:
+        turns = f"/v1/conversations/{OWNER_CONVERSATION}/turns"
+        said = {"role": "user", "content": "hello", "created_at": "2026-12-03T08:00:00Z"}
+        body: dict[str, Any] = {"messages": [said]}
+        headers = auth_headers()
+        if "turn_id" in named:
+            body["turn_id"] = named["turn_id"]
+        else:
+            headers = {**headers, **named}
+        before = await api.digest()
+
+        refused = await api.http.post(turns, json=body, headers=headers)
+        assert refused.status_code == 422, refused.text
+        assert whose in refused.json()["error"]["message"]
+        assert await api.digest() == before
+        for ordinary in ("fork-9f2c", "lg-run-1"):
+            logged = await api.http.post(
+                turns, json={"messages": [said], "turn_id": ordinary}, headers=auth_headers()
+            )
+            assert logged.status_code == 201, logged.text
+            assert logged.json()["turn_id"] == ordinary
+
+
 async def test_a_person_cannot_take_a_deliverys_turn_id_to_have_it_acknowledged_unseen() -> None:
     """The turn id a delivery is stored under is computable (`delivery-` and a digest of the
     running turn's id and the delivery id). A person's turn logged under it first made the

@@ -312,6 +312,21 @@ async def test_a_pop_of_a_message_a_paused_graphs_checkpoint_refers_to_is_refuse
     assert await store.pending_calls(thread_id) == []
 
 
+@pytest.mark.parametrize("turn_id", ["lg-1", "lg-run-1", "lg-" + "A" * 32, "lg-" + "0" * 31])
+async def test_a_callers_turn_named_like_the_checkpointers_pops_at_once(
+    backend: Backend, turn_id: str
+) -> None:
+    """Only the checkpointer's own turn ids (`lg-` and 32 lowercase hex digits) are waited for
+    as a checkpoint's: a caller's turn `lg-1`, no LangGraph involved, pops as any other."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    said = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    await logger.log_messages("conv-lg", said, turn_id=turn_id)
+
+    popped = await store.pop_last_message("conv-lg")
+    assert popped is not None
+    assert (popped.seq, popped.content) == (1, "a")
+
+
 async def test_a_pop_of_a_message_the_checkpointer_logged_waits_for_its_checkpoint(
     backend: Backend,
 ) -> None:

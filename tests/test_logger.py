@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -467,6 +468,63 @@ async def test_a_turn_of_an_earlier_step_than_one_logged_is_refused_and_writes_n
     for hostile in ("\ud800", "x" * 100_000, "a b"):
         with pytest.raises(InvalidInput, match="invalid step"):
             await logger.log_messages(CID, _said("nowhere"), step=hostile)
+
+
+def _turn(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}, {"role": "assistant", "content": text + "!"}]
+
+
+async def _lost_after_a_later_turn(backend: Backend, logger: AgentMessageLogger) -> None:
+    """`t-a` at 0-1 (step s0); `t-b` (next_seq 2, step s1) reserved 2-3 and its insert was
+    lost; `t-x` (next_seq 4, step s2) logged at 4-5 after it."""
+    await logger.log_messages(CID, _turn("a"), turn_id="t-a", next_seq=0, step="s0")
+    await logger.log_messages(CID, _turn("b"), turn_id="t-b", next_seq=2, step="s1")
+    await backend.db.agent_messages.delete_many({"turn_id": "t-b"})  # as if never inserted
+    await logger.log_messages(CID, _turn("x"), turn_id="t-x", next_seq=4, step="s2")
+
+
+@pytest.mark.parametrize(
+    ("next_seq", "step", "said"),
+    [
+        (2, "s1", "logged step 's2', after 's1'"),
+        (None, "s1", "logged step 's2', after 's1'"),
+        (2, None, "its next seq is 6, not 2"),
+    ],
+)
+async def test_a_late_retry_moved_to_the_end_keeps_its_step_and_next_seq(
+    backend: Backend, next_seq: int | None, step: str | None, said: str
+) -> None:
+    """LIBRARY.md: a turn is logged only at `next_seq` and after every step logged before. A
+    retry past `abandon_after` of a turn that stored nothing moves to the end only where those
+    conditions still hold; else `TranscriptMoved`, nothing written, its block given back."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    store = ConversationStore(backend.db)
+    await _lost_after_a_later_turn(backend, logger)
+
+    with pytest.raises(TranscriptMoved, match=re.escape(said)) as moved:
+        await logger.log_messages(CID, _turn("b"), turn_id="t-b", next_seq=next_seq, step=step)
+    assert moved.value.next_seq == 6
+    assert [m.content for m in await store.transcript(CID)] == ["a", "a!", "x", "x!"]
+    conversation = await store.get_conversation(CID)
+    assert (conversation.turn_count, conversation.message_count) == (2, 6)
+    assert (await backend.db.agent_conversations.find_one({"_id": CID}))["last_step"] == "s2"
+
+
+async def test_a_late_retry_whose_step_is_still_the_latest_moves_to_the_end(
+    backend: Backend,
+) -> None:
+    """Its own reservation logged its step: a turn of no step after it leaves that the latest,
+    so the move keeps the step's order and the turn is stored at the end."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    await logger.log_messages(CID, _turn("a"), turn_id="t-a", step="s0")
+    await logger.log_messages(CID, _turn("b"), turn_id="t-b", step="s1")
+    await backend.db.agent_messages.delete_many({"turn_id": "t-b"})  # as if never inserted
+    await logger.log_messages(CID, _turn("x"), turn_id="t-x")
+
+    retried = await logger.log_messages(CID, _turn("b"), turn_id="t-b", step="s1")
+    assert [m.seq for m in retried.messages] == [6, 7]
+    with pytest.raises(TranscriptMoved, match="logged step 's1', after"):
+        await logger.log_messages(CID, _said("behind"), step="s1")
 
 
 async def test_a_step_whose_messages_are_logged_is_claimed_only_at_the_transcripts_end(

@@ -449,6 +449,25 @@ async def test_a_take_back_leaves_saturated_usage_at_what_the_stored_messages_ho
     assert conversation["usage"] == {"input_tokens": MAX_SAFE, "output_tokens": MAX_SAFE}
 
 
+@pytest.mark.parametrize("turn_id", ["t-1", "fork-1", "fork-" + "0" * 31, "fork-" + "F" * 32])
+async def test_a_callers_turn_named_like_a_forks_gets_its_empty_block_given_back(
+    backend: Backend, turn_id: str
+) -> None:
+    """RELIABILITY.md: a retry with other content of a turn whose insert was lost, past
+    `abandon_after`, gives the empty block back and is logged at the end, counted once,
+    however the turn id is spelt: only a fork's own copies turn (`fork-` and 32 lowercase hex
+    digits) settles other content its own way."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    await logger.log_messages(CID, turn("hello"), turn_id="t-0")
+    await logger.log_messages(CID, turn("q"), turn_id=turn_id)
+    await backend.db[MESSAGES].delete_many({"turn_id": turn_id})  # as if never inserted
+
+    retried = await logger.log_messages(CID, turn("q, regenerated"), turn_id=turn_id)
+    assert [m.seq for m in retried.messages] == [4, 5]
+    conversation = await check_conversation(backend.db, gaps=True)
+    assert conversation["turn_count"] == 2
+
+
 # -- 4. tail reads that never skip ---------------------------------------------------------
 
 

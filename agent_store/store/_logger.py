@@ -154,7 +154,6 @@ from agent_store.store._text import clean_name
 from agent_store.store._turns import (
     ANSWERED_READ,
     DELIVERY_TURN,
-    FORK_TURN,
     GAPS_READ,
     MAX_MESSAGES_PER_TURN,
     MAX_TURN_TOOL_CALLS,
@@ -170,6 +169,7 @@ from agent_store.store._turns import (
     content_digest,
     held_off_list,
     is_delivery_turn_id,
+    is_fork_turn,
     message_id,
     plan_turn,
     records_text_hashes,
@@ -215,6 +215,8 @@ class Condition:
     and which a turn's move does not meet again); None: `filter`."""
     explain: Callable[[Mapping[str, Any]], StoreError] | None = None
     """Builds the refusal from the conversation found instead (None: `refusal`)."""
+    moved_explain: Callable[[Mapping[str, Any]], StoreError] | None = None
+    """Builds a refused move's refusal from the conversation found (None: `refusal`)."""
     retried: Callable[[Mapping[str, Any]], StoreError | None] | None = None
     """For a retry of the turn whose content differs from what its record holds: the refusal
     the conversation found explains (the turn was logged without the answers the condition
@@ -230,6 +232,10 @@ class Condition:
     def met_by_a_move(self) -> dict[str, Any]:
         """What a move of the turn to a new block must meet: `moved_filter`, else `filter`."""
         return self.filter if self.moved_filter is None else self.moved_filter
+
+    def move_refused(self, conversation: Mapping[str, Any]) -> StoreError:
+        """The error a move the conversation found does not meet raises."""
+        return self.refusal if self.moved_explain is None else self.moved_explain(conversation)
 
 
 _Writer = tuple[Actor, Condition | None]
@@ -1500,13 +1506,14 @@ class AgentMessageLogger:
             # Not moved while the old record is still there: the condition no longer holds
             # (one more lookup, on that path only).
             refused = doc is None and guarded is not query
-            if refused and await self._conversations.find_one(query, {"_id": 1}) is not None:
+            found = await self._conversations.find_one(query, _MOVE_READ) if refused else None
+            if found is not None:
                 assert condition is not None
                 taken_back = given_up(plan, block, conversation)
                 await self._give_up(
                     plan.conversation_id, conversation, taken_back=taken_back, own=block
                 )
-                raise condition.refusal
+                raise condition.move_refused(found)
         return None if doc is None else _moved(plan, reserved, doc, observed=bool(self._observers))
 
     async def _retry_of(
@@ -1531,7 +1538,7 @@ class AgentMessageLogger:
                 raise looked.refusal
             return _Verdict(block, looked=looked)
         refused = _retry_refusal(plan, conversation, condition)
-        if plan.turn_id.startswith(FORK_TURN):
+        if is_fork_turn(plan.turn_id):
             raise refused
         return await self._other_sent(plan, block, conversation, refused)
 
@@ -2971,6 +2978,9 @@ _ANSWERED_FIELDS = {
 }
 """What `_unanswered` reads of the conversation: where it stands (`AsRead`), its `Gaps`, and
 what tells which of a turn's answers it settled before (`answered_since`, `released_calls`)."""
+_MOVE_READ = {"message_count": 1, "last_step": 1}
+"""What a refused move reads of the conversation: what its refusal says
+(`Condition.moved_explain`)."""
 _CHECKED_FIELDS = {
     "user_id": 1,
     DELETING: 1,
@@ -3422,12 +3432,15 @@ def _logged_at(conversation_id: str, seq: int | None, step: str | None) -> Condi
     query: dict[str, Any] = {}
     if seq is not None:
         query["message_count"] = {"$in": [0, None]} if seq == 0 else seq
+    # A move lands where `message_count` is; its own reservation logged its step (`$gt`).
+    move = {**query, **({} if step is None else {"last_step": {"$not": {"$gt": step}}})}
     if step is not None:
         query["last_step"] = {"$not": {"$gte": step}}
 
-    def moved(conversation: Mapping[str, Any]) -> StoreError:
+    def moved(conversation: Mapping[str, Any], *, own_step: bool = False) -> StoreError:
         now, later = int(conversation.get("message_count") or 0), conversation.get("last_step")
-        if step is not None and later is not None and later >= step:
+        after = later is not None and step is not None and later >= step
+        if after and not (own_step and later == step):
             return TranscriptMoved(
                 f"conversation {conversation_id!r} logged step {later!r}, after {step!r}",
                 next_seq=now,
@@ -3438,12 +3451,18 @@ def _logged_at(conversation_id: str, seq: int | None, step: str | None) -> Condi
             next_seq=now,
         )
 
+    def stage(now: datetime) -> dict[str, Any]:
+        return {} if step is None else {"last_step": literal(step)}
+
     return Condition(
         query,
-        lambda now: {} if step is None else {"last_step": literal(step)},
+        stage,
         Conflict(f"conversation {conversation_id!r} moved on"),
         create=True,
         explain=moved,
+        moved=lambda now, _first: stage(now),
+        moved_filter=move,
+        moved_explain=partial(moved, own_step=True),
     )
 
 
@@ -3803,4 +3822,20 @@ def _joined(first: Condition | None, second: Condition | None) -> Condition | No
         absent=(None if a.create else a.absent) or (None if b.create else b.absent),
         explain=explain,
         retried=retried,
+        **_moves_joined(a, b),
     )
+
+
+def _moves_joined(a: Condition, b: Condition) -> dict[str, Any]:
+    """What a move of a turn under both conditions meets (`Condition.moved`): what each that
+    a move meets asks, together; its refusal, the first's of them (at most one of a turn's
+    conditions, `_logged_at`, holds for its moves)."""
+    moving = [c for c in (a, b) if c.moved is not None]
+    if not moving:
+        return {}
+    stages = [c.moved for c in moving if c.moved is not None]
+    return {
+        "moved": lambda now, first: {k: v for f in stages for k, v in f(now, first).items()},
+        "moved_filter": {"$and": [c.met_by_a_move() for c in moving]},
+        "moved_explain": moving[0].move_refused,
+    }

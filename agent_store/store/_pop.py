@@ -74,7 +74,7 @@ from agent_store.store._tail import (
     unlogged,
 )
 from agent_store.store._text import auto_name
-from agent_store.store._turns import FORK_TURN, GAPS_READ, Gaps
+from agent_store.store._turns import GAPS_READ, Gaps, is_fork_turn, is_own_turn_id
 
 POP_ATTEMPTS = 5
 """How many times a pop reads the last message again when other pops keep coming first."""
@@ -339,7 +339,7 @@ class Pop:
                 "back with the graph's own means (`graph.update_state`, or resuming from an "
                 "earlier checkpoint_id), or delete the thread to start it over"
             )
-        logged = (message.turn_id or "").startswith(LANGGRAPH_TURN)
+        logged = is_own_turn_id(message.turn_id, LANGGRAPH_TURN)
         if logged and utc_now() - message.created_at < self.abandon_after:
             raise StorageUnavailable(
                 f"message seq {message.seq} of conversation {conversation_id!r} was "
@@ -419,9 +419,7 @@ class Pop:
         not a later turn named like it), began a turn of the fork's original (its `seq` in
         `forked_from.turn_starts`): the fork counted it (`fork_turn_count`), though its copies
         are one turn. One more read, only for a prompt copied after another one."""
-        if message.role not in ("user", "system") or not (message.turn_id or "").startswith(
-            FORK_TURN
-        ):
+        if message.role not in ("user", "system") or not is_fork_turn(message.turn_id):
             return False
         doc = await self.conversations.find_one(
             {"_id": message.conversation_id}, {"forked_from": 1}

@@ -40,6 +40,7 @@ from agent_store.core import (
     tool_outcome,
     utc_now,
 )
+from agent_store.store._indexes import LANGGRAPH_TURN
 from agent_store.store._text import (
     DEFAULT_MARKERS,
     RuntimeContextMarkers,
@@ -387,16 +388,27 @@ class TurnConflict(Conflict):
     words each such refusal for the delivery (`_inbox.delivery_refusal`)."""
 
 
+OWN_TURN_DIGITS = 32
+"""How many lowercase hex digits of a digest follow the prefix of a turn id the store makes
+for itself (`is_own_turn_id`)."""
+
+
+def is_own_turn_id(turn_id: str | None, prefix: str) -> bool:
+    """Whether `turn_id` has the exact shape of a turn id the store makes for itself: `prefix`
+    (`DELIVERY_TURN`, `FORK_TURN`, `LANGGRAPH_TURN`) and `OWN_TURN_DIGITS` lowercase hex
+    digits of a digest. Only that shape is the store's: a caller's `fork-1` or `lg-run-1` is
+    an ordinary turn's id, told apart by no prefix alone."""
+    if turn_id is None or not turn_id.startswith(prefix):
+        return False
+    digest = turn_id.removeprefix(prefix)
+    return len(digest) == OWN_TURN_DIGITS and all(c in "0123456789abcdef" for c in digest)
+
+
 def is_delivery_turn_id(turn_id: str) -> bool:
     """Whether `turn_id` has the form of a steering delivery's turn id: `delivery-` and 32
     lowercase hex digits (`_inbox.delivery_turn_id`). Only a delivery takes such an id, so a
     turn recorded under it is one its inbox listed when it was reserved."""
-    digest = turn_id.removeprefix(DELIVERY_TURN)
-    return (
-        len(turn_id) == len(DELIVERY_TURN) + 32
-        and turn_id.startswith(DELIVERY_TURN)
-        and all(c in "0123456789abcdef" for c in digest)
-    )
+    return is_own_turn_id(turn_id, DELIVERY_TURN)
 
 
 RUNTIME_TURNS_KEPT = 100
@@ -1109,8 +1121,25 @@ FORK_TURN = "fork-"
 
 
 def is_fork_turn(turn_id: str | None) -> bool:
-    """Whether a turn id may be a fork's copies (a caller may name a turn so too)."""
-    return (turn_id or "").startswith(FORK_TURN)
+    """Whether a turn id has the shape of a fork's copies (`fork_turn_id`, a LangGraph
+    thread's fork's chunks): `fork-` and 32 hex digits (`is_own_turn_id`), which the HTTP
+    service refuses to callers; a caller's `fork-1` is an ordinary turn."""
+    return is_own_turn_id(turn_id, FORK_TURN)
+
+
+def refuse_own_turn_id(turn_id: str) -> None:
+    """InvalidInput for a caller's turn id of the exact shape the store gives a fork's copies
+    or a LangGraph checkpointer's turn (`is_own_turn_id`): taken for one, its retry with
+    other content would be refused instead of given its empty block back, and its last
+    message waited for as a checkpoint's. The HTTP service refuses it (a body's `turn_id`,
+    an `Idempotency-Key`); the store's own writers log such ids through the library."""
+    for prefix, whose in ((FORK_TURN, "a fork's copies"), (LANGGRAPH_TURN, "a LangGraph step")):
+        if is_own_turn_id(turn_id, prefix):
+            raise InvalidInput(
+                f"turn id {turn_id!r} has the shape of the store's own turn ids for {whose} "
+                f"({prefix!r} and {OWN_TURN_DIGITS} lowercase hex digits); a turn takes "
+                "another id"
+            )
 
 
 def fork_copies_end(messages: Sequence[AgentMessage]) -> int:
