@@ -4278,6 +4278,40 @@ async def test_a_late_retry_is_not_moved_past_a_turn_still_writing_the_answer_to
     assert await pending_state(store) == await recomputed_state(store) == ([], None)
 
 
+async def test_a_late_retry_is_not_moved_when_an_answer_to_its_call_lands_after_its_lookup(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3: a turn whose call a message logged meanwhile answers is not moved, even
+    when that answer is logged by another pod after the retry's lookup of its empty block
+    found none, just before its move: the move holds only while nothing was reserved since
+    that lookup, else the retry reads again and is refused as answered, nothing of it stored
+    (its call is never stored after its answer, pending again)."""
+    from agent_store import Conflict
+
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    other_pod = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], turn_id="t0")
+    lost = _book_it("delete my file", 3)
+    await _reserved_only(logger, monkeypatch, lost, "t1")
+    await logger.log_messages(CID, [{"role": "user", "content": "hurry"}], turn_id="t2")
+    move = logger._conversations.find_one_and_update
+
+    async def answered_first(query: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        if "$elemMatch" in str(query.get("turns")):  # the move, after the lookup
+            monkeypatch.undo()
+            done = [_answer("c1", "removed"), {"role": "assistant", "content": "done"}]
+            await other_pod.log_messages(CID, done, turn_id="t3")
+        return await move(query, *args, **kwargs)
+
+    monkeypatch.setattr(logger._conversations, "find_one_and_update", answered_first)
+    with pytest.raises(Conflict, match=r"a later turn answered its call 'c1'"):
+        await logger.log_messages(CID, lost, turn_id="t1")
+
+    assert [m.content for m in await store.transcript(CID)] == ["go", "hurry", "removed", "done"]
+    assert await pending_state(store) == await recomputed_state(store) == ([], None)
+    assert (await store.get_conversation(CID)).turn_count == 2
+
+
 async def _age(backend: Backend, turn_id: str) -> None:
     """Set the turn's record back 30 minutes, past the default `abandon_after`."""
     from datetime import timedelta

@@ -106,6 +106,7 @@ from agent_store.store._relocated import (
     refold,
     settle,
     stored_at,
+    unchanged,
 )
 from agent_store.store._reservation import (
     ANSWERS_READ,
@@ -1479,12 +1480,17 @@ class AgentMessageLogger:
         new block at the end (`relocation`, guarded by the condition when it says what a move
         sets, `Condition.moved`): the block moved to, inserted into before `_insert_by` from
         the move's command; None when another attempt moved the turn meanwhile. A condition no
-        longer met gives the turn up (`_give_up`) and raises its refusal. `asked`: the latest
-        prompt stored past the block under each request id the turn raises (`asked_past`)."""
+        longer met gives the turn up (`_give_up`) and raises its refusal. The move matches
+        only while `conversation` is as read (`unchanged`: no turn reserved, none moved, no
+        pop since), as its lookup judged it (`_looked_up`): else None too, and the caller
+        reads again, so an answer to its call logged after that lookup refuses it as one
+        logged before does. `asked`: the latest prompt stored past the block under each
+        request id the turn raises (`asked_past`)."""
         sent, now = time.monotonic(), utc_now()
         query, pipeline = relocation(
             plan, block, self.rules, now, assigned=reserved.assigns, asked=asked
         )
+        query |= unchanged(conversation)  # as its lookup judged it: else read again
         reserved = replace(reserved, insert_by=_insert_by(self.rules, sent))
         guarded = query
         if condition is not None and condition.moved is not None:

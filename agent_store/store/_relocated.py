@@ -225,6 +225,17 @@ class Unmovable(TurnConflict):
         self.block = block
 
 
+def unchanged(conversation: Mapping[str, Any]) -> dict[str, Any]:
+    """A filter matching the conversation while it is as read: no turn reserved (or moved)
+    and no pop ran since (`message_count`, `pops`); what the lookup of a turn's block judged
+    on it still holds when the move matches."""
+    pops = int(conversation.get("pops") or 0)
+    return {
+        "message_count": Int64(int(conversation.get("message_count") or 0)),
+        "pops": pops if pops else {"$in": [None, 0]},
+    }
+
+
 @dataclass(frozen=True)
 class Looked:
     """What the lookup of a turn's block before it is logged at the end found (`lookup`,
