@@ -4283,6 +4283,112 @@ async def test_a_late_retry_is_not_moved_past_a_turn_still_writing_the_answer_to
     assert await pending_state(store) == await recomputed_state(store) == ([], None)
 
 
+async def test_a_late_retry_is_not_moved_when_an_answer_to_its_call_lands_after_its_lookup(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3: a turn whose call a message logged meanwhile answers is not moved, even
+    when that answer is logged by another pod after the retry's lookup of its empty block
+    found none, just before its move: the move holds only while nothing was reserved since
+    that lookup, else the retry reads again and is refused as answered, nothing of it stored
+    (its call is never stored after its answer, pending again)."""
+    from agent_store import Conflict
+
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    other_pod = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}], turn_id="t0")
+    lost = _book_it("delete my file", 3)
+    await _reserved_only(logger, monkeypatch, lost, "t1")
+    await logger.log_messages(CID, [{"role": "user", "content": "hurry"}], turn_id="t2")
+    move = logger._conversations.find_one_and_update
+
+    async def answered_first(query: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        if "$elemMatch" in str(query.get("turns")):  # the move, after the lookup
+            monkeypatch.undo()
+            done = [_answer("c1", "removed"), {"role": "assistant", "content": "done"}]
+            await other_pod.log_messages(CID, done, turn_id="t3")
+        return await move(query, *args, **kwargs)
+
+    monkeypatch.setattr(logger._conversations, "find_one_and_update", answered_first)
+    with pytest.raises(Conflict, match=r"a later turn answered its call 'c1'"):
+        await logger.log_messages(CID, lost, turn_id="t1")
+
+    assert [m.content for m in await store.transcript(CID)] == ["go", "hurry", "removed", "done"]
+    assert await pending_state(store) == await recomputed_state(store) == ([], None)
+    assert (await store.get_conversation(CID)).turn_count == 2
+
+
+async def _named_answer_reserved_only(
+    logger: AgentMessageLogger,
+    monkeypatch: pytest.MonkeyPatch,
+    messages: list[dict[str, Any]],
+    answers_to: dict[str, str],
+) -> None:
+    """Log turn "tA", answering calls `answers_to` names, that reserves and stores nothing."""
+
+    async def lost(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("the turn reserved and has not inserted")
+
+    monkeypatch.setattr(logger._messages, "insert_many", lost)
+    with pytest.raises(ConnectionError):
+        await logger.log_messages(CID, messages, turn_id="tA", answers_to=answers_to)
+    monkeypatch.undo()
+
+
+async def test_a_late_retry_answering_a_call_another_turn_answered_since_is_answered_before(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LIBRARY.md `answers_to`, DESIGN.md Tool pairing: a call's first answer is its answer.
+    tA answers c1 (naming it) and stores nothing; past `abandon_after` tB answers c1 (the
+    abandoned block holds no answer). Moved to the end, tA would be a second, contradicting
+    result of c1: the retry is judged where it lands as a fresh turn is, `AnsweredBefore`
+    (`check_turn` alike), nothing of it stored, its turn given up; every retry alike."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    t0 = await logger.log_messages(CID, [{"role": "user", "content": "go"}, _calls("c1")])
+    named = {"c1": t0.messages[1].id}
+    tA = [_answer("c1", "sunny (A)"), {"role": "assistant", "content": "It is sunny."}]
+    await _named_answer_reserved_only(logger, monkeypatch, tA, named)
+    tB = [_answer("c1", "rainy (B)"), {"role": "assistant", "content": "It is rainy."}]
+    await logger.log_messages(CID, tB, turn_id="tB", answers_to=named)
+
+    with pytest.raises(AnsweredBefore, match=r"'c1'.*answered that call first") as checked:
+        await logger.check_turn(CID, tA, turn_id="tA", answers_to=named)
+    for _ in range(2):
+        with pytest.raises(AnsweredBefore, match=r"'c1'.*answered that call first") as refused:
+            await logger.log_messages(CID, tA, turn_id="tA", answers_to=named)
+        assert str(refused.value) == str(checked.value)
+        assert refused.value.tool_call_ids == ("c1",)
+
+    assert [m.content for m in await store.transcript(CID)][2:] == ["rainy (B)", "It is rainy."]
+    assert await pending_state(store) == await recomputed_state(store) == ([], None)
+    assert (await store.get_conversation(CID)).turn_count == 1
+
+
+async def test_a_late_retry_answering_a_call_whose_message_was_popped_is_invalid(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tA answers c1 (naming the message making it) and stores nothing; past `abandon_after`
+    a person pops that message. Moved to the end, tA's result would answer a call no stored
+    message makes (an orphan): the retry is judged as the same turn sent fresh is,
+    `InvalidInput` (`check_turn` alike), nothing of it stored."""
+    logger = _late_logger(backend)
+    store = ConversationStore(backend.db, rules=logger.rules)
+    t0 = await logger.log_messages(CID, [{"role": "user", "content": "go"}, _calls("c1")])
+    named = {"c1": t0.messages[1].id}
+    tA = [_answer("c1", "sunny"), {"role": "assistant", "content": "Sunny."}]
+    await _named_answer_reserved_only(logger, monkeypatch, tA, named)
+    popped = await store.pop_last_message(CID)
+    assert popped is not None
+    assert popped.id == named["c1"]
+
+    with pytest.raises(InvalidInput, match=r"does not make call 'c1'"):
+        await logger.check_turn(CID, tA, turn_id="tA", answers_to=named)
+    with pytest.raises(InvalidInput, match=r"does not make call 'c1'"):
+        await logger.log_messages(CID, tA, turn_id="tA", answers_to=named)
+
+    assert [m.content for m in await store.transcript(CID)] == ["go"]
+    assert await pending_state(store) == await recomputed_state(store) == ([], None)
+
+
 async def _age(backend: Backend, turn_id: str) -> None:
     """Set the turn's record back 30 minutes, past the default `abandon_after`."""
     from datetime import timedelta

@@ -98,7 +98,9 @@ from agent_store.store._naming import named_again, named_by_stored, taken_from
 from agent_store.store._pop import finish_marked, last_and_latest, last_before, preview_source
 from agent_store.store._relocated import (
     MOVED,
+    Landing,
     Looked,
+    Unlanded,
     Unmovable,
     Unwritten,
     looked_up,
@@ -106,6 +108,7 @@ from agent_store.store._relocated import (
     refold,
     settle,
     stored_at,
+    unchanged,
 )
 from agent_store.store._reservation import (
     ANSWERS_READ,
@@ -224,6 +227,11 @@ class Condition:
     new_only: bool = False
     """The reservation only creates the conversation (a fork's): one found that does not
     record the turn is refused by this condition, before any other rule."""
+    landing: Landing | None = None
+    """What the turn logged at the end in place of its empty block (a retry past
+    `abandon_after`) must still hold where it lands, as it would logged there fresh: judged
+    in the lookup of that block (`_relocated.Landing`); None: nothing more than the
+    move's own rules."""
 
     def refused(self, conversation: Mapping[str, Any]) -> StoreError:
         """The error a conversation that does not meet the condition raises."""
@@ -701,7 +709,7 @@ class AgentMessageLogger:
             found = await self._conversations.find_one(query, _CHECKED_FIELDS)
             if await self._finished_a_pop(actor, found):  # read again once it is finished
                 found = await self._conversations.find_one(query, _CHECKED_FIELDS)
-        verdict = await self._verdict(plan, actor, found, condition)
+        verdict = await self._verdict_told(plan, actor, found, condition)
         if verdict.block is not None:
             return  # a replay
         if found is not None and verdict.abandoned is not None:  # judged as given back
@@ -718,6 +726,20 @@ class AgentMessageLogger:
         if found is not None and condition is not None:
             conditions = partial(_turn_conditions, plan, None, None, refused_prompts, answers_to)
             await self._check_condition(plan, condition, conditions, (answers_to, refused_prompts))
+
+    async def _verdict_told(
+        self,
+        plan: TurnPlan,
+        actor: Actor,
+        found: Mapping[str, Any] | None,
+        condition: Condition | None,
+    ) -> _Verdict:
+        """`_verdict` for `check_turn`, which gives nothing up: a turn refused where it would
+        land at the end raises what `log_messages` tells (`Unlanded.error`)."""
+        try:
+            return await self._verdict(plan, actor, found, condition)
+        except Unlanded as refused:
+            _raise_refusal(refused)
 
     async def _as_given_back(
         self, plan: TurnPlan, found: Mapping[str, Any], block: RecordedBlock
@@ -1281,10 +1303,10 @@ class AgentMessageLogger:
             try:  # a retry past `abandon_after` that cannot move gives its turn up
                 verdict = await self._verdict(plan, actor, found, condition, complete=complete)
                 replayed = await self._replayed_by(actor, plan, verdict, found, condition)
-            except Unmovable as refused:
+            except (Unmovable, Unlanded) as refused:
                 assert found is not None  # only a conversation records a block
                 await self._given_up_for(plan, refused, found)
-                raise
+                _raise_refusal(refused)
             if replayed is not None:
                 return replayed
             if found is None:  # may be created: `_verdict` refused it otherwise
@@ -1463,7 +1485,7 @@ class AgentMessageLogger:
             by = None if age is None else _insert_by(self.rules, checked, age)
             return replace(reserved, insert_by=by)
         if looked is None:
-            looked = await self._looked_up(plan, block, conversation)
+            looked = await self._looked_up(plan, block, conversation, condition)
         if looked.refusal is not None:
             raise looked.refusal
         stored = _of_the_turn(plan, looked.stored)
@@ -1485,12 +1507,17 @@ class AgentMessageLogger:
         new block at the end (`relocation`, guarded by the condition when it says what a move
         sets, `Condition.moved`): the block moved to, inserted into before `_insert_by` from
         the move's command; None when another attempt moved the turn meanwhile. A condition no
-        longer met gives the turn up (`_give_up`) and raises its refusal. `asked`: the latest
-        prompt stored past the block under each request id the turn raises (`asked_past`)."""
+        longer met gives the turn up (`_give_up`) and raises its refusal. The move matches
+        only while `conversation` is as read (`unchanged`: no turn reserved, none moved, no
+        pop since), as its lookup judged it (`_looked_up`): else None too, and the caller
+        reads again, so an answer to its call logged after that lookup refuses it as one
+        logged before does. `asked`: the latest prompt stored past the block under each
+        request id the turn raises (`asked_past`)."""
         sent, now = time.monotonic(), utc_now()
         query, pipeline = relocation(
             plan, block, self.rules, now, assigned=reserved.assigns, asked=asked
         )
+        query |= unchanged(conversation)  # as its lookup judged it: else read again
         reserved = replace(reserved, insert_by=_insert_by(self.rules, sent))
         guarded = query
         if condition is not None and condition.moved is not None:
@@ -1533,14 +1560,15 @@ class AgentMessageLogger:
         if block.count == plan.count and plan.matches(block.digest):
             if not self._passed(block):
                 return _Verdict(block)
-            looked = await self._looked_up(plan, block, conversation)  # moved unless stored
+            # moved unless stored
+            looked = await self._looked_up(plan, block, conversation, condition)
             if looked.refusal is not None:
                 raise looked.refusal
             return _Verdict(block, looked=looked)
         refused = _retry_refusal(plan, conversation, condition)
         if is_fork_turn(plan.turn_id):
             raise refused
-        return await self._other_sent(plan, block, conversation, refused)
+        return await self._other_sent(plan, block, conversation, refused, condition)
 
     async def _other_sent(
         self,
@@ -1548,6 +1576,7 @@ class AgentMessageLogger:
         block: RecordedBlock,
         conversation: Mapping[str, Any],
         refused: StoreError,
+        condition: Condition | None = None,
     ) -> _Verdict:
         """A retry sending other content than its turn's record holds (a regenerated answer
         after a lost insert), read only: when a message of the turn is stored, in its block
@@ -1561,7 +1590,7 @@ class AgentMessageLogger:
         (`Unmovable`, as a retry of its first content: found by the same lookup,
         `_looked_up`). A new turn's conditions are then judged as the give-back leaves the
         conversation, without what its first reservation changed, not by `refused`."""
-        looked = await self._looked_up(plan, block, conversation)
+        looked = await self._looked_up(plan, block, conversation, condition)
         if looked.stored:
             return _Verdict(await self._stored_as_sent(plan, refused))
         if block.counted is None or block.reserved_at is None:
@@ -1850,9 +1879,9 @@ class AgentMessageLogger:
                 moved = await self._replayed_by(
                     actor, plan, _Verdict(block), found, condition, late=late
                 )
-            except Unmovable as refused:
+            except (Unmovable, Unlanded) as refused:
                 await self._given_up_for(plan, refused, found)
-                raise
+                _raise_refusal(refused)
             if moved is None:
                 continue  # moved by another attempt meanwhile: its new block is recorded
             if moved.moved is None:
@@ -2450,7 +2479,11 @@ class AgentMessageLogger:
         return _of_the_turn(plan, found)
 
     async def _looked_up(
-        self, plan: TurnPlan, block: RecordedBlock, conversation: Mapping[str, Any]
+        self,
+        plan: TurnPlan,
+        block: RecordedBlock,
+        conversation: Mapping[str, Any],
+        condition: Condition | None = None,
     ) -> Looked:
         """The lookup of a retry's empty block (its record's) before the turn is logged at
         the end in its place, read only: moved with the same content, the block given back
@@ -2462,13 +2495,19 @@ class AgentMessageLogger:
         `log_messages` does, which then gives the turn up, `_given_up_for`); and, when a
         call of the turn is off `pending_calls` in `conversation` (as read), the messages of
         the blocks past it still being written (`Unwritten`): one of them unstored, the
-        retry is told to come again (StorageUnavailable), nothing given up."""
+        retry is told to come again (StorageUnavailable), nothing given up. With the turn's
+        `condition`, what it must still hold where it lands (`Condition.landing`: its
+        answers, `answers_to`), judged in the same find, refused as the same turn logged
+        fresh there is (`Unlanded`, given up as `Unmovable` is)."""
         rules = self.rules
         unwritten = Unwritten.of(plan, block, conversation, abandon_after=rules.abandon_after)
-        query = lookup(plan, block, moving=True, unwritten=unwritten)
+        landing = None if condition is None else condition.landing
+        wanted = () if landing is None else landing.wanted
+        query = lookup(plan, block, moving=True, unwritten=unwritten, landing=wanted)
         with storage_errors("read the turn's messages"):
             found = await self._messages.find(query).to_list(None)
-        return looked_up(plan, block, found, unwritten, conversation.get("epoch"))
+        judged = None if landing is None else partial(landing.refused, conversation)
+        return looked_up(plan, block, found, unwritten, conversation.get("epoch"), judged)
 
     def _passed(self, block: RecordedBlock) -> bool:
         """Whether tail readers may have passed the block (reserved `abandon_after` ago, on
@@ -2477,12 +2516,13 @@ class AgentMessageLogger:
         return at is not None and utc_now() - at >= self.rules.abandon_after
 
     async def _given_up_for(
-        self, plan: TurnPlan, refused: Unmovable, conversation: Mapping[str, Any]
+        self, plan: TurnPlan, refused: Unmovable | Unlanded, conversation: Mapping[str, Any]
     ) -> None:
-        """After a retry refused as `Unmovable` (`conversation`: as it read it): the turn is
-        given up for good, and so is what its first reservation counted and listed pending
-        (`given_up`, of the block its record names; `_give_up`, as after a move: the pending
-        state folded from the stored messages, one or two round trips more)."""
+        """After a retry refused as `Unmovable` or `Unlanded` (`conversation`: as it read
+        it): the turn is given up for good, and so is what its first reservation counted
+        and listed pending (`given_up`, of the block its record names; `_give_up`, as after
+        a move: the pending state folded from the stored messages, one or two round trips
+        more)."""
         taken_back = given_up(plan, refused.block, conversation)
         own = refused.block
         await self._give_up(plan.conversation_id, conversation, taken_back=taken_back, own=own)
@@ -3583,7 +3623,33 @@ def _answers(
         ),
         explain=lambda conversation: _answers_refusal(plan, named, conversation) or every,
         retried=retried,
+        landing=_answers_landing(plan, named),
     )
+
+
+def _answers_landing(plan: TurnPlan, named: Mapping[str, str]) -> Landing:
+    """`_answers` where a turn logged at the end in place of its empty block lands
+    (`Landing`): its first reservation took the calls `named` off `pending_calls`, so they
+    are judged on the stored messages, as `AgentMessageLogger._unanswered` judges a fresh
+    turn's calls off the list (`answers_lookup`, `answer_found`): InvalidInput for a
+    message named that no longer makes its call (popped since), `AnsweredBefore` for a call
+    another turn answered since (a call's first answer is its answer), the Conflict of a
+    later call of its id following it (the answer would take that one)."""
+    wanted = tuple(answers_lookup(plan.conversation_id, named, None)["$or"])
+
+    def refused(
+        conversation: Mapping[str, Any], found: Sequence[Mapping[str, Any]]
+    ) -> StoreError | None:
+        if (misnamed := _misnamed(plan, named, found)) is not None:
+            return misnamed
+        states = {c: answer_found(found, c, named[c]) for c in sorted(named)}
+        if answered := [c for c, state in states.items() if state == "answered"]:
+            return _answered_first(plan, answered)
+        if followed := [c for c, state in states.items() if state == "followed"]:
+            return _followed(plan, followed)
+        return None
+
+    return Landing(wanted, refused)
 
 
 def _named_answers(plan: TurnPlan, answers_to: Mapping[str, str]) -> dict[str, str]:
@@ -3793,6 +3859,14 @@ def _answered_before(plan: TurnPlan, released: Sequence[str]) -> AnsweredBefore:
     )
 
 
+def _raise_refusal(refused: Unmovable | Unlanded) -> NoReturn:
+    """Raise what a turn refused where it would land at the end is told: `Unmovable`, or
+    what the same turn logged fresh there is refused for (`Unlanded.error`)."""
+    if isinstance(refused, Unlanded):
+        raise refused.error from None
+    raise refused
+
+
 def _joined(first: Condition | None, second: Condition | None) -> Condition | None:
     """Both conditions, in one reservation: the filters and stages together; a refusal is
     the second's when the conversation found explains it (`Condition.explain`), else the
@@ -3822,6 +3896,7 @@ def _joined(first: Condition | None, second: Condition | None) -> Condition | No
         absent=(None if a.create else a.absent) or (None if b.create else b.absent),
         explain=explain,
         retried=retried,
+        landing=b.landing if a.landing is None else a.landing.joined(b.landing),
         **_moves_joined(a, b),
     )
 

@@ -27,7 +27,7 @@ messages say:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -39,6 +39,7 @@ from agent_store.core import (
     PendingCall,
     PendingHitl,
     StorageUnavailable,
+    StoreError,
     answers_to_calls,
     messages_adapter,
     utc_now,
@@ -110,14 +111,15 @@ def lookup(
     *,
     moving: bool = False,
     unwritten: Unwritten | None = None,
+    landing: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     """The messages stored in the turn's block and, `moving`, the turn's own messages
     wherever they are (by their stable ids: an earlier attempt's insert may have landed in a
     block the turn left), for a turn that makes calls the messages past the block that
     make or answer a call of the same ids, for a turn that raises prompts the prompts
-    past the block asked under the same request ids (`asked_past`), and with `unwritten`
-    every message from its `from_seq` on (which of those blocks are stored): one find, as
-    the block's alone."""
+    past the block asked under the same request ids (`asked_past`), with `unwritten`
+    every message from its `from_seq` on (which of those blocks are stored), and those
+    `landing` names (`Landing.wanted`): one find, as the block's alone."""
     first, past = block.first_seq, block.first_seq + block.count
     query: dict[str, Any] = {"conversation_id": plan.conversation_id}
     in_block = {"seq": {"$gte": first, "$lt": past}}
@@ -136,7 +138,7 @@ def lookup(
     if unwritten is not None:
         answering.append({"seq": {"$gte": unwritten.from_seq}})
     own = {"_id": {"$in": sorted(_own_ids(plan, block))}}
-    return {**query, "$or": [in_block, own, *answering]}
+    return {**query, "$or": [in_block, own, *answering, *landing]}
 
 
 def asked_past(plan: TurnPlan, block: RecordedBlock, found: Sequence[Any]) -> dict[str, int]:
@@ -228,6 +230,58 @@ class Unmovable(TurnConflict):
 
 
 @dataclass(frozen=True)
+class Landing:
+    """What a turn logged at the end in place of its empty block (moved, or given back and
+    reserved anew) must still hold where it lands, as the same turn logged there fresh
+    must (a condition's, `_logger.Condition.landing`): judged in the lookup of the block
+    (`looked_up`) on the conversation as read and the messages found, the move then matching
+    only while the conversation is as read (`unchanged`), so nothing reserved since the
+    lookup escapes it. Conditions join theirs (`joined`)."""
+
+    wanted: tuple[dict[str, Any], ...]
+    """The messages the judgment needs, as filters the lookup adds (`lookup`)."""
+    refused: Callable[[Mapping[str, Any], Sequence[Mapping[str, Any]]], StoreError | None]
+    """The refusal a fresh turn would get there, from the conversation as read and the
+    messages found (in `seq` order, none of the turn's own); None: it holds."""
+
+    def joined(self, other: Landing | None) -> Landing:
+        """Both judgments, the first refusal first."""
+        if other is None:
+            return self
+        first = self
+
+        def refused(
+            conversation: Mapping[str, Any], found: Sequence[Mapping[str, Any]]
+        ) -> StoreError | None:
+            return first.refused(conversation, found) or other.refused(conversation, found)
+
+        return Landing((*self.wanted, *other.wanted), refused)
+
+
+class Unlanded(Exception):
+    """A turn to be logged at the end in place of its empty block, refused where it would
+    land as the same turn logged there fresh is (`Landing`): `error` is what the caller is
+    told; the turn is given up for good (`block`: the empty block its record names), as an
+    `Unmovable` one is."""
+
+    def __init__(self, error: StoreError, block: RecordedBlock) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.block = block
+
+
+def unchanged(conversation: Mapping[str, Any]) -> dict[str, Any]:
+    """A filter matching the conversation while it is as read: no turn reserved (or moved)
+    and no pop ran since (`message_count`, `pops`); what the lookup of a turn's block judged
+    on it still holds when the move matches."""
+    pops = int(conversation.get("pops") or 0)
+    return {
+        "message_count": Int64(int(conversation.get("message_count") or 0)),
+        "pops": pops if pops else {"$in": [None, 0]},
+    }
+
+
+@dataclass(frozen=True)
 class Looked:
     """What the lookup of a turn's block before it is logged at the end found (`lookup`,
     moving; `looked_up`)."""
@@ -237,11 +291,12 @@ class Looked:
     order: when any, the turn is stored there, not logged at the end."""
     asked: dict[str, int]
     """`asked_past`."""
-    refusal: Unmovable | StorageUnavailable | None
+    refusal: Unmovable | Unlanded | StorageUnavailable | None
     """None stored and a later message answering one of the retry's calls: the refusal of
     logging it at the end, raised by whichever retry would (same content or other); or,
-    none stored answering one, a block past it still being written that may
-    (`Unwritten`): StorageUnavailable, retry shortly, nothing given up."""
+    none stored, what the same turn logged fresh where it lands is refused for
+    (`Landing`, `Unlanded`); or, none stored answering one, a block past it still being
+    written that may (`Unwritten`): StorageUnavailable, retry shortly, nothing given up."""
 
 
 def looked_up(
@@ -250,40 +305,61 @@ def looked_up(
     found: Sequence[Any],
     unwritten: Unwritten | None = None,
     epoch: str | None = None,
+    landing: Callable[[Sequence[Mapping[str, Any]]], StoreError | None] | None = None,
 ) -> Looked:
     """What `lookup` (moving, with `unwritten`) found of the turn's block, read in any
     order. The one check of a turn logged at the end in place of its empty block, whatever
     content the retry sends: refused (`Looked.refusal`) when nothing is stored and a later
-    message answers one of the retry's calls, or a block past it that may answer one is
-    still being written (`Unwritten.written`). Messages of another life of the conversation
-    than `epoch` (the conversation's, as read), late inserts of one deleted since, are
-    strays: no turn's, they are left out (never "another turn's" in the block)."""
+    message answers one of the retry's calls, or the same turn logged fresh where it lands
+    is refused (`landing`: `Landing.refused`, bound to the conversation as read), or a
+    block past it that may answer one is still being written (`Unwritten.written`).
+    Messages of another life of the conversation than `epoch` (the conversation's, as
+    read), late inserts of one deleted since, are strays: no turn's, they are left out
+    (never "another turn's" in the block)."""
     lives = (None, epoch)
     found = [d for d in found if epoch is None or d.get("epoch") in lives]
     found = sorted(found, key=lambda d: int(d["seq"]))  # a server answers any order
     first, past = block.first_seq, block.first_seq + block.count
     ids = _own_ids(plan, block)
     stored = [d for d in found if first <= d["seq"] < past or d["_id"] in ids]
-    later = [d for d in found if d["seq"] >= past and d["_id"] not in ids]
-    answered = [] if stored else answered_later(plan, messages_adapter.validate_python(later))
-    refusal: Unmovable | StorageUnavailable | None = None
+    refusal: Unmovable | Unlanded | StorageUnavailable | None = None
+    if not stored:
+        refusal = _refusal(plan, block, [d for d in found if d["_id"] not in ids], landing)
+    unwritten = None if refusal is not None or stored else unwritten
+    if unwritten is not None and (at := unwritten.written(found)) is not None:
+        refusal = StorageUnavailable(
+            f"a later turn of conversation {plan.conversation_id!r} is still being "
+            f"written at seq {at} and may answer a call of turn {plan.turn_id!r}, which "
+            f"reserved seq {block.first_seq} and stored nothing: retry shortly (the turn "
+            "is not logged past that answer)"
+        )
+    return Looked(stored, asked_past(plan, block, found), refusal)
+
+
+def _refusal(
+    plan: TurnPlan,
+    block: RecordedBlock,
+    others: Sequence[Mapping[str, Any]],
+    landing: Callable[[Sequence[Mapping[str, Any]]], StoreError | None] | None,
+) -> Unmovable | Unlanded | None:
+    """`looked_up`'s refusal of a turn none of whose messages is stored, from the other
+    messages found (`others`, in `seq` order): `Unmovable` when a later one answers a call
+    the turn makes, else `Unlanded` when the same turn logged fresh where it lands is
+    refused (`landing`), else None."""
+    past = block.first_seq + block.count
+    later = [d for d in others if d["seq"] >= past]
+    answered = answered_later(plan, messages_adapter.validate_python(later))
     if answered:
         names = ", ".join(repr(call_id) for call_id in answered)
-        refusal = Unmovable(
+        return Unmovable(
             f"turn {plan.turn_id!r} reserved seq {block.first_seq} and stored nothing; since "
             f"then a later turn answered its call {names}, so it cannot move to the end (its "
             "call would follow its answer): it is not stored. Log what the conversation "
             "still needs as a new turn",
             block,
         )
-    elif not stored and unwritten is not None and (at := unwritten.written(found)) is not None:
-        refusal = StorageUnavailable(
-            f"a later turn of conversation {plan.conversation_id!r} is still being written at "
-            f"seq {at} and may answer a call of turn {plan.turn_id!r}, which reserved seq "
-            f"{block.first_seq} and stored nothing: retry shortly (the turn is not logged "
-            "past that answer)"
-        )
-    return Looked(stored, asked_past(plan, block, found), refusal)
+    error = None if landing is None else landing(others)
+    return None if error is None else Unlanded(error, block)
 
 
 @dataclass(frozen=True)
