@@ -467,6 +467,8 @@ def document_differs(existing: dict[str, Any] | None, wanted: Conversation) -> b
         stored = Conversation.model_validate(existing)
     except ValidationError:
         return True
+    if stored.legacy_user_id is None:  # written before it was recorded: none is kept
+        wanted = wanted.model_copy(update={"legacy_user_id": None})
     return not same_bson(stored, wanted)
 
 

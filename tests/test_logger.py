@@ -86,8 +86,8 @@ async def test_stored_documents_hold_exactly_the_contract_fields(backend: Backen
     assert set(conversation) == {
         "_id", "conversation_id", "user_id", "name", "name_source", "created_at", "updated_at",
         "turn_count", "last_message_preview", "message_count", "pending_hitl", "pending_calls",
-        "usage", "forked_from", "legacy_conversation_id", "turns", "turns_dropped", "epoch",
-        "name_message_id",  # the example's first question names it
+        "usage", "forked_from", "legacy_conversation_id", "legacy_user_id", "turns",
+        "turns_dropped", "epoch", "name_message_id",  # the example's first question names it
     }  # fmt: skip
     assert message["epoch"] == conversation["epoch"]
 

@@ -22,6 +22,7 @@ from agent_store import (
 from agent_store.core import AgentMessage, utc_now
 from agent_store.legacy import (
     LEGACY_TURNS,
+    MIXED_USER_IDS,
     SESSION_HITL,
     convert,
     derived_user_id,
@@ -120,6 +121,95 @@ async def test_dual_write_names_a_conversation_as_its_legacy_turns_name_it(
     assert [c["conversation_id"] for c in copies] == [named]
     assert converted.conversation_id == stored_id
     assert [m.content for m in converted.messages] == ["«LEGACY»", "«LIVE»"]
+
+
+ALICE_LEGACY = "alice+work@example.com"
+"""A legacy user id that is no identifier: the migration stores its owner as derived."""
+
+
+async def derived_owners_conversation(backend: Backend, *, recorded: bool = True) -> str:
+    """Alice's legacy conversation, migrated owned by the user derived from her legacy id;
+    without the id recorded (`recorded=False`) as a run before it was recorded left it."""
+    turn = {"_id": "t-1", "conversation_id": "c-b", "user_id": ALICE_LEGACY,
+            "created_at": utc_now(), "user_message": "«LEGACY»"}  # fmt: skip
+    cid = await migrated(backend, [turn])
+    if not recorded:
+        await backend.db[CONVERSATIONS].update_one({"_id": cid}, {"$unset": {"legacy_user_id": 1}})
+    return cid
+
+
+async def test_dual_write_names_a_derived_user_by_the_legacy_id_that_derives_it(
+    backend: Backend,
+) -> None:
+    """After a rollback the old service takes the last user a conversation's turns name for
+    its owner: a live turn of the user the migration derived is copied naming the legacy id
+    the conversation's other turns name (`legacy_user_id`, which the migration records), and
+    a second attempt reads the copy as the same user's turn."""
+    cid = await derived_owners_conversation(backend)
+    owner = derived_user_id(ALICE_LEGACY)
+    logger, _ = wired(backend, dual_write=True)
+    await logger.log_messages(cid, [{"role": "user", "content": "«LIVE»"}],
+                              user_id=owner, turn_id="live-1")  # fmt: skip
+
+    stored = await backend.db[CONVERSATIONS].find_one({"_id": cid})
+    legacy = await backend.db[LEGACY_TURNS].find().to_list(None)
+    again = convert(legacy)
+
+    assert {t["user_id"] for t in legacy} == {ALICE_LEGACY}
+    assert stored is not None
+    assert stored["legacy_user_id"] == ALICE_LEGACY
+    assert again.owner == owner
+    assert MIXED_USER_IDS not in {p.kind for p in again.problems}
+    assert [m.content for m in again.messages] == ["«LEGACY»", "«LIVE»"]
+
+
+async def test_a_derived_users_copies_follow_a_claim_and_an_erasure(backend: Backend) -> None:
+    """A claim moves the copies naming the legacy id to the new user, and the conversation
+    no longer records it: the new user's turns are copied naming them. Erasing the derived
+    user takes the conversation, the legacy id it records, and every copy naming it."""
+    cid = await derived_owners_conversation(backend)
+    owner = derived_user_id(ALICE_LEGACY)
+    logger, store = wired(backend, dual_write=True)
+    await logger.log_messages(cid, [{"role": "user", "content": "a"}], user_id=owner,
+                              turn_id="live-1")  # fmt: skip
+    await store.claim(owner, "user-alice")
+    await logger.log_messages(cid, [{"role": "user", "content": "b"}], user_id="user-alice",
+                              turn_id="live-2")  # fmt: skip
+
+    stored = await backend.db[CONVERSATIONS].find_one({"_id": cid})
+    legacy = await backend.db[LEGACY_TURNS].find().to_list(None)
+    assert stored is not None
+    assert stored.get("legacy_user_id") is None
+    assert {t["user_id"] for t in legacy} == {"user-alice"}
+
+    cid2 = "c-2"
+    await backend.db[LEGACY_TURNS].delete_many({})
+    await backend.db[CONVERSATIONS].delete_many({})
+    turn = {"_id": "t-2", "conversation_id": cid2, "user_id": ALICE_LEGACY,
+            "created_at": utc_now(), "user_message": "x"}  # fmt: skip
+    await migrated(backend, [turn])
+    await logger.log_messages(cid2, [{"role": "user", "content": "y"}], user_id=owner,
+                              turn_id="live-3")  # fmt: skip
+    await store.erase_user(owner)
+
+    assert await backend.db[CONVERSATIONS].count_documents({}) == 0
+    assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
+
+
+async def test_a_conversation_migrated_before_the_legacy_user_id_was_recorded_copies_the_derived_id(
+    backend: Backend,
+) -> None:
+    """No `legacy_user_id` (a run before it was recorded): the copy names the derived user, as
+    it did; the dual write guesses no legacy id. A user id that is not derived is copied as
+    it is."""
+    cid = await derived_owners_conversation(backend, recorded=False)
+    owner = derived_user_id(ALICE_LEGACY)
+    logger, _ = wired(backend, dual_write=True)
+    await logger.log_messages(cid, [{"role": "user", "content": "«LIVE»"}],
+                              user_id=owner, turn_id="live-1")  # fmt: skip
+
+    [copy] = await backend.db[LEGACY_TURNS].find({"dual_write": True}).to_list(None)
+    assert copy["user_id"] == owner
 
 
 async def test_dual_write_is_off_unless_asked_for(backend: Backend) -> None:

@@ -1320,6 +1320,12 @@ class Conversation(_Model):
     """The id its legacy turns named, when that was not an identifier and the migration gave
     the conversation a derived one (extension)."""
 
+    legacy_user_id: str | None = None
+    """The legacy user id its owner was named by, when that was not an identifier and the
+    migration stored the conversation owned by the user derived from it (`legacy-user-`):
+    the dual write names that user by it, as the legacy turns do (extension). A claim
+    moving the conversation to another user clears it."""
+
     @property
     def version(self) -> str:
         """What names this conversation and no other ever started under its id

@@ -1257,6 +1257,7 @@ def convert(
         conversation = conversation.model_copy(
             update={
                 "legacy_conversation_id": original,
+                "legacy_user_id": _legacy_user_id(turns, owner),
                 "usage": Usage.total(
                     (conversation.usage.input_tokens, converter.unanswered_usage.input_tokens),
                     (conversation.usage.output_tokens, converter.unanswered_usage.output_tokens),
@@ -1478,6 +1479,13 @@ def _check_exact(converter: _Converter, turn: LegacyTurn, plan: TurnPlan | None)
     )
     content = {"turn_id": extra.get("turn_id"), "whole_texts": cut if cut else None}
     converter.problem(turn, DUAL_WRITE_NOT_EXACT, detail, field=None, content=content)
+
+
+def _legacy_user_id(turns: list[LegacyTurn], owner: str | None) -> str | None:
+    """The legacy user id the owner is derived from (`derived_user_id`), as the turns name
+    it, when the owner is a derived user; else None (`Conversation.legacy_user_id`)."""
+    users = named_users(turns)
+    return users[-1] if owner is not None and users and owner != users[-1] else None
 
 
 def _owner(converter: _Converter, turns: list[LegacyTurn]) -> str | None:

@@ -22,6 +22,7 @@ from agent_store.legacy._documents import (
     SESSION_HITL,
     LegacyTurn,
     Unnamed,
+    derived_user_id,
     id_filter,
     may_not_be_identifiers,
     named_filter,
@@ -327,10 +328,11 @@ class LegacyTurns:
         They name the conversation as its legacy turns do, so the old reader finds them in
         it after a rollback: a conversation migrated under a derived `legacy-conversation-`
         id by the legacy id it stands for (its document's `legacy_conversation_id`, which
-        the logger hands over: no more reads). A fork's copies are the legacy turns of its
-        original they came from, one each (`ForkOrigin.turn_starts`). The legacy reader
-        knows no GridFS: a message cut to its bound is written whole (two more lookups, for
-        such a turn only). Then the
+        the logger hands over: no more reads), and its owner, when the migration derived
+        it, by the legacy user id it derived it from (`copied_user_id`: no more reads). A
+        fork's copies are the legacy turns of its original they came from, one each
+        (`ForkOrigin.turn_starts`). The legacy reader knows no GridFS: a message cut to its
+        bound is written whole (two more lookups, for such a turn only). Then the
         conversation is looked up (one more round trip): when it was deleted meanwhile, the
         turns just written go again, so a delete finishing before the dual write lands does
         not bring it back.
@@ -343,7 +345,7 @@ class LegacyTurns:
                 turn.conversation_id,
                 turn.turn_id,
                 messages,
-                user_id=conversation.user_id,
+                user_id=copied_user_id(conversation),
                 name=conversation.name,
                 legacy_id=legacy_id_of(conversation.id, conversation.legacy_conversation_id),
                 starts=_copied_turn_starts(turn, conversation),
@@ -375,21 +377,28 @@ class LegacyTurns:
             await self._turns.delete_many({"_id": {"$in": [d["_id"] for d in written]}, **named})
 
     async def delete_dual_writes(
-        self, conversation_id: str, *, owner: str | None, legacy_id: str | None = None
+        self,
+        conversation_id: str,
+        *,
+        owner: str | None,
+        legacy_id: str | None = None,
+        legacy_user_id: str | None = None,
     ) -> int:
         """Delete the turns dual-written under the conversation for `owner`: the delete's
         last step, for a turn stored before the delete whose dual write landed while it ran
         (one round trip); how many went. `legacy_id` is the legacy id a derived id stands
-        for (its document's `legacy_conversation_id`), which its dual writes name."""
+        for (its document's `legacy_conversation_id`), which its dual writes name;
+        `legacy_user_id` its document's, the id they name a derived owner by."""
         named = [conversation_id]
         if (original := legacy_id_of(conversation_id, legacy_id)) is not None:
             named.append(original)
+        owners = [owner, copied_user(owner, legacy_user_id)]
         with storage_errors("delete the legacy turns"):
             deleted = await self._turns.delete_many(
                 {
                     **scalar_filter("conversation_id", {"$in": named}),
                     "dual_write": True,
-                    "user_id": owner,
+                    "user_id": {"$in": owners},
                 }
             )
         return int(deleted.deleted_count)
@@ -402,6 +411,22 @@ def _copied_turn_starts(turn: LoggedTurn, conversation: Conversation) -> list[in
     if origin is None or turn.turn_id != fork_turn_id(origin.conversation_id, origin.seq):
         return []
     return list(origin.turn_starts)
+
+
+def copied_user_id(conversation: Conversation) -> str | None:
+    """The user a conversation's dual-written turns name (`copied_user`)."""
+    return copied_user(conversation.user_id, conversation.legacy_user_id)
+
+
+def copied_user(user_id: str | None, recorded: Any) -> str | None:
+    """The user id a dual-written turn names its user by, as the legacy turns name them: for
+    the user the migration derived from a legacy id (`derived_user_id`), that legacy id as
+    the conversation's document records it (`legacy_user_id`), checked to derive it, never
+    guessed; any other user id as it is (and a derived one with no id recorded: a
+    conversation migrated before it was recorded)."""
+    if user_id is None or not isinstance(recorded, str) or derived_user_id(recorded) != user_id:
+        return user_id
+    return recorded
 
 
 def legacy_id_of(conversation_id: str, recorded: Any) -> str | None:

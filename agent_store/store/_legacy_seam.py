@@ -81,12 +81,18 @@ class LegacySource(Protocol):
         ...
 
     async def delete_dual_writes(
-        self, conversation_id: str, *, owner: str | None, legacy_id: str | None = None
+        self,
+        conversation_id: str,
+        *,
+        owner: str | None,
+        legacy_id: str | None = None,
+        legacy_user_id: str | None = None,
     ) -> int:
         """Delete the turns dual-written under the conversation for `owner` (the delete's
         last step: a dual write that landed while it ran); how many went. `legacy_id` is its
         document's `legacy_conversation_id`: the id the dual write names a conversation
-        stored under a derived id by."""
+        stored under a derived id by; `legacy_user_id` its document's, the id it names a
+        derived owner by."""
         ...
 
     async def prompt_resolved(self, conversation_id: str, request_id: str) -> None:

@@ -257,7 +257,22 @@ def _one_of_or_none(*values: str | None) -> dict[str, Any]:
     return {"$in": [*dict.fromkeys(v for v in values if v is not None), None]}
 
 
-_TO_DELETE = {"user_id": 1, "created_at": 1, "legacy_conversation_id": 1, "epoch": 1}
+def _legacy_ids(found: dict[str, Any]) -> dict[str, Any]:
+    """The legacy ids a conversation's document records, as `delete_dual_writes` takes them:
+    the conversation's (`legacy_conversation_id`) and its derived owner's (`legacy_user_id`)."""
+    return {
+        "legacy_id": found.get("legacy_conversation_id"),
+        "legacy_user_id": found.get("legacy_user_id"),
+    }
+
+
+_TO_DELETE = {
+    "user_id": 1,
+    "created_at": 1,
+    "legacy_conversation_id": 1,
+    "legacy_user_id": 1,
+    "epoch": 1,
+}
 """What a delete reads of the conversation it deletes (`_found_to_delete`)."""
 
 
@@ -626,7 +641,7 @@ class ConversationStore:
         gone, late = await self._delete_document(found_now, messages)
         if self._legacy_source is not None:
             legacy += await self._legacy_source.delete_dual_writes(
-                conversation_id, owner=owner, legacy_id=found.get("legacy_conversation_id")
+                conversation_id, owner=owner, **_legacy_ids(found)
             )
         await self._deletions.done(recorded_as(conversation_id, found))
         return Deleted(
@@ -1908,7 +1923,8 @@ class ConversationStore:
             raise InvalidInput("invalid claim: the two user ids are the same")
         with storage_errors("claim the conversations"):
             conversations = await self._conversations.update_many(
-                {"user_id": from_user_id, **NOT_BEING_DELETED}, {"$set": {"user_id": to_user_id}}
+                {"user_id": from_user_id, **NOT_BEING_DELETED},
+                {"$set": {"user_id": to_user_id, "legacy_user_id": None}},
             )
         messages = await self._move_claimed_messages(from_user_id, to_user_id)
         # Not migrated yet, or kept for rollback: they must follow their owner too.

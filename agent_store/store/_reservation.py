@@ -1220,6 +1220,7 @@ def reservation(
         # Kept as they are, null when unset: a document holds every key it is served with.
         "forked_from": _kept("forked_from", None),
         "legacy_conversation_id": _kept("legacy_conversation_id", None),
+        "legacy_user_id": _kept("legacy_user_id", None),
         **_appended(plan, _released(plan)),
         **_records(plan.key, plan.digest, rules, now, person=actor.as_user, counted=counted(plan)),
         **_names(plan, runtime_name),

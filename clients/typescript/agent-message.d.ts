@@ -153,6 +153,13 @@ export interface IAgentConversation<TDate extends DateLike> {
    * the conversation a derived one (extension).
    */
   legacy_conversation_id: string | null;
+  /**
+   * The legacy user id its owner was named by, when that was not an identifier and the
+   * migration stored the conversation owned by the user derived from it (`legacy-user-`):
+   * the dual write names that user by it, as the legacy turns do (extension). A claim
+   * moving the conversation to another user clears it.
+   */
+  legacy_user_id: string | null;
 }
 
 /**
