@@ -446,6 +446,16 @@ async def test_a_key_the_store_cannot_take_in_a_field_native_keeps_is_refused_na
     assert await backend.db["agent_messages"].count_documents({}) == 0
 
 
+async def _refusal_writing_nothing(backend: Backend, metadata: dict[str, Any]) -> str:
+    """The words of the InvalidInput a turn answered with `metadata` is refused with (in
+    bounded time: a walk that never ends fails the test), nothing written."""
+    history = ConversationChatHistory(CID, backend.db, user_id="u-1")
+    with pytest.raises(InvalidInput) as refused:
+        await asyncio.wait_for(history.aadd_messages(_said(metadata)), timeout=30)
+    assert await backend.db["agent_messages"].count_documents({}) == 0
+    return str(refused.value)
+
+
 @pytest.mark.parametrize(
     ("metadata", "where", "escape"),
     [
@@ -461,16 +471,11 @@ async def test_a_lone_surrogate_is_refused_naming_its_field_even_beside_a_wide_n
 ) -> None:
     """Checked before the value is kept as JSON text: never the store's own `json_text`
     named, never the path inside the value lost."""
-    history = ConversationChatHistory(CID, backend.db, user_id="u-1")
+    words = await _refusal_writing_nothing(backend, metadata)
 
-    with pytest.raises(InvalidInput) as refused:
-        await history.aadd_messages(_said(metadata))
-
-    words = str(refused.value)
     assert words.startswith(f"invalid message 1 (ai): native.set.{where}: ")
     assert f"lone UTF-16 surrogate ({escape})" in words
     assert "json_text" not in words
-    assert await backend.db["agent_messages"].count_documents({}) == 0
 
 
 @pytest.mark.parametrize(
@@ -485,15 +490,10 @@ async def test_a_key_holding_a_lone_surrogate_is_refused_naming_where_it_is(
     backend: Backend, metadata: dict[str, Any], where: str
 ) -> None:
     """A key is text as a value is: never the serializer's own words about a codec."""
-    history = ConversationChatHistory(CID, backend.db, user_id="u-1")
+    words = await _refusal_writing_nothing(backend, metadata)
 
-    with pytest.raises(InvalidInput) as refused:
-        await history.aadd_messages(_said(metadata))
-
-    words = str(refused.value)
     assert words.startswith(f"invalid message 1 (ai): {where}: a key holds a lone UTF-16 ")
     assert "codec" not in words
-    assert await backend.db["agent_messages"].count_documents({}) == 0
 
 
 def _holding_itself() -> list[Any]:
@@ -513,15 +513,10 @@ def _holding_itself() -> list[Any]:
 async def test_a_value_nested_too_deep_or_holding_itself_is_refused_not_walked_for_ever(
     backend: Backend, metadata: dict[str, Any], where: str
 ) -> None:
-    history = ConversationChatHistory(CID, backend.db, user_id="u-1")
+    words = await _refusal_writing_nothing(backend, metadata)
 
-    with pytest.raises(InvalidInput) as refused:
-        await asyncio.wait_for(history.aadd_messages(_said(metadata)), timeout=30)
-
-    words = str(refused.value)
     assert words.startswith(f"invalid message 1 (ai): {where}: ")
     assert f"nest deeper than {MAX_PARAMS_DEPTH} levels" in words
-    assert await backend.db["agent_messages"].count_documents({}) == 0
 
 
 class _Opaque:

@@ -6826,6 +6826,21 @@ def test_a_second_attempt_owns_an_adopted_conversation_as_its_held_copies_name(
     assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
 
 
+def _the_other_user_erased_after_a_live_turn(
+    wire_uri: str, database: Database[dict[str, Any]], named: str
+) -> dict[str, Any]:
+    """The remedy's steps on "c-1": run (the conversation `named`), a live turn dual-written,
+    user u-a erased, run again; the conversation document after it."""
+    assert cli(wire_uri, database, "run") == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"})["name"] == named  # type: ignore[index]
+    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»", dual_write=True)
+    _as_a_person(wire_uri, database, lambda s: s.erase_user("u-a"))
+    assert cli(wire_uri, database, "run") == 0
+    document = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert document is not None
+    return document
+
+
 @pytest.mark.wire
 def test_an_erased_users_words_never_stay_as_the_name_of_a_conversation_written_live_since(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
@@ -6840,14 +6855,8 @@ def test_an_erased_users_words_never_stay_as_the_name_of_a_conversation_written_
             legacy_turn("t-1", "c-1", 1, "«OWNER»"),
         ]
     )
-    assert cli(wire_uri, database, "run") == 0
-    assert database[CONVERSATIONS].find_one({"_id": "c-1"})["name"] == "«SECRET» question"  # type: ignore[index]
-    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»", dual_write=True)
-    _as_a_person(wire_uri, database, lambda s: s.erase_user("u-a"))
+    document = _the_other_user_erased_after_a_live_turn(wire_uri, database, "«SECRET» question")
 
-    assert cli(wire_uri, database, "run") == 0
-    document = database[CONVERSATIONS].find_one({"_id": "c-1"})
-    assert document is not None
     first = database[MESSAGES].find_one(
         {"conversation_id": "c-1", "role": "user"}, sort=[("seq", 1)]
     )
@@ -6895,14 +6904,8 @@ def test_an_erased_users_turn_name_never_stays_on_a_conversation_written_live_si
             legacy_turn("t-2", "c-1", 2, "«OWNER»"),
         ]
     )
-    assert cli(wire_uri, database, "run") == 0
-    assert database[CONVERSATIONS].find_one({"_id": "c-1"})["name"] == "«SECRET» trip"  # type: ignore[index]
-    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»", dual_write=True)
-    _as_a_person(wire_uri, database, lambda s: s.erase_user("u-a"))
+    document = _the_other_user_erased_after_a_live_turn(wire_uri, database, "«SECRET» trip")
 
-    assert cli(wire_uri, database, "run") == 0
-    document = database[CONVERSATIONS].find_one({"_id": "c-1"})
-    assert document is not None
     assert (document["name"], document["name_source"]) == after
     [copy] = database[LEGACY_TURNS].find({"dual_write": True})
     assert copy["name"] == after[0]  # a rollback brings no erased words back
