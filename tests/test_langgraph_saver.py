@@ -30,6 +30,7 @@ from agent_store import (
     StorageUnavailable,
     TurnRules,
 )
+from agent_store.core import INTERRUPTED_RESULT, PENDING_RESULT
 from agent_store.integrations._langgraph_documents import check_metadata_keys, metadata_filter
 from agent_store.integrations.exports import chat_completions
 from agent_store.integrations.langgraph import CHECKPOINTS, REWRITTEN, AgentStoreSaver
@@ -286,6 +287,66 @@ async def test_replaying_from_before_the_models_call_leaves_the_call_pending_aga
     state = (await graph.aget_state(config)).values["messages"]
     # The transcript ends as the state does: the call made again, its denial, the answer.
     assert [m.content for m in transcript[-3:]] == [m.content or None for m in state[-3:]]
+
+
+async def test_going_on_from_before_a_paused_call_closes_the_call_the_branch_abandoned(
+    backend: Backend,
+) -> None:
+    """Time travel past a pause: the branch holds no call, so the conversation awaits none;
+    the abandoned call is answered by an `interrupted` stand-in, and the transcript ends as the
+    branch does. Going back to the pause later still decides the call (on a copy of it)."""
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    ours, theirs = approval_agent(AgentStoreSaver(backend.db)), approval_agent(InMemorySaver())
+    store = ConversationStore(backend.db)
+    for graph in (ours, theirs):
+        await graph.ainvoke(question(1), config)
+        before = (await graph.aget_state(config)).config
+        await graph.ainvoke(question(2), config)  # pauses on call-2
+        await graph.ainvoke(question(3), before)  # the person changed their mind
+        await graph.ainvoke(question(5), config)
+    state = await ours.aget_state(config)
+    mine = state.values["messages"]
+    assert comparable(mine) == comparable((await theirs.aget_state(config)).values["messages"])
+    assert state.next == ()
+    assert await store.pending_calls(thread_id) == []
+    transcript = await store.transcript(thread_id)
+    assert [m.content for m in transcript[-4:]] == [m.content for m in mine[-4:]]
+    replay = chat_completions(transcript)
+    assert [m["content"] for m in replay if m["role"] == "tool"] == [INTERRUPTED_RESULT]
+    assert PENDING_RESULT not in str(replay)
+    cold = approval_agent(AgentStoreSaver(backend.db))
+    assert (await cold.aget_state(config)).values["messages"] == mine
+
+    paused = [s async for s in ours.aget_state_history(config) if s.next == ("approve",)]
+    await ours.ainvoke(Command(resume="yes"), paused[0].config)  # back to the pause after all
+    assert await store.pending_calls(thread_id) == []
+    replay = chat_completions(await store.transcript(thread_id))
+    assert [m["content"] for m in replay[-2:]] == [APPROVED, f"Answer 2: {APPROVED}"]
+
+
+async def test_a_paused_call_removed_with_remove_message_is_no_longer_pending(
+    backend: Backend,
+) -> None:
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    graph = approval_agent(AgentStoreSaver(backend.db))
+    store = ConversationStore(backend.db)
+    await graph.ainvoke(question(2), config)  # pauses on call-2
+    await graph.aupdate_state(config, {"messages": [RemoveMessage(id="ai-2-call")]}, "approve")
+    assert await store.pending_calls(thread_id) == []
+    await graph.ainvoke(question(3), config)
+
+    messages = (await graph.aget_state(config)).values["messages"]
+    assert [m.id for m in messages] == ["human-2", "human-3", "ai-3-answer"]
+    assert await store.pending_calls(thread_id) == []
+    transcript = await store.transcript(thread_id)
+    assert [m.content for m in transcript[-2:]] == [m.content for m in messages[-2:]]
+    conversation = await store.get_conversation(thread_id)
+    assert conversation.turn_count == 2
+    assert conversation.last_message_preview == "Answer 3: noted"
+    cold = approval_agent(AgentStoreSaver(backend.db))
+    assert (await cold.aget_state(config)).values["messages"] == messages
 
 
 async def test_a_pop_of_a_message_a_paused_graphs_checkpoint_refers_to_is_refused(

@@ -7,7 +7,10 @@ of its id that has no answer yet: a call the branch leaves open, which the
 abandoned branch answered further on, would keep the abandoned answer in every
 replay, and would not be pending while the graph awaits it. So the branch's
 messages from its first such call on are logged again, as copies at the
-transcript's tail: the copy is the call the new answer goes to. Pure: the
+transcript's tail: the copy is the call the new answer goes to. The other way
+round, a call the transcript leaves open that the branch does not hold (time
+travel past a pause, the call removed) is closed by an `interrupted` stand-in
+(`abandoned_calls`): no later turn of the thread can answer it. Pure: the
 saver's transcript link does the reading and the logging.
 """
 
@@ -74,6 +77,28 @@ def logged_again_from(
         ):
             return index
     return None
+
+
+def abandoned_calls(
+    places: Sequence[object], transcript: Mapping[int, BaseMessage], end: int
+) -> list[str]:
+    """The ids of the calls the transcript (before `end`) leaves open that the branch does not
+    hold (`places`, as in `logged_again_from`), one per call: the calls its time travel, or a
+    message it removed, abandoned. A stand-in answering one answers the latest open call of its
+    id, so a call is listed only when every open call of its id after it is abandoned too.
+    """
+    own = {seq for seq in places if isinstance(seq, int)}
+    seqs = [seq for seq in range(end) if seq in transcript]
+    abandoned: dict[str, list[bool]] = {}
+    for index, call_id in open_calls([transcript[seq] for seq in seqs]):
+        abandoned.setdefault(call_id, []).append(seqs[index] not in own)
+    closed: list[str] = []
+    for call_id, left in abandoned.items():
+        for gone in reversed(left):
+            if not gone:
+                break
+            closed.append(call_id)
+    return closed
 
 
 def already_at_tail(

@@ -34,9 +34,12 @@ from agent_store.core import (
     StorageFailure,
     StorageUnavailable,
     TranscriptMoved,
+    stand_in_result,
+    utc_now,
 )
 from agent_store.integrations._langgraph_branches import (
     OpenCall,
+    abandoned_calls,
     already_at_tail,
     logged_again_from,
     made_calls,
@@ -298,14 +301,17 @@ class TranscriptLink:
         segments, places, copies, next_seq = await self._places(state, step, moved)
         if moved is not None and attempt == _PLACE_ATTEMPTS - 1:
             next_seq = max(next_seq, moved)  # a turn never stored (a crash) leaves a gap
-        new = [p for p in places if isinstance(p, _New)]
+        settled = step.base is not None and step.base.settled and moved is None
+        closing = [] if settled else _closing(state, segments, places)
+        new = [*closing, *(p for p in places if isinstance(p, _New))]
         fork_id = step.checkpoint_id if copies else None  # names the copies' turn
         extras: list[dict[str, Any]] = []
         replayed = False
         if new:
             extras, replayed = await self._log(state, step, new, fork_id, next_seq)
         seqs = [int(e["seq"]) for e in extras]
-        by_seq = iter(seqs)
+        extras = extras[len(closing) :]  # the checkpoint holds no stand-in
+        by_seq = iter(seqs[len(closing) :])
         resolved = [next(by_seq) if isinstance(p, _New) else p for p in places]
         end = seqs[-1] + 1 if seqs else next_seq
         placed = place_all(segments, resolved)
@@ -354,13 +360,14 @@ class TranscriptLink:
         one, referenced). Otherwise — a branch (no `base`), a parent read by its id (time
         travel), or a put that found the transcript `moved` on since its parent — the
         transcript is read to its end, and every call the branch makes is checked (one that
-        makes none logs where the transcript ends).
+        makes none logs where the transcript ends); the calls the transcript leaves open that
+        the branch does not hold are closed then (`_closing`, in `_place_once`).
         """
         base, messages = step.base, step.messages
         settled = base is not None and base.settled and moved is None
         start = len(base.messages) if base is not None else 0
         calls = step.calls if settled else made_calls(messages)
-        read = not settled and bool(base is None or calls)
+        read = not settled
         if read:
             await self._load(state, step.thread_id, step.owner, start=state.loaded_until, stop=None)
         segments = list(base.segments) if base is not None else []
@@ -622,6 +629,24 @@ def _branch(
         if i >= start
     ]
     return [], [*whole[:start], *copies], True
+
+
+def _closing(
+    state: _Thread, segments: Sequence[Segment], places: Sequence[int | BaseMessage | _New]
+) -> list[_New]:
+    """The `interrupted` stand-ins a branch logs first (the transcript read to its end): one
+    for each call the transcript leaves open that the branch does not hold (`abandoned_calls`:
+    time travel past a pause, a `RemoveMessage` of the call). No later turn of the thread can
+    answer such a call, so it is not pending: the conversation awaits what the branch
+    awaits. Going back to the pause later decides the call on a copy of it (`_branch`)."""
+    whole = [*places_of(segments), *places]
+    now = utc_now()
+    closed = abandoned_calls(whole, state.by_seq, state.loaded_until)
+    return [_stand_in(stand_in_result(call_id, now)) for call_id in closed]
+
+
+def _stand_in(stored: AgentMessage) -> _New:
+    return _New(from_stored(stored), stored)
 
 
 def _unheld(state: _Thread, place: BaseMessage | _New) -> BaseMessage | _New:
