@@ -202,6 +202,36 @@ async def test_items_are_stored_as_chat_messages_with_the_real_call_ids(backend:
     assert conversation.turn_count == 3
 
 
+def _holding_itself() -> dict[str, Any]:
+    looped: dict[str, Any] = {"name": "search"}
+    looped["self"] = looped
+    return looped
+
+
+def _nested(levels: int) -> Any:
+    value: Any = "leaf"
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "tools", [[_holding_itself()], _nested(2000)], ids=["holding-itself", "nested-2000-levels"]
+)
+async def test_an_item_holding_itself_or_nested_past_any_bound_is_invalid_input(
+    backend: Backend, tools: Any
+) -> None:
+    """Refused as any value nested past 64 levels is, naming the item: never a RecursionError
+    (a 500 over HTTP), nothing written."""
+    session = ConversationSession(CID, backend.db, user_id="u1")
+    item = {"type": "mcp_list_tools", "id": "m", "server_label": "g", "tools": tools}
+
+    with pytest.raises(InvalidInput, match="nest deeper than 64 levels"):
+        await session.add_items([{"role": "user", "content": "q"}, item])  # type: ignore[list-item]
+
+    assert await backend.db[MESSAGES].count_documents({}) == 0
+
+
 async def test_an_item_over_the_bound_is_stored_bounded_and_read_back_whole(
     backend: Backend,
 ) -> None:

@@ -333,19 +333,27 @@ def dbref_path(value: Any) -> tuple[str | int, ...] | None:
     return None
 
 
-def without_dbrefs(value: Any) -> Any:
+_STORED_DEPTH = 100
+"""How deeply a stored document nests at most (MongoDB's bound)."""
+
+
+def without_dbrefs(value: Any, depth: int = 0) -> Any:
     """`value` with each database reference the driver read back (`bson.DBRef`: an object
     stored by another app, or before the store kept or refused such objects) as the plain
     object it was written as (`DBRef.as_doc`: its `$ref`, `$id` and `$db` first, then its
     other keys in stored order; a `$db` stored null is lost, the driver drops it); `value`
-    itself when it holds none. Stored values nest at most 100 levels (MongoDB's bound)."""
+    itself when it holds none. Stored values nest at most 100 levels (MongoDB's bound): a
+    value deeper than that (one holding itself) was never read from the database and is left
+    as it is, for its own refusal."""
+    if depth > _STORED_DEPTH:
+        return value
     if isinstance(value, DBRef):
-        return without_dbrefs(dict(value.as_doc()))
+        return without_dbrefs(dict(value.as_doc()), depth)
     if isinstance(value, dict):
-        read = {key: without_dbrefs(item) for key, item in value.items()}
+        read = {key: without_dbrefs(item, depth + 1) for key, item in value.items()}
         return value if all(read[key] is item for key, item in value.items()) else read
     if isinstance(value, list):
-        items = [without_dbrefs(item) for item in value]
+        items = [without_dbrefs(item, depth + 1) for item in value]
         return value if all(map(operator.is_, items, value)) else items
     return value
 
