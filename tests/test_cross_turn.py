@@ -2310,22 +2310,58 @@ async def test_an_answer_whose_only_earlier_answer_was_abandoned_unstored_is_sto
     assert [m["content"] for m in exported if m.get("tool_call_id") == "c0"] == ["B"]
 
 
-async def test_an_answer_while_another_answer_to_its_call_is_still_being_written_is_refused(
+async def test_an_answer_while_another_answer_to_its_call_is_still_being_written_is_retried(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A turn answering c0 reserved less than `abandon_after` ago: its insert may still land,
-    so c0 is answered, and a second answer naming it is refused (`AnsweredBefore`), nothing
-    written."""
+    """A turn answering c0 reserved less than `abandon_after` ago and stored nothing yet: its
+    insert may still land, or never. No answer is stored, so a second answer naming c0 is not
+    refused for good (`AnsweredBefore` is final: the runtime would drop the only real answer):
+    it is told to come again (`StorageUnavailable`, retryable), by `check_turn` too, nothing
+    written; once the first answerer's block is abandoned, the same turn is stored."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     await logger.log_messages(CID, [_user("Look it up."), _calls("c0")], turn_id="t0")
     (read,) = await store.pending_calls(CID)
     await _answer_reserved_only(logger, monkeypatch, read)
     before = await store.transcript(CID)
+    turn: dict[str, Any] = {
+        "messages": [_answer("c0", "B")],
+        "turn_id": "other",
+        "answers_to": {"c0": read.message_id},
+    }
+
+    with pytest.raises(StorageUnavailable, match=r"'c0'.*still being written.*retry shortly"):
+        await logger.check_turn(CID, **turn)
+    with pytest.raises(StorageUnavailable, match=r"'c0'.*still being written.*retry shortly"):
+        await logger.log_messages(CID, **turn)
+
+    assert await store.transcript(CID) == before
+    await _late_logger(backend).log_messages(CID, **turn)
+    exported = chat_completions(await store.transcript(CID))
+    assert [m["content"] for m in exported if m.get("tool_call_id") == "c0"] == ["B"]
+
+
+async def test_an_answer_after_another_answer_to_its_call_is_stored_is_refused(
+    backend: Backend,
+) -> None:
+    """Once an answer to c0 is stored, a second answer naming c0 is refused for good
+    (`AnsweredBefore`), by `check_turn` too, nothing written."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Look it up."), _calls("c0")], turn_id="t0")
+    (read,) = await store.pending_calls(CID)
+    await logger.log_messages(
+        CID, [_answer("c0", "A")], turn_id="first", answers_to={"c0": read.message_id}
+    )
+    before = await store.transcript(CID)
+    turn: dict[str, Any] = {
+        "messages": [_answer("c0", "B")],
+        "turn_id": "other",
+        "answers_to": {"c0": read.message_id},
+    }
 
     with pytest.raises(AnsweredBefore, match="'c0'"):
-        await logger.log_messages(
-            CID, [_answer("c0", "B")], turn_id="other", answers_to={"c0": read.message_id}
-        )
+        await logger.check_turn(CID, **turn)
+    with pytest.raises(AnsweredBefore, match="'c0'"):
+        await logger.log_messages(CID, **turn)
 
     assert await store.transcript(CID) == before
 

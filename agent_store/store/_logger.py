@@ -637,14 +637,15 @@ class AgentMessageLogger:
             raise _followed(plan, followed)
         stored = {int(d["seq"]) for d in found}
         count = int(conversation.get("message_count") or 0)
-        answered = [
-            c
-            for c, state in states.items()
-            if state == "answered"
-            or _written_after(gaps, found, named[c], stored, count, from_seq, now, self.rules)
-        ]
-        if answered:
+        if answered := [c for c, state in states.items() if state == "answered"]:
             raise _answered_first(plan, answered)
+        writing = [
+            c
+            for c in states
+            if _written_after(gaps, found, named[c], stored, count, from_seq, now, self.rules)
+        ]
+        if writing:
+            raise _answer_being_written(plan, writing)
         return AsRead(
             calls={c: named[c] for c in gone},
             message_count=count,
@@ -3592,6 +3593,17 @@ def _followed(plan: TurnPlan, followed: Sequence[str]) -> Conflict:
         "that id is pending now, and the store gives an answer to the latest pending "
         "call of its id: it would answer that call instead. Read the pending calls "
         "again; answer the later call in a turn of its own first"
+    )
+
+
+def _answer_being_written(plan: TurnPlan, call_ids: Sequence[str]) -> StorageUnavailable:
+    """An answer to `call_ids` is only reserved, by a turn less than `abandon_after` old
+    whose insert may still land, or never: not answered yet, so nothing final to say."""
+    return StorageUnavailable(
+        f"turn {plan.turn_id!r} answers {', '.join(map(shown, call_ids))} of an earlier turn "
+        f"in conversation {plan.conversation_id!r}, but an answer to that call is still "
+        "being written by another turn (its insert may still land): retry shortly. Once it "
+        "is stored this turn's answer is refused; once that turn is abandoned it is stored",
     )
 
 
