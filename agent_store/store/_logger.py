@@ -1480,8 +1480,10 @@ class AgentMessageLogger:
         new block at the end (`relocation`, guarded by the condition when it says what a move
         sets, `Condition.moved`): the block moved to, inserted into before `_insert_by` from
         the move's command; None when another attempt moved the turn meanwhile. A condition no
-        longer met gives the turn up (`_give_up`) and raises its refusal. `asked`: the latest
-        prompt stored past the block under each request id the turn raises (`asked_past`)."""
+        longer met gives the turn up (`_give_up`), its count, preview and `updated_at` taken
+        back (`_shown_before`: two or three reads more, on that path only), and raises its
+        refusal. `asked`: the latest prompt stored past the block under each request id the
+        turn raises (`asked_past`)."""
         sent, now = time.monotonic(), utc_now()
         query, pipeline = relocation(
             plan, block, self.rules, now, assigned=reserved.assigns, asked=asked
@@ -1502,8 +1504,9 @@ class AgentMessageLogger:
             # (one more lookup, on that path only).
             refused = doc is None and guarded is not query
             if refused and await self._conversations.find_one(query, {"_id": 1}) is not None:
-                assert condition is not None
-                taken_back = given_up(plan, block, conversation)
+                assert condition is not None  # refused: stored nowhere, its summary goes
+                shown = await self._shown_before(plan, block.first_seq)
+                taken_back = given_up(plan, block, conversation, shown)
                 await self._give_up(
                     plan.conversation_id, conversation, taken_back=taken_back, own=block
                 )

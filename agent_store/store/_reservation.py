@@ -1783,7 +1783,10 @@ def _own_holders(plan: TurnPlan) -> list[dict[str, str]]:
 
 
 def given_up(
-    plan: TurnPlan, block: RecordedBlock, conversation: Mapping[str, Any]
+    plan: TurnPlan,
+    block: RecordedBlock,
+    conversation: Mapping[str, Any],
+    shown: ShownBefore | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
     """The filter and update that take back what a turn's reservation counted (its turn
     starts, its tokens: what its record says, `RecordedBlock.counted`, else what the retry,
@@ -1792,11 +1795,12 @@ def given_up(
     Its record is marked (`TurnRecord.given_up`) in the same update, which matches only
     while it is not: a retry given up again takes nothing back twice. The approvals its
     prompts held again or its calls superseded, in `conversation` as read, are as before it
-    (`approvals_unstored`). None when the turn counted none and changed no approval
-    (nothing to write)."""
+    (`approvals_unstored`). With `shown`, the preview and `updated_at` its reservation set
+    are taken back as a block given back takes them back (`_shown_again`). None when the
+    turn counted none, changed no approval and takes back no summary (nothing to write)."""
     starts, input_tokens, output_tokens = block.counted or counted(plan)
     approvals = approvals_unstored(conversation, block_ids(plan, block.count))
-    if not (starts or input_tokens or output_tokens or approvals):
+    if not (starts or input_tokens or output_tokens or approvals or shown):
         return None
     key, first = Int64(plan.key), Int64(block.first_seq)
     query = {
@@ -1809,6 +1813,8 @@ def given_up(
         **usage_less(input_tokens, output_tokens),
         "turns": records_changed(own, {"g": literal(True)}),
     }
+    if shown is not None:
+        stage.update(_shown_again(shown, block.first_seq, block.count))
     return query, [{"$set": stage}, *approvals]
 
 
