@@ -2310,22 +2310,58 @@ async def test_an_answer_whose_only_earlier_answer_was_abandoned_unstored_is_sto
     assert [m["content"] for m in exported if m.get("tool_call_id") == "c0"] == ["B"]
 
 
-async def test_an_answer_while_another_answer_to_its_call_is_still_being_written_is_refused(
+async def test_an_answer_while_another_answer_to_its_call_is_still_being_written_is_retried(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A turn answering c0 reserved less than `abandon_after` ago: its insert may still land,
-    so c0 is answered, and a second answer naming it is refused (`AnsweredBefore`), nothing
-    written."""
+    """A turn answering c0 reserved less than `abandon_after` ago and stored nothing yet: its
+    insert may still land, or never. No answer is stored, so a second answer naming c0 is not
+    refused for good (`AnsweredBefore` is final: the runtime would drop the only real answer):
+    it is told to come again (`StorageUnavailable`, retryable), by `check_turn` too, nothing
+    written; once the first answerer's block is abandoned, the same turn is stored."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     await logger.log_messages(CID, [_user("Look it up."), _calls("c0")], turn_id="t0")
     (read,) = await store.pending_calls(CID)
     await _answer_reserved_only(logger, monkeypatch, read)
     before = await store.transcript(CID)
+    turn: dict[str, Any] = {
+        "messages": [_answer("c0", "B")],
+        "turn_id": "other",
+        "answers_to": {"c0": read.message_id},
+    }
+
+    with pytest.raises(StorageUnavailable, match=r"'c0'.*still being written.*retry shortly"):
+        await logger.check_turn(CID, **turn)
+    with pytest.raises(StorageUnavailable, match=r"'c0'.*still being written.*retry shortly"):
+        await logger.log_messages(CID, **turn)
+
+    assert await store.transcript(CID) == before
+    await _late_logger(backend).log_messages(CID, **turn)
+    exported = chat_completions(await store.transcript(CID))
+    assert [m["content"] for m in exported if m.get("tool_call_id") == "c0"] == ["B"]
+
+
+async def test_an_answer_after_another_answer_to_its_call_is_stored_is_refused(
+    backend: Backend,
+) -> None:
+    """Once an answer to c0 is stored, a second answer naming c0 is refused for good
+    (`AnsweredBefore`), by `check_turn` too, nothing written."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("Look it up."), _calls("c0")], turn_id="t0")
+    (read,) = await store.pending_calls(CID)
+    await logger.log_messages(
+        CID, [_answer("c0", "A")], turn_id="first", answers_to={"c0": read.message_id}
+    )
+    before = await store.transcript(CID)
+    turn: dict[str, Any] = {
+        "messages": [_answer("c0", "B")],
+        "turn_id": "other",
+        "answers_to": {"c0": read.message_id},
+    }
 
     with pytest.raises(AnsweredBefore, match="'c0'"):
-        await logger.log_messages(
-            CID, [_answer("c0", "B")], turn_id="other", answers_to={"c0": read.message_id}
-        )
+        await logger.check_turn(CID, **turn)
+    with pytest.raises(AnsweredBefore, match="'c0'"):
+        await logger.log_messages(CID, **turn)
 
     assert await store.transcript(CID) == before
 
@@ -4159,6 +4195,66 @@ async def test_checking_a_late_retry_raises_what_logging_it_does(
     assert [m.content for m in await store.transcript(CID)] == ["go", "removed"]
     with pytest.raises(Conflict, match=r"a later turn answered its call 'c1'"):  # given up
         await logger.check_turn(CID, retried, turn_id="t1")
+
+
+class _PoppedFirst:
+    """A cursor of the fold's read of the stored messages (`of_its_life`: every `seq` below
+    `message_count`) running `pop` once before it reads: another pod's pop landing between
+    the fold's read of the conversation and its read of the messages."""
+
+    def __init__(self, cursor: Any, pop: Callable[[], Awaitable[Any]]) -> None:
+        self.cursor, self.pop = cursor, pop
+
+    def sort(self, *args: Any, **kwargs: Any) -> _PoppedFirst:
+        self.cursor = self.cursor.sort(*args, **kwargs)
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cursor, name)
+
+    async def to_list(self, length: int | None = None) -> list[Any]:
+        await self.pop()
+        return list(await self.cursor.to_list(length))
+
+
+async def test_a_give_back_whose_fold_a_pop_ran_inside_folds_again(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN §3: the fold after a give-back is written only if no turn reserved and no pop
+    ran meanwhile, read again up to three times. A late retry with other content gives back
+    its first attempt's empty block (its call cL listed pending); another pod's pop of the
+    last message runs between the fold's two reads, so the fold finds that `seq` empty and
+    took it for a turn still being written: it reads again and writes what the stored
+    messages make. cL, which no stored message makes, is not left pending for good."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await logger.log_messages(CID, [_user("hi")], turn_id="t0")
+    await logger.log_messages(CID, [_user("Lost question"), _calls("cL")], turn_id="L")
+    await backend.db.agent_messages.delete_many({"turn_id": "L"})  # its insert lost
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    ago = datetime.now(UTC) - logger.rules.abandon_after * 2
+    aged = [dict(r, a=ago) for r in doc["turns"]]
+    await backend.db.agent_conversations.update_one({"_id": CID}, {"$set": {"turns": aged}})
+    await logger.log_messages(CID, [_user("Later question"), _say("later")], turn_id="t9")
+    find, popped = logger._messages.find, []
+
+    async def pop() -> None:
+        if not popped:
+            popped.append(await ConversationStore(backend.db).pop_last_message(CID))
+
+    def fold_read(query: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        cursor = find(query, *args, **kwargs)
+        below = query.get("seq")
+        whole = isinstance(below, dict) and set(below) == {"$lt"} and "epoch" in query
+        return _PoppedFirst(cursor, pop) if whole else cursor
+
+    monkeypatch.setattr(logger._messages, "find", fold_read)
+    edited = [_user("Edited lost question"), _calls("cL2")]
+    stored = await logger.log_messages(CID, edited, turn_id="L")
+    monkeypatch.undo()
+
+    assert popped
+    assert [m.seq for m in stored.messages] == [4, 5]
+    assert [c.tool_call_id for c in await store.pending_calls(CID)] == ["cL2"]
 
 
 @pytest.mark.parametrize("prompt", [False, True], ids=["calls", "calls-and-prompt"])

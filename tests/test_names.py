@@ -265,6 +265,27 @@ async def test_a_turn_refused_after_its_reservation_takes_its_automatic_name_bac
     assert then == ("hello world", "auto")
 
 
+@pytest.mark.parametrize("earlier", [None, "Earlier runtime name"], ids=["auto", "runtime"])
+async def test_a_turn_refused_after_its_reservation_leaves_the_name_it_set_as_it_was(
+    backend: Backend, earlier: str | None
+) -> None:
+    """LIBRARY.md: a retried or refused turn changes no name. A turn naming the conversation
+    (`name=`) refused after its reservation set that runtime name (a stray under an id it
+    derives) is stored nowhere: the name is the one before it, automatic or a runtime's."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.log_messages(CID, [user("First question"), answer()], turn_id="t0", name=earlier)
+    before = await name_of(backend)
+    await _a_stray_under_t1s_first_id(backend)
+
+    with pytest.raises(Conflict, match="already taken by a message of another turn"):
+        await logger.log_messages(
+            CID, [user("private question"), answer()], turn_id="t1", name="Refused name"
+        )
+
+    assert before == (earlier or "First question", "runtime" if earlier else "auto")
+    assert await name_of(backend) == before
+
+
 async def _named_by_a_turn_never_stored(backend: Backend) -> AgentMessageLogger:
     """Turn "t-lost" named the conversation, reserved ten minutes ago (past `abandon_after`)
     and stored nothing (as a crash before its insert); turn "t2" is stored after it."""

@@ -523,6 +523,30 @@ async def test_a_delivery_retried_after_abandon_after_into_a_closed_inbox_is_ref
     assert conversation["message_count"] == 2
 
 
+async def test_a_delivery_refused_for_an_inbox_closed_meanwhile_takes_its_summary_back(
+    backend: Backend,
+) -> None:
+    """As a refused turn's: the lost delivery (noon) set the preview, `updated_at` and the
+    turn count; its retry with the same message, refused (False) for the inbox the runtime
+    closed meanwhile, stores nothing, and the conversation shows what its stored messages
+    say: never the text its sender was told was not delivered, nor its time or its turn."""
+    from datetime import timedelta
+
+    noon = datetime(2026, 1, 1, 12, tzinfo=UTC)
+    start = [{"role": "user", "content": "start", "created_at": noon - timedelta(hours=2)}]
+    steer = {"role": "user", "content": "never delivered", "created_at": noon}
+    logger, runtime = await _a_delivery_that_died(backend, steer, first=start)
+    assert await runtime.close_inbox(CID, TURN, last_seen_seq=0) == []
+
+    accepted = await SteeringInbox(logger).try_deliver(CID, TURN, steer, delivery_id="d1")
+
+    assert accepted is False
+    conversation = await ConversationStore(backend.db).get_conversation(CID)
+    assert conversation.last_message_preview == "start"
+    assert conversation.updated_at == noon - timedelta(hours=2)
+    assert conversation.turn_count == 1
+
+
 async def test_a_delivery_retried_after_abandon_after_into_a_full_inbox_is_refused(
     backend: Backend,
 ) -> None:

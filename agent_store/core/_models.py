@@ -1071,6 +1071,10 @@ class TurnRecord(_Model):
     packed into one integer when each fits (starts below 2**8 in the low bits, then each
     count below 2**22: at most 2**52), else the three. None on a record kept before records
     said so."""
+    named: dict[str, str | None] | None = Field(default=None, alias="n")
+    """The runtime name its reservation set (`t`) and the name it replaced (`b`, its
+    `name_source` `s` and `name_message_id` `m`), restored when the turn is stored nowhere
+    while the name is still the one it set. None for a turn that set no runtime name."""
 
 
 class PoppedMessage(_Model):

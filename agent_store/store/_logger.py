@@ -651,14 +651,15 @@ class AgentMessageLogger:
             raise _followed(plan, followed)
         stored = {int(d["seq"]) for d in found}
         count = int(conversation.get("message_count") or 0)
-        answered = [
-            c
-            for c, state in states.items()
-            if state == "answered"
-            or _written_after(gaps, found, named[c], stored, count, from_seq, now, self.rules)
-        ]
-        if answered:
+        if answered := [c for c, state in states.items() if state == "answered"]:
             raise _answered_first(plan, answered)
+        writing = [
+            c
+            for c in states
+            if _written_after(gaps, found, named[c], stored, count, from_seq, now, self.rules)
+        ]
+        if writing:
+            raise _answer_being_written(plan, writing)
         return AsRead(
             calls={c: named[c] for c in gone},
             message_count=count,
@@ -1507,12 +1508,13 @@ class AgentMessageLogger:
         new block at the end (`relocation`, guarded by the condition when it says what a move
         sets, `Condition.moved`): the block moved to, inserted into before `_insert_by` from
         the move's command; None when another attempt moved the turn meanwhile. A condition no
-        longer met gives the turn up (`_give_up`) and raises its refusal. The move matches
-        only while `conversation` is as read (`unchanged`: no turn reserved, none moved, no
-        pop since), as its lookup judged it (`_looked_up`): else None too, and the caller
-        reads again, so an answer to its call logged after that lookup refuses it as one
-        logged before does. `asked`: the latest prompt stored past the block under each
-        request id the turn raises (`asked_past`)."""
+        longer met gives the turn up (`_give_up`), its count, preview and `updated_at` taken
+        back (`_shown_before`: two or three reads more, on that path only), and raises its
+        refusal. The move matches only while `conversation` is as read (`unchanged`: no turn
+        reserved, none moved, no pop since), as its lookup judged it (`_looked_up`): else None
+        too, and the caller reads again, so an answer to its call logged after that lookup
+        refuses it as one logged before does. `asked`: the latest prompt stored past the block
+        under each request id the turn raises (`asked_past`)."""
         sent, now = time.monotonic(), utc_now()
         query, pipeline = relocation(
             plan, block, self.rules, now, assigned=reserved.assigns, asked=asked
@@ -1535,8 +1537,9 @@ class AgentMessageLogger:
             refused = doc is None and guarded is not query
             found = await self._conversations.find_one(query, _MOVE_READ) if refused else None
             if found is not None:
-                assert condition is not None
-                taken_back = given_up(plan, block, conversation)
+                assert condition is not None  # refused: stored nowhere, its summary goes
+                shown = await self._shown_before(plan, block.first_seq)
+                taken_back = given_up(plan, block, conversation, shown)
                 await self._give_up(
                     plan.conversation_id, conversation, taken_back=taken_back, own=block
                 )
@@ -3678,6 +3681,17 @@ def _followed(plan: TurnPlan, followed: Sequence[str]) -> Conflict:
         "that id is pending now, and the store gives an answer to the latest pending "
         "call of its id: it would answer that call instead. Read the pending calls "
         "again; answer the later call in a turn of its own first"
+    )
+
+
+def _answer_being_written(plan: TurnPlan, call_ids: Sequence[str]) -> StorageUnavailable:
+    """An answer to `call_ids` is only reserved, by a turn less than `abandon_after` old
+    whose insert may still land, or never: not answered yet, so nothing final to say."""
+    return StorageUnavailable(
+        f"turn {plan.turn_id!r} answers {', '.join(map(shown, call_ids))} of an earlier turn "
+        f"in conversation {plan.conversation_id!r}, but an answer to that call is still "
+        "being written by another turn (its insert may still land): retry shortly. Once it "
+        "is stored this turn's answer is refused; once that turn is abandoned it is stored",
     )
 
 

@@ -517,7 +517,8 @@ async def settle(
     """After a moved turn's insert: its conversation's pending state (and the approvals a fork
     of all of it keeps: `Refold.withdrawn`) folded from the stored messages and written
     (`refold`, `refolded`), from `moved` (the conversation as the move left it) first, read
-    again when another turn or a pop changed it meanwhile (a few times). False, leaving the
+    again when another turn or a pop changed it meanwhile, its write missing or its fold
+    finding a `seq` with no message (a few times). False, leaving the
     state as the move set it, when a turn below the end is still being written (its
     messages are not there to fold) or the conversation kept changing.
     An automatic name taken from a message that is not the first stored user text (the
@@ -549,6 +550,9 @@ async def settle(
         if fold is None:
             return False
         names = renamed(fold.conversation, first_named(fold.stored, name_chars))
+        if not fold.folded and not names and await _changed(conversations, fold):
+            moved = None  # a pop (or a turn) ran between its two reads: read again
+            continue
         if not names and (not fold.folded or (given_up and _already(fold))):
             return fold.folded
         query, update = refolded(fold)
@@ -561,6 +565,15 @@ async def settle(
             return fold.folded
         moved = None
     return False
+
+
+async def _changed(conversations: Any, fold: Refold) -> bool:
+    """Whether a turn reserved or a pop ran since the fold read the conversation (one round
+    trip, on the rare path of a fold that found a `seq` below the end with no message): the
+    `seq` it took for one still being written may be a message that pop removed meanwhile."""
+    query, _ = refolded(fold)
+    with storage_errors("read the conversation"):
+        return await conversations.find_one(query, {"_id": 1}) is None
 
 
 def _already(fold: Refold) -> bool:

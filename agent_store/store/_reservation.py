@@ -1126,6 +1126,7 @@ def _records(
     *,
     person: bool,
     counted: tuple[int, int, int] | None,
+    named: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`turns` (the records as they stand, by default) with the record of a block reserved
     now appended (`person`: a user token logs the turn; `counted`: what its reservation
@@ -1141,6 +1142,8 @@ def _records(
         "u": literal(person),
         "c": literal(_packed(counted)),
     }
+    if named is not None:  # a runtime name set: what it replaced (`_named_record`)
+        record["n"] = named
     # A one-element array built by `$map`: some MongoDB-compatible servers (mongomock) keep an
     # array literal's elements unevaluated.
     appended = {"$concatArrays": [turns, {"$map": {"input": [0], "in": record}}]}
@@ -1174,6 +1177,54 @@ _NAME_MESSAGE_KEPT = absent_stays("name_message_id", "$name_message_id")
 """`name_message_id` as it is (absent while it is absent)."""
 
 
+def _runtime_replaceable() -> dict[str, Any]:
+    """Whether a runtime's name replaces the conversation's (an expression): none is set, or
+    an automatic or runtime name is."""
+    return {
+        "$or": [
+            {"$eq": [_kept("name", None), None]},
+            {"$eq": ["$name_source", "auto"]},
+            {"$eq": ["$name_source", "runtime"]},
+        ]
+    }
+
+
+def _named_record(runtime_name: str) -> dict[str, Any]:
+    """The record's `TurnRecord.named` (an expression): the runtime name the reservation sets
+    and the name it replaces; None when it replaces none (a person's name stays)."""
+    before = {
+        "t": literal(runtime_name),
+        "b": _kept("name", None),
+        "s": _kept("name_source", None),
+        "m": _kept("name_message_id", None),
+    }
+    return {"$cond": [_runtime_replaceable(), before, None]}
+
+
+def name_restored(own: dict[str, Any]) -> dict[str, Any]:
+    """The name, `name_source` and `name_message_id` once the turn whose record `own` (an
+    expression on `$$record`) matches is stored nowhere: the name its reservation replaced
+    (`TurnRecord.named`) while the name is still the runtime name it set, else as they are."""
+    record = {"$arrayElemAt": [{"$filter": {"input": _TURNS, "as": "record", "cond": own}}, 0]}
+
+    def named(key: str) -> dict[str, Any]:
+        return {"$let": {"vars": {"r": record}, "in": {"$ifNull": [f"$$r.n.{key}", None]}}}
+
+    set_by_it = named("t")
+    guard = {
+        "$and": [
+            {"$ne": [set_by_it, None]},
+            {"$eq": [_kept("name_source", None), "runtime"]},
+            {"$eq": [_kept("name", None), set_by_it]},
+        ]
+    }
+    return {
+        "name": {"$cond": [guard, named("b"), _kept("name", None)]},
+        "name_source": {"$cond": [guard, named("s"), _kept("name_source", None)]},
+        "name_message_id": {"$cond": [guard, named("m"), _NAME_MESSAGE_KEPT]},
+    }
+
+
 def _names(plan: TurnPlan, runtime_name: str | None) -> dict[str, Any]:
     """Automatic names yield to a runtime's, and both to a person's (`name_source`). An
     automatic name records the message it is taken from (`name_message_id`), which a pop
@@ -1181,13 +1232,7 @@ def _names(plan: TurnPlan, runtime_name: str | None) -> dict[str, Any]:
     by no pop: `name_source` is no longer "auto")."""
     name_is_unset = {"$eq": [_kept("name", None), None]}
     if runtime_name is not None:
-        replaceable = {
-            "$or": [
-                name_is_unset,
-                {"$eq": ["$name_source", "auto"]},
-                {"$eq": ["$name_source", "runtime"]},
-            ]
-        }
+        replaceable = _runtime_replaceable()
         return {
             "name": {"$cond": [replaceable, literal(runtime_name), "$name"]},
             "name_source": {"$cond": [replaceable, "runtime", "$name_source"]},
@@ -1222,7 +1267,15 @@ def reservation(
         "legacy_conversation_id": _kept("legacy_conversation_id", None),
         "legacy_user_id": _kept("legacy_user_id", None),
         **_appended(plan, _released(plan)),
-        **_records(plan.key, plan.digest, rules, now, person=actor.as_user, counted=counted(plan)),
+        **_records(
+            plan.key,
+            plan.digest,
+            rules,
+            now,
+            person=actor.as_user,
+            counted=counted(plan),
+            named=None if runtime_name is None else _named_record(runtime_name),
+        ),
         **_names(plan, runtime_name),
         **_assignment(actor),
         **_reopened(plan),
@@ -1824,7 +1877,10 @@ def _own_holders(plan: TurnPlan) -> list[dict[str, str]]:
 
 
 def given_up(
-    plan: TurnPlan, block: RecordedBlock, conversation: Mapping[str, Any]
+    plan: TurnPlan,
+    block: RecordedBlock,
+    conversation: Mapping[str, Any],
+    shown: ShownBefore | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The filter and update that take back what a turn's reservation counted (its turn
     starts, its tokens: what its record says, `RecordedBlock.counted`, else what the retry,
@@ -1836,7 +1892,8 @@ def given_up(
     every count of gaps (readers, forks, pops, the fold after a later give-back or move)
     then passes them rather than waiting for the turn. The approvals its prompts held again
     or its calls superseded, in `conversation` as read, are as before it
-    (`approvals_unstored`)."""
+    (`approvals_unstored`). With `shown`, the preview and `updated_at` its reservation set
+    are taken back as a block given back takes them back (`_shown_again`)."""
     starts, input_tokens, output_tokens = block.counted or counted(plan)
     approvals = approvals_unstored(conversation, block_ids(plan, block.count))
     key, first = Int64(plan.key), Int64(block.first_seq)
@@ -1850,7 +1907,10 @@ def given_up(
         **usage_less(input_tokens, output_tokens),
         "popped_seqs": _left_behind(block.first_seq, block.count),
         "turns": records_changed(own, {"g": literal(True)}),
+        **name_restored(own),
     }
+    if shown is not None:
+        stage.update(_shown_again(shown, block.first_seq, block.count))
     return query, [{"$set": stage}, *approvals]
 
 
@@ -2015,6 +2075,7 @@ def _given_back(
         **usage_less(input_tokens, output_tokens),
         "popped_seqs": _left_behind(first_seq, count),
         "turns": records_changed(own, {"k": literal(moved), "g": literal(True)}),
+        **name_restored(own),
     }
     return query, [{"$set": stage}]
 
