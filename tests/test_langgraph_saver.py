@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from bson import DBRef
 from langchain_core.messages import AIMessage, HumanMessage, RemoveMessage
 from langgraph.checkpoint.base import copy_checkpoint, empty_checkpoint
 from langgraph.checkpoint.base.id import uuid6
@@ -1219,6 +1220,101 @@ async def test_a_fork_into_another_users_thread_is_refused_before_anything_is_co
             ada["configurable"]["thread_id"], grace["configurable"]["thread_id"]
         )
     assert await _counts(backend.db) == before
+
+
+async def _a_thread_with_a_prompt(db: Any, config: dict[str, Any], params: Any) -> str:
+    """A graph-run thread and a turn another writer logs into it: a call held back by a
+    prompt (`r-pay`), its params `params`."""
+    graph = tool_agent(AgentStoreSaver(db))
+    await run_turns(graph, config, range(1, 2))
+    thread_id: str = config["configurable"]["thread_id"]
+    held = [
+        {"role": "user", "content": "pay the invoice"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call-pay",
+                    "type": "function",
+                    "function": {"name": "pay", "arguments": "{}"},
+                }
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": "Shall I pay 120 EUR?",
+            "hitl_action": {"action": "confirm", "request_id": "r-pay", "params": params},
+        },
+    ]
+    await AgentMessageLogger(db).log_messages(thread_id, held, user_id="user-ada", turn_id="t-pay")
+    return thread_id
+
+
+async def test_a_copied_thread_keeps_the_prompts_the_person_answered(backend: Backend) -> None:
+    """LANGGRAPH.md `copy_thread`: a fork, as the store's own fork is: a prompt the person
+    answered before the copy is answered in the copy, and the call it released awaits its
+    result there, not held again."""
+    source_id = await _a_thread_with_a_prompt(backend.db, thread("user-ada"), {"eur": 120})
+    store = ConversationStore(backend.db)
+    await store.resolve_hitl(source_id, "r-pay", user_id="user-ada")
+    target_id = source_id + "-copy"
+
+    await AgentStoreSaver(backend.db).acopy_thread(source_id, target_id)
+
+    assert await store.pending_hitl(target_id) is None
+    calls = [(c.tool_call_id, c.request_id) for c in await store.pending_calls(target_id)]
+    assert calls == [("call-pay", None)]
+    assert calls == [(c.tool_call_id, c.request_id) for c in await store.pending_calls(source_id)]
+
+
+async def test_a_copied_thread_copies_params_read_back_as_a_database_reference(
+    wire_backend: Backend,
+) -> None:
+    """RUNTIMES.md, DESIGN.md: params stored holding a `$ref` beside an `$id` (before 0.2.0,
+    or by another app) read back as the object; `copy_thread` copies them as they are, as
+    the store's fork does (stored messages are copies, not new input)."""
+    db = wire_backend.db
+    source_id = await _a_thread_with_a_prompt(db, thread("user-ada"), {"eur": 120})
+    schema = DBRef("#/$defs/city", "https://example.com/city.json", _extra={"$defs": {}})
+    await db[MESSAGES].update_one(
+        {"conversation_id": source_id, "hitl_action": {"$ne": None}},
+        {"$set": {"hitl_action.params.schema": schema}},
+    )
+    store = ConversationStore(db)
+
+    await AgentStoreSaver(db).acopy_thread(source_id, source_id + "-copy")
+
+    def params(messages: list[Any]) -> list[Any]:
+        return [m.hitl_action.params for m in messages if m.hitl_action is not None]
+
+    copied = await store.transcript(source_id + "-copy")
+    assert params(copied) == params(await store.transcript(source_id))
+    assert params(copied)[0]["schema"]["$ref"] == "#/$defs/city"
+
+
+async def test_a_thread_longer_than_one_fork_copies_turn_by_turn() -> None:
+    """LANGGRAPH.md `copy_thread`: a thread past what one fork of the store copies (its
+    `MAX_MESSAGES_PER_TURN`) is still copied, its source turns logged again. (Mongomock only:
+    turns of 500 messages outlast the wire server's timeouts.)"""
+    from agent_store.store import MAX_MESSAGES_PER_TURN
+    from tests.api_harness import mongomock_db
+
+    backend = Backend("mongomock", mongomock_db())
+    config = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(backend.db)), config, range(1, 2))
+    source_id = config["configurable"]["thread_id"]
+    logger = AgentMessageLogger(backend.db)
+    said = [{"role": "user", "content": f"note {i}"} for i in range(MAX_MESSAGES_PER_TURN)]
+    for turn, half in enumerate((said[::2], said[1::2])):
+        await logger.log_messages(source_id, half, user_id="user-ada", turn_id=f"t-{turn}")
+
+    await AgentStoreSaver(backend.db).acopy_thread(source_id, source_id + "-copy")
+
+    store = ConversationStore(backend.db)
+    source, copied = await store.transcript(source_id), await store.transcript(source_id + "-copy")
+    assert len(source) > MAX_MESSAGES_PER_TURN
+    assert [m.content for m in copied] == [m.content for m in source]
 
 
 async def test_deleting_a_thread_deletes_its_conversation_and_everything_kept_for_it(

@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from agent_store.core import (
     AgentMessage,
     AssistantMessage,
+    InvalidInput,
     NotFound,
     StorageFailure,
     StorageUnavailable,
@@ -507,7 +508,9 @@ class TranscriptLink:
     ) -> tuple[dict[int, tuple[int, str]], int | None]:
         """Copy a thread's transcript into another conversation: a fork.
 
-        The copy is logged through the logger, turn by turn of the source, so it has
+        A transcript one fork of the store copies is copied by it (`_forked`): its messages
+        are copies, and the answers the person gave stay given. A longer one is logged
+        through the logger, turn by turn of the source, so it has
         documents of its own (nothing shared to corrupt) and the source's owner (a
         target that belongs to another user is a Conflict, before anything is copied); a
         message cut to its bound is logged from its whole text, kept whole for the copy.
@@ -519,10 +522,16 @@ class TranscriptLink:
             source = await self._store.get_conversation(source_id, fallback=False)
         except NotFound:
             return {}, None
+        stored = await self._store.messages_by_seq(source_id)
+        if stored and await self._forks_into(source_id, target_id):
+            try:
+                return await self._forked(source_id, target_id, stored)
+            except InvalidInput:  # past what one fork copies (nothing written): turn by turn
+                pass
         target = await self._logger.upsert_conversation(target_id, user_id=source.user_id)
         # Cut messages go from their whole texts (two lookups, only when one was cut), as the
         # store's own fork copies them: the logger cuts them again and keeps the copy's own.
-        stored = await self._store.with_full_texts(await self._store.messages_by_seq(source_id))
+        stored = await self._store.with_full_texts(stored)
         moved: dict[int, tuple[int, str]] = {}
         for chunk in _turn_chunks(stored):
             logged = await self._logger.log_messages(
@@ -536,6 +545,35 @@ class TranscriptLink:
                 assert new.seq is not None
                 assert new.id is not None
                 moved[old.seq] = (new.seq, new.id)
+        self.forget(target_id)
+        return moved, conversation_mark(target.created_at)
+
+    async def _forks_into(self, source_id: str, target_id: str) -> bool:
+        """Whether the copy is the store's fork: into a new conversation, or one an earlier
+        attempt of the same copy forked (a re-run after a crash replays it)."""
+        try:
+            target = await self._store.get_conversation(target_id, fallback=False)
+        except NotFound:
+            return True
+        origin = target.forked_from
+        return origin is not None and origin.conversation_id == source_id
+
+    async def _forked(
+        self, source_id: str, target_id: str, stored: Sequence[AgentMessage]
+    ) -> tuple[dict[int, tuple[int, str]], int | None]:
+        """The copy made by the store's fork of the whole transcript: the copies are copies
+        (kept as stored, whole texts and all), and the answers the person gave (resolved
+        prompts, released calls, approvals) are kept as the fork keeps them."""
+        last = stored[-1].seq
+        assert last is not None
+        logged = await self._logger.fork(source_id, last, target_id)
+        moved: dict[int, tuple[int, str]] = {}
+        for old, new in zip(stored, logged.messages, strict=True):
+            assert old.seq is not None
+            assert new.seq is not None
+            assert new.id is not None
+            moved[old.seq] = (new.seq, new.id)
+        target = await self._store.get_conversation(target_id, fallback=False)
         self.forget(target_id)
         return moved, conversation_mark(target.created_at)
 
