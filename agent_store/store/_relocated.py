@@ -518,9 +518,8 @@ async def settle(
     of all of it keeps: `Refold.withdrawn`) folded from the stored messages and written
     (`refold`, `refolded`), from `moved` (the conversation as the move left it) first, read
     again when another turn or a pop changed it meanwhile, its write missing or its fold
-    finding a `seq` with no message (a few times). False, leaving the
-    state as the move set it, when a turn below the end is still being written (its
-    messages are not there to fold) or the conversation kept changing.
+    finding a `seq` with no message (a few times). False, leaving the state as the move set
+    it, when a turn below the end is still being written or the conversation kept changing.
     An automatic name taken from a message that is not the first stored user text (the
     moved turn's, now behind another one; a turn's given up, never stored), or that the
     message under its id no longer gives, goes back to the one the stored messages give
@@ -556,8 +555,7 @@ async def settle(
         if not names and (not fold.folded or (given_up and _already(fold))):
             return fold.folded
         query, update = refolded(fold)
-        if not fold.folded:  # the name alone, under the same guard
-            update = [{"$set": {}}]
+        update = update if fold.folded else [{"$set": {}}]  # else the name alone, guarded
         update[0]["$set"].update(names)
         with storage_errors("set what the moved turn leaves pending"):
             result = await conversations.update_one(query, update)

@@ -1141,9 +1141,9 @@ def _records(
         "g": literal(False),
         "u": literal(person),
         "c": literal(_packed(counted)),
+        # A runtime name set: what it replaced (`_named_record`); null for a turn setting none.
+        "n": literal(None) if named is None else named,
     }
-    if named is not None:  # a runtime name set: what it replaced (`_named_record`)
-        record["n"] = named
     # A one-element array built by `$map`: some MongoDB-compatible servers (mongomock) keep an
     # array literal's elements unevaluated.
     appended = {"$concatArrays": [turns, {"$map": {"input": [0], "in": record}}]}
