@@ -6916,6 +6916,51 @@ def test_an_erased_users_turn_name_never_stays_on_a_conversation_written_live_si
     assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
 
 
+@pytest.mark.wire
+@pytest.mark.parametrize("name", ["a runtime name", "an automatic name"])
+def test_a_run_stopped_after_removing_an_erased_users_messages_retakes_the_name_when_resumed(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+) -> None:
+    """MIGRATION.md: a run can be stopped at any time and resumed. The remedy's run stopped
+    after it removed the erased user's messages and before it retook the name they gave:
+    the run it resumes with retakes it (the retake is recorded before the removal), on the
+    document and its dual-written copy, and the erased user's words are nowhere."""
+    named = {"name": "«SECRET» trip"} if name == "a runtime name" else {}
+    database[CONVERSATIONS].insert_many(
+        [
+            legacy_turn("t-0", "c-1", 0, "«SECRET»") | {"user_id": "u-a"} | named,
+            legacy_turn("t-1", "c-1", 1, "«OWNER»"),
+        ]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»", dual_write=True)
+    _as_a_person(wire_uri, database, lambda s: s.erase_user("u-a"))
+    retaken = writes._names_retaken
+
+    def stopped(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writes, "_names_retaken", stopped)
+    assert cli(wire_uri, database, "run") == 130  # Ctrl-C
+    monkeypatch.setattr(writes, "_names_retaken", retaken)
+    assert cli(wire_uri, database, "run") == 0
+
+    document = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert document is not None
+    assert (document["name"], document["name_source"]) == ("«OWNER» question", "auto")
+    [copy] = database[LEGACY_TURNS].find({"dual_write": True})
+    assert copy["name"] == "«OWNER» question"
+    for stored in (CONVERSATIONS, LEGACY_TURNS, MESSAGES):
+        assert "SECRET" not in json.dumps(list(database[stored].find()), default=str), stored
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
+    assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
+
+
 OLD_SERVICE_COPY_EDITS = {
     "re-filed under another conversation": {"conversation_id": "c-2"},
     "dated before the legacy turns": {"created_at": datetime(2023, 12, 31, tzinfo=UTC)},
