@@ -632,6 +632,7 @@ def log_live(
     dual_write: bool = False,
     at: datetime | None = None,
     name: str | None = None,
+    user_id: str = "u-1",
 ) -> LoggedTurn:
     """A live turn (a question and its answer) logged by the new service's logger, with the
     dual write on if asked, its messages dated `at` by their caller if given."""
@@ -654,7 +655,7 @@ def log_live(
                     {"role": "user", "content": f"{text}?", **dated},
                     {"role": "assistant", "content": text, **dated},
                 ],
-                user_id="u-1",
+                user_id=user_id,
                 turn_id=turn_id,
                 name=name,
             )
@@ -3248,6 +3249,28 @@ def test_a_second_attempt_after_a_rollback_migrates_a_derived_conversation_as_on
     capsys.readouterr()
     assert cli(wire_uri, database, "run") == 0
     assert summary(capsys.readouterr().out)["messages written"] == 0
+
+
+@pytest.mark.wire
+def test_a_second_attempt_reads_a_derived_owners_copy_naming_the_legacy_id_as_exact(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A live turn of the owner derived from a legacy user id is copied naming that legacy
+    id (MIGRATION.md, "Dual write"): after an untouched rollback the second attempt finds
+    its copy exact (its `invalid_user_id` is the conversation's recorded owner), and verify
+    and finish pass."""
+    alice = "Alice Smith"
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "A") | {"user_id": alice})
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»", dual_write=True,
+             user_id=derived_user_id(alice))  # fmt: skip
+    assert database[LEGACY_TURNS].find_one({"dual_write": True})["user_id"] == alice
+    roll_back(database, clear_messages=False)
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
+    assert cli(wire_uri, database, "finish", "--accept", "c-1", "--note", "derived") == 0
 
 
 def _rolled_back_with_a_live_turn(wire_uri: str, database: Database[dict[str, Any]]) -> None:
