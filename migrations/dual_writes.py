@@ -168,7 +168,7 @@ def differences(
             continue
         held.setdefault(cid, {})[turn_id] = parse_turns(group)
         messages = [m for m in stored.get(cid, []) if m.turn_id == turn_id]
-        unheld = _unheld(group, conversion, messages)
+        unheld = _unheld(group, conversion, messages, conversations.get(cid))
         if unheld:
             found.setdefault(cid, []).append(
                 f"the dual-written turn {turn_id!r} holds content its stored messages do not "
@@ -238,17 +238,20 @@ def _unheld(
     group: Sequence[Mapping[str, Any]],
     conversion: LegacyConversion,
     messages: Sequence[AgentMessage],
+    recorded: Mapping[str, Any] | None = None,
 ) -> str:
     """What a dual-written turn converts to that its stored messages do not hold, for a
     person; "" when they hold it all: its problems (any kind, placed or not, but the derived
-    id of a conversation it names by its legacy id), its transcript both ways (they may hold
-    more only of results of an earlier turn's calls: `_removed`), its owner, its token usage
-    and latency."""
+    id of a conversation it names by its legacy id, and the derived owner of one it names by
+    the legacy user id that derives the conversation's `recorded` owner), its transcript
+    both ways (they may hold more only of results of an earlier turn's calls: `_removed`),
+    its owner, its token usage and latency."""
     natives = [p for p in conversion.problems if _native(p)]
     problems = [
         p
         for p in conversion.problems
         if p.kind not in ("derived_conversation_id", DUAL_WRITE_NOT_EXACT)  # held: compared
+        and not _derived_owner(p, recorded)
         and not _earlier_answer(p, messages)
         and not _native(p)
     ]
@@ -311,6 +314,18 @@ def _earlier_answers_gone(conversion: LegacyConversion, messages: Sequence[Agent
             shown = "; ".join(repr((content or "")[:80]) for _, content in more.elements())
             return f"{said}: {shown}"
     return ""
+
+
+def _derived_owner(problem: Problem, recorded: Mapping[str, Any] | None) -> bool:
+    """Whether a problem is the owner derived from the legacy user id a copy names, which
+    the conversation document records as its owner: the dual write names a derived owner by
+    that legacy id (`legacy_user_id`), so the copy holds what its stored messages do."""
+    content = problem.content if isinstance(problem.content, Mapping) else {}
+    return (
+        problem.kind == "invalid_user_id"
+        and recorded is not None
+        and content.get("stored_as") == recorded.get("user_id")
+    )
 
 
 def _owner(conversion: LegacyConversion, messages: Sequence[AgentMessage]) -> str:

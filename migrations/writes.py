@@ -69,6 +69,7 @@ from agent_store.store import (
 from migrations import full_texts
 from migrations.bounds import Bounds, bounded
 from migrations.keys import id_key, identity
+from migrations.lease import STATE, STATE_ID
 from migrations.relocate import CONVERSATION_FILTER
 from migrations.transcript import not_held
 
@@ -905,8 +906,8 @@ def apply(
     writing = {cid: item for cid, item in planned.converted.items() if cid not in skipped}
     skipped |= _changed_since(_turns_since(db, source, writing), applied)
     applied.gone = {cid for cid, found in skipped.items() if found is None}
-    moved = [i for cid, ids in planned.moved.items() if cid not in skipped for i in ids]
-    if moved:
+    retaking = _retakes_recorded(db, planned, [c for c in planned.moved if c not in skipped])
+    if moved := [i for cid, ids in planned.moved.items() if cid not in skipped for i in ids]:
         db[MESSAGES].delete_many({"_id": {"$in": moved}})
     messages = [d for d in planned.messages if d["conversation_id"] not in skipped]
     sizes = [len(bson.encode(d)) for d in messages]
@@ -924,10 +925,36 @@ def apply(
     for batch in bounded(rewrites, [len(bson.encode(d)) for d in rewritten], bounds):
         db[MESSAGES].bulk_write(batch, ordered=False)
     applied.written += len(rewritten)
-    _names_retaken(db, planned, [cid for cid in planned.moved if cid not in skipped], source)
+    _names_retaken(db, planned, retaking, source)
     written = {cid: item for cid, item in writing.items() if cid not in skipped}
     _after_messages(db, planned, _turns_since(db, source, written), texts, applied)
     return applied
+
+
+RETAKING = "names_retaking"
+"""The migration's state (`STATE`) lists here each conversation whose name a run is to retake
+(`_names_retaken`), with the name its legacy turns left give (`Planned.names_given`):
+recorded before the run removes the conversation's messages and taken off once its name
+and copies are retaken, so a run stopped in between leaves the retake to the next one."""
+
+
+def _retakes_recorded(
+    db: Database[dict[str, Any]], planned: Planned, ids: Sequence[str]
+) -> list[str]:
+    """Record the retakes of the conversations `ids` (whose messages the run is about to
+    remove) before the removal (`RETAKING`), and read back those an earlier run recorded
+    and did not finish (it stopped after its removal): every conversation whose name the
+    run retakes, each with its noted name (`Planned.names_given`) again."""
+    entries = [{"id": c, "lost": c in planned.names_given, "given": planned.names_given.get(c)}
+               for c in ids]  # fmt: skip
+    if entries:
+        each = {"$each": entries}
+        db[STATE].update_one({"_id": STATE_ID}, {"$push": {RETAKING: each}}, upsert=True)
+    state = db[STATE].find_one({"_id": STATE_ID}, {RETAKING: 1}) or {}
+    for entry in state.get(RETAKING) or []:
+        if entry.get("lost") and entry["id"] not in planned.names_given:
+            planned.names_given[entry["id"]] = entry.get("given")
+    return list(dict.fromkeys([*ids, *(e["id"] for e in state.get(RETAKING) or [])]))
 
 
 def _names_retaken(
@@ -939,33 +966,47 @@ def _names_retaken(
     messages give, else to none, in one update guarded by the message it was read with;
     even on a document a live turn wrote to since, which a run otherwise never rewrites (an
     erased user's words would stay its name). A runtime name a turn gone gave (`_given_by`)
-    on such a document is retaken alike. The dual-written copies in `source` holding the
-    name it had take the new one (a rollback would bring the old one back). Reads and
-    writes for such conversations only."""
+    on such a document is retaken alike. The dual-written copies in `source` holding
+    another name take the document's (a rollback would bring the old one back). Each
+    retake is taken off the state's list (`RETAKING`) once done. Reads and writes for such
+    conversations only."""
     fields = {"name": 1, "name_source": 1, "name_message_id": 1, "epoch": 1}
     for cid in ids:
         found = db[CONVERSATIONS].find_one(
             {"_id": cid}, fields | {"legacy_conversation_id": 1, "turns": 1, "pops": 1}
         )
-        if found is None or holds_turn_fields(found):
-            continue
-        query: dict[str, Any] = {"_id": cid}
-        update: Any = renamed(found, _stored_name(db, cid, found.get("epoch")))
-        if update:
-            update = [{"$set": update}]
-        elif (given := _given_by(db, planned, cid, found)) is not None:
-            query |= {"name": found.get("name"), "name_source": "runtime"}
-            update = given
-        else:
-            continue
-        after = db[CONVERSATIONS].find_one_and_update(
+        if found is not None and not holds_turn_fields(found):
+            _name_retaken(db, planned, cid, found, source)
+        db[STATE].update_one({"_id": STATE_ID}, {"$pull": {RETAKING: {"id": cid}}})
+
+
+def _name_retaken(
+    db: Database[dict[str, Any]],
+    planned: Planned,
+    cid: str,
+    found: Mapping[str, Any],
+    source: str,
+) -> None:
+    """One conversation's retake (`_names_retaken`), `found` its document as read."""
+    fields = {"name": 1, "name_source": 1, "name_message_id": 1, "epoch": 1}
+    query: dict[str, Any] = {"_id": cid}
+    update: Any = renamed(found, _stored_name(db, cid, found.get("epoch")))
+    if update:
+        update = [{"$set": update}]
+    elif (given := _given_by(db, planned, cid, found)) is not None:
+        query |= {"name": found.get("name"), "name_source": "runtime"}
+        update = given
+    after = found
+    if update:
+        changed = db[CONVERSATIONS].find_one_and_update(
             query, update, fields, return_document=ReturnDocument.AFTER
         )
-        if after is None or after.get("name") == found.get("name"):
-            continue
-        named = [cid, *([found["legacy_conversation_id"]] * ("legacy_conversation_id" in found))]
-        copies = {"conversation_id": {"$in": named}, "dual_write": True, "name": found["name"]}
-        db[source].update_many(copies, {"$set": {"name": after.get("name")}})
+        after = found if changed is None else changed
+    named = [cid, *([found["legacy_conversation_id"]] * ("legacy_conversation_id" in found))]
+    copies = {"conversation_id": {"$in": named}, "dual_write": True}
+    db[source].update_many(
+        copies | {"name": {"$ne": after.get("name")}}, {"$set": {"name": after.get("name")}}
+    )
 
 
 def _given_by(

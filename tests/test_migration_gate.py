@@ -632,6 +632,7 @@ def log_live(
     dual_write: bool = False,
     at: datetime | None = None,
     name: str | None = None,
+    user_id: str = "u-1",
 ) -> LoggedTurn:
     """A live turn (a question and its answer) logged by the new service's logger, with the
     dual write on if asked, its messages dated `at` by their caller if given."""
@@ -654,7 +655,7 @@ def log_live(
                     {"role": "user", "content": f"{text}?", **dated},
                     {"role": "assistant", "content": text, **dated},
                 ],
-                user_id="u-1",
+                user_id=user_id,
                 turn_id=turn_id,
                 name=name,
             )
@@ -3248,6 +3249,28 @@ def test_a_second_attempt_after_a_rollback_migrates_a_derived_conversation_as_on
     capsys.readouterr()
     assert cli(wire_uri, database, "run") == 0
     assert summary(capsys.readouterr().out)["messages written"] == 0
+
+
+@pytest.mark.wire
+def test_a_second_attempt_reads_a_derived_owners_copy_naming_the_legacy_id_as_exact(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A live turn of the owner derived from a legacy user id is copied naming that legacy
+    id (MIGRATION.md, "Dual write"): after an untouched rollback the second attempt finds
+    its copy exact (its `invalid_user_id` is the conversation's recorded owner), and verify
+    and finish pass."""
+    alice = "Alice Smith"
+    database[CONVERSATIONS].insert_one(legacy_turn("t-1", "c-1", 0, "A") | {"user_id": alice})
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»", dual_write=True,
+             user_id=derived_user_id(alice))  # fmt: skip
+    assert database[LEGACY_TURNS].find_one({"dual_write": True})["user_id"] == alice
+    roll_back(database, clear_messages=False)
+
+    assert cli(wire_uri, database, "run") == 0
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
+    assert cli(wire_uri, database, "finish", "--accept", "c-1", "--note", "derived") == 0
 
 
 def _rolled_back_with_a_live_turn(wire_uri: str, database: Database[dict[str, Any]]) -> None:
@@ -6911,6 +6934,51 @@ def test_an_erased_users_turn_name_never_stays_on_a_conversation_written_live_si
     assert copy["name"] == after[0]  # a rollback brings no erased words back
     for name in (CONVERSATIONS, LEGACY_TURNS):
         assert "SECRET" not in json.dumps(list(database[name].find()), default=str), name
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
+    assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("name", ["a runtime name", "an automatic name"])
+def test_a_run_stopped_after_removing_an_erased_users_messages_retakes_the_name_when_resumed(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+) -> None:
+    """MIGRATION.md: a run can be stopped at any time and resumed. The remedy's run stopped
+    after it removed the erased user's messages and before it retook the name they gave:
+    the run it resumes with retakes it (the retake is recorded before the removal), on the
+    document and its dual-written copy, and the erased user's words are nowhere."""
+    named = {"name": "«SECRET» trip"} if name == "a runtime name" else {}
+    database[CONVERSATIONS].insert_many(
+        [
+            legacy_turn("t-0", "c-1", 0, "«SECRET»") | {"user_id": "u-a"} | named,
+            legacy_turn("t-1", "c-1", 1, "«OWNER»"),
+        ]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»", dual_write=True)
+    _as_a_person(wire_uri, database, lambda s: s.erase_user("u-a"))
+    retaken = writes._names_retaken
+
+    def stopped(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writes, "_names_retaken", stopped)
+    assert cli(wire_uri, database, "run") == 130  # Ctrl-C
+    monkeypatch.setattr(writes, "_names_retaken", retaken)
+    assert cli(wire_uri, database, "run") == 0
+
+    document = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert document is not None
+    assert (document["name"], document["name_source"]) == ("«OWNER» question", "auto")
+    [copy] = database[LEGACY_TURNS].find({"dual_write": True})
+    assert copy["name"] == "«OWNER» question"
+    for stored in (CONVERSATIONS, LEGACY_TURNS, MESSAGES):
+        assert "SECRET" not in json.dumps(list(database[stored].find()), default=str), stored
     capsys.readouterr()
     assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
     assert cli(wire_uri, database, "finish") == 0, capsys.readouterr().out

@@ -163,6 +163,29 @@ async def test_dual_write_names_a_derived_user_by_the_legacy_id_that_derives_it(
     assert [m.content for m in again.messages] == ["«LEGACY»", "«LIVE»"]
 
 
+async def test_a_fork_of_a_derived_owners_conversation_is_copied_naming_the_legacy_id(
+    backend: Backend,
+) -> None:
+    """A fork is its source's owner's, and its copies are legacy turns of the source's: the
+    fork records the legacy id its source's owner was derived from (`legacy_user_id`), so
+    its copies and its own live turns name that legacy id, as the source's do."""
+    cid = await derived_owners_conversation(backend)
+    owner = derived_user_id(ALICE_LEGACY)
+    logger, _ = wired(backend, dual_write=True)
+    await logger.log_messages(cid, [{"role": "user", "content": "«LIVE»"}],
+                              user_id=owner, turn_id="live-1")  # fmt: skip
+    await logger.fork(cid, 1, "f-1", user_id=owner)
+    await logger.log_messages("f-1", [{"role": "user", "content": "«FORKED»"}],
+                              user_id=owner, turn_id="live-2")  # fmt: skip
+
+    fork = await backend.db[CONVERSATIONS].find_one({"_id": "f-1"})
+    copies = await backend.db[LEGACY_TURNS].find({"conversation_id": "f-1"}).to_list(None)
+    assert fork is not None
+    assert fork["legacy_user_id"] == ALICE_LEGACY
+    assert len(copies) >= 2
+    assert {c["user_id"] for c in copies} == {ALICE_LEGACY}
+
+
 async def test_a_derived_users_copies_follow_a_claim_and_an_erasure(backend: Backend) -> None:
     """A claim moves the copies naming the legacy id to the new user, and the conversation
     no longer records it: the new user's turns are copied naming them. Erasing the derived

@@ -1233,6 +1233,7 @@ class AgentMessageLogger:
                     "epoch": 1,
                     "created_at": 1,
                     "user_id": 1,
+                    "legacy_user_id": 1,
                     "message_count": 1,
                     "pending_calls": 1,
                     "pending_hitl": 1,
@@ -3349,8 +3350,9 @@ def _fork_condition(
 ) -> Condition:
     """A fork's reservation creates its conversation (an existing one is a Conflict) with its
     origin, the prompts it keeps resolved by request id and the answers it copies
-    (`ForkAnswers`), the approvals it keeps, and its source as it read it (`ForkCheck`),
-    kept until the fork's check of that source passes."""
+    (`ForkAnswers`), the approvals it keeps, its source as it read it (`ForkCheck`), kept
+    until the fork's check of that source passes, and the legacy id its source's owner (its
+    own) was derived from (`legacy_user_id`: its copies name that owner as the source's do)."""
     forked_from = origin.model_dump()
     unchecked = _as_read(source).model_dump()
     return Condition(
@@ -3361,6 +3363,7 @@ def _fork_condition(
             "answered_prompts": literal(answered),
             "approved_calls": literal(approved),
             "fork_check": literal(unchecked),
+            "legacy_user_id": literal(source.get("legacy_user_id")),
         },
         Conflict(f"conversation {plan.conversation_id!r} exists already; fork into a new id"),
         create=True,
