@@ -1333,9 +1333,7 @@ class AgentMessageLogger:
                 complete = False
                 continue
             if verdict.abandoned is not None:  # given back, the turn reserves anew
-                await self._give_back_abandoned(plan, verdict.abandoned, found)
-                first = verdict.abandoned.first_seq
-                own = range(first, first + verdict.abandoned.count)
+                own = await self._give_back_abandoned(plan, verdict.abandoned, found)
                 continue
             if verdict.block is not None:
                 continue  # another attempt moved the turn meanwhile: its new block is recorded
@@ -1628,7 +1626,7 @@ class AgentMessageLogger:
 
     async def _give_back_abandoned(
         self, plan: TurnPlan, block: RecordedBlock, conversation: Mapping[str, Any]
-    ) -> None:
+    ) -> range:
         """Give back the block a first attempt with other content reserved and stored nothing
         in (`_Verdict.abandoned`): once (`given_back_abandoned`: its turn starts and tokens
         taken back, its `seq`s gaps tail readers pass, its record naming the turn no more, the
@@ -1638,20 +1636,21 @@ class AgentMessageLogger:
         name its first attempt gave (`conversation` as read takes it from one of the block's
         ids) goes in the same update, as `_give_back` takes it (one read more, then only): a
         fold lost after it leaves no name the retry, stored anew under those ids, would
-        keep."""
+        keep. Returns the block's `seq`s (what the turn's reservation anew meets, `own`)."""
         cid = plan.conversation_id
         epoch, created = conversation.get("epoch"), conversation.get("created_at")
         same = same_conversation(cid, epoch=epoch, created_at=created)
         shown = await self._shown_before(plan, block.first_seq, abandoned=True)
         query, update = given_back_abandoned(plan, block, same, conversation, shown)
         ids = block_ids(plan, block.count)
+        seqs = range(block.first_seq, block.first_seq + block.count)
         if conversation.get("name_source") == "auto" and conversation.get("name_message_id") in ids:
-            seqs = range(block.first_seq, block.first_seq + block.count)
             update.append({"$set": await self._named_from_stored(cid, ids, seqs, epoch)})
         with storage_errors("take back what the turn counted"):
             result = await self._conversations.update_one(query, update)
         if result.matched_count:
             await self._give_up(cid, strict=False)
+        return seqs
 
     async def _stored_as_sent(self, plan: TurnPlan, refused: StoreError) -> RecordedBlock:
         """The block the turn's messages are stored in, whole, with the content this retry
