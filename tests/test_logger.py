@@ -483,6 +483,10 @@ async def _lost_after_a_later_turn(backend: Backend, logger: AgentMessageLogger)
     await logger.log_messages(CID, _turn("x"), turn_id="t-x", next_seq=4, step="s2")
 
 
+_SAME_OR_REGENERATED = pytest.mark.parametrize("sent", ["b", "b regenerated"])
+
+
+@_SAME_OR_REGENERATED
 @pytest.mark.parametrize(
     ("next_seq", "step", "said"),
     [
@@ -492,17 +496,19 @@ async def _lost_after_a_later_turn(backend: Backend, logger: AgentMessageLogger)
     ],
 )
 async def test_a_late_retry_moved_to_the_end_keeps_its_step_and_next_seq(
-    backend: Backend, next_seq: int | None, step: str | None, said: str
+    backend: Backend, next_seq: int | None, step: str | None, said: str, sent: str
 ) -> None:
     """LIBRARY.md: a turn is logged only at `next_seq` and after every step logged before. A
     retry past `abandon_after` of a turn that stored nothing moves to the end only where those
-    conditions still hold; else `TranscriptMoved`, nothing written, its block given back."""
+    conditions still hold; else `TranscriptMoved`, nothing written, its block given back. So
+    is its retry with other content (the runtime regenerated its answer), logged anew at the
+    end once its empty block is given back."""
     logger = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
     store = ConversationStore(backend.db)
     await _lost_after_a_later_turn(backend, logger)
 
     with pytest.raises(TranscriptMoved, match=re.escape(said)) as moved:
-        await logger.log_messages(CID, _turn("b"), turn_id="t-b", next_seq=next_seq, step=step)
+        await logger.log_messages(CID, _turn(sent), turn_id="t-b", next_seq=next_seq, step=step)
     assert moved.value.next_seq == 6
     assert [m.content for m in await store.transcript(CID)] == ["a", "a!", "x", "x!"]
     conversation = await store.get_conversation(CID)
@@ -525,6 +531,52 @@ async def test_a_late_retry_whose_step_is_still_the_latest_moves_to_the_end(
     assert [m.seq for m in retried.messages] == [6, 7]
     with pytest.raises(TranscriptMoved, match="logged step 's1', after"):
         await logger.log_messages(CID, _said("behind"), step="s1")
+
+
+@pytest.mark.parametrize("later", [False, True], ids=["alone", "after-a-stepless-turn"])
+async def test_a_late_retry_with_other_content_whose_step_is_still_the_latest_is_logged(
+    backend: Backend, later: bool
+) -> None:
+    """RELIABILITY.md: past `abandon_after` the empty block is given back and the new content
+    logged at the end, counted once. The step its own reservation logged is no step logged
+    before it: the retry is judged on the conversation the give-back leaves."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    store = ConversationStore(backend.db)
+    await logger.log_messages(CID, _turn("a"), turn_id="t-a", step="s0")
+    await logger.log_messages(CID, _turn("b"), turn_id="t-b", step="s1")
+    await backend.db.agent_messages.delete_many({"turn_id": "t-b"})  # as if never inserted
+    if later:
+        await logger.log_messages(CID, _turn("x"), turn_id="t-x")
+
+    retried = await logger.log_messages(CID, _turn("b regenerated"), turn_id="t-b", step="s1")
+    assert [m.seq for m in retried.messages] == ([6, 7] if later else [4, 5])
+    texts = [m.content for m in await store.transcript(CID)]
+    assert texts == ["a", "a!", *(["x", "x!"] if later else []), "b regenerated", "b regenerated!"]
+    assert (await store.get_conversation(CID)).turn_count == (3 if later else 2)
+    with pytest.raises(TranscriptMoved, match=re.escape("logged step 's1', after 's1'")):
+        await logger.log_messages(CID, _said("behind"), step="s1")
+
+
+@_SAME_OR_REGENERATED
+@pytest.mark.parametrize("step", [None, "s1"])
+async def test_a_late_retry_whose_block_nothing_followed_keeps_its_first_attempts_next_seq(
+    backend: Backend, step: str | None, sent: str
+) -> None:
+    """A retry sends its first attempt's arguments: its `next_seq` names the seq that attempt
+    reserved at. Only its own empty block followed it, so the conversation did not move on:
+    the turn is stored at the end (moved, or logged anew once that block is given back)."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    store = ConversationStore(backend.db)
+    await logger.log_messages(CID, _turn("a"), turn_id="t-a", next_seq=0, step="s0")
+    await logger.log_messages(CID, _turn("b"), turn_id="t-b", next_seq=2, step=step)
+    await backend.db.agent_messages.delete_many({"turn_id": "t-b"})  # as if never inserted
+
+    retried = await logger.log_messages(CID, _turn(sent), turn_id="t-b", next_seq=2, step=step)
+    assert [m.seq for m in retried.messages] == [4, 5]
+    assert [m.content for m in await store.transcript(CID)] == ["a", "a!", sent, sent + "!"]
+    assert (await store.get_conversation(CID)).turn_count == 2
+    with pytest.raises(TranscriptMoved, match=re.escape("its next seq is 6, not 2")):
+        await logger.log_messages(CID, _said("behind"), next_seq=2)
 
 
 async def test_a_step_whose_messages_are_logged_is_claimed_only_at_the_transcripts_end(

@@ -272,7 +272,7 @@ def _as_a_turn(
         lambda now: {**inbox.stage(now), **turn.stage(now)},
         inbox.refusal,
         moved=inbox.moved,
-        moved_filter=inbox.filter,
+        moved_filter=lambda _block: inbox.filter,
         explain=explain,
     )
 

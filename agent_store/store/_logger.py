@@ -212,12 +212,20 @@ class Condition:
     own, given the time of the update and the first `seq` of the block it leaves; the move
     then needs `filter` to match too, else `refusal` is raised. None: the condition holds
     for the first reservation only (a fork's, which creates its conversation)."""
-    moved_filter: dict[str, Any] | None = None
-    """What a move needs instead of `filter`, when that holds more than a move must meet (a
-    delivery's: its inbox's, not a turn's own conditions, which its first reservation met
-    and which a turn's move does not meet again); None: `filter`."""
+    moved_filter: Callable[[range], dict[str, Any]] | None = None
+    """What a move of the block at the `seq`s given needs instead of `filter`, when that holds
+    more than a move must meet (a delivery's: its inbox's, not a turn's own conditions, which
+    its first reservation met and which a turn's move does not meet again); None: `again`."""
+    own: Callable[[range], dict[str, Any]] | None = None
+    """What `filter` asks of the turn whose first reservation met it and took the empty block
+    at the `seq`s given: a move of that block, or the turn's reservation anew once the block
+    is given back. What that reservation set (its step; the block past its `next_seq`) is
+    not a conversation that moved on since. None: `filter`."""
     explain: Callable[[Mapping[str, Any]], StoreError] | None = None
     """Builds the refusal from the conversation found instead (None: `refusal`)."""
+    own_explain: Callable[[Mapping[str, Any]], StoreError] | None = None
+    """Builds the refusal of a reservation anew meeting `own`, from the conversation found
+    (None: `explain`)."""
     moved_explain: Callable[[Mapping[str, Any]], StoreError] | None = None
     """Builds a refused move's refusal from the conversation found (None: `refusal`)."""
     retried: Callable[[Mapping[str, Any]], StoreError | None] | None = None
@@ -233,13 +241,21 @@ class Condition:
     in the lookup of that block (`_relocated.Landing`); None: nothing more than the
     move's own rules."""
 
-    def refused(self, conversation: Mapping[str, Any]) -> StoreError:
-        """The error a conversation that does not meet the condition raises."""
-        return self.refusal if self.explain is None else self.explain(conversation)
+    def refused(self, conversation: Mapping[str, Any], *, own: bool = False) -> StoreError:
+        """The error a conversation that does not meet the condition raises (`own`: met
+        `again`, by the turn whose empty block was given back)."""
+        explain = self.own_explain if own and self.own_explain is not None else self.explain
+        return self.refusal if explain is None else explain(conversation)
 
-    def met_by_a_move(self) -> dict[str, Any]:
-        """What a move of the turn to a new block must meet: `moved_filter`, else `filter`."""
-        return self.filter if self.moved_filter is None else self.moved_filter
+    def met_by_a_move(self, block: range) -> dict[str, Any]:
+        """What a move of the turn from its empty `block` to a new one must meet:
+        `moved_filter`, else `again`."""
+        return self.again(block) if self.moved_filter is None else self.moved_filter(block)
+
+    def again(self, block: range) -> dict[str, Any]:
+        """What the turn whose first reservation took the empty `block` meets again (`own`),
+        else `filter`."""
+        return self.filter if self.own is None else self.own(block)
 
     def move_refused(self, conversation: Mapping[str, Any]) -> StoreError:
         """The error a move the conversation found does not meet raises."""
@@ -1289,10 +1305,11 @@ class AgentMessageLogger:
         # Wired to legacy turns, a new conversation is first checked against them; an id
         # the migration derives is never created here.
         create = may_create and self._legacy is None and not is_derived_id(plan.conversation_id)
+        own: range | None = None  # the turn's empty block, given back: what it set is its own
         for _ in range(_RESERVE_ATTEMPTS):
             query = reservation_filter(plan, actor, records_complete=complete)
             if condition is not None:
-                query |= condition.filter
+                query |= condition.filter if own is None else condition.again(own)
             doc = await self._try_reserve(
                 plan, actor, name, query, upsert=create, condition=condition
             )
@@ -1318,12 +1335,12 @@ class AgentMessageLogger:
                 complete = False
                 continue
             if verdict.abandoned is not None:  # given back, the turn reserves anew
-                await self._give_back_abandoned(plan, verdict.abandoned, found)
+                own = await self._give_back_abandoned(plan, verdict.abandoned, found)
                 continue
             if verdict.block is not None:
                 continue  # another attempt moved the turn meanwhile: its new block is recorded
             if condition is not None:
-                raise condition.refused(found)
+                raise condition.refused(found, own=own is not None)
             # Otherwise a race was lost (the conversation was just created): reserve again.
         raise Unreserved(
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
@@ -1525,7 +1542,8 @@ class AgentMessageLogger:
         guarded = query
         if condition is not None and condition.moved is not None:
             pipeline[0]["$set"] |= condition.moved(now, block.first_seq)
-            guarded = {**query, **condition.met_by_a_move()}
+            seqs = range(block.first_seq, block.first_seq + block.count)
+            guarded = {**query, **condition.met_by_a_move(seqs)}
         with storage_errors("move the turn to a new block"):
             doc: dict[str, Any] | None = await self._conversations.find_one_and_update(
                 guarded,
@@ -1612,7 +1630,7 @@ class AgentMessageLogger:
 
     async def _give_back_abandoned(
         self, plan: TurnPlan, block: RecordedBlock, conversation: Mapping[str, Any]
-    ) -> None:
+    ) -> range:
         """Give back the block a first attempt with other content reserved and stored nothing
         in (`_Verdict.abandoned`): once (`given_back_abandoned`: its turn starts and tokens
         taken back, its `seq`s gaps tail readers pass, its record naming the turn no more, the
@@ -1622,20 +1640,21 @@ class AgentMessageLogger:
         name its first attempt gave (`conversation` as read takes it from one of the block's
         ids) goes in the same update, as `_give_back` takes it (one read more, then only): a
         fold lost after it leaves no name the retry, stored anew under those ids, would
-        keep."""
+        keep. Returns the block's `seq`s (what the turn's reservation anew meets, `own`)."""
         cid = plan.conversation_id
         epoch, created = conversation.get("epoch"), conversation.get("created_at")
         same = same_conversation(cid, epoch=epoch, created_at=created)
         shown = await self._shown_before(plan, block.first_seq, abandoned=True)
         query, update = given_back_abandoned(plan, block, same, conversation, shown)
         ids = block_ids(plan, block.count)
+        seqs = range(block.first_seq, block.first_seq + block.count)
         if conversation.get("name_source") == "auto" and conversation.get("name_message_id") in ids:
-            seqs = range(block.first_seq, block.first_seq + block.count)
             update.append({"$set": await self._named_from_stored(cid, ids, seqs, epoch)})
         with storage_errors("take back what the turn counted"):
             result = await self._conversations.update_one(query, update)
         if result.matched_count:
             await self._give_up(cid, strict=False)
+        return seqs
 
     async def _stored_as_sent(self, plan: TurnPlan, refused: StoreError) -> RecordedBlock:
         """The block the turn's messages are stored in, whole, with the content this retry
@@ -3478,8 +3497,14 @@ def _logged_at(conversation_id: str, seq: int | None, step: str | None) -> Condi
     query: dict[str, Any] = {}
     if seq is not None:
         query["message_count"] = {"$in": [0, None]} if seq == 0 else seq
-    # A move lands where `message_count` is; its own reservation logged its step (`$gt`).
-    move = {**query, **({} if step is None else {"last_step": {"$not": {"$gt": step}}})}
+
+    def own(block: range) -> dict[str, Any]:
+        # The turn's own first reservation took `block` at `next_seq` (the conversation then
+        # ends at its end) and logged its step (`$gt`): neither is the conversation moving
+        # on; a retry sends the first attempt's arguments.
+        at = {} if seq is None else {"message_count": block.stop if seq == block.start else seq}
+        return {**at, **({} if step is None else {"last_step": {"$not": {"$gt": step}}})}
+
     if step is not None:
         query["last_step"] = {"$not": {"$gte": step}}
 
@@ -3507,7 +3532,8 @@ def _logged_at(conversation_id: str, seq: int | None, step: str | None) -> Condi
         create=True,
         explain=moved,
         moved=lambda now, _first: stage(now),
-        moved_filter=move,
+        own=own,
+        own_explain=partial(moved, own_step=True),
         moved_explain=partial(moved, own_step=True),
     )
 
@@ -3892,11 +3918,11 @@ def _joined(first: Condition | None, second: Condition | None) -> Condition | No
         return first or second
     a, b = first, second
 
-    def explain(conversation: Mapping[str, Any]) -> StoreError:
-        refused = b.refused(conversation)
+    def explain(conversation: Mapping[str, Any], own: bool = False) -> StoreError:
+        refused = b.refused(conversation, own=own)
         if refused is not b.refusal:
             return refused  # the conversation shows why (the calls it names approved)
-        return a.refused(conversation)
+        return a.refused(conversation, own=own)
 
     def retried(conversation: Mapping[str, Any]) -> StoreError | None:
         for condition in (b, a):
@@ -3912,8 +3938,10 @@ def _joined(first: Condition | None, second: Condition | None) -> Condition | No
         create=a.create and b.create,
         absent=(None if a.create else a.absent) or (None if b.create else b.absent),
         explain=explain,
+        own_explain=partial(explain, own=True),
         retried=retried,
         landing=b.landing if a.landing is None else a.landing.joined(b.landing),
+        own=None if a.own is None and b.own is None else _owns_joined(a, b),
         **_moves_joined(a, b),
     )
 
@@ -3928,6 +3956,12 @@ def _moves_joined(a: Condition, b: Condition) -> dict[str, Any]:
     stages = [c.moved for c in moving if c.moved is not None]
     return {
         "moved": lambda now, first: {k: v for f in stages for k, v in f(now, first).items()},
-        "moved_filter": {"$and": [c.met_by_a_move() for c in moving]},
+        "moved_filter": lambda block: {"$and": [c.met_by_a_move(block) for c in moving]},
         "moved_explain": moving[0].move_refused,
     }
+
+
+def _owns_joined(a: Condition, b: Condition) -> Callable[[range], dict[str, Any]]:
+    """What the turn whose first reservation took an empty block meets again under both
+    conditions (`Condition.own`): each one's, together."""
+    return lambda block: {"$and": [a.again(block), b.again(block)]}
