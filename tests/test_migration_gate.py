@@ -5664,6 +5664,20 @@ def _turn(cid: str, turn_id: str, text: str) -> Callable[..., Coroutine[Any, Any
     return log
 
 
+def _listed_then_written(
+    cid: str, turn_id: str, text: str
+) -> Callable[..., Coroutine[Any, Any, Any]]:
+    """u-1 lists its conversations, reads `cid` and logs a turn into it; the ids listed."""
+
+    async def read_then_write(store: ConversationStore, logger: AgentMessageLogger) -> list[str]:
+        listed = await store.list_conversations("u-1")
+        await store.get_conversation(cid, user_id="u-1")
+        await _turn(cid, turn_id, text)(store, logger)
+        return sorted(c.id for c in listed.data)
+
+    return read_then_write
+
+
 def _second_attempt(wire_uri: str, database: Database[dict[str, Any]]) -> None:
     """The runbook after a rollback: run, verify, finish, then the drop; each exits 0."""
     for command in (["run"], ["verify"], ["finish"], ["finish", "--drop-legacy", "--yes"]):
@@ -5696,13 +5710,8 @@ def test_a_conversation_started_during_the_transition_is_whole_after_a_second_at
         1,
     )
 
-    async def read_then_write(store: ConversationStore, logger: AgentMessageLogger) -> list[str]:
-        listed = await store.list_conversations("u-1")
-        await store.get_conversation("n-new", user_id="u-1")
-        await _turn("n-new", "live-2", "«NEW-2»")(store, logger)
-        return sorted(c.id for c in listed.data)
-
-    assert _on_the_service(wire_uri, database, read_then_write, dual_write=False) == [
+    written = _listed_then_written("n-new", "live-2", "«NEW-2»")
+    assert _on_the_service(wire_uri, database, written, dual_write=False) == [
         "c-old",
         "n-new",
     ]
@@ -5799,13 +5808,8 @@ def test_a_conversation_of_the_transition_the_old_service_changed_is_whole_after
 
     assert cli(wire_uri, database, "run") == 0
 
-    async def read_then_write(store: ConversationStore, logger: AgentMessageLogger) -> list[str]:
-        listed = await store.list_conversations("u-1")
-        await store.get_conversation("n-1", user_id="u-1")
-        await _turn("n-1", "live-2", "«AFTER»")(store, logger)
-        return sorted(c.id for c in listed.data)
-
-    assert _on_the_service(wire_uri, database, read_then_write, dual_write=False) == [
+    written = _listed_then_written("n-1", "live-2", "«AFTER»")
+    assert _on_the_service(wire_uri, database, written, dual_write=False) == [
         "c-old",
         "n-1",
     ]
