@@ -312,6 +312,32 @@ def test_a_dry_run_predicts_exactly_what_the_run_does(
     assert database[PROBLEMS].count_documents({"kind": "orphan_pending_hitl"}) == 1
 
 
+@pytest.mark.wire
+def test_a_dry_run_after_the_move_plans_the_moved_turns_and_names_those_logged_since(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Turns the old service logged in `agent_conversations` since the move are left out of
+    a dry run's plan, which says how many (a run moves them first): the plan is the run's
+    but for those, never one made of the turns logged since alone."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn("t-1", "c-1", 0, "a"), legacy_turn("t-5", "c-2", 4, "e"),
+         legacy_turn("t-6", "c-3", 5, "f")]
+    )  # fmt: skip
+    assert cli(wire_uri, database, "run") == 0
+    database[CONVERSATIONS].insert_one(legacy_turn("t-9", "c-2", 8, "i"))
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run", "--dry-run") == 0
+    out = capsys.readouterr().out
+    predicted = summary(out)
+    assert cli(wire_uri, database, "run") == 0
+    done = summary(capsys.readouterr().out)
+
+    assert f"1 turn documents logged in {CONVERSATIONS} since the move are left out" in out
+    assert predicted["conversations"] == done["conversations"] == 3
+    assert predicted["turns"] == done["turns"] - 1
+
+
 class InsertLog(monitoring.CommandListener):
     def __init__(self) -> None:
         self.inserts: list[list[dict[str, Any]]] = []
