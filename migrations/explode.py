@@ -543,7 +543,8 @@ def _as_copies_say(converted: list[Converted], held: list[dict[str, Any]]) -> No
                 m.model_copy(update={"user_id": owner}) for m in conversion.messages
             ]
             update["user_id"] = owner
-        if (found := dual_writes.copy_naming(item.turns, own)) is not None:
+        found = dual_writes.copy_naming(item.turns, own)
+        if found is not None and found[1] != conversion.conversation.name:
             update |= {"name": found[1], "name_source": "runtime"}
         conversion.conversation = conversion.conversation.model_copy(update=update)
 

@@ -3311,6 +3311,26 @@ def _rolled_back_with_a_live_turn(wire_uri: str, database: Database[dict[str, An
     roll_back(database, clear_messages=False)
 
 
+@pytest.mark.wire
+def test_a_copy_holding_the_automatic_name_leaves_it_automatic_after_a_rollback(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dual-written copy holds its conversation's name, whoever gave it: one holding the
+    very name the legacy turns give (the first user text, as a stopped run's retake left
+    it) names nothing of its own, so a run after the rollback keeps the name automatic
+    (a pop or a move may retake it) rather than a runtime's."""
+    _rolled_back_with_a_live_turn(wire_uri, database)
+    database[CONVERSATIONS].update_one({"dual_write": True}, {"$set": {"name": "OLD0 question"}})
+
+    assert cli(wire_uri, database, "run") == 0
+
+    document = database[CONVERSATIONS].find_one({"_id": "c-1"})
+    assert document is not None
+    assert (document["name"], document["name_source"]) == ("OLD0 question", "auto")
+    capsys.readouterr()
+    assert cli(wire_uri, database, "verify") == 0, capsys.readouterr().out
+
+
 OLD_SERVICE_OWNER_EDITS = {
     "an account claim: every turn, the dual-written copy too": ({}, True),
     "the dual-written copy only": ({"dual_write": True}, True),
