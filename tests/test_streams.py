@@ -313,6 +313,31 @@ def test_sse_events_given_as_dicts_are_deduplicated_by_their_id() -> None:
     assert [m.content for m in turn.messages] == ["Hi"]
 
 
+def test_sse_events_sharing_an_id_with_other_content_are_each_read() -> None:
+    """`id:` only sets the reconnect cursor: a server may give every event of a message the
+    message's id. Ids that name no single event say nothing of replays: every event is read."""
+    body = (
+        'id: msg_1\nevent: text_delta\ndata: {"delta": "Let me check"}\n\n'
+        'id: msg_1\nevent: tool_call\ndata: {"tool_call_id": "c1", "tool_name": "weather"}\n\n'
+        'id: msg_1\nevent: tool_result\ndata: {"tool_call_id": "c1", "result": "18C"}\n\n'
+        'id: msg_1\nevent: text_delta\ndata: {"delta": "It is 18C."}\n\n'
+        "id: msg_1\nevent: done\ndata: {}\n\n"
+    )
+    turn = turn_from_sse(parse_sse_text(body))
+
+    assert [m.content for m in turn.messages] == ["Let me check", "18C", "It is 18C."]
+    assert not turn.interrupted
+
+
+def test_an_empty_sse_id_line_gives_the_event_no_id() -> None:
+    """An empty `id:` resets the reconnect cursor: such events are no replays of each other."""
+    body = 'id:\nevent: text_delta\ndata: {"delta": "A"}\n\n' * 2 + "id:\nevent: done\ndata: {}\n\n"
+    turn = turn_from_sse(parse_sse_text(body))
+
+    assert [m.content for m in turn.messages] == ["AA"]
+    assert not turn.interrupted
+
+
 def test_the_sse_event_name_decides_the_type_over_a_type_in_the_data() -> None:
     body = 'event: text_delta\ndata: {"type": "error", "delta": "Hi"}\n\nevent: done\ndata: {}\n\n'
     turn = turn_from_sse(parse_sse_text(body))

@@ -572,14 +572,16 @@ def _made_from(subject: str) -> Iterator[None]:
         raise InvalidInput(describe_validation_error(exc, subject=made)) from exc
 
 
-def _first_of_each_id(events: list[SseEvent]) -> Iterator[SseEvent]:
-    seen: set[str] = set()
+def _first_of_each_id(events: list[SseEvent]) -> list[SseEvent]:
+    """The events less those a server sent again after a reconnect: an event whose id was
+    read before, equal to the event read under it. A stream that gives one id to events of
+    other content (a message's id on each of its events: `id:` only sets the reconnect
+    cursor) has ids that name no single event: every event of it is read."""
+    first: dict[str, SseEvent] = {}
     for event in events:
-        if event.id is not None:
-            if event.id in seen:
-                continue
-            seen.add(event.id)
-        yield event
+        if event.id and first.setdefault(event.id, event) != event:
+            return events
+    return [e for e in events if not e.id or first[e.id] is e]
 
 
 def turn_from_metadata(
