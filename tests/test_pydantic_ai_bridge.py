@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
 from pydantic_ai import (
     Agent,
     DeferredToolRequests,
@@ -19,6 +20,7 @@ from pydantic_ai import (
     ModelRetry,
     RunContext,
     ToolDenied,
+    ToolOutput,
     ToolReturn,
 )
 from pydantic_ai.messages import (
@@ -48,9 +50,18 @@ from pydantic_ai.messages import (
     UserPromptPart,
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.output import is_output_tool_part
 from pydantic_ai.usage import RequestUsage
 
 from agent_store import AgentMessageLogger, ConversationStore, TurnRules
+from agent_store.core import (
+    AssistantMessage,
+    FunctionCall,
+    MessageError,
+    ToolCall,
+    ToolMessage,
+    UserMessage,
+)
 from agent_store.integrations.exports import chat_completions, chat_completions_problems
 from agent_store.integrations.pydantic_ai import history_from_messages, log_run, messages_from_run
 from agent_store.integrations.streams import log_streamed_turn, turn_from_metadata
@@ -1166,3 +1177,231 @@ def test_a_spoken_response_is_kept_whole_but_its_audio() -> None:
     (replayed,) = history_from_messages([stored])
 
     assert replayed.parts == [replace(spoken, audio=None)]
+
+
+# -- a part's content comes back as the str or the value the run kept -------------------
+
+
+class Weather(BaseModel):
+    city: str
+    temp_c: int
+
+
+def retrying_agent(message: str) -> Callable[[Respond], Agent[None, str]]:
+    """`read` asks for the call again with `message` (a `ModelRetry`), then returns "ok"."""
+
+    def make(respond: Respond) -> Agent[None, str]:
+        agent: Agent[None, str] = Agent(FunctionModel(respond))
+
+        @agent.tool_plain
+        def read(what: str) -> str:
+            if what == "page":
+                raise ModelRetry(message)
+            return "ok"
+
+        return agent
+
+    return make
+
+
+def output_retrying_agent(message: str) -> Callable[[Respond], Agent[None, str]]:
+    """An output validator refuses the first answer with `message` (a `ModelRetry`)."""
+
+    def make(respond: Respond) -> Agent[None, str]:
+        agent = reading_agent("ok")(respond)
+
+        @agent.output_validator
+        def check(ctx: RunContext[None], output: str) -> str:
+            if output.startswith("Step one") and ctx.retry == 0:
+                raise ModelRetry(message)
+            return output
+
+        return agent
+
+    return make
+
+
+JSON_TEXTS = [
+    pytest.param(json.dumps(["the price is missing"]), id="list-text"),
+    pytest.param('{"missing":"price"}', id="object-text"),
+    pytest.param("[]", id="empty-list-text"),
+]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        *(
+            pytest.param(output_retrying_agent(p.values[0]), id=f"output-retry-{p.id}")
+            for p in JSON_TEXTS
+        ),
+        *(pytest.param(retrying_agent(p.values[0]), id=f"tool-retry-{p.id}") for p in JSON_TEXTS),
+        *(pytest.param(reading_agent(p.values[0]), id=f"tool-result-{p.id}") for p in JSON_TEXTS),
+        pytest.param(
+            reading_agent(Weather(city="Lyon", temp_c=18).model_dump_json()), id="model-dump-json"
+        ),
+        pytest.param(reading_agent([]), id="empty-list-value"),
+        pytest.param(reading_agent(["Lyon"]), id="list-value"),
+        pytest.param(reading_agent(21), id="number-value"),
+        pytest.param(reading_agent(None), id="none"),
+        pytest.param(reading_agent(Weather(city="Lyon", temp_c=18)), id="model-value"),
+    ],
+)
+async def test_a_str_comes_back_a_str_and_a_value_a_value_whatever_the_text_looks_like(
+    backend: Backend, make: Callable[[Respond], Agent[None, str]]
+) -> None:
+    """The model gets the same history from the store as from memory: a tool's result, its
+    retry message and an output retry's feedback come back as the `str` or the value the run
+    held, JSON text or not, so each provider renders them alike (a `str` as it is, a value as
+    its JSON, `[]` as nothing, a retry's value as a structure, an object as the object)."""
+    in_memory, from_store, _ = await second_turns(backend, make, "Look.")
+
+    assert model_view(from_store) == model_view(in_memory)
+    returns = [
+        [(p.model_response_str(), p.model_response_object()) for m in history for p in m.parts
+         if isinstance(p, ToolReturnPart)]
+        for history in (in_memory, from_store)
+    ]  # fmt: skip
+    assert returns[1] == returns[0]
+
+
+async def test_output_tool_parts_come_back_marked_as_output_tool_parts(backend: Backend) -> None:
+    def make(respond: Respond) -> Agent[None, Weather]:
+        return Agent(FunctionModel(respond), output_type=ToolOutput(Weather, name="return_weather"))
+
+    def respond(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        given.append(list(messages))
+        call = ToolCallPart("return_weather", {"city": "Lyon", "temp_c": 18}, tool_call_id="o1")
+        return ModelResponse(parts=[call])
+
+    given: list[list[ModelMessage]] = []
+    first = await make(respond).run("Weather?")
+    await make(respond).run("Again.", message_history=first.all_messages())
+    in_memory = given[-1]
+    first = await make(respond).run("Weather?")
+    await log_run(AgentMessageLogger(backend.db), CID, first.new_messages(), turn_id="run-1")
+    stored = await ConversationStore(backend.db).transcript(CID)
+    await make(respond).run("Again.", message_history=history_from_messages(stored))
+
+    assert model_view(given[-1]) == model_view(in_memory)
+    parts = [p for m in given[-1] for p in m.parts if isinstance(p, ToolCallPart | ToolReturnPart)]
+    assert [(type(p), is_output_tool_part(p)) for p in parts] == [
+        (ToolCallPart, True),
+        (ToolReturnPart, True),
+    ]
+    assert chat_completions_problems(chat_completions(stored)) == []
+
+
+async def test_an_error_only_result_another_writer_stored_replays_as_what_its_error_says(
+    backend: Backend,
+) -> None:
+    calls = [
+        ToolCall(id=f"c{i}", function=FunctionCall(name="send", arguments="{}")) for i in (1, 2)
+    ]
+    await AgentMessageLogger(backend.db).log_messages(
+        CID,
+        [
+            UserMessage(content="Send both."),
+            AssistantMessage(tool_calls=calls),
+            ToolMessage(tool_call_id="c1", error=MessageError(message="tool call denied")),
+            ToolMessage(tool_call_id="c2", error=MessageError(message="upstream timeout")),
+            AssistantMessage(content="Done."),
+        ],
+        turn_id="t-1",
+    )
+    stored = await ConversationStore(backend.db).transcript(CID)
+
+    returns = [
+        p for m in history_from_messages(stored) for p in m.parts if isinstance(p, ToolReturnPart)
+    ]
+
+    exported = [m["content"] for m in chat_completions(stored) if m["role"] == "tool"]
+    assert exported == ["The user denied this tool call.", "The tool call failed: upstream timeout"]
+    assert [(p.outcome, p.model_response_str(wrap_if_error=False)) for p in returns] == [
+        ("denied", exported[0]),
+        ("failed", exported[1]),
+    ]
+
+
+ERROR_DETAILS = '[{"type":"missing","loc":["price"],"msg":"Field required","input":{}}]'
+
+
+@pytest.mark.parametrize(
+    ("stored", "content"),
+    [
+        pytest.param({"role": "tool", "content": '{"rows":3}'}, {"rows": 3}, id="object"),
+        pytest.param({"role": "tool", "content": '["Lyon"]'}, ["Lyon"], id="list"),
+        pytest.param({"role": "tool", "content": "[]"}, "[]", id="empty-list"),
+        pytest.param({"role": "tool", "content": "{}"}, "{}", id="empty-object"),
+        pytest.param({"role": "tool", "content": "21"}, "21", id="number"),
+        pytest.param({"role": "tool", "content": '{"a": 1}'}, '{"a": 1}', id="not-compact"),
+        pytest.param(
+            {"role": "tool", "content": '["past"]',
+             "error": {"message": "tool call retried: model_retry"}},
+            '["past"]',
+            id="tool-retry-message",
+        ),
+        pytest.param(
+            {"role": "tool", "content": ERROR_DETAILS,
+             "error": {"message": "tool call retried: validation_error"}},
+            json.loads(ERROR_DETAILS),
+            id="tool-retry-error-details",
+        ),
+        pytest.param(
+            {"role": "user", "content": '["past"]',
+             "error": {"message": "retry feedback: model_retry"}},
+            '["past"]',
+            id="feedback-message",
+        ),
+        pytest.param(
+            {"role": "user", "content": ERROR_DETAILS,
+             "error": {"message": "retry feedback: validation_error"}},
+            json.loads(ERROR_DETAILS),
+            id="feedback-error-details",
+        ),
+    ],
+)  # fmt: skip
+def test_a_message_stored_without_its_content_kind_comes_back_as_text_unless_plainly_a_value(
+    stored: dict[str, Any], content: Any
+) -> None:
+    """Older messages and other writers' hold no record of a `str` or a value: the text comes
+    back a value only when it is a non-empty object or list that Pydantic AI renders to the
+    very same text, and a retry's content only when it is a validation error's details."""
+    call = {"id": "c1", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+    said = {"role": "assistant", "tool_calls": [call]}
+    if stored["role"] == "tool":
+        stored = {**stored, "tool_call_id": "c1"}
+    else:
+        said = {"role": "assistant", "content": "Several."}
+
+    history = history_from_messages([{"role": "user", "content": "Look."}, said, stored])
+
+    (part,) = [p for p in history[-1].parts if isinstance(p, ToolReturnPart | RetryFeedbackPart)]
+    assert part.content == content
+
+
+@pytest.mark.parametrize(
+    ("returned", "native"),
+    [
+        pytest.param("ok", None, id="text"),
+        pytest.param({"rows": 3}, None, id="object"),
+        pytest.param("[]", None, id="empty-list-text"),
+        pytest.param('{"rows":3}', {"content_kind": "text"}, id="object-text"),
+        pytest.param([], {"content_kind": "value", "content": []}, id="empty-list"),
+        pytest.param(None, {"content_kind": "value"}, id="none"),
+    ],
+)
+def test_a_results_content_kind_is_kept_only_where_its_text_reads_otherwise(
+    returned: Any, native: dict[str, Any] | None
+) -> None:
+    run = [
+        ModelResponse(parts=[ToolCallPart("read", {"what": "page"}, tool_call_id="c1")]),
+        ModelRequest(parts=[ToolReturnPart("read", returned, tool_call_id="c1")]),
+    ]
+
+    tool = messages_from_run(run)[1]
+
+    assert (tool.native.set if tool.native else None) == native
+    (part,) = history_from_messages([*messages_from_run(run)[:1], tool])[1].parts
+    assert isinstance(part, ToolReturnPart)
+    assert part.content == returned

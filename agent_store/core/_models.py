@@ -664,7 +664,8 @@ class NativeForm(_Model):
     format: Annotated[str, StringConstraints(min_length=1, max_length=100)]
     """Whose form: `openai-agents` (an Agents SDK item), `langchain` (a LangChain message) or
     `pydantic-ai` (a response's several texts as content parts, its parts' order with the
-    parts the chat fields cannot hold; a system prompt's fields beyond its text)."""
+    parts the chat fields cannot hold; a system prompt's fields beyond its text; whether a
+    tool result's or retry feedback's content was a `str` or a value, a tool's kind)."""
     set: Annotated[dict[str, NativeValue], AfterValidator(_native_keys)] = Field(
         default_factory=dict
     )

@@ -27,6 +27,10 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
 - retry feedback that answers no call (an output retry): a `user` message
   marked `error: {message: "retry feedback: <cause>"}`, because the model
   receives it in the user's voice; it is never shown as a person's words.
+- a tool result's, a tool retry's or retry feedback's content: as the text the
+  model is sent (a value as its JSON); `native` says whether it was a `str` or a
+  value (`content_kind`) when the text alone reads otherwise, so the history
+  gives back what the run held; an output tool's `tool_kind` is kept too.
 - a call the run left unanswered (a tool that requires approval, or a
   deferred call: the run ended with `DeferredToolRequests`): stored without
   an answer, so the conversation lists it as pending; the next run's return
@@ -57,7 +61,7 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import pydantic_core
 from pydantic import TypeAdapter, ValidationError
@@ -85,6 +89,7 @@ from agent_store.core import (
     feedback_cause,
     feedback_error,
     outcome_error,
+    result_text,
     tool_content_error,
     tool_outcome,
     whole_millis,
@@ -119,6 +124,13 @@ _RESPONSE_PART: TypeAdapter[pai.ModelResponsePart] = TypeAdapter(pai.ModelRespon
 _IN_CHAT_FIELDS = ("text", "tool-call")
 """The stand-ins, in a response's kept order, for a part the chat fields hold: a text (or a
 file's note), a call; taken from `content` and `tool_calls` in turn."""
+
+_CONTENT_KIND = "content_kind"
+"""The `native` key of a tool result or retry feedback saying what the part's content was:
+`text` (a `str`: given back as the stored text) or `value` (given back as the value the stored
+text is the JSON of; no text as None, or as the value kept whole as `content`: `[]`, which
+Pydantic AI renders as no text too). Kept only when the text alone reads otherwise
+(`_plain_kind`): a `str` holding JSON, or a value Pydantic AI renders as no JSON (`[]`, None)."""
 
 _TOOL_RETRY_CAUSES: dict[str, pai.ToolRetryCause] = {
     cause: cause
@@ -224,41 +236,59 @@ def _from_request_part(
     if isinstance(part, pai.ToolReturnPart):
         outcome = part.outcome if part.outcome != "success" else None
         cause = part.retry.cause if part.retry is not None else None
-        return [
-            ToolMessage(
-                tool_call_id=part.tool_call_id,
-                content=_tool_return_text(part),
-                error=outcome_error(outcome, cause) if outcome else None,
-                created_at=part.timestamp,
-            )
-        ]
+        returned = ToolMessage(
+            tool_call_id=part.tool_call_id,
+            content=_tool_return_text(part),
+            error=outcome_error(outcome, cause) if outcome else None,
+            created_at=part.timestamp,
+        )
+        content = part.content if not part.files else ""  # with files: the items' text
+        return [_with_content_kind(returned, content, subject, tool_kind=part.tool_kind)]
     if isinstance(part, pai.RetryFeedbackPart):
-        return [
-            UserMessage(
-                content=_retry_text(part.content),
-                error=feedback_error(part.retry.cause),
-                created_at=part.timestamp,
-            )
-        ]
+        feedback = UserMessage(
+            content=_retry_text(part.content),
+            error=feedback_error(part.retry.cause),
+            created_at=part.timestamp,
+        )
+        return [_with_content_kind(feedback, part.content, subject)]
     if isinstance(part, pai.RetryPromptPart):  # deprecated; only in histories built by hand
-        cause = "model_retry" if isinstance(part.content, str) else "validation_error"
-        if part.tool_name is None:
-            return [
-                UserMessage(
-                    content=_retry_text(part.content),
-                    error=feedback_error(cause),
-                    created_at=part.timestamp,
-                )
-            ]
-        return [
-            ToolMessage(
-                tool_call_id=part.tool_call_id,
-                content=_retry_text(part.content),
-                error=outcome_error("retried", cause),
-                created_at=part.timestamp,
-            )
-        ]
+        return [_from_retry_prompt(part, subject)]
     return []
+
+
+def _from_retry_prompt(part: Any, subject: str) -> AgentMessage:
+    """A deprecated retry prompt as the part it stands for: a retried return, or feedback."""
+    cause = "model_retry" if isinstance(part.content, str) else "validation_error"
+    message: AgentMessage
+    if part.tool_name is None:
+        message = UserMessage(
+            content=_retry_text(part.content),
+            error=feedback_error(cause),
+            created_at=part.timestamp,
+        )
+    else:
+        message = ToolMessage(
+            tool_call_id=part.tool_call_id,
+            content=_retry_text(part.content),
+            error=outcome_error("retried", cause),
+            created_at=part.timestamp,
+        )
+    return _with_content_kind(message, part.content, subject)
+
+
+def _with_content_kind(
+    message: AgentMessage, content: Any, subject: str, *, tool_kind: str | None = None
+) -> AgentMessage:
+    """`message` keeping in `native` what its text alone does not say of the part: whether its
+    content was a `str` or a value (`_CONTENT_KIND`), and the tool's kind (an output tool's
+    `output`), so the history gives the part back as the run held it."""
+    kept: dict[str, Any] = {_CONTENT_KIND: "text" if isinstance(content, str) else "value"}
+    if not message.content and content not in (None, ""):  # a value rendered as no text: []
+        kept["content"] = runtime_json(content, subject=subject, fallback=str)
+    if tool_kind is not None:
+        kept["tool_kind"] = tool_kind
+    plain = {_CONTENT_KIND: _plain_kind(message)}
+    return with_native(message, FORMAT, kept, plain, subject=subject)
 
 
 def _from_response(
@@ -301,7 +331,8 @@ def _dumped_prompt(part: pai.SystemPromptPart, subject: str) -> dict[str, Any]:
 
 def _parts_kept(parts: Sequence[pai.ModelResponsePart], subject: str) -> list[dict[str, Any]]:
     """A response's parts in order as `native` keeps them: one the chat fields hold as a
-    stand-in naming its kind (`text`, for a file's note too; `tool-call`), any other whole as
+    stand-in naming its kind (`text`, for a file's note too; `tool-call`, with the tool's
+    `tool_kind` when it has one: an output tool's `output`), any other whole as
     Pydantic AI serializes it (a provider's own tool call and its return, a compaction, a
     spoken reply without its audio: the store keeps no files). Thinking is left out."""
     kept: list[dict[str, Any]] = []
@@ -309,7 +340,8 @@ def _parts_kept(parts: Sequence[pai.ModelResponsePart], subject: str) -> list[di
         if isinstance(part, pai.TextPart | pai.FilePart):
             kept.append({"part_kind": "text"})
         elif isinstance(part, pai.ToolCallPart):
-            kept.append({"part_kind": "tool-call"})
+            kind = {"tool_kind": part.tool_kind} if part.tool_kind is not None else {}
+            kept.append({"part_kind": "tool-call", **kind})
         elif not isinstance(part, pai.ThinkingPart):
             whole = replace(part, audio=None) if isinstance(part, pai.SpeechPart) else part
             dumped = _RESPONSE_PART.dump_python(whole, fallback=str)
@@ -524,7 +556,7 @@ def _to_response(messages: Sequence[AssistantMessage]) -> pai.ModelResponse:
         texts = _text_parts(message) if message.hitl_action is None else []
         calls = [
             pai.ToolCallPart(
-                call.function.name, _json_or_text(call.function.arguments), tool_call_id=call.id
+                call.function.name, _arguments(call.function.arguments), tool_call_id=call.id
             )
             for call in message.tool_calls or ()
         ]
@@ -555,23 +587,42 @@ def _in_kept_order(
     }
     parts: list[pai.ModelResponsePart] = []
     for entry in kept:
-        taken = next(in_chat[entry], None) if isinstance(entry, str) else entry
-        if taken is not None:
-            parts.append(taken)
+        if not isinstance(entry, tuple):
+            parts.append(entry)
+        elif (taken := next(in_chat[entry[0]], None)) is not None:
+            parts.append(_of_tool_kind(taken, entry[1]))
     return [*parts, *in_chat["text"], *in_chat["tool-call"]]
 
 
-def _kept_order(message: AssistantMessage) -> list[pai.ModelResponsePart | str] | None:
-    """The parts `native` keeps of a response, a stand-in as the kind it stands for."""
+def _of_tool_kind(part: pai.ModelResponsePart, tool_kind: str | None) -> pai.ModelResponsePart:
+    """A call the chat fields hold, with the tool's kind `native` keeps (an output tool's
+    `output`), as Pydantic AI types a part of that kind."""
+    if tool_kind is None or not isinstance(part, pai.ToolCallPart):
+        return part
+    return pai.ToolCallPart.narrow_type(replace(cast(pai.ToolCallPart, part), tool_kind=tool_kind))
+
+
+_StandIn = tuple[str, str | None]
+"""A part the chat fields hold, in a response's kept order: its kind, and its tool's kind."""
+
+
+def _kept_order(message: AssistantMessage) -> list[pai.ModelResponsePart | _StandIn] | None:
+    """The parts `native` keeps of a response, a stand-in as the kind it stands for (and a
+    call's as its tool's kind too)."""
     kept = _kept(message, "parts")
     if not isinstance(kept, list):
         return None
-    order: list[pai.ModelResponsePart | str] = []
+    order: list[pai.ModelResponsePart | _StandIn] = []
     for entry in kept:
         if isinstance(entry, dict) and entry.keys() == {"part_kind"}:
             if entry["part_kind"] not in _IN_CHAT_FIELDS:
                 return None
-            order.append(entry["part_kind"])
+            order.append((entry["part_kind"], None))
+            continue
+        if isinstance(entry, dict) and entry.keys() == {"part_kind", "tool_kind"}:
+            if entry["part_kind"] != "tool-call" or not isinstance(entry["tool_kind"], str):
+                return None
+            order.append(("tool-call", entry["tool_kind"]))
             continue
         try:
             order.append(_RESPONSE_PART.validate_python(entry))
@@ -594,25 +645,32 @@ def _to_system_part(message: SystemMessage) -> pai.SystemPromptPart:
 
 
 def _to_tool_return(message: ToolMessage, tool_name: str) -> pai.ToolReturnPart:
+    """The return a tool message stands for: its content as the run held it
+    (`_content_of`); one stored with no text and an `error` (another writer's) as what its
+    error says, as every other reader replays it (`result_text`); its tool's kind kept."""
     assert message.tool_call_id is not None
     marked = tool_outcome(message)
     outcome, cause = marked if marked is not None else (None, None)
     retry_cause = _TOOL_RETRY_CAUSES.get(cause or "", "model_retry")
-    return pai.ToolReturnPart(
+    tool_kind = _kept(message, "tool_kind")
+    returned = pai.ToolReturnPart(
         tool_name,
-        _json_or_text(message.content or ""),
+        _content_of(message, result_text(message)),
         tool_call_id=message.tool_call_id,
         timestamp=message.created_at,
         outcome=outcome or "success",
         retry=pai.RetryInfo(retry_cause) if outcome == "retried" else None,
     )
+    if not isinstance(tool_kind, str):
+        return returned
+    return pai.ToolReturnPart.narrow_type(replace(returned, tool_kind=tool_kind))
 
 
 def _to_user_part(message: UserMessage) -> Any:
     is_feedback, cause = feedback_cause(message)
     if is_feedback:
         return pai.RetryFeedbackPart(
-            _json_or_text(message.content or ""),
+            _content_of(message, message.content or ""),
             retry=pai.RetryInfo(_FEEDBACK_CAUSES.get(cause or "", "model_retry")),
             timestamp=message.created_at,
         )
@@ -629,20 +687,74 @@ def _interrupted_return(tool_name: str, tool_call_id: str, at: datetime) -> pai.
     )
 
 
-def _json_or_text(text: str) -> Any:
-    """Structured JSON back as a value when that sends the model the very same text.
+def _arguments(text: str) -> Any:
+    """A call's stored arguments back as the object they are the compact JSON of, else as
+    the text (Pydantic AI sends either as the same text)."""
+    value = _json_value(text)
+    return value if isinstance(value, dict) and _compact_json(value) == text else text
 
-    The store keeps tool arguments and results as text; Pydantic AI renders a
-    value as compact JSON. Returning the value only when it renders back to
-    the same text keeps what the model is sent identical either way.
-    """
-    if not text.startswith(("{", "[")):
+
+def _content_of(message: ToolMessage | UserMessage, text: str) -> Any:
+    """A tool result's or retry feedback's content as the run held it: `text` for a `str`,
+    the value `text` is the JSON of for a value, as `native` records (`_CONTENT_KIND`); with
+    no record (an older message, another writer's), as `_plain_kind` reads the text. A retry's
+    value is only ever a validation error's details: anything else is its text."""
+    kind = _kept(message, _CONTENT_KIND)
+    if kind not in ("text", "value"):
+        kind = _plain_kind(message)
+    if kind == "text":
         return text
+    value = _json_value(text) if text else _kept(message, "content")
+    return text if _retry_cause(message) is not None and not _error_details(value) else value
+
+
+def _plain_kind(message: AgentMessage) -> str:
+    """What a tool result's or retry feedback's stored text alone reads as: a value when it
+    is a non-empty object or list Pydantic AI renders to the very same text (an empty one, a
+    `str` holding JSON, renders otherwise), and a retry's only when it is a validation
+    error's details (a `ModelRetry` message is a `str`, whatever it holds); else text."""
+    text = message.content or ""
+    value = _json_value(text) if text.startswith(("{", "[")) else None
+    cause = _retry_cause(message)
+    if cause is None:
+        fits = isinstance(value, dict | list) and bool(value)
+    else:
+        fits = cause == "validation_error" and _error_details(value)
+    return "value" if fits and _rendered(value) == text else "text"
+
+
+def _retry_cause(message: AgentMessage) -> str | None:
+    """The cause of a retried return or of retry feedback ("" when it names none), or None
+    for any other message."""
+    if isinstance(message, ToolMessage):
+        marked = tool_outcome(message)
+        return (marked[1] or "") if marked is not None and marked[0] == "retried" else None
+    if isinstance(message, UserMessage):
+        is_feedback, cause = feedback_cause(message)
+        return (cause or "") if is_feedback else None
+    return None
+
+
+def _error_details(value: Any) -> bool:
+    """Whether `value` is a validation error's details, as a retry holds them: a list of
+    objects."""
+    return isinstance(value, list) and bool(value) and all(isinstance(e, dict) for e in value)
+
+
+def _json_value(text: str) -> Any:
+    """The value `text` is the JSON of; None for no text (Pydantic AI renders None as no
+    text); `text` itself when it is no JSON."""
+    if not text:
+        return None
     try:
-        value = json.loads(text)
-    except ValueError:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # no JSON, or nested deeper than Python reads
         return text
-    return value if _compact_json(value) == text else text
+
+
+def _rendered(value: Any) -> str:
+    """The text Pydantic AI gives the model of a tool's result `value` (a retry's too)."""
+    return pai.ToolReturnPart("", value).model_response_str(wrap_if_error=False)
 
 
 # -- logging --------------------------------------------------------------------------

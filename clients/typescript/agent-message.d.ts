@@ -472,7 +472,8 @@ export interface INativeForm {
   /**
    * Whose form: `openai-agents` (an Agents SDK item), `langchain` (a LangChain message) or
    * `pydantic-ai` (a response's several texts as content parts, its parts' order with the
-   * parts the chat fields cannot hold; a system prompt's fields beyond its text).
+   * parts the chat fields cannot hold; a system prompt's fields beyond its text; whether a
+   * tool result's or retry feedback's content was a `str` or a value, a tool's kind).
    */
   format: string;
   /** Top-level keys whose values the rebuilt form lacks or holds otherwise; plain JSON. */
