@@ -174,6 +174,50 @@ async def test_a_second_delete_of_a_double_click_leaves_the_conversation_started
     assert (await api.http.delete(CONV, headers=headers | {"If-Match": new_etag})).is_success
 
 
+@pytest.mark.parametrize("if_match", ["read before", "*", None], ids=["etag", "any", "absent"])
+async def test_a_delete_failed_part_way_leaves_every_read_404_and_its_retry_finishes_it(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, if_match: str | None
+) -> None:
+    """The owner's DELETE marks the conversation, then its removal of the legacy turns kept
+    beside it is lost (503): the legacy turns are still there. Until the DELETE is run again
+    every read of the conversation is 404, to the owner and a service, with no ETag, as
+    without legacy turns: none is served from them. The DELETE run again finishes it, sent
+    with the ETag read before the first attempt, with `*` or without If-Match: never 412,
+    nobody started the conversation again."""
+    async with serve(backend.db) as api:
+        owner = auth_headers(user=OWNER)
+        etag = (await api.http.get(CONV, headers=owner)).headers["etag"]
+        legacy = api.store.conversations._legacy_source
+        assert legacy is not None
+        served = await legacy.conversation(OWNER_CONVERSATION)
+        assert served is not None
+
+        async def lost(conversation_id: str, *, owner: str | None) -> int:
+            raise StorageUnavailable("the connection dropped")
+
+        monkeypatch.setattr(legacy, "delete", lost)
+        failed = await api.http.delete(CONV, headers=owner | {"If-Match": etag})
+        monkeypatch.undo()
+        assert (failed.status_code, error_code(failed)) == (503, "storage_unavailable")
+
+        after = {"after": served.messages[1].id}
+        reads = [("", {}), ("/hitl", {}), ("/turns/run-1/inbox", {}), ("/transcript", {}),
+                 ("/messages", {}), ("/messages", after)]  # fmt: skip
+        for headers in (owner, SERVICE):
+            for path, params in reads:
+                read = await api.http.get(f"{CONV}{path}", params=params, headers=headers)
+                assert read.status_code == 404, (path, read.status_code, read.text[:80])
+                assert error_code(read) == "not_found"
+                assert "etag" not in read.headers
+
+        named = {"read before": {"If-Match": etag}, "*": {"If-Match": "*"}, None: {}}[if_match]
+        retried = await api.http.delete(CONV, headers=owner | named)
+        assert retried.status_code == 200, retried.text
+        assert retried.json() == {"conversations": 1, "messages": 12, "legacy_turns": 4}
+        gone = await api.http.get(CONV, headers=owner)
+        assert (gone.status_code, error_code(gone)) == (404, "not_found")
+
+
 @pytest.mark.parametrize("if_match", ["*", None], ids=["any", "absent"])
 async def test_a_delete_without_a_version_deletes_whatever_is_under_the_id(
     api: Served, if_match: str | None

@@ -29,6 +29,7 @@ from agent_store import (
     Conflict,
     ConversationStore,
     InvalidInput,
+    LegacyTurns,
     NotFound,
     RetryPolicy,
     SteeringInbox,
@@ -36,10 +37,12 @@ from agent_store import (
     TurnRules,
     with_retries,
 )
+from agent_store.legacy import LEGACY_TURNS
 from agent_store.store import plan_turn, storage_errors
 from agent_store.store._logger import Corrected, OtherContent
-from app.examples import example_turns
+from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
 from tests.conftest import COUNTED, Backend
+from tests.test_logger import log_example
 
 CID = "conv-reliability"
 
@@ -1479,6 +1482,47 @@ async def test_a_conversation_whose_delete_failed_part_way_is_absent_to_every_re
     await assert_absent_to_every_read(backend, store, CID)
 
     assert (await store.delete(CID)).conversations == 1
+
+
+async def test_a_conversation_whose_delete_failed_part_way_is_not_served_from_its_legacy_turns(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delete marks the conversation, then removes the legacy turns kept beside it (the
+    transition's dual write): one that failed between leaves them there. The conversation is
+    no conversation all the same: the read fallback, which serves a conversation with no
+    document, or one being migrated, never serves one a delete marked; every read of it is
+    NotFound, to its owner and a service, as without legacy turns (no summary, prompt, page or
+    empty inbox rebuilt from them). The delete run again naming the version read before the
+    first attempt finishes it."""
+    cid = EXAMPLE_CONVERSATION_ID
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(backend.db, observers=[legacy], legacy=legacy)
+    await logger.ensure_indexes()
+    await log_example(logger)
+    store = ConversationStore(backend.db, legacy=legacy)
+    version = (await store.get_conversation(cid, user_id=EXAMPLE_USER_ID)).version
+    fallback = await legacy.conversation(cid)
+    assert fallback is not None
+
+    async def lost(conversation_id: str, *, owner: str | None) -> int:
+        raise StorageUnavailable("the connection dropped")
+
+    monkeypatch.setattr(legacy, "delete", lost)
+    with pytest.raises(StorageUnavailable):
+        await store.delete(cid, version=version)
+    monkeypatch.undo()
+    assert await backend.db[LEGACY_TURNS].count_documents({"conversation_id": cid}) == 4
+
+    for user_id in (EXAMPLE_USER_ID, None):
+        await assert_absent_to_every_read(backend, store, cid, user_id)
+        with pytest.raises(NotFound):
+            await store.messages_page(cid, after=fallback.messages[1].id, user_id=user_id)
+        with pytest.raises(NotFound):
+            await SteeringInbox(logger).drain(cid, "run-1", user_id=user_id)
+
+    deleted = await store.delete(cid, version=version)
+    assert (deleted.conversations, deleted.legacy_turns) == (1, 4)
+    assert await backend.db[LEGACY_TURNS].count_documents({"conversation_id": cid}) == 0
 
 
 @pytest.mark.parametrize("failed", ["delete", "erasure"])

@@ -75,7 +75,9 @@ from agent_store.store._reservation import (
     BeingDeleted,
     being_deleted,
     int64,
+    is_standing,
     literal,
+    refuse_unless_fallback_serves,
     refuse_unless_standing,
 )
 from agent_store.store._turns import (
@@ -585,15 +587,17 @@ class SteeringInbox:
     ) -> dict[str, Any] | None:
         """The inbox entry of `turn_id` (None: not open) in the conversation `user_id` (any,
         for None) sees, for a read of the inbox or, `writes`, its close. Its conversation
-        missing: `_unstanding`."""
+        missing, or being migrated: `_unstanding`; one a delete marked or a fork not made yet
+        is NotFound, never served from legacy turns (`refuse_unless_fallback_serves`)."""
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         field = inbox_field(validate_identifier(turn_id, "turn_id"))
         actor = Actor(user_id, as_user=user_id is not None)
         with storage_errors("read the turn's inbox"):
             doc = await self._conversations.find_one(
-                {"_id": conversation_id, **actor.owner_filter(), **STANDING}, {field: 1}
+                {"_id": conversation_id, **actor.owner_filter()}, {field: 1, **UNSTANDING_READ}
             )
-        if doc is None:
+        if doc is None or not is_standing(doc):
+            refuse_unless_fallback_serves(conversation_id, doc)
             await self._unstanding(conversation_id, actor, writes=writes)
             return None
         entry: dict[str, Any] | None = doc.get("inbox", {}).get(field.split(".")[1])

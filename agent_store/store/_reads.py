@@ -76,8 +76,8 @@ from agent_store.store._reservation import (
     CallKey,
     answered_before,
     concerned_calls,
-    is_listed,
     is_standing,
+    refuse_unless_fallback_serves,
     refuse_unless_standing,
     resolution,
     same_as_read,
@@ -397,16 +397,25 @@ class ConversationStore:
         return {name: on for name, on in scope.items() if name != MIGRATING} | self._listed
 
     async def _legacy(self, conversation_id: str, user_id: str | None) -> FallbackConversation:
-        """A conversation not migrated yet, converted from its legacy turns; else NotFound.
+        """A conversation not migrated yet, converted from its legacy turns; else NotFound,
+        also when the conversation document under the id in the caller's scope is one the
+        fallback never serves (`refuse_unless_fallback_serves`: a delete that failed part-way
+        marked it and left its legacy turns), read at once with them (one command more, no
+        wait more).
 
-        Only reached when the new collections have nothing under this id, so reads of
+        Only reached when a read found no conversation standing under this id, so reads of
         migrated conversations keep their round-trip counts.
         """
         missing = NotFound(f"conversation {conversation_id!r} was not found")
         source = self._legacy_source
         if source is None or not source.read_fallback:
             raise missing
-        found = await source.conversation(conversation_id, user_id=user_id)
+        converted = partial(source.conversation, conversation_id, user_id=user_id)
+        with storage_errors("read the conversation"):
+            found, there = await _at_once(
+                converted, partial(self._in_scope, conversation_id, user_id)
+            )
+        refuse_unless_fallback_serves(conversation_id, there)
         if found is None or (user_id is not None and found.conversation.user_id != user_id):
             raise missing
         return found
@@ -2318,10 +2327,9 @@ def _its_messages(
     its `epoch`, and those stored before epochs (a turn of a deleted conversation, reserved
     before the delete and inserted after it, may land under the id once the conversation was
     started again, until the delete's sweep)."""
+    refuse_unless_fallback_serves(conversation_id, found)
     if found is None or (found.get(MIGRATING) is not None and not being_migrated):
         return None  # one the migration is still writing is read from its legacy turns
-    if not is_listed(found):
-        raise NotFound(f"conversation {conversation_id!r} was not found")
     return _of_epoch(docs, found.get("epoch"))
 
 

@@ -112,6 +112,20 @@ def is_listed(conversation: Mapping[str, Any]) -> bool:
     return all(conversation.get(mark) is None for mark in (DELETING, FORK_CHECK))
 
 
+def refuse_unless_fallback_serves(
+    conversation_id: str, conversation: Mapping[str, Any] | None
+) -> None:
+    """NotFound unless the read fallback may serve the id from its legacy turns: the
+    conversation document under it in the caller's scope (read with `UNSTANDING_READ`) is
+    none, or one the migration is still writing (`MIGRATING`). One a delete or an erasure
+    marked (`DELETING`: it removes the legacy turns after marking, and one that failed between
+    leaves them), or a fork not made yet (`FORK_CHECK`), is no conversation, and its legacy
+    turns none to serve: a missing one, until the delete run again finishes it. The rule of
+    every read that falls back (`ConversationStore._legacy`, a message read's, an inbox's)."""
+    if conversation is not None and not is_listed(conversation):
+        raise NotFound(f"conversation {conversation_id!r} was not found")
+
+
 def unfinished_fork(conversation_id: str, what: str) -> StorageUnavailable:
     """The refusal of `what` (a turn) in a fork not made yet (`FORK_CHECK`): an attempt of the
     fork is making it, or failed before it was made, and the same fork retried makes it."""
