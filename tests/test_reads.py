@@ -2111,6 +2111,94 @@ async def test_a_forks_refused_retry_says_whether_the_fork_or_its_source_changed
         assert await store.transcript("c-x", user_id=OWNER) == source
 
 
+async def _an_unowned_fork(backend: Backend) -> tuple[AgentMessageLogger, ConversationStore]:
+    """Unowned "c-u" (a service's turn naming no user), forked at seq 1 into "c-fork", unowned
+    as its source."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    said = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    await logger.log_messages("c-u", said, turn_id="t1")
+    await logger.fork("c-u", 1, "c-fork")
+    return logger, ConversationStore(backend.db)
+
+
+async def _owners_of(backend: Backend, conversation_id: str) -> list[str | None]:
+    """The owner a conversation's document names, then each of its messages', in `seq` order."""
+    doc = await backend.db[CONVERSATIONS].find_one({"_id": conversation_id})
+    messages = backend.db[MESSAGES].find({"conversation_id": conversation_id}).sort("seq", 1)
+    return [doc["user_id"], *[m.get("user_id") async for m in messages]]
+
+
+@pytest.mark.parametrize("retried_by", ["a service naming no user", "the source's owner"])
+@pytest.mark.parametrize("since", ["nothing", "a service turn in the fork"])
+async def test_a_forks_retry_after_its_source_was_assigned_leaves_the_fork_as_it_was(
+    backend: Backend, retried_by: str, since: str
+) -> None:
+    """DESIGN.md (forks): the same fork retried is one turn, and a replay writes nothing. The
+    fork's owner is decided when it is made (its source's then): unowned "c-u" forked into
+    "c-fork", then assigned to OWNER by OWNER's turn. The fork retried as first sent, or
+    naming OWNER, is the fork as stored: unowned, every message it holds (a service turn
+    logged into it since too) unowned, not OWNER's to list, and OWNER's erasure leaves it."""
+    logger, store = await _an_unowned_fork(backend)
+    if since != "nothing":
+        await logger.log_messages("c-fork", [{"role": "user", "content": "own"}], turn_id="tf")
+    await logger.log_messages("c-u", [{"role": "user", "content": "mine"}], user_id=OWNER,
+                              turn_id="t2")  # fmt: skip
+    before = await _owners_of(backend, "c-fork")
+
+    named = OWNER if retried_by == "the source's owner" else None
+    retried = await logger.fork("c-u", 1, "c-fork", user_id=named)
+
+    assert retried.replayed
+    assert await _owners_of(backend, "c-fork") == before == [None] * len(before)
+    assert [c.id for c in (await store.list_conversations(OWNER)).data] == ["c-u"]
+    await store.erase_user(OWNER)
+    assert len(await store.transcript("c-fork")) == len(before) - 1
+
+
+async def test_a_forks_retry_by_another_user_than_its_unowned_forks_source_is_refused(
+    backend: Backend,
+) -> None:
+    """Who may retry a fork is unchanged: "c-u", forked unowned, is OWNER's since; the fork
+    retried by SOMEONE_ELSE (named by a service, or their token) finds no source of theirs,
+    and OWNER's token no fork of theirs: NotFound, the fork left unowned."""
+    logger, _ = await _an_unowned_fork(backend)
+    await logger.log_messages("c-u", [{"role": "user", "content": "mine"}], user_id=OWNER,
+                              turn_id="t2")  # fmt: skip
+
+    for user_id, owner_only in [(SOMEONE_ELSE, False), (SOMEONE_ELSE, True), (OWNER, True)]:
+        with pytest.raises(NotFound):
+            await logger.fork("c-u", 1, "c-fork", user_id=user_id, owner_only=owner_only)
+
+    assert set(await _owners_of(backend, "c-fork")) == {None}
+
+
+async def test_a_forks_retry_refused_as_the_fork_was_assigned_since_says_so(
+    backend: Backend,
+) -> None:
+    """DESIGN.md (forks): the Conflict naming the fork says what changed. Unowned "c-u" forked
+    into "c-fork"; SOMEONE_ELSE's turn assigns the fork to them, OWNER's turn "c-u" to OWNER.
+    The retry is the same fork, at the same seq, of a source unchanged up to it: refused as
+    the fork is another user's than its source's owner now (never saying whose), the fork
+    SOMEONE_ELSE's as it was. Named by a service, OWNER is told only the id is taken."""
+    logger, _ = await _an_unowned_fork(backend)
+    await logger.log_messages("c-fork", [{"role": "user", "content": "theirs"}],
+                              user_id=SOMEONE_ELSE, turn_id="tb")  # fmt: skip
+    await logger.log_messages("c-u", [{"role": "user", "content": "mine"}], user_id=OWNER,
+                              turn_id="t2")  # fmt: skip
+
+    with pytest.raises(Conflict, match=r"'c-fork'.*'c-u' at seq 1") as refused:
+        await logger.fork("c-u", 1, "c-fork")
+    with pytest.raises(Conflict, match=r"'c-fork' exists already") as named:
+        await logger.fork("c-u", 1, "c-fork", user_id=OWNER)
+
+    said = str(refused.value)
+    assert re.search(r"'c-fork' is another user's than 'c-u' is now .*assigned since", said)
+    assert not re.search(r"another seq|changed up to it", said), said
+    assert SOMEONE_ELSE not in said + str(named.value)
+    assert set(await _owners_of(backend, "c-fork")) == {SOMEONE_ELSE}
+
+
 async def _a_fork_slow_to_insert(
     logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[asyncio.Task[Any], asyncio.Event]:

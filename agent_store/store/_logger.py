@@ -234,7 +234,8 @@ class Condition:
     refused, and this attempt sends them again), else None."""
     new_only: bool = False
     """The reservation only creates the conversation (a fork's): one found that does not
-    record the turn is refused by this condition, before any other rule."""
+    record the turn is refused by this condition, before any other rule. Its owner is the
+    one it was created with: a retry of the turn, a replay, never assigns it (`_replayed_by`)."""
     landing: Landing | None = None
     """What the turn logged at the end in place of its empty block (a retry past
     `abandon_after`) must still hold where it lands, as it would logged there fresh: judged
@@ -1387,7 +1388,7 @@ class AgentMessageLogger:
             return _Verdict()
         refusal = actor.refusal(plan.conversation_id, found.get("user_id"))
         if refusal is not None:
-            raise _held(refusal, condition)
+            raise _held(refusal, condition, another_owners=True)
         if found.get(DELETING) is not None:
             raise being_deleted(plan.conversation_id, f"turn {plan.turn_id!r}")
         if found.get(MIGRATING) is not None:  # the migration is still writing it
@@ -1446,7 +1447,9 @@ class AgentMessageLogger:
         """`_replayed` of the verdict's block (with the lookup it made, `_Verdict.looked`),
         with the ownership the turn logged fresh would give the conversation: a service
         naming a user for a conversation still unowned assigns it to that user, its messages
-        theirs (`_assign`, as `upsert_conversation` naming them does). None when the verdict
+        theirs (`_assign`, as `upsert_conversation` naming them does); never a turn that only
+        creates its conversation (`Condition.new_only`, a fork's: whose the fork is was decided
+        when it was made, and a replay writes nothing). None when the verdict
         is no retry's (no block); when the turn moved, or the conversation was deleted or
         taken by another user meanwhile: the reservation looks again (and refuses another
         owner's, `Actor.refusal`)."""
@@ -1458,7 +1461,7 @@ class AgentMessageLogger:
         )
         if reserved is None or reserved.owner is not None:
             return reserved
-        if actor.as_user or actor.user_id is None:
+        if actor.as_user or actor.user_id is None or (condition and condition.new_only):
             return reserved
         same = _same_as_reserved(plan.conversation_id, reserved)
         doc = await self._assign(plan.conversation_id, actor.user_id, same)
@@ -3248,6 +3251,12 @@ class Unreserved(StorageUnavailable):
     dropped connection), which a retry policy does."""
 
 
+class _OwnedElsewhere(Conflict):
+    """A fork's reservation found its new id held by a conversation of another user than its
+    source's owner now (`_held`): said as the id being taken, and told apart by a retry of
+    the fork there (`_what_changed`)."""
+
+
 class HeldOff(Conflict):
     """A turn making calls would push a call a prompt holds, unreleased, off the bounded
     `pending_calls` (`_held_kept`): nothing was written."""
@@ -3298,8 +3307,10 @@ def _what_changed(
     """Why a retry of a fork at `at_seq` is not the fork stored, as its refusal tells: a pop
     in the fork took some of its copies (`Corrected`: the turn holding them was corrected),
     the source holds other messages up to the fork's end (`OtherContent`: the same turn with
-    other copies) or none at `at_seq` (`InvalidInput`), or the retry ends at another `seq`
-    (the turn holding the copies another one: another fork, or its source changed so)."""
+    other copies) or none at `at_seq` (`InvalidInput`), the fork is another user's than its
+    source's owner now (`_OwnedElsewhere`: one was assigned since, never said whose), or the
+    retry ends at another `seq` (the turn holding the copies another one: another fork, or
+    its source changed so)."""
     at = fork.get("forked_from", {}).get("seq")
     if isinstance(refused, Corrected):
         return (
@@ -3313,6 +3324,11 @@ def _what_changed(
         )
     if isinstance(refused, TurnConflict):
         return f"{fork['_id']!r} or {conversation_id!r} changed since"
+    if isinstance(refused, _OwnedElsewhere):
+        return (
+            f"{fork['_id']!r} is another user's than {conversation_id!r} is now (one of them "
+            "was assigned since the fork was made, and a retry never changes whose a fork is)"
+        )
     return (
         f"a fork of {conversation_id!r} at seq {at_seq} ends at another seq: another fork, "
         f"or {conversation_id!r} changed up to it since"
@@ -3327,14 +3343,20 @@ def _absent(conversation_id: str, actor: Actor, condition: Condition | None) -> 
     return actor.refusal(conversation_id, None) or condition.absent or condition.refusal
 
 
-def _held(refusal: StoreError, condition: Condition | None) -> StoreError:
+def _held(
+    refusal: StoreError, condition: Condition | None, *, another_owners: bool = False
+) -> StoreError:
     """What a reservation raises when its id holds what it may not write to (`refusal`: another
-    user's conversation, legacy turns not migrated yet). A reservation that only creates its
-    conversation (`Condition.new_only`, a fork's) is refused by its condition, as for any id
-    that is taken ("exists already"): no claim or migration would make it there. A NotFound
-    stays: to a user token another user's id is as one that is missing."""
+    user's conversation, `another_owners`, or legacy turns not migrated yet). A reservation
+    that only creates its conversation (`Condition.new_only`, a fork's) is refused by its
+    condition, as for any id that is taken ("exists already"): no claim or migration would
+    make it there; another user's, as `_OwnedElsewhere`, which says no more, so a retry of the
+    fork there can tell why it is not that fork (`_what_changed`). A NotFound stays: to a user
+    token another user's id is as one that is missing."""
     if condition is None or not condition.new_only or isinstance(refusal, NotFound):
         return refusal
+    if another_owners:
+        return _OwnedElsewhere(condition.refusal.message)
     return condition.refusal
 
 
