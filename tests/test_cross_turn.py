@@ -3930,6 +3930,52 @@ async def test_a_moved_turn_asks_again_after_an_answer_that_left_its_id_unresolv
     assert await held_state(store, "fork-all") == await held_state(store)
 
 
+async def _c1_approved_then_c0s_result_popped(
+    logger: AgentMessageLogger, store: ConversationStore, cid: str
+) -> tuple[Any, ...]:
+    """t1 asks `q0` about c0, t2 asks `q0` again about c1, t3 gives c0's result; the person
+    answers `q0` naming c1 only; the pop takes c0's result back. What the conversation then
+    holds: the calls with their holders, the prompt, `resolved_hitl`, and whether a denial
+    of c0 is taken (`check_turn`)."""
+    await logger.log_messages(cid, _asks_for("u0", "c0", "q0"), turn_id="t1")
+    await logger.log_messages(cid, _asks_for("u1", "c1", "q0"), turn_id="t2")
+    await logger.log_messages(cid, [_user("u2"), _answer("c0")], turn_id="t3")
+    await store.resolve_hitl(cid, "q0", call_ids=["c1"])
+    assert (await store.pop_last_message(cid)).tool_call_id == "c0"
+    resolved = (await store.get_conversation(cid)).resolved_hitl
+    try:
+        await logger.check_turn(cid, [_user("No."), _denial_of("c0")], turn_id="deny")
+        denial = "taken"
+    except AnsweredBefore:
+        denial = "refused"
+    return await held_state(store, cid), resolved, denial
+
+
+async def test_a_pop_after_a_given_up_block_leaves_the_calls_the_answer_did_not_name_held(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DESIGN.md §3 (`approved_calls`: a pop keeps those a fork of all that remains keeps;
+    `popped_seqs`: a block a turn moved away from is a gap no turn holds). t1's first attempt
+    reserved seqs 0-2 and stored nothing; its retry moved it past them. The pop below finds
+    no message at 0-2, a gap, not a turn still writing: it folds what remains as if the lost
+    attempt never was. c0, which the answer did not name, is held by `q0` again, `q0` is no
+    longer resolved, and a denial of c0 is taken: in the conversation and a fork of it all."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    fresh = await _c1_approved_then_c0s_result_popped(logger, store, "fresh")
+    assert fresh == (([("c0", "q0"), ("c1", None)], None), [], "taken")
+    await _reserved_only(logger, monkeypatch, _asks_for("u0", "c0", "q0"), "t1")
+
+    after_gap = await _c1_approved_then_c0s_result_popped(logger, store, CID)
+
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert doc["popped_seqs"] == [0, 1, 2]
+    assert after_gap == fresh
+    await _whole_fork(logger, store, "fork-all")
+    assert await held_state(store, "fork-all") == await held_state(store)
+    await logger.log_messages(CID, [_user("No."), _denial_of("c0")], turn_id="deny")
+    assert await held_state(store) == ([("c1", None)], None)
+
+
 async def _approved_while_reserved_then_retried_without_the_question(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[AgentMessageLogger, ConversationStore]:

@@ -357,7 +357,7 @@ class Pop:
             return None
         count = int(conversation.get("message_count") or 0)
         gaps = Gaps.of(conversation)
-        past = [s for s in range(message.seq + 1, count) if s not in gaps.popped]
+        past = gaps.held(range(message.seq + 1, count))
         if not past:
             return None
         writing = gaps.written(past, now=utc_now(), abandon_after=self.abandon_after)

@@ -1014,9 +1014,11 @@ class ConversationStore:
         answers reach when a prompt was asked, and in a fork on where its copies began the
         original's turns), folded with the answers a person gave as a fork of them all folds
         them (`folded_after`): the calls and the prompt pending, the approvals none of those
-        answers gives (`approvals_withdrawn`); and the `seq`s below it with no message (the
-        pop waits for a turn still writing one). One lookup more of the conversation when a
-        prompt is among them or is `popped`, or they are a fork's."""
+        answers gives (`approvals_withdrawn`); and the `seq`s below it with no message that a
+        turn may still hold (the pop waits for a turn still writing one), not the gaps the
+        conversation records no turn holds (`Gaps.held`): those are as if never reserved, so
+        they keep no fold from settling. One lookup more of the conversation when a prompt is
+        among them or is `popped`, or they are a fork's."""
         docs = await (
             self._messages.find(
                 {"conversation_id": popped.conversation_id, "seq": {"$lt": popped.seq}}
@@ -1030,14 +1032,15 @@ class ConversationStore:
         if forked or any(m.hitl_action is not None for m in [*messages, popped]):
             conversation = await self._conversations.find_one(
                 {"_id": popped.conversation_id},
-                {"forked_from.turn_starts": 1, **LEFT_BEFORE_READ},
+                {"forked_from.turn_starts": 1, **LEFT_BEFORE_READ, **GAPS_READ},
             )
         starts = fork_turns_of(conversation or {}) if forked else []
         answered = answered_in(conversation)
         folded = folded_after(messages, starts, answered)
         stored = {m.seq for m in messages}
         assert popped.seq is not None
-        missing = [seq for seq in range(popped.seq) if seq not in stored]
+        gaps = Gaps.of(conversation)
+        missing = gaps.held(seq for seq in range(popped.seq) if seq not in stored)
         return LeftBefore(
             calls=folded.calls,
             prompt=folded.hitl,

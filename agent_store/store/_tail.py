@@ -126,7 +126,8 @@ class LeftBefore:
     withdrawn: list[ApprovalKey]
     """The stored approvals none of the answers gives there (`_fork.approvals_withdrawn`)."""
     missing: list[int]
-    """The `seq`s below the message with no message (a turn may still be writing one)."""
+    """The `seq`s below the message with no message a turn may still be writing (the gaps
+    `popped_seqs` records none holds left out: `Gaps.held`)."""
     settled: Settled | None = None
     """With the conversation's answers as read, all the messages below read (none missing):
     what those messages and answers leave, in full."""

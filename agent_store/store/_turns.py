@@ -1450,6 +1450,11 @@ class Gaps:
         later = [r.first_seq for r in self.records if r.first_seq > seq and not r.popped]
         return min([*later, message_count]) - 1
 
+    def held(self, seqs: Iterable[int]) -> list[int]:
+        """Those of `seqs` (none stored at) a turn may still hold: all but the gaps no turn
+        holds (`popped`: a pop's, a moved or given-up turn's block), never written again."""
+        return [s for s in seqs if s not in self.popped]
+
     def written(
         self, seqs: Iterable[int], *, now: datetime, abandon_after: timedelta
     ) -> int | None:
