@@ -6658,19 +6658,23 @@ def _before_the_fold_writes(name: str, args: tuple[Any, ...]) -> bool:
     ],
     ids=["call-dropped", "question-dropped", "prompt-dropped"],
 )
+@pytest.mark.parametrize("then", ["retry", "turn", "read"])
 async def test_a_give_back_fold_missed_under_concurrent_turns_is_folded_by_the_next_turn(
     backend: Backend,
     monkeypatch: pytest.MonkeyPatch,
     first: list[dict[str, Any]],
     regenerated: list[dict[str, Any]],
     left: tuple[list[tuple[str, str | None]], str | None],
+    then: str,
 ) -> None:
     """RELIABILITY.md (a give-back takes back what its reservation listed, the pending state
     folded again): t1 reserves and stores nothing; past `abandon_after` its retry regenerates
     the answer without the call, the question or the prompt; another process logs a turn
     between the fold's read and its write, three times running, so the fold cannot be
-    written. It is owed (`refold_owed`), and the next quiet turn folds it: the conversation
-    lists what a fork of all of it lists, never the first attempt's call or prompt."""
+    written. It is owed (`refold_owed`): the retry's own turn folds it after its insert; its
+    process dying before that fold, the next quiet turn folds it, or the next read of the
+    pending state. The conversation lists what a fork of all of it lists, never the first
+    attempt's call or prompt."""
     logger, store = _late_logger(backend), ConversationStore(backend.db)
     await logger.log_messages(CID, [{"role": "user", "content": "a"}], turn_id="t0")
     await _reserved_only(logger, monkeypatch, first, "t1")
@@ -6679,17 +6683,28 @@ async def test_a_give_back_fold_missed_under_concurrent_turns_is_folded_by_the_n
     )
     busy = _Busy(logger._conversations, _other_writer(backend), 3, _before_the_fold_writes)
     monkeypatch.setattr(logger, "_conversations", busy)
+    if then != "retry":  # its process dies between its insert and its fold
+        monkeypatch.setattr(logger, "_settle", partial(_died, logger._settle))
     await logger.log_messages(CID, regenerated, turn_id="t1")
     assert busy.left == 0  # three turns came between the fold's read and its write
     monkeypatch.undo()
+    owed = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert (owed.get("refold_owed") is None) == (then == "retry")
 
-    await logger.log_messages(CID, [{"role": "user", "content": "later"}], turn_id="later")
+    if then == "read":
+        assert await held_state(store) == left
+    elif then == "turn":
+        await logger.log_messages(CID, [{"role": "user", "content": "later"}], turn_id="later")
 
     live, forked = await _forked_state(logger, store, backend, "fork-all")
     assert live == forked
     assert live[0] == left
     doc = await backend.db.agent_conversations.find_one({"_id": CID})
     assert doc.get("refold_owed") is None  # folded: owed no more
+
+
+async def _died(fold: Callable[..., Awaitable[bool]], *args: Any) -> bool:
+    return False  # the fold never made
 
 
 async def test_a_regenerated_answer_is_never_refused_from_a_fold_missed_under_busy_writers(
