@@ -4366,8 +4366,9 @@ async def test_a_late_retry_refused_while_a_turn_below_is_being_written_is_retri
 ) -> None:
     """As above, with t3 reserved and not yet inserted when t1's retry comes: the fold cannot
     read t3's messages, so the retry is told to come again (`StorageUnavailable`, nothing
-    written) rather than refused with what t1's reservation listed left pending; once t3 is
-    stored, the retry is refused and the summary is the fold of the stored messages."""
+    written but the mark that the fold is owed, `refold_owed`) rather than refused with what
+    t1's reservation listed left pending; once t3 is stored, the retry is refused and the
+    summary is the fold of the stored messages, owed no more."""
     from agent_store import Conflict
 
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
@@ -4381,12 +4382,16 @@ async def test_a_late_retry_refused_while_a_turn_below_is_being_written_is_retri
 
     with pytest.raises(StorageUnavailable, match="being written"):
         await logger.log_messages(CID, [_calls("c1", "c2")], turn_id="t1")
-    assert await backend.db.agent_conversations.find_one({"_id": CID}) == before
+    after = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert after.pop("refold_owed") is not None
+    assert after == before
 
     await logger.log_messages(CID, t3, turn_id="t3")  # t3's insert lands
     with pytest.raises(Conflict, match=r"a later turn answered its call 'c1'"):
         await logger.log_messages(CID, [_calls("c1", "c2")], turn_id="t1")
     assert await pending_state(store) == await recomputed_state(store) == ([], None)
+    owed = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert owed.get("refold_owed") is None
 
 
 @pytest.mark.parametrize("content", ["same", "other"])
@@ -6625,3 +6630,173 @@ async def test_a_moved_question_keeps_the_calls_an_answer_naming_another_call_le
     assert live == forked
     assert live[0][0] == [("c3", None), ("c1", "r1"), ("c3", "r1")]
     assert [await _denial_stored(logger, cid, "c1") for cid in (CID, "fork-all")] == [True] * 2
+
+
+# -- a give-back's fold that cannot be written is owed, and folded by the next turn ---------
+
+
+class _Busy:
+    """A logger's collection, with another writer logging a turn before each of its first
+    `left` calls `hit` picks (another process, on a busy conversation)."""
+
+    def __init__(
+        self,
+        collection: Any,
+        writer: Callable[[], Awaitable[None]],
+        left: int,
+        hit: Callable[[str, tuple[Any, ...]], bool],
+    ) -> None:
+        self._collection, self._writer, self.left, self._hit = collection, writer, left, hit
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._collection, name)
+        if not callable(attribute) or name in ("find", "aggregate", "with_options"):
+            return attribute
+
+        async def meanwhile(*args: Any, **kwargs: Any) -> Any:
+            if self.left > 0 and self._hit(name, args):
+                self.left -= 1
+                await self._writer()
+            return await attribute(*args, **kwargs)
+
+        return meanwhile
+
+
+def _other_writer(backend: Backend, cid: str = CID) -> Callable[[], Awaitable[None]]:
+    """Another process logging a turn of conversation `cid` each time it is called."""
+    other, turns = AgentMessageLogger(backend.db), [0]
+
+    async def write() -> None:
+        turns[0] += 1
+        said = [{"role": "user", "content": f"y{turns[0]}"}, {"role": "assistant", "content": "y"}]
+        await other.log_messages(cid, said, turn_id=f"other-{turns[0]}")
+
+    return write
+
+
+def _before_the_fold_writes(name: str, args: tuple[Any, ...]) -> bool:
+    """The fold's guarded update (`_relocated.refolded`: unchanged `message_count`, `pops`)."""
+    return name == "update_one" and "message_count" in args[0] and "pops" in args[0]
+
+
+@pytest.mark.parametrize(
+    ("first", "regenerated", "left"),
+    [
+        (
+            [{"role": "user", "content": "b"}, _calls("c1")],
+            [{"role": "user", "content": "b"}, {"role": "assistant", "content": "no call now"}],
+            ([], None),
+        ),
+        (
+            [{"role": "user", "content": "b"}, _calls("c1"), _asks_about("q1", "c1")],
+            [
+                {"role": "user", "content": "b"},
+                _calls("c1"),
+                {"role": "assistant", "content": "ok"},
+            ],
+            ([("c1", None)], None),
+        ),
+        (
+            [{"role": "user", "content": "b"}, _asks("q1")],
+            [{"role": "user", "content": "b"}, {"role": "assistant", "content": "just text"}],
+            ([], None),
+        ),
+    ],
+    ids=["call-dropped", "question-dropped", "prompt-dropped"],
+)
+@pytest.mark.parametrize("then", ["retry", "turn", "read"])
+async def test_a_give_back_fold_missed_under_concurrent_turns_is_folded_by_the_next_turn(
+    backend: Backend,
+    monkeypatch: pytest.MonkeyPatch,
+    first: list[dict[str, Any]],
+    regenerated: list[dict[str, Any]],
+    left: tuple[list[tuple[str, str | None]], str | None],
+    then: str,
+) -> None:
+    """RELIABILITY.md (a give-back takes back what its reservation listed, the pending state
+    folded again): t1 reserves and stores nothing; past `abandon_after` its retry regenerates
+    the answer without the call, the question or the prompt; another process logs a turn
+    between the fold's read and its write, three times running, so the fold cannot be
+    written. It is owed (`refold_owed`): the retry's own turn folds it after its insert; its
+    process dying before that fold, the next quiet turn folds it, or the next read of the
+    pending state. The conversation lists what a fork of all of it lists, never the first
+    attempt's call or prompt."""
+    logger, store = _late_logger(backend), ConversationStore(backend.db)
+    await logger.log_messages(CID, [{"role": "user", "content": "a"}], turn_id="t0")
+    await _reserved_only(logger, monkeypatch, first, "t1")
+    await AgentMessageLogger(backend.db).log_messages(
+        CID, [{"role": "user", "content": "x"}], turn_id="tx"
+    )
+    busy = _Busy(logger._conversations, _other_writer(backend), 3, _before_the_fold_writes)
+    monkeypatch.setattr(logger, "_conversations", busy)
+    if then != "retry":  # its process dies between its insert and its fold
+        monkeypatch.setattr(logger, "_settle", partial(_died, logger._settle))
+    await logger.log_messages(CID, regenerated, turn_id="t1")
+    assert busy.left == 0  # three turns came between the fold's read and its write
+    monkeypatch.undo()
+    owed = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert (owed.get("refold_owed") is None) == (then == "retry")
+
+    if then == "read":
+        assert await held_state(store) == left
+    elif then == "turn":
+        await logger.log_messages(CID, [{"role": "user", "content": "later"}], turn_id="later")
+
+    live, forked = await _forked_state(logger, store, backend, "fork-all")
+    assert live == forked
+    assert live[0] == left
+    doc = await backend.db.agent_conversations.find_one({"_id": CID})
+    assert doc.get("refold_owed") is None  # folded: owed no more
+
+
+async def _died(fold: Callable[..., Awaitable[bool]], *args: Any) -> bool:
+    return False  # the fold never made
+
+
+async def test_a_regenerated_answer_is_never_refused_from_a_fold_missed_under_busy_writers(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RELIABILITY.md (after a give-back the answer is judged as for a new turn on the
+    conversation the give-back leaves): t1 answers c0 naming it and stores nothing; past
+    `abandon_after` its retry regenerates the final text while another writer logs a turn
+    before each of its first collection calls. No turn answered c0: the retry is stored, or
+    asked to be sent again (`StorageUnavailable`, `Unreserved`) and stored then, never
+    refused `AnsweredBefore`; c0 is answered once, in the conversation as in a fork of all
+    of it."""
+    for calls in range(16, 31, 2):
+        cid = f"{CID}-{calls}"
+        logger, store = _late_logger(backend), ConversationStore(backend.db)
+        made = await logger.log_messages(
+            cid, [{"role": "user", "content": "a"}, _calls("c0")], turn_id="t0"
+        )
+        to = {"c0": made.messages[1].id}
+        with monkeypatch.context() as lost:
+            lost.setattr(logger._messages, "insert_many", _lost_insert)
+            with pytest.raises(ConnectionError):
+                await logger.log_messages(cid, [_answer("c0", "r0")], turn_id="t1", answers_to=to)
+        await AgentMessageLogger(backend.db).log_messages(
+            cid, [{"role": "user", "content": "x"}], turn_id="tx"
+        )
+        regenerated = [_answer("c0", "r0"), {"role": "assistant", "content": "done (again)"}]
+        with monkeypatch.context() as busy:
+            write = _other_writer(backend, cid)
+            for name in ("_messages", "_conversations"):
+                busy.setattr(logger, name, _Busy(getattr(logger, name), write, calls, _always))
+            with contextlib.suppress(StorageUnavailable):  # `Unreserved` is one: send again
+                await logger.log_messages(cid, regenerated, turn_id="t1", answers_to=to)
+        await logger.log_messages(cid, regenerated, turn_id="t1", answers_to=to)
+
+        answers = [m for m in await store.transcript(cid) if m.tool_call_id == "c0"]
+        assert [m.content for m in answers] == ["r0"], calls
+        await logger.fork(cid, (await store.transcript(cid))[-1].seq, f"fork-{calls}")
+        assert (
+            await held_state(store, cid) == await held_state(store, f"fork-{calls}") == ([], None)
+        )
+
+
+async def _lost_insert(*args: Any, **kwargs: Any) -> None:
+    raise ConnectionError("the turn reserved and has not inserted")
+
+
+def _always(name: str, args: tuple[Any, ...]) -> bool:
+    return True

@@ -152,7 +152,7 @@ def test_the_conversation_document_declares_the_bookkeeping_as_optional() -> Non
         "popped_seqs?": "unknown[]", "popped_messages?": "unknown[]",
         "resolved_hitl?": "unknown[]", "answered_prompts?": "unknown[]",
         "approved_calls?": "unknown[]", "owned_from?": "number",
-        "last_step?": "string | null",
+        "last_step?": "string | null", "refold_owed?": "Date | null",
         "epoch?": "string | null", "name_message_id?": "string | null",
     }  # fmt: skip
 

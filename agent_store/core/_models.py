@@ -1313,6 +1313,12 @@ class Conversation(_Model):
     an upgrade on one created before (the store's bookkeeping, never served): every message
     the conversation stores carries it, so a delete takes this conversation's messages and
     none of one created again under its id since, whoever created it."""
+    refold_owed: UtcDatetime | None = Field(default=None, exclude=True)
+    """When a fold of the pending state from the stored messages, after a move or a
+    give-back, could not be written (the conversation kept changing under it, or a turn below
+    the end was still being written); null or absent when none is owed (the store's
+    bookkeeping, never served). The next turn folds it after its insert, and a turn refused
+    by its condition meanwhile is judged again once it is folded."""
     last_step: str | None = Field(default=None, exclude=True)
     """The greatest `step` a turn was logged with (`log_messages`; a LangGraph thread's
     checkpoint ids), the store's bookkeeping, never served: a new turn of an earlier step is

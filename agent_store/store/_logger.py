@@ -116,6 +116,7 @@ from agent_store.store._reservation import (
     FORK_CHECK,
     MIGRATING,
     NOT_BEING_DELETED,
+    REFOLD_OWED,
     RESERVED,
     STANDING,
     SUMMARY,
@@ -298,6 +299,9 @@ class _Reserved:
     `time.monotonic()` until which an earlier attempt, faster than the grace, may still insert
     into the block (the grace from the moment the retry found the record, after that
     reservation). None otherwise."""
+    owed: bool = False
+    """The conversation is owed a fold of its pending state (`REFOLD_OWED`, as the
+    reservation returned it): the turn folds it after its insert (`_relocated.settle`)."""
 
 
 @dataclass(frozen=True)
@@ -1297,7 +1301,8 @@ class AgentMessageLogger:
         """Reserve the turn's `seq` block, or find the block an earlier attempt reserved.
 
         A `condition` adds to the reservation's filter and update; when the
-        conversation exists but does not meet it, its `refusal` is raised.
+        conversation exists but does not meet it, its `refusal` is raised, once a fold of its
+        pending state it was owed is written (`_folded_owed`: judged again on it).
         """
         _refuse_migrated_turn_id(plan.turn_id)
         await self._finish_in_doubt(plan)
@@ -1340,12 +1345,42 @@ class AgentMessageLogger:
                 continue
             if verdict.block is not None:
                 continue  # another attempt moved the turn meanwhile: its new block is recorded
-            if condition is not None:
+            if condition is not None and not await self._folded_owed(plan, found):
                 raise condition.refused(found, own=own is not None)
             # Otherwise a race was lost (the conversation was just created): reserve again.
         raise Unreserved(
             f"could not reserve turn {plan.turn_id!r} after {_RESERVE_ATTEMPTS} attempts"
         )
+
+    async def _settle(self, conversation_id: str, moved: Mapping[str, Any] | None) -> bool:
+        """The conversation's pending state folded from its stored messages and written
+        (`_relocated.settle`: from `moved`, the conversation as a move left it, else read),
+        after a move or for a fold owed (`REFOLD_OWED`); False, the fold owed, when it could
+        not be written."""
+        return await settle(
+            self._conversations,
+            self._messages,
+            conversation_id,
+            moved,
+            abandon_after=self.rules.abandon_after,
+            name_chars=self.rules.name_chars,
+        )
+
+    async def _folded_owed(self, plan: TurnPlan, found: Mapping[str, Any]) -> bool:
+        """Before a reservation refused by its condition raises: whether the conversation
+        `found` was owed a fold of its pending state (`REFOLD_OWED`), now written, so the turn
+        is judged again on it, not on the state the fold was owed for (the calls and prompt
+        of a turn given back). A fold still not written: `Unreserved`, nothing written, the
+        turn sent again as it is. False, at no cost, when none is owed."""
+        if found.get(REFOLD_OWED) is None:
+            return False
+        if not await self._settle(plan.conversation_id, None):
+            raise Unreserved(
+                f"could not reserve turn {plan.turn_id!r}: the pending state of conversation "
+                f"{plan.conversation_id!r} is still to be folded again from its stored "
+                "messages (turns being written); send the turn again as it is"
+            )
+        return True
 
     async def _finished_a_pop(self, actor: Actor, found: Mapping[str, Any] | None) -> bool:
         """Whether the conversation `found` (read whole, or with `popping`), which `actor` may
@@ -1818,6 +1853,9 @@ class AgentMessageLogger:
         block they are stored in (`reserved`, or the one another attempt of the turn stored
         them in, a replay: `_given_back`, or the one an attempt too slow to insert before tail
         readers may pass its block moves it to as `writer`, `_past_what_readers_passed`).
+        After a move, or a reservation that found a fold of the pending state owed
+        (`_Reserved.owed`), the pending state is folded from the stored messages
+        (`_relocated.settle`: two or three round trips more, on those paths only).
 
         A message an earlier attempt stored collides on its `_id` and is read back, so
         a retry answers with the stored timestamps, not its own.
@@ -1850,15 +1888,8 @@ class AgentMessageLogger:
         first = reserved.first_seq
         if reserved.assigns:
             await self._hand_over_earlier(plan.conversation_id, reserved)
-        if reserved.moved is not None:  # what it leaves pending, as the stored messages say
-            await settle(
-                self._conversations,
-                self._messages,
-                plan.conversation_id,
-                reserved.moved,
-                abandon_after=self.rules.abandon_after,
-                name_chars=self.rules.name_chars,
-            )
+        if reserved.moved is not None or reserved.owed:  # pending as the stored messages say
+            await self._settle(plan.conversation_id, reserved.moved)
         stored = found if found is not None else plan.stored(first, owner, epoch)
         refilled = inserted and reserved.replayed and reserved.moved is None
         if refilled and reserved.in_flight_until is not None:
@@ -2568,8 +2599,9 @@ class AgentMessageLogger:
         message says, so the pending state is folded again from the stored messages, as after
         a move (`_relocated.settle`, from `conversation` as read, else read again: one or two
         round trips more, on these rare paths). While a turn below the end is still being
-        written its messages are not there to fold: StorageUnavailable, nothing written, and
-        the retry that comes again folds them (the refusal stands). `taken_back`: the update
+        written its messages are not there to fold: StorageUnavailable, nothing written but
+        the mark that the fold is owed (`REFOLD_OWED`: the next turn folds it), and the retry
+        that comes again folds them (the refusal stands). `taken_back`: the update
         that takes back what its reservation counted and makes its block gaps, once
         (`given_up`, of the block its record names: one round trip more), once the fold is
         written; a block the turn's own reservation took is given back by `_give_back`, which
@@ -2970,6 +3002,7 @@ def _reserved(plan: TurnPlan, conversation: dict[str, Any], *, observed: bool) -
         epoch=conversation.get("epoch"),
         conversation=Conversation.model_validate(conversation) if observed else None,
         assigns=_assigned_at(conversation, first_seq),
+        owed=conversation.get(REFOLD_OWED) is not None,
     )
 
 

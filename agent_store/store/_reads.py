@@ -66,10 +66,12 @@ from agent_store.store._indexes import (
 )
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource, not_migrated_yet
 from agent_store.store._pop import Pop, PopMemory, finish_marked
+from agent_store.store._relocated import settle
 from agent_store.store._reservation import (
     LISTED,
     MIGRATING,
     NOT_BEING_DELETED,
+    REFOLD_OWED,
     STANDING,
     SUMMARY,
     UNSTANDING_READ,
@@ -509,15 +511,32 @@ class ConversationStore:
         conversation read again (`_pop.finish_marked`, as a turn's reservation finishes it),
         so no read serves the summary of a message a pop removed. Only one `fence` matches
         (`STANDING`; `LISTED` takes one being migrated too). One lookup; three more only when
-        a mark is found."""
+        a mark is found. So too once no fold of its pending state is owed (`REFOLD_OWED`,
+        read with it): the fold is written (`_relocated.settle`) and the conversation read
+        again, three or four lookups more, only while one is owed."""
         query = self._scope(conversation_id, user_id) | fence
         included = any(on for name, on in projection.items() if name != "_id")
-        projection = {**projection, "popping": 1} if included else {**projection}
+        marks = {"popping": 1, REFOLD_OWED: 1}
+        projection = {**projection, **marks} if included else {**projection}
         with storage_errors(what):
             doc: dict[str, Any] | None = await self._conversations.find_one(query, projection)
             if await finish_marked(self._messages, self._conversations, doc):
                 doc = await self._conversations.find_one(query, projection)
+        if doc is not None and doc.get(REFOLD_OWED) is not None and await self._folded(doc):
+            with storage_errors(what):
+                doc = await self._conversations.find_one(query, projection)
         return doc
+
+    async def _folded(self, conversation: Mapping[str, Any]) -> bool:
+        """Whether the fold of the pending state `conversation` is owed is written now."""
+        return await settle(
+            self._conversations,
+            self._messages,
+            str(conversation["_id"]),
+            None,
+            abandon_after=self._rules.abandon_after,
+            name_chars=self._rules.name_chars,
+        )
 
     async def require_version(
         self, conversation_id: str, version: str, *, user_id: str | None = None

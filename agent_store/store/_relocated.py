@@ -23,6 +23,9 @@ messages say:
 - A refused move gives the turn up for good: what its first reservation listed pending (its
   calls, its prompt) no stored message makes, so the same fold, without it, is written
   (`settle`, `given_up`): one round trip more, two when the summary differs from the fold.
+- A fold that cannot be written (the conversation kept changing, a turn below the end still
+  being written) is owed (`REFOLD_OWED`, `_owe`): the next turn reserving folds it after its
+  insert, clearing the mark it read in the fold's own guarded update (`refolded`).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from agent_store.store._fork import (
 )
 from agent_store.store._naming import first_named, renamed
 from agent_store.store._reservation import (
+    REFOLD_OWED,
     RESERVED,
     RecordedBlock,
     absent_stays,
@@ -472,7 +476,8 @@ def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     (`Refold.withdrawn`) go while no answer came since (`answered_prompts` as read). When
     the fold tells `resolved_hitl` (`Refold.resolved`), it is set too, and the prompt is
     pending unless among them, the whole update matching only while no answer came since;
-    else a prompt resolved by request id, even meanwhile, stays resolved."""
+    else a prompt resolved by request id, even meanwhile, stays resolved. A fold owed as read
+    (`REFOLD_OWED`) is cleared (null), unless marked again since."""
     conversation = fold.conversation
     pops = int(conversation.get("pops") or 0)
     query: dict[str, Any] = {
@@ -500,6 +505,9 @@ def refolded(fold: Refold) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         stage["resolved_hitl"] = absent_stays("resolved_hitl", literal(fold.resolved))
         if fold.resolved:
             stage["resolved_hitl"] = literal(fold.resolved)
+    if (owed := conversation.get(REFOLD_OWED)) is not None:  # the mark read, and no later one
+        read = {"$eq": [f"${REFOLD_OWED}", literal(owed)]}
+        stage[REFOLD_OWED] = {"$cond": [read, literal(None), f"${REFOLD_OWED}"]}
     return query, [{"$set": stage}]
 
 
@@ -518,8 +526,8 @@ async def settle(
     of all of it keeps: `Refold.withdrawn`) folded from the stored messages and written
     (`refold`, `refolded`), from `moved` (the conversation as the move left it) first, read
     again when another turn or a pop changed it meanwhile, its write missing or its fold
-    finding a `seq` with no message (a few times). False, leaving the state as the move set
-    it, when a turn below the end is still being written or the conversation kept changing.
+    finding a `seq` with no message (a few times). False, the fold owed (`_owe`), when a turn
+    below the end is still being written or the conversation kept changing.
     An automatic name taken from a message that is not the first stored user text (the
     moved turn's, now behind another one; a turn's given up, never stored), or that the
     message under its id no longer gives, goes back to the one the stored messages give
@@ -553,15 +561,24 @@ async def settle(
             moved = None  # a pop (or a turn) ran between its two reads: read again
             continue
         if not names and (not fold.folded or (given_up and _already(fold))):
-            return fold.folded
+            return fold.folded or await _owe(conversations, conversation_id)
         query, update = refolded(fold)
         update = update if fold.folded else [{"$set": {}}]  # else the name alone, guarded
         update[0]["$set"].update(names)
         with storage_errors("set what the moved turn leaves pending"):
             result = await conversations.update_one(query, update)
         if result.matched_count:
-            return fold.folded
+            return fold.folded or await _owe(conversations, conversation_id)
         moved = None
+    return await _owe(conversations, conversation_id)
+
+
+async def _owe(conversations: Any, conversation_id: str) -> bool:
+    """Mark the conversation as owed a fold of its pending state (`REFOLD_OWED`, the time
+    now), which `settle` could not write: the next turn folds it (one round trip, on the
+    rare path of a fold given up). False: not folded."""
+    with storage_errors("mark the conversation's pending state to be folded again"):
+        await conversations.update_one({"_id": conversation_id}, {"$set": {REFOLD_OWED: utc_now()}})
     return False
 
 
@@ -577,14 +594,17 @@ async def _changed(conversations: Any, fold: Refold) -> bool:
 def _already(fold: Refold) -> bool:
     """Whether the conversation's summary lists the fold's calls pending and its prompt
     already (or no prompt, when a person resolved it by request id), and the fold's
-    resolutions."""
+    resolutions; never while a fold is owed (`REFOLD_OWED`): the fold is written, clearing
+    the mark."""
     conversation, prompt = fold.conversation, fold.prompt
     now_calls, now_prompt = pending_now(conversation)
     resolved = conversation.get("resolved_hitl") or ()
     if prompt is not None and prompt.request_id in resolved:
         prompt = None
     same = fold.resolved is None or set(resolved) == set(fold.resolved)
-    return same and not fold.withdrawn and now_calls == list(fold.calls) and now_prompt == prompt
+    owed = conversation.get(REFOLD_OWED) is not None  # written, to clear the mark
+    kept = now_calls == list(fold.calls) and now_prompt == prompt
+    return same and kept and not fold.withdrawn and not owed
 
 
 def stored_at(plan: TurnPlan, stored: Sequence[Mapping[str, Any]]) -> int | None:

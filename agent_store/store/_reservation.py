@@ -55,11 +55,19 @@ RESERVED: dict[str, Any] = {
     "created_at": 1,
     "owned_from": 1,
     "epoch": 1,
+    "refold_owed": 1,
 }
 """What a reservation returns otherwise: all the logger needs (the block's end, the owner,
 the epoch (else the creation time) that tells this conversation from one created again
-under its id (`same_conversation`), the `seq` from which a turn assigned it an owner, and
-the epoch its messages carry)."""
+under its id (`same_conversation`), the `seq` from which a turn assigned it an owner, the
+epoch its messages carry, and whether a fold of its pending state is owed, `REFOLD_OWED`)."""
+REFOLD_OWED = "refold_owed"
+"""The field a fold of the pending state that could not be written marks a conversation
+with (the time it gave up: `_relocated.settle`, after a move or a give-back, the
+conversation changing under it or a turn below the end still being written): the next turn
+reserving sees it in what its reservation returns and folds again after its insert, and a
+reservation refused by its condition folds before it judges again. Cleared by the fold's
+own guarded update, only while it is the mark that fold read."""
 
 
 DELETING = "deleting_since"

@@ -276,6 +276,12 @@ export interface IAgentConversationDocument extends IAgentConversation<Date> {
    */
   epoch?: string | null;
   /**
+   * When a fold of the pending state from the stored messages, after a move or a give-back, could not be written (the conversation kept changing under it, or a turn below the end was still being written); null or absent when none is owed (the store's bookkeeping, never served). The next turn folds it after its insert, and a turn refused by its condition meanwhile is judged again once it is folded.
+   *
+   * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
+   */
+  refold_owed?: Date | null;
+  /**
    * The greatest `step` a turn was logged with (`log_messages`; a LangGraph thread's checkpoint ids), the store's bookkeeping, never served: a new turn of an earlier step is refused, so the transcript ends as the runtime's latest step.
    *
    * The store's own: absent until it is used (a conversation created empty or by the migration has none); read none of it.
