@@ -820,6 +820,63 @@ async def test_a_tail_follower_reads_a_regenerated_turn_whose_pops_went_below_it
     assert not followed.has_more
 
 
+async def test_a_tail_follower_whose_message_was_popped_twice_reads_on_from_its_first_removal(
+    backend: Backend,
+) -> None:
+    """DESIGN §3 "Tail reads never skip": a turn popped whole, retried past its record, is
+    stored as a new turn at the end under the same message ids, and can be popped again. A
+    follower that read its answer before the first pop reads on from what that pop gave back:
+    every turn logged since, and the turn's question stored again."""
+    rules = TurnRules(turns_recorded=4)
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.ensure_indexes()
+    store = ConversationStore(backend.db, rules=rules)
+    await logger.log_messages(CID, [user("QA?"), answer("A")], turn_id="a")
+    await logger.log_messages(CID, [user("QT?"), answer("T")], turn_id="t")
+    page = await store.messages_page(CID)
+    await store.pop_last_message(CID)
+    await store.pop_last_message(CID)
+    for turn in "bcdef":
+        await logger.log_messages(CID, [user(f"Q{turn}?"), answer(turn)], turn_id=turn)
+    again = await logger.log_messages(CID, [user("QT?"), answer("T")], turn_id="t")
+    assert page.last_id in [m.id for m in again.messages]
+    await store.pop_last_message(CID)
+
+    followed = await store.messages_page(CID, after=page.last_id, limit=50)
+
+    stored = [m.content for m in await store.transcript(CID)]
+    assert [m.content for m in followed.data] == stored[2:]
+    assert len(followed.data) == 11
+    assert not followed.has_more
+
+
+async def test_a_tail_follower_is_not_served_again_what_a_pop_under_way_has_not_removed(
+    backend: Backend,
+) -> None:
+    """DESIGN §3: an `after` naming a popped message reads on from the lowest `seq` that pop
+    and the pops after it gave back. A later pop under way (its mark set, its message not
+    deleted yet) has given nothing back: the follower, which read that message, is not served
+    it again; once the pop is done, what is logged at its `seq` is served."""
+    logger, store = await log_two_turns(backend)
+    page = await store.messages_page(CID)
+    await store.pop_last_message(CID)
+    during: list[Any] = []
+
+    async def a_read() -> None:
+        during.append(await store.messages_page(CID, after=page.last_id))
+
+    popping = ConversationStore(backend.db)
+    popping._messages = BeforeCall(popping._messages, "delete_one", 0, a_read)  # type: ignore[assignment]
+    popped = await popping.pop_last_message(CID)
+
+    assert popped is not None
+    assert popped.content == "second question"
+    assert [m.content for m in during[0].data] == []
+    await logger.log_messages(CID, [user("second question, asked again")], turn_id="t3")
+    followed = await store.messages_page(CID, after=page.last_id)
+    assert [m.content for m in followed.data] == ["second question, asked again"]
+
+
 async def test_a_pop_of_the_message_that_named_the_conversation_takes_its_automatic_name_back(
     backend: Backend,
 ) -> None:

@@ -347,14 +347,28 @@ _STANDING_READ = {"epoch": 1, "created_at": 1, **UNSTANDING_READ}
 """What a read of messages looks up of their conversation, at once (`_in_scope`)."""
 
 
-def _popped_messages(conversation: Mapping[str, Any]) -> list[PoppedMessage]:
-    """The messages pops removed from `conversation`, oldest first: `popped_messages`, then the
-    message of the pop under way (`popping`, its mark), whose removal is its latest."""
+def _read_on_from(conversation: Mapping[str, Any], message_id: str) -> int | None:
+    """The lowest `seq` given back from the removal of `message_id` on (`_seq_of`), or None
+    when `conversation` lists no removal of it.
+
+    Its earliest removal listed (`popped_messages`, oldest first): a turn popped whole and
+    retried past its record is stored again at the end under the same ids, and can be popped
+    again; a reader that read the first copy must read on from what the first pop gave back,
+    and cannot be told from one that read the second, which is served again what was logged
+    between (re-served, never skipped). An earlier removal no longer listed (past the newest
+    `POPPED_MESSAGES_KEPT`) is not known. Only finished pops count from there on: a later
+    pop under way (its mark, `popping`) has given nothing back (its message, which the
+    reader had read, may still be stored), and no turn is logged at its `seq` before it
+    finishes. The mark counts only as the removal of `message_id` itself, when no finished
+    pop lists it: its message is deleted before the update that lists it clears the mark."""
     popped = [PoppedMessage.model_validate(p) for p in conversation.get("popped_messages") or ()]
+    removals = [at for at, p in enumerate(popped) if p.message_id == message_id]
+    if removals:
+        return min(p.seq for p in popped[removals[0] :])
     marked = conversation.get("popping")
-    if marked:
-        popped.append(PoppedMessage.model_validate({"s": marked["seq"], "i": marked["message_id"]}))
-    return popped
+    if marked and marked.get("message_id") == message_id:
+        return int(marked["seq"])
+    return None
 
 
 _PROMPTS_READ = {
@@ -1383,7 +1397,8 @@ class ConversationStore:
         clears the mark, in one write, so the lookup finds it in one or the other, whether
         that update is on its way or was lost (until a later write or read finishes the pop).
 
-        For a removed message, the lowest `seq` its pop and every later one gave back: what
+        For a removed message, the lowest `seq` its pop and every later finished one gave
+        back (`_read_on_from`: a message popped twice, from its earliest removal listed): what
         a pop gave its `seq` back to was logged after the message it removed, and a reader
         that had read that message had read the ones below it that later pops removed (a
         turn regenerated whole: its answer popped, then its question)."""
@@ -1401,11 +1416,10 @@ class ConversationStore:
             conversation = await self._conversations.find_one(
                 scope, {"popped_messages": 1, "popping.message_id": 1, "popping.seq": 1}
             )
-        popped = _popped_messages(conversation or {})
-        removals = [at for at, p in enumerate(popped) if p.message_id == message_id]
-        if not removals:
+        seq = _read_on_from(conversation or {}, message_id)
+        if seq is None:
             raise InvalidInput(f"invalid after: message {message_id!r} is not in this conversation")
-        return min(p.seq for p in popped[removals[-1] :]), True
+        return seq, True
 
     # -- human in the loop -----------------------------------------------------------
 
