@@ -330,8 +330,10 @@ def test_sse_events_sharing_an_id_with_other_content_are_each_read() -> None:
 
 
 def test_an_empty_sse_id_line_gives_the_event_no_id() -> None:
-    """An empty `id:` resets the reconnect cursor: such events are no replays of each other."""
-    body = 'id:\nevent: text_delta\ndata: {"delta": "A"}\n\n' * 2 + "id:\nevent: done\ndata: {}\n\n"
+    """An empty `id:` resets the reconnect cursor: such events are no replays of each other,
+    whatever `id` their data holds (the `id:` line decides)."""
+    delta = 'id:\nevent: text_delta\ndata: {"delta": "A", "id": "chunk-1"}\n\n'
+    body = delta * 2 + "id:\nevent: done\ndata: {}\n\n"
     turn = turn_from_sse(parse_sse_text(body))
 
     assert [m.content for m in turn.messages] == ["AA"]

@@ -251,8 +251,8 @@ def _event_dict(number: int, fields: list[tuple[str, str]]) -> dict[str, Any]:
         raise InvalidInput(f"invalid SSE stream: event {number} has data that is not an object")
     if names:
         payload["type"] = names[-1]  # the event name is the type, whatever the data says
-    if ids and ids[-1]:  # an empty `id:` resets the reconnect cursor: the event has no id
-        payload["id"] = ids[-1]
+    if ids:  # the `id:` line decides over an `id` in the data; an empty one (it resets
+        payload["id"] = ids[-1] or None  # the reconnect cursor) gives the event none
     return payload
 
 
