@@ -218,6 +218,24 @@ async def test_a_retry_whose_json_objects_list_their_keys_in_another_order_is_th
         await logger.log_messages(CID, _keyed(kind, REORDERED, "no?"), turn_id=first.turn_id)
 
 
+def test_arguments_count_as_the_json_value_when_spelt_as_the_store_writes_an_object() -> None:
+    """Arguments given as an object are kept as compact JSON text: their digest is that of the
+    value, keys in any order (so is a caller's text spelt exactly so: stored alike, it cannot
+    be told apart). A caller's text spelt otherwise (spaced, not JSON) is content as it is."""
+    from agent_store.store._turns import content_digest
+
+    def digest(arguments: object) -> int:
+        call = {"id": "c1", "function": {"name": "f", "arguments": arguments}}
+        message = {"role": "assistant", "tool_calls": [call]}
+        return content_digest([message_adapter.dump_python(
+            message_adapter.validate_python(message), by_alias=True)])  # fmt: skip
+
+    assert digest({"b": 1, "a": {"d": 2, "c": 3}}) == digest({"a": {"c": 3, "d": 2}, "b": 1})
+    assert digest({"b": 1, "a": 2}) == digest('{"b":1,"a":2}') == digest('{"a":2,"b":1}')
+    assert digest('{"b": 1, "a": 2}') != digest('{"a": 2, "b": 1}')
+    assert digest("{b:1,a:2}") != digest("{a:2,b:1}")
+
+
 def _as_logged_before(patch: pytest.MonkeyPatch) -> None:
     """Log as the store did before key order stopped counting: free-form objects digested
     (and turn ids derived) with their keys in the order given."""
