@@ -178,6 +178,117 @@ async def test_turn_id_reused_for_different_messages_is_a_conflict(backend: Back
         )
 
 
+def _keyed(kind: str, keys: list[str], text: str = "ok?") -> list[dict[str, Any]]:
+    """A turn whose one JSON object (`kind`: a native form's value, a call's arguments given
+    as an object, a prompt's params) lists `keys` in that order, as a client serialising a
+    hash map may on each attempt."""
+    values = {"city": "Paris", "units": "metric", "days": [{"b": 1, "a": 2}]}
+    obj = {key: values[key] for key in keys}
+    when = "2026-01-01T00:00:00Z"
+    if kind == "native":
+        native = {"format": "openai-agents", "set": {"extra": obj}}
+        return [{"role": "assistant", "content": text, "created_at": when, "native": native}]
+    if kind == "arguments":
+        call = {"id": "call_1", "function": {"name": "weather", "arguments": obj}}
+        return [{"role": "assistant", "content": text, "created_at": when, "tool_calls": [call]}]
+    prompt = {"request_id": "q1", "action": "confirm", "params": obj}
+    return [{"role": "assistant", "content": text, "created_at": when, "hitl_action": prompt}]
+
+
+KEYED = ["native", "arguments", "hitl params"]
+IN_ORDER, REORDERED = ["city", "units", "days"], ["days", "units", "city"]
+
+
+@pytest.mark.parametrize("turn_id", ["run-1", None], ids=["named", "derived"])
+@pytest.mark.parametrize("kind", KEYED)
+async def test_a_retry_whose_json_objects_list_their_keys_in_another_order_is_the_same_turn(
+    backend: Backend, kind: str, turn_id: str | None
+) -> None:
+    """JSON objects are equal whatever their key order: a retry sending one with its keys
+    (at any depth) in another order is a replay, named or not, never another turn."""
+    logger = AgentMessageLogger(backend.db)
+    first = await logger.log_messages(CID, _keyed(kind, IN_ORDER), turn_id=turn_id)
+    again = await logger.log_messages(CID, _keyed(kind, REORDERED), turn_id=turn_id)
+
+    assert again.replayed
+    assert again.turn_id == first.turn_id
+    assert await backend.db.agent_messages.count_documents({}) == 1
+    assert (await ConversationStore(backend.db).get_conversation(CID)).message_count == 1
+    with pytest.raises(Conflict, match="logged with other content"):
+        await logger.log_messages(CID, _keyed(kind, REORDERED, "no?"), turn_id=first.turn_id)
+
+
+def test_arguments_count_as_the_json_value_when_spelt_as_the_store_writes_an_object() -> None:
+    """Arguments given as an object are kept as compact JSON text: their digest is that of the
+    value, keys in any order (so is a caller's text spelt exactly so: stored alike, it cannot
+    be told apart). A caller's text spelt otherwise (spaced, not JSON) is content as it is."""
+    from agent_store.store._turns import content_digest
+
+    def digest(arguments: object) -> int:
+        call = {"id": "c1", "function": {"name": "f", "arguments": arguments}}
+        message = {"role": "assistant", "tool_calls": [call]}
+        return content_digest([message_adapter.dump_python(
+            message_adapter.validate_python(message), by_alias=True)])  # fmt: skip
+
+    assert digest({"b": 1, "a": {"d": 2, "c": 3}}) == digest({"a": {"c": 3, "d": 2}, "b": 1})
+    assert digest({"b": 1, "a": 2}) == digest('{"b":1,"a":2}') == digest('{"a":2,"b":1}')
+    assert digest('{"b": 1, "a": 2}') != digest('{"a": 2, "b": 1}')
+    assert digest("{b:1,a:2}") != digest("{a:2,b:1}")
+
+
+def _as_logged_before(patch: pytest.MonkeyPatch) -> None:
+    """Log as the store did before key order stopped counting: free-form objects digested
+    (and turn ids derived) with their keys in the order given."""
+    from agent_store.store import _turns
+
+    patch.setattr(_turns, "_in_key_order", lambda document: document, raising=False)
+
+
+@pytest.mark.parametrize("turn_id", ["run-1", None], ids=["named", "derived"])
+@pytest.mark.parametrize("kind", KEYED)
+@pytest.mark.parametrize("case", ["recorded", "past the kept records", "insert lost"])
+async def test_a_retry_of_a_turn_recorded_before_key_order_stopped_counting_is_a_replay(
+    backend: Backend,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    turn_id: str | None,
+    case: str,
+) -> None:
+    """A turn recorded by a store that digested (and derived its id from) objects with their
+    keys in the order given, retried across the upgrade with the very messages it sent then:
+    its record's digest (the old form) and its derived id (the old derivation, looked up
+    where a turn id is) still recognise it, stored once."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(turns_recorded=1))
+    messages = _keyed(kind, REORDERED)
+    with monkeypatch.context() as patch:
+        _as_logged_before(patch)
+        if case == "insert lost":
+
+            async def crash(self: AgentMessageLogger, *step: object) -> None:
+                raise CrashBeforeInsert
+
+            patch.setattr(AgentMessageLogger, "_store", crash)
+            with pytest.raises(CrashBeforeInsert):
+                await logger.log_messages(CID, messages, turn_id=turn_id)
+        else:
+            first = await logger.log_messages(CID, messages, turn_id=turn_id)
+            assert not first.replayed
+    if case == "past the kept records":
+        await logger.log_messages(CID, _said("later"), turn_id="later")
+
+    await logger.check_turn(CID, messages, turn_id=turn_id)
+    again = await logger.log_messages(CID, messages, turn_id=turn_id)
+
+    assert again.replayed
+    stored = await ConversationStore(backend.db).transcript(CID)
+    assert [m.turn_id for m in stored if m.content == "ok?"] == [again.turn_id]
+    if turn_id is None and case != "insert lost":
+        assert again.turn_id == first.turn_id
+    later = 1 if case == "past the kept records" else 0
+    conversation = await ConversationStore(backend.db).get_conversation(CID)
+    assert conversation.message_count == len(stored) == 1 + later
+
+
 async def test_concurrent_turns_get_unique_increasing_seq_and_exact_turn_count(
     backend: Backend,
 ) -> None:

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from functools import partial
+from functools import partial, wraps
 from itertools import takewhile
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, ParamSpec, Protocol, TypeVar
 
 from bson import Int64
 from pydantic import BaseModel, ConfigDict
@@ -359,6 +359,37 @@ class TurnObserver(Protocol):
         ...
 
 
+class _DerivedBefore(Exception):
+    """A turn logged with no `turn_id` is recorded under the id derived for it before key
+    order stopped counting (`TurnPlan.derived_before`): logged by a store of then, it is
+    logged under that id, its retry a replay. Raised by the verdict before anything is
+    written; `_under_id_before` logs the turn again under `turn_id`."""
+
+    def __init__(self, turn_id: str) -> None:
+        super().__init__(turn_id)
+        self.turn_id = turn_id
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _under_id_before(method: Callable[_P, Awaitable[_R]]) -> Callable[_P, Awaitable[_R]]:
+    """`log_messages` or `check_turn`, for a turn recorded under the id derived for it before
+    key order stopped counting (`_DerivedBefore`), again under that id: one reservation
+    and one read more, for a retry across the upgrade only."""
+
+    @wraps(method)
+    async def under(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return await method(*args, **kwargs)
+        except _DerivedBefore as recorded:
+            kwargs["turn_id"] = recorded.turn_id
+            return await method(*args, **kwargs)
+
+    return under
+
+
 class AgentMessageLogger:
     """Logs agent turns into `agent_messages` and `agent_conversations`.
 
@@ -544,6 +575,7 @@ class AgentMessageLogger:
         )
         return logged.messages[0]
 
+    @_under_id_before
     async def log_messages(
         self,
         conversation_id: str,
@@ -688,6 +720,7 @@ class AgentMessageLogger:
             epoch=conversation.get("epoch"),
         )
 
+    @_under_id_before
     async def check_turn(
         self,
         conversation_id: str,
@@ -1429,6 +1462,8 @@ class AgentMessageLogger:
         if found.get(MIGRATING) is not None:  # the migration is still writing it
             raise being_migrated(plan.conversation_id, f"turn {plan.turn_id!r}")
         block = recorded_block(found, plan.key)
+        if block is None and _recorded_before(plan, found):
+            raise _DerivedBefore(str(plan.derived_before))
         looked_up = block is None and complete and bool(found.get("turns_dropped"))
         if looked_up:
             block = await self._block_of_an_old_turn(plan)
@@ -1781,12 +1816,15 @@ class AgentMessageLogger:
         """
         first_id = message_id(plan.conversation_id, plan.turn_id, 0)
         past_id = message_id(plan.conversation_id, plan.turn_id, plan.count)
+        before = _first_id_before(plan)
+        ids = [first_id, past_id, *([before] if before is not None else [])]
         with storage_errors("look up the turn"):
             found = await self._messages.find(
-                {"_id": {"$in": [first_id, past_id]}, "conversation_id": plan.conversation_id},
-                {"seq": 1},
-            ).to_list(2)
+                {"_id": {"$in": ids}, "conversation_id": plan.conversation_id}, {"seq": 1}
+            ).to_list(len(ids))
         by_id = {d["_id"]: d for d in found}
+        if before in by_id and first_id not in by_id:  # logged under the id derived before
+            raise _DerivedBefore(str(plan.derived_before))
         if past_id in by_id:  # the turn stored more messages than the retry sends
             raise _other_content(plan)
         first = by_id.get(first_id)
@@ -3004,6 +3042,20 @@ def _reserved(plan: TurnPlan, conversation: dict[str, Any], *, observed: bool) -
         assigns=_assigned_at(conversation, first_seq),
         owed=conversation.get(REFOLD_OWED) is not None,
     )
+
+
+def _recorded_before(plan: TurnPlan, conversation: Mapping[str, Any]) -> bool:
+    """Whether the conversation's records name the turn by the id derived for it before key
+    order stopped counting (`TurnPlan.derived_before`)."""
+    return plan.key_before is not None and bool(blocks_of(conversation, plan.key_before))
+
+
+def _first_id_before(plan: TurnPlan) -> str | None:
+    """The id of the turn's first message under the id derived for it before key order
+    stopped counting (`TurnPlan.derived_before`); None when there is none."""
+    if plan.derived_before is None:
+        return None
+    return message_id(plan.conversation_id, plan.derived_before, 0)
 
 
 def _same_content(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:

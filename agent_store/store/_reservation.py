@@ -356,19 +356,22 @@ def blocks_of(document: Mapping[str, Any], key: int) -> set[int]:
 def reservation_filter(
     plan: TurnPlan, actor: Actor, *, records_complete: bool = True
 ) -> dict[str, Any]:
-    """Match the conversation unless it records this turn already (or is another's, or, to
-    a user token, a runtime opened a steering inbox for the turn: `Actor.running_refusal`, or
-    it is no conversation: `STANDING`, a delete begun or a fork not made yet, whose own
-    first reservation creates it and whose retry finds its turn recorded, or a pop is under
-    way: `popping`, a summary the pop has not corrected yet, which the logger finishes,
-    `_pop.finish_marked`, before it reserves again).
+    """Match the conversation unless it records this turn already (under its id, or, for a
+    derived id, under the one derived before key order stopped counting:
+    `TurnPlan.derived_before`), or is another's, or, to a user token, a runtime opened a
+    steering inbox for the turn (`Actor.running_refusal`), or it is no conversation
+    (`STANDING`: a delete begun or a fork not made yet, whose own first reservation creates
+    it and whose retry finds its turn recorded), or a pop is under way (`popping`: a summary
+    the pop has not corrected yet, which the logger finishes, `_pop.finish_marked`, before it
+    reserves again).
 
     With `records_complete`, also unless some of its oldest records were dropped:
     only then does the absence of a record prove the turn is new.
     """
+    keys = {"$ne": plan.key} if plan.key_before is None else {"$nin": [plan.key, plan.key_before]}
     query: dict[str, Any] = {
         "_id": plan.conversation_id,
-        "turns.k": {"$ne": plan.key},
+        "turns.k": keys,
         **actor.owner_filter(),
         **STANDING,
         **NO_POP_UNDER_WAY,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from bisect import bisect_right
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from functools import cached_property
@@ -33,6 +33,7 @@ from agent_store.core import (
     Usage,
     dbref_path,
     describe_validation_error,
+    json_text,
     listed,
     location_text,
     messages_adapter,
@@ -173,9 +174,15 @@ class TurnPlan:
     (`_reservation._asked_again`): the last holds it (`ApprovedCall.held_by`), the others are
     remembered before it (`held_before`)."""
 
+    derived_before: str | None = None
+    """The id derived for the turn (no `turn_id` given) before key order stopped counting,
+    when it is another (an object's keys were not in order, `_in_key_order`): a turn
+    recorded under it by a store of then is this one, logged under that id."""
+
     def matches(self, digest: int) -> bool:
-        """Whether a turn record's digest is this plan's content (in either digest's form)."""
-        return digest == self.digest or digest == json_content_digest(self.documents)
+        """Whether a turn record's digest is this plan's content (in any digest's form: the
+        older two computed only when it is not the current one)."""
+        return digest == self.digest or digest in _digests_before(self.documents)
 
     def matches_but_whole_texts(self, digest: int) -> bool:
         """Whether a digest is this plan's content as a turn recorded it before cut fields
@@ -185,7 +192,7 @@ class TurnPlan:
         if not self.full_texts:
             return False
         before = [without_text_hashes(d) for d in self.documents]
-        return digest in (content_digest(before), json_content_digest(before))
+        return digest == content_digest(before) or digest in _digests_before(before)
 
     @cached_property
     def raised_requests(self) -> tuple[str, ...]:
@@ -244,6 +251,12 @@ class TurnPlan:
             or self.holds_pending
             or not isinstance(self.pending_hitl, KeepPendingHitl)
         )
+
+    @property
+    def key_before(self) -> int | None:
+        """How the conversation's turn records name the turn under `derived_before`; None
+        when there is none."""
+        return None if self.derived_before is None else turn_key(self.derived_before)
 
     @property
     def count(self) -> int:
@@ -367,6 +380,13 @@ def _turn_id_from(conversation_id: str, canonical: str, messages: Sequence[Agent
     return "turn-" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def _digests_before(documents: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
+    """The digests turn records were written with before `content_digest`: sorted JSON
+    (`json_content_digest`), then the models' order with objects' keys in the order given
+    (`_canonical_before`). A record may still hold either."""
+    return json_content_digest(documents), _digest64(_canonical_before(documents))
+
+
 def _digest64(text: str) -> int:
     """The first 8 bytes of the text's SHA-256, as a signed 64-bit integer (a BSON long)."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big", signed=True)
@@ -431,8 +451,120 @@ _DIGEST_EXCLUDES = frozenset(
 
 def _canonical(documents: Sequence[Mapping[str, Any]]) -> str:
     """The content of a turn's documents as one text: their values in the models' order,
-    as `repr` writes them (exact for every value a message holds), times and ids aside."""
+    as `repr` writes them (exact for every value a message holds), times and ids aside, and
+    the keys of every JSON object a caller gives (`_in_key_order`) sorted: JSON objects are
+    equal whatever their key order."""
+    return _canonical_forms(documents)[0]
+
+
+def _canonical_forms(documents: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """`_canonical`, and the text turns were digested (and their ids derived) from before key
+    order stopped counting, when it differs (some object's keys were not in order); else
+    None: the same text, not written twice."""
+    kept = [_as_before(d, _DIGEST_EXCLUDES) for d in documents]
+    ordered = [_in_key_order(d) for d in kept]
+    if all(o is k for o, k in zip(ordered, kept, strict=True)):
+        return repr(kept), None
+    return repr(ordered), repr(kept)
+
+
+def _canonical_before(documents: Sequence[Mapping[str, Any]]) -> str:
+    """The text turns were digested from before key order stopped counting: `_canonical`
+    with each object's keys in the order given."""
     return repr([_as_before(d, _DIGEST_EXCLUDES) for d in documents])
+
+
+def _in_key_order(document: dict[str, Any]) -> dict[str, Any]:
+    """A digested document with the keys of the JSON objects a caller gives sorted, at any
+    depth: a prompt's `params`, a native form's values (those kept as JSON text too), a
+    call's arguments spelt as the store writes an object (`_json_text_in_key_order`). The
+    models' own fields keep their order. The document itself when every key is in order."""
+    changed = {
+        field: ordered
+        for field, in_order in _FREE_FORM.items()
+        if (value := document.get(field)) and (ordered := in_order(value)) is not value
+    }
+    return {**document, **changed} if changed else document
+
+
+def _prompt_in_key_order(prompt: Any) -> Any:
+    """A dumped prompt with its `params` in key order; the prompt itself when they are."""
+    if (
+        not isinstance(prompt, Mapping)
+        or (ordered := _sorted_json(params := prompt.get("params"))) is params
+    ):
+        return prompt
+    return {**prompt, "params": ordered}
+
+
+def _native_in_key_order(native: Any) -> Any:
+    """A dumped native form with its values in key order, those kept as JSON text too; the
+    form itself when they are."""
+    if not isinstance(native, Mapping) or not isinstance(values := native.get("set"), dict):
+        return native
+    ordered = _sorted_json(values)
+    for key in native.get("json_text") or ():
+        text = ordered.get(key)
+        if isinstance(text, str) and (kept := _json_text_in_key_order(text)) is not text:
+            ordered = {**ordered, key: kept}
+    return native if ordered is values else {**native, "set": ordered}
+
+
+def _calls_in_key_order(calls: list[Any]) -> list[Any]:
+    """Tool calls with each one's arguments in key order (`_json_text_in_key_order`); the
+    list itself when every one's are."""
+    ordered = [_call_in_key_order(call) for call in calls]
+    return calls if all(o is c for o, c in zip(ordered, calls, strict=True)) else ordered
+
+
+def _call_in_key_order(call: Any) -> Any:
+    """A dumped tool call with its arguments in key order; the call itself when they are."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(text := function.get("arguments"), str):
+        return call
+    if (ordered := _json_text_in_key_order(text)) is text:
+        return call
+    return {**call, "function": {**function, "arguments": ordered}}
+
+
+_FREE_FORM: dict[str, Callable[[Any], Any]] = {
+    "hitl_action": _prompt_in_key_order,
+    "native": _native_in_key_order,
+    "tool_calls": _calls_in_key_order,
+}
+"""The message fields holding JSON objects a caller gives, and how each is put in key
+order (`_in_key_order`)."""
+
+
+def _json_text_in_key_order(text: str) -> str:
+    """A JSON text as the store writes a value (`json_text`: compact, how arguments given as
+    an object are kept) with its objects' keys sorted: the same value whatever order they
+    came in. Any other text (not JSON, or spelt otherwise: the caller's own text) as it is,
+    and the text itself when its keys are in order already."""
+    if "," not in text:  # no object of two keys
+        return text
+    try:
+        value = json.loads(text)
+        if json_text(value, non_finite=True) != text:
+            return text
+    except (ValueError, RecursionError):
+        return text
+    ordered = _sorted_json(value)
+    return text if ordered is value else json_text(ordered, non_finite=True)
+
+
+def _sorted_json(value: Any) -> Any:
+    """A JSON value with every object's keys sorted; the value itself when they are."""
+    if isinstance(value, dict):
+        items = [(key, _sorted_json(item)) for key, item in value.items()]
+        keys = [key for key, _ in items]
+        if keys == sorted(keys) and all(item is value[key] for key, item in items):
+            return value
+        return dict(sorted(items, key=lambda pair: pair[0]))
+    if isinstance(value, list):
+        listed_ = [_sorted_json(item) for item in value]
+        return value if all(a is b for a, b in zip(listed_, value, strict=True)) else listed_
+    return value
 
 
 def _as_before(document: Mapping[str, Any], excluded: Collection[str]) -> dict[str, Any]:
@@ -693,15 +825,17 @@ def plan_turn(
     `truncated` maps, which only the store sets, are kept.
     """
     conversation_id = validate_identifier(conversation_id, "conversation_id")
-    messages, documents, canonical = _dumped(_parsed_unwalked(raw_messages), rules)
+    messages, documents, (canonical, before) = _dumped(_parsed_unwalked(raw_messages), rules)
     if _escapes_surrogates(canonical):  # rare: parse again, halves joined or refused
-        messages, documents, canonical = _dumped(parse_messages(raw_messages), rules)
+        messages, documents, (canonical, before) = _dumped(parse_messages(raw_messages), rules)
     _check_whole(conversation_id, messages, rules, copied=copied)
-    turn_id = (
-        validate_identifier(turn_id, "turn_id")
-        if turn_id is not None
-        else _turn_id_from(conversation_id, canonical, messages)
-    )
+    derived_before = None
+    if turn_id is not None:
+        turn_id = validate_identifier(turn_id, "turn_id")
+    else:
+        turn_id = _turn_id_from(conversation_id, canonical, messages)
+        if before is not None:
+            derived_before = _turn_id_from(conversation_id, before, messages)
     prepared = _prepared(conversation_id, turn_id, messages, documents, canonical, rules)
     sources = prepared.sources
     ids = [str(d["_id"]) for d in prepared.documents]
@@ -733,6 +867,7 @@ def plan_turn(
         answered_after_prompt=answered_after_prompt(sources),
         named_holds=named_holds,
         asked_again=tuple((c, tuple(ids[i] for i in asking)) for c, asking in asked.items()),
+        derived_before=derived_before,
     )
 
 
@@ -749,11 +884,12 @@ def _auto_named(
 
 def _dumped(
     parsed: Sequence[AgentMessage], rules: TurnRules
-) -> tuple[list[AgentMessage], list[dict[str, Any]], str]:
-    """The messages cleaned, the one dump of each, and their content as one text."""
+) -> tuple[list[AgentMessage], list[dict[str, Any]], tuple[str, str | None]]:
+    """The messages cleaned, the one dump of each, and their content as one text (and as
+    it was before key order stopped counting, when it differs: `_canonical_forms`)."""
     messages = [without_runtime_context(m, rules.markers) for m in parsed]
     documents = [m.model_dump(by_alias=True) for m in messages]
-    return messages, documents, _canonical(documents)
+    return messages, documents, _canonical_forms(documents)
 
 
 def _check_whole(
