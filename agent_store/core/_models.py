@@ -961,7 +961,7 @@ class PendingCall(_Model):
     the store serves null here."""
     created_at: UtcDatetime
     """When the call was made."""
-    seq: int | None = None
+    seq: Count | None = None
     """The `seq` of the message that made the call, which orders the list as the calls were
     made (the store's bookkeeping: null on a call listed before it was recorded)."""
 
