@@ -6,7 +6,7 @@ import contextlib
 import random
 import re
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -2681,6 +2681,45 @@ async def test_popping_an_answer_puts_its_call_back_in_its_place_among_the_pendi
     await store.pop_last_message(CID)
 
     assert await pending_state(store) == (["c1", "c2", "c3"], None)
+
+
+async def test_popping_an_answer_puts_its_call_back_before_the_calls_of_a_lost_later_block(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The calls pending are listed in the order they were made (the newest are kept), as the
+    fold of the messages gives them, whatever made one pending again: c1 comes back before
+    c2, which a later turn reserved and never stored."""
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}, _book("c1")], turn_id="t1")
+    lost = [{"role": "user", "content": "and"}, _book("c2")]
+    await _reserved_only(logger, monkeypatch, lost, "t2")
+    answer = {"role": "tool", "tool_call_id": "c1", "content": "found"}
+    await logger.log_messages(CID, [answer], turn_id="t3")
+
+    await store.pop_last_message(CID)
+
+    assert await pending_state(store) == (["c1", "c2"], None)
+    await logger.log_messages(CID, [{"role": "user", "content": "more"}, _book("c4")], turn_id="t4")
+    assert await pending_state(store) == (["c1", "c2", "c4"], None)
+
+
+async def test_popping_an_answer_puts_its_call_back_in_its_place_among_its_messages_calls(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    logger = AgentMessageLogger(backend.db)
+    store = ConversationStore(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    calls = [{"id": c, "function": {"name": "lookup", "arguments": "{}"}} for c in ("c1", "c1b")]
+    both = {"role": "assistant", "tool_calls": calls}
+    await logger.log_messages(CID, [{"role": "user", "content": "go"}, both], turn_id="t1")
+    await _reserved_only(logger, monkeypatch, [_book("c2")], "t2")
+    answer = {"role": "tool", "tool_call_id": "c1", "content": "found"}
+    await logger.log_messages(CID, [answer], turn_id="t3")
+
+    await store.pop_last_message(CID)
+
+    assert await pending_state(store) == (["c1", "c1b", "c2"], None)
+    assert [c.seq for c in await store.pending_calls(CID)] == [1, 1, 2]
 
 
 async def test_popping_a_prompt_leaves_none_pending_and_brings_back_no_resolved_one(

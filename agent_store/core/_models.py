@@ -962,6 +962,9 @@ class PendingCall(_Model):
     the store serves null here."""
     created_at: UtcDatetime
     """When the call was made."""
+    seq: Count | None = None
+    """The `seq` of the message that made the call, which orders the list as the calls were
+    made (the store's bookkeeping: null on a call listed before it was recorded)."""
 
 
 HOLDING_PROMPTS_KEPT = 20

@@ -1432,6 +1432,15 @@ def _latest_of_its_id(variable: str) -> dict[str, Any]:
     return {"$or": [{"$eq": [latest, None]}, {"$eq": [latest, f"$${variable}.message_id"]}]}
 
 
+def call_fields() -> dict[str, Any]:
+    """Every key of the `PendingCall` in `$$call`, as an expression of each, for a `$map`
+    to change some: `seq` null on a call listed before the list recorded it, as the model
+    dumps it (a key a document lacks would go)."""
+    fields: dict[str, Any] = {name: f"$$call.{name}" for name in PendingCall.model_fields}
+    fields["seq"] = {"$ifNull": ["$$call.seq", None]}
+    return fields
+
+
 def _released(plan: TurnPlan) -> dict[str, Any] | None:
     """The pending calls before a turn that raises prompts, as an expression: those held by a
     prompt of one of their request ids that a person resolved (`resolved_hitl`) stored with
@@ -1448,7 +1457,7 @@ def _released(plan: TurnPlan) -> dict[str, Any] | None:
             {"$in": [holder, _kept("resolved_hitl", [])]},
         ]
     }
-    fields: dict[str, Any] = {name: f"$$call.{name}" for name in PendingCall.model_fields}
+    fields = call_fields()
     fields["request_id"] = {"$cond": [released, None, holder]}
     return {"$map": {"input": calls, "as": "call", "in": fields}}
 
@@ -1545,11 +1554,28 @@ def _pending_state(plan: TurnPlan, calls: Any = None) -> dict[str, Any]:
         }
         held = {"$filter": {"input": answered(True), "as": "call", "cond": was_held}}
         hitl = {"$cond": [_answering(plan, {"$gt": [{"$size": held}, 0]}), None, hitl]}
-    # Only the newest `PENDING_CALLS_KEPT` are kept: the command names no more of them.
-    opened = literal([call.model_dump() for call in plan.opened_calls[-PENDING_CALLS_KEPT:]])
     left = _holding_named(_held_by(answered(False), plan.holds_pending), plan.named_holds)
-    kept = {"$slice": [{"$concatArrays": [left, opened]}, -PENDING_CALLS_KEPT]}
+    kept = {"$slice": [{"$concatArrays": [left, _opened(plan)]}, -PENDING_CALLS_KEPT]}
     return {"pending_calls": _answering(plan, kept), "pending_hitl": hitl}
+
+
+def _opened(plan: TurnPlan) -> dict[str, Any]:
+    """The calls the turn leaves open, as an expression, each with the `seq` of the message
+    making it (`PendingCall.seq`): the turn's first `seq` (`message_count` before it, at the
+    end where the turn reserves or moves) plus that message's place in the turn. They join
+    the list after the calls before them, as they were made. Only the newest
+    `PENDING_CALLS_KEPT` are listed: the command names no more of them."""
+    places = {str(document["_id"]): i for i, document in enumerate(plan.documents)}
+    listed = literal(
+        [
+            {"call": call.model_dump(), "i": places.get(call.message_id)}
+            for call in plan.opened_calls[-PENDING_CALLS_KEPT:]
+        ]
+    )
+    fields: dict[str, Any] = {name: f"$$c.call.{name}" for name in PendingCall.model_fields}
+    fields["seq"] = int64({"$add": [{"$ifNull": ["$message_count", 0]}, "$$c.i"]})
+    # Built by `$map`: some servers (mongomock) keep an array literal's elements unevaluated.
+    return {"$map": {"input": listed, "as": "c", "in": fields}}
 
 
 def held_calls_kept(plan: TurnPlan) -> dict[str, Any]:
@@ -1646,7 +1672,7 @@ def _held_by(calls: Any, request_id: str | None) -> Any:
     (`_turns.held_by`, as an expression); `calls` as they are without one."""
     if request_id is None:
         return calls
-    fields: dict[str, Any] = {name: f"$$call.{name}" for name in PendingCall.model_fields}
+    fields = call_fields()
     fields["request_id"] = {"$ifNull": ["$$call.request_id", literal(request_id)]}
     return {"$map": {"input": calls, "as": "call", "in": fields}}
 
@@ -1676,7 +1702,7 @@ def _holding_named(calls: Any, named: Sequence[tuple[str, str]]) -> Any:
     latest = {"$let": {"vars": {"last": {"$arrayElemAt": [of_id, -1]}}, "in": "$$last.message_id"}}
     holder = {"$arrayElemAt": [{"$map": {"input": naming, "as": "p", "in": "$$p.r"}}, 0]}
     named_here = {"$and": [{"$gt": [{"$size": naming}, 0]}, {"$eq": ["$$call.message_id", latest]}]}
-    fields: dict[str, Any] = {name: f"$$call.{name}" for name in PendingCall.model_fields}
+    fields = call_fields()
     fields["request_id"] = {"$cond": [named_here, holder, {"$ifNull": ["$$call.request_id", None]}]}
     mapped = {"$map": {"input": "$$held", "as": "call", "in": fields}}
     return {"$let": {"vars": {"held": calls, "holders": holders}, "in": mapped}}

@@ -51,6 +51,7 @@ from agent_store.store._reservation import (
     approvals_held_by,
     approvals_superseded_by,
     approvals_without,
+    call_fields,
     held_before_of,
     held_by_of,
     int64,
@@ -466,15 +467,29 @@ def _calls_without(pop: PopInProgress, before: list[PendingCall]) -> dict[str, A
         kept = _unheld(kept, pop.hitl_request_id, before)
     if not back:
         return kept
-    later = _keys(before[before.index(back[0]) + 1 :])
+    is_later = _made_after(back[0], before)
 
     def placed(after: bool) -> dict[str, Any]:
-        is_later = {"$in": [_CALL_KEY, later]}
         return {"$filter": {"input": kept, "as": "call", "cond": {"$eq": [is_later, after]}}}
 
     restored = literal([c.model_dump() for c in back])
     both = {"$concatArrays": [placed(False), restored, placed(True)]}
     return {"$slice": [both, -PENDING_CALLS_KEPT]}
+
+
+def _made_after(call: PendingCall, before: list[PendingCall]) -> dict[str, Any]:
+    """Whether the pending call in `$$call` was made after `call`, which comes back to the
+    list: by the `seq`s of the messages that made them (`PendingCall.seq`), else (a call of
+    the same message, or one listed before the list recorded them) when `before` lists it
+    after `call`. The calls of
+    a block reserved and not stored (`before` cannot list them) then keep their place too,
+    the list staying in the order the calls were made."""
+    later = {"$in": [_CALL_KEY, _keys(before[before.index(call) + 1 :])]}
+    if call.seq is None:
+        return later
+    seq = {"$ifNull": ["$$call.seq", None]}
+    unordered = {"$or": [{"$eq": [seq, None]}, {"$eq": [seq, literal(call.seq)]}]}
+    return {"$cond": [unordered, later, {"$gt": [seq, literal(call.seq)]}]}
 
 
 _CALL_KEY = {"$concat": ["$$call.message_id", " ", "$$call.tool_call_id"]}
@@ -506,6 +521,6 @@ def _unheld(calls: Any, request_id: str, before: list[PendingCall]) -> dict[str,
     listed = {"$gt": [{"$size": found}, 0]}
     held = {"$and": [{"$eq": ["$$call.request_id", literal(request_id)]}, listed]}
     holder = {"$arrayElemAt": [{"$map": {"input": found, "as": "h", "in": "$$h.r"}}, 0]}
-    fields: dict[str, Any] = {name: f"$$call.{name}" for name in PendingCall.model_fields}
+    fields = call_fields()
     fields["request_id"] = {"$cond": [held, holder, {"$ifNull": ["$$call.request_id", None]}]}
     return {"$map": {"input": calls, "as": "call", "in": fields}}

@@ -1234,6 +1234,7 @@ def _pending_calls(
             message_id=ids[index],
             request_id=own.get(call.id),
             created_at=message.created_at,
+            seq=message.seq,
         )
         for index, message in enumerate(messages)
         for call in message.tool_calls or ()

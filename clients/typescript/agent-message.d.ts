@@ -520,6 +520,11 @@ export interface IPendingCall<TDate extends DateLike> {
   request_id: string | null;
   /** When the call was made. */
   created_at: TDate;
+  /**
+   * The `seq` of the message that made the call, which orders the list as the calls were
+   * made (the store's bookkeeping: null on a call listed before it was recorded).
+   */
+  seq: number | null;
 }
 
 /** The unresolved HITL prompt of a conversation (extension). */
