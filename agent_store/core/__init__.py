@@ -108,6 +108,7 @@ from agent_store.core._outcomes import (
     stand_in_result,
     tool_content_error,
     tool_outcome,
+    voice_marker,
 )
 
 __all__ = [
@@ -210,5 +211,6 @@ __all__ = [
     "tool_content_error",
     "tool_outcome",
     "utc_now",
+    "voice_marker",
     "whole_millis",
 ]
