@@ -25,6 +25,7 @@ from agent_store.core import (
     ConversationPage,
     InvalidInput,
     MessagePage,
+    voice_marker,
 )
 from agent_store.store import (
     Claimed,
@@ -258,6 +259,21 @@ def _refuse_what_a_person_does_not_send(message: AgentMessage) -> None:
         raise InvalidInput(
             "invalid delivery: a user token steers what a person sends, without `native` (a "
             "runtime's own form of a message); only a service token delivers one"
+        )
+    _refuse_another_voice(message, "delivery")
+
+
+def _refuse_another_voice(message: AgentMessage, subject: str) -> None:
+    """A person's words are sent in the person's voice: a user token's user message whose
+    `error` is a runtime's marker (`voice_marker`: the application's retry feedback, a
+    tool's content), which a runtime sends the model in that voice, is refused. Only a
+    service token, a runtime's, sends one."""
+    marker = voice_marker(message)
+    if marker is not None:
+        raise InvalidInput(
+            f"invalid {subject}: a user token sends a person's words, without `error` "
+            f"{marker!r} (a runtime's marker: a runtime would send the text as the "
+            f"application's or a tool's, not the person's); only a service token sends one"
         )
 
 

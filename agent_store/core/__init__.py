@@ -109,6 +109,7 @@ from agent_store.core._outcomes import (
     stand_in_result,
     tool_content_error,
     tool_outcome,
+    voice_marker,
 )
 
 __all__ = [
@@ -212,5 +213,6 @@ __all__ = [
     "tool_content_error",
     "tool_outcome",
     "utc_now",
+    "voice_marker",
     "whole_millis",
 ]

@@ -145,6 +145,18 @@ def is_tool_content(message: AgentMessage) -> bool:
     return message.error is not None and message.error.message == TOOL_CONTENT
 
 
+def voice_marker(message: AgentMessage) -> str | None:
+    """The marker a user message's `error` holds that makes a runtime send its text in
+    another voice than a person's (the application's retry feedback, a tool's content), or
+    None: only a runtime writes one, never a person's words (the service refuses it from a
+    user token)."""
+    if not isinstance(message, UserMessage) or message.error is None:
+        return None
+    if feedback_cause(message)[0] or is_tool_content(message):
+        return message.error.message
+    return None
+
+
 _STAND_IN_TEXT: dict[ToolOutcome, str] = {
     "interrupted": INTERRUPTED_RESULT,
     "denied": DENIED_RESULT,

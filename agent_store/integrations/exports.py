@@ -32,6 +32,7 @@ from agent_store.store import (
     ConversationExport,
     ConversationStore,
     RuntimeContextMarkers,
+    holds_a_persons_words,
     prompt_text,
     strip_runtime_context,
 )
@@ -98,8 +99,9 @@ def chat_completions(
 
 def _exported_prompt(message: AgentMessage, markers: RuntimeContextMarkers) -> list[dict[str, Any]]:
     """A system or user message: its text, or a note naming an uploaded file when nothing of
-    its text is left once hidden context is removed (`prompt_text`)."""
-    if message.content and message.role == "user":
+    its text is left once hidden context is removed (`prompt_text`; from a person's words
+    only, `holds_a_persons_words`: a tool's content or retry feedback is sent whole)."""
+    if message.content and holds_a_persons_words(message):
         shown = strip_runtime_context(message.content, markers)
         if shown != message.content:
             message = message.model_copy(update={"content": shown})

@@ -151,8 +151,10 @@ def messages_from_run(
 
     Hidden runtime context (between `markers`) is removed from each user
     prompt, its text items read as one text, so a block or a marker cut
-    across items is removed too. A call id the provider used again within
-    the run is renamed `<id>_<n>` (with its result), and a warning logged.
+    across items is removed too; a tool's content and retry feedback, which
+    are no person's words, are kept whole, as the model was sent them. A call
+    id the provider used again within the run is renamed `<id>_<n>` (with its
+    result), and a warning logged.
     """
     stored: list[AgentMessage] = []
     sent_at: datetime | None = None
@@ -228,7 +230,8 @@ def _from_request_part(
     if isinstance(part, pai.UserPromptPart):
         return [
             UserMessage(
-                content=_items_text(part.content, markers),
+                # a tool's content is stored whole: context is hidden from a person's words
+                content=_items_text(part.content, None if from_tool else markers),
                 error=tool_content_error() if from_tool else None,
                 created_at=part.timestamp,
             )
@@ -281,14 +284,33 @@ def _with_content_kind(
 ) -> AgentMessage:
     """`message` keeping in `native` what its text alone does not say of the part: whether its
     content was a `str` or a value (`_CONTENT_KIND`), and the tool's kind (an output tool's
-    `output`), so the history gives the part back as the run held it."""
-    kept: dict[str, Any] = {_CONTENT_KIND: "text" if isinstance(content, str) else "value"}
+    `output`), so the history gives the part back as the run held it. A value whose text
+    reads back as another (`Decimal("10.50")`'s `10.50` as 10.5, NaN's `null` as None) is
+    kept as its text, which the model was sent; an empty text with an `error` (the run's
+    own `ModelRetry("")`, `ToolDenied("")`) is kept too, else it reads as another writer's
+    error-only result (`_reads_as_its_error`)."""
+    kept: dict[str, Any] = {_CONTENT_KIND: _kind_sent(message, content)}
     if not message.content and content not in (None, ""):  # a value rendered as no text: []
         kept["content"] = runtime_json(content, subject=subject, fallback=str)
     if tool_kind is not None:
         kept["tool_kind"] = tool_kind
-    plain = {_CONTENT_KIND: _plain_kind(message)}
-    return with_native(message, FORMAT, kept, plain, subject=subject)
+    plain_kind = "error" if _reads_as_its_error(message) else _plain_kind(message)
+    return with_native(message, FORMAT, kept, {_CONTENT_KIND: plain_kind}, subject=subject)
+
+
+def _kind_sent(message: AgentMessage, content: Any) -> str:
+    """Whether the model was sent `content` as text or as a value: a value only when its
+    stored text reads back as a value rendered the same (`_json_value`, `_rendered`)."""
+    if isinstance(content, str):
+        return "text"
+    text = message.content or ""
+    return "value" if not text or _rendered(_json_value(text)) == text else "text"
+
+
+def _reads_as_its_error(message: AgentMessage) -> bool:
+    """Whether a stored message with no `native` record replays as what its error says (a
+    tool result of no text and an `error`, as another writer stores a denial)."""
+    return isinstance(message, ToolMessage) and not message.content and message.error is not None
 
 
 def _from_response(
@@ -646,16 +668,18 @@ def _to_system_part(message: SystemMessage) -> pai.SystemPromptPart:
 
 def _to_tool_return(message: ToolMessage, tool_name: str) -> pai.ToolReturnPart:
     """The return a tool message stands for: its content as the run held it
-    (`_content_of`); one stored with no text and an `error` (another writer's) as what its
-    error says, as every other reader replays it (`result_text`); its tool's kind kept."""
+    (`_content_of`, the stored text when the bridge recorded its kind, an empty one too);
+    one stored with no text and an `error` by another writer (no record) as what its error
+    says, as every other reader replays it (`result_text`); its tool's kind kept."""
     assert message.tool_call_id is not None
     marked = tool_outcome(message)
     outcome, cause = marked if marked is not None else (None, None)
     retry_cause = _TOOL_RETRY_CAUSES.get(cause or "", "model_retry")
     tool_kind = _kept(message, "tool_kind")
+    own = _kept(message, _CONTENT_KIND) in ("text", "value")  # the bridge's own record
     returned = pai.ToolReturnPart(
         tool_name,
-        _content_of(message, result_text(message)),
+        _content_of(message, (message.content or "") if own else result_text(message)),
         tool_call_id=message.tool_call_id,
         timestamp=message.created_at,
         outcome=outcome or "success",
@@ -771,8 +795,9 @@ async def log_run(
 ) -> LoggedTurn:
     """Store an agent run's new messages as one turn (idempotent by `turn_id`).
 
-    Hidden runtime context is stripped from user text by the logger's rules'
-    markers, so only what the user saw is stored.
+    Hidden runtime context is stripped from the person's prompts by the logger's
+    rules' markers, so only what the user saw is stored (a tool's content and retry
+    feedback are stored whole, as the model was sent them).
     """
     return await logger.log_messages(
         conversation_id,

@@ -16,6 +16,7 @@ from agent_store.core import (
     NativeForm,
     describe_validation_error,
     shown_key,
+    voice_marker,
 )
 from agent_store.store._values import storable
 
@@ -227,15 +228,23 @@ def _stripped_mapping(items: Mapping[Any, Any], markers: RuntimeContextMarkers) 
     return stripped
 
 
+def holds_a_persons_words(message: AgentMessage) -> bool:
+    """Whether a message is a person's words, the only text runtime context is stripped
+    from: a user message, but one marked as a tool's content or the application's retry
+    feedback (`voice_marker`), which is stored whole, as the model was sent it."""
+    return message.role == "user" and voice_marker(message) is None
+
+
 def without_runtime_context(
     message: AgentMessage, markers: RuntimeContextMarkers = DEFAULT_MARKERS
 ) -> AgentMessage:
     """A user message with hidden runtime context removed from every text it stores: each
     string of it and of its parts (its content, its upload's and error's texts, its `native`
     form), whatever fields they have. A message holding no marker is the message itself;
-    any other role's comes back as it is. InvalidInput when a text is refused once its
-    context is removed (a `native` format that was nothing else)."""
-    if message.role != "user" or not _holds_marker(message, markers):
+    any other role's comes back as it is, and so does a user message that is no person's
+    words (`holds_a_persons_words`). InvalidInput when a text is refused once its context
+    is removed (a `native` format that was nothing else)."""
+    if not holds_a_persons_words(message) or not _holds_marker(message, markers):
         return message
     try:
         return type(message).model_validate(_stripped_value(message, markers))
