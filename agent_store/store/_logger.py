@@ -1425,9 +1425,9 @@ class AgentMessageLogger:
         if refusal is not None:
             raise _held(refusal, condition, another_owners=True)
         if found.get(DELETING) is not None:
-            raise being_deleted(plan.conversation_id, f"turn {plan.turn_id!r}")
+            raise being_deleted(plan.conversation_id, _refused_turn(plan))
         if found.get(MIGRATING) is not None:  # the migration is still writing it
-            raise being_migrated(plan.conversation_id, f"turn {plan.turn_id!r}")
+            raise being_migrated(plan.conversation_id, _refused_turn(plan))
         block = recorded_block(found, plan.key)
         looked_up = block is None and complete and bool(found.get("turns_dropped"))
         if looked_up:
@@ -1436,7 +1436,7 @@ class AgentMessageLogger:
             return await self._retry_of(plan, block, found, condition)
         new_only = condition is not None and condition.new_only
         if found.get(FORK_CHECK) is not None and not new_only:  # only the fork's own turn
-            raise unfinished_fork(plan.conversation_id, f"turn {plan.turn_id!r}")
+            raise unfinished_fork(plan.conversation_id, _refused_turn(plan))
         if (running := actor.running_refusal(plan, found)) is not None:
             raise running
         return _Verdict(proved_new=looked_up)
@@ -3391,6 +3391,13 @@ def _held(
     if another_owners:
         return _OwnedElsewhere(condition.refusal.message)
     return condition.refusal
+
+
+def _refused_turn(plan: TurnPlan) -> str:
+    """How a refusal names the turn `plan` sends: "the fork" for a fork's copies, whose turn
+    id the store made (`is_fork_turn`: the caller never saw it, and may not send it), else
+    the turn by its id."""
+    return "the fork" if is_fork_turn(plan.turn_id) else f"turn {plan.turn_id!r}"
 
 
 def _refuse_derived(conversation_id: str, actor: Actor) -> None:
