@@ -1484,7 +1484,9 @@ class AgentMessageLogger:
         naming a user for a conversation still unowned assigns it to that user, its messages
         theirs (`_assign`, as `upsert_conversation` naming them does); never a turn that only
         creates its conversation (`Condition.new_only`, a fork's: whose the fork is was decided
-        when it was made, and a replay writes nothing). None when the verdict
+        when it was made, and a replay writes nothing) but the retry of a fork not made yet
+        (`FORK_CHECK`), which makes it: its source's owner now (`actor`) owns it, as a fork
+        made fresh would be. None when the verdict
         is no retry's (no block); when the turn moved, or the conversation was deleted or
         taken by another user meanwhile: the reservation looks again (and refuses another
         owner's, `Actor.refusal`)."""
@@ -1496,7 +1498,8 @@ class AgentMessageLogger:
         )
         if reserved is None or reserved.owner is not None:
             return reserved
-        if actor.as_user or actor.user_id is None or (condition and condition.new_only):
+        made = conversation.get(FORK_CHECK) is None  # else the retry makes the fork now
+        if actor.as_user or actor.user_id is None or (condition and condition.new_only and made):
             return reserved
         same = _same_as_reserved(plan.conversation_id, reserved)
         doc = await self._assign(plan.conversation_id, actor.user_id, same)
