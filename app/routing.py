@@ -237,12 +237,12 @@ async def _evaluate_if_match(endpoint: Endpoint, call: Call[Any, Any]) -> None:
     headers = call.request.headers
     if "if-match" not in headers or not endpoint.if_match or endpoint.checks_version:
         return
-    version = version_named(headers)
-    conversations = call.store.conversations
-    if version is None:  # `*`
-        await conversations.get_conversation(call.conversation_id, user_id=call.scope)
-    else:
-        await conversations.require_version(call.conversation_id, version, user_id=call.scope)
+    # `*` (None) names any; a write into a conversation being deleted answers as without
+    # If-Match (503), a read as the read does (404).
+    what = None if endpoint.method == "GET" else "the request"
+    await call.store.conversations.require_version(
+        call.conversation_id, version_named(headers), user_id=call.scope, what=what
+    )
 
 
 def routes_of(endpoints: Sequence[Endpoint]) -> list[BaseRoute]:

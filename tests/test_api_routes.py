@@ -218,6 +218,73 @@ async def test_a_delete_failed_part_way_leaves_every_read_404_and_its_retry_fini
         assert (gone.status_code, error_code(gone)) == (404, "not_found")
 
 
+async def _half_deleted(api: Served, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The owner's DELETE of `CONV` failed part-way: marked, its legacy turns left (503);
+    the ETag it named."""
+    owner = auth_headers(user=OWNER)
+    etag: str = (await api.http.get(CONV, headers=owner)).headers["etag"]
+    legacy = api.store.conversations._legacy_source
+    assert legacy is not None
+
+    async def lost(conversation_id: str, *, owner: str | None) -> int:
+        raise StorageUnavailable("the connection dropped")
+
+    monkeypatch.setattr(legacy, "delete", lost)
+    failed = await api.http.delete(CONV, headers=owner | {"If-Match": etag})
+    monkeypatch.undo()
+    assert failed.status_code == 503
+    return etag
+
+
+async def test_a_claim_leaves_a_half_deleted_conversation_whole_to_its_owner(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim leaves a conversation whose DELETE failed part-way to its owner with
+    everything of it, the legacy turns kept beside it included: the new account reads none
+    of it (404, nothing served from those turns), and the owner's DELETE run again removes
+    them all."""
+    async with serve(backend.db) as api:
+        etag = await _half_deleted(api, monkeypatch)
+        body = {"from_user_id": OWNER, "to_user_id": "user-new-account"}
+        claimed = await api.http.post("/v1/claims", json=body, headers=SERVICE)
+        assert claimed.is_success, claimed.text
+        assert claimed.json()["legacy_turns"] == 0
+
+        new = auth_headers(user="user-new-account")
+        for path in ("", "/hitl", "/transcript", "/messages", "/turns/run-1/inbox"):
+            read = await api.http.get(f"{CONV}{path}", headers=new)
+            assert (read.status_code, error_code(read)) == (404, "not_found"), path
+        owner = auth_headers(user=OWNER)
+        retried = await api.http.delete(CONV, headers=owner | {"If-Match": etag})
+        assert retried.json() == {"conversations": 1, "messages": 12, "legacy_turns": 4}
+        gone = await api.http.get(CONV, headers=new)
+        assert gone.status_code == 404
+
+
+async def test_a_write_with_if_match_into_a_half_deleted_conversation_is_503_being_deleted(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn or a rename the owner sends with If-Match (the conversation's ETag, or `*`) into a
+    conversation whose DELETE failed part-way answers as without it: 503 "being deleted", to
+    be sent again once the delete finished (an outbox keeps it); another user's is 404."""
+    async with serve(backend.db) as api:
+        etag = await _half_deleted(api, monkeypatch)
+        turn = {"turn_id": "t-late", "messages": [{"role": "user", "content": "hi"}]}
+        for user, tag in ((OWNER, etag), (OWNER, "*"), (OTHER, etag), (OTHER, "*")):
+            headers = auth_headers(user=user) | {"If-Match": tag}
+            sent = [
+                await api.http.post(f"{CONV}/turns", json=turn, headers=headers),
+                await api.http.patch(CONV, json={"name": "Later"}, headers=headers),
+            ]
+            for response in sent:
+                if user == OWNER:
+                    assert response.status_code == 503, response.text
+                    assert error_code(response) == "storage_unavailable"
+                    assert "being deleted" in response.json()["error"]["message"]
+                else:
+                    assert (response.status_code, error_code(response)) == (404, "not_found")
+
+
 @pytest.mark.parametrize("if_match", ["*", None], ids=["any", "absent"])
 async def test_a_delete_without_a_version_deletes_whatever_is_under_the_id(
     api: Served, if_match: str | None

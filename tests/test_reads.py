@@ -2156,6 +2156,44 @@ async def test_a_forks_retry_after_its_source_was_assigned_leaves_the_fork_as_it
     assert len(await store.transcript("c-fork")) == len(before) - 1
 
 
+async def test_a_forks_retry_that_makes_it_gives_it_its_sources_owner_then(
+    backend: Backend,
+) -> None:
+    """DESIGN.md (forks): the fork's owner is decided when it is made (its source's then). A
+    fork of unowned "c-u" whose first attempt stored none of its copies (their insert lost)
+    is not made yet; "c-u" is then assigned to OWNER. The retry that makes it (stores the
+    copies) makes it OWNER's, as a fresh fork of "c-u" is now: the fork and its copies name
+    OWNER, who reads it."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    said = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    await logger.log_messages("c-u", said, turn_id="t1")
+    real = logger._messages
+
+    class LostInsert:
+        def __getattr__(self, name: str) -> Any:
+            if name != "insert_many":
+                return getattr(real, name)
+
+            async def lost(*args: Any, **kwargs: Any) -> Any:
+                raise AutoReconnect("the connection dropped")
+
+            return lost
+
+    logger._messages = LostInsert()  # type: ignore[assignment]
+    with pytest.raises(StorageUnavailable):
+        await logger.fork("c-u", 1, "c-fork")
+    logger._messages = real
+    await logger.log_messages("c-u", [{"role": "user", "content": "mine"}], user_id=OWNER,
+                              turn_id="t2")  # fmt: skip
+
+    await logger.fork("c-u", 1, "c-fork")
+
+    assert set(await _owners_of(backend, "c-fork")) == {OWNER}
+    store = ConversationStore(backend.db)
+    assert (await store.get_conversation("c-fork", user_id=OWNER)).user_id == OWNER
+
+
 async def test_a_forks_retry_by_another_user_than_its_unowned_forks_source_is_refused(
     backend: Backend,
 ) -> None:

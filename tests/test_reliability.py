@@ -1407,6 +1407,31 @@ async def test_a_pop_and_a_fork_of_a_conversation_whose_delete_failed_part_way_a
     assert await backend.db.agent_conversations.find_one({"_id": "c-fork"}) is None
 
 
+async def test_a_fork_into_an_id_whose_delete_failed_part_way_names_the_fork(
+    backend: Backend,
+) -> None:
+    """A fork retried into its conversation, whose delete failed part-way, is refused as a
+    turn is (being deleted, sent again once the delete finished), naming the fork: never the
+    turn id the store made for it, which the caller never saw (and may not send)."""
+    logger = AgentMessageLogger(backend.db)
+    await logger.ensure_indexes()
+    said = [{"role": "user", "content": "u0"}, {"role": "assistant", "content": "a0"}]
+    await logger.log_messages("c-source", said, user_id="alice", turn_id="t0")
+    await logger.fork("c-source", 1, CID, user_id="alice")
+    store = ConversationStore(backend.db)
+    real = store._conversations
+    store._conversations = FailOnce(real, "find_one_and_delete", after_applying=False)
+    with pytest.raises(StorageUnavailable):
+        await store.delete(CID, user_id="alice")
+    store._conversations = real
+
+    with pytest.raises(StorageUnavailable, match=re.escape(BEING_DELETED)) as refused:
+        await logger.fork("c-source", 1, CID, user_id="alice")
+
+    assert "the fork may be sent again" in str(refused.value)
+    assert "fork-" not in str(refused.value)
+
+
 async def test_no_write_lands_on_a_conversation_whose_delete_failed_part_way(
     backend: Backend,
 ) -> None:
@@ -1523,6 +1548,71 @@ async def test_a_conversation_whose_delete_failed_part_way_is_not_served_from_it
     deleted = await store.delete(cid, version=version)
     assert (deleted.conversations, deleted.legacy_turns) == (1, 4)
     assert await backend.db[LEGACY_TURNS].count_documents({"conversation_id": cid}) == 0
+
+
+async def test_a_claim_leaves_a_half_deleted_conversations_legacy_turns_with_it(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim leaves behind everything of a conversation it leaves to its owner (one a delete
+    that failed part-way marked): its document, its messages, and its legacy turns and
+    prompts kept beside it. No read serves it to the new account, nor to the old one or a
+    service, from those turns; the owner's delete run again removes them all."""
+    cid = EXAMPLE_CONVERSATION_ID
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(backend.db, observers=[legacy], legacy=legacy)
+    await logger.ensure_indexes()
+    await log_example(logger)
+    store = ConversationStore(backend.db, legacy=legacy, rules=TurnRules(claim_grace=timedelta(0)))
+    version = (await store.get_conversation(cid, user_id=EXAMPLE_USER_ID)).version
+
+    async def lost(conversation_id: str, *, owner: str | None) -> int:
+        raise StorageUnavailable("the connection dropped")
+
+    monkeypatch.setattr(legacy, "delete", lost)
+    with pytest.raises(StorageUnavailable):
+        await store.delete(cid, version=version)
+    monkeypatch.undo()
+
+    claimed = await store.claim(EXAMPLE_USER_ID, "user-bob")
+
+    assert (claimed.conversations, claimed.legacy_turns) == (0, 0)
+    turns = backend.db[LEGACY_TURNS].find({"conversation_id": cid})
+    assert {t["user_id"] async for t in turns} == {EXAMPLE_USER_ID}
+    for user_id in ("user-bob", EXAMPLE_USER_ID, None):
+        await assert_absent_to_every_read(backend, store, cid, user_id)
+    deleted = await store.delete(cid, user_id=EXAMPLE_USER_ID, version=version)
+    assert (deleted.conversations, deleted.legacy_turns) == (1, 4)
+    assert await backend.db[LEGACY_TURNS].count_documents({"conversation_id": cid}) == 0
+
+
+async def test_the_read_fallback_serves_no_user_an_id_another_users_delete_marked(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Legacy turns under an id whose conversation document a delete marked (that failed
+    part-way), naming another user than the document's owner (as a claim of old moved
+    them): the fallback serves them to no one, that user included; NotFound, as for an id
+    with nothing under it."""
+    cid = EXAMPLE_CONVERSATION_ID
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(backend.db, observers=[legacy], legacy=legacy)
+    await logger.ensure_indexes()
+    await log_example(logger)
+    store = ConversationStore(backend.db, legacy=legacy)
+
+    async def lost(conversation_id: str, *, owner: str | None) -> int:
+        raise StorageUnavailable("the connection dropped")
+
+    monkeypatch.setattr(legacy, "delete", lost)
+    with pytest.raises(StorageUnavailable):
+        await store.delete(cid)
+    monkeypatch.undo()
+    await backend.db[LEGACY_TURNS].update_many(
+        {"conversation_id": cid}, {"$set": {"user_id": "user-bob"}}
+    )
+
+    await assert_absent_to_every_read(backend, store, cid, "user-bob")
+    with pytest.raises(NotFound):
+        await SteeringInbox(logger).drain(cid, "run-1", user_id="user-bob")
 
 
 @pytest.mark.parametrize("failed", ["delete", "erasure"])

@@ -275,19 +275,28 @@ class LegacyTurns:
                 part += [docs[i]["_id"] for i in users_part(parsed, user_id)]
         return owned, part
 
-    async def claim(self, from_user_id: str, to_user_id: str) -> int:
-        """Move the user's legacy turns, and the prompts naming the user, to another user id;
-        how many turns moved."""
+    async def claim(self, from_user_id: str, to_user_id: str, *, kept: Sequence[str] = ()) -> int:
+        """Move the user's legacy turns, and the prompts naming the user, to another user id,
+        but those of the conversations `kept` (the claim left them to the user: a delete
+        marked them), which stay with them; how many turns moved."""
+        left = [await self._kept_filters(conversation_id) for conversation_id in kept]
         with storage_errors("claim the legacy turns"):
             moved = 0
-            for collection in (self._turns, self._prompts):
+            for collection, index in ((self._turns, 0), (self._prompts, 1)):
                 ids = await _ids_naming(collection, from_user_id)
                 if ids:
-                    done = await collection.update_many(
-                        {"_id": {"$in": ids}}, {"$set": {"user_id": to_user_id}}
-                    )
+                    query: dict[str, Any] = {"_id": {"$in": ids}}
+                    if left:
+                        query["$nor"] = [filters[index] for filters in left]
+                    done = await collection.update_many(query, {"$set": {"user_id": to_user_id}})
                     moved += int(done.modified_count) if collection is self._turns else 0
         return moved
+
+    async def _kept_filters(self, conversation_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The filters of the legacy turns, and of the prompts, of the conversation the store
+        knows as `conversation_id`, as its delete takes them."""
+        turns, _ = await self._turns_of(conversation_id)
+        return turns, _prompts_filter(conversation_id, await self._original_id(conversation_id))
 
     async def prompt_resolved(self, conversation_id: str, request_id: str) -> None:
         """With `dual_write`, mark the conversation's `session_hitl` prompt `request_id`

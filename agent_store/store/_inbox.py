@@ -79,6 +79,7 @@ from agent_store.store._reservation import (
     literal,
     refuse_unless_fallback_serves,
     refuse_unless_standing,
+    seen_by_caller,
 )
 from agent_store.store._turns import (
     DELIVERY_TURN,
@@ -593,9 +594,10 @@ class SteeringInbox:
         field = inbox_field(validate_identifier(turn_id, "turn_id"))
         actor = Actor(user_id, as_user=user_id is not None)
         with storage_errors("read the turn's inbox"):
-            doc = await self._conversations.find_one(
-                {"_id": conversation_id, **actor.owner_filter()}, {field: 1, **UNSTANDING_READ}
+            found = await self._conversations.find_one(
+                {"_id": conversation_id}, {field: 1, "user_id": 1, **UNSTANDING_READ}
             )
+        doc = seen_by_caller(found, found is not None and actor.owns(found))
         if doc is None or not is_standing(doc):
             refuse_unless_fallback_serves(conversation_id, doc)
             await self._unstanding(conversation_id, actor, writes=writes)

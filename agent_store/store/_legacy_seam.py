@@ -8,6 +8,7 @@ without legacy data passes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -106,6 +107,8 @@ class LegacySource(Protocol):
         naming the user; how many turns went."""
         ...
 
-    async def claim(self, from_user_id: str, to_user_id: str) -> int:
-        """Move the user's legacy turns and prompts to another user id; how many turns moved."""
+    async def claim(self, from_user_id: str, to_user_id: str, *, kept: Sequence[str] = ()) -> int:
+        """Move the user's legacy turns and prompts to another user id but those of the
+        conversations `kept` (a claim leaves them, whole, to the user: a delete marked them);
+        how many turns moved."""
         ...

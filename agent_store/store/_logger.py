@@ -1458,9 +1458,9 @@ class AgentMessageLogger:
         if refusal is not None:
             raise _held(refusal, condition, another_owners=True)
         if found.get(DELETING) is not None:
-            raise being_deleted(plan.conversation_id, f"turn {plan.turn_id!r}")
+            raise being_deleted(plan.conversation_id, _refused_turn(plan))
         if found.get(MIGRATING) is not None:  # the migration is still writing it
-            raise being_migrated(plan.conversation_id, f"turn {plan.turn_id!r}")
+            raise being_migrated(plan.conversation_id, _refused_turn(plan))
         block = recorded_block(found, plan.key)
         if block is None and _recorded_before(plan, found):
             raise _DerivedBefore(str(plan.derived_before))
@@ -1471,7 +1471,7 @@ class AgentMessageLogger:
             return await self._retry_of(plan, block, found, condition)
         new_only = condition is not None and condition.new_only
         if found.get(FORK_CHECK) is not None and not new_only:  # only the fork's own turn
-            raise unfinished_fork(plan.conversation_id, f"turn {plan.turn_id!r}")
+            raise unfinished_fork(plan.conversation_id, _refused_turn(plan))
         if (running := actor.running_refusal(plan, found)) is not None:
             raise running
         return _Verdict(proved_new=looked_up)
@@ -1519,7 +1519,9 @@ class AgentMessageLogger:
         naming a user for a conversation still unowned assigns it to that user, its messages
         theirs (`_assign`, as `upsert_conversation` naming them does); never a turn that only
         creates its conversation (`Condition.new_only`, a fork's: whose the fork is was decided
-        when it was made, and a replay writes nothing). None when the verdict
+        when it was made, and a replay writes nothing) but the retry of a fork not made yet
+        (`FORK_CHECK`), which makes it: its source's owner now (`actor`) owns it, as a fork
+        made fresh would be. None when the verdict
         is no retry's (no block); when the turn moved, or the conversation was deleted or
         taken by another user meanwhile: the reservation looks again (and refuses another
         owner's, `Actor.refusal`)."""
@@ -1531,7 +1533,8 @@ class AgentMessageLogger:
         )
         if reserved is None or reserved.owner is not None:
             return reserved
-        if actor.as_user or actor.user_id is None or (condition and condition.new_only):
+        made = conversation.get(FORK_CHECK) is None  # else the retry makes the fork now
+        if actor.as_user or actor.user_id is None or (condition and condition.new_only and made):
             return reserved
         same = _same_as_reserved(plan.conversation_id, reserved)
         doc = await self._assign(plan.conversation_id, actor.user_id, same)
@@ -3443,6 +3446,13 @@ def _held(
     if another_owners:
         return _OwnedElsewhere(condition.refusal.message)
     return condition.refusal
+
+
+def _refused_turn(plan: TurnPlan) -> str:
+    """How a refusal names the turn `plan` sends: "the fork" for a fork's copies, whose turn
+    id the store made (`is_fork_turn`: the caller never saw it, and may not send it), else
+    the turn by its id."""
+    return "the fork" if is_fork_turn(plan.turn_id) else f"turn {plan.turn_id!r}"
 
 
 def _refuse_derived(conversation_id: str, actor: Actor) -> None:

@@ -68,6 +68,7 @@ from agent_store.store._legacy_seam import FallbackConversation, LegacySource, n
 from agent_store.store._pop import Pop, PopMemory, finish_marked
 from agent_store.store._relocated import settle
 from agent_store.store._reservation import (
+    DELETING,
     LISTED,
     MIGRATING,
     NOT_BEING_DELETED,
@@ -84,6 +85,7 @@ from agent_store.store._reservation import (
     resolution,
     same_as_read,
     same_conversation,
+    seen_by_caller,
 )
 from agent_store.store._tail import LEFT_BEFORE_READ, LeftBefore, settled
 from agent_store.store._text import clean_name, collapse_whitespace, search_words
@@ -343,8 +345,15 @@ def _not_resolvable(
     )
 
 
-_STANDING_READ = {"epoch": 1, "created_at": 1, **UNSTANDING_READ}
+_STANDING_READ = {"epoch": 1, "created_at": 1, "user_id": 1, **UNSTANDING_READ}
 """What a read of messages looks up of their conversation, at once (`_in_scope`)."""
+
+
+def _scoped(found: Mapping[str, Any] | None, user_id: str | None) -> Mapping[str, Any] | None:
+    """Of the conversation document `_in_scope` read under an id, what the caller `user_id`
+    (any, for None) sees (`seen_by_caller`)."""
+    owned = found is not None and user_id in (None, found.get("user_id"))
+    return seen_by_caller(found, owned)
 
 
 def _read_on_from(conversation: Mapping[str, Any], message_id: str) -> int | None:
@@ -414,10 +423,10 @@ class ConversationStore:
 
     async def _legacy(self, conversation_id: str, user_id: str | None) -> FallbackConversation:
         """A conversation not migrated yet, converted from its legacy turns; else NotFound,
-        also when the conversation document under the id in the caller's scope is one the
-        fallback never serves (`refuse_unless_fallback_serves`: a delete that failed part-way
-        marked it and left its legacy turns), read at once with them (one command more, no
-        wait more).
+        also when the conversation document under the id, whoever's (`seen_by_caller`), is
+        one the fallback never serves (`refuse_unless_fallback_serves`: a delete that failed
+        part-way marked it and left its legacy turns), read at once with them (one command
+        more, no wait more).
 
         Only reached when a read found no conversation standing under this id, so reads of
         migrated conversations keep their round-trip counts.
@@ -428,10 +437,8 @@ class ConversationStore:
             raise missing
         converted = partial(source.conversation, conversation_id, user_id=user_id)
         with storage_errors("read the conversation"):
-            found, there = await _at_once(
-                converted, partial(self._in_scope, conversation_id, user_id)
-            )
-        refuse_unless_fallback_serves(conversation_id, there)
+            found, there = await _at_once(converted, partial(self._in_scope, conversation_id))
+        refuse_unless_fallback_serves(conversation_id, _scoped(there, user_id))
         if found is None or (user_id is not None and found.conversation.user_id != user_id):
             raise missing
         return found
@@ -553,15 +560,29 @@ class ConversationStore:
         )
 
     async def require_version(
-        self, conversation_id: str, version: str, *, user_id: str | None = None
+        self,
+        conversation_id: str,
+        version: str | None,
+        *,
+        user_id: str | None = None,
+        what: str | None = None,
     ) -> None:
         """`VersionMismatch` unless the conversation under the id is the one `version`
-        (`Conversation.version`, an ETag as served) names, as `delete` checks it; NotFound
-        when there is none visible to `user_id`. One round trip (more for a conversation
-        that exists only as legacy turns). What a call about to act on the conversation it
-        read checks first: one deleted and started again since is another."""
-        found = await self.get_conversation(conversation_id, user_id=user_id)
-        if found.version != version:
+        (`Conversation.version`, an ETag as served; None: any) names, as `delete` checks
+        it; NotFound when there is none visible to `user_id`. One round trip (more for a
+        conversation that exists only as legacy turns). What a call about to act on the
+        conversation it read checks first: one deleted and started again since is another.
+        For a write (`what`), one `user_id` holds that is no conversation is refused as the
+        write is without a version (`refuse_unless_found_standing`: 503 being deleted, not
+        NotFound; one round trip more, on that path only)."""
+        try:
+            found = await self.get_conversation(conversation_id, user_id=user_id)
+        except NotFound:
+            if what is not None:
+                scope = self._scope(conversation_id, user_id)
+                await refuse_unless_found_standing(self._conversations, scope, what)
+            raise
+        if version is not None and found.version != version:
             raise _version_mismatch(conversation_id, "done")
 
     async def turn_count(self, conversation_id: str, *, user_id: str | None = None) -> int:
@@ -616,6 +637,7 @@ class ConversationStore:
                 scope | STANDING, {"epoch": 1, "created_at": 1}
             )
         if found is None:
+            await refuse_unless_found_standing(self._conversations, scope, "the rename")
             await self._refuse_unmigrated(conversation_id, user_id, "renamed")
         assert found is not None  # else `_refuse_unmigrated` raised
         _require_version(conversation_id, found, version, "renamed")
@@ -926,9 +948,11 @@ class ConversationStore:
         found = self._transcript_cursor(conversation_id, user_id)
         with storage_errors("read the stored messages"):
             docs, conversation = await _at_once(
-                partial(found.to_list, None), partial(self._in_scope, conversation_id, user_id)
+                partial(found.to_list, None), partial(self._in_scope, conversation_id)
             )
-        stored = _its_messages(conversation_id, conversation, docs, being_migrated=True)
+        stored = _its_messages(
+            conversation_id, _scoped(conversation, user_id), docs, being_migrated=True
+        )
         return messages_adapter.validate_python(stored or [])
 
     async def with_full_texts(self, messages: list[AgentMessage]) -> list[AgentMessage]:
@@ -1221,10 +1245,8 @@ class ConversationStore:
             query["seq"] = {"$gt": seq - removed} if order == "asc" else {"$lt": seq}
         page = partial(_bounded_page, self._messages, query, None, *_by_seq(order), limit)
         with storage_errors("read messages"):
-            (read, has_more), found = await _at_once(
-                page, partial(self._in_scope, conversation_id, user_id)
-            )
-        docs = _its_messages(conversation_id, found, read)
+            (read, has_more), found = await _at_once(page, partial(self._in_scope, conversation_id))
+        docs = _its_messages(conversation_id, _scoped(found, user_id), read)
         if docs is None:  # not migrated yet (no document, or one being migrated), or none
             legacy = await self._legacy_page(conversation_id, after, limit, order, user_id)
             if legacy is not None:
@@ -1289,15 +1311,19 @@ class ConversationStore:
         (`_its_messages`): NotFound for one that is no conversation, None for none; with
         `absent_is_empty`, none for either, as for a conversation that does not exist."""
         with storage_errors(step):
-            docs, found = await _at_once(read, partial(self._in_scope, conversation_id, user_id))
+            docs, found = await _at_once(read, partial(self._in_scope, conversation_id))
+        found = _scoped(found, user_id)
         if absent_is_empty and (found is None or not is_standing(found)):
             return []
         return _its_messages(conversation_id, found, docs)
 
-    def _in_scope(self, conversation_id: str, user_id: str | None) -> Awaitable[Any]:
-        """The conversation document in the caller's scope, as much as tells whether it is one
-        (`is_standing`) and its `epoch`; None when there is none: the driver's awaitable."""
-        scope = self._scope(conversation_id, user_id)
+    def _in_scope(self, conversation_id: str) -> Awaitable[Any]:
+        """The conversation document under the id, as much as tells whether it is one
+        (`is_standing`), its `epoch` and owner: the driver's awaitable. Read by id whoever's it
+        is, so that one a delete marked or a fork not made yet makes the read fallback
+        NotFound to every caller (`refuse_unless_fallback_serves`); `_scoped` tells what of it
+        the caller sees."""
+        scope = self._scope(conversation_id, None)
         found: Awaitable[Any] = self._conversations.find_one(scope, _STANDING_READ)
         return found
 
@@ -1972,10 +1998,12 @@ class ConversationStore:
                 {"$set": {"user_id": to_user_id, "legacy_user_id": None}},
             )
         messages = await self._move_claimed_messages(from_user_id, to_user_id)
-        # Not migrated yet, or kept for rollback: they must follow their owner too.
+        # Not migrated yet, or kept for rollback: they must follow their owner too, but those
+        # of a conversation left to the old owner (a delete marked it), which stay with it.
         legacy = 0
         if self._legacy_source is not None:
-            legacy = await self._legacy_source.claim(from_user_id, to_user_id)
+            kept = await self._marked_of(from_user_id)
+            legacy = await self._legacy_source.claim(from_user_id, to_user_id, kept=kept)
         late = 0
         if conversations.modified_count:
             await self._grace()
@@ -1988,6 +2016,13 @@ class ConversationStore:
             messages=messages + late,
             legacy_turns=legacy,
         )
+
+    async def _marked_of(self, user_id: str) -> list[str]:
+        """The ids of the user's conversations a delete marked (`DELETING`): those a claim
+        leaves to the user, with everything of them. One round trip."""
+        with storage_errors("claim the conversations"):
+            marked = self._conversations.find({"user_id": user_id, DELETING: {"$ne": None}})
+            return [doc["_id"] for doc in await marked.to_list(None)]
 
     async def _move_claimed_messages(self, from_user_id: str, to_user_id: str) -> int:
         """Move to the new owner the messages, and the documents beside the conversations,
@@ -2190,11 +2225,13 @@ class ConversationStore:
         with storage_errors("read the transcript"):
             read, found = await _at_once(
                 partial(self._stream_batch, scope, pin, -1, size),
-                partial(self._in_scope, scope["_id"], user_id),
+                partial(self._in_scope, scope["_id"]),
             )
-        docs = _its_messages(scope["_id"], found, read) or []
-        if not docs:
+        seen = _scoped(found, user_id)
+        docs = _its_messages(scope["_id"], seen, read) or []
+        if not docs or seen is None:
             return read, docs, None
+        found = seen
         life = pin or {"epoch": found.get("epoch"), "created_at": found.get("created_at")}
         return read, docs, life
 

@@ -124,14 +124,27 @@ def refuse_unless_fallback_serves(
     conversation_id: str, conversation: Mapping[str, Any] | None
 ) -> None:
     """NotFound unless the read fallback may serve the id from its legacy turns: the
-    conversation document under it in the caller's scope (read with `UNSTANDING_READ`) is
-    none, or one the migration is still writing (`MIGRATING`). One a delete or an erasure
+    conversation document under it the caller sees (read with `UNSTANDING_READ`:
+    `seen_by_caller`, which sees one that is no conversation whoever's it is) is none, or one
+    the migration is still writing (`MIGRATING`). One a delete or an erasure
     marked (`DELETING`: it removes the legacy turns after marking, and one that failed between
     leaves them), or a fork not made yet (`FORK_CHECK`), is no conversation, and its legacy
     turns none to serve: a missing one, until the delete run again finishes it. The rule of
     every read that falls back (`ConversationStore._legacy`, a message read's, an inbox's)."""
     if conversation is not None and not is_listed(conversation):
         raise NotFound(f"conversation {conversation_id!r} was not found")
+
+
+def seen_by_caller(conversation: Mapping[str, Any] | None, owned: bool) -> Mapping[str, Any] | None:
+    """Of the conversation document read under an id whoever's it is (by `_id` alone, with
+    its `user_id` and `UNSTANDING_READ`), what a caller sees: it when it is in the caller's
+    scope (`owned`), or when it is no conversation (`is_listed`: a delete marked it, a fork
+    not made yet), which no read serves to anyone, from its legacy turns neither
+    (`refuse_unless_fallback_serves`: NotFound, as for another user's, so nothing is told of
+    it); else none, as when no document is there."""
+    if conversation is None or owned or not is_listed(conversation):
+        return conversation
+    return None
 
 
 def unfinished_fork(conversation_id: str, what: str) -> StorageUnavailable:
@@ -236,6 +249,12 @@ class Actor:
         if self.user_id is not None:
             return {"user_id": {"$in": [None, self.user_id]}}
         return {}
+
+    def owns(self, conversation: Mapping[str, Any]) -> bool:
+        """Whether `conversation` (read with its `user_id`) is one `owner_filter` keeps."""
+        if self.as_user:
+            return conversation.get("user_id") == self.user_id
+        return self.user_id is None or conversation.get("user_id") in (None, self.user_id)
 
     def running_refusal(self, plan: TurnPlan, conversation: Mapping[str, Any]) -> StoreError | None:
         """Why a user token may not start `plan` in `conversation`: a runtime opened a
