@@ -1509,6 +1509,18 @@ async def test_a_conversation_whose_delete_failed_part_way_is_absent_to_every_re
     assert (await store.delete(CID)).conversations == 1
 
 
+async def _dual_written_example(
+    backend: Backend, rules: TurnRules | None = None
+) -> tuple[LegacyTurns, AgentMessageLogger, ConversationStore]:
+    """The example conversation logged with the transition's dual write on (its legacy turns
+    kept beside it), the logger, and a store reading both."""
+    legacy = LegacyTurns(backend.db, dual_write=True)
+    logger = AgentMessageLogger(backend.db, observers=[legacy], legacy=legacy)
+    await logger.ensure_indexes()
+    await log_example(logger)
+    return legacy, logger, ConversationStore(backend.db, legacy=legacy, rules=rules)
+
+
 async def test_a_conversation_whose_delete_failed_part_way_is_not_served_from_its_legacy_turns(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1520,11 +1532,7 @@ async def test_a_conversation_whose_delete_failed_part_way_is_not_served_from_it
     empty inbox rebuilt from them). The delete run again naming the version read before the
     first attempt finishes it."""
     cid = EXAMPLE_CONVERSATION_ID
-    legacy = LegacyTurns(backend.db, dual_write=True)
-    logger = AgentMessageLogger(backend.db, observers=[legacy], legacy=legacy)
-    await logger.ensure_indexes()
-    await log_example(logger)
-    store = ConversationStore(backend.db, legacy=legacy)
+    legacy, logger, store = await _dual_written_example(backend)
     version = (await store.get_conversation(cid, user_id=EXAMPLE_USER_ID)).version
     fallback = await legacy.conversation(cid)
     assert fallback is not None
@@ -1558,11 +1566,7 @@ async def test_a_claim_leaves_a_half_deleted_conversations_legacy_turns_with_it(
     prompts kept beside it. No read serves it to the new account, nor to the old one or a
     service, from those turns; the owner's delete run again removes them all."""
     cid = EXAMPLE_CONVERSATION_ID
-    legacy = LegacyTurns(backend.db, dual_write=True)
-    logger = AgentMessageLogger(backend.db, observers=[legacy], legacy=legacy)
-    await logger.ensure_indexes()
-    await log_example(logger)
-    store = ConversationStore(backend.db, legacy=legacy, rules=TurnRules(claim_grace=timedelta(0)))
+    legacy, _, store = await _dual_written_example(backend, TurnRules(claim_grace=timedelta(0)))
     version = (await store.get_conversation(cid, user_id=EXAMPLE_USER_ID)).version
 
     async def lost(conversation_id: str, *, owner: str | None) -> int:
@@ -1593,11 +1597,7 @@ async def test_the_read_fallback_serves_no_user_an_id_another_users_delete_marke
     them): the fallback serves them to no one, that user included; NotFound, as for an id
     with nothing under it."""
     cid = EXAMPLE_CONVERSATION_ID
-    legacy = LegacyTurns(backend.db, dual_write=True)
-    logger = AgentMessageLogger(backend.db, observers=[legacy], legacy=legacy)
-    await logger.ensure_indexes()
-    await log_example(logger)
-    store = ConversationStore(backend.db, legacy=legacy)
+    legacy, logger, store = await _dual_written_example(backend)
 
     async def lost(conversation_id: str, *, owner: str | None) -> int:
         raise StorageUnavailable("the connection dropped")
