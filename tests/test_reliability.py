@@ -1521,6 +1521,24 @@ async def _dual_written_example(
     return legacy, logger, ConversationStore(backend.db, legacy=legacy, rules=rules)
 
 
+async def _delete_failing_at_its_legacy_turns(
+    store: ConversationStore,
+    legacy: LegacyTurns,
+    monkeypatch: pytest.MonkeyPatch,
+    version: str | None = None,
+) -> None:
+    """The example conversation's delete, failing (StorageUnavailable) as it removes the
+    legacy turns kept beside it: marked, its legacy turns still there."""
+
+    async def lost(conversation_id: str, *, owner: str | None) -> int:
+        raise StorageUnavailable("the connection dropped")
+
+    monkeypatch.setattr(legacy, "delete", lost)
+    with pytest.raises(StorageUnavailable):
+        await store.delete(EXAMPLE_CONVERSATION_ID, version=version)
+    monkeypatch.undo()
+
+
 async def test_a_conversation_whose_delete_failed_part_way_is_not_served_from_its_legacy_turns(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1536,14 +1554,7 @@ async def test_a_conversation_whose_delete_failed_part_way_is_not_served_from_it
     version = (await store.get_conversation(cid, user_id=EXAMPLE_USER_ID)).version
     fallback = await legacy.conversation(cid)
     assert fallback is not None
-
-    async def lost(conversation_id: str, *, owner: str | None) -> int:
-        raise StorageUnavailable("the connection dropped")
-
-    monkeypatch.setattr(legacy, "delete", lost)
-    with pytest.raises(StorageUnavailable):
-        await store.delete(cid, version=version)
-    monkeypatch.undo()
+    await _delete_failing_at_its_legacy_turns(store, legacy, monkeypatch, version)
     assert await backend.db[LEGACY_TURNS].count_documents({"conversation_id": cid}) == 4
 
     for user_id in (EXAMPLE_USER_ID, None):
@@ -1568,14 +1579,7 @@ async def test_a_claim_leaves_a_half_deleted_conversations_legacy_turns_with_it(
     cid = EXAMPLE_CONVERSATION_ID
     legacy, _, store = await _dual_written_example(backend, TurnRules(claim_grace=timedelta(0)))
     version = (await store.get_conversation(cid, user_id=EXAMPLE_USER_ID)).version
-
-    async def lost(conversation_id: str, *, owner: str | None) -> int:
-        raise StorageUnavailable("the connection dropped")
-
-    monkeypatch.setattr(legacy, "delete", lost)
-    with pytest.raises(StorageUnavailable):
-        await store.delete(cid, version=version)
-    monkeypatch.undo()
+    await _delete_failing_at_its_legacy_turns(store, legacy, monkeypatch, version)
 
     claimed = await store.claim(EXAMPLE_USER_ID, "user-bob")
 
@@ -1598,14 +1602,7 @@ async def test_the_read_fallback_serves_no_user_an_id_another_users_delete_marke
     with nothing under it."""
     cid = EXAMPLE_CONVERSATION_ID
     legacy, logger, store = await _dual_written_example(backend)
-
-    async def lost(conversation_id: str, *, owner: str | None) -> int:
-        raise StorageUnavailable("the connection dropped")
-
-    monkeypatch.setattr(legacy, "delete", lost)
-    with pytest.raises(StorageUnavailable):
-        await store.delete(cid)
-    monkeypatch.undo()
+    await _delete_failing_at_its_legacy_turns(store, legacy, monkeypatch)
     await backend.db[LEGACY_TURNS].update_many(
         {"conversation_id": cid}, {"$set": {"user_id": "user-bob"}}
     )
