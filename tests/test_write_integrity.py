@@ -1559,6 +1559,39 @@ async def test_past_the_kept_records_a_message_the_other_attempt_moves_into_the_
     await _stored_once_in_the_lower_block(backend, rules, answers)
 
 
+async def test_past_the_kept_records_an_answer_both_attempts_store_in_the_block_is_the_turns(
+    backend: Backend,
+) -> None:
+    """As above, the first reading its block before the second's move and inserting after
+    it: both store the answer at seq 3, and the first's insert meets the second's copy, with
+    the turn's id, `seq` and content. That is the turn stored, not a message in the way."""
+    rules = TurnRules(turns_recorded=1)
+    logger = AgentMessageLogger(backend.db, rules=rules)
+    await logger.log_messages(CID, turn("before"), turn_id="t0")
+    question, answer = asyncio.Event(), asyncio.Event()
+    deleted, inserting, moved = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    first_logger = AgentMessageLogger(backend.db, rules=rules)
+    second_logger = AgentMessageLogger(backend.db, rules=rules)
+    first = OneByOne(first_logger, [question, answer], before_answering=deleted)
+    # Its block read (seq 3 empty), its insert there waits for the second's.
+    Step(first_logger, "_messages", "insert_many", call=2, entered=inserting, wait=moved)
+    a = asyncio.create_task(first_logger.log_messages(CID, turn("same"), turn_id="t1"))
+    await first.reserved.wait()  # seq 2-3, its insert held
+    await logger.log_messages(CID, turn("later"), turn_id="t2")  # t1's record dropped
+    second = OneByOne(second_logger, [first.done[0], None])
+    Step(second_logger, "_messages", "delete_many", wait=first.done[1], then=deleted)
+    Step(second_logger, "_messages", "insert_many", call=2, wait=inserting, then=moved)
+    b = asyncio.create_task(second_logger.log_messages(CID, turn("same"), turn_id="t1"))
+    await second.reserved.wait()  # seq 6-7
+    question.set()
+    await second.done[1].wait()
+    answer.set()  # the first meets the answer at 7 as the second starts moving it
+
+    answers = await asyncio.wait_for(asyncio.gather(a, b), timeout=30)
+
+    await _stored_once_in_the_lower_block(backend, rules, answers)
+
+
 class DiesAfterFirst:
     """Makes a logger's insert store the turn's first message only, then lose its connection:
     an attempt whose process died part-way through its insert, held until `go`."""

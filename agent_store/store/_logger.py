@@ -2778,7 +2778,8 @@ class AgentMessageLogger:
     ) -> None:
         """Store the turn's `wanted` messages in place of `strays`, messages no turn of this
         conversation stored where they are (two round trips more, four with whole texts to
-        forget, on that path only).
+        forget, on that path only). A `wanted` message the insert meets at its `seq`, with its
+        content, is the turn's, stored meanwhile by another attempt of it (one lookup more).
 
         The conversation gives each `seq` to one turn and records every block a turn holds:
         a message of another turn in this turn's block, or one of this turn in a block the
@@ -2826,8 +2827,15 @@ class AgentMessageLogger:
                 await self._messages.insert_many(wanted, ordered=False)
             except BulkWriteError as exc:
                 only_duplicates(exc)
-                lost = wanted[exc.details["writeErrors"][0]["index"]]
-                raise _taken(conversation_id, lost["_id"], lost["seq"]) from exc
+                met = [wanted[e["index"]] for e in exc.details["writeErrors"]]
+                there = await self._messages.find(
+                    {"conversation_id": conversation_id, "_id": {"$in": [d["_id"] for d in met]}}
+                ).to_list(None)
+                # Another attempt of the turn stored the same message there meanwhile: stored.
+                arrived = _arrived(there, met, met[0].get("epoch"))
+                lost = next((d for d in met if d["_id"] not in arrived), None)
+                if lost is not None:
+                    raise _taken(conversation_id, lost["_id"], lost["seq"]) from exc
 
     async def _take_back(
         self, conversation_id: str, documents: list[dict[str, Any]], epoch: str
