@@ -186,13 +186,21 @@ async def test_a_turn_retried_with_its_idempotency_key_is_stored_once(key: str) 
         assert await api.db.agent_messages.count_documents({"conversation_id": "c-idem"}) == 4
 
 
+WHEN = "2026-01-01T00:00:00Z"
+PARAMS = '{"amount": 10, "currency": "EUR", "to": {"iban": "FR76", "name": "A"}}'
+PARAMS_REORDERED = '{"to": {"name": "A", "iban": "FR76"}, "currency": "EUR", "amount": 10}'
+PARAMS_WHOLE_FLOAT = '{"amount": 10.0, "currency": "EUR", "to": {"iban": "FR76", "name": "A"}}'
+
+
+@pytest.mark.parametrize("retried", [PARAMS_REORDERED, PARAMS_WHOLE_FLOAT], ids=["keys", "10.0"])
 @pytest.mark.parametrize("key", ["req-1", None], ids=["Idempotency-Key", "no key"])
 async def test_a_turn_retried_with_its_json_objects_keys_in_another_order_is_stored_once(
-    key: str | None,
+    key: str | None, retried: str
 ) -> None:
-    """A client serialising a hash map sends an object's keys in another order on a retry:
-    the same JSON, so the same turn, under its `Idempotency-Key` or recognised by its content
-    and times without one (200, stored once), never a 409 nor a second copy."""
+    """A client serialising a hash map sends an object's keys in another order on a retry,
+    or a whole number as `10.0`: the same JSON, so the same turn, under its
+    `Idempotency-Key` or recognised by its content and times without one (200, stored
+    once), never a 409 nor a second copy."""
     from tests.api_harness import OWNER, auth_headers, mongomock_db, serve
 
     def body(params: str) -> str:
@@ -206,16 +214,11 @@ async def test_a_turn_retried_with_its_json_objects_keys_in_another_order_is_sto
         headers["Idempotency-Key"] = key
     async with serve(mongomock_db(), seeded=False) as api:
         first = await api.http.post(url, content=body(PARAMS), headers=headers)
-        again = await api.http.post(url, content=body(PARAMS_REORDERED), headers=headers)
+        again = await api.http.post(url, content=body(retried), headers=headers)
 
         assert (first.status_code, again.status_code) == (201, 200)
         assert again.json()["turn_id"] == first.json()["turn_id"]
         assert await api.db.agent_messages.count_documents({"conversation_id": "c-keys"}) == 1
-
-
-WHEN = "2026-01-01T00:00:00Z"
-PARAMS = '{"amount": 10, "currency": "EUR", "to": {"iban": "FR76", "name": "A"}}'
-PARAMS_REORDERED = '{"to": {"name": "A", "iban": "FR76"}, "currency": "EUR", "amount": 10}'
 
 
 async def test_an_idempotency_key_empty_sent_twice_or_naming_another_turn_is_422() -> None:

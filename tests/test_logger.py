@@ -178,11 +178,13 @@ async def test_turn_id_reused_for_different_messages_is_a_conflict(backend: Back
         )
 
 
-def _keyed(kind: str, keys: list[str], text: str = "ok?") -> list[dict[str, Any]]:
+def _keyed(
+    kind: str, keys: list[str], text: str = "ok?", *, days: float = 2
+) -> list[dict[str, Any]]:
     """A turn whose one JSON object (`kind`: a native form's value, a call's arguments given
     as an object, a prompt's params) lists `keys` in that order, as a client serialising a
-    hash map may on each attempt."""
-    values = {"city": "Paris", "units": "metric", "days": [{"b": 1, "a": 2}]}
+    hash map may on each attempt, with a number `days` deep in it."""
+    values = {"city": "Paris", "units": "metric", "days": [{"b": 1, "a": days}]}
     obj = {key: values[key] for key in keys}
     when = "2026-01-01T00:00:00Z"
     if kind == "native":
@@ -216,6 +218,24 @@ async def test_a_retry_whose_json_objects_list_their_keys_in_another_order_is_th
     assert (await ConversationStore(backend.db).get_conversation(CID)).message_count == 1
     with pytest.raises(Conflict, match="logged with other content"):
         await logger.log_messages(CID, _keyed(kind, REORDERED, "no?"), turn_id=first.turn_id)
+
+
+@pytest.mark.parametrize("turn_id", ["run-1", None], ids=["named", "derived"])
+@pytest.mark.parametrize("kind", KEYED)
+async def test_a_retry_spelling_a_whole_number_with_or_without_a_fraction_is_the_same_turn(
+    backend: Backend, kind: str, turn_id: str | None
+) -> None:
+    """`2.0` and `2` are one JSON number (a JavaScript client cannot tell them apart): a
+    retry spelling it the other way is a replay, named or not; `2.5` is another value."""
+    logger = AgentMessageLogger(backend.db)
+    first = await logger.log_messages(CID, _keyed(kind, IN_ORDER, days=2.0), turn_id=turn_id)
+    again = await logger.log_messages(CID, _keyed(kind, REORDERED, days=2), turn_id=turn_id)
+
+    assert again.replayed
+    assert again.turn_id == first.turn_id
+    assert await backend.db.agent_messages.count_documents({}) == 1
+    with pytest.raises(Conflict, match="logged with other content"):
+        await logger.log_messages(CID, _keyed(kind, IN_ORDER, days=2.5), turn_id=first.turn_id)
 
 
 def test_arguments_count_as_the_json_value_when_spelt_as_the_store_writes_an_object() -> None:

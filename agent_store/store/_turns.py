@@ -452,8 +452,9 @@ _DIGEST_EXCLUDES = frozenset(
 def _canonical(documents: Sequence[Mapping[str, Any]]) -> str:
     """The content of a turn's documents as one text: their values in the models' order,
     as `repr` writes them (exact for every value a message holds), times and ids aside, and
-    the keys of every JSON object a caller gives (`_in_key_order`) sorted: JSON objects are
-    equal whatever their key order."""
+    the keys of every JSON object a caller gives (`_in_key_order`) sorted, its whole numbers
+    without a fraction: JSON objects are equal whatever their key order, and `10.0` is
+    `10`."""
     return _canonical_forms(documents)[0]
 
 
@@ -491,7 +492,7 @@ def _prompt_in_key_order(prompt: Any) -> Any:
     """A dumped prompt with its `params` in key order; the prompt itself when they are."""
     if (
         not isinstance(prompt, Mapping)
-        or (ordered := _sorted_json(params := prompt.get("params"))) is params
+        or (ordered := _normal_json(params := prompt.get("params"))) is params
     ):
         return prompt
     return {**prompt, "params": ordered}
@@ -502,7 +503,7 @@ def _native_in_key_order(native: Any) -> Any:
     form itself when they are."""
     if not isinstance(native, Mapping) or not isinstance(values := native.get("set"), dict):
         return native
-    ordered = _sorted_json(values)
+    ordered = _normal_json(values)
     for key in native.get("json_text") or ():
         text = ordered.get(key)
         if isinstance(text, str) and (kept := _json_text_in_key_order(text)) is not text:
@@ -538,10 +539,11 @@ order (`_in_key_order`)."""
 
 def _json_text_in_key_order(text: str) -> str:
     """A JSON text as the store writes a value (`json_text`: compact, how arguments given as
-    an object are kept) with its objects' keys sorted: the same value whatever order they
-    came in. Any other text (not JSON, or spelt otherwise: the caller's own text) as it is,
-    and the text itself when its keys are in order already."""
-    if "," not in text:  # no object of two keys
+    an object are kept) with its objects' keys sorted and its whole numbers without a
+    fraction (`_normal_json`): the same value whatever order they came in. Any other text
+    (not JSON, or spelt otherwise: the caller's own text) as it is, and the text itself when
+    it is so already."""
+    if "," not in text and "." not in text and "e+" not in text:  # no two keys, no float
         return text
     try:
         value = json.loads(text)
@@ -549,20 +551,24 @@ def _json_text_in_key_order(text: str) -> str:
             return text
     except (ValueError, RecursionError):
         return text
-    ordered = _sorted_json(value)
+    ordered = _normal_json(value)
     return text if ordered is value else json_text(ordered, non_finite=True)
 
 
-def _sorted_json(value: Any) -> Any:
-    """A JSON value with every object's keys sorted; the value itself when they are."""
+def _normal_json(value: Any) -> Any:
+    """A JSON value with every object's keys sorted and every whole number written without
+    a fraction (`10.0` is `10`: one JSON number, which a JavaScript client cannot spell
+    otherwise); the value itself when it is so already."""
+    if type(value) is float and value.is_integer():
+        return int(value)
     if isinstance(value, dict):
-        items = [(key, _sorted_json(item)) for key, item in value.items()]
+        items = [(key, _normal_json(item)) for key, item in value.items()]
         keys = [key for key, _ in items]
         if keys == sorted(keys) and all(item is value[key] for key, item in items):
             return value
         return dict(sorted(items, key=lambda pair: pair[0]))
     if isinstance(value, list):
-        listed_ = [_sorted_json(item) for item in value]
+        listed_ = [_normal_json(item) for item in value]
         return value if all(a is b for a, b in zip(listed_, value, strict=True)) else listed_
     return value
 
