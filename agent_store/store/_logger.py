@@ -2826,16 +2826,24 @@ class AgentMessageLogger:
             try:
                 await self._messages.insert_many(wanted, ordered=False)
             except BulkWriteError as exc:
-                only_duplicates(exc)
-                met = [wanted[e["index"]] for e in exc.details["writeErrors"]]
-                there = await self._messages.find(
-                    {"conversation_id": conversation_id, "_id": {"$in": [d["_id"] for d in met]}}
-                ).to_list(None)
-                # Another attempt of the turn stored the same message there meanwhile: stored.
-                arrived = _arrived(there, met, met[0].get("epoch"))
-                lost = next((d for d in met if d["_id"] not in arrived), None)
-                if lost is not None:
-                    raise _taken(conversation_id, lost["_id"], lost["seq"]) from exc
+                await self._stored_meanwhile(conversation_id, wanted, exc)
+
+    async def _stored_meanwhile(
+        self, conversation_id: str, wanted: list[dict[str, Any]], error: BulkWriteError
+    ) -> None:
+        """The turn's `wanted` messages its insert met (`error`, duplicates only) found each
+        at its `seq` with its content: stored meanwhile by another attempt of the turn (one
+        lookup). Else what it met is another turn's, `_taken`."""
+        only_duplicates(error)
+        met = [wanted[e["index"]] for e in error.details["writeErrors"]]
+        with storage_errors("read the messages in the turn's block"):
+            there = await self._messages.find(
+                {"conversation_id": conversation_id, "_id": {"$in": [d["_id"] for d in met]}}
+            ).to_list(None)
+        arrived = _arrived(there, met, met[0].get("epoch"))
+        lost = next((d for d in met if d["_id"] not in arrived), None)
+        if lost is not None:
+            raise _taken(conversation_id, lost["_id"], lost["seq"]) from error
 
     async def _take_back(
         self, conversation_id: str, documents: list[dict[str, Any]], epoch: str
