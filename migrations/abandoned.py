@@ -37,7 +37,6 @@ from pymongo.database import Database
 from agent_store.core import InvalidInput
 from agent_store.legacy import (
     CONVERSATION_COUNTERS,
-    LEGACY_TURNS,
     TURN_ONLY_FIELDS,
     LegacyTurn,
     not_identifiers,
@@ -56,7 +55,7 @@ from migrations import full_texts
 from migrations import problems as problem_report
 from migrations.errors import MigrationError
 from migrations.explode import LEGACY_FILTER, Explosion, batches, dropped_at, turns_made_of
-from migrations.relocate import held_back
+from migrations.relocate import CONVERSATION_FILTER, held_back
 from migrations.writes import (
     NO_TURN_FIELD,
     holds_turn_fields,
@@ -128,20 +127,28 @@ class Abandoned:
         return f"{found}: run the migration again, which removes it"
 
 
-def _named(db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]) -> set[str] | None:
-    """Which of these conversations some legacy turn makes now (None: a turn could not be
-    read, so none is taken as abandoned)."""
-    turns = _turns_of(db, documents, {"_id": 1, "conversation_id": 1})
+def _named(
+    db: Database[dict[str, Any]], source: str, documents: list[Mapping[str, Any]]
+) -> set[str] | None:
+    """Which of these conversations some legacy turn in `source` makes now (None: a turn
+    could not be read, so none is taken as abandoned)."""
+    turns = _turns_of(db, source, documents, {"_id": 1, "conversation_id": 1})
     return None if turns is None else {turn.stored_conversation_id for turn in turns}
 
 
 def _turns_of(
-    db: Database[dict[str, Any]], documents: list[Mapping[str, Any]], fields: dict[str, int] | None
+    db: Database[dict[str, Any]],
+    source: str,
+    documents: list[Mapping[str, Any]],
+    fields: dict[str, int] | None,
 ) -> list[LegacyTurn] | None:
     """The legacy turns that may make these conversations now, read with `fields` (all:
-    None), by the rule the read fallback names a conversation's turns by (`turns_known_as`);
-    a turn's `stored_conversation_id` says which it makes. None: a turn could not be read."""
-    made = turns_made_of(db, [str(d["_id"]) for d in documents])
+    None) from `source`, where they are (`relocate.turns_at`: in `agent_conversations` before
+    the move and after a rollback, where every migrated conversation would look abandoned if
+    they were looked for in the collection moved aside, which then does not stand), by the
+    rule the read fallback names a conversation's turns by (`turns_known_as`); a turn's
+    `stored_conversation_id` says which it makes. None: a turn could not be read."""
+    made = turns_made_of(db, [str(d["_id"]) for d in documents], source=source)
     clauses = []
     for d in documents:
         cid = str(d["_id"])
@@ -160,7 +167,7 @@ def _turns_of(
         clauses.append(not_identifiers("conversation_id"))
     query = {"$and": [{"$or": clauses}, LEGACY_FILTER]}
     try:
-        return parse_turns(db[LEGACY_TURNS].find(query, fields), made.names)
+        return parse_turns(db[source].find(query, fields), made.names)
     except InvalidInput:
         return None
 
@@ -189,12 +196,17 @@ def _migrated(
 
 
 def _abandoned(
-    db: Database[dict[str, Any]], documents: list[Mapping[str, Any]], *, stored: bool = True
+    db: Database[dict[str, Any]],
+    source: str,
+    documents: list[Mapping[str, Any]],
+    *,
+    stored: bool = True,
 ) -> list[Abandoned]:
     """The abandoned conversations of these documents (not `stored`: ids of conversations of
-    no document holding some message of the migration's, `_not_held`)."""
+    no document holding some message of the migration's, `_not_held`), by the legacy turns
+    in `source`."""
     made, bare = _migrated(db, documents) if stored else (documents, set())
-    named = _named(db, made) if made else set()
+    named = _named(db, source, made) if made else set()
     if named is None:
         return []
     unnamed = [d for d in made if str(d["_id"]) not in named]
@@ -219,24 +231,28 @@ def _abandoned(
     return [item for item in found.values() if item.migrated or item.document_only]
 
 
-def chunks(db: Database[dict[str, Any]], *, documents: bool = True) -> Iterator[list[Abandoned]]:
-    """The abandoned conversations, a chunk of `CHUNK` conversation documents at a time
-    (unless not `documents`); then the migration's messages no conversation document of
-    theirs holds (`_not_held`): those whose document is gone, and those past the count of a
-    document of another life (`_of_earlier_lives`). None a document no run reads holds back
-    (`relocate.held_back`: a legacy turn gaining a counter since is still its conversation's,
-    which no legacy turn may seem to make now)."""
+def chunks(
+    db: Database[dict[str, Any]], *, source: str, documents: bool = True
+) -> Iterator[list[Abandoned]]:
+    """The abandoned conversations, by the legacy turns in `source` (`relocate.turns_at`), a
+    chunk of `CHUNK` conversation documents at a time (unless not `documents`); then the
+    migration's messages no conversation document of theirs holds (`_not_held`): those whose
+    document is gone, and those past the count of a document of another life
+    (`_of_earlier_lives`). None a document no run reads holds back (`relocate.held_back`: a
+    legacy turn gaining a counter since is still its conversation's, which no legacy turn may
+    seem to make now)."""
     held = held_back(db)
     if documents:
-        for chunk in batches(iter(db[CONVERSATIONS].find({}, _READ).sort("_id", 1)), CHUNK):
-            yield _abandoned(db, [d for d in chunk if d["_id"] not in held])
+        read = db[CONVERSATIONS].find(CONVERSATION_FILTER, _READ).sort("_id", 1)
+        for chunk in batches(iter(read), CHUNK):
+            yield _abandoned(db, source, [d for d in chunk if d["_id"] not in held])
     for found in batches(_not_held(db, held), CHUNK):
         gone: list[Mapping[str, Any]] = [{"_id": cid} for cid, d in found if d is None]
         if gone:
-            yield _abandoned(db, gone, stored=False)
+            yield _abandoned(db, source, gone, stored=False)
         standing = [document for _, document in found if document is not None]
         if standing:
-            yield _of_earlier_lives(db, standing)
+            yield _of_earlier_lives(db, source, standing)
 
 
 def _not_held(
@@ -259,7 +275,8 @@ def _not_held(
     )
     for chunk in batches(grouped, CHUNK):
         ids = [g["_id"] for g in chunk]
-        stored = {d["_id"]: d for d in db[CONVERSATIONS].find({"_id": {"$in": ids}}, _READ)}
+        query = {"$and": [{"_id": {"$in": ids}}, CONVERSATION_FILTER]}
+        stored = {d["_id"]: d for d in db[CONVERSATIONS].find(query, _READ)}
         for g in (g for g in chunk if g["_id"] not in held):
             document = stored.get(g["_id"])
             if document is None:
@@ -275,7 +292,7 @@ def _past_count(document: Mapping[str, Any], seq: Any) -> bool:
 
 
 def _of_earlier_lives(
-    db: Database[dict[str, Any]], documents: list[Mapping[str, Any]]
+    db: Database[dict[str, Any]], source: str, documents: list[Mapping[str, Any]]
 ) -> list[Abandoned]:
     """The migration's messages past the count of these conversation documents that are of
     another life than theirs: the conversation's first message (`seq` 0) is not the
@@ -289,7 +306,7 @@ def _of_earlier_lives(
     query = {"conversation_id": {"$in": ids}, "seq": 0}
     first = {m["conversation_id"]: m.get("turn_id") for m in db[MESSAGES].find(query)}
     others = [d for d in documents if not is_migrated(first.get(d["_id"]))]
-    turns = _turns_of(db, others, None) if others else []
+    turns = _turns_of(db, source, others, None) if others else []
     if turns is None:
         return []
     named = _turn_ids(turns)
@@ -353,7 +370,7 @@ def remove(run: Explosion) -> list[Abandoned]:
     because live turns wrote to them."""
     turns_left = _still_safe(run)
     left: list[Abandoned] = []
-    for found in chunks(run.db, documents=turns_left):
+    for found in chunks(run.db, source=run.source, documents=turns_left):
         left += [item for item in found if item.live]
         gone = [item for item in found if not item.live]
         if gone and not run.options.dry_run and not _still_safe(run):

@@ -125,7 +125,7 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     _report_left_marked(db)
     _report_unread(db)
     problem_report.print_summary(db, sys.stdout)
-    _report_id_clustering(db, CONVERSATIONS if in_place else LEGACY_TURNS)
+    _report_id_clustering(db, relocate.turns_at(db))
     if not in_place and legacy == 0:
         print("no legacy data found")
     return 0
@@ -178,19 +178,18 @@ def _source(
     db: Database[dict[str, Any]], args: argparse.Namespace, held: lease.Lease | None
 ) -> str:
     """Move the legacy turns aside (a dry run only says it would), fenced by the run's lease
-    (`explode.prove_lease`); where to read them from. `args.conversation` becomes the legacy
-    id it names (`explode.conversation_named`). A legacy collection moved aside and standing
-    empty was emptied by the turns' owners (a killed run may have left messages of a
-    conversation deleted meanwhile): the run goes on to its last step, which removes them
-    (`abandoned.remove`); with none anywhere there is no legacy data."""
-    source = LEGACY_TURNS
+    (`explode.prove_lease`); where to read them from then (`relocate.turns_at`: a dry run
+    before the move, or after a rollback put them back, reads them where they are, in every
+    step). `args.conversation` becomes the legacy id it names (`explode.conversation_named`).
+    A legacy collection moved aside and standing empty was emptied by the turns' owners (a
+    killed run may have left messages of a conversation deleted meanwhile): the run goes on
+    to its last step, which removes them (`abandoned.remove`); with none anywhere there is no
+    legacy data."""
     if args.dry_run:
         if relocate.holds_turns(db, CONVERSATIONS):
             print(f"dry run: would move the turns of {CONVERSATIONS} to {LEGACY_TURNS}")
-            if _legacy_stands(db):
+            if relocate.turns_at(db) == LEGACY_TURNS:
                 _left_out(db)
-            else:
-                source = CONVERSATIONS
     else:
         moved = relocate.relocate(
             db,
@@ -202,8 +201,8 @@ def _source(
             print(f"moved {moved.moved} turn documents to {LEGACY_TURNS} ({moved.how})")
             if moved.detail:
                 print(f"  {moved.detail}")
-    emptied = source == LEGACY_TURNS and _legacy_stands(db)
-    if not emptied and not relocate.holds_turns(db, source):
+    source = relocate.turns_at(db)
+    if source != LEGACY_TURNS and not relocate.holds_turns(db, source):
         raise Misuse(
             f"no legacy data: neither {CONVERSATIONS} nor {LEGACY_TURNS} holds turn documents"
         )
@@ -353,22 +352,26 @@ def _left_out(db: Database[dict[str, Any]]) -> None:
     )
 
 
-def _legacy_stands(db: Database[dict[str, Any]]) -> bool:
-    """Whether the legacy collection moved aside stands, even empty: emptied by the turns'
-    owners (each deleted their conversations or was erased), which is legacy data still."""
-    return bool(db.list_collection_names(filter={"name": LEGACY_TURNS}))
-
-
 def _require_legacy_data(db: Database[dict[str, Any]]) -> None:
+    """Misuse unless the legacy turns were moved aside (`relocate.turns_at`): `verify` and
+    `finish` compare what a run migrated from them there. Before the move, and after a
+    rollback put them back in `agent_conversations`, a run moves them first."""
     explode.refuse_after_the_drop(db)
-    if not _legacy_stands(db):
-        raise Misuse(f"no legacy data in {LEGACY_TURNS}: run `python -m migrations run` first")
+    if relocate.turns_at(db) == LEGACY_TURNS:
+        return
+    if relocate.holds_turns(db, CONVERSATIONS):
+        raise Misuse(
+            f"the legacy turns are in {CONVERSATIONS}, not moved aside to {LEGACY_TURNS} (no "
+            "run moved them yet, or a rollback put them back): run `python -m migrations run` "
+            "first, which moves them aside and migrates them"
+        )
+    raise Misuse(f"no legacy data in {LEGACY_TURNS}: run `python -m migrations run` first")
 
 
 NOT_MOVED = (
-    f"{CONVERSATIONS} still holds legacy turns (a run stopped before it moved them all, or "
-    "turns an old-service writer still running logged after the move): no run has read them "
-    "all; run the migration again"
+    f"{CONVERSATIONS} still holds legacy turns (a run stopped before it moved them all, a "
+    "rollback put them back, or turns an old-service writer still running logged after the "
+    "move): no run has read them all; run the migration again"
 )
 """What `verify` and `finish` say of legacy turns not moved aside: content neither compares."""
 
@@ -396,17 +399,18 @@ def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         raise Misuse(f"--sample {args.sample}: a sample holds at least one conversation")
     if args.batch_size < 1:
         raise Misuse("--batch-size must be at least 1")
+    source = relocate.turns_at(db)
     total = (
         1
         if args.conversation
-        else min(args.sample, explode.count_conversations(db))
+        else min(args.sample, explode.count_conversations(db, source=source))
         if args.sample
-        else explode.count_conversations(db)
+        else explode.count_conversations(db, source=source)
     )
     conversation = (
         None
         if args.conversation is None
-        else explode.conversation_named(db, args.conversation, source=LEGACY_TURNS)
+        else explode.conversation_named(db, args.conversation, source=source)
     )
     progress = Progress(total, "conversations", args.progress)
     try:
@@ -493,10 +497,11 @@ def _acceptable(db: Database[dict[str, Any]], given: str) -> tuple[str, str]:
     cover nothing of), as `verify --conversation` refuses it."""
     if problem_report.recorded_for(db, given):
         return given, given
-    stored = explode.stored_id_named(db, given, source=LEGACY_TURNS)
+    source = relocate.turns_at(db)
+    stored = explode.stored_id_named(db, given, source=source)
     if stored is None:
         raise Misuse(
-            f"{explode.no_legacy_turns(given, LEGACY_TURNS)}, nor a problem recorded "
+            f"{explode.no_legacy_turns(given, source)}, nor a problem recorded "
             "for it: nothing is accepted"
         )
     return given, stored

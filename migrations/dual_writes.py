@@ -39,7 +39,6 @@ from pymongo.database import Database
 from agent_store.core import AgentMessage, InvalidInput, Usage, to_utc_millis, utc_now
 from agent_store.legacy import (
     DUAL_WRITE_NOT_EXACT,
-    LEGACY_TURNS,
     NATIVE_FIELD,
     LegacyConversion,
     LegacyTurn,
@@ -453,6 +452,8 @@ def deleted(
     stored: Mapping[str, Sequence[AgentMessage]],
     conversations: Mapping[str, Mapping[str, Any]],
     since: Moves | None,
+    *,
+    source: str,
 ) -> dict[str, list[str]]:
     """The live turns stored in these conversations (`stored`, their messages by conversation)
     before the legacy turns were last moved aside (`since`, `moved_at`) whose dual-written
@@ -466,7 +467,8 @@ def deleted(
     stored is read from
     its turn record on the conversation's document (`conversations`, with `epoch` and
     `turns`), else its first message's time. A copy among the `held` ones is
-    there; the others are looked up by the `_id` every dual write of a turn gives one of its
+    there; the others are looked up in `source` (where the legacy turns are,
+    `relocate.turns_at`) by the `_id` every dual write of a turn gives one of its
     documents (`legacy_turn_id`: a batch reading one spelling of a conversation stored under
     a derived id holds only the copies naming it so): one read, only when there are any."""
     if since is None:
@@ -489,7 +491,7 @@ def deleted(
     ids = {legacy_turn_id(cid, turn_id): (cid, turn_id) for cid, turn_id in wanted}
     # Marked or not: a copy whose mark the operator removed (as `differences` advises) is
     # there, and `run` takes it as a legacy turn.
-    there = db[LEGACY_TURNS].find({"_id": {"$in": sorted(ids)}}, {"_id": 1})
+    there = db[source].find({"_id": {"$in": sorted(ids)}}, {"_id": 1})
     gone = set(wanted) - {ids[d["_id"]] for d in there}
     found: dict[str, list[str]] = {}
     for cid, turn_id in sorted(gone):

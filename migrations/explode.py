@@ -80,7 +80,7 @@ from migrations.errors import Misuse
 from migrations.keys import id_key, identity
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.order import Ranges, plan_ranges, range_ids, spread_ids
-from migrations.relocate import TURN_FILTER, held_back
+from migrations.relocate import TURN_FILTER, held_back, turns_at
 from migrations.writes import ALREADY_LIVE, Converted
 
 LEGACY_FILTER: dict[str, Any] = TURN_FILTER
@@ -278,18 +278,19 @@ def undated_time(db: Database[dict[str, Any]], *, record: bool) -> datetime:
     return to_utc_millis(recorded["undated_at"]) if recorded else now
 
 
-def conversation_ids(db: Database[dict[str, Any]]) -> Iterator[Any]:
-    """Every legacy conversation id, sorted, streamed from the server."""
-    return (conversation_id for _, conversation_id in range_ids(db, LEGACY_TURNS, LEGACY_FILTER))
+def conversation_ids(db: Database[dict[str, Any]], *, source: str) -> Iterator[Any]:
+    """Every legacy conversation id of the turns in `source`, sorted, streamed from the
+    server."""
+    return (conversation_id for _, conversation_id in range_ids(db, source, LEGACY_FILTER))
 
 
-def count_conversations(db: Database[dict[str, Any]]) -> int:
+def count_conversations(db: Database[dict[str, Any]], *, source: str) -> int:
     pipeline: list[dict[str, Any]] = [
         {"$match": LEGACY_FILTER},
         {"$group": {"_id": "$conversation_id"}},
         {"$count": "n"},
     ]
-    found = list(db[LEGACY_TURNS].aggregate(pipeline, allowDiskUse=True))
+    found = list(db[source].aggregate(pipeline, allowDiskUse=True))
     return int(found[0]["n"]) if found else 0
 
 
@@ -305,7 +306,7 @@ def batches(ids: Iterator[T], size: int) -> Iterator[list[T]]:
 
 
 def read_turns(
-    db: Database[dict[str, Any]], ids: list[Any], *, source: str = LEGACY_TURNS
+    db: Database[dict[str, Any]], ids: list[Any], *, source: str
 ) -> list[tuple[Any, list[dict[str, Any]]]]:
     """The turns of some conversations, each list in stored order, by the id the reader
     names them (`id_text`): 7 and "7" are one conversation to it, so the turns under either
@@ -447,7 +448,7 @@ def convert_batch(
     ids: list[Any],
     rules: TurnRules,
     *,
-    source: str = LEGACY_TURNS,
+    source: str,
     undated_at: datetime | None = None,
     held: list[dict[str, Any]] | None = None,
 ) -> tuple[list[Converted], list[Problem], dict[str, int]]:
@@ -587,7 +588,7 @@ def other_spellings(
     read: list[tuple[Any, list[dict[str, Any]]]],
     wanted: Callable[[dict[str, Any]], bool],
     *,
-    source: str = LEGACY_TURNS,
+    source: str,
     alike: Unnamed | None = None,
 ) -> list[tuple[Any, list[dict[str, Any]]]]:
     """The turns filed under the conversations of the `read` turns (`read_turns`) that name
@@ -652,7 +653,7 @@ def _stood_for(
 
 
 def turns_made_of(
-    db: Database[dict[str, Any]], conversation_ids: Iterable[str], *, source: str = LEGACY_TURNS
+    db: Database[dict[str, Any]], conversation_ids: Iterable[str], *, source: str
 ) -> Unnamed:
     """The turns naming no conversation told apart (`tell_apart`), when a `legacy-turn-` id
     is among `conversation_ids`: by it (`Unnamed.ids`), the `_id`s of the turns it stands
@@ -683,13 +684,14 @@ class Explosion:
         options: Options,
         *,
         lease: Lease | None,
-        source: str = LEGACY_TURNS,
+        source: str | None = None,
     ) -> None:
         self.db = db
         self.options = options
         self.lease = lease
         self.rules = TurnRules()
-        self.source = source
+        self.source = turns_at(db) if source is None else source
+        """Where this run reads the legacy turns (`relocate.turns_at`, unless told)."""
         self.on_batch: Callable[[int, int], None] | None = None
         """Told (conversations, turns so far) after each batch: the CLI's progress bar."""
         self.after_all: Callable[[], None] | None = None

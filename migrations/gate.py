@@ -38,7 +38,7 @@ from agent_store.store import CONVERSATIONS, MESSAGES, MIGRATING, TurnRules, wit
 from migrations import abandoned, dual_writes, full_texts, orphan_prompts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch
-from migrations.relocate import UNREAD, held_back
+from migrations.relocate import UNREAD, held_back, turns_at
 from migrations.verify import compare, name_reasons
 from migrations.writes import (
     ALREADY_LIVE,
@@ -438,16 +438,18 @@ def check(
     renew: Callable[[], None] = lambda: None,
 ) -> Gate:
     """Check every legacy conversation against what is stored. `renew` is called after each
-    batch and chunk read (`finish` renews its lease so: a gate may take longer than one)."""
+    batch and chunk read (`finish` renews its lease so: a gate may take longer than one). The
+    legacy turns are read where they are (`relocate.turns_at`)."""
     gate = Gate()
     accepted = problem_report.accepted(db)
     moved_at = dual_writes.moved_at(db)
-    for ids in batches(conversation_ids(db), batch_size):
-        _check_batch(db, gate, ids, accepted, undated_at, moved_at)
+    source = turns_at(db)
+    for ids in batches(conversation_ids(db, source=source), batch_size):
+        _check_batch(db, gate, ids, accepted, undated_at, moved_at, source=source)
         renew()
-    _check_orphan_prompts(db, gate, accepted, renew)
+    _check_orphan_prompts(db, gate, accepted, renew, source=source)
     listed = {left.conversation_id: left for left in gate.left}
-    for found in abandoned.chunks(db):
+    for found in abandoned.chunks(db, source=source):
         for item in found:  # one a legacy turn names is listed already: one entry each
             if item.conversation_id in listed:
                 listed[item.conversation_id].reasons.append(item.reason)
@@ -505,11 +507,15 @@ def _check_batch(
     accepted: dict[str, list[str]],
     undated_at: datetime | None,
     moved_at: dual_writes.Moves | None,
+    *,
+    source: str,
 ) -> None:
     """Check one batch of legacy conversations (`moved_at`: when the legacy turns were first
-    and last moved aside, `dual_writes.moved_at`)."""
+    and last moved aside, `dual_writes.moved_at`; `source`: where they are now)."""
     held: list[dict[str, Any]] = []
-    converted, failed, _ = convert_batch(db, ids, TurnRules(), undated_at=undated_at, held=held)
+    converted, failed, _ = convert_batch(
+        db, ids, TurnRules(), source=source, undated_at=undated_at, held=held
+    )
     gate.conversations += len(failed)
     gate.left += [WorkLeft(p.conversation_id, [f"cannot be converted: {p.detail}"]) for p in failed]
     legacy = {c.conversion.conversation_id: c.turns for c in converted}
@@ -517,7 +523,7 @@ def _check_batch(
     stored = _stored(db, converted, messages)
     dual = dual_writes.differences(db, held, legacy, stored.conversations)
     for cid, found in dual_writes.deleted(
-        db, held, messages, stored.conversations, moved_at
+        db, held, messages, stored.conversations, moved_at, source=source
     ).items():
         dual.setdefault(cid, []).extend(found)
     for item in converted:
@@ -580,13 +586,16 @@ def _check_orphan_prompts(
     gate: Gate,
     accepted: dict[str, list[str]],
     renew: Callable[[], None],
+    *,
+    source: str,
 ) -> None:
-    """The pending prompts no conversion reads, a chunk at a time: each conversation of them
-    passes once each of its prompts is recorded as it is now, and accepted."""
+    """The pending prompts no conversion of the legacy turns in `source` reads, a chunk at a
+    time: each conversation of them passes once each of its prompts is recorded as it is now,
+    and accepted."""
     unrecorded: dict[str, bool] = {}
     unaccepted: dict[str, bool] = {}
     accepted_of: dict[str, set[str]] = {}
-    for found in orphan_prompts.chunks(db):
+    for found in orphan_prompts.chunks(db, source):
         recorded = problem_report.recorded_found(db, found)
         for problem in found:
             cid = problem.conversation_id

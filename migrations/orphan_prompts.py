@@ -20,7 +20,6 @@ from typing import Any
 from pymongo.database import Database
 
 from agent_store.legacy import (
-    LEGACY_TURNS,
     SESSION_HITL,
     Problem,
     id_filter,
@@ -78,7 +77,7 @@ def _alone(
             yield _problem(prompt)
 
 
-def chunks(db: Database[dict[str, Any]], source: str = LEGACY_TURNS) -> Iterator[list[Problem]]:
+def chunks(db: Database[dict[str, Any]], source: str) -> Iterator[list[Problem]]:
     """A problem for every pending prompt no conversion of the turns in `source` reads, a
     chunk of `CHUNK` prompts at a time, in the order of the prompts' ids: memory holds one
     chunk."""

@@ -88,6 +88,18 @@ def holds_turns(db: Database[dict[str, Any]], name: str) -> bool:
     return db[name].find_one(TURN_FILTER, {"_id": 1}) is not None
 
 
+def turns_at(db: Database[dict[str, Any]]) -> str:
+    """Where the legacy turns are now, the one answer every reader of them in the migration
+    takes (a run, a dry run, `verify`, `finish` and the removal of conversations no legacy
+    turn makes): the collection they were moved aside to, once it stands (after the move, even
+    emptied by their owners; turns an old-service writer logged in `agent_conversations` since
+    are the next run's to move), else `agent_conversations` (before the move, and after a
+    rollback renamed them back: read anywhere else, every migrated conversation would look
+    like one no legacy turn makes)."""
+    moved = db.list_collection_names(filter={"name": LEGACY_TURNS})
+    return LEGACY_TURNS if moved else CONVERSATIONS
+
+
 def relocate(
     db: Database[dict[str, Any]],
     *,

@@ -22,7 +22,7 @@ from typing import Any
 from pymongo.database import Database
 
 from agent_store.core import AgentMessage
-from agent_store.legacy import DUAL_WRITE_NOT_EXACT, LEGACY_TURNS
+from agent_store.legacy import DUAL_WRITE_NOT_EXACT
 from agent_store.store import (
     CONVERSATIONS,
     MIGRATED_TURN_PREFIX,
@@ -33,6 +33,7 @@ from agent_store.store import (
 from migrations import dual_writes, full_texts
 from migrations import problems as problem_report
 from migrations.explode import batches, conversation_ids, convert_batch, undated_time
+from migrations.relocate import turns_at
 from migrations.transcript import differences, from_legacy, from_messages, not_held
 from migrations.writes import (
     ALREADY_LIVE,
@@ -230,21 +231,23 @@ def verify(
 ) -> Verification:
     """Compare the conversations (one, a sample, or all) with their legacy turns, converted
     as a run converts them (`undated_at`: the time of conversations without any readable
-    time, `explode.undated_time`, so their problems read as recorded)."""
+    time, `explode.undated_time`, so their problems read as recorded), read where they are
+    (`relocate.turns_at`)."""
     result = Verification()
+    source = turns_at(db)
     ids: Iterator[Any]
     if conversation is not None:
         ids = iter([conversation])
     elif sample_size is not None:
-        ids = iter(sample(conversation_ids(db), sample_size, seed))
+        ids = iter(sample(conversation_ids(db, source=source), sample_size, seed))
     else:
-        ids = conversation_ids(db)
+        ids = conversation_ids(db, source=source)
     if undated_at is None:  # the run's time for undated conversations
         undated_at = undated_time(db, record=False)
     moved_at = dual_writes.moved_at(db)
     accepted = problem_report.accepted(db)
     for batch in batches(ids, batch_size):
-        _verify_batch(db, result, batch, undated_at, (moved_at, accepted))
+        _verify_batch(db, result, batch, undated_at, (moved_at, accepted), source=source)
         if on_batch is not None:
             on_batch(len(batch))
     return result
@@ -256,13 +259,15 @@ def _verify_batch(
     batch: list[Any],
     undated_at: datetime | None,
     read: tuple[dual_writes.Moves | None, dict[str, list[str]]],
+    *,
+    source: str,
 ) -> None:
     """Compare one batch of conversations, adding what it finds to `result` (`read`: when
-    the legacy turns were moved, and the acceptances recorded)."""
+    the legacy turns were moved, and the acceptances recorded; `source`: where they are)."""
     moved_at, accepted = read
     held: list[dict[str, Any]] = []
     converted, failed, _ = convert_batch(
-        db, batch, TurnRules(), source=LEGACY_TURNS, undated_at=undated_at, held=held
+        db, batch, TurnRules(), source=source, undated_at=undated_at, held=held
     )
     for problem in failed:
         result.conversations += 1
@@ -275,7 +280,8 @@ def _verify_batch(
     }
     recorded = problem_report.records(db, checked, placed=None)
     dual = dual_writes.differences(db, held, legacy, documents)
-    for cid, deleted in dual_writes.deleted(db, held, stored, documents, moved_at).items():
+    copies_gone = dual_writes.deleted(db, held, stored, documents, moved_at, source=source)
+    for cid, deleted in copies_gone.items():
         dual.setdefault(cid, []).extend(deleted)
     for item in converted:
         conversation_id = item.conversion.conversation_id

@@ -41,7 +41,6 @@ from agent_store.core import (
 )
 from agent_store.legacy import (
     CONVERSATION_COUNTERS,
-    LEGACY_TURNS,
     TURN_ONLY_FIELDS,
     LegacyConversion,
     LegacyTurn,
@@ -875,7 +874,7 @@ def apply(
     bounds: Bounds,
     *,
     fence: Callable[[], None] = lambda: None,
-    source: str = LEGACY_TURNS,
+    source: str,
 ) -> Applied:
     """Make the planned writes: conversation documents, then, for each conversation whose
     document is as planned (`_write_conversations`), whole texts, messages and rewritten

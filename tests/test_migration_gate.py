@@ -338,6 +338,67 @@ def test_a_dry_run_after_the_move_plans_the_moved_turns_and_names_those_logged_s
     assert predicted["turns"] == done["turns"] - 1
 
 
+def summary_words(out: str) -> str:
+    """A run's (or a dry run's) summary line, its label left out."""
+    return next(ln for ln in out.splitlines() if " turns -> " in ln).split(": ", 1)[1]
+
+
+@pytest.mark.wire
+def test_a_dry_run_after_a_rollback_prints_the_summary_the_run_prints(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After the runbook's rollback (and after a second one) the legacy turns are back in
+    `agent_conversations`: the dry run of the next attempt reads them there for every step,
+    the removal of conversations no legacy turn makes included. It plans what the run does,
+    and names no conversation whose migrated messages its legacy turns still make, least of
+    all one a live turn wrote to, as one whose migrated messages to delete."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    for attempt in (1, 2):
+        log_live(wire_uri, database, "c-1", f"live-{attempt}", f"«LIVE {attempt}»", dual_write=True)
+        roll_back(database, clear_messages=False)
+        stored = stored_messages(database)
+        capsys.readouterr()
+
+        assert cli(wire_uri, database, "run", "--dry-run") == 0
+        planned = capsys.readouterr()
+        assert stored_messages(database) == stored
+        assert cli(wire_uri, database, "run") == 0
+        done = capsys.readouterr().out
+
+        assert summary_words(planned.out) == summary_words(done)
+        assert "no legacy turn makes now" not in planned.out
+        assert "delete the migrated" not in planned.err
+        assert stored_messages(database) == stored
+
+
+@pytest.mark.wire
+def test_verify_and_finish_after_a_rollback_say_the_legacy_turns_are_back_unmoved(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After the runbook's rollback the legacy turns are in `agent_conversations` again:
+    `verify` and `finish` compare nothing (a run moves them aside first), say where they are
+    (never "no legacy data") and that a run comes first, and change nothing."""
+    database[CONVERSATIONS].insert_many([legacy_turn("t-1", "c-1", 0, "T")])
+    assert cli(wire_uri, database, "run") == 0
+    log_live(wire_uri, database, "c-1", "live-1", "«LIVE»", dual_write=True)
+    roll_back(database, clear_messages=False)
+    stored = stored_messages(database)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "verify") == 2
+    said = capsys.readouterr().err
+    assert f"the legacy turns are in {CONVERSATIONS}" in said
+    assert "a rollback put them back" in said
+    assert "no legacy data" not in said
+    assert cli(wire_uri, database, "finish") == 1
+    assert "a rollback put them back" in capsys.readouterr().out
+    assert stored_messages(database) == stored
+    assert LEGACY_TURNS not in database.list_collection_names()
+
+
 class InsertLog(monitoring.CommandListener):
     def __init__(self) -> None:
         self.inserts: list[list[dict[str, Any]]] = []
