@@ -1651,6 +1651,149 @@ async def test_a_fork_whose_source_is_deleted_before_it_checks_it_creates_nothin
     await _nothing_of_owner_is_left(backend, store)
 
 
+CLAIM_AND_FORK = [
+    "claimed before it writes",
+    "claimed between its write and its check",
+    "claimed after its check",
+]
+
+
+def _claim_around_the_fork(
+    logger: AgentMessageLogger,
+    monkeypatch: pytest.MonkeyPatch,
+    moment: str,
+    claim: Callable[[], Awaitable[Any]],
+) -> Callable[[asyncio.Event, asyncio.Event], Awaitable[None]]:
+    """`claim` runs once the fork (held after its read, `_fork_held_after_its_read`) is let
+    go: before it writes its copies, right before its check of its source, or after it.
+    Returns what lets the held fork go."""
+    if moment == "claimed between its write and its check":
+        _around_the_forks_check(logger, monkeypatch, before=claim)
+    if moment == "claimed after its check":
+        _around_the_forks_check(logger, monkeypatch, after=claim)
+
+    async def let_go(held: asyncio.Event, go: asyncio.Event) -> None:
+        await held.wait()
+        if moment == "claimed before it writes":
+            await claim()
+        go.set()
+
+    return let_go
+
+
+@pytest.mark.parametrize("moment", CLAIM_AND_FORK)
+@pytest.mark.parametrize("forked_by", ["a service", "the owner's token"])
+async def test_a_fork_made_while_its_owners_account_is_claimed_is_the_new_owners(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, moment: str, forked_by: str
+) -> None:
+    """API.md (claims): a claim moves every conversation of the old id, a fork made meanwhile
+    too. OWNER's "c-x" is forked while OWNER's account is claimed by NEW_OWNER: the claim runs
+    whole once the fork read "c-x" (the fork creating its conversation after the claim moved
+    OWNER's), between the fork's writes and its check, or after that check. Whatever the
+    moment, once both answered "c-fork" and every copy are NEW_OWNER's, as "c-x" is:
+    NEW_OWNER lists and reads it, nothing names OWNER, and the fork retried replays it."""
+    logger = await _owners_conversation_with_a_cut_message(backend)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+
+    async def claim() -> None:
+        await store.claim(OWNER, NEW_OWNER)
+
+    let_go = _claim_around_the_fork(logger, monkeypatch, moment, claim)
+    held, go = _fork_held_after_its_read(logger, monkeypatch)
+    by_token = forked_by == "the owner's token"
+    fork = asyncio.create_task(logger.fork("c-x", 1, "c-fork", user_id=OWNER, owner_only=by_token))
+    await let_go(held, go)
+    await fork
+
+    assert set(await _owners_of(backend, "c-fork")) == {NEW_OWNER}
+    assert await backend.db[MESSAGES].count_documents({"user_id": OWNER}) == 0
+    assert (await store.list_conversations(OWNER)).data == []
+    listed = [c.id for c in (await store.list_conversations(NEW_OWNER)).data]
+    assert sorted(listed) == ["c-fork", "c-x"]
+    assert len(await store.transcript("c-fork", user_id=NEW_OWNER)) == 2
+    assert (await logger.fork("c-x", 1, "c-fork", user_id=NEW_OWNER)).replayed
+
+
+async def test_a_fork_whose_owner_was_claimed_first_answers_with_the_new_owner(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fork's answer names whose its copies are: OWNER's account claimed by NEW_OWNER once
+    the fork read "c-x", the copies it answers are NEW_OWNER's, as stored."""
+    logger = await _owners_conversation_with_a_cut_message(backend)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+
+    async def claim() -> None:
+        await store.claim(OWNER, NEW_OWNER)
+
+    let_go = _claim_around_the_fork(logger, monkeypatch, CLAIM_AND_FORK[0], claim)
+    held, go = _fork_held_after_its_read(logger, monkeypatch)
+    fork = asyncio.create_task(logger.fork("c-x", 1, "c-fork"))
+    await let_go(held, go)
+
+    assert {m.user_id for m in (await fork).messages} == {NEW_OWNER}
+
+
+async def test_a_fork_of_the_claiming_users_own_conversation_made_meanwhile_stays_theirs(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other way round: NEW_OWNER's "c-own" is forked while NEW_OWNER claims OWNER's
+    account (the claim runs whole once the fork read "c-own"). The fork is NEW_OWNER's, as its
+    source is, never OWNER's, and OWNER's "c-x" is NEW_OWNER's with its messages."""
+    logger = await _owners_conversation_with_a_cut_message(backend)
+    said = [{"role": "user", "content": "mine"}, {"role": "assistant", "content": "yours"}]
+    await logger.log_messages("c-own", said, user_id=NEW_OWNER, turn_id="t1")
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+
+    async def claim() -> None:
+        await store.claim(OWNER, NEW_OWNER)
+
+    let_go = _claim_around_the_fork(logger, monkeypatch, CLAIM_AND_FORK[0], claim)
+    held, go = _fork_held_after_its_read(logger, monkeypatch)
+    fork = asyncio.create_task(logger.fork("c-own", 1, "c-fork", user_id=NEW_OWNER))
+    await let_go(held, go)
+    await fork
+
+    assert set(await _owners_of(backend, "c-fork")) == {NEW_OWNER}
+    assert set(await _owners_of(backend, "c-x")) == {NEW_OWNER}
+    assert await backend.db[CONVERSATIONS].count_documents({"user_id": OWNER}) == 0
+
+
+@pytest.mark.parametrize("moment", ["erased before its check", "erased after its check"])
+async def test_a_fork_made_while_its_owner_is_claimed_goes_with_the_new_owners_erasure(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, moment: str
+) -> None:
+    """API.md (erasure): a fork running meanwhile answers NotFound and leaves nothing, or is
+    erased with the rest. OWNER's account is claimed by NEW_OWNER once OWNER's fork of "c-x"
+    read it; NEW_OWNER is then erased, before the fork checks its source or once it did. The
+    fork, NEW_OWNER's as its source is, answers NotFound and leaves nothing, or is erased with
+    the rest: nothing of either id is left, no conversation, message, whole text or record."""
+    logger = await _owners_conversation_with_a_cut_message(backend)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+
+    async def claim() -> None:
+        await store.claim(OWNER, NEW_OWNER)
+
+    async def erase() -> None:
+        await store.erase_user(NEW_OWNER)
+
+    let_go = _claim_around_the_fork(logger, monkeypatch, CLAIM_AND_FORK[0], claim)
+    before_check = moment == "erased before its check"
+    _around_the_forks_check(logger, monkeypatch, before=erase if before_check else None)
+    held, go = _fork_held_after_its_read(logger, monkeypatch)
+    fork = asyncio.create_task(logger.fork("c-x", 1, "c-fork", user_id=OWNER))
+    await let_go(held, go)
+    if before_check:
+        with pytest.raises(NotFound, match="'c-x'"):
+            await fork
+    else:
+        await fork
+        await erase()
+
+    db = backend.db
+    for collection in (CONVERSATIONS, MESSAGES, BLOB_FILES, BLOB_CHUNKS, DELETIONS):
+        assert await db[collection].count_documents({}) == 0, collection
+
+
 async def test_a_forks_retry_finding_its_source_deleted_leaves_the_fork_it_replays(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -937,7 +937,9 @@ class AgentMessageLogger:
         takes that empty fork back and is made as a fresh fork now; one refused by a fork that
         stored its copies is a Conflict naming it (`_settle_refused_fork`). A take-back cut
         short is finished by a retry, whatever stands under the source's id since
-        (`_finish_taking_back`).
+        (`_finish_taking_back`). A fork whose owner's account is claimed after it read its
+        source is the new owner's once both answered: its check moves it with its source
+        (`_with_its_source`), where the claim did not see it.
         """
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         actor = Actor(user_id, owner_only)
@@ -992,7 +994,11 @@ class AgentMessageLogger:
         stored, reserved = await self._store(plan, reserved, started, None)
         # A replay checks the fork only if its `fork_check` is still there, read back.
         created = None if reserved.replayed else _fork_as_created(reserved, source)
-        await self._unless_its_source_went(conversation_id, plan.conversation_id, created)
+        followed = await self._unless_its_source_went(
+            conversation_id, plan.conversation_id, created
+        )
+        if followed is not None:  # a claim moved its source first: the fork went with it
+            stored, reserved = _followed_to(followed, stored, reserved)
         return await self._told(plan, reserved, stored)
 
     async def _answers_kept(
@@ -1109,13 +1115,16 @@ class AgentMessageLogger:
 
     async def _unless_its_source_went(
         self, conversation_id: str, new_id: str, fork: Mapping[str, Any] | None
-    ) -> None:
+    ) -> str | None:
         """After a fork's writes: NotFound, as for a source gone before the fork read it, once
         what the fork wrote is taken back (`_take_back_fork`), when a delete or an erasure of
         its source has begun (its `DeletionRecords` record is there) or its source is no longer
         the conversation it read (gone, perhaps started again under its id: another `epoch`,
         `same_conversation`). Two round trips: the record, then the source; a third, when
-        neither is found, clears the fork's `fork_check`: from then on the fork stands.
+        neither is found, clears the fork's `fork_check`: from then on the fork stands. The
+        source read names its owner: a fork made under an owner whose account was claimed
+        since first follows its source to the new owner (`_with_its_source`); the owner it
+        moved to is answered (None: not moved).
 
         `fork` is the fork's conversation as created (`_fork_as_created`); None for a replay,
         which reads it back and checks it only while its `fork_check` is there: an earlier
@@ -1129,40 +1138,95 @@ class AgentMessageLogger:
           the deletion took of the fork (an erasure takes the user's conversations it lists, the
           fork's among them) is left to take;
         - after this check: the check read no record and then the source, so the deletion
-          recorded itself after every write of the fork. The fork is a conversation of its own,
-          whole before the deletion began: a delete of the source leaves it; an erasure of its
-          owner (the source's) takes it as any of the user's conversations, listed, or, created
-          after the erasure listed them, by the user its messages and its document name (its
-          whole texts by those messages, there before the erasure's cleanup of them).
+          recorded itself after every write of the fork, its move to its source's owner too.
+          The fork is a conversation of its own, whole before the deletion began: a delete of
+          the source leaves it; an erasure of its owner (the source's) takes it as any of the
+          user's conversations, listed, or, created after the erasure listed them, by the user
+          its messages and its document name (its whole texts by those messages, there before
+          the erasure's cleanup of them).
         A delete of the fork's own conversation while the fork writes is a delete racing a turn:
         it sweeps the copies landing late (`ConversationStore.delete`)."""
         if fork is None:
             fork = await self._fork_into(conversation_id, new_id, None, unchecked=True)
             if fork is None:
-                return  # it stood: an earlier attempt's check passed
-        check = ForkCheck.model_validate(fork["fork_check"])
-        if not (check.taking_back or await self._source_went(conversation_id, check)):
+                return None  # it stood: an earlier attempt's check passed
+        checked, whole = await self._with_its_source(conversation_id, new_id, fork)
+        if whole:
             with storage_errors("record the fork's check"):
                 await self._conversations.update_one(
                     {**same_as_read(new_id, fork), "fork_check.taking_back": {"$ne": True}},
                     {"$unset": {"fork_check": ""}},
                 )
-        elif await self._take_back_fork(new_id, fork):
+            owner = checked.get("user_id")
+            return owner if owner != fork.get("user_id") else None
+        if await self._take_back_fork(new_id, checked):
             raise _source_went_away(conversation_id)
+        return None
 
-    async def _source_went(self, conversation_id: str, check: ForkCheck) -> bool:
-        """Whether the conversation a fork copied, as its `check` names it, went: a delete or
-        an erasure of it has begun, or it is gone (perhaps started again under its id: another
-        `epoch`). Two round trips, the second only when no deletion is under way."""
+    async def _with_its_source(
+        self, conversation_id: str, new_id: str, fork: Mapping[str, Any]
+    ) -> tuple[Mapping[str, Any], bool]:
+        """The fork's check of its source (`_unless_its_source_went`): the fork as it is once
+        checked, and whether its source is whole (no deletion under way, the conversation it
+        read). A fork whose source is another user's than the fork is (its owner's account
+        claimed after the fork read the source, and moved before the fork created its
+        conversation, which the claim then did not see) follows it first
+        (`_follow_its_source`), and the source is checked again, so a check that found the
+        source whole found the fork its owner's: a deletion (an erasure of the new owner)
+        beginning after it finds the fork where it finds the source. A claim moving the
+        source after that check moves the fork with it, there by then. An unowned fork stays
+        unowned, its source assigned since or not, as a retry leaves it."""
+        check = ForkCheck.model_validate(fork[FORK_CHECK])
+        if check.taking_back:
+            return fork, False
+        for _ in range(_RESERVE_ATTEMPTS):
+            source = await self._source_now(conversation_id, check)
+            if source is None:
+                return fork, False
+            owner, holder = fork.get("user_id"), source.get("user_id")
+            if owner is None or holder is None or holder == owner:
+                return fork, True
+            fork = await self._follow_its_source(new_id, fork, holder)
+        raise StorageUnavailable(
+            f"the fork of {conversation_id!r} into {new_id!r} could not be checked: its "
+            "source's owner kept changing (account claims); retry the fork"
+        )
+
+    async def _follow_its_source(
+        self, new_id: str, fork: Mapping[str, Any], holder: str
+    ) -> dict[str, Any]:
+        """The fork moved to `holder`, its source's owner now, as a claim moves a conversation
+        and a turn follows its conversation's owner (`_follow_the_conversation`): its document
+        while it is the one the fork created and no delete marked it, then, moved, the
+        messages of its `epoch` naming another owner (the fork's copies: no turn is logged
+        into a fork not made yet). Answers the fork as moved. Two round trips, on that path
+        only."""
+        moved_from = {"user_id": {"$nin": [holder, None]}}
+        with storage_errors("move the fork to its source's owner"):
+            moved = await self._conversations.update_one(
+                {**same_as_read(new_id, fork), **moved_from, **NOT_BEING_DELETED},
+                {"$set": {"user_id": holder, "legacy_user_id": None}},
+            )
+            if moved.matched_count:
+                await self._messages.update_many(
+                    {"conversation_id": new_id, "epoch": fork.get("epoch"), **moved_from},
+                    {"$set": {"user_id": holder}},
+                )
+        return {**fork, "user_id": holder}
+
+    async def _source_now(self, conversation_id: str, check: ForkCheck) -> dict[str, Any] | None:
+        """The conversation a fork copied, as its `check` names it, with its owner now; None
+        when it went: a delete or an erasure of it has begun, or it is gone (perhaps started
+        again under its id: another `epoch`). Two round trips, the second only when no
+        deletion is under way."""
         as_read = {"epoch": check.epoch, "created_at": check.created_at}
         with storage_errors("read the conversation"):
-            return (
-                await self._deletions.under_way(conversation_id, as_read)
-                or await self._conversations.find_one(
-                    same_as_read(conversation_id, as_read), {"_id": 1}
-                )
-                is None
+            if await self._deletions.under_way(conversation_id, as_read):
+                return None
+            source: dict[str, Any] | None = await self._conversations.find_one(
+                same_as_read(conversation_id, as_read), {"user_id": 1}
             )
+        return source
 
     async def _finish_taking_back(
         self,
@@ -1185,7 +1249,7 @@ class AgentMessageLogger:
             raise refused
         if not await self._take_back_fork(fork["_id"], fork):
             raise refused  # it stood meanwhile: another attempt's check passed first
-        if await self._source_went(conversation_id, check):
+        if await self._source_now(conversation_id, check) is None:
             raise _source_went_away(conversation_id)
 
     async def _settle_earlier_attempt(
@@ -3521,6 +3585,18 @@ def _fork_condition(
         create=True,
         new_only=True,
     )
+
+
+def _followed_to(
+    owner: str, stored: list[AgentMessage], reserved: _Reserved
+) -> tuple[list[AgentMessage], _Reserved]:
+    """A fork's copies and conversation as answered once its check moved them to `owner`, its
+    source's owner now (`AgentMessageLogger._follow_its_source`)."""
+    conversation = reserved.conversation
+    if conversation is not None:  # observers (the dual write) name the owner it has
+        conversation = conversation.model_copy(update={"user_id": owner, "legacy_user_id": None})
+    copies = [m.model_copy(update={"user_id": owner}) for m in stored]
+    return copies, replace(reserved, owner=owner, conversation=conversation)
 
 
 def _fork_as_created(reserved: _Reserved, source: Mapping[str, Any]) -> dict[str, Any]:

@@ -1985,8 +1985,11 @@ class ConversationStore:
         between the two moves stays its own, with its messages. A turn reserved before, under
         the old owner, whose messages land after the messages moved is moved by a
         last sweep `TurnRules.claim_grace` later, or, slower than that, by its
-        logger (`AgentMessageLogger.log_messages`). A conversation whose delete has begun
-        (`NOT_BEING_DELETED`) stays the old owner's, whose delete run again finishes it.
+        logger (`AgentMessageLogger.log_messages`). A fork of one of the old owner's
+        conversations that read it before the conversations moved, and created its own after,
+        follows its source to the new owner before it stands (`AgentMessageLogger.fork`). A
+        conversation whose delete has begun (`NOT_BEING_DELETED`) stays the old owner's, whose
+        delete run again finishes it.
         """
         from_user_id = validate_identifier(from_user_id, "from_user_id")
         to_user_id = validate_identifier(to_user_id, "to_user_id")
