@@ -4,9 +4,12 @@ each message stored once in the conversation, histories rewritten, forks, owners
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import threading
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -20,6 +23,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from langgraph.types import Command
 from pydantic_ai.messages import ModelRequest, ToolReturnPart
+from pymongo import AsyncMongoClient
 
 from agent_store import (
     AgentMessageLogger,
@@ -1391,6 +1395,79 @@ def test_a_saver_made_outside_any_event_loop_runs_a_synchronous_graph() -> None:
     assert len(graph.get_state(config).values["messages"]) == 6
 
 
+@contextlib.contextmanager
+def made_outside_any_loop(uri: str, driver: str) -> Iterator[Any]:
+    """A database on a client a synchronous program holds: made outside any event loop, used
+    by its savers' synchronous methods, dropped and closed by them at the end."""
+    if driver == "motor":
+        from motor.motor_asyncio import AsyncIOMotorClient
+
+        client: Any = AsyncIOMotorClient(uri, tz_aware=True)
+    else:
+        client = AsyncMongoClient(uri, tz_aware=True)
+    name = f"sync_{uuid.uuid4().hex[:10]}"
+
+    async def close() -> None:
+        await client.drop_database(name)
+        closed = client.close()
+        if asyncio.iscoroutine(closed):
+            await closed
+
+    try:
+        yield client[name]
+    finally:
+        AgentStoreSaver(client[name])._run(close())
+
+
+@pytest.mark.parametrize("driver", ["pymongo", "motor"])
+def test_two_savers_on_one_database_run_their_graphs_in_a_synchronous_program(
+    wire_uri: str, driver: str
+) -> None:
+    with made_outside_any_loop(wire_uri, driver) as db:
+        chat, summarizer = tool_agent(AgentStoreSaver(db)), tool_agent(AgentStoreSaver(db))
+        for graph in (chat, summarizer, chat):
+            config = thread()
+            graph.invoke(question(2), config)
+            assert len(graph.get_state(config).values["messages"]) == 4
+
+
+def test_a_saver_and_its_allowlist_clone_run_their_graphs_in_a_synchronous_program(
+    wire_uri: str,
+) -> None:
+    # LangGraph's strict msgpack gives each compiled graph such a clone of the one saver.
+    with made_outside_any_loop(wire_uri, "pymongo") as db:
+        saver = AgentStoreSaver(db, serde=JsonPlusSerializer(allowed_msgpack_modules=None))
+        clone = saver.with_allowlist([("tests", "Prefs")])
+        assert clone is not saver
+        for graph in (tool_agent(saver), tool_agent(clone)):
+            config = thread()
+            graph.invoke(question(2), config)
+            assert len(graph.get_state(config).values["messages"]) == 4
+
+
+def test_a_synchronous_call_on_a_saver_whose_loop_is_not_running_raises_at_once() -> None:
+    from tests.api_harness import mongomock_db
+
+    loop = asyncio.new_event_loop()
+    graph = tool_agent(AgentStoreSaver(mongomock_db(), loop=loop))
+    raised: list[BaseException] = []
+
+    def invoke() -> None:
+        try:
+            graph.invoke(question(1), thread())
+        except BaseException as exc:
+            raised.append(exc)
+
+    caller = threading.Thread(target=invoke, daemon=True)
+    caller.start()
+    caller.join(timeout=10)
+    loop.close()
+    assert not caller.is_alive(), "the synchronous call waited on a loop that does not run"
+    assert len(raised) == 1
+    assert isinstance(raised[0], asyncio.InvalidStateError)
+    assert "not running" in str(raised[0])
+
+
 # -- bad input -------------------------------------------------------------------------------
 
 
@@ -1401,6 +1478,18 @@ async def test_a_thread_id_that_is_no_conversation_id_is_refused_before_anything
     with pytest.raises(InvalidInput, match="thread_id"):
         await graph.ainvoke(question(1), {"configurable": {"thread_id": "has spaces"}})
     assert await _counts(backend.db) == (0, 0, 0)
+
+
+def test_a_saver_on_a_synchronous_pymongo_database_is_refused_before_anything_is_written(
+    database: Any,
+) -> None:
+    from tests.api_harness import mongomock_db
+
+    with pytest.raises(TypeError, match="AsyncMongoClient"):
+        AgentStoreSaver(database)
+    with pytest.raises(TypeError, match="AsyncMongoClient"):
+        AgentStoreSaver(database, logger=AgentMessageLogger(mongomock_db()))
+    assert database.list_collection_names() == []
 
 
 async def test_metadata_a_document_cannot_hold_is_refused_before_the_messages_are_logged(

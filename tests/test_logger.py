@@ -397,6 +397,18 @@ async def test_hostile_conversation_id_is_refused(backend: Backend) -> None:
     assert await backend.db.agent_conversations.count_documents({}) == 0
 
 
+SYNC_REFUSED = "needs an async database handle (PyMongo's AsyncMongoClient, or Motor)"
+
+
+@pytest.mark.parametrize("kind", [AgentMessageLogger, ConversationStore])
+def test_a_synchronous_pymongo_database_is_refused_before_anything_is_written(
+    database: Any, kind: type[Any]
+) -> None:
+    with pytest.raises(TypeError, match=re.escape(SYNC_REFUSED)):
+        kind(database)
+    assert database.list_collection_names() == []
+
+
 async def test_oversize_message_is_truncated_marked_and_stored(backend: Backend) -> None:
     logger = AgentMessageLogger(backend.db)
     huge = "word " * 4_000_000  # 20 MB: larger than MongoDB's 16 MiB document limit

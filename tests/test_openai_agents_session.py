@@ -396,6 +396,14 @@ def test_items_without_what_their_kind_needs_are_refused_naming_the_item() -> No
         message_from_item({"content": "who says this?"}, index=1)
 
 
+def test_a_session_on_a_synchronous_pymongo_database_is_refused_before_anything_is_written(
+    database: Any,
+) -> None:
+    with pytest.raises(TypeError, match="AsyncMongoClient"):
+        ConversationSession(CID, database, user_id="ada")
+    assert database.list_collection_names() == []
+
+
 async def test_hidden_runtime_context_is_stripped_before_anything_is_stored(
     backend: Backend,
 ) -> None:

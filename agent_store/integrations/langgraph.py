@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from collections.abc import AsyncIterator, Collection, Coroutine, Iterator, Sequence
 from itertools import repeat
@@ -88,6 +89,7 @@ from agent_store.store import (
     AgentMessageLogger,
     ConversationStore,
     Database,
+    async_database,
     only_duplicates,
     storage_errors,
     validate_identifier,
@@ -117,7 +119,8 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
     Takes the same database handles as the store (PyMongo `AsyncDatabase`, Motor).
     The synchronous methods run the asynchronous ones on the event loop the saver
     was created in (or `loop`), from another thread; created outside any loop, the
-    saver runs its own loop in a background thread.
+    saver runs them on the process's one background loop, which every such saver
+    and each of their clones share (a client works on one loop only).
     """
 
     def __init__(
@@ -137,8 +140,8 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         `messages_key` the channel kept in the transcript; `cache_threads` how many
         threads' messages this process keeps in memory."""
         super().__init__(serde=serde)
+        self._db = db = async_database(db)
         self._checkpoints = db[CHECKPOINTS]
-        self._db = db
         self.logger = logger or AgentMessageLogger(db)
         self.store = store or ConversationStore(db)
         self.owner_key = owner_key
@@ -153,7 +156,6 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         )
         self._ready = False
         self._loop = loop or _running_loop()
-        self._own_loop: _LoopThread | None = None
 
     def with_allowlist(self, extra_allowlist: Collection[tuple[str, ...]]) -> AgentStoreSaver:
         """A clone whose serializer accepts more types (LangGraph's strict msgpack); it
@@ -603,27 +605,64 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         self._run(self.aprune(thread_ids, strategy=strategy))
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        loop = self._loop
-        if loop is None:
-            self._own_loop = self._own_loop or _LoopThread()
-            loop = self._own_loop.loop
+        loop = self._loop or _background_loop()
         if _running_loop() is loop:
             coroutine.close()
             raise asyncio.InvalidStateError(
                 "AgentStoreSaver's synchronous methods cannot run on its own event loop: use "
                 "the async methods (ainvoke, astream) there, or call from another thread"
             )
-        return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
+        if not loop.is_running():
+            coroutine.close()
+            raise _not_running()
+        future = asyncio.run_coroutine_threadsafe(coroutine, loop)
+        while True:  # a loop that stops meanwhile would never answer
+            with contextlib.suppress(TimeoutError):
+                return future.result(timeout=_LOOP_CHECK_SECONDS)
+            if not loop.is_running():
+                future.cancel()
+                raise _not_running()
 
 
-class _LoopThread:
-    """An event loop running in a daemon thread, for a saver used only synchronously."""
+_LOOP_CHECK_SECONDS = 1.0
+"""How often a synchronous call checks that the loop it waits on still runs."""
 
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=self.loop.run_forever, name="agent-store-saver")
-        thread.daemon = True
-        thread.start()
+
+def _not_running() -> asyncio.InvalidStateError:
+    return asyncio.InvalidStateError(
+        "AgentStoreSaver's event loop is not running, so its synchronous methods cannot run "
+        "there: create the saver outside any event loop (it then uses the shared background "
+        "loop), pass a `loop` that runs in another thread, or use the async methods"
+    )
+
+
+_background: asyncio.AbstractEventLoop | None = None
+_background_lock = threading.Lock()
+
+
+def _background_loop() -> asyncio.AbstractEventLoop:
+    """The process's one background event loop (a daemon thread, started on first use): where
+    the synchronous methods of every saver made outside any loop run. A database client
+    binds to the first loop that uses it, so every saver on it, and each clone LangGraph
+    makes of one (`with_allowlist`), runs on this loop."""
+    global _background
+    with _background_lock:
+        if _background is None:
+            loop, running = asyncio.new_event_loop(), threading.Event()
+            loop.call_soon(running.set)
+            threading.Thread(target=loop.run_forever, name="agent-store-saver", daemon=True).start()
+            running.wait()
+            _background = loop
+        return _background
+
+
+def _forget_background_loop() -> None:
+    """In a forked child, whose copy of the loop has no thread running it: a new one."""
+    global _background, _background_lock
+    _background, _background_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_background_loop)
 
 
 _CHECKPOINT_FIELDS = (

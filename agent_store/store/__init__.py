@@ -19,6 +19,7 @@ from agent_store.store._blobs import (
 from agent_store.store._driver import (
     DUPLICATE_KEY,
     Database,
+    async_database,
     blocking_waits,
     only_duplicates,
     redact_uri,
@@ -189,6 +190,7 @@ __all__ = [
     "TurnObserver",
     "TurnPlan",
     "TurnRules",
+    "async_database",
     "auto_name",
     "blob_documents",
     "blob_id",

@@ -13,6 +13,7 @@ from types import TracebackType
 from typing import Any
 
 from pymongo import errors as mongo_errors
+from pymongo.database import Database as SyncPyMongoDatabase
 from pymongo.errors import BulkWriteError
 
 from agent_store.core import (
@@ -28,6 +29,19 @@ Database = Any
 
 They share the awaitable collection API the store uses, but no common type.
 """
+
+
+def async_database(db: Database) -> Database:
+    """`db`, checked to be a handle whose calls the store can await: a synchronous PyMongo
+    `Database` (`MongoClient(...)["db"]`) is refused with a TypeError, before anything is
+    written through it. Every holder of a database checks it here as it is made."""
+    if isinstance(db, SyncPyMongoDatabase):
+        raise TypeError(
+            "the store needs an async database handle (PyMongo's AsyncMongoClient, or Motor): "
+            "got a synchronous pymongo Database; open it as AsyncMongoClient(uri)[name]"
+        )
+    return db
+
 
 _BLOCKING: ContextVar[bool] = ContextVar("agent_store_blocking_waits", default=False)
 """Whether the store's code runs with no event loop, stepped by the synchronous driver."""

@@ -66,7 +66,13 @@ from agent_store.store._blobs import (
     whole_text_chars,
 )
 from agent_store.store._deletions import DeletionRecords, recorded_as, refuse_unless_found_standing
-from agent_store.store._driver import Database, only_duplicates, pause, storage_errors
+from agent_store.store._driver import (
+    Database,
+    async_database,
+    only_duplicates,
+    pause,
+    storage_errors,
+)
 from agent_store.store._fork import (
     ForkAnswers,
     answers_before,
@@ -410,6 +416,7 @@ class AgentMessageLogger:
         conversation is first checked against the legacy turns: an id that exists only there
         is refused until it is migrated (two more round trips, on a conversation's first turn
         only)."""
+        db = async_database(db)
         self.rules = rules or TurnRules()
         self._messages = db[MESSAGES]
         self._conversations = db[CONVERSATIONS]

@@ -54,7 +54,7 @@ from agent_store.core import (
 )
 from agent_store.store._blobs import FullTextStore, parts_by_whole_text
 from agent_store.store._deletions import DeletionRecords, recorded_as, refuse_unless_found_standing
-from agent_store.store._driver import Database, pause, storage_errors
+from agent_store.store._driver import Database, async_database, pause, storage_errors
 from agent_store.store._fork import approvals_withdrawn, fork_turns_of
 from agent_store.store._indexes import (
     CONVERSATIONS,
@@ -399,6 +399,7 @@ class ConversationStore:
         """Read and administer `db`. `legacy` serves conversations not migrated yet (when its
         `read_fallback` is on) and is reached by deletes, erasures and claims. `rules` are the
         logger's (how long a tail read waits for a turn still being written)."""
+        db = async_database(db)
         self._rules = rules or TurnRules()
         self._messages = db[MESSAGES]
         self._conversations = db[CONVERSATIONS]
