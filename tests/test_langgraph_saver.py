@@ -1226,6 +1226,133 @@ async def test_a_fork_into_another_users_thread_is_refused_before_anything_is_co
     assert await _counts(backend.db) == before
 
 
+async def _an_existing_target(db: Any, target: str) -> tuple[str, str]:
+    """A graph-run thread and an existing conversation that is no copy of it (`target`):
+    the ids of both."""
+    source = thread(None if target == "another user's chat, from an unowned thread" else "user-ada")
+    graph = tool_agent(AgentStoreSaver(db))
+    await run_turns(graph, source, range(1, 3))
+    target_id = f"target-{uuid.uuid4().hex[:12]}"
+    if target == "another thread of the same user":
+        await run_turns(graph, thread("user-ada", target_id), range(7, 8))
+    else:
+        owner = {"a chat of the same user": "user-ada", "an unowned chat": None}.get(
+            target, "user-grace"
+        )
+        said = [{"role": "user", "content": "my own chat"}]
+        await AgentMessageLogger(db).log_messages(target_id, said, user_id=owner, turn_id="t-1")
+    return source["configurable"]["thread_id"], target_id
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "a chat of the same user",
+        "an unowned chat",
+        "another thread of the same user",
+        "another user's chat, from an unowned thread",
+    ],
+)
+async def test_a_copy_into_an_existing_conversation_is_refused_before_anything_is_written(
+    backend: Backend, target: str
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a fork, into a new conversation; one that exists already
+    and is no earlier attempt of this copy is a Conflict, as the store's fork into it is."""
+    source_id, target_id = await _an_existing_target(backend.db, target)
+    store = ConversationStore(backend.db)
+    before = await _counts(backend.db), await store.get_conversation(target_id)
+    with pytest.raises(Conflict, match="copy into a new id"):
+        await AgentStoreSaver(backend.db).acopy_thread(source_id, target_id)
+    assert (await _counts(backend.db), await store.get_conversation(target_id)) == before
+
+
+class _PoppedAfterItsRead(ConversationStore):
+    """A store whose first read of a conversation's messages is followed at once by a pop of
+    its last one (another process regenerating an answer while the thread is copied)."""
+
+    popped: str | None = None
+
+    async def messages_by_seq(self, conversation_id: str, **kwargs: Any) -> list[Any]:
+        read = await super().messages_by_seq(conversation_id, **kwargs)
+        if self.popped is None:
+            self.popped = (await self.pop_last_message(conversation_id)).content
+        return read
+
+
+async def test_a_copy_racing_a_pop_of_the_source_never_holds_the_popped_message(
+    backend: Backend,
+) -> None:
+    """LANGGRAPH.md `copy_thread`: its copies are copies of stored messages; a pop landing
+    while it copies is never brought back."""
+    config = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(backend.db)), config, range(1, 3))
+    source_id = config["configurable"]["thread_id"]
+    side = [{"role": "user", "content": "side note"}, {"role": "assistant", "content": "regret"}]
+    await AgentMessageLogger(backend.db).log_messages(
+        source_id, side, user_id="user-ada", turn_id="t-side"
+    )
+    racing = _PoppedAfterItsRead(backend.db)
+
+    await AgentStoreSaver(backend.db, store=racing).acopy_thread(source_id, source_id + "-copy")
+
+    store = ConversationStore(backend.db)
+    assert racing.popped == "regret"
+    copied = [m.content for m in await store.transcript(source_id + "-copy")]
+    assert copied == [m.content for m in await store.transcript(source_id)]
+
+
+async def _crashing_before_the_checkpoints(
+    db: Any, source_id: str, target_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy whose process dies once its transcript is copied, before its checkpoints are."""
+    from agent_store.integrations import langgraph
+
+    async def died(*args: Any) -> None:
+        raise ConnectionError("the process died")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(langgraph, "_insert_new", died)
+        with pytest.raises(ConnectionError):
+            await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+
+
+async def test_a_copy_run_again_after_a_crash_is_the_thread_as_its_fork_copied_it(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANGGRAPH.md `copy_thread`: re-running it after a crash converges, though the source
+    thread went on meanwhile: the copy holds the messages its fork copied, and the source's
+    checkpoints that refer to none but those."""
+    source = thread("user-ada")
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    await run_turns(graph, source, range(1, 3))
+    source_id = source["configurable"]["thread_id"]
+    target = thread("user-ada", source_id + "-copy")
+    then = (await graph.aget_state(source)).values["messages"]
+    await _crashing_before_the_checkpoints(backend.db, source_id, source_id + "-copy", monkeypatch)
+    await run_turns(graph, source, range(3, 4))
+
+    await AgentStoreSaver(backend.db).acopy_thread(source_id, source_id + "-copy")
+
+    saver = AgentStoreSaver(backend.db)
+    copied = [t.checkpoint["id"] async for t in saver.alist(target)]
+    every = [t.checkpoint async for t in saver.alist(source)]
+    held = [c["id"] for c in every if _messages_of(c) == then[: len(_messages_of(c))]]
+    assert copied == held
+    assert len(held) < len(every)
+    store = ConversationStore(backend.db)
+    forked = [m.content for m in await store.transcript(source_id + "-copy")]
+    assert forked == [m.content for m in await store.transcript(source_id)][: len(then)]
+    # Resumed, the copy goes on as its source went on from there.
+    went_on = tool_agent(saver)
+    await went_on.ainvoke(None, target)
+    ours = (await went_on.aget_state(target)).values["messages"]
+    assert comparable(ours) == comparable((await graph.aget_state(source)).values["messages"])
+
+
+def _messages_of(checkpoint: Any) -> list[Any]:
+    return list(checkpoint["channel_values"].get("messages", []))
+
+
 async def _a_thread_with_a_prompt(db: Any, config: dict[str, Any], params: Any) -> str:
     """A graph-run thread and a turn another writer logs into it: a call held back by a
     prompt (`r-pay`), its params `params`."""
@@ -1319,6 +1446,31 @@ async def test_a_thread_longer_than_one_fork_copies_turn_by_turn() -> None:
     source, copied = await store.transcript(source_id), await store.transcript(source_id + "-copy")
     assert len(source) > MAX_MESSAGES_PER_TURN
     assert [m.content for m in copied] == [m.content for m in source]
+
+
+async def test_a_copy_longer_than_one_fork_run_again_after_a_crash_converges(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a conversation holding only this copy's turns is its
+    earlier attempt, which a re-run finishes. (Mongomock only, as above.)"""
+    from agent_store.store import MAX_MESSAGES_PER_TURN
+    from tests.api_harness import mongomock_db
+
+    db = mongomock_db()
+    config = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(db)), config, range(1, 2))
+    source_id = config["configurable"]["thread_id"]
+    said = [{"role": "user", "content": f"note {i}"} for i in range(MAX_MESSAGES_PER_TURN)]
+    await AgentMessageLogger(db).log_messages(source_id, said, user_id="user-ada", turn_id="t-0")
+    await _crashing_before_the_checkpoints(db, source_id, source_id + "-copy", monkeypatch)
+
+    await AgentStoreSaver(db).acopy_thread(source_id, source_id + "-copy")
+
+    store = ConversationStore(db)
+    source, copied = await store.transcript(source_id), await store.transcript(source_id + "-copy")
+    assert [m.content for m in copied] == [m.content for m in source]
+    kept = await db[CHECKPOINTS].count_documents({"thread_id": source_id + "-copy"})
+    assert kept == await db[CHECKPOINTS].count_documents({"thread_id": source_id})
 
 
 async def test_deleting_a_thread_deletes_its_conversation_and_everything_kept_for_it(

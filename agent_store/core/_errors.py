@@ -26,6 +26,12 @@ class InvalidInput(StoreError):
     status = 422
 
 
+class ForkTooLarge(InvalidInput):
+    """A fork at the `seq` asked would copy past what one fork copies (its messages, tool
+    calls, bytes or whole texts); the message names the last `seq` whose fork fits, if any.
+    Nothing was written."""
+
+
 class NotFound(StoreError):
     """The conversation or message named does not exist (or is not the caller's)."""
 

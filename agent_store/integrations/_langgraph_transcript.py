@@ -30,6 +30,9 @@ from pydantic import ValidationError
 from agent_store.core import (
     AgentMessage,
     AssistantMessage,
+    Conflict,
+    Conversation,
+    ForkTooLarge,
     InvalidInput,
     NotFound,
     StorageFailure,
@@ -143,6 +146,12 @@ class _Step:
     """The calls the messages leave unanswered."""
 
 
+Copied = tuple[dict[int, tuple[int, str]], int | None]
+"""What a copy of a transcript answers: where each source `seq` went, with its new message
+id, and the target conversation (`conversation_mark`; None without a source conversation)."""
+
+_FORK_ATTEMPTS = 3
+"""How often a copy forks its source, read again after a fork found it changed (a pop)."""
 _PLACE_ATTEMPTS = 4
 """How often a put is placed again after other puts logged messages meanwhile."""
 _STILL_WRITTEN = 0.02
@@ -503,35 +512,100 @@ class TranscriptLink:
 
     # -- forking -----------------------------------------------------------------------------
 
-    async def copy(
-        self, source_id: str, target_id: str
-    ) -> tuple[dict[int, tuple[int, str]], int | None]:
-        """Copy a thread's transcript into another conversation: a fork.
+    async def copy(self, source_id: str, target_id: str) -> Copied:
+        """Copy a thread's transcript into a new conversation: a fork.
 
         A transcript one fork of the store copies is copied by it (`_forked`): its messages
-        are copies, and the answers the person gave stay given. A longer one is logged
-        through the logger, turn by turn of the source, so it has
-        documents of its own (nothing shared to corrupt) and the source's owner (a
-        target that belongs to another user is a Conflict, before anything is copied); a
-        message cut to its bound is logged from its whole text, kept whole for the copy.
-        Answers where each source `seq` went, with its new message id, and the target
-        conversation (`conversation_mark`; None without a source conversation). Re-running it
-        after a crash converges.
+        are copies, and the answers the person gave stay given. A longer one (the fork refused
+        `ForkTooLarge`, nothing written) is logged through the logger, as the source holds it
+        then, turn by turn of the source (`_logged`); a fork refused as a pop landed since the
+        source was read is made again at what it holds then (`_fork_of_all`), so a popped
+        message is never copied.
+
+        A target that exists already is refused Conflict before anything is written, unless it
+        is this copy's earlier attempt (`_earlier_attempt`), which a re-run after a crash
+        finishes: a fork of the source is forked again at its `forked_from.seq` (a replay), so
+        the copy is the thread as it was when its fork was made, however far the source went
+        on since; a conversation of the source's owner holding nothing but this copy's turns
+        is logged again (each turn stored once). Answers where each source `seq` went, with
+        its new message id, and the target conversation (`conversation_mark`; None without a
+        source conversation).
         """
         try:
             source = await self._store.get_conversation(source_id, fallback=False)
         except NotFound:
             return {}, None
         stored = await self._store.messages_by_seq(source_id)
-        if stored and await self._forks_into(source_id, target_id):
+        target = await self._earlier_attempt(source, target_id, stored)
+        if target is not None and target.forked_from is not None:
+            at_seq = target.forked_from.seq
+            up_to = await self._store.messages_by_seq(source_id, stop=at_seq + 1)
+            return await self._forked(source_id, target_id, at_seq, up_to)
+        if target is None and stored:
+            forked = await self._fork_of_all(source_id, target_id, stored)
+            if forked is not None:
+                return forked
+        return await self._logged(source, target_id)
+
+    async def _fork_of_all(
+        self, source_id: str, target_id: str, stored: Sequence[AgentMessage]
+    ) -> Copied | None:
+        """The copy made by the store's fork of all the source holds (`stored`, as read); None
+        when that is past what one fork copies (`ForkTooLarge`, nothing written). A fork
+        refused once the source's last `seq` is another than read (a pop landed meanwhile:
+        the `seq` asked holds no message) is asked again at what the source holds then; any
+        other refusal is raised."""
+        attempts = 0
+        while True:
+            last = stored[-1].seq
+            assert last is not None
             try:
-                return await self._forked(source_id, target_id, stored)
-            except InvalidInput:  # past what one fork copies (nothing written): turn by turn
-                pass
+                return await self._forked(source_id, target_id, last, stored)
+            except ForkTooLarge:
+                return None
+            except InvalidInput:
+                attempts += 1
+                read = await self._store.messages_by_seq(source_id)
+                if attempts == _FORK_ATTEMPTS or not read or read[-1].seq == last:
+                    raise
+                stored = read
+
+    async def _earlier_attempt(
+        self, source: Conversation, target_id: str, stored: Sequence[AgentMessage]
+    ) -> Conversation | None:
+        """The target conversation when it is an earlier attempt of this copy (a fork of the
+        source, or a conversation of the source's owner whose messages are all this copy's
+        turns, `_fork_turn_id`, or that has none yet); None when there is no target. Any
+        other conversation under the id is a Conflict: a copy never writes into it."""
+        try:
+            target = await self._store.get_conversation(target_id, fallback=False)
+        except NotFound:
+            return None
+        origin = target.forked_from
+        if origin is not None and origin.conversation_id == source.conversation_id:
+            return target
+        if target.user_id is not None and target.user_id != source.user_id:
+            raise Conflict(
+                f"conversation {target_id!r} belongs to another user: copy into a new id"
+            )
+        ours = {_fork_turn_id(source.conversation_id, str(m.id)) for m in stored}
+        held = await self._store.messages_by_seq(target_id)
+        if target.user_id == source.user_id and all(m.turn_id in ours for m in held):
+            return target
+        raise Conflict(
+            f"conversation {target_id!r} exists already and is no copy of thread "
+            f"{source.conversation_id!r}: copy into a new id"
+        )
+
+    async def _logged(self, source: Conversation, target_id: str) -> Copied:
+        """The copy logged through the logger, turn by turn of the source as it is read now,
+        with documents of its own (nothing shared to corrupt) and the source's owner; a
+        message cut to its bound is logged from its whole text, kept whole for the copy."""
+        source_id = source.conversation_id
         target = await self._logger.upsert_conversation(target_id, user_id=source.user_id)
         # Cut messages go from their whole texts (two lookups, only when one was cut), as the
         # store's own fork copies them: the logger cuts them again and keeps the copy's own.
-        stored = await self._store.with_full_texts(stored)
+        stored = await self._store.with_full_texts(await self._store.messages_by_seq(source_id))
         moved: dict[int, tuple[int, str]] = {}
         for chunk in _turn_chunks(stored):
             logged = await self._logger.log_messages(
@@ -548,25 +622,14 @@ class TranscriptLink:
         self.forget(target_id)
         return moved, conversation_mark(target.created_at)
 
-    async def _forks_into(self, source_id: str, target_id: str) -> bool:
-        """Whether the copy is the store's fork: into a new conversation, or one an earlier
-        attempt of the same copy forked (a re-run after a crash replays it)."""
-        try:
-            target = await self._store.get_conversation(target_id, fallback=False)
-        except NotFound:
-            return True
-        origin = target.forked_from
-        return origin is not None and origin.conversation_id == source_id
-
     async def _forked(
-        self, source_id: str, target_id: str, stored: Sequence[AgentMessage]
-    ) -> tuple[dict[int, tuple[int, str]], int | None]:
-        """The copy made by the store's fork of the whole transcript: the copies are copies
-        (kept as stored, whole texts and all), and the answers the person gave (resolved
-        prompts, released calls, approvals) are kept as the fork keeps them."""
-        last = stored[-1].seq
-        assert last is not None
-        logged = await self._logger.fork(source_id, last, target_id)
+        self, source_id: str, target_id: str, at_seq: int, stored: Sequence[AgentMessage]
+    ) -> Copied:
+        """The copy made by the store's fork at `at_seq`, of the source's messages `stored` up
+        to it as read before: the copies are copies (kept as stored, whole texts and all), and
+        the answers the person gave (resolved prompts, released calls, approvals) are kept as
+        the fork keeps them."""
+        logged = await self._logger.fork(source_id, at_seq, target_id)
         moved: dict[int, tuple[int, str]] = {}
         for old, new in zip(stored, logged.messages, strict=True):
             assert old.seq is not None

@@ -72,6 +72,7 @@ from agent_store.integrations._langgraph_documents import (
     CHECKPOINTS,
     CONVERSATION,
     REWRITTEN,
+    SeqRange,
     check_metadata_keys,
     checkpoint_key,
     conversation_mark,
@@ -416,7 +417,9 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             )
 
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
-        """Fork a thread: its checkpoints, conversation, messages and extras, all copied."""
+        """Fork a thread into a new one: its checkpoints, conversation, messages and extras,
+        all copied. A re-run after a crash finishes the copy its fork made: the checkpoints
+        that refer only to the messages that fork copied (`_rekeyed`)."""
         source, target = _thread_id(source_thread_id), _thread_id(target_thread_id)
         if source == target:
             raise InvalidInput("invalid copy: the source and target threads are the same")
@@ -426,7 +429,8 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         if not docs:
             return
         moved, conversation = await self._transcripts.copy(source, target)
-        copies = [self._rekeyed(doc, target, moved, conversation) for doc in docs]
+        rekeyed = (self._rekeyed(doc, target, moved, conversation) for doc in docs)
+        copies = [copy for copy in rekeyed if copy is not None]
         await _insert_new(self._checkpoints, copies, "copy the thread's checkpoints")
         self._transcripts.forget(target)
 
@@ -436,9 +440,10 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         target: str,
         moved: dict[int, tuple[int, str]],
         conversation: int | None,
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
         """A checkpoint document of the fork: its references moved to the fork's messages, the
-        fork's conversation named."""
+        fork's conversation named. None for a checkpoint that refers to a message the fork
+        does not hold: one newer than the fork a re-run finishes, whose source went on."""
         copy = doc | {
             "_id": checkpoint_key(target, doc["checkpoint_ns"], doc["checkpoint_id"]),
             "thread_id": target,
@@ -447,6 +452,11 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         stored = doc.get("messages")
         if stored is not None:
             segments = decode_segments(stored["segments"], self.serde.loads_typed)
+            referred = (
+                q for s in segments if isinstance(s, SeqRange) for q in range(s.start, s.stop)
+            )
+            if any(seq not in moved for seq in referred):
+                return None
             remapped = remap_segments(segments, {old: new for old, (new, _) in moved.items()})
             copy["messages"] = stored | {
                 "segments": encode_segments(remapped, self.serde.dumps_typed)
@@ -457,6 +467,8 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
                 for entry in doc["extras"]
                 if entry["seq"] in moved
             ]
+            if not copy["extras"] and not any(f in doc for f in _CHECKPOINT_FIELDS):
+                return None  # no checkpoint, and the extras of no message the fork holds
         return copy
 
     # -- owners ------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from agent_store.core import (
     Conversation,
     ForkCheck,
     ForkOrigin,
+    ForkTooLarge,
     InvalidInput,
     NotFound,
     PendingCall,
@@ -3273,8 +3274,8 @@ def _refuse_too_large_a_fork(read: ForkRead, at_seq: int, end: int) -> None:
         read.turn_starts,
     )
     if fitting is None:
-        raise InvalidInput(f"{refusal}, and so would a fork at any seq of this conversation")
-    raise InvalidInput(f"{refusal}: fork at seq {fitting} or before")
+        raise ForkTooLarge(f"{refusal}, and so would a fork at any seq of this conversation")
+    raise ForkTooLarge(f"{refusal}: fork at seq {fitting} or before")
 
 
 def _too_large(read: ForkRead, chosen: Sequence[AgentMessage], end: int, at_seq: int) -> str | None:
