@@ -1794,6 +1794,37 @@ async def test_a_fork_made_while_its_owner_is_claimed_goes_with_the_new_owners_e
         assert await db[collection].count_documents({}) == 0, collection
 
 
+async def test_a_fork_erased_with_its_old_owners_account_while_it_is_made_is_not_found(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OWNER's account is claimed by NEW_OWNER once OWNER's fork of "c-x" read it, and the
+    emptied OWNER account erased before the fork checks its source: the erasure takes the
+    fork, OWNER's then. The fork is not made: NotFound naming it, nothing of it left (no
+    answer "made, NEW_OWNER's" for a conversation that is not there), and its retry makes
+    it afresh, NEW_OWNER's."""
+    logger = await _owners_conversation_with_a_cut_message(backend)
+    store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(seconds=0.05)))
+
+    async def erase() -> None:
+        await store.erase_user(OWNER)
+
+    _around_the_forks_check(logger, monkeypatch, before=erase)
+    held, go = _fork_held_after_its_read(logger, monkeypatch)
+    fork = asyncio.create_task(logger.fork("c-x", 1, "c-fork", user_id=OWNER))
+    await held.wait()
+    await store.claim(OWNER, NEW_OWNER)
+    go.set()
+
+    with pytest.raises(NotFound, match="'c-fork'"):
+        await fork
+    assert await backend.db[MESSAGES].count_documents({"conversation_id": "c-fork"}) == 0
+    assert await backend.db[CONVERSATIONS].count_documents({"_id": "c-fork"}) == 0
+    monkeypatch.undo()
+    again = await logger.fork("c-x", 1, "c-fork", user_id=NEW_OWNER)
+    assert not again.replayed
+    assert set(await _owners_of(backend, "c-fork")) == {NEW_OWNER}
+
+
 async def test_a_forks_retry_finding_its_source_deleted_leaves_the_fork_it_replays(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1161,15 +1161,37 @@ class AgentMessageLogger:
         checked, whole = await self._with_its_source(conversation_id, new_id, fork)
         if whole:
             with storage_errors("record the fork's check"):
-                await self._conversations.update_one(
+                cleared = await self._conversations.update_one(
                     {**same_as_read(new_id, fork), "fork_check.taking_back": {"$ne": True}},
                     {"$unset": {"fork_check": ""}},
                 )
             owner = checked.get("user_id")
-            return owner if owner != fork.get("user_id") else None
+            if owner == fork.get("user_id"):
+                return None
+            if not cleared.matched_count:  # moved to its source's owner: is it there?
+                await self._unless_it_went(new_id, checked)
+            return owner
         if await self._take_back_fork(new_id, checked):
             raise _source_went_away(conversation_id)
         return None
+
+    async def _unless_it_went(self, new_id: str, fork: Mapping[str, Any]) -> None:
+        """After a fork's check moved it to its source's owner (an account claimed meanwhile)
+        but cleared no `fork_check`: the fork stands when another attempt's check cleared it
+        first; else its own conversation went while it was made (the erasure of the claimed
+        account, which no longer holds the source, took it) or is being taken back. What it
+        wrote goes (`_take_back_fork`) and it is NotFound, never answered as the new owner's
+        fork. One lookup, on that path only. (A fork not moved, whose conversation its owner
+        deleted meanwhile, is a delete racing a turn: `ConversationStore.delete`.)"""
+        with storage_errors("read the fork"):
+            now = await self._conversations.find_one(same_as_read(new_id, fork), {FORK_CHECK: 1})
+        if now is not None and now.get(FORK_CHECK) is None:
+            return  # it stood: another attempt's check passed first
+        await self._take_back_fork(new_id, fork)
+        raise NotFound(
+            f"conversation {new_id!r} was deleted while the fork made it (its owner's account "
+            "erased): the fork was not made; fork again"
+        )
 
     async def _with_its_source(
         self, conversation_id: str, new_id: str, fork: Mapping[str, Any]
