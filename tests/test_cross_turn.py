@@ -1801,7 +1801,7 @@ async def test_an_answer_naming_a_call_never_made_here_does_not_answer_a_prompt_
     """API.md: a call named by its identity (`calls`) that no prompt of the id holds and no
     answer to it released is a Conflict (409), a pending prompt holding no call included:
     an identity no message of the conversation made (forged, or read in a fork) answers
-    nothing, nothing written; one of a call made here before the prompt answers it."""
+    nothing, nothing written; one of a call made here answers it."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
     paid = await logger.log_messages(
         CID, [_user("Pay."), _book("c1", "pay"), _answer("c1", "paid")], turn_id="t0"

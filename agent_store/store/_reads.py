@@ -1536,8 +1536,8 @@ class ConversationStore:
         `message_id`; `log_streamed_turn` passes those each prompt held in the turn's
         `pending`): the prompt is resolved only while it holds one of them not released yet
         (or, holding none, is the pending one not asked again since one of them was made,
-        each named by its identity made here before it: a lookup of their messages, then a
-        second update), and only those are released: a
+        each named by its identity made in the conversation: a lookup of their messages, then
+        a second update), and only those are released: a
         call another prompt of the id holds stays held until an answer names it (or names
         none); the id is remembered once none of its calls is left unreleased.
         An answer read before a later prompt asked under the same request id does not answer
@@ -1582,8 +1582,8 @@ class ConversationStore:
         """Answer the pending prompt `request_id` holding no call, which `resolution` leaves
         to this check when the answer names calls, only when it was not asked again since
         one of them was made (`_asked_after`), and that very prompt (its message), so one
-        asked meanwhile is not answered, nor by calls named by an identity no message made
-        here before it (read in a fork, or never made: `None`); else the Conflict saying
+        asked meanwhile is not answered, nor by calls named by an identity no message of the
+        conversation made (read in a fork, or never made: `None`); else the Conflict saying
         why the answer `resolve_hitl` read the conversation `doc` for matched nothing."""
         raw = doc.get("pending_hitl")
         pending = PendingHitl.model_validate(raw) if raw else None
@@ -1610,9 +1610,9 @@ class ConversationStore:
         `concerns` names was made (by that very message when it is named): a prompt of the
         id was asked between that call and it, so an answer read then was read before this
         question. A prompt asked once, after the call, was not asked again. None when a
-        call named by its identity (its message) was not made here before the prompt: the
-        answer concerns no call of this conversation's (API.md: a 409). One lookup of the
-        prompt's message, two more if stored."""
+        call named by its identity (its message) was never made in this conversation: the
+        answer concerns no call of its (API.md: a 409). One lookup of the prompt's message,
+        two more if stored."""
         if pending is None or not concerns:
             return False
         with storage_errors("read the pending prompt"):
@@ -1620,16 +1620,19 @@ class ConversationStore:
             if prompt is None or prompt.get("seq") is None:
                 return False
             made = [{"tool_calls.id": c, **({} if m is None else {"_id": m})} for c, m in concerns]
-            query = {"conversation_id": conversation_id, "seq": {"$lt": prompt["seq"]}}
+            query: dict[str, Any] = {"conversation_id": conversation_id, "$or": made}
             by_identity = any(m is not None for _, m in concerns)  # one message each: all
+            if not by_identity:
+                query["seq"] = {"$lt": prompt["seq"]}
             found = await self._messages.find(
-                {**query, "$or": made},
+                query,
                 {"seq": 1, "tool_calls.id": 1},
                 sort=[("seq", -1)],
-                limit=0 if by_identity else 1,
+                limit=int(not by_identity),
             ).to_list(None)
             if not _made_by(found, concerns):
                 return None
+            found = [d for d in found if isinstance(d.get("seq"), int) and d["seq"] < prompt["seq"]]
             if not found:
                 return False
             between = {"$gt": found[0]["seq"], "$lt": prompt["seq"]}
