@@ -1535,11 +1535,10 @@ class ConversationStore:
         (`pending_calls`: each a `PendingCall`, or a mapping holding its `tool_call_id` and
         `message_id`; `log_streamed_turn` passes those each prompt held in the turn's
         `pending`): the prompt is resolved only while it holds one of them not released yet
-        (or, holding none, is the pending one not asked again since one of them was made,
-        each named by its identity made in the conversation: a lookup of their messages, then
-        a second update), and only those are released: a
-        call another prompt of the id holds stays held until an answer names it (or names
-        none); the id is remembered once none of its calls is left unreleased.
+        (or, holding none, is the pending one not asked again since one of them was made, and
+        each one made here: a lookup of their messages, then a second update), and only those
+        are released: a call another prompt of the id holds stays held until an answer names
+        it (or names none); the id is remembered once none of its calls is left unreleased.
         An answer read before a later prompt asked under the same request id does not answer
         that one, even about a call of the same id or holding no call: Conflict, or, when
         the calls it names were released by an answer to a prompt of that id, an answer as
