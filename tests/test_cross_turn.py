@@ -1795,6 +1795,49 @@ async def test_a_retried_answer_to_a_prompt_holding_no_call_answers_as_the_first
     assert await held_state(store) == ([], None)
 
 
+async def test_an_answer_naming_a_call_never_made_here_does_not_answer_a_prompt_holding_none(
+    backend: Backend,
+) -> None:
+    """API.md: a call named by its identity (`calls`) that no prompt of the id holds and no
+    answer to it released is a Conflict (409), a pending prompt holding no call included:
+    an identity no message of the conversation made (forged, or read in a fork) answers
+    nothing, nothing written; one of a call made here answers it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    paid = await logger.log_messages(
+        CID, [_user("Pay."), _book("c1", "pay"), _answer("c1", "paid")], turn_id="t0"
+    )
+    await logger.log_messages(CID, [_user("Delete my account."), _asks("confirm-1")], turn_id="t1")
+    before = await backend.db.agent_conversations.find_one({"_id": CID})
+
+    for call_id, made_by in (("c-never", "msg-never"), ("c1", "msg-in-a-fork")):
+        named = [{"tool_call_id": call_id, "message_id": made_by}]
+        with pytest.raises(Conflict, match="holds none of the calls the answer names"):
+            await store.resolve_hitl(CID, "confirm-1", calls=named)
+    assert await backend.db.agent_conversations.find_one({"_id": CID}) == before
+
+    made = [{"tool_call_id": "c1", "message_id": paid.messages[1].id}]
+    await store.resolve_hitl(CID, "confirm-1", calls=made)
+    assert await held_state(store) == ([], None)
+
+
+async def test_an_http_answer_naming_a_call_never_made_to_a_prompt_holding_none_is_409(
+    backend: Backend,
+) -> None:
+    """API.md, `POST …/hitl/resolve`: `calls` naming a call of an identity no message made,
+    for the pending prompt holding no call, is a 409, nothing written."""
+    async with serve(backend.db, seeded=False) as api:
+        url, headers = f"/v1/conversations/{CID}", auth_headers()
+        body = {"turn_id": "t1", "messages": [_user("Delete my account."), _asks("confirm-1")]}
+        assert (await api.http.post(f"{url}/turns", json=body, headers=headers)).is_success
+        before = await api.digest()
+        named = [{"tool_call_id": "call_never", "message_id": "msg-never"}]
+        answer = {"request_id": "confirm-1", "calls": named}
+        refused = await api.http.post(f"{url}/hitl/resolve", json=answer, headers=headers)
+
+        assert refused.status_code == 409, refused.text
+        assert await api.digest() == before
+
+
 @pytest.mark.parametrize(
     "answered_second", [False, True], ids=["second-pending", "second-answered"]
 )

@@ -251,10 +251,12 @@ async def test_the_visible_history_is_langchain_mongodbs_on_the_same_calls(
     assert await ours.aget_messages() == theirs.messages == []
 
 
-def test_three_turns_cost_six_round_trips_here_and_eight_inserts_there(
+def test_three_turns_cost_seven_round_trips_here_and_eight_inserts_there(
     wire_uri: str,
 ) -> None:
-    """The sync path over the wire: our turn is two writes; langchain-mongodb's, one per message."""
+    """The sync path over the wire: our turn is two writes, and a read before them for the
+    turn answering the first one's calls (which messages made them); langchain-mongodb's
+    turn is one insert per message."""
     ours, theirs = CommandLog(), CommandLog()
     name = f"rt_{uuid.uuid4().hex[:8]}"
     with (
@@ -268,7 +270,8 @@ def test_three_turns_cost_six_round_trips_here_and_eight_inserts_there(
         for turn, reply in zip(TURNS, fake_model().messages, strict=True):
             history.add_messages([*turn, reply])
             peer.add_messages([*turn, reply])
-        assert ours.names == ["findAndModify", "insert"] * 3
+        written = ["findAndModify", "insert"]
+        assert ours.names == [*written, "find", *written, *written]
         assert theirs.names == ["insert"] * 8
         ours.clear()
         assert visible(history.messages) == visible(peer.messages)

@@ -31,6 +31,7 @@ from pymongo.errors import AutoReconnect
 
 from agent_store import (
     AgentMessageLogger,
+    AnsweredBefore,
     Conflict,
     ConversationStore,
     InvalidInput,
@@ -837,6 +838,29 @@ async def test_a_resumed_run_retried_after_a_lost_reply_answers_its_call_once(
         "message",
     ]
     check_chat_completions(chat_completions(await ConversationStore(backend.db).transcript(CID)))
+
+
+async def test_a_paused_call_answered_in_two_sessions_keeps_its_first_answer(
+    backend: Backend,
+) -> None:
+    """Two sessions (two tabs) each add an output for one paused call: the first added is its
+    answer, the other is refused (`AnsweredBefore`), nothing of it stored; repeating the first
+    add stores nothing twice, and an add answering a call of its own is stored as before."""
+    tab_a, tab_b = (ConversationSession(CID, backend.db, user_id="u") for _ in range(2))
+    booking = {"type": "function_call", "name": "book_train", "arguments": "{}"}
+    await tab_a.add_items(
+        [{"role": "user", "content": "Book the 09:04."}, {**booking, "call_id": "call_b1"}]
+    )
+    denial = {"type": "function_call_output", "call_id": "call_b1", "output": "Not approved."}
+    booked = {"type": "function_call_output", "call_id": "call_b1", "output": "Booked."}
+
+    await tab_b.add_items([denial])
+    with pytest.raises(AnsweredBefore, match="call_b1"):
+        await tab_a.add_items([booked])
+    stored = await ConversationStore(backend.db).transcript(CID, user_id="u")
+    assert [m.content for m in stored if m.tool_call_id == "call_b1"] == ["Not approved."]
+    await tab_a.add_items([{**booking, "call_id": "call_b2"}, {**booked, "call_id": "call_b2"}])
+    assert len(await tab_a.get_items()) == 5
 
 
 async def test_a_result_whose_call_was_popped_is_left_out_of_the_items(

@@ -54,7 +54,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.output import is_output_tool_part
 from pydantic_ai.usage import RequestUsage
 
-from agent_store import AgentMessageLogger, ConversationStore, TurnRules
+from agent_store import AgentMessageLogger, AnsweredBefore, ConversationStore, TurnRules
 from agent_store.core import (
     AssistantMessage,
     FunctionCall,
@@ -436,6 +436,35 @@ async def test_a_run_awaiting_approval_resumes_from_the_store_as_from_memory(
     assert (booking.tool_call_id, booking.outcome) == (
         ("tc-9", "success") if decision is True else ("tc-9", "denied")
     )
+
+
+async def test_a_paused_call_answered_in_two_tabs_keeps_its_first_answer(backend: Backend) -> None:
+    """Two tabs resume one paused run from one read of the history: one denies the call, the
+    other approves it (the tool runs). The first run logged is the call's answer; the other
+    is refused (`AnsweredBefore`), nothing of it stored, while the first one's retry is a
+    replay."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    agent = approval_agent([])
+    first = await agent.run("Book the 09:04 to Lyon; weather there?")
+    await log_run(logger, CID, first.new_messages(), turn_id="run-1")
+    history = history_from_messages(await store.transcript(CID))
+    denied, approved = [
+        (
+            await agent.run(
+                message_history=history,
+                deferred_tool_results=DeferredToolResults(approvals={"tc-9": decision}),
+            )
+        ).new_messages()
+        for decision in (ToolDenied("Not that one."), True)
+    ]
+
+    await log_run(logger, CID, denied, turn_id="run-deny")
+    with pytest.raises(AnsweredBefore, match="tc-9"):
+        await log_run(logger, CID, approved, turn_id="run-approve")
+    assert (await log_run(logger, CID, denied, turn_id="run-deny")).replayed
+
+    answers = [m.content for m in await store.transcript(CID) if m.tool_call_id == "tc-9"]
+    assert answers == ["Not that one."]
 
 
 def test_a_call_id_a_provider_reuses_within_a_run_is_renamed_and_the_renaming_logged(
@@ -984,6 +1013,19 @@ async def test_content_a_tool_returns_for_the_model_is_stored_marked_not_as_the_
     users = [(m.content, m.error.message if m.error else None) for m in stored if m.role == "user"]
     assert users == [("Summarize e.test", None), (PAGE, "tool content")]
     assert model_view(as_sent(from_store)) == model_view(as_sent(in_memory))
+
+
+async def test_metadata_a_tool_returns_for_the_application_comes_back_as_the_run_held_it(
+    backend: Backend,
+) -> None:
+    """`ToolReturn(metadata=...)` is the application's, never sent to the model: kept, the
+    history gives the part back with it, as a system prompt's `metadata` comes back."""
+    metadata = {"sources": ["https://a.test", "https://b.test"], "latency_ms": 12}
+    returned = ToolReturn(return_value="3 hits", metadata=metadata)
+    _, from_store, _ = await second_turns(backend, reading_agent(returned), "Find it.")
+
+    replayed = [p for m in from_store for p in m.parts if isinstance(p, ToolReturnPart)]
+    assert [(p.content, p.metadata) for p in replayed] == [("3 hits", metadata)]
 
 
 async def test_a_resumed_runs_prompt_after_its_tool_returns_is_the_persons_words(

@@ -222,15 +222,25 @@ class Appends:
     async def append(self, messages: Sequence[AgentMessage]) -> LoggedTurn:
         """Log `messages` as one turn (two round trips); after an append raised, the appends
         a run again repeats are recognised by their content and stored once, and the append
-        at the place of the one that raised is its retry (`_at_place`)."""
+        at the place of the one that raised is its retry (`_at_place`). An append answering
+        a call of an earlier turn names it (`AgentMessageLogger.calls_answered`, one read
+        more, only then): answered first by another append (another tab), it is refused
+        `AnsweredBefore`, nothing written."""
         by = adder()
         done = _Done(_digest(messages), None, _opening(messages))
         turn_id = self._turn_id(by, done)
         run = [] if messages and messages[0].role in ("user", "system") else self._runs.get(by, [])
         run = self._runs[by] = [*run[-(RUN_APPENDS_KEPT - 1) :], replace(done, turn_id=turn_id)]
         try:
+            answers_to = await self.logger.calls_answered(
+                self.conversation_id, messages, user_id=self.user_id
+            )
             return await self.logger.log_messages(
-                self.conversation_id, messages, user_id=self.user_id, turn_id=turn_id
+                self.conversation_id,
+                messages,
+                user_id=self.user_id,
+                turn_id=turn_id,
+                answers_to=answers_to,
             )
         except BaseException as exc:
             self._failed(by, run, refused=isinstance(exc, InvalidInput | Conflict))

@@ -246,7 +246,8 @@ def _from_request_part(
             created_at=part.timestamp,
         )
         content = part.content if not part.files else ""  # with files: the items' text
-        return [_with_content_kind(returned, content, subject, tool_kind=part.tool_kind)]
+        kinds = {"tool_kind": part.tool_kind, "metadata": part.metadata}
+        return [_with_content_kind(returned, content, subject, **kinds)]
     if isinstance(part, pai.RetryFeedbackPart):
         feedback = UserMessage(
             content=_retry_text(part.content),
@@ -280,11 +281,18 @@ def _from_retry_prompt(part: Any, subject: str) -> AgentMessage:
 
 
 def _with_content_kind(
-    message: AgentMessage, content: Any, subject: str, *, tool_kind: str | None = None
+    message: AgentMessage,
+    content: Any,
+    subject: str,
+    *,
+    tool_kind: str | None = None,
+    metadata: Any = None,
 ) -> AgentMessage:
     """`message` keeping in `native` what its text alone does not say of the part: whether its
-    content was a `str` or a value (`_CONTENT_KIND`), and the tool's kind (an output tool's
-    `output`), so the history gives the part back as the run held it. A value whose text
+    content was a `str` or a value (`_CONTENT_KIND`), the tool's kind (an output tool's
+    `output`) and the `metadata` it returned for the application (`ToolReturn(metadata=...)`,
+    never sent to the model, kept as a system prompt's is), so the history gives the part
+    back as the run held it. A value whose text
     reads back as another (`Decimal("10.50")`'s `10.50` as 10.5, NaN's `null` as None) is
     kept as its text, which the model was sent; an empty text with an `error` (the run's
     own `ModelRetry("")`, `ToolDenied("")`) is kept too, else it reads as another writer's
@@ -294,6 +302,8 @@ def _with_content_kind(
         kept["content"] = runtime_json(content, subject=subject, fallback=str)
     if tool_kind is not None:
         kept["tool_kind"] = tool_kind
+    if metadata is not None:
+        kept["metadata"] = runtime_json(metadata, subject=subject, fallback=str)
     plain_kind = "error" if _reads_as_its_error(message) else _plain_kind(message)
     return with_native(message, FORMAT, kept, {_CONTENT_KIND: plain_kind}, subject=subject)
 
@@ -670,7 +680,8 @@ def _to_tool_return(message: ToolMessage, tool_name: str) -> pai.ToolReturnPart:
     """The return a tool message stands for: its content as the run held it
     (`_content_of`, the stored text when the bridge recorded its kind, an empty one too);
     one stored with no text and an `error` by another writer (no record) as what its error
-    says, as every other reader replays it (`result_text`); its tool's kind kept."""
+    says, as every other reader replays it (`result_text`); its tool's kind and the
+    `metadata` it returned for the application kept."""
     assert message.tool_call_id is not None
     marked = tool_outcome(message)
     outcome, cause = marked if marked is not None else (None, None)
@@ -684,6 +695,7 @@ def _to_tool_return(message: ToolMessage, tool_name: str) -> pai.ToolReturnPart:
         timestamp=message.created_at,
         outcome=outcome or "success",
         retry=pai.RetryInfo(retry_cause) if outcome == "retried" else None,
+        metadata=_kept(message, "metadata"),
     )
     if not isinstance(tool_kind, str):
         return returned
@@ -797,12 +809,18 @@ async def log_run(
 
     Hidden runtime context is stripped from the person's prompts by the logger's
     rules' markers, so only what the user saw is stored (a tool's content and retry
-    feedback are stored whole, as the model was sent them).
+    feedback are stored whole, as the model was sent them). A run resumed with
+    `deferred_tool_results` answers calls of an earlier run: it names them
+    (`AgentMessageLogger.calls_answered`, one read more, only then), so when another run
+    answered one of them first (two tabs resuming one paused run) it is refused
+    (`AnsweredBefore`), nothing stored; its retry is still a replay.
     """
+    stored = messages_from_run(messages, markers=logger.rules.markers)
     return await logger.log_messages(
         conversation_id,
-        messages_from_run(messages, markers=logger.rules.markers),
+        stored,
         user_id=user_id,
         turn_id=turn_id,
         name=name,
+        answers_to=await logger.calls_answered(conversation_id, stored, user_id=user_id),
     )

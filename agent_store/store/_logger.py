@@ -790,6 +790,55 @@ class AgentMessageLogger:
             conditions = partial(_turn_conditions, plan, None, None, refused_prompts, answers_to)
             await self._check_condition(plan, condition, conditions, (answers_to, refused_prompts))
 
+    async def calls_answered(
+        self,
+        conversation_id: str,
+        messages: Sequence[AgentMessage],
+        *,
+        user_id: str | None = None,
+    ) -> dict[str, str]:
+        """The `answers_to` of a turn of `messages`, as the conversation stands: for each call
+        of an earlier turn it answers (a `tool` message, result or denial, naming a call no
+        message of the turn makes), the message that made it, the latest pending call of its
+        id, else the latest message making it. Logged with them (a runtime's bridge that read
+        no `pending_calls`), a turn answering a call another turn answered first is
+        `AnsweredBefore`, nothing written, while a retry of a logged turn is still its replay.
+        A call no message makes, in a conversation that does not exist or is another user's,
+        is left out (the turn is logged or refused as without it). None read for a turn
+        answering no earlier call; the conversation, then, for a call not pending, its
+        messages making it (one read more)."""
+        made = {call.id for message in messages for call in message.tool_calls or ()}
+        wanted = {
+            m.tool_call_id: ""
+            for m in messages
+            if m.role == "tool" and m.tool_call_id and m.tool_call_id not in made
+        }
+        if not wanted:
+            return {}
+        scope = {"_id": validate_identifier(conversation_id, "conversation_id")}
+        with storage_errors("read the pending calls"):
+            found = await self._conversations.find_one(scope, _PENDING_READ)
+        owner = found.get("user_id") if found is not None else None
+        if found is None or (user_id is not None and owner not in (None, user_id)):
+            return {}
+        for call in found.get("pending_calls") or ():  # in the order made: the latest wins
+            if isinstance(call, Mapping) and call.get("tool_call_id") in wanted:
+                wanted[call["tool_call_id"]] = call.get("message_id") or ""
+        missing = sorted(c for c, m in wanted.items() if not m)
+        if missing:
+            query = {"conversation_id": scope["_id"], "tool_calls.id": {"$in": missing}}
+            with storage_errors("read the messages making the calls answered"):
+                cursor = self._messages.find(query, {"tool_calls.id": 1, "epoch": 1})
+                making = await cursor.sort("seq", -1).to_list(None)
+            for doc in making:  # the latest first
+                if doc.get("epoch") not in (None, found.get("epoch")):
+                    continue  # an earlier life's of the id, left to sweep
+                for call in doc.get("tool_calls") or ():
+                    call_id = call.get("id") if isinstance(call, Mapping) else None
+                    if isinstance(call_id, str) and wanted.get(call_id) == "":
+                        wanted[call_id] = doc["_id"]
+        return {c: m for c, m in wanted.items() if isinstance(m, str) and m}
+
     async def _verdict_told(
         self,
         plan: TurnPlan,
@@ -3263,6 +3312,9 @@ pending calls a late retry's lookup weighs, `Unwritten`), a pop under way
 (finished before anything is decided), and what tells
 a turn's answers from those the conversation settled before (`_retry_refusal`,
 `_answers_refusal`)."""
+
+_PENDING_READ = {"user_id": 1, "epoch": 1, "pending_calls": 1}
+"""What `AgentMessageLogger.calls_answered` reads of the conversation."""
 
 
 MAX_FORK_WHOLE_TEXT_CHARS = 64 * 1024 * 1024

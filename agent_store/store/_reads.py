@@ -1536,10 +1536,10 @@ class ConversationStore:
         (`pending_calls`: each a `PendingCall`, or a mapping holding its `tool_call_id` and
         `message_id`; `log_streamed_turn` passes those each prompt held in the turn's
         `pending`): the prompt is resolved only while it holds one of them not released yet
-        (or, holding none, is the pending one not asked again since one of them was made: a
-        lookup of their messages, then a second update), and only those are released: a
-        call another prompt of the id holds stays held until an answer names it (or names
-        none); the id is remembered once none of its calls is left unreleased.
+        (or, holding none, is the pending one not asked again since one of them was made, and
+        each one made here: a lookup of their messages, then a second update), and only those
+        are released: a call another prompt of the id holds stays held until an answer names
+        it (or names none); the id is remembered once none of its calls is left unreleased.
         An answer read before a later prompt asked under the same request id does not answer
         that one, even about a call of the same id or holding no call: Conflict, or, when
         the calls it names were released by an answer to a prompt of that id, an answer as
@@ -1582,8 +1582,9 @@ class ConversationStore:
         """Answer the pending prompt `request_id` holding no call, which `resolution` leaves
         to this check when the answer names calls, only when it was not asked again since
         one of them was made (`_asked_after`), and that very prompt (its message), so one
-        asked meanwhile is not answered; else the Conflict saying why the answer
-        `resolve_hitl` read the conversation `doc` for matched nothing."""
+        asked meanwhile is not answered, nor by calls named by an identity no message of the
+        conversation made (read in a fork, or never made: `None`); else the Conflict saying
+        why the answer `resolve_hitl` read the conversation `doc` for matched nothing."""
         raw = doc.get("pending_hitl")
         pending = PendingHitl.model_validate(raw) if raw else None
         open_calls = awaiting_results(
@@ -1594,22 +1595,24 @@ class ConversationStore:
         held = [c for c in open_calls if c.get("request_id") == request_id]
         asked = pending if pending and pending.request_id == request_id else None
         again = await self._asked_after(conversation_id, asked, concerns)
-        if asked is not None and concerns is not None and not (again or held):
+        if asked is not None and concerns is not None and again is False and not held:
             query, update = resolution(request_id, concerns, asked=asked.message_id)
             with storage_errors("resolve the pending prompt"):
                 result = await self._conversations.update_one(scope | query | STANDING, update)
             if result.matched_count:
                 return
-        raise _not_resolvable(conversation_id, request_id, pending, held, again)
+        raise _not_resolvable(conversation_id, request_id, pending, held, bool(again))
 
     async def _asked_after(
         self, conversation_id: str, pending: PendingHitl | None, concerns: Sequence[CallKey] | None
-    ) -> bool:
+    ) -> bool | None:
         """Whether the `pending` prompt asks its request id again since one of the calls
         `concerns` names was made (by that very message when it is named): a prompt of the
         id was asked between that call and it, so an answer read then was read before this
-        question. A prompt asked once, after the call, was not asked again. One lookup of
-        the prompt's message, two more if stored."""
+        question. A prompt asked once, after the call, was not asked again. None when a
+        call named by its identity (its message) was never made in this conversation: the
+        answer concerns no call of its (API.md: a 409). One lookup of the prompt's message,
+        two more if stored."""
         if pending is None or not concerns:
             return False
         with storage_errors("read the pending prompt"):
@@ -1617,10 +1620,19 @@ class ConversationStore:
             if prompt is None or prompt.get("seq") is None:
                 return False
             made = [{"tool_calls.id": c, **({} if m is None else {"_id": m})} for c, m in concerns]
-            query = {"conversation_id": conversation_id, "seq": {"$lt": prompt["seq"]}}
+            query: dict[str, Any] = {"conversation_id": conversation_id, "$or": made}
+            by_identity = any(m is not None for _, m in concerns)  # one message each: all
+            if not by_identity:
+                query["seq"] = {"$lt": prompt["seq"]}
             found = await self._messages.find(
-                {**query, "$or": made}, {"seq": 1}, sort=[("seq", -1)], limit=1
+                query,
+                {"seq": 1, "tool_calls.id": 1},
+                sort=[("seq", -1)],
+                limit=int(not by_identity),
             ).to_list(None)
+            if not _made_by(found, concerns):
+                return None
+            found = [d for d in found if isinstance(d.get("seq"), int) and d["seq"] < prompt["seq"]]
             if not found:
                 return False
             between = {"$gt": found[0]["seq"], "$lt": prompt["seq"]}
@@ -2341,6 +2353,18 @@ class ConversationStore:
                     yield Conversation.model_validate(doc)
         finally:
             await cursor.close()
+
+
+def _made_by(found: Sequence[Mapping[str, Any]], concerns: Sequence[CallKey]) -> bool:
+    """Whether each call `concerns` names by its identity (a tool call id and the message
+    that made it) is made by that message among `found`; one named by its id alone is."""
+    made = {
+        (call.get("id"), doc.get("_id"))
+        for doc in found
+        for call in doc.get("tool_calls") or ()
+        if isinstance(call, Mapping)
+    }
+    return all(m is None or (c, m) in made for c, m in concerns)
 
 
 def _listed_after(updated_at: datetime, last_id: str) -> dict[str, Any]:
