@@ -128,15 +128,33 @@ class Abandoned:
 
 
 def _named(
-    db: Database[dict[str, Any]], source: str, documents: list[Mapping[str, Any]]
+    db: Database[dict[str, Any]], sources: tuple[str, ...], documents: list[Mapping[str, Any]]
 ) -> set[str] | None:
-    """Which of these conversations some legacy turn in `source` makes now (None: a turn
+    """Which of these conversations some legacy turn in `sources` makes now (None: a turn
     could not be read, so none is taken as abandoned)."""
-    turns = _turns_of(db, source, documents, {"_id": 1, "conversation_id": 1})
+    turns = _turns_of(db, sources, documents, {"_id": 1, "conversation_id": 1})
     return None if turns is None else {turn.stored_conversation_id for turn in turns}
 
 
 def _turns_of(
+    db: Database[dict[str, Any]],
+    sources: tuple[str, ...],
+    documents: list[Mapping[str, Any]],
+    fields: dict[str, int] | None,
+) -> list[LegacyTurn] | None:
+    """The legacy turns that may make these conversations now, in each of `sources` (a dry
+    run's: every collection whose turns the run's move merges, `relocate.turns_after_the_move`),
+    by `_turns_in`. None: a turn could not be read."""
+    found: list[LegacyTurn] = []
+    for source in sources:
+        turns = _turns_in(db, source, documents, fields)
+        if turns is None:
+            return None
+        found += turns
+    return found
+
+
+def _turns_in(
     db: Database[dict[str, Any]],
     source: str,
     documents: list[Mapping[str, Any]],
@@ -197,16 +215,16 @@ def _migrated(
 
 def _abandoned(
     db: Database[dict[str, Any]],
-    source: str,
+    sources: tuple[str, ...],
     documents: list[Mapping[str, Any]],
     *,
     stored: bool = True,
 ) -> list[Abandoned]:
     """The abandoned conversations of these documents (not `stored`: ids of conversations of
     no document holding some message of the migration's, `_not_held`), by the legacy turns
-    in `source`."""
+    in `sources`."""
     made, bare = _migrated(db, documents) if stored else (documents, set())
-    named = _named(db, source, made) if made else set()
+    named = _named(db, sources, made) if made else set()
     if named is None:
         return []
     unnamed = [d for d in made if str(d["_id"]) not in named]
@@ -232,9 +250,14 @@ def _abandoned(
 
 
 def chunks(
-    db: Database[dict[str, Any]], *, source: str, documents: bool = True
+    db: Database[dict[str, Any]],
+    *,
+    source: str,
+    documents: bool = True,
+    also: tuple[str, ...] = (),
 ) -> Iterator[list[Abandoned]]:
-    """The abandoned conversations, by the legacy turns in `source` (`relocate.turns_at`), a
+    """The abandoned conversations, by the legacy turns in `source` (`relocate.turns_at`) and
+    `also` (a dry run's: the other collection whose turns the run's move merges in), a
     chunk of `CHUNK` conversation documents at a time (unless not `documents`); then the
     migration's messages no conversation document of theirs holds (`_not_held`): those whose
     document is gone, and those past the count of a document of another life
@@ -242,17 +265,18 @@ def chunks(
     legacy turn gaining a counter since is still its conversation's, which no legacy turn may
     seem to make now)."""
     held = held_back(db)
+    sources = (source, *also)
     if documents:
         read = db[CONVERSATIONS].find(CONVERSATION_FILTER, _READ).sort("_id", 1)
         for chunk in batches(iter(read), CHUNK):
-            yield _abandoned(db, source, [d for d in chunk if d["_id"] not in held])
+            yield _abandoned(db, sources, [d for d in chunk if d["_id"] not in held])
     for found in batches(_not_held(db, held), CHUNK):
         gone: list[Mapping[str, Any]] = [{"_id": cid} for cid, d in found if d is None]
         if gone:
-            yield _abandoned(db, source, gone, stored=False)
+            yield _abandoned(db, sources, gone, stored=False)
         standing = [document for _, document in found if document is not None]
         if standing:
-            yield _of_earlier_lives(db, source, standing)
+            yield _of_earlier_lives(db, sources, standing)
 
 
 def _not_held(
@@ -292,7 +316,7 @@ def _past_count(document: Mapping[str, Any], seq: Any) -> bool:
 
 
 def _of_earlier_lives(
-    db: Database[dict[str, Any]], source: str, documents: list[Mapping[str, Any]]
+    db: Database[dict[str, Any]], sources: tuple[str, ...], documents: list[Mapping[str, Any]]
 ) -> list[Abandoned]:
     """The migration's messages past the count of these conversation documents that are of
     another life than theirs: the conversation's first message (`seq` 0) is not the
@@ -306,7 +330,7 @@ def _of_earlier_lives(
     query = {"conversation_id": {"$in": ids}, "seq": 0}
     first = {m["conversation_id"]: m.get("turn_id") for m in db[MESSAGES].find(query)}
     others = [d for d in documents if not is_migrated(first.get(d["_id"]))]
-    turns = _turns_of(db, source, others, None) if others else []
+    turns = _turns_of(db, sources, others, None) if others else []
     if turns is None:
         return []
     named = _turn_ids(turns)
@@ -370,7 +394,7 @@ def remove(run: Explosion) -> list[Abandoned]:
     because live turns wrote to them."""
     turns_left = _still_safe(run)
     left: list[Abandoned] = []
-    for found in chunks(run.db, source=run.source, documents=turns_left):
+    for found in chunks(run.db, source=run.source, documents=turns_left, also=run.also):
         left += [item for item in found if item.live]
         gone = [item for item in found if not item.live]
         if gone and not run.options.dry_run and not _still_safe(run):

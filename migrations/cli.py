@@ -176,32 +176,32 @@ def _report_id_clustering(db: Database[dict[str, Any]], source: str, sample: int
 
 def _source(
     db: Database[dict[str, Any]], args: argparse.Namespace, held: lease.Lease | None
-) -> str:
+) -> tuple[str, tuple[str, ...]]:
     """Move the legacy turns aside (a dry run only says it would), fenced by the run's lease
-    (`explode.prove_lease`); where to read them from then (`relocate.turns_at`: a dry run
-    before the move, or after a rollback put them back, reads them where they are, in every
-    step). `args.conversation` becomes the legacy id it names (`explode.conversation_named`).
+    (`explode.prove_lease`); where to read them from then (`relocate.turns_at`), and where
+    else the removal of conversations no legacy turn makes reads them (a dry run's:
+    `_planned_at`). `args.conversation` becomes the legacy id it names
+    (`explode.conversation_named`).
     A legacy collection moved aside and standing empty was emptied by the turns' owners (a
     killed run may have left messages of a conversation deleted meanwhile): the run goes on
     to its last step, which removes them (`abandoned.remove`); with none anywhere there is no
     legacy data."""
+    also: tuple[str, ...] = ()
     if args.dry_run:
-        if relocate.holds_turns(db, CONVERSATIONS):
-            print(f"dry run: would move the turns of {CONVERSATIONS} to {LEGACY_TURNS}")
-            if relocate.turns_at(db) == LEGACY_TURNS:
-                _left_out(db)
+        source, also = _planned_at(db)
     else:
         moved = relocate.relocate(
             db,
             batch_size=max(args.batch_size, 100),
             fence=lambda: explode.prove_lease(db, held),
+            write_state=None if held is None else held.write_state,
         )
         if moved.how in ("renamed", "copied"):
             dual_writes.record_move(db, held)
             print(f"moved {moved.moved} turn documents to {LEGACY_TURNS} ({moved.how})")
             if moved.detail:
                 print(f"  {moved.detail}")
-    source = relocate.turns_at(db)
+        source = relocate.turns_at(db)
     if source != LEGACY_TURNS and not relocate.holds_turns(db, source):
         raise Misuse(
             f"no legacy data: neither {CONVERSATIONS} nor {LEGACY_TURNS} holds turn documents"
@@ -212,13 +212,30 @@ def _source(
         # The only change made to the legacy collection: an index to read it by conversation.
         db[LEGACY_TURNS].create_index(LEGACY_INDEX, name="migration_conversation_id")
         create_indexes_sync(db)
-    return source
+    return source, also
+
+
+def _planned_at(db: Database[dict[str, Any]]) -> tuple[str, tuple[str, ...]]:
+    """Where a dry run reads the legacy turns: where the run reads them once its move is done
+    (`relocate.turns_after_the_move`; the move refused, so is the dry run). It plans from the
+    collection holding most of them, says how many turns of the other its plan leaves out
+    (the run's counts hold them), and its removal of conversations no legacy turn makes reads
+    both, as the run reads them merged: a dry run after a rollback, the collection moved
+    aside standing again (empty, or holding a turn dual-written since), names none the
+    turns put back make."""
+    if relocate.holds_turns(db, CONVERSATIONS):
+        relocate.refuse_leftover(db)  # as the run would
+        print(f"dry run: would move the turns of {CONVERSATIONS} to {LEGACY_TURNS}")
+    source, *others = merged = relocate.turns_after_the_move(db)
+    for other in others:
+        _left_out(other, merged[other], source)
+    return source, tuple(others)
 
 
 def _explode(
     db: Database[dict[str, Any]], args: argparse.Namespace, held: lease.Lease | None
 ) -> explode.Explosion:
-    source = _source(db, args, held)
+    source, also = _source(db, args, held)
     options = explode.Options(
         dry_run=args.dry_run,
         limit=args.limit,
@@ -230,6 +247,7 @@ def _explode(
         spread=args.spread,
     )
     run = explode.Explosion(db, options, lease=held, source=source)
+    run.also = also
     after = run.resume_point()
     if after is not None:
         print(
@@ -339,16 +357,22 @@ def _left_for_the_next_run(reowned: list[str]) -> int:
     return 1
 
 
-def _left_out(db: Database[dict[str, Any]]) -> None:
-    """A dry run after the move, while turns logged since stand in `agent_conversations`
-    (the old service still writing): it plans from the turns moved aside only, as a dry run
-    reads one collection, and says how many turns its summary leaves out, which a run moves
-    first and counts."""
-    since = db[CONVERSATIONS].count_documents(relocate.TURN_FILTER)
+def _left_out(other: str, count: int, source: str) -> None:
+    """A dry run while both collections hold turns the run's move merges: it plans from the
+    one holding most (`source`), as a dry run plans from one collection, and says how many
+    turns of the `other` its summary leaves out, which a run moves and counts. After the
+    move, those are turns the old service logged in `agent_conversations` since."""
+    if other == CONVERSATIONS:
+        print(
+            f"dry run: {count} turn documents logged in {CONVERSATIONS} since the move are left "
+            f"out of this plan, which reads {LEGACY_TURNS}: a run moves them first and its "
+            "counts hold them"
+        )
+        return
     print(
-        f"dry run: {since} turn documents logged in {CONVERSATIONS} since the move are left out "
-        f"of this plan, which reads {LEGACY_TURNS}: a run moves them first and its counts hold "
-        "them"
+        f"dry run: {count} turn documents in {other} are left out of this plan, which reads "
+        f"{source}: a run moves the turns of {source} in with them and its counts hold them "
+        "(the removal of conversations no legacy turn makes reads both)"
     )
 
 

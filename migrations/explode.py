@@ -692,6 +692,10 @@ class Explosion:
         self.rules = TurnRules()
         self.source = turns_at(db) if source is None else source
         """Where this run reads the legacy turns (`relocate.turns_at`, unless told)."""
+        self.also: tuple[str, ...] = ()
+        """Where a dry run's removal of conversations no legacy turn makes also reads them:
+        the other collection whose turns the run's move merges in
+        (`relocate.turns_after_the_move`)."""
         self.on_batch: Callable[[int, int], None] | None = None
         """Told (conversations, turns so far) after each batch: the CLI's progress bar."""
         self.after_all: Callable[[], None] | None = None

@@ -38,9 +38,9 @@ STATE = MIGRATION_STATE
 LOCK_ID = "lock:legacy-turns"
 STATE_ID = MIGRATION_STATE_ID
 """The migration's state document: the checkpoint, its times (`undated_at`, `moved_at` and
-`first_moved_at`: the legacy turns' last and first move aside, `finished_at`, `dropping_at`
-and `dropped_at`: a drop begun, then made), and the lock holder that may write it
-(`holder`)."""
+`first_moved_at`: the legacy turns' last and first move aside, `copying_at`: a copy of them
+under way, `finished_at`, `dropping_at` and `dropped_at`: a drop begun, then made), and the
+lock holder that may write it (`holder`)."""
 DEFAULT_LEASE = timedelta(minutes=2)
 DEFAULT_WAIT = DEFAULT_LEASE + timedelta(seconds=30)
 

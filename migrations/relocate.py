@@ -7,7 +7,9 @@ copied instead, batch by batch: insert into `agent_conversations_deprecated`,
 check every document arrived, then delete the batch from the source. A copy
 killed part-way resumes where it stopped; nothing is deleted before its copy
 is confirmed. Each batch's writes, and the rename, are fenced as a run's batches are
-(`fence`): a run paused past its lease moves nothing it read before the pause.
+(`fence`): a run paused past its lease moves nothing it read before the pause. A copy is
+recorded in the migration's state while it goes on (`COPYING`), so a copy killed part-way
+is told apart from a collection a rollback left standing (`refuse_leftover`).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import bson
 from pymongo.database import Database
 from pymongo.errors import BulkWriteError, OperationFailure
 
-from agent_store.core import InvalidInput
+from agent_store.core import InvalidInput, utc_now
 from agent_store.legacy import (
     CONVERSATION_COUNTERS,
     LEGACY_TURNS,
+    MIGRATION_STATE,
+    MIGRATION_STATE_ID,
     TURN_ONLY_FIELDS,
     stored_conversation_id,
 )
@@ -33,6 +37,10 @@ from migrations.keys import identity
 
 _BAD_VALUE = 2
 """The server's code for a hint it does not know."""
+COPYING = "copying_at"
+"""The field of the migration's state a copy sets before its first batch and removes once
+every turn is moved: while it stands, the turns in both collections are that copy's."""
+_OVERLAP_CHUNK = 1000
 
 CONVERSATION_FILTER: dict[str, Any] = {
     "$or": [{f: {"$exists": True}} for f in CONVERSATION_COUNTERS]
@@ -100,6 +108,73 @@ def turns_at(db: Database[dict[str, Any]]) -> str:
     return LEGACY_TURNS if moved else CONVERSATIONS
 
 
+def _write_state(db: Database[dict[str, Any]]) -> Callable[[dict[str, Any]], None]:
+    """The migration's state written as is: a move made outside a run (its tests)."""
+
+    def write(update: dict[str, Any]) -> None:
+        db[MIGRATION_STATE].update_one({"_id": MIGRATION_STATE_ID}, update, upsert=True)
+
+    return write
+
+
+def _copying(db: Database[dict[str, Any]]) -> bool:
+    """Whether a run's copy is recorded as under way (`COPYING`): killed, if no run holds
+    the lock."""
+    state = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, {COPYING: 1}) or {}
+    return COPYING in state
+
+
+def refuse_leftover(db: Database[dict[str, Any]]) -> None:
+    """WorkLeft (exit 1) when `agent_conversations` holds a turn whose `_id` the deprecated
+    collection holds too while no copy of a run is under way (`COPYING`): that collection
+    is no interrupted copy but one a rollback that copied the turns back left standing. Its
+    turns are those of before the rollback, conversations the old service deleted since
+    among them: merged back, they would be migrated again. Turns the old service logged
+    after a move (new `_id`s) and a collection standing empty or holding dual-written turns
+    only are no leftover: a run copies the turns into it; a turn logged after the move under
+    a moved turn's `_id` with other content is refused as such (`_other_content`), nothing
+    moved. One read of the state, then the turns' `_id`s a thousand at a time, up to the
+    first found in both."""
+    if not holds_turns(db, LEGACY_TURNS):
+        return
+    if _copying(db):
+        return
+    ids = (d["_id"] for d in db[CONVERSATIONS].find(TURN_FILTER, {"_id": 1}))
+    while chunk := [i for _, i in zip(range(_OVERLAP_CHUNK), ids, strict=False)]:
+        copies = list(db[LEGACY_TURNS].find({"_id": {"$in": chunk}}))
+        if not copies:
+            continue
+        turns = {identity(t): t for t in db[CONVERSATIONS].find({"_id": {"$in": chunk}})}
+        same = [c for c in copies if bson.encode(c) == bson.encode(turns[identity(c)])]
+        if not same:  # turns logged after the move under a moved turn's `_id`
+            raise _other_content(copies[0]["_id"])
+        raise WorkLeft(
+            f"{LEGACY_TURNS} holds turn documents {CONVERSATIONS} holds too, and no copy "
+            "of a run is under way: it is a collection a rollback that copied the turns "
+            "back left standing, whose turns the old service may have deleted since. "
+            f"Moving nothing: drop {LEGACY_TURNS} or rename it away (once "
+            f"{CONVERSATIONS} holds every turn to keep), then `run` again"
+        )
+
+
+def turns_after_the_move(db: Database[dict[str, Any]]) -> dict[str, int]:
+    """Where a run reads the legacy turns once its move is done, as a dry run, which moves
+    nothing, reads them: by collection, the turns each holds that the move merges (the first
+    holding most, the one a dry run plans from), none counted where one collection holds
+    them all. `agent_conversations` holding none: where they are (`turns_at`); the
+    collection moved aside holding none (absent, or standing empty): `agent_conversations`,
+    whose turns the move puts there; both holding some (turns the old service logged after
+    the move, or a collection standing again after a rollback, holding a turn a new-service
+    instance dual-wrote): both, as the move copies one's into the other's. Counted only
+    then, one read of each."""
+    if not holds_turns(db, CONVERSATIONS):
+        return {turns_at(db): 0}
+    if not holds_turns(db, LEGACY_TURNS):
+        return {CONVERSATIONS: 0}
+    held = {name: db[name].count_documents(TURN_FILTER) for name in (LEGACY_TURNS, CONVERSATIONS)}
+    return dict(sorted(held.items(), key=lambda item: -item[1]))
+
+
 def relocate(
     db: Database[dict[str, Any]],
     *,
@@ -107,17 +182,24 @@ def relocate(
     progress: Callable[[int], None] | None = None,
     allow_rename: bool = True,
     fence: Callable[[], None] = lambda: None,
+    write_state: Callable[[dict[str, Any]], None] | None = None,
 ) -> Relocation:
     """Move every turn document from `agent_conversations` to the deprecated collection.
 
     `fence` is called right before the rename and before each copy batch's writes: it renews
     the run's lease and raises once another run or `finish` took the lock, or the legacy
-    turns were dropped (a run paused past its lease copies no batch it read before)."""
+    turns were dropped (a run paused past its lease copies no batch it read before).
+    `write_state` updates the migration's state (the run's, fenced by its lease): a copy is
+    recorded there (`COPYING`) before its first batch and cleared once every turn moved;
+    with the deprecated collection a rollback left standing, nothing moves
+    (`refuse_leftover`)."""
     source, target = db[CONVERSATIONS], db[LEGACY_TURNS]
     if not holds_turns(db, CONVERSATIONS):
         if holds_turns(db, LEGACY_TURNS):
             return Relocation("already moved")
         return Relocation("nothing to move")
+    refuse_leftover(db)
+    state = _write_state(db) if write_state is None else write_state
     mixed = source.find_one(CONVERSATION_FILTER, {"_id": 1}) is not None
     target_exists = LEGACY_TURNS in db.list_collection_names()
     reason = ""
@@ -132,7 +214,12 @@ def relocate(
     elif mixed:
         reason = f"{CONVERSATIONS} also holds conversation documents; copying only the turns"
     elif target_exists:
-        reason = f"{LEGACY_TURNS} already exists (an interrupted copy); resuming the copy"
+        reason = (
+            f"{LEGACY_TURNS} already exists (an interrupted copy); resuming the copy"
+            if _copying(db)
+            else f"{LEGACY_TURNS} already exists; copying into it"
+        )
+    state({"$set": {COPYING: utc_now()}})
     moved = 0
     batch: list[dict[str, Any]] = []
     # One scan in stored order: copied in that order, turns at the same time keep their order
@@ -144,6 +231,7 @@ def relocate(
             batch = []
     if batch:
         moved += _copy_batch(batch, source, target, progress, fence)
+    state({"$unset": {COPYING: ""}})
     return Relocation("copied", moved, reason)
 
 
@@ -202,8 +290,14 @@ def _accept_identical_copies(
     ids = [document["_id"] for document in wanted.values()]
     for found in target.find({"_id": {"$in": ids}}):
         if bson.encode(found) != bson.encode(wanted[identity(found)]):
-            raise WorkLeft(
-                f"turn document {found['_id']!r} exists in {LEGACY_TURNS} with other content; "
-                f"refusing to overwrite or delete it: give the turn in {CONVERSATIONS} another "
-                "_id, then `run` again"
-            ) from error
+            raise _other_content(found["_id"]) from error
+
+
+def _other_content(turn_id: Any) -> WorkLeft:
+    """A turn of `agent_conversations` under the `_id` of a moved-aside turn holding other
+    content: neither is overwritten nor deleted."""
+    return WorkLeft(
+        f"turn document {turn_id!r} exists in {LEGACY_TURNS} with other content; "
+        f"refusing to overwrite or delete it: give the turn in {CONVERSATIONS} another "
+        "_id, then `run` again"
+    )

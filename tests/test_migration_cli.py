@@ -441,6 +441,15 @@ def latency_turn(n: int, latency: Any) -> dict[str, Any]:
             "latency_ms": latency}  # fmt: skip
 
 
+def killed_copy(db: Any, *copied: dict[str, Any]) -> None:
+    """What a copy killed part-way leaves: the turns of its last batch inserted, not yet
+    deleted from `agent_conversations`, and its copy recorded as under way."""
+    db[LEGACY_TURNS].insert_many([dict(turn) for turn in copied])
+    db[lease.STATE].update_one(
+        {"_id": lease.STATE_ID}, {"$set": {relocate.COPYING: datetime.now(UTC)}}, upsert=True
+    )
+
+
 @pytest.mark.wire
 @pytest.mark.parametrize("latency", [float("nan"), -0.0, 120], ids=["nan", "negative-zero", "int"])
 def test_a_killed_copy_resumes_over_the_turns_it_copied_byte_for_byte(
@@ -450,7 +459,7 @@ def test_a_killed_copy_resumes_over_the_turns_it_copied_byte_for_byte(
     copied is the same when its BSON is, NaN included (which equals nothing in Python)."""
     turns = [latency_turn(n, latency if n == 0 else 7) for n in range(3)]
     database[CONVERSATIONS].insert_many(turns)
-    database[LEGACY_TURNS].insert_many([dict(t) for t in turns])
+    killed_copy(database, *turns)
 
     assert relocate.relocate(database).how == "copied"
     assert database[LEGACY_TURNS].count_documents({}) == 3
@@ -470,7 +479,7 @@ def test_a_killed_copy_resumes_over_turns_whose_ids_python_cannot_hash(
     A resumed copy keys the turns it finds copied by their BSON, never by the Python value."""
     turn = latency_turn(0, 7) | {"_id": turn_id}
     database[CONVERSATIONS].insert_one(turn)
-    database[LEGACY_TURNS].insert_one(dict(turn))
+    killed_copy(database, turn)
 
     assert relocate.relocate(database).how == "copied"
     assert database[LEGACY_TURNS].count_documents({}) == 1
@@ -489,7 +498,7 @@ def test_a_killed_copy_never_takes_a_copy_its_bson_tells_apart_as_its_turn(
     """Python equality is not identity: `0.0 == -0.0` and `120 == 120.0`, which BSON tells
     apart. The copy refuses, and deletes nothing."""
     database[CONVERSATIONS].insert_one(latency_turn(0, latency))
-    database[LEGACY_TURNS].insert_one(latency_turn(0, copied))
+    killed_copy(database, latency_turn(0, copied))
 
     with pytest.raises(MigrationError, match="exists in agent_conversations_deprecated with other"):
         relocate.relocate(database)
@@ -506,13 +515,16 @@ def conversation_document(conversation_id: str) -> dict[str, Any]:
 
 
 def test_move_aside_copies_only_turns_when_conversations_are_mixed_in() -> None:
+    """A copy killed part-way resumes, copying the turns only, and records no copy under
+    way once every turn moved."""
     db: Any = mongomock.MongoClient()["legacy"]
     db[CONVERSATIONS].insert_many([*corpus(), conversation_document("new-conv")])
-    db[LEGACY_TURNS].insert_one(corpus()[0])  # as left by a copy killed part-way
+    killed_copy(db, corpus()[0])
     moved = relocate.relocate(db, batch_size=5)
     assert moved.how == "copied"
     assert db[CONVERSATIONS].distinct("_id") == ["new-conv"]
     assert db[LEGACY_TURNS].count_documents({}) == len(corpus())
+    assert relocate.COPYING not in db[lease.STATE].find_one({"_id": lease.STATE_ID})
 
 
 def test_move_aside_moves_every_legacy_turn_whatever_fields_it_holds_or_lacks() -> None:

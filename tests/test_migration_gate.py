@@ -375,6 +375,81 @@ def test_a_dry_run_after_a_rollback_prints_the_summary_the_run_prints(
 
 
 @pytest.mark.wire
+@pytest.mark.parametrize("late_turn", [False, True], ids=["empty", "a-turn-dual-written-since"])
+def test_a_dry_run_after_a_rollback_reads_the_turns_where_the_runs_move_puts_them(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+    late_turn: bool,
+) -> None:
+    """After a rollback, `agent_conversations_deprecated` stands again (empty, or holding a
+    turn a new-service instance not stopped yet dual-wrote): the run copies the turns of
+    `agent_conversations` into it, both merged. The dry run plans from where most turns
+    are, names no conversation the merged turns make for removal, as the run removes none,
+    and names the turns its plan leaves out, which the run counts."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    roll_back(database, clear_messages=False)
+    database.create_collection(LEGACY_TURNS)
+    if late_turn:
+        late = legacy_turn("t-late", "c-0", 9, "late") | {"dual_write": True, "turn_id": "l-9"}
+        database[LEGACY_TURNS].insert_one(late)
+    stored = stored_messages(database)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "run", "--dry-run") == 0
+    planned = capsys.readouterr()
+    assert stored_messages(database) == stored
+    assert cli(wire_uri, database, "run") == 0
+    done = capsys.readouterr().out
+
+    assert "no legacy turn makes now" not in planned.out + done
+    assert "delete the migrated" not in planned.err
+    if not late_turn:
+        assert summary_words(planned.out) == summary_words(done)
+    else:
+        assert f"1 turn documents in {LEGACY_TURNS} are left out of this plan" in planned.out
+        assert summary(planned.out)["conversations"] == summary(done)["conversations"] == 3
+        assert summary(planned.out)["turns"] == summary(done)["turns"] - 1
+
+
+@pytest.mark.wire
+def test_a_rollback_by_copying_that_left_the_moved_aside_turns_is_refused_not_merged_back(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rollback that copied the legacy turns back and left their moved-aside collection
+    standing: no run copy is under way, so the next run takes it for no interrupted copy of
+    its own. It refuses (exit 1, naming the collection to drop or rename away), moves and
+    migrates nothing, and a conversation the old service deleted since never comes back;
+    once the leftover is dropped, the run removes it."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n}", n, f"T{n}") for n in range(3)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    database[CONVERSATIONS].drop()  # the rollback: documents away, the turns copied back
+    database[CONVERSATIONS].insert_many(list(database[LEGACY_TURNS].find()))
+    database[CONVERSATIONS].delete_many({"conversation_id": "c-1"})  # the old service
+    stored = stored_messages(database)
+    capsys.readouterr()
+
+    for dry_run in (("--dry-run",), ()):
+        assert cli(wire_uri, database, "run", *dry_run) == 1
+        said = capsys.readouterr().err
+        assert f"drop {LEGACY_TURNS} or rename it away" in said
+    assert stored_messages(database) == stored
+    assert database[CONVERSATIONS].count_documents({}) == 2
+    assert database[LEGACY_TURNS].count_documents({"conversation_id": "c-1"}) == 1
+
+    database[LEGACY_TURNS].drop()
+    assert cli(wire_uri, database, "run") == 0
+    assert database[MESSAGES].count_documents({"conversation_id": "c-1"}) == 0
+    assert database[CONVERSATIONS].find_one({"_id": "c-1"}) is None
+    assert cli(wire_uri, database, "verify") == 0
+
+
+@pytest.mark.wire
 def test_verify_and_finish_after_a_rollback_say_the_legacy_turns_are_back_unmoved(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
