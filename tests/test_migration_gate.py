@@ -343,6 +343,20 @@ def summary_words(out: str) -> str:
     return next(ln for ln in out.splitlines() if " turns -> " in ln).split(": ", 1)[1]
 
 
+def dry_run_then_run(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> tuple[Any, str]:
+    """A dry run (which writes nothing: every stored message as it was) then the run, both
+    succeeding: what the dry run printed, and the run's output."""
+    stored = stored_messages(database)
+    capsys.readouterr()
+    assert cli(wire_uri, database, "run", "--dry-run") == 0
+    planned = capsys.readouterr()
+    assert stored_messages(database) == stored
+    assert cli(wire_uri, database, "run") == 0
+    return planned, capsys.readouterr().out
+
+
 @pytest.mark.wire
 def test_a_dry_run_after_a_rollback_prints_the_summary_the_run_prints(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
@@ -360,13 +374,8 @@ def test_a_dry_run_after_a_rollback_prints_the_summary_the_run_prints(
         log_live(wire_uri, database, "c-1", f"live-{attempt}", f"«LIVE {attempt}»", dual_write=True)
         roll_back(database, clear_messages=False)
         stored = stored_messages(database)
-        capsys.readouterr()
 
-        assert cli(wire_uri, database, "run", "--dry-run") == 0
-        planned = capsys.readouterr()
-        assert stored_messages(database) == stored
-        assert cli(wire_uri, database, "run") == 0
-        done = capsys.readouterr().out
+        planned, done = dry_run_then_run(wire_uri, database, capsys)
 
         assert summary_words(planned.out) == summary_words(done)
         assert "no legacy turn makes now" not in planned.out
@@ -396,14 +405,8 @@ def test_a_dry_run_after_a_rollback_reads_the_turns_where_the_runs_move_puts_the
     if late_turn:
         late = legacy_turn("t-late", "c-0", 9, "late") | {"dual_write": True, "turn_id": "l-9"}
         database[LEGACY_TURNS].insert_one(late)
-    stored = stored_messages(database)
-    capsys.readouterr()
 
-    assert cli(wire_uri, database, "run", "--dry-run") == 0
-    planned = capsys.readouterr()
-    assert stored_messages(database) == stored
-    assert cli(wire_uri, database, "run") == 0
-    done = capsys.readouterr().out
+    planned, done = dry_run_then_run(wire_uri, database, capsys)
 
     assert "no legacy turn makes now" not in planned.out + done
     assert "delete the migrated" not in planned.err
