@@ -16,6 +16,7 @@ from agent_store import (
     ConversationStore,
     InvalidInput,
     NotFound,
+    StorageFailure,
     StoreError,
     TranscriptMoved,
     Truncation,
@@ -407,6 +408,20 @@ def test_a_synchronous_pymongo_database_is_refused_before_anything_is_written(
     with pytest.raises(TypeError, match=re.escape(SYNC_REFUSED)):
         kind(database)
     assert database.list_collection_names() == []
+
+
+async def test_a_closed_client_is_named_as_the_cause_not_the_database(wire_uri: str) -> None:
+    """A client the application closed (at shutdown, while a runtime still logs) refused
+    nothing at the database: the error says the client was closed."""
+    from pymongo import AsyncMongoClient
+
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(wire_uri)
+    logger = AgentMessageLogger(client["closed_client"])
+    await client.close()
+
+    with pytest.raises(StorageFailure, match="the database client was closed") as refused:
+        await logger.log_messages(CID, [{"role": "user", "content": "hi"}])
+    assert "refused" not in str(refused.value)
 
 
 async def test_oversize_message_is_truncated_marked_and_stored(backend: Backend) -> None:

@@ -146,6 +146,8 @@ def store_error(action: str, exc: BaseException) -> StoreError | None:
             f"could not {action}: the database lacks the index it needs "
             "(a full-text search needs the store's text index)"
         )
+    if isinstance(exc, mongo_errors.InvalidOperation) and "after close" in str(exc):
+        return StorageFailure(f"could not {action}: the database client was closed")
     if isinstance(exc, mongo_errors.PyMongoError):
         return StorageFailure(f"could not {action}: the database refused the operation")
     if isinstance(exc, NotImplementedError):
