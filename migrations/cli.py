@@ -95,7 +95,12 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     legacy = db[LEGACY_TURNS].estimated_document_count()
     print(f"legacy turns not yet moved aside (in {CONVERSATIONS}): {'yes' if in_place else 'no'}")
     print(f"documents in {LEGACY_TURNS}: {legacy}")
-    print(f"conversations in {CONVERSATIONS}: {db[CONVERSATIONS].estimated_document_count()}")
+    conversations = (  # turn documents there are no conversations
+        db[CONVERSATIONS].count_documents(relocate.CONVERSATION_FILTER)
+        if in_place
+        else db[CONVERSATIONS].estimated_document_count()
+    )
+    print(f"conversations in {CONVERSATIONS}: {conversations}")
     print(f"messages in {MESSAGES}: {db[MESSAGES].estimated_document_count()}")
     print(f"lock: {lease.describe(lease.current(db))}")
     state = db[lease.STATE].find_one({"_id": lease.STATE_ID})
@@ -106,6 +111,11 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
             if state.get("complete")
             else f"{len(done)} of {len(state.get('ranges') or [None])} id ranges under way"
         )
+        if state.get("complete") and in_place:
+            where = (
+                f"the last run completed, but legacy turns are back in {CONVERSATIONS} (a "
+                "rollback, or the old service logging since): run again"
+            )
         print(f"progress: {where} (run {state.get('run_id')})")
         if state.get("dropped_at") is None and state.get("dropping_at") is not None:
             print(

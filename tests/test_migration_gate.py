@@ -358,6 +358,28 @@ def dry_run_then_run(
 
 
 @pytest.mark.wire
+def test_status_after_a_rollback_says_a_run_comes_first_and_counts_conversations(
+    wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After the runbook's rollback the legacy turns are back in `agent_conversations`: the
+    last run's checkpoint no longer says the migration is complete, and the turn documents
+    there are not counted as conversations."""
+    database[CONVERSATIONS].insert_many(
+        [legacy_turn(f"t-{n}", f"c-{n // 2}", n, f"T{n}") for n in range(4)]
+    )
+    assert cli(wire_uri, database, "run") == 0
+    roll_back(database, clear_messages=False)
+    capsys.readouterr()
+
+    assert cli(wire_uri, database, "status") == 0
+    out = capsys.readouterr().out
+
+    assert f"conversations in {CONVERSATIONS}: 0" in out
+    assert "progress: complete" not in out
+    assert "legacy turns are back in agent_conversations" in out
+
+
+@pytest.mark.wire
 def test_a_dry_run_after_a_rollback_prints_the_summary_the_run_prints(
     wire_uri: str, database: Database[dict[str, Any]], capsys: pytest.CaptureFixture[str]
 ) -> None:
