@@ -186,19 +186,11 @@ async def test_a_delete_failed_part_way_leaves_every_read_404_and_its_retry_fini
     nobody started the conversation again."""
     async with serve(backend.db) as api:
         owner = auth_headers(user=OWNER)
-        etag = (await api.http.get(CONV, headers=owner)).headers["etag"]
         legacy = api.store.conversations._legacy_source
         assert legacy is not None
         served = await legacy.conversation(OWNER_CONVERSATION)
         assert served is not None
-
-        async def lost(conversation_id: str, *, owner: str | None) -> int:
-            raise StorageUnavailable("the connection dropped")
-
-        monkeypatch.setattr(legacy, "delete", lost)
-        failed = await api.http.delete(CONV, headers=owner | {"If-Match": etag})
-        monkeypatch.undo()
-        assert (failed.status_code, error_code(failed)) == (503, "storage_unavailable")
+        etag = await _half_deleted(api, monkeypatch)
 
         after = {"after": served.messages[1].id}
         reads = [("", {}), ("/hitl", {}), ("/turns/run-1/inbox", {}), ("/transcript", {}),
@@ -232,7 +224,7 @@ async def _half_deleted(api: Served, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setattr(legacy, "delete", lost)
     failed = await api.http.delete(CONV, headers=owner | {"If-Match": etag})
     monkeypatch.undo()
-    assert failed.status_code == 503
+    assert (failed.status_code, error_code(failed)) == (503, "storage_unavailable")
     return etag
 
 

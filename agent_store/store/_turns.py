@@ -460,8 +460,9 @@ def _canonical(documents: Sequence[Mapping[str, Any]]) -> str:
 
 def _canonical_forms(documents: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
     """`_canonical`, and the text turns were digested (and their ids derived) from before key
-    order stopped counting, when it differs (some object's keys were not in order); else
-    None: the same text, not written twice."""
+    order and whole numbers' spelling stopped counting, when it differs (some object's keys
+    were not in order, or a whole number was spelt as a float); else None: the same text,
+    not written twice."""
     kept = [_as_before(d, _DIGEST_EXCLUDES) for d in documents]
     ordered = [_in_key_order(d) for d in kept]
     if all(o is k for o, k in zip(ordered, kept, strict=True)):
@@ -471,8 +472,9 @@ def _canonical_forms(documents: Sequence[Mapping[str, Any]]) -> tuple[str, str |
 
 def _canonical_before(documents: Sequence[Mapping[str, Any]]) -> str:
     """The text turns were digested from before key order stopped counting: `_canonical`
-    with each object's keys in the order given."""
-    return repr([_as_before(d, _DIGEST_EXCLUDES) for d in documents])
+    with each object's keys in the order given (`_canonical_forms`)."""
+    current, before = _canonical_forms(documents)
+    return current if before is None else before
 
 
 def _in_key_order(document: dict[str, Any]) -> dict[str, Any]:
