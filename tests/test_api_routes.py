@@ -258,7 +258,8 @@ async def test_a_write_with_if_match_into_a_half_deleted_conversation_is_503_bei
 ) -> None:
     """A turn or a rename the owner sends with If-Match (the conversation's ETag, or `*`) into a
     conversation whose DELETE failed part-way answers as without it: 503 "being deleted", to
-    be sent again once the delete finished (an outbox keeps it); another user's is 404."""
+    be sent again once the delete finished (an outbox keeps it); another user's is 404. A
+    service's close of a steering inbox there is 503 alike."""
     async with serve(backend.db) as api:
         etag = await _half_deleted(api, monkeypatch)
         turn = {"turn_id": "t-late", "messages": [{"role": "user", "content": "hi"}]}
@@ -275,6 +276,10 @@ async def test_a_write_with_if_match_into_a_half_deleted_conversation_is_503_bei
                     assert "being deleted" in response.json()["error"]["message"]
                 else:
                     assert (response.status_code, error_code(response)) == (404, "not_found")
+        close = {"last_seen_seq": 0}
+        closed = await api.http.post(f"{CONV}/turns/run-1/inbox/close", json=close, headers=SERVICE)
+        assert (closed.status_code, error_code(closed)) == (503, "storage_unavailable")
+        assert "being deleted" in closed.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("if_match", ["*", None], ids=["any", "absent"])

@@ -1570,6 +1570,38 @@ async def test_a_delivery_into_a_fork_not_made_yet_is_refused_naming_the_deliver
 
 
 @pytest.mark.parametrize(
+    ("mark", "said"),
+    [("deleting", "is being deleted"), ("fork_check", "is a fork not made yet")],
+)
+async def test_closing_an_inbox_of_a_conversation_being_deleted_or_unmade_is_retried_later(
+    backend: Backend, mark: str, said: str
+) -> None:
+    """A close is a write into the conversation: one a delete marked (it failed part-way) or
+    a fork not made yet refuses it as it refuses a delivery (StorageUnavailable: close again
+    later), not as a conversation that is not there, and leaves the inbox as it was. Another
+    user asking is told nothing of it (NotFound)."""
+    from agent_store.store._reservation import DELETING, FORK_CHECK
+
+    logger = AgentMessageLogger(backend.db)
+    inbox = SteeringInbox(logger)
+    await logger.log_messages(CID, [{"role": "user", "content": "hello"}],
+                              turn_id="t0", user_id="user-owner")  # fmt: skip
+    await inbox.open_turn(CID, "run-1")
+    value = {DELETING: datetime.now(UTC), FORK_CHECK: {"epoch": "0" * 16, "created_at": None}}
+    field = {"deleting": DELETING, "fork_check": FORK_CHECK}[mark]
+    await backend.db[CONVERSATIONS].update_one({"_id": CID}, {"$set": {field: value[field]}})
+
+    with pytest.raises(StorageUnavailable) as refused:
+        await inbox.close_inbox(CID, "run-1", last_seen_seq=0)
+    assert f"conversation {CID!r} {said}" in refused.value.message
+    with pytest.raises(NotFound):
+        await inbox.close_inbox(CID, "run-1", last_seen_seq=0, user_id="user-other")
+    stored = await backend.db[CONVERSATIONS].find_one({"_id": CID})
+    assert stored is not None
+    assert stored.get("inbox"), "the inbox stays open"
+
+
+@pytest.mark.parametrize(
     ("field", "value"), [("user_id", "user-ada"), ("turn_id", "zzz"), ("turn_id", "run-1")]
 )
 async def test_a_delivery_whose_message_names_another_user_or_turn_is_refused_as_a_turns_is(

@@ -589,7 +589,9 @@ class SteeringInbox:
         """The inbox entry of `turn_id` (None: not open) in the conversation `user_id` (any,
         for None) sees, for a read of the inbox or, `writes`, its close. Its conversation
         missing, or being migrated: `_unstanding`; one a delete marked or a fork not made yet
-        is NotFound, never served from legacy turns (`refuse_unless_fallback_serves`)."""
+        is NotFound to a read, never served from legacy turns (`refuse_unless_fallback_serves`),
+        and refuses its owner's close as it refuses a delivery (`refuse_unless_standing`:
+        StorageUnavailable, close again later)."""
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         field = inbox_field(validate_identifier(turn_id, "turn_id"))
         actor = Actor(user_id, as_user=user_id is not None)
@@ -597,8 +599,12 @@ class SteeringInbox:
             found = await self._conversations.find_one(
                 {"_id": conversation_id}, {field: 1, "user_id": 1, **UNSTANDING_READ}
             )
-        doc = seen_by_caller(found, found is not None and actor.owns(found))
+        owned = found is not None and actor.owns(found)
+        doc = seen_by_caller(found, owned)
         if doc is None or not is_standing(doc):
+            if writes and owned:
+                what = f"the close of the inbox of turn {turn_id!r}"
+                refuse_unless_standing(conversation_id, doc, what)
             refuse_unless_fallback_serves(conversation_id, doc)
             await self._unstanding(conversation_id, actor, writes=writes)
             return None
