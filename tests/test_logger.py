@@ -24,6 +24,7 @@ from agent_store import (
 from agent_store.core import message_adapter
 from agent_store.store import TurnRules, blob_id
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
+from tests.api_harness import digest
 from tests.conftest import Backend
 
 CID = "conv-1"
@@ -735,6 +736,52 @@ async def test_a_late_retry_whose_block_nothing_followed_keeps_its_first_attempt
     assert (await store.get_conversation(CID)).turn_count == 2
     with pytest.raises(TranscriptMoved, match=re.escape("its next seq is 6, not 2")):
         await logger.log_messages(CID, _said("behind"), next_seq=2)
+
+
+async def _outcome(call: Any) -> tuple[type[BaseException], str] | None:
+    try:
+        await call
+    except StoreError as refused:
+        return type(refused), str(refused)
+    return None
+
+
+@pytest.mark.parametrize(
+    ("conversation", "turn_id", "sent", "next_seq", "step"),
+    [
+        (CID, "t-new", "new", 6, "s3"),
+        (CID, "t-new", "new", 2, None),
+        (CID, "t-new", "new", None, "s1"),
+        (CID, "t-new", "new", 6, "s2"),
+        (CID, "t-a", "a", 0, "s0"),
+        (CID, "t-b", "b", 2, "s1"),
+        (CID, "t-b", "b regenerated", 2, None),
+        (CID, "t-b", "b", None, "s3"),
+        ("conv-new", "t-new", "new", 0, "s0"),
+        ("conv-new", "t-new", "new", 3, None),
+    ],
+)
+async def test_checking_a_turn_with_next_seq_or_step_raises_what_logging_it_does(
+    backend: Backend,
+    conversation: str,
+    turn_id: str,
+    sent: str,
+    next_seq: int | None,
+    step: str | None,
+) -> None:
+    """LIBRARY.md: `check_turn` raises what `log_messages` refuses the same turn with, decided
+    as it decides, writing nothing; its compare-and-sets (`next_seq`, `step`) included: a new
+    turn behind the transcript's end or an earlier step, a retry of a logged turn (a replay),
+    and a late retry moved to the end or refused where it would land."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    await _lost_after_a_later_turn(backend, logger)
+    before = await digest(backend.db)
+    arguments = {"turn_id": turn_id, "next_seq": next_seq, "step": step}
+
+    checked = await _outcome(logger.check_turn(conversation, _turn(sent), **arguments))
+    assert await digest(backend.db) == before
+    logged = await _outcome(logger.log_messages(conversation, _turn(sent), **arguments))
+    assert checked == logged
 
 
 async def test_a_step_whose_messages_are_logged_is_claimed_only_at_the_transcripts_end(

@@ -738,6 +738,8 @@ class AgentMessageLogger:
         turn_id: str | None = None,
         refused_prompts: Mapping[str, str] | None = None,
         answers_to: Mapping[str, str] | None = None,
+        next_seq: int | None = None,
+        step: str | None = None,
     ) -> None:
         """Raise what `log_messages` refuses the same turn with before it writes anything, as
         the conversation stands: the InvalidInput of a turn breaking the contract; what the
@@ -747,23 +749,24 @@ class AgentMessageLogger:
         being deleted, and one past `abandon_after` that cannot move to the end, a later
         message answering its call, looked up as the move looks it up); and, for a new turn,
         the refusal of an answer to a call another turn answered since (`answers_to`,
-        `_answers`) and of what else its reservation's condition refuses
-        (`_check_condition`: a denial of a call a person approved, a call pushing a held one
-        off `pending_calls`). One read of the conversation, one more for a new turn with a
-        condition; one more for a retry past `abandon_after` (its empty block); two more to
-        look a turn up past the kept records, when some were dropped and none names it; two
-        more for a call off `pending_calls`, as `_unanswered` does, or for a retry with
-        other content judged as its give-back leaves the conversation (`_as_given_back`).
-        Writes nothing of the turn's; a pop under way it finds (`popping`) is finished
-        first, as the turn's reservation finishes it, and read again (two round trips and a
-        read more, only then).
-        For a caller that records something the turn concerns before logging it
+        `_answers`) and of what else its reservation's condition refuses (`_check_new_turn`:
+        a denial of a call a person approved, a call pushing a held one off `pending_calls`,
+        `next_seq` and `step`, which a late retry that stored nothing meets as its move does:
+        `_check_logged_at`). One read; one more for a new turn with a condition, or a retry
+        past `abandon_after` (its empty block); two more to look a turn up past the kept
+        records, for a call off `pending_calls` (`_unanswered`), or for a retry with other
+        content judged as its give-back leaves the conversation (`_as_given_back`). Writes
+        nothing of the turn's; a pop under way it finds (`popping`) is finished first, as the
+        turn's reservation finishes it (two round trips and a read more, only then). For a
+        caller that records something the turn concerns before logging it
         (`log_streamed_turn` records an approval first): a turn it raises for writes nothing."""
         plan, actor, condition = self._planned(
             conversation_id,
             messages,
             user_id=user_id,
             turn_id=turn_id,
+            next_seq=next_seq,
+            step=step,
             refused=refused_prompts,
             answers_to=answers_to,
         )
@@ -774,21 +777,41 @@ class AgentMessageLogger:
                 found = await self._conversations.find_one(query, _CHECKED_FIELDS)
         verdict = await self._verdict_told(plan, actor, found, condition)
         if verdict.block is not None:
+            if verdict.looked is not None and not _of_the_turn(plan, verdict.looked.stored):
+                await self._check_logged_at(plan, next_seq, step, verdict.block)  # a move
             return  # a replay
         if found is not None and verdict.abandoned is not None:  # judged as given back
+            await self._check_logged_at(plan, next_seq, step, verdict.abandoned)
             found = await self._as_given_back(plan, found, verdict.abandoned)
             _check_as_given_back(plan, found, _refused_prompts(refused_prompts))
             condition = None
-        named = _named_answers(plan, _answers_to(answers_to))
-        if found is not None and named:
-            refusal = _answers_refusal(plan, named, found)
+        if found is not None:
+            named = (answers_to, refused_prompts)
+            await self._check_new_turn(plan, found, condition, (next_seq, step), named)
+
+    async def _check_new_turn(
+        self,
+        plan: TurnPlan,
+        found: Mapping[str, Any],
+        condition: Condition | None,
+        at: tuple[int | None, str | None],
+        named: tuple[Mapping[str, str] | None, Mapping[str, str] | None],
+    ) -> None:
+        """`check_turn`'s decision on a new turn in the conversation `found`: its answers to
+        calls of earlier turns (`named`: `answers_to`, `refused_prompts`; `_answers_refusal`),
+        then its reservation's `condition` (`_check_condition`), `at` its `next_seq` and
+        `step`."""
+        answers_to, refused_prompts = named
+        answers = _named_answers(plan, _answers_to(answers_to))
+        if answers:
+            refusal = _answers_refusal(plan, answers, found)
             if isinstance(refusal, AnsweredBefore):  # raised if answered, else taken as read
                 await self._unanswered(plan, answers_to, refused_prompts, refusal)
             elif refusal is not None:
                 raise refusal
-        if found is not None and condition is not None:
-            conditions = partial(_turn_conditions, plan, None, None, refused_prompts, answers_to)
-            await self._check_condition(plan, condition, conditions, (answers_to, refused_prompts))
+        if condition is not None:
+            conditions = partial(_turn_conditions, plan, *at, refused_prompts, answers_to)
+            await self._check_condition(plan, condition, conditions, named)
 
     async def calls_answered(
         self,
@@ -852,6 +875,26 @@ class AgentMessageLogger:
             return await self._verdict(plan, actor, found, condition)
         except Unlanded as refused:
             _raise_refusal(refused)
+
+    async def _check_logged_at(
+        self, plan: TurnPlan, next_seq: int | None, step: str | None, block: RecordedBlock
+    ) -> None:
+        """`check_turn`'s decision on the compare-and-sets (`next_seq`, `step`) of a retry past
+        `abandon_after` whose first reservation took the empty `block`: met as its move or its
+        reservation anew meets them (`Condition.again`: that block and its step are the
+        turn's own, not the conversation moving on), else the `TranscriptMoved` they raise.
+        One read; one more on a refusal."""
+        at = _logged_at(plan.conversation_id, next_seq, step)
+        if at is None:
+            return
+        own = at.again(range(block.first_seq, block.first_seq + block.count))
+        query = {"_id": plan.conversation_id}
+        with storage_errors("read the conversation"):
+            if await self._conversations.find_one({**own, **query}, {"_id": 1}) is not None:
+                return
+            found = await self._conversations.find_one(query, {"message_count": 1, "last_step": 1})
+        if found is not None:
+            raise at.refused(found, own=True)
 
     async def _as_given_back(
         self, plan: TurnPlan, found: Mapping[str, Any], block: RecordedBlock
