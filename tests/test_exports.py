@@ -332,6 +332,37 @@ async def test_export_user_leaves_out_a_conversation_gone_before_its_turn_and_go
     assert [m.content for e in exported for m in e.messages] == left
 
 
+@pytest.mark.parametrize("full", [False, True])
+async def test_export_user_holds_each_conversations_messages_as_its_summary_counts_them(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, full: bool
+) -> None:
+    """API.md: each conversation is the one listed, with its messages. A turn logged after the
+    export listed it, before its messages are read, is not in it: the body holds what the
+    summary counts (`message_count` is the next `seq`), never more."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for cid in ("c-1", "c-2"):
+        await logger.log_messages(cid, [{"role": "user", "content": cid}], user_id="carol")
+    listed_then_read = store.stream_transcript
+
+    def meanwhile(conversation_id: str, **kwargs: Any) -> Any:
+        async def late_turn_first() -> Any:
+            said = [{"role": "user", "content": "late"}, {"role": "assistant", "content": "!"}]
+            await logger.log_messages(conversation_id, said, user_id="carol")
+            async for batch in listed_then_read(conversation_id, **kwargs):
+                yield batch
+
+        return late_turn_first()
+
+    monkeypatch.setattr(store, "stream_transcript", meanwhile)
+    exported = [e async for e in store.export_user("carol", full=full)]
+
+    assert sorted(e.conversation.id for e in exported) == ["c-1", "c-2"]
+    for export in exported:
+        assert [m.content for m in export.messages] == [export.conversation.id]
+        assert export.conversation.message_count == len(export.messages) == 1
+    assert len(await store.transcript("c-1")) == 3  # the late turns are stored
+
+
 _BOOK_AND_QUOTE = {
     "role": "assistant",
     "content": None,

@@ -2135,17 +2135,22 @@ class ConversationStore:
         """Every conversation of a user with its transcript, one at a time.
 
         Each as listed (`stream_user_conversations`), its transcript of that life
-        (`stream_transcript(life=…)`): one deleted, started again or claimed away before
-        its turn is left out, the others follow. With `full`, fields cut to bound a message
-        come whole (see `with_full_texts`).
+        (`stream_transcript(life=…)`) as the listing counts it: the messages below its
+        `message_count`, not those of a turn logged after it was listed, so that the summary
+        holds for the messages it comes with. One deleted, started again or claimed away
+        before its turn is left out, the others follow. With `full`, fields cut to bound a
+        message come whole (see `with_full_texts`).
         """
         user_id = validate_identifier(user_id, "user_id")
         async for conversation in self.stream_user_conversations(user_id):
             batches = self.stream_transcript(
                 conversation.id, user_id=user_id, full=full, life=conversation
             )
+            end = conversation.message_count
             try:
-                messages = [m async for batch in batches for m in batch]
+                messages = [
+                    m async for batch in batches for m in batch if m.seq is None or m.seq < end
+                ]
             except NotFound:
                 continue  # gone since it was listed
             finally:
