@@ -104,6 +104,25 @@ class _Int64CursorIds:
         return reply
 
 
+class _ListenerWithoutAbort:
+    """uvloop's listening server, given the `abort_clients` mongoeco calls when it closes.
+
+    asyncio's server has it (Python 3.13); uvloop's has not, so closing the embedded server
+    on uvloop raised AttributeError, replacing whatever had stopped the service (a port in
+    use, an unreachable host). Nothing is lost by skipping it: closing cancels each
+    connection's handler next, and every handler closes its connection.
+    """
+
+    def __init__(self, server: Any) -> None:
+        self._server = server
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
+
+    def abort_clients(self) -> None:
+        """Nothing to do: the handlers close their connections."""
+
+
 @asynccontextmanager
 async def embedded_mongodb(data_dir: Path | None) -> AsyncIterator[str]:
     """Start the embedded server for as long as the context lasts; yields its URI.
@@ -133,18 +152,32 @@ async def embedded_mongodb(data_dir: Path | None) -> AsyncIterator[str]:
         mongodb_dialect="7.0",
         pymongo_profile="auto-installed",
     )
-    # The one seam into mongoeco's internals: the executor its connections call.
+    # One seam into mongoeco's internals: the executor its connections call.
     server._executor = _Int64CursorIds(server._executor)  # type: ignore[assignment]
     address = await server.start()
+    # The second seam: the listener mongoeco closes (see _ListenerWithoutAbort).
+    if not hasattr(server._server, "abort_clients"):
+        server._server = _ListenerWithoutAbort(server._server)  # type: ignore[assignment]
     uri = f"mongodb://{address.host}:{address.port}/?directConnection=true"
     try:
         if data_dir is not None:
             _publish(data_dir, uri)  # a few bytes, once, at start-up
         yield uri
-    finally:
-        if data_dir is not None:
-            _withdraw(data_dir, uri)
-        await server.close()
+    except BaseException as stopped:
+        # A failure to close must not hide what stopped the service.
+        try:
+            await _close(server, data_dir, uri)
+        except Exception as unclosed:
+            stopped.add_note(f"the embedded server did not close cleanly: {unclosed!r}")
+        raise
+    else:
+        await _close(server, data_dir, uri)
+
+
+async def _close(server: Any, data_dir: Path | None, uri: str) -> None:
+    if data_dir is not None:
+        _withdraw(data_dir, uri)
+    await server.close()
 
 
 class ServerThread:

@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
+from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from pydantic import (
     AliasChoices,
     Field,
     PositiveInt,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from pymongo.errors import ConfigurationError as DriverConfigurationError
+from pymongo.errors import InvalidURI
+from pymongo.uri_parser import parse_uri
 
 from agent_store.core import describe_validation_error
 from agent_store.store import DEFAULT_MAX_MESSAGE_BYTES, RuntimeContextMarkers, TurnRules
@@ -27,6 +34,11 @@ MetricsExposure = Literal["public", "token", "off"]
 MIN_SERVICE_TOKEN_CHARS = 32
 HMAC_KEY_BYTES = {"HS256": 32, "HS384": 48, "HS512": 64}
 """RFC 7518 §3.2: an HMAC key at least as long as the hash it signs with."""
+TcpPort = Annotated[int, Field(ge=1, le=65535)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+DATABASE_NAME_REFUSED = frozenset('/\\. "$\x00')
+"""Characters MongoDB refuses in a database name (on every platform it runs on)."""
+DATABASE_NAME_MAX_BYTES = 63
 
 
 class ConfigurationError(ValueError):
@@ -61,20 +73,25 @@ class Settings(BaseSettings):
         extra="ignore",
         hide_input_in_errors=True,
         use_attribute_docstrings=True,
+        # Lists and objects are decoded by `_json_text` below, so a value that is not JSON is
+        # refused as any other bad value is, naming its setting.
+        enable_decoding=False,
     )
 
     mongodb_uri: str | None = Field(
         default=None, validation_alias=AliasChoices("MONGODB_URI", "AGENT_STORE_MONGODB_URI")
     )
-    """A MongoDB connection string (`MONGODB_URI`). Unset: start the embedded server."""
+    """A MongoDB connection string (`MONGODB_URI`: `mongodb://` or `mongodb+srv://`). Unset:
+    start the embedded server."""
     database: str = "agent_store"
-    """The database holding the store's collections."""
+    """The database holding the store's collections (a name MongoDB accepts: 1 to 63 bytes,
+    none of `/\\. "$`)."""
     data_dir: Path = Path("data")
     """Where the embedded server keeps its SQLite file."""
     host: str = "127.0.0.1"
     """The address `python -m app` binds (`0.0.0.0` for every interface, in a container)."""
-    port: PositiveInt = 8000
-    """The port `python -m app` listens on."""
+    port: TcpPort = 8000
+    """The port `python -m app` listens on (1 to 65535)."""
     workers: PositiveInt = 1
     """Worker processes of `python -m app`; more than one needs `MONGODB_URI` (the embedded
     server belongs to one process)."""
@@ -103,7 +120,7 @@ class Settings(BaseSettings):
     jwt_secret: SecretStr | None = None
     """The shared secret of HMAC user tokens."""
     jwt_public_key: str | None = None
-    """The PEM public key of RSA user tokens."""
+    """The PEM public key of RSA user tokens; one that does not load stops the start."""
     jwt_audience: str = "agent-store"
     """Required `aud` of user tokens."""
     jwt_issuer: str | None = None
@@ -121,6 +138,65 @@ class Settings(BaseSettings):
 
     max_user_token_seconds: PositiveInt = 3600
     """The longest lifetime (`exp` - `iat`) of a user token accepted; longer ones are refused."""
+
+    @field_validator(
+        "trusted_proxies",
+        "service_tokens",
+        "named_service_tokens",
+        "jwt_algorithms",
+        mode="before",
+    )
+    @classmethod
+    def _json_text(cls, value: object, info: ValidationInfo) -> object:
+        if not isinstance(value, str):
+            return value
+        shape = "object" if info.field_name == "named_service_tokens" else "list"
+        example = '{"name": "…"}' if shape == "object" else '["…"]'
+        try:
+            return json.loads(value)
+        except ValueError:
+            # Never the value: it may be a token.
+            raise ValueError(f"must be a JSON {shape}, such as {example}") from None
+
+    @field_validator("mongodb_uri")
+    @classmethod
+    def _connection_string(cls, uri: str | None) -> str | None:
+        if uri is None:
+            return None
+        if not uri.startswith(("mongodb://", "mongodb+srv://")):
+            raise ValueError("a MongoDB connection string starts with mongodb:// or mongodb+srv://")
+        if uri.startswith("mongodb://"):  # a +srv one is resolved in DNS when connecting
+            try:
+                parse_uri(uri)
+            except (InvalidURI, DriverConfigurationError, ValueError):
+                # The driver's reason may quote the URI, password included.
+                raise ValueError("it is not a valid MongoDB connection string") from None
+        return uri
+
+    @field_validator("database")
+    @classmethod
+    def _database_name(cls, name: str) -> str:
+        if not name or DATABASE_NAME_REFUSED.intersection(name):
+            raise ValueError('MongoDB refuses an empty database name or one with any of /\\. "$')
+        if len(name.encode()) > DATABASE_NAME_MAX_BYTES:
+            raise ValueError(
+                f"MongoDB refuses a database name over {DATABASE_NAME_MAX_BYTES} bytes"
+            )
+        return name
+
+    @field_validator("jwt_public_key")
+    @classmethod
+    def _loadable_public_key(cls, pem: str | None) -> str | None:
+        if pem is not None:
+            try:
+                key = load_pem_public_key(pem.encode())
+            except (ValueError, TypeError):
+                key = None
+            if not isinstance(key, RSAPublicKey):
+                raise ValueError(
+                    "it is not an RSA public key in PEM (-----BEGIN PUBLIC KEY----- …) that loads"
+                )
+        return pem
 
     @field_validator("service_tokens")
     @classmethod
@@ -161,10 +237,10 @@ class Settings(BaseSettings):
 
     max_message_bytes: PositiveInt = DEFAULT_MAX_MESSAGE_BYTES
     """A stored message is cut to this size; the whole text of a cut field is kept in GridFS."""
-    runtime_context_start: str = "[RUNTIME CONTEXT]"
+    runtime_context_start: NonEmptyText = "[RUNTIME CONTEXT]"
     """Where runtime context injected into a user message starts (left out of names, previews
     and search)."""
-    runtime_context_end: str = "[/RUNTIME CONTEXT]"
+    runtime_context_end: NonEmptyText = "[/RUNTIME CONTEXT]"
     """Where that runtime context ends."""
     name_chars: int = Field(default=60, ge=2, le=200)
     """The longest automatic conversation name, ellipsis included (a name holds at most 200)."""

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from agent_store.store import redact_uri
 from app.__main__ import start_banner
-from app.settings import ConfigurationError, Settings, serving_settings
+from app.settings import ConfigurationError, Settings, serving_settings, settings_from_environment
 from tests.api_harness import (
     AUDIENCE,
     ISSUER,
@@ -215,3 +215,113 @@ def test_the_migration_tool_prints_no_password(capsys: pytest.CaptureFixture[str
     printed = capsys.readouterr()
     assert "mongodb://ada:***@127.0.0.1:9/" in printed.err
     assert "s3cret" not in printed.out + printed.err
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "shape"),
+    [
+        pytest.param("AGENT_STORE_SERVICE_TOKENS", "t" * 40, "JSON list", id="tokens"),
+        pytest.param("AGENT_STORE_TRUSTED_PROXIES", "10.0.0.1", "JSON list", id="proxies"),
+        pytest.param("AGENT_STORE_JWT_ALGORITHMS", "RS256", "JSON list", id="algorithms"),
+        pytest.param(
+            "AGENT_STORE_NAMED_SERVICE_TOKENS", "admin:" + "t" * 40, "JSON object", id="named"
+        ),
+    ],
+)
+def test_a_list_or_object_setting_given_as_plain_text_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, shape: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigurationError) as caught:
+        settings_from_environment()
+    field = variable.removeprefix("AGENT_STORE_").lower()
+    assert str(caught.value).startswith(f"{field}: ")
+    assert shape in str(caught.value)
+    assert "t" * 40 not in str(caught.value)
+
+
+def test_python_m_app_refuses_a_plain_text_token_list_with_exit_2_and_no_traceback() -> None:
+    finished = _run_app({"AGENT_STORE_SERVICE_TOKENS": "t" * 40})
+    assert finished.returncode == 2
+    assert finished.stderr.startswith("invalid configuration: service_tokens: ")
+    assert "Traceback" not in finished.stderr
+    assert "t" * 40 not in finished.stdout + finished.stderr
+
+
+@pytest.mark.parametrize("port", [0, 65536, 70000])
+def test_a_port_outside_the_tcp_range_is_refused(port: int) -> None:
+    assert "port" in refusal(port=port)
+
+
+def test_the_highest_tcp_port_is_accepted() -> None:
+    assert Settings(port=65535).port == 65535
+
+
+def _rsa_public_pem() -> str:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048).public_key()
+    pem = key.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return pem.decode()
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        pytest.param("nonsense", id="garbage"),
+        pytest.param(_rsa_public_pem()[:200], id="truncated"),
+    ],
+)
+def test_a_jwt_public_key_that_does_not_load_is_refused_at_start(key: str) -> None:
+    message = refusal(jwt_algorithms=["RS256"], jwt_public_key=key)
+    assert "jwt_public_key" in message
+    assert key not in message
+
+
+def test_a_valid_jwt_public_key_is_accepted() -> None:
+    pem = _rsa_public_pem()
+    assert Settings(jwt_algorithms=["RS256"], jwt_public_key=pem).jwt_public_key == pem
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("", id="empty"),
+        pytest.param(".", id="dot"),
+        pytest.param("/", id="slash"),
+        pytest.param("a/b.c", id="path"),
+        pytest.param("with space", id="space"),
+        pytest.param("a" * 64, id="64-bytes"),
+    ],
+)
+def test_a_database_name_mongodb_refuses_is_refused(name: str) -> None:
+    assert "database" in refusal(database=name)
+
+
+@pytest.mark.parametrize("field", ["runtime_context_start", "runtime_context_end"])
+def test_empty_runtime_context_markers_are_refused(field: str) -> None:
+    assert field in refusal(**{field: ""})
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        pytest.param("postgres://ada:s3cret@x", id="other-scheme"),
+        pytest.param("localhost:27017", id="no-scheme"),
+        pytest.param("mongodb://ada:s3cret@", id="no-host"),
+    ],
+)
+def test_a_mongodb_uri_that_is_not_a_connection_string_is_refused(uri: str) -> None:
+    message = refusal(mongodb_uri=uri)
+    assert "MONGODB_URI" in message
+    assert "s3cret" not in message
+
+
+@pytest.mark.parametrize(
+    "uri", ["mongodb://127.0.0.1:27017/?replicaSet=rs0", "mongodb+srv://ada:pw@cluster.example"]
+)
+def test_mongodb_connection_strings_are_accepted(uri: str) -> None:
+    assert Settings(mongodb_uri=uri).mongodb_uri == uri

@@ -9,6 +9,7 @@ import bson
 import pytest
 from bson import DatetimeMS, Int64
 
+from agent_store.embedded import embedded_mongodb
 from app.service import open_store
 from app.settings import Settings
 
@@ -61,3 +62,24 @@ async def test_the_services_client_decodes_a_date_outside_pythons_range(wire_uri
         options = store.db.codec_options
     decoded = bson.decode(bson.encode({"t": DatetimeMS(2**62)}), codec_options=options)
     assert decoded["t"] == DatetimeMS(2**62)
+
+
+def test_a_failure_while_the_embedded_server_runs_on_uvloop_is_the_error_raised() -> None:
+    uvloop = pytest.importorskip("uvloop")
+
+    async def fail_while_serving() -> None:
+        async with embedded_mongodb(None):
+            raise OSError("address already in use")
+
+    with pytest.raises(OSError, match="address already in use"):
+        uvloop.run(fail_while_serving())
+
+
+def test_the_embedded_server_closes_cleanly_on_uvloop() -> None:
+    uvloop = pytest.importorskip("uvloop")
+
+    async def open_and_close() -> str:
+        async with embedded_mongodb(None) as uri:
+            return uri
+
+    assert uvloop.run(open_and_close()).startswith("mongodb://")
