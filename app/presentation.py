@@ -15,7 +15,13 @@ from typing import Any
 
 from agent_store.core import AgentMessage, PendingHitl, calls_answered
 from agent_store.legacy import flag, normalize_part, part_text
-from agent_store.store import DERIVED_FIELDS, SearchHit, message_text, shorten
+from agent_store.store import (
+    DERIVED_FIELDS,
+    HIDDEN_CHARACTERS,
+    SearchHit,
+    message_text,
+    shorten,
+)
 from app.json_body import nests_deeper_than
 
 SNIPPET_CHARS = 300
@@ -32,6 +38,20 @@ ROLE_LABELS = {
     "assistant": "Assistant",
     "tool": "Tool result",
 }
+
+
+_HIDDEN = re.compile(f"[{re.escape(HIDDEN_CHARACTERS)}]")
+
+
+def hidden_shown(text: str) -> str:
+    """The text as a page prints it: each character that would make a line show other than
+    it reads (`HIDDEN_CHARACTERS`: a control, a text-direction override, embedding, isolate or
+    mark) written as its JSON escape, `\\u202e` for U+202E, the rest as it is. The one rule
+    for every text the viewer prints (its templates' `finalize`): in JSON text the escape
+    stands for the same string, elsewhere it shows what is there instead of obeying it."""
+    if text.isascii() and text.isprintable():  # the ASCII ones are all unprintable
+        return text
+    return _HIDDEN.sub(lambda hidden: f"\\u{ord(hidden.group()):04x}", text)
 
 
 _JSON_TOKENS = re.compile(r'"(?:[^"\\]+|\\.)*"|[{}\[\],:]|[^ \t\n\r{}\[\],:"]+')
@@ -71,7 +91,9 @@ def pretty_json(value: Any) -> str:
     but its white space (its strings, numbers and keys as written, a repeated key kept);
     text that is no JSON, nests too deeply to parse or indent, or would grow past
     `PRETTY_GROWTH` times its length indented, is shown as it was stored. A parsed value is
-    written as JSON text first, then shown by the same rule.
+    written as JSON text first, then shown by the same rule. A page prints either through
+    `hidden_shown`, so a direction override or a control in a string, escaped by the client
+    or not, is shown as its JSON escape.
     """
     try:
         text = (

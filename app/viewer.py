@@ -36,6 +36,7 @@ from app.http_errors import HttpProblem, note_store_error
 from app.presentation import (
     TranscriptPages,
     calls_made_before,
+    hidden_shown,
     legacy_turn_view,
     message_views,
     search_hit_view,
@@ -58,8 +59,21 @@ NO_TEXT_INDEX = (
     "has none). Browse by user instead."
 )
 _TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+
+def _printed(value: Any) -> Any:
+    """What a page prints of a value (`{{ … }}`), before it is escaped for HTML: its text as
+    `hidden_shown` shows it, so no stored text (a prompt's params, a file's name, a tool's)
+    prints a direction override or a control as itself; markup (what has `__html__`: a
+    macro's output) had its own values printed so, and is printed as it is."""
+    return value if hasattr(value, "__html__") else hidden_shown(str(value))
+
+
 _environment = jinja2.Environment(
-    loader=jinja2.FileSystemLoader(_TEMPLATES), autoescape=True, undefined=jinja2.StrictUndefined
+    loader=jinja2.FileSystemLoader(_TEMPLATES),
+    autoescape=True,
+    undefined=jinja2.StrictUndefined,
+    finalize=_printed,
 )
 _environment.filters["when"] = when
 _SECURITY_HEADERS = {

@@ -1569,6 +1569,25 @@ async def test_a_conversation_whose_delete_failed_part_way_is_not_served_from_it
     assert await backend.db[LEGACY_TURNS].count_documents({"conversation_id": cid}) == 0
 
 
+async def test_the_legacy_turns_of_a_conversation_a_delete_marked_are_not_read_for_comparison(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The legacy turns an operator compares a conversation with (`LegacyTurns.turns`, the
+    viewer's legacy page) are found as the read fallback finds them, and refused as it
+    refuses them: those a delete that failed part-way left beside the conversation it marked
+    are NotFound, as every other read of it, until the delete run again removes them."""
+    cid = EXAMPLE_CONVERSATION_ID
+    legacy, _, store = await _dual_written_example(backend)
+    assert len(await legacy.turns(cid, limit=10)) == 4
+    await _delete_failing_at_its_legacy_turns(store, legacy, monkeypatch)
+    assert await backend.db[LEGACY_TURNS].count_documents({"conversation_id": cid}) == 4
+
+    with pytest.raises(NotFound, match=re.escape(f"conversation {cid!r} was not found")):
+        await legacy.turns(cid, limit=10)
+
+    assert (await store.delete(cid)).legacy_turns == 4
+
+
 async def test_a_claim_leaves_a_half_deleted_conversations_legacy_turns_with_it(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,8 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
+from agent_store.store import HIDDEN_CHARACTERS
 from app.auth import Authenticator
-from app.presentation import PRETTY_DEPTH, legacy_turn_view, pretty_json
+from app.presentation import PRETTY_DEPTH, hidden_shown, legacy_turn_view, pretty_json
 from app.sessions import SESSION_COOKIE, SESSION_SECONDS, issue_session, session_service
 from app.throttle import SignInLimiter
 from tests.api_harness import (
@@ -666,3 +667,105 @@ async def test_tool_arguments_and_results_are_shown_as_stored(api: Served) -> No
     shown = [html.unescape(p) for p in re.findall(r"<pre[^>]*>(.*?)</pre>", page.text, re.S)]
     assert any(same_but_white_space(text, arguments) for text in shown)
     assert any(same_but_white_space(text, result) for text in shown)
+
+
+# -- characters that make a line show other than it reads ------------------------------------
+
+RLO = "\u202e"
+"""RIGHT-TO-LEFT OVERRIDE: "ACME \u202e0021 EUR" shows as "ACME RUE 1200"."""
+HIDDEN_PAGE_CHARACTER = re.compile(f"[{re.escape(HIDDEN_CHARACTERS)}]")
+
+
+def hidden_in_every_field() -> list[dict[str, Any]]:
+    """A turn holding a direction override (and a control, a mark, an isolate) in every text
+    a page shows: contents, an upload, a tool's name and arguments, a result, an error, a
+    prompt's action and params."""
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": f"pay{RLO}", "arguments": f'{{"to": "ACME {RLO}0021 EUR"}}'},
+    }
+    upload = {"filename": f"invoice{RLO}fdp.exe", "file_type": f"application/pdf{RLO}", "size": 3}
+    asked = {
+        "action": f"confirm{RLO}",
+        "request_id": "r1",
+        "params": {"payee": f"ACME {RLO}0021 EUR", "memo": "\x1b[2J\u200f\u2066x\u2069"},
+    }
+    return [
+        {"role": "system", "content": f"trigger {RLO}yad"},
+        {"role": "user", "content": f"pay {RLO}EMCA", "upload": upload | {"parsed_text": RLO}},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": f"paid {RLO}0021"},
+        {"role": "assistant", "content": "failed", "error": {"message": f"no {RLO}yenom"}},
+        {"role": "assistant", "content": "Confirm?", "hitl_action": asked},
+    ]
+
+
+def legacy_turn_hiding_characters() -> dict[str, Any]:
+    return {
+        "_id": f"lt{RLO}1",
+        "conversation_id": "conv-hidden",
+        "user_id": OWNER,
+        "name": f"old {RLO}eman",
+        "user_message": f"pay {RLO}EMCA",
+        "upload_result": {"filename": f"invoice{RLO}fdp.exe", "file_type": "pdf", "size": 3},
+        "response_parts": [
+            {"type": "tool_call", "tool_name": f"pay{RLO}", "args": {"to": f"ACME {RLO}0021"}},
+            {"type": "hitl", "action": f"confirm{RLO}", "request_id": "r1", "params": {"a": RLO}},
+            {"type": f"sticker{RLO}", "x": RLO},
+        ],
+    }
+
+
+async def test_no_page_shows_a_hidden_character_as_itself_only_as_its_escape(api: Served) -> None:
+    """A direction override, an isolate, a mark or a control in any text a page prints
+    (`HIDDEN_CHARACTERS`) is shown as its JSON escape (`\\u202e`), never obeyed: the params a
+    person confirms, a prompt's action on the lists, a file's name, a tool's, an error,
+    a result, legacy turns, as arguments' escapes are shown as written."""
+    await api.store.logger.log_messages("conv-hidden", hidden_in_every_field(), user_id=OWNER)
+    await api.db["agent_conversations_deprecated"].insert_one(legacy_turn_hiding_characters())
+    await sign_in(api.http)
+    pages = {}
+    for path in (
+        "/viewer",
+        f"/viewer/users/{OWNER}",
+        "/viewer/conversations/conv-hidden",
+        "/viewer/conversations/conv-hidden/legacy",
+    ):
+        page = await api.http.get(path)
+        assert page.status_code == 200, path
+        assert not HIDDEN_PAGE_CHARACTER.search(page.text), path
+        pages[path] = html.unescape(page.text)
+
+    escaped = "\\u202e"
+    transcript = pages["/viewer/conversations/conv-hidden"]
+    for shown in (
+        f'"payee": "ACME {escaped}0021 EUR"',
+        '"memo": "\\u001b[2J\\u200f\\u2066x\\u2069"',
+        f'"to": "ACME {escaped}0021 EUR"',
+        f"Uploaded invoice{escaped}fdp.exe",
+        f"application/pdf{escaped}, 3 bytes",
+        f"Calls <code>pay{escaped}</code>",
+        f"answers pay{escaped} (c1)",
+        f"paid {escaped}0021",
+        f"no {escaped}yenom",
+        f"Needs a person: <code>confirm{escaped}</code>",
+        f"Waiting for a person: <code>confirm{escaped}</code>",
+        f"trigger {escaped}yad",
+    ):
+        assert shown in transcript, shown
+    for path in ("/viewer", f"/viewer/users/{OWNER}"):
+        assert f"awaiting confirm{escaped}" in pages[path], path
+    legacy = pages["/viewer/conversations/conv-hidden/legacy"]
+    for shown in (f"name: old {escaped}eman", f"Tool call: pay{escaped}", f'"a": "{escaped}"'):
+        assert shown in legacy, shown
+
+
+@pytest.mark.parametrize("character", list(HIDDEN_CHARACTERS), ids=lambda c: f"U+{ord(c):04X}")
+def test_each_hidden_character_is_shown_as_its_escape(character: str) -> None:
+    assert hidden_shown(f"a{character}b") == f"a\\u{ord(character):04x}b"
+
+
+def test_text_without_hidden_characters_is_shown_as_it_is() -> None:
+    text = "line one\n\ttab, שלום, مرحبا, 😀, \\u202e as written, \x85 \u2028"
+    assert hidden_shown(text) == text

@@ -142,8 +142,10 @@ LONG = "conv-browser-long"
 CUT = "conv-browser-cut"
 
 
-def _post_turn(base: str, conversation_id: str, messages: list[dict[str, str]]) -> None:
-    body = json.dumps({"user_id": OWNER, "messages": messages}).encode()
+def _post_turn(
+    base: str, conversation_id: str, messages: list[dict[str, Any]], user_id: str = OWNER
+) -> None:
+    body = json.dumps({"user_id": user_id, "messages": messages}).encode()
     request = urllib.request.Request(
         f"{base}/v1/conversations/{conversation_id}/turns",
         data=body,
@@ -151,6 +153,44 @@ def _post_turn(base: str, conversation_id: str, messages: list[dict[str, str]]) 
     )
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.status == 201
+
+
+def test_a_direction_override_shows_as_its_escape_not_reversing_the_text(
+    served_url: str, browser: object
+) -> None:
+    """A runtime's prompt asks a person to confirm a payee holding a right-to-left override
+    (sent as the JSON escape `\\u202e`), with an upload named with one: the page, as
+    Chromium lays it out, shows each as its escape, the words in the order they were
+    written ("ACME \\u202e0021 EUR", never "ACME RUE 1200"), on the transcript and the
+    list."""
+    from playwright.sync_api import expect
+
+    payee = {"payee": "ACME \u202e0021 EUR"}
+    asked = {"action": "confirm\u202e", "request_id": "r-rlo", "params": payee}
+    upload = {"filename": "invoice\u202efdp.exe", "file_type": "application/pdf", "size": 3}
+    _post_turn(
+        served_url,
+        "conv-browser-rlo",
+        [
+            {"role": "user", "content": "pay ACME", "upload": upload},
+            {"role": "assistant", "content": "Confirm?", "hitl_action": asked},
+        ],
+        user_id="user-rlo",
+    )
+    OUTPUT.mkdir(exist_ok=True)
+    page, errors = _signed_in_page(browser, served_url)
+
+    page.goto(f"{served_url}/viewer/conversations/conv-browser-rlo")
+    expect(page.locator(".hitl pre")).to_contain_text('"payee": "ACME \\u202e0021 EUR"')
+    expect(page.locator(".upload strong")).to_have_text("Uploaded invoice\\u202efdp.exe")
+    expect(page.locator("p.banner.hitl code")).to_have_text("confirm\\u202e")
+    assert "\u202e" not in page.locator("main").inner_text()
+    page.screenshot(path=str(OUTPUT / "viewer-hidden-characters.png"), full_page=True)
+    page.goto(f"{served_url}/viewer/users/user-rlo")
+    row = page.locator("tr[data-conversation='conv-browser-rlo']")
+    expect(row.locator(".badge.hitl")).to_have_text("awaiting confirm\\u202e")
+    assert "\u202e" not in page.locator("main").inner_text()
+    assert errors == []
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from bson import ObjectId
 from markupsafe import escape
 from pymongo.errors import AutoReconnect, OperationFailure
 
-from agent_store.core import Unsupported
+from agent_store.core import StorageUnavailable, Unsupported
 from agent_store.legacy import LEGACY_TURNS, convert
 from agent_store.store import CONVERSATIONS, MESSAGES, storage_errors
 from app import viewer
@@ -553,3 +553,28 @@ async def test_the_legacy_comparison_says_so_when_it_shows_only_the_first_turns(
     )
     assert three.text.count("data-legacy-turn=") == 3
     assert "Only the first" not in three.text
+
+
+async def test_the_legacy_comparison_of_a_conversation_whose_delete_failed_part_way_is_404(
+    api: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DELETE marks the conversation, then removes the legacy turns kept beside it: one that
+    failed between leaves them. The legacy page shows none of them (404), as the transcript
+    and every API read answer, until the DELETE run again removes them."""
+    url = f"/viewer/conversations/{OWNER_CONVERSATION}"
+    assert (await api.http.get(f"{url}/legacy")).status_code == 200
+
+    async def lost(conversation_id: str, *, owner: str | None) -> int:
+        raise StorageUnavailable("the connection dropped")
+
+    monkeypatch.setattr(api.store.legacy, "delete", lost)
+    with pytest.raises(StorageUnavailable):
+        await api.store.conversations.delete(OWNER_CONVERSATION)
+    monkeypatch.undo()
+    assert await api.db[LEGACY_TURNS].count_documents({}) > 0
+
+    for path in (url, f"{url}/legacy"):
+        page = await api.http.get(path)
+        assert page.status_code == 404, path
+        assert "was not found" in page.text
+        assert "data-legacy-turn=" not in page.text

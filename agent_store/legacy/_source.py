@@ -50,6 +50,7 @@ from agent_store.store import (
     CONVERSATIONS,
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
+    UNSTANDING_READ,
     Database,
     FallbackConversation,
     FullTextStore,
@@ -57,6 +58,7 @@ from agent_store.store import (
     LoggedTurn,
     TurnRules,
     fork_turn_id,
+    refuse_unless_fallback_serves,
     same_conversation,
     storage_errors,
 )
@@ -157,11 +159,21 @@ class LegacyTurns:
     async def turns(self, conversation_id: str, *, limit: int) -> list[dict[str, Any]]:
         """The legacy turn documents the store knows as `conversation_id` (`_turns_of`, as the
         read fallback finds them), raw, oldest first (by `created_at`, then `_id`), the first
-        `limit` of them: what an operator compares a migrated conversation with."""
+        `limit` of them: what an operator compares a migrated conversation with.
+
+        NotFound, as the read fallback answers it, when the conversation document under the
+        id is one the fallback never serves (`refuse_unless_fallback_serves`: a delete that
+        failed part-way marked it and left these turns, or a fork not made yet), read after
+        the turns: a delete that marks it later came after them. One lookup more."""
         with storage_errors("read the legacy turns"):
             query, _ = await self._turns_of(conversation_id)
             found = self._turns.find(query).sort([("created_at", 1), ("_id", 1)]).limit(limit)
-            return list(await found.to_list(None))
+            turns = list(await found.to_list(None))
+            conversation = await self._conversations.find_one(
+                {"_id": conversation_id}, UNSTANDING_READ
+            )
+        refuse_unless_fallback_serves(conversation_id, conversation)
+        return turns
 
     async def holder(self, conversation_id: str) -> LegacyHolder | None:
         """Whether the id exists as legacy turns, and their owner; None if it does not."""

@@ -70,7 +70,13 @@ from agent_store.store._reads import (
     SearchPage,
     SortOrder,
 )
-from agent_store.store._reservation import MIGRATING, Actor, same_conversation
+from agent_store.store._reservation import (
+    MIGRATING,
+    UNSTANDING_READ,
+    Actor,
+    refuse_unless_fallback_serves,
+    same_conversation,
+)
 from agent_store.store._retry import RetryPolicy, with_retries
 from agent_store.store._text import (
     DEFAULT_MARKERS,
@@ -163,6 +169,7 @@ __all__ = [
     "THREAD_COLLECTIONS",
     "THREAD_CONVERSATION",
     "TRUNCATION_MARK",
+    "UNSTANDING_READ",
     "Actor",
     "AgentMessageLogger",
     "BoundedMessage",
@@ -220,6 +227,7 @@ __all__ = [
     "prompt_text",
     "redact_uri",
     "refuse_own_turn_id",
+    "refuse_unless_fallback_serves",
     "renamed",
     "same_conversation",
     "search_text",
