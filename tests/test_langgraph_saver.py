@@ -1301,6 +1301,90 @@ async def test_a_copy_racing_a_pop_of_the_source_never_holds_the_popped_message(
     assert copied == [m.content for m in await store.transcript(source_id)]
 
 
+async def _erase(db: Any, source_id: str, target_id: str) -> None:
+    await ConversationStore(db).erase_user("user-ada")
+
+
+async def _delete_the_source(db: Any, source_id: str, target_id: str) -> None:
+    await ConversationStore(db).delete(source_id)
+
+
+async def _delete_the_target(db: Any, source_id: str, target_id: str) -> None:
+    await ConversationStore(db).delete(target_id)
+
+
+@pytest.mark.parametrize(
+    "racing",
+    [
+        pytest.param(_erase, id="its-user-erased"),
+        pytest.param(_delete_the_source, id="its-source-deleted"),
+        pytest.param(_delete_the_target, id="its-target-deleted"),
+    ],
+)
+async def test_a_copy_longer_than_one_fork_racing_a_deletion_leaves_nothing(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, racing: Any
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a copy logged turn by turn (the fork refused
+    `ForkTooLarge`, forced here) whose source or user is deleted, or its half-made target,
+    before it logs its turns answers NotFound and leaves nothing, as the store's fork does."""
+    from agent_store.integrations._langgraph_transcript import TranscriptLink
+
+    config = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(backend.db)), config, range(1, 3))
+    source_id = config["configurable"]["thread_id"]
+    target_id = source_id + "-copy"
+
+    async def too_large(*args: Any) -> None:
+        return None  # what it answers when the store refuses the fork `ForkTooLarge`
+
+    monkeypatch.setattr(TranscriptLink, "_fork_of_all", too_large)
+    saver = AgentStoreSaver(backend.db)
+    logger = saver._transcripts._logger
+    logged = logger.log_messages
+
+    async def raced(conversation_id: str, *args: Any, **kwargs: Any) -> Any:
+        if conversation_id == target_id:
+            monkeypatch.setattr(logger, "log_messages", logged)
+            await racing(backend.db, source_id, target_id)
+        return await logged(conversation_id, *args, **kwargs)
+
+    monkeypatch.setattr(logger, "log_messages", raced)
+    with pytest.raises(NotFound):
+        await saver.acopy_thread(source_id, target_id)
+
+    with pytest.raises(NotFound):
+        await ConversationStore(backend.db).get_conversation(target_id)
+    assert await backend.db[MESSAGES].count_documents({"conversation_id": target_id}) == 0
+    assert await backend.db[CHECKPOINTS].count_documents({"thread_id": target_id}) == 0
+
+
+async def test_a_copy_racing_an_erasure_of_its_user_copies_no_checkpoint(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANGGRAPH.md `copy_thread`: the user erased once the copy's fork is made, before its
+    checkpoints are copied: NotFound, and nothing of the user stands under the target."""
+    from agent_store.integrations import langgraph
+
+    config = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(backend.db)), config, range(1, 3))
+    source_id = config["configurable"]["thread_id"]
+    inserted = langgraph._insert_new
+
+    async def raced(*args: Any) -> None:
+        monkeypatch.setattr(langgraph, "_insert_new", inserted)
+        await ConversationStore(backend.db).erase_user("user-ada")
+        await inserted(*args)
+
+    monkeypatch.setattr(langgraph, "_insert_new", raced)
+    with pytest.raises(NotFound):
+        await AgentStoreSaver(backend.db).acopy_thread(source_id, source_id + "-copy")
+
+    assert await backend.db[CHECKPOINTS].count_documents({"user_id": "user-ada"}) == 0
+    assert await backend.db[MESSAGES].count_documents({"user_id": "user-ada"}) == 0
+    with pytest.raises(NotFound):
+        await ConversationStore(backend.db).get_conversation(source_id + "-copy")
+
+
 async def _crashing_before_the_checkpoints(
     db: Any, source_id: str, target_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

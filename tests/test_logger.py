@@ -20,6 +20,7 @@ from agent_store import (
     StoreError,
     TranscriptMoved,
     Truncation,
+    VersionMismatch,
 )
 from agent_store.core import message_adapter
 from agent_store.store import TurnRules, blob_id
@@ -800,3 +801,24 @@ async def test_a_step_whose_messages_are_logged_is_claimed_only_at_the_transcrip
     with pytest.raises(TranscriptMoved, match="logged step 'c', after"):
         await logger.log_messages(CID, _said("behind c"), step="b2")
     assert [m.content for m in await store.transcript(CID)] == ["said once"]
+
+
+async def test_a_turn_naming_a_version_is_logged_only_into_that_conversation(
+    backend: Backend,
+) -> None:
+    """LIBRARY.md `log_messages`' `version`: the conversation it names, never one started
+    again under the id, nor a new one where it went."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    said = [{"role": "user", "content": "hello"}]
+    first = await logger.upsert_conversation("c-version", user_id="u-1")
+    await logger.log_messages("c-version", said, user_id="u-1", version=first.version)
+    await store.delete("c-version")
+
+    with pytest.raises(NotFound):
+        await logger.log_messages("c-version", said, user_id="u-1", version=first.version)
+    with pytest.raises(NotFound):
+        await store.get_conversation("c-version")
+    await logger.upsert_conversation("c-version", user_id="u-1")
+    with pytest.raises(VersionMismatch):
+        await logger.log_messages("c-version", said, user_id="u-1", version=first.version)
+    assert await store.transcript("c-version") == []

@@ -15,6 +15,7 @@ afresh.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import hashlib
 import json
@@ -37,7 +38,9 @@ from agent_store.core import (
     NotFound,
     StorageFailure,
     StorageUnavailable,
+    StoreError,
     TranscriptMoved,
+    VersionMismatch,
     stand_in_result,
     utc_now,
 )
@@ -146,9 +149,19 @@ class _Step:
     """The calls the messages leave unanswered."""
 
 
-Copied = tuple[dict[int, tuple[int, str]], int | None]
-"""What a copy of a transcript answers: where each source `seq` went, with its new message
-id, and the target conversation (`conversation_mark`; None without a source conversation)."""
+@dataclass(frozen=True)
+class Copied:
+    """What a copy of a transcript answers (`TranscriptLink.copy`)."""
+
+    moved: dict[int, tuple[int, str]] = field(default_factory=dict)
+    """Where each source `seq` went, with its new message id."""
+    conversation: int | None = None
+    """The target conversation (`conversation_mark`); None without a source conversation."""
+    source: Conversation | None = None
+    """The source conversation as the copy read it; None when there was none."""
+    target: Conversation | None = None
+    """The target conversation the copy wrote (its `version` names that life)."""
+
 
 _FORK_ATTEMPTS = 3
 """How often a copy forks its source, read again after a fork found it changed (a pop)."""
@@ -534,33 +547,68 @@ class TranscriptLink:
         try:
             source = await self._store.get_conversation(source_id, fallback=False)
         except NotFound:
-            return {}, None
+            return Copied()
         stored = await self._store.messages_by_seq(source_id)
         target = await self._earlier_attempt(source, target_id, stored)
         if target is not None and target.forked_from is not None:
             at_seq = target.forked_from.seq
             up_to = await self._store.messages_by_seq(source_id, stop=at_seq + 1)
-            return await self._forked(source_id, target_id, at_seq, up_to)
+            return await self._forked(source, target_id, at_seq, up_to)
         if target is None and stored:
-            forked = await self._fork_of_all(source_id, target_id, stored)
+            forked = await self._fork_of_all(source, target_id, stored)
             if forked is not None:
                 return forked
         return await self._logged(source, target_id)
 
+    async def hold(self, copied: Copied, refused: StoreError | None = None) -> None:
+        """After every write of a copy (its checkpoints' too): returns while its source is
+        the conversation it read, no delete or erasure of it begun, and its target the life
+        it wrote (`ConversationStore.require_standing`, as the store's fork checks its
+        source). Otherwise, or when a write was `refused`, the target's life it wrote is
+        deleted (messages, document and checkpoints: a copy that was never made) and
+        NotFound is raised when the source went, else the refusal. A deletion that begins
+        after this check finds the whole copy (the target its user's conversation)."""
+        source, target = copied.source, copied.target
+        if source is None or target is None:
+            return
+        source_id, target_id = source.conversation_id, target.conversation_id
+        went: NotFound | None = None
+        try:
+            await self._store.require_standing(source_id, source.version)
+        except NotFound:
+            went = NotFound(
+                f"conversation {source_id!r} was deleted, or its user erased, while it was "
+                "copied: nothing of the copy is left"
+            )
+        if went is None and refused is None:
+            try:
+                await self._store.require_standing(target_id, target.version)
+                return
+            except NotFound as exc:
+                refused = exc
+        with contextlib.suppress(NotFound, VersionMismatch):
+            await self._store.delete(target_id, version=target.version)
+        self.forget(target_id)
+        if went is not None:
+            raise went
+        assert refused is not None
+        raise refused
+
     async def _fork_of_all(
-        self, source_id: str, target_id: str, stored: Sequence[AgentMessage]
+        self, source: Conversation, target_id: str, stored: Sequence[AgentMessage]
     ) -> Copied | None:
         """The copy made by the store's fork of all the source holds (`stored`, as read); None
         when that is past what one fork copies (`ForkTooLarge`, nothing written). A fork
         refused once the source's last `seq` is another than read (a pop landed meanwhile:
         the `seq` asked holds no message) is asked again at what the source holds then; any
         other refusal is raised."""
+        source_id = source.conversation_id
         attempts = 0
         while True:
             last = stored[-1].seq
             assert last is not None
             try:
-                return await self._forked(source_id, target_id, last, stored)
+                return await self._forked(source, target_id, last, stored)
             except ForkTooLarge:
                 return None
             except InvalidInput:
@@ -600,36 +648,46 @@ class TranscriptLink:
     async def _logged(self, source: Conversation, target_id: str) -> Copied:
         """The copy logged through the logger, turn by turn of the source as it is read now,
         with documents of its own (nothing shared to corrupt) and the source's owner; a
-        message cut to its bound is logged from its whole text, kept whole for the copy."""
+        message cut to its bound is logged from its whole text, kept whole for the copy.
+
+        Each turn is logged only into the life of the target this copy created (or its
+        earlier attempt did: `log_messages`'s `version`), so a target deleted meanwhile, its
+        user's erasure included, is never started again by a later turn: the copy is taken
+        back and NotFound (its source gone) or the refusal raised (`hold`)."""
         source_id = source.conversation_id
         target = await self._logger.upsert_conversation(target_id, user_id=source.user_id)
+        copied = Copied({}, conversation_mark(target.created_at), source, target)
         # Cut messages go from their whole texts (two lookups, only when one was cut), as the
         # store's own fork copies them: the logger cuts them again and keeps the copy's own.
         stored = await self._store.with_full_texts(await self._store.messages_by_seq(source_id))
-        moved: dict[int, tuple[int, str]] = {}
         for chunk in _turn_chunks(stored):
-            logged = await self._logger.log_messages(
-                target_id,
-                [_as_new(m) for m in chunk],
-                user_id=source.user_id,
-                turn_id=_fork_turn_id(source_id, str(chunk[0].id)),
-            )
+            try:
+                logged = await self._logger.log_messages(
+                    target_id,
+                    [_as_new(m) for m in chunk],
+                    user_id=source.user_id,
+                    turn_id=_fork_turn_id(source_id, str(chunk[0].id)),
+                    version=target.version,
+                )
+            except (NotFound, VersionMismatch, Conflict) as refused:
+                await self.hold(copied, refused)
+                raise
             for old, new in zip(chunk, logged.messages, strict=True):
                 assert old.seq is not None
                 assert new.seq is not None
                 assert new.id is not None
-                moved[old.seq] = (new.seq, new.id)
+                copied.moved[old.seq] = (new.seq, new.id)
         self.forget(target_id)
-        return moved, conversation_mark(target.created_at)
+        return copied
 
     async def _forked(
-        self, source_id: str, target_id: str, at_seq: int, stored: Sequence[AgentMessage]
+        self, source: Conversation, target_id: str, at_seq: int, stored: Sequence[AgentMessage]
     ) -> Copied:
         """The copy made by the store's fork at `at_seq`, of the source's messages `stored` up
         to it as read before: the copies are copies (kept as stored, whole texts and all), and
         the answers the person gave (resolved prompts, released calls, approvals) are kept as
         the fork keeps them."""
-        logged = await self._logger.fork(source_id, at_seq, target_id)
+        logged = await self._logger.fork(source.conversation_id, at_seq, target_id)
         moved: dict[int, tuple[int, str]] = {}
         for old, new in zip(stored, logged.messages, strict=True):
             assert old.seq is not None
@@ -638,7 +696,7 @@ class TranscriptLink:
             moved[old.seq] = (new.seq, new.id)
         target = await self._store.get_conversation(target_id, fallback=False)
         self.forget(target_id)
-        return moved, conversation_mark(target.created_at)
+        return Copied(moved, conversation_mark(target.created_at), source, target)
 
 
 def _refers_until(segments: Sequence[Segment]) -> int:

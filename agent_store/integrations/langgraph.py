@@ -67,7 +67,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
-from agent_store.core import InvalidInput, NotFound
+from agent_store.core import InvalidInput, NotFound, StoreError
 from agent_store.integrations._langgraph_documents import (
     CHECKPOINTS,
     CONVERSATION,
@@ -419,7 +419,10 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         """Fork a thread into a new one: its checkpoints, conversation, messages and extras,
         all copied. A re-run after a crash finishes the copy its fork made: the checkpoints
-        that refer only to the messages that fork copied (`_rekeyed`)."""
+        that refer only to the messages that fork copied (`_rekeyed`). Once all is written,
+        the copy is checked as a fork is (`TranscriptLink.hold`): its source deleted, or its
+        user erased, meanwhile, or its target deleted, it is taken back, checkpoints and
+        all, and NotFound (the source gone) or the refusal is raised."""
         source, target = _thread_id(source_thread_id), _thread_id(target_thread_id)
         if source == target:
             raise InvalidInput("invalid copy: the source and target threads are the same")
@@ -428,11 +431,21 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             docs = await self._checkpoints.find({"thread_id": source}).to_list(None)
         if not docs:
             return
-        moved, conversation = await self._transcripts.copy(source, target)
+        copied = await self._transcripts.copy(source, target)
+        moved, conversation = copied.moved, copied.conversation
         rekeyed = (self._rekeyed(doc, target, moved, conversation) for doc in docs)
         copies = [copy for copy in rekeyed if copy is not None]
         await _insert_new(self._checkpoints, copies, "copy the thread's checkpoints")
-        self._transcripts.forget(target)
+        try:
+            await self._transcripts.hold(copied)
+        except StoreError:
+            with storage_errors("take back the thread's checkpoints"):
+                await self._checkpoints.delete_many(
+                    {"thread_id": target, CONVERSATION: conversation}
+                )
+            raise
+        finally:
+            self._transcripts.forget(target)
 
     def _rekeyed(
         self,

@@ -53,6 +53,7 @@ from agent_store.core import (
     StorageUnavailable,
     StoreError,
     TranscriptMoved,
+    VersionMismatch,
     awaiting_results,
     listed,
     messages_adapter,
@@ -147,6 +148,7 @@ from agent_store.store._reservation import (
     given_up,
     held_calls_kept,
     is_standing,
+    life_named,
     literal,
     moved_key,
     new_epoch,
@@ -597,6 +599,7 @@ class AgentMessageLogger:
         step: str | None = None,
         refused_prompts: Mapping[str, str] | None = None,
         answers_to: Mapping[str, str] | None = None,
+        version: str | None = None,
     ) -> LoggedTurn:
         """Log one turn's messages in order, idempotently by `turn_id`.
 
@@ -624,6 +627,8 @@ class AgentMessageLogger:
         (`_answers`); a call merely off the list, no answer to it stored nor being written, is
         answered (`_reserve_answering`). InvalidInput, nothing written, for a turn breaking the
         contract (`_check_answers_named` too) or taking a delivery's id (`delivery-` + hex).
+        `version` (`Conversation.version`): logged only into the conversation it names, nothing
+        written otherwise (`_life_named`, in the reservation's own command: one read more).
         """
         plan, actor, condition = self._planned(
             conversation_id,
@@ -636,14 +641,50 @@ class AgentMessageLogger:
             refused=refused_prompts,
             answers_to=answers_to,
         )
+        life = None if version is None else await self._life_named(plan.conversation_id, version)
+        turn = partial(_turn_conditions, plan, next_seq, step, refused_prompts, answers_to)
+        conditions = partial(_in_life, turn, life)
+        named = (answers_to, refused_prompts)
+        return await self._logged(plan, actor, name, _joined(condition, life), conditions, named)
+
+    async def _logged(
+        self,
+        plan: TurnPlan,
+        actor: Actor,
+        name: str | None,
+        condition: Condition | None,
+        conditions: Callable[[AsRead], Condition | None],
+        named: tuple[Mapping[str, str] | None, Mapping[str, str] | None],
+    ) -> LoggedTurn:
+        """`log_messages`, its arguments checked: the turn reserved (`_reserve_answering`),
+        stored, and told."""
         runtime_name = clean_name(name) if name is not None else None
         started = time.monotonic()
-        conditions = partial(_turn_conditions, plan, next_seq, step, refused_prompts, answers_to)
         reserved = await self._reserve_answering(
-            plan, actor, runtime_name, condition, conditions, (answers_to, refused_prompts)
+            plan, actor, runtime_name, condition, conditions, named
         )
         stored, reserved = await self._store(plan, reserved, started, (actor, condition))
         return await self._told(plan, reserved, stored)
+
+    async def _life_named(self, conversation_id: str, version: str) -> Condition:
+        """The condition of a turn logged only into the conversation `version` names
+        (`log_messages`): its life (`same_conversation`), as read now; NotFound when there is
+        none under the id, VersionMismatch when it is another. One round trip."""
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(
+                {"_id": conversation_id}, {"epoch": 1, "created_at": 1}
+            )
+        gone = NotFound(f"conversation {conversation_id!r} was not found")
+        other = VersionMismatch(
+            f"conversation {conversation_id!r} is not the one named: it was deleted and started "
+            "again since that version was read; nothing was logged (read it again)"
+        )
+        if found is None:
+            raise gone
+        life = life_named(conversation_id, found, version)
+        if life is None:
+            raise other
+        return Condition(life, lambda now: {}, other, absent=gone)
 
     async def _reserve_answering(
         self,
@@ -4242,6 +4283,14 @@ def _raise_refusal(refused: Unmovable | Unlanded) -> NoReturn:
     if isinstance(refused, Unlanded):
         raise refused.error from None
     raise refused
+
+
+def _in_life(
+    turn: Callable[..., Condition | None], life: Condition | None, as_read: AsRead
+) -> Condition | None:
+    """A turn's conditions with the calls `as_read` lists taken as read (`turn`, a partial
+    `_turn_conditions`), in the conversation's life its `version` names (`life`), if any."""
+    return _joined(turn(as_read=as_read), life)
 
 
 def _joined(first: Condition | None, second: Condition | None) -> Condition | None:

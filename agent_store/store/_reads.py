@@ -80,6 +80,7 @@ from agent_store.store._reservation import (
     answered_before,
     concerned_calls,
     is_standing,
+    life_named,
     refuse_unless_fallback_serves,
     refuse_unless_standing,
     resolution,
@@ -585,6 +586,28 @@ class ConversationStore:
             raise
         if version is not None and found.version != version:
             raise _version_mismatch(conversation_id, "done")
+
+    async def require_standing(self, conversation_id: str, version: str) -> None:
+        """NotFound unless the conversation `version` (`Conversation.version`) names is still
+        under the id and no delete or erasure of it has begun (its `DeletionRecords` record),
+        as a fork checks its source after its writes: a deletion recording itself after this
+        check began finds whatever the caller wrote before it. Three round trips: the
+        conversation, its record, then the conversation again (a deletion that finished
+        between the first two is seen gone)."""
+        gone = NotFound(f"conversation {conversation_id!r} was not found")
+        with storage_errors("read the conversation"):
+            found = await self._conversations.find_one(
+                {"_id": conversation_id}, {"epoch": 1, "created_at": 1}
+            )
+        life = None if found is None else life_named(conversation_id, found, version)
+        if found is None or life is None:  # none, or another one under the id: it went
+            raise gone
+        if await self._deletions.under_way(conversation_id, found):
+            raise gone
+        with storage_errors("read the conversation"):
+            still = await self._conversations.find_one(life, {"_id": 1})
+        if still is None:
+            raise gone
 
     async def turn_count(self, conversation_id: str, *, user_id: str | None = None) -> int:
         doc = await self._summary(

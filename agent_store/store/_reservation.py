@@ -31,6 +31,7 @@ from agent_store.core import (
     StoreError,
     TurnRecord,
     approval_held_again,
+    conversation_version,
     shown,
 )
 from agent_store.store._turns import (
@@ -231,6 +232,21 @@ def same_as_read(conversation_id: str, read: Mapping[str, Any]) -> dict[str, Any
     return same_conversation(
         conversation_id, epoch=read.get("epoch"), created_at=read.get("created_at")
     )
+
+
+def life_named(
+    conversation_id: str, found: Mapping[str, Any], version: str
+) -> dict[str, Any] | None:
+    """`same_as_read` for the conversation `found` (as read now: its `epoch`, `created_at`)
+    when it is the one `version` (`Conversation.version`) names; None when it is another. A
+    version read before the conversation drew its epoch (one stored before epochs) names it
+    by its `created_at`, as `same_conversation` tells it then."""
+    created = found["created_at"]
+    if conversation_version(conversation_id, found.get("epoch"), created) == version:
+        return same_as_read(conversation_id, found)
+    if conversation_version(conversation_id, None, created) == version:
+        return same_conversation(conversation_id, epoch=None, created_at=created)
+    return None
 
 
 @dataclass(frozen=True)
