@@ -20,6 +20,7 @@ from pydantic_ai import (
     DeferredToolResults,
     ModelRetry,
     RunContext,
+    Tool,
     ToolDenied,
     ToolOutput,
     ToolReturn,
@@ -52,6 +53,7 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.output import is_output_tool_part
+from pydantic_ai.ui.vercel_ai import VercelAIAdapter
 from pydantic_ai.usage import RequestUsage
 
 from agent_store import AgentMessageLogger, AnsweredBefore, ConversationStore, TurnRules
@@ -1026,6 +1028,141 @@ async def test_metadata_a_tool_returns_for_the_application_comes_back_as_the_run
 
     replayed = [p for m in from_store for p in m.parts if isinstance(p, ToolReturnPart)]
     assert [(p.content, p.metadata) for p in replayed] == [("3 hits", metadata)]
+
+
+# -- what Pydantic AI keeps for the application, never sending it to the model -------------
+
+
+def _lookup_ssn(name: str) -> str:
+    return "SSN 078-05-1120"
+
+
+def _risk_score(name: str) -> str:
+    return "internal score 0.93"
+
+
+def _checks_both(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    if isinstance(messages[-1].parts[-1], UserPromptPart):
+        return ModelResponse(
+            parts=[
+                ToolCallPart("_lookup_ssn", {"name": "Ann"}, tool_call_id="p1"),
+                ToolCallPart("_risk_score", {"name": "Ann"}, tool_call_id="r1"),
+            ]
+        )
+    return ModelResponse(parts=[TextPart("Verified.")])
+
+
+def _stamps(history: list[ModelMessage]) -> list[tuple[str, str, str | None]]:
+    tool_parts = (ToolCallPart, ToolReturnPart)
+    return [
+        (p.part_kind, p.tool_name, p.ui_visibility)
+        for m in history
+        for p in m.parts
+        if isinstance(p, tool_parts)
+    ]
+
+
+async def test_a_reloaded_chat_shows_a_ui_no_more_of_a_private_or_redacted_tool_than_its_run(
+    backend: Backend,
+) -> None:
+    """A tool's `ui_visibility` is stamped on its call and return, which a UI adapter reads
+    (never the model): kept, a chat reloaded from the store is sent as it was streamed."""
+    tools = [
+        Tool(_lookup_ssn, ui_visibility="private"),
+        Tool(_risk_score, ui_visibility="redacted"),
+    ]
+    run = await Agent(FunctionModel(_checks_both), tools=tools).run("Verify Ann.")
+    await log_run(AgentMessageLogger(backend.db), CID, run.new_messages(), turn_id="run-1")
+
+    reloaded = history_from_messages(await ConversationStore(backend.db).transcript(CID))
+
+    assert _stamps(reloaded) == _stamps(run.all_messages())
+    assert {s for _, _, s in _stamps(reloaded)} == {"private", "redacted"}
+    sent = json.dumps([m.model_dump(mode="json") for m in VercelAIAdapter.dump_messages(reloaded)])
+    assert ("078-05-1120" in sent, "0.93" in sent) == (False, False)
+    assert model_view(reloaded) == model_view(run.all_messages())
+
+
+_TAGGED_RUN = [
+    ModelRequest(
+        parts=[
+            SystemPromptPart("Be brief.", metadata={"sys": 1}),
+            UserPromptPart([TextContent("hello", metadata={"ui_msg_id": "u-17"}), "and you?"]),
+        ],
+        metadata={"request_source": "web", "trace": "abc"},
+    ),
+    ModelResponse(
+        parts=[ToolCallPart("look", {"q": 1}, tool_call_id="c1")],
+        metadata={"summary": False, "ui_msg_id": "a-18"},
+    ),
+    ModelRequest(
+        parts=[ToolReturnPart("look", "ok", tool_call_id="c1", metadata={"src": "x"})],
+        metadata={"step": 2},
+    ),
+    ModelResponse(parts=[TextPart("done")], metadata={"ui_msg_id": "a-19"}),
+]
+
+
+def _tags(history: list[ModelMessage]) -> list[tuple[str, Any]]:
+    """Each message's `metadata`, then its parts' and its prompt items' (as text, metadata)."""
+    tags: list[tuple[str, Any]] = []
+    for message in history:
+        tags.append((message.kind, message.metadata))
+        for part in message.parts:
+            tags.append((part.part_kind, getattr(part, "metadata", None)))
+            if isinstance(part, UserPromptPart) and not isinstance(part.content, str):
+                tags.extend(
+                    (i.content, i.metadata) if isinstance(i, TextContent) else (i, None)
+                    for i in part.content
+                    if isinstance(i, str | TextContent)
+                )
+    return tags
+
+
+async def test_metadata_the_application_sets_on_messages_and_prompt_items_comes_back(
+    backend: Backend,
+) -> None:
+    """`metadata` of a request, of a response and of a prompt's `TextContent` is the
+    application's, never sent to the model: kept, as Pydantic AI's own JSON keeps it, and in
+    no chat field, so no reader or export gives it to a model."""
+    await log_run(AgentMessageLogger(backend.db), CID, _TAGGED_RUN, turn_id="run-1")
+    stored = await ConversationStore(backend.db).transcript(CID)
+
+    replayed = history_from_messages(stored)
+
+    assert _tags(replayed) == _tags(_TAGGED_RUN)
+    assert stored[1].content == "hello\nand you?"
+    assert "ui_msg_id" not in json.dumps(chat_completions(stored))
+    assert model_view(as_sent(replayed)) == model_view(as_sent(_TAGGED_RUN))
+
+
+def test_messages_stored_before_these_fields_were_kept_replay_as_before() -> None:
+    stored = [
+        {"role": "user", "content": "Verify Ann."},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [_call("p1", "_lookup_ssn")],
+            "native": {
+                "format": "pydantic-ai",
+                "set": {"parts": [{"part_kind": "tool-call", "tool_kind": "output"}]},
+            },
+        },
+        {"role": "tool", "tool_call_id": "p1", "content": "SSN 078-05-1120"},
+    ]
+
+    request, response, returned = history_from_messages(stored)
+
+    assert _stamps([response, returned]) == [
+        ("tool-call", "_lookup_ssn", None),
+        ("tool-return", "_lookup_ssn", None),
+    ]
+    assert (request.metadata, response.metadata, returned.metadata) == (None, None, None)
+    assert request.parts == [UserPromptPart("Verify Ann.", timestamp=request.parts[0].timestamp)]
+
+
+def _call(call_id: str, name: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": "{}"}}
 
 
 async def test_a_resumed_runs_prompt_after_its_tool_returns_is_the_persons_words(

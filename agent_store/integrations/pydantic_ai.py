@@ -41,6 +41,12 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
 - a system prompt's fields beyond its text (a dynamic prompt's `dynamic_ref`):
   in `native` of its system message, so Pydantic AI evaluates it again on the
   next run, as from memory.
+- what Pydantic AI holds for the application and never sends the model: a tool's
+  `ui_visibility` on its call (in the response's kept parts) and its return, a
+  request's and a response's `metadata` (the request's on the first message stored
+  of it), a prompt `TextContent`'s `metadata` (the prompt's lines apart): in
+  `native`, given back where the run held it, so a UI adapter shows a reloaded
+  chat as it was streamed.
 - a response part the chat fields have no place for (a provider's own tool
   call and its return — web search, code execution —, a compaction, a spoken
   reply without its audio): kept whole in `native` (`parts`, the response's
@@ -58,7 +64,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime
 from typing import Any, cast
@@ -139,6 +145,13 @@ _TOOL_RETRY_CAUSES: dict[str, pai.ToolRetryCause] = {
 _FEEDBACK_CAUSES: dict[str, pai.RetryFeedbackCause] = {
     cause: cause for cause in ("validation_error", "no_output", "model_retry")
 }
+_UI_VISIBILITIES: dict[str, pai.ToolUIVisibility] = {
+    seen: seen for seen in ("public", "redacted", "private")
+}
+"""What a UI adapter sends a client of a tool's call and return (`ui_visibility`), stamped on
+both parts: the application's, never sent to the model."""
+_REQUEST_METADATA = "request_metadata"
+"""The `native` key, on the first message stored of a request, of the request's `metadata`."""
 
 
 # -- a run into stored messages -------------------------------------------------------
@@ -162,10 +175,13 @@ def messages_from_run(
         subject = f"message {index} ({message.kind})"
         if isinstance(message, pai.ModelRequest):
             from_tools = _tool_content(message, opens_run=sent_at is None)
-            sent_at = message.timestamp
+            sent_at, first = message.timestamp, len(stored)
             for part in message.parts:
                 from_tool = id(part) in from_tools
                 stored.extend(_from_request_part(part, markers, subject, from_tool=from_tool))
+            if message.metadata is not None and len(stored) > first:
+                kept = {_REQUEST_METADATA: message.metadata}
+                stored[first] = _with_kept(stored[first], kept, subject)
         else:
             stored.append(_from_response(message, sent_at, subject))
     return _with_unique_call_ids(stored)
@@ -228,14 +244,14 @@ def _from_request_part(
         dumped, base = _dumped_prompt(part, subject), _dumped_prompt(rebuilt, subject)
         return [with_native(message, FORMAT, dumped, base, subject=subject)]
     if isinstance(part, pai.UserPromptPart):
-        return [
-            UserMessage(
-                # a tool's content is stored whole: context is hidden from a person's words
-                content=_items_text(part.content, None if from_tool else markers),
-                error=tool_content_error() if from_tool else None,
-                created_at=part.timestamp,
-            )
-        ]
+        # a tool's content is stored whole: context is hidden from a person's words
+        lines = _item_lines(part.content, None if from_tool else markers)
+        prompt = UserMessage(
+            content="\n".join(line for _, line in lines if line),
+            error=tool_content_error() if from_tool else None,
+            created_at=part.timestamp,
+        )
+        return [_with_kept(prompt, _items_kept(lines), subject)]
     if isinstance(part, pai.ToolReturnPart):
         outcome = part.outcome if part.outcome != "success" else None
         cause = part.retry.cause if part.retry is not None else None
@@ -246,8 +262,8 @@ def _from_request_part(
             created_at=part.timestamp,
         )
         content = part.content if not part.files else ""  # with files: the items' text
-        kinds = {"tool_kind": part.tool_kind, "metadata": part.metadata}
-        return [_with_content_kind(returned, content, subject, **kinds)]
+        kinds = {"tool_kind": part.tool_kind, "ui_visibility": part.ui_visibility}
+        return [_with_content_kind(returned, content, subject, metadata=part.metadata, **kinds)]
     if isinstance(part, pai.RetryFeedbackPart):
         feedback = UserMessage(
             content=_retry_text(part.content),
@@ -286,12 +302,14 @@ def _with_content_kind(
     subject: str,
     *,
     tool_kind: str | None = None,
+    ui_visibility: str | None = None,
     metadata: Any = None,
 ) -> AgentMessage:
     """`message` keeping in `native` what its text alone does not say of the part: whether its
     content was a `str` or a value (`_CONTENT_KIND`), the tool's kind (an output tool's
-    `output`) and the `metadata` it returned for the application (`ToolReturn(metadata=...)`,
-    never sent to the model, kept as a system prompt's is), so the history gives the part
+    `output`), what a UI adapter shows of it (`ui_visibility`) and the `metadata` it returned
+    for the application (`ToolReturn(metadata=...)`); the last two are never sent to the
+    model, and kept as a system prompt's `metadata` is, so the history gives the part
     back as the run held it. A value whose text
     reads back as another (`Decimal("10.50")`'s `10.50` as 10.5, NaN's `null` as None) is
     kept as its text, which the model was sent; an empty text with an `error` (the run's
@@ -302,10 +320,23 @@ def _with_content_kind(
         kept["content"] = runtime_json(content, subject=subject, fallback=str)
     if tool_kind is not None:
         kept["tool_kind"] = tool_kind
+    if ui_visibility is not None:
+        kept["ui_visibility"] = ui_visibility
     if metadata is not None:
         kept["metadata"] = runtime_json(metadata, subject=subject, fallback=str)
     plain_kind = "error" if _reads_as_its_error(message) else _plain_kind(message)
     return with_native(message, FORMAT, kept, {_CONTENT_KIND: plain_kind}, subject=subject)
+
+
+def _with_kept(message: AgentMessage, kept: Mapping[str, Any], subject: str) -> AgentMessage:
+    """`message` with `kept` added to what its own Pydantic AI form (`native`) keeps."""
+    if not kept:
+        return message
+    own = message.native if message.native and message.native.format == FORMAT else None
+    values = {**(own.set_values() if own else {}), **kept}
+    values = runtime_json(values, subject=subject, fallback=str)
+    form = kept_form(FORMAT, values, own.unset if own else (), subject=subject)
+    return message.model_copy(update={"native": form})
 
 
 def _kind_sent(message: AgentMessage, content: Any) -> str:
@@ -346,7 +377,9 @@ def _from_response(
         # A response of thinking alone still took a request and its tokens: keep it as "".
         content=_TEXTS_JOINED.join(texts) if texts or not calls else None,
         tool_calls=calls or None,
-        native=_response_form(texts, calls, _parts_kept(response.parts, subject), subject),
+        native=_response_form(
+            texts, calls, _parts_kept(response.parts, subject), response.metadata, subject
+        ),
         token_usage=TokenUsage(
             input_tokens=response.usage.input_tokens, output_tokens=response.usage.output_tokens
         ),
@@ -364,7 +397,8 @@ def _dumped_prompt(part: pai.SystemPromptPart, subject: str) -> dict[str, Any]:
 def _parts_kept(parts: Sequence[pai.ModelResponsePart], subject: str) -> list[dict[str, Any]]:
     """A response's parts in order as `native` keeps them: one the chat fields hold as a
     stand-in naming its kind (`text`, for a file's note too; `tool-call`, with the tool's
-    `tool_kind` when it has one: an output tool's `output`), any other whole as
+    `tool_kind` and the call's `ui_visibility` when it has them: an output tool's `output`,
+    a private tool's `private`), any other whole as
     Pydantic AI serializes it (a provider's own tool call and its return, a compaction, a
     spoken reply without its audio: the store keeps no files). Thinking is left out."""
     kept: list[dict[str, Any]] = []
@@ -372,8 +406,7 @@ def _parts_kept(parts: Sequence[pai.ModelResponsePart], subject: str) -> list[di
         if isinstance(part, pai.TextPart | pai.FilePart):
             kept.append({"part_kind": "text"})
         elif isinstance(part, pai.ToolCallPart):
-            kind = {"tool_kind": part.tool_kind} if part.tool_kind is not None else {}
-            kept.append({"part_kind": "tool-call", **kind})
+            kept.append({"part_kind": "tool-call", **_call_fields(part)})
         elif not isinstance(part, pai.ThinkingPart):
             whole = replace(part, audio=None) if isinstance(part, pai.SpeechPart) else part
             dumped = _RESPONSE_PART.dump_python(whole, fallback=str)
@@ -381,14 +414,26 @@ def _parts_kept(parts: Sequence[pai.ModelResponsePart], subject: str) -> list[di
     return kept
 
 
+def _call_fields(part: pai.ToolCallPart) -> dict[str, str]:
+    """A call's fields its stand-in keeps: the tool's kind, and what a UI adapter shows of it."""
+    fields = {"tool_kind": part.tool_kind, "ui_visibility": part.ui_visibility}
+    return {key: value for key, value in fields.items() if value is not None}
+
+
 def _response_form(
-    texts: Sequence[str], calls: Sequence[ToolCall], kept: list[dict[str, Any]], subject: str
+    texts: Sequence[str],
+    calls: Sequence[ToolCall],
+    kept: list[dict[str, Any]],
+    metadata: dict[str, Any] | None,
+    subject: str,
 ) -> NativeForm | None:
     """What the chat fields cannot hold of a response: its several texts apart, as OpenAI
     content parts (one `content` string cannot tell them apart: a text may hold a blank line),
-    and its parts' order with the parts they have no place for, unless it is theirs (its texts,
-    then its calls)."""
+    its parts' order with the parts they have no place for, unless it is theirs (its texts,
+    then its calls), and the `metadata` the application gave it (never sent to the model)."""
     difference: dict[str, Any] = {}
+    if metadata is not None:
+        difference["metadata"] = runtime_json(metadata, subject=subject, fallback=str)
     if len(texts) > 1:
         difference["content"] = [{"type": "text", "text": text} for text in texts]
     in_chat_order = [{"part_kind": "text"}] * len(texts) + [{"part_kind": "tool-call"}] * len(calls)
@@ -415,21 +460,44 @@ def _text_parts(message: AssistantMessage) -> list[str]:
 
 
 def _items_text(content: str | Sequence[Any], markers: RuntimeContextMarkers | None) -> str:
-    """Content items as stored text, one line each: a text item as the model is sent it (a
+    """Content items as stored text, one line each (`_item_lines`), an empty one left out."""
+    return "\n".join(line for _, line in _item_lines(content, markers) if line)
+
+
+def _item_lines(
+    content: str | Sequence[Any], markers: RuntimeContextMarkers | None
+) -> list[tuple[Any, str]]:
+    """Each content item with its stored line: a text item as the model is sent it (a
     `TextContent`'s, a `StructuredContent`'s `content`), any other item a `[kind]` note, a
     `CachePoint` (a cache boundary, nothing sent) nothing. With `markers`, hidden context is
     removed from the text items read as one text, so a block cut across items goes too."""
     if isinstance(content, str):
-        return content if markers is None else strip_runtime_context(content, markers)
+        return [(content, content if markers is None else strip_runtime_context(content, markers))]
     items = [item for item in content if not isinstance(item, pai.CachePoint)]
     sent = [_sent_text(item) for item in items]
     texts = [text for text in sent if text is not None]
     visible = iter(texts if markers is None else strip_runtime_context_pieces(texts, markers))
-    lines = [
-        next(visible) if text is not None else f"[{getattr(item, 'kind', type(item).__name__)}]"
-        for item, text in zip(items, sent, strict=True)
+    notes = (f"[{getattr(item, 'kind', type(item).__name__)}]" for item in items)
+    return [
+        (item, next(visible) if text is not None else note)
+        for item, text, note in zip(items, sent, notes, strict=True)
     ]
-    return "\n".join(line for line in lines if line)
+
+
+def _items_kept(lines: Sequence[tuple[Any, str]]) -> dict[str, Any]:
+    """What `native` keeps of a prompt's items: when a text item holds `metadata` for the
+    application (never sent to the model), each stored line apart as an OpenAI content part,
+    a `TextContent`'s with its `metadata`, so the history gives the items back with it."""
+    tags = [item.metadata if isinstance(item, pai.TextContent) else None for item, _ in lines]
+    if all(tag is None for tag in tags):
+        return {}
+    return {
+        "items": [
+            {"type": "text", "text": line, **({"metadata": tag} if tag is not None else {})}
+            for (_, line), tag in zip(lines, tags, strict=True)
+            if line or tag is not None
+        ]
+    }
 
 
 def _sent_text(item: Any) -> str | None:
@@ -491,13 +559,13 @@ def history_from_messages(
     def flush_request(*, at_end: bool = False) -> None:
         leave_open = at_end and _resumes(answering, answers, said)
         request_parts = [*_returns(answering, answers, leave_open=leave_open), *parts]
+        metadata = _first_kept([*_answers_of(answering, answers), *said], _REQUEST_METADATA)
         answering.clear()
         parts.clear()
         said.clear()
         if request_parts:
-            history.append(
-                pai.ModelRequest(parts=request_parts, timestamp=request_parts[0].timestamp)
-            )
+            at = request_parts[0].timestamp
+            history.append(pai.ModelRequest(parts=request_parts, timestamp=at, metadata=metadata))
 
     for item in _responses_gathered(messages):
         if isinstance(item, list):
@@ -570,6 +638,18 @@ def _returns(
     return returns
 
 
+def _answers_of(
+    responses: Sequence[tuple[int, AssistantMessage]], answers: Mapping[CallKey, ToolMessage]
+) -> list[ToolMessage]:
+    """The stored results of a response's calls, in call order."""
+    return [
+        answer
+        for index, message in responses
+        for call in message.tool_calls or ()
+        if (answer := answers.get((index, call.id))) is not None
+    ]
+
+
 def _said_by_model(message: AssistantMessage) -> bool:
     """Whether the message holds something the model said: text (an empty one, of a response
     that only thought, too) or calls. A HITL prompt's text is the runtime's question."""
@@ -600,7 +680,14 @@ def _to_response(messages: Sequence[AssistantMessage]) -> pai.ModelResponse:
         parts=response_parts,
         usage=RequestUsage(input_tokens=input_tokens, output_tokens=output_tokens),
         timestamp=messages[0].created_at,
+        metadata=_first_kept(messages, "metadata"),
     )
+
+
+def _first_kept(messages: Iterable[AgentMessage], key: str) -> dict[str, Any] | None:
+    """The first object the messages' own Pydantic AI forms keep under `key` (a response's or
+    a request's `metadata`), or None."""
+    return next((kept for m in messages if isinstance(kept := _kept(m, key), dict)), None)
 
 
 def _in_kept_order(
@@ -622,25 +709,33 @@ def _in_kept_order(
         if not isinstance(entry, tuple):
             parts.append(entry)
         elif (taken := next(in_chat[entry[0]], None)) is not None:
-            parts.append(_of_tool_kind(taken, entry[1]))
+            parts.append(_with_call_fields(taken, entry[1]))
     return [*parts, *in_chat["text"], *in_chat["tool-call"]]
 
 
-def _of_tool_kind(part: pai.ModelResponsePart, tool_kind: str | None) -> pai.ModelResponsePart:
-    """A call the chat fields hold, with the tool's kind `native` keeps (an output tool's
-    `output`), as Pydantic AI types a part of that kind."""
-    if tool_kind is None or not isinstance(part, pai.ToolCallPart):
+def _with_call_fields(part: pai.ModelResponsePart, fields: dict[str, str]) -> pai.ModelResponsePart:
+    """A call the chat fields hold, with the fields its stand-in keeps (`_call_fields`): the
+    tool's kind (an output tool's `output`), as Pydantic AI types a part of that kind, and
+    what a UI adapter shows of it (`ui_visibility`)."""
+    if not fields or not isinstance(part, pai.ToolCallPart):
         return part
-    return pai.ToolCallPart.narrow_type(replace(cast(pai.ToolCallPart, part), tool_kind=tool_kind))
+    call = replace(
+        cast(pai.ToolCallPart, part),
+        tool_kind=fields.get("tool_kind"),
+        ui_visibility=_ui_visibility(fields.get("ui_visibility")),
+    )
+    return call if call.tool_kind is None else pai.ToolCallPart.narrow_type(call)
 
 
-_StandIn = tuple[str, str | None]
-"""A part the chat fields hold, in a response's kept order: its kind, and its tool's kind."""
+_StandIn = tuple[str, dict[str, str]]
+"""A part the chat fields hold, in a response's kept order: its kind, and the fields a call's
+stand-in keeps (`_call_fields`)."""
+_CALL_FIELDS = {"tool_kind", "ui_visibility"}
 
 
 def _kept_order(message: AssistantMessage) -> list[pai.ModelResponsePart | _StandIn] | None:
     """The parts `native` keeps of a response, a stand-in as the kind it stands for (and a
-    call's as its tool's kind too)."""
+    call's with the fields it keeps too)."""
     kept = _kept(message, "parts")
     if not isinstance(kept, list):
         return None
@@ -649,12 +744,19 @@ def _kept_order(message: AssistantMessage) -> list[pai.ModelResponsePart | _Stan
         if isinstance(entry, dict) and entry.keys() == {"part_kind"}:
             if entry["part_kind"] not in _IN_CHAT_FIELDS:
                 return None
-            order.append((entry["part_kind"], None))
+            order.append((entry["part_kind"], {}))
             continue
-        if isinstance(entry, dict) and entry.keys() == {"part_kind", "tool_kind"}:
-            if entry["part_kind"] != "tool-call" or not isinstance(entry["tool_kind"], str):
+        if (
+            isinstance(entry, dict)
+            and "part_kind" in entry
+            and entry.keys() - {"part_kind"} <= _CALL_FIELDS
+        ):
+            fields = {key: value for key, value in entry.items() if key != "part_kind"}
+            if entry["part_kind"] != "tool-call" or not all(
+                isinstance(v, str) for v in fields.values()
+            ):
                 return None
-            order.append(("tool-call", entry["tool_kind"]))
+            order.append(("tool-call", fields))
             continue
         try:
             order.append(_RESPONSE_PART.validate_python(entry))
@@ -680,8 +782,8 @@ def _to_tool_return(message: ToolMessage, tool_name: str) -> pai.ToolReturnPart:
     """The return a tool message stands for: its content as the run held it
     (`_content_of`, the stored text when the bridge recorded its kind, an empty one too);
     one stored with no text and an `error` by another writer (no record) as what its error
-    says, as every other reader replays it (`result_text`); its tool's kind and the
-    `metadata` it returned for the application kept."""
+    says, as every other reader replays it (`result_text`); its tool's kind, what a UI
+    adapter shows of it and the `metadata` it returned for the application kept."""
     assert message.tool_call_id is not None
     marked = tool_outcome(message)
     outcome, cause = marked if marked is not None else (None, None)
@@ -696,10 +798,16 @@ def _to_tool_return(message: ToolMessage, tool_name: str) -> pai.ToolReturnPart:
         outcome=outcome or "success",
         retry=pai.RetryInfo(retry_cause) if outcome == "retried" else None,
         metadata=_kept(message, "metadata"),
+        ui_visibility=_ui_visibility(_kept(message, "ui_visibility")),
     )
     if not isinstance(tool_kind, str):
         return returned
     return pai.ToolReturnPart.narrow_type(replace(returned, tool_kind=tool_kind))
+
+
+def _ui_visibility(kept: Any) -> pai.ToolUIVisibility | None:
+    """A kept `ui_visibility`, or None when it is none Pydantic AI knows."""
+    return _UI_VISIBILITIES.get(kept) if isinstance(kept, str) else None
 
 
 def _to_user_part(message: UserMessage) -> Any:
@@ -710,7 +818,28 @@ def _to_user_part(message: UserMessage) -> Any:
             retry=pai.RetryInfo(_FEEDBACK_CAUSES.get(cause or "", "model_retry")),
             timestamp=message.created_at,
         )
-    return pai.UserPromptPart(prompt_text(message) or "", timestamp=message.created_at)
+    text = prompt_text(message) or ""
+    return pai.UserPromptPart(_prompt_items(message, text) or text, timestamp=message.created_at)
+
+
+def _prompt_items(message: UserMessage, text: str) -> list[str | pai.TextContent] | None:
+    """A prompt's items as `native` keeps them (`_items_kept`): a text with its `metadata` a
+    `TextContent`, any other a `str` of its stored line; None when it keeps none, or keeps
+    items that are not the stored text's lines (someone else's form)."""
+    kept = _kept(message, "items")
+    if not isinstance(kept, list) or not all(isinstance(i, dict) for i in kept):
+        return None
+    lines = [item.get("text") for item in kept]
+    if not all(isinstance(line, str) for line in lines):
+        return None
+    if "\n".join(str(line) for line in lines if line) != text:
+        return None
+    return [
+        pai.TextContent(str(item["text"]), metadata=item["metadata"])
+        if "metadata" in item
+        else str(item["text"])
+        for item in kept
+    ]
 
 
 def _interrupted_return(tool_name: str, tool_call_id: str, at: datetime) -> pai.ToolReturnPart:
