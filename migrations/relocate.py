@@ -279,7 +279,8 @@ def _copy_batch(
     """Insert the batch into the target, check every document arrived, then delete it from
     the source; how many moved. A document a killed copy inserted already is accepted.
     `fence` first: the batch read may be stale (`relocate`); then the batch is recorded as
-    the one in flight (`IN_FLIGHT`: one more write a batch)."""
+    the one in flight (`IN_FLIGHT`), the record removed once it moved (two more writes a
+    batch)."""
     fence()
     ids = [doc["_id"] for doc in batch]
     state({"$set": {IN_FLIGHT: ids}})
@@ -294,6 +295,7 @@ def _copy_batch(
             f"{LEGACY_TURNS}; nothing was deleted from {CONVERSATIONS}"
         )
     source.delete_many({"_id": {"$in": ids}, **TURN_FILTER})
+    state({"$unset": {IN_FLIGHT: ""}})  # moved: none of it is to be found in both now
     if progress is not None:
         progress(len(ids))
     return len(ids)
