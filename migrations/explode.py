@@ -48,6 +48,7 @@ from agent_store.legacy import (
     LegacyTurn,
     Problem,
     Unnamed,
+    as_resolved,
     convert,
     group_conversations,
     legacy_name,
@@ -501,8 +502,26 @@ def convert_batch(
     )
     for item in converted:
         with_session_prompts(item.conversion, hitl.get(item.conversion.conversation_id, []))
-    converted += live_only(held_documents, set(groups), rules, undated_at)
+    converted += _answered_live(db, live_only(held_documents, set(groups), rules, undated_at))
     return converted, failed, turns
+
+
+def _answered_live(db: Database[dict[str, Any]], live: list[Converted]) -> list[Converted]:
+    """Each conversation only held dual writes make (`live_only`), with the requests the new
+    service answered (`as_resolved`: the records its dual write kept of them in
+    `session_hitl`, `answer_record`), which the document a rollback moved away remembered.
+    Its pending prompts stay orphans (`live_only`): only the answered ones are read here, one
+    read for the batch."""
+    if not live:
+        return live
+    named = {c.conversion.conversation_id: legacy_name(c.held) for c in live}
+    hitl = read_session_hitl(db, named, among={"dual_write": True})
+    for item in live:
+        conversation = item.conversion.conversation
+        if conversation is not None:
+            found = hitl.get(item.conversion.conversation_id, [])
+            item.conversion.conversation = as_resolved(conversation, conversation.user_id, found)
+    return live
 
 
 def _spellings(read: list[tuple[Any, list[dict[str, Any]]]], alike: Unnamed) -> dict[str, int]:

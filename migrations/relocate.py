@@ -9,7 +9,9 @@ killed part-way resumes where it stopped; nothing is deleted before its copy
 is confirmed. Each batch's writes, and the rename, are fenced as a run's batches are
 (`fence`): a run paused past its lease moves nothing it read before the pause. A copy is
 recorded in the migration's state while it goes on (`COPYING`), so a copy killed part-way
-is told apart from a collection a rollback left standing (`refuse_leftover`).
+is told apart from a collection a rollback left standing (`refuse_leftover`): before each
+batch's writes, the copy records that batch's `_id`s (`IN_FLIGHT`), the only turns a killed
+copy leaves in both collections.
 """
 
 from __future__ import annotations
@@ -39,7 +41,11 @@ _BAD_VALUE = 2
 """The server's code for a hint it does not know."""
 COPYING = "copying_at"
 """The field of the migration's state a copy sets before its first batch and removes once
-every turn is moved: while it stands, the turns in both collections are that copy's."""
+every turn is moved."""
+IN_FLIGHT = "copying_batch"
+"""The field of the migration's state holding the `_id`s of the batch a copy is writing, set
+before its insert: a copy killed part-way leaves these turns, and no other, in both
+collections (inserted, not yet deleted)."""
 _OVERLAP_CHUNK = 1000
 
 CONVERSATION_FILTER: dict[str, Any] = {
@@ -124,10 +130,22 @@ def _copying(db: Database[dict[str, Any]]) -> bool:
     return COPYING in state
 
 
+def _in_flight(db: Database[dict[str, Any]]) -> set[bytes]:
+    """The turns (by `identity`) a copy recorded as under way was writing when it stopped
+    (`IN_FLIGHT`): none when no copy is."""
+    fields = {COPYING: 1, IN_FLIGHT: 1}
+    state = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, fields) or {}
+    if COPYING not in state:
+        return set()
+    return {identity({"_id": i}) for i in state.get(IN_FLIGHT) or []}
+
+
 def refuse_leftover(db: Database[dict[str, Any]]) -> None:
     """WorkLeft (exit 1) when `agent_conversations` holds a turn whose `_id` the deprecated
-    collection holds too while no copy of a run is under way (`COPYING`): that collection
-    is no interrupted copy but one a rollback that copied the turns back left standing. Its
+    collection holds too, but for the batch a copy recorded as under way was writing when it
+    stopped (`IN_FLIGHT`, the only turns a killed copy leaves in both): that collection
+    is no interrupted copy but one a rollback that copied the turns back left standing (a
+    copy killed before the rollback keeps its record: its earlier batches give it away). Its
     turns are those of before the rollback, conversations the old service deleted since
     among them: merged back, they would be migrated again. Turns the old service logged
     after a move (new `_id`s) and a collection standing empty or holding dual-written turns
@@ -137,11 +155,11 @@ def refuse_leftover(db: Database[dict[str, Any]]) -> None:
     first found in both."""
     if not holds_turns(db, LEGACY_TURNS):
         return
-    if _copying(db):
-        return
+    resumed = _in_flight(db)
     ids = (d["_id"] for d in db[CONVERSATIONS].find(TURN_FILTER, {"_id": 1}))
     while chunk := [i for _, i in zip(range(_OVERLAP_CHUNK), ids, strict=False)]:
-        copies = list(db[LEGACY_TURNS].find({"_id": {"$in": chunk}}))
+        found = db[LEGACY_TURNS].find({"_id": {"$in": chunk}})
+        copies = [c for c in found if identity(c) not in resumed]
         if not copies:
             continue
         turns = {identity(t): t for t in db[CONVERSATIONS].find({"_id": {"$in": chunk}})}
@@ -227,11 +245,11 @@ def relocate(
     for document in _in_stored_order(source, batch_size):
         batch.append(document)
         if len(batch) == batch_size:
-            moved += _copy_batch(batch, source, target, progress, fence)
+            moved += _copy_batch(batch, source, target, progress, fence, state)
             batch = []
     if batch:
-        moved += _copy_batch(batch, source, target, progress, fence)
-    state({"$unset": {COPYING: ""}})
+        moved += _copy_batch(batch, source, target, progress, fence, state)
+    state({"$unset": {COPYING: "", IN_FLIGHT: ""}})
     return Relocation("copied", moved, reason)
 
 
@@ -256,12 +274,16 @@ def _copy_batch(
     target: Any,
     progress: Callable[[int], None] | None,
     fence: Callable[[], None],
+    state: Callable[[dict[str, Any]], None],
 ) -> int:
     """Insert the batch into the target, check every document arrived, then delete it from
     the source; how many moved. A document a killed copy inserted already is accepted.
-    `fence` first: the batch read may be stale (`relocate`)."""
+    `fence` first: the batch read may be stale (`relocate`); then the batch is recorded as
+    the one in flight (`IN_FLIGHT`), the record removed once it moved (two more writes a
+    batch)."""
     fence()
     ids = [doc["_id"] for doc in batch]
+    state({"$set": {IN_FLIGHT: ids}})
     try:
         target.insert_many(batch, ordered=False)
     except BulkWriteError as exc:
@@ -273,6 +295,7 @@ def _copy_batch(
             f"{LEGACY_TURNS}; nothing was deleted from {CONVERSATIONS}"
         )
     source.delete_many({"_id": {"$in": ids}, **TURN_FILTER})
+    state({"$unset": {IN_FLIGHT: ""}})  # moved: none of it is to be found in both now
     if progress is not None:
         progress(len(ids))
     return len(ids)

@@ -513,12 +513,28 @@ def _as_stored_messages_leave_it(
 ) -> Conversation:
     """The document of a conversation only live turns wrote (`explode.live_only`), with what
     its stored messages say where its dual writes cannot: what it awaits, by the ids of those
-    messages, and when it was last written to."""
+    messages, but the prompts a person answered (the answers the document kept, and the
+    requests its dual writes kept answered, `resolved_hitl`, reaching past every message:
+    the rollback moved away the document that said how far each reached), when it was
+    last written to, and whether its name is automatic: its copies hold whatever name the
+    conversation had, so one holding the name its stored messages give (`first_named`) is
+    taken from them, as the store took it, and a pop of that message retakes it."""
     messages = messages_adapter.validate_python(live)
-    calls, hitl = pending_after(messages)
+    named = first_named(messages, TurnRules().name_chars)
+    automatic: dict[str, Any] = {}
+    if named is not None and document.name_source == "runtime" and named.name == document.name:
+        automatic = {"name_source": "auto", "name_message_id": named.message_id}
+    answers = [
+        (a.request_id, a.below, None if a.calls is None else tuple(a.calls))
+        for a in document.answered_prompts
+    ]
+    past = max((m.seq or 0) + 1 for m in messages)
+    given = {request_id for request_id, _, _ in answers}
+    answers += [(r, past, None) for r in document.resolved_hitl if r not in given]
+    calls, hitl = pending_after(messages, answered=answers)
     updated = max(document.updated_at, *(m.created_at for m in messages))
     return document.model_copy(
-        update={"pending_calls": calls, "pending_hitl": hitl, "updated_at": updated}
+        update={"pending_calls": calls, "pending_hitl": hitl, "updated_at": updated} | automatic
     )
 
 

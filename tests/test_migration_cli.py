@@ -443,11 +443,44 @@ def latency_turn(n: int, latency: Any) -> dict[str, Any]:
 
 def killed_copy(db: Any, *copied: dict[str, Any]) -> None:
     """What a copy killed part-way leaves: the turns of its last batch inserted, not yet
-    deleted from `agent_conversations`, and its copy recorded as under way."""
+    deleted from `agent_conversations`, and its copy recorded as under way with that batch."""
     db[LEGACY_TURNS].insert_many([dict(turn) for turn in copied])
-    db[lease.STATE].update_one(
-        {"_id": lease.STATE_ID}, {"$set": {relocate.COPYING: datetime.now(UTC)}}, upsert=True
-    )
+    batch = [turn["_id"] for turn in copied]
+    under_way = {relocate.COPYING: datetime.now(UTC), relocate.IN_FLIGHT: batch}
+    db[lease.STATE].update_one({"_id": lease.STATE_ID}, {"$set": under_way}, upsert=True)
+
+
+class Killed(Exception):
+    """A run killed where the fence is called."""
+
+
+@pytest.mark.wire
+def test_a_killed_copy_rolled_back_by_copying_with_its_collection_left_standing_is_refused(
+    database: Database[dict[str, Any]],
+) -> None:
+    """A copy killed between batches keeps its record; a rollback then copies the turns back
+    and leaves the collection standing. Only the batch a copy was writing when killed can be
+    in both collections: turns of its earlier batches there too are no interrupted copy's, so
+    the next run refuses (exit 1), moving nothing, and a conversation the old service deleted
+    since never comes back."""
+    database[CONVERSATIONS].insert_many([latency_turn(n, 7) for n in range(12)])
+    fenced = iter(range(2))
+
+    def kill_at_the_second_batch() -> None:
+        if next(fenced) == 1:
+            raise Killed
+
+    with pytest.raises(Killed):
+        relocate.relocate(
+            database, batch_size=5, allow_rename=False, fence=kill_at_the_second_batch
+        )
+    database[CONVERSATIONS].insert_many(list(database[LEGACY_TURNS].find()))  # the rollback
+    database[CONVERSATIONS].delete_many({"_id": "t-0"})  # the old service deletes a turn
+
+    with pytest.raises(MigrationError, match=f"drop {LEGACY_TURNS} or rename it away"):
+        relocate.relocate(database, batch_size=5)
+    assert database[CONVERSATIONS].count_documents({}) == 11
+    assert database[LEGACY_TURNS].count_documents({}) == 5
 
 
 @pytest.mark.wire

@@ -5952,6 +5952,71 @@ def test_a_fork_made_during_the_transition_is_whole_after_a_rollback_and_a_secon
     assert _texts_of(database, "f-1") == [*history, "«G»?", "«G»"]
 
 
+ASKED = {"action": "confirm_payment", "params": {"eur": 120}, "request_id": "req-pay"}
+PAY_CALL = {"id": "pay-1", "type": "function", "function": {"name": "pay", "arguments": "{}"}}
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("holds_a_call", [False, True], ids=["a-prompt", "a-prompt-holding-a-call"])
+def test_a_prompt_a_live_turn_raised_and_a_person_answered_stays_answered_after_a_rollback(
+    wire_uri: str, database: Database[dict[str, Any]], holds_a_call: bool
+) -> None:
+    """A conversation the new service started raises a prompt a person answers, dual write
+    on. The rollback moves away the document that remembered the answer; the second attempt
+    keeps the prompt answered (not pending, the call it held released), as before it."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-old", 0, "«OLD»"))
+    assert cli(wire_uri, database, "run") == 0
+    asked: dict[str, Any] = {"role": "assistant", "content": "Pay?", "hitl_action": ASKED}
+    if holds_a_call:
+        asked |= {"content": None, "tool_calls": [PAY_CALL]}
+
+    async def ask_then_answer(store: ConversationStore, logger: AgentMessageLogger) -> None:
+        pay = [{"role": "user", "content": "Pay the invoice."}, asked]
+        await logger.log_messages("n-h", pay, user_id="u-1", turn_id="live-1")
+        await store.resolve_hitl("n-h", "req-pay", user_id="u-1")
+
+    _on_the_service(wire_uri, database, ask_then_answer)
+    roll_back(database, clear_messages=False)
+
+    _second_attempt(wire_uri, database)
+
+    found = database[CONVERSATIONS].find_one({"_id": "n-h"})
+    assert found is not None
+    assert (found["pending_hitl"], found["resolved_hitl"]) == (None, ["req-pay"])
+    held = [c.request_id for c in Conversation.model_validate(found).pending_calls]
+    assert held == [None] * holds_a_call  # as served: the answer released the call
+
+
+@pytest.mark.wire
+def test_an_automatic_name_of_a_conversation_started_live_stays_automatic_after_a_rollback(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A conversation the new service started is named by its first user text; its copies
+    hold that name, as a copy holds whatever name its conversation had. The second attempt
+    keeps it automatic, taken from the stored message, so popping that message retakes it."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-old", 0, "«OLD»"))
+    assert cli(wire_uri, database, "run") == 0
+    _on_the_service(wire_uri, database, _turn("n-1", "live-1", "Plan my trip to Rome"))
+    before = database[CONVERSATIONS].find_one({"_id": "n-1"})
+    assert before is not None
+    assert before["name_source"] == "auto"
+    roll_back(database, clear_messages=False)
+
+    _second_attempt(wire_uri, database)
+
+    found = database[CONVERSATIONS].find_one({"_id": "n-1"})
+    assert found is not None
+    named = ("name", "name_source", "name_message_id")
+    assert {k: found.get(k) for k in named} == {k: before.get(k) for k in named}
+
+    async def pop_both(store: ConversationStore, _: AgentMessageLogger) -> Conversation:
+        for _ in range(2):
+            await store.pop_last_message("n-1", user_id="u-1")
+        return await store.get_conversation("n-1", user_id="u-1")
+
+    assert _on_the_service(wire_uri, database, pop_both, dual_write=False).name is None
+
+
 def _started_live(wire_uri: str, database: Database[dict[str, Any]]) -> list[str]:
     """A conversation the new service started, dual write on; its texts."""
     _on_the_service(wire_uri, database, _turn("n-1", "live-1", "«NEW»"))

@@ -75,6 +75,7 @@ from agent_store.legacy._parts import (
     user_text,
 )
 from agent_store.legacy._session_hitl import (
+    as_resolved,
     is_pending_prompt,
     pending_from_session_hitl,
     with_session_prompts,
@@ -109,6 +110,7 @@ __all__ = [
     "TurnTime",
     "Unnamed",
     "as_count",
+    "as_resolved",
     "as_text",
     "call_arguments",
     "convert",

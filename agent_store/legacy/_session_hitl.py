@@ -83,6 +83,19 @@ def resolved_by_dual_write(now: datetime) -> dict[str, Any]:
     return {"status": "resolved", "resolved": True, "updated_at": now, "dual_write": True}
 
 
+def answer_record(
+    conversation_id: str, user_id: str | None, request_id: str, now: datetime
+) -> dict[str, Any]:
+    """The `session_hitl` record the dual write keeps of an answer to a prompt it holds no
+    document of (raised by a live turn: the dual write writes turns), but its `_id`: the
+    request answered (`resolved_by_dual_write`), of the conversation its legacy turns name
+    and the user they name. After a rollback the document that remembered the answer is
+    moved away; a second attempt reads this one and keeps the request answered
+    (`resolved_hitl`), and the old service, asking only pending prompts, asks it no more."""
+    named = {"conversation_id": conversation_id, "user_id": user_id, "request_id": request_id}
+    return named | {"created_at": now} | resolved_by_dual_write(now)
+
+
 @dataclass(frozen=True)
 class PromptNote:
     """What the prompts held that `pending_hitl` does not show as it was, for the report."""
@@ -393,6 +406,20 @@ def resolved_on_the_new_service(documents: Iterable[Mapping[str, Any]]) -> list[
     return list(dict.fromkeys(ids))[-RESOLVED_PROMPTS_KEPT:]
 
 
+def as_resolved(
+    conversation: Conversation, owner: str | None, documents: Iterable[Mapping[str, Any]]
+) -> Conversation:
+    """The conversation with the request ids of its owner's prompts the new service resolved
+    (`resolved_on_the_new_service`, `owners_prompt`) in `resolved_hitl`: the calls they held
+    await their results."""
+    owned = [d for d in documents if owners_prompt(owner, d)]
+    if not (resolved := resolved_on_the_new_service(owned)):
+        return conversation
+    # Validated again: the calls the resolved prompts held await their results.
+    dumped = conversation.model_dump(by_alias=True)
+    return Conversation.model_validate(dumped | {"resolved_hitl": resolved})
+
+
 def owners_prompt(owner: str | None, document: Mapping[str, Any]) -> bool:
     """Whether a prompt is part of the owner's conversation, as its owner's token reads it
     (`users_part` for turns): it names the owner (`user_named`) or no user (a missing, null
@@ -478,11 +505,7 @@ def with_session_prompts(
     conversation = conversion.conversation
     if conversation is not None:
         conversation = conversation.model_copy(update={"pending_hitl": pending})
-        if resolved := resolved_on_the_new_service(documents):
-            # Validated again: the calls the resolved prompts held await their results.
-            dumped = conversation.model_dump(by_alias=True)
-            conversation = Conversation.model_validate(dumped | {"resolved_hitl": resolved})
-        conversion.conversation = conversation
+        conversion.conversation = as_resolved(conversation, conversion.owner, documents)
     conversion.problems += _mixed_users(conversion, others)
     conversion.problems += [
         Problem(

@@ -40,8 +40,9 @@ from agent_store.legacy._documents import (
     user_values,
     users_part,
 )
-from agent_store.legacy._dual_write import legacy_turn_documents
+from agent_store.legacy._dual_write import legacy_turn_documents, legacy_turn_id
 from agent_store.legacy._session_hitl import (
+    answer_record,
     owners_prompt,
     resolved_by_dual_write,
     with_session_prompts,
@@ -318,12 +319,16 @@ class LegacyTurns:
         them): another user's prompt of the same request id is never marked by the owner's
         answer, and stays pending, kept in its problem. Three round trips: the
         conversation's owner (and the legacy id a derived id names), its prompts of the id,
-        the mark; a prompt `session_hitl` does not hold (raised by a live turn) gets none."""
+        the mark. A prompt the owner's part of `session_hitl` does not hold (raised by a live
+        turn: the dual write writes turns) gets a record of the answer instead (`answer_record`,
+        one per request id, in the mark's round trip), which a second attempt after a rollback
+        reads: the document that remembered the answer went with the rollback."""
         if not self.dual_write:
             return
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                {"_id": conversation_id}, {"user_id": 1, "legacy_conversation_id": 1}
+                {"_id": conversation_id},
+                {"user_id": 1, "legacy_conversation_id": 1, "legacy_user_id": 1},
             )
         found = found or {}
         original = None
@@ -342,6 +347,12 @@ class LegacyTurns:
             if ids:
                 mark = {"$set": resolved_by_dual_write(utc_now())}
                 await self._prompts.update_many({"_id": {"$in": ids}}, mark)
+                return
+            named = original if original is not None else conversation_id
+            user = copied_user(owner, found.get("legacy_user_id"))
+            record = answer_record(named, user, request_id, utc_now())
+            record_id = legacy_turn_id(named, f"answer\0{request_id}")
+            await self._prompts.replace_one({"_id": record_id}, record, upsert=True)
 
     async def turn_logged(self, turn: LoggedTurn, conversation: Conversation) -> None:
         """With `dual_write`, upsert the turn as legacy turns; a retry rewrites the same ones.
