@@ -464,6 +464,88 @@ async def test_a_turn_naming_the_call_it_answers_is_refused_once_another_answere
     assert await runtime.store.transcript(CID) == before
 
 
+@pytest.mark.parametrize("answer", [_DENIAL, _BOOKED_RESULT], ids=["denial", "result"])
+async def test_a_retry_with_other_content_of_a_turn_that_stored_its_answer_is_other_content(
+    backend: Backend, answer: dict[str, Any]
+) -> None:
+    """A turn answering a call (`answers_to`, as `log_run` names it) is stored, its reply lost;
+    the run again words it otherwise under the same turn id: the answer stored is the turn's
+    own, so the retry is `OtherContent` ("logged with other content"), not `AnsweredBefore`
+    ("another turn answered that call first"), for a denial as for a result; nothing written."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    (call,) = await runtime.store.pending_calls(CID)
+
+    def turn(wording: str) -> list[dict[str, Any]]:
+        return [answer, {"role": "assistant", "content": wording}]
+
+    named = {"tc-9": call.message_id}
+    await runtime.logger.log_messages(CID, turn("Booked."), turn_id="t2", answers_to=named)
+    before = await runtime.store.transcript(CID)
+
+    with pytest.raises(OtherContent, match="logged with other content"):
+        await runtime.logger.log_messages(CID, turn("Done."), turn_id="t2", answers_to=named)
+    with pytest.raises(OtherContent, match="logged with other content"):
+        await runtime.logger.check_turn(CID, turn("Done."), turn_id="t2", answers_to=named)
+
+    assert await runtime.store.transcript(CID) == before
+    again = await runtime.logger.log_messages(CID, turn("Booked."), turn_id="t2", answers_to=named)
+    assert again.replayed
+
+
+@pytest.mark.parametrize("answer", [_DENIAL, _BOOKED_RESULT], ids=["denial", "result"])
+async def test_a_posted_retry_with_other_content_of_a_turn_that_stored_its_answer_is_a_conflict(
+    backend: Backend, answer: dict[str, Any]
+) -> None:
+    """Over HTTP, a turn posted with `answers_to` stored, then the same turn id with other
+    wording: 409 "logged with other content", never "another turn answered that call first"."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    (call,) = await runtime.store.pending_calls(CID)
+    async with serve(backend.db, seeded=False) as api:
+        url, headers = f"/v1/conversations/{CID}/turns", auth_headers()
+
+        def turn(wording: str) -> dict[str, Any]:
+            messages = [answer, {"role": "assistant", "content": wording}]
+            return {"turn_id": "t2", "messages": messages,
+                    "answers_to": {"tc-9": call.message_id}}  # fmt: skip
+
+        first = await api.http.post(url, json=turn("Booked."), headers=headers)
+        retry = await api.http.post(url, json=turn("Done."), headers=headers)
+
+    assert (first.status_code, retry.status_code) == (201, 409)
+    message = retry.json()["error"]["message"]
+    assert "logged with other content" in message
+    assert "another turn" not in message
+    assert await runtime.answers_of("tc-9") == [
+        (answer["content"], answer.get("error", {}).get("message"))
+    ]
+
+
+async def test_a_streamed_turn_that_stored_its_denial_retried_with_other_wording_is_other_content(
+    backend: Backend,
+) -> None:
+    """`log_streamed_turn` leaves out only the denials the store refused; a turn whose first
+    attempt stored its denial, retried with other wording, is `OtherContent`, not told that
+    another turn answered the call first (nor logged again without the denial)."""
+    runtime = Runtime(backend)
+    await runtime.stream(ASKS_TO_BOOK, prompt="Book me the 09:04 to Lyon.")
+    read = await runtime.store.pending_calls(CID)
+    logged = await _log_as_tab(runtime, [DENIED, _token("Okay.")], read, "t2")
+    before = await runtime.store.transcript(CID)
+
+    with pytest.raises(OtherContent, match="logged with other content"):
+        await _log_as_tab(runtime, [DENIED, _token("Fine, not booked.")], read, "t2")
+
+    assert await runtime.store.transcript(CID) == before
+    assert [m.content for m in logged.messages] == [DENIED_RESULT, "Okay."]
+    assert (await _log_as_tab(runtime, [DENIED, _token("Okay.")], read, "t2")).replayed
+
+
+def _token(text: str) -> dict[str, Any]:
+    return {"type": "stream_token", "token": text}
+
+
 @pytest.mark.parametrize(
     ("first", "stale"),
     [("refused", "result"), ("refused", "refusal"), ("approved", "refusal")],

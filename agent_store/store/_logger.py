@@ -238,10 +238,11 @@ class Condition:
     (None: `explain`)."""
     moved_explain: Callable[[Mapping[str, Any]], StoreError] | None = None
     """Builds a refused move's refusal from the conversation found (None: `refusal`)."""
-    retried: Callable[[Mapping[str, Any]], StoreError | None] | None = None
+    retried: Callable[[Mapping[str, Any], Collection[str]], StoreError | None] | None = None
     """For a retry of the turn whose content differs from what its record holds: the refusal
     the conversation found explains (the turn was logged without the answers the condition
-    refused, and this attempt sends them again), else None."""
+    refused, and this attempt sends them again), else None. Given the calls the turn's own
+    stored messages answer (`_answered_by`): their answer is the turn's, never another's."""
     new_only: bool = False
     """The reservation only creates the conversation (a fork's): one found that does not
     record the turn is refused by this condition, before any other rule. Its owner is the
@@ -1890,25 +1891,24 @@ class AgentMessageLogger:
             if looked.refusal is not None:
                 raise looked.refusal
             return _Verdict(block, looked=looked)
-        refused = _retry_refusal(plan, conversation, condition)
         if is_fork_turn(plan.turn_id):
-            raise refused
-        return await self._other_sent(plan, block, conversation, refused, condition)
+            raise _retry_refusal(plan, conversation, condition)
+        return await self._other_sent(plan, block, conversation, condition)
 
     async def _other_sent(
         self,
         plan: TurnPlan,
         block: RecordedBlock,
         conversation: Mapping[str, Any],
-        refused: StoreError,
         condition: Condition | None = None,
     ) -> _Verdict:
         """A retry sending other content than its turn's record holds (a regenerated answer
         after a lost insert), read only: when a message of the turn is stored, in its block
         or under its ids (one lookup), the block its stored messages hold with this retry's
-        content (`_stored_as_sent`: a replay of it), else `refused` (`_retry_refusal`: the
-        answers the stored turn was logged without, sent again, or other content); refused
-        too when its record does not say what it counted. Nothing of it stored: while its
+        content (`_stored_as_sent`: a replay of it), else refused (`_retry_refusal`: the
+        answers the stored turn was logged without, sent again, or other content, an answer
+        the turn's stored messages hold being its own: `_answered_by`); refused too when its
+        record does not say what it counted. Nothing of it stored: while its
         first attempt may still insert (reserved less than `abandon_after` ago)
         StorageUnavailable; past that its block is to be given back (`_Verdict.abandoned`),
         the turn new, unless a message logged meanwhile answers one of its calls
@@ -1916,6 +1916,8 @@ class AgentMessageLogger:
         `_looked_up`). A new turn's conditions are then judged as the give-back leaves the
         conversation, without what its first reservation changed, not by `refused`."""
         looked = await self._looked_up(plan, block, conversation, condition)
+        own = _answered_by(plan, looked.stored)
+        refused = _retry_refusal(plan, conversation, condition, own)
         if looked.stored:
             return _Verdict(await self._stored_as_sent(plan, refused))
         if block.counted is None or block.reserved_at is None:
@@ -3344,20 +3346,35 @@ def _replay(
 
 
 def _retry_refusal(
-    plan: TurnPlan, conversation: Mapping[str, Any], condition: Condition | None
+    plan: TurnPlan,
+    conversation: Mapping[str, Any],
+    condition: Condition | None,
+    own: Collection[str] = (),
 ) -> StoreError:
     """What a retry sending other content than its turn's record holds is refused with: the
     turn was logged without answers its first attempt was refused (`AnsweredBefore`: denials
     of calls a person approved, answers to calls another turn answered first), and this
-    attempt sends them again, so it is told so again; else a Conflict."""
-    approved = approved_among(conversation, plan.denied_calls)
+    attempt sends them again, so it is told so again; else a Conflict. A call the turn's
+    own stored messages answer (`own`, `_answered_by`) was answered by its first attempt,
+    whatever the conversation shows since: a retry answering it sends other content."""
+    approved = [c for c in approved_among(conversation, plan.denied_calls) if c not in own]
     if approved:
         return _answered_before(plan, approved)
     if condition is not None and condition.retried is not None:
-        refusal = condition.retried(conversation)
+        refusal = condition.retried(conversation, own)
         if refusal is not None:
             return refusal
     return _other_content(plan)
+
+
+def _answered_by(plan: TurnPlan, stored: Sequence[Mapping[str, Any]]) -> frozenset[str]:
+    """The calls the turn's own messages among `stored` (its block's, `_looked_up`) answer:
+    its first attempt stored those answers, so no other turn answered them first."""
+    return frozenset(
+        str(d["tool_call_id"])
+        for d in stored
+        if d.get("turn_id") == plan.turn_id and d.get("role") == "tool" and d.get("tool_call_id")
+    )
 
 
 _ANSWER_LOOKUPS = 3
@@ -4013,11 +4030,12 @@ def _answers(
     if as_read is not None:
         holds.append(as_read.filter())
 
-    def retried(conversation: Mapping[str, Any]) -> StoreError | None:
+    def retried(conversation: Mapping[str, Any], own: Collection[str]) -> StoreError | None:
         # Only a turn's denials are left out of it (`log_streamed_turn`): a result answered
-        # since was answered by the turn's first attempt itself.
+        # since was answered by the turn's first attempt itself, and so was a denial its
+        # stored messages hold (`own`).
         gone, _ = answered_since(conversation, named)
-        denied = [c for c in gone if c in plan.denied_calls]
+        denied = [c for c in gone if c in plan.denied_calls and c not in own]
         return _answered_first(plan, denied) if denied else None
 
     return Condition(
@@ -4307,9 +4325,10 @@ def _joined(first: Condition | None, second: Condition | None) -> Condition | No
             return refused  # the conversation shows why (the calls it names approved)
         return a.refused(conversation, own=own)
 
-    def retried(conversation: Mapping[str, Any]) -> StoreError | None:
+    def retried(conversation: Mapping[str, Any], own: Collection[str]) -> StoreError | None:
         for condition in (b, a):
-            refusal = None if condition.retried is None else condition.retried(conversation)
+            retry = condition.retried
+            refusal = None if retry is None else retry(conversation, own)
             if refusal is not None:
                 return refusal
         return None
