@@ -2,11 +2,12 @@
 
 What pydantic cannot refuse on its own, because it happens while parsing or
 only fails once stored: nesting deep enough to exhaust the parser's recursion,
-more values than a request may make the service validate and store, integers
-MongoDB cannot hold (BSON keeps 64 bits), numbers that parse to infinity (JSON
-responses cannot carry them back), a key named twice in one object (readers
-disagree on which value counts), a lone UTF-16 surrogate escaped (`"\\ud800"`: no text,
-which the parser would refuse in words of its own, not naming where it is).
+more values than a request may make the service validate and store, numbers that
+parse to infinity (JSON responses cannot carry them back; an integer past 64 bits,
+which BSON's integers cannot hold, is the double it spells, as `1e+19` spells it),
+a key named twice in one object (readers disagree on which value counts), a lone
+UTF-16 surrogate escaped (`"\\ud800"`: no text, which the parser would refuse in
+words of its own, not naming where it is).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 import re
 from typing import Any, TypeVar
 
-from agent_store.core import location_text, shown_key
+from agent_store.core import location_text, shown_key, stored_number
 from agent_store.store import storable
 from app.http_errors import InvalidJson, InvalidRequest, PayloadTooLarge
 
@@ -28,10 +29,9 @@ MAX_BODY_VALUES = 200_000
 and `null` counting one: the work a request causes grows with its values, not its bytes (16 MiB
 of `{}` is 2.5 million objects), and a turn of 1,000 messages with their tool calls and results
 holds a tenth of this or less."""
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-_INT64_DIGITS = len(str(INT64_MIN))
+_INT64_DIGITS = len(str(-(2**63)))
 """The longest JSON integer within 64 bits, its sign included."""
-T = TypeVar("T", int, float)
+T = TypeVar("T", bound=float)
 
 
 def _refuse_constant(name: str) -> Any:
@@ -56,10 +56,6 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _problem(value: Any) -> str | None:
     """What is wrong with a scalar, if anything."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
-        return "the integer is outside the 64-bit range the store keeps"
     if isinstance(value, float) and not math.isfinite(value):
         return "the number is outside the 64-bit floating-point range the store keeps"
     return None
@@ -99,10 +95,12 @@ class _Numbers:
     def __init__(self) -> None:
         self.refused = False
 
-    def integer(self, text: str) -> int:
+    def integer(self, text: str) -> int | float:
+        """An integer as the store keeps it (`stored_number`): past 64 bits, the double it
+        spells (as `1e+19` spells it), past every double an infinity, refused."""
         if len(text) > _INT64_DIGITS:  # past 64 bits, and maybe past what int() reads
-            return self._noted(INT64_MIN - 1 if text.startswith("-") else INT64_MAX + 1)
-        return self._noted(int(text))
+            return self._noted(float(text))
+        return self._noted(stored_number(int(text)))
 
     def real(self, text: str) -> float:
         return self._noted(float(text))

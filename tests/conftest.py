@@ -110,6 +110,29 @@ def database(wire_uri: str) -> Iterator[Any]:
     client.close()
 
 
+@pytest.fixture(
+    params=[
+        pytest.param("AsyncMongoClient", marks=pytest.mark.wire),
+        pytest.param("MongoClient", marks=pytest.mark.wire),
+        pytest.param("AsyncIOMotorClient", marks=pytest.mark.wire),
+    ]
+)
+def client(request: pytest.FixtureRequest, wire_uri: str) -> Iterator[Any]:
+    """A client of the wire server (not a database): PyMongo's async and sync ones, Motor's."""
+    from motor.motor_asyncio import AsyncIOMotorClient
+    from pymongo import MongoClient
+
+    kinds: dict[str, Any] = {
+        "AsyncMongoClient": AsyncMongoClient,
+        "MongoClient": MongoClient,
+        "AsyncIOMotorClient": AsyncIOMotorClient,
+    }
+    opened = kinds[request.param](wire_uri)
+    yield opened
+    if isinstance(opened, MongoClient):
+        opened.close()
+
+
 async def _open(name: str, request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     db_name = f"test_{uuid.uuid4().hex[:12]}"
     if name == "mongomock":

@@ -181,8 +181,9 @@ def test_a_body_within_the_rules_is_parsed_without_a_walk(
     assert json_body.decode_body(json.dumps(turn).encode()) == turn
     assert walks == []
 
-    wide = json.dumps({"a": [[[{"b": [1, 2**63]}]]], "c": [[]] * 70}).encode()
-    with pytest.raises(json_body.InvalidRequest, match=r"a\.0\.0\.0\.b\.1: the integer"):
+    wide = json.dumps({"a": [[[{"b": [1, 2**63]}]]], "c": [[]] * 70})
+    wide = wide.replace(str(2**63), "1e400").encode()  # past every double
+    with pytest.raises(json_body.InvalidRequest, match=r"a\.0\.0\.0\.b\.1: the number"):
         json_body.decode_body(wide)
     assert walks == ["nests_deeper_than", "_name_the_number"]
 
@@ -571,64 +572,114 @@ async def test_a_dot_or_two_dots_as_an_id_is_refused_with_422(
 
 # -- numbers ---------------------------------------------------------------------------------
 
+PAST_DOUBLES = "1" + "0" * 400
+"""An integer past every double: no number the store keeps, however spelt."""
+
 HUGE_NUMBERS = [
     pytest.param(
         '{"role": "user", "content": "x", "upload": '
         f'{{"filename": "a.pdf", "file_type": "application/pdf", "size": {2**63}}}}}',
         "messages.0.upload.size",
+        "less than or equal to 9007199254740991",
         id="upload-size-2**63",
     ),
     pytest.param(
         '{"role": "assistant", "content": "x", "token_usage": '
         f'{{"input_tokens": {2**64}, "output_tokens": 1}}}}',
         "messages.0.token_usage.input_tokens",
+        "less than or equal to 9007199254740991",
         id="token-usage-2**64",
     ),
     pytest.param(
         f'{{"role": "assistant", "content": "x", "latency_ms": {-(2**63) - 1}}}',
         "messages.0.latency_ms",
+        "greater than or equal to 0",
         id="latency-below-int64",
     ),
     pytest.param(
         '{"role": "assistant", "content": "x", "hitl_action": {"action": "pay", '
-        f'"request_id": "r", "params": {{"amount": {10**30}}}}}}}',
+        f'"request_id": "r", "params": {{"amount": {PAST_DOUBLES}}}}}}}',
         "messages.0.hitl_action.params.amount",
-        id="hitl-param-10**30",
+        "64-bit",
+        id="hitl-param-10**400",
     ),
     pytest.param(
         '{"role": "assistant", "content": "x", "hitl_action": {"action": "pay", '
         '"request_id": "r", "params": {"amount": 1e400}}}',
         "messages.0.hitl_action.params.amount",
+        "64-bit",
         id="hitl-param-1e400",
     ),
     pytest.param(  # keys named like roles are the sender's keys here, shown as they are
         '{"role": "assistant", "content": "x", "hitl_action": {"action": "pay", '
-        f'"request_id": "r", "params": {{"user": {{"tool": [{10**30}]}}}}}}}}',
+        f'"request_id": "r", "params": {{"user": {{"tool": [{PAST_DOUBLES}]}}}}}}}}',
         "messages.0.hitl_action.params.user.tool.0",
+        "64-bit",
         id="hitl-param-under-role-named-keys",
     ),
     pytest.param(  # past the digits Python's int() reads at all
         f'{{"role": "assistant", "content": "x", "latency_ms": {"9" * 4301}}}',
         "messages.0.latency_ms",
+        "64-bit",
         id="latency-4301-digits",
     ),
     pytest.param(
         f'{{"role": "assistant", "content": "x", "latency_ms": -{"1" * 100_000}}}',
         "messages.0.latency_ms",
+        "64-bit",
         id="latency-minus-100000-digits",
     ),
 ]
 
 
-@pytest.mark.parametrize(("message", "where"), HUGE_NUMBERS)
-async def test_numbers_outside_64_bits_are_refused_with_422(
-    backend: Backend, message: str, where: str
+@pytest.mark.parametrize(("message", "where", "why"), HUGE_NUMBERS)
+async def test_numbers_no_field_keeps_are_refused_with_422_naming_it(
+    backend: Backend, message: str, where: str, why: str
 ) -> None:
+    """An integer past 64 bits is the double it spells: a count bounded below it refuses it
+    as it would that double, and past every double it is no number the store keeps."""
     async with serve(backend.db) as api:
         body = f'{{"turn_id": "t-big", "messages": [{message}]}}'.encode()
         text = await refused(api, "POST", TURNS, body, 422)
         assert where in text
-        assert "64-bit" in text
+        assert why in text
+
+
+BIG_WHOLE_TURNS = [
+    pytest.param(
+        '{"role": "assistant", "content": "ok?", "created_at": "2026-01-01T00:00:01Z", '
+        '"hitl_action": {"action": "pay", "request_id": "q1", "params": {"amount": %s}}}',
+        id="prompt-params",
+    ),
+    pytest.param(
+        '{"role": "assistant", "content": null, "created_at": "2026-01-01T00:00:01Z", '
+        '"tool_calls": [{"id": "c1", "function": {"name": "pay", "arguments": {"amount": %s}}}]}',
+        id="call-arguments",
+    ),
+]
+
+
+@pytest.mark.parametrize("message", BIG_WHOLE_TURNS)
+@pytest.mark.parametrize("keyed", [True, False], ids=["idempotency-key", "derived-id"])
+async def test_a_whole_number_past_64_bits_is_one_number_however_spelt(
+    api: Served, message: str, keyed: bool
+) -> None:
+    """`1e+19` (Python's spelling) and `10000000000000000000` (JavaScript's) are one JSON
+    number: both are kept as that double, so the retry of a turn holding it, spelt the other
+    way, is the turn again, never invalid input."""
+    headers = JSON | ({"Idempotency-Key": "k-big"} if keyed else {})
+    asked = '{"role": "user", "content": "pay", "created_at": "2026-01-01T00:00:00Z"}'
+    turn = '{"messages": [' + asked + ", %s]}"
+
+    first = await api.http.post(TURNS, content=turn % (message % "1e+19"), headers=headers)
+    retry = await api.http.post(
+        TURNS, content=turn % (message % "10000000000000000000"), headers=headers
+    )
+
+    assert first.status_code == 201, first.text[:500]
+    assert retry.status_code == 200, retry.text[:500]
+    assert retry.json()["messages"] == first.json()["messages"]
+    assert "1e+19" in retry.text
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
@@ -289,6 +290,11 @@ def test_the_sync_methods_work_with_the_sync_driver(database: Any) -> None:
     assert len(history.messages) == 8
     history.clear()
     assert history.messages == []
+
+
+def test_a_history_on_a_client_is_refused_saying_to_pass_a_database(client: Any) -> None:
+    with pytest.raises(TypeError, match=re.escape("pass a database, client[name]")):
+        ConversationChatHistory(CID, client)
 
 
 async def test_the_sync_methods_of_an_async_history_say_what_to_use(backend: Backend) -> None:

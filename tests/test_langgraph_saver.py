@@ -1728,6 +1728,11 @@ def test_a_saver_on_a_synchronous_pymongo_database_is_refused_before_anything_is
     assert database.list_collection_names() == []
 
 
+def test_a_saver_on_a_client_is_refused_saying_to_pass_a_database(client: Any) -> None:
+    with pytest.raises(TypeError, match=re.escape("pass a database, client[name]")):
+        AgentStoreSaver(client)
+
+
 async def test_metadata_a_document_cannot_hold_is_refused_before_the_messages_are_logged(
     backend: Backend,
 ) -> None:

@@ -412,6 +412,14 @@ def test_a_synchronous_pymongo_database_is_refused_before_anything_is_written(
     assert database.list_collection_names() == []
 
 
+@pytest.mark.parametrize("kind", [AgentMessageLogger, ConversationStore])
+def test_a_client_given_for_a_database_is_refused_saying_to_pass_a_database(
+    client: Any, kind: type[Any]
+) -> None:
+    with pytest.raises(TypeError, match=re.escape("pass a database, client[name]")):
+        kind(client)
+
+
 async def test_a_closed_client_is_named_as_the_cause_not_the_database(wire_uri: str) -> None:
     """A client the application closed (at shutdown, while a runtime still logs) refused
     nothing at the database: the error says the client was closed."""
@@ -546,15 +554,36 @@ async def test_upsert_conversation_refuses_to_change_the_owner(backend: Backend)
     assert (conversation.user_id, conversation.name) == ("owner", "Trip")
 
 
-async def test_an_integer_too_wide_for_bson_is_refused_naming_it_and_nothing_is_written(
+def _prompt_of(cents: float) -> list[dict[str, Any]]:
+    ask = {"action": "pay", "request_id": "r1", "params": {"cents": [cents]}}
+    return [{"role": "assistant", "hitl_action": ask}]
+
+
+async def test_an_integer_past_64_bits_is_kept_as_the_double_nearest_it(
     backend: Backend,
 ) -> None:
-    prompt = {
-        "role": "assistant",
-        "hitl_action": {"action": "pay", "request_id": "r1", "params": {"cents": 2**63}},
-    }
-    with pytest.raises(InvalidInput, match=re.escape("hitl_action.params.cents is an integer")):
-        await AgentMessageLogger(backend.db).log_messages(CID, [prompt])
+    """BSON's integers are 64 bits: a wider one is the double JSON readers read it as, so
+    `10**19` and `1e19` are one number and the retry spelling it the other way replays."""
+    logger = AgentMessageLogger(backend.db)
+
+    first = await logger.log_messages(CID, _prompt_of(1e19), turn_id="t1")
+    again = await logger.log_messages(CID, _prompt_of(10**19), turn_id="t1")
+    other = await logger.log_messages(CID + "-2", _prompt_of(2**63 + 1), turn_id="t1")
+
+    assert again.replayed
+    assert again.messages == first.messages
+    stored = await backend.db.agent_messages.find_one({"conversation_id": CID + "-2"})
+    assert stored is not None
+    assert other.messages[0].hitl_action is not None
+    assert other.messages[0].hitl_action.params == {"cents": [float(2**63)]}
+    assert stored["hitl_action"]["params"] == {"cents": [float(2**63)]}
+
+
+async def test_an_integer_past_every_double_is_refused_naming_it_and_nothing_is_written(
+    backend: Backend,
+) -> None:
+    with pytest.raises(InvalidInput, match=r"hitl_action\.params.*cents\.0"):
+        await AgentMessageLogger(backend.db).log_messages(CID, _prompt_of(10**400))
     assert await backend.db.agent_messages.count_documents({}) == 0
     assert await backend.db.agent_conversations.count_documents({}) == 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -403,6 +404,11 @@ def test_a_session_on_a_synchronous_pymongo_database_is_refused_before_anything_
     with pytest.raises(TypeError, match="AsyncMongoClient"):
         ConversationSession(CID, database, user_id="ada")
     assert database.list_collection_names() == []
+
+
+def test_a_session_on_a_client_is_refused_saying_to_pass_a_database(client: Any) -> None:
+    with pytest.raises(TypeError, match=re.escape("pass a database, client[name]")):
+        ConversationSession(CID, client, user_id="ada")
 
 
 async def test_hidden_runtime_context_is_stripped_before_anything_is_stored(

@@ -531,6 +531,42 @@ async def test_erase_and_claim_reach_the_legacy_turns(backend: Backend) -> None:
     assert await backend.db[LEGACY_TURNS].count_documents({}) == 0
 
 
+@pytest.mark.parametrize("created_at", ["2026-03-02T09:00:00Z", datetime(2026, 3, 2, tzinfo=UTC)])
+async def test_erasing_a_user_takes_a_late_legacy_turn_of_theirs_no_run_has_moved_aside(
+    backend: Backend, created_at: Any
+) -> None:
+    """An old-service writer still running after the move logs legacy turns into
+    `agent_conversations`: no conversation document, they are erased as legacy turns, the
+    user's conversations with them, whatever their `created_at` holds."""
+    await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    await log_example(AgentMessageLogger(backend.db))
+    late = {**example_legacy_turns()[0], "_id": bson.ObjectId(), "created_at": created_at}
+    await backend.db[CONVERSATIONS].insert_one(late)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+    erased = await store.erase_user(EXAMPLE_USER_ID)
+
+    assert (erased.conversations, erased.messages, erased.legacy_turns) == (1, 12, 5)
+    for name in (CONVERSATIONS, MESSAGES, LEGACY_TURNS):
+        assert await backend.db[name].count_documents({}) == 0, name
+
+
+async def test_a_claim_moves_a_late_legacy_turn_and_counts_conversations_only(
+    backend: Backend,
+) -> None:
+    await log_example(AgentMessageLogger(backend.db))
+    late = {**example_legacy_turns()[0], "created_at": "2026-03-02T09:00:00Z"}
+    await backend.db[CONVERSATIONS].insert_one(late)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+    claimed = await store.claim(EXAMPLE_USER_ID, "user-claimed")
+
+    assert (claimed.conversations, claimed.legacy_turns) == (1, 1)
+    moved = await backend.db[CONVERSATIONS].find_one({"_id": late["_id"]})
+    assert moved is not None
+    assert (moved["user_id"], moved["created_at"]) == ("user-claimed", late["created_at"])
+
+
 async def test_erasing_a_user_leaves_the_legacy_conversations_others_own(backend: Backend) -> None:
     """Only the user's own turns go from a conversation another user owns."""
     turns = example_legacy_turns()

@@ -280,6 +280,33 @@ def _arguments_as_json_string(value: Any) -> Any:
 _INT64_RANGE = range(-(2**63), 2**63)
 
 
+def stored_number(value: int) -> int | float:
+    """An integer as the store keeps it: itself within 64 bits (BSON's integers), else the
+    double nearest it, the number a JSON reader with one number type (JavaScript) reads, so
+    `10000000000000000000` and `1e+19` are one number; itself again past every double (an
+    integer refused, naming where it is)."""
+    if value in _INT64_RANGE:
+        return value
+    try:
+        return float(value)
+    except OverflowError:
+        return value
+
+
+def _wide_ints_as_doubles(value: Any) -> Any:
+    """A JSON value with every integer past 64 bits as `stored_number` keeps it; the value
+    itself when it holds none."""
+    if type(value) is int:
+        return stored_number(value)
+    if isinstance(value, dict):
+        items = {key: _wide_ints_as_doubles(item) for key, item in value.items()}
+        return value if all(items[key] is item for key, item in value.items()) else items
+    if isinstance(value, list):
+        listed_ = [_wide_ints_as_doubles(item) for item in value]
+        return value if all(a is b for a, b in zip(listed_, value, strict=True)) else listed_
+    return value
+
+
 class _UnheldValue(ValueError):
     """A JSON value holds what BSON would not give back as it is (`_unheld`, `read_as_dbref`),
     and nothing else that cannot be kept: `value` is the JSON value (a database reference read
@@ -451,8 +478,11 @@ calls, its pending prompt) and never cut, they are bounded instead."""
 BoundedName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_CHARS)]
 """A tool's name or a prompt's action: 1 to `MAX_NAME_CHARS` characters."""
 
-HitlParams = Annotated[dict[str, Any], AfterValidator(_plain_json)]
-"""A prompt's params: plain JSON values, nested at most `MAX_PARAMS_DEPTH` levels."""
+HitlParams = Annotated[
+    dict[str, Any], AfterValidator(_plain_json), AfterValidator(_wide_ints_as_doubles)
+]
+"""A prompt's params: plain JSON values, nested at most `MAX_PARAMS_DEPTH` levels, an integer
+past 64 bits kept as the double nearest it (`stored_number`)."""
 
 
 class FunctionCall(_Model):

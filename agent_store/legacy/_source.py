@@ -13,6 +13,7 @@ import bson
 from agent_store.core import AgentMessage, Conversation, to_utc_millis, utc_now
 from agent_store.legacy._convert import convert
 from agent_store.legacy._documents import (
+    CONVERSATION_COUNTERS,
     DERIVED_USER_PREFIX,
     EPOCH,
     LEGACY_TURNS,
@@ -256,10 +257,12 @@ class LegacyTurns:
             owned, part = await self._users_parts(user_id, naming)
             turns = [d["_id"] for d in naming] + part
             deleted = await self._turns.delete_many({"_id": {"$in": turns}}) if turns else None
+            late = await _ids_naming(self._conversations, user_id, within=LATE_TURNS)
+            stranded = await self._conversations.delete_many(_late_of(late)) if late else None
             prompts = await _users_prompts(self._prompts, user_id, owned)
             if prompts:
                 await self._prompts.delete_many({"_id": {"$in": prompts}})
-        return int(deleted.deleted_count) if deleted is not None else 0
+        return sum(int(done.deleted_count) for done in (deleted, stranded) if done is not None)
 
     async def _users_parts(
         self, user_id: str, naming: list[dict[str, Any]]
@@ -295,14 +298,15 @@ class LegacyTurns:
         left = [await self._kept_filters(conversation_id) for conversation_id in kept]
         with storage_errors("claim the legacy turns"):
             moved = 0
-            for collection, index in ((self._turns, 0), (self._prompts, 1)):
-                ids = await _ids_naming(collection, from_user_id)
+            places = ((self._turns, 0, None), (self._conversations, 0, LATE_TURNS))
+            for collection, index, within in (*places, (self._prompts, 1, None)):
+                ids = await _ids_naming(collection, from_user_id, within=within)
                 if ids:
-                    query: dict[str, Any] = {"_id": {"$in": ids}}
+                    query: dict[str, Any] = _late_of(ids) if within else {"_id": {"$in": ids}}
                     if left:
                         query["$nor"] = [filters[index] for filters in left]
                     done = await collection.update_many(query, {"$set": {"user_id": to_user_id}})
-                    moved += int(done.modified_count) if collection is self._turns else 0
+                    moved += int(done.modified_count) if collection is not self._prompts else 0
         return moved
 
     async def _kept_filters(self, conversation_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -515,14 +519,19 @@ def _conversations_named(turns: list[dict[str, Any]]) -> list[Any]:
     return [t["conversation_id"] for t in named.values() if named_id(t.get("conversation_id"))]
 
 
-async def _naming(collection: Any, user_id: str, fields: dict[str, Any]) -> list[dict[str, Any]]:
+async def _naming(
+    collection: Any, user_id: str, fields: dict[str, Any], *, within: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """The documents (`fields` of them) of `collection` naming `user_id` by any value read
     as it (`user_named`: `42` is user "42", as the read fallback reads it), so an erasure or
     a claim reaches what the user's token reads. Found by those values (`user_values`); for
     a user the migration derives (`derived_user_id`), named by a value that is no
     identifier, by those values too (`may_not_be_identifiers`: a scan, for such a user
-    only)."""
-    found = await collection.find(_naming_query(user_id), {**fields, "user_id": 1}).to_list(None)
+    only). With `within`, only those it selects too."""
+    query = _naming_query(user_id)
+    if within is not None:
+        query = {"$and": [query, within]}
+    found = await collection.find(query, {**fields, "user_id": 1}).to_list(None)
     return [d for d in found if user_named(d.get("user_id")) == user_id]
 
 
@@ -557,6 +566,22 @@ def _among_ids(ids: list[Any]) -> list[dict[str, Any]]:
     return [{"_id": {"$in": ids}}] if ids else []
 
 
-async def _ids_naming(collection: Any, user_id: str) -> list[Any]:
+async def _ids_naming(
+    collection: Any, user_id: str, *, within: dict[str, Any] | None = None
+) -> list[Any]:
     """The `_id`s of `_naming`'s documents."""
-    return [d["_id"] for d in await _naming(collection, user_id, {"_id": 1})]
+    return [d["_id"] for d in await _naming(collection, user_id, {"_id": 1}, within=within)]
+
+
+LATE_TURNS: dict[str, Any] = {field: {"$exists": False} for field in CONVERSATION_COUNTERS}
+"""Legacy turns in `agent_conversations`: an old-service writer still running logs them there
+after the migration's move (or before it, with the service started early), where `run`
+moves them aside. Every document with neither counter of a conversation document, as the
+migration tells them (`TURN_FILTER`): an erasure takes those naming the user, a claim moves
+them, as it does the legacy collection's."""
+
+
+def _late_of(ids: list[Any]) -> dict[str, Any]:
+    """The late legacy turns (`LATE_TURNS`) among `ids`: a conversation document under one
+    of them since (an `_id` a turn and a conversation may share) is left alone."""
+    return {"_id": {"$in": ids}, **LATE_TURNS}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +13,7 @@ from contextvars import ContextVar
 from types import TracebackType
 from typing import Any
 
+from pymongo import AsyncMongoClient, MongoClient
 from pymongo import errors as mongo_errors
 from pymongo.database import Database as SyncPyMongoDatabase
 from pymongo.errors import BulkWriteError
@@ -31,10 +33,25 @@ They share the awaitable collection API the store uses, but no common type.
 """
 
 
+def _client_kind(db: Any) -> str | None:
+    """The name of the client `db` is, if it is one: PyMongo's `MongoClient` or
+    `AsyncMongoClient`, or Motor's client (looked up only once Motor is imported)."""
+    kinds: list[type[Any]] = [MongoClient, AsyncMongoClient]
+    if (motor := sys.modules.get("motor.motor_asyncio")) is not None:
+        kinds.append(motor.AsyncIOMotorClient)
+    return next((kind.__name__ for kind in kinds if isinstance(db, kind)), None)
+
+
 def async_database(db: Database) -> Database:
-    """`db`, checked to be a handle whose calls the store can await: a synchronous PyMongo
+    """`db`, checked to be a handle whose calls the store can await: a client
+    (`AsyncMongoClient(uri)`, not `AsyncMongoClient(uri)["db"]`) or a synchronous PyMongo
     `Database` (`MongoClient(...)["db"]`) is refused with a TypeError, before anything is
     written through it. Every holder of a database checks it here as it is made."""
+    if (client := _client_kind(db)) is not None:
+        raise TypeError(
+            f"the store needs a database, not a client: got {client}(...); pass a database, "
+            "client[name], as in AsyncMongoClient(uri)[name]"
+        )
     if isinstance(db, SyncPyMongoDatabase):
         raise TypeError(
             "the store needs an async database handle (PyMongo's AsyncMongoClient, or Motor): "

@@ -68,6 +68,7 @@ from agent_store.store._legacy_seam import FallbackConversation, LegacySource, n
 from agent_store.store._pop import Pop, PopMemory, finish_marked
 from agent_store.store._relocated import settle
 from agent_store.store._reservation import (
+    CONVERSATION_DOCUMENT,
     DELETING,
     LISTED,
     MIGRATING,
@@ -1829,7 +1830,7 @@ class ConversationStore:
             legacy = await self._legacy_source.erase_user(user_id)
         with storage_errors("erase the user's data"):
             found = await self._conversations.find(
-                {"user_id": user_id}, {"epoch": 1, "created_at": 1}
+                {"user_id": user_id, **CONVERSATION_DOCUMENT}, {"epoch": 1, "created_at": 1}
             ).to_list(None)
         found = await self._deletions.record(found, user_id)
         messages, reserved = await self._erase_messages_of_conversations(user_id, found)
@@ -1971,9 +1972,9 @@ class ConversationStore:
         go to that user (`_hand_over_claimed_beside`). One round trip more than the deletes,
         and one per collection."""
         with storage_errors("erase the user's data"):
-            held = await self._conversations.find({"user_id": user_id}, {"created_at": 1}).to_list(
-                None
-            )
+            held = await self._conversations.find(
+                {"user_id": user_id, **CONVERSATION_DOCUMENT}, {"created_at": 1}
+            ).to_list(None)
         kept = [_thread_of(d["_id"], d.get("created_at")) for d in held]
         await self._hand_over_claimed_beside(user_id, {d["_id"] for d in held})
         query: dict[str, Any] = {"user_id": user_id}
@@ -2033,7 +2034,7 @@ class ConversationStore:
             raise InvalidInput("invalid claim: the two user ids are the same")
         with storage_errors("claim the conversations"):
             conversations = await self._conversations.update_many(
-                {"user_id": from_user_id, **NOT_BEING_DELETED},
+                {"user_id": from_user_id, **NOT_BEING_DELETED, **CONVERSATION_DOCUMENT},
                 {"$set": {"user_id": to_user_id, "legacy_user_id": None}},
             )
         messages = await self._move_claimed_messages(from_user_id, to_user_id)
@@ -2060,7 +2061,9 @@ class ConversationStore:
         """The ids of the user's conversations a delete marked (`DELETING`): those a claim
         leaves to the user, with everything of them. One round trip."""
         with storage_errors("claim the conversations"):
-            marked = self._conversations.find({"user_id": user_id, DELETING: {"$ne": None}})
+            marked = self._conversations.find(
+                {"user_id": user_id, DELETING: {"$ne": None}, **CONVERSATION_DOCUMENT}
+            )
             return [doc["_id"] for doc in await marked.to_list(None)]
 
     async def _move_claimed_messages(self, from_user_id: str, to_user_id: str) -> int:

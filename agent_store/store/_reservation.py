@@ -80,6 +80,16 @@ reservation, move or give-back, a pop, a rename, an upsert, an answer to a promp
 inbox opened. A write it stops is refused (`being_deleted`) once the mark is read."""
 
 
+CONVERSATION_DOCUMENT: dict[str, Any] = {
+    "$nor": [{"message_count": {"$exists": False}, "turn_count": {"$exists": False}}]
+}
+"""The filter part of a read or write of a user's conversation documents by their owner (an
+erasure, a claim): a document of `agent_conversations` with neither counter the store writes
+on every one is a legacy turn an old-service writer logged there after the migration's move
+(or before it), the legacy source's to reach, never a conversation (MIGRATION.md step 1
+tells them apart so)."""
+
+
 FORK_CHECK = "fork_check"
 """The field a fork creates its conversation with (`ForkCheck`), removed once its copies are
 stored and its check of its source passed: until then the conversation is a fork not made
