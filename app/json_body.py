@@ -4,7 +4,8 @@ What pydantic cannot refuse on its own, because it happens while parsing or
 only fails once stored: nesting deep enough to exhaust the parser's recursion,
 more values than a request may make the service validate and store, numbers that
 parse to infinity (JSON responses cannot carry them back; an integer past 64 bits,
-which BSON's integers cannot hold, is the double it spells, as `1e+19` spells it),
+which BSON's integers cannot hold, is the double it spells, as `1e+19` spells it, and
+refused when its digits name no double: kept as the nearest one, digits would be lost),
 a key named twice in one object (readers disagree on which value counts), a lone
 UTF-16 surrogate escaped (`"\\ud800"`: no text, which the parser would refuse in
 words of its own, not naming where it is).
@@ -16,6 +17,7 @@ import codecs
 import json
 import math
 import re
+import sys
 from typing import Any, TypeVar
 
 from agent_store.core import location_text, shown_key, stored_number
@@ -29,8 +31,8 @@ MAX_BODY_VALUES = 200_000
 and `null` counting one: the work a request causes grows with its values, not its bytes (16 MiB
 of `{}` is 2.5 million objects), and a turn of 1,000 messages with their tool calls and results
 holds a tenth of this or less."""
-_INT64_DIGITS = len(str(-(2**63)))
-"""The longest JSON integer within 64 bits, its sign included."""
+_DOUBLE_DIGITS = len(str(-int(sys.float_info.max)))
+"""The longest JSON integer within the doubles, its sign included."""
 T = TypeVar("T", bound=float)
 
 
@@ -58,6 +60,11 @@ def _problem(value: Any) -> str | None:
     """What is wrong with a scalar, if anything."""
     if isinstance(value, float) and not math.isfinite(value):
         return "the number is outside the 64-bit floating-point range the store keeps"
+    if type(value) is int and not -(2**63) <= value < 2**63:
+        return (
+            "the integer is past 64 bits and its digits name no 64-bit floating-point number "
+            "(kept as the nearest one it would lose digits): send it as a string"
+        )
     return None
 
 
@@ -97,8 +104,9 @@ class _Numbers:
 
     def integer(self, text: str) -> int | float:
         """An integer as the store keeps it (`stored_number`): past 64 bits, the double it
-        spells (as `1e+19` spells it), past every double an infinity, refused."""
-        if len(text) > _INT64_DIGITS:  # past 64 bits, and maybe past what int() reads
+        spells (as `1e+19` spells it), else itself, refused (`_problem`); past every double
+        an infinity, refused."""
+        if len(text) > _DOUBLE_DIGITS:  # past every double, and maybe past what int() reads
             return self._noted(float(text))
         return self._noted(stored_number(int(text)))
 

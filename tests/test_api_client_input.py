@@ -593,7 +593,7 @@ HUGE_NUMBERS = [
     pytest.param(
         f'{{"role": "assistant", "content": "x", "latency_ms": {-(2**63) - 1}}}',
         "messages.0.latency_ms",
-        "greater than or equal to 0",
+        "past 64 bits and its digits name no 64-bit floating-point number",
         id="latency-below-int64",
     ),
     pytest.param(
@@ -680,6 +680,27 @@ async def test_a_whole_number_past_64_bits_is_one_number_however_spelt(
     assert retry.status_code == 200, retry.text[:500]
     assert retry.json()["messages"] == first.json()["messages"]
     assert "1e+19" in retry.text
+
+
+@pytest.mark.parametrize("message", BIG_WHOLE_TURNS)
+@pytest.mark.parametrize("digits", ["10000000000000000001", "9223372036854775809"])
+async def test_a_whole_number_past_64_bits_no_double_holds_is_refused_naming_it(
+    api: Served, message: str, digits: str
+) -> None:
+    """Digits past 64 bits that name no double exactly (nor as its shortest digits) would be
+    kept as the nearest double, losing digits silently: 422 naming the number's place,
+    nothing written. Such a number is sent as a string."""
+    before = await api.digest()
+    asked = '{"role": "user", "content": "pay", "created_at": "2026-01-01T00:00:00Z"}'
+    turn = '{"messages": [' + asked + ", " + message % digits + "]}"
+
+    refused = await api.http.post(TURNS, content=turn, headers=JSON)
+
+    assert refused.status_code == 422, refused.text[:500]
+    said = refused.json()["error"]["message"]
+    assert "messages.1." in said
+    assert "digits" in said
+    assert await api.digest() == before
 
 
 @pytest.mark.parametrize(

@@ -559,16 +559,17 @@ def _prompt_of(cents: float) -> list[dict[str, Any]]:
     return [{"role": "assistant", "hitl_action": ask}]
 
 
-async def test_an_integer_past_64_bits_is_kept_as_the_double_nearest_it(
+async def test_an_integer_past_64_bits_spelling_a_double_is_kept_as_that_double(
     backend: Backend,
 ) -> None:
-    """BSON's integers are 64 bits: a wider one is the double JSON readers read it as, so
-    `10**19` and `1e19` are one number and the retry spelling it the other way replays."""
+    """BSON's integers are 64 bits: a wider one that spells a double (its exact value, or the
+    shortest digits naming it, as JavaScript writes it) is that double, so `10**19` and
+    `1e19` are one number and the retry spelling it the other way replays."""
     logger = AgentMessageLogger(backend.db)
 
     first = await logger.log_messages(CID, _prompt_of(1e19), turn_id="t1")
     again = await logger.log_messages(CID, _prompt_of(10**19), turn_id="t1")
-    other = await logger.log_messages(CID + "-2", _prompt_of(2**63 + 1), turn_id="t1")
+    other = await logger.log_messages(CID + "-2", _prompt_of(9223372036854776000), turn_id="t1")
 
     assert again.replayed
     assert again.messages == first.messages
@@ -577,6 +578,17 @@ async def test_an_integer_past_64_bits_is_kept_as_the_double_nearest_it(
     assert other.messages[0].hitl_action is not None
     assert other.messages[0].hitl_action.params == {"cents": [float(2**63)]}
     assert stored["hitl_action"]["params"] == {"cents": [float(2**63)]}
+
+
+@pytest.mark.parametrize("wide", [2**63 + 1, 10**19 + 1, -(2**63) - 1])
+async def test_an_integer_past_64_bits_no_double_holds_is_refused_and_nothing_is_written(
+    backend: Backend, wide: int
+) -> None:
+    """Kept as the nearest double it would lose digits, silently: refused, naming it."""
+    with pytest.raises(InvalidInput, match=r"hitl_action\.params.*cents\.0.*digits"):
+        await AgentMessageLogger(backend.db).log_messages(CID, _prompt_of(wide))
+    assert await backend.db.agent_messages.count_documents({}) == 0
+    assert await backend.db.agent_conversations.count_documents({}) == 0
 
 
 async def test_an_integer_past_every_double_is_refused_naming_it_and_nothing_is_written(

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Annotated, Any, ClassVar, Generic, Literal, Self, TypeVar
 
 from bson import DBRef, Int64
@@ -281,16 +282,21 @@ _INT64_RANGE = range(-(2**63), 2**63)
 
 
 def stored_number(value: int) -> int | float:
-    """An integer as the store keeps it: itself within 64 bits (BSON's integers), else the
-    double nearest it, the number a JSON reader with one number type (JavaScript) reads, so
-    `10000000000000000000` and `1e+19` are one number; itself again past every double (an
-    integer refused, naming where it is)."""
+    """An integer as the store keeps it: itself within 64 bits (BSON's integers); past them,
+    the double it spells, as its exact value or as the shortest digits that name it (what
+    JavaScript writes for a double), so `10000000000000000000` and `1e+19` are one number
+    however a JSON writer spells it. Other digits past 64 bits (`10000000000000000001`), and
+    a number past every double, are themselves: refused where they are, since kept as the
+    nearest double they would lose digits unsaid."""
     if value in _INT64_RANGE:
         return value
     try:
-        return float(value)
+        nearest = float(value)
     except OverflowError:
         return value
+    if int(nearest) == value or int(Decimal(repr(nearest))) == value:
+        return nearest
+    return value
 
 
 def _wide_ints_as_doubles(value: Any) -> Any:

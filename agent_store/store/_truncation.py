@@ -271,7 +271,9 @@ def bound(message: AgentMessage, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> 
         size = document_size(doc)
     except OverflowError as exc:
         raise InvalidInput(
-            f"invalid turn: {_wide_int_path(doc)} is an integer outside BSON's 64-bit range"
+            f"invalid turn: {_wide_int_path(doc)} is an integer outside BSON's 64-bit range "
+            "whose digits no double holds (kept as the nearest one it would lose digits): "
+            "send it as a string"
         ) from exc
     if size <= max_bytes:
         return BoundedMessage(message)
