@@ -1385,6 +1385,38 @@ async def test_a_copy_racing_an_erasure_of_its_user_copies_no_checkpoint(
         await ConversationStore(backend.db).get_conversation(source_id + "-copy")
 
 
+async def test_a_copy_racing_a_pop_inside_its_fork_never_holds_the_popped_message(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a pop of the source's last message landing once the store's
+    fork read the source, before it writes its copies, is never brought back either: the fork
+    is made again at what the source holds then."""
+    config = thread("user-ada")
+    saver = AgentStoreSaver(backend.db)
+    await run_turns(tool_agent(saver), config, range(1, 3))
+    source_id = config["configurable"]["thread_id"]
+    side = [{"role": "user", "content": "side note"}, {"role": "assistant", "content": "regret"}]
+    await AgentMessageLogger(backend.db).log_messages(
+        source_id, side, user_id="user-ada", turn_id="t-side"
+    )
+    store, logger = ConversationStore(backend.db), saver._transcripts._logger
+    read, popped = logger._fork_source, []
+
+    async def then_popped(*args: Any, **kwargs: Any) -> Any:
+        found = await read(*args, **kwargs)
+        if not popped:
+            popped.append((await store.pop_last_message(source_id)).content)
+        return found
+
+    monkeypatch.setattr(logger, "_fork_source", then_popped)
+    await saver.acopy_thread(source_id, source_id + "-copy")
+
+    assert popped == ["regret"]
+    copied = [m.content for m in await store.transcript(source_id + "-copy")]
+    assert copied == [m.content for m in await store.transcript(source_id)]
+    assert copied[-1] == "side note"
+
+
 async def _crashing_before_the_checkpoints(
     db: Any, source_id: str, target_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

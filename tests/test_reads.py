@@ -1651,6 +1651,88 @@ async def test_a_fork_whose_source_is_deleted_before_it_checks_it_creates_nothin
     await _nothing_of_owner_is_left(backend, store)
 
 
+def _popped_once_after_the_forks_read(
+    logger: AgentMessageLogger, monkeypatch: pytest.MonkeyPatch, pop: Callable[[], Awaitable[Any]]
+) -> None:
+    """`pop` runs once, right after the fork's first read of its source (the await between that
+    read and its writes)."""
+    read = logger._fork_source
+
+    async def then_popped(*args: Any, **kwargs: Any) -> Any:
+        found = await read(*args, **kwargs)
+        monkeypatch.setattr(logger, "_fork_source", read)
+        await pop()
+        return found
+
+    monkeypatch.setattr(logger, "_fork_source", then_popped)
+
+
+def _once(action: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[None]]:
+    """`action`, run by the first call only."""
+    ran: list[bool] = []
+
+    async def first() -> None:
+        if not ran:
+            ran.append(True)
+            await action()
+
+    return first
+
+
+POP_AND_FORK = ["popped after its read", "popped between its write and its check"]
+
+
+@pytest.mark.parametrize("change", ["popped", "popped and corrected"])
+@pytest.mark.parametrize("moment", POP_AND_FORK)
+async def test_a_fork_racing_a_pop_of_what_it_copies_never_holds_the_popped_message(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, moment: str, change: str
+) -> None:
+    """The fork of "c-x" at seq 5 has read it when seq 5 is popped (and, corrected, logged
+    again), before the fork writes its copies or between its writes and its check of its
+    source. The fork takes back what it wrote and answers as a fresh fork would now:
+    InvalidInput for the seq "c-x" no longer holds, nothing of "c-fork" left, or the corrected
+    answer copied. Never a fork holding a message its source no longer holds."""
+    logger = await _owners_three_turns(backend)
+    store = ConversationStore(backend.db)
+    pop = _once(partial(_changed, logger, store, change))
+    if moment == "popped after its read":
+        _popped_once_after_the_forks_read(logger, monkeypatch, pop)
+    else:
+        _around_the_forks_check(logger, monkeypatch, before=pop)
+
+    if change == "popped":
+        with pytest.raises(InvalidInput, match="no message with seq 5"):
+            await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
+        assert await backend.db.agent_conversations.count_documents({"_id": "c-fork"}) == 0
+        assert await backend.db.agent_messages.count_documents({"conversation_id": "c-fork"}) == 0
+    else:
+        forked = await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
+        kept = await store.transcript("c-fork", user_id=OWNER)
+        assert [m.content for m in forked.messages][-1] == "corrected answer"
+        assert [m.content for m in kept] == [m.content for m in await store.transcript("c-x")]
+        assert [m.seq for m in kept] == list(range(6))
+    assert await backend.db[DELETIONS].count_documents({}) == 0
+
+
+async def test_a_fork_stands_when_a_pop_after_its_read_removed_nothing_it_copied(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pop landing between the fork's writes and its check that removes a message past what
+    the fork copies (seq 5 of "c-x", forked at seq 3) leaves the fork as made."""
+    logger = await _owners_three_turns(backend)
+    store = ConversationStore(backend.db)
+    _around_the_forks_check(
+        logger, monkeypatch, before=_once(partial(_changed, logger, store, "popped"))
+    )
+
+    forked = await logger.fork("c-x", 3, "c-fork", user_id=OWNER)
+
+    kept = await store.transcript("c-fork", user_id=OWNER)
+    assert [m.content for m in kept] == [m.content for m in forked.messages]
+    assert [m.content for m in kept][-1] == "answer 1"
+    assert (await store.get_conversation("c-fork", user_id=OWNER)).message_count == 4
+
+
 CLAIM_AND_FORK = [
     "claimed before it writes",
     "claimed between its write and its check",
@@ -2076,17 +2158,19 @@ SOURCE_CHANGES = ["popped", "popped and corrected"]
 
 
 @pytest.mark.parametrize("change", SOURCE_CHANGES)
-async def test_a_forks_retry_after_its_source_changed_takes_back_the_empty_fork_an_attempt_left(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch, change: str
+@pytest.mark.parametrize("copies", ["never stored", "stored, the reply lost"])
+async def test_a_forks_retry_after_its_source_changed_takes_back_the_fork_an_attempt_left(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, change: str, copies: str
 ) -> None:
-    """The fork's first attempt reserved "c-fork" and lost the insert of its copies: nothing of
-    it was ever served. "c-x"'s last message, the fork's at_seq, is then popped (and, corrected,
-    logged again): the same fork can no longer be made. The retry takes back the empty fork and
-    answers as a fresh fork would now: the corrected answer copied, or InvalidInput for a seq
-    "c-x" no longer holds, with nothing of "c-fork" left."""
+    """The fork's first attempt reserved "c-fork" and lost the insert of its copies, or stored
+    them and lost the reply before its check of its source: nothing of it was ever served.
+    "c-x"'s last message, the fork's at_seq, is then popped (and, corrected, logged again): the
+    same fork can no longer be made. The retry takes back the fork, never made, and answers
+    as a fresh fork would now: the corrected answer copied, or InvalidInput for a seq "c-x" no
+    longer holds, with nothing of "c-fork" left."""
     logger = await _owners_three_turns(backend)
     store = ConversationStore(backend.db)
-    _the_forks_insert_failing(logger, monkeypatch, applied=False)
+    _the_forks_insert_failing(logger, monkeypatch, applied=copies != "never stored")
     with pytest.raises(StorageUnavailable):
         await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
     await _changed(logger, store, change)
@@ -2222,22 +2306,16 @@ async def test_a_fork_is_absent_while_an_attempt_makes_it_and_stands_once_its_ch
 
 
 @pytest.mark.parametrize("change", SOURCE_CHANGES)
-@pytest.mark.parametrize("first", ["answered", "stored, its reply lost"])
 async def test_a_forks_retry_after_its_source_changed_is_a_conflict_naming_the_fork_it_stored(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch, change: str, first: str
+    backend: Backend, change: str
 ) -> None:
-    """The fork's first attempt stored its copies of "c-x" up to seq 5 (answered, or its reply
-    lost); seq 5 is then popped from "c-x" (and, corrected, logged again). The fork stands as
-    stored; its retry, which can no longer be the same fork, is a Conflict naming the fork (its
-    new id and at_seq), never the internal turn that holds its copies."""
+    """The fork's first attempt stored its copies of "c-x" up to seq 5 and answered; seq 5 is
+    then popped from "c-x" (and, corrected, logged again). The fork stands as stored; its
+    retry, which can no longer be the same fork, is a Conflict naming the fork (its new id and
+    at_seq), never the internal turn that holds its copies."""
     logger = await _owners_three_turns(backend)
     store = ConversationStore(backend.db)
-    if first == "answered":
-        await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
-    else:
-        _the_forks_insert_failing(logger, monkeypatch, applied=True)
-        with pytest.raises(StorageUnavailable):
-            await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
+    await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
     await _changed(logger, store, change)
 
     with pytest.raises(Conflict, match=r"'c-fork'.*seq 5") as refused:
@@ -2246,7 +2324,6 @@ async def test_a_forks_retry_after_its_source_changed_is_a_conflict_naming_the_f
     assert "turn 'fork-" not in str(refused.value)
     kept = await store.transcript("c-fork", user_id=OWNER)
     assert [m.content for m in kept][-1] == "answer 2"
-    # It stands: checked by the refused retry when its first attempt's check never ran.
     assert (await store.get_conversation("c-fork", user_id=OWNER)).message_count == 6
     assert len(kept) == 6
 
@@ -2435,8 +2512,9 @@ async def test_an_attempt_of_a_fork_landing_after_its_empty_fork_was_taken_back_
 ) -> None:
     """The fork's first attempt reserved "c-fork" and is slow to insert its copies; "c-x"'s
     seq 5, its at_seq, is popped and the retry, refused, takes the empty fork back. The first
-    attempt's copies landing after that follow their conversation, find it gone and go too:
-    nothing of "c-fork" is left."""
+    attempt's copies landing after that follow their conversation, find it gone and go too,
+    and its check, finding the pop since its read, answers as a fresh fork would now: nothing
+    of "c-fork" is left."""
     logger = await _owners_three_turns(backend)
     store = ConversationStore(backend.db)
     first, go = await _a_fork_slow_to_insert(logger, monkeypatch)
@@ -2444,7 +2522,8 @@ async def test_an_attempt_of_a_fork_landing_after_its_empty_fork_was_taken_back_
     with pytest.raises(InvalidInput, match="no message with seq 5"):
         await logger.fork("c-x", 5, "c-fork", user_id=OWNER)
     go.set()
-    await first
+    with pytest.raises(InvalidInput, match="no message with seq 5"):
+        await first
 
     assert await backend.db.agent_conversations.count_documents({"_id": "c-fork"}) == 0
     assert await backend.db.agent_messages.count_documents({"conversation_id": "c-fork"}) == 0

@@ -1214,6 +1214,9 @@ class ForkCheck(_Model):
     """The source's `epoch` as read (None: stored before epochs)."""
     created_at: UtcDatetime | None = None
     """The source's `created_at` as read: it tells the source when it had no `epoch`."""
+    pops: Count | None = None
+    """How many pops the source had finished as read (`Conversation.pops`): its check tells
+    the pops since by it (None: a fork made before it was recorded, checked for none)."""
     taking_back: bool = False
     """A take-back of the fork has begun: the fork no longer stands, whatever a check finds."""
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from functools import partial, wraps
 from itertools import takewhile
-from typing import Any, NoReturn, ParamSpec, Protocol, TypeVar
+from typing import Any, Literal, NoReturn, ParamSpec, Protocol, TypeVar
 
 from bson import Int64
 from pydantic import BaseModel, ConfigDict
@@ -1074,7 +1074,11 @@ class AgentMessageLogger:
         StorageUnavailable, nothing written. The same fork retried is stored once; an existing
         `new_conversation_id` is a Conflict. A source deleted, or its user erased, before
         the fork's check of it passed is NotFound, and what the fork wrote is taken back,
-        by the attempt that finds it or by a retry (`_unless_its_source_went`). A fork refused
+        by the attempt that finds it or by a retry (`_unless_its_source_went`); one whose check
+        finds that a pop removed a `seq` it copies since it read its source is taken back too,
+        and made as a fresh fork would be now: InvalidInput for an `at_seq` the source no longer
+        holds, never a fork holding a popped message (a second such race, StorageUnavailable:
+        retry). A fork refused
         while an earlier attempt's fork, never given its copies, holds `new_conversation_id`
         takes that empty fork back and is made as a fresh fork now; one refused by a fork that
         stored its copies is a Conflict naming it (`_settle_refused_fork`). A take-back cut
@@ -1087,6 +1091,8 @@ class AgentMessageLogger:
         actor = Actor(user_id, owner_only)
         try:
             return await self._fork_once(conversation_id, at_seq, new_conversation_id, actor)
+        except PoppedWhileForked:
+            pass  # taken back: made as a fresh fork would be now
         except (InvalidInput, Conflict) as refused:
             await self._settle_refused_fork(
                 conversation_id, at_seq, new_conversation_id, actor, refused
@@ -1135,7 +1141,7 @@ class AgentMessageLogger:
         # Its copies keep 0…n, which `forked_from.turn_starts` names: a fork never moves them.
         stored, reserved = await self._store(plan, reserved, started, None)
         # A replay checks the fork only if its `fork_check` is still there, read back.
-        created = None if reserved.replayed else _fork_as_created(reserved, source)
+        created = None if reserved.replayed else _fork_as_created(reserved, source, origin)
         followed = await self._unless_its_source_went(
             conversation_id, plan.conversation_id, created
         )
@@ -1194,12 +1200,13 @@ class AgentMessageLogger:
         """After a fork into `new_conversation_id` was `refused` (its source no longer holds its
         at_seq, holds other messages up to it, or the id is taken): returns, to have the fork
         made as a fresh one, once an earlier attempt's fork there, which stored none of its
-        copies (nothing of it was ever served), is taken back (`_take_back_fork`); raises
+        copies (nothing of it was ever served), or whose check, never passed, finds a pop since
+        its read that removed a `seq` it copies, is taken back (`_take_back_fork`); raises
         `refused` when no fork of this source the actor may see is there, or none this request
         could retry (one copying up to a `seq` below `at_seq`: another fork, perhaps an
         attempt still inserting, is never taken back for a request it does not answer), and a
-        Conflict naming that fork, which stands, when it stored its copies (never the internal
-        turn holding them). One round trip when there is no such fork.
+        Conflict naming that fork, which stands, when it stored its copies otherwise (never the
+        internal turn holding them). One round trip when there is no such fork.
 
         An attempt of the fork still inserting its copies is let land first: the fork is
         found empty twice, `claim_grace` apart (a wait on this path only). An insert slower
@@ -1217,7 +1224,10 @@ class AgentMessageLogger:
                     return
             # Its copies stored and its check never passed (its answer lost): checked now,
             # so the fork the Conflict names is served (or, its source gone, taken back).
-            await self._unless_its_source_went(conversation_id, fork["_id"], fork)
+            try:
+                await self._unless_its_source_went(conversation_id, fork["_id"], fork)
+            except PoppedWhileForked:
+                return  # a pop since its read: taken back, and made as a fresh fork now
         raise _fork_stands(conversation_id, fork, at_seq, refused)
 
     async def _fork_into(
@@ -1262,11 +1272,13 @@ class AgentMessageLogger:
         what the fork wrote is taken back (`_take_back_fork`), when a delete or an erasure of
         its source has begun (its `DeletionRecords` record is there) or its source is no longer
         the conversation it read (gone, perhaps started again under its id: another `epoch`,
-        `same_conversation`). Two round trips: the record, then the source; a third, when
-        neither is found, clears the fork's `fork_check`: from then on the fork stands. The
-        source read names its owner: a fork made under an owner whose account was claimed
-        since first follows its source to the new owner (`_with_its_source`); the owner it
-        moved to is answered (None: not moved).
+        `same_conversation`); PoppedWhileForked, taken back so too, when a pop since the fork
+        read its source removed a `seq` it copies (`_popped_under`; `fork` makes it again).
+        Two round trips: the record, then the source; a third, when neither is found, clears
+        the fork's `fork_check`: from then on the fork stands. The source read names its
+        owner: a fork made under an owner whose account was claimed since first follows its
+        source to the new owner (`_with_its_source`); the owner it moved to is answered (None:
+        not moved).
 
         `fork` is the fork's conversation as created (`_fork_as_created`); None for a replay,
         which reads it back and checks it only while its `fork_check` is there: an earlier
@@ -1292,8 +1304,8 @@ class AgentMessageLogger:
             fork = await self._fork_into(conversation_id, new_id, None, unchecked=True)
             if fork is None:
                 return None  # it stood: an earlier attempt's check passed
-        checked, whole = await self._with_its_source(conversation_id, new_id, fork)
-        if whole:
+        checked, source = await self._with_its_source(conversation_id, new_id, fork)
+        if source == "whole":
             with storage_errors("record the fork's check"):
                 cleared = await self._conversations.update_one(
                     {**same_as_read(new_id, fork), "fork_check.taking_back": {"$ne": True}},
@@ -1305,9 +1317,11 @@ class AgentMessageLogger:
             if not cleared.matched_count:  # moved to its source's owner: is it there?
                 await self._unless_it_went(new_id, checked)
             return owner
-        if await self._take_back_fork(new_id, checked):
-            raise _source_went_away(conversation_id)
-        return None
+        if not await self._take_back_fork(new_id, checked):
+            return None
+        if source == "popped":
+            raise _popped_while_forked(conversation_id, checked)
+        raise _source_went_away(conversation_id)
 
     async def _unless_it_went(self, new_id: str, fork: Mapping[str, Any]) -> None:
         """After a fork's check moved it to its source's owner (an account claimed meanwhile)
@@ -1329,12 +1343,13 @@ class AgentMessageLogger:
 
     async def _with_its_source(
         self, conversation_id: str, new_id: str, fork: Mapping[str, Any]
-    ) -> tuple[Mapping[str, Any], bool]:
+    ) -> tuple[Mapping[str, Any], SourceNow]:
         """The fork's check of its source (`_unless_its_source_went`): the fork as it is once
         checked, and whether its source is whole (no deletion under way, the conversation it
-        read). A fork whose source is another user's than the fork is (its owner's account
-        claimed after the fork read the source, and moved before the fork created its
-        conversation, which the claim then did not see) follows it first
+        read, no pop since the fork read it removed a `seq` the fork copies), went, or was
+        popped so (`_popped_under`). A fork whose source is another user's than the fork is
+        (its owner's account claimed after the fork read the source, and moved before the fork
+        created its conversation, which the claim then did not see) follows it first
         (`_follow_its_source`), and the source is checked again, so a check that found the
         source whole found the fork its owner's: a deletion (an erasure of the new owner)
         beginning after it finds the fork where it finds the source. A claim moving the
@@ -1342,19 +1357,34 @@ class AgentMessageLogger:
         unowned, its source assigned since or not, as a retry leaves it."""
         check = ForkCheck.model_validate(fork[FORK_CHECK])
         if check.taking_back:
-            return fork, False
+            return fork, "went"
         for _ in range(_RESERVE_ATTEMPTS):
             source = await self._source_now(conversation_id, check)
             if source is None:
-                return fork, False
+                return fork, "went"
+            if await self._popped_under(fork, check, source):
+                return fork, "popped"
             owner, holder = fork.get("user_id"), source.get("user_id")
             if owner is None or holder is None or holder == owner:
-                return fork, True
+                return fork, "whole"
             fork = await self._follow_its_source(new_id, fork, holder)
         raise StorageUnavailable(
             f"the fork of {conversation_id!r} into {new_id!r} could not be checked: its "
             "source's owner kept changing (account claims); retry the fork"
         )
+
+    async def _popped_under(
+        self, fork: Mapping[str, Any], check: ForkCheck, source: Mapping[str, Any]
+    ) -> bool:
+        """Whether a pop removed a `seq` the fork copies (up to its `forked_from.seq`) from its
+        source, read now (`source`), since the fork read it (`_popped_since`). A pop still
+        under way there is finished first (`_pop.finish_marked`: two round trips, on that
+        path only), so the fork made again reads the source as the pop leaves it."""
+        end = ForkOrigin.model_validate(fork["forked_from"]).seq
+        if not _popped_since(source, check, end):
+            return False
+        await finish_marked(self._messages, self._conversations, source)
+        return True
 
     async def _follow_its_source(
         self, new_id: str, fork: Mapping[str, Any], holder: str
@@ -1379,16 +1409,16 @@ class AgentMessageLogger:
         return {**fork, "user_id": holder}
 
     async def _source_now(self, conversation_id: str, check: ForkCheck) -> dict[str, Any] | None:
-        """The conversation a fork copied, as its `check` names it, with its owner now; None
-        when it went: a delete or an erasure of it has begun, or it is gone (perhaps started
-        again under its id: another `epoch`). Two round trips, the second only when no
-        deletion is under way."""
+        """The conversation a fork copied, as its `check` names it, with its owner now and what
+        tells a pop since the fork read it (`_SOURCE_NOW_READ`); None when it went: a delete or
+        an erasure of it has begun, or it is gone (perhaps started again under its id: another
+        `epoch`). Two round trips, the second only when no deletion is under way."""
         as_read = {"epoch": check.epoch, "created_at": check.created_at}
         with storage_errors("read the conversation"):
             if await self._deletions.under_way(conversation_id, as_read):
                 return None
             source: dict[str, Any] | None = await self._conversations.find_one(
-                same_as_read(conversation_id, as_read), {"user_id": 1}
+                same_as_read(conversation_id, as_read), _SOURCE_NOW_READ
             )
         return source
 
@@ -1427,7 +1457,8 @@ class AgentMessageLogger:
         fork = await self._fork_into(conversation_id, new_conversation_id, actor, unchecked=True)
         if fork is None:
             return
-        with contextlib.suppress(NotFound):  # the caller's NotFound is raised instead
+        # The caller's NotFound is raised instead.
+        with contextlib.suppress(NotFound, PoppedWhileForked):
             await self._unless_its_source_went(conversation_id, fork["_id"], fork)
 
     async def _take_back_fork(self, new_id: str, fork: Mapping[str, Any]) -> bool:
@@ -1519,6 +1550,7 @@ class AgentMessageLogger:
                     "message_count": 1,
                     "pending_calls": 1,
                     "pending_hitl": 1,
+                    "pops": 1,
                     "forked_from": 1,
                     "resolved_hitl": 1,
                     "approved_calls": 1,
@@ -3423,6 +3455,13 @@ MAX_FORK_WHOLE_TEXT_CHARS = 64 * 1024 * 1024
 one fork copies: it holds them in memory at once."""
 
 
+SourceNow = Literal["whole", "went", "popped"]
+"""What a fork's check found of its source (`AgentMessageLogger._with_its_source`)."""
+_SOURCE_NOW_READ = {"user_id": 1, "pops": 1, "popped_messages": 1, "popping": 1}
+"""What a fork's check reads of its source: its owner, and what tells a pop since the fork
+read it (`_popped_since`)."""
+
+
 def _source_went_away(conversation_id: str) -> NotFound:
     """What a fork answers once it took back what it wrote of a source that went."""
     return NotFound(
@@ -3626,6 +3665,21 @@ class HeldOff(Conflict):
         conversation read after the refusal no longer tells them."""
 
 
+class PoppedWhileForked(StorageUnavailable):
+    """A fork whose check found that a pop removed a `seq` it copies from its source since it
+    read it: what it wrote was taken back. `AgentMessageLogger.fork` makes it again as a fresh
+    fork would be now; raised when that fork meets the same race again (retry)."""
+
+
+def _popped_while_forked(conversation_id: str, fork: Mapping[str, Any]) -> PoppedWhileForked:
+    """What a fork answers once it took back what it wrote of a source a pop changed."""
+    at = fork.get("forked_from", {}).get("seq")
+    return PoppedWhileForked(
+        f"a pop removed a message of conversation {conversation_id!r} up to seq {at} while the "
+        "fork copied it: nothing of the fork was kept; retry the fork"
+    )
+
+
 class NotStoredYet(StorageUnavailable):
     """A retry of a turn sending other content than its first attempt reserved its place
     with, nothing of it stored yet, while that attempt may still store it (until the rules'
@@ -3782,20 +3836,45 @@ def _followed_to(
     return copies, replace(reserved, owner=owner, conversation=conversation)
 
 
-def _fork_as_created(reserved: _Reserved, source: Mapping[str, Any]) -> dict[str, Any]:
+def _fork_as_created(
+    reserved: _Reserved, source: Mapping[str, Any], origin: ForkOrigin
+) -> dict[str, Any]:
     """The fork's conversation as its reservation created it: its owner, `epoch` and
-    `created_at`, and its `fork_check` (`_fork_condition`), unread."""
+    `created_at`, its `forked_from` and its `fork_check` (`_fork_condition`), unread."""
     return {
         "user_id": reserved.owner,
         "epoch": reserved.epoch,
         "created_at": reserved.created_at,
+        "forked_from": origin.model_dump(),
         "fork_check": _as_read(source).model_dump(),
     }
 
 
 def _as_read(source: Mapping[str, Any]) -> ForkCheck:
     """The fork's source as the fork read it: what its check looks for."""
-    return ForkCheck(epoch=source.get("epoch"), created_at=source.get("created_at"))
+    return ForkCheck(
+        epoch=source.get("epoch"),
+        created_at=source.get("created_at"),
+        pops=int(source.get("pops") or 0),
+    )
+
+
+def _popped_since(source: Mapping[str, Any], check: ForkCheck, end: int) -> bool:
+    """Whether a pop removed a `seq` up to `end` (what the fork copies) from `source`, read
+    with its `pops`, `popped_messages` and `popping`, since the fork read it (`check.pops`):
+    one under way there (`popping`), or one of the pops finished since, each of which listed
+    its message last (`popped_messages`, the newest kept: all of them were, when more pops
+    finished than it keeps). None for a fork made before its check recorded `pops`."""
+    if check.pops is None:
+        return False
+    marked = source.get("popping")
+    if isinstance(marked, Mapping) and int(marked.get("seq", end + 1)) <= end:
+        return True
+    since = int(source.get("pops") or 0) - check.pops
+    if since <= 0:
+        return False
+    listed = [p for p in source.get("popped_messages") or () if isinstance(p, Mapping)]
+    return since > len(listed) or any(int(p.get("s", 0)) <= end for p in listed[-since:])
 
 
 def _same_as_reserved(conversation_id: str, reserved: _Reserved) -> dict[str, Any]:
