@@ -241,6 +241,28 @@ async def test_a_retry_spelling_a_whole_number_with_or_without_a_fraction_is_the
         await logger.log_messages(CID, _keyed(kind, IN_ORDER, days=2.5), turn_id=first.turn_id)
 
 
+@pytest.mark.parametrize("turn_id", ["run-1", None], ids=["named", "derived"])
+@pytest.mark.parametrize("kind", ["arguments", "hitl params"])
+@pytest.mark.parametrize(
+    ("sent", "retried"),
+    [(2**64, 18446744073709552000), (1e300, 10**300), (10**19, 1e19)],
+    ids=["exact-then-shortest", "float-then-digits", "digits-then-float"],
+)
+async def test_a_retry_spelling_a_number_past_64_bits_as_other_digits_of_it_is_the_same_turn(
+    backend: Backend, kind: str, turn_id: str | None, sent: float, retried: float
+) -> None:
+    """A double past 64 bits has more than one spelling: its exact digits (Python's), its
+    shortest digits (JavaScript's), an exponent. A retry spelling it another way is a
+    replay, named or not."""
+    logger = AgentMessageLogger(backend.db)
+    first = await logger.log_messages(CID, _keyed(kind, IN_ORDER, days=sent), turn_id=turn_id)
+    again = await logger.log_messages(CID, _keyed(kind, IN_ORDER, days=retried), turn_id=turn_id)
+
+    assert again.replayed
+    assert again.turn_id == first.turn_id
+    assert await backend.db.agent_messages.count_documents({}) == 1
+
+
 def test_arguments_count_as_the_json_value_when_spelt_as_the_store_writes_an_object() -> None:
     """Arguments given as an object are kept as compact JSON text: their digest is that of the
     value, keys in any order (so is a caller's text spelt exactly so: stored alike, it cannot
@@ -842,6 +864,29 @@ async def test_a_step_whose_messages_are_logged_is_claimed_only_at_the_transcrip
     with pytest.raises(TranscriptMoved, match="logged step 'c', after"):
         await logger.log_messages(CID, _said("behind c"), step="b2")
     assert [m.content for m in await store.transcript(CID)] == ["said once"]
+
+
+@pytest.mark.parametrize("named", ["its version", "a stale version", "no version"])
+async def test_a_user_naming_a_version_of_another_users_conversation_is_told_it_is_not_found(
+    backend: Backend, named: str
+) -> None:
+    """SECURITY.md: to a user (`owner_only`) another user's conversation is NotFound, as one
+    that is not there, whatever version the turn names: a version never tells them apart."""
+    logger = AgentMessageLogger(backend.db)
+    said = [{"role": "user", "content": "hello"}]
+    first = await logger.upsert_conversation("c-theirs", user_id="u-1")
+    await logger.log_messages("c-theirs", said, user_id="u-1")
+    version = {"its version": first.version, "a stale version": "0" * 16, "no version": None}
+    sent = {"user_id": "u-2", "owner_only": True, "version": version[named]}
+
+    with pytest.raises(NotFound) as theirs:
+        await logger.log_messages("c-theirs", said, **sent)  # type: ignore[arg-type]
+    assert str(theirs.value) == "conversation 'c-theirs' was not found"
+    assert len(await ConversationStore(backend.db).transcript("c-theirs")) == 1
+    if version[named] is not None:  # a version names a conversation: none there is NotFound
+        with pytest.raises(NotFound) as missing:
+            await logger.log_messages("c-nowhere", said, **sent)  # type: ignore[arg-type]
+        assert str(missing.value) == "conversation 'c-nowhere' was not found"
 
 
 async def test_a_turn_naming_a_version_is_logged_only_into_that_conversation(

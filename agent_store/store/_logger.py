@@ -642,7 +642,11 @@ class AgentMessageLogger:
             refused=refused_prompts,
             answers_to=answers_to,
         )
-        life = None if version is None else await self._life_named(plan.conversation_id, version)
+        life = (
+            None
+            if version is None
+            else await self._life_named(plan.conversation_id, version, actor)
+        )
         turn = partial(_turn_conditions, plan, next_seq, step, refused_prompts, answers_to)
         conditions = partial(_in_life, turn, life)
         named = (answers_to, refused_prompts)
@@ -667,14 +671,19 @@ class AgentMessageLogger:
         stored, reserved = await self._store(plan, reserved, started, (actor, condition))
         return await self._told(plan, reserved, stored)
 
-    async def _life_named(self, conversation_id: str, version: str) -> Condition:
+    async def _life_named(self, conversation_id: str, version: str, actor: Actor) -> Condition:
         """The condition of a turn logged only into the conversation `version` names
         (`log_messages`): its life (`same_conversation`), as read now; NotFound when there is
-        none under the id, VersionMismatch when it is another. One round trip."""
+        none under the id, VersionMismatch when it is another. The one `actor` may not write
+        to is refused as the reservation refuses it (`Actor.refusal`: to a user, NotFound
+        whatever the version, so a version never tells another user's conversation apart
+        from a missing one). One round trip."""
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
-                {"_id": conversation_id}, {"epoch": 1, "created_at": 1}
+                {"_id": conversation_id}, {"epoch": 1, "created_at": 1, "user_id": 1}
             )
+        if found is not None and (refusal := actor.refusal(conversation_id, found.get("user_id"))):
+            raise refusal
         gone = NotFound(f"conversation {conversation_id!r} was not found")
         other = VersionMismatch(
             f"conversation {conversation_id!r} is not the one named: it was deleted and started "

@@ -38,6 +38,7 @@ from agent_store.core import (
     location_text,
     messages_adapter,
     shown,
+    stored_number,
     tool_outcome,
     utc_now,
 )
@@ -560,9 +561,14 @@ def _json_text_in_key_order(text: str) -> str:
 def _normal_json(value: Any) -> Any:
     """A JSON value with every object's keys sorted and every whole number written without
     a fraction (`10.0` is `10`: one JSON number, which a JavaScript client cannot spell
-    otherwise); the value itself when it is so already."""
+    otherwise), an integer past 64 bits that spells a double as that double's exact value
+    (`18446744073709552000`, JavaScript's digits of 2**64, is `18446744073709551616`:
+    `stored_number`); the value itself when it is so already."""
     if type(value) is float and value.is_integer():
         return int(value)
+    if type(value) is int and not -(2**63) <= value < 2**63:
+        spelt = stored_number(value)
+        return int(spelt) if isinstance(spelt, float) else value
     if isinstance(value, dict):
         items = [(key, _normal_json(item)) for key, item in value.items()]
         keys = [key for key, _ in items]
