@@ -802,6 +802,41 @@ async def test_a_late_retry_whose_block_nothing_followed_keeps_its_first_attempt
         await logger.log_messages(CID, _said("behind"), next_seq=2)
 
 
+@pytest.mark.parametrize(
+    ("next_seq", "logged_at"), [(None, [6, 7]), (6, [6, 7]), (2, None)], ids=str
+)
+async def test_a_regenerated_retry_after_a_late_retry_was_refused_is_logged_anew(
+    backend: Backend, next_seq: int | None, logged_at: list[int] | None
+) -> None:
+    """RELIABILITY.md: past `abandon_after` a retry with other content finds the empty block
+    given back and is logged anew at the end. A late retry refused where it would land
+    (`TranscriptMoved`) gave that block up already: the regenerated retry after it is a new
+    turn all the same, logged, or refused by its own `next_seq`; never `Unreserved` on every
+    attempt. `check_turn` raises what `log_messages` does."""
+    logger = AgentMessageLogger(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+    store = ConversationStore(backend.db)
+    await _lost_after_a_later_turn(backend, logger)
+    with pytest.raises(TranscriptMoved):
+        await logger.log_messages(CID, _turn("b"), turn_id="t-b", next_seq=2, step="s1")
+
+    arguments = {"turn_id": "t-b", "next_seq": next_seq}
+    checked = await _outcome(logger.check_turn(CID, _turn("b regenerated"), **arguments))
+    logged = await _outcome(logger.log_messages(CID, _turn("b regenerated"), **arguments))
+    assert checked == logged
+    if logged_at is None:
+        assert logged is not None
+        assert logged[0] is TranscriptMoved
+        return
+    assert logged is None
+    retried = await logger.log_messages(CID, _turn("b regenerated"), turn_id="t-b")
+    assert retried.replayed
+    assert [m.seq for m in retried.messages] == logged_at
+    texts = [m.content for m in await store.transcript(CID)]
+    assert texts == ["a", "a!", "x", "x!", "b regenerated", "b regenerated!"]
+    conversation = await store.get_conversation(CID)
+    assert (conversation.turn_count, conversation.message_count) == (3, 8)
+
+
 async def _outcome(call: Any) -> tuple[type[BaseException], str] | None:
     try:
         await call

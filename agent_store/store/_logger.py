@@ -1961,7 +1961,7 @@ class AgentMessageLogger:
         refused = _retry_refusal(plan, conversation, condition, own)
         if looked.stored:
             return _Verdict(await self._stored_as_sent(plan, refused))
-        if block.counted is None or block.reserved_at is None:
+        if (block.counted is None and not block.given_up) or block.reserved_at is None:
             raise refused
         if not self._passed(block):
             raise NotStoredYet(
@@ -1990,7 +1990,9 @@ class AgentMessageLogger:
         cid = plan.conversation_id
         epoch, created = conversation.get("epoch"), conversation.get("created_at")
         same = same_conversation(cid, epoch=epoch, created_at=created)
-        shown = await self._shown_before(plan, block.first_seq, abandoned=True)
+        shown = None
+        if not block.given_up:  # else taken back when it was given up
+            shown = await self._shown_before(plan, block.first_seq, abandoned=True)
         query, update = given_back_abandoned(plan, block, same, conversation, shown)
         ids = block_ids(plan, block.count)
         seqs = range(block.first_seq, block.first_seq + block.count)
@@ -1998,7 +2000,7 @@ class AgentMessageLogger:
             update.append({"$set": await self._named_from_stored(cid, ids, seqs, epoch)})
         with storage_errors("take back what the turn counted"):
             result = await self._conversations.update_one(query, update)
-        if result.matched_count:
+        if result.matched_count and not block.given_up:  # given up: folded then
             await self._give_up(cid, strict=False)
         return seqs
 

@@ -329,6 +329,9 @@ class RecordedBlock:
     moves."""
     counted: tuple[int, int, int] | None = None
     """What its reservation counted (`TurnRecord.counted`); None when its record does not say."""
+    given_up: bool = False
+    """A retry gave the turn up for good (`TurnRecord.given_up`): what its reservation
+    counted was taken back and its `seq`s are gaps already."""
 
 
 def recorded_block(document: Mapping[str, Any], key: int) -> RecordedBlock | None:
@@ -354,6 +357,7 @@ def recorded_block(document: Mapping[str, Any], key: int) -> RecordedBlock | Non
                 popped=record.popped,
                 by_person=record.by_person,
                 counted=_unpacked(record.counted),
+                given_up=record.given_up,
             )
     return None
 
@@ -2127,19 +2131,40 @@ def given_back_abandoned(
     block: RecordedBlock,
     same: dict[str, Any],
     conversation: Mapping[str, Any],
-    shown: ShownBefore,
+    shown: ShownBefore | None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """`given_back` for the empty block an earlier attempt of the turn reserved with other
     content, abandoned: what its record says it counted (`RecordedBlock.counted`, which must
     be known) is taken back, its `block.count` `seq`s become gaps, the approvals its
     messages changed, in `conversation` as read, are as before them
     (`approvals_unstored`), and the summary its reservation set is taken back as `given_back`
-    takes it back (`_shown_again`, `shown` abandoned)."""
+    takes it back (`_shown_again`, `shown` abandoned). A block a retry gave up already
+    (`RecordedBlock.given_up`) only has its record renamed (`_given_back_after_given_up`)."""
+    if block.given_up:
+        return _given_back_after_given_up(plan.key, block.first_seq, same)
     assert block.counted is not None
+    assert shown is not None
     query, pipeline = _given_back(plan.key, block.first_seq, block.count, block.counted, same)
     pipeline.extend(approvals_unstored(conversation, block_ids(plan, block.count)))
     pipeline[0]["$set"].update(_shown_again(shown, block.first_seq, block.count))
     return query, pipeline
+
+
+def _given_back_after_given_up(
+    turn_key: int, first_seq: int, same: dict[str, Any]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """`given_back_abandoned` of a block a retry gave up already (`given_up`: what it counted
+    taken back, its `seq`s gaps, its summary and pending state as before it): what is left
+    is its record naming the turn no more (`moved_key`), as a block given back does, once."""
+    key, first = Int64(turn_key), Int64(first_seq)
+    query = {
+        **same,
+        **NOT_BEING_DELETED,
+        "turns": {"$elemMatch": {"k": key, "f": first, "g": True}},
+    }
+    own = {"$and": [{"$eq": ["$$record.k", literal(key)]}, {"$eq": ["$$record.f", literal(first)]}]}
+    moved = Int64(moved_key(turn_key))
+    return query, [{"$set": {"turns": records_changed(own, {"k": literal(moved)})}}]
 
 
 def counted(plan: TurnPlan) -> tuple[int, int, int]:
