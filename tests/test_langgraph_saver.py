@@ -1385,6 +1385,88 @@ async def test_a_copy_racing_an_erasure_of_its_user_copies_no_checkpoint(
         await ConversationStore(backend.db).get_conversation(source_id + "-copy")
 
 
+def _forced_turn_by_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every copy logged turn by turn, as one whose fork the store refuses `ForkTooLarge`."""
+    from agent_store.integrations._langgraph_transcript import TranscriptLink
+
+    async def too_large(*args: Any) -> None:
+        return None  # what it answers when the store refuses the fork `ForkTooLarge`
+
+    monkeypatch.setattr(TranscriptLink, "_fork_of_all", too_large)
+
+
+@pytest.mark.parametrize("path", ["fork", "turn by turn"])
+async def test_a_copy_racing_a_claim_of_its_user_is_the_new_owners_thread(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a claim landing after the copy read its checkpoints and
+    before it stored them leaves the whole copy the new owner's, checkpoints too: their
+    graph reads the thread the source is."""
+    from agent_store.integrations import langgraph
+
+    if path == "turn by turn":
+        _forced_turn_by_turn(monkeypatch)
+    config = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(backend.db)), config, range(1, 3))
+    source_id = config["configurable"]["thread_id"]
+    inserted = langgraph._insert_new
+
+    async def raced(*args: Any) -> None:
+        monkeypatch.setattr(langgraph, "_insert_new", inserted)
+        await ConversationStore(backend.db).claim("user-ada", "user-bob")
+        await inserted(*args)
+
+    monkeypatch.setattr(langgraph, "_insert_new", raced)
+    await AgentStoreSaver(backend.db).acopy_thread(source_id, source_id + "-copy")
+
+    assert await backend.db[CHECKPOINTS].count_documents({"user_id": "user-ada"}) == 0
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    source = await graph.aget_state(thread("user-bob", source_id))
+    copied = await graph.aget_state(thread("user-bob", source_id + "-copy"))
+    said = [m.content for m in source.values["messages"]]
+    assert said
+    assert [m.content for m in copied.values.get("messages", [])] == said
+
+
+@pytest.mark.parametrize(
+    ("source_owner", "started_by"),
+    [(None, "user-bob"), ("user-ada", None)],
+    ids=["unowned-thread-into-another-users-chat", "users-thread-into-an-unowned-chat"],
+)
+async def test_a_copy_longer_than_one_fork_never_writes_into_a_chat_started_meanwhile(
+    backend: Backend,
+    monkeypatch: pytest.MonkeyPatch,
+    source_owner: str | None,
+    started_by: str | None,
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a copy logged turn by turn creates its target; a
+    conversation someone started under the id after the copy looked is a Conflict, and
+    nothing is written into it."""
+    from agent_store.integrations._langgraph_transcript import TranscriptLink
+
+    _forced_turn_by_turn(monkeypatch)
+    config = thread(source_owner)
+    await run_turns(tool_agent(AgentStoreSaver(backend.db)), config, range(1, 3))
+    source_id, target_id = config["configurable"]["thread_id"], f"chat-{uuid.uuid4().hex[:12]}"
+    looked = TranscriptLink._earlier_attempt
+
+    async def then_started(link: Any, *args: Any) -> Any:
+        found = await looked(link, *args)
+        said = [{"role": "user", "content": "my own chat"}]
+        logger = AgentMessageLogger(backend.db)
+        await logger.log_messages(target_id, said, user_id=started_by, turn_id="t-1")
+        return found
+
+    monkeypatch.setattr(TranscriptLink, "_earlier_attempt", then_started)
+    with pytest.raises(Conflict, match="copy into a new id"):
+        await AgentStoreSaver(backend.db).acopy_thread(source_id, target_id)
+
+    store = ConversationStore(backend.db)
+    assert (await store.get_conversation(target_id)).user_id == started_by
+    assert [m.content for m in await store.transcript(target_id)] == ["my own chat"]
+    assert await backend.db[CHECKPOINTS].count_documents({"thread_id": target_id}) == 0
+
+
 async def test_a_copy_racing_a_pop_inside_its_fork_never_holds_the_popped_message(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -576,6 +576,22 @@ async def test_upsert_conversation_refuses_to_change_the_owner(backend: Backend)
     assert (conversation.user_id, conversation.name) == ("owner", "Trip")
 
 
+@pytest.mark.parametrize("there", [None, "owner", "intruder"])
+async def test_upsert_conversation_create_only_refuses_any_conversation_there(
+    backend: Backend, there: str | None
+) -> None:
+    """`create_only`: a conversation under the id, unowned, the user's or another's, is a
+    Conflict and stays as it was; a new one is the conversation an upsert creates."""
+    logger = AgentMessageLogger(backend.db)
+    created = await logger.upsert_conversation(CID + "-new", user_id="owner", create_only=True)
+    assert created == await ConversationStore(backend.db).get_conversation(CID + "-new")
+    await logger.log_messages(CID, [{"role": "user", "content": "hi"}], user_id=there)
+    before = await backend.db.agent_conversations.find_one({"_id": CID})
+    with pytest.raises(Conflict, match="exists already"):
+        await logger.upsert_conversation(CID, user_id="owner", create_only=True)
+    assert await backend.db.agent_conversations.find_one({"_id": CID}) == before
+
+
 def _prompt_of(cents: float) -> list[dict[str, Any]]:
     ask = {"action": "pay", "request_id": "r1", "params": {"cents": [cents]}}
     return [{"role": "assistant", "hitl_action": ask}]

@@ -558,7 +558,7 @@ class TranscriptLink:
             forked = await self._fork_of_all(source, target_id, stored)
             if forked is not None:
                 return forked
-        return await self._logged(source, target_id)
+        return await self._logged(source, target_id, target)
 
     async def hold(self, copied: Copied, refused: StoreError | None = None) -> None:
         """After every write of a copy (its checkpoints' too): returns while its source is
@@ -645,17 +645,23 @@ class TranscriptLink:
             f"{source.conversation_id!r}: copy into a new id"
         )
 
-    async def _logged(self, source: Conversation, target_id: str) -> Copied:
+    async def _logged(
+        self, source: Conversation, target_id: str, earlier: Conversation | None
+    ) -> Copied:
         """The copy logged through the logger, turn by turn of the source as it is read now,
         with documents of its own (nothing shared to corrupt) and the source's owner; a
         message cut to its bound is logged from its whole text, kept whole for the copy.
+
+        Its target is its `earlier` attempt, or one it creates, create-only: a conversation
+        someone started under the id since the copy looked is a Conflict, nothing written
+        (`_created_target`), as the store's fork into it is.
 
         Each turn is logged only into the life of the target this copy created (or its
         earlier attempt did: `log_messages`'s `version`), so a target deleted meanwhile, its
         user's erasure included, is never started again by a later turn: the copy is taken
         back and NotFound (its source gone) or the refusal raised (`hold`)."""
         source_id = source.conversation_id
-        target = await self._logger.upsert_conversation(target_id, user_id=source.user_id)
+        target = earlier or await self._created_target(source, target_id)
         copied = Copied({}, conversation_mark(target.created_at), source, target)
         # Cut messages go from their whole texts (two lookups, only when one was cut), as the
         # store's own fork copies them: the logger cuts them again and keeps the copy's own.
@@ -679,6 +685,19 @@ class TranscriptLink:
                 copied.moved[old.seq] = (new.seq, new.id)
         self.forget(target_id)
         return copied
+
+    async def _created_target(self, source: Conversation, target_id: str) -> Conversation:
+        """The copy's target conversation, created with the source's owner; Conflict when a
+        conversation is under the id (`upsert_conversation(create_only=True)`)."""
+        try:
+            return await self._logger.upsert_conversation(
+                target_id, user_id=source.user_id, create_only=True
+            )
+        except Conflict as exc:
+            raise Conflict(
+                f"conversation {target_id!r} exists already and is no copy of thread "
+                f"{source.conversation_id!r}: copy into a new id"
+            ) from exc
 
     async def _forked(
         self, source: Conversation, target_id: str, at_seq: int, stored: Sequence[AgentMessage]

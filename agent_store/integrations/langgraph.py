@@ -420,7 +420,9 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         """Fork a thread into a new one: its checkpoints, conversation, messages and extras,
         all copied. A re-run after a crash finishes the copy its fork made: the checkpoints
         that refer only to the messages that fork copied (`_rekeyed`). Once all is written,
-        the copy is checked as a fork is (`TranscriptLink.hold`): its source deleted, or its
+        the copy's checkpoints name its owner as it is then (`_follow_the_target`: a claim
+        of its user landing meanwhile moves the whole copy), and the copy is checked as a
+        fork is (`TranscriptLink.hold`): its source deleted, or its
         user erased, meanwhile, or its target deleted, it is taken back, checkpoints and
         all, and NotFound (the source gone) or the refusal is raised."""
         source, target = _thread_id(source_thread_id), _thread_id(target_thread_id)
@@ -437,6 +439,7 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         copies = [copy for copy in rekeyed if copy is not None]
         await _insert_new(self._checkpoints, copies, "copy the thread's checkpoints")
         try:
+            await self._follow_the_target(target, conversation)
             await self._transcripts.hold(copied)
         except StoreError:
             with storage_errors("take back the thread's checkpoints"):
@@ -446,6 +449,22 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             raise
         finally:
             self._transcripts.forget(target)
+
+    async def _follow_the_target(self, target: str, conversation: int | None) -> None:
+        """The copy's checkpoints, once stored, named with the owner its conversation has now
+        (read after their insert): a claim that moved the conversation before they were
+        stored, with the source's owner as read, found none of them to move, and one after
+        moves them itself. A target gone is left to `TranscriptLink.hold`."""
+        if conversation is None:
+            return
+        try:
+            found = await self.store.get_conversation(target, fallback=False)
+        except NotFound:
+            return
+        owner = found.user_id
+        stale = {"thread_id": target, CONVERSATION: conversation, "user_id": {"$ne": owner}}
+        with storage_errors("name the copy's owner on its checkpoints"):
+            await self._checkpoints.update_many(stale, {"$set": {"user_id": owner}})
 
     def _rekeyed(
         self,

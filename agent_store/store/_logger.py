@@ -442,7 +442,12 @@ class AgentMessageLogger:
         await self._indexes.ensure()
 
     async def upsert_conversation(
-        self, conversation_id: str, *, user_id: str | None = None, name: str | None = None
+        self,
+        conversation_id: str,
+        *,
+        user_id: str | None = None,
+        name: str | None = None,
+        create_only: bool = False,
     ) -> Conversation:
         """Create a conversation if it is missing; set its name when one is given.
 
@@ -452,7 +457,9 @@ class AgentMessageLogger:
         for an unowned conversation that holds messages assigns it, and its messages become
         that user's, as an assigning turn's do (`_hand_over_earlier`: three round trips more,
         and a wait of `claim_grace` while a turn is still being written; naming the owner of
-        one it owns already costs one round trip, a new one two).
+        one it owns already costs one round trip, a new one two). With `create_only` it only
+        creates: a conversation already under the id (anyone's, in any state) is a Conflict,
+        nothing written (one round trip, and the legacy lookup when wired to legacy turns).
         """
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         if user_id is not None:
@@ -469,6 +476,8 @@ class AgentMessageLogger:
         update: dict[str, Any] = {"$setOnInsert": on_insert}
         if changed:
             update["$set"] = changed
+        if create_only:
+            return await self._created_only(conversation_id, Actor(user_id), on_insert | changed)
         if user_id is not None:  # the user's already, the common case: one round trip
             owned = await self._upsert(conversation_id, Actor(user_id, True), update, create=False)
             if owned is not None:
@@ -476,6 +485,22 @@ class AgentMessageLogger:
         doc = await self._created_or_assigned(conversation_id, Actor(user_id), update)
         if user_id is not None:
             await self._hand_over_all(conversation_id, doc)
+        return Conversation.model_validate(doc)
+
+    async def _created_only(
+        self, conversation_id: str, actor: Actor, fields: dict[str, Any]
+    ) -> Conversation:
+        """`upsert_conversation(create_only=True)`: the conversation inserted with `fields`,
+        or Conflict when its id is taken (legacy turns not migrated yet included); an id the
+        migration derives is never created."""
+        _refuse_derived(conversation_id, actor)
+        await self._refuse_unmigrated(conversation_id, actor)
+        doc = {"_id": conversation_id, **fields}
+        with storage_errors("create the conversation"):
+            try:
+                await self._conversations.insert_one(doc)
+            except DuplicateKeyError as exc:
+                raise Conflict(f"conversation {conversation_id!r} exists already") from exc
         return Conversation.model_validate(doc)
 
     async def _assign(
