@@ -551,6 +551,49 @@ async def test_erasing_a_user_takes_a_late_legacy_turn_of_theirs_no_run_has_move
         assert await backend.db[name].count_documents({}) == 0, name
 
 
+@pytest.mark.parametrize("fallback", [True, False], ids=["read-fallback", "no-fallback"])
+@pytest.mark.parametrize("created_at", ["2026-03-02T09:00:00Z", datetime(2026, 3, 2, tzinfo=UTC)])
+async def test_listings_and_exports_never_serve_a_late_legacy_turn_as_a_conversation(
+    backend: Backend, fallback: bool, created_at: Any
+) -> None:
+    """A legacy turn an old-service writer logged into `agent_conversations` after the move
+    is no conversation: a user's list, the operator's list of every user's, and an export
+    list the conversations only, as erasure and claim tell them apart."""
+    await log_example(AgentMessageLogger(backend.db))
+    late = {**example_legacy_turns()[0], "_id": bson.ObjectId(), "created_at": created_at}
+    await backend.db[CONVERSATIONS].insert_one(late)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db, read_fallback=fallback))
+
+    listed = await store.list_conversations(EXAMPLE_USER_ID)
+    recent = await store.recent_conversations()
+    exported = [c async for c in store.stream_user_conversations(EXAMPLE_USER_ID)]
+
+    for conversations in (listed.data, recent.data, exported):
+        assert [c.id for c in conversations] == [EXAMPLE_CONVERSATION_ID]
+
+
+@pytest.mark.parametrize("legacy_too", [True, False], ids=["legacy-turns", "store-only"])
+async def test_erasing_a_user_takes_a_late_legacy_turn_naming_no_user_of_their_conversation(
+    backend: Backend, legacy_too: bool
+) -> None:
+    """A late legacy turn of a conversation the user owns (in the store or as legacy turns)
+    that names no user is the user's part of it, as in the legacy collection: the erasure
+    takes it, and no later run brings the conversation back with the user's words."""
+    if legacy_too:
+        await backend.db[LEGACY_TURNS].insert_many(example_legacy_turns())
+    await log_example(AgentMessageLogger(backend.db))
+    late = {**example_legacy_turns()[0], "_id": bson.ObjectId(), "user_id": None}
+    late["created_at"] = "2026-03-02T09:00:00Z"
+    await backend.db[CONVERSATIONS].insert_one(late)
+    store = ConversationStore(backend.db, legacy=LegacyTurns(backend.db))
+
+    erased = await store.erase_user(EXAMPLE_USER_ID)
+
+    assert erased.legacy_turns == (5 if legacy_too else 1)
+    for name in (CONVERSATIONS, MESSAGES, LEGACY_TURNS):
+        assert await backend.db[name].count_documents({}) == 0, name
+
+
 async def test_a_claim_moves_a_late_legacy_turn_and_counts_conversations_only(
     backend: Backend,
 ) -> None:

@@ -49,6 +49,7 @@ from agent_store.legacy._session_hitl import (
     with_session_prompts,
 )
 from agent_store.store import (
+    CONVERSATION_DOCUMENT,
     CONVERSATIONS,
     DERIVED_CONVERSATION_PREFIX,
     DERIVED_TURN_PREFIX,
@@ -251,18 +252,39 @@ class LegacyTurns:
     async def erase_user(self, user_id: str) -> int:
         """Delete the user's part (`users_part`) of the legacy conversations the user owns,
         with their prompts, and every turn and prompt naming the user elsewhere, by any value
-        read as the user (`_naming`); how many turns went."""
+        read as the user (`_naming`); and the late legacy turns (`LATE_TURNS`) naming the
+        user, or naming no user in a conversation the user owns (`_late_unnamed`); how many
+        turns went."""
         with storage_errors("erase the user's legacy turns"):
             naming = await _naming(self._turns, user_id, _OWNERSHIP_FIELDS)
             owned, part = await self._users_parts(user_id, naming)
             turns = [d["_id"] for d in naming] + part
             deleted = await self._turns.delete_many({"_id": {"$in": turns}}) if turns else None
             late = await _ids_naming(self._conversations, user_id, within=LATE_TURNS)
+            late += await self._late_unnamed(user_id, owned)
             stranded = await self._conversations.delete_many(_late_of(late)) if late else None
             prompts = await _users_prompts(self._prompts, user_id, owned)
             if prompts:
                 await self._prompts.delete_many({"_id": {"$in": prompts}})
         return sum(int(done.deleted_count) for done in (deleted, stranded) if done is not None)
+
+    async def _late_unnamed(self, user_id: str, owned: list[str]) -> list[Any]:
+        """The `_id`s of the late legacy turns (`LATE_TURNS`) naming no user in a conversation
+        the user owns: as legacy turns (`owned`, `_users_parts`), or in the store (by its id,
+        or the legacy id a derived id records): the user's part of it (`part_of`), as in the
+        legacy collection, which a later run would migrate back, unowned, with the user's
+        words. Two round trips."""
+        stored = await self._conversations.find(
+            {"user_id": user_id, **CONVERSATION_DOCUMENT}, {"legacy_conversation_id": 1}
+        ).to_list(None)
+        names = {*owned, *(d["_id"] for d in stored)}
+        names |= {legacy_id_of(d["_id"], d.get("legacy_conversation_id")) for d in stored} - {None}
+        if not names:
+            return []
+        held = {"$or": [named_filter("conversation_id", name) for name in sorted(names)]}
+        late = {"$and": [held, LATE_TURNS]}
+        found = await self._conversations.find(late, {"user_id": 1}).to_list(None)
+        return [d["_id"] for d in found if user_named(d.get("user_id")) is None]
 
     async def _users_parts(
         self, user_id: str, naming: list[dict[str, Any]]

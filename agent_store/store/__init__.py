@@ -71,6 +71,7 @@ from agent_store.store._reads import (
     SortOrder,
 )
 from agent_store.store._reservation import (
+    CONVERSATION_DOCUMENT,
     MIGRATING,
     UNSTANDING_READ,
     Actor,
@@ -138,6 +139,7 @@ __all__ = [
     "CHUNKS_PER_REPLY",
     "CHUNK_BYTES",
     "CONVERSATIONS",
+    "CONVERSATION_DOCUMENT",
     "DEFAULT_MARKERS",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DELETIONS",

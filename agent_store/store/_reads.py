@@ -416,9 +416,12 @@ class ConversationStore:
     def _listed(self) -> dict[str, Any]:
         """The filter part of a read of many conversations: `LISTED` (one the migration is
         still writing among them) while the read fallback serves such a one, else
-        `STANDING`."""
+        `STANDING`; with either, only conversation documents (`CONVERSATION_DOCUMENT`): a
+        legacy turn an old-service writer logged into the collection is listed, exported
+        and searched as no conversation, whatever the fallback."""
         source = self._legacy_source
-        return LISTED if source is not None and source.read_fallback else STANDING
+        fence = LISTED if source is not None and source.read_fallback else STANDING
+        return fence | CONVERSATION_DOCUMENT
 
     def _as_listed(self, scope: dict[str, Any]) -> dict[str, Any]:
         """A read's `scope` (`_standing`) taking what a list lists (`_listed`)."""

@@ -84,7 +84,8 @@ CONVERSATION_DOCUMENT: dict[str, Any] = {
     "$nor": [{"message_count": {"$exists": False}, "turn_count": {"$exists": False}}]
 }
 """The filter part of a read or write of a user's conversation documents by their owner (an
-erasure, a claim): a document of `agent_conversations` with neither counter the store writes
+erasure, a claim), and of every read of many conversations (`_listed`: a list, an export, a
+search): a document of `agent_conversations` with neither counter the store writes
 on every one is a legacy turn an old-service writer logged there after the migration's move
 (or before it), the legacy source's to reach, never a conversation (MIGRATION.md step 1
 tells them apart so)."""
