@@ -1499,6 +1499,45 @@ async def test_a_copy_racing_a_pop_inside_its_fork_never_holds_the_popped_messag
     assert copied[-1] == "side note"
 
 
+async def test_a_copy_longer_than_one_fork_never_holds_a_message_popped_meanwhile(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a copy logged turn by turn (the fork refused
+    `ForkTooLarge`, forced here) whose source's last message is popped once it read the
+    source takes back what it logged and copies the source again, as the store's fork
+    does: it never holds the popped message."""
+    from agent_store.integrations._langgraph_transcript import TranscriptLink
+
+    async def too_large(*args: Any) -> None:
+        return None  # what it answers when the store refuses the fork `ForkTooLarge`
+
+    monkeypatch.setattr(TranscriptLink, "_fork_of_all", too_large)
+    config = thread("user-ada")
+    saver = AgentStoreSaver(backend.db)
+    await run_turns(tool_agent(saver), config, range(1, 3))
+    source_id = config["configurable"]["thread_id"]
+    side = [{"role": "user", "content": "side note"}, {"role": "assistant", "content": "regret"}]
+    await AgentMessageLogger(backend.db).log_messages(
+        source_id, side, user_id="user-ada", turn_id="t-side"
+    )
+    store, transcripts = ConversationStore(backend.db), saver._transcripts._store
+    read, popped = transcripts.with_full_texts, []
+
+    async def then_popped(*args: Any, **kwargs: Any) -> Any:
+        found = await read(*args, **kwargs)
+        if not popped:
+            popped.append((await store.pop_last_message(source_id)).content)
+        return found
+
+    monkeypatch.setattr(transcripts, "with_full_texts", then_popped)
+    await saver.acopy_thread(source_id, source_id + "-copy")
+
+    assert popped == ["regret"]
+    copied = [m.content for m in await store.transcript(source_id + "-copy")]
+    assert copied == [m.content for m in await store.transcript(source_id)]
+    assert copied[-1] == "side note"
+
+
 async def _crashing_before_the_checkpoints(
     db: Any, source_id: str, target_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1545,6 +1584,63 @@ async def test_a_copy_run_again_after_a_crash_is_the_thread_as_its_fork_copied_i
     await went_on.ainvoke(None, target)
     ours = (await went_on.aget_state(target)).values["messages"]
     assert comparable(ours) == comparable((await graph.aget_state(source)).values["messages"])
+
+
+async def test_a_copy_run_again_after_a_crash_and_a_pop_of_what_its_fork_copied_copies_afresh(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANGGRAPH.md `copy_thread`: re-running it after a crash converges also once a pop
+    removed from the source a message its fork copied (the fork can no longer be replayed):
+    that fork, untouched since, is taken back and the thread copied as it is now, so the
+    copy never holds the popped message, and holds all the source's checkpoints."""
+    source = thread("user-ada")
+    saver = AgentStoreSaver(backend.db)
+    await run_turns(tool_agent(saver), source, range(1, 3))
+    source_id = source["configurable"]["thread_id"]
+    side = [{"role": "user", "content": "side note"}, {"role": "assistant", "content": "regret"}]
+    await AgentMessageLogger(backend.db).log_messages(
+        source_id, side, user_id="user-ada", turn_id="t-side"
+    )
+    await _crashing_before_the_checkpoints(backend.db, source_id, source_id + "-copy", monkeypatch)
+    store = ConversationStore(backend.db)
+    assert (await store.pop_last_message(source_id)).content == "regret"
+
+    await AgentStoreSaver(backend.db).acopy_thread(source_id, source_id + "-copy")
+
+    copied = [m.content for m in await store.transcript(source_id + "-copy")]
+    assert copied == [m.content for m in await store.transcript(source_id)]
+    assert copied[-1] == "side note"
+    target = thread("user-ada", source_id + "-copy")
+    ours = [t.checkpoint["id"] async for t in saver.alist(target)]
+    assert ours == [t.checkpoint["id"] async for t in saver.alist(source)]
+
+
+async def test_a_copy_run_again_keeps_a_target_written_to_since_its_fork(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a target its crashed copy forked, and written to since,
+    is never taken back: once the fork can no longer be replayed, the re-run is Conflict
+    and the target keeps all it holds."""
+    source = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(backend.db)), source, range(1, 2))
+    source_id, target_id = (
+        source["configurable"]["thread_id"],
+        source["configurable"]["thread_id"] + "-copy",
+    )
+    logger = AgentMessageLogger(backend.db)
+    side = [{"role": "user", "content": "side note"}, {"role": "assistant", "content": "regret"}]
+    await logger.log_messages(source_id, side, user_id="user-ada", turn_id="t-side")
+    await _crashing_before_the_checkpoints(backend.db, source_id, target_id, monkeypatch)
+    note = [{"role": "user", "content": "mine"}]
+    await logger.log_messages(target_id, note, user_id="user-ada", turn_id="t-mine")
+    store = ConversationStore(backend.db)
+    await store.pop_last_message(source_id)
+    held = [m.content for m in await store.transcript(target_id)]
+
+    with pytest.raises(Conflict):
+        await AgentStoreSaver(backend.db).acopy_thread(source_id, target_id)
+
+    assert [m.content for m in await store.transcript(target_id)] == held
 
 
 def _messages_of(checkpoint: Any) -> list[Any]:

@@ -12,7 +12,7 @@ import json
 import math
 import operator
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -1393,6 +1393,25 @@ class Conversation(_Model):
         (`conversation_version`): pass it to `ConversationStore.delete(version=...)` to
         delete this conversation only; the API serves it as the `ETag` header."""
         return conversation_version(self.id, self.epoch, self.created_at)
+
+    def popped_since(self, pops: int, end: int) -> bool:
+        """Whether a pop removed a `seq` up to `end` from this conversation, read now, since
+        it was read with `pops` pops finished (`popped_up_to`)."""
+        popping = None if self.popping is None else self.popping.seq
+        listed = [p.seq for p in self.popped_messages]
+        return popped_up_to(end, self.pops - pops, popping, listed)
+
+
+def popped_up_to(end: int, since: int, popping: int | None, listed: Sequence[int]) -> bool:
+    """Whether a pop removed a `seq` up to `end` from a conversation since a read of it: one
+    under way there (its `seq`, `popping`), or one of the `since` pops finished since, each
+    of which listed its message's `seq` last (`listed`, its `popped_messages`, the newest
+    kept: all of them were, when more pops finished than it keeps)."""
+    if popping is not None and popping <= end:
+        return True
+    if since <= 0:
+        return False
+    return since > len(listed) or any(seq <= end for seq in listed[-since:])
 
 
 T = TypeVar("T")

@@ -539,8 +539,11 @@ class TranscriptLink:
         is this copy's earlier attempt (`_earlier_attempt`), which a re-run after a crash
         finishes: a fork of the source is forked again at its `forked_from.seq` (a replay), so
         the copy is the thread as it was when its fork was made, however far the source went
-        on since; a conversation of the source's owner holding nothing but this copy's turns
-        is logged again (each turn stored once). Answers where each source `seq` went, with
+        on since. A replay refused because a pop removed a message the fork copied takes that
+        fork back, when it is as the fork left it (`_untouched_fork`), and copies afresh: the
+        copy never keeps a popped message, and deletes nothing but copies. A conversation of
+        the source's owner holding nothing but this copy's turns is logged again (each turn
+        stored once). Answers where each source `seq` went, with
         its new message id, and the target conversation (`conversation_mark`; None without a
         source conversation).
         """
@@ -553,7 +556,13 @@ class TranscriptLink:
         if target is not None and target.forked_from is not None:
             at_seq = target.forked_from.seq
             up_to = await self._store.messages_by_seq(source_id, stop=at_seq + 1)
-            return await self._forked(source, target_id, at_seq, up_to)
+            try:
+                return await self._forked(source, target_id, at_seq, up_to)
+            except Conflict:
+                if not await self._untouched_fork(source, target):
+                    raise
+            await self._take_back(target)
+            target, stored = None, await self._store.messages_by_seq(source_id)
         if target is None and stored:
             forked = await self._fork_of_all(source, target_id, stored)
             if forked is not None:
@@ -618,6 +627,28 @@ class TranscriptLink:
                     raise
                 stored = read
 
+    async def _untouched_fork(self, source: Conversation, target: Conversation) -> bool:
+        """Whether the target, a fork of the source whose replay was refused (the source no
+        longer holds what it copied: a pop), is as its fork left it: the source's owner's,
+        no pop in it, no message past the fork's end and no checkpoint of its thread. Only
+        such a fork is taken back (nothing but copies of the source is lost)."""
+        assert target.forked_from is not None
+        if target.user_id != source.user_id or target.pops:
+            return False
+        held = await self._store.messages_by_seq(target.conversation_id)
+        if any(m.seq is None or m.seq > target.forked_from.seq for m in held):
+            return False
+        with storage_errors("read the thread's checkpoints"):
+            found = await self._checkpoints.find_one({"thread_id": target.conversation_id})
+        return found is None
+
+    async def _take_back(self, target: Conversation) -> None:
+        """Delete the target's life a copy wrote, or its earlier attempt did (nothing else
+        under the id is touched: `version`)."""
+        with contextlib.suppress(NotFound, VersionMismatch):
+            await self._store.delete(target.conversation_id, version=target.version)
+        self.forget(target.conversation_id)
+
     async def _earlier_attempt(
         self, source: Conversation, target_id: str, stored: Sequence[AgentMessage]
     ) -> Conversation | None:
@@ -646,6 +677,30 @@ class TranscriptLink:
         )
 
     async def _logged(
+        self, source: Conversation, target_id: str, earlier: Conversation | None
+    ) -> Copied:
+        """The copy logged turn by turn (`_logged_once`), checked once logged as the store's
+        fork checks its copies: a pop that removed a `seq` it copied from the source since
+        `source` was read (`Conversation.popped_since`) takes the copy back and it is logged
+        again from the source read then, so a popped message is never copied. `earlier`: the
+        target an earlier attempt of the copy created (`_logged_once`), first."""
+        source_id = source.conversation_id
+        for _ in range(_FORK_ATTEMPTS):
+            copied = await self._logged_once(source, target_id, earlier)
+            try:
+                now = await self._store.get_conversation(source_id, fallback=False)
+            except NotFound:
+                return copied  # its source gone: `hold` takes the copy back
+            if not now.popped_since(source.pops, max(copied.moved, default=-1)):
+                return copied
+            assert copied.target is not None
+            await self._take_back(copied.target)
+            source, earlier = now, None
+        raise StorageUnavailable(
+            f"thread {source_id!r} kept being popped while it was copied: copy it again"
+        )
+
+    async def _logged_once(
         self, source: Conversation, target_id: str, earlier: Conversation | None
     ) -> Copied:
         """The copy logged through the logger, turn by turn of the source as it is read now,

@@ -57,6 +57,7 @@ from agent_store.core import (
     awaiting_results,
     listed,
     messages_adapter,
+    popped_up_to,
     shown,
     to_utc_millis,
     utc_now,
@@ -3904,13 +3905,10 @@ def _popped_since(source: Mapping[str, Any], check: ForkCheck, end: int) -> bool
     if check.pops is None:
         return False
     marked = source.get("popping")
-    if isinstance(marked, Mapping) and int(marked.get("seq", end + 1)) <= end:
-        return True
+    popping = int(marked.get("seq", end + 1)) if isinstance(marked, Mapping) else None
     since = int(source.get("pops") or 0) - check.pops
-    if since <= 0:
-        return False
     listed = [p for p in source.get("popped_messages") or () if isinstance(p, Mapping)]
-    return since > len(listed) or any(int(p.get("s", 0)) <= end for p in listed[-since:])
+    return popped_up_to(end, since, popping, [int(p.get("s", 0)) for p in listed])
 
 
 def _same_as_reserved(conversation_id: str, reserved: _Reserved) -> dict[str, Any]:
