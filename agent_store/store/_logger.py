@@ -668,11 +668,7 @@ class AgentMessageLogger:
             refused=refused_prompts,
             answers_to=answers_to,
         )
-        life = (
-            None
-            if version is None
-            else await self._life_named(plan.conversation_id, version, actor)
-        )
+        life = await self._life_named(plan.conversation_id, version, actor)
         turn = partial(_turn_conditions, plan, next_seq, step, refused_prompts, answers_to)
         conditions = partial(_in_life, turn, life)
         named = (answers_to, refused_prompts)
@@ -697,13 +693,17 @@ class AgentMessageLogger:
         stored, reserved = await self._store(plan, reserved, started, (actor, condition))
         return await self._told(plan, reserved, stored)
 
-    async def _life_named(self, conversation_id: str, version: str, actor: Actor) -> Condition:
+    async def _life_named(
+        self, conversation_id: str, version: str | None, actor: Actor
+    ) -> Condition | None:
         """The condition of a turn logged only into the conversation `version` names
-        (`log_messages`): its life (`same_conversation`), as read now; NotFound when there is
-        none under the id, VersionMismatch when it is another. The one `actor` may not write
-        to is refused as the reservation refuses it (`Actor.refusal`: to a user, NotFound
-        whatever the version, so a version never tells another user's conversation apart
-        from a missing one). One round trip."""
+        (`log_messages`; None without one): its life (`same_conversation`), as read now;
+        NotFound when there is none under the id, VersionMismatch when it is another. The one
+        `actor` may not write to is refused as the reservation refuses it (`Actor.refusal`:
+        to a user, NotFound whatever the version, so a version never tells another user's
+        conversation apart from a missing one). One round trip."""
+        if version is None:
+            return None
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
                 {"_id": conversation_id}, {"epoch": 1, "created_at": 1, "user_id": 1}
