@@ -10,8 +10,9 @@ is confirmed. Each batch's writes, and the rename, are fenced as a run's batches
 (`fence`): a run paused past its lease moves nothing it read before the pause. A copy is
 recorded in the migration's state while it goes on (`COPYING`), so a copy killed part-way
 is told apart from a collection a rollback left standing (`refuse_leftover`): before each
-batch's writes, the copy records that batch's `_id`s (`IN_FLIGHT`), the only turns a killed
-copy leaves in both collections.
+batch's writes, the copy adds that batch's `_id`s to those recorded (`IN_FLIGHT`), and
+takes them out once the batch's delete returned: the only turns killed copies leave in both
+collections, whatever batch sizes a resumed copy takes.
 """
 
 from __future__ import annotations
@@ -278,12 +279,13 @@ def _copy_batch(
 ) -> int:
     """Insert the batch into the target, check every document arrived, then delete it from
     the source; how many moved. A document a killed copy inserted already is accepted.
-    `fence` first: the batch read may be stale (`relocate`); then the batch is recorded as
-    the one in flight (`IN_FLIGHT`), the record removed once it moved (two more writes a
-    batch)."""
+    `fence` first: the batch read may be stale (`relocate`); then the batch is added to the
+    turns in flight (`IN_FLIGHT`), and taken out of them once its delete returned (two more
+    writes a batch): turns of a killed copy's batch a resumed copy with a smaller batch has
+    not reached yet stay recorded, whatever it is killed at."""
     fence()
     ids = [doc["_id"] for doc in batch]
-    state({"$set": {IN_FLIGHT: ids}})
+    state({"$addToSet": {IN_FLIGHT: {"$each": ids}}})
     try:
         target.insert_many(batch, ordered=False)
     except BulkWriteError as exc:
@@ -295,7 +297,7 @@ def _copy_batch(
             f"{LEGACY_TURNS}; nothing was deleted from {CONVERSATIONS}"
         )
     source.delete_many({"_id": {"$in": ids}, **TURN_FILTER})
-    state({"$unset": {IN_FLIGHT: ""}})  # moved: none of it is to be found in both now
+    state({"$pullAll": {IN_FLIGHT: ids}})  # moved: none of it is to be found in both now
     if progress is not None:
         progress(len(ids))
     return len(ids)

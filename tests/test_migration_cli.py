@@ -369,7 +369,7 @@ def test_a_held_lock_stops_a_second_run_until_forced_or_expired(
     assert "--force-unlock" in err
     assert database[MESSAGES].count_documents({}) == 0
 
-    assert cli(wire_uri, database, "run", "--force-unlock") == 0
+    assert cli(wire_uri, database, "run", "--force-unlock", "--limit", "1") == 0
     Lease(database, "run-killed", timedelta(milliseconds=1)).acquire()
     time.sleep(0.01)
     assert cli(wire_uri, database, "run") == 0  # the killed run's lease has expired
@@ -481,6 +481,86 @@ def test_a_killed_copy_rolled_back_by_copying_with_its_collection_left_standing_
         relocate.relocate(database, batch_size=5)
     assert database[CONVERSATIONS].count_documents({}) == 11
     assert database[LEGACY_TURNS].count_documents({}) == 5
+
+
+class KilledRun(BaseException):
+    """A run killed at a step of a copy batch: nothing of the run catches it, as nothing
+    catches a SIGKILL."""
+
+
+COPY_STEPS = ("recorded", "inserted", "deleted", "released")
+
+
+class _StepsOf:
+    """A collection, or the state's writer, that kills the run right after the step named:
+    the state's first write in a batch records it, its second releases it."""
+
+    def __init__(self, wrapped: Any, kill_after: str) -> None:
+        self.wrapped, self.kill_after = wrapped, kill_after
+        self.state_steps = iter(("recorded", "released"))
+
+    def __call__(self, update: dict[str, Any]) -> None:
+        self.wrapped(update)
+        self._done(next(self.state_steps))
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.wrapped, name)
+        steps = {"insert_many": "inserted", "delete_many": "deleted"}
+        if name not in steps:
+            return method
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            try:  # an insert meeting turns a killed copy inserted raises, and is done too
+                return method(*args, **kwargs)
+            finally:
+                self._done(steps[name])
+
+        return step
+
+    def _done(self, step: str) -> None:
+        if step == self.kill_after:
+            raise KilledRun(step)
+
+
+def kill_the_first_copy_batch_after(monkeypatch: pytest.MonkeyPatch, step: str) -> None:
+    """The next run is killed right after the first copy batch to reach `step` does
+    (`COPY_STEPS`)."""
+    copy_batch = relocate._copy_batch
+
+    def killed(batch: Any, source: Any, target: Any, progress: Any, fence: Any, state: Any) -> int:
+        source, target = _StepsOf(source, step), _StepsOf(target, step)
+        return copy_batch(batch, source, target, progress, fence, _StepsOf(state, step))
+
+    monkeypatch.setattr(relocate, "_copy_batch", killed)
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("second_kill", COPY_STEPS)
+def test_a_killed_copy_resumed_with_a_smaller_batch_and_killed_again_resumes(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    second_kill: str,
+) -> None:
+    """A copy killed with a batch of 200 in both collections, resumed with the default batch
+    (100) and killed again at any step, still resumes: the turns of every batch left unfinished stay
+    recorded until deleted from `agent_conversations`, so none is taken for a leftover of a
+    rollback. Every turn ends moved aside, once (one conversation converted)."""
+    start = datetime(2024, 1, 1, tzinfo=UTC)
+    turns = [latency_turn(0, 7) | {"_id": f"t-{n}", "conversation_id": f"c-{n}",
+             "created_at": start + timedelta(minutes=n)} for n in range(300)]  # fmt: skip
+    database[CONVERSATIONS].insert_many(turns)
+    kill_the_first_copy_batch_after(monkeypatch, "inserted")
+    with pytest.raises(KilledRun):
+        cli(wire_uri, database, "run", "--batch-size", "200")
+    kill_the_first_copy_batch_after(monkeypatch, second_kill)
+    with pytest.raises(KilledRun):
+        cli(wire_uri, database, "run", "--force-unlock")
+    monkeypatch.undo()
+
+    assert cli(wire_uri, database, "run", "--force-unlock", "--limit", "1") == 0
+    assert database[LEGACY_TURNS].count_documents({}) == 300
+    assert database[CONVERSATIONS].count_documents(relocate.TURN_FILTER) == 0
 
 
 @pytest.mark.wire
