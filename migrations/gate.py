@@ -164,12 +164,15 @@ def _document_reasons(
         return ["no conversation document"]
     if found.get(MIGRATING) is not None:
         return [STOPPED_WHILE_WRITING]
-    live_seqs = [
-        m.seq or 0
-        for m in messages
-        if (m.seq or 0) >= len(conversion.messages) and not is_migrated(m.turn_id)
-    ]
-    wanted = wanted_document(conversion, found, live_seqs, carried)
+    live = sorted(
+        (
+            m
+            for m in messages
+            if (m.seq or 0) >= len(conversion.messages) and not is_migrated(m.turn_id)
+        ),
+        key=lambda m: m.seq or 0,
+    )
+    wanted = wanted_document(conversion, found, live, carried)
     if document_differs(found, wanted):
         return [
             "its conversation document differs from what its legacy turns convert to now "

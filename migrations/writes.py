@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,7 @@ from agent_store.store import (
     FullText,
     Named,
     TurnRules,
+    count_turn_starts,
     first_named,
     kept_blob_ids,
     named_window,
@@ -64,6 +65,7 @@ from agent_store.store import (
     pending_after,
     renamed,
     stored_turn_record,
+    turns_of,
 )
 from migrations import full_texts
 from migrations.bounds import Bounds, bounded
@@ -475,17 +477,18 @@ def document_differs(existing: dict[str, Any] | None, wanted: Conversation) -> b
 def wanted_document(
     conversion: LegacyConversion,
     existing: dict[str, Any] | None,
-    live_seqs: Iterable[int],
+    live: Sequence[AgentMessage],
     carried: str | None,
 ) -> Conversation:
     """The conversation document the legacy turns make now, as a run writes it: it never
-    gives back a `seq` a live message stored past the legacy ones holds (`live_seqs`), keeps
-    what people changed since (`existing`), and the conversation's `epoch`: the one `existing`
-    holds, else the one its stored messages carry (`carried`, `carried_epochs`). An epoch
-    never changes once messages carry it (a delete takes only its own), and the migration
-    draws none: its own messages carry none."""
+    gives back a `seq` a live message stored past the legacy ones holds (`live`, in `seq`
+    order), and holds what those live turns left (`_with_live_turns`), keeps what people
+    changed since (`existing`), and the conversation's `epoch`: the one `existing` holds, else
+    the one its stored messages carry (`carried`, `carried_epochs`). An epoch never changes
+    once messages carry it (a delete takes only its own), and the migration draws none: its
+    own messages carry none."""
     assert conversion.conversation is not None
-    stored_to = max((seq + 1 for seq in live_seqs), default=0)
+    stored_to = max(((m.seq or 0) + 1 for m in live), default=0)
     epoch = readable(existing).get("epoch") or carried
     document = conversion.conversation.model_copy(
         update={
@@ -493,7 +496,49 @@ def wanted_document(
             "epoch": epoch,
         }
     )
-    return _kept_by_people(document, existing)
+    document = _kept_by_people(document, existing)
+    if live and conversion.messages:
+        document = _with_live_turns(document, live)
+    return document
+
+
+def _with_live_turns(document: Conversation, live: Sequence[AgentMessage]) -> Conversation:
+    """The document of a conversation its legacy turns make, with what the live turns stored
+    past them (logged during the transition, their document moved away by a rollback) left,
+    as their reservations folded it onto the migrated document: what it awaits, by the ids
+    of their messages (from what the legacy turns left pending; the prompts a person
+    answered, as `_as_stored_messages_leave_it` gives them), how many turns it counts, and
+    when it was last written to."""
+    calls, hitl = pending_after(
+        live,
+        answered=_answers(document, live),
+        before=(document.pending_calls, document.pending_hitl),
+    )
+    started = sum(count_turn_starts(turn) for turn in turns_of(live))
+    return document.model_copy(
+        update={
+            "pending_calls": calls,
+            "pending_hitl": hitl,
+            "turn_count": document.turn_count + started,
+            "updated_at": max(document.updated_at, *(m.created_at for m in live)),
+        }
+    )
+
+
+def _answers(
+    document: Conversation, messages: Sequence[AgentMessage]
+) -> list[tuple[str, int, Any]]:
+    """The answers a person gave to the conversation's prompts, as the fold of its stored
+    `messages` takes them (`pending_after`): those the document kept, at their reach, and the
+    requests its dual writes kept answered (`resolved_hitl`), reaching past every message
+    (the rollback moved away the document that said how far each reached)."""
+    answers = [
+        (a.request_id, a.below, None if a.calls is None else tuple(a.calls))
+        for a in document.answered_prompts
+    ]
+    past = max((m.seq or 0) + 1 for m in messages)
+    given = {request_id for request_id, _, _ in answers}
+    return answers + [(r, past, None) for r in document.resolved_hitl if r not in given]
 
 
 def _live_records(live: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -524,14 +569,7 @@ def _as_stored_messages_leave_it(
     automatic: dict[str, Any] = {}
     if named is not None and document.name_source == "runtime" and named.name == document.name:
         automatic = {"name_source": "auto", "name_message_id": named.message_id}
-    answers = [
-        (a.request_id, a.below, None if a.calls is None else tuple(a.calls))
-        for a in document.answered_prompts
-    ]
-    past = max((m.seq or 0) + 1 for m in messages)
-    given = {request_id for request_id, _, _ in answers}
-    answers += [(r, past, None) for r in document.resolved_hitl if r not in given]
-    calls, hitl = pending_after(messages, answered=answers)
+    calls, hitl = pending_after(messages, answered=_answers(document, messages))
     updated = max(document.updated_at, *(m.created_at for m in messages))
     return document.model_copy(
         update={"pending_calls": calls, "pending_hitl": hitl, "updated_at": updated} | automatic
@@ -675,7 +713,8 @@ def _plan_one(
     _plan_moved(planned, item, foreign + past, found)
     for d in foreign:
         del stored[d["seq"]]
-    document = wanted_document(conversion, found, (int(d["seq"]) for d in live), carried)
+    live_messages = messages_adapter.validate_python(live)
+    document = wanted_document(conversion, found, live_messages, carried)
     if item.held and live:
         document = _as_stored_messages_leave_it(document, live)
     planned.read[cid] = found
@@ -777,8 +816,9 @@ def _plan_moved_away(
     live = sorted(
         (d for d in stored if not is_migrated(d.get("turn_id"))), key=lambda d: int(d["seq"])
     )
-    seqs = (int(d["seq"]) for d in live)
-    document = wanted_document(item.conversion, None, seqs, carried)
+    document = wanted_document(
+        item.conversion, None, messages_adapter.validate_python(live), carried
+    )
     cid = item.conversion.conversation_id
     planned.conversations.append(_dumped(document, live))
     planned.read[cid] = None

@@ -5987,6 +5987,58 @@ def test_a_prompt_a_live_turn_raised_and_a_person_answered_stays_answered_after_
     assert held == [None] * holds_a_call  # as served: the answer released the call
 
 
+def _awaited(found: dict[str, Any] | None) -> tuple[Any, ...]:
+    """What a conversation document says it awaits, how many turns it counts, and when it
+    was last written to, as served."""
+    assert found is not None
+    conversation = Conversation.model_validate(found)
+    hitl = conversation.pending_hitl
+    calls = [(c.tool_call_id, c.request_id) for c in conversation.pending_calls]
+    at = conversation.updated_at
+    return (hitl and hitl.request_id), calls, conversation.turn_count, at
+
+
+def _live_turn_in_migrated(
+    wire_uri: str, database: Database[dict[str, Any]], asks: str
+) -> tuple[Any, ...]:
+    """A migrated conversation gets a live turn (dual write on) making a call, raising a
+    prompt, or both with the prompt answered; then the rollback. What its document said."""
+    database[CONVERSATIONS].insert_one(legacy_turn("t-0", "c-old", 0, "«OLD»"))
+    assert cli(wire_uri, database, "run") == 0
+    asked: dict[str, Any] = {"role": "assistant", "content": "Pay?"}
+    if asks != "a-call":
+        asked["hitl_action"] = ASKED
+    if asks != "a-prompt":
+        asked |= {"content": None, "tool_calls": [PAY_CALL]}
+
+    async def log(store: ConversationStore, logger: AgentMessageLogger) -> None:
+        pay = [{"role": "user", "content": "Pay the invoice."}, asked]
+        await logger.log_messages("c-old", pay, user_id="u-1", turn_id="live-1")
+        if asks == "an-answered-prompt-holding-a-call":
+            await store.resolve_hitl("c-old", "req-pay", user_id="u-1")
+
+    _on_the_service(wire_uri, database, log)
+    before = _awaited(database[CONVERSATIONS].find_one({"_id": "c-old"}))
+    roll_back(database, clear_messages=False)
+    return before
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("asks", ["a-prompt", "a-call", "an-answered-prompt-holding-a-call"])
+def test_what_a_live_turn_of_a_migrated_conversation_awaits_outlives_a_rollback(
+    wire_uri: str, database: Database[dict[str, Any]], asks: str
+) -> None:
+    """A migrated conversation's live turn raises a prompt or makes a call; after the
+    rollback (messages kept) the second attempt's document awaits what it awaited, by the
+    ids of its stored messages, counts the turn and was written when the turn was."""
+    before = _live_turn_in_migrated(wire_uri, database, asks)
+    assert before[2] == 2
+
+    _second_attempt(wire_uri, database)
+
+    assert _awaited(database[CONVERSATIONS].find_one({"_id": "c-old"})) == before
+
+
 @pytest.mark.wire
 def test_an_automatic_name_of_a_conversation_started_live_stays_automatic_after_a_rollback(
     wire_uri: str, database: Database[dict[str, Any]]

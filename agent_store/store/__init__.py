@@ -121,6 +121,7 @@ from agent_store.store._turns import (
     KeepPendingHitl,
     TurnPlan,
     TurnRules,
+    count_turn_starts,
     message_id,
     parse_messages,
     pending_after,
@@ -128,6 +129,7 @@ from agent_store.store._turns import (
     refuse_own_turn_id,
     stored_turn_record,
     turn_key,
+    turns_of,
     validate_identifier,
 )
 from agent_store.store._values import storable
@@ -210,6 +212,7 @@ __all__ = [
     "clean_name",
     "collapse_whitespace",
     "conversation_mark",
+    "count_turn_starts",
     "create_indexes",
     "create_indexes_sync",
     "document_size",
@@ -246,6 +249,7 @@ __all__ = [
     "text_of",
     "texts_of",
     "turn_key",
+    "turns_of",
     "validate_identifier",
     "with_retries",
     "with_texts",

@@ -1330,6 +1330,8 @@ def pending_after(
     messages: Sequence[AgentMessage],
     turn_starts: Collection[int] = (),
     answered: Iterable[Answer] = (),
+    *,
+    before: tuple[Sequence[PendingCall], PendingHitl | None] = ((), None),
 ) -> tuple[list[PendingCall], PendingHitl | None]:
     """The calls and the prompt a conversation's stored messages leave pending, turn by turn
     (runs of one `turn_id`, cut also at the `seq`s of `turn_starts`: a fork's), by the rules
@@ -1341,8 +1343,11 @@ def pending_after(
     stored below its reach and those from there on (an answer past the last message, after
     them all), as `resolve_hitl` gave it: the prompt of its id pending then is answered, and
     the calls prompts of that id held then are released, still listed with the prompt that
-    held them (`Folded`); a prompt asked again under the id later is a new one."""
-    state = folded_after(messages, turn_starts, answered)
+    held them (`Folded`); a prompt asked again under the id later is a new one. `before` is
+    what was pending before the first of them (the calls and the prompt a conversation's
+    earlier messages, not given, left)."""
+    calls, hitl = before
+    state = folded_after(messages, turn_starts, answered, Folded(list(calls), hitl))
     return state.calls, state.hitl
 
 
@@ -1350,13 +1355,15 @@ def folded_after(
     messages: Sequence[AgentMessage],
     turn_starts: Collection[int] = (),
     answered: Iterable[Answer] = (),
+    start: Folded | None = None,
 ) -> Folded:
     """The state the fold of `pending_after` ends in: what is pending, the request ids
     answered, and the calls each answer released (`Folded`). Each answer is given at its
     reach, before the turn whose first message is stored there or past it (before the
     first turn too: an answer a pop brought down to `seq` 0 answered none of the prompts
-    stored from there on), those reaching past every message after them all."""
-    state = Folded()
+    stored from there on), those reaching past every message after them all; from `start`,
+    what was pending before them (nothing when None)."""
+    state = Folded() if start is None else start
     answers = sorted(answered, key=lambda answer: answer[1])  # in the order given, by reach
     for turn in turns_of(messages, turn_starts):
         first = turn[0].seq or 0
