@@ -9,8 +9,9 @@ import re
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import httpx
@@ -1358,24 +1359,33 @@ async def test_a_copy_longer_than_one_fork_racing_a_deletion_leaves_nothing(
     assert await backend.db[CHECKPOINTS].count_documents({"thread_id": target_id}) == 0
 
 
+async def _a_thread_whose_copy_races(
+    db: Any, monkeypatch: pytest.MonkeyPatch, race: Callable[[], Awaitable[Any]]
+) -> str:
+    """A thread of user-ada's two graph turns whose copy runs `race` once it read the
+    source's checkpoints, before it inserts them: the thread id."""
+    from agent_store.integrations import langgraph
+
+    config = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(db)), config, range(1, 3))
+    inserted = langgraph._insert_new
+
+    async def raced(*args: Any) -> None:
+        monkeypatch.setattr(langgraph, "_insert_new", inserted)
+        await race()
+        await inserted(*args)
+
+    monkeypatch.setattr(langgraph, "_insert_new", raced)
+    return str(config["configurable"]["thread_id"])
+
+
 async def test_a_copy_racing_an_erasure_of_its_user_copies_no_checkpoint(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """LANGGRAPH.md `copy_thread`: the user erased once the copy's fork is made, before its
     checkpoints are copied: NotFound, and nothing of the user stands under the target."""
-    from agent_store.integrations import langgraph
-
-    config = thread("user-ada")
-    await run_turns(tool_agent(AgentStoreSaver(backend.db)), config, range(1, 3))
-    source_id = config["configurable"]["thread_id"]
-    inserted = langgraph._insert_new
-
-    async def raced(*args: Any) -> None:
-        monkeypatch.setattr(langgraph, "_insert_new", inserted)
-        await ConversationStore(backend.db).erase_user("user-ada")
-        await inserted(*args)
-
-    monkeypatch.setattr(langgraph, "_insert_new", raced)
+    erase = partial(ConversationStore(backend.db).erase_user, "user-ada")
+    source_id = await _a_thread_whose_copy_races(backend.db, monkeypatch, erase)
     with pytest.raises(NotFound):
         await AgentStoreSaver(backend.db).acopy_thread(source_id, source_id + "-copy")
 
@@ -1402,21 +1412,10 @@ async def test_a_copy_racing_a_claim_of_its_user_is_the_new_owners_thread(
     """LANGGRAPH.md `copy_thread`: a claim landing after the copy read its checkpoints and
     before it stored them leaves the whole copy the new owner's, checkpoints too: their
     graph reads the thread the source is."""
-    from agent_store.integrations import langgraph
-
     if path == "turn by turn":
         _forced_turn_by_turn(monkeypatch)
-    config = thread("user-ada")
-    await run_turns(tool_agent(AgentStoreSaver(backend.db)), config, range(1, 3))
-    source_id = config["configurable"]["thread_id"]
-    inserted = langgraph._insert_new
-
-    async def raced(*args: Any) -> None:
-        monkeypatch.setattr(langgraph, "_insert_new", inserted)
-        await ConversationStore(backend.db).claim("user-ada", "user-bob")
-        await inserted(*args)
-
-    monkeypatch.setattr(langgraph, "_insert_new", raced)
+    claim = partial(ConversationStore(backend.db).claim, "user-ada", "user-bob")
+    source_id = await _a_thread_whose_copy_races(backend.db, monkeypatch, claim)
     await AgentStoreSaver(backend.db).acopy_thread(source_id, source_id + "-copy")
 
     assert await backend.db[CHECKPOINTS].count_documents({"user_id": "user-ada"}) == 0
@@ -1467,71 +1466,51 @@ async def test_a_copy_longer_than_one_fork_never_writes_into_a_chat_started_mean
     assert await backend.db[CHECKPOINTS].count_documents({"thread_id": target_id}) == 0
 
 
-async def test_a_copy_racing_a_pop_inside_its_fork_never_holds_the_popped_message(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """LANGGRAPH.md `copy_thread`: a pop of the source's last message landing once the store's
-    fork read the source, before it writes its copies, is never brought back either: the fork
-    is made again at what the source holds then."""
+async def _a_thread_ending_in_a_side_turn_popped_after(
+    db: Any, saver: AgentStoreSaver, patch: tuple[pytest.MonkeyPatch, Any, str]
+) -> tuple[str, list[str]]:
+    """A thread of two graph turns and a side turn another writer logged ("side note",
+    "regret"), whose last message is popped right after the first call of `patch`'s method
+    (its object and name: a read of the source by the copy): the thread id, and what was
+    popped."""
+    monkeypatch, owner, read = patch
     config = thread("user-ada")
-    saver = AgentStoreSaver(backend.db)
     await run_turns(tool_agent(saver), config, range(1, 3))
     source_id = config["configurable"]["thread_id"]
     side = [{"role": "user", "content": "side note"}, {"role": "assistant", "content": "regret"}]
-    await AgentMessageLogger(backend.db).log_messages(
-        source_id, side, user_id="user-ada", turn_id="t-side"
-    )
-    store, logger = ConversationStore(backend.db), saver._transcripts._logger
-    read, popped = logger._fork_source, []
+    await AgentMessageLogger(db).log_messages(source_id, side, user_id="user-ada", turn_id="t-side")
+    store, reads, popped = ConversationStore(db), getattr(owner, read), []
 
     async def then_popped(*args: Any, **kwargs: Any) -> Any:
-        found = await read(*args, **kwargs)
+        found = await reads(*args, **kwargs)
         if not popped:
-            popped.append((await store.pop_last_message(source_id)).content)
+            popped.append(str((await store.pop_last_message(source_id)).content))
         return found
 
-    monkeypatch.setattr(logger, "_fork_source", then_popped)
-    await saver.acopy_thread(source_id, source_id + "-copy")
-
-    assert popped == ["regret"]
-    copied = [m.content for m in await store.transcript(source_id + "-copy")]
-    assert copied == [m.content for m in await store.transcript(source_id)]
-    assert copied[-1] == "side note"
+    monkeypatch.setattr(owner, read, then_popped)
+    return source_id, popped
 
 
-async def test_a_copy_longer_than_one_fork_never_holds_a_message_popped_meanwhile(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("path", ["fork", "turn by turn"])
+async def test_a_copy_racing_a_pop_once_it_read_its_source_never_holds_the_popped_message(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    """LANGGRAPH.md `copy_thread`: a copy logged turn by turn (the fork refused
-    `ForkTooLarge`, forced here) whose source's last message is popped once it read the
-    source takes back what it logged and copies the source again, as the store's fork
-    does: it never holds the popped message."""
-    from agent_store.integrations._langgraph_transcript import TranscriptLink
-
-    async def too_large(*args: Any) -> None:
-        return None  # what it answers when the store refuses the fork `ForkTooLarge`
-
-    monkeypatch.setattr(TranscriptLink, "_fork_of_all", too_large)
-    config = thread("user-ada")
+    """LANGGRAPH.md `copy_thread`: a pop of the source's last message landing once the copy
+    read the source, before it writes, is never brought back: the store's fork is made again
+    at what the source holds then, and a copy logged turn by turn (the fork refused
+    `ForkTooLarge`, forced here) takes back what it logged and copies the source again."""
     saver = AgentStoreSaver(backend.db)
-    await run_turns(tool_agent(saver), config, range(1, 3))
-    source_id = config["configurable"]["thread_id"]
-    side = [{"role": "user", "content": "side note"}, {"role": "assistant", "content": "regret"}]
-    await AgentMessageLogger(backend.db).log_messages(
-        source_id, side, user_id="user-ada", turn_id="t-side"
+    if path == "turn by turn":
+        _forced_turn_by_turn(monkeypatch)
+        owner, read = saver._transcripts._store, "with_full_texts"
+    else:
+        owner, read = saver._transcripts._logger, "_fork_source"
+    source_id, popped = await _a_thread_ending_in_a_side_turn_popped_after(
+        backend.db, saver, (monkeypatch, owner, read)
     )
-    store, transcripts = ConversationStore(backend.db), saver._transcripts._store
-    read, popped = transcripts.with_full_texts, []
-
-    async def then_popped(*args: Any, **kwargs: Any) -> Any:
-        found = await read(*args, **kwargs)
-        if not popped:
-            popped.append((await store.pop_last_message(source_id)).content)
-        return found
-
-    monkeypatch.setattr(transcripts, "with_full_texts", then_popped)
     await saver.acopy_thread(source_id, source_id + "-copy")
 
+    store = ConversationStore(backend.db)
     assert popped == ["regret"]
     copied = [m.content for m in await store.transcript(source_id + "-copy")]
     assert copied == [m.content for m in await store.transcript(source_id)]
