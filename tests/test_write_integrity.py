@@ -1368,6 +1368,37 @@ async def test_past_the_kept_records_a_retry_whose_block_is_empty_answers_the_tu
     await _followed_to_the_end(backend, rules)
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["recent", "past-abandon_after"])
+async def test_past_the_kept_records_a_popped_turn_sent_again_is_logged_anew_at_once(
+    backend: Backend, late: bool
+) -> None:
+    """RELIABILITY.md: past the kept records, a turn popped whole is logged anew when sent
+    again. Turn t7 is popped whole; t20 is logged, dropping t7's record, and popped whole; t7
+    is sent again as first sent and lands where it first stood (seq 2-3). It is logged there,
+    as `check_turn` said, recent or past `abandon_after`: the pops before its reservation are
+    not pops of what it stored, so nothing it wrote is taken back, no `seq` is left a gap,
+    and the same call once more is its replay."""
+    rules = TurnRules(
+        turns_recorded=1, abandon_after=timedelta(0) if late else timedelta(minutes=5)
+    )
+    logger, store = AgentMessageLogger(backend.db, rules=rules), ConversationStore(backend.db)
+    await logger.log_messages(CID, turn("one"), turn_id="t1")
+    for turn_id, text in (("t7", "seven"), ("t20", "twenty")):
+        await logger.log_messages(CID, turn(text), turn_id=turn_id)
+        for _ in range(2):
+            await store.pop_last_message(CID)
+
+    await logger.check_turn(CID, turn("seven"), turn_id="t7")
+    logged = await logger.log_messages(CID, turn("seven"), turn_id="t7")
+    assert [m.seq for m in logged.messages] == [2, 3]
+    again = await logger.log_messages(CID, turn("seven"), turn_id="t7")
+    assert again.replayed
+    assert [(m.id, m.seq) for m in again.messages] == [(m.id, m.seq) for m in logged.messages]
+    conversation = await check_conversation(backend.db)
+    assert (conversation["message_count"], conversation["turn_count"]) == (4, 2)
+    assert [m.content for m in await store.transcript(CID)] == ["one?", "one!", "seven?", "seven!"]
+
+
 async def test_past_the_kept_records_a_lost_give_back_of_the_lower_block_is_finished_by_its_retry(
     backend: Backend,
 ) -> None:

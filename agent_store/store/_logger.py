@@ -313,6 +313,10 @@ class _Reserved:
     owed: bool = False
     """The conversation is owed a fold of its pending state (`REFOLD_OWED`, as the
     reservation returned it): the turn folds it after its insert (`_relocated.settle`)."""
+    pops: int | None = None
+    """How many pops the conversation had finished when the turn reserved its block
+    (`Conversation.pops`): only a pop since can have removed what the turn stores
+    (`_popped_again`). None: not read, every pop listed counts."""
 
 
 @dataclass(frozen=True)
@@ -2711,7 +2715,14 @@ class AgentMessageLogger:
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(
                 _same_as_reserved(conversation_id, reserved),
-                {"user_id": 1, "popped_messages": 1, "popped_seqs": 1, "turns.k": 1, "turns.f": 1},
+                {
+                    "user_id": 1,
+                    "pops": 1,
+                    "popped_messages": 1,
+                    "popped_seqs": 1,
+                    "turns.k": 1,
+                    "turns.f": 1,
+                },
             )
         owner = reserved.owner
         if found is not None:
@@ -2752,7 +2763,7 @@ class AgentMessageLogger:
         popped messages' ids are its own again, at other `seq`s: it is stored, however slow).
         One delete more, on that path only; Conflict, as a retry of the turn is answered, when
         none of the turn is left."""
-        entries = [p for p in found.get("popped_messages") or () if isinstance(p, Mapping)]
+        entries = _popped_after(found, reserved.pops)
         first, last = reserved.first_seq, reserved.first_seq + plan.count
         popped = {p.get("i") for p in entries} if first in _blocks_left(found, plan.key) else set()
         popped_here = {(p.get("i"), p.get("s")) for p in entries}
@@ -3257,6 +3268,16 @@ def _elsewhere(stored: Sequence[AgentMessage], first_seq: int, count: int) -> bo
     return not any(m.seq is not None and first_seq <= m.seq < first_seq + count for m in stored)
 
 
+def _popped_after(conversation: Mapping[str, Any], pops: int | None) -> list[Mapping[str, Any]]:
+    """The `popped_messages` entries of the pops the conversation finished since it had
+    finished `pops` (each pop lists its message last; all listed when None)."""
+    entries = [p for p in conversation.get("popped_messages") or () if isinstance(p, Mapping)]
+    if pops is None:
+        return entries
+    since = int(conversation.get("pops") or 0) - pops
+    return entries[len(entries) - since :] if since > 0 else []
+
+
 def _blocks_left(conversation: Mapping[str, Any], key: int) -> set[int]:
     """The `seq`s where blocks of the turn recorded under `key` may begin that no turn holds
     any more: the first `seq`s of the blocks it left by a move (their records under
@@ -3358,6 +3379,7 @@ def _reserved(plan: TurnPlan, conversation: dict[str, Any], *, observed: bool) -
         conversation=Conversation.model_validate(conversation) if observed else None,
         assigns=_assigned_at(conversation, first_seq),
         owed=conversation.get(REFOLD_OWED) is not None,
+        pops=int(conversation.get("pops") or 0),
     )
 
 
@@ -3411,6 +3433,7 @@ def _replay(
         epoch=conversation.get("epoch"),
         conversation=summary,
         assigns=_assigned_at(conversation, block.first_seq),
+        pops=int(conversation.get("pops") or 0),
     )
 
 

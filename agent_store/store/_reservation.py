@@ -57,11 +57,14 @@ RESERVED: dict[str, Any] = {
     "owned_from": 1,
     "epoch": 1,
     "refold_owed": 1,
+    "pops": 1,
 }
 """What a reservation returns otherwise: all the logger needs (the block's end, the owner,
 the epoch (else the creation time) that tells this conversation from one created again
 under its id (`same_conversation`), the `seq` from which a turn assigned it an owner, the
-epoch its messages carry, and whether a fold of its pending state is owed, `REFOLD_OWED`)."""
+epoch its messages carry, whether a fold of its pending state is owed, `REFOLD_OWED`, and
+how many pops it had finished: those since are the only ones that can have removed what the
+turn stores)."""
 REFOLD_OWED = "refold_owed"
 """The field a fold of the pending state that could not be written marks a conversation
 with (the time it gave up: `_relocated.settle`, after a move or a give-back, the
