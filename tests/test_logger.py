@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -257,6 +258,40 @@ async def test_a_retry_spelling_a_number_past_64_bits_as_other_digits_of_it_is_t
     logger = AgentMessageLogger(backend.db)
     first = await logger.log_messages(CID, _keyed(kind, IN_ORDER, days=sent), turn_id=turn_id)
     again = await logger.log_messages(CID, _keyed(kind, IN_ORDER, days=retried), turn_id=turn_id)
+
+    assert again.replayed
+    assert again.turn_id == first.turn_id
+    assert await backend.db.agent_messages.count_documents({}) == 1
+
+
+@pytest.mark.parametrize("turn_id", ["run-1", None], ids=["named", "derived"])
+@pytest.mark.parametrize(
+    "arguments",
+    [lambda n: {"n": n}, lambda n: [n], lambda n: {"n": [n]}],
+    ids=["one key", "a list", "a list under one key"],
+)
+@pytest.mark.parametrize(
+    ("sent", "retried"),
+    [(2**64, 18446744073709552000), (1.8446744073709552e19, 18446744073709552000)],
+    ids=["exact-then-shortest", "float-then-shortest"],
+)
+async def test_arguments_holding_nothing_but_a_number_past_64_bits_replay_however_it_is_spelt(
+    backend: Backend,
+    turn_id: str | None,
+    arguments: Callable[[float], object],
+    sent: float,
+    retried: float,
+) -> None:
+    """The same rule for arguments with no second key or fraction anywhere in them (one key,
+    a list): a retry spelling the number another way is a replay."""
+
+    def called(n: float) -> list[dict[str, Any]]:
+        call = {"id": "call_1", "function": {"name": "pay", "arguments": arguments(n)}}
+        return [{"role": "assistant", "created_at": "2026-01-01T00:00:00Z", "tool_calls": [call]}]
+
+    logger = AgentMessageLogger(backend.db)
+    first = await logger.log_messages(CID, called(sent), turn_id=turn_id)
+    again = await logger.log_messages(CID, called(retried), turn_id=turn_id)
 
     assert again.replayed
     assert again.turn_id == first.turn_id

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from bisect import bisect_right
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -540,14 +541,19 @@ _FREE_FORM: dict[str, Callable[[Any], Any]] = {
 order (`_in_key_order`)."""
 
 
+_WIDE = re.compile(r"\d{19}")
+"""Nineteen digits in a row: a whole number that may lie past 64 bits (2**63 has 19), which
+has other spellings (`_normal_json`)."""
+
+
 def _json_text_in_key_order(text: str) -> str:
     """A JSON text as the store writes a value (`json_text`: compact, how arguments given as
     an object are kept) with its objects' keys sorted and its whole numbers without a
     fraction (`_normal_json`): the same value whatever order they came in. Any other text
     (not JSON, or spelt otherwise: the caller's own text) as it is, and the text itself when
     it is so already."""
-    if "," not in text and "." not in text and "e+" not in text:  # no two keys, no float
-        return text
+    if "," not in text and "." not in text and "e+" not in text and not _WIDE.search(text):
+        return text  # no two keys, no float, no whole number that may be past 64 bits
     try:
         value = json.loads(text)
         if json_text(value, non_finite=True) != text:
