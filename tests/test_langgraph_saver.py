@@ -1395,6 +1395,43 @@ async def test_a_copy_racing_an_erasure_of_its_user_copies_no_checkpoint(
         await ConversationStore(backend.db).get_conversation(source_id + "-copy")
 
 
+@pytest.mark.parametrize(
+    "racing",
+    [
+        pytest.param(_erase, id="its-user-erased"),
+        pytest.param(_delete_the_source, id="its-source-deleted"),
+    ],
+)
+async def test_a_copy_whose_source_goes_once_it_read_the_checkpoints_leaves_nothing(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, racing: Any
+) -> None:
+    """LANGGRAPH.md `copy_thread`: the source deleted, or its user erased, once the copy read
+    the thread's checkpoints and before it read the thread's conversation: NotFound, and no
+    checkpoint (none naming the erased user, none holding her words) stands under the
+    target."""
+    from agent_store.integrations._langgraph_transcript import TranscriptLink
+
+    config = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(backend.db)), config, range(1, 3))
+    source_id = config["configurable"]["thread_id"]
+    target_id = source_id + "-copy"
+    copies = TranscriptLink.copy
+
+    async def raced(link: Any, *args: Any, **kwargs: Any) -> Any:
+        await racing(backend.db, source_id, target_id)
+        return await copies(link, *args, **kwargs)
+
+    monkeypatch.setattr(TranscriptLink, "copy", raced)
+    with pytest.raises(NotFound):
+        await AgentStoreSaver(backend.db).acopy_thread(source_id, target_id)
+
+    assert await backend.db[CHECKPOINTS].count_documents({"thread_id": target_id}) == 0
+    assert await backend.db[CHECKPOINTS].count_documents({"user_id": "user-ada"}) == 0
+    assert await backend.db[MESSAGES].count_documents({"conversation_id": target_id}) == 0
+    with pytest.raises(NotFound):
+        await ConversationStore(backend.db).get_conversation(target_id)
+
+
 def _forced_turn_by_turn(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every copy logged turn by turn, as one whose fork the store refuses `ForkTooLarge`."""
     from agent_store.integrations._langgraph_transcript import TranscriptLink
@@ -1418,6 +1455,70 @@ async def test_a_copy_racing_a_claim_of_its_user_is_the_new_owners_thread(
     source_id = await _a_thread_whose_copy_races(backend.db, monkeypatch, claim)
     await AgentStoreSaver(backend.db).acopy_thread(source_id, source_id + "-copy")
 
+    assert await backend.db[CHECKPOINTS].count_documents({"user_id": "user-ada"}) == 0
+    graph = tool_agent(AgentStoreSaver(backend.db))
+    source = await graph.aget_state(thread("user-bob", source_id))
+    copied = await graph.aget_state(thread("user-bob", source_id + "-copy"))
+    said = [m.content for m in source.values["messages"]]
+    assert said
+    assert [m.content for m in copied.values.get("messages", [])] == said
+
+
+def _claimed_after(db: Any, monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> None:
+    """`owner`'s method `name` followed, its first call only, by a claim of user-ada's account
+    by user-bob."""
+    called = getattr(owner, name)
+    claim = partial(ConversationStore(db).claim, "user-ada", "user-bob")
+
+    async def then_claimed(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(owner, name, called)
+        found = await called(*args, **kwargs)
+        await claim()
+        return found
+
+    monkeypatch.setattr(owner, name, then_claimed)
+
+
+@pytest.mark.parametrize(
+    ("path", "after"),
+    [
+        ("fork", "it read its source"),
+        ("fork", "it looked at the target"),
+        ("turn by turn", "it read its source"),
+        ("turn by turn", "it looked at the target"),
+        ("turn by turn", "it created the target"),
+        ("turn by turn", "it logged a turn"),
+    ],
+)
+async def test_a_copy_racing_a_claim_at_any_point_is_the_new_owners_thread(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, path: str, after: str
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a claim of the source's user landing at any point of the
+    copy leaves the whole copy the new owner's, its conversation, messages and checkpoints:
+    their graph reads the thread the source is, also on a copy logged turn by turn (the
+    store's fork refused `ForkTooLarge`, forced here), which follows its source's owner as
+    the store's fork does."""
+    from agent_store.integrations._langgraph_transcript import TranscriptLink
+
+    config = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(backend.db)), config, range(1, 3))
+    source_id = config["configurable"]["thread_id"]
+    if path == "turn by turn":
+        _forced_turn_by_turn(monkeypatch)
+    saver = AgentStoreSaver(backend.db)
+    link = saver._transcripts
+    owner, name = {
+        "it read its source": (link._store, "get_conversation"),
+        "it looked at the target": (TranscriptLink, "_earlier_attempt"),
+        "it created the target": (TranscriptLink, "_created_target"),
+        "it logged a turn": (link._logger, "log_messages"),
+    }[after]
+    _claimed_after(backend.db, monkeypatch, owner, name)
+    await saver.acopy_thread(source_id, source_id + "-copy")
+
+    store = ConversationStore(backend.db)
+    assert (await store.get_conversation(source_id + "-copy")).user_id == "user-bob"
+    assert await backend.db[MESSAGES].count_documents({"user_id": "user-ada"}) == 0
     assert await backend.db[CHECKPOINTS].count_documents({"user_id": "user-ada"}) == 0
     graph = tool_agent(AgentStoreSaver(backend.db))
     source = await graph.aget_state(thread("user-bob", source_id))

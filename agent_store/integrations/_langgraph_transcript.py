@@ -20,7 +20,7 @@ import copy
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -525,8 +525,15 @@ class TranscriptLink:
 
     # -- forking -----------------------------------------------------------------------------
 
-    async def copy(self, source_id: str, target_id: str) -> Copied:
+    async def copy(self, source_id: str, target_id: str, *, named: Collection[int] = ()) -> Copied:
         """Copy a thread's transcript into a new conversation: a fork.
+
+        `named`: the conversations the thread's checkpoints name (`conversation_mark`), as
+        the copy read them. When they name one and the source is none of them (deleted, or
+        its user erased, since they were read; perhaps started again under its id), the
+        checkpoints are of a conversation gone: NotFound, nothing written, as `hold` answers
+        once the copy is written. Only a thread whose checkpoints name none (stored before
+        they named their conversation) and that has no conversation is copied without one.
 
         A transcript one fork of the store copies is copied by it (`_forked`): its messages
         are copies, and the answers the person gave stay given. A longer one (the fork refused
@@ -550,7 +557,11 @@ class TranscriptLink:
         try:
             source = await self._store.get_conversation(source_id, fallback=False)
         except NotFound:
+            if named:
+                raise _source_went(source_id) from None
             return Copied()
+        if named and conversation_mark(source.created_at) not in named:
+            raise _source_went(source_id)
         stored = await self._store.messages_by_seq(source_id)
         target = await self._earlier_attempt(source, target_id, stored)
         if target is not None and target.forked_from is not None:
@@ -585,10 +596,7 @@ class TranscriptLink:
         try:
             await self._store.require_standing(source_id, source.version)
         except NotFound:
-            went = NotFound(
-                f"conversation {source_id!r} was deleted, or its user erased, while it was "
-                "copied: nothing of the copy is left"
-            )
+            went = _source_went(source_id)
         if went is None and refused is None:
             try:
                 await self._store.require_standing(target_id, target.version)
@@ -704,8 +712,10 @@ class TranscriptLink:
         self, source: Conversation, target_id: str, earlier: Conversation | None
     ) -> Copied:
         """The copy logged through the logger, turn by turn of the source as it is read now,
-        with documents of its own (nothing shared to corrupt) and the source's owner; a
-        message cut to its bound is logged from its whole text, kept whole for the copy.
+        with documents of its own (nothing shared to corrupt) and the source's owner, as it is
+        while the copy logs (`_created_target`; each turn is logged for the target's owner
+        then, whom a claim may move it to); a message cut to its bound is logged from its
+        whole text, kept whole for the copy.
 
         Its target is its `earlier` attempt, or one it creates, create-only: a conversation
         someone started under the id since the copy looked is a Conflict, nothing written
@@ -726,7 +736,6 @@ class TranscriptLink:
                 logged = await self._logger.log_messages(
                     target_id,
                     [_as_new(m) for m in chunk],
-                    user_id=source.user_id,
                     turn_id=_fork_turn_id(source_id, str(chunk[0].id)),
                     version=target.version,
                 )
@@ -743,9 +752,13 @@ class TranscriptLink:
 
     async def _created_target(self, source: Conversation, target_id: str) -> Conversation:
         """The copy's target conversation, created with the source's owner; Conflict when a
-        conversation is under the id (`upsert_conversation(create_only=True)`)."""
+        conversation is under the id (`upsert_conversation(create_only=True)`). Once created,
+        it follows its source's owner now (`AgentMessageLogger.follow_its_source`), as the
+        store's fork does: a claim of the source's user that moved the source after the copy
+        read it, and before the target was there to move, leaves the copy the new owner's
+        too. A claim landing later moves the target itself, with the turns logged into it."""
         try:
-            return await self._logger.upsert_conversation(
+            created = await self._logger.upsert_conversation(
                 target_id, user_id=source.user_id, create_only=True
             )
         except Conflict as exc:
@@ -753,6 +766,7 @@ class TranscriptLink:
                 f"conversation {target_id!r} exists already and is no copy of thread "
                 f"{source.conversation_id!r}: copy into a new id"
             ) from exc
+        return await self._logger.follow_its_source(created, source)
 
     async def _forked(
         self, source: Conversation, target_id: str, at_seq: int, stored: Sequence[AgentMessage]
@@ -771,6 +785,14 @@ class TranscriptLink:
         target = await self._store.get_conversation(target_id, fallback=False)
         self.forget(target_id)
         return Copied(moved, conversation_mark(target.created_at), source, target)
+
+
+def _source_went(source_id: str) -> NotFound:
+    """What a copy whose source went (deleted, or its user erased) while it copied answers."""
+    return NotFound(
+        f"conversation {source_id!r} was deleted, or its user erased, while it was copied: "
+        "nothing of the copy is left"
+    )
 
 
 def _refers_until(segments: Sequence[Segment]) -> int:

@@ -424,7 +424,9 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
         of its user landing meanwhile moves the whole copy), and the copy is checked as a
         fork is (`TranscriptLink.hold`): its source deleted, or its
         user erased, meanwhile, or its target deleted, it is taken back, checkpoints and
-        all, and NotFound (the source gone) or the refusal is raised."""
+        all, and NotFound (the source gone) or the refusal is raised. A source gone before
+        the transcript's copy read it is NotFound, nothing written: the checkpoints read name
+        the conversation they were written for (`TranscriptLink.copy`'s `named`)."""
         source, target = _thread_id(source_thread_id), _thread_id(target_thread_id)
         if source == target:
             raise InvalidInput("invalid copy: the source and target threads are the same")
@@ -433,7 +435,8 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             docs = await self._checkpoints.find({"thread_id": source}).to_list(None)
         if not docs:
             return
-        copied = await self._transcripts.copy(source, target)
+        named = {doc[CONVERSATION] for doc in docs if doc.get(CONVERSATION) is not None}
+        copied = await self._transcripts.copy(source, target, named=named)
         moved, conversation = copied.moved, copied.conversation
         rekeyed = (self._rekeyed(doc, target, moved, conversation) for doc in docs)
         copies = [copy for copy in rekeyed if copy is not None]

@@ -1425,6 +1425,41 @@ class AgentMessageLogger:
         await finish_marked(self._messages, self._conversations, source)
         return True
 
+    async def follow_its_source(self, copy: Conversation, source: Conversation) -> Conversation:
+        """`copy`, a conversation made as a copy of `source` by other means than `fork` (the
+        LangGraph checkpointer's `copy_thread` logs a long thread turn by turn into one it
+        creates with its source's owner as read), moved to the owner `source` has now, as a
+        fork follows its source (`_with_its_source`): a claim of the source's user that moved
+        the source after the copy read it, and before the copy created its conversation,
+        did not see the copy. Moved as a fork is (`_follow_its_source`): its document, while it
+        is the life `copy` names and no delete marked it, then its messages of that life. Only
+        between users: an unowned copy, or a copy of an unowned source, stays as it is. The
+        source is read again after each move, so claims chained meanwhile are followed too
+        (StorageUnavailable when its owner keeps changing); a source that is no longer the
+        conversation `source` names leaves the copy as it is (the caller's check of its source
+        refuses it). Answers the copy with the owner it moved to. One round trip (the source's
+        owner) when it is the copy's already, none for an unowned copy; two more per move."""
+        owner, read = copy.user_id, {"epoch": copy.epoch, "created_at": copy.created_at}
+        if owner is None:
+            return copy
+        life = same_conversation(
+            source.conversation_id, epoch=source.epoch, created_at=source.created_at
+        )
+        for _ in range(_RESERVE_ATTEMPTS):
+            with storage_errors("read the conversation"):
+                now = await self._conversations.find_one(life, {"user_id": 1})
+            holder = None if now is None else now.get("user_id")
+            if holder is None or holder == owner:
+                if owner == copy.user_id:
+                    return copy
+                return copy.model_copy(update={"user_id": owner, "legacy_user_id": None})
+            await self._follow_its_source(copy.conversation_id, read, holder)
+            owner = holder
+        raise StorageUnavailable(
+            f"the copy of {source.conversation_id!r} into {copy.conversation_id!r} could not "
+            "follow its source: its owner kept changing (account claims); copy it again"
+        )
+
     async def _follow_its_source(
         self, new_id: str, fork: Mapping[str, Any], holder: str
     ) -> dict[str, Any]:
