@@ -355,6 +355,115 @@ async def test_a_paused_call_removed_with_remove_message_is_no_longer_pending(
     assert (await cold.aget_state(config)).values["messages"] == messages
 
 
+async def _paused_on_call_2(graph: Any, config: dict[str, Any]) -> AIMessage:
+    await graph.ainvoke(question(2), config)  # pauses on call-2
+    paused = (await graph.aget_state(config)).values["messages"][-1]
+    assert isinstance(paused, AIMessage)
+    return paused
+
+
+async def test_an_edit_of_a_paused_calls_text_leaves_the_call_pending(backend: Backend) -> None:
+    """An edit under the same id that keeps the calls as they are (the text redacted) holds
+    them: the graph still awaits the call, and so does the conversation; nothing answers it
+    before the graph does."""
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    graph = approval_agent(AgentStoreSaver(backend.db))
+    store = ConversationStore(backend.db)
+    paused = await _paused_on_call_2(graph, config)
+    redacted = AIMessage("[redacted]", id=paused.id, tool_calls=paused.tool_calls)
+    await graph.aupdate_state(config, {"messages": [redacted]})
+
+    assert [c.tool_call_id for c in await store.pending_calls(thread_id)] == ["call-2"]
+    assert INTERRUPTED_RESULT not in str(chat_completions(await store.transcript(thread_id)))
+    await graph.ainvoke(Command(resume="yes"), config)
+    assert await store.pending_calls(thread_id) == []
+    replay = chat_completions(await store.transcript(thread_id))
+    assert [m["content"] for m in replay if m["role"] == "tool"] == [APPROVED]
+    cold = approval_agent(AgentStoreSaver(backend.db))
+    assert (await cold.aget_state(config)).values["messages"][1] == redacted
+
+
+@pytest.mark.parametrize("call_id", ["call-2", "call-2-reviewed"])
+async def test_a_paused_call_its_reviewer_edits_is_pending_and_replays_as_it_ran(
+    backend: Backend, call_id: str
+) -> None:
+    """LangGraph's "review the tool call" pattern: the paused call's message written back under
+    its id with other arguments (or a new call id). The conversation awaits the edited call,
+    and every replay shows the call the graph ran with its result; the call as the model made
+    it, which never ran, reads as interrupted."""
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    ours, theirs = approval_agent(AgentStoreSaver(backend.db)), approval_agent(InMemorySaver())
+    store = ConversationStore(backend.db)
+    call = {"name": "weather", "args": {"city": "Paris"}, "id": call_id}
+    for graph in (ours, theirs):
+        paused = await _paused_on_call_2(graph, config)
+        edit = AIMessage("", id=paused.id, tool_calls=[call])
+        await graph.aupdate_state(config, {"messages": [edit]})
+        if graph is ours:
+            assert [c.tool_call_id for c in await store.pending_calls(thread_id)] == [call_id]
+        await graph.ainvoke(Command(resume="yes"), config)
+    mine = (await ours.aget_state(config)).values["messages"]
+    assert comparable(mine) == comparable((await theirs.aget_state(config)).values["messages"])
+    assert mine[-1].content == "Answer 2: Paris: 18 degrees, light wind"
+    assert await store.pending_calls(thread_id) == []
+
+    transcript = await store.transcript(thread_id)
+    replay = chat_completions(transcript)
+    # An export names a call id made again apart (`call-2_2`): each result pairs with its call.
+    calls = {c["id"]: c for m in replay for c in m.get("tool_calls") or ()}
+    results = [
+        (calls[m["tool_call_id"]]["function"]["arguments"], m["content"])
+        for m in replay
+        if m["role"] == "tool"
+    ]
+    assert results == [
+        ('{"city":"City 2"}', INTERRUPTED_RESULT),
+        ('{"city":"Paris"}', "Paris: 18 degrees, light wind"),
+    ]
+    history = history_from_messages(transcript)
+    last_request = [m for m in history if isinstance(m, ModelRequest)][-1]
+    assert [(p.tool_call_id, p.content) for p in last_request.parts] == [
+        (call_id, "Paris: 18 degrees, light wind")
+    ]
+    cold = approval_agent(AgentStoreSaver(backend.db))
+    assert (await cold.aget_state(config)).values["messages"] == mine
+
+
+async def test_a_call_its_reviewer_drops_is_closed_and_the_call_kept_stays_pending(
+    backend: Backend,
+) -> None:
+    """A reviewer adds a call to the paused message (logged: the graph awaits both), then
+    drops it again: the dropped call is answered `interrupted`, the kept one still pending."""
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    ours, theirs = approval_agent(AgentStoreSaver(backend.db)), approval_agent(InMemorySaver())
+    store = ConversationStore(backend.db)
+    extra = {"name": "weather", "args": {"city": "Oslo"}, "id": "call-extra"}
+    for graph in (ours, theirs):
+        paused = await _paused_on_call_2(graph, config)
+        both_calls = AIMessage("", id=paused.id, tool_calls=[*paused.tool_calls, extra])
+        await graph.aupdate_state(config, {"messages": [both_calls]})
+        if graph is ours:
+            pending = [c.tool_call_id for c in await store.pending_calls(thread_id)]
+            assert pending == ["call-2", "call-extra"]
+        await graph.aupdate_state(config, {"messages": [paused]})
+        if graph is ours:
+            assert [c.tool_call_id for c in await store.pending_calls(thread_id)] == ["call-2"]
+        await graph.ainvoke(Command(resume="yes"), config)
+    mine = (await ours.aget_state(config)).values["messages"]
+    assert comparable(mine) == comparable((await theirs.aget_state(config)).values["messages"])
+    assert await store.pending_calls(thread_id) == []
+    replay = chat_completions(await store.transcript(thread_id))
+    # call-2 as first made; then the results of call-2 and call-extra, in call order.
+    assert [m["content"] for m in replay if m["role"] == "tool"] == [
+        *(INTERRUPTED_RESULT, APPROVED, INTERRUPTED_RESULT)
+    ]
+    cold = approval_agent(AgentStoreSaver(backend.db))
+    assert (await cold.aget_state(config)).values["messages"] == mine
+
+
 async def test_a_pop_of_a_message_a_paused_graphs_checkpoint_refers_to_is_refused(
     backend: Backend,
 ) -> None:

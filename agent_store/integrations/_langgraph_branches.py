@@ -10,15 +10,20 @@ messages from its first such call on are logged again, as copies at the
 transcript's tail: the copy is the call the new answer goes to. The other way
 round, a call the transcript leaves open that the branch does not hold (time
 travel past a pause, the call removed) is closed by an `interrupted` stand-in
-(`abandoned_calls`): no later turn of the thread can answer it. Pure: the
-saver's transcript link does the reading and the logging.
+(`abandoned_calls`): no later turn of the thread can answer it. A branch holds
+the calls of its stored messages, and those of an edit it holds inline that
+keeps its message's calls as they are (`keeps_calls`: the text redacted, a call
+dropped); an edit making a call its message does not make as it is (other
+arguments, a new call id) is logged, with the branch's stored messages after it
+(`logged_before_stored`), so the call the graph runs is the one its answer
+pairs with. Pure: the saver's transcript link does the reading and the logging.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+from langchain_core.messages import AIMessage, BaseMessage, ToolCall, ToolMessage
 
 OpenCall = tuple[int, str]
 """A call a branch leaves unanswered: the index of the message that makes it, and its id."""
@@ -54,6 +59,34 @@ def made_calls(messages: Sequence[BaseMessage]) -> tuple[OpenCall, ...]:
     )
 
 
+def keeps_calls(original: BaseMessage, edit: BaseMessage) -> bool:
+    """Whether an edit of a stored message makes only calls the original makes as they are
+    (same id, name and arguments): its text redacted, a call dropped, or no call at all."""
+    kept = _calls(original)
+    return all(call in kept for call in _calls(edit))
+
+
+def seats(
+    places: Sequence[object], transcript: Mapping[int, BaseMessage], end: int
+) -> list[int | None]:
+    """Where the calls of each of the branch's messages stand in the transcript (before `end`):
+    a stored message's own `seq`; for an edit held inline (its calls kept, `keeps_calls`), the
+    `seq` of the stored message of its id, whose calls it holds; None for any other (to be
+    logged, or held with no stored message of its id).
+
+    `places` says where each of the branch's messages lives: a transcript `seq`, a message
+    held by the checkpoint, or another object (a message to log).
+    """
+    by_id: dict[str, int] = {}
+    for seq in range(end):
+        stored = transcript.get(seq)
+        if stored is not None and stored.id is not None:
+            by_id[stored.id] = seq
+    return [
+        place if isinstance(place, int) else _seat(place, by_id, transcript) for place in places
+    ]
+
+
 def logged_again_from(
     places: Sequence[object],
     calls: Sequence[OpenCall],
@@ -64,13 +97,13 @@ def logged_again_from(
     a stored message further on in the transcript (before `end`), not one of the branch's own,
     answers or makes again (another branch's answer, or its copy of the call); None if none is.
 
-    `places` says where each of the branch's messages lives: a transcript `seq`, or not
-    (held by the checkpoint, or not logged yet).
+    `places` says where each of the branch's messages lives (`seats`).
     """
-    own = {seq for seq in places if isinstance(seq, int)}
+    seated = seats(places, transcript, end)
+    own = {seq for seq in seated if seq is not None}
     for index, call_id in sorted(calls):
-        seq = places[index]
-        if isinstance(seq, int) and any(
+        seq = seated[index]
+        if seq is not None and any(
             _touches(transcript.get(later), call_id)
             for later in range(seq + 1, end)
             if later not in own
@@ -79,19 +112,40 @@ def logged_again_from(
     return None
 
 
+def logged_before_stored(messages: Sequence[BaseMessage], places: Sequence[object]) -> int | None:
+    """The index of the branch's first message to be logged (`places`: neither a `seq` nor
+    held inline) that makes a call, when a stored message of the branch follows it (an edit
+    of a call the branch went on from, say); None if none is. Logged at the transcript's
+    tail, the call would follow the stored messages after it: they are logged again after it,
+    so its answers pair with it."""
+    last_stored = max((i for i, place in enumerate(places) if isinstance(place, int)), default=0)
+    for index in range(last_stored):
+        made, logged = messages[index], not isinstance(places[index], int | BaseMessage)
+        if logged and isinstance(made, AIMessage) and made.tool_calls:
+            return index
+    return None
+
+
 def abandoned_calls(
     places: Sequence[object], transcript: Mapping[int, BaseMessage], end: int
 ) -> list[str]:
     """The ids of the calls the transcript (before `end`) leaves open that the branch does not
-    hold (`places`, as in `logged_again_from`), one per call: the calls its time travel, or a
-    message it removed, abandoned. A stand-in answering one answers the latest open call of its
-    id, so a call is listed only when every open call of its id after it is abandoned too.
+    hold (`places`, as in `seats`), one per call: the calls its time travel, or a message it
+    removed or edited away, abandoned. A stand-in answering one answers the latest open call
+    of its id, so a call is listed only when every open call of its id after it is abandoned
+    too.
     """
-    own = {seq for seq in places if isinstance(seq, int)}
+    seated = seats(places, transcript, end)
+    held = {
+        (seq, str(call["id"]))
+        for seq, place in zip(seated, places, strict=True)
+        if seq is not None
+        for call in _calls_made(place, transcript.get(seq))
+    }
     seqs = [seq for seq in range(end) if seq in transcript]
     abandoned: dict[str, list[bool]] = {}
     for index, call_id in open_calls([transcript[seq] for seq in seqs]):
-        abandoned.setdefault(call_id, []).append(seqs[index] not in own)
+        abandoned.setdefault(call_id, []).append((seqs[index], call_id) not in held)
     closed: list[str] = []
     for call_id, left in abandoned.items():
         for gone in reversed(left):
@@ -126,3 +180,28 @@ def _touches(message: BaseMessage | None, call_id: str) -> bool:
     if isinstance(message, ToolMessage):
         return message.tool_call_id == call_id
     return isinstance(message, AIMessage) and any(c["id"] == call_id for c in message.tool_calls)
+
+
+def _calls(message: BaseMessage | None) -> list[tuple[object, object, object]]:
+    """A message's calls as (id, name, arguments)."""
+    if not isinstance(message, AIMessage):
+        return []
+    return [(call["id"], call["name"], call["args"]) for call in message.tool_calls]
+
+
+def _seat(
+    place: object, by_id: Mapping[str, int], transcript: Mapping[int, BaseMessage]
+) -> int | None:
+    """The `seq` of the stored message an edit held inline keeps the calls of; None for any
+    other message the branch holds or logs."""
+    if not isinstance(place, AIMessage) or place.id is None or place.id not in by_id:
+        return None
+    seq = by_id[place.id]
+    return seq if keeps_calls(transcript[seq], place) else None
+
+
+def _calls_made(place: object, stored: BaseMessage | None) -> list[ToolCall]:
+    """The calls a branch's message holds at its seat: a stored message's, or an inline edit's
+    (which its stored message makes as they are)."""
+    made = place if isinstance(place, AIMessage) else stored
+    return made.tool_calls if isinstance(made, AIMessage) else []

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bson import Int64
-from langchain_core.messages import BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage
 from pydantic import ValidationError
 
 from agent_store.core import (
@@ -48,7 +48,9 @@ from agent_store.integrations._langgraph_branches import (
     OpenCall,
     abandoned_calls,
     already_at_tail,
+    keeps_calls,
     logged_again_from,
+    logged_before_stored,
     made_calls,
     open_calls,
 )
@@ -326,12 +328,9 @@ class TranscriptLink:
             next_seq = max(next_seq, moved)  # a turn never stored (a crash) leaves a gap
         settled = step.base is not None and step.base.settled and moved is None
         closing = [] if settled else _closing(state, segments, places)
-        new = [*closing, *(p for p in places if isinstance(p, _New))]
+        new = [p for p in places if isinstance(p, _New)]
         fork_id = step.checkpoint_id if copies else None  # names the copies' turn
-        extras: list[dict[str, Any]] = []
-        replayed = False
-        if new:
-            extras, replayed = await self._log(state, step, new, fork_id, next_seq)
+        extras, replayed = await self._log_branch(state, step, (closing, new), fork_id, next_seq)
         seqs = [int(e["seq"]) for e in extras]
         extras = extras[len(closing) :]  # the checkpoint holds no stand-in
         by_seq = iter(seqs[len(closing) :])
@@ -348,6 +347,28 @@ class TranscriptLink:
             until = _refers_until(placed) if moved is None else max(state.loaded_until, moved)
             await self._claim(step, until, extras)
         return placed, extras, end
+
+    async def _log_branch(
+        self,
+        state: _Thread,
+        step: _Step,
+        logging: tuple[Sequence[_New], Sequence[_New]],
+        fork_id: str | None,
+        next_seq: int,
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """Log a put's stand-ins and new messages (`logging`) at `next_seq`, as `_log` does:
+        one turn, or two when a stand-in answers a call the new messages make again (a
+        reviewer's edit of a paused call, its call id kept). A turn answers a call only after
+        making it, so the stand-ins go first, a turn of their own that claims no step (the
+        put's messages do); a retry finds the call answered and logs no stand-in again."""
+        closing, new = logging
+        if not closing or not _remade(closing, new):
+            if not closing and not new:
+                return [], False
+            return await self._log(state, step, [*closing, *new], fork_id, next_seq)
+        closed, _ = await self._log(state, step, closing, fork_id, next_seq, claim=False)
+        extras, replayed = await self._log(state, step, new, fork_id, int(closed[-1]["seq"]) + 1)
+        return closed + extras, replayed
 
     async def _claim(self, step: _Step, until: int, extras: list[dict[str, Any]]) -> None:
         """Make the step the thread's latest (`last_step`), as logging its messages would have,
@@ -412,10 +433,13 @@ class TranscriptLink:
         new: Sequence[_New],
         fork_id: str | None,
         next_seq: int,
+        *,
+        claim: bool = True,
     ) -> tuple[list[dict[str, Any]], bool]:
         """Log new messages as one turn at `next_seq` (TranscriptMoved when other messages
         took it); answer, per message, what the format lacks, and whether the turn was logged
-        before (replayed).
+        before (replayed). `claim`: the turn is the checkpoint's step (`log_messages`'s
+        `step`).
 
         The turn is named by the checkpoint it extends and the new messages' content,
         not by the new checkpoint's id: when LangGraph re-runs a step after a crash
@@ -435,7 +459,7 @@ class TranscriptLink:
             owner_only=user_id is not None,
             turn_id=_step_turn_id(step.parent_id, stored_new, fork_id),
             next_seq=next_seq,
-            step=step.checkpoint_id,
+            step=step.checkpoint_id if claim else None,
         )
         extras: list[dict[str, Any]] = []
         for item, stored in zip(new, logged.messages, strict=True):
@@ -825,7 +849,10 @@ def _place(state: _Thread, message: BaseMessage, *, after: int | None) -> int | 
     A stored message, unchanged, is its `seq`. Changed (same id, other content), it is an
     edit, held inline, unless the graph appended it to its parent's messages (which end at
     `after`): then it is a new message that reuses the id of one the thread left behind (a
-    branch's model saying other things). Appended, it is the stored one only when that is
+    branch's model saying other things). An edit making a call the stored message does not
+    make as it is (other arguments, a new call id: a reviewer's edit of a paused call) is
+    logged, as a copy, so the call the graph runs is in the transcript for its answer to
+    pair with (`keeps_calls`). Appended, it is the stored one only when that is
     stored from `after` on (a step re-run, a sibling that said the same): one stored before
     is a message said again, after it, by a branch that went back (logged).
     """
@@ -833,7 +860,7 @@ def _place(state: _Thread, message: BaseMessage, *, after: int | None) -> int | 
     if seq is not None and state.by_seq[seq] == message and (after is None or seq >= after):
         return seq
     if seq is not None and after is None:
-        return message
+        return message if keeps_calls(state.by_seq[seq], message) else _copy(message)
     if message.id is None and after is None:
         return message  # no id to match it by: keep it inline rather than log it twice
     return _to_log(message)
@@ -865,12 +892,17 @@ def _branch(
     calls: Sequence[OpenCall],
 ) -> tuple[list[Segment], list[int | BaseMessage | _New], bool]:
     """The segments and places of a branch whose open calls the transcript (read to its end)
-    answers further on: from the first, its stored messages become copies to log, unless
-    the transcript's tail already holds them (a step re-run after a crash). Answers
-    whether anything is copied."""
+    answers further on, or which logs a call before its stored messages (an edited call, at
+    the transcript's tail: `logged_before_stored`): from the first, its stored messages
+    become copies to log, unless the transcript's tail already holds them (a step re-run
+    after a crash). Answers whether anything is copied."""
     whole: list[int | BaseMessage | _New] = [*places_of(segments), *places]
     end = state.loaded_until
-    start = logged_again_from(whole, calls, state.by_seq, end)
+    starts = (
+        logged_again_from(whole, calls, state.by_seq, end),
+        logged_before_stored(messages, whole),
+    )
+    start = min((s for s in starts if s is not None), default=None)
     if start is None:
         return segments, places, False
     held = already_at_tail(messages, whole, start, state.by_seq, end)
@@ -900,17 +932,26 @@ def _closing(
     return [_stand_in(stand_in_result(call_id, now)) for call_id in closed]
 
 
+def _remade(closing: Sequence[_New], new: Sequence[_New]) -> bool:
+    """Whether a stand-in answers a call of an id one of the new messages makes."""
+    made = {call.id for n in new for call in n.stored.tool_calls or ()}
+    return any(n.stored.tool_call_id in made for n in closing)
+
+
 def _stand_in(stored: AgentMessage) -> _New:
     return _New(from_stored(stored), stored)
 
 
 def _unheld(state: _Thread, place: BaseMessage | _New) -> BaseMessage | _New:
     """A message of a branch logged again that its checkpoint holds: logged too when the
-    transcript has no message of its id (a put behind a later step held it back, `_held`);
-    an edit of a stored message, or one without an id to match it by, stays held."""
-    if isinstance(place, _New) or place.id is None or place.id in state.seq_by_id:
+    transcript has no message of its id (a put behind a later step held it back, `_held`),
+    or when it is an edit that makes calls (they go before the copies answering them); any
+    other edit of a stored message, or one without an id to match it by, stays held."""
+    if isinstance(place, _New) or place.id is None:
         return place
-    return _to_log(place)
+    if place.id not in state.seq_by_id:
+        return _to_log(place)
+    return _copy(place) if isinstance(place, AIMessage) and place.tool_calls else place
 
 
 def _assemble(state: _Thread, thread_id: str, segments: Sequence[Segment]) -> list[BaseMessage]:
