@@ -32,9 +32,11 @@ from agent_store.store import (
     ConversationExport,
     Deleted,
     LoggedTurn,
+    RuntimeContextMarkers,
     SteeringInbox,
     refuse_own_turn_id,
     validate_identifier,
+    without_runtime_context,
 )
 from app.api_models import (
     ClaimBody,
@@ -234,7 +236,7 @@ async def open_inbox(call: Call[NoQuery, NoBody]) -> Response:
 
 async def deliver(call: Call[NoQuery, DeliverBody]) -> Response:
     if call.scope is not None:
-        _refuse_what_a_person_does_not_send(call.body.message)
+        _refuse_what_a_person_does_not_send(call.body.message, call.store.logger.rules.markers)
     delivered = await _inbox(call).try_deliver(
         call.conversation_id,
         call.path["turn_id"],
@@ -246,7 +248,9 @@ async def deliver(call: Call[NoQuery, DeliverBody]) -> Response:
     return _json(Delivery(delivered=delivered))
 
 
-def _refuse_what_a_person_does_not_send(message: AgentMessage) -> None:
+def _refuse_what_a_person_does_not_send(
+    message: AgentMessage, markers: RuntimeContextMarkers
+) -> None:
     """A user token steers what a person sends: a message of role `user`, with no runtime
     form (`native`), which would make a runtime read it as another role, a system prompt or
     a tool's result. Only a service token delivers those."""
@@ -260,19 +264,26 @@ def _refuse_what_a_person_does_not_send(message: AgentMessage) -> None:
             "invalid delivery: a user token steers what a person sends, without `native` (a "
             "runtime's own form of a message); only a service token delivers one"
         )
-    _refuse_another_voice(message, "delivery")
+    _refuse_another_voice(message, markers, "delivery")
 
 
-def _refuse_another_voice(message: AgentMessage, subject: str) -> None:
+def _refuse_another_voice(
+    message: AgentMessage, markers: RuntimeContextMarkers, subject: str
+) -> None:
     """A person's words are sent in the person's voice: a user token's user message whose
     `error` is a runtime's marker (`voice_marker`: the application's retry feedback, a
     tool's content), which a runtime sends the model in that voice, is refused. Only a
-    service token, a runtime's, sends one."""
-    marker = voice_marker(message)
+    service token, a runtime's, sends one. Judged on the message as it would be stored, its
+    runtime context removed (`without_runtime_context`, its error's message too): what a
+    runtime reads back, where a block could leave a marker the message as sent did not hold
+    (`[RUNTIME CONTEXT]…[/RUNTIME CONTEXT]tool content`)."""
+    stored = without_runtime_context(message, markers)
+    marker = voice_marker(stored)
     if marker is not None:
+        removed = "" if stored is message else " once its runtime context is removed"
         raise InvalidInput(
             f"invalid {subject}: a user token sends a person's words, without `error` "
-            f"{marker!r} (a runtime's marker: a runtime would send the text as the "
+            f"{marker!r}{removed} (a runtime's marker: a runtime would send the text as the "
             f"application's or a tool's, not the person's); only a service token sends one"
         )
 

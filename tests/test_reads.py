@@ -3612,7 +3612,10 @@ async def test_an_erasure_leaves_whole_the_conversation_its_user_started_again_u
     assert (erased.conversations, erased.messages) == (1, 2)
 
 
-@pytest.mark.parametrize("deletion", ["erasure", "user's delete", "service's delete"])
+CLAIMED_MID_DELETE = ["erasure", "user's delete", "user's delete of the version read", "service's"]
+
+
+@pytest.mark.parametrize("deletion", CLAIMED_MID_DELETE)
 async def test_a_claim_landing_before_a_deletions_mark_leaves_the_new_owner_a_usable_conversation(
     backend: Backend, monkeypatch: pytest.MonkeyPatch, deletion: str
 ) -> None:
@@ -3620,9 +3623,11 @@ async def test_a_claim_landing_before_a_deletions_mark_leaves_the_new_owner_a_us
     mark: the mark takes only the owner the deletion read, so the conversation is not the
     erasure's nor the user's delete's (bob keeps it, readable and writable); a service's delete
     deletes the conversation it found, bob's now (was: bob's conversation marked for good, no
-    record left)."""
+    record left). The user's delete answers as one after the claim does: NotFound, another
+    user's conversation (was: `conversations: 0`, read as "deleted" while it stands)."""
     logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db, rules=NO_GRACE)
     await logger.log_messages("c-x", _a_turn("old"), user_id=OWNER, turn_id="old")
+    version = (await store.get_conversation("c-x", user_id=OWNER)).version
     record = store._deletions.record
 
     async def claimed_then_record(found: Any, user_id: str | None) -> Any:
@@ -3635,9 +3640,10 @@ async def test_a_claim_landing_before_a_deletions_mark_leaves_the_new_owner_a_us
     if deletion == "erasure":
         erased = await store.erase_user(OWNER)
         assert (erased.conversations, erased.messages) == (0, 0)
-    elif deletion == "user's delete":
-        deleted = await store.delete("c-x", user_id=OWNER)
-        assert (deleted.conversations, deleted.messages) == (0, 0)
+    elif deletion.startswith("user's delete"):
+        read = version if deletion.endswith("read") else None
+        with pytest.raises(NotFound, match="'c-x'"):
+            await store.delete("c-x", user_id=OWNER, version=read)
     else:
         deleted = await store.delete("c-x")
         assert (deleted.conversations, deleted.messages) == (1, 2)

@@ -715,48 +715,54 @@ class ConversationStore:
         found = await self._found_to_delete(scope, version)
         if found is None:
             return await self._finish_delete(conversation_id, user_id, version)
-        found = await self._marked_to_delete(conversation_id, found, user_id)
-        if found is None:
-            return Deleted(conversations=0, messages=0, legacy_turns=0)
-        owner = found.get("user_id")
+        marked = await self._marked_to_delete(conversation_id, found, user_id, version)
+        if isinstance(marked, Deleted):
+            return marked
+        owner = marked.get("user_id")
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.delete(conversation_id, owner=owner)
-        await self._delete_beside(_beside_of(conversation_id, found), "delete the conversation")
-        found_now = scope | same_as_read(conversation_id, found)
-        taken = await self._delete_messages_of(found_now, found.get("epoch"))
+        await self._delete_beside(_beside_of(conversation_id, marked), "delete the conversation")
+        found_now = scope | same_as_read(conversation_id, marked)
+        taken = await self._delete_messages_of(found_now, marked.get("epoch"))
         if taken is None:
-            await self._deletions.done(recorded_as(conversation_id, found))
+            await self._deletions.done(recorded_as(conversation_id, marked))
             return Deleted(conversations=0, messages=0, legacy_turns=legacy)
         messages, epochs = taken
         await self._full_texts.forget_conversations({conversation_id: epochs})
         gone, late = await self._delete_document(found_now, messages)
         if self._legacy_source is not None:
             legacy += await self._legacy_source.delete_dual_writes(
-                conversation_id, owner=owner, **_legacy_ids(found)
+                conversation_id, owner=owner, **_legacy_ids(marked)
             )
-        await self._deletions.done(recorded_as(conversation_id, found))
+        await self._deletions.done(recorded_as(conversation_id, marked))
         return Deleted(
             conversations=int(gone is not None), messages=messages + late, legacy_turns=legacy
         )
 
     async def _marked_to_delete(
-        self, conversation_id: str, found: dict[str, Any], user_id: str | None
-    ) -> dict[str, Any] | None:
+        self,
+        conversation_id: str,
+        found: dict[str, Any],
+        user_id: str | None,
+        version: str | None,
+    ) -> dict[str, Any] | Deleted:
         """Record and mark the conversation a delete found (`DeletionRecords.record`) while
         it is the one found and its owner is the one read: the conversation as marked, or
-        None when it is not the delete's: deleted since, or for a user's delete, claimed
-        since. A service's delete reads again the one it found, claimed or assigned since,
-        and marks it under the owner it has now."""
+        the delete's answer when there is none to mark. When the mark misses, the delete reads
+        again the one it found: deleted since, it answers `conversations: 0`; a service's
+        delete marks it under the owner it has now (claimed or assigned since); a user's
+        delete of one claimed away from the user since answers as a delete read after the
+        claim does (`_finish_delete`: NotFound), never as deleted while it stands."""
         while not await self._deletions.record([found], found.get("user_id")):
-            if user_id is not None:
-                return None
             with storage_errors("read the conversation"):
                 again = await self._conversations.find_one(
                     same_as_read(conversation_id, found), _TO_DELETE
                 )
             if again is None:
-                return None
+                return Deleted(conversations=0, messages=0, legacy_turns=0)
+            if user_id is not None and again.get("user_id") != user_id:
+                return await self._finish_delete(conversation_id, user_id, version)
             found = again
         return found
 
