@@ -1832,6 +1832,120 @@ async def test_a_copy_run_again_keeps_a_target_written_to_since_its_fork(
     assert [m.content for m in await store.transcript(target_id)] == held
 
 
+async def _a_crashed_copy_of_a_thread_ending_in_a_side_turn(
+    db: Any, monkeypatch: pytest.MonkeyPatch, popped: int
+) -> tuple[str, str]:
+    """A thread of one graph turn and a side turn ("side note", "regret"), its copy crashed
+    before its checkpoints, then `popped` of its last messages popped: the source and target
+    ids."""
+    source = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(db)), source, range(1, 3))
+    source_id = source["configurable"]["thread_id"]
+    side = [{"role": "user", "content": "side note"}, {"role": "assistant", "content": "regret"}]
+    await AgentMessageLogger(db).log_messages(source_id, side, user_id="user-ada", turn_id="t-side")
+    await _crashing_before_the_checkpoints(db, source_id, source_id + "-copy", monkeypatch)
+    for _ in range(popped):
+        await ConversationStore(db).pop_last_message(source_id)
+    return source_id, source_id + "-copy"
+
+
+@pytest.mark.parametrize("popped", [1, 2], ids=["a message of a turn it logged", "a whole turn"])
+async def test_a_copy_longer_than_one_fork_run_again_after_a_crash_and_a_pop_copies_afresh(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, popped: int
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a copy logged turn by turn (forced here, its turns of two
+    messages at most), re-run after a crash once a pop removed from the source messages it
+    copied (one of a turn it logged, or all of one), takes back its earlier attempt, untouched
+    since, told by its turns whatever the source holds now, and copies the thread afresh."""
+    from agent_store.integrations import _langgraph_transcript
+
+    _forced_turn_by_turn(monkeypatch)
+    monkeypatch.setattr(_langgraph_transcript, "MAX_MESSAGES_PER_TURN", 2)
+    source_id, target_id = await _a_crashed_copy_of_a_thread_ending_in_a_side_turn(
+        backend.db, monkeypatch, popped
+    )
+
+    await AgentStoreSaver(backend.db).acopy_thread(source_id, target_id)
+
+    store = ConversationStore(backend.db)
+    copied = [m.content for m in await store.transcript(target_id)]
+    assert copied == [m.content for m in await store.transcript(source_id)]
+    assert "regret" not in copied
+    saver = AgentStoreSaver(backend.db)
+    ours = [t.checkpoint["id"] async for t in saver.alist(thread("user-ada", target_id))]
+    assert ours == [t.checkpoint["id"] async for t in saver.alist(thread("user-ada", source_id))]
+
+
+@pytest.mark.parametrize("path", ["fork", "turn by turn"])
+async def test_a_copy_run_again_keeps_a_turn_logged_into_its_target_as_it_took_it_back(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """LANGGRAPH.md `copy_thread`: the re-run takes back its earlier attempt only while
+    nothing was written to it since it found it untouched (in the command that marks it
+    deleted): a turn logged into the target right after that check stays, acknowledged, and
+    the re-run is a Conflict."""
+    from agent_store.integrations._langgraph_transcript import TranscriptLink
+
+    if path == "turn by turn":
+        _forced_turn_by_turn(monkeypatch)
+    source_id, target_id = await _a_crashed_copy_of_a_thread_ending_in_a_side_turn(
+        backend.db, monkeypatch, 1
+    )
+    looked = TranscriptLink._untouched_attempt
+    note = [{"role": "user", "content": "mine, logged meanwhile"}]
+
+    async def then_written(link: Any, *args: Any) -> bool:
+        found = await looked(link, *args)
+        logger = AgentMessageLogger(backend.db)
+        await logger.log_messages(target_id, note, user_id="user-ada", turn_id="t-mine")
+        return found
+
+    monkeypatch.setattr(TranscriptLink, "_untouched_attempt", then_written)
+    with pytest.raises(Conflict):
+        await AgentStoreSaver(backend.db).acopy_thread(source_id, target_id)
+
+    held = [m.content for m in await ConversationStore(backend.db).transcript(target_id)]
+    assert held[-1] == "mine, logged meanwhile"
+    assert await backend.db[CHECKPOINTS].count_documents({"thread_id": target_id}) == 0
+
+
+async def test_a_copy_racing_a_pop_and_a_new_turn_inside_its_fork_copies_what_the_source_held(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a pop of the source's last message and a new turn of three
+    landing inside the store's fork (after its writes, before its check) make the fork be
+    made again; the copy then forks again at what the source holds, so it is a state the
+    source held (the new turn whole), never half of that turn."""
+    config = thread("user-ada")
+    saver = AgentStoreSaver(backend.db)
+    await run_turns(tool_agent(saver), config, range(1, 3))
+    source_id = config["configurable"]["thread_id"]
+    logger = AgentMessageLogger(backend.db)
+    side = [{"role": "user", "content": "side note"}, {"role": "assistant", "content": "regret"}]
+    await logger.log_messages(source_id, side, user_id="user-ada", turn_id="t-side")
+    forks, raced = saver._transcripts._logger, []
+    check = forks._unless_its_source_went
+
+    async def then_popped_and_logged(*args: Any, **kwargs: Any) -> Any:
+        if not raced:
+            raced.append(await ConversationStore(backend.db).pop_last_message(source_id))
+            new = [
+                {"role": "assistant", "content": "better"},
+                {"role": "user", "content": "and more"},
+                {"role": "assistant", "content": "the end"},
+            ]
+            await logger.log_messages(source_id, new, user_id="user-ada", turn_id="t-new")
+        return await check(*args, **kwargs)
+
+    monkeypatch.setattr(forks, "_unless_its_source_went", then_popped_and_logged)
+    await saver.acopy_thread(source_id, source_id + "-copy")
+
+    store = ConversationStore(backend.db)
+    copied = [m.content for m in await store.transcript(source_id + "-copy")]
+    assert copied == [m.content for m in await store.transcript(source_id)]
+    assert copied[-3:] == ["better", "and more", "the end"]
+
+
 def _messages_of(checkpoint: Any) -> list[Any]:
     return list(checkpoint["channel_values"].get("messages", []))
 

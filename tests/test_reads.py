@@ -842,6 +842,33 @@ async def test_a_delete_naming_the_version_of_another_users_conversation_is_not_
     assert [m.content for m in await store.transcript("c-del")] == ["kept"]
 
 
+@pytest.mark.parametrize("since", ["a turn", "a pop", "a claim"])
+async def test_a_delete_of_the_conversation_as_read_deletes_nothing_written_to_since(
+    backend: Backend, since: str
+) -> None:
+    """LIBRARY.md: `delete(unchanged_since=…)` deletes the conversation as the caller read
+    it only: a turn, a pop or a claim landing since that read is a Conflict, nothing
+    deleted; unchanged, it is deleted as `version` deletes it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    said = [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}]
+    await logger.log_messages("c-del", said, user_id=OWNER, turn_id="t-1")
+    as_read = await store.get_conversation("c-del")
+    if since == "a turn":
+        await logger.log_messages("c-del", [{"role": "user", "content": "three"}], user_id=OWNER)
+    elif since == "a pop":
+        await store.pop_last_message("c-del")
+    else:
+        await store.claim(OWNER, VICTIM)
+    held = [m.content for m in await store.transcript("c-del")]
+
+    with pytest.raises(Conflict, match="written to since it was read"):
+        await store.delete("c-del", unchanged_since=as_read)
+
+    assert [m.content for m in await store.transcript("c-del")] == held
+    deleted = await store.delete("c-del", unchanged_since=await store.get_conversation("c-del"))
+    assert deleted.conversations == 1
+
+
 async def test_a_version_names_the_conversation_for_its_life_and_never_shows_its_epoch(
     backend: Backend,
 ) -> None:

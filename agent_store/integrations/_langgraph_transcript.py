@@ -67,6 +67,7 @@ from agent_store.integrations._langgraph_documents import (
 )
 from agent_store.integrations._langgraph_messages import extras_of, from_stored, to_stored
 from agent_store.store import (
+    FORK_TURN,
     LANGGRAPH_TURN,
     MAX_MESSAGES_PER_TURN,
     AgentMessageLogger,
@@ -562,21 +563,23 @@ class TranscriptLink:
         A transcript one fork of the store copies is copied by it (`_forked`): its messages
         are copies, and the answers the person gave stay given. A longer one (the fork refused
         `ForkTooLarge`, nothing written) is logged through the logger, as the source holds it
-        then, turn by turn of the source (`_logged`); a fork refused as a pop landed since the
-        source was read is made again at what it holds then (`_fork_of_all`), so a popped
-        message is never copied.
+        then, turn by turn of the source (`_logged`); a fork refused, or made, as a pop landed
+        since the source was read is made again at what it holds then (`_fork_of_all`), so a
+        popped message is never copied, nor half of a turn logged after the pop.
 
         A target that exists already is refused Conflict before anything is written, unless it
         is this copy's earlier attempt (`_earlier_attempt`), which a re-run after a crash
         finishes: a fork of the source is forked again at its `forked_from.seq` (a replay), so
         the copy is the thread as it was when its fork was made, however far the source went
         on since. A replay refused because a pop removed a message the fork copied takes that
-        fork back, when it is as the fork left it (`_untouched_fork`), and copies afresh: the
+        fork back, when it is as the fork left it (`_untouched_attempt`), and copies afresh: the
         copy never keeps a popped message, and deletes nothing but copies. A conversation of
-        the source's owner holding nothing but this copy's turns is logged again (each turn
-        stored once). Answers where each source `seq` went, with
-        its new message id, and the target conversation (`conversation_mark`; None without a
-        source conversation).
+        the source's owner holding nothing but this copy's turns (a copy logged turn by turn)
+        is taken back so too and copied afresh, whatever the source holds since; one with a
+        checkpoint of its thread (a crash once they were copied) is logged again (each turn
+        stored once). Either is taken back only while nothing was written to it since it was
+        checked (`_take_back`). Answers where each source `seq` went, with its new message id,
+        and the target conversation (`conversation_mark`; None without a source conversation).
         """
         try:
             source = await self._store.get_conversation(source_id, fallback=False)
@@ -586,18 +589,16 @@ class TranscriptLink:
             return Copied()
         if named and conversation_mark(source.created_at) not in named:
             raise _source_went(source_id)
-        stored = await self._store.messages_by_seq(source_id)
-        target = await self._earlier_attempt(source, target_id, stored)
+        target = await self._earlier_attempt(source, target_id)
         if target is not None and target.forked_from is not None:
-            at_seq = target.forked_from.seq
-            up_to = await self._store.messages_by_seq(source_id, stop=at_seq + 1)
-            try:
-                return await self._forked(source, target_id, at_seq, up_to)
-            except Conflict:
-                if not await self._untouched_fork(source, target):
-                    raise
-            await self._take_back(target)
-            target, stored = None, await self._store.messages_by_seq(source_id)
+            replayed = await self._replayed_fork(source, target)
+            if replayed is not None:
+                return replayed
+            target = None
+        elif target is not None and await self._untouched_attempt(source, target):
+            await self._take_back(target, untouched=True)
+            target = None
+        stored = await self._store.messages_by_seq(source_id)
         if target is None and stored:
             forked = await self._fork_of_all(source, target_id, stored)
             if forked is not None:
@@ -642,52 +643,113 @@ class TranscriptLink:
         when that is past what one fork copies (`ForkTooLarge`, nothing written). A fork
         refused once the source's last `seq` is another than read (a pop landed meanwhile:
         the `seq` asked holds no message) is asked again at what the source holds then; any
-        other refusal is raised."""
+        other refusal is raised. A fork made once a pop since `source` was read removed a
+        `seq` it copies (the store's fork, refused by such a pop inside it, is made again at
+        the same `seq`, which may hold a message logged since: half of a turn) is taken back
+        and made again at what the source holds then, so the copy is a state the source held;
+        StorageUnavailable after `_FORK_ATTEMPTS` such races."""
         source_id = source.conversation_id
-        attempts = 0
-        while True:
+        for attempt in range(_FORK_ATTEMPTS):
             last = stored[-1].seq
             assert last is not None
             try:
-                return await self._forked(source, target_id, last, stored)
+                copied = await self._forked(source, target_id, last, stored)
             except ForkTooLarge:
                 return None
             except InvalidInput:
-                attempts += 1
                 read = await self._store.messages_by_seq(source_id)
-                if attempts == _FORK_ATTEMPTS or not read or read[-1].seq == last:
+                if attempt == _FORK_ATTEMPTS - 1 or not read or read[-1].seq == last:
                     raise
                 stored = read
+                continue
+            now = await self._popped_since(source, last)
+            if now is None:
+                return copied
+            assert copied.target is not None
+            await self._take_back(copied.target)
+            source, stored = now, await self._store.messages_by_seq(source_id)
+            if not stored:
+                return None  # all popped: nothing to fork, an empty copy is logged
+        raise StorageUnavailable(
+            f"thread {source_id!r} kept being popped while it was copied: copy it again"
+        )
 
-    async def _untouched_fork(self, source: Conversation, target: Conversation) -> bool:
-        """Whether the target, a fork of the source whose replay was refused (the source no
-        longer holds what it copied: a pop), is as its fork left it: the source's owner's,
-        no pop in it, no message past the fork's end and no checkpoint of its thread. Only
-        such a fork is taken back (nothing but copies of the source is lost)."""
+    async def _popped_since(self, source: Conversation, end: int) -> Conversation | None:
+        """The source read now when a pop removed a `seq` up to `end` from it since `source`
+        was read (`Conversation.popped_since`); None when none did, or it is gone (`hold`
+        takes the copy back)."""
+        try:
+            now = await self._store.get_conversation(source.conversation_id, fallback=False)
+        except NotFound:
+            return None
+        return now if now.popped_since(source.pops, end) else None
+
+    async def _replayed_fork(self, source: Conversation, target: Conversation) -> Copied | None:
+        """The copy an earlier attempt forked (`target`), its fork replayed at its
+        `forked_from.seq`; None once that fork is taken back (`_take_back`): its replay was
+        refused because a pop removed from the source a message it copied, and it is as the
+        fork left it (`_untouched_attempt`). The replay's refusal otherwise."""
         assert target.forked_from is not None
-        if target.user_id != source.user_id or target.pops:
+        at_seq = target.forked_from.seq
+        up_to = await self._store.messages_by_seq(source.conversation_id, stop=at_seq + 1)
+        try:
+            return await self._forked(source, target.conversation_id, at_seq, up_to)
+        except Conflict:
+            if not await self._untouched_attempt(source, target):
+                raise
+        await self._take_back(target, untouched=True)
+        return None
+
+    async def _untouched_attempt(self, source: Conversation, target: Conversation) -> bool:
+        """Whether the target, this copy's earlier attempt (`_earlier_attempt`), is as that
+        attempt left it: the source's owner's, no pop in it, nothing but its copies (a fork's:
+        no message past the fork's end; one logged turn by turn: this copy's turns, as
+        `_earlier_attempt` found them, and at least one, an empty target being finished
+        instead) and no checkpoint of its thread. Only such an attempt is taken back, nothing
+        but copies of the source lost, and only while nothing was written to it since
+        (`_take_back`)."""
+        if target.user_id != source.user_id or target.pops or target.popping is not None:
             return False
-        held = await self._store.messages_by_seq(target.conversation_id)
-        if any(m.seq is None or m.seq > target.forked_from.seq for m in held):
+        if target.forked_from is None and not target.message_count:
             return False
+        if target.forked_from is not None:
+            end = target.forked_from.seq
+            held = await self._store.messages_by_seq(target.conversation_id)
+            if any(m.seq is None or m.seq > end for m in held):
+                return False
         with storage_errors("read the thread's checkpoints"):
             found = await self._checkpoints.find_one({"thread_id": target.conversation_id})
         return found is None
 
-    async def _take_back(self, target: Conversation) -> None:
+    async def _take_back(self, target: Conversation, *, untouched: bool = False) -> None:
         """Delete the target's life a copy wrote, or its earlier attempt did (nothing else
-        under the id is touched: `version`)."""
-        with contextlib.suppress(NotFound, VersionMismatch):
-            await self._store.delete(target.conversation_id, version=target.version)
-        self.forget(target.conversation_id)
+        under the id is touched: `version`). `untouched`: an earlier attempt found so
+        (`_untouched_attempt`), deleted only while nothing was written to it since `target`
+        was read, checked in the command that marks it deleting
+        (`ConversationStore.delete(unchanged_since=…)`): a turn logged into it meanwhile
+        stays, and the copy is a Conflict."""
+        target_id = target.conversation_id
+        try:
+            if untouched:
+                await self._store.delete(target_id, unchanged_since=target)
+            else:
+                await self._store.delete(target_id, version=target.version)
+        except (NotFound, VersionMismatch):
+            pass
+        except Conflict as exc:
+            raise Conflict(
+                f"conversation {target_id!r} was written to as this copy took back its earlier "
+                "attempt there: it is kept as it is; copy into a new id"
+            ) from exc
+        finally:
+            self.forget(target_id)
 
-    async def _earlier_attempt(
-        self, source: Conversation, target_id: str, stored: Sequence[AgentMessage]
-    ) -> Conversation | None:
+    async def _earlier_attempt(self, source: Conversation, target_id: str) -> Conversation | None:
         """The target conversation when it is an earlier attempt of this copy (a fork of the
         source, or a conversation of the source's owner whose messages are all this copy's
-        turns, `_fork_turn_id`, or that has none yet); None when there is no target. Any
-        other conversation under the id is a Conflict: a copy never writes into it."""
+        turns, told by their ids whatever the source holds now, `_copied_from`, or that has
+        none yet); None when there is no target. Any other conversation under the id is a
+        Conflict: a copy never writes into it."""
         try:
             target = await self._store.get_conversation(target_id, fallback=False)
         except NotFound:
@@ -699,9 +761,9 @@ class TranscriptLink:
             raise Conflict(
                 f"conversation {target_id!r} belongs to another user: copy into a new id"
             )
-        ours = {_fork_turn_id(source.conversation_id, str(m.id)) for m in stored}
         held = await self._store.messages_by_seq(target_id)
-        if target.user_id == source.user_id and all(m.turn_id in ours for m in held):
+        ours = all(_copied_from(source.conversation_id, m.turn_id) for m in held)
+        if origin is None and target.user_id == source.user_id and ours:
             return target
         raise Conflict(
             f"conversation {target_id!r} exists already and is no copy of thread "
@@ -1001,9 +1063,23 @@ def _step_turn_id(
 
 
 def _fork_turn_id(source_id: str, first_message_id: str) -> str:
-    """The turn id of a copied chunk of a forked thread: the same copy, retried, is one turn."""
+    """The turn id of a copied chunk of a forked thread: the same copy, retried, is one turn.
+    It has the shape of a fork's copies (`fork-` and 32 hex digits), whose first digits name
+    the source (`_copy_mark`), so an earlier attempt of the copy is told by its turns
+    (`_copied_from`) whatever the source holds since (a pop of a chunk's first message)."""
     named = f"{source_id}\0{first_message_id}"
-    return "fork-" + hashlib.sha256(named.encode()).hexdigest()[:32]
+    return FORK_TURN + _copy_mark(source_id) + hashlib.sha256(named.encode()).hexdigest()[:24]
+
+
+def _copy_mark(source_id: str) -> str:
+    """What the turn ids of a thread's copy logged turn by turn begin with, after `fork-`."""
+    return hashlib.sha256(f"copy of\0{source_id}".encode()).hexdigest()[:8]
+
+
+def _copied_from(source_id: str, turn_id: str | None) -> bool:
+    """Whether a turn is a chunk of a copy of the thread `source_id` (`_fork_turn_id`)."""
+    prefix = FORK_TURN + _copy_mark(source_id)
+    return turn_id is not None and len(turn_id) == len(prefix) + 24 and turn_id.startswith(prefix)
 
 
 _STORE_FIELDS = {"_id", "conversation_id", "seq", "user_id", "turn_id", "search_text", "truncated"}

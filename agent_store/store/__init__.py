@@ -114,6 +114,7 @@ from agent_store.store._truncation import (
     document_size,
 )
 from agent_store.store._turns import (
+    FORK_TURN,
     MAX_MESSAGES_PER_TURN,
     MAX_TURN_NAMED_CALLS,
     MAX_TURN_TOOL_CALLS,
@@ -150,6 +151,7 @@ __all__ = [
     "DERIVED_TURN_PREFIX",
     "DUPLICATE_KEY",
     "ELLIPSIS",
+    "FORK_TURN",
     "HIDDEN_CHARACTERS",
     "INDEXES",
     "INVISIBLE_CLASS",

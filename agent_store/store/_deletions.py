@@ -50,14 +50,20 @@ class DeletionRecords:
         self._full_texts = full_texts
 
     async def record(
-        self, found: Iterable[Mapping[str, Any]], user_id: str | None
+        self,
+        found: Iterable[Mapping[str, Any]],
+        user_id: str | None,
+        *,
+        where: Mapping[str, Any] | None = None,
     ) -> list[Mapping[str, Any]]:
         """Record the deletion of each conversation `found` (`_id`, `epoch`, `created_at`),
         owned by `user_id`, then mark each (`DELETING`) while it is the one found and still
-        `user_id`'s (no user's for None): turns, their retries and pops are refused from then
-        on (`being_deleted`), and forks answer `NotFound`. Answer those marked: one claimed
-        (or assigned) since it was read is not this deletion's, left unmarked and its record
-        removed. Two round trips (none for no conversation), two more when a mark missed."""
+        `user_id`'s (no user's for None), and matches `where` (a state the caller read, as
+        `ConversationStore.delete(unchanged_since=…)` asks): turns, their retries and pops are
+        refused from then on (`being_deleted`), and forks answer `NotFound`. Answer those
+        marked: one claimed (or assigned, or written to) since it was read is not this
+        deletion's, left unmarked and its record removed. Two round trips (none for no
+        conversation), two more when a mark missed."""
         found = list(found)
         if not found:
             return []
@@ -72,7 +78,11 @@ class DeletionRecords:
             }
             for d in found
         ]
-        as_found = {"$or": [same_as_read(d["_id"], d) for d in found], "user_id": user_id}
+        as_found = {
+            "$or": [same_as_read(d["_id"], d) for d in found],
+            "user_id": user_id,
+            **(where or {}),
+        }
         with storage_errors("record the deletion"):
             await self._records.insert_many(records)
             # Fenced on its own document: no turn, retry or pop interleaves with the

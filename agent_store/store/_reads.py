@@ -257,6 +257,11 @@ def _require_version(
         raise _version_mismatch(conversation_id, what)
 
 
+def _count_of(count: int) -> int | dict[str, Any]:
+    """A filter on a count as read: 0 matches a document that has never set it too."""
+    return count if count else {"$in": [0, None]}
+
+
 def _one_of_or_none(*values: str | None) -> dict[str, Any]:
     """A filter on a field (`user_id`, `epoch`): documents holding one of these values, or
     none (null or absent)."""
@@ -680,7 +685,12 @@ class ConversationStore:
         raise not_migrated_yet(conversation_id, what)
 
     async def delete(
-        self, conversation_id: str, *, user_id: str | None = None, version: str | None = None
+        self,
+        conversation_id: str,
+        *,
+        user_id: str | None = None,
+        version: str | None = None,
+        unchanged_since: Conversation | None = None,
     ) -> Deleted:
         """Delete a conversation: its messages, its document, its owner's legacy turns and
         what integrations keep beside it (`THREAD_COLLECTIONS`: a LangGraph thread's
@@ -688,6 +698,11 @@ class ConversationStore:
 
         With `version` (`Conversation.version`), only the conversation it names, checked on
         the first read (`_found_to_delete`): another is `VersionMismatch`, nothing deleted.
+        With `unchanged_since` (the conversation as the caller read it, whose version it
+        names), only while nothing was written to it since that read: no turn, pop or claim
+        (its `message_count`, `pops` and owner as read, checked in the command that marks it
+        deleting, so a turn landing after the caller's check is never deleted though
+        acknowledged); otherwise `Conflict`, nothing deleted.
 
         Legacy turns go first, then the documents beside it (they refer to the messages), then
         messages and their whole texts, then the conversation document: a crash part-way leaves
@@ -712,33 +727,67 @@ class ConversationStore:
         once the document went) finishes it (`_finish_delete`).
         """
         scope = self._scope(conversation_id, user_id)
+        if unchanged_since is not None:
+            version = unchanged_since.version
         found = await self._found_to_delete(scope, version)
         if found is None:
             return await self._finish_delete(conversation_id, user_id, version)
-        marked = await self._marked_to_delete(conversation_id, found, user_id, version)
+        marked: dict[str, Any] | Deleted
+        if unchanged_since is not None:
+            marked = await self._marked_unchanged(conversation_id, found, unchanged_since)
+        else:
+            marked = await self._marked_to_delete(conversation_id, found, user_id, version)
         if isinstance(marked, Deleted):
             return marked
-        owner = marked.get("user_id")
+        return await self._delete_marked(scope, marked)
+
+    async def _delete_marked(self, scope: dict[str, Any], found: dict[str, Any]) -> Deleted:
+        """The steps of `delete` once it marked the conversation it found (`found`, within
+        `scope`), each scoped to it."""
+        conversation_id = str(found["_id"])
+        owner = found.get("user_id")
         legacy = 0
         if self._legacy_source is not None:
             legacy = await self._legacy_source.delete(conversation_id, owner=owner)
-        await self._delete_beside(_beside_of(conversation_id, marked), "delete the conversation")
-        found_now = scope | same_as_read(conversation_id, marked)
-        taken = await self._delete_messages_of(found_now, marked.get("epoch"))
+        await self._delete_beside(_beside_of(conversation_id, found), "delete the conversation")
+        found_now = scope | same_as_read(conversation_id, found)
+        taken = await self._delete_messages_of(found_now, found.get("epoch"))
         if taken is None:
-            await self._deletions.done(recorded_as(conversation_id, marked))
+            await self._deletions.done(recorded_as(conversation_id, found))
             return Deleted(conversations=0, messages=0, legacy_turns=legacy)
         messages, epochs = taken
         await self._full_texts.forget_conversations({conversation_id: epochs})
         gone, late = await self._delete_document(found_now, messages)
         if self._legacy_source is not None:
             legacy += await self._legacy_source.delete_dual_writes(
-                conversation_id, owner=owner, **_legacy_ids(marked)
+                conversation_id, owner=owner, **_legacy_ids(found)
             )
-        await self._deletions.done(recorded_as(conversation_id, marked))
+        await self._deletions.done(recorded_as(conversation_id, found))
         return Deleted(
             conversations=int(gone is not None), messages=messages + late, legacy_turns=legacy
         )
+
+    async def _marked_unchanged(
+        self, conversation_id: str, found: dict[str, Any], as_read: Conversation
+    ) -> dict[str, Any]:
+        """Record and mark the conversation a delete found, as `_marked_to_delete` does, while
+        it is also as the caller read it (`as_read`): the same owner, `message_count` and
+        `pops`, no pop under way. Conflict, nothing marked, when a turn, a pop or a claim
+        landed since that read."""
+        unchanged = {
+            "message_count": _count_of(as_read.message_count),
+            "pops": _count_of(as_read.pops),
+            "popping": None,
+        }
+        owner = found.get("user_id")
+        if owner != as_read.user_id or not await self._deletions.record(
+            [found], owner, where=unchanged
+        ):
+            raise Conflict(
+                f"conversation {conversation_id!r} was written to since it was read (a turn, a "
+                "pop or a claim): nothing was deleted (read it again to see what is there now)"
+            )
+        return found
 
     async def _marked_to_delete(
         self,
