@@ -322,6 +322,39 @@ async def test_a_denial_of_a_call_whose_prompt_was_approved_is_refused_and_nothi
     assert await held_calls(runtime.store) == [("tc-9", None)]
 
 
+@pytest.mark.parametrize("stored", [True, False], ids=["its turn stored", "its turn still written"])
+async def test_a_denial_naming_an_approved_call_as_pending_calls_served_it_is_answered_before(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, stored: bool
+) -> None:
+    """A stale tab denies a call the person approved, naming its message as `pending_calls`
+    served it: `AnsweredBefore` (a person approved it first), whether the turn making the call
+    is stored or its insert is still to land (its writer lost it within `abandon_after`),
+    never `InvalidInput` for a message it named as it was told to; `check_turn` alike; nothing
+    written."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    call = {"id": "tc-9", "function": {"name": "book_train", "arguments": {"train": "TGV 6601"}}}
+    prompt = {"action": "confirm", "request_id": "confirm-9", "tool_call_ids": ["tc-9"]}
+    asks = [
+        {"role": "user", "content": "Book me the 09:04 to Lyon."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "assistant", "content": "Pay €35?", "hitl_action": prompt},
+    ]
+    with monkeypatch.context() as lost:
+        if not stored:
+            lost.setattr(logger._messages, "insert_many", _lost_insert)
+        with contextlib.suppress(ConnectionError):
+            await logger.log_messages(CID, asks, turn_id="t1")
+    await store.resolve_hitl(CID, "confirm-9")
+    served = {c.tool_call_id: c.message_id for c in await store.pending_calls(CID)}
+    before = await store.transcript(CID)
+
+    for attempt in (logger.check_turn, logger.log_messages):
+        with pytest.raises(AnsweredBefore, match=r"'tc-9'.*approved"):
+            await attempt(CID, [_DENIAL], turn_id="stale-tab", answers_to=served)
+
+    assert await store.transcript(CID) == before
+
+
 _DENIAL = {"role": "tool", "tool_call_id": "tc-9", "content": DENIED_RESULT,
            "error": {"message": "tool call denied"}}  # fmt: skip
 _BOOKED_RESULT = {"role": "tool", "tool_call_id": "tc-9", "content": '{"booking":"B-42"}'}

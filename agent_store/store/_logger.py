@@ -782,11 +782,11 @@ class AgentMessageLogger:
         query = answers_lookup(plan.conversation_id, named, from_seq)
         with storage_errors("read the messages answers_to names"):
             found = await self._messages.find(query, ANSWERS_READ).sort("seq", 1).to_list(None)
-        if (misnamed := _misnamed(plan, named, found)) is not None:
-            raise misnamed
         refused_prompts = _refused_prompts(refused_prompts)
         if released_calls(conversation, _denied(plan, refused_prompts), refused_prompts):
-            raise refused  # a person approved a call the turn denies first
+            raise refused  # a person approved a call the turn denies first, however it is named
+        if (misnamed := _misnamed(plan, named, found)) is not None:
+            raise misnamed
         gone, _ = answered_since(conversation, named)
         states = {c: answer_found(found, c, named[c]) for c in gone}
         if followed := [c for c, state in states.items() if state == "followed"]:
