@@ -1368,6 +1368,23 @@ async def test_past_the_kept_records_a_retry_whose_block_is_empty_answers_the_tu
     await _followed_to_the_end(backend, rules)
 
 
+@pytest.mark.parametrize(
+    ("reserved_at", "now", "listed"),
+    [(5, 5, 0), (5, 6, 1), (5, 8, 3), (5, 9, 3), (5, 104, 3), (None, 9, 3)],
+)
+def test_an_insert_weighs_only_the_pops_since_its_reservation_however_many_the_list_kept(
+    reserved_at: int | None, now: int, listed: int
+) -> None:
+    """The pops finished since a turn reserved are the last entries of `popped_messages`
+    (each pop lists its message last); more pops than it keeps (the newest 100) are all
+    it keeps, never fewer; a reservation that did not read `pops` weighs every entry."""
+    from agent_store.store._logger import _popped_after
+
+    entries = [{"s": seq, "i": f"m{seq}"} for seq in range(3)]
+    conversation = {"pops": now, "popped_messages": entries}
+    assert _popped_after(conversation, reserved_at) == entries[len(entries) - listed :]
+
+
 @pytest.mark.parametrize("late", [False, True], ids=["recent", "past-abandon_after"])
 async def test_past_the_kept_records_a_popped_turn_sent_again_is_logged_anew_at_once(
     backend: Backend, late: bool

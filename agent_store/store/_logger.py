@@ -3310,7 +3310,7 @@ def _popped_after(conversation: Mapping[str, Any], pops: int | None) -> list[Map
     if pops is None:
         return entries
     since = int(conversation.get("pops") or 0) - pops
-    return entries[len(entries) - since :] if since > 0 else []
+    return entries[max(0, len(entries) - since) :] if since > 0 else []
 
 
 def _blocks_left(conversation: Mapping[str, Any], key: int) -> set[int]:
