@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
-from agent_store.core import AgentMessage, NotFound, message_adapter
+from agent_store.core import AgentMessage, message_adapter
 from agent_store.store import ConversationStore
 
 CHUNK_BYTES = 64 * 1024
@@ -66,29 +66,22 @@ async def transcript_document(
 async def _conversation_exports(
     store: ConversationStore, user_id: str, *, between: bytes, after: bytes, full: bool
 ) -> AsyncIterator[bytes]:
-    """Each of the user's conversations as a `ConversationExport` object: the life listed
-    (`stream_transcript(life=…)`). One deleted, started again or claimed away before its
-    turn is left out; one changing while its messages are sent cuts the export."""
-    before = b""
-    async for conversation in store.stream_user_conversations(user_id):
-        batches = store.stream_transcript(
-            conversation.id, user_id=user_id, full=full, life=conversation
-        )
-        try:
-            try:
-                first = await anext(batches)
-            except NotFound:
-                continue  # gone since it was listed: nothing of it was sent
-            yield (
-                before + b'{"conversation":' + conversation.model_dump_json(by_alias=True).encode()
-            )
-            yield b',"messages":'
-            async for piece in _array(first, batches):
+    """Each of the user's conversations as a `ConversationExport` object, as
+    `stream_user_exports` streams it: its summary holds for the messages that come with it.
+    One gone before its turn is left out; one changing while its messages are sent cuts the
+    export."""
+    exports = store.stream_user_exports(user_id, full=full)
+    try:
+        before = b""
+        async for export in exports:
+            summary = export.conversation.model_dump_json(by_alias=True).encode()
+            yield before + b'{"conversation":' + summary + b',"messages":'
+            async for piece in _array(export.first, export.rest):
                 yield piece
             yield b"}" + after
-        finally:
-            await batches.aclose()
-        before = between
+            before = between
+    finally:
+        await exports.aclose()
 
 
 async def export_lines(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -197,3 +197,28 @@ def count_documents_read(monkeypatch: pytest.MonkeyPatch, collection: Any) -> li
 
     monkeypatch.setattr(collection, "find", counted)
     return read
+
+
+def after_its_first_batch(
+    monkeypatch: pytest.MonkeyPatch, store: Any, change: Callable[[str], Awaitable[Any]]
+) -> None:
+    """Run `change(conversation_id)` once, as the first streamed read (`stream_transcript`)
+    read on past its first batch is asked for its next: where an export has paired that batch
+    with the conversation's summary, and sent both."""
+    read, pending = store.stream_transcript, [change]
+
+    def hooked(conversation_id: str, **kwargs: Any) -> Any:
+        async def batches() -> Any:
+            stream = read(conversation_id, **kwargs)
+            try:
+                yield await anext(stream)
+                if pending:
+                    await pending.pop()(conversation_id)
+                async for batch in stream:
+                    yield batch
+            finally:
+                await stream.aclose()
+
+        return batches()
+
+    monkeypatch.setattr(store, "stream_transcript", hooked)

@@ -29,7 +29,7 @@ from tests.api_harness import (
     mongomock_db,
     serve,
 )
-from tests.conftest import Backend
+from tests.conftest import Backend, after_its_first_batch
 
 SERVICE = auth_headers()
 MiB = 1024 * 1024
@@ -303,11 +303,11 @@ async def test_the_export_route_cuts_its_answer_rather_than_send_two_lives_of_a_
         store, logger = api.store.conversations, api.store.logger
         await logger.log_messages(LIFE, said("OLD", 40), user_id="carol", turn_id="t-1")
 
-        async def started_again() -> None:
-            await store.delete(LIFE)
+        async def started_again(conversation_id: str) -> None:
+            await store.delete(conversation_id)
             await logger.log_messages(LIFE, said("NEW", 40), user_id="carol", turn_id="t-1")
 
-        after_first_batch(monkeypatch, store, started_again)
+        after_its_first_batch(monkeypatch, store, started_again)
         with pytest.raises(Exception) as cut:  # noqa: PT011 - what the server raises to cut it
             await api.http.get(
                 "/v1/users/carol/export",
@@ -315,6 +315,31 @@ async def test_the_export_route_cuts_its_answer_rather_than_send_two_lives_of_a_
                 headers=SERVICE,
             )
         assert cut_by(cut.value, Conflict)
+
+
+@pytest.mark.parametrize("export_format", ["jsonl", "json"])
+async def test_the_export_route_cuts_its_answer_when_a_pop_removes_a_message_it_sent_the_count_of(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, export_format: str
+) -> None:
+    """The runtime pops the last message of a conversation of 40 once the export paired its
+    summary (counting 40) with its first batch: the summary, sent, cannot be taken back, nor
+    does it hold for the 39 messages left, so the export fails rather than end as if it did."""
+    async with serve(backend.db, seeded=False) as api:
+        store, logger = api.store.conversations, api.store.logger
+        await logger.log_messages(LIFE, said("ALICE", 40), user_id="carol", turn_id="t-1")
+
+        async def popped(conversation_id: str) -> None:
+            await store.pop_last_message(conversation_id)
+
+        after_its_first_batch(monkeypatch, store, popped)
+        with pytest.raises(Exception) as cut:  # noqa: PT011 - what the server raises to cut it
+            await api.http.get(
+                "/v1/users/carol/export",
+                params={"format": export_format, "full": "true"},
+                headers=SERVICE,
+            )
+        assert cut_by(cut.value, Conflict)
+        assert len(await store.transcript(LIFE)) == 39
 
 
 def exported_ids(response: Any, export_format: str) -> list[str]:
@@ -340,7 +365,7 @@ async def test_the_export_leaves_out_a_conversation_gone_before_its_turn_and_goe
         for cid in ("c-1", "c-2", "c-3"):
             await logger.log_messages(cid, said(cid, 2), user_id="carol", turn_id="t-1")
 
-        async def meanwhile() -> None:
+        async def meanwhile(read_first: str) -> None:
             if change == "claimed away":
                 await store.claim("carol", "carol-new-account")
                 return
@@ -348,7 +373,7 @@ async def test_the_export_leaves_out_a_conversation_gone_before_its_turn_and_goe
             if change == "started again":
                 await logger.log_messages("c-2", said("NEW", 2), user_id="carol", turn_id="t-1")
 
-        after_first_batch(monkeypatch, store, meanwhile)
+        after_its_first_batch(monkeypatch, store, meanwhile)
         response = await api.http.get(
             "/v1/users/carol/export", params={"format": export_format, "full": "true"},
             headers=auth_headers(user="carol"),

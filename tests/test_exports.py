@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -11,7 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent_store import AgentMessageLogger, ConversationStore, InvalidInput, TurnRules
+from agent_store import (
+    AgentMessageLogger,
+    Conflict,
+    ConversationExport,
+    ConversationStore,
+    InvalidInput,
+    TurnRules,
+)
 from agent_store.core import (
     DENIED_RESULT,
     INTERRUPTED_RESULT,
@@ -27,8 +36,10 @@ from agent_store.integrations.exports import (
     responses_items,
     user_jsonl,
 )
+from agent_store.store import EXPORT_READS
 from app.examples import EXAMPLE_CONVERSATION_ID, EXAMPLE_USER_ID, example_turns
-from tests.conftest import Backend
+from tests.api_harness import auth_headers, hitl_turn, serve
+from tests.conftest import Backend, after_its_first_batch
 
 CALL_IDS = ["c1", "c2", "c3", "c4"]
 NOW = datetime(2026, 3, 2, 9, 0, tzinfo=UTC)
@@ -313,19 +324,18 @@ async def test_export_user_leaves_out_a_conversation_gone_before_its_turn_and_go
     store = ConversationStore(backend.db, rules=TurnRules(claim_grace=timedelta(0)))
     for cid in ("c-1", "c-2", "c-3"):
         await logger.log_messages(cid, [{"role": "user", "content": cid}], user_id="carol")
-    whole, pending = store.with_full_texts, [change]
 
-    async def meanwhile(messages: list[AgentMessage]) -> list[AgentMessage]:
-        if pending and pending.pop() == "claimed away":
+    async def meanwhile(read_first: str) -> None:
+        assert read_first == "c-1"
+        if change == "claimed away":
             await store.claim("carol", "carol-new-account")
-        elif change != "claimed away" and messages[0].conversation_id == "c-1":
-            await store.delete("c-2")
-            if change == "started again":
-                said = [{"role": "user", "content": "NEW"}]
-                await logger.log_messages("c-2", said, user_id="carol")
-        return await whole(messages)
+            return
+        await store.delete("c-2")
+        if change == "started again":
+            said = [{"role": "user", "content": "NEW"}]
+            await logger.log_messages("c-2", said, user_id="carol")
 
-    monkeypatch.setattr(store, "with_full_texts", meanwhile)
+    after_its_first_batch(monkeypatch, store, meanwhile)
     exported = [e async for e in store.export_user("carol", full=True)]
 
     assert [e.conversation.id for e in exported] == left
@@ -361,6 +371,173 @@ async def test_export_user_holds_each_conversations_messages_as_its_summary_coun
         assert [m.content for m in export.messages] == [export.conversation.id]
         assert export.conversation.message_count == len(export.messages) == 1
     assert len(await store.transcript("c-1")) == 3  # the late turns are stored
+
+
+def before_each_read(
+    monkeypatch: pytest.MonkeyPatch,
+    store: ConversationStore,
+    change: Callable[[str], Awaitable[Any]],
+    *,
+    reads: int = 1,
+) -> None:
+    """Run `change(conversation_id)` as each of the first `reads` streamed reads of a
+    conversation begins: after the export listed it, before its messages are read."""
+    read, begun = store.stream_transcript, Counter[str]()
+
+    def changed_first(conversation_id: str, **kwargs: Any) -> Any:
+        async def batches() -> Any:
+            begun[conversation_id] += 1
+            if begun[conversation_id] <= reads:
+                await change(conversation_id)
+            async for batch in read(conversation_id, **kwargs):
+                yield batch
+
+        return batches()
+
+    monkeypatch.setattr(store, "stream_transcript", changed_first)
+
+
+def turn_of(name: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": f"q {name}"}, {"role": "assistant", "content": f"a {name}"}]
+
+
+POPS_AFTER_LISTING = ["pop", "pop a whole turn", "pop the prompt", "pop and log again"]
+
+
+async def popped_after_listing(
+    monkeypatch: pytest.MonkeyPatch, logger: AgentMessageLogger, store: ConversationStore, pop: str
+) -> None:
+    """carol's `c-1`, three turns (the last a prompt, to `pop the prompt`), popped as `pop`
+    says once the export listed it, before its messages are read."""
+    last = hitl_turn("confirm-1") if pop == "pop the prompt" else turn_of("t-2")
+    for turn_id, said in (("t-0", turn_of("t-0")), ("t-1", turn_of("t-1")), ("t-2", last)):
+        await logger.log_messages("c-1", said, user_id="carol", turn_id=turn_id)
+
+    async def popped(conversation_id: str) -> None:
+        for _ in range(2 if pop == "pop a whole turn" else 1):
+            await store.pop_last_message(conversation_id)
+        if pop == "pop and log again":
+            await logger.log_messages("c-1", turn_of("t-3"), user_id="carol", turn_id="t-3")
+
+    before_each_read(monkeypatch, store, popped)
+
+
+async def as_it_stands(store: ConversationStore, conversation_id: str) -> dict[str, Any]:
+    """The conversation and its messages as they are read now, as an export serves them."""
+    conversation = await store.get_conversation(conversation_id)
+    messages = await store.transcript(conversation_id)
+    export = ConversationExport(conversation=conversation, messages=messages)
+    return export.model_dump(mode="json", by_alias=True)
+
+
+def holds_for_its_messages(export: dict[str, Any]) -> bool:
+    """Whether an exported summary counts the messages it comes with, and its prompt pending
+    is one of them."""
+    summary, messages = export["conversation"], export["messages"]
+    prompt = (summary.get("pending_hitl") or {}).get("message_id")
+    return (
+        summary["message_count"] == len(messages)
+        and summary["turn_count"] == len({m["turn_id"] for m in messages})
+        and prompt in {None, *(m["_id"] for m in messages)}
+    )
+
+
+@pytest.mark.parametrize("pop", POPS_AFTER_LISTING)
+async def test_export_user_pairs_a_conversation_popped_after_listing_with_its_summary_since(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, pop: str
+) -> None:
+    """API.md: the summary holds for the messages it comes with. A pop after the export
+    listed the conversation, before its messages are read (a regenerated answer, maybe
+    logged again at once): the conversation comes as it is after the pop, with its messages
+    then, never with a summary counting a popped message or naming a popped prompt."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    await popped_after_listing(monkeypatch, logger, store, pop)
+
+    exported = [e.model_dump(mode="json", by_alias=True) async for e in store.export_user("carol")]
+
+    assert exported == [await as_it_stands(store, "c-1")]
+    assert holds_for_its_messages(exported[0])
+    if pop == "pop the prompt":
+        assert exported[0]["conversation"]["pending_hitl"] is None
+
+
+async def test_export_user_refuses_a_conversation_popped_at_each_of_its_reads(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Popped again before each read, it never holds still long enough to pair a summary
+    with its messages: `Conflict` after `EXPORT_READS` reads, rather than a summary that
+    does not hold for them."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for turn_id in ("t-0", "t-1", "t-2"):
+        await logger.log_messages("c-1", turn_of(turn_id), user_id="carol", turn_id=turn_id)
+
+    async def popped(conversation_id: str) -> None:
+        await store.pop_last_message(conversation_id)
+
+    before_each_read(monkeypatch, store, popped, reads=EXPORT_READS)
+
+    with pytest.raises(Conflict, match="popped while it was exported"):
+        [e async for e in store.export_user("carol")]
+    assert len(await store.transcript("c-1")) == 6 - EXPORT_READS
+
+
+# -- the same rules through `GET /v1/users/{id}/export` --------------------------------------
+
+
+async def exported_lines(api: Any, export_format: str) -> list[dict[str, Any]]:
+    """carol's export through the route, as its `ConversationExport` objects."""
+    response = await api.http.get(
+        "/v1/users/carol/export", params={"format": export_format}, headers=auth_headers()
+    )
+    assert response.status_code == 200
+    if export_format == "jsonl":
+        return [json.loads(line) for line in response.text.splitlines()]
+    document: dict[str, Any] = response.json()
+    return list(document["conversations"])
+
+
+@pytest.mark.parametrize("export_format", ["jsonl", "json"])
+@pytest.mark.parametrize("late", ["turn", "prompt"])
+async def test_the_export_route_holds_each_conversations_messages_as_its_summary_counts_them(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, export_format: str, late: str
+) -> None:
+    """The route's twin of `test_export_user_holds_each_conversations_messages_as_its_summary_
+    counts_them`: a turn (or a prompt) logged after the export listed the conversation,
+    before its messages are read, is not in it, nor in its summary."""
+    async with serve(backend.db, seeded=False) as api:
+        logger, store = api.store.logger, api.store.conversations
+        for cid in ("c-1", "c-2"):
+            await logger.log_messages(cid, [{"role": "user", "content": cid}], user_id="carol")
+
+        async def late_turn(conversation_id: str) -> None:
+            said = hitl_turn(f"confirm-{conversation_id}") if late == "prompt" else turn_of("late")
+            await logger.log_messages(conversation_id, said, user_id="carol")
+
+        before_each_read(monkeypatch, store, late_turn)
+        exported = await exported_lines(api, export_format)
+
+        assert sorted(e["conversation"]["_id"] for e in exported) == ["c-1", "c-2"]
+        for export in exported:
+            assert [m["content"] for m in export["messages"]] == [export["conversation"]["_id"]]
+            assert export["conversation"]["message_count"] == 1
+            assert export["conversation"]["pending_hitl"] is None
+        assert len(await store.transcript("c-1")) == 3  # the late turns are stored
+
+
+@pytest.mark.parametrize("export_format", ["jsonl", "json"])
+@pytest.mark.parametrize("pop", POPS_AFTER_LISTING)
+async def test_the_export_route_pairs_a_conversation_popped_after_listing_with_its_summary_since(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, export_format: str, pop: str
+) -> None:
+    """The route's twin of `test_export_user_pairs_a_conversation_popped_after_listing_…`."""
+    async with serve(backend.db, seeded=False) as api:
+        store = api.store.conversations
+        await popped_after_listing(monkeypatch, api.store.logger, store, pop)
+
+        exported = await exported_lines(api, export_format)
+
+        assert exported == [await as_it_stands(store, "c-1")]
+        assert holds_for_its_messages(exported[0])
 
 
 _BOOK_AND_QUOTE = {

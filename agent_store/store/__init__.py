@@ -60,12 +60,14 @@ from agent_store.store._legacy_seam import (
 from agent_store.store._logger import AgentMessageLogger, LoggedTurn, TurnObserver
 from agent_store.store._naming import NAMED_WINDOW, Named, first_named, named_window, renamed
 from agent_store.store._reads import (
+    EXPORT_READS,
     MAX_PAGE_SIZE,
     MAX_SEARCH_QUERY_CHARS,
     Claimed,
     ConversationExport,
     ConversationStore,
     Deleted,
+    ExportStream,
     SearchHit,
     SearchPage,
     SortOrder,
@@ -151,6 +153,7 @@ __all__ = [
     "DERIVED_TURN_PREFIX",
     "DUPLICATE_KEY",
     "ELLIPSIS",
+    "EXPORT_READS",
     "FORK_TURN",
     "HIDDEN_CHARACTERS",
     "INDEXES",
@@ -184,6 +187,7 @@ __all__ = [
     "ConversationStore",
     "Database",
     "Deleted",
+    "ExportStream",
     "FallbackConversation",
     "FullText",
     "FullTextStore",

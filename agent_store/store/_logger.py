@@ -57,7 +57,6 @@ from agent_store.core import (
     awaiting_results,
     listed,
     messages_adapter,
-    popped_up_to,
     shown,
     to_utc_millis,
     utc_now,
@@ -104,7 +103,14 @@ from agent_store.store._legacy_seam import (
     not_migrated_yet,
 )
 from agent_store.store._naming import named_again, named_by_stored, taken_from
-from agent_store.store._pop import finish_marked, last_and_latest, last_before, preview_source
+from agent_store.store._pop import (
+    POPS_READ,
+    finish_marked,
+    last_and_latest,
+    last_before,
+    popped_since_read,
+    preview_source,
+)
 from agent_store.store._relocated import (
     MOVED,
     Landing,
@@ -3552,7 +3558,7 @@ one fork copies: it holds them in memory at once."""
 
 SourceNow = Literal["whole", "went", "popped"]
 """What a fork's check found of its source (`AgentMessageLogger._with_its_source`)."""
-_SOURCE_NOW_READ = {"user_id": 1, "pops": 1, "popped_messages": 1, "popping": 1}
+_SOURCE_NOW_READ = {"user_id": 1, **POPS_READ}
 """What a fork's check reads of its source: its owner, and what tells a pop since the fork
 read it (`_popped_since`)."""
 
@@ -3956,17 +3962,9 @@ def _as_read(source: Mapping[str, Any]) -> ForkCheck:
 
 def _popped_since(source: Mapping[str, Any], check: ForkCheck, end: int) -> bool:
     """Whether a pop removed a `seq` up to `end` (what the fork copies) from `source`, read
-    with its `pops`, `popped_messages` and `popping`, since the fork read it (`check.pops`):
-    one under way there (`popping`), or one of the pops finished since, each of which listed
-    its message last (`popped_messages`, the newest kept: all of them were, when more pops
-    finished than it keeps). None for a fork made before its check recorded `pops`."""
-    if check.pops is None:
-        return False
-    marked = source.get("popping")
-    popping = int(marked.get("seq", end + 1)) if isinstance(marked, Mapping) else None
-    since = int(source.get("pops") or 0) - check.pops
-    listed = [p for p in source.get("popped_messages") or () if isinstance(p, Mapping)]
-    return popped_up_to(end, since, popping, [int(p.get("s", 0)) for p in listed])
+    with `POPS_READ`, since the fork read it (`check.pops`, `popped_since_read`). None for a
+    fork made before its check recorded `pops`."""
+    return check.pops is not None and popped_since_read(source, check.pops, end)
 
 
 def _same_as_reserved(conversation_id: str, reserved: _Reserved) -> dict[str, Any]:

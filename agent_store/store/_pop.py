@@ -55,6 +55,7 @@ from agent_store.core import (
     PoppedMessage,
     StorageUnavailable,
     message_adapter,
+    popped_up_to,
     utc_now,
 )
 from agent_store.store._blobs import kept_blob_ids
@@ -75,6 +76,9 @@ from agent_store.store._tail import (
 )
 from agent_store.store._text import auto_name
 from agent_store.store._turns import GAPS_READ, Gaps, is_fork_turn, is_own_turn_id
+
+POPS_READ: dict[str, Any] = {"pops": 1, "popped_messages": 1, "popping": 1}
+"""What tells the pops of a conversation since it was read (`popped_since_read`)."""
 
 POP_ATTEMPTS = 5
 """How many times a pop reads the last message again when other pops keep coming first."""
@@ -633,3 +637,16 @@ def _still_written(conversation_id: str, seq: int) -> StorageUnavailable:
         f"a turn of conversation {conversation_id!r} is still being written at seq "
         f"{seq}: retry the pop in a moment"
     )
+
+
+def popped_since_read(found: Mapping[str, Any], pops: int, end: int) -> bool:
+    """Whether a pop removed a `seq` up to `end` from the conversation `found` (read now with
+    `POPS_READ`) since it was read with `pops` pops finished (`Conversation.popped_since`, of a
+    document): one under way there (`popping`), or one of the pops finished since, each of
+    which listed its message last (`popped_messages`, the newest kept: all of them were,
+    when more pops finished than it keeps)."""
+    marked = found.get("popping")
+    popping = int(marked.get("seq", end + 1)) if isinstance(marked, Mapping) else None
+    since = int(found.get("pops") or 0) - pops
+    listed = [p for p in found.get("popped_messages") or () if isinstance(p, Mapping)]
+    return popped_up_to(end, since, popping, [int(p.get("s", 0)) for p in listed])

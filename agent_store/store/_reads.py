@@ -21,6 +21,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
+from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 from typing import Any, Literal, TypeVar
@@ -65,7 +66,7 @@ from agent_store.store._indexes import (
     conversation_mark,
 )
 from agent_store.store._legacy_seam import FallbackConversation, LegacySource, not_migrated_yet
-from agent_store.store._pop import Pop, PopMemory, finish_marked
+from agent_store.store._pop import POPS_READ, Pop, PopMemory, finish_marked, popped_since_read
 from agent_store.store._relocated import settle
 from agent_store.store._reservation import (
     CONVERSATION_DOCUMENT,
@@ -185,6 +186,26 @@ class ConversationExport(BaseModel):
 
     conversation: Conversation
     messages: list[AgentMessage]
+
+
+@dataclass(frozen=True)
+class ExportStream:
+    """One conversation of a user's export, its messages streamed (`stream_user_exports`):
+    the summary holds for every message `first` and `rest` serve."""
+
+    conversation: Conversation
+    """The conversation as it counts the messages that follow (listed, or read again after a
+    pop since)."""
+    first: list[AgentMessage]
+    """Its first batch of messages, read before the summary was paired with them."""
+    rest: AsyncGenerator[list[AgentMessage], None]
+    """Its other batches (`stream_transcript(life=conversation)`): Conflict after the last one
+    when the conversation changed so that what was served is not what it counts."""
+
+
+EXPORT_READS = 3
+"""How many times an export reads a conversation that pops keep changing (each read after the
+last pop, its messages with it) before it gives up: Conflict."""
 
 
 def _page_size(limit: int) -> int:
@@ -2216,30 +2237,77 @@ class ConversationStore:
     async def export_user(
         self, user_id: str, *, full: bool = False
     ) -> AsyncIterator[ConversationExport]:
-        """Every conversation of a user with its transcript, one at a time.
+        """Every conversation of a user with its transcript, one at a time: what
+        `stream_user_exports` streams, each conversation's messages held whole."""
+        async for export in self.stream_user_exports(user_id, full=full):
+            rest = [m async for batch in export.rest for m in batch]
+            yield ConversationExport(conversation=export.conversation, messages=export.first + rest)
 
-        Each as listed (`stream_user_conversations`), its transcript of that life
-        (`stream_transcript(life=…)`) as the listing counts it: the messages below its
-        `message_count`, not those of a turn logged after it was listed, so that the summary
-        holds for the messages it comes with. One deleted, started again or claimed away
+    async def stream_user_exports(
+        self, user_id: str, *, full: bool = False
+    ) -> AsyncGenerator[ExportStream, None]:
+        """Every conversation of a user with its transcript, a batch of messages at a time (read
+        each one's `rest` before asking for the next, which closes it).
+
+        Each as listed (`stream_user_conversations`), with its messages as that summary counts
+        them (`stream_transcript(life=…)`: those below its `message_count`, not a turn logged
+        after it was listed), so that the summary holds for the messages it comes with. A pop
+        since it was listed that removed one of them (a lookup after the first batch tells)
+        pairs the conversation as read then with its messages read again, up to
+        `EXPORT_READS` reads, else Conflict; a pop after the summary was paired is Conflict
+        after the last batch (`stream_transcript`). One deleted, started again or claimed away
         before its turn is left out, the others follow. With `full`, fields cut to bound a
-        message come whole (see `with_full_texts`).
+        message come whole (see `with_full_texts`). One round trip per conversation more than
+        its streamed read.
         """
         user_id = validate_identifier(user_id, "user_id")
         async for conversation in self.stream_user_conversations(user_id):
-            batches = self.stream_transcript(
-                conversation.id, user_id=user_id, full=full, life=conversation
-            )
-            end = conversation.message_count
-            try:
-                messages = [
-                    m async for batch in batches for m in batch if m.seq is None or m.seq < end
-                ]
-            except NotFound:
+            export = await self._export_stream(conversation, user_id, full)
+            if export is None:
                 continue  # gone since it was listed
+            try:
+                yield export
             finally:
+                await export.rest.aclose()
+
+    async def _export_stream(
+        self, summary: Conversation, user_id: str, full: bool
+    ) -> ExportStream | None:
+        """The conversation as `summary` counts it, with its first batch of messages, once no
+        pop since `summary` was read removed one of the messages it counts (else read again as
+        it stands then, while pops do); None when it went since it was listed (deleted,
+        started again, claimed away)."""
+        for _ in range(EXPORT_READS):
+            batches = self.stream_transcript(summary.id, user_id=user_id, full=full, life=summary)
+            try:
+                first = await anext(batches)
+                now = await self._as_it_stands(summary, user_id)
+            except NotFound:
+                first, now = [], None
+            except BaseException:
                 await batches.aclose()
-            yield ConversationExport(conversation=conversation, messages=messages)
+                raise
+            if now is not None and not now.popped_since(summary.pops, summary.message_count - 1):
+                return ExportStream(conversation=summary, first=first, rest=batches)
+            await batches.aclose()
+            if now is None:
+                return None
+            summary = now
+        raise Conflict(
+            f"conversation {summary.id!r} was popped while it was exported, at each of "
+            f"{EXPORT_READS} reads: its summary could not be paired with its messages (export "
+            "again)"
+        )
+
+    async def _as_it_stands(self, summary: Conversation, user_id: str) -> Conversation | None:
+        """The conversation `summary` read as it stands now (once no pop is under way,
+        `_summary`), read after its messages: None when it went (deleted, started again,
+        claimed away)."""
+        life = same_conversation(summary.id, epoch=summary.epoch, created_at=summary.created_at)
+        doc = await self._summary(
+            summary.id, user_id, SUMMARY, "read the conversation", fence=self._listed | life
+        )
+        return None if doc is None else Conversation.model_validate(doc)
 
     @classmethod
     def _standing(cls, conversation_id: str, user_id: str | None) -> dict[str, Any]:
@@ -2279,16 +2347,16 @@ class ConversationStore:
         With `full`, fields cut to bound a message come whole (see `with_full_texts`).
 
         One life of the conversation, the one under the id as the stream starts, or `life`
-        (the conversation as read before, a listing's): when more batches follow the first,
-        every batch leaves out the messages of another `epoch`, and a lookup after the last
-        one finds the conversation still there, the same one and `user_id`'s, its messages
-        not being deleted, else `Conflict` (deleted, started again or claimed away while it
-        was read: what was served is not its whole transcript). A `life` gone before the
-        first batch (deleted, started again, claimed away) is NotFound, nothing served, as is
-        one that is no conversation (`_its_messages`). The first batch is read at once with the
-        conversation document, as `transcript` reads (two commands, one wait); one round trip
-        more than its batches for a transcript of more than one batch (two when a `seq` past
-        the last message is reserved); none for one of a single batch.
+        (the conversation as read before, a listing's: its messages as it counts them, below
+        its `message_count`): when more batches follow the first, every batch leaves out the
+        messages of another `epoch`, and a lookup after the last one finds the conversation
+        still there, the same one and `user_id`'s, its messages not being deleted, nor, for a
+        `life`, one of those it counts popped since, else `Conflict` (what was served is not
+        its whole transcript). A `life` gone before the first batch is NotFound, nothing
+        served, as is one that is no conversation (`_its_messages`). The first batch is read
+        at once with the conversation document, as `transcript` reads (one wait); one round
+        trip more than its batches for a transcript of more than one batch (two when a `seq`
+        past the last message is reserved); none for one of a single batch.
         """
         if not 1 <= batch_size <= TRANSCRIPT_BATCH:
             raise InvalidInput(f"invalid batch_size {batch_size}: 1 to {TRANSCRIPT_BATCH}")
@@ -2357,12 +2425,16 @@ class ConversationStore:
         self, scope: dict[str, Any], pin: dict[str, Any] | None, after: int, size: int
     ) -> list[dict[str, Any]]:
         """The next batch of a streamed transcript: up to `size` messages past `seq` `after`,
-        of the life `pin` names (its `epoch`, or none) once the stream pinned one."""
-        query: dict[str, Any] = {"conversation_id": scope["_id"], "seq": {"$gt": after}}
+        of the life `pin` names (its `epoch`, or none) once the stream pinned one, below the
+        `seq` it ends before (`end`) when it names one."""
+        seqs: dict[str, Any] = {"$gt": after}
+        query: dict[str, Any] = {"conversation_id": scope["_id"], "seq": seqs}
         if "user_id" in scope:
             query["user_id"] = scope["user_id"]
         if pin is not None:
             query["epoch"] = _one_of_or_none(pin.get("epoch"))
+            if "end" in pin:
+                seqs["$lt"] = pin["end"]
         with storage_errors("read the transcript"):
             docs: list[dict[str, Any]] = (
                 await self._messages.find(query).sort("seq", 1).limit(size).to_list(None)
@@ -2372,20 +2444,22 @@ class ConversationStore:
     async def _life_named(self, scope: dict[str, Any], life: Conversation) -> dict[str, Any]:
         """The life a stream serves when its caller read the conversation before (`life`):
         its `epoch`, or for one read before it had one, what it has now (a lookup; NotFound
-        when it is gone)."""
+        when it is gone); with what `life` counts: the `seq` its messages end before (`end`,
+        its `message_count`) and the pops finished as read (`pops`)."""
         if life.id != scope["_id"]:
             raise InvalidInput(
                 f"invalid life: it is conversation {life.id!r}, not {scope['_id']!r}"
             )
+        counted = {"end": life.message_count, "pops": life.pops}
         if life.epoch is not None:
-            return {"epoch": life.epoch}
+            return {"epoch": life.epoch, **counted}
         life_read = same_conversation(scope["_id"], epoch=None, created_at=life.created_at)
         query = self._as_listed(scope) | life_read
         with storage_errors("read the conversation"):
             found = await self._conversations.find_one(query, {"epoch": 1, "created_at": 1})
         if found is None:
             raise NotFound(f"conversation {scope['_id']!r} was not found")
-        return {"epoch": found.get("epoch"), "created_at": found.get("created_at")}
+        return {"epoch": found.get("epoch"), "created_at": found.get("created_at"), **counted}
 
     async def _unstreamed(
         self, scope: dict[str, Any], pin: dict[str, Any] | None
@@ -2393,7 +2467,7 @@ class ConversationStore:
         """A stream whose first batch found no message: `transcript`'s answer (empty, the
         read fallback's, NotFound), or for a `life` named (a listing's), none while it is
         still there, or the read fallback's while the migration is writing it (`MIGRATING`,
-        listed as `_listed` lists it)."""
+        listed as `_listed` lists it), below the `seq` the life ends before (`end`)."""
         if pin is None:
             return await self.transcript(scope["_id"], user_id=scope.get("user_id"))
         life = same_as_read(scope["_id"], pin)
@@ -2403,20 +2477,25 @@ class ConversationStore:
             )
         if found is None:
             raise NotFound(f"conversation {scope['_id']!r} was not found")
-        if found.get(MIGRATING) is not None:
-            return await self.transcript(scope["_id"], user_id=scope.get("user_id"))
-        return []
+        if found.get(MIGRATING) is None:
+            return []
+        served = await self.transcript(scope["_id"], user_id=scope.get("user_id"))
+        end = pin.get("end")
+        return [m for m in served if end is None or m.seq is None or m.seq < end]
 
     async def _lived_through(self, scope: dict[str, Any], pin: dict[str, Any], last: int) -> None:
         """After a stream's last batch (the last message served has `seq` `last`): Conflict
-        unless the conversation it served is still under the id and in `scope`, and, when a
-        `seq` past `last` is reserved, no delete of it is under way (one lookup more, then)."""
+        unless the conversation it served is still under the id and in `scope`, no pop since
+        the life was read removed a message it counts (`pops`, `end`, when `pin` names them),
+        and, when a `seq` past `last` is reserved, no delete of it is under way (one lookup
+        more, then)."""
         conversation_id = scope["_id"]
         life = same_as_read(conversation_id, pin)
+        read = {"message_count": 1, "epoch": 1, "created_at": 1, **POPS_READ}
         with storage_errors("read the conversation"):
-            found = await self._conversations.find_one(
-                scope | life, {"message_count": 1, "epoch": 1, "created_at": 1}
-            )
+            found = await self._conversations.find_one(scope | life, read)
+        if found is not None and "pops" in pin:
+            _refuse_popped_since(conversation_id, found, pin["pops"], pin["end"])
         if found is not None and int(found.get("message_count") or 0) <= last + 1:
             return
         if found is not None and not await self._deletions.under_way(conversation_id, found):
@@ -2442,6 +2521,19 @@ class ConversationStore:
                     yield Conversation.model_validate(doc)
         finally:
             await cursor.close()
+
+
+def _refuse_popped_since(
+    conversation_id: str, found: Mapping[str, Any], pops: int, end: int
+) -> None:
+    """Conflict when a pop removed a message below `end` from the conversation `found` (read
+    with `POPS_READ`) since a stream read it with `pops` pops finished: the messages served
+    are not those it counted."""
+    if popped_since_read(found, pops, end - 1):
+        raise Conflict(
+            f"a message of conversation {conversation_id!r} was popped while its transcript "
+            "was read: the messages served are not those its summary counts (read it again)"
+        )
 
 
 def _made_by(found: Sequence[Mapping[str, Any]], concerns: Sequence[CallKey]) -> bool:
