@@ -17,7 +17,7 @@ from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from bson import Int64
+from bson import BSON, Int64
 
 from agent_store.core import Unsupported
 
@@ -104,6 +104,65 @@ class _Int64CursorIds:
         return reply
 
 
+REPLY_BATCH_BYTES = 16 * 1024 * 1024
+"""The most bytes of documents one reply of the embedded server holds, MongoDB's rule: a
+batch ends before the document that would take it past 16 MiB (its first document always
+goes), so a reply stays far under the server's `maxMessageSizeBytes` (48 MB)."""
+
+
+def _documents_within_bytes(batch: list[Any]) -> int:
+    """How many of `batch`'s first documents one reply holds (`REPLY_BATCH_BYTES`), sized as
+    mongoeco encodes them; at least one."""
+    from mongoeco.wire.bson_bridge import encode_wire_value
+
+    held = 0
+    for count, document in enumerate(batch):
+        held += len(BSON.encode(encode_wire_value(document)))
+        if count and held > REPLY_BATCH_BYTES:
+            return count
+    return len(batch)
+
+
+def _cap_reply_batches(server: Any) -> None:
+    """Give mongoeco's cursor store MongoDB's bound on a reply batch, in bytes.
+
+    mongoeco answers a `find`, an `aggregate` or a `getMore` with every document asked for
+    (all of them when no `batchSize` is given) in one reply: past 48 MB, more than the
+    `maxMessageSizeBytes` it advertises, the driver refuses the reply ("Message length … is
+    larger than server max message size"), however the caller reads the cursor. MongoDB ends
+    a batch at 16 MiB and keeps the rest for the next `getMore`; so does this store. The one
+    store is shared by the server, its executor and their handlers: its class is swapped in
+    place (a third seam into mongoeco's internals, beside the executor and the listener)."""
+    from mongoeco.wire.cursors import WireCursorStore
+
+    class _RepliesWithinBytes(WireCursorStore):
+        def materialize_command_result(
+            self, command_document: dict[str, Any], result: dict[str, Any], **options: Any
+        ) -> dict[str, Any]:
+            cursor = result.get("cursor")
+            batch = cursor.get("firstBatch") if isinstance(cursor, dict) else None
+            if not isinstance(batch, list) or len(batch) < 2:
+                return super().materialize_command_result(command_document, result, **options)
+            asked = self._resolve_batch_size(command_document) or len(batch)
+            held = _documents_within_bytes(batch[: min(asked, len(batch))])
+            if held >= len(batch):
+                return super().materialize_command_result(command_document, result, **options)
+            # The store keeps what is past `batchSize` for the `getMore`s: ask it for `held`.
+            capped = {**command_document, "batchSize": held}
+            return super().materialize_command_result(capped, result, **options)
+
+        def get_more(self, command_document: dict[str, Any], **options: Any) -> dict[str, Any]:
+            cursor_id = command_document.get("getMore")
+            state = self._state.get(cursor_id) if isinstance(cursor_id, int) else None
+            if state is None:
+                return super().get_more(command_document, **options)
+            asked = command_document.get("batchSize") or len(state.remaining_batch)
+            held = _documents_within_bytes(state.remaining_batch[:asked])
+            return super().get_more({**command_document, "batchSize": held}, **options)
+
+    server._cursor_store.__class__ = _RepliesWithinBytes
+
+
 class _ListenerWithoutAbort:
     """uvloop's listening server, given the `abort_clients` mongoeco calls when it closes.
 
@@ -154,6 +213,7 @@ async def embedded_mongodb(data_dir: Path | None) -> AsyncIterator[str]:
     )
     # One seam into mongoeco's internals: the executor its connections call.
     server._executor = _Int64CursorIds(server._executor)  # type: ignore[assignment]
+    _cap_reply_batches(server)
     address = await server.start()
     # The second seam: the listener mongoeco closes (see _ListenerWithoutAbort).
     if not hasattr(server._server, "abort_clients"):

@@ -10,6 +10,7 @@ again resumes).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -320,6 +321,8 @@ def cmd_run(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
         raise Misuse("--batch-size and --limit must be at least 1")
     if args.max_command_documents < 1 or args.max_command_bytes < 1:
         raise Misuse("--max-command-documents and --max-command-bytes must be at least 1")
+    _refuse_bad_seconds("--lease-seconds", args.lease_seconds, zero=False)
+    _refuse_bad_seconds("--wait-seconds", args.wait_seconds, zero=True)
     explode.refuse_after_the_drop(db)
     run_id = time.strftime("run-%Y%m%dT%H%M%SZ-", time.gmtime()) + uuid.uuid4().hex[:6]
     held: lease.Lease | None = None
@@ -424,6 +427,20 @@ def _not_moved(db: Database[dict[str, Any]], command: str) -> bool:
         return False
     lease.refuse_while_held(db, WHILE_A_RUN.format(command=command))
     return True
+
+
+MAX_SECONDS = 10**9
+"""The longest lease or wait `run` takes, in seconds (about 31 years)."""
+
+
+def _refuse_bad_seconds(option: str, value: float, *, zero: bool) -> None:
+    """Misuse for a lease or a wait that is no duration (`zero`: whether 0 is one): a lease
+    of 0 or below would end at once, and any `verify` or `finish` then takes the lock of the
+    run holding it."""
+    if math.isfinite(value) and (value >= 0 if zero else value > 0) and value < MAX_SECONDS:
+        return
+    lowest = "0 or more" if zero else "more than 0"
+    raise Misuse(f"{option} {value:g}: a number of seconds, {lowest} and less than {MAX_SECONDS}")
 
 
 def cmd_verify(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:

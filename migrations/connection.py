@@ -10,6 +10,7 @@ same data whether the service is still running or not.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -23,6 +24,9 @@ from pymongo.errors import ConfigurationError, PyMongoError
 from agent_store.embedded import DATABASE_FILE, URI_FILE, ServerThread, published_uri
 from agent_store.store import redact_uri
 from migrations.errors import Misuse, Unreachable
+
+MAX_TIMEOUT = 1_000_000
+"""Seconds: PyMongo takes a server selection timeout below a billion milliseconds."""
 
 
 def _embedded(data_dir: Path, stack: ExitStack) -> tuple[str, str]:
@@ -43,6 +47,11 @@ def _embedded(data_dir: Path, stack: ExitStack) -> tuple[str, str]:
 @contextmanager
 def database(args: argparse.Namespace) -> Iterator[tuple[Any, str]]:
     """The client and a description of where it points, for the duration of a command."""
+    if not (math.isfinite(args.timeout) and 0 < args.timeout < MAX_TIMEOUT):
+        raise Misuse(
+            f"--timeout {args.timeout:g}: the seconds to wait for the server are more than 0 "
+            f"and less than {MAX_TIMEOUT}"
+        )
     with ExitStack() as stack:
         uri = args.uri or os.environ.get("MONGODB_URI")
         where = "MONGODB_URI" if uri and not args.uri else "--uri"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import bson
 import pytest
 from pymongo import AsyncMongoClient, monitoring
 
@@ -62,6 +63,30 @@ class CommandLog(monitoring.CommandListener):
 
     def clear(self) -> None:
         self.names.clear()
+
+
+class ReplyBatches(monitoring.CommandListener):
+    """The size in bytes of each document of each reply batch (`find`, `aggregate`,
+    `getMore`) a client receives: what one reply of the server holds at once."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        pass
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        cursor = event.reply.get("cursor")
+        if isinstance(cursor, dict):
+            batch = cursor.get("firstBatch", cursor.get("nextBatch")) or []
+            self.batches.append([len(bson.encode(document)) for document in batch])
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+    def past(self, limit: int) -> list[list[int]]:
+        """The batches holding more than `limit` bytes of documents, and more than one."""
+        return [batch for batch in self.batches if len(batch) > 1 and sum(batch) > limit]
 
 
 @dataclass

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Any
 
 import bson
 import pytest
 from bson import DatetimeMS, Int64
+from pymongo import MongoClient
 
+from agent_store import embedded
 from agent_store.embedded import embedded_mongodb
 from app.service import open_store
 from app.settings import Settings
+from tests.conftest import ReplyBatches
 
 pytestmark = pytest.mark.wire
 
@@ -53,6 +57,33 @@ def test_an_int64_cursor_id_continues_and_kills_a_cursor(database: Any) -> None:
     killed = database.command({"killCursors": "things", "cursors": [cursor_id]})
     assert killed["cursorsKilled"] == [cursor_id]
     assert all(type(i) is Int64 for i in killed["cursorsKilled"])
+
+
+def test_a_reply_of_the_embedded_server_holds_at_most_16_mib_of_documents(
+    wire_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MongoDB ends a reply batch at 16 MiB (`REPLY_BATCH_BYTES`, lowered here) and keeps the
+    rest for `getMore`; mongoeco sent every document asked for in one reply, which past its own
+    48 MB message size the driver refuses. A document past the bound goes alone."""
+    monkeypatch.setattr(embedded, "REPLY_BATCH_BYTES", 50_000)
+    replies = ReplyBatches()
+    client: MongoClient[dict[str, Any]] = MongoClient(wire_uri, event_listeners=[replies])
+    name = f"replies_{uuid.uuid4().hex[:10]}"
+    things = client[name].things
+    things.insert_many([{"_id": i, "text": "x" * 20_000} for i in range(10)])
+    things.insert_one({"_id": 10, "text": "y" * 60_000})
+    reads = [
+        things.find().sort("_id", 1),
+        things.find(batch_size=4).sort("_id", 1),
+        things.aggregate([{"$sort": {"_id": 1}}]),
+        things.aggregate([{"$sort": {"_id": 1}}], batchSize=3),
+    ]
+    assert [[d["_id"] for d in read] for read in reads] == [list(range(11))] * 4
+    assert list(things.find().sort("_id", 1).limit(7)) == list(things.find({"_id": {"$lt": 7}}))
+    client.drop_database(name)
+    client.close()
+    assert replies.past(50_000) == []
+    assert max(len(batch) for batch in replies.batches) == 2
 
 
 async def test_the_services_client_decodes_a_date_outside_pythons_range(wire_uri: str) -> None:

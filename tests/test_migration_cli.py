@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -21,17 +22,19 @@ from bson import DatetimeMS, Decimal128, Int64, ObjectId
 from pymongo import MongoClient, monitoring
 from pymongo.database import Database
 
+from agent_store import embedded
 from agent_store.core import Conversation
 from agent_store.legacy import LEGACY_TURNS, SESSION_HITL
 from agent_store.store import CONVERSATIONS, MESSAGES
 from app.examples import EXAMPLE_CONVERSATION_ID, example_legacy_turns
-from migrations import explode, lease, problems, relocate
+from migrations import connection, explode, lease, problems, relocate
 from migrations.cli import _report_id_clustering, main, parser
 from migrations.connection import database
 from migrations.errors import MigrationError
 from migrations.lease import Lease
 from migrations.problems import PROBLEMS
 from scripts.legacy_corpus import legacy_corpus
+from tests.conftest import ReplyBatches
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGESTED = (CONVERSATIONS, MESSAGES, PROBLEMS, LEGACY_TURNS)
@@ -375,12 +378,69 @@ def test_a_held_lock_stops_a_second_run_until_forced_or_expired(
     assert cli(wire_uri, database, "run") == 0  # the killed run's lease has expired
 
 
+@pytest.mark.wire
+def test_every_read_of_the_migration_on_the_embedded_server_holds_a_bounded_reply(
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Legacy turns whose batch holds more than one reply may (16 MiB, `REPLY_BATCH_BYTES`,
+    lowered here; past 48 MB the driver refused the reply, exit 4 for ever): the move, the
+    run, `verify` and `finish` read them a bounded reply at a time, and pass."""
+    monkeypatch.setattr(embedded, "REPLY_BATCH_BYTES", 100_000)
+    replies = ReplyBatches()
+    listened = functools.partial(MongoClient, event_listeners=[replies])
+    monkeypatch.setattr(connection, "MongoClient", listened)
+    for c in range(8):
+        text = f"{c} " + "é" * 20_000
+        database[CONVERSATIONS].insert_one(
+            {"_id": ObjectId(f"{c + 1:024x}"), "conversation_id": f"big-{c}", "user_id": "u1",
+             "created_at": datetime(2024, 1, 1, c, tzinfo=UTC), "user_message": f"q {c}",
+             "response_parts": [{"type": "text", "content": text}], "response_text": text}
+        )  # fmt: skip
+
+    assert [cli(wire_uri, database, command) for command in ("run", "verify", "finish")] == [0] * 3
+    assert "verified 8 conversations: 8 match" in capsys.readouterr().out
+    assert replies.batches
+    assert replies.past(100_000) == []
+
+
 def test_an_unreachable_server_or_a_bad_uri_exits_4(capsys: pytest.CaptureFixture[str]) -> None:
     closed = "mongodb://127.0.0.1:9/?directConnection=true"
     assert main(["status", "--uri", closed, "--timeout", "0.2"]) == 4
     assert "cannot reach MongoDB" in capsys.readouterr().err
     assert main(["status", "--uri", "postgres://nope"]) == 4
     assert "invalid MongoDB URI" in capsys.readouterr().err
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(("status", "--timeout", "-1"), id="negative-timeout"),
+        pytest.param(("verify", "--timeout", "0"), id="zero-timeout"),
+        pytest.param(("finish", "--timeout", "nan"), id="nan-timeout"),
+        pytest.param(("run", "--timeout", "inf"), id="endless-timeout"),
+        pytest.param(("run", "--lease-seconds", "0"), id="zero-lease"),
+        pytest.param(("run", "--lease-seconds", "-1"), id="negative-lease"),
+        pytest.param(("run", "--wait-seconds", "-1"), id="negative-wait"),
+    ],
+)
+def test_a_timeout_lease_or_wait_out_of_range_is_misuse_and_nothing_runs(
+    options: tuple[str, ...],
+    wire_uri: str,
+    database: Database[dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Exit 2, never a traceback (exit 1 reads as "differences found") nor a lease that ends
+    at once (any `finish` or `verify` would take the lock of the run holding it)."""
+    seed(database)
+
+    assert cli(wire_uri, database, *options) == 2
+    assert f"{options[1]} {options[2]}: " in capsys.readouterr().err
+    assert database[lease.STATE].find_one({"_id": lease.LOCK_ID}) is None
+    assert database[MESSAGES].count_documents({}) == 0
 
 
 def test_no_uri_and_no_embedded_database_is_misuse(
