@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
@@ -55,6 +56,18 @@ def _check_service_token(token: str) -> str:
     return token
 
 
+def _address_or_network(entry: str) -> bool:
+    """Whether uvicorn reads `entry` as an IP address or a network (strictly: no host bits)."""
+    try:
+        if "/" in entry:
+            ipaddress.ip_network(entry)
+        else:
+            ipaddress.ip_address(entry)
+    except ValueError:
+        return False
+    return True
+
+
 def _hs256_only() -> list[JwtAlgorithm]:
     return ["HS256"]
 
@@ -87,7 +100,8 @@ class Settings(BaseSettings):
     """The database holding the store's collections (a name MongoDB accepts: 1 to 63 bytes,
     none of `/\\. "$`)."""
     data_dir: Path = Path("data")
-    """Where the embedded server keeps its SQLite file."""
+    """Where the embedded server keeps its SQLite file; created at start when `MONGODB_URI` is
+    unset. One that cannot be (a file, a path under a file, no permission) stops the start."""
     host: str = "127.0.0.1"
     """The address `python -m app` binds (`0.0.0.0` for every interface, in a container)."""
     port: TcpPort = 8000
@@ -96,9 +110,10 @@ class Settings(BaseSettings):
     """Worker processes of `python -m app`; more than one needs `MONGODB_URI` (the embedded
     server belongs to one process)."""
     trusted_proxies: list[str] = Field(default_factory=_loopback_only)
-    """Addresses (or networks, or `*`) of proxies whose `X-Forwarded-For` and
-    `X-Forwarded-Proto` are believed: the client address (sign-in limits, logs) and the
-    scheme (secure cookies) come from them. A JSON list."""
+    """Addresses (or networks with no host bits set, such as `10.0.0.0/8`, or `*` alone) of
+    proxies whose `X-Forwarded-For` and `X-Forwarded-Proto` are believed: the client address
+    (sign-in limits, logs) and the scheme (secure cookies) come from them. A JSON list; an
+    entry that is none of these (a host name, `10.0.0.0/33`) stops the start."""
     log_level: LogLevel = "info"
     """The lowest level logged: `debug`, `info`, `warning`, `error` or `critical`."""
     expose_openapi: bool = True
@@ -116,7 +131,8 @@ class Settings(BaseSettings):
     named_service_tokens: dict[str, str] = Field(default_factory=dict)
     """More bearer tokens, by the service's name (a JSON object); audit lines name the service."""
     jwt_algorithms: list[JwtAlgorithm] = Field(default_factory=_hs256_only)
-    """The only algorithms accepted for `X-User-JWT`; all HMAC or all RSA, never both."""
+    """The only algorithms accepted for `X-User-JWT` (at least one); all HMAC or all RSA,
+    never both."""
     jwt_secret: SecretStr | None = None
     """The shared secret of HMAC user tokens."""
     jwt_public_key: str | None = None
@@ -157,6 +173,31 @@ class Settings(BaseSettings):
         except ValueError:
             # Never the value: it may be a token.
             raise ValueError(f"must be a JSON {shape}, such as {example}") from None
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _proxy_addresses(cls, proxies: list[str]) -> list[str]:
+        # uvicorn reads an entry that is no address or network as a host name, which no
+        # client address is: the proxy's headers would be ignored without a word.
+        if "*" in proxies and len(proxies) > 1:
+            raise ValueError("`*` trusts every address: it must be the only entry")
+        for number, entry in enumerate(proxies, start=1):
+            if entry != "*" and not _address_or_network(entry):
+                raise ValueError(
+                    f"entry {number} is not an IP address, a network with no host bits set "
+                    "(such as 10.0.0.0/8) or `*`"
+                )
+        return proxies
+
+    @field_validator("jwt_algorithms")
+    @classmethod
+    def _some_jwt_algorithm(cls, algorithms: list[JwtAlgorithm]) -> list[JwtAlgorithm]:
+        if not algorithms:
+            raise ValueError(
+                'name at least one algorithm, such as ["HS256"]; to accept no user tokens, '
+                "leave AGENT_STORE_JWT_ISSUER unset"
+            )
+        return algorithms
 
     @field_validator("mongodb_uri")
     @classmethod
@@ -270,8 +311,9 @@ class Settings(BaseSettings):
 def serving_settings(settings: Settings, *, demo_explicit: bool) -> tuple[Settings, str | None]:
     """The settings `python -m app` serves with, and the development token it invented, if any.
 
-    The embedded database gets demo data unless `demo_explicit` (the environment chose), and
-    a random token when none is configured. A real database (`MONGODB_URI`) gets neither: it
+    The embedded database gets its data directory created (ConfigurationError naming
+    `data_dir` when it cannot be), demo data unless `demo_explicit` (the environment chose),
+    and a random token when none is configured. A real database (`MONGODB_URI`) gets neither: it
     is refused without configured tokens rather than served behind a token printed to a log.
     """
     if settings.mongodb_uri is None and settings.workers > 1:
@@ -279,8 +321,10 @@ def serving_settings(settings: Settings, *, demo_explicit: bool) -> tuple[Settin
             f"AGENT_STORE_WORKERS is {settings.workers} but MONGODB_URI is unset: the embedded "
             "server belongs to one process; set MONGODB_URI to run several workers"
         )
-    if settings.mongodb_uri is None and not demo_explicit:
-        settings = settings.model_copy(update={"demo_data": True})
+    if settings.mongodb_uri is None:
+        _embedded_data_dir(settings.data_dir)
+        if not demo_explicit:
+            settings = settings.model_copy(update={"demo_data": True})
     if settings.service_tokens or settings.named_service_tokens:
         return settings, None
     if settings.mongodb_uri is not None:
@@ -292,6 +336,26 @@ def serving_settings(settings: Settings, *, demo_explicit: bool) -> tuple[Settin
         )
     token = "dev-" + secrets.token_urlsafe(32)
     return settings.model_copy(update={"service_tokens": [token]}), token
+
+
+def _embedded_data_dir(data_dir: Path) -> None:
+    """Create the embedded server's directory, or raise ConfigurationError saying why it
+    cannot be used (never the path: a refused value stays out of messages)."""
+    why = None
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        why = "exists but is not a directory"
+    except OSError as exc:
+        why = f"cannot be created ({exc.strerror or type(exc).__name__})"
+    else:
+        if not os.access(data_dir, os.W_OK | os.X_OK):
+            why = "is not writable by this process"
+    if why is not None:
+        raise ConfigurationError(
+            f"data_dir: the embedded server's directory (AGENT_STORE_DATA_DIR) {why}; name a "
+            "directory this process may create and write in, or set MONGODB_URI"
+        )
 
 
 def settings_from_environment() -> tuple[Settings, str | None]:

@@ -69,13 +69,15 @@ its settings once, from environment variables, when it starts. Values that are
 lists or objects are JSON (`AGENT_STORE_SERVICE_TOKENS='["…"]'`; plain text such as
 `AGENT_STORE_TRUSTED_PROXIES=10.0.0.1` is refused). Invalid or weak settings (a
 port outside 1-65535, a database name MongoDB refuses, a connection string or a
-JWT public key that does not parse, an empty runtime context marker) stop it
-before it serves, as `invalid configuration: <setting>: <why>`, never repeating a
-refused value (exit status 2 for `python -m app`; see docs/SECURITY.md). What only
-the network tells (a port in use, a host that does not resolve, a database that
-does not answer) stops the start after the banner, with uvicorn's error (the
-database: docs/OPERATIONS.md, "Upgrading"). The library itself (`agent_store`)
-reads no environment variable.
+JWT public key that does not parse, an empty list of JWT algorithms, a trusted
+proxy that is no address or network, an empty runtime context marker, a data
+directory the embedded server cannot create) stop it before it serves, as
+`invalid configuration: <setting>: <why>`, never repeating a refused value (exit
+status 2 for `python -m app`; see docs/SECURITY.md). What only the network tells
+(a port in use, a host that does not resolve, a database that does not answer)
+stops the start after the banner, with uvicorn's error (the database:
+docs/OPERATIONS.md, "Upgrading"). The library itself (`agent_store`) reads no
+environment variable.
 
 Tracing also follows OpenTelemetry's own variables (`OTEL_EXPORTER_OTLP_ENDPOINT`,
 `OTEL_SERVICE_NAME`, …); see docs/OPERATIONS.md.

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jwt
@@ -325,3 +327,89 @@ def test_a_mongodb_uri_that_is_not_a_connection_string_is_refused(uri: str) -> N
 )
 def test_mongodb_connection_strings_are_accepted(uri: str) -> None:
     assert Settings(mongodb_uri=uri).mongodb_uri == uri
+
+
+def test_an_empty_jwt_algorithm_list_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENT_STORE_JWT_ALGORITHMS", "[]")
+    with pytest.raises(ConfigurationError) as caught:
+        settings_from_environment()
+    assert str(caught.value).startswith("jwt_algorithms: ")
+    assert "AGENT_STORE_JWT_ISSUER" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "proxies",
+    [
+        pytest.param(["127.0.0.0/33"], id="prefix-too-long"),
+        pytest.param(["10.0.0.1/8"], id="host-bits-set"),
+        pytest.param(["10.0.0.1", "proxy.internal"], id="host-name"),
+        pytest.param([""], id="empty"),
+        pytest.param(["10.0.0.1 "], id="trailing-space"),
+        pytest.param(["*", "10.0.0.1"], id="star-among-others"),
+    ],
+)
+def test_a_trusted_proxy_that_is_no_address_network_or_star_is_refused_naming_it(
+    proxies: list[str],
+) -> None:
+    """uvicorn takes such an entry as a literal host name, which no client address is: the
+    proxy's headers would be silently ignored (no secure cookie, the proxy's address in logs)."""
+    message = refusal(trusted_proxies=proxies)
+    assert "trusted_proxies" in message
+    assert f"entry {len(proxies)}" in message or "`*`" in message
+    for entry in proxies:
+        if len(entry.strip()) > 1:
+            assert entry.strip() not in message
+
+
+@pytest.mark.parametrize(
+    "proxies",
+    [
+        pytest.param(["*"], id="star"),
+        pytest.param([], id="none"),
+        pytest.param(["10.0.0.0/8", "192.168.1.7", "::1", "fd00::/8"], id="addresses-networks"),
+    ],
+)
+def test_addresses_networks_or_a_lone_star_are_trusted_proxies(proxies: list[str]) -> None:
+    assert Settings(trusted_proxies=proxies).trusted_proxies == proxies
+
+
+def _a_file(tmp_path: Path) -> Path:
+    taken = tmp_path / "taken"
+    taken.write_text("not a directory")
+    return taken
+
+
+@pytest.mark.parametrize(
+    ("where", "why"),
+    [
+        pytest.param(_a_file, "not a directory", id="a-file"),
+        pytest.param(lambda tmp: _a_file(tmp) / "data", "cannot be created", id="under-a-file"),
+    ],
+)
+def test_a_data_dir_the_embedded_server_cannot_use_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: Callable[[Path], Path], why: str
+) -> None:
+    monkeypatch.setenv("AGENT_STORE_DATA_DIR", str(where(tmp_path)))
+    with pytest.raises(ConfigurationError) as caught:
+        settings_from_environment()
+    assert str(caught.value).startswith("data_dir: ")
+    assert why in str(caught.value)
+    assert str(tmp_path) not in str(caught.value)
+
+
+def test_a_data_dir_is_created_when_the_embedded_server_will_use_it(tmp_path: Path) -> None:
+    data_dir = tmp_path / "a" / "b"
+    serving_settings(Settings(data_dir=data_dir), demo_explicit=False)
+    assert data_dir.is_dir()
+    real = Settings(mongodb_uri="mongodb://db", service_tokens=[STRONG], data_dir=tmp_path / "no")
+    serving_settings(real, demo_explicit=False)
+    assert not (tmp_path / "no").exists()
+
+
+def test_python_m_app_refuses_a_data_dir_naming_a_file_with_exit_2_and_no_traceback(
+    tmp_path: Path,
+) -> None:
+    finished = _run_app({"AGENT_STORE_DATA_DIR": str(_a_file(tmp_path))})
+    assert finished.returncode == 2
+    assert finished.stderr.startswith("invalid configuration: data_dir: ")
+    assert "Traceback" not in finished.stderr

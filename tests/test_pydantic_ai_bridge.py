@@ -1192,9 +1192,9 @@ async def test_several_text_parts_of_a_response_come_back_as_those_parts(
     assert answer.content == "Step one: mix.\n\nStep two: bake."
     assert chat_completions([answer])[-1]["content"] == answer.content
     assert answer.native is not None
-    assert (answer.native.format, answer.native.set) == (
+    assert (answer.native.format, answer.native.set["content"]) == (
         "pydantic-ai",
-        {"content": [{"type": "text", "text": t} for t in ("Step one: mix.", "Step two: bake.")]},
+        [{"type": "text", "text": t} for t in ("Step one: mix.", "Step two: bake.")],
     )
     assert model_view(from_store) == model_view(in_memory)
 
@@ -1691,3 +1691,67 @@ async def test_the_runs_own_empty_denial_comes_back_empty(backend: Backend) -> N
 
     assert sent_returns(from_store[-1]) == sent_returns(in_memory[-1])
     assert ("tc-9", "denied", "") in sent_returns(from_store[-1])
+
+
+_BILLED = RequestUsage(
+    input_tokens=1000,
+    cache_read_tokens=800,
+    cache_write_tokens=100,
+    output_tokens=50,
+    input_audio_tokens=7,
+    details={"reasoning_tokens": 30},
+    cost=Decimal("0.0021"),
+)
+_ANSWERED = ModelResponse(
+    parts=[TextPart("hello")],
+    usage=_BILLED,
+    model_name="gpt-4o",
+    provider_name="openai",
+    provider_url="https://api.openai.com/v1/",
+    finish_reason="stop",
+    provider_response_id="resp_0123",
+)
+
+
+def _accounting(response: ModelMessage) -> tuple[Any, ...]:
+    assert isinstance(response, ModelResponse)
+    return (
+        response.usage,
+        response.model_name,
+        response.provider_name,
+        response.provider_url,
+        response.finish_reason,
+    )
+
+
+async def test_a_responses_usage_and_model_come_back_so_its_cost_is_the_runs(
+    backend: Backend,
+) -> None:
+    """Cache and audio tokens, usage `details`, the model and the provider that answered
+    and why it stopped are the application's accounting, never sent to the model: kept, so
+    `ModelResponse.cost()` of a reloaded chat prices it as the run's own response."""
+    run = [ModelRequest(parts=[UserPromptPart("hi")]), _ANSWERED]
+    await log_run(AgentMessageLogger(backend.db), CID, run, turn_id="run-1")
+    stored = await ConversationStore(backend.db).transcript(CID)
+
+    request, response = history_from_messages(stored)
+
+    assert _accounting(response) == _accounting(_ANSWERED)
+    assert response.cost().total_price == _ANSWERED.cost().total_price
+    assert model_view([request, response]) == model_view(run)
+    # The provider's response id names server-side state (a `previous_response_id`): given
+    # back, the next request would continue it instead of sending the history.
+    assert response.provider_response_id is None
+    assert stored[1].token_usage is not None
+    assert stored[1].token_usage.model_dump() == {"input_tokens": 1000, "output_tokens": 50}
+
+
+def test_a_response_stored_before_its_accounting_was_kept_replays_as_before() -> None:
+    stored = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "token_usage": {"input_tokens": 3}},
+    ]
+
+    _, response = history_from_messages(stored)
+
+    assert _accounting(response) == (RequestUsage(input_tokens=3), None, None, None, None)

@@ -33,6 +33,7 @@ from agent_store import (
     NotFound,
     RetryPolicy,
     SteeringInbox,
+    StorageFailure,
     StorageUnavailable,
     TurnRules,
     with_retries,
@@ -663,6 +664,43 @@ def test_errors_that_may_pass_on_their_own_are_reported_as_retryable(
         storage_errors("reserve the turn"),
     ):
         raise error
+
+
+def _unresolved_srv_host() -> errors.ConfigurationError:
+    """What PyMongo raises when a `mongodb+srv://` host has no SRV record in DNS."""
+    from dns.resolver import NXDOMAIN
+
+    try:
+        try:
+            raise NXDOMAIN()
+        except NXDOMAIN as exc:
+            raise errors.ConfigurationError(
+                "The DNS query name does not exist: _mongodb._tcp.cluster0.typo.example."
+            ) from exc
+    except errors.ConfigurationError as raised:
+        return raised
+
+
+def test_a_connection_string_whose_host_does_not_resolve_is_reported_as_such() -> None:
+    """No database was reached: the error must not say one refused the operation."""
+    with (
+        pytest.raises(StorageFailure) as caught,
+        storage_errors("connect to the database"),
+    ):
+        raise _unresolved_srv_host()
+    assert str(caught.value) == (
+        "could not connect to the database: the connection string's host could not be "
+        "resolved (a mongodb+srv:// host needs its SRV record in DNS)"
+    )
+    assert "typo" not in str(caught.value)
+
+
+def test_a_client_configuration_the_driver_refuses_is_not_blamed_on_the_database() -> None:
+    with (
+        pytest.raises(StorageFailure, match="the driver refused the connection string or"),
+        storage_errors("connect to the database"),
+    ):
+        raise errors.ConfigurationError("Only one TXT record is supported")
 
 
 def collect_refused_sockets() -> None:

@@ -44,7 +44,10 @@ What the OpenAI-format store keeps of each part (see README, "Runtime integratio
 - what Pydantic AI holds for the application and never sends the model: a tool's
   `ui_visibility` on its call (in the response's kept parts) and its return, a
   request's and a response's `metadata` (the request's on the first message stored
-  of it), a prompt `TextContent`'s `metadata` (the prompt's lines apart): in
+  of it), a response's usage beyond its input and output tokens and the model,
+  provider and finish reason of it (not its `provider_response_id` or
+  `provider_details`, server-side state), a prompt `TextContent`'s `metadata`
+  (the prompt's lines apart): in
   `native`, given back where the run held it, so a UI adapter shows a reloaded
   chat as it was streamed.
 - a response part the chat fields have no place for (a provider's own tool
@@ -150,6 +153,16 @@ _UI_VISIBILITIES: dict[str, pai.ToolUIVisibility] = {
 }
 """What a UI adapter sends a client of a tool's call and return (`ui_visibility`), stamped on
 both parts: the application's, never sent to the model."""
+_USAGE: TypeAdapter[RequestUsage] = TypeAdapter(RequestUsage)
+_RESPONSE: TypeAdapter[pai.ModelResponse] = TypeAdapter(pai.ModelResponse)
+_IN_TOKEN_USAGE = {"input_tokens", "output_tokens"}
+"""The usage fields `token_usage` holds; `native` keeps the others (`usage`)."""
+_ACCOUNTING = ("model_name", "provider_name", "provider_url", "finish_reason")
+"""A response's fields kept in `native` beside its usage: which model and provider answered,
+and why it stopped. The application's accounting (`ModelResponse.cost()`), never sent to the
+model. Not its `provider_response_id` or `provider_details`: they name state on the
+provider's servers, which a model given them back would continue (a `previous_response_id`)
+rather than be sent the history."""
 _REQUEST_METADATA = "request_metadata"
 """The `native` key, on the first message stored of a request, of the request's `metadata`."""
 
@@ -378,7 +391,7 @@ def _from_response(
         content=_TEXTS_JOINED.join(texts) if texts or not calls else None,
         tool_calls=calls or None,
         native=_response_form(
-            texts, calls, _parts_kept(response.parts, subject), response.metadata, subject
+            texts, calls, _parts_kept(response.parts, subject), _accounting(response), subject
         ),
         token_usage=TokenUsage(
             input_tokens=response.usage.input_tokens, output_tokens=response.usage.output_tokens
@@ -386,6 +399,18 @@ def _from_response(
         latency_ms=latency,
         created_at=response.timestamp,
     )
+
+
+def _accounting(response: pai.ModelResponse) -> dict[str, Any]:
+    """What `native` keeps of a response for the application, as Pydantic AI serializes it:
+    its `metadata`, the fields `_ACCOUNTING` names that it has, and its usage beyond the
+    tokens `token_usage` holds (cache and audio tokens, `details`, a cost)."""
+    fields = {key: getattr(response, key) for key in (*_ACCOUNTING, "metadata")}
+    kept = {key: value for key, value in fields.items() if value is not None}
+    usage = _USAGE.dump_python(
+        response.usage, mode="json", exclude=_IN_TOKEN_USAGE, exclude_defaults=True
+    )
+    return kept | {"usage": usage} if usage else kept
 
 
 def _dumped_prompt(part: pai.SystemPromptPart, subject: str) -> dict[str, Any]:
@@ -424,16 +449,15 @@ def _response_form(
     texts: Sequence[str],
     calls: Sequence[ToolCall],
     kept: list[dict[str, Any]],
-    metadata: dict[str, Any] | None,
+    accounting: dict[str, Any],
     subject: str,
 ) -> NativeForm | None:
     """What the chat fields cannot hold of a response: its several texts apart, as OpenAI
     content parts (one `content` string cannot tell them apart: a text may hold a blank line),
     its parts' order with the parts they have no place for, unless it is theirs (its texts,
-    then its calls), and the `metadata` the application gave it (never sent to the model)."""
-    difference: dict[str, Any] = {}
-    if metadata is not None:
-        difference["metadata"] = runtime_json(metadata, subject=subject, fallback=str)
+    then its calls), and what it holds for the application (`_accounting`: never sent to the
+    model)."""
+    difference: dict[str, Any] = dict(runtime_json(accounting, subject=subject, fallback=str))
     if len(texts) > 1:
         difference["content"] = [{"type": "text", "text": text} for text in texts]
     in_chat_order = [{"part_kind": "text"}] * len(texts) + [{"part_kind": "tool-call"}] * len(calls)
@@ -663,7 +687,7 @@ def _to_response(messages: Sequence[AssistantMessage]) -> pai.ModelResponse:
     # A HITL prompt's text is the runtime's question, not the model's: replayed as a response
     # it would end the run before the call it holds, which then could never be resumed.
     response_parts: list[pai.ModelResponsePart] = []
-    input_tokens = output_tokens = 0
+    usage = RequestUsage()
     for message in messages:
         texts = _text_parts(message) if message.hitl_action is None else []
         calls = [
@@ -673,15 +697,43 @@ def _to_response(messages: Sequence[AssistantMessage]) -> pai.ModelResponse:
             for call in message.tool_calls or ()
         ]
         response_parts.extend(_in_kept_order(message, [*map(pai.TextPart, texts)], calls))
-        usage = message.token_usage or TokenUsage()
-        input_tokens += usage.input_tokens
-        output_tokens += usage.output_tokens
-    return pai.ModelResponse(
+        usage = usage + _usage_of(message)
+    return replace(
+        _accounting_of(messages),
         parts=response_parts,
-        usage=RequestUsage(input_tokens=input_tokens, output_tokens=output_tokens),
+        usage=usage,
         timestamp=messages[0].created_at,
         metadata=_first_kept(messages, "metadata"),
     )
+
+
+def _usage_of(message: AssistantMessage) -> RequestUsage:
+    """A stored response's usage: the tokens `token_usage` holds, with the rest `native`
+    keeps (`_accounting`); only those tokens when it keeps none, or keeps no usage of
+    Pydantic AI's (someone else's form)."""
+    counted = message.token_usage or TokenUsage()
+    usage = RequestUsage(input_tokens=counted.input_tokens, output_tokens=counted.output_tokens)
+    kept = _kept(message, "usage")
+    if not isinstance(kept, dict) or kept.keys() & _IN_TOKEN_USAGE:
+        return usage
+    try:
+        return _USAGE.validate_python({**kept, **counted.model_dump()})
+    except ValidationError:
+        return usage
+
+
+def _accounting_of(messages: Sequence[AssistantMessage]) -> pai.ModelResponse:
+    """An empty response with the model, provider and finish reason (`_ACCOUNTING`) kept by
+    the first of `messages` that keeps any; with none when they are not Pydantic AI's."""
+    for message in messages:
+        kept = {key: _kept(message, key) for key in _ACCOUNTING}
+        kept = {key: value for key, value in kept.items() if value is not None}
+        if kept:
+            try:
+                return _RESPONSE.validate_python({"parts": [], **kept})
+            except ValidationError:
+                break
+    return pai.ModelResponse(parts=[])
 
 
 def _first_kept(messages: Iterable[AgentMessage], key: str) -> dict[str, Any] | None:

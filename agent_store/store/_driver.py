@@ -13,6 +13,7 @@ from contextvars import ContextVar
 from types import TracebackType
 from typing import Any
 
+from dns.exception import DNSException
 from pymongo import AsyncMongoClient, MongoClient
 from pymongo import errors as mongo_errors
 from pymongo.database import Database as SyncPyMongoDatabase
@@ -163,6 +164,15 @@ def store_error(action: str, exc: BaseException) -> StoreError | None:
             f"could not {action}: the database lacks the index it needs "
             "(a full-text search needs the store's text index)"
         )
+    if isinstance(exc, mongo_errors.ConfigurationError):  # no database was reached
+        if _caused_by_dns(exc):
+            return StorageFailure(
+                f"could not {action}: the connection string's host could not be resolved "
+                "(a mongodb+srv:// host needs its SRV record in DNS)"
+            )
+        return StorageFailure(
+            f"could not {action}: the driver refused the connection string or a client option"
+        )
     if isinstance(exc, mongo_errors.InvalidOperation) and "after close" in str(exc):
         return StorageFailure(f"could not {action}: the database client was closed")
     if isinstance(exc, mongo_errors.PyMongoError):
@@ -170,6 +180,17 @@ def store_error(action: str, exc: BaseException) -> StoreError | None:
     if isinstance(exc, NotImplementedError):
         return Unsupported(f"could not {action}: this database does not support it")
     return None
+
+
+def _caused_by_dns(exc: BaseException) -> bool:
+    """Whether a failed DNS lookup is among the causes of `exc` (PyMongo resolves a
+    `mongodb+srv://` host with dnspython, one of its own dependencies)."""
+    cause = exc.__cause__
+    while cause is not None:
+        if isinstance(cause, DNSException):
+            return True
+        cause = cause.__cause__
+    return False
 
 
 def only_duplicates(error: BulkWriteError) -> None:
