@@ -3,7 +3,10 @@
 With `MONGODB_URI` unset, the service starts mongoeco's wire-protocol server
 and talks to it with the real driver over TCP, so it runs on a machine with
 nothing else installed. It is for development and demos: it is single-process,
-slow on large collections, and its full-text ranking differs from MongoDB's.
+slow on large collections, and its full-text ranking differs from MongoDB's. Its
+SQLite engine compares integers of different widths by type; the store writes every
+integer as an int64, and `_Int64Comparisons` sends the integers its queries compare as
+int64s too, so they compare by value (an int32 another client stored does not match).
 """
 
 from __future__ import annotations
@@ -163,6 +166,135 @@ def _cap_reply_batches(server: Any) -> None:
     server._cursor_store.__class__ = _RepliesWithinBytes
 
 
+_COMPARED = frozenset({"$eq", "$ne", "$gt", "$gte", "$lt", "$lte", "$in", "$nin", "$all"})
+"""Query operators whose operand is a value compared with the stored one."""
+_FILTERS = frozenset({"$and", "$or", "$nor"})
+_FILTER_KEYS = {
+    "find": ("filter",),
+    "count": ("query",),
+    "distinct": ("query",),
+    "findAndModify": ("query",),
+    "findandmodify": ("query",),
+}
+_STATEMENTS = {"update": "updates", "delete": "deletes"}
+_NESTED_PIPELINES = {"$lookup": "pipeline", "$unionWith": "pipeline"}
+
+
+class _Int64Comparisons(_Int64CursorIds):
+    """The executor for mongoeco's SQLite engine, with every integer a query compares as an
+    int64.
+
+    mongoeco 4.11's SQLite engine compares an int32 with an int64 by their types, not their
+    values: on `seq` stored as an Int64, `{seq: 5}` (PyMongo sends a Python int as an int32)
+    matched nothing and `{seq: {$gt: 31}}` everything. The store writes every integer as an
+    Int64 (`tests/test_stored_shapes.py`), so widening the operands its filters compare (in
+    `find`, `count`, `distinct`, `findAndModify`, the statements of `update` and `delete`, and
+    `$match` stages) makes them compare by value. Nothing else is touched: limits, batch
+    sizes, sorts, projections, `$size`, `$type`, `$mod`, `$expr` (which the engine evaluates
+    by value) and booleans stay what they were. The in-memory engine compares by value and is
+    left alone.
+    """
+
+    def _build_request_context(self, body: dict[str, Any], **options: Any) -> Any:
+        return super()._build_request_context(_widened_command(body), **options)
+
+
+def _widened_command(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` with the integers its filters compare as int64s (`_Int64Comparisons`)."""
+    if not body:
+        return body
+    name = next(iter(body))
+    body = dict(body)
+    for key in _FILTER_KEYS.get(name, ()):
+        if isinstance(body.get(key), dict):
+            body[key] = _widened_filter(body[key])
+    statements = _STATEMENTS.get(name)
+    if statements is not None and isinstance(body.get(statements), list):
+        body[statements] = [_widened_statement(s) for s in body[statements]]
+    if name == "aggregate" and isinstance(body.get("pipeline"), list):
+        body["pipeline"] = _widened_pipeline(body["pipeline"])
+    return body
+
+
+def _widened_statement(statement: Any) -> Any:
+    if isinstance(statement, dict) and isinstance(statement.get("q"), dict):
+        return {**statement, "q": _widened_filter(statement["q"])}
+    return statement
+
+
+def _widened_pipeline(pipeline: list[Any]) -> list[Any]:
+    stages = []
+    for stage in pipeline:
+        if isinstance(stage, dict) and isinstance(stage.get("$match"), dict):
+            stage = {**stage, "$match": _widened_filter(stage["$match"])}
+        for name, key in _NESTED_PIPELINES.items():
+            nested = stage.get(name) if isinstance(stage, dict) else None
+            if isinstance(nested, dict) and isinstance(nested.get(key), list):
+                stage = {**stage, name: {**nested, key: _widened_pipeline(nested[key])}}
+        stages.append(stage)
+    return stages
+
+
+def _widened_filter(query: dict[str, Any]) -> dict[str, Any]:
+    """A filter document: `$and`/`$or`/`$nor` hold filters, a field holds a value or its
+    operators; every other top-level operator (`$expr`, `$text`, …) is left as it is."""
+    widened: dict[str, Any] = {}
+    for key, value in query.items():
+        if key in _FILTERS and isinstance(value, list):
+            widened[key] = [_widened_filter(q) if isinstance(q, dict) else q for q in value]
+        elif key.startswith("$"):
+            widened[key] = value
+        else:
+            widened[key] = _widened_condition(value)
+    return widened
+
+
+def _widened_condition(condition: Any) -> Any:
+    """A field's condition: a value to equal, or a document of operators."""
+    if not _operators(condition):
+        return _widened_value(condition)
+    widened: dict[str, Any] = {}
+    for operator, operand in condition.items():
+        if operator in _COMPARED:
+            widened[operator] = _widened_value(operand)
+        elif operator == "$not" and isinstance(operand, dict):
+            widened[operator] = _widened_condition(operand)
+        elif operator == "$elemMatch" and isinstance(operand, dict):
+            # Of documents, a filter (`{a: 1}`, `{$or: …}`); of values, their operators.
+            within = operand.keys() & _FILTERS
+            widened[operator] = (
+                _widened_condition(operand)
+                if _operators(operand) and not within
+                else _widened_filter(operand)
+            )
+        else:
+            widened[operator] = operand
+    return widened
+
+
+def _operators(condition: Any) -> bool:
+    """Whether a field's condition is a document of query operators (`{$gt: 3}`), not a
+    value to equal."""
+    return (
+        isinstance(condition, dict)
+        and bool(condition)
+        and all(str(key).startswith("$") for key in condition)
+    )
+
+
+def _widened_value(value: Any) -> Any:
+    """A value compared as it is stored: each integer in it an int64."""
+    from mongoeco.core.bson_scalars import BsonInt64  # the embedded extra's
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        return BsonInt64(value)
+    if isinstance(value, list):
+        return [_widened_value(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _widened_value(item) for key, item in value.items()}
+    return value
+
+
 class _ListenerWithoutAbort:
     """uvloop's listening server, given the `abort_clients` mongoeco calls when it closes.
 
@@ -212,7 +344,8 @@ async def embedded_mongodb(data_dir: Path | None) -> AsyncIterator[str]:
         pymongo_profile="auto-installed",
     )
     # One seam into mongoeco's internals: the executor its connections call.
-    server._executor = _Int64CursorIds(server._executor)  # type: ignore[assignment]
+    wrapper = _Int64CursorIds if data_dir is None else _Int64Comparisons
+    server._executor = wrapper(server._executor)  # type: ignore[assignment]
     _cap_reply_batches(server)
     address = await server.start()
     # The second seam: the listener mongoeco closes (see _ListenerWithoutAbort).

@@ -4,6 +4,9 @@
 - `wire`: mongoeco's MongoDB wire server on a free port, through PyMongo's AsyncMongoClient.
 - `wire-motor`: the same server through a Motor client, as existing runtimes hold.
 - `uri`: the server at MONGODB_URI, only when that variable is set.
+The embedded default's own engine (mongoeco on a SQLite file, what `python -m app` runs) is
+not a backend of every test: `sqlite_wire_uri` serves it to the tests that check the store's
+answers there (`tests/test_embedded.py`).
 Wire backends need Python 3.13+ (mongoeco); `-m "not wire"` selects the fast suite.
 """
 
@@ -103,7 +106,7 @@ class Backend:
             pytest.skip(f"{self.name}: {self.lacks[feature]}")
 
 
-WIRE_FIXTURES = {"wire_uri", "database", "running", "big_database"}
+WIRE_FIXTURES = {"wire_uri", "sqlite_wire_uri", "database", "running", "big_database"}
 """Fixtures that need a wire server: a test using one is marked `wire` by itself."""
 
 
@@ -119,6 +122,16 @@ def wire_uri() -> Iterator[str]:
     from agent_store.embedded import ServerThread
 
     server = ServerThread()
+    yield server.start()
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def sqlite_wire_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """mongoeco's wire server on a SQLite file, as `python -m app` starts it by default."""
+    from agent_store.embedded import ServerThread
+
+    server = ServerThread(tmp_path_factory.mktemp("embedded"))
     yield server.start()
     server.stop()
 

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import re
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import bson
 import pytest
 from bson import DatetimeMS, Int64
-from pymongo import MongoClient
+from pymongo import AsyncMongoClient, MongoClient
 
-from agent_store import embedded
+from agent_store import AgentMessageLogger, ConversationStore, embedded
 from agent_store.embedded import embedded_mongodb
 from app.service import open_store
 from app.settings import Settings
+from tests.api_harness import SERVICE_TOKEN, auth_headers, serve
 from tests.conftest import ReplyBatches
 
 pytestmark = pytest.mark.wire
@@ -114,3 +118,136 @@ def test_the_embedded_server_closes_cleanly_on_uvloop() -> None:
             return uri
 
     assert uvloop.run(open_and_close()).startswith("mongodb://")
+
+
+# The store on the embedded default's engine: mongoeco on a SQLite file, what `python -m app`
+# runs with MONGODB_URI unset. That engine compares an int32 with an int64 by type, not value
+# (`{seq: {$gt: 31}}` matched every stored `Int64` seq, `{seq: 5}` none); the store writes
+# every integer as an Int64 and the embedded server widens the integers a query compares.
+
+TURNS = 40
+"""More one-message turns than a transcript's first batch (32) holds."""
+
+
+@asynccontextmanager
+async def opened(uri: str) -> AsyncIterator[Any]:
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri, tz_aware=True)
+    name = f"embedded_{uuid.uuid4().hex[:10]}"
+    try:
+        yield client[name]
+    finally:
+        await client.drop_database(name)
+        await client.close()
+
+
+async def log_turns(logger: AgentMessageLogger, conversation_id: str, count: int) -> None:
+    for n in range(count):
+        message = {"role": "user", "content": f"hello {n}"}
+        await logger.log_messages(conversation_id, [message], user_id="u1", turn_id=f"t{n}")
+
+
+def seqs(messages: Any) -> list[int | None]:
+    return [m.seq for m in messages]
+
+
+async def a_session(db: Any) -> dict[str, Any]:
+    """What a user sees of 40 turns, pages, a pop, a turn after it, a fork and an export."""
+    logger, store = AgentMessageLogger(db), ConversationStore(db)
+    await logger.ensure_indexes()
+    await log_turns(logger, "c", TURNS)
+    seen: dict[str, Any] = {}
+    seen["streamed"] = [m.seq async for batch in store.stream_transcript("c") for m in batch]
+    seen["transcript"] = seqs(await store.transcript("c"))
+    by_seq = {m.seq: m.id for m in await store.transcript("c")}
+    after = await store.messages_page("c", after=by_seq[5], limit=3)
+    before = await store.messages_page("c", after=by_seq[35], limit=3, order="desc")
+    seen["pages"] = [seqs(after.data), seqs(before.data)]
+    seen["by_seq"] = seqs(await store.messages_by_seq("c", start=35, stop=38))
+    popped = await store.pop_last_message("c")
+    seen["popped"] = popped.seq if popped else None
+    logged = await logger.log_messages(
+        "c", [{"role": "user", "content": "after the pop"}], user_id="u1", turn_id="t-after"
+    )
+    seen["logged after the pop"] = [m.seq for m in logged.messages]
+    await logger.fork("c", 5, "f")
+    seen["fork"] = seqs(await store.transcript("f"))
+    seen["counts"] = {
+        c: (found.message_count, found.turn_count)
+        for c in ("c", "f")
+        if (found := await store.get_conversation(c)) is not None
+    }
+    seen["export"] = {e.conversation.id: seqs(e.messages) async for e in store.export_user("u1")}
+    return seen
+
+
+async def test_the_store_answers_on_the_sqlite_file_as_on_the_in_memory_engine(
+    wire_uri: str, sqlite_wire_uri: str
+) -> None:
+    async with opened(wire_uri) as memory, opened(sqlite_wire_uri) as sqlite:
+        expected, answered = await a_session(memory), await a_session(sqlite)
+    every = list(range(TURNS))
+    assert expected["streamed"] == expected["transcript"] == every
+    assert expected["pages"] == [[6, 7, 8], [34, 33, 32]]
+    assert expected["by_seq"] == [35, 36, 37]
+    assert (expected["popped"], expected["logged after the pop"]) == (39, [39])
+    assert expected["fork"] == list(range(6))
+    assert expected["counts"] == {"c": (TURNS, TURNS), "f": (6, 6)}  # the pop took a turn
+    assert expected["export"] == {"c": every, "f": list(range(6))}
+    assert answered == expected
+
+
+def test_the_sqlite_servers_seam_widens_compared_integers_and_nothing_else() -> None:
+    from mongoeco.core.bson_scalars import BsonInt64
+
+    from agent_store.embedded import _widened_command
+
+    command = {
+        "find": "m",
+        "filter": {"c": "x", "seq": {"$gt": 31, "$nin": [3]}, "on": True, "tags": {"$size": 2},
+                   "$or": [{"n": 5}, {"k": {"$type": 16}}], "$expr": {"$gt": ["$n", 1]}},
+        "sort": {"seq": 1}, "limit": 3, "batchSize": 32, "projection": {"seq": 1},
+    }  # fmt: skip
+    widened = _widened_command(command)
+    assert widened["filter"] == {
+        "c": "x", "seq": {"$gt": BsonInt64(31), "$nin": [BsonInt64(3)]}, "on": True,
+        "tags": {"$size": 2}, "$or": [{"n": BsonInt64(5)}, {"k": {"$type": 16}}],
+        "$expr": {"$gt": ["$n", 1]},
+    }  # fmt: skip
+    assert {k: widened[k] for k in ("sort", "limit", "batchSize", "projection")} == {
+        "sort": {"seq": 1}, "limit": 3, "batchSize": 32, "projection": {"seq": 1},
+    }  # fmt: skip
+    update = {"update": "m", "updates": [{"q": {"n": 1}, "u": {"$inc": {"n": 1}}, "multi": False}]}
+    assert _widened_command(update)["updates"] == [
+        {"q": {"n": BsonInt64(1)}, "u": {"$inc": {"n": 1}}, "multi": False}
+    ]
+    pipeline = [{"$match": {"n": {"$lt": 4}}}, {"$limit": 2}]
+    assert _widened_command({"aggregate": "m", "pipeline": pipeline})["pipeline"] == [
+        {"$match": {"n": {"$lt": BsonInt64(4)}}},
+        {"$limit": 2},
+    ]
+    assert command["filter"]["seq"] == {"$gt": 31, "$nin": [3]}  # the body sent is not changed
+
+
+async def test_the_http_transcript_pages_fork_and_viewer_are_right_on_the_sqlite_file(
+    sqlite_wire_uri: str,
+) -> None:
+    async with opened(sqlite_wire_uri) as db, serve(db, seeded=False) as api:
+        await api.store.logger.ensure_indexes()
+        await log_turns(api.store.logger, "c", TURNS)
+        base, headers = "/v1/conversations/c", auth_headers()
+        transcript = (await api.http.get(f"{base}/transcript", headers=headers)).json()["data"]
+        assert [m["seq"] for m in transcript] == list(range(TURNS))
+        fifth = transcript[5]["_id"]
+        page = await api.http.get(f"{base}/messages?after={fifth}&limit=3", headers=headers)
+        assert [m["seq"] for m in page.json()["data"]] == [6, 7, 8]
+        fork = {"at_seq": 5, "new_conversation_id": "c-fork"}
+        forked = await api.http.post(f"{base}/forks", json=fork, headers=headers)
+        assert forked.status_code in (200, 201), forked.text
+        copies = await api.http.get("/v1/conversations/c-fork/transcript", headers=headers)
+        assert [m["seq"] for m in copies.json()["data"]] == list(range(6))
+        origin = {"Origin": "http://test"}
+        await api.http.post("/viewer/login", data={"token": SERVICE_TOKEN}, headers=origin)
+        shown = await api.http.get("/viewer/conversations/c?from_seq=35")
+        assert [int(s) for s in re.findall(r'data-seq="(\d+)"', shown.text)] == list(
+            range(35, TURNS)
+        )
