@@ -431,6 +431,34 @@ async def test_a_paused_call_its_reviewer_edits_is_pending_and_replays_as_it_ran
     assert (await cold.aget_state(config)).values["messages"] == mine
 
 
+@pytest.mark.parametrize("then", ["resume", "another_edit"])
+async def test_a_branch_from_before_a_reviewers_edit_goes_on_as_langgraphs_saver_does(
+    backend: Backend, then: str
+) -> None:
+    """After an edit of the paused call that keeps its id, the checkpoint read before the edit
+    is a branch like any other: resumed as the model made the call, or edited otherwise, it
+    goes on, each branch's stand-ins a turn of its own."""
+    config = thread()
+    thread_id = config["configurable"]["thread_id"]
+    ours, theirs = approval_agent(AgentStoreSaver(backend.db)), approval_agent(InMemorySaver())
+    store = ConversationStore(backend.db)
+    for graph in (ours, theirs):
+        paused = await _paused_on_call_2(graph, config)
+        before = (await graph.aget_state(config)).config
+        for city in ("Paris", "Rome")[: 1 if then == "resume" else 2]:
+            call = {"name": "weather", "args": {"city": city}, "id": "call-2"}
+            edit = AIMessage("", id=paused.id, tool_calls=[call])
+            await graph.aupdate_state(before if city == "Rome" else config, {"messages": [edit]})
+        await graph.ainvoke(Command(resume="yes"), before if then == "resume" else config)
+    mine = (await ours.aget_state(config)).values["messages"]
+    assert comparable(mine) == comparable((await theirs.aget_state(config)).values["messages"])
+    city = "City 2" if then == "resume" else "Rome"
+    assert mine[-1].content.startswith(f"Answer 2: {city}")
+    assert await store.pending_calls(thread_id) == []
+    cold = approval_agent(AgentStoreSaver(backend.db))
+    assert (await cold.aget_state(config)).values["messages"] == mine
+
+
 async def test_a_call_its_reviewer_drops_is_closed_and_the_call_kept_stays_pending(
     backend: Backend,
 ) -> None:
@@ -1571,6 +1599,27 @@ async def test_a_copy_racing_a_claim_of_its_user_is_the_new_owners_thread(
     said = [m.content for m in source.values["messages"]]
     assert said
     assert [m.content for m in copied.values.get("messages", [])] == said
+
+
+async def test_following_a_source_refuses_a_conversation_that_is_no_copy_of_it(
+    backend: Backend,
+) -> None:
+    """LIBRARY.md `follow_its_source`: only a copy of `source` follows its owner (a fork of it,
+    or its owner's conversation holding nothing but `copy_thread`'s turns of it); any other
+    conversation is InvalidInput and stays its owner's, its graph still reading it."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    alice, bob = thread("user-ada"), thread("user-bob")
+    await tool_agent(AgentStoreSaver(backend.db)).ainvoke(question(2), alice)
+    await tool_agent(AgentStoreSaver(backend.db)).ainvoke(question(1), bob)
+    await logger.upsert_conversation("empty-chat", user_id="user-ada")
+    bobs = await store.get_conversation(bob["configurable"]["thread_id"])
+    for conversation_id in (alice["configurable"]["thread_id"], "empty-chat"):
+        alices = await store.get_conversation(conversation_id)
+        with pytest.raises(InvalidInput, match="no copy of"):
+            await logger.follow_its_source(alices, bobs)
+        assert (await store.get_conversation(conversation_id)).user_id == "user-ada"
+    still = await tool_agent(AgentStoreSaver(backend.db)).aget_state(alice)
+    assert still.values["messages"][-1].content.startswith("Answer 2: ")
 
 
 def _claimed_after(db: Any, monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> None:

@@ -73,6 +73,8 @@ from agent_store.store import (
     AgentMessageLogger,
     ConversationStore,
     Database,
+    copied_from,
+    copy_mark,
     storage_errors,
 )
 
@@ -361,13 +363,19 @@ class TranscriptLink:
         one turn, or two when a stand-in answers a call the new messages make again (a
         reviewer's edit of a paused call, its call id kept). A turn answers a call only after
         making it, so the stand-ins go first, a turn of their own that claims no step (the
-        put's messages do); a retry finds the call answered and logs no stand-in again."""
+        put's messages do); a retry finds the call answered and logs no stand-in again.
+
+        The stand-ins' turn is named by the put's checkpoint too: a call's stand-in reads the
+        same whatever branch logs it, so two branches from one checkpoint (an edit, then time
+        travel to the pause before it) would otherwise name one turn, the second answered the
+        first's (a replay) and its turn after it placed at a taken `seq`."""
         closing, new = logging
         if not closing or not _remade(closing, new):
             if not closing and not new:
                 return [], False
             return await self._log(state, step, [*closing, *new], fork_id, next_seq)
-        closed, _ = await self._log(state, step, closing, fork_id, next_seq, claim=False)
+        branch = step.checkpoint_id
+        closed, _ = await self._log(state, step, closing, branch, next_seq, claim=False)
         extras, replayed = await self._log(state, step, new, fork_id, int(closed[-1]["seq"]) + 1)
         return closed + extras, replayed
 
@@ -747,7 +755,7 @@ class TranscriptLink:
     async def _earlier_attempt(self, source: Conversation, target_id: str) -> Conversation | None:
         """The target conversation when it is an earlier attempt of this copy (a fork of the
         source, or a conversation of the source's owner whose messages are all this copy's
-        turns, told by their ids whatever the source holds now, `_copied_from`, or that has
+        turns, told by their ids whatever the source holds now, `copied_from`, or that has
         none yet); None when there is no target. Any other conversation under the id is a
         Conflict: a copy never writes into it."""
         try:
@@ -762,7 +770,7 @@ class TranscriptLink:
                 f"conversation {target_id!r} belongs to another user: copy into a new id"
             )
         held = await self._store.messages_by_seq(target_id)
-        ours = all(_copied_from(source.conversation_id, m.turn_id) for m in held)
+        ours = all(copied_from(source.conversation_id, m.turn_id) for m in held)
         if origin is None and target.user_id == source.user_id and ours:
             return target
         raise Conflict(
@@ -1065,21 +1073,10 @@ def _step_turn_id(
 def _fork_turn_id(source_id: str, first_message_id: str) -> str:
     """The turn id of a copied chunk of a forked thread: the same copy, retried, is one turn.
     It has the shape of a fork's copies (`fork-` and 32 hex digits), whose first digits name
-    the source (`_copy_mark`), so an earlier attempt of the copy is told by its turns
-    (`_copied_from`) whatever the source holds since (a pop of a chunk's first message)."""
+    the source (`copy_mark`), so an earlier attempt of the copy is told by its turns
+    (`copied_from`) whatever the source holds since (a pop of a chunk's first message)."""
     named = f"{source_id}\0{first_message_id}"
-    return FORK_TURN + _copy_mark(source_id) + hashlib.sha256(named.encode()).hexdigest()[:24]
-
-
-def _copy_mark(source_id: str) -> str:
-    """What the turn ids of a thread's copy logged turn by turn begin with, after `fork-`."""
-    return hashlib.sha256(f"copy of\0{source_id}".encode()).hexdigest()[:8]
-
-
-def _copied_from(source_id: str, turn_id: str | None) -> bool:
-    """Whether a turn is a chunk of a copy of the thread `source_id` (`_fork_turn_id`)."""
-    prefix = FORK_TURN + _copy_mark(source_id)
-    return turn_id is not None and len(turn_id) == len(prefix) + 24 and turn_id.startswith(prefix)
+    return FORK_TURN + copy_mark(source_id) + hashlib.sha256(named.encode()).hexdigest()[:24]
 
 
 _STORE_FIELDS = {"_id", "conversation_id", "seq", "user_id", "turn_id", "search_text", "truncated"}

@@ -187,6 +187,7 @@ from agent_store.store._turns import (
     block_ids,
     canonical_documents,
     content_digest,
+    copied_from,
     held_off_list,
     is_delivery_turn_id,
     is_fork_turn,
@@ -1444,10 +1445,16 @@ class AgentMessageLogger:
         (StorageUnavailable when its owner keeps changing); a source that is no longer the
         conversation `source` names leaves the copy as it is (the caller's check of its source
         refuses it). Answers the copy with the owner it moved to. One round trip (the source's
-        owner) when it is the copy's already, none for an unowned copy; two more per move."""
+        owner) when it is the copy's already, none for an unowned copy; two more per move.
+
+        Only a copy of `source` is moved (`_refuse_unless_copy_of`): a fork of it, or a
+        conversation of the owner `source` had holding nothing but the turns of its copy
+        logged turn by turn (`copied_from`), none yet included; any other is InvalidInput
+        before it is moved, so no conversation is handed to another user by a wrong call."""
         owner, read = copy.user_id, {"epoch": copy.epoch, "created_at": copy.created_at}
         if owner is None:
             return copy
+        checked = False
         life = same_conversation(
             source.conversation_id, epoch=source.epoch, created_at=source.created_at
         )
@@ -1459,11 +1466,32 @@ class AgentMessageLogger:
                 if owner == copy.user_id:
                     return copy
                 return copy.model_copy(update={"user_id": owner, "legacy_user_id": None})
+            if not checked:
+                await self._refuse_unless_copy_of(copy, source)
+                checked = True
             await self._follow_its_source(copy.conversation_id, read, holder)
             owner = holder
         raise StorageUnavailable(
             f"the copy of {source.conversation_id!r} into {copy.conversation_id!r} could not "
             "follow its source: its owner kept changing (account claims); copy it again"
+        )
+
+    async def _refuse_unless_copy_of(self, copy: Conversation, source: Conversation) -> None:
+        """InvalidInput unless `copy` is a copy of `source` (`follow_its_source`): forked from
+        it, or `source`'s owner's with only turns of its copy logged turn by turn (or none
+        yet). One round trip, none for a fork."""
+        source_id, origin = source.conversation_id, copy.forked_from
+        if origin is not None and origin.conversation_id == source_id:
+            return
+        if copy.user_id == source.user_id:
+            query = {"conversation_id": copy.conversation_id, "epoch": copy.epoch}
+            with storage_errors("read the conversation's turns"):
+                turns = await self._messages.distinct("turn_id", query)
+            if all(copied_from(source_id, t) for t in turns):
+                return
+        raise InvalidInput(
+            f"conversation {copy.conversation_id!r} is no copy of {source_id!r}: only a copy "
+            "follows its source's owner"
         )
 
     async def _follow_its_source(

@@ -1277,6 +1277,19 @@ FORK_TURN = "fork-"
 """How the turn holding a fork's copies is named (`fork_turn_id`)."""
 
 
+def copy_mark(source_id: str) -> str:
+    """What the turn ids of a thread's copy logged turn by turn (LangGraph's `copy_thread`)
+    begin with, after `fork-`: they name the source."""
+    return hashlib.sha256(f"copy of\0{source_id}".encode()).hexdigest()[:8]
+
+
+def copied_from(source_id: str, turn_id: str | None) -> bool:
+    """Whether a turn is a chunk of a copy of the conversation `source_id` logged turn by
+    turn: `fork-`, its `copy_mark` and 24 hex digits."""
+    prefix = FORK_TURN + copy_mark(source_id)
+    return turn_id is not None and len(turn_id) == len(prefix) + 24 and turn_id.startswith(prefix)
+
+
 def is_fork_turn(turn_id: str | None) -> bool:
     """Whether a turn id has the shape of a fork's copies (`fork_turn_id`, a LangGraph
     thread's fork's chunks): `fork-` and 32 hex digits (`is_own_turn_id`), which the HTTP
