@@ -308,13 +308,7 @@ async def test_the_export_route_cuts_its_answer_rather_than_send_two_lives_of_a_
             await logger.log_messages(LIFE, said("NEW", 40), user_id="carol", turn_id="t-1")
 
         after_its_first_batch(monkeypatch, store, started_again)
-        with pytest.raises(Exception) as cut:  # noqa: PT011 - what the server raises to cut it
-            await api.http.get(
-                "/v1/users/carol/export",
-                params={"format": export_format, "full": "true"},
-                headers=SERVICE,
-            )
-        assert cut_by(cut.value, Conflict)
+        await _the_export_is_cut(api, export_format)
 
 
 @pytest.mark.parametrize("export_format", ["jsonl", "json"])
@@ -332,13 +326,7 @@ async def test_the_export_route_cuts_its_answer_when_a_pop_removes_a_message_it_
             await store.pop_last_message(conversation_id)
 
         after_its_first_batch(monkeypatch, store, popped)
-        with pytest.raises(Exception) as cut:  # noqa: PT011 - what the server raises to cut it
-            await api.http.get(
-                "/v1/users/carol/export",
-                params={"format": export_format, "full": "true"},
-                headers=SERVICE,
-            )
-        assert cut_by(cut.value, Conflict)
+        await _the_export_is_cut(api, export_format)
         assert len(await store.transcript(LIFE)) == 39
 
 
@@ -443,3 +431,14 @@ async def test_a_20_mb_read_needs_no_more_memory_than_a_2_mb_one(
     # Flat: a batch or two of about 1 MB (the first one 32 messages) whatever the size.
     assert big.peak_bytes < 8 * MiB, f"peak {big.peak_bytes / MiB:.1f} MiB"
     assert big.peak_bytes < small.peak_bytes + 2 * MiB, (small.peak_bytes, big.peak_bytes)
+
+
+async def _the_export_is_cut(api: Any, export_format: str) -> None:
+    """carol's export fails part way, cut by a `Conflict` (what was sent stands)."""
+    with pytest.raises(Exception) as cut:  # noqa: PT011 - what the server raises to cut it
+        await api.http.get(
+            "/v1/users/carol/export",
+            params={"format": export_format, "full": "true"},
+            headers=SERVICE,
+        )
+    assert cut_by(cut.value, Conflict)

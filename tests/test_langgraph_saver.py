@@ -1593,12 +1593,7 @@ async def test_a_copy_racing_a_claim_of_its_user_is_the_new_owners_thread(
     await AgentStoreSaver(backend.db).acopy_thread(source_id, source_id + "-copy")
 
     assert await backend.db[CHECKPOINTS].count_documents({"user_id": "user-ada"}) == 0
-    graph = tool_agent(AgentStoreSaver(backend.db))
-    source = await graph.aget_state(thread("user-bob", source_id))
-    copied = await graph.aget_state(thread("user-bob", source_id + "-copy"))
-    said = [m.content for m in source.values["messages"]]
-    assert said
-    assert [m.content for m in copied.values.get("messages", [])] == said
+    await _bobs_graph_reads_the_copy_as_the_source(backend.db, source_id)
 
 
 async def test_following_a_source_refuses_a_conversation_that_is_no_copy_of_it(
@@ -1678,12 +1673,7 @@ async def test_a_copy_racing_a_claim_at_any_point_is_the_new_owners_thread(
     assert (await store.get_conversation(source_id + "-copy")).user_id == "user-bob"
     assert await backend.db[MESSAGES].count_documents({"user_id": "user-ada"}) == 0
     assert await backend.db[CHECKPOINTS].count_documents({"user_id": "user-ada"}) == 0
-    graph = tool_agent(AgentStoreSaver(backend.db))
-    source = await graph.aget_state(thread("user-bob", source_id))
-    copied = await graph.aget_state(thread("user-bob", source_id + "-copy"))
-    said = [m.content for m in source.values["messages"]]
-    assert said
-    assert [m.content for m in copied.values.get("messages", [])] == said
+    await _bobs_graph_reads_the_copy_as_the_source(backend.db, source_id)
 
 
 @pytest.mark.parametrize(
@@ -2436,3 +2426,13 @@ async def test_a_thread_its_user_starts_while_the_erasure_runs_keeps_its_checkpo
     transcript = await store.transcript("conv-new", user_id="user-ada")
     assert len(state["messages"]) == len(transcript) > 0
     assert await backend.db[CHECKPOINTS].count_documents({"thread_id": "conv-old"}) == 0
+
+
+async def _bobs_graph_reads_the_copy_as_the_source(db: Any, source_id: str) -> None:
+    """user-bob's graph reads the copy of the source thread with the source's messages."""
+    graph = tool_agent(AgentStoreSaver(db))
+    source = await graph.aget_state(thread("user-bob", source_id))
+    copied = await graph.aget_state(thread("user-bob", source_id + "-copy"))
+    said = [m.content for m in source.values["messages"]]
+    assert said
+    assert [m.content for m in copied.values.get("messages", [])] == said
