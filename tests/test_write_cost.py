@@ -149,7 +149,16 @@ async def test_a_reservation_brings_back_only_the_next_seq_the_owner_and_its_boo
         reservations = [c for c in listener.commands if "findAndModify" in c]
         assert reservations
         assert {tuple(sorted(c["fields"])) for c in reservations} == {
-            ("_id", "created_at", "epoch", "message_count", "owned_from", "refold_owed", "user_id")
+            (
+                "_id",
+                "created_at",
+                "epoch",
+                "message_count",
+                "owned_from",
+                "pops",
+                "refold_owed",
+                "user_id",
+            )
         }
     finally:
         await client.drop_database("cost_reservation")
