@@ -789,11 +789,8 @@ class TranscriptLink:
         source_id = source.conversation_id
         for _ in range(_FORK_ATTEMPTS):
             copied = await self._logged_once(source, target_id, earlier)
-            try:
-                now = await self._store.get_conversation(source_id, fallback=False)
-            except NotFound:
-                return copied  # its source gone: `hold` takes the copy back
-            if not now.popped_since(source.pops, max(copied.moved, default=-1)):
+            now = await self._popped_since(source, max(copied.moved, default=-1))
+            if now is None:  # no pop of what it copied; or its source gone: `hold` takes it back
                 return copied
             assert copied.target is not None
             await self._take_back(copied.target)
