@@ -28,7 +28,7 @@ from agent_store import (
     TurnRules,
 )
 from agent_store.store import CONVERSATIONS, MAX_TURN_NAMED_CALLS, MESSAGES, PENDING_CALLS_KEPT
-from agent_store.store._logger import OtherContent
+from agent_store.store._logger import Corrected, OtherContent
 from tests.api_harness import auth_headers, serve
 from tests.conftest import COUNTED, Backend
 
@@ -698,19 +698,22 @@ async def test_a_stalled_first_insert_landing_after_its_retry_stored_the_turn_an
 
 
 async def _a_stalled_first_insert_landing_after_pops(
-    backend: Backend, pops: int
+    backend: Backend, pops: int, later: int = 0
 ) -> tuple[AgentMessageLogger, ConversationStore, asyncio.Task[Any]]:
     """Turn "late": its first attempt reserved 1-2 and stalls; its retry moves it to 3-4 and
-    stores it; `pops` pops remove its last messages; then the stalled insert lands in 1-2,
-    where the ids of the popped messages are free again. The logger, a store, the first
-    attempt's call (done)."""
-    rules = TurnRules(abandon_after=timedelta(0))
+    stores it; `pops` pops remove its last messages; `later` turns are logged after them
+    (each record kept for 2 turns: 2 later turns drop the records of "late"); then the stalled
+    insert lands in 1-2, where the ids of the popped messages are free again. The logger, a
+    store, the first attempt's call (done)."""
+    rules = TurnRules(abandon_after=timedelta(0), turns_recorded=2)
     logger, held, first = await _a_stalled_first_attempt(backend, rules)
     retried = await logger.log_messages(CID, turn("late"), turn_id="late")
     assert [m.seq for m in retried.messages] == [3, 4]  # moved
     store = ConversationStore(backend.db, rules=rules)
     for _ in range(pops):
         assert await store.pop_last_message(CID) is not None
+    for n in range(later):
+        await logger.log_messages(CID, turn(f"later{n}"), turn_id=f"later{n}")
     held.release.set()
     await asyncio.wait([first])
     return logger, store, first
@@ -768,6 +771,28 @@ async def test_a_stalled_first_insert_landing_after_pops_of_the_whole_moved_turn
     assert await _served(backend, store) == [(0, "m0"), (3, "next?"), (4, "next!")]
     conversation = await backend.db[CONVERSATIONS].find_one({"_id": CID})
     assert (conversation["message_count"], conversation["turn_count"]) == (5, 2)
+
+
+async def test_a_stalled_first_insert_landing_after_a_pop_past_the_kept_records_is_corrected(
+    backend: Backend,
+) -> None:
+    """The first case, with two turns logged after the pop: the records of "late" are
+    dropped, so nothing tells where it moved. The stalled insert meets its question stored at
+    3 and the conversation listing its answer as popped: it is told the turn was corrected
+    (`Corrected`, as a retry and `check_turn` are told), not that it is stored elsewhere,
+    which a runtime could read as "log the rest". Nothing popped is served again."""
+    logger, store, first = await _a_stalled_first_insert_landing_after_pops(
+        backend, pops=1, later=2
+    )
+
+    with pytest.raises(Corrected):
+        first.result()
+    with pytest.raises(Corrected):
+        await logger.check_turn(CID, turn("late"), turn_id="late")
+
+    assert await _served(backend, store) == [
+        (0, "m0"), (3, "late?"), (4, "later0?"), (5, "later0!"), (6, "later1?"), (7, "later1!")
+    ]  # fmt: skip
 
 
 async def test_two_attempts_racing_the_move_of_an_abandoned_block_both_answer_the_stored_turn(

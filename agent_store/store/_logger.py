@@ -3189,7 +3189,7 @@ class AgentMessageLogger:
             or any(t.startswith(MIGRATED_TURN_PREFIX) or blocks_of(found, turn_key(t))
                    for t in others)
         )):  # fmt: skip
-            raise _in_the_way(plan, first_seq, strays, wanted)
+            raise _in_the_way(plan, first_seq, strays, wanted, found)
         kept = {text.blob_id for text in plan.full_texts}
         await self._full_texts.forget_files(
             [b for d in strays for b in stored_blob_ids(d) if b not in kept]
@@ -3698,11 +3698,16 @@ def _in_the_way(
     first_seq: int,
     strays: Sequence[Mapping[str, Any]],
     wanted: list[dict[str, Any]],
+    found: Mapping[str, Any] | None,
 ) -> Conflict:
     """The refusal of a turn whose `wanted` messages meet `strays` they may not replace: its
-    own messages stored out of its block (`_stored_apart`), else what holds its `seq`s."""
+    own messages stored out of its block, `Corrected` when the conversation `found` lists a
+    message of the turn as popped (as a retry past the kept records is told,
+    `_corrected_or`), else `_stored_apart`; else what holds its `seq`s."""
     ids = {d["_id"] for d in wanted}
     own = [d for d in strays if d["_id"] in ids and d.get("seq") is not None]
+    if own and ({d["_id"] for d in plan.documents} & {i for i, _ in _popped_at(found)}):
+        return _corrected(plan)
     if own:
         return _stored_apart(plan, first_seq, own[0]["_id"], int(own[0]["seq"]))
     return _taken(plan.conversation_id, wanted[0]["_id"], wanted[0]["seq"])
