@@ -80,7 +80,12 @@ from app.routing import IDEMPOTENCY_KEY, Call, Endpoint, routes_of
 from app.service import Store, open_store
 from app.sessions import ViewerSessions
 from app.settings import Settings, settings_from_environment
-from app.streamed_json import export_document, export_lines, transcript_document
+from app.streamed_json import (
+    export_document,
+    export_lines,
+    opened_exports,
+    transcript_document,
+)
 from app.throttle import SignInLimiter
 from app.tracing import Tracing
 from app.viewer import viewer_routes
@@ -354,10 +359,12 @@ async def export_user(call: Call[ExportQuery, NoBody]) -> Response:
     disposition = {
         "Content-Disposition": f'attachment; filename="{user_id}.{call.query.format}"',
     }
+    # The first conversation is read before any byte is sent: a database down is a 503.
+    exports = await opened_exports(call.store.conversations, user_id, full=call.query.full)
     if call.query.format == "jsonl":
-        lines = export_lines(call.store.conversations, user_id, full=call.query.full)
+        lines = export_lines(exports)
         return StreamingResponse(lines, media_type="application/x-ndjson", headers=disposition)
-    document = export_document(call.store.conversations, user_id, full=call.query.full)
+    document = export_document(user_id, exports)
     return StreamingResponse(document, media_type="application/json", headers=disposition)
 
 

@@ -161,8 +161,28 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
+    if type(exc) is RuntimeError and isinstance(exc.__cause__, StoreError):
+        return _store_error_after_the_start(request, exc.__cause__)
     log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(500, "internal_error", "an unexpected error occurred")
+
+
+def _store_error_after_the_start(request: Request, exc: StoreError) -> Response:
+    """A store error raised while a streamed answer (a transcript, an export) was being sent,
+    which Starlette raises again as a RuntimeError once the status is out: the client sees the
+    answer cut (the connection closes before its end), and the metrics and the log see the
+    store error it is, not an unexpected one. The response made here is never sent."""
+    count_store_error(request, exc)
+    server_side = exc.status >= 500
+    log.log(
+        logging.ERROR if server_side else logging.WARNING,
+        "%s on %s %s after its answer started: it is cut",
+        exc.code,
+        request.method,
+        request.url.path,
+        exc_info=exc if server_side else None,
+    )
+    return error_response(exc.status, exc.code, exc.message)
 
 
 EXCEPTION_HANDLERS = {

@@ -24,7 +24,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from pymongo.errors import ConfigurationError as DriverConfigurationError
 from pymongo.errors import InvalidURI
-from pymongo.uri_parser import parse_uri
+from pymongo.uri_parser import parse_uri, split_options
 
 from agent_store.core import describe_validation_error
 from agent_store.store import DEFAULT_MAX_MESSAGE_BYTES, RuntimeContextMarkers, TurnRules
@@ -36,10 +36,10 @@ MIN_SERVICE_TOKEN_CHARS = 32
 HMAC_KEY_BYTES = {"HS256": 32, "HS384": 48, "HS512": 64}
 """RFC 7518 §3.2: an HMAC key at least as long as the hash it signs with."""
 TcpPort = Annotated[int, Field(ge=1, le=65535)]
-NonEmptyText = Annotated[str, Field(min_length=1)]
 DATABASE_NAME_REFUSED = frozenset('/\\. "$\x00')
 """Characters MongoDB refuses in a database name (on every platform it runs on)."""
 DATABASE_NAME_MAX_BYTES = 63
+SRV_SCHEME = "mongodb+srv://"
 
 
 class ConfigurationError(ValueError):
@@ -68,6 +68,30 @@ def _address_or_network(entry: str) -> bool:
     return True
 
 
+def _connection_string_refusal(uri: str) -> str | None:
+    """Why the driver would refuse `uri` when connecting, told without a DNS lookup; None when
+    it would not. Never the driver's words: they may quote the URI, password included.
+
+    A `mongodb+srv://` string names one host and no port (DNS gives the servers and their
+    ports when connecting): the rest is read as the driver reads it, its credentials, host
+    and database as the same `mongodb://` string's, its options each (`split_options`)."""
+    srv = uri.startswith(SRV_SCHEME)
+    address, _, options = uri.removeprefix(SRV_SCHEME).partition("?") if srv else (uri, "", "")
+    try:
+        parsed = parse_uri("mongodb://" + address, default_port=None) if srv else parse_uri(uri)
+        named = split_options(options) if options else {}
+    except (InvalidURI, DriverConfigurationError, ValueError):
+        return "it is not a valid MongoDB connection string"
+    if srv and (len(parsed["nodelist"]) != 1 or parsed["nodelist"][0][1] is not None):
+        return (
+            f"a {SRV_SCHEME} connection string names one host and no port (DNS names the "
+            "servers and their ports); list several hosts or a port with mongodb://"
+        )
+    if srv and named.get("directConnection"):
+        return f"a {SRV_SCHEME} connection string cannot ask for directConnection=true"
+    return None
+
+
 def _hs256_only() -> list[JwtAlgorithm]:
     return ["HS256"]
 
@@ -94,8 +118,9 @@ class Settings(BaseSettings):
     mongodb_uri: str | None = Field(
         default=None, validation_alias=AliasChoices("MONGODB_URI", "AGENT_STORE_MONGODB_URI")
     )
-    """A MongoDB connection string (`MONGODB_URI`: `mongodb://` or `mongodb+srv://`). Unset:
-    start the embedded server."""
+    """A MongoDB connection string (`MONGODB_URI`: `mongodb://`, or `mongodb+srv://` with one
+    host and no port, its servers found in DNS when connecting). One that does not parse
+    stops the start. Unset: start the embedded server."""
     database: str = "agent_store"
     """The database holding the store's collections (a name MongoDB accepts: 1 to 63 bytes,
     none of `/\\. "$`)."""
@@ -103,7 +128,8 @@ class Settings(BaseSettings):
     """Where the embedded server keeps its SQLite file; created at start when `MONGODB_URI` is
     unset. One that cannot be (a file, a path under a file, no permission) stops the start."""
     host: str = "127.0.0.1"
-    """The address `python -m app` binds (`0.0.0.0` for every interface, in a container)."""
+    """The address `python -m app` binds (`0.0.0.0` for every interface, in a container).
+    Empty or white space alone stops the start: asyncio would bind every interface."""
     port: TcpPort = 8000
     """The port `python -m app` listens on (1 to 65535)."""
     workers: PositiveInt = 1
@@ -189,6 +215,18 @@ class Settings(BaseSettings):
                 )
         return proxies
 
+    @field_validator("host")
+    @classmethod
+    def _named_host(cls, host: str) -> str:
+        # `AGENT_STORE_HOST=${HOST}` with HOST unset: asyncio binds every interface for "",
+        # which only the explicit 0.0.0.0 (or ::) may ask for.
+        if not host.strip():
+            raise ValueError(
+                "an empty address would listen on every interface; name one: 127.0.0.1 (the "
+                "default, this machine only) or 0.0.0.0 (every interface)"
+            )
+        return host
+
     @field_validator("jwt_algorithms")
     @classmethod
     def _some_jwt_algorithm(cls, algorithms: list[JwtAlgorithm]) -> list[JwtAlgorithm]:
@@ -204,14 +242,11 @@ class Settings(BaseSettings):
     def _connection_string(cls, uri: str | None) -> str | None:
         if uri is None:
             return None
-        if not uri.startswith(("mongodb://", "mongodb+srv://")):
-            raise ValueError("a MongoDB connection string starts with mongodb:// or mongodb+srv://")
-        if uri.startswith("mongodb://"):  # a +srv one is resolved in DNS when connecting
-            try:
-                parse_uri(uri)
-            except (InvalidURI, DriverConfigurationError, ValueError):
-                # The driver's reason may quote the URI, password included.
-                raise ValueError("it is not a valid MongoDB connection string") from None
+        if not uri.startswith(("mongodb://", SRV_SCHEME)):
+            raise ValueError(f"a MongoDB connection string starts with mongodb:// or {SRV_SCHEME}")
+        why = _connection_string_refusal(uri)
+        if why is not None:
+            raise ValueError(why)
         return uri
 
     @field_validator("database")
@@ -278,11 +313,12 @@ class Settings(BaseSettings):
 
     max_message_bytes: PositiveInt = DEFAULT_MAX_MESSAGE_BYTES
     """A stored message is cut to this size; the whole text of a cut field is kept in GridFS."""
-    runtime_context_start: NonEmptyText = "[RUNTIME CONTEXT]"
-    """Where runtime context injected into a user message starts (left out of names, previews
-    and search)."""
-    runtime_context_end: NonEmptyText = "[/RUNTIME CONTEXT]"
-    """Where that runtime context ends."""
+    runtime_context_start: str = "[RUNTIME CONTEXT]"
+    """Where runtime context injected into a user message starts: what the markers enclose
+    is removed from the stored message, so it is left out of names, previews and search. One
+    empty or of white space alone stops the start (it would cut every user message)."""
+    runtime_context_end: str = "[/RUNTIME CONTEXT]"
+    """Where that runtime context ends (empty or white space alone stops the start)."""
     name_chars: int = Field(default=60, ge=2, le=200)
     """The longest automatic conversation name, ellipsis included (a name holds at most 200)."""
     legacy_dual_write: bool = False
@@ -290,6 +326,14 @@ class Settings(BaseSettings):
     again during the migration's rollback window."""
     legacy_read_fallback: bool = True
     """Serve conversations not migrated yet from the legacy turns."""
+
+    @field_validator("runtime_context_start", "runtime_context_end")
+    @classmethod
+    def _usable_marker(cls, marker: str, info: ValidationInfo) -> str:
+        # The library's rule (RuntimeContextMarkers), for this marker alone: the refusal names it.
+        which = str(info.field_name).removeprefix("runtime_context_")
+        RuntimeContextMarkers(**{which: marker})
+        return marker
 
     @model_validator(mode="after")
     def _docs_need_the_schema(self) -> Settings:

@@ -11,10 +11,11 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 from agent_store.core import AgentMessage, message_adapter
-from agent_store.store import ConversationStore
+from agent_store.store import ConversationStore, ExportStream
 
 CHUNK_BYTES = 64 * 1024
 Batches = AsyncGenerator[list[AgentMessage], None]
+Exports = AsyncGenerator[ExportStream, None]
 
 
 async def _chunks(pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -63,14 +64,37 @@ async def transcript_document(
         await rest.aclose()
 
 
+async def opened_exports(store: ConversationStore, user_id: str, *, full: bool) -> Exports:
+    """The user's conversations to export (`stream_user_exports`), the first one read now: a
+    database that cannot be read fails here, before the answer starts, as a transcript's first
+    batch does (the usual error answer, not a 200 cut before its first byte). Closing what
+    comes back closes the store's stream."""
+    exports = store.stream_user_exports(user_id, full=full)
+    try:
+        first = await anext(exports, None)
+    except BaseException:
+        await exports.aclose()
+        raise
+    return _read_ahead(first, exports)
+
+
+async def _read_ahead(first: ExportStream | None, rest: Exports) -> Exports:
+    try:
+        if first is not None:
+            yield first
+            async for export in rest:
+                yield export
+    finally:
+        await rest.aclose()
+
+
 async def _conversation_exports(
-    store: ConversationStore, user_id: str, *, between: bytes, after: bytes, full: bool
+    exports: Exports, *, between: bytes, after: bytes
 ) -> AsyncIterator[bytes]:
-    """Each of the user's conversations as a `ConversationExport` object, as
+    """Each conversation of `exports` as a `ConversationExport` object, as
     `stream_user_exports` streams it: its summary holds for the messages that come with it.
     One gone before its turn is left out; one changing while its messages are sent cuts the
     export."""
-    exports = store.stream_user_exports(user_id, full=full)
     try:
         before = b""
         async for export in exports:
@@ -84,24 +108,18 @@ async def _conversation_exports(
         await exports.aclose()
 
 
-async def export_lines(
-    store: ConversationStore, user_id: str, *, full: bool = False
-) -> AsyncIterator[bytes]:
-    """JSON Lines: one `ConversationExport` per line."""
-    exports = _conversation_exports(store, user_id, between=b"", after=b"\n", full=full)
-    async for chunk in _chunks(exports):
+async def export_lines(exports: Exports) -> AsyncIterator[bytes]:
+    """JSON Lines: one `ConversationExport` per line, from `opened_exports`."""
+    async for chunk in _chunks(_conversation_exports(exports, between=b"", after=b"\n")):
         yield chunk
 
 
-async def export_document(
-    store: ConversationStore, user_id: str, *, full: bool = False
-) -> AsyncIterator[bytes]:
-    """The `UserExport` document."""
+async def export_document(user_id: str, exports: Exports) -> AsyncIterator[bytes]:
+    """The `UserExport` document, from `opened_exports`."""
 
     async def pieces() -> AsyncIterator[bytes]:
         yield b'{"user_id":' + json.dumps(user_id).encode() + b',"conversations":['
-        exports = _conversation_exports(store, user_id, between=b",", after=b"", full=full)
-        async for piece in exports:
+        async for piece in _conversation_exports(exports, between=b",", after=b""):
             yield piece
         yield b"]}"
 

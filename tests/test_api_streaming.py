@@ -130,6 +130,31 @@ async def test_a_transcript_that_cannot_be_read_is_an_error_before_any_byte(
         assert set(response.json()) == {"error"}
 
 
+@pytest.mark.parametrize(
+    "query",
+    [{"format": "jsonl"}, {"format": "json"}, {}],
+    ids=["jsonl", "json", "default-format"],
+)
+async def test_an_export_the_database_cannot_start_is_a_503_before_any_byte(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, query: dict[str, str]
+) -> None:
+    """The database is unreachable as the export lists the user's conversations: the usual
+    storage error, as the transcript gives, never a 200 cut before its first byte (which a
+    lenient client reads as a user with no conversations)."""
+    async with serve(backend.db) as api:
+
+        async def unreachable(user_id: str) -> Any:
+            raise StorageUnavailable("could not list conversations: the database is unreachable")
+            yield  # an async generator, as the store's is
+
+        store = api.store.conversations
+        monkeypatch.setattr(store, "stream_user_conversations", unreachable)
+        response = await api.http.get(f"/v1/users/{OWNER}/export", params=query, headers=SERVICE)
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "storage_unavailable"
+        assert "unreachable" in response.json()["error"]["message"]
+
+
 async def test_a_conversation_not_migrated_yet_is_streamed_from_its_legacy_turns() -> None:
     async with serve(mongomock_db()) as api:
         await api.db["agent_conversations_deprecated"].insert_one(

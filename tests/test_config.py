@@ -304,8 +304,48 @@ def test_a_database_name_mongodb_refuses_is_refused(name: str) -> None:
 
 
 @pytest.mark.parametrize("field", ["runtime_context_start", "runtime_context_end"])
-def test_empty_runtime_context_markers_are_refused(field: str) -> None:
-    assert field in refusal(**{field: ""})
+@pytest.mark.parametrize(
+    "blank",
+    [
+        pytest.param("", id="empty"),
+        pytest.param(" ", id="a-space"),
+        pytest.param("\t", id="a-tab"),
+        pytest.param(" \n\u00a0", id="mixed-white-space"),
+    ],
+)
+def test_blank_runtime_context_markers_are_refused_naming_them(
+    monkeypatch: pytest.MonkeyPatch, field: str, blank: str
+) -> None:
+    """A marker of white space alone would match between the user's words: every user message
+    would be stored cut at its first or last space."""
+    monkeypatch.setenv(f"AGENT_STORE_{field.upper()}", blank)
+    with pytest.raises(ConfigurationError) as caught:
+        settings_from_environment()
+    assert str(caught.value).startswith(f"{field}: ")
+    assert "white space" in str(caught.value)
+
+
+def test_runtime_context_markers_with_white_space_around_their_text_are_accepted() -> None:
+    settings = Settings(runtime_context_start="<<CONTEXT\n", runtime_context_end="\nCONTEXT>>")
+    assert settings.turn_rules().markers.start == "<<CONTEXT\n"
+
+
+@pytest.mark.parametrize("host", ["", " ", "\t"], ids=["empty", "a-space", "a-tab"])
+def test_a_blank_host_is_refused_rather_than_bind_every_interface(
+    monkeypatch: pytest.MonkeyPatch, host: str
+) -> None:
+    """`AGENT_STORE_HOST=${HOST}` with HOST unset: asyncio would listen on every interface,
+    which only `0.0.0.0` (or `::`) asks for."""
+    monkeypatch.setenv("AGENT_STORE_HOST", host)
+    with pytest.raises(ConfigurationError) as caught:
+        settings_from_environment()
+    assert str(caught.value).startswith("host: ")
+    assert "0.0.0.0" in str(caught.value)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::", "localhost"])
+def test_an_address_or_host_name_is_a_host(host: str) -> None:
+    assert Settings(host=host).host == host
 
 
 @pytest.mark.parametrize(
@@ -322,11 +362,62 @@ def test_a_mongodb_uri_that_is_not_a_connection_string_is_refused(uri: str) -> N
     assert "s3cret" not in message
 
 
+@pytest.fixture
+def no_dns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any DNS lookup fails the test: the settings check a connection string offline."""
+    import dns.asyncresolver
+    import dns.resolver
+
+    def looked_up(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the settings looked a name up in DNS")
+
+    monkeypatch.setattr(dns.resolver, "resolve", looked_up)
+    monkeypatch.setattr(dns.asyncresolver, "resolve", looked_up)
+
+
+@pytest.mark.usefixtures("no_dns")
 @pytest.mark.parametrize(
-    "uri", ["mongodb://127.0.0.1:27017/?replicaSet=rs0", "mongodb+srv://ada:pw@cluster.example"]
+    "uri",
+    [
+        "mongodb://127.0.0.1:27017/?replicaSet=rs0",
+        "mongodb+srv://ada:pw@cluster.example",
+        "mongodb+srv://ada:p%40ss@cluster.example.com/app?retryWrites=true&w=majority&appName=x",
+        "mongodb+srv://cluster.example.com/?srvServiceName=custom&srvMaxHosts=2&authSource=admin",
+    ],
 )
 def test_mongodb_connection_strings_are_accepted(uri: str) -> None:
     assert Settings(mongodb_uri=uri).mongodb_uri == uri
+
+
+@pytest.mark.usefixtures("no_dns")
+@pytest.mark.parametrize(
+    ("uri", "why"),
+    [
+        pytest.param("mongodb+srv://ada:s3cret@cluster.example.com:27017/", "no port", id="port"),
+        pytest.param("mongodb+srv://ada:s3cret@a.example.com,b.example.com/", "one host", id="two"),
+        pytest.param("mongodb+srv://ada:s3cret@PW@cluster.example.com/", "not a valid", id="at"),
+        pytest.param(
+            "mongodb+srv://ada:s3cret@cluster.example/?tls=maybe", "not a valid", id="tls"
+        ),
+        pytest.param("mongodb+srv://ada:s3cret@cluster.example/?nosuch=1", "not a valid", id="opt"),
+        pytest.param("mongodb+srv://ada:s3cret@cluster.example/bad$db", "not a valid", id="db"),
+        pytest.param("mongodb+srv://", "not a valid", id="no-host"),
+        pytest.param(
+            "mongodb+srv://ada:s3cret@cluster.example/?directConnection=true",
+            "directConnection",
+            id="direct",
+        ),
+    ],
+)
+def test_a_mongodb_srv_uri_that_does_not_parse_is_refused_without_a_dns_lookup(
+    uri: str, why: str
+) -> None:
+    """The driver would refuse it when connecting, after the banner, with its own traceback
+    (exit 3, read as "cannot reach the database"): a syntax error is a setting's error."""
+    message = refusal(mongodb_uri=uri)
+    assert "MONGODB_URI" in message
+    assert why in message
+    assert "s3cret" not in message
 
 
 def test_an_empty_jwt_algorithm_list_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -404,6 +495,34 @@ def test_a_data_dir_is_created_when_the_embedded_server_will_use_it(tmp_path: Pa
     real = Settings(mongodb_uri="mongodb://db", service_tokens=[STRONG], data_dir=tmp_path / "no")
     serving_settings(real, demo_explicit=False)
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize(
+    ("setting", "env"),
+    [
+        pytest.param("host", {"AGENT_STORE_HOST": ""}, id="empty-host"),
+        pytest.param(
+            "runtime_context_start", {"AGENT_STORE_RUNTIME_CONTEXT_START": " "}, id="blank-marker"
+        ),
+        pytest.param(
+            "MONGODB_URI",
+            {
+                "MONGODB_URI": "mongodb+srv://ada:s3cret@cluster.example.com:27017/",
+                "AGENT_STORE_SERVICE_TOKENS": f'["{STRONG}"]',
+            },
+            id="srv-with-a-port",
+        ),
+    ],
+)
+def test_python_m_app_refuses_an_unusable_setting_with_exit_2_before_it_serves(
+    tmp_path: Path, setting: str, env: dict[str, str]
+) -> None:
+    finished = _run_app(env | {"AGENT_STORE_DATA_DIR": str(tmp_path), "AGENT_STORE_PORT": "18799"})
+    assert finished.returncode == 2
+    assert finished.stderr.startswith(f"invalid configuration: {setting}: ")
+    assert "Traceback" not in finished.stderr
+    assert "Serving on" not in finished.stdout
+    assert "s3cret" not in finished.stdout + finished.stderr
 
 
 def test_python_m_app_refuses_a_data_dir_naming_a_file_with_exit_2_and_no_traceback(

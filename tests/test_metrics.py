@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -17,6 +18,7 @@ from tests.api_harness import (
     mongomock_db,
     serve,
 )
+from tests.conftest import after_its_first_batch
 
 SERVICE = auth_headers()
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -125,6 +127,29 @@ async def test_metrics_count_storage_errors_by_kind(
     assert value(samples, "agent_store_storage_errors_total", kind="storage_failure") == 0
     probe = {"method": "GET", "route": "/ready", "status": "503"}
     assert value(samples, "agent_store_http_requests_total", **probe) == 2
+
+
+async def test_a_storage_error_after_a_streamed_answer_started_is_counted_and_logged_as_one(
+    api: Served, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The database goes away while an export is being sent: its status is out and the answer
+    is cut, but the failure is the storage error it is, in the metrics and in the log."""
+
+    async def gone(conversation_id: str) -> None:
+        raise StorageUnavailable("could not read the transcript: the database is unreachable")
+
+    after_its_first_batch(monkeypatch, api.store.conversations, gone)
+    with (
+        caplog.at_level(logging.INFO, logger="agent_store.api"),
+        pytest.raises(Exception) as cut,  # noqa: PT011 - what the server raises to cut it
+    ):
+        await api.http.get(f"/v1/users/{OWNER}/export", headers=SERVICE)
+    assert isinstance(cut.value.__cause__, StorageUnavailable)
+    samples = await scrape(api)
+    assert value(samples, "agent_store_storage_errors_total", kind="storage_unavailable") == 1
+    logged = [r.getMessage() for r in caplog.records if r.name == "agent_store.api"]
+    route = f"GET /v1/users/{OWNER}/export"
+    assert logged == [f"storage_unavailable on {route} after its answer started: it is cut"]
 
 
 @pytest.mark.parametrize(

@@ -111,6 +111,24 @@ def test_runtime_context_markers_are_configurable() -> None:
     assert strip_runtime_context("<ctx>secret</ctx>visible", markers) == "visible"
 
 
+@pytest.mark.parametrize(
+    "blank", ["", " ", "\t", "\n \u00a0"], ids=["empty", "space", "tab", "mixed"]
+)
+def test_runtime_context_markers_of_white_space_alone_are_refused(blank: str) -> None:
+    """Such a marker matches between the user's words: a message would be stored cut at its
+    first space (a start) or keep only what follows its last (an end)."""
+    for start, end in ((blank, "</ctx>"), ("<ctx>", blank)):
+        with pytest.raises(ValueError, match="white space"):
+            RuntimeContextMarkers(start, end)
+
+
+def test_runtime_context_markers_may_have_white_space_around_their_text() -> None:
+    markers = RuntimeContextMarkers("<<CONTEXT\n", "\nCONTEXT>>")
+    assert strip_runtime_context("<<CONTEXT\ntz=UTC\nCONTEXT>>Plan my trip", markers) == (
+        "Plan my trip"
+    )
+
+
 def test_shorten_cuts_at_a_word_boundary_with_an_ellipsis() -> None:
     assert shorten("one two three four", 12) == "one two…"
     assert shorten("  spaced\n\tout  ", 60) == "spaced out"

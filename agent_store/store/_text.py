@@ -25,14 +25,22 @@ ELLIPSIS = "…"
 
 @dataclass(frozen=True)
 class RuntimeContextMarkers:
-    """The markers around hidden context a runtime prepends to the model input."""
+    """The markers around hidden context a runtime prepends to the model input.
+
+    ValueError for a marker of white space alone (or empty): it would match between the
+    user's words, and each user message would be stored cut at its first space (a start
+    marker hides the rest) or kept from its last (an end marker hides what is before it).
+    White space around a marker's text (`"<<CONTEXT\n"`) is part of it."""
 
     start: str = "[RUNTIME CONTEXT]"
     end: str = "[/RUNTIME CONTEXT]"
 
     def __post_init__(self) -> None:
-        if not self.start or not self.end:
-            raise ValueError("runtime context markers must not be empty")
+        if not self.start.strip() or not self.end.strip():
+            raise ValueError(
+                "a runtime context marker must hold more than white space: one of white space "
+                "alone would match between the user's words and hide them"
+            )
 
 
 DEFAULT_MARKERS = RuntimeContextMarkers()
