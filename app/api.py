@@ -355,9 +355,9 @@ async def export_user(call: Call[ExportQuery, NoBody]) -> Response:
         "Content-Disposition": f'attachment; filename="{user_id}.{call.query.format}"',
     }
     if call.query.format == "jsonl":
-        lines = export_lines(call.store.conversations, user_id, full=call.query.full)
+        lines = await export_lines(call.store.conversations, user_id, full=call.query.full)
         return StreamingResponse(lines, media_type="application/x-ndjson", headers=disposition)
-    document = export_document(call.store.conversations, user_id, full=call.query.full)
+    document = await export_document(call.store.conversations, user_id, full=call.query.full)
     return StreamingResponse(document, media_type="application/json", headers=disposition)
 
 

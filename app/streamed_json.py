@@ -65,7 +65,7 @@ async def transcript_document(
 
 async def _conversation_exports(
     store: ConversationStore, user_id: str, *, between: bytes, after: bytes, full: bool
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """Each of the user's conversations as a `ConversationExport` object, as
     `stream_user_exports` streams it: its summary holds for the messages that come with it.
     One gone before its turn is left out; one changing while its messages are sent cuts the
@@ -84,26 +84,45 @@ async def _conversation_exports(
         await exports.aclose()
 
 
+async def _primed(pieces: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+    """`pieces` with its first piece read: an export's first conversation paired with its
+    summary (or refused: a 503 while a turn of it is still being written, a 409 while pops
+    change it) before the response begins, so that a refusal then is the request's answer,
+    not a body cut after a 200. One refused later cuts the body."""
+    first = await anext(pieces, None)
+
+    async def then() -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                yield first
+            async for piece in pieces:
+                yield piece
+        finally:
+            await pieces.aclose()
+
+    return then()
+
+
 async def export_lines(
     store: ConversationStore, user_id: str, *, full: bool = False
 ) -> AsyncIterator[bytes]:
-    """JSON Lines: one `ConversationExport` per line."""
+    """JSON Lines: one `ConversationExport` per line, the first read before this returns."""
     exports = _conversation_exports(store, user_id, between=b"", after=b"\n", full=full)
-    async for chunk in _chunks(exports):
-        yield chunk
+    return _chunks(await _primed(exports))
 
 
 async def export_document(
     store: ConversationStore, user_id: str, *, full: bool = False
 ) -> AsyncIterator[bytes]:
-    """The `UserExport` document."""
+    """The `UserExport` document, its first conversation read before this returns."""
+    exports = await _primed(
+        _conversation_exports(store, user_id, between=b",", after=b"", full=full)
+    )
 
     async def pieces() -> AsyncIterator[bytes]:
         yield b'{"user_id":' + json.dumps(user_id).encode() + b',"conversations":['
-        exports = _conversation_exports(store, user_id, between=b",", after=b"", full=full)
         async for piece in exports:
             yield piece
         yield b"]}"
 
-    async for chunk in _chunks(pieces()):
-        yield chunk
+    return _chunks(pieces())
