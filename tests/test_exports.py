@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
 from collections import Counter
@@ -19,6 +21,7 @@ from agent_store import (
     ConversationExport,
     ConversationStore,
     InvalidInput,
+    StorageUnavailable,
     TurnRules,
 )
 from agent_store.core import (
@@ -481,6 +484,94 @@ async def test_export_user_refuses_a_conversation_popped_at_each_of_its_reads(
     assert len(await store.transcript("c-1")) == 6 - EXPORT_READS
 
 
+async def writing_after_two_turns(
+    monkeypatch: pytest.MonkeyPatch, backend: Backend, turn_id: str, *, stored: int = 2
+) -> tuple[asyncio.Event, asyncio.Task[Any]]:
+    """carol's `c-1` with two turns stored (or `stored`) and one more, `turn_id` (a prompt for
+    "prompt"), by another writer, its block reserved and its insert waiting for the event
+    returned (a writer between its two steps): the summary counts it already."""
+    logger, writer = AgentMessageLogger(backend.db), AgentMessageLogger(backend.db)
+    for n in range(stored):
+        said = turn_of(f"t-{n}")
+        await logger.log_messages("c-1", said, user_id="carol", turn_id=f"t-{n}")
+    insert_many, reserved, go = writer._messages.insert_many, asyncio.Event(), asyncio.Event()
+
+    async def stalled(*args: Any, **kwargs: Any) -> Any:
+        reserved.set()
+        await go.wait()
+        return await insert_many(*args, **kwargs)
+
+    monkeypatch.setattr(writer._messages, "insert_many", stalled)
+    said = hitl_turn("confirm-mid") if turn_id == "prompt" else turn_of(turn_id)
+    turn = asyncio.create_task(writer.log_messages("c-1", said, user_id="carol", turn_id=turn_id))
+    await reserved.wait()
+    return go, turn
+
+
+@pytest.mark.parametrize("turn_id", ["t-2", "prompt"])
+async def test_export_user_pairs_a_turn_still_being_written_once_it_is_stored(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, turn_id: str
+) -> None:
+    """API.md: the summary holds for the messages it comes with. A turn's reservation counts
+    it (messages, turn, usage, preview, its prompt pending) before its insert: an export
+    meeting the hole it still writes reads the conversation again, and pairs it once stored."""
+    go, turn = await writing_after_two_turns(monkeypatch, backend, turn_id)
+    store = ConversationStore(backend.db)
+
+    reads = Counter[str]()
+
+    async def stored_by_the_second_read(conversation_id: str) -> None:
+        reads[conversation_id] += 1
+        if reads[conversation_id] == 2:
+            go.set()
+            await turn
+
+    before_each_read(monkeypatch, store, stored_by_the_second_read, reads=EXPORT_READS)
+
+    exported = [e.model_dump(mode="json", by_alias=True) async for e in store.export_user("carol")]
+
+    assert exported == [await as_it_stands(store, "c-1")]
+    assert holds_for_its_messages(exported[0])
+    assert exported[0]["conversation"]["message_count"] == 6
+    assert reads["c-1"] == 2
+
+
+@pytest.mark.parametrize("stored", [2, 20], ids=["in its first batch", "past its first batch"])
+async def test_export_user_refuses_a_conversation_whose_turn_is_written_through_its_reads(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, stored: int
+) -> None:
+    """A turn still being written at each of the `EXPORT_READS` reads (its writer slow, or
+    dead, younger than `abandon_after`): StorageUnavailable (retry later) before anything of
+    the conversation is sent, never its summary with messages that lack the turn."""
+    go, turn = await writing_after_two_turns(monkeypatch, backend, "t-x", stored=stored)
+    store = ConversationStore(backend.db)
+    exports = store.stream_user_exports("carol")
+
+    with pytest.raises(StorageUnavailable, match="still being written"):
+        await anext(exports)
+
+    go.set()
+    await turn
+    exported = [e.model_dump(mode="json", by_alias=True) async for e in store.export_user("carol")]
+    assert exported == [await as_it_stands(store, "c-1")]
+
+
+async def test_export_user_passes_a_block_older_than_abandon_after(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block its turn reserved longer than `abandon_after` ago is passed, as message pages
+    pass it: the export goes on, what is stored of the conversation comes with it."""
+    _, turn = await writing_after_two_turns(monkeypatch, backend, "t-2")
+    store = ConversationStore(backend.db, rules=TurnRules(abandon_after=timedelta(0)))
+
+    exported = [e async for e in store.export_user("carol")]
+
+    assert [m.content for m in exported[0].messages] == ["q t-0", "a t-0", "q t-1", "a t-1"]
+    turn.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await turn
+
+
 # -- the same rules through `GET /v1/users/{id}/export` --------------------------------------
 
 
@@ -522,6 +613,29 @@ async def test_the_export_route_holds_each_conversations_messages_as_its_summary
             assert export["conversation"]["message_count"] == 1
             assert export["conversation"]["pending_hitl"] is None
         assert len(await store.transcript("c-1")) == 3  # the late turns are stored
+
+
+@pytest.mark.parametrize("export_format", ["jsonl", "json"])
+async def test_the_export_route_answers_503_for_a_turn_written_through_its_reads(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, export_format: str
+) -> None:
+    """The route's twin of `test_export_user_refuses_a_conversation_whose_turn_is_written_
+    through_its_reads`: a 503 to retry, before any byte of the export, never a summary
+    counting a turn its messages lack."""
+    async with serve(backend.db, seeded=False) as api:
+        go, turn = await writing_after_two_turns(monkeypatch, backend, "t-2")
+
+        response = await api.http.get(
+            "/v1/users/carol/export", params={"format": export_format}, headers=auth_headers()
+        )
+
+        assert response.status_code == 503
+        assert "still being written" in response.text
+        go.set()
+        await turn
+        exported = await exported_lines(api, export_format)
+        assert holds_for_its_messages(exported[0])
+        assert exported[0]["conversation"]["message_count"] == 6
 
 
 @pytest.mark.parametrize("export_format", ["jsonl", "json"])

@@ -61,6 +61,7 @@ from agent_store.store._logger import AgentMessageLogger, LoggedTurn, TurnObserv
 from agent_store.store._naming import NAMED_WINDOW, Named, first_named, named_window, renamed
 from agent_store.store._reads import (
     EXPORT_READS,
+    EXPORT_WAIT,
     MAX_PAGE_SIZE,
     MAX_SEARCH_QUERY_CHARS,
     Claimed,
@@ -156,6 +157,7 @@ __all__ = [
     "DUPLICATE_KEY",
     "ELLIPSIS",
     "EXPORT_READS",
+    "EXPORT_WAIT",
     "FORK_TURN",
     "HIDDEN_CHARACTERS",
     "INDEXES",

@@ -41,6 +41,7 @@ from agent_store.core import (
     PendingCall,
     PendingHitl,
     PoppedMessage,
+    StorageUnavailable,
     VersionMismatch,
     awaiting_results,
     calls_answered,
@@ -205,7 +206,16 @@ class ExportStream:
 
 EXPORT_READS = 3
 """How many times an export reads a conversation that pops keep changing (each read after the
-last pop, its messages with it) before it gives up: Conflict."""
+last pop, its messages with it) before it gives up: Conflict; or one holding a turn still being
+written (its block reserved and counted, its messages not stored yet): StorageUnavailable."""
+
+EXPORT_WAIT = 0.05
+"""Seconds an export waits before it reads again a conversation holding a turn still being
+written, doubled at each read: a turn's insert follows its reservation at once."""
+
+EXPORT_LOOKUP: dict[str, Any] = {"inbox": 0, "runtime_turns": 0}
+"""What an export's lookup of a conversation reads: its summary with its turn records
+(`Gaps`), to tell a turn counted and not stored yet."""
 
 
 def _page_size(limit: int) -> int:
@@ -2254,11 +2264,14 @@ class ConversationStore:
         after it was listed), so that the summary holds for the messages it comes with. A pop
         since it was listed that removed one of them (a lookup after the first batch tells)
         pairs the conversation as read then with its messages read again, up to
-        `EXPORT_READS` reads, else Conflict; a pop after the summary was paired is Conflict
-        after the last batch (`stream_transcript`). One deleted, started again or claimed away
-        before its turn is left out, the others follow. With `full`, fields cut to bound a
-        message come whole (see `with_full_texts`). One round trip per conversation more than
-        its streamed read.
+        `EXPORT_READS` reads, else Conflict; so does a turn it counts still being written
+        (reserved, not stored yet: `_unstored_turn`), read again `EXPORT_WAIT` later, else
+        StorageUnavailable, nothing of that conversation yielded. A pop after the summary
+        was paired is Conflict after the last batch (`stream_transcript`). One deleted,
+        started again or claimed away before its turn is left out, the others follow. With
+        `full`, fields cut to bound a message come whole (see `with_full_texts`). One round
+        trip per conversation more than its streamed read (two when a turn younger than
+        `abandon_after` lies past its first batch).
         """
         user_id = validate_identifier(user_id, "user_id")
         async for conversation in self.stream_user_conversations(user_id):
@@ -2274,40 +2287,88 @@ class ConversationStore:
         self, summary: Conversation, user_id: str, full: bool
     ) -> ExportStream | None:
         """The conversation as `summary` counts it, with its first batch of messages, once no
-        pop since `summary` was read removed one of the messages it counts (else read again as
-        it stands then, while pops do); None when it went since it was listed (deleted,
-        started again, claimed away)."""
-        for _ in range(EXPORT_READS):
+        pop since `summary` was read removed one of the messages it counts, and none of them
+        is still being written (`_unstored_turn`; else read again as it stands then, while
+        pops or writers do); None when it went since it was listed (deleted, started again,
+        claimed away)."""
+        writing: int | None = None
+        for read in range(EXPORT_READS):
+            if writing is not None:
+                await pause(EXPORT_WAIT * 2 ** (read - 1))
+            writing = None
             batches = self.stream_transcript(summary.id, user_id=user_id, full=full, life=summary)
             try:
                 first = await anext(batches)
-                now = await self._as_it_stands(summary, user_id)
+                now, gaps = await self._as_it_stands(summary, user_id)
+                if now is not None and not now.popped_since(
+                    summary.pops, summary.message_count - 1
+                ):
+                    writing = await self._unstored_turn(summary, first, gaps)
+                    if writing is None:
+                        return ExportStream(conversation=summary, first=first, rest=batches)
             except NotFound:
-                first, now = [], None
+                now = None
             except BaseException:
                 await batches.aclose()
                 raise
-            if now is not None and not now.popped_since(summary.pops, summary.message_count - 1):
-                return ExportStream(conversation=summary, first=first, rest=batches)
             await batches.aclose()
             if now is None:
                 return None
             summary = now
+        if writing is not None:
+            raise StorageUnavailable(
+                f"conversation {summary.id!r} holds a turn still being written at seq {writing}, "
+                f"at each of {EXPORT_READS} reads: its summary counts messages not stored yet "
+                "(export again later)"
+            )
         raise Conflict(
             f"conversation {summary.id!r} was popped while it was exported, at each of "
             f"{EXPORT_READS} reads: its summary could not be paired with its messages (export "
             "again)"
         )
 
-    async def _as_it_stands(self, summary: Conversation, user_id: str) -> Conversation | None:
+    async def _as_it_stands(
+        self, summary: Conversation, user_id: str
+    ) -> tuple[Conversation | None, Gaps]:
         """The conversation `summary` read as it stands now (once no pop is under way,
-        `_summary`), read after its messages: None when it went (deleted, started again,
-        claimed away)."""
+        `_summary`), read after its messages, with its `Gaps`: None when it went (deleted,
+        started again, claimed away)."""
         life = same_conversation(summary.id, epoch=summary.epoch, created_at=summary.created_at)
         doc = await self._summary(
-            summary.id, user_id, SUMMARY, "read the conversation", fence=self._listed | life
+            summary.id, user_id, EXPORT_LOOKUP, "read the conversation", fence=self._listed | life
         )
-        return None if doc is None else Conversation.model_validate(doc)
+        if doc is None:
+            return None, Gaps()
+        return Conversation.model_validate(doc), Gaps.of(doc)
+
+    async def _unstored_turn(
+        self, summary: Conversation, first: list[AgentMessage], gaps: Gaps
+    ) -> int | None:
+        """The first `seq` below `summary`'s `message_count` holding no message of its life
+        that a turn is still writing (`Gaps.written`: reserved, counted, not stored yet,
+        younger than `abandon_after`, as message pages wait for it); None when there is none.
+
+        From the `first` batch served (`seq`s from 0), and past it only when a block younger
+        than `abandon_after` is there: then one round trip reads which of its `seq`s hold a
+        message."""
+        written = partial(gaps.written, now=utc_now(), abandon_after=self._rules.abandon_after)
+        count, served = summary.message_count, {m.seq for m in first}
+        end = max((s for s in served if s is not None), default=-1) + 1
+        hole = written(s for s in range(min(end, count)) if s not in served)
+        if hole is not None or end >= count:
+            return hole
+        young = written(range(end, count))
+        if young is None:
+            return None
+        query = {
+            "conversation_id": summary.id,
+            "epoch": _one_of_or_none(summary.epoch),
+            "seq": {"$gte": young, "$lt": count},
+        }
+        with storage_errors("read the transcript"):
+            docs = await self._messages.find(query, {"_id": 0, "seq": 1}).to_list(None)
+        stored = {int(doc["seq"]) for doc in docs}
+        return written(s for s in range(young, count) if s not in stored)
 
     @classmethod
     def _standing(cls, conversation_id: str, user_id: str | None) -> dict[str, Any]:
