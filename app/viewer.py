@@ -294,15 +294,44 @@ class _MessagePage:
     read from its legacy turns until a run finishes it."""
 
 
+_PAGE_READS = 3
+"""How many times a transcript page is read while its conversation goes (deleted, or
+deleted and started again under its id) between the page's reads, before the page is 404."""
+
+
 async def _message_page(store: Store, conversation_id: str, from_seq: int) -> _MessagePage:
     """A page of the conversation's messages from `from_seq` on, with the messages before it
-    that pair its results with their calls.
+    that pair its results with their calls: one conversation's, read again from its start
+    when the one read first is gone by the time its messages are read (`_message_page_of`).
+    """
+    attempts = _PAGE_READS
+    while True:
+        attempts -= 1
+        try:
+            return await _message_page_of(store, conversation_id, from_seq)
+        except _LifeGone as gone:
+            if not attempts:
+                raise gone.not_found from None
+
+
+class _LifeGone(Exception):
+    """The conversation a page read first is no longer under its id as its messages are read."""
+
+    def __init__(self, not_found: NotFound) -> None:
+        super().__init__(not_found.message)
+        self.not_found = not_found
+
+
+async def _message_page_of(store: Store, conversation_id: str, from_seq: int) -> _MessagePage:
+    """`_message_page`, read once.
 
     A conversation not migrated yet, or one a migration run is writing (read from its legacy
     turns until a run finishes it, as the store reads it), is read from its converted legacy
     turns, whole, cut the same way, by `seq`, on every page; the calls before a page are among
     them. A stored one's are one more read, only when the page holds a result that may answer
-    a call not on it (`ConversationStore.calls_before`).
+    a call not on it (`ConversationStore.calls_before`). Both reads of a stored one's messages
+    are of the conversation read first (`life`): `_LifeGone` when it went meanwhile, so no
+    page shows one conversation's name, owner and prompt over another's messages.
     """
     conversations = store.conversations
     try:
@@ -319,12 +348,18 @@ async def _message_page(store: Store, conversation_id: str, from_seq: int) -> _M
         return _MessagePage(
             conversation, page, earlier, stored=False, being_migrated=being_migrated
         )
-    page = await conversations.messages_by_seq(
-        conversation.id, start=from_seq, limit=MESSAGES_PER_PAGE + 1
-    )
-    before = await conversations.calls_before(
-        conversation.id, calls_made_before(page[:MESSAGES_PER_PAGE]), before_seq=from_seq
-    )
+    try:
+        page = await conversations.messages_by_seq(
+            conversation.id, start=from_seq, limit=MESSAGES_PER_PAGE + 1, life=conversation
+        )
+        before = await conversations.calls_before(
+            conversation.id,
+            calls_made_before(page[:MESSAGES_PER_PAGE]),
+            before_seq=from_seq,
+            life=conversation,
+        )
+    except NotFound as gone:
+        raise _LifeGone(gone) from gone
     return _MessagePage(conversation, page, before, stored=True)
 
 
@@ -347,6 +382,7 @@ async def transcript(request: Request, store: Store) -> Response:
         can_fork=page.stored,
         being_migrated=page.being_migrated,
         fork_id=_fork_id(),
+        version=conversation.version,
         has_legacy=bool(await store.legacy.with_turns([conversation.id])),
     )
 
@@ -373,7 +409,11 @@ async def fork(request: Request, store: Store) -> Response:
             "the conversation's page, which names one"
         )
     new_id = validate_identifier(form["new_conversation_id"], "new_conversation_id")
-    forked = await store.logger.fork(request.path_params["conversation_id"], at_seq, new_id)
+    # The conversation the page showed (its version), never another started under its id since.
+    version = form.get("version") or None
+    forked = await store.logger.fork(
+        request.path_params["conversation_id"], at_seq, new_id, version=version
+    )
     return RedirectResponse(
         f"/viewer/conversations/{quote(forked.conversation_id)}", 303, headers=_SECURITY_HEADERS
     )

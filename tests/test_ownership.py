@@ -25,7 +25,12 @@ from tests.api_harness import OTHER, OWNER, Served, auth_headers, hitl_turn, mon
 from tests.conftest import Backend
 
 MALLORY = "user-mallory"
-STATES = ("mine", "another", "unowned", "legacy-another", "legacy-mine", "absent")
+STATES = (
+    "mine", "another", "unowned", "legacy-another", "legacy-mine", "absent", "legacy-mine-beside",
+)  # fmt: skip
+"""`legacy-mine-beside`: OWNER's legacy turns under the id of another user's conversation (a
+late turn the old service wrote there during the transition): to OWNER's token that
+conversation is as if absent, so every answer is the one `legacy-mine` gets."""
 LEGACY_OID = ObjectId("6b0d2c1e9f1a4b3c2d1e0f1a")
 SPELLED: dict[str, tuple[str, dict[str, Any]]] = {
     # Another user's legacy-only conversation, under each id its turns may be known by.
@@ -42,45 +47,45 @@ ROUTES = (
 # Rows: routes; columns: STATES. One table per caller.
 EXPECTED: dict[str, dict[str, tuple[int, ...]]] = {
     "service": {
-        #              mine another unowned legacy-another legacy-mine absent
-        "get":        (200, 200, 200, 200, 200, 404),
-        "rename":     (200, 200, 200, 409, 409, 404),
-        "delete":     (200, 200, 200, 200, 200, 404),
-        "transcript": (200, 200, 200, 200, 200, 404),
-        "messages":   (200, 200, 200, 200, 200, 404),
-        "log-turn":   (201, 201, 201, 409, 409, 201),
-        "pending":    (200, 200, 200, 200, 200, 404),
-        "resolve":    (200, 200, 200, 409, 409, 404),
+        #              mine another unowned legacy-another legacy-mine absent beside
+        "get":        (200, 200, 200, 200, 200, 404, 200),
+        "rename":     (200, 200, 200, 409, 409, 404, 200),
+        "delete":     (200, 200, 200, 200, 200, 404, 200),
+        "transcript": (200, 200, 200, 200, 200, 404, 200),
+        "messages":   (200, 200, 200, 200, 200, 404, 200),
+        "log-turn":   (201, 201, 201, 409, 409, 201, 201),
+        "pending":    (200, 200, 200, 200, 200, 404, 200),
+        "resolve":    (200, 200, 200, 409, 409, 404, 200),
     },
     "service-naming-another": {  # the service names MALLORY as the turn's user
-        "get":        (200, 200, 200, 200, 200, 404),
-        "rename":     (200, 200, 200, 409, 409, 404),
-        "delete":     (200, 200, 200, 200, 200, 404),
-        "transcript": (200, 200, 200, 200, 200, 404),
-        "messages":   (200, 200, 200, 200, 200, 404),
-        "log-turn":   (409, 409, 201, 409, 409, 201),
-        "pending":    (200, 200, 200, 200, 200, 404),
-        "resolve":    (200, 200, 200, 409, 409, 404),
+        "get":        (200, 200, 200, 200, 200, 404, 200),
+        "rename":     (200, 200, 200, 409, 409, 404, 200),
+        "delete":     (200, 200, 200, 200, 200, 404, 200),
+        "transcript": (200, 200, 200, 200, 200, 404, 200),
+        "messages":   (200, 200, 200, 200, 200, 404, 200),
+        "log-turn":   (409, 409, 201, 409, 409, 201, 409),
+        "pending":    (200, 200, 200, 200, 200, 404, 200),
+        "resolve":    (200, 200, 200, 409, 409, 404, 200),
     },
     "owner-token": {
-        "get":        (200, 404, 404, 404, 200, 404),
-        "rename":     (200, 404, 404, 404, 409, 404),
-        "delete":     (200, 404, 404, 404, 200, 404),
-        "transcript": (200, 404, 404, 404, 200, 404),
-        "messages":   (200, 404, 404, 404, 200, 404),
-        "log-turn":   (201, 404, 404, 404, 409, 201),
-        "pending":    (200, 404, 404, 404, 200, 404),
-        "resolve":    (200, 404, 404, 404, 409, 404),
+        "get":        (200, 404, 404, 404, 200, 404, 200),
+        "rename":     (200, 404, 404, 404, 409, 404, 409),
+        "delete":     (200, 404, 404, 404, 200, 404, 200),
+        "transcript": (200, 404, 404, 404, 200, 404, 200),
+        "messages":   (200, 404, 404, 404, 200, 404, 200),
+        "log-turn":   (201, 404, 404, 404, 409, 201, 409),
+        "pending":    (200, 404, 404, 404, 200, 404, 200),
+        "resolve":    (200, 404, 404, 404, 409, 404, 409),
     },
     "another-token": {  # MALLORY's token: owns none of these
-        "get":        (404, 404, 404, 404, 404, 404),
-        "rename":     (404, 404, 404, 404, 404, 404),
-        "delete":     (404, 404, 404, 404, 404, 404),
-        "transcript": (404, 404, 404, 404, 404, 404),
-        "messages":   (404, 404, 404, 404, 404, 404),
-        "log-turn":   (404, 404, 404, 404, 404, 201),
-        "pending":    (404, 404, 404, 404, 404, 404),
-        "resolve":    (404, 404, 404, 404, 404, 404),
+        "get":        (404, 404, 404, 404, 404, 404, 404),
+        "rename":     (404, 404, 404, 404, 404, 404, 404),
+        "delete":     (404, 404, 404, 404, 404, 404, 404),
+        "transcript": (404, 404, 404, 404, 404, 404, 404),
+        "messages":   (404, 404, 404, 404, 404, 404, 404),
+        "log-turn":   (404, 404, 404, 404, 404, 201, 404),
+        "pending":    (404, 404, 404, 404, 404, 404, 404),
+        "resolve":    (404, 404, 404, 404, 404, 404, 404),
     },
 }  # fmt: skip
 
@@ -91,12 +96,13 @@ def conversation_id(state: str) -> str:
 
 async def seed_states(api: Served) -> None:
     logger = api.store.logger
-    owners = {"mine": OWNER, "another": OTHER, "unowned": None}
+    owners = {"mine": OWNER, "another": OTHER, "unowned": None, "legacy-mine-beside": OTHER}
     for state, owner in owners.items():
         await logger.log_messages(
             conversation_id(state), hitl_turn(f"req-{state}"), user_id=owner, turn_id="t-1"
         )
-    for state, owner in (("legacy-another", OTHER), ("legacy-mine", OWNER)):
+    legacy_owners = (("legacy-another", OTHER), ("legacy-mine", OWNER))
+    for state, owner in (*legacy_owners, ("legacy-mine-beside", OWNER)):
         await api.db[LEGACY_TURNS].insert_one(
             {
                 "_id": f"legacy-{state}",
@@ -177,6 +183,7 @@ async def test_each_caller_gets_the_status_the_ownership_model_gives(
             assert await digests(api.db, excluding=target) == others, "another conversation changed"
         if caller == "another-token" or (caller == "owner-token" and "another" in state):
             assert "secret of the legacy owner" not in response.text
+        if caller.endswith("-token") and column not in ("mine", "absent"):
             assert "Please pay the invoice" not in response.text
 
 
@@ -502,3 +509,51 @@ async def test_naming_an_owner_hands_them_a_turn_still_being_written_too(
         await backend.db[MESSAGES].find({"conversation_id": "c-up"}).sort("seq", 1).to_list(None)
     )
     assert [(m["content"], m["user_id"]) for m in stored] == [("first", OWNER), ("second", OWNER)]
+
+
+def writes_of_a_user(target: str) -> dict[str, tuple[str, str, dict[str, Any]]]:
+    """A user token's writes that name `target`: a turn, a delivery, a fork of it, a fork
+    into it (from a conversation of her own, `conv-own`)."""
+    url = f"/v1/conversations/{target}"
+    steer = {"message": {"role": "user", "content": "steer"}}
+    return {
+        "turn": ("POST", f"{url}/turns", said("hi", "t-new")),
+        "delivery": ("POST", f"{url}/turns/run-1/inbox/messages", steer),
+        "fork from": ("POST", f"{url}/forks", {"at_seq": 0, "new_conversation_id": "conv-fk"}),
+        "fork into": (
+            "POST", "/v1/conversations/conv-own/forks", {"at_seq": 0, "new_conversation_id": target}
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("holder", [MALLORY, None], ids=["another user's", "unowned"])
+async def test_a_users_writes_to_her_legacy_id_answer_alike_whoever_holds_a_conversation_there(
+    backend: Backend, holder: str | None
+) -> None:
+    """OWNER's legacy turns under an id where another user (or a service, unowned) holds a
+    conversation: to her token that conversation is as if absent, so each of her writes is
+    refused as under an id her legacy turns alone hold (409 not migrated yet, or exists
+    already for a fork into it), never told apart by the other conversation; nothing written."""
+    async with serve(backend.db, seeded=False) as api:
+        await api.store.logger.ensure_indexes()
+        await api.store.logger.log_messages("conv-beside", hitl_turn("r"), user_id=holder)
+        await api.store.logger.log_messages("conv-own", hitl_turn("r"), user_id=OWNER)
+        for target in ("conv-alone", "conv-beside"):
+            await api.db[LEGACY_TURNS].insert_one(
+                {"_id": f"late-{target}", "conversation_id": target, "user_id": OWNER,
+                 "user_message": "mine", "response_parts": [{"type": "text", "content": "ok"}]}
+            )  # fmt: skip
+        before = await digests(api.db)
+        owner = auth_headers(user=OWNER)
+
+        answers = {}
+        for target in ("conv-alone", "conv-beside"):
+            for write, (method, url, body) in writes_of_a_user(target).items():
+                answer = await api.http.request(method, url, json=body, headers=owner)
+                answers[write, target] = (answer.status_code, answer.json()["error"]["message"])
+
+        for write in writes_of_a_user(""):
+            alone, beside = answers[write, "conv-alone"], answers[write, "conv-beside"]
+            assert beside == (alone[0], alone[1].replace("conv-alone", "conv-beside")), write
+            assert alone[0] == 409, write
+        assert await digests(api.db) == before

@@ -319,6 +319,60 @@ async def test_message_pages_walk_the_transcript_in_both_orders(store: Conversat
     assert [m.seq for m in older.data] == [8, 7, 6]
 
 
+def started_again_after(
+    monkeypatch: pytest.MonkeyPatch, read: str, db: Any, conversation_id: str
+) -> None:
+    """Once `ConversationStore.<read>` returns, the conversation is deleted and started again
+    under its id, by another user, with turns of other ids: between a read's two steps."""
+    original = getattr(ConversationStore, read)
+
+    async def then_started_again(self: ConversationStore, *args: Any, **kwargs: Any) -> Any:
+        done = await original(self, *args, **kwargs)
+        monkeypatch.setattr(ConversationStore, read, original)
+        await ConversationStore(db).delete(conversation_id)
+        logger = AgentMessageLogger(db)
+        for n in range(3):
+            said = [{"role": "user", "content": f"new {n}"}, {"role": "assistant", "content": "ok"}]
+            await logger.log_messages(conversation_id, said, user_id="bob", turn_id=f"new-{n}")
+        return done
+
+    monkeypatch.setattr(ConversationStore, read, then_started_again)
+
+
+@pytest.mark.parametrize("order", ["asc", "desc"])
+async def test_a_page_after_a_message_of_a_conversation_deleted_and_started_again_is_refused(
+    store: ConversationStore, backend: Backend, monkeypatch: pytest.MonkeyPatch, order: str
+) -> None:
+    """A cursor of one conversation pages on in no other started under its id since: its
+    message found, then the page read of the new conversation (deleted and started again
+    between the two reads), is InvalidInput naming the cursor, never a page of the new one."""
+    first = await store.messages_page(CID, limit=2, order=order)  # type: ignore[arg-type]
+    started_again_after(monkeypatch, "_seq_of", backend.db, CID)
+
+    with pytest.raises(InvalidInput, match=re.escape(f"message {first.last_id!r} is of a")):
+        await store.messages_page(CID, after=first.last_id, limit=2, order=order)  # type: ignore[arg-type]
+
+    fresh = await store.messages_page(CID, limit=2)
+    assert [m.content for m in fresh.data] == ["new 0", "ok"]
+
+
+async def test_over_http_such_a_cursor_is_422_naming_it(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with serve(backend.db) as api:
+        url = f"/v1/conversations/{CID}/messages"
+        first = (await api.http.get(url, params={"limit": 2}, headers=auth_headers())).json()
+        started_again_after(monkeypatch, "_seq_of", api.db, CID)
+
+        page = await api.http.get(
+            url, params={"limit": 2, "after": first["last_id"]}, headers=auth_headers()
+        )
+
+        assert (page.status_code, page.json()["error"]["code"]) == (422, "invalid_input")
+        assert "deleted since" in page.json()["error"]["message"]
+        assert "new 0" not in page.text
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [

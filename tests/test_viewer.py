@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from agent_store import ConversationStore
 from agent_store.store import HIDDEN_CHARACTERS
 from app.auth import Authenticator
 from app.presentation import PRETTY_DEPTH, hidden_shown, legacy_turn_view, pretty_json
@@ -186,6 +187,35 @@ async def test_the_legacy_page_shows_old_turns_beside_the_messages(api: Served) 
         "Unknown part type &#39;sticker&#39;",
     ):
         assert text in page.text, text
+
+
+async def test_a_transcript_page_shows_one_conversation_when_its_id_is_started_again_meanwhile(
+    api: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The conversation deleted and started again by another user between the page's read of
+    the conversation and its read of the messages: the page is one conversation's, the new
+    one's whole (its owner and messages), never the deleted one's header over the new one's
+    messages."""
+    await sign_in(api.http)
+    original = ConversationStore.stored_conversation
+
+    async def then_started_again(self: ConversationStore, *args: Any, **kwargs: Any) -> Any:
+        read = await original(self, *args, **kwargs)
+        monkeypatch.setattr(ConversationStore, "stored_conversation", original)
+        await api.store.conversations.delete(OWNER_CONVERSATION)
+        said = [{"role": "user", "content": "L2 question"}]
+        await api.store.logger.log_messages(OWNER_CONVERSATION, said, user_id="user-grace")
+        return read
+
+    monkeypatch.setattr(ConversationStore, "stored_conversation", then_started_again)
+
+    page = await api.http.get(f"/viewer/conversations/{OWNER_CONVERSATION}")
+
+    assert page.status_code == 200
+    assert "L2 question" in page.text
+    assert "user-grace" in page.text
+    assert OWNER not in page.text
+    assert "ADA LOVELACE" not in page.text
 
 
 async def test_a_missing_conversation_is_a_readable_404_page(api: Served) -> None:

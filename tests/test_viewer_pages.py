@@ -175,6 +175,29 @@ async def test_continue_from_here_forks_the_conversation_at_that_message(api: Se
     assert seqs(shown.text) == [0, 1, 2, 3]
 
 
+async def test_continue_from_here_forks_no_conversation_started_again_under_the_id_since(
+    api: Served,
+) -> None:
+    """A form rendered from one conversation, sent once it was deleted and another started
+    under its id (another user's): refused as the page's conversation is no longer there
+    (412, read the page again); nothing forked from the new one."""
+    page = await api.http.get(f"/viewer/conversations/{OWNER_CONVERSATION}")
+    form = fork_form(page.text, 3)
+    await api.store.conversations.delete(OWNER_CONVERSATION)
+    for n in range(3):
+        said = [{"role": "user", "content": f"L2 {n}"}, {"role": "assistant", "content": "ok"}]
+        await api.store.logger.log_messages(OWNER_CONVERSATION, said, user_id=OTHER_USER_ID)
+
+    refused = await api.http.post(
+        f"/viewer/conversations/{OWNER_CONVERSATION}/forks", data=form, headers=SAME_ORIGIN
+    )
+
+    assert refused.status_code == 412, refused.text
+    assert "started again" in refused.text
+    forks = {"forked_from.conversation_id": OWNER_CONVERSATION}
+    assert await api.db[CONVERSATIONS].count_documents(forks) == 0
+
+
 async def test_a_resubmitted_continue_from_here_retries_the_same_fork(
     api: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -166,6 +166,7 @@ from agent_store.store._reservation import (
     reservation_filter,
     same_as_read,
     same_conversation,
+    seen_by_caller,
     unfinished_fork,
     updated_at_left,
 )
@@ -1109,6 +1110,7 @@ class AgentMessageLogger:
         *,
         user_id: str | None = None,
         owner_only: bool = False,
+        version: str | None = None,
     ) -> LoggedTurn:
         """Start `new_conversation_id` with copies of the messages up to `at_seq`.
 
@@ -1131,12 +1133,15 @@ class AgentMessageLogger:
         short is finished by a retry, whatever stands under the source's id since
         (`_finish_taking_back`). A fork whose owner's account is claimed after it read its
         source is the new owner's once both answered: its check moves it with its source
-        (`_with_its_source`), where the claim did not see it.
+        (`_with_its_source`), where the claim did not see it. With `version`
+        (`Conversation.version`: the source as its caller read it, a page's), a source deleted
+        and started again under its id since is VersionMismatch, nothing written.
         """
         conversation_id = validate_identifier(conversation_id, "conversation_id")
         actor = Actor(user_id, owner_only)
+        once = partial(self._fork_once, version=version)
         try:
-            return await self._fork_once(conversation_id, at_seq, new_conversation_id, actor)
+            return await once(conversation_id, at_seq, new_conversation_id, actor)
         except PoppedWhileForked:
             pass  # taken back: made as a fresh fork would be now
         except (InvalidInput, Conflict) as refused:
@@ -1145,14 +1150,20 @@ class AgentMessageLogger:
             )
         except BeingDeleted as refused:
             await self._finish_taking_back(conversation_id, new_conversation_id, actor, refused)
-        return await self._fork_once(conversation_id, at_seq, new_conversation_id, actor)
+        return await once(conversation_id, at_seq, new_conversation_id, actor)
 
     async def _fork_once(
-        self, conversation_id: str, at_seq: int, new_conversation_id: str, actor: Actor
+        self,
+        conversation_id: str,
+        at_seq: int,
+        new_conversation_id: str,
+        actor: Actor,
+        *,
+        version: str | None = None,
     ) -> LoggedTurn:
         """One attempt of `fork`, its source's id validated."""
         try:
-            source, read = await self._fork_source(conversation_id, actor, at_seq)
+            source, read = await self._fork_source(conversation_id, actor, at_seq, version)
         except NotFound:
             await self._settle_earlier_attempt(conversation_id, new_conversation_id, actor)
             raise
@@ -1641,12 +1652,13 @@ class AgentMessageLogger:
             )
 
     async def _fork_source(
-        self, conversation_id: str, actor: Actor, at_seq: int
+        self, conversation_id: str, actor: Actor, at_seq: int, version: str | None
     ) -> tuple[dict[str, Any], ForkRead]:
         """The conversation a fork copies (owner, next `seq`, what it awaits) and what a fork
         at `at_seq` reads of its messages as stored (`read_fork`: those it copies, and never
         much more than it may). NotFound before any message is read when the conversation is
-        missing or hidden from `actor`, so both cost the same."""
+        missing or hidden from `actor`, so both cost the same; VersionMismatch when it is not
+        the one `version` names (started again under the id since)."""
         with storage_errors("read the conversation"):
             source = await self._conversations.find_one(
                 {"_id": conversation_id},
@@ -1670,14 +1682,21 @@ class AgentMessageLogger:
                 },
             )
             # Legacy turns not migrated yet (or still being migrated, `MIGRATING`): refused
-            # as any write to them.
-            if source is None or source.get(MIGRATING) is not None:
+            # as any write to them, also beside a conversation the caller sees none of.
+            seen = _seen_by(actor, source)
+            if seen is None or seen.get(MIGRATING) is not None:
                 await self._refuse_unmigrated(conversation_id, actor, "forked")
             # A source being deleted (or whose delete failed part-way), or a fork not made yet
             # (`STANDING`), is no conversation to forks either.
             hidden = source is None or not is_standing(source)
             if hidden or actor.refusal(conversation_id, source.get("user_id")):
                 raise NotFound(f"conversation {conversation_id!r} was not found")
+            if version is not None and life_named(conversation_id, source, version) is None:
+                raise VersionMismatch(
+                    f"conversation {conversation_id!r} is not the one named: it was deleted "
+                    "and started again since that version was read; nothing was forked (read "
+                    "it again to see what is there now)"
+                )
             own = _own_messages(conversation_id, source)
             count = int(source.get("message_count") or 0)
             read = await read_fork(
@@ -1816,8 +1835,9 @@ class AgentMessageLogger:
         dropped (and `complete`: not proved new already), that of its first message stored,
         looked up as past the kept records (`_block_of_an_old_turn`: on that path only),
         however many turns came in between. A new turn's condition is the caller's to decide."""
-        if found is None:
+        if _seen_by(actor, found) is None:  # none, or one as if none
             await self._refuse_unmigrated(plan.conversation_id, actor, condition=condition)
+        if found is None:
             if condition is not None and not condition.create:
                 raise _absent(plan.conversation_id, actor, condition)
             _refuse_derived(plan.conversation_id, actor)
@@ -3897,6 +3917,17 @@ def _held(
     if another_owners:
         return _OwnedElsewhere(condition.refusal.message)
     return condition.refusal
+
+
+def _seen_by(actor: Actor, found: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """Of the conversation document a write found under an id (read whole, or with
+    `UNSTANDING_READ`), what `actor` sees, as a read sees it (`seen_by_caller`): to a user
+    token another owner's conversation, or an unowned one, is none, as when no document is
+    there, so a write of hers is refused as one finding none (her legacy turns under the id:
+    409 not migrated yet, `_refuse_unmigrated`; else NotFound) and never tells that another
+    conversation holds the id. One a delete marked or a fork not made yet is seen by all."""
+    hidden = found is not None and actor.as_user and not actor.owns(found)
+    return seen_by_caller(found, found is not None and not hidden)
 
 
 def _refused_turn(plan: TurnPlan) -> str:

@@ -52,6 +52,7 @@ from agent_store.core import (
     message_adapter,
     messages_adapter,
     shown,
+    to_utc_millis,
     utc_now,
 )
 from agent_store.store._blobs import FullTextStore, parts_by_whole_text
@@ -392,6 +393,31 @@ def _scoped(found: Mapping[str, Any] | None, user_id: str | None) -> Mapping[str
     (any, for None) sees (`seen_by_caller`)."""
     owned = found is not None and user_id in (None, found.get("user_id"))
     return seen_by_caller(found, owned)
+
+
+def _another_life(
+    found: Mapping[str, Any], epoch: str | None, created_at: datetime | None = None
+) -> bool:
+    """Whether the conversation document `found` with the messages read (`_in_scope`) is
+    another life of its id than the one a caller read before: the one of this `epoch` (a
+    cursor message's, a conversation's), or, read before it had one, created at `created_at`;
+    False when neither is known (a message stored before epochs: any life may hold it)."""
+    if epoch is not None:
+        return found.get("epoch") != epoch
+    created = found.get("created_at")
+    if created_at is None:
+        return False
+    return not isinstance(created, datetime) or to_utc_millis(created) != to_utc_millis(created_at)
+
+
+def _cursor_of_another_life(conversation_id: str, after: str) -> InvalidInput:
+    """The refusal of a page whose cursor `after` was found in a conversation deleted since,
+    the one under the id now another started again (`_another_life`)."""
+    return InvalidInput(
+        f"invalid after: message {after!r} is of a conversation deleted since, and "
+        f"conversation {conversation_id!r} is another one started again under its id: read it "
+        "from its start (without after)"
+    )
 
 
 def _read_on_from(conversation: Mapping[str, Any], message_id: str) -> int | None:
@@ -1230,6 +1256,7 @@ class ConversationStore:
         stop: int | None = None,
         limit: int | None = None,
         user_id: str | None = None,
+        life: Conversation | None = None,
     ) -> list[AgentMessage]:
         """The stored messages with `start <= seq < stop` (to the end without `stop`), by `seq`;
         the first `limit` of them when given (a page of a long transcript).
@@ -1238,6 +1265,8 @@ class ConversationStore:
         read at once (none for one that does not exist or is no conversation, `_its_messages`),
         for callers that keep a position in the transcript (the LangGraph checkpointer). A `seq`
         reserved but not stored is simply absent. No legacy fallback: legacy turns have no `seq`.
+        With `life` (the conversation as read before, a page's header), its messages only:
+        NotFound when that conversation is gone, deleted, or started again under the id since.
         """
         if start < 0 or (stop is not None and stop < start):
             raise InvalidInput(f"invalid seq range {start}..{stop}: need 0 <= start <= stop")
@@ -1257,7 +1286,7 @@ class ConversationStore:
             found = found.limit(limit)
         read = partial(found.to_list, None)
         docs = await self._of_standing(
-            conversation_id, user_id, read, "read messages", absent_is_empty=True
+            conversation_id, user_id, read, "read messages", absent_is_empty=True, life=life
         )
         return messages_adapter.validate_python(docs or [])
 
@@ -1268,6 +1297,7 @@ class ConversationStore:
         *,
         before_seq: int,
         user_id: str | None = None,
+        life: Conversation | None = None,
     ) -> list[AgentMessage]:
         """The stored messages below `before_seq` that pair the tool results of a page
         starting there with their calls as the whole transcript pairs them (`calls_answered`
@@ -1282,8 +1312,9 @@ class ConversationStore:
         trip unless more such messages lie between the page and the calls its results take
         (an id whose every earlier call is answered is read down to its first), the
         conversation document read with the first (`_of_standing`: none of one that is no
-        conversation); none for no ids. No legacy fallback: a conversation not migrated yet is
-        read whole.
+        conversation; with `life`, NotFound when that one is no longer under the id, as
+        `messages_by_seq`); none for no ids. No legacy fallback: a conversation not migrated yet
+        is read whole.
         """
         if isinstance(before_seq, bool) or not isinstance(before_seq, int) or before_seq < 0:
             raise InvalidInput(f"invalid before_seq {before_seq!r}: it must be a seq, 0 or more")
@@ -1300,7 +1331,9 @@ class ConversationStore:
         validated: dict[Any, AgentMessage] = {}
         read = partial(self._paired_calls, scope, needed, before_seq, validated)
         step = "read the calls before a page"
-        docs = await self._of_standing(conversation_id, user_id, read, step, absent_is_empty=True)
+        docs = await self._of_standing(
+            conversation_id, user_id, read, step, absent_is_empty=True, life=life
+        )
         return [validated[doc["_id"]] for doc in docs or ()]
 
     async def _paired_calls(
@@ -1350,9 +1383,10 @@ class ConversationStore:
         }
         if user_id is not None:
             query["user_id"] = validate_identifier(user_id, "user_id")
+        cursor_epoch = None
         if after is not None:
             try:
-                seq, removed = await self._seq_of(after, query)
+                seq, removed, cursor_epoch = await self._seq_of(after, query)
             except InvalidInput as unknown:
                 return await self._page_after_unknown(conversation_id, after, limit, order,
                                                       user_id, unknown)  # fmt: skip
@@ -1360,7 +1394,10 @@ class ConversationStore:
         page = partial(_bounded_page, self._messages, query, None, *_by_seq(order), limit)
         with storage_errors("read messages"):
             (read, has_more), found = await _at_once(page, partial(self._in_scope, conversation_id))
-        docs = _its_messages(conversation_id, _scoped(found, user_id), read)
+        seen = _scoped(found, user_id)
+        docs = _its_messages(conversation_id, seen, read)
+        if docs is not None and seen is not None and _another_life(seen, cursor_epoch):
+            raise _cursor_of_another_life(conversation_id, str(after))
         if docs is None:  # not migrated yet (no document, or one being migrated), or none
             legacy = await self._legacy_page(conversation_id, after, limit, order, user_id)
             if legacy is not None:
@@ -1419,14 +1456,24 @@ class ConversationStore:
         step: str,
         *,
         absent_is_empty: bool = False,
+        life: Conversation | None = None,
     ) -> list[dict[str, Any]] | None:
         """The messages `read` reads, read at once with the conversation document in the
         caller's scope (two commands, one wait), as that document serves them
         (`_its_messages`): NotFound for one that is no conversation, None for none; with
-        `absent_is_empty`, none for either, as for a conversation that does not exist."""
+        `absent_is_empty`, none for either, as for a conversation that does not exist. With
+        `life` (the conversation as the caller read it before), NotFound unless the document
+        is that conversation still (`_another_life`), so no read pairs one conversation's
+        summary with the messages of another started under its id since."""
         with storage_errors(step):
             docs, found = await _at_once(read, partial(self._in_scope, conversation_id))
         found = _scoped(found, user_id)
+        if life is not None and (
+            found is None
+            or not is_standing(found)
+            or _another_life(found, life.epoch, life.created_at)
+        ):
+            raise NotFound(f"conversation {conversation_id!r} was not found")
         if absent_is_empty and (found is None or not is_standing(found)):
             return []
         return _its_messages(conversation_id, found, docs)
@@ -1526,11 +1573,13 @@ class ConversationStore:
             )
         return found is not None
 
-    async def _seq_of(self, message_id: str, query: dict[str, Any]) -> tuple[int, bool]:
-        """The `seq` of the message `message_id` of the conversation `query` names, and whether
+    async def _seq_of(self, message_id: str, query: dict[str, Any]) -> tuple[int, bool, str | None]:
+        """The `seq` of the message `message_id` of the conversation `query` names, whether
         a pop removed it (one more lookup, of the conversation's `popped_messages` and its
         pop under way, only when it is not stored; one older than the newest
-        `POPPED_MESSAGES_KEPT` is InvalidInput).
+        `POPPED_MESSAGES_KEPT` is InvalidInput), and the `epoch` of the life it was stored in
+        (None when it is not stored, or was stored before epochs), which the page read after
+        it must be of (`_another_life`).
 
         A pop under way (its mark, `popping`, names the message and its `seq`) counts as its
         record: its message is deleted before the update that lists it in `popped_messages`
@@ -1544,9 +1593,10 @@ class ConversationStore:
         turn regenerated whole: its answer popped, then its question)."""
         message_id = validate_identifier(message_id, "after")
         with storage_errors("find the cursor message"):
-            doc = await self._messages.find_one({"_id": message_id, **query}, {"seq": 1})
+            read = {"seq": 1, "epoch": 1}
+            doc = await self._messages.find_one({"_id": message_id, **query}, read)
             if doc is not None:
-                return int(doc["seq"]), False
+                return int(doc["seq"]), False, doc.get("epoch")
             scope: dict[str, Any] = {
                 "_id": query["conversation_id"],
                 "$or": [{"popped_messages.i": message_id}, {"popping.message_id": message_id}],
@@ -1559,7 +1609,7 @@ class ConversationStore:
         seq = _read_on_from(conversation or {}, message_id)
         if seq is None:
             raise InvalidInput(f"invalid after: message {message_id!r} is not in this conversation")
-        return seq, True
+        return seq, True, None
 
     # -- human in the loop -----------------------------------------------------------
 
