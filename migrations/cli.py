@@ -107,10 +107,12 @@ def cmd_status(db: Database[dict[str, Any]], args: argparse.Namespace) -> int:
     state = db[lease.STATE].find_one({"_id": lease.STATE_ID})
     if state:
         done = state.get("done") or {}
+        late = len(state.get(relocate.LATE) or [])
         where = (
             "complete"
             if state.get("complete")
             else f"{len(done)} of {len(state.get('ranges') or [None])} id ranges under way"
+            + (f", {late} conversations of turns moved aside since to migrate" if late else "")
         )
         if state.get("complete") and in_place:
             where = (
@@ -192,7 +194,9 @@ def _source(
     (`explode.prove_lease`); where to read them from then (`relocate.turns_at`), and where
     else the removal of conversations no legacy turn makes reads them (a dry run's:
     `_planned_at`). `args.conversation` becomes the legacy id it names
-    (`explode.conversation_named`).
+    (`explode.conversation_named`). A move while an earlier run's ranges stand unfinished
+    records the conversations of the turns it moves, for the run resuming them to migrate
+    whatever its checkpoints (`relocate.LATE`).
     A legacy collection moved aside and standing empty was emptied by the turns' owners (a
     killed run may have left messages of a conversation deleted meanwhile): the run goes on
     to its last step, which removes them (`abandoned.remove`); with none anywhere there is no
@@ -201,11 +205,13 @@ def _source(
     if args.dry_run:
         source, also = _planned_at(db)
     else:
+        state = db[lease.STATE].find_one({"_id": lease.STATE_ID}) or {}
         moved = relocate.relocate(
             db,
             batch_size=max(args.batch_size, 100),
             fence=lambda: explode.prove_lease(db, held),
             write_state=None if held is None else held.write_state,
+            late=explode.ranges_unfinished(state),
         )
         if moved.how in ("renamed", "copied"):
             dual_writes.record_move(db, held)
@@ -264,6 +270,11 @@ def _explode(
         print(
             f"resuming where the last run stopped in each of {len(after.starts)} ranges of ids "
             "(pass --restart to start over)"
+        )
+    if run.late:
+        print(
+            f"  first: {len(run.late)} conversations whose turns were moved aside after the "
+            "ranges were cut (an old-service writer logging after the move)"
         )
     ranges = run.plan(after)
     progress = Progress(run.total(ranges), "conversations", args.progress)

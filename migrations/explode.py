@@ -81,7 +81,7 @@ from migrations.errors import Misuse
 from migrations.keys import id_key, identity
 from migrations.lease import STATE, STATE_ID, Lease
 from migrations.order import Ranges, plan_ranges, range_ids, spread_ids
-from migrations.relocate import TURN_FILTER, held_back, turns_at
+from migrations.relocate import LATE, LATE_OVERFLOW, TURN_FILTER, held_back, turns_at
 from migrations.writes import ALREADY_LIVE, Converted
 
 LEGACY_FILTER: dict[str, Any] = TURN_FILTER
@@ -694,6 +694,12 @@ def _told_apart(db: Database[dict[str, Any]], source: str) -> Unnamed:
     return tell_apart(db[source].find(names_none("conversation_id"), NAMING_FIELDS))
 
 
+def ranges_unfinished(state: Mapping[str, Any]) -> bool:
+    """Whether the migration's state holds ranges of ids a run stopped in, for the next run
+    to resume."""
+    return not state.get("complete", True) and "ranges" in state
+
+
 class Explosion:
     """One run of the migration."""
 
@@ -732,6 +738,10 @@ class Explosion:
         self.held_back = held_back(db)
         """The conversations documents no run reads hold back (`relocate.held_back`): read,
         counted, and left as they are, nothing of them planned, written or recorded."""
+        self.late: dict[bytes, Any] = {}
+        """The conversations a resumed run migrates first, whatever its checkpoints, by
+        `id_key`: those a move made since its ranges were cut brought turns of
+        (`relocate.LATE`), each taken off once migrated."""
 
     # -- the run record ------------------------------------------------------------------
 
@@ -755,12 +765,17 @@ class Explosion:
         )
 
     def resume_point(self) -> Ranges | None:
-        """Where an unfinished earlier run stopped: its ranges and the last id done in each."""
+        """Where an unfinished earlier run stopped: its ranges and the last id done in each,
+        and the conversations moves made since brought turns of (`late`), which may sort
+        before a checkpoint. None when a move since brought in too many to list, or every
+        turn at once (`relocate.LATE_OVERFLOW`): the run cuts new ranges, reaching every
+        id."""
         if self.options.restart or self.options.conversation is not None:
             return None
         state = self.db[STATE].find_one({"_id": STATE_ID}) or {}
-        if state.get("complete", True) or "ranges" not in state:
+        if not ranges_unfinished(state) or state.get(LATE_OVERFLOW):
             return None
+        self.late = {id_key(cid): cid for cid in state.get(LATE) or []}
         done, kinds = dict(state.get("done") or {}), dict(state.get("kinds") or {})
         return Ranges(list(state["ranges"]), done, kinds)
 
@@ -779,7 +794,12 @@ class Explosion:
             "kinds": ranges.kinds,
             "complete": complete,
         }
-        update = {"$set": {**checkpoint, "run_id": self.run_id}}
+        # The conversations owed whatever the checkpoints (`late`): a new cut owes none.
+        owed = {LATE: list(self.late.values())} if self.late else {}
+        update: dict[str, Any] = {
+            "$set": {**checkpoint, **owed, "run_id": self.run_id},
+            "$unset": {LATE_OVERFLOW: ""} | ({} if self.late else {LATE: ""}),
+        }
         if self.lease is None:
             self.db[STATE].update_one({"_id": STATE_ID}, update, upsert=True)
         else:
@@ -797,7 +817,7 @@ class Explosion:
         """How many conversations this run has to go through."""
         if self.options.conversation is not None:
             return 1
-        total = sum(1 for _ in spread_ids(self.db, self.source, LEGACY_FILTER, ranges))
+        total = sum(1 for _ in self._every_id(ranges))
         if self.options.limit is not None:
             total = min(total, self.options.limit)
         return total
@@ -807,27 +827,39 @@ class Explosion:
         order (`order.range_ids`)."""
         if self.options.conversation is not None:
             return iter([(-1, "", self.options.conversation)])
-        ids = spread_ids(self.db, self.source, LEGACY_FILTER, ranges)
+        ids = self._every_id(ranges)
         if self.options.limit is None:
             return ids
         limit = self.options.limit
         return (pair for n, pair in enumerate(ids) if n < limit)
 
+    def _every_id(self, ranges: Ranges) -> Iterator[tuple[int, str, Any]]:
+        """The conversations owed whatever the checkpoints (`late`, range -1), then those
+        past them (`order.spread_ids`)."""
+        yield from ((-1, "", cid) for cid in list(self.late.values()))
+        yield from spread_ids(self.db, self.source, LEGACY_FILTER, ranges)
+
     def run(self, ranges: Ranges) -> Counts:
         """Migrate every conversation not done yet, batch by batch, checkpointing each."""
         self._record("running", checkpoint_at_start=dict(ranges.done))
         try:
+            first: set[bytes] = set()  # owed ones migrated, which their range passes over
             for pairs in batches(self.ids(ranges), self.options.batch_size):
-                self.batch([conversation_id for *_, conversation_id in pairs])
+                todo = [cid for n, _, cid in pairs if n < 0 or id_key(cid) not in first]
+                if todo:
+                    self.batch(todo)
                 for index, kind, conversation_id in pairs:
                     if index >= 0:
                         ranges.mark(index, kind, conversation_id)
+                    elif self.late.pop(id_key(conversation_id), None) is not None:
+                        first.add(id_key(conversation_id))
                 self._checkpoint(ranges, complete=False)
                 self._record("running", checkpoint=dict(ranges.done))
                 if self.on_batch is not None:
                     self.on_batch(len(pairs), self.counts.turns)
             exhausted = self.options.conversation is not None or (
-                next(spread_ids(self.db, self.source, LEGACY_FILTER, ranges), None) is None
+                not self.late
+                and next(spread_ids(self.db, self.source, LEGACY_FILTER, ranges), None) is None
             )
             if exhausted and self.options.conversation is None and self.after_all is not None:
                 self.fence()  # the last step removes: only while the lock is held

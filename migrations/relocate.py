@@ -12,13 +12,18 @@ recorded in the migration's state while it goes on (`COPYING`), so a copy killed
 is told apart from a collection a rollback left standing (`refuse_leftover`): before each
 batch's writes, the copy adds that batch's `_id`s to those recorded (`IN_FLIGHT`), and
 takes them out once the batch's delete returned: the only turns killed copies leave in both
-collections, whatever batch sizes a resumed copy takes.
+collections, whatever batch sizes a resumed copy takes. A move made while an earlier run's
+ranges of ids stand unfinished (`late`: the old service logged turns after that run's move)
+brings in turns whose ids may sort before a range's checkpoint, where the resuming run would
+never reach them: each copy batch records the conversations its turns name (`LATE`) in the
+same write, before its insert, for the run to migrate whatever its checkpoints.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import bson
@@ -36,7 +41,7 @@ from agent_store.legacy import (
 )
 from agent_store.store import CONVERSATIONS, only_duplicates
 from migrations.errors import MigrationError, WorkLeft
-from migrations.keys import identity
+from migrations.keys import id_key, identity
 
 _BAD_VALUE = 2
 """The server's code for a hint it does not know."""
@@ -48,6 +53,19 @@ IN_FLIGHT = "copying_batch"
 before its insert: a copy killed part-way leaves these turns, and no other, in both
 collections (inserted, not yet deleted)."""
 _OVERLAP_CHUNK = 1000
+LATE = "late_conversations"
+"""The field of the migration's state listing the conversation ids (as the turns hold them)
+of the turns a move brought in while an earlier run's ranges stood unfinished: a resumed run
+migrates them first, whatever its checkpoints, and a run's checkpoint keeps those it has not
+migrated yet; a run cutting new ranges reaches every id, and its first checkpoint clears the
+list."""
+LATE_OVERFLOW = "late_conversations_overflow"
+"""The field of the migration's state set, in place of `LATE`, when such a move brought in
+more conversations than `LATE_MAX`, or every turn at once (a rename): the next run cuts new
+ranges (starts over: a rerun is idempotent) instead of resuming."""
+LATE_MAX = 10_000
+"""The most conversations `LATE` lists (ids of up to a few hundred bytes each: the state is
+one document)."""
 
 CONVERSATION_FILTER: dict[str, Any] = {
     "$or": [{f: {"$exists": True}} for f in CONVERSATION_COUNTERS]
@@ -89,6 +107,39 @@ def held_back(db: Database[dict[str, Any]]) -> set[str]:
             except InvalidInput:  # an id no turn can be filed under: none is held by it
                 continue
     return held
+
+
+@dataclass
+class _Late:
+    """The conversations a move under unfinished ranges has recorded (`LATE`)."""
+
+    recorded: set[bytes] = field(default_factory=set)
+    listed: int = 0
+    """How many the state listed before this move."""
+    overflow: bool = False
+
+    def update(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
+        """The state's update recording the conversations of `batch`'s turns, written with
+        the batch's turns in flight (before its insert): none once it overflowed."""
+        if self.overflow:
+            return {}
+        named = {id_key(d.get("conversation_id")): d.get("conversation_id") for d in batch}
+        fresh = [cid for key, cid in named.items() if key not in self.recorded]
+        if self.listed + len(self.recorded) + len(fresh) > LATE_MAX:
+            self.overflow = True
+            return {"$set": {LATE_OVERFLOW: True}, "$unset": {LATE: ""}}
+        self.recorded |= named.keys()
+        return {"$addToSet": {LATE: {"$each": fresh}}} if fresh else {}
+
+
+def _late(db: Database[dict[str, Any]]) -> _Late:
+    state = db[MIGRATION_STATE].find_one({"_id": MIGRATION_STATE_ID}, {LATE: 1}) or {}
+    return _Late(listed=len(state.get(LATE) or []))
+
+
+def _merged(update: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """Two updates of distinct fields as one."""
+    return {op: {**update.get(op, {}), **more.get(op, {})} for op in {*update, *more}}
 
 
 @dataclass
@@ -202,6 +253,7 @@ def relocate(
     allow_rename: bool = True,
     fence: Callable[[], None] = lambda: None,
     write_state: Callable[[dict[str, Any]], None] | None = None,
+    late: bool = False,
 ) -> Relocation:
     """Move every turn document from `agent_conversations` to the deprecated collection.
 
@@ -211,7 +263,8 @@ def relocate(
     `write_state` updates the migration's state (the run's, fenced by its lease): a copy is
     recorded there (`COPYING`) before its first batch and cleared once every turn moved;
     with the deprecated collection a rollback left standing, nothing moves
-    (`refuse_leftover`)."""
+    (`refuse_leftover`). `late`: an earlier run's ranges stand unfinished; the conversations
+    of the turns moved are recorded for the run resuming them (`LATE`, `LATE_OVERFLOW`)."""
     source, target = db[CONVERSATIONS], db[LEGACY_TURNS]
     if not holds_turns(db, CONVERSATIONS):
         if holds_turns(db, LEGACY_TURNS):
@@ -226,6 +279,8 @@ def relocate(
         count = source.count_documents({})
         try:
             fence()
+            if late:  # every turn at once: the ranges are cut again
+                state({"$set": {LATE_OVERFLOW: True}})
             source.rename(LEGACY_TURNS)
             return Relocation("renamed", count)
         except OperationFailure as exc:
@@ -239,19 +294,28 @@ def relocate(
             else f"{LEGACY_TURNS} already exists; copying into it"
         )
     state({"$set": {COPYING: utc_now()}})
+    copy = functools.partial(
+        _copy_batch, source=source, target=target, progress=progress, fence=fence, state=state
+    )
+    moved = _copy_all(source, batch_size, functools.partial(copy, late=_late(db) if late else None))
+    state({"$unset": {COPYING: "", IN_FLIGHT: ""}})
+    return Relocation("copied", moved, reason)
+
+
+def _copy_all(source: Any, batch_size: int, copy: Callable[[list[dict[str, Any]]], int]) -> int:
+    """Copy the turns batch by batch (`copy`: `_copy_batch`); how many moved. One scan in
+    stored order: copied in that order, turns at the same time keep their order (a turn's time
+    ties are broken by it), and the scan never reads a document twice."""
     moved = 0
     batch: list[dict[str, Any]] = []
-    # One scan in stored order: copied in that order, turns at the same time keep their order
-    # (a turn's time ties are broken by it), and the scan never reads a document twice.
     for document in _in_stored_order(source, batch_size):
         batch.append(document)
         if len(batch) == batch_size:
-            moved += _copy_batch(batch, source, target, progress, fence, state)
+            moved += copy(batch)
             batch = []
     if batch:
-        moved += _copy_batch(batch, source, target, progress, fence, state)
-    state({"$unset": {COPYING: "", IN_FLIGHT: ""}})
-    return Relocation("copied", moved, reason)
+        moved += copy(batch)
+    return moved
 
 
 def _in_stored_order(source: Any, batch_size: int) -> Iterator[dict[str, Any]]:
@@ -276,16 +340,19 @@ def _copy_batch(
     progress: Callable[[int], None] | None,
     fence: Callable[[], None],
     state: Callable[[dict[str, Any]], None],
+    late: _Late | None = None,
 ) -> int:
     """Insert the batch into the target, check every document arrived, then delete it from
     the source; how many moved. A document a killed copy inserted already is accepted.
     `fence` first: the batch read may be stale (`relocate`); then the batch is added to the
     turns in flight (`IN_FLIGHT`), and taken out of them once its delete returned (two more
     writes a batch): turns of a killed copy's batch a resumed copy with a smaller batch has
-    not reached yet stay recorded, whatever it is killed at."""
+    not reached yet stay recorded, whatever it is killed at; with them, the conversations
+    the batch's turns name, when the move is `late`."""
     fence()
     ids = [doc["_id"] for doc in batch]
-    state({"$addToSet": {IN_FLIGHT: {"$each": ids}}})
+    in_flight = {"$addToSet": {IN_FLIGHT: {"$each": ids}}}
+    state(in_flight if late is None else _merged(in_flight, late.update(batch)))
     try:
         target.insert_many(batch, ordered=False)
     except BulkWriteError as exc:

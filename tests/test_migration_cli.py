@@ -587,9 +587,11 @@ def kill_the_first_copy_batch_after(monkeypatch: pytest.MonkeyPatch, step: str) 
     (`COPY_STEPS`)."""
     copy_batch = relocate._copy_batch
 
-    def killed(batch: Any, source: Any, target: Any, progress: Any, fence: Any, state: Any) -> int:
+    def killed(
+        batch: Any, source: Any, target: Any, progress: Any, fence: Any, state: Any, late: Any
+    ) -> int:
         source, target = _StepsOf(source, step), _StepsOf(target, step)
-        return copy_batch(batch, source, target, progress, fence, _StepsOf(state, step))
+        return copy_batch(batch, source, target, progress, fence, _StepsOf(state, step), late)
 
     monkeypatch.setattr(relocate, "_copy_batch", killed)
 
@@ -981,6 +983,106 @@ def test_a_run_resumed_slice_by_slice_reaches_ids_the_server_sorts_after_text(
 
     assert sorted(database[CONVERSATIONS].distinct("_id")) == ["1099511627776", "7", "s"]
     assert cli(wire_uri, database, "finish") == 0
+
+
+def numbered_turn(conversation_id: str, n: int) -> dict[str, Any]:
+    return {
+        "conversation_id": conversation_id,
+        "user_id": "u1",
+        "created_at": datetime(2024, 1, 1, tzinfo=UTC) + timedelta(minutes=n),
+        "user_message": f"question {n}",
+        "response_text": f"answer {n}",
+    }
+
+
+def stopped_run_then_late_turns(wire_uri: str, db: Database[dict[str, Any]], spread: str) -> None:
+    """A run stopped half-way (`--limit`), then an old-service writer logging a turn to a
+    conversation it migrated (`c-00`) and a new conversation (`c-00a`), both below every
+    checkpoint."""
+    db[CONVERSATIONS].insert_many([numbered_turn(f"c-{n:02d}", n) for n in range(12)])
+    assert cli(wire_uri, db, "run", "--limit", "6", "--batch-size", "2", "--spread", spread) == 0
+    assert db[CONVERSATIONS].find_one({"_id": "c-00"}) is not None
+    db[CONVERSATIONS].insert_many([numbered_turn("c-00", 20), numbered_turn("c-00a", 21)])
+
+
+@pytest.mark.wire
+@pytest.mark.parametrize("spread", ["16", "1"])
+def test_a_resumed_run_migrates_the_turns_its_move_brought_in_below_a_checkpoint(
+    wire_uri: str, database: Database[dict[str, Any]], spread: str
+) -> None:
+    """Turns an old-service writer logged after a stopped run's move sort anywhere: the run
+    resuming it moves them aside and migrates their conversations, whatever the checkpoints,
+    before it says the migration is complete."""
+    stopped_run_then_late_turns(wire_uri, database, spread)
+
+    assert cli(wire_uri, database, "run") == 0
+
+    assert database[CONVERSATIONS].find_one({"_id": "c-00a"}) is not None
+    assert database[MESSAGES].count_documents({"conversation_id": "c-00"}) == 4
+    state = database[lease.STATE].find_one({"_id": lease.STATE_ID}) or {}
+    assert state.get("complete") is True
+    assert cli(wire_uri, database, "verify") == 0
+
+
+@pytest.mark.wire
+def test_the_conversations_a_resumed_move_brought_in_stay_owed_until_a_run_migrates_them(
+    wire_uri: str, database: Database[dict[str, Any]]
+) -> None:
+    """A run stopped after such a move, before it migrated all they name, leaves them to the
+    next run (the move records them first), and says the migration is not complete."""
+    stopped_run_then_late_turns(wire_uri, database, "16")
+
+    assert cli(wire_uri, database, "run", "--limit", "1", "--batch-size", "1") == 0
+    state = database[lease.STATE].find_one({"_id": lease.STATE_ID}) or {}
+    assert state.get("complete") is False
+    assert cli(wire_uri, database, "run") == 0
+
+    assert database[CONVERSATIONS].find_one({"_id": "c-00a"}) is not None
+    assert database[MESSAGES].count_documents({"conversation_id": "c-00"}) == 4
+    assert cli(wire_uri, database, "verify") == 0
+
+
+def stopped_state(db: Database[dict[str, Any]]) -> None:
+    """The state of a run stopped in one range after `c-05`."""
+    stopped = {"ranges": [None], "done": {"0": "c-05"}, "kinds": {"0": "string"}}
+    db[lease.STATE].insert_one({"_id": lease.STATE_ID, **stopped, "complete": False})
+
+
+def test_a_move_bringing_in_more_conversations_than_listed_makes_the_next_run_start_over(
+    database: Database[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Conversations a move brings in under unfinished ranges past what the state lists
+    (`relocate.LATE_MAX`): the next run cuts new ranges, reaching every id, and its
+    checkpoint clears the record."""
+    monkeypatch.setattr(relocate, "LATE_MAX", 2)
+    stopped_state(database)
+    database[LEGACY_TURNS].insert_many([numbered_turn(f"c-{n:02d}", n) for n in range(6)])
+    database[CONVERSATIONS].insert_many([numbered_turn(f"c-0{n}a", 10 + n) for n in range(3)])
+
+    assert relocate.relocate(database, batch_size=1, late=True).how == "copied"
+    state = database[lease.STATE].find_one({"_id": lease.STATE_ID}) or {}
+    assert state.get(relocate.LATE_OVERFLOW) is True
+    assert relocate.LATE not in state
+
+    run = explode.Explosion(database, explode.Options(), lease=None)
+    assert run.resume_point() is None
+    run.run(run.plan(None))
+    assert {"c-00a", "c-01a", "c-02a"} <= set(database[CONVERSATIONS].distinct("_id"))
+    state = database[lease.STATE].find_one({"_id": lease.STATE_ID}) or {}
+    assert state["complete"] is True
+    assert relocate.LATE_OVERFLOW not in state
+
+
+def test_a_rename_under_unfinished_ranges_makes_the_next_run_start_over() -> None:
+    """A rename moves every turn at once: none is listed, the ranges are cut again."""
+    db: Any = mongomock.MongoClient()["legacy"]
+    stopped_state(db)
+    db[CONVERSATIONS].insert_many([numbered_turn(f"c-0{n}a", n) for n in range(3)])
+
+    assert relocate.relocate(db, late=True).how == "renamed"
+    state = db[lease.STATE].find_one({"_id": lease.STATE_ID}) or {}
+    assert state.get(relocate.LATE_OVERFLOW) is True
+    assert explode.Explosion(db, explode.Options(), lease=None).resume_point() is None
 
 
 OUT_OF_RANGE = bson.encode({"t": DatetimeMS(2**62)})
