@@ -77,6 +77,7 @@ from agent_store.store._reservation import (
     MIGRATING,
     UNSTANDING_READ,
     Actor,
+    BeingDeleted,
     refuse_unless_fallback_serves,
     same_conversation,
 )
@@ -183,6 +184,7 @@ __all__ = [
     "UNSTANDING_READ",
     "Actor",
     "AgentMessageLogger",
+    "BeingDeleted",
     "BoundedMessage",
     "Claimed",
     "ConversationExport",
