@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import re
 import threading
 import uuid
@@ -12,7 +13,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import timedelta
 from functools import partial
-from typing import Any
+from typing import Annotated, Any, TypedDict
 
 import httpx
 import pytest
@@ -22,6 +23,7 @@ from langgraph.checkpoint.base import copy_checkpoint, empty_checkpoint
 from langgraph.checkpoint.base.id import uuid6
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+from langgraph.graph import END, START, StateGraph
 from langgraph.types import Command
 from pydantic_ai.messages import ModelRequest, ToolReturnPart
 from pymongo import AsyncMongoClient
@@ -2436,3 +2438,251 @@ async def _bobs_graph_reads_the_copy_as_the_source(db: Any, source_id: str) -> N
     said = [m.content for m in source.values["messages"]]
     assert said
     assert [m.content for m in copied.values.get("messages", [])] == said
+
+
+class _Count(TypedDict):
+    count: Annotated[int, operator.add]
+
+
+def _counter(saver: Any) -> Any:
+    """A graph without a messages channel: its thread's conversation holds no message."""
+    builder = StateGraph(_Count)
+    builder.add_node("inc", lambda state: {"count": 1})
+    builder.add_edge(START, "inc")
+    builder.add_edge("inc", END)
+    return builder.compile(checkpointer=saver)
+
+
+@pytest.mark.parametrize("made", ["before", "after"])
+async def test_a_copy_into_another_thread_of_its_user_holding_no_message_is_a_conflict(
+    backend: Backend, made: str
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a target that exists already is a Conflict before anything
+    is written, unless it is this copy's earlier attempt; an empty conversation with
+    checkpoints of its own thread (a graph without messages) is none (was: the copy logged
+    the source into it and its state was lost)."""
+    db = backend.db
+    source, target = thread("user-ada"), thread("user-ada")
+    target_id = target["configurable"]["thread_id"]
+    if made == "before":
+        await _counter(AgentStoreSaver(db)).ainvoke({"count": 5}, target)
+    await tool_agent(AgentStoreSaver(db)).ainvoke(question(1), source)
+    if made == "after":
+        await _counter(AgentStoreSaver(db)).ainvoke({"count": 5}, target)
+    checkpoints = await db[CHECKPOINTS].count_documents({"thread_id": target_id})
+    state = (await _counter(AgentStoreSaver(db)).aget_state(target)).values
+
+    with pytest.raises(Conflict, match="is no copy of thread"):
+        await AgentStoreSaver(db).acopy_thread(source["configurable"]["thread_id"], target_id)
+
+    assert (await _counter(AgentStoreSaver(db)).aget_state(target)).values == state
+    assert await db[CHECKPOINTS].count_documents({"thread_id": target_id}) == checkpoints
+    assert await ConversationStore(db).transcript(target_id) == []
+
+
+async def test_a_copy_into_an_empty_chat_its_user_named_is_a_conflict(backend: Backend) -> None:
+    """LANGGRAPH.md `copy_thread`: an empty conversation someone named is no earlier attempt
+    of the copy (which never names its target): Conflict, nothing written."""
+    source = thread("user-ada")
+    await tool_agent(AgentStoreSaver(backend.db)).ainvoke(question(1), source)
+    logger = AgentMessageLogger(backend.db)
+    await logger.upsert_conversation("my-plans", user_id="user-ada", name="My plans")
+
+    with pytest.raises(Conflict, match="is no copy of thread"):
+        await AgentStoreSaver(backend.db).acopy_thread(
+            source["configurable"]["thread_id"], "my-plans"
+        )
+
+    assert await ConversationStore(backend.db).transcript("my-plans") == []
+
+
+async def _written_to_while_copied(db: Any, target_id: str, writer: str) -> None:
+    """A write into a copy's target while the copy is made: a turn, a pop of its last
+    message and a turn in its place, or the user's graph run on the target's thread."""
+    logger, store = AgentMessageLogger(db), ConversationStore(db)
+    if writer == "a graph run":
+        await tool_agent(AgentStoreSaver(db)).ainvoke(question(9), thread("user-ada", target_id))
+        return
+    if writer == "a pop and a turn":
+        await store.pop_last_message(target_id)
+    said = [{"role": "assistant", "content": "someone else's answer"}]
+    await logger.log_messages(target_id, said, user_id="user-ada", turn_id="t-mine")
+
+
+@pytest.mark.parametrize("writer", ["a turn", "a pop and a turn", "a graph run"])
+@pytest.mark.parametrize("path", ["fork", "turn by turn"])
+async def test_a_copy_whose_target_is_written_to_while_it_is_made_is_a_conflict(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, path: str, writer: str
+) -> None:
+    """LANGGRAPH.md `copy_thread`: the copy is a state the source held; a target written to
+    while the copy is made (before its checkpoints are in) is kept as it is, without the
+    copy's checkpoints, and the copy is a Conflict (was: success, the graph reading messages
+    the source never held)."""
+    from agent_store.integrations import _langgraph_transcript
+    from agent_store.integrations._langgraph_transcript import TranscriptLink
+
+    if path == "turn by turn":
+        _forced_turn_by_turn(monkeypatch)
+        monkeypatch.setattr(_langgraph_transcript, "MAX_MESSAGES_PER_TURN", 2)
+    db = backend.db
+    source = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(db)), source, range(1, 3))
+    source_id = source["configurable"]["thread_id"]
+    target_id = source_id + "-copy"
+    copied = TranscriptLink._logged_once if path == "turn by turn" else TranscriptLink._forked
+
+    async def then_written(link: Any, *args: Any, **kwargs: Any) -> Any:
+        made = await copied(link, *args, **kwargs)
+        await _written_to_while_copied(db, target_id, writer)
+        return made
+
+    monkeypatch.setattr(TranscriptLink, copied.__name__, then_written)
+
+    with pytest.raises(Conflict, match="written to while this copy was made"):
+        await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+
+    kept = [m.content for m in await ConversationStore(db).transcript(target_id)]
+    assert writer == "a graph run" or "someone else's answer" in kept
+    ids = await db[CHECKPOINTS].distinct("checkpoint_id", {"thread_id": source_id})
+    left = await db[CHECKPOINTS].distinct("checkpoint_id", {"thread_id": target_id})
+    assert not set(ids) & set(left)
+    assert bool(left) == (writer == "a graph run")
+
+
+async def _a_finished_copy_popped_in_its_target(db: Any) -> tuple[str, str]:
+    """A thread of two graph turns and a side turn, copied, then the copy's side answer
+    popped in the target (no checkpoint refers to it): the source and target ids."""
+    source = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(db)), source, range(1, 3))
+    source_id = source["configurable"]["thread_id"]
+    side = [{"role": "user", "content": "side note"}, {"role": "assistant", "content": "regret"}]
+    await AgentMessageLogger(db).log_messages(source_id, side, user_id="user-ada", turn_id="t-side")
+    await AgentStoreSaver(db).acopy_thread(source_id, source_id + "-copy")
+    await ConversationStore(db).pop_last_message(source_id + "-copy")
+    return source_id, source_id + "-copy"
+
+
+async def _a_copy_crashed_once_its_checkpoints_were_in(
+    db: Any, monkeypatch: pytest.MonkeyPatch, popped: int
+) -> tuple[str, str]:
+    """A thread of two graph turns and a side turn, its copy crashed once its checkpoints
+    were copied, then `popped` of the source's last messages popped: the source and target
+    ids."""
+    source = thread("user-ada")
+    await run_turns(tool_agent(AgentStoreSaver(db)), source, range(1, 3))
+    source_id = source["configurable"]["thread_id"]
+    side = [{"role": "user", "content": "side note"}, {"role": "assistant", "content": "regret"}]
+    await AgentMessageLogger(db).log_messages(source_id, side, user_id="user-ada", turn_id="t-side")
+
+    async def died(*args: Any) -> None:
+        raise ConnectionError("the process died")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(AgentStoreSaver, "_follow_the_target", died)
+        with pytest.raises(ConnectionError):
+            await AgentStoreSaver(db).acopy_thread(source_id, source_id + "-copy")
+    for _ in range(popped):
+        await ConversationStore(db).pop_last_message(source_id)
+    return source_id, source_id + "-copy"
+
+
+@pytest.mark.parametrize(
+    "since",
+    [
+        "a pop in the finished copy",
+        "a crash, then a pop of a message",
+        "a crash, then a pop of a turn",
+    ],
+)
+async def test_a_copy_run_again_into_its_attempt_written_to_since_keeps_it_and_is_a_conflict(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, since: str
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a re-run deletes nothing but its own untouched attempt; one
+    into an attempt written to since, or whose source went on past it, keeps the target as it
+    is and is a Conflict naming it, not an internal turn (was: the target deleted, checkpoints
+    and all, or kept holding messages the source no longer holds)."""
+    from agent_store.integrations import _langgraph_transcript
+
+    _forced_turn_by_turn(monkeypatch)
+    monkeypatch.setattr(_langgraph_transcript, "MAX_MESSAGES_PER_TURN", 2)
+    db = backend.db
+    if since == "a pop in the finished copy":
+        source_id, target_id = await _a_finished_copy_popped_in_its_target(db)
+    else:
+        popped = 1 if since.endswith("message") else 2
+        source_id, target_id = await _a_copy_crashed_once_its_checkpoints_were_in(
+            db, monkeypatch, popped
+        )
+    store = ConversationStore(db)
+    held = [m.content for m in await store.transcript(target_id)]
+    checkpoints = await db[CHECKPOINTS].count_documents({"thread_id": target_id})
+
+    with pytest.raises(Conflict, match=re.escape(repr(target_id))) as refused:
+        await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+
+    assert "fork-" not in str(refused.value)
+    assert [m.content for m in await store.transcript(target_id)] == held
+    assert await db[CHECKPOINTS].count_documents({"thread_id": target_id}) == checkpoints
+
+
+@pytest.mark.parametrize("where", ["_unless_its_source_went", "_store"])
+async def test_a_copy_crashed_inside_its_fork_runs_again_after_its_source_went_on(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """LANGGRAPH.md `copy_thread`: re-running it after a crash inside the store's fork (a fork
+    not made yet) converges once the source thread went on too: the fork is made again at its
+    `forked_from.seq` (was: every re-run a Conflict, the target hidden)."""
+    db = backend.db
+    source = thread("user-ada")
+    graph = tool_agent(AgentStoreSaver(db))
+    await run_turns(graph, source, range(1, 3))
+    source_id = source["configurable"]["thread_id"]
+    store = ConversationStore(db)
+    said = [m.content for m in await store.transcript(source_id)]
+
+    async def died(*args: Any, **kwargs: Any) -> Any:
+        raise ConnectionError("the process died")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(AgentMessageLogger, where, died)
+        with pytest.raises(ConnectionError):
+            await AgentStoreSaver(db).acopy_thread(source_id, source_id + "-copy")
+    await graph.ainvoke(question(3), source)
+
+    await AgentStoreSaver(db).acopy_thread(source_id, source_id + "-copy")
+
+    assert [m.content for m in await store.transcript(source_id + "-copy")] == said
+    copied = await graph.aget_state(thread("user-ada", source_id + "-copy"))
+    assert len(copied.values["messages"]) >= len(said)
+
+
+@pytest.mark.parametrize("path", ["fork", "turn by turn"])
+async def test_a_copy_whose_take_back_was_cut_short_finishes_it_when_run_again(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """LANGGRAPH.md `copy_thread`: a re-run that died part-way through taking back its earlier
+    attempt (its delete marked, not done) is finished by the next re-run, which copies the
+    thread afresh (was: every re-run refused, the target hidden)."""
+    from agent_store.integrations import _langgraph_transcript
+
+    if path == "turn by turn":
+        _forced_turn_by_turn(monkeypatch)
+        monkeypatch.setattr(_langgraph_transcript, "MAX_MESSAGES_PER_TURN", 2)
+    db = backend.db
+    source_id, target_id = await _a_crashed_copy_of_a_thread_ending_in_a_side_turn(
+        db, monkeypatch, 1
+    )
+
+    async def died(*args: Any) -> None:
+        raise ConnectionError("the process died")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ConversationStore, "_delete_marked", died)
+        with pytest.raises(ConnectionError):
+            await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+
+    await AgentStoreSaver(db).acopy_thread(source_id, target_id)
+
+    store = ConversationStore(db)
+    copied = [m.content for m in await store.transcript(target_id)]
+    assert copied == [m.content for m in await store.transcript(source_id)]

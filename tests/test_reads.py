@@ -923,6 +923,28 @@ async def test_a_delete_of_the_conversation_as_read_deletes_nothing_written_to_s
     assert deleted.conversations == 1
 
 
+@pytest.mark.parametrize("named", ["version", "unchanged_since"])
+async def test_a_delete_given_a_version_and_a_read_checks_both(
+    backend: Backend, named: str
+) -> None:
+    """LIBRARY.md: `delete(version=…, unchanged_since=…)` deletes only the conversation both
+    name: a `version` or a read of another conversation is `VersionMismatch`, nothing
+    deleted."""
+    logger, store = AgentMessageLogger(backend.db), ConversationStore(backend.db)
+    for conversation_id in ("c-a", "c-b"):
+        said = [{"role": "user", "content": conversation_id}]
+        await logger.log_messages(conversation_id, said, user_id=OWNER, turn_id="t-1")
+    a, b = await store.get_conversation("c-a"), await store.get_conversation("c-b")
+    version, as_read = (b.version, a) if named == "version" else (a.version, b)
+
+    with pytest.raises(VersionMismatch):
+        await store.delete("c-a", version=version, unchanged_since=as_read)
+
+    assert [m.content for m in await store.transcript("c-a")] == ["c-a"]
+    deleted = await store.delete("c-a", version=a.version, unchanged_since=a)
+    assert deleted.conversations == 1
+
+
 async def test_a_version_names_the_conversation_for_its_life_and_never_shows_its_epoch(
     backend: Backend,
 ) -> None:

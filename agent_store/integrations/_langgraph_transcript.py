@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import json
 from collections import OrderedDict
@@ -71,6 +72,7 @@ from agent_store.store import (
     LANGGRAPH_TURN,
     MAX_MESSAGES_PER_TURN,
     AgentMessageLogger,
+    BeingDeleted,
     ConversationStore,
     Database,
     copied_from,
@@ -166,6 +168,9 @@ class Copied:
     """The source conversation as the copy read it; None when there was none."""
     target: Conversation | None = None
     """The target conversation the copy wrote (its `version` names that life)."""
+    own: bool = False
+    """Whether the target is this copy's to take back: created by it, or its earlier
+    attempt found untouched (`_untouched_attempt`), or empty, or a fork not made yet."""
 
 
 _FORK_ATTEMPTS = 3
@@ -586,8 +591,14 @@ class TranscriptLink:
         is taken back so too and copied afresh, whatever the source holds since; one with a
         checkpoint of its thread (a crash once they were copied) is logged again (each turn
         stored once). Either is taken back only while nothing was written to it since it was
-        checked (`_take_back`). Answers where each source `seq` went, with its new message id,
-        and the target conversation (`conversation_mark`; None without a source conversation).
+        checked (`_take_back`). An earlier attempt still a fork not made yet (a crash or a
+        timeout inside the store's fork) is made at its `forked_from.seq` (`_unfinished_fork`);
+        a take-back cut short (the target's delete marked, not done: BeingDeleted) is finished
+        and the source copied afresh. An earlier attempt that is not the copy's own to take
+        back (`Copied.own`) and holds other than what the copy wrote (`_require_as_copied`) is
+        kept as it is: Conflict naming it, before the checkpoints are written. Answers where
+        each source `seq` went, with its new message id, and the target conversation
+        (`conversation_mark`; None without a source conversation).
         """
         try:
             source = await self._store.get_conversation(source_id, fallback=False)
@@ -597,52 +608,112 @@ class TranscriptLink:
             return Copied()
         if named and conversation_mark(source.created_at) not in named:
             raise _source_went(source_id)
+        try:
+            copied = await self._copied(source, target_id)
+        except BeingDeleted as exc:
+            if exc.conversation_id != target_id:
+                raise
+            # A take-back cut short (its delete marked, not done): finished, then copied afresh.
+            with contextlib.suppress(NotFound):
+                await self._store.delete(target_id)
+            self.forget(target_id)
+            copied = await self._copied(source, target_id)
+        if not copied.own:
+            await self._require_as_copied(copied)
+        return copied
+
+    async def _copied(self, source: Conversation, target_id: str) -> Copied:
+        """`copy` of the source as read: its earlier attempt finished, or taken back and the
+        source copied afresh (the store's fork, else turn by turn)."""
         target = await self._earlier_attempt(source, target_id)
-        if target is not None and target.forked_from is not None:
+        if target is None:
+            unfinished = await self._unfinished_fork(source, target_id)
+            if unfinished is not None:
+                return unfinished
+        elif target.forked_from is not None:
             replayed = await self._replayed_fork(source, target)
             if replayed is not None:
                 return replayed
             target = None
-        elif target is not None and await self._untouched_attempt(source, target):
+        elif await self._untouched_attempt(source, target):
             await self._take_back(target, untouched=True)
             target = None
-        stored = await self._store.messages_by_seq(source_id)
+        stored = await self._store.messages_by_seq(source.conversation_id)
         if target is None and stored:
             forked = await self._fork_of_all(source, target_id, stored)
             if forked is not None:
                 return forked
         return await self._logged(source, target_id, target)
 
+    async def _unfinished_fork(self, source: Conversation, target_id: str) -> Copied | None:
+        """The copy an earlier attempt's fork not made yet holds (`unfinished_fork_end`: it
+        crashed, or was cancelled, inside the store's fork), that fork made at its
+        `forked_from.seq`; None when there is none, or it is taken back (the store's fork
+        refused, a pop since removed what it copies): the copy is made afresh."""
+        source_id = source.conversation_id
+        at_seq = await self._logger.unfinished_fork_end(source_id, target_id)
+        if at_seq is None:
+            return None
+        up_to = await self._store.messages_by_seq(source_id, stop=at_seq + 1)
+        try:
+            return await self._forked(source, target_id, at_seq, up_to, own=True)
+        except (InvalidInput, Conflict):
+            return None
+
     async def hold(self, copied: Copied, refused: StoreError | None = None) -> None:
         """After every write of a copy (its checkpoints' too): returns while its source is
         the conversation it read, no delete or erasure of it begun, and its target the life
         it wrote (`ConversationStore.require_standing`, as the store's fork checks its
-        source). Otherwise, or when a write was `refused`, the target's life it wrote is
-        deleted (messages, document and checkpoints: a copy that was never made) and
-        NotFound is raised when the source went, else the refusal. A deletion that begins
-        after this check finds the whole copy (the target its user's conversation)."""
+        source), holding what the copy wrote and nothing else (`_as_copied`: its copies, no
+        pop). Otherwise, or when a write was `refused`, a target that is the copy's own
+        (`Copied.own`) and holds what it wrote is deleted (messages, document and
+        checkpoints: a copy that was never made) and NotFound is raised when the source went,
+        else the refusal. A target written to meanwhile (a turn, a pop, a graph's run), or an
+        earlier attempt not the copy's own, is kept as it is: Conflict naming it (`_kept`).
+        A deletion that begins after this check finds the whole copy."""
         source, target = copied.source, copied.target
         if source is None or target is None:
             return
-        source_id, target_id = source.conversation_id, target.conversation_id
+        target_id = target.conversation_id
         went: NotFound | None = None
         try:
-            await self._store.require_standing(source_id, source.version)
+            await self._store.require_standing(source.conversation_id, source.version)
         except NotFound:
-            went = _source_went(source_id)
-        if went is None and refused is None:
-            try:
-                await self._store.require_standing(target_id, target.version)
-                return
-            except NotFound as exc:
-                refused = exc
-        with contextlib.suppress(NotFound, VersionMismatch):
-            await self._store.delete(target_id, version=target.version)
+            went = _source_went(source.conversation_id)
+        try:
+            await self._store.require_standing(target_id, target.version)
+            now = await self._store.get_conversation(target_id, fallback=False)
+        except NotFound as exc:
+            refused = refused or exc
+            now = None
         self.forget(target_id)
-        if went is not None:
-            raise went
-        assert refused is not None
-        raise refused
+        if now is None:
+            raise went or refused or NotFound(f"conversation {target_id!r} was not found")
+        if went is None and refused is None and _as_copied(now, copied):
+            return
+        if not copied.own or not _as_copied(now, copied):
+            raise _kept(target_id, copied, went)
+        try:
+            await self._store.delete(target_id, version=target.version, unchanged_since=now)
+        except (NotFound, VersionMismatch):
+            pass
+        except Conflict:
+            raise _kept(target_id, copied, went) from None
+        raise went or refused or NotFound(f"conversation {target_id!r} was not found")
+
+    async def _require_as_copied(self, copied: Copied) -> None:
+        """Conflict, the target kept as it is (`_kept`), unless it holds what the copy wrote
+        and nothing else (`_as_copied`): a re-run's earlier attempt, not its own, checked
+        before the copy's checkpoints are written."""
+        if copied.target is None:
+            return
+        target_id = copied.target.conversation_id
+        try:
+            now = await self._store.get_conversation(target_id, fallback=False)
+        except NotFound:
+            return  # gone: `hold` answers
+        if now.version == copied.target.version and not _as_copied(now, copied):
+            raise _kept(target_id, copied, None)
 
     async def _fork_of_all(
         self, source: Conversation, target_id: str, stored: Sequence[AgentMessage]
@@ -661,7 +732,7 @@ class TranscriptLink:
             last = stored[-1].seq
             assert last is not None
             try:
-                copied = await self._forked(source, target_id, last, stored)
+                copied = await self._forked(source, target_id, last, stored, own=True)
             except ForkTooLarge:
                 return None
             except InvalidInput:
@@ -696,17 +767,19 @@ class TranscriptLink:
         """The copy an earlier attempt forked (`target`), its fork replayed at its
         `forked_from.seq`; None once that fork is taken back (`_take_back`): its replay was
         refused because a pop removed from the source a message it copied, and it is as the
-        fork left it (`_untouched_attempt`). The replay's refusal otherwise."""
+        fork left it (`_untouched_attempt`). The replay's refusal otherwise. The replayed
+        target is the copy's own (`Copied.own`) while it is so untouched."""
         assert target.forked_from is not None
         at_seq = target.forked_from.seq
         up_to = await self._store.messages_by_seq(source.conversation_id, stop=at_seq + 1)
         try:
-            return await self._forked(source, target.conversation_id, at_seq, up_to)
+            replayed = await self._forked(source, target.conversation_id, at_seq, up_to, own=False)
         except Conflict:
             if not await self._untouched_attempt(source, target):
                 raise
-        await self._take_back(target, untouched=True)
-        return None
+            await self._take_back(target, untouched=True)
+            return None
+        return dataclasses.replace(replayed, own=await self._untouched_attempt(source, target))
 
     async def _untouched_attempt(self, source: Conversation, target: Conversation) -> bool:
         """Whether the target, this copy's earlier attempt (`_earlier_attempt`), is as that
@@ -725,9 +798,7 @@ class TranscriptLink:
             held = await self._store.messages_by_seq(target.conversation_id)
             if any(m.seq is None or m.seq > end for m in held):
                 return False
-        with storage_errors("read the thread's checkpoints"):
-            found = await self._checkpoints.find_one({"thread_id": target.conversation_id})
-        return found is None
+        return not await self._has_checkpoints(target.conversation_id)
 
     async def _take_back(self, target: Conversation, *, untouched: bool = False) -> None:
         """Delete the target's life a copy wrote, or its earlier attempt did (nothing else
@@ -756,8 +827,10 @@ class TranscriptLink:
         """The target conversation when it is an earlier attempt of this copy (a fork of the
         source, or a conversation of the source's owner whose messages are all this copy's
         turns, told by their ids whatever the source holds now, `copied_from`, or that has
-        none yet); None when there is no target. Any other conversation under the id is a
-        Conflict: a copy never writes into it."""
+        none yet, and neither a name someone set nor a checkpoint of its thread: a copy
+        creates it so, and logs its first turn before its checkpoints); None when there is no
+        target (a fork not made yet is looked for then: `_unfinished_fork`). Any other
+        conversation under the id is a Conflict: a copy never writes into it."""
         try:
             target = await self._store.get_conversation(target_id, fallback=False)
         except NotFound:
@@ -769,14 +842,26 @@ class TranscriptLink:
             raise Conflict(
                 f"conversation {target_id!r} belongs to another user: copy into a new id"
             )
-        held = await self._store.messages_by_seq(target_id)
-        ours = all(copied_from(source.conversation_id, m.turn_id) for m in held)
-        if origin is None and target.user_id == source.user_id and ours:
-            return target
+        if origin is None and target.user_id == source.user_id:
+            held = await self._store.messages_by_seq(target_id)
+            if held and all(copied_from(source.conversation_id, m.turn_id) for m in held):
+                return target
+            if (
+                not held
+                and target.name_source != "set"
+                and not await self._has_checkpoints(target_id)
+            ):
+                return target
         raise Conflict(
             f"conversation {target_id!r} exists already and is no copy of thread "
             f"{source.conversation_id!r}: copy into a new id"
         )
+
+    async def _has_checkpoints(self, thread_id: str) -> bool:
+        """Whether a checkpoint of the thread is stored (one lookup)."""
+        with storage_errors("read the thread's checkpoints"):
+            found = await self._checkpoints.find_one({"thread_id": thread_id}, {"_id": 1})
+        return found is not None
 
     async def _logged(
         self, source: Conversation, target_id: str, earlier: Conversation | None
@@ -817,8 +902,9 @@ class TranscriptLink:
         user's erasure included, is never started again by a later turn: the copy is taken
         back and NotFound (its source gone) or the refusal raised (`hold`)."""
         source_id = source.conversation_id
+        own = earlier is None or not (earlier.message_count or earlier.pops)
         target = earlier or await self._created_target(source, target_id)
-        copied = Copied({}, conversation_mark(target.created_at), source, target)
+        copied = Copied({}, conversation_mark(target.created_at), source, target, own)
         # Cut messages go from their whole texts (two lookups, only when one was cut), as the
         # store's own fork copies them: the logger cuts them again and keeps the copy's own.
         stored = await self._store.with_full_texts(await self._store.messages_by_seq(source_id))
@@ -843,7 +929,8 @@ class TranscriptLink:
 
     async def _created_target(self, source: Conversation, target_id: str) -> Conversation:
         """The copy's target conversation, created with the source's owner; Conflict when a
-        conversation is under the id (`upsert_conversation(create_only=True)`). Once created,
+        conversation is under the id (`upsert_conversation(create_only=True)`), BeingDeleted
+        when one whose delete has begun is (`copy` finishes it). Once created,
         it follows its source's owner now (`AgentMessageLogger.follow_its_source`), as the
         store's fork does: a claim of the source's user that moved the source after the copy
         read it, and before the target was there to move, leaves the copy the new owner's
@@ -860,12 +947,18 @@ class TranscriptLink:
         return await self._logger.follow_its_source(created, source)
 
     async def _forked(
-        self, source: Conversation, target_id: str, at_seq: int, stored: Sequence[AgentMessage]
+        self,
+        source: Conversation,
+        target_id: str,
+        at_seq: int,
+        stored: Sequence[AgentMessage],
+        *,
+        own: bool,
     ) -> Copied:
         """The copy made by the store's fork at `at_seq`, of the source's messages `stored` up
         to it as read before: the copies are copies (kept as stored, whole texts and all), and
         the answers the person gave (resolved prompts, released calls, approvals) are kept as
-        the fork keeps them."""
+        the fork keeps them. `own`: the target is the copy's to take back (`Copied.own`)."""
         logged = await self._logger.fork(source.conversation_id, at_seq, target_id)
         moved: dict[int, tuple[int, str]] = {}
         for old, new in zip(stored, logged.messages, strict=True):
@@ -875,7 +968,7 @@ class TranscriptLink:
             moved[old.seq] = (new.seq, new.id)
         target = await self._store.get_conversation(target_id, fallback=False)
         self.forget(target_id)
-        return Copied(moved, conversation_mark(target.created_at), source, target)
+        return Copied(moved, conversation_mark(target.created_at), source, target, own)
 
 
 def _source_went(source_id: str) -> NotFound:
@@ -883,6 +976,42 @@ def _source_went(source_id: str) -> NotFound:
     return NotFound(
         f"conversation {source_id!r} was deleted, or its user erased, while it was copied: "
         "nothing of the copy is left"
+    )
+
+
+def _as_copied(now: Conversation, copied: Copied) -> bool:
+    """Whether the target read `now` holds what the copy wrote and nothing else: its life,
+    a message for each `seq` copied, and no pop."""
+    assert copied.target is not None
+    return (
+        now.version == copied.target.version
+        and now.message_count == len(copied.moved)
+        and not now.pops
+        and now.popping is None
+    )
+
+
+def _kept(target_id: str, copied: Copied, went: NotFound | None) -> StoreError:
+    """What a copy answers when it keeps its target as it is: the target was written to
+    while the copy was made, or is an earlier attempt the copy may not take back (written
+    to, or its source went on past it, since)."""
+    if went is not None:
+        assert copied.source is not None
+        return NotFound(
+            f"conversation {copied.source.conversation_id!r} was deleted, or its user erased, "
+            f"while it was copied: the copy's target {target_id!r} was written to meanwhile, "
+            "or holds an earlier attempt, and is kept as it is (delete it)"
+        )
+    if copied.own:
+        return Conflict(
+            f"conversation {target_id!r} was written to while this copy was made (a turn, a "
+            "pop, a graph's run): it is kept as it is, without the copy's checkpoints; delete "
+            "it and copy again, or copy into a new id"
+        )
+    return Conflict(
+        f"conversation {target_id!r} holds an earlier attempt of this copy that was written "
+        "to, or whose source went on past it, since: it is kept as it is; delete it and copy "
+        "again, or copy into a new id"
     )
 
 

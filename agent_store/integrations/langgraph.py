@@ -445,10 +445,10 @@ class AgentStoreSaver(BaseCheckpointSaver[int]):
             await self._follow_the_target(target, conversation)
             await self._transcripts.hold(copied)
         except StoreError:
+            # The copy's own: a target kept as it is keeps the checkpoints a graph wrote there.
+            ours = [copy["_id"] for copy in copies]
             with storage_errors("take back the thread's checkpoints"):
-                await self._checkpoints.delete_many(
-                    {"thread_id": target, CONVERSATION: conversation}
-                )
+                await self._checkpoints.delete_many({"_id": {"$in": ours}})
             raise
         finally:
             self._transcripts.forget(target)

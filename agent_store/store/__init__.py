@@ -78,6 +78,7 @@ from agent_store.store._reservation import (
     MIGRATING,
     UNSTANDING_READ,
     Actor,
+    BeingDeleted,
     refuse_unless_fallback_serves,
     same_conversation,
 )
@@ -185,6 +186,7 @@ __all__ = [
     "UNSTANDING_READ",
     "Actor",
     "AgentMessageLogger",
+    "BeingDeleted",
     "BoundedMessage",
     "Claimed",
     "ConversationExport",

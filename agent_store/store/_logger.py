@@ -504,8 +504,10 @@ class AgentMessageLogger:
         self, conversation_id: str, actor: Actor, fields: dict[str, Any]
     ) -> Conversation:
         """`upsert_conversation(create_only=True)`: the conversation inserted with `fields`,
-        or Conflict when its id is taken (legacy turns not migrated yet included); an id the
-        migration derives is never created."""
+        or Conflict when its id is taken (legacy turns not migrated yet included), BeingDeleted
+        when by one whose delete has begun (`being_deleted`: a delete that failed part-way
+        finishes when it is run again, and the id is free then); an id the migration derives
+        is never created."""
         _refuse_derived(conversation_id, actor)
         await self._refuse_unmigrated(conversation_id, actor)
         doc = {"_id": conversation_id, **fields}
@@ -513,6 +515,9 @@ class AgentMessageLogger:
             try:
                 await self._conversations.insert_one(doc)
             except DuplicateKeyError as exc:
+                taken = await self._conversations.find_one({"_id": conversation_id}, {DELETING: 1})
+                if taken is not None and taken.get(DELETING) is not None:
+                    raise being_deleted(conversation_id, "its creation") from exc
                 raise Conflict(f"conversation {conversation_id!r} exists already") from exc
         return Conversation.model_validate(doc)
 
@@ -1313,6 +1318,19 @@ class AgentMessageLogger:
         if fork is None or (actor and actor.refusal(new_id, fork.get("user_id")) is not None):
             return None
         return fork
+
+    async def unfinished_fork_end(
+        self, conversation_id: str, new_conversation_id: str
+    ) -> int | None:
+        """The `seq` a fork of `conversation_id` into `new_conversation_id` copies up to (its
+        `forked_from.seq`) while it is a fork not made yet (its check never passed: its
+        attempt crashed, or was cancelled, inside `fork`, and every read answers it as
+        missing); None when there is none. `fork` at that `seq` finishes it, however far the
+        source went on since. One round trip."""
+        fork = await self._fork_into(conversation_id, new_conversation_id, None, unchecked=True)
+        if fork is None:
+            return None
+        return ForkOrigin.model_validate(fork["forked_from"]).seq
 
     async def _copies_stored(self, fork: Mapping[str, Any]) -> bool:
         """Whether any message of the fork's conversation (its `epoch`) is stored."""

@@ -759,7 +759,7 @@ class ConversationStore:
         names), only while nothing was written to it since that read: no turn, pop or claim
         (its `message_count`, `pops` and owner as read, checked in the command that marks it
         deleting, so a turn landing after the caller's check is never deleted though
-        acknowledged); otherwise `Conflict`, nothing deleted.
+        acknowledged); otherwise `Conflict`, nothing deleted. Given both, both are checked.
 
         Legacy turns go first, then the documents beside it (they refer to the messages), then
         messages and their whole texts, then the conversation document: a crash part-way leaves
@@ -784,9 +784,11 @@ class ConversationStore:
         once the document went) finishes it (`_finish_delete`).
         """
         scope = self._scope(conversation_id, user_id)
+        found = await self._found_to_delete(scope, version)
+        if found is not None and unchanged_since is not None:
+            _require_version(conversation_id, found, unchanged_since.version)
         if unchanged_since is not None:
             version = unchanged_since.version
-        found = await self._found_to_delete(scope, version)
         if found is None:
             return await self._finish_delete(conversation_id, user_id, version)
         marked: dict[str, Any] | Deleted
